@@ -1,0 +1,242 @@
+//! What the allocator needs from a GPU, shaped after the CUDA driver calls an allocator makes.
+//!
+//! | trait operation            | CUDA driver                     | [`SimDevice`]                        |
+//! |----------------------------|---------------------------------|--------------------------------------|
+//! | [`Device::reserve`]        | `cuMemAlloc`                    | host allocation (512 B aligned)      |
+//! | [`Device::release`]        | `cuMemFree` (syncs the device)  | free; counts as a host sync          |
+//! | [`Device::mem_info`]       | `cuMemGetInfo`                  | capacity − reserved                  |
+//! | [`Device::record_event`]   | `cuEventRecord`                 | marker in the stream's queue         |
+//! | [`Device::query_event`]    | `cuEventQuery`                  | has the stream passed the marker?    |
+//! | [`Device::wait_event`]     | `cuStreamWaitEvent`             | later work waits for the marker      |
+//! | [`Device::synchronize_event`] / [`Device::synchronize`] | `cuEventSynchronize` / `cuCtxSynchronize` | wait; a host sync |
+//! | [`Device::launch`]         | kernels, memcpy                 | a closure run in stream order        |
+//!
+//! Streams and events are small copyable ids; [`StreamId::DEFAULT`] exists from the start.
+//! The `note_*` hooks let a device with a stream-order sanitizer see what the allocator hands
+//! out and takes back; devices without one ignore them.
+
+mod sim;
+
+pub use sim::{SimConfig, SimCounters, SimDevice, Violation};
+
+use std::fmt;
+
+/// A device address. `DevicePtr::NULL` is what a zero-byte buffer points to.
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
+pub struct DevicePtr(pub u64);
+
+impl DevicePtr {
+    /// The null device pointer (zero-byte buffers point here, as in PyTorch).
+    pub const NULL: DevicePtr = DevicePtr(0);
+
+    /// The address `bytes` past this one.
+    pub fn offset(self, bytes: u64) -> DevicePtr {
+        DevicePtr(self.0 + bytes)
+    }
+}
+
+impl fmt::Debug for DevicePtr {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:#x}", self.0)
+    }
+}
+
+impl fmt::Display for DevicePtr {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:#x}", self.0)
+    }
+}
+
+/// A stream: an in-order queue of device work. Stream 0 is the default stream.
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Debug, Default)]
+pub struct StreamId(pub u32);
+
+impl StreamId {
+    /// The stream that exists from the start.
+    pub const DEFAULT: StreamId = StreamId(0);
+}
+
+impl fmt::Display for StreamId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "stream {}", self.0)
+    }
+}
+
+/// An event: a marker recorded on a stream, reusable after it is recorded again.
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Debug)]
+pub struct EventId(pub u64);
+
+/// Free and total device memory, as `cuMemGetInfo` reports them.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub struct MemInfo {
+    /// Bytes the device could still hand out.
+    pub free: u64,
+    /// Bytes the device has in all.
+    pub total: u64,
+}
+
+/// How a kernel uses a range of memory.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum AccessKind {
+    /// The kernel only reads the range.
+    Read,
+    /// The kernel writes (and may read) the range.
+    Write,
+}
+
+/// One range of device memory a kernel touches.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub struct Access {
+    /// First byte.
+    pub ptr: DevicePtr,
+    /// Length in bytes.
+    pub bytes: u64,
+    /// Read or write.
+    pub kind: AccessKind,
+}
+
+/// Memory as a host kernel sees it: reads and writes of device ranges, checked against the
+/// ranges the kernel declared.
+pub trait KernelMemory {
+    /// Copies `out.len()` bytes starting at `ptr` into `out`.
+    fn read(&self, ptr: DevicePtr, out: &mut [u8]) -> Result<(), DeviceError>;
+    /// Copies `data` to device memory starting at `ptr`.
+    fn write(&self, ptr: DevicePtr, data: &[u8]) -> Result<(), DeviceError>;
+}
+
+/// The body of a host kernel, run in stream order on the device.
+pub type KernelFn = Box<dyn FnOnce(&dyn KernelMemory) + Send + 'static>;
+
+/// Work enqueued on a stream: the memory it touches and what it does.
+///
+/// On [`SimDevice`] the body runs on the stream's worker, after all earlier work on that stream.
+/// A kernel with an empty body and a `sleep` holds the stream busy, like `torch.cuda._sleep`.
+pub struct Kernel {
+    /// A short name for reports and sanitizer messages.
+    pub name: &'static str,
+    /// Every range the body reads or writes.
+    pub accesses: Vec<Access>,
+    /// How long the kernel keeps its stream busy before its body runs.
+    pub sleep: std::time::Duration,
+    /// What the kernel does.
+    pub body: Option<KernelFn>,
+}
+
+impl Kernel {
+    /// A kernel that only holds `stream` busy for `duration` (touches no memory).
+    pub fn sleep(duration: std::time::Duration) -> Kernel {
+        Kernel { name: "sleep", accesses: Vec::new(), sleep: duration, body: None }
+    }
+
+    /// A kernel named `name` touching `accesses`, running `body`.
+    pub fn new(
+        name: &'static str,
+        accesses: Vec<Access>,
+        body: impl FnOnce(&dyn KernelMemory) + Send + 'static,
+    ) -> Kernel {
+        Kernel { name, accesses, sleep: std::time::Duration::ZERO, body: Some(Box::new(body)) }
+    }
+}
+
+/// A device call that failed.
+#[derive(Clone, PartialEq, Eq, Debug)]
+pub enum DeviceError {
+    /// The device has no room for a segment of this many bytes.
+    OutOfMemory {
+        /// Size of the refused segment.
+        requested: u64,
+    },
+    /// A fault injected by the test device (or reported by the driver) on this operation.
+    Injected(&'static str),
+    /// The stream does not exist (never created, or destroyed).
+    UnknownStream(StreamId),
+    /// The event does not exist.
+    UnknownEvent(EventId),
+    /// The pointer is not the start of a live segment.
+    UnknownSegment(DevicePtr),
+    /// The device cannot run this kind of work (host kernels on a real GPU, say).
+    Unsupported(&'static str),
+    /// A kernel touched memory outside what it declared or outside any segment.
+    BadAccess {
+        /// First byte of the access.
+        ptr: DevicePtr,
+        /// Length of the access.
+        bytes: u64,
+    },
+    /// Any other driver error, with its text.
+    Driver(String),
+}
+
+impl fmt::Display for DeviceError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            DeviceError::OutOfMemory { requested } => {
+                write!(f, "device out of memory reserving a segment of {requested} bytes")
+            }
+            DeviceError::Injected(op) => write!(f, "injected device failure in {op}"),
+            DeviceError::UnknownStream(s) => write!(f, "unknown {s}"),
+            DeviceError::UnknownEvent(e) => write!(f, "unknown event {}", e.0),
+            DeviceError::UnknownSegment(p) => write!(f, "{p} is not the start of a live segment"),
+            DeviceError::Unsupported(what) => write!(f, "unsupported on this device: {what}"),
+            DeviceError::BadAccess { ptr, bytes } => {
+                write!(f, "kernel access of {bytes} bytes at {ptr} is outside its declared memory")
+            }
+            DeviceError::Driver(msg) => write!(f, "driver error: {msg}"),
+        }
+    }
+}
+
+impl std::error::Error for DeviceError {}
+
+/// What the allocator needs from a GPU. See the module docs for the CUDA mapping.
+///
+/// Implementations are shared between threads; every method takes `&self`.
+pub trait Device: Send + Sync + 'static {
+    /// A short description ("SimDevice 8 GiB", "NVIDIA H200").
+    fn name(&self) -> String;
+
+    /// Reserves a segment of `bytes` bytes (`cuMemAlloc`). Addresses are 512-byte aligned.
+    fn reserve(&self, bytes: u64) -> Result<DevicePtr, DeviceError>;
+
+    /// Releases a segment returned by [`Device::reserve`] (`cuMemFree`, which synchronises).
+    fn release(&self, ptr: DevicePtr) -> Result<(), DeviceError>;
+
+    /// Free and total memory (`cuMemGetInfo`).
+    fn mem_info(&self) -> Result<MemInfo, DeviceError>;
+
+    /// Creates a stream.
+    fn create_stream(&self) -> Result<StreamId, DeviceError>;
+
+    /// Destroys a stream after draining its work. The default stream cannot be destroyed.
+    fn destroy_stream(&self, stream: StreamId) -> Result<(), DeviceError>;
+
+    /// Creates an event (timing disabled).
+    fn create_event(&self) -> Result<EventId, DeviceError>;
+
+    /// Destroys an event.
+    fn destroy_event(&self, event: EventId) -> Result<(), DeviceError>;
+
+    /// Records `event` on `stream`: it completes once the stream's earlier work has finished.
+    fn record_event(&self, event: EventId, stream: StreamId) -> Result<(), DeviceError>;
+
+    /// Has `event` completed? Never blocks (`cuEventQuery`). An event never recorded is complete.
+    fn query_event(&self, event: EventId) -> Result<bool, DeviceError>;
+
+    /// Makes `stream`'s later work wait for `event` on the device, without blocking the host.
+    fn wait_event(&self, stream: StreamId, event: EventId) -> Result<(), DeviceError>;
+
+    /// Blocks the host until `event` completes. A host sync.
+    fn synchronize_event(&self, event: EventId) -> Result<(), DeviceError>;
+
+    /// Blocks the host until every stream is idle. A host sync.
+    fn synchronize(&self) -> Result<(), DeviceError>;
+
+    /// Enqueues `kernel` on `stream`; returns at once.
+    fn launch(&self, stream: StreamId, kernel: Kernel) -> Result<(), DeviceError>;
+
+    /// Sanitizer hook: the allocator hands `bytes` at `ptr` to `stream` for new use.
+    fn note_handout(&self, _ptr: DevicePtr, _bytes: u64, _stream: StreamId) {}
+
+    /// Sanitizer hook: the allocator took `bytes` at `ptr` back from its user (freed on `stream`).
+    fn note_reclaim(&self, _ptr: DevicePtr, _bytes: u64, _stream: StreamId) {}
+}

@@ -1,0 +1,4 @@
+//! The `tidepool` command line.
+fn main() {
+    eprintln!("tidepool: not yet wired");
+}
