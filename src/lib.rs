@@ -5,6 +5,8 @@
 //! [`device`] ([`Device`] trait, [`SimDevice`]) → `sync` (std/loom shim).
 
 pub mod device;
+pub mod pool;
+pub mod stats;
 pub(crate) mod sync;
 
 pub use device::{Device, DevicePtr, SimDevice, StreamId};

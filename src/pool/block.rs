@@ -1,0 +1,81 @@
+//! Block and segment records. Both live in slabs and refer to each other by index, never by
+//! pointer: a segment knows its first block, each block its neighbours in address order.
+//!
+//! ```text
+//!  segment ──first──▶ [block A] ⇄ [block B] ⇄ [block C]      A.addr + A.size == B.addr, ...
+//! ```
+
+use crate::device::StreamId;
+use crate::stats::{PoolKind, Residency};
+
+/// Index of a block record in the pool's slab. Stable while the block exists.
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Debug)]
+pub struct BlockId(pub(crate) usize);
+
+/// Index of a segment record in the pool's slab.
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Debug)]
+pub struct SegmentId(pub(crate) usize);
+
+/// Which free lists a block belongs to: residency, owning stream and size class.
+/// Blocks of different keys never share a segment.
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Debug)]
+pub struct PoolKey {
+    /// Persistent or transient.
+    pub residency: Residency,
+    /// The stream the segment was reserved for.
+    pub stream: StreamId,
+    /// Small or large pool.
+    pub kind: PoolKind,
+}
+
+/// Where a block is in its life.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum BlockState {
+    /// In the free index, reusable.
+    Free,
+    /// Handed to a user.
+    Allocated,
+    /// Freed by its user, waiting for events on other streams before it is reusable.
+    Pending,
+}
+
+/// A contiguous piece of a segment.
+#[derive(Clone, Debug)]
+pub struct Block {
+    /// Segment holding the block.
+    pub segment: SegmentId,
+    /// First address.
+    pub addr: u64,
+    /// Size in bytes (a multiple of the rounding granularity).
+    pub size: u64,
+    /// Bytes the user asked for (0 while free).
+    pub requested: u64,
+    /// Neighbour at the lower address, in the same segment.
+    pub prev: Option<BlockId>,
+    /// Neighbour at the higher address, in the same segment.
+    pub next: Option<BlockId>,
+    /// Free, allocated or pending.
+    pub state: BlockState,
+}
+
+impl Block {
+    /// Whether the block shares its segment with other blocks.
+    pub fn is_split(&self) -> bool {
+        self.prev.is_some() || self.next.is_some()
+    }
+}
+
+/// One device reservation (`cuMemAlloc`).
+#[derive(Clone, Debug)]
+pub struct Segment {
+    /// First address.
+    pub base: u64,
+    /// Size in bytes.
+    pub size: u64,
+    /// The free lists its blocks belong to.
+    pub key: PoolKey,
+    /// The block at `base`.
+    pub first: BlockId,
+    /// Blocks that are allocated or pending (a segment with none can be released).
+    pub busy_blocks: usize,
+}

@@ -1,0 +1,259 @@
+//! Memory statistics with PyTorch's names, so `torch.cuda.memory_stats()` readers feel at home.
+//!
+//! Every byte or count figure is a [`Stat`] (current, peak, cumulative allocated and freed), kept
+//! per [`StatGroup`]: the whole allocator, the small and the large pool, and persistent and
+//! transient residency. One change updates three cells: `all`, its pool and its residency.
+
+use std::fmt;
+
+/// One figure: current value, peak since the last reset, and cumulative increases / decreases.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Stat {
+    /// The value now.
+    pub current: u64,
+    /// The highest `current` since creation or [`Stat::reset_peak`].
+    pub peak: u64,
+    /// Sum of every increase.
+    pub allocated: u64,
+    /// Sum of every decrease.
+    pub freed: u64,
+}
+
+impl Stat {
+    /// Adds `n` to the current value.
+    pub fn increase(&mut self, n: u64) {
+        self.current += n;
+        self.allocated += n;
+        self.peak = self.peak.max(self.current);
+    }
+
+    /// Subtracts `n` from the current value.
+    pub fn decrease(&mut self, n: u64) {
+        debug_assert!(self.current >= n, "stat underflow: {} - {n}", self.current);
+        self.current -= n;
+        self.freed += n;
+    }
+
+    /// Sets the peak to the current value.
+    pub fn reset_peak(&mut self) {
+        self.peak = self.current;
+    }
+}
+
+/// Which pool a block comes from: requests up to `small_size` (1 MiB) are small.
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Debug)]
+pub enum PoolKind {
+    /// Requests ≤ 1 MiB, packed into 2 MiB segments.
+    Small,
+    /// Larger requests, from 20 MiB segments or their own.
+    Large,
+}
+
+/// How long a block lives: persistent (weights, optimizer state) or transient (activations).
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Debug, Default)]
+pub enum Residency {
+    /// Never evicted from the cache by `empty_cache`, trimming or the out-of-memory ladder.
+    Persistent,
+    /// Recycled freely; the default.
+    #[default]
+    Transient,
+}
+
+/// A [`Stat`] for the whole allocator and per pool and residency.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct StatGroup {
+    /// Everything.
+    pub all: Stat,
+    /// Blocks of the small pool.
+    pub small_pool: Stat,
+    /// Blocks of the large pool.
+    pub large_pool: Stat,
+    /// Persistent blocks.
+    pub persistent: Stat,
+    /// Transient blocks.
+    pub transient: Stat,
+}
+
+impl StatGroup {
+    /// Adds `n` to `all` and to the cells of `kind` and `residency`.
+    pub fn increase(&mut self, kind: PoolKind, residency: Residency, n: u64) {
+        self.all.increase(n);
+        self.pool_mut(kind).increase(n);
+        self.residency_mut(residency).increase(n);
+    }
+
+    /// Subtracts `n` from `all` and from the cells of `kind` and `residency`.
+    pub fn decrease(&mut self, kind: PoolKind, residency: Residency, n: u64) {
+        self.all.decrease(n);
+        self.pool_mut(kind).decrease(n);
+        self.residency_mut(residency).decrease(n);
+    }
+
+    /// The cell of one pool.
+    pub fn pool(&self, kind: PoolKind) -> &Stat {
+        match kind {
+            PoolKind::Small => &self.small_pool,
+            PoolKind::Large => &self.large_pool,
+        }
+    }
+
+    fn pool_mut(&mut self, kind: PoolKind) -> &mut Stat {
+        match kind {
+            PoolKind::Small => &mut self.small_pool,
+            PoolKind::Large => &mut self.large_pool,
+        }
+    }
+
+    fn residency_mut(&mut self, residency: Residency) -> &mut Stat {
+        match residency {
+            Residency::Persistent => &mut self.persistent,
+            Residency::Transient => &mut self.transient,
+        }
+    }
+
+    /// Resets every peak to its current value.
+    pub fn reset_peak(&mut self) {
+        for s in [
+            &mut self.all,
+            &mut self.small_pool,
+            &mut self.large_pool,
+            &mut self.persistent,
+            &mut self.transient,
+        ] {
+            s.reset_peak();
+        }
+    }
+}
+
+/// The block-level figures the pool keeps exact after every operation.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct BlockStats {
+    /// Bytes in blocks handed to users (rounded sizes).
+    pub allocated_bytes: StatGroup,
+    /// Bytes in segments reserved from the device.
+    pub reserved_bytes: StatGroup,
+    /// Bytes in blocks allocated or freed but still waiting on events.
+    pub active_bytes: StatGroup,
+    /// Bytes in free blocks of segments that are split (not releasable).
+    pub inactive_split_bytes: StatGroup,
+    /// Bytes users asked for, in active blocks (before rounding).
+    pub requested_bytes: StatGroup,
+    /// Number of blocks handed to users.
+    pub allocation: StatGroup,
+    /// Number of segments.
+    pub segment: StatGroup,
+    /// Number of active blocks.
+    pub active: StatGroup,
+    /// Number of free blocks in split segments.
+    pub inactive_split: StatGroup,
+}
+
+impl BlockStats {
+    /// Resets every peak to its current value.
+    pub fn reset_peak(&mut self) {
+        for g in [
+            &mut self.allocated_bytes,
+            &mut self.reserved_bytes,
+            &mut self.active_bytes,
+            &mut self.inactive_split_bytes,
+            &mut self.requested_bytes,
+            &mut self.allocation,
+            &mut self.segment,
+            &mut self.active,
+            &mut self.inactive_split,
+        ] {
+            g.reset_peak();
+        }
+    }
+}
+
+/// Everything [`crate::Allocator::stats`] reports.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct MemoryStats {
+    /// Block-level figures (allocated, reserved, active, inactive split, requested, counts).
+    pub blocks: BlockStats,
+    /// Allocations that had to free cached memory and retry.
+    pub num_alloc_retries: u64,
+    /// Allocations that failed with out-of-memory.
+    pub num_ooms: u64,
+    /// Segments reserved from the device (`cuMemAlloc` calls that succeeded).
+    pub num_device_alloc: u64,
+    /// Segments released to the device (`cuMemFree` calls).
+    pub num_device_free: u64,
+    /// Host synchronisations the allocator caused (releases, event waits).
+    pub num_host_syncs: u64,
+    /// Bytes of free blocks cached per stream (stream id, bytes), streams with none omitted.
+    pub cached_free_bytes_per_stream: Vec<(u32, u64)>,
+}
+
+impl MemoryStats {
+    /// 1 − peak requested / peak reserved: the share of the reserved peak that no request needed.
+    /// Zero before anything was reserved.
+    pub fn fragmentation(&self) -> f64 {
+        let reserved = self.blocks.reserved_bytes.all.peak;
+        if reserved == 0 {
+            return 0.0;
+        }
+        1.0 - self.blocks.requested_bytes.all.peak as f64 / reserved as f64
+    }
+}
+
+/// Formats a byte count the way `memory_summary` does: `512 B`, `1.50 KiB`, `20.00 MiB`, ...
+pub struct Bytes(pub u64);
+
+impl fmt::Display for Bytes {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        const UNITS: [&str; 5] = ["KiB", "MiB", "GiB", "TiB", "PiB"];
+        if self.0 < 1024 {
+            return f.pad(&format!("{} B", self.0));
+        }
+        let mut v = self.0 as f64 / 1024.0;
+        let mut unit = 0;
+        while v >= 1024.0 && unit + 1 < UNITS.len() {
+            v /= 1024.0;
+            unit += 1;
+        }
+        f.pad(&format!("{v:.2} {}", UNITS[unit]))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stat_tracks_peak_and_totals() {
+        let mut s = Stat::default();
+        s.increase(10);
+        s.increase(5);
+        s.decrease(12);
+        s.increase(4);
+        assert_eq!(s, Stat { current: 7, peak: 15, allocated: 19, freed: 12 });
+        s.reset_peak();
+        assert_eq!(s.peak, 7);
+    }
+
+    #[test]
+    fn group_updates_three_cells() {
+        let mut g = StatGroup::default();
+        g.increase(PoolKind::Small, Residency::Persistent, 512);
+        g.increase(PoolKind::Large, Residency::Transient, 2048);
+        g.decrease(PoolKind::Small, Residency::Persistent, 512);
+        assert_eq!(g.all.current, 2048);
+        assert_eq!(g.all.peak, 2560);
+        assert_eq!(g.small_pool, Stat { current: 0, peak: 512, allocated: 512, freed: 512 });
+        assert_eq!(g.large_pool.current, 2048);
+        assert_eq!(g.persistent.current, 0);
+        assert_eq!(g.transient.current, 2048);
+    }
+
+    #[test]
+    fn bytes_format() {
+        assert_eq!(Bytes(0).to_string(), "0 B");
+        assert_eq!(Bytes(1023).to_string(), "1023 B");
+        assert_eq!(Bytes(1536).to_string(), "1.50 KiB");
+        assert_eq!(Bytes(20 << 20).to_string(), "20.00 MiB");
+        assert_eq!(Bytes(3 << 30).to_string(), "3.00 GiB");
+        assert_eq!(format!("{:>10}", Bytes(512)), "     512 B");
+    }
+}
