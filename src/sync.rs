@@ -5,8 +5,10 @@
 //! models in `loom-tests/` then explore every interleaving of the real code.
 
 #[cfg(not(loom))]
+#[allow(unused_imports)]
 pub(crate) use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 #[cfg(not(loom))]
+#[allow(unused_imports)]
 pub(crate) mod atomic {
     pub(crate) use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 }
@@ -15,8 +17,10 @@ pub(crate) mod atomic {
 pub(crate) use std::thread;
 
 #[cfg(loom)]
+#[allow(unused_imports)]
 pub(crate) use loom::sync::{Arc, Condvar, Mutex, MutexGuard};
 #[cfg(loom)]
+#[allow(unused_imports)]
 pub(crate) mod atomic {
     pub(crate) use loom::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 }

@@ -112,9 +112,17 @@ impl Pool {
             next: None,
             state: BlockState::Free,
         }));
-        self.segments.insert(Segment { base, size, key, first: block, busy_blocks: 0 });
+        self.segments.insert(Segment {
+            base,
+            size,
+            key,
+            first: block,
+            busy_blocks: 0,
+        });
         self.free.insert((key, size, base, block.0));
-        self.stats.reserved_bytes.increase(key.kind, key.residency, size);
+        self.stats
+            .reserved_bytes
+            .increase(key.kind, key.residency, size);
         self.stats.segment.increase(key.kind, key.residency, 1);
         block
     }
@@ -122,10 +130,23 @@ impl Pool {
     /// Hands out the free block `id` for a request of `requested` bytes rounded to `rounded`,
     /// splitting off the remainder when `sizing` says so. Returns the allocated block (at the
     /// same address as `id`).
-    pub fn allocate(&mut self, id: BlockId, rounded: u64, requested: u64, sizing: &Sizing) -> BlockId {
+    pub fn allocate(
+        &mut self,
+        id: BlockId,
+        rounded: u64,
+        requested: u64,
+        sizing: &Sizing,
+    ) -> BlockId {
         let b = &self.blocks[id.0];
-        assert_eq!(b.state, BlockState::Free, "allocate of a block that is not free");
-        assert!(b.size >= rounded, "allocate of a block smaller than the request");
+        assert_eq!(
+            b.state,
+            BlockState::Free,
+            "allocate of a block that is not free"
+        );
+        assert!(
+            b.size >= rounded,
+            "allocate of a block smaller than the request"
+        );
         let seg = b.segment;
         let key = self.segments[seg.0].key;
         let (kind, res) = (key.kind, key.residency);
@@ -153,7 +174,9 @@ impl Pool {
             b.next = Some(BlockId(rest_id));
             b.size = rounded;
             self.free.insert((key, rest_size, rest_addr, rest_id));
-            self.stats.inactive_split_bytes.increase(kind, res, rest_size);
+            self.stats
+                .inactive_split_bytes
+                .increase(kind, res, rest_size);
             self.stats.inactive_split.increase(kind, res, 1);
         }
         let b = &mut self.blocks[id.0];
@@ -174,10 +197,16 @@ impl Pool {
     /// allocated, stays active, and is neither reusable nor merged until [`Pool::free`].
     pub fn mark_pending(&mut self, id: BlockId) {
         let b = &mut self.blocks[id.0];
-        assert_eq!(b.state, BlockState::Allocated, "mark_pending of a block that is not allocated");
+        assert_eq!(
+            b.state,
+            BlockState::Allocated,
+            "mark_pending of a block that is not allocated"
+        );
         b.state = BlockState::Pending;
         let (size, key) = (b.size, self.segments[b.segment.0].key);
-        self.stats.allocated_bytes.decrease(key.kind, key.residency, size);
+        self.stats
+            .allocated_bytes
+            .decrease(key.kind, key.residency, size);
         self.stats.allocation.decrease(key.kind, key.residency, 1);
     }
 
@@ -203,11 +232,17 @@ impl Pool {
         st.requested_bytes.decrease(kind, res, requested);
 
         let mut merged = id;
-        if let Some(p) = self.blocks[id.0].prev.filter(|p| self.blocks[p.0].state == BlockState::Free) {
+        if let Some(p) = self.blocks[id.0]
+            .prev
+            .filter(|p| self.blocks[p.0].state == BlockState::Free)
+        {
             self.absorb(p, merged, key);
             merged = p;
         }
-        if let Some(n) = self.blocks[merged.0].next.filter(|n| self.blocks[n.0].state == BlockState::Free) {
+        if let Some(n) = self.blocks[merged.0]
+            .next
+            .filter(|n| self.blocks[n.0].state == BlockState::Free)
+        {
             self.absorb(merged, n, key);
         }
         let m = &self.blocks[merged.0];
@@ -227,8 +262,12 @@ impl Pool {
             let b = &self.blocks[id.0];
             if self.free.remove(&(key, b.size, b.addr, id.0)) {
                 // A free neighbour of another block is always part of a split segment.
-                self.stats.inactive_split_bytes.decrease(key.kind, key.residency, b.size);
-                self.stats.inactive_split.decrease(key.kind, key.residency, 1);
+                self.stats
+                    .inactive_split_bytes
+                    .decrease(key.kind, key.residency, b.size);
+                self.stats
+                    .inactive_split
+                    .decrease(key.kind, key.residency, 1);
             }
         }
         let r = self.blocks.remove(right.0);
@@ -258,9 +297,32 @@ impl Pool {
         self.free.remove(&(seg.key, b.size, b.addr, seg.first.0));
         self.blocks.remove(seg.first.0);
         let seg = self.segments.remove(id.0);
-        self.stats.reserved_bytes.decrease(seg.key.kind, seg.key.residency, seg.size);
-        self.stats.segment.decrease(seg.key.kind, seg.key.residency, 1);
+        self.stats
+            .reserved_bytes
+            .decrease(seg.key.kind, seg.key.residency, seg.size);
+        self.stats
+            .segment
+            .decrease(seg.key.kind, seg.key.residency, 1);
         (seg.base, seg.size)
+    }
+
+    /// Moves a segment with no busy block to another stream's free lists.
+    pub fn rekey_segment(&mut self, id: SegmentId, stream: crate::device::StreamId) {
+        let seg = &mut self.segments[id.0];
+        assert_eq!(seg.busy_blocks, 0, "rekey_segment of a segment in use");
+        let b = &self.blocks[seg.first.0];
+        self.free.remove(&(seg.key, b.size, b.addr, seg.first.0));
+        seg.key.stream = stream;
+        self.free.insert((seg.key, b.size, b.addr, seg.first.0));
+    }
+
+    /// Bytes of free blocks cached per stream (streams with none omitted).
+    pub fn free_bytes_by_stream(&self) -> std::collections::BTreeMap<crate::device::StreamId, u64> {
+        let mut out = std::collections::BTreeMap::new();
+        for e in &self.free {
+            *out.entry(e.0.stream).or_insert(0) += e.1;
+        }
+        out
     }
 
     /// The largest cached free block, in bytes.
@@ -292,23 +354,35 @@ impl Pool {
             let mut cur = Some(seg.first);
             let mut blocks_in_seg = 0;
             while let Some(id) = cur {
-                let b = self.blocks.get(id.0).ok_or(format!("segment {sid}: dangling block {}", id.0))?;
+                let b = self
+                    .blocks
+                    .get(id.0)
+                    .ok_or(format!("segment {sid}: dangling block {}", id.0))?;
                 blocks_in_seg += 1;
                 if blocks_in_seg > self.blocks.len() {
                     return Err(format!("segment {sid}: block list has a cycle"));
                 }
                 if b.segment.0 != sid || b.prev != prev || b.addr != addr || b.size == 0 {
-                    return Err(format!("segment {sid}: block {} at {:#x} breaks the tiling", id.0, b.addr));
+                    return Err(format!(
+                        "segment {sid}: block {} at {:#x} breaks the tiling",
+                        id.0, b.addr
+                    ));
                 }
                 let is_free = b.state == BlockState::Free;
                 if is_free && prev_free {
-                    return Err(format!("segment {sid}: adjacent free blocks at {:#x}", b.addr));
+                    return Err(format!(
+                        "segment {sid}: adjacent free blocks at {:#x}",
+                        b.addr
+                    ));
                 }
                 match b.state {
                     BlockState::Free => {
                         free_seen += 1;
                         if !self.free.contains(&(seg.key, b.size, b.addr, id.0)) {
-                            return Err(format!("free block at {:#x} missing from the index", b.addr));
+                            return Err(format!(
+                                "free block at {:#x} missing from the index",
+                                b.addr
+                            ));
                         }
                         if b.is_split() {
                             expect.inactive_split_bytes.increase(kind, res, b.size);
@@ -335,19 +409,31 @@ impl Pool {
                 cur = b.next;
             }
             if addr != seg.base + seg.size {
-                return Err(format!("segment {sid}: blocks cover {:#x}..{addr:#x}, not its size", seg.base));
+                return Err(format!(
+                    "segment {sid}: blocks cover {:#x}..{addr:#x}, not its size",
+                    seg.base
+                ));
             }
             if busy != seg.busy_blocks {
-                return Err(format!("segment {sid}: busy count {} but {busy} busy blocks", seg.busy_blocks));
+                return Err(format!(
+                    "segment {sid}: busy count {} but {busy} busy blocks",
+                    seg.busy_blocks
+                ));
             }
         }
         if free_seen != self.free.len() {
-            return Err(format!("free index has {} entries, {free_seen} free blocks exist", self.free.len()));
+            return Err(format!(
+                "free index has {} entries, {free_seen} free blocks exist",
+                self.free.len()
+            ));
         }
         ranges.sort_unstable();
         for w in ranges.windows(2) {
             if w[0].0 + w[0].1 > w[1].0 {
-                return Err(format!("segments at {:#x} and {:#x} overlap", w[0].0, w[1].0));
+                return Err(format!(
+                    "segments at {:#x} and {:#x} overlap",
+                    w[0].0, w[1].0
+                ));
             }
         }
         let current = |s: &BlockStats| {
@@ -362,7 +448,9 @@ impl Pool {
                 s.active,
                 s.inactive_split,
             ]
-            .map(|g| [g.all, g.small_pool, g.large_pool, g.persistent, g.transient].map(|s| s.current))
+            .map(|g| {
+                [g.all, g.small_pool, g.large_pool, g.persistent, g.transient].map(|s| s.current)
+            })
         };
         if current(&expect) != current(&self.stats) {
             return Err(format!(

@@ -1,0 +1,113 @@
+//! Errors of the allocator front: bad requests, out-of-memory with a full breakdown, and device
+//! failures passed through.
+
+use crate::device::{DeviceError, StreamId};
+use crate::stats::Bytes;
+use std::fmt;
+
+/// Why an allocation failed. The allocator stays usable after any of them.
+#[derive(Clone, Debug, PartialEq)]
+pub enum AllocError {
+    /// A request no device could satisfy (its rounding would overflow, or it exceeds
+    /// [`crate::pool::MAX_REQUEST`]).
+    InvalidSize {
+        /// The request, in bytes.
+        requested: u64,
+    },
+    /// The device (or the configured limit) refused, after every cached byte that could be
+    /// released was released and every pending event was waited for.
+    OutOfMemory(Box<OomReport>),
+    /// A device call failed for another reason.
+    Device(DeviceError),
+}
+
+/// Where memory was when an allocation ran out of it.
+#[derive(Clone, Debug, PartialEq, Eq, Default)]
+pub struct OomReport {
+    /// Bytes asked for.
+    pub requested: u64,
+    /// Bytes after rounding.
+    pub rounded: u64,
+    /// Size of the segment the allocator tried to reserve.
+    pub segment: u64,
+    /// Stream of the request.
+    pub stream: StreamId,
+    /// Device free memory.
+    pub device_free: u64,
+    /// Device total memory.
+    pub device_total: u64,
+    /// The configured limit on reserved bytes, if any.
+    pub limit: Option<u64>,
+    /// Bytes reserved by tidepool.
+    pub reserved: u64,
+    /// Bytes in live buffers.
+    pub allocated: u64,
+    /// Largest cached free block.
+    pub largest_free_block: u64,
+    /// Bytes in free blocks of split segments.
+    pub inactive_split: u64,
+    /// Bytes free but cached for other streams.
+    pub free_on_other_streams: u64,
+    /// Bytes freed by users but waiting on events.
+    pub waiting_on_events: u64,
+    /// Reserved bytes of persistent segments.
+    pub persistent_reserved: u64,
+    /// Reserved bytes of transient segments.
+    pub transient_reserved: u64,
+}
+
+impl fmt::Display for OomReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "tidepool ran out of device memory allocating {} (rounded to {}, needing a new segment of {}) on {}. \
+             The device has {} free of {} total",
+            Bytes(self.requested),
+            Bytes(self.rounded),
+            Bytes(self.segment),
+            self.stream,
+            Bytes(self.device_free),
+            Bytes(self.device_total),
+        )?;
+        if let Some(limit) = self.limit {
+            write!(f, ", and tidepool is limited to {}", Bytes(limit))?;
+        }
+        write!(
+            f,
+            ". tidepool has reserved {} ({} persistent, {} transient), of which {} is allocated to live buffers; \
+             of the rest, the largest free block is {}, {} sits in inactive splits, {} is cached for other streams \
+             and {} waits on events. Freeing tensors, lowering max_split_size_mb to reduce fragmentation, or \
+             calling empty_cache on other allocators may help.",
+            Bytes(self.reserved),
+            Bytes(self.persistent_reserved),
+            Bytes(self.transient_reserved),
+            Bytes(self.allocated),
+            Bytes(self.largest_free_block),
+            Bytes(self.inactive_split),
+            Bytes(self.free_on_other_streams),
+            Bytes(self.waiting_on_events),
+        )
+    }
+}
+
+impl fmt::Display for AllocError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            AllocError::InvalidSize { requested } => write!(
+                f,
+                "invalid allocation size {requested} bytes: larger than the largest supported request ({} bytes)",
+                crate::pool::MAX_REQUEST
+            ),
+            AllocError::OutOfMemory(report) => report.fmt(f),
+            AllocError::Device(e) => write!(f, "device error: {e}"),
+        }
+    }
+}
+
+impl std::error::Error for AllocError {}
+
+impl From<DeviceError> for AllocError {
+    fn from(e: DeviceError) -> Self {
+        AllocError::Device(e)
+    }
+}

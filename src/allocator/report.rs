@@ -1,0 +1,163 @@
+//! Human-readable views of the allocator: `snapshot()` (every segment and block) and
+//! `memory_summary()` (a table in the style of `torch.cuda.memory_summary()`).
+
+use super::Allocator;
+use crate::device::{Device, DevicePtr, StreamId};
+use crate::pool::BlockState;
+use crate::stats::{Bytes, PoolKind, Residency, Stat, StatGroup};
+use std::fmt::Write;
+
+/// One block of a segment, as `snapshot()` lists it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BlockInfo {
+    /// First address.
+    pub address: DevicePtr,
+    /// Size in bytes.
+    pub size: u64,
+    /// Bytes the user asked for (0 when free).
+    pub requested: u64,
+    /// Free, allocated, or pending (freed, waiting on events).
+    pub state: BlockState,
+}
+
+/// One segment, as `snapshot()` lists it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SegmentInfo {
+    /// First address.
+    pub address: DevicePtr,
+    /// Size in bytes.
+    pub size: u64,
+    /// The stream it is cached for.
+    pub stream: StreamId,
+    /// Small or large pool.
+    pub pool: PoolKind,
+    /// Persistent or transient.
+    pub residency: Residency,
+    /// Its blocks in address order.
+    pub blocks: Vec<BlockInfo>,
+}
+
+impl<D: Device> Allocator<D> {
+    /// Every segment and block, segments in address order.
+    pub fn snapshot(&self) -> Vec<SegmentInfo> {
+        let st = crate::sync::lock(&self.shared.state);
+        let mut out: Vec<SegmentInfo> = st
+            .pool
+            .segments()
+            .map(|(id, seg)| SegmentInfo {
+                address: DevicePtr(seg.base),
+                size: seg.size,
+                stream: seg.key.stream,
+                pool: seg.key.kind,
+                residency: seg.key.residency,
+                blocks: st
+                    .pool
+                    .segment_blocks(id)
+                    .map(|(_, b)| BlockInfo {
+                        address: DevicePtr(b.addr),
+                        size: b.size,
+                        requested: b.requested,
+                        state: b.state,
+                    })
+                    .collect(),
+            })
+            .collect();
+        out.sort_by_key(|s| s.address);
+        out
+    }
+
+    /// A text table of the statistics, like `torch.cuda.memory_summary()`.
+    pub fn memory_summary(&self) -> String {
+        let s = self.stats();
+        let b = &s.blocks;
+        let rule = format!("|{}|\n", "=".repeat(87));
+        let thin = format!("|{}|\n", "-".repeat(87));
+        let mut out = String::new();
+        out += &rule;
+        let _ = writeln!(
+            out,
+            "|{:^87}|",
+            format!("tidepool memory summary — {}", self.device().name())
+        );
+        out += &thin;
+        let _ = writeln!(
+            out,
+            "|{:^87}|",
+            format!(
+                "OOMs: {:<10} alloc retries: {:<10} host syncs: {}",
+                s.num_ooms, s.num_alloc_retries, s.num_host_syncs
+            )
+        );
+        let _ = writeln!(
+            out,
+            "|{:^87}|",
+            format!(
+                "device mallocs: {:<10} device frees: {:<10} fragmentation: {:.3}",
+                s.num_device_alloc,
+                s.num_device_free,
+                s.fragmentation()
+            )
+        );
+        out += &rule;
+        let _ = writeln!(
+            out,
+            "| {:<26}| {:>12} | {:>12} | {:>12} | {:>12} |",
+            "Metric", "Cur Usage", "Peak Usage", "Tot Alloc", "Tot Freed"
+        );
+        let bytes_rows: [(&str, &StatGroup); 5] = [
+            ("Allocated memory", &b.allocated_bytes),
+            ("Active memory", &b.active_bytes),
+            ("Requested memory", &b.requested_bytes),
+            ("Reserved memory", &b.reserved_bytes),
+            ("Non-releasable memory", &b.inactive_split_bytes),
+        ];
+        let count_rows: [(&str, &StatGroup); 4] = [
+            ("Allocations", &b.allocation),
+            ("Active allocs", &b.active),
+            ("Reserved segments", &b.segment),
+            ("Non-releasable allocs", &b.inactive_split),
+        ];
+        let row = |out: &mut String, name: &str, st: &Stat, bytes: bool| {
+            let f = |v: u64| {
+                if bytes {
+                    Bytes(v).to_string()
+                } else {
+                    v.to_string()
+                }
+            };
+            let _ = writeln!(
+                out,
+                "| {:<26}| {:>12} | {:>12} | {:>12} | {:>12} |",
+                name,
+                f(st.current),
+                f(st.peak),
+                f(st.allocated),
+                f(st.freed)
+            );
+        };
+        for (rows, bytes) in [(&bytes_rows[..], true), (&count_rows[..], false)] {
+            for (name, g) in rows {
+                out += &thin;
+                row(&mut out, name, &g.all, bytes);
+                row(&mut out, "      from large pool", &g.large_pool, bytes);
+                row(&mut out, "      from small pool", &g.small_pool, bytes);
+                row(&mut out, "      persistent", &g.persistent, bytes);
+                row(&mut out, "      transient", &g.transient, bytes);
+            }
+        }
+        out += &rule;
+        if !s.cached_free_bytes_per_stream.is_empty() {
+            for (stream, bytes) in &s.cached_free_bytes_per_stream {
+                let _ = writeln!(
+                    out,
+                    "| {:<26}| {:>12} | {:>42} |",
+                    format!("Cached free, stream {stream}"),
+                    Bytes(*bytes).to_string(),
+                    ""
+                );
+            }
+            out += &rule;
+        }
+        out
+    }
+}

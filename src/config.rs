@@ -1,0 +1,412 @@
+//! Allocator configuration: a [`Config`] struct, and the `TIDEPOOL_ALLOC_CONF` string in the style
+//! of `PYTORCH_CUDA_ALLOC_CONF` (`key:value,key:value`).
+//!
+//! Every key is listed in [`KEYS`]; an unknown key or a bad value is an error naming it (and, for
+//! an unknown key, listing the valid ones). Parsing never panics.
+
+use crate::pool::{MIB, Sizing};
+use std::fmt;
+
+/// The environment variable read by [`Config::from_env`].
+pub const ENV_VAR: &str = "TIDEPOOL_ALLOC_CONF";
+
+/// How a block freed on one stream may be reused by another.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum CrossStream {
+    /// PyTorch: another stream gets a block only after its events completed.
+    #[default]
+    Strict,
+    /// RMM: another stream may take a cached block at once by waiting on the owner's event on the
+    /// device (`cuStreamWaitEvent`), with no host sync.
+    WaitEvent,
+}
+
+/// Everything the allocator can be told.
+///
+/// ```
+/// use tidepool::Config;
+/// let c = Config::parse("max_split_size_mb:256,roundup_power2_divisions:4").unwrap();
+/// assert_eq!(c.sizing.max_split_size, 256 << 20);
+/// assert_eq!(c.sizing.roundup_power2_divisions, 4);
+/// let err = Config::parse("max_split_size:256").unwrap_err();
+/// assert!(err.to_string().contains("unknown key `max_split_size`"));
+/// ```
+#[derive(Clone, Debug, PartialEq)]
+pub struct Config {
+    /// Rounding, pool and split rules.
+    pub sizing: Sizing,
+    /// Never reserve more than this many bytes in all (`memory_limit_mb`).
+    pub memory_limit: Option<u64>,
+    /// Never reserve more than this share of the device's total memory
+    /// (`per_process_memory_fraction`, in (0, 1]).
+    pub memory_fraction: Option<f64>,
+    /// Cross-stream reuse policy (`cross_stream:strict|wait_event`).
+    pub cross_stream: CrossStream,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            sizing: Sizing::default(),
+            memory_limit: None,
+            memory_fraction: None,
+            cross_stream: CrossStream::Strict,
+        }
+    }
+}
+
+/// Every key `Config::parse` accepts, with what it sets.
+pub const KEYS: &[(&str, &str)] = &[
+    (
+        "max_split_size_mb",
+        "blocks of at least this many MiB are never split (> large_segment_mb)",
+    ),
+    (
+        "roundup_power2_divisions",
+        "round sizes to this many steps between powers of two (0, or a power of two ≤ 64)",
+    ),
+    (
+        "min_block_size",
+        "rounding granularity in bytes (a power of two, 1..=1048576)",
+    ),
+    ("small_size_mb", "largest request of the small pool, MiB"),
+    ("small_segment_mb", "segment size of the small pool, MiB"),
+    ("large_segment_mb", "segment size of the large pool, MiB"),
+    (
+        "min_large_alloc_mb",
+        "requests of at least this many MiB get their own segment",
+    ),
+    (
+        "round_large_mb",
+        "own segments are rounded to a multiple of this many MiB",
+    ),
+    ("memory_limit_mb", "never reserve more than this many MiB"),
+    (
+        "per_process_memory_fraction",
+        "never reserve more than this share of device memory, in (0, 1]",
+    ),
+    ("cross_stream", "cross-stream reuse: strict or wait_event"),
+];
+
+/// A configuration string that could not be applied.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ConfigError {
+    /// A key that is not in [`KEYS`].
+    UnknownKey(String),
+    /// A known key with a value it does not accept.
+    BadValue {
+        /// The key.
+        key: String,
+        /// The value as written.
+        value: String,
+        /// What the key accepts.
+        expected: String,
+    },
+    /// An entry without a `:` separating key and value.
+    Malformed(String),
+    /// Values that are fine alone but contradict each other.
+    Inconsistent(String),
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ConfigError::UnknownKey(k) => {
+                let keys: Vec<&str> = KEYS.iter().map(|(k, _)| *k).collect();
+                write!(
+                    f,
+                    "unknown key `{k}` in {ENV_VAR}; valid keys: {}",
+                    keys.join(", ")
+                )
+            }
+            ConfigError::BadValue {
+                key,
+                value,
+                expected,
+            } => {
+                write!(
+                    f,
+                    "bad value `{value}` for `{key}` in {ENV_VAR}: expected {expected}"
+                )
+            }
+            ConfigError::Malformed(entry) => {
+                write!(
+                    f,
+                    "malformed entry `{entry}` in {ENV_VAR}: expected key:value"
+                )
+            }
+            ConfigError::Inconsistent(why) => write!(f, "inconsistent {ENV_VAR}: {why}"),
+        }
+    }
+}
+
+impl std::error::Error for ConfigError {}
+
+impl Config {
+    /// Parses a `key:value,key:value` string over the defaults. Empty entries are ignored.
+    pub fn parse(s: &str) -> Result<Config, ConfigError> {
+        let mut c = Config::default();
+        c.apply(s)?;
+        Ok(c)
+    }
+
+    /// Reads [`ENV_VAR`]; the defaults when it is unset.
+    pub fn from_env() -> Result<Config, ConfigError> {
+        match std::env::var(ENV_VAR) {
+            Ok(s) => Config::parse(&s),
+            Err(std::env::VarError::NotPresent) => Ok(Config::default()),
+            Err(std::env::VarError::NotUnicode(_)) => Err(ConfigError::Malformed(format!(
+                "{ENV_VAR} is not valid UTF-8"
+            ))),
+        }
+    }
+
+    /// Applies a `key:value,...` string on top of this configuration. On error `self` is
+    /// unchanged.
+    pub fn apply(&mut self, s: &str) -> Result<(), ConfigError> {
+        let mut next = self.clone();
+        for entry in s.split(',').map(str::trim).filter(|e| !e.is_empty()) {
+            let (key, value) = entry
+                .split_once(':')
+                .ok_or_else(|| ConfigError::Malformed(entry.to_string()))?;
+            next.set(key.trim(), value.trim())?;
+        }
+        next.validate()?;
+        *self = next;
+        Ok(())
+    }
+
+    fn set(&mut self, key: &str, value: &str) -> Result<(), ConfigError> {
+        let bad = |expected: &str| ConfigError::BadValue {
+            key: key.to_string(),
+            value: value.to_string(),
+            expected: expected.to_string(),
+        };
+        let mib = |max: u64| -> Result<u64, ConfigError> {
+            let what = format!("a whole number of MiB in 1..={max}");
+            let v: u64 = value.parse().map_err(|_| bad(&what))?;
+            if v == 0 || v > max {
+                Err(bad(&what))
+            } else {
+                Ok(v * MIB)
+            }
+        };
+        const MAX_MIB: u64 = 1 << 28; // 256 TiB
+        let z = &mut self.sizing;
+        match key {
+            "max_split_size_mb" => z.max_split_size = mib(MAX_MIB)?,
+            "roundup_power2_divisions" => {
+                let what = "0, or a power of two up to 64";
+                let v: u64 = value.parse().map_err(|_| bad(what))?;
+                if v != 0 && (!v.is_power_of_two() || v > 64) {
+                    return Err(bad(what));
+                }
+                z.roundup_power2_divisions = v;
+            }
+            "min_block_size" => {
+                let what = "a power of two in 1..=1048576 bytes";
+                let v: u64 = value.parse().map_err(|_| bad(what))?;
+                if !v.is_power_of_two() || v > MIB {
+                    return Err(bad(what));
+                }
+                z.min_block_size = v;
+            }
+            "small_size_mb" => z.small_size = mib(1024)?,
+            "small_segment_mb" => z.small_segment = mib(1024)?,
+            "large_segment_mb" => z.large_segment = mib(1 << 16)?,
+            "min_large_alloc_mb" => z.min_large_alloc = mib(1 << 16)?,
+            "round_large_mb" => z.round_large = mib(1024)?,
+            "memory_limit_mb" => self.memory_limit = Some(mib(MAX_MIB)?),
+            "per_process_memory_fraction" => {
+                let what = "a number in (0, 1]";
+                let v: f64 = value.parse().map_err(|_| bad(what))?;
+                if !(v > 0.0 && v <= 1.0) {
+                    return Err(bad(what));
+                }
+                self.memory_fraction = Some(v);
+            }
+            "cross_stream" => {
+                self.cross_stream = match value {
+                    "strict" => CrossStream::Strict,
+                    "wait_event" => CrossStream::WaitEvent,
+                    _ => return Err(bad("strict or wait_event")),
+                }
+            }
+            _ => return Err(ConfigError::UnknownKey(key.to_string())),
+        }
+        Ok(())
+    }
+
+    /// Checks that the size rules fit together.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let z = &self.sizing;
+        let fail = |why: String| Err(ConfigError::Inconsistent(why));
+        if !z.min_block_size.is_power_of_two() {
+            return fail(format!(
+                "min_block_size {} is not a power of two",
+                z.min_block_size
+            ));
+        }
+        if z.small_size < z.min_block_size || z.small_size % z.min_block_size != 0 {
+            return fail("small_size_mb must be a multiple of min_block_size".into());
+        }
+        if z.small_segment < z.small_size {
+            return fail("small_segment_mb must be at least small_size_mb".into());
+        }
+        if z.min_large_alloc <= z.small_size {
+            return fail("min_large_alloc_mb must exceed small_size_mb".into());
+        }
+        if z.large_segment < z.min_large_alloc {
+            return fail("large_segment_mb must be at least min_large_alloc_mb".into());
+        }
+        if z.round_large % z.min_block_size != 0 {
+            return fail("round_large_mb must be a multiple of min_block_size".into());
+        }
+        if z.max_split_size != u64::MAX && z.max_split_size <= z.large_segment {
+            return fail(format!(
+                "max_split_size_mb ({} MiB) must exceed large_segment_mb ({} MiB)",
+                z.max_split_size / MIB,
+                z.large_segment / MIB
+            ));
+        }
+        Ok(())
+    }
+
+    /// The byte limit in force on a device of `total` bytes: the smaller of `memory_limit` and
+    /// `memory_fraction × total`, if either is set.
+    pub fn limit(&self, total: u64) -> Option<u64> {
+        let frac = self.memory_fraction.map(|f| (total as f64 * f) as u64);
+        match (self.memory_limit, frac) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_key_parses() {
+        let c = Config::parse(
+            "max_split_size_mb:256, roundup_power2_divisions:8,min_block_size:1024,small_size_mb:2,\
+             small_segment_mb:4,large_segment_mb:40,min_large_alloc_mb:20,round_large_mb:4,\
+             memory_limit_mb:4096,per_process_memory_fraction:0.5,cross_stream:wait_event,",
+        )
+        .unwrap();
+        let z = c.sizing;
+        assert_eq!(z.max_split_size, 256 * MIB);
+        assert_eq!(z.roundup_power2_divisions, 8);
+        assert_eq!(z.min_block_size, 1024);
+        assert_eq!(z.small_size, 2 * MIB);
+        assert_eq!(z.small_segment, 4 * MIB);
+        assert_eq!(z.large_segment, 40 * MIB);
+        assert_eq!(z.min_large_alloc, 20 * MIB);
+        assert_eq!(z.round_large, 4 * MIB);
+        assert_eq!(c.memory_limit, Some(4096 * MIB));
+        assert_eq!(c.memory_fraction, Some(0.5));
+        assert_eq!(c.cross_stream, CrossStream::WaitEvent);
+        assert_eq!(c.limit(16384 * MIB), Some(4096 * MIB));
+        assert_eq!(c.limit(4096 * MIB), Some(2048 * MIB));
+        assert_eq!(KEYS.len(), 11, "a new key needs a line in this test");
+    }
+
+    #[test]
+    fn empty_string_is_the_default() {
+        assert_eq!(Config::parse("").unwrap(), Config::default());
+        assert_eq!(Config::parse(" , ,").unwrap(), Config::default());
+        assert_eq!(Config::default().limit(1 << 30), None);
+    }
+
+    #[test]
+    fn unknown_key_names_it_and_lists_valid_keys() {
+        let e = Config::parse("max_split_size_mb:64,foo:1").unwrap_err();
+        assert_eq!(e, ConfigError::UnknownKey("foo".into()));
+        let msg = e.to_string();
+        assert!(msg.contains("unknown key `foo`"), "{msg}");
+        for (k, _) in KEYS {
+            assert!(msg.contains(k), "{msg} lacks {k}");
+        }
+    }
+
+    #[test]
+    fn bad_values_name_key_and_value() {
+        for (s, key) in [
+            ("max_split_size_mb:abc", "max_split_size_mb"),
+            ("max_split_size_mb:0", "max_split_size_mb"),
+            ("max_split_size_mb:-5", "max_split_size_mb"),
+            (
+                "max_split_size_mb:99999999999999999999",
+                "max_split_size_mb",
+            ),
+            ("roundup_power2_divisions:3", "roundup_power2_divisions"),
+            ("roundup_power2_divisions:128", "roundup_power2_divisions"),
+            ("min_block_size:1000", "min_block_size"),
+            ("min_block_size:0", "min_block_size"),
+            (
+                "per_process_memory_fraction:0",
+                "per_process_memory_fraction",
+            ),
+            (
+                "per_process_memory_fraction:1.5",
+                "per_process_memory_fraction",
+            ),
+            (
+                "per_process_memory_fraction:NaN",
+                "per_process_memory_fraction",
+            ),
+            ("cross_stream:lazy", "cross_stream"),
+            ("memory_limit_mb:", "memory_limit_mb"),
+        ] {
+            match Config::parse(s) {
+                Err(ConfigError::BadValue { key: k, value, .. }) => {
+                    assert_eq!(k, key, "{s}");
+                    assert_eq!(value, s.split_once(':').unwrap().1, "{s}");
+                }
+                other => panic!("{s}: expected BadValue, got {other:?}"),
+            }
+        }
+        let msg = Config::parse("cross_stream:lazy").unwrap_err().to_string();
+        assert_eq!(
+            msg,
+            "bad value `lazy` for `cross_stream` in TIDEPOOL_ALLOC_CONF: expected strict or wait_event"
+        );
+    }
+
+    #[test]
+    fn malformed_and_inconsistent() {
+        assert_eq!(
+            Config::parse("max_split_size_mb").unwrap_err(),
+            ConfigError::Malformed("max_split_size_mb".into())
+        );
+        let e = Config::parse("max_split_size_mb:20").unwrap_err();
+        assert!(
+            matches!(e, ConfigError::Inconsistent(ref m) if m.contains("must exceed large_segment_mb")),
+            "{e}"
+        );
+        assert!(matches!(
+            Config::parse("small_size_mb:16"),
+            Err(ConfigError::Inconsistent(_))
+        ));
+        assert!(matches!(
+            Config::parse("min_large_alloc_mb:1"),
+            Err(ConfigError::Inconsistent(_))
+        ));
+        assert!(matches!(
+            Config::parse("small_size_mb:4"),
+            Err(ConfigError::Inconsistent(_))
+        ));
+    }
+
+    #[test]
+    fn apply_is_all_or_nothing() {
+        let mut c = Config::parse("max_split_size_mb:64").unwrap();
+        let before = c.clone();
+        assert!(c.apply("roundup_power2_divisions:4,bogus:1").is_err());
+        assert_eq!(c, before);
+        c.apply("roundup_power2_divisions:4").unwrap();
+        assert_eq!(c.sizing.roundup_power2_divisions, 4);
+        assert_eq!(c.sizing.max_split_size, 64 * MIB);
+    }
+}
