@@ -247,7 +247,7 @@ impl Config {
                 z.min_block_size
             ));
         }
-        if z.small_size < z.min_block_size || z.small_size % z.min_block_size != 0 {
+        if z.small_size < z.min_block_size || !z.small_size.is_multiple_of(z.min_block_size) {
             return fail("small_size_mb must be a multiple of min_block_size".into());
         }
         if z.small_segment < z.small_size {
@@ -259,7 +259,7 @@ impl Config {
         if z.large_segment < z.min_large_alloc {
             return fail("large_segment_mb must be at least min_large_alloc_mb".into());
         }
-        if z.round_large % z.min_block_size != 0 {
+        if !z.round_large.is_multiple_of(z.min_block_size) {
             return fail("round_large_mb must be a multiple of min_block_size".into());
         }
         if z.max_split_size != u64::MAX && z.max_split_size <= z.large_segment {

@@ -504,10 +504,7 @@ impl<D: Device> Shared<D> {
     fn process_events(&self, st: &mut State) {
         let streams: Vec<StreamId> = st.pending.keys().copied().collect();
         for s in streams {
-            loop {
-                let Some(front) = st.pending.get(&s).and_then(VecDeque::front) else {
-                    break;
-                };
+            while let Some(front) = st.pending.get(&s).and_then(VecDeque::front) {
                 if !self.device.query_event(front.event).unwrap_or(false) {
                     break;
                 }
