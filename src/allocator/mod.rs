@@ -469,7 +469,11 @@ impl<D: Device> Shared<D> {
     fn free(&self, block: BlockId, ptr: DevicePtr, size: u64, stream: StreamId) {
         self.device.note_reclaim(ptr, size, stream);
         let mut st = lock(&self.state);
-        let uses = st.stream_uses.remove(&block).unwrap_or_default();
+        let uses = if st.stream_uses.is_empty() {
+            Vec::new()
+        } else {
+            st.stream_uses.remove(&block).unwrap_or_default()
+        };
         if uses.is_empty() {
             st.pool.free(block);
             return;
