@@ -7,6 +7,7 @@
 #[cfg(not(loom))]
 pub(crate) use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 #[cfg(not(loom))]
+#[allow(unused_imports)]
 pub(crate) mod atomic {
     pub(crate) use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 }
@@ -17,6 +18,7 @@ pub(crate) use std::thread;
 #[cfg(loom)]
 pub(crate) use loom::sync::{Arc, Condvar, Mutex, MutexGuard};
 #[cfg(loom)]
+#[allow(unused_imports)]
 pub(crate) mod atomic {
     pub(crate) use loom::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 }
@@ -30,6 +32,14 @@ pub(crate) use loom::thread;
 /// its lock), so a poisoned lock carries no broken invariant.
 pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     match m.lock() {
+        Ok(g) => g,
+        Err(poisoned) => poisoned.into_inner(),
+    }
+}
+
+/// Waits on `cv`, recovering the guard if another thread panicked while holding the lock.
+pub(crate) fn wait<'a, T>(cv: &Condvar, guard: MutexGuard<'a, T>) -> MutexGuard<'a, T> {
+    match cv.wait(guard) {
         Ok(g) => g,
         Err(poisoned) => poisoned.into_inner(),
     }

@@ -17,7 +17,7 @@
 
 mod sim;
 
-pub use sim::{SimConfig, SimCounters, SimDevice, Violation};
+pub use sim::{KernelFailure, SIM_ALIGN, SIM_BASE, SimConfig, SimCounters, SimDevice, Violation};
 
 use std::fmt;
 
