@@ -490,3 +490,56 @@ impl super::Device for SimDevice {
         Self::after_check(found, panic);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::device::{Access, AccessKind, Device};
+    use std::time::Duration;
+
+    #[test]
+    fn drop_joins_every_worker() {
+        let dev = SimDevice::new(1 << 20);
+        for _ in 0..3 {
+            let s = dev.create_stream().unwrap();
+            dev.launch(s, Kernel::sleep(Duration::from_millis(50))).unwrap();
+        }
+        let weak = Arc::downgrade(&dev.shared);
+        drop(dev);
+        // Every worker held a strong reference until its thread ended.
+        assert!(weak.upgrade().is_none());
+    }
+
+    #[test]
+    fn destroy_stream_joins_its_worker() {
+        let dev = SimDevice::new(1 << 20);
+        let s = dev.create_stream().unwrap();
+        assert_eq!(Arc::strong_count(&dev.shared), 3);
+        dev.destroy_stream(s).unwrap();
+        assert_eq!(Arc::strong_count(&dev.shared), 2);
+    }
+
+    #[test]
+    fn sanitizer_memory_stays_bounded() {
+        let dev = SimDevice::backed(1 << 20);
+        let s = dev.create_stream().unwrap();
+        let p = dev.reserve(1 << 16).unwrap();
+        for i in 0..200u64 {
+            let ptr = p.offset((i % 16) * 4096);
+            dev.note_handout(ptr, 4096, s);
+            let acc = vec![Access { ptr, bytes: 4096, kind: AccessKind::Write }];
+            dev.launch(s, Kernel::new("w", acc, move |m| m.write(ptr, &[1]).unwrap())).unwrap();
+            dev.note_reclaim(ptr, 4096, s);
+        }
+        dev.synchronize().unwrap();
+        let st = dev.state();
+        assert_eq!(st.san.pending_len(), 0, "completed work is dropped");
+        assert_eq!(st.san.handed_len(), 0, "reclaimed ranges are dropped");
+        assert!(st.san.violations().is_empty());
+        drop(st);
+        // Releasing a segment forgets what was still handed out in it.
+        dev.note_handout(p, 64, s);
+        dev.release(p).unwrap();
+        assert_eq!(dev.state().san.handed_len(), 0);
+    }
+}
