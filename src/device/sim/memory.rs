@@ -59,7 +59,10 @@ impl Memory {
 
     /// Does `[lo, hi)` lie inside one live segment?
     pub(super) fn contains(&self, lo: u64, hi: u64) -> bool {
-        self.segments.range(..=lo).next_back().is_some_and(|(&base, s)| hi <= base + s.bytes)
+        self.segments
+            .range(..=lo)
+            .next_back()
+            .is_some_and(|(&base, s)| hi <= base.saturating_add(s.bytes))
     }
 
     /// The host bytes of `[ptr, ptr + bytes)`, which must lie inside one live, backed segment.
@@ -67,7 +70,7 @@ impl Memory {
         let bad = DeviceError::BadAccess { ptr, bytes };
         let (&base, seg) = self.segments.range_mut(..=ptr.0).next_back().ok_or(bad.clone())?;
         let off = ptr.0 - base;
-        if off + bytes > seg.bytes {
+        if off.saturating_add(bytes) > seg.bytes {
             return Err(bad);
         }
         let data =
@@ -86,7 +89,7 @@ impl SimMemory<'_> {
     fn declared(&self, ptr: DevicePtr, bytes: u64, write: bool) -> bool {
         self.accesses.iter().any(|a| {
             a.ptr.0 <= ptr.0
-                && ptr.0 + bytes <= a.ptr.0 + a.bytes
+                && ptr.0.saturating_add(bytes) <= a.ptr.0.saturating_add(a.bytes)
                 && (!write || a.kind == AccessKind::Write)
         })
     }

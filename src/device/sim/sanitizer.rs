@@ -224,7 +224,7 @@ impl Sanitizer {
         if !self.enabled || bytes == 0 {
             return found;
         }
-        let (lo, hi) = (ptr, ptr + bytes);
+        let (lo, hi) = (ptr, ptr.saturating_add(bytes));
         for (other, a, b) in self.conflicts(stream, lo, hi, true) {
             self.report(&mut found, a, b, stream, Some(other), "handout".into());
         }
@@ -265,11 +265,16 @@ impl Sanitizer {
         if !self.enabled || bytes == 0 {
             return found;
         }
-        let (lo, hi) = (ptr, ptr + bytes);
+        let (lo, hi) = (ptr, ptr.saturating_add(bytes));
+        // Fast path: the exact range that was handed out (what an allocator does).
+        if self.handed.get(&lo).is_some_and(|h| h.end == hi) {
+            self.handed.remove(&lo);
+            return found;
+        }
         let overlaps = self.handed_overlaps(lo, hi);
         let covered: u64 = overlaps.iter().map(|&(s, h)| h.end.min(hi) - s.max(lo)).sum();
         self.cut(lo, hi, &overlaps);
-        if covered < bytes {
+        if covered < hi - lo {
             self.report(
                 &mut found,
                 lo,
@@ -297,7 +302,7 @@ impl Sanitizer {
             return found;
         }
         for a in accesses.iter().filter(|a| a.bytes > 0) {
-            let (lo, hi) = (a.ptr.0, a.ptr.0 + a.bytes);
+            let (lo, hi) = (a.ptr.0, a.ptr.0.saturating_add(a.bytes));
             let write = a.kind == AccessKind::Write;
             if !self.covered(lo, hi) || !in_segment(lo, hi) {
                 let op = format!("kernel {name} touches unallocated memory");
@@ -308,8 +313,12 @@ impl Sanitizer {
             }
         }
         for a in accesses.iter().filter(|a| a.bytes > 0) {
-            let p =
-                Pending { end: a.ptr.0 + a.bytes, stream, pos, write: a.kind == AccessKind::Write };
+            let p = Pending {
+                end: a.ptr.0.saturating_add(a.bytes),
+                stream,
+                pos,
+                write: a.kind == AccessKind::Write,
+            };
             self.pending.entry(a.ptr.0).or_default().push(p);
             self.max_pending_len = self.max_pending_len.max(a.bytes);
         }
