@@ -14,7 +14,7 @@ impl Rng {
     }
     fn size(&mut self) -> u64 {
         match self.next() % 10 {
-            0..=5 => 1 + self.next() % 65536,           // small activations
+            0..=5 => 1 + self.next() % 65536,             // small activations
             6..=8 => (1 << 20) + self.next() % (8 << 20), // large pool
             _ => (10 << 20) + self.next() % (40 << 20),   // own segments
         }

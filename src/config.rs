@@ -57,29 +57,17 @@ impl Default for Config {
 
 /// Every key `Config::parse` accepts, with what it sets.
 pub const KEYS: &[(&str, &str)] = &[
-    (
-        "max_split_size_mb",
-        "blocks of at least this many MiB are never split (> large_segment_mb)",
-    ),
+    ("max_split_size_mb", "blocks of at least this many MiB are never split (> large_segment_mb)"),
     (
         "roundup_power2_divisions",
         "round sizes to this many steps between powers of two (0, or a power of two ≤ 64)",
     ),
-    (
-        "min_block_size",
-        "rounding granularity in bytes (a power of two, 1..=1048576)",
-    ),
+    ("min_block_size", "rounding granularity in bytes (a power of two, 1..=1048576)"),
     ("small_size_mb", "largest request of the small pool, MiB"),
     ("small_segment_mb", "segment size of the small pool, MiB"),
     ("large_segment_mb", "segment size of the large pool, MiB"),
-    (
-        "min_large_alloc_mb",
-        "requests of at least this many MiB get their own segment",
-    ),
-    (
-        "round_large_mb",
-        "own segments are rounded to a multiple of this many MiB",
-    ),
+    ("min_large_alloc_mb", "requests of at least this many MiB get their own segment"),
+    ("round_large_mb", "own segments are rounded to a multiple of this many MiB"),
     ("memory_limit_mb", "never reserve more than this many MiB"),
     (
         "per_process_memory_fraction",
@@ -113,27 +101,13 @@ impl fmt::Display for ConfigError {
         match self {
             ConfigError::UnknownKey(k) => {
                 let keys: Vec<&str> = KEYS.iter().map(|(k, _)| *k).collect();
-                write!(
-                    f,
-                    "unknown key `{k}` in {ENV_VAR}; valid keys: {}",
-                    keys.join(", ")
-                )
+                write!(f, "unknown key `{k}` in {ENV_VAR}; valid keys: {}", keys.join(", "))
             }
-            ConfigError::BadValue {
-                key,
-                value,
-                expected,
-            } => {
-                write!(
-                    f,
-                    "bad value `{value}` for `{key}` in {ENV_VAR}: expected {expected}"
-                )
+            ConfigError::BadValue { key, value, expected } => {
+                write!(f, "bad value `{value}` for `{key}` in {ENV_VAR}: expected {expected}")
             }
             ConfigError::Malformed(entry) => {
-                write!(
-                    f,
-                    "malformed entry `{entry}` in {ENV_VAR}: expected key:value"
-                )
+                write!(f, "malformed entry `{entry}` in {ENV_VAR}: expected key:value")
             }
             ConfigError::Inconsistent(why) => write!(f, "inconsistent {ENV_VAR}: {why}"),
         }
@@ -155,9 +129,9 @@ impl Config {
         match std::env::var(ENV_VAR) {
             Ok(s) => Config::parse(&s),
             Err(std::env::VarError::NotPresent) => Ok(Config::default()),
-            Err(std::env::VarError::NotUnicode(_)) => Err(ConfigError::Malformed(format!(
-                "{ENV_VAR} is not valid UTF-8"
-            ))),
+            Err(std::env::VarError::NotUnicode(_)) => {
+                Err(ConfigError::Malformed(format!("{ENV_VAR} is not valid UTF-8")))
+            }
         }
     }
 
@@ -166,9 +140,8 @@ impl Config {
     pub fn apply(&mut self, s: &str) -> Result<(), ConfigError> {
         let mut next = self.clone();
         for entry in s.split(',').map(str::trim).filter(|e| !e.is_empty()) {
-            let (key, value) = entry
-                .split_once(':')
-                .ok_or_else(|| ConfigError::Malformed(entry.to_string()))?;
+            let (key, value) =
+                entry.split_once(':').ok_or_else(|| ConfigError::Malformed(entry.to_string()))?;
             next.set(key.trim(), value.trim())?;
         }
         next.validate()?;
@@ -185,11 +158,7 @@ impl Config {
         let mib = |max: u64| -> Result<u64, ConfigError> {
             let what = format!("a whole number of MiB in 1..={max}");
             let v: u64 = value.parse().map_err(|_| bad(&what))?;
-            if v == 0 || v > max {
-                Err(bad(&what))
-            } else {
-                Ok(v * MIB)
-            }
+            if v == 0 || v > max { Err(bad(&what)) } else { Ok(v * MIB) }
         };
         const MAX_MIB: u64 = 1 << 28; // 256 TiB
         let z = &mut self.sizing;
@@ -242,10 +211,7 @@ impl Config {
         let z = &self.sizing;
         let fail = |why: String| Err(ConfigError::Inconsistent(why));
         if !z.min_block_size.is_power_of_two() {
-            return fail(format!(
-                "min_block_size {} is not a power of two",
-                z.min_block_size
-            ));
+            return fail(format!("min_block_size {} is not a power of two", z.min_block_size));
         }
         if z.small_size < z.min_block_size || !z.small_size.is_multiple_of(z.min_block_size) {
             return fail("small_size_mb must be a multiple of min_block_size".into());
@@ -336,26 +302,14 @@ mod tests {
             ("max_split_size_mb:abc", "max_split_size_mb"),
             ("max_split_size_mb:0", "max_split_size_mb"),
             ("max_split_size_mb:-5", "max_split_size_mb"),
-            (
-                "max_split_size_mb:99999999999999999999",
-                "max_split_size_mb",
-            ),
+            ("max_split_size_mb:99999999999999999999", "max_split_size_mb"),
             ("roundup_power2_divisions:3", "roundup_power2_divisions"),
             ("roundup_power2_divisions:128", "roundup_power2_divisions"),
             ("min_block_size:1000", "min_block_size"),
             ("min_block_size:0", "min_block_size"),
-            (
-                "per_process_memory_fraction:0",
-                "per_process_memory_fraction",
-            ),
-            (
-                "per_process_memory_fraction:1.5",
-                "per_process_memory_fraction",
-            ),
-            (
-                "per_process_memory_fraction:NaN",
-                "per_process_memory_fraction",
-            ),
+            ("per_process_memory_fraction:0", "per_process_memory_fraction"),
+            ("per_process_memory_fraction:1.5", "per_process_memory_fraction"),
+            ("per_process_memory_fraction:NaN", "per_process_memory_fraction"),
             ("cross_stream:lazy", "cross_stream"),
             ("memory_limit_mb:", "memory_limit_mb"),
         ] {
@@ -385,18 +339,9 @@ mod tests {
             matches!(e, ConfigError::Inconsistent(ref m) if m.contains("must exceed large_segment_mb")),
             "{e}"
         );
-        assert!(matches!(
-            Config::parse("small_size_mb:16"),
-            Err(ConfigError::Inconsistent(_))
-        ));
-        assert!(matches!(
-            Config::parse("min_large_alloc_mb:1"),
-            Err(ConfigError::Inconsistent(_))
-        ));
-        assert!(matches!(
-            Config::parse("small_size_mb:4"),
-            Err(ConfigError::Inconsistent(_))
-        ));
+        assert!(matches!(Config::parse("small_size_mb:16"), Err(ConfigError::Inconsistent(_))));
+        assert!(matches!(Config::parse("min_large_alloc_mb:1"), Err(ConfigError::Inconsistent(_))));
+        assert!(matches!(Config::parse("small_size_mb:4"), Err(ConfigError::Inconsistent(_))));
     }
 
     #[test]

@@ -228,15 +228,7 @@ mod tests {
         s.increase(5);
         s.decrease(12);
         s.increase(4);
-        assert_eq!(
-            s,
-            Stat {
-                current: 7,
-                peak: 15,
-                allocated: 19,
-                freed: 12
-            }
-        );
+        assert_eq!(s, Stat { current: 7, peak: 15, allocated: 19, freed: 12 });
         s.reset_peak();
         assert_eq!(s.peak, 7);
     }
@@ -249,15 +241,7 @@ mod tests {
         g.decrease(PoolKind::Small, Residency::Persistent, 512);
         assert_eq!(g.all.current, 2048);
         assert_eq!(g.all.peak, 2560);
-        assert_eq!(
-            g.small_pool,
-            Stat {
-                current: 0,
-                peak: 512,
-                allocated: 512,
-                freed: 512
-            }
-        );
+        assert_eq!(g.small_pool, Stat { current: 0, peak: 512, allocated: 512, freed: 512 });
         assert_eq!(g.large_pool.current, 2048);
         assert_eq!(g.persistent.current, 0);
         assert_eq!(g.transient.current, 2048);

@@ -18,14 +18,12 @@ fn setup(capacity: u64) -> (Arc<SimDevice>, Allocator<SimDevice>) {
 /// Device and allocator agree: reserved bytes, live segments, invariants.
 fn check(dev: &SimDevice, alloc: &Allocator<SimDevice>) {
     alloc.check_invariants().unwrap();
+    assert_eq!(dev.violations(), vec![], "stream-order violations");
     let stats = alloc.stats();
     let live: u64 = dev.live_segments().iter().map(|s| s.1).sum();
     assert_eq!(stats.blocks.reserved_bytes.all.current, live);
     assert_eq!(dev.reserved_bytes(), live);
-    assert_eq!(
-        stats.blocks.segment.all.current,
-        dev.live_segments().len() as u64
-    );
+    assert_eq!(stats.blocks.segment.all.current, dev.live_segments().len() as u64);
 }
 
 #[test]
@@ -90,9 +88,7 @@ fn out_of_memory_reports_a_breakdown_and_recovers() {
     let a = alloc.alloc(40 * MIB, S0).unwrap();
     let small = alloc.alloc(4096, S0).unwrap();
     let e = alloc.alloc(30 * MIB, S0).unwrap_err();
-    let AllocError::OutOfMemory(r) = &e else {
-        panic!("{e:?}")
-    };
+    let AllocError::OutOfMemory(r) = &e else { panic!("{e:?}") };
     assert_eq!(r.requested, 30 * MIB);
     assert_eq!(r.rounded, 30 * MIB);
     assert_eq!(r.segment, 30 * MIB);
@@ -107,10 +103,7 @@ fn out_of_memory_reports_a_breakdown_and_recovers() {
     assert_eq!(r.transient_reserved, 42 * MIB);
     assert_eq!(r.persistent_reserved, 0);
     let msg = e.to_string();
-    assert!(
-        msg.starts_with("tidepool ran out of device memory allocating 30.00 MiB"),
-        "{msg}"
-    );
+    assert!(msg.starts_with("tidepool ran out of device memory allocating 30.00 MiB"), "{msg}");
     assert!(msg.contains("22.00 MiB free of 64.00 MiB total"), "{msg}");
     assert!(!msg.contains('\n'), "one paragraph: {msg}");
     let s = alloc.stats();
@@ -136,12 +129,7 @@ fn ladder_releases_cached_segments_and_retries() {
     assert_eq!(big.ptr(), DevicePtr(SIM_BASE + 30 * MIB));
     let s = alloc.stats();
     assert_eq!(
-        (
-            s.num_alloc_retries,
-            s.num_ooms,
-            s.num_device_free,
-            s.num_device_alloc
-        ),
+        (s.num_alloc_retries, s.num_ooms, s.num_device_free, s.num_device_alloc),
         (1, 0, 1, 2)
     );
     assert_eq!(s.num_host_syncs, 1, "cuMemFree synchronises");
@@ -175,17 +163,13 @@ fn memory_limit_and_fraction_cap_reservations() {
     let alloc = Allocator::new(dev.clone(), Config::parse("memory_limit_mb:32").unwrap()).unwrap();
     let a = alloc.alloc(30 * MIB, S0).unwrap();
     let e = alloc.alloc(3 * MIB, S0).unwrap_err();
-    let AllocError::OutOfMemory(r) = &e else {
-        panic!("{e:?}")
-    };
+    let AllocError::OutOfMemory(r) = &e else { panic!("{e:?}") };
     assert_eq!(r.limit, Some(32 * MIB));
     assert!(e.to_string().contains("limited to 32.00 MiB"));
     drop(a);
-    let frac = Allocator::new(
-        dev.clone(),
-        Config::parse("per_process_memory_fraction:0.25").unwrap(),
-    )
-    .unwrap();
+    let frac =
+        Allocator::new(dev.clone(), Config::parse("per_process_memory_fraction:0.25").unwrap())
+            .unwrap();
     assert!(frac.alloc(257 * MIB, S0).is_err());
     let ok = frac.alloc(256 * MIB, S0).unwrap();
     assert_eq!(ok.block_size(), 256 * MIB);
@@ -214,18 +198,11 @@ fn persistent_segments_survive_empty_cache() {
     let w = alloc.alloc_in(4096, S0, Residency::Persistent).unwrap();
     let t = alloc.alloc(4096, S0).unwrap();
     assert_eq!(w.ptr(), DevicePtr(SIM_BASE));
-    assert_eq!(
-        t.ptr(),
-        DevicePtr(SIM_BASE + 2 * MIB),
-        "never the same segment"
-    );
+    assert_eq!(t.ptr(), DevicePtr(SIM_BASE + 2 * MIB), "never the same segment");
     drop((w, t));
     alloc.empty_cache().unwrap();
     assert_eq!(dev.live_segments(), vec![(DevicePtr(SIM_BASE), 2 * MIB)]);
-    assert_eq!(
-        alloc.stats().blocks.reserved_bytes.persistent.current,
-        2 * MIB
-    );
+    assert_eq!(alloc.stats().blocks.reserved_bytes.persistent.current, 2 * MIB);
     alloc.release_persistent().unwrap();
     assert!(dev.live_segments().is_empty());
 }
@@ -239,28 +216,13 @@ fn snapshot_lists_every_block() {
     drop(b);
     let snap = alloc.snapshot();
     assert_eq!(snap.len(), 1);
-    let SegmentInfo {
-        address,
-        size,
-        stream,
-        pool,
-        residency,
-        blocks,
-    } = &snap[0];
+    let SegmentInfo { address, size, stream, pool, residency, blocks } = &snap[0];
     assert_eq!(
         (*address, *size, *stream, *pool, *residency),
-        (
-            DevicePtr(SIM_BASE),
-            2 * MIB,
-            S0,
-            PoolKind::Small,
-            Residency::Transient
-        )
+        (DevicePtr(SIM_BASE), 2 * MIB, S0, PoolKind::Small, Residency::Transient)
     );
-    let got: Vec<(u64, u64, u64, BlockState)> = blocks
-        .iter()
-        .map(|b| (b.address.0 - SIM_BASE, b.size, b.requested, b.state))
-        .collect();
+    let got: Vec<(u64, u64, u64, BlockState)> =
+        blocks.iter().map(|b| (b.address.0 - SIM_BASE, b.size, b.requested, b.state)).collect();
     assert_eq!(
         got,
         vec![
@@ -285,11 +247,7 @@ fn stats_peaks_fragmentation_and_reset() {
     assert_eq!(s.blocks.inactive_split_bytes.all.current, 17 * MIB);
     assert_eq!(s.blocks.inactive_split.all.current, 2);
     // 1 - 6 MiB peak requested / 20 MiB peak reserved
-    assert!(
-        (s.fragmentation() - 0.7).abs() < 1e-12,
-        "{}",
-        s.fragmentation()
-    );
+    assert!((s.fragmentation() - 0.7).abs() < 1e-12, "{}", s.fragmentation());
     alloc.reset_peak_stats();
     let s = alloc.stats();
     assert_eq!(s.blocks.allocated_bytes.all.peak, 3 * MIB);
@@ -304,31 +262,14 @@ fn memory_summary_is_a_table_of_the_stats() {
     let _a = alloc.alloc(3 * MIB, S0).unwrap();
     let text = alloc.memory_summary();
     assert!(text.contains("tidepool memory summary"), "{text}");
-    let line = text
-        .lines()
-        .find(|l| l.starts_with("| Allocated memory"))
-        .unwrap();
+    let line = text.lines().find(|l| l.starts_with("| Allocated memory")).unwrap();
     assert_eq!(
         line.split('|').map(str::trim).collect::<Vec<_>>(),
-        vec![
-            "",
-            "Allocated memory",
-            "3.00 MiB",
-            "3.00 MiB",
-            "3.00 MiB",
-            "0 B",
-            ""
-        ]
+        vec!["", "Allocated memory", "3.00 MiB", "3.00 MiB", "3.00 MiB", "0 B", ""]
     );
-    let line = text
-        .lines()
-        .find(|l| l.starts_with("| Reserved memory"))
-        .unwrap();
+    let line = text.lines().find(|l| l.starts_with("| Reserved memory")).unwrap();
     assert!(line.contains("20.00 MiB"), "{line}");
-    assert!(
-        text.lines().all(|l| l.chars().count() == 89),
-        "every line is 89 columns:\n{text}"
-    );
+    assert!(text.lines().all(|l| l.chars().count() == 89), "every line is 89 columns:\n{text}");
 }
 
 #[test]
@@ -342,15 +283,8 @@ fn record_stream_holds_the_block_until_its_events_complete() {
     drop(a);
     let s = alloc.stats();
     assert_eq!(s.blocks.allocated_bytes.all.current, 0);
-    assert_eq!(
-        s.blocks.active_bytes.all.current, 4096,
-        "pending on its event"
-    );
-    assert_eq!(
-        dev.counters().event_records,
-        1,
-        "one event for the one other stream"
-    );
+    assert_eq!(s.blocks.active_bytes.all.current, 4096, "pending on its event");
+    assert_eq!(dev.counters().event_records, 1, "one event for the one other stream");
     alloc.check_invariants().unwrap();
     // The next allocation polls the event (complete on this device) and reuses the block.
     let b = alloc.alloc(4096, S0).unwrap();
@@ -377,20 +311,14 @@ fn another_stream_takes_a_free_segment_once_its_work_is_done() {
     let (dev, alloc) = setup(1 << 30);
     let s1 = dev.create_stream().unwrap();
     drop(alloc.alloc(4096, S0).unwrap());
-    assert_eq!(
-        alloc.stats().cached_free_bytes_per_stream,
-        vec![(0, 2 * MIB)]
-    );
+    assert_eq!(alloc.stats().cached_free_bytes_per_stream, vec![(0, 2 * MIB)]);
     // Stream 0 is idle: stream 1 takes its free segment instead of reserving one.
     let b = alloc.alloc(4096, s1).unwrap();
     assert_eq!(b.ptr(), DevicePtr(SIM_BASE));
     assert_eq!(dev.counters().mallocs, 1);
     assert_eq!(alloc.snapshot()[0].stream, s1);
     drop(b);
-    assert_eq!(
-        alloc.stats().cached_free_bytes_per_stream,
-        vec![(1, 2 * MIB)]
-    );
+    assert_eq!(alloc.stats().cached_free_bytes_per_stream, vec![(1, 2 * MIB)]);
     alloc.release_stream(s1).unwrap();
     assert!(dev.live_segments().is_empty());
     check(&dev, &alloc);
@@ -401,9 +329,7 @@ fn dropping_everything_leaves_no_segment() {
     let dev = Arc::new(SimDevice::new(1 << 30));
     let alloc = Allocator::new(dev.clone(), Config::default()).unwrap();
     let w = alloc.alloc_in(1 << 20, S0, Residency::Persistent).unwrap();
-    let bufs: Vec<_> = (1..20)
-        .map(|i| alloc.alloc(i * 100_000, S0).unwrap())
-        .collect();
+    let bufs: Vec<_> = (1..20).map(|i| alloc.alloc(i * 100_000, S0).unwrap()).collect();
     drop(alloc);
     // Buffers keep the allocator alive.
     assert!(!dev.live_segments().is_empty());
@@ -420,9 +346,7 @@ fn set_config_applies_to_later_allocations() {
     let (_dev, alloc) = setup(1 << 30);
     let a = alloc.alloc(MIB + 1, S0).unwrap();
     assert_eq!(a.block_size(), MIB + 512);
-    alloc
-        .set_config(Config::parse("roundup_power2_divisions:4").unwrap())
-        .unwrap();
+    alloc.set_config(Config::parse("roundup_power2_divisions:4").unwrap()).unwrap();
     let b = alloc.alloc(MIB + 1, S0).unwrap();
     assert_eq!(b.block_size(), MIB + 256 * 1024);
     let mut bad = Config::default();

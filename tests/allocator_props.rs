@@ -56,23 +56,40 @@ struct Live {
     stream: StreamId,
 }
 
-fn check(dev: &SimDevice, alloc: &Allocator<SimDevice>, live: &[Live]) -> Result<(), TestCaseError> {
+fn check(
+    dev: &SimDevice,
+    alloc: &Allocator<SimDevice>,
+    live: &[Live],
+) -> Result<(), TestCaseError> {
     alloc.check_invariants().map_err(TestCaseError::fail)?;
+    prop_assert_eq!(dev.violations(), vec![]);
     let s = alloc.stats();
     let segs = dev.live_segments();
     prop_assert_eq!(s.blocks.reserved_bytes.all.current, segs.iter().map(|s| s.1).sum::<u64>());
     prop_assert_eq!(s.blocks.segment.all.current, segs.len() as u64);
-    prop_assert_eq!(s.blocks.allocated_bytes.all.current, live.iter().map(|l| l.buf.block_size()).sum::<u64>());
-    prop_assert_eq!(s.blocks.allocation.all.current, live.iter().filter(|l| !l.buf.is_empty()).count() as u64);
+    prop_assert_eq!(
+        s.blocks.allocated_bytes.all.current,
+        live.iter().map(|l| l.buf.block_size()).sum::<u64>()
+    );
+    prop_assert_eq!(
+        s.blocks.allocation.all.current,
+        live.iter().filter(|l| !l.buf.is_empty()).count() as u64
+    );
     // Live buffers never overlap and lie inside a device segment.
-    let mut ranges: Vec<(u64, u64)> =
-        live.iter().filter(|l| !l.buf.is_empty()).map(|l| (l.buf.ptr().0, l.buf.block_size())).collect();
+    let mut ranges: Vec<(u64, u64)> = live
+        .iter()
+        .filter(|l| !l.buf.is_empty())
+        .map(|l| (l.buf.ptr().0, l.buf.block_size()))
+        .collect();
     ranges.sort_unstable();
     for w in ranges.windows(2) {
         prop_assert!(w[0].0 + w[0].1 <= w[1].0, "live buffers overlap");
     }
     for &(p, n) in &ranges {
-        prop_assert!(segs.iter().any(|&(b, sz)| b.0 <= p && p + n <= b.0 + sz), "buffer outside every segment");
+        prop_assert!(
+            segs.iter().any(|&(b, sz)| b.0 <= p && p + n <= b.0 + sz),
+            "buffer outside every segment"
+        );
     }
     for l in live {
         prop_assert_eq!(l.buf.len(), l.bytes);

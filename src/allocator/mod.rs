@@ -51,9 +51,7 @@ pub struct Allocator<D: Device> {
 
 impl<D: Device> Clone for Allocator<D> {
     fn clone(&self) -> Self {
-        Allocator {
-            shared: self.shared.clone(),
-        }
+        Allocator { shared: self.shared.clone() }
     }
 }
 
@@ -98,9 +96,7 @@ struct State {
 impl<D: Device> Allocator<D> {
     /// An allocator over `device`. Fails only if the device cannot report its memory.
     pub fn new(device: Arc<D>, config: Config) -> Result<Allocator<D>, AllocError> {
-        config
-            .validate()
-            .map_err(|e| AllocError::Device(DeviceError::Driver(e.to_string())))?;
+        config.validate().map_err(|e| AllocError::Device(DeviceError::Driver(e.to_string())))?;
         let total = device.mem_info()?.total;
         Ok(Allocator {
             shared: Arc::new(Shared {
@@ -156,15 +152,9 @@ impl<D: Device> Allocator<D> {
             });
         }
         let config = sh.config.load();
-        let rounded = config
-            .sizing
-            .round(bytes)
-            .ok_or(AllocError::InvalidSize { requested: bytes })?;
-        let key = PoolKey {
-            residency,
-            stream,
-            kind: config.sizing.kind(rounded),
-        };
+        let rounded =
+            config.sizing.round(bytes).ok_or(AllocError::InvalidSize { requested: bytes })?;
+        let key = PoolKey { residency, stream, kind: config.sizing.kind(rounded) };
         let mut st = lock(&sh.state);
         let block = sh.find_or_reserve(&mut st, &config, key, bytes, rounded)?;
         let block = st.pool.allocate(block, rounded, bytes, &config.sizing);
@@ -172,14 +162,7 @@ impl<D: Device> Allocator<D> {
         let (ptr, size) = (DevicePtr(b.addr), b.size);
         drop(st);
         sh.device.note_handout(ptr, size, stream);
-        Ok(Buffer {
-            ptr,
-            requested: bytes,
-            size,
-            stream,
-            block: Some(block),
-            owner: sh.clone(),
-        })
+        Ok(Buffer { ptr, requested: bytes, size, stream, block: Some(block), owner: sh.clone() })
     }
 
     /// Marks `buffer` as used on `stream` as well: when it is freed, its block is held until the
@@ -248,22 +231,12 @@ impl<D: Device> Allocator<D> {
 
     /// Bytes currently reserved from the device (cheaper than [`Allocator::stats`]).
     pub fn reserved_bytes(&self) -> u64 {
-        lock(&self.shared.state)
-            .pool
-            .stats()
-            .reserved_bytes
-            .all
-            .current
+        lock(&self.shared.state).pool.stats().reserved_bytes.all.current
     }
 
     /// Bytes currently allocated to live buffers (cheaper than [`Allocator::stats`]).
     pub fn allocated_bytes(&self) -> u64 {
-        lock(&self.shared.state)
-            .pool
-            .stats()
-            .allocated_bytes
-            .all
-            .current
+        lock(&self.shared.state).pool.stats().allocated_bytes.all.current
     }
 
     /// Resets every peak statistic to its current value.
@@ -279,9 +252,7 @@ impl<D: Device> Allocator<D> {
         let queued: usize = st.pending.values().map(VecDeque::len).sum();
         let counted: usize = st.pending_count.values().sum();
         if queued != counted {
-            return Err(format!(
-                "{queued} pending events queued but {counted} counted"
-            ));
+            return Err(format!("{queued} pending events queued but {counted} counted"));
         }
         for (&b, _) in st.pending_count.iter() {
             if st.pool.block(b).state != BlockState::Pending {
@@ -362,10 +333,7 @@ impl<D: Device> Shared<D> {
     ) -> Result<BlockId, AllocError> {
         let reserved = st.pool.stats().reserved_bytes.all.current;
         let refused = || AllocError::OutOfMemory(Box::default());
-        if config
-            .limit(self.device_total)
-            .is_some_and(|limit| reserved + seg_size > limit)
-        {
+        if config.limit(self.device_total).is_some_and(|limit| reserved + seg_size > limit) {
             return Err(refused());
         }
         match self.device.reserve(seg_size) {
@@ -490,10 +458,7 @@ impl<D: Device> Shared<D> {
                 st.free_events.push(event);
                 continue;
             }
-            st.pending
-                .entry(s)
-                .or_default()
-                .push_back(PendingEvent { event, block });
+            st.pending.entry(s).or_default().push_back(PendingEvent { event, block });
             recorded += 1;
         }
         if recorded == 0 {
@@ -512,11 +477,8 @@ impl<D: Device> Shared<D> {
                 if !self.device.query_event(front.event).unwrap_or(false) {
                     break;
                 }
-                let done = st
-                    .pending
-                    .get_mut(&s)
-                    .and_then(VecDeque::pop_front)
-                    .expect("front exists");
+                let done =
+                    st.pending.get_mut(&s).and_then(VecDeque::pop_front).expect("front exists");
                 Self::event_done(st, done);
             }
             if st.pending.get(&s).is_some_and(VecDeque::is_empty) {
@@ -531,11 +493,8 @@ impl<D: Device> Shared<D> {
             while let Some(front) = st.pending.get(&s).and_then(VecDeque::front) {
                 st.counters.host_syncs += 1;
                 self.device.synchronize_event(front.event)?;
-                let done = st
-                    .pending
-                    .get_mut(&s)
-                    .and_then(VecDeque::pop_front)
-                    .expect("front exists");
+                let done =
+                    st.pending.get_mut(&s).and_then(VecDeque::pop_front).expect("front exists");
                 Self::event_done(st, done);
             }
             st.pending.remove(&s);
@@ -545,10 +504,7 @@ impl<D: Device> Shared<D> {
 
     fn event_done(st: &mut State, done: PendingEvent) {
         st.free_events.push(done.event);
-        let n = st
-            .pending_count
-            .get_mut(&done.block)
-            .expect("pending block has a count");
+        let n = st.pending_count.get_mut(&done.block).expect("pending block has a count");
         *n -= 1;
         if *n == 0 {
             st.pending_count.remove(&done.block);
@@ -565,10 +521,10 @@ impl<D: Device> Shared<D> {
         rounded: u64,
         seg_size: u64,
     ) -> OomReport {
-        let info = self.device.mem_info().unwrap_or(crate::device::MemInfo {
-            free: 0,
-            total: self.device_total,
-        });
+        let info = self
+            .device
+            .mem_info()
+            .unwrap_or(crate::device::MemInfo { free: 0, total: self.device_total });
         let s = st.pool.stats();
         OomReport {
             requested: bytes,

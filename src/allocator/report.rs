@@ -119,11 +119,7 @@ impl<D: Device> Allocator<D> {
         ];
         let row = |out: &mut String, name: &str, st: &Stat, bytes: bool| {
             let f = |v: u64| {
-                if bytes {
-                    Bytes(v).to_string()
-                } else {
-                    v.to_string()
-                }
+                if bytes { Bytes(v).to_string() } else { v.to_string() }
             };
             let _ = writeln!(
                 out,

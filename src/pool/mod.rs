@@ -94,10 +94,7 @@ impl Pool {
 
     /// Free blocks of `key` in (size, address) order.
     pub fn free_of(&self, key: PoolKey) -> impl Iterator<Item = BlockId> + '_ {
-        self.free
-            .range((key, 0, 0, 0)..)
-            .take_while(move |e| e.0 == key)
-            .map(|e| BlockId(e.3))
+        self.free.range((key, 0, 0, 0)..).take_while(move |e| e.0 == key).map(|e| BlockId(e.3))
     }
 
     /// Adds a segment of `size` bytes at `base` for `key`, as one free block; returns that block.
@@ -112,17 +109,9 @@ impl Pool {
             next: None,
             state: BlockState::Free,
         }));
-        self.segments.insert(Segment {
-            base,
-            size,
-            key,
-            first: block,
-            busy_blocks: 0,
-        });
+        self.segments.insert(Segment { base, size, key, first: block, busy_blocks: 0 });
         self.free.insert((key, size, base, block.0));
-        self.stats
-            .reserved_bytes
-            .increase(key.kind, key.residency, size);
+        self.stats.reserved_bytes.increase(key.kind, key.residency, size);
         self.stats.segment.increase(key.kind, key.residency, 1);
         block
     }
@@ -138,15 +127,8 @@ impl Pool {
         sizing: &Sizing,
     ) -> BlockId {
         let b = &self.blocks[id.0];
-        assert_eq!(
-            b.state,
-            BlockState::Free,
-            "allocate of a block that is not free"
-        );
-        assert!(
-            b.size >= rounded,
-            "allocate of a block smaller than the request"
-        );
+        assert_eq!(b.state, BlockState::Free, "allocate of a block that is not free");
+        assert!(b.size >= rounded, "allocate of a block smaller than the request");
         let seg = b.segment;
         let key = self.segments[seg.0].key;
         let (kind, res) = (key.kind, key.residency);
@@ -174,9 +156,7 @@ impl Pool {
             b.next = Some(BlockId(rest_id));
             b.size = rounded;
             self.free.insert((key, rest_size, rest_addr, rest_id));
-            self.stats
-                .inactive_split_bytes
-                .increase(kind, res, rest_size);
+            self.stats.inactive_split_bytes.increase(kind, res, rest_size);
             self.stats.inactive_split.increase(kind, res, 1);
         }
         let b = &mut self.blocks[id.0];
@@ -197,16 +177,10 @@ impl Pool {
     /// allocated, stays active, and is neither reusable nor merged until [`Pool::free`].
     pub fn mark_pending(&mut self, id: BlockId) {
         let b = &mut self.blocks[id.0];
-        assert_eq!(
-            b.state,
-            BlockState::Allocated,
-            "mark_pending of a block that is not allocated"
-        );
+        assert_eq!(b.state, BlockState::Allocated, "mark_pending of a block that is not allocated");
         b.state = BlockState::Pending;
         let (size, key) = (b.size, self.segments[b.segment.0].key);
-        self.stats
-            .allocated_bytes
-            .decrease(key.kind, key.residency, size);
+        self.stats.allocated_bytes.decrease(key.kind, key.residency, size);
         self.stats.allocation.decrease(key.kind, key.residency, 1);
     }
 
@@ -232,16 +206,14 @@ impl Pool {
         st.requested_bytes.decrease(kind, res, requested);
 
         let mut merged = id;
-        if let Some(p) = self.blocks[id.0]
-            .prev
-            .filter(|p| self.blocks[p.0].state == BlockState::Free)
+        if let Some(p) =
+            self.blocks[id.0].prev.filter(|p| self.blocks[p.0].state == BlockState::Free)
         {
             self.absorb(p, merged, key);
             merged = p;
         }
-        if let Some(n) = self.blocks[merged.0]
-            .next
-            .filter(|n| self.blocks[n.0].state == BlockState::Free)
+        if let Some(n) =
+            self.blocks[merged.0].next.filter(|n| self.blocks[n.0].state == BlockState::Free)
         {
             self.absorb(merged, n, key);
         }
@@ -262,12 +234,8 @@ impl Pool {
             let b = &self.blocks[id.0];
             if self.free.remove(&(key, b.size, b.addr, id.0)) {
                 // A free neighbour of another block is always part of a split segment.
-                self.stats
-                    .inactive_split_bytes
-                    .decrease(key.kind, key.residency, b.size);
-                self.stats
-                    .inactive_split
-                    .decrease(key.kind, key.residency, 1);
+                self.stats.inactive_split_bytes.decrease(key.kind, key.residency, b.size);
+                self.stats.inactive_split.decrease(key.kind, key.residency, 1);
             }
         }
         let r = self.blocks.remove(right.0);
@@ -297,12 +265,8 @@ impl Pool {
         self.free.remove(&(seg.key, b.size, b.addr, seg.first.0));
         self.blocks.remove(seg.first.0);
         let seg = self.segments.remove(id.0);
-        self.stats
-            .reserved_bytes
-            .decrease(seg.key.kind, seg.key.residency, seg.size);
-        self.stats
-            .segment
-            .decrease(seg.key.kind, seg.key.residency, 1);
+        self.stats.reserved_bytes.decrease(seg.key.kind, seg.key.residency, seg.size);
+        self.stats.segment.decrease(seg.key.kind, seg.key.residency, 1);
         (seg.base, seg.size)
     }
 
@@ -370,10 +334,7 @@ impl Pool {
                 }
                 let is_free = b.state == BlockState::Free;
                 if is_free && prev_free {
-                    return Err(format!(
-                        "segment {sid}: adjacent free blocks at {:#x}",
-                        b.addr
-                    ));
+                    return Err(format!("segment {sid}: adjacent free blocks at {:#x}", b.addr));
                 }
                 match b.state {
                     BlockState::Free => {
@@ -430,10 +391,7 @@ impl Pool {
         ranges.sort_unstable();
         for w in ranges.windows(2) {
             if w[0].0 + w[0].1 > w[1].0 {
-                return Err(format!(
-                    "segments at {:#x} and {:#x} overlap",
-                    w[0].0, w[1].0
-                ));
+                return Err(format!("segments at {:#x} and {:#x} overlap", w[0].0, w[1].0));
             }
         }
         let current = |s: &BlockStats| {

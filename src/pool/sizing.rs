@@ -94,11 +94,7 @@ impl Sizing {
 
     /// The pool a rounded request belongs to.
     pub fn kind(&self, rounded: u64) -> PoolKind {
-        if rounded <= self.small_size {
-            PoolKind::Small
-        } else {
-            PoolKind::Large
-        }
+        if rounded <= self.small_size { PoolKind::Small } else { PoolKind::Large }
     }
 
     /// Size of a new segment for a rounded request (PyTorch's `get_allocation_size`).
@@ -167,10 +163,7 @@ mod tests {
 
     #[test]
     fn rounding_power2_divisions() {
-        let s = Sizing {
-            roundup_power2_divisions: 4,
-            ..Sizing::default()
-        };
+        let s = Sizing { roundup_power2_divisions: 4, ..Sizing::default() };
         // 1 MiB..2 MiB in steps of 256 KiB.
         assert_eq!(s.round(MIB + 1), Some(MIB + 256 * KIB));
         assert_eq!(s.round(MIB + 256 * KIB), Some(MIB + 256 * KIB));
@@ -179,10 +172,7 @@ mod tests {
         // At or below min_block_size × divisions (2 KiB), plain 512 B rounding applies.
         assert_eq!(s.round(1500), Some(1536));
         assert_eq!(s.round(2049), Some(2560));
-        let s8 = Sizing {
-            roundup_power2_divisions: 8,
-            ..Sizing::default()
-        };
+        let s8 = Sizing { roundup_power2_divisions: 8, ..Sizing::default() };
         assert_eq!(s8.round(5 * MIB + 1), Some(5 * MIB + 512 * KIB));
     }
 
@@ -208,20 +198,14 @@ mod tests {
         // Large: the remainder must exceed 1 MiB.
         assert!(!s.should_split(PoolKind::Large, 3 * MIB, 2 * MIB));
         assert!(s.should_split(PoolKind::Large, 3 * MIB + 512, 2 * MIB));
-        let capped = Sizing {
-            max_split_size: 64 * MIB,
-            ..Sizing::default()
-        };
+        let capped = Sizing { max_split_size: 64 * MIB, ..Sizing::default() };
         assert!(!capped.should_split(PoolKind::Large, 200 * MIB, 64 * MIB));
         assert!(capped.should_split(PoolKind::Large, 200 * MIB, 63 * MIB));
     }
 
     #[test]
     fn oversized_blocks_are_kept_for_large_requests() {
-        let s = Sizing {
-            max_split_size: 64 * MIB,
-            ..Sizing::default()
-        };
+        let s = Sizing { max_split_size: 64 * MIB, ..Sizing::default() };
         assert!(s.may_serve(63 * MIB, 2 * MIB));
         assert!(!s.may_serve(64 * MIB, 2 * MIB));
         assert!(s.may_serve(80 * MIB, 64 * MIB));

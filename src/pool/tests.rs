@@ -8,11 +8,7 @@ use crate::stats::{PoolKind, Residency};
 const BASE: u64 = 0x1_0000_0000;
 
 fn key(kind: PoolKind) -> PoolKey {
-    PoolKey {
-        residency: Residency::Transient,
-        stream: StreamId(0),
-        kind,
-    }
+    PoolKey { residency: Residency::Transient, stream: StreamId(0), kind }
 }
 
 fn small() -> PoolKey {
@@ -33,10 +29,7 @@ fn alloc(
     next_base: &mut u64,
 ) -> (BlockId, u64) {
     let rounded = sizing.round(bytes).unwrap();
-    let k = PoolKey {
-        kind: sizing.kind(rounded),
-        ..k
-    };
+    let k = PoolKey { kind: sizing.kind(rounded), ..k };
     let block = match pool.find_free(k, rounded, sizing) {
         Some(b) => b,
         None => {
@@ -52,9 +45,7 @@ fn alloc(
 }
 
 fn sizes(pool: &Pool, seg: SegmentId) -> Vec<(u64, u64, BlockState)> {
-    pool.segment_blocks(seg)
-        .map(|(_, b)| (b.addr - BASE, b.size, b.state))
-        .collect()
+    pool.segment_blocks(seg).map(|(_, b)| (b.addr - BASE, b.size, b.state)).collect()
 }
 
 use BlockState::{Allocated as A, Free as F, Pending as P};
@@ -67,10 +58,7 @@ fn small_requests_split_a_2mib_segment() {
     assert_eq!(addr_a, BASE);
     assert_eq!(addr_b, BASE + 512);
     let seg = pool.block(a).segment;
-    assert_eq!(
-        sizes(&pool, seg),
-        vec![(0, 512, A), (512, 1024, A), (1536, 2 * MIB - 1536, F)]
-    );
+    assert_eq!(sizes(&pool, seg), vec![(0, 512, A), (512, 1024, A), (1536, 2 * MIB - 1536, F)]);
     let st = pool.stats();
     assert_eq!(st.reserved_bytes.all.current, 2 * MIB);
     assert_eq!(st.allocated_bytes.all.current, 1536);
@@ -95,21 +83,12 @@ fn exact_fit_does_not_split() {
     );
     let (b, _) = alloc(&mut pool, &s, small(), MIB, &mut next);
     let seg = pool.block(b).segment;
-    assert_eq!(
-        sizes(&pool, seg),
-        vec![(20 * MIB, MIB, A), (21 * MIB, MIB, F)]
-    );
+    assert_eq!(sizes(&pool, seg), vec![(20 * MIB, MIB, A), (21 * MIB, MIB, F)]);
     let (c, addr_c) = alloc(&mut pool, &s, small(), MIB, &mut next);
     assert_eq!(addr_c, BASE + 21 * MIB);
-    assert_eq!(
-        sizes(&pool, seg),
-        vec![(20 * MIB, MIB, A), (21 * MIB, MIB, A)]
-    );
+    assert_eq!(sizes(&pool, seg), vec![(20 * MIB, MIB, A), (21 * MIB, MIB, A)]);
     assert_eq!(pool.stats().inactive_split_bytes.small_pool.current, 0);
-    assert_eq!(
-        pool.stats().inactive_split_bytes.large_pool.current,
-        18 * MIB + 512
-    );
+    assert_eq!(pool.stats().inactive_split_bytes.large_pool.current, 18 * MIB + 512);
     pool.free(c);
     pool.free(b);
     pool.check_invariants().unwrap();
@@ -119,9 +98,8 @@ fn exact_fit_does_not_split() {
 #[test]
 fn coalesce_left_right_and_both() {
     let (mut pool, s, mut next) = (Pool::new(), Sizing::default(), BASE);
-    let ids: Vec<BlockId> = (0..4)
-        .map(|_| alloc(&mut pool, &s, small(), 512, &mut next).0)
-        .collect();
+    let ids: Vec<BlockId> =
+        (0..4).map(|_| alloc(&mut pool, &s, small(), 512, &mut next).0).collect();
     let seg = pool.block(ids[0]).segment;
     let tail = 2 * MIB - 2048;
     // Free the second block: no free neighbour, stays alone.
@@ -129,13 +107,7 @@ fn coalesce_left_right_and_both() {
     pool.check_invariants().unwrap();
     assert_eq!(
         sizes(&pool, seg),
-        vec![
-            (0, 512, A),
-            (512, 512, F),
-            (1024, 512, A),
-            (1536, 512, A),
-            (2048, tail, F)
-        ]
+        vec![(0, 512, A), (512, 512, F), (1024, 512, A), (1536, 512, A), (2048, tail, F)]
     );
     // Free the first: merges right into the second.
     let m = pool.free(ids[0]);
@@ -143,25 +115,14 @@ fn coalesce_left_right_and_both() {
     assert_eq!(pool.block(m).addr, BASE);
     assert_eq!(
         sizes(&pool, seg),
-        vec![
-            (0, 1024, F),
-            (1024, 512, A),
-            (1536, 512, A),
-            (2048, tail, F)
-        ]
+        vec![(0, 1024, F), (1024, 512, A), (1536, 512, A), (2048, tail, F)]
     );
     // Free the fourth: merges left-to-right with the tail.
     let m = pool.free(ids[3]);
     pool.check_invariants().unwrap();
     assert_eq!(pool.block(m).addr, BASE + 1536);
-    assert_eq!(
-        sizes(&pool, seg),
-        vec![(0, 1024, F), (1024, 512, A), (1536, tail + 512, F)]
-    );
-    assert_eq!(
-        pool.stats().inactive_split_bytes.all.current,
-        1024 + tail + 512
-    );
+    assert_eq!(sizes(&pool, seg), vec![(0, 1024, F), (1024, 512, A), (1536, tail + 512, F)]);
+    assert_eq!(pool.stats().inactive_split_bytes.all.current, 1024 + tail + 512);
     // Free the third: merges both ways, the segment is whole again.
     let m = pool.free(ids[2]);
     pool.check_invariants().unwrap();
@@ -181,10 +142,8 @@ fn best_fit_takes_smallest_then_lowest_address() {
     let (mut pool, s, mut next) = (Pool::new(), Sizing::default(), BASE);
     // Carve holes of 1536, 1024 and 1024 bytes, separated by live blocks.
     let sizes_in = [1536, 512, 1024, 512, 1024, 512];
-    let ids: Vec<BlockId> = sizes_in
-        .iter()
-        .map(|&b| alloc(&mut pool, &s, small(), b, &mut next).0)
-        .collect();
+    let ids: Vec<BlockId> =
+        sizes_in.iter().map(|&b| alloc(&mut pool, &s, small(), b, &mut next).0).collect();
     pool.free(ids[0]);
     pool.free(ids[2]);
     pool.free(ids[4]);
@@ -206,20 +165,14 @@ fn large_pool_splits_only_above_1mib_remainder() {
     let (a, _) = alloc(&mut pool, &s, large(), 18 * MIB + 512, &mut next);
     let seg = pool.block(a).segment;
     // 20 MiB - (18 MiB + 512) = 2 MiB - 512 > 1 MiB: split.
-    assert_eq!(
-        sizes(&pool, seg),
-        vec![(0, 18 * MIB + 512, A), (18 * MIB + 512, 2 * MIB - 512, F)]
-    );
+    assert_eq!(sizes(&pool, seg), vec![(0, 18 * MIB + 512, A), (18 * MIB + 512, 2 * MIB - 512, F)]);
     let (b, _) = alloc(&mut pool, &s, large(), MIB + 512, &mut next);
     // The 2 MiB - 512 hole serves 1 MiB + 512, leaving 1 MiB - 1024: not split.
     assert_eq!(pool.block(b).addr, BASE + 18 * MIB + 512);
     assert_eq!(pool.block(b).size, 2 * MIB - 512);
     assert_eq!(pool.block(b).requested, MIB + 512);
     assert_eq!(pool.stats().allocated_bytes.large_pool.current, 20 * MIB);
-    assert_eq!(
-        pool.stats().requested_bytes.large_pool.current,
-        19 * MIB + 1024
-    );
+    assert_eq!(pool.stats().requested_bytes.large_pool.current, 19 * MIB + 1024);
 }
 
 #[test]
@@ -236,10 +189,7 @@ fn huge_requests_get_their_own_rounded_segment() {
 
 #[test]
 fn max_split_size_keeps_big_blocks_whole_and_reserved_for_big_requests() {
-    let s = Sizing {
-        max_split_size: 64 * MIB,
-        ..Sizing::default()
-    };
+    let s = Sizing { max_split_size: 64 * MIB, ..Sizing::default() };
     let (mut pool, mut next) = (Pool::new(), BASE);
     let (a, _) = alloc(&mut pool, &s, large(), 100 * MIB, &mut next);
     pool.free(a);
@@ -269,10 +219,7 @@ fn pending_blocks_are_not_merged_or_reused() {
     pool.free(b);
     pool.check_invariants().unwrap();
     let seg = pool.block(a).segment;
-    assert_eq!(
-        sizes(&pool, seg),
-        vec![(0, 512, P), (512, 2 * MIB - 512, F)]
-    );
+    assert_eq!(sizes(&pool, seg), vec![(0, 512, P), (512, 2 * MIB - 512, F)]);
     // A new 512-byte request skips the pending block.
     let (_, addr) = alloc(&mut pool, &s, small(), 512, &mut next);
     assert_eq!(addr, BASE + 512);
@@ -285,14 +232,8 @@ fn pending_blocks_are_not_merged_or_reused() {
 #[test]
 fn keys_never_share_blocks() {
     let (mut pool, s, mut next) = (Pool::new(), Sizing::default(), BASE);
-    let other_stream = PoolKey {
-        stream: StreamId(1),
-        ..small()
-    };
-    let persistent = PoolKey {
-        residency: Residency::Persistent,
-        ..small()
-    };
+    let other_stream = PoolKey { stream: StreamId(1), ..small() };
+    let persistent = PoolKey { residency: Residency::Persistent, ..small() };
     let (a, _) = alloc(&mut pool, &s, small(), 512, &mut next);
     let (_, addr_b) = alloc(&mut pool, &s, other_stream, 512, &mut next);
     let (_, addr_c) = alloc(&mut pool, &s, persistent, 512, &mut next);
@@ -302,10 +243,7 @@ fn keys_never_share_blocks() {
     assert_eq!(pool.stats().reserved_bytes.persistent.current, 2 * MIB);
     assert_eq!(pool.stats().reserved_bytes.transient.current, 4 * MIB);
     assert_eq!(pool.free_of(other_stream).count(), 1);
-    assert_eq!(
-        pool.free_bytes_where(|k| k.stream == StreamId(1)),
-        2 * MIB - 512
-    );
+    assert_eq!(pool.free_bytes_where(|k| k.stream == StreamId(1)), 2 * MIB - 512);
 }
 
 #[test]
@@ -317,9 +255,5 @@ fn invariant_checker_catches_corruption() {
     pool.blocks[a.0].size = 512;
     pool.check_invariants().unwrap();
     pool.stats.allocated_bytes.all.current += 1;
-    assert!(
-        pool.check_invariants()
-            .unwrap_err()
-            .contains("stats drifted")
-    );
+    assert!(pool.check_invariants().unwrap_err().contains("stats drifted"));
 }

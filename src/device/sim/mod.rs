@@ -1,0 +1,545 @@
+//! `SimDevice`: an asynchronous device made of host memory, so that every test and the replayer
+//! run anywhere.
+//!
+//! - [`memory`]: the fake address space (bump addresses from [`SIM_BASE`], never reused, optional
+//!   host backing) and the kernels' checked view of it.
+//! - [`stream`]: each stream is an in-order queue drained by its own worker thread; `launch`
+//!   returns at once, events are positions in a queue, `wait_event` enqueues a device-side wait.
+//! - [`sanitizer`]: the stream-order sanitizer (vector clocks over stream positions).
+//!
+//! ```text
+//!   SimDevice ── Arc<Shared> ──┬── worker(stream 0) ─┐
+//!                              ├── worker(stream 1) ─┤  all lock Shared::state and wait on
+//!                              └── worker(stream …) ─┘  Shared::progress
+//!   Shared { state: Mutex<State{mem, streams, events, counters, faults, san, failures}>,
+//!            progress: Condvar }
+//! ```
+//!
+//! Dropping the device drains every stream and joins every worker.
+
+mod memory;
+mod sanitizer;
+mod stream;
+
+pub use memory::{SIM_ALIGN, SIM_BASE};
+
+use super::{DeviceError, DevicePtr, EventId, Kernel, MemInfo, StreamId};
+use crate::sync::{Arc, Condvar, Mutex, MutexGuard, lock, wait};
+use memory::Memory;
+use sanitizer::Sanitizer;
+use std::collections::{BTreeMap, HashMap};
+use stream::{Op, Stream};
+
+/// How a [`SimDevice`] behaves.
+#[derive(Clone, Debug)]
+pub struct SimConfig {
+    /// Total device memory in bytes.
+    pub capacity: u64,
+    /// Back segments with host memory (needed by kernels; off for trace replay).
+    pub backed: bool,
+    /// Run the stream-order sanitizer (on by default; cheap when no kernels run).
+    pub sanitize: bool,
+}
+
+impl Default for SimConfig {
+    fn default() -> Self {
+        SimConfig { capacity: 8 << 30, backed: false, sanitize: true }
+    }
+}
+
+/// Counters of every device call, for tests and reports.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SimCounters {
+    /// Successful segment reservations (`cuMemAlloc`).
+    pub mallocs: u64,
+    /// Refused segment reservations (out of memory or injected).
+    pub failed_mallocs: u64,
+    /// Segment releases (`cuMemFree`).
+    pub frees: u64,
+    /// Host synchronisations: event/device synchronise and segment releases.
+    pub host_syncs: u64,
+    /// Events recorded.
+    pub event_records: u64,
+    /// Event queries.
+    pub event_queries: u64,
+    /// Device-side waits on events.
+    pub event_waits: u64,
+    /// Kernels launched.
+    pub launches: u64,
+}
+
+/// A stream-order violation found by the sanitizer.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Violation {
+    /// First byte of the offending range.
+    pub ptr: DevicePtr,
+    /// Length of the offending range.
+    pub bytes: u64,
+    /// The stream that received or touched the memory.
+    pub stream: StreamId,
+    /// The stream whose unfinished work was on it, if any.
+    pub other: Option<StreamId>,
+    /// What happened ("handout", "kernel <name>", ...).
+    pub op: String,
+}
+
+/// A kernel whose body panicked; the device caught the panic and carried on.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KernelFailure {
+    /// The stream the kernel ran on.
+    pub stream: StreamId,
+    /// The kernel's name.
+    pub kernel: &'static str,
+    /// The panic message.
+    pub message: String,
+}
+
+#[derive(Default)]
+struct Faults {
+    /// Fail the Nth successful-looking malloc from now (1 = the next one).
+    fail_nth_malloc: Option<u64>,
+    /// Fail every malloc of more than this many bytes.
+    fail_above: Option<u64>,
+    /// Fail every event query.
+    fail_event_query: bool,
+}
+
+/// Everything under the device lock.
+pub(super) struct State {
+    mem: Memory,
+    streams: BTreeMap<u32, Stream>,
+    next_stream: u32,
+    /// Event id → the (stream, position) of its latest record, if any.
+    events: HashMap<u64, Option<(u32, u64)>>,
+    next_event: u64,
+    counters: SimCounters,
+    faults: Faults,
+    san: Sanitizer,
+    failures: Vec<KernelFailure>,
+    panic_on_violation: bool,
+}
+
+impl State {
+    /// Has `stream` passed position `pos`? A destroyed stream was drained, so it has.
+    fn reached(&self, stream: u32, pos: u64) -> bool {
+        self.streams.get(&stream).is_none_or(|s| s.completed >= pos)
+    }
+
+    /// Is an event with this latest record complete?
+    fn target_reached(&self, target: Option<(u32, u64)>) -> bool {
+        target.is_none_or(|(s, p)| self.reached(s, p))
+    }
+
+    fn idle(&self) -> bool {
+        self.streams.values().all(Stream::idle)
+    }
+
+    /// A stream that accepts work.
+    fn open_stream(&mut self, stream: StreamId) -> Result<&mut Stream, DeviceError> {
+        self.streams
+            .get_mut(&stream.0)
+            .filter(|s| !s.closing)
+            .ok_or(DeviceError::UnknownStream(stream))
+    }
+
+    fn event(&self, event: EventId) -> Result<Option<(u32, u64)>, DeviceError> {
+        self.events.get(&event.0).copied().ok_or(DeviceError::UnknownEvent(event))
+    }
+}
+
+/// What the device and its workers share.
+pub(super) struct Shared {
+    state: Mutex<State>,
+    /// Notified whenever work is enqueued or completes, or a stream closes.
+    progress: Condvar,
+}
+
+/// A simulated asynchronous device. See the module docs.
+pub struct SimDevice {
+    config: SimConfig,
+    shared: Arc<Shared>,
+}
+
+impl SimDevice {
+    /// A device with `capacity` bytes, unbacked.
+    pub fn new(capacity: u64) -> SimDevice {
+        SimDevice::with_config(SimConfig { capacity, ..SimConfig::default() })
+    }
+
+    /// A device with `capacity` bytes, backed by host memory so kernels can read and write it.
+    pub fn backed(capacity: u64) -> SimDevice {
+        SimDevice::with_config(SimConfig { capacity, backed: true, ..SimConfig::default() })
+    }
+
+    /// A device from a full configuration. Starts the default stream's worker.
+    pub fn with_config(config: SimConfig) -> SimDevice {
+        let shared = Arc::new(Shared {
+            state: Mutex::new(State {
+                mem: Memory::new(),
+                streams: BTreeMap::new(),
+                next_stream: 1,
+                events: HashMap::new(),
+                next_event: 1,
+                counters: SimCounters::default(),
+                faults: Faults::default(),
+                san: Sanitizer::new(config.sanitize),
+                failures: Vec::new(),
+                panic_on_violation: false,
+            }),
+            progress: Condvar::new(),
+        });
+        let dev = SimDevice { config, shared };
+        {
+            let mut st = dev.state();
+            dev.start_stream(&mut st, StreamId::DEFAULT.0);
+        }
+        dev
+    }
+
+    fn state(&self) -> MutexGuard<'_, State> {
+        lock(&self.shared.state)
+    }
+
+    fn start_stream(&self, st: &mut State, id: u32) {
+        st.streams.insert(id, Stream::new());
+        let handle = stream::spawn(Arc::clone(&self.shared), id);
+        st.streams.get_mut(&id).expect("just inserted").handle = Some(handle);
+    }
+
+    /// Waits (releasing the lock) until `done` holds.
+    fn wait_until<'a>(
+        &'a self,
+        mut st: MutexGuard<'a, State>,
+        done: impl Fn(&State) -> bool,
+    ) -> MutexGuard<'a, State> {
+        while !done(&st) {
+            st = wait(&self.shared.progress, st);
+        }
+        st
+    }
+
+    /// Panics on the first of `found` if [`SimDevice::panic_on_violation`] is on. Call unlocked.
+    fn after_check(found: Vec<Violation>, panic: bool) {
+        if panic && let Some(v) = found.first() {
+            panic!("stream-order violation: {v:?}");
+        }
+    }
+
+    /// The device's configuration.
+    pub fn config(&self) -> &SimConfig {
+        &self.config
+    }
+
+    /// Every call counted so far.
+    pub fn counters(&self) -> SimCounters {
+        self.state().counters
+    }
+
+    /// Live segments, as (address, bytes), in address order.
+    pub fn live_segments(&self) -> Vec<(DevicePtr, u64)> {
+        self.state().mem.segments.iter().map(|(&a, s)| (DevicePtr(a), s.bytes)).collect()
+    }
+
+    /// Bytes currently reserved.
+    pub fn reserved_bytes(&self) -> u64 {
+        self.state().mem.reserved
+    }
+
+    /// Streams that exist now (the default stream included), in id order.
+    pub fn live_streams(&self) -> Vec<StreamId> {
+        self.state().streams.iter().filter(|(_, s)| !s.closing).map(|(&i, _)| StreamId(i)).collect()
+    }
+
+    /// Makes the `n`th malloc from now fail (`n` = 1: the next one). `None` clears it.
+    pub fn fail_nth_malloc(&self, n: Option<u64>) {
+        self.state().faults.fail_nth_malloc = n.filter(|&n| n > 0);
+    }
+
+    /// Makes every malloc of more than `bytes` fail. `None` clears it.
+    pub fn fail_mallocs_above(&self, bytes: Option<u64>) {
+        self.state().faults.fail_above = bytes;
+    }
+
+    /// Makes every event query fail while `on`.
+    pub fn fail_event_queries(&self, on: bool) {
+        self.state().faults.fail_event_query = on;
+    }
+
+    /// Stream-order violations found so far, in the order found.
+    pub fn violations(&self) -> Vec<Violation> {
+        self.state().san.violations().to_vec()
+    }
+
+    /// Makes every violation panic when it is found, on the thread that caused it (for a
+    /// backtrace in tests). Off by default.
+    pub fn panic_on_violation(&self, on: bool) {
+        self.state().panic_on_violation = on;
+    }
+
+    /// Kernels whose body panicked, in completion order.
+    pub fn kernel_failures(&self) -> Vec<KernelFailure> {
+        self.state().failures.clone()
+    }
+}
+
+impl Drop for SimDevice {
+    /// Drains every stream and joins every worker.
+    fn drop(&mut self) {
+        let handles: Vec<_> = {
+            let mut st = self.state();
+            st.streams
+                .values_mut()
+                .filter_map(|s| {
+                    s.closing = true;
+                    s.handle.take()
+                })
+                .collect()
+        };
+        self.shared.progress.notify_all();
+        for h in handles {
+            // A worker never panics (kernel panics are caught); nothing to report if one did.
+            let _ = h.join();
+        }
+    }
+}
+
+impl super::Device for SimDevice {
+    fn name(&self) -> String {
+        format!("SimDevice {} MiB", self.config.capacity >> 20)
+    }
+
+    fn reserve(&self, bytes: u64) -> Result<DevicePtr, DeviceError> {
+        let mut st = self.state();
+        let injected = match st.faults.fail_nth_malloc {
+            Some(1) => {
+                st.faults.fail_nth_malloc = None;
+                true
+            }
+            Some(n) => {
+                st.faults.fail_nth_malloc = Some(n - 1);
+                false
+            }
+            None => false,
+        };
+        if injected || st.faults.fail_above.is_some_and(|limit| bytes > limit) {
+            st.counters.failed_mallocs += 1;
+            return Err(DeviceError::Injected("reserve"));
+        }
+        if bytes == 0 || bytes > self.config.capacity - st.mem.reserved {
+            st.counters.failed_mallocs += 1;
+            return Err(DeviceError::OutOfMemory { requested: bytes });
+        }
+        let addr = st.mem.reserve(bytes, self.config.backed);
+        st.counters.mallocs += 1;
+        Ok(DevicePtr(addr))
+    }
+
+    /// Synchronises the device (a host sync, as `cuMemFree` does), then frees the segment.
+    fn release(&self, ptr: DevicePtr) -> Result<(), DeviceError> {
+        let st = self.state();
+        if !st.mem.segments.contains_key(&ptr.0) {
+            return Err(DeviceError::UnknownSegment(ptr));
+        }
+        let mut st = self.wait_until(st, State::idle);
+        let bytes = st.mem.release(ptr.0).ok_or(DeviceError::UnknownSegment(ptr))?;
+        st.san.release_segment(ptr.0, ptr.0 + bytes);
+        st.counters.frees += 1;
+        st.counters.host_syncs += 1;
+        Ok(())
+    }
+
+    fn mem_info(&self) -> Result<MemInfo, DeviceError> {
+        let st = self.state();
+        Ok(MemInfo { free: self.config.capacity - st.mem.reserved, total: self.config.capacity })
+    }
+
+    fn create_stream(&self) -> Result<StreamId, DeviceError> {
+        let mut st = self.state();
+        let id = st.next_stream;
+        st.next_stream += 1;
+        self.start_stream(&mut st, id);
+        Ok(StreamId(id))
+    }
+
+    /// Stops accepting work on `stream`, waits for its queue to drain, and joins its worker.
+    fn destroy_stream(&self, stream: StreamId) -> Result<(), DeviceError> {
+        if stream == StreamId::DEFAULT {
+            return Err(DeviceError::Unsupported("destroying the default stream"));
+        }
+        let handle = {
+            let mut st = self.state();
+            let s = st.open_stream(stream)?;
+            s.closing = true;
+            s.handle.take()
+        };
+        self.shared.progress.notify_all();
+        if let Some(h) = handle {
+            let _ = h.join();
+        }
+        let mut st = self.state();
+        st.streams.remove(&stream.0);
+        st.san.forget_stream(stream.0);
+        // Waits on this stream are now satisfied (a missing stream has passed every position).
+        self.shared.progress.notify_all();
+        Ok(())
+    }
+
+    fn create_event(&self) -> Result<EventId, DeviceError> {
+        let mut st = self.state();
+        let id = st.next_event;
+        st.next_event += 1;
+        st.events.insert(id, None);
+        Ok(EventId(id))
+    }
+
+    fn destroy_event(&self, event: EventId) -> Result<(), DeviceError> {
+        let mut st = self.state();
+        st.events.remove(&event.0).ok_or(DeviceError::UnknownEvent(event))?;
+        st.san.forget_event(event.0);
+        Ok(())
+    }
+
+    /// The event's marker is the stream's current end of queue; re-recording re-arms it.
+    fn record_event(&self, event: EventId, stream: StreamId) -> Result<(), DeviceError> {
+        let mut st = self.state();
+        st.event(event)?;
+        let pos = st.open_stream(stream)?.enqueued;
+        st.events.insert(event.0, Some((stream.0, pos)));
+        st.san.record(event.0, stream.0, pos);
+        st.counters.event_records += 1;
+        Ok(())
+    }
+
+    fn query_event(&self, event: EventId) -> Result<bool, DeviceError> {
+        let mut st = self.state();
+        let target = st.event(event)?;
+        st.counters.event_queries += 1;
+        if st.faults.fail_event_query {
+            return Err(DeviceError::Injected("query_event"));
+        }
+        Ok(st.target_reached(target))
+    }
+
+    /// Enqueues a device-side wait for the event's latest marker (none if already passed).
+    fn wait_event(&self, stream: StreamId, event: EventId) -> Result<(), DeviceError> {
+        let mut st = self.state();
+        let target = st.event(event)?;
+        st.open_stream(stream)?;
+        st.counters.event_waits += 1;
+        if let Some((a, p)) = target
+            && a != stream.0
+            && !st.reached(a, p)
+        {
+            st.open_stream(stream)?.push(Op::Wait { stream: a, pos: p });
+            self.shared.progress.notify_all();
+        }
+        st.san.wait(stream.0, event.0);
+        Ok(())
+    }
+
+    fn synchronize_event(&self, event: EventId) -> Result<(), DeviceError> {
+        let mut st = self.state();
+        let target = st.event(event)?;
+        st.counters.host_syncs += 1;
+        drop(self.wait_until(st, |st| st.target_reached(target)));
+        Ok(())
+    }
+
+    fn synchronize(&self) -> Result<(), DeviceError> {
+        let mut st = self.state();
+        st.counters.host_syncs += 1;
+        drop(self.wait_until(st, State::idle));
+        Ok(())
+    }
+
+    fn launch(&self, stream: StreamId, kernel: Kernel) -> Result<(), DeviceError> {
+        let mut guard = self.state();
+        let st = &mut *guard;
+        let pos = st.open_stream(stream)?.next_pos();
+        st.counters.launches += 1;
+        let found = st
+            .san
+            .launch(stream.0, pos, kernel.name, &kernel.accesses, |lo, hi| st.mem.contains(lo, hi));
+        st.open_stream(stream)?.push(Op::Kernel { pos, kernel });
+        let panic = st.panic_on_violation;
+        drop(guard);
+        self.shared.progress.notify_all();
+        Self::after_check(found, panic);
+        Ok(())
+    }
+
+    fn note_handout(&self, ptr: DevicePtr, bytes: u64, stream: StreamId) {
+        if !self.config.sanitize {
+            return;
+        }
+        let mut st = self.state();
+        let found = st.san.handout(ptr.0, bytes, stream.0);
+        let panic = st.panic_on_violation;
+        drop(st);
+        Self::after_check(found, panic);
+    }
+
+    fn note_reclaim(&self, ptr: DevicePtr, bytes: u64, stream: StreamId) {
+        if !self.config.sanitize {
+            return;
+        }
+        let mut st = self.state();
+        let found = st.san.reclaim(ptr.0, bytes, stream.0);
+        let panic = st.panic_on_violation;
+        drop(st);
+        Self::after_check(found, panic);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::device::{Access, AccessKind, Device};
+    use std::time::Duration;
+
+    #[test]
+    fn drop_joins_every_worker() {
+        let dev = SimDevice::new(1 << 20);
+        for _ in 0..3 {
+            let s = dev.create_stream().unwrap();
+            dev.launch(s, Kernel::sleep(Duration::from_millis(50))).unwrap();
+        }
+        let weak = Arc::downgrade(&dev.shared);
+        drop(dev);
+        // Every worker held a strong reference until its thread ended.
+        assert!(weak.upgrade().is_none());
+    }
+
+    #[test]
+    fn destroy_stream_joins_its_worker() {
+        let dev = SimDevice::new(1 << 20);
+        let s = dev.create_stream().unwrap();
+        assert_eq!(Arc::strong_count(&dev.shared), 3);
+        dev.destroy_stream(s).unwrap();
+        assert_eq!(Arc::strong_count(&dev.shared), 2);
+    }
+
+    #[test]
+    fn sanitizer_memory_stays_bounded() {
+        let dev = SimDevice::backed(1 << 20);
+        let s = dev.create_stream().unwrap();
+        let p = dev.reserve(1 << 16).unwrap();
+        for i in 0..200u64 {
+            let ptr = p.offset((i % 16) * 4096);
+            dev.note_handout(ptr, 4096, s);
+            let acc = vec![Access { ptr, bytes: 4096, kind: AccessKind::Write }];
+            dev.launch(s, Kernel::new("w", acc, move |m| m.write(ptr, &[1]).unwrap())).unwrap();
+            dev.note_reclaim(ptr, 4096, s);
+        }
+        dev.synchronize().unwrap();
+        let st = dev.state();
+        assert_eq!(st.san.pending_len(), 0, "completed work is dropped");
+        assert_eq!(st.san.handed_len(), 0, "reclaimed ranges are dropped");
+        assert!(st.san.violations().is_empty());
+        drop(st);
+        // Releasing a segment forgets what was still handed out in it.
+        dev.note_handout(p, 64, s);
+        dev.release(p).unwrap();
+        assert_eq!(dev.state().san.handed_len(), 0);
+    }
+}
