@@ -23,5 +23,5 @@ pub(crate) mod sync;
 
 pub use allocator::{AllocError, Allocator, Buffer, OomReport};
 pub use config::{Config, ConfigError, CrossStream};
-pub use device::{Device, DevicePtr, SimDevice, StreamId};
+pub use device::{Device, DevicePtr, SimConfig, SimDevice, StreamId};
 pub use stats::{MemoryStats, Residency};

@@ -24,6 +24,7 @@ use crate::config::{Config, CrossStream};
 use crate::device::{Device, DeviceError, DevicePtr, EventId, StreamId};
 use crate::pool::{BlockId, BlockState, Pool, PoolKey, SegmentId};
 use crate::stats::{MemoryStats, Residency};
+use crate::sync::atomic::{AtomicBool, Ordering};
 use crate::sync::{Arc, Mutex, MutexGuard, lock};
 use arc_swap::ArcSwap;
 use std::collections::{BTreeMap, HashMap, VecDeque};
@@ -60,6 +61,8 @@ pub(crate) struct Shared<D: Device> {
     config: ArcSwap<Config>,
     device_total: u64,
     state: Mutex<State>,
+    /// Test-only deliberate bug: skip every event that orders cross-stream reuse.
+    broken_skip_events: AtomicBool,
 }
 
 /// A block freed by its user while other streams may still use it.
@@ -104,6 +107,7 @@ impl<D: Device> Allocator<D> {
                 config: ArcSwap::from_pointee(config),
                 device_total: total,
                 state: Mutex::new(State::default()),
+                broken_skip_events: AtomicBool::new(false),
             }),
         })
     }
@@ -204,6 +208,28 @@ impl<D: Device> Allocator<D> {
         let mut st = lock(&sh.state);
         sh.process_events(&mut st);
         sh.release_segments(&mut st, |s| s.key.stream == stream)
+    }
+
+    /// Returns the stream's cached segments to the device, then destroys the stream on the
+    /// device (which drains its work). Its pending events are waited for first.
+    pub fn destroy_stream(&self, stream: StreamId) -> Result<(), AllocError> {
+        let sh = &self.shared;
+        let mut st = lock(&sh.state);
+        if st.pending.contains_key(&stream) {
+            sh.sync_events(&mut st)?;
+        }
+        sh.release_segments(&mut st, |s| s.key.stream == stream)?;
+        drop(st);
+        sh.device.destroy_stream(stream)?;
+        Ok(())
+    }
+
+    /// **Test only — a deliberate bug.** While on, the allocator records no event for
+    /// `record_stream` uses and hands another stream's free segments over without ordering, so
+    /// tests can prove that the SimDevice sanitizer catches premature reuse.
+    #[doc(hidden)]
+    pub fn set_broken_skip_events(&self, on: bool) {
+        self.shared.broken_skip_events.store(on, Ordering::Relaxed);
     }
 
     /// Waits for every pending event and returns those blocks to the pool (a host sync per
@@ -373,8 +399,21 @@ impl<D: Device> Shared<D> {
         for seg in candidates {
             let owner = st.pool.segment(seg).key.stream;
             let event = self.event(st)?;
-            self.device.record_event(event, owner)?;
+            match self.device.record_event(event, owner) {
+                Ok(()) => {}
+                Err(DeviceError::UnknownStream(_)) => {
+                    // The owner was destroyed, hence drained: nothing can still use the segment.
+                    st.free_events.push(event);
+                    Self::move_segment(st, seg, key.stream);
+                    return Ok(Some(st.pool.segment(seg).first));
+                }
+                Err(e) => {
+                    st.free_events.push(event);
+                    return Err(e.into());
+                }
+            }
             let ready = match config.cross_stream {
+                _ if self.broken_skip_events.load(Ordering::Relaxed) => true,
                 CrossStream::WaitEvent => {
                     self.device.wait_event(key.stream, event)?;
                     true
@@ -442,7 +481,7 @@ impl<D: Device> Shared<D> {
         } else {
             st.stream_uses.remove(&block).unwrap_or_default()
         };
-        if uses.is_empty() {
+        if uses.is_empty() || self.broken_skip_events.load(Ordering::Relaxed) {
             st.pool.free(block);
             return;
         }
