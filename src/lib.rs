@@ -6,5 +6,6 @@
 
 pub mod device;
 pub(crate) mod sync;
+pub mod trace;
 
 pub use device::{Device, DevicePtr, SimDevice, StreamId};

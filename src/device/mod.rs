@@ -125,7 +125,12 @@ pub struct Kernel {
 impl Kernel {
     /// A kernel that only holds `stream` busy for `duration` (touches no memory).
     pub fn sleep(duration: std::time::Duration) -> Kernel {
-        Kernel { name: "sleep", accesses: Vec::new(), sleep: duration, body: None }
+        Kernel {
+            name: "sleep",
+            accesses: Vec::new(),
+            sleep: duration,
+            body: None,
+        }
     }
 
     /// A kernel named `name` touching `accesses`, running `body`.
@@ -134,7 +139,12 @@ impl Kernel {
         accesses: Vec<Access>,
         body: impl FnOnce(&dyn KernelMemory) + Send + 'static,
     ) -> Kernel {
-        Kernel { name, accesses, sleep: std::time::Duration::ZERO, body: Some(Box::new(body)) }
+        Kernel {
+            name,
+            accesses,
+            sleep: std::time::Duration::ZERO,
+            body: Some(Box::new(body)),
+        }
     }
 }
 
@@ -171,7 +181,10 @@ impl fmt::Display for DeviceError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             DeviceError::OutOfMemory { requested } => {
-                write!(f, "device out of memory reserving a segment of {requested} bytes")
+                write!(
+                    f,
+                    "device out of memory reserving a segment of {requested} bytes"
+                )
             }
             DeviceError::Injected(op) => write!(f, "injected device failure in {op}"),
             DeviceError::UnknownStream(s) => write!(f, "unknown {s}"),
@@ -179,7 +192,10 @@ impl fmt::Display for DeviceError {
             DeviceError::UnknownSegment(p) => write!(f, "{p} is not the start of a live segment"),
             DeviceError::Unsupported(what) => write!(f, "unsupported on this device: {what}"),
             DeviceError::BadAccess { ptr, bytes } => {
-                write!(f, "kernel access of {bytes} bytes at {ptr} is outside its declared memory")
+                write!(
+                    f,
+                    "kernel access of {bytes} bytes at {ptr} is outside its declared memory"
+                )
             }
             DeviceError::Driver(msg) => write!(f, "driver error: {msg}"),
         }

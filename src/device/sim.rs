@@ -13,9 +13,7 @@
 //! This version runs streams synchronously: a launched kernel runs before `launch` returns, so
 //! every event is complete as soon as it is recorded. It counts every call and can inject faults.
 
-use super::{
-    DeviceError, DevicePtr, EventId, Kernel, KernelMemory, MemInfo, StreamId,
-};
+use super::{DeviceError, DevicePtr, EventId, Kernel, KernelMemory, MemInfo, StreamId};
 use crate::sync::{Mutex, lock};
 use std::collections::{BTreeMap, HashSet};
 
@@ -36,7 +34,10 @@ pub struct SimConfig {
 
 impl Default for SimConfig {
     fn default() -> Self {
-        SimConfig { capacity: 8 << 30, backed: false }
+        SimConfig {
+            capacity: 8 << 30,
+            backed: false,
+        }
     }
 }
 
@@ -112,12 +113,18 @@ pub struct SimDevice {
 impl SimDevice {
     /// A device with `capacity` bytes, unbacked.
     pub fn new(capacity: u64) -> SimDevice {
-        SimDevice::with_config(SimConfig { capacity, ..SimConfig::default() })
+        SimDevice::with_config(SimConfig {
+            capacity,
+            ..SimConfig::default()
+        })
     }
 
     /// A device with `capacity` bytes, backed by host memory so kernels can read and write it.
     pub fn backed(capacity: u64) -> SimDevice {
-        SimDevice::with_config(SimConfig { capacity, backed: true })
+        SimDevice::with_config(SimConfig {
+            capacity,
+            backed: true,
+        })
     }
 
     /// A device from a full configuration.
@@ -152,7 +159,11 @@ impl SimDevice {
 
     /// Live segments, as (address, bytes), in address order.
     pub fn live_segments(&self) -> Vec<(DevicePtr, u64)> {
-        lock(&self.state).segments.iter().map(|(&a, s)| (DevicePtr(a), s.bytes)).collect()
+        lock(&self.state)
+            .segments
+            .iter()
+            .map(|(&a, s)| (DevicePtr(a), s.bytes))
+            .collect()
     }
 
     /// Bytes currently reserved.
@@ -235,7 +246,10 @@ impl super::Device for SimDevice {
 
     fn release(&self, ptr: DevicePtr) -> Result<(), DeviceError> {
         let mut st = lock(&self.state);
-        let seg = st.segments.remove(&ptr.0).ok_or(DeviceError::UnknownSegment(ptr))?;
+        let seg = st
+            .segments
+            .remove(&ptr.0)
+            .ok_or(DeviceError::UnknownSegment(ptr))?;
         st.reserved -= seg.bytes;
         st.counters.frees += 1;
         st.counters.host_syncs += 1;
@@ -244,7 +258,10 @@ impl super::Device for SimDevice {
 
     fn mem_info(&self) -> Result<MemInfo, DeviceError> {
         let st = lock(&self.state);
-        Ok(MemInfo { free: self.config.capacity - st.reserved, total: self.config.capacity })
+        Ok(MemInfo {
+            free: self.config.capacity - st.reserved,
+            total: self.config.capacity,
+        })
     }
 
     fn create_stream(&self) -> Result<StreamId, DeviceError> {
@@ -260,7 +277,11 @@ impl super::Device for SimDevice {
             return Err(DeviceError::Unsupported("destroying the default stream"));
         }
         let mut st = lock(&self.state);
-        if st.streams.remove(&stream.0) { Ok(()) } else { Err(DeviceError::UnknownStream(stream)) }
+        if st.streams.remove(&stream.0) {
+            Ok(())
+        } else {
+            Err(DeviceError::UnknownStream(stream))
+        }
     }
 
     fn create_event(&self) -> Result<EventId, DeviceError> {
@@ -273,7 +294,11 @@ impl super::Device for SimDevice {
 
     fn destroy_event(&self, event: EventId) -> Result<(), DeviceError> {
         let mut st = lock(&self.state);
-        if st.events.remove(&event.0) { Ok(()) } else { Err(DeviceError::UnknownEvent(event)) }
+        if st.events.remove(&event.0) {
+            Ok(())
+        } else {
+            Err(DeviceError::UnknownEvent(event))
+        }
     }
 
     fn record_event(&self, event: EventId, stream: StreamId) -> Result<(), DeviceError> {
@@ -322,7 +347,10 @@ impl super::Device for SimDevice {
         }
         std::thread::sleep(kernel.sleep);
         if let Some(body) = kernel.body {
-            let mem = SimMemory { device: self, accesses: &kernel.accesses };
+            let mem = SimMemory {
+                device: self,
+                accesses: &kernel.accesses,
+            };
             body(&mem);
         }
         Ok(())
@@ -356,12 +384,19 @@ impl SimMemory<'_> {
             return Err(bad);
         }
         let mut st = lock(&self.device.state);
-        let (&base, seg) = st.segments.range_mut(..=ptr.0).next_back().ok_or(bad.clone())?;
+        let (&base, seg) = st
+            .segments
+            .range_mut(..=ptr.0)
+            .next_back()
+            .ok_or(bad.clone())?;
         let off = ptr.0 - base;
         if off + bytes > seg.bytes {
             return Err(bad);
         }
-        let data = seg.data.as_mut().ok_or(DeviceError::Unsupported("kernel on unbacked memory"))?;
+        let data = seg
+            .data
+            .as_mut()
+            .ok_or(DeviceError::Unsupported("kernel on unbacked memory"))?;
         Ok(f(&mut data[off as usize..(off + bytes) as usize]))
     }
 }
@@ -372,6 +407,8 @@ impl KernelMemory for SimMemory<'_> {
     }
 
     fn write(&self, ptr: DevicePtr, data: &[u8]) -> Result<(), DeviceError> {
-        self.with_range(ptr, data.len() as u64, true, |dst| dst.copy_from_slice(data))
+        self.with_range(ptr, data.len() as u64, true, |dst| {
+            dst.copy_from_slice(data)
+        })
     }
 }
