@@ -68,6 +68,8 @@ pub fn write_svg(report: &Report, path: &Path) -> Result<(), String> {
         .map_err(|e| err(&e))?;
     chart
         .configure_mesh()
+        .label_style(("sans-serif", 15))
+        .axis_desc_style(("sans-serif", 17))
         .x_desc("event index")
         .y_desc(format!("bytes ({unit})"))
         .x_label_formatter(&|x| format!("{x:.0}"))
@@ -93,6 +95,7 @@ pub fn write_svg(report: &Report, path: &Path) -> Result<(), String> {
     chart
         .configure_series_labels()
         .position(SeriesLabelPosition::UpperLeft)
+        .label_font(("sans-serif", 15))
         .background_style(WHITE.mix(0.8))
         .border_style(BLACK)
         .draw()

@@ -23,6 +23,9 @@
 //! the start of the trace. Multi-device snapshots are read device after device, each with its
 //! own address map.
 //!
+//! The pickle is decoded with serde-pickle's `replace_recursive_structures` option, because
+//! PyTorch shares frame objects between entries (see [`read_pytorch_snapshot`]).
+//!
 //! Memory: the decoded pickle is proportional to the input, except that pickle memo
 //! references are expanded by the decoder (a limitation of serde-pickle).
 
@@ -47,7 +50,12 @@ const SKIPPED_ACTIONS: [&str; 6] = [
 
 /// Reads a pickled PyTorch memory snapshot.
 pub fn read_pytorch_snapshot<R: Read>(input: R, name: &str) -> Result<Trace, TraceError> {
-    let value = serde_pickle::value_from_reader(input, DeOptions::new())
+    // Real snapshots share frame dicts between entries; serde-pickle cannot rebuild a shared
+    // container nested in another shared one and would fail with "recursive structure".
+    // Replacing those with None only touches such containers (frames), never the scalar
+    // `action`/`addr`/`size`/`stream` fields read here.
+    let options = DeOptions::new().replace_recursive_structures();
+    let value = serde_pickle::value_from_reader(input, options)
         .map_err(|e| TraceError::input(ErrorKind::BadPickle(echo(&e.to_string()))))?;
     from_value(&value, name)
 }
