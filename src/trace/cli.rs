@@ -161,10 +161,12 @@ fn select(all: Vec<Box<dyn Policy>>, names: &[String]) -> Result<Vec<Box<dyn Pol
     let mut slots: Vec<Option<Box<dyn Policy>>> = all.into_iter().map(Some).collect();
     let mut chosen = Vec::new();
     for n in names {
-        if let Some(i) = known.iter().position(|k| k == n) {
-            if let Some(p) = slots[i].take() {
-                chosen.push(p);
-            }
+        if let Some(p) = known
+            .iter()
+            .position(|k| k == n)
+            .and_then(|i| slots[i].take())
+        {
+            chosen.push(p);
         }
     }
     Ok(chosen)
