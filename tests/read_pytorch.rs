@@ -132,6 +132,17 @@ fn malformed_snapshots() {
     let e = read_trace_bytes(&[0x80, 0x04, 0x95]).unwrap_err();
     assert_eq!(e.location, Location::Input);
     assert!(matches!(e.kind, ErrorKind::BadPickle(_)), "{e}");
+    // Nesting that would overflow the decoder's stack is refused before decoding.
+    let mut deep = b"\x80\x04".to_vec();
+    deep.extend(std::iter::repeat_n(b']', 100_000));
+    deep.extend(std::iter::repeat_n(b'a', 99_999));
+    deep.push(b'.');
+    assert_eq!(
+        read_trace_bytes(&deep).unwrap_err(),
+        TraceError::input(ErrorKind::BadPickle(
+            "pickle nests deeper than 128 levels".into()
+        ))
+    );
     // Wrong top-level shapes.
     let list = serde_pickle::value_to_vec(&Value::List(vec![]), SerOptions::new()).unwrap();
     assert_eq!(

@@ -220,3 +220,47 @@ fn json_report_has_exactly_the_documented_shape() {
     assert!(table.contains("1.75 KiB"), "{table}"); // 1792 B
     assert!(table.contains("2.50 KiB"), "{table}"); // 2560 B
 }
+
+/// Exact figures of every baseline on the shipped traces (all deterministic).
+#[test]
+fn shipped_traces_exact_figures() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("data/traces");
+    // (file, offset-allocator, range-alloc, planned, peak live rounded to 256 B)
+    let cases = [
+        (
+            "gpt2_train.csv.gz",
+            3927888896u64,
+            3922632704u64,
+            3911788032u64,
+            3911788032u64,
+        ),
+        (
+            "mlp_train.csv.gz",
+            1476477184,
+            1476477184,
+            1367670784,
+            1367670784,
+        ),
+    ];
+    for (file, off, range, planned, allocated) in cases {
+        let t = tidepool::trace::read_trace(&dir.join(file)).unwrap();
+        let r = OffsetAllocatorPolicy.replay(&t, false).unwrap();
+        assert_eq!(
+            (r.peak_reserved_bytes, r.peak_allocated_bytes),
+            (off, allocated),
+            "{file}"
+        );
+        let r = RangeAllocPolicy.replay(&t, false).unwrap();
+        assert_eq!(
+            (r.peak_reserved_bytes, r.peak_allocated_bytes),
+            (range, allocated),
+            "{file}"
+        );
+        let r = PlannedPolicy.replay(&t, false).unwrap();
+        assert_eq!(
+            (r.peak_reserved_bytes, r.peak_allocated_bytes),
+            (planned, allocated),
+            "{file}"
+        );
+    }
+}

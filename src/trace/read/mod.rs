@@ -13,6 +13,7 @@
 //! length, and nothing is pre-allocated from a size found in the input.
 
 mod lines;
+mod pickle_guard;
 mod pytorch_snapshot;
 mod rmm_log;
 mod tidepool_csv;
@@ -24,6 +25,7 @@ use std::path::Path;
 use flate2::bufread::MultiGzDecoder;
 
 pub use lines::MAX_LINE;
+pub use pickle_guard::{MAX_DEPTH as MAX_PICKLE_DEPTH, MAX_EXPANDED as MAX_PICKLE_VALUES};
 pub use pytorch_snapshot::{from_value as pytorch_snapshot_from_value, read_pytorch_snapshot};
 pub use rmm_log::{HEADER as RMM_HEADER, read_rmm_log};
 pub use tidepool_csv::{HEADER as TIDEPOOL_HEADER, read_tidepool_csv};

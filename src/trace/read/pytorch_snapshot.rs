@@ -26,8 +26,10 @@
 //! The pickle is decoded with serde-pickle's `replace_recursive_structures` option, because
 //! PyTorch shares frame objects between entries (see [`read_pytorch_snapshot`]).
 //!
-//! Memory: the decoded pickle is proportional to the input, except that pickle memo
-//! references are expanded by the decoder (a limitation of serde-pickle).
+//! Safety of decoding: the pickle is read into memory and scanned first
+//! ([`super::pickle_guard`]), which rejects nesting deeper than 128 levels, cycles, and memo
+//! sharing that would expand past 2·10^8 values — serde-pickle recurses per level and copies
+//! each shared object at every reference.
 
 use std::collections::HashMap;
 use std::io::Read;
@@ -54,8 +56,14 @@ pub fn read_pytorch_snapshot<R: Read>(input: R, name: &str) -> Result<Trace, Tra
     // container nested in another shared one and would fail with "recursive structure".
     // Replacing those with None only touches such containers (frames), never the scalar
     // `action`/`addr`/`size`/`stream` fields read here.
+    let mut data = Vec::new();
+    let mut input = input;
+    input
+        .read_to_end(&mut data)
+        .map_err(|e| TraceError::input(ErrorKind::Io(e.to_string())))?;
+    super::pickle_guard::check(&data).map_err(|e| TraceError::input(ErrorKind::BadPickle(e)))?;
     let options = DeOptions::new().replace_recursive_structures();
-    let value = serde_pickle::value_from_reader(input, options)
+    let value = serde_pickle::value_from_slice(&data, options)
         .map_err(|e| TraceError::input(ErrorKind::BadPickle(echo(&e.to_string()))))?;
     from_value(&value, name)
 }
