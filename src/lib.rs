@@ -20,6 +20,7 @@ pub mod device;
 pub mod pool;
 pub mod stats;
 pub(crate) mod sync;
+pub mod trace;
 
 pub use allocator::{AllocError, Allocator, Buffer, OomReport};
 pub use config::{Config, ConfigError, CrossStream};

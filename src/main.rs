@@ -1,4 +1,4 @@
-//! The `tidepool` command line.
+//! The `tidepool` command line; see [`tidepool::trace::cli`].
 fn main() {
-    eprintln!("tidepool: not yet wired");
+    tidepool::trace::cli::main()
 }

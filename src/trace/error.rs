@@ -1,0 +1,179 @@
+//! Errors of the trace readers: a [`Location`] (which line or record) and an [`ErrorKind`]
+//! (why). Every reader reports the first problem it meets and stops; nothing panics.
+//!
+//! Display reads like `line 12: free of unknown id 7` or
+//! `device 0 entry 3: missing key `size``, so CLI users can find the record at once.
+
+use std::fmt;
+
+/// Longest piece of input text echoed back in an error message (longer text is cut).
+const MAX_ECHO: usize = 48;
+
+/// Where in the input an error was found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Location {
+    /// 1-based line number of a CSV input (the header is line 1).
+    Line(u64),
+    /// 0-based entry index within `device_traces[device]` of a PyTorch snapshot.
+    Entry {
+        /// Index into `device_traces`.
+        device: usize,
+        /// Index into that device's list of entries.
+        index: usize,
+    },
+    /// The input as a whole (unreadable file, empty input, unknown format, end of input).
+    Input,
+}
+
+/// Why a trace could not be read.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ErrorKind {
+    /// An I/O error (file missing, truncated gzip stream, ...), as text.
+    Io(String),
+    /// The input is empty.
+    Empty,
+    /// The first line is not one of the known CSV headers.
+    WrongHeader {
+        /// What the reader expected.
+        expected: &'static str,
+        /// What it found (cut to a few dozen characters).
+        found: String,
+    },
+    /// A row has fewer columns than the header; names the first missing column.
+    MissingColumn(&'static str),
+    /// A row has more columns than the header.
+    ExtraColumn,
+    /// A column that must hold a number does not.
+    BadNumber {
+        /// Column name.
+        column: &'static str,
+        /// The offending text.
+        text: String,
+    },
+    /// An unknown operation / action name.
+    UnknownOp(String),
+    /// An unknown `tag` (expected `param` or `act`).
+    UnknownTag(String),
+    /// An id (or address) was allocated while already allocated, or allocated a second time.
+    DoubleAlloc(u64),
+    /// A free of an id that was never allocated.
+    FreeOfUnknownId(u64),
+    /// An allocation at an address that is live (pointer-based formats).
+    AllocOfLiveAddress(u64),
+    /// A free of an address that is not live (pointer-based formats).
+    FreeOfUnknownAddress(u64),
+    /// A free of an id that was already freed.
+    DoubleFree(u64),
+    /// A free whose byte count differs from the allocation's (0 on a free is accepted).
+    FreeSizeMismatch {
+        /// The id.
+        id: u64,
+        /// Bytes at allocation.
+        allocated: u64,
+        /// Bytes on the free row.
+        freed: u64,
+    },
+    /// Scope markers do not nest: an exit without a matching enter, an enter of a scope that
+    /// is open, a scope left open at the end, or a scope id reused under another name.
+    UnbalancedScope(String),
+    /// A line longer than the reader accepts (protects memory on garbage input).
+    LineTooLong(usize),
+    /// A line is not valid UTF-8.
+    NotUtf8,
+    /// The pickle could not be decoded.
+    BadPickle(String),
+    /// The pickle decoded, but not into the structure of a PyTorch memory snapshot.
+    BadStructure(String),
+}
+
+/// A trace reading error: where, and why.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TraceError {
+    /// Where the problem is.
+    pub location: Location,
+    /// What the problem is.
+    pub kind: ErrorKind,
+}
+
+impl TraceError {
+    /// An error at `location`.
+    pub fn new(location: Location, kind: ErrorKind) -> Self {
+        TraceError { location, kind }
+    }
+
+    /// An error at 1-based CSV line `line`.
+    pub fn at_line(line: u64, kind: ErrorKind) -> Self {
+        Self::new(Location::Line(line), kind)
+    }
+
+    /// An error about the input as a whole.
+    pub fn input(kind: ErrorKind) -> Self {
+        Self::new(Location::Input, kind)
+    }
+}
+
+/// `text` cut to [`MAX_ECHO`] characters, for echoing input back in messages.
+pub(crate) fn echo(text: &str) -> String {
+    let mut out: String = text.chars().take(MAX_ECHO).collect();
+    if text.chars().nth(MAX_ECHO).is_some() {
+        out.push('…');
+    }
+    out
+}
+
+impl fmt::Display for Location {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Location::Line(n) => write!(f, "line {n}"),
+            Location::Entry { device, index } => write!(f, "device {device} entry {index}"),
+            Location::Input => f.write_str("input"),
+        }
+    }
+}
+
+impl fmt::Display for ErrorKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ErrorKind::Io(e) => write!(f, "I/O error: {e}"),
+            ErrorKind::Empty => f.write_str("empty trace (no header)"),
+            ErrorKind::WrongHeader { expected, found } => {
+                write!(f, "wrong header `{found}` (expected {expected})")
+            }
+            ErrorKind::MissingColumn(c) => write!(f, "missing column `{c}`"),
+            ErrorKind::ExtraColumn => f.write_str("more columns than the header"),
+            ErrorKind::BadNumber { column, text } => {
+                write!(f, "bad number `{text}` in column `{column}`")
+            }
+            ErrorKind::UnknownOp(op) => write!(f, "unknown op `{op}`"),
+            ErrorKind::UnknownTag(t) => write!(f, "unknown tag `{t}` (expected param or act)"),
+            ErrorKind::DoubleAlloc(id) => write!(f, "double alloc of id {id}"),
+            ErrorKind::FreeOfUnknownId(id) => write!(f, "free of unknown id {id}"),
+            ErrorKind::AllocOfLiveAddress(a) => write!(f, "allocate at live address {a:#x}"),
+            ErrorKind::FreeOfUnknownAddress(a) => write!(f, "free of unknown address {a:#x}"),
+            ErrorKind::DoubleFree(id) => write!(f, "double free of id {id}"),
+            ErrorKind::FreeSizeMismatch { id, allocated, freed } => write!(
+                f,
+                "free of id {id} with {freed} bytes, but it was allocated with {allocated}"
+            ),
+            ErrorKind::UnbalancedScope(why) => write!(f, "unbalanced scope: {why}"),
+            ErrorKind::LineTooLong(max) => write!(f, "line longer than {max} bytes"),
+            ErrorKind::NotUtf8 => f.write_str("line is not valid UTF-8"),
+            ErrorKind::BadPickle(e) => write!(f, "bad pickle: {e}"),
+            ErrorKind::BadStructure(e) => write!(f, "not a PyTorch memory snapshot: {e}"),
+        }
+    }
+}
+
+impl fmt::Display for TraceError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: {}", self.location, self.kind)
+    }
+}
+
+impl std::error::Error for TraceError {}
+
+impl From<std::io::Error> for TraceError {
+    fn from(e: std::io::Error) -> Self {
+        TraceError::input(ErrorKind::Io(e.to_string()))
+    }
+}

@@ -1,0 +1,245 @@
+//! The trace model: a [`Trace`] is a flat, ordered list of [`Event`]s.
+//!
+//! ```text
+//!  index:  0        1        2       3            4       5           ...
+//!  event:  alloc#0  alloc#1  free#0  scope_enter  alloc#2 scope_exit  ...
+//!          |--- lifetime of id 0 ---|
+//! ```
+//!
+//! An id is allocated once and freed at most once; a [`Lifetime`] is the pair of event
+//! indices (alloc, free), with the free index equal to `events.len()` ("end of trace") for
+//! ids that are never freed. Scope markers carry the scope's position in
+//! [`Trace::scope_names`] in [`Event::scope`] and the scope id of the input in [`Event::id`].
+//! Readers only hand out traces that pass [`Trace::validate`].
+
+use std::collections::HashMap;
+
+use super::error::TraceError;
+use super::validate::Validator;
+
+/// What an event does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Op {
+    /// Allocate `bytes` bytes under a fresh `id`.
+    Alloc,
+    /// Free the buffer `id`.
+    Free,
+    /// Enter scope `scope` (a training step, a request).
+    ScopeEnter,
+    /// Leave scope `scope`.
+    ScopeExit,
+}
+
+/// Residency class of a buffer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Tag {
+    /// Persistent: parameters, buffers, optimizer state.
+    Param,
+    /// Transient: activations, workspaces, gradients. Scope markers use this tag too.
+    Act,
+}
+
+/// One trace record.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Event {
+    /// The operation.
+    pub op: Op,
+    /// Buffer id for alloc/free; for scope markers, the scope id written in the input.
+    pub id: u64,
+    /// Requested bytes (on a free: the bytes of the buffer being freed; 0 on markers).
+    pub bytes: u64,
+    /// Stream (dense small ids; 0 is the default stream).
+    pub stream: u32,
+    /// Residency class ([`Tag::Act`] on markers).
+    pub tag: Tag,
+    /// For scope markers: index into [`Trace::scope_names`]; `None` for alloc/free.
+    pub scope: Option<u32>,
+}
+
+impl Event {
+    /// An allocation event.
+    pub fn alloc(id: u64, bytes: u64, stream: u32, tag: Tag) -> Self {
+        Event { op: Op::Alloc, id, bytes, stream, tag, scope: None }
+    }
+
+    /// A free event.
+    pub fn free(id: u64, bytes: u64, stream: u32, tag: Tag) -> Self {
+        Event { op: Op::Free, id, bytes, stream, tag, scope: None }
+    }
+}
+
+/// A whole trace.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Trace {
+    /// Name (the file stem for traces read from files).
+    pub name: String,
+    /// The events in order.
+    pub events: Vec<Event>,
+    /// Scope names; markers refer to them by index.
+    pub scope_names: Vec<String>,
+    /// Input records read but deliberately not turned into events (RMM `allocate failure`
+    /// rows; PyTorch `segment_*`, `snapshot`, `oom` entries and the unused free variant).
+    pub skipped_records: u64,
+}
+
+/// The lifetime of one allocated id, as event indices.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Lifetime {
+    /// Buffer id.
+    pub id: u64,
+    /// Requested bytes.
+    pub bytes: u64,
+    /// Stream of the allocation.
+    pub stream: u32,
+    /// Residency class.
+    pub tag: Tag,
+    /// Index of the alloc event.
+    pub alloc: usize,
+    /// Index of the free event, or `events.len()` when the id is never freed.
+    pub free: usize,
+}
+
+impl Lifetime {
+    /// Whether the trace frees this id.
+    pub fn is_freed(&self, trace: &Trace) -> bool {
+        self.free < trace.events.len()
+    }
+}
+
+impl Trace {
+    /// Checks the invariants every reader guarantees: each id allocated once and before it
+    /// is freed, freed at most once, no free of an unknown id, scope markers balanced.
+    /// Errors name the event index as a [`super::Location::Line`] of `index + 2`
+    /// (as if the trace were written as tidepool CSV with its header on line 1).
+    pub fn validate(&self) -> Result<(), TraceError> {
+        let mut v = Validator::new();
+        for (i, e) in self.events.iter().enumerate() {
+            let line = i as u64 + 2;
+            v.check(e).map_err(|k| TraceError::at_line(line, k))?;
+        }
+        v.finish().map_err(|k| TraceError::at_line(self.events.len() as u64 + 2, k))
+    }
+
+    /// Number of alloc events.
+    pub fn num_allocs(&self) -> usize {
+        self.events.iter().filter(|e| e.op == Op::Alloc).count()
+    }
+
+    /// Live requested bytes after each event (saturating at `u64::MAX`).
+    pub fn live_bytes_timeline(&self) -> Vec<u64> {
+        let mut live: u128 = 0;
+        self.events
+            .iter()
+            .map(|e| {
+                match e.op {
+                    Op::Alloc => live += u128::from(e.bytes),
+                    Op::Free => live = live.saturating_sub(u128::from(e.bytes)),
+                    _ => {}
+                }
+                u64::try_from(live).unwrap_or(u64::MAX)
+            })
+            .collect()
+    }
+
+    /// The highest sum of live requested bytes at any point: the lower bound on the memory
+    /// any allocator needs (saturating at `u64::MAX`).
+    pub fn peak_live_bytes(&self) -> u64 {
+        let mut live: u128 = 0;
+        let mut peak: u128 = 0;
+        for e in &self.events {
+            match e.op {
+                Op::Alloc => {
+                    live += u128::from(e.bytes);
+                    peak = peak.max(live);
+                }
+                Op::Free => live = live.saturating_sub(u128::from(e.bytes)),
+                _ => {}
+            }
+        }
+        u64::try_from(peak).unwrap_or(u64::MAX)
+    }
+
+    /// Lifetimes of all allocated ids, in allocation order.
+    pub fn lifetimes(&self) -> Vec<Lifetime> {
+        let end = self.events.len();
+        let mut out = Vec::new();
+        let mut slot_of: HashMap<u64, usize> = HashMap::new();
+        for (i, e) in self.events.iter().enumerate() {
+            match e.op {
+                Op::Alloc => {
+                    slot_of.insert(e.id, out.len());
+                    out.push(Lifetime {
+                        id: e.id,
+                        bytes: e.bytes,
+                        stream: e.stream,
+                        tag: e.tag,
+                        alloc: i,
+                        free: end,
+                    });
+                }
+                Op::Free => {
+                    if let Some(slot) = slot_of.remove(&e.id) {
+                        out[slot].free = i;
+                    }
+                }
+                _ => {}
+            }
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn small() -> Trace {
+        Trace {
+            name: "t".into(),
+            events: vec![
+                Event::alloc(1, 100, 0, Tag::Param),
+                Event::alloc(2, 50, 0, Tag::Act),
+                Event::free(2, 50, 0, Tag::Act),
+                Event::alloc(3, 120, 0, Tag::Act),
+            ],
+            scope_names: vec![],
+            skipped_records: 0,
+        }
+    }
+
+    #[test]
+    fn peak_and_lifetimes() {
+        let t = small();
+        assert_eq!(t.peak_live_bytes(), 220);
+        assert_eq!(t.num_allocs(), 3);
+        assert_eq!(t.live_bytes_timeline(), vec![100, 150, 100, 220]);
+        let l = t.lifetimes();
+        assert_eq!(l.len(), 3);
+        assert_eq!((l[0].id, l[0].alloc, l[0].free), (1, 0, 4));
+        assert_eq!((l[1].id, l[1].alloc, l[1].free), (2, 1, 2));
+        assert_eq!((l[2].id, l[2].alloc, l[2].free), (3, 3, 4));
+        assert!(l[1].is_freed(&t));
+        assert!(!l[0].is_freed(&t));
+        t.validate().unwrap();
+    }
+
+    #[test]
+    fn validate_reports_event_line() {
+        let mut t = small();
+        t.events.push(Event::free(9, 1, 0, Tag::Act));
+        let e = t.validate().unwrap_err();
+        assert_eq!(e.to_string(), "line 6: free of unknown id 9");
+    }
+
+    #[test]
+    fn huge_sizes_saturate() {
+        let t = Trace {
+            events: vec![
+                Event::alloc(1, u64::MAX, 0, Tag::Act),
+                Event::alloc(2, u64::MAX, 0, Tag::Act),
+            ],
+            ..Trace::default()
+        };
+        assert_eq!(t.peak_live_bytes(), u64::MAX);
+    }
+}

@@ -1,0 +1,106 @@
+//! The memory timeline as an SVG (plotters' SVG backend, which writes text as SVG `<text>`,
+//! so no font files are needed): x = event index, y = bytes in MiB or GiB; one line for
+//! live requested bytes and one per policy for reserved bytes.
+//!
+//! Long timelines are downsampled to at most [`MAX_POINTS`] points by splitting the x range
+//! into equal buckets and keeping each bucket's maximum (at the bucket's first index), so
+//! peaks survive downsampling.
+
+use std::path::Path;
+
+use plotters::prelude::*;
+
+use super::byte_size::axis_unit;
+use super::report::Report;
+
+/// Most points drawn per line.
+pub const MAX_POINTS: usize = 2000;
+/// Image size in pixels.
+const SIZE: (u32, u32) = (1200, 700);
+
+/// Downsamples `values` to at most `max_points` `(index, value)` pairs, keeping the maximum
+/// of each bucket.
+pub fn downsample(values: &[u64], max_points: usize) -> Vec<(usize, u64)> {
+    let max_points = max_points.max(1);
+    if values.len() <= max_points {
+        return values.iter().copied().enumerate().collect();
+    }
+    let bucket = values.len().div_ceil(max_points);
+    values
+        .chunks(bucket)
+        .enumerate()
+        .map(|(b, chunk)| (b * bucket, chunk.iter().copied().max().unwrap_or(0)))
+        .collect()
+}
+
+/// Draws `report`'s timelines into an SVG file at `path`.
+pub fn write_svg(report: &Report, path: &Path) -> Result<(), String> {
+    let mut lines: Vec<(String, Vec<(usize, u64)>)> =
+        vec![("live (requested)".to_string(), downsample(&report.live_timeline, MAX_POINTS))];
+    for p in &report.policies {
+        if let Some(tl) = &p.reserved_timeline {
+            lines.push((format!("reserved: {}", p.name), downsample(tl, MAX_POINTS)));
+        }
+    }
+    let max_y = lines.iter().flat_map(|(_, pts)| pts.iter().map(|&(_, v)| v)).max().unwrap_or(0);
+    let (unit, scale) = axis_unit(max_y);
+    let x_end = report.events.max(1) as f64;
+    let y_end = (max_y as f64 / scale * 1.05).max(1e-9);
+
+    let root = SVGBackend::new(path, SIZE).into_drawing_area();
+    let err = |e: &dyn std::fmt::Display| format!("cannot draw {}: {e}", path.display());
+    root.fill(&WHITE).map_err(|e| err(&e))?;
+    let mut chart = ChartBuilder::on(&root)
+        .caption(format!("memory timeline: {}", report.trace), ("sans-serif", 24))
+        .margin(15)
+        .x_label_area_size(45)
+        .y_label_area_size(80)
+        .build_cartesian_2d(0f64..x_end, 0f64..y_end)
+        .map_err(|e| err(&e))?;
+    chart
+        .configure_mesh()
+        .label_style(("sans-serif", 15))
+        .axis_desc_style(("sans-serif", 17))
+        .x_desc("event index")
+        .y_desc(format!("bytes ({unit})"))
+        .x_label_formatter(&|x| format!("{x:.0}"))
+        .y_label_formatter(&|y| format!("{y:.2}"))
+        .draw()
+        .map_err(|e| err(&e))?;
+    for (i, (label, pts)) in lines.iter().enumerate() {
+        let color = Palette99::pick(i).to_rgba();
+        let style = ShapeStyle { color, filled: false, stroke_width: if i == 0 { 2 } else { 1 } };
+        chart
+            .draw_series(LineSeries::new(
+                pts.iter().map(|&(x, y)| (x as f64, y as f64 / scale)),
+                style,
+            ))
+            .map_err(|e| err(&e))?
+            .label(label.clone())
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], style));
+    }
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::UpperLeft)
+        .label_font(("sans-serif", 15))
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .draw()
+        .map_err(|e| err(&e))?;
+    root.present().map_err(|e| err(&e))?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn downsample_keeps_bucket_maxima() {
+        let v: Vec<u64> = (0..10).map(|i| if i == 7 { 100 } else { i }).collect();
+        assert_eq!(downsample(&v, 20).len(), 10);
+        let d = downsample(&v, 3); // buckets of 4: [0..4) [4..8) [8..10)
+        assert_eq!(d, vec![(0, 3), (4, 100), (8, 9)]);
+        assert!(downsample(&vec![1; 100_000], MAX_POINTS).len() <= MAX_POINTS);
+    }
+}

@@ -1,0 +1,118 @@
+//! Replay policies: anything that can run a [`Trace`] and say how much memory it needed.
+//!
+//! A policy is a value implementing [`Policy`]; [`registry`] lists the policies the CLI
+//! knows, by name. The baselines here need no allocator:
+//!
+//! | name               | what it is                                                        |
+//! |--------------------|-------------------------------------------------------------------|
+//! | `offset-allocator` | the offset-allocator crate as a fixed-heap sub-allocator          |
+//! | `range-alloc`      | the range-alloc crate (best fit over a free list), fixed heap      |
+//! | `planned`          | offline greedy-by-size packing with every lifetime known           |
+//!
+//! The lower bound (peak live requested bytes) is not a policy: every report carries it as
+//! `peak_live_bytes`. Scope markers are no-ops for the baselines.
+
+mod fixed_heap;
+mod offset_allocator;
+mod planned;
+mod range_alloc;
+mod slots;
+
+use std::fmt;
+
+pub use fixed_heap::GRANULE;
+pub use offset_allocator::OffsetAllocatorPolicy;
+pub use planned::PlannedPolicy;
+pub use range_alloc::RangeAllocPolicy;
+
+use super::event::Trace;
+
+/// Options shared by all policies of one replay.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReplayOptions {
+    /// Allocator configuration, `key:value,key:value` (as `TIDEPOOL_ALLOC_CONF`); carried
+    /// verbatim to allocator policies, ignored by the baselines.
+    pub config: Option<String>,
+    /// How many times each policy is replayed; the median ns/op is reported.
+    pub repeats: usize,
+    /// Whether policies should record a reserved-bytes timeline (for `--svg`).
+    pub timeline: bool,
+}
+
+impl Default for ReplayOptions {
+    fn default() -> Self {
+        ReplayOptions { config: None, repeats: 5, timeline: false }
+    }
+}
+
+/// What one replay of one policy measured.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PolicyResult {
+    /// Policy name (as in [`Policy::name`]).
+    pub name: String,
+    /// Highest device memory the policy held (segments / heap high-water mark / region).
+    pub peak_reserved_bytes: u64,
+    /// Highest sum of bytes handed out to live buffers, as the policy rounds them.
+    pub peak_allocated_bytes: u64,
+    /// Device allocation calls (`cuMemAlloc`).
+    pub device_mallocs: u64,
+    /// Device free calls (`cuMemFree`).
+    pub device_frees: u64,
+    /// Times the host waited for the device.
+    pub host_syncs: u64,
+    /// Wall time of the replay loop divided by the number of events.
+    pub ns_per_op: f64,
+    /// Reserved bytes after each event (one entry per event), when asked for.
+    pub reserved_timeline: Option<Vec<u64>>,
+    /// Free-form notes for the text report (heap size, granularity, planning time, ...).
+    pub extra: Vec<(String, String)>,
+}
+
+/// Why a policy could not replay a trace.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReplayError {
+    /// The policy that failed.
+    pub policy: String,
+    /// What went wrong.
+    pub message: String,
+}
+
+impl ReplayError {
+    /// An error of policy `policy`.
+    pub fn new(policy: &str, message: impl Into<String>) -> Self {
+        ReplayError { policy: policy.to_string(), message: message.into() }
+    }
+}
+
+impl fmt::Display for ReplayError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "policy {}: {}", self.policy, self.message)
+    }
+}
+
+impl std::error::Error for ReplayError {}
+
+/// A way of serving a trace's allocations.
+pub trait Policy {
+    /// Name used on the command line and in reports.
+    fn name(&self) -> &'static str;
+
+    /// Replays `trace` once from a fresh state. With `timeline`, the result carries
+    /// [`PolicyResult::reserved_timeline`]. Must not panic on any valid trace.
+    fn replay(&self, trace: &Trace, timeline: bool) -> Result<PolicyResult, ReplayError>;
+}
+
+/// All known policies, in report order. Allocator policies are built from `opts.config`.
+pub fn registry(opts: &ReplayOptions) -> Result<Vec<Box<dyn Policy>>, ReplayError> {
+    let _config = opts.config.as_deref();
+    let policies: Vec<Box<dyn Policy>> = vec![
+        // Allocator policies go first, built from `_config`, e.g.:
+        //   Box::new(CachingPolicy::from_config(_config)?),    // "caching"
+        //   Box::new(ResidencyPolicy::from_config(_config)?),  // "residency"
+        //   Box::new(ScopedPolicy::from_config(_config)?),     // "scoped"
+        Box::new(OffsetAllocatorPolicy),
+        Box::new(RangeAllocPolicy),
+        Box::new(PlannedPolicy),
+    ];
+    Ok(policies)
+}

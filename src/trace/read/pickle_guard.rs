@@ -1,0 +1,393 @@
+//! A pre-flight scan of a pickle, run before serde-pickle decodes it, that rejects inputs the
+//! decoder would turn into a crash or an explosion: nesting deeper than [`MAX_DEPTH`] (the
+//! decoder and `Drop` recurse once per level, so `]]]]…aaaa` overflows the stack) and memo
+//! sharing that expands to more than [`MAX_EXPANDED`] values (the decoder clones every
+//! shared object at each reference: "billion laughs").
+//!
+//! The scan walks the opcodes once, skipping their arguments without allocating, and mirrors
+//! the unpickler's stack with a graph: every container is a node, scalars are counted as
+//! leaves, memo entries point at nodes, and `APPEND`/`SETITEM`/`BUILD`… add edges to the
+//! node on top of the stack. At `STOP`, an iterative depth-first search from the result
+//! computes each node's depth and expanded size; a cycle (which the decoder would cut) is
+//! rejected too, as no PyTorch snapshot contains one.
+
+use std::collections::HashMap;
+
+/// Deepest nesting accepted (PyTorch snapshots nest about 6 levels).
+pub const MAX_DEPTH: u32 = 128;
+/// Most values the decoded pickle may expand to (after memo references are copied).
+pub const MAX_EXPANDED: u64 = 200_000_000;
+
+#[derive(Clone, Copy)]
+enum Item {
+    Leaf,
+    Node(u32),
+}
+
+#[derive(Default)]
+struct Node {
+    children: Vec<u32>,
+    leaves: u64,
+}
+
+struct Scan<'a> {
+    data: &'a [u8],
+    pos: usize,
+    stack: Vec<Item>,
+    marks: Vec<usize>,
+    memo: HashMap<u64, Item>,
+    nodes: Vec<Node>,
+}
+
+/// Checks `data`; `Err` carries the reason. Opcodes the scan does not know are left to the
+/// decoder (which rejects them).
+pub fn check(data: &[u8]) -> Result<(), String> {
+    let mut s = Scan {
+        data,
+        pos: 0,
+        stack: Vec::new(),
+        marks: Vec::new(),
+        memo: HashMap::new(),
+        nodes: Vec::new(),
+    };
+    match s.run()? {
+        Some(Item::Node(root)) => s.measure(root),
+        _ => Ok(()),
+    }
+}
+
+impl Scan<'_> {
+    fn take(&mut self, n: usize) -> Result<&[u8], String> {
+        let end = self.pos.checked_add(n).filter(|&e| e <= self.data.len());
+        let end = end.ok_or("truncated pickle")?;
+        let out = &self.data[self.pos..end];
+        self.pos = end;
+        Ok(out)
+    }
+
+    fn uint(&mut self, n: usize) -> Result<u64, String> {
+        let b = self.take(n)?;
+        Ok(b.iter().rev().fold(0u64, |acc, &x| (acc << 8) | u64::from(x)))
+    }
+
+    fn line(&mut self) -> Result<&[u8], String> {
+        let rest = &self.data[self.pos..];
+        let n = rest.iter().position(|&b| b == b'\n').ok_or("truncated pickle")?;
+        self.pos += n + 1;
+        Ok(&rest[..n])
+    }
+
+    fn pop(&mut self) -> Result<Item, String> {
+        let floor = self.marks.last().copied().unwrap_or(0);
+        if self.stack.len() <= floor {
+            return Err("pickle stack underflow".into());
+        }
+        self.stack.pop().ok_or_else(|| "pickle stack underflow".into())
+    }
+
+    fn pop_mark(&mut self) -> Result<Vec<Item>, String> {
+        let mark = self.marks.pop().ok_or("pickle mark underflow")?;
+        Ok(self.stack.split_off(mark.min(self.stack.len())))
+    }
+
+    fn new_node(&mut self, items: &[Item]) -> Result<Item, String> {
+        let id = u32::try_from(self.nodes.len()).map_err(|_| "pickle too large")?;
+        self.nodes.push(Node::default());
+        self.add(id, items);
+        Ok(Item::Node(id))
+    }
+
+    fn add(&mut self, node: u32, items: &[Item]) {
+        let n = &mut self.nodes[node as usize];
+        for it in items {
+            match *it {
+                Item::Leaf => n.leaves += 1,
+                Item::Node(c) => n.children.push(c),
+            }
+        }
+    }
+
+    fn add_to_top(&mut self, items: &[Item]) -> Result<(), String> {
+        match self.stack.last() {
+            Some(&Item::Node(top)) => {
+                self.add(top, items);
+                Ok(())
+            }
+            _ => Err("pickle modifies a value that is not a container".into()),
+        }
+    }
+
+    fn top(&self) -> Result<Item, String> {
+        self.stack.last().copied().ok_or_else(|| "pickle stack underflow".into())
+    }
+
+    fn get(&mut self, id: u64) -> Result<(), String> {
+        let item = *self.memo.get(&id).ok_or("pickle memo reference to nothing")?;
+        self.stack.push(item);
+        Ok(())
+    }
+
+    /// Runs to `STOP`; the result item, or `None` for an opcode left to the decoder.
+    fn run(&mut self) -> Result<Option<Item>, String> {
+        loop {
+            let op = self.take(1)?[0];
+            match op {
+                0x80 | b'K' => _ = self.take(1)?,
+                b'M' => _ = self.take(2)?,
+                b'J' => _ = self.take(4)?,
+                b'G' | 0x95 => _ = self.take(8)?,
+                b'I' | b'L' | b'F' | b'S' | b'V' => _ = self.line()?,
+                b'U' | b'C' | 0x8c | 0x8a | b'T' | b'B' | b'X' | 0x8b | 0x8d | 0x8e | 0x96 => {
+                    let width = match op {
+                        b'U' | b'C' | 0x8c | 0x8a => 1,
+                        b'T' | b'B' | b'X' | 0x8b => 4,
+                        _ => 8,
+                    };
+                    let len = self.uint(width)?;
+                    self.take(usize::try_from(len).map_err(|_| "truncated pickle")?)?;
+                }
+                b'N' | 0x88 | 0x89 => {}
+                b'(' => {
+                    self.marks.push(self.stack.len());
+                    continue;
+                }
+                b'.' => return Ok(Some(self.pop()?)),
+                b'0' => {
+                    if self.stack.len() <= self.marks.last().copied().unwrap_or(0)
+                        && !self.marks.is_empty()
+                    {
+                        self.pop_mark()?;
+                    } else {
+                        self.pop()?;
+                    }
+                    continue;
+                }
+                b'1' => {
+                    self.pop_mark()?;
+                    continue;
+                }
+                b'2' => {
+                    let t = self.top()?;
+                    self.stack.push(t);
+                    continue;
+                }
+                b')' | b']' | b'}' | 0x8f => {
+                    let n = self.new_node(&[])?;
+                    self.stack.push(n);
+                    continue;
+                }
+                0x85..=0x87 => {
+                    let k = usize::from(op - 0x84);
+                    let mut items = Vec::with_capacity(k);
+                    for _ in 0..k {
+                        items.push(self.pop()?);
+                    }
+                    let n = self.new_node(&items)?;
+                    self.stack.push(n);
+                    continue;
+                }
+                b't' | b'l' | b'd' | 0x91 | b'o' => {
+                    let items = self.pop_mark()?;
+                    let n = self.new_node(&items)?;
+                    self.stack.push(n);
+                    continue;
+                }
+                b'i' => {
+                    self.line()?;
+                    self.line()?;
+                    let items = self.pop_mark()?;
+                    let n = self.new_node(&items)?;
+                    self.stack.push(n);
+                    continue;
+                }
+                b'a' | b'b' => {
+                    let x = self.pop()?;
+                    self.add_to_top(&[x])?;
+                    continue;
+                }
+                b's' => {
+                    let v = self.pop()?;
+                    let k = self.pop()?;
+                    self.add_to_top(&[k, v])?;
+                    continue;
+                }
+                b'e' | b'u' | 0x90 => {
+                    let items = self.pop_mark()?;
+                    self.add_to_top(&items)?;
+                    continue;
+                }
+                b'c' => {
+                    self.line()?;
+                    self.line()?;
+                }
+                0x93 => {
+                    self.pop()?;
+                    self.pop()?;
+                }
+                b'R' | 0x81 | 0x92 => {
+                    let k = if op == 0x92 { 3 } else { 2 };
+                    let mut items = Vec::with_capacity(k);
+                    for _ in 0..k {
+                        items.push(self.pop()?);
+                    }
+                    let n = self.new_node(&items)?;
+                    self.stack.push(n);
+                    continue;
+                }
+                b'P' => _ = self.line()?,
+                b'Q' => {
+                    let x = self.pop()?;
+                    let n = self.new_node(&[x])?;
+                    self.stack.push(n);
+                    continue;
+                }
+                0x82 => _ = self.take(1)?,
+                0x83 => _ = self.take(2)?,
+                0x84 => _ = self.take(4)?,
+                0x97 => {}
+                0x98 => continue,
+                b'p' | b'q' | b'r' | 0x94 => {
+                    let id = match op {
+                        b'p' => {
+                            let l = self.line()?;
+                            std::str::from_utf8(l)
+                                .ok()
+                                .and_then(|t| t.trim().parse::<u64>().ok())
+                                .ok_or("bad memo id")?
+                        }
+                        b'q' => self.uint(1)?,
+                        b'r' => self.uint(4)?,
+                        _ => self.memo.len() as u64,
+                    };
+                    let t = self.top()?;
+                    self.memo.insert(id, t);
+                    continue;
+                }
+                b'g' | b'h' | b'j' => {
+                    let id = match op {
+                        b'g' => {
+                            let l = self.line()?;
+                            std::str::from_utf8(l)
+                                .ok()
+                                .and_then(|t| t.trim().parse::<u64>().ok())
+                                .ok_or("bad memo id")?
+                        }
+                        b'h' => self.uint(1)?,
+                        _ => self.uint(4)?,
+                    };
+                    self.get(id)?;
+                    continue;
+                }
+                _ => return Ok(None),
+            }
+            // Every arm that falls through here, except PROTO and FRAME, yields one scalar.
+            if !matches!(op, 0x80 | 0x95) {
+                self.stack.push(Item::Leaf);
+            }
+        }
+    }
+
+    /// Depth and expanded size of the graph under `root`, iteratively.
+    fn measure(&self, root: u32) -> Result<(), String> {
+        const NEW: u8 = 0;
+        const OPEN: u8 = 1;
+        const DONE: u8 = 2;
+        let n = self.nodes.len();
+        let mut state = vec![NEW; n];
+        let mut depth = vec![0u32; n];
+        let mut size = vec![0u64; n];
+        let mut path: Vec<(u32, usize)> = vec![(root, 0)];
+        state[root as usize] = OPEN;
+        while let Some(&mut (node, ref mut next)) = path.last_mut() {
+            let children = &self.nodes[node as usize].children;
+            if let Some(&child) = children.get(*next) {
+                *next += 1;
+                match state[child as usize] {
+                    NEW => {
+                        state[child as usize] = OPEN;
+                        path.push((child, 0));
+                        if path.len() as u32 > MAX_DEPTH {
+                            return Err(format!("pickle nests deeper than {MAX_DEPTH} levels"));
+                        }
+                    }
+                    OPEN => return Err("pickle contains a recursive structure".into()),
+                    _ => {}
+                }
+                continue;
+            }
+            let me = &self.nodes[node as usize];
+            let mut d = u32::from(me.leaves > 0);
+            let mut s = 1u64.saturating_add(me.leaves);
+            for &c in &me.children {
+                d = d.max(depth[c as usize]);
+                s = s.saturating_add(size[c as usize]);
+            }
+            depth[node as usize] = d + 1;
+            size[node as usize] = s;
+            if d + 1 > MAX_DEPTH {
+                return Err(format!("pickle nests deeper than {MAX_DEPTH} levels"));
+            }
+            if s > MAX_EXPANDED {
+                return Err(format!(
+                    "pickle expands to more than {MAX_EXPANDED} values through shared references"
+                ));
+            }
+            state[node as usize] = DONE;
+            path.pop();
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn flat_and_shallow_pickles_pass() {
+        // {"x": [1, 2]} with protocol 4 framing and memoization.
+        let p =
+            b"\x80\x04\x95\x10\x00\x00\x00\x00\x00\x00\x00}\x94\x8c\x01x\x94]\x94(K\x01K\x02es.";
+        assert_eq!(check(p), Ok(()));
+    }
+
+    #[test]
+    fn deep_nesting_is_rejected() {
+        let n = 10_000;
+        let mut p = b"\x80\x04".to_vec();
+        p.extend(std::iter::repeat_n(b']', n));
+        p.extend(std::iter::repeat_n(b'a', n - 1));
+        p.push(b'.');
+        assert_eq!(check(&p), Err("pickle nests deeper than 128 levels".into()));
+    }
+
+    #[test]
+    fn deep_nesting_through_memo_is_rejected() {
+        // L0 = []; memo 0. Then repeatedly: L = [memo[i]]; memo i+1.
+        let mut p = b"\x80\x04]\x94".to_vec();
+        for i in 0..200u8 {
+            p.extend([b']', b'h', i, b'a', 0x94]);
+        }
+        p.push(b'.');
+        assert_eq!(check(&p), Err("pickle nests deeper than 128 levels".into()));
+    }
+
+    #[test]
+    fn exponential_sharing_is_rejected() {
+        // L0 = [1]; L(i+1) = [L(i), L(i)]: 2^60 values after expansion, 60 levels deep.
+        let mut p = b"\x80\x04]\x94K\x01a".to_vec();
+        for i in 0..60u8 {
+            p.extend([b']', 0x94, b'h', i, b'a', b'h', i, b'a']);
+        }
+        p.push(b'.');
+        let e = check(&p).unwrap_err();
+        assert!(e.contains("expands to more than"), "{e}");
+    }
+
+    #[test]
+    fn cycles_are_rejected() {
+        // L = []; memo 0; append L to itself.
+        let p = b"\x80\x04]\x94h\x00a.";
+        assert_eq!(check(p), Err("pickle contains a recursive structure".into()));
+    }
+}

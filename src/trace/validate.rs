@@ -1,0 +1,105 @@
+//! Incremental trace checking, used by every reader while it reads (so an error names the
+//! record where it happened) and by [`super::Trace::validate`].
+//!
+//! State: one hash map from id to [`IdState`] (live with its bytes, or freed), and a stack of
+//! open scopes. Ids are never reused within a trace; readers of pointer-based formats turn a
+//! reused address into a fresh id before the event reaches the validator.
+
+use std::collections::HashMap;
+
+use super::error::ErrorKind;
+use super::event::{Event, Op};
+
+/// What the validator knows about an id.
+#[derive(Debug, Clone, Copy)]
+enum IdState {
+    Live(u64),
+    Freed,
+}
+
+/// Checks events one at a time.
+#[derive(Debug, Default)]
+pub struct Validator {
+    ids: HashMap<u64, IdState>,
+    open_scopes: Vec<u32>,
+}
+
+impl Validator {
+    /// A validator that has seen nothing.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Checks the next event.
+    pub fn check(&mut self, e: &Event) -> Result<(), ErrorKind> {
+        match e.op {
+            Op::Alloc => match self.ids.get(&e.id) {
+                Some(_) => Err(ErrorKind::DoubleAlloc(e.id)),
+                None => {
+                    self.ids.insert(e.id, IdState::Live(e.bytes));
+                    Ok(())
+                }
+            },
+            Op::Free => match self.ids.get(&e.id).copied() {
+                None => Err(ErrorKind::FreeOfUnknownId(e.id)),
+                Some(IdState::Freed) => Err(ErrorKind::DoubleFree(e.id)),
+                Some(IdState::Live(bytes)) => {
+                    if e.bytes != bytes && e.bytes != 0 {
+                        return Err(ErrorKind::FreeSizeMismatch {
+                            id: e.id,
+                            allocated: bytes,
+                            freed: e.bytes,
+                        });
+                    }
+                    self.ids.insert(e.id, IdState::Freed);
+                    Ok(())
+                }
+            },
+            Op::ScopeEnter => {
+                let s = e.scope.ok_or_else(|| {
+                    ErrorKind::UnbalancedScope("scope_enter without a scope".into())
+                })?;
+                if self.open_scopes.contains(&s) {
+                    return Err(ErrorKind::UnbalancedScope(format!(
+                        "scope {} entered while already open",
+                        e.id
+                    )));
+                }
+                self.open_scopes.push(s);
+                Ok(())
+            }
+            Op::ScopeExit => {
+                let s = e.scope.ok_or_else(|| {
+                    ErrorKind::UnbalancedScope("scope_exit without a scope".into())
+                })?;
+                match self.open_scopes.last() {
+                    None => Err(ErrorKind::UnbalancedScope(format!(
+                        "scope_exit of scope {} with no open scope",
+                        e.id
+                    ))),
+                    Some(&top) if top != s => {
+                        Err(ErrorKind::UnbalancedScope(if self.open_scopes.contains(&s) {
+                            format!("scope_exit of scope {} while an inner scope is open", e.id)
+                        } else {
+                            format!("scope_exit of scope {} that is not open", e.id)
+                        }))
+                    }
+                    Some(_) => {
+                        self.open_scopes.pop();
+                        Ok(())
+                    }
+                }
+            }
+        }
+    }
+
+    /// Checks the end of the trace: no scope left open. (Never-freed ids are allowed.)
+    pub fn finish(&self) -> Result<(), ErrorKind> {
+        match self.open_scopes.len() {
+            0 => Ok(()),
+            n => {
+                Err(ErrorKind::UnbalancedScope(format!("{n} scope(s) still open at end of trace")))
+            }
+        }
+    }
+}
