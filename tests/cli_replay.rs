@@ -89,8 +89,16 @@ fn usage_errors_exit_2() {
     let o = tidepool(&["replay", &mlp(), "--policy", "magic"]);
     assert_eq!(o.status.code(), Some(2));
     assert!(stderr(&o).starts_with(
-        "tidepool: unknown policy `magic` (known: offset-allocator, range-alloc, planned)\n"
+        "tidepool: unknown policy `magic` (known: caching, residency, offset-allocator, range-alloc, planned)\n"
     ));
+
+    let o = tidepool(&["replay", &mlp(), "--config", "max_split_size_mb:1"]);
+    assert_eq!(o.status.code(), Some(2));
+    let e = stderr(&o);
+    assert!(e.starts_with("tidepool: policy caching: inconsistent TIDEPOOL_ALLOC_CONF"), "{e}");
+    let o = tidepool(&["replay", &mlp(), "--config", "warp_speed:9"]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(stderr(&o).contains("unknown key `warp_speed`"), "{}", stderr(&o));
 
     let o = tidepool(&["replay", &mlp(), "--repeats", "many"]);
     assert_eq!(o.status.code(), Some(2));

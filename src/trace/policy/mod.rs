@@ -5,6 +5,8 @@
 //!
 //! | name               | what it is                                                        |
 //! |--------------------|-------------------------------------------------------------------|
+//! | `caching`          | tidepool's allocator, default config, every block transient       |
+//! | `residency`        | tidepool's allocator, `param` persistent and `act` transient      |
 //! | `offset-allocator` | the offset-allocator crate as a fixed-heap sub-allocator          |
 //! | `range-alloc`      | the range-alloc crate (best fit over a free list), fixed heap      |
 //! | `planned`          | offline greedy-by-size packing with every lifetime known           |
@@ -12,6 +14,7 @@
 //! The lower bound (peak live requested bytes) is not a policy: every report carries it as
 //! `peak_live_bytes`. Scope markers are no-ops for the baselines.
 
+mod allocator;
 mod fixed_heap;
 mod offset_allocator;
 mod planned;
@@ -20,6 +23,7 @@ mod slots;
 
 use std::fmt;
 
+pub use allocator::{AllocStep, AllocatorPolicy, Mode, alloc_steps, replay_device};
 pub use fixed_heap::GRANULE;
 pub use offset_allocator::OffsetAllocatorPolicy;
 pub use planned::PlannedPolicy;
@@ -104,12 +108,10 @@ pub trait Policy {
 
 /// All known policies, in report order. Allocator policies are built from `opts.config`.
 pub fn registry(opts: &ReplayOptions) -> Result<Vec<Box<dyn Policy>>, ReplayError> {
-    let _config = opts.config.as_deref();
+    let config = opts.config.as_deref();
     let policies: Vec<Box<dyn Policy>> = vec![
-        // Allocator policies go first, built from `_config`, e.g.:
-        //   Box::new(CachingPolicy::from_config(_config)?),    // "caching"
-        //   Box::new(ResidencyPolicy::from_config(_config)?),  // "residency"
-        //   Box::new(ScopedPolicy::from_config(_config)?),     // "scoped"
+        Box::new(AllocatorPolicy::from_config(Mode::Caching, config)?),
+        Box::new(AllocatorPolicy::from_config(Mode::Residency, config)?),
         Box::new(OffsetAllocatorPolicy),
         Box::new(RangeAllocPolicy),
         Box::new(PlannedPolicy),
