@@ -113,13 +113,23 @@ impl AllocatorPolicy {
     }
 }
 
+/// The device side of one allocator replay.
+pub struct ReplayDevice {
+    /// The unbacked simulated device (sanitizer off: no kernels run in a replay).
+    pub device: Arc<SimDevice>,
+    /// The allocator under test.
+    pub alloc: Allocator<SimDevice>,
+    /// One device stream per trace stream, in order of first use.
+    pub streams: Vec<StreamId>,
+}
+
 /// A fresh simulated device and allocator for one replay, with one device stream per trace
 /// stream (trace stream 0 on the default stream).
 pub fn replay_device(
     config: &Config,
     trace_streams: usize,
     name: &str,
-) -> Result<(Arc<SimDevice>, Allocator<SimDevice>, Vec<StreamId>), ReplayError> {
+) -> Result<ReplayDevice, ReplayError> {
     let err = |e: &dyn std::fmt::Display| ReplayError::new(name, e.to_string());
     let dev = Arc::new(SimDevice::with_config(SimConfig {
         capacity: SIM_CAPACITY,
@@ -131,7 +141,7 @@ pub fn replay_device(
         streams.push(dev.create_stream().map_err(|e| err(&e))?);
     }
     let alloc = Allocator::new(dev.clone(), config.clone()).map_err(|e| err(&e))?;
-    Ok((dev, alloc, streams))
+    Ok(ReplayDevice { device: dev, alloc, streams })
 }
 
 impl Policy for AllocatorPolicy {
@@ -142,7 +152,8 @@ impl Policy for AllocatorPolicy {
     fn replay(&self, trace: &Trace, timeline: bool) -> Result<PolicyResult, ReplayError> {
         let name = self.name();
         let (steps, slots, trace_streams) = alloc_steps(trace, self.mode);
-        let (_dev, alloc, streams) = replay_device(&self.config, trace_streams.len(), name)?;
+        let ReplayDevice { alloc, streams, .. } =
+            replay_device(&self.config, trace_streams.len(), name)?;
         let mut live: Vec<Option<Buffer<SimDevice>>> = (0..slots).map(|_| None).collect();
         let mut tl = timeline.then(|| Vec::with_capacity(steps.len()));
         let start = Instant::now();

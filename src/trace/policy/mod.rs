@@ -23,7 +23,7 @@ mod slots;
 
 use std::fmt;
 
-pub use allocator::{AllocStep, AllocatorPolicy, Mode, alloc_steps, replay_device};
+pub use allocator::{AllocStep, AllocatorPolicy, Mode, ReplayDevice, alloc_steps, replay_device};
 pub use fixed_heap::GRANULE;
 pub use offset_allocator::OffsetAllocatorPolicy;
 pub use planned::PlannedPolicy;
