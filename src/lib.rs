@@ -17,6 +17,7 @@
 pub mod allocator;
 pub mod config;
 pub mod device;
+pub mod fuzzing;
 pub mod pool;
 pub mod stats;
 pub(crate) mod sync;
