@@ -14,6 +14,7 @@
 #   test replays every file there under `cargo test`;
 # - memory is bounded: -rss_limit_mb=2048 for the process and -malloc_limit_mb for any single
 #   allocation, so a reader that allocates what an input *claims* is reported as a crash;
+# - fuzz/dicts/<target>.dict, where present, is passed as a libFuzzer dictionary;
 # - the figures of each run (executions, executions per second) are printed at its end and the
 #   whole libFuzzer output is kept in fuzz/target/fuzz-<target>.log.
 set -euo pipefail
@@ -51,11 +52,15 @@ for t in "${targets[@]}"; do
   mkdir -p "$scratch" "fuzz/artifacts/$t"
   echo "=== fuzzing $t for ${seconds}s"
   set +e
+  dict=()
+  if [ -f "fuzz/dicts/$t.dict" ]; then
+    dict=(-dict="fuzz/dicts/$t.dict")
+  fi
   # shellcheck disable=SC2086 # build_opts holds several words
   cargo fuzz run -s none ${build_opts[$t]:-} "$t" "$scratch" "fuzz/corpus/$t" -- \
     -max_total_time="$seconds" -max_len="${max_len[$t]}" \
     -rss_limit_mb=2048 -malloc_limit_mb="${malloc_mb[$t]}" -timeout=10 \
-    -print_final_stats=1 >"$log" 2>&1
+    -print_final_stats=1 "${dict[@]}" >"$log" 2>&1
   rc=$?
   set -e
   grep -E '^(stat::number_of_executed_units|stat::average_exec_per_sec|stat::peak_rss_mb|Done [0-9]+ runs)' "$log" || true
