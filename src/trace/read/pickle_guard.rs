@@ -10,6 +10,12 @@
 //! node on top of the stack. At `STOP`, an iterative depth-first search from the result
 //! computes each node's depth and expanded size; a cycle (which the decoder would cut) is
 //! rejected too, as no PyTorch snapshot contains one.
+//!
+//! [`prepare`] also zeroes every float before decoding: serde-pickle orders hashable values
+//! (set elements, dict keys) with a comparison that is not total once floats are involved (NaN
+//! is "less" than everything, integers and floats compare lossily), and building a set or dict
+//! sorts them, which panics on such a comparison. No field tidepool reads is a float, so
+//! turning each one into `0.0` changes no trace and leaves the ordering total.
 
 use std::collections::HashMap;
 
@@ -22,6 +28,14 @@ pub const MAX_EXPANDED: u64 = 200_000_000;
 enum Item {
     Leaf,
     Node(u32),
+}
+
+/// Where a float sits in the pickle.
+enum Float {
+    /// An IEEE 754 double, big-endian.
+    Binary(std::ops::Range<usize>),
+    /// A decimal number as text.
+    Text(std::ops::Range<usize>),
 }
 
 #[derive(Default)]
@@ -37,11 +51,30 @@ struct Scan<'a> {
     marks: Vec<usize>,
     memo: HashMap<u64, Item>,
     nodes: Vec<Node>,
+    /// Float payloads: `BINFLOAT`'s 8 bytes, `FLOAT`'s decimal text.
+    floats: Vec<Float>,
 }
 
 /// Checks `data`; `Err` carries the reason. Opcodes the scan does not know are left to the
 /// decoder (which rejects them).
+#[cfg(test)]
 pub fn check(data: &[u8]) -> Result<(), String> {
+    scan(data).map(|_| ())
+}
+
+/// Checks `data` as described above, then sets every float in it to `0.0` (see the module docs).
+pub fn prepare(data: &mut [u8]) -> Result<(), String> {
+    for float in scan(data)? {
+        match float {
+            Float::Binary(r) => data[r].fill(0),
+            Float::Text(r) => data[r].fill(b'0'),
+        }
+    }
+    Ok(())
+}
+
+/// Checks `data`; where its floats are.
+fn scan(data: &[u8]) -> Result<Vec<Float>, String> {
     let mut s = Scan {
         data,
         pos: 0,
@@ -49,11 +82,12 @@ pub fn check(data: &[u8]) -> Result<(), String> {
         marks: Vec::new(),
         memo: HashMap::new(),
         nodes: Vec::new(),
+        floats: Vec::new(),
     };
-    match s.run()? {
-        Some(Item::Node(root)) => s.measure(root),
-        _ => Ok(()),
+    if let Some(Item::Node(root)) = s.run()? {
+        s.measure(root)?;
     }
+    Ok(s.floats)
 }
 
 impl Scan<'_> {
@@ -135,8 +169,25 @@ impl Scan<'_> {
                 0x80 | b'K' => _ = self.take(1)?,
                 b'M' => _ = self.take(2)?,
                 b'J' => _ = self.take(4)?,
-                b'G' | 0x95 => _ = self.take(8)?,
-                b'I' | b'L' | b'F' | b'S' | b'V' => _ = self.line()?,
+                b'G' => {
+                    let start = self.pos;
+                    self.take(8)?;
+                    self.floats.push(Float::Binary(start..self.pos));
+                }
+                b'F' => {
+                    let start = self.pos;
+                    let text = self.line()?;
+                    // Only text that parses (the decoder rejects the rest). A `\r` before the
+                    // newline is part of the text here (the decoder strips it): "0…0" either way.
+                    let end = start + text.len();
+                    let parses = std::str::from_utf8(text)
+                        .is_ok_and(|t| t.trim_end_matches('\r').parse::<f64>().is_ok());
+                    if parses {
+                        self.floats.push(Float::Text(start..end));
+                    }
+                }
+                0x95 => _ = self.take(8)?,
+                b'I' | b'L' | b'S' | b'V' => _ = self.line()?,
                 b'U' | b'C' | 0x8c | 0x8a | b'T' | b'B' | b'X' | 0x8b | 0x8d | 0x8e | 0x96 => {
                     let width = match op {
                         b'U' | b'C' | 0x8c | 0x8a => 1,
@@ -389,5 +440,40 @@ mod tests {
         // L = []; memo 0; append L to itself.
         let p = b"\x80\x04]\x94h\x00a.";
         assert_eq!(check(p), Err("pickle contains a recursive structure".into()));
+    }
+
+    /// Regression (found by the `trace_parse` fuzz target): serde-pickle sorts set elements
+    /// and dict keys with an ordering that is not total for floats (NaN; integers against
+    /// floats), and Rust's sort panics on that. Floats are zeroed before decoding.
+    #[test]
+    fn floats_are_zeroed_so_sets_and_dict_keys_sort() {
+        // Python: pickle.dumps([frozenset({nan, nan, nan, 1.5, 2**53 + 1, 2.0**53, 0.5, -1.0, 7}),
+        //                       {2**53 + 1: 1, 2.0**53: 3, nan: 4, 0.5: 5}], protocol=4)
+        let mut p = b"\x80\x04\x95\x82\x00\x00\x00\x00\x00\x00\x00]\x94((GC@\x00\x00\x00\x00\x00\x00G?\xf8\x00\x00\x00\x00\x00\x00\x8a\x07\x01\x00\x00\x00\x00\x00 G\x7f\xf8\x00\x00\x00\x00\x00\x00G?\xe0\x00\x00\x00\x00\x00\x00K\x07G\x7f\xf8\x00\x00\x00\x00\x00\x00G\x7f\xf8\x00\x00\x00\x00\x00\x00G\xbf\xf0\x00\x00\x00\x00\x00\x00\x91\x94}\x94(\x8a\x07\x01\x00\x00\x00\x00\x00 K\x01GC@\x00\x00\x00\x00\x00\x00K\x03G\x7f\xf8\x00\x00\x00\x00\x00\x00K\x04G?\xe0\x00\x00\x00\x00\x00\x00K\x05ue.".to_vec();
+        assert_eq!(check(&p), Ok(()));
+        prepare(&mut p).unwrap();
+        assert_eq!(p.len(), p.len(), "prepare rewrites in place");
+        let v = serde_pickle::value_from_slice(&p, serde_pickle::DeOptions::new()).unwrap();
+        let text = format!("{v:?}");
+        assert!(!text.contains("NaN") && !text.contains("1.5"), "{text}");
+        assert!(text.contains("9007199254740993"), "integers are kept: {text}");
+    }
+
+    /// The fuzzer's input (fuzz/artifacts/trace_parse/crash-d04fa3c1…): a frozenset of floats,
+    /// one of them NaN, and of a dict. Without zeroing, decoding it panics while sorting the
+    /// floats; with zeroing, the decoder gets as far as the dict and refuses it (unhashable).
+    #[test]
+    fn the_fuzzer_input_decodes_without_panicking() {
+        let mut p = b"\x95\xd6\x04\x00\xff\x00\x00\x00\x00}\x94(NNNKKNNNKKKKGGNGGGGGCGGGGGGYGGGGGGGGGGGGGGGGG\x5cGGGGGGGG-GGGGGGGGGGGG\xff\xff\xff\xc6GGGGGGGGGGGGGGGG%GGGGGGGGGGGGIGGGGGNNNNNNN\x94}KKKKKKKKKKKKKKKKK\x94\x91.\x06((".to_vec();
+        prepare(&mut p).unwrap();
+        let r = serde_pickle::value_from_slice(&p, serde_pickle::DeOptions::new());
+        assert!(r.as_ref().is_err_and(|e| e.to_string().contains("hashable")), "{r:?}");
+    }
+
+    #[test]
+    fn text_floats_are_zeroed_when_they_parse() {
+        let mut p = b"(Fnan\nF-1.5\r\nFjunk\nl.".to_vec();
+        prepare(&mut p).unwrap();
+        assert_eq!(&p, b"(F000\nF00000\nFjunk\nl.");
     }
 }
