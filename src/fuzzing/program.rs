@@ -246,7 +246,7 @@ impl Program {
                     Op::FailMallocsAbove { limit: FAIL_ABOVE[i.below(FAIL_ABOVE.len())] }
                 }
                 Kind::FailEventQueries => Op::FailEventQueries { on: i.bool() },
-                Kind::Inspect => Op::Inspect { summary: i.u8() % 8 == 0 },
+                Kind::Inspect => Op::Inspect { summary: i.u8().is_multiple_of(8) },
             });
         }
         Program { capacity, config, explicit_teardown, ops }
