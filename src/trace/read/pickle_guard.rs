@@ -21,8 +21,11 @@ use std::collections::HashMap;
 
 /// Deepest nesting accepted (PyTorch snapshots nest about 6 levels).
 pub const MAX_DEPTH: u32 = 128;
-/// Most values the decoded pickle may expand to (after memo references are copied).
-pub const MAX_EXPANDED: u64 = 200_000_000;
+/// Most values the decoded pickle may expand to (after memo and `DUP` references are copied).
+/// A decoded value costs about 64 bytes and 0.2 µs, so this bounds one decode near 1.3 GB and
+/// a few seconds, whatever the input claims (2·10^8, the bound before, let a 1.5 KB pickle of
+/// duplicated tuples take 12 GB).
+pub const MAX_EXPANDED: u64 = 20_000_000;
 
 #[derive(Clone, Copy)]
 enum Item {
@@ -440,6 +443,28 @@ mod tests {
         // L = []; memo 0; append L to itself.
         let p = b"\x80\x04]\x94h\x00a.";
         assert_eq!(check(p), Err("pickle contains a recursive structure".into()));
+    }
+
+    /// Regression (found by the `trace_parse` fuzz target, as a timeout at 1.9 GB of memory):
+    /// tuples of `DUP`licated tuples double the decoded size per 2 bytes of input.
+    #[test]
+    fn duplicated_tuples_are_bounded() {
+        let doubling = |n: usize| {
+            let mut p = b"\x80\x04K\x01\x85".to_vec();
+            p.extend(b"2\x86".repeat(n));
+            p.push(b'.');
+            p
+        };
+        // 2^22 leaves and as many tuples decode (about 0.5 GB); 2^24 would take 2 GB.
+        assert_eq!(check(&doubling(22)), Ok(()));
+        let e = check(&doubling(24)).unwrap_err();
+        assert!(e.contains("expands to more than 20000000 values"), "{e}");
+        // The fuzzer's input.
+        let p = include_bytes!(
+            "../../../fuzz/artifacts/trace_parse/timeout-ee5fb973092f80fd15a970ac968bc38daeb6ea00"
+        );
+        let e = check(p).unwrap_err();
+        assert!(e.contains("expands to more than"), "{e}");
     }
 
     /// Regression (found by the `trace_parse` fuzz target): serde-pickle sorts set elements
