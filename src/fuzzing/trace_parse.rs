@@ -9,6 +9,10 @@
 //!                                                                 └─▶ Err(e): a non-empty message
 //! ```
 //!
+//! A pickle (first byte `0x80`) is decoded once: `read_trace_bytes` already hands it to
+//! `read_pytorch_snapshot`, and it is not gzipped again. Decoding a pickle is the slow part
+//! (up to seconds for one that expands to the guard's limit).
+//!
 //! No reader may panic. Memory is bounded by the readers' own limits (line length, pickle
 //! nesting and expansion); the fuzz script runs libFuzzer with `-rss_limit_mb` and
 //! `-malloc_limit_mb` so that a reader allocating what an input *claims* is caught.
@@ -39,8 +43,11 @@ pub fn check(data: &[u8]) -> Result<(), String> {
     outcome("read_trace_bytes", &sniffed)?;
     outcome("read_tidepool_csv", &read_tidepool_csv(data, "trace"))?;
     outcome("read_rmm_log", &read_rmm_log(data, "trace"))?;
-    outcome("read_pytorch_snapshot", &read_pytorch_snapshot(data, "trace"))?;
-    if data.len() < GZIP_BELOW && !data.starts_with(&[0x1f, 0x8b]) {
+    let pickle = data.first() == Some(&0x80);
+    if !pickle {
+        outcome("read_pytorch_snapshot", &read_pytorch_snapshot(data, "trace"))?;
+    }
+    if data.len() < GZIP_BELOW && !pickle && !data.starts_with(&[0x1f, 0x8b]) {
         let mut gz = GzEncoder::new(Vec::new(), Compression::fast());
         gz.write_all(data).and_then(|()| gz.flush()).map_err(|e| e.to_string())?;
         let gz = gz.finish().map_err(|e| e.to_string())?;
