@@ -28,7 +28,7 @@
 //!
 //! Safety of decoding: the pickle is read into memory and scanned first
 //! ([`super::pickle_guard`]), which rejects nesting deeper than 128 levels, cycles, and memo
-//! sharing that would expand past 2·10^7 values — serde-pickle recurses per level and copies
+//! sharing that would expand past 10^7 values — serde-pickle recurses per level and copies
 //! each shared object at every reference.
 
 use std::collections::HashMap;
