@@ -6,7 +6,8 @@ use tidepool::trace::policy::{AllocatorPolicy, Mode, OffsetAllocatorPolicy, Rang
 use tidepool::trace::{Policy, read_trace};
 
 fn replay(c: &mut Criterion) {
-    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("data/traces/gpt2_train.csv.gz");
+    let path =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("data/traces/gpt2_train.csv.gz");
     let trace = read_trace(&path).expect("shipped trace");
     let mut g = c.benchmark_group("replay_gpt2_train");
     g.throughput(Throughput::Elements(trace.events.len() as u64));
