@@ -14,19 +14,24 @@
 
 mod buffer;
 mod error;
+mod plan;
 mod report;
+mod scope;
 
 pub use buffer::Buffer;
 pub use error::{AllocError, OomReport};
 pub use report::{BlockInfo, SegmentInfo};
+pub use scope::{Scope, ScopedBuffer};
 
 use crate::config::{Config, CrossStream};
 use crate::device::{Device, DeviceError, DevicePtr, EventId, StreamId};
 use crate::pool::{BlockId, BlockState, Pool, PoolKey, SegmentId};
 use crate::stats::{MemoryStats, Residency};
-use crate::sync::atomic::{AtomicBool, Ordering};
+use crate::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use crate::sync::{Arc, Mutex, MutexGuard, lock};
 use arc_swap::ArcSwap;
+use buffer::Origin;
+use plan::{Learned, Region};
 use std::collections::{BTreeMap, HashMap, VecDeque};
 
 /// A stream-ordered caching allocator over a [`Device`]. Cheap to clone (a handle); `Send + Sync`.
@@ -63,6 +68,26 @@ pub(crate) struct Shared<D: Device> {
     state: Mutex<State>,
     /// Test-only deliberate bug: skip every event that orders cross-stream reuse.
     broken_skip_events: AtomicBool,
+    /// Learned plans of named scopes, by (name, stream). Taken before `state`, never inside it.
+    plans: Mutex<HashMap<(String, StreamId), PlanState>>,
+    scope_counters: ScopeCounters,
+}
+
+/// What a named scope learned, and the region its plan lives in.
+#[derive(Default)]
+struct PlanState {
+    learned: Option<Arc<Learned>>,
+    region: Option<Arc<Region>>,
+}
+
+/// Scope and plan counters, updated without the allocator's lock.
+#[derive(Default)]
+struct ScopeCounters {
+    plan_hits: AtomicU64,
+    plan_misses: AtomicU64,
+    plan_fallbacks: AtomicU64,
+    escapes: AtomicU64,
+    region_bytes: AtomicU64,
 }
 
 /// A block freed by its user while other streams may still use it.
@@ -78,6 +103,7 @@ struct Counters {
     device_alloc: u64,
     device_free: u64,
     host_syncs: u64,
+    searches: u64,
 }
 
 #[derive(Default)]
@@ -108,6 +134,8 @@ impl<D: Device> Allocator<D> {
                 device_total: total,
                 state: Mutex::new(State::default()),
                 broken_skip_events: AtomicBool::new(false),
+                plans: Mutex::new(HashMap::new()),
+                scope_counters: ScopeCounters::default(),
             }),
         })
     }
@@ -146,14 +174,7 @@ impl<D: Device> Allocator<D> {
     ) -> Result<Buffer<D>, AllocError> {
         let sh = &self.shared;
         if bytes == 0 {
-            return Ok(Buffer {
-                ptr: DevicePtr::NULL,
-                requested: 0,
-                size: 0,
-                stream,
-                block: None,
-                owner: sh.clone(),
-            });
+            return Ok(Buffer::empty(stream, sh.clone()));
         }
         let config = sh.config.load();
         let rounded =
@@ -166,17 +187,28 @@ impl<D: Device> Allocator<D> {
         let (ptr, size) = (DevicePtr(b.addr), b.size);
         drop(st);
         sh.device.note_handout(ptr, size, stream);
-        Ok(Buffer { ptr, requested: bytes, size, stream, block: Some(block), owner: sh.clone() })
+        Ok(Buffer {
+            ptr,
+            requested: bytes,
+            size,
+            stream,
+            origin: Origin::Pool(block),
+            scope: None,
+            owner: sh.clone(),
+        })
     }
 
     /// Marks `buffer` as used on `stream` as well: when it is freed, its block is held until the
     /// work enqueued on `stream` up to that moment has completed (like
     /// `torch.Tensor.record_stream`). Recording its own stream does nothing.
     pub fn record_stream(&self, buffer: &Buffer<D>, stream: StreamId) {
-        let Some(block) = buffer.block else { return };
         if stream == buffer.stream {
             return;
         }
+        if let Some(tag) = &buffer.scope {
+            tag.used_on(stream);
+        }
+        let Some(block) = buffer.block() else { return };
         let mut st = lock(&self.shared.state);
         let uses = st.stream_uses.entry(block).or_default();
         if !uses.contains(&stream) {
@@ -251,6 +283,12 @@ impl<D: Device> Allocator<D> {
             num_device_alloc: st.counters.device_alloc,
             num_device_free: st.counters.device_free,
             num_host_syncs: st.counters.host_syncs,
+            best_fit_searches: st.counters.searches,
+            plan_hits: sh_load(&self.shared.scope_counters.plan_hits),
+            plan_misses: sh_load(&self.shared.scope_counters.plan_misses),
+            plan_fallbacks: sh_load(&self.shared.scope_counters.plan_fallbacks),
+            plan_region_bytes: sh_load(&self.shared.scope_counters.region_bytes),
+            scope_escapes: sh_load(&self.shared.scope_counters.escapes),
             cached_free_bytes_per_stream: per_stream.into_iter().map(|(s, b)| (s.0, b)).collect(),
         }
     }
@@ -309,6 +347,7 @@ impl<D: Device> Shared<D> {
         if !st.pending.is_empty() {
             self.process_events(st);
         }
+        st.counters.searches += 1;
         if let Some(b) = st.pool.find_free(key, rounded, &config.sizing) {
             return Ok(b);
         }
@@ -584,6 +623,101 @@ impl<D: Device> Shared<D> {
         }
     }
 
+    /// The plan learned for a named scope and its region, if any.
+    fn plan_for(
+        &self,
+        name: &str,
+        stream: StreamId,
+    ) -> (Option<Arc<Learned>>, Option<Arc<Region>>) {
+        let plans = lock(&self.plans);
+        match plans.get(&(name.to_string(), stream)) {
+            Some(p) => (p.learned.clone(), p.region.clone()),
+            None => (None, None),
+        }
+    }
+
+    /// Stores what a named scope learned on `stream`; the old plan's region is let go (it
+    /// returns to the pool once no escaped buffer holds it).
+    fn learn(&self, name: &str, stream: StreamId, learned: Option<Learned>) {
+        let old = {
+            let mut plans = lock(&self.plans);
+            let entry = plans.entry((name.to_string(), stream)).or_default();
+            entry.learned = learned.map(Arc::new);
+            entry.region.take()
+        };
+        if let Some(region) = old {
+            self.release_region(region);
+        }
+    }
+
+    /// Reserves the region of a named scope's plan: the stream's cached transient segments
+    /// with no live block are released first (the plan replaces them), then one block of
+    /// `size` bytes is taken from the pool.
+    fn make_region(
+        &self,
+        name: &str,
+        stream: StreamId,
+        size: u64,
+    ) -> Result<Arc<Region>, AllocError> {
+        let mut plans = lock(&self.plans);
+        let entry = plans.entry((name.to_string(), stream)).or_default();
+        if let Some(r) = &entry.region {
+            return Ok(r.clone());
+        }
+        let config = self.config.load();
+        let rounded =
+            config.sizing.round(size).ok_or(AllocError::InvalidSize { requested: size })?;
+        let key =
+            PoolKey { residency: Residency::Transient, stream, kind: config.sizing.kind(rounded) };
+        let mut st = lock(&self.state);
+        self.release_segments(&mut st, |s| {
+            s.key.stream == stream && s.key.residency == Residency::Transient
+        })?;
+        let block = self.find_or_reserve(&mut st, &config, key, size, rounded)?;
+        let block = st.pool.allocate(block, rounded, size, &config.sizing);
+        let base = st.pool.block(block).addr;
+        drop(st);
+        self.scope_counters.region_bytes.fetch_add(rounded, Ordering::Relaxed);
+        let region = Arc::new(Region::new(block, base, rounded));
+        entry.region = Some(region.clone());
+        Ok(region)
+    }
+
+    /// Drops one hold on a region; the last one returns its block to the pool.
+    fn release_region(&self, region: Arc<Region>) {
+        if let Ok(r) = Arc::try_unwrap(region) {
+            lock(&self.state).pool.free(r.block);
+            self.scope_counters.region_bytes.fetch_sub(r.size, Ordering::Relaxed);
+        }
+    }
+
+    /// Returns a scope's locally cached blocks to the pool under one lock.
+    fn free_blocks(&self, blocks: &[BlockId]) {
+        if blocks.is_empty() {
+            return;
+        }
+        let mut st = lock(&self.state);
+        for &b in blocks {
+            st.pool.free(b);
+        }
+    }
+
+    /// Makes `stream`'s later work wait, on the device, for the work enqueued so far on each of
+    /// `others` (a freed planned buffer that was used on other streams). No host sync.
+    fn order_after(&self, stream: StreamId, others: &[StreamId]) {
+        if others.is_empty() || self.broken_skip_events.load(Ordering::Relaxed) {
+            return;
+        }
+        let mut st = lock(&self.state);
+        for &other in others {
+            let Ok(event) = self.event(&mut st) else { continue };
+            if self.device.record_event(event, other).is_ok() {
+                let _ = self.device.wait_event(stream, event);
+            }
+            st.free_events.push(event);
+        }
+    }
+
     fn lock_state(&self) -> MutexGuard<'_, State> {
         lock(&self.state)
     }
@@ -593,12 +727,23 @@ impl<D: Device> Drop for Shared<D> {
     /// The last handle and the last buffer are gone: wait for pending events and return every
     /// segment to the device.
     fn drop(&mut self) {
+        let plans = std::mem::take(&mut *lock(&self.plans));
         let mut st = self.lock_state();
         let mut st = std::mem::take(&mut *st);
+        // No buffer is left (each holds the allocator), so the plans hold the only regions.
+        for (_, plan) in plans {
+            if let Some(r) = plan.region.and_then(|r| Arc::try_unwrap(r).ok()) {
+                st.pool.free(r.block);
+            }
+        }
         let _ = self.sync_events(&mut st);
         let _ = self.release_segments(&mut st, |_| true);
         for e in st.free_events.drain(..) {
             let _ = self.device.destroy_event(e);
         }
     }
+}
+
+fn sh_load(a: &AtomicU64) -> u64 {
+    a.load(Ordering::Relaxed)
 }
