@@ -215,6 +215,12 @@ impl<'a, D: Device> Scope<'a, D> {
         self.stream
     }
 
+    /// Marks a buffer as used on `stream` too (see [`Allocator::record_stream`]): its block is
+    /// no longer reused locally, and its reuse is ordered after `stream`'s work.
+    pub fn record_stream(&self, buffer: &Buffer<D>, stream: StreamId) {
+        self.alloc.record_stream(buffer, stream);
+    }
+
     /// Allocates `bytes` of transient memory for this scope; the buffer cannot outlive it.
     pub fn alloc(&self, bytes: u64) -> Result<ScopedBuffer<'_, D>, AllocError> {
         Ok(ScopedBuffer { buf: self.alloc_inner(bytes, true)?, _scope: PhantomData })

@@ -242,6 +242,6 @@ mod tests {
         let code = run(&args("replay x.csv --policy nope"), &mut out, &mut err);
         assert_eq!(code, 2);
         let err = String::from_utf8(err).unwrap();
-        assert!(err.starts_with("tidepool: unknown policy `nope` (known: caching, residency, offset-allocator, range-alloc, planned)\nusage:"));
+        assert!(err.starts_with("tidepool: unknown policy `nope` (known: caching, residency, scoped, offset-allocator, range-alloc, planned)\nusage:"));
     }
 }
