@@ -118,7 +118,6 @@ pub fn alloc_steps(trace: &Trace, mode: Mode) -> (Vec<AllocStep>, usize, Vec<u32
             Op::ScopeEnter | Op::ScopeExit => AllocStep::Marker,
         })
         .collect();
-    drop(stream_index);
     (steps, slots, streams)
 }
 
