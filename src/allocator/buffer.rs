@@ -45,6 +45,11 @@ impl<D: Device> Buffer<D> {
     pub fn stream(&self) -> StreamId {
         self.stream
     }
+
+    /// The device its memory lives on (the allocator's device).
+    pub fn device(&self) -> &Arc<D> {
+        &self.owner.device
+    }
 }
 
 impl<D: Device> Drop for Buffer<D> {
