@@ -104,7 +104,7 @@ impl<T: DeviceRepr> CudaBuffer<T> {
     /// `size_of::<T>()` (and `T` not zero-sized).
     pub fn from_buffer(buffer: Buffer<CudaDevice>) -> Result<CudaBuffer<T>, DeviceError> {
         let elem = size_of::<T>() as u64;
-        if elem == 0 || buffer.len() % elem != 0 {
+        if elem == 0 || !buffer.len().is_multiple_of(elem) {
             return Err(DeviceError::Unsupported(
                 "a buffer whose length is not a whole number of elements",
             ));

@@ -199,6 +199,17 @@ impl CudaDevice {
     }
 }
 
+impl std::fmt::Debug for CudaDevice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaDevice")
+            .field("name", &self.name)
+            .field("ordinal", &self.ordinal())
+            .field("streams", &lock(&self.streams).live.len())
+            .field("live_segments", &lock(&self.segments).len())
+            .finish()
+    }
+}
+
 impl Drop for CudaDevice {
     /// Waits for the device, frees segments still reserved and destroys every event. Errors are
     /// ignored: there is no one to report them to, and the context outlives this call.
@@ -235,7 +246,7 @@ impl Device for CudaDevice {
         }
         self.bind()?;
         let ptr = result::mem_alloc(bytes)?;
-        if ptr % SEGMENT_ALIGN != 0 {
+        if !ptr.is_multiple_of(SEGMENT_ALIGN) {
             // SAFETY: just allocated in the current context; never handed out.
             unsafe { result::mem_free(ptr) }?;
             return Err(DeviceError::Driver(format!(
@@ -400,7 +411,7 @@ mod tests {
 
     #[test]
     fn a_missing_ordinal_is_an_error() {
-        let err = CudaDevice::new(usize::MAX).err().expect("no machine has usize::MAX GPUs");
+        let err = CudaDevice::new(usize::MAX).expect_err("no machine has usize::MAX GPUs");
         let DeviceError::Driver(msg) = err else { panic!("unexpected error kind") };
         assert!(msg == NO_DRIVER || msg.starts_with("no "), "{msg}");
     }
