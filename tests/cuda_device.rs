@@ -310,7 +310,8 @@ fn events_query_false_then_true_around_a_gated_kernel() {
     let ev = dev.create_event().unwrap();
     assert_eq!(dev.query_event(ev), Ok(true));
 
-    let mut out = CudaBuffer::<f32>::alloc(&alloc, N, a).unwrap();
+    // SAFETY: f32 has no invalid bit patterns.
+    let mut out = unsafe { CudaBuffer::<f32>::alloc(&alloc, N, a) }.unwrap();
     launch_gated(&k, &sa, &out, 1.0, &gate);
     dev.record_event(ev, a).unwrap();
     // The gate is closed, so A's kernel cannot have finished: NOT_READY is Ok(false).
@@ -349,14 +350,16 @@ fn hold_the_stream(dev: &Arc<CudaDevice>, config: Config, record: bool) -> (bool
     let (sa, sb, sc) = (dev.stream(a).unwrap(), dev.stream(b).unwrap(), dev.stream(c).unwrap());
     let gate = closed_gate(&alloc, c);
 
-    let x = CudaBuffer::<f32>::alloc(&alloc, N, b).unwrap();
+    // SAFETY: f32 has no invalid bit patterns.
+    let x = unsafe { CudaBuffer::<f32>::alloc(&alloc, N, b) }.unwrap();
     let x_ptr = x.cu_device_ptr();
     launch_gated(&k, &sa, &x, 1.0, &gate);
     if record {
         alloc.record_stream(x.buffer(), a);
     }
     drop(x);
-    let mut y = CudaBuffer::<f32>::alloc(&alloc, N, b).unwrap();
+    // SAFETY: as for x.
+    let mut y = unsafe { CudaBuffer::<f32>::alloc(&alloc, N, b) }.unwrap();
     let same_block = y.cu_device_ptr() == x_ptr;
     launch_fill(&k, &sb, &mut y, 2.0);
     sb.synchronize().unwrap(); // B's fill is done before A's gated write can start
@@ -417,7 +420,8 @@ fn allocator_over_cuda_device_alloc_free_empty_cache_without_leaks() {
     // Typed data survives a trip through cached memory.
     let stream = dev.stream(StreamId::DEFAULT).unwrap();
     let data: Vec<u32> = (0..(3 << 20)).collect();
-    let mut t = CudaBuffer::<u32>::alloc(&alloc, data.len(), StreamId::DEFAULT).unwrap();
+    // SAFETY: u32 has no invalid bit patterns (and it is written before it is read).
+    let mut t = unsafe { CudaBuffer::<u32>::alloc(&alloc, data.len(), StreamId::DEFAULT) }.unwrap();
     stream.memcpy_htod(&data, &mut t).unwrap();
     assert!(stream.clone_dtoh(&t).unwrap() == data);
     drop(t);

@@ -40,6 +40,8 @@ use std::sync::Arc;
 /// let mut x = CudaBuffer::<f32>::alloc_zeros(&alloc, 1024, StreamId::DEFAULT)?;
 /// stream.memcpy_htod(&vec![1.0f32; 1024], &mut x)?;
 /// let host: Vec<f32> = stream.clone_dtoh(&x)?;
+/// // was: let y = unsafe { stream.alloc::<f32>(1024) }?;
+/// let y = unsafe { CudaBuffer::<f32>::alloc(&alloc, 1024, StreamId::DEFAULT) }?;
 /// assert_eq!(host, vec![1.0; 1024]);
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
@@ -54,17 +56,28 @@ pub struct CudaBuffer<T> {
 
 impl<T: DeviceRepr> CudaBuffer<T> {
     /// `len` elements of uninitialised transient memory on `stream`.
-    pub fn alloc(
+    ///
+    /// # Safety
+    /// The memory is not initialised as `T`s: it holds whatever it held (a previous buffer's
+    /// bytes, say). Write it before reading it back as a `T` that has invalid bit patterns
+    /// (`bool`, say), as with cudarc's `CudaStream::alloc`.
+    pub unsafe fn alloc(
         alloc: &Allocator<CudaDevice>,
         len: usize,
         stream: StreamId,
     ) -> Result<CudaBuffer<T>, AllocError> {
-        Self::alloc_in(alloc, len, stream, Residency::Transient)
+        // SAFETY: the caller takes on `alloc_in`'s contract.
+        unsafe { Self::alloc_in(alloc, len, stream, Residency::Transient) }
     }
 
     /// `len` elements of uninitialised memory on `stream` with the given residency (weights
     /// [`Residency::Persistent`], activations [`Residency::Transient`]).
-    pub fn alloc_in(
+    ///
+    /// # Safety
+    /// The memory is not initialised as `T`s: it holds whatever it held (a previous buffer's
+    /// bytes, say). Write it before reading it back as a `T` that has invalid bit patterns
+    /// (`bool`, say), as with cudarc's `CudaStream::alloc`.
+    pub unsafe fn alloc_in(
         alloc: &Allocator<CudaDevice>,
         len: usize,
         stream: StreamId,
@@ -89,7 +102,9 @@ impl<T: DeviceRepr> CudaBuffer<T> {
     where
         T: ValidAsZeroBits,
     {
-        let buf = Self::alloc(alloc, len, stream)?;
+        // SAFETY: the memory is zeroed below, in its stream's order, before any use can read it;
+        // `ValidAsZeroBits` makes all-zero bytes a valid `T`.
+        let buf = unsafe { Self::alloc(alloc, len, stream) }?;
         let bytes = buf.num_bytes();
         if bytes > 0 {
             alloc.device().bind()?;
@@ -102,7 +117,10 @@ impl<T: DeviceRepr> CudaBuffer<T> {
 
     /// Views an untyped buffer as elements of `T`. Its length in bytes must be a multiple of
     /// `size_of::<T>()` (and `T` not zero-sized).
-    pub fn from_buffer(buffer: Buffer<CudaDevice>) -> Result<CudaBuffer<T>, DeviceError> {
+    ///
+    /// # Safety
+    /// As for [`CudaBuffer::alloc`]: the bytes are not known to be valid `T`s.
+    pub unsafe fn from_buffer(buffer: Buffer<CudaDevice>) -> Result<CudaBuffer<T>, DeviceError> {
         let elem = size_of::<T>() as u64;
         if elem == 0 || !buffer.len().is_multiple_of(elem) {
             return Err(DeviceError::Unsupported(
