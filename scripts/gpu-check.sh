@@ -13,6 +13,11 @@
 # is in $RESULTS_DIR/<step>.log (default target/gpu-check/), the verdicts in summary.txt.
 # A step that could not run for want of a GPU/driver/library is SKIP (exit 0 unless
 # REQUIRE_GPU=1); any FAIL makes the script exit 1.
+#
+# For a GPU machine without cargo or network: build here with small binaries,
+#   CARGO_PROFILE_RELEASE_DEBUG=0 CARGO_PROFILE_RELEASE_STRIP=symbols bash scripts/gpu-check.sh
+# (about 3 MB in all; the run steps SKIP here), bring the three paths it prints after
+# "binaries:" along, and run `SKIP_BUILD=1 bash scripts/gpu-check.sh` there.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export RESULTS_DIR="${RESULTS_DIR:-target/gpu-check}"
@@ -43,6 +48,7 @@ if [[ "${SKIP_BUILD:-0}" != 1 ]]; then
 fi
 
 test_bin=$(ls -t target/release/deps/cuda_device-* 2>/dev/null | grep -v '\.d$' | head -1)
+echo "binaries: $test_bin target/release/examples/cudarc_interop target/release/examples/gpu_bench"
 deadline=$((SECONDS + ${RUN_BUDGET_S:-300}))
 
 run_step() { # name skip-pattern command...
