@@ -30,6 +30,8 @@
 //! - `cuMemAlloc` guarantees 256-byte alignment; the trait promises 512. Segments the allocator
 //!   reserves are ≥ 2 MiB and land on the driver's 2 MiB pages, and a pointer that is not 512-byte
 //!   aligned is freed again and reported as an error rather than handed on.
+//! - Locks are `std::sync`, not the `crate::sync` shim: driver calls cannot run under loom, so this
+//!   device is never modelled (and the `cuda` feature is not combined with `--cfg loom`).
 
 mod buffer;
 mod result;
