@@ -26,3 +26,9 @@ pub use allocator::{AllocError, Allocator, Buffer, OomReport};
 pub use config::{Config, ConfigError, CrossStream};
 pub use device::{Device, DevicePtr, SimConfig, SimDevice, StreamId};
 pub use stats::{MemoryStats, Residency};
+
+/// The cudarc this crate is built against (feature `cuda`), so users name the same version.
+#[cfg(feature = "cuda")]
+pub use cudarc;
+#[cfg(feature = "cuda")]
+pub use device::{CudaBuffer, CudaDevice};

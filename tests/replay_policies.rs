@@ -84,7 +84,10 @@ fn scope_markers_are_no_ops_for_baselines() {
 fn registry_lists_baselines_in_order() {
     let names: Vec<_> =
         registry(&ReplayOptions::default()).unwrap().iter().map(|p| p.name()).collect();
-    assert_eq!(names, vec!["caching", "residency", "scoped", "offset-allocator", "range-alloc", "planned"]);
+    assert_eq!(
+        names,
+        vec!["caching", "residency", "scoped", "offset-allocator", "range-alloc", "planned"]
+    );
 }
 
 #[test]
@@ -147,7 +150,10 @@ fn json_report_has_exactly_the_documented_shape() {
     assert_eq!(obj["peak_live_bytes"].as_u64(), Some(1736));
     let policies = obj["policies"].as_array().unwrap();
     let names: Vec<_> = policies.iter().map(|p| p["name"].as_str().unwrap()).collect();
-    assert_eq!(names, vec!["caching", "residency", "scoped", "offset-allocator", "range-alloc", "planned"]);
+    assert_eq!(
+        names,
+        vec!["caching", "residency", "scoped", "offset-allocator", "range-alloc", "planned"]
+    );
     // caching, residency and scoped reserve one 2 MiB small-pool segment.
     let expected_reserved = [2u64 << 20, 2 << 20, 2 << 20, 2560, 2560, 1792];
     for (p, reserved) in policies.iter().zip(expected_reserved) {

@@ -87,6 +87,11 @@ impl<D: Device> Buffer<D> {
             _ => None,
         }
     }
+
+    /// The device its memory lives on (the allocator's device).
+    pub fn device(&self) -> &Arc<D> {
+        &self.owner.device
+    }
 }
 
 impl<D: Device> Drop for Buffer<D> {

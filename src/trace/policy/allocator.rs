@@ -194,6 +194,7 @@ impl Policy for AllocatorPolicy {
         // Device mallocs and best-fit searches made during each scope run.
         let mut runs: Vec<(u64, u64)> = Vec::new();
         let mut run_start = (0, 0);
+        let mut first_peaks = (0, 0);
         let err = |e: AllocError| ReplayError::new(name, e.to_string());
         let start = Instant::now();
         for step in &steps {
@@ -219,8 +220,17 @@ impl Policy for AllocatorPolicy {
                 }
                 AllocStep::Exit => {
                     if scope.take().is_some() {
-                        let now = (device.counters().mallocs, alloc.stats().best_fit_searches);
+                        let st = alloc.stats();
+                        let now = (device.counters().mallocs, st.best_fit_searches);
                         runs.push((now.0 - run_start.0, now.1 - run_start.1));
+                        if runs.len() == 1 {
+                            // Peaks from here on are the steady state after the learning run.
+                            first_peaks = (
+                                st.blocks.reserved_bytes.all.peak,
+                                st.blocks.allocated_bytes.all.peak,
+                            );
+                            alloc.reset_peak_stats();
+                        }
                     }
                 }
                 AllocStep::Marker => {}
@@ -233,16 +243,23 @@ impl Policy for AllocatorPolicy {
         let elapsed = start.elapsed().as_nanos();
         let s = alloc.stats();
         drop(live);
+        let mut extra = self.extras(&s, &runs);
+        if runs.len() > 1 {
+            extra.push((
+                "peak reserved after the first scope run".into(),
+                s.blocks.reserved_bytes.all.peak.to_string(),
+            ));
+        }
         Ok(PolicyResult {
             name: name.to_string(),
-            peak_reserved_bytes: s.blocks.reserved_bytes.all.peak,
-            peak_allocated_bytes: s.blocks.allocated_bytes.all.peak,
+            peak_reserved_bytes: s.blocks.reserved_bytes.all.peak.max(first_peaks.0),
+            peak_allocated_bytes: s.blocks.allocated_bytes.all.peak.max(first_peaks.1),
             device_mallocs: s.num_device_alloc,
             device_frees: s.num_device_free,
             host_syncs: s.num_host_syncs,
             ns_per_op: elapsed as f64 / trace.events.len().max(1) as f64,
             reserved_timeline: tl,
-            extra: self.extras(&s, &runs),
+            extra,
         })
     }
 }
