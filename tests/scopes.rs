@@ -280,3 +280,22 @@ proptest! {
         prop_assert!(dev.live_segments().is_empty());
     }
 }
+
+#[test]
+fn two_concurrent_runs_of_one_named_scope_never_share_the_region() {
+    let (dev, alloc) = setup(1 << 32);
+    let learn = alloc.named_scope("s", S0);
+    drop(learn.alloc_unbound(MIB).unwrap());
+    drop(learn);
+    let first = alloc.named_scope("s", S0);
+    let second = alloc.named_scope("s", S0);
+    let a = first.alloc_unbound(MIB).unwrap();
+    let b = second.alloc_unbound(MIB).unwrap();
+    assert!(a.is_planned());
+    assert!(!b.is_planned(), "the region is held by the first run");
+    assert_ne!(a.ptr(), b.ptr());
+    drop((a, b));
+    drop((first, second));
+    alloc.check_invariants().unwrap();
+    assert_eq!(dev.violations(), vec![]);
+}

@@ -14,6 +14,7 @@
 
 use crate::pool::BlockId;
 use crate::pool::packing::pack_greedy_by_size;
+use crate::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use crate::sync::{Mutex, lock};
 
 /// One step of a scope run: an allocation of a rounded size, or the free of the `i`-th
@@ -68,16 +69,39 @@ pub(crate) struct Region {
     pub size: u64,
     /// Slices (offset, size) still used by buffers that escaped an earlier run.
     pinned: Mutex<Vec<(u64, u64)>>,
+    /// Number of pinned slices, read without the lock on the planned fast path.
+    pinned_count: AtomicUsize,
+    /// Held by the one scope run serving slices from the region.
+    in_use: AtomicBool,
 }
 
 impl Region {
     pub fn new(block: BlockId, base: u64, size: u64) -> Region {
-        Region { block, base, size, pinned: Mutex::new(Vec::new()) }
+        Region {
+            block,
+            base,
+            size,
+            pinned: Mutex::new(Vec::new()),
+            pinned_count: AtomicUsize::new(0),
+            in_use: AtomicBool::new(false),
+        }
+    }
+
+    /// Claims the region for one run; `false` while another run of the scope holds it.
+    pub fn try_claim(&self) -> bool {
+        self.in_use.compare_exchange(false, true, Ordering::Acquire, Ordering::Relaxed).is_ok()
+    }
+
+    /// Ends the current run's claim.
+    pub fn unclaim(&self) {
+        self.in_use.store(false, Ordering::Release);
     }
 
     /// Marks `[offset, offset + size)` as held by an escaped buffer.
     pub fn pin(&self, offset: u64, size: u64) {
-        lock(&self.pinned).push((offset, size));
+        let mut p = lock(&self.pinned);
+        p.push((offset, size));
+        self.pinned_count.store(p.len(), Ordering::Release);
     }
 
     /// The escaped buffer at `offset` was freed.
@@ -86,10 +110,17 @@ impl Region {
         if let Some(i) = p.iter().position(|&(o, _)| o == offset) {
             p.swap_remove(i);
         }
+        self.pinned_count.store(p.len(), Ordering::Release);
     }
 
     /// Whether `[offset, offset + size)` overlaps a pinned slice.
     pub fn overlaps_pinned(&self, offset: u64, size: u64) -> bool {
+        // Pins are added at the exit of the run that held the claim, before it releases the
+        // claim (Release) that this run acquired, so a zero count seen here is current; frees
+        // may only lower it.
+        if self.pinned_count.load(Ordering::Acquire) == 0 {
+            return false;
+        }
         let p = lock(&self.pinned);
         p.iter().any(|&(o, s)| o < offset + size && offset < o + s)
     }

@@ -36,12 +36,15 @@ pub(crate) struct ScopeTag {
     /// Other streams it was used on (`record_stream`), for planned buffers, which have no pool
     /// block to hold: their free makes the owner stream wait for these streams instead.
     uses: Mutex<Vec<StreamId>>,
+    /// Whether `uses` is non-empty (so a free without uses takes no lock for them).
+    has_uses: AtomicBool,
 }
 
 impl ScopeTag {
     /// Notes a use on another stream: no local reuse, and remembered for planned buffers.
     pub(crate) fn used_on(&self, stream: StreamId) {
         self.local_reuse.store(false, Ordering::Relaxed);
+        self.has_uses.store(true, Ordering::Relaxed);
         let mut uses = lock(&self.uses);
         if !uses.contains(&stream) {
             uses.push(stream);
@@ -52,7 +55,11 @@ impl ScopeTag {
     /// block into the local cache), or unpins an escaped planned slice after it ended. Returns
     /// the other streams the buffer was used on.
     pub(crate) fn on_drop<D: Device>(&self, buf: &mut Buffer<D>) -> Vec<StreamId> {
-        let uses = std::mem::take(&mut *lock(&self.uses));
+        let uses = if self.has_uses.load(Ordering::Relaxed) {
+            std::mem::take(&mut *lock(&self.uses))
+        } else {
+            Vec::new()
+        };
         let mut run = lock(&self.run.state);
         if !run.open {
             if let Origin::Region(region, offset) = &buf.origin {
@@ -61,7 +68,8 @@ impl ScopeTag {
             return uses;
         }
         run.record(Step::Free(self.index));
-        run.live.remove(&self.index);
+        run.live[self.index as usize] = None;
+        run.live_count -= 1;
         if self.local_reuse.load(Ordering::Relaxed)
             && let Origin::Pool(block) = buf.origin
         {
@@ -88,7 +96,9 @@ struct RunState {
     /// The plan this run follows, until it diverges.
     learned: Option<Arc<Learned>>,
     diverged: bool,
-    live: HashMap<u32, LiveEntry>,
+    /// Live allocations of the run by index (`None` once freed), and how many are live.
+    live: Vec<Option<LiveEntry>>,
+    live_count: usize,
     /// Freed scoped blocks by size, ready for reuse in this run.
     local: HashMap<u64, Vec<(BlockId, DevicePtr)>>,
 }
@@ -150,7 +160,17 @@ pub struct Scope<'a, D: Device> {
     name: Option<String>,
     run: Arc<ScopeRun>,
     /// The region of the plan being followed (created on the first planned allocation).
-    region: Mutex<Option<Arc<Region>>>,
+    region: Mutex<RegionSlot>,
+}
+
+/// A run's hold on its plan's region: one run at a time serves from a region.
+enum RegionSlot {
+    /// Not used yet by this run (the plan's region, if it has one already).
+    Unclaimed(Option<Arc<Region>>),
+    /// This run serves planned slices from it.
+    Claimed(Arc<Region>),
+    /// Another run of the same scope holds it, or it could not be reserved: no planned slices.
+    Denied,
 }
 
 /// A buffer of a [`Scope`]; it cannot outlive the scope. Derefs to [`Buffer`].
@@ -202,11 +222,12 @@ impl<'a, D: Device> Scope<'a, D> {
                     allocs: 0,
                     learned,
                     diverged: false,
-                    live: HashMap::new(),
+                    live: Vec::new(),
+                    live_count: 0,
                     local: HashMap::new(),
                 }),
             }),
-            region: Mutex::new(region),
+            region: Mutex::new(RegionSlot::Unclaimed(region)),
         }
     }
 
@@ -294,12 +315,15 @@ impl<'a, D: Device> Scope<'a, D> {
                 b
             }
         };
-        run.live.insert(index, LiveEntry { size: buf.size, region_offset });
+        debug_assert_eq!(run.live.len(), index as usize);
+        run.live.push(Some(LiveEntry { size: buf.size, region_offset }));
+        run.live_count += 1;
         buf.scope = Some(ScopeTag {
             run: self.run.clone(),
             index,
             local_reuse: AtomicBool::new(local_reuse),
             uses: Mutex::new(Vec::new()),
+            has_uses: AtomicBool::new(false),
         });
         Ok(buf)
     }
@@ -314,16 +338,29 @@ impl<'a, D: Device> Scope<'a, D> {
         size: u64,
     ) -> Result<Option<Arc<Region>>, AllocError> {
         let mut slot = lock(&self.region);
-        if slot.is_none() {
+        if let RegionSlot::Unclaimed(existing) = &*slot {
             let Some(name) = self.name.as_deref() else { return Ok(None) };
-            match self.alloc.shared.make_region(name, self.stream, learned.region_size) {
-                Ok(r) => *slot = Some(r),
-                Err(AllocError::OutOfMemory(_)) => return Ok(None),
-                Err(e) => return Err(e),
-            }
+            let region = match existing {
+                Some(r) => r.clone(),
+                None => match self.alloc.shared.make_region(name, self.stream, learned.region_size)
+                {
+                    Ok(r) => r,
+                    Err(AllocError::OutOfMemory(_)) => {
+                        *slot = RegionSlot::Denied;
+                        return Ok(None);
+                    }
+                    Err(e) => return Err(e),
+                },
+            };
+            *slot =
+                if region.try_claim() { RegionSlot::Claimed(region) } else { RegionSlot::Denied };
         }
-        let region = slot.as_ref().expect("set above");
-        Ok((!region.overlaps_pinned(offset, size)).then(|| region.clone()))
+        match &*slot {
+            RegionSlot::Claimed(region) => {
+                Ok((!region.overlaps_pinned(offset, size)).then(|| region.clone()))
+            }
+            _ => Ok(None),
+        }
     }
 }
 
@@ -334,14 +371,14 @@ impl<D: Device> Drop for Scope<'_, D> {
         let sh: &Shared<D> = &self.alloc.shared;
         let mut run = lock(&self.run.state);
         run.open = false;
-        let region = lock(&self.region).clone();
-        let escapes = run.live.len() as u64;
-        if let Some(region) = &region {
-            for e in run.live.values() {
+        let escapes = run.live_count as u64;
+        if let RegionSlot::Claimed(region) = &*lock(&self.region) {
+            for e in run.live.iter().flatten() {
                 if let Some(off) = e.region_offset {
                     region.pin(off, e.size);
                 }
             }
+            region.unclaim();
         }
         sh.scope_counters.escapes.fetch_add(escapes, Ordering::Relaxed);
         let blocks: Vec<BlockId> =
