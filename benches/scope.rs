@@ -9,7 +9,8 @@ use tidepool::{Allocator, Config, SimConfig, SimDevice, StreamId};
 const PAIRS: u64 = 256;
 
 fn scope(c: &mut Criterion) {
-    let dev = SimDevice::with_config(SimConfig { capacity: 1 << 34, backed: false, sanitize: false });
+    let dev =
+        SimDevice::with_config(SimConfig { capacity: 1 << 34, backed: false, sanitize: false });
     let alloc = Allocator::new(Arc::new(dev), Config::default()).unwrap();
     let run = |alloc: &Allocator<SimDevice>| {
         let s = alloc.named_scope("bench", StreamId::DEFAULT);
