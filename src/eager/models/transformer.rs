@@ -234,7 +234,10 @@ impl<B: Backend> TransformerBlock<B> {
         let d_wk = gx.matmul_backward_rhs(&h1, &self.wk, &dk)?;
         let d_wv = gx.matmul_backward_rhs(&h1, &self.wv, &dv)?;
         let dh1 = cx.add(
-            &cx.add(&cx.matmul_backward_lhs(&self.wq, &dq)?, &cx.matmul_backward_lhs(&self.wk, &dk)?)?,
+            &cx.add(
+                &cx.matmul_backward_lhs(&self.wq, &dq)?,
+                &cx.matmul_backward_lhs(&self.wk, &dk)?,
+            )?,
             &cx.matmul_backward_lhs(&self.wv, &dv)?,
         )?;
         drop((dq, dk, dv, h1));
