@@ -16,6 +16,31 @@ use crate::allocator::Scope;
 use crate::device::StreamId;
 
 /// A step of work on one stream; see the module docs. Ends when dropped.
+///
+/// An activation cannot outlive its step (its memory is the scope's):
+///
+/// ```compile_fail
+/// use tidepool::StreamId;
+/// use tidepool::eager::Eager;
+/// let eager = Eager::sim(64 << 20).unwrap();
+/// let kept = {
+///     let step = eager.step("step", StreamId::DEFAULT);
+///     step.ctx().zeros(&[4]).unwrap() // error: `step` does not live long enough
+/// };
+/// ```
+///
+/// A value that must outlive it comes from [`Step::unscoped`]:
+///
+/// ```
+/// use tidepool::StreamId;
+/// use tidepool::eager::Eager;
+/// let eager = Eager::sim(64 << 20).unwrap();
+/// let kept = {
+///     let step = eager.step("step", StreamId::DEFAULT);
+///     step.unscoped().zeros(&[4]).unwrap()
+/// };
+/// assert_eq!(kept.to_host().unwrap(), vec![0.0; 4]);
+/// ```
 pub struct Step<'e, B: Backend> {
     eager: &'e Eager<B>,
     scope: Scope<'e, B::Device>,
