@@ -52,7 +52,8 @@ fn main() -> Result<ExitCode, Box<dyn std::error::Error>> {
         println!("trace: {} rows in {path}", rec.len());
     }
     let (first, last) = (reports[0].loss, reports[reports.len() - 1].loss);
-    if !(last < 0.5 * first) {
+    let fell = last < 0.5 * first; // false for NaN too
+    if !fell {
         eprintln!("mlp_train: the loss did not fall enough ({first} → {last})");
         return Ok(ExitCode::FAILURE);
     }

@@ -329,13 +329,13 @@ fn grad_check(
     let dy = cx.tensor(&w, out.shape()).unwrap();
     let analytic = backward(&cx, &ts, &dy).to_host().unwrap();
     assert_eq!(analytic.len(), inputs[which].0.len(), "{name}: gradient size");
-    for j in 0..analytic.len() {
+    for (j, &a) in analytic.iter().enumerate() {
         let mut plus = inputs.to_vec();
         plus[which].0[j] += FD_EPS;
         let mut minus = inputs.to_vec();
         minus[which].0[j] -= FD_EPS;
         let numeric = (scalar(&plus) - scalar(&minus)) / (2.0 * FD_EPS as f64);
-        let a = analytic[j] as f64;
+        let a = a as f64;
         assert!(
             (a - numeric).abs() <= GRAD_TOL * (1.0 + numeric.abs()),
             "{name}: d/dx[{j}] analytic {a}, numeric {numeric}"
@@ -344,7 +344,10 @@ fn grad_check(
     clean(&e);
 }
 
-fn inp(n: &[usize], seed: u64) -> (Vec<f32>, Vec<usize>) {
+/// Input values and their shape.
+type Input = (Vec<f32>, Vec<usize>);
+
+fn inp(n: &[usize], seed: u64) -> Input {
     (rand(n.iter().product(), seed), n.to_vec())
 }
 
@@ -385,7 +388,7 @@ fn gradients_of_elementwise_ops() {
 
 #[test]
 fn gradients_of_matmul_and_transpose() {
-    let cases: [(&str, [(Vec<f32>, Vec<usize>); 2]); 3] = [
+    let cases: [(&str, [Input; 2]); 3] = [
         ("2-D", [inp(&[3, 4], 1), inp(&[4, 2], 2)]),
         ("batched", [inp(&[2, 3, 4], 3), inp(&[2, 4, 2], 4)]),
         ("shared rhs", [inp(&[2, 3, 4], 5), inp(&[4, 2], 6)]),
