@@ -1,7 +1,7 @@
 //! The eager tensor layer: f32 [`Tensor`]s whose storage comes from the [`crate::Allocator`],
 //! ops enqueued asynchronously on streams through one op interface ([`Backend`]) with two back
 //! ends — host kernels on [`crate::SimDevice`] ([`HostBackend`]) and NVRTC/cuBLAS kernels on
-//! [`crate::CudaDevice`] (`CudaBackend`, feature `cuda`) — optimizers, and a trace recorder.
+//! `CudaDevice` (`CudaBackend`, feature `cuda`) — optimizers, and a trace recorder.
 //! It exists to drive the allocator with real eager workloads, not to compete with a tensor
 //! library.
 //!
