@@ -17,6 +17,8 @@
 pub mod allocator;
 pub mod config;
 pub mod device;
+#[cfg(not(loom))]
+pub mod eager;
 pub mod pool;
 pub mod stats;
 pub(crate) mod sync;
