@@ -182,8 +182,12 @@ pub struct MemoryStats {
     pub num_device_free: u64,
     /// Host synchronisations the allocator caused (releases, event waits).
     pub num_host_syncs: u64,
-    /// Bytes of free blocks cached per stream (stream id, bytes), streams with none omitted.
+    /// Bytes of free blocks cached per stream (stream id, bytes), streams with none omitted:
+    /// the pool's free blocks of the stream plus its fast-path cache.
     pub cached_free_bytes_per_stream: Vec<(u32, u64)>,
+    /// Bytes of freed blocks held in the per-stream fast-path caches (counted as freed in
+    /// `blocks`, not yet returned to the pool's free lists).
+    pub cached_fast_bytes: u64,
 }
 
 impl MemoryStats {

@@ -3,7 +3,9 @@
 use super::Shared;
 use crate::device::{Device, DevicePtr, StreamId};
 use crate::pool::BlockId;
+use crate::stats::Residency;
 use crate::sync::Arc;
+use crate::sync::atomic::{AtomicBool, Ordering};
 use std::fmt;
 
 /// A piece of device memory owned by one user. Dropping it frees it, stream-ordered: its block
@@ -18,6 +20,28 @@ pub struct Buffer<D: Device> {
     pub(super) stream: StreamId,
     pub(super) block: Option<BlockId>,
     pub(super) owner: Arc<Shared<D>>,
+    /// The rounded request it served: with the residency, its class in the stream cache.
+    pub(super) rounded: u64,
+    pub(super) residency: Residency,
+    /// Its statistics quadrant (pool kind × residency).
+    pub(super) quadrant: u8,
+    /// Set by `record_stream` when another stream uses it: its free must then take the slow
+    /// path (events), never the stream cache. The uses themselves sit in the locked state.
+    pub(super) used_elsewhere: AtomicBool,
+}
+
+impl<D: Device> Buffer<D> {
+    /// Whether `record_stream` recorded a use on another stream.
+    pub(super) fn used_elsewhere(&self) -> bool {
+        #[cfg(tidepool_broken = "events")]
+        return false; // BROKEN: forgets the recorded uses, so the block skips its events.
+        #[cfg(not(tidepool_broken = "events"))]
+        return self.used_elsewhere.load(Ordering::Acquire);
+    }
+
+    pub(super) fn mark_used_elsewhere(&self) {
+        self.used_elsewhere.store(true, Ordering::Release);
+    }
 }
 
 impl<D: Device> Buffer<D> {
@@ -50,9 +74,33 @@ impl<D: Device> Buffer<D> {
 impl<D: Device> Drop for Buffer<D> {
     fn drop(&mut self) {
         if let Some(block) = self.block.take() {
-            self.owner.free(block, self.ptr, self.size, self.stream);
+            let freed = Freed {
+                block,
+                ptr: self.ptr,
+                size: self.size,
+                requested: self.requested,
+                stream: self.stream,
+                rounded: self.rounded,
+                residency: self.residency,
+                quadrant: self.quadrant as usize,
+                used_elsewhere: self.used_elsewhere(),
+            };
+            self.owner.free(freed);
         }
     }
+}
+
+/// What the allocator needs to know about a buffer being freed.
+pub(super) struct Freed {
+    pub(super) block: BlockId,
+    pub(super) ptr: DevicePtr,
+    pub(super) size: u64,
+    pub(super) requested: u64,
+    pub(super) stream: StreamId,
+    pub(super) rounded: u64,
+    pub(super) residency: Residency,
+    pub(super) quadrant: usize,
+    pub(super) used_elsewhere: bool,
 }
 
 impl<D: Device> fmt::Debug for Buffer<D> {
