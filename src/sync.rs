@@ -109,3 +109,57 @@ impl<T> ArcCell<T> {
         }
     }
 }
+
+/// A slot set at most once, then read without a lock: `OnceLock` under `std` (a read is one
+/// `Acquire` load), a `Mutex<Option<T>>` under loom (a read clones the value out).
+pub struct OnceSlot<T> {
+    #[cfg(not(loom))]
+    inner: std::sync::OnceLock<T>,
+    #[cfg(loom)]
+    inner: Mutex<Option<T>>,
+}
+
+/// What [`OnceSlot::get`] returns: a reference under `std`, a clone under loom.
+#[cfg(not(loom))]
+pub type SlotRef<'a, T> = &'a T;
+/// What [`OnceSlot::get`] returns: a reference under `std`, a clone under loom.
+#[cfg(loom)]
+pub type SlotRef<'a, T> = T;
+
+impl<T: Clone> Default for OnceSlot<T> {
+    fn default() -> Self {
+        OnceSlot::new()
+    }
+}
+
+impl<T: Clone> OnceSlot<T> {
+    /// An empty slot.
+    pub fn new() -> OnceSlot<T> {
+        #[cfg(not(loom))]
+        let inner = std::sync::OnceLock::new();
+        #[cfg(loom)]
+        let inner = Mutex::new(None);
+        OnceSlot { inner }
+    }
+
+    /// The value, once set.
+    pub fn get(&self) -> Option<SlotRef<'_, T>> {
+        #[cfg(not(loom))]
+        return self.inner.get();
+        #[cfg(loom)]
+        return lock(&self.inner).clone();
+    }
+
+    /// Sets the value if the slot is empty (else drops `value`).
+    pub fn set(&self, value: T) {
+        #[cfg(not(loom))]
+        let _ = self.inner.set(value);
+        #[cfg(loom)]
+        {
+            let mut g = lock(&self.inner);
+            if g.is_none() {
+                *g = Some(value);
+            }
+        }
+    }
+}

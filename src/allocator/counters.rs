@@ -31,7 +31,7 @@
 //! invariant held, so `current ≤ upper ≤ peak` in the snapshot. `freed` is `tot − current`, so
 //! (current, allocated, freed) are never torn either.
 
-use super::fast_cache::{CacheInner, CacheTable, StreamCache};
+use super::fast_cache::{CacheInner, StreamCache};
 use super::seqlock::{Collect, SeqBlock};
 use crate::pool::Pool;
 use crate::stats::{BlockStats, PoolKind, Residency, Stat, StatGroup};
@@ -125,14 +125,22 @@ pub const FAST_WORDS: usize = CACHED_BLOCKS + 1;
 /// The statistics kept under the global lock. See the module docs.
 pub struct BaseStats {
     words: [u64; BASE_WORDS],
-    published: [u64; BASE_WORDS],
+    /// Words changed since the last publish, one bit each.
+    dirty: [u64; BASE_WORDS.div_ceil(64)],
     /// `upper` per live group and cell.
     upper: [[u64; CELLS]; 5],
+    /// The pool-only groups as last mirrored.
+    mirrored: [StatGroup; 4],
 }
 
 impl Default for BaseStats {
     fn default() -> Self {
-        BaseStats { words: [0; BASE_WORDS], published: [0; BASE_WORDS], upper: [[0; CELLS]; 5] }
+        BaseStats {
+            words: [0; BASE_WORDS],
+            dirty: [0; BASE_WORDS.div_ceil(64)],
+            upper: [[0; CELLS]; 5],
+            mirrored: [StatGroup::default(); 4],
+        }
     }
 }
 
@@ -162,9 +170,16 @@ impl BaseStats {
         self.decrease(q, [0, bytes, requested, 0, 1]);
     }
 
+    fn set(&mut self, i: usize, v: u64) {
+        if self.words[i] != v {
+            self.words[i] = v;
+            self.dirty[i / 64] |= 1 << (i % 64);
+        }
+    }
+
     fn decrease(&mut self, q: usize, n: [u64; 5]) {
         for (g, &v) in n.iter().enumerate() {
-            self.words[b_cur(g, q)] = self.words[b_cur(g, q)].wrapping_sub(v);
+            self.set(b_cur(g, q), self.words[b_cur(g, q)].wrapping_sub(v));
             for c in cells_of(q) {
                 self.upper[g][c] -= v;
             }
@@ -177,14 +192,14 @@ impl BaseStats {
         });
         let guards = if fits { Vec::new() } else { self.revoke(caches) };
         for (g, &v) in n.iter().enumerate() {
-            self.words[b_cur(g, q)] = self.words[b_cur(g, q)].wrapping_add(v);
-            self.words[b_tot(g, q)] = self.words[b_tot(g, q)].wrapping_add(v);
+            self.set(b_cur(g, q), self.words[b_cur(g, q)].wrapping_add(v));
+            self.set(b_tot(g, q), self.words[b_tot(g, q)].wrapping_add(v));
             for c in cells_of(q) {
                 self.upper[g][c] += v;
                 if !fits {
                     // `upper` is the exact current now: a new peak is exact.
                     let p = b_peak(g, c);
-                    self.words[p] = self.words[p].max(self.upper[g][c]);
+                    self.set(p, self.words[p].max(self.upper[g][c]));
                 }
             }
         }
@@ -229,7 +244,7 @@ impl BaseStats {
         let guards = self.revoke(caches);
         for g in 0..5 {
             for c in 0..CELLS {
-                self.words[b_peak(g, c)] = self.upper[g][c];
+                self.set(b_peak(g, c), self.upper[g][c]);
             }
         }
         drop(guards);
@@ -239,28 +254,40 @@ impl BaseStats {
     pub fn mirror(&mut self, pool: &BlockStats, counters: [u64; COUNTERS]) {
         for (i, &g) in POOL_ONLY.iter().enumerate() {
             let group = group(pool, g);
+            if self.mirrored[i] == *group {
+                continue;
+            }
+            self.mirrored[i] = *group;
             for (c, s) in cells(group).into_iter().enumerate() {
-                self.words[b_pool(i, c, 0)] = s.current;
-                self.words[b_pool(i, c, 1)] = s.peak;
-                self.words[b_pool(i, c, 2)] = s.allocated;
+                self.set(b_pool(i, c, 0), s.current);
+                self.set(b_pool(i, c, 1), s.peak);
+                self.set(b_pool(i, c, 2), s.allocated);
             }
         }
-        self.words[B_COUNTERS..].copy_from_slice(&counters);
+        for (i, v) in counters.into_iter().enumerate() {
+            self.set(B_COUNTERS + i, v);
+        }
     }
 
     /// Publishes what changed since the last call. The caller holds the global lock.
     pub fn publish(&mut self, block: &SeqBlock<BASE_WORDS>) {
-        if self.words == self.published {
+        if self.dirty.iter().all(|&d| d == 0) {
             return;
         }
         block.write(|w| {
-            for i in 0..BASE_WORDS {
-                if self.words[i] != self.published[i] {
+            for (k, d) in self.dirty.iter_mut().enumerate() {
+                while *d != 0 {
+                    let i = k * 64 + d.trailing_zeros() as usize;
                     w.set(i, self.words[i]);
+                    *d &= *d - 1;
                 }
             }
         });
-        self.published = self.words;
+    }
+
+    /// The words as they are (published or not).
+    pub fn words(&self) -> &[u64; BASE_WORDS] {
+        &self.words
     }
 
     /// Marks the base as changed, so that readers retry (a new stream cache appeared).
@@ -372,21 +399,21 @@ pub fn counters(base: &[u64; BASE_WORDS]) -> [u64; COUNTERS] {
     out
 }
 
-/// Something holding a [`CacheTable`] (an `Arc`, or an `ArcCell` load guard).
-pub trait TableRef {
-    /// The table.
-    fn table(&self) -> &CacheTable;
+/// A held list of stream caches (an `Arc`, or an `ArcCell` load guard of one).
+pub trait CacheList {
+    /// The caches.
+    fn list(&self) -> &[Arc<StreamCache>];
 }
 
-impl TableRef for Arc<CacheTable> {
-    fn table(&self) -> &CacheTable {
+impl CacheList for Arc<Vec<Arc<StreamCache>>> {
+    fn list(&self) -> &[Arc<StreamCache>] {
         self
     }
 }
 
 #[cfg(not(loom))]
-impl TableRef for crate::sync::ArcRef<CacheTable> {
-    fn table(&self) -> &CacheTable {
+impl CacheList for crate::sync::ArcRef<Vec<Arc<StreamCache>>> {
+    fn list(&self) -> &[Arc<StreamCache>] {
         self
     }
 }
@@ -401,10 +428,10 @@ pub struct Snapshot {
     pub pool_free: Vec<u64>,
 }
 
-/// One double collect over the base and every stream cache of the table `tables()` returns
-/// (loaded *after* the base's sequence number is read, so a table replaced meanwhile — which
+/// One double collect over the base and every stream cache of the list `tables()` returns
+/// (loaded *after* the base's sequence number is read, so a list replaced meanwhile — which
 /// touches the base — fails the collect). `None` if writers interfered `tries` times in a row.
-pub fn collect<C: TableRef>(
+pub fn collect<C: CacheList>(
     base: &SeqBlock<BASE_WORDS>,
     tables: impl Fn() -> C,
     tries: usize,
@@ -413,15 +440,15 @@ pub fn collect<C: TableRef>(
         let mut col = Collect::new();
         col.begin(base);
         let held = tables();
-        let table = held.table();
-        for c in table.all() {
+        let list = held.list();
+        for c in list {
             col.begin(c.fast_block());
             col.begin(c.slow_block());
         }
         let snap = Snapshot {
             base: base.copy(),
-            fast: table.all().iter().map(|c| c.fast_block().copy()).collect(),
-            pool_free: table.all().iter().map(|c| c.slow_block().copy()[0]).collect(),
+            fast: list.iter().map(|c| c.fast_block().copy()).collect(),
+            pool_free: list.iter().map(|c| c.slow_block().copy()[0]).collect(),
         };
         #[cfg(tidepool_broken = "stats_reader")]
         return Some((held, snap)); // BROKEN: trusts the copies without checking the versions.

@@ -3,7 +3,8 @@
 //! stream never take the allocator's global lock.
 //!
 //! ```text
-//!  Shared ─ caches: ArcCell<CacheTable> ──▶ [stream 0] [stream 1] [stream 2] …  (CachePadded)
+//!  Shared ─ caches: CacheTable ── slots: [once(stream 0)] [once(stream 1)] …   (fast lookup)
+//!                               └─ all: ArcCell<[cache, cache, …]>   (stream order, slow side)
 //!                                              │
 //!   StreamCache ── inner: Mutex (this stream only) ── classes: (residency, rounded) → [blocks]
 //!               │                                  ├─ credit[quadrant] = (bytes, count, req)
@@ -28,16 +29,20 @@ use super::seqlock::SeqBlock;
 use crate::device::{DevicePtr, StreamId};
 use crate::pool::{BlockId, Pool};
 use crate::stats::Residency;
-use crate::sync::{Arc, Mutex, MutexGuard, lock};
-use std::collections::{BTreeMap, HashMap};
+use crate::sync::{Arc, ArcCell, ArcRef, Mutex, MutexGuard, OnceSlot, SlotRef, lock};
+use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 
 /// Most distinct classes one stream caches at once; a free of a new class beyond it goes to the
 /// pool.
 pub const MAX_CLASSES: usize = 128;
 
-/// Streams with an id below this live in a directly indexed table; others in a map.
-const DENSE_STREAMS: usize = 1024;
+/// Streams with an id below this have a fast path; others always take the slow path.
+#[cfg(not(loom))]
+pub const FAST_STREAMS: usize = 64;
+/// Streams with an id below this have a fast path; others always take the slow path.
+#[cfg(loom)]
+pub const FAST_STREAMS: usize = 4;
 
 /// What a stream may cache.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -396,45 +401,52 @@ pub fn flush_into(cache: &StreamCache, pool: &mut Pool) -> Vec<CachedBlock> {
     }
 }
 
-/// Every stream cache, by stream id. Replaced as a whole (copy on write) when a stream gets its
-/// cache, which happens under the global lock; read on the fast path without a lock.
-#[derive(Default)]
+/// Every stream cache. Streams with an id below [`FAST_STREAMS`] sit in once-set slots read
+/// with one `Acquire` load on the fast path; every cache (those too) is also in `all`, a list in
+/// stream order replaced as a whole under the global lock, for flushes, credit revocation and
+/// statistics. Caches are never removed while the allocator lives.
 pub struct CacheTable {
-    dense: Vec<Option<Arc<StreamCache>>>,
-    sparse: BTreeMap<u32, Arc<StreamCache>>,
-    all: Vec<Arc<StreamCache>>,
+    slots: Box<[OnceSlot<Arc<StreamCache>>]>,
+    all: ArcCell<Vec<Arc<StreamCache>>>,
+}
+
+impl Default for CacheTable {
+    fn default() -> Self {
+        CacheTable {
+            slots: (0..FAST_STREAMS).map(|_| OnceSlot::new()).collect(),
+            all: ArcCell::new(Vec::new()),
+        }
+    }
 }
 
 impl CacheTable {
-    /// The cache of `stream`, if it has one.
-    pub fn get(&self, stream: StreamId) -> Option<&Arc<StreamCache>> {
-        match self.dense.get(stream.0 as usize) {
-            Some(slot) => slot.as_ref(),
-            None => self.sparse.get(&stream.0),
-        }
+    /// The cache of `stream` for the fast path: `None` if it has none yet, or if its id is not
+    /// below [`FAST_STREAMS`] (such streams always take the slow path).
+    pub fn fast(&self, stream: StreamId) -> Option<SlotRef<'_, Arc<StreamCache>>> {
+        self.slots.get(stream.0 as usize)?.get()
     }
 
     /// Every cache, in stream order (the lock order).
-    pub fn all(&self) -> &[Arc<StreamCache>] {
-        &self.all
+    pub fn all(&self) -> ArcRef<Vec<Arc<StreamCache>>> {
+        self.all.load()
     }
 
-    /// This table plus a new cache for `stream` (which has none yet).
-    pub fn with(&self, cache: Arc<StreamCache>) -> CacheTable {
-        let id = cache.stream().0 as usize;
-        let mut dense = self.dense.clone();
-        let mut sparse = self.sparse.clone();
-        if id < DENSE_STREAMS {
-            if dense.len() <= id {
-                dense.resize(id + 1, None);
-            }
-            dense[id] = Some(cache.clone());
-        } else {
-            sparse.insert(id as u32, cache.clone());
-        }
-        let mut all = self.all.clone();
+    /// The cache of `stream`, from the full list (slow; for the global-lock side).
+    pub fn get(&self, stream: StreamId) -> Option<Arc<StreamCache>> {
+        let all = self.all.load();
+        let i = all.binary_search_by_key(&stream, |c| c.stream()).ok()?;
+        Some(all[i].clone())
+    }
+
+    /// Adds a cache for a stream that has none. The caller holds the global lock, and must then
+    /// make statistics readers retry (they may hold the old list).
+    pub fn add(&self, cache: Arc<StreamCache>) {
+        let mut all: Vec<_> = self.all.load().iter().cloned().collect();
         let at = all.partition_point(|c| c.stream() < cache.stream());
-        all.insert(at, cache);
-        CacheTable { dense, sparse, all }
+        all.insert(at, cache.clone());
+        if let Some(slot) = self.slots.get(cache.stream().0 as usize) {
+            slot.set(cache);
+        }
+        self.all.store(Arc::new(all));
     }
 }

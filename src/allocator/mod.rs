@@ -35,7 +35,7 @@ pub use report::{BlockInfo, SegmentInfo};
 pub mod internals {
     pub use super::batch::{BatchBlock, return_batch};
     pub use super::counters::{
-        BASE_WORDS, BaseStats, CACHED_BLOCKS, CACHED_BYTES, FAST_WORDS, Snapshot, TableRef,
+        BASE_WORDS, BaseStats, CACHED_BLOCKS, CACHED_BYTES, CacheList, FAST_WORDS, Snapshot,
         assemble, collect, quadrant,
     };
     pub use super::fast_cache::{
@@ -50,10 +50,10 @@ use crate::config::{Config, CrossStream};
 use crate::device::{Device, DeviceError, DevicePtr, EventId, StreamId};
 use crate::pool::{BlockId, BlockState, Pool, PoolKey, SegmentId};
 use crate::stats::{MemoryStats, Residency};
-use crate::sync::atomic::{AtomicBool, Ordering};
+use crate::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use crate::sync::{Arc, ArcCell, Mutex, MutexGuard, lock};
 use batch::BatchBlock;
-use counters::{BASE_WORDS, BaseStats, TableRef, quadrant};
+use counters::{BASE_WORDS, BaseStats, quadrant};
 use fast_cache::{CacheTable, CachedBlock, ClassKey, Limits, Pop, StreamCache, flush_into};
 use request::RequestPlan;
 use seqlock::SeqBlock;
@@ -95,14 +95,19 @@ pub(crate) struct Shared<D: Device> {
     config: ArcCell<Config>,
     device_total: u64,
     state: Mutex<State>,
-    /// One cache per stream that owns memory; replaced as a whole under `state`'s lock.
-    caches: ArcCell<CacheTable>,
+    /// One cache per stream that owns memory; added to under `state`'s lock.
+    caches: CacheTable,
     /// Whether frees may use the stream caches (`Config::fast_path`), set with the config.
     fast_path: AtomicBool,
+    /// Whether statistics are published for lock-free readers (off under `global_lock`, where
+    /// `stats()` reads them under the lock), set with the config.
+    publish_stats: AtomicBool,
     /// The base statistics as published by the slow path (see `counters.rs`).
     stats: SeqBlock<BASE_WORDS>,
     /// Test-only deliberate bug: skip every event that orders cross-stream reuse.
     broken_skip_events: AtomicBool,
+    /// Acquisitions of `state`'s lock, for tests proving the fast path skips it.
+    lock_count: AtomicU64,
 }
 
 /// A block freed by its user while other streams may still use it.
@@ -170,17 +175,19 @@ impl<D: Device> Allocator<D> {
     pub fn new(device: Arc<D>, config: Config) -> Result<Allocator<D>, AllocError> {
         config.validate().map_err(|e| AllocError::Device(DeviceError::Driver(e.to_string())))?;
         let total = device.mem_info()?.total;
-        let fast = config.fast_path();
+        let (fast, global_lock) = (config.fast_path(), config.global_lock);
         Ok(Allocator {
             shared: Arc::new(Shared {
                 device,
                 config: ArcCell::new(config),
                 device_total: total,
                 state: Mutex::new(State::default()),
-                caches: ArcCell::new(CacheTable::default()),
+                caches: CacheTable::default(),
                 fast_path: AtomicBool::new(fast),
+                publish_stats: AtomicBool::new(!global_lock),
                 stats: SeqBlock::new(),
                 broken_skip_events: AtomicBool::new(false),
+                lock_count: AtomicU64::new(0),
             }),
         })
     }
@@ -204,11 +211,14 @@ impl<D: Device> Allocator<D> {
         let mut st = sh.lock_state();
         let limits = limits(&config);
         sh.fast_path.store(config.fast_path(), Ordering::Relaxed);
-        sh.config.store(Arc::new(config));
-        for c in sh.caches.load().all() {
+        sh.publish_stats.store(!config.global_lock, Ordering::Relaxed);
+        for c in sh.caches.all().iter() {
             c.set_limits(limits);
         }
         sh.flush_all(&mut st);
+        // Published statistics are current before a lock-free reader can see the new config.
+        sh.publish(&mut st);
+        sh.config.store(Arc::new(config));
         Ok(())
     }
 
@@ -234,10 +244,9 @@ impl<D: Device> Allocator<D> {
         let plan = RequestPlan::new(&sh.config, bytes)?;
         let config = &*plan.config;
         let class = ClassKey { residency, rounded: plan.rounded };
-        let table = sh.caches.load();
         let mut cached = None;
         if plan.fast
-            && let Some(cache) = table.get(stream)
+            && let Some(cache) = sh.caches.fast(stream)
         {
             match cache.pop(class, bytes) {
                 Pop::Hit(b) => {
@@ -263,7 +272,7 @@ impl<D: Device> Allocator<D> {
             if b.requested != bytes {
                 st.pool.set_requested(b.block, bytes);
             }
-            st.base.live_up(b.quadrant, b.size, bytes, table.all());
+            st.base.live_up(b.quadrant, b.size, bytes, &sh.caches.all());
             drop(st);
             return Ok(sh.hand_out(
                 b.ptr,
@@ -276,14 +285,13 @@ impl<D: Device> Allocator<D> {
                 b.quadrant,
             ));
         }
-        drop(table);
         let key = PoolKey { residency, stream, kind: plan.kind };
         let block = sh.find_or_reserve(&mut st, config, key, bytes, plan.rounded)?;
         let block = st.pool.allocate(block, plan.rounded, bytes, &config.sizing);
         let b = st.pool.block(block);
         let (ptr, size) = (DevicePtr(b.addr), b.size);
         let q = quadrant(key.kind, residency);
-        st.base.live_up(q, size, bytes, sh.caches.load().all());
+        st.base.live_up(q, size, bytes, &sh.caches.all());
         drop(st);
         Ok(sh.hand_out(ptr, bytes, size, stream, Some(block), plan.rounded, residency, q))
     }
@@ -311,15 +319,10 @@ impl<D: Device> Allocator<D> {
             return;
         }
         let mut st = sh.lock_state();
-        let table = sh.caches.load();
         for (stream, blocks) in &batch {
             let st = &mut *st;
-            batch::return_batch(
-                &mut st.pool,
-                &mut st.base,
-                table.get(*stream).map(|c| &**c),
-                blocks,
-            );
+            let cache = sh.caches.get(*stream);
+            batch::return_batch(&mut st.pool, &mut st.base, cache.as_deref(), blocks);
         }
     }
 
@@ -391,6 +394,13 @@ impl<D: Device> Allocator<D> {
         self.shared.broken_skip_events.store(on, Ordering::Relaxed);
     }
 
+    /// **Test only.** How many times the global lock has been taken so far (tests use it to
+    /// prove that the fast path does not take it).
+    #[doc(hidden)]
+    pub fn global_lock_acquisitions(&self) -> u64 {
+        self.shared.lock_count.load(Ordering::Relaxed)
+    }
+
     /// Waits for every pending event and returns those blocks to the pool (a host sync per
     /// event).
     pub fn synchronize(&self) -> Result<(), AllocError> {
@@ -406,17 +416,27 @@ impl<D: Device> Allocator<D> {
         let sh = &self.shared;
         if !sh.config.load().global_lock
             && let Some((table, snap)) =
-                counters::collect(&sh.stats, || sh.caches.load(), STATS_TRIES)
+                counters::collect(&sh.stats, || sh.caches.all(), STATS_TRIES)
         {
-            return stats_from(table.table().all(), snap);
+            return stats_from(&table, snap);
         }
-        let _st = sh.lock_state();
-        let table = sh.caches.load();
-        let guards: Vec<_> = table.all().iter().map(|c| c.lock_inner()).collect();
-        let (table, snap) =
-            counters::collect(&sh.stats, || sh.caches.load(), usize::MAX).expect("writers locked");
-        drop(guards);
-        stats_from(table.table().all(), snap)
+        // Under the lock: exact, whether or not the statistics are being published.
+        let mut st = sh.lock_state();
+        let all = sh.caches.all();
+        let inners: Vec<_> = all.iter().map(|c| c.lock_inner()).collect();
+        let st = &mut *st;
+        let c = &st.counters;
+        st.base.mirror(
+            st.pool.stats(),
+            [c.retries, c.ooms, c.device_alloc, c.device_free, c.host_syncs],
+        );
+        let snap = counters::Snapshot {
+            base: *st.base.words(),
+            fast: inners.iter().map(|i| i.words).collect(),
+            pool_free: all.iter().map(|c| st.pool.free_bytes_of(c.stream())).collect(),
+        };
+        drop(inners);
+        stats_from(&all, snap)
     }
 
     /// Bytes currently reserved from the device.
@@ -434,7 +454,7 @@ impl<D: Device> Allocator<D> {
         let sh = &self.shared;
         let mut st = sh.lock_state();
         st.pool.reset_peak_stats();
-        st.base.reset_peaks(sh.caches.load().all());
+        st.base.reset_peaks(&sh.caches.all());
     }
 
     /// Checks the pool's invariants (tiling, no adjacent free blocks, exact stats), that the
@@ -445,8 +465,8 @@ impl<D: Device> Allocator<D> {
     pub fn check_invariants(&self) -> Result<(), String> {
         let sh = &self.shared;
         let st = sh.lock_state();
-        let table = sh.caches.load();
-        let inners: Vec<_> = table.all().iter().map(|c| c.lock_inner()).collect();
+        let table = sh.caches.all();
+        let inners: Vec<_> = table.iter().map(|c| c.lock_inner()).collect();
         st.pool.check_invariants()?;
         let queued: usize = st.pending.values().map(VecDeque::len).sum();
         let counted: usize = st.pending_count.values().sum();
@@ -467,7 +487,7 @@ impl<D: Device> Allocator<D> {
         }
         drop(inners);
         let mut cached = Vec::new();
-        for c in table.all() {
+        for c in table.iter() {
             for (class, b) in c.peek() {
                 let blk = st.pool.block(b.block);
                 let key = st.pool.segment(blk.segment).key;
@@ -483,11 +503,13 @@ impl<D: Device> Allocator<D> {
                 }
                 cached.push(b);
             }
-            if st.pool.free_bytes_of(c.stream()) != c.slow_block().get(0) {
+            if sh.publish_stats.load(Ordering::Relaxed)
+                && st.pool.free_bytes_of(c.stream()) != c.slow_block().get(0)
+            {
                 return Err(format!("published free bytes of {} drifted", c.stream()));
             }
         }
-        let inners: Vec<_> = table.all().iter().map(|c| c.lock_inner()).collect();
+        let inners: Vec<_> = table.iter().map(|c| c.lock_inner()).collect();
         let refs: Vec<&fast_cache::CacheInner> = inners.iter().map(|g| &**g).collect();
         let exact = st.base.exact(&refs);
         drop(inners);
@@ -507,6 +529,15 @@ impl<D: Device> Allocator<D> {
         st.base.check(&exact)
     }
 }
+
+/// `Allocator` is shared between threads and `Buffer` may be freed on any thread.
+#[allow(dead_code)]
+fn assert_thread_safety<D: Device>() {
+    fn send_sync<T: Send + Sync>() {}
+    send_sync::<Allocator<D>>();
+    send_sync::<Buffer<D>>();
+}
+const _: fn() = assert_thread_safety::<crate::device::SimDevice>;
 
 /// What a stream may cache under `config`.
 fn limits(config: &Config) -> Limits {
@@ -767,7 +798,7 @@ impl<D: Device> Shared<D> {
         if !f.used_elsewhere
             && counters::is_small(f.quadrant)
             && self.fast_path.load(Ordering::Relaxed)
-            && let Some(cache) = self.caches.load().get(f.stream)
+            && let Some(cache) = self.caches.fast(f.stream)
         {
             let class = ClassKey { residency: f.residency, rounded: f.rounded };
             let b = CachedBlock {
@@ -819,9 +850,8 @@ impl<D: Device> Shared<D> {
 
     /// Flushes every stream cache into the pool; returns how many blocks moved.
     fn flush_all(&self, st: &mut State) -> usize {
-        let table = self.caches.load();
         let mut n = 0;
-        for c in table.all() {
+        for c in self.caches.all().iter() {
             if c.cached_blocks() > 0 {
                 n += flush_into(c, &mut st.pool).len();
             }
@@ -831,34 +861,38 @@ impl<D: Device> Shared<D> {
 
     /// Flushes one stream's cache into the pool, closing it first if the stream goes away.
     fn flush_stream(&self, st: &mut State, stream: StreamId, close: bool) {
-        if let Some(c) = self.caches.load().get(stream) {
+        if let Some(c) = self.caches.get(stream) {
             if close {
                 c.close();
             }
-            flush_into(c, &mut st.pool);
+            flush_into(&c, &mut st.pool);
         }
     }
 
     /// Gives `stream` a cache if it has none (it is about to own memory).
     fn ensure_cache(&self, st: &mut State, stream: StreamId) {
-        let table = self.caches.load();
-        if table.get(stream).is_some() {
+        if self.caches.get(stream).is_some() {
             return;
         }
         let cache = Arc::new(StreamCache::new(stream, limits(&self.config.load())));
         cache.publish_pool_free(st.pool.free_bytes_of(stream));
-        self.caches.store(Arc::new(table.with(cache)));
+        self.caches.add(cache);
         // Readers that loaded the old table must retry.
         st.base.touch(&self.stats);
     }
 
     /// Takes the global lock; the statistics are published when it is let go.
     fn lock_state(&self) -> Locked<'_, D> {
+        self.lock_count.fetch_add(1, Ordering::Relaxed);
         Locked { sh: self, st: lock(&self.state) }
     }
 
-    /// Publishes the base statistics and the pool's free bytes of every stream that changed.
+    /// Publishes the base statistics and the pool's free bytes of every stream that changed
+    /// (unless `global_lock` is on: then changes accumulate until it is turned off).
     fn publish(&self, st: &mut State) {
+        if !self.publish_stats.load(Ordering::Relaxed) {
+            return;
+        }
         let c = &st.counters;
         let counters = [c.retries, c.ooms, c.device_alloc, c.device_free, c.host_syncs];
         st.base.mirror(st.pool.stats(), counters);
@@ -866,9 +900,10 @@ impl<D: Device> Shared<D> {
         let mut dirty = std::mem::take(&mut st.dirty);
         st.pool.take_dirty_streams(&mut dirty);
         if !dirty.is_empty() {
-            let table = self.caches.load();
+            let all = self.caches.all();
             for &s in &dirty {
-                if let Some(c) = table.get(s) {
+                if let Ok(i) = all.binary_search_by_key(&s, |c| c.stream()) {
+                    let c = &all[i];
                     c.publish_pool_free(st.pool.free_bytes_of(s));
                 }
             }
