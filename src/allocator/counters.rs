@@ -419,9 +419,9 @@ impl CacheList for crate::sync::ArcRef<Vec<Arc<StreamCache>>> {
 }
 
 /// One consistent copy of the statistics: the base, and every stream cache's two blocks.
-pub struct Snapshot {
+pub struct Snapshot<const N: usize = BASE_WORDS> {
     /// The base words.
-    pub base: [u64; BASE_WORDS],
+    pub base: [u64; N],
     /// Each stream cache's fast words, in table order.
     pub fast: Vec<[u64; FAST_WORDS]>,
     /// Each stream cache's pool free bytes, in table order.
@@ -431,11 +431,11 @@ pub struct Snapshot {
 /// One double collect over the base and every stream cache of the list `tables()` returns
 /// (loaded *after* the base's sequence number is read, so a list replaced meanwhile — which
 /// touches the base — fails the collect). `None` if writers interfered `tries` times in a row.
-pub fn collect<C: CacheList>(
-    base: &SeqBlock<BASE_WORDS>,
+pub fn collect<const N: usize, C: CacheList>(
+    base: &SeqBlock<N>,
     tables: impl Fn() -> C,
     tries: usize,
-) -> Option<(C, Snapshot)> {
+) -> Option<(C, Snapshot<N>)> {
     for _ in 0..tries {
         let mut col = Collect::new();
         col.begin(base);

@@ -4,6 +4,7 @@
 //!
 //! ```text
 //!  Shared ─ caches: CacheTable ── slots: [once(stream 0)] [once(stream 1)] …   (fast lookup)
+//!                               │        each an Arc<StreamCache>, 128-byte aligned
 //!                               └─ all: ArcCell<[cache, cache, …]>   (stream order, slow side)
 //!                                              │
 //!   StreamCache ── inner: Mutex (this stream only) ── classes: (residency, rounded) → [blocks]
@@ -133,7 +134,16 @@ pub struct CacheInner {
     closed: bool,
 }
 
-/// One stream's cache. See the module docs.
+impl CacheInner {
+    /// The blocks cached, in no particular order.
+    pub fn entries(&self) -> Vec<(ClassKey, CachedBlock)> {
+        self.classes.iter().flat_map(|(&k, l)| l.iter().map(move |&b| (k, b))).collect()
+    }
+}
+
+/// One stream's cache. See the module docs. Aligned so that two streams' caches never share a
+/// cache line (threads on different streams touch disjoint lines).
+#[repr(align(128))]
 pub struct StreamCache {
     stream: StreamId,
     inner: Mutex<CacheInner>,
@@ -303,11 +313,10 @@ impl StreamCache {
         out
     }
 
-    /// The blocks cached now, in no particular order (for invariant checks and the broken
-    /// variants' snapshots).
+    /// The blocks cached now, in no particular order (for the broken variants' snapshots and
+    /// for tests).
     pub fn peek(&self) -> Vec<(ClassKey, CachedBlock)> {
-        let g = self.lock_inner();
-        g.classes.iter().flat_map(|(&k, l)| l.iter().map(move |&b| (k, b))).collect()
+        self.lock_inner().entries()
     }
 
     /// Removes exactly these blocks, if still cached (used by the broken variants only).

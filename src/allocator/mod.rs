@@ -35,8 +35,8 @@ pub use report::{BlockInfo, SegmentInfo};
 pub mod internals {
     pub use super::batch::{BatchBlock, return_batch};
     pub use super::counters::{
-        BASE_WORDS, BaseStats, CACHED_BLOCKS, CACHED_BYTES, CacheList, FAST_WORDS, Snapshot,
-        assemble, collect, quadrant,
+        BASE_WORDS, BYTES, BaseStats, CACHED_BLOCKS, CACHED_BYTES, COUNT, CacheList, FAST_WORDS,
+        REQ, Snapshot, assemble, collect, fast_cur, fast_tot, quadrant,
     };
     pub use super::fast_cache::{
         CacheTable, CachedBlock, ClassKey, Limits, Pop, StreamCache, flush_into,
@@ -239,7 +239,7 @@ impl<D: Device> Allocator<D> {
     ) -> Result<Buffer<D>, AllocError> {
         let sh = &self.shared;
         if bytes == 0 {
-            return Ok(sh.hand_out(DevicePtr::NULL, 0, 0, stream, None, 0, residency, 0));
+            return Ok(Shared::hand_out(sh, DevicePtr::NULL, 0, 0, stream, None, 0, residency, 0));
         }
         let plan = RequestPlan::new(&sh.config, bytes)?;
         let config = &*plan.config;
@@ -250,7 +250,8 @@ impl<D: Device> Allocator<D> {
         {
             match cache.pop(class, bytes) {
                 Pop::Hit(b) => {
-                    return Ok(sh.hand_out(
+                    return Ok(Shared::hand_out(
+                        sh,
                         b.ptr,
                         bytes,
                         b.size,
@@ -274,7 +275,8 @@ impl<D: Device> Allocator<D> {
             }
             st.base.live_up(b.quadrant, b.size, bytes, &sh.caches.all());
             drop(st);
-            return Ok(sh.hand_out(
+            return Ok(Shared::hand_out(
+                sh,
                 b.ptr,
                 bytes,
                 b.size,
@@ -293,7 +295,7 @@ impl<D: Device> Allocator<D> {
         let q = quadrant(key.kind, residency);
         st.base.live_up(q, size, bytes, &sh.caches.all());
         drop(st);
-        Ok(sh.hand_out(ptr, bytes, size, stream, Some(block), plan.rounded, residency, q))
+        Ok(Shared::hand_out(sh, ptr, bytes, size, stream, Some(block), plan.rounded, residency, q))
     }
 
     /// Frees `buffers` under one acquisition of the global lock, straight into the pool so they
@@ -485,10 +487,9 @@ impl<D: Device> Allocator<D> {
         if streams != st.segment_streams {
             return Err("segment count per stream drifted".into());
         }
-        drop(inners);
         let mut cached = Vec::new();
-        for c in table.iter() {
-            for (class, b) in c.peek() {
+        for (c, inner) in table.iter().zip(&inners) {
+            for (class, b) in inner.entries() {
                 let blk = st.pool.block(b.block);
                 let key = st.pool.segment(blk.segment).key;
                 if blk.state != BlockState::Allocated
@@ -509,7 +510,6 @@ impl<D: Device> Allocator<D> {
                 return Err(format!("published free bytes of {} drifted", c.stream()));
             }
         }
-        let inners: Vec<_> = table.iter().map(|c| c.lock_inner()).collect();
         let refs: Vec<&fast_cache::CacheInner> = inners.iter().map(|g| &**g).collect();
         let exact = st.base.exact(&refs);
         drop(inners);
@@ -761,7 +761,7 @@ impl<D: Device> Shared<D> {
     /// A buffer for a block just handed out; tells the device's sanitizer.
     #[allow(clippy::too_many_arguments)]
     fn hand_out(
-        self: &Arc<Self>,
+        this: &Arc<Self>,
         ptr: DevicePtr,
         requested: u64,
         size: u64,
@@ -772,7 +772,7 @@ impl<D: Device> Shared<D> {
         quadrant: usize,
     ) -> Buffer<D> {
         if block.is_some() {
-            self.device.note_handout(ptr, size, stream);
+            this.device.note_handout(ptr, size, stream);
         }
         Buffer {
             ptr,
@@ -780,7 +780,7 @@ impl<D: Device> Shared<D> {
             size,
             stream,
             block,
-            owner: self.clone(),
+            owner: this.clone(),
             rounded,
             residency,
             quadrant: quadrant as u8,

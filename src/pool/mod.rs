@@ -37,8 +37,9 @@ pub struct Pool {
     segments: Slab<Segment>,
     free: BTreeSet<FreeEntry>,
     stats: BlockStats,
-    /// Bytes in the free index per stream (streams with none omitted), kept with the index.
-    free_by_stream: BTreeMap<StreamId, u64>,
+    /// Bytes in the free index per stream (streams with none omitted), kept with the index; a
+    /// short vector sorted by stream (a handful of streams).
+    free_by_stream: Vec<(StreamId, u64)>,
     /// Streams whose free bytes changed since the last [`Pool::take_dirty_streams`] (each once,
     /// so it is bounded by the number of streams).
     dirty: Vec<StreamId>,
@@ -297,12 +298,12 @@ impl Pool {
 
     /// Bytes of free blocks cached per stream (streams with none omitted).
     pub fn free_bytes_by_stream(&self) -> BTreeMap<StreamId, u64> {
-        self.free_by_stream.clone()
+        self.free_by_stream.iter().copied().collect()
     }
 
     /// Bytes of free blocks cached for `stream`.
     pub fn free_bytes_of(&self, stream: StreamId) -> u64 {
-        self.free_by_stream.get(&stream).copied().unwrap_or(0)
+        self.free_by_stream.iter().find(|e| e.0 == stream).map_or(0, |e| e.1)
     }
 
     /// Streams whose free bytes changed since the last call (each once), for publishing.
@@ -326,8 +327,12 @@ impl Pool {
     }
 
     fn index_insert(&mut self, e: FreeEntry) {
-        *self.free_by_stream.entry(e.0.stream).or_insert(0) += e.1;
-        self.note_dirty(e.0.stream);
+        let s = e.0.stream;
+        match self.free_by_stream.binary_search_by_key(&s, |x| x.0) {
+            Ok(i) => self.free_by_stream[i].1 += e.1,
+            Err(i) => self.free_by_stream.insert(i, (s, e.1)),
+        }
+        self.note_dirty(s);
         self.free.insert(e);
     }
 
@@ -336,10 +341,10 @@ impl Pool {
             return false;
         }
         let s = e.0.stream;
-        let n = self.free_by_stream.get_mut(&s).expect("indexed stream has bytes");
-        *n -= e.1;
-        if *n == 0 {
-            self.free_by_stream.remove(&s);
+        let i = self.free_by_stream.binary_search_by_key(&s, |x| x.0).expect("indexed stream");
+        self.free_by_stream[i].1 -= e.1;
+        if self.free_by_stream[i].1 == 0 {
+            self.free_by_stream.remove(i);
         }
         self.note_dirty(s);
         true
@@ -448,7 +453,7 @@ impl Pool {
         for e in &self.free {
             *by_stream.entry(e.0.stream).or_insert(0) += e.1;
         }
-        if by_stream != self.free_by_stream {
+        if by_stream != self.free_bytes_by_stream() {
             return Err("free bytes per stream drifted".into());
         }
         if free_seen != self.free.len() {
