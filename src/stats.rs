@@ -195,8 +195,12 @@ pub struct MemoryStats {
     pub plan_region_bytes: u64,
     /// Scope allocations still live when their scope ended.
     pub scope_escapes: u64,
-    /// Bytes of free blocks cached per stream (stream id, bytes), streams with none omitted.
+    /// Bytes of free blocks cached per stream (stream id, bytes), streams with none omitted:
+    /// the pool's free blocks of the stream plus its fast-path cache.
     pub cached_free_bytes_per_stream: Vec<(u32, u64)>,
+    /// Bytes of freed blocks held in the per-stream fast-path caches (counted as freed in
+    /// `blocks`, not yet returned to the pool's free lists).
+    pub cached_fast_bytes: u64,
 }
 
 impl MemoryStats {

@@ -9,7 +9,9 @@ use super::plan::Region;
 use super::scope::ScopeTag;
 use crate::device::{Device, DevicePtr, StreamId};
 use crate::pool::BlockId;
+use crate::stats::Residency;
 use crate::sync::Arc;
+use crate::sync::atomic::{AtomicBool, Ordering};
 use std::fmt;
 
 /// Where a buffer's memory lives.
@@ -35,21 +37,34 @@ pub struct Buffer<D: Device> {
     pub(super) origin: Origin,
     pub(super) scope: Option<ScopeTag>,
     pub(super) owner: Arc<Shared<D>>,
+    /// The requested bytes its block is accounted with in the statistics: `requested`, except
+    /// for a block a scope reused locally for another request of the same rounded size.
+    pub(super) accounted: u64,
+    /// The rounded request it served: with the residency, its class in the stream cache.
+    pub(super) rounded: u64,
+    pub(super) residency: Residency,
+    /// Its statistics quadrant (pool kind × residency).
+    pub(super) quadrant: u8,
+    /// Set by `record_stream` when another stream uses it: its free must then take the slow
+    /// path (events), never the stream cache. The uses themselves sit in the locked state.
+    pub(super) used_elsewhere: AtomicBool,
 }
 
 impl<D: Device> Buffer<D> {
-    pub(super) fn empty(stream: StreamId, owner: Arc<Shared<D>>) -> Buffer<D> {
-        Buffer {
-            ptr: DevicePtr::NULL,
-            requested: 0,
-            size: 0,
-            stream,
-            origin: Origin::None,
-            scope: None,
-            owner,
-        }
+    /// Whether `record_stream` recorded a use on another stream.
+    pub(super) fn used_elsewhere(&self) -> bool {
+        #[cfg(tidepool_broken = "events")]
+        return false; // BROKEN: forgets the recorded uses, so the block skips its events.
+        #[cfg(not(tidepool_broken = "events"))]
+        return self.used_elsewhere.load(Ordering::Acquire);
     }
 
+    pub(super) fn mark_used_elsewhere(&self) {
+        self.used_elsewhere.store(true, Ordering::Release);
+    }
+}
+
+impl<D: Device> Buffer<D> {
     /// The device address of the first byte ([`DevicePtr::NULL`] for a zero-byte buffer).
     pub fn ptr(&self) -> DevicePtr {
         self.ptr
@@ -101,7 +116,20 @@ impl<D: Device> Drop for Buffer<D> {
             None => Vec::new(),
         };
         match std::mem::replace(&mut self.origin, Origin::None) {
-            Origin::Pool(block) => self.owner.free(block, self.ptr, self.size, self.stream),
+            Origin::Pool(block) => {
+                let freed = Freed {
+                    block,
+                    ptr: self.ptr,
+                    size: self.size,
+                    requested: self.accounted,
+                    stream: self.stream,
+                    rounded: self.rounded,
+                    residency: self.residency,
+                    quadrant: self.quadrant as usize,
+                    used_elsewhere: self.used_elsewhere(),
+                };
+                self.owner.free(freed);
+            }
             Origin::Region(region, _) => {
                 self.owner.device.note_reclaim(self.ptr, self.size, self.stream);
                 self.owner.order_after(self.stream, &uses);
@@ -110,6 +138,19 @@ impl<D: Device> Drop for Buffer<D> {
             Origin::None => {}
         }
     }
+}
+
+/// What the allocator needs to know about a buffer being freed.
+pub(super) struct Freed {
+    pub(super) block: BlockId,
+    pub(super) ptr: DevicePtr,
+    pub(super) size: u64,
+    pub(super) requested: u64,
+    pub(super) stream: StreamId,
+    pub(super) rounded: u64,
+    pub(super) residency: Residency,
+    pub(super) quadrant: usize,
+    pub(super) used_elsewhere: bool,
 }
 
 impl<D: Device> fmt::Debug for Buffer<D> {

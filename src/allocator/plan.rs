@@ -12,7 +12,7 @@
 //! checks each planned slice against the pinned ones and serves an overlapping request from the
 //! pool instead (a plan miss), so a late free is never overwritten.
 
-use crate::pool::BlockId;
+use super::batch::BatchBlock;
 use crate::pool::packing::pack_greedy_by_size;
 use crate::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use crate::sync::{Mutex, lock};
@@ -61,8 +61,8 @@ impl Learned {
 /// Freed back to the pool when the last holder (the plan, or an escaped buffer) lets go.
 #[derive(Debug)]
 pub(crate) struct Region {
-    /// The pool block holding the region.
-    pub block: BlockId,
+    /// The pool block holding the region, as it is accounted in the statistics.
+    pub block: BatchBlock,
     /// First address.
     pub base: u64,
     /// Bytes.
@@ -76,7 +76,8 @@ pub(crate) struct Region {
 }
 
 impl Region {
-    pub fn new(block: BlockId, base: u64, size: u64) -> Region {
+    pub fn new(block: BatchBlock, base: u64) -> Region {
+        let size = block.size;
         Region {
             block,
             base,
@@ -159,7 +160,9 @@ mod tests {
 
     #[test]
     fn pinned_slices() {
-        let r = Region::new(BlockId(0), 0x1000, 8192);
+        let block =
+            BatchBlock { block: crate::pool::BlockId(0), quadrant: 0, size: 8192, requested: 8192 };
+        let r = Region::new(block, 0x1000);
         r.pin(1024, 1024);
         assert!(r.overlaps_pinned(0, 1025));
         assert!(!r.overlaps_pinned(0, 1024));

@@ -15,11 +15,14 @@
 //! rules. A *named* scope also records its run and serves the next identical run from a learned
 //! plan (see `plan.rs`).
 
+use super::batch::BatchBlock;
+use super::counters::quadrant;
 use super::plan::{Learned, Region, Step};
 use super::{AllocError, Allocator, Buffer, Origin, Shared};
 use crate::device::{Device, DevicePtr, StreamId};
-use crate::pool::BlockId;
 use crate::stats::Residency;
+
+const TRANSIENT: Residency = Residency::Transient;
 use crate::sync::atomic::{AtomicBool, Ordering};
 use crate::sync::{Arc, Mutex, lock};
 use std::collections::HashMap;
@@ -74,7 +77,13 @@ impl ScopeTag {
             && let Origin::Pool(block) = buf.origin
         {
             buf.owner.device.note_reclaim(buf.ptr, buf.size, buf.stream);
-            run.local.entry(buf.size).or_default().push((block, buf.ptr));
+            let b = BatchBlock {
+                block,
+                quadrant: buf.quadrant as usize,
+                size: buf.size,
+                requested: buf.accounted,
+            };
+            run.local.entry(buf.rounded).or_default().push((b, buf.ptr));
             buf.origin = Origin::None;
         }
         uses
@@ -100,7 +109,7 @@ struct RunState {
     live: Vec<Option<LiveEntry>>,
     live_count: usize,
     /// Freed scoped blocks by size, ready for reuse in this run.
-    local: HashMap<u64, Vec<(BlockId, DevicePtr)>>,
+    local: HashMap<u64, Vec<(BatchBlock, DevicePtr)>>,
 }
 
 impl RunState {
@@ -258,7 +267,17 @@ impl<'a, D: Device> Scope<'a, D> {
     fn alloc_inner(&self, bytes: u64, local_reuse: bool) -> Result<Buffer<D>, AllocError> {
         let sh = &self.alloc.shared;
         if bytes == 0 {
-            return Ok(Buffer::empty(self.stream, sh.clone()));
+            return Ok(Shared::hand_out(
+                sh,
+                DevicePtr::NULL,
+                0,
+                0,
+                self.stream,
+                None,
+                0,
+                TRANSIENT,
+                0,
+            ));
         }
         let config = sh.config.load();
         let rounded =
@@ -277,15 +296,20 @@ impl<'a, D: Device> Scope<'a, D> {
                     sh.device.note_handout(ptr, rounded, self.stream);
                     sh.scope_counters.plan_hits.fetch_add(1, Ordering::Relaxed);
                     region_offset = Some(offset);
-                    buf = Some(Buffer {
+                    let q = quadrant(config.sizing.kind(rounded), TRANSIENT);
+                    let mut b = Shared::hand_out(
+                        sh,
                         ptr,
-                        requested: bytes,
-                        size: rounded,
-                        stream: self.stream,
-                        origin: Origin::Region(region, offset),
-                        scope: None,
-                        owner: sh.clone(),
-                    });
+                        bytes,
+                        rounded,
+                        self.stream,
+                        None,
+                        rounded,
+                        TRANSIENT,
+                        q,
+                    );
+                    b.origin = Origin::Region(region, offset);
+                    buf = Some(b);
                 }
                 None => {
                     sh.scope_counters.plan_misses.fetch_add(1, Ordering::Relaxed);
@@ -293,18 +317,22 @@ impl<'a, D: Device> Scope<'a, D> {
             }
         }
         if buf.is_none()
-            && let Some((block, ptr)) = run.local.get_mut(&rounded).and_then(Vec::pop)
+            && let Some((b, ptr)) = run.local.get_mut(&rounded).and_then(Vec::pop)
         {
-            sh.device.note_handout(ptr, rounded, self.stream);
-            buf = Some(Buffer {
+            let mut reused = Shared::hand_out(
+                sh,
                 ptr,
-                requested: bytes,
-                size: rounded,
-                stream: self.stream,
-                origin: Origin::Pool(block),
-                scope: None,
-                owner: sh.clone(),
-            });
+                bytes,
+                b.size,
+                self.stream,
+                Some(b.block),
+                rounded,
+                TRANSIENT,
+                b.quadrant,
+            );
+            // The statistics still account the block with the request it was first made for.
+            reused.accounted = b.requested;
+            buf = Some(reused);
         }
         let mut buf = match buf {
             Some(b) => b,
@@ -381,7 +409,7 @@ impl<D: Device> Drop for Scope<'_, D> {
             region.unclaim();
         }
         sh.scope_counters.escapes.fetch_add(escapes, Ordering::Relaxed);
-        let blocks: Vec<BlockId> =
+        let blocks: Vec<BatchBlock> =
             run.local.drain().flat_map(|(_, v)| v.into_iter().map(|(b, _)| b)).collect();
         let followed =
             run.learned.as_ref().is_some_and(|l| !run.diverged && l.steps.len() == run.steps.len());
@@ -390,7 +418,7 @@ impl<D: Device> Drop for Scope<'_, D> {
         }
         let steps = if followed { Vec::new() } else { std::mem::take(&mut run.steps) };
         drop(run);
-        sh.free_blocks(&blocks);
+        sh.free_blocks(self.stream, &blocks);
         if let Some(name) = &self.name
             && !followed
         {
