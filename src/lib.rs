@@ -22,6 +22,7 @@ pub mod eager;
 pub mod pool;
 pub mod stats;
 pub(crate) mod sync;
+#[cfg(not(loom))]
 pub mod trace;
 
 pub use allocator::{AllocError, Allocator, Buffer, OomReport};
