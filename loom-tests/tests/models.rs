@@ -219,7 +219,7 @@ fn stats_current_never_exceeds_peak() {
         let caches = Arc::new(vec![cache.clone()]);
         let published = Arc::new(SeqBlock::<BASE_WORDS>::new());
         let mut base = BaseStats::default();
-        base.live_up(q, 4096, 4096, &caches);
+        base.live_up(q, 4096, 4096, || caches.clone());
         base.publish(&published);
         let global = Arc::new(Mutex::new(Global { base }));
 
@@ -231,14 +231,14 @@ fn stats_current_never_exceeds_peak() {
                 if cache.pop(CLASS, 4096) == Pop::NeedsLock {
                     let mut g = global.lock().unwrap();
                     let b = cache.pop_locked(CLASS).unwrap();
-                    g.base.live_up(b.quadrant, b.size, 4096, &caches);
+                    g.base.live_up(b.quadrant, b.size, 4096, || caches.clone());
                     g.base.publish(&published);
                 }
             })
         };
         {
             let mut g = global.lock().unwrap();
-            g.base.live_up(q, 4096, 4096, &caches);
+            g.base.live_up(q, 4096, 4096, || caches.clone());
             g.base.publish(&published);
         }
         user.join().unwrap();
@@ -331,7 +331,7 @@ fn batch_return_against_fast_free() {
         let caches = Arc::new(vec![cache.clone()]);
         let mut base = BaseStats::default();
         for _ in 0..3 {
-            base.live_up(q, 4096, 4096, &caches);
+            base.live_up(q, 4096, 4096, || caches.clone());
         }
         let published = Arc::new(SeqBlock::<BASE_WORDS>::new());
         let global = Arc::new(Mutex::new((pool, base)));

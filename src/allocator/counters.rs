@@ -151,7 +151,14 @@ fn live_amounts(bytes: u64, count: u64, requested: u64) -> [u64; 5] {
 
 impl BaseStats {
     /// A block of `bytes` serving `requested` was handed out (slow path or locked pop).
-    pub fn live_up(&mut self, q: usize, bytes: u64, requested: u64, caches: &[Arc<StreamCache>]) {
+    /// `caches` gives every stream cache; it is called only if credit must be revoked.
+    pub fn live_up<C: CacheList>(
+        &mut self,
+        q: usize,
+        bytes: u64,
+        requested: u64,
+        caches: impl FnOnce() -> C,
+    ) {
         self.increase(q, live_amounts(bytes, 1, requested), caches);
     }
 
@@ -186,11 +193,15 @@ impl BaseStats {
         }
     }
 
-    fn increase(&mut self, q: usize, n: [u64; 5], caches: &[Arc<StreamCache>]) {
+    fn increase<C: CacheList>(&mut self, q: usize, n: [u64; 5], caches: impl FnOnce() -> C) {
         let fits = (0..5).all(|g| {
             n[g] == 0 || cells_of(q).iter().all(|&c| self.upper[g][c] + n[g] <= self.peak(g, c))
         });
-        let guards = if fits { Vec::new() } else { self.revoke(caches) };
+        let held = if fits { None } else { Some(caches()) };
+        let guards = match &held {
+            Some(h) => self.revoke(h.list()),
+            None => Vec::new(),
+        };
         for (g, &v) in n.iter().enumerate() {
             self.set(b_cur(g, q), self.words[b_cur(g, q)].wrapping_add(v));
             self.set(b_tot(g, q), self.words[b_tot(g, q)].wrapping_add(v));
@@ -503,10 +514,11 @@ mod tests {
     fn increases_past_the_peak_raise_it_exactly() {
         let mut b = BaseStats::default();
         let q = quadrant(PoolKind::Small, Residency::Transient);
-        b.live_up(q, 512, 100, &[]);
-        b.live_up(q, 1024, 1000, &[]);
+        let none = || Arc::new(Vec::new());
+        b.live_up(q, 512, 100, none);
+        b.live_up(q, 1024, 1000, none);
         b.live_down(q, 512, 100);
-        b.live_up(q, 512, 10, &[]);
+        b.live_up(q, 512, 10, none);
         let s = assemble(&b.words, &[]);
         assert_eq!(
             s.allocated_bytes.all,

@@ -12,9 +12,9 @@
 //! The pool and the event queues sit behind one lock (`Shared::state`): the slow path. Blocks
 //! freed after a `record_stream` wait in per-stream FIFO queues of events until their uses
 //! completed. The common case — a free and a re-allocation of the same class on the same stream —
-//! goes through that stream's cache instead ([`fast_cache`]) and never takes the global lock;
-//! statistics are published through sequence locks and read without any lock ([`counters`]);
-//! the configuration is swapped as a whole ([`request`]). `global_lock:true` turns all of that
+//! goes through that stream's cache instead (`fast_cache.rs`) and never takes the global lock;
+//! statistics are published through sequence locks and read without any lock (`counters.rs`);
+//! the configuration is swapped as a whole (`request.rs`). `global_lock:true` turns all of that
 //! off (everything under the one lock, PyTorch's design) as a comparison point.
 
 mod batch;
@@ -42,7 +42,7 @@ pub mod internals {
         REQ, Snapshot, assemble, collect, fast_cur, fast_tot, quadrant,
     };
     pub use super::fast_cache::{
-        CacheTable, CachedBlock, ClassKey, Limits, Pop, StreamCache, flush_into,
+        CacheTable, CachedBlock, ClassKey, FAST_STREAMS, Limits, Pop, StreamCache, flush_into,
     };
     pub use super::request::RequestPlan;
     pub use super::seqlock::{Collect, SeqBlock, SeqWriter, Versioned};
@@ -301,7 +301,7 @@ impl<D: Device> Allocator<D> {
             if b.requested != bytes {
                 st.pool.set_requested(b.block, bytes);
             }
-            st.base.live_up(b.quadrant, b.size, bytes, &sh.caches.all());
+            st.base.live_up(b.quadrant, b.size, bytes, || sh.caches.all());
             drop(st);
             return Ok(Shared::hand_out(
                 sh,
@@ -321,7 +321,7 @@ impl<D: Device> Allocator<D> {
         let b = st.pool.block(block);
         let (ptr, size) = (DevicePtr(b.addr), b.size);
         let q = quadrant(key.kind, residency);
-        st.base.live_up(q, size, bytes, &sh.caches.all());
+        st.base.live_up(q, size, bytes, || sh.caches.all());
         drop(st);
         Ok(Shared::hand_out(sh, ptr, bytes, size, stream, Some(block), plan.rounded, residency, q))
     }
@@ -938,12 +938,13 @@ impl<D: Device> Shared<D> {
         st.base.publish(&self.stats);
         let mut dirty = std::mem::take(&mut st.dirty);
         st.pool.take_dirty_streams(&mut dirty);
-        if !dirty.is_empty() {
-            let all = self.caches.all();
-            for &s in &dirty {
-                if let Ok(i) = all.binary_search_by_key(&s, |c| c.stream()) {
-                    let c = &all[i];
-                    c.publish_pool_free(st.pool.free_bytes_of(s));
+        for &s in &dirty {
+            match self.caches.fast(s) {
+                Some(c) => c.publish_pool_free(st.pool.free_bytes_of(s)),
+                None => {
+                    if let Some(c) = self.caches.get(s) {
+                        c.publish_pool_free(st.pool.free_bytes_of(s));
+                    }
                 }
             }
         }

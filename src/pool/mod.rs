@@ -310,9 +310,7 @@ impl Pool {
     /// Streams whose free bytes changed since the last call (each once), for publishing.
     pub fn take_dirty_streams(&mut self, out: &mut Vec<StreamId>) {
         out.clear();
-        out.append(&mut self.dirty);
-        out.sort_unstable();
-        out.dedup();
+        std::mem::swap(out, &mut self.dirty);
     }
 
     /// Records the new request of an allocated block handed to another user unchanged (the
