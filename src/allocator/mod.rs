@@ -1100,7 +1100,7 @@ impl<D: Device> Shared<D> {
         let block = st.pool.allocate(block, rounded, size, &config.sizing);
         let (base, bsize) = (st.pool.block(block).addr, st.pool.block(block).size);
         let q = quadrant(key.kind, key.residency);
-        st.base.live_up(q, bsize, size, &self.caches.all());
+        st.base.live_up(q, bsize, size, || self.caches.all());
         drop(st);
         self.scope_counters.region_bytes.fetch_add(bsize, Ordering::Relaxed);
         let block = BatchBlock { block, quadrant: q, size: bsize, requested: size };
