@@ -19,6 +19,8 @@ pub mod config;
 pub mod device;
 #[cfg(not(loom))]
 pub mod eager;
+#[cfg(not(loom))]
+pub mod fuzzing;
 pub mod pool;
 pub mod stats;
 pub(crate) mod sync;

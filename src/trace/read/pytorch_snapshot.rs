@@ -28,7 +28,7 @@
 //!
 //! Safety of decoding: the pickle is read into memory and scanned first
 //! ([`super::pickle_guard`]), which rejects nesting deeper than 128 levels, cycles, and memo
-//! sharing that would expand past 2·10^8 values — serde-pickle recurses per level and copies
+//! sharing that would expand past 10^7 values — serde-pickle recurses per level and copies
 //! each shared object at every reference.
 
 use std::collections::HashMap;
@@ -53,7 +53,8 @@ pub fn read_pytorch_snapshot<R: Read>(input: R, name: &str) -> Result<Trace, Tra
     let mut data = Vec::new();
     let mut input = input;
     input.read_to_end(&mut data).map_err(|e| TraceError::input(ErrorKind::Io(e.to_string())))?;
-    super::pickle_guard::check(&data).map_err(|e| TraceError::input(ErrorKind::BadPickle(e)))?;
+    super::pickle_guard::prepare(&mut data)
+        .map_err(|e| TraceError::input(ErrorKind::BadPickle(e)))?;
     let options = DeOptions::new().replace_recursive_structures();
     let value = serde_pickle::value_from_slice(&data, options)
         .map_err(|e| TraceError::input(ErrorKind::BadPickle(echo(&e.to_string()))))?;
