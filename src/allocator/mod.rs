@@ -278,17 +278,7 @@ impl<D: Device> Allocator<D> {
         {
             match cache.pop(class, bytes) {
                 Pop::Hit(b) => {
-                    return Ok(Shared::hand_out(
-                        sh,
-                        b.ptr,
-                        bytes,
-                        b.size,
-                        stream,
-                        Some(b.block),
-                        plan.rounded,
-                        residency,
-                        b.quadrant,
-                    ));
+                    return Ok(Shared::hand_out_cached(sh, &b, bytes, stream, &plan, residency));
                 }
                 Pop::NeedsLock => cached = Some(cache),
                 Pop::Miss => {}
@@ -303,17 +293,7 @@ impl<D: Device> Allocator<D> {
             }
             st.base.live_up(b.quadrant, b.size, bytes, || sh.caches.all());
             drop(st);
-            return Ok(Shared::hand_out(
-                sh,
-                b.ptr,
-                bytes,
-                b.size,
-                stream,
-                Some(b.block),
-                plan.rounded,
-                residency,
-                b.quadrant,
-            ));
+            return Ok(Shared::hand_out_cached(sh, &b, bytes, stream, &plan, residency));
         }
         let key = PoolKey { residency, stream, kind: plan.kind };
         let block = sh.find_or_reserve(&mut st, config, key, bytes, plan.rounded)?;
@@ -793,6 +773,19 @@ impl<D: Device> Shared<D> {
             st.counters.host_syncs += 1;
         }
         Ok(())
+    }
+
+    /// A buffer for a block popped from a stream cache.
+    fn hand_out_cached(
+        this: &Arc<Self>,
+        b: &CachedBlock,
+        bytes: u64,
+        stream: StreamId,
+        plan: &RequestPlan,
+        residency: Residency,
+    ) -> Buffer<D> {
+        let (rounded, q) = (plan.rounded, b.quadrant);
+        Shared::hand_out(this, b.ptr, bytes, b.size, stream, Some(b.block), rounded, residency, q)
     }
 
     /// A buffer for a block just handed out; tells the device's sanitizer.

@@ -20,6 +20,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
+use super::slots::{Slotted, Step};
 use super::{Policy, PolicyResult, ReplayError};
 use crate::allocator::Scope;
 use crate::device::{Device, SimConfig, SimDevice, StreamId};
@@ -82,9 +83,8 @@ pub fn scope_family(name: &str) -> &str {
 
 /// The trace rewritten for an allocator replay: steps, number of slots, number of streams.
 pub fn alloc_steps(trace: &Trace, mode: Mode) -> (Vec<AllocStep>, usize, Vec<u32>) {
-    let mut slot_of = std::collections::HashMap::new();
+    let slotted = Slotted::new(trace);
     let mut streams: Vec<u32> = vec![0];
-    let mut slots = 0;
     let mut stream_index = |s: u32| match streams.iter().position(|&x| x == s) {
         Some(i) => i,
         None => {
@@ -95,30 +95,25 @@ pub fn alloc_steps(trace: &Trace, mode: Mode) -> (Vec<AllocStep>, usize, Vec<u32
     let steps = trace
         .events
         .iter()
-        .map(|e| match e.op {
-            Op::Alloc => {
-                slot_of.insert(e.id, slots);
-                slots += 1;
-                let stream = stream_index(e.stream);
+        .zip(&slotted.steps)
+        .map(|(e, step)| match (*step, e.op) {
+            (Step::Alloc { slot, bytes }, _) => {
                 let residency = match (mode, e.tag) {
                     (Mode::Residency | Mode::Scoped, Tag::Param) => Residency::Persistent,
                     _ => Residency::Transient,
                 };
-                AllocStep::Alloc { slot: slots - 1, bytes: e.bytes, stream, residency }
+                AllocStep::Alloc { slot, bytes, stream: stream_index(e.stream), residency }
             }
-            Op::Free => match slot_of.remove(&e.id) {
-                Some(slot) => AllocStep::Free { slot },
-                None => AllocStep::Marker,
-            },
-            Op::ScopeEnter if mode == Mode::Scoped => AllocStep::Enter {
+            (Step::Free { slot }, _) => AllocStep::Free { slot },
+            (Step::Marker, Op::ScopeEnter) if mode == Mode::Scoped => AllocStep::Enter {
                 name: e.scope.unwrap_or(0) as usize,
                 stream: stream_index(e.stream),
             },
-            Op::ScopeExit if mode == Mode::Scoped => AllocStep::Exit,
-            Op::ScopeEnter | Op::ScopeExit => AllocStep::Marker,
+            (Step::Marker, Op::ScopeExit) if mode == Mode::Scoped => AllocStep::Exit,
+            (Step::Marker, _) => AllocStep::Marker,
         })
         .collect();
-    (steps, slots, streams)
+    (steps, slotted.slots, streams)
 }
 
 /// A replay through tidepool's allocator.
