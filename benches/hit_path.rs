@@ -1,17 +1,33 @@
 //! The cache hit: alloc + free of the same size on the same stream (issue goal ≤ 50 ns a pair).
+//! `sanitized/…` runs with the SimDevice's stream-order sanitizer on (its hooks take the device
+//! lock on every hand-out and free); `allocator/…` with it off, measuring the allocator alone;
+//! `global_lock/…` is the same under `global_lock:true` (no fast path).
 use criterion::{Criterion, criterion_group, criterion_main};
 use std::hint::black_box;
 use std::sync::Arc;
-use tidepool::{Allocator, Config, SimDevice, StreamId};
+use tidepool::{Allocator, Config, SimConfig, SimDevice, StreamId};
 
 fn hit_path(c: &mut Criterion) {
-    let alloc = Allocator::new(Arc::new(SimDevice::new(1 << 30)), Config::default()).unwrap();
     let mut g = c.benchmark_group("hit_path");
-    for (name, bytes) in [("small_4KiB", 4096u64), ("large_4MiB", 4 << 20)] {
-        drop(alloc.alloc(bytes, StreamId::DEFAULT).unwrap());
-        g.bench_function(name, |b| {
-            b.iter(|| drop(black_box(alloc.alloc(black_box(bytes), StreamId::DEFAULT).unwrap())))
+    for (prefix, sanitize, config) in [
+        ("sanitized", true, ""),
+        ("allocator", false, ""),
+        ("global_lock", false, "global_lock:true"),
+    ] {
+        let dev = SimDevice::with_config(SimConfig {
+            capacity: 1 << 30,
+            sanitize,
+            ..SimConfig::default()
         });
+        let alloc = Allocator::new(Arc::new(dev), Config::parse(config).unwrap()).unwrap();
+        for (name, bytes) in [("small_4KiB", 4096u64), ("large_4MiB", 4 << 20)] {
+            drop(alloc.alloc(bytes, StreamId::DEFAULT).unwrap());
+            g.bench_function(format!("{prefix}/{name}"), |b| {
+                b.iter(|| {
+                    drop(black_box(alloc.alloc(black_box(bytes), StreamId::DEFAULT).unwrap()))
+                })
+            });
+        }
     }
     g.finish();
 }

@@ -42,7 +42,22 @@ pub struct Config {
     pub memory_fraction: Option<f64>,
     /// Cross-stream reuse policy (`cross_stream:strict|wait_event`).
     pub cross_stream: CrossStream,
+    /// Per-stream caches that serve a free and re-allocation of the same size on the same
+    /// stream without the global lock (`fast_cache:true|false`, on by default).
+    pub fast_cache: bool,
+    /// Blocks a stream may cache per size class (`fast_cache_entries`).
+    pub fast_cache_entries: usize,
+    /// Bytes a stream may cache in all (`fast_cache_bytes_mb`).
+    pub fast_cache_bytes: u64,
+    /// Route every operation through one mutex, with no fast cache and statistics read under
+    /// it (`global_lock:true`): PyTorch's design, kept as a comparison point.
+    pub global_lock: bool,
 }
+
+/// Default of [`Config::fast_cache_entries`].
+pub const DEFAULT_FAST_CACHE_ENTRIES: usize = 16;
+/// Default of [`Config::fast_cache_bytes`]: 32 MiB per stream.
+pub const DEFAULT_FAST_CACHE_BYTES: u64 = 32 * MIB;
 
 impl Default for Config {
     fn default() -> Self {
@@ -51,6 +66,10 @@ impl Default for Config {
             memory_limit: None,
             memory_fraction: None,
             cross_stream: CrossStream::Strict,
+            fast_cache: true,
+            fast_cache_entries: DEFAULT_FAST_CACHE_ENTRIES,
+            fast_cache_bytes: DEFAULT_FAST_CACHE_BYTES,
+            global_lock: false,
         }
     }
 }
@@ -74,6 +93,13 @@ pub const KEYS: &[(&str, &str)] = &[
         "never reserve more than this share of device memory, in (0, 1]",
     ),
     ("cross_stream", "cross-stream reuse: strict or wait_event"),
+    (
+        "fast_cache",
+        "per-stream caches that skip the global lock on a same-size reuse: true or false",
+    ),
+    ("fast_cache_entries", "blocks a stream caches per size class, 1..=65536"),
+    ("fast_cache_bytes_mb", "MiB a stream caches in all, 1..=1048576"),
+    ("global_lock", "route everything through one mutex (no fast cache): true or false"),
 ];
 
 /// A configuration string that could not be applied.
@@ -160,6 +186,11 @@ impl Config {
             let v: u64 = value.parse().map_err(|_| bad(&what))?;
             if v == 0 || v > max { Err(bad(&what)) } else { Ok(v * MIB) }
         };
+        let flag = || match value {
+            "true" => Ok(true),
+            "false" => Ok(false),
+            _ => Err(bad("true or false")),
+        };
         const MAX_MIB: u64 = 1 << 28; // 256 TiB
         let z = &mut self.sizing;
         match key {
@@ -201,6 +232,17 @@ impl Config {
                     _ => return Err(bad("strict or wait_event")),
                 }
             }
+            "fast_cache" => self.fast_cache = flag()?,
+            "fast_cache_entries" => {
+                let what = "a whole number in 1..=65536";
+                let v: usize = value.parse().map_err(|_| bad(what))?;
+                if v == 0 || v > 65536 {
+                    return Err(bad(what));
+                }
+                self.fast_cache_entries = v;
+            }
+            "fast_cache_bytes_mb" => self.fast_cache_bytes = mib(1 << 20)?,
+            "global_lock" => self.global_lock = flag()?,
             _ => return Err(ConfigError::UnknownKey(key.to_string())),
         }
         Ok(())
@@ -235,7 +277,15 @@ impl Config {
                 z.large_segment / MIB
             ));
         }
+        if self.fast_cache_entries == 0 {
+            return fail("fast_cache_entries must be at least 1".into());
+        }
         Ok(())
+    }
+
+    /// Whether allocations and frees may use the per-stream caches.
+    pub fn fast_path(&self) -> bool {
+        self.fast_cache && !self.global_lock
     }
 
     /// The byte limit in force on a device of `total` bytes: the smaller of `memory_limit` and
@@ -258,7 +308,8 @@ mod tests {
         let c = Config::parse(
             "max_split_size_mb:256, roundup_power2_divisions:8,min_block_size:1024,small_size_mb:2,\
              small_segment_mb:4,large_segment_mb:40,min_large_alloc_mb:20,round_large_mb:4,\
-             memory_limit_mb:4096,per_process_memory_fraction:0.5,cross_stream:wait_event,",
+             memory_limit_mb:4096,per_process_memory_fraction:0.5,cross_stream:wait_event,\
+             fast_cache:false,fast_cache_entries:4,fast_cache_bytes_mb:8,global_lock:true",
         )
         .unwrap();
         let z = c.sizing;
@@ -275,7 +326,22 @@ mod tests {
         assert_eq!(c.cross_stream, CrossStream::WaitEvent);
         assert_eq!(c.limit(16384 * MIB), Some(4096 * MIB));
         assert_eq!(c.limit(4096 * MIB), Some(2048 * MIB));
-        assert_eq!(KEYS.len(), 11, "a new key needs a line in this test");
+        assert!(!c.fast_cache);
+        assert_eq!(c.fast_cache_entries, 4);
+        assert_eq!(c.fast_cache_bytes, 8 * MIB);
+        assert!(c.global_lock);
+        assert!(!c.fast_path());
+        assert_eq!(KEYS.len(), 15, "a new key needs a line in this test");
+    }
+
+    #[test]
+    fn fast_path_defaults_and_global_lock() {
+        let d = Config::default();
+        assert!(d.fast_cache && !d.global_lock && d.fast_path());
+        assert_eq!((d.fast_cache_entries, d.fast_cache_bytes), (16, 32 * MIB));
+        assert!(!Config::parse("global_lock:true").unwrap().fast_path());
+        assert!(!Config::parse("fast_cache:false").unwrap().fast_path());
+        assert!(Config::parse("global_lock:false,fast_cache:true").unwrap().fast_path());
     }
 
     #[test]
@@ -312,6 +378,11 @@ mod tests {
             ("per_process_memory_fraction:NaN", "per_process_memory_fraction"),
             ("cross_stream:lazy", "cross_stream"),
             ("memory_limit_mb:", "memory_limit_mb"),
+            ("fast_cache:yes", "fast_cache"),
+            ("fast_cache_entries:0", "fast_cache_entries"),
+            ("fast_cache_entries:70000", "fast_cache_entries"),
+            ("fast_cache_bytes_mb:0", "fast_cache_bytes_mb"),
+            ("global_lock:1", "global_lock"),
         ] {
             match Config::parse(s) {
                 Err(ConfigError::BadValue { key: k, value, .. }) => {

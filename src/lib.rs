@@ -17,13 +17,23 @@
 pub mod allocator;
 pub mod config;
 pub mod device;
+#[cfg(not(loom))]
+pub mod eager;
+#[cfg(not(loom))]
 pub mod fuzzing;
 pub mod pool;
 pub mod stats;
 pub(crate) mod sync;
+#[cfg(not(loom))]
 pub mod trace;
 
 pub use allocator::{AllocError, Allocator, Buffer, OomReport};
 pub use config::{Config, ConfigError, CrossStream};
 pub use device::{Device, DevicePtr, SimConfig, SimDevice, StreamId};
 pub use stats::{MemoryStats, Residency};
+
+/// The cudarc this crate is built against (feature `cuda`), so users name the same version.
+#[cfg(feature = "cuda")]
+pub use cudarc;
+#[cfg(feature = "cuda")]
+pub use device::{CudaBuffer, CudaDevice};

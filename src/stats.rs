@@ -182,8 +182,25 @@ pub struct MemoryStats {
     pub num_device_free: u64,
     /// Host synchronisations the allocator caused (releases, event waits).
     pub num_host_syncs: u64,
-    /// Bytes of free blocks cached per stream (stream id, bytes), streams with none omitted.
+    /// Best-fit searches of the pool (allocations not served by a scope's cache or plan).
+    pub best_fit_searches: u64,
+    /// Allocations of named scopes served from their learned plan.
+    pub plan_hits: u64,
+    /// Planned allocations served from the pool instead, because an escaped buffer of an
+    /// earlier run still held their slice (or the region could not be reserved).
+    pub plan_misses: u64,
+    /// Runs of named scopes that diverged from their plan (or ended early); each relearns.
+    pub plan_fallbacks: u64,
+    /// Bytes of the regions that learned plans live in.
+    pub plan_region_bytes: u64,
+    /// Scope allocations still live when their scope ended.
+    pub scope_escapes: u64,
+    /// Bytes of free blocks cached per stream (stream id, bytes), streams with none omitted:
+    /// the pool's free blocks of the stream plus its fast-path cache.
     pub cached_free_bytes_per_stream: Vec<(u32, u64)>,
+    /// Bytes of freed blocks held in the per-stream fast-path caches (counted as freed in
+    /// `blocks`, not yet returned to the pool's free lists).
+    pub cached_fast_bytes: u64,
 }
 
 impl MemoryStats {

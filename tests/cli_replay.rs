@@ -89,7 +89,7 @@ fn usage_errors_exit_2() {
     let o = tidepool(&["replay", &mlp(), "--policy", "magic"]);
     assert_eq!(o.status.code(), Some(2));
     assert!(stderr(&o).starts_with(
-        "tidepool: unknown policy `magic` (known: caching, residency, offset-allocator, range-alloc, planned)\n"
+        "tidepool: unknown policy `magic` (known: caching, residency, scoped, offset-allocator, range-alloc, planned)\n"
     ));
 
     let o = tidepool(&["replay", &mlp(), "--config", "max_split_size_mb:1"]);

@@ -84,7 +84,10 @@ fn scope_markers_are_no_ops_for_baselines() {
 fn registry_lists_baselines_in_order() {
     let names: Vec<_> =
         registry(&ReplayOptions::default()).unwrap().iter().map(|p| p.name()).collect();
-    assert_eq!(names, vec!["caching", "residency", "offset-allocator", "range-alloc", "planned"]);
+    assert_eq!(
+        names,
+        vec!["caching", "residency", "scoped", "offset-allocator", "range-alloc", "planned"]
+    );
 }
 
 #[test]
@@ -136,7 +139,7 @@ fn json_report_has_exactly_the_documented_shape() {
     let policies = registry(&opts).unwrap();
     let mut calls = 0;
     let report = run_policies(&t, &policies, &opts, &mut |_| calls += 1).unwrap();
-    assert_eq!(calls, 15);
+    assert_eq!(calls, 18);
     let v: serde_json::Value = serde_json::from_str(&report.to_json()).unwrap();
     let obj = v.as_object().unwrap();
     let mut keys: Vec<_> = obj.keys().map(String::as_str).collect();
@@ -147,9 +150,12 @@ fn json_report_has_exactly_the_documented_shape() {
     assert_eq!(obj["peak_live_bytes"].as_u64(), Some(1736));
     let policies = obj["policies"].as_array().unwrap();
     let names: Vec<_> = policies.iter().map(|p| p["name"].as_str().unwrap()).collect();
-    assert_eq!(names, vec!["caching", "residency", "offset-allocator", "range-alloc", "planned"]);
-    // caching and residency reserve one 2 MiB small-pool segment.
-    let expected_reserved = [2u64 << 20, 2 << 20, 2560, 2560, 1792];
+    assert_eq!(
+        names,
+        vec!["caching", "residency", "scoped", "offset-allocator", "range-alloc", "planned"]
+    );
+    // caching, residency and scoped reserve one 2 MiB small-pool segment.
+    let expected_reserved = [2u64 << 20, 2 << 20, 2 << 20, 2560, 2560, 1792];
     for (p, reserved) in policies.iter().zip(expected_reserved) {
         let p = p.as_object().unwrap();
         let mut keys: Vec<_> = p.keys().map(String::as_str).collect();

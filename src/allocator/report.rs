@@ -38,9 +38,11 @@ pub struct SegmentInfo {
 }
 
 impl<D: Device> Allocator<D> {
-    /// Every segment and block, segments in address order.
+    /// Every segment and block, segments in address order. The stream caches are flushed first,
+    /// so blocks freed by their users show as free (and coalesced) pool blocks.
     pub fn snapshot(&self) -> Vec<SegmentInfo> {
-        let st = crate::sync::lock(&self.shared.state);
+        let mut st = self.shared.lock_state();
+        self.shared.flush_all(&mut st);
         let mut out: Vec<SegmentInfo> = st
             .pool
             .segments()
@@ -141,6 +143,14 @@ impl<D: Device> Allocator<D> {
                 row(&mut out, "      transient", &g.transient, bytes);
             }
         }
+        out += &rule;
+        let _ = writeln!(
+            out,
+            "| {:<26}| {:>12} | {:>42} |",
+            "Fast-cached memory",
+            Bytes(s.cached_fast_bytes).to_string(),
+            "(freed, in per-stream caches)"
+        );
         out += &rule;
         if !s.cached_free_bytes_per_stream.is_empty() {
             for (stream, bytes) in &s.cached_free_bytes_per_stream {

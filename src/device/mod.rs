@@ -15,8 +15,12 @@
 //! The `note_*` hooks let a device with a stream-order sanitizer see what the allocator hands
 //! out and takes back; devices without one ignore them.
 
+#[cfg(feature = "cuda")]
+mod cuda;
 mod sim;
 
+#[cfg(feature = "cuda")]
+pub use cuda::{CudaBuffer, CudaDevice, NO_DRIVER};
 pub use sim::{KernelFailure, SIM_ALIGN, SIM_BASE, SimConfig, SimCounters, SimDevice, Violation};
 
 use std::fmt;

@@ -15,6 +15,7 @@
 //! [`Pool::check_invariants`] recomputes them from scratch to prove it.
 
 mod block;
+pub mod packing;
 mod sizing;
 
 pub use block::{Block, BlockId, BlockState, PoolKey, Segment, SegmentId};
@@ -23,9 +24,10 @@ pub use sizing::{
     DEFAULT_SMALL_SEGMENT, DEFAULT_SMALL_SIZE, KIB, MAX_REQUEST, MIB, Sizing,
 };
 
+use crate::device::StreamId;
 use crate::stats::BlockStats;
 use slab::Slab;
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 
 type FreeEntry = (PoolKey, u64, u64, usize);
 
@@ -36,6 +38,12 @@ pub struct Pool {
     segments: Slab<Segment>,
     free: BTreeSet<FreeEntry>,
     stats: BlockStats,
+    /// Bytes in the free index per stream (streams with none omitted), kept with the index; a
+    /// short vector sorted by stream (a handful of streams).
+    free_by_stream: Vec<(StreamId, u64)>,
+    /// Streams whose free bytes changed since the last [`Pool::take_dirty_streams`] (each once,
+    /// so it is bounded by the number of streams).
+    dirty: Vec<StreamId>,
 }
 
 impl Pool {
@@ -110,7 +118,7 @@ impl Pool {
             state: BlockState::Free,
         }));
         self.segments.insert(Segment { base, size, key, first: block, busy_blocks: 0 });
-        self.free.insert((key, size, base, block.0));
+        self.index_insert((key, size, base, block.0));
         self.stats.reserved_bytes.increase(key.kind, key.residency, size);
         self.stats.segment.increase(key.kind, key.residency, 1);
         block
@@ -132,7 +140,9 @@ impl Pool {
         let seg = b.segment;
         let key = self.segments[seg.0].key;
         let (kind, res) = (key.kind, key.residency);
-        self.free.remove(&(key, b.size, b.addr, id.0));
+        let (size0, addr0) = (b.size, b.addr);
+        self.index_remove(&(key, size0, addr0, id.0));
+        let b = &self.blocks[id.0];
         if b.is_split() {
             self.stats.inactive_split_bytes.decrease(kind, res, b.size);
             self.stats.inactive_split.decrease(kind, res, 1);
@@ -155,7 +165,7 @@ impl Pool {
             let b = &mut self.blocks[id.0];
             b.next = Some(BlockId(rest_id));
             b.size = rounded;
-            self.free.insert((key, rest_size, rest_addr, rest_id));
+            self.index_insert((key, rest_size, rest_addr, rest_id));
             self.stats.inactive_split_bytes.increase(kind, res, rest_size);
             self.stats.inactive_split.increase(kind, res, 1);
         }
@@ -218,7 +228,9 @@ impl Pool {
             self.absorb(merged, n, key);
         }
         let m = &self.blocks[merged.0];
-        self.free.insert((key, m.size, m.addr, merged.0));
+        let entry = (key, m.size, m.addr, merged.0);
+        self.index_insert(entry);
+        let m = &self.blocks[merged.0];
         if m.is_split() {
             let size = m.size;
             self.stats.inactive_split_bytes.increase(kind, res, size);
@@ -232,9 +244,10 @@ impl Pool {
     fn absorb(&mut self, left: BlockId, right: BlockId, key: PoolKey) {
         for id in [left, right] {
             let b = &self.blocks[id.0];
-            if self.free.remove(&(key, b.size, b.addr, id.0)) {
+            let size = b.size;
+            if self.index_remove(&(key, size, b.addr, id.0)) {
                 // A free neighbour of another block is always part of a split segment.
-                self.stats.inactive_split_bytes.decrease(key.kind, key.residency, b.size);
+                self.stats.inactive_split_bytes.decrease(key.kind, key.residency, size);
                 self.stats.inactive_split.decrease(key.kind, key.residency, 1);
             }
         }
@@ -262,8 +275,9 @@ impl Pool {
         assert_eq!(seg.busy_blocks, 0, "remove_segment of a segment in use");
         let b = &self.blocks[seg.first.0];
         debug_assert!(b.state == BlockState::Free && !b.is_split());
-        self.free.remove(&(seg.key, b.size, b.addr, seg.first.0));
-        self.blocks.remove(seg.first.0);
+        let entry = (seg.key, b.size, b.addr, seg.first.0);
+        self.index_remove(&entry);
+        self.blocks.remove(entry.3);
         let seg = self.segments.remove(id.0);
         self.stats.reserved_bytes.decrease(seg.key.kind, seg.key.residency, seg.size);
         self.stats.segment.decrease(seg.key.kind, seg.key.residency, 1);
@@ -272,21 +286,73 @@ impl Pool {
 
     /// Moves a segment with no busy block to another stream's free lists.
     pub fn rekey_segment(&mut self, id: SegmentId, stream: crate::device::StreamId) {
-        let seg = &mut self.segments[id.0];
+        let seg = &self.segments[id.0];
         assert_eq!(seg.busy_blocks, 0, "rekey_segment of a segment in use");
         let b = &self.blocks[seg.first.0];
-        self.free.remove(&(seg.key, b.size, b.addr, seg.first.0));
+        let old = (seg.key, b.size, b.addr, seg.first.0);
+        self.index_remove(&old);
+        let seg = &mut self.segments[id.0];
         seg.key.stream = stream;
-        self.free.insert((seg.key, b.size, b.addr, seg.first.0));
+        let key = seg.key;
+        self.index_insert((key, old.1, old.2, old.3));
     }
 
     /// Bytes of free blocks cached per stream (streams with none omitted).
-    pub fn free_bytes_by_stream(&self) -> std::collections::BTreeMap<crate::device::StreamId, u64> {
-        let mut out = std::collections::BTreeMap::new();
-        for e in &self.free {
-            *out.entry(e.0.stream).or_insert(0) += e.1;
+    pub fn free_bytes_by_stream(&self) -> BTreeMap<StreamId, u64> {
+        self.free_by_stream.iter().copied().collect()
+    }
+
+    /// Bytes of free blocks cached for `stream`.
+    pub fn free_bytes_of(&self, stream: StreamId) -> u64 {
+        self.free_by_stream.iter().find(|e| e.0 == stream).map_or(0, |e| e.1)
+    }
+
+    /// Streams whose free bytes changed since the last call (each once), for publishing.
+    pub fn take_dirty_streams(&mut self, out: &mut Vec<StreamId>) {
+        out.clear();
+        std::mem::swap(out, &mut self.dirty);
+    }
+
+    /// Records the new request of an allocated block handed to another user unchanged (the
+    /// allocator's stream caches reuse blocks without splitting).
+    pub fn set_requested(&mut self, id: BlockId, requested: u64) {
+        let b = &mut self.blocks[id.0];
+        assert_eq!(b.state, BlockState::Allocated, "set_requested of a block not allocated");
+        assert!(requested <= b.size, "set_requested beyond the block");
+        let old = std::mem::replace(&mut b.requested, requested);
+        let key = self.segments[b.segment.0].key;
+        self.stats.requested_bytes.decrease(key.kind, key.residency, old);
+        self.stats.requested_bytes.increase(key.kind, key.residency, requested);
+    }
+
+    fn index_insert(&mut self, e: FreeEntry) {
+        let s = e.0.stream;
+        match self.free_by_stream.binary_search_by_key(&s, |x| x.0) {
+            Ok(i) => self.free_by_stream[i].1 += e.1,
+            Err(i) => self.free_by_stream.insert(i, (s, e.1)),
         }
-        out
+        self.note_dirty(s);
+        self.free.insert(e);
+    }
+
+    fn index_remove(&mut self, e: &FreeEntry) -> bool {
+        if !self.free.remove(e) {
+            return false;
+        }
+        let s = e.0.stream;
+        let i = self.free_by_stream.binary_search_by_key(&s, |x| x.0).expect("indexed stream");
+        self.free_by_stream[i].1 -= e.1;
+        if self.free_by_stream[i].1 == 0 {
+            self.free_by_stream.remove(i);
+        }
+        self.note_dirty(s);
+        true
+    }
+
+    fn note_dirty(&mut self, s: StreamId) {
+        if !self.dirty.contains(&s) {
+            self.dirty.push(s);
+        }
     }
 
     /// The largest cached free block, in bytes.
@@ -381,6 +447,13 @@ impl Pool {
                     seg.busy_blocks
                 ));
             }
+        }
+        let mut by_stream: BTreeMap<StreamId, u64> = BTreeMap::new();
+        for e in &self.free {
+            *by_stream.entry(e.0.stream).or_insert(0) += e.1;
+        }
+        if by_stream != self.free_bytes_by_stream() {
+            return Err("free bytes per stream drifted".into());
         }
         if free_seen != self.free.len() {
             return Err(format!(

@@ -3,6 +3,7 @@
 //! ```text
 //! tidepool replay TRACE [--policy NAME]... [--json] [--svg FILE] [--repeats N]
 //!                       [--config KEY:VAL,...]
+//! tidepool demo [--steps N] [--two-streams] [--sim]     (handled by the binary's demo.rs)
 //! ```
 //!
 //! Exit codes: 0 success, 1 runtime error (unreadable trace, failed replay, unwritable SVG),
@@ -32,7 +33,9 @@ options:
   --svg FILE       draw the memory timeline into FILE
   --repeats N      replays per policy; the median ns/op is reported (default 5)
   --config CONF    allocator configuration, key:value,key:value
-  -h, --help       show this help";
+  -h, --help       show this help
+
+tidepool demo [--steps N] [--two-streams] [--sim]   trains the eager layer's MLP (see demo --help)";
 
 /// A parsed `replay` command.
 #[derive(Debug, Clone, PartialEq)]
@@ -242,6 +245,6 @@ mod tests {
         let code = run(&args("replay x.csv --policy nope"), &mut out, &mut err);
         assert_eq!(code, 2);
         let err = String::from_utf8(err).unwrap();
-        assert!(err.starts_with("tidepool: unknown policy `nope` (known: offset-allocator, range-alloc, planned)\nusage:"));
+        assert!(err.starts_with("tidepool: unknown policy `nope` (known: caching, residency, scoped, offset-allocator, range-alloc, planned)\nusage:"));
     }
 }

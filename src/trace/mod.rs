@@ -1,6 +1,6 @@
 //! Traces and the replayer: the trace model ([`Trace`]), readers for tidepool CSV, RMM logs
 //! and PyTorch memory snapshots ([`read_trace`]), replay [`Policy`]s with their
-//! [`registry`], the offline [`plan`]ner, reports, SVG plots and the `tidepool` CLI.
+//! [`registry`], the offline planner ([`plan`]), reports, SVG plots and the `tidepool` CLI.
 //!
 //! ```text
 //!  file ─► read ─► Trace ─► runner ─► Policy × repeats ─► Report ─► table | JSON | SVG
@@ -10,7 +10,8 @@ pub mod byte_size;
 pub mod cli;
 mod error;
 mod event;
-pub mod plan;
+/// The offline planner's packing, which lives in the pool layer (learned plans use it too).
+pub use crate::pool::packing as plan;
 pub mod plot;
 pub mod policy;
 pub mod read;

@@ -79,7 +79,7 @@ pub struct Violation {
     pub stream: StreamId,
     /// The stream whose unfinished work was on it, if any.
     pub other: Option<StreamId>,
-    /// What happened ("handout", "kernel <name>", ...).
+    /// What happened (`"handout"`, `"kernel NAME"`, ...).
     pub op: String,
 }
 

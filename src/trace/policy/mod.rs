@@ -7,6 +7,7 @@
 //! |--------------------|-------------------------------------------------------------------|
 //! | `caching`          | tidepool's allocator, default config, every block transient       |
 //! | `residency`        | tidepool's allocator, `param` persistent and `act` transient      |
+//! | `scoped`           | `residency` plus a named scope per trace scope, with learned plans |
 //! | `offset-allocator` | the offset-allocator crate as a fixed-heap sub-allocator          |
 //! | `range-alloc`      | the range-alloc crate (best fit over a free list), fixed heap      |
 //! | `planned`          | offline greedy-by-size packing with every lifetime known           |
@@ -23,7 +24,9 @@ mod slots;
 
 use std::fmt;
 
-pub use allocator::{AllocStep, AllocatorPolicy, Mode, ReplayDevice, alloc_steps, replay_device};
+pub use allocator::{
+    AllocStep, AllocatorPolicy, Mode, ReplayDevice, alloc_steps, replay_device, scope_family,
+};
 pub use fixed_heap::GRANULE;
 pub use offset_allocator::OffsetAllocatorPolicy;
 pub use planned::PlannedPolicy;
@@ -112,6 +115,7 @@ pub fn registry(opts: &ReplayOptions) -> Result<Vec<Box<dyn Policy>>, ReplayErro
     let policies: Vec<Box<dyn Policy>> = vec![
         Box::new(AllocatorPolicy::from_config(Mode::Caching, config)?),
         Box::new(AllocatorPolicy::from_config(Mode::Residency, config)?),
+        Box::new(AllocatorPolicy::from_config(Mode::Scoped, config)?),
         Box::new(OffsetAllocatorPolicy),
         Box::new(RangeAllocPolicy),
         Box::new(PlannedPolicy),

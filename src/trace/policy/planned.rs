@@ -10,8 +10,8 @@ use std::time::Instant;
 use super::fixed_heap::GRANULE;
 use super::slots::{Slotted, Step};
 use super::{Policy, PolicyResult, ReplayError};
+use crate::pool::packing::{align_up, pack_greedy_by_size};
 use crate::trace::event::Trace;
-use crate::trace::plan::{align_up, pack_greedy_by_size};
 
 /// The `planned` baseline.
 #[derive(Debug, Clone, Copy, Default)]

@@ -1,5 +1,6 @@
-//! Offline memory planning: "greedy by size" interval packing (as in TFLite's arena planner
-//! and graph compilers' static memory planners).
+//! Memory planning: "greedy by size" interval packing (as in TFLite's arena planner and graph
+//! compilers' static memory planners). Used offline by the replayer's `planned` baseline and
+//! online by learned scope plans. Pure arithmetic: no device, no allocator.
 //!
 //! Each buffer is a rectangle: a time interval `[start, end)` (event indices) by a size.
 //! Buffers are placed one at a time, largest first (ties: earlier start, then input order),

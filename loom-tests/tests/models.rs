@@ -1,0 +1,370 @@
+//! Loom models, one per lock-free protocol of the allocator front. Each drives the real code
+//! (`tidepool::allocator::internals`, or the whole `Allocator` over a `LoomDevice`) and fails
+//! when its protocol is deliberately broken with `--cfg tidepool_broken="…"` (see
+//! `scripts/loom.sh`, which lists the command for each).
+//!
+//! | model                                        | protocol                                  | broken variant |
+//! |----------------------------------------------|-------------------------------------------|----------------|
+//! | `fast_cache_push_pop_against_flush`          | stream cache vs flush into the pool       | `fast_cache`   |
+//! | `fast_pop_against_coalesce_of_neighbour`     | cached blocks stay allocated in the pool  | `coalesce`     |
+//! | `event_completion_against_same_stream_alloc` | `record_stream` keeps a block out of the cache | `events`  |
+//! | `stats_current_never_exceeds_peak`           | credit and revocation keep peaks exact    | `stats`        |
+//! | `stats_snapshot_is_never_torn`               | seqlock publication, double collect       | `stats_reader` |
+//! | `config_swap_during_allocation`              | one config load per allocation            | `config`       |
+//! | `batch_return_against_fast_free` (scope exit)| batch return under the lock vs fast free  | `scope_batch`  |
+#![cfg(loom)]
+
+use loom::sync::{Arc, Mutex};
+use loom::thread;
+use tidepool::allocator::internals::{
+    ArcCell, BASE_WORDS, BYTES, BaseStats, BatchBlock, CACHED_BLOCKS, CACHED_BYTES, COUNT,
+    CachedBlock, ClassKey, Limits, Pop, REQ, RequestPlan, SeqBlock, StreamCache, assemble, collect,
+    fast_cur, flush_into, quadrant, return_batch,
+};
+use tidepool::pool::{BlockId, BlockState, MIB, Pool, PoolKey, Sizing};
+use tidepool::stats::{BlockStats, PoolKind, Residency};
+use tidepool::{Allocator, Config, DevicePtr, StreamId};
+use tidepool_loom_tests::LoomDevice;
+
+const S0: StreamId = StreamId::DEFAULT;
+const BASE: u64 = 0x1000_0000;
+const LIMITS: Limits = Limits { enabled: true, entries: 8, bytes: 1 << 20 };
+const CLASS: ClassKey = ClassKey { residency: Residency::Transient, rounded: 4096 };
+
+fn model(bound: usize, f: impl Fn() + Sync + Send + 'static) {
+    let mut b = loom::model::Builder::new();
+    // The bound asked for (LOOM_MAX_PREEMPTIONS, default 3 in scripts/loom.sh), capped at `bound`.
+    b.preemption_bound = Some(b.preemption_bound.map_or(bound, |p| p.min(bound)));
+    b.check(f);
+}
+
+fn small_key() -> PoolKey {
+    PoolKey { residency: Residency::Transient, stream: S0, kind: PoolKind::Small }
+}
+
+/// A pool with one 2 MiB segment and `n` allocated 4 KiB blocks at its start.
+fn pool_with_blocks(n: usize) -> (Pool, Vec<BlockId>) {
+    let mut pool = Pool::new();
+    let sizing = Sizing::default();
+    pool.add_segment(small_key(), BASE, 2 * MIB);
+    let blocks = (0..n)
+        .map(|_| {
+            let free = pool.find_free(small_key(), 4096, &sizing).unwrap();
+            pool.allocate(free, 4096, 4096, &sizing)
+        })
+        .collect();
+    (pool, blocks)
+}
+
+fn cached(pool: &Pool, id: BlockId) -> CachedBlock {
+    let b = pool.block(id);
+    CachedBlock {
+        block: id,
+        ptr: DevicePtr(b.addr),
+        size: b.size,
+        requested: b.requested,
+        quadrant: quadrant(PoolKind::Small, Residency::Transient),
+    }
+}
+
+/// A block a user holds is allocated in the pool, whole, and no free block overlaps it.
+fn held_intact(pool: &Pool, b: &CachedBlock) {
+    let blk = pool.block(b.block);
+    assert_eq!(blk.state, BlockState::Allocated, "a handed-out block is not allocated in the pool");
+    assert_eq!((blk.addr, blk.size), (b.ptr.0, b.size));
+    // The tiling check proves no free block overlaps it.
+    pool.check_invariants().unwrap();
+}
+
+/// The state of the block covering `ptr` (blocks merge, so ids of freed blocks may be gone).
+fn state_at(pool: &Pool, ptr: DevicePtr) -> BlockState {
+    for (id, seg) in pool.segments() {
+        for (_, blk) in pool.segment_blocks(id) {
+            if blk.addr <= ptr.0 && ptr.0 < blk.addr + blk.size {
+                return blk.state;
+            }
+        }
+        let _ = seg;
+    }
+    panic!("{ptr:?} is in no segment")
+}
+
+/// Fast free then re-allocation on a user thread, while the slow path flushes the stream cache
+/// into the pool. Every block ends in exactly one place: with the user, cached, or free.
+#[test]
+fn fast_cache_push_pop_against_flush() {
+    model(3, || {
+        let (pool, blocks) = pool_with_blocks(2);
+        let (a, b) = (cached(&pool, blocks[0]), cached(&pool, blocks[1]));
+        let cache = Arc::new(StreamCache::new(S0, LIMITS));
+        cache.push(CLASS, a).unwrap();
+        let pool = Arc::new(Mutex::new(pool));
+
+        let user = {
+            let cache = cache.clone();
+            thread::spawn(move || {
+                let got = match cache.pop(CLASS, 4096) {
+                    Pop::Hit(x) => Some(x),
+                    _ => None,
+                };
+                let _ = cache.push(CLASS, b); // the user frees b
+                got
+            })
+        };
+        let flushed = {
+            let mut pool = pool.lock().unwrap();
+            flush_into(&cache, &mut pool)
+        };
+        let got = user.join().unwrap();
+
+        let pool = pool.lock().unwrap();
+        let still: Vec<CachedBlock> = cache.peek().into_iter().map(|(_, x)| x).collect();
+        for x in [a, b] {
+            let places = usize::from(got == Some(x))
+                + usize::from(flushed.contains(&x))
+                + usize::from(still.contains(&x));
+            assert_eq!(places, 1, "block {:?} is in {places} places", x.ptr);
+        }
+        if let Some(x) = got {
+            held_intact(&pool, &x);
+        }
+        for x in &still {
+            assert_eq!(pool.block(x.block).state, BlockState::Allocated);
+        }
+        for x in &flushed {
+            assert_eq!(state_at(&pool, x.ptr), BlockState::Free);
+        }
+        assert_eq!(cache.cached_blocks(), still.len() as u64);
+        pool.check_invariants().unwrap();
+    });
+}
+
+/// A fast pop of block `a` races the slow path, which flushes the cache and then frees `a`'s
+/// neighbour `b` (coalescing it with free neighbours). `a`, once handed out, is never merged.
+#[test]
+fn fast_pop_against_coalesce_of_neighbour() {
+    model(3, || {
+        let (pool, blocks) = pool_with_blocks(2);
+        let a = cached(&pool, blocks[0]);
+        let b = blocks[1];
+        let cache = Arc::new(StreamCache::new(S0, LIMITS));
+        cache.push(CLASS, a).unwrap();
+        let pool = Arc::new(Mutex::new(pool));
+
+        let user = {
+            let cache = cache.clone();
+            thread::spawn(move || match cache.pop(CLASS, 4096) {
+                Pop::Hit(x) => Some(x),
+                _ => None,
+            })
+        };
+        {
+            let mut pool = pool.lock().unwrap();
+            flush_into(&cache, &mut pool);
+            pool.free(b);
+        }
+        let got = user.join().unwrap();
+        let pool = pool.lock().unwrap();
+        if let Some(x) = got {
+            held_intact(&pool, &x);
+        }
+        pool.check_invariants().unwrap();
+    });
+}
+
+/// The real allocator over a `LoomDevice`: a buffer used on stream 1 (`record_stream`) is freed
+/// on stream 0 while stream 1's work completes concurrently with a new allocation on stream 0.
+/// The block must not be handed out before stream 1's work completed (the device panics if so).
+#[test]
+fn event_completion_against_same_stream_alloc() {
+    model(3, || {
+        let s1 = StreamId(1);
+        let dev = Arc::new(LoomDevice::new());
+        let alloc = Allocator::new(dev.clone(), Config::default()).unwrap();
+        let a = alloc.alloc(4096, S0).unwrap();
+        let pa = a.ptr();
+        dev.use_on(pa, 4096, s1);
+        alloc.record_stream(&a, s1);
+        drop(a);
+        let worker = {
+            let dev = dev.clone();
+            thread::spawn(move || dev.complete(s1))
+        };
+        let b = alloc.alloc(4096, S0).unwrap();
+        worker.join().unwrap();
+        drop(b);
+        alloc.check_invariants().unwrap();
+        drop(alloc);
+        assert_eq!(dev.live_segments(), 0);
+        let _ = pa;
+    });
+}
+
+/// The global lock: the base statistics.
+struct Global {
+    base: BaseStats,
+}
+
+/// Statistics, credit: block X is live; a user thread frees X into its stream cache and
+/// allocates the same size again (fast, spending the credit the free gave, or under the lock),
+/// while the slow path allocates Y. The peak ends exact (8 KiB: X and Y were live together), and
+/// no published state has current above peak.
+#[test]
+fn stats_current_never_exceeds_peak() {
+    model(3, || {
+        let q = quadrant(PoolKind::Small, Residency::Transient);
+        let (pool, blocks) = pool_with_blocks(1);
+        let x = cached(&pool, blocks[0]);
+        let cache = Arc::new(StreamCache::new(S0, LIMITS));
+        let caches = Arc::new(vec![cache.clone()]);
+        let published = Arc::new(SeqBlock::<BASE_WORDS>::new());
+        let mut base = BaseStats::default();
+        base.live_up(q, 4096, 4096, || caches.clone());
+        base.publish(&published);
+        let global = Arc::new(Mutex::new(Global { base }));
+
+        let user = {
+            let (cache, caches, global, published) =
+                (cache.clone(), caches.clone(), global.clone(), published.clone());
+            thread::spawn(move || {
+                cache.push(CLASS, x).unwrap();
+                if cache.pop(CLASS, 4096) == Pop::NeedsLock {
+                    let mut g = global.lock().unwrap();
+                    let b = cache.pop_locked(CLASS).unwrap();
+                    g.base.live_up(b.quadrant, b.size, 4096, || caches.clone());
+                    g.base.publish(&published);
+                }
+            })
+        };
+        {
+            let mut g = global.lock().unwrap();
+            g.base.live_up(q, 4096, 4096, || caches.clone());
+            g.base.publish(&published);
+        }
+        user.join().unwrap();
+        let (_, snap) = collect(&*published, || caches.clone(), 1).unwrap();
+        let s = assemble(&snap.base, &snap.fast);
+        check_snapshot(&s);
+        let a = s.allocated_bytes.all;
+        assert_eq!((a.current, a.peak), (8192, 8192), "peak must be exact");
+    });
+}
+
+/// Statistics, snapshots: a user thread frees a block into its stream cache and allocates it
+/// again (both publish through the cache's sequence lock) while a reader takes a lock-free
+/// double collect. Every snapshot it accepts is one real state: live + cached stays constant,
+/// and bytes, count and requested bytes agree.
+#[test]
+fn stats_snapshot_is_never_torn() {
+    model(3, || {
+        let q = quadrant(PoolKind::Small, Residency::Transient);
+        let (pool, blocks) = pool_with_blocks(1);
+        let x = cached(&pool, blocks[0]);
+        let cache = Arc::new(StreamCache::new(S0, LIMITS));
+        let caches = Arc::new(vec![cache.clone()]);
+        let base = Arc::new(SeqBlock::<1>::new());
+        let user = {
+            let cache = cache.clone();
+            thread::spawn(move || {
+                cache.push(CLASS, x).unwrap();
+                assert!(matches!(cache.pop(CLASS, 4096), Pop::Hit(_)));
+            })
+        };
+        if let Some((_, snap)) = collect(&*base, || caches.clone(), 1) {
+            let w = &snap.fast[0];
+            let live_bytes = w[fast_cur(BYTES, q)] as i64; // 0 before the free, -4096 after
+            let live_count = w[fast_cur(COUNT, q)] as i64;
+            let live_req = w[fast_cur(REQ, q)] as i64;
+            assert_eq!(live_bytes + w[CACHED_BYTES] as i64, 0, "torn: bytes");
+            assert_eq!(live_count + w[CACHED_BLOCKS] as i64, 0, "torn: count");
+            assert_eq!(live_bytes, live_req, "torn: requested");
+            assert_eq!(live_bytes, 4096 * live_count, "torn: bytes vs count");
+        }
+        user.join().unwrap();
+    });
+}
+
+fn check_snapshot(s: &BlockStats) {
+    for g in [s.allocated_bytes, s.active_bytes, s.requested_bytes, s.allocation, s.active] {
+        for c in [g.all, g.small_pool, g.transient] {
+            assert!(c.current <= c.peak, "current {} above peak {}", c.current, c.peak);
+            assert_eq!(c.allocated.wrapping_sub(c.freed), c.current);
+        }
+    }
+    assert_eq!(s.allocated_bytes.all.current, 4096 * s.allocation.all.current, "torn snapshot");
+    assert_eq!(s.requested_bytes.all.current, s.allocated_bytes.all.current, "torn snapshot");
+}
+
+/// `set_config` swaps the configuration while an allocation plans its request: the plan follows
+/// the old configuration or the new one, never a mix (1.5 MiB: large pool, or 2 MiB small).
+#[test]
+fn config_swap_during_allocation() {
+    model(3, || {
+        let a = Config::default();
+        let b = Config::parse("min_block_size:1048576,small_size_mb:2").unwrap();
+        let cell = Arc::new(ArcCell::new(a));
+        let swapper = {
+            let cell = cell.clone();
+            thread::spawn(move || cell.store(Arc::new(b)))
+        };
+        let plan = RequestPlan::new(&cell, 3 * MIB / 2).unwrap();
+        swapper.join().unwrap();
+        let got = (plan.rounded, plan.kind);
+        assert!(
+            got == (3 * MIB / 2, PoolKind::Large) || got == (2 * MIB, PoolKind::Small),
+            "mixed plan {got:?}"
+        );
+    });
+}
+
+/// Scope exit (modelled as the protocol visible now): a batch of blocks `a` and `c` returned
+/// under the global lock, which also flushes the stream cache, races a fast-path free of the
+/// block `b` between them on another thread. `b` ends cached or free in the pool — never lost —
+/// and the statistics say nothing is live.
+#[test]
+fn batch_return_against_fast_free() {
+    model(3, || {
+        let q = quadrant(PoolKind::Small, Residency::Transient);
+        let (pool, blocks) = pool_with_blocks(3);
+        let [a, b, c] = [0, 1, 2].map(|i| cached(&pool, blocks[i]));
+        let cache = Arc::new(StreamCache::new(S0, LIMITS));
+        let caches = Arc::new(vec![cache.clone()]);
+        let mut base = BaseStats::default();
+        for _ in 0..3 {
+            base.live_up(q, 4096, 4096, || caches.clone());
+        }
+        let published = Arc::new(SeqBlock::<BASE_WORDS>::new());
+        let global = Arc::new(Mutex::new((pool, base)));
+
+        let freer = {
+            let cache = cache.clone();
+            thread::spawn(move || cache.push(CLASS, b).unwrap())
+        };
+        {
+            let mut g = global.lock().unwrap();
+            let (pool, base) = &mut *g;
+            let batch = [a, c].map(|x| BatchBlock {
+                block: x.block,
+                quadrant: q,
+                size: x.size,
+                requested: x.requested,
+            });
+            return_batch(pool, base, Some(&cache), &batch);
+            base.publish(&published);
+        }
+        freer.join().unwrap();
+
+        let g = global.lock().unwrap();
+        let (pool, _) = &*g;
+        pool.check_invariants().unwrap();
+        let is_cached = cache.peek().iter().any(|(_, x)| *x == b);
+        let state = state_at(pool, b.ptr);
+        assert!(
+            (is_cached && state == BlockState::Allocated)
+                || (!is_cached && state == BlockState::Free),
+            "b is lost: cached {is_cached}, {state:?} in the pool"
+        );
+        let (_, snap) = collect(&*published, || caches.clone(), 1).unwrap();
+        assert_eq!(assemble(&snap.base, &snap.fast).allocated_bytes.all.current, 0);
+    });
+}

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Loom models of tidepool's lock-free protocols (loom-tests/tests/models.rs).
+#
+#   scripts/loom.sh            run every model against the real code (must pass; < 5 min)
+#   scripts/loom.sh --broken   for each deliberately broken protocol, rebuild with
+#                              --cfg tidepool_broken="<variant>" and check that its model FAILS
+#
+# Each model caps its own preemption bound at 2 or 3 (LOOM_MAX_PREEMPTIONS can lower it).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+export LOOM_MAX_PREEMPTIONS="${LOOM_MAX_PREEMPTIONS:-3}"
+
+if [ "${1:-}" != "--broken" ]; then
+  RUSTFLAGS="--cfg loom" cargo test -p tidepool-loom-tests --release --target-dir target/loom
+  exit 0
+fi
+
+# variant -> the model that must catch it
+variants=(
+  "fast_cache:fast_cache_push_pop_against_flush"
+  "coalesce:fast_pop_against_coalesce_of_neighbour"
+  "events:event_completion_against_same_stream_alloc"
+  "stats:stats_current_never_exceeds_peak"
+  "stats_reader:stats_snapshot_is_never_torn"
+  "config:config_swap_during_allocation"
+  "scope_batch:batch_return_against_fast_free"
+)
+status=0
+for v in "${variants[@]}"; do
+  variant="${v%%:*}"
+  test="${v#*:}"
+  printf '\n=== broken "%s": %s must fail\n' "$variant" "$test"
+  if RUST_BACKTRACE=0 RUSTFLAGS="--cfg loom --cfg tidepool_broken=\"$variant\"" \
+    cargo test -q -p tidepool-loom-tests --release --target-dir target/loom-broken \
+    -- --exact "$test" 2>&1 | tail -n 25 | grep -E "panicked|test result|assert|left|right|violation"; then :; fi
+  if RUST_BACKTRACE=0 RUSTFLAGS="--cfg loom --cfg tidepool_broken=\"$variant\"" \
+    cargo test -q -p tidepool-loom-tests --release --target-dir target/loom-broken \
+    -- --exact "$test" >/dev/null 2>&1; then
+    echo "NOT CAUGHT: $variant"
+    status=1
+  else
+    echo "caught: $variant"
+  fi
+done
+exit $status

@@ -1,0 +1,533 @@
+//! Statistics without a lock for readers: the exact [`BlockStats`] of the allocator, split into a
+//! part written under the global lock and one part per stream cache, all published through
+//! [`SeqBlock`]s and read by double collect.
+//!
+//! ```text
+//!  BaseStats (global lock) ──publish──▶ base: SeqBlock<BASE_WORDS>
+//!     live groups per quadrant: cur, tot      peaks per cell      pool-only groups      counters
+//!  StreamCache (its lock)   ──publish──▶ fast: SeqBlock<FAST_WORDS>
+//!     per quadrant: Δcur, Δtot of (bytes, count, requested); cached bytes and blocks
+//!
+//!  quadrant q = (pool kind, residency) ∈ {small, large} × {persistent, transient}
+//!  cell c     = all │ small │ large │ persistent │ transient      (a cell is a sum of quadrants)
+//!  current[c] = Σ_{q∈c} (base.cur[q] + Σ_streams Δcur[q])        (wrapping; the sum is exact)
+//! ```
+//!
+//! The five *live* groups (allocated, active, requested bytes; allocation and active counts)
+//! change on the fast path; the other four (reserved, segments, inactive splits) only under the
+//! global lock and are mirrored from the pool.
+//!
+//! **Peaks stay exact, and a snapshot never shows current > peak**, by *credit*: for every live
+//! group and cell, `upper[c] = current[c] + Σ credit[q∈c] ≤ peak[c]` holds at every instant.
+//! - A fast free lowers current by a block and raises its stream's credit by as much: `upper`
+//!   is unchanged. A fast pop spends credit it holds (else it needs the lock): unchanged again.
+//!   So `upper` moves only under the global lock, where it is kept.
+//! - A locked increase of `n` that fits (`upper + n ≤ peak`) cannot pass the peak. One that does
+//!   not fit *revokes* all credit (locks every stream cache, zeroes credit, recomputes `upper` =
+//!   the exact current) and raises the peak to the new exact value, still holding those locks.
+//!
+//! A reader takes one double collect over the base and every stream cache (all sequence numbers,
+//! all copies, all sequence numbers again): the copies existed together at one instant, where the
+//! invariant held, so `current ≤ upper ≤ peak` in the snapshot. `freed` is `tot − current`, so
+//! (current, allocated, freed) are never torn either.
+
+use super::fast_cache::{CacheInner, StreamCache};
+use super::seqlock::{Collect, SeqBlock};
+use crate::pool::Pool;
+use crate::stats::{BlockStats, PoolKind, Residency, Stat, StatGroup};
+use crate::sync::{Arc, MutexGuard};
+
+/// Quadrants: pool kind × residency.
+pub const QUADRANTS: usize = 4;
+/// Cells: all, small pool, large pool, persistent, transient.
+pub const CELLS: usize = 5;
+
+/// The quadrant of a block.
+pub fn quadrant(kind: PoolKind, residency: Residency) -> usize {
+    let k = match kind {
+        PoolKind::Small => 0,
+        PoolKind::Large => 1,
+    };
+    let r = match residency {
+        Residency::Persistent => 0,
+        Residency::Transient => 1,
+    };
+    k * 2 + r
+}
+
+/// Is the quadrant one of the small pool?
+pub fn is_small(q: usize) -> bool {
+    q / 2 == 0
+}
+
+/// The cells a quadrant counts in: all, its pool, its residency.
+fn cells_of(q: usize) -> [usize; 3] {
+    [0, 1 + q / 2, 3 + q % 2]
+}
+
+/// Does cell `c` include quadrant `q`?
+fn in_cell(c: usize, q: usize) -> bool {
+    cells_of(q).contains(&c)
+}
+
+/// Stream-cache quantities: block bytes, block count, requested bytes.
+pub const BYTES: usize = 0;
+/// See [`BYTES`].
+pub const COUNT: usize = 1;
+/// See [`BYTES`].
+pub const REQ: usize = 2;
+
+/// The live groups (index into [`BlockStats`] order) with the quantity each follows.
+const LIVE: [(usize, usize); 5] = [(0, BYTES), (2, BYTES), (4, REQ), (5, COUNT), (7, COUNT)];
+/// The groups only the pool changes (reserved bytes, inactive split bytes, segments, splits).
+const POOL_ONLY: [usize; 4] = [1, 3, 6, 8];
+/// The plain counters: retries, OOMs, device allocs, device frees, host syncs.
+pub const COUNTERS: usize = 5;
+
+// Base layout.
+const B_CUR: usize = 0;
+const B_TOT: usize = B_CUR + 5 * QUADRANTS;
+const B_PEAK: usize = B_TOT + 5 * QUADRANTS;
+const B_POOL: usize = B_PEAK + 5 * CELLS;
+const B_COUNTERS: usize = B_POOL + 4 * CELLS * 3;
+/// Words in the base block.
+pub const BASE_WORDS: usize = B_COUNTERS + COUNTERS;
+
+fn b_cur(g: usize, q: usize) -> usize {
+    B_CUR + g * QUADRANTS + q
+}
+fn b_tot(g: usize, q: usize) -> usize {
+    B_TOT + g * QUADRANTS + q
+}
+fn b_peak(g: usize, c: usize) -> usize {
+    B_PEAK + g * CELLS + c
+}
+fn b_pool(g: usize, c: usize, field: usize) -> usize {
+    B_POOL + (g * CELLS + c) * 3 + field
+}
+
+// Stream-cache layout.
+/// Word of a stream cache's current delta of quantity `qty` in quadrant `q`.
+pub fn fast_cur(qty: usize, q: usize) -> usize {
+    qty * QUADRANTS + q
+}
+/// Word of a stream cache's cumulative (allocated) delta of `qty` in quadrant `q`.
+pub fn fast_tot(qty: usize, q: usize) -> usize {
+    3 * QUADRANTS + qty * QUADRANTS + q
+}
+/// Word of a stream cache's cached bytes.
+pub const CACHED_BYTES: usize = 6 * QUADRANTS;
+/// Word of a stream cache's cached block count.
+pub const CACHED_BLOCKS: usize = CACHED_BYTES + 1;
+/// Words in a stream cache's block.
+pub const FAST_WORDS: usize = CACHED_BLOCKS + 1;
+
+/// The statistics kept under the global lock. See the module docs.
+pub struct BaseStats {
+    words: [u64; BASE_WORDS],
+    /// Words changed since the last publish, one bit each.
+    dirty: [u64; BASE_WORDS.div_ceil(64)],
+    /// `upper` per live group and cell.
+    upper: [[u64; CELLS]; 5],
+    /// The pool-only groups as last mirrored.
+    mirrored: [StatGroup; 4],
+}
+
+impl Default for BaseStats {
+    fn default() -> Self {
+        BaseStats {
+            words: [0; BASE_WORDS],
+            dirty: [0; BASE_WORDS.div_ceil(64)],
+            upper: [[0; CELLS]; 5],
+            mirrored: [StatGroup::default(); 4],
+        }
+    }
+}
+
+/// The amounts one block adds to or removes from the live groups, in [`LIVE`] order.
+fn live_amounts(bytes: u64, count: u64, requested: u64) -> [u64; 5] {
+    [bytes, bytes, requested, count, count]
+}
+
+impl BaseStats {
+    /// A block of `bytes` serving `requested` was handed out (slow path or locked pop).
+    /// `caches` gives every stream cache; it is called only if credit must be revoked.
+    pub fn live_up<C: CacheList>(
+        &mut self,
+        q: usize,
+        bytes: u64,
+        requested: u64,
+        caches: impl FnOnce() -> C,
+    ) {
+        self.increase(q, live_amounts(bytes, 1, requested), caches);
+    }
+
+    /// A live block went back to the pool.
+    pub fn live_down(&mut self, q: usize, bytes: u64, requested: u64) {
+        self.decrease(q, live_amounts(bytes, 1, requested));
+    }
+
+    /// A live block was freed but waits on events: no longer allocated, still active.
+    pub fn to_pending(&mut self, q: usize, bytes: u64) {
+        self.decrease(q, [bytes, 0, 0, 1, 0]);
+    }
+
+    /// A pending block's events completed: it is free in the pool.
+    pub fn pending_done(&mut self, q: usize, bytes: u64, requested: u64) {
+        self.decrease(q, [0, bytes, requested, 0, 1]);
+    }
+
+    fn set(&mut self, i: usize, v: u64) {
+        if self.words[i] != v {
+            self.words[i] = v;
+            self.dirty[i / 64] |= 1 << (i % 64);
+        }
+    }
+
+    fn decrease(&mut self, q: usize, n: [u64; 5]) {
+        for (g, &v) in n.iter().enumerate() {
+            self.set(b_cur(g, q), self.words[b_cur(g, q)].wrapping_sub(v));
+            for c in cells_of(q) {
+                self.upper[g][c] -= v;
+            }
+        }
+    }
+
+    fn increase<C: CacheList>(&mut self, q: usize, n: [u64; 5], caches: impl FnOnce() -> C) {
+        let fits = (0..5).all(|g| {
+            n[g] == 0 || cells_of(q).iter().all(|&c| self.upper[g][c] + n[g] <= self.peak(g, c))
+        });
+        let held = if fits { None } else { Some(caches()) };
+        let guards = match &held {
+            Some(h) => self.revoke(h.list()),
+            None => Vec::new(),
+        };
+        for (g, &v) in n.iter().enumerate() {
+            self.set(b_cur(g, q), self.words[b_cur(g, q)].wrapping_add(v));
+            self.set(b_tot(g, q), self.words[b_tot(g, q)].wrapping_add(v));
+            for c in cells_of(q) {
+                self.upper[g][c] += v;
+                if !fits {
+                    // `upper` is the exact current now: a new peak is exact.
+                    let p = b_peak(g, c);
+                    self.set(p, self.words[p].max(self.upper[g][c]));
+                }
+            }
+        }
+        drop(guards);
+    }
+
+    fn peak(&self, g: usize, c: usize) -> u64 {
+        self.words[b_peak(g, c)]
+    }
+
+    /// Locks every stream cache, zeroes its credit and recomputes `upper` as the exact current.
+    /// Returns the guards: the caller applies its change before letting them go.
+    fn revoke<'a>(&mut self, caches: &'a [Arc<StreamCache>]) -> Vec<MutexGuard<'a, CacheInner>> {
+        let guards: Vec<_> = caches.iter().map(|c| c.lock_inner()).collect();
+        let mut cur = [[0u64; QUADRANTS]; 5];
+        for (g, row) in cur.iter_mut().enumerate() {
+            for (q, v) in row.iter_mut().enumerate() {
+                *v = self.words[b_cur(g, q)];
+            }
+        }
+        let mut guards = guards;
+        for inner in guards.iter_mut() {
+            inner.credit = [[0; 3]; QUADRANTS];
+            for (g, &(_, qty)) in LIVE.iter().enumerate() {
+                for (q, v) in cur[g].iter_mut().enumerate() {
+                    *v = v.wrapping_add(inner.words[fast_cur(qty, q)]);
+                }
+            }
+        }
+        for (upper, cur) in self.upper.iter_mut().zip(&cur) {
+            for (c, u) in upper.iter_mut().enumerate() {
+                *u = (0..QUADRANTS)
+                    .filter(|&q| in_cell(c, q))
+                    .fold(0u64, |a, q| a.wrapping_add(cur[q]));
+            }
+        }
+        guards
+    }
+
+    /// Sets every peak to its current value (the pool's own peaks are reset by the caller).
+    pub fn reset_peaks(&mut self, caches: &[Arc<StreamCache>]) {
+        let guards = self.revoke(caches);
+        for g in 0..5 {
+            for c in 0..CELLS {
+                self.set(b_peak(g, c), self.upper[g][c]);
+            }
+        }
+        drop(guards);
+    }
+
+    /// Copies the pool-only groups from the pool and the plain counters.
+    pub fn mirror(&mut self, pool: &BlockStats, counters: [u64; COUNTERS]) {
+        for (i, &g) in POOL_ONLY.iter().enumerate() {
+            let group = group(pool, g);
+            if self.mirrored[i] == *group {
+                continue;
+            }
+            self.mirrored[i] = *group;
+            for (c, s) in cells(group).into_iter().enumerate() {
+                self.set(b_pool(i, c, 0), s.current);
+                self.set(b_pool(i, c, 1), s.peak);
+                self.set(b_pool(i, c, 2), s.allocated);
+            }
+        }
+        for (i, v) in counters.into_iter().enumerate() {
+            self.set(B_COUNTERS + i, v);
+        }
+    }
+
+    /// Publishes what changed since the last call. The caller holds the global lock.
+    pub fn publish(&mut self, block: &SeqBlock<BASE_WORDS>) {
+        if self.dirty.iter().all(|&d| d == 0) {
+            return;
+        }
+        block.write(|w| {
+            for (k, d) in self.dirty.iter_mut().enumerate() {
+                while *d != 0 {
+                    let i = k * 64 + d.trailing_zeros() as usize;
+                    w.set(i, self.words[i]);
+                    *d &= *d - 1;
+                }
+            }
+        });
+    }
+
+    /// The words as they are (published or not).
+    pub fn words(&self) -> &[u64; BASE_WORDS] {
+        &self.words
+    }
+
+    /// Marks the base as changed, so that readers retry (a new stream cache appeared).
+    pub fn touch(&mut self, block: &SeqBlock<BASE_WORDS>) {
+        block.write(|_| {});
+    }
+
+    /// The exact statistics now. The caller holds the global lock and every stream cache's lock
+    /// (`inners`), so nothing moves.
+    pub fn exact(&self, inners: &[&CacheInner]) -> BlockStats {
+        let fast: Vec<[u64; FAST_WORDS]> = inners.iter().map(|i| i.words).collect();
+        assemble(&self.words, &fast)
+    }
+
+    /// Checks `current ≤ upper ≤ peak` for every live group and cell, given the exact stats.
+    pub fn check(&self, exact: &BlockStats) -> Result<(), String> {
+        for (g, &(gi, _)) in LIVE.iter().enumerate() {
+            for (c, s) in cells(group(exact, gi)).into_iter().enumerate() {
+                let (u, p) = (self.upper[g][c], self.peak(g, c));
+                if !(s.current <= u && u <= p) {
+                    return Err(format!(
+                        "group {gi} cell {c}: current {} upper {u} peak {p}",
+                        s.current
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+fn group(s: &BlockStats, g: usize) -> &StatGroup {
+    [
+        &s.allocated_bytes,
+        &s.reserved_bytes,
+        &s.active_bytes,
+        &s.inactive_split_bytes,
+        &s.requested_bytes,
+        &s.allocation,
+        &s.segment,
+        &s.active,
+        &s.inactive_split,
+    ][g]
+}
+
+fn group_mut(s: &mut BlockStats, g: usize) -> &mut StatGroup {
+    match g {
+        0 => &mut s.allocated_bytes,
+        1 => &mut s.reserved_bytes,
+        2 => &mut s.active_bytes,
+        3 => &mut s.inactive_split_bytes,
+        4 => &mut s.requested_bytes,
+        5 => &mut s.allocation,
+        6 => &mut s.segment,
+        7 => &mut s.active,
+        _ => &mut s.inactive_split,
+    }
+}
+
+fn cells(g: &StatGroup) -> [Stat; CELLS] {
+    [g.all, g.small_pool, g.large_pool, g.persistent, g.transient]
+}
+
+fn cells_mut(g: &mut StatGroup) -> [&mut Stat; CELLS] {
+    [&mut g.all, &mut g.small_pool, &mut g.large_pool, &mut g.persistent, &mut g.transient]
+}
+
+/// Builds [`BlockStats`] from a base copy and the stream caches' copies.
+pub fn assemble(base: &[u64; BASE_WORDS], fast: &[[u64; FAST_WORDS]]) -> BlockStats {
+    let mut out = BlockStats::default();
+    for (g, &(gi, qty)) in LIVE.iter().enumerate() {
+        let mut cur = [0u64; QUADRANTS];
+        let mut tot = [0u64; QUADRANTS];
+        for q in 0..QUADRANTS {
+            cur[q] = base[b_cur(g, q)];
+            tot[q] = base[b_tot(g, q)];
+            for f in fast {
+                cur[q] = cur[q].wrapping_add(f[fast_cur(qty, q)]);
+                tot[q] = tot[q].wrapping_add(f[fast_tot(qty, q)]);
+            }
+        }
+        for (c, s) in cells_mut(group_mut(&mut out, gi)).into_iter().enumerate() {
+            let sum = |v: &[u64; QUADRANTS]| {
+                (0..QUADRANTS).filter(|&q| in_cell(c, q)).fold(0u64, |a, q| a.wrapping_add(v[q]))
+            };
+            let (current, allocated) = (sum(&cur), sum(&tot));
+            *s = Stat {
+                current,
+                peak: base[b_peak(g, c)],
+                allocated,
+                freed: allocated.wrapping_sub(current),
+            };
+        }
+    }
+    for (i, &gi) in POOL_ONLY.iter().enumerate() {
+        for (c, s) in cells_mut(group_mut(&mut out, gi)).into_iter().enumerate() {
+            let (current, peak, allocated) =
+                (base[b_pool(i, c, 0)], base[b_pool(i, c, 1)], base[b_pool(i, c, 2)]);
+            *s = Stat { current, peak, allocated, freed: allocated.wrapping_sub(current) };
+        }
+    }
+    out
+}
+
+/// The plain counters of a base copy.
+pub fn counters(base: &[u64; BASE_WORDS]) -> [u64; COUNTERS] {
+    let mut out = [0; COUNTERS];
+    out.copy_from_slice(&base[B_COUNTERS..]);
+    out
+}
+
+/// A held list of stream caches (an `Arc`, or an `ArcCell` load guard of one).
+pub trait CacheList {
+    /// The caches.
+    fn list(&self) -> &[Arc<StreamCache>];
+}
+
+impl CacheList for Arc<Vec<Arc<StreamCache>>> {
+    fn list(&self) -> &[Arc<StreamCache>] {
+        self
+    }
+}
+
+#[cfg(not(loom))]
+impl CacheList for crate::sync::ArcRef<Vec<Arc<StreamCache>>> {
+    fn list(&self) -> &[Arc<StreamCache>] {
+        self
+    }
+}
+
+/// One consistent copy of the statistics: the base, and every stream cache's two blocks.
+pub struct Snapshot<const N: usize = BASE_WORDS> {
+    /// The base words.
+    pub base: [u64; N],
+    /// Each stream cache's fast words, in table order.
+    pub fast: Vec<[u64; FAST_WORDS]>,
+    /// Each stream cache's pool free bytes, in table order.
+    pub pool_free: Vec<u64>,
+}
+
+/// One double collect over the base and every stream cache of the list `tables()` returns
+/// (loaded *after* the base's sequence number is read, so a list replaced meanwhile — which
+/// touches the base — fails the collect). `None` if writers interfered `tries` times in a row.
+pub fn collect<const N: usize, C: CacheList>(
+    base: &SeqBlock<N>,
+    tables: impl Fn() -> C,
+    tries: usize,
+) -> Option<(C, Snapshot<N>)> {
+    for _ in 0..tries {
+        let mut col = Collect::new();
+        col.begin(base);
+        let held = tables();
+        let list = held.list();
+        for c in list {
+            col.begin(c.fast_block());
+            col.begin(c.slow_block());
+        }
+        let snap = Snapshot {
+            base: base.copy(),
+            fast: list.iter().map(|c| c.fast_block().copy()).collect(),
+            pool_free: list.iter().map(|c| c.slow_block().copy()[0]).collect(),
+        };
+        #[cfg(tidepool_broken = "stats_reader")]
+        return Some((held, snap)); // BROKEN: trusts the copies without checking the versions.
+        #[cfg(not(tidepool_broken = "stats_reader"))]
+        if col.finish() {
+            return Some((held, snap));
+        }
+        crate::sync::thread::yield_now();
+    }
+    None
+}
+
+/// The pool-side statistics of cached blocks: what the pool counts as allocated but the
+/// allocator counts as freed. Used by the invariant check.
+pub fn cached_in_pool(pool: &Pool, blocks: &[super::fast_cache::CachedBlock]) -> BlockStats {
+    let mut s = BlockStats::default();
+    for b in blocks {
+        let seg = pool.segment(pool.block(b.block).segment);
+        let (k, r) = (seg.key.kind, seg.key.residency);
+        s.allocated_bytes.increase(k, r, b.size);
+        s.active_bytes.increase(k, r, b.size);
+        s.requested_bytes.increase(k, r, b.requested);
+        s.allocation.increase(k, r, 1);
+        s.active.increase(k, r, 1);
+    }
+    s
+}
+
+/// The current values of every group and cell, for comparisons.
+pub fn currents(s: &BlockStats) -> [[u64; CELLS]; 9] {
+    std::array::from_fn(|g| cells(group(s, g)).map(|c| c.current))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn layout_is_dense_and_cells_cover_quadrants() {
+        assert_eq!(BASE_WORDS, 20 + 20 + 25 + 60 + 5);
+        assert_eq!(FAST_WORDS, 26);
+        for q in 0..QUADRANTS {
+            assert!(in_cell(0, q));
+            assert_eq!((1..3).filter(|&c| in_cell(c, q)).count(), 1);
+            assert_eq!((3..5).filter(|&c| in_cell(c, q)).count(), 1);
+        }
+        assert_eq!(quadrant(PoolKind::Large, Residency::Persistent), 2);
+        assert_eq!(cells_of(2), [0, 2, 3]);
+    }
+
+    #[test]
+    fn increases_past_the_peak_raise_it_exactly() {
+        let mut b = BaseStats::default();
+        let q = quadrant(PoolKind::Small, Residency::Transient);
+        let none = || Arc::new(Vec::new());
+        b.live_up(q, 512, 100, none);
+        b.live_up(q, 1024, 1000, none);
+        b.live_down(q, 512, 100);
+        b.live_up(q, 512, 10, none);
+        let s = assemble(&b.words, &[]);
+        assert_eq!(
+            s.allocated_bytes.all,
+            Stat { current: 1536, peak: 1536, allocated: 2048, freed: 512 }
+        );
+        assert_eq!(s.requested_bytes.transient.peak, 1100);
+        assert_eq!(s.requested_bytes.transient.current, 1010);
+        assert_eq!(s.allocation.small_pool.current, 2);
+        assert_eq!(s.allocation.large_pool, Stat::default());
+        b.check(&s).unwrap();
+    }
+}

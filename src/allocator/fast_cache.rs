@@ -1,0 +1,461 @@
+//! The fast path: one [`StreamCache`] per stream holds small-pool blocks freed on that stream, by
+//! class (residency, rounded size), so a free and a re-allocation of the same class on the same
+//! stream never take the allocator's global lock.
+//!
+//! ```text
+//!  Shared ─ caches: CacheTable ── slots: [once(stream 0)] [once(stream 1)] …   (fast lookup)
+//!                               │        each an Arc<StreamCache>, 128-byte aligned
+//!                               └─ all: ArcCell<[cache, cache, …]>   (stream order, slow side)
+//!                                              │
+//!   StreamCache ── inner: Mutex (this stream only) ── classes: (residency, rounded) → [blocks]
+//!               │                                  ├─ credit[quadrant] = (bytes, count, req)
+//!               │                                  └─ limits, closed, mirror of `fast`
+//!               ├─ fast: SeqBlock  ── stats deltas per quadrant, cached bytes/blocks   (inner lock)
+//!               └─ slow: SeqBlock  ── the pool's free bytes of this stream        (global lock)
+//! ```
+//!
+//! A cached block stays *allocated* in the pool (so coalescing never touches it) but counts as
+//! freed in the statistics (and in `cached_fast_bytes`, not in the pool's inactive splits). Only a flush ([`StreamCache::drain`], under the global lock) turns
+//! it into a free pool block. Lock order: global lock, then stream caches in stream order; the
+//! fast path takes one stream's lock and never the global one while holding it.
+//!
+//! *Credit* keeps peaks exact without a shared counter (see `counters.rs`): a fast free lowers
+//! the live total by the block and grants its stream that much headroom under the peak; a fast pop
+//! may only spend headroom it holds, so it can never create a new peak. When it has too little,
+//! the pop returns [`Pop::NeedsLock`] and the caller accounts it under the global lock.
+
+use super::counters::{BYTES, COUNT, FAST_WORDS, QUADRANTS, REQ, fast_cur, fast_tot};
+use super::counters::{CACHED_BLOCKS, CACHED_BYTES};
+use super::seqlock::SeqBlock;
+use crate::device::{DevicePtr, StreamId};
+use crate::pool::{BlockId, Pool};
+use crate::stats::Residency;
+use crate::sync::{Arc, ArcCell, ArcRef, Mutex, MutexGuard, OnceSlot, SlotRef, lock};
+use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
+
+/// Most distinct classes one stream caches at once; a free of a new class beyond it goes to the
+/// pool.
+pub const MAX_CLASSES: usize = 128;
+
+/// Streams with an id below this have a fast path; others always take the slow path.
+#[cfg(not(loom))]
+pub const FAST_STREAMS: usize = 64;
+/// Streams with an id below this have a fast path; others always take the slow path.
+#[cfg(loom)]
+pub const FAST_STREAMS: usize = 4;
+
+/// What a stream may cache.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Limits {
+    /// Cache at all.
+    pub enabled: bool,
+    /// Blocks per class.
+    pub entries: usize,
+    /// Bytes per stream.
+    pub bytes: u64,
+}
+
+/// The key of a class: blocks of one residency handed out for one rounded size.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct ClassKey {
+    /// Persistent or transient.
+    pub residency: Residency,
+    /// The rounded request the block served.
+    pub rounded: u64,
+}
+
+/// A block waiting in a stream cache.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CachedBlock {
+    /// The pool's block (allocated in the pool).
+    pub block: BlockId,
+    /// Its address.
+    pub ptr: DevicePtr,
+    /// Its size.
+    pub size: u64,
+    /// The request it last served (equal to the pool's record of it).
+    pub requested: u64,
+    /// Its statistics quadrant (pool kind × residency), see `counters::quadrant`.
+    pub quadrant: usize,
+}
+
+/// The outcome of [`StreamCache::pop`].
+#[derive(Debug, PartialEq, Eq)]
+pub enum Pop {
+    /// A block, handed out without the global lock.
+    Hit(CachedBlock),
+    /// A block of the class is cached, but serving it needs the global lock (a different request
+    /// size, or too little credit); call [`StreamCache::pop_locked`] under it.
+    NeedsLock,
+    /// Nothing cached for the class.
+    Miss,
+}
+
+/// A cheap multiplicative hasher for class keys (no DoS concern: keys come from the allocator).
+#[derive(Default, Clone, Copy)]
+pub struct ClassHasher(u64);
+
+impl Hasher for ClassHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.write_u64(u64::from(b));
+        }
+    }
+    fn write_u64(&mut self, v: u64) {
+        self.0 = (self.0.rotate_left(5) ^ v).wrapping_mul(0x51_7c_c1_b7_27_22_0a_95);
+    }
+    fn write_u8(&mut self, v: u8) {
+        self.write_u64(u64::from(v));
+    }
+    fn write_usize(&mut self, v: usize) {
+        self.write_u64(v as u64);
+    }
+    fn write_isize(&mut self, v: isize) {
+        self.write_u64(v as u64);
+    }
+}
+
+type Classes = HashMap<ClassKey, Vec<CachedBlock>, BuildHasherDefault<ClassHasher>>;
+
+/// Everything under a stream cache's lock.
+pub struct CacheInner {
+    classes: Classes,
+    blocks: usize,
+    bytes: u64,
+    /// Headroom under the peak held by this stream, per quadrant: (bytes, count, requested).
+    pub(crate) credit: [[u64; 3]; QUADRANTS],
+    /// The words of `fast` as last published (this lock makes us their only writer).
+    pub(crate) words: [u64; FAST_WORDS],
+    limits: Limits,
+    closed: bool,
+}
+
+impl CacheInner {
+    /// The blocks cached, in no particular order.
+    pub fn entries(&self) -> Vec<(ClassKey, CachedBlock)> {
+        self.classes.iter().flat_map(|(&k, l)| l.iter().map(move |&b| (k, b))).collect()
+    }
+}
+
+/// One stream's cache. See the module docs. Aligned so that two streams' caches never share a
+/// cache line (threads on different streams touch disjoint lines).
+#[repr(align(128))]
+pub struct StreamCache {
+    stream: StreamId,
+    inner: Mutex<CacheInner>,
+    fast: SeqBlock<FAST_WORDS>,
+    slow: SeqBlock<1>,
+}
+
+impl StreamCache {
+    /// An empty cache for `stream`.
+    pub fn new(stream: StreamId, limits: Limits) -> StreamCache {
+        StreamCache {
+            stream,
+            inner: Mutex::new(CacheInner {
+                classes: Classes::default(),
+                blocks: 0,
+                bytes: 0,
+                credit: [[0; 3]; QUADRANTS],
+                words: [0; FAST_WORDS],
+                limits,
+                closed: false,
+            }),
+            fast: SeqBlock::new(),
+            slow: SeqBlock::new(),
+        }
+    }
+
+    /// The stream it caches for.
+    pub fn stream(&self) -> StreamId {
+        self.stream
+    }
+
+    pub(crate) fn lock_inner(&self) -> MutexGuard<'_, CacheInner> {
+        lock(&self.inner)
+    }
+
+    /// The published statistics deltas (see `counters.rs` for the layout).
+    pub fn fast_block(&self) -> &SeqBlock<FAST_WORDS> {
+        &self.fast
+    }
+
+    /// The published free bytes of this stream in the pool.
+    pub fn slow_block(&self) -> &SeqBlock<1> {
+        &self.slow
+    }
+
+    /// Caches a block freed on this stream: the user's block becomes cached, its statistics
+    /// move from live to cached, and the stream gains its size as credit. Gives the block back if
+    /// the cache is disabled, closed or full.
+    pub fn push(&self, class: ClassKey, b: CachedBlock) -> Result<(), CachedBlock> {
+        let mut g = self.lock_inner();
+        let inner = &mut *g;
+        let l = inner.limits;
+        if !l.enabled || inner.closed || inner.bytes + b.size > l.bytes {
+            return Err(b);
+        }
+        let n_classes = inner.classes.len();
+        let list = match inner.classes.get_mut(&class) {
+            Some(list) => list,
+            None if n_classes < MAX_CLASSES => inner.classes.entry(class).or_default(),
+            None => return Err(b),
+        };
+        if list.len() >= l.entries {
+            return Err(b);
+        }
+        list.push(b);
+        inner.blocks += 1;
+        inner.bytes += b.size;
+        let q = b.quadrant;
+        let c = &mut inner.credit[q];
+        c[BYTES] += b.size;
+        c[COUNT] += 1;
+        c[REQ] += b.requested;
+        let w = &mut inner.words;
+        for (qty, v) in [(BYTES, b.size), (COUNT, 1), (REQ, b.requested)] {
+            w[fast_cur(qty, q)] = w[fast_cur(qty, q)].wrapping_sub(v);
+        }
+        w[CACHED_BYTES] += b.size;
+        w[CACHED_BLOCKS] += 1;
+        self.publish(w, &[fast_cur(BYTES, q), fast_cur(COUNT, q), fast_cur(REQ, q)]);
+        Ok(())
+    }
+
+    /// Takes a block of `class` for a request of `requested` bytes. See [`Pop`].
+    pub fn pop(&self, class: ClassKey, requested: u64) -> Pop {
+        let mut g = self.lock_inner();
+        let inner = &mut *g;
+        let Some(list) = inner.classes.get_mut(&class) else { return Pop::Miss };
+        let Some(&b) = list.last() else { return Pop::Miss };
+        let q = b.quadrant;
+        let c = &inner.credit[q];
+        let covered = c[BYTES] >= b.size && c[COUNT] >= 1 && c[REQ] >= requested;
+        #[cfg(tidepool_broken = "stats")]
+        let covered = true; // BROKEN: spends headroom the stream does not hold.
+        if b.requested != requested || !covered {
+            return Pop::NeedsLock;
+        }
+        #[cfg(tidepool_broken = "fast_cache")]
+        {
+            // BROKEN: looks the block up, lets go of the lock, then takes "the" last entry.
+            drop(g);
+            g = self.lock_inner();
+        }
+        let inner = &mut *g;
+        if let Some(list) = inner.classes.get_mut(&class) {
+            list.pop();
+        }
+        let c = &mut inner.credit[q];
+        c[BYTES] = c[BYTES].saturating_sub(b.size);
+        c[COUNT] = c[COUNT].saturating_sub(1);
+        c[REQ] = c[REQ].saturating_sub(requested);
+        inner.blocks = inner.blocks.saturating_sub(1);
+        inner.bytes = inner.bytes.saturating_sub(b.size);
+        let w = &mut inner.words;
+        for (qty, v) in [(BYTES, b.size), (COUNT, 1), (REQ, requested)] {
+            w[fast_cur(qty, q)] = w[fast_cur(qty, q)].wrapping_add(v);
+            w[fast_tot(qty, q)] = w[fast_tot(qty, q)].wrapping_add(v);
+        }
+        w[CACHED_BYTES] = w[CACHED_BYTES].saturating_sub(b.size);
+        w[CACHED_BLOCKS] = w[CACHED_BLOCKS].saturating_sub(1);
+        self.publish(
+            w,
+            &[
+                fast_cur(BYTES, q),
+                fast_cur(COUNT, q),
+                fast_cur(REQ, q),
+                fast_tot(BYTES, q),
+                fast_tot(COUNT, q),
+                fast_tot(REQ, q),
+            ],
+        );
+        Pop::Hit(b)
+    }
+
+    /// Takes a block of `class` whatever its request and the credit; the caller holds the global
+    /// lock and accounts the hand-out there (it is a live block again, and no longer cached).
+    pub fn pop_locked(&self, class: ClassKey) -> Option<CachedBlock> {
+        let mut g = self.lock_inner();
+        let inner = &mut *g;
+        let b = inner.classes.get_mut(&class)?.pop()?;
+        inner.blocks -= 1;
+        inner.bytes -= b.size;
+        let w = &mut inner.words;
+        w[CACHED_BYTES] -= b.size;
+        w[CACHED_BLOCKS] -= 1;
+        self.publish(w, &[]);
+        Some(b)
+    }
+
+    /// Empties the cache (a flush); the caller holds the global lock and frees every returned
+    /// block into the pool. The statistics do not change: cached blocks already count as freed.
+    pub fn drain(&self) -> Vec<CachedBlock> {
+        let mut g = self.lock_inner();
+        if g.blocks == 0 {
+            return Vec::new();
+        }
+        let inner = &mut *g;
+        let mut out = Vec::with_capacity(inner.blocks);
+        for list in inner.classes.values_mut() {
+            out.append(list);
+        }
+        inner.classes.clear();
+        inner.blocks = 0;
+        inner.bytes = 0;
+        inner.words[CACHED_BYTES] = 0;
+        inner.words[CACHED_BLOCKS] = 0;
+        self.publish(&inner.words, &[]);
+        out
+    }
+
+    /// The blocks cached now, in no particular order (for the broken variants' snapshots and
+    /// for tests).
+    pub fn peek(&self) -> Vec<(ClassKey, CachedBlock)> {
+        self.lock_inner().entries()
+    }
+
+    /// Removes exactly these blocks, if still cached (used by the broken variants only).
+    #[cfg(any(tidepool_broken = "coalesce", tidepool_broken = "scope_batch"))]
+    pub fn remove(&self, which: &[CachedBlock]) {
+        let mut g = self.lock_inner();
+        let inner = &mut *g;
+        for list in inner.classes.values_mut() {
+            list.retain(|b| {
+                let gone = which.contains(b);
+                if gone {
+                    inner.blocks -= 1;
+                    inner.bytes -= b.size;
+                    inner.words[CACHED_BYTES] -= b.size;
+                    inner.words[CACHED_BLOCKS] -= 1;
+                }
+                !gone
+            });
+        }
+        self.publish(&inner.words, &[]);
+    }
+
+    /// Clears the cache without returning anything (used by the broken variants only).
+    #[cfg(tidepool_broken = "scope_batch")]
+    pub fn clear(&self) {
+        let mut g = self.lock_inner();
+        let inner = &mut *g;
+        inner.classes.clear();
+        inner.blocks = 0;
+        inner.bytes = 0;
+        inner.words[CACHED_BYTES] = 0;
+        inner.words[CACHED_BLOCKS] = 0;
+        self.publish(&inner.words, &[]);
+    }
+
+    /// Changes what the stream may cache (blocks already cached stay until the next flush).
+    pub fn set_limits(&self, limits: Limits) {
+        self.lock_inner().limits = limits;
+    }
+
+    /// Refuses every later push (the stream was destroyed); the caller drains it.
+    pub fn close(&self) {
+        self.lock_inner().closed = true;
+    }
+
+    /// Blocks cached now (a relaxed read of the published count: exact once threads are quiet).
+    pub fn cached_blocks(&self) -> u64 {
+        self.fast.get(CACHED_BLOCKS)
+    }
+
+    /// Publishes the pool's free bytes of this stream. The caller holds the global lock.
+    pub fn publish_pool_free(&self, bytes: u64) {
+        if self.slow.get(0) != bytes {
+            self.slow.write(|w| w.set(0, bytes));
+        }
+    }
+
+    /// Stores `changed` words and the cached totals from `words` into `fast`.
+    fn publish(&self, words: &[u64; FAST_WORDS], changed: &[usize]) {
+        self.fast.write(|w| {
+            for &i in changed {
+                w.set(i, words[i]);
+            }
+            w.set(CACHED_BYTES, words[CACHED_BYTES]);
+            w.set(CACHED_BLOCKS, words[CACHED_BLOCKS]);
+        });
+    }
+}
+
+/// Frees every block cached by `cache` into `pool` (a flush). The caller holds the global lock.
+/// Returns the blocks, for the caller's bookkeeping.
+pub fn flush_into(cache: &StreamCache, pool: &mut Pool) -> Vec<CachedBlock> {
+    #[cfg(tidepool_broken = "coalesce")]
+    {
+        // BROKEN: returns the blocks to the pool first and forgets them afterwards, with the
+        // stream's lock let go in between: a fast pop can take a block that is already free.
+        let blocks: Vec<CachedBlock> = cache.peek().into_iter().map(|(_, b)| b).collect();
+        for b in &blocks {
+            pool.free(b.block);
+        }
+        cache.remove(&blocks);
+        blocks
+    }
+    #[cfg(not(tidepool_broken = "coalesce"))]
+    {
+        let blocks = cache.drain();
+        for b in &blocks {
+            pool.free(b.block);
+        }
+        blocks
+    }
+}
+
+/// Every stream cache. Streams with an id below [`FAST_STREAMS`] sit in once-set slots read
+/// with one `Acquire` load on the fast path; every cache (those too) is also in `all`, a list in
+/// stream order replaced as a whole under the global lock, for flushes, credit revocation and
+/// statistics. Caches are never removed while the allocator lives.
+pub struct CacheTable {
+    slots: Box<[OnceSlot<Arc<StreamCache>>]>,
+    all: ArcCell<Vec<Arc<StreamCache>>>,
+}
+
+impl Default for CacheTable {
+    fn default() -> Self {
+        CacheTable {
+            slots: (0..FAST_STREAMS).map(|_| OnceSlot::new()).collect(),
+            all: ArcCell::new(Vec::new()),
+        }
+    }
+}
+
+impl CacheTable {
+    /// The cache of `stream` for the fast path: `None` if it has none yet, or if its id is not
+    /// below [`FAST_STREAMS`] (such streams always take the slow path).
+    pub fn fast(&self, stream: StreamId) -> Option<SlotRef<'_, Arc<StreamCache>>> {
+        self.slots.get(stream.0 as usize)?.get()
+    }
+
+    /// Every cache, in stream order (the lock order).
+    pub fn all(&self) -> ArcRef<Vec<Arc<StreamCache>>> {
+        self.all.load()
+    }
+
+    /// The cache of `stream`, from the full list (slow; for the global-lock side).
+    pub fn get(&self, stream: StreamId) -> Option<Arc<StreamCache>> {
+        let all = self.all.load();
+        let i = all.binary_search_by_key(&stream, |c| c.stream()).ok()?;
+        Some(all[i].clone())
+    }
+
+    /// Adds a cache for a stream that has none. The caller holds the global lock, and must then
+    /// make statistics readers retry (they may hold the old list).
+    pub fn add(&self, cache: Arc<StreamCache>) {
+        let mut all: Vec<_> = self.all.load().iter().cloned().collect();
+        let at = all.partition_point(|c| c.stream() < cache.stream());
+        all.insert(at, cache.clone());
+        if let Some(slot) = self.slots.get(cache.stream().0 as usize) {
+            slot.set(cache);
+        }
+        self.all.store(Arc::new(all));
+    }
+}

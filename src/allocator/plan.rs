@@ -1,0 +1,173 @@
+//! Learned plans of named scopes: the allocation sequence of a scope's last run, the offsets
+//! computed from it by interval packing, and the one region those offsets live in.
+//!
+//! ```text
+//!  run k (learning):  a0 a1 f0 a2 f1 ...  ──pack_greedy_by_size──▶  offsets [0, 4096, 0, ...]
+//!  run k+1 (planned): step i must equal step i of run k; alloc j gets region.base + offset[j]
+//!                     ┌──────────────── region (one pool block) ────────────────┐
+//!                     │ a0/a2 │ a1 │ ...                                         │
+//! ```
+//!
+//! A buffer still live when its run ends (an *escape*) keeps its slice *pinned*: the next run
+//! checks each planned slice against the pinned ones and serves an overlapping request from the
+//! pool instead (a plan miss), so a late free is never overwritten.
+
+use super::batch::BatchBlock;
+use crate::pool::packing::pack_greedy_by_size;
+use crate::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use crate::sync::{Mutex, lock};
+
+/// One step of a scope run: an allocation of a rounded size, or the free of the `i`-th
+/// allocation of the run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Step {
+    /// An allocation of this many (rounded) bytes.
+    Alloc(u64),
+    /// The free of the allocation with this index in the run.
+    Free(u32),
+}
+
+/// A plan learned from one run.
+#[derive(Debug)]
+pub(crate) struct Learned {
+    /// The run's steps; a later run follows the plan while it repeats them exactly.
+    pub steps: Vec<Step>,
+    /// Offset in the region of each allocation of the run, by allocation index.
+    pub offsets: Vec<u64>,
+    /// Size of the region.
+    pub region_size: u64,
+}
+
+impl Learned {
+    /// Packs the lifetimes of `steps` (escapes live to the end of the run) with `align`.
+    /// `None` when the run allocated nothing or the plan would not fit the address space.
+    pub fn from_steps(steps: Vec<Step>, align: u64) -> Option<Learned> {
+        let mut intervals: Vec<(u64, u64, u64)> = Vec::new();
+        for (i, step) in steps.iter().enumerate() {
+            match *step {
+                Step::Alloc(size) => intervals.push((size, i as u64, steps.len() as u64)),
+                Step::Free(idx) => intervals[idx as usize].2 = i as u64,
+            }
+        }
+        if intervals.is_empty() {
+            return None;
+        }
+        let plan = pack_greedy_by_size(&intervals, align).ok()?;
+        Some(Learned { steps, offsets: plan.offsets, region_size: plan.total_size })
+    }
+}
+
+/// The memory of a plan: one allocated pool block, shared by the buffers served from it.
+/// Freed back to the pool when the last holder (the plan, or an escaped buffer) lets go.
+#[derive(Debug)]
+pub(crate) struct Region {
+    /// The pool block holding the region, as it is accounted in the statistics.
+    pub block: BatchBlock,
+    /// First address.
+    pub base: u64,
+    /// Bytes.
+    pub size: u64,
+    /// Slices (offset, size) still used by buffers that escaped an earlier run.
+    pinned: Mutex<Vec<(u64, u64)>>,
+    /// Number of pinned slices, read without the lock on the planned fast path.
+    pinned_count: AtomicUsize,
+    /// Held by the one scope run serving slices from the region.
+    in_use: AtomicBool,
+}
+
+impl Region {
+    pub fn new(block: BatchBlock, base: u64) -> Region {
+        let size = block.size;
+        Region {
+            block,
+            base,
+            size,
+            pinned: Mutex::new(Vec::new()),
+            pinned_count: AtomicUsize::new(0),
+            in_use: AtomicBool::new(false),
+        }
+    }
+
+    /// Claims the region for one run; `false` while another run of the scope holds it.
+    pub fn try_claim(&self) -> bool {
+        self.in_use.compare_exchange(false, true, Ordering::Acquire, Ordering::Relaxed).is_ok()
+    }
+
+    /// Ends the current run's claim.
+    pub fn unclaim(&self) {
+        self.in_use.store(false, Ordering::Release);
+    }
+
+    /// Marks `[offset, offset + size)` as held by an escaped buffer.
+    pub fn pin(&self, offset: u64, size: u64) {
+        let mut p = lock(&self.pinned);
+        p.push((offset, size));
+        self.pinned_count.store(p.len(), Ordering::Release);
+    }
+
+    /// The escaped buffer at `offset` was freed.
+    pub fn unpin(&self, offset: u64) {
+        let mut p = lock(&self.pinned);
+        if let Some(i) = p.iter().position(|&(o, _)| o == offset) {
+            p.swap_remove(i);
+        }
+        self.pinned_count.store(p.len(), Ordering::Release);
+    }
+
+    /// Whether `[offset, offset + size)` overlaps a pinned slice.
+    pub fn overlaps_pinned(&self, offset: u64, size: u64) -> bool {
+        // Pins are added at the exit of the run that held the claim, before it releases the
+        // claim (Release) that this run acquired, so a zero count seen here is current; frees
+        // may only lower it.
+        if self.pinned_count.load(Ordering::Acquire) == 0 {
+            return false;
+        }
+        let p = lock(&self.pinned);
+        p.iter().any(|&(o, s)| o < offset + size && offset < o + s)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn learned_offsets_reuse_memory_of_finished_allocations() {
+        // a0 (4096) a1 (1024) f0 a2 (4096) f1 f2 a3 (512, escapes)
+        let steps = vec![
+            Step::Alloc(4096),
+            Step::Alloc(1024),
+            Step::Free(0),
+            Step::Alloc(4096),
+            Step::Free(1),
+            Step::Free(2),
+            Step::Alloc(512),
+        ];
+        let l = Learned::from_steps(steps, 512).unwrap();
+        assert_eq!(l.offsets, vec![0, 4096, 0, 0]);
+        assert_eq!(l.region_size, 5120);
+    }
+
+    #[test]
+    fn escapes_live_to_the_end_of_the_run() {
+        let steps = vec![Step::Alloc(1024), Step::Alloc(1024), Step::Free(1), Step::Alloc(1024)];
+        let l = Learned::from_steps(steps, 512).unwrap();
+        // a0 escapes, so a2 cannot share its slice; a2 reuses a1's.
+        assert_eq!(l.offsets, vec![0, 1024, 1024]);
+        assert_eq!(l.region_size, 2048);
+        assert!(Learned::from_steps(vec![], 512).is_none());
+    }
+
+    #[test]
+    fn pinned_slices() {
+        let block =
+            BatchBlock { block: crate::pool::BlockId(0), quadrant: 0, size: 8192, requested: 8192 };
+        let r = Region::new(block, 0x1000);
+        r.pin(1024, 1024);
+        assert!(r.overlaps_pinned(0, 1025));
+        assert!(!r.overlaps_pinned(0, 1024));
+        assert!(!r.overlaps_pinned(2048, 512));
+        r.unpin(1024);
+        assert!(!r.overlaps_pinned(0, 8192));
+    }
+}

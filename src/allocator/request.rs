@@ -1,0 +1,40 @@
+//! `RequestPlan`: everything an allocation decides from the configuration, taken from *one*
+//! load of the swappable configuration cell, so an allocation racing `set_config` follows either
+//! the old configuration or the new one, never a mix.
+//!
+//! ```text
+//!   set_config ──store──▶ ArcCell<Config> ──load (once)──▶ RequestPlan { config, rounded, kind, fast }
+//!                                                           └─ the same `config` goes down the slow path
+//! ```
+
+use super::AllocError;
+use crate::config::Config;
+use crate::stats::PoolKind;
+use crate::sync::{ArcCell, ArcRef};
+
+/// An allocation's decisions from one configuration. See the module docs.
+pub struct RequestPlan {
+    /// The configuration they were made with (held for the whole allocation).
+    pub config: ArcRef<Config>,
+    /// The request rounded to its block size.
+    pub rounded: u64,
+    /// The pool that serves it.
+    pub kind: PoolKind,
+    /// Whether the stream caches may serve it.
+    pub fast: bool,
+}
+
+impl RequestPlan {
+    /// Plans a request of `bytes` (> 0) under the configuration in `cell` now.
+    pub fn new(cell: &ArcCell<Config>, bytes: u64) -> Result<RequestPlan, AllocError> {
+        let config = cell.load();
+        let rounded =
+            config.sizing.round(bytes).ok_or(AllocError::InvalidSize { requested: bytes })?;
+        #[cfg(tidepool_broken = "config")]
+        let kind = cell.load().sizing.kind(rounded); // BROKEN: a second load may see another config.
+        #[cfg(not(tidepool_broken = "config"))]
+        let kind = config.sizing.kind(rounded);
+        let fast = config.fast_path();
+        Ok(RequestPlan { config, rounded, kind, fast })
+    }
+}

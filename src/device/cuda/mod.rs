@@ -1,0 +1,420 @@
+//! `CudaDevice`: the [`Device`] trait over a real GPU, through cudarc's driver API (feature
+//! `cuda`). cudarc is built with `dynamic-loading`, so this compiles with no CUDA installed and
+//! [`CudaDevice::new`] answers an error — never a panic — where there is no driver or no GPU.
+//!
+//! Layers, as in cudarc (`sys` → `result` → safe):
+//!
+//! ```text
+//!   cudarc::driver::sys ── raw FFI
+//!        │
+//!   result.rs ─────────── one thin fn per driver call → Result<_, DeviceError>
+//!        │
+//!   CudaDevice ────────── ids → handles: StreamId → Arc<CudaStream>, EventId → pooled CUevent,
+//!        │                live segments (ptr → bytes); binds its context before every call
+//!   buffer.rs ─────────── CudaBuffer<T>: a tidepool Buffer seen as a cudarc device slice
+//! ```
+//!
+//! Choices:
+//! - [`StreamId::DEFAULT`] is the context's null stream (cudarc's `CudaContext::default_stream`),
+//!   as PyTorch's default stream is; so work a cudarc user puts on `ctx.default_stream()` and
+//!   tidepool's default stream share one queue. Streams from [`Device::create_stream`] are
+//!   non-blocking (`CU_STREAM_NON_BLOCKING`): they never synchronise implicitly with the null
+//!   stream, so the only cross-stream ordering is the events the allocator records.
+//! - Events are created with `CU_EVENT_DISABLE_TIMING` and pooled: [`Device::destroy_event`]
+//!   returns the handle to the pool and the next [`Device::create_event`] reuses it; handles are
+//!   destroyed when the device is dropped.
+//! - [`Device::release`] synchronises the context before `cuMemFree`, so a segment is never freed
+//!   under unfinished work (the trait promises the synchronisation `cuMemFree` may do anyway).
+//! - [`Device::launch`] of host [`Kernel`] closures is [`DeviceError::Unsupported`]: real kernels
+//!   are launched through cudarc on [`CudaDevice::stream`], with [`CudaBuffer`] arguments.
+//! - `cuMemAlloc` guarantees 256-byte alignment; the trait promises 512. Segments the allocator
+//!   reserves are ≥ 2 MiB and land on the driver's 2 MiB pages, and a pointer that is not 512-byte
+//!   aligned is freed again and reported as an error rather than handed on.
+//! - Locks are `std::sync`, not the `crate::sync` shim: driver calls cannot run under loom, so this
+//!   device is never modelled (and the `cuda` feature is not combined with `--cfg loom`).
+
+mod buffer;
+mod result;
+
+pub use buffer::CudaBuffer;
+
+use super::{Device, DeviceError, DevicePtr, EventId, Kernel, MemInfo, StreamId};
+use cudarc::driver::{CudaContext, CudaStream, DriverError, sys};
+use result::RawEvent;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+
+/// What [`CudaDevice::new`] says where the driver library cannot be loaded.
+pub const NO_DRIVER: &str = "no CUDA driver (libcuda not found)";
+
+/// Alignment the [`Device`] trait promises for segment addresses.
+const SEGMENT_ALIGN: u64 = 512;
+
+/// A GPU as a tidepool [`Device`]: `cuMemAlloc`/`cuMemFree` segments, non-blocking streams and
+/// pooled events on one device's primary context. `Send + Sync`; share it by `Arc`.
+///
+/// ```no_run
+/// use tidepool::{Allocator, Config, CudaDevice, StreamId};
+///
+/// let device = CudaDevice::new(0)?; // Err (with the reason) where there is no driver or GPU
+/// let alloc = Allocator::new(device, Config::default())?;
+/// let buf = alloc.alloc(1 << 20, StreamId::DEFAULT)?;
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub struct CudaDevice {
+    ctx: Arc<CudaContext>,
+    name: String,
+    streams: Mutex<Streams>,
+    events: Mutex<Events>,
+    /// Live segments: address → bytes.
+    segments: Mutex<HashMap<u64, u64>>,
+}
+
+struct Streams {
+    next: u32,
+    live: HashMap<u32, Arc<CudaStream>>,
+}
+
+struct Events {
+    next: u64,
+    live: HashMap<u64, EventSlot>,
+    /// Destroyed events' handles, ready for reuse.
+    pool: Vec<RawEvent>,
+}
+
+struct EventSlot {
+    raw: RawEvent,
+    /// Recorded since it was created; a never-recorded event is complete.
+    recorded: bool,
+}
+
+const _: () = {
+    const fn send_sync<T: Send + Sync>() {}
+    send_sync::<CudaDevice>();
+};
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // A poisoned lock carries no broken invariant here: no user code runs under these locks.
+    m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+fn driver_error(op: &str, e: DriverError) -> DeviceError {
+    DeviceError::Driver(format!("{op}: {:?}", e.0))
+}
+
+impl CudaDevice {
+    /// Whether the CUDA driver library (`libcuda`) can be loaded. Checked once per process,
+    /// before any driver call (cudarc panics when a call finds no library).
+    pub fn driver_present() -> bool {
+        static PRESENT: OnceLock<bool> = OnceLock::new();
+        // SAFETY: loading the driver library runs its initialisers and nothing else; libcuda is
+        // the system's NVIDIA driver, meant to be loaded into any process.
+        *PRESENT.get_or_init(|| unsafe { sys::is_culib_present() })
+    }
+
+    /// Number of CUDA devices. An error (no panic) without a driver library ([`NO_DRIVER`]) or
+    /// when the driver does not initialise (`cuInit` fails, e.g. `CUDA_ERROR_NO_DEVICE`).
+    pub fn device_count() -> Result<usize, DeviceError> {
+        if !Self::driver_present() {
+            return Err(DeviceError::Driver(NO_DRIVER.into()));
+        }
+        let n = CudaContext::device_count()
+            .map_err(|e| driver_error("no usable CUDA device: cuInit/cuDeviceGetCount", e))?;
+        Ok(usize::try_from(n).unwrap_or(0))
+    }
+
+    /// Why no GPU can be used here (`None` when device 0 exists). Tests and examples print it
+    /// when they skip.
+    pub fn unavailable_reason() -> Option<String> {
+        match Self::device_count() {
+            Ok(0) => Some("no CUDA device (the driver reports 0 devices)".into()),
+            Ok(_) => None,
+            Err(DeviceError::Driver(msg)) => Some(msg),
+            Err(e) => Some(e.to_string()),
+        }
+    }
+
+    /// The device with this ordinal, on its primary context. Errors, never panics, where the
+    /// driver library is missing ([`NO_DRIVER`]), the driver does not initialise, or `ordinal`
+    /// does not exist.
+    pub fn new(ordinal: usize) -> Result<Arc<CudaDevice>, DeviceError> {
+        let count = Self::device_count()?;
+        if ordinal >= count {
+            return Err(DeviceError::Driver(format!(
+                "no CUDA device {ordinal} (the driver reports {count} device(s))"
+            )));
+        }
+        let ctx = CudaContext::new(ordinal).map_err(|e| driver_error("CudaContext::new", e))?;
+        let name = ctx.name().map_err(|e| driver_error("cuDeviceGetName", e))?;
+        let default = ctx.default_stream();
+        Ok(Arc::new(CudaDevice {
+            ctx,
+            name,
+            streams: Mutex::new(Streams { next: 1, live: HashMap::from([(0, default)]) }),
+            events: Mutex::new(Events { next: 0, live: HashMap::new(), pool: Vec::new() }),
+            segments: Mutex::new(HashMap::new()),
+        }))
+    }
+
+    /// The cudarc context (the device's primary context) this device works in.
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    /// The device ordinal.
+    pub fn ordinal(&self) -> usize {
+        self.ctx.ordinal()
+    }
+
+    /// The cudarc stream behind a tidepool stream id, to launch kernels, copies and cuBLAS calls
+    /// on. [`StreamId::DEFAULT`] is the null stream. The `Arc` keeps the stream alive even after
+    /// [`Device::destroy_stream`].
+    pub fn stream(&self, id: StreamId) -> Result<Arc<CudaStream>, DeviceError> {
+        lock(&self.streams).live.get(&id.0).cloned().ok_or(DeviceError::UnknownStream(id))
+    }
+
+    /// The tidepool id of a cudarc stream this device created (or of the null stream).
+    pub fn stream_id(&self, stream: &CudaStream) -> Option<StreamId> {
+        let streams = lock(&self.streams);
+        streams
+            .live
+            .iter()
+            .find(|(_, s)| s.cu_stream() == stream.cu_stream())
+            .map(|(&id, _)| StreamId(id))
+    }
+
+    /// Segments reserved and not released, by address: what tests check for leaks.
+    pub fn live_segments(&self) -> Vec<(DevicePtr, u64)> {
+        let mut v: Vec<_> = lock(&self.segments).iter().map(|(&p, &b)| (DevicePtr(p), b)).collect();
+        v.sort();
+        v
+    }
+
+    /// Bytes in live segments.
+    pub fn reserved_bytes(&self) -> u64 {
+        lock(&self.segments).values().sum()
+    }
+
+    /// Makes this device's context current on the calling thread (the driver's per-thread state).
+    fn bind(&self) -> Result<(), DeviceError> {
+        self.ctx.bind_to_thread().map_err(|e| driver_error("cuCtxSetCurrent", e))
+    }
+}
+
+impl std::fmt::Debug for CudaDevice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaDevice")
+            .field("name", &self.name)
+            .field("ordinal", &self.ordinal())
+            .field("streams", &lock(&self.streams).live.len())
+            .field("live_segments", &lock(&self.segments).len())
+            .finish()
+    }
+}
+
+impl Drop for CudaDevice {
+    /// Waits for the device, frees segments still reserved and destroys every event. Errors are
+    /// ignored: there is no one to report them to, and the context outlives this call.
+    fn drop(&mut self) {
+        if self.bind().is_err() {
+            return;
+        }
+        let _ = result::ctx_synchronize();
+        for (ptr, _) in lock(&self.segments).drain() {
+            // SAFETY: `ptr` came from `mem_alloc` in this context; the device is idle and no
+            // buffer can outlive the device (buffers hold the allocator, which holds the device).
+            let _ = unsafe { result::mem_free(ptr) };
+        }
+        let mut events = lock(&self.events);
+        let live: Vec<RawEvent> = events.live.drain().map(|(_, s)| s.raw).collect();
+        for raw in live.into_iter().chain(events.pool.drain(..)) {
+            // SAFETY: each handle was created in this context, is held once, and is dropped here.
+            let _ = unsafe { result::event_destroy(raw) };
+        }
+        // Streams drop with `self.streams`: cudarc destroys each one it created once the last
+        // `Arc` to it goes.
+    }
+}
+
+impl Device for CudaDevice {
+    fn name(&self) -> String {
+        self.name.clone()
+    }
+
+    /// `cuMemAlloc`; the driver's out-of-memory answer is [`DeviceError::OutOfMemory`].
+    fn reserve(&self, bytes: u64) -> Result<DevicePtr, DeviceError> {
+        if bytes == 0 {
+            return Err(DeviceError::Unsupported("reserving a segment of 0 bytes"));
+        }
+        self.bind()?;
+        let ptr = result::mem_alloc(bytes)?;
+        if !ptr.is_multiple_of(SEGMENT_ALIGN) {
+            // SAFETY: just allocated in the current context; never handed out.
+            unsafe { result::mem_free(ptr) }?;
+            return Err(DeviceError::Driver(format!(
+                "cuMemAlloc returned {ptr:#x}, not {SEGMENT_ALIGN}-byte aligned"
+            )));
+        }
+        lock(&self.segments).insert(ptr, bytes);
+        Ok(DevicePtr(ptr))
+    }
+
+    /// Synchronises the context (a host sync), then `cuMemFree`.
+    fn release(&self, ptr: DevicePtr) -> Result<(), DeviceError> {
+        let bytes = lock(&self.segments).remove(&ptr.0).ok_or(DeviceError::UnknownSegment(ptr))?;
+        let freed = self.bind().and_then(|()| result::ctx_synchronize()).and_then(|()| {
+            // SAFETY: `ptr` is a live segment of this context (just taken out of `segments`, so
+            // no other release frees it), and the context is idle, so no device work uses it.
+            unsafe { result::mem_free(ptr.0) }
+        });
+        if freed.is_err() {
+            lock(&self.segments).insert(ptr.0, bytes);
+        }
+        freed
+    }
+
+    fn mem_info(&self) -> Result<MemInfo, DeviceError> {
+        self.bind()?;
+        result::mem_get_info()
+    }
+
+    /// A new non-blocking stream (cudarc's `CudaContext::new_stream`).
+    fn create_stream(&self) -> Result<StreamId, DeviceError> {
+        let stream = self.ctx.new_stream().map_err(|e| driver_error("cuStreamCreate", e))?;
+        let mut streams = lock(&self.streams);
+        let id = streams.next;
+        streams.next += 1;
+        streams.live.insert(id, stream);
+        Ok(StreamId(id))
+    }
+
+    /// Forgets the stream, then waits for its work. cudarc destroys it when the last `Arc` from
+    /// [`CudaDevice::stream`] goes.
+    fn destroy_stream(&self, stream: StreamId) -> Result<(), DeviceError> {
+        if stream == StreamId::DEFAULT {
+            return Err(DeviceError::Unsupported("destroying the default stream"));
+        }
+        let s =
+            lock(&self.streams).live.remove(&stream.0).ok_or(DeviceError::UnknownStream(stream))?;
+        self.bind()?;
+        // SAFETY: `s` is a live stream of this context, kept alive by the `Arc` we hold.
+        unsafe { result::stream_synchronize(s.cu_stream()) }
+    }
+
+    /// A pooled `CU_EVENT_DISABLE_TIMING` event, or a new one.
+    fn create_event(&self) -> Result<EventId, DeviceError> {
+        let mut events = lock(&self.events);
+        let raw = match events.pool.pop() {
+            Some(raw) => raw,
+            None => {
+                self.bind()?;
+                result::event_create()?
+            }
+        };
+        let id = events.next;
+        events.next += 1;
+        events.live.insert(id, EventSlot { raw, recorded: false });
+        Ok(EventId(id))
+    }
+
+    /// Returns the handle to the pool (it stays valid until the device is dropped).
+    fn destroy_event(&self, event: EventId) -> Result<(), DeviceError> {
+        let mut events = lock(&self.events);
+        let slot = events.live.remove(&event.0).ok_or(DeviceError::UnknownEvent(event))?;
+        events.pool.push(slot.raw);
+        Ok(())
+    }
+
+    fn record_event(&self, event: EventId, stream: StreamId) -> Result<(), DeviceError> {
+        let s = self.stream(stream)?;
+        let mut events = lock(&self.events);
+        let slot = events.live.get_mut(&event.0).ok_or(DeviceError::UnknownEvent(event))?;
+        self.bind()?;
+        // SAFETY: the event handle is live (pooled handles live as long as the device) and `s`
+        // is a live stream of this context, kept alive by the `Arc` we hold.
+        unsafe { result::event_record(slot.raw, s.cu_stream()) }?;
+        slot.recorded = true;
+        Ok(())
+    }
+
+    /// `cuEventQuery`: `CUDA_ERROR_NOT_READY` is `Ok(false)`; a never-recorded event is complete.
+    fn query_event(&self, event: EventId) -> Result<bool, DeviceError> {
+        let events = lock(&self.events);
+        let slot = events.live.get(&event.0).ok_or(DeviceError::UnknownEvent(event))?;
+        if !slot.recorded {
+            return Ok(true);
+        }
+        self.bind()?;
+        // SAFETY: the handle is live for as long as the device.
+        unsafe { result::event_query(slot.raw) }
+    }
+
+    /// `cuStreamWaitEvent`; nothing to wait for when the event was never recorded.
+    fn wait_event(&self, stream: StreamId, event: EventId) -> Result<(), DeviceError> {
+        let s = self.stream(stream)?;
+        let events = lock(&self.events);
+        let slot = events.live.get(&event.0).ok_or(DeviceError::UnknownEvent(event))?;
+        if !slot.recorded {
+            return Ok(());
+        }
+        self.bind()?;
+        // SAFETY: both handles are live: the event as long as the device, `s` through its `Arc`.
+        unsafe { result::stream_wait_event(s.cu_stream(), slot.raw) }
+    }
+
+    /// `cuEventSynchronize`, without holding the event table's lock while blocked.
+    fn synchronize_event(&self, event: EventId) -> Result<(), DeviceError> {
+        let raw = {
+            let events = lock(&self.events);
+            let slot = events.live.get(&event.0).ok_or(DeviceError::UnknownEvent(event))?;
+            if !slot.recorded {
+                return Ok(());
+            }
+            slot.raw
+        };
+        self.bind()?;
+        // SAFETY: the handle stays live until the device is dropped, even if the event is
+        // destroyed (pooled) meanwhile.
+        unsafe { result::event_synchronize(raw) }
+    }
+
+    /// `cuCtxSynchronize`.
+    fn synchronize(&self) -> Result<(), DeviceError> {
+        self.bind()?;
+        result::ctx_synchronize()
+    }
+
+    /// Host closures cannot run on a GPU: launch CUDA kernels through cudarc on
+    /// [`CudaDevice::stream`] instead.
+    fn launch(&self, _stream: StreamId, _kernel: Kernel) -> Result<(), DeviceError> {
+        Err(DeviceError::Unsupported(
+            "host kernels on a CUDA device (launch CUDA kernels through cudarc on CudaDevice::stream)",
+        ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// On a machine without a driver (CI, developers), construction is an error with the reason.
+    #[test]
+    fn new_is_an_error_or_a_device_never_a_panic() {
+        match (CudaDevice::new(0), CudaDevice::unavailable_reason()) {
+            (Err(e), Some(reason)) => assert_eq!(e, DeviceError::Driver(reason)),
+            (Ok(dev), None) => assert_eq!(dev.ordinal(), 0),
+            (a, b) => panic!("new(0) and unavailable_reason disagree: {:?} / {b:?}", a.err()),
+        }
+        if !CudaDevice::driver_present() {
+            assert_eq!(CudaDevice::device_count(), Err(DeviceError::Driver(NO_DRIVER.into())));
+            assert_eq!(CudaDevice::new(0).err(), Some(DeviceError::Driver(NO_DRIVER.into())));
+        }
+    }
+
+    #[test]
+    fn a_missing_ordinal_is_an_error() {
+        let err = CudaDevice::new(usize::MAX).expect_err("no machine has usize::MAX GPUs");
+        let DeviceError::Driver(msg) = err else { panic!("unexpected error kind") };
+        assert!(msg == NO_DRIVER || msg.starts_with("no "), "{msg}");
+    }
+}

@@ -1,0 +1,452 @@
+//! CudaDevice on a real GPU, and its graceful absence everywhere else (feature `cuda`).
+//!
+//! - Always run: `CudaDevice::new` is an error with a clear reason where there is no driver or GPU.
+//! - GPU tier: each test calls `gpu()`, which prints `skipping: <reason>` and returns `None`
+//!   where no GPU can be used (no libcuda, no device). With a GPU they run for real:
+//!   reserve/release/mem_info; events around a gated kernel; hold-the-stream (record_stream);
+//!   the allocator over CudaDevice with no leaks, across threads.
+//!
+//! Kernels come as PTX (below), so these tests need only the driver, not NVRTC. "Gated" kernels
+//! spin until a flag in device memory is set by a memset on another stream, so "not finished
+//! yet" is a fact the test controls, not a timing guess; a cap of `MAX_SPIN_CYCLES` GPU clocks
+//! ends the spin anyway (and reports it in `gate[1]`), so a test can fail but never hang.
+#![cfg(feature = "cuda")]
+
+use std::sync::{Arc, Mutex, MutexGuard};
+use tidepool::cudarc::driver::{CudaFunction, CudaStream, LaunchConfig, PushKernelArg, result};
+use tidepool::cudarc::nvrtc::Ptx;
+use tidepool::device::{Device, DeviceError, Kernel, NO_DRIVER};
+use tidepool::{AllocError, Allocator, Config, CrossStream, CudaBuffer, CudaDevice, StreamId};
+
+/// PTX of `KERNELS_CU`, produced by NVRTC 12.4 (`--gpu-architecture=compute_70`), comments
+/// dropped and `.version` lowered to 7.0 (CUDA 11.0 drivers and later); checked with
+/// `ptxas --gpu-name sm_70` and `sm_90`. Regenerate after changing the source.
+#[allow(dead_code)]
+const KERNELS_CU: &str = r#"
+extern "C" __global__ void gated_fill(float *out, unsigned int n, float value,
+                                      volatile unsigned int *gate, unsigned long long max_cycles) {
+    if (threadIdx.x == 0) {
+        long long start = clock64();
+        while (gate[0] == 0) {
+            if ((unsigned long long)(clock64() - start) > max_cycles) {
+                gate[1] = 1;
+                break;
+            }
+        }
+    }
+    __syncthreads();
+    for (unsigned int i = threadIdx.x; i < n; i += blockDim.x) {
+        out[i] = value;
+    }
+}
+
+extern "C" __global__ void fill(float *out, unsigned int n, float value) {
+    unsigned int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) {
+        out[i] = value;
+    }
+}
+"#;
+
+const KERNELS_PTX: &str = r#"
+.version 7.0
+.target sm_70
+.address_size 64
+
+	// .globl	gated_fill
+
+.visible .entry gated_fill(
+	.param .u64 gated_fill_param_0,
+	.param .u32 gated_fill_param_1,
+	.param .f32 gated_fill_param_2,
+	.param .u64 gated_fill_param_3,
+	.param .u64 gated_fill_param_4
+)
+{
+	.reg .pred 	%p<6>;
+	.reg .f32 	%f<2>;
+	.reg .b32 	%r<9>;
+	.reg .b64 	%rd<12>;
+
+
+	ld.param.u64 	%rd4, [gated_fill_param_0];
+	ld.param.u32 	%r5, [gated_fill_param_1];
+	ld.param.f32 	%f1, [gated_fill_param_2];
+	ld.param.u64 	%rd6, [gated_fill_param_3];
+	ld.param.u64 	%rd5, [gated_fill_param_4];
+	cvta.to.global.u64 	%rd1, %rd6;
+	mov.u32 	%r8, %tid.x;
+	setp.ne.s32 	%p1, %r8, 0;
+	@%p1 bra 	$L__BB0_5;
+
+	mov.u64 	%rd7, %clock64;
+
+$L__BB0_2:
+	ld.volatile.global.u32 	%r6, [%rd1];
+	setp.ne.s32 	%p2, %r6, 0;
+	@%p2 bra 	$L__BB0_5;
+
+	mov.u64 	%rd8, %clock64;
+	sub.s64 	%rd9, %rd8, %rd7;
+	setp.le.u64 	%p3, %rd9, %rd5;
+	@%p3 bra 	$L__BB0_2;
+
+	mov.u32 	%r7, 1;
+	st.volatile.global.u32 	[%rd1+4], %r7;
+
+$L__BB0_5:
+	bar.sync 	0;
+	setp.ge.u32 	%p4, %r8, %r5;
+	@%p4 bra 	$L__BB0_8;
+
+	mov.u32 	%r2, %ntid.x;
+	cvta.to.global.u64 	%rd3, %rd4;
+
+$L__BB0_7:
+	mul.wide.u32 	%rd10, %r8, 4;
+	add.s64 	%rd11, %rd3, %rd10;
+	st.global.f32 	[%rd11], %f1;
+	add.s32 	%r8, %r8, %r2;
+	setp.lt.u32 	%p5, %r8, %r5;
+	@%p5 bra 	$L__BB0_7;
+
+$L__BB0_8:
+	ret;
+
+}
+	// .globl	fill
+.visible .entry fill(
+	.param .u64 fill_param_0,
+	.param .u32 fill_param_1,
+	.param .f32 fill_param_2
+)
+{
+	.reg .pred 	%p<2>;
+	.reg .f32 	%f<2>;
+	.reg .b32 	%r<6>;
+	.reg .b64 	%rd<5>;
+
+
+	ld.param.u64 	%rd1, [fill_param_0];
+	ld.param.u32 	%r2, [fill_param_1];
+	ld.param.f32 	%f1, [fill_param_2];
+	mov.u32 	%r3, %ctaid.x;
+	mov.u32 	%r4, %ntid.x;
+	mov.u32 	%r5, %tid.x;
+	mad.lo.s32 	%r1, %r3, %r4, %r5;
+	setp.ge.u32 	%p1, %r1, %r2;
+	@%p1 bra 	$L__BB1_2;
+
+	cvta.to.global.u64 	%rd2, %rd1;
+	mul.wide.u32 	%rd3, %r1, 4;
+	add.s64 	%rd4, %rd2, %rd3;
+	st.global.f32 	[%rd4], %f1;
+
+$L__BB1_2:
+	ret;
+
+}
+"#;
+
+/// Spin cap for gated kernels: about 10 s at 2 GHz.
+const MAX_SPIN_CYCLES: u64 = 20_000_000_000;
+
+/// Elements written by the gated and plain fills (4 MiB of f32: the large pool).
+const N: usize = 1 << 20;
+
+/// The GPU tests run one at a time (whatever `--test-threads` says): they read free-memory
+/// figures and synchronise the whole context, which other tests' work would disturb.
+static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+
+/// The GPU (and the lock that makes this test the only one using it), or `None` after printing
+/// why the test is skipped.
+fn gpu() -> Option<(MutexGuard<'static, ()>, Arc<CudaDevice>)> {
+    if let Some(reason) = CudaDevice::unavailable_reason() {
+        println!("skipping: {reason}");
+        return None;
+    }
+    let guard = ONE_AT_A_TIME.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    let dev = CudaDevice::new(0).expect("a GPU is present, so CudaDevice::new(0) must succeed");
+    Some((guard, dev))
+}
+
+struct Kernels {
+    gated_fill: CudaFunction,
+    fill: CudaFunction,
+}
+
+fn kernels(dev: &CudaDevice) -> Kernels {
+    let module = dev.context().load_module(Ptx::from_src(KERNELS_PTX)).expect("load PTX");
+    Kernels {
+        gated_fill: module.load_function("gated_fill").expect("gated_fill"),
+        fill: module.load_function("fill").expect("fill"),
+    }
+}
+
+/// A gate: two u32 in device memory, zeroed and ready before this returns.
+/// `gate[0]` opens it; `gate[1]` is set by a kernel whose spin hit the cap.
+fn closed_gate(alloc: &Allocator<CudaDevice>, stream: StreamId) -> CudaBuffer<u32> {
+    let gate = CudaBuffer::<u32>::alloc_zeros(alloc, 2, stream).unwrap();
+    gate.cuda_stream().synchronize().unwrap();
+    gate
+}
+
+/// Opens the gate from `stream` (a one-byte memset, in that stream's order).
+fn open_gate(gate: &CudaBuffer<u32>, stream: &CudaStream) {
+    stream.context().bind_to_thread().unwrap();
+    // SAFETY: the first byte of the gate's own live memory; the stream is alive.
+    unsafe { result::memset_d8_async(gate.cu_device_ptr(), 1, 1, stream.cu_stream()) }.unwrap();
+}
+
+/// Asserts no gated kernel ran into the spin cap (which would make its "gate" claims void).
+fn assert_no_timeout(gate: &CudaBuffer<u32>) {
+    let g = gate.cuda_stream().clone_dtoh(gate).unwrap();
+    assert_eq!(g[1], 0, "a gated kernel hit its spin cap: the gate never opened");
+}
+
+/// Launches `gated_fill(out, value)` on `stream`: one block, so the memset that opens the gate
+/// always finds room to run beside it.
+fn launch_gated(
+    k: &Kernels,
+    stream: &CudaStream,
+    out: &CudaBuffer<f32>,
+    value: f32,
+    gate: &CudaBuffer<u32>,
+) {
+    let n = out.len() as u32;
+    let cfg = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+    let mut b = stream.launch_builder(&k.gated_fill);
+    b.arg(out).arg(&n).arg(&value).arg(gate).arg(&MAX_SPIN_CYCLES);
+    // SAFETY: the argument list matches `gated_fill`'s signature; `out` has `n` elements.
+    unsafe { b.launch(cfg) }.unwrap();
+}
+
+/// Launches `fill(out, value)` on `stream`.
+fn launch_fill(k: &Kernels, stream: &CudaStream, out: &mut CudaBuffer<f32>, value: f32) {
+    let n = out.len() as u32;
+    let mut b = stream.launch_builder(&k.fill);
+    b.arg(&mut *out).arg(&n).arg(&value);
+    // SAFETY: the argument list matches `fill`'s signature; `out` has `n` elements.
+    unsafe { b.launch(LaunchConfig::for_num_elems(n)) }.unwrap();
+}
+
+// ---------------------------------------------------------------- always run (no GPU needed)
+
+#[test]
+fn new_errs_cleanly_without_a_driver() {
+    if CudaDevice::driver_present() {
+        println!("a CUDA driver is present: checking only the missing-ordinal error");
+    } else {
+        let err = CudaDevice::new(0).expect_err("no driver, so no device");
+        assert_eq!(err, DeviceError::Driver(NO_DRIVER.into()));
+        assert!(err.to_string().contains("no CUDA driver (libcuda not found)"), "{err}");
+        assert_eq!(CudaDevice::unavailable_reason().as_deref(), Some(NO_DRIVER));
+        assert!(CudaDevice::device_count().is_err());
+    }
+    // A device that cannot exist is an error on every machine.
+    assert!(matches!(CudaDevice::new(1 << 20), Err(DeviceError::Driver(_))));
+}
+
+// ---------------------------------------------------------------- GPU tier
+
+#[test]
+fn reserve_release_mem_info_round_trip() {
+    let Some((_gpu, dev)) = gpu() else { return };
+    let before = dev.mem_info().unwrap();
+    assert!(before.total > 0 && before.free <= before.total, "{before:?}");
+
+    let bytes = 64u64 << 20;
+    let p = dev.reserve(bytes).unwrap();
+    assert!(p.0 % 512 == 0, "{p} is not 512-byte aligned");
+    assert_eq!(dev.live_segments(), vec![(p, bytes)]);
+    let during = dev.mem_info().unwrap();
+    assert!(before.free.saturating_sub(during.free) >= bytes, "{before:?} -> {during:?}");
+
+    // It is real memory: bytes written come back.
+    let data: Vec<u8> = (0..bytes as usize).map(|i| (i % 251) as u8).collect();
+    let mut back = vec![0u8; bytes as usize];
+    dev.context().bind_to_thread().unwrap();
+    // SAFETY: `p` is a live segment of `bytes` bytes; no device work touches it.
+    unsafe {
+        result::memcpy_htod_sync(p.0, &data).unwrap();
+        result::memcpy_dtoh_sync(&mut back, p.0).unwrap();
+    }
+    assert!(back == data, "device memory did not round-trip");
+
+    dev.release(p).unwrap();
+    assert!(dev.live_segments().is_empty());
+    assert_eq!(dev.reserved_bytes(), 0);
+    let after = dev.mem_info().unwrap();
+    assert!(after.free.saturating_sub(during.free) >= bytes, "{during:?} -> {after:?}");
+    assert_eq!(dev.release(p), Err(DeviceError::UnknownSegment(p)));
+
+    // The driver's out-of-memory answer is the trait's OutOfMemory.
+    let too_big = before.total * 2;
+    assert_eq!(dev.reserve(too_big), Err(DeviceError::OutOfMemory { requested: too_big }));
+    // Host closures cannot run on a GPU.
+    let k = Kernel::sleep(std::time::Duration::ZERO);
+    assert!(matches!(dev.launch(StreamId::DEFAULT, k), Err(DeviceError::Unsupported(_))));
+    // Streams: the default one exists, created ones map to cudarc streams, destroyed ones go.
+    assert_eq!(dev.stream(StreamId::DEFAULT).unwrap().cu_stream(), std::ptr::null_mut());
+    let s = dev.create_stream().unwrap();
+    let cs = dev.stream(s).unwrap();
+    assert_eq!(dev.stream_id(&cs), Some(s));
+    dev.destroy_stream(s).unwrap();
+    assert_eq!(dev.stream(s).err(), Some(DeviceError::UnknownStream(s)));
+    assert!(dev.destroy_stream(StreamId::DEFAULT).is_err());
+}
+
+#[test]
+fn events_query_false_then_true_around_a_gated_kernel() {
+    let Some((_gpu, dev)) = gpu() else { return };
+    let k = kernels(&dev);
+    let alloc = Allocator::new(dev.clone(), Config::default()).unwrap();
+    let (a, b, c) =
+        (dev.create_stream().unwrap(), dev.create_stream().unwrap(), dev.create_stream().unwrap());
+    let (sa, sb, sc) = (dev.stream(a).unwrap(), dev.stream(b).unwrap(), dev.stream(c).unwrap());
+    let gate = closed_gate(&alloc, c);
+
+    // A never-recorded event is complete.
+    let ev = dev.create_event().unwrap();
+    assert_eq!(dev.query_event(ev), Ok(true));
+
+    // SAFETY: f32 has no invalid bit patterns.
+    let mut out = unsafe { CudaBuffer::<f32>::alloc(&alloc, N, a) }.unwrap();
+    launch_gated(&k, &sa, &out, 1.0, &gate);
+    dev.record_event(ev, a).unwrap();
+    // The gate is closed, so A's kernel cannot have finished: NOT_READY is Ok(false).
+    assert_eq!(dev.query_event(ev), Ok(false));
+
+    // B waits for the event on the device, then overwrites: B's fill must land after A's.
+    dev.wait_event(b, ev).unwrap();
+    alloc.record_stream(out.buffer(), b);
+    launch_fill(&k, &sb, &mut out, 2.0);
+    assert_eq!(dev.query_event(ev), Ok(false));
+
+    open_gate(&gate, &sc);
+    dev.synchronize_event(ev).unwrap();
+    assert_eq!(dev.query_event(ev), Ok(true));
+    dev.synchronize().unwrap();
+    assert_no_timeout(&gate);
+    let host = sa.clone_dtoh(&out).unwrap();
+    assert!(host.iter().all(|&v| v == 2.0), "B's fill did not wait for A's event");
+
+    // A destroyed event's handle is pooled; the event that reuses it starts complete.
+    dev.destroy_event(ev).unwrap();
+    let ev2 = dev.create_event().unwrap();
+    assert_eq!(dev.query_event(ev2), Ok(true));
+    assert_eq!(dev.query_event(ev), Err(DeviceError::UnknownEvent(ev)));
+    dev.destroy_event(ev2).unwrap();
+}
+
+/// One run of the hold-the-stream scenario: `x` is owned by stream B; a gated kernel on stream A
+/// writes 1.0 into it; `x` is freed while that kernel still waits; `y` (same size) is allocated
+/// on B and filled with 2.0 on B; then the gate opens. Returns (y took x's block, y's values).
+fn hold_the_stream(dev: &Arc<CudaDevice>, config: Config, record: bool) -> (bool, Vec<f32>) {
+    let k = kernels(dev);
+    let alloc = Allocator::new(dev.clone(), config).unwrap();
+    let (a, b, c) =
+        (dev.create_stream().unwrap(), dev.create_stream().unwrap(), dev.create_stream().unwrap());
+    let (sa, sb, sc) = (dev.stream(a).unwrap(), dev.stream(b).unwrap(), dev.stream(c).unwrap());
+    let gate = closed_gate(&alloc, c);
+
+    // SAFETY: f32 has no invalid bit patterns.
+    let x = unsafe { CudaBuffer::<f32>::alloc(&alloc, N, b) }.unwrap();
+    let x_ptr = x.cu_device_ptr();
+    launch_gated(&k, &sa, &x, 1.0, &gate);
+    if record {
+        alloc.record_stream(x.buffer(), a);
+    }
+    drop(x);
+    // SAFETY: as for x.
+    let mut y = unsafe { CudaBuffer::<f32>::alloc(&alloc, N, b) }.unwrap();
+    let same_block = y.cu_device_ptr() == x_ptr;
+    launch_fill(&k, &sb, &mut y, 2.0);
+    sb.synchronize().unwrap(); // B's fill is done before A's gated write can start
+    open_gate(&gate, &sc);
+    dev.synchronize().unwrap();
+    assert_no_timeout(&gate);
+    let values = sb.clone_dtoh(&y).unwrap();
+
+    drop((y, gate));
+    alloc.empty_cache().unwrap();
+    assert!(dev.live_segments().is_empty(), "leaked: {:?}", dev.live_segments());
+    for s in [a, b, c] {
+        dev.destroy_stream(s).unwrap();
+    }
+    (same_block, values)
+}
+
+#[test]
+fn record_stream_holds_the_block_until_the_other_stream_is_done() {
+    let Some((_gpu, dev)) = gpu() else { return };
+    for policy in [CrossStream::Strict, CrossStream::WaitEvent] {
+        let config = Config { cross_stream: policy, ..Config::default() };
+        // Control: without record_stream the block is reused at once on B, and A's late write
+        // lands in y. This is the hazard, made visible, so the test below can see it.
+        let (same, values) = hold_the_stream(&dev, config.clone(), false);
+        assert!(same, "{policy:?}: without record_stream y reuses x's block at once");
+        assert!(values.iter().all(|&v| v == 1.0), "{policy:?}: A's late write lands in y");
+        // With record_stream the block waits for A: y gets other memory and keeps B's values.
+        let (same, values) = hold_the_stream(&dev, config, true);
+        assert!(!same, "{policy:?}: x's block was handed out while A still used it");
+        assert!(values.iter().all(|&v| v == 2.0), "{policy:?}: y was clobbered");
+    }
+}
+
+#[test]
+fn allocator_over_cuda_device_alloc_free_empty_cache_without_leaks() {
+    let Some((_gpu, dev)) = gpu() else { return };
+    let alloc = Allocator::new(dev.clone(), Config::default()).unwrap();
+    let sizes = [1u64, 512, 4096, 1 << 20, (1 << 20) + 1, 5 << 20, 12 << 20, 64 << 20];
+    let mut device_allocs = 0;
+    for round in 0..3 {
+        let bufs: Vec<_> =
+            sizes.iter().map(|&n| alloc.alloc(n, StreamId::DEFAULT).unwrap()).collect();
+        for (b, &n) in bufs.iter().zip(&sizes) {
+            assert_eq!(b.len(), n);
+            assert!(b.ptr().0 % 512 == 0);
+        }
+        alloc.check_invariants().unwrap();
+        drop(bufs);
+        let stats = alloc.stats();
+        if round == 0 {
+            device_allocs = stats.num_device_alloc;
+        } else {
+            assert_eq!(stats.num_device_alloc, device_allocs, "round {round} missed the cache");
+        }
+    }
+
+    // Typed data survives a trip through cached memory.
+    let stream = dev.stream(StreamId::DEFAULT).unwrap();
+    let data: Vec<u32> = (0..(3 << 20)).collect();
+    // SAFETY: u32 has no invalid bit patterns (and it is written before it is read).
+    let mut t = unsafe { CudaBuffer::<u32>::alloc(&alloc, data.len(), StreamId::DEFAULT) }.unwrap();
+    stream.memcpy_htod(&data, &mut t).unwrap();
+    assert!(stream.clone_dtoh(&t).unwrap() == data);
+    drop(t);
+
+    // Frees and releases from a thread that never bound the context.
+    let a2 = alloc.clone();
+    std::thread::spawn(move || {
+        let b = a2.alloc(8 << 20, StreamId::DEFAULT).unwrap();
+        drop(b);
+        a2.empty_cache().unwrap();
+    })
+    .join()
+    .unwrap();
+
+    // An impossible request is an OOM report, and the allocator stays usable.
+    let total = dev.mem_info().unwrap().total;
+    match alloc.alloc(total + (1 << 30), StreamId::DEFAULT) {
+        Err(AllocError::OutOfMemory(report)) => assert_eq!(report.requested, total + (1 << 30)),
+        other => panic!("expected OutOfMemory, got {other:?}"),
+    }
+    drop(alloc.alloc(1 << 20, StreamId::DEFAULT).unwrap());
+
+    alloc.empty_cache().unwrap();
+    let stats = alloc.stats();
+    assert_eq!(stats.num_device_free, stats.num_device_alloc);
+    assert_eq!(alloc.reserved_bytes(), 0);
+    assert!(dev.live_segments().is_empty(), "leaked: {:?}", dev.live_segments());
+}

@@ -1,0 +1,346 @@
+//! The lock-light front: per-stream caches that skip the global lock, their bounds and flushes,
+//! exact statistics (peaks included) read without a lock, `global_lock` mode, and configuration
+//! swaps racing allocations. Exact counts; no timing.
+
+use std::sync::{Arc, Barrier};
+use tidepool::device::{SIM_BASE, SimDevice};
+use tidepool::pool::{BlockState, MIB};
+use tidepool::stats::PoolKind;
+use tidepool::{Allocator, Buffer, Config, Device, DevicePtr, MemoryStats, StreamId};
+
+const S0: StreamId = StreamId::DEFAULT;
+
+fn setup(config: &str, capacity: u64) -> (Arc<SimDevice>, Allocator<SimDevice>) {
+    let dev = Arc::new(SimDevice::new(capacity));
+    let alloc = Allocator::new(dev.clone(), Config::parse(config).unwrap()).unwrap();
+    (dev, alloc)
+}
+
+fn check(dev: &SimDevice, alloc: &Allocator<SimDevice>) {
+    alloc.check_invariants().unwrap();
+    assert_eq!(dev.violations(), vec![]);
+}
+
+#[test]
+fn same_size_same_stream_never_takes_the_global_lock() {
+    let (dev, alloc) = setup("", 1 << 30);
+    drop(alloc.alloc(4096, S0).unwrap());
+    let before = alloc.global_lock_acquisitions();
+    for _ in 0..1000 {
+        let b = alloc.alloc(4096, S0).unwrap();
+        assert_eq!(b.ptr(), DevicePtr(SIM_BASE));
+    }
+    let s = alloc.stats();
+    assert_eq!(alloc.global_lock_acquisitions(), before, "neither the pairs nor stats() lock");
+    let a = s.blocks.allocation.all;
+    assert_eq!((a.current, a.peak, a.allocated, a.freed), (0, 1, 1001, 1001));
+    assert_eq!(s.blocks.allocated_bytes.all.peak, 4096);
+    assert_eq!(s.blocks.requested_bytes.small_pool.allocated, 1001 * 4096);
+    assert_eq!(s.cached_fast_bytes, 4096);
+    assert_eq!(s.cached_free_bytes_per_stream, vec![(0, 2 * MIB)]);
+    // The pool still sees the cached block as allocated; the invariant check accounts for it.
+    check(&dev, &alloc);
+    alloc.empty_cache().unwrap();
+    assert!(dev.live_segments().is_empty());
+    assert_eq!(alloc.stats().cached_fast_bytes, 0);
+}
+
+#[test]
+fn a_different_request_of_the_same_class_is_served_under_the_lock_once() {
+    let (dev, alloc) = setup("", 1 << 30);
+    drop(alloc.alloc(4096, S0).unwrap());
+    let n = alloc.global_lock_acquisitions();
+    let b = alloc.alloc(4000, S0).unwrap();
+    assert_eq!((b.ptr(), b.block_size()), (DevicePtr(SIM_BASE), 4096));
+    assert_eq!(alloc.global_lock_acquisitions(), n + 1);
+    assert_eq!(alloc.stats().blocks.requested_bytes.all.current, 4000);
+    drop(b);
+    let c = alloc.alloc(4000, S0).unwrap();
+    assert_eq!(c.ptr(), DevicePtr(SIM_BASE));
+    assert_eq!(alloc.global_lock_acquisitions(), n + 1, "same request again: lock-free");
+    check(&dev, &alloc);
+}
+
+#[test]
+fn peaks_stay_exact_when_the_slow_path_runs_between_a_free_and_a_reuse() {
+    let (dev, alloc) = setup("", 1 << 30);
+    let x = alloc.alloc(4096, S0).unwrap();
+    drop(x); // cached: 4096 of credit under the peak of 4096
+    let y = alloc.alloc(8192, S0).unwrap(); // new peak 8192: the credit is revoked
+    let n = alloc.global_lock_acquisitions();
+    let z = alloc.alloc(4096, S0).unwrap(); // no credit left: accounted under the lock
+    assert_eq!(alloc.global_lock_acquisitions(), n + 1);
+    assert_eq!(z.ptr(), DevicePtr(SIM_BASE));
+    let s = alloc.stats().blocks.allocated_bytes.all;
+    assert_eq!((s.current, s.peak), (12288, 12288));
+    drop((y, z));
+    // Below the peak, a reuse spends credit and stays lock-free.
+    let a = alloc.alloc(8192, S0).unwrap();
+    let b = alloc.alloc(4096, S0).unwrap();
+    let n = alloc.global_lock_acquisitions();
+    drop(b);
+    let c = alloc.alloc(4096, S0).unwrap();
+    assert_eq!(alloc.global_lock_acquisitions(), n);
+    let s = alloc.stats().blocks.allocated_bytes.all;
+    assert_eq!((s.current, s.peak, s.allocated), (12288, 12288, 4096 + 8192 + 4096 + 8192 + 8192));
+    drop((a, c));
+    alloc.reset_peak_stats();
+    assert_eq!(alloc.stats().blocks.allocated_bytes.all.peak, 0);
+    check(&dev, &alloc);
+}
+
+#[test]
+fn record_stream_keeps_a_buffer_out_of_the_stream_cache() {
+    let (dev, alloc) = setup("", 1 << 30);
+    let s1 = dev.create_stream().unwrap();
+    let a = alloc.alloc(4096, S0).unwrap();
+    alloc.record_stream(&a, s1);
+    let n = alloc.global_lock_acquisitions();
+    drop(a);
+    assert_eq!(alloc.global_lock_acquisitions(), n + 1, "the free records an event");
+    let s = alloc.stats();
+    assert_eq!(s.cached_fast_bytes, 0);
+    assert_eq!(s.blocks.active_bytes.all.current, 4096);
+    assert_eq!(dev.counters().event_records, 1);
+    check(&dev, &alloc);
+}
+
+#[test]
+fn the_caches_are_bounded_per_class_and_in_bytes() {
+    let (dev, alloc) = setup("fast_cache_entries:2", 1 << 30);
+    let bufs: Vec<_> = (0..3).map(|_| alloc.alloc(4096, S0).unwrap()).collect();
+    drop(bufs);
+    assert_eq!(alloc.stats().cached_fast_bytes, 8192);
+    check(&dev, &alloc);
+
+    let (dev, alloc) = setup("fast_cache_bytes_mb:1", 1 << 30);
+    let bufs: Vec<_> = (0..3).map(|_| alloc.alloc(512 * 1024, S0).unwrap()).collect();
+    drop(bufs);
+    assert_eq!(alloc.stats().cached_fast_bytes, MIB);
+    // Large-pool blocks always go back to the pool, where they coalesce at once.
+    let big = alloc.alloc(3 * MIB, S0).unwrap();
+    assert_eq!(alloc.stats().cached_fast_bytes, 0, "reserving a segment flushes the caches first");
+    drop(big);
+    assert_eq!(alloc.stats().cached_fast_bytes, 0);
+    check(&dev, &alloc);
+}
+
+#[test]
+fn without_the_fast_cache_or_under_the_global_lock_every_operation_locks() {
+    for (config, stats_locks) in [("fast_cache:false", 0), ("global_lock:true", 1)] {
+        let (dev, alloc) = setup(config, 1 << 30);
+        drop(alloc.alloc(4096, S0).unwrap());
+        let n = alloc.global_lock_acquisitions();
+        for _ in 0..10 {
+            drop(alloc.alloc(4096, S0).unwrap());
+        }
+        assert_eq!(alloc.global_lock_acquisitions(), n + 20, "{config}");
+        let s = alloc.stats();
+        assert_eq!(alloc.global_lock_acquisitions(), n + 20 + stats_locks, "{config}");
+        assert_eq!(s.cached_fast_bytes, 0);
+        assert_eq!(s.blocks.allocation.all.allocated, 11);
+        assert_eq!(s.blocks.allocated_bytes.all.peak, 4096);
+        assert_eq!(s.cached_free_bytes_per_stream, vec![(0, 2 * MIB)]);
+        check(&dev, &alloc);
+    }
+}
+
+#[test]
+fn switching_global_lock_at_run_time_keeps_the_statistics_exact() {
+    let (dev, alloc) = setup("", 1 << 30);
+    let a = alloc.alloc(4096, S0).unwrap();
+    alloc.set_config(Config::parse("global_lock:true").unwrap()).unwrap();
+    let b = alloc.alloc(8192, S0).unwrap();
+    drop(a);
+    let locked = alloc.stats();
+    alloc.set_config(Config::default()).unwrap();
+    let free = alloc.stats();
+    assert_eq!(locked, free);
+    assert_eq!(free.blocks.allocated_bytes.all.current, 8192);
+    assert_eq!(free.blocks.allocated_bytes.all.peak, 12288);
+    drop(b);
+    assert_eq!(alloc.stats().cached_fast_bytes, 8192);
+    check(&dev, &alloc);
+}
+
+#[test]
+fn flushes_return_cached_blocks_to_the_pool() {
+    // Memory pressure: the only segment holds a cached block; another stream needs it.
+    let (dev, alloc) = setup("", 2 * MIB);
+    let s1 = dev.create_stream().unwrap();
+    drop(alloc.alloc(MIB, S0).unwrap());
+    assert_eq!(alloc.stats().cached_fast_bytes, MIB);
+    let b = alloc.alloc(MIB, s1).unwrap();
+    assert_eq!((b.ptr(), dev.counters().mallocs), (DevicePtr(SIM_BASE), 1));
+    drop(b);
+    check(&dev, &alloc);
+
+    // The out-of-memory ladder: flush, then release the now empty segment, then retry.
+    let (dev, alloc) = setup("", 22 * MIB);
+    drop(alloc.alloc(4096, S0).unwrap());
+    let big = alloc.alloc(21 * MIB, S0).unwrap();
+    assert_eq!(big.block_size(), 22 * MIB);
+    let s = alloc.stats();
+    assert_eq!((s.num_alloc_retries, s.num_device_free, s.cached_fast_bytes), (1, 1, 0));
+    drop(big);
+    check(&dev, &alloc);
+
+    // release_stream, destroy_stream, snapshot and drop.
+    let (dev, alloc) = setup("", 1 << 30);
+    let (a, b) = (dev.create_stream().unwrap(), dev.create_stream().unwrap());
+    drop(alloc.alloc(4096, a).unwrap());
+    let keep = alloc.alloc(4096, b).unwrap();
+    drop(alloc.alloc(8192, b).unwrap());
+    alloc.release_stream(a).unwrap();
+    assert_eq!(dev.live_segments().len(), 1);
+    let snap = alloc.snapshot();
+    assert_eq!(snap[0].blocks[1].state, BlockState::Free, "snapshot flushes first");
+    alloc.destroy_stream(b).unwrap();
+    assert_eq!(dev.live_segments().len(), 1, "the live buffer pins its segment");
+    drop(keep); // its stream is gone: into the pool, not a closed cache
+    assert_eq!(alloc.stats().cached_fast_bytes, 0);
+    alloc.empty_cache().unwrap();
+    assert!(dev.live_segments().is_empty());
+    check(&dev, &alloc);
+    drop(alloc.alloc(4096, S0).unwrap());
+    drop(alloc);
+    assert!(dev.live_segments().is_empty(), "dropping the allocator flushes");
+}
+
+#[test]
+fn buffers_freed_on_other_threads_go_to_their_streams_cache() {
+    let (dev, alloc) = setup("", 1 << 30);
+    let bufs: Vec<Buffer<SimDevice>> = (0..4).map(|_| alloc.alloc(4096, S0).unwrap()).collect();
+    let n = alloc.global_lock_acquisitions();
+    std::thread::spawn(move || drop(bufs)).join().unwrap();
+    assert_eq!(alloc.global_lock_acquisitions(), n);
+    assert_eq!(alloc.stats().cached_fast_bytes, 4 * 4096);
+    check(&dev, &alloc);
+}
+
+#[test]
+fn free_batch_returns_blocks_to_the_pool_under_one_lock() {
+    let (dev, alloc) = setup("", 1 << 30);
+    let (a, b, c) = (
+        alloc.alloc(4096, S0).unwrap(),
+        alloc.alloc(4096, S0).unwrap(),
+        alloc.alloc(4096, S0).unwrap(),
+    );
+    drop(b);
+    let n = alloc.global_lock_acquisitions();
+    alloc.free_batch(vec![a, c]);
+    assert_eq!(alloc.global_lock_acquisitions(), n + 1);
+    let s = alloc.stats();
+    assert_eq!((s.blocks.allocated_bytes.all.current, s.cached_fast_bytes), (0, 0));
+    assert_eq!(s.blocks.inactive_split.all.current, 0, "everything coalesced");
+    alloc.empty_cache().unwrap();
+    assert!(dev.live_segments().is_empty());
+    check(&dev, &alloc);
+}
+
+#[test]
+fn memory_summary_has_a_fast_cache_row() {
+    let (_dev, alloc) = setup("", 1 << 30);
+    drop(alloc.alloc(4096, S0).unwrap());
+    let text = alloc.memory_summary();
+    let line = text.lines().find(|l| l.starts_with("| Fast-cached memory")).unwrap();
+    assert!(line.contains("4.00 KiB"), "{line}");
+    assert!(text.lines().all(|l| l.chars().count() == 89), "{text}");
+}
+
+/// Every snapshot taken while other threads allocate is internally consistent.
+fn consistent(s: &MemoryStats) {
+    let b = &s.blocks;
+    for g in [b.allocated_bytes, b.active_bytes, b.requested_bytes, b.allocation, b.active] {
+        for c in [g.all, g.small_pool, g.large_pool, g.persistent, g.transient] {
+            assert!(c.current <= c.peak, "{c:?}");
+            assert_eq!(c.allocated - c.freed, c.current, "{c:?}");
+        }
+        assert_eq!(g.all.current, g.small_pool.current + g.large_pool.current);
+        assert_eq!(g.all.current, g.persistent.current + g.transient.current);
+    }
+    assert!(b.active_bytes.all.current >= b.allocated_bytes.all.current);
+    assert!(b.allocated_bytes.all.current >= b.requested_bytes.all.current);
+    assert_eq!(b.allocated_bytes.all.current, 4096 * b.allocation.all.current);
+}
+
+#[test]
+fn statistics_read_during_allocation_are_consistent_snapshots() {
+    let (dev, alloc) = setup("", 1 << 30);
+    let streams = [S0, dev.create_stream().unwrap()];
+    let start = Arc::new(Barrier::new(3));
+    let workers: Vec<_> = streams
+        .into_iter()
+        .map(|s| {
+            let (alloc, start) = (alloc.clone(), start.clone());
+            std::thread::spawn(move || {
+                start.wait();
+                let mut live = Vec::new();
+                for i in 0..4000 {
+                    if i % 3 == 2 {
+                        live.clear();
+                    }
+                    live.push(alloc.alloc(4096, s).unwrap());
+                }
+            })
+        })
+        .collect();
+    start.wait();
+    for _ in 0..2000 {
+        consistent(&alloc.stats());
+    }
+    for w in workers {
+        w.join().unwrap();
+    }
+    let s = alloc.stats();
+    consistent(&s);
+    assert_eq!(s.blocks.allocation.all.allocated, 8000);
+    assert_eq!(s.blocks.allocation.all.current, 0);
+    check(&dev, &alloc);
+}
+
+#[test]
+fn an_allocation_racing_set_config_follows_one_configuration() {
+    // A: 1.5 MiB rounds to 1.5 MiB in the large pool (12 MiB segments hold eight exactly, so no
+    // larger unsplit tail). B: it rounds to 2 MiB in the small pool. A mix would be 1.5 MiB in
+    // the small pool or 2 MiB in the large one.
+    let a = Config::parse("large_segment_mb:12").unwrap();
+    let b = Config::parse("min_block_size:1048576,small_size_mb:2").unwrap();
+    let (dev, alloc) = setup("large_segment_mb:12", 8 << 30);
+    let bytes = 3 * MIB / 2;
+    let start = Arc::new(Barrier::new(3));
+    let swapper = {
+        let (alloc, start, a, b) = (alloc.clone(), start.clone(), a.clone(), b.clone());
+        std::thread::spawn(move || {
+            start.wait();
+            for i in 0..200 {
+                alloc.set_config(if i % 2 == 0 { b.clone() } else { a.clone() }).unwrap();
+            }
+        })
+    };
+    let workers: Vec<_> = (0..2)
+        .map(|_| {
+            let (alloc, start) = (alloc.clone(), start.clone());
+            std::thread::spawn(move || {
+                start.wait();
+                (0..200).map(|_| alloc.alloc(bytes, S0).unwrap()).collect::<Vec<_>>()
+            })
+        })
+        .collect();
+    swapper.join().unwrap();
+    let bufs: Vec<_> = workers.into_iter().flat_map(|w| w.join().unwrap()).collect();
+    for seg in alloc.snapshot() {
+        for blk in seg.blocks.iter().filter(|b| b.state == BlockState::Allocated) {
+            assert!(
+                (blk.size, seg.pool) == (bytes, PoolKind::Large)
+                    || (blk.size, seg.pool) == (2 * MIB, PoolKind::Small),
+                "{} bytes in the {:?} pool",
+                blk.size,
+                seg.pool
+            );
+        }
+    }
+    assert_eq!(bufs.len(), 400);
+    drop(bufs);
+    check(&dev, &alloc);
+}

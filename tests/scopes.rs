@@ -1,0 +1,301 @@
+//! Scopes, learned plans and residency, on the asynchronous SimDevice with its sanitizer.
+
+use proptest::prelude::*;
+use std::sync::Arc;
+use std::sync::mpsc;
+use tidepool::device::{Access, AccessKind, Kernel, SimDevice};
+use tidepool::pool::MIB;
+use tidepool::{AllocError, Allocator, Buffer, Config, Device, DevicePtr, Residency, StreamId};
+
+const S0: StreamId = StreamId::DEFAULT;
+
+fn setup(capacity: u64) -> (Arc<SimDevice>, Allocator<SimDevice>) {
+    let dev = Arc::new(SimDevice::new(capacity));
+    let alloc = Allocator::new(dev.clone(), Config::default()).unwrap();
+    (dev, alloc)
+}
+
+fn gated_write(ptr: DevicePtr, bytes: u64) -> (Kernel, mpsc::Sender<()>) {
+    let (open, gate) = mpsc::channel::<()>();
+    let k = Kernel::new("gated", vec![Access { ptr, bytes, kind: AccessKind::Write }], move |_| {
+        let _ = gate.recv();
+    });
+    (k, open)
+}
+
+#[test]
+fn a_freed_scoped_buffer_is_reused_by_the_next_scoped_allocation_without_a_search() {
+    let (dev, alloc) = setup(1 << 30);
+    let scope = alloc.scope(S0);
+    let a = scope.alloc(4096).unwrap();
+    let p = a.ptr();
+    let searches = alloc.stats().best_fit_searches;
+    drop(a);
+    for _ in 0..10 {
+        let b = scope.alloc(4000).unwrap(); // same rounded size
+        assert_eq!(b.ptr(), p);
+    }
+    assert_eq!(alloc.stats().best_fit_searches, searches, "served from the scope's cache");
+    // While the scope is open its cached block still counts as allocated.
+    assert_eq!(alloc.stats().blocks.allocated_bytes.all.current, 4096);
+    drop(scope);
+    let s = alloc.stats();
+    assert_eq!(s.blocks.allocated_bytes.all.current, 0, "returned at exit");
+    assert_eq!(s.scope_escapes, 0);
+    assert_eq!(dev.counters().event_records, 0, "a same-stream batch needs no event");
+    alloc.check_invariants().unwrap();
+    assert_eq!(dev.violations(), vec![]);
+}
+
+#[test]
+fn scope_exit_is_stream_ordered() {
+    let (dev, alloc) = setup(1 << 30);
+    let a = dev.create_stream().unwrap();
+    let b = dev.create_stream().unwrap();
+    let p;
+    let open;
+    {
+        let scope = alloc.scope(a);
+        let buf = scope.alloc(4096).unwrap();
+        p = buf.ptr();
+        let (k, o) = gated_write(p, 4096);
+        open = o;
+        dev.launch(a, k).unwrap();
+    }
+    // Stream b may not take the memory while a's kernel runs (strict): fresh memory.
+    let other = alloc.alloc(4096, b).unwrap();
+    assert_ne!(other.ptr(), p);
+    // Stream a may: its own order makes it safe.
+    let same = alloc.alloc(4096, a).unwrap();
+    assert_eq!(same.ptr(), p);
+    open.send(()).unwrap();
+    dev.synchronize().unwrap();
+    assert_eq!(dev.violations(), vec![]);
+}
+
+/// Runs one "training step" in a named scope: a fixed sequence of allocations and frees, with
+/// one gradient-like buffer that escapes. Returns the step's addresses and the escaped buffer.
+fn step(alloc: &Allocator<SimDevice>, sizes: &[u64]) -> (Vec<DevicePtr>, Buffer<SimDevice>) {
+    let scope = alloc.named_scope("train_step", S0);
+    let mut ptrs = Vec::new();
+    let mut held = Vec::new();
+    for (i, &n) in sizes.iter().enumerate() {
+        let b = scope.alloc_unbound(n).unwrap();
+        ptrs.push(b.ptr());
+        held.push(b);
+        if i % 2 == 1 {
+            held.remove(0); // free the older one: lifetimes overlap pairwise
+        }
+    }
+    let grad = scope.alloc_unbound(3 * MIB).unwrap();
+    ptrs.push(grad.ptr());
+    drop(held);
+    (ptrs, grad)
+}
+
+const SIZES: [u64; 6] = [8 * MIB, 8 * MIB, 2 * MIB, 4096, 12 * MIB, 512];
+
+#[test]
+fn a_repeated_named_scope_is_served_from_its_plan_at_identical_addresses() {
+    let (dev, alloc) = setup(1 << 32);
+    let (first, grad) = step(&alloc, &SIZES);
+    let s1 = alloc.stats();
+    assert_eq!((s1.plan_hits, s1.scope_escapes), (0, 1));
+    // Next step: the previous gradient is freed first (zero_grad), then the step repeats.
+    drop(grad);
+    let (second, grad) = step(&alloc, &SIZES);
+    let s2 = alloc.stats();
+    assert_eq!(s2.plan_hits, 7, "every allocation of the second run is planned");
+    assert_eq!(s2.plan_misses, 0);
+    assert_ne!(first, second, "the plan lives in its own region");
+    let region = s2.plan_region_bytes;
+    assert!(region > 0);
+    let mallocs = dev.counters().mallocs;
+    let searches = s2.best_fit_searches;
+    let mut grad = grad;
+    for run in 3..8 {
+        drop(grad);
+        let (ptrs, g) = step(&alloc, &SIZES);
+        grad = g;
+        assert_eq!(ptrs, second, "run {run}: identical offsets");
+    }
+    let s = alloc.stats();
+    assert_eq!(s.plan_hits, 7 * 6);
+    assert_eq!(dev.counters().mallocs, mallocs, "no device malloc after the region exists");
+    assert_eq!(s.best_fit_searches, searches, "no best-fit search in planned runs");
+    assert_eq!((s.plan_fallbacks, s.plan_region_bytes), (0, region));
+    // Planned buffers never overlap while live: the region is packed by lifetimes.
+    drop(grad);
+    alloc.check_invariants().unwrap();
+    assert_eq!(dev.violations(), vec![]);
+}
+
+#[test]
+fn a_diverging_run_falls_back_stays_correct_and_relearns() {
+    let (dev, alloc) = setup(1 << 32);
+    let (_, g) = step(&alloc, &SIZES);
+    drop(g);
+    let mut other = SIZES;
+    other[2] = 5 * MIB; // third allocation differs
+    let scope = alloc.named_scope("train_step", S0);
+    let mut live = Vec::new();
+    for &n in &other {
+        live.push(scope.alloc_unbound(n).unwrap()); // all live at once: most overlap-prone
+    }
+    let mut ranges: Vec<(u64, u64)> = live.iter().map(|b| (b.ptr().0, b.block_size())).collect();
+    ranges.sort_unstable();
+    for w in ranges.windows(2) {
+        assert!(w[0].0 + w[0].1 <= w[1].0, "live buffers overlap: {ranges:?}");
+    }
+    let planned = live.iter().filter(|b| b.is_planned()).count();
+    assert_eq!(planned, 2, "the two allocations before the divergence were planned");
+    drop(live);
+    drop(scope);
+    assert_eq!(alloc.stats().plan_fallbacks, 1);
+    // The new sequence was learned: repeating it hits the plan all the way.
+    let hits = alloc.stats().plan_hits;
+    let scope = alloc.named_scope("train_step", S0);
+    let live: Vec<_> = other.iter().map(|&n| scope.alloc_unbound(n).unwrap()).collect();
+    assert!(live.iter().all(Buffer::is_planned));
+    drop(live);
+    drop(scope);
+    assert_eq!(alloc.stats().plan_hits, hits + other.len() as u64);
+    assert_eq!(alloc.stats().plan_fallbacks, 1);
+    alloc.check_invariants().unwrap();
+    assert_eq!(dev.violations(), vec![]);
+}
+
+#[test]
+fn an_escape_that_is_still_live_pins_its_slice() {
+    let (dev, alloc) = setup(1 << 32);
+    let (_, g1) = step(&alloc, &SIZES);
+    drop(g1);
+    let (_, g2) = step(&alloc, &SIZES); // planned; g2 escapes from the region
+    assert!(g2.is_planned());
+    // Run 3 without freeing g2 first: g2's slice is pinned, so that allocation misses.
+    let (ptrs, g3) = step(&alloc, &SIZES);
+    let s = alloc.stats();
+    assert!(s.plan_misses >= 1, "{s:?}");
+    assert!(!ptrs.contains(&g2.ptr()) || !g3.is_planned());
+    assert_ne!(g3.ptr(), g2.ptr(), "the escaped gradient is never handed out again");
+    drop((g2, g3));
+    let misses = alloc.stats().plan_misses;
+    let (_, g4) = step(&alloc, &SIZES);
+    assert_eq!(alloc.stats().plan_misses, misses, "unpinned once freed");
+    drop(g4);
+    alloc.check_invariants().unwrap();
+    assert_eq!(dev.violations(), vec![]);
+    drop(alloc);
+    assert!(dev.live_segments().is_empty(), "regions go back when the allocator goes");
+}
+
+#[test]
+fn a_planned_buffer_used_on_another_stream_orders_its_reuse() {
+    for broken in [false, true] {
+        let (dev, alloc) = setup(1 << 30);
+        let b = dev.create_stream().unwrap();
+        alloc.set_broken_skip_events(broken);
+        let run = |gate: Option<mpsc::Sender<()>>| -> Option<mpsc::Sender<()>> {
+            let scope = alloc.named_scope("s", S0);
+            let x = scope.alloc(4096).unwrap();
+            let mut open = None;
+            if gate.is_none() && x.is_planned() {
+                // Used on b (after b waits for S0), still running when x is freed.
+                let e = dev.create_event().unwrap();
+                dev.record_event(e, S0).unwrap();
+                dev.wait_event(b, e).unwrap();
+                let (k, o) = gated_write(x.ptr(), 4096);
+                dev.launch(b, k).unwrap();
+                scope.record_stream(&x, b);
+                open = Some(o);
+            }
+            drop(x);
+            let y = scope.alloc(4096).unwrap(); // the same planned slice
+            drop(y);
+            open
+        };
+        run(Some(mpsc::channel().0)); // learn
+        let open = run(None).expect("second run is planned");
+        open.send(()).unwrap();
+        dev.synchronize().unwrap();
+        if broken {
+            assert!(!dev.violations().is_empty(), "the sanitizer sees the unordered reuse");
+        } else {
+            assert_eq!(dev.violations(), vec![]);
+            // One host sync: the release of the learning run's segment when the region replaced
+            // it. Ordering the reuse after stream b adds none (a device-side wait).
+            assert_eq!(alloc.stats().num_host_syncs, 1);
+            assert_eq!(dev.counters().event_waits, 2, "the test's own wait and the allocator's");
+        }
+    }
+}
+
+#[test]
+fn out_of_memory_never_releases_persistent_segments() {
+    let (dev, alloc) = setup(64 * MIB);
+    drop(alloc.alloc_in(30 * MIB, S0, Residency::Persistent).unwrap());
+    drop(alloc.alloc(20 * MIB, S0).unwrap());
+    // 40 MiB needs the transient cache released; the persistent 30 MiB stays.
+    let e = alloc.alloc(40 * MIB, S0).unwrap_err();
+    assert!(matches!(e, AllocError::OutOfMemory(_)));
+    assert_eq!(dev.live_segments().len(), 1);
+    assert_eq!(alloc.stats().blocks.reserved_bytes.persistent.current, 30 * MIB);
+    let ok = alloc.alloc(34 * MIB, S0).unwrap();
+    assert_eq!(ok.len(), 34 * MIB);
+    drop(ok);
+    alloc.empty_cache().unwrap();
+    assert_eq!(dev.live_segments().len(), 1, "empty_cache keeps persistent segments");
+    alloc.release_persistent().unwrap();
+    assert!(dev.live_segments().is_empty());
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+
+    /// Persistent and transient blocks never share a segment, whatever the mix.
+    #[test]
+    fn residency_never_shares_segments(
+        ops in prop::collection::vec((1u64..24 * MIB, any::<bool>(), any::<prop::sample::Index>(), any::<bool>()), 1..80)
+    ) {
+        let (dev, alloc) = setup(1 << 32);
+        let mut live: Vec<(Buffer<SimDevice>, Residency)> = Vec::new();
+        for (bytes, persistent, victim, free) in ops {
+            if free && !live.is_empty() {
+                let i = victim.index(live.len());
+                live.swap_remove(i);
+            } else {
+                let r = if persistent { Residency::Persistent } else { Residency::Transient };
+                live.push((alloc.alloc_in(bytes, S0, r).unwrap(), r));
+            }
+            alloc.check_invariants().map_err(TestCaseError::fail)?;
+            for seg in alloc.snapshot() {
+                for (b, r) in &live {
+                    let inside = seg.address.0 <= b.ptr().0 && b.ptr().0 < seg.address.0 + seg.size;
+                    prop_assert!(!inside || seg.residency == *r, "a {r:?} buffer in a {:?} segment", seg.residency);
+                }
+            }
+        }
+        drop(live);
+        drop(alloc);
+        prop_assert!(dev.live_segments().is_empty());
+    }
+}
+
+#[test]
+fn two_concurrent_runs_of_one_named_scope_never_share_the_region() {
+    let (dev, alloc) = setup(1 << 32);
+    let learn = alloc.named_scope("s", S0);
+    drop(learn.alloc_unbound(MIB).unwrap());
+    drop(learn);
+    let first = alloc.named_scope("s", S0);
+    let second = alloc.named_scope("s", S0);
+    let a = first.alloc_unbound(MIB).unwrap();
+    let b = second.alloc_unbound(MIB).unwrap();
+    assert!(a.is_planned());
+    assert!(!b.is_planned(), "the region is held by the first run");
+    assert_ne!(a.ptr(), b.ptr());
+    drop((a, b));
+    drop((first, second));
+    alloc.check_invariants().unwrap();
+    assert_eq!(dev.violations(), vec![]);
+}

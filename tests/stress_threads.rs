@@ -1,0 +1,132 @@
+//! Stress: 4 threads × 50,000 random operations on one allocator over the SimDevice with its
+//! stream-order sanitizer on. Half of the operations use one stream shared by all threads, half
+//! each thread's private stream. Operations: allocate (small and large sizes), free (own buffers,
+//! and buffers other threads handed over), `record_stream`, kernels touching live buffers,
+//! statistics reads (checked for consistency) and invariant checks (which take every lock while
+//! the others keep going). At the end: no stream-order violation, the invariants hold, and after
+//! dropping everything no segment is left on the device.
+
+use std::sync::{Arc, Barrier, Mutex};
+use tidepool::device::{Access, AccessKind, Kernel, SimDevice};
+use tidepool::pool::MIB;
+use tidepool::{Allocator, Buffer, Config, Device, MemoryStats, StreamId};
+
+const THREADS: usize = 4;
+const OPS: usize = 50_000;
+
+/// xorshift64*: a fixed seed per thread.
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+}
+
+fn size(rng: &mut Rng) -> u64 {
+    match rng.below(20) {
+        0..=15 => [512, 1000, 4096, 8192, 65536][rng.below(5) as usize], // hot small classes
+        16..=18 => 1 + rng.below(MIB),                                   // any small size
+        _ => MIB + 1 + rng.below(6 * MIB),                               // large pool
+    }
+}
+
+fn consistent(s: &MemoryStats) {
+    let b = &s.blocks;
+    for g in [b.allocated_bytes, b.active_bytes, b.requested_bytes, b.allocation, b.active] {
+        for c in [g.all, g.small_pool, g.large_pool, g.persistent, g.transient] {
+            assert!(c.current <= c.peak, "{c:?}");
+            assert_eq!(c.allocated - c.freed, c.current);
+        }
+        assert_eq!(g.all.current, g.small_pool.current + g.large_pool.current);
+    }
+    assert!(b.active_bytes.all.current >= b.allocated_bytes.all.current);
+}
+
+#[allow(clippy::too_many_arguments)]
+fn worker(
+    t: usize,
+    alloc: Allocator<SimDevice>,
+    dev: Arc<SimDevice>,
+    shared: StreamId,
+    own: StreamId,
+    exchange: Arc<Mutex<Vec<Buffer<SimDevice>>>>,
+    start: Arc<Barrier>,
+) {
+    let mut rng = Rng(0x9e37_79b9_7f4a_7c15 ^ (t as u64 + 1).wrapping_mul(0xbf58_476d_1ce4_e5b9));
+    let mut live: Vec<Buffer<SimDevice>> = Vec::new();
+    start.wait();
+    for i in 0..OPS {
+        let stream = if rng.below(2) == 0 { shared } else { own };
+        match rng.below(100) {
+            0..=44 => live.push(alloc.alloc(size(&mut rng), stream).unwrap()),
+            45..=84 if !live.is_empty() => {
+                let b = live.swap_remove(rng.below(live.len() as u64) as usize);
+                if rng.below(8) == 0 {
+                    exchange.lock().unwrap().push(b); // freed later, by whichever thread
+                }
+            }
+            85..=89 => drop(exchange.lock().unwrap().pop()),
+            90..=92 if !live.is_empty() => {
+                let b = &live[rng.below(live.len() as u64) as usize];
+                alloc.record_stream(b, stream);
+            }
+            93..=97 if !live.is_empty() => {
+                // Work on a live buffer, on its own stream: it stays pending after a free.
+                let b = &live[rng.below(live.len() as u64) as usize];
+                let acc = vec![Access { ptr: b.ptr(), bytes: b.len(), kind: AccessKind::Write }];
+                dev.launch(
+                    b.stream(),
+                    Kernel { accesses: acc, ..Kernel::new("w", vec![], |_| {}) },
+                )
+                .unwrap();
+            }
+            98 => consistent(&alloc.stats()),
+            _ => {}
+        }
+        if i % 5_000 == 0 {
+            alloc.check_invariants().unwrap();
+        }
+        if live.len() > 64 {
+            live.swap_remove(0);
+        }
+    }
+}
+
+#[test]
+fn four_threads_half_on_a_shared_stream() {
+    let dev = Arc::new(SimDevice::new(64 << 30));
+    let alloc = Allocator::new(dev.clone(), Config::default()).unwrap();
+    let shared = dev.create_stream().unwrap();
+    let exchange = Arc::new(Mutex::new(Vec::new()));
+    let start = Arc::new(Barrier::new(THREADS));
+    let handles: Vec<_> = (0..THREADS)
+        .map(|t| {
+            let own = dev.create_stream().unwrap();
+            let (alloc, dev, exchange, start) =
+                (alloc.clone(), dev.clone(), exchange.clone(), start.clone());
+            std::thread::spawn(move || worker(t, alloc, dev, shared, own, exchange, start))
+        })
+        .collect();
+    for h in handles {
+        h.join().unwrap();
+    }
+    exchange.lock().unwrap().clear();
+    assert_eq!(dev.violations(), vec![], "stream-order violations");
+    alloc.check_invariants().unwrap();
+    let s = alloc.stats();
+    consistent(&s);
+    assert_eq!(s.blocks.allocation.all.current, 0);
+    assert!(s.blocks.allocation.all.allocated > (THREADS * OPS / 3) as u64);
+    alloc.synchronize().unwrap();
+    alloc.empty_cache().unwrap();
+    assert!(dev.live_segments().is_empty(), "leaked {:?}", dev.live_segments());
+    drop(alloc);
+    assert_eq!(dev.counters().mallocs, dev.counters().frees);
+    assert_eq!(dev.kernel_failures(), vec![]);
+}
