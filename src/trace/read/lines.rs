@@ -26,6 +26,19 @@ impl<R: BufRead> LineReader<R> {
         LineReader { inner, buf: Vec::new(), line_no: 0 }
     }
 
+    /// Reads the first line and checks it is exactly `header` (surrounding blanks ignored):
+    /// an empty input or any other first line is an error naming what was found.
+    pub fn expect_header(&mut self, header: &'static str) -> Result<(), TraceError> {
+        match self.next_line()? {
+            None => Err(TraceError::input(ErrorKind::Empty)),
+            Some((n, h)) if h.trim() != header => Err(TraceError::at_line(
+                n,
+                ErrorKind::WrongHeader { expected: header, found: echo(h) },
+            )),
+            Some(_) => Ok(()),
+        }
+    }
+
     /// The next non-blank line and its number, or `None` at the end of input.
     pub fn next_line(&mut self) -> Result<Option<(u64, &str)>, TraceError> {
         loop {

@@ -28,13 +28,8 @@ const COLUMNS: [&str; 6] = ["Thread", "Time", "Action", "Pointer", "Size", "Stre
 /// Reads an RMM log (plain text; see [`super::read_trace_from`] for gzip).
 pub fn read_rmm_log<R: BufRead>(input: R, name: &str) -> Result<Trace, TraceError> {
     let mut lines = LineReader::new(input);
-    match lines.next_line()? {
-        None => Err(TraceError::input(ErrorKind::Empty)),
-        Some((n, h)) if h.trim() != HEADER => {
-            Err(TraceError::at_line(n, ErrorKind::WrongHeader { expected: HEADER, found: echo(h) }))
-        }
-        Some(_) => read_body(&mut lines, name),
-    }
+    lines.expect_header(HEADER)?;
+    read_body(&mut lines, name)
 }
 
 /// Maps stream handles to dense ids (0 stays 0).

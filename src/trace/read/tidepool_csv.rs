@@ -27,13 +27,8 @@ const COLUMNS: [&str; 6] = ["seq", "op", "id", "bytes", "stream", "tag"];
 /// Reads a tidepool CSV trace (plain text; see [`super::read_trace_from`] for gzip).
 pub fn read_tidepool_csv<R: BufRead>(input: R, name: &str) -> Result<Trace, TraceError> {
     let mut lines = LineReader::new(input);
-    match lines.next_line()? {
-        None => Err(TraceError::input(ErrorKind::Empty)),
-        Some((n, h)) if h.trim() != HEADER => {
-            Err(TraceError::at_line(n, ErrorKind::WrongHeader { expected: HEADER, found: echo(h) }))
-        }
-        Some(_) => read_body(&mut lines, name),
-    }
+    lines.expect_header(HEADER)?;
+    read_body(&mut lines, name)
 }
 
 /// Reads the rows after the header.
