@@ -146,6 +146,20 @@ fn without_the_fast_cache_or_under_the_global_lock_every_operation_locks() {
 }
 
 #[test]
+fn the_invariant_check_under_the_global_lock_sees_unpublished_statistics() {
+    // Under the global lock nothing is published; the check must not compare stale copies.
+    let (dev, alloc) = setup("global_lock:true", 1 << 30);
+    let a = alloc.alloc(4096, S0).unwrap();
+    let b = alloc.alloc(4 * MIB, S0).unwrap();
+    alloc.check_invariants().unwrap();
+    drop(a);
+    alloc.check_invariants().unwrap();
+    assert_eq!(alloc.stats().blocks.reserved_bytes.all.current, 2 * MIB + 20 * MIB);
+    drop(b);
+    check(&dev, &alloc);
+}
+
+#[test]
 fn switching_global_lock_at_run_time_keeps_the_statistics_exact() {
     let (dev, alloc) = setup("", 1 << 30);
     let a = alloc.alloc(4096, S0).unwrap();

@@ -481,7 +481,14 @@ impl<D: Device> Allocator<D> {
     /// lock, so it may run while other threads allocate.
     pub fn check_invariants(&self) -> Result<(), String> {
         let sh = &self.shared;
-        let st = sh.lock_state();
+        let mut st = sh.lock_state();
+        if !sh.publish_stats.load(Ordering::Relaxed) {
+            // Under `global_lock` the kept statistics are brought up to date only when read.
+            let st = &mut *st;
+            let c = &st.counters;
+            let counters = [c.retries, c.ooms, c.device_alloc, c.device_free, c.host_syncs];
+            st.base.mirror(st.pool.stats(), counters);
+        }
         let table = sh.caches.all();
         let inners: Vec<_> = table.iter().map(|c| c.lock_inner()).collect();
         st.pool.check_invariants()?;
