@@ -342,6 +342,23 @@ fn dropping_everything_leaves_no_segment() {
 }
 
 #[test]
+fn buffers_on_streams_without_a_fast_path_keep_the_allocator_alive_too() {
+    // Streams past the fast-path table share one owner handle; it must keep the allocator up.
+    let dev = Arc::new(SimDevice::new(1 << 30));
+    let streams: Vec<StreamId> = (0..70).map(|_| dev.create_stream().unwrap()).collect();
+    let alloc = Allocator::new(dev.clone(), Config::default()).unwrap();
+    let far = alloc.alloc(4096, streams[69]).unwrap();
+    let near = alloc.alloc(4096, streams[0]).unwrap();
+    assert_eq!(streams[69].0, 70);
+    drop(alloc);
+    drop(near);
+    assert_eq!(dev.live_segments().len(), 2, "a segment per stream, one still in use");
+    drop(far);
+    assert!(dev.live_segments().is_empty());
+    assert_eq!(dev.counters().mallocs, 2);
+}
+
+#[test]
 fn set_config_applies_to_later_allocations() {
     let (_dev, alloc) = setup(1 << 30);
     let a = alloc.alloc(MIB + 1, S0).unwrap();

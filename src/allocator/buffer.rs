@@ -4,7 +4,7 @@
 //! of a learned plan's region, or nowhere (zero bytes). A buffer made inside a scope also carries
 //! a [`ScopeTag`], so the scope can record its free and keep its block for local reuse.
 
-use super::Shared;
+use super::owner::Owner;
 use super::plan::Region;
 use super::scope::ScopeTag;
 use crate::device::{Device, DevicePtr, StreamId};
@@ -36,7 +36,7 @@ pub struct Buffer<D: Device> {
     pub(super) stream: StreamId,
     pub(super) origin: Origin,
     pub(super) scope: Option<ScopeTag>,
-    pub(super) owner: Arc<Shared<D>>,
+    pub(super) owner: Arc<Owner<D>>,
     /// The requested bytes its block is accounted with in the statistics: `requested`, except
     /// for a block a scope reused locally for another request of the same rounded size.
     pub(super) accounted: u64,

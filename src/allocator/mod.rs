@@ -22,6 +22,7 @@ mod buffer;
 mod counters;
 mod error;
 mod fast_cache;
+mod owner;
 mod plan;
 mod report;
 mod request;
@@ -59,6 +60,7 @@ use batch::BatchBlock;
 use buffer::Origin;
 use counters::{BASE_WORDS, BaseStats, quadrant};
 use fast_cache::{CacheTable, CachedBlock, ClassKey, Limits, Pop, StreamCache, flush_into};
+use owner::OwnerTable;
 use plan::{Learned, Region};
 use request::RequestPlan;
 use seqlock::SeqBlock;
@@ -87,11 +89,13 @@ const STATS_TRIES: usize = 64;
 /// ```
 pub struct Allocator<D: Device> {
     shared: Arc<Shared<D>>,
+    /// What buffers hold, one per stream (see `owner.rs`).
+    owners: Arc<OwnerTable<D>>,
 }
 
 impl<D: Device> Clone for Allocator<D> {
     fn clone(&self) -> Self {
-        Allocator { shared: self.shared.clone() }
+        Allocator { shared: self.shared.clone(), owners: self.owners.clone() }
     }
 }
 
@@ -202,22 +206,21 @@ impl<D: Device> Allocator<D> {
         config.validate().map_err(|e| AllocError::Device(DeviceError::Driver(e.to_string())))?;
         let total = device.mem_info()?.total;
         let (fast, global_lock) = (config.fast_path(), config.global_lock);
-        Ok(Allocator {
-            shared: Arc::new(Shared {
-                device,
-                config: ArcCell::new(config),
-                device_total: total,
-                state: Mutex::new(State::default()),
-                caches: CacheTable::default(),
-                fast_path: AtomicBool::new(fast),
-                publish_stats: AtomicBool::new(!global_lock),
-                stats: SeqBlock::new(),
-                broken_skip_events: AtomicBool::new(false),
-                plans: Mutex::new(HashMap::new()),
-                scope_counters: ScopeCounters::default(),
-                lock_count: AtomicU64::new(0),
-            }),
-        })
+        let shared = Arc::new(Shared {
+            device,
+            config: ArcCell::new(config),
+            device_total: total,
+            state: Mutex::new(State::default()),
+            caches: CacheTable::default(),
+            fast_path: AtomicBool::new(fast),
+            publish_stats: AtomicBool::new(!global_lock),
+            stats: SeqBlock::new(),
+            broken_skip_events: AtomicBool::new(false),
+            plans: Mutex::new(HashMap::new()),
+            scope_counters: ScopeCounters::default(),
+            lock_count: AtomicU64::new(0),
+        });
+        Ok(Allocator { owners: Arc::new(OwnerTable::new(&shared)), shared })
     }
 
     /// The device underneath.
@@ -267,7 +270,7 @@ impl<D: Device> Allocator<D> {
     ) -> Result<Buffer<D>, AllocError> {
         let sh = &self.shared;
         if bytes == 0 {
-            return Ok(Shared::hand_out(sh, DevicePtr::NULL, 0, 0, stream, None, 0, residency, 0));
+            return Ok(self.hand_out(DevicePtr::NULL, 0, 0, stream, None, 0, residency, 0));
         }
         let plan = RequestPlan::new(&sh.config, bytes)?;
         let config = &*plan.config;
@@ -278,7 +281,7 @@ impl<D: Device> Allocator<D> {
         {
             match cache.pop(class, bytes) {
                 Pop::Hit(b) => {
-                    return Ok(Shared::hand_out_cached(sh, &b, bytes, stream, &plan, residency));
+                    return Ok(self.hand_out_cached(&b, bytes, stream, &plan, residency));
                 }
                 Pop::NeedsLock => cached = Some(cache),
                 Pop::Miss => {}
@@ -293,7 +296,7 @@ impl<D: Device> Allocator<D> {
             }
             st.base.live_up(b.quadrant, b.size, bytes, || sh.caches.all());
             drop(st);
-            return Ok(Shared::hand_out_cached(sh, &b, bytes, stream, &plan, residency));
+            return Ok(self.hand_out_cached(&b, bytes, stream, &plan, residency));
         }
         let key = PoolKey { residency, stream, kind: plan.kind };
         let block = sh.find_or_reserve(&mut st, config, key, bytes, plan.rounded)?;
@@ -303,7 +306,7 @@ impl<D: Device> Allocator<D> {
         let q = quadrant(key.kind, residency);
         st.base.live_up(q, size, bytes, || sh.caches.all());
         drop(st);
-        Ok(Shared::hand_out(sh, ptr, bytes, size, stream, Some(block), plan.rounded, residency, q))
+        Ok(self.hand_out(ptr, bytes, size, stream, Some(block), plan.rounded, residency, q))
     }
 
     /// Frees `buffers` under one acquisition of the global lock, straight into the pool so they
@@ -596,6 +599,53 @@ fn stats_from(caches: &[Arc<StreamCache>], snap: counters::Snapshot) -> MemorySt
     }
 }
 
+impl<D: Device> Allocator<D> {
+    /// A buffer for a block popped from a stream cache.
+    fn hand_out_cached(
+        &self,
+        b: &CachedBlock,
+        bytes: u64,
+        stream: StreamId,
+        plan: &RequestPlan,
+        residency: Residency,
+    ) -> Buffer<D> {
+        let (rounded, q) = (plan.rounded, b.quadrant);
+        self.hand_out(b.ptr, bytes, b.size, stream, Some(b.block), rounded, residency, q)
+    }
+
+    /// A buffer for a block just handed out; tells the device's sanitizer.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn hand_out(
+        &self,
+        ptr: DevicePtr,
+        requested: u64,
+        size: u64,
+        stream: StreamId,
+        block: Option<BlockId>,
+        rounded: u64,
+        residency: Residency,
+        quadrant: usize,
+    ) -> Buffer<D> {
+        if block.is_some() {
+            self.shared.device.note_handout(ptr, size, stream);
+        }
+        Buffer {
+            ptr,
+            requested,
+            accounted: requested,
+            size,
+            stream,
+            origin: block.map_or(Origin::None, Origin::Pool),
+            scope: None,
+            owner: self.owners.owner(stream),
+            rounded,
+            residency,
+            quadrant: quadrant as u8,
+            used_elsewhere: AtomicBool::new(false),
+        }
+    }
+}
+
 impl<D: Device> Shared<D> {
     /// Finds a free block for `key` or makes one, climbing the out-of-memory ladder.
     fn find_or_reserve(
@@ -780,51 +830,6 @@ impl<D: Device> Shared<D> {
             st.counters.host_syncs += 1;
         }
         Ok(())
-    }
-
-    /// A buffer for a block popped from a stream cache.
-    fn hand_out_cached(
-        this: &Arc<Self>,
-        b: &CachedBlock,
-        bytes: u64,
-        stream: StreamId,
-        plan: &RequestPlan,
-        residency: Residency,
-    ) -> Buffer<D> {
-        let (rounded, q) = (plan.rounded, b.quadrant);
-        Shared::hand_out(this, b.ptr, bytes, b.size, stream, Some(b.block), rounded, residency, q)
-    }
-
-    /// A buffer for a block just handed out; tells the device's sanitizer.
-    #[allow(clippy::too_many_arguments)]
-    fn hand_out(
-        this: &Arc<Self>,
-        ptr: DevicePtr,
-        requested: u64,
-        size: u64,
-        stream: StreamId,
-        block: Option<BlockId>,
-        rounded: u64,
-        residency: Residency,
-        quadrant: usize,
-    ) -> Buffer<D> {
-        if block.is_some() {
-            this.device.note_handout(ptr, size, stream);
-        }
-        Buffer {
-            ptr,
-            requested,
-            accounted: requested,
-            size,
-            stream,
-            origin: block.map_or(Origin::None, Origin::Pool),
-            scope: None,
-            owner: this.clone(),
-            rounded,
-            residency,
-            quadrant: quadrant as u8,
-            used_elsewhere: AtomicBool::new(false),
-        }
     }
 
     /// Frees a block on behalf of a dropped buffer: into its stream's cache when it is a

@@ -267,8 +267,7 @@ impl<'a, D: Device> Scope<'a, D> {
     fn alloc_inner(&self, bytes: u64, local_reuse: bool) -> Result<Buffer<D>, AllocError> {
         let sh = &self.alloc.shared;
         if bytes == 0 {
-            return Ok(Shared::hand_out(
-                sh,
+            return Ok(self.alloc.hand_out(
                 DevicePtr::NULL,
                 0,
                 0,
@@ -297,8 +296,7 @@ impl<'a, D: Device> Scope<'a, D> {
                     sh.scope_counters.plan_hits.fetch_add(1, Ordering::Relaxed);
                     region_offset = Some(offset);
                     let q = quadrant(config.sizing.kind(rounded), TRANSIENT);
-                    let mut b = Shared::hand_out(
-                        sh,
+                    let mut b = self.alloc.hand_out(
                         ptr,
                         bytes,
                         rounded,
@@ -319,8 +317,7 @@ impl<'a, D: Device> Scope<'a, D> {
         if buf.is_none()
             && let Some((b, ptr)) = run.local.get_mut(&rounded).and_then(Vec::pop)
         {
-            let mut reused = Shared::hand_out(
-                sh,
+            let mut reused = self.alloc.hand_out(
                 ptr,
                 bytes,
                 b.size,
