@@ -206,7 +206,7 @@ fn a_planned_buffer_used_on_another_stream_orders_its_reuse() {
                 dev.wait_event(b, e).unwrap();
                 let (k, o) = gated_write(x.ptr(), 4096);
                 dev.launch(b, k).unwrap();
-                scope.record_stream(&x, b);
+                x.record_stream(b);
                 open = Some(o);
             }
             drop(x);

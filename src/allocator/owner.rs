@@ -52,10 +52,11 @@ impl<D: Device> OwnerTable<D> {
     /// A new hold on the allocator for a buffer of `stream`.
     pub fn owner(&self, stream: StreamId) -> Arc<Owner<D>> {
         let Some(slot) = self.slots.get(stream.0 as usize) else { return self.other.clone() };
+        // `get` yields a reference under std and a clone under loom; `clone` serves both.
         if let Some(o) = slot.get() {
-            return Arc::clone(o);
+            return o.clone();
         }
         slot.set(Arc::new(Owner { shared: self.shared.clone() }));
-        Arc::clone(slot.get().expect("just set"))
+        slot.get().expect("just set").clone()
     }
 }

@@ -114,6 +114,11 @@ impl Region {
         self.pinned_count.store(p.len(), Ordering::Release);
     }
 
+    /// Whether any slice is pinned.
+    pub fn has_pins(&self) -> bool {
+        self.pinned_count.load(Ordering::Acquire) != 0
+    }
+
     /// Whether `[offset, offset + size)` overlaps a pinned slice.
     pub fn overlaps_pinned(&self, offset: u64, size: u64) -> bool {
         // Pins are added at the exit of the run that held the claim, before it releases the

@@ -1,41 +1,64 @@
 //! Scopes: transient regions of work on one stream (one training step, one request).
 //!
 //! ```text
-//!  Scope (guard, borrows the Allocator) ──Arc──▶ ScopeRun (Mutex<RunState>, scope-local)
-//!     │                                              ▲
-//!     └─ alloc() ─▶ ScopedBuffer<'scope> ── tag ─────┘   free: record the step; keep the block
-//!                                                         in the scope's local cache for reuse
+//!  Scope (guard, one thread) ── run: RefCell<Run> ── steps so far / plan cursor, live table,
+//!     │                                              region slot, local cache, counters
+//!     ├─ alloc()          ─▶ ScopedBuffer<'scope> { &scope, ptr, index, slot of its pool buffer
+//!     │                        in `run.held`, or none for a planned slice }
+//!     │                        drop: records Free(index) in `run` directly (no lock, no atomic)
+//!     └─ alloc_unbound()  ─▶ Buffer + ScopeTag ── Arc<ScopeShared> { Mutex<open, freed[]>, flag }
+//!                              drop (any thread): queues Free(index); the scope drains the queue
+//!                              at its next operation
 //! ```
 //!
-//! A scoped buffer cannot outlive its scope (its lifetime borrows the guard). Freed scoped
-//! buffers go to the scope's local cache, reused by the scope's next allocation of the same
-//! rounded size without the allocator's lock; at exit the cache goes back to the stream's pool
-//! in one batch under one lock. The blocks belong to the scope's stream, so stream order makes
-//! the batch safe with no event at all; other streams reach them only through the cross-stream
-//! rules. A *named* scope also records its run and serves the next identical run from a learned
-//! plan (see `plan.rs`).
+//! A scoped buffer cannot outlive its scope (its lifetime borrows the guard), and a scope is
+//! used from one thread (it is `!Sync`), so the run's state needs no lock: a planned allocation
+//! is a comparison with the plan's next step and an addition to the region's base. Freed scoped
+//! buffers from the pool go to the scope's local cache, reused by the scope's next allocation of
+//! the same rounded size; at exit the cache goes back to the stream's pool in one batch under one
+//! lock. The blocks belong to the scope's stream, so stream order makes the batch safe with no
+//! event at all; other streams reach them only through the cross-stream rules. Buffers made with
+//! [`Scope::alloc_unbound`] may outlive the scope and be freed on any thread: their frees are
+//! queued under a small mutex and recorded by the scope in order at its next step.
+//!
+//! A *named* scope also records its run and serves the next identical run from a learned plan
+//! (see `plan.rs`).
 
 use super::batch::BatchBlock;
 use super::counters::quadrant;
 use super::plan::{Learned, Region, Step};
-use super::{AllocError, Allocator, Buffer, Origin, Shared};
+use super::{AllocError, Allocator, Buffer, Origin};
+use crate::config::Config;
 use crate::device::{Device, DevicePtr, StreamId};
 use crate::stats::Residency;
-
-const TRANSIENT: Residency = Residency::Transient;
 use crate::sync::atomic::{AtomicBool, Ordering};
 use crate::sync::{Arc, Mutex, lock};
+use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
-use std::marker::PhantomData;
-use std::ops::Deref;
 
-/// Ties a buffer to the scope run that made it.
+const TRANSIENT: Residency = Residency::Transient;
+/// `LiveEntry::offset` of an allocation not served from the region.
+const NO_OFFSET: u64 = u64::MAX;
+/// `ScopedBuffer::index` of a zero-byte buffer (no step recorded).
+const NO_INDEX: u32 = u32::MAX;
+
+/// What unbound buffers of a run reach from any thread.
+pub(crate) struct ScopeShared {
+    state: Mutex<SharedRun>,
+    /// Set while `freed` is non-empty, so the scope's steps skip the lock when nothing is queued.
+    pending: AtomicBool,
+}
+
+struct SharedRun {
+    open: bool,
+    /// Unbound buffers freed while the run is open, in order, not yet recorded by the scope.
+    freed: Vec<u32>,
+}
+
+/// Ties an unbound buffer to the scope run that made it.
 pub(crate) struct ScopeTag {
-    run: Arc<ScopeRun>,
+    shared: Arc<ScopeShared>,
     index: u32,
-    /// Whether its block may go to the scope's local cache on free (scoped buffers without
-    /// `record_stream` uses).
-    local_reuse: AtomicBool,
     /// Other streams it was used on (`record_stream`), for planned buffers, which have no pool
     /// block to hold: their free makes the owner stream wait for these streams instead.
     uses: Mutex<Vec<StreamId>>,
@@ -44,9 +67,8 @@ pub(crate) struct ScopeTag {
 }
 
 impl ScopeTag {
-    /// Notes a use on another stream: no local reuse, and remembered for planned buffers.
+    /// Notes a use on another stream, remembered for planned buffers.
     pub(crate) fn used_on(&self, stream: StreamId) {
-        self.local_reuse.store(false, Ordering::Relaxed);
         self.has_uses.store(true, Ordering::Relaxed);
         let mut uses = lock(&self.uses);
         if !uses.contains(&stream) {
@@ -54,90 +76,117 @@ impl ScopeTag {
         }
     }
 
-    /// Called from `Buffer::drop`: records the free while the run is open (maybe taking the
-    /// block into the local cache), or unpins an escaped planned slice after it ended. Returns
-    /// the other streams the buffer was used on.
-    pub(crate) fn on_drop<D: Device>(&self, buf: &mut Buffer<D>) -> Vec<StreamId> {
+    /// Called from `Buffer::drop`: queues the free while the run is open, or unpins an escaped
+    /// planned slice after it ended. Returns the other streams the buffer was used on.
+    pub(crate) fn on_drop<D: Device>(&self, buf: &Buffer<D>) -> Vec<StreamId> {
         let uses = if self.has_uses.load(Ordering::Relaxed) {
             std::mem::take(&mut *lock(&self.uses))
         } else {
             Vec::new()
         };
-        let mut run = lock(&self.run.state);
-        if !run.open {
-            if let Origin::Region(region, offset) = &buf.origin {
-                region.unpin(*offset);
-            }
-            return uses;
-        }
-        run.record(Step::Free(self.index));
-        run.live[self.index as usize] = None;
-        run.live_count -= 1;
-        if self.local_reuse.load(Ordering::Relaxed)
-            && let Origin::Pool(block) = buf.origin
-        {
-            buf.owner.device.note_reclaim(buf.ptr, buf.size, buf.stream);
-            let b = BatchBlock {
-                block,
-                quadrant: buf.quadrant as usize,
-                size: buf.size,
-                requested: buf.accounted,
-            };
-            run.local.entry(buf.rounded).or_default().push((b, buf.ptr));
-            buf.origin = Origin::None;
+        let mut run = lock(&self.shared.state);
+        if run.open {
+            run.freed.push(self.index);
+            self.shared.pending.store(true, Ordering::Release);
+        } else if let Origin::Region(region, offset) = &buf.origin {
+            region.unpin(*offset);
         }
         uses
     }
 }
 
-/// A live allocation of the run: its size and, when planned, its offset in the region.
+/// An unbound allocation of the run: its index, block size, offset in the region (or
+/// `NO_OFFSET`), and whether it is still live. (Bound buffers cannot outlive the scope, so
+/// only unbound ones can escape.)
 #[derive(Clone, Copy)]
 struct LiveEntry {
+    index: u32,
     size: u64,
-    region_offset: Option<u64>,
+    offset: u64,
+    live: bool,
 }
 
-struct RunState {
-    open: bool,
-    /// Every step of this run, in order.
+/// A run's hold on its plan's region: one run at a time serves from a region.
+enum RegionSlot {
+    /// Not used yet by this run (the plan's region, if it has one already).
+    Unclaimed(Option<Arc<Region>>),
+    /// This run serves planned slices from it.
+    Claimed(Arc<Region>),
+    /// Another run of the same scope holds it, or it could not be reserved: no planned slices.
+    Denied,
+}
+
+/// Where a run stands against its plan: the hot path reads and writes only these cells.
+struct Cursor {
+    /// Whether every step so far equals the plan's step at the same position. While it does,
+    /// the steps are the plan's prefix of length `len` and `Run::steps` stays empty.
+    following: Cell<bool>,
+    /// Number of steps taken.
+    len: Cell<usize>,
+    /// Number of allocations made (the next allocation's index).
+    allocs: Cell<u32>,
+    /// Base address of the claimed region, `NO_BASE` until claimed (or if denied).
+    base: Cell<u64>,
+    /// Whether slices must be checked against pinned ones (an earlier run left escapes when
+    /// the region was claimed; pins are only removed while this run holds the claim).
+    check_pins: Cell<bool>,
+    hits: Cell<u64>,
+}
+
+const NO_BASE: u64 = u64::MAX;
+
+/// The rest of a run's state, owned by its scope.
+struct Run<D: Device> {
+    /// The steps, once the run stopped following a plan (or had none).
     steps: Vec<Step>,
-    allocs: u32,
-    /// The plan this run follows, until it diverges.
-    learned: Option<Arc<Learned>>,
-    diverged: bool,
-    /// Live allocations of the run by index (`None` once freed), and how many are live.
-    live: Vec<Option<LiveEntry>>,
-    live_count: usize,
-    /// Freed scoped blocks by size, ready for reuse in this run.
+    /// Unbound allocations, in index order, and how many are live.
+    unbound: Vec<LiveEntry>,
+    live_unbound: usize,
+    region: RegionSlot,
+    /// Freed pool blocks by rounded size, ready for reuse in this run.
     local: HashMap<u64, Vec<(BatchBlock, DevicePtr)>>,
+    /// The pool buffers behind live scoped buffers, by slot (kept here so a scoped buffer stays
+    /// a few words), and the free slots.
+    held: Vec<Option<Buffer<D>>>,
+    free_slots: Vec<u32>,
+    /// Planned buffers used on other streams: (allocation index, stream).
+    uses: Vec<(u32, StreamId)>,
+    misses: u64,
 }
 
-impl RunState {
-    /// Appends a step and checks it against the plan; returns whether the plan still holds.
-    fn record(&mut self, step: Step) -> bool {
-        let k = self.steps.len();
-        self.steps.push(step);
-        if self.diverged {
-            return false;
-        }
-        match &self.learned {
-            Some(l) if l.steps.get(k) == Some(&step) => true,
-            Some(_) => {
-                self.diverged = true;
-                false
+impl<D: Device> Run<D> {
+    /// Keeps a pool buffer for a scoped buffer; returns its slot.
+    fn hold(&mut self, buf: Buffer<D>) -> u32 {
+        match self.free_slots.pop() {
+            Some(i) => {
+                self.held[i as usize] = Some(buf);
+                i
             }
-            None => false,
+            None => {
+                self.held.push(Some(buf));
+                (self.held.len() - 1) as u32
+            }
+        }
+    }
+
+    fn unhold(&mut self, slot: u32) -> Buffer<D> {
+        self.free_slots.push(slot);
+        self.held[slot as usize].take().expect("a held buffer")
+    }
+
+    /// Marks unbound allocation `index` freed.
+    fn unbound_freed(&mut self, index: u32) {
+        if let Ok(k) = self.unbound.binary_search_by_key(&index, |e| e.index) {
+            self.unbound[k].live = false;
+            self.live_unbound -= 1;
         }
     }
 }
 
-pub(crate) struct ScopeRun {
-    state: Mutex<RunState>,
-}
-
 /// A transient region of work on one stream; see the module docs. Ends when dropped.
 ///
-/// Buffers from [`Scope::alloc`] borrow the scope, so they cannot outlive it:
+/// A scope is used from the thread that opened it (it is not `Sync`); buffers from
+/// [`Scope::alloc`] borrow the scope, so they cannot outlive it:
 ///
 /// ```compile_fail
 /// use std::sync::Arc;
@@ -165,39 +214,98 @@ pub(crate) struct ScopeRun {
 /// ```
 pub struct Scope<'a, D: Device> {
     alloc: &'a Allocator<D>,
+    device: &'a D,
     stream: StreamId,
     name: Option<String>,
-    run: Arc<ScopeRun>,
-    /// The region of the plan being followed (created on the first planned allocation).
-    region: Mutex<RegionSlot>,
+    /// The configuration as of opening: every request of the run is rounded the same way.
+    config: Arc<Config>,
+    /// The plan this run follows while its steps repeat it.
+    plan: Option<Arc<Learned>>,
+    cursor: Cursor,
+    run: RefCell<Run<D>>,
+    shared: Arc<ScopeShared>,
 }
 
-/// A run's hold on its plan's region: one run at a time serves from a region.
-enum RegionSlot {
-    /// Not used yet by this run (the plan's region, if it has one already).
-    Unclaimed(Option<Arc<Region>>),
-    /// This run serves planned slices from it.
-    Claimed(Arc<Region>),
-    /// Another run of the same scope holds it, or it could not be reserved: no planned slices.
-    Denied,
-}
-
-/// A buffer of a [`Scope`]; it cannot outlive the scope. Derefs to [`Buffer`].
+/// A buffer of a [`Scope`]; it cannot outlive the scope, nor leave its thread.
 pub struct ScopedBuffer<'s, D: Device> {
-    buf: Buffer<D>,
-    _scope: PhantomData<&'s ()>,
+    scope: &'s Scope<'s, D>,
+    ptr: DevicePtr,
+    requested: u64,
+    size: u64,
+    index: u32,
+    /// The slot of the pool buffer behind it in the run, or `NO_SLOT` for a planned slice.
+    slot: u32,
 }
 
-impl<D: Device> Deref for ScopedBuffer<'_, D> {
-    type Target = Buffer<D>;
-    fn deref(&self) -> &Buffer<D> {
-        &self.buf
+/// `ScopedBuffer::slot` of a planned slice (or a zero-byte buffer).
+const NO_SLOT: u32 = u32::MAX;
+
+impl<D: Device> ScopedBuffer<'_, D> {
+    /// The device address of the first byte ([`DevicePtr::NULL`] for a zero-byte buffer).
+    pub fn ptr(&self) -> DevicePtr {
+        self.ptr
+    }
+
+    /// Bytes asked for.
+    pub fn len(&self) -> u64 {
+        self.requested
+    }
+
+    /// Whether this is a zero-byte buffer.
+    pub fn is_empty(&self) -> bool {
+        self.requested == 0
+    }
+
+    /// Bytes of the block or slice behind it.
+    pub fn block_size(&self) -> u64 {
+        self.size
+    }
+
+    /// The scope's stream, which owns it.
+    pub fn stream(&self) -> StreamId {
+        self.scope.stream
+    }
+
+    /// Whether it was served from the learned plan's region.
+    pub fn is_planned(&self) -> bool {
+        self.slot == NO_SLOT && self.index != NO_INDEX
+    }
+
+    /// Marks it as used on `stream` too (see [`Allocator::record_stream`]): it is no longer
+    /// reused locally, and its reuse is ordered after `stream`'s work.
+    pub fn record_stream(&self, stream: StreamId) {
+        if stream == self.scope.stream || self.index == NO_INDEX {
+            return;
+        }
+        let mut run = self.scope.run.borrow_mut();
+        if self.slot != NO_SLOT {
+            if let Some(buf) = &run.held[self.slot as usize] {
+                self.scope.alloc.record_stream(buf, stream);
+            }
+        } else if !run.uses.contains(&(self.index, stream)) {
+            run.uses.push((self.index, stream));
+        }
+    }
+}
+
+impl<D: Device> Drop for ScopedBuffer<'_, D> {
+    #[inline]
+    fn drop(&mut self) {
+        if self.index != NO_INDEX {
+            self.scope.free_bound(self.index, self.ptr, self.size, self.slot);
+        }
     }
 }
 
 impl<D: Device> std::fmt::Debug for ScopedBuffer<'_, D> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        self.buf.fmt(f)
+        f.debug_struct("ScopedBuffer")
+            .field("ptr", &self.ptr)
+            .field("len", &self.requested)
+            .field("block_size", &self.size)
+            .field("stream", &self.scope.stream)
+            .field("planned", &self.is_planned())
+            .finish()
     }
 }
 
@@ -216,27 +324,40 @@ impl<D: Device> Allocator<D> {
 
 impl<'a, D: Device> Scope<'a, D> {
     fn open(alloc: &'a Allocator<D>, stream: StreamId, name: Option<String>) -> Scope<'a, D> {
-        let (learned, region) = match &name {
+        let (plan, region) = match &name {
             Some(n) => alloc.shared.plan_for(n, stream),
             None => (None, None),
         };
         Scope {
             alloc,
+            device: &alloc.shared.device,
             stream,
             name,
-            run: Arc::new(ScopeRun {
-                state: Mutex::new(RunState {
-                    open: true,
-                    steps: Vec::new(),
-                    allocs: 0,
-                    learned,
-                    diverged: false,
-                    live: Vec::new(),
-                    live_count: 0,
-                    local: HashMap::new(),
-                }),
+            config: alloc.shared.config.load_full(),
+            cursor: Cursor {
+                following: Cell::new(plan.is_some()),
+                len: Cell::new(0),
+                allocs: Cell::new(0),
+                base: Cell::new(NO_BASE),
+                check_pins: Cell::new(false),
+                hits: Cell::new(0),
+            },
+            plan,
+            run: RefCell::new(Run {
+                steps: Vec::new(),
+                unbound: Vec::new(),
+                live_unbound: 0,
+                region: RegionSlot::Unclaimed(region),
+                local: HashMap::new(),
+                held: Vec::new(),
+                free_slots: Vec::new(),
+                uses: Vec::new(),
+                misses: 0,
             }),
-            region: Mutex::new(RegionSlot::Unclaimed(region)),
+            shared: Arc::new(ScopeShared {
+                state: Mutex::new(SharedRun { open: true, freed: Vec::new() }),
+                pending: AtomicBool::new(false),
+            }),
         }
     }
 
@@ -245,27 +366,48 @@ impl<'a, D: Device> Scope<'a, D> {
         self.stream
     }
 
-    /// Marks a buffer as used on `stream` too (see [`Allocator::record_stream`]): its block is
-    /// no longer reused locally, and its reuse is ordered after `stream`'s work.
-    pub fn record_stream(&self, buffer: &Buffer<D>, stream: StreamId) {
-        self.alloc.record_stream(buffer, stream);
+    /// Marks a scoped buffer as used on `stream` too; see [`ScopedBuffer::record_stream`].
+    pub fn record_stream(&self, buffer: &ScopedBuffer<'_, D>, stream: StreamId) {
+        buffer.record_stream(stream);
     }
 
     /// Allocates `bytes` of transient memory for this scope; the buffer cannot outlive it.
+    #[inline]
     pub fn alloc(&self, bytes: u64) -> Result<ScopedBuffer<'_, D>, AllocError> {
-        Ok(ScopedBuffer { buf: self.alloc_inner(bytes, true)?, _scope: PhantomData })
+        self.drain_freed();
+        let mut b = ScopedBuffer {
+            scope: self,
+            ptr: DevicePtr::NULL,
+            requested: bytes,
+            size: 0,
+            index: NO_INDEX,
+            slot: NO_SLOT,
+        };
+        if bytes == 0 {
+            return Ok(b);
+        }
+        let rounded = self.round(bytes)?;
+        let index = self.cursor.allocs.get();
+        self.cursor.allocs.set(index + 1);
+        if self.step(Step::Alloc(rounded)) {
+            if let Some(ptr) = self.planned(index, rounded)? {
+                (b.ptr, b.size, b.index) = (ptr, rounded, index);
+                return Ok(b);
+            }
+            self.run.borrow_mut().misses += 1;
+        }
+        let buf = self.pool_block(bytes, rounded)?;
+        (b.ptr, b.size, b.index) = (buf.ptr, buf.size, index);
+        b.slot = self.run.borrow_mut().hold(buf);
+        Ok(b)
     }
 
-    /// Allocates `bytes` through this scope as an ordinary [`Buffer`] that may outlive it, for
-    /// callers that cannot express lifetimes (the trace replayer, framework bridges). One still
-    /// live at scope exit is an *escape*: counted, kept correct, and planned like any other
-    /// allocation (its slice stays pinned until it is freed).
+    /// Allocates `bytes` through this scope as an ordinary [`Buffer`] that may outlive it (and
+    /// be freed on any thread), for callers that cannot express lifetimes (the trace replayer,
+    /// framework bridges). One still live at scope exit is an *escape*: counted, kept correct,
+    /// and planned like any other allocation (its slice stays pinned until it is freed).
     pub fn alloc_unbound(&self, bytes: u64) -> Result<Buffer<D>, AllocError> {
-        self.alloc_inner(bytes, false)
-    }
-
-    fn alloc_inner(&self, bytes: u64, local_reuse: bool) -> Result<Buffer<D>, AllocError> {
-        let sh = &self.alloc.shared;
+        self.drain_freed();
         if bytes == 0 {
             return Ok(self.alloc.hand_out(
                 DevicePtr::NULL,
@@ -278,114 +420,239 @@ impl<'a, D: Device> Scope<'a, D> {
                 0,
             ));
         }
-        let config = sh.config.load();
-        let rounded =
-            config.sizing.round(bytes).ok_or(AllocError::InvalidSize { requested: bytes })?;
-        let mut run = lock(&self.run.state);
-        let index = run.allocs;
-        run.allocs += 1;
-        let on_plan = run.record(Step::Alloc(rounded));
-        let mut buf = None;
-        let mut region_offset = None;
-        if on_plan && let Some(learned) = run.learned.clone() {
-            let offset = learned.offsets[index as usize];
-            match self.planned_slice(&learned, offset, rounded)? {
-                Some(region) => {
-                    let ptr = DevicePtr(region.base + offset);
-                    sh.device.note_handout(ptr, rounded, self.stream);
-                    sh.scope_counters.plan_hits.fetch_add(1, Ordering::Relaxed);
-                    region_offset = Some(offset);
-                    let q = quadrant(config.sizing.kind(rounded), TRANSIENT);
-                    let mut b = self.alloc.hand_out(
-                        ptr,
-                        bytes,
-                        rounded,
-                        self.stream,
-                        None,
-                        rounded,
-                        TRANSIENT,
-                        q,
-                    );
-                    b.origin = Origin::Region(region, offset);
-                    buf = Some(b);
-                }
-                None => {
-                    sh.scope_counters.plan_misses.fetch_add(1, Ordering::Relaxed);
-                }
+        let rounded = self.round(bytes)?;
+        let index = self.cursor.allocs.get();
+        self.cursor.allocs.set(index + 1);
+        let mut planned = None;
+        if self.step(Step::Alloc(rounded)) {
+            match self.planned(index, rounded)? {
+                Some(ptr) => planned = Some(ptr),
+                None => self.run.borrow_mut().misses += 1,
             }
         }
-        if buf.is_none()
-            && let Some((b, ptr)) = run.local.get_mut(&rounded).and_then(Vec::pop)
-        {
-            let mut reused = self.alloc.hand_out(
-                ptr,
-                bytes,
-                b.size,
-                self.stream,
-                Some(b.block),
-                rounded,
-                TRANSIENT,
-                b.quadrant,
-            );
-            // The statistics still account the block with the request it was first made for.
-            reused.accounted = b.requested;
-            buf = Some(reused);
-        }
-        let mut buf = match buf {
-            Some(b) => b,
-            None => {
-                drop(run);
-                let b = self.alloc.alloc_in(bytes, self.stream, Residency::Transient)?;
-                run = lock(&self.run.state);
-                b
+        let (mut buf, offset) = match planned {
+            Some(ptr) => {
+                let q = quadrant(self.config.sizing.kind(rounded), TRANSIENT);
+                let mut b = self.alloc.hand_out(
+                    ptr,
+                    bytes,
+                    rounded,
+                    self.stream,
+                    None,
+                    rounded,
+                    TRANSIENT,
+                    q,
+                );
+                let offset = ptr.0 - self.cursor.base.get();
+                let RegionSlot::Claimed(region) = &self.run.borrow().region else {
+                    unreachable!("a planned slice comes from the claimed region")
+                };
+                b.origin = Origin::Region(region.clone(), offset);
+                (b, offset)
             }
+            None => (self.pool_block(bytes, rounded)?, NO_OFFSET),
         };
-        debug_assert_eq!(run.live.len(), index as usize);
-        run.live.push(Some(LiveEntry { size: buf.size, region_offset }));
-        run.live_count += 1;
+        let mut run = self.run.borrow_mut();
+        run.unbound.push(LiveEntry { index, size: buf.size, offset, live: true });
+        run.live_unbound += 1;
         buf.scope = Some(ScopeTag {
-            run: self.run.clone(),
+            shared: self.shared.clone(),
             index,
-            local_reuse: AtomicBool::new(local_reuse),
             uses: Mutex::new(Vec::new()),
             has_uses: AtomicBool::new(false),
         });
         Ok(buf)
     }
 
-    /// The region to serve a planned slice from, if the slice is free: made on first use (the
-    /// stream's cached transient segments are trimmed first so the region replaces them), and
-    /// `None` when an escaped buffer of an earlier run still holds part of the slice.
-    fn planned_slice(
-        &self,
-        learned: &Learned,
-        offset: u64,
-        size: u64,
-    ) -> Result<Option<Arc<Region>>, AllocError> {
-        let mut slot = lock(&self.region);
-        if let RegionSlot::Unclaimed(existing) = &*slot {
-            let Some(name) = self.name.as_deref() else { return Ok(None) };
-            let region = match existing {
-                Some(r) => r.clone(),
-                None => match self.alloc.shared.make_region(name, self.stream, learned.region_size)
-                {
-                    Ok(r) => r,
-                    Err(AllocError::OutOfMemory(_)) => {
-                        *slot = RegionSlot::Denied;
-                        return Ok(None);
-                    }
-                    Err(e) => return Err(e),
-                },
-            };
-            *slot =
-                if region.try_claim() { RegionSlot::Claimed(region) } else { RegionSlot::Denied };
+    #[inline]
+    fn round(&self, bytes: u64) -> Result<u64, AllocError> {
+        self.config.sizing.round(bytes).ok_or(AllocError::InvalidSize { requested: bytes })
+    }
+
+    /// Takes a step; returns whether the run still follows its plan.
+    #[inline]
+    fn step(&self, step: Step) -> bool {
+        let c = &self.cursor;
+        let len = c.len.get();
+        c.len.set(len + 1);
+        if c.following.get()
+            && let Some(plan) = &self.plan
+            && plan.steps.get(len) == Some(&step)
+        {
+            return true;
         }
-        match &*slot {
-            RegionSlot::Claimed(region) => {
-                Ok((!region.overlaps_pinned(offset, size)).then(|| region.clone()))
+        self.step_off_plan(len, step);
+        false
+    }
+
+    #[cold]
+    fn step_off_plan(&self, len: usize, step: Step) {
+        let mut run = self.run.borrow_mut();
+        if self.cursor.following.replace(false)
+            && let Some(plan) = &self.plan
+        {
+            run.steps = plan.steps[..len].to_vec();
+        }
+        run.steps.push(step);
+    }
+
+    /// The steps of the run, for learning.
+    fn take_steps(&mut self) -> Vec<Step> {
+        match &self.plan {
+            Some(plan) if self.cursor.following.get() => {
+                plan.steps[..self.cursor.len.get()].to_vec()
             }
-            _ => Ok(None),
+            _ => std::mem::take(&mut self.run.get_mut().steps),
         }
+    }
+
+    /// The planned slice of allocation `index` (which follows the plan), if it can be served.
+    #[inline]
+    fn planned(&self, index: u32, size: u64) -> Result<Option<DevicePtr>, AllocError> {
+        let c = &self.cursor;
+        let base = c.base.get();
+        if base == NO_BASE {
+            return self.planned_claiming(index, size);
+        }
+        let offset = self.plan.as_ref().expect("following a plan").offsets[index as usize];
+        if c.check_pins.get() && self.pinned(offset, size) {
+            return Ok(None);
+        }
+        let ptr = DevicePtr(base + offset);
+        self.device.note_handout(ptr, size, self.stream);
+        c.hits.set(c.hits.get() + 1);
+        Ok(Some(ptr))
+    }
+
+    fn pinned(&self, offset: u64, size: u64) -> bool {
+        match &self.run.borrow().region {
+            RegionSlot::Claimed(region) => region.overlaps_pinned(offset, size),
+            _ => true,
+        }
+    }
+
+    /// The first planned allocation of the run: claims the plan's region, made on first use
+    /// (the stream's cached transient segments are trimmed first so the region replaces them).
+    /// `None` when another run holds it or it cannot be reserved.
+    #[cold]
+    fn planned_claiming(&self, index: u32, size: u64) -> Result<Option<DevicePtr>, AllocError> {
+        let mut run = self.run.borrow_mut();
+        let RegionSlot::Unclaimed(existing) = &run.region else { return Ok(None) };
+        let (Some(name), Some(plan)) = (self.name.as_deref(), &self.plan) else { return Ok(None) };
+        let region = match existing {
+            Some(r) => r.clone(),
+            None => match self.alloc.shared.make_region(name, self.stream, plan.region_size) {
+                Ok(r) => r,
+                Err(AllocError::OutOfMemory(_)) => {
+                    run.region = RegionSlot::Denied;
+                    return Ok(None);
+                }
+                Err(e) => return Err(e),
+            },
+        };
+        if !region.try_claim() {
+            run.region = RegionSlot::Denied;
+            return Ok(None);
+        }
+        self.cursor.base.set(region.base);
+        self.cursor.check_pins.set(region.has_pins());
+        run.region = RegionSlot::Claimed(region);
+        drop(run);
+        self.planned(index, size)
+    }
+
+    /// A pool block for the run: from the local cache when one of the size was freed in this
+    /// run, else from the allocator.
+    fn pool_block(&self, bytes: u64, rounded: u64) -> Result<Buffer<D>, AllocError> {
+        let cached = self.run.borrow_mut().local.get_mut(&rounded).and_then(Vec::pop);
+        let Some((b, ptr)) = cached else {
+            return self.alloc.alloc_in(bytes, self.stream, TRANSIENT);
+        };
+        let mut reused = self.alloc.hand_out(
+            ptr,
+            bytes,
+            b.size,
+            self.stream,
+            Some(b.block),
+            rounded,
+            TRANSIENT,
+            b.quadrant,
+        );
+        // The statistics still account the block with the request it was first made for.
+        reused.accounted = b.requested;
+        Ok(reused)
+    }
+
+    /// Records the free of a bound buffer: a planned slice only orders its reuse after the
+    /// streams it was used on; a pool block goes to the local cache unless it was used on
+    /// another stream.
+    #[inline]
+    fn free_bound(&self, index: u32, ptr: DevicePtr, size: u64, slot: u32) {
+        self.drain_freed();
+        self.step(Step::Free(index));
+        if slot == NO_SLOT {
+            self.device.note_reclaim(ptr, size, self.stream);
+            if !self.run.borrow().uses.is_empty() {
+                self.order_uses(index);
+            }
+            return;
+        }
+        let mut run = self.run.borrow_mut();
+        let mut buf = run.unhold(slot);
+        if !buf.used_elsewhere()
+            && let Origin::Pool(block) = buf.origin
+        {
+            self.device.note_reclaim(buf.ptr, buf.size, self.stream);
+            let b = BatchBlock {
+                block,
+                quadrant: buf.quadrant as usize,
+                size: buf.size,
+                requested: buf.accounted,
+            };
+            run.local.entry(buf.rounded).or_default().push((b, buf.ptr));
+            buf.origin = Origin::None;
+        }
+        drop(run);
+        drop(buf); // the ordinary stream-ordered free, unless taken into the local cache
+    }
+
+    /// Orders the reuse of freed planned allocation `index` after the streams it was used on.
+    #[cold]
+    fn order_uses(&self, index: u32) {
+        let mut others = Vec::new();
+        self.run.borrow_mut().uses.retain(|&(i, s)| {
+            if i == index {
+                others.push(s);
+            }
+            i != index
+        });
+        self.alloc.shared.order_after(self.stream, &others);
+    }
+
+    /// Records the frees of unbound buffers queued since the last step.
+    #[inline]
+    fn drain_freed(&self) {
+        if self.shared.pending.load(Ordering::Acquire) {
+            self.drain_queue();
+        }
+    }
+
+    #[cold]
+    fn drain_queue(&self) {
+        let freed = {
+            let mut st = lock(&self.shared.state);
+            self.shared.pending.store(false, Ordering::Relaxed);
+            std::mem::take(&mut st.freed)
+        };
+        for i in freed {
+            self.unbound_freed(i);
+        }
+    }
+
+    /// Records the free of unbound allocation `index`.
+    fn unbound_freed(&self, index: u32) {
+        self.step(Step::Free(index));
+        self.run.borrow_mut().unbound_freed(index);
     }
 }
 
@@ -393,28 +660,36 @@ impl<D: Device> Drop for Scope<'_, D> {
     /// Ends the run: escapes are counted (planned ones pinned), the local cache goes back to the
     /// pool in one batch, and a named scope learns the run unless it followed its plan exactly.
     fn drop(&mut self) {
-        let sh: &Shared<D> = &self.alloc.shared;
-        let mut run = lock(&self.run.state);
-        run.open = false;
-        let escapes = run.live_count as u64;
-        if let RegionSlot::Claimed(region) = &*lock(&self.region) {
-            for e in run.live.iter().flatten() {
-                if let Some(off) = e.region_offset {
-                    region.pin(off, e.size);
-                }
+        let sh = &self.alloc.shared;
+        {
+            // Closed under the queue's lock: an unbound buffer freed from now on unpins its slice
+            // itself, and one freed before is recorded here.
+            let mut st = lock(&self.shared.state);
+            for i in std::mem::take(&mut st.freed) {
+                self.unbound_freed(i);
             }
-            region.unclaim();
+            st.open = false;
+            let run = self.run.get_mut();
+            if let RegionSlot::Claimed(region) = &run.region {
+                for e in run.unbound.iter().filter(|e| e.live && e.offset != NO_OFFSET) {
+                    region.pin(e.offset, e.size);
+                }
+                region.unclaim();
+            }
         }
-        sh.scope_counters.escapes.fetch_add(escapes, Ordering::Relaxed);
+        let run = self.run.get_mut();
+        let c = &sh.scope_counters;
+        c.escapes.fetch_add(run.live_unbound as u64, Ordering::Relaxed);
+        c.plan_hits.fetch_add(self.cursor.hits.get(), Ordering::Relaxed);
+        c.plan_misses.fetch_add(run.misses, Ordering::Relaxed);
         let blocks: Vec<BatchBlock> =
             run.local.drain().flat_map(|(_, v)| v.into_iter().map(|(b, _)| b)).collect();
-        let followed =
-            run.learned.as_ref().is_some_and(|l| !run.diverged && l.steps.len() == run.steps.len());
-        if run.learned.is_some() && !followed {
-            sh.scope_counters.plan_fallbacks.fetch_add(1, Ordering::Relaxed);
+        let followed = self.cursor.following.get()
+            && self.plan.as_ref().is_some_and(|p| p.steps.len() == self.cursor.len.get());
+        if self.plan.is_some() && !followed {
+            c.plan_fallbacks.fetch_add(1, Ordering::Relaxed);
         }
-        let steps = if followed { Vec::new() } else { std::mem::take(&mut run.steps) };
-        drop(run);
+        let steps = if followed { Vec::new() } else { self.take_steps() };
         sh.free_blocks(self.stream, &blocks);
         if let Some(name) = &self.name
             && !followed

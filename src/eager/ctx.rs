@@ -87,7 +87,7 @@ impl<'t, B: Backend> Ctx<'t, B> {
             return Ok(());
         }
         self.eager.wait_stream(self.stream, t.stream())?;
-        self.eager.allocator().record_stream(t.buffer(), self.stream);
+        t.record_stream(self.stream);
         Ok(())
     }
 

@@ -32,11 +32,29 @@ pub(crate) enum Mem<'t, D: Device> {
 }
 
 impl<D: Device> Mem<'_, D> {
-    fn buffer(&self) -> &Buffer<D> {
+    fn ptr(&self) -> DevicePtr {
         match self {
-            Mem::Owned(b) => b,
-            Mem::Scoped(b) => b,
+            Mem::Owned(b) => b.ptr(),
+            Mem::Scoped(b) => b.ptr(),
         }
+    }
+
+    fn len(&self) -> u64 {
+        match self {
+            Mem::Owned(b) => b.len(),
+            Mem::Scoped(b) => b.len(),
+        }
+    }
+
+    fn stream(&self) -> StreamId {
+        match self {
+            Mem::Owned(b) => b.stream(),
+            Mem::Scoped(b) => b.stream(),
+        }
+    }
+
+    fn is_empty(&self) -> bool {
+        self.len() == 0
     }
 }
 
@@ -55,8 +73,8 @@ impl<B: Backend> Drop for Storage<'_, B> {
         if self.trace_id != 0
             && let Some(r) = self.eager.recorder()
         {
-            let b = self.mem.buffer();
-            r.free(self.trace_id, b.len(), b.stream(), self.tag);
+            let m = &self.mem;
+            r.free(self.trace_id, m.len(), m.stream(), self.tag);
         }
     }
 }
@@ -75,7 +93,7 @@ impl<'t, B: Backend> Tensor<'t, B> {
         residency: Residency,
         tag: TraceTag,
     ) -> Tensor<'t, B> {
-        let b = mem.buffer();
+        let b = &mem;
         let trace_id = match eager.recorder() {
             Some(r) if !b.is_empty() => r.alloc(b.len(), b.stream(), tag),
             _ => 0,
@@ -110,17 +128,17 @@ impl<'t, B: Backend> Tensor<'t, B> {
 
     /// The stream that owns its memory (where ops producing it ran).
     pub fn stream(&self) -> StreamId {
-        self.buffer().stream()
+        self.storage.mem.stream()
     }
 
     /// The device address of element 0.
     pub fn ptr(&self) -> DevicePtr {
-        self.buffer().ptr()
+        self.storage.mem.ptr()
     }
 
-    /// The buffer holding it.
-    pub fn buffer(&self) -> &Buffer<D<B>> {
-        self.storage.mem.buffer()
+    /// Bytes of device memory asked for it.
+    pub fn bytes(&self) -> u64 {
+        self.storage.mem.len()
     }
 
     /// Persistent (parameters, optimizer state) or transient.
@@ -158,7 +176,10 @@ impl<'t, B: Backend> Tensor<'t, B> {
 
     /// Marks its memory as used on `stream` too (see [`crate::Allocator::record_stream`]).
     pub fn record_stream(&self, stream: StreamId) {
-        self.storage.eager.allocator().record_stream(self.buffer(), stream);
+        match &self.storage.mem {
+            Mem::Owned(b) => self.storage.eager.allocator().record_stream(b, stream),
+            Mem::Scoped(b) => b.record_stream(stream),
+        }
     }
 
     /// Overwrites it in place with `data`, in its stream's order.
@@ -170,9 +191,6 @@ impl<'t, B: Backend> Tensor<'t, B> {
         self.storage.eager.backend().upload(self.stream(), self.ptr(), data)
     }
 }
-
-/// The device of a back end.
-type D<B> = <B as Backend>::Device;
 
 impl<B: Backend> Tensor<'static, B> {
     /// A persistent tensor (a weight) holding `data`, on `stream`.
@@ -229,7 +247,8 @@ impl<B: Backend> fmt::Debug for Tensor<'_, B> {
             .field("stream", &self.stream())
             .field("residency", &self.storage.residency)
             .field("scoped", &self.is_scoped())
-            .field("buffer", self.buffer())
+            .field("ptr", &self.ptr())
+            .field("bytes", &self.bytes())
             .finish()
     }
 }

@@ -78,6 +78,7 @@ impl Sizing {
     /// let p2 = Sizing { roundup_power2_divisions: 4, ..Sizing::default() };
     /// assert_eq!(p2.round(1_200_000), Some(1_310_720)); // 1 MiB + 1/4 MiB
     /// ```
+    #[inline]
     pub fn round(&self, bytes: u64) -> Option<u64> {
         if bytes > MAX_REQUEST {
             return None;
@@ -89,7 +90,12 @@ impl Sizing {
         if div > 1 && bytes > self.min_block_size * div {
             return Some(round_power2_division(bytes, div));
         }
-        Some(bytes.div_ceil(self.min_block_size) * self.min_block_size)
+        let m = self.min_block_size;
+        if m.is_power_of_two() {
+            // No division on the hot path (validated configurations always take this branch).
+            return Some((bytes + m - 1) & !(m - 1));
+        }
+        Some(bytes.div_ceil(m) * m)
     }
 
     /// The pool a rounded request belongs to.

@@ -468,10 +468,24 @@ impl super::Device for SimDevice {
         Ok(())
     }
 
+    #[inline]
     fn note_handout(&self, ptr: DevicePtr, bytes: u64, stream: StreamId) {
-        if !self.config.sanitize {
-            return;
+        if self.config.sanitize {
+            self.sanitize_handout(ptr, bytes, stream);
         }
+    }
+
+    #[inline]
+    fn note_reclaim(&self, ptr: DevicePtr, bytes: u64, stream: StreamId) {
+        if self.config.sanitize {
+            self.sanitize_reclaim(ptr, bytes, stream);
+        }
+    }
+}
+
+impl SimDevice {
+    #[inline(never)]
+    fn sanitize_handout(&self, ptr: DevicePtr, bytes: u64, stream: StreamId) {
         let mut st = self.state();
         let found = st.san.handout(ptr.0, bytes, stream.0);
         let panic = st.panic_on_violation;
@@ -479,10 +493,8 @@ impl super::Device for SimDevice {
         Self::after_check(found, panic);
     }
 
-    fn note_reclaim(&self, ptr: DevicePtr, bytes: u64, stream: StreamId) {
-        if !self.config.sanitize {
-            return;
-        }
+    #[inline(never)]
+    fn sanitize_reclaim(&self, ptr: DevicePtr, bytes: u64, stream: StreamId) {
         let mut st = self.state();
         let found = st.san.reclaim(ptr.0, bytes, stream.0);
         let panic = st.panic_on_violation;
