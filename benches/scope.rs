@@ -2,6 +2,7 @@
 //! from the learned region), and inside an anonymous scope (served from the scope's local cache),
 //! against the allocator's ordinary cache hit. Each measured run repeats the learned sequence.
 use criterion::{Criterion, criterion_group, criterion_main};
+use std::hint::black_box;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tidepool::{Allocator, Config, SimConfig, SimDevice, StreamId};
@@ -28,7 +29,7 @@ fn scope(c: &mut Criterion) {
                 let s = alloc.named_scope("bench", StreamId::DEFAULT);
                 let t = Instant::now();
                 for _ in 0..PAIRS {
-                    drop(s.alloc(4096).unwrap());
+                    drop(black_box(s.alloc(black_box(4096)).unwrap()));
                 }
                 total += t.elapsed();
                 drop(s);
@@ -38,10 +39,10 @@ fn scope(c: &mut Criterion) {
     });
     g.bench_function("anonymous_scope_alloc_free_pair", |b| {
         let s = alloc.scope(StreamId::DEFAULT);
-        b.iter(|| drop(s.alloc(4096).unwrap()))
+        b.iter(|| drop(black_box(s.alloc(black_box(4096)).unwrap())))
     });
     g.bench_function("unscoped_cache_hit_pair", |b| {
-        b.iter(|| drop(alloc.alloc(4096, StreamId::DEFAULT).unwrap()))
+        b.iter(|| drop(black_box(alloc.alloc(black_box(4096), StreamId::DEFAULT).unwrap())))
     });
     g.finish();
     assert!(alloc.stats().plan_hits > 0);

@@ -32,10 +32,37 @@ pub(crate) enum Step {
 pub(crate) struct Learned {
     /// The run's steps; a later run follows the plan while it repeats them exactly.
     pub steps: Vec<Step>,
-    /// Offset in the region of each allocation of the run, by allocation index.
-    pub offsets: Vec<u64>,
     /// Size of the region.
     pub region_size: u64,
+    /// The steps as the planned path reads them: `[code, offset]` per step, where the code is
+    /// [`Step::code`] and the offset is the allocation's slice (0 for a free). One load pair
+    /// per step, no second lookup.
+    pub script: Vec<[u64; 2]>,
+}
+
+#[cfg(test)]
+impl Learned {
+    /// Offset in the region of each allocation of the run, by allocation index.
+    fn offsets(&self) -> Vec<u64> {
+        self.steps
+            .iter()
+            .zip(&self.script)
+            .filter(|(s, _)| matches!(s, Step::Alloc(_)))
+            .map(|(_, c)| c[1])
+            .collect()
+    }
+}
+
+impl Step {
+    /// A one-word form: `size << 1` for an allocation (sizes stay far below 2^63), `index << 1
+    /// | 1` for a free.
+    #[inline]
+    pub fn code(self) -> u64 {
+        match self {
+            Step::Alloc(size) => size << 1,
+            Step::Free(index) => (u64::from(index) << 1) | 1,
+        }
+    }
 }
 
 impl Learned {
@@ -53,7 +80,15 @@ impl Learned {
             return None;
         }
         let plan = pack_greedy_by_size(&intervals, align).ok()?;
-        Some(Learned { steps, offsets: plan.offsets, region_size: plan.total_size })
+        let mut allocs = plan.offsets.iter();
+        let script = steps
+            .iter()
+            .map(|&step| match step {
+                Step::Alloc(_) => [step.code(), *allocs.next().expect("one offset per alloc")],
+                Step::Free(_) => [step.code(), 0],
+            })
+            .collect();
+        Some(Learned { steps, region_size: plan.total_size, script })
     }
 }
 
@@ -149,7 +184,7 @@ mod tests {
             Step::Alloc(512),
         ];
         let l = Learned::from_steps(steps, 512).unwrap();
-        assert_eq!(l.offsets, vec![0, 4096, 0, 0]);
+        assert_eq!(l.offsets(), vec![0, 4096, 0, 0]);
         assert_eq!(l.region_size, 5120);
     }
 
@@ -158,7 +193,7 @@ mod tests {
         let steps = vec![Step::Alloc(1024), Step::Alloc(1024), Step::Free(1), Step::Alloc(1024)];
         let l = Learned::from_steps(steps, 512).unwrap();
         // a0 escapes, so a2 cannot share its slice; a2 reuses a1's.
-        assert_eq!(l.offsets, vec![0, 1024, 1024]);
+        assert_eq!(l.offsets(), vec![0, 1024, 1024]);
         assert_eq!(l.region_size, 2048);
         assert!(Learned::from_steps(vec![], 512).is_none());
     }

@@ -130,6 +130,8 @@ struct Cursor {
     /// Whether slices must be checked against pinned ones (an earlier run left escapes when
     /// the region was claimed; pins are only removed while this run holds the claim).
     check_pins: Cell<bool>,
+    /// Whether some planned buffer was used on another stream (see `Run::uses`).
+    any_uses: Cell<bool>,
     hits: Cell<u64>,
 }
 
@@ -232,15 +234,28 @@ pub struct ScopedBuffer<'s, D: Device> {
     ptr: DevicePtr,
     requested: u64,
     size: u64,
-    index: u32,
-    /// The slot of the pool buffer behind it in the run, or `NO_SLOT` for a planned slice.
-    slot: u32,
+    /// Its allocation index in the run (`NO_INDEX` for zero bytes) and the slot of the pool
+    /// buffer behind it (`NO_SLOT` for a planned slice), in one word: written and read whole,
+    /// so returning the buffer never stalls on two half-word stores.
+    id: u64,
+}
+
+fn id(index: u32, slot: u32) -> u64 {
+    u64::from(index) | u64::from(slot) << 32
 }
 
 /// `ScopedBuffer::slot` of a planned slice (or a zero-byte buffer).
 const NO_SLOT: u32 = u32::MAX;
 
 impl<D: Device> ScopedBuffer<'_, D> {
+    fn index(&self) -> u32 {
+        self.id as u32
+    }
+
+    fn slot(&self) -> u32 {
+        (self.id >> 32) as u32
+    }
+
     /// The device address of the first byte ([`DevicePtr::NULL`] for a zero-byte buffer).
     pub fn ptr(&self) -> DevicePtr {
         self.ptr
@@ -268,31 +283,32 @@ impl<D: Device> ScopedBuffer<'_, D> {
 
     /// Whether it was served from the learned plan's region.
     pub fn is_planned(&self) -> bool {
-        self.slot == NO_SLOT && self.index != NO_INDEX
+        self.slot() == NO_SLOT && self.index() != NO_INDEX
     }
 
     /// Marks it as used on `stream` too (see [`Allocator::record_stream`]): it is no longer
     /// reused locally, and its reuse is ordered after `stream`'s work.
     pub fn record_stream(&self, stream: StreamId) {
-        if stream == self.scope.stream || self.index == NO_INDEX {
+        if stream == self.scope.stream || self.index() == NO_INDEX {
             return;
         }
         let mut run = self.scope.run.borrow_mut();
-        if self.slot != NO_SLOT {
-            if let Some(buf) = &run.held[self.slot as usize] {
+        if self.slot() != NO_SLOT {
+            if let Some(buf) = &run.held[self.slot() as usize] {
                 self.scope.alloc.record_stream(buf, stream);
             }
-        } else if !run.uses.contains(&(self.index, stream)) {
-            run.uses.push((self.index, stream));
+        } else if !run.uses.contains(&(self.index(), stream)) {
+            run.uses.push((self.index(), stream));
+            self.scope.cursor.any_uses.set(true);
         }
     }
 }
 
 impl<D: Device> Drop for ScopedBuffer<'_, D> {
-    #[inline]
+    #[inline(always)]
     fn drop(&mut self) {
-        if self.index != NO_INDEX {
-            self.scope.free_bound(self.index, self.ptr, self.size, self.slot);
+        if self.index() != NO_INDEX {
+            self.scope.free_bound(self.index(), self.ptr, self.size, self.slot());
         }
     }
 }
@@ -340,6 +356,7 @@ impl<'a, D: Device> Scope<'a, D> {
                 allocs: Cell::new(0),
                 base: Cell::new(NO_BASE),
                 check_pins: Cell::new(false),
+                any_uses: Cell::new(false),
                 hits: Cell::new(0),
             },
             plan,
@@ -374,32 +391,75 @@ impl<'a, D: Device> Scope<'a, D> {
     /// Allocates `bytes` of transient memory for this scope; the buffer cannot outlive it.
     #[inline]
     pub fn alloc(&self, bytes: u64) -> Result<ScopedBuffer<'_, D>, AllocError> {
-        self.drain_freed();
-        let mut b = ScopedBuffer {
+        match self.try_planned(bytes) {
+            Some(b) => Ok(b),
+            None => self.alloc_slow(bytes),
+        }
+    }
+
+    /// The planned path, small enough to inline: the run follows its plan, holds the region with
+    /// no pins to check, has no queued frees, and the next step of the plan is this allocation.
+    /// Changes nothing unless it succeeds.
+    #[inline(always)]
+    fn try_planned(&self, bytes: u64) -> Option<ScopedBuffer<'_, D>> {
+        let c = &self.cursor;
+        let base = c.base.get();
+        if base == NO_BASE || !c.following.get() || c.check_pins.get() || self.queued() {
+            return None;
+        }
+        let rounded = self.config.sizing.round(bytes).filter(|_| bytes != 0)?;
+        let len = c.len.get();
+        let [code, offset] = *self.plan.as_ref()?.script.get(len)?;
+        if code != Step::Alloc(rounded).code() {
+            return None;
+        }
+        let index = c.allocs.get();
+        c.len.set(len + 1);
+        c.allocs.set(index + 1);
+        c.hits.set(c.hits.get() + 1);
+        let ptr = DevicePtr(base + offset);
+        self.device.note_handout(ptr, rounded, self.stream);
+        Some(ScopedBuffer {
             scope: self,
-            ptr: DevicePtr::NULL,
+            ptr,
             requested: bytes,
-            size: 0,
-            index: NO_INDEX,
-            slot: NO_SLOT,
+            size: rounded,
+            id: id(index, NO_SLOT),
+        })
+    }
+
+    #[inline(never)]
+    fn alloc_slow(&self, bytes: u64) -> Result<ScopedBuffer<'_, D>, AllocError> {
+        self.drain_freed();
+        let made = |ptr, size, index, slot| ScopedBuffer {
+            scope: self,
+            ptr,
+            requested: bytes,
+            size,
+            id: id(index, slot),
         };
         if bytes == 0 {
-            return Ok(b);
+            return Ok(made(DevicePtr::NULL, 0, NO_INDEX, NO_SLOT));
         }
         let rounded = self.round(bytes)?;
         let index = self.cursor.allocs.get();
         self.cursor.allocs.set(index + 1);
-        if self.step(Step::Alloc(rounded)) {
-            if let Some(ptr) = self.planned(index, rounded)? {
-                (b.ptr, b.size, b.index) = (ptr, rounded, index);
-                return Ok(b);
+        if let Some(offset) = self.step(Step::Alloc(rounded)) {
+            if let Some(ptr) = self.planned(offset, rounded)? {
+                return Ok(made(ptr, rounded, index, NO_SLOT));
             }
             self.run.borrow_mut().misses += 1;
         }
         let buf = self.pool_block(bytes, rounded)?;
-        (b.ptr, b.size, b.index) = (buf.ptr, buf.size, index);
-        b.slot = self.run.borrow_mut().hold(buf);
-        Ok(b)
+        let (ptr, size) = (buf.ptr, buf.size);
+        let slot = self.run.borrow_mut().hold(buf);
+        Ok(made(ptr, size, index, slot))
+    }
+
+    /// Whether frees of unbound buffers wait to be recorded.
+    #[inline(always)]
+    fn queued(&self) -> bool {
+        self.shared.pending.load(Ordering::Acquire)
     }
 
     /// Allocates `bytes` through this scope as an ordinary [`Buffer`] that may outlive it (and
@@ -424,8 +484,8 @@ impl<'a, D: Device> Scope<'a, D> {
         let index = self.cursor.allocs.get();
         self.cursor.allocs.set(index + 1);
         let mut planned = None;
-        if self.step(Step::Alloc(rounded)) {
-            match self.planned(index, rounded)? {
+        if let Some(offset) = self.step(Step::Alloc(rounded)) {
+            match self.planned(offset, rounded)? {
                 Some(ptr) => planned = Some(ptr),
                 None => self.run.borrow_mut().misses += 1,
             }
@@ -469,20 +529,22 @@ impl<'a, D: Device> Scope<'a, D> {
         self.config.sizing.round(bytes).ok_or(AllocError::InvalidSize { requested: bytes })
     }
 
-    /// Takes a step; returns whether the run still follows its plan.
+    /// Takes a step; while the run still follows its plan, returns the step's offset in the
+    /// region (an allocation's slice; 0 for a free).
     #[inline]
-    fn step(&self, step: Step) -> bool {
+    fn step(&self, step: Step) -> Option<u64> {
         let c = &self.cursor;
         let len = c.len.get();
         c.len.set(len + 1);
         if c.following.get()
             && let Some(plan) = &self.plan
-            && plan.steps.get(len) == Some(&step)
+            && let Some(&[code, offset]) = plan.script.get(len)
+            && code == step.code()
         {
-            return true;
+            return Some(offset);
         }
         self.step_off_plan(len, step);
-        false
+        None
     }
 
     #[cold]
@@ -506,15 +568,15 @@ impl<'a, D: Device> Scope<'a, D> {
         }
     }
 
-    /// The planned slice of allocation `index` (which follows the plan), if it can be served.
+    /// The planned slice at `offset` (of an allocation that follows the plan), if it can be
+    /// served.
     #[inline]
-    fn planned(&self, index: u32, size: u64) -> Result<Option<DevicePtr>, AllocError> {
+    fn planned(&self, offset: u64, size: u64) -> Result<Option<DevicePtr>, AllocError> {
         let c = &self.cursor;
         let base = c.base.get();
         if base == NO_BASE {
-            return self.planned_claiming(index, size);
+            return self.planned_claiming(offset, size);
         }
-        let offset = self.plan.as_ref().expect("following a plan").offsets[index as usize];
         if c.check_pins.get() && self.pinned(offset, size) {
             return Ok(None);
         }
@@ -535,7 +597,7 @@ impl<'a, D: Device> Scope<'a, D> {
     /// (the stream's cached transient segments are trimmed first so the region replaces them).
     /// `None` when another run holds it or it cannot be reserved.
     #[cold]
-    fn planned_claiming(&self, index: u32, size: u64) -> Result<Option<DevicePtr>, AllocError> {
+    fn planned_claiming(&self, offset: u64, size: u64) -> Result<Option<DevicePtr>, AllocError> {
         let mut run = self.run.borrow_mut();
         let RegionSlot::Unclaimed(existing) = &run.region else { return Ok(None) };
         let (Some(name), Some(plan)) = (self.name.as_deref(), &self.plan) else { return Ok(None) };
@@ -558,7 +620,7 @@ impl<'a, D: Device> Scope<'a, D> {
         self.cursor.check_pins.set(region.has_pins());
         run.region = RegionSlot::Claimed(region);
         drop(run);
-        self.planned(index, size)
+        self.planned(offset, size)
     }
 
     /// A pool block for the run: from the local cache when one of the size was freed in this
@@ -583,16 +645,36 @@ impl<'a, D: Device> Scope<'a, D> {
         Ok(reused)
     }
 
-    /// Records the free of a bound buffer: a planned slice only orders its reuse after the
-    /// streams it was used on; a pool block goes to the local cache unless it was used on
-    /// another stream.
-    #[inline]
+    /// Records the free of a bound buffer. The planned path, inlined: the run follows its plan,
+    /// whose next step is this free, and no planned buffer was used on another stream.
+    #[inline(always)]
     fn free_bound(&self, index: u32, ptr: DevicePtr, size: u64, slot: u32) {
-        self.drain_freed();
+        let c = &self.cursor;
+        let len = c.len.get();
+        if slot == NO_SLOT
+            && c.following.get()
+            && !c.any_uses.get()
+            && let Some(plan) = &self.plan
+            && let Some(&[code, _]) = plan.script.get(len)
+            && code == Step::Free(index).code()
+        {
+            c.len.set(len + 1);
+            self.device.note_reclaim(ptr, size, self.stream);
+            return;
+        }
+        self.free_slow(index, ptr, size, slot);
+    }
+
+    /// A planned slice only orders its reuse after the streams it was used on; a pool block
+    /// goes to the local cache unless it was used on another stream. (Queued frees of unbound
+    /// buffers are recorded at the next allocation, not here: a free recorded late only makes
+    /// the plan keep that slice a little longer, and the order is the same in every run.)
+    #[inline(never)]
+    fn free_slow(&self, index: u32, ptr: DevicePtr, size: u64, slot: u32) {
         self.step(Step::Free(index));
         if slot == NO_SLOT {
             self.device.note_reclaim(ptr, size, self.stream);
-            if !self.run.borrow().uses.is_empty() {
+            if self.cursor.any_uses.get() {
                 self.order_uses(index);
             }
             return;
@@ -632,7 +714,7 @@ impl<'a, D: Device> Scope<'a, D> {
     /// Records the frees of unbound buffers queued since the last step.
     #[inline]
     fn drain_freed(&self) {
-        if self.shared.pending.load(Ordering::Acquire) {
+        if self.queued() {
             self.drain_queue();
         }
     }
