@@ -43,6 +43,16 @@ pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     }
 }
 
+/// The value of `arc` if this was the last hold on it. Of several threads letting go of clones
+/// at once, exactly one gets it (`Arc::into_inner`; loom's `Arc` has only `try_unwrap`, which
+/// the models do not race).
+pub(crate) fn arc_into_inner<T>(arc: Arc<T>) -> Option<T> {
+    #[cfg(not(loom))]
+    return Arc::into_inner(arc);
+    #[cfg(loom)]
+    return Arc::try_unwrap(arc).ok();
+}
+
 /// Waits on `cv`, recovering the guard if another thread panicked while holding the lock.
 pub(crate) fn wait<'a, T>(cv: &Condvar, guard: MutexGuard<'a, T>) -> MutexGuard<'a, T> {
     match cv.wait(guard) {

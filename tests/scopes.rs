@@ -299,3 +299,98 @@ fn two_concurrent_runs_of_one_named_scope_never_share_the_region() {
     alloc.check_invariants().unwrap();
     assert_eq!(dev.violations(), vec![]);
 }
+
+/// One step mixing bound buffers (activations) with unbound ones freed on another thread
+/// while the scope is open (a gradient handed to a worker). Returns the bound buffers'
+/// addresses.
+fn mixed_step(alloc: &Allocator<SimDevice>) -> Vec<DevicePtr> {
+    let scope = alloc.named_scope("mixed", S0);
+    let a = scope.alloc(MIB).unwrap();
+    let u = scope.alloc_unbound(3 * MIB).unwrap();
+    let b = scope.alloc(64 * 1024).unwrap();
+    std::thread::spawn(move || drop(u)).join().unwrap(); // queued; recorded at the next alloc
+    let c = scope.alloc(3 * MIB).unwrap(); // may take u's slice: its free is recorded first
+    let ptrs = vec![a.ptr(), b.ptr(), c.ptr()];
+    drop((a, b, c));
+    ptrs
+}
+
+#[test]
+fn unbound_frees_from_other_threads_are_recorded_in_order_and_the_plan_holds() {
+    let (dev, alloc) = setup(1 << 32);
+    mixed_step(&alloc);
+    let planned = mixed_step(&alloc);
+    let s = alloc.stats();
+    assert_eq!((s.plan_hits, s.plan_misses, s.plan_fallbacks), (4, 0, 0));
+    // Run 2's `c` reuses the slice of run 2's `u`, freed on the other thread before it.
+    let layout = alloc.snapshot();
+    assert_eq!(layout.iter().filter(|seg| seg.size >= 4 * MIB).count(), 1, "one region");
+    for run in 3..6 {
+        assert_eq!(mixed_step(&alloc), planned, "run {run}");
+    }
+    let s = alloc.stats();
+    assert_eq!((s.plan_hits, s.plan_fallbacks, s.scope_escapes), (4 * 4, 0, 0));
+    alloc.check_invariants().unwrap();
+    assert_eq!(dev.violations(), vec![]);
+}
+
+#[test]
+fn bound_planned_buffers_take_no_lock_and_reuse_slices_by_lifetime() {
+    let (dev, alloc) = setup(1 << 32);
+    let run = |alloc: &Allocator<SimDevice>| {
+        let scope = alloc.named_scope("bound", S0);
+        let x = scope.alloc(MIB).unwrap();
+        let y = scope.alloc(MIB).unwrap();
+        let (px, py) = (x.ptr(), y.ptr());
+        drop(x);
+        let z = scope.alloc(MIB).unwrap(); // x is dead: the plan gives z x's slice
+        let pz = z.ptr();
+        let planned = [&y, &z].iter().all(|b| b.is_planned());
+        drop((y, z));
+        (px, py, pz, planned)
+    };
+    let (_, _, _, planned) = run(&alloc);
+    assert!(!planned, "the learning run comes from the pool");
+    let (px, py, pz, planned) = run(&alloc);
+    assert!(planned);
+    assert_eq!(pz, px, "z reuses x's slice");
+    assert_eq!(py.0, px.0 + MIB, "y sits right after x");
+    assert_eq!(alloc.stats().plan_region_bytes, 2 * MIB);
+    let locks = alloc.global_lock_acquisitions();
+    let mallocs = dev.counters().mallocs;
+    for _ in 0..5 {
+        assert_eq!(run(&alloc), (px, py, pz, true));
+    }
+    assert_eq!(alloc.global_lock_acquisitions(), locks, "planned runs never take the lock");
+    assert_eq!(dev.counters().mallocs, mallocs);
+    let s = alloc.stats();
+    assert_eq!((s.plan_hits, s.plan_misses, s.plan_fallbacks), (3 * 6, 0, 0));
+    alloc.check_invariants().unwrap();
+    assert_eq!(dev.violations(), vec![]);
+}
+
+#[test]
+fn a_forgotten_scoped_buffer_is_reclaimed_at_exit_and_a_forgotten_slice_forces_relearning() {
+    let (dev, alloc) = setup(1 << 32);
+    {
+        let scope = alloc.named_scope("leaky", S0);
+        let a = scope.alloc(MIB).unwrap();
+        std::mem::forget(a); // a pool block: the scope still holds it and frees it at exit
+    }
+    assert_eq!(alloc.stats().blocks.allocated_bytes.all.current, 0, "nothing stays allocated");
+    {
+        let scope = alloc.named_scope("leaky", S0);
+        drop(scope.alloc(MIB).unwrap()); // planned, then diverges (a free); learns [alloc, free]
+    }
+    {
+        let scope = alloc.named_scope("leaky", S0);
+        let a = scope.alloc(MIB).unwrap();
+        assert!(a.is_planned());
+        std::mem::forget(a); // its free never happens: the run did not follow the plan
+    }
+    let s = alloc.stats();
+    assert_eq!((s.plan_hits, s.plan_fallbacks), (2, 2));
+    alloc.check_invariants().unwrap();
+    drop(alloc);
+    assert!(dev.live_segments().is_empty(), "nothing leaked");
+}

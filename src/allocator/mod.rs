@@ -1116,7 +1116,7 @@ impl<D: Device> Shared<D> {
 
     /// Drops one hold on a region; the last one returns its block to the pool.
     fn release_region(&self, region: Arc<Region>) {
-        if let Ok(r) = Arc::try_unwrap(region) {
+        if let Some(r) = crate::sync::arc_into_inner(region) {
             let mut st = self.lock_state();
             let st = &mut *st;
             batch::return_batch(&mut st.pool, &mut st.base, None, &[r.block]);

@@ -228,7 +228,21 @@ pub struct Scope<'a, D: Device> {
     shared: Arc<ScopeShared>,
 }
 
-/// A buffer of a [`Scope`]; it cannot outlive the scope, nor leave its thread.
+/// A buffer of a [`Scope`]; it cannot outlive the scope, nor leave its thread (the scope's
+/// run state is not synchronised, which is what makes a planned allocation a few nanoseconds):
+///
+/// ```compile_fail
+/// use std::sync::Arc;
+/// use tidepool::{Allocator, Config, SimDevice, StreamId};
+/// let alloc = Allocator::new(Arc::new(SimDevice::new(1 << 30)), Config::default()).unwrap();
+/// let scope = alloc.scope(StreamId::DEFAULT);
+/// let buf = scope.alloc(4096).unwrap();
+/// std::thread::scope(|t| {
+///     t.spawn(move || drop(buf)); // error: `ScopedBuffer` cannot be sent between threads
+/// });
+/// ```
+///
+/// Memory that another thread frees comes from [`Scope::alloc_unbound`] instead.
 pub struct ScopedBuffer<'s, D: Device> {
     scope: &'s Scope<'s, D>,
     ptr: DevicePtr,
@@ -759,6 +773,12 @@ impl<D: Device> Drop for Scope<'_, D> {
                 region.unclaim();
             }
         }
+        // Every hold on a region lets go through `release_region`, so whichever is last (the
+        // plan relearned below, this scope, an escaped buffer) returns its block to the pool.
+        let region = match std::mem::replace(&mut self.run.get_mut().region, RegionSlot::Denied) {
+            RegionSlot::Claimed(r) | RegionSlot::Unclaimed(Some(r)) => Some(r),
+            _ => None,
+        };
         let run = self.run.get_mut();
         let c = &sh.scope_counters;
         c.escapes.fetch_add(run.live_unbound as u64, Ordering::Relaxed);
@@ -778,6 +798,9 @@ impl<D: Device> Drop for Scope<'_, D> {
         {
             let align = sh.config.load().sizing.min_block_size;
             sh.learn(name, self.stream, Learned::from_steps(steps, align));
+        }
+        if let Some(r) = region {
+            sh.release_region(r);
         }
     }
 }
