@@ -377,7 +377,9 @@ fn a_forgotten_scoped_buffer_is_reclaimed_at_exit_and_a_forgotten_slice_forces_r
         let a = scope.alloc(MIB).unwrap();
         std::mem::forget(a); // a pool block: the scope still holds it and frees it at exit
     }
-    assert_eq!(alloc.stats().blocks.allocated_bytes.all.current, 0, "nothing stays allocated");
+    let s = alloc.stats();
+    assert_eq!(s.plan_region_bytes, MIB, "the plan's region, made as the scope learned");
+    assert_eq!(s.blocks.allocated_bytes.all.current, MIB, "nothing else stays allocated");
     {
         let scope = alloc.named_scope("leaky", S0);
         drop(scope.alloc(MIB).unwrap()); // planned, then diverges (a free); learns [alloc, free]
@@ -393,4 +395,98 @@ fn a_forgotten_scoped_buffer_is_reclaimed_at_exit_and_a_forgotten_slice_forces_r
     alloc.check_invariants().unwrap();
     drop(alloc);
     assert!(dev.live_segments().is_empty(), "nothing leaked");
+}
+
+/// A learning run with one activation and one escaping gradient in a fresh 2 MiB segment.
+/// Returns the gradient.
+fn adopt_step(alloc: &Allocator<SimDevice>) -> Buffer<SimDevice> {
+    let scope = alloc.named_scope("adopt", S0);
+    let act = scope.alloc_unbound(64 * 1024).unwrap();
+    let grad = scope.alloc_unbound(16 * 1024).unwrap();
+    drop(act);
+    grad
+}
+
+#[test]
+fn the_first_plan_adopts_the_segment_of_its_escapes_so_the_second_run_calls_nothing() {
+    use tidepool::device::SIM_BASE;
+    let (dev, alloc) = setup(1 << 30);
+    let g1 = adopt_step(&alloc);
+    // Run 1 put act at the base and grad after it; at its exit the segment (only grad live)
+    // became the region: grad's range pinned, the rest allocated to the region.
+    assert_eq!(g1.ptr(), DevicePtr(SIM_BASE + 64 * 1024));
+    let s = alloc.stats();
+    assert_eq!(s.plan_region_bytes, 2 * MIB);
+    assert_eq!(s.blocks.allocated_bytes.all.current, 2 * MIB, "region blocks + the escape");
+    assert_eq!((dev.counters().mallocs, s.best_fit_searches), (1, 2));
+    drop(g1); // zero_grad: the escape's block joins the region
+    alloc.check_invariants().unwrap();
+    assert_eq!(alloc.stats().blocks.allocated_bytes.all.current, 2 * MIB);
+    let g2 = adopt_step(&alloc);
+    // Largest first: act (64 KiB) at the base, grad (16 KiB, live to the end) above it.
+    assert_eq!(g2.ptr(), DevicePtr(SIM_BASE + 64 * 1024));
+    assert!(g2.is_planned());
+    let s = alloc.stats();
+    assert_eq!((s.plan_hits, s.plan_misses, s.plan_fallbacks), (2, 0, 0));
+    assert_eq!((dev.counters().mallocs, s.best_fit_searches), (1, 2), "run 2: no call at all");
+    drop(g2);
+    for _ in 0..3 {
+        drop(adopt_step(&alloc));
+    }
+    assert_eq!(alloc.stats().plan_hits, 2 * 4, "runs 2 to 5");
+    alloc.check_invariants().unwrap();
+    assert_eq!(dev.violations(), vec![]);
+    drop(alloc);
+    assert!(dev.live_segments().is_empty());
+}
+
+#[test]
+fn an_escape_still_live_or_used_on_another_stream_keeps_its_range_out_of_the_plan() {
+    let (dev, alloc) = setup(1 << 30);
+    let other = dev.create_stream().unwrap();
+    let g1 = adopt_step(&alloc);
+    alloc.record_stream(&g1, other);
+    // Run 2 before g1 is freed: the gradient's slice overlaps g1's pinned range, so that one
+    // allocation misses the plan and comes from the pool.
+    let g2 = adopt_step(&alloc);
+    assert!(!g2.is_planned());
+    assert_ne!(g2.ptr(), g1.ptr());
+    assert_eq!(alloc.stats().plan_misses, 1);
+    // g1 was used on another stream: it is not absorbed (its block goes back through events)
+    // and its range stays pinned.
+    drop(g1);
+    drop(g2);
+    let g3 = adopt_step(&alloc);
+    assert!(!g3.is_planned(), "still pinned");
+    drop(g3);
+    alloc.synchronize().unwrap();
+    alloc.check_invariants().unwrap();
+    assert_eq!(dev.violations(), vec![]);
+    drop(alloc);
+    assert!(dev.live_segments().is_empty(), "nothing leaked");
+}
+
+#[test]
+fn escapes_freed_on_other_threads_while_the_scope_exits_are_never_lost() {
+    for round in 0..200 {
+        let (dev, alloc) = setup(1 << 30);
+        let scope = alloc.named_scope("race", S0);
+        let grads: Vec<_> = (0..4).map(|i| scope.alloc_unbound((i + 1) * 4096).unwrap()).collect();
+        let barrier = Arc::new(std::sync::Barrier::new(2));
+        let freer = {
+            let barrier = barrier.clone();
+            std::thread::spawn(move || {
+                barrier.wait();
+                drop(grads); // before, during or after the exit's adoption
+            })
+        };
+        barrier.wait();
+        drop(scope);
+        freer.join().unwrap();
+        alloc.check_invariants().unwrap_or_else(|e| panic!("round {round}: {e}"));
+        let region = alloc.stats().plan_region_bytes;
+        assert_eq!(alloc.stats().blocks.allocated_bytes.all.current, region, "round {round}");
+        drop(alloc);
+        assert!(dev.live_segments().is_empty(), "round {round}");
+    }
 }

@@ -17,6 +17,7 @@
 //! the configuration is swapped as a whole (`request.rs`). `global_lock:true` turns all of that
 //! off (everything under the one lock, PyTorch's design) as a comparison point.
 
+mod adopt;
 mod batch;
 mod buffer;
 mod counters;
@@ -1109,7 +1110,7 @@ impl<D: Device> Shared<D> {
         drop(st);
         self.scope_counters.region_bytes.fetch_add(bsize, Ordering::Relaxed);
         let block = BatchBlock { block, quadrant: q, size: bsize, requested: size };
-        let region = Arc::new(Region::new(block, base));
+        let region = Arc::new(Region::new(vec![block], base, bsize));
         entry.region = Some(region.clone());
         Ok(region)
     }
@@ -1117,10 +1118,12 @@ impl<D: Device> Shared<D> {
     /// Drops one hold on a region; the last one returns its block to the pool.
     fn release_region(&self, region: Arc<Region>) {
         if let Some(r) = crate::sync::arc_into_inner(region) {
+            let size = r.size;
+            let blocks = r.into_blocks();
             let mut st = self.lock_state();
             let st = &mut *st;
-            batch::return_batch(&mut st.pool, &mut st.base, None, &[r.block]);
-            self.scope_counters.region_bytes.fetch_sub(r.size, Ordering::Relaxed);
+            batch::return_batch(&mut st.pool, &mut st.base, None, &blocks);
+            self.scope_counters.region_bytes.fetch_sub(size, Ordering::Relaxed);
         }
     }
 
@@ -1164,7 +1167,9 @@ impl<D: Device> Drop for Shared<D> {
         // No buffer is left (each holds the allocator), so the plans hold the only regions.
         for (_, plan) in plans {
             if let Some(r) = plan.region.and_then(|r| Arc::try_unwrap(r).ok()) {
-                st.pool.free(r.block.block);
+                for b in r.into_blocks() {
+                    st.pool.free(b.block);
+                }
             }
         }
         let _ = self.sync_events(&mut st);

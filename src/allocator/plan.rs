@@ -69,6 +69,17 @@ impl Learned {
     /// Packs the lifetimes of `steps` (escapes live to the end of the run) with `align`.
     /// `None` when the run allocated nothing or the plan would not fit the address space.
     pub fn from_steps(steps: Vec<Step>, align: u64) -> Option<Learned> {
+        let intervals = Self::intervals(&steps);
+        if intervals.is_empty() {
+            return None;
+        }
+        let plan = pack_greedy_by_size(&intervals, align).ok()?;
+        Some(Self::with_offsets(steps, &plan.offsets, plan.total_size))
+    }
+
+    /// The lifetime of each allocation of `steps`: `(size, start, end)` in step positions, with
+    /// escapes living to the end of the run.
+    pub fn intervals(steps: &[Step]) -> Vec<(u64, u64, u64)> {
         let mut intervals: Vec<(u64, u64, u64)> = Vec::new();
         for (i, step) in steps.iter().enumerate() {
             match *step {
@@ -76,11 +87,12 @@ impl Learned {
                 Step::Free(idx) => intervals[idx as usize].2 = i as u64,
             }
         }
-        if intervals.is_empty() {
-            return None;
-        }
-        let plan = pack_greedy_by_size(&intervals, align).ok()?;
-        let mut allocs = plan.offsets.iter();
+        intervals
+    }
+
+    /// A plan giving allocation `j` of `steps` the slice at `offsets[j]`.
+    pub fn with_offsets(steps: Vec<Step>, offsets: &[u64], region_size: u64) -> Learned {
+        let mut allocs = offsets.iter();
         let script = steps
             .iter()
             .map(|&step| match step {
@@ -88,19 +100,25 @@ impl Learned {
                 Step::Free(_) => [step.code(), 0],
             })
             .collect();
-        Some(Learned { steps, region_size: plan.total_size, script })
+        Learned { steps, region_size, script }
     }
 }
 
-/// The memory of a plan: one allocated pool block, shared by the buffers served from it.
-/// Freed back to the pool when the last holder (the plan, or an escaped buffer) lets go.
+/// The memory of a plan: allocated pool blocks shared by the buffers served from it, returned
+/// to the pool when the last holder (the plan, a scope run, an escaped buffer, a run whose
+/// escapes it adopts) lets go.
+///
+/// A region made lazily is one fresh block, and offsets are relative to its `base`. A region
+/// made when a scope first learns *adopts* the segments its run's escapes live in (see
+/// `Shared::adopt_region`): then `base` is 0, offsets are absolute addresses, and each escape's
+/// block joins the region when the escape is freed (until then its range is pinned).
 #[derive(Debug)]
 pub(crate) struct Region {
-    /// The pool block holding the region, as it is accounted in the statistics.
-    pub block: BatchBlock,
-    /// First address.
+    /// The pool blocks making up the region, as they are accounted in the statistics.
+    blocks: Mutex<Vec<BatchBlock>>,
+    /// What offsets are relative to.
     pub base: u64,
-    /// Bytes.
+    /// Bytes the plan addresses (absorbed escape blocks included).
     pub size: u64,
     /// Slices (offset, size) still used by buffers that escaped an earlier run.
     pinned: Mutex<Vec<(u64, u64)>>,
@@ -111,16 +129,36 @@ pub(crate) struct Region {
 }
 
 impl Region {
-    pub fn new(block: BatchBlock, base: u64) -> Region {
-        let size = block.size;
+    pub fn new(blocks: Vec<BatchBlock>, base: u64, size: u64) -> Region {
         Region {
-            block,
+            blocks: Mutex::new(blocks),
             base,
             size,
             pinned: Mutex::new(Vec::new()),
             pinned_count: AtomicUsize::new(0),
             in_use: AtomicBool::new(false),
         }
+    }
+
+    /// Its blocks, for the pool, once the last holder let go.
+    pub fn into_blocks(self) -> Vec<BatchBlock> {
+        self.blocks.into_inner().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Whether a slice is pinned at `offset`.
+    pub fn is_pinned(&self, offset: u64) -> bool {
+        lock(&self.pinned).iter().any(|&(o, _)| o == offset)
+    }
+
+    /// An escape of the learning run, pinned at `offset`, was freed: its block joins the region
+    /// and the slice is free for planned buffers. `false` if nothing is pinned there.
+    pub fn absorb(&self, block: BatchBlock, offset: u64) -> bool {
+        let mut p = lock(&self.pinned);
+        let Some(i) = p.iter().position(|&(o, _)| o == offset) else { return false };
+        lock(&self.blocks).push(block);
+        p.swap_remove(i);
+        self.pinned_count.store(p.len(), Ordering::Release);
+        true
     }
 
     /// Claims the region for one run; `false` while another run of the scope holds it.
@@ -202,7 +240,7 @@ mod tests {
     fn pinned_slices() {
         let block =
             BatchBlock { block: crate::pool::BlockId(0), quadrant: 0, size: 8192, requested: 8192 };
-        let r = Region::new(block, 0x1000);
+        let r = Region::new(vec![block], 0x1000, 8192);
         r.pin(1024, 1024);
         assert!(r.overlaps_pinned(0, 1025));
         assert!(!r.overlaps_pinned(0, 1024));

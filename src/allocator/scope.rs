@@ -24,12 +24,14 @@
 //! A *named* scope also records its run and serves the next identical run from a learned plan
 //! (see `plan.rs`).
 
+use super::adopt::Escape;
 use super::batch::BatchBlock;
 use super::counters::quadrant;
 use super::plan::{Learned, Region, Step};
 use super::{AllocError, Allocator, Buffer, Origin};
 use crate::config::Config;
 use crate::device::{Device, DevicePtr, StreamId};
+use crate::pool::BlockId;
 use crate::stats::Residency;
 use crate::sync::atomic::{AtomicBool, Ordering};
 use crate::sync::{Arc, Mutex, lock};
@@ -53,6 +55,10 @@ struct SharedRun {
     open: bool,
     /// Unbound buffers freed while the run is open, in order, not yet recorded by the scope.
     freed: Vec<u32>,
+    /// The region that adopted the segments of this run's escapes (see `adopt.rs`), held until
+    /// every escape pinned in it was freed (`to_absorb` of them are left).
+    adopt: Option<Arc<Region>>,
+    to_absorb: usize,
 }
 
 /// Ties an unbound buffer to the scope run that made it.
@@ -76,9 +82,10 @@ impl ScopeTag {
         }
     }
 
-    /// Called from `Buffer::drop`: queues the free while the run is open, or unpins an escaped
-    /// planned slice after it ended. Returns the other streams the buffer was used on.
-    pub(crate) fn on_drop<D: Device>(&self, buf: &Buffer<D>) -> Vec<StreamId> {
+    /// Called from `Buffer::drop`: queues the free while the run is open; after it ended, unpins
+    /// an escaped planned slice, or hands an escaped pool block to the region that adopted its
+    /// segment. Returns the other streams the buffer was used on.
+    pub(crate) fn on_drop<D: Device>(&self, buf: &mut Buffer<D>) -> Vec<StreamId> {
         let uses = if self.has_uses.load(Ordering::Relaxed) {
             std::mem::take(&mut *lock(&self.uses))
         } else {
@@ -88,8 +95,37 @@ impl ScopeTag {
         if run.open {
             run.freed.push(self.index);
             self.shared.pending.store(true, Ordering::Release);
-        } else if let Origin::Region(region, offset) = &buf.origin {
-            region.unpin(*offset);
+            return uses;
+        }
+        match &buf.origin {
+            Origin::Region(region, offset) => region.unpin(*offset),
+            &Origin::Pool(block) => {
+                let Some(region) = &run.adopt else { return uses };
+                if !region.is_pinned(buf.ptr.0) {
+                    return uses; // an escape in a segment the region did not adopt
+                }
+                // A block used on other streams takes the event path to the pool instead; its
+                // range stays pinned, so the plan never serves it.
+                if !buf.used_elsewhere() {
+                    let b = BatchBlock {
+                        block,
+                        quadrant: buf.quadrant as usize,
+                        size: buf.size,
+                        requested: buf.accounted,
+                    };
+                    region.absorb(b, buf.ptr.0);
+                    buf.owner.device.note_reclaim(buf.ptr, buf.size, buf.stream);
+                    buf.origin = Origin::None;
+                }
+                run.to_absorb = run.to_absorb.saturating_sub(1);
+                if run.to_absorb == 0
+                    && let Some(region) = run.adopt.take()
+                {
+                    drop(run);
+                    buf.owner.release_region(region);
+                }
+            }
+            Origin::None => {}
         }
         uses
     }
@@ -104,6 +140,9 @@ struct LiveEntry {
     size: u64,
     offset: u64,
     live: bool,
+    /// Its address, and its pool block if it has one.
+    ptr: u64,
+    block: Option<BlockId>,
 }
 
 /// A run's hold on its plan's region: one run at a time serves from a region.
@@ -386,7 +425,12 @@ impl<'a, D: Device> Scope<'a, D> {
                 misses: 0,
             }),
             shared: Arc::new(ScopeShared {
-                state: Mutex::new(SharedRun { open: true, freed: Vec::new() }),
+                state: Mutex::new(SharedRun {
+                    open: true,
+                    freed: Vec::new(),
+                    adopt: None,
+                    to_absorb: 0,
+                }),
                 pending: AtomicBool::new(false),
             }),
         }
@@ -527,7 +571,8 @@ impl<'a, D: Device> Scope<'a, D> {
             None => (self.pool_block(bytes, rounded)?, NO_OFFSET),
         };
         let mut run = self.run.borrow_mut();
-        run.unbound.push(LiveEntry { index, size: buf.size, offset, live: true });
+        let (ptr, block) = (buf.ptr.0, buf.block());
+        run.unbound.push(LiveEntry { index, size: buf.size, offset, live: true, ptr, block });
         run.live_unbound += 1;
         buf.scope = Some(ScopeTag {
             shared: self.shared.clone(),
@@ -755,37 +800,45 @@ impl<'a, D: Device> Scope<'a, D> {
 impl<D: Device> Drop for Scope<'_, D> {
     /// Ends the run: escapes are counted (planned ones pinned), the local cache goes back to the
     /// pool in one batch, and a named scope learns the run unless it followed its plan exactly.
+    /// A first plan adopts the run's leftover segments (`adopt.rs`); later ones get their region
+    /// when the next run first needs it.
     fn drop(&mut self) {
         let sh = &self.alloc.shared;
-        {
-            // Closed under the queue's lock: an unbound buffer freed from now on unpins its slice
-            // itself, and one freed before is recorded here.
-            let mut st = lock(&self.shared.state);
-            for i in std::mem::take(&mut st.freed) {
-                self.unbound_freed(i);
+        // Closed under the queue's lock, held to the end: an unbound buffer freed from now on
+        // finds the run closed (and any adopted region in place), one freed before is recorded.
+        let shared = self.shared.clone();
+        let mut st = lock(&shared.state);
+        for i in std::mem::take(&mut st.freed) {
+            self.unbound_freed(i);
+        }
+        st.open = false;
+        let run = self.run.get_mut();
+        // Pool buffers of forgotten scoped buffers: freed now, before the pool is looked at.
+        run.held.clear();
+        if let RegionSlot::Claimed(region) = &run.region {
+            for e in run.unbound.iter().filter(|e| e.live && e.offset != NO_OFFSET) {
+                region.pin(e.offset, e.size);
             }
-            st.open = false;
-            let run = self.run.get_mut();
-            if let RegionSlot::Claimed(region) = &run.region {
-                for e in run.unbound.iter().filter(|e| e.live && e.offset != NO_OFFSET) {
-                    region.pin(e.offset, e.size);
-                }
-                region.unclaim();
-            }
+            region.unclaim();
         }
         // Every hold on a region lets go through `release_region`, so whichever is last (the
-        // plan relearned below, this scope, an escaped buffer) returns its block to the pool.
-        let region = match std::mem::replace(&mut self.run.get_mut().region, RegionSlot::Denied) {
+        // plan relearned below, this scope, an escaped buffer) returns its blocks to the pool.
+        let region = match std::mem::replace(&mut run.region, RegionSlot::Denied) {
             RegionSlot::Claimed(r) | RegionSlot::Unclaimed(Some(r)) => Some(r),
             _ => None,
         };
-        let run = self.run.get_mut();
         let c = &sh.scope_counters;
         c.escapes.fetch_add(run.live_unbound as u64, Ordering::Relaxed);
         c.plan_hits.fetch_add(self.cursor.hits.get(), Ordering::Relaxed);
         c.plan_misses.fetch_add(run.misses, Ordering::Relaxed);
         let blocks: Vec<BatchBlock> =
             run.local.drain().flat_map(|(_, v)| v.into_iter().map(|(b, _)| b)).collect();
+        let escapes: Vec<Escape> = run
+            .unbound
+            .iter()
+            .filter(|e| e.live)
+            .filter_map(|e| Some(Escape { block: e.block?, ptr: e.ptr, size: e.size }))
+            .collect();
         let followed = self.cursor.following.get()
             && self.plan.as_ref().is_some_and(|p| p.steps.len() == self.cursor.len.get());
         if self.plan.is_some() && !followed {
@@ -796,9 +849,22 @@ impl<D: Device> Drop for Scope<'_, D> {
         if let Some(name) = &self.name
             && !followed
         {
-            let align = sh.config.load().sizing.min_block_size;
-            sh.learn(name, self.stream, Learned::from_steps(steps, align));
+            let adopted = match self.plan {
+                None => sh.adopt_region(name, self.stream, &steps, &escapes),
+                Some(_) => None,
+            };
+            match adopted {
+                Some((region, pinned)) => {
+                    st.to_absorb = pinned.len();
+                    st.adopt = (!pinned.is_empty()).then_some(region);
+                }
+                None => {
+                    let align = sh.config.load().sizing.min_block_size;
+                    sh.learn(name, self.stream, Learned::from_steps(steps, align));
+                }
+            }
         }
+        drop(st);
         if let Some(r) = region {
             sh.release_region(r);
         }
