@@ -25,6 +25,7 @@ variants=(
   "stats_reader:stats_snapshot_is_never_torn"
   "config:config_swap_during_allocation"
   "scope_batch:batch_return_against_fast_free"
+  "adopt:escape_free_against_scope_exit"
 )
 status=0
 for v in "${variants[@]}"; do

@@ -12,6 +12,7 @@
 //! | `stats_snapshot_is_never_torn`               | seqlock publication, double collect       | `stats_reader` |
 //! | `config_swap_during_allocation`              | one config load per allocation            | `config`       |
 //! | `batch_return_against_fast_free` (scope exit)| batch return under the lock vs fast free  | `scope_batch`  |
+//! | `escape_free_against_scope_exit`             | exit adopts escapes under the run's lock  | `adopt`        |
 #![cfg(loom)]
 
 use loom::sync::{Arc, Mutex};
@@ -366,5 +367,31 @@ fn batch_return_against_fast_free() {
         );
         let (_, snap) = collect(&*published, || caches.clone(), 1).unwrap();
         assert_eq!(assemble(&snap.base, &snap.fast).allocated_bytes.all.current, 0);
+    });
+}
+
+/// Scope exit against the free of an escaped buffer on another thread: the exit closes the run
+/// and makes the plan's region, adopting the escape's segment, under the run's lock. Whether
+/// the escape is freed before (a recorded free), during or after the exit (its block joins the
+/// region), every byte ends up either free in the pool or in the region, and all of it goes
+/// back to the device with the allocator.
+#[test]
+fn escape_free_against_scope_exit() {
+    model(2, || {
+        let dev = Arc::new(LoomDevice::new());
+        let alloc = Allocator::new(dev.clone(), Config::default()).unwrap();
+        let scope = alloc.named_scope("step", S0);
+        let grad = scope.alloc_unbound(8192).unwrap();
+        let freer = thread::spawn(move || drop(grad));
+        drop(scope);
+        freer.join().unwrap();
+        alloc.check_invariants().unwrap();
+        let s = alloc.stats();
+        assert_eq!(
+            s.blocks.allocated_bytes.all.current, s.plan_region_bytes,
+            "the escape's block is in the region or free, never stranded"
+        );
+        drop(alloc);
+        assert_eq!(dev.live_segments(), 0);
     });
 }
