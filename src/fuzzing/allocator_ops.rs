@@ -172,7 +172,7 @@ struct Live {
     run: Option<u64>,
 }
 
-/// The scope scope name of every named scope of a program (`Op::ScopeEnter { named: true }`).
+/// The name of every named scope of a program (`Op::ScopeEnter { named: true }`).
 const SCOPE_NAME: &str = "f";
 
 /// The open scope of the model.
@@ -234,7 +234,7 @@ struct Burst(u64);
 
 impl Burst {
     fn new(seed: u32) -> Burst {
-        Burst(u64::from(seed) << 1 | 0x9e37_79b9_0000_0001)
+        Burst((u64::from(seed) << 1) | 0x9e37_79b9_0000_0001)
     }
 
     fn below(&mut self, n: usize) -> usize {
