@@ -2,8 +2,11 @@
 //!
 //! ```text
 //!   fuzz/corpus/allocator_ops/seed-*  hand-written scenarios (cross-stream reuse, OOM ladder,
-//!                                     injected faults, stream destroy, config switches, …) and
-//!                                     pseudo-random programs over every capacity × config
+//!                                     injected faults, stream destroy, config switches, scopes:
+//!                                     repeated and diverging named runs, escapes freed in the
+//!                                     next run or later, used on other streams, …) and
+//!                                     pseudo-random programs over every capacity × config, and
+//!                                     with scope operations over every capacity
 //!   fuzz/corpus/config_parse/seed-*   every key with good, bad and edge values, combinations
 //!   fuzz/corpus/trace_parse/seed-*    slices of the shipped traces (plain and gzipped), RMM logs,
 //!                                     the PyTorch snapshot fixture and cuts of it, broken inputs
@@ -19,7 +22,7 @@ use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 use tidepool::config::KEYS;
 use tidepool::fuzzing::program::{
-    CAPACITIES, CONFIGS, FAIL_ABOVE, Op, Program, SLEEPS_US, STREAM_SLOTS,
+    CAPACITIES, CONFIGS, FAIL_ABOVE, MAX_OPS, Op, Program, SLEEPS_US, STREAM_SLOTS,
 };
 use tidepool::pool::{MAX_REQUEST, MIB};
 
@@ -54,6 +57,41 @@ fn keep(bytes: u64, stream: u8) -> Op {
 
 fn launch(index: u8, stream: u8) -> Op {
     Op::Launch { index, stream, write: true, sleep_us: 5 }
+}
+
+/// The sizes of the three unbound buffers of one [`scope_run`]; the last one escapes.
+const RUN_A: [u64; 3] = [8 * MIB, 2 * MIB + 1, 3 * MIB];
+const RUN_B: [u64; 3] = [700, 12 * MIB, 3 * MIB];
+
+/// One run of a scope on `stream` (named or not), with `base` older buffers at the front of
+/// the live list: an unbound buffer of `sizes[0]` and one of 4096 bytes (used by a kernel), a
+/// burst of bound buffers drawn from `seed`, the first freed, one of `sizes[1]`, the second
+/// freed, one of `sizes[2]` (which escapes), the third freed, exit.
+fn scope_run(base: u8, stream: u8, named: bool, sizes: [u64; 3], seed: u32) -> Vec<Op> {
+    use Op::*;
+    vec![
+        ScopeEnter { stream, named },
+        ScopeAlloc { bytes: sizes[0] },
+        ScopeAlloc { bytes: 4096 },
+        Launch { index: base + 1, stream, write: true, sleep_us: 1 },
+        ScopeBurst { n: 6, seed },
+        Free { index: base },
+        ScopeAlloc { bytes: sizes[1] },
+        Free { index: base },
+        ScopeAlloc { bytes: sizes[2] },
+        Free { index: base },
+        ScopeExit,
+    ]
+}
+
+/// A named run on the default stream: `scope_run(base, 0, true, sizes, 42)`.
+fn named_run(base: u8, sizes: [u64; 3]) -> Vec<Op> {
+    scope_run(base, 0, true, sizes, 42)
+}
+
+/// `runs` concatenated.
+fn seq(runs: Vec<Vec<Op>>) -> Vec<Op> {
+    runs.concat()
 }
 
 fn scenario(capacity: u8, config: u8, ops: Vec<Op>) -> Vec<u8> {
@@ -425,7 +463,7 @@ fn allocator_seeds() -> Vec<(String, Vec<u8>)> {
         ),
     ];
     let mut seeds: Vec<(String, Vec<u8>)> =
-        named.into_iter().map(|(n, b)| (n.to_string(), b)).collect();
+        named.into_iter().chain(scope_seeds()).map(|(n, b)| (n.to_string(), b)).collect();
     seeds.push((
         "explicit-teardown".into(),
         encode(&Program {
@@ -500,7 +538,261 @@ fn allocator_seeds() -> Vec<(String, Vec<u8>)> {
             seeds.push((format!("random-cap{capacity}-config{config}"), encode(&p)));
         }
     }
+    // Pseudo-random programs with scopes: runs of a few scope templates, repeated with small
+    // changes, escapes freed at random, other operations between.
+    for capacity in 0..CAPACITIES.len() as u8 {
+        for variant in 0..3u8 {
+            let mut ops = Vec::new();
+            while ops.len() < 44 {
+                let r = next();
+                let (a, b) = ((r >> 8) as u8, (r >> 16) as u8 % STREAM_SLOTS);
+                match r % 12 {
+                    0..=5 => {
+                        let sizes = if r & 1 << 20 == 0 { RUN_A } else { RUN_B };
+                        let stream = if variant == 0 { 0 } else { b };
+                        let mut run = scope_run(a % 3, stream, r & 1 << 21 == 0, sizes, 42);
+                        if r & 3 << 22 == 0 {
+                            run.truncate(5 + (a as usize % 5)); // diverges, stays open
+                        }
+                        ops.extend(run);
+                    }
+                    6..=8 => ops.push(Free { index: a }),
+                    9 => ops.push(Launch { index: a, stream: b, write: true, sleep_us: 1 }),
+                    10 => ops.push(RecordStream { index: a, stream: b }),
+                    _ => ops.push(
+                        [EmptyCache, Synchronize, SetConfig { config: a % 3 }, ScopeExit]
+                            [b as usize % 4]
+                            .clone(),
+                    ),
+                }
+            }
+            ops.truncate(MAX_OPS);
+            let p = Program { capacity, config: variant, explicit_teardown: next() & 1 == 1, ops };
+            seeds.push((format!("random-scoped-cap{capacity}-{variant}"), encode(&p)));
+        }
+    }
     seeds
+}
+
+/// Scenarios with scopes (see [`scope_run`] for the live list each run leaves: its escape).
+fn scope_seeds() -> Vec<(&'static str, Vec<u8>)> {
+    use Op::*;
+    let free0 = || vec![Free { index: 0 }];
+    vec![
+        (
+            // Each escape is freed before the next run: runs 2.. follow the plan.
+            "scope-named-repeat",
+            scenario(
+                1,
+                0,
+                seq(vec![
+                    named_run(0, RUN_A),
+                    free0(),
+                    named_run(0, RUN_A),
+                    free0(),
+                    named_run(0, RUN_A),
+                    free0(),
+                    named_run(0, RUN_A),
+                ]),
+            ),
+        ),
+        (
+            // The previous escape is freed inside the next run (after it opened).
+            "scope-escape-freed-in-next-run",
+            scenario(
+                1,
+                0,
+                seq(vec![
+                    named_run(0, RUN_A),
+                    vec![ScopeEnter { stream: 0, named: true }, Free { index: 0 }],
+                    named_run(0, RUN_A)[1..].to_vec(),
+                    vec![ScopeEnter { stream: 0, named: true }, Free { index: 0 }],
+                    named_run(0, RUN_A)[1..].to_vec(),
+                    free0(),
+                    named_run(0, RUN_A),
+                ]),
+            ),
+        ),
+        (
+            // Escapes freed two runs later: their slices stay pinned for a run.
+            "scope-late-escape-free",
+            scenario(
+                1,
+                0,
+                seq(vec![
+                    named_run(0, RUN_A),
+                    named_run(1, RUN_A),
+                    free0(),
+                    named_run(1, RUN_A),
+                    free0(),
+                    named_run(1, RUN_A),
+                    free0(),
+                    free0(),
+                    named_run(0, RUN_A),
+                ]),
+            ),
+        ),
+        (
+            // Runs that diverge from the plan (other sizes, another burst), relearn, repeat.
+            "scope-diverging-runs",
+            scenario(
+                1,
+                0,
+                seq(vec![
+                    named_run(0, RUN_A),
+                    free0(),
+                    named_run(0, RUN_B),
+                    free0(),
+                    named_run(0, RUN_B),
+                    free0(),
+                    scope_run(0, 0, true, RUN_B, 7),
+                    free0(),
+                    named_run(0, RUN_A),
+                ]),
+            ),
+        ),
+        (
+            // An escape used on other streams (record_stream, kernels) while later runs plan.
+            "scope-escape-record-stream",
+            scenario(
+                1,
+                0,
+                seq(vec![
+                    named_run(0, RUN_A),
+                    vec![
+                        RecordStream { index: 0, stream: 1 },
+                        Launch { index: 0, stream: 2, write: true, sleep_us: 5 },
+                    ],
+                    named_run(1, RUN_A),
+                    vec![Launch { index: 1, stream: 1, write: false, sleep_us: 5 }],
+                    free0(),
+                    named_run(1, RUN_A),
+                    free0(),
+                    free0(),
+                    named_run(0, RUN_A),
+                    vec![Launch { index: 0, stream: 1, write: true, sleep_us: 1 }],
+                    free0(),
+                    named_run(0, RUN_A),
+                ]),
+            ),
+        ),
+        (
+            // Named scopes on several streams (one plan each) and anonymous ones between.
+            "scope-streams",
+            scenario(
+                1,
+                1,
+                seq(vec![
+                    scope_run(0, 1, true, RUN_A, 1),
+                    scope_run(1, 2, true, RUN_B, 2),
+                    scope_run(2, 0, false, RUN_A, 3),
+                    vec![Launch { index: 1, stream: 0, write: true, sleep_us: 5 }],
+                    free0(),
+                    free0(),
+                    scope_run(1, 1, true, RUN_A, 1),
+                    free0(),
+                    scope_run(1, 2, false, RUN_B, 2),
+                    free0(),
+                    free0(),
+                ]),
+            ),
+        ),
+        (
+            // Configuration switches inside and between runs; a cache flush between runs.
+            "scope-config-switch",
+            scenario(
+                1,
+                0,
+                seq(vec![
+                    named_run(0, RUN_A),
+                    vec![ScopeEnter { stream: 0, named: true }, ScopeAlloc { bytes: 1_200_000 }],
+                    vec![SetConfig { config: 3 }, ScopeAlloc { bytes: 1_200_000 }],
+                    vec![ScopeBurst { n: 8, seed: 9 }, SetConfig { config: 8 }],
+                    vec![ScopeBurst { n: 8, seed: 9 }, ScopeExit, EmptyCache],
+                    vec![Free { index: 0 }, Free { index: 0 }, Free { index: 0 }],
+                    named_run(0, RUN_A),
+                    vec![ReleaseStream { stream: 0 }, Synchronize],
+                    free0(),
+                    named_run(0, RUN_A),
+                ]),
+            ),
+        ),
+        (
+            // A stream destroyed with a scope open on it (the scope ends first), escapes left.
+            "scope-destroy-stream",
+            scenario(
+                1,
+                0,
+                seq(vec![
+                    scope_run(0, 1, true, RUN_A, 5),
+                    vec![ScopeEnter { stream: 1, named: true }, ScopeAlloc { bytes: 8 * MIB }],
+                    vec![DestroyStream { stream: 1 }, ScopeAlloc { bytes: 4096 }],
+                    vec![Free { index: 0 }, DestroyStream { stream: 1 }],
+                    scope_run(1, 1, true, RUN_A, 5),
+                    vec![Free { index: 0 }, Free { index: 0 }, EmptyCache],
+                ]),
+            ),
+        ),
+        (
+            // A small device: regions and bursts run out of memory.
+            "scope-oom",
+            scenario(
+                0,
+                0,
+                seq(vec![
+                    named_run(0, [30 * MIB, 20 * MIB, 12 * MIB]),
+                    vec![Alloc { bytes: 20 * MIB, stream: 1, persistent: false }],
+                    named_run(2, [30 * MIB, 20 * MIB, 12 * MIB]),
+                    vec![Free { index: 0 }, Free { index: 1 }],
+                    named_run(1, [30 * MIB, 20 * MIB, 12 * MIB]),
+                    vec![ScopeEnter { stream: 0, named: true }, ScopeAlloc { bytes: 60 * MIB }],
+                ]),
+            ),
+        ),
+        (
+            // Injected faults while the plan's region is made and served.
+            "scope-faults",
+            scenario(
+                1,
+                0,
+                seq(vec![
+                    vec![FailNthMalloc { n: 2 }],
+                    named_run(0, RUN_A),
+                    vec![FailMallocsAbove { limit: Some(2 * MIB) }, Free { index: 0 }],
+                    named_run(0, RUN_B),
+                    vec![FailMallocsAbove { limit: None }, FailNthMalloc { n: 1 }],
+                    free0(),
+                    named_run(0, RUN_B),
+                    vec![FailEventQueries { on: true }, RecordStream { index: 0, stream: 1 }],
+                    free0(),
+                    named_run(0, RUN_B),
+                ]),
+            ),
+        ),
+        (
+            // Zero-byte and absurd scoped requests; a scope left open at the end.
+            "scope-zero-and-absurd",
+            encode(&Program {
+                capacity: 2,
+                config: 0,
+                explicit_teardown: true,
+                ops: vec![
+                    ScopeEnter { stream: 2, named: true },
+                    ScopeAlloc { bytes: 0 },
+                    ScopeAlloc { bytes: u64::MAX },
+                    ScopeAlloc { bytes: MAX_REQUEST + 1 },
+                    ScopeAlloc { bytes: 1 << 40 },
+                    ScopeAlloc { bytes: 512 },
+                    ScopeBurst { n: 1, seed: 0 },
+                    ScopeExit,
+                    ScopeEnter { stream: 2, named: true },
+                    ScopeAlloc { bytes: 0 },
+                    ScopeAlloc { bytes: 512 },
+                    ScopeBurst { n: 1, seed: 0 },
+                ],
+            }),
+        ),
+    ]
 }
 
 fn config_seeds() -> Vec<(String, Vec<u8>)> {

@@ -1,5 +1,6 @@
-//! Fuzz target `allocator_ops`: a program of allocator, stream and fault-injection operations,
-//! run on the sanitized SimDevice and checked against a reference model after every step.
+//! Fuzz target `allocator_ops`: a program of allocator, stream, scope and fault-injection
+//! operations, run on the sanitized SimDevice and checked against a reference model after every
+//! step.
 //! The harness is `tidepool::fuzzing::allocator_ops`, so `cargo test` replays the corpus too.
 #![no_main]
 

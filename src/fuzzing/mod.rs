@@ -7,7 +7,7 @@
 //!   tests/fuzz_corpus.rs ───────────┘       (panics on a bug)
 //! ```
 //!
-//! - [`allocator_ops`]: a program of allocator, stream and fault-injection operations
+//! - [`allocator_ops`]: a program of allocator, stream, scope and fault-injection operations
 //!   ([`program`]) run on the sanitized SimDevice against a reference model.
 //! - [`config_parse`]: arbitrary text into `Config::parse`.
 //! - [`trace_parse`]: arbitrary bytes into every trace reader.

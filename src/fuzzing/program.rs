@@ -3,7 +3,8 @@
 //! ```text
 //!   input = header  op op op …            (at most MAX_OPS ops; the rest is ignored)
 //!   header = capacity:choice  config:choice  teardown:bool
-//!   op     = tag:choice(TAGS) operands…   (TAGS weights the kinds: 8/32 of tags are allocs)
+//!   op     = tag:choice(TAGS) operands…   (TAGS weights the kinds: 11/64 of tags are allocs,
+//!                                          9/64 are scope operations)
 //! ```
 //!
 //! Operands name *slots*, not raw values: a stream is one of [`STREAM_SLOTS`] slots (slot 0 is
@@ -89,11 +90,28 @@ pub enum Op {
     /// Read-only views (`stats`, and `memory_summary` when `summary`: it is slow to format, so
     /// one Inspect in eight asks for it); then `reset_peak_stats`.
     Inspect { summary: bool },
-    // EXTENSION POINT (scopes): when the allocator gains scopes, add `ScopeEnter`, `ScopeExit`
-    // and a scoped alloc here, give them entries in `TAGS` (keep its length a divisor of 256),
-    // decode/encode them below, run them in `allocator_ops.rs` (see its matching marker) and
-    // extend the reference model with which buffers each open scope owns.
+    /// Opens `named_scope("f", stream)` (`named`) or `scope(stream)`. At most one scope is open
+    /// at a time: an open one is closed first, as if by [`Op::ScopeExit`].
+    ScopeEnter { stream: u8, named: bool },
+    /// `alloc_unbound(bytes)` in the open scope (nothing without one): an ordinary live buffer,
+    /// which escapes the scope if it is still live when the scope exits.
+    ScopeAlloc { bytes: u64 },
+    /// `n` bound allocations (`Scope::alloc`, `1..=MAX_BURST`) in the open scope, with sizes
+    /// and an interleaved free order drawn from `seed`; all are freed before the step ends
+    /// (a bound buffer borrows the scope, so it cannot outlive the step). The same `(n, seed)`
+    /// makes the same sequence, so repeated runs of a named scope can follow their plan.
+    ScopeBurst { n: u8, seed: u32 },
+    /// Drops the open scope (nothing without one).
+    ScopeExit,
 }
+
+/// Most bound allocations of one [`Op::ScopeBurst`].
+pub const MAX_BURST: u8 = 8;
+
+/// Request sizes of [`Op::ScopeBurst`] (a mix of small- and large-pool sizes, some that round
+/// to the same block).
+pub const BURST_SIZES: [u64; 8] =
+    [512, 1000, 4096, 65_536, MIB - 100, 2 * MIB + 1, 5 * MIB, 12 * MIB + 3];
 
 /// Operation kinds, without operands (an index into `TAGS` picks one).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -115,12 +133,21 @@ enum Kind {
     FailMallocsAbove,
     FailEventQueries,
     Inspect,
+    ScopeEnter,
+    ScopeAlloc,
+    ScopeBurst,
+    ScopeExit,
 }
 
-/// The tag table: how often each kind is decoded (32 entries, so each gets 8 of 256 bytes).
-const TAGS: [Kind; 32] = {
+/// The tag table: how often each kind is decoded (64 entries, so each gets 4 of 256 bytes).
+///
+/// The second half mirrors the first (the table had 32 entries before scopes), except for the
+/// slots given to scope operations, so most inputs found before scopes existed keep their
+/// meaning: every seed (tags below 32) and the committed crash artifact decode as before.
+const TAGS: [Kind; 64] = {
     use Kind::*;
     [
+        // 0..32: the original table.
         Alloc,
         Alloc,
         Alloc,
@@ -153,8 +180,45 @@ const TAGS: [Kind; 32] = {
         FailMallocsAbove,
         FailEventQueries,
         Inspect,
+        // 32..64: the same, with 9 slots taken by scope operations.
+        Alloc,
+        Alloc,
+        Alloc,
+        ScopeAlloc,
+        ScopeAlloc,
+        ScopeAlloc,
+        ScopeAlloc,
+        ScopeBurst,
+        Free,
+        Free,
+        Free,
+        Free,
+        Free,
+        Launch,
+        Launch,
+        Launch,
+        Launch,
+        RecordStream,
+        RecordStream,
+        ScopeEnter,
+        WaitEvent,
+        ScopeExit,
+        DeviceSynchronize,
+        EmptyCache,
+        ScopeEnter,
+        ReleaseStream,
+        DestroyStream,
+        SetConfig,
+        FailNthMalloc,
+        ScopeExit,
+        FailEventQueries,
+        Inspect,
     ]
 };
+
+// A tag byte picks `TAGS[byte % TAGS.len()]`: every kind keeps its share of the 256 bytes only
+// if the length divides 256.
+const _: () = assert!(256 % TAGS.len() == 0, "TAGS.len() must divide 256");
 
 /// A decoded program.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -188,6 +252,32 @@ fn size(input: &mut Input) -> u64 {
             i if i < ABSURD.len() => ABSURD[i],
             _ => input.u64(),
         },
+    }
+}
+
+/// Writes `bytes` as the raw `u64` of the absurd class (any size decodes back this way).
+fn raw_size(o: &mut Output, bytes: u64) {
+    o.choice(4);
+    o.choice(ABSURD.len());
+    o.u64(bytes);
+}
+
+/// Writes `bytes` in the smallest size class that decodes back to it (3 to 11 bytes), so that
+/// seeds with many scoped allocations stay within the fuzzer's input length.
+fn compact_size(o: &mut Output, bytes: u64) {
+    let class = |o: &mut Output, c: usize, v: u64| {
+        o.choice(c);
+        o.u32(u32::try_from(v).expect("fits its class"));
+    };
+    match bytes {
+        0..=1024 => {
+            o.choice(0);
+            o.u16(bytes as u16);
+        }
+        _ if bytes <= MIB => class(o, 1, bytes - 1),
+        _ if bytes <= 10 * MIB => class(o, 2, bytes - MIB - 1),
+        _ if bytes < 9 * MIB + (2 << 30) => class(o, 3, bytes - 9 * MIB),
+        _ => raw_size(o, bytes),
     }
 }
 
@@ -247,13 +337,18 @@ impl Program {
                 }
                 Kind::FailEventQueries => Op::FailEventQueries { on: i.bool() },
                 Kind::Inspect => Op::Inspect { summary: i.u8().is_multiple_of(8) },
+                Kind::ScopeEnter => Op::ScopeEnter { stream: slot(i), named: i.bool() },
+                Kind::ScopeAlloc => Op::ScopeAlloc { bytes: size(i) },
+                Kind::ScopeBurst => Op::ScopeBurst { n: 1 + i.u8() % MAX_BURST, seed: i.u32() },
+                Kind::ScopeExit => Op::ScopeExit,
             });
         }
         Program { capacity, config, explicit_teardown, ops }
     }
 
     /// The bytes that decode to this program. Operands must be in range (slots below
-    /// [`STREAM_SLOTS`], sleeps and limits from their tables, `n` below 5).
+    /// [`STREAM_SLOTS`], sleeps and limits from their tables, `n` below 5 for
+    /// [`Op::FailNthMalloc`] and in `1..=MAX_BURST` for [`Op::ScopeBurst`]).
     pub fn encode(&self) -> Vec<u8> {
         let mut o = Output::new();
         o.choice(usize::from(self.capacity));
@@ -265,9 +360,7 @@ impl Program {
             match *op {
                 Op::Alloc { bytes, stream, persistent } => {
                     tag(&mut o, Kind::Alloc);
-                    o.choice(4);
-                    o.choice(ABSURD.len());
-                    o.u64(bytes);
+                    raw_size(&mut o, bytes);
                     o.u8(stream);
                     o.bool(persistent);
                 }
@@ -329,6 +422,21 @@ impl Program {
                     tag(&mut o, Kind::Inspect);
                     o.u8(if summary { 0 } else { 1 });
                 }
+                Op::ScopeEnter { stream, named } => {
+                    tag(&mut o, Kind::ScopeEnter);
+                    o.u8(stream);
+                    o.bool(named);
+                }
+                Op::ScopeAlloc { bytes } => {
+                    tag(&mut o, Kind::ScopeAlloc);
+                    compact_size(&mut o, bytes);
+                }
+                Op::ScopeBurst { n, seed } => {
+                    tag(&mut o, Kind::ScopeBurst);
+                    o.u8(n.checked_sub(1).expect("a burst of at least one buffer"));
+                    o.u32(seed);
+                }
+                Op::ScopeExit => tag(&mut o, Kind::ScopeExit),
             }
         }
         o.into_bytes()
@@ -366,6 +474,12 @@ mod tests {
                 Op::FailEventQueries { on: true },
                 Op::Inspect { summary: true },
                 Op::Inspect { summary: false },
+                Op::ScopeEnter { stream: 1, named: true },
+                Op::ScopeAlloc { bytes: 3 * MIB },
+                Op::ScopeBurst { n: 1, seed: 0 },
+                Op::ScopeBurst { n: MAX_BURST, seed: u32::MAX },
+                Op::ScopeExit,
+                Op::ScopeEnter { stream: 0, named: false },
             ],
         }
     }
@@ -390,9 +504,45 @@ mod tests {
                 (0..64u8).map(|i| seed.wrapping_mul(31).wrapping_add(i.wrapping_mul(7))).collect();
             let p = Program::decode(&bytes);
             for op in &p.ops {
-                if let Op::Alloc { stream, .. } | Op::Launch { stream, .. } = op {
+                if let Op::Alloc { stream, .. }
+                | Op::Launch { stream, .. }
+                | Op::ScopeEnter { stream, .. } = op
+                {
                     assert!(*stream < STREAM_SLOTS);
                 }
+                if let Op::ScopeBurst { n, .. } = op {
+                    assert!((1..=MAX_BURST).contains(n));
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn the_second_half_of_the_tags_mirrors_the_first_but_for_scopes() {
+        use Kind::*;
+        let scoped = [ScopeEnter, ScopeAlloc, ScopeBurst, ScopeExit];
+        let (old, new) = TAGS.split_at(32);
+        for (i, (o, n)) in old.iter().zip(new).enumerate() {
+            assert!(!scoped.contains(o), "slot {i}");
+            assert!(o == n || scoped.contains(n), "slot {} is {n:?}, not {o:?}", i + 32);
+        }
+        for k in scoped {
+            assert!(new.contains(&k), "{k:?} has no tag");
+        }
+    }
+
+    #[test]
+    fn compact_sizes_decode_back() {
+        for bytes in [0, 1, 1024, 1025, MIB, MIB + 1, 10 * MIB, 10 * MIB + 1, (2 << 30) + 9 * MIB]
+            .into_iter()
+            .chain([(2 << 30) + 9 * MIB - 1, MAX_REQUEST, u64::MAX])
+        {
+            let mut o = Output::new();
+            compact_size(&mut o, bytes);
+            let data = o.into_bytes();
+            assert_eq!(size(&mut Input::new(&data)), bytes, "{bytes}");
+            if bytes < 9 * MIB + (2 << 30) {
+                assert!(data.len() <= 5, "{bytes} takes {} bytes", data.len());
             }
         }
     }
