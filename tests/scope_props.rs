@@ -19,8 +19,8 @@
 //! the plan: no plan miss and no device malloc. At the end every buffer and the allocator are
 //! dropped, and the device must hold no segment.
 //!
-//! The ignored tests at the end reproduce two allocator bugs that fuzzing `allocator_ops` with
-//! scope operations found; each is explained above its tests.
+//! The tests at the end are regressions for two allocator bugs that fuzzing `allocator_ops`
+//! with scope operations found (now fixed); each is explained above its tests.
 
 use proptest::prelude::*;
 use std::sync::Arc;
@@ -307,10 +307,11 @@ fn a_hand_written_program_passes_and_is_planned() {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Regressions for an allocator bug found by fuzzing `allocator_ops` with scope operations
-// (not fixed here; these tests are ignored until it is):
+// Regressions for an allocator bug found by fuzzing `allocator_ops` with scope operations,
+// fixed by `Scope::unstep` (a failed allocation takes its step back) and by `planned_claiming`
+// denying the region on any error:
 //
-// A scoped allocation that fails (out of memory) is still recorded as a step of the run:
+// A scoped allocation that failed (out of memory) was still recorded as a step of the run:
 // `Scope::alloc_unbound` and `Scope::alloc_slow` call `self.step(Step::Alloc(rounded))` before
 // `pool_block`. The learned plan then holds a phantom allocation that is never freed, so it
 // lives to the end of the run and the plan's region must hold it. With a request of
@@ -332,7 +333,6 @@ fn a_hand_written_program_passes_and_is_planned() {
 /// (out of memory), ScopeEnter{0, named} (ends the first run), ScopeAlloc{8 MiB} (fails with
 /// `InvalidSize(2^48 + 8 MiB)`).
 #[test]
-#[ignore = "allocator bug: a failed scoped allocation is planned (see the comment above)"]
 fn fuzz_regression_a_failed_scoped_allocation_is_planned() {
     let input = [
         0x01, 0x00, 0x00, 0x33, 0x00, 0x01, 0x23, 0x02, 0xff, 0xff, 0x6f, 0x00, 0x23, 0xf9, 0xf9,
@@ -342,7 +342,6 @@ fn fuzz_regression_a_failed_scoped_allocation_is_planned() {
 }
 
 #[test]
-#[ignore = "allocator bug: a failed scoped allocation is planned (see the comment above)"]
 fn a_failed_scoped_allocation_does_not_break_later_runs() {
     use tidepool::AllocError;
     use tidepool::pool::MAX_REQUEST;
@@ -360,7 +359,6 @@ fn a_failed_scoped_allocation_does_not_break_later_runs() {
 }
 
 #[test]
-#[ignore = "allocator bug: a failed scoped allocation is planned (see the comment above)"]
 fn a_failed_scoped_allocation_does_not_disable_the_plan() {
     let dev = Arc::new(SimDevice::new(256 * MIB));
     let alloc = Allocator::new(dev.clone(), Config::default()).unwrap();
@@ -381,7 +379,8 @@ fn a_failed_scoped_allocation_does_not_disable_the_plan() {
 }
 
 // ---------------------------------------------------------------------------------------------
-// A second allocator bug found by fuzzing `allocator_ops` (not fixed here; ignored until it is):
+// A second allocator bug found by fuzzing `allocator_ops`, fixed in `Shared::order_after`
+// (when the owner stream cannot wait, the other stream's work is waited for on the host):
 //
 // A planned buffer (a slice of a plan's region) used on another stream orders its reuse only
 // through its owner stream: when it is dropped, `Buffer::drop` (`Origin::Region`) calls
@@ -389,11 +388,11 @@ fn a_failed_scoped_allocation_does_not_disable_the_plan() {
 // wait for it, and then lets go of the region; if that was the last hold (the plan was relearned
 // since), the region's blocks go back to the pool as plain free blocks, with no pending event.
 // When the owner stream was destroyed before the free, `wait_event(owner, ..)` fails and the
-// error is ignored (`Shared::order_after`), so nothing orders the reuse after the other
+// error was ignored (`Shared::order_after`), so nothing ordered the reuse after the other
 // stream's work; `take_from_other_stream` then hands the segment to another stream at once
 // ("the owner was destroyed, hence drained"), while the other stream may still be writing it.
 // A pool buffer in the same position is safe: its free records pending events on the streams
-// it was used on. (Waiting for the event on the host when the owner is gone would fix it.)
+// it was used on.
 // ---------------------------------------------------------------------------------------------
 
 /// The minimized fuzz input: ScopeEnter{1, named}, ScopeAlloc{8 MiB}, ScopeAlloc{196866},
@@ -404,7 +403,6 @@ fn a_failed_scoped_allocation_does_not_disable_the_plan() {
 /// `record_stream`), Free{it} (the region goes back to the pool), Alloc{9 MiB on the default
 /// stream}: handed the planned buffer's memory while the kernel still writes it.
 #[test]
-#[ignore = "allocator bug: a planned buffer's uses are lost when its stream was destroyed"]
 fn fuzz_regression_a_planned_buffer_freed_after_its_stream_was_destroyed() {
     let input = [
         0x01, 0x00, 0x00, 0x33, 0x01, 0x01, 0x23, 0x02, 0xff, 0xff, 0x6f, 0x00, 0x23, 0x01, 0x01,
@@ -415,7 +413,6 @@ fn fuzz_regression_a_planned_buffer_freed_after_its_stream_was_destroyed() {
 }
 
 #[test]
-#[ignore = "allocator bug: a planned buffer's uses are lost when its stream was destroyed"]
 fn a_planned_buffer_used_elsewhere_and_freed_after_its_stream_was_destroyed() {
     use std::time::Duration;
     use tidepool::Device;

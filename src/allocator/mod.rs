@@ -1147,9 +1147,20 @@ impl<D: Device> Shared<D> {
         }
         let mut st = self.lock_state();
         for &other in others {
-            let Ok(event) = self.event(&mut st) else { continue };
-            if self.device.record_event(event, other).is_ok() {
-                let _ = self.device.wait_event(stream, event);
+            let Ok(event) = self.event(&mut st) else {
+                // No event to order with: wait for the other stream's work on the host.
+                let _ = self.device.synchronize();
+                st.counters.host_syncs += 1;
+                continue;
+            };
+            // A stream that is gone was drained: nothing of it can still use the memory.
+            if self.device.record_event(event, other).is_ok()
+                && self.device.wait_event(stream, event).is_err()
+            {
+                // The owner stream is gone (or refuses to wait): whoever reuses the memory next
+                // may be any stream, so the other stream's work must be done now.
+                let _ = self.device.synchronize_event(event);
+                st.counters.host_syncs += 1;
             }
             st.free_events.push(event);
         }

@@ -171,6 +171,8 @@ struct Cursor {
     check_pins: Cell<bool>,
     /// Whether some planned buffer was used on another stream (see `Run::uses`).
     any_uses: Cell<bool>,
+    /// The step at which the run stopped following its plan (`usize::MAX`: it has not).
+    diverged_at: Cell<usize>,
     hits: Cell<u64>,
 }
 
@@ -410,6 +412,7 @@ impl<'a, D: Device> Scope<'a, D> {
                 base: Cell::new(NO_BASE),
                 check_pins: Cell::new(false),
                 any_uses: Cell::new(false),
+                diverged_at: Cell::new(usize::MAX),
                 hits: Cell::new(0),
             },
             plan,
@@ -503,12 +506,12 @@ impl<'a, D: Device> Scope<'a, D> {
         let index = self.cursor.allocs.get();
         self.cursor.allocs.set(index + 1);
         if let Some(offset) = self.step(Step::Alloc(rounded)) {
-            if let Some(ptr) = self.planned(offset, rounded)? {
+            if let Some(ptr) = self.planned(offset, rounded) {
                 return Ok(made(ptr, rounded, index, NO_SLOT));
             }
             self.run.borrow_mut().misses += 1;
         }
-        let buf = self.pool_block(bytes, rounded)?;
+        let buf = self.pool_block(bytes, rounded).inspect_err(|_| self.unstep())?;
         let (ptr, size) = (buf.ptr, buf.size);
         let slot = self.run.borrow_mut().hold(buf);
         Ok(made(ptr, size, index, slot))
@@ -543,7 +546,7 @@ impl<'a, D: Device> Scope<'a, D> {
         self.cursor.allocs.set(index + 1);
         let mut planned = None;
         if let Some(offset) = self.step(Step::Alloc(rounded)) {
-            match self.planned(offset, rounded)? {
+            match self.planned(offset, rounded) {
                 Some(ptr) => planned = Some(ptr),
                 None => self.run.borrow_mut().misses += 1,
             }
@@ -568,7 +571,7 @@ impl<'a, D: Device> Scope<'a, D> {
                 b.origin = Origin::Region(region.clone(), offset);
                 (b, offset)
             }
-            None => (self.pool_block(bytes, rounded)?, NO_OFFSET),
+            None => (self.pool_block(bytes, rounded).inspect_err(|_| self.unstep())?, NO_OFFSET),
         };
         let mut run = self.run.borrow_mut();
         let (ptr, block) = (buf.ptr.0, buf.block());
@@ -606,6 +609,26 @@ impl<'a, D: Device> Scope<'a, D> {
         None
     }
 
+    /// Takes back the last step, an allocation that failed: it never happened, so neither the
+    /// plan nor the run's indices may count it, and a run it made diverge follows again.
+    #[cold]
+    fn unstep(&self) {
+        let c = &self.cursor;
+        let len = c.len.get() - 1;
+        c.len.set(len);
+        c.allocs.set(c.allocs.get() - 1);
+        if c.following.get() {
+            return;
+        }
+        let mut run = self.run.borrow_mut();
+        run.steps.pop();
+        if c.diverged_at.get() == len {
+            c.following.set(true);
+            c.diverged_at.set(usize::MAX);
+            run.steps.clear();
+        }
+    }
+
     #[cold]
     fn step_off_plan(&self, len: usize, step: Step) {
         let mut run = self.run.borrow_mut();
@@ -613,6 +636,7 @@ impl<'a, D: Device> Scope<'a, D> {
             && let Some(plan) = &self.plan
         {
             run.steps = plan.steps[..len].to_vec();
+            self.cursor.diverged_at.set(len);
         }
         run.steps.push(step);
     }
@@ -630,19 +654,19 @@ impl<'a, D: Device> Scope<'a, D> {
     /// The planned slice at `offset` (of an allocation that follows the plan), if it can be
     /// served.
     #[inline]
-    fn planned(&self, offset: u64, size: u64) -> Result<Option<DevicePtr>, AllocError> {
+    fn planned(&self, offset: u64, size: u64) -> Option<DevicePtr> {
         let c = &self.cursor;
         let base = c.base.get();
         if base == NO_BASE {
             return self.planned_claiming(offset, size);
         }
         if c.check_pins.get() && self.pinned(offset, size) {
-            return Ok(None);
+            return None;
         }
         let ptr = DevicePtr(base + offset);
         self.device.note_handout(ptr, size, self.stream);
         c.hits.set(c.hits.get() + 1);
-        Ok(Some(ptr))
+        Some(ptr)
     }
 
     fn pinned(&self, offset: u64, size: u64) -> bool {
@@ -654,27 +678,21 @@ impl<'a, D: Device> Scope<'a, D> {
 
     /// The first planned allocation of the run: claims the plan's region, made on first use
     /// (the stream's cached transient segments are trimmed first so the region replaces them).
-    /// `None` when another run holds it or it cannot be reserved.
+    /// `None` when another run holds it or it cannot be made (out of memory, a device error):
+    /// then the whole run is served by the pool, which reports any error itself.
     #[cold]
-    fn planned_claiming(&self, offset: u64, size: u64) -> Result<Option<DevicePtr>, AllocError> {
+    fn planned_claiming(&self, offset: u64, size: u64) -> Option<DevicePtr> {
         let mut run = self.run.borrow_mut();
-        let RegionSlot::Unclaimed(existing) = &run.region else { return Ok(None) };
-        let (Some(name), Some(plan)) = (self.name.as_deref(), &self.plan) else { return Ok(None) };
+        let RegionSlot::Unclaimed(existing) = &run.region else { return None };
+        let (Some(name), Some(plan)) = (self.name.as_deref(), &self.plan) else { return None };
         let region = match existing {
-            Some(r) => r.clone(),
-            None => match self.alloc.shared.make_region(name, self.stream, plan.region_size) {
-                Ok(r) => r,
-                Err(AllocError::OutOfMemory(_)) => {
-                    run.region = RegionSlot::Denied;
-                    return Ok(None);
-                }
-                Err(e) => return Err(e),
-            },
+            Some(r) => Some(r.clone()),
+            None => self.alloc.shared.make_region(name, self.stream, plan.region_size).ok(),
         };
-        if !region.try_claim() {
+        let Some(region) = region.filter(|r| r.try_claim()) else {
             run.region = RegionSlot::Denied;
-            return Ok(None);
-        }
+            return None;
+        };
         self.cursor.base.set(region.base);
         self.cursor.check_pins.set(region.has_pins());
         run.region = RegionSlot::Claimed(region);
