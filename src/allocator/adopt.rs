@@ -138,7 +138,7 @@ impl<D: Device> Shared<D> {
         for e in &pinned {
             region.pin(e.ptr, e.size);
         }
-        let learned = Learned::with_offsets(steps.to_vec(), &offsets, size);
+        let learned = Learned::with_offsets(steps, &offsets, size);
         self.scope_counters.region_bytes.fetch_add(size, Ordering::Relaxed);
         entry.learned = Some(Arc::new(learned));
         entry.region = Some(region.clone());

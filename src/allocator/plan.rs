@@ -30,13 +30,11 @@ pub(crate) enum Step {
 /// A plan learned from one run.
 #[derive(Debug)]
 pub(crate) struct Learned {
-    /// The run's steps; a later run follows the plan while it repeats them exactly.
-    pub steps: Vec<Step>,
     /// Size of the region.
     pub region_size: u64,
-    /// The steps as the planned path reads them: `[code, offset]` per step, where the code is
-    /// [`Step::code`] and the offset is the allocation's slice (0 for a free). One load pair
-    /// per step, no second lookup.
+    /// The run's steps as the planned path reads them: `[code, offset]` per step, where the code
+    /// is [`Step::code`] and the offset is the allocation's slice (0 for a free). A later run
+    /// follows the plan while it repeats the codes exactly; one load pair per step.
     pub script: Vec<[u64; 2]>,
 }
 
@@ -44,12 +42,7 @@ pub(crate) struct Learned {
 impl Learned {
     /// Offset in the region of each allocation of the run, by allocation index.
     fn offsets(&self) -> Vec<u64> {
-        self.steps
-            .iter()
-            .zip(&self.script)
-            .filter(|(s, _)| matches!(s, Step::Alloc(_)))
-            .map(|(_, c)| c[1])
-            .collect()
+        self.script.iter().filter(|[code, _]| code & 1 == 0).map(|&[_, off]| off).collect()
     }
 }
 
@@ -63,13 +56,18 @@ impl Step {
             Step::Free(index) => (u64::from(index) << 1) | 1,
         }
     }
+
+    /// The step a [`Step::code`] stands for.
+    pub fn from_code(code: u64) -> Step {
+        if code & 1 == 0 { Step::Alloc(code >> 1) } else { Step::Free((code >> 1) as u32) }
+    }
 }
 
 impl Learned {
     /// Packs the lifetimes of `steps` (escapes live to the end of the run) with `align`.
     /// `None` when the run allocated nothing or the plan would not fit the address space.
-    pub fn from_steps(steps: Vec<Step>, align: u64) -> Option<Learned> {
-        let intervals = Self::intervals(&steps);
+    pub fn from_steps(steps: &[Step], align: u64) -> Option<Learned> {
+        let intervals = Self::intervals(steps);
         if intervals.is_empty() {
             return None;
         }
@@ -90,8 +88,18 @@ impl Learned {
         intervals
     }
 
+    /// Its first `n` steps.
+    pub fn steps(&self, n: usize) -> Vec<Step> {
+        self.script[..n].iter().map(|&[code, _]| Step::from_code(code)).collect()
+    }
+
+    /// Number of steps.
+    pub fn len(&self) -> usize {
+        self.script.len()
+    }
+
     /// A plan giving allocation `j` of `steps` the slice at `offsets[j]`.
-    pub fn with_offsets(steps: Vec<Step>, offsets: &[u64], region_size: u64) -> Learned {
+    pub fn with_offsets(steps: &[Step], offsets: &[u64], region_size: u64) -> Learned {
         let mut allocs = offsets.iter();
         let script = steps
             .iter()
@@ -100,7 +108,7 @@ impl Learned {
                 Step::Free(_) => [step.code(), 0],
             })
             .collect();
-        Learned { steps, region_size, script }
+        Learned { region_size, script }
     }
 }
 
@@ -221,19 +229,30 @@ mod tests {
             Step::Free(2),
             Step::Alloc(512),
         ];
-        let l = Learned::from_steps(steps, 512).unwrap();
+        let l = Learned::from_steps(&steps, 512).unwrap();
         assert_eq!(l.offsets(), vec![0, 4096, 0, 0]);
         assert_eq!(l.region_size, 5120);
     }
 
     #[test]
+    fn step_codes_round_trip() {
+        for step in [Step::Alloc(512), Step::Alloc(1 << 48), Step::Free(0), Step::Free(u32::MAX)] {
+            assert_eq!(Step::from_code(step.code()), step);
+        }
+        assert_ne!(Step::Alloc(2).code(), Step::Free(1).code());
+        let steps = [Step::Alloc(1024), Step::Free(0), Step::Alloc(2048)];
+        let l = Learned::from_steps(&steps, 512).unwrap();
+        assert_eq!((l.len(), l.steps(2)), (3, steps[..2].to_vec()));
+    }
+
+    #[test]
     fn escapes_live_to_the_end_of_the_run() {
         let steps = vec![Step::Alloc(1024), Step::Alloc(1024), Step::Free(1), Step::Alloc(1024)];
-        let l = Learned::from_steps(steps, 512).unwrap();
+        let l = Learned::from_steps(&steps, 512).unwrap();
         // a0 escapes, so a2 cannot share its slice; a2 reuses a1's.
         assert_eq!(l.offsets(), vec![0, 1024, 1024]);
         assert_eq!(l.region_size, 2048);
-        assert!(Learned::from_steps(vec![], 512).is_none());
+        assert!(Learned::from_steps(&[], 512).is_none());
     }
 
     #[test]

@@ -635,7 +635,7 @@ impl<'a, D: Device> Scope<'a, D> {
         if self.cursor.following.replace(false)
             && let Some(plan) = &self.plan
         {
-            run.steps = plan.steps[..len].to_vec();
+            run.steps = plan.steps(len);
             self.cursor.diverged_at.set(len);
         }
         run.steps.push(step);
@@ -644,9 +644,7 @@ impl<'a, D: Device> Scope<'a, D> {
     /// The steps of the run, for learning.
     fn take_steps(&mut self) -> Vec<Step> {
         match &self.plan {
-            Some(plan) if self.cursor.following.get() => {
-                plan.steps[..self.cursor.len.get()].to_vec()
-            }
+            Some(plan) if self.cursor.following.get() => plan.steps(self.cursor.len.get()),
             _ => std::mem::take(&mut self.run.get_mut().steps),
         }
     }
@@ -858,7 +856,7 @@ impl<D: Device> Drop for Scope<'_, D> {
             .filter_map(|e| Some(Escape { block: e.block?, ptr: e.ptr, size: e.size }))
             .collect();
         let followed = self.cursor.following.get()
-            && self.plan.as_ref().is_some_and(|p| p.steps.len() == self.cursor.len.get());
+            && self.plan.as_ref().is_some_and(|p| p.len() == self.cursor.len.get());
         if self.plan.is_some() && !followed {
             c.plan_fallbacks.fetch_add(1, Ordering::Relaxed);
         }
@@ -880,7 +878,7 @@ impl<D: Device> Drop for Scope<'_, D> {
             }
             (None, Some(name)) => {
                 let align = sh.config.load().sizing.min_block_size;
-                sh.learn(name, self.stream, Learned::from_steps(steps, align));
+                sh.learn(name, self.stream, Learned::from_steps(&steps, align));
             }
             (None, None) => {}
         }
