@@ -358,3 +358,43 @@ fn an_allocation_racing_set_config_follows_one_configuration() {
     drop(bufs);
     check(&dev, &alloc);
 }
+
+#[test]
+fn threads_on_one_stream_hit_their_cache_lanes_and_every_lane_is_flushed() {
+    // Threads on one stream are spread over its cache lanes; whichever lanes they get, each
+    // thread's pairs hit a cache without the global lock, the statistics list the stream once,
+    // and `empty_cache` reaches every lane.
+    let (dev, alloc) = setup("", 1 << 30);
+    let step = Arc::new(Barrier::new(3));
+    let threads: Vec<_> = (0..2)
+        .map(|_| {
+            let (alloc, step) = (alloc.clone(), step.clone());
+            std::thread::spawn(move || {
+                let a = alloc.alloc(4096, S0).unwrap(); // both live at once: two blocks
+                step.wait();
+                drop(a);
+                step.wait(); // the main thread reads the lock count
+                step.wait();
+                for _ in 0..100 {
+                    drop(alloc.alloc(4096, S0).unwrap());
+                }
+                step.wait();
+            })
+        })
+        .collect();
+    step.wait();
+    step.wait();
+    let locks = alloc.global_lock_acquisitions();
+    step.wait();
+    step.wait();
+    assert_eq!(alloc.global_lock_acquisitions(), locks, "200 pairs, no global lock");
+    threads.into_iter().for_each(|t| t.join().unwrap());
+    let s = alloc.stats();
+    assert_eq!(s.cached_fast_bytes, 8192);
+    assert_eq!(s.cached_free_bytes_per_stream, vec![(0, 2 * MIB)], "one entry per stream");
+    check(&dev, &alloc);
+    alloc.empty_cache().unwrap();
+    assert_eq!(alloc.stats().cached_fast_bytes, 0);
+    assert!(dev.live_segments().is_empty(), "every lane was flushed");
+    check(&dev, &alloc);
+}

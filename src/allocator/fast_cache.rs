@@ -1,17 +1,18 @@
-//! The fast path: one [`StreamCache`] per stream holds small-pool blocks freed on that stream, by
-//! class (residency, rounded size), so a free and a re-allocation of the same class on the same
-//! stream never take the allocator's global lock.
+//! The fast path: [`LANES`] [`StreamCache`]s per stream hold small-pool blocks freed on that
+//! stream, by class (residency, rounded size), so a free and a re-allocation of the same class on
+//! the same stream never take the allocator's global lock. A thread always uses the same lane of
+//! a stream, so two threads on one stream rarely share a cache (or its lock).
 //!
 //! ```text
-//!  Shared ─ caches: CacheTable ── slots: [once(stream 0)] [once(stream 1)] …   (fast lookup)
+//!  Shared ─ caches: CacheTable ── slots: [s0 lane0][s0 lane1][s1 lane0] …   (fast lookup)
 //!                               │        each an Arc<StreamCache>, 128-byte aligned
 //!                               └─ all: ArcCell<[cache, cache, …]>   (stream order, slow side)
 //!                                              │
-//!   StreamCache ── inner: Mutex (this stream only) ── classes: (residency, rounded) → [blocks]
+//!   StreamCache ── inner: Mutex (this lane only) ─── classes: (residency, rounded) → [blocks]
 //!               │                                  ├─ credit[quadrant] = (bytes, count, req)
 //!               │                                  └─ limits, closed, mirror of `fast`
 //!               ├─ fast: SeqBlock  ── stats deltas per quadrant, cached bytes/blocks   (inner lock)
-//!               └─ slow: SeqBlock  ── the pool's free bytes of this stream        (global lock)
+//!               └─ slow: SeqBlock  ── the pool's free bytes of the stream (lane 0; global lock)
 //! ```
 //!
 //! A cached block stays *allocated* in the pool (so coalescing never touches it) but counts as
@@ -410,10 +411,36 @@ pub fn flush_into(cache: &StreamCache, pool: &mut Pool) -> Vec<CachedBlock> {
     }
 }
 
-/// Every stream cache. Streams with an id below [`FAST_STREAMS`] sit in once-set slots read
-/// with one `Acquire` load on the fast path; every cache (those too) is also in `all`, a list in
-/// stream order replaced as a whole under the global lock, for flushes, credit revocation and
-/// statistics. Caches are never removed while the allocator lives.
+/// Caches ("lanes") per stream. Threads are spread over a stream's lanes (round-robin as they
+/// first allocate), so two threads allocating on one stream rarely share a cache and its lock.
+/// Lane 0 carries the stream's published pool statistics.
+#[cfg(not(loom))]
+pub const LANES: usize = 2;
+/// Caches per stream (one under loom: the models drive one cache).
+#[cfg(loom)]
+pub const LANES: usize = 1;
+
+/// This thread's lane.
+#[cfg(not(loom))]
+fn thread_lane() -> usize {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    static NEXT: AtomicUsize = AtomicUsize::new(0);
+    thread_local! {
+        static LANE: usize = NEXT.fetch_add(1, Ordering::Relaxed) % LANES;
+    }
+    LANE.with(|l| *l)
+}
+
+#[cfg(loom)]
+fn thread_lane() -> usize {
+    0
+}
+
+/// Every stream cache, `LANES` per stream. Streams with an id below [`FAST_STREAMS`] sit in
+/// once-set slots read with one `Acquire` load on the fast path; every cache (those too) is also
+/// in `all`, a list in stream order (lanes in order) replaced as a whole under the global lock,
+/// for flushes, credit revocation and statistics. Caches are never removed while the allocator
+/// lives.
 pub struct CacheTable {
     slots: Box<[OnceSlot<Arc<StreamCache>>]>,
     all: ArcCell<Vec<Arc<StreamCache>>>,
@@ -422,7 +449,7 @@ pub struct CacheTable {
 impl Default for CacheTable {
     fn default() -> Self {
         CacheTable {
-            slots: (0..FAST_STREAMS).map(|_| OnceSlot::new()).collect(),
+            slots: (0..FAST_STREAMS * LANES).map(|_| OnceSlot::new()).collect(),
             all: ArcCell::new(Vec::new()),
         }
     }
@@ -432,7 +459,7 @@ impl CacheTable {
     /// The cache of `stream` for the fast path: `None` if it has none yet, or if its id is not
     /// below [`FAST_STREAMS`] (such streams always take the slow path).
     pub fn fast(&self, stream: StreamId) -> Option<SlotRef<'_, Arc<StreamCache>>> {
-        self.slots.get(stream.0 as usize)?.get()
+        self.slots.get((stream.0 as usize).checked_mul(LANES)? + thread_lane())?.get()
     }
 
     /// Every cache, in stream order (the lock order).
@@ -440,22 +467,39 @@ impl CacheTable {
         self.all.load()
     }
 
-    /// The cache of `stream`, from the full list (slow; for the global-lock side).
+    /// Lane 0 of `stream`, which carries its pool statistics (slow; for the global-lock side).
     pub fn get(&self, stream: StreamId) -> Option<Arc<StreamCache>> {
         let all = self.all.load();
-        let i = all.binary_search_by_key(&stream, |c| c.stream()).ok()?;
-        Some(all[i].clone())
+        let i = all.partition_point(|c| c.stream() < stream);
+        all.get(i).filter(|c| c.stream() == stream).cloned()
     }
 
-    /// Adds a cache for a stream that has none. The caller holds the global lock, and must then
-    /// make statistics readers retry (they may hold the old list).
-    pub fn add(&self, cache: Arc<StreamCache>) {
+    /// Every lane of `stream` (slow; for the global-lock side).
+    pub fn lanes(&self, stream: StreamId) -> Vec<Arc<StreamCache>> {
+        let all = self.all.load();
+        let i = all.partition_point(|c| c.stream() < stream);
+        all[i..].iter().take_while(|c| c.stream() == stream).cloned().collect()
+    }
+
+    /// Adds the lanes of a stream that has none, lane 0 first. The caller holds the global lock,
+    /// and must then make statistics readers retry (they may hold the old list).
+    pub fn add(&self, lanes: Vec<Arc<StreamCache>>) {
+        let Some(stream) = lanes.first().map(|c| c.stream()) else { return };
         let mut all: Vec<_> = self.all.load().iter().cloned().collect();
-        let at = all.partition_point(|c| c.stream() < cache.stream());
-        all.insert(at, cache.clone());
-        if let Some(slot) = self.slots.get(cache.stream().0 as usize) {
-            slot.set(cache);
+        let at = all.partition_point(|c| c.stream() < stream);
+        for (lane, cache) in lanes.into_iter().enumerate() {
+            all.insert(at + lane, cache.clone());
+            if let Some(slot) =
+                (stream.0 as usize).checked_mul(LANES).and_then(|i| self.slots.get(i + lane))
+            {
+                slot.set(cache);
+            }
         }
         self.all.store(Arc::new(all));
+    }
+
+    /// Whether `i` in [`CacheTable::all`] is a stream's lane 0.
+    pub fn is_first_lane(all: &[Arc<StreamCache>], i: usize) -> bool {
+        i == 0 || all[i - 1].stream() != all[i].stream()
     }
 }

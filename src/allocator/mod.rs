@@ -339,8 +339,10 @@ impl<D: Device> Allocator<D> {
         let mut st = sh.lock_state();
         for (stream, blocks) in &batch {
             let st = &mut *st;
-            let cache = sh.caches.get(*stream);
-            batch::return_batch(&mut st.pool, &mut st.base, cache.as_deref(), blocks);
+            for (lane, cache) in sh.caches.lanes(*stream).iter().enumerate() {
+                let blocks: &[BatchBlock] = if lane == 0 { blocks } else { &[] };
+                batch::return_batch(&mut st.pool, &mut st.base, Some(cache), blocks);
+            }
         }
     }
 
@@ -454,7 +456,12 @@ impl<D: Device> Allocator<D> {
         let snap = counters::Snapshot {
             base: *st.base.words(),
             fast: inners.iter().map(|i| i.words).collect(),
-            pool_free: all.iter().map(|c| st.pool.free_bytes_of(c.stream())).collect(),
+            pool_free: (0..all.len())
+                .map(|i| match CacheTable::is_first_lane(&all, i) {
+                    true => st.pool.free_bytes_of(all[i].stream()),
+                    false => 0,
+                })
+                .collect(),
         };
         drop(inners);
         sh.with_scope_stats(stats_from(&all, snap))
@@ -514,7 +521,7 @@ impl<D: Device> Allocator<D> {
             return Err("segment count per stream drifted".into());
         }
         let mut cached = Vec::new();
-        for (c, inner) in table.iter().zip(&inners) {
+        for (i, (c, inner)) in table.iter().zip(&inners).enumerate() {
             for (class, b) in inner.entries() {
                 let blk = st.pool.block(b.block);
                 let key = st.pool.segment(blk.segment).key;
@@ -530,9 +537,12 @@ impl<D: Device> Allocator<D> {
                 }
                 cached.push(b);
             }
-            if sh.publish_stats.load(Ordering::Relaxed)
-                && st.pool.free_bytes_of(c.stream()) != c.slow_block().get(0)
-            {
+            // Lane 0 of a stream publishes its pool free bytes; the other lanes none.
+            let free = match CacheTable::is_first_lane(&table, i) {
+                true => st.pool.free_bytes_of(c.stream()),
+                false => 0,
+            };
+            if sh.publish_stats.load(Ordering::Relaxed) && free != c.slow_block().get(0) {
                 return Err(format!("published free bytes of {} drifted", c.stream()));
             }
         }
@@ -583,10 +593,13 @@ fn stats_from(caches: &[Arc<StreamCache>], snap: counters::Snapshot) -> MemorySt
     for ((c, f), pool_free) in caches.iter().zip(&fast).zip(&slow) {
         let cached = f[counters::CACHED_BYTES];
         cached_fast_bytes += cached;
-        if cached + pool_free > 0 {
-            per_stream.push((c.stream().0, cached + pool_free));
+        // The lanes of a stream are adjacent: one entry per stream.
+        match per_stream.last_mut() {
+            Some((s, bytes)) if *s == c.stream().0 => *bytes += cached + pool_free,
+            _ => per_stream.push((c.stream().0, cached + pool_free)),
         }
     }
+    per_stream.retain(|&(_, bytes)| bytes > 0);
     MemoryStats {
         blocks: counters::assemble(&base, &fast),
         num_alloc_retries: retries,
@@ -906,7 +919,7 @@ impl<D: Device> Shared<D> {
 
     /// Flushes one stream's cache into the pool, closing it first if the stream goes away.
     fn flush_stream(&self, st: &mut State, stream: StreamId, close: bool) {
-        if let Some(c) = self.caches.get(stream) {
+        for c in self.caches.lanes(stream) {
             if close {
                 c.close();
             }
@@ -919,9 +932,11 @@ impl<D: Device> Shared<D> {
         if self.caches.get(stream).is_some() {
             return;
         }
-        let cache = Arc::new(StreamCache::new(stream, limits(&self.config.load())));
-        cache.publish_pool_free(st.pool.free_bytes_of(stream));
-        self.caches.add(cache);
+        let limits = limits(&self.config.load());
+        let lanes: Vec<_> =
+            (0..fast_cache::LANES).map(|_| Arc::new(StreamCache::new(stream, limits))).collect();
+        lanes[0].publish_pool_free(st.pool.free_bytes_of(stream));
+        self.caches.add(lanes);
         // Readers that loaded the old table must retry.
         st.base.touch(&self.stats);
     }
@@ -945,13 +960,8 @@ impl<D: Device> Shared<D> {
         let mut dirty = std::mem::take(&mut st.dirty);
         st.pool.take_dirty_streams(&mut dirty);
         for &s in &dirty {
-            match self.caches.fast(s) {
-                Some(c) => c.publish_pool_free(st.pool.free_bytes_of(s)),
-                None => {
-                    if let Some(c) = self.caches.get(s) {
-                        c.publish_pool_free(st.pool.free_bytes_of(s));
-                    }
-                }
+            if let Some(c) = self.caches.get(s) {
+                c.publish_pool_free(st.pool.free_bytes_of(s));
             }
         }
         st.dirty = dirty;
@@ -1135,8 +1145,14 @@ impl<D: Device> Shared<D> {
         }
         let mut st = self.lock_state();
         let st = &mut *st;
-        let cache = self.caches.get(stream);
-        batch::return_batch(&mut st.pool, &mut st.base, cache.as_deref(), blocks);
+        let lanes = self.caches.lanes(stream);
+        if lanes.is_empty() {
+            batch::return_batch(&mut st.pool, &mut st.base, None, blocks);
+        }
+        for (lane, cache) in lanes.iter().enumerate() {
+            let blocks: &[BatchBlock] = if lane == 0 { blocks } else { &[] };
+            batch::return_batch(&mut st.pool, &mut st.base, Some(cache), blocks);
+        }
     }
 
     /// Makes `stream`'s later work wait, on the device, for the work enqueued so far on each of
