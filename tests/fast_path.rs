@@ -398,3 +398,19 @@ fn threads_on_one_stream_hit_their_cache_lanes_and_every_lane_is_flushed() {
     assert!(dev.live_segments().is_empty(), "every lane was flushed");
     check(&dev, &alloc);
 }
+
+#[test]
+fn a_block_freed_on_another_thread_is_reused_without_the_global_lock() {
+    // The other thread may use another cache lane of the stream: an allocation that misses its
+    // own lane looks in the stream's other lanes before taking the lock.
+    let (dev, alloc) = setup("", 1 << 30);
+    let a = alloc.alloc(4096, S0).unwrap();
+    let p = a.ptr();
+    std::thread::spawn(move || drop(a)).join().unwrap();
+    let n = alloc.global_lock_acquisitions();
+    let b = alloc.alloc(4096, S0).unwrap();
+    assert_eq!((b.ptr(), alloc.global_lock_acquisitions()), (p, n));
+    drop(b);
+    assert_eq!(alloc.stats().cached_fast_bytes, 4096);
+    check(&dev, &alloc);
+}

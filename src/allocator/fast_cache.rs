@@ -459,7 +459,13 @@ impl CacheTable {
     /// The cache of `stream` for the fast path: `None` if it has none yet, or if its id is not
     /// below [`FAST_STREAMS`] (such streams always take the slow path).
     pub fn fast(&self, stream: StreamId) -> Option<SlotRef<'_, Arc<StreamCache>>> {
-        self.slots.get((stream.0 as usize).checked_mul(LANES)? + thread_lane())?.get()
+        self.fast_lane(stream, 0)
+    }
+
+    /// Like [`CacheTable::fast`], for the `k`-th lane counted from this thread's own.
+    pub fn fast_lane(&self, stream: StreamId, k: usize) -> Option<SlotRef<'_, Arc<StreamCache>>> {
+        let lane = (thread_lane() + k) % LANES;
+        self.slots.get((stream.0 as usize).checked_mul(LANES)? + lane)?.get()
     }
 
     /// Every cache, in stream order (the lock order).

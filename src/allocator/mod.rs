@@ -277,15 +277,21 @@ impl<D: Device> Allocator<D> {
         let config = &*plan.config;
         let class = ClassKey { residency, rounded: plan.rounded };
         let mut cached = None;
-        if plan.fast
-            && let Some(cache) = sh.caches.fast(stream)
-        {
-            match cache.pop(class, bytes) {
-                Pop::Hit(b) => {
-                    return Ok(self.hand_out_cached(&b, bytes, stream, &plan, residency));
+        if plan.fast {
+            // This thread's lane first, then the stream's other lanes (a block freed on another
+            // thread), each under its own lock only.
+            for lane in 0..fast_cache::LANES {
+                let Some(cache) = sh.caches.fast_lane(stream, lane) else { break };
+                match cache.pop(class, bytes) {
+                    Pop::Hit(b) => {
+                        return Ok(self.hand_out_cached(&b, bytes, stream, &plan, residency));
+                    }
+                    Pop::NeedsLock => {
+                        cached = Some(cache);
+                        break;
+                    }
+                    Pop::Miss => {}
                 }
-                Pop::NeedsLock => cached = Some(cache),
-                Pop::Miss => {}
             }
         }
         let mut st = sh.lock_state();
