@@ -462,6 +462,12 @@ impl CacheTable {
         self.fast_lane(stream, 0)
     }
 
+    /// Lane 0 of `stream` from the fast slots (`None` past [`FAST_STREAMS`] or before it has
+    /// caches).
+    pub fn first_lane(&self, stream: StreamId) -> Option<SlotRef<'_, Arc<StreamCache>>> {
+        self.slots.get((stream.0 as usize).checked_mul(LANES)?)?.get()
+    }
+
     /// Like [`CacheTable::fast`], for the `k`-th lane counted from this thread's own.
     pub fn fast_lane(&self, stream: StreamId, k: usize) -> Option<SlotRef<'_, Arc<StreamCache>>> {
         let lane = (thread_lane() + k) % LANES;

@@ -966,8 +966,13 @@ impl<D: Device> Shared<D> {
         let mut dirty = std::mem::take(&mut st.dirty);
         st.pool.take_dirty_streams(&mut dirty);
         for &s in &dirty {
-            if let Some(c) = self.caches.get(s) {
-                c.publish_pool_free(st.pool.free_bytes_of(s));
+            match self.caches.first_lane(s) {
+                Some(c) => c.publish_pool_free(st.pool.free_bytes_of(s)),
+                None => {
+                    if let Some(c) = self.caches.get(s) {
+                        c.publish_pool_free(st.pool.free_bytes_of(s));
+                    }
+                }
             }
         }
         st.dirty = dirty;

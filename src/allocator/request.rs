@@ -34,7 +34,8 @@ impl RequestPlan {
         let kind = cell.load().sizing.kind(rounded); // BROKEN: a second load may see another config.
         #[cfg(not(tidepool_broken = "config"))]
         let kind = config.sizing.kind(rounded);
-        let fast = config.fast_path();
+        // Only small-pool blocks are ever cached (large ones go straight back to the pool).
+        let fast = config.fast_path() && kind == crate::stats::PoolKind::Small;
         Ok(RequestPlan { config, rounded, kind, fast })
     }
 }
