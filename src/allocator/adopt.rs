@@ -107,24 +107,15 @@ impl<D: Device> Shared<D> {
             }
         }
         let fresh_bytes = plan.total_size.saturating_sub(open);
-        let mut fresh_base = 0;
+        let (mut fresh_base, mut fresh_size) = (0, 0);
         if fresh_bytes > 0 {
-            let fresh = config.sizing.round(fresh_bytes).and_then(|rounded| {
-                let kind = config.sizing.kind(rounded);
-                let key = PoolKey { residency: Residency::Transient, stream, kind };
-                let b = self.find_or_reserve(&mut st, &config, key, fresh_bytes, rounded).ok()?;
-                Some((st.pool.allocate(b, rounded, fresh_bytes, &config.sizing), kind))
-            });
-            let Some((b, kind)) = fresh else {
+            let Ok((b, addr)) = self.region_block(&mut st, &config, stream, fresh_bytes) else {
                 let st = &mut *st;
                 super::batch::return_batch(&mut st.pool, &mut st.base, None, &blocks);
                 return None;
             };
-            let (addr, size) = (st.pool.block(b).addr, st.pool.block(b).size);
-            let q = quadrant(kind, Residency::Transient);
-            st.base.live_up(q, size, fresh_bytes, || self.caches.all());
-            blocks.push(BatchBlock { block: b, quadrant: q, size, requested: fresh_bytes });
-            fresh_base = addr;
+            (fresh_base, fresh_size) = (addr, b.size);
+            blocks.push(b);
         }
         drop(st);
         let absolute = |v: u64| match bins.iter().find(|b| b.virt <= v && v < b.virt + b.size) {
@@ -132,8 +123,7 @@ impl<D: Device> Shared<D> {
             None => fresh_base + (v - open),
         };
         let offsets: Vec<u64> = plan.offsets.iter().map(|&v| absolute(v)).collect();
-        let size = bins.iter().map(|b| b.size).sum::<u64>()
-            + blocks.last().filter(|_| fresh_bytes > 0).map_or(0, |b| b.size);
+        let size = bins.iter().map(|b| b.size).sum::<u64>() + fresh_size;
         let region = Arc::new(Region::new(blocks, 0, size));
         for e in &pinned {
             region.pin(e.ptr, e.size);

@@ -343,12 +343,8 @@ impl<D: Device> Allocator<D> {
             return;
         }
         let mut st = sh.lock_state();
-        for (stream, blocks) in &batch {
-            let st = &mut *st;
-            for (lane, cache) in sh.caches.lanes(*stream).iter().enumerate() {
-                let blocks: &[BatchBlock] = if lane == 0 { blocks } else { &[] };
-                batch::return_batch(&mut st.pool, &mut st.base, Some(cache), blocks);
-            }
+        for (&stream, blocks) in &batch {
+            sh.return_to_stream(&mut st, stream, blocks);
         }
     }
 
@@ -1113,24 +1109,19 @@ impl<D: Device> Shared<D> {
             return Ok(r.clone());
         }
         let config = self.config.load();
-        let rounded =
-            config.sizing.round(size).ok_or(AllocError::InvalidSize { requested: size })?;
-        let key =
-            PoolKey { residency: Residency::Transient, stream, kind: config.sizing.kind(rounded) };
+        if config.sizing.round(size).is_none() {
+            return Err(AllocError::InvalidSize { requested: size });
+        }
         let mut st = self.lock_state();
         // The stream's cached blocks go back to the pool first, so the trim can release them.
         self.flush_stream(&mut st, stream, false);
         self.release_segments(&mut st, |s| {
             s.key.stream == stream && s.key.residency == Residency::Transient
         })?;
-        let block = self.find_or_reserve(&mut st, &config, key, size, rounded)?;
-        let block = st.pool.allocate(block, rounded, size, &config.sizing);
-        let (base, bsize) = (st.pool.block(block).addr, st.pool.block(block).size);
-        let q = quadrant(key.kind, key.residency);
-        st.base.live_up(q, bsize, size, || self.caches.all());
+        let (block, base) = self.region_block(&mut st, &config, stream, size)?;
         drop(st);
+        let bsize = block.size;
         self.scope_counters.region_bytes.fetch_add(bsize, Ordering::Relaxed);
-        let block = BatchBlock { block, quadrant: q, size: bsize, requested: size };
         let region = Arc::new(Region::new(vec![block], base, bsize));
         entry.region = Some(region.clone());
         Ok(region)
@@ -1155,15 +1146,38 @@ impl<D: Device> Shared<D> {
             return;
         }
         let mut st = self.lock_state();
-        let st = &mut *st;
+        self.return_to_stream(&mut st, stream, blocks);
+    }
+
+    /// Frees `blocks` of `stream` into the pool and flushes every cache lane of the stream, so
+    /// its cached blocks coalesce with them. The caller holds the global lock.
+    fn return_to_stream(&self, st: &mut State, stream: StreamId, blocks: &[BatchBlock]) {
         let lanes = self.caches.lanes(stream);
-        if lanes.is_empty() {
-            batch::return_batch(&mut st.pool, &mut st.base, None, blocks);
+        batch::return_batch(&mut st.pool, &mut st.base, lanes.first().map(|c| &**c), blocks);
+        for cache in lanes.iter().skip(1) {
+            flush_into(cache, &mut st.pool);
         }
-        for (lane, cache) in lanes.iter().enumerate() {
-            let blocks: &[BatchBlock] = if lane == 0 { blocks } else { &[] };
-            batch::return_batch(&mut st.pool, &mut st.base, Some(cache), blocks);
-        }
+    }
+
+    /// Takes a fresh transient block of `bytes` on `stream` for a plan's region, found or
+    /// reserved like any allocation and accounted as allocated: the block and its address.
+    fn region_block(
+        &self,
+        st: &mut State,
+        config: &Config,
+        stream: StreamId,
+        bytes: u64,
+    ) -> Result<(BatchBlock, u64), AllocError> {
+        let rounded =
+            config.sizing.round(bytes).ok_or(AllocError::InvalidSize { requested: bytes })?;
+        let key =
+            PoolKey { residency: Residency::Transient, stream, kind: config.sizing.kind(rounded) };
+        let block = self.find_or_reserve(st, config, key, bytes, rounded)?;
+        let block = st.pool.allocate(block, rounded, bytes, &config.sizing);
+        let (addr, size) = (st.pool.block(block).addr, st.pool.block(block).size);
+        let q = quadrant(key.kind, key.residency);
+        st.base.live_up(q, size, bytes, || self.caches.all());
+        Ok((BatchBlock { block, quadrant: q, size, requested: bytes }, addr))
     }
 
     /// Makes `stream`'s later work wait, on the device, for the work enqueued so far on each of
