@@ -1,8 +1,18 @@
 //! tidepool: a stream-ordered caching allocator for CUDA device memory.
 //!
-//! Layers, each using only the ones below it (see `DESIGN.md`):
-//! `trace` → allocator front ([`Allocator`]) → [`pool`] (pure block bookkeeping) →
-//! [`device`] ([`Device`] trait, [`SimDevice`]) → `sync` (std/loom shim).
+//! It splits and coalesces blocks, frees them in stream order, keeps persistent memory (weights)
+//! and transient memory (activations) in separate pools, and runs on a simulated device
+//! ([`SimDevice`], with a stream-order sanitizer) where there is no GPU, or on a real one
+//! ([`CudaDevice`], feature `cuda`). The architecture, layer by layer, is in
+//! [`docs/ARCHITECTURE.md`](https://github.com/tidepool-alloc/tidepool/blob/main/docs/ARCHITECTURE.md)
+//! of the repository:
+//!
+//! ```text
+//!  interop (CudaBuffer)  ─▶ allocator (Allocator, Buffer, Scope) ─▶ pool (blocks, best fit)
+//!                                     │                              │
+//!                                     ▼                              ▼
+//!                        device (Device, SimDevice, CudaDevice) ─▶ types ─▶ sync (std/loom)
+//! ```
 //!
 //! ```
 //! use std::sync::Arc;
@@ -13,27 +23,46 @@
 //! assert_eq!(buf.len(), 4 << 20);
 //! println!("{}", alloc.memory_summary());
 //! ```
+//!
+//! Features: `cuda` ([`CudaDevice`] and [`CudaBuffer`] over cudarc's driver API, loaded at run
+//! time), `cuda-XXXXX` (the CUDA version cudarc binds, the application's choice), `test-hooks`
+//! (test-only internals; never in an application).
 
-pub mod allocator;
-pub mod config;
+mod allocator;
+mod config;
 pub mod device;
-#[cfg(not(loom))]
-pub mod eager;
-#[cfg(not(loom))]
-pub mod fuzzing;
-pub mod pool;
-pub mod stats;
+mod interop;
+pub mod packing;
+mod pool;
+mod stats;
 pub(crate) mod sync;
-#[cfg(not(loom))]
-pub mod trace;
+mod types;
 
-pub use allocator::{AllocError, Allocator, Buffer, OomReport};
-pub use config::{Config, ConfigError, CrossStream};
-pub use device::{Device, DevicePtr, SimConfig, SimDevice, StreamId};
-pub use stats::{MemoryStats, Residency};
+pub use allocator::{
+    AllocError, Allocator, BlockInfo, Buffer, OomReport, Scope, ScopedBuffer, SegmentInfo,
+};
+pub use config::{Config, ConfigError, CrossStream, ENV_VAR};
+pub use device::{Device, DeviceError, SimConfig, SimDevice};
+pub use stats::MemoryStats;
+pub use types::{
+    BlockState, BlockStats, DeviceAddr, GIB, KIB, MAX_REQUEST, MIB, PoolKind, Residency, Stat,
+    StatGroup, StreamId,
+};
 
 /// The cudarc this crate is built against (feature `cuda`), so users name the same version.
 #[cfg(feature = "cuda")]
 pub use cudarc;
 #[cfg(feature = "cuda")]
-pub use device::{CudaBuffer, CudaDevice};
+pub use device::CudaDevice;
+#[cfg(feature = "cuda")]
+pub use interop::CudaBuffer;
+
+/// Test-only internals (feature `test-hooks`): the pool, the lock-free pieces the loom models
+/// drive, deliberately broken modes and lock counters. Not a stable API; never enable it in an
+/// application.
+#[cfg(feature = "test-hooks")]
+pub mod hooks {
+    pub use crate::allocator::internals::*;
+    pub use crate::config::KEYS;
+    pub use crate::pool::{BlockId, Pool, PoolKey, SegmentId, Sizing};
+}

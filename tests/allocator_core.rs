@@ -1,11 +1,11 @@
 //! Whole-allocator scenarios on the SimDevice: exact addresses, byte counts and device calls.
 
 use std::sync::Arc;
-use tidepool::allocator::SegmentInfo;
+use tidepool::PoolKind;
+use tidepool::SegmentInfo;
 use tidepool::device::{SIM_BASE, SimDevice};
-use tidepool::pool::{BlockState, MIB};
-use tidepool::stats::PoolKind;
-use tidepool::{AllocError, Allocator, Config, Device, DevicePtr, Residency, StreamId};
+use tidepool::{AllocError, Allocator, Config, Device, DeviceAddr, Residency, StreamId};
+use tidepool::{BlockState, MIB};
 
 const S0: StreamId = StreamId::DEFAULT;
 
@@ -30,13 +30,13 @@ fn check(dev: &SimDevice, alloc: &Allocator<SimDevice>) {
 fn free_then_alloc_reuses_the_same_block() {
     let (dev, alloc) = setup(1 << 30);
     let a = alloc.alloc(1000, S0).unwrap();
-    assert_eq!(a.ptr(), DevicePtr(SIM_BASE));
+    assert_eq!(a.ptr(), DeviceAddr(SIM_BASE));
     assert_eq!((a.len(), a.block_size(), a.stream()), (1000, 1024, S0));
     let b = alloc.alloc(3 * MIB, S0).unwrap();
-    assert_eq!(b.ptr(), DevicePtr(SIM_BASE + 2 * MIB));
+    assert_eq!(b.ptr(), DeviceAddr(SIM_BASE + 2 * MIB));
     drop(a);
     let c = alloc.alloc(600, S0).unwrap();
-    assert_eq!(c.ptr(), DevicePtr(SIM_BASE));
+    assert_eq!(c.ptr(), DeviceAddr(SIM_BASE));
     assert_eq!(dev.counters().mallocs, 2);
     check(&dev, &alloc);
     let s = alloc.stats();
@@ -57,7 +57,7 @@ fn free_then_alloc_reuses_the_same_block() {
 fn zero_bytes_is_an_empty_buffer_without_memory() {
     let (dev, alloc) = setup(1 << 30);
     let z = alloc.alloc(0, S0).unwrap();
-    assert_eq!((z.ptr(), z.len(), z.block_size()), (DevicePtr::NULL, 0, 0));
+    assert_eq!((z.ptr(), z.len(), z.block_size()), (DeviceAddr::NULL, 0, 0));
     assert!(z.is_empty());
     assert_eq!(dev.counters().mallocs, 0);
     drop(z);
@@ -78,7 +78,7 @@ fn absurd_sizes_are_errors_and_the_allocator_keeps_working() {
     assert!(matches!(e, AllocError::OutOfMemory(_)));
     assert_eq!(dev.counters().mallocs, 0);
     let ok = alloc.alloc(512, S0).unwrap();
-    assert_eq!(ok.ptr(), DevicePtr(SIM_BASE));
+    assert_eq!(ok.ptr(), DeviceAddr(SIM_BASE));
     check(&dev, &alloc);
 }
 
@@ -126,7 +126,7 @@ fn ladder_releases_cached_segments_and_retries() {
     assert_eq!(alloc.reserved_bytes(), 30 * MIB);
     // 50 MiB does not fit beside the cached 30 MiB segment: release it, retry.
     let big = alloc.alloc(50 * MIB, S0).unwrap();
-    assert_eq!(big.ptr(), DevicePtr(SIM_BASE + 30 * MIB));
+    assert_eq!(big.ptr(), DeviceAddr(SIM_BASE + 30 * MIB));
     let s = alloc.stats();
     assert_eq!(
         (s.num_alloc_retries, s.num_ooms, s.num_device_free, s.num_device_alloc),
@@ -184,7 +184,7 @@ fn empty_cache_releases_only_unused_segments() {
     drop(alloc.alloc(24 * MIB, S0).unwrap());
     assert_eq!(dev.live_segments().len(), 3);
     alloc.empty_cache().unwrap();
-    assert_eq!(dev.live_segments(), vec![(DevicePtr(SIM_BASE), 2 * MIB)]);
+    assert_eq!(dev.live_segments(), vec![(DeviceAddr(SIM_BASE), 2 * MIB)]);
     assert_eq!(alloc.stats().num_device_free, 2);
     drop(keep);
     alloc.empty_cache().unwrap();
@@ -197,11 +197,11 @@ fn persistent_segments_survive_empty_cache() {
     let (dev, alloc) = setup(1 << 30);
     let w = alloc.alloc_in(4096, S0, Residency::Persistent).unwrap();
     let t = alloc.alloc(4096, S0).unwrap();
-    assert_eq!(w.ptr(), DevicePtr(SIM_BASE));
-    assert_eq!(t.ptr(), DevicePtr(SIM_BASE + 2 * MIB), "never the same segment");
+    assert_eq!(w.ptr(), DeviceAddr(SIM_BASE));
+    assert_eq!(t.ptr(), DeviceAddr(SIM_BASE + 2 * MIB), "never the same segment");
     drop((w, t));
     alloc.empty_cache().unwrap();
-    assert_eq!(dev.live_segments(), vec![(DevicePtr(SIM_BASE), 2 * MIB)]);
+    assert_eq!(dev.live_segments(), vec![(DeviceAddr(SIM_BASE), 2 * MIB)]);
     assert_eq!(alloc.stats().blocks.reserved_bytes.persistent.current, 2 * MIB);
     alloc.release_persistent().unwrap();
     assert!(dev.live_segments().is_empty());
@@ -219,7 +219,7 @@ fn snapshot_lists_every_block() {
     let SegmentInfo { address, size, stream, pool, residency, blocks } = &snap[0];
     assert_eq!(
         (*address, *size, *stream, *pool, *residency),
-        (DevicePtr(SIM_BASE), 2 * MIB, S0, PoolKind::Small, Residency::Transient)
+        (DeviceAddr(SIM_BASE), 2 * MIB, S0, PoolKind::Small, Residency::Transient)
     );
     let got: Vec<(u64, u64, u64, BlockState)> =
         blocks.iter().map(|b| (b.address.0 - SIM_BASE, b.size, b.requested, b.state)).collect();
@@ -288,7 +288,7 @@ fn record_stream_holds_the_block_until_its_events_complete() {
     alloc.check_invariants().unwrap();
     // The next allocation polls the event (complete on this device) and reuses the block.
     let b = alloc.alloc(4096, S0).unwrap();
-    assert_eq!(b.ptr(), DevicePtr(SIM_BASE));
+    assert_eq!(b.ptr(), DeviceAddr(SIM_BASE));
     assert_eq!(alloc.stats().blocks.active_bytes.all.current, 4096);
     check(&dev, &alloc);
 }
@@ -300,7 +300,7 @@ fn same_stream_hot_loop_makes_no_device_calls() {
     let before = dev.counters();
     for _ in 0..1000 {
         let b = alloc.alloc(4096, S0).unwrap();
-        assert_eq!(b.ptr(), DevicePtr(SIM_BASE));
+        assert_eq!(b.ptr(), DeviceAddr(SIM_BASE));
     }
     assert_eq!(dev.counters(), before);
     assert_eq!(alloc.stats().num_host_syncs, 0);
@@ -314,7 +314,7 @@ fn another_stream_takes_a_free_segment_once_its_work_is_done() {
     assert_eq!(alloc.stats().cached_free_bytes_per_stream, vec![(0, 2 * MIB)]);
     // Stream 0 is idle: stream 1 takes its free segment instead of reserving one.
     let b = alloc.alloc(4096, s1).unwrap();
-    assert_eq!(b.ptr(), DevicePtr(SIM_BASE));
+    assert_eq!(b.ptr(), DeviceAddr(SIM_BASE));
     assert_eq!(dev.counters().mallocs, 1);
     assert_eq!(alloc.snapshot()[0].stream, s1);
     drop(b);

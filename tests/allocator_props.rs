@@ -5,8 +5,8 @@
 
 use proptest::prelude::*;
 use std::sync::Arc;
+use tidepool::MIB;
 use tidepool::device::SimDevice;
-use tidepool::pool::MIB;
 use tidepool::{AllocError, Allocator, Buffer, Config, Device, Residency, StreamId};
 
 #[derive(Clone, Debug)]

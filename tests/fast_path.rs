@@ -3,10 +3,10 @@
 //! swaps racing allocations. Exact counts; no timing.
 
 use std::sync::{Arc, Barrier};
+use tidepool::PoolKind;
 use tidepool::device::{SIM_BASE, SimDevice};
-use tidepool::pool::{BlockState, MIB};
-use tidepool::stats::PoolKind;
-use tidepool::{Allocator, Buffer, Config, Device, DevicePtr, MemoryStats, StreamId};
+use tidepool::{Allocator, Buffer, Config, Device, DeviceAddr, MemoryStats, StreamId};
+use tidepool::{BlockState, MIB};
 
 const S0: StreamId = StreamId::DEFAULT;
 
@@ -28,7 +28,7 @@ fn same_size_same_stream_never_takes_the_global_lock() {
     let before = alloc.global_lock_acquisitions();
     for _ in 0..1000 {
         let b = alloc.alloc(4096, S0).unwrap();
-        assert_eq!(b.ptr(), DevicePtr(SIM_BASE));
+        assert_eq!(b.ptr(), DeviceAddr(SIM_BASE));
     }
     let s = alloc.stats();
     assert_eq!(alloc.global_lock_acquisitions(), before, "neither the pairs nor stats() lock");
@@ -51,12 +51,12 @@ fn a_different_request_of_the_same_class_is_served_under_the_lock_once() {
     drop(alloc.alloc(4096, S0).unwrap());
     let n = alloc.global_lock_acquisitions();
     let b = alloc.alloc(4000, S0).unwrap();
-    assert_eq!((b.ptr(), b.block_size()), (DevicePtr(SIM_BASE), 4096));
+    assert_eq!((b.ptr(), b.block_size()), (DeviceAddr(SIM_BASE), 4096));
     assert_eq!(alloc.global_lock_acquisitions(), n + 1);
     assert_eq!(alloc.stats().blocks.requested_bytes.all.current, 4000);
     drop(b);
     let c = alloc.alloc(4000, S0).unwrap();
-    assert_eq!(c.ptr(), DevicePtr(SIM_BASE));
+    assert_eq!(c.ptr(), DeviceAddr(SIM_BASE));
     assert_eq!(alloc.global_lock_acquisitions(), n + 1, "same request again: lock-free");
     check(&dev, &alloc);
 }
@@ -70,7 +70,7 @@ fn peaks_stay_exact_when_the_slow_path_runs_between_a_free_and_a_reuse() {
     let n = alloc.global_lock_acquisitions();
     let z = alloc.alloc(4096, S0).unwrap(); // no credit left: accounted under the lock
     assert_eq!(alloc.global_lock_acquisitions(), n + 1);
-    assert_eq!(z.ptr(), DevicePtr(SIM_BASE));
+    assert_eq!(z.ptr(), DeviceAddr(SIM_BASE));
     let s = alloc.stats().blocks.allocated_bytes.all;
     assert_eq!((s.current, s.peak), (12288, 12288));
     drop((y, z));
@@ -185,7 +185,7 @@ fn flushes_return_cached_blocks_to_the_pool() {
     drop(alloc.alloc(MIB, S0).unwrap());
     assert_eq!(alloc.stats().cached_fast_bytes, MIB);
     let b = alloc.alloc(MIB, s1).unwrap();
-    assert_eq!((b.ptr(), dev.counters().mallocs), (DevicePtr(SIM_BASE), 1));
+    assert_eq!((b.ptr(), dev.counters().mallocs), (DeviceAddr(SIM_BASE), 1));
     drop(b);
     check(&dev, &alloc);
 

@@ -3,9 +3,9 @@
 use proptest::prelude::*;
 use std::sync::Arc;
 use std::sync::mpsc;
+use tidepool::MIB;
 use tidepool::device::{Access, AccessKind, Kernel, SimDevice};
-use tidepool::pool::MIB;
-use tidepool::{AllocError, Allocator, Buffer, Config, Device, DevicePtr, Residency, StreamId};
+use tidepool::{AllocError, Allocator, Buffer, Config, Device, DeviceAddr, Residency, StreamId};
 
 const S0: StreamId = StreamId::DEFAULT;
 
@@ -15,7 +15,7 @@ fn setup(capacity: u64) -> (Arc<SimDevice>, Allocator<SimDevice>) {
     (dev, alloc)
 }
 
-fn gated_write(ptr: DevicePtr, bytes: u64) -> (Kernel, mpsc::Sender<()>) {
+fn gated_write(ptr: DeviceAddr, bytes: u64) -> (Kernel, mpsc::Sender<()>) {
     let (open, gate) = mpsc::channel::<()>();
     let k = Kernel::new("gated", vec![Access { ptr, bytes, kind: AccessKind::Write }], move |_| {
         let _ = gate.recv();
@@ -75,7 +75,7 @@ fn scope_exit_is_stream_ordered() {
 
 /// Runs one "training step" in a named scope: a fixed sequence of allocations and frees, with
 /// one gradient-like buffer that escapes. Returns the step's addresses and the escaped buffer.
-fn step(alloc: &Allocator<SimDevice>, sizes: &[u64]) -> (Vec<DevicePtr>, Buffer<SimDevice>) {
+fn step(alloc: &Allocator<SimDevice>, sizes: &[u64]) -> (Vec<DeviceAddr>, Buffer<SimDevice>) {
     let scope = alloc.named_scope("train_step", S0);
     let mut ptrs = Vec::new();
     let mut held = Vec::new();
@@ -303,7 +303,7 @@ fn two_concurrent_runs_of_one_named_scope_never_share_the_region() {
 /// One step mixing bound buffers (activations) with unbound ones freed on another thread
 /// while the scope is open (a gradient handed to a worker). Returns the bound buffers'
 /// addresses.
-fn mixed_step(alloc: &Allocator<SimDevice>) -> Vec<DevicePtr> {
+fn mixed_step(alloc: &Allocator<SimDevice>) -> Vec<DeviceAddr> {
     let scope = alloc.named_scope("mixed", S0);
     let a = scope.alloc(MIB).unwrap();
     let u = scope.alloc_unbound(3 * MIB).unwrap();
@@ -414,7 +414,7 @@ fn the_first_plan_adopts_the_segment_of_its_escapes_so_the_second_run_calls_noth
     let g1 = adopt_step(&alloc);
     // Run 1 put act at the base and grad after it; at its exit the segment (only grad live)
     // became the region: grad's range pinned, the rest allocated to the region.
-    assert_eq!(g1.ptr(), DevicePtr(SIM_BASE + 64 * 1024));
+    assert_eq!(g1.ptr(), DeviceAddr(SIM_BASE + 64 * 1024));
     let s = alloc.stats();
     assert_eq!(s.plan_region_bytes, 2 * MIB);
     assert_eq!(s.blocks.allocated_bytes.all.current, 2 * MIB, "region blocks + the escape");
@@ -424,7 +424,7 @@ fn the_first_plan_adopts_the_segment_of_its_escapes_so_the_second_run_calls_noth
     assert_eq!(alloc.stats().blocks.allocated_bytes.all.current, 2 * MIB);
     let g2 = adopt_step(&alloc);
     // Largest first: act (64 KiB) at the base, grad (16 KiB, live to the end) above it.
-    assert_eq!(g2.ptr(), DevicePtr(SIM_BASE + 64 * 1024));
+    assert_eq!(g2.ptr(), DeviceAddr(SIM_BASE + 64 * 1024));
     assert!(g2.is_planned());
     let s = alloc.stats();
     assert_eq!((s.plan_hits, s.plan_misses, s.plan_fallbacks), (2, 0, 0));

@@ -6,16 +6,16 @@ use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tidepool::device::{
-    Access, AccessKind, Device, DeviceError, DevicePtr, EventId, Kernel, KernelFailure,
+    Access, AccessKind, Device, DeviceAddr, DeviceError, EventId, Kernel, KernelFailure,
     SimCounters, SimDevice, StreamId,
 };
 
-fn acc(ptr: DevicePtr, bytes: u64, kind: AccessKind) -> Access {
+fn acc(ptr: DeviceAddr, bytes: u64, kind: AccessKind) -> Access {
     Access { ptr, bytes, kind }
 }
 
 /// A kernel writing `byte` over `[ptr, ptr + bytes)` once the returned sender sends (or drops).
-fn gated_write(ptr: DevicePtr, bytes: u64, byte: u8) -> (Kernel, mpsc::Sender<()>) {
+fn gated_write(ptr: DeviceAddr, bytes: u64, byte: u8) -> (Kernel, mpsc::Sender<()>) {
     let (open, gate) = mpsc::channel::<()>();
     let k = Kernel::new("gated_write", vec![acc(ptr, bytes, AccessKind::Write)], move |m| {
         let _ = gate.recv();
@@ -25,7 +25,7 @@ fn gated_write(ptr: DevicePtr, bytes: u64, byte: u8) -> (Kernel, mpsc::Sender<()
 }
 
 /// A kernel reading `[ptr, ptr + bytes)` into the returned slot.
-fn reader(ptr: DevicePtr, bytes: u64) -> (Kernel, Arc<Mutex<Vec<u8>>>) {
+fn reader(ptr: DeviceAddr, bytes: u64) -> (Kernel, Arc<Mutex<Vec<u8>>>) {
     let slot = Arc::new(Mutex::new(Vec::new()));
     let out = Arc::clone(&slot);
     let k = Kernel::new("reader", vec![acc(ptr, bytes, AccessKind::Read)], move |m| {
@@ -37,7 +37,7 @@ fn reader(ptr: DevicePtr, bytes: u64) -> (Kernel, Arc<Mutex<Vec<u8>>>) {
 }
 
 /// A backed device with one segment of 4 KiB handed out to `stream`.
-fn device_with_buffer(stream: StreamId) -> (SimDevice, DevicePtr) {
+fn device_with_buffer(stream: StreamId) -> (SimDevice, DeviceAddr) {
     let dev = SimDevice::backed(1 << 20);
     let p = dev.reserve(4096).unwrap();
     dev.note_handout(p, 4096, stream);
@@ -353,7 +353,7 @@ fn sanitizer_use_after_free_and_unallocated_memory() {
 #[test]
 fn kernel_outside_any_segment_is_reported_and_gets_bad_access() {
     let dev = SimDevice::backed(1 << 20);
-    let wild = DevicePtr(0x1000);
+    let wild = DeviceAddr(0x1000);
     let result = Arc::new(Mutex::new(None));
     let out = Arc::clone(&result);
     let k = Kernel::new("wild", vec![acc(wild, 8, AccessKind::Write)], move |m| {
@@ -502,7 +502,10 @@ fn unknown_ids_and_the_default_stream() {
     assert_eq!(dev.destroy_event(nope), Err(DeviceError::UnknownEvent(nope)));
     dev.destroy_event(e).unwrap();
     assert_eq!(dev.query_event(e), Err(DeviceError::UnknownEvent(e)));
-    assert_eq!(dev.release(DevicePtr(0x1234)), Err(DeviceError::UnknownSegment(DevicePtr(0x1234))));
+    assert_eq!(
+        dev.release(DeviceAddr(0x1234)),
+        Err(DeviceError::UnknownSegment(DeviceAddr(0x1234)))
+    );
     // Nothing above was counted.
     assert_eq!(dev.counters(), SimCounters::default());
     // The default stream still works.

@@ -6,9 +6,9 @@
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
+use tidepool::MIB;
 use tidepool::device::{Access, AccessKind, Kernel, SIM_BASE, SimDevice};
-use tidepool::pool::MIB;
-use tidepool::{AllocError, Allocator, Config, Device, DevicePtr, Residency, StreamId};
+use tidepool::{AllocError, Allocator, Config, Device, DeviceAddr, Residency, StreamId};
 
 const N: u64 = 4096;
 
@@ -24,7 +24,7 @@ fn setup(
 }
 
 /// A kernel that waits for the returned gate, then writes `byte` over `[ptr, ptr + N)`.
-fn gated_write(ptr: DevicePtr, byte: u8) -> (Kernel, mpsc::Sender<()>) {
+fn gated_write(ptr: DeviceAddr, byte: u8) -> (Kernel, mpsc::Sender<()>) {
     let (open, gate) = mpsc::channel::<()>();
     let k = Kernel::new(
         "gated_write",
@@ -37,14 +37,14 @@ fn gated_write(ptr: DevicePtr, byte: u8) -> (Kernel, mpsc::Sender<()>) {
     (k, open)
 }
 
-fn write(ptr: DevicePtr, byte: u8) -> Kernel {
+fn write(ptr: DeviceAddr, byte: u8) -> Kernel {
     Kernel::new("write", vec![Access { ptr, bytes: N, kind: AccessKind::Write }], move |m| {
         m.write(ptr, &[byte; N as usize]).unwrap();
     })
 }
 
 /// A kernel reading `[ptr, ptr + N)` into the returned slot, after an optional gate.
-fn read(ptr: DevicePtr, gate: Option<mpsc::Receiver<()>>) -> (Kernel, Arc<Mutex<Vec<u8>>>) {
+fn read(ptr: DeviceAddr, gate: Option<mpsc::Receiver<()>>) -> (Kernel, Arc<Mutex<Vec<u8>>>) {
     let slot = Arc::new(Mutex::new(Vec::new()));
     let out = slot.clone();
     let k = Kernel::new("read", vec![Access { ptr, bytes: N, kind: AccessKind::Read }], move |m| {
@@ -60,7 +60,7 @@ fn read(ptr: DevicePtr, gate: Option<mpsc::Receiver<()>>) -> (Kernel, Arc<Mutex<
 
 /// The classic: a buffer written on A (still running) is used on B, freed, and B allocates.
 /// Returns (address B got, address A's buffer had, bytes A read back).
-fn classic(broken: bool) -> (Arc<SimDevice>, DevicePtr, DevicePtr, Vec<u8>) {
+fn classic(broken: bool) -> (Arc<SimDevice>, DeviceAddr, DeviceAddr, Vec<u8>) {
     let (dev, alloc, a, b) = setup("", 64 * MIB);
     alloc.set_broken_skip_events(broken);
     let buf = alloc.alloc(N, a).unwrap();
@@ -85,8 +85,8 @@ fn classic(broken: bool) -> (Arc<SimDevice>, DevicePtr, DevicePtr, Vec<u8>) {
 #[test]
 fn strict_never_hands_unfinished_memory_to_another_stream() {
     let (dev, q, p, bytes) = classic(false);
-    assert_eq!(p, DevicePtr(SIM_BASE));
-    assert_eq!(q, DevicePtr(SIM_BASE + 2 * MIB), "B gets fresh memory while A still runs");
+    assert_eq!(p, DeviceAddr(SIM_BASE));
+    assert_eq!(q, DeviceAddr(SIM_BASE + 2 * MIB), "B gets fresh memory while A still runs");
     assert_eq!(bytes, vec![0xAB; N as usize], "A's bytes are intact");
     assert_eq!(dev.violations(), vec![]);
 }
@@ -104,7 +104,7 @@ fn the_sanitizer_catches_the_deliberately_broken_mode() {
 
 /// A buffer of A is read on B (which waited for A); `record_stream(B)` must hold it until B's
 /// read completed. Returns (address A got next, old address, violations).
-fn used_on_other_stream(broken: bool) -> (DevicePtr, DevicePtr, usize, u64) {
+fn used_on_other_stream(broken: bool) -> (DeviceAddr, DeviceAddr, usize, u64) {
     let (dev, alloc, a, b) = setup("", 64 * MIB);
     alloc.set_broken_skip_events(broken);
     let buf = alloc.alloc(N, a).unwrap();
@@ -269,7 +269,7 @@ fn destroying_a_stream_returns_its_stranded_memory() {
     assert_eq!(alloc.stats().cached_free_bytes_per_stream, vec![(1, 2 * MIB), (2, 20 * MIB)]);
     alloc.destroy_stream(b).unwrap();
     assert_eq!(alloc.stats().cached_free_bytes_per_stream, vec![(1, 2 * MIB)]);
-    assert_eq!(dev.live_segments(), vec![(DevicePtr(SIM_BASE), 2 * MIB)]);
+    assert_eq!(dev.live_segments(), vec![(DeviceAddr(SIM_BASE), 2 * MIB)]);
     assert!(!dev.live_streams().contains(&b));
     alloc.release_stream(a).unwrap();
     assert!(dev.live_segments().is_empty());

@@ -8,8 +8,8 @@
 use proptest::prelude::*;
 use std::sync::Arc;
 use std::time::Duration;
+use tidepool::MIB;
 use tidepool::device::{Access, AccessKind, Kernel, SimDevice};
-use tidepool::pool::MIB;
 use tidepool::{Allocator, Buffer, Config, Device, StreamId};
 
 #[derive(Clone, Debug)]

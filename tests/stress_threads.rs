@@ -7,8 +7,8 @@
 //! dropping everything no segment is left on the device.
 
 use std::sync::{Arc, Barrier, Mutex};
+use tidepool::MIB;
 use tidepool::device::{Access, AccessKind, Kernel, SimDevice};
-use tidepool::pool::MIB;
 use tidepool::{Allocator, Buffer, Config, Device, MemoryStats, StreamId};
 
 const THREADS: usize = 4;

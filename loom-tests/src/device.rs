@@ -14,7 +14,7 @@
 use loom::sync::Mutex;
 use std::collections::HashMap;
 use tidepool::device::{DeviceError, EventId, Kernel, MemInfo};
-use tidepool::{Device, DevicePtr, StreamId};
+use tidepool::{Device, DeviceAddr, StreamId};
 
 const STREAMS: usize = 4;
 const CAPACITY: u64 = 1 << 30;
@@ -49,7 +49,7 @@ impl LoomDevice {
     }
 
     /// Work on `stream` starts using `[ptr, ptr + len)` and has not finished.
-    pub fn use_on(&self, ptr: DevicePtr, len: u64, stream: StreamId) {
+    pub fn use_on(&self, ptr: DeviceAddr, len: u64, stream: StreamId) {
         let mut st = self.st.lock().unwrap();
         let s = stream.0 as usize;
         st.enqueued[s] += 1;
@@ -76,7 +76,7 @@ impl Device for LoomDevice {
         "LoomDevice".into()
     }
 
-    fn reserve(&self, bytes: u64) -> Result<DevicePtr, DeviceError> {
+    fn reserve(&self, bytes: u64) -> Result<DeviceAddr, DeviceError> {
         let mut st = self.st.lock().unwrap();
         let used: u64 = st.segments.iter().map(|s| s.1).sum();
         if used + bytes > CAPACITY {
@@ -85,10 +85,10 @@ impl Device for LoomDevice {
         let p = st.next;
         st.next += bytes;
         st.segments.push((p, bytes));
-        Ok(DevicePtr(p))
+        Ok(DeviceAddr(p))
     }
 
-    fn release(&self, ptr: DevicePtr) -> Result<(), DeviceError> {
+    fn release(&self, ptr: DeviceAddr) -> Result<(), DeviceError> {
         let mut st = self.st.lock().unwrap();
         let i = st
             .segments
@@ -163,7 +163,7 @@ impl Device for LoomDevice {
         Err(DeviceError::Unsupported("kernels"))
     }
 
-    fn note_handout(&self, ptr: DevicePtr, bytes: u64, stream: StreamId) {
+    fn note_handout(&self, ptr: DeviceAddr, bytes: u64, stream: StreamId) {
         let st = self.st.lock().unwrap();
         let s = stream.0 as usize;
         for &(p, n, other, _) in &st.busy {

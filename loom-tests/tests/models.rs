@@ -1,5 +1,5 @@
 //! Loom models, one per lock-free protocol of the allocator front. Each drives the real code
-//! (`tidepool::allocator::internals`, or the whole `Allocator` over a `LoomDevice`) and fails
+//! (`tidepool::hooks`, or the whole `Allocator` over a `LoomDevice`) and fails
 //! when its protocol is deliberately broken with `--cfg tidepool_broken="…"` (see
 //! `scripts/loom.sh`, which lists the command for each).
 //!
@@ -17,14 +17,15 @@
 
 use loom::sync::{Arc, Mutex};
 use loom::thread;
-use tidepool::allocator::internals::{
+use tidepool::hooks::{
     ArcCell, BASE_WORDS, BYTES, BaseStats, BatchBlock, CACHED_BLOCKS, CACHED_BYTES, COUNT,
     CachedBlock, ClassKey, Limits, Pop, REQ, RequestPlan, SeqBlock, StreamCache, assemble, collect,
     fast_cur, flush_into, quadrant, return_batch,
 };
-use tidepool::pool::{BlockId, BlockState, MIB, Pool, PoolKey, Sizing};
-use tidepool::stats::{BlockStats, PoolKind, Residency};
-use tidepool::{Allocator, Config, DevicePtr, StreamId};
+use tidepool::hooks::{BlockId, Pool, PoolKey, Sizing};
+use tidepool::{Allocator, Config, DeviceAddr, StreamId};
+use tidepool::{BlockState, MIB};
+use tidepool::{BlockStats, PoolKind, Residency};
 use tidepool_loom_tests::LoomDevice;
 
 const S0: StreamId = StreamId::DEFAULT;
@@ -61,7 +62,7 @@ fn cached(pool: &Pool, id: BlockId) -> CachedBlock {
     let b = pool.block(id);
     CachedBlock {
         block: id,
-        ptr: DevicePtr(b.addr),
+        ptr: DeviceAddr(b.addr),
         size: b.size,
         requested: b.requested,
         quadrant: quadrant(PoolKind::Small, Residency::Transient),
@@ -78,7 +79,7 @@ fn held_intact(pool: &Pool, b: &CachedBlock) {
 }
 
 /// The state of the block covering `ptr` (blocks merge, so ids of freed blocks may be gone).
-fn state_at(pool: &Pool, ptr: DevicePtr) -> BlockState {
+fn state_at(pool: &Pool, ptr: DeviceAddr) -> BlockState {
     for (id, seg) in pool.segments() {
         for (_, blk) in pool.segment_blocks(id) {
             if blk.addr <= ptr.0 && ptr.0 < blk.addr + blk.size {

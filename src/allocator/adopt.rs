@@ -25,7 +25,7 @@ use super::counters::quadrant;
 use super::plan::{Learned, Region, Step};
 use super::{Shared, State};
 use crate::device::{Device, StreamId};
-use crate::pool::packing::{align_up, pack_around};
+use crate::packing::{align_up, pack_around};
 use crate::pool::{BlockId, BlockState, PoolKey, SegmentId};
 use crate::stats::Residency;
 use crate::sync::atomic::Ordering;

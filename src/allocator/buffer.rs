@@ -7,7 +7,7 @@
 use super::owner::Owner;
 use super::plan::Region;
 use super::scope::ScopeTag;
-use crate::device::{Device, DevicePtr, StreamId};
+use crate::device::{Device, DeviceAddr, StreamId};
 use crate::pool::BlockId;
 use crate::stats::Residency;
 use crate::sync::Arc;
@@ -30,7 +30,7 @@ pub(super) enum Origin {
 ///
 /// `Buffer` is `Send + Sync`: it may be dropped on any thread.
 pub struct Buffer<D: Device> {
-    pub(super) ptr: DevicePtr,
+    pub(super) ptr: DeviceAddr,
     pub(super) requested: u64,
     pub(super) size: u64,
     pub(super) stream: StreamId,
@@ -65,8 +65,8 @@ impl<D: Device> Buffer<D> {
 }
 
 impl<D: Device> Buffer<D> {
-    /// The device address of the first byte ([`DevicePtr::NULL`] for a zero-byte buffer).
-    pub fn ptr(&self) -> DevicePtr {
+    /// The device address of the first byte ([`DeviceAddr::NULL`] for a zero-byte buffer).
+    pub fn ptr(&self) -> DeviceAddr {
         self.ptr
     }
 
@@ -143,7 +143,7 @@ impl<D: Device> Drop for Buffer<D> {
 /// What the allocator needs to know about a buffer being freed.
 pub(super) struct Freed {
     pub(super) block: BlockId,
-    pub(super) ptr: DevicePtr,
+    pub(super) ptr: DeviceAddr,
     pub(super) size: u64,
     pub(super) requested: u64,
     pub(super) stream: StreamId,

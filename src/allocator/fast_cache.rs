@@ -28,7 +28,7 @@
 use super::counters::{BYTES, COUNT, FAST_WORDS, QUADRANTS, REQ, fast_cur, fast_tot};
 use super::counters::{CACHED_BLOCKS, CACHED_BYTES};
 use super::seqlock::SeqBlock;
-use crate::device::{DevicePtr, StreamId};
+use crate::device::{DeviceAddr, StreamId};
 use crate::pool::{BlockId, Pool};
 use crate::stats::Residency;
 use crate::sync::{Arc, ArcCell, ArcRef, Mutex, MutexGuard, OnceSlot, SlotRef, lock};
@@ -72,7 +72,7 @@ pub struct CachedBlock {
     /// The pool's block (allocated in the pool).
     pub block: BlockId,
     /// Its address.
-    pub ptr: DevicePtr,
+    pub ptr: DeviceAddr,
     /// Its size.
     pub size: u64,
     /// The request it last served (equal to the pool's record of it).
@@ -316,6 +316,7 @@ impl StreamCache {
 
     /// The blocks cached now, in no particular order (for the broken variants' snapshots and
     /// for tests).
+    #[cfg_attr(not(any(test, feature = "test-hooks")), allow(dead_code))]
     pub fn peek(&self) -> Vec<(ClassKey, CachedBlock)> {
         self.lock_inner().entries()
     }

@@ -35,9 +35,9 @@ pub use error::{AllocError, OomReport};
 pub use report::{BlockInfo, SegmentInfo};
 pub use scope::{Scope, ScopedBuffer};
 
-/// The lock-free pieces, exposed for the loom models in `loom-tests/`. Not a stable API.
-#[doc(hidden)]
-pub mod internals {
+/// The lock-free pieces, exposed for the loom models in `loom-tests/` (feature `test-hooks`).
+#[cfg(feature = "test-hooks")]
+pub(crate) mod internals {
     pub use super::batch::{BatchBlock, return_batch};
     pub use super::counters::{
         BASE_WORDS, BYTES, BaseStats, CACHED_BLOCKS, CACHED_BYTES, COUNT, CacheList, FAST_WORDS,
@@ -52,7 +52,7 @@ pub mod internals {
 }
 
 use crate::config::{Config, CrossStream};
-use crate::device::{Device, DeviceError, DevicePtr, EventId, StreamId};
+use crate::device::{Device, DeviceAddr, DeviceError, EventId, StreamId};
 use crate::pool::{BlockId, BlockState, Pool, PoolKey, SegmentId};
 use crate::stats::{MemoryStats, Residency};
 use crate::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -256,7 +256,7 @@ impl<D: Device> Allocator<D> {
 
     /// Allocates `bytes` of transient memory on `stream`.
     ///
-    /// A zero-byte request returns an empty buffer at [`DevicePtr::NULL`] that holds no memory.
+    /// A zero-byte request returns an empty buffer at [`DeviceAddr::NULL`] that holds no memory.
     pub fn alloc(&self, bytes: u64, stream: StreamId) -> Result<Buffer<D>, AllocError> {
         self.alloc_in(bytes, stream, Residency::Transient)
     }
@@ -271,7 +271,7 @@ impl<D: Device> Allocator<D> {
     ) -> Result<Buffer<D>, AllocError> {
         let sh = &self.shared;
         if bytes == 0 {
-            return Ok(self.hand_out(DevicePtr::NULL, 0, 0, stream, None, 0, residency, 0));
+            return Ok(self.hand_out(DeviceAddr::NULL, 0, 0, stream, None, 0, residency, 0));
         }
         let plan = RequestPlan::new(&sh.config, bytes)?;
         let config = &*plan.config;
@@ -309,7 +309,7 @@ impl<D: Device> Allocator<D> {
         let block = sh.find_or_reserve(&mut st, config, key, bytes, plan.rounded)?;
         let block = st.pool.allocate(block, plan.rounded, bytes, &config.sizing);
         let b = st.pool.block(block);
-        let (ptr, size) = (DevicePtr(b.addr), b.size);
+        let (ptr, size) = (DeviceAddr(b.addr), b.size);
         let q = quadrant(key.kind, residency);
         st.base.live_up(q, size, bytes, || sh.caches.all());
         drop(st);
@@ -633,7 +633,7 @@ impl<D: Device> Allocator<D> {
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn hand_out(
         &self,
-        ptr: DevicePtr,
+        ptr: DeviceAddr,
         requested: u64,
         size: u64,
         stream: StreamId,
@@ -838,7 +838,7 @@ impl<D: Device> Shared<D> {
         for seg in st.pool.releasable_segments(which) {
             let base = st.pool.segment(seg).base;
             // Release on the device first: if it fails, the segment stays cached and consistent.
-            self.device.release(DevicePtr(base))?;
+            self.device.release(DeviceAddr(base))?;
             let stream = st.pool.segment(seg).key.stream;
             st.pool.remove_segment(seg);
             Self::forget_segment(st, stream);

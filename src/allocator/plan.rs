@@ -13,7 +13,7 @@
 //! pool instead (a plan miss), so a late free is never overwritten.
 
 use super::batch::BatchBlock;
-use crate::pool::packing::pack_greedy_by_size;
+use crate::packing::pack_greedy_by_size;
 use crate::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use crate::sync::{Mutex, lock};
 

@@ -2,7 +2,7 @@
 //! `memory_summary()` (a table in the style of `torch.cuda.memory_summary()`).
 
 use super::Allocator;
-use crate::device::{Device, DevicePtr, StreamId};
+use crate::device::{Device, DeviceAddr, StreamId};
 use crate::pool::BlockState;
 use crate::stats::{Bytes, PoolKind, Residency, Stat, StatGroup};
 use std::fmt::Write;
@@ -11,7 +11,7 @@ use std::fmt::Write;
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct BlockInfo {
     /// First address.
-    pub address: DevicePtr,
+    pub address: DeviceAddr,
     /// Size in bytes.
     pub size: u64,
     /// Bytes the user asked for (0 when free).
@@ -24,7 +24,7 @@ pub struct BlockInfo {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SegmentInfo {
     /// First address.
-    pub address: DevicePtr,
+    pub address: DeviceAddr,
     /// Size in bytes.
     pub size: u64,
     /// The stream it is cached for.
@@ -47,7 +47,7 @@ impl<D: Device> Allocator<D> {
             .pool
             .segments()
             .map(|(id, seg)| SegmentInfo {
-                address: DevicePtr(seg.base),
+                address: DeviceAddr(seg.base),
                 size: seg.size,
                 stream: seg.key.stream,
                 pool: seg.key.kind,
@@ -56,7 +56,7 @@ impl<D: Device> Allocator<D> {
                     .pool
                     .segment_blocks(id)
                     .map(|(_, b)| BlockInfo {
-                        address: DevicePtr(b.addr),
+                        address: DeviceAddr(b.addr),
                         size: b.size,
                         requested: b.requested,
                         state: b.state,

@@ -30,7 +30,7 @@ use super::counters::quadrant;
 use super::plan::{Learned, Region, Step};
 use super::{AllocError, Allocator, Buffer, Origin};
 use crate::config::Config;
-use crate::device::{Device, DevicePtr, StreamId};
+use crate::device::{Device, DeviceAddr, StreamId};
 use crate::pool::BlockId;
 use crate::stats::Residency;
 use crate::sync::atomic::{AtomicBool, Ordering};
@@ -187,7 +187,7 @@ struct Run<D: Device> {
     live_unbound: usize,
     region: RegionSlot,
     /// Freed pool blocks by rounded size, ready for reuse in this run.
-    local: HashMap<u64, Vec<(BatchBlock, DevicePtr)>>,
+    local: HashMap<u64, Vec<(BatchBlock, DeviceAddr)>>,
     /// The pool buffers behind live scoped buffers, by slot (kept here so a scoped buffer stays
     /// a few words), and the free slots.
     held: Vec<Option<Buffer<D>>>,
@@ -286,7 +286,7 @@ pub struct Scope<'a, D: Device> {
 /// Memory that another thread frees comes from [`Scope::alloc_unbound`] instead.
 pub struct ScopedBuffer<'s, D: Device> {
     scope: &'s Scope<'s, D>,
-    ptr: DevicePtr,
+    ptr: DeviceAddr,
     requested: u64,
     size: u64,
     /// Its allocation index in the run (`NO_INDEX` for zero bytes) and the slot of the pool
@@ -311,8 +311,8 @@ impl<D: Device> ScopedBuffer<'_, D> {
         (self.id >> 32) as u32
     }
 
-    /// The device address of the first byte ([`DevicePtr::NULL`] for a zero-byte buffer).
-    pub fn ptr(&self) -> DevicePtr {
+    /// The device address of the first byte ([`DeviceAddr::NULL`] for a zero-byte buffer).
+    pub fn ptr(&self) -> DeviceAddr {
         self.ptr
     }
 
@@ -478,7 +478,7 @@ impl<'a, D: Device> Scope<'a, D> {
         c.len.set(len + 1);
         c.allocs.set(index + 1);
         c.hits.set(c.hits.get() + 1);
-        let ptr = DevicePtr(base + offset);
+        let ptr = DeviceAddr(base + offset);
         self.device.note_handout(ptr, rounded, self.stream);
         Some(ScopedBuffer {
             scope: self,
@@ -500,7 +500,7 @@ impl<'a, D: Device> Scope<'a, D> {
             id: id(index, slot),
         };
         if bytes == 0 {
-            return Ok(made(DevicePtr::NULL, 0, NO_INDEX, NO_SLOT));
+            return Ok(made(DeviceAddr::NULL, 0, NO_INDEX, NO_SLOT));
         }
         let rounded = self.round(bytes)?;
         let index = self.cursor.allocs.get();
@@ -531,7 +531,7 @@ impl<'a, D: Device> Scope<'a, D> {
         self.drain_freed();
         if bytes == 0 {
             return Ok(self.alloc.hand_out(
-                DevicePtr::NULL,
+                DeviceAddr::NULL,
                 0,
                 0,
                 self.stream,
@@ -652,7 +652,7 @@ impl<'a, D: Device> Scope<'a, D> {
     /// The planned slice at `offset` (of an allocation that follows the plan), if it can be
     /// served.
     #[inline]
-    fn planned(&self, offset: u64, size: u64) -> Option<DevicePtr> {
+    fn planned(&self, offset: u64, size: u64) -> Option<DeviceAddr> {
         let c = &self.cursor;
         let base = c.base.get();
         if base == NO_BASE {
@@ -661,7 +661,7 @@ impl<'a, D: Device> Scope<'a, D> {
         if c.check_pins.get() && self.pinned(offset, size) {
             return None;
         }
-        let ptr = DevicePtr(base + offset);
+        let ptr = DeviceAddr(base + offset);
         self.device.note_handout(ptr, size, self.stream);
         c.hits.set(c.hits.get() + 1);
         Some(ptr)
@@ -679,7 +679,7 @@ impl<'a, D: Device> Scope<'a, D> {
     /// `None` when another run holds it or it cannot be made (out of memory, a device error):
     /// then the whole run is served by the pool, which reports any error itself.
     #[cold]
-    fn planned_claiming(&self, offset: u64, size: u64) -> Option<DevicePtr> {
+    fn planned_claiming(&self, offset: u64, size: u64) -> Option<DeviceAddr> {
         let mut run = self.run.borrow_mut();
         let RegionSlot::Unclaimed(existing) = &run.region else { return None };
         let (Some(name), Some(plan)) = (self.name.as_deref(), &self.plan) else { return None };
@@ -723,7 +723,7 @@ impl<'a, D: Device> Scope<'a, D> {
     /// Records the free of a bound buffer. The planned path, inlined: the run follows its plan,
     /// whose next step is this free, and no planned buffer was used on another stream.
     #[inline(always)]
-    fn free_bound(&self, index: u32, ptr: DevicePtr, size: u64, slot: u32) {
+    fn free_bound(&self, index: u32, ptr: DeviceAddr, size: u64, slot: u32) {
         let c = &self.cursor;
         let len = c.len.get();
         if slot == NO_SLOT
@@ -745,7 +745,7 @@ impl<'a, D: Device> Scope<'a, D> {
     /// buffers are recorded at the next allocation, not here: a free recorded late only makes
     /// the plan keep that slice a little longer, and the order is the same in every run.)
     #[inline(never)]
-    fn free_slow(&self, index: u32, ptr: DevicePtr, size: u64, slot: u32) {
+    fn free_slow(&self, index: u32, ptr: DeviceAddr, size: u64, slot: u32) {
         self.step(Step::Free(index));
         if slot == NO_SLOT {
             self.device.note_reclaim(ptr, size, self.stream);

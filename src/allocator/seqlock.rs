@@ -61,6 +61,7 @@ impl<const N: usize> SeqBlock<N> {
     }
 
     /// One consistent copy, retrying while writers interfere (at most `tries` times).
+    #[cfg_attr(not(any(test, feature = "test-hooks")), allow(dead_code))]
     pub fn read(&self, tries: usize) -> Option<[u64; N]> {
         for _ in 0..tries {
             let Some(s) = self.begin() else {

@@ -16,55 +16,15 @@
 //! out and takes back; devices without one ignore them.
 
 #[cfg(feature = "cuda")]
-mod cuda;
+pub(crate) mod cuda;
 mod sim;
 
 #[cfg(feature = "cuda")]
-pub use cuda::{CudaBuffer, CudaDevice, NO_DRIVER};
+pub use cuda::{CudaDevice, NO_DRIVER};
 pub use sim::{KernelFailure, SIM_ALIGN, SIM_BASE, SimConfig, SimCounters, SimDevice, Violation};
 
+pub use crate::types::{DeviceAddr, StreamId};
 use std::fmt;
-
-/// A device address. `DevicePtr::NULL` is what a zero-byte buffer points to.
-#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
-pub struct DevicePtr(pub u64);
-
-impl DevicePtr {
-    /// The null device pointer (zero-byte buffers point here, as in PyTorch).
-    pub const NULL: DevicePtr = DevicePtr(0);
-
-    /// The address `bytes` past this one.
-    pub fn offset(self, bytes: u64) -> DevicePtr {
-        DevicePtr(self.0 + bytes)
-    }
-}
-
-impl fmt::Debug for DevicePtr {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{:#x}", self.0)
-    }
-}
-
-impl fmt::Display for DevicePtr {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{:#x}", self.0)
-    }
-}
-
-/// A stream: an in-order queue of device work. Stream 0 is the default stream.
-#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Debug, Default)]
-pub struct StreamId(pub u32);
-
-impl StreamId {
-    /// The stream that exists from the start.
-    pub const DEFAULT: StreamId = StreamId(0);
-}
-
-impl fmt::Display for StreamId {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "stream {}", self.0)
-    }
-}
 
 /// An event: a marker recorded on a stream, reusable after it is recorded again.
 #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Debug)]
@@ -92,7 +52,7 @@ pub enum AccessKind {
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub struct Access {
     /// First byte.
-    pub ptr: DevicePtr,
+    pub ptr: DeviceAddr,
     /// Length in bytes.
     pub bytes: u64,
     /// Read or write.
@@ -103,9 +63,9 @@ pub struct Access {
 /// ranges the kernel declared.
 pub trait KernelMemory {
     /// Copies `out.len()` bytes starting at `ptr` into `out`.
-    fn read(&self, ptr: DevicePtr, out: &mut [u8]) -> Result<(), DeviceError>;
+    fn read(&self, ptr: DeviceAddr, out: &mut [u8]) -> Result<(), DeviceError>;
     /// Copies `data` to device memory starting at `ptr`.
-    fn write(&self, ptr: DevicePtr, data: &[u8]) -> Result<(), DeviceError>;
+    fn write(&self, ptr: DeviceAddr, data: &[u8]) -> Result<(), DeviceError>;
 }
 
 /// The body of a host kernel, run in stream order on the device.
@@ -157,13 +117,13 @@ pub enum DeviceError {
     /// The event does not exist.
     UnknownEvent(EventId),
     /// The pointer is not the start of a live segment.
-    UnknownSegment(DevicePtr),
+    UnknownSegment(DeviceAddr),
     /// The device cannot run this kind of work (host kernels on a real GPU, say).
     Unsupported(&'static str),
     /// A kernel touched memory outside what it declared or outside any segment.
     BadAccess {
         /// First byte of the access.
-        ptr: DevicePtr,
+        ptr: DeviceAddr,
         /// Length of the access.
         bytes: u64,
     },
@@ -200,10 +160,10 @@ pub trait Device: Send + Sync + 'static {
     fn name(&self) -> String;
 
     /// Reserves a segment of `bytes` bytes (`cuMemAlloc`). Addresses are 512-byte aligned.
-    fn reserve(&self, bytes: u64) -> Result<DevicePtr, DeviceError>;
+    fn reserve(&self, bytes: u64) -> Result<DeviceAddr, DeviceError>;
 
     /// Releases a segment returned by [`Device::reserve`] (`cuMemFree`, which synchronises).
-    fn release(&self, ptr: DevicePtr) -> Result<(), DeviceError>;
+    fn release(&self, ptr: DeviceAddr) -> Result<(), DeviceError>;
 
     /// Free and total memory (`cuMemGetInfo`).
     fn mem_info(&self) -> Result<MemInfo, DeviceError>;
@@ -239,8 +199,8 @@ pub trait Device: Send + Sync + 'static {
     fn launch(&self, stream: StreamId, kernel: Kernel) -> Result<(), DeviceError>;
 
     /// Sanitizer hook: the allocator hands `bytes` at `ptr` to `stream` for new use.
-    fn note_handout(&self, _ptr: DevicePtr, _bytes: u64, _stream: StreamId) {}
+    fn note_handout(&self, _ptr: DeviceAddr, _bytes: u64, _stream: StreamId) {}
 
     /// Sanitizer hook: the allocator took `bytes` at `ptr` back from its user (freed on `stream`).
-    fn note_reclaim(&self, _ptr: DevicePtr, _bytes: u64, _stream: StreamId) {}
+    fn note_reclaim(&self, _ptr: DeviceAddr, _bytes: u64, _stream: StreamId) {}
 }

@@ -5,8 +5,8 @@
 //!  segment ──first──▶ [block A] ⇄ [block B] ⇄ [block C]      A.addr + A.size == B.addr, ...
 //! ```
 
-use crate::device::StreamId;
-use crate::stats::{PoolKind, Residency};
+pub use crate::types::BlockState;
+use crate::types::{PoolKind, Residency, StreamId};
 
 /// Index of a block record in the pool's slab. Stable while the block exists.
 #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Debug)]
@@ -26,17 +26,6 @@ pub struct PoolKey {
     pub stream: StreamId,
     /// Small or large pool.
     pub kind: PoolKind,
-}
-
-/// Where a block is in its life.
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
-pub enum BlockState {
-    /// In the free index, reusable.
-    Free,
-    /// Handed to a user.
-    Allocated,
-    /// Freed by its user, waiting for events on other streams before it is reusable.
-    Pending,
 }
 
 /// A contiguous piece of a segment.

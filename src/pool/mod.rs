@@ -15,17 +15,12 @@
 //! [`Pool::check_invariants`] recomputes them from scratch to prove it.
 
 mod block;
-pub mod packing;
 mod sizing;
 
 pub use block::{Block, BlockId, BlockState, PoolKey, Segment, SegmentId};
-pub use sizing::{
-    DEFAULT_LARGE_SEGMENT, DEFAULT_MIN_BLOCK_SIZE, DEFAULT_MIN_LARGE_ALLOC, DEFAULT_ROUND_LARGE,
-    DEFAULT_SMALL_SEGMENT, DEFAULT_SMALL_SIZE, KIB, MAX_REQUEST, MIB, Sizing,
-};
+pub use sizing::{MAX_REQUEST, MIB, Sizing};
 
-use crate::device::StreamId;
-use crate::stats::BlockStats;
+use crate::types::{BlockStats, StreamId};
 use slab::Slab;
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -48,6 +43,7 @@ pub struct Pool {
 
 impl Pool {
     /// An empty pool.
+    #[cfg_attr(not(any(test, feature = "test-hooks")), allow(dead_code))]
     pub fn new() -> Pool {
         Pool::default()
     }
@@ -89,6 +85,7 @@ impl Pool {
     }
 
     /// Number of free blocks cached.
+    #[cfg_attr(not(any(test, feature = "test-hooks")), allow(dead_code))]
     pub fn free_blocks(&self) -> usize {
         self.free.len()
     }
@@ -101,6 +98,7 @@ impl Pool {
     }
 
     /// Free blocks of `key` in (size, address) order.
+    #[cfg_attr(not(any(test, feature = "test-hooks")), allow(dead_code))]
     pub fn free_of(&self, key: PoolKey) -> impl Iterator<Item = BlockId> + '_ {
         self.free.range((key, 0, 0, 0)..).take_while(move |e| e.0 == key).map(|e| BlockId(e.3))
     }

@@ -7,12 +7,10 @@
 //!                               └─ otherwise                   → own segment, rounded to 2 MiB
 //! ```
 
-use crate::stats::PoolKind;
-
-/// 1 KiB.
-pub const KIB: u64 = 1 << 10;
-/// 1 MiB.
-pub const MIB: u64 = 1 << 20;
+#[cfg(test)]
+use crate::types::KIB;
+use crate::types::PoolKind;
+pub use crate::types::{MAX_REQUEST, MIB};
 
 /// Every request is rounded up to a multiple of this (PyTorch's `kMinBlockSize`).
 pub const DEFAULT_MIN_BLOCK_SIZE: u64 = 512;
@@ -26,8 +24,6 @@ pub const DEFAULT_LARGE_SEGMENT: u64 = 20 * MIB;
 pub const DEFAULT_MIN_LARGE_ALLOC: u64 = 10 * MIB;
 /// Own segments are rounded up to a multiple of this (`kRoundLarge`).
 pub const DEFAULT_ROUND_LARGE: u64 = 2 * MIB;
-/// The largest request tidepool accepts at all (256 TiB); larger ones are an error, not an OOM.
-pub const MAX_REQUEST: u64 = 1 << 48;
 
 /// The numeric size rules. Every field is configurable through [`crate::Config`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

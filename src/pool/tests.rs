@@ -2,8 +2,7 @@
 //! allocator tests): every address and size below is computed by hand.
 
 use super::*;
-use crate::device::StreamId;
-use crate::stats::{PoolKind, Residency};
+use crate::types::{PoolKind, Residency, StreamId};
 
 const BASE: u64 = 0x1_0000_0000;
 

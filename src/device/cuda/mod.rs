@@ -11,7 +11,7 @@
 //!        │
 //!   CudaDevice ────────── ids → handles: StreamId → Arc<CudaStream>, EventId → pooled CUevent,
 //!        │                live segments (ptr → bytes); binds its context before every call
-//!   buffer.rs ─────────── CudaBuffer<T>: a tidepool Buffer seen as a cudarc device slice
+//!   interop/cuda_buffer.rs  CudaBuffer<T> (above the allocator): a tidepool Buffer as a cudarc slice
 //! ```
 //!
 //! Choices:
@@ -33,12 +33,9 @@
 //! - Locks are `std::sync`, not the `crate::sync` shim: driver calls cannot run under loom, so this
 //!   device is never modelled (and the `cuda` feature is not combined with `--cfg loom`).
 
-mod buffer;
-mod result;
+pub(crate) mod result;
 
-pub use buffer::CudaBuffer;
-
-use super::{Device, DeviceError, DevicePtr, EventId, Kernel, MemInfo, StreamId};
+use super::{Device, DeviceAddr, DeviceError, EventId, Kernel, MemInfo, StreamId};
 use cudarc::driver::{CudaContext, CudaStream, DriverError, sys};
 use result::RawEvent;
 use std::collections::HashMap;
@@ -184,8 +181,9 @@ impl CudaDevice {
     }
 
     /// Segments reserved and not released, by address: what tests check for leaks.
-    pub fn live_segments(&self) -> Vec<(DevicePtr, u64)> {
-        let mut v: Vec<_> = lock(&self.segments).iter().map(|(&p, &b)| (DevicePtr(p), b)).collect();
+    pub fn live_segments(&self) -> Vec<(DeviceAddr, u64)> {
+        let mut v: Vec<_> =
+            lock(&self.segments).iter().map(|(&p, &b)| (DeviceAddr(p), b)).collect();
         v.sort();
         v
     }
@@ -242,7 +240,7 @@ impl Device for CudaDevice {
     }
 
     /// `cuMemAlloc`; the driver's out-of-memory answer is [`DeviceError::OutOfMemory`].
-    fn reserve(&self, bytes: u64) -> Result<DevicePtr, DeviceError> {
+    fn reserve(&self, bytes: u64) -> Result<DeviceAddr, DeviceError> {
         if bytes == 0 {
             return Err(DeviceError::Unsupported("reserving a segment of 0 bytes"));
         }
@@ -256,11 +254,11 @@ impl Device for CudaDevice {
             )));
         }
         lock(&self.segments).insert(ptr, bytes);
-        Ok(DevicePtr(ptr))
+        Ok(DeviceAddr(ptr))
     }
 
     /// Synchronises the context (a host sync), then `cuMemFree`.
-    fn release(&self, ptr: DevicePtr) -> Result<(), DeviceError> {
+    fn release(&self, ptr: DeviceAddr) -> Result<(), DeviceError> {
         let bytes = lock(&self.segments).remove(&ptr.0).ok_or(DeviceError::UnknownSegment(ptr))?;
         let freed = self.bind().and_then(|()| result::ctx_synchronize()).and_then(|()| {
             // SAFETY: `ptr` is a live segment of this context (just taken out of `segments`, so

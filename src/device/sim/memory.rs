@@ -12,7 +12,7 @@
 //! ```
 
 use super::Shared;
-use crate::device::{Access, AccessKind, DeviceError, DevicePtr, KernelMemory};
+use crate::device::{Access, AccessKind, DeviceAddr, DeviceError, KernelMemory};
 use crate::sync::lock;
 use std::collections::BTreeMap;
 
@@ -66,7 +66,7 @@ impl Memory {
     }
 
     /// The host bytes of `[ptr, ptr + bytes)`, which must lie inside one live, backed segment.
-    fn bytes_mut(&mut self, ptr: DevicePtr, bytes: u64) -> Result<&mut [u8], DeviceError> {
+    fn bytes_mut(&mut self, ptr: DeviceAddr, bytes: u64) -> Result<&mut [u8], DeviceError> {
         let bad = DeviceError::BadAccess { ptr, bytes };
         let (&base, seg) = self.segments.range_mut(..=ptr.0).next_back().ok_or(bad.clone())?;
         let off = ptr.0 - base;
@@ -86,7 +86,7 @@ pub(super) struct SimMemory<'a> {
 }
 
 impl SimMemory<'_> {
-    fn declared(&self, ptr: DevicePtr, bytes: u64, write: bool) -> bool {
+    fn declared(&self, ptr: DeviceAddr, bytes: u64, write: bool) -> bool {
         self.accesses.iter().any(|a| {
             a.ptr.0 <= ptr.0
                 && ptr.0.saturating_add(bytes) <= a.ptr.0.saturating_add(a.bytes)
@@ -96,7 +96,7 @@ impl SimMemory<'_> {
 
     fn with_range<R>(
         &self,
-        ptr: DevicePtr,
+        ptr: DeviceAddr,
         bytes: u64,
         write: bool,
         f: impl FnOnce(&mut [u8]) -> R,
@@ -110,11 +110,11 @@ impl SimMemory<'_> {
 }
 
 impl KernelMemory for SimMemory<'_> {
-    fn read(&self, ptr: DevicePtr, out: &mut [u8]) -> Result<(), DeviceError> {
+    fn read(&self, ptr: DeviceAddr, out: &mut [u8]) -> Result<(), DeviceError> {
         self.with_range(ptr, out.len() as u64, false, |src| out.copy_from_slice(src))
     }
 
-    fn write(&self, ptr: DevicePtr, data: &[u8]) -> Result<(), DeviceError> {
+    fn write(&self, ptr: DeviceAddr, data: &[u8]) -> Result<(), DeviceError> {
         self.with_range(ptr, data.len() as u64, true, |dst| dst.copy_from_slice(data))
     }
 }

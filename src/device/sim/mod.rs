@@ -23,7 +23,7 @@ mod stream;
 
 pub use memory::{SIM_ALIGN, SIM_BASE};
 
-use super::{DeviceError, DevicePtr, EventId, Kernel, MemInfo, StreamId};
+use super::{DeviceAddr, DeviceError, EventId, Kernel, MemInfo, StreamId};
 use crate::sync::{Arc, Condvar, Mutex, MutexGuard, lock, wait};
 use memory::Memory;
 use sanitizer::Sanitizer;
@@ -72,7 +72,7 @@ pub struct SimCounters {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Violation {
     /// First byte of the offending range.
-    pub ptr: DevicePtr,
+    pub ptr: DeviceAddr,
     /// Length of the offending range.
     pub bytes: u64,
     /// The stream that received or touched the memory.
@@ -236,8 +236,8 @@ impl SimDevice {
     }
 
     /// Live segments, as (address, bytes), in address order.
-    pub fn live_segments(&self) -> Vec<(DevicePtr, u64)> {
-        self.state().mem.segments.iter().map(|(&a, s)| (DevicePtr(a), s.bytes)).collect()
+    pub fn live_segments(&self) -> Vec<(DeviceAddr, u64)> {
+        self.state().mem.segments.iter().map(|(&a, s)| (DeviceAddr(a), s.bytes)).collect()
     }
 
     /// Bytes currently reserved.
@@ -308,7 +308,7 @@ impl super::Device for SimDevice {
         format!("SimDevice {} MiB", self.config.capacity >> 20)
     }
 
-    fn reserve(&self, bytes: u64) -> Result<DevicePtr, DeviceError> {
+    fn reserve(&self, bytes: u64) -> Result<DeviceAddr, DeviceError> {
         let mut st = self.state();
         let injected = match st.faults.fail_nth_malloc {
             Some(1) => {
@@ -331,11 +331,11 @@ impl super::Device for SimDevice {
         }
         let addr = st.mem.reserve(bytes, self.config.backed);
         st.counters.mallocs += 1;
-        Ok(DevicePtr(addr))
+        Ok(DeviceAddr(addr))
     }
 
     /// Synchronises the device (a host sync, as `cuMemFree` does), then frees the segment.
-    fn release(&self, ptr: DevicePtr) -> Result<(), DeviceError> {
+    fn release(&self, ptr: DeviceAddr) -> Result<(), DeviceError> {
         let st = self.state();
         if !st.mem.segments.contains_key(&ptr.0) {
             return Err(DeviceError::UnknownSegment(ptr));
@@ -469,14 +469,14 @@ impl super::Device for SimDevice {
     }
 
     #[inline]
-    fn note_handout(&self, ptr: DevicePtr, bytes: u64, stream: StreamId) {
+    fn note_handout(&self, ptr: DeviceAddr, bytes: u64, stream: StreamId) {
         if self.config.sanitize {
             self.sanitize_handout(ptr, bytes, stream);
         }
     }
 
     #[inline]
-    fn note_reclaim(&self, ptr: DevicePtr, bytes: u64, stream: StreamId) {
+    fn note_reclaim(&self, ptr: DeviceAddr, bytes: u64, stream: StreamId) {
         if self.config.sanitize {
             self.sanitize_reclaim(ptr, bytes, stream);
         }
@@ -485,7 +485,7 @@ impl super::Device for SimDevice {
 
 impl SimDevice {
     #[inline(never)]
-    fn sanitize_handout(&self, ptr: DevicePtr, bytes: u64, stream: StreamId) {
+    fn sanitize_handout(&self, ptr: DeviceAddr, bytes: u64, stream: StreamId) {
         let mut st = self.state();
         let found = st.san.handout(ptr.0, bytes, stream.0);
         let panic = st.panic_on_violation;
@@ -494,7 +494,7 @@ impl SimDevice {
     }
 
     #[inline(never)]
-    fn sanitize_reclaim(&self, ptr: DevicePtr, bytes: u64, stream: StreamId) {
+    fn sanitize_reclaim(&self, ptr: DeviceAddr, bytes: u64, stream: StreamId) {
         let mut st = self.state();
         let found = st.san.reclaim(ptr.0, bytes, stream.0);
         let panic = st.panic_on_violation;

@@ -22,7 +22,7 @@
 //! and `handed` only what is handed out now, so memory stays bounded.
 
 use super::Violation;
-use crate::device::{Access, AccessKind, DevicePtr, StreamId};
+use crate::device::{Access, AccessKind, DeviceAddr, StreamId};
 use std::collections::{BTreeMap, HashMap};
 
 /// A vector clock: for each stream, the last position this clock is ordered after.
@@ -184,7 +184,7 @@ impl Sanitizer {
         op: String,
     ) {
         let v = Violation {
-            ptr: DevicePtr(lo),
+            ptr: DeviceAddr(lo),
             bytes: hi - lo,
             stream: StreamId(stream),
             other: other.map(StreamId),
@@ -370,7 +370,7 @@ mod tests {
     use super::*;
 
     fn acc(ptr: u64, bytes: u64, kind: AccessKind) -> Access {
-        Access { ptr: DevicePtr(ptr), bytes, kind }
+        Access { ptr: DeviceAddr(ptr), bytes, kind }
     }
 
     #[test]

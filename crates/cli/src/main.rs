@@ -1,0 +1,102 @@
+//! The `tidepool` command line, on clap (derive):
+//!
+//! ```text
+//! tidepool replay TRACE [--policy NAME]... [--json] [--svg FILE] [--repeats N] [--config KEY:VAL,...]
+//! tidepool demo [--steps N] [--two-streams] [--sim]
+//! ```
+//!
+//! Exit codes: 0 success (and `--help`, `--version`), 1 runtime error (unreadable trace, failed
+//! replay, unwritable SVG), 2 usage error (unknown flag or policy, bad value). Errors print
+//! `tidepool: <message>` (or clap's usage error) on stderr.
+
+mod demo;
+mod replay;
+
+use clap::{Parser, Subcommand};
+use std::ffi::OsString;
+use std::io::Write;
+
+/// Replays allocation traces through tidepool and baselines; runs the eager demo.
+#[derive(Parser, Debug)]
+#[command(name = "tidepool", version, about, long_about = None)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Replays an allocation trace (tidepool CSV, RMM log CSV or PyTorch snapshot pickle; gzip or
+    /// plain) through allocator policies and reports peak memory, fragmentation and speed.
+    Replay(replay::ReplayArgs),
+    /// Trains a small MLP with the eager tensor layer (CUDA with feature `cuda` and a GPU, else
+    /// the simulated device) and prints per step the loss, memory, plan hits and device calls.
+    Demo(demo::DemoArgs),
+}
+
+/// Runs the CLI with `args` (including the program name); returns the exit code.
+fn run<I, T>(args: I, out: &mut dyn Write, err: &mut dyn Write) -> i32
+where
+    I: IntoIterator<Item = T>,
+    T: Into<OsString> + Clone,
+{
+    let cli = match Cli::try_parse_from(args) {
+        Ok(cli) => cli,
+        Err(e) => {
+            let code = e.exit_code();
+            let text = e.render().to_string();
+            let _ = if code == 0 {
+                out.write_all(text.as_bytes())
+            } else {
+                err.write_all(text.as_bytes())
+            };
+            return code;
+        }
+    };
+    match cli.command {
+        Command::Replay(args) => replay::run(&args, out, err),
+        Command::Demo(args) => demo::run(&args, out, err),
+    }
+}
+
+fn main() {
+    let code =
+        run(std::env::args_os(), &mut std::io::stdout().lock(), &mut std::io::stderr().lock());
+    std::process::exit(code)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    /// Exit code of a usage error.
+    const USAGE_ERROR: i32 = 2;
+
+    fn run_str(s: &str) -> (i32, String, String) {
+        let (mut out, mut err) = (Vec::new(), Vec::new());
+        let code = run(s.split_whitespace(), &mut out, &mut err);
+        (code, String::from_utf8(out).unwrap(), String::from_utf8(err).unwrap())
+    }
+
+    #[test]
+    fn clap_definition_is_consistent() {
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn usage_errors_are_exit_2_and_help_is_exit_0() {
+        let (code, _, err) = run_str("tidepool replay t.csv --bogus");
+        assert_eq!(code, USAGE_ERROR);
+        assert!(err.contains("unexpected argument '--bogus'"), "{err}");
+        let (code, _, err) = run_str("tidepool");
+        assert_eq!(code, USAGE_ERROR);
+        assert!(err.contains("Usage: tidepool <COMMAND>"), "{err}");
+        let (code, out, _) = run_str("tidepool replay --help");
+        assert_eq!(code, 0);
+        assert!(out.contains("Usage: tidepool replay [OPTIONS] <TRACE>"), "{out}");
+        let (code, _, err) = run_str("tidepool frobnicate");
+        assert_eq!(code, USAGE_ERROR);
+        assert!(err.contains("unrecognized subcommand 'frobnicate'"), "{err}");
+    }
+}

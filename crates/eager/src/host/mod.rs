@@ -1,0 +1,85 @@
+//! `HostBackend`: the op interface as host kernels on any [`Device`] that runs them — on
+//! [`tidepool::SimDevice`], each op becomes a [`Kernel`] run later by the stream's worker thread, so
+//! ops really are asynchronous, and its declared accesses ([`KernelOp::accesses`]) let the
+//! stream-order sanitizer check every use of memory.
+//!
+//! ```text
+//!   launch(stream, op) ─▶ Kernel { name: op.name(), accesses: op.accesses(),
+//!                                  body: move |mem| math::execute(&op, mem) } ─▶ device queue
+//!   download(stream, src, n) ─▶ read kernel → slot; event recorded after it; host waits on it
+//! ```
+//!
+//! The arithmetic lives in [`math`].
+
+pub mod math;
+
+use super::backend::{Backend, ELEM, KernelOp};
+use super::error::{EagerError, Result};
+use std::sync::{Arc, Mutex};
+use tidepool::device::{Access, AccessKind, Device, DeviceAddr, Kernel, SimDevice, StreamId};
+
+/// Eager ops as host kernels on a device that runs them ([`SimDevice`] by default).
+pub struct HostBackend<D: Device = SimDevice> {
+    device: Arc<D>,
+}
+
+impl<D: Device> HostBackend<D> {
+    /// A back end launching host kernels on `device`. The device must be backed by memory the
+    /// kernels can read and write ([`SimDevice::backed`]).
+    pub fn new(device: Arc<D>) -> HostBackend<D> {
+        HostBackend { device }
+    }
+}
+
+impl<D: Device> Backend for HostBackend<D> {
+    type Device = D;
+
+    fn device(&self) -> &Arc<D> {
+        &self.device
+    }
+
+    fn name(&self) -> String {
+        format!("host kernels on {}", self.device.name())
+    }
+
+    fn upload(&self, stream: StreamId, dst: DeviceAddr, data: &[f32]) -> Result<()> {
+        if data.is_empty() {
+            return Ok(());
+        }
+        let bytes: Vec<u8> = data.iter().flat_map(|x| x.to_le_bytes()).collect();
+        let access = Access { ptr: dst, bytes: bytes.len() as u64, kind: AccessKind::Write };
+        let kernel = Kernel::new("upload", vec![access], move |mem| {
+            mem.write(dst, &bytes).expect("upload outside its declared memory");
+        });
+        Ok(self.device.launch(stream, kernel)?)
+    }
+
+    fn download(&self, stream: StreamId, src: DeviceAddr, len: usize) -> Result<Vec<f32>> {
+        if len == 0 {
+            return Ok(Vec::new());
+        }
+        let slot: Arc<Mutex<Option<Vec<f32>>>> = Arc::new(Mutex::new(None));
+        let out = slot.clone();
+        let access = Access { ptr: src, bytes: len as u64 * ELEM, kind: AccessKind::Read };
+        let kernel = Kernel::new("download", vec![access], move |mem| {
+            let data = math::read(mem, src, len);
+            *out.lock().unwrap_or_else(|p| p.into_inner()) = Some(data);
+        });
+        self.device.launch(stream, kernel)?;
+        let event = self.device.create_event()?;
+        let waited = self
+            .device
+            .record_event(event, stream)
+            .and_then(|()| self.device.synchronize_event(event));
+        let _ = self.device.destroy_event(event);
+        waited?;
+        let data = slot.lock().unwrap_or_else(|p| p.into_inner()).take();
+        data.ok_or_else(|| EagerError::Backend(format!("download of {len} floats at {src} failed")))
+    }
+
+    fn launch(&self, stream: StreamId, op: &KernelOp) -> Result<()> {
+        let op = *op;
+        let kernel = Kernel::new(op.name(), op.accesses(), move |mem| math::execute(&op, mem));
+        Ok(self.device.launch(stream, kernel)?)
+    }
+}

@@ -1,0 +1,101 @@
+//! Normalisations over the last dimension: softmax and layer norm, with their backward ops.
+
+use crate::backend::{Backend, KernelOp};
+use crate::ctx::Ctx;
+use crate::error::{Result, shape_err};
+use crate::tensor::{Tensor, same_shape};
+
+impl<'t, B: Backend> Ctx<'t, B> {
+    /// Softmax over the last dimension.
+    pub fn softmax(&self, x: &Tensor<'_, B>) -> Result<Tensor<'t, B>> {
+        let s = x.dims();
+        let out = self.output(s)?;
+        let op = KernelOp::Softmax { x: x.ptr(), out: out.ptr(), rows: s.rows(), cols: s.last() };
+        self.launch(&op, out.numel())?;
+        Ok(out)
+    }
+
+    /// Gradient of [`Ctx::softmax`] from its output `y` and the output gradient `dy`.
+    pub fn softmax_backward(&self, y: &Tensor<'_, B>, dy: &Tensor<'_, B>) -> Result<Tensor<'t, B>> {
+        same_shape("softmax backward", y, dy)?;
+        let s = y.dims();
+        let out = self.output(s)?;
+        let op = KernelOp::SoftmaxBackward {
+            y: y.ptr(),
+            dy: dy.ptr(),
+            out: out.ptr(),
+            rows: s.rows(),
+            cols: s.last(),
+        };
+        self.launch(&op, out.numel())?;
+        Ok(out)
+    }
+
+    /// Layer norm over the last dimension `C`, with `gamma` and `beta` of shape `[C]`.
+    pub fn layer_norm(
+        &self,
+        x: &Tensor<'_, B>,
+        gamma: &Tensor<'_, B>,
+        beta: &Tensor<'_, B>,
+        eps: f32,
+    ) -> Result<Tensor<'t, B>> {
+        let s = x.dims();
+        let c = s.last();
+        if gamma.shape() != [c] || beta.shape() != [c] {
+            return shape_err(format!(
+                "layer norm of {s} needs gamma and beta of [{c}], got {:?} and {:?}",
+                gamma.shape(),
+                beta.shape()
+            ));
+        }
+        let out = self.output(s)?;
+        let op = KernelOp::LayerNorm {
+            x: x.ptr(),
+            gamma: gamma.ptr(),
+            beta: beta.ptr(),
+            out: out.ptr(),
+            rows: s.rows(),
+            cols: c,
+            eps,
+        };
+        self.launch(&op, out.numel())?;
+        Ok(out)
+    }
+
+    /// Gradients of [`Ctx::layer_norm`]: `dx` from this context, `dgamma` and `dbeta` (parameter
+    /// gradients) from `grads` (which must run on the same stream). One kernel writes all three.
+    pub fn layer_norm_backward<'g>(
+        &self,
+        grads: &Ctx<'g, B>,
+        x: &Tensor<'_, B>,
+        gamma: &Tensor<'_, B>,
+        dy: &Tensor<'_, B>,
+        eps: f32,
+    ) -> Result<(Tensor<'t, B>, Tensor<'g, B>, Tensor<'g, B>)> {
+        same_shape("layer norm backward", x, dy)?;
+        if grads.stream() != self.stream() {
+            return shape_err("layer norm backward: the gradient context is on another stream");
+        }
+        let s = x.dims();
+        let c = s.last();
+        if gamma.shape() != [c] {
+            return shape_err(format!("layer norm of {s} needs gamma of [{c}]"));
+        }
+        let dx = self.output(s)?;
+        let dgamma = grads.output(gamma.dims())?;
+        let dbeta = grads.output(gamma.dims())?;
+        let op = KernelOp::LayerNormBackward {
+            x: x.ptr(),
+            gamma: gamma.ptr(),
+            dy: dy.ptr(),
+            dx: dx.ptr(),
+            dgamma: dgamma.ptr(),
+            dbeta: dbeta.ptr(),
+            rows: s.rows(),
+            cols: c,
+            eps,
+        };
+        self.launch(&op, s.numel())?;
+        Ok((dx, dgamma, dbeta))
+    }
+}

@@ -1,0 +1,178 @@
+//! Optimizers updating persistent parameters in place, one kernel per parameter, on the
+//! parameter's stream: [`Sgd`] and [`AdamW`] (whose moments are persistent tensors too, made on
+//! the first step).
+//!
+//! ```text
+//!   opt.step(&mut [&mut w1, &mut b1, …], &[&dw1, &db1, …])
+//!     └─ per pair: KernelOp::Sgd / KernelOp::AdamW { param (Write), grad (Read), m, v (Write) }
+//! ```
+//!
+//! A gradient made on another stream must be ready on the parameter's stream (see
+//! [`crate::Ctx::wait_for`]).
+
+use super::backend::{Backend, KernelOp};
+use super::error::{Result, shape_err};
+use super::tensor::Tensor;
+
+/// Updates parameters from their gradients.
+pub trait Optimizer<B: Backend> {
+    /// One update of every parameter from the gradient at the same position.
+    fn step(
+        &mut self,
+        params: &mut [&mut Tensor<'static, B>],
+        grads: &[&Tensor<'_, B>],
+    ) -> Result<()>;
+}
+
+fn check<B: Backend>(params: &[&mut Tensor<'static, B>], grads: &[&Tensor<'_, B>]) -> Result<()> {
+    if params.len() != grads.len() {
+        return shape_err(format!("{} parameters but {} gradients", params.len(), grads.len()));
+    }
+    for (i, (p, g)) in params.iter().zip(grads).enumerate() {
+        if p.dims() != g.dims() {
+            return shape_err(format!(
+                "parameter {i} is {:?} but its gradient is {:?}",
+                p.shape(),
+                g.shape()
+            ));
+        }
+    }
+    Ok(())
+}
+
+fn launch<B: Backend>(p: &Tensor<'static, B>, op: &KernelOp) -> Result<()> {
+    if p.numel() == 0 {
+        return Ok(());
+    }
+    let eager = p.eager();
+    eager.count(|c| &c.kernels);
+    eager.backend().launch(p.stream(), op)
+}
+
+/// Stochastic gradient descent: `p −= lr · (g + weight_decay · p)`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Sgd {
+    /// Learning rate.
+    pub lr: f32,
+    /// L2 penalty added to the gradient.
+    pub weight_decay: f32,
+}
+
+impl Sgd {
+    /// SGD with learning rate `lr` and no weight decay.
+    pub fn new(lr: f32) -> Sgd {
+        Sgd { lr, weight_decay: 0.0 }
+    }
+}
+
+impl<B: Backend> Optimizer<B> for Sgd {
+    fn step(
+        &mut self,
+        params: &mut [&mut Tensor<'static, B>],
+        grads: &[&Tensor<'_, B>],
+    ) -> Result<()> {
+        check(params, grads)?;
+        for (p, g) in params.iter_mut().zip(grads) {
+            let op = KernelOp::Sgd {
+                param: p.ptr(),
+                grad: g.ptr(),
+                n: p.numel(),
+                lr: self.lr,
+                weight_decay: self.weight_decay,
+            };
+            launch(p, &op)?;
+        }
+        Ok(())
+    }
+}
+
+/// AdamW (Loshchilov & Hutter): Adam with decoupled weight decay. Its first and second moments
+/// are persistent tensors, one pair per parameter position, made (zeroed) on the first step.
+pub struct AdamW<B: Backend> {
+    /// Learning rate.
+    pub lr: f32,
+    /// First-moment decay.
+    pub beta1: f32,
+    /// Second-moment decay.
+    pub beta2: f32,
+    /// Added to the denominator.
+    pub eps: f32,
+    /// Decoupled weight decay.
+    pub weight_decay: f32,
+    t: u32,
+    state: Vec<(Tensor<'static, B>, Tensor<'static, B>)>,
+}
+
+impl<B: Backend> AdamW<B> {
+    /// AdamW with learning rate `lr` and PyTorch's defaults otherwise (β = (0.9, 0.999),
+    /// eps = 1e-8, weight decay 0.01).
+    pub fn new(lr: f32) -> AdamW<B> {
+        AdamW {
+            lr,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.01,
+            t: 0,
+            state: Vec::new(),
+        }
+    }
+
+    /// Updates done so far.
+    pub fn steps(&self) -> u32 {
+        self.t
+    }
+
+    /// The (first, second) moments of parameter `i`, once made.
+    pub fn moments(&self, i: usize) -> Option<(&Tensor<'static, B>, &Tensor<'static, B>)> {
+        self.state.get(i).map(|(m, v)| (m, v))
+    }
+}
+
+impl<B: Backend> Optimizer<B> for AdamW<B> {
+    fn step(
+        &mut self,
+        params: &mut [&mut Tensor<'static, B>],
+        grads: &[&Tensor<'_, B>],
+    ) -> Result<()> {
+        check(params, grads)?;
+        if self.state.is_empty() {
+            for p in params.iter() {
+                let m = Tensor::persistent_zeros(p.eager(), p.shape(), p.stream())?;
+                let v = Tensor::persistent_zeros(p.eager(), p.shape(), p.stream())?;
+                self.state.push((m, v));
+            }
+        }
+        if self.state.len() != params.len() {
+            return shape_err(format!(
+                "AdamW was set up for {} parameters, got {}",
+                self.state.len(),
+                params.len()
+            ));
+        }
+        self.t += 1;
+        let bc1 = 1.0 - self.beta1.powi(self.t as i32);
+        let bc2 = 1.0 - self.beta2.powi(self.t as i32);
+        for ((p, g), (m, v)) in params.iter_mut().zip(grads).zip(&self.state) {
+            if m.dims() != p.dims() {
+                return shape_err("AdamW: a parameter changed shape between steps");
+            }
+            let op = KernelOp::AdamW {
+                param: p.ptr(),
+                grad: g.ptr(),
+                m: m.ptr(),
+                v: v.ptr(),
+                n: p.numel(),
+                lr: self.lr,
+                beta1: self.beta1,
+                beta2: self.beta2,
+                eps: self.eps,
+                weight_decay: self.weight_decay,
+                bc1,
+                bc2,
+            };
+            launch(p, &op)?;
+        }
+        Ok(())
+    }
+}

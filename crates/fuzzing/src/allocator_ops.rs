@@ -1,0 +1,1159 @@
+//! The `allocator_ops` harness: runs a [`Program`] against an [`Allocator`] on an unbacked,
+//! sanitized [`SimDevice`], and checks after every step that the allocator agrees with a simple
+//! reference model and with the device.
+//!
+//! ```text
+//!   Program ──▶ Harness::step(op) ──▶ Harness::check() ──▶ … ──▶ Harness::teardown()
+//!                  │ model: live buffers (size, rounded size, stream, residency, pool,
+//!                  │        streams that used it, the scope run that made it), stream slots,
+//!                  │        armed device faults, the open scope (at most one)
+//!                  ▼
+//!   Allocator<SimDevice>  (capacity from the program; sanitizer on; kernels without bodies)
+//! ```
+//!
+//! The allocator is a local of [`run`], and the harness borrows it, so the open [`Scope`] (which
+//! borrows the allocator too) can sit in the harness next to the buffers; `teardown` consumes
+//! the harness before `run` drops the allocator.
+//!
+//! Checked after every step that calls the allocator (after the others, which cannot change
+//! its state, only the device-side checks run): `check_invariants()` (tiling, no adjacent free
+//! blocks, exact stats, pending bookkeeping); the allocator's segments are exactly the device's
+//! live segments; reserved = Σ device segments; allocated = Σ live block sizes; every live buffer sits in an
+//! allocated block of its size, request, stream, residency and pool; live buffers never overlap;
+//! stat identities (current = allocated − freed ≤ peak; all = small + large = persistent +
+//! transient); device malloc/free counts match the allocator's; no sanitizer violation and no
+//! failed kernel. Each operation also checks its own outcome (an out-of-memory error must be
+//! explained by the device, a limit or an injected fault; `empty_cache` leaves no releasable
+//! segment behind; …). At the end every buffer is dropped, the allocator is dropped, and the
+//! device must hold no segment, no violation, and no other handle.
+//!
+//! Devices are reused: starting a SimDevice and its stream workers costs more than a whole
+//! program, so a device that ended a program clean (no segment, no violation, every stream idle)
+//! goes back to a small pool, with its streams, for the next program of the same capacity. Fault
+//! injection is reset and device counters are compared as differences, so a program sees the
+//! same device either way.
+//!
+//! The user's side of stream order is followed as in PyTorch: before a kernel touches a buffer
+//! on stream S, S waits (device-side) for every other stream that used it, and a use on a stream
+//! other than the owner is announced with `record_stream`.
+//!
+//! Scopes (`ScopeEnter` / `ScopeAlloc` / `ScopeBurst` / `ScopeExit`): unbound scoped buffers
+//! join the live list like any other buffer (so `Free`, `Launch` and `RecordStream` reach them,
+//! before or after their scope exits); bound ones live inside one `ScopeBurst` step. Scopes
+//! change what the allocator holds besides live buffers: a named scope's plan keeps a *region*
+//! of allocated blocks (until the allocator is dropped), and an open scope keeps the blocks its
+//! bound buffers freed. So once a scope was opened, allocated blocks that back no live pool
+//! buffer are allowed, but only transient ones, and with no scope open at most
+//! `plan_region_bytes` of them; a planned buffer must lie inside such a block of its stream;
+//! and the exit of a scope must count exactly its live unbound buffers as escapes. Everything
+//! else (invariants, no overlap of live buffers, planned ones included, the device's segments,
+//! no sanitizer violation, an empty device at the end) holds as before.
+
+use super::program::{BURST_SIZES, CAPACITIES, CONFIGS, Op, Program, STREAM_SLOTS};
+use std::collections::HashSet;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+use tidepool::BlockState;
+use tidepool::device::{
+    Access, AccessKind, Device, DeviceAddr, DeviceError, Kernel, SimConfig, SimCounters, SimDevice,
+    StreamId,
+};
+use tidepool::{AllocError, OomReport, Scope, ScopedBuffer, SegmentInfo};
+use tidepool::{Allocator, Buffer, Config};
+use tidepool::{BlockStats, PoolKind, Residency, Stat, StatGroup};
+
+/// Devices that ended a program clean, ready for the next one.
+static DEVICES: Mutex<Vec<Arc<SimDevice>>> = Mutex::new(Vec::new());
+
+/// Most devices kept in [`DEVICES`].
+const KEEP_DEVICES: usize = 8;
+
+/// A clean device of `capacity` bytes: from the pool, or new.
+fn take_device(capacity: u64) -> Arc<SimDevice> {
+    let mut pool = DEVICES.lock().unwrap_or_else(PoisonError::into_inner);
+    match pool.iter().position(|d| d.config().capacity == capacity) {
+        Some(i) => pool.swap_remove(i),
+        None => {
+            Arc::new(SimDevice::with_config(SimConfig { capacity, backed: false, sanitize: true }))
+        }
+    }
+}
+
+/// Returns a device that ended a program clean to the pool.
+fn give_back(dev: Arc<SimDevice>) {
+    dev.fail_nth_malloc(None);
+    dev.fail_mallocs_above(None);
+    dev.fail_event_queries(false);
+    let mut pool = DEVICES.lock().unwrap_or_else(PoisonError::into_inner);
+    if pool.len() < KEEP_DEVICES {
+        pool.push(dev);
+    }
+}
+
+macro_rules! ensure {
+    ($cond:expr, $($fmt:tt)+) => {
+        if !$cond {
+            return Err(format!($($fmt)+));
+        }
+    };
+}
+
+/// Runs `data` as an `allocator_ops` program; panics with the failure and the decoded program
+/// if any check fails.
+pub fn allocator_ops(data: &[u8]) {
+    let program = Program::decode(data);
+    if let Err(e) = run(&program, Options::default()) {
+        panic!("allocator_ops: {e}\n{program:#?}");
+    }
+}
+
+/// How to run a program (tests only change it).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Options {
+    /// Turn on the allocator's deliberate stream-order bug, to prove the harness catches it.
+    pub broken_skip_events: bool,
+}
+
+/// Runs `program`; the first failed check, with the step it failed at.
+pub fn run(program: &Program, options: Options) -> Result<(), String> {
+    let (alloc, base) = start(program)?;
+    alloc.set_broken_skip_events(options.broken_skip_events);
+    let mut h = Harness::new(&alloc, base);
+    h.check().map_err(|e| format!("before the first step: {e}"))?;
+    for (i, op) in program.ops.iter().enumerate() {
+        h.step(op).map_err(|e| format!("step {i} {op:?}: {e}"))?;
+        let checked = if op.calls_allocator() { h.check() } else { h.check_device() };
+        checked.map_err(|e| format!("after step {i} {op:?}: {e}"))?;
+    }
+    let dev = h.teardown(program.explicit_teardown).map_err(|e| format!("teardown: {e}"))?;
+    drop(alloc);
+    finish(dev).map_err(|e| format!("teardown: {e}"))
+}
+
+/// A clean device for `program` and an allocator over it, with the device's counters as the
+/// program starts.
+fn start(program: &Program) -> Result<(Allocator<SimDevice>, SimCounters), String> {
+    let dev = take_device(CAPACITIES[usize::from(program.capacity)]);
+    dev.fail_nth_malloc(None);
+    dev.fail_mallocs_above(None);
+    dev.fail_event_queries(false);
+    let base = dev.counters();
+    let v = dev.violations();
+    ensure!(v.is_empty() && dev.live_segments().is_empty(), "a dirty device: {v:?}");
+    let alloc =
+        Allocator::new(dev, config(program.config)).map_err(|e| format!("Allocator::new: {e}"))?;
+    Ok((alloc, base))
+}
+
+/// After the allocator was dropped: the device must hold no segment, no violation, and no
+/// other handle; then it goes back to the pool.
+fn finish(dev: Arc<SimDevice>) -> Result<(), String> {
+    let segs = dev.live_segments();
+    ensure!(segs.is_empty(), "segments leaked past the allocator's drop: {segs:?}");
+    ensure!(dev.reserved_bytes() == 0, "device still reserves {} bytes", dev.reserved_bytes());
+    ensure!(Arc::strong_count(&dev) == 1, "something still holds the device");
+    let v = dev.violations();
+    ensure!(v.is_empty(), "stream-order violations: {v:?}");
+    let k = dev.kernel_failures();
+    ensure!(k.is_empty(), "kernel failures: {k:?}");
+    give_back(dev);
+    Ok(())
+}
+
+/// A live buffer of the model.
+struct Live {
+    buf: Buffer<SimDevice>,
+    residency: Residency,
+    /// The pool its rounded size belongs to under the configuration it was allocated with.
+    kind: PoolKind,
+    /// Streams that used it (the owner first); a kernel on another stream waits for all.
+    users: Vec<StreamId>,
+    /// The scope run that made it (`alloc_unbound`), if any.
+    run: Option<u64>,
+}
+
+/// The name of every named scope of a program (`Op::ScopeEnter { named: true }`).
+const SCOPE_NAME: &str = "f";
+
+/// The open scope of the model.
+struct OpenScope<'a> {
+    scope: Scope<'a, SimDevice>,
+    /// Its run's number (1 for the program's first scope).
+    run: u64,
+    named: bool,
+    /// The configuration as of opening: the scope rounds every request with it.
+    config: Arc<Config>,
+}
+
+struct Harness<'a> {
+    dev: Arc<SimDevice>,
+    alloc: &'a Allocator<SimDevice>,
+    /// The open scope, if any (at most one).
+    scope: Option<OpenScope<'a>>,
+    /// Scope runs opened so far.
+    runs: u64,
+    /// Stream of each slot (slot 0: the default stream); `None` until first use or after destroy.
+    slots: [Option<StreamId>; STREAM_SLOTS as usize],
+    live: Vec<Live>,
+    /// The device reserve call (counted from 1) at which an armed `fail_nth_malloc` fires.
+    nth_fires_at: Option<u64>,
+    /// The armed `fail_mallocs_above` threshold.
+    fail_above: Option<u64>,
+    /// Device counters when the program started (a reused device has counted before).
+    base: SimCounters,
+    /// The finest `min_block_size` of every configuration used so far (at most 512): blocks
+    /// carved under one configuration stay in the cache under the next, so pointers and block
+    /// sizes are only multiples of this.
+    granularity: u64,
+}
+
+/// What the harness checks of a scoped buffer, bound or unbound.
+#[derive(Debug)]
+struct Scoped {
+    ptr: DeviceAddr,
+    len: u64,
+    size: u64,
+    stream: StreamId,
+    planned: bool,
+}
+
+impl Scoped {
+    fn of(b: &Buffer<SimDevice>) -> Scoped {
+        let (ptr, len, size, stream) = (b.ptr(), b.len(), b.block_size(), b.stream());
+        Scoped { ptr, len, size, stream, planned: b.is_planned() }
+    }
+
+    fn of_bound(b: &ScopedBuffer<'_, SimDevice>) -> Scoped {
+        let (ptr, len, size, stream) = (b.ptr(), b.len(), b.block_size(), b.stream());
+        Scoped { ptr, len, size, stream, planned: b.is_planned() }
+    }
+}
+
+/// The xorshift generator of [`Op::ScopeBurst`]: the same seed, the same burst.
+struct Burst(u64);
+
+impl Burst {
+    fn new(seed: u32) -> Burst {
+        Burst((u64::from(seed) << 1) | 0x9e37_79b9_0000_0001)
+    }
+
+    fn below(&mut self, n: usize) -> usize {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        (self.0 >> 32) as usize % n
+    }
+}
+
+fn config(i: u8) -> Config {
+    Config::parse(CONFIGS[usize::from(i)]).expect("CONFIGS are valid")
+}
+
+fn dev_err(what: &str, e: DeviceError) -> String {
+    format!("{what} failed: {e}")
+}
+
+impl<'a> Harness<'a> {
+    /// A harness over `alloc`, whose device counted `base` when the program started.
+    fn new(alloc: &'a Allocator<SimDevice>, base: SimCounters) -> Harness<'a> {
+        let dev = alloc.device().clone();
+        let granularity = alloc.config().sizing.min_block_size.min(512);
+        // Slot 0 is the default stream; a reused device brings its other streams along.
+        let mut slots = [None; STREAM_SLOTS as usize];
+        slots[0] = Some(StreamId::DEFAULT);
+        let others = dev.live_streams().into_iter().filter(|&s| s != StreamId::DEFAULT);
+        for (slot, s) in slots[1..].iter_mut().zip(others) {
+            *slot = Some(s);
+        }
+        Harness {
+            dev,
+            alloc,
+            scope: None,
+            runs: 0,
+            slots,
+            live: Vec::new(),
+            nth_fires_at: None,
+            fail_above: None,
+            base,
+            granularity,
+        }
+    }
+
+    /// The stream of `slot`, creating it if the slot is empty.
+    fn stream(&mut self, slot: u8) -> Result<StreamId, String> {
+        let slot = &mut self.slots[usize::from(slot)];
+        match *slot {
+            Some(s) => Ok(s),
+            None => {
+                let s = self.dev.create_stream().map_err(|e| dev_err("create_stream", e))?;
+                *slot = Some(s);
+                Ok(s)
+            }
+        }
+    }
+
+    /// Device reserve calls so far (each one advances an armed `fail_nth_malloc`).
+    fn reserve_calls(&self) -> u64 {
+        let c = self.dev.counters();
+        c.mallocs + c.failed_mallocs
+    }
+
+    fn live_index(&self, index: u8) -> Option<usize> {
+        (!self.live.is_empty()).then(|| usize::from(index) % self.live.len())
+    }
+
+    fn step(&mut self, op: &Op) -> Result<(), String> {
+        match *op {
+            Op::Alloc { bytes, stream, persistent } => {
+                let residency =
+                    if persistent { Residency::Persistent } else { Residency::Transient };
+                let s = self.stream(stream)?;
+                self.alloc_op(bytes, s, residency)?;
+            }
+            Op::Free { index } => {
+                if let Some(i) = self.live_index(index) {
+                    drop(self.live.remove(i));
+                }
+            }
+            Op::RecordStream { index, stream } => {
+                if let Some(i) = self.live_index(index) {
+                    let s = self.stream(stream)?;
+                    let l = &mut self.live[i];
+                    self.alloc.record_stream(&l.buf, s);
+                    if !l.users.contains(&s) {
+                        l.users.push(s);
+                    }
+                }
+            }
+            Op::Launch { index, stream, write, sleep_us } => {
+                if let Some(i) = self.live_index(index) {
+                    let s = self.stream(stream)?;
+                    self.launch(i, s, write, sleep_us)?;
+                }
+            }
+            Op::Sleep { stream, sleep_us } => {
+                let s = self.stream(stream)?;
+                let k = Kernel::sleep(Duration::from_micros(u64::from(sleep_us)));
+                self.dev.launch(s, k).map_err(|e| dev_err("launch sleep", e))?;
+            }
+            Op::WaitEvent { from, to } => {
+                let (from, to) = (self.stream(from)?, self.stream(to)?);
+                self.order_after(to, from)?;
+            }
+            Op::Synchronize => {
+                self.alloc.synchronize().map_err(|e| format!("synchronize: {e}"))?;
+                let b = self.alloc.stats().blocks;
+                let (allocated, active) =
+                    (b.allocated_bytes.all.current, b.active_bytes.all.current);
+                ensure!(
+                    active == allocated,
+                    "pending blocks remain: active {active} != allocated {allocated}"
+                );
+                let requested: u64 = self.live.iter().map(|l| l.buf.len()).sum();
+                // (Scopes account a locally reused block with its first request, and regions
+                // with theirs: no equality once a scope was opened.)
+                ensure!(
+                    self.runs > 0 || b.requested_bytes.all.current == requested,
+                    "requested_bytes {} != Σ live requests {requested} with nothing pending",
+                    b.requested_bytes.all.current
+                );
+            }
+            Op::DeviceSynchronize => {
+                self.dev.synchronize().map_err(|e| dev_err("device synchronize", e))?
+            }
+            Op::EmptyCache => {
+                self.alloc.empty_cache().map_err(|e| format!("empty_cache: {e}"))?;
+                self.nothing_releasable(|s| s.residency == Residency::Transient, "empty_cache")?;
+            }
+            Op::ReleasePersistent => {
+                self.alloc.release_persistent().map_err(|e| format!("release_persistent: {e}"))?;
+                self.nothing_releasable(
+                    |s| s.residency == Residency::Persistent,
+                    "release_persistent",
+                )?;
+            }
+            Op::ReleaseStream { stream } => {
+                let s = self.stream(stream)?;
+                self.alloc.release_stream(s).map_err(|e| format!("release_stream: {e}"))?;
+                self.nothing_releasable(|seg| seg.stream == s, "release_stream")?;
+            }
+            Op::DestroyStream { stream: 0 } => {
+                let r = self.alloc.destroy_stream(StreamId::DEFAULT);
+                ensure!(
+                    matches!(r, Err(AllocError::Device(DeviceError::Unsupported(_)))),
+                    "destroying the default stream must be refused, got {r:?}"
+                );
+            }
+            Op::DestroyStream { stream } => {
+                if let Some(s) = self.slots[usize::from(stream)]
+                    && self.scope.as_ref().is_some_and(|o| o.scope.stream() == s)
+                {
+                    // A scope ends before its stream is destroyed.
+                    self.exit_scope()?;
+                }
+                if let Some(s) = self.slots[usize::from(stream)].take() {
+                    self.alloc.destroy_stream(s).map_err(|e| format!("destroy_stream: {e}"))?;
+                    ensure!(!self.dev.live_streams().contains(&s), "{s} still exists");
+                    self.nothing_releasable(|seg| seg.stream == s, "destroy_stream")?;
+                }
+            }
+            Op::SetConfig { config: i } => {
+                let c = config(i);
+                self.granularity = self.granularity.min(c.sizing.min_block_size);
+                self.alloc.set_config(c.clone()).map_err(|e| format!("set_config: {e}"))?;
+                ensure!(*self.alloc.config() == c, "set_config did not take");
+            }
+            Op::FailNthMalloc { n } => {
+                let n = (n > 0).then_some(u64::from(n));
+                self.dev.fail_nth_malloc(n);
+                self.nth_fires_at = n.map(|n| self.reserve_calls() + n);
+            }
+            Op::FailMallocsAbove { limit } => {
+                self.dev.fail_mallocs_above(limit);
+                self.fail_above = limit;
+            }
+            Op::FailEventQueries { on } => self.dev.fail_event_queries(on),
+            Op::Inspect { summary } => self.inspect(summary)?,
+            Op::ScopeEnter { stream, named } => {
+                self.exit_scope()?;
+                let s = self.stream(stream)?;
+                let alloc = self.alloc;
+                let scope = if named { alloc.named_scope(SCOPE_NAME, s) } else { alloc.scope(s) };
+                self.runs += 1;
+                let config = alloc.config();
+                self.scope = Some(OpenScope { scope, run: self.runs, named, config });
+            }
+            Op::ScopeAlloc { bytes } => self.scope_alloc(bytes)?,
+            Op::ScopeBurst { n, seed } => self.scope_burst(n, seed)?,
+            Op::ScopeExit => self.exit_scope()?,
+        }
+        Ok(())
+    }
+
+    /// Drops the open scope, if any: its live unbound buffers are counted as escapes, and an
+    /// anonymous scope touches no plan counter.
+    fn exit_scope(&mut self) -> Result<(), String> {
+        let Some(open) = self.scope.take() else { return Ok(()) };
+        let escaping =
+            self.live.iter().filter(|l| l.run == Some(open.run) && l.buf.block_size() > 0).count()
+                as u64;
+        let before = self.alloc.stats();
+        drop(open.scope);
+        let after = self.alloc.stats();
+        let escapes = after.scope_escapes - before.scope_escapes;
+        ensure!(escapes == escaping, "{escapes} escapes counted, {escaping} unbound buffers live");
+        let plan = |s: &tidepool::MemoryStats| (s.plan_hits, s.plan_misses, s.plan_fallbacks);
+        ensure!(
+            open.named || plan(&before) == plan(&after),
+            "an anonymous scope moved the plan counters: {:?} -> {:?}",
+            plan(&before),
+            plan(&after)
+        );
+        Ok(())
+    }
+
+    /// Checks a buffer `Scope::alloc` or `alloc_unbound` made for `bytes` (not zero).
+    fn check_scoped(&self, open: &OpenScope<'_>, bytes: u64, b: Scoped) -> Result<(), String> {
+        let (Some(rounded), Some(now)) =
+            (open.config.sizing.round(bytes), self.alloc.config().sizing.round(bytes))
+        else {
+            return Err(format!("a scoped request of {bytes} bytes beyond MAX_REQUEST succeeded"));
+        };
+        let s = open.scope.stream();
+        let align = self.granularity;
+        // The scope rounds with its own configuration; pool blocks come from the allocator's.
+        ensure!(
+            b.len == bytes
+                && b.stream == s
+                && b.size >= rounded.min(now)
+                && b.size.is_multiple_of(align)
+                && b.ptr != DeviceAddr::NULL
+                && b.ptr.0.is_multiple_of(align),
+            "bad scoped buffer for {bytes} bytes (rounded {rounded}) on {s}: {b:?}"
+        );
+        ensure!(!b.planned || open.named, "an anonymous scope served a planned buffer: {b:?}");
+        ensure!(!b.planned || b.size == rounded, "a planned slice of the wrong size: {b:?}");
+        Ok(())
+    }
+
+    /// `alloc_unbound` in the open scope; the buffer joins the live list.
+    fn scope_alloc(&mut self, bytes: u64) -> Result<(), String> {
+        let Some(open) = &self.scope else { return Ok(()) };
+        let s = open.scope.stream();
+        let calls_before = self.reserve_calls();
+        let ooms_before = self.alloc.stats().num_ooms;
+        let made = open.scope.alloc_unbound(bytes);
+        let run = Some(open.run);
+        match made {
+            Ok(b) if bytes == 0 => {
+                ensure!(
+                    b.ptr() == DeviceAddr::NULL && b.block_size() == 0 && b.stream() == s,
+                    "a zero-byte scoped buffer must be empty at NULL on {s}: {b:?}"
+                );
+                let users = vec![s];
+                let (residency, kind) = (Residency::Transient, PoolKind::Small);
+                self.live.push(Live { buf: b, residency, kind, users, run });
+            }
+            Ok(b) => {
+                self.check_scoped(open, bytes, Scoped::of(&b))?;
+                let config = if b.is_planned() { open.config.clone() } else { self.alloc.config() };
+                let kind = config.sizing.kind(config.sizing.round(bytes).unwrap_or(bytes));
+                let users = vec![s];
+                self.live.push(Live { buf: b, residency: Residency::Transient, kind, users, run });
+            }
+            Err(e) => self.scope_alloc_failed(open, bytes, e, calls_before, ooms_before)?,
+        }
+        Ok(())
+    }
+
+    /// A scoped allocation of `bytes` failed with `e`: it must have a reason.
+    fn scope_alloc_failed(
+        &self,
+        open: &OpenScope<'_>,
+        bytes: u64,
+        e: AllocError,
+        calls_before: u64,
+        ooms_before: u64,
+    ) -> Result<(), String> {
+        let s = open.scope.stream();
+        match e {
+            AllocError::InvalidSize { requested } => {
+                let fits = open.config.sizing.round(bytes).is_some()
+                    && self.alloc.config().sizing.round(bytes).is_some();
+                ensure!(
+                    !fits && requested == bytes,
+                    "InvalidSize({requested}) for a valid scoped request of {bytes} bytes"
+                );
+            }
+            AllocError::OutOfMemory(report) => {
+                // (Making a plan's region may fail first, and count an OOM of its own.)
+                let ooms = self.alloc.stats().num_ooms;
+                ensure!(ooms > ooms_before, "num_ooms went {ooms_before} -> {ooms}");
+                ensure!(
+                    report.requested == bytes && report.stream == s,
+                    "OOM report does not describe the scoped request ({bytes} on {s}): {report:?}"
+                );
+                self.explain_oom(&report, calls_before)?;
+            }
+            e => return Err(format!("scoped alloc of {bytes} bytes on {s}: unexpected error {e}")),
+        }
+        Ok(())
+    }
+
+    /// `n` bound allocations in the open scope, freed in an order drawn from `seed` (some
+    /// between the allocations, the rest at the end). Each new buffer must be inside a live
+    /// device segment and an allocated transient block of the scope's stream, and overlap no
+    /// live buffer, bound or not.
+    fn scope_burst(&self, n: u8, seed: u32) -> Result<(), String> {
+        let Some(open) = &self.scope else { return Ok(()) };
+        let scope = &open.scope;
+        let mut rng = Burst::new(seed);
+        let outside: Vec<(u64, u64)> = self
+            .live
+            .iter()
+            .filter(|l| l.buf.block_size() > 0)
+            .map(|l| (l.buf.ptr().0, l.buf.block_size()))
+            .collect();
+        let mut held: Vec<ScopedBuffer<'_, SimDevice>> = Vec::new();
+        for _ in 0..n {
+            let bytes = BURST_SIZES[rng.below(BURST_SIZES.len())];
+            let calls_before = self.reserve_calls();
+            let ooms_before = self.alloc.stats().num_ooms;
+            match scope.alloc(bytes) {
+                Ok(b) => {
+                    self.check_scoped(open, bytes, Scoped::of_bound(&b))?;
+                    let (lo, hi) = (b.ptr().0, b.ptr().0 + b.block_size());
+                    let segs = self.dev.live_segments();
+                    ensure!(
+                        segs.iter().any(|&(p, len)| p.0 <= lo && hi <= p.0 + len),
+                        "bound {b:?} is in no live device segment: {segs:x?}"
+                    );
+                    let spans = outside
+                        .iter()
+                        .copied()
+                        .chain(held.iter().map(|h| (h.ptr().0, h.block_size())));
+                    for (p, len) in spans {
+                        ensure!(hi <= p || p + len <= lo, "bound {b:?} overlaps [{p:#x}, +{len})");
+                    }
+                    self.check_in_block(
+                        b.ptr(),
+                        b.block_size(),
+                        b.stream(),
+                        &self.alloc.snapshot(),
+                    )
+                    .map_err(|e| format!("bound {b:?}: {e}"))?;
+                    held.push(b);
+                }
+                Err(e) => self.scope_alloc_failed(open, bytes, e, calls_before, ooms_before)?,
+            }
+            if !held.is_empty() && rng.below(3) == 0 {
+                drop(held.remove(rng.below(held.len())));
+            }
+        }
+        while !held.is_empty() {
+            drop(held.remove(rng.below(held.len())));
+        }
+        Ok(())
+    }
+
+    /// Allocates and checks the outcome against the request.
+    fn alloc_op(&mut self, bytes: u64, s: StreamId, residency: Residency) -> Result<(), String> {
+        let config = self.alloc.config();
+        let sizing = &config.sizing;
+        let rounded = sizing.round(bytes);
+        let calls_before = self.reserve_calls();
+        let ooms_before = self.alloc.stats().num_ooms;
+        match self.alloc.alloc_in(bytes, s, residency) {
+            Ok(b) if bytes == 0 => {
+                ensure!(
+                    b.ptr() == DeviceAddr::NULL && b.block_size() == 0 && b.is_empty(),
+                    "a zero-byte buffer must be empty at NULL: {b:?}"
+                );
+                ensure!(b.stream() == s, "zero-byte buffer on {} not {s}", b.stream());
+                let users = vec![s];
+                self.live.push(Live { buf: b, residency, kind: PoolKind::Small, users, run: None });
+            }
+            Ok(b) => {
+                let Some(rounded) = rounded else {
+                    return Err(format!("a request of {bytes} bytes beyond MAX_REQUEST succeeded"));
+                };
+                let align = self.granularity;
+                ensure!(
+                    b.len() == bytes
+                        && b.stream() == s
+                        && b.block_size() >= rounded
+                        && b.block_size().is_multiple_of(align)
+                        && b.ptr() != DeviceAddr::NULL
+                        && b.ptr().0.is_multiple_of(align),
+                    "bad buffer for {bytes} bytes (rounded {rounded}) on {s}: {b:?}"
+                );
+                let kind = sizing.kind(rounded);
+                self.live.push(Live { buf: b, residency, kind, users: vec![s], run: None });
+            }
+            Err(AllocError::InvalidSize { requested }) => {
+                ensure!(
+                    rounded.is_none() && requested == bytes,
+                    "InvalidSize({requested}) for a valid request of {bytes} bytes"
+                );
+            }
+            Err(AllocError::OutOfMemory(report)) => {
+                let ooms = self.alloc.stats().num_ooms;
+                ensure!(ooms == ooms_before + 1, "num_ooms went {ooms_before} -> {ooms}");
+                ensure!(
+                    report.requested == bytes
+                        && Some(report.rounded) == rounded
+                        && report.stream == s,
+                    "OOM report does not describe the request ({bytes} on {s}): {report:?}"
+                );
+                self.explain_oom(&report, calls_before)?;
+            }
+            Err(e) => return Err(format!("alloc of {bytes} bytes on {s}: unexpected error {e}")),
+        }
+        Ok(())
+    }
+
+    /// An out-of-memory error must have a cause the harness can see.
+    fn explain_oom(&self, r: &OomReport, calls_before: u64) -> Result<(), String> {
+        let calls_after = self.reserve_calls();
+        let nth_fired = self.nth_fires_at.is_some_and(|c| calls_before < c && c <= calls_after);
+        let above = self.fail_above.is_some_and(|limit| r.segment > limit);
+        let device_full = r.segment > r.device_free;
+        let limited = r.limit.is_some_and(|limit| r.reserved + r.segment > limit);
+        ensure!(
+            nth_fired || above || device_full || limited,
+            "unexplained out-of-memory (no injected fault, device not full, under the limit): {r:?}"
+        );
+        Ok(())
+    }
+
+    /// Orders `to`'s later work after `from`'s work so far (event + device-side wait).
+    fn order_after(&self, to: StreamId, from: StreamId) -> Result<(), String> {
+        let e = self.dev.create_event().map_err(|e| dev_err("create_event", e))?;
+        match self.dev.record_event(e, from) {
+            Ok(()) => self.dev.wait_event(to, e).map_err(|e| dev_err("wait_event", e))?,
+            // A destroyed stream was drained: there is nothing to wait for.
+            Err(DeviceError::UnknownStream(_)) => {}
+            Err(err) => return Err(dev_err("record_event", err)),
+        }
+        self.dev.destroy_event(e).map_err(|e| dev_err("destroy_event", e))
+    }
+
+    /// A kernel over live buffer `i` on `s`, after the user-side stream-order protocol.
+    fn launch(&mut self, i: usize, s: StreamId, write: bool, sleep_us: u8) -> Result<(), String> {
+        if self.live[i].buf.is_empty() {
+            return Ok(());
+        }
+        let others: Vec<StreamId> =
+            self.live[i].users.iter().copied().filter(|&u| u != s).collect();
+        for u in others {
+            self.order_after(s, u)?;
+        }
+        let l = &mut self.live[i];
+        if s != l.buf.stream() {
+            self.alloc.record_stream(&l.buf, s);
+        }
+        if !l.users.contains(&s) {
+            l.users.push(s);
+        }
+        let kind = if write { AccessKind::Write } else { AccessKind::Read };
+        let kernel = Kernel {
+            name: "touch",
+            accesses: vec![Access { ptr: l.buf.ptr(), bytes: l.buf.len(), kind }],
+            sleep: Duration::from_micros(u64::from(sleep_us)),
+            body: None,
+        };
+        self.dev.launch(s, kernel).map_err(|e| dev_err("launch", e))
+    }
+
+    /// After a release: no segment selected by `which` is left with only free blocks.
+    fn nothing_releasable(
+        &self,
+        which: impl Fn(&SegmentInfo) -> bool,
+        what: &str,
+    ) -> Result<(), String> {
+        for seg in self.alloc.snapshot().iter().filter(|s| which(s)) {
+            ensure!(
+                seg.blocks.iter().any(|b| b.state != BlockState::Free),
+                "{what} left the free segment at {} ({} bytes, {}) cached",
+                seg.address,
+                seg.size,
+                seg.stream
+            );
+        }
+        Ok(())
+    }
+
+    fn inspect(&self, summary: bool) -> Result<(), String> {
+        if summary {
+            ensure!(!self.alloc.memory_summary().is_empty(), "empty memory_summary");
+        }
+        let f = self.alloc.stats().fragmentation();
+        ensure!((0.0..=1.0).contains(&f), "fragmentation {f} outside [0, 1]");
+        self.alloc.reset_peak_stats();
+        let b = self.alloc.stats().blocks;
+        for g in stat_groups(&b) {
+            for s in cells(g) {
+                ensure!(s.peak == s.current, "reset_peak_stats left peak {} > current", s.peak);
+            }
+        }
+        Ok(())
+    }
+
+    /// Everything that must hold between any two steps.
+    fn check(&self) -> Result<(), String> {
+        self.alloc.check_invariants()?;
+        let snap = self.alloc.snapshot();
+        let device_segs = self.dev.live_segments();
+        let alloc_segs: Vec<(DeviceAddr, u64)> = snap.iter().map(|s| (s.address, s.size)).collect();
+        ensure!(
+            alloc_segs == device_segs,
+            "allocator segments {alloc_segs:?} != device live segments {device_segs:?}"
+        );
+        let stats = self.alloc.stats();
+        let b = &stats.blocks;
+        let device_reserved: u64 = device_segs.iter().map(|s| s.1).sum();
+        ensure!(
+            b.reserved_bytes.all.current == device_reserved
+                && device_reserved == self.dev.reserved_bytes(),
+            "reserved_bytes {} != Σ device segments {device_reserved}",
+            b.reserved_bytes.all.current
+        );
+        let held: Vec<&Live> = self.live.iter().filter(|l| l.buf.block_size() > 0).collect();
+        // Planned buffers are slices of a region's blocks, not blocks of their own.
+        let (planned, pooled): (Vec<&Live>, Vec<&Live>) =
+            held.iter().partition(|l| l.buf.is_planned());
+        let (other_bytes, other_blocks) = self.unowned_blocks(&snap, &pooled)?;
+        ensure!(
+            planned.is_empty() && other_blocks == 0 || self.runs > 0,
+            "blocks or planned buffers with no scope ever opened: {other_blocks} blocks, {} \
+             planned buffers",
+            planned.len()
+        );
+        let allocated: u64 = pooled.iter().map(|l| l.buf.block_size()).sum::<u64>() + other_bytes;
+        // A scope accounts a block it reused locally with the block's first request.
+        let requested: u64 = pooled.iter().filter(|l| l.run.is_none()).map(|l| l.buf.len()).sum();
+        ensure!(
+            b.allocated_bytes.all.current == allocated,
+            "allocated_bytes {} != Σ live block sizes {allocated} (of which {other_bytes} in \
+             regions or a scope's cache)",
+            b.allocated_bytes.all.current
+        );
+        ensure!(
+            b.allocation.all.current == pooled.len() as u64 + other_blocks,
+            "{} allocations counted, {} live pool buffers and {other_blocks} other blocks",
+            b.allocation.all.current,
+            pooled.len()
+        );
+        ensure!(
+            b.requested_bytes.all.current >= requested && b.active_bytes.all.current >= allocated,
+            "requested {} < {requested} or active {} < {allocated}",
+            b.requested_bytes.all.current,
+            b.active_bytes.all.current
+        );
+        ensure!(
+            self.scope.is_some() || other_bytes <= stats.plan_region_bytes,
+            "{other_bytes} bytes of allocated blocks back no live buffer, with no scope open and \
+             {} bytes in plan regions",
+            stats.plan_region_bytes
+        );
+        for g in stat_groups(b) {
+            for s in cells(g) {
+                ensure!(
+                    s.allocated.checked_sub(s.freed) == Some(s.current) && s.peak >= s.current,
+                    "stat identity broken: {s:?}"
+                );
+            }
+            ensure!(
+                g.all.current == g.small_pool.current + g.large_pool.current
+                    && g.all.current == g.persistent.current + g.transient.current,
+                "stat group does not add up: {g:?}"
+            );
+        }
+        let c = self.dev.counters();
+        let (mallocs, frees) = (c.mallocs - self.base.mallocs, c.frees - self.base.frees);
+        ensure!(
+            mallocs == stats.num_device_alloc && frees == stats.num_device_free,
+            "device counted {mallocs} mallocs / {frees} frees, allocator {} / {}",
+            stats.num_device_alloc,
+            stats.num_device_free
+        );
+        for l in &pooled {
+            self.check_placement(l, &snap)?;
+        }
+        for l in &planned {
+            let b = &l.buf;
+            self.check_in_block(b.ptr(), b.block_size(), b.stream(), &snap)
+                .map_err(|e| format!("planned {b:?}: {e}"))?;
+        }
+        let mut spans: Vec<(u64, u64)> =
+            held.iter().map(|l| (l.buf.ptr().0, l.buf.block_size())).collect();
+        spans.sort_unstable();
+        for w in spans.windows(2) {
+            ensure!(w[0].0 + w[0].1 <= w[1].0, "live buffers overlap: {w:x?}");
+        }
+        self.check_device()
+    }
+
+    /// The device-side part of [`Harness::check`]: no sanitizer violation, no failed kernel. A
+    /// step that does not call the allocator leaves the rest of `check` as it was, so the
+    /// harness only runs this part after one (it is most of the cost of a step).
+    fn check_device(&self) -> Result<(), String> {
+        let v = self.dev.violations();
+        ensure!(v.is_empty(), "stream-order violations: {v:?}");
+        let k = self.dev.kernel_failures();
+        ensure!(k.is_empty(), "kernel failures: {k:?}");
+        Ok(())
+    }
+
+    /// A live buffer sits in an allocated block of its size, in a segment of its stream,
+    /// residency and pool.
+    fn check_placement(&self, l: &Live, snap: &[SegmentInfo]) -> Result<(), String> {
+        let b = &l.buf;
+        let i = snap.partition_point(|s| s.address <= b.ptr());
+        let seg = i.checked_sub(1).map(|i| &snap[i]);
+        let Some(seg) = seg.filter(|s| b.ptr().0 + b.block_size() <= s.address.0 + s.size) else {
+            return Err(format!("live {b:?} is in no segment"));
+        };
+        ensure!(
+            seg.stream == b.stream() && seg.residency == l.residency && seg.pool == l.kind,
+            "live {b:?} ({:?}, {:?}) sits in a segment of {}, {:?}, {:?}",
+            l.residency,
+            l.kind,
+            seg.stream,
+            seg.residency,
+            seg.pool
+        );
+        let block = seg.blocks.iter().find(|blk| blk.address == b.ptr());
+        // (A block a scope reused locally keeps the request it was first made for.)
+        ensure!(
+            block.is_some_and(|blk| blk.size == b.block_size()
+                && (blk.requested == b.len() || l.run.is_some())
+                && blk.state == BlockState::Allocated),
+            "live {b:?} does not match its block {block:?}"
+        );
+        Ok(())
+    }
+
+    /// The allocated blocks of `snap` that back none of the live pool buffers `pooled` (a plan's
+    /// region, the blocks an open scope freed and keeps): their bytes and number. All are
+    /// transient.
+    fn unowned_blocks(&self, snap: &[SegmentInfo], pooled: &[&Live]) -> Result<(u64, u64), String> {
+        let owned: HashSet<u64> = pooled.iter().map(|l| l.buf.ptr().0).collect();
+        let (mut bytes, mut blocks) = (0, 0);
+        for seg in snap {
+            for blk in &seg.blocks {
+                if blk.state == BlockState::Allocated && !owned.contains(&blk.address.0) {
+                    ensure!(
+                        seg.residency == Residency::Transient,
+                        "an allocated persistent block at {} backs no live buffer",
+                        blk.address
+                    );
+                    bytes += blk.size;
+                    blocks += 1;
+                }
+            }
+        }
+        Ok((bytes, blocks))
+    }
+
+    /// `[ptr, ptr + size)` lies inside one transient segment of `stream`, on allocated blocks
+    /// only (a planned slice in its region, which may span several blocks of an adopted
+    /// segment; a bound buffer in its pool block).
+    fn check_in_block(
+        &self,
+        ptr: DeviceAddr,
+        size: u64,
+        stream: StreamId,
+        snap: &[SegmentInfo],
+    ) -> Result<(), String> {
+        let (lo, hi) = (ptr.0, ptr.0 + size);
+        let i = snap.partition_point(|s| s.address <= ptr);
+        let seg = i.checked_sub(1).map(|i| &snap[i]);
+        let Some(seg) = seg.filter(|s| hi <= s.address.0 + s.size) else {
+            return Err("in no segment".into());
+        };
+        ensure!(
+            seg.stream == stream && seg.residency == Residency::Transient,
+            "in a segment of {} ({:?}), not a transient one of {stream}",
+            seg.stream,
+            seg.residency
+        );
+        let mut under = seg.blocks.iter().filter(|b| b.address.0 < hi && lo < b.address.0 + b.size);
+        let bad = under.find(|b| b.state != BlockState::Allocated);
+        ensure!(bad.is_none(), "over a block that is not allocated: {bad:?}");
+        Ok(())
+    }
+
+    /// Ends the open scope and drops every buffer, checking after each; returns the device for
+    /// [`finish`] once the caller dropped the allocator. Only plan regions may stay allocated.
+    fn teardown(mut self, explicit: bool) -> Result<Arc<SimDevice>, String> {
+        self.exit_scope()?;
+        self.check()?;
+        while !self.live.is_empty() {
+            drop(self.live.remove(0));
+            self.check()?;
+        }
+        self.alloc.synchronize().map_err(|e| format!("synchronize: {e}"))?;
+        let stats = self.alloc.stats();
+        let (b, regions) = (&stats.blocks, stats.plan_region_bytes);
+        // (`check` bounds what regions hold by `plan_region_bytes`.)
+        ensure!(
+            b.active_bytes.all.current == b.allocated_bytes.all.current
+                && (regions > 0
+                    || b.allocated_bytes.all.current == 0 && b.requested_bytes.all.current == 0),
+            "memory still active after every buffer was dropped ({regions} bytes in regions): \
+             {b:?}"
+        );
+        if explicit {
+            self.alloc.empty_cache().map_err(|e| format!("empty_cache: {e}"))?;
+            self.alloc.release_persistent().map_err(|e| format!("release_persistent: {e}"))?;
+            self.check()?;
+            self.nothing_releasable(|_| true, "empty_cache + release_persistent")?;
+            ensure!(
+                regions > 0
+                    || self.alloc.reserved_bytes() == 0 && self.dev.live_segments().is_empty(),
+                "an idle allocator kept {} bytes after empty_cache + release_persistent",
+                self.alloc.reserved_bytes()
+            );
+        }
+        self.dev.synchronize().map_err(|e| dev_err("device synchronize", e))?;
+        Ok(self.dev)
+    }
+}
+
+fn stat_groups(b: &BlockStats) -> [&StatGroup; 9] {
+    [
+        &b.allocated_bytes,
+        &b.reserved_bytes,
+        &b.active_bytes,
+        &b.inactive_split_bytes,
+        &b.requested_bytes,
+        &b.allocation,
+        &b.segment,
+        &b.active,
+        &b.inactive_split,
+    ]
+}
+
+fn cells(g: &StatGroup) -> [&Stat; 5] {
+    [&g.all, &g.small_pool, &g.large_pool, &g.persistent, &g.transient]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tidepool::MIB;
+
+    fn program(config: u8, ops: Vec<Op>) -> Program {
+        Program { capacity: 1, config, explicit_teardown: false, ops }
+    }
+
+    #[test]
+    fn a_program_touching_every_operation_passes() {
+        let ops = vec![
+            Op::Alloc { bytes: 0, stream: 0, persistent: false },
+            Op::Alloc { bytes: 1000, stream: 1, persistent: false },
+            Op::Alloc { bytes: 3 * MIB, stream: 2, persistent: true },
+            Op::Alloc { bytes: u64::MAX, stream: 0, persistent: false },
+            Op::Alloc { bytes: 1 << 40, stream: 0, persistent: false },
+            Op::Launch { index: 1, stream: 2, write: true, sleep_us: 5 },
+            Op::RecordStream { index: 2, stream: 1 },
+            Op::Sleep { stream: 2, sleep_us: 1 },
+            Op::WaitEvent { from: 2, to: 0 },
+            Op::Free { index: 1 },
+            Op::Inspect { summary: true },
+            Op::EmptyCache,
+            Op::FailNthMalloc { n: 1 },
+            Op::Alloc { bytes: 12 * MIB, stream: 1, persistent: false },
+            Op::FailMallocsAbove { limit: Some(MIB) },
+            Op::Alloc { bytes: 4 * MIB, stream: 1, persistent: false },
+            Op::FailMallocsAbove { limit: None },
+            Op::FailEventQueries { on: true },
+            Op::Free { index: 1 },
+            Op::Alloc { bytes: 3 * MIB, stream: 2, persistent: true },
+            Op::SetConfig { config: 1 },
+            Op::Synchronize,
+            Op::DeviceSynchronize,
+            Op::ReleasePersistent,
+            Op::ReleaseStream { stream: 2 },
+            Op::DestroyStream { stream: 0 },
+            Op::DestroyStream { stream: 2 },
+            Op::Alloc { bytes: 5000, stream: 2, persistent: false },
+            Op::ScopeAlloc { bytes: 100 },
+            Op::ScopeBurst { n: 3, seed: 1 },
+            Op::ScopeExit,
+            Op::ScopeEnter { stream: 1, named: true },
+            Op::ScopeAlloc { bytes: 0 },
+            Op::ScopeAlloc { bytes: u64::MAX },
+            Op::ScopeAlloc { bytes: 3 * MIB },
+            Op::ScopeBurst { n: 8, seed: 7 },
+            Op::Launch { index: 3, stream: 2, write: true, sleep_us: 1 },
+            Op::ScopeEnter { stream: 2, named: false },
+            Op::ScopeAlloc { bytes: 700 },
+            Op::ScopeBurst { n: 2, seed: 3 },
+            Op::DestroyStream { stream: 2 },
+            Op::ScopeEnter { stream: 0, named: true },
+            Op::ScopeAlloc { bytes: 12 * MIB },
+        ];
+        for explicit_teardown in [false, true] {
+            let p = Program { explicit_teardown, ..program(0, ops.clone()) };
+            run(&p, Options::default()).unwrap();
+        }
+    }
+
+    /// One run of the named scope on the default stream, with `base` older buffers at the front
+    /// of the live list: three unbound buffers (one used by a kernel), a burst of bound ones
+    /// between them, and a 3 MiB buffer that escapes.
+    fn scope_run(base: u8) -> Vec<Op> {
+        vec![
+            Op::ScopeEnter { stream: 0, named: true },
+            Op::ScopeAlloc { bytes: 8 * MIB },
+            Op::ScopeAlloc { bytes: 4096 },
+            Op::Launch { index: base + 1, stream: 0, write: true, sleep_us: 1 },
+            Op::ScopeBurst { n: 6, seed: 42 },
+            Op::Free { index: base },
+            Op::ScopeAlloc { bytes: 2 * MIB + 1 },
+            Op::Free { index: base },
+            Op::ScopeAlloc { bytes: 3 * MIB },
+            Op::Free { index: base },
+            Op::ScopeExit,
+        ]
+    }
+
+    /// Runs `ops` like [`run`] and returns the statistics before the teardown.
+    fn stats_after(ops: Vec<Op>) -> tidepool::MemoryStats {
+        let p = program(0, ops);
+        let (alloc, base) = start(&p).unwrap();
+        let mut h = Harness::new(&alloc, base);
+        for (i, op) in p.ops.iter().enumerate() {
+            h.step(op).unwrap_or_else(|e| panic!("step {i} {op:?}: {e}"));
+            h.check().unwrap_or_else(|e| panic!("after step {i} {op:?}: {e}"));
+        }
+        let stats = alloc.stats();
+        let dev = h.teardown(false).unwrap();
+        drop(alloc);
+        finish(dev).unwrap();
+        stats
+    }
+
+    #[test]
+    fn repeated_named_scope_runs_are_planned() {
+        // Each escape is freed before the next run begins: runs 2 and 3 follow the plan.
+        let mut ops = scope_run(0);
+        for _ in 0..2 {
+            ops.push(Op::Free { index: 0 });
+            ops.extend(scope_run(0));
+        }
+        let s = stats_after(ops);
+        assert_eq!(s.scope_escapes, 3);
+        assert!(s.plan_hits > 0, "{s:?}");
+        assert_eq!((s.plan_misses, s.plan_fallbacks), (0, 0));
+        // An escape still live in the next run pins its slice: that allocation misses.
+        let mut ops = scope_run(0);
+        ops.extend(scope_run(1));
+        let s = stats_after(ops);
+        assert!(s.plan_hits > 0 && s.plan_misses > 0, "{s:?}");
+    }
+
+    /// The allocator's deliberate bug (no events for `record_stream` uses) must be caught.
+    fn reuse_while_another_stream_runs() -> Program {
+        let mut ops = vec![Op::Alloc { bytes: 4096, stream: 1, persistent: false }];
+        // Hold stream 2 busy for a while, then touch the buffer on it.
+        ops.extend((0..20).map(|_| Op::Sleep { stream: 2, sleep_us: 250 }));
+        ops.push(Op::Launch { index: 0, stream: 2, write: true, sleep_us: 0 });
+        // Free it and take the same block again on its owner stream at once.
+        ops.push(Op::Free { index: 0 });
+        ops.push(Op::Alloc { bytes: 4096, stream: 1, persistent: false });
+        program(0, ops)
+    }
+
+    #[test]
+    fn the_harness_catches_premature_reuse() {
+        let p = reuse_while_another_stream_runs();
+        run(&p, Options::default()).unwrap();
+        let err = run(&p, Options { broken_skip_events: true }).unwrap_err();
+        assert!(err.contains("stream-order violations"), "{err}");
+    }
+
+    #[test]
+    fn out_of_memory_must_be_explained() {
+        // A 64 MiB device cannot hold 128 MiB: an explained OOM, so the program passes.
+        let p = Program {
+            capacity: 0,
+            ..program(0, vec![Op::Alloc { bytes: 128 * MIB, stream: 0, persistent: false }])
+        };
+        run(&p, Options::default()).unwrap();
+        // An OOM on a roomy device with no fault armed and no limit is a failure.
+        let (alloc, base) = start(&program(0, vec![])).unwrap();
+        let h = Harness::new(&alloc, base);
+        let report = OomReport { segment: 2 * MIB, device_free: 256 * MIB, ..OomReport::default() };
+        let before = h.reserve_calls();
+        let err = h.explain_oom(&report, before).unwrap_err();
+        assert!(err.contains("unexplained out-of-memory"), "{err}");
+        // The same report is explained by a fault armed for the reserve call it made.
+        let h = Harness { nth_fires_at: Some(before + 1), ..h };
+        assert!(h.explain_oom(&report, before).is_err(), "no reserve call was made");
+        h.dev.fail_nth_malloc(Some(1));
+        assert!(h.dev.reserve(MIB).is_err());
+        h.explain_oom(&report, before).unwrap();
+    }
+
+    #[test]
+    fn devices_are_reused_only_when_clean() {
+        // (The only test on the 64 GiB device, so no other test takes it from the pool.)
+        let ops = vec![Op::Alloc { bytes: 4096, stream: 2, persistent: false }];
+        let p = Program { capacity: 3, ..program(0, ops) };
+        run(&p, Options::default()).unwrap();
+        // The device (with the stream it created) went back to the pool and is picked again.
+        let (alloc, base) = start(&p).unwrap();
+        let h = Harness::new(&alloc, base);
+        assert!(h.slots[1].is_some() && h.slots[2].is_none(), "{:?}", h.slots);
+        drop(h);
+        drop(alloc);
+        // A program that failed leaves its device out of the pool.
+        let broken = reuse_while_another_stream_runs();
+        run(&broken, Options { broken_skip_events: true }).unwrap_err();
+        let pool = DEVICES.lock().unwrap();
+        assert!(pool.iter().all(|d| d.violations().is_empty()));
+    }
+}

@@ -1,0 +1,566 @@
+//! The `allocator_ops` program: what a fuzz input means, decoded with [`Input`].
+//!
+//! ```text
+//!   input = header  op op op …            (at most MAX_OPS ops; the rest is ignored)
+//!   header = capacity:choice  config:choice  teardown:bool
+//!   op     = tag:choice(TAGS) operands…   (TAGS weights the kinds: 11/64 of tags are allocs,
+//!                                          9/64 are scope operations)
+//! ```
+//!
+//! Operands name *slots*, not raw values: a stream is one of [`STREAM_SLOTS`] slots (slot 0 is
+//! the default stream, the others are created on first use and again after being destroyed), a
+//! buffer is an index reduced modulo the number of live buffers, a configuration is an entry of
+//! [`CONFIGS`]. Sizes come in classes (tiny, small, large, huge, absurd), so that mutating a byte
+//! moves a request within its class. [`Program::encode`] writes a program back as bytes
+//! (`decode(encode(p)) == p`), which is how the seed corpus is written.
+
+use super::input::{Input, Output};
+use tidepool::{MAX_REQUEST, MIB};
+
+/// Most operations decoded from one input (keeps one execution well under a millisecond).
+pub const MAX_OPS: usize = 64;
+
+/// Stream slots: slot 0 is the default stream.
+pub const STREAM_SLOTS: u8 = 3;
+
+/// Device capacities a program may run on (the device is unbacked: capacity costs nothing).
+pub const CAPACITIES: [u64; 4] = [64 * MIB, 256 * MIB, 1 << 30, 64 << 30];
+
+/// Configurations a program may start with or switch to. All valid.
+pub const CONFIGS: [&str; 9] = [
+    "",
+    "cross_stream:wait_event",
+    "max_split_size_mb:40",
+    "roundup_power2_divisions:4",
+    "roundup_power2_divisions:8,cross_stream:wait_event",
+    "max_split_size_mb:21,roundup_power2_divisions:2,cross_stream:wait_event",
+    "memory_limit_mb:96",
+    "per_process_memory_fraction:0.5,min_block_size:1024",
+    "small_segment_mb:1,large_segment_mb:10,min_large_alloc_mb:10,min_block_size:256",
+];
+
+/// Kernel and sleep durations in µs (mostly zero: a zero sleep costs nothing).
+pub const SLEEPS_US: [u8; 8] = [0, 0, 0, 0, 0, 0, 1, 5];
+
+/// Thresholds for [`Op::FailMallocsAbove`].
+pub const FAIL_ABOVE: [Option<u64>; 6] =
+    [None, Some(MIB), Some(2 * MIB), Some(20 * MIB), Some(64 * MIB), Some(1 << 30)];
+
+/// Absurd request sizes; the last entry of the class is a raw `u64`.
+const ABSURD: [u64; 7] =
+    [u64::MAX, MAX_REQUEST, MAX_REQUEST + 1, u64::MAX - 511, 1 << 40, (64 << 30) + 1, 16 << 30];
+
+/// One step of a program. Stream operands are slots (`0..STREAM_SLOTS`), buffer operands are
+/// indexes reduced modulo the number of live buffers when the step runs.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Op {
+    /// `alloc_in(bytes, stream, residency)`.
+    Alloc { bytes: u64, stream: u8, persistent: bool },
+    /// Drop the `index`-th live buffer.
+    Free { index: u8 },
+    /// `record_stream(buffer, stream)` without a kernel (an announced use).
+    RecordStream { index: u8, stream: u8 },
+    /// A kernel over the buffer on `stream`, after the user-side protocol: wait for every stream
+    /// that used the buffer, and `record_stream` when `stream` is not the owner.
+    Launch { index: u8, stream: u8, write: bool, sleep_us: u8 },
+    /// A kernel that only holds `stream` busy.
+    Sleep { stream: u8, sleep_us: u8 },
+    /// Device-side `wait_event`: `to` waits for an event recorded on `from` now.
+    WaitEvent { from: u8, to: u8 },
+    /// `Allocator::synchronize` (every pending event completes).
+    Synchronize,
+    /// `Device::synchronize` (every stream drains).
+    DeviceSynchronize,
+    /// `Allocator::empty_cache`.
+    EmptyCache,
+    /// `Allocator::release_persistent`.
+    ReleasePersistent,
+    /// `Allocator::release_stream`.
+    ReleaseStream { stream: u8 },
+    /// `Allocator::destroy_stream` (slot 0: the default stream, which must be refused).
+    DestroyStream { stream: u8 },
+    /// `Allocator::set_config(CONFIGS[config])`.
+    SetConfig { config: u8 },
+    /// `SimDevice::fail_nth_malloc` (0 clears).
+    FailNthMalloc { n: u8 },
+    /// `SimDevice::fail_mallocs_above`.
+    FailMallocsAbove { limit: Option<u64> },
+    /// `SimDevice::fail_event_queries`.
+    FailEventQueries { on: bool },
+    /// Read-only views (`stats`, and `memory_summary` when `summary`: it is slow to format, so
+    /// one Inspect in eight asks for it); then `reset_peak_stats`.
+    Inspect { summary: bool },
+    /// Opens `named_scope("f", stream)` (`named`) or `scope(stream)`. At most one scope is open
+    /// at a time: an open one is closed first, as if by [`Op::ScopeExit`].
+    ScopeEnter { stream: u8, named: bool },
+    /// `alloc_unbound(bytes)` in the open scope (nothing without one): an ordinary live buffer,
+    /// which escapes the scope if it is still live when the scope exits.
+    ScopeAlloc { bytes: u64 },
+    /// `n` bound allocations (`Scope::alloc`, `1..=MAX_BURST`) in the open scope, with sizes
+    /// and an interleaved free order drawn from `seed`; all are freed before the step ends
+    /// (a bound buffer borrows the scope, so it cannot outlive the step). The same `(n, seed)`
+    /// makes the same sequence, so repeated runs of a named scope can follow their plan.
+    ScopeBurst { n: u8, seed: u32 },
+    /// Drops the open scope (nothing without one).
+    ScopeExit,
+}
+
+/// Most bound allocations of one [`Op::ScopeBurst`].
+pub const MAX_BURST: u8 = 8;
+
+/// Request sizes of [`Op::ScopeBurst`] (a mix of small- and large-pool sizes, some that round
+/// to the same block).
+pub const BURST_SIZES: [u64; 8] =
+    [512, 1000, 4096, 65_536, MIB - 100, 2 * MIB + 1, 5 * MIB, 12 * MIB + 3];
+
+/// Operation kinds, without operands (an index into `TAGS` picks one).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kind {
+    Alloc,
+    Free,
+    RecordStream,
+    Launch,
+    Sleep,
+    WaitEvent,
+    Synchronize,
+    DeviceSynchronize,
+    EmptyCache,
+    ReleasePersistent,
+    ReleaseStream,
+    DestroyStream,
+    SetConfig,
+    FailNthMalloc,
+    FailMallocsAbove,
+    FailEventQueries,
+    Inspect,
+    ScopeEnter,
+    ScopeAlloc,
+    ScopeBurst,
+    ScopeExit,
+}
+
+/// The tag table: how often each kind is decoded (64 entries, so each gets 4 of 256 bytes).
+///
+/// The second half mirrors the first (the table had 32 entries before scopes), except for the
+/// slots given to scope operations, so most inputs found before scopes existed keep their
+/// meaning: every seed (tags below 32) and the committed crash artifact decode as before.
+const TAGS: [Kind; 64] = {
+    use Kind::*;
+    [
+        // 0..32: the original table.
+        Alloc,
+        Alloc,
+        Alloc,
+        Alloc,
+        Alloc,
+        Alloc,
+        Alloc,
+        Alloc,
+        Free,
+        Free,
+        Free,
+        Free,
+        Free,
+        Launch,
+        Launch,
+        Launch,
+        Launch,
+        RecordStream,
+        RecordStream,
+        Sleep,
+        WaitEvent,
+        Synchronize,
+        DeviceSynchronize,
+        EmptyCache,
+        ReleasePersistent,
+        ReleaseStream,
+        DestroyStream,
+        SetConfig,
+        FailNthMalloc,
+        FailMallocsAbove,
+        FailEventQueries,
+        Inspect,
+        // 32..64: the same, with 9 slots taken by scope operations.
+        Alloc,
+        Alloc,
+        Alloc,
+        ScopeAlloc,
+        ScopeAlloc,
+        ScopeAlloc,
+        ScopeAlloc,
+        ScopeBurst,
+        Free,
+        Free,
+        Free,
+        Free,
+        Free,
+        Launch,
+        Launch,
+        Launch,
+        Launch,
+        RecordStream,
+        RecordStream,
+        ScopeEnter,
+        WaitEvent,
+        ScopeExit,
+        DeviceSynchronize,
+        EmptyCache,
+        ScopeEnter,
+        ReleaseStream,
+        DestroyStream,
+        SetConfig,
+        FailNthMalloc,
+        ScopeExit,
+        FailEventQueries,
+        Inspect,
+    ]
+};
+
+// A tag byte picks `TAGS[byte % TAGS.len()]`: every kind keeps its share of the 256 bytes only
+// if the length divides 256.
+const _: () = assert!(256 % TAGS.len() == 0, "TAGS.len() must divide 256");
+
+/// A decoded program.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Program {
+    /// Index into [`CAPACITIES`].
+    pub capacity: u8,
+    /// Index into [`CONFIGS`] for the allocator's first configuration.
+    pub config: u8,
+    /// At the end, release every cached segment explicitly (and check that it empties the
+    /// allocator) before dropping it, instead of leaving it all to the allocator's `Drop`.
+    pub explicit_teardown: bool,
+    /// The steps, in order.
+    pub ops: Vec<Op>,
+}
+
+fn slot(input: &mut Input) -> u8 {
+    input.u8() % STREAM_SLOTS
+}
+
+fn sleep(input: &mut Input) -> u8 {
+    SLEEPS_US[input.below(SLEEPS_US.len())]
+}
+
+fn size(input: &mut Input) -> u64 {
+    match input.below(5) {
+        0 => u64::from(input.u16()) % 1025,
+        1 => 1 + u64::from(input.u32()) % MIB,
+        2 => MIB + 1 + u64::from(input.u32()) % (9 * MIB),
+        3 => 9 * MIB + u64::from(input.u32()) % (2 << 30),
+        _ => match input.below(ABSURD.len() + 1) {
+            i if i < ABSURD.len() => ABSURD[i],
+            _ => input.u64(),
+        },
+    }
+}
+
+/// Writes `bytes` as the raw `u64` of the absurd class (any size decodes back this way).
+fn raw_size(o: &mut Output, bytes: u64) {
+    o.choice(4);
+    o.choice(ABSURD.len());
+    o.u64(bytes);
+}
+
+/// Writes `bytes` in the smallest size class that decodes back to it (3 to 11 bytes), so that
+/// seeds with many scoped allocations stay within the fuzzer's input length.
+fn compact_size(o: &mut Output, bytes: u64) {
+    let class = |o: &mut Output, c: usize, v: u64| {
+        o.choice(c);
+        o.u32(u32::try_from(v).expect("fits its class"));
+    };
+    match bytes {
+        0..=1024 => {
+            o.choice(0);
+            o.u16(bytes as u16);
+        }
+        _ if bytes <= MIB => class(o, 1, bytes - 1),
+        _ if bytes <= 10 * MIB => class(o, 2, bytes - MIB - 1),
+        _ if bytes < 9 * MIB + (2 << 30) => class(o, 3, bytes - 9 * MIB),
+        _ => raw_size(o, bytes),
+    }
+}
+
+fn index_of<T: PartialEq>(table: &[T], v: &T) -> usize {
+    table.iter().position(|x| x == v).expect("a value from the table")
+}
+
+impl Op {
+    /// Whether the step calls the allocator. Those that do not (device work, device-side waits,
+    /// fault injection) cannot change its state: it has no thread of its own and only changes in
+    /// its own calls.
+    pub fn calls_allocator(&self) -> bool {
+        !matches!(
+            self,
+            Op::Sleep { .. }
+                | Op::WaitEvent { .. }
+                | Op::DeviceSynchronize
+                | Op::FailNthMalloc { .. }
+                | Op::FailMallocsAbove { .. }
+                | Op::FailEventQueries { .. }
+        )
+    }
+}
+
+impl Program {
+    /// Decodes a program; every byte string is one.
+    pub fn decode(data: &[u8]) -> Program {
+        let mut input = Input::new(data);
+        let capacity = input.below(CAPACITIES.len()) as u8;
+        let config = input.below(CONFIGS.len()) as u8;
+        let explicit_teardown = input.bool();
+        let mut ops = Vec::new();
+        while !input.is_empty() && ops.len() < MAX_OPS {
+            let i = &mut input;
+            ops.push(match TAGS[i.below(TAGS.len())] {
+                Kind::Alloc => Op::Alloc { bytes: size(i), stream: slot(i), persistent: i.bool() },
+                Kind::Free => Op::Free { index: i.u8() },
+                Kind::RecordStream => Op::RecordStream { index: i.u8(), stream: slot(i) },
+                Kind::Launch => Op::Launch {
+                    index: i.u8(),
+                    stream: slot(i),
+                    write: i.bool(),
+                    sleep_us: sleep(i),
+                },
+                Kind::Sleep => Op::Sleep { stream: slot(i), sleep_us: sleep(i) },
+                Kind::WaitEvent => Op::WaitEvent { from: slot(i), to: slot(i) },
+                Kind::Synchronize => Op::Synchronize,
+                Kind::DeviceSynchronize => Op::DeviceSynchronize,
+                Kind::EmptyCache => Op::EmptyCache,
+                Kind::ReleasePersistent => Op::ReleasePersistent,
+                Kind::ReleaseStream => Op::ReleaseStream { stream: slot(i) },
+                Kind::DestroyStream => Op::DestroyStream { stream: slot(i) },
+                Kind::SetConfig => Op::SetConfig { config: i.below(CONFIGS.len()) as u8 },
+                Kind::FailNthMalloc => Op::FailNthMalloc { n: i.u8() % 5 },
+                Kind::FailMallocsAbove => {
+                    Op::FailMallocsAbove { limit: FAIL_ABOVE[i.below(FAIL_ABOVE.len())] }
+                }
+                Kind::FailEventQueries => Op::FailEventQueries { on: i.bool() },
+                Kind::Inspect => Op::Inspect { summary: i.u8().is_multiple_of(8) },
+                Kind::ScopeEnter => Op::ScopeEnter { stream: slot(i), named: i.bool() },
+                Kind::ScopeAlloc => Op::ScopeAlloc { bytes: size(i) },
+                Kind::ScopeBurst => Op::ScopeBurst { n: 1 + i.u8() % MAX_BURST, seed: i.u32() },
+                Kind::ScopeExit => Op::ScopeExit,
+            });
+        }
+        Program { capacity, config, explicit_teardown, ops }
+    }
+
+    /// The bytes that decode to this program. Operands must be in range (slots below
+    /// [`STREAM_SLOTS`], sleeps and limits from their tables, `n` below 5 for
+    /// [`Op::FailNthMalloc`] and in `1..=MAX_BURST` for [`Op::ScopeBurst`]).
+    pub fn encode(&self) -> Vec<u8> {
+        let mut o = Output::new();
+        o.choice(usize::from(self.capacity));
+        o.choice(usize::from(self.config));
+        o.bool(self.explicit_teardown);
+        let tag = |o: &mut Output, k: Kind| o.choice(index_of(&TAGS, &k));
+        let sleep = |o: &mut Output, us: u8| o.choice(index_of(&SLEEPS_US, &us));
+        for op in &self.ops {
+            match *op {
+                Op::Alloc { bytes, stream, persistent } => {
+                    tag(&mut o, Kind::Alloc);
+                    raw_size(&mut o, bytes);
+                    o.u8(stream);
+                    o.bool(persistent);
+                }
+                Op::Free { index } => {
+                    tag(&mut o, Kind::Free);
+                    o.u8(index);
+                }
+                Op::RecordStream { index, stream } => {
+                    tag(&mut o, Kind::RecordStream);
+                    o.u8(index);
+                    o.u8(stream);
+                }
+                Op::Launch { index, stream, write, sleep_us } => {
+                    tag(&mut o, Kind::Launch);
+                    o.u8(index);
+                    o.u8(stream);
+                    o.bool(write);
+                    sleep(&mut o, sleep_us);
+                }
+                Op::Sleep { stream, sleep_us } => {
+                    tag(&mut o, Kind::Sleep);
+                    o.u8(stream);
+                    sleep(&mut o, sleep_us);
+                }
+                Op::WaitEvent { from, to } => {
+                    tag(&mut o, Kind::WaitEvent);
+                    o.u8(from);
+                    o.u8(to);
+                }
+                Op::Synchronize => tag(&mut o, Kind::Synchronize),
+                Op::DeviceSynchronize => tag(&mut o, Kind::DeviceSynchronize),
+                Op::EmptyCache => tag(&mut o, Kind::EmptyCache),
+                Op::ReleasePersistent => tag(&mut o, Kind::ReleasePersistent),
+                Op::ReleaseStream { stream } => {
+                    tag(&mut o, Kind::ReleaseStream);
+                    o.u8(stream);
+                }
+                Op::DestroyStream { stream } => {
+                    tag(&mut o, Kind::DestroyStream);
+                    o.u8(stream);
+                }
+                Op::SetConfig { config } => {
+                    tag(&mut o, Kind::SetConfig);
+                    o.u8(config);
+                }
+                Op::FailNthMalloc { n } => {
+                    tag(&mut o, Kind::FailNthMalloc);
+                    o.u8(n);
+                }
+                Op::FailMallocsAbove { limit } => {
+                    tag(&mut o, Kind::FailMallocsAbove);
+                    o.choice(index_of(&FAIL_ABOVE, &limit));
+                }
+                Op::FailEventQueries { on } => {
+                    tag(&mut o, Kind::FailEventQueries);
+                    o.bool(on);
+                }
+                Op::Inspect { summary } => {
+                    tag(&mut o, Kind::Inspect);
+                    o.u8(if summary { 0 } else { 1 });
+                }
+                Op::ScopeEnter { stream, named } => {
+                    tag(&mut o, Kind::ScopeEnter);
+                    o.u8(stream);
+                    o.bool(named);
+                }
+                Op::ScopeAlloc { bytes } => {
+                    tag(&mut o, Kind::ScopeAlloc);
+                    compact_size(&mut o, bytes);
+                }
+                Op::ScopeBurst { n, seed } => {
+                    tag(&mut o, Kind::ScopeBurst);
+                    o.u8(n.checked_sub(1).expect("a burst of at least one buffer"));
+                    o.u32(seed);
+                }
+                Op::ScopeExit => tag(&mut o, Kind::ScopeExit),
+            }
+        }
+        o.into_bytes()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn every_kind() -> Program {
+        Program {
+            capacity: 2,
+            config: 5,
+            explicit_teardown: true,
+            ops: vec![
+                Op::Alloc { bytes: 0, stream: 0, persistent: false },
+                Op::Alloc { bytes: u64::MAX, stream: 2, persistent: true },
+                Op::Alloc { bytes: 12345, stream: 1, persistent: false },
+                Op::Free { index: 200 },
+                Op::RecordStream { index: 1, stream: 2 },
+                Op::Launch { index: 7, stream: 2, write: true, sleep_us: 5 },
+                Op::Sleep { stream: 1, sleep_us: 1 },
+                Op::WaitEvent { from: 1, to: 2 },
+                Op::Synchronize,
+                Op::DeviceSynchronize,
+                Op::EmptyCache,
+                Op::ReleasePersistent,
+                Op::ReleaseStream { stream: 2 },
+                Op::DestroyStream { stream: 2 },
+                Op::SetConfig { config: 8 },
+                Op::FailNthMalloc { n: 4 },
+                Op::FailMallocsAbove { limit: Some(MIB) },
+                Op::FailMallocsAbove { limit: None },
+                Op::FailEventQueries { on: true },
+                Op::Inspect { summary: true },
+                Op::Inspect { summary: false },
+                Op::ScopeEnter { stream: 1, named: true },
+                Op::ScopeAlloc { bytes: 3 * MIB },
+                Op::ScopeBurst { n: 1, seed: 0 },
+                Op::ScopeBurst { n: MAX_BURST, seed: u32::MAX },
+                Op::ScopeExit,
+                Op::ScopeEnter { stream: 0, named: false },
+            ],
+        }
+    }
+
+    #[test]
+    fn encode_then_decode_is_the_identity() {
+        let p = every_kind();
+        assert_eq!(Program::decode(&p.encode()), p);
+    }
+
+    #[test]
+    fn every_byte_string_decodes_and_ops_are_capped() {
+        let empty = Program::decode(&[]);
+        assert_eq!(
+            empty,
+            Program { capacity: 0, config: 0, explicit_teardown: false, ops: vec![] }
+        );
+        let long = Program::decode(&[0xab; 10_000]);
+        assert_eq!(long.ops.len(), MAX_OPS);
+        for seed in 0..=255u8 {
+            let bytes: Vec<u8> =
+                (0..64u8).map(|i| seed.wrapping_mul(31).wrapping_add(i.wrapping_mul(7))).collect();
+            let p = Program::decode(&bytes);
+            for op in &p.ops {
+                if let Op::Alloc { stream, .. }
+                | Op::Launch { stream, .. }
+                | Op::ScopeEnter { stream, .. } = op
+                {
+                    assert!(*stream < STREAM_SLOTS);
+                }
+                if let Op::ScopeBurst { n, .. } = op {
+                    assert!((1..=MAX_BURST).contains(n));
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn the_second_half_of_the_tags_mirrors_the_first_but_for_scopes() {
+        use Kind::*;
+        let scoped = [ScopeEnter, ScopeAlloc, ScopeBurst, ScopeExit];
+        let (old, new) = TAGS.split_at(32);
+        for (i, (o, n)) in old.iter().zip(new).enumerate() {
+            assert!(!scoped.contains(o), "slot {i}");
+            assert!(o == n || scoped.contains(n), "slot {} is {n:?}, not {o:?}", i + 32);
+        }
+        for k in scoped {
+            assert!(new.contains(&k), "{k:?} has no tag");
+        }
+    }
+
+    #[test]
+    fn compact_sizes_decode_back() {
+        for bytes in [0, 1, 1024, 1025, MIB, MIB + 1, 10 * MIB, 10 * MIB + 1, (2 << 30) + 9 * MIB]
+            .into_iter()
+            .chain([(2 << 30) + 9 * MIB - 1, MAX_REQUEST, u64::MAX])
+        {
+            let mut o = Output::new();
+            compact_size(&mut o, bytes);
+            let data = o.into_bytes();
+            assert_eq!(size(&mut Input::new(&data)), bytes, "{bytes}");
+            if bytes < 9 * MIB + (2 << 30) {
+                assert!(data.len() <= 5, "{bytes} takes {} bytes", data.len());
+            }
+        }
+    }
+
+    #[test]
+    fn size_classes_cover_their_ranges() {
+        let decode = |class: u8, raw: &[u8]| {
+            let mut bytes = vec![class];
+            bytes.extend_from_slice(raw);
+            size(&mut Input::new(&bytes))
+        };
+        assert_eq!(decode(0, &[0, 0]), 0);
+        assert_eq!(decode(0, &[0x00, 0x04]), 1024);
+        assert_eq!(decode(1, &[0xff, 0xff, 0x0f, 0x00]), MIB);
+        assert_eq!(decode(2, &[0, 0, 0, 0]), MIB + 1);
+        assert!(decode(3, &[0xff; 4]) < 9 * MIB + (2 << 30));
+        assert_eq!(decode(4, &[0]), u64::MAX);
+        assert_eq!(decode(4, &[2]), MAX_REQUEST + 1);
+        assert_eq!(decode(4, &[7, 1, 0, 0, 0, 0, 0, 0, 0]), 1);
+    }
+}

@@ -1,0 +1,58 @@
+//! Replays every committed fuzz input through its harness under plain `cargo test`: the seed
+//! and minimized corpora in `fuzz/corpus/<target>/` and every crash ever found, kept as a
+//! regression input in `fuzz/artifacts/<target>/`. The harnesses are the ones the cargo-fuzz
+//! targets call (`tidepool_fuzzing`), so a bug fixed once stays fixed without libFuzzer.
+
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::path::{Path, PathBuf};
+
+/// Smallest seed corpus accepted per target.
+const MIN_CORPUS: usize = 50;
+
+/// The regular files of `dir` (none if it does not exist), in name order.
+fn inputs(dir: &Path) -> Vec<PathBuf> {
+    let Ok(entries) = std::fs::read_dir(dir) else { return Vec::new() };
+    let mut files: Vec<PathBuf> = entries
+        .map(|e| e.expect("readable directory entry").path())
+        .filter(|p| {
+            p.is_file() && !p.file_name().is_some_and(|n| n.to_string_lossy().starts_with('.'))
+        })
+        .collect();
+    files.sort();
+    files
+}
+
+fn replay(target: &str, harness: fn(&[u8])) {
+    let fuzz = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fuzz");
+    let corpus = inputs(&fuzz.join("corpus").join(target));
+    let artifacts = inputs(&fuzz.join("artifacts").join(target));
+    assert!(
+        corpus.len() >= MIN_CORPUS,
+        "fuzz/corpus/{target} holds {} inputs, fewer than {MIN_CORPUS}",
+        corpus.len()
+    );
+    let mut failed = Vec::new();
+    for path in corpus.iter().chain(&artifacts) {
+        let data = std::fs::read(path).expect("readable input");
+        if catch_unwind(AssertUnwindSafe(|| harness(&data))).is_err() {
+            failed.push(path.display().to_string());
+        }
+    }
+    assert!(failed.is_empty(), "{target}: {} inputs fail:\n{}", failed.len(), failed.join("\n"));
+    println!("{target}: replayed {} corpus inputs and {} artifacts", corpus.len(), artifacts.len());
+}
+
+#[test]
+fn allocator_ops_corpus_and_artifacts() {
+    replay("allocator_ops", tidepool_fuzzing::allocator_ops);
+}
+
+#[test]
+fn config_parse_corpus_and_artifacts() {
+    replay("config_parse", tidepool_fuzzing::config_parse);
+}
+
+#[test]
+fn trace_parse_corpus_and_artifacts() {
+    replay("trace_parse", tidepool_fuzzing::trace_parse);
+}

@@ -1,0 +1,291 @@
+//! Allocator policies: the trace replayed through tidepool's [`Allocator`] on an unbacked
+//! [`SimDevice`] (no memory touched, so multi-GiB traces replay anywhere).
+//!
+//! | name        | what it is                                                               |
+//! |-------------|--------------------------------------------------------------------------|
+//! | `caching`   | default config, every block transient, one stream per trace stream       |
+//! | `residency` | as `caching`, but `param` blocks persistent and `act` blocks transient    |
+//! | `scoped`    | as `residency`, plus a named scope per `scope_enter`/`scope_exit` pair,   |
+//! |             | with learned plans; `act` blocks inside a scope are allocated through it  |
+//!
+//! Scope names have their trailing digits removed (`step0`, `step1` → `step`), so the steps
+//! of a training loop are runs of one named scope. An `act` block allocated in a scope and
+//! freed after its exit is an *escape*: it stays correct (it is an ordinary buffer that keeps
+//! its memory) and is counted.
+//!
+//! The trace is first rewritten into [`AllocStep`]s (dense slots, device streams resolved) so
+//! the timed loop only calls the allocator. Device calls and host syncs come from the
+//! allocator's own counters; peaks from its statistics.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use super::slots::{Slotted, Step};
+use super::{Policy, PolicyResult, ReplayError};
+use crate::event::{Op, Tag, Trace};
+use tidepool::Residency;
+use tidepool::Scope;
+use tidepool::device::{Device, SimConfig, SimDevice, StreamId};
+use tidepool::{AllocError, Allocator, Buffer, Config};
+
+/// Capacity of the simulated device: far above any trace, so replays never run out.
+const SIM_CAPACITY: u64 = 1 << 46;
+
+/// Which residency rule a replay applies.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// Every block transient (`caching`).
+    Caching,
+    /// `param` persistent, `act` transient (`residency`).
+    Residency,
+    /// As `Residency`, with named scopes and learned plans (`scoped`).
+    Scoped,
+}
+
+/// One replay step with everything resolved.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AllocStep {
+    /// Allocate `bytes` into `slot` on device stream `stream` with `residency`.
+    Alloc {
+        /// Dense slot of the buffer.
+        slot: usize,
+        /// Requested bytes.
+        bytes: u64,
+        /// Index into the replay's device streams.
+        stream: usize,
+        /// Persistent or transient.
+        residency: Residency,
+    },
+    /// Free `slot`.
+    Free {
+        /// Dense slot.
+        slot: usize,
+    },
+    /// Enter the scope named `scope_names[name]` on device stream `stream` (`scoped` only).
+    Enter {
+        /// Index into the normalized scope names.
+        name: usize,
+        /// Index into the replay's device streams.
+        stream: usize,
+    },
+    /// Leave the current scope (`scoped` only).
+    Exit,
+    /// Scope markers and anything else the policy ignores.
+    Marker,
+}
+
+/// A scope name without its trailing digits (`step12` → `step`): the runs of a loop share a
+/// plan.
+pub fn scope_family(name: &str) -> &str {
+    let t = name.trim_end_matches(|c: char| c.is_ascii_digit());
+    if t.is_empty() { name } else { t }
+}
+
+/// The trace rewritten for an allocator replay: steps, number of slots, number of streams.
+pub fn alloc_steps(trace: &Trace, mode: Mode) -> (Vec<AllocStep>, usize, Vec<u32>) {
+    let slotted = Slotted::new(trace);
+    let mut streams: Vec<u32> = vec![0];
+    let mut stream_index = |s: u32| match streams.iter().position(|&x| x == s) {
+        Some(i) => i,
+        None => {
+            streams.push(s);
+            streams.len() - 1
+        }
+    };
+    let steps = trace
+        .events
+        .iter()
+        .zip(&slotted.steps)
+        .map(|(e, step)| match (*step, e.op) {
+            (Step::Alloc { slot, bytes }, _) => {
+                let residency = match (mode, e.tag) {
+                    (Mode::Residency | Mode::Scoped, Tag::Param) => Residency::Persistent,
+                    _ => Residency::Transient,
+                };
+                AllocStep::Alloc { slot, bytes, stream: stream_index(e.stream), residency }
+            }
+            (Step::Free { slot }, _) => AllocStep::Free { slot },
+            (Step::Marker, Op::ScopeEnter) if mode == Mode::Scoped => AllocStep::Enter {
+                name: e.scope.unwrap_or(0) as usize,
+                stream: stream_index(e.stream),
+            },
+            (Step::Marker, Op::ScopeExit) if mode == Mode::Scoped => AllocStep::Exit,
+            (Step::Marker, _) => AllocStep::Marker,
+        })
+        .collect();
+    (steps, slotted.slots, streams)
+}
+
+/// A replay through tidepool's allocator.
+#[derive(Debug, Clone)]
+pub struct AllocatorPolicy {
+    mode: Mode,
+    config: Config,
+}
+
+impl AllocatorPolicy {
+    /// A policy of `mode` with the allocator configured by `config` (`key:value,...`).
+    pub fn from_config(mode: Mode, config: Option<&str>) -> Result<Self, ReplayError> {
+        let name = Self::name_of(mode);
+        let config = Config::parse(config.unwrap_or(""))
+            .map_err(|e| ReplayError::new(name, e.to_string()))?;
+        Ok(AllocatorPolicy { mode, config })
+    }
+
+    fn name_of(mode: Mode) -> &'static str {
+        match mode {
+            Mode::Caching => "caching",
+            Mode::Residency => "residency",
+            Mode::Scoped => "scoped",
+        }
+    }
+}
+
+/// The device side of one allocator replay.
+pub struct ReplayDevice {
+    /// The unbacked simulated device (sanitizer off: no kernels run in a replay).
+    pub device: Arc<SimDevice>,
+    /// The allocator under test.
+    pub alloc: Allocator<SimDevice>,
+    /// One device stream per trace stream, in order of first use.
+    pub streams: Vec<StreamId>,
+}
+
+/// A fresh simulated device and allocator for one replay, with one device stream per trace
+/// stream (trace stream 0 on the default stream).
+pub fn replay_device(
+    config: &Config,
+    trace_streams: usize,
+    name: &str,
+) -> Result<ReplayDevice, ReplayError> {
+    let err = |e: &dyn std::fmt::Display| ReplayError::new(name, e.to_string());
+    let dev = Arc::new(SimDevice::with_config(SimConfig {
+        capacity: SIM_CAPACITY,
+        backed: false,
+        sanitize: false,
+    }));
+    let mut streams = vec![StreamId::DEFAULT];
+    for _ in 1..trace_streams {
+        streams.push(dev.create_stream().map_err(|e| err(&e))?);
+    }
+    let alloc = Allocator::new(dev.clone(), config.clone()).map_err(|e| err(&e))?;
+    Ok(ReplayDevice { device: dev, alloc, streams })
+}
+
+impl Policy for AllocatorPolicy {
+    fn name(&self) -> &'static str {
+        Self::name_of(self.mode)
+    }
+
+    fn replay(&self, trace: &Trace, timeline: bool) -> Result<PolicyResult, ReplayError> {
+        let name = self.name();
+        let (steps, slots, trace_streams) = alloc_steps(trace, self.mode);
+        let ReplayDevice { device, alloc, streams } =
+            replay_device(&self.config, trace_streams.len(), name)?;
+        let families: Vec<&str> = trace.scope_names.iter().map(|n| scope_family(n)).collect();
+        let mut live: Vec<Option<Buffer<SimDevice>>> = (0..slots).map(|_| None).collect();
+        let mut tl = timeline.then(|| Vec::with_capacity(steps.len()));
+        let mut scope = None;
+        // Device mallocs and best-fit searches made during each scope run.
+        let mut runs: Vec<(u64, u64)> = Vec::new();
+        let mut run_start = (0, 0);
+        let mut first_peaks = (0, 0);
+        let err = |e: AllocError| ReplayError::new(name, e.to_string());
+        let start = Instant::now();
+        for step in &steps {
+            match *step {
+                AllocStep::Alloc { slot, bytes, stream, residency } => {
+                    let buf = match &scope {
+                        Some(s)
+                            if residency == Residency::Transient
+                                && streams[stream] == Scope::stream(s) =>
+                        {
+                            s.alloc_unbound(bytes).map_err(err)?
+                        }
+                        _ => alloc.alloc_in(bytes, streams[stream], residency).map_err(err)?,
+                    };
+                    live[slot] = Some(buf);
+                }
+                AllocStep::Free { slot } => live[slot] = None,
+                AllocStep::Enter { name, stream } => {
+                    drop(scope.take());
+                    run_start = (device.counters().mallocs, alloc.stats().best_fit_searches);
+                    let family = families.get(name).copied().unwrap_or("scope");
+                    scope = Some(alloc.named_scope(family, streams[stream]));
+                }
+                AllocStep::Exit => {
+                    if scope.take().is_some() {
+                        let st = alloc.stats();
+                        let now = (device.counters().mallocs, st.best_fit_searches);
+                        runs.push((now.0 - run_start.0, now.1 - run_start.1));
+                        if runs.len() == 1 {
+                            // Peaks from here on are the steady state after the learning run.
+                            first_peaks = (
+                                st.blocks.reserved_bytes.all.peak,
+                                st.blocks.allocated_bytes.all.peak,
+                            );
+                            alloc.reset_peak_stats();
+                        }
+                    }
+                }
+                AllocStep::Marker => {}
+            }
+            if let Some(tl) = tl.as_mut() {
+                tl.push(alloc.reserved_bytes());
+            }
+        }
+        drop(scope);
+        let elapsed = start.elapsed().as_nanos();
+        let s = alloc.stats();
+        drop(live);
+        let mut extra = self.extras(&s, &runs);
+        if runs.len() > 1 {
+            extra.push((
+                "peak reserved after the first scope run".into(),
+                s.blocks.reserved_bytes.all.peak.to_string(),
+            ));
+        }
+        Ok(PolicyResult {
+            name: name.to_string(),
+            peak_reserved_bytes: s.blocks.reserved_bytes.all.peak.max(first_peaks.0),
+            peak_allocated_bytes: s.blocks.allocated_bytes.all.peak.max(first_peaks.1),
+            device_mallocs: s.num_device_alloc,
+            device_frees: s.num_device_free,
+            host_syncs: s.num_host_syncs,
+            ns_per_op: elapsed as f64 / trace.events.len().max(1) as f64,
+            reserved_timeline: tl,
+            extra,
+        })
+    }
+}
+
+impl AllocatorPolicy {
+    fn extras(&self, s: &tidepool::MemoryStats, runs: &[(u64, u64)]) -> Vec<(String, String)> {
+        let mut extra = vec![
+            ("alloc retries".into(), s.num_alloc_retries.to_string()),
+            (
+                "peak reserved persistent / transient".into(),
+                format!(
+                    "{} / {}",
+                    s.blocks.reserved_bytes.persistent.peak, s.blocks.reserved_bytes.transient.peak
+                ),
+            ),
+        ];
+        if self.mode == Mode::Scoped {
+            let list = |f: fn(&(u64, u64)) -> u64| {
+                runs.iter().map(|r| f(r).to_string()).collect::<Vec<_>>().join(", ")
+            };
+            extra.extend([
+                (
+                    "plan hits / misses / fallbacks".into(),
+                    format!("{} / {} / {}", s.plan_hits, s.plan_misses, s.plan_fallbacks),
+                ),
+                ("escapes".into(), s.scope_escapes.to_string()),
+                ("plan region bytes".into(), s.plan_region_bytes.to_string()),
+                ("device mallocs per scope run".into(), format!("[{}]", list(|r| r.0))),
+                ("best-fit searches per scope run".into(), format!("[{}]", list(|r| r.1))),
+            ]);
+        }
+        extra
+    }
+}

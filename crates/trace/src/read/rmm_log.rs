@@ -1,0 +1,94 @@
+//! Reader for the CSV log of RAPIDS RMM's `logging_resource_adaptor`:
+//!
+//! ```text
+//! Thread,Time,Action,Pointer,Size,Stream
+//! 1979932,14:21:19.998533,allocate,0x30a000000,256,0x2
+//! 1979932,14:21:19.998601,allocate failure,0x0,1073741824,0x2   <- skipped, counted
+//! 1980043,14:21:32.661875,free,0x30a000000,256,0x2
+//! ```
+//!
+//! Pointers become ids: a hash map from live address to id; an address freed and allocated
+//! again gets a fresh id (ids count up from 0 in allocation order). Streams (hex or decimal
+//! handles) become dense ids in order of first appearance, with handle 0 (the default
+//! stream) always id 0. `Thread` and `Time` are ignored; all buffers are tagged
+//! [`Tag::Act`] (the log has no residency). `deallocate` is accepted as a synonym of `free`.
+
+use std::collections::HashMap;
+use std::io::BufRead;
+
+use super::lines::{LineReader, parse_u64, parse_u64_hex_or_dec, split_fields};
+use crate::error::{ErrorKind, TraceError, echo};
+use crate::event::{Event, Tag, Trace};
+use crate::validate::Validator;
+
+/// The header line of the format.
+pub const HEADER: &str = "Thread,Time,Action,Pointer,Size,Stream";
+const COLUMNS: [&str; 6] = ["Thread", "Time", "Action", "Pointer", "Size", "Stream"];
+
+/// Reads an RMM log (plain text; see [`super::read_trace_from`] for gzip).
+pub fn read_rmm_log<R: BufRead>(input: R, name: &str) -> Result<Trace, TraceError> {
+    let mut lines = LineReader::new(input);
+    lines.expect_header(HEADER)?;
+    read_body(&mut lines, name)
+}
+
+/// Maps stream handles to dense ids (0 stays 0).
+#[derive(Default)]
+pub(super) struct StreamIds(HashMap<u64, u32>);
+
+impl StreamIds {
+    pub(super) fn id(&mut self, handle: u64) -> u32 {
+        if handle == 0 {
+            return 0;
+        }
+        let next = u32::try_from(self.0.len() + 1).unwrap_or(u32::MAX);
+        *self.0.entry(handle).or_insert(next)
+    }
+}
+
+/// Reads the rows after the header.
+pub(super) fn read_body<R: BufRead>(
+    lines: &mut LineReader<R>,
+    name: &str,
+) -> Result<Trace, TraceError> {
+    let mut trace = Trace { name: name.to_string(), ..Trace::default() };
+    let mut validator = Validator::new();
+    let mut live: HashMap<u64, (u64, u64)> = HashMap::new(); // address -> (id, bytes)
+    let mut streams = StreamIds::default();
+    let mut next_id = 0u64;
+    while let Some((n, line)) = lines.next_line()? {
+        let at = |k| TraceError::at_line(n, k);
+        let [_thread, _time, action, ptr, size, stream] =
+            split_fields(line, &COLUMNS).map_err(at)?;
+        let event = match action {
+            "allocate failure" => {
+                trace.skipped_records += 1;
+                continue;
+            }
+            "allocate" => {
+                let ptr = parse_u64_hex_or_dec(ptr, "Pointer").map_err(at)?;
+                let bytes = parse_u64(size, "Size").map_err(at)?;
+                let stream = streams.id(parse_u64_hex_or_dec(stream, "Stream").map_err(at)?);
+                if live.contains_key(&ptr) {
+                    return Err(at(ErrorKind::AllocOfLiveAddress(ptr)));
+                }
+                let id = next_id;
+                next_id += 1;
+                live.insert(ptr, (id, bytes));
+                Event::alloc(id, bytes, stream, Tag::Act)
+            }
+            "free" | "deallocate" => {
+                let ptr = parse_u64_hex_or_dec(ptr, "Pointer").map_err(at)?;
+                parse_u64(size, "Size").map_err(at)?;
+                let stream = streams.id(parse_u64_hex_or_dec(stream, "Stream").map_err(at)?);
+                let (id, bytes) =
+                    live.remove(&ptr).ok_or_else(|| at(ErrorKind::FreeOfUnknownAddress(ptr)))?;
+                Event::free(id, bytes, stream, Tag::Act)
+            }
+            other => return Err(at(ErrorKind::UnknownOp(echo(other)))),
+        };
+        validator.check(&event).map_err(at)?;
+        trace.events.push(event);
+    }
+    Ok(trace)
+}

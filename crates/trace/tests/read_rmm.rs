@@ -1,0 +1,73 @@
+//! RMM `logging_resource_adaptor` CSV reader.
+
+use tidepool_trace::read::read_rmm_log;
+use tidepool_trace::{ErrorKind, Event, Location, Tag, TraceError, read_trace_bytes};
+
+const HEADER: &str = "Thread,Time,Action,Pointer,Size,Stream\n";
+
+fn at(line: u64, kind: ErrorKind) -> TraceError {
+    TraceError::new(Location::Line(line), kind)
+}
+
+fn err(body: &str) -> TraceError {
+    read_trace_bytes(format!("{HEADER}{body}").as_bytes()).unwrap_err()
+}
+
+#[test]
+fn reads_log_with_pointer_reuse_streams_and_failures() {
+    let log = format!(
+        "{HEADER}\
+1979932,14:21:19.998533,allocate,0x7f8a40000000,1024,0x0
+1979932,14:21:19.998601,allocate,0x7f8a40000400,2048,0x5633c0ffee00
+1979932,14:21:19.998700,allocate failure,0x0,1099511627776,0x0
+1980043,14:21:32.661875,free,0x7f8a40000000,1024,0x0
+1980043,14:21:32.661900,allocate,0x7f8a40000000,512,0x7f00aa
+1980043,14:21:32.662000,deallocate,0x7f8a40000400,2048,0x5633c0ffee00
+1980043,14:21:32.662100,allocate,0x7f8a40000800,64,0
+"
+    );
+    let t = read_trace_bytes(log.as_bytes()).unwrap();
+    assert_eq!(t.skipped_records, 1);
+    assert_eq!(
+        t.events,
+        vec![
+            Event::alloc(0, 1024, 0, Tag::Act),
+            Event::alloc(1, 2048, 1, Tag::Act),
+            Event::free(0, 1024, 0, Tag::Act),
+            Event::alloc(2, 512, 2, Tag::Act), // reused pointer -> fresh id
+            Event::free(1, 2048, 1, Tag::Act),
+            Event::alloc(3, 64, 0, Tag::Act),
+        ]
+    );
+    assert_eq!(t.peak_live_bytes(), 3072);
+    assert_eq!(read_rmm_log(log.as_bytes(), "trace").unwrap(), t);
+}
+
+#[test]
+fn malformed_rows() {
+    assert_eq!(err("1,t,allocate,0x10,8\n"), at(2, ErrorKind::MissingColumn("Stream")));
+    assert_eq!(err("1,t,allocate,0x10,8,0,9\n"), at(2, ErrorKind::ExtraColumn));
+    assert_eq!(
+        err("1,t,allocate,0xzz,8,0\n"),
+        at(2, ErrorKind::BadNumber { column: "Pointer", text: "0xzz".into() })
+    );
+    assert_eq!(
+        err("1,t,allocate,0x10,eight,0\n"),
+        at(2, ErrorKind::BadNumber { column: "Size", text: "eight".into() })
+    );
+    assert_eq!(
+        err("1,t,allocate,0x10,8,stream\n"),
+        at(2, ErrorKind::BadNumber { column: "Stream", text: "stream".into() })
+    );
+    assert_eq!(err("1,t,reallocate,0x10,8,0\n"), at(2, ErrorKind::UnknownOp("reallocate".into())));
+    assert_eq!(
+        err("1,t,allocate,0x10,8,0\n1,t,allocate,0x10,8,0\n"),
+        at(3, ErrorKind::AllocOfLiveAddress(0x10))
+    );
+    let e = err("1,t,allocate,0x10,8,0\n1,t,free,0x20,8,0\n");
+    assert_eq!(e, at(3, ErrorKind::FreeOfUnknownAddress(0x20)));
+    assert_eq!(e.to_string(), "line 3: free of unknown address 0x20");
+    let e = read_rmm_log(&b"Thread,Time,Action\n"[..], "x").unwrap_err();
+    assert_eq!(e.location, Location::Line(1));
+    assert!(matches!(e.kind, ErrorKind::WrongHeader { .. }));
+}

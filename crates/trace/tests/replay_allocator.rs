@@ -1,0 +1,155 @@
+//! The allocator policies (`caching`, `residency`, `scoped`) on hand-written traces with exact answers,
+//! and their exact figures on the shipped traces.
+//!
+//! Hand-written trace (tidepool's default size rules):
+//!
+//! ```text
+//! 0 alloc A 1000 param   small pool: 2 MiB segment #1, block 1024
+//! 1 alloc B 3 MiB act    large pool: 20 MiB segment #2, block 3 MiB, 17 MiB free remainder
+//! 2 free  A
+//! 3 alloc C 12 MiB act   own-segment size, but the cached 17 MiB block fits: split, no malloc
+//! 4 free  B
+//! 5 alloc D 600 act      caching: reuses A's segment (1024 block at the start)
+//!                        residency: A's segment is persistent → new transient 2 MiB segment
+//! ```
+//!
+//! caching:   peak reserved 22 MiB, peak allocated max(1024 + 3 MiB, 3 MiB + 12 MiB) = 15 MiB,
+//!            2 device mallocs. residency: 24 MiB reserved, 3 mallocs.
+
+use tidepool::MIB;
+use tidepool_trace::policy::{AllocatorPolicy, Mode};
+use tidepool_trace::{Policy, read_trace, read_trace_bytes};
+
+fn trace() -> tidepool_trace::Trace {
+    let m = MIB;
+    let csv = format!(
+        "seq,op,id,bytes,stream,tag\n0,alloc,0,1000,0,param\n1,alloc,1,{},0,act\n2,free,0,1000,0,param\n\
+         3,alloc,2,{},0,act\n4,free,1,{},0,act\n5,alloc,3,600,0,act\n",
+        3 * m,
+        12 * m,
+        3 * m
+    );
+    read_trace_bytes(csv.as_bytes()).unwrap()
+}
+
+#[test]
+fn caching_exact_figures() {
+    let r =
+        AllocatorPolicy::from_config(Mode::Caching, None).unwrap().replay(&trace(), true).unwrap();
+    assert_eq!(r.name, "caching");
+    assert_eq!(r.peak_reserved_bytes, 22 * MIB);
+    assert_eq!(r.peak_allocated_bytes, 15 * MIB);
+    assert_eq!((r.device_mallocs, r.device_frees, r.host_syncs), (2, 0, 0));
+    assert_eq!(
+        r.reserved_timeline.unwrap(),
+        vec![2 * MIB, 22 * MIB, 22 * MIB, 22 * MIB, 22 * MIB, 22 * MIB]
+    );
+}
+
+#[test]
+fn residency_keeps_params_apart() {
+    let r = AllocatorPolicy::from_config(Mode::Residency, None)
+        .unwrap()
+        .replay(&trace(), true)
+        .unwrap();
+    assert_eq!(r.name, "residency");
+    assert_eq!(r.peak_reserved_bytes, 24 * MIB);
+    assert_eq!(r.device_mallocs, 3);
+    assert_eq!(r.reserved_timeline.unwrap().last(), Some(&(24 * MIB)));
+}
+
+#[test]
+fn config_reaches_the_allocator() {
+    let p = AllocatorPolicy::from_config(
+        Mode::Caching,
+        Some("min_large_alloc_mb:2,large_segment_mb:20,round_large_mb:4"),
+    )
+    .unwrap();
+    let r = p.replay(&trace(), false).unwrap();
+    // B (3 MiB ≥ 2 MiB) now gets its own segment rounded to 4 MiB, and C (12 MiB) another:
+    // 2 + 4 + 12 = 18 MiB, 3 mallocs.
+    assert_eq!((r.peak_reserved_bytes, r.device_mallocs), (18 * MIB, 3));
+    let e = AllocatorPolicy::from_config(Mode::Caching, Some("bogus:1")).unwrap_err();
+    assert_eq!(e.policy, "caching");
+    assert!(e.message.contains("unknown key `bogus`"));
+}
+
+#[test]
+fn absurd_sizes_are_replay_errors() {
+    let t = read_trace_bytes(b"seq,op,id,bytes,stream,tag\n0,alloc,1,9223372036854775808,0,act\n")
+        .unwrap();
+    let e =
+        AllocatorPolicy::from_config(Mode::Caching, None).unwrap().replay(&t, false).unwrap_err();
+    assert!(e.message.contains("invalid allocation size"), "{e}");
+}
+
+#[test]
+fn multi_stream_traces_use_one_device_stream_each() {
+    let t = read_trace_bytes(
+        b"seq,op,id,bytes,stream,tag\n0,alloc,0,4096,0,act\n1,alloc,1,4096,3,act\n2,free,0,4096,0,act\n3,free,1,4096,3,act\n",
+    )
+    .unwrap();
+    let r = AllocatorPolicy::from_config(Mode::Caching, None).unwrap().replay(&t, false).unwrap();
+    // Streams never share a segment while both hold live blocks.
+    assert_eq!((r.peak_reserved_bytes, r.device_mallocs), (4 * MIB, 2));
+}
+
+/// Exact, deterministic figures on the shipped traces.
+#[test]
+fn shipped_traces_exact_figures() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../data/traces");
+    // (file, mode, peak reserved, peak allocated, device mallocs)
+    let cases = [
+        ("gpt2_train.csv.gz", Mode::Caching, 4097835008u64, 3932262400u64, 144u64),
+        ("gpt2_train.csv.gz", Mode::Residency, 4309647360, 3915760640, 170),
+        ("mlp_train.csv.gz", Mode::Caching, 1428160512, 1367670784, 25),
+        ("mlp_train.csv.gz", Mode::Residency, 1430257664, 1367670784, 26),
+        ("gpt2_train.csv.gz", Mode::Scoped, 4102029312, 3921666048, 170),
+        ("mlp_train.csv.gz", Mode::Scoped, 1430257664, 1369636864, 27),
+    ];
+    for (file, mode, reserved, allocated, mallocs) in cases {
+        let t = read_trace(&dir.join(file)).unwrap();
+        let r = AllocatorPolicy::from_config(mode, None).unwrap().replay(&t, false).unwrap();
+        assert_eq!(
+            (r.peak_reserved_bytes, r.peak_allocated_bytes, r.device_mallocs),
+            (reserved, allocated, mallocs),
+            "{file} {mode:?}"
+        );
+        if mode != Mode::Scoped {
+            assert_eq!((r.device_frees, r.host_syncs), (0, 0), "{file} {mode:?}");
+        }
+    }
+}
+
+/// `scoped` on a two-step trace with one escape per step (a gradient freed by the next step).
+/// Step 0 allocates a (4 KiB) at the segment's base and b (8 KiB, the escape) after it. As step
+/// 0 ends, its plan is made and its region adopts that segment (only the escape is live in it):
+/// b gets the segment's base (largest first), a the next 8 KiB. b's range stays pinned until
+/// step 1 frees the escape, which then joins the region; so step 1 is served entirely from the
+/// plan, with no device call and no search.
+#[test]
+fn scoped_handles_escapes_with_a_known_answer() {
+    let csv = "seq,op,id,bytes,stream,tag\n\
+        0,scope_enter,0,0,0,step0\n1,alloc,0,4096,0,act\n2,alloc,1,8192,0,act\n3,free,0,4096,0,act\n\
+        4,scope_exit,0,0,0,step0\n5,scope_enter,1,0,0,step1\n6,free,1,8192,0,act\n7,alloc,2,4096,0,act\n\
+        8,alloc,3,8192,0,act\n9,free,2,4096,0,act\n10,scope_exit,1,0,0,step1\n11,free,3,8192,0,act\n";
+    let t = read_trace_bytes(csv.as_bytes()).unwrap();
+    let r = AllocatorPolicy::from_config(Mode::Scoped, None).unwrap().replay(&t, false).unwrap();
+    assert_eq!(r.name, "scoped");
+    let extra = |k: &str| r.extra.iter().find(|(key, _)| key == k).map(|(_, v)| v.clone()).unwrap();
+    assert_eq!(extra("escapes"), "2");
+    assert_eq!(extra("plan hits / misses / fallbacks"), "2 / 0 / 0");
+    assert_eq!(extra("device mallocs per scope run"), "[1, 0]");
+    assert_eq!(extra("best-fit searches per scope run"), "[2, 0]");
+    assert_eq!(extra("plan region bytes"), (2 * MIB).to_string(), "the adopted segment");
+    assert_eq!((r.peak_reserved_bytes, r.device_mallocs, r.device_frees), (2 * MIB, 1, 0));
+}
+
+#[test]
+fn scope_families_strip_step_numbers() {
+    use tidepool_trace::policy::scope_family;
+    assert_eq!(scope_family("step0"), "step");
+    assert_eq!(scope_family("step12"), "step");
+    assert_eq!(scope_family("train_step"), "train_step");
+    assert_eq!(scope_family("42"), "42");
+}

@@ -1,0 +1,215 @@
+//! Baseline policies on a hand-written trace whose peaks are known exactly, plus the JSON
+//! report shape and robustness on absurd sizes.
+//!
+//! The trace (granule = 256 B; C is 200 B, padded to one granule):
+//!
+//! ```text
+//! event: 0 alloc A 1024 | 1 alloc B 512 | 2 free A | 3 alloc C 200 | 4 alloc D 1024
+//!        5 free B | 6 free C | 7 free D
+//! ```
+//!
+//! Peak live requested = B + C + D = 1736 B (after event 4); in granules 2+1+4 = 7 → 1792 B.
+//! Heap for the sub-allocators: 2 × 7 = 14 granules.
+//! - range-alloc (best fit, lowest address on ties): A→[0,4) B→[4,6); free A; C→[0,1)
+//!   (best fit of the free ranges [0,4) and [6,14)); D does not fit in [1,4) → [6,10).
+//!   High-water mark 10 granules = 2560 B.
+//! - offset-allocator: A from the 14-granule node at 0, remainder at 4; B at 4, remainder
+//!   at 6; A's node freed (bin 4); C (bin 1) takes the 4-granule node at 0, remainder 3 at 1;
+//!   D needs bin 4, the 3-granule node is too small, so it takes the 8-granule node at 6.
+//!   High-water mark 10 granules = 2560 B.
+//! - planned (greedy by size, intervals A[0,2) B[1,5) C[3,6) D[4,7)): A→0, D→0 (disjoint
+//!   from A), B→1024, C→1536 (overlaps B and D). Region 1792 B.
+
+use tidepool_trace::policy::{OffsetAllocatorPolicy, PlannedPolicy, RangeAllocPolicy};
+use tidepool_trace::runner::run_policies;
+use tidepool_trace::{Policy, ReplayOptions, read_trace_bytes, registry};
+
+const TRACE: &str = "\
+seq,op,id,bytes,stream,tag
+0,alloc,0,1024,0,act
+1,alloc,1,512,0,act
+2,free,0,1024,0,act
+3,alloc,2,200,0,act
+4,alloc,3,1024,0,act
+5,free,1,512,0,act
+6,free,2,200,0,act
+7,free,3,1024,0,act
+";
+
+#[test]
+fn exact_peaks_per_policy() {
+    let t = read_trace_bytes(TRACE.as_bytes()).unwrap();
+    assert_eq!(t.peak_live_bytes(), 1736);
+
+    let off = OffsetAllocatorPolicy.replay(&t, true).unwrap();
+    assert_eq!(off.name, "offset-allocator");
+    assert_eq!(off.peak_reserved_bytes, 2560);
+    assert_eq!(off.peak_allocated_bytes, 1792);
+    assert_eq!((off.device_mallocs, off.device_frees, off.host_syncs), (1, 1, 0));
+    assert_eq!(
+        off.reserved_timeline.unwrap(),
+        vec![1024, 1536, 1536, 1536, 2560, 2560, 2560, 2560]
+    );
+
+    let range = RangeAllocPolicy.replay(&t, true).unwrap();
+    assert_eq!(range.name, "range-alloc");
+    assert_eq!(range.peak_reserved_bytes, 2560);
+    assert_eq!(range.peak_allocated_bytes, 1792);
+    assert_eq!(
+        range.reserved_timeline.unwrap(),
+        vec![1024, 1536, 1536, 1536, 2560, 2560, 2560, 2560]
+    );
+
+    let planned = PlannedPolicy.replay(&t, true).unwrap();
+    assert_eq!(planned.name, "planned");
+    assert_eq!(planned.peak_reserved_bytes, 1792);
+    assert_eq!(planned.peak_allocated_bytes, 1792);
+    assert_eq!(planned.reserved_timeline.unwrap(), vec![1792; 8]);
+    assert!(PlannedPolicy.replay(&t, false).unwrap().reserved_timeline.is_none());
+}
+
+#[test]
+fn scope_markers_are_no_ops_for_baselines() {
+    let with_scopes =
+        TRACE.replace("4,alloc,3", "40,scope_enter,0,0,0,s\n4,alloc,3") + "8,scope_exit,0,0,0,s\n";
+    let t = read_trace_bytes(with_scopes.as_bytes()).unwrap();
+    for p in registry(&ReplayOptions::default()).unwrap() {
+        let plain = p.replay(&read_trace_bytes(TRACE.as_bytes()).unwrap(), false).unwrap();
+        let scoped = p.replay(&t, false).unwrap();
+        assert_eq!(plain.peak_reserved_bytes, scoped.peak_reserved_bytes, "{}", p.name());
+    }
+}
+
+#[test]
+fn registry_lists_baselines_in_order() {
+    let names: Vec<_> =
+        registry(&ReplayOptions::default()).unwrap().iter().map(|p| p.name()).collect();
+    assert_eq!(
+        names,
+        vec!["caching", "residency", "scoped", "offset-allocator", "range-alloc", "planned"]
+    );
+}
+
+#[test]
+fn heap_grows_when_fragmentation_defeats_twice_peak() {
+    // Interleave small long-lived buffers with large short-lived ones so that a heap of
+    // 2 × peak live cannot hold the growing large buffers contiguously.
+    let mut csv = String::from("seq,op,id,bytes,stream,tag\n");
+    let mut id = 0;
+    for i in 0..8u64 {
+        let big = 256 * (4 + 4 * i);
+        csv += &format!(
+            "0,alloc,{id},{big},0,act\n0,alloc,{},256,0,param\n0,free,{id},{big},0,act\n",
+            id + 1
+        );
+        id += 2;
+    }
+    let t = read_trace_bytes(csv.as_bytes()).unwrap();
+    for p in [&RangeAllocPolicy as &dyn Policy, &OffsetAllocatorPolicy] {
+        let r = p.replay(&t, false).unwrap();
+        let heap = &r.extra.iter().find(|(k, _)| k == "heap").unwrap().1;
+        assert!(r.peak_reserved_bytes >= t.peak_live_bytes(), "{}", p.name());
+        assert!(!heap.ends_with("(attempt 1)"), "{}: {heap}", p.name());
+    }
+}
+
+#[test]
+fn absurd_sizes_are_errors_not_panics_or_allocations() {
+    let t = read_trace_bytes(
+        b"seq,op,id,bytes,stream,tag\n0,alloc,1,9223372036854775808,0,act\n1,free,1,9223372036854775808,0,act\n",
+    )
+    .unwrap();
+    let e = OffsetAllocatorPolicy.replay(&t, true).unwrap_err();
+    assert_eq!(e.policy, "offset-allocator");
+    assert!(e.message.contains("more than the 4294967295"), "{e}");
+    let e = RangeAllocPolicy.replay(&t, true).unwrap_err();
+    assert_eq!(e.policy, "range-alloc");
+    // The planner only does arithmetic: a 2^63-byte region is a fine answer.
+    assert_eq!(PlannedPolicy.replay(&t, false).unwrap().peak_reserved_bytes, 1 << 63);
+    let t = read_trace_bytes(b"seq,op,id,bytes,stream,tag\n0,alloc,1,18446744073709551615,0,act\n")
+        .unwrap();
+    let e = PlannedPolicy.replay(&t, false).unwrap_err();
+    assert_eq!(e.to_string(), "policy planned: plan does not fit in a 64-bit address space");
+}
+
+#[test]
+fn json_report_has_exactly_the_documented_shape() {
+    let t = read_trace_bytes(TRACE.as_bytes()).unwrap();
+    let opts = ReplayOptions { repeats: 3, ..ReplayOptions::default() };
+    let policies = registry(&opts).unwrap();
+    let mut calls = 0;
+    let report = run_policies(&t, &policies, &opts, &mut |_| calls += 1).unwrap();
+    assert_eq!(calls, 18);
+    let v: serde_json::Value = serde_json::from_str(&report.to_json()).unwrap();
+    let obj = v.as_object().unwrap();
+    let mut keys: Vec<_> = obj.keys().map(String::as_str).collect();
+    keys.sort();
+    assert_eq!(keys, vec!["events", "peak_live_bytes", "policies", "trace"]);
+    assert_eq!(obj["trace"], "trace");
+    assert_eq!(obj["events"].as_u64(), Some(8));
+    assert_eq!(obj["peak_live_bytes"].as_u64(), Some(1736));
+    let policies = obj["policies"].as_array().unwrap();
+    let names: Vec<_> = policies.iter().map(|p| p["name"].as_str().unwrap()).collect();
+    assert_eq!(
+        names,
+        vec!["caching", "residency", "scoped", "offset-allocator", "range-alloc", "planned"]
+    );
+    // caching, residency and scoped reserve one 2 MiB small-pool segment.
+    let expected_reserved = [2u64 << 20, 2 << 20, 2 << 20, 2560, 2560, 1792];
+    for (p, reserved) in policies.iter().zip(expected_reserved) {
+        let p = p.as_object().unwrap();
+        let mut keys: Vec<_> = p.keys().map(String::as_str).collect();
+        keys.sort();
+        assert_eq!(
+            keys,
+            vec![
+                "device_frees",
+                "device_mallocs",
+                "fragmentation",
+                "host_syncs",
+                "name",
+                "ns_per_op",
+                "peak_allocated_bytes",
+                "peak_reserved_bytes"
+            ]
+        );
+        assert!(p["name"].is_string());
+        for k in [
+            "peak_reserved_bytes",
+            "peak_allocated_bytes",
+            "device_mallocs",
+            "device_frees",
+            "host_syncs",
+        ] {
+            assert!(p[k].is_u64(), "{k} is an integer");
+        }
+        assert!(p["fragmentation"].is_f64());
+        assert!(p["ns_per_op"].is_f64());
+        assert_eq!(p["peak_reserved_bytes"].as_u64(), Some(reserved));
+        assert_eq!(p["fragmentation"].as_f64(), Some(1.0 - 1736.0 / reserved as f64));
+    }
+    let table = report.to_table();
+    assert!(table.contains("planned"));
+    assert!(table.contains("1.75 KiB"), "{table}"); // 1792 B
+    assert!(table.contains("2.50 KiB"), "{table}"); // 2560 B
+}
+
+/// Exact figures of every baseline on the shipped traces (all deterministic).
+#[test]
+fn shipped_traces_exact_figures() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../data/traces");
+    // (file, offset-allocator, range-alloc, planned, peak live rounded to 256 B)
+    let cases = [
+        ("gpt2_train.csv.gz", 3927888896u64, 3922632704u64, 3911788032u64, 3911788032u64),
+        ("mlp_train.csv.gz", 1476477184, 1476477184, 1367670784, 1367670784),
+    ];
+    for (file, off, range, planned, allocated) in cases {
+        let t = tidepool_trace::read_trace(&dir.join(file)).unwrap();
+        let r = OffsetAllocatorPolicy.replay(&t, false).unwrap();
+        assert_eq!((r.peak_reserved_bytes, r.peak_allocated_bytes), (off, allocated), "{file}");
+        let r = RangeAllocPolicy.replay(&t, false).unwrap();
+        assert_eq!((r.peak_reserved_bytes, r.peak_allocated_bytes), (range, allocated), "{file}");
+        let r = PlannedPolicy.replay(&t, false).unwrap();
+        assert_eq!((r.peak_reserved_bytes, r.peak_allocated_bytes), (planned, allocated), "{file}");
+    }
+}

@@ -1,0 +1,148 @@
+//! Figures with PyTorch's names: a [`Stat`] (current, peak, cumulative allocated and freed) per
+//! [`StatGroup`] (the whole allocator, the small and the large pool, persistent and transient
+//! residency), and the block-level set the pool keeps exact ([`BlockStats`]). One change updates
+//! three cells: `all`, its pool and its residency.
+
+use super::{PoolKind, Residency};
+
+/// One figure: current value, peak since the last reset, and cumulative increases / decreases.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Stat {
+    /// The value now.
+    pub current: u64,
+    /// The highest `current` since creation or [`Stat::reset_peak`].
+    pub peak: u64,
+    /// Sum of every increase.
+    pub allocated: u64,
+    /// Sum of every decrease.
+    pub freed: u64,
+}
+
+impl Stat {
+    /// Adds `n` to the current value.
+    pub fn increase(&mut self, n: u64) {
+        self.current += n;
+        self.allocated += n;
+        self.peak = self.peak.max(self.current);
+    }
+
+    /// Subtracts `n` from the current value.
+    pub fn decrease(&mut self, n: u64) {
+        debug_assert!(self.current >= n, "stat underflow: {} - {n}", self.current);
+        self.current -= n;
+        self.freed += n;
+    }
+
+    /// Sets the peak to the current value.
+    pub fn reset_peak(&mut self) {
+        self.peak = self.current;
+    }
+}
+
+/// A [`Stat`] for the whole allocator and per pool and residency.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct StatGroup {
+    /// Everything.
+    pub all: Stat,
+    /// Blocks of the small pool.
+    pub small_pool: Stat,
+    /// Blocks of the large pool.
+    pub large_pool: Stat,
+    /// Persistent blocks.
+    pub persistent: Stat,
+    /// Transient blocks.
+    pub transient: Stat,
+}
+
+impl StatGroup {
+    /// Adds `n` to `all` and to the cells of `kind` and `residency`.
+    pub fn increase(&mut self, kind: PoolKind, residency: Residency, n: u64) {
+        self.all.increase(n);
+        self.pool_mut(kind).increase(n);
+        self.residency_mut(residency).increase(n);
+    }
+
+    /// Subtracts `n` from `all` and from the cells of `kind` and `residency`.
+    pub fn decrease(&mut self, kind: PoolKind, residency: Residency, n: u64) {
+        self.all.decrease(n);
+        self.pool_mut(kind).decrease(n);
+        self.residency_mut(residency).decrease(n);
+    }
+
+    /// The cell of one pool.
+    pub fn pool(&self, kind: PoolKind) -> &Stat {
+        match kind {
+            PoolKind::Small => &self.small_pool,
+            PoolKind::Large => &self.large_pool,
+        }
+    }
+
+    fn pool_mut(&mut self, kind: PoolKind) -> &mut Stat {
+        match kind {
+            PoolKind::Small => &mut self.small_pool,
+            PoolKind::Large => &mut self.large_pool,
+        }
+    }
+
+    fn residency_mut(&mut self, residency: Residency) -> &mut Stat {
+        match residency {
+            Residency::Persistent => &mut self.persistent,
+            Residency::Transient => &mut self.transient,
+        }
+    }
+
+    /// Resets every peak to its current value.
+    pub fn reset_peak(&mut self) {
+        for s in [
+            &mut self.all,
+            &mut self.small_pool,
+            &mut self.large_pool,
+            &mut self.persistent,
+            &mut self.transient,
+        ] {
+            s.reset_peak();
+        }
+    }
+}
+
+/// The block-level figures the pool keeps exact after every operation.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct BlockStats {
+    /// Bytes in blocks handed to users (rounded sizes).
+    pub allocated_bytes: StatGroup,
+    /// Bytes in segments reserved from the device.
+    pub reserved_bytes: StatGroup,
+    /// Bytes in blocks allocated or freed but still waiting on events.
+    pub active_bytes: StatGroup,
+    /// Bytes in free blocks of segments that are split (not releasable).
+    pub inactive_split_bytes: StatGroup,
+    /// Bytes users asked for, in active blocks (before rounding).
+    pub requested_bytes: StatGroup,
+    /// Number of blocks handed to users.
+    pub allocation: StatGroup,
+    /// Number of segments.
+    pub segment: StatGroup,
+    /// Number of active blocks.
+    pub active: StatGroup,
+    /// Number of free blocks in split segments.
+    pub inactive_split: StatGroup,
+}
+
+impl BlockStats {
+    /// Resets every peak to its current value.
+    pub fn reset_peak(&mut self) {
+        for g in [
+            &mut self.allocated_bytes,
+            &mut self.reserved_bytes,
+            &mut self.active_bytes,
+            &mut self.inactive_split_bytes,
+            &mut self.requested_bytes,
+            &mut self.allocation,
+            &mut self.segment,
+            &mut self.active,
+            &mut self.inactive_split,
+        ] {
+            g.reset_peak();
+        }
+    }
+}
