@@ -66,8 +66,7 @@ impl Default for Sizing {
 impl Sizing {
     /// Rounds a request up to its block size; `None` when the request exceeds [`MAX_REQUEST`].
     ///
-    /// ```
-    /// use tidepool::pool::Sizing;
+    /// ```text
     /// let s = Sizing::default();
     /// assert_eq!(s.round(1), Some(512));
     /// assert_eq!(s.round(513), Some(1024));
