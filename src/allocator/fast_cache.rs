@@ -25,9 +25,9 @@
 //! may only spend headroom it holds, so it can never create a new peak. When it has too little,
 //! the pop returns [`Pop::NeedsLock`] and the caller accounts it under the global lock.
 
-use super::counters::{BYTES, COUNT, FAST_WORDS, QUADRANTS, REQ, fast_cur, fast_tot};
-use super::counters::{CACHED_BLOCKS, CACHED_BYTES};
 use super::seqlock::SeqBlock;
+use super::stats_layout::{BYTES, COUNT, FAST_WORDS, QUADRANTS, REQ, fast_cur, fast_tot};
+use super::stats_layout::{CACHED_BLOCKS, CACHED_BYTES};
 use crate::device::{DeviceAddr, StreamId};
 use crate::pool::{BlockId, Pool};
 use crate::stats::Residency;
