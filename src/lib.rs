@@ -43,10 +43,11 @@ pub use allocator::{
 };
 pub use config::{Config, ConfigError, CrossStream, ENV_VAR};
 pub use device::{Device, DeviceError, SimConfig, SimDevice};
+pub use pool::Sizing;
 pub use stats::MemoryStats;
 pub use types::{
-    BlockState, BlockStats, DeviceAddr, GIB, KIB, MAX_REQUEST, MIB, PoolKind, Residency, Stat,
-    StatGroup, StreamId,
+    BlockState, BlockStats, Bytes, DeviceAddr, GIB, KIB, MAX_REQUEST, MIB, PoolKind, Residency,
+    Stat, StatGroup, StreamId,
 };
 
 /// The cudarc this crate is built against (feature `cuda`), so users name the same version.
@@ -64,5 +65,5 @@ pub use interop::CudaBuffer;
 pub mod hooks {
     pub use crate::allocator::internals::*;
     pub use crate::config::KEYS;
-    pub use crate::pool::{BlockId, Pool, PoolKey, SegmentId, Sizing};
+    pub use crate::pool::{BlockId, Pool, PoolKey, SegmentId};
 }

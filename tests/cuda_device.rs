@@ -238,13 +238,13 @@ fn new_errs_cleanly_without_a_driver() {
         println!("a CUDA driver is present: checking only the missing-ordinal error");
     } else {
         let err = CudaDevice::new(0).expect_err("no driver, so no device");
-        assert_eq!(err, DeviceError::Driver(NO_DRIVER.into()));
+        assert_eq!(err, DeviceError::Unavailable(NO_DRIVER.into()));
         assert!(err.to_string().contains("no CUDA driver (libcuda not found)"), "{err}");
         assert_eq!(CudaDevice::unavailable_reason().as_deref(), Some(NO_DRIVER));
         assert!(CudaDevice::device_count().is_err());
     }
     // A device that cannot exist is an error on every machine.
-    assert!(matches!(CudaDevice::new(1 << 20), Err(DeviceError::Driver(_))));
+    assert!(matches!(CudaDevice::new(1 << 20), Err(DeviceError::Unavailable(_))));
 }
 
 // ---------------------------------------------------------------- GPU tier
@@ -381,7 +381,7 @@ fn hold_the_stream(dev: &Arc<CudaDevice>, config: Config, record: bool) -> (bool
 fn record_stream_holds_the_block_until_the_other_stream_is_done() {
     let Some((_gpu, dev)) = gpu() else { return };
     for policy in [CrossStream::Strict, CrossStream::WaitEvent] {
-        let config = Config { cross_stream: policy, ..Config::default() };
+        let config = Config::default().with_cross_stream(policy);
         // Control: without record_stream the block is reused at once on B, and A's late write
         // lands in y. This is the hazard, made visible, so the test below can see it.
         let (same, values) = hold_the_stream(&dev, config.clone(), false);

@@ -57,7 +57,7 @@ fn run(policy: &str, ops: Vec<Op>) -> Result<(), TestCaseError> {
             }
             Op::Free(i) if !live.is_empty() => {
                 let n = live.len();
-                live.swap_remove(i % n);
+                drop(live.swap_remove(i % n));
             }
             Op::RecordStream { buffer, stream } if !live.is_empty() && alive[stream] => {
                 let n = live.len();

@@ -93,7 +93,7 @@ fn worker(
             alloc.check_invariants().unwrap();
         }
         if live.len() > 64 {
-            live.swap_remove(0);
+            drop(live.swap_remove(0));
         }
     }
 }

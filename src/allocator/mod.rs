@@ -76,6 +76,7 @@ use request::RequestPlan;
 use seqlock::SeqBlock;
 use state::{Locked, PendingEvent, ScopeCounters, Shared, State};
 use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::fmt;
 use std::ops::{Deref, DerefMut};
 
 /// Attempts of a lock-free statistics read before it takes the locks instead.
@@ -104,6 +105,18 @@ pub struct Allocator<D: Device> {
     owners: Arc<OwnerTable<D>>,
 }
 
+impl<D: Device> fmt::Debug for Allocator<D> {
+    /// The device, the configuration and the current reserved and allocated bytes.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Allocator")
+            .field("device", &self.shared.device.name())
+            .field("reserved_bytes", &self.reserved_bytes())
+            .field("allocated_bytes", &self.allocated_bytes())
+            .field("config", &*self.config())
+            .finish()
+    }
+}
+
 impl<D: Device> Clone for Allocator<D> {
     fn clone(&self) -> Self {
         Allocator { shared: self.shared.clone(), owners: self.owners.clone() }
@@ -111,9 +124,10 @@ impl<D: Device> Clone for Allocator<D> {
 }
 
 impl<D: Device> Allocator<D> {
-    /// An allocator over `device`. Fails only if the device cannot report its memory.
+    /// An allocator over `device`. Fails if the configuration is inconsistent
+    /// ([`AllocError::Config`]) or the device cannot report its memory.
     pub fn new(device: Arc<D>, config: Config) -> Result<Allocator<D>, AllocError> {
-        config.validate().map_err(|e| AllocError::Device(DeviceError::Driver(e.to_string())))?;
+        config.validate()?;
         let total = device.mem_info()?.total;
         let (fast, global_lock) = (config.fast_path(), config.global_lock);
         let shared = Arc::new(Shared {
@@ -323,14 +337,14 @@ impl<D: Device> Allocator<D> {
     /// **Test only — a deliberate bug.** While on, the allocator records no event for
     /// `record_stream` uses and hands another stream's free segments over without ordering, so
     /// tests can prove that the SimDevice sanitizer catches premature reuse.
-    #[doc(hidden)]
+    #[cfg(feature = "test-hooks")]
     pub fn set_broken_skip_events(&self, on: bool) {
         self.shared.broken_skip_events.store(on, Ordering::Relaxed);
     }
 
     /// **Test only.** How many times the global lock has been taken so far (tests use it to
     /// prove that the fast path does not take it).
-    #[doc(hidden)]
+    #[cfg(feature = "test-hooks")]
     pub fn global_lock_acquisitions(&self) -> u64 {
         self.shared.lock_count.load(Ordering::Relaxed)
     }

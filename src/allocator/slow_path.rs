@@ -132,7 +132,12 @@ impl<D: Device> Shared<D> {
                 *st.segment_streams.entry(key.stream).or_default() += 1;
                 Ok(st.pool.add_segment(key, ptr.0, seg_size))
             }
-            Err(DeviceError::OutOfMemory { .. } | DeviceError::Injected(_)) => Err(refused()),
+            // A refusal of the memory itself (capacity, limit, or the driver's own out-of-memory code)
+            // enters the OOM ladder; any other device error is passed on.
+            Err(
+                DeviceError::OutOfMemory { .. }
+                | DeviceError::Driver { code: DeviceError::CUDA_ERROR_OUT_OF_MEMORY, .. },
+            ) => Err(refused()),
             Err(e) => Err(AllocError::Device(e)),
         }
     }
@@ -266,7 +271,7 @@ impl<D: Device> Shared<D> {
             return;
         }
         st.pool.mark_pending(block);
-        st.base.to_pending(f.quadrant, f.size);
+        st.base.move_to_pending(f.quadrant, f.size);
         let mut recorded = 0;
         for s in uses {
             let event = match self.event(&mut st) {

@@ -104,15 +104,24 @@ impl Kernel {
 
 /// A device call that failed.
 #[derive(Clone, PartialEq, Eq, Debug)]
+#[non_exhaustive]
 pub enum DeviceError {
     /// The device has no room for a segment of this many bytes.
     OutOfMemory {
         /// Size of the refused segment.
         requested: u64,
     },
-    /// A fault injected by the test device (or reported by the driver) on this operation.
-    Injected(&'static str),
-    /// The stream does not exist (never created, or destroyed).
+    /// A driver call failed with a CUDA error code (a `CUresult`, e.g. 2 for
+    /// `CUDA_ERROR_OUT_OF_MEMORY`). [`SimDevice`]'s injected faults are reported the same way.
+    Driver {
+        /// The call, e.g. `"cuMemAlloc"`.
+        op: &'static str,
+        /// The `CUresult` it returned.
+        code: u32,
+    },
+    /// There is no usable device: no driver library, no GPU, or an ordinal out of range.
+    Unavailable(String),
+    /// The stream does not exist (never created or adopted, or destroyed or released).
     UnknownStream(StreamId),
     /// The event does not exist.
     UnknownEvent(EventId),
@@ -127,8 +136,36 @@ pub enum DeviceError {
         /// Length of the access.
         bytes: u64,
     },
-    /// Any other driver error, with its text.
-    Driver(String),
+}
+
+impl DeviceError {
+    /// `CUDA_ERROR_OUT_OF_MEMORY`.
+    pub const CUDA_ERROR_OUT_OF_MEMORY: u32 = 2;
+    /// `CUDA_ERROR_NOT_READY`.
+    pub const CUDA_ERROR_NOT_READY: u32 = 600;
+    /// `CUDA_ERROR_UNKNOWN`.
+    pub const CUDA_ERROR_UNKNOWN: u32 = 999;
+
+    /// The name of a CUDA error code, where it is one of the common ones.
+    pub fn code_name(code: u32) -> Option<&'static str> {
+        Some(match code {
+            1 => "CUDA_ERROR_INVALID_VALUE",
+            2 => "CUDA_ERROR_OUT_OF_MEMORY",
+            3 => "CUDA_ERROR_NOT_INITIALIZED",
+            4 => "CUDA_ERROR_DEINITIALIZED",
+            100 => "CUDA_ERROR_NO_DEVICE",
+            101 => "CUDA_ERROR_INVALID_DEVICE",
+            201 => "CUDA_ERROR_INVALID_CONTEXT",
+            400 => "CUDA_ERROR_INVALID_HANDLE",
+            500 => "CUDA_ERROR_NOT_FOUND",
+            600 => "CUDA_ERROR_NOT_READY",
+            700 => "CUDA_ERROR_ILLEGAL_ADDRESS",
+            719 => "CUDA_ERROR_LAUNCH_FAILED",
+            801 => "CUDA_ERROR_NOT_SUPPORTED",
+            999 => "CUDA_ERROR_UNKNOWN",
+            _ => return None,
+        })
+    }
 }
 
 impl fmt::Display for DeviceError {
@@ -137,7 +174,11 @@ impl fmt::Display for DeviceError {
             DeviceError::OutOfMemory { requested } => {
                 write!(f, "device out of memory reserving a segment of {requested} bytes")
             }
-            DeviceError::Injected(op) => write!(f, "injected device failure in {op}"),
+            DeviceError::Driver { op, code } => match DeviceError::code_name(*code) {
+                Some(name) => write!(f, "{op} failed: {name} ({code})"),
+                None => write!(f, "{op} failed: CUDA error {code}"),
+            },
+            DeviceError::Unavailable(why) => write!(f, "no usable device: {why}"),
             DeviceError::UnknownStream(s) => write!(f, "unknown {s}"),
             DeviceError::UnknownEvent(e) => write!(f, "unknown event {}", e.0),
             DeviceError::UnknownSegment(p) => write!(f, "{p} is not the start of a live segment"),
@@ -145,7 +186,6 @@ impl fmt::Display for DeviceError {
             DeviceError::BadAccess { ptr, bytes } => {
                 write!(f, "kernel access of {bytes} bytes at {ptr} is outside its declared memory")
             }
-            DeviceError::Driver(msg) => write!(f, "driver error: {msg}"),
         }
     }
 }

@@ -13,9 +13,9 @@ use std::fmt::Write as _;
 
 use serde::Serialize;
 
-use super::byte_size::format_bytes;
 use super::event::Trace;
 use super::policy::PolicyResult;
+use tidepool::Bytes;
 
 /// Everything one replay run measured.
 #[derive(Debug, Clone, PartialEq)]
@@ -110,8 +110,8 @@ impl Report {
         for p in &self.policies {
             rows.push([
                 p.name.clone(),
-                format_bytes(p.peak_reserved_bytes),
-                format_bytes(p.peak_allocated_bytes),
+                Bytes(p.peak_reserved_bytes).to_string(),
+                Bytes(p.peak_allocated_bytes).to_string(),
                 format!(
                     "{:.1}%",
                     100.0 * fragmentation(self.peak_live_bytes, p.peak_reserved_bytes)
@@ -124,8 +124,8 @@ impl Report {
         }
         rows.push([
             "lower bound".into(),
-            format_bytes(self.peak_live_bytes),
-            format_bytes(self.peak_live_bytes),
+            Bytes(self.peak_live_bytes).to_string(),
+            Bytes(self.peak_live_bytes).to_string(),
             "0.0%".into(),
             "-".into(),
             "-".into(),
@@ -144,7 +144,7 @@ impl Report {
             "trace {}: {} events, peak live {} ({} B)",
             self.trace,
             self.events,
-            format_bytes(self.peak_live_bytes),
+            Bytes(self.peak_live_bytes),
             self.peak_live_bytes
         );
         for (i, row) in rows.iter().enumerate() {

@@ -95,8 +95,8 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
-fn driver_error(op: &str, e: DriverError) -> DeviceError {
-    DeviceError::Driver(format!("{op}: {:?}", e.0))
+fn driver_error(op: &'static str, e: DriverError) -> DeviceError {
+    DeviceError::Driver { op, code: e.0 as u32 }
 }
 
 impl CudaDevice {
@@ -113,10 +113,14 @@ impl CudaDevice {
     /// when the driver does not initialise (`cuInit` fails, e.g. `CUDA_ERROR_NO_DEVICE`).
     pub fn device_count() -> Result<usize, DeviceError> {
         if !Self::driver_present() {
-            return Err(DeviceError::Driver(NO_DRIVER.into()));
+            return Err(DeviceError::Unavailable(NO_DRIVER.into()));
         }
-        let n = CudaContext::device_count()
-            .map_err(|e| driver_error("no usable CUDA device: cuInit/cuDeviceGetCount", e))?;
+        let n = CudaContext::device_count().map_err(|e| {
+            DeviceError::Unavailable(format!(
+                "no usable CUDA device: cuInit/cuDeviceGetCount failed ({})",
+                driver_error("cuDeviceGetCount", e)
+            ))
+        })?;
         Ok(usize::try_from(n).unwrap_or(0))
     }
 
@@ -126,7 +130,7 @@ impl CudaDevice {
         match Self::device_count() {
             Ok(0) => Some("no CUDA device (the driver reports 0 devices)".into()),
             Ok(_) => None,
-            Err(DeviceError::Driver(msg)) => Some(msg),
+            Err(DeviceError::Unavailable(msg)) => Some(msg),
             Err(e) => Some(e.to_string()),
         }
     }
@@ -137,7 +141,7 @@ impl CudaDevice {
     pub fn new(ordinal: usize) -> Result<Arc<CudaDevice>, DeviceError> {
         let count = Self::device_count()?;
         if ordinal >= count {
-            return Err(DeviceError::Driver(format!(
+            return Err(DeviceError::Unavailable(format!(
                 "no CUDA device {ordinal} (the driver reports {count} device(s))"
             )));
         }
@@ -194,7 +198,7 @@ impl CudaDevice {
     }
 
     /// Makes this device's context current on the calling thread (the driver's per-thread state).
-    fn bind(&self) -> Result<(), DeviceError> {
+    pub(crate) fn bind(&self) -> Result<(), DeviceError> {
         self.ctx.bind_to_thread().map_err(|e| driver_error("cuCtxSetCurrent", e))
     }
 }
@@ -249,9 +253,9 @@ impl Device for CudaDevice {
         if !ptr.is_multiple_of(SEGMENT_ALIGN) {
             // SAFETY: just allocated in the current context; never handed out.
             unsafe { result::mem_free(ptr) }?;
-            return Err(DeviceError::Driver(format!(
-                "cuMemAlloc returned {ptr:#x}, not {SEGMENT_ALIGN}-byte aligned"
-            )));
+            return Err(DeviceError::Unsupported(
+                "cuMemAlloc returned a pointer that is not 512-byte aligned",
+            ));
         }
         lock(&self.segments).insert(ptr, bytes);
         Ok(DeviceAddr(ptr))
@@ -399,20 +403,21 @@ mod tests {
     #[test]
     fn new_is_an_error_or_a_device_never_a_panic() {
         match (CudaDevice::new(0), CudaDevice::unavailable_reason()) {
-            (Err(e), Some(reason)) => assert_eq!(e, DeviceError::Driver(reason)),
+            (Err(e), Some(reason)) => assert_eq!(e, DeviceError::Unavailable(reason)),
             (Ok(dev), None) => assert_eq!(dev.ordinal(), 0),
             (a, b) => panic!("new(0) and unavailable_reason disagree: {:?} / {b:?}", a.err()),
         }
         if !CudaDevice::driver_present() {
-            assert_eq!(CudaDevice::device_count(), Err(DeviceError::Driver(NO_DRIVER.into())));
-            assert_eq!(CudaDevice::new(0).err(), Some(DeviceError::Driver(NO_DRIVER.into())));
+            let unavailable = DeviceError::Unavailable(NO_DRIVER.into());
+            assert_eq!(CudaDevice::device_count(), Err(unavailable.clone()));
+            assert_eq!(CudaDevice::new(0).err(), Some(unavailable));
         }
     }
 
     #[test]
     fn a_missing_ordinal_is_an_error() {
         let err = CudaDevice::new(usize::MAX).expect_err("no machine has usize::MAX GPUs");
-        let DeviceError::Driver(msg) = err else { panic!("unexpected error kind") };
+        let DeviceError::Unavailable(msg) = err else { panic!("unexpected error kind") };
         assert!(msg == NO_DRIVER || msg.starts_with("no "), "{msg}");
     }
 }

@@ -323,7 +323,10 @@ impl super::Device for SimDevice {
         };
         if injected || st.faults.fail_above.is_some_and(|limit| bytes > limit) {
             st.counters.failed_mallocs += 1;
-            return Err(DeviceError::Injected("reserve"));
+            return Err(DeviceError::Driver {
+                op: "reserve",
+                code: DeviceError::CUDA_ERROR_OUT_OF_MEMORY,
+            });
         }
         if bytes == 0 || bytes > self.config.capacity - st.mem.reserved {
             st.counters.failed_mallocs += 1;
@@ -415,7 +418,10 @@ impl super::Device for SimDevice {
         let target = st.event(event)?;
         st.counters.event_queries += 1;
         if st.faults.fail_event_query {
-            return Err(DeviceError::Injected("query_event"));
+            return Err(DeviceError::Driver {
+                op: "query_event",
+                code: DeviceError::CUDA_ERROR_UNKNOWN,
+            });
         }
         Ok(st.target_reached(target))
     }
