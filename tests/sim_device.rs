@@ -5,7 +5,7 @@
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
-use tidepool::device::{
+use tidepool::device::{Launch, 
     Access, AccessKind, Device, DeviceAddr, DeviceError, EventId, Kernel, KernelFailure,
     SimCounters, SimDevice, StreamId,
 };

@@ -9,7 +9,7 @@
 //! | [`Device::query_event`]    | `cuEventQuery`                  | has the stream passed the marker?    |
 //! | [`Device::wait_event`]     | `cuStreamWaitEvent`             | later work waits for the marker      |
 //! | [`Device::synchronize_event`] / [`Device::synchronize`] | `cuEventSynchronize` / `cuCtxSynchronize` | wait; a host sync |
-//! | [`Device::launch`]         | kernels, memcpy                 | a closure run in stream order        |
+//! | [`Launch::launch`]         | kernels, memcpy                 | a closure run in stream order        |
 //!
 //! Streams and events are small copyable ids; [`StreamId::DEFAULT`] exists from the start.
 //! The `note_*` hooks let a device with a stream-order sanitizer see what the allocator hands
@@ -235,12 +235,17 @@ pub trait Device: Send + Sync + 'static {
     /// Blocks the host until every stream is idle. A host sync.
     fn synchronize(&self) -> Result<(), DeviceError>;
 
-    /// Enqueues `kernel` on `stream`; returns at once.
-    fn launch(&self, stream: StreamId, kernel: Kernel) -> Result<(), DeviceError>;
-
     /// Sanitizer hook: the allocator hands `bytes` at `ptr` to `stream` for new use.
     fn note_handout(&self, _ptr: DeviceAddr, _bytes: u64, _stream: StreamId) {}
 
     /// Sanitizer hook: the allocator took `bytes` at `ptr` back from its user (freed on `stream`).
     fn note_reclaim(&self, _ptr: DeviceAddr, _bytes: u64, _stream: StreamId) {}
+}
+
+/// A device that runs host [`Kernel`]s in stream order: what the simulator and the eager layer's
+/// host back end need beyond [`Device`]. An allocator back end implements only [`Device`]
+/// ([`CudaDevice`] does; real kernels go through cudarc on its streams).
+pub trait Launch: Device {
+    /// Enqueues `kernel` on `stream`; returns at once.
+    fn launch(&self, stream: StreamId, kernel: Kernel) -> Result<(), DeviceError>;
 }

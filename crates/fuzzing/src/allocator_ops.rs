@@ -54,7 +54,7 @@ use std::collections::HashSet;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 use tidepool::BlockState;
-use tidepool::device::{
+use tidepool::device::{Launch, 
     Access, AccessKind, Device, DeviceAddr, DeviceError, Kernel, SimConfig, SimCounters, SimDevice,
     StreamId,
 };

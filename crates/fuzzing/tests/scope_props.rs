@@ -24,6 +24,7 @@
 
 use proptest::prelude::*;
 use std::sync::Arc;
+use tidepool::device::Launch;
 use tidepool::MIB;
 use tidepool::ScopedBuffer;
 use tidepool::{Allocator, Buffer, Config, SimDevice, StreamId};

@@ -25,8 +25,8 @@
 //!   destroyed when the device is dropped.
 //! - [`Device::release`] synchronises the context before `cuMemFree`, so a segment is never freed
 //!   under unfinished work (the trait promises the synchronisation `cuMemFree` may do anyway).
-//! - [`Device::launch`] of host [`Kernel`] closures is [`DeviceError::Unsupported`]: real kernels
-//!   are launched through cudarc on [`CudaDevice::stream`], with [`CudaBuffer`] arguments.
+//! - It implements [`Device`] only, not [`super::Launch`] (host kernel closures): real kernels are
+//!   launched through cudarc on [`CudaDevice::stream`], with `CudaBuffer` arguments.
 //! - `cuMemAlloc` guarantees 256-byte alignment; the trait promises 512. Segments the allocator
 //!   reserves are ≥ 2 MiB and land on the driver's 2 MiB pages, and a pointer that is not 512-byte
 //!   aligned is freed again and reported as an error rather than handed on.
@@ -384,14 +384,6 @@ impl Device for CudaDevice {
     fn synchronize(&self) -> Result<(), DeviceError> {
         self.bind()?;
         result::ctx_synchronize()
-    }
-
-    /// Host closures cannot run on a GPU: launch CUDA kernels through cudarc on
-    /// [`CudaDevice::stream`] instead.
-    fn launch(&self, _stream: StreamId, _kernel: Kernel) -> Result<(), DeviceError> {
-        Err(DeviceError::Unsupported(
-            "host kernels on a CUDA device (launch CUDA kernels through cudarc on CudaDevice::stream)",
-        ))
     }
 }
 

@@ -458,6 +458,22 @@ impl super::Device for SimDevice {
         Ok(())
     }
 
+    #[inline]
+    fn note_handout(&self, ptr: DeviceAddr, bytes: u64, stream: StreamId) {
+        if self.config.sanitize {
+            self.sanitize_handout(ptr, bytes, stream);
+        }
+    }
+
+    #[inline]
+    fn note_reclaim(&self, ptr: DeviceAddr, bytes: u64, stream: StreamId) {
+        if self.config.sanitize {
+            self.sanitize_reclaim(ptr, bytes, stream);
+        }
+    }
+}
+
+impl super::Launch for SimDevice {
     fn launch(&self, stream: StreamId, kernel: Kernel) -> Result<(), DeviceError> {
         let mut guard = self.state();
         let st = &mut *guard;
@@ -472,20 +488,6 @@ impl super::Device for SimDevice {
         self.shared.progress.notify_all();
         Self::after_check(found, panic);
         Ok(())
-    }
-
-    #[inline]
-    fn note_handout(&self, ptr: DeviceAddr, bytes: u64, stream: StreamId) {
-        if self.config.sanitize {
-            self.sanitize_handout(ptr, bytes, stream);
-        }
-    }
-
-    #[inline]
-    fn note_reclaim(&self, ptr: DeviceAddr, bytes: u64, stream: StreamId) {
-        if self.config.sanitize {
-            self.sanitize_reclaim(ptr, bytes, stream);
-        }
     }
 }
 
@@ -512,6 +514,7 @@ impl SimDevice {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::device::Launch;
     use crate::device::{Access, AccessKind, Device};
     use std::time::Duration;
 
