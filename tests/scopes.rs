@@ -4,7 +4,7 @@ use proptest::prelude::*;
 use std::sync::Arc;
 use std::sync::mpsc;
 use tidepool::MIB;
-use tidepool::device::{Launch, Access, AccessKind, Kernel, SimDevice};
+use tidepool::device::{Access, AccessKind, Kernel, Launch, SimDevice};
 use tidepool::{AllocError, Allocator, Buffer, Config, Device, DeviceAddr, Residency, StreamId};
 
 const S0: StreamId = StreamId::DEFAULT;

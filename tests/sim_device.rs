@@ -5,8 +5,8 @@
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
-use tidepool::device::{Launch, 
-    Access, AccessKind, Device, DeviceAddr, DeviceError, EventId, Kernel, KernelFailure,
+use tidepool::device::{
+    Access, AccessKind, Device, DeviceAddr, DeviceError, EventId, Kernel, KernelFailure, Launch,
     SimCounters, SimDevice, StreamId,
 };
 

@@ -9,7 +9,7 @@ use proptest::prelude::*;
 use std::sync::Arc;
 use std::time::Duration;
 use tidepool::MIB;
-use tidepool::device::{Launch, Access, AccessKind, Kernel, SimDevice};
+use tidepool::device::{Access, AccessKind, Kernel, Launch, SimDevice};
 use tidepool::{Allocator, Buffer, Config, Device, StreamId};
 
 #[derive(Clone, Debug)]

@@ -8,7 +8,7 @@
 
 use std::sync::{Arc, Barrier, Mutex};
 use tidepool::MIB;
-use tidepool::device::{Launch, Access, AccessKind, Kernel, SimDevice};
+use tidepool::device::{Access, AccessKind, Kernel, Launch, SimDevice};
 use tidepool::{Allocator, Buffer, Config, Device, MemoryStats, StreamId};
 
 const THREADS: usize = 4;

@@ -25,6 +25,14 @@ pub enum AllocError {
     Device(DeviceError),
     /// The configuration is inconsistent (from [`crate::Allocator::new`]).
     Config(ConfigError),
+    /// An adopted stream cannot be released while buffers allocated on it are live or wait on
+    /// events ([`crate::Allocator::release_stream`]).
+    StreamInUse {
+        /// The stream.
+        stream: StreamId,
+        /// Bytes of its blocks still in use.
+        bytes: u64,
+    },
 }
 
 /// Where memory was when an allocation ran out of it.
@@ -108,6 +116,11 @@ impl fmt::Display for AllocError {
             AllocError::OutOfMemory(report) => report.fmt(f),
             AllocError::Device(e) => write!(f, "device error: {e}"),
             AllocError::Config(e) => write!(f, "configuration error: {e}"),
+            AllocError::StreamInUse { stream, bytes } => write!(
+                f,
+                "cannot release {stream}: {} of buffers allocated on it are still live or wait on events; free them first",
+                Bytes(*bytes)
+            ),
         }
     }
 }
@@ -117,7 +130,9 @@ impl std::error::Error for AllocError {
         match self {
             AllocError::Device(e) => Some(e),
             AllocError::Config(e) => Some(e),
-            AllocError::InvalidSize { .. } | AllocError::OutOfMemory(_) => None,
+            AllocError::InvalidSize { .. }
+            | AllocError::OutOfMemory(_)
+            | AllocError::StreamInUse { .. } => None,
         }
     }
 }

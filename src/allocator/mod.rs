@@ -311,12 +311,33 @@ impl<D: Device> Allocator<D> {
 
     /// Returns to the device the free segments cached for `stream` (stranded memory of a stream
     /// that no longer allocates). Call it before destroying a stream.
+    ///
+    /// For a stream the application owns and the device adopted (`CudaDevice::adopt_stream`,
+    /// [`crate::SimDevice::adopt_stream`]), this also lets go of it: its work is drained and the
+    /// device forgets it, so the application may destroy it; later use of its id is
+    /// `UnknownStream`. That needs every buffer allocated on it freed first: while any is live
+    /// (or waits on events), the answer is [`AllocError::StreamInUse`] and nothing is released.
     pub fn release_stream(&self, stream: StreamId) -> Result<(), AllocError> {
         let sh = &self.shared;
+        let adopted = sh.device.is_adopted(stream);
         let mut st = sh.lock_state();
+        // Cached blocks go back to the pool first (what releasing does anyway), so that only
+        // blocks really in use count.
         sh.flush_stream(&mut st, stream, false);
         sh.process_events(&mut st);
-        sh.release_segments(&mut st, |s| s.key.stream == stream)
+        if adopted {
+            let in_use = sh.bytes_in_use_on(&st, stream);
+            if in_use > 0 {
+                return Err(AllocError::StreamInUse { stream, bytes: in_use });
+            }
+            sh.flush_stream(&mut st, stream, true);
+        }
+        sh.release_segments(&mut st, |s| s.key.stream == stream)?;
+        drop(st);
+        if adopted {
+            sh.device.destroy_stream(stream)?;
+        }
+        Ok(())
     }
 
     /// Returns the stream's cached segments to the device, then destroys the stream on the

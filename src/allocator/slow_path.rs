@@ -328,4 +328,16 @@ impl<D: Device> Shared<D> {
         // Readers that loaded the old table must retry.
         st.base.touch(&self.stats);
     }
+
+    /// Bytes of `stream`'s segments in blocks that are not free in the pool: allocated, or freed
+    /// and waiting on events (flush the stream's caches first, or their blocks count too).
+    pub(super) fn bytes_in_use_on(&self, st: &State, stream: StreamId) -> u64 {
+        st.pool
+            .segments()
+            .filter(|(_, seg)| seg.key.stream == stream)
+            .flat_map(|(id, _)| st.pool.segment_blocks(id))
+            .filter(|(_, b)| b.state != BlockState::Free)
+            .map(|(_, b)| b.size)
+            .sum()
+    }
 }

@@ -21,7 +21,9 @@ mod sim;
 
 #[cfg(feature = "cuda")]
 pub use cuda::{CudaDevice, NO_DRIVER};
-pub use sim::{KernelFailure, SIM_ALIGN, SIM_BASE, SimConfig, SimCounters, SimDevice, Violation};
+pub use sim::{
+    AppStream, KernelFailure, SIM_ALIGN, SIM_BASE, SimConfig, SimCounters, SimDevice, Violation,
+};
 
 pub use crate::types::{DeviceAddr, StreamId};
 use std::fmt;
@@ -125,6 +127,9 @@ pub enum DeviceError {
     UnknownStream(StreamId),
     /// The event does not exist.
     UnknownEvent(EventId),
+    /// The application tried to destroy a stream an allocator still has adopted: release it
+    /// first ([`crate::Allocator::release_stream`]).
+    StreamAdopted(StreamId),
     /// The pointer is not the start of a live segment.
     UnknownSegment(DeviceAddr),
     /// The device cannot run this kind of work (host kernels on a real GPU, say).
@@ -181,6 +186,10 @@ impl fmt::Display for DeviceError {
             DeviceError::Unavailable(why) => write!(f, "no usable device: {why}"),
             DeviceError::UnknownStream(s) => write!(f, "unknown {s}"),
             DeviceError::UnknownEvent(e) => write!(f, "unknown event {}", e.0),
+            DeviceError::StreamAdopted(s) => write!(
+                f,
+                "{s} is still adopted by an allocator: call Allocator::release_stream before destroying it"
+            ),
             DeviceError::UnknownSegment(p) => write!(f, "{p} is not the start of a live segment"),
             DeviceError::Unsupported(what) => write!(f, "unsupported on this device: {what}"),
             DeviceError::BadAccess { ptr, bytes } => {
@@ -211,8 +220,16 @@ pub trait Device: Send + Sync + 'static {
     /// Creates a stream.
     fn create_stream(&self) -> Result<StreamId, DeviceError>;
 
-    /// Destroys a stream after draining its work. The default stream cannot be destroyed.
+    /// Destroys a stream after draining its work. The default stream cannot be destroyed. An
+    /// adopted stream (one the application owns) is drained and forgotten, not destroyed: its
+    /// owner destroys it.
     fn destroy_stream(&self, stream: StreamId) -> Result<(), DeviceError>;
+
+    /// Whether `stream` is the application's, adopted (cudarc's `Arc<CudaStream>`, say), rather
+    /// than made by [`Device::create_stream`].
+    fn is_adopted(&self, _stream: StreamId) -> bool {
+        false
+    }
 
     /// Creates an event (timing disabled).
     fn create_event(&self) -> Result<EventId, DeviceError>;

@@ -54,9 +54,9 @@ use std::collections::HashSet;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 use tidepool::BlockState;
-use tidepool::device::{Launch, 
-    Access, AccessKind, Device, DeviceAddr, DeviceError, Kernel, SimConfig, SimCounters, SimDevice,
-    StreamId,
+use tidepool::device::{
+    Access, AccessKind, Device, DeviceAddr, DeviceError, Kernel, Launch, SimConfig, SimCounters,
+    SimDevice, StreamId,
 };
 use tidepool::{AllocError, OomReport, Scope, ScopedBuffer, SegmentInfo};
 use tidepool::{Allocator, Buffer, Config};
