@@ -15,7 +15,7 @@
 use std::sync::{Arc, Mutex, MutexGuard};
 use tidepool::cudarc::driver::{CudaFunction, CudaStream, LaunchConfig, PushKernelArg, result};
 use tidepool::cudarc::nvrtc::Ptx;
-use tidepool::device::{Device, DeviceError, Kernel, NO_DRIVER};
+use tidepool::device::{Device, DeviceError, NO_DRIVER};
 use tidepool::{AllocError, Allocator, Config, CrossStream, CudaBuffer, CudaDevice, StreamId};
 
 /// PTX of `KERNELS_CU`, produced by NVRTC 12.4 (`--gpu-architecture=compute_70`), comments
@@ -283,9 +283,15 @@ fn reserve_release_mem_info_round_trip() {
     // The driver's out-of-memory answer is the trait's OutOfMemory.
     let too_big = before.total * 2;
     assert_eq!(dev.reserve(too_big), Err(DeviceError::OutOfMemory { requested: too_big }));
-    // Host closures cannot run on a GPU.
-    let k = Kernel::sleep(std::time::Duration::ZERO);
-    assert!(matches!(dev.launch(StreamId::DEFAULT, k), Err(DeviceError::Unsupported(_))));
+    // A stream the application made with cudarc is adopted once, and let go of on release.
+    let own = dev.context().new_stream().unwrap();
+    let adopted = dev.adopt_stream(&own).unwrap();
+    assert_eq!(dev.adopt_stream(&own), Ok(adopted), "adopting again answers the same id");
+    assert!(dev.is_adopted(adopted));
+    assert_eq!(dev.stream_id(&own), Some(adopted));
+    dev.destroy_stream(adopted).unwrap();
+    assert!(!dev.is_adopted(adopted));
+    assert_eq!(dev.stream(adopted).err(), Some(DeviceError::UnknownStream(adopted)));
     // Streams: the default one exists, created ones map to cudarc streams, destroyed ones go.
     assert_eq!(dev.stream(StreamId::DEFAULT).unwrap().cu_stream(), std::ptr::null_mut());
     let s = dev.create_stream().unwrap();

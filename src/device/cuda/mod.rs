@@ -35,10 +35,10 @@
 
 pub(crate) mod result;
 
-use super::{Device, DeviceAddr, DeviceError, EventId, Kernel, MemInfo, StreamId};
+use super::{Device, DeviceAddr, DeviceError, EventId, MemInfo, StreamId};
 use cudarc::driver::{CudaContext, CudaStream, DriverError, sys};
 use result::RawEvent;
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
 /// What [`CudaDevice::new`] says where the driver library cannot be loaded.
@@ -70,6 +70,8 @@ pub struct CudaDevice {
 struct Streams {
     next: u32,
     live: HashMap<u32, Arc<CudaStream>>,
+    /// Ids of streams the application owns (adopted, not created here).
+    adopted: HashSet<u32>,
 }
 
 struct Events {
@@ -151,7 +153,11 @@ impl CudaDevice {
         Ok(Arc::new(CudaDevice {
             ctx,
             name,
-            streams: Mutex::new(Streams { next: 1, live: HashMap::from([(0, default)]) }),
+            streams: Mutex::new(Streams {
+                next: 1,
+                live: HashMap::from([(0, default)]),
+                adopted: HashSet::new(),
+            }),
             events: Mutex::new(Events { next: 0, live: HashMap::new(), pool: Vec::new() }),
             segments: Mutex::new(HashMap::new()),
         }))
@@ -174,7 +180,61 @@ impl CudaDevice {
         lock(&self.streams).live.get(&id.0).cloned().ok_or(DeviceError::UnknownStream(id))
     }
 
-    /// The tidepool id of a cudarc stream this device created (or of the null stream).
+    /// Lets tidepool use a stream the application made with cudarc: returns its [`StreamId`]
+    /// (the same id when adopted again, or the id tidepool already uses for it). Allocation,
+    /// freeing, `record_stream` and cross-stream reuse then work on it as on tidepool's own.
+    /// The device holds an `Arc` to it until an allocator lets go of it with
+    /// [`crate::Allocator::release_stream`] (which drains it); the application destroys it after.
+    ///
+    /// An error where the stream belongs to another context (device).
+    ///
+    /// ```no_run
+    /// use tidepool::{Allocator, Config, CudaBuffer, CudaDevice};
+    ///
+    /// let device = CudaDevice::new(0)?;
+    /// let alloc = Allocator::new(device.clone(), Config::default())?;
+    /// let stream = device.context().new_stream()?;       // the application's own stream
+    /// let id = device.adopt_stream(&stream)?;
+    /// let x = CudaBuffer::<f32>::alloc_zeros(&alloc, 1024, id)?;
+    /// let host = stream.clone_dtoh(&x)?;                   // any cudarc call on `stream`
+    /// assert_eq!(host, vec![0.0; 1024]);
+    /// drop(x);
+    /// alloc.release_stream(id)?;                           // before the application drops it
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn adopt_stream(&self, stream: &Arc<CudaStream>) -> Result<StreamId, DeviceError> {
+        if stream.context().cu_ctx() != self.ctx.cu_ctx() {
+            return Err(DeviceError::Unsupported("adopting a stream of another CUDA context"));
+        }
+        let mut streams = lock(&self.streams);
+        if let Some((&id, _)) =
+            streams.live.iter().find(|(_, s)| s.cu_stream() == stream.cu_stream())
+        {
+            return Ok(StreamId(id));
+        }
+        let id = streams.next;
+        streams.next += 1;
+        streams.live.insert(id, stream.clone());
+        streams.adopted.insert(id);
+        Ok(StreamId(id))
+    }
+
+    /// [`CudaDevice::adopt_stream`] for a raw `CUstream` owned by another library.
+    ///
+    /// # Safety
+    /// `cu_stream` must be a valid stream of this device's primary context, and its owner must
+    /// keep it alive until an allocator has let go of it ([`crate::Allocator::release_stream`]).
+    pub unsafe fn adopt_raw_stream(
+        &self,
+        cu_stream: sys::CUstream,
+    ) -> Result<StreamId, DeviceError> {
+        // SAFETY: the caller guarantees the stream is valid in this context and outlives its use
+        // here; the wrapper does not destroy the stream when dropped.
+        let wrapped = unsafe { self.ctx.wrap_borrowed_stream(cu_stream) };
+        self.adopt_stream(&wrapped)
+    }
+
+    /// The tidepool id of a cudarc stream this device created or adopted (or of the null stream).
     pub fn stream_id(&self, stream: &CudaStream) -> Option<StreamId> {
         let streams = lock(&self.streams);
         streams
@@ -292,15 +352,23 @@ impl Device for CudaDevice {
 
     /// Forgets the stream, then waits for its work. cudarc destroys it when the last `Arc` from
     /// [`CudaDevice::stream`] goes.
+    /// An adopted stream is drained and forgotten the same way; its owner destroys it.
     fn destroy_stream(&self, stream: StreamId) -> Result<(), DeviceError> {
         if stream == StreamId::DEFAULT {
             return Err(DeviceError::Unsupported("destroying the default stream"));
         }
-        let s =
-            lock(&self.streams).live.remove(&stream.0).ok_or(DeviceError::UnknownStream(stream))?;
+        let s = {
+            let mut streams = lock(&self.streams);
+            streams.adopted.remove(&stream.0);
+            streams.live.remove(&stream.0).ok_or(DeviceError::UnknownStream(stream))?
+        };
         self.bind()?;
         // SAFETY: `s` is a live stream of this context, kept alive by the `Arc` we hold.
         unsafe { result::stream_synchronize(s.cu_stream()) }
+    }
+
+    fn is_adopted(&self, stream: StreamId) -> bool {
+        lock(&self.streams).adopted.contains(&stream.0)
     }
 
     /// A pooled `CU_EVENT_DISABLE_TIMING` event, or a new one.
