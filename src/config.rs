@@ -1,7 +1,7 @@
 //! Allocator configuration: a [`Config`] struct, and the `TIDEPOOL_ALLOC_CONF` string in the style
 //! of `PYTORCH_CUDA_ALLOC_CONF` (`key:value,key:value`).
 //!
-//! Every key is listed in [`KEYS`]; an unknown key or a bad value is an error naming it (and, for
+//! Every key is listed in [`KEYS`] (`tidepool::CONFIG_KEYS`); an unknown key or a bad value is an error naming it (and, for
 //! an unknown key, listing the valid ones). Parsing never panics.
 
 use crate::pool::{MIB, Sizing};
@@ -116,7 +116,7 @@ pub const KEYS: &[(&str, &str)] = &[
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum ConfigError {
-    /// A key that is not in [`KEYS`].
+    /// A key that is not in [`KEYS`](crate::CONFIG_KEYS).
     UnknownKey(String),
     /// A known key with a value it does not accept.
     BadValue {

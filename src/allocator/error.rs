@@ -13,7 +13,7 @@ use std::fmt;
 #[non_exhaustive]
 pub enum AllocError {
     /// A request no device could satisfy (its rounding would overflow, or it exceeds
-    /// [`crate::pool::MAX_REQUEST`]).
+    /// [`crate::MAX_REQUEST`]).
     InvalidSize {
         /// The request, in bytes.
         requested: u64,

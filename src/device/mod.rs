@@ -261,7 +261,7 @@ pub trait Device: Send + Sync + 'static {
 
 /// A device that runs host [`Kernel`]s in stream order: what the simulator and the eager layer's
 /// host back end need beyond [`Device`]. An allocator back end implements only [`Device`]
-/// ([`CudaDevice`] does; real kernels go through cudarc on its streams).
+/// (`CudaDevice` does; real kernels go through cudarc on its streams).
 pub trait Launch: Device {
     /// Enqueues `kernel` on `stream`; returns at once.
     fn launch(&self, stream: StreamId, kernel: Kernel) -> Result<(), DeviceError>;

@@ -301,7 +301,7 @@ impl AppStream {
     }
 }
 
-/// Streams the application owns (the same entry points as [`super::CudaDevice`]'s, for tests
+/// Streams the application owns (the same entry points as `CudaDevice`'s, for tests
 /// without a GPU).
 impl SimDevice {
     /// Makes a stream the way an application would, outside tidepool. Allocators do not know it
