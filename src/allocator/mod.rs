@@ -27,6 +27,7 @@ mod error;
 mod events;
 mod fast_cache;
 mod history;
+mod observers;
 mod oom;
 mod owner;
 mod plan;
@@ -147,6 +148,7 @@ impl<D: Device> Allocator<D> {
             scope_counters: ScopeCounters::default(),
             lock_count: AtomicU64::new(0),
             recording: AtomicBool::new(false),
+            observers: observers::Observers::default(),
         });
         Ok(Allocator { owners: Arc::new(OwnerTable::new(&shared)), shared })
     }
@@ -191,7 +193,32 @@ impl<D: Device> Allocator<D> {
 
     /// Allocates `bytes` on `stream` with the given residency. Persistent and transient blocks
     /// never share a segment.
+    ///
+    /// When memory runs out, the out-of-memory observers are called with the report, then the
+    /// failure callback (if any) may free memory and ask for another attempt
+    /// ([`Allocator::attach_oom_observer`], [`Allocator::set_failure_callback`]).
     pub fn alloc_in(
+        &self,
+        bytes: u64,
+        stream: StreamId,
+        residency: Residency,
+    ) -> Result<Buffer<D>, AllocError> {
+        let mut attempt = 0;
+        loop {
+            match self.alloc_in_once(bytes, stream, residency) {
+                Err(AllocError::OutOfMemory(report)) => {
+                    attempt += 1;
+                    if !self.shared.observers.out_of_memory(&report, attempt) {
+                        return Err(AllocError::OutOfMemory(report));
+                    }
+                }
+                other => return other,
+            }
+        }
+    }
+
+    /// One attempt of [`Allocator::alloc_in`].
+    fn alloc_in_once(
         &self,
         bytes: u64,
         stream: StreamId,

@@ -10,6 +10,7 @@
 //! ```
 
 use super::history::{Action, History};
+use super::observers::Observers;
 use super::*;
 
 pub(crate) struct Shared<D: Device> {
@@ -30,6 +31,8 @@ pub(crate) struct Shared<D: Device> {
     pub(super) broken_skip_events: AtomicBool,
     /// Whether the memory history is recorded (then every operation takes the slow path).
     pub(super) recording: AtomicBool,
+    /// Out-of-memory observers and the failure callback (`observers.rs`).
+    pub(super) observers: Observers,
     /// Acquisitions of `state`'s lock, for tests proving the fast path skips it.
     pub(super) lock_count: AtomicU64,
     /// Learned plans of named scopes, by (name, stream). Taken before `state`, never inside it.
