@@ -34,6 +34,7 @@ mod interop;
 pub mod packing;
 mod pickle;
 mod pool;
+mod registry;
 mod stats;
 pub(crate) mod sync;
 mod types;
@@ -45,6 +46,7 @@ pub use allocator::{
 pub use config::{Config, ConfigError, CrossStream, ENV_VAR, KEYS as CONFIG_KEYS};
 pub use device::{Device, DeviceError, SimConfig, SimDevice};
 pub use pool::Sizing;
+pub use registry::Allocators;
 pub use stats::MemoryStats;
 pub use types::{
     BlockState, BlockStats, Bytes, DeviceAddr, GIB, KIB, MAX_REQUEST, MIB, PoolKind, Residency,
