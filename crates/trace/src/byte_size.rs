@@ -28,6 +28,25 @@ pub fn axis_unit(max: u64) -> (&'static str, f64) {
     }
 }
 
+/// Parses a byte count: a whole number with an optional unit, binary (`KiB`, `MiB`, `GiB`,
+/// `TiB`, or `K`, `M`, `G`, `T`) or `B`; no unit means bytes. `512MiB`, `4 GiB`, `1073741824`.
+pub fn parse_bytes(text: &str) -> Result<u64, String> {
+    let t = text.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let bad = || format!("`{text}` is not a byte count (e.g. 4GiB, 512MiB, 1048576)");
+    let n: u64 = num.parse().map_err(|_| bad())?;
+    let shift = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 0,
+        "k" | "kib" => 10,
+        "m" | "mib" => 20,
+        "g" | "gib" => 30,
+        "t" | "tib" => 40,
+        _ => return Err(bad()),
+    };
+    n.checked_mul(1u64 << shift).ok_or_else(|| format!("`{text}` is more than 2^64 bytes"))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -42,5 +61,18 @@ mod tests {
         assert_eq!(format_bytes(u64::MAX), "16.00 EiB");
         assert_eq!(axis_unit(5 << 30).0, "GiB");
         assert_eq!(axis_unit(5 << 20).0, "MiB");
+    }
+
+    #[test]
+    fn parses() {
+        assert_eq!(parse_bytes("1073741824"), Ok(1 << 30));
+        assert_eq!(parse_bytes("4GiB"), Ok(4 << 30));
+        assert_eq!(parse_bytes("512 MiB"), Ok(512 << 20));
+        assert_eq!(parse_bytes("2k"), Ok(2048));
+        assert_eq!(parse_bytes("7B"), Ok(7));
+        assert!(parse_bytes("").is_err());
+        assert!(parse_bytes("1.5GiB").is_err());
+        assert!(parse_bytes("3 parsecs").is_err());
+        assert!(parse_bytes("99999999999T").unwrap_err().contains("more than 2^64"));
     }
 }

@@ -127,26 +127,15 @@ impl AllocatorSettings {
         conf_entries(&self.conf).into_iter().rev().find(|(k, _)| *k == key).map(|(_, v)| v)
     }
 
-    /// One line for reports: `key value, key value, ...` (`roundup_power2_divisions` whose
-    /// intervals all hold the same value is written once).
+    /// One line for reports: `key value, key value, ...`.
     pub fn summary(&self) -> String {
-        let mut parts = Vec::new();
-        for (k, v) in &self.entries {
-            if k == "roundup_power2_divisions" {
-                parts.push(format!("{k} {}", self.roundup_summary()));
-            } else if k == "garbage_collection_threshold" {
-                parts.push(format!(
-                    "{k} {}",
-                    self.conf_value("garbage_collection_threshold").unwrap_or("0")
-                ));
-            } else {
-                parts.push(format!("{k} {v}"));
-            }
-        }
+        let parts: Vec<String> = self.entries.iter().map(|(k, v)| format!("{k} {v}")).collect();
         parts.join(", ")
     }
 
-    fn roundup_summary(&self) -> String {
+    /// `roundup_power2_divisions` as text: one number when every interval holds the same,
+    /// else `[interval:divisions ...]`; `-` when absent.
+    pub fn roundup_summary(&self) -> String {
         let r = &self.roundup_power2_divisions;
         match r.first() {
             None => "-".into(),
@@ -223,7 +212,10 @@ impl AllocatorSettings {
             .map(|(k, why)| format!("{k} ({why})"))
             .collect();
         if !no_effect.is_empty() {
-            notes.push(format!("no effect on a replay of device memory: {}", no_effect.join(", ")));
+            notes.push(format!(
+                "ignored, no effect on a replay of device memory: {}",
+                no_effect.join(", ")
+            ));
         }
         let unknown: Vec<&str> = self
             .entries
@@ -252,10 +244,10 @@ mod tests {
             entries: vec![
                 ("PYTORCH_CUDA_ALLOC_CONF".into(), format!("{conf:?}")),
                 ("expandable_segments".into(), expandable.to_string()),
-                ("garbage_collection_threshold".into(), "0.0".into()),
+                ("garbage_collection_threshold".into(), conf_gc(conf)),
                 ("max_split_size".into(), max_split.to_string()),
                 ("pinned_num_register_threads".into(), "1".into()),
-                ("roundup_power2_divisions".into(), "...".into()),
+                ("roundup_power2_divisions".into(), roundup_text(roundup)),
             ],
             conf: conf.into(),
             max_split_size: Some(max_split),
@@ -268,13 +260,26 @@ mod tests {
         }
     }
 
+    fn conf_gc(conf: &str) -> String {
+        let s = AllocatorSettings { conf: conf.into(), ..AllocatorSettings::default() };
+        s.conf_value("garbage_collection_threshold").unwrap_or("0").to_string()
+    }
+
+    fn roundup_text(r: &[u64]) -> String {
+        let s = AllocatorSettings {
+            roundup_power2_divisions: r.iter().map(|&v| (String::new(), v)).collect(),
+            ..AllocatorSettings::default()
+        };
+        s.roundup_summary()
+    }
+
     #[test]
     fn defaults_map_to_defaults() {
         let m = settings(-1, &[0, 0, 0], false, "").to_config();
         assert_eq!(m.config, "");
         assert_eq!(
             m.notes,
-            vec!["no effect on a replay of device memory: pinned_num_register_threads (pinned host memory)"]
+            vec!["ignored, no effect on a replay of device memory: pinned_num_register_threads (pinned host memory)"]
         );
     }
 

@@ -232,6 +232,15 @@ fn parse_segments(v: Option<&Value>) -> Result<BTreeMap<u32, Vec<Segment>>, Trac
     Ok(out)
 }
 
+/// `text` cut to `max` characters (settings are shown in full unless absurdly long).
+fn cut(text: &str, max: usize) -> String {
+    let mut out: String = text.chars().take(max).collect();
+    if text.chars().nth(max).is_some() {
+        out.push('…');
+    }
+    out
+}
+
 fn parse_settings(v: Option<&Value>) -> Result<Option<AllocatorSettings>, TraceError> {
     let map = match v {
         None | Some(Value::None) => return Ok(None),
@@ -273,7 +282,18 @@ fn parse_settings(v: Option<&Value>) -> Result<Option<AllocatorSettings>, TraceE
             }
             _ => {}
         }
-        s.entries.push((echo(k), echo(&text)));
+        s.entries.push((cut(k, 64), cut(&text, 256)));
+    }
+    // Floats were zeroed before decoding, and dicts have no short text: write those from what
+    // was read.
+    let gc = s.conf_value("garbage_collection_threshold").map(|v| cut(v, 64));
+    let roundup = s.roundup_summary();
+    for (k, v) in &mut s.entries {
+        match k.as_str() {
+            "garbage_collection_threshold" => *v = gc.clone().unwrap_or_else(|| "0".into()),
+            "roundup_power2_divisions" => *v = roundup.clone(),
+            _ => {}
+        }
     }
     Ok(Some(s))
 }
