@@ -170,13 +170,17 @@ impl fmt::Display for ErrorKind {
             ErrorKind::NotUtf8 => f.write_str("line is not valid UTF-8"),
             ErrorKind::BadPickle(e) => write!(f, "bad pickle: {e}"),
             ErrorKind::BadStructure(e) => write!(f, "not a PyTorch memory snapshot: {e}"),
-            ErrorKind::InputTooLarge { cap, decompressed } => write!(
-                f,
-                "{} is larger than the cap of {} ({cap} B); raise the cap with \
-                 `tidepool replay --max-input-size SIZE` (library: ReadOptions::max_input_bytes)",
-                if *decompressed { "decompressed input" } else { "input" },
-                crate::byte_size::format_bytes(*cap),
-            ),
+            ErrorKind::InputTooLarge { cap, decompressed } => {
+                let what = if *decompressed { "decompressed input" } else { "input" };
+                let size = crate::byte_size::format_bytes(*cap);
+                let exact = if *cap < 1024 { String::new() } else { format!(" ({cap} B)") };
+                write!(
+                    f,
+                    "{what} is larger than the cap of {size}{exact}; raise the cap with \
+                     `tidepool replay --max-input-size SIZE` (library: \
+                     ReadOptions::max_input_bytes)"
+                )
+            }
             ErrorKind::SeveralDevices(devices) => {
                 let list: Vec<String> = devices.iter().map(u32::to_string).collect();
                 write!(
