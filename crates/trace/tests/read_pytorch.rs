@@ -524,12 +524,12 @@ fn a_segment_list_says_what_it_is_and_what_to_record() {
     let e = read_trace_bytes(&pickle(&list)).unwrap_err();
     let text = e.to_string();
     assert!(
-        text.starts_with("input: not a PyTorch memory snapshot: the pickle is a list of 1 segments, as torch.cuda.memory_snapshot() returns"),
+        text.starts_with("input: not a PyTorch memory snapshot: the pickle is a list of 1 segment, as torch.cuda.memory_snapshot() returns"),
         "{text}"
     );
     assert!(text.contains("torch.cuda.memory._record_memory_history("), "{text}");
     let e = read_trace_bytes(&pickle(&Value::List(vec![Value::I64(1)]))).unwrap_err();
-    assert!(e.to_string().contains("the pickle is a list of 1 items, not a dict"), "{e}");
+    assert!(e.to_string().contains("the pickle is a list of 1 item, not a dict"), "{e}");
 }
 
 #[test]

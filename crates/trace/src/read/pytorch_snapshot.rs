@@ -150,19 +150,24 @@ fn list_message(items: &[Value]) -> String {
     let segment_like = |v: &Value| key(v, "total_size").is_some() || key(v, "blocks").is_some();
     if !items.is_empty() && items.iter().all(segment_like) {
         format!(
-            "the pickle is a list of {} segments, as torch.cuda.memory_snapshot() returns: the \
-             caching allocator's state with no allocation history, which cannot be replayed. \
-             Record a snapshot instead: {HOW_TO_RECORD}",
-            items.len()
+            "the pickle is a list of {}, as torch.cuda.memory_snapshot() returns: the caching \
+             allocator's state with no allocation history, which cannot be replayed. Record a \
+             snapshot instead: {HOW_TO_RECORD}",
+            count(items.len() as u64, "segment")
         )
     } else {
         format!(
-            "the pickle is a list of {} items, not a dict (torch.cuda.memory_snapshot() returns \
-             a list of segments, which cannot be replayed). Record a snapshot instead: \
+            "the pickle is a list of {}, not a dict (torch.cuda.memory_snapshot() returns a \
+             list of segments, which cannot be replayed). Record a snapshot instead: \
              {HOW_TO_RECORD}",
-            items.len()
+            count(items.len() as u64, "item")
         )
     }
+}
+
+/// `n things` (`1 thing`).
+fn count(n: u64, thing: &str) -> String {
+    if n == 1 { format!("1 {thing}") } else { format!("{n} {thing}s") }
 }
 
 /// An `active_allocated` block of a segment.
@@ -568,10 +573,10 @@ fn device_trace(
         info.reordered = entries.windows(2).filter(|w| w[1].time < w[0].time).count() as u64;
         if info.reordered > 0 {
             entries.sort_by_key(|e| e.time);
-            info.notes.push(format!(
-                "{} entries were out of time_us order and were put in order",
-                info.reordered
-            ));
+            info.notes.push(match info.reordered {
+                1 => "1 entry was out of time_us order and was put in order".into(),
+                n => format!("{n} entries were out of time_us order and were put in order"),
+            });
         }
     }
     let free_action = if entries.iter().any(|e| e.action == Action::Free) {
@@ -700,8 +705,8 @@ fn device_trace(
         info.notes.push(format!(
             "no allocation history: the snapshot was taken without \
              torch.cuda.memory._record_memory_history(), so this is the static picture at the \
-             snapshot ({} blocks live, tagged persistent). To replay the workload, {HOW_TO_RECORD}",
-            trace.pre_window.live_blocks
+             snapshot ({} live, tagged persistent). To replay the workload, {HOW_TO_RECORD}",
+            count(trace.pre_window.live_blocks, "block")
         ));
     }
     trace.snapshot = Some(info);
