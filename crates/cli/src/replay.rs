@@ -63,11 +63,7 @@ impl ReplayArgs {
 
     /// Replay options with `config` as the allocator configuration.
     fn options(&self, config: Option<String>) -> ReplayOptions {
-        ReplayOptions {
-            repeats: self.repeats as usize,
-            config,
-            timeline: self.svg.is_some(),
-        }
+        ReplayOptions { repeats: self.repeats as usize, config, timeline: self.svg.is_some() }
     }
 }
 
@@ -121,15 +117,18 @@ fn select(all: Vec<Box<dyn Policy>>, names: &[String]) -> Result<Vec<Box<dyn Pol
 /// The traces to replay: every device, or the one `--device` names.
 fn pick_device(cmd: &ReplayArgs, traces: Vec<Trace>) -> Result<Vec<Trace>, String> {
     let Some(want) = cmd.device else { return Ok(traces) };
-    let devices: Vec<u32> = traces.iter().filter_map(|t| t.snapshot.as_ref()).map(|s| s.device).collect();
+    let devices: Vec<u32> =
+        traces.iter().filter_map(|t| t.snapshot.as_ref()).map(|s| s.device).collect();
     if devices.is_empty() {
         return Err(format!(
             "{}: --device applies to PyTorch snapshots; this trace has no devices",
             cmd.trace.display()
         ));
     }
-    let kept: Vec<Trace> =
-        traces.into_iter().filter(|t| t.snapshot.as_ref().is_some_and(|s| s.device == want)).collect();
+    let kept: Vec<Trace> = traces
+        .into_iter()
+        .filter(|t| t.snapshot.as_ref().is_some_and(|s| s.device == want))
+        .collect();
     if kept.is_empty() {
         let list: Vec<String> = devices.iter().map(u32::to_string).collect();
         return Err(format!(
@@ -175,7 +174,8 @@ fn config_for(cmd: &ReplayArgs, trace: &Trace) -> Result<(Option<String>, Vec<St
 fn svg_path(path: &Path, device: Option<u32>, several: bool) -> PathBuf {
     match device {
         Some(d) if several => {
-            let stem = path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
+            let stem =
+                path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
             let ext = path.extension().map(|e| e.to_string_lossy().into_owned());
             let name = match ext {
                 Some(ext) => format!("{stem}.device{d}.{ext}"),

@@ -186,7 +186,6 @@ impl Report {
         out
     }
 
-
     /// The JSON object described in the module docs (one line).
     pub fn to_json(&self) -> String {
         let live = self.peak_live_bytes;
@@ -211,9 +210,11 @@ impl Report {
                 ratio_to_peak_live: ratio_to_live(live, s.reserved.peak),
                 fragmentation: fragmentation(live, s.reserved.peak),
             }),
-            allocator_settings: self.snapshot.as_ref().and_then(|s| s.settings.as_ref()).map(
-                |set| set.entries.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect(),
-            ),
+            allocator_settings: self
+                .snapshot
+                .as_ref()
+                .and_then(|s| s.settings.as_ref())
+                .map(|set| set.entries.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect()),
             notes: self
                 .snapshot
                 .iter()
@@ -256,7 +257,11 @@ impl Report {
         ];
         let live = self.peak_live_bytes;
         let ratio = |reserved: u64| {
-            if live == 0 { "-".to_string() } else { format!("{:.3}", ratio_to_live(live, reserved)) }
+            if live == 0 {
+                "-".to_string()
+            } else {
+                format!("{:.3}", ratio_to_live(live, reserved))
+            }
         };
         let mut rows: Vec<[String; 9]> = vec![header.map(String::from)];
         for p in &self.policies {

@@ -239,7 +239,12 @@ impl AllocatorSettings {
 mod tests {
     use super::*;
 
-    fn settings(max_split: i128, roundup: &[u64], expandable: bool, conf: &str) -> AllocatorSettings {
+    fn settings(
+        max_split: i128,
+        roundup: &[u64],
+        expandable: bool,
+        conf: &str,
+    ) -> AllocatorSettings {
         AllocatorSettings {
             entries: vec![
                 ("PYTORCH_CUDA_ALLOC_CONF".into(), format!("{conf:?}")),
@@ -279,7 +284,9 @@ mod tests {
         assert_eq!(m.config, "");
         assert_eq!(
             m.notes,
-            vec!["ignored, no effect on a replay of device memory: pinned_num_register_threads (pinned host memory)"]
+            vec![
+                "ignored, no effect on a replay of device memory: pinned_num_register_threads (pinned host memory)"
+            ]
         );
     }
 

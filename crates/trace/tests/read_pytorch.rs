@@ -223,7 +223,10 @@ fn fixture_round_trip() {
     // After the last event; the 20 MiB segment_free comes after it.
     assert_eq!(s.reserved.timeline.last(), Some(&(22 << 20)));
     // The empty second device is not a trace.
-    assert_eq!(read_traces(&fixture("pytorch_snapshot.pickle"), &ReadOptions::default()).unwrap().len(), 1);
+    assert_eq!(
+        read_traces(&fixture("pytorch_snapshot.pickle"), &ReadOptions::default()).unwrap().len(),
+        1
+    );
     // Gzipped snapshots are sniffed too.
     let raw = std::fs::read(fixture("pytorch_snapshot.pickle")).unwrap();
     let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
@@ -246,22 +249,23 @@ fn multi_device_fixture() {
     // the `train_step` scope around Z. Streams: S1 -> 1 (first seen), default 0, S2 -> 2.
     let i0 = d0.snapshot.as_ref().unwrap();
     assert_eq!((i0.device, i0.history, i0.entries, i0.reordered), (0, true, 15, 0));
-    let enter = Event { op: Op::ScopeEnter, id: 0, bytes: 0, stream: 0, tag: Tag::Act, scope: Some(0) };
+    let enter =
+        Event { op: Op::ScopeEnter, id: 0, bytes: 0, stream: 0, tag: Tag::Act, scope: Some(0) };
     let exit = Event { op: Op::ScopeExit, ..enter.clone() };
     assert_eq!(
         d0.events,
         vec![
             Event::alloc(5, 4_000_000, 0, Tag::Param), // W1: live at the start and the end
-            Event::alloc(3, MIB, 0, Tag::Act),        // EARLY: freed in the window
-            Event::alloc(0, 500, 1, Tag::Act),        // Y on S1
-            Event::alloc(1, 2 * MIB, 0, Tag::Act),    // X
+            Event::alloc(3, MIB, 0, Tag::Act),         // EARLY: freed in the window
+            Event::alloc(0, 500, 1, Tag::Act),         // Y on S1
+            Event::alloc(1, 2 * MIB, 0, Tag::Act),     // X
             enter,
-            Event::alloc(2, 6_000_000, 2, Tag::Act),  // Z on S2 (segment_map before it)
-            Event::free(2, 6_000_000, 2, Tag::Act),   // free_completed
+            Event::alloc(2, 6_000_000, 2, Tag::Act), // Z on S2 (segment_map before it)
+            Event::free(2, 6_000_000, 2, Tag::Act),  // free_completed
             Event::free(3, MIB, 0, Tag::Act),
             exit,
-            Event::alloc(4, 3 * MIB, 0, Tag::Act),    // Q
-            Event::free(4, 3 * MIB, 0, Tag::Act),     // a plain `free`
+            Event::alloc(4, 3 * MIB, 0, Tag::Act), // Q
+            Event::free(4, 3 * MIB, 0, Tag::Act),  // a plain `free`
         ]
     );
     assert_eq!(d0.scope_names, vec!["train_step".to_string()]);
@@ -520,7 +524,8 @@ fn snapshots_with_nothing_in_them_are_refused_with_how_to_record() {
 #[test]
 fn a_segment_list_says_what_it_is_and_what_to_record() {
     // What pickle.dump(torch.cuda.memory_snapshot(), f) writes: a list of segments.
-    let list = Value::List(vec![segment(0, 0x1000, 4096, vec![block(4096, 4000, "active_allocated")])]);
+    let list =
+        Value::List(vec![segment(0, 0x1000, 4096, vec![block(4096, 4000, "active_allocated")])]);
     let e = read_trace_bytes(&pickle(&list)).unwrap_err();
     let text = e.to_string();
     assert!(
@@ -565,7 +570,8 @@ fn annotations_become_scopes_only_when_they_pair_up() {
         ]))
     };
     // START at 15, END at 30: the scope holds the alloc at 20 and the free at 30.
-    let t = read_trace_bytes(&snap(vec![ann("START", "step", 15), ann("END", "step", 30)])).unwrap();
+    let t =
+        read_trace_bytes(&snap(vec![ann("START", "step", 15), ann("END", "step", 30)])).unwrap();
     let ops: Vec<Op> = t.events.iter().map(|e| e.op).collect();
     assert_eq!(ops, [Op::Alloc, Op::ScopeEnter, Op::Alloc, Op::Free, Op::ScopeExit]);
     // An END without START is skipped; a START without END runs to the end.
@@ -638,7 +644,10 @@ fn malformed_snapshots() {
         ])))
         .unwrap_err()
     };
-    assert_eq!(bad_segments(Value::I64(1)), TraceError::input(structure("`segments` is not a list")));
+    assert_eq!(
+        bad_segments(Value::I64(1)),
+        TraceError::input(structure("`segments` is not a list"))
+    );
     assert_eq!(
         bad_segments(Value::List(vec![dict(vec![("device", Value::I64(0))])])),
         TraceError::input(structure("segments[0]: missing key `address`"))
@@ -702,7 +711,10 @@ fn malformed_snapshots() {
     if let Value::Dict(m) = &mut bad_time {
         m.insert(HashableValue::String("time_us".into()), s("noon"));
     }
-    assert_eq!(read(vec![vec![bad_time]]).unwrap_err(), at(0, 0, structure("`time_us` is not an integer")));
+    assert_eq!(
+        read(vec![vec![bad_time]]).unwrap_err(),
+        at(0, 0, structure("`time_us` is not an integer"))
+    );
     let e = read(vec![vec![entry("alloc", 16, 1), entry("alloc", 16, 1)]]).unwrap_err();
     assert_eq!(e, at(0, 1, ErrorKind::AllocOfLiveAddress(16)));
     assert_eq!(e.to_string(), "device 0 entry 1: allocate at live address 0x10");
@@ -730,7 +742,10 @@ fn input_is_capped() {
     assert!(bomb.len() < 100 << 10, "{}", bomb.len());
     let e = read_traces_bytes(&bomb, &ReadOptions { max_input_bytes: 1 << 20 }).unwrap_err();
     assert_eq!(e, TraceError::input(ErrorKind::InputTooLarge { cap: 1 << 20, decompressed: true }));
-    assert!(e.to_string().starts_with("input: decompressed input is larger than the cap of 1.00 MiB"), "{e}");
+    assert!(
+        e.to_string().starts_with("input: decompressed input is larger than the cap of 1.00 MiB"),
+        "{e}"
+    );
     // Exactly at the cap is fine.
     let csv = b"seq,op,id,bytes,stream,tag\n0,alloc,1,1,0,act\n";
     let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());

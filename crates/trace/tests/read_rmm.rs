@@ -91,7 +91,7 @@ fn frees_of_blocks_allocated_before_the_log_are_live_from_the_start() {
     assert_eq!(
         t.events,
         vec![
-            Event::alloc(1, 100, 1, Tag::Act),  // 0x20, allocated before the log
+            Event::alloc(1, 100, 1, Tag::Act), // 0x20, allocated before the log
             Event::alloc(3, 1000, 0, Tag::Act), // 0x40
             Event::alloc(0, 8, 0, Tag::Act),
             Event::free(1, 100, 1, Tag::Act),

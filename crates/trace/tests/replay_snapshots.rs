@@ -113,7 +113,9 @@ fn reports_show_the_recorded_row_skipped_kinds_and_settings() {
     ] {
         assert!(table.contains(line), "missing {line:?} in\n{table}");
     }
-    assert!(table.contains("allocator_settings: PYTORCH_CUDA_ALLOC_CONF \"expandable_segments:True"));
+    assert!(
+        table.contains("allocator_settings: PYTORCH_CUDA_ALLOC_CONF \"expandable_segments:True")
+    );
     let json: serde_json::Value = serde_json::from_str(&r.to_json()).unwrap();
     assert_eq!(json["device"], 0);
     assert_eq!(json["history"], true);

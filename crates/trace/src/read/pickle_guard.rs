@@ -426,7 +426,8 @@ impl Scan<'_> {
             // Every arm that falls through here, except PROTO and FRAME, yields one scalar.
             if !matches!(op, 0x80 | 0x95) {
                 self.stack.push(Item::Leaf(weight));
-                let short_text = matches!(op, 0x8c | b'X' | 0x8d) && self.pos - op_start <= MAX_INLINE;
+                let short_text =
+                    matches!(op, 0x8c | b'X' | 0x8d) && self.pos - op_start <= MAX_INLINE;
                 self.last_string = short_text.then(|| (op_start..self.pos, self.stack.len()));
             }
         }

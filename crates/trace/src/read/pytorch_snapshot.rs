@@ -444,9 +444,7 @@ fn parse_entry(device: usize, index: usize, entry: &Value) -> Result<Entry<'_>, 
     };
     let time = match key(entry, "time_us") {
         None | Some(Value::None) => None,
-        Some(v) => {
-            Some(as_i128(v).ok_or_else(|| structure("`time_us` is not an integer".into()))?)
-        }
+        Some(v) => Some(as_i128(v).ok_or_else(|| structure("`time_us` is not an integer".into()))?),
     };
     let (addr, size, stream) = if action == Action::Marker {
         (0, 0, 0)
@@ -489,11 +487,23 @@ impl<'a> Scopes<'a> {
     }
 
     /// Emits the markers due before an entry at `time` (all remaining ones when `None`).
-    fn emit(&mut self, time: Option<i128>, trace: &mut Trace, out: &mut Vec<(Event, i128)>, at: i128) {
+    fn emit(
+        &mut self,
+        time: Option<i128>,
+        trace: &mut Trace,
+        out: &mut Vec<(Event, i128)>,
+        at: i128,
+    ) {
         while let Some(&(t, start, name)) = self.pending.get(self.next) {
             let due = match time {
                 None => true,
-                Some(now) => if start { t <= now } else { t < now },
+                Some(now) => {
+                    if start {
+                        t <= now
+                    } else {
+                        t < now
+                    }
+                }
             };
             if !due {
                 break;
