@@ -57,7 +57,7 @@ pub struct ReplayArgs {
 }
 
 impl ReplayArgs {
-    fn from_snapshot(&self) -> bool {
+    fn config_from_snapshot(&self) -> bool {
         self.config.as_deref() == Some(FROM_SNAPSHOT)
     }
 
@@ -70,7 +70,7 @@ impl ReplayArgs {
 /// Runs the subcommand; returns the exit code (1 runtime error, 2 usage error).
 pub fn run(cmd: &ReplayArgs, out: &mut dyn Write, err: &mut dyn Write) -> i32 {
     // Usage errors (unknown policy, bad configuration) before reading anything.
-    let config = if cmd.from_snapshot() { None } else { cmd.config.clone() };
+    let config = if cmd.config_from_snapshot() { None } else { cmd.config.clone() };
     let all = match registry(&cmd.options(config)) {
         Ok(all) => all,
         Err(e) => return usage_error(err, &e.to_string()),
@@ -142,7 +142,7 @@ fn pick_device(cmd: &ReplayArgs, traces: Vec<Trace>) -> Result<Vec<Trace>, Strin
 
 /// The configuration one trace replays under, and notes saying where it came from.
 fn config_for(cmd: &ReplayArgs, trace: &Trace) -> Result<(Option<String>, Vec<String>), String> {
-    if !cmd.from_snapshot() {
+    if !cmd.config_from_snapshot() {
         return Ok((cmd.config.clone(), Vec::new()));
     }
     let Some(info) = &trace.snapshot else {

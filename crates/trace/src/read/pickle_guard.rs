@@ -428,7 +428,7 @@ impl Scan<'_> {
                 self.stack.push(Item::Leaf(weight));
                 let short_text =
                     matches!(op, 0x8c | b'X' | 0x8d) && self.pos - op_start <= MAX_INLINE;
-                self.last_string = short_text.then(|| (op_start..self.pos, self.stack.len()));
+                self.last_string = short_text.then_some((op_start..self.pos, self.stack.len()));
             }
         }
     }
