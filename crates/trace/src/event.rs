@@ -152,8 +152,10 @@ impl Trace {
 
     /// Counts one skipped input record of `kind`.
     pub(crate) fn skip(&mut self, kind: &str) {
-        let n = self.skipped.entry(kind.to_string()).or_insert(0);
-        *n = n.saturating_add(1);
+        match self.skipped.get_mut(kind) {
+            Some(n) => *n = n.saturating_add(1),
+            None => _ = self.skipped.insert(kind.to_string(), 1),
+        }
     }
 
     /// Number of alloc events.

@@ -364,6 +364,10 @@ pub fn from_value(value: &Value, name: &str) -> Result<Vec<Trace>, TraceError> {
     for i in 0..devices.len() {
         indices.insert(u32::try_from(i).map_err(|_| bad("more than 2^32 devices".into()))?);
     }
+    let mut by_device: BTreeMap<u64, Vec<&Annotation>> = BTreeMap::new();
+    for a in &annotations {
+        by_device.entry(a.device).or_default().push(a);
+    }
     let mut traces = Vec::new();
     for d in indices {
         let entries: &[Value] = match devices.get(d as usize) {
@@ -375,9 +379,8 @@ pub fn from_value(value: &Value, name: &str) -> Result<Vec<Trace>, TraceError> {
         if entries.is_empty() && segs.is_empty() {
             continue;
         }
-        let anns: Vec<&Annotation> =
-            annotations.iter().filter(|a| a.device == u64::from(d)).collect();
-        let input = DeviceInput { device: d, entries, segments: segs, annotations: &anns };
+        let anns = by_device.get(&u64::from(d)).map(Vec::as_slice).unwrap_or(&[]);
+        let input = DeviceInput { device: d, entries, segments: segs, annotations: anns };
         traces.push(device_trace(&input, settings.as_ref(), name)?);
     }
     if traces.is_empty() {
@@ -476,6 +479,8 @@ struct Scopes<'a> {
     /// Names of open annotations nested in it (skipped).
     nested: Vec<&'a str>,
     instances: u64,
+    /// Scope name -> index in `scope_names`.
+    index: HashMap<&'a str, u32>,
 }
 
 impl<'a> Scopes<'a> {
@@ -483,7 +488,14 @@ impl<'a> Scopes<'a> {
         let mut pending: Vec<(i128, bool, &str)> =
             annotations.iter().map(|a| (a.time, a.start, a.name.as_str())).collect();
         pending.sort_by_key(|&(t, _, _)| t);
-        Scopes { pending, next: 0, open: None, nested: Vec::new(), instances: 0 }
+        Scopes {
+            pending,
+            next: 0,
+            open: None,
+            nested: Vec::new(),
+            instances: 0,
+            index: HashMap::new(),
+        }
     }
 
     /// Emits the markers due before an entry at `time` (all remaining ones when `None`).
@@ -515,14 +527,10 @@ impl<'a> Scopes<'a> {
                     trace.skip("external_annotations (nested)");
                     continue;
                 }
-                let index = match trace.scope_names.iter().position(|n| n == name) {
-                    Some(i) => i,
-                    None => {
-                        trace.scope_names.push(name.to_string());
-                        trace.scope_names.len() - 1
-                    }
-                };
-                let index = u32::try_from(index).unwrap_or(u32::MAX);
+                let index = *self.index.entry(name).or_insert_with(|| {
+                    trace.scope_names.push(name.to_string());
+                    u32::try_from(trace.scope_names.len() - 1).unwrap_or(u32::MAX)
+                });
                 let id = self.instances;
                 self.instances += 1;
                 self.open = Some((index, id, name));
