@@ -4,11 +4,11 @@
 //! per [`StatGroup`]: the whole allocator, the small and the large pool, and persistent and
 //! transient residency. One change updates three cells: `all`, its pool and its residency.
 
-pub use crate::types::{BlockStats, PoolKind, Residency, Stat, StatGroup};
-use std::fmt;
+pub use crate::types::{BlockStats, Bytes, PoolKind, Residency, Stat, StatGroup};
 
 /// Everything [`crate::Allocator::stats`] reports.
 #[derive(Clone, Debug, Default, PartialEq)]
+#[non_exhaustive]
 pub struct MemoryStats {
     /// Block-level figures (allocated, reserved, active, inactive split, requested, counts).
     pub blocks: BlockStats,
@@ -52,25 +52,6 @@ impl MemoryStats {
             return 0.0;
         }
         1.0 - self.blocks.requested_bytes.all.peak as f64 / reserved as f64
-    }
-}
-
-/// Formats a byte count the way `memory_summary` does: `512 B`, `1.50 KiB`, `20.00 MiB`, ...
-pub struct Bytes(pub u64);
-
-impl fmt::Display for Bytes {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        const UNITS: [&str; 5] = ["KiB", "MiB", "GiB", "TiB", "PiB"];
-        if self.0 < 1024 {
-            return f.pad(&format!("{} B", self.0));
-        }
-        let mut v = self.0 as f64 / 1024.0;
-        let mut unit = 0;
-        while v >= 1024.0 && unit + 1 < UNITS.len() {
-            v /= 1024.0;
-            unit += 1;
-        }
-        f.pad(&format!("{v:.2} {}", UNITS[unit]))
     }
 }
 

@@ -13,7 +13,6 @@ use std::path::{Path, PathBuf};
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 use tidepool_trace::Trace;
-use tidepool_trace::byte_size::parse_bytes;
 use tidepool_trace::plot::write_svg;
 use tidepool_trace::policy::{Policy, ReplayOptions, registry};
 use tidepool_trace::read::{DEFAULT_MAX_INPUT, ReadOptions, read_traces};
@@ -170,6 +169,25 @@ fn config_for(cmd: &ReplayArgs, trace: &Trace) -> Result<(Option<String>, Vec<St
     Ok((Some(mapping.config), notes))
 }
 
+/// Parses a byte count: a whole number with an optional unit, binary (`KiB`, `MiB`, `GiB`,
+/// `TiB`, or `K`, `M`, `G`, `T`) or `B`; no unit means bytes. `512MiB`, `4 GiB`, `1073741824`.
+pub fn parse_bytes(text: &str) -> Result<u64, String> {
+    let t = text.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let bad = || format!("`{text}` is not a byte count (e.g. 4GiB, 512MiB, 1048576)");
+    let n: u64 = num.parse().map_err(|_| bad())?;
+    let shift = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 0,
+        "k" | "kib" => 10,
+        "m" | "mib" => 20,
+        "g" | "gib" => 30,
+        "t" | "tib" => 40,
+        _ => return Err(bad()),
+    };
+    n.checked_mul(1u64 << shift).ok_or_else(|| format!("`{text}` is more than 2^64 bytes"))
+}
+
 /// `path` for one device of several: `out.svg` → `out.device1.svg`.
 fn svg_path(path: &Path, device: Option<u32>, several: bool) -> PathBuf {
     match device {
@@ -240,6 +258,19 @@ fn replay(cmd: &ReplayArgs, n_policies: usize, out: &mut dyn Write) -> Result<()
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn byte_counts() {
+        assert_eq!(parse_bytes("1073741824"), Ok(1 << 30));
+        assert_eq!(parse_bytes("4GiB"), Ok(4 << 30));
+        assert_eq!(parse_bytes("512 MiB"), Ok(512 << 20));
+        assert_eq!(parse_bytes("2k"), Ok(2048));
+        assert_eq!(parse_bytes("7B"), Ok(7));
+        assert!(parse_bytes("").is_err());
+        assert!(parse_bytes("1.5GiB").is_err());
+        assert!(parse_bytes("3 parsecs").is_err());
+        assert!(parse_bytes("99999999999T").unwrap_err().contains("more than 2^64"));
+    }
 
     #[test]
     fn svg_names_per_device() {

@@ -172,7 +172,7 @@ impl fmt::Display for ErrorKind {
             ErrorKind::BadStructure(e) => write!(f, "not a PyTorch memory snapshot: {e}"),
             ErrorKind::InputTooLarge { cap, decompressed } => {
                 let what = if *decompressed { "decompressed input" } else { "input" };
-                let size = crate::byte_size::format_bytes(*cap);
+                let size = tidepool::Bytes(*cap);
                 let exact = if *cap < 1024 { String::new() } else { format!(" ({cap} B)") };
                 write!(
                     f,

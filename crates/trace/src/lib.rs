@@ -8,7 +8,6 @@
 //!  file ─► read ─► Trace ─► runner ─► Policy × repeats ─► Report ─► table | JSON | SVG
 //! ```
 
-pub mod byte_size;
 mod error;
 mod event;
 /// The offline planner's packing, from the core crate (its learned scope plans use it too).

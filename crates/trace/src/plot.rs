@@ -11,7 +11,6 @@ use std::path::Path;
 
 use plotters::prelude::*;
 
-use super::byte_size::axis_unit;
 use super::report::Report;
 
 /// Most points drawn per line.
@@ -102,6 +101,17 @@ pub fn write_svg(report: &Report, path: &Path) -> Result<(), String> {
         .map_err(|e| err(&e))?;
     root.present().map_err(|e| err(&e))?;
     Ok(())
+}
+
+/// A unit (name, bytes per unit) suited to axis labels up to `max` bytes: MiB below 1 GiB,
+/// else GiB (KiB / B for tiny traces).
+pub fn axis_unit(max: u64) -> (&'static str, f64) {
+    match max {
+        m if m >= 1 << 30 => ("GiB", (1u64 << 30) as f64),
+        m if m >= 1 << 20 => ("MiB", (1u64 << 20) as f64),
+        m if m >= 1 << 10 => ("KiB", 1024.0),
+        _ => ("B", 1.0),
+    }
 }
 
 #[cfg(test)]

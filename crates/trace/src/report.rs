@@ -23,10 +23,10 @@ use std::fmt::Write as _;
 
 use serde::Serialize;
 
-use super::byte_size::format_bytes;
 use super::event::{PreWindow, Trace};
 use super::policy::PolicyResult;
 use super::snapshot::SnapshotInfo;
+use tidepool::Bytes;
 
 /// Name of the report row with PyTorch's own reserved memory.
 pub const RECORDED_ROW: &str = "pytorch (recorded)";
@@ -152,9 +152,9 @@ impl Report {
                 "allocated before the recording, live from its start: {} still live at its end \
                  ({}, tagged persistent), {} freed in it ({})",
                 blocks(w.live_blocks),
-                format_bytes(w.live_bytes),
+                Bytes(w.live_bytes),
                 blocks(w.freed_blocks),
-                format_bytes(w.freed_bytes)
+                Bytes(w.freed_bytes)
             ));
         }
         if !self.skipped.is_empty() {
@@ -267,9 +267,9 @@ impl Report {
         for p in &self.policies {
             rows.push([
                 p.name.clone(),
-                format_bytes(p.peak_reserved_bytes),
+                Bytes(p.peak_reserved_bytes).to_string(),
                 ratio(p.peak_reserved_bytes),
-                format_bytes(p.peak_allocated_bytes),
+                Bytes(p.peak_allocated_bytes).to_string(),
                 format!(
                     "{:.1}%",
                     100.0 * fragmentation(self.peak_live_bytes, p.peak_reserved_bytes)
@@ -284,7 +284,7 @@ impl Report {
             let peak = s.reserved.peak;
             rows.push([
                 RECORDED_ROW.into(),
-                format_bytes(peak),
+                Bytes(peak).to_string(),
                 ratio(peak),
                 "-".into(),
                 format!("{:.1}%", 100.0 * fragmentation(live, peak)),
@@ -296,9 +296,9 @@ impl Report {
         }
         rows.push([
             "lower bound".into(),
-            format_bytes(live),
+            Bytes(live).to_string(),
             ratio(live),
-            format_bytes(live),
+            Bytes(live).to_string(),
             "0.0%".into(),
             "-".into(),
             "-".into(),
@@ -321,7 +321,7 @@ impl Report {
             "trace {}{device}: {} events, peak live {} ({} B)",
             self.trace,
             self.events,
-            format_bytes(live),
+            Bytes(live),
             live
         );
         for line in self.header_lines() {
