@@ -32,13 +32,15 @@ mod config;
 pub mod device;
 mod interop;
 pub mod packing;
+mod pickle;
 mod pool;
 mod stats;
 pub(crate) mod sync;
 mod types;
 
 pub use allocator::{
-    AllocError, Allocator, BlockInfo, Buffer, OomReport, Scope, ScopedBuffer, SegmentInfo,
+    Action, AllocError, Allocator, BlockInfo, Buffer, HistoryOptions, OomReport, Scope,
+    ScopedBuffer, SegmentInfo, TraceEntry,
 };
 pub use config::{Config, ConfigError, CrossStream, ENV_VAR, KEYS as CONFIG_KEYS};
 pub use device::{Device, DeviceError, SimConfig, SimDevice};
