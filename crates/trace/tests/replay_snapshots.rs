@@ -1,7 +1,8 @@
 //! PyTorch snapshots replayed per device: the synthetic multi-device, multi-stream fixture
 //! (tests/fixtures/make_multi_device_snapshot.py) with exact figures per device and policy,
 //! under the default configuration and under the snapshot's own (`--config from-snapshot`),
-//! and the `pytorch (recorded)` row of the reports of the real snapshots.
+//! the `pytorch (recorded)` row of the reports of the real snapshots, and tidepool's own
+//! `dump_snapshot` read back.
 
 use std::path::Path;
 
@@ -9,7 +10,7 @@ use tidepool_trace::policy::alloc_steps;
 use tidepool_trace::policy::{AllocStep, Mode};
 use tidepool_trace::report::{RECORDED_ROW, Report};
 use tidepool_trace::runner::run_policies;
-use tidepool_trace::{ReadOptions, ReplayOptions, Trace, read_traces, registry};
+use tidepool_trace::{ReadOptions, ReplayOptions, Trace, read_traces, read_traces_bytes, registry};
 
 const MIB: u64 = 1 << 20;
 
@@ -153,4 +154,51 @@ fn real_snapshot_reports_carry_pytorch_reserved() {
         // tidepool's caching policy replays the window; its peak is at least the live peak.
         assert!(r.policies[0].peak_reserved_bytes >= peak_live, "{file}");
     }
+}
+
+/// tidepool's own `dump_snapshot` pickle reads back: blocks allocated before `record_history`
+/// are live from the start (persistent when still live), and PyTorch's-format reserved bytes are
+/// the allocator's own. (Sizes are multiples of 512: tidepool's history records a block's
+/// rounded size where PyTorch records the requested size.)
+#[test]
+fn tidepool_dump_snapshot_reads_back() {
+    use std::sync::Arc;
+    use tidepool::{Allocator, Config, Device, HistoryOptions, SimDevice, StreamId};
+
+    let dev = Arc::new(SimDevice::new(1 << 30));
+    let alloc = Allocator::new(dev.clone(), Config::default()).unwrap();
+    let weights = alloc.alloc(8 * MIB, StreamId::DEFAULT).unwrap(); // live throughout
+    let early = alloc.alloc(3 * MIB, StreamId::DEFAULT).unwrap(); // freed in the window
+    alloc.reset_peak_stats();
+    alloc.record_history(HistoryOptions::new(1000));
+    let side = dev.create_stream().unwrap();
+    let a = alloc.alloc(5 * MIB, side).unwrap();
+    let b = alloc.alloc(1024, StreamId::DEFAULT).unwrap();
+    drop(early);
+    drop(a);
+    let c = alloc.alloc(30 * MIB, StreamId::DEFAULT).unwrap();
+    drop(c);
+    drop(b);
+    let pickle = alloc.snapshot_pickle();
+    let traces = read_traces_bytes(&pickle, &ReadOptions::default()).unwrap();
+    assert_eq!(traces.len(), 1);
+    let t = &traces[0];
+    t.validate().unwrap();
+    assert_eq!(t.peak_live_bytes(), 8 * MIB + 30 * MIB + 1024);
+    assert_eq!(
+        t.pre_window,
+        tidepool_trace::PreWindow {
+            freed_blocks: 1,
+            freed_bytes: 3 * MIB,
+            live_blocks: 1,
+            live_bytes: 8 * MIB
+        }
+    );
+    assert_eq!(alloc_steps(t, Mode::Caching).2.len(), 2, "the side stream is a stream of its own");
+    let info = t.snapshot.as_ref().unwrap();
+    assert!(info.history && info.reserved.consistent);
+    assert_eq!(info.reserved.at_snapshot, alloc.reserved_bytes());
+    assert_eq!(info.reserved.peak, alloc.stats().blocks.reserved_bytes.all.peak);
+    assert!(info.settings.is_some());
+    drop(weights);
 }
