@@ -167,3 +167,17 @@ fn the_dump_is_a_pickle_python_reads_with_pytorchs_structure() {
     drop(keep);
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[test]
+fn entries_carry_the_requested_size_as_pytorch_records_it() {
+    let (_dev, alloc) = setup();
+    alloc.record_history(HistoryOptions::new(10));
+    let a = alloc.alloc(1000, StreamId::DEFAULT).unwrap();
+    assert_eq!(a.block_size(), 1024);
+    drop(a);
+    use Action::*;
+    assert_eq!(
+        entries(&alloc)[1..],
+        [(Alloc, 0, 1000, 0), (FreeRequested, 0, 1000, 0), (FreeCompleted, 0, 1000, 0)]
+    );
+}

@@ -59,7 +59,7 @@ impl<D: Device> Shared<D> {
             let key = st.pool.segment(b.segment).key;
             st.pool.free(done.block);
             st.base.pending_done(quadrant(key.kind, key.residency), size, requested);
-            st.note(Action::FreeCompleted, addr, size, key.stream);
+            st.note(Action::FreeCompleted, addr, requested, key.stream);
         }
     }
 

@@ -88,7 +88,8 @@ pub struct TraceEntry {
     pub action: Action,
     /// The block's or segment's address (the device's free bytes for [`Action::Oom`]).
     pub addr: DeviceAddr,
-    /// Bytes (the block, the segment, or the failed request).
+    /// Bytes: what the user asked for (as PyTorch records it; the block may be rounded up), the
+    /// segment's size, or the failed request.
     pub size: u64,
     /// The stream of the block or segment.
     pub stream: StreamId,

@@ -267,7 +267,7 @@ impl<D: Device> Allocator<D> {
         let (ptr, size) = (DeviceAddr(b.addr), b.size);
         let q = quadrant(key.kind, residency);
         st.base.live_up(q, size, bytes, || sh.caches.all());
-        st.note(Action::Alloc, ptr, size, stream);
+        st.note(Action::Alloc, ptr, bytes, stream);
         drop(st);
         Ok(self.hand_out(ptr, bytes, size, stream, Some(block), plan.rounded, residency, q))
     }

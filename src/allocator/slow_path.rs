@@ -265,7 +265,7 @@ impl<D: Device> Shared<D> {
         }
         let block = f.block;
         let mut st = self.lock_state();
-        st.note(Action::FreeRequested, f.ptr, f.size, f.stream);
+        st.note(Action::FreeRequested, f.ptr, f.requested, f.stream);
         let uses = if st.stream_uses.is_empty() {
             Vec::new()
         } else {
@@ -274,7 +274,7 @@ impl<D: Device> Shared<D> {
         if uses.is_empty() || self.broken_skip_events.load(Ordering::Relaxed) {
             st.pool.free(block);
             st.base.live_down(f.quadrant, f.size, f.requested);
-            st.note(Action::FreeCompleted, f.ptr, f.size, f.stream);
+            st.note(Action::FreeCompleted, f.ptr, f.requested, f.stream);
             return;
         }
         st.pool.mark_pending(block);
@@ -296,7 +296,7 @@ impl<D: Device> Shared<D> {
         if recorded == 0 {
             st.pool.free(block);
             st.base.pending_done(f.quadrant, f.size, f.requested);
-            st.note(Action::FreeCompleted, f.ptr, f.size, f.stream);
+            st.note(Action::FreeCompleted, f.ptr, f.requested, f.stream);
         } else {
             st.pending_count.insert(block, recorded);
         }
