@@ -30,6 +30,7 @@
 mod allocator;
 mod config;
 pub mod device;
+mod host;
 mod interop;
 pub mod packing;
 mod pickle;
@@ -45,6 +46,7 @@ pub use allocator::{
 };
 pub use config::{Config, ConfigError, CrossStream, ENV_VAR, KEYS as CONFIG_KEYS};
 pub use device::{Device, DeviceError, SimConfig, SimDevice};
+pub use host::{HostAllocError, HostAllocator, HostStats, MIN_HOST_BLOCK, PinnedBuffer};
 pub use pool::Sizing;
 pub use registry::Allocators;
 pub use stats::MemoryStats;
