@@ -284,7 +284,9 @@ pub trait Device: Send + Sync + 'static {
     /// `[src, src + bytes)` lies in one live allocation of this device's
     /// [`Device::host_alloc`], which stays allocated and which the host does not write until the
     /// copy completed (an event recorded on `stream` after this call completed);
-    /// `[dst, dst + bytes)` is device memory of this device that no unordered work uses.
+    /// `[dst, dst + bytes)` is device memory of this device that stays allocated until the copy
+    /// has run (work on other streams that uses it unordered gives unspecified bytes, as any race
+    /// on device memory does).
     unsafe fn memcpy_htod_async(
         &self,
         _dst: DeviceAddr,

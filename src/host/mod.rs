@@ -696,6 +696,8 @@ impl<D: Device> Drop for Inner<D> {
             let mut st = self.lock();
             st.events.extend(p.uses.iter().filter_map(|u| u.event));
             if waited {
+                st.stats.pending_bytes -= p.size;
+                st.stats.cached_bytes += p.size;
                 st.free.entry(p.size).or_default().push(p.ptr);
             }
         }
