@@ -52,8 +52,7 @@ fn device_bytes(dev: &SimDevice, buf: &Buffer<SimDevice>) -> Vec<u8> {
         });
     dev.launch(buf.stream(), read).unwrap();
     dev.synchronize().unwrap();
-    let v = slot.lock().unwrap().clone();
-    v
+    slot.lock().unwrap().clone()
 }
 
 /// Runs `blocking` on this thread while a helper opens `open` only once the device counted a
