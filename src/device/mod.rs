@@ -314,7 +314,10 @@ pub trait Device: Send + Sync + 'static {
     }
 
     /// Sanitizer hook: host code is about to read (`Read`) or write (`Write`) `bytes` of pinned
-    /// memory at `ptr`; a host allocator handing a block out counts as a write.
+    /// memory at `ptr`; a host allocator handing a block out counts as a write. [`SimDevice`]
+    /// reports a copy that has not run yet on that memory as a [`Violation`] (`"host write"`,
+    /// `"host read"`; `"host free"` from `host_free`) whose `ptr` is the host address and whose
+    /// `stream` and `other` both name the copy's stream.
     fn note_host_access(&self, _ptr: HostPtr, _bytes: u64, _kind: AccessKind) {}
 }
 
