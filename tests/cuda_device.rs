@@ -319,7 +319,7 @@ fn events_query_false_then_true_around_a_gated_kernel() {
 
     // B waits for the event on the device, then overwrites: B's fill must land after A's.
     dev.wait_event(b, ev).unwrap();
-    alloc.record_stream(out.buffer(), b);
+    alloc.record_stream(out.buffer(), b).unwrap();
     launch_fill(&k, &sb, &mut out, 2.0);
     assert_eq!(dev.query_event(ev), Ok(false));
 
@@ -355,7 +355,7 @@ fn hold_the_stream(dev: &Arc<CudaDevice>, config: Config, record: bool) -> (bool
     let x_ptr = x.cu_device_ptr();
     launch_gated(&k, &sa, &x, 1.0, &gate);
     if record {
-        alloc.record_stream(x.buffer(), a);
+        alloc.record_stream(x.buffer(), a).unwrap();
     }
     drop(x);
     // SAFETY: as for x.

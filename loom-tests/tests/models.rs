@@ -186,7 +186,7 @@ fn event_completion_against_same_stream_alloc() {
         let a = alloc.alloc(4096, S0).unwrap();
         let pa = a.ptr();
         dev.use_on(pa, 4096, s1);
-        alloc.record_stream(&a, s1);
+        alloc.record_stream(&a, s1).unwrap();
         drop(a);
         let worker = {
             let dev = dev.clone();

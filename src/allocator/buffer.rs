@@ -103,6 +103,12 @@ impl<D: Device> Buffer<D> {
         }
     }
 
+    /// Marks it as used on `stream` as well, in its own allocator (see
+    /// [`crate::Allocator::record_stream`]).
+    pub fn record_stream(&self, stream: StreamId) -> Result<(), super::AllocError> {
+        self.owner.record_use(self, stream)
+    }
+
     /// The device its memory lives on (the allocator's device).
     pub fn device(&self) -> &Arc<D> {
         &self.owner.device

@@ -19,6 +19,9 @@ pub enum AllocError {
     OutOfMemory(Box<OomReport>),
     /// A device call failed for another reason.
     Device(DeviceError),
+    /// A buffer (or scoped buffer) made by another allocator (or scope) was given to this one.
+    /// It was not looked up in this allocator's tables, and nothing was changed for it.
+    ForeignBuffer,
 }
 
 /// Where memory was when an allocation ran out of it.
@@ -100,6 +103,11 @@ impl fmt::Display for AllocError {
             ),
             AllocError::OutOfMemory(report) => report.fmt(f),
             AllocError::Device(e) => write!(f, "device error: {e}"),
+            AllocError::ForeignBuffer => write!(
+                f,
+                "the buffer was made by another allocator (or scope): refused, nothing changed; \
+                 give it to the allocator that made it"
+            ),
         }
     }
 }

@@ -5,6 +5,29 @@
 use super::*;
 
 impl<D: Device> Shared<D> {
+    /// Notes that `buffer` (of this allocator) is used on `stream` too: its free will wait for
+    /// the work enqueued on `stream` up to that moment.
+    pub(super) fn record_use(
+        &self,
+        buffer: &Buffer<D>,
+        stream: StreamId,
+    ) -> Result<(), AllocError> {
+        if stream == buffer.stream {
+            return Ok(());
+        }
+        buffer.mark_used_elsewhere();
+        if let Some(tag) = &buffer.scope {
+            tag.used_on(stream);
+        }
+        let Some(block) = buffer.block() else { return Ok(()) };
+        let mut st = self.lock_state();
+        let uses = st.stream_uses.entry(block).or_default();
+        if !uses.contains(&stream) {
+            uses.push(stream);
+        }
+        Ok(())
+    }
+
     /// An event from the pool, or a new one.
     pub(super) fn event(&self, st: &mut State) -> Result<EventId, AllocError> {
         match st.free_events.pop() {

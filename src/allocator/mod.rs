@@ -19,6 +19,7 @@
 
 mod adopt;
 mod batch;
+mod broken;
 mod buffer;
 mod checker;
 mod counters;
@@ -47,6 +48,7 @@ pub use scope::{Scope, ScopedBuffer};
 #[cfg(feature = "test-hooks")]
 pub(crate) mod internals {
     pub use super::batch::{BatchBlock, return_batch};
+    pub use super::broken::Broken;
     pub use super::counters::{
         BASE_WORDS, BYTES, BaseStats, CACHED_BLOCKS, CACHED_BYTES, COUNT, CacheList, FAST_WORDS,
         REQ, Snapshot, assemble, collect, fast_cur, fast_tot, quadrant,
@@ -66,6 +68,7 @@ use crate::stats::{MemoryStats, Residency};
 use crate::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use crate::sync::{Arc, ArcCell, Mutex, MutexGuard, lock};
 use batch::BatchBlock;
+use broken::Broken;
 use buffer::Origin;
 use counters::{BASE_WORDS, BaseStats, quadrant};
 use fast_cache::{CacheTable, CachedBlock, ClassKey, Limits, Pop, StreamCache, flush_into};
@@ -126,6 +129,8 @@ impl<D: Device> Allocator<D> {
             publish_stats: AtomicBool::new(!global_lock),
             stats: SeqBlock::new(),
             broken_skip_events: AtomicBool::new(false),
+            #[cfg(feature = "test-hooks")]
+            broken: AtomicU64::new(0),
             plans: Mutex::new(HashMap::new()),
             scope_counters: ScopeCounters::default(),
             lock_count: AtomicU64::new(0),
@@ -228,10 +233,19 @@ impl<D: Device> Allocator<D> {
     /// Frees `buffers` under one acquisition of the global lock, straight into the pool so they
     /// coalesce at once (no stream cache), then flushes their streams' caches — what a scope's
     /// exit does. Buffers with uses on other streams take the ordinary stream-ordered path.
-    pub fn free_batch(&self, buffers: Vec<Buffer<D>>) {
+    ///
+    /// A buffer of another allocator is never looked up in this one's tables: it is freed by its
+    /// own allocator (as dropping it would), and the call returns [`AllocError::ForeignBuffer`]
+    /// once the rest of the batch is freed.
+    pub fn free_batch(&self, buffers: Vec<Buffer<D>>) -> Result<(), AllocError> {
         let sh = &self.shared;
+        let mut foreign = false;
         let mut batch: BTreeMap<StreamId, Vec<BatchBlock>> = BTreeMap::new();
         for mut buf in buffers {
+            if !sh.owns(&buf) {
+                foreign = true;
+                continue; // dropped at the end of this iteration: freed by its own allocator
+            }
             if buf.used_elsewhere() {
                 continue; // dropped at the end of this iteration: the ordinary free
             }
@@ -248,32 +262,33 @@ impl<D: Device> Allocator<D> {
                 requested: buf.accounted,
             });
         }
-        if batch.is_empty() {
-            return;
+        if !batch.is_empty() {
+            let mut st = sh.lock_state();
+            for (&stream, blocks) in &batch {
+                sh.return_to_stream(&mut st, stream, blocks);
+            }
         }
-        let mut st = sh.lock_state();
-        for (&stream, blocks) in &batch {
-            sh.return_to_stream(&mut st, stream, blocks);
-        }
+        if foreign { Err(AllocError::ForeignBuffer) } else { Ok(()) }
     }
 
     /// Marks `buffer` as used on `stream` as well: when it is freed, its block is held until the
     /// work enqueued on `stream` up to that moment has completed (like
     /// `torch.Tensor.record_stream`). Recording its own stream does nothing.
-    pub fn record_stream(&self, buffer: &Buffer<D>, stream: StreamId) {
-        if stream == buffer.stream {
-            return;
+    /// [`Buffer::record_stream`] does the same without naming the allocator.
+    ///
+    /// A buffer of another allocator is refused ([`AllocError::ForeignBuffer`]) and nothing is
+    /// recorded anywhere.
+    pub fn record_stream(&self, buffer: &Buffer<D>, stream: StreamId) -> Result<(), AllocError> {
+        if !self.shared.owns(buffer) {
+            return Err(AllocError::ForeignBuffer);
         }
-        buffer.mark_used_elsewhere();
-        if let Some(tag) = &buffer.scope {
-            tag.used_on(stream);
-        }
-        let Some(block) = buffer.block() else { return };
-        let mut st = self.shared.lock_state();
-        let uses = st.stream_uses.entry(block).or_default();
-        if !uses.contains(&stream) {
-            uses.push(stream);
-        }
+        self.shared.record_use(buffer, stream)
+    }
+
+    /// Whether `buffer` was made by this allocator (or a clone of it).
+    pub fn owns(&self, buffer: &Buffer<D>) -> bool {
+        let theirs: &Shared<D> = &buffer.owner;
+        std::ptr::eq(theirs, &*self.shared)
     }
 
     /// Releases every cached segment that holds no live or pending block, persistent ones
@@ -326,6 +341,17 @@ impl<D: Device> Allocator<D> {
     #[doc(hidden)]
     pub fn set_broken_skip_events(&self, on: bool) {
         self.shared.broken_skip_events.store(on, Ordering::Relaxed);
+    }
+
+    /// **Test only — deliberate bugs** (feature `test-hooks`): turns the deliberate bug `mode`
+    /// on or off, so tests can prove that they catch the bug its fix removed.
+    #[cfg(feature = "test-hooks")]
+    #[doc(hidden)]
+    pub fn set_broken(&self, mode: Broken, on: bool) {
+        match on {
+            true => self.shared.broken.fetch_or(mode.bit(), Ordering::Relaxed),
+            false => self.shared.broken.fetch_and(!mode.bit(), Ordering::Relaxed),
+        };
     }
 
     /// **Test only.** How many times the global lock has been taken so far (tests use it to

@@ -343,19 +343,20 @@ impl<D: Device> ScopedBuffer<'_, D> {
 
     /// Marks it as used on `stream` too (see [`Allocator::record_stream`]): it is no longer
     /// reused locally, and its reuse is ordered after `stream`'s work.
-    pub fn record_stream(&self, stream: StreamId) {
+    pub fn record_stream(&self, stream: StreamId) -> Result<(), AllocError> {
         if stream == self.scope.stream || self.index() == NO_INDEX {
-            return;
+            return Ok(());
         }
         let mut run = self.scope.run.borrow_mut();
         if self.slot() != NO_SLOT {
             if let Some(buf) = &run.held[self.slot() as usize] {
-                self.scope.alloc.record_stream(buf, stream);
+                self.scope.alloc.shared.record_use(buf, stream)?;
             }
         } else if !run.uses.contains(&(self.index(), stream)) {
             run.uses.push((self.index(), stream));
             self.scope.cursor.any_uses.set(true);
         }
+        Ok(())
     }
 }
 
@@ -445,8 +446,19 @@ impl<'a, D: Device> Scope<'a, D> {
     }
 
     /// Marks a scoped buffer as used on `stream` too; see [`ScopedBuffer::record_stream`].
-    pub fn record_stream(&self, buffer: &ScopedBuffer<'_, D>, stream: StreamId) {
-        buffer.record_stream(stream);
+    /// A buffer of another scope is refused ([`AllocError::ForeignBuffer`]), nothing recorded.
+    pub fn record_stream(
+        &self,
+        buffer: &ScopedBuffer<'_, D>,
+        stream: StreamId,
+    ) -> Result<(), AllocError> {
+        let theirs = buffer.scope as *const Scope<'_, D> as *const ();
+        if !std::ptr::eq(theirs, self as *const Self as *const ())
+            && !self.alloc.shared.broken(super::Broken::ForeignBuffers)
+        {
+            return Err(AllocError::ForeignBuffer);
+        }
+        buffer.record_stream(stream)
     }
 
     /// Allocates `bytes` of transient memory for this scope; the buffer cannot outlive it.

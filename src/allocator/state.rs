@@ -27,6 +27,9 @@ pub(crate) struct Shared<D: Device> {
     pub(super) stats: SeqBlock<BASE_WORDS>,
     /// Test-only deliberate bug: skip every event that orders cross-stream reuse.
     pub(super) broken_skip_events: AtomicBool,
+    /// Test-only deliberate bugs (`broken.rs`), one bit per [`Broken`] mode.
+    #[cfg(feature = "test-hooks")]
+    pub(super) broken: AtomicU64,
     /// Acquisitions of `state`'s lock, for tests proving the fast path skips it.
     pub(super) lock_count: AtomicU64,
     /// Learned plans of named scopes, by (name, stream). Taken before `state`, never inside it.
@@ -109,6 +112,28 @@ impl<D: Device> DerefMut for Locked<'_, D> {
 impl<D: Device> Drop for Locked<'_, D> {
     fn drop(&mut self) {
         self.sh.publish(&mut self.st);
+    }
+}
+
+impl<D: Device> Shared<D> {
+    /// Whether the deliberate bug `mode` is on (never without feature `test-hooks`).
+    #[inline(always)]
+    pub(super) fn broken(&self, mode: Broken) -> bool {
+        #[cfg(feature = "test-hooks")]
+        return self.broken.load(Ordering::Relaxed) & mode.bit() != 0;
+        #[cfg(not(feature = "test-hooks"))]
+        {
+            let _ = mode;
+            false
+        }
+    }
+
+    /// Whether `buffer` was made by this allocator: its owner handle leads here. Buffers of
+    /// other allocators are refused, never looked up in this one's tables.
+    #[inline]
+    pub(super) fn owns(&self, buffer: &Buffer<D>) -> bool {
+        let theirs: &Shared<D> = &buffer.owner;
+        std::ptr::eq(theirs, self) || self.broken(Broken::ForeignBuffers)
     }
 }
 

@@ -319,7 +319,9 @@ impl<'a> Harness<'a> {
                 if let Some(i) = self.live_index(index) {
                     let s = self.stream(stream)?;
                     let l = &mut self.live[i];
-                    self.alloc.record_stream(&l.buf, s);
+                    self.alloc
+                        .record_stream(&l.buf, s)
+                        .map_err(|e| format!("record_stream: {e}"))?;
                     if !l.users.contains(&s) {
                         l.users.push(s);
                     }
@@ -690,7 +692,7 @@ impl<'a> Harness<'a> {
         }
         let l = &mut self.live[i];
         if s != l.buf.stream() {
-            self.alloc.record_stream(&l.buf, s);
+            self.alloc.record_stream(&l.buf, s).map_err(|e| format!("record_stream: {e}"))?;
         }
         if !l.users.contains(&s) {
             l.users.push(s);

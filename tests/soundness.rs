@@ -1,0 +1,114 @@
+//! Regressions for stream-order holes that were reachable from safe code (issue 14), one test per
+//! finding, each on the asynchronous SimDevice with its sanitizer and kernels that really run.
+//! Unfinished work is made with gates (a kernel blocks until the test opens it).
+
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex};
+use tidepool::MIB;
+use tidepool::device::{Access, AccessKind, Kernel, SimDevice};
+use tidepool::{Allocator, Config, Device, DeviceAddr, StreamId};
+
+const N: u64 = 4096;
+const S0: StreamId = StreamId::DEFAULT;
+
+fn device() -> (Arc<SimDevice>, StreamId, StreamId) {
+    let dev = Arc::new(SimDevice::backed(256 * MIB));
+    let a = dev.create_stream().unwrap();
+    let b = dev.create_stream().unwrap();
+    (dev, a, b)
+}
+
+fn allocator(dev: &Arc<SimDevice>) -> Allocator<SimDevice> {
+    Allocator::new(dev.clone(), Config::default()).unwrap()
+}
+
+fn write(ptr: DeviceAddr, byte: u8) -> Kernel {
+    Kernel::new("write", vec![Access { ptr, bytes: N, kind: AccessKind::Write }], move |m| {
+        m.write(ptr, &[byte; N as usize]).unwrap();
+    })
+}
+
+/// A kernel that waits for the returned gate, then reads `[ptr, ptr + N)` into the slot.
+fn gated_read(ptr: DeviceAddr) -> (Kernel, mpsc::Sender<()>, Arc<Mutex<Vec<u8>>>) {
+    let (open, gate) = mpsc::channel::<()>();
+    let slot = Arc::new(Mutex::new(Vec::new()));
+    let out = slot.clone();
+    let k = Kernel::new("gated_read", vec![Access { ptr, bytes: N, kind: AccessKind::Read }], {
+        move |m| {
+            let _ = gate.recv();
+            let mut v = vec![0u8; N as usize];
+            m.read(ptr, &mut v).unwrap();
+            *out.lock().unwrap() = v;
+        }
+    });
+    (k, open, slot)
+}
+
+/// Makes `stream` wait (on the device) for the work enqueued on `after` so far.
+fn order(dev: &SimDevice, stream: StreamId, after: StreamId) {
+    let e = dev.create_event().unwrap();
+    dev.record_event(e, after).unwrap();
+    dev.wait_event(stream, e).unwrap();
+}
+
+/// Finding 1: `free_batch` given a buffer of another allocator must not free its block id in
+/// this allocator's pool (where the same id names a live block: the next allocation would alias
+/// it). The foreign buffer is refused with an error (and freed by its own allocator).
+#[test]
+fn free_batch_refuses_a_buffer_of_another_allocator() {
+    let (dev, _, _) = device();
+    let mine = allocator(&dev);
+    let theirs = allocator(&dev);
+    let live = mine.alloc(N, S0).unwrap(); // block ids of both pools start alike
+    let foreign = theirs.alloc(N, S0).unwrap();
+    let result = format!("{:?}", mine.free_batch(vec![foreign]));
+    let next = mine.alloc(N, S0).unwrap();
+    assert_ne!(next.ptr(), live.ptr(), "the next allocation aliases a live buffer");
+    assert_eq!(dev.violations(), vec![]);
+    assert!(result.contains("ForeignBuffer"), "refused with an error, got {result}");
+    mine.check_invariants().unwrap();
+    theirs.check_invariants().unwrap();
+    assert_eq!(theirs.allocated_bytes(), 0, "its own allocator freed it");
+    drop((live, next));
+    drop((mine, theirs));
+    assert!(dev.live_segments().is_empty(), "nothing leaked");
+}
+
+/// Finding 2: `record_stream` given a buffer of another allocator must leave this allocator's
+/// tables alone (it recorded the use under the buffer's block id, where it named another block)
+/// and say so; recorded with its own allocator, the use holds the block until the other stream's
+/// read completed.
+#[test]
+fn record_stream_refuses_a_buffer_of_another_allocator() {
+    let (dev, a, b) = device();
+    let mine = allocator(&dev);
+    let theirs = allocator(&dev);
+    // A large block of `mine` under the same block id as `buf` below (frees of large blocks go
+    // through the slow path, where recorded uses are looked up).
+    let big = mine.alloc(3 * MIB, a).unwrap();
+    let buf = theirs.alloc(3 * MIB, a).unwrap();
+    let p = buf.ptr();
+    dev.launch(a, write(p, 0x5A)).unwrap();
+    order(&dev, b, a);
+    let (k, open, got) = gated_read(p);
+    dev.launch(b, k).unwrap();
+    let result = format!("{:?}", mine.record_stream(&buf, b));
+    let records = dev.counters().event_records;
+    drop(big);
+    assert_eq!(dev.counters().event_records, records, "`mine` recorded a use it never had");
+    assert!(result.contains("ForeignBuffer"), "refused with an error, got {result}");
+    // Recorded with the right allocator, the block waits for the read on `b`.
+    let _ = theirs.record_stream(&buf, b);
+    drop(buf);
+    let again = theirs.alloc(3 * MIB, a).unwrap();
+    dev.launch(a, write(again.ptr(), 0xEE)).unwrap();
+    open.send(()).unwrap();
+    dev.synchronize().unwrap();
+    assert_eq!(*got.lock().unwrap(), vec![0x5A; N as usize], "the read saw its own bytes");
+    assert_eq!(dev.violations(), vec![]);
+    drop(again);
+    mine.check_invariants().unwrap();
+    theirs.check_invariants().unwrap();
+    drop((mine, theirs));
+    assert!(dev.live_segments().is_empty());
+}
