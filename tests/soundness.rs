@@ -112,3 +112,61 @@ fn record_stream_refuses_a_buffer_of_another_allocator() {
     drop((mine, theirs));
     assert!(dev.live_segments().is_empty());
 }
+
+/// Unknown streams are refused on every entry point, before anything is reserved or recorded.
+/// (An allocation on a stream that never existed used to succeed: its segment was keyed to a
+/// phantom stream that cross-stream reuse then took as drained.)
+#[test]
+fn every_entry_point_refuses_a_stream_that_does_not_exist() {
+    let (dev, a, _) = device();
+    let alloc = allocator(&dev);
+    let ghost = StreamId(77);
+    let unknown = |r: String| assert!(r.contains("UnknownStream(StreamId(77))"), "got {r}");
+    unknown(format!("{:?}", alloc.alloc(N, ghost).err()));
+    unknown(format!("{:?}", alloc.alloc(3 * MIB, ghost).err()));
+    unknown(format!("{:?}", alloc.alloc(0, ghost).err()));
+    unknown(format!("{:?}", alloc.alloc_in(N, ghost, tidepool::Residency::Persistent).err()));
+    assert!(dev.live_segments().is_empty(), "nothing reserved for a phantom stream");
+    let buf = alloc.alloc(N, a).unwrap();
+    unknown(format!("{:?}", alloc.record_stream(&buf, ghost)));
+    unknown(format!("{:?}", alloc.release_stream(ghost)));
+    unknown(format!("{:?}", alloc.destroy_stream(ghost)));
+    {
+        let scope = alloc.named_scope("ghost", ghost);
+        unknown(format!("{:?}", scope.alloc(N).err()));
+        unknown(format!("{:?}", scope.alloc_unbound(N).err()));
+    }
+    {
+        let scope = alloc.scope(a);
+        let x = scope.alloc(N).unwrap();
+        unknown(format!("{:?}", x.record_stream(ghost)));
+    }
+    // A destroyed stream is unknown too.
+    let c = dev.create_stream().unwrap();
+    drop(alloc.alloc(N, c).unwrap());
+    alloc.destroy_stream(c).unwrap();
+    let r = format!("{:?}", alloc.alloc(N, c).err());
+    assert!(r.contains("UnknownStream"), "got {r}");
+    drop(buf);
+    alloc.check_invariants().unwrap();
+    assert_eq!(dev.violations(), vec![]);
+}
+
+/// `destroy_stream` that the device refuses (the default stream) changes nothing: the default
+/// stream keeps its cache and its lock-free fast path.
+#[test]
+fn a_refused_destroy_stream_changes_nothing() {
+    let (dev, _, _) = device();
+    let alloc = allocator(&dev);
+    drop(alloc.alloc(N, S0).unwrap()); // cached on the default stream
+    let cached = alloc.stats().cached_fast_bytes;
+    assert_eq!(cached, N);
+    assert!(alloc.destroy_stream(S0).is_err());
+    assert_eq!(alloc.stats().cached_fast_bytes, cached, "the cache was flushed");
+    let locks = alloc.global_lock_acquisitions();
+    for _ in 0..3 {
+        drop(alloc.alloc(N, S0).unwrap());
+    }
+    assert_eq!(alloc.global_lock_acquisitions(), locks, "the default stream lost its fast path");
+    alloc.check_invariants().unwrap();
+}

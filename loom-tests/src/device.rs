@@ -113,6 +113,10 @@ impl Device for LoomDevice {
         Err(DeviceError::Unsupported("streams are fixed"))
     }
 
+    fn has_stream(&self, stream: StreamId) -> bool {
+        (stream.0 as usize) < STREAMS
+    }
+
     fn create_event(&self) -> Result<EventId, DeviceError> {
         let mut st = self.st.lock().unwrap();
         st.next_event += 1;

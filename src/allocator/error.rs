@@ -22,6 +22,9 @@ pub enum AllocError {
     /// A buffer (or scoped buffer) made by another allocator (or scope) was given to this one.
     /// It was not looked up in this allocator's tables, and nothing was changed for it.
     ForeignBuffer,
+    /// The stream does not exist on the allocator's device (never created, or destroyed).
+    /// Nothing was reserved or recorded for it.
+    UnknownStream(StreamId),
 }
 
 /// Where memory was when an allocation ran out of it.
@@ -107,6 +110,11 @@ impl fmt::Display for AllocError {
                 f,
                 "the buffer was made by another allocator (or scope): refused, nothing changed; \
                  give it to the allocator that made it"
+            ),
+            AllocError::UnknownStream(s) => write!(
+                f,
+                "{s} does not exist on the allocator's device (never created, or destroyed): \
+                 refused, nothing changed"
             ),
         }
     }

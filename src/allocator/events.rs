@@ -12,6 +12,7 @@ impl<D: Device> Shared<D> {
         buffer: &Buffer<D>,
         stream: StreamId,
     ) -> Result<(), AllocError> {
+        self.stream_exists(stream)?;
         if stream == buffer.stream {
             return Ok(());
         }

@@ -78,7 +78,7 @@ use publish::{limits, stats_from};
 use request::RequestPlan;
 use seqlock::SeqBlock;
 use state::{Locked, PendingEvent, ScopeCounters, Shared, State};
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::ops::{Deref, DerefMut};
 
 /// Attempts of a lock-free statistics read before it takes the locks instead.
@@ -185,6 +185,7 @@ impl<D: Device> Allocator<D> {
     ) -> Result<Buffer<D>, AllocError> {
         let sh = &self.shared;
         if bytes == 0 {
+            sh.stream_exists(stream)?;
             return Ok(self.hand_out(DeviceAddr::NULL, 0, 0, stream, None, 0, residency, 0));
         }
         let plan = RequestPlan::new(&sh.config, bytes)?;
@@ -209,6 +210,7 @@ impl<D: Device> Allocator<D> {
             }
         }
         let mut st = sh.lock_state();
+        sh.check_stream(&mut st, stream)?;
         if let Some(b) = cached.and_then(|c| c.pop_locked(class)) {
             // A cached block for another request size, or beyond the stream's credit: account
             // it here, where the peak can be raised exactly.
@@ -312,27 +314,47 @@ impl<D: Device> Allocator<D> {
 
     /// Returns to the device the free segments cached for `stream` (stranded memory of a stream
     /// that no longer allocates). Call it before destroying a stream.
+    /// A stream that neither exists nor owns segments here is refused
+    /// ([`AllocError::UnknownStream`]); a destroyed stream's stranded segments are released.
     pub fn release_stream(&self, stream: StreamId) -> Result<(), AllocError> {
         let sh = &self.shared;
         let mut st = sh.lock_state();
+        if !st.segment_streams.contains_key(&stream) {
+            sh.check_stream(&mut st, stream)?;
+        }
         sh.flush_stream(&mut st, stream, false);
         sh.process_events(&mut st);
         sh.release_segments(&mut st, |s| s.key.stream == stream)
     }
 
-    /// Returns the stream's cached segments to the device, then destroys the stream on the
-    /// device (which drains its work). Its pending events are waited for first.
+    /// Destroys the stream on the device (which drains its work), then returns the stream's
+    /// cached segments to the device and forgets the plans of scopes on it. Its pending events
+    /// are waited for first. The stream is checked first: one the device refuses (the default
+    /// stream, an unknown one) is an error and changes nothing here.
     pub fn destroy_stream(&self, stream: StreamId) -> Result<(), AllocError> {
         let sh = &self.shared;
+        if sh.broken(Broken::DestroyStream) {
+            // BROKEN: closes and flushes the stream's caches before the device may refuse.
+            let mut st = sh.lock_state();
+            sh.flush_stream(&mut st, stream, true);
+            drop(st);
+            sh.device.destroy_stream(stream)?;
+            return Ok(());
+        }
+        if stream == StreamId::DEFAULT {
+            return Err(DeviceError::Unsupported("destroying the default stream").into());
+        }
+        sh.stream_exists(stream)?;
+        sh.device.destroy_stream(stream)?;
+        sh.forget_plans(stream);
         let mut st = sh.lock_state();
+        st.streams.remove(&stream);
+        st.destroyed.insert(stream);
         sh.flush_stream(&mut st, stream, true);
         if st.pending.contains_key(&stream) {
             sh.sync_events(&mut st)?;
         }
-        sh.release_segments(&mut st, |s| s.key.stream == stream)?;
-        drop(st);
-        sh.device.destroy_stream(stream)?;
-        Ok(())
+        sh.release_segments(&mut st, |s| s.key.stream == stream)
     }
 
     /// **Test only — a deliberate bug.** While on, the allocator records no event for

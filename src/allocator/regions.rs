@@ -64,6 +64,19 @@ impl<D: Device> Shared<D> {
         Ok(region)
     }
 
+    /// Forgets the plans learned on `stream` (destroyed): their regions return to the pool once
+    /// no run or escaped buffer holds them.
+    pub(super) fn forget_plans(&self, stream: StreamId) {
+        let regions: Vec<Arc<Region>> = {
+            let mut plans = lock(&self.plans);
+            let keys: Vec<_> = plans.keys().filter(|(_, s)| *s == stream).cloned().collect();
+            keys.into_iter().filter_map(|k| plans.remove(&k).and_then(|p| p.region)).collect()
+        };
+        for region in regions {
+            self.release_region(region);
+        }
+    }
+
     /// Drops one hold on a region; the last one returns its block to the pool.
     pub(super) fn release_region(&self, region: Arc<Region>) {
         if let Some(r) = crate::sync::arc_into_inner(region) {
@@ -107,6 +120,7 @@ impl<D: Device> Shared<D> {
     ) -> Result<(BatchBlock, u64), AllocError> {
         let rounded =
             config.sizing.round(bytes).ok_or(AllocError::InvalidSize { requested: bytes })?;
+        self.check_stream(st, stream)?;
         let key =
             PoolKey { residency: Residency::Transient, stream, kind: config.sizing.kind(rounded) };
         let block = self.find_or_reserve(st, config, key, bytes, rounded)?;

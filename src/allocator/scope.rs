@@ -262,6 +262,9 @@ pub struct Scope<'a, D: Device> {
     name: Option<String>,
     /// The configuration as of opening: every request of the run is rounded the same way.
     config: Arc<Config>,
+    /// Whether the device had the stream when the scope opened (if not, every allocation is
+    /// refused with [`AllocError::UnknownStream`]).
+    stream_ok: bool,
     /// The plan this run follows while its steps repeat it.
     plan: Option<Arc<Learned>>,
     cursor: Cursor,
@@ -344,6 +347,7 @@ impl<D: Device> ScopedBuffer<'_, D> {
     /// Marks it as used on `stream` too (see [`Allocator::record_stream`]): it is no longer
     /// reused locally, and its reuse is ordered after `stream`'s work.
     pub fn record_stream(&self, stream: StreamId) -> Result<(), AllocError> {
+        self.scope.alloc.shared.stream_exists(stream)?;
         if stream == self.scope.stream || self.index() == NO_INDEX {
             return Ok(());
         }
@@ -406,6 +410,7 @@ impl<'a, D: Device> Scope<'a, D> {
             stream,
             name,
             config: alloc.shared.config.load_full(),
+            stream_ok: alloc.shared.stream_exists(stream).is_ok(),
             cursor: Cursor {
                 following: Cell::new(plan.is_some()),
                 len: Cell::new(0),
@@ -503,6 +508,7 @@ impl<'a, D: Device> Scope<'a, D> {
 
     #[inline(never)]
     fn alloc_slow(&self, bytes: u64) -> Result<ScopedBuffer<'_, D>, AllocError> {
+        self.check_stream()?;
         self.drain_freed();
         let made = |ptr, size, index, slot| ScopedBuffer {
             scope: self,
@@ -540,6 +546,7 @@ impl<'a, D: Device> Scope<'a, D> {
     /// framework bridges). One still live at scope exit is an *escape*: counted, kept correct,
     /// and planned like any other allocation (its slice stays pinned until it is freed).
     pub fn alloc_unbound(&self, bytes: u64) -> Result<Buffer<D>, AllocError> {
+        self.check_stream()?;
         self.drain_freed();
         if bytes == 0 {
             return Ok(self.alloc.hand_out(
@@ -596,6 +603,16 @@ impl<'a, D: Device> Scope<'a, D> {
             has_uses: AtomicBool::new(false),
         });
         Ok(buf)
+    }
+
+    /// Refuses every allocation of a scope opened on a stream the device did not have. (The
+    /// planned path needs the region, claimed on the slow path, so it never gets that far.)
+    #[inline]
+    fn check_stream(&self) -> Result<(), AllocError> {
+        match self.stream_ok {
+            true => Ok(()),
+            false => Err(AllocError::UnknownStream(self.stream)),
+        }
     }
 
     #[inline]

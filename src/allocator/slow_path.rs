@@ -310,6 +310,28 @@ impl<D: Device> Shared<D> {
         }
     }
 
+    /// Refuses a stream the device does not have; streams it confirmed are remembered here,
+    /// so each is asked about once. The caller holds the global lock.
+    pub(super) fn check_stream(&self, st: &mut State, stream: StreamId) -> Result<(), AllocError> {
+        if st.streams.contains(&stream) || self.broken(Broken::UnknownStreams) {
+            return Ok(());
+        }
+        if !self.device.has_stream(stream) {
+            return Err(AllocError::UnknownStream(stream));
+        }
+        st.streams.insert(stream);
+        Ok(())
+    }
+
+    /// Refuses a stream the device does not have, asking the device (no global lock).
+    pub(super) fn stream_exists(&self, stream: StreamId) -> Result<(), AllocError> {
+        if self.broken(Broken::UnknownStreams) || self.device.has_stream(stream) {
+            Ok(())
+        } else {
+            Err(AllocError::UnknownStream(stream))
+        }
+    }
+
     /// Gives `stream` a cache if it has none (it is about to own memory).
     pub(super) fn ensure_cache(&self, st: &mut State, stream: StreamId) {
         if self.caches.get(stream).is_some() {

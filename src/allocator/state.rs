@@ -88,6 +88,11 @@ pub(super) struct State {
     pub(super) base: BaseStats,
     /// Scratch list of streams whose pool free bytes changed.
     pub(super) dirty: Vec<StreamId>,
+    /// Streams the device confirmed exist (asked once each); `destroy_stream` removes them.
+    pub(super) streams: BTreeSet<StreamId>,
+    /// Streams destroyed through `destroy_stream`: the device drained them, so an event that
+    /// cannot be recorded on one has nothing to wait for.
+    pub(super) destroyed: BTreeSet<StreamId>,
 }
 
 /// The global lock held: publishes the statistics when let go.

@@ -174,6 +174,16 @@ pub trait Device: Send + Sync + 'static {
     /// Destroys a stream after draining its work. The default stream cannot be destroyed.
     fn destroy_stream(&self, stream: StreamId) -> Result<(), DeviceError>;
 
+    /// Whether `stream` exists now (created, or the default stream, and not destroyed). The
+    /// allocator refuses any other stream id before it touches its tables. The default asks the
+    /// device by recording a scratch event on the stream; devices override it with a lookup.
+    fn has_stream(&self, stream: StreamId) -> bool {
+        let Ok(event) = self.create_event() else { return false };
+        let exists = self.record_event(event, stream).is_ok();
+        let _ = self.destroy_event(event);
+        exists
+    }
+
     /// Creates an event (timing disabled).
     fn create_event(&self) -> Result<EventId, DeviceError>;
 

@@ -300,6 +300,10 @@ impl Device for CudaDevice {
     }
 
     /// A pooled `CU_EVENT_DISABLE_TIMING` event, or a new one.
+    fn has_stream(&self, stream: StreamId) -> bool {
+        lock(&self.streams).live.contains_key(&stream.0)
+    }
+
     fn create_event(&self) -> Result<EventId, DeviceError> {
         let mut events = lock(&self.events);
         let raw = match events.pool.pop() {

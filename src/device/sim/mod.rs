@@ -384,6 +384,10 @@ impl super::Device for SimDevice {
         Ok(())
     }
 
+    fn has_stream(&self, stream: StreamId) -> bool {
+        self.state().streams.get(&stream.0).is_some_and(|s| !s.closing)
+    }
+
     fn create_event(&self) -> Result<EventId, DeviceError> {
         let mut st = self.state();
         let id = st.next_event;
