@@ -170,3 +170,60 @@ fn a_refused_destroy_stream_changes_nothing() {
     assert_eq!(alloc.global_lock_acquisitions(), locks, "the default stream lost its fast path");
     alloc.check_invariants().unwrap();
 }
+
+/// Opens `gate` from another thread after a short while (for host syncs that wait on it).
+fn open_later(gate: mpsc::Sender<()>) -> std::thread::JoinHandle<()> {
+    std::thread::spawn(move || {
+        std::thread::sleep(std::time::Duration::from_millis(150));
+        let _ = gate.send(());
+    })
+}
+
+/// A `wait_event` the device refuses must not leak the allocator's pooled event (cross-stream
+/// reuse under `wait_event` returned before putting it back).
+#[test]
+fn a_failed_wait_event_returns_its_event_to_the_pool() {
+    let (dev, a, b) = device();
+    let alloc = Allocator::new(dev.clone(), Config::parse("cross_stream:wait_event").unwrap());
+    let alloc = alloc.unwrap();
+    drop(alloc.alloc(N, a).unwrap()); // a free segment of `a`, for `b` to take
+    dev.fail_event_waits(true);
+    let mut kept = Vec::new();
+    for _ in 0..3 {
+        kept.push(alloc.alloc(N, b)); // `b` cannot wait on `a`: fresh memory (or an error)
+    }
+    dev.fail_event_waits(false);
+    drop(kept);
+    alloc.check_invariants().unwrap();
+    drop(alloc);
+    assert_eq!(dev.live_events(), 0, "the allocator leaked events");
+    assert_eq!(dev.violations(), vec![]);
+}
+
+/// A `record_event` the device refuses on a stream that still uses a freed block must not be
+/// taken as "that stream is gone": the free waits for it on the host instead, so the block is
+/// not handed out while the other stream's read is still running.
+#[test]
+fn a_failed_record_event_is_not_a_skipped_wait() {
+    let (dev, a, b) = device();
+    let alloc = allocator(&dev);
+    let buf = alloc.alloc(N, a).unwrap();
+    let p = buf.ptr();
+    dev.launch(a, write(p, 0x77)).unwrap();
+    order(&dev, b, a);
+    let (k, open, got) = gated_read(p);
+    dev.launch(b, k).unwrap();
+    let _ = alloc.record_stream(&buf, b);
+    dev.fail_event_records(true);
+    let opener = open_later(open);
+    drop(buf); // cannot record on `b`: must wait for `b` on the host
+    dev.fail_event_records(false);
+    let again = alloc.alloc(N, a).unwrap();
+    dev.launch(a, write(again.ptr(), 0x11)).unwrap();
+    opener.join().unwrap();
+    dev.synchronize().unwrap();
+    assert_eq!(dev.violations(), vec![], "the block was handed out while `b` still read it");
+    assert_eq!(*got.lock().unwrap(), vec![0x77; N as usize]);
+    drop(again);
+    alloc.check_invariants().unwrap();
+}

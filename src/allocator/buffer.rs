@@ -138,7 +138,9 @@ impl<D: Device> Drop for Buffer<D> {
             }
             Origin::Region(region, _) => {
                 self.owner.device.note_reclaim(self.ptr, self.size, self.stream);
-                self.owner.order_after(self.stream, &uses);
+                if !self.owner.order_after(self.stream, &uses) {
+                    region.poison();
+                }
                 self.owner.release_region(region);
             }
             Origin::None => {}

@@ -29,6 +29,33 @@ impl<D: Device> Shared<D> {
         Ok(())
     }
 
+    /// Records an event on `stream` now, marking the work enqueued on it so far. See [`Mark`].
+    pub(super) fn mark(&self, st: &mut State, stream: StreamId) -> Mark {
+        let drained = |st: &State, e: &DeviceError| {
+            self.broken(Broken::EventErrors)
+                || (matches!(e, DeviceError::UnknownStream(_)) && st.destroyed.contains(&stream))
+        };
+        let event = match self.event(st) {
+            Ok(event) => event,
+            Err(AllocError::Device(e)) if drained(st, &e) => return Mark::Drained,
+            Err(_) => return Mark::Failed,
+        };
+        match self.device.record_event(event, stream) {
+            Ok(()) => Mark::Event(event),
+            Err(e) => {
+                st.free_events.push(event);
+                if drained(st, &e) { Mark::Drained } else { Mark::Failed }
+            }
+        }
+    }
+
+    /// Blocks the host until every stream is idle: the wait for work no event could mark.
+    /// `false` if the device refused that too.
+    pub(super) fn host_wait(&self, st: &mut State) -> bool {
+        st.counters.host_syncs += 1;
+        self.device.synchronize().is_ok()
+    }
+
     /// An event from the pool, or a new one.
     pub(super) fn event(&self, st: &mut State) -> Result<EventId, AllocError> {
         match st.free_events.pop() {
@@ -86,29 +113,47 @@ impl<D: Device> Shared<D> {
     }
 
     /// Makes `stream`'s later work wait, on the device, for the work enqueued so far on each of
-    /// `others` (a freed planned buffer that was used on other streams). No host sync.
-    pub(super) fn order_after(&self, stream: StreamId, others: &[StreamId]) {
+    /// `others` (a freed planned buffer that was used on other streams). No host sync, unless
+    /// the device refuses an event or a wait: then the host waits instead. `false` only if even
+    /// that failed: nothing orders the memory's reuse, and the caller must not reuse it.
+    #[must_use]
+    pub(super) fn order_after(&self, stream: StreamId, others: &[StreamId]) -> bool {
         if others.is_empty() || self.broken_skip_events.load(Ordering::Relaxed) {
-            return;
+            return true;
         }
         let mut st = self.lock_state();
+        let mut ordered = true;
         for &other in others {
-            let Ok(event) = self.event(&mut st) else {
-                // No event to order with: wait for the other stream's work on the host.
-                let _ = self.device.synchronize();
-                st.counters.host_syncs += 1;
-                continue;
-            };
-            // A stream that is gone was drained: nothing of it can still use the memory.
-            if self.device.record_event(event, other).is_ok()
-                && self.device.wait_event(stream, event).is_err()
-            {
-                // The owner stream is gone (or refuses to wait): whoever reuses the memory next
-                // may be any stream, so the other stream's work must be done now.
-                let _ = self.device.synchronize_event(event);
-                st.counters.host_syncs += 1;
+            match self.mark(&mut st, other) {
+                Mark::Event(event) => {
+                    if self.device.wait_event(stream, event).is_err() {
+                        // The owner stream is gone (or refuses to wait): whoever reuses the
+                        // memory next may be any stream, so the other stream's work must be
+                        // done now.
+                        st.counters.host_syncs += 1;
+                        if self.device.synchronize_event(event).is_err() {
+                            ordered &= self.host_wait(&mut st);
+                        }
+                    }
+                    st.free_events.push(event);
+                }
+                // A stream destroyed through this allocator was drained.
+                Mark::Drained => {}
+                Mark::Failed => ordered &= self.host_wait(&mut st),
             }
-            st.free_events.push(event);
         }
+        ordered
     }
+}
+
+/// What recording an event on a stream gave ([`Shared::mark`]).
+pub(super) enum Mark {
+    /// The event, recorded after the stream's work so far.
+    Event(EventId),
+    /// The stream was destroyed through this allocator, which the device drained: nothing of
+    /// it is left to wait for.
+    Drained,
+    /// The device refused (an event could not be made or recorded). The caller must not take
+    /// this as "nothing to wait for": it waits on the host, or leaves the memory alone.
+    Failed,
 }

@@ -71,6 +71,7 @@ use batch::BatchBlock;
 use broken::Broken;
 use buffer::Origin;
 use counters::{BASE_WORDS, BaseStats, quadrant};
+use events::Mark;
 use fast_cache::{CacheTable, CachedBlock, ClassKey, Limits, Pop, StreamCache, flush_into};
 use owner::OwnerTable;
 use plan::{Learned, Region};

@@ -134,6 +134,10 @@ pub(crate) struct Region {
     pinned_count: AtomicUsize,
     /// Held by the one scope run serving slices from the region.
     in_use: AtomicBool,
+    /// Some slice was freed with uses on other streams that nothing could order (the device
+    /// refused events, waits and host syncs alike): the region is never claimed again and never
+    /// returns to the pool.
+    poisoned: AtomicBool,
 }
 
 impl Region {
@@ -145,6 +149,7 @@ impl Region {
             pinned: Mutex::new(Vec::new()),
             pinned_count: AtomicUsize::new(0),
             in_use: AtomicBool::new(false),
+            poisoned: AtomicBool::new(false),
         }
     }
 
@@ -169,9 +174,24 @@ impl Region {
         true
     }
 
-    /// Claims the region for one run; `false` while another run of the scope holds it.
+    /// Claims the region for one run; `false` while another run of the scope holds it, or once
+    /// it is poisoned.
     pub fn try_claim(&self) -> bool {
-        self.in_use.compare_exchange(false, true, Ordering::Acquire, Ordering::Relaxed).is_ok()
+        !self.is_poisoned()
+            && self
+                .in_use
+                .compare_exchange(false, true, Ordering::Acquire, Ordering::Relaxed)
+                .is_ok()
+    }
+
+    /// Never serve or reuse this region's memory again (see `poisoned`).
+    pub fn poison(&self) {
+        self.poisoned.store(true, Ordering::Release);
+    }
+
+    /// Whether [`Region::poison`] was called.
+    pub fn is_poisoned(&self) -> bool {
+        self.poisoned.load(Ordering::Acquire)
     }
 
     /// Ends the current run's claim.

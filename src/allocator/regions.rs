@@ -80,6 +80,9 @@ impl<D: Device> Shared<D> {
     /// Drops one hold on a region; the last one returns its block to the pool.
     pub(super) fn release_region(&self, region: Arc<Region>) {
         if let Some(r) = crate::sync::arc_into_inner(region) {
+            if r.is_poisoned() {
+                return; // its blocks stay allocated for good: nothing ordered their reuse
+            }
             let size = r.size;
             let blocks = r.into_blocks();
             let mut st = self.lock_state();

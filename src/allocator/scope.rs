@@ -812,7 +812,19 @@ impl<'a, D: Device> Scope<'a, D> {
             }
             i != index
         });
-        self.alloc.shared.order_after(self.stream, &others);
+        if !self.alloc.shared.order_after(self.stream, &others) {
+            self.poison_region();
+        }
+    }
+
+    /// Nothing could order a freed planned slice's reuse: the claimed region serves no more
+    /// slices in this run and is never claimed or reused again.
+    #[cold]
+    fn poison_region(&self) {
+        if let RegionSlot::Claimed(region) = &self.run.borrow().region {
+            region.poison();
+        }
+        self.cursor.base.set(NO_BASE);
     }
 
     /// Records the frees of unbound buffers queued since the last step.

@@ -162,26 +162,20 @@ impl<D: Device> Shared<D> {
         candidates.sort_by_key(|&id| (st.pool.segment(id).size, st.pool.segment(id).base));
         for seg in candidates {
             let owner = st.pool.segment(seg).key.stream;
-            let event = self.event(st)?;
-            match self.device.record_event(event, owner) {
-                Ok(()) => {}
-                Err(DeviceError::UnknownStream(_)) => {
+            let event = match self.mark(st, owner) {
+                Mark::Event(event) => event,
+                Mark::Drained => {
                     // The owner was destroyed, hence drained: nothing can still use the segment.
-                    st.free_events.push(event);
                     self.move_segment(st, seg, key.stream);
                     return Ok(Some(st.pool.segment(seg).first));
                 }
-                Err(e) => {
-                    st.free_events.push(event);
-                    return Err(e.into());
-                }
-            }
+                // Nothing tells whether the owner is done with it: leave it.
+                Mark::Failed => continue,
+            };
             let ready = match config.cross_stream {
                 _ if self.broken_skip_events.load(Ordering::Relaxed) => true,
-                CrossStream::WaitEvent => {
-                    self.device.wait_event(key.stream, event)?;
-                    true
-                }
+                // A wait the device refuses orders nothing: leave the segment.
+                CrossStream::WaitEvent => self.device.wait_event(key.stream, event).is_ok(),
                 CrossStream::Strict => self.device.query_event(event).unwrap_or(false),
             };
             st.free_events.push(event);
@@ -265,27 +259,36 @@ impl<D: Device> Shared<D> {
             st.base.live_down(f.quadrant, f.size, f.requested);
             return;
         }
+        let mut events = Vec::new();
+        let mut wait_on_host = false;
+        for s in uses {
+            match self.mark(&mut st, s) {
+                Mark::Event(event) => events.push((s, PendingEvent { event, block })),
+                Mark::Drained => {}
+                Mark::Failed => wait_on_host = true,
+            }
+        }
+        if wait_on_host {
+            // No event marks that stream's work: wait for all of it on the host instead (after
+            // which every event just recorded has completed too).
+            let done = self.host_wait(&mut st);
+            st.free_events.extend(events.drain(..).map(|(_, p)| p.event));
+            if !done {
+                // Nothing proves the other streams are done with the block: it is never reused
+                // (it stays allocated, and its segment is never released).
+                return;
+            }
+        }
+        if events.is_empty() {
+            st.pool.free(block);
+            st.base.live_down(f.quadrant, f.size, f.requested);
+            return;
+        }
         st.pool.mark_pending(block);
         st.base.to_pending(f.quadrant, f.size);
-        let mut recorded = 0;
-        for s in uses {
-            let event = match self.event(&mut st) {
-                Ok(e) => e,
-                Err(_) => continue,
-            };
-            if self.device.record_event(event, s).is_err() {
-                // The stream is gone (destroyed, hence drained): nothing to wait for.
-                st.free_events.push(event);
-                continue;
-            }
-            st.pending.entry(s).or_default().push_back(PendingEvent { event, block });
-            recorded += 1;
-        }
-        if recorded == 0 {
-            st.pool.free(block);
-            st.base.pending_done(f.quadrant, f.size, f.requested);
-        } else {
-            st.pending_count.insert(block, recorded);
+        st.pending_count.insert(block, events.len());
+        for (s, p) in events {
+            st.pending.entry(s).or_default().push_back(p);
         }
     }
 

@@ -102,6 +102,10 @@ struct Faults {
     fail_above: Option<u64>,
     /// Fail every event query.
     fail_event_query: bool,
+    /// Fail every event record.
+    fail_event_record: bool,
+    /// Fail every device-side wait on an event.
+    fail_event_wait: bool,
 }
 
 /// Everything under the device lock.
@@ -265,6 +269,21 @@ impl SimDevice {
         self.state().faults.fail_event_query = on;
     }
 
+    /// Makes every `record_event` fail while `on` (an injected driver error).
+    pub fn fail_event_records(&self, on: bool) {
+        self.state().faults.fail_event_record = on;
+    }
+
+    /// Makes every `wait_event` fail while `on` (an injected driver error).
+    pub fn fail_event_waits(&self, on: bool) {
+        self.state().faults.fail_event_wait = on;
+    }
+
+    /// Events that exist now (created and not destroyed).
+    pub fn live_events(&self) -> usize {
+        self.state().events.len()
+    }
+
     /// Stream-order violations found so far, in the order found.
     pub fn violations(&self) -> Vec<Violation> {
         self.state().san.violations().to_vec()
@@ -407,6 +426,9 @@ impl super::Device for SimDevice {
     fn record_event(&self, event: EventId, stream: StreamId) -> Result<(), DeviceError> {
         let mut st = self.state();
         st.event(event)?;
+        if st.faults.fail_event_record {
+            return Err(DeviceError::Injected("record_event"));
+        }
         let pos = st.open_stream(stream)?.enqueued;
         st.events.insert(event.0, Some((stream.0, pos)));
         st.san.record(event.0, stream.0, pos);
@@ -429,6 +451,9 @@ impl super::Device for SimDevice {
         let mut st = self.state();
         let target = st.event(event)?;
         st.open_stream(stream)?;
+        if st.faults.fail_event_wait {
+            return Err(DeviceError::Injected("wait_event"));
+        }
         st.counters.event_waits += 1;
         if let Some((a, p)) = target
             && a != stream.0
