@@ -227,3 +227,57 @@ fn a_failed_record_event_is_not_a_skipped_wait() {
     drop(again);
     alloc.check_invariants().unwrap();
 }
+
+/// Finding 3: a planned scoped buffer used on another stream (`record_stream`) and then
+/// `mem::forget`ten never reaches the scoped free path, so the scope's exit must order the
+/// region after its recorded uses before the region goes back to the pool (the run relearns).
+#[test]
+fn a_forgotten_planned_buffer_used_on_another_stream_orders_the_scope_exit() {
+    let (dev, a, b) = device();
+    let alloc = allocator(&dev);
+    {
+        let scope = alloc.named_scope("forget", a);
+        drop(scope.alloc(N).unwrap()); // learns [alloc, free]
+    }
+    let (open, got);
+    {
+        let scope = alloc.named_scope("forget", a);
+        let x = scope.alloc(N).unwrap();
+        assert!(x.is_planned());
+        dev.launch(a, write(x.ptr(), 0x42)).unwrap();
+        order(&dev, b, a);
+        let (k, o, g) = gated_read(x.ptr());
+        dev.launch(b, k).unwrap();
+        (open, got) = (o, g);
+        let _ = x.record_stream(b);
+        std::mem::forget(x); // its free never happens; the run relearns at exit
+    }
+    let y = alloc.alloc(N, a).unwrap(); // may be the region's memory, back in the pool
+    dev.launch(a, write(y.ptr(), 0x99)).unwrap();
+    open.send(()).unwrap();
+    dev.synchronize().unwrap();
+    assert_eq!(dev.violations(), vec![], "handed out while `b` still read it");
+    assert_eq!(*got.lock().unwrap(), vec![0x42; N as usize], "`b` read `a`'s later write");
+    drop(y);
+    alloc.check_invariants().unwrap();
+    drop(alloc);
+    assert!(dev.live_segments().is_empty());
+}
+
+/// A forgotten planned slice goes back to the sanitizer at exit (the memory is reused by the
+/// next run, which repeats the plan exactly): no "handed out twice" on the next hand-out.
+#[test]
+fn a_forgotten_planned_slice_is_taken_back_at_exit() {
+    let (dev, a, _) = device();
+    let alloc = allocator(&dev);
+    for run in 0..4 {
+        let scope = alloc.named_scope("leaky", a);
+        let x = scope.alloc(N).unwrap();
+        assert_eq!(x.is_planned(), run > 0);
+        std::mem::forget(x);
+    }
+    assert_eq!(dev.violations(), vec![]);
+    alloc.check_invariants().unwrap();
+    drop(alloc);
+    assert!(dev.live_segments().is_empty());
+}

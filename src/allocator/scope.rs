@@ -195,6 +195,8 @@ struct Run<D: Device> {
     /// Planned buffers used on other streams: (allocation index, stream).
     uses: Vec<(u32, StreamId)>,
     misses: u64,
+    /// Allocation indices that followed the plan but were served by the pool (plan misses).
+    missed: Vec<u32>,
 }
 
 impl<D: Device> Run<D> {
@@ -215,6 +217,12 @@ impl<D: Device> Run<D> {
     fn unhold(&mut self, slot: u32) -> Buffer<D> {
         self.free_slots.push(slot);
         self.held[slot as usize].take().expect("a held buffer")
+    }
+
+    /// Allocation `index` followed the plan but was served by the pool.
+    fn missed(&mut self, index: u32) {
+        self.misses += 1;
+        self.missed.push(index);
     }
 
     /// Marks unbound allocation `index` freed.
@@ -432,6 +440,7 @@ impl<'a, D: Device> Scope<'a, D> {
                 free_slots: Vec::new(),
                 uses: Vec::new(),
                 misses: 0,
+                missed: Vec::new(),
             }),
             shared: Arc::new(ScopeShared {
                 state: Mutex::new(SharedRun {
@@ -527,7 +536,7 @@ impl<'a, D: Device> Scope<'a, D> {
             if let Some(ptr) = self.planned(offset, rounded) {
                 return Ok(made(ptr, rounded, index, NO_SLOT));
             }
-            self.run.borrow_mut().misses += 1;
+            self.run.borrow_mut().missed(index);
         }
         let buf = self.pool_block(bytes, rounded).inspect_err(|_| self.unstep())?;
         let (ptr, size) = (buf.ptr, buf.size);
@@ -567,7 +576,7 @@ impl<'a, D: Device> Scope<'a, D> {
         if let Some(offset) = self.step(Step::Alloc(rounded)) {
             match self.planned(offset, rounded) {
                 Some(ptr) => planned = Some(ptr),
-                None => self.run.borrow_mut().misses += 1,
+                None => self.run.borrow_mut().missed(index),
             }
         }
         let (mut buf, offset) = match planned {
@@ -827,6 +836,48 @@ impl<'a, D: Device> Scope<'a, D> {
         self.cursor.base.set(NO_BASE);
     }
 
+    /// At exit: the planned slices of bound buffers that were never freed (`mem::forget`) go
+    /// back to the sanitizer, and the stream is ordered after every use recorded on a planned
+    /// buffer that was never freed, so neither the next run nor the pool reuses the memory
+    /// before those uses completed. `steps` are the run's steps unless it `followed` its plan.
+    fn reclaim_forgotten(&mut self, steps: &[Step], followed: bool) {
+        let base = self.cursor.base.get();
+        if let (Some(plan), true) = (&self.plan, base != NO_BASE) {
+            // Planned allocations are the run's first steps that followed the plan.
+            let prefix = match self.cursor.following.get() {
+                true => self.cursor.len.get(),
+                false => self.cursor.diverged_at.get(),
+            };
+            let unfreed = match followed {
+                true => plan.unfreed.clone(),
+                false => Learned::unfreed(steps),
+            };
+            let run = self.run.get_mut();
+            for (pos, index) in unfreed {
+                if pos as usize >= prefix
+                    || run.missed.contains(&index)
+                    || run.unbound.binary_search_by_key(&index, |e| e.index).is_ok()
+                {
+                    continue; // not a planned slice, or an unbound one (an escape)
+                }
+                let [code, offset] = plan.script[pos as usize];
+                if let Step::Alloc(size) = Step::from_code(code) {
+                    self.device.note_reclaim(DeviceAddr(base + offset), size, self.stream);
+                }
+            }
+        }
+        let run = self.run.get_mut();
+        if run.uses.is_empty() || self.alloc.shared.broken(super::Broken::ForgottenUses) {
+            return;
+        }
+        let mut others: Vec<StreamId> = run.uses.drain(..).map(|(_, s)| s).collect();
+        others.sort_unstable();
+        others.dedup();
+        if !self.alloc.shared.order_after(self.stream, &others) {
+            self.poison_region();
+        }
+    }
+
     /// Records the frees of unbound buffers queued since the last step.
     #[inline]
     fn drain_freed(&self) {
@@ -869,6 +920,12 @@ impl<D: Device> Drop for Scope<'_, D> {
             self.unbound_freed(i);
         }
         st.open = false;
+        let followed = self.cursor.following.get()
+            && self.plan.as_ref().is_some_and(|p| p.len() == self.cursor.len.get());
+        let steps = if followed { Vec::new() } else { self.take_steps() };
+        // Planned slices of forgotten scoped buffers: taken back, and ordered after the other
+        // streams they were used on, before the region can serve or return them.
+        self.reclaim_forgotten(&steps, followed);
         let run = self.run.get_mut();
         // Pool buffers of forgotten scoped buffers: freed now, before the pool is looked at.
         run.held.clear();
@@ -896,12 +953,9 @@ impl<D: Device> Drop for Scope<'_, D> {
             .filter(|e| e.live)
             .filter_map(|e| Some(Escape { block: e.block?, ptr: e.ptr, size: e.size }))
             .collect();
-        let followed = self.cursor.following.get()
-            && self.plan.as_ref().is_some_and(|p| p.len() == self.cursor.len.get());
         if self.plan.is_some() && !followed {
             c.plan_fallbacks.fetch_add(1, Ordering::Relaxed);
         }
-        let steps = if followed { Vec::new() } else { self.take_steps() };
         sh.free_blocks(self.stream, &blocks);
         let learner = if followed { None } else { self.name.as_deref() };
         #[cfg(tidepool_broken = "adopt")]
