@@ -281,3 +281,67 @@ fn a_forgotten_planned_slice_is_taken_back_at_exit() {
     drop(alloc);
     assert!(dev.live_segments().is_empty());
 }
+
+/// Finding 4: an unbound planned buffer freed on another thread while its scope is open must
+/// order its stream after the buffer's other streams *before* the scope can see the free: the
+/// scope's next planned allocation reuses the slice at once. Contention on the global lock
+/// (here `empty_cache`, blocked in a segment release while a gated kernel runs) used to hold the
+/// freeing thread between the two, with the free already visible.
+#[test]
+fn a_cross_thread_unbound_free_is_ordered_before_the_scope_can_reuse_its_slice() {
+    assert_eq!(cross_thread_unbound_free(false), vec![], "u's slice was reused while `b` read it");
+}
+
+/// The same with the fix reverted (`Broken::UnboundFreeOrder`): the sanitizer sees the reuse.
+#[test]
+fn the_sanitizer_catches_a_cross_thread_unbound_free_ordered_late() {
+    let v = cross_thread_unbound_free(true);
+    assert!(v.iter().any(|v| v.op == "handout"), "not caught: {v:?}");
+}
+
+fn cross_thread_unbound_free(broken: bool) -> Vec<tidepool::device::Violation> {
+    use std::thread::{sleep, spawn};
+    use std::time::Duration;
+    let (dev, a, b) = device();
+    let alloc = allocator(&dev);
+    alloc.set_broken(tidepool::hooks::Broken::UnboundFreeOrder, broken);
+    {
+        let scope = alloc.named_scope("unbound", a);
+        drop(scope.alloc_unbound(N).unwrap());
+        drop(scope.alloc_unbound(N).unwrap()); // learns: the second reuses the first's slice
+    }
+    drop(alloc.alloc(3 * MIB, a).unwrap()); // a free segment for `empty_cache` to release
+    let scope = alloc.named_scope("unbound", a);
+    let u = scope.alloc_unbound(N).unwrap();
+    assert!(u.is_planned());
+    dev.launch(a, write(u.ptr(), 0x33)).unwrap();
+    order(&dev, b, a);
+    let (k, open, got) = gated_read(u.ptr());
+    dev.launch(b, k).unwrap();
+    let _ = alloc.record_stream(&u, b);
+    // Holds the global lock until the gate opens: the release waits for the device to idle.
+    let trimmer = {
+        let alloc = alloc.clone();
+        spawn(move || alloc.empty_cache().unwrap())
+    };
+    sleep(Duration::from_millis(100));
+    let freer = spawn(move || drop(u));
+    sleep(Duration::from_millis(100));
+    let opener = spawn(move || {
+        sleep(Duration::from_millis(300));
+        open.send(()).unwrap();
+    });
+    let v = scope.alloc_unbound(N).unwrap(); // planned into u's slice only if ordered
+    dev.launch(a, write(v.ptr(), 0x44)).unwrap();
+    for t in [trimmer, freer, opener] {
+        t.join().unwrap();
+    }
+    dev.synchronize().unwrap();
+    if !broken {
+        assert_eq!(*got.lock().unwrap(), vec![0x33; N as usize]);
+    }
+    drop(v);
+    drop(scope);
+    alloc.check_invariants().unwrap();
+    dev.violations()
+}

@@ -116,11 +116,35 @@ impl<D: Device> Buffer<D> {
 }
 
 impl<D: Device> Drop for Buffer<D> {
+    /// Frees the memory, stream-ordered. A planned slice (of a scope's region) is taken back
+    /// and its stream ordered after the other streams it was used on *before* its scope (or a
+    /// later run of it) can see the free and hand the slice out again.
     fn drop(&mut self) {
-        let uses = match self.scope.take() {
-            Some(tag) => tag.on_drop(self),
-            None => Vec::new(),
-        };
+        let planned = matches!(self.origin, Origin::Region(..));
+        let uses = self.scope.as_ref().map(ScopeTag::take_uses).unwrap_or_default();
+        // BROKEN (finding 4): the free is visible to the scope before the ordering is in place.
+        let late = cfg!(tidepool_broken = "unbound_free")
+            || (planned && self.owner.broken(super::Broken::UnboundFreeOrder));
+        let mut ordered = true;
+        if planned && !late {
+            self.owner.device.note_reclaim(self.ptr, self.size, self.stream);
+            ordered = self.owner.order_after(self.stream, &uses);
+            if let (false, Origin::Region(region, _)) = (ordered, &self.origin) {
+                region.poison();
+            }
+        }
+        if let Some(tag) = self.scope.take() {
+            tag.on_drop(self);
+        }
+        if planned && late {
+            #[cfg(not(loom))]
+            if self.owner.broken(super::Broken::UnboundFreeOrder) {
+                // Stands for the wait on the global lock that opened the window.
+                std::thread::sleep(std::time::Duration::from_millis(2));
+            }
+            self.owner.device.note_reclaim(self.ptr, self.size, self.stream);
+            ordered = self.owner.order_after(self.stream, &uses);
+        }
         match std::mem::replace(&mut self.origin, Origin::None) {
             Origin::Pool(block) => {
                 let freed = Freed {
@@ -137,8 +161,7 @@ impl<D: Device> Drop for Buffer<D> {
                 self.owner.free(freed);
             }
             Origin::Region(region, _) => {
-                self.owner.device.note_reclaim(self.ptr, self.size, self.stream);
-                if !self.owner.order_after(self.stream, &uses) {
+                if !ordered {
                     region.poison();
                 }
                 self.owner.release_region(region);

@@ -82,27 +82,31 @@ impl ScopeTag {
         }
     }
 
-    /// Called from `Buffer::drop`: queues the free while the run is open; after it ended, unpins
-    /// an escaped planned slice, or hands an escaped pool block to the region that adopted its
-    /// segment. Returns the other streams the buffer was used on.
-    pub(crate) fn on_drop<D: Device>(&self, buf: &mut Buffer<D>) -> Vec<StreamId> {
-        let uses = if self.has_uses.load(Ordering::Relaxed) {
-            std::mem::take(&mut *lock(&self.uses))
-        } else {
-            Vec::new()
-        };
+    /// The other streams the buffer was used on (taken: called once, as it is freed).
+    pub(crate) fn take_uses(&self) -> Vec<StreamId> {
+        match self.has_uses.load(Ordering::Relaxed) {
+            true => std::mem::take(&mut *lock(&self.uses)),
+            false => Vec::new(),
+        }
+    }
+
+    /// Called from `Buffer::drop`, once the buffer's memory is ordered after its uses on other
+    /// streams: queues the free while the run is open (the scope may reuse a planned slice at
+    /// its next step); after it ended, unpins an escaped planned slice, or hands an escaped pool
+    /// block to the region that adopted its segment.
+    pub(crate) fn on_drop<D: Device>(&self, buf: &mut Buffer<D>) {
         let mut run = lock(&self.shared.state);
         if run.open {
             run.freed.push(self.index);
             self.shared.pending.store(true, Ordering::Release);
-            return uses;
+            return;
         }
         match &buf.origin {
             Origin::Region(region, offset) => region.unpin(*offset),
             &Origin::Pool(block) => {
-                let Some(region) = &run.adopt else { return uses };
+                let Some(region) = &run.adopt else { return };
                 if !region.is_pinned(buf.ptr.0) {
-                    return uses; // an escape in a segment the region did not adopt
+                    return; // an escape in a segment the region did not adopt
                 }
                 // A block used on other streams takes the event path to the pool instead; its
                 // range stays pinned, so the plan never serves it.
@@ -113,8 +117,9 @@ impl ScopeTag {
                         size: buf.size,
                         requested: buf.accounted,
                     };
-                    region.absorb(b, buf.ptr.0);
+                    // Taken back before the region can serve the range again.
                     buf.owner.device.note_reclaim(buf.ptr, buf.size, buf.stream);
+                    region.absorb(b, buf.ptr.0);
                     buf.origin = Origin::None;
                 }
                 run.to_absorb = run.to_absorb.saturating_sub(1);
@@ -127,7 +132,6 @@ impl ScopeTag {
             }
             Origin::None => {}
         }
-        uses
     }
 }
 
