@@ -394,6 +394,47 @@ fn record_stream_holds_the_block_until_the_other_stream_is_done() {
     }
 }
 
+/// cudarc's contract through `CudaBuffer`: a copy on another stream (`memcpy_dtod`, via
+/// `DevicePtr`) waits for the owner's write, and its read is recorded, so the block is not
+/// reused while the copy is pending (issue 14, finding 5).
+#[test]
+fn cudarc_copies_on_another_stream_wait_for_the_owner_and_hold_the_block() {
+    let Some((_gpu, dev)) = gpu() else { return };
+    let k = kernels(&dev);
+    for policy in [CrossStream::Strict, CrossStream::WaitEvent] {
+        let config = Config { cross_stream: policy, ..Config::default() };
+        let alloc = Allocator::new(dev.clone(), config).unwrap();
+        let (a, b, c) = (
+            dev.create_stream().unwrap(),
+            dev.create_stream().unwrap(),
+            dev.create_stream().unwrap(),
+        );
+        let (sa, sb, sc) = (dev.stream(a).unwrap(), dev.stream(b).unwrap(), dev.stream(c).unwrap());
+        let gate = closed_gate(&alloc, c);
+        // SAFETY: f32 has no invalid bit patterns.
+        let x = unsafe { CudaBuffer::<f32>::alloc(&alloc, N, a) }.unwrap();
+        let x_ptr = x.cu_device_ptr();
+        launch_gated(&k, &sa, &x, 1.0, &gate); // A writes 1.0 once the gate opens
+        // SAFETY: as for x; y is written by the copy before it is read.
+        let mut y = unsafe { CudaBuffer::<f32>::alloc(&alloc, N, b) }.unwrap();
+        sb.memcpy_dtod(&x, &mut y).unwrap(); // B waits for A's write
+        drop(x); // B's copy is still pending (it waits for A, which waits for the gate)
+        // SAFETY: as for x.
+        let z = unsafe { CudaBuffer::<f32>::alloc(&alloc, N, a) }.unwrap();
+        assert_ne!(z.cu_device_ptr(), x_ptr, "{policy:?}: x's block reused under B's copy");
+        open_gate(&gate, &sc);
+        dev.synchronize().unwrap();
+        assert_no_timeout(&gate);
+        let host = sb.clone_dtoh(&y).unwrap();
+        assert!(host.iter().all(|&v| v == 1.0), "{policy:?}: B copied before A's write");
+        drop((y, z, gate));
+        alloc.empty_cache().unwrap();
+        for s in [a, b, c] {
+            dev.destroy_stream(s).unwrap();
+        }
+    }
+}
+
 #[test]
 fn allocator_over_cuda_device_alloc_free_empty_cache_without_leaks() {
     let Some((_gpu, dev)) = gpu() else { return };

@@ -345,3 +345,111 @@ fn cross_thread_unbound_free(broken: bool) -> Vec<tidepool::device::Violation> {
     alloc.check_invariants().unwrap();
     dev.violations()
 }
+
+/// A kernel that waits for the returned gate, then writes `byte` over `[ptr, ptr + N)`.
+fn gated_write(ptr: DeviceAddr, byte: u8) -> (Kernel, mpsc::Sender<()>) {
+    let (open, gate) = mpsc::channel::<()>();
+    let k = Kernel::new("gated_write", vec![Access { ptr, bytes: N, kind: AccessKind::Write }], {
+        move |m| {
+            let _ = gate.recv();
+            m.write(ptr, &[byte; N as usize]).unwrap();
+        }
+    });
+    (k, open)
+}
+
+/// A kernel that reads `[ptr, ptr + N)` into the returned slot.
+fn read(ptr: DeviceAddr) -> (Kernel, Arc<Mutex<Vec<u8>>>) {
+    let slot = Arc::new(Mutex::new(Vec::new()));
+    let out = slot.clone();
+    let k = Kernel::new("read", vec![Access { ptr, bytes: N, kind: AccessKind::Read }], move |m| {
+        let mut v = vec![0u8; N as usize];
+        m.read(ptr, &mut v).unwrap();
+        *out.lock().unwrap() = v;
+    });
+    (k, slot)
+}
+
+/// Finding 5 (the logic behind `CudaBuffer`'s cudarc `DevicePtr`): `use_on(stream, access)`
+/// makes the using stream wait for the owner's last write, and records the use, so the block
+/// is not reused before the use completed. Here: written on `a` (gated, still running), read on
+/// `b`, freed, and `a` allocates again. Returns (violations, bytes `b` read).
+fn read_on_another_stream(
+    broken: bool,
+) -> (Vec<tidepool::device::Violation>, Vec<u8>, DeviceAddr, DeviceAddr) {
+    let (dev, a, b) = device();
+    let alloc = allocator(&dev);
+    alloc.set_broken(tidepool::hooks::Broken::UseOn, broken);
+    let buf = alloc.alloc(N, a).unwrap();
+    let p = buf.ptr();
+    let (k, open) = gated_write(p, 0x5A);
+    dev.launch(a, k).unwrap();
+    buf.use_on(b, AccessKind::Read).unwrap();
+    let (k, got) = read(p);
+    dev.launch(b, k).unwrap();
+    drop(buf);
+    let again = alloc.alloc(N, a).unwrap();
+    let q = again.ptr();
+    dev.launch(a, write(q, 0x11)).unwrap();
+    open.send(()).unwrap();
+    dev.synchronize().unwrap();
+    drop(again);
+    alloc.check_invariants().unwrap();
+    let bytes = got.lock().unwrap().clone();
+    (dev.violations(), bytes, p, q)
+}
+
+#[test]
+fn use_on_another_stream_waits_for_the_owners_write_and_holds_the_block() {
+    let (violations, bytes, p, q) = read_on_another_stream(false);
+    assert_eq!(violations, vec![]);
+    assert_eq!(bytes, vec![0x5A; N as usize], "`b` read before `a`'s write landed");
+    assert_ne!(p, q, "the block was reused while `b` still read it");
+}
+
+/// Without it (what `CudaBuffer` did: the stream argument ignored), the sanitizer sees both
+/// holes: `b` reads memory `a` is still writing, and `a` gets the block back while `b` reads.
+#[test]
+fn the_sanitizer_catches_a_use_on_another_stream_that_is_not_ordered() {
+    let (violations, _, p, q) = read_on_another_stream(true);
+    assert!(violations.iter().any(|v| v.op == "kernel read"), "{violations:?}");
+    assert!(violations.iter().any(|v| v.op == "handout"), "{violations:?}");
+    assert_eq!(p, q);
+}
+
+/// A write on another stream, then a read on the owner: the owner waits for that write; and a
+/// write on the owner after reads on other streams waits for those reads.
+#[test]
+fn use_on_orders_the_owner_after_writes_and_reads_on_other_streams() {
+    let (dev, a, b) = device();
+    let alloc = allocator(&dev);
+    let buf = alloc.alloc(N, a).unwrap();
+    let p = buf.ptr();
+    buf.use_on(b, AccessKind::Write).unwrap();
+    let (k, open) = gated_write(p, 0x77);
+    dev.launch(b, k).unwrap();
+    buf.use_on(a, AccessKind::Read).unwrap();
+    let (k, got) = read(p);
+    dev.launch(a, k).unwrap();
+    // `b` reads, then `a` overwrites: `a` must wait for the read.
+    buf.use_on(b, AccessKind::Read).unwrap();
+    let (k, got_b) = read(p);
+    dev.launch(b, k).unwrap();
+    buf.use_on(a, AccessKind::Write).unwrap();
+    dev.launch(a, write(p, 0x99)).unwrap();
+    open.send(()).unwrap();
+    dev.synchronize().unwrap();
+    assert_eq!(dev.violations(), vec![]);
+    assert_eq!(*got.lock().unwrap(), vec![0x77; N as usize], "`a` read before `b`'s write");
+    assert_eq!(*got_b.lock().unwrap(), vec![0x77; N as usize], "`a` overwrote before `b` read");
+    // Another allocator's buffer is refused; an unknown stream too.
+    let other = allocator(&dev);
+    assert_eq!(other.use_on(&buf, b, AccessKind::Read), Err(tidepool::AllocError::ForeignBuffer));
+    let ghost = StreamId(77);
+    assert_eq!(
+        buf.use_on(ghost, AccessKind::Read),
+        Err(tidepool::AllocError::UnknownStream(ghost))
+    );
+    drop(buf);
+    alloc.check_invariants().unwrap();
+}

@@ -7,7 +7,7 @@
 use super::owner::Owner;
 use super::plan::Region;
 use super::scope::ScopeTag;
-use crate::device::{Device, DeviceAddr, StreamId};
+use crate::device::{AccessKind, Device, DeviceAddr, StreamId};
 use crate::pool::BlockId;
 use crate::stats::Residency;
 use crate::sync::Arc;
@@ -109,6 +109,30 @@ impl<D: Device> Buffer<D> {
         self.owner.record_use(self, stream)
     }
 
+    /// Announces that work about to be enqueued on `stream` will `access` this buffer, as
+    /// cudarc's `DevicePtr::device_ptr(&stream)` does for its own slices: `stream` waits, on the
+    /// device, for the buffer's last write (its owner stream's work so far, or the last write
+    /// announced on another stream) and, for a write, for the reads announced on other streams
+    /// since; and the use is recorded ([`Buffer::record_stream`]), so the block is not reused
+    /// before that work completed. On its own stream, with no other stream involved, it does
+    /// nothing (stream order suffices). [`crate::CudaBuffer`] calls it for every cudarc use.
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use tidepool::device::AccessKind;
+    /// use tidepool::{Allocator, Config, Device, SimDevice, StreamId};
+    ///
+    /// let device = Arc::new(SimDevice::new(1 << 30));
+    /// let other = device.create_stream().unwrap();
+    /// let alloc = Allocator::new(device.clone(), Config::default()).unwrap();
+    /// let buf = alloc.alloc(4096, StreamId::DEFAULT).unwrap();
+    /// buf.use_on(other, AccessKind::Read).unwrap(); // `other` waits for the default stream
+    /// // ... enqueue the read on `other`; dropping `buf` now waits for it before reuse.
+    /// ```
+    pub fn use_on(&self, stream: StreamId, access: AccessKind) -> Result<(), super::AllocError> {
+        self.owner.use_on(self, stream, access)
+    }
+
     /// The device its memory lives on (the allocator's device).
     pub fn device(&self) -> &Arc<D> {
         &self.owner.device
@@ -163,6 +187,9 @@ impl<D: Device> Drop for Buffer<D> {
             Origin::Region(region, _) => {
                 if !ordered {
                     region.poison();
+                }
+                if self.used_elsewhere() {
+                    self.owner.forget_uses(self.ptr);
                 }
                 self.owner.release_region(region);
             }

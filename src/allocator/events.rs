@@ -29,6 +29,70 @@ impl<D: Device> Shared<D> {
         Ok(())
     }
 
+    /// Work about to be enqueued on `stream` will `access` `buffer` (of this allocator): makes
+    /// `stream` wait, on the device, for the buffer's last write on another stream (its owner's
+    /// work, until another stream wrote it) and, for a write, for the reads on other streams
+    /// since; then records the use, so the block is not reused before it completed. What
+    /// cudarc's `DevicePtr` asks of a device slice; see `Buffer::use_on`.
+    pub(super) fn use_on(
+        &self,
+        buffer: &Buffer<D>,
+        stream: StreamId,
+        access: AccessKind,
+    ) -> Result<(), AllocError> {
+        self.stream_exists(stream)?;
+        if self.broken(Broken::UseOn) || buffer.is_empty() {
+            return Ok(());
+        }
+        if stream == buffer.stream && !buffer.used_elsewhere() {
+            return Ok(()); // only ever used on its own stream: stream order is enough
+        }
+        let mut st = self.lock_state();
+        let key = buffer.ptr.0;
+        let (writer, readers) = match st.buffer_uses.get(&key) {
+            Some(u) => (u.writer, u.readers.clone()),
+            None => (buffer.stream, Vec::new()),
+        };
+        let mut after = Vec::new();
+        if writer != stream {
+            after.push(writer);
+        }
+        if access == AccessKind::Write {
+            after.extend(readers.iter().filter(|&&r| r != stream && r != writer));
+        }
+        for other in after {
+            let waited = match self.mark(&mut st, other) {
+                Mark::Event(event) => {
+                    let ok = self.device.wait_event(stream, event).is_ok()
+                        || self.device.synchronize_event(event).is_ok();
+                    st.free_events.push(event);
+                    ok
+                }
+                Mark::Drained => true,
+                Mark::Failed => false,
+            };
+            if !waited && !self.host_wait(&mut st) {
+                return Err(AllocError::Device(DeviceError::Driver(format!(
+                    "could not order {stream} after the work of {other} on the buffer"
+                ))));
+            }
+        }
+        let u = st
+            .buffer_uses
+            .entry(key)
+            .or_insert_with(|| UseState { writer: buffer.stream, readers: Vec::new() });
+        match access {
+            AccessKind::Write => {
+                u.writer = stream;
+                u.readers.clear();
+            }
+            AccessKind::Read if !u.readers.contains(&stream) => u.readers.push(stream),
+            AccessKind::Read => {}
+        }
+        drop(st);
+        self.record_use(buffer, stream)
+    }
+
     /// Records an event on `stream` now, marking the work enqueued on it so far. See [`Mark`].
     pub(super) fn mark(&self, st: &mut State, stream: StreamId) -> Mark {
         let drained = |st: &State, e: &DeviceError| {

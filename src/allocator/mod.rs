@@ -62,6 +62,7 @@ pub(crate) mod internals {
 }
 
 use crate::config::{Config, CrossStream};
+use crate::device::AccessKind;
 use crate::device::{Device, DeviceAddr, DeviceError, EventId, StreamId};
 use crate::pool::{BlockId, BlockState, Pool, PoolKey, SegmentId};
 use crate::stats::{MemoryStats, Residency};
@@ -78,7 +79,7 @@ use plan::{Learned, Region};
 use publish::{limits, stats_from};
 use request::RequestPlan;
 use seqlock::SeqBlock;
-use state::{Locked, PendingEvent, ScopeCounters, Shared, State};
+use state::{Locked, PendingEvent, ScopeCounters, Shared, State, UseState};
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::ops::{Deref, DerefMut};
 
@@ -286,6 +287,21 @@ impl<D: Device> Allocator<D> {
             return Err(AllocError::ForeignBuffer);
         }
         self.shared.record_use(buffer, stream)
+    }
+
+    /// Announces that work about to be enqueued on `stream` will `access` `buffer`; see
+    /// [`Buffer::use_on`]. A buffer of another allocator is refused
+    /// ([`AllocError::ForeignBuffer`]).
+    pub fn use_on(
+        &self,
+        buffer: &Buffer<D>,
+        stream: StreamId,
+        access: AccessKind,
+    ) -> Result<(), AllocError> {
+        if !self.shared.owns(buffer) {
+            return Err(AllocError::ForeignBuffer);
+        }
+        self.shared.use_on(buffer, stream, access)
     }
 
     /// Whether `buffer` was made by this allocator (or a clone of it).

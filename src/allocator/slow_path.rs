@@ -249,6 +249,9 @@ impl<D: Device> Shared<D> {
         }
         let block = f.block;
         let mut st = self.lock_state();
+        if f.used_elsewhere && !st.buffer_uses.is_empty() {
+            st.buffer_uses.remove(&f.ptr.0);
+        }
         let uses = if st.stream_uses.is_empty() {
             Vec::new()
         } else {
@@ -290,6 +293,12 @@ impl<D: Device> Shared<D> {
         for (s, p) in events {
             st.pending.entry(s).or_default().push_back(p);
         }
+    }
+
+    /// Forgets what `use_on` tracked for the buffer at `ptr` (being freed).
+    pub(super) fn forget_uses(&self, ptr: DeviceAddr) {
+        let mut st = self.lock_state();
+        st.buffer_uses.remove(&ptr.0);
     }
 
     /// Flushes every stream cache into the pool; returns how many blocks moved.

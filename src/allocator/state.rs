@@ -93,6 +93,16 @@ pub(super) struct State {
     /// Streams destroyed through `destroy_stream`: the device drained them, so an event that
     /// cannot be recorded on one has nothing to wait for.
     pub(super) destroyed: BTreeSet<StreamId>,
+    /// Who last wrote and who read since, per live buffer (by address) announced with
+    /// `use_on` on a stream other than its own; dropped when the buffer is freed.
+    pub(super) buffer_uses: HashMap<u64, UseState>,
+}
+
+/// The streams that touched a buffer, as `Buffer::use_on` tracks them (cudarc's read and write
+/// events, by stream): a use waits for the last writer, a write also for the readers since.
+pub(super) struct UseState {
+    pub(super) writer: StreamId,
+    pub(super) readers: Vec<StreamId>,
 }
 
 /// The global lock held: publishes the statistics when let go.

@@ -194,7 +194,7 @@ impl CudaDevice {
     }
 
     /// Makes this device's context current on the calling thread (the driver's per-thread state).
-    fn bind(&self) -> Result<(), DeviceError> {
+    pub(crate) fn bind(&self) -> Result<(), DeviceError> {
         self.ctx.bind_to_thread().map_err(|e| driver_error("cuCtxSetCurrent", e))
     }
 }

@@ -148,7 +148,7 @@ pub(super) unsafe fn stream_synchronize(stream: sys::CUstream) -> Result<(), Dev
 /// # Safety
 /// `[ptr, ptr + bytes)` is device memory of the current context that nothing else uses
 /// concurrently, and `stream` is a live handle of the current context.
-pub(super) unsafe fn memset_d8_async(
+pub(crate) unsafe fn memset_d8_async(
     ptr: sys::CUdeviceptr,
     value: u8,
     bytes: usize,
