@@ -25,6 +25,12 @@ pub enum AllocError {
     /// The stream does not exist on the allocator's device (never created, or destroyed).
     /// Nothing was reserved or recorded for it.
     UnknownStream(StreamId),
+    /// A scope run made as many allocations as one run can index (2³² − 1): end the scope and
+    /// open a new one. The run is otherwise unchanged.
+    TooManyScopeAllocations {
+        /// The most allocations one run can make.
+        limit: u64,
+    },
 }
 
 /// Where memory was when an allocation ran out of it.
@@ -110,6 +116,11 @@ impl fmt::Display for AllocError {
                 f,
                 "the buffer was made by another allocator (or scope): refused, nothing changed; \
                  give it to the allocator that made it"
+            ),
+            AllocError::TooManyScopeAllocations { limit } => write!(
+                f,
+                "a scope run made {limit} allocations, the most one run can index: end the \
+                 scope and open a new one"
             ),
             AllocError::UnknownStream(s) => write!(
                 f,

@@ -463,6 +463,14 @@ impl<'a, D: Device> Scope<'a, D> {
         self.stream
     }
 
+    /// **Test only** (feature `test-hooks`): pretends the run already made `n` allocations, so
+    /// tests reach the end of the run's allocation index without 2³² allocations.
+    #[cfg(feature = "test-hooks")]
+    #[doc(hidden)]
+    pub fn set_allocation_count(&self, n: u32) {
+        self.cursor.allocs.set(n);
+    }
+
     /// Marks a scoped buffer as used on `stream` too; see [`ScopedBuffer::record_stream`].
     /// A buffer of another scope is refused ([`AllocError::ForeignBuffer`]), nothing recorded.
     pub fn record_stream(
@@ -534,8 +542,7 @@ impl<'a, D: Device> Scope<'a, D> {
             return Ok(made(DeviceAddr::NULL, 0, NO_INDEX, NO_SLOT));
         }
         let rounded = self.round(bytes)?;
-        let index = self.cursor.allocs.get();
-        self.cursor.allocs.set(index + 1);
+        let index = self.next_index()?;
         if let Some(offset) = self.step(Step::Alloc(rounded)) {
             if let Some(ptr) = self.planned(offset, rounded) {
                 return Ok(made(ptr, rounded, index, NO_SLOT));
@@ -574,8 +581,7 @@ impl<'a, D: Device> Scope<'a, D> {
             ));
         }
         let rounded = self.round(bytes)?;
-        let index = self.cursor.allocs.get();
-        self.cursor.allocs.set(index + 1);
+        let index = self.next_index()?;
         let mut planned = None;
         if let Some(offset) = self.step(Step::Alloc(rounded)) {
             match self.planned(offset, rounded) {
@@ -616,6 +622,19 @@ impl<'a, D: Device> Scope<'a, D> {
             has_uses: AtomicBool::new(false),
         });
         Ok(buf)
+    }
+
+    /// The next allocation's index in the run. `NO_INDEX` (`u32::MAX`) is never given: the
+    /// allocation that would take it is refused, so the index cannot overflow. (A run that
+    /// follows a plan never gets there: its plan was learned from a run that did not.)
+    #[inline]
+    fn next_index(&self) -> Result<u32, AllocError> {
+        let index = self.cursor.allocs.get();
+        if index == NO_INDEX {
+            return Err(AllocError::TooManyScopeAllocations { limit: u64::from(NO_INDEX) });
+        }
+        self.cursor.allocs.set(index + 1);
+        Ok(index)
     }
 
     /// Refuses every allocation of a scope opened on a stream the device did not have. (The
