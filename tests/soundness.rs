@@ -518,3 +518,46 @@ fn a_scope_run_cannot_overflow_its_allocation_index() {
     }
     assert_eq!(dev.violations(), vec![]);
 }
+
+/// Found by the multi-thread property test: a run that opened under one plan made that plan's
+/// region *after* the scope had relearned another plan, and stored it with the new plan, whose
+/// offsets reach past it: the next run handed out memory beyond the region (here: a live
+/// buffer's). Two runs of one named scope are open at once on one thread to make it happen.
+#[test]
+fn a_region_is_made_only_for_the_plan_in_force() {
+    let (dev, a, _) = device();
+    let alloc = allocator(&dev);
+    let small = |scope: &tidepool::Scope<'_, SimDevice>| drop(scope.alloc(N).unwrap());
+    let large = |scope: &tidepool::Scope<'_, SimDevice>| {
+        let x = scope.alloc(N).unwrap();
+        let y = scope.alloc(64 * 1024).unwrap();
+        drop((x, y));
+    };
+    {
+        let s = alloc.named_scope("plans", a);
+        large(&s); // learns P1 (its region made at once)
+    }
+    {
+        let s = alloc.named_scope("plans", a);
+        small(&s); // diverges: learns P2 (small), with no region yet
+    }
+    let z = alloc.named_scope("plans", a); // will follow P2 (no region yet)
+    {
+        let y = alloc.named_scope("plans", a);
+        large(&y); // diverges from P2: learns P3 (large), while Z is open
+    }
+    small(&z); // Z makes a region for P2 (small)... which must not become P3's
+    drop(z);
+    let neighbour = alloc.alloc(64 * 1024, a).unwrap();
+    dev.launch(a, write(neighbour.ptr(), 0x12)).unwrap();
+    for _ in 0..2 {
+        let w = alloc.named_scope("plans", a);
+        large(&w);
+    }
+    dev.synchronize().unwrap();
+    assert_eq!(dev.violations(), vec![], "a plan served memory outside its region");
+    drop(neighbour);
+    alloc.check_invariants().unwrap();
+    drop(alloc);
+    assert!(dev.live_segments().is_empty());
+}

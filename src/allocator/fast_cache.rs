@@ -361,6 +361,11 @@ impl StreamCache {
         self.lock_inner().closed = true;
     }
 
+    /// Whether [`StreamCache::close`] was called.
+    pub fn is_closed(&self) -> bool {
+        self.lock_inner().closed
+    }
+
     /// Blocks cached now (a relaxed read of the published count: exact once threads are quiet).
     pub fn cached_blocks(&self) -> u64 {
         self.fast.get(CACHED_BLOCKS)

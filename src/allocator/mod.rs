@@ -332,14 +332,20 @@ impl<D: Device> Allocator<D> {
     /// Returns to the device the free segments cached for `stream` (stranded memory of a stream
     /// that no longer allocates). Call it before destroying a stream.
     /// A stream that neither exists nor owns segments here is refused
-    /// ([`AllocError::UnknownStream`]); a destroyed stream's stranded segments are released.
+    /// ([`AllocError::UnknownStream`]); a destroyed stream's stranded segments are released,
+    /// and a stream destroyed elsewhere (by another allocator, or on the device) is forgotten:
+    /// later requests on it are refused.
     pub fn release_stream(&self, stream: StreamId) -> Result<(), AllocError> {
         let sh = &self.shared;
         let mut st = sh.lock_state();
-        if !st.segment_streams.contains_key(&stream) {
-            sh.check_stream(&mut st, stream)?;
+        let gone = !sh.broken(Broken::UnknownStreams) && !sh.device.has_stream(stream);
+        if gone {
+            st.streams.remove(&stream);
         }
-        sh.flush_stream(&mut st, stream, false);
+        sh.flush_stream(&mut st, stream, gone);
+        if gone && !st.segment_streams.contains_key(&stream) {
+            return Err(AllocError::UnknownStream(stream));
+        }
         sh.process_events(&mut st);
         sh.release_segments(&mut st, |s| s.key.stream == stream)
     }
@@ -391,6 +397,14 @@ impl<D: Device> Allocator<D> {
             true => self.shared.broken.fetch_or(mode.bit(), Ordering::Relaxed),
             false => self.shared.broken.fetch_and(!mode.bit(), Ordering::Relaxed),
         };
+    }
+
+    /// **Test only** (feature `test-hooks`): whether `stream`'s cache is closed (`None`: it
+    /// has none), so tests can see that a refused `destroy_stream` changed nothing.
+    #[cfg(feature = "test-hooks")]
+    #[doc(hidden)]
+    pub fn stream_cache_closed(&self, stream: StreamId) -> Option<bool> {
+        self.shared.caches.get(stream).map(|c| c.is_closed())
     }
 
     /// **Test only.** How many times the global lock has been taken so far (tests use it to

@@ -742,15 +742,24 @@ impl<'a, D: Device> Scope<'a, D> {
     #[cold]
     fn planned_claiming(&self, offset: u64, size: u64) -> Option<DeviceAddr> {
         let mut run = self.run.borrow_mut();
-        let RegionSlot::Unclaimed(existing) = &run.region else { return None };
         let (Some(name), Some(plan)) = (self.name.as_deref(), &self.plan) else { return None };
-        let region = match existing {
-            Some(r) => Some(r.clone()),
-            None => self.alloc.shared.make_region(name, self.stream, plan.region_size).ok(),
+        let RegionSlot::Unclaimed(existing) = &mut run.region else { return None };
+        // The run's hold moves out of the slot; every hold lets go through `release_region`
+        // (a plain drop of the last one would strand the region's blocks in the pool).
+        let region = match existing.take() {
+            Some(r) => Some(r),
+            None => self.alloc.shared.make_region(name, self.stream, plan).ok().flatten(),
         };
-        let Some(region) = region.filter(|r| r.try_claim()) else {
-            run.region = RegionSlot::Denied;
-            return None;
+        let region = match region {
+            Some(r) if r.try_claim() => r,
+            denied => {
+                run.region = RegionSlot::Denied;
+                drop(run);
+                if let Some(r) = denied {
+                    self.alloc.shared.release_region(r);
+                }
+                return None;
+            }
         };
         self.cursor.base.set(region.base);
         self.cursor.check_pins.set(region.has_pins());
@@ -989,10 +998,16 @@ impl<D: Device> Drop for Scope<'_, D> {
         };
         #[cfg(tidepool_broken = "adopt")]
         let mut st = lock(&shared.state);
+        // Holds let go of once the run's lock is let go (through `release_region`, so the last
+        // one returns the region's blocks to the pool).
+        let mut release: Vec<Arc<Region>> = region.into_iter().collect();
         match (adopted, learner) {
             (Some((region, pinned)), _) => {
                 st.to_absorb = pinned.len();
-                st.adopt = (!pinned.is_empty()).then_some(region);
+                match pinned.is_empty() {
+                    true => release.push(region),
+                    false => st.adopt = Some(region),
+                }
             }
             (None, Some(name)) => {
                 let align = sh.config.load().sizing.min_block_size;
@@ -1001,7 +1016,7 @@ impl<D: Device> Drop for Scope<'_, D> {
             (None, None) => {}
         }
         drop(st);
-        if let Some(r) = region {
+        for r in release {
             sh.release_region(r);
         }
     }

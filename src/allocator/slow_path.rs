@@ -353,6 +353,10 @@ impl<D: Device> Shared<D> {
         let lanes: Vec<_> =
             (0..fast_cache::LANES).map(|_| Arc::new(StreamCache::new(stream, limits))).collect();
         lanes[0].publish_pool_free(st.pool.free_bytes_of(stream));
+        if !st.streams.contains(&stream) && !self.broken(Broken::UnknownStreams) {
+            // Destroyed (or forgotten) since it was checked: its caches never take a block.
+            lanes.iter().for_each(|c| c.close());
+        }
         self.caches.add(lanes);
         // Readers that loaded the old table must retry.
         st.base.touch(&self.stats);
