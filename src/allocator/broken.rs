@@ -33,6 +33,7 @@ pub enum Broken {
     DestroyStream = 1 << 6,
 }
 
+#[cfg_attr(not(feature = "test-hooks"), allow(dead_code))]
 impl Broken {
     /// Every mode, for tests that go through them all.
     pub const ALL: [Broken; 7] = [

@@ -362,6 +362,7 @@ impl StreamCache {
     }
 
     /// Whether [`StreamCache::close`] was called.
+    #[cfg_attr(not(feature = "test-hooks"), allow(dead_code))]
     pub fn is_closed(&self) -> bool {
         self.lock_inner().closed
     }
