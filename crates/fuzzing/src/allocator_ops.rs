@@ -1107,6 +1107,7 @@ impl<'a> Harness<'a> {
             drop(self.others.remove(0));
             self.check()?;
         }
+        self.other.synchronize().map_err(|e| format!("second synchronize: {e}"))?;
         let a = self.other.stats().blocks.allocated_bytes.all.current;
         ensure!(a == 0, "the second allocator holds {a} bytes with no buffer left");
         self.alloc.synchronize().map_err(|e| format!("synchronize: {e}"))?;
