@@ -37,7 +37,7 @@ use proptest::test_runner::{Config as RunnerConfig, TestCaseError, TestRunner};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
-use tidepool::device::{Access, AccessKind, Kernel, SimDevice};
+use tidepool::device::{Access, AccessKind, Kernel, Launch, SimDevice};
 use tidepool::hooks::Broken;
 use tidepool::{AllocError, Allocator, Buffer, Config, CrossStream, Device, Residency, StreamId};
 use tidepool::{Scope, ScopedBuffer};
@@ -226,7 +226,7 @@ impl World {
         let dev = Arc::new(SimDevice::backed(2 << 30));
         dev.panic_on_violation(std::env::var("MULTI_PROPS_PANIC").is_ok());
         let allocs = policies.map(|p| {
-            let a = Allocator::new(dev.clone(), Config { cross_stream: p, ..Config::default() });
+            let a = Allocator::new(dev.clone(), Config::default().with_cross_stream(p));
             let a = a.unwrap();
             if let Some(mode) = broken {
                 a.set_broken(mode, true);

@@ -5,7 +5,7 @@
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 use tidepool::MIB;
-use tidepool::device::{Access, AccessKind, Kernel, SimDevice};
+use tidepool::device::{Access, AccessKind, Kernel, Launch, SimDevice};
 use tidepool::{Allocator, Config, Device, DeviceAddr, StreamId};
 
 const N: u64 = 4096;

@@ -21,11 +21,12 @@
 
 use loom::sync::{Arc, Mutex};
 use loom::thread;
+use tidepool::Sizing;
 use tidepool::hooks::{
     ArcCell, BYTES, CACHED_BLOCKS, CACHED_BYTES, COUNT, CachedBlock, ClassKey, Limits, Pop, REQ,
     RequestPlan, SeqBlock, StreamCache, collect, fast_cur, flush_into, quadrant,
 };
-use tidepool::hooks::{BlockId, Pool, PoolKey, Sizing};
+use tidepool::hooks::{BlockId, Pool, PoolKey};
 use tidepool::{Allocator, Config, DeviceAddr, StreamId};
 use tidepool::{BlockState, MIB};
 use tidepool::{BlockStats, PoolKind, Residency};

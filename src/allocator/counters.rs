@@ -84,7 +84,7 @@ impl BaseStats {
     }
 
     /// A live block was freed but waits on events: no longer allocated, still active.
-    pub fn to_pending(&mut self, q: usize, bytes: u64) {
+    pub fn move_to_pending(&mut self, q: usize, bytes: u64) {
         self.decrease(q, [bytes, 0, 0, 1, 0]);
     }
 

@@ -2,6 +2,7 @@
 //! polling them oldest first per stream, blocking on them in the OOM ladder, and making one stream
 //! wait for others on the device.
 
+use super::history::Action;
 use super::*;
 
 impl<D: Device> Shared<D> {
@@ -71,10 +72,8 @@ impl<D: Device> Shared<D> {
                 Mark::Drained => true,
                 Mark::Failed => false,
             };
-            if !waited && !self.host_wait(&mut st) {
-                return Err(AllocError::Device(DeviceError::Driver(format!(
-                    "could not order {stream} after the work of {other} on the buffer"
-                ))));
+            if !waited {
+                self.host_wait(&mut st)?;
             }
         }
         let u = st
@@ -114,10 +113,9 @@ impl<D: Device> Shared<D> {
     }
 
     /// Blocks the host until every stream is idle: the wait for work no event could mark.
-    /// `false` if the device refused that too.
-    pub(super) fn host_wait(&self, st: &mut State) -> bool {
+    pub(super) fn host_wait(&self, st: &mut State) -> Result<(), DeviceError> {
         st.counters.host_syncs += 1;
-        self.device.synchronize().is_ok()
+        self.device.synchronize()
     }
 
     /// An event from the pool, or a new one.
@@ -169,10 +167,11 @@ impl<D: Device> Shared<D> {
         if *n == 0 {
             st.pending_count.remove(&done.block);
             let b = st.pool.block(done.block);
-            let (size, requested) = (b.size, b.requested);
+            let (addr, size, requested) = (DeviceAddr(b.addr), b.size, b.requested);
             let key = st.pool.segment(b.segment).key;
             st.pool.free(done.block);
             st.base.pending_done(quadrant(key.kind, key.residency), size, requested);
+            st.note(Action::FreeCompleted, addr, requested, key.stream);
         }
     }
 
@@ -196,14 +195,14 @@ impl<D: Device> Shared<D> {
                         // done now.
                         st.counters.host_syncs += 1;
                         if self.device.synchronize_event(event).is_err() {
-                            ordered &= self.host_wait(&mut st);
+                            ordered &= self.host_wait(&mut st).is_ok();
                         }
                     }
                     st.free_events.push(event);
                 }
                 // A stream destroyed through this allocator was drained.
                 Mark::Drained => {}
-                Mark::Failed => ordered &= self.host_wait(&mut st),
+                Mark::Failed => ordered &= self.host_wait(&mut st).is_ok(),
             }
         }
         ordered

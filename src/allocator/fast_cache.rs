@@ -32,6 +32,7 @@ use crate::device::{DeviceAddr, StreamId};
 use crate::pool::{BlockId, Pool};
 use crate::stats::Residency;
 use crate::sync::{Arc, ArcCell, ArcRef, Mutex, MutexGuard, OnceSlot, SlotRef, lock};
+use crossbeam_utils::CachePadded;
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 
@@ -139,20 +140,29 @@ impl CacheInner {
     }
 }
 
-/// One stream's cache. See the module docs. Aligned so that two streams' caches never share a
-/// cache line (threads on different streams touch disjoint lines).
-#[repr(align(128))]
-pub struct StreamCache {
+/// One stream's cache. See the module docs. Padded (crossbeam's `CachePadded`) so that two
+/// streams' caches never share a cache line (threads on different streams touch disjoint lines).
+pub struct StreamCache(CachePadded<CacheCells>);
+
+/// What a [`StreamCache`] holds.
+pub struct CacheCells {
     stream: StreamId,
     inner: Mutex<CacheInner>,
     fast: SeqBlock<FAST_WORDS>,
     slow: SeqBlock<1>,
 }
 
+impl std::ops::Deref for StreamCache {
+    type Target = CacheCells;
+    fn deref(&self) -> &CacheCells {
+        &self.0
+    }
+}
+
 impl StreamCache {
     /// An empty cache for `stream`.
     pub fn new(stream: StreamId, limits: Limits) -> StreamCache {
-        StreamCache {
+        StreamCache(CachePadded::new(CacheCells {
             stream,
             inner: Mutex::new(CacheInner {
                 classes: Classes::default(),
@@ -165,7 +175,7 @@ impl StreamCache {
             }),
             fast: SeqBlock::new(),
             slow: SeqBlock::new(),
-        }
+        }))
     }
 
     /// The stream it caches for.

@@ -23,9 +23,12 @@ mod broken;
 mod buffer;
 mod checker;
 mod counters;
+mod dump;
 mod error;
 mod events;
 mod fast_cache;
+mod history;
+mod observers;
 mod oom;
 mod owner;
 mod plan;
@@ -41,6 +44,7 @@ mod stats_layout;
 
 pub use buffer::Buffer;
 pub use error::{AllocError, OomReport};
+pub use history::{Action, HistoryOptions, TraceEntry};
 pub use report::{BlockInfo, SegmentInfo};
 pub use scope::{Scope, ScopedBuffer};
 
@@ -81,6 +85,7 @@ use request::RequestPlan;
 use seqlock::SeqBlock;
 use state::{Locked, PendingEvent, ScopeCounters, Shared, State, UseState};
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
+use std::fmt;
 use std::ops::{Deref, DerefMut};
 
 /// Attempts of a lock-free statistics read before it takes the locks instead.
@@ -109,6 +114,18 @@ pub struct Allocator<D: Device> {
     owners: Arc<OwnerTable<D>>,
 }
 
+impl<D: Device> fmt::Debug for Allocator<D> {
+    /// The device, the configuration and the current reserved and allocated bytes.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Allocator")
+            .field("device", &self.shared.device.name())
+            .field("reserved_bytes", &self.reserved_bytes())
+            .field("allocated_bytes", &self.allocated_bytes())
+            .field("config", &*self.config())
+            .finish()
+    }
+}
+
 impl<D: Device> Clone for Allocator<D> {
     fn clone(&self) -> Self {
         Allocator { shared: self.shared.clone(), owners: self.owners.clone() }
@@ -116,9 +133,10 @@ impl<D: Device> Clone for Allocator<D> {
 }
 
 impl<D: Device> Allocator<D> {
-    /// An allocator over `device`. Fails only if the device cannot report its memory.
+    /// An allocator over `device`. Fails if the configuration is inconsistent
+    /// ([`AllocError::Config`]) or the device cannot report its memory.
     pub fn new(device: Arc<D>, config: Config) -> Result<Allocator<D>, AllocError> {
-        config.validate().map_err(|e| AllocError::Device(DeviceError::Driver(e.to_string())))?;
+        config.validate()?;
         let total = device.mem_info()?.total;
         let (fast, global_lock) = (config.fast_path(), config.global_lock);
         let shared = Arc::new(Shared {
@@ -136,6 +154,8 @@ impl<D: Device> Allocator<D> {
             plans: Mutex::new(HashMap::new()),
             scope_counters: ScopeCounters::default(),
             lock_count: AtomicU64::new(0),
+            recording: AtomicBool::new(false),
+            observers: observers::Observers::default(),
         });
         Ok(Allocator { owners: Arc::new(OwnerTable::new(&shared)), shared })
     }
@@ -158,7 +178,8 @@ impl<D: Device> Allocator<D> {
         let sh = &self.shared;
         let mut st = sh.lock_state();
         let limits = limits(&config);
-        sh.fast_path.store(config.fast_path(), Ordering::Relaxed);
+        let recording = sh.recording.load(Ordering::Relaxed);
+        sh.fast_path.store(config.fast_path() && !recording, Ordering::Relaxed);
         sh.publish_stats.store(!config.global_lock, Ordering::Relaxed);
         for c in sh.caches.all().iter() {
             c.set_limits(limits);
@@ -179,7 +200,32 @@ impl<D: Device> Allocator<D> {
 
     /// Allocates `bytes` on `stream` with the given residency. Persistent and transient blocks
     /// never share a segment.
+    ///
+    /// When memory runs out, the out-of-memory observers are called with the report, then the
+    /// failure callback (if any) may free memory and ask for another attempt
+    /// ([`Allocator::attach_oom_observer`], [`Allocator::set_failure_callback`]).
     pub fn alloc_in(
+        &self,
+        bytes: u64,
+        stream: StreamId,
+        residency: Residency,
+    ) -> Result<Buffer<D>, AllocError> {
+        let mut attempt = 0;
+        loop {
+            match self.alloc_in_once(bytes, stream, residency) {
+                Err(AllocError::OutOfMemory(report)) => {
+                    attempt += 1;
+                    if !self.shared.observers.out_of_memory(&report, attempt) {
+                        return Err(AllocError::OutOfMemory(report));
+                    }
+                }
+                other => return other,
+            }
+        }
+    }
+
+    /// One attempt of [`Allocator::alloc_in`].
+    fn alloc_in_once(
         &self,
         bytes: u64,
         stream: StreamId,
@@ -194,7 +240,7 @@ impl<D: Device> Allocator<D> {
         let config = &*plan.config;
         let class = ClassKey { residency, rounded: plan.rounded };
         let mut cached = None;
-        if plan.fast {
+        if plan.fast && !sh.recording.load(Ordering::Relaxed) {
             // This thread's lane first, then the stream's other lanes (a block freed on another
             // thread), each under its own lock only.
             for lane in 0..fast_cache::LANES {
@@ -230,6 +276,7 @@ impl<D: Device> Allocator<D> {
         let (ptr, size) = (DeviceAddr(b.addr), b.size);
         let q = quadrant(key.kind, residency);
         st.base.live_up(q, size, bytes, || sh.caches.all());
+        st.note(Action::Alloc, ptr, bytes, stream);
         drop(st);
         Ok(self.hand_out(ptr, bytes, size, stream, Some(block), plan.rounded, residency, q))
     }
@@ -335,19 +382,45 @@ impl<D: Device> Allocator<D> {
     /// ([`AllocError::UnknownStream`]); a destroyed stream's stranded segments are released,
     /// and a stream destroyed elsewhere (by another allocator, or on the device) is forgotten:
     /// later requests on it are refused.
+    ///
+    /// For a stream the application owns and the device adopted (`CudaDevice::adopt_stream`,
+    /// [`crate::SimDevice::adopt_stream`]), this also lets go of it: its work is drained and the
+    /// device forgets it, so the application may destroy it; later use of its id is
+    /// `UnknownStream`. That needs every buffer allocated on it freed first: while any is live
+    /// (or waits on events), the answer is [`AllocError::StreamInUse`] and nothing is released.
     pub fn release_stream(&self, stream: StreamId) -> Result<(), AllocError> {
         let sh = &self.shared;
+        let adopted = sh.device.is_adopted(stream);
         let mut st = sh.lock_state();
         let gone = !sh.broken(Broken::UnknownStreams) && !sh.device.has_stream(stream);
         if gone {
             st.streams.remove(&stream);
         }
+        // Cached blocks go back to the pool first (what releasing does anyway), so that only
+        // blocks really in use count; the caches of a stream that is gone are closed.
         sh.flush_stream(&mut st, stream, gone);
         if gone && !st.segment_streams.contains_key(&stream) {
             return Err(AllocError::UnknownStream(stream));
         }
         sh.process_events(&mut st);
-        sh.release_segments(&mut st, |s| s.key.stream == stream)
+        if adopted {
+            let in_use = sh.bytes_in_use_on(&st, stream);
+            if in_use > 0 {
+                return Err(AllocError::StreamInUse { stream, bytes: in_use });
+            }
+            sh.flush_stream(&mut st, stream, true);
+        }
+        sh.release_segments(&mut st, |s| s.key.stream == stream)?;
+        drop(st);
+        if adopted {
+            sh.device.destroy_stream(stream)?;
+            // Drained and forgotten by the device: refused from now on, nothing left of it to
+            // wait for.
+            let mut st = sh.lock_state();
+            st.streams.remove(&stream);
+            st.destroyed.insert(stream);
+        }
+        Ok(())
     }
 
     /// Destroys the stream on the device (which drains its work), then returns the stream's
@@ -383,7 +456,7 @@ impl<D: Device> Allocator<D> {
     /// **Test only — a deliberate bug.** While on, the allocator records no event for
     /// `record_stream` uses and hands another stream's free segments over without ordering, so
     /// tests can prove that the SimDevice sanitizer catches premature reuse.
-    #[doc(hidden)]
+    #[cfg(feature = "test-hooks")]
     pub fn set_broken_skip_events(&self, on: bool) {
         self.shared.broken_skip_events.store(on, Ordering::Relaxed);
     }
@@ -409,9 +482,39 @@ impl<D: Device> Allocator<D> {
 
     /// **Test only.** How many times the global lock has been taken so far (tests use it to
     /// prove that the fast path does not take it).
-    #[doc(hidden)]
+    #[cfg(feature = "test-hooks")]
     pub fn global_lock_acquisitions(&self) -> u64 {
         self.shared.lock_count.load(Ordering::Relaxed)
+    }
+
+    /// Starts (or, with `max_entries` 0, stops) recording the memory history, PyTorch's
+    /// `torch.cuda.memory._record_memory_history(max_entries=…, stacks=…)`: a ring of the last
+    /// `max_entries` allocations, frees (requested and completed), segment reserves and releases
+    /// and out-of-memory errors, each with its size, address, stream, time and optionally the
+    /// Rust stack. Starting again clears the ring. [`Allocator::dump_snapshot`] writes it out.
+    ///
+    /// While recording, every allocation and free takes the slow path (the stream caches are
+    /// bypassed), so the entries are complete and in order; buffers served from a learned scope
+    /// plan are not recorded one by one (the plan's region shows as one block). Off (the
+    /// default), recording costs the hot path one relaxed load.
+    pub fn record_history(&self, options: HistoryOptions) {
+        let sh = &self.shared;
+        let on = options.max_entries > 0;
+        let mut st = sh.lock_state();
+        sh.recording.store(on, Ordering::Relaxed);
+        sh.fast_path.store(self.config().fast_path() && !on, Ordering::Relaxed);
+        if on {
+            sh.flush_all(&mut st);
+            st.history = Some(history::History::new(options));
+        } else {
+            st.history = None;
+        }
+    }
+
+    /// The recorded memory history, oldest entry first (empty when not recording).
+    pub fn history(&self) -> Vec<TraceEntry> {
+        let st = self.shared.lock_state();
+        st.history.as_ref().map(|h| h.entries().cloned().collect()).unwrap_or_default()
     }
 
     /// Waits for every pending event and returns those blocks to the pool (a host sync per

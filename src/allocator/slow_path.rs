@@ -2,6 +2,7 @@
 //! another stream (strict or wait_event), a new segment; freeing back into the pool; flushing the
 //! stream caches; returning segments to the device.
 
+use super::history::Action;
 use super::*;
 
 impl<D: Device> Allocator<D> {
@@ -103,6 +104,7 @@ impl<D: Device> Shared<D> {
                 }
                 Err(AllocError::OutOfMemory(_)) => {
                     st.counters.ooms += 1;
+                    st.note(Action::Oom, DeviceAddr::NULL, bytes, key.stream);
                     return Err(AllocError::OutOfMemory(Box::new(
                         self.oom_report(st, config, key, bytes, rounded, seg_size),
                     )));
@@ -130,9 +132,15 @@ impl<D: Device> Shared<D> {
                 self.ensure_cache(st, key.stream);
                 st.counters.device_alloc += 1;
                 *st.segment_streams.entry(key.stream).or_default() += 1;
+                st.note(Action::SegmentAlloc, ptr, seg_size, key.stream);
                 Ok(st.pool.add_segment(key, ptr.0, seg_size))
             }
-            Err(DeviceError::OutOfMemory { .. } | DeviceError::Injected(_)) => Err(refused()),
+            // A refusal of the memory itself (capacity, limit, or the driver's own out-of-memory code)
+            // enters the OOM ladder; any other device error is passed on.
+            Err(
+                DeviceError::OutOfMemory { .. }
+                | DeviceError::Driver { code: DeviceError::CUDA_ERROR_OUT_OF_MEMORY, .. },
+            ) => Err(refused()),
             Err(e) => Err(AllocError::Device(e)),
         }
     }
@@ -215,7 +223,9 @@ impl<D: Device> Shared<D> {
             // Release on the device first: if it fails, the segment stays cached and consistent.
             self.device.release(DeviceAddr(base))?;
             let stream = st.pool.segment(seg).key.stream;
+            let size = st.pool.segment(seg).size;
             st.pool.remove_segment(seg);
+            st.note(Action::SegmentFree, DeviceAddr(base), size, stream);
             Self::forget_segment(st, stream);
             st.counters.device_free += 1;
             st.counters.host_syncs += 1;
@@ -252,6 +262,7 @@ impl<D: Device> Shared<D> {
         if f.used_elsewhere && !st.buffer_uses.is_empty() {
             st.buffer_uses.remove(&f.ptr.0);
         }
+        st.note(Action::FreeRequested, f.ptr, f.requested, f.stream);
         let uses = if st.stream_uses.is_empty() {
             Vec::new()
         } else {
@@ -260,6 +271,7 @@ impl<D: Device> Shared<D> {
         if uses.is_empty() || self.broken_skip_events.load(Ordering::Relaxed) {
             st.pool.free(block);
             st.base.live_down(f.quadrant, f.size, f.requested);
+            st.note(Action::FreeCompleted, f.ptr, f.requested, f.stream);
             return;
         }
         let mut events = Vec::new();
@@ -274,7 +286,7 @@ impl<D: Device> Shared<D> {
         if wait_on_host {
             // No event marks that stream's work: wait for all of it on the host instead (after
             // which every event just recorded has completed too).
-            let done = self.host_wait(&mut st);
+            let done = self.host_wait(&mut st).is_ok();
             st.free_events.extend(events.drain(..).map(|(_, p)| p.event));
             if !done {
                 // Nothing proves the other streams are done with the block: it is never reused
@@ -285,10 +297,11 @@ impl<D: Device> Shared<D> {
         if events.is_empty() {
             st.pool.free(block);
             st.base.live_down(f.quadrant, f.size, f.requested);
+            st.note(Action::FreeCompleted, f.ptr, f.requested, f.stream);
             return;
         }
         st.pool.mark_pending(block);
-        st.base.to_pending(f.quadrant, f.size);
+        st.base.move_to_pending(f.quadrant, f.size);
         st.pending_count.insert(block, events.len());
         for (s, p) in events {
             st.pending.entry(s).or_default().push_back(p);
@@ -360,5 +373,17 @@ impl<D: Device> Shared<D> {
         self.caches.add(lanes);
         // Readers that loaded the old table must retry.
         st.base.touch(&self.stats);
+    }
+
+    /// Bytes of `stream`'s segments in blocks that are not free in the pool: allocated, or freed
+    /// and waiting on events (flush the stream's caches first, or their blocks count too).
+    pub(super) fn bytes_in_use_on(&self, st: &State, stream: StreamId) -> u64 {
+        st.pool
+            .segments()
+            .filter(|(_, seg)| seg.key.stream == stream)
+            .flat_map(|(id, _)| st.pool.segment_blocks(id))
+            .filter(|(_, b)| b.state != BlockState::Free)
+            .map(|(_, b)| b.size)
+            .sum()
     }
 }

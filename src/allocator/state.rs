@@ -9,6 +9,8 @@
 //!          └─ plans: Mutex<(name, stream) → learned plan + region>
 //! ```
 
+use super::history::{Action, History};
+use super::observers::Observers;
 use super::*;
 
 pub(crate) struct Shared<D: Device> {
@@ -30,6 +32,10 @@ pub(crate) struct Shared<D: Device> {
     /// Test-only deliberate bugs (`broken.rs`), one bit per [`Broken`] mode.
     #[cfg(feature = "test-hooks")]
     pub(super) broken: AtomicU64,
+    /// Whether the memory history is recorded (then every operation takes the slow path).
+    pub(super) recording: AtomicBool,
+    /// Out-of-memory observers and the failure callback (`observers.rs`).
+    pub(super) observers: Observers,
     /// Acquisitions of `state`'s lock, for tests proving the fast path skips it.
     pub(super) lock_count: AtomicU64,
     /// Learned plans of named scopes, by (name, stream). Taken before `state`, never inside it.
@@ -96,6 +102,8 @@ pub(super) struct State {
     /// Who last wrote and who read since, per live buffer (by address) announced with
     /// `use_on` on a stream other than its own; dropped when the buffer is freed.
     pub(super) buffer_uses: HashMap<u64, UseState>,
+    /// The memory history, while it is recorded (`history.rs`).
+    pub(super) history: Option<History>,
 }
 
 /// The streams that touched a buffer, as `Buffer::use_on` tracks them (cudarc's read and write
@@ -103,6 +111,16 @@ pub(super) struct State {
 pub(super) struct UseState {
     pub(super) writer: StreamId,
     pub(super) readers: Vec<StreamId>,
+}
+
+impl State {
+    /// Adds an entry to the memory history, if it is recorded.
+    #[inline]
+    pub(super) fn note(&mut self, action: Action, addr: DeviceAddr, size: u64, stream: StreamId) {
+        if let Some(h) = &mut self.history {
+            h.push(action, addr, size, stream);
+        }
+    }
 }
 
 /// The global lock held: publishes the statistics when let go.

@@ -18,7 +18,7 @@ mod block;
 mod sizing;
 
 pub use block::{Block, BlockId, BlockState, PoolKey, Segment, SegmentId};
-pub use sizing::{MAX_REQUEST, MIB, Sizing};
+pub use sizing::{MIB, Sizing};
 
 use crate::types::{BlockStats, StreamId};
 use slab::Slab;
