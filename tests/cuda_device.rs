@@ -408,7 +408,7 @@ fn cudarc_copies_on_another_stream_wait_for_the_owner_and_hold_the_block() {
     let Some((_gpu, dev)) = gpu() else { return };
     let k = kernels(&dev);
     for policy in [CrossStream::Strict, CrossStream::WaitEvent] {
-        let config = Config { cross_stream: policy, ..Config::default() };
+        let config = Config::default().with_cross_stream(policy);
         let alloc = Allocator::new(dev.clone(), config).unwrap();
         let (a, b, c) = (
             dev.create_stream().unwrap(),
