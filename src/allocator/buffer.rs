@@ -116,7 +116,7 @@ impl<D: Device> Buffer<D> {
     /// announced on another stream) and, for a write, for the reads announced on other streams
     /// since; and the use is recorded ([`Buffer::record_stream`]), so the block is not reused
     /// before that work completed. On its own stream, with no other stream involved, it does
-    /// nothing (stream order suffices). [`crate::CudaBuffer`] calls it for every cudarc use.
+    /// nothing (stream order suffices). `CudaBuffer` (feature `cuda`) calls it for every cudarc use.
     ///
     /// ```
     /// use std::sync::Arc;
