@@ -26,6 +26,7 @@ variants=(
   "config:config_swap_during_allocation"
   "scope_batch:batch_return_against_fast_free"
   "adopt:escape_free_against_scope_exit"
+  "unbound_free:unbound_free_against_next_planned_handout"
 )
 status=0
 for v in "${variants[@]}"; do

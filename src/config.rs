@@ -64,6 +64,10 @@ pub struct Config {
     pub global_lock: bool,
 }
 
+/// The alignment of every pointer handed out (CUDA's `cudaMalloc` and RMM guarantee 256 bytes):
+/// the smallest `min_block_size` accepted. (Segments are at least this aligned on every device.)
+pub const MIN_ALIGN: u64 = 256;
+
 /// Default of [`Config::fast_cache_entries`].
 pub const DEFAULT_FAST_CACHE_ENTRIES: usize = 16;
 /// Default of [`Config::fast_cache_bytes`]: 32 MiB per stream.
@@ -91,7 +95,7 @@ pub const KEYS: &[(&str, &str)] = &[
         "roundup_power2_divisions",
         "round sizes to this many steps between powers of two (0, or a power of two ≤ 64)",
     ),
-    ("min_block_size", "rounding granularity in bytes (a power of two, 1..=1048576)"),
+    ("min_block_size", "rounding granularity in bytes (a power of two, 256..=1048576)"),
     ("small_size_mb", "largest request of the small pool, MiB"),
     ("small_segment_mb", "segment size of the small pool, MiB"),
     ("large_segment_mb", "segment size of the large pool, MiB"),
@@ -215,9 +219,10 @@ impl Config {
                 z.roundup_power2_divisions = v;
             }
             "min_block_size" => {
-                let what = "a power of two in 1..=1048576 bytes";
+                let what = "a power of two in 256..=1048576 bytes (pointers stay 256-byte \
+                            aligned, as CUDA's and RMM's are)";
                 let v: u64 = value.parse().map_err(|_| bad(what))?;
-                if !v.is_power_of_two() || v > MIB {
+                if !v.is_power_of_two() || !(MIN_ALIGN..=MIB).contains(&v) {
                     return Err(bad(what));
                 }
                 z.min_block_size = v;
@@ -265,6 +270,13 @@ impl Config {
         let fail = |why: String| Err(ConfigError::Inconsistent(why));
         if !z.min_block_size.is_power_of_two() {
             return fail(format!("min_block_size {} is not a power of two", z.min_block_size));
+        }
+        if z.min_block_size < MIN_ALIGN {
+            return fail(format!(
+                "min_block_size {} is below {MIN_ALIGN} bytes: every pointer handed out must stay \
+                 {MIN_ALIGN}-byte aligned, as CUDA's and RMM's are",
+                z.min_block_size
+            ));
         }
         if z.small_size < z.min_block_size || !z.small_size.is_multiple_of(z.min_block_size) {
             return fail("small_size_mb must be a multiple of min_block_size".into());
@@ -445,6 +457,8 @@ mod tests {
             ("roundup_power2_divisions:128", "roundup_power2_divisions"),
             ("min_block_size:1000", "min_block_size"),
             ("min_block_size:0", "min_block_size"),
+            ("min_block_size:1", "min_block_size"),
+            ("min_block_size:128", "min_block_size"),
             ("per_process_memory_fraction:0", "per_process_memory_fraction"),
             ("per_process_memory_fraction:1.5", "per_process_memory_fraction"),
             ("per_process_memory_fraction:NaN", "per_process_memory_fraction"),

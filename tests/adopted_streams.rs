@@ -68,7 +68,7 @@ fn record_stream_on_an_adopted_stream_orders_reuse_by_another_stream() {
     let addr = a.ptr();
     let (k, open) = gated_write(addr, 7);
     dev.launch(s, k).unwrap();
-    alloc.record_stream(&a, s);
+    alloc.record_stream(&a, s).unwrap();
     drop(a);
     // The adopted stream's kernel has not run: the block must not come back yet.
     let b = alloc.alloc(N, StreamId::DEFAULT).unwrap();

@@ -277,9 +277,9 @@ fn record_stream_holds_the_block_until_its_events_complete() {
     let (dev, alloc) = setup(1 << 30);
     let s1 = dev.create_stream().unwrap();
     let a = alloc.alloc(4096, S0).unwrap();
-    alloc.record_stream(&a, s1);
-    alloc.record_stream(&a, s1);
-    alloc.record_stream(&a, S0);
+    alloc.record_stream(&a, s1).unwrap();
+    alloc.record_stream(&a, s1).unwrap();
+    alloc.record_stream(&a, S0).unwrap();
     drop(a);
     let s = alloc.stats();
     assert_eq!(s.blocks.allocated_bytes.all.current, 0);

@@ -128,7 +128,7 @@ proptest! {
                 }
                 Op::RecordStream { buffer, stream } if !live.is_empty() => {
                     let l = &live[buffer % live.len()];
-                    alloc.record_stream(&l.buf, streams[stream]);
+                    alloc.record_stream(&l.buf, streams[stream]).unwrap();
                 }
                 Op::EmptyCache => alloc.empty_cache().unwrap(),
                 Op::FailNextMalloc => dev.fail_nth_malloc(Some(1)),

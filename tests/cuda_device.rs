@@ -325,7 +325,7 @@ fn events_query_false_then_true_around_a_gated_kernel() {
 
     // B waits for the event on the device, then overwrites: B's fill must land after A's.
     dev.wait_event(b, ev).unwrap();
-    alloc.record_stream(out.buffer(), b);
+    alloc.record_stream(out.buffer(), b).unwrap();
     launch_fill(&k, &sb, &mut out, 2.0);
     assert_eq!(dev.query_event(ev), Ok(false));
 
@@ -361,7 +361,7 @@ fn hold_the_stream(dev: &Arc<CudaDevice>, config: Config, record: bool) -> (bool
     let x_ptr = x.cu_device_ptr();
     launch_gated(&k, &sa, &x, 1.0, &gate);
     if record {
-        alloc.record_stream(x.buffer(), a);
+        alloc.record_stream(x.buffer(), a).unwrap();
     }
     drop(x);
     // SAFETY: as for x.
@@ -397,6 +397,47 @@ fn record_stream_holds_the_block_until_the_other_stream_is_done() {
         let (same, values) = hold_the_stream(&dev, config, true);
         assert!(!same, "{policy:?}: x's block was handed out while A still used it");
         assert!(values.iter().all(|&v| v == 2.0), "{policy:?}: y was clobbered");
+    }
+}
+
+/// cudarc's contract through `CudaBuffer`: a copy on another stream (`memcpy_dtod`, via
+/// `DevicePtr`) waits for the owner's write, and its read is recorded, so the block is not
+/// reused while the copy is pending (issue 14, finding 5).
+#[test]
+fn cudarc_copies_on_another_stream_wait_for_the_owner_and_hold_the_block() {
+    let Some((_gpu, dev)) = gpu() else { return };
+    let k = kernels(&dev);
+    for policy in [CrossStream::Strict, CrossStream::WaitEvent] {
+        let config = Config::default().with_cross_stream(policy);
+        let alloc = Allocator::new(dev.clone(), config).unwrap();
+        let (a, b, c) = (
+            dev.create_stream().unwrap(),
+            dev.create_stream().unwrap(),
+            dev.create_stream().unwrap(),
+        );
+        let (sa, sb, sc) = (dev.stream(a).unwrap(), dev.stream(b).unwrap(), dev.stream(c).unwrap());
+        let gate = closed_gate(&alloc, c);
+        // SAFETY: f32 has no invalid bit patterns.
+        let x = unsafe { CudaBuffer::<f32>::alloc(&alloc, N, a) }.unwrap();
+        let x_ptr = x.cu_device_ptr();
+        launch_gated(&k, &sa, &x, 1.0, &gate); // A writes 1.0 once the gate opens
+        // SAFETY: as for x; y is written by the copy before it is read.
+        let mut y = unsafe { CudaBuffer::<f32>::alloc(&alloc, N, b) }.unwrap();
+        sb.memcpy_dtod(&x, &mut y).unwrap(); // B waits for A's write
+        drop(x); // B's copy is still pending (it waits for A, which waits for the gate)
+        // SAFETY: as for x.
+        let z = unsafe { CudaBuffer::<f32>::alloc(&alloc, N, a) }.unwrap();
+        assert_ne!(z.cu_device_ptr(), x_ptr, "{policy:?}: x's block reused under B's copy");
+        open_gate(&gate, &sc);
+        dev.synchronize().unwrap();
+        assert_no_timeout(&gate);
+        let host = sb.clone_dtoh(&y).unwrap();
+        assert!(host.iter().all(|&v| v == 1.0), "{policy:?}: B copied before A's write");
+        drop((y, z, gate));
+        alloc.empty_cache().unwrap();
+        for s in [a, b, c] {
+            dev.destroy_stream(s).unwrap();
+        }
     }
 }
 

@@ -94,7 +94,7 @@ fn record_stream_keeps_a_buffer_out_of_the_stream_cache() {
     let (dev, alloc) = setup("", 1 << 30);
     let s1 = dev.create_stream().unwrap();
     let a = alloc.alloc(4096, S0).unwrap();
-    alloc.record_stream(&a, s1);
+    alloc.record_stream(&a, s1).unwrap();
     let n = alloc.global_lock_acquisitions();
     drop(a);
     assert_eq!(alloc.global_lock_acquisitions(), n + 1, "the free records an event");
@@ -242,7 +242,7 @@ fn free_batch_returns_blocks_to_the_pool_under_one_lock() {
     );
     drop(b);
     let n = alloc.global_lock_acquisitions();
-    alloc.free_batch(vec![a, c]);
+    alloc.free_batch(vec![a, c]).unwrap();
     assert_eq!(alloc.global_lock_acquisitions(), n + 1);
     let s = alloc.stats();
     assert_eq!((s.blocks.allocated_bytes.all.current, s.cached_fast_bytes), (0, 0));

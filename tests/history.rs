@@ -61,7 +61,7 @@ fn a_free_used_on_another_stream_completes_only_after_that_stream() {
             let _ = gate.recv();
         });
     dev.launch(s, k).unwrap();
-    alloc.record_stream(&a, s);
+    alloc.record_stream(&a, s).unwrap();
     drop(a);
     use Action::*;
     let last = |alloc: &Allocator<SimDevice>| *entries(alloc).last().unwrap();

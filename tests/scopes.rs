@@ -206,7 +206,7 @@ fn a_planned_buffer_used_on_another_stream_orders_its_reuse() {
                 dev.wait_event(b, e).unwrap();
                 let (k, o) = gated_write(x.ptr(), 4096);
                 dev.launch(b, k).unwrap();
-                x.record_stream(b);
+                x.record_stream(b).unwrap();
                 open = Some(o);
             }
             drop(x);
@@ -445,7 +445,7 @@ fn an_escape_still_live_or_used_on_another_stream_keeps_its_range_out_of_the_pla
     let (dev, alloc) = setup(1 << 30);
     let other = dev.create_stream().unwrap();
     let g1 = adopt_step(&alloc);
-    alloc.record_stream(&g1, other);
+    alloc.record_stream(&g1, other).unwrap();
     // Run 2 before g1 is freed: the gradient's slice overlaps g1's pinned range, so that one
     // allocation misses the plan and comes from the pool.
     let g2 = adopt_step(&alloc);

@@ -69,7 +69,7 @@ fn classic(broken: bool) -> (Arc<SimDevice>, DeviceAddr, DeviceAddr, Vec<u8>) {
     dev.launch(a, k).unwrap();
     let (k, got_a) = read(p, None);
     dev.launch(a, k).unwrap();
-    alloc.record_stream(&buf, b);
+    alloc.record_stream(&buf, b).unwrap();
     drop(buf);
     let buf_b = alloc.alloc(N, b).unwrap();
     dev.launch(b, write(buf_b.ptr(), 0xCD)).unwrap();
@@ -116,7 +116,7 @@ fn used_on_other_stream(broken: bool) -> (DeviceAddr, DeviceAddr, usize, u64) {
     let (open, gate) = mpsc::channel();
     let (k, got_b) = read(p, Some(gate));
     dev.launch(b, k).unwrap();
-    alloc.record_stream(&buf, b);
+    alloc.record_stream(&buf, b).unwrap();
     drop(buf);
     let next = alloc.alloc(N, a).unwrap();
     let q = next.ptr();
@@ -233,7 +233,7 @@ fn out_of_memory_waits_for_events_and_searches_again() {
         )
     };
     dev.launch(b, k).unwrap();
-    alloc.record_stream(&x, b);
+    alloc.record_stream(&x, b).unwrap();
     let px = x.ptr();
     drop(x);
     let z = alloc.alloc(MIB, a).unwrap();

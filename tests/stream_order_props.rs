@@ -61,7 +61,7 @@ fn run(policy: &str, ops: Vec<Op>) -> Result<(), TestCaseError> {
             }
             Op::RecordStream { buffer, stream } if !live.is_empty() && alive[stream] => {
                 let n = live.len();
-                alloc.record_stream(&live[buffer % n].0, streams[stream]);
+                alloc.record_stream(&live[buffer % n].0, streams[stream]).unwrap();
             }
             Op::Launch { buffer, stream, delay_us, write } if !live.is_empty() && alive[stream] => {
                 let n = live.len();
@@ -75,7 +75,7 @@ fn run(policy: &str, ops: Vec<Op>) -> Result<(), TestCaseError> {
                     dev.destroy_event(e).unwrap();
                 }
                 if s != b.stream() {
-                    alloc.record_stream(b, s);
+                    alloc.record_stream(b, s).unwrap();
                 }
                 if !users.contains(&s) {
                     users.push(s);

@@ -74,7 +74,7 @@ fn worker(
             85..=89 => drop(exchange.lock().unwrap().pop()),
             90..=92 if !live.is_empty() => {
                 let b = &live[rng.below(live.len() as u64) as usize];
-                alloc.record_stream(b, stream);
+                alloc.record_stream(b, stream).unwrap();
             }
             93..=97 if !live.is_empty() => {
                 // Work on a live buffer, on its own stream: it stays pending after a free.

@@ -5,7 +5,9 @@
 //!                       events → (stream, position), busy ranges (ptr, len, stream, position) }
 //!   use_on(ptr, len, s)  : work on s touches the range (position enqueued+1), unfinished
 //!   complete(s)          : s finishes everything enqueued; its busy ranges go away
-//!   note_handout(p, n, s): panics if a busy range of another stream overlaps [p, p+n)
+//!   wait_event(s, e)     : s's later work is ordered after e's (stream, position): waited[s]
+//!   note_handout(p, n, s): panics if a busy range of another stream overlaps [p, p+n) and s
+//!                          has not waited for it
 //! ```
 //!
 //! Waiting operations (`synchronize_event`, `synchronize`, `release`) complete the work they wait
@@ -29,6 +31,8 @@ struct State {
     events: HashMap<u64, Option<(usize, u64)>>,
     next_event: u64,
     busy: Vec<(u64, u64, usize, u64)>,
+    /// `waited[s][o]`: stream `s`'s later work is ordered after position `waited[s][o]` of `o`.
+    waited: [[u64; STREAMS]; STREAMS],
 }
 
 /// A loom-modelled device. See the module docs.
@@ -113,6 +117,10 @@ impl Device for LoomDevice {
         Err(DeviceError::Unsupported("streams are fixed"))
     }
 
+    fn has_stream(&self, stream: StreamId) -> bool {
+        (stream.0 as usize) < STREAMS
+    }
+
     fn create_event(&self) -> Result<EventId, DeviceError> {
         let mut st = self.st.lock().unwrap();
         st.next_event += 1;
@@ -140,7 +148,13 @@ impl Device for LoomDevice {
         Ok(target.is_none_or(|(s, p)| st.completed[s] >= p))
     }
 
-    fn wait_event(&self, _stream: StreamId, _event: EventId) -> Result<(), DeviceError> {
+    fn wait_event(&self, stream: StreamId, event: EventId) -> Result<(), DeviceError> {
+        let mut st = self.st.lock().unwrap();
+        let target = *st.events.get(&event.0).ok_or(DeviceError::UnknownEvent(event))?;
+        if let Some((o, pos)) = target {
+            let w = &mut st.waited[stream.0 as usize][o];
+            *w = (*w).max(pos);
+        }
         Ok(())
     }
 
@@ -162,8 +176,8 @@ impl Device for LoomDevice {
     fn note_handout(&self, ptr: DeviceAddr, bytes: u64, stream: StreamId) {
         let st = self.st.lock().unwrap();
         let s = stream.0 as usize;
-        for &(p, n, other, _) in &st.busy {
-            if other != s && p < ptr.0 + bytes && ptr.0 < p + n {
+        for &(p, n, other, pos) in &st.busy {
+            if other != s && st.waited[s][other] < pos && p < ptr.0 + bytes && ptr.0 < p + n {
                 panic!(
                     "stream-order violation: {ptr:?} handed to {stream} while stream {other} uses it"
                 );

@@ -13,15 +13,18 @@
 //! | `config_swap_during_allocation`              | one config load per allocation            | `config`       |
 //! | `batch_return_against_fast_free` (scope exit)| batch return under the lock vs fast free  | `scope_batch`  |
 //! | `escape_free_against_scope_exit`             | exit adopts escapes under the run's lock  | `adopt`        |
+//! | `unbound_free_against_next_planned_handout`  | a free is ordered before the scope sees it | `unbound_free` |
+//!
+//! The allocator runs with its real configuration (two cache lanes per stream, 64 fast streams):
+//! threads take lanes round-robin as under `std`.
 #![cfg(loom)]
 
 use loom::sync::{Arc, Mutex};
 use loom::thread;
 use tidepool::Sizing;
 use tidepool::hooks::{
-    ArcCell, BASE_WORDS, BYTES, BaseStats, BatchBlock, CACHED_BLOCKS, CACHED_BYTES, COUNT,
-    CachedBlock, ClassKey, Limits, Pop, REQ, RequestPlan, SeqBlock, StreamCache, assemble, collect,
-    fast_cur, flush_into, quadrant, return_batch,
+    ArcCell, BYTES, CACHED_BLOCKS, CACHED_BYTES, COUNT, CachedBlock, ClassKey, Limits, Pop, REQ,
+    RequestPlan, SeqBlock, StreamCache, collect, fast_cur, flush_into, quadrant,
 };
 use tidepool::hooks::{BlockId, Pool, PoolKey};
 use tidepool::{Allocator, Config, DeviceAddr, StreamId};
@@ -187,7 +190,7 @@ fn event_completion_against_same_stream_alloc() {
         let a = alloc.alloc(4096, S0).unwrap();
         let pa = a.ptr();
         dev.use_on(pa, 4096, s1);
-        alloc.record_stream(&a, s1);
+        alloc.record_stream(&a, s1).unwrap();
         drop(a);
         let worker = {
             let dev = dev.clone();
@@ -203,53 +206,34 @@ fn event_completion_against_same_stream_alloc() {
     });
 }
 
-/// The global lock: the base statistics.
-struct Global {
-    base: BaseStats,
-}
-
-/// Statistics, credit: block X is live; a user thread frees X into its stream cache and
-/// allocates the same size again (fast, spending the credit the free gave, or under the lock),
-/// while the slow path allocates Y. The peak ends exact (8 KiB: X and Y were live together), and
-/// no published state has current above peak.
+/// Statistics, credit, through the real allocator: block X is live; a user thread frees X into
+/// its stream cache and allocates the same size again (fast, spending the credit the free gave,
+/// or under the lock once the credit was revoked), while this thread allocates Y of another
+/// size (the slow path, which raises the live total and revokes credit). The peak ends exact
+/// (X and Y were live together), and no published state has current above peak.
 #[test]
 fn stats_current_never_exceeds_peak() {
     model(3, || {
-        let q = quadrant(PoolKind::Small, Residency::Transient);
-        let (pool, blocks) = pool_with_blocks(1);
-        let x = cached(&pool, blocks[0]);
-        let cache = Arc::new(StreamCache::new(S0, LIMITS));
-        let caches = Arc::new(vec![cache.clone()]);
-        let published = Arc::new(SeqBlock::<BASE_WORDS>::new());
-        let mut base = BaseStats::default();
-        base.live_up(q, 4096, 4096, || caches.clone());
-        base.publish(&published);
-        let global = Arc::new(Mutex::new(Global { base }));
-
+        let dev = Arc::new(LoomDevice::new());
+        let alloc = Allocator::new(dev.clone(), Config::default()).unwrap();
+        let x = alloc.alloc(4096, S0).unwrap();
         let user = {
-            let (cache, caches, global, published) =
-                (cache.clone(), caches.clone(), global.clone(), published.clone());
+            let alloc = alloc.clone();
             thread::spawn(move || {
-                cache.push(CLASS, x).unwrap();
-                if cache.pop(CLASS, 4096) == Pop::NeedsLock {
-                    let mut g = global.lock().unwrap();
-                    let b = cache.pop_locked(CLASS).unwrap();
-                    g.base.live_up(b.quadrant, b.size, 4096, || caches.clone());
-                    g.base.publish(&published);
-                }
+                drop(x);
+                alloc.alloc(4096, S0).unwrap()
             })
         };
-        {
-            let mut g = global.lock().unwrap();
-            g.base.live_up(q, 4096, 4096, || caches.clone());
-            g.base.publish(&published);
-        }
-        user.join().unwrap();
-        let (_, snap) = collect(&*published, || caches.clone(), 1).unwrap();
-        let s = assemble(&snap.base, &snap.fast);
+        let y = alloc.alloc(8192, S0).unwrap();
+        let x2 = user.join().unwrap();
+        let s = alloc.stats().blocks;
         check_snapshot(&s);
         let a = s.allocated_bytes.all;
-        assert_eq!((a.current, a.peak), (8192, 8192), "peak must be exact");
+        assert_eq!((a.current, a.peak), (12288, 12288), "peak must be exact");
+        alloc.check_invariants().unwrap();
+        drop((x2, y));
+        drop(alloc);
+        assert_eq!(dev.live_segments(), 0);
     });
 }
 
@@ -294,7 +278,6 @@ fn check_snapshot(s: &BlockStats) {
             assert_eq!(c.allocated.wrapping_sub(c.freed), c.current);
         }
     }
-    assert_eq!(s.allocated_bytes.all.current, 4096 * s.allocation.all.current, "torn snapshot");
     assert_eq!(s.requested_bytes.all.current, s.allocated_bytes.all.current, "torn snapshot");
 }
 
@@ -320,55 +303,65 @@ fn config_swap_during_allocation() {
     });
 }
 
-/// Scope exit (modelled as the protocol visible now): a batch of blocks `a` and `c` returned
-/// under the global lock, which also flushes the stream cache, races a fast-path free of the
-/// block `b` between them on another thread. `b` ends cached or free in the pool — never lost —
+/// Scope exit through the real allocator: a scope on another thread returns its locally cached
+/// blocks `a` and `c` in one batch under the global lock (which also flushes every cache lane of
+/// the stream), racing a fast-path free of buffer `b` on this thread into its own cache lane
+/// (lane 0: this thread allocated first). `b` ends cached or free in the pool — never lost —
 /// and the statistics say nothing is live.
 #[test]
 fn batch_return_against_fast_free() {
-    model(3, || {
-        let q = quadrant(PoolKind::Small, Residency::Transient);
-        let (pool, blocks) = pool_with_blocks(3);
-        let [a, b, c] = [0, 1, 2].map(|i| cached(&pool, blocks[i]));
-        let cache = Arc::new(StreamCache::new(S0, LIMITS));
-        let caches = Arc::new(vec![cache.clone()]);
-        let mut base = BaseStats::default();
-        for _ in 0..3 {
-            base.live_up(q, 4096, 4096, || caches.clone());
-        }
-        let published = Arc::new(SeqBlock::<BASE_WORDS>::new());
-        let global = Arc::new(Mutex::new((pool, base)));
-
-        let freer = {
-            let cache = cache.clone();
-            thread::spawn(move || cache.push(CLASS, b).unwrap())
+    model(2, || {
+        let dev = Arc::new(LoomDevice::new());
+        let alloc = Allocator::new(dev.clone(), Config::default()).unwrap();
+        let b = alloc.alloc(4096, S0).unwrap();
+        let exit = {
+            let alloc = alloc.clone();
+            thread::spawn(move || {
+                let scope = alloc.scope(S0);
+                let (a, c) = (scope.alloc(4096).unwrap(), scope.alloc(4096).unwrap());
+                drop((a, c)); // into the scope's local cache
+                drop(scope); // the batch return
+            })
         };
-        {
-            let mut g = global.lock().unwrap();
-            let (pool, base) = &mut *g;
-            let batch = [a, c].map(|x| BatchBlock {
-                block: x.block,
-                quadrant: q,
-                size: x.size,
-                requested: x.requested,
-            });
-            return_batch(pool, base, Some(&cache), &batch);
-            base.publish(&published);
-        }
-        freer.join().unwrap();
+        drop(b);
+        exit.join().unwrap();
+        alloc.check_invariants().unwrap();
+        assert_eq!(alloc.stats().blocks.allocated_bytes.all.current, 0);
+        alloc.empty_cache().unwrap();
+        assert_eq!(dev.live_segments(), 0, "a block was lost: its segment cannot be released");
+    });
+}
 
-        let g = global.lock().unwrap();
-        let (pool, _) = &*g;
-        pool.check_invariants().unwrap();
-        let is_cached = cache.peek().iter().any(|(_, x)| *x == b);
-        let state = state_at(pool, b.ptr);
-        assert!(
-            (is_cached && state == BlockState::Allocated)
-                || (!is_cached && state == BlockState::Free),
-            "b is lost: cached {is_cached}, {state:?} in the pool"
-        );
-        let (_, snap) = collect(&*published, || caches.clone(), 1).unwrap();
-        assert_eq!(assemble(&snap.base, &snap.fast).allocated_bytes.all.current, 0);
+/// Finding 4 of issue 14: an unbound planned buffer, used on stream 1, is freed on another
+/// thread while its scope's thread makes its next allocation, which the plan serves from the
+/// same slice once it sees the free. The free must order stream 0 after stream 1 *before* the
+/// scope can see it; the device panics on a hand-out of memory stream 1 still uses to a stream
+/// that did not wait for it.
+#[test]
+fn unbound_free_against_next_planned_handout() {
+    model(2, || {
+        let s1 = StreamId(1);
+        let dev = Arc::new(LoomDevice::new());
+        let alloc = Allocator::new(dev.clone(), Config::default()).unwrap();
+        {
+            let scope = alloc.named_scope("step", S0);
+            drop(scope.alloc_unbound(4096).unwrap());
+            drop(scope.alloc_unbound(4096).unwrap()); // the plan: the second reuses the slice
+        }
+        let scope = alloc.named_scope("step", S0);
+        let u = scope.alloc_unbound(4096).unwrap();
+        assert!(u.is_planned());
+        dev.use_on(u.ptr(), 4096, s1);
+        alloc.record_stream(&u, s1).unwrap();
+        let freer = thread::spawn(move || drop(u));
+        let v = scope.alloc_unbound(4096).unwrap();
+        freer.join().unwrap();
+        drop(v);
+        drop(scope);
+        dev.complete(s1);
+        alloc.check_invariants().unwrap();
+        drop(alloc);
+        assert_eq!(dev.live_segments(), 0);
     });
 }
 

@@ -7,7 +7,7 @@
 use super::owner::Owner;
 use super::plan::Region;
 use super::scope::ScopeTag;
-use crate::device::{Device, DeviceAddr, StreamId};
+use crate::device::{AccessKind, Device, DeviceAddr, StreamId};
 use crate::pool::BlockId;
 use crate::stats::Residency;
 use crate::sync::Arc;
@@ -104,6 +104,36 @@ impl<D: Device> Buffer<D> {
         }
     }
 
+    /// Marks it as used on `stream` as well, in its own allocator (see
+    /// [`crate::Allocator::record_stream`]).
+    pub fn record_stream(&self, stream: StreamId) -> Result<(), super::AllocError> {
+        self.owner.record_use(self, stream)
+    }
+
+    /// Announces that work about to be enqueued on `stream` will `access` this buffer, as
+    /// cudarc's `DevicePtr::device_ptr(&stream)` does for its own slices: `stream` waits, on the
+    /// device, for the buffer's last write (its owner stream's work so far, or the last write
+    /// announced on another stream) and, for a write, for the reads announced on other streams
+    /// since; and the use is recorded ([`Buffer::record_stream`]), so the block is not reused
+    /// before that work completed. On its own stream, with no other stream involved, it does
+    /// nothing (stream order suffices). `CudaBuffer` (feature `cuda`) calls it for every cudarc use.
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use tidepool::device::AccessKind;
+    /// use tidepool::{Allocator, Config, Device, SimDevice, StreamId};
+    ///
+    /// let device = Arc::new(SimDevice::new(1 << 30));
+    /// let other = device.create_stream().unwrap();
+    /// let alloc = Allocator::new(device.clone(), Config::default()).unwrap();
+    /// let buf = alloc.alloc(4096, StreamId::DEFAULT).unwrap();
+    /// buf.use_on(other, AccessKind::Read).unwrap(); // `other` waits for the default stream
+    /// // ... enqueue the read on `other`; dropping `buf` now waits for it before reuse.
+    /// ```
+    pub fn use_on(&self, stream: StreamId, access: AccessKind) -> Result<(), super::AllocError> {
+        self.owner.use_on(self, stream, access)
+    }
+
     /// The device its memory lives on (the allocator's device).
     pub fn device(&self) -> &Arc<D> {
         &self.owner.device
@@ -111,11 +141,35 @@ impl<D: Device> Buffer<D> {
 }
 
 impl<D: Device> Drop for Buffer<D> {
+    /// Frees the memory, stream-ordered. A planned slice (of a scope's region) is taken back
+    /// and its stream ordered after the other streams it was used on *before* its scope (or a
+    /// later run of it) can see the free and hand the slice out again.
     fn drop(&mut self) {
-        let uses = match self.scope.take() {
-            Some(tag) => tag.on_drop(self),
-            None => Vec::new(),
-        };
+        let planned = matches!(self.origin, Origin::Region(..));
+        let uses = self.scope.as_ref().map(ScopeTag::take_uses).unwrap_or_default();
+        // BROKEN (finding 4): the free is visible to the scope before the ordering is in place.
+        let late = cfg!(tidepool_broken = "unbound_free")
+            || (planned && self.owner.broken(super::Broken::UnboundFreeOrder));
+        let mut ordered = true;
+        if planned && !late {
+            self.owner.device.note_reclaim(self.ptr, self.size, self.stream);
+            ordered = self.owner.order_after(self.stream, &uses);
+            if let (false, Origin::Region(region, _)) = (ordered, &self.origin) {
+                region.poison();
+            }
+        }
+        if let Some(tag) = self.scope.take() {
+            tag.on_drop(self);
+        }
+        if planned && late {
+            #[cfg(not(loom))]
+            if self.owner.broken(super::Broken::UnboundFreeOrder) {
+                // Stands for the wait on the global lock that opened the window.
+                std::thread::sleep(std::time::Duration::from_millis(2));
+            }
+            self.owner.device.note_reclaim(self.ptr, self.size, self.stream);
+            ordered = self.owner.order_after(self.stream, &uses);
+        }
         match std::mem::replace(&mut self.origin, Origin::None) {
             Origin::Pool(block) => {
                 let freed = Freed {
@@ -132,8 +186,12 @@ impl<D: Device> Drop for Buffer<D> {
                 self.owner.free(freed);
             }
             Origin::Region(region, _) => {
-                self.owner.device.note_reclaim(self.ptr, self.size, self.stream);
-                self.owner.order_after(self.stream, &uses);
+                if !ordered {
+                    region.poison();
+                }
+                if self.used_elsewhere() {
+                    self.owner.forget_uses(self.ptr);
+                }
                 self.owner.release_region(region);
             }
             Origin::None => {}

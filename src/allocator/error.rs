@@ -23,6 +23,18 @@ pub enum AllocError {
     OutOfMemory(Box<OomReport>),
     /// A device call failed for another reason.
     Device(DeviceError),
+    /// A buffer (or scoped buffer) made by another allocator (or scope) was given to this one.
+    /// It was not looked up in this allocator's tables, and nothing was changed for it.
+    ForeignBuffer,
+    /// The stream does not exist on the allocator's device (never created, or destroyed).
+    /// Nothing was reserved or recorded for it.
+    UnknownStream(StreamId),
+    /// A scope run made as many allocations as one run can index (2³² − 1): end the scope and
+    /// open a new one. The run is otherwise unchanged.
+    TooManyScopeAllocations {
+        /// The most allocations one run can make.
+        limit: u64,
+    },
     /// The configuration is inconsistent (from [`crate::Allocator::new`]).
     Config(ConfigError),
     /// No device has this ordinal ([`crate::Allocators::for_device`]).
@@ -122,6 +134,21 @@ impl fmt::Display for AllocError {
             ),
             AllocError::OutOfMemory(report) => report.fmt(f),
             AllocError::Device(e) => write!(f, "device error: {e}"),
+            AllocError::ForeignBuffer => write!(
+                f,
+                "the buffer was made by another allocator (or scope): refused, nothing changed; \
+                 give it to the allocator that made it"
+            ),
+            AllocError::TooManyScopeAllocations { limit } => write!(
+                f,
+                "a scope run made {limit} allocations, the most one run can index: end the \
+                 scope and open a new one"
+            ),
+            AllocError::UnknownStream(s) => write!(
+                f,
+                "{s} does not exist on the allocator's device (never created, or destroyed): \
+                 refused, nothing changed"
+            ),
             AllocError::Config(e) => write!(f, "configuration error: {e}"),
             AllocError::UnknownDevice { ordinal, count } => {
                 write!(f, "no device {ordinal}: there are {count} device(s)")
@@ -143,7 +170,10 @@ impl std::error::Error for AllocError {
             AllocError::InvalidSize { .. }
             | AllocError::OutOfMemory(_)
             | AllocError::UnknownDevice { .. }
-            | AllocError::StreamInUse { .. } => None,
+            | AllocError::StreamInUse { .. }
+            | AllocError::ForeignBuffer
+            | AllocError::UnknownStream(_)
+            | AllocError::TooManyScopeAllocations { .. } => None,
         }
     }
 }

@@ -6,6 +6,118 @@ use super::history::Action;
 use super::*;
 
 impl<D: Device> Shared<D> {
+    /// Notes that `buffer` (of this allocator) is used on `stream` too: its free will wait for
+    /// the work enqueued on `stream` up to that moment.
+    pub(super) fn record_use(
+        &self,
+        buffer: &Buffer<D>,
+        stream: StreamId,
+    ) -> Result<(), AllocError> {
+        self.stream_exists(stream)?;
+        if stream == buffer.stream {
+            return Ok(());
+        }
+        buffer.mark_used_elsewhere();
+        if let Some(tag) = &buffer.scope {
+            tag.used_on(stream);
+        }
+        let Some(block) = buffer.block() else { return Ok(()) };
+        let mut st = self.lock_state();
+        let uses = st.stream_uses.entry(block).or_default();
+        if !uses.contains(&stream) {
+            uses.push(stream);
+        }
+        Ok(())
+    }
+
+    /// Work about to be enqueued on `stream` will `access` `buffer` (of this allocator): makes
+    /// `stream` wait, on the device, for the buffer's last write on another stream (its owner's
+    /// work, until another stream wrote it) and, for a write, for the reads on other streams
+    /// since; then records the use, so the block is not reused before it completed. What
+    /// cudarc's `DevicePtr` asks of a device slice; see `Buffer::use_on`.
+    pub(super) fn use_on(
+        &self,
+        buffer: &Buffer<D>,
+        stream: StreamId,
+        access: AccessKind,
+    ) -> Result<(), AllocError> {
+        self.stream_exists(stream)?;
+        if self.broken(Broken::UseOn) || buffer.is_empty() {
+            return Ok(());
+        }
+        if stream == buffer.stream && !buffer.used_elsewhere() {
+            return Ok(()); // only ever used on its own stream: stream order is enough
+        }
+        let mut st = self.lock_state();
+        let key = buffer.ptr.0;
+        let (writer, readers) = match st.buffer_uses.get(&key) {
+            Some(u) => (u.writer, u.readers.clone()),
+            None => (buffer.stream, Vec::new()),
+        };
+        let mut after = Vec::new();
+        if writer != stream {
+            after.push(writer);
+        }
+        if access == AccessKind::Write {
+            after.extend(readers.iter().filter(|&&r| r != stream && r != writer));
+        }
+        for other in after {
+            let waited = match self.mark(&mut st, other) {
+                Mark::Event(event) => {
+                    let ok = self.device.wait_event(stream, event).is_ok()
+                        || self.device.synchronize_event(event).is_ok();
+                    st.free_events.push(event);
+                    ok
+                }
+                Mark::Drained => true,
+                Mark::Failed => false,
+            };
+            if !waited {
+                self.host_wait(&mut st)?;
+            }
+        }
+        let u = st
+            .buffer_uses
+            .entry(key)
+            .or_insert_with(|| UseState { writer: buffer.stream, readers: Vec::new() });
+        match access {
+            AccessKind::Write => {
+                u.writer = stream;
+                u.readers.clear();
+            }
+            AccessKind::Read if !u.readers.contains(&stream) => u.readers.push(stream),
+            AccessKind::Read => {}
+        }
+        drop(st);
+        self.record_use(buffer, stream)
+    }
+
+    /// Records an event on `stream` now, marking the work enqueued on it so far. See [`Mark`].
+    pub(super) fn mark(&self, st: &mut State, stream: StreamId) -> Mark {
+        let drained = |st: &State, e: &DeviceError| {
+            self.broken(Broken::EventErrors)
+                || (matches!(e, DeviceError::UnknownStream(_)) && st.destroyed.contains(&stream))
+        };
+        let event = match self.event(st) {
+            Ok(event) => event,
+            Err(AllocError::Device(e)) if drained(st, &e) => return Mark::Drained,
+            Err(_) => return Mark::Failed,
+        };
+        match self.device.record_event(event, stream) {
+            Ok(()) => Mark::Event(event),
+            Err(e) => {
+                st.free_events.push(event);
+                if drained(st, &e) { Mark::Drained } else { Mark::Failed }
+            }
+        }
+    }
+
+    /// Blocks the host until every stream is idle: the wait for work no event could mark.
+    pub(super) fn host_wait(&self, st: &mut State) -> Result<(), DeviceError> {
+        st.counters.host_syncs += 1;
+        self.device.synchronize()
+    }
+
     /// An event from the pool, or a new one.
     pub(super) fn event(&self, st: &mut State) -> Result<EventId, AllocError> {
         match st.free_events.pop() {
@@ -64,29 +176,47 @@ impl<D: Device> Shared<D> {
     }
 
     /// Makes `stream`'s later work wait, on the device, for the work enqueued so far on each of
-    /// `others` (a freed planned buffer that was used on other streams). No host sync.
-    pub(super) fn order_after(&self, stream: StreamId, others: &[StreamId]) {
+    /// `others` (a freed planned buffer that was used on other streams). No host sync, unless
+    /// the device refuses an event or a wait: then the host waits instead. `false` only if even
+    /// that failed: nothing orders the memory's reuse, and the caller must not reuse it.
+    #[must_use]
+    pub(super) fn order_after(&self, stream: StreamId, others: &[StreamId]) -> bool {
         if others.is_empty() || self.broken_skip_events.load(Ordering::Relaxed) {
-            return;
+            return true;
         }
         let mut st = self.lock_state();
+        let mut ordered = true;
         for &other in others {
-            let Ok(event) = self.event(&mut st) else {
-                // No event to order with: wait for the other stream's work on the host.
-                let _ = self.device.synchronize();
-                st.counters.host_syncs += 1;
-                continue;
-            };
-            // A stream that is gone was drained: nothing of it can still use the memory.
-            if self.device.record_event(event, other).is_ok()
-                && self.device.wait_event(stream, event).is_err()
-            {
-                // The owner stream is gone (or refuses to wait): whoever reuses the memory next
-                // may be any stream, so the other stream's work must be done now.
-                let _ = self.device.synchronize_event(event);
-                st.counters.host_syncs += 1;
+            match self.mark(&mut st, other) {
+                Mark::Event(event) => {
+                    if self.device.wait_event(stream, event).is_err() {
+                        // The owner stream is gone (or refuses to wait): whoever reuses the
+                        // memory next may be any stream, so the other stream's work must be
+                        // done now.
+                        st.counters.host_syncs += 1;
+                        if self.device.synchronize_event(event).is_err() {
+                            ordered &= self.host_wait(&mut st).is_ok();
+                        }
+                    }
+                    st.free_events.push(event);
+                }
+                // A stream destroyed through this allocator was drained.
+                Mark::Drained => {}
+                Mark::Failed => ordered &= self.host_wait(&mut st).is_ok(),
             }
-            st.free_events.push(event);
         }
+        ordered
     }
+}
+
+/// What recording an event on a stream gave ([`Shared::mark`]).
+pub(super) enum Mark {
+    /// The event, recorded after the stream's work so far.
+    Event(EventId),
+    /// The stream was destroyed through this allocator, which the device drained: nothing of
+    /// it is left to wait for.
+    Drained,
+    /// The device refused (an event could not be made or recorded). The caller must not take
+    /// this as "nothing to wait for": it waits on the host, or leaves the memory alone.
+    Failed,
 }

@@ -40,12 +40,9 @@ use std::hash::{BuildHasherDefault, Hasher};
 /// pool.
 pub const MAX_CLASSES: usize = 128;
 
-/// Streams with an id below this have a fast path; others always take the slow path.
-#[cfg(not(loom))]
+/// Streams with an id below this have a fast path; others always take the slow path. (The
+/// same under loom: the models run the real configuration.)
 pub const FAST_STREAMS: usize = 64;
-/// Streams with an id below this have a fast path; others always take the slow path.
-#[cfg(loom)]
-pub const FAST_STREAMS: usize = 4;
 
 /// What a stream may cache.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -374,6 +371,12 @@ impl StreamCache {
         self.lock_inner().closed = true;
     }
 
+    /// Whether [`StreamCache::close`] was called.
+    #[cfg_attr(not(feature = "test-hooks"), allow(dead_code))]
+    pub fn is_closed(&self) -> bool {
+        self.lock_inner().closed
+    }
+
     /// Blocks cached now (a relaxed read of the published count: exact once threads are quiet).
     pub fn cached_blocks(&self) -> u64 {
         self.fast.get(CACHED_BLOCKS)
@@ -424,12 +427,9 @@ pub fn flush_into(cache: &StreamCache, pool: &mut Pool) -> Vec<CachedBlock> {
 
 /// Caches ("lanes") per stream. Threads are spread over a stream's lanes (round-robin as they
 /// first allocate), so two threads allocating on one stream rarely share a cache and its lock.
-/// Lane 0 carries the stream's published pool statistics.
-#[cfg(not(loom))]
+/// Lane 0 carries the stream's published pool statistics. (Two under loom too: the models check
+/// the cross-lane lookup and the flushes that reach every lane.)
 pub const LANES: usize = 2;
-/// Caches per stream (one under loom: the models drive one cache).
-#[cfg(loom)]
-pub const LANES: usize = 1;
 
 /// This thread's lane.
 #[cfg(not(loom))]
@@ -442,9 +442,18 @@ fn thread_lane() -> usize {
     LANE.with(|l| *l)
 }
 
+/// This thread's lane: round-robin in the order threads first ask, as under `std`, with the
+/// counter and the thread-locals loom's (reset for every execution of a model).
 #[cfg(loom)]
 fn thread_lane() -> usize {
-    0
+    use crate::sync::atomic::{AtomicUsize, Ordering};
+    loom::lazy_static! {
+        static ref NEXT: AtomicUsize = AtomicUsize::new(0);
+    }
+    loom::thread_local! {
+        static LANE: usize = NEXT.fetch_add(1, Ordering::Relaxed) % LANES;
+    }
+    LANE.with(|l| *l)
 }
 
 /// Every stream cache, `LANES` per stream. Streams with an id below [`FAST_STREAMS`] sit in

@@ -19,6 +19,7 @@
 
 mod adopt;
 mod batch;
+mod broken;
 mod buffer;
 mod checker;
 mod counters;
@@ -51,6 +52,7 @@ pub use scope::{Scope, ScopedBuffer};
 #[cfg(feature = "test-hooks")]
 pub(crate) mod internals {
     pub use super::batch::{BatchBlock, return_batch};
+    pub use super::broken::Broken;
     pub use super::counters::{
         BASE_WORDS, BYTES, BaseStats, CACHED_BLOCKS, CACHED_BYTES, COUNT, CacheList, FAST_WORDS,
         REQ, Snapshot, assemble, collect, fast_cur, fast_tot, quadrant,
@@ -64,22 +66,25 @@ pub(crate) mod internals {
 }
 
 use crate::config::{Config, CrossStream};
+use crate::device::AccessKind;
 use crate::device::{Device, DeviceAddr, DeviceError, EventId, StreamId};
 use crate::pool::{BlockId, BlockState, Pool, PoolKey, SegmentId};
 use crate::stats::{MemoryStats, Residency};
 use crate::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use crate::sync::{Arc, ArcCell, Mutex, MutexGuard, lock};
 use batch::BatchBlock;
+use broken::Broken;
 use buffer::Origin;
 use counters::{BASE_WORDS, BaseStats, quadrant};
+use events::Mark;
 use fast_cache::{CacheTable, CachedBlock, ClassKey, Limits, Pop, StreamCache, flush_into};
 use owner::OwnerTable;
 use plan::{Learned, Region};
 use publish::{limits, stats_from};
 use request::RequestPlan;
 use seqlock::SeqBlock;
-use state::{Locked, PendingEvent, ScopeCounters, Shared, State};
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use state::{Locked, PendingEvent, ScopeCounters, Shared, State, UseState};
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::fmt;
 use std::ops::{Deref, DerefMut};
 
@@ -144,6 +149,8 @@ impl<D: Device> Allocator<D> {
             publish_stats: AtomicBool::new(!global_lock),
             stats: SeqBlock::new(),
             broken_skip_events: AtomicBool::new(false),
+            #[cfg(feature = "test-hooks")]
+            broken: AtomicU64::new(0),
             plans: Mutex::new(HashMap::new()),
             scope_counters: ScopeCounters::default(),
             lock_count: AtomicU64::new(0),
@@ -226,6 +233,7 @@ impl<D: Device> Allocator<D> {
     ) -> Result<Buffer<D>, AllocError> {
         let sh = &self.shared;
         if bytes == 0 {
+            sh.stream_exists(stream)?;
             return Ok(self.hand_out(DeviceAddr::NULL, 0, 0, stream, None, 0, residency, 0));
         }
         let plan = RequestPlan::new(&sh.config, bytes)?;
@@ -250,6 +258,7 @@ impl<D: Device> Allocator<D> {
             }
         }
         let mut st = sh.lock_state();
+        sh.check_stream(&mut st, stream)?;
         if let Some(b) = cached.and_then(|c| c.pop_locked(class)) {
             // A cached block for another request size, or beyond the stream's credit: account
             // it here, where the peak can be raised exactly.
@@ -275,10 +284,19 @@ impl<D: Device> Allocator<D> {
     /// Frees `buffers` under one acquisition of the global lock, straight into the pool so they
     /// coalesce at once (no stream cache), then flushes their streams' caches — what a scope's
     /// exit does. Buffers with uses on other streams take the ordinary stream-ordered path.
-    pub fn free_batch(&self, buffers: Vec<Buffer<D>>) {
+    ///
+    /// A buffer of another allocator is never looked up in this one's tables: it is freed by its
+    /// own allocator (as dropping it would), and the call returns [`AllocError::ForeignBuffer`]
+    /// once the rest of the batch is freed.
+    pub fn free_batch(&self, buffers: Vec<Buffer<D>>) -> Result<(), AllocError> {
         let sh = &self.shared;
+        let mut foreign = false;
         let mut batch: BTreeMap<StreamId, Vec<BatchBlock>> = BTreeMap::new();
         for mut buf in buffers {
+            if !sh.owns(&buf) {
+                foreign = true;
+                continue; // dropped at the end of this iteration: freed by its own allocator
+            }
             if buf.used_elsewhere() {
                 continue; // dropped at the end of this iteration: the ordinary free
             }
@@ -295,32 +313,48 @@ impl<D: Device> Allocator<D> {
                 requested: buf.accounted,
             });
         }
-        if batch.is_empty() {
-            return;
+        if !batch.is_empty() {
+            let mut st = sh.lock_state();
+            for (&stream, blocks) in &batch {
+                sh.return_to_stream(&mut st, stream, blocks);
+            }
         }
-        let mut st = sh.lock_state();
-        for (&stream, blocks) in &batch {
-            sh.return_to_stream(&mut st, stream, blocks);
-        }
+        if foreign { Err(AllocError::ForeignBuffer) } else { Ok(()) }
     }
 
     /// Marks `buffer` as used on `stream` as well: when it is freed, its block is held until the
     /// work enqueued on `stream` up to that moment has completed (like
     /// `torch.Tensor.record_stream`). Recording its own stream does nothing.
-    pub fn record_stream(&self, buffer: &Buffer<D>, stream: StreamId) {
-        if stream == buffer.stream {
-            return;
+    /// [`Buffer::record_stream`] does the same without naming the allocator.
+    ///
+    /// A buffer of another allocator is refused ([`AllocError::ForeignBuffer`]) and nothing is
+    /// recorded anywhere.
+    pub fn record_stream(&self, buffer: &Buffer<D>, stream: StreamId) -> Result<(), AllocError> {
+        if !self.shared.owns(buffer) {
+            return Err(AllocError::ForeignBuffer);
         }
-        buffer.mark_used_elsewhere();
-        if let Some(tag) = &buffer.scope {
-            tag.used_on(stream);
+        self.shared.record_use(buffer, stream)
+    }
+
+    /// Announces that work about to be enqueued on `stream` will `access` `buffer`; see
+    /// [`Buffer::use_on`]. A buffer of another allocator is refused
+    /// ([`AllocError::ForeignBuffer`]).
+    pub fn use_on(
+        &self,
+        buffer: &Buffer<D>,
+        stream: StreamId,
+        access: AccessKind,
+    ) -> Result<(), AllocError> {
+        if !self.shared.owns(buffer) {
+            return Err(AllocError::ForeignBuffer);
         }
-        let Some(block) = buffer.block() else { return };
-        let mut st = self.shared.lock_state();
-        let uses = st.stream_uses.entry(block).or_default();
-        if !uses.contains(&stream) {
-            uses.push(stream);
-        }
+        self.shared.use_on(buffer, stream, access)
+    }
+
+    /// Whether `buffer` was made by this allocator (or a clone of it).
+    pub fn owns(&self, buffer: &Buffer<D>) -> bool {
+        let theirs: &Shared<D> = &buffer.owner;
+        std::ptr::eq(theirs, &*self.shared)
     }
 
     /// Releases every cached segment that holds no live or pending block, persistent ones
@@ -344,6 +378,10 @@ impl<D: Device> Allocator<D> {
 
     /// Returns to the device the free segments cached for `stream` (stranded memory of a stream
     /// that no longer allocates). Call it before destroying a stream.
+    /// A stream that neither exists nor owns segments here is refused
+    /// ([`AllocError::UnknownStream`]); a destroyed stream's stranded segments are released,
+    /// and a stream destroyed elsewhere (by another allocator, or on the device) is forgotten:
+    /// later requests on it are refused.
     ///
     /// For a stream the application owns and the device adopted (`CudaDevice::adopt_stream`,
     /// [`crate::SimDevice::adopt_stream`]), this also lets go of it: its work is drained and the
@@ -354,9 +392,16 @@ impl<D: Device> Allocator<D> {
         let sh = &self.shared;
         let adopted = sh.device.is_adopted(stream);
         let mut st = sh.lock_state();
+        let gone = !sh.broken(Broken::UnknownStreams) && !sh.device.has_stream(stream);
+        if gone {
+            st.streams.remove(&stream);
+        }
         // Cached blocks go back to the pool first (what releasing does anyway), so that only
-        // blocks really in use count.
-        sh.flush_stream(&mut st, stream, false);
+        // blocks really in use count; the caches of a stream that is gone are closed.
+        sh.flush_stream(&mut st, stream, gone);
+        if gone && !st.segment_streams.contains_key(&stream) {
+            return Err(AllocError::UnknownStream(stream));
+        }
         sh.process_events(&mut st);
         if adopted {
             let in_use = sh.bytes_in_use_on(&st, stream);
@@ -369,23 +414,43 @@ impl<D: Device> Allocator<D> {
         drop(st);
         if adopted {
             sh.device.destroy_stream(stream)?;
+            // Drained and forgotten by the device: refused from now on, nothing left of it to
+            // wait for.
+            let mut st = sh.lock_state();
+            st.streams.remove(&stream);
+            st.destroyed.insert(stream);
         }
         Ok(())
     }
 
-    /// Returns the stream's cached segments to the device, then destroys the stream on the
-    /// device (which drains its work). Its pending events are waited for first.
+    /// Destroys the stream on the device (which drains its work), then returns the stream's
+    /// cached segments to the device and forgets the plans of scopes on it. Its pending events
+    /// are waited for first. The stream is checked first: one the device refuses (the default
+    /// stream, an unknown one) is an error and changes nothing here.
     pub fn destroy_stream(&self, stream: StreamId) -> Result<(), AllocError> {
         let sh = &self.shared;
+        if sh.broken(Broken::DestroyStream) {
+            // BROKEN: closes and flushes the stream's caches before the device may refuse.
+            let mut st = sh.lock_state();
+            sh.flush_stream(&mut st, stream, true);
+            drop(st);
+            sh.device.destroy_stream(stream)?;
+            return Ok(());
+        }
+        if stream == StreamId::DEFAULT {
+            return Err(DeviceError::Unsupported("destroying the default stream").into());
+        }
+        sh.stream_exists(stream)?;
+        sh.device.destroy_stream(stream)?;
+        sh.forget_plans(stream);
         let mut st = sh.lock_state();
+        st.streams.remove(&stream);
+        st.destroyed.insert(stream);
         sh.flush_stream(&mut st, stream, true);
         if st.pending.contains_key(&stream) {
             sh.sync_events(&mut st)?;
         }
-        sh.release_segments(&mut st, |s| s.key.stream == stream)?;
-        drop(st);
-        sh.device.destroy_stream(stream)?;
-        Ok(())
+        sh.release_segments(&mut st, |s| s.key.stream == stream)
     }
 
     /// **Test only — a deliberate bug.** While on, the allocator records no event for
@@ -394,6 +459,25 @@ impl<D: Device> Allocator<D> {
     #[cfg(feature = "test-hooks")]
     pub fn set_broken_skip_events(&self, on: bool) {
         self.shared.broken_skip_events.store(on, Ordering::Relaxed);
+    }
+
+    /// **Test only — deliberate bugs** (feature `test-hooks`): turns the deliberate bug `mode`
+    /// on or off, so tests can prove that they catch the bug its fix removed.
+    #[cfg(feature = "test-hooks")]
+    #[doc(hidden)]
+    pub fn set_broken(&self, mode: Broken, on: bool) {
+        match on {
+            true => self.shared.broken.fetch_or(mode.bit(), Ordering::Relaxed),
+            false => self.shared.broken.fetch_and(!mode.bit(), Ordering::Relaxed),
+        };
+    }
+
+    /// **Test only** (feature `test-hooks`): whether `stream`'s cache is closed (`None`: it
+    /// has none), so tests can see that a refused `destroy_stream` changed nothing.
+    #[cfg(feature = "test-hooks")]
+    #[doc(hidden)]
+    pub fn stream_cache_closed(&self, stream: StreamId) -> Option<bool> {
+        self.shared.caches.get(stream).map(|c| c.is_closed())
     }
 
     /// **Test only.** How many times the global lock has been taken so far (tests use it to

@@ -13,9 +13,11 @@
 use super::*;
 
 /// An out-of-memory observer ([`Allocator::attach_oom_observer`]).
-type Observer = Arc<dyn Fn(&OomReport) + Send + Sync>;
+// (`std`'s `Arc`, also under loom: a callback is no protocol to model, and loom's `Arc` cannot
+// hold an unsized `dyn Fn`.)
+type Observer = std::sync::Arc<dyn Fn(&OomReport) + Send + Sync>;
 /// The failure callback ([`Allocator::set_failure_callback`]).
-type Callback = Arc<dyn Fn(&OomReport, u32) -> bool + Send + Sync>;
+type Callback = std::sync::Arc<dyn Fn(&OomReport, u32) -> bool + Send + Sync>;
 
 #[derive(Default)]
 pub(crate) struct Observers {
@@ -53,7 +55,7 @@ impl<D: Device> Allocator<D> {
     /// assert_eq!(*seen.lock().unwrap(), vec![1 << 30]);
     /// ```
     pub fn attach_oom_observer(&self, observer: impl Fn(&OomReport) + Send + Sync + 'static) {
-        lock(&self.shared.observers.observers).push(Arc::new(observer));
+        lock(&self.shared.observers.observers).push(std::sync::Arc::new(observer));
     }
 
     /// Sets the failure callback (replacing any earlier one): called after the observers with
@@ -64,7 +66,7 @@ impl<D: Device> Allocator<D> {
         &self,
         callback: impl Fn(&OomReport, u32) -> bool + Send + Sync + 'static,
     ) {
-        *lock(&self.shared.observers.callback) = Some(Arc::new(callback));
+        *lock(&self.shared.observers.callback) = Some(std::sync::Arc::new(callback));
     }
 
     /// Removes the failure callback.

@@ -36,6 +36,10 @@ pub(crate) struct Learned {
     /// is [`Step::code`] and the offset is the allocation's slice (0 for a free). A later run
     /// follows the plan while it repeats the codes exactly; one load pair per step.
     pub script: Vec<[u64; 2]>,
+    /// The allocations the run never freed, as (script position, allocation index): escapes,
+    /// and scoped buffers that were forgotten. A later run that repeats the plan exactly knows
+    /// its own unfreed planned slices from this list, with no scan of the script.
+    pub unfreed: Vec<(u32, u32)>,
 }
 
 #[cfg(test)]
@@ -108,7 +112,24 @@ impl Learned {
                 Step::Free(_) => [step.code(), 0],
             })
             .collect();
-        Learned { region_size, script }
+        Learned { region_size, script, unfreed: Self::unfreed(steps) }
+    }
+
+    /// The allocations of `steps` never freed in them, as (step position, allocation index).
+    pub fn unfreed(steps: &[Step]) -> Vec<(u32, u32)> {
+        let mut allocs: Vec<(u32, bool)> = Vec::new();
+        for (i, step) in steps.iter().enumerate() {
+            match *step {
+                Step::Alloc(_) => allocs.push((i as u32, false)),
+                Step::Free(idx) => {
+                    if let Some(a) = allocs.get_mut(idx as usize) {
+                        a.1 = true;
+                    }
+                }
+            }
+        }
+        let unfreed = allocs.iter().enumerate().filter(|(_, a)| !a.1);
+        unfreed.map(|(j, &(pos, _))| (pos, j as u32)).collect()
     }
 }
 
@@ -134,6 +155,10 @@ pub(crate) struct Region {
     pinned_count: AtomicUsize,
     /// Held by the one scope run serving slices from the region.
     in_use: AtomicBool,
+    /// Some slice was freed with uses on other streams that nothing could order (the device
+    /// refused events, waits and host syncs alike): the region is never claimed again and never
+    /// returns to the pool.
+    poisoned: AtomicBool,
 }
 
 impl Region {
@@ -145,6 +170,7 @@ impl Region {
             pinned: Mutex::new(Vec::new()),
             pinned_count: AtomicUsize::new(0),
             in_use: AtomicBool::new(false),
+            poisoned: AtomicBool::new(false),
         }
     }
 
@@ -169,9 +195,24 @@ impl Region {
         true
     }
 
-    /// Claims the region for one run; `false` while another run of the scope holds it.
+    /// Claims the region for one run; `false` while another run of the scope holds it, or once
+    /// it is poisoned.
     pub fn try_claim(&self) -> bool {
-        self.in_use.compare_exchange(false, true, Ordering::Acquire, Ordering::Relaxed).is_ok()
+        !self.is_poisoned()
+            && self
+                .in_use
+                .compare_exchange(false, true, Ordering::Acquire, Ordering::Relaxed)
+                .is_ok()
+    }
+
+    /// Never serve or reuse this region's memory again (see `poisoned`).
+    pub fn poison(&self) {
+        self.poisoned.store(true, Ordering::Release);
+    }
+
+    /// Whether [`Region::poison`] was called.
+    pub fn is_poisoned(&self) -> bool {
+        self.poisoned.load(Ordering::Acquire)
     }
 
     /// Ends the current run's claim.

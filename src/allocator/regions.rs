@@ -31,20 +31,26 @@ impl<D: Device> Shared<D> {
         }
     }
 
-    /// Reserves the region of a named scope's plan: the stream's cached transient segments
-    /// with no live block are released first (the plan replaces them), then one block of
-    /// `size` bytes is taken from the pool.
+    /// Reserves the region of a named scope's plan `learned`: the stream's cached transient
+    /// segments with no live block are released first (the plan replaces them), then one block
+    /// of the plan's size is taken from the pool. `Ok(None)` when the scope learned another
+    /// plan since this run opened: a region belongs to the plan it was made for (another plan's
+    /// offsets may reach past it), so the run is served by the pool instead.
     pub(super) fn make_region(
         &self,
         name: &str,
         stream: StreamId,
-        size: u64,
-    ) -> Result<Arc<Region>, AllocError> {
+        learned: &Arc<Learned>,
+    ) -> Result<Option<Arc<Region>>, AllocError> {
         let mut plans = lock(&self.plans);
         let entry = plans.entry((name.to_string(), stream)).or_default();
-        if let Some(r) = &entry.region {
-            return Ok(r.clone());
+        if !entry.learned.as_ref().is_some_and(|l| Arc::ptr_eq(l, learned)) {
+            return Ok(None);
         }
+        if let Some(r) = &entry.region {
+            return Ok(Some(r.clone()));
+        }
+        let size = learned.region_size;
         let config = self.config.load();
         if config.sizing.round(size).is_none() {
             return Err(AllocError::InvalidSize { requested: size });
@@ -61,12 +67,28 @@ impl<D: Device> Shared<D> {
         self.scope_counters.region_bytes.fetch_add(bsize, Ordering::Relaxed);
         let region = Arc::new(Region::new(vec![block], base, bsize));
         entry.region = Some(region.clone());
-        Ok(region)
+        Ok(Some(region))
+    }
+
+    /// Forgets the plans learned on `stream` (destroyed): their regions return to the pool once
+    /// no run or escaped buffer holds them.
+    pub(super) fn forget_plans(&self, stream: StreamId) {
+        let regions: Vec<Arc<Region>> = {
+            let mut plans = lock(&self.plans);
+            let keys: Vec<_> = plans.keys().filter(|(_, s)| *s == stream).cloned().collect();
+            keys.into_iter().filter_map(|k| plans.remove(&k).and_then(|p| p.region)).collect()
+        };
+        for region in regions {
+            self.release_region(region);
+        }
     }
 
     /// Drops one hold on a region; the last one returns its block to the pool.
     pub(super) fn release_region(&self, region: Arc<Region>) {
         if let Some(r) = crate::sync::arc_into_inner(region) {
+            if r.is_poisoned() {
+                return; // its blocks stay allocated for good: nothing ordered their reuse
+            }
             let size = r.size;
             let blocks = r.into_blocks();
             let mut st = self.lock_state();
@@ -107,6 +129,7 @@ impl<D: Device> Shared<D> {
     ) -> Result<(BatchBlock, u64), AllocError> {
         let rounded =
             config.sizing.round(bytes).ok_or(AllocError::InvalidSize { requested: bytes })?;
+        self.check_stream(st, stream)?;
         let key =
             PoolKey { residency: Residency::Transient, stream, kind: config.sizing.kind(rounded) };
         let block = self.find_or_reserve(st, config, key, bytes, rounded)?;

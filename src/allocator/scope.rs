@@ -82,27 +82,31 @@ impl ScopeTag {
         }
     }
 
-    /// Called from `Buffer::drop`: queues the free while the run is open; after it ended, unpins
-    /// an escaped planned slice, or hands an escaped pool block to the region that adopted its
-    /// segment. Returns the other streams the buffer was used on.
-    pub(crate) fn on_drop<D: Device>(&self, buf: &mut Buffer<D>) -> Vec<StreamId> {
-        let uses = if self.has_uses.load(Ordering::Relaxed) {
-            std::mem::take(&mut *lock(&self.uses))
-        } else {
-            Vec::new()
-        };
+    /// The other streams the buffer was used on (taken: called once, as it is freed).
+    pub(crate) fn take_uses(&self) -> Vec<StreamId> {
+        match self.has_uses.load(Ordering::Relaxed) {
+            true => std::mem::take(&mut *lock(&self.uses)),
+            false => Vec::new(),
+        }
+    }
+
+    /// Called from `Buffer::drop`, once the buffer's memory is ordered after its uses on other
+    /// streams: queues the free while the run is open (the scope may reuse a planned slice at
+    /// its next step); after it ended, unpins an escaped planned slice, or hands an escaped pool
+    /// block to the region that adopted its segment.
+    pub(crate) fn on_drop<D: Device>(&self, buf: &mut Buffer<D>) {
         let mut run = lock(&self.shared.state);
         if run.open {
             run.freed.push(self.index);
             self.shared.pending.store(true, Ordering::Release);
-            return uses;
+            return;
         }
         match &buf.origin {
             Origin::Region(region, offset) => region.unpin(*offset),
             &Origin::Pool(block) => {
-                let Some(region) = &run.adopt else { return uses };
+                let Some(region) = &run.adopt else { return };
                 if !region.is_pinned(buf.ptr.0) {
-                    return uses; // an escape in a segment the region did not adopt
+                    return; // an escape in a segment the region did not adopt
                 }
                 // A block used on other streams takes the event path to the pool instead; its
                 // range stays pinned, so the plan never serves it.
@@ -113,8 +117,9 @@ impl ScopeTag {
                         size: buf.size,
                         requested: buf.accounted,
                     };
-                    region.absorb(b, buf.ptr.0);
+                    // Taken back before the region can serve the range again.
                     buf.owner.device.note_reclaim(buf.ptr, buf.size, buf.stream);
+                    region.absorb(b, buf.ptr.0);
                     buf.origin = Origin::None;
                 }
                 run.to_absorb = run.to_absorb.saturating_sub(1);
@@ -127,7 +132,6 @@ impl ScopeTag {
             }
             Origin::None => {}
         }
-        uses
     }
 }
 
@@ -195,6 +199,8 @@ struct Run<D: Device> {
     /// Planned buffers used on other streams: (allocation index, stream).
     uses: Vec<(u32, StreamId)>,
     misses: u64,
+    /// Allocation indices that followed the plan but were served by the pool (plan misses).
+    missed: Vec<u32>,
 }
 
 impl<D: Device> Run<D> {
@@ -215,6 +221,12 @@ impl<D: Device> Run<D> {
     fn unhold(&mut self, slot: u32) -> Buffer<D> {
         self.free_slots.push(slot);
         self.held[slot as usize].take().expect("a held buffer")
+    }
+
+    /// Allocation `index` followed the plan but was served by the pool.
+    fn missed(&mut self, index: u32) {
+        self.misses += 1;
+        self.missed.push(index);
     }
 
     /// Marks unbound allocation `index` freed.
@@ -263,6 +275,9 @@ pub struct Scope<'a, D: Device> {
     name: Option<String>,
     /// The configuration as of opening: every request of the run is rounded the same way.
     config: Arc<Config>,
+    /// Whether the device had the stream when the scope opened (if not, every allocation is
+    /// refused with [`AllocError::UnknownStream`]).
+    stream_ok: bool,
     /// The plan this run follows while its steps repeat it.
     plan: Option<Arc<Learned>>,
     cursor: Cursor,
@@ -345,19 +360,21 @@ impl<D: Device> ScopedBuffer<'_, D> {
 
     /// Marks it as used on `stream` too (see [`Allocator::record_stream`]): it is no longer
     /// reused locally, and its reuse is ordered after `stream`'s work.
-    pub fn record_stream(&self, stream: StreamId) {
+    pub fn record_stream(&self, stream: StreamId) -> Result<(), AllocError> {
+        self.scope.alloc.shared.stream_exists(stream)?;
         if stream == self.scope.stream || self.index() == NO_INDEX {
-            return;
+            return Ok(());
         }
         let mut run = self.scope.run.borrow_mut();
         if self.slot() != NO_SLOT {
             if let Some(buf) = &run.held[self.slot() as usize] {
-                self.scope.alloc.record_stream(buf, stream);
+                self.scope.alloc.shared.record_use(buf, stream)?;
             }
         } else if !run.uses.contains(&(self.index(), stream)) {
             run.uses.push((self.index(), stream));
             self.scope.cursor.any_uses.set(true);
         }
+        Ok(())
     }
 }
 
@@ -407,6 +424,7 @@ impl<'a, D: Device> Scope<'a, D> {
             stream,
             name,
             config: alloc.shared.config.load_full(),
+            stream_ok: alloc.shared.stream_exists(stream).is_ok(),
             cursor: Cursor {
                 following: Cell::new(plan.is_some()),
                 len: Cell::new(0),
@@ -428,6 +446,7 @@ impl<'a, D: Device> Scope<'a, D> {
                 free_slots: Vec::new(),
                 uses: Vec::new(),
                 misses: 0,
+                missed: Vec::new(),
             }),
             shared: Arc::new(ScopeShared {
                 state: Mutex::new(SharedRun {
@@ -446,9 +465,28 @@ impl<'a, D: Device> Scope<'a, D> {
         self.stream
     }
 
+    /// **Test only** (feature `test-hooks`): pretends the run already made `n` allocations, so
+    /// tests reach the end of the run's allocation index without 2³² allocations.
+    #[cfg(feature = "test-hooks")]
+    #[doc(hidden)]
+    pub fn set_allocation_count(&self, n: u32) {
+        self.cursor.allocs.set(n);
+    }
+
     /// Marks a scoped buffer as used on `stream` too; see [`ScopedBuffer::record_stream`].
-    pub fn record_stream(&self, buffer: &ScopedBuffer<'_, D>, stream: StreamId) {
-        buffer.record_stream(stream);
+    /// A buffer of another scope is refused ([`AllocError::ForeignBuffer`]), nothing recorded.
+    pub fn record_stream(
+        &self,
+        buffer: &ScopedBuffer<'_, D>,
+        stream: StreamId,
+    ) -> Result<(), AllocError> {
+        let theirs = buffer.scope as *const Scope<'_, D> as *const ();
+        if !std::ptr::eq(theirs, self as *const Self as *const ())
+            && !self.alloc.shared.broken(super::Broken::ForeignBuffers)
+        {
+            return Err(AllocError::ForeignBuffer);
+        }
+        buffer.record_stream(stream)
     }
 
     /// Allocates `bytes` of transient memory for this scope; the buffer cannot outlive it.
@@ -493,6 +531,7 @@ impl<'a, D: Device> Scope<'a, D> {
 
     #[inline(never)]
     fn alloc_slow(&self, bytes: u64) -> Result<ScopedBuffer<'_, D>, AllocError> {
+        self.check_stream()?;
         self.drain_freed();
         let made = |ptr, size, index, slot| ScopedBuffer {
             scope: self,
@@ -505,13 +544,12 @@ impl<'a, D: Device> Scope<'a, D> {
             return Ok(made(DeviceAddr::NULL, 0, NO_INDEX, NO_SLOT));
         }
         let rounded = self.round(bytes)?;
-        let index = self.cursor.allocs.get();
-        self.cursor.allocs.set(index + 1);
+        let index = self.next_index()?;
         if let Some(offset) = self.step(Step::Alloc(rounded)) {
             if let Some(ptr) = self.planned(offset, rounded) {
                 return Ok(made(ptr, rounded, index, NO_SLOT));
             }
-            self.run.borrow_mut().misses += 1;
+            self.run.borrow_mut().missed(index);
         }
         let buf = self.pool_block(bytes, rounded).inspect_err(|_| self.unstep())?;
         let (ptr, size) = (buf.ptr, buf.size);
@@ -530,6 +568,7 @@ impl<'a, D: Device> Scope<'a, D> {
     /// framework bridges). One still live at scope exit is an *escape*: counted, kept correct,
     /// and planned like any other allocation (its slice stays pinned until it is freed).
     pub fn alloc_unbound(&self, bytes: u64) -> Result<Buffer<D>, AllocError> {
+        self.check_stream()?;
         self.drain_freed();
         if bytes == 0 {
             return Ok(self.alloc.hand_out(
@@ -544,13 +583,12 @@ impl<'a, D: Device> Scope<'a, D> {
             ));
         }
         let rounded = self.round(bytes)?;
-        let index = self.cursor.allocs.get();
-        self.cursor.allocs.set(index + 1);
+        let index = self.next_index()?;
         let mut planned = None;
         if let Some(offset) = self.step(Step::Alloc(rounded)) {
             match self.planned(offset, rounded) {
                 Some(ptr) => planned = Some(ptr),
-                None => self.run.borrow_mut().misses += 1,
+                None => self.run.borrow_mut().missed(index),
             }
         }
         let (mut buf, offset) = match planned {
@@ -586,6 +624,29 @@ impl<'a, D: Device> Scope<'a, D> {
             has_uses: AtomicBool::new(false),
         });
         Ok(buf)
+    }
+
+    /// The next allocation's index in the run. `NO_INDEX` (`u32::MAX`) is never given: the
+    /// allocation that would take it is refused, so the index cannot overflow. (A run that
+    /// follows a plan never gets there: its plan was learned from a run that did not.)
+    #[inline]
+    fn next_index(&self) -> Result<u32, AllocError> {
+        let index = self.cursor.allocs.get();
+        if index == NO_INDEX {
+            return Err(AllocError::TooManyScopeAllocations { limit: u64::from(NO_INDEX) });
+        }
+        self.cursor.allocs.set(index + 1);
+        Ok(index)
+    }
+
+    /// Refuses every allocation of a scope opened on a stream the device did not have. (The
+    /// planned path needs the region, claimed on the slow path, so it never gets that far.)
+    #[inline]
+    fn check_stream(&self) -> Result<(), AllocError> {
+        match self.stream_ok {
+            true => Ok(()),
+            false => Err(AllocError::UnknownStream(self.stream)),
+        }
     }
 
     #[inline]
@@ -683,15 +744,24 @@ impl<'a, D: Device> Scope<'a, D> {
     #[cold]
     fn planned_claiming(&self, offset: u64, size: u64) -> Option<DeviceAddr> {
         let mut run = self.run.borrow_mut();
-        let RegionSlot::Unclaimed(existing) = &run.region else { return None };
         let (Some(name), Some(plan)) = (self.name.as_deref(), &self.plan) else { return None };
-        let region = match existing {
-            Some(r) => Some(r.clone()),
-            None => self.alloc.shared.make_region(name, self.stream, plan.region_size).ok(),
+        let RegionSlot::Unclaimed(existing) = &mut run.region else { return None };
+        // The run's hold moves out of the slot; every hold lets go through `release_region`
+        // (a plain drop of the last one would strand the region's blocks in the pool).
+        let region = match existing.take() {
+            Some(r) => Some(r),
+            None => self.alloc.shared.make_region(name, self.stream, plan).ok().flatten(),
         };
-        let Some(region) = region.filter(|r| r.try_claim()) else {
-            run.region = RegionSlot::Denied;
-            return None;
+        let region = match region {
+            Some(r) if r.try_claim() => r,
+            denied => {
+                run.region = RegionSlot::Denied;
+                drop(run);
+                if let Some(r) = denied {
+                    self.alloc.shared.release_region(r);
+                }
+                return None;
+            }
         };
         self.cursor.base.set(region.base);
         self.cursor.check_pins.set(region.has_pins());
@@ -785,7 +855,61 @@ impl<'a, D: Device> Scope<'a, D> {
             }
             i != index
         });
-        self.alloc.shared.order_after(self.stream, &others);
+        if !self.alloc.shared.order_after(self.stream, &others) {
+            self.poison_region();
+        }
+    }
+
+    /// Nothing could order a freed planned slice's reuse: the claimed region serves no more
+    /// slices in this run and is never claimed or reused again.
+    #[cold]
+    fn poison_region(&self) {
+        if let RegionSlot::Claimed(region) = &self.run.borrow().region {
+            region.poison();
+        }
+        self.cursor.base.set(NO_BASE);
+    }
+
+    /// At exit: the planned slices of bound buffers that were never freed (`mem::forget`) go
+    /// back to the sanitizer, and the stream is ordered after every use recorded on a planned
+    /// buffer that was never freed, so neither the next run nor the pool reuses the memory
+    /// before those uses completed. `steps` are the run's steps unless it `followed` its plan.
+    fn reclaim_forgotten(&mut self, steps: &[Step], followed: bool) {
+        let base = self.cursor.base.get();
+        if let (Some(plan), true) = (&self.plan, base != NO_BASE) {
+            // Planned allocations are the run's first steps that followed the plan.
+            let prefix = match self.cursor.following.get() {
+                true => self.cursor.len.get(),
+                false => self.cursor.diverged_at.get(),
+            };
+            let unfreed = match followed {
+                true => plan.unfreed.clone(),
+                false => Learned::unfreed(steps),
+            };
+            let run = self.run.get_mut();
+            for (pos, index) in unfreed {
+                if pos as usize >= prefix
+                    || run.missed.contains(&index)
+                    || run.unbound.binary_search_by_key(&index, |e| e.index).is_ok()
+                {
+                    continue; // not a planned slice, or an unbound one (an escape)
+                }
+                let [code, offset] = plan.script[pos as usize];
+                if let Step::Alloc(size) = Step::from_code(code) {
+                    self.device.note_reclaim(DeviceAddr(base + offset), size, self.stream);
+                }
+            }
+        }
+        let run = self.run.get_mut();
+        if run.uses.is_empty() || self.alloc.shared.broken(super::Broken::ForgottenUses) {
+            return;
+        }
+        let mut others: Vec<StreamId> = run.uses.drain(..).map(|(_, s)| s).collect();
+        others.sort_unstable();
+        others.dedup();
+        if !self.alloc.shared.order_after(self.stream, &others) {
+            self.poison_region();
+        }
     }
 
     /// Records the frees of unbound buffers queued since the last step.
@@ -830,6 +954,12 @@ impl<D: Device> Drop for Scope<'_, D> {
             self.unbound_freed(i);
         }
         st.open = false;
+        let followed = self.cursor.following.get()
+            && self.plan.as_ref().is_some_and(|p| p.len() == self.cursor.len.get());
+        let steps = if followed { Vec::new() } else { self.take_steps() };
+        // Planned slices of forgotten scoped buffers: taken back, and ordered after the other
+        // streams they were used on, before the region can serve or return them.
+        self.reclaim_forgotten(&steps, followed);
         let run = self.run.get_mut();
         // Pool buffers of forgotten scoped buffers: freed now, before the pool is looked at.
         run.held.clear();
@@ -857,12 +987,9 @@ impl<D: Device> Drop for Scope<'_, D> {
             .filter(|e| e.live)
             .filter_map(|e| Some(Escape { block: e.block?, ptr: e.ptr, size: e.size }))
             .collect();
-        let followed = self.cursor.following.get()
-            && self.plan.as_ref().is_some_and(|p| p.len() == self.cursor.len.get());
         if self.plan.is_some() && !followed {
             c.plan_fallbacks.fetch_add(1, Ordering::Relaxed);
         }
-        let steps = if followed { Vec::new() } else { self.take_steps() };
         sh.free_blocks(self.stream, &blocks);
         let learner = if followed { None } else { self.name.as_deref() };
         #[cfg(tidepool_broken = "adopt")]
@@ -873,10 +1000,16 @@ impl<D: Device> Drop for Scope<'_, D> {
         };
         #[cfg(tidepool_broken = "adopt")]
         let mut st = lock(&shared.state);
+        // Holds let go of once the run's lock is let go (through `release_region`, so the last
+        // one returns the region's blocks to the pool).
+        let mut release: Vec<Arc<Region>> = region.into_iter().collect();
         match (adopted, learner) {
             (Some((region, pinned)), _) => {
                 st.to_absorb = pinned.len();
-                st.adopt = (!pinned.is_empty()).then_some(region);
+                match pinned.is_empty() {
+                    true => release.push(region),
+                    false => st.adopt = Some(region),
+                }
             }
             (None, Some(name)) => {
                 let align = sh.config.load().sizing.min_block_size;
@@ -885,7 +1018,7 @@ impl<D: Device> Drop for Scope<'_, D> {
             (None, None) => {}
         }
         drop(st);
-        if let Some(r) = region {
+        for r in release {
             sh.release_region(r);
         }
     }

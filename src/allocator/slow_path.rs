@@ -170,26 +170,20 @@ impl<D: Device> Shared<D> {
         candidates.sort_by_key(|&id| (st.pool.segment(id).size, st.pool.segment(id).base));
         for seg in candidates {
             let owner = st.pool.segment(seg).key.stream;
-            let event = self.event(st)?;
-            match self.device.record_event(event, owner) {
-                Ok(()) => {}
-                Err(DeviceError::UnknownStream(_)) => {
+            let event = match self.mark(st, owner) {
+                Mark::Event(event) => event,
+                Mark::Drained => {
                     // The owner was destroyed, hence drained: nothing can still use the segment.
-                    st.free_events.push(event);
                     self.move_segment(st, seg, key.stream);
                     return Ok(Some(st.pool.segment(seg).first));
                 }
-                Err(e) => {
-                    st.free_events.push(event);
-                    return Err(e.into());
-                }
-            }
+                // Nothing tells whether the owner is done with it: leave it.
+                Mark::Failed => continue,
+            };
             let ready = match config.cross_stream {
                 _ if self.broken_skip_events.load(Ordering::Relaxed) => true,
-                CrossStream::WaitEvent => {
-                    self.device.wait_event(key.stream, event)?;
-                    true
-                }
+                // A wait the device refuses orders nothing: leave the segment.
+                CrossStream::WaitEvent => self.device.wait_event(key.stream, event).is_ok(),
                 CrossStream::Strict => self.device.query_event(event).unwrap_or(false),
             };
             st.free_events.push(event);
@@ -265,6 +259,9 @@ impl<D: Device> Shared<D> {
         }
         let block = f.block;
         let mut st = self.lock_state();
+        if f.used_elsewhere && !st.buffer_uses.is_empty() {
+            st.buffer_uses.remove(&f.ptr.0);
+        }
         st.note(Action::FreeRequested, f.ptr, f.requested, f.stream);
         let uses = if st.stream_uses.is_empty() {
             Vec::new()
@@ -277,29 +274,44 @@ impl<D: Device> Shared<D> {
             st.note(Action::FreeCompleted, f.ptr, f.requested, f.stream);
             return;
         }
+        let mut events = Vec::new();
+        let mut wait_on_host = false;
+        for s in uses {
+            match self.mark(&mut st, s) {
+                Mark::Event(event) => events.push((s, PendingEvent { event, block })),
+                Mark::Drained => {}
+                Mark::Failed => wait_on_host = true,
+            }
+        }
+        if wait_on_host {
+            // No event marks that stream's work: wait for all of it on the host instead (after
+            // which every event just recorded has completed too).
+            let done = self.host_wait(&mut st).is_ok();
+            st.free_events.extend(events.drain(..).map(|(_, p)| p.event));
+            if !done {
+                // Nothing proves the other streams are done with the block: it is never reused
+                // (it stays allocated, and its segment is never released).
+                return;
+            }
+        }
+        if events.is_empty() {
+            st.pool.free(block);
+            st.base.live_down(f.quadrant, f.size, f.requested);
+            st.note(Action::FreeCompleted, f.ptr, f.requested, f.stream);
+            return;
+        }
         st.pool.mark_pending(block);
         st.base.move_to_pending(f.quadrant, f.size);
-        let mut recorded = 0;
-        for s in uses {
-            let event = match self.event(&mut st) {
-                Ok(e) => e,
-                Err(_) => continue,
-            };
-            if self.device.record_event(event, s).is_err() {
-                // The stream is gone (destroyed, hence drained): nothing to wait for.
-                st.free_events.push(event);
-                continue;
-            }
-            st.pending.entry(s).or_default().push_back(PendingEvent { event, block });
-            recorded += 1;
+        st.pending_count.insert(block, events.len());
+        for (s, p) in events {
+            st.pending.entry(s).or_default().push_back(p);
         }
-        if recorded == 0 {
-            st.pool.free(block);
-            st.base.pending_done(f.quadrant, f.size, f.requested);
-            st.note(Action::FreeCompleted, f.ptr, f.requested, f.stream);
-        } else {
-            st.pending_count.insert(block, recorded);
-        }
+    }
+
+    /// Forgets what `use_on` tracked for the buffer at `ptr` (being freed).
+    pub(super) fn forget_uses(&self, ptr: DeviceAddr) {
+        let mut st = self.lock_state();
+        st.buffer_uses.remove(&ptr.0);
     }
 
     /// Flushes every stream cache into the pool; returns how many blocks moved.
@@ -323,6 +335,28 @@ impl<D: Device> Shared<D> {
         }
     }
 
+    /// Refuses a stream the device does not have; streams it confirmed are remembered here,
+    /// so each is asked about once. The caller holds the global lock.
+    pub(super) fn check_stream(&self, st: &mut State, stream: StreamId) -> Result<(), AllocError> {
+        if st.streams.contains(&stream) || self.broken(Broken::UnknownStreams) {
+            return Ok(());
+        }
+        if !self.device.has_stream(stream) {
+            return Err(AllocError::UnknownStream(stream));
+        }
+        st.streams.insert(stream);
+        Ok(())
+    }
+
+    /// Refuses a stream the device does not have, asking the device (no global lock).
+    pub(super) fn stream_exists(&self, stream: StreamId) -> Result<(), AllocError> {
+        if self.broken(Broken::UnknownStreams) || self.device.has_stream(stream) {
+            Ok(())
+        } else {
+            Err(AllocError::UnknownStream(stream))
+        }
+    }
+
     /// Gives `stream` a cache if it has none (it is about to own memory).
     pub(super) fn ensure_cache(&self, st: &mut State, stream: StreamId) {
         if self.caches.get(stream).is_some() {
@@ -332,6 +366,10 @@ impl<D: Device> Shared<D> {
         let lanes: Vec<_> =
             (0..fast_cache::LANES).map(|_| Arc::new(StreamCache::new(stream, limits))).collect();
         lanes[0].publish_pool_free(st.pool.free_bytes_of(stream));
+        if !st.streams.contains(&stream) && !self.broken(Broken::UnknownStreams) {
+            // Destroyed (or forgotten) since it was checked: its caches never take a block.
+            lanes.iter().for_each(|c| c.close());
+        }
         self.caches.add(lanes);
         // Readers that loaded the old table must retry.
         st.base.touch(&self.stats);

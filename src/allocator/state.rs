@@ -29,6 +29,9 @@ pub(crate) struct Shared<D: Device> {
     pub(super) stats: SeqBlock<BASE_WORDS>,
     /// Test-only deliberate bug: skip every event that orders cross-stream reuse.
     pub(super) broken_skip_events: AtomicBool,
+    /// Test-only deliberate bugs (`broken.rs`), one bit per [`Broken`] mode.
+    #[cfg(feature = "test-hooks")]
+    pub(super) broken: AtomicU64,
     /// Whether the memory history is recorded (then every operation takes the slow path).
     pub(super) recording: AtomicBool,
     /// Out-of-memory observers and the failure callback (`observers.rs`).
@@ -91,8 +94,23 @@ pub(super) struct State {
     pub(super) base: BaseStats,
     /// Scratch list of streams whose pool free bytes changed.
     pub(super) dirty: Vec<StreamId>,
+    /// Streams the device confirmed exist (asked once each); `destroy_stream` removes them.
+    pub(super) streams: BTreeSet<StreamId>,
+    /// Streams destroyed through `destroy_stream`: the device drained them, so an event that
+    /// cannot be recorded on one has nothing to wait for.
+    pub(super) destroyed: BTreeSet<StreamId>,
+    /// Who last wrote and who read since, per live buffer (by address) announced with
+    /// `use_on` on a stream other than its own; dropped when the buffer is freed.
+    pub(super) buffer_uses: HashMap<u64, UseState>,
     /// The memory history, while it is recorded (`history.rs`).
     pub(super) history: Option<History>,
+}
+
+/// The streams that touched a buffer, as `Buffer::use_on` tracks them (cudarc's read and write
+/// events, by stream): a use waits for the last writer, a write also for the readers since.
+pub(super) struct UseState {
+    pub(super) writer: StreamId,
+    pub(super) readers: Vec<StreamId>,
 }
 
 impl State {
@@ -127,6 +145,28 @@ impl<D: Device> DerefMut for Locked<'_, D> {
 impl<D: Device> Drop for Locked<'_, D> {
     fn drop(&mut self) {
         self.sh.publish(&mut self.st);
+    }
+}
+
+impl<D: Device> Shared<D> {
+    /// Whether the deliberate bug `mode` is on (never without feature `test-hooks`).
+    #[inline(always)]
+    pub(super) fn broken(&self, mode: Broken) -> bool {
+        #[cfg(feature = "test-hooks")]
+        return self.broken.load(Ordering::Relaxed) & mode.bit() != 0;
+        #[cfg(not(feature = "test-hooks"))]
+        {
+            let _ = mode;
+            false
+        }
+    }
+
+    /// Whether `buffer` was made by this allocator: its owner handle leads here. Buffers of
+    /// other allocators are refused, never looked up in this one's tables.
+    #[inline]
+    pub(super) fn owns(&self, buffer: &Buffer<D>) -> bool {
+        let theirs: &Shared<D> = &buffer.owner;
+        std::ptr::eq(theirs, self) || self.broken(Broken::ForeignBuffers)
     }
 }
 

@@ -228,6 +228,17 @@ pub trait Device: Send + Sync + 'static {
     /// owner destroys it.
     fn destroy_stream(&self, stream: StreamId) -> Result<(), DeviceError>;
 
+    /// Whether `stream` exists now (created, adopted, or the default stream, and not
+    /// destroyed). The allocator refuses any other stream id before it touches its tables. The
+    /// default asks the device by recording a scratch event on the stream; devices override it
+    /// with a lookup.
+    fn has_stream(&self, stream: StreamId) -> bool {
+        let Ok(event) = self.create_event() else { return false };
+        let exists = self.record_event(event, stream).is_ok();
+        let _ = self.destroy_event(event);
+        exists
+    }
+
     /// Whether `stream` is the application's, adopted (cudarc's `Arc<CudaStream>`, say), rather
     /// than made by [`Device::create_stream`].
     fn is_adopted(&self, _stream: StreamId) -> bool {

@@ -9,15 +9,21 @@
 //!                   stream: Arc<CudaStream> }   ── the cudarc stream of buffer.stream()
 //! ```
 //!
-//! cudarc's own `CudaSlice` orders its uses across streams with a read and a write event per
-//! slice. A `CudaBuffer` carries none ([`DevicePtr::device_ptr`] returns `SyncOnDrop::Sync(None)`):
-//! tidepool orders memory by stream like PyTorch. Use a buffer on its own stream, or, when another
-//! stream uses it, order that stream yourself and call [`crate::Allocator::record_stream`] so the
-//! block is not reused before that stream's work is done.
+//! cudarc's contract for a device slice: [`DevicePtr::device_ptr`]`(&stream)` makes `stream` wait
+//! for the slice's last write, [`DevicePtrMut::device_ptr_mut`] for its reads too, and the use is
+//! remembered. cudarc's own `CudaSlice` keeps a read and a write event per slice; a `CudaBuffer`
+//! asks its allocator instead ([`Buffer::use_on`], tested on the SimDevice): the using stream
+//! waits, on the device, for the owner stream's work (or the last write announced on another
+//! stream), and the use is recorded like [`crate::Allocator::record_stream`], so the block is not
+//! reused before that stream's work is done. On the buffer's own stream nothing is needed. A
+//! cudarc stream this device does not know (one it did not create), or a device error, falls back
+//! to host synchronisation: the context is synchronised before the use and the using stream after
+//! it (when cudarc drops the returned [`SyncOnDrop`]), so nothing is left in flight on memory the
+//! allocator may reuse.
 
 use crate::allocator::{AllocError, Allocator, Buffer};
 use crate::device::cuda::result;
-use crate::device::{CudaDevice, DeviceError};
+use crate::device::{AccessKind, CudaDevice, DeviceError};
 use crate::types::{Residency, StreamId};
 use cudarc::driver::{
     CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, DeviceSlice, LaunchArgs, PushKernelArg,
@@ -191,27 +197,64 @@ impl<T> DeviceSlice<T> for CudaBuffer<T> {
     }
 }
 
+impl<T> CudaBuffer<T> {
+    /// Announces that work about to be enqueued on `stream` will `access` the buffer (see
+    /// [`Buffer::use_on`]): what cudarc's copies do through [`DevicePtr`] on their own. A kernel
+    /// launch does not (cudarc keeps a launch builder's stream private), so before launching
+    /// on a stream other than the buffer's own, call this, as one of the launch's preconditions.
+    /// A cudarc stream this device did not create is [`AllocError::UnknownStream`] (the
+    /// null stream's id stands for it).
+    pub fn order_for(&self, stream: &CudaStream, access: AccessKind) -> Result<(), AllocError> {
+        let id = self.buffer.device().stream_id(stream);
+        let id = id.ok_or(AllocError::UnknownStream(StreamId(u32::MAX)))?;
+        self.buffer.use_on(id, access)
+    }
+
+    /// Orders a use on `stream` (see the module docs): what the returned guard does on drop.
+    fn use_on<'a>(&self, stream: &'a CudaStream, access: AccessKind) -> SyncOnDrop<'a> {
+        if self.len == 0 {
+            return SyncOnDrop::Sync(None);
+        }
+        let ordered = match self.buffer.device().stream_id(stream) {
+            Some(id) => self.buffer.use_on(id, access).is_ok(),
+            None => false,
+        };
+        if ordered {
+            return SyncOnDrop::Sync(None);
+        }
+        // Nothing orders this stream in the allocator's terms: every earlier write is done
+        // before the use, and the use itself before the guard is dropped.
+        let ctx = stream.context();
+        ctx.record_err(ctx.synchronize());
+        SyncOnDrop::sync_stream(stream)
+    }
+}
+
 impl<T> DevicePtr<T> for CudaBuffer<T> {
-    /// The address, with nothing to do on drop: tidepool orders memory by stream, not by
-    /// per-buffer events (see the module docs).
-    fn device_ptr<'a>(&'a self, _stream: &'a CudaStream) -> (sys::CUdeviceptr, SyncOnDrop<'a>) {
-        (self.ptr, SyncOnDrop::Sync(None))
+    /// The address, after `stream` was made to wait for the buffer's last write; the read is
+    /// recorded so the block is not reused before it completed (see the module docs).
+    fn device_ptr<'a>(&'a self, stream: &'a CudaStream) -> (sys::CUdeviceptr, SyncOnDrop<'a>) {
+        (self.ptr, self.use_on(stream, AccessKind::Read))
     }
 }
 
 impl<T> DevicePtrMut<T> for CudaBuffer<T> {
-    /// The address, with nothing to do on drop (see [`DevicePtr::device_ptr`]).
+    /// The address, after `stream` was made to wait for the buffer's last write and the reads
+    /// since; the write is recorded (see [`DevicePtr::device_ptr`]).
     fn device_ptr_mut<'a>(
         &'a mut self,
-        _stream: &'a CudaStream,
+        stream: &'a CudaStream,
     ) -> (sys::CUdeviceptr, SyncOnDrop<'a>) {
-        (self.ptr, SyncOnDrop::Sync(None))
+        (self.ptr, self.use_on(stream, AccessKind::Write))
     }
 }
 
 // SAFETY: the argument pushed is a reference to the buffer's `CUdeviceptr` field, which lives as
 // long as the borrow `'b` of the buffer, itself at least as long as the launch builder `'a`; a
 // `CUdeviceptr` is how CUDA passes a `T*` kernel parameter (cudarc does the same for `CudaSlice`).
+// The builder does not tell which stream the launch goes to, so stream order across streams is
+// the launching code's to announce (`CudaBuffer::order_for`), with the launch's other unsafe
+// preconditions.
 unsafe impl<'a, 'b: 'a, T> PushKernelArg<&'b CudaBuffer<T>> for LaunchArgs<'a> {
     #[inline(always)]
     fn arg(&mut self, arg: &'b CudaBuffer<T>) -> &mut Self {

@@ -46,7 +46,7 @@ fn main() -> Result<(), Box<dyn Error>> {
     let adopted = device.adopt_stream(&app)?;
     let on_app = alloc.alloc(4 * MIB, adopted)?;
     device.launch(adopted, tidepool::device::Kernel::sleep(std::time::Duration::from_millis(1)))?;
-    alloc.record_stream(&on_app, s);
+    alloc.record_stream(&on_app, s)?;
     drop(on_app);
     alloc.synchronize()?;
     alloc.release_stream(adopted)?;

@@ -87,8 +87,7 @@ impl<'t, B: Backend> Ctx<'t, B> {
             return Ok(());
         }
         self.eager.wait_stream(self.stream, t.stream())?;
-        t.record_stream(self.stream);
-        Ok(())
+        t.record_stream(self.stream)
     }
 
     /// Allocates an uninitialised output of `shape` (through the scope, or the allocator).

@@ -175,11 +175,12 @@ impl<'t, B: Backend> Tensor<'t, B> {
     }
 
     /// Marks its memory as used on `stream` too (see [`tidepool::Allocator::record_stream`]).
-    pub fn record_stream(&self, stream: StreamId) {
+    pub fn record_stream(&self, stream: StreamId) -> Result<()> {
         match &self.storage.mem {
-            Mem::Owned(b) => self.storage.eager.allocator().record_stream(b, stream),
-            Mem::Scoped(b) => b.record_stream(stream),
+            Mem::Owned(b) => b.record_stream(stream)?,
+            Mem::Scoped(b) => b.record_stream(stream)?,
         }
+        Ok(())
     }
 
     /// Overwrites it in place with `data`, in its stream's order.

@@ -792,6 +792,49 @@ fn scope_seeds() -> Vec<(&'static str, Vec<u8>)> {
                 ],
             }),
         ),
+        (
+            // The second allocator: its buffers used with use_on, and buffers of each given to
+            // the other in free_batch, record_stream and use_on (all refused).
+            "two-allocators-foreign",
+            scenario(
+                1,
+                1,
+                vec![
+                    alloc(4096, 1),
+                    Other { index: 9, action: 0 },
+                    Other { index: 18, action: 0 },
+                    Other { index: 2, action: 2 },
+                    Other { index: 11, action: 2 },
+                    Other { index: 0, action: 4 },
+                    Other { index: 1, action: 3 },
+                    alloc(4096, 1),
+                    Other { index: 0, action: 3 },
+                    Other { index: 0, action: 1 },
+                    alloc(4096, 1),
+                ],
+            ),
+        ),
+        (
+            // Planned scoped buffers read on another stream and forgotten, run after run.
+            "scope-forget-used",
+            scenario(
+                1,
+                0,
+                (0..3)
+                    .flat_map(|_| {
+                        vec![
+                            ScopeEnter { stream: 1, named: true },
+                            Sleep { stream: 2, sleep_us: 5 },
+                            ScopeForget { bytes: 4096, used: true, stream: 2 },
+                            ScopeBurst { n: 2, seed: 3 },
+                            ScopeForget { bytes: 3 << 20, used: false, stream: 0 },
+                            ScopeExit,
+                            alloc(4096, 1),
+                        ]
+                    })
+                    .collect(),
+            ),
+        ),
     ]
 }
 

@@ -8,7 +8,7 @@
 //!                  │        streams that used it, the scope run that made it), stream slots,
 //!                  │        armed device faults, the open scope (at most one)
 //!                  ▼
-//!   Allocator<SimDevice>  (capacity from the program; sanitizer on; kernels without bodies)
+//!   Allocator<SimDevice> ×2 (capacity from the program; sanitizer on; kernels without bodies)
 //! ```
 //!
 //! The allocator is a local of [`run`], and the harness borrows it, so the open [`Scope`] (which
@@ -37,6 +37,16 @@
 //! on stream S, S waits (device-side) for every other stream that used it, and a use on a stream
 //! other than the owner is announced with `record_stream`.
 //!
+//! A second allocator shares the device (`Op::Other`): its buffers are used on other streams
+//! through `Buffer::use_on`, and buffers of each allocator are given to the other in
+//! `free_batch`, `record_stream` and `use_on`, which must refuse them (`ForeignBuffer`; a refused
+//! `free_batch` frees the buffer through its own allocator). The device-wide checks (segments,
+//! reserved bytes, malloc and free counts, no overlap) count both allocators; both check their
+//! invariants after every step; a destroyed stream is released on the second allocator, which
+//! must then refuse it. `Op::ScopeForget` allocates a bound buffer, maybe reads it on another
+//! stream (`Scope::record_stream`), and `mem::forget`s it: the scope takes it back at its exit,
+//! after that read.
+//!
 //! Scopes (`ScopeEnter` / `ScopeAlloc` / `ScopeBurst` / `ScopeExit`): unbound scoped buffers
 //! join the live list like any other buffer (so `Free`, `Launch` and `RecordStream` reach them,
 //! before or after their scope exits); bound ones live inside one `ScopeBurst` step. Scopes
@@ -49,7 +59,7 @@
 //! else (invariants, no overlap of live buffers, planned ones included, the device's segments,
 //! no sanitizer violation, an empty device at the end) holds as before.
 
-use super::program::{BURST_SIZES, CAPACITIES, CONFIGS, Op, Program, STREAM_SLOTS};
+use super::program::{BURST_SIZES, CAPACITIES, CONFIGS, Op, Program, SLEEPS_US, STREAM_SLOTS};
 use std::collections::HashSet;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
@@ -112,13 +122,20 @@ pub fn allocator_ops(data: &[u8]) {
 pub struct Options {
     /// Turn on the allocator's deliberate stream-order bug, to prove the harness catches it.
     pub broken_skip_events: bool,
+    /// Revert one soundness fix in both allocators, to prove the harness catches it.
+    pub broken: Option<tidepool::hooks::Broken>,
 }
 
 /// Runs `program`; the first failed check, with the step it failed at.
 pub fn run(program: &Program, options: Options) -> Result<(), String> {
     let (alloc, base) = start(program)?;
     alloc.set_broken_skip_events(options.broken_skip_events);
-    let mut h = Harness::new(&alloc, base);
+    let other = second(&alloc, program)?;
+    if let Some(mode) = options.broken {
+        alloc.set_broken(mode, true);
+        other.set_broken(mode, true);
+    }
+    let mut h = Harness::new(&alloc, &other, base);
     h.check().map_err(|e| format!("before the first step: {e}"))?;
     for (i, op) in program.ops.iter().enumerate() {
         h.step(op).map_err(|e| format!("step {i} {op:?}: {e}"))?;
@@ -126,8 +143,15 @@ pub fn run(program: &Program, options: Options) -> Result<(), String> {
         checked.map_err(|e| format!("after step {i} {op:?}: {e}"))?;
     }
     let dev = h.teardown(program.explicit_teardown).map_err(|e| format!("teardown: {e}"))?;
+    drop(other);
     drop(alloc);
     finish(dev).map_err(|e| format!("teardown: {e}"))
+}
+
+/// The second allocator of a program: on the same device, with the next configuration.
+fn second(alloc: &Allocator<SimDevice>, program: &Program) -> Result<Allocator<SimDevice>, String> {
+    let c = config((program.config + 1) % CONFIGS.len() as u8);
+    Allocator::new(alloc.device().clone(), c).map_err(|e| format!("second Allocator::new: {e}"))
 }
 
 /// A clean device for `program` and an allocator over it, with the device's counters as the
@@ -188,6 +212,12 @@ struct OpenScope<'a> {
 struct Harness<'a> {
     dev: Arc<SimDevice>,
     alloc: &'a Allocator<SimDevice>,
+    /// A second allocator on the same device ([`Op::Other`]): its buffers (`others`) go to the
+    /// first one in `free_batch`, `record_stream` and `use_on`, which must refuse them, and the
+    /// first one's to it.
+    other: &'a Allocator<SimDevice>,
+    /// The second allocator's live buffers; their kernels are ordered with `use_on`.
+    others: Vec<Buffer<SimDevice>>,
     /// The open scope, if any (at most one).
     scope: Option<OpenScope<'a>>,
     /// Scope runs opened so far.
@@ -255,7 +285,11 @@ fn dev_err(what: &str, e: DeviceError) -> String {
 
 impl<'a> Harness<'a> {
     /// A harness over `alloc`, whose device counted `base` when the program started.
-    fn new(alloc: &'a Allocator<SimDevice>, base: SimCounters) -> Harness<'a> {
+    fn new(
+        alloc: &'a Allocator<SimDevice>,
+        other: &'a Allocator<SimDevice>,
+        base: SimCounters,
+    ) -> Harness<'a> {
         let dev = alloc.device().clone();
         let granularity = alloc.config().sizing.min_block_size.min(512);
         // Slot 0 is the default stream; a reused device brings its other streams along.
@@ -268,6 +302,8 @@ impl<'a> Harness<'a> {
         Harness {
             dev,
             alloc,
+            other,
+            others: Vec::new(),
             scope: None,
             runs: 0,
             slots,
@@ -319,7 +355,9 @@ impl<'a> Harness<'a> {
                 if let Some(i) = self.live_index(index) {
                     let s = self.stream(stream)?;
                     let l = &mut self.live[i];
-                    self.alloc.record_stream(&l.buf, s);
+                    self.alloc
+                        .record_stream(&l.buf, s)
+                        .map_err(|e| format!("record_stream: {e}"))?;
                     if !l.users.contains(&s) {
                         l.users.push(s);
                     }
@@ -394,6 +432,16 @@ impl<'a> Harness<'a> {
                 if let Some(s) = self.slots[usize::from(stream)].take() {
                     self.alloc.destroy_stream(s).map_err(|e| format!("destroy_stream: {e}"))?;
                     ensure!(!self.dev.live_streams().contains(&s), "{s} still exists");
+                    // The second allocator learns of it (and returns what it cached for it).
+                    match self.other.release_stream(s) {
+                        Ok(()) | Err(AllocError::UnknownStream(_)) => {}
+                        Err(e) => return Err(format!("second release_stream: {e}")),
+                    }
+                    let r = self.other.alloc(4096, s);
+                    ensure!(
+                        matches!(r, Err(AllocError::UnknownStream(_))),
+                        "the second allocator allocated on destroyed {s}: {r:?}"
+                    );
                     self.nothing_releasable(|seg| seg.stream == s, "destroy_stream")?;
                 }
             }
@@ -426,7 +474,106 @@ impl<'a> Harness<'a> {
             Op::ScopeAlloc { bytes } => self.scope_alloc(bytes)?,
             Op::ScopeBurst { n, seed } => self.scope_burst(n, seed)?,
             Op::ScopeExit => self.exit_scope()?,
+            Op::Other { index, action } => self.other_op(index, action)?,
+            Op::ScopeForget { bytes, used, stream } => self.scope_forget(bytes, used, stream)?,
         }
+        Ok(())
+    }
+
+    /// [`Op::Other`]: the second allocator, and buffers given to the wrong allocator.
+    fn other_op(&mut self, index: u8, action: u8) -> Result<(), String> {
+        let pick = |n: usize| (n > 0).then(|| usize::from(index) % n);
+        match action % 5 {
+            0 => {
+                let bytes = BURST_SIZES[usize::from(index) % BURST_SIZES.len()];
+                let s = self.stream(index / 8 % STREAM_SLOTS)?;
+                match self.other.alloc(bytes, s) {
+                    Ok(b) => self.others.push(b),
+                    Err(AllocError::OutOfMemory(_)) => {} // the device is shared
+                    Err(e) => return Err(format!("second alloc of {bytes} on {s}: {e}")),
+                }
+            }
+            1 => {
+                if let Some(i) = pick(self.others.len()) {
+                    drop(self.others.remove(i));
+                }
+            }
+            2 => {
+                let Some(i) = pick(self.others.len()) else { return Ok(()) };
+                let s = self.stream(index % STREAM_SLOTS)?;
+                let b = &self.others[i];
+                let kind = if index & 8 == 0 { AccessKind::Read } else { AccessKind::Write };
+                b.use_on(s, kind).map_err(|e| format!("use_on: {e}"))?;
+                let kernel = Kernel {
+                    name: "touch-other",
+                    accesses: vec![Access { ptr: b.ptr(), bytes: b.len(), kind }],
+                    sleep: Duration::from_micros(u64::from(SLEEPS_US[usize::from(index) % 8])),
+                    body: None,
+                };
+                self.dev.launch(s, kernel).map_err(|e| dev_err("launch", e))?;
+            }
+            3 => {
+                // Alternately a buffer of the first allocator to the second and back.
+                let (buf, wrong) = match index % 2 {
+                    0 => match pick(self.live.len()) {
+                        Some(i) => (self.live.remove(i).buf, self.other),
+                        None => return Ok(()),
+                    },
+                    _ => match pick(self.others.len()) {
+                        Some(i) => (self.others.remove(i), self.alloc),
+                        None => return Ok(()),
+                    },
+                };
+                let r = wrong.free_batch(vec![buf]);
+                ensure!(
+                    r == Err(AllocError::ForeignBuffer),
+                    "free_batch of a foreign buffer: {r:?}"
+                );
+            }
+            _ => {
+                let s = self.stream(index % STREAM_SLOTS)?;
+                let refused = |r: Result<(), AllocError>| r == Err(AllocError::ForeignBuffer);
+                if let Some(i) = pick(self.live.len()) {
+                    let b = &self.live[i].buf;
+                    ensure!(refused(self.other.record_stream(b, s)), "record_stream accepted");
+                    ensure!(refused(self.other.use_on(b, s, AccessKind::Read)), "use_on accepted");
+                }
+                if let Some(i) = pick(self.others.len()) {
+                    let b = &self.others[i];
+                    ensure!(refused(self.alloc.record_stream(b, s)), "record_stream accepted");
+                    ensure!(refused(self.alloc.use_on(b, s, AccessKind::Write)), "use_on accepted");
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// [`Op::ScopeForget`]: a bound buffer, maybe read on another stream, then forgotten.
+    fn scope_forget(&mut self, bytes: u64, used: bool, stream: u8) -> Result<(), String> {
+        let other = self.stream(stream)?;
+        let Some(open) = &self.scope else { return Ok(()) };
+        let calls_before = self.reserve_calls();
+        let ooms_before = self.alloc.stats().num_ooms;
+        let b = match open.scope.alloc(bytes) {
+            Ok(b) => b,
+            Err(e) => return self.scope_alloc_failed(open, bytes, e, calls_before, ooms_before),
+        };
+        if bytes > 0 {
+            self.check_scoped(open, bytes, Scoped::of_bound(&b))?;
+        }
+        let s = open.scope.stream();
+        if used && bytes > 0 && other != s {
+            self.order_after(other, s)?;
+            let kernel = Kernel {
+                name: "read-forgotten",
+                accesses: vec![Access { ptr: b.ptr(), bytes, kind: AccessKind::Read }],
+                sleep: Duration::from_micros(5),
+                body: None,
+            };
+            self.dev.launch(other, kernel).map_err(|e| dev_err("launch", e))?;
+            open.scope.record_stream(&b, other).map_err(|e| format!("record_stream: {e}"))?;
+        }
+        std::mem::forget(b);
         Ok(())
     }
 
@@ -551,8 +698,10 @@ impl<'a> Harness<'a> {
         let outside: Vec<(u64, u64)> = self
             .live
             .iter()
-            .filter(|l| l.buf.block_size() > 0)
-            .map(|l| (l.buf.ptr().0, l.buf.block_size()))
+            .map(|l| &l.buf)
+            .chain(&self.others)
+            .filter(|b| b.block_size() > 0)
+            .map(|b| (b.ptr().0, b.block_size()))
             .collect();
         let mut held: Vec<ScopedBuffer<'_, SimDevice>> = Vec::new();
         for _ in 0..n {
@@ -690,7 +839,7 @@ impl<'a> Harness<'a> {
         }
         let l = &mut self.live[i];
         if s != l.buf.stream() {
-            self.alloc.record_stream(&l.buf, s);
+            self.alloc.record_stream(&l.buf, s).map_err(|e| format!("record_stream: {e}"))?;
         }
         if !l.users.contains(&s) {
             l.users.push(s);
@@ -742,22 +891,36 @@ impl<'a> Harness<'a> {
     /// Everything that must hold between any two steps.
     fn check(&self) -> Result<(), String> {
         self.alloc.check_invariants()?;
+        self.other.check_invariants().map_err(|e| format!("second allocator: {e}"))?;
         let snap = self.alloc.snapshot();
+        let other_snap = self.other.snapshot();
         let device_segs = self.dev.live_segments();
-        let alloc_segs: Vec<(DeviceAddr, u64)> = snap.iter().map(|s| (s.address, s.size)).collect();
+        let mut alloc_segs: Vec<(DeviceAddr, u64)> =
+            snap.iter().chain(&other_snap).map(|s| (s.address, s.size)).collect();
+        alloc_segs.sort_unstable();
         ensure!(
             alloc_segs == device_segs,
             "allocator segments {alloc_segs:?} != device live segments {device_segs:?}"
         );
         let stats = self.alloc.stats();
+        let other_stats = self.other.stats();
         let b = &stats.blocks;
         let device_reserved: u64 = device_segs.iter().map(|s| s.1).sum();
+        let reserved = b.reserved_bytes.all.current + other_stats.blocks.reserved_bytes.all.current;
         ensure!(
-            b.reserved_bytes.all.current == device_reserved
-                && device_reserved == self.dev.reserved_bytes(),
-            "reserved_bytes {} != Σ device segments {device_reserved}",
-            b.reserved_bytes.all.current
+            reserved == device_reserved && device_reserved == self.dev.reserved_bytes(),
+            "reserved_bytes {reserved} (both allocators) != Σ device segments {device_reserved}"
         );
+        for o in self.others.iter().filter(|o| o.block_size() > 0) {
+            let blk =
+                other_snap.iter().flat_map(|seg| &seg.blocks).find(|blk| blk.address == o.ptr());
+            ensure!(
+                blk.is_some_and(
+                    |blk| blk.size == o.block_size() && blk.state == BlockState::Allocated
+                ),
+                "the second allocator's {o:?} does not match its block {blk:?}"
+            );
+        }
         let held: Vec<&Live> = self.live.iter().filter(|l| l.buf.block_size() > 0).collect();
         // Planned buffers are slices of a region's blocks, not blocks of their own.
         let (planned, pooled): (Vec<&Live>, Vec<&Live>) =
@@ -811,11 +974,13 @@ impl<'a> Harness<'a> {
         }
         let c = self.dev.counters();
         let (mallocs, frees) = (c.mallocs - self.base.mallocs, c.frees - self.base.frees);
+        let counted = (
+            stats.num_device_alloc + other_stats.num_device_alloc,
+            stats.num_device_free + other_stats.num_device_free,
+        );
         ensure!(
-            mallocs == stats.num_device_alloc && frees == stats.num_device_free,
-            "device counted {mallocs} mallocs / {frees} frees, allocator {} / {}",
-            stats.num_device_alloc,
-            stats.num_device_free
+            (mallocs, frees) == counted,
+            "device counted {mallocs} mallocs / {frees} frees, the allocators {counted:?}"
         );
         for l in &pooled {
             self.check_placement(l, &snap)?;
@@ -825,8 +990,13 @@ impl<'a> Harness<'a> {
             self.check_in_block(b.ptr(), b.block_size(), b.stream(), &snap)
                 .map_err(|e| format!("planned {b:?}: {e}"))?;
         }
-        let mut spans: Vec<(u64, u64)> =
-            held.iter().map(|l| (l.buf.ptr().0, l.buf.block_size())).collect();
+        let mut spans: Vec<(u64, u64)> = held
+            .iter()
+            .map(|l| &l.buf)
+            .chain(&self.others)
+            .filter(|b| b.block_size() > 0)
+            .map(|b| (b.ptr().0, b.block_size()))
+            .collect();
         spans.sort_unstable();
         for w in spans.windows(2) {
             ensure!(w[0].0 + w[0].1 <= w[1].0, "live buffers overlap: {w:x?}");
@@ -933,6 +1103,13 @@ impl<'a> Harness<'a> {
             drop(self.live.remove(0));
             self.check()?;
         }
+        while !self.others.is_empty() {
+            drop(self.others.remove(0));
+            self.check()?;
+        }
+        self.other.synchronize().map_err(|e| format!("second synchronize: {e}"))?;
+        let a = self.other.stats().blocks.allocated_bytes.all.current;
+        ensure!(a == 0, "the second allocator holds {a} bytes with no buffer left");
         self.alloc.synchronize().map_err(|e| format!("synchronize: {e}"))?;
         let stats = self.alloc.stats();
         let (b, regions) = (&stats.blocks, stats.plan_region_bytes);
@@ -945,6 +1122,9 @@ impl<'a> Harness<'a> {
              {b:?}"
         );
         if explicit {
+            self.other.empty_cache().map_err(|e| format!("second empty_cache: {e}"))?;
+            self.other.release_persistent().map_err(|e| format!("second release: {e}"))?;
+            ensure!(self.other.reserved_bytes() == 0, "the second allocator kept memory");
             self.alloc.empty_cache().map_err(|e| format!("empty_cache: {e}"))?;
             self.alloc.release_persistent().map_err(|e| format!("release_persistent: {e}"))?;
             self.check()?;
@@ -1064,14 +1244,15 @@ mod tests {
     fn stats_after(ops: Vec<Op>) -> tidepool::MemoryStats {
         let p = program(0, ops);
         let (alloc, base) = start(&p).unwrap();
-        let mut h = Harness::new(&alloc, base);
+        let other = second(&alloc, &p).unwrap();
+        let mut h = Harness::new(&alloc, &other, base);
         for (i, op) in p.ops.iter().enumerate() {
             h.step(op).unwrap_or_else(|e| panic!("step {i} {op:?}: {e}"));
             h.check().unwrap_or_else(|e| panic!("after step {i} {op:?}: {e}"));
         }
         let stats = alloc.stats();
         let dev = h.teardown(false).unwrap();
-        drop(alloc);
+        drop((other, alloc));
         finish(dev).unwrap();
         stats
     }
@@ -1111,8 +1292,46 @@ mod tests {
     fn the_harness_catches_premature_reuse() {
         let p = reuse_while_another_stream_runs();
         run(&p, Options::default()).unwrap();
-        let err = run(&p, Options { broken_skip_events: true }).unwrap_err();
+        let err = run(&p, Options { broken_skip_events: true, ..Options::default() }).unwrap_err();
         assert!(err.contains("stream-order violations"), "{err}");
+    }
+
+    /// The second allocator and forgotten scoped buffers: buffers given to the wrong allocator
+    /// are refused (a broken identity check is caught), and a forgotten planned buffer read on
+    /// another stream is ordered at its scope's exit (a broken exit is caught).
+    #[test]
+    fn foreign_buffers_and_forgotten_scoped_buffers() {
+        use tidepool::hooks::Broken;
+        let mut ops = vec![
+            Op::Alloc { bytes: 4096, stream: 1, persistent: false },
+            Op::Other { index: 1 + 8, action: 0 }, // 1000 B on slot 1
+            Op::Other { index: 3, action: 2 },
+            Op::Other { index: 0, action: 4 },
+            Op::Other { index: 1, action: 4 },
+            Op::Other { index: 1, action: 3 }, // the second allocator's buffer to the first
+            Op::Alloc { bytes: 4096, stream: 1, persistent: false },
+            Op::Other { index: 0, action: 3 }, // the first's to the second
+            Op::Alloc { bytes: 4096, stream: 1, persistent: false },
+        ];
+        let p = program(0, ops.clone());
+        run(&p, Options::default()).unwrap();
+        let err = run(&p, Options { broken: Some(Broken::ForeignBuffers), ..Options::default() });
+        let err = err.unwrap_err();
+        assert!(err.contains("accepted") || err.contains("foreign"), "not caught: {err}");
+        // A named scope's planned buffer, read on slot 2 by a long kernel and forgotten; the
+        // next run hands its slice out again.
+        ops.clear();
+        for _ in 0..3 {
+            ops.push(Op::ScopeEnter { stream: 1, named: true });
+            ops.extend((0..8).map(|_| Op::Sleep { stream: 2, sleep_us: 5 }));
+            ops.push(Op::ScopeForget { bytes: 4096, used: true, stream: 2 });
+            ops.push(Op::ScopeExit);
+        }
+        let p = program(0, ops);
+        run(&p, Options::default()).unwrap();
+        let err = run(&p, Options { broken: Some(Broken::ForgottenUses), ..Options::default() });
+        let err = err.unwrap_err();
+        assert!(err.contains("stream-order violations"), "not caught: {err}");
     }
 
     #[test]
@@ -1125,7 +1344,8 @@ mod tests {
         run(&p, Options::default()).unwrap();
         // An OOM on a roomy device with no fault armed and no limit is a failure.
         let (alloc, base) = start(&program(0, vec![])).unwrap();
-        let h = Harness::new(&alloc, base);
+        let other = second(&alloc, &program(0, vec![])).unwrap();
+        let h = Harness::new(&alloc, &other, base);
         let mut report = OomReport::default();
         report.segment = 2 * MIB;
         report.device_free = 256 * MIB;
@@ -1148,13 +1368,14 @@ mod tests {
         run(&p, Options::default()).unwrap();
         // The device (with the stream it created) went back to the pool and is picked again.
         let (alloc, base) = start(&p).unwrap();
-        let h = Harness::new(&alloc, base);
+        let other = second(&alloc, &p).unwrap();
+        let h = Harness::new(&alloc, &other, base);
         assert!(h.slots[1].is_some() && h.slots[2].is_none(), "{:?}", h.slots);
         drop(h);
-        drop(alloc);
+        drop((other, alloc));
         // A program that failed leaves its device out of the pool.
         let broken = reuse_while_another_stream_runs();
-        run(&broken, Options { broken_skip_events: true }).unwrap_err();
+        run(&broken, Options { broken_skip_events: true, ..Options::default() }).unwrap_err();
         let pool = DEVICES.lock().unwrap();
         assert!(pool.iter().all(|d| d.violations().is_empty()));
     }

@@ -64,6 +64,12 @@ pub fn check(text: &str) -> Result<(), String> {
 
 fn check_sizing(c: &Config) -> Result<(), String> {
     let z = &c.sizing;
+    if z.min_block_size < 256 {
+        return Err(format!(
+            "min_block_size {} accepted: pointers lose 256-byte alignment",
+            z.min_block_size
+        ));
+    }
     for bytes in PROBES {
         match z.round(bytes) {
             None if bytes > MAX_REQUEST => {}

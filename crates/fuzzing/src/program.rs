@@ -3,8 +3,9 @@
 //! ```text
 //!   input = header  op op op …            (at most MAX_OPS ops; the rest is ignored)
 //!   header = capacity:choice  config:choice  teardown:bool
-//!   op     = tag:choice(TAGS) operands…   (TAGS weights the kinds: 11/64 of tags are allocs,
-//!                                          9/64 are scope operations)
+//!   op     = tag:choice(TAGS) operands…   (TAGS weights the kinds: 10/64 of tags are allocs,
+//!                                          10/64 are scope operations, 2/64 the second
+//!                                          allocator and foreign buffers)
 //! ```
 //!
 //! Operands name *slots*, not raw values: a stream is one of [`STREAM_SLOTS`] slots (slot 0 is
@@ -103,6 +104,17 @@ pub enum Op {
     ScopeBurst { n: u8, seed: u32 },
     /// Drops the open scope (nothing without one).
     ScopeExit,
+    /// The second allocator (on the same device), by `action % 5`: 0 allocates
+    /// `BURST_SIZES[index % 8]` on slot `index / 8 % STREAM_SLOTS`; 1 drops one of its
+    /// buffers; 2 runs a kernel over one of its buffers on slot `index % STREAM_SLOTS`, ordered
+    /// with `Buffer::use_on`; 3 gives a buffer to the allocator that did not make it in
+    /// `free_batch` (refused: freed by its own); 4 in `record_stream` and `use_on` (refused,
+    /// nothing changes).
+    Other { index: u8, action: u8 },
+    /// A bound allocation of `bytes` in the open scope, read by a kernel on `stream` (when
+    /// `used`, announced with `Scope::record_stream`), then `mem::forget`ten: the scope takes it
+    /// back at its exit, after the read.
+    ScopeForget { bytes: u64, used: bool, stream: u8 },
 }
 
 /// Most bound allocations of one [`Op::ScopeBurst`].
@@ -137,6 +149,8 @@ enum Kind {
     ScopeAlloc,
     ScopeBurst,
     ScopeExit,
+    Other,
+    ScopeForget,
 }
 
 /// The tag table: how often each kind is decoded (64 entries, so each gets 4 of 256 bytes).
@@ -180,10 +194,11 @@ const TAGS: [Kind; 64] = {
         FailMallocsAbove,
         FailEventQueries,
         Inspect,
-        // 32..64: the same, with 9 slots taken by scope operations.
+        // 32..64: the same, with 9 slots taken by scope operations, and 3 by the second
+        // allocator and forgotten scoped buffers.
         Alloc,
         Alloc,
-        Alloc,
+        Other,
         ScopeAlloc,
         ScopeAlloc,
         ScopeAlloc,
@@ -193,11 +208,11 @@ const TAGS: [Kind; 64] = {
         Free,
         Free,
         Free,
-        Free,
+        Other,
         Launch,
         Launch,
         Launch,
-        Launch,
+        ScopeForget,
         RecordStream,
         RecordStream,
         ScopeEnter,
@@ -341,6 +356,10 @@ impl Program {
                 Kind::ScopeAlloc => Op::ScopeAlloc { bytes: size(i) },
                 Kind::ScopeBurst => Op::ScopeBurst { n: 1 + i.u8() % MAX_BURST, seed: i.u32() },
                 Kind::ScopeExit => Op::ScopeExit,
+                Kind::Other => Op::Other { index: i.u8(), action: i.u8() % 5 },
+                Kind::ScopeForget => {
+                    Op::ScopeForget { bytes: size(i), used: i.bool(), stream: slot(i) }
+                }
             });
         }
         Program { capacity, config, explicit_teardown, ops }
@@ -437,6 +456,17 @@ impl Program {
                     o.u32(seed);
                 }
                 Op::ScopeExit => tag(&mut o, Kind::ScopeExit),
+                Op::Other { index, action } => {
+                    tag(&mut o, Kind::Other);
+                    o.u8(index);
+                    o.u8(action);
+                }
+                Op::ScopeForget { bytes, used, stream } => {
+                    tag(&mut o, Kind::ScopeForget);
+                    compact_size(&mut o, bytes);
+                    o.bool(used);
+                    o.u8(stream);
+                }
             }
         }
         o.into_bytes()
@@ -480,6 +510,10 @@ mod tests {
                 Op::ScopeBurst { n: MAX_BURST, seed: u32::MAX },
                 Op::ScopeExit,
                 Op::ScopeEnter { stream: 0, named: false },
+                Op::Other { index: 9, action: 0 },
+                Op::Other { index: 200, action: 4 },
+                Op::ScopeForget { bytes: 4096, used: true, stream: 2 },
+                Op::ScopeForget { bytes: 5 * MIB, used: false, stream: 0 },
             ],
         }
     }
@@ -520,7 +554,7 @@ mod tests {
     #[test]
     fn the_second_half_of_the_tags_mirrors_the_first_but_for_scopes() {
         use Kind::*;
-        let scoped = [ScopeEnter, ScopeAlloc, ScopeBurst, ScopeExit];
+        let scoped = [ScopeEnter, ScopeAlloc, ScopeBurst, ScopeExit, Other, ScopeForget];
         let (old, new) = TAGS.split_at(32);
         for (i, (o, n)) in old.iter().zip(new).enumerate() {
             assert!(!scoped.contains(o), "slot {i}");

@@ -440,7 +440,7 @@ fn a_planned_buffer_used_elsewhere_and_freed_after_its_stream_was_destroyed() {
     alloc.destroy_stream(s1).unwrap();
     // Used on another stream, announced; freed while the kernel runs.
     let s2 = dev.create_stream().unwrap();
-    alloc.record_stream(&planned, s2);
+    alloc.record_stream(&planned, s2).unwrap();
     let write = Access { ptr: planned.ptr(), bytes: planned.len(), kind: AccessKind::Write };
     let k =
         Kernel { name: "w", accesses: vec![write], sleep: Duration::from_millis(50), body: None };

@@ -379,6 +379,10 @@ impl Device for CudaDevice {
         lock(&self.streams).adopted.contains(&stream.0)
     }
 
+    fn has_stream(&self, stream: StreamId) -> bool {
+        lock(&self.streams).live.contains_key(&stream.0)
+    }
+
     /// A pooled `CU_EVENT_DISABLE_TIMING` event, or a new one.
     fn create_event(&self) -> Result<EventId, DeviceError> {
         let mut events = lock(&self.events);

@@ -104,6 +104,10 @@ struct Faults {
     fail_above: Option<u64>,
     /// Fail every event query.
     fail_event_query: bool,
+    /// Fail every event record.
+    fail_event_record: bool,
+    /// Fail every device-side wait on an event.
+    fail_event_wait: bool,
 }
 
 /// Everything under the device lock.
@@ -272,6 +276,21 @@ impl SimDevice {
     /// Makes every event query fail while `on`.
     pub fn fail_event_queries(&self, on: bool) {
         self.state().faults.fail_event_query = on;
+    }
+
+    /// Makes every `record_event` fail while `on` (an injected driver error).
+    pub fn fail_event_records(&self, on: bool) {
+        self.state().faults.fail_event_record = on;
+    }
+
+    /// Makes every `wait_event` fail while `on` (an injected driver error).
+    pub fn fail_event_waits(&self, on: bool) {
+        self.state().faults.fail_event_wait = on;
+    }
+
+    /// Events that exist now (created and not destroyed).
+    pub fn live_events(&self) -> usize {
+        self.state().events.len()
     }
 
     /// Stream-order violations found so far, in the order found.
@@ -476,6 +495,13 @@ impl super::Device for SimDevice {
         Ok(())
     }
 
+    /// A stream made here, or one of the application's while adopted.
+    fn has_stream(&self, stream: StreamId) -> bool {
+        let st = self.state();
+        st.streams.get(&stream.0).is_some_and(|s| !s.closing)
+            && st.app_streams.get(&stream.0) != Some(&false)
+    }
+
     fn create_event(&self) -> Result<EventId, DeviceError> {
         let mut st = self.state();
         let id = st.next_event;
@@ -495,6 +521,12 @@ impl super::Device for SimDevice {
     fn record_event(&self, event: EventId, stream: StreamId) -> Result<(), DeviceError> {
         let mut st = self.state();
         st.event(event)?;
+        if st.faults.fail_event_record {
+            return Err(DeviceError::Driver {
+                op: "record_event",
+                code: DeviceError::CUDA_ERROR_UNKNOWN,
+            });
+        }
         let pos = st.open_stream(stream)?.enqueued;
         st.events.insert(event.0, Some((stream.0, pos)));
         st.san.record(event.0, stream.0, pos);
@@ -520,6 +552,12 @@ impl super::Device for SimDevice {
         let mut st = self.state();
         let target = st.event(event)?;
         st.open_stream(stream)?;
+        if st.faults.fail_event_wait {
+            return Err(DeviceError::Driver {
+                op: "wait_event",
+                code: DeviceError::CUDA_ERROR_UNKNOWN,
+            });
+        }
         st.counters.event_waits += 1;
         if let Some((a, p)) = target
             && a != stream.0

@@ -1,0 +1,53 @@
+//! Deliberate bugs for tests (feature `test-hooks`): each [`Broken`] mode reverts one soundness
+//! fix at run time, so the property tests (`tests/multi_props.rs`) can be shown to catch it.
+//! Without the feature [`Shared::broken`](super::Shared) is a constant `false` and the checks
+//! compile away.
+//!
+//! ```text
+//!   alloc.set_broken(Broken::ForeignBuffers, true)   // test only
+//!        └─▶ Shared::broken: AtomicU64 bit set ─▶ the guarded check is skipped
+//! ```
+
+/// A soundness fix that a test may revert (one bit each).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[repr(u64)]
+pub enum Broken {
+    /// `free_batch`, `record_stream` and `use_on` take a buffer of another allocator as their
+    /// own (findings 1 and 2): its block id is interpreted in this allocator's tables.
+    ForeignBuffers = 1,
+    /// A scope's exit ignores the recorded uses of planned buffers that were never freed
+    /// (`mem::forget`, finding 3): the region returns to the pool unordered.
+    ForgottenUses = 1 << 1,
+    /// The free of an unbound planned buffer is queued for its scope before its stream waits for
+    /// the buffer's other streams (finding 4); a short pause between the two stands for the
+    /// contention on the global lock that opens the window.
+    UnboundFreeOrder = 1 << 2,
+    /// `use_on` does nothing, as the cudarc interop did (finding 5): the using stream does not
+    /// wait for the owner's writes and the use is not recorded.
+    UseOn = 1 << 3,
+    /// Streams are not validated: an unknown stream is taken as an empty, drained one.
+    UnknownStreams = 1 << 4,
+    /// A failed `record_event` is taken as "the stream is gone": the wait is skipped.
+    EventErrors = 1 << 5,
+    /// `destroy_stream` closes the stream's caches before the device may refuse.
+    DestroyStream = 1 << 6,
+}
+
+#[cfg_attr(not(feature = "test-hooks"), allow(dead_code))]
+impl Broken {
+    /// Every mode, for tests that go through them all.
+    pub const ALL: [Broken; 7] = [
+        Broken::ForeignBuffers,
+        Broken::ForgottenUses,
+        Broken::UnboundFreeOrder,
+        Broken::UseOn,
+        Broken::UnknownStreams,
+        Broken::EventErrors,
+        Broken::DestroyStream,
+    ];
+
+    /// Its bit.
+    pub(crate) fn bit(self) -> u64 {
+        self as u64
+    }
+}

@@ -1,0 +1,907 @@
+//! The multi-allocator, multi-thread, multi-stream property test (issue 14).
+//!
+//! Two allocators share one backed SimDevice (each with its own `cross_stream` policy); 2–4
+//! threads run random programs at once against both:
+//!
+//! ```text
+//!   thread k: op, op, op, …          every op: check_invariants on both allocators, no overlap of
+//!     │                              live ranges (buffers of both allocators, scoped buffers and
+//!     ▼                              forgotten slices until their scope ends), no sanitizer
+//!   World { device, allocators[2],   violation, no failed kernel
+//!           stream slots (0: default; others created and destroyed as the programs go),
+//!           live buffers (any thread frees any of them), live ranges }
+//! ```
+//!
+//! Kernels with random delays really read and write their buffers on several streams, ordered the
+//! way a user must: either with `Buffer::use_on` (what `CudaBuffer` does for cudarc) or by hand
+//! (device events, then `record_stream`, sometimes asked of the wrong allocator first, which
+//! must refuse). Buffers go to the wrong allocator in `free_batch`, `record_stream` and `use_on`
+//! (refused, never aliased); named scopes run scripts repeatedly, so later runs are planned, and
+//! their buffers are used on other streams, `mem::forget`ten, freed on other threads while the
+//! scope goes on, or escape; streams are created and destroyed; the default stream's destruction
+//! is refused and changes nothing; unknown streams are refused; event records fail for a while
+//! around a free. At the end, with everything dropped: no live segment and no live event.
+//!
+//! Every soundness fix has a `Broken` mode that reverts it (`tidepool::hooks::Broken`);
+//! `every_broken_mode_is_caught` runs this same property with each mode on and requires it to
+//! fail. The default case count is modest (`PROPTEST_CASES` raises it).
+//!
+//! Debugging aids (environment): `MULTI_PROPS_SEQ` runs the threads' programs one after the
+//! other on one thread (deterministic, so shrinking works); `MULTI_PROPS_ONLY=Alloc,Kernel,…`
+//! and `MULTI_PROPS_STEPS=Alloc,Free,…` keep only those operations and script steps;
+//! `MULTI_PROPS_PANIC` panics on the first sanitizer violation, with the backtrace of the
+//! thread that caused it; `MULTI_PROPS_STATS` and `MULTI_PROPS_DEBUG` print what each case did.
+
+use proptest::prelude::*;
+use proptest::test_runner::{Config as RunnerConfig, TestCaseError, TestRunner};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+use tidepool::device::{Access, AccessKind, Kernel, Launch, SimDevice};
+use tidepool::hooks::Broken;
+use tidepool::{AllocError, Allocator, Buffer, Config, CrossStream, Device, Residency, StreamId};
+use tidepool::{Scope, ScopedBuffer};
+
+/// Stream slots; slot 0 is the default stream, the others come and go.
+const SLOTS: usize = 4;
+/// Request sizes: small pool, large pool, an own segment.
+const SIZES: [u64; 6] = [256, 4096, 12_000, 65_536, 700_000, 3 << 20];
+/// Names of the named scopes.
+const NAMES: [&str; 2] = ["step", "eval"];
+/// Bytes a kernel body really touches (it declares the whole buffer).
+const TOUCH: u64 = 4096;
+
+#[derive(Clone, Debug)]
+enum Op {
+    Alloc { by: usize, slot: usize, size: usize, persistent: bool, auto: bool },
+    Free { pick: usize },
+    FreeBatch { by: usize, picks: Vec<usize> },
+    Kernel { pick: usize, slot: usize, write: bool, delay: u16, via: usize },
+    RecordStream { pick: usize, slot: usize, via: usize },
+    ScopeRun { by: usize, name: usize, slot: usize, script: usize, runs: usize },
+    FaultyFree { pick: usize, slot: usize },
+    CreateStream { slot: usize },
+    DestroyStream { slot: usize, by: usize },
+    DestroyDefault { by: usize },
+    UnknownStream { by: usize, pick: usize },
+    EmptyCache { by: usize },
+}
+
+/// One step of a scope script (bound buffers are `ScopedBuffer`s; unbound ones `Buffer`s).
+#[derive(Clone, Debug)]
+enum Step {
+    Alloc {
+        size: usize,
+        unbound: bool,
+    },
+    Free {
+        k: usize,
+    },
+    Kernel {
+        k: usize,
+        slot: usize,
+        write: bool,
+        delay: u16,
+    },
+    Forget {
+        k: usize,
+    },
+    /// A bound buffer read on another stream (a slow kernel), then forgotten.
+    ForgetUsed {
+        k: usize,
+        slot: usize,
+        delay: u16,
+    },
+    GiveAway {
+        k: usize,
+    },
+    Escape {
+        k: usize,
+    },
+}
+
+#[derive(Clone, Debug)]
+struct Case {
+    policies: [CrossStream; 2],
+    threads: Vec<Vec<Op>>,
+    scripts: Vec<Vec<Step>>,
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    let idx = || any::<prop::sample::Index>().prop_map(|i| i.index(1 << 16));
+    prop_oneof![
+        6 => (0..2usize, 0..SLOTS, 0..SIZES.len(), prop::bool::weighted(0.1), any::<bool>())
+            .prop_map(|(by, slot, size, persistent, auto)| Op::Alloc { by, slot, size, persistent, auto }),
+        3 => idx().prop_map(|pick| Op::Free { pick }),
+        1 => (0..2usize, prop::collection::vec(idx(), 1..4))
+            .prop_map(|(by, picks)| Op::FreeBatch { by, picks }),
+        6 => (idx(), 0..SLOTS, any::<bool>(), 0..3000u16, 0..2usize)
+            .prop_map(|(pick, slot, write, delay, via)| Op::Kernel { pick, slot, write, delay, via }),
+        1 => (idx(), 0..SLOTS, 0..2usize).prop_map(|(pick, slot, via)| Op::RecordStream { pick, slot, via }),
+        4 => (0..2usize, 0..NAMES.len(), 0..SLOTS, 0..2usize, 1..=3usize)
+            .prop_map(|(by, name, slot, script, runs)| Op::ScopeRun { by, name, slot, script, runs }),
+        1 => (idx(), 0..SLOTS).prop_map(|(pick, slot)| Op::FaultyFree { pick, slot }),
+        1 => (1..SLOTS).prop_map(|slot| Op::CreateStream { slot }),
+        1 => (1..SLOTS, 0..2usize).prop_map(|(slot, by)| Op::DestroyStream { slot, by }),
+        1 => (0..2usize).prop_map(|by| Op::DestroyDefault { by }),
+        1 => (0..2usize, idx()).prop_map(|(by, pick)| Op::UnknownStream { by, pick }),
+        1 => (0..2usize).prop_map(|by| Op::EmptyCache { by }),
+    ]
+}
+
+/// Debugging aid: `MULTI_PROPS_ONLY=Alloc,Free,...` keeps only those operations.
+fn allowed(op: &Op) -> bool {
+    let Ok(only) = std::env::var("MULTI_PROPS_ONLY") else { return true };
+    let name = format!("{op:?}");
+    let name = name.split([' ', '{']).next().unwrap_or("");
+    only.split(',').any(|o| o == name)
+}
+
+/// Debugging aid: `MULTI_PROPS_STEPS=Alloc,Free,...` keeps only those script steps.
+fn step_allowed(step: &Step) -> bool {
+    let Ok(only) = std::env::var("MULTI_PROPS_STEPS") else { return true };
+    let name = format!("{step:?}");
+    let name = name.split([' ', '{']).next().unwrap_or("");
+    only.split(',').any(|o| o == name)
+}
+
+fn step() -> impl Strategy<Value = Step> {
+    let k = || 0..8usize;
+    prop_oneof![
+        5 => (0..5usize, any::<bool>()).prop_map(|(size, unbound)| Step::Alloc { size, unbound }),
+        3 => k().prop_map(|k| Step::Free { k }),
+        4 => (k(), 0..SLOTS, any::<bool>(), 500..4000u16)
+            .prop_map(|(k, slot, write, delay)| Step::Kernel { k, slot, write, delay }),
+        1 => k().prop_map(|k| Step::Forget { k }),
+        1 => (k(), 0..SLOTS, 2000..5000u16).prop_map(|(k, slot, delay)| Step::ForgetUsed { k, slot, delay }),
+        1 => k().prop_map(|k| Step::GiveAway { k }),
+        1 => k().prop_map(|k| Step::Escape { k }),
+    ]
+}
+
+fn case() -> impl Strategy<Value = Case> {
+    let policy = prop_oneof![Just(CrossStream::Strict), Just(CrossStream::WaitEvent)];
+    (
+        [policy.clone(), policy],
+        prop::collection::vec(
+            prop::collection::vec(op().prop_filter("only", allowed), 10..30),
+            2..=4,
+        ),
+        prop::collection::vec(
+            prop::collection::vec(step().prop_filter("only", step_allowed), 3..12),
+            2,
+        ),
+    )
+        .prop_map(|(policies, threads, scripts)| Case { policies, threads, scripts })
+}
+
+/// A live buffer of the world: which allocator made it, how its uses are ordered (`auto`:
+/// `use_on`; else by hand), and the streams that used it.
+struct Live {
+    buf: Buffer<SimDevice>,
+    by: usize,
+    auto: bool,
+    users: Vec<StreamId>,
+    range: u64,
+}
+
+struct World {
+    dev: Arc<SimDevice>,
+    allocs: [Allocator<SimDevice>; 2],
+    slots: Mutex<[Option<StreamId>; SLOTS]>,
+    /// Streams destroyed (by one allocator) and released (by the other).
+    dead: Mutex<Vec<StreamId>>,
+    live: Mutex<Vec<Live>>,
+    /// Every live range (ptr, end, id): buffers, scoped buffers, forgotten slices.
+    ranges: Mutex<Vec<(u64, u64, u64)>>,
+    /// What each live range is, for failure reports.
+    labels: Mutex<std::collections::HashMap<u64, String>>,
+    next_range: AtomicU64,
+    /// One window of failing event records at a time.
+    faults: Mutex<()>,
+    /// Set when a thread failed: the others stop.
+    failed: AtomicBool,
+}
+
+type R = Result<(), String>;
+
+macro_rules! ensure {
+    ($cond:expr, $($msg:tt)*) => {
+        if !$cond {
+            return Err(format!($($msg)*));
+        }
+    };
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn access(write: bool) -> AccessKind {
+    if write { AccessKind::Write } else { AccessKind::Read }
+}
+
+impl World {
+    fn new(policies: [CrossStream; 2], broken: Option<Broken>) -> World {
+        let dev = Arc::new(SimDevice::backed(2 << 30));
+        dev.panic_on_violation(std::env::var("MULTI_PROPS_PANIC").is_ok());
+        let allocs = policies.map(|p| {
+            let a = Allocator::new(dev.clone(), Config::default().with_cross_stream(p));
+            let a = a.unwrap();
+            if let Some(mode) = broken {
+                a.set_broken(mode, true);
+            }
+            a
+        });
+        let mut slots = [None; SLOTS];
+        slots[0] = Some(StreamId::DEFAULT);
+        for s in slots.iter_mut().skip(1) {
+            *s = Some(dev.create_stream().unwrap());
+        }
+        World {
+            dev,
+            allocs,
+            slots: Mutex::new(slots),
+            dead: Mutex::new(Vec::new()),
+            live: Mutex::new(Vec::new()),
+            ranges: Mutex::new(Vec::new()),
+            labels: Mutex::new(std::collections::HashMap::new()),
+            next_range: AtomicU64::new(1),
+            faults: Mutex::new(()),
+            failed: AtomicBool::new(false),
+        }
+    }
+
+    fn stream(&self, slot: usize) -> Option<StreamId> {
+        lock(&self.slots)[slot % SLOTS]
+    }
+
+    /// Registers a live range; returns its id (0 for an empty one).
+    fn add_range(&self, ptr: u64, bytes: u64, what: &str) -> u64 {
+        if bytes == 0 {
+            return 0;
+        }
+        let id = self.next_range.fetch_add(1, Ordering::Relaxed);
+        let label = format!("{what} {bytes} B on {:?}", std::thread::current().id());
+        lock(&self.labels).insert(id, label);
+        lock(&self.ranges).push((ptr, ptr + bytes, id));
+        id
+    }
+
+    fn remove_range(&self, id: u64) {
+        if id != 0 {
+            lock(&self.ranges).retain(|r| r.2 != id);
+        }
+    }
+
+    fn label(&self, id: u64) -> String {
+        lock(&self.labels).get(&id).cloned().unwrap_or_default()
+    }
+
+    fn register(&self, buf: Buffer<SimDevice>, by: usize, auto: bool) {
+        let what = format!("buffer of allocator {by} ({:?})", buf.stream());
+        let range = self.add_range(buf.ptr().0, buf.len(), &what);
+        lock(&self.live).push(Live { buf, by, auto, users: Vec::new(), range });
+    }
+
+    fn take(&self, pick: usize) -> Option<Live> {
+        let mut live = lock(&self.live);
+        if live.is_empty() {
+            return None;
+        }
+        let n = live.len();
+        Some(live.swap_remove(pick % n))
+    }
+
+    fn put(&self, l: Live) {
+        lock(&self.live).push(l);
+    }
+
+    /// Every check of the property, safe while other threads run.
+    fn check(&self) -> R {
+        for (i, a) in self.allocs.iter().enumerate() {
+            a.check_invariants().map_err(|e| format!("allocator {i}: {e}"))?;
+        }
+        let mut r = lock(&self.ranges).clone();
+        r.sort_unstable();
+        for w in r.windows(2) {
+            ensure!(
+                w[0].1 <= w[1].0,
+                "live ranges overlap: {:x?} ({}) and {:x?} ({})",
+                w[0],
+                self.label(w[0].2),
+                w[1],
+                self.label(w[1].2)
+            );
+        }
+        let v = self.dev.violations();
+        ensure!(v.is_empty(), "sanitizer: {v:?}");
+        let f = self.dev.kernel_failures();
+        ensure!(f.is_empty(), "kernel failures: {f:?}");
+        Ok(())
+    }
+
+    /// Makes `stream` wait for the work enqueued on `after` so far (a host sync if the device
+    /// refuses the event: event records fail during a fault window).
+    fn order(&self, stream: StreamId, after: StreamId) {
+        if stream == after {
+            return;
+        }
+        let Ok(e) = self.dev.create_event() else {
+            let _ = self.dev.synchronize();
+            return;
+        };
+        if self.dev.record_event(e, after).is_err() || self.dev.wait_event(stream, e).is_err() {
+            let _ = self.dev.synchronize();
+        }
+        let _ = self.dev.destroy_event(e);
+    }
+
+    /// A kernel on `stream` over the buffer at `ptr`: sleeps `delay` µs, then reads or writes.
+    fn launch(&self, stream: StreamId, ptr: u64, bytes: u64, write: bool, delay: u16) {
+        let ptr = tidepool::DeviceAddr(ptr);
+        let kind = access(write);
+        let touch = bytes.min(TOUCH) as usize;
+        let mut k = Kernel::new("touch", vec![Access { ptr, bytes, kind }], move |m| {
+            let mut v = vec![0u8; touch];
+            match write {
+                true => {
+                    v.fill(0xA5);
+                    m.write(ptr, &v).unwrap();
+                }
+                false => m.read(ptr, &mut v).unwrap(),
+            }
+        });
+        k.sleep = Duration::from_micros(u64::from(delay));
+        let _ = self.dev.launch(stream, k); // a stream destroyed meanwhile refuses it
+    }
+
+    /// A kernel on `s` over live buffer `l`, after the user's side of stream order.
+    fn use_live(&self, l: &mut Live, s: StreamId, write: bool, delay: u16, via: usize) -> R {
+        let (ptr, bytes) = (l.buf.ptr().0, l.buf.len());
+        if bytes == 0 {
+            return Ok(());
+        }
+        if l.auto {
+            if via != l.by {
+                let r = self.allocs[via].use_on(&l.buf, s, access(write));
+                ensure!(r == Err(AllocError::ForeignBuffer), "use_on of a foreign buffer: {r:?}");
+            }
+            match l.buf.use_on(s, access(write)) {
+                Ok(()) => self.launch(s, ptr, bytes, write, delay),
+                Err(AllocError::UnknownStream(_)) => {} // destroyed meanwhile
+                Err(e) => return Err(format!("use_on: {e}")),
+            }
+            return Ok(());
+        }
+        let owner = l.buf.stream();
+        for u in l.users.iter().copied().chain([owner]) {
+            self.order(s, u);
+        }
+        self.launch(s, ptr, bytes, write, delay);
+        if s != owner {
+            self.record(l, s, via)?;
+        }
+        if !l.users.contains(&s) {
+            l.users.push(s);
+        }
+        Ok(())
+    }
+
+    /// `record_stream`, asked of allocator `via` first (which must refuse another's buffer).
+    fn record(&self, l: &Live, s: StreamId, via: usize) -> R {
+        if via != l.by {
+            let r = self.allocs[via].record_stream(&l.buf, s);
+            match r {
+                Err(AllocError::ForeignBuffer) => {}
+                // A stream destroyed meanwhile is refused first.
+                Err(AllocError::UnknownStream(_)) => return self.unrecorded(),
+                r => return Err(format!("record_stream of a foreign buffer: {r:?}")),
+            }
+        }
+        match self.allocs[l.by].record_stream(&l.buf, s) {
+            Ok(()) => Ok(()),
+            Err(AllocError::UnknownStream(_)) => self.unrecorded(),
+            Err(e) => Err(format!("record_stream: {e}")),
+        }
+    }
+
+    /// A use that could not be recorded: its stream is being destroyed (the allocator refuses
+    /// it while the device still drains it), so the user waits for that work on the host.
+    fn unrecorded(&self) -> R {
+        self.dev.synchronize().map_err(|e| e.to_string())
+    }
+
+    fn alloc(
+        &self,
+        by: usize,
+        s: StreamId,
+        bytes: u64,
+        residency: Residency,
+    ) -> Option<Buffer<SimDevice>> {
+        match self.allocs[by].alloc_in(bytes, s, residency) {
+            Ok(b) => Some(b),
+            // The stream was destroyed meanwhile, or the device is full: nothing to check.
+            Err(AllocError::UnknownStream(_) | AllocError::OutOfMemory(_)) => None,
+            Err(e) => panic!("alloc: {e}"),
+        }
+    }
+
+    fn run_op(&self, op: &Op, scripts: &[Vec<Step>]) -> R {
+        match *op {
+            Op::Alloc { by, slot, size, persistent, auto } => {
+                let Some(s) = self.stream(slot) else { return Ok(()) };
+                let res = if persistent { Residency::Persistent } else { Residency::Transient };
+                if let Some(b) = self.alloc(by, s, SIZES[size], res) {
+                    self.register(b, by, auto);
+                }
+            }
+            Op::Free { pick } => {
+                if let Some(l) = self.take(pick) {
+                    self.remove_range(l.range);
+                    drop(l);
+                }
+            }
+            Op::FreeBatch { by, ref picks } => {
+                let taken: Vec<Live> = picks.iter().filter_map(|&p| self.take(p)).collect();
+                let foreign = taken.iter().any(|l| l.by != by);
+                for l in &taken {
+                    self.remove_range(l.range);
+                }
+                let r = self.allocs[by].free_batch(taken.into_iter().map(|l| l.buf).collect());
+                match foreign {
+                    true => ensure!(r == Err(AllocError::ForeignBuffer), "free_batch: {r:?}"),
+                    false => ensure!(r.is_ok(), "free_batch: {r:?}"),
+                }
+            }
+            Op::Kernel { pick, slot, write, delay, via } => {
+                let Some(s) = self.stream(slot) else { return Ok(()) };
+                let Some(mut l) = self.take(pick) else { return Ok(()) };
+                let r = self.use_live(&mut l, s, write, delay, via);
+                self.put(l);
+                r?;
+            }
+            Op::RecordStream { pick, slot, via } => {
+                let Some(s) = self.stream(slot) else { return Ok(()) };
+                let Some(l) = self.take(pick) else { return Ok(()) };
+                let r = self.record(&l, s, via);
+                self.put(l);
+                r?;
+            }
+            Op::ScopeRun { by, name, slot, script, runs } => {
+                let s = self.stream(slot).unwrap_or(StreamId::DEFAULT);
+                for _ in 0..runs {
+                    self.scope_run(by, NAMES[name], s, &scripts[script % scripts.len()])?;
+                }
+            }
+            Op::FaultyFree { pick, slot } => self.faulty_free(pick, slot)?,
+            Op::CreateStream { slot } => {
+                let mut slots = lock(&self.slots);
+                if slots[slot].is_none() {
+                    slots[slot] = Some(self.dev.create_stream().map_err(|e| e.to_string())?);
+                }
+            }
+            Op::DestroyStream { slot, by } => {
+                let Some(s) = lock(&self.slots)[slot].take() else { return Ok(()) };
+                self.allocs[by].destroy_stream(s).map_err(|e| format!("destroy_stream: {e}"))?;
+                match self.allocs[1 - by].release_stream(s) {
+                    Ok(()) | Err(AllocError::UnknownStream(_)) => {}
+                    Err(e) => return Err(format!("release_stream of a destroyed stream: {e}")),
+                }
+                lock(&self.dead).push(s);
+            }
+            Op::DestroyDefault { by } => {
+                let a = &self.allocs[by];
+                drop(self.alloc(by, StreamId::DEFAULT, 4096, Residency::Transient));
+                let before = a.stream_cache_closed(StreamId::DEFAULT);
+                let r = a.destroy_stream(StreamId::DEFAULT);
+                ensure!(r.is_err(), "the default stream was destroyed");
+                let after = a.stream_cache_closed(StreamId::DEFAULT);
+                ensure!(before == after, "a refused destroy_stream closed the cache");
+            }
+            Op::UnknownStream { by, pick } => {
+                let dead = lock(&self.dead).clone();
+                let ghost = match dead.is_empty() || pick % 3 == 0 {
+                    true => StreamId(1000 + (pick % 7) as u32),
+                    false => dead[pick % dead.len()],
+                };
+                let r = self.allocs[by].alloc(4096, ghost);
+                ensure!(
+                    matches!(r, Err(AllocError::UnknownStream(g)) if g == ghost),
+                    "alloc on {ghost}: {r:?}"
+                );
+            }
+            Op::EmptyCache { by } => {
+                self.allocs[by].empty_cache().map_err(|e| format!("empty_cache: {e}"))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// A buffer used on another stream (a slow read, still running) is freed while the device
+    /// refuses event records; its owner stream then allocates the same size and writes it.
+    fn faulty_free(&self, pick: usize, slot: usize) -> R {
+        let Some(mut l) = self.take(pick) else { return Ok(()) };
+        let owner = l.buf.stream();
+        let (by, bytes, auto) = (l.by, l.buf.len(), l.auto);
+        if let Some(s) = self.stream(slot).filter(|&s| s != owner) {
+            self.use_live(&mut l, s, false, 3000, by)?;
+        }
+        self.remove_range(l.range);
+        {
+            let _window = lock(&self.faults);
+            self.dev.fail_event_records(true);
+            drop(l);
+            self.dev.fail_event_records(false);
+        }
+        if let Some(b) = self.alloc(by, owner, bytes.max(1), Residency::Transient) {
+            let mut l = Live {
+                range: self.add_range(b.ptr().0, b.len(), "faulty-free realloc"),
+                buf: b,
+                by,
+                auto,
+                users: Vec::new(),
+            };
+            let r = self.use_live(&mut l, owner, true, 0, by);
+            self.put(l);
+            r?;
+        }
+        Ok(())
+    }
+
+    /// One run of a named scope following `script`, then an allocation of its first size on
+    /// the scope's stream (the memory a forgotten or late-ordered slice may come back as).
+    fn scope_run(&self, by: usize, name: &str, s: StreamId, script: &[Step]) -> R {
+        let scope = self.allocs[by].named_scope(name, s);
+        let mut items: Vec<Item<'_>> = Vec::new();
+        let mut forgotten = Vec::new();
+        let mut helpers = Vec::new();
+        let r = self.script(by, &scope, script, &mut items, &mut forgotten, &mut helpers);
+        for it in items.drain(..) {
+            self.remove_range(it.range());
+            drop(it);
+        }
+        drop(items);
+        // Forgotten slices are the scope's to take back as it ends (from then on they may be
+        // handed out again).
+        for id in forgotten {
+            self.remove_range(id);
+        }
+        drop(scope);
+        for h in helpers {
+            h.join().map_err(|_| "a freeing thread panicked".to_string())?;
+        }
+        r?;
+        let first = script.iter().find_map(|st| match st {
+            Step::Alloc { size, .. } => Some(SIZES[*size]),
+            _ => None,
+        });
+        if let Some(b) = first.and_then(|n| self.alloc(by, s, n, Residency::Transient)) {
+            let mut l = Live {
+                range: self.add_range(b.ptr().0, b.len(), "post-exit alloc"),
+                buf: b,
+                by,
+                auto: true,
+                users: Vec::new(),
+            };
+            let r = self.use_live(&mut l, s, true, 0, by);
+            self.put(l);
+            r?;
+        }
+        Ok(())
+    }
+
+    fn script<'s>(
+        &self,
+        by: usize,
+        scope: &'s Scope<'_, SimDevice>,
+        script: &[Step],
+        items: &mut Vec<Item<'s>>,
+        forgotten: &mut Vec<u64>,
+        helpers: &mut Vec<std::thread::JoinHandle<()>>,
+    ) -> R {
+        let s = scope.stream();
+        for step in script {
+            if self.failed.load(Ordering::Relaxed) {
+                return Ok(());
+            }
+            match *step {
+                Step::Alloc { size, unbound } => {
+                    let n = SIZES[size];
+                    let item = match unbound {
+                        true => match scope.alloc_unbound(n) {
+                            Ok(b) => Item::Unbound {
+                                range: self.add_range(
+                                    b.ptr().0,
+                                    b.len(),
+                                    &format!("unbound planned={}", b.is_planned()),
+                                ),
+                                buf: b,
+                            },
+                            Err(AllocError::UnknownStream(_) | AllocError::OutOfMemory(_)) => {
+                                return Ok(());
+                            }
+                            Err(e) => return Err(format!("scope alloc_unbound: {e}")),
+                        },
+                        false => match scope.alloc(n) {
+                            Ok(b) => Item::Bound {
+                                range: self.add_range(
+                                    b.ptr().0,
+                                    b.len(),
+                                    &format!("bound planned={}", b.is_planned()),
+                                ),
+                                buf: b,
+                                users: vec![],
+                            },
+                            Err(AllocError::UnknownStream(_) | AllocError::OutOfMemory(_)) => {
+                                return Ok(());
+                            }
+                            Err(e) => return Err(format!("scope alloc: {e}")),
+                        },
+                    };
+                    items.push(item);
+                }
+                Step::Free { k } if !items.is_empty() => {
+                    let it = items.remove(k % items.len());
+                    self.remove_range(it.range());
+                    drop(it);
+                }
+                Step::Kernel { k, slot, write, delay } if !items.is_empty() => {
+                    let Some(other) = self.stream(slot) else { continue };
+                    let n = items.len();
+                    self.script_kernel(scope, &mut items[k % n], other, write, delay)?;
+                }
+                Step::Forget { k } | Step::ForgetUsed { k, .. } => {
+                    // The first bound buffer from `k` on.
+                    let n = items.len();
+                    let Some(i) = (0..n)
+                        .map(|j| (k + j) % n)
+                        .find(|&i| matches!(items[i], Item::Bound { .. }))
+                    else {
+                        continue;
+                    };
+                    if let Step::ForgetUsed { slot, delay, .. } = *step {
+                        // Read on another stream, still running as the buffer is forgotten.
+                        let other =
+                            (0..SLOTS).filter_map(|j| self.stream(slot + j)).find(|&o| o != s);
+                        if let Some(other) = other {
+                            self.script_kernel(scope, &mut items[i], other, false, delay)?;
+                        }
+                    }
+                    let Item::Bound { buf, range, .. } = items.remove(i) else { unreachable!() };
+                    forgotten.push(range); // its memory is not reused before the scope ends
+                    std::mem::forget(buf);
+                }
+                Step::GiveAway { k } if !items.is_empty() => {
+                    let i = k % items.len();
+                    if matches!(items[i], Item::Unbound { .. }) {
+                        let Item::Unbound { buf, range, .. } = items.remove(i) else {
+                            unreachable!()
+                        };
+                        self.remove_range(range);
+                        helpers.push(std::thread::spawn(move || drop(buf)));
+                        // The scope goes on at once: its next allocations race the free.
+                        std::thread::sleep(Duration::from_micros(300));
+                    }
+                }
+                Step::Escape { k } if !items.is_empty() => {
+                    let i = k % items.len();
+                    if matches!(items[i], Item::Unbound { .. }) {
+                        let Item::Unbound { buf, range, .. } = items.remove(i) else {
+                            unreachable!()
+                        };
+                        lock(&self.live).push(Live {
+                            buf,
+                            by,
+                            auto: true,
+                            users: Vec::new(),
+                            range,
+                        });
+                    }
+                }
+                _ => {}
+            }
+            self.check()?;
+        }
+        Ok(())
+    }
+}
+
+impl World {
+    /// A kernel on `other` over a script's buffer, after the user's side of stream order: by
+    /// hand for a bound buffer (events, then the scope's `record_stream`), `use_on` for an
+    /// unbound one.
+    fn script_kernel(
+        &self,
+        scope: &Scope<'_, SimDevice>,
+        item: &mut Item<'_>,
+        other: StreamId,
+        write: bool,
+        delay: u16,
+    ) -> R {
+        match item {
+            Item::Bound { buf, users, .. } => {
+                for u in users.iter().copied().chain([scope.stream()]) {
+                    self.order(other, u);
+                }
+                self.launch(other, buf.ptr().0, buf.len(), write, delay);
+                match scope.record_stream(buf, other) {
+                    Ok(()) => {}
+                    Err(AllocError::UnknownStream(_)) => self.unrecorded()?,
+                    Err(e) => return Err(format!("scope record_stream: {e}")),
+                }
+                if !users.contains(&other) {
+                    users.push(other);
+                }
+            }
+            Item::Unbound { buf, .. } => match buf.use_on(other, access(write)) {
+                Ok(()) => self.launch(other, buf.ptr().0, buf.len(), write, delay),
+                Err(AllocError::UnknownStream(_)) => {}
+                Err(e) => return Err(format!("use_on: {e}")),
+            },
+        }
+        Ok(())
+    }
+}
+
+/// What a scope script holds.
+enum Item<'s> {
+    Bound { buf: ScopedBuffer<'s, SimDevice>, range: u64, users: Vec<StreamId> },
+    Unbound { buf: Buffer<SimDevice>, range: u64 },
+}
+
+impl Item<'_> {
+    fn range(&self) -> u64 {
+        match self {
+            Item::Bound { range, .. } | Item::Unbound { range, .. } => *range,
+        }
+    }
+}
+
+/// Runs one case; `Err` describes the first failure.
+fn run_case(case: &Case, broken: Option<Broken>) -> R {
+    let world = Arc::new(World::new(case.policies, broken));
+    let scripts = Arc::new(case.scripts.clone());
+    if std::env::var("MULTI_PROPS_SEQ").is_ok() {
+        // Debugging aid: the threads' programs one after the other, on this thread.
+        for op in case.threads.iter().flatten() {
+            world
+                .run_op(op, &scripts)
+                .and_then(|()| world.check())
+                .map_err(|e| format!("{op:?}: {e}"))?;
+        }
+        return finish(world, case);
+    }
+    let handles: Vec<_> = case
+        .threads
+        .iter()
+        .cloned()
+        .map(|ops| {
+            let (world, scripts) = (world.clone(), scripts.clone());
+            std::thread::spawn(move || -> R {
+                for op in &ops {
+                    if world.failed.load(Ordering::Relaxed) {
+                        return Ok(());
+                    }
+                    let r = world.run_op(op, &scripts).and_then(|()| world.check());
+                    if let Err(e) = r {
+                        world.failed.store(true, Ordering::Relaxed);
+                        return Err(format!("{op:?}: {e}"));
+                    }
+                }
+                Ok(())
+            })
+        })
+        .collect();
+    let mut result = Ok(());
+    for h in handles {
+        let r = h.join().unwrap_or_else(|p| {
+            world.failed.store(true, Ordering::Relaxed);
+            Err(format!("a thread panicked: {}", panic_message(&p)))
+        });
+        if result.is_ok() {
+            result = r;
+        }
+    }
+    result?;
+    finish(world, case)
+}
+
+/// The checks at the end, with everything dropped.
+fn finish(world: Arc<World>, case: &Case) -> R {
+    world.check()?;
+    if std::env::var("MULTI_PROPS_STATS").is_ok() {
+        let st: Vec<_> = world.allocs.iter().map(|a| a.stats()).collect();
+        eprintln!(
+            "threads {} launches {} hits {:?} misses {:?} fallbacks {:?} syncs {:?} dead {}",
+            case.threads.len(),
+            world.dev.counters().launches,
+            st.iter().map(|s| s.plan_hits).collect::<Vec<_>>(),
+            st.iter().map(|s| s.plan_misses).collect::<Vec<_>>(),
+            st.iter().map(|s| s.plan_fallbacks).collect::<Vec<_>>(),
+            st.iter().map(|s| s.num_host_syncs).collect::<Vec<_>>(),
+            lock(&world.dead).len(),
+        );
+    }
+    let live = std::mem::take(&mut *lock(&world.live));
+    for l in &live {
+        world.remove_range(l.range);
+    }
+    drop(live);
+    for (i, a) in world.allocs.iter().enumerate() {
+        let s = a.stats();
+        let (allocated, region) = (s.blocks.allocated_bytes.all.current, s.plan_region_bytes);
+        ensure!(
+            allocated <= region, // an adopted escape used elsewhere stays out of its region
+            "allocator {i}: {allocated} B allocated, {region} B in regions"
+        );
+    }
+    if std::env::var("MULTI_PROPS_DEBUG").is_ok() {
+        for (i, a) in world.allocs.iter().enumerate() {
+            let s = a.stats();
+            let busy: Vec<_> = a
+                .snapshot()
+                .into_iter()
+                .flat_map(|seg| seg.blocks.into_iter().map(move |b| (seg.stream, b)))
+                .filter(|(_, b)| b.state != tidepool::BlockState::Free)
+                .collect();
+            eprintln!(
+                "alloc {i}: allocated {} region {} escapes {} busy {busy:x?}",
+                s.blocks.allocated_bytes.all.current, s.plan_region_bytes, s.scope_escapes
+            );
+        }
+    }
+    let world = Arc::into_inner(world).expect("every thread let go of the world");
+    let dev = world.dev.clone();
+    drop(world);
+    dev.synchronize().map_err(|e| e.to_string())?;
+    ensure!(dev.live_segments().is_empty(), "leaked segments: {:?}", dev.live_segments());
+    ensure!(dev.live_events() == 0, "leaked events: {}", dev.live_events());
+    let v = dev.violations();
+    ensure!(v.is_empty(), "sanitizer at the end: {v:?}");
+    Ok(())
+}
+
+fn panic_message(p: &Box<dyn std::any::Any + Send>) -> String {
+    p.downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| p.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "?".into())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig {
+        cases: std::env::var("PROPTEST_CASES").ok().and_then(|c| c.parse().ok()).unwrap_or(24),
+        max_shrink_iters: 64,
+        failure_persistence: None,
+        ..ProptestConfig::default()
+    })]
+
+    #[test]
+    fn two_allocators_many_threads_and_streams_stay_sound(case in case()) {
+        run_case(&case, None).map_err(TestCaseError::fail)?;
+    }
+}
+
+/// The same property with each fix reverted: every mode must be caught within a bounded number
+/// of cases (no shrinking: only the failure matters).
+#[test]
+fn every_broken_mode_is_caught() {
+    for mode in Broken::ALL {
+        let config = RunnerConfig {
+            cases: 256, // a cap: each mode stops at its first failure (most in a few cases)
+            max_shrink_iters: 0,
+            failure_persistence: None,
+            ..RunnerConfig::default()
+        };
+        let mut runner = TestRunner::new(config);
+        let cases = AtomicU64::new(0);
+        let r = runner.run(&case(), |case| {
+            cases.fetch_add(1, Ordering::Relaxed);
+            run_case(&case, Some(mode)).map_err(TestCaseError::fail)
+        });
+        assert!(r.is_err(), "broken mode {mode:?} was not caught");
+        let n = cases.load(Ordering::Relaxed);
+        eprintln!("{mode:?} caught in case {n}: {}", r.unwrap_err());
+    }
+}
