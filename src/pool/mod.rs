@@ -46,9 +46,26 @@ pub struct Pool {
     stats: BlockStats,
     /// Slots whose `dirty` flag is set (each once).
     dirty: Vec<usize>,
+    /// Which of the statistics only the pool changes changed since [`Pool::take_changed`].
+    changed: u8,
 }
 
 impl Pool {
+    /// [`Pool::take_changed`]: reserved bytes and segment counts changed, one bit per
+    /// quadrant (see [`Pool::quadrant`]).
+    pub const SEGMENTS_CHANGED: u8 = 0x0f;
+    /// [`Pool::take_changed`]: inactive split bytes and counts changed, one bit per quadrant.
+    pub const SPLITS_CHANGED: u8 = 0xf0;
+
+    /// The quadrant of a pool key's statistics: small persistent 0, small transient 1, large
+    /// persistent 2, large transient 3.
+    pub fn quadrant(kind: crate::types::PoolKind, residency: crate::types::Residency) -> usize {
+        use crate::types::{PoolKind, Residency};
+        let k = usize::from(kind == PoolKind::Large);
+        let r = usize::from(residency == Residency::Transient);
+        k * 2 + r
+    }
+
     /// An empty pool.
     #[cfg_attr(not(any(test, feature = "test-hooks")), allow(dead_code))]
     pub fn new() -> Pool {
@@ -63,6 +80,41 @@ impl Pool {
     /// Resets every peak statistic to its current value.
     pub fn reset_peak_stats(&mut self) {
         self.stats.reset_peak();
+        self.changed = Self::SEGMENTS_CHANGED | Self::SPLITS_CHANGED;
+    }
+
+    /// Which of the statistics that only the pool changes (reserved bytes and segments,
+    /// inactive splits) changed since the last call, and in which quadrants: bit `q` of
+    /// [`Pool::SEGMENTS_CHANGED`] and of [`Pool::SPLITS_CHANGED`] for quadrant `q`, so that
+    /// publishing copies only those cells.
+    pub fn take_changed(&mut self) -> u8 {
+        std::mem::take(&mut self.changed)
+    }
+
+    /// Counts a segment of `size` bytes in (`up`) or out.
+    fn count_segment(&mut self, key: PoolKey, size: u64, up: bool) {
+        let (k, r, st) = (key.kind, key.residency, &mut self.stats);
+        if up {
+            st.reserved_bytes.increase(k, r, size);
+            st.segment.increase(k, r, 1);
+        } else {
+            st.reserved_bytes.decrease(k, r, size);
+            st.segment.decrease(k, r, 1);
+        }
+        self.changed |= 1 << Self::quadrant(k, r);
+    }
+
+    /// Counts a free block of a split segment, of `size` bytes, in (`up`) or out.
+    fn count_split(&mut self, key: PoolKey, size: u64, up: bool) {
+        let (k, r, st) = (key.kind, key.residency, &mut self.stats);
+        if up {
+            st.inactive_split_bytes.increase(k, r, size);
+            st.inactive_split.increase(k, r, 1);
+        } else {
+            st.inactive_split_bytes.decrease(k, r, size);
+            st.inactive_split.decrease(k, r, 1);
+        }
+        self.changed |= 0x10 << Self::quadrant(k, r);
     }
 
     /// The block record of `id`. Panics on an id that is not a live block (a caller bug).
@@ -147,8 +199,7 @@ impl Pool {
         }));
         self.segments.insert(Segment { base, size, key, first: block, busy_blocks: 0, slot });
         self.index_insert(slot, Entry { size, addr: base, id: block.0 });
-        self.stats.reserved_bytes.increase(key.kind, key.residency, size);
-        self.stats.segment.increase(key.kind, key.residency, 1);
+        self.count_segment(key, size, true);
         block
     }
 
@@ -169,11 +220,10 @@ impl Pool {
         let (key, slot) = (self.segments[seg.0].key, self.segments[seg.0].slot);
         let (kind, res) = (key.kind, key.residency);
         self.index_remove(slot, &Entry { size: b.size, addr: b.addr, id: id.0 });
-        let b = &self.blocks[id.0];
-        if b.is_split() {
-            self.stats.inactive_split_bytes.decrease(kind, res, b.size);
-            self.stats.inactive_split.decrease(kind, res, 1);
+        if self.blocks[id.0].is_split() {
+            self.count_split(key, self.blocks[id.0].size, false);
         }
+        let b = &self.blocks[id.0];
         if sizing.should_split(kind, b.size, rounded) {
             let rest = Block {
                 segment: seg,
@@ -193,8 +243,7 @@ impl Pool {
             b.next = Some(BlockId(rest_id));
             b.size = rounded;
             self.index_insert(slot, Entry { size: rest_size, addr: rest_addr, id: rest_id });
-            self.stats.inactive_split_bytes.increase(kind, res, rest_size);
-            self.stats.inactive_split.increase(kind, res, 1);
+            self.count_split(key, rest_size, true);
         }
         let b = &mut self.blocks[id.0];
         b.state = BlockState::Allocated;
@@ -259,9 +308,7 @@ impl Pool {
         self.index_insert(slot, Entry { size: m.size, addr: m.addr, id: merged.0 });
         let m = &self.blocks[merged.0];
         if m.is_split() {
-            let size = m.size;
-            self.stats.inactive_split_bytes.increase(kind, res, size);
-            self.stats.inactive_split.increase(kind, res, 1);
+            self.count_split(key, m.size, true);
         }
         merged
     }
@@ -274,8 +321,7 @@ impl Pool {
             let size = b.size;
             if self.index_remove(slot, &Entry { size, addr: b.addr, id: id.0 }) {
                 // A free neighbour of another block is always part of a split segment.
-                self.stats.inactive_split_bytes.decrease(key.kind, key.residency, size);
-                self.stats.inactive_split.decrease(key.kind, key.residency, 1);
+                self.count_split(key, size, false);
             }
         }
         let r = self.blocks.remove(right.0);
@@ -306,8 +352,7 @@ impl Pool {
         self.index_remove(seg.slot, &entry);
         self.blocks.remove(entry.id);
         let seg = self.segments.remove(id.0);
-        self.stats.reserved_bytes.decrease(seg.key.kind, seg.key.residency, seg.size);
-        self.stats.segment.decrease(seg.key.kind, seg.key.residency, 1);
+        self.count_segment(seg.key, seg.size, false);
         (seg.base, seg.size)
     }
 
