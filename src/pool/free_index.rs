@@ -52,6 +52,7 @@ fn bin_of(size: u64) -> (usize, usize) {
 }
 
 /// The free blocks of one pool key. See the module docs.
+#[derive(Clone)]
 pub struct FreeIndex {
     /// Bit `fl` set ⇔ `sl_map[fl] != 0`.
     fl_map: u64,
@@ -98,7 +99,24 @@ impl FreeIndex {
                 return Some(e);
             }
         }
-        // The first non-empty bin above: later in this octave, else the first of a later octave.
+        self.first_above(fl, sl)
+    }
+
+    /// The entry right after `e` in (size, address) order, if any (`e` need not be indexed).
+    #[inline]
+    pub fn next_after(&self, e: &Entry) -> Option<Entry> {
+        let (fl, sl) = bin_of(e.size);
+        let bin = &self.bins[fl * SL + sl];
+        if let Some(&n) = bin.get(bin.partition_point(|x| x <= e)) {
+            return Some(n);
+        }
+        self.first_above(fl, sl)
+    }
+
+    /// The first entry of the first non-empty bin above bin (fl, sl): later in this octave,
+    /// else the first bin of a later octave.
+    #[inline]
+    fn first_above(&self, fl: usize, sl: usize) -> Option<Entry> {
         let above = self.sl_map[fl] & (u32::MAX << sl << 1);
         let (fl, sl) = if above != 0 {
             (fl, above.trailing_zeros() as usize)

@@ -27,6 +27,7 @@ use free_index::{Entry, FreeIndex};
 use slab::Slab;
 
 /// The free blocks of one pool key.
+#[derive(Clone)]
 struct Keyed {
     key: PoolKey,
     index: FreeIndex,
@@ -35,7 +36,7 @@ struct Keyed {
 }
 
 /// Segments and blocks of every pool of one device. See the module docs.
-#[derive(Default)]
+#[derive(Clone, Default)]
 pub struct Pool {
     blocks: Slab<Block>,
     segments: Slab<Segment>,
@@ -257,6 +258,47 @@ impl Pool {
         st.active.increase(kind, res, 1);
         st.requested_bytes.increase(kind, res, requested);
         id
+    }
+
+    /// Whether handing the allocated block `id` out again, unchanged, for a request rounded to
+    /// `rounded` leaves the pool exactly as [`Pool::free`] of it followed by
+    /// [`Pool::find_free`] and [`Pool::allocate`] would: the block, merged with a free right
+    /// neighbour, is the best fit (no free left neighbour would move its start, no other free
+    /// block of its key fits better) and the allocation would give back the same block. Two
+    /// O(1) lookups in the free index.
+    ///
+    /// ```text
+    ///  [busy][ id (allocated) ][free R]    freed: [busy][ id + R ]  best fit, starts at id,
+    ///                                      split back into [id][R]  ⇒  reuse id as it is
+    /// ```
+    pub fn reuse_is_best_fit(&self, id: BlockId, rounded: u64, sizing: &Sizing) -> bool {
+        let b = &self.blocks[id.0];
+        if b.state != BlockState::Allocated || b.size < rounded {
+            return false;
+        }
+        let free = |n: Option<BlockId>| n.filter(|n| self.blocks[n.0].state == BlockState::Free);
+        if free(b.prev).is_some() {
+            return false;
+        }
+        let seg = &self.segments[b.segment.0];
+        let right = free(b.next);
+        let merged = b.size + right.map_or(0, |r| self.blocks[r.0].size);
+        let same_split = match right {
+            // Freed, the block alone would be split again only where it was not before.
+            None => !sizing.should_split(seg.key.kind, b.size, rounded),
+            // Freed, it merges with R: the allocation must split exactly R off again.
+            Some(_) => b.size == rounded && sizing.should_split(seg.key.kind, merged, rounded),
+        };
+        if !same_split || !sizing.may_serve(merged, rounded) {
+            return false;
+        }
+        // The best fit among the other free blocks (R merges into the block when it is freed).
+        let index = &self.free[seg.slot].index;
+        let best = match index.best_fit(rounded) {
+            Some(e) if right.is_some_and(|r| r.0 == e.id) => index.next_after(&e),
+            e => e,
+        };
+        best.is_none_or(|e| (e.size, e.addr) > (merged, b.addr))
     }
 
     /// Marks an allocated block as freed by its user but waiting on events: it stops counting as

@@ -99,6 +99,23 @@ fn shared_bin_skips_smaller_blocks() {
 }
 
 #[test]
+fn next_after_walks_size_then_address() {
+    let mut ix = FreeIndex::default();
+    ix.insert(e(4 * MIB, 0x40_0000, 0));
+    ix.insert(e(16 * MIB, 0x80_0000, 1));
+    ix.insert(e(16 * MIB, 0x200_0000, 2));
+    ix.insert(e(20 * MIB, 0x0, 3));
+    let next = |size, addr, id| ix.next_after(&e(size, addr, id)).map(|e| (e.size, e.addr - BASE));
+    assert_eq!(next(4 * MIB, 0x40_0000, 0), Some((16 * MIB, 0x80_0000)));
+    assert_eq!(next(16 * MIB, 0x80_0000, 1), Some((16 * MIB, 0x200_0000)), "same bin");
+    assert_eq!(next(16 * MIB, 0x200_0000, 2), Some((20 * MIB, 0x0)), "next octave");
+    assert_eq!(next(20 * MIB, 0x0, 3), None);
+    // An entry that is not indexed: the first one after where it would be.
+    assert_eq!(next(8 * MIB, 0x0, 9), Some((16 * MIB, 0x80_0000)));
+    assert_eq!(next(512, 0x0, 9), Some((4 * MIB, 0x40_0000)));
+}
+
+#[test]
 fn bitmaps_follow_the_bins() {
     let mut ix = FreeIndex::default();
     assert_eq!((ix.fl_map, ix.largest()), (0, None));
@@ -174,6 +191,12 @@ fn agrees_with_a_sorted_set() {
         let q = size_of(next()).saturating_sub(512 * (next() % 3));
         let want = reference.range(Entry { size: q, addr: 0, id: 0 }..).next().copied();
         assert_eq!(ix.best_fit(q), want, "query {q} at step {step}");
+        if let Some(&probe) = reference.iter().nth((next() % (reference.len() as u64 + 1)) as usize)
+        {
+            let want =
+                reference.range((std::ops::Bound::Excluded(probe), std::ops::Bound::Unbounded));
+            assert_eq!(ix.next_after(&probe), want.into_iter().next().copied());
+        }
         if step % 1000 == 0 {
             ix.check().unwrap();
             assert!(ix.iter().eq(reference.iter()));
