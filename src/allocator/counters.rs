@@ -545,7 +545,7 @@ mod tests {
             let s = assemble(&b.words, &[]);
             POOL_ONLY.iter().all(|&g| group(&s, g) == group(pool.stats(), g))
         };
-        let mut publish = |b: &mut BaseStats, pool: &mut Pool| {
+        let publish = |b: &mut BaseStats, pool: &mut Pool| {
             let changed = pool.take_changed();
             b.mirror_changed(pool.stats(), [0; COUNTERS], changed);
         };
