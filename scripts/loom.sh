@@ -26,6 +26,7 @@ variants=(
   "config:config_swap_during_allocation"
   "scope_batch:batch_return_against_fast_free"
   "adopt:escape_free_against_scope_exit"
+  "large_drain:large_free_against_flush_of_the_large_block"
 )
 status=0
 for v in "${variants[@]}"; do

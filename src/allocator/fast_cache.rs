@@ -364,6 +364,31 @@ impl StreamCache {
         if inner.large == 0 {
             return None;
         }
+        #[cfg(tidepool_broken = "large_drain")]
+        {
+            // BROKEN: marks the cache free of large blocks first and lets go of the lock before
+            // taking its block out: a large block pushed meanwhile is swept out with it, and only
+            // the first one found is returned to be freed (the other is lost).
+            self.set_large(inner, 0);
+            drop(g);
+            let mut g = self.lock_inner();
+            let inner = &mut *g;
+            let mut taken = Vec::new();
+            inner.classes.retain(|_, list| {
+                if list.first().is_some_and(|b| !is_small(b.quadrant)) {
+                    taken.append(list);
+                }
+                !list.is_empty()
+            });
+            for b in &taken {
+                inner.blocks -= 1;
+                inner.bytes -= b.size;
+                inner.words[CACHED_BYTES] -= b.size;
+                inner.words[CACHED_BLOCKS] -= 1;
+            }
+            self.publish(&inner.words, &[]);
+            return taken.first().copied();
+        }
         let mut found = None;
         inner.classes.retain(|_, list| {
             if list.first().is_some_and(|b| !is_small(b.quadrant)) {
