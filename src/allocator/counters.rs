@@ -267,25 +267,31 @@ impl BaseStats {
     /// (from [`Pool::take_changed`]) names: the quadrants whose reserved bytes and segments, or
     /// inactive splits, changed.
     pub fn mirror_changed(&mut self, pool: &BlockStats, counters: [u64; COUNTERS], changed: u8) {
-        let mut cells_changed = [0u8; 2]; // segments, splits: a bit per cell
-        for q in 0..QUADRANTS {
-            for (pair, bits) in cells_changed.iter_mut().enumerate() {
-                if changed & (1 << (pair * 4 + q)) != 0 {
-                    for c in cells_of(q) {
-                        *bits |= 1 << c;
-                    }
+        if changed != 0 {
+            // A bit per cell, for the segment groups and for the split groups.
+            let (mut segments, mut splits) = (0u8, 0u8);
+            for q in 0..QUADRANTS {
+                let cells = cells_of(q).iter().fold(0u8, |m, &c| m | 1 << c);
+                if changed & (1 << q) != 0 {
+                    segments |= cells;
+                }
+                if changed & (0x10 << q) != 0 {
+                    splits |= cells;
                 }
             }
-        }
-        for (i, &g) in POOL_ONLY.iter().enumerate() {
             // POOL_ONLY: reserved bytes, inactive split bytes, segments, inactive splits.
-            let bits = cells_changed[i % 2];
-            if bits == 0 {
-                continue;
-            }
-            let group = group(pool, g);
-            for (c, s) in cells(group).into_iter().enumerate() {
-                if bits & (1 << c) != 0 {
+            let groups = [
+                (&pool.reserved_bytes, segments),
+                (&pool.inactive_split_bytes, splits),
+                (&pool.segment, segments),
+                (&pool.inactive_split, splits),
+            ];
+            for (i, (group, bits)) in groups.into_iter().enumerate() {
+                let mut bits = bits;
+                while bits != 0 {
+                    let c = bits.trailing_zeros() as usize;
+                    bits &= bits - 1;
+                    let s = cell(group, c);
                     self.set(b_pool(i, c, 0), s.current);
                     self.set(b_pool(i, c, 1), s.peak);
                     self.set(b_pool(i, c, 2), s.allocated);
@@ -372,6 +378,17 @@ fn group_mut(s: &mut BlockStats, g: usize) -> &mut StatGroup {
         6 => &mut s.segment,
         7 => &mut s.active,
         _ => &mut s.inactive_split,
+    }
+}
+
+/// Cell `c` of a group (see [`cells`]).
+fn cell(g: &StatGroup, c: usize) -> &Stat {
+    match c {
+        0 => &g.all,
+        1 => &g.small_pool,
+        2 => &g.large_pool,
+        3 => &g.persistent,
+        _ => &g.transient,
     }
 }
 
