@@ -152,10 +152,10 @@ fn check_catches_corruption() {
     assert!(ix.check().unwrap_err().contains("bit disagrees"));
     ix.sl_map[6] = 1;
     ix.check().unwrap();
-    ix.bins[6 * SL].push(e(1024, 0x10, 1));
+    ix.bin_mut(6, 0).push(e(1024, 0x10, 1));
     assert!(ix.check().unwrap_err().contains("counts"));
-    ix.bins[6 * SL].clear();
-    ix.bins[6 * SL].push(e(2048, 0, 0));
+    ix.bin_mut(6, 0).clear();
+    ix.bin_mut(6, 0).push(e(2048, 0, 0));
     assert!(ix.check().unwrap_err().contains("in bin"));
 }
 
