@@ -29,7 +29,7 @@ fn churn(c: &mut Criterion) {
         b.iter(|| {
             if live.len() >= 64 {
                 let i = (rng.next() % live.len() as u64) as usize;
-                live.swap_remove(i);
+                drop(live.swap_remove(i));
             }
             live.push(alloc.alloc(rng.size(), StreamId::DEFAULT).unwrap());
         })

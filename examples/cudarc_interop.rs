@@ -1,21 +1,22 @@
-//! tidepool as a cudarc user's allocator: allocate through tidepool, fill with an NVRTC kernel,
-//! multiply with cuBLAS sgemm, copy back and check every element against the host.
+//! tidepool as a cudarc user's allocator: the application's own cudarc stream is adopted,
+//! buffers are allocated through tidepool on it, filled with an NVRTC kernel, multiplied with
+//! cuBLAS sgemm, copied back and checked element by element against the host.
 //!
 //! ```text
+//!   ctx.new_stream() ─▶ CudaDevice::adopt_stream ─▶ StreamId
 //!   CudaDevice ─▶ Allocator ─▶ CudaBuffer<f32> a, b, c ──▶ launch_builder(&fill).arg(&mut a)
 //!                                                      └─▶ CudaBlas::gemm(cfg, &a, &b, &mut c)
 //!                                                      └─▶ stream.clone_dtoh(&c) → check
 //! ```
 //!
-//! Run: `cargo run --example cudarc_interop --features cuda`. Where no GPU (or no NVRTC/cuBLAS
+//! Run: `cargo run --example cudarc_interop --features cuda-12080`. Where no GPU (or no NVRTC/cuBLAS
 //! library) can be used it prints why it cannot run and exits 0; a wrong product exits 1.
 
 use std::process::ExitCode;
 use tidepool::cudarc::cublas::{CudaBlas, Gemm, GemmConfig, sys::cublasOperation_t};
 use tidepool::cudarc::driver::{LaunchConfig, PushKernelArg};
 use tidepool::cudarc::nvrtc::compile_ptx;
-use tidepool::device::Device;
-use tidepool::{Allocator, Config, CudaBuffer, CudaDevice};
+use tidepool::{Allocator, Config, CudaBuffer, CudaDevice, Device};
 
 /// `x[i] = ((i * mul) % modulo) * scale`: small exact values, so the product is exact in f32.
 const FILL_CU: &str = r#"
@@ -66,8 +67,9 @@ fn main() -> Result<ExitCode, Box<dyn std::error::Error>> {
     let device = CudaDevice::new(0)?;
     println!("cudarc_interop on {}", device.name());
     let alloc = Allocator::new(device.clone(), Config::default())?;
-    let sid = device.create_stream()?;
-    let stream = device.stream(sid)?;
+    // The application's own stream, as any cudarc program makes it, adopted by tidepool.
+    let stream = device.context().new_stream()?;
+    let sid = device.adopt_stream(&stream)?;
 
     // Was: stream.alloc_zeros::<f32>(n) / unsafe { stream.alloc::<f32>(n) }.
     // SAFETY: a and b are written by `fill_pattern` before anything reads them (and any bit
@@ -128,8 +130,10 @@ fn main() -> Result<ExitCode, Box<dyn std::error::Error>> {
         before
     );
     alloc.synchronize()?;
+    // Let go of the adopted stream before the application drops it.
+    alloc.release_stream(sid)?;
     alloc.empty_cache()?;
-    device.destroy_stream(sid)?;
+    drop(stream);
     if worst > 1e-5 || !hits {
         eprintln!("cudarc_interop: FAILED");
         return Ok(ExitCode::FAILURE);

@@ -12,14 +12,19 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 flags=(${CARGO_FLAGS:-})
 
-echo "== ci-cuda: clippy --all-targets --features cuda"
-cargo clippy "${flags[@]}" --all-targets --features cuda -- -D warnings
-echo "== ci-cuda: build --examples --features cuda"
-cargo build "${flags[@]}" --examples --features cuda
+# cudarc needs a CUDA version feature; the application picks it (here 12.8).
+core=(-p tidepool --features cuda-12080)
+echo "== ci-cuda: clippy --all-targets, core crate with cuda-12080"
+cargo clippy "${flags[@]}" "${core[@]}" --all-targets -- -D warnings
+echo "== ci-cuda: clippy, eager crate and CLI with their cuda features"
+cargo clippy "${flags[@]}" -p tidepool-eager --features cuda-12080 --all-targets -- -D warnings
+cargo clippy "${flags[@]}" -p tidepool-cli --features cuda --all-targets -- -D warnings
+echo "== ci-cuda: build --examples"
+cargo build "${flags[@]}" "${core[@]}" --examples
 echo "== ci-cuda: tests of the cuda feature"
-cargo test "${flags[@]}" --features cuda --lib device::cuda
-cargo test "${flags[@]}" --features cuda --test cuda_device -- --nocapture
+cargo test "${flags[@]}" "${core[@]}" --lib device::cuda
+cargo test "${flags[@]}" "${core[@]}" --test cuda_device -- --nocapture
 echo "== ci-cuda: examples exit 0 where they cannot run"
-cargo run "${flags[@]}" -q --features cuda --example cudarc_interop
-RESULTS_DIR="${RESULTS_DIR:-target/ci-cuda}" cargo run "${flags[@]}" -q --features cuda --example gpu_bench
+cargo run "${flags[@]}" -q "${core[@]}" --example cudarc_interop
+RESULTS_DIR="${RESULTS_DIR:-target/ci-cuda}" cargo run "${flags[@]}" -q "${core[@]}" --example gpu_bench
 echo "== ci-cuda: ok"

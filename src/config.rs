@@ -1,7 +1,7 @@
 //! Allocator configuration: a [`Config`] struct, and the `TIDEPOOL_ALLOC_CONF` string in the style
 //! of `PYTORCH_CUDA_ALLOC_CONF` (`key:value,key:value`).
 //!
-//! Every key is listed in [`KEYS`]; an unknown key or a bad value is an error naming it (and, for
+//! Every key is listed in [`KEYS`] (`tidepool::CONFIG_KEYS`); an unknown key or a bad value is an error naming it (and, for
 //! an unknown key, listing the valid ones). Parsing never panics.
 
 use crate::pool::{MIB, Sizing};
@@ -21,17 +21,27 @@ pub enum CrossStream {
     WaitEvent,
 }
 
-/// Everything the allocator can be told.
+/// Everything the allocator can be told: from a `TIDEPOOL_ALLOC_CONF` string ([`Config::parse`],
+/// [`Config::from_env`]) or built with the `with_*` setters over [`Config::default`]. Fields are
+/// public to read; new ones may be added (`#[non_exhaustive]`).
 ///
 /// ```
-/// use tidepool::Config;
+/// use tidepool::{Config, CrossStream};
 /// let c = Config::parse("max_split_size_mb:256,roundup_power2_divisions:4").unwrap();
 /// assert_eq!(c.sizing.max_split_size, 256 << 20);
 /// assert_eq!(c.sizing.roundup_power2_divisions, 4);
 /// let err = Config::parse("max_split_size:256").unwrap_err();
 /// assert!(err.to_string().contains("unknown key `max_split_size`"));
+///
+/// let built = Config::default()
+///     .with_max_split_size_mb(256)
+///     .with_roundup_power2_divisions(4)
+///     .with_cross_stream(CrossStream::WaitEvent);
+/// assert_eq!(built.sizing, c.sizing);
+/// assert!(built.validate().is_ok());
 /// ```
 #[derive(Clone, Debug, PartialEq)]
+#[non_exhaustive]
 pub struct Config {
     /// Rounding, pool and split rules.
     pub sizing: Sizing,
@@ -104,8 +114,9 @@ pub const KEYS: &[(&str, &str)] = &[
 
 /// A configuration string that could not be applied.
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum ConfigError {
-    /// A key that is not in [`KEYS`].
+    /// A key that is not in [`KEYS`](crate::CONFIG_KEYS).
     UnknownKey(String),
     /// A known key with a value it does not accept.
     BadValue {
@@ -281,6 +292,67 @@ impl Config {
             return fail("fast_cache_entries must be at least 1".into());
         }
         Ok(())
+    }
+
+    /// With these size rules (see [`Sizing`]). [`Config::validate`] (or [`crate::Allocator::new`])
+    /// checks that they fit together.
+    pub fn with_sizing(mut self, sizing: Sizing) -> Config {
+        self.sizing = sizing;
+        self
+    }
+
+    /// Blocks of at least `mib` MiB are never split (`max_split_size_mb`).
+    pub fn with_max_split_size_mb(mut self, mib: u64) -> Config {
+        self.sizing.max_split_size = mib.saturating_mul(MIB);
+        self
+    }
+
+    /// Rounds sizes to `divisions` steps between powers of two (`roundup_power2_divisions`).
+    pub fn with_roundup_power2_divisions(mut self, divisions: u64) -> Config {
+        self.sizing.roundup_power2_divisions = divisions;
+        self
+    }
+
+    /// Never reserve more than `bytes` in all (`memory_limit_mb`, in bytes here).
+    pub fn with_memory_limit(mut self, bytes: u64) -> Config {
+        self.memory_limit = Some(bytes);
+        self
+    }
+
+    /// Never reserve more than this share of the device (`per_process_memory_fraction`).
+    pub fn with_memory_fraction(mut self, fraction: f64) -> Config {
+        self.memory_fraction = Some(fraction);
+        self
+    }
+
+    /// The cross-stream reuse policy (`cross_stream`).
+    pub fn with_cross_stream(mut self, policy: CrossStream) -> Config {
+        self.cross_stream = policy;
+        self
+    }
+
+    /// Per-stream caches on or off (`fast_cache`).
+    pub fn with_fast_cache(mut self, on: bool) -> Config {
+        self.fast_cache = on;
+        self
+    }
+
+    /// Blocks a stream may cache per size class (`fast_cache_entries`).
+    pub fn with_fast_cache_entries(mut self, entries: usize) -> Config {
+        self.fast_cache_entries = entries;
+        self
+    }
+
+    /// Bytes a stream may cache in all (`fast_cache_bytes_mb`, in bytes here).
+    pub fn with_fast_cache_bytes(mut self, bytes: u64) -> Config {
+        self.fast_cache_bytes = bytes;
+        self
+    }
+
+    /// Everything under one mutex, PyTorch's design (`global_lock`).
+    pub fn with_global_lock(mut self, on: bool) -> Config {
+        self.global_lock = on;
+        self
     }
 
     /// Whether allocations and frees may use the per-stream caches.

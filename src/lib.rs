@@ -3,9 +3,8 @@
 //! It splits and coalesces blocks, frees them in stream order, keeps persistent memory (weights)
 //! and transient memory (activations) in separate pools, and runs on a simulated device
 //! ([`SimDevice`], with a stream-order sanitizer) where there is no GPU, or on a real one
-//! ([`CudaDevice`], feature `cuda`). The architecture, layer by layer, is in
-//! [`docs/ARCHITECTURE.md`](https://github.com/tidepool-alloc/tidepool/blob/main/docs/ARCHITECTURE.md)
-//! of the repository:
+//! (`CudaDevice`, feature `cuda`). The architecture, layer by layer, is in
+//! `docs/ARCHITECTURE.md` of this repository:
 //!
 //! ```text
 //!  interop (CudaBuffer)  ─▶ allocator (Allocator, Buffer, Scope) ─▶ pool (blocks, best fit)
@@ -24,7 +23,7 @@
 //! println!("{}", alloc.memory_summary());
 //! ```
 //!
-//! Features: `cuda` ([`CudaDevice`] and [`CudaBuffer`] over cudarc's driver API, loaded at run
+//! Features: `cuda` (`CudaDevice` and `CudaBuffer` over cudarc's driver API, loaded at run
 //! time), `cuda-XXXXX` (the CUDA version cudarc binds, the application's choice), `test-hooks`
 //! (test-only internals; never in an application).
 
@@ -33,20 +32,25 @@ mod config;
 pub mod device;
 mod interop;
 pub mod packing;
+mod pickle;
 mod pool;
+mod registry;
 mod stats;
 pub(crate) mod sync;
 mod types;
 
 pub use allocator::{
-    AllocError, Allocator, BlockInfo, Buffer, OomReport, Scope, ScopedBuffer, SegmentInfo,
+    Action, AllocError, Allocator, BlockInfo, Buffer, HistoryOptions, OomReport, Scope,
+    ScopedBuffer, SegmentInfo, TraceEntry,
 };
-pub use config::{Config, ConfigError, CrossStream, ENV_VAR};
+pub use config::{Config, ConfigError, CrossStream, ENV_VAR, KEYS as CONFIG_KEYS};
 pub use device::{Device, DeviceError, SimConfig, SimDevice};
+pub use pool::Sizing;
+pub use registry::Allocators;
 pub use stats::MemoryStats;
 pub use types::{
-    BlockState, BlockStats, DeviceAddr, GIB, KIB, MAX_REQUEST, MIB, PoolKind, Residency, Stat,
-    StatGroup, StreamId,
+    BlockState, BlockStats, Bytes, DeviceAddr, GIB, KIB, MAX_REQUEST, MIB, PoolKind, Residency,
+    Stat, StatGroup, StreamId,
 };
 
 /// The cudarc this crate is built against (feature `cuda`), so users name the same version.
@@ -64,5 +68,5 @@ pub use interop::CudaBuffer;
 pub mod hooks {
     pub use crate::allocator::internals::*;
     pub use crate::config::KEYS;
-    pub use crate::pool::{BlockId, Pool, PoolKey, SegmentId, Sizing};
+    pub use crate::pool::{BlockId, Pool, PoolKey, SegmentId};
 }

@@ -4,11 +4,11 @@
 //! per [`StatGroup`]: the whole allocator, the small and the large pool, and persistent and
 //! transient residency. One change updates three cells: `all`, its pool and its residency.
 
-pub use crate::types::{BlockStats, PoolKind, Residency, Stat, StatGroup};
-use std::fmt;
+pub use crate::types::{BlockStats, Bytes, PoolKind, Residency, Stat, StatGroup};
 
 /// Everything [`crate::Allocator::stats`] reports.
 #[derive(Clone, Debug, Default, PartialEq)]
+#[non_exhaustive]
 pub struct MemoryStats {
     /// Block-level figures (allocated, reserved, active, inactive split, requested, counts).
     pub blocks: BlockStats,
@@ -44,6 +44,26 @@ pub struct MemoryStats {
 }
 
 impl MemoryStats {
+    /// Adds another allocator's statistics (several devices' totals, say): block figures as in
+    /// [`crate::Stat::accumulate`] (peaks are the sum of the peaks), counters summed, per-stream
+    /// cached bytes listed one after the other.
+    pub fn accumulate(&mut self, other: &MemoryStats) {
+        self.blocks.accumulate(&other.blocks);
+        self.num_alloc_retries += other.num_alloc_retries;
+        self.num_ooms += other.num_ooms;
+        self.num_device_alloc += other.num_device_alloc;
+        self.num_device_free += other.num_device_free;
+        self.num_host_syncs += other.num_host_syncs;
+        self.best_fit_searches += other.best_fit_searches;
+        self.plan_hits += other.plan_hits;
+        self.plan_misses += other.plan_misses;
+        self.plan_fallbacks += other.plan_fallbacks;
+        self.plan_region_bytes += other.plan_region_bytes;
+        self.scope_escapes += other.scope_escapes;
+        self.cached_free_bytes_per_stream.extend_from_slice(&other.cached_free_bytes_per_stream);
+        self.cached_fast_bytes += other.cached_fast_bytes;
+    }
+
     /// 1 − peak requested / peak reserved: the share of the reserved peak that no request needed.
     /// Zero before anything was reserved.
     pub fn fragmentation(&self) -> f64 {
@@ -52,25 +72,6 @@ impl MemoryStats {
             return 0.0;
         }
         1.0 - self.blocks.requested_bytes.all.peak as f64 / reserved as f64
-    }
-}
-
-/// Formats a byte count the way `memory_summary` does: `512 B`, `1.50 KiB`, `20.00 MiB`, ...
-pub struct Bytes(pub u64);
-
-impl fmt::Display for Bytes {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        const UNITS: [&str; 5] = ["KiB", "MiB", "GiB", "TiB", "PiB"];
-        if self.0 < 1024 {
-            return f.pad(&format!("{} B", self.0));
-        }
-        let mut v = self.0 as f64 / 1024.0;
-        let mut unit = 0;
-        while v >= 1024.0 && unit + 1 < UNITS.len() {
-            v /= 1024.0;
-            unit += 1;
-        }
-        f.pad(&format!("{v:.2} {}", UNITS[unit]))
     }
 }
 

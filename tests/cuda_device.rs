@@ -15,7 +15,7 @@
 use std::sync::{Arc, Mutex, MutexGuard};
 use tidepool::cudarc::driver::{CudaFunction, CudaStream, LaunchConfig, PushKernelArg, result};
 use tidepool::cudarc::nvrtc::Ptx;
-use tidepool::device::{Device, DeviceError, Kernel, NO_DRIVER};
+use tidepool::device::{Device, DeviceError, NO_DRIVER};
 use tidepool::{AllocError, Allocator, Config, CrossStream, CudaBuffer, CudaDevice, StreamId};
 
 /// PTX of `KERNELS_CU`, produced by NVRTC 12.4 (`--gpu-architecture=compute_70`), comments
@@ -238,13 +238,13 @@ fn new_errs_cleanly_without_a_driver() {
         println!("a CUDA driver is present: checking only the missing-ordinal error");
     } else {
         let err = CudaDevice::new(0).expect_err("no driver, so no device");
-        assert_eq!(err, DeviceError::Driver(NO_DRIVER.into()));
+        assert_eq!(err, DeviceError::Unavailable(NO_DRIVER.into()));
         assert!(err.to_string().contains("no CUDA driver (libcuda not found)"), "{err}");
         assert_eq!(CudaDevice::unavailable_reason().as_deref(), Some(NO_DRIVER));
         assert!(CudaDevice::device_count().is_err());
     }
     // A device that cannot exist is an error on every machine.
-    assert!(matches!(CudaDevice::new(1 << 20), Err(DeviceError::Driver(_))));
+    assert!(matches!(CudaDevice::new(1 << 20), Err(DeviceError::Unavailable(_))));
 }
 
 // ---------------------------------------------------------------- GPU tier
@@ -283,9 +283,15 @@ fn reserve_release_mem_info_round_trip() {
     // The driver's out-of-memory answer is the trait's OutOfMemory.
     let too_big = before.total * 2;
     assert_eq!(dev.reserve(too_big), Err(DeviceError::OutOfMemory { requested: too_big }));
-    // Host closures cannot run on a GPU.
-    let k = Kernel::sleep(std::time::Duration::ZERO);
-    assert!(matches!(dev.launch(StreamId::DEFAULT, k), Err(DeviceError::Unsupported(_))));
+    // A stream the application made with cudarc is adopted once, and let go of on release.
+    let own = dev.context().new_stream().unwrap();
+    let adopted = dev.adopt_stream(&own).unwrap();
+    assert_eq!(dev.adopt_stream(&own), Ok(adopted), "adopting again answers the same id");
+    assert!(dev.is_adopted(adopted));
+    assert_eq!(dev.stream_id(&own), Some(adopted));
+    dev.destroy_stream(adopted).unwrap();
+    assert!(!dev.is_adopted(adopted));
+    assert_eq!(dev.stream(adopted).err(), Some(DeviceError::UnknownStream(adopted)));
     // Streams: the default one exists, created ones map to cudarc streams, destroyed ones go.
     assert_eq!(dev.stream(StreamId::DEFAULT).unwrap().cu_stream(), std::ptr::null_mut());
     let s = dev.create_stream().unwrap();
@@ -381,7 +387,7 @@ fn hold_the_stream(dev: &Arc<CudaDevice>, config: Config, record: bool) -> (bool
 fn record_stream_holds_the_block_until_the_other_stream_is_done() {
     let Some((_gpu, dev)) = gpu() else { return };
     for policy in [CrossStream::Strict, CrossStream::WaitEvent] {
-        let config = Config { cross_stream: policy, ..Config::default() };
+        let config = Config::default().with_cross_stream(policy);
         // Control: without record_stream the block is reused at once on B, and A's late write
         // lands in y. This is the hazard, made visible, so the test below can see it.
         let (same, values) = hold_the_stream(&dev, config.clone(), false);

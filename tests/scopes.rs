@@ -4,7 +4,7 @@ use proptest::prelude::*;
 use std::sync::Arc;
 use std::sync::mpsc;
 use tidepool::MIB;
-use tidepool::device::{Access, AccessKind, Kernel, SimDevice};
+use tidepool::device::{Access, AccessKind, Kernel, Launch, SimDevice};
 use tidepool::{AllocError, Allocator, Buffer, Config, Device, DeviceAddr, Residency, StreamId};
 
 const S0: StreamId = StreamId::DEFAULT;
@@ -84,7 +84,7 @@ fn step(alloc: &Allocator<SimDevice>, sizes: &[u64]) -> (Vec<DeviceAddr>, Buffer
         ptrs.push(b.ptr());
         held.push(b);
         if i % 2 == 1 {
-            held.remove(0); // free the older one: lifetimes overlap pairwise
+            drop(held.remove(0)); // free the older one: lifetimes overlap pairwise
         }
     }
     let grad = scope.alloc_unbound(3 * MIB).unwrap();
@@ -262,7 +262,7 @@ proptest! {
         for (bytes, persistent, victim, free) in ops {
             if free && !live.is_empty() {
                 let i = victim.index(live.len());
-                live.swap_remove(i);
+                drop(live.swap_remove(i));
             } else {
                 let r = if persistent { Residency::Persistent } else { Residency::Transient };
                 live.push((alloc.alloc_in(bytes, S0, r).unwrap(), r));

@@ -6,7 +6,7 @@ use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tidepool::device::{
-    Access, AccessKind, Device, DeviceAddr, DeviceError, EventId, Kernel, KernelFailure,
+    Access, AccessKind, Device, DeviceAddr, DeviceError, EventId, Kernel, KernelFailure, Launch,
     SimCounters, SimDevice, StreamId,
 };
 
@@ -577,16 +577,25 @@ fn fault_injection_still_works() {
     let dev = SimDevice::new(1 << 20);
     dev.fail_nth_malloc(Some(2));
     assert!(dev.reserve(512).is_ok());
-    assert_eq!(dev.reserve(512), Err(DeviceError::Injected("reserve")));
+    assert_eq!(
+        dev.reserve(512),
+        Err(DeviceError::Driver { op: "reserve", code: DeviceError::CUDA_ERROR_OUT_OF_MEMORY })
+    );
     assert!(dev.reserve(512).is_ok());
     dev.fail_mallocs_above(Some(4096));
-    assert_eq!(dev.reserve(4097), Err(DeviceError::Injected("reserve")));
+    assert_eq!(
+        dev.reserve(4097),
+        Err(DeviceError::Driver { op: "reserve", code: DeviceError::CUDA_ERROR_OUT_OF_MEMORY })
+    );
     assert!(dev.reserve(4096).is_ok());
     dev.fail_mallocs_above(None);
     assert_eq!(dev.reserve(1 << 21), Err(DeviceError::OutOfMemory { requested: 1 << 21 }));
     let e = dev.create_event().unwrap();
     dev.fail_event_queries(true);
-    assert_eq!(dev.query_event(e), Err(DeviceError::Injected("query_event")));
+    assert_eq!(
+        dev.query_event(e),
+        Err(DeviceError::Driver { op: "query_event", code: DeviceError::CUDA_ERROR_UNKNOWN })
+    );
     dev.fail_event_queries(false);
     assert_eq!(dev.query_event(e), Ok(true));
     let c = dev.counters();

@@ -7,7 +7,7 @@ use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tidepool::MIB;
-use tidepool::device::{Access, AccessKind, Kernel, SIM_BASE, SimDevice};
+use tidepool::device::{Access, AccessKind, Kernel, Launch, SIM_BASE, SimDevice};
 use tidepool::{AllocError, Allocator, Config, Device, DeviceAddr, Residency, StreamId};
 
 const N: u64 = 4096;

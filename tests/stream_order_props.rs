@@ -9,7 +9,7 @@ use proptest::prelude::*;
 use std::sync::Arc;
 use std::time::Duration;
 use tidepool::MIB;
-use tidepool::device::{Access, AccessKind, Kernel, SimDevice};
+use tidepool::device::{Access, AccessKind, Kernel, Launch, SimDevice};
 use tidepool::{Allocator, Buffer, Config, Device, StreamId};
 
 #[derive(Clone, Debug)]
@@ -57,7 +57,7 @@ fn run(policy: &str, ops: Vec<Op>) -> Result<(), TestCaseError> {
             }
             Op::Free(i) if !live.is_empty() => {
                 let n = live.len();
-                live.swap_remove(i % n);
+                drop(live.swap_remove(i % n));
             }
             Op::RecordStream { buffer, stream } if !live.is_empty() && alive[stream] => {
                 let n = live.len();

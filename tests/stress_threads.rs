@@ -8,7 +8,7 @@
 
 use std::sync::{Arc, Barrier, Mutex};
 use tidepool::MIB;
-use tidepool::device::{Access, AccessKind, Kernel, SimDevice};
+use tidepool::device::{Access, AccessKind, Kernel, Launch, SimDevice};
 use tidepool::{Allocator, Buffer, Config, Device, MemoryStats, StreamId};
 
 const THREADS: usize = 4;
@@ -93,7 +93,7 @@ fn worker(
             alloc.check_invariants().unwrap();
         }
         if live.len() > 64 {
-            live.swap_remove(0);
+            drop(live.swap_remove(0));
         }
     }
 }

@@ -1,9 +1,9 @@
 //! Fuzz target `allocator_ops`: a program of allocator, stream, scope and fault-injection
 //! operations, run on the sanitized SimDevice and checked against a reference model after every
 //! step.
-//! The harness is `tidepool::fuzzing::allocator_ops`, so `cargo test` replays the corpus too.
+//! The harness is `tidepool_fuzzing::allocator_ops`, so `cargo test` replays the corpus too.
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
 
-fuzz_target!(|data: &[u8]| tidepool::fuzzing::allocator_ops(data));
+fuzz_target!(|data: &[u8]| tidepool_fuzzing::allocator_ops(data));

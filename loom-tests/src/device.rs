@@ -13,7 +13,7 @@
 
 use loom::sync::Mutex;
 use std::collections::HashMap;
-use tidepool::device::{DeviceError, EventId, Kernel, MemInfo};
+use tidepool::device::{DeviceError, EventId, MemInfo};
 use tidepool::{Device, DeviceAddr, StreamId};
 
 const STREAMS: usize = 4;
@@ -157,10 +157,6 @@ impl Device for LoomDevice {
             self.complete(StreamId(s as u32));
         }
         Ok(())
-    }
-
-    fn launch(&self, _stream: StreamId, _kernel: Kernel) -> Result<(), DeviceError> {
-        Err(DeviceError::Unsupported("kernels"))
     }
 
     fn note_handout(&self, ptr: DeviceAddr, bytes: u64, stream: StreamId) {

@@ -18,12 +18,13 @@
 
 use loom::sync::{Arc, Mutex};
 use loom::thread;
+use tidepool::Sizing;
 use tidepool::hooks::{
     ArcCell, BASE_WORDS, BYTES, BaseStats, BatchBlock, CACHED_BLOCKS, CACHED_BYTES, COUNT,
     CachedBlock, ClassKey, Limits, Pop, REQ, RequestPlan, SeqBlock, StreamCache, assemble, collect,
     fast_cur, flush_into, quadrant, return_batch,
 };
-use tidepool::hooks::{BlockId, Pool, PoolKey, Sizing};
+use tidepool::hooks::{BlockId, Pool, PoolKey};
 use tidepool::{Allocator, Config, DeviceAddr, StreamId};
 use tidepool::{BlockState, MIB};
 use tidepool::{BlockStats, PoolKind, Residency};

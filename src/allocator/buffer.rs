@@ -29,6 +29,7 @@ pub(super) enum Origin {
 /// announced with [`crate::Allocator::record_stream`] have completed.
 ///
 /// `Buffer` is `Send + Sync`: it may be dropped on any thread.
+#[must_use = "dropping a Buffer frees its memory at once"]
 pub struct Buffer<D: Device> {
     pub(super) ptr: DeviceAddr,
     pub(super) requested: u64,

@@ -33,94 +33,10 @@
 
 use super::fast_cache::{CacheInner, StreamCache};
 use super::seqlock::{Collect, SeqBlock};
+pub use super::stats_layout::*;
 use crate::pool::Pool;
-use crate::stats::{BlockStats, PoolKind, Residency, Stat, StatGroup};
 use crate::sync::{Arc, MutexGuard};
-
-/// Quadrants: pool kind × residency.
-pub const QUADRANTS: usize = 4;
-/// Cells: all, small pool, large pool, persistent, transient.
-pub const CELLS: usize = 5;
-
-/// The quadrant of a block.
-pub fn quadrant(kind: PoolKind, residency: Residency) -> usize {
-    let k = match kind {
-        PoolKind::Small => 0,
-        PoolKind::Large => 1,
-    };
-    let r = match residency {
-        Residency::Persistent => 0,
-        Residency::Transient => 1,
-    };
-    k * 2 + r
-}
-
-/// Is the quadrant one of the small pool?
-pub fn is_small(q: usize) -> bool {
-    q / 2 == 0
-}
-
-/// The cells a quadrant counts in: all, its pool, its residency.
-fn cells_of(q: usize) -> [usize; 3] {
-    [0, 1 + q / 2, 3 + q % 2]
-}
-
-/// Does cell `c` include quadrant `q`?
-fn in_cell(c: usize, q: usize) -> bool {
-    cells_of(q).contains(&c)
-}
-
-/// Stream-cache quantities: block bytes, block count, requested bytes.
-pub const BYTES: usize = 0;
-/// See [`BYTES`].
-pub const COUNT: usize = 1;
-/// See [`BYTES`].
-pub const REQ: usize = 2;
-
-/// The live groups (index into [`BlockStats`] order) with the quantity each follows.
-const LIVE: [(usize, usize); 5] = [(0, BYTES), (2, BYTES), (4, REQ), (5, COUNT), (7, COUNT)];
-/// The groups only the pool changes (reserved bytes, inactive split bytes, segments, splits).
-const POOL_ONLY: [usize; 4] = [1, 3, 6, 8];
-/// The plain counters: retries, OOMs, device allocs, device frees, host syncs.
-pub const COUNTERS: usize = 5;
-
-// Base layout.
-const B_CUR: usize = 0;
-const B_TOT: usize = B_CUR + 5 * QUADRANTS;
-const B_PEAK: usize = B_TOT + 5 * QUADRANTS;
-const B_POOL: usize = B_PEAK + 5 * CELLS;
-const B_COUNTERS: usize = B_POOL + 4 * CELLS * 3;
-/// Words in the base block.
-pub const BASE_WORDS: usize = B_COUNTERS + COUNTERS;
-
-fn b_cur(g: usize, q: usize) -> usize {
-    B_CUR + g * QUADRANTS + q
-}
-fn b_tot(g: usize, q: usize) -> usize {
-    B_TOT + g * QUADRANTS + q
-}
-fn b_peak(g: usize, c: usize) -> usize {
-    B_PEAK + g * CELLS + c
-}
-fn b_pool(g: usize, c: usize, field: usize) -> usize {
-    B_POOL + (g * CELLS + c) * 3 + field
-}
-
-// Stream-cache layout.
-/// Word of a stream cache's current delta of quantity `qty` in quadrant `q`.
-pub fn fast_cur(qty: usize, q: usize) -> usize {
-    qty * QUADRANTS + q
-}
-/// Word of a stream cache's cumulative (allocated) delta of `qty` in quadrant `q`.
-pub fn fast_tot(qty: usize, q: usize) -> usize {
-    3 * QUADRANTS + qty * QUADRANTS + q
-}
-/// Word of a stream cache's cached bytes.
-pub const CACHED_BYTES: usize = 6 * QUADRANTS;
-/// Word of a stream cache's cached block count.
-pub const CACHED_BLOCKS: usize = CACHED_BYTES + 1;
-/// Words in a stream cache's block.
-pub const FAST_WORDS: usize = CACHED_BLOCKS + 1;
+use crate::types::{BlockStats, Stat, StatGroup};
 
 /// The statistics kept under the global lock. See the module docs.
 pub struct BaseStats {
@@ -165,7 +81,7 @@ impl BaseStats {
     }
 
     /// A live block was freed but waits on events: no longer allocated, still active.
-    pub fn to_pending(&mut self, q: usize, bytes: u64) {
+    pub fn move_to_pending(&mut self, q: usize, bytes: u64) {
         self.decrease(q, [bytes, 0, 0, 1, 0]);
     }
 
@@ -530,6 +446,7 @@ pub fn currents(s: &BlockStats) -> [[u64; CELLS]; 9] {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::types::{PoolKind, Residency};
 
     #[test]
     fn layout_is_dense_and_cells_cover_quadrants() {

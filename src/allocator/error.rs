@@ -1,15 +1,19 @@
 //! Errors of the allocator front: bad requests, out-of-memory with a full breakdown, and device
 //! failures passed through.
 
-use crate::device::{DeviceError, StreamId};
-use crate::stats::Bytes;
+use crate::config::ConfigError;
+use crate::device::DeviceError;
+use crate::types::{Bytes, StreamId};
 use std::fmt;
 
 /// Why an allocation failed. The allocator stays usable after any of them.
+///
+/// [`std::error::Error::source`] gives the device's or the configuration's error where there is one.
 #[derive(Clone, Debug, PartialEq)]
+#[non_exhaustive]
 pub enum AllocError {
     /// A request no device could satisfy (its rounding would overflow, or it exceeds
-    /// [`crate::pool::MAX_REQUEST`]).
+    /// [`crate::MAX_REQUEST`]).
     InvalidSize {
         /// The request, in bytes.
         requested: u64,
@@ -19,10 +23,28 @@ pub enum AllocError {
     OutOfMemory(Box<OomReport>),
     /// A device call failed for another reason.
     Device(DeviceError),
+    /// The configuration is inconsistent (from [`crate::Allocator::new`]).
+    Config(ConfigError),
+    /// No device has this ordinal ([`crate::Allocators::for_device`]).
+    UnknownDevice {
+        /// The ordinal asked for.
+        ordinal: usize,
+        /// How many devices there are.
+        count: usize,
+    },
+    /// An adopted stream cannot be released while buffers allocated on it are live or wait on
+    /// events ([`crate::Allocator::release_stream`]).
+    StreamInUse {
+        /// The stream.
+        stream: StreamId,
+        /// Bytes of its blocks still in use.
+        bytes: u64,
+    },
 }
 
 /// Where memory was when an allocation ran out of it.
 #[derive(Clone, Debug, PartialEq, Eq, Default)]
+#[non_exhaustive]
 pub struct OomReport {
     /// Bytes asked for.
     pub requested: u64,
@@ -96,15 +118,41 @@ impl fmt::Display for AllocError {
             AllocError::InvalidSize { requested } => write!(
                 f,
                 "invalid allocation size {requested} bytes: larger than the largest supported request ({} bytes)",
-                crate::pool::MAX_REQUEST
+                crate::types::MAX_REQUEST
             ),
             AllocError::OutOfMemory(report) => report.fmt(f),
             AllocError::Device(e) => write!(f, "device error: {e}"),
+            AllocError::Config(e) => write!(f, "configuration error: {e}"),
+            AllocError::UnknownDevice { ordinal, count } => {
+                write!(f, "no device {ordinal}: there are {count} device(s)")
+            }
+            AllocError::StreamInUse { stream, bytes } => write!(
+                f,
+                "cannot release {stream}: {} of buffers allocated on it are still live or wait on events; free them first",
+                Bytes(*bytes)
+            ),
         }
     }
 }
 
-impl std::error::Error for AllocError {}
+impl std::error::Error for AllocError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            AllocError::Device(e) => Some(e),
+            AllocError::Config(e) => Some(e),
+            AllocError::InvalidSize { .. }
+            | AllocError::OutOfMemory(_)
+            | AllocError::UnknownDevice { .. }
+            | AllocError::StreamInUse { .. } => None,
+        }
+    }
+}
+
+impl From<ConfigError> for AllocError {
+    fn from(e: ConfigError) -> Self {
+        AllocError::Config(e)
+    }
+}
 
 impl From<DeviceError> for AllocError {
     fn from(e: DeviceError) -> Self {

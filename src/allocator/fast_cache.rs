@@ -32,14 +32,15 @@
 //! may only spend headroom it holds, so it can never create a new peak. When it has too little,
 //! the pop returns [`Pop::NeedsLock`] and the caller accounts it under the global lock.
 
-use super::counters::{BYTES, COUNT, FAST_WORDS, QUADRANTS, REQ, fast_cur, fast_tot, is_small};
-use super::counters::{CACHED_BLOCKS, CACHED_BYTES};
 use super::seqlock::SeqBlock;
+use super::stats_layout::{BYTES, COUNT, FAST_WORDS, QUADRANTS, REQ, fast_cur, fast_tot, is_small};
+use super::stats_layout::{CACHED_BLOCKS, CACHED_BYTES};
 use crate::device::{DeviceAddr, StreamId};
 use crate::pool::{BlockId, Pool};
 use crate::stats::Residency;
 use crate::sync::atomic::{AtomicU64, Ordering};
 use crate::sync::{Arc, ArcCell, ArcRef, Mutex, MutexGuard, OnceSlot, SlotRef, lock};
+use crossbeam_utils::CachePadded;
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 
@@ -152,10 +153,12 @@ impl CacheInner {
     }
 }
 
-/// One stream's cache. See the module docs. Aligned so that two streams' caches never share a
-/// cache line (threads on different streams touch disjoint lines).
-#[repr(align(128))]
-pub struct StreamCache {
+/// One stream's cache. See the module docs. Padded (crossbeam's `CachePadded`) so that two
+/// streams' caches never share a cache line (threads on different streams touch disjoint lines).
+pub struct StreamCache(CachePadded<CacheCells>);
+
+/// What a [`StreamCache`] holds.
+pub struct CacheCells {
     stream: StreamId,
     inner: Mutex<CacheInner>,
     fast: SeqBlock<FAST_WORDS>,
@@ -164,10 +167,17 @@ pub struct StreamCache {
     large: AtomicU64,
 }
 
+impl std::ops::Deref for StreamCache {
+    type Target = CacheCells;
+    fn deref(&self) -> &CacheCells {
+        &self.0
+    }
+}
+
 impl StreamCache {
     /// An empty cache for `stream`.
     pub fn new(stream: StreamId, limits: Limits) -> StreamCache {
-        StreamCache {
+        StreamCache(CachePadded::new(CacheCells {
             stream,
             inner: Mutex::new(CacheInner {
                 classes: Classes::default(),
@@ -182,7 +192,7 @@ impl StreamCache {
             fast: SeqBlock::new(),
             slow: SeqBlock::new(),
             large: AtomicU64::new(0),
-        }
+        }))
     }
 
     /// The stream it caches for.

@@ -18,18 +18,25 @@ use super::Shared;
 use super::fast_cache::FAST_STREAMS;
 use crate::device::{Device, StreamId};
 use crate::sync::{Arc, OnceSlot};
+use crossbeam_utils::CachePadded;
 use std::ops::Deref;
 
-/// A stream's handle on the allocator's shared state.
-#[repr(align(128))]
+/// A stream's handle on the allocator's shared state, padded (crossbeam's `CachePadded`) so that
+/// its reference count, which buffers of that stream touch, has a cache line of its own.
 pub(crate) struct Owner<D: Device> {
-    shared: Arc<Shared<D>>,
+    shared: CachePadded<Arc<Shared<D>>>,
 }
 
 impl<D: Device> Deref for Owner<D> {
     type Target = Shared<D>;
     fn deref(&self) -> &Shared<D> {
         &self.shared
+    }
+}
+
+impl<D: Device> Owner<D> {
+    fn new(shared: &Arc<Shared<D>>) -> Arc<Owner<D>> {
+        Arc::new(Owner { shared: CachePadded::new(shared.clone()) })
     }
 }
 
@@ -45,7 +52,7 @@ impl<D: Device> OwnerTable<D> {
         OwnerTable {
             shared: shared.clone(),
             slots: (0..FAST_STREAMS).map(|_| OnceSlot::new()).collect(),
-            other: Arc::new(Owner { shared: shared.clone() }),
+            other: Owner::new(shared),
         }
     }
 
@@ -56,7 +63,7 @@ impl<D: Device> OwnerTable<D> {
         if let Some(o) = slot.get() {
             return o.clone();
         }
-        slot.set(Arc::new(Owner { shared: self.shared.clone() }));
+        slot.set(Owner::new(&self.shared));
         slot.get().expect("just set").clone()
     }
 }

@@ -255,6 +255,7 @@ impl<D: Device> Run<D> {
 /// let s = alloc.stats();
 /// assert_eq!(s.plan_hits, 4); // runs 2 and 3 follow the plan learned in run 1
 /// ```
+#[must_use = "a Scope ends (and recycles its buffers) when dropped"]
 pub struct Scope<'a, D: Device> {
     alloc: &'a Allocator<D>,
     device: &'a D,
@@ -284,6 +285,7 @@ pub struct Scope<'a, D: Device> {
 /// ```
 ///
 /// Memory that another thread frees comes from [`Scope::alloc_unbound`] instead.
+#[must_use = "dropping a ScopedBuffer frees its memory at once"]
 pub struct ScopedBuffer<'s, D: Device> {
     scope: &'s Scope<'s, D>,
     ptr: DeviceAddr,

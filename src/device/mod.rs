@@ -9,7 +9,7 @@
 //! | [`Device::query_event`]    | `cuEventQuery`                  | has the stream passed the marker?    |
 //! | [`Device::wait_event`]     | `cuStreamWaitEvent`             | later work waits for the marker      |
 //! | [`Device::synchronize_event`] / [`Device::synchronize`] | `cuEventSynchronize` / `cuCtxSynchronize` | wait; a host sync |
-//! | [`Device::launch`]         | kernels, memcpy                 | a closure run in stream order        |
+//! | [`Launch::launch`]         | kernels, memcpy                 | a closure run in stream order        |
 //!
 //! Streams and events are small copyable ids; [`StreamId::DEFAULT`] exists from the start.
 //! The `note_*` hooks let a device with a stream-order sanitizer see what the allocator hands
@@ -21,7 +21,9 @@ mod sim;
 
 #[cfg(feature = "cuda")]
 pub use cuda::{CudaDevice, NO_DRIVER};
-pub use sim::{KernelFailure, SIM_ALIGN, SIM_BASE, SimConfig, SimCounters, SimDevice, Violation};
+pub use sim::{
+    AppStream, KernelFailure, SIM_ALIGN, SIM_BASE, SimConfig, SimCounters, SimDevice, Violation,
+};
 
 pub use crate::types::{DeviceAddr, StreamId};
 use std::fmt;
@@ -104,18 +106,30 @@ impl Kernel {
 
 /// A device call that failed.
 #[derive(Clone, PartialEq, Eq, Debug)]
+#[non_exhaustive]
 pub enum DeviceError {
     /// The device has no room for a segment of this many bytes.
     OutOfMemory {
         /// Size of the refused segment.
         requested: u64,
     },
-    /// A fault injected by the test device (or reported by the driver) on this operation.
-    Injected(&'static str),
-    /// The stream does not exist (never created, or destroyed).
+    /// A driver call failed with a CUDA error code (a `CUresult`, e.g. 2 for
+    /// `CUDA_ERROR_OUT_OF_MEMORY`). [`SimDevice`]'s injected faults are reported the same way.
+    Driver {
+        /// The call, e.g. `"cuMemAlloc"`.
+        op: &'static str,
+        /// The `CUresult` it returned.
+        code: u32,
+    },
+    /// There is no usable device: no driver library, no GPU, or an ordinal out of range.
+    Unavailable(String),
+    /// The stream does not exist (never created or adopted, or destroyed or released).
     UnknownStream(StreamId),
     /// The event does not exist.
     UnknownEvent(EventId),
+    /// The application tried to destroy a stream an allocator still has adopted: release it
+    /// first ([`crate::Allocator::release_stream`]).
+    StreamAdopted(StreamId),
     /// The pointer is not the start of a live segment.
     UnknownSegment(DeviceAddr),
     /// The device cannot run this kind of work (host kernels on a real GPU, say).
@@ -127,8 +141,36 @@ pub enum DeviceError {
         /// Length of the access.
         bytes: u64,
     },
-    /// Any other driver error, with its text.
-    Driver(String),
+}
+
+impl DeviceError {
+    /// `CUDA_ERROR_OUT_OF_MEMORY`.
+    pub const CUDA_ERROR_OUT_OF_MEMORY: u32 = 2;
+    /// `CUDA_ERROR_NOT_READY`.
+    pub const CUDA_ERROR_NOT_READY: u32 = 600;
+    /// `CUDA_ERROR_UNKNOWN`.
+    pub const CUDA_ERROR_UNKNOWN: u32 = 999;
+
+    /// The name of a CUDA error code, where it is one of the common ones.
+    pub fn code_name(code: u32) -> Option<&'static str> {
+        Some(match code {
+            1 => "CUDA_ERROR_INVALID_VALUE",
+            2 => "CUDA_ERROR_OUT_OF_MEMORY",
+            3 => "CUDA_ERROR_NOT_INITIALIZED",
+            4 => "CUDA_ERROR_DEINITIALIZED",
+            100 => "CUDA_ERROR_NO_DEVICE",
+            101 => "CUDA_ERROR_INVALID_DEVICE",
+            201 => "CUDA_ERROR_INVALID_CONTEXT",
+            400 => "CUDA_ERROR_INVALID_HANDLE",
+            500 => "CUDA_ERROR_NOT_FOUND",
+            600 => "CUDA_ERROR_NOT_READY",
+            700 => "CUDA_ERROR_ILLEGAL_ADDRESS",
+            719 => "CUDA_ERROR_LAUNCH_FAILED",
+            801 => "CUDA_ERROR_NOT_SUPPORTED",
+            999 => "CUDA_ERROR_UNKNOWN",
+            _ => return None,
+        })
+    }
 }
 
 impl fmt::Display for DeviceError {
@@ -137,15 +179,22 @@ impl fmt::Display for DeviceError {
             DeviceError::OutOfMemory { requested } => {
                 write!(f, "device out of memory reserving a segment of {requested} bytes")
             }
-            DeviceError::Injected(op) => write!(f, "injected device failure in {op}"),
+            DeviceError::Driver { op, code } => match DeviceError::code_name(*code) {
+                Some(name) => write!(f, "{op} failed: {name} ({code})"),
+                None => write!(f, "{op} failed: CUDA error {code}"),
+            },
+            DeviceError::Unavailable(why) => write!(f, "no usable device: {why}"),
             DeviceError::UnknownStream(s) => write!(f, "unknown {s}"),
             DeviceError::UnknownEvent(e) => write!(f, "unknown event {}", e.0),
+            DeviceError::StreamAdopted(s) => write!(
+                f,
+                "{s} is still adopted by an allocator: call Allocator::release_stream before destroying it"
+            ),
             DeviceError::UnknownSegment(p) => write!(f, "{p} is not the start of a live segment"),
             DeviceError::Unsupported(what) => write!(f, "unsupported on this device: {what}"),
             DeviceError::BadAccess { ptr, bytes } => {
                 write!(f, "kernel access of {bytes} bytes at {ptr} is outside its declared memory")
             }
-            DeviceError::Driver(msg) => write!(f, "driver error: {msg}"),
         }
     }
 }
@@ -171,8 +220,16 @@ pub trait Device: Send + Sync + 'static {
     /// Creates a stream.
     fn create_stream(&self) -> Result<StreamId, DeviceError>;
 
-    /// Destroys a stream after draining its work. The default stream cannot be destroyed.
+    /// Destroys a stream after draining its work. The default stream cannot be destroyed. An
+    /// adopted stream (one the application owns) is drained and forgotten, not destroyed: its
+    /// owner destroys it.
     fn destroy_stream(&self, stream: StreamId) -> Result<(), DeviceError>;
+
+    /// Whether `stream` is the application's, adopted (cudarc's `Arc<CudaStream>`, say), rather
+    /// than made by [`Device::create_stream`].
+    fn is_adopted(&self, _stream: StreamId) -> bool {
+        false
+    }
 
     /// Creates an event (timing disabled).
     fn create_event(&self) -> Result<EventId, DeviceError>;
@@ -195,12 +252,17 @@ pub trait Device: Send + Sync + 'static {
     /// Blocks the host until every stream is idle. A host sync.
     fn synchronize(&self) -> Result<(), DeviceError>;
 
-    /// Enqueues `kernel` on `stream`; returns at once.
-    fn launch(&self, stream: StreamId, kernel: Kernel) -> Result<(), DeviceError>;
-
     /// Sanitizer hook: the allocator hands `bytes` at `ptr` to `stream` for new use.
     fn note_handout(&self, _ptr: DeviceAddr, _bytes: u64, _stream: StreamId) {}
 
     /// Sanitizer hook: the allocator took `bytes` at `ptr` back from its user (freed on `stream`).
     fn note_reclaim(&self, _ptr: DeviceAddr, _bytes: u64, _stream: StreamId) {}
+}
+
+/// A device that runs host [`Kernel`]s in stream order: what the simulator and the eager layer's
+/// host back end need beyond [`Device`]. An allocator back end implements only [`Device`]
+/// (`CudaDevice` does; real kernels go through cudarc on its streams).
+pub trait Launch: Device {
+    /// Enqueues `kernel` on `stream`; returns at once.
+    fn launch(&self, stream: StreamId, kernel: Kernel) -> Result<(), DeviceError>;
 }

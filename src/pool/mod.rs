@@ -20,7 +20,7 @@ mod free_index;
 mod sizing;
 
 pub use block::{Block, BlockId, BlockState, PoolKey, Segment, SegmentId};
-pub use sizing::{MAX_REQUEST, MIB, Sizing};
+pub use sizing::{MIB, Sizing};
 
 use crate::types::{BlockStats, StreamId};
 use free_index::{Entry, FreeIndex};

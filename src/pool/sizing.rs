@@ -25,8 +25,10 @@ pub const DEFAULT_MIN_LARGE_ALLOC: u64 = 10 * MIB;
 /// Own segments are rounded up to a multiple of this (`kRoundLarge`).
 pub const DEFAULT_ROUND_LARGE: u64 = 2 * MIB;
 
-/// The numeric size rules. Every field is configurable through [`crate::Config`].
+/// The numeric size rules (PyTorch's constants by default). Every field is configurable through
+/// [`crate::Config`] (its `TIDEPOOL_ALLOC_CONF` keys or [`crate::Config::with_sizing`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct Sizing {
     /// Rounding granularity and smallest block (power of two).
     pub min_block_size: u64,

@@ -87,3 +87,30 @@ pub enum BlockState {
     /// Freed by its user, waiting for events on other streams before it is reusable.
     Pending,
 }
+
+/// A byte count that displays with binary units, to two decimals: `512 B`, `1.50 KiB`,
+/// `3.64 GiB`. The one byte formatter of the workspace (summaries, errors, replay reports).
+///
+/// ```
+/// use tidepool::Bytes;
+/// assert_eq!(Bytes(1536).to_string(), "1.50 KiB");
+/// assert_eq!(format!("{:>9}", Bytes(512)), "    512 B");
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
+pub struct Bytes(pub u64);
+
+impl fmt::Display for Bytes {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        const UNITS: [&str; 6] = ["KiB", "MiB", "GiB", "TiB", "PiB", "EiB"];
+        if self.0 < 1024 {
+            return f.pad(&format!("{} B", self.0));
+        }
+        let mut v = self.0 as f64 / 1024.0;
+        let mut unit = 0;
+        while v >= 1024.0 && unit + 1 < UNITS.len() {
+            v /= 1024.0;
+            unit += 1;
+        }
+        f.pad(&format!("{v:.2} {}", UNITS[unit]))
+    }
+}

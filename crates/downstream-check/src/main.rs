@@ -1,1 +1,95 @@
-fn main() {}
+//! A user's program: depends on `tidepool` with default features only and goes through the
+//! public API a library user reaches for. CI builds and runs it (`.ci/run`); if a re-export is
+//! lost or a signature changes, it stops compiling. It exits non-zero if a figure is wrong.
+
+use std::error::Error;
+use std::sync::Arc;
+use tidepool::device::{AppStream, Launch};
+use tidepool::{
+    AllocError, Allocator, Buffer, Bytes, Config, ConfigError, CrossStream, Device, DeviceAddr,
+    DeviceError, MIB, MemoryStats, OomReport, Residency, Scope, ScopedBuffer, SimConfig, SimDevice,
+    StreamId,
+};
+
+fn check(cond: bool, what: &str) -> Result<(), Box<dyn Error>> {
+    if cond { Ok(()) } else { Err(format!("downstream check failed: {what}").into()) }
+}
+
+fn main() -> Result<(), Box<dyn Error>> {
+    // Configuration: the env-var string and the setters.
+    let parsed = Config::parse("max_split_size_mb:64,cross_stream:wait_event")?;
+    let built =
+        Config::default().with_max_split_size_mb(64).with_cross_stream(CrossStream::WaitEvent);
+    check(parsed == built, "Config::parse and the setters agree")?;
+    let bad: ConfigError = Config::parse("warp_speed:9").unwrap_err();
+    check(bad.to_string().contains("unknown key `warp_speed`"), "unknown keys are named")?;
+
+    // A device and an allocator; Debug on the allocator.
+    let device =
+        Arc::new(SimDevice::with_config(SimConfig { capacity: 256 * MIB, ..SimConfig::default() }));
+    let alloc = Allocator::new(device.clone(), built)?;
+    println!("{alloc:?}");
+
+    // Buffers: transient and persistent, freed on drop.
+    let weights: Buffer<SimDevice> =
+        alloc.alloc_in(8 * MIB, StreamId::DEFAULT, Residency::Persistent)?;
+    let act = alloc.alloc(1000, StreamId::DEFAULT)?;
+    check(act.block_size() == 1024, "1000 B rounds to 1024 B")?;
+    let addr: DeviceAddr = act.ptr();
+    drop(act);
+    let again = alloc.alloc(1000, StreamId::DEFAULT)?;
+    check(again.ptr() == addr, "a same-size re-allocation reuses the block")?;
+
+    // Streams: the allocator's own and an adopted application stream.
+    let s = device.create_stream()?;
+    let app: AppStream = device.create_app_stream()?;
+    let adopted = device.adopt_stream(&app)?;
+    let on_app = alloc.alloc(4 * MIB, adopted)?;
+    device.launch(adopted, tidepool::device::Kernel::sleep(std::time::Duration::from_millis(1)))?;
+    alloc.record_stream(&on_app, s);
+    drop(on_app);
+    alloc.synchronize()?;
+    alloc.release_stream(adopted)?;
+    device.destroy_app_stream(app)?;
+
+    // Scopes.
+    for _ in 0..3 {
+        let scope: Scope<'_, SimDevice> = alloc.named_scope("step", StreamId::DEFAULT);
+        let x: ScopedBuffer<'_, SimDevice> = scope.alloc(64 * 1024)?;
+        drop(x);
+    }
+
+    // Errors: sizes, out of memory (with its report), device errors, source chains.
+    match alloc.alloc(u64::MAX, StreamId::DEFAULT) {
+        Err(AllocError::InvalidSize { requested }) => check(requested == u64::MAX, "size echoed")?,
+        other => return Err(format!("u64::MAX bytes: {other:?}").into()),
+    }
+    match alloc.alloc(1 << 40, StreamId::DEFAULT) {
+        Err(AllocError::OutOfMemory(report)) => {
+            let report: &OomReport = &report;
+            check(report.requested == 1 << 40, "the report names the request")?;
+        }
+        other => return Err(format!("1 TiB: {other:?}").into()),
+    }
+    let device_err: DeviceError = device.destroy_stream(StreamId::DEFAULT).unwrap_err();
+    let wrapped = AllocError::from(device_err);
+    check(wrapped.source().is_some(), "AllocError::Device has a source")?;
+
+    // Statistics with PyTorch's names, and the summary.
+    let stats: MemoryStats = alloc.stats();
+    check(
+        stats.blocks.allocated_bytes.all.current
+            == weights.block_size() + again.block_size() + stats.plan_region_bytes,
+        "allocated bytes: live buffers plus the scope's plan region",
+    )?;
+    println!("{} reserved", Bytes(alloc.reserved_bytes()));
+    println!("{}", alloc.memory_summary());
+    drop((weights, again));
+    alloc.empty_cache()?;
+    alloc.release_persistent()?;
+    drop(alloc); // learned plans keep their regions until the allocator goes
+    check(device.live_segments().is_empty(), "every segment returned")?;
+    check(device.violations().is_empty(), "no stream-order violation")?;
+    println!("downstream check: ok");
+    Ok(())
+}

@@ -2,7 +2,7 @@
 //! learned plan with no device malloc, the two-stream variant is sanitizer-clean and gives the
 //! same numbers, scoped tensors cannot outlive their step, and the recorded trace replays.
 
-use tidepool::device::{Device, Kernel};
+use tidepool::device::{Device, Kernel, Launch};
 use tidepool::{Residency, StreamId};
 use tidepool_eager::models::data::Rng;
 use tidepool_eager::models::train::{OptimizerKind, StepReport, TrainConfig, train_mlp};

@@ -55,8 +55,8 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 use tidepool::BlockState;
 use tidepool::device::{
-    Access, AccessKind, Device, DeviceAddr, DeviceError, Kernel, SimConfig, SimCounters, SimDevice,
-    StreamId,
+    Access, AccessKind, Device, DeviceAddr, DeviceError, Kernel, Launch, SimConfig, SimCounters,
+    SimDevice, StreamId,
 };
 use tidepool::{AllocError, OomReport, Scope, ScopedBuffer, SegmentInfo};
 use tidepool::{Allocator, Buffer, Config};
@@ -1126,7 +1126,9 @@ mod tests {
         // An OOM on a roomy device with no fault armed and no limit is a failure.
         let (alloc, base) = start(&program(0, vec![])).unwrap();
         let h = Harness::new(&alloc, base);
-        let report = OomReport { segment: 2 * MIB, device_free: 256 * MIB, ..OomReport::default() };
+        let mut report = OomReport::default();
+        report.segment = 2 * MIB;
+        report.device_free = 256 * MIB;
         let before = h.reserve_calls();
         let err = h.explain_oom(&report, before).unwrap_err();
         assert!(err.contains("unexplained out-of-memory"), "{err}");

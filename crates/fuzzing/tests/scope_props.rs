@@ -26,6 +26,7 @@ use proptest::prelude::*;
 use std::sync::Arc;
 use tidepool::MIB;
 use tidepool::ScopedBuffer;
+use tidepool::device::Launch;
 use tidepool::{Allocator, Buffer, Config, SimDevice, StreamId};
 
 const S0: StreamId = StreamId::DEFAULT;

@@ -25,8 +25,8 @@
 //!   destroyed when the device is dropped.
 //! - [`Device::release`] synchronises the context before `cuMemFree`, so a segment is never freed
 //!   under unfinished work (the trait promises the synchronisation `cuMemFree` may do anyway).
-//! - [`Device::launch`] of host [`Kernel`] closures is [`DeviceError::Unsupported`]: real kernels
-//!   are launched through cudarc on [`CudaDevice::stream`], with [`CudaBuffer`] arguments.
+//! - It implements [`Device`] only, not [`super::Launch`] (host kernel closures): real kernels are
+//!   launched through cudarc on [`CudaDevice::stream`], with `CudaBuffer` arguments.
 //! - `cuMemAlloc` guarantees 256-byte alignment; the trait promises 512. Segments the allocator
 //!   reserves are ≥ 2 MiB and land on the driver's 2 MiB pages, and a pointer that is not 512-byte
 //!   aligned is freed again and reported as an error rather than handed on.
@@ -35,10 +35,10 @@
 
 pub(crate) mod result;
 
-use super::{Device, DeviceAddr, DeviceError, EventId, Kernel, MemInfo, StreamId};
+use super::{Device, DeviceAddr, DeviceError, EventId, MemInfo, StreamId};
 use cudarc::driver::{CudaContext, CudaStream, DriverError, sys};
 use result::RawEvent;
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
 /// What [`CudaDevice::new`] says where the driver library cannot be loaded.
@@ -70,6 +70,8 @@ pub struct CudaDevice {
 struct Streams {
     next: u32,
     live: HashMap<u32, Arc<CudaStream>>,
+    /// Ids of streams the application owns (adopted, not created here).
+    adopted: HashSet<u32>,
 }
 
 struct Events {
@@ -95,8 +97,8 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
-fn driver_error(op: &str, e: DriverError) -> DeviceError {
-    DeviceError::Driver(format!("{op}: {:?}", e.0))
+fn driver_error(op: &'static str, e: DriverError) -> DeviceError {
+    DeviceError::Driver { op, code: e.0 as u32 }
 }
 
 impl CudaDevice {
@@ -113,10 +115,14 @@ impl CudaDevice {
     /// when the driver does not initialise (`cuInit` fails, e.g. `CUDA_ERROR_NO_DEVICE`).
     pub fn device_count() -> Result<usize, DeviceError> {
         if !Self::driver_present() {
-            return Err(DeviceError::Driver(NO_DRIVER.into()));
+            return Err(DeviceError::Unavailable(NO_DRIVER.into()));
         }
-        let n = CudaContext::device_count()
-            .map_err(|e| driver_error("no usable CUDA device: cuInit/cuDeviceGetCount", e))?;
+        let n = CudaContext::device_count().map_err(|e| {
+            DeviceError::Unavailable(format!(
+                "no usable CUDA device: cuInit/cuDeviceGetCount failed ({})",
+                driver_error("cuDeviceGetCount", e)
+            ))
+        })?;
         Ok(usize::try_from(n).unwrap_or(0))
     }
 
@@ -126,7 +132,7 @@ impl CudaDevice {
         match Self::device_count() {
             Ok(0) => Some("no CUDA device (the driver reports 0 devices)".into()),
             Ok(_) => None,
-            Err(DeviceError::Driver(msg)) => Some(msg),
+            Err(DeviceError::Unavailable(msg)) => Some(msg),
             Err(e) => Some(e.to_string()),
         }
     }
@@ -137,7 +143,7 @@ impl CudaDevice {
     pub fn new(ordinal: usize) -> Result<Arc<CudaDevice>, DeviceError> {
         let count = Self::device_count()?;
         if ordinal >= count {
-            return Err(DeviceError::Driver(format!(
+            return Err(DeviceError::Unavailable(format!(
                 "no CUDA device {ordinal} (the driver reports {count} device(s))"
             )));
         }
@@ -147,7 +153,11 @@ impl CudaDevice {
         Ok(Arc::new(CudaDevice {
             ctx,
             name,
-            streams: Mutex::new(Streams { next: 1, live: HashMap::from([(0, default)]) }),
+            streams: Mutex::new(Streams {
+                next: 1,
+                live: HashMap::from([(0, default)]),
+                adopted: HashSet::new(),
+            }),
             events: Mutex::new(Events { next: 0, live: HashMap::new(), pool: Vec::new() }),
             segments: Mutex::new(HashMap::new()),
         }))
@@ -170,7 +180,61 @@ impl CudaDevice {
         lock(&self.streams).live.get(&id.0).cloned().ok_or(DeviceError::UnknownStream(id))
     }
 
-    /// The tidepool id of a cudarc stream this device created (or of the null stream).
+    /// Lets tidepool use a stream the application made with cudarc: returns its [`StreamId`]
+    /// (the same id when adopted again, or the id tidepool already uses for it). Allocation,
+    /// freeing, `record_stream` and cross-stream reuse then work on it as on tidepool's own.
+    /// The device holds an `Arc` to it until an allocator lets go of it with
+    /// [`crate::Allocator::release_stream`] (which drains it); the application destroys it after.
+    ///
+    /// An error where the stream belongs to another context (device).
+    ///
+    /// ```no_run
+    /// use tidepool::{Allocator, Config, CudaBuffer, CudaDevice};
+    ///
+    /// let device = CudaDevice::new(0)?;
+    /// let alloc = Allocator::new(device.clone(), Config::default())?;
+    /// let stream = device.context().new_stream()?;       // the application's own stream
+    /// let id = device.adopt_stream(&stream)?;
+    /// let x = CudaBuffer::<f32>::alloc_zeros(&alloc, 1024, id)?;
+    /// let host = stream.clone_dtoh(&x)?;                   // any cudarc call on `stream`
+    /// assert_eq!(host, vec![0.0; 1024]);
+    /// drop(x);
+    /// alloc.release_stream(id)?;                           // before the application drops it
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn adopt_stream(&self, stream: &Arc<CudaStream>) -> Result<StreamId, DeviceError> {
+        if stream.context().cu_ctx() != self.ctx.cu_ctx() {
+            return Err(DeviceError::Unsupported("adopting a stream of another CUDA context"));
+        }
+        let mut streams = lock(&self.streams);
+        if let Some((&id, _)) =
+            streams.live.iter().find(|(_, s)| s.cu_stream() == stream.cu_stream())
+        {
+            return Ok(StreamId(id));
+        }
+        let id = streams.next;
+        streams.next += 1;
+        streams.live.insert(id, stream.clone());
+        streams.adopted.insert(id);
+        Ok(StreamId(id))
+    }
+
+    /// [`CudaDevice::adopt_stream`] for a raw `CUstream` owned by another library.
+    ///
+    /// # Safety
+    /// `cu_stream` must be a valid stream of this device's primary context, and its owner must
+    /// keep it alive until an allocator has let go of it ([`crate::Allocator::release_stream`]).
+    pub unsafe fn adopt_raw_stream(
+        &self,
+        cu_stream: sys::CUstream,
+    ) -> Result<StreamId, DeviceError> {
+        // SAFETY: the caller guarantees the stream is valid in this context and outlives its use
+        // here; the wrapper does not destroy the stream when dropped.
+        let wrapped = unsafe { self.ctx.wrap_borrowed_stream(cu_stream) };
+        self.adopt_stream(&wrapped)
+    }
+
+    /// The tidepool id of a cudarc stream this device created or adopted (or of the null stream).
     pub fn stream_id(&self, stream: &CudaStream) -> Option<StreamId> {
         let streams = lock(&self.streams);
         streams
@@ -194,7 +258,7 @@ impl CudaDevice {
     }
 
     /// Makes this device's context current on the calling thread (the driver's per-thread state).
-    fn bind(&self) -> Result<(), DeviceError> {
+    pub(crate) fn bind(&self) -> Result<(), DeviceError> {
         self.ctx.bind_to_thread().map_err(|e| driver_error("cuCtxSetCurrent", e))
     }
 }
@@ -249,9 +313,9 @@ impl Device for CudaDevice {
         if !ptr.is_multiple_of(SEGMENT_ALIGN) {
             // SAFETY: just allocated in the current context; never handed out.
             unsafe { result::mem_free(ptr) }?;
-            return Err(DeviceError::Driver(format!(
-                "cuMemAlloc returned {ptr:#x}, not {SEGMENT_ALIGN}-byte aligned"
-            )));
+            return Err(DeviceError::Unsupported(
+                "cuMemAlloc returned a pointer that is not 512-byte aligned",
+            ));
         }
         lock(&self.segments).insert(ptr, bytes);
         Ok(DeviceAddr(ptr))
@@ -288,15 +352,23 @@ impl Device for CudaDevice {
 
     /// Forgets the stream, then waits for its work. cudarc destroys it when the last `Arc` from
     /// [`CudaDevice::stream`] goes.
+    /// An adopted stream is drained and forgotten the same way; its owner destroys it.
     fn destroy_stream(&self, stream: StreamId) -> Result<(), DeviceError> {
         if stream == StreamId::DEFAULT {
             return Err(DeviceError::Unsupported("destroying the default stream"));
         }
-        let s =
-            lock(&self.streams).live.remove(&stream.0).ok_or(DeviceError::UnknownStream(stream))?;
+        let s = {
+            let mut streams = lock(&self.streams);
+            streams.adopted.remove(&stream.0);
+            streams.live.remove(&stream.0).ok_or(DeviceError::UnknownStream(stream))?
+        };
         self.bind()?;
         // SAFETY: `s` is a live stream of this context, kept alive by the `Arc` we hold.
         unsafe { result::stream_synchronize(s.cu_stream()) }
+    }
+
+    fn is_adopted(&self, stream: StreamId) -> bool {
+        lock(&self.streams).adopted.contains(&stream.0)
     }
 
     /// A pooled `CU_EVENT_DISABLE_TIMING` event, or a new one.
@@ -381,14 +453,6 @@ impl Device for CudaDevice {
         self.bind()?;
         result::ctx_synchronize()
     }
-
-    /// Host closures cannot run on a GPU: launch CUDA kernels through cudarc on
-    /// [`CudaDevice::stream`] instead.
-    fn launch(&self, _stream: StreamId, _kernel: Kernel) -> Result<(), DeviceError> {
-        Err(DeviceError::Unsupported(
-            "host kernels on a CUDA device (launch CUDA kernels through cudarc on CudaDevice::stream)",
-        ))
-    }
 }
 
 #[cfg(test)]
@@ -399,20 +463,21 @@ mod tests {
     #[test]
     fn new_is_an_error_or_a_device_never_a_panic() {
         match (CudaDevice::new(0), CudaDevice::unavailable_reason()) {
-            (Err(e), Some(reason)) => assert_eq!(e, DeviceError::Driver(reason)),
+            (Err(e), Some(reason)) => assert_eq!(e, DeviceError::Unavailable(reason)),
             (Ok(dev), None) => assert_eq!(dev.ordinal(), 0),
             (a, b) => panic!("new(0) and unavailable_reason disagree: {:?} / {b:?}", a.err()),
         }
         if !CudaDevice::driver_present() {
-            assert_eq!(CudaDevice::device_count(), Err(DeviceError::Driver(NO_DRIVER.into())));
-            assert_eq!(CudaDevice::new(0).err(), Some(DeviceError::Driver(NO_DRIVER.into())));
+            let unavailable = DeviceError::Unavailable(NO_DRIVER.into());
+            assert_eq!(CudaDevice::device_count(), Err(unavailable.clone()));
+            assert_eq!(CudaDevice::new(0).err(), Some(unavailable));
         }
     }
 
     #[test]
     fn a_missing_ordinal_is_an_error() {
         let err = CudaDevice::new(usize::MAX).expect_err("no machine has usize::MAX GPUs");
-        let DeviceError::Driver(msg) = err else { panic!("unexpected error kind") };
+        let DeviceError::Unavailable(msg) = err else { panic!("unexpected error kind") };
         assert!(msg == NO_DRIVER || msg.starts_with("no "), "{msg}");
     }
 }

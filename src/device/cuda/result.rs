@@ -23,11 +23,11 @@ pub(super) struct RawEvent(pub(super) sys::CUevent);
 // is thread-safe); the device only uses it with its context bound and destroys it once.
 unsafe impl Send for RawEvent {}
 
-/// `CUresult` → `DeviceError::Driver("{op}: CUDA_ERROR_…")`; success → `Ok(())`.
+/// `CUresult` → `DeviceError::Driver { op, code }` keeping CUDA's code; success → `Ok(())`.
 pub(super) fn check(op: &'static str, code: sys::CUresult) -> Result<(), DeviceError> {
     match code {
         sys::CUresult::CUDA_SUCCESS => Ok(()),
-        other => Err(DeviceError::Driver(format!("{op}: {other:?}"))),
+        other => Err(DeviceError::Driver { op, code: other as u32 }),
     }
 }
 
@@ -148,7 +148,7 @@ pub(super) unsafe fn stream_synchronize(stream: sys::CUstream) -> Result<(), Dev
 /// # Safety
 /// `[ptr, ptr + bytes)` is device memory of the current context that nothing else uses
 /// concurrently, and `stream` is a live handle of the current context.
-pub(super) unsafe fn memset_d8_async(
+pub(crate) unsafe fn memset_d8_async(
     ptr: sys::CUdeviceptr,
     value: u8,
     bytes: usize,
@@ -166,6 +166,7 @@ mod tests {
     fn check_maps_success_and_names_the_error() {
         assert_eq!(check("op", sys::CUresult::CUDA_SUCCESS), Ok(()));
         let err = check("cuMemAlloc", sys::CUresult::CUDA_ERROR_INVALID_VALUE).unwrap_err();
-        assert_eq!(err, DeviceError::Driver("cuMemAlloc: CUDA_ERROR_INVALID_VALUE".into()));
+        assert_eq!(err, DeviceError::Driver { op: "cuMemAlloc", code: 1 });
+        assert_eq!(err.to_string(), "cuMemAlloc failed: CUDA_ERROR_INVALID_VALUE (1)");
     }
 }

@@ -117,6 +117,9 @@ pub(super) struct State {
     san: Sanitizer,
     failures: Vec<KernelFailure>,
     panic_on_violation: bool,
+    /// Streams the application made ([`SimDevice::create_app_stream`]), and whether an
+    /// allocator adopted them.
+    app_streams: BTreeMap<u32, bool>,
 }
 
 impl State {
@@ -178,6 +181,7 @@ impl SimDevice {
                 mem: Memory::new(),
                 streams: BTreeMap::new(),
                 next_stream: 1,
+                app_streams: BTreeMap::new(),
                 events: HashMap::new(),
                 next_event: 1,
                 counters: SimCounters::default(),
@@ -282,6 +286,78 @@ impl SimDevice {
     }
 }
 
+/// A stream the application made itself, outside any allocator: the simulator's stand-in for a
+/// cudarc user's `Arc<CudaStream>`. Launch on it with [`AppStream::id`]; let an allocator use it
+/// with [`SimDevice::adopt_stream`].
+#[derive(Debug, PartialEq, Eq)]
+pub struct AppStream {
+    id: StreamId,
+}
+
+impl AppStream {
+    /// The device's id of the stream (for launching the application's own kernels on it).
+    pub fn id(&self) -> StreamId {
+        self.id
+    }
+}
+
+/// Streams the application owns (the same entry points as `CudaDevice`'s, for tests
+/// without a GPU).
+impl SimDevice {
+    /// Makes a stream the way an application would, outside tidepool. Allocators do not know it
+    /// until it is adopted.
+    pub fn create_app_stream(&self) -> Result<AppStream, DeviceError> {
+        let mut st = self.state();
+        let id = st.next_stream;
+        st.next_stream += 1;
+        self.start_stream(&mut st, id);
+        st.app_streams.insert(id, false);
+        Ok(AppStream { id: StreamId(id) })
+    }
+
+    /// Lets allocators on this device use the application's stream: returns its [`StreamId`]
+    /// (the same id when adopted again). Before the application destroys it, an allocator lets
+    /// go of it with [`crate::Allocator::release_stream`].
+    pub fn adopt_stream(&self, stream: &AppStream) -> Result<StreamId, DeviceError> {
+        let mut st = self.state();
+        match st.app_streams.get_mut(&stream.id.0) {
+            Some(adopted) => {
+                *adopted = true;
+                Ok(stream.id)
+            }
+            None => Err(DeviceError::UnknownStream(stream.id)),
+        }
+    }
+
+    /// The application destroys its stream (after draining it). An error, changing nothing,
+    /// while an allocator still has it adopted: release it first.
+    pub fn destroy_app_stream(&self, stream: AppStream) -> Result<(), DeviceError> {
+        let app = self.state().app_streams.get(&stream.id.0).copied();
+        match app {
+            Some(true) => return Err(DeviceError::StreamAdopted(stream.id)),
+            Some(false) => {}
+            None => return Err(DeviceError::UnknownStream(stream.id)),
+        }
+        // Destroyed as a stream of the device's own: marked as such first.
+        self.state().app_streams.remove(&stream.id.0);
+        let r = super::Device::destroy_stream(self, stream.id);
+        if r.is_err() {
+            self.state().app_streams.insert(stream.id.0, false);
+        }
+        r
+    }
+
+    /// Drains an adopted stream and forgets the adoption.
+    fn release_adopted(&self, stream: StreamId) -> Result<(), DeviceError> {
+        let mut st = self.state();
+        let target = st.open_stream(stream)?.next_pos() - 1;
+        st.counters.host_syncs += 1;
+        let mut st = self.wait_until(st, |st| st.reached(stream.0, target));
+        st.app_streams.insert(stream.0, false);
+        Ok(())
+    }
+}
+
 impl Drop for SimDevice {
     /// Drains every stream and joins every worker.
     fn drop(&mut self) {
@@ -323,7 +399,10 @@ impl super::Device for SimDevice {
         };
         if injected || st.faults.fail_above.is_some_and(|limit| bytes > limit) {
             st.counters.failed_mallocs += 1;
-            return Err(DeviceError::Injected("reserve"));
+            return Err(DeviceError::Driver {
+                op: "reserve",
+                code: DeviceError::CUDA_ERROR_OUT_OF_MEMORY,
+            });
         }
         if bytes == 0 || bytes > self.config.capacity - st.mem.reserved {
             st.counters.failed_mallocs += 1;
@@ -365,6 +444,14 @@ impl super::Device for SimDevice {
     fn destroy_stream(&self, stream: StreamId) -> Result<(), DeviceError> {
         if stream == StreamId::DEFAULT {
             return Err(DeviceError::Unsupported("destroying the default stream"));
+        }
+        let app = self.state().app_streams.get(&stream.0).copied();
+        if let Some(adopted) = app {
+            // The application's stream: drained and forgotten, never destroyed here.
+            if !adopted {
+                return Err(DeviceError::UnknownStream(stream));
+            }
+            return self.release_adopted(stream);
         }
         let handle = {
             let mut st = self.state();
@@ -415,7 +502,10 @@ impl super::Device for SimDevice {
         let target = st.event(event)?;
         st.counters.event_queries += 1;
         if st.faults.fail_event_query {
-            return Err(DeviceError::Injected("query_event"));
+            return Err(DeviceError::Driver {
+                op: "query_event",
+                code: DeviceError::CUDA_ERROR_UNKNOWN,
+            });
         }
         Ok(st.target_reached(target))
     }
@@ -452,20 +542,8 @@ impl super::Device for SimDevice {
         Ok(())
     }
 
-    fn launch(&self, stream: StreamId, kernel: Kernel) -> Result<(), DeviceError> {
-        let mut guard = self.state();
-        let st = &mut *guard;
-        let pos = st.open_stream(stream)?.next_pos();
-        st.counters.launches += 1;
-        let found = st
-            .san
-            .launch(stream.0, pos, kernel.name, &kernel.accesses, |lo, hi| st.mem.contains(lo, hi));
-        st.open_stream(stream)?.push(Op::Kernel { pos, kernel });
-        let panic = st.panic_on_violation;
-        drop(guard);
-        self.shared.progress.notify_all();
-        Self::after_check(found, panic);
-        Ok(())
+    fn is_adopted(&self, stream: StreamId) -> bool {
+        self.state().app_streams.get(&stream.0) == Some(&true)
     }
 
     #[inline]
@@ -480,6 +558,24 @@ impl super::Device for SimDevice {
         if self.config.sanitize {
             self.sanitize_reclaim(ptr, bytes, stream);
         }
+    }
+}
+
+impl super::Launch for SimDevice {
+    fn launch(&self, stream: StreamId, kernel: Kernel) -> Result<(), DeviceError> {
+        let mut guard = self.state();
+        let st = &mut *guard;
+        let pos = st.open_stream(stream)?.next_pos();
+        st.counters.launches += 1;
+        let found = st
+            .san
+            .launch(stream.0, pos, kernel.name, &kernel.accesses, |lo, hi| st.mem.contains(lo, hi));
+        st.open_stream(stream)?.push(Op::Kernel { pos, kernel });
+        let panic = st.panic_on_violation;
+        drop(guard);
+        self.shared.progress.notify_all();
+        Self::after_check(found, panic);
+        Ok(())
     }
 }
 
@@ -506,6 +602,7 @@ impl SimDevice {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::device::Launch;
     use crate::device::{Access, AccessKind, Device};
     use std::time::Duration;
 

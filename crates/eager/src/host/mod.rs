@@ -1,4 +1,4 @@
-//! `HostBackend`: the op interface as host kernels on any [`Device`] that runs them — on
+//! `HostBackend`: the op interface as host kernels on any device that runs them ([`Launch`]) — on
 //! [`tidepool::SimDevice`], each op becomes a [`Kernel`] run later by the stream's worker thread, so
 //! ops really are asynchronous, and its declared accesses ([`KernelOp::accesses`]) let the
 //! stream-order sanitizer check every use of memory.
@@ -16,14 +16,14 @@ pub mod math;
 use super::backend::{Backend, ELEM, KernelOp};
 use super::error::{EagerError, Result};
 use std::sync::{Arc, Mutex};
-use tidepool::device::{Access, AccessKind, Device, DeviceAddr, Kernel, SimDevice, StreamId};
+use tidepool::device::{Access, AccessKind, DeviceAddr, Kernel, Launch, SimDevice, StreamId};
 
 /// Eager ops as host kernels on a device that runs them ([`SimDevice`] by default).
-pub struct HostBackend<D: Device = SimDevice> {
+pub struct HostBackend<D: Launch = SimDevice> {
     device: Arc<D>,
 }
 
-impl<D: Device> HostBackend<D> {
+impl<D: Launch> HostBackend<D> {
     /// A back end launching host kernels on `device`. The device must be backed by memory the
     /// kernels can read and write ([`SimDevice::backed`]).
     pub fn new(device: Arc<D>) -> HostBackend<D> {
@@ -31,7 +31,7 @@ impl<D: Device> HostBackend<D> {
     }
 }
 
-impl<D: Device> Backend for HostBackend<D> {
+impl<D: Launch> Backend for HostBackend<D> {
     type Device = D;
 
     fn device(&self) -> &Arc<D> {

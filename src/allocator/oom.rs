@@ -1,0 +1,38 @@
+//! The out-of-memory report: the breakdown an [`AllocError::OutOfMemory`] carries.
+
+use super::*;
+
+impl<D: Device> Shared<D> {
+    pub(super) fn oom_report(
+        &self,
+        st: &State,
+        config: &Config,
+        key: PoolKey,
+        bytes: u64,
+        rounded: u64,
+        seg_size: u64,
+    ) -> OomReport {
+        let info = self
+            .device
+            .mem_info()
+            .unwrap_or(crate::device::MemInfo { free: 0, total: self.device_total });
+        let s = st.pool.stats();
+        OomReport {
+            requested: bytes,
+            rounded,
+            segment: seg_size,
+            stream: key.stream,
+            device_free: info.free,
+            device_total: info.total,
+            limit: config.limit(self.device_total),
+            reserved: s.reserved_bytes.all.current,
+            allocated: s.allocated_bytes.all.current,
+            largest_free_block: st.pool.largest_free_block(),
+            inactive_split: s.inactive_split_bytes.all.current,
+            free_on_other_streams: st.pool.free_bytes_where(|k| k.stream != key.stream),
+            waiting_on_events: s.active_bytes.all.current - s.allocated_bytes.all.current,
+            persistent_reserved: s.reserved_bytes.persistent.current,
+            transient_reserved: s.reserved_bytes.transient.current,
+        }
+    }
+}

@@ -1,0 +1,92 @@
+//! Statistics publishing: the slow path's figures are published for lock-free readers when the
+//! global lock is let go ([`Locked`]), and assembled with the stream caches' figures on read.
+
+use super::*;
+
+impl<D: Device> Shared<D> {
+    /// Takes the global lock; the statistics are published when it is let go.
+    pub(super) fn lock_state(&self) -> Locked<'_, D> {
+        self.lock_count.fetch_add(1, Ordering::Relaxed);
+        Locked { sh: self, st: lock(&self.state) }
+    }
+
+    /// Publishes the base statistics and the pool's free bytes of every stream that changed
+    /// (unless `global_lock` is on: then changes accumulate until it is turned off).
+    pub(super) fn publish(&self, st: &mut State) {
+        if !self.publish_stats.load(Ordering::Relaxed) {
+            return;
+        }
+        let c = &st.counters;
+        let counters = [c.retries, c.ooms, c.device_alloc, c.device_free, c.host_syncs];
+        let changed = st.pool.take_changed();
+        st.base.mirror_changed(st.pool.stats(), counters, changed);
+        st.base.publish(&self.stats);
+        let mut dirty = std::mem::take(&mut st.dirty);
+        st.pool.take_dirty_streams(&mut dirty);
+        for &s in &dirty {
+            match self.caches.first_lane(s) {
+                Some(c) => c.publish_pool_free(st.pool.free_bytes_of(s)),
+                None => {
+                    if let Some(c) = self.caches.get(s) {
+                        c.publish_pool_free(st.pool.free_bytes_of(s));
+                    }
+                }
+            }
+        }
+        st.dirty = dirty;
+    }
+
+    /// Adds the scope and plan counters to statistics read elsewhere.
+    pub(super) fn with_scope_stats(&self, mut m: MemoryStats) -> MemoryStats {
+        let c = &self.scope_counters;
+        m.best_fit_searches = sh_load(&c.searches);
+        m.plan_hits = sh_load(&c.plan_hits);
+        m.plan_misses = sh_load(&c.plan_misses);
+        m.plan_fallbacks = sh_load(&c.plan_fallbacks);
+        m.plan_region_bytes = sh_load(&c.region_bytes);
+        m.scope_escapes = sh_load(&c.escapes);
+        m
+    }
+}
+
+/// What a stream may cache under `config`.
+pub(super) fn limits(config: &Config) -> Limits {
+    Limits {
+        enabled: config.fast_path(),
+        entries: config.fast_cache_entries,
+        bytes: config.fast_cache_bytes,
+    }
+}
+
+/// Builds [`MemoryStats`] from one consistent copy.
+pub(super) fn stats_from(caches: &[Arc<StreamCache>], snap: counters::Snapshot) -> MemoryStats {
+    let counters::Snapshot { base, fast, pool_free: slow } = snap;
+    let [retries, ooms, device_alloc, device_free, host_syncs] = counters::counters(&base);
+    let mut per_stream = Vec::new();
+    let mut cached_fast_bytes = 0;
+    for ((c, f), pool_free) in caches.iter().zip(&fast).zip(&slow) {
+        let cached = f[counters::CACHED_BYTES];
+        cached_fast_bytes += cached;
+        // The lanes of a stream are adjacent: one entry per stream.
+        match per_stream.last_mut() {
+            Some((s, bytes)) if *s == c.stream().0 => *bytes += cached + pool_free,
+            _ => per_stream.push((c.stream().0, cached + pool_free)),
+        }
+    }
+    per_stream.retain(|&(_, bytes)| bytes > 0);
+    MemoryStats {
+        blocks: counters::assemble(&base, &fast),
+        num_alloc_retries: retries,
+        num_ooms: ooms,
+        num_device_alloc: device_alloc,
+        num_device_free: device_free,
+        num_host_syncs: host_syncs,
+        cached_free_bytes_per_stream: per_stream,
+        cached_fast_bytes,
+        ..MemoryStats::default()
+    }
+}
+
+pub(super) fn sh_load(a: &AtomicU64) -> u64 {
+    a.load(Ordering::Relaxed)
+}

@@ -1,0 +1,119 @@
+//! Learned plans and their regions: the memory a named scope's planned run hands out, made
+//! and adopted as a learning run ends, and returned to the pool in one stream-ordered batch.
+
+use super::*;
+
+impl<D: Device> Shared<D> {
+    /// The plan learned for a named scope and its region, if any.
+    pub(super) fn plan_for(
+        &self,
+        name: &str,
+        stream: StreamId,
+    ) -> (Option<Arc<Learned>>, Option<Arc<Region>>) {
+        let plans = lock(&self.plans);
+        match plans.get(&(name.to_string(), stream)) {
+            Some(p) => (p.learned.clone(), p.region.clone()),
+            None => (None, None),
+        }
+    }
+
+    /// Stores what a named scope learned on `stream`; the old plan's region is let go (it
+    /// returns to the pool once no escaped buffer holds it).
+    pub(super) fn learn(&self, name: &str, stream: StreamId, learned: Option<Learned>) {
+        let old = {
+            let mut plans = lock(&self.plans);
+            let entry = plans.entry((name.to_string(), stream)).or_default();
+            entry.learned = learned.map(Arc::new);
+            entry.region.take()
+        };
+        if let Some(region) = old {
+            self.release_region(region);
+        }
+    }
+
+    /// Reserves the region of a named scope's plan: the stream's cached transient segments
+    /// with no live block are released first (the plan replaces them), then one block of
+    /// `size` bytes is taken from the pool.
+    pub(super) fn make_region(
+        &self,
+        name: &str,
+        stream: StreamId,
+        size: u64,
+    ) -> Result<Arc<Region>, AllocError> {
+        let mut plans = lock(&self.plans);
+        let entry = plans.entry((name.to_string(), stream)).or_default();
+        if let Some(r) = &entry.region {
+            return Ok(r.clone());
+        }
+        let config = self.config.load();
+        if config.sizing.round(size).is_none() {
+            return Err(AllocError::InvalidSize { requested: size });
+        }
+        let mut st = self.lock_state();
+        // The stream's cached blocks go back to the pool first, so the trim can release them.
+        self.flush_stream(&mut st, stream, false);
+        self.release_segments(&mut st, |s| {
+            s.key.stream == stream && s.key.residency == Residency::Transient
+        })?;
+        let (block, base) = self.region_block(&mut st, &config, stream, size)?;
+        drop(st);
+        let bsize = block.size;
+        self.scope_counters.region_bytes.fetch_add(bsize, Ordering::Relaxed);
+        let region = Arc::new(Region::new(vec![block], base, bsize));
+        entry.region = Some(region.clone());
+        Ok(region)
+    }
+
+    /// Drops one hold on a region; the last one returns its block to the pool.
+    pub(super) fn release_region(&self, region: Arc<Region>) {
+        if let Some(r) = crate::sync::arc_into_inner(region) {
+            let size = r.size;
+            let blocks = r.into_blocks();
+            let mut st = self.lock_state();
+            let st = &mut *st;
+            batch::return_batch(&mut st.pool, &mut st.base, None, &blocks);
+            self.scope_counters.region_bytes.fetch_sub(size, Ordering::Relaxed);
+        }
+    }
+
+    /// Returns a scope's locally cached blocks of `stream` to the pool under one lock, and
+    /// flushes the stream's cache with them.
+    pub(super) fn free_blocks(&self, stream: StreamId, blocks: &[BatchBlock]) {
+        if blocks.is_empty() {
+            return;
+        }
+        let mut st = self.lock_state();
+        self.return_to_stream(&mut st, stream, blocks);
+    }
+
+    /// Frees `blocks` of `stream` into the pool and flushes every cache lane of the stream, so
+    /// its cached blocks coalesce with them. The caller holds the global lock.
+    pub(super) fn return_to_stream(&self, st: &mut State, stream: StreamId, blocks: &[BatchBlock]) {
+        let lanes = self.caches.lanes(stream);
+        batch::return_batch(&mut st.pool, &mut st.base, lanes.first().map(|c| &**c), blocks);
+        for cache in lanes.iter().skip(1) {
+            flush_into(cache, &mut st.pool);
+        }
+    }
+
+    /// Takes a fresh transient block of `bytes` on `stream` for a plan's region, found or
+    /// reserved like any allocation and accounted as allocated: the block and its address.
+    pub(super) fn region_block(
+        &self,
+        st: &mut State,
+        config: &Config,
+        stream: StreamId,
+        bytes: u64,
+    ) -> Result<(BatchBlock, u64), AllocError> {
+        let rounded =
+            config.sizing.round(bytes).ok_or(AllocError::InvalidSize { requested: bytes })?;
+        let key =
+            PoolKey { residency: Residency::Transient, stream, kind: config.sizing.kind(rounded) };
+        let block = self.find_or_reserve(st, config, key, bytes, rounded)?;
+        let block = st.pool.allocate(block, rounded, bytes, &config.sizing);
+        let (addr, size) = (st.pool.block(block).addr, st.pool.block(block).size);
+        let q = quadrant(key.kind, key.residency);
+        st.base.live_up(q, size, bytes, || self.caches.all());
+        Ok((BatchBlock { block, quadrant: q, size, requested: bytes }, addr))
+    }
+}

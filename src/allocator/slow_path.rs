@@ -1,0 +1,405 @@
+//! The slow path, under the global lock: best fit in the stream's own pool, a free segment of
+//! another stream (strict or wait_event), a new segment; freeing back into the pool; flushing the
+//! stream caches; returning segments to the device.
+
+use super::history::Action;
+use super::*;
+
+impl<D: Device> Allocator<D> {
+    /// A buffer for a block popped from a stream cache.
+    pub(super) fn hand_out_cached(
+        &self,
+        b: &CachedBlock,
+        bytes: u64,
+        stream: StreamId,
+        plan: &RequestPlan,
+        residency: Residency,
+    ) -> Buffer<D> {
+        let (rounded, q) = (plan.rounded, b.quadrant);
+        self.hand_out(b.ptr, bytes, b.size, stream, Some(b.block), rounded, residency, q)
+    }
+
+    /// A buffer for a block just handed out; tells the device's sanitizer.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn hand_out(
+        &self,
+        ptr: DeviceAddr,
+        requested: u64,
+        size: u64,
+        stream: StreamId,
+        block: Option<BlockId>,
+        rounded: u64,
+        residency: Residency,
+        quadrant: usize,
+    ) -> Buffer<D> {
+        if block.is_some() {
+            self.shared.device.note_handout(ptr, size, stream);
+        }
+        Buffer {
+            ptr,
+            requested,
+            accounted: requested,
+            size,
+            stream,
+            origin: block.map_or(Origin::None, Origin::Pool),
+            scope: None,
+            owner: self.owners.owner(stream),
+            rounded,
+            residency,
+            quadrant: quadrant as u8,
+            used_elsewhere: AtomicBool::new(false),
+        }
+    }
+}
+
+impl<D: Device> Shared<D> {
+    /// Finds a free block for `key` or makes one, climbing the out-of-memory ladder.
+    pub(super) fn find_or_reserve(
+        &self,
+        st: &mut State,
+        config: &Config,
+        key: PoolKey,
+        bytes: u64,
+        rounded: u64,
+    ) -> Result<BlockId, AllocError> {
+        if !st.pending.is_empty() {
+            self.process_events(st);
+        }
+        self.scope_counters.searches.fetch_add(1, Ordering::Relaxed);
+        if key.kind == crate::stats::PoolKind::Large {
+            // A large block waiting in a stream cache is searched as the pool would hold it.
+            self.flush_large(st);
+        }
+        if let Some(b) = st.pool.find_free(key, rounded, &config.sizing) {
+            return Ok(b);
+        }
+        // Before going further afield, return what the stream caches hold: they never make the
+        // allocator reserve more than it would without them.
+        if self.flush_all(st) > 0
+            && let Some(b) = st.pool.find_free(key, rounded, &config.sizing)
+        {
+            return Ok(b);
+        }
+        if let Some(b) = self.take_from_other_stream(st, config, key, rounded)? {
+            return Ok(b);
+        }
+        let seg_size = config.sizing.segment_size(rounded);
+        let mut retried = false;
+        loop {
+            match self.reserve(st, config, key, seg_size) {
+                Ok(b) => {
+                    if retried {
+                        st.counters.retries += 1;
+                    }
+                    return Ok(b);
+                }
+                Err(AllocError::OutOfMemory(_)) if !retried => {
+                    // The ladder: wait for pending events and search the pool again (their
+                    // blocks may now fit), then release cached transient segments and retry.
+                    retried = true;
+                    if !st.pending.is_empty() {
+                        self.sync_events(st)?;
+                        if let Some(b) = st.pool.find_free(key, rounded, &config.sizing) {
+                            st.counters.retries += 1;
+                            return Ok(b);
+                        }
+                    }
+                    self.release_segments(st, |s| s.key.residency == Residency::Transient)?;
+                }
+                Err(AllocError::OutOfMemory(_)) => {
+                    st.counters.ooms += 1;
+                    st.note(Action::Oom, DeviceAddr::NULL, bytes, key.stream);
+                    return Err(AllocError::OutOfMemory(Box::new(
+                        self.oom_report(st, config, key, bytes, rounded, seg_size),
+                    )));
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    /// Reserves a new segment for `key`; a refusal (device or limit) is `OutOfMemory`.
+    pub(super) fn reserve(
+        &self,
+        st: &mut State,
+        config: &Config,
+        key: PoolKey,
+        seg_size: u64,
+    ) -> Result<BlockId, AllocError> {
+        let reserved = st.pool.stats().reserved_bytes.all.current;
+        let refused = || AllocError::OutOfMemory(Box::default());
+        if config.limit(self.device_total).is_some_and(|limit| reserved + seg_size > limit) {
+            return Err(refused());
+        }
+        match self.device.reserve(seg_size) {
+            Ok(ptr) => {
+                self.ensure_cache(st, key.stream);
+                st.counters.device_alloc += 1;
+                *st.segment_streams.entry(key.stream).or_default() += 1;
+                st.note(Action::SegmentAlloc, ptr, seg_size, key.stream);
+                Ok(st.pool.add_segment(key, ptr.0, seg_size))
+            }
+            // A refusal of the memory itself (capacity, limit, or the driver's own out-of-memory code)
+            // enters the OOM ladder; any other device error is passed on.
+            Err(
+                DeviceError::OutOfMemory { .. }
+                | DeviceError::Driver { code: DeviceError::CUDA_ERROR_OUT_OF_MEMORY, .. },
+            ) => Err(refused()),
+            Err(e) => Err(AllocError::Device(e)),
+        }
+    }
+
+    /// Cross-stream reuse: takes a whole free segment cached for another stream, if one fits.
+    /// Under `Strict` only when the owner's work is done (an event recorded on it now has already
+    /// completed: no host sync); under `WaitEvent` at once, by making `key.stream` wait for that
+    /// event on the device.
+    pub(super) fn take_from_other_stream(
+        &self,
+        st: &mut State,
+        config: &Config,
+        key: PoolKey,
+        rounded: u64,
+    ) -> Result<Option<BlockId>, AllocError> {
+        if !st.segment_streams.keys().any(|&s| s != key.stream) {
+            return Ok(None);
+        }
+        let fits = |s: &crate::pool::Segment| {
+            s.key.stream != key.stream
+                && s.key.residency == key.residency
+                && s.key.kind == key.kind
+                && s.size >= rounded
+                && config.sizing.may_serve(s.size, rounded)
+        };
+        let mut candidates = st.pool.releasable_segments(fits);
+        candidates.sort_by_key(|&id| (st.pool.segment(id).size, st.pool.segment(id).base));
+        for seg in candidates {
+            let owner = st.pool.segment(seg).key.stream;
+            let event = self.event(st)?;
+            match self.device.record_event(event, owner) {
+                Ok(()) => {}
+                Err(DeviceError::UnknownStream(_)) => {
+                    // The owner was destroyed, hence drained: nothing can still use the segment.
+                    st.free_events.push(event);
+                    self.move_segment(st, seg, key.stream);
+                    return Ok(Some(st.pool.segment(seg).first));
+                }
+                Err(e) => {
+                    st.free_events.push(event);
+                    return Err(e.into());
+                }
+            }
+            let ready = match config.cross_stream {
+                _ if self.broken_skip_events.load(Ordering::Relaxed) => true,
+                CrossStream::WaitEvent => {
+                    self.device.wait_event(key.stream, event)?;
+                    true
+                }
+                CrossStream::Strict => self.device.query_event(event).unwrap_or(false),
+            };
+            st.free_events.push(event);
+            if ready {
+                self.move_segment(st, seg, key.stream);
+                return Ok(Some(st.pool.segment(seg).first));
+            }
+        }
+        Ok(None)
+    }
+
+    pub(super) fn move_segment(&self, st: &mut State, seg: SegmentId, to: StreamId) {
+        self.ensure_cache(st, to);
+        let from = st.pool.segment(seg).key.stream;
+        st.pool.rekey_segment(seg, to);
+        Self::forget_segment(st, from);
+        *st.segment_streams.entry(to).or_default() += 1;
+    }
+
+    pub(super) fn forget_segment(st: &mut State, stream: StreamId) {
+        if let Some(n) = st.segment_streams.get_mut(&stream) {
+            *n -= 1;
+            if *n == 0 {
+                st.segment_streams.remove(&stream);
+            }
+        }
+    }
+
+    /// Releases segments with no busy block that satisfy `which`. Each release is a host sync.
+    pub(super) fn release_segments(
+        &self,
+        st: &mut State,
+        which: impl FnMut(&crate::pool::Segment) -> bool,
+    ) -> Result<(), AllocError> {
+        for seg in st.pool.releasable_segments(which) {
+            let base = st.pool.segment(seg).base;
+            // Release on the device first: if it fails, the segment stays cached and consistent.
+            self.device.release(DeviceAddr(base))?;
+            let stream = st.pool.segment(seg).key.stream;
+            let size = st.pool.segment(seg).size;
+            st.pool.remove_segment(seg);
+            st.note(Action::SegmentFree, DeviceAddr(base), size, stream);
+            Self::forget_segment(st, stream);
+            st.counters.device_free += 1;
+            st.counters.host_syncs += 1;
+        }
+        Ok(())
+    }
+
+    /// Frees a block on behalf of a dropped buffer: into its stream's cache when it has no uses
+    /// on other streams and the cache has room (no global lock), else into the pool or, after
+    /// `record_stream`, behind events. A large-pool block goes to the stream's first lane, which
+    /// holds at most one: it is reused only where that is exactly the pool's best fit
+    /// ([`Shared::reuse_large`]), and any other search of the large pool frees it first.
+    pub(super) fn free(&self, f: buffer::Freed) {
+        self.device.note_reclaim(f.ptr, f.size, f.stream);
+        if !f.used_elsewhere
+            && self.fast_path.load(Ordering::Relaxed)
+            && let Some(cache) = match counters::is_small(f.quadrant) {
+                true => self.caches.fast(f.stream),
+                false => self.caches.first_lane(f.stream),
+            }
+        {
+            let class = ClassKey { residency: f.residency, rounded: f.rounded };
+            let b = CachedBlock {
+                block: f.block,
+                ptr: f.ptr,
+                size: f.size,
+                requested: f.requested,
+                quadrant: f.quadrant,
+            };
+            if cache.push(class, b).is_ok() {
+                return;
+            }
+        }
+        let block = f.block;
+        let mut st = self.lock_state();
+        st.note(Action::FreeRequested, f.ptr, f.requested, f.stream);
+        let uses = if st.stream_uses.is_empty() {
+            Vec::new()
+        } else {
+            st.stream_uses.remove(&block).unwrap_or_default()
+        };
+        if uses.is_empty() || self.broken_skip_events.load(Ordering::Relaxed) {
+            st.pool.free(block);
+            st.base.live_down(f.quadrant, f.size, f.requested);
+            st.note(Action::FreeCompleted, f.ptr, f.requested, f.stream);
+            return;
+        }
+        st.pool.mark_pending(block);
+        st.base.move_to_pending(f.quadrant, f.size);
+        let mut recorded = 0;
+        for s in uses {
+            let event = match self.event(&mut st) {
+                Ok(e) => e,
+                Err(_) => continue,
+            };
+            if self.device.record_event(event, s).is_err() {
+                // The stream is gone (destroyed, hence drained): nothing to wait for.
+                st.free_events.push(event);
+                continue;
+            }
+            st.pending.entry(s).or_default().push_back(PendingEvent { event, block });
+            recorded += 1;
+        }
+        if recorded == 0 {
+            st.pool.free(block);
+            st.base.pending_done(f.quadrant, f.size, f.requested);
+            st.note(Action::FreeCompleted, f.ptr, f.requested, f.stream);
+        } else {
+            st.pending_count.insert(block, recorded);
+        }
+    }
+
+    /// Flushes every stream cache into the pool; returns how many blocks moved.
+    pub(super) fn flush_all(&self, st: &mut State) -> usize {
+        let mut n = 0;
+        for c in self.caches.all().iter() {
+            if c.cached_blocks() > 0 {
+                n += flush_into(c, &mut st.pool).len();
+            }
+        }
+        n
+    }
+
+    /// Frees into the pool the large-pool block each stream cache may hold, so that a search of
+    /// the large pool sees them as if they had never been cached. The caller holds the global
+    /// lock. (A block cached concurrently is as if freed after the search.)
+    pub(super) fn flush_large(&self, st: &mut State) {
+        for c in self.caches.all().iter() {
+            if c.large_blocks() > 0
+                && let Some(b) = c.drain_large()
+            {
+                st.pool.free(b.block);
+            }
+        }
+    }
+
+    /// Same-stream reuse of a large block without the pool's split and coalesce: the block
+    /// `stream` caches for `class`, if handing it out is exactly what freeing it and taking the
+    /// best fit would do ([`Pool::reuse_is_best_fit`]; the stream holds no other large block
+    /// back from the pool). Accounted like a stream-cache hit. The caller holds the global lock.
+    pub(super) fn reuse_large(
+        &self,
+        st: &mut State,
+        stream: StreamId,
+        class: ClassKey,
+        bytes: u64,
+        sizing: &crate::pool::Sizing,
+    ) -> Option<CachedBlock> {
+        let cache = self.caches.first_lane(stream)?;
+        if cache.large_blocks() == 0 {
+            return None;
+        }
+        let pool = &st.pool;
+        match cache
+            .pop_checked(class, bytes, |b| pool.reuse_is_best_fit(b.block, class.rounded, sizing))
+        {
+            Pop::Hit(b) => Some(b),
+            Pop::Miss => None,
+            Pop::NeedsLock => {
+                // Accepted, but another request size or too little credit: account it here.
+                // Large blocks are popped under the global lock only, so it is the same block.
+                let b = cache.pop_locked(class)?;
+                if b.requested != bytes {
+                    st.pool.set_requested(b.block, bytes);
+                }
+                st.base.live_up(b.quadrant, b.size, bytes, || self.caches.all());
+                Some(b)
+            }
+        }
+    }
+
+    /// Flushes one stream's cache into the pool, closing it first if the stream goes away.
+    pub(super) fn flush_stream(&self, st: &mut State, stream: StreamId, close: bool) {
+        for c in self.caches.lanes(stream) {
+            if close {
+                c.close();
+            }
+            flush_into(&c, &mut st.pool);
+        }
+    }
+
+    /// Gives `stream` a cache if it has none (it is about to own memory).
+    pub(super) fn ensure_cache(&self, st: &mut State, stream: StreamId) {
+        if self.caches.get(stream).is_some() {
+            return;
+        }
+        let limits = limits(&self.config.load());
+        let lanes: Vec<_> =
+            (0..fast_cache::LANES).map(|_| Arc::new(StreamCache::new(stream, limits))).collect();
+        lanes[0].publish_pool_free(st.pool.free_bytes_of(stream));
+        self.caches.add(lanes);
+        // Readers that loaded the old table must retry.
+        st.base.touch(&self.stats);
+    }
+
+    /// Bytes of `stream`'s segments in blocks that are not free in the pool: allocated, or freed
+    /// and waiting on events (flush the stream's caches first, or their blocks count too).
+    pub(super) fn bytes_in_use_on(&self, st: &State, stream: StreamId) -> u64 {
+        st.pool
+            .segments()
+            .filter(|(_, seg)| seg.key.stream == stream)
+            .flat_map(|(id, _)| st.pool.segment_blocks(id))
+            .filter(|(_, b)| b.state != BlockState::Free)
+            .map(|(_, b)| b.size)
+            .sum()
+    }
+}

@@ -1,0 +1,155 @@
+//! The allocator's shared state: [`Shared`] (device, config, caches, published statistics, plans)
+//! and the slow-path [`State`] behind the global lock, with [`Locked`], the guard that publishes
+//! statistics when it is let go.
+//!
+//! ```text
+//!  Shared ─┬─ state: Mutex<State> ── pool, pending events per stream, stream uses, counters
+//!          ├─ caches (lock-free per-stream caches, fast_cache.rs)
+//!          ├─ stats: SeqBlock (published copy, counters.rs)
+//!          └─ plans: Mutex<(name, stream) → learned plan + region>
+//! ```
+
+use super::history::{Action, History};
+use super::observers::Observers;
+use super::*;
+
+pub(crate) struct Shared<D: Device> {
+    pub(super) device: Arc<D>,
+    pub(super) config: ArcCell<Config>,
+    pub(super) device_total: u64,
+    pub(super) state: Mutex<State>,
+    /// One cache per stream that owns memory; added to under `state`'s lock.
+    pub(super) caches: CacheTable,
+    /// Whether frees may use the stream caches (`Config::fast_path`), set with the config.
+    pub(super) fast_path: AtomicBool,
+    /// Whether statistics are published for lock-free readers (off under `global_lock`, where
+    /// `stats()` reads them under the lock), set with the config.
+    pub(super) publish_stats: AtomicBool,
+    /// The base statistics as published by the slow path (see `counters.rs`).
+    pub(super) stats: SeqBlock<BASE_WORDS>,
+    /// Test-only deliberate bug: skip every event that orders cross-stream reuse.
+    pub(super) broken_skip_events: AtomicBool,
+    /// Whether the memory history is recorded (then every operation takes the slow path).
+    pub(super) recording: AtomicBool,
+    /// Out-of-memory observers and the failure callback (`observers.rs`).
+    pub(super) observers: Observers,
+    /// Acquisitions of `state`'s lock, for tests proving the fast path skips it.
+    pub(super) lock_count: AtomicU64,
+    /// Learned plans of named scopes, by (name, stream). Taken before `state`, never inside it.
+    pub(super) plans: Mutex<HashMap<(String, StreamId), PlanState>>,
+    pub(super) scope_counters: ScopeCounters,
+}
+
+/// What a named scope learned, and the region its plan lives in.
+#[derive(Default)]
+pub(super) struct PlanState {
+    pub(super) learned: Option<Arc<Learned>>,
+    pub(super) region: Option<Arc<Region>>,
+}
+
+/// Scope and plan counters, updated without the allocator's lock.
+#[derive(Default)]
+pub(super) struct ScopeCounters {
+    pub(super) plan_hits: AtomicU64,
+    pub(super) plan_misses: AtomicU64,
+    pub(super) plan_fallbacks: AtomicU64,
+    pub(super) escapes: AtomicU64,
+    pub(super) region_bytes: AtomicU64,
+    pub(super) searches: AtomicU64,
+}
+
+/// A block freed by its user while other streams may still use it.
+pub(super) struct PendingEvent {
+    pub(super) event: EventId,
+    pub(super) block: BlockId,
+}
+
+#[derive(Default)]
+pub(super) struct Counters {
+    pub(super) retries: u64,
+    pub(super) ooms: u64,
+    pub(super) device_alloc: u64,
+    pub(super) device_free: u64,
+    pub(super) host_syncs: u64,
+}
+
+#[derive(Default)]
+pub(super) struct State {
+    pub(super) pool: Pool,
+    pub(super) counters: Counters,
+    /// Streams a block was used on besides its own (`record_stream`), by block.
+    pub(super) stream_uses: HashMap<BlockId, Vec<StreamId>>,
+    /// Events recorded at free time, per stream they were recorded on, oldest first.
+    pub(super) pending: BTreeMap<StreamId, VecDeque<PendingEvent>>,
+    /// Outstanding events per pending block.
+    pub(super) pending_count: HashMap<BlockId, usize>,
+    /// Recorded-and-completed events ready for reuse.
+    pub(super) free_events: Vec<EventId>,
+    /// Streams that own segments, with how many (cross-stream search is skipped with one).
+    pub(super) segment_streams: BTreeMap<StreamId, usize>,
+    /// Statistics kept under this lock, published when the lock is let go.
+    pub(super) base: BaseStats,
+    /// Scratch list of streams whose pool free bytes changed.
+    pub(super) dirty: Vec<StreamId>,
+    /// The memory history, while it is recorded (`history.rs`).
+    pub(super) history: Option<History>,
+}
+
+impl State {
+    /// Adds an entry to the memory history, if it is recorded.
+    #[inline]
+    pub(super) fn note(&mut self, action: Action, addr: DeviceAddr, size: u64, stream: StreamId) {
+        if let Some(h) = &mut self.history {
+            h.push(action, addr, size, stream);
+        }
+    }
+}
+
+/// The global lock held: publishes the statistics when let go.
+pub(super) struct Locked<'a, D: Device> {
+    pub(super) sh: &'a Shared<D>,
+    pub(super) st: MutexGuard<'a, State>,
+}
+
+impl<D: Device> Deref for Locked<'_, D> {
+    type Target = State;
+    fn deref(&self) -> &State {
+        &self.st
+    }
+}
+
+impl<D: Device> DerefMut for Locked<'_, D> {
+    fn deref_mut(&mut self) -> &mut State {
+        &mut self.st
+    }
+}
+
+impl<D: Device> Drop for Locked<'_, D> {
+    fn drop(&mut self) {
+        self.sh.publish(&mut self.st);
+    }
+}
+
+impl<D: Device> Drop for Shared<D> {
+    /// The last handle and the last buffer are gone: wait for pending events and return every
+    /// segment to the device.
+    fn drop(&mut self) {
+        let plans = std::mem::take(&mut *lock(&self.plans));
+        let mut st = lock(&self.state);
+        let mut st = std::mem::take(&mut *st);
+        self.flush_all(&mut st);
+        // No buffer is left (each holds the allocator), so the plans hold the only regions.
+        for (_, plan) in plans {
+            if let Some(r) = plan.region.and_then(|r| Arc::try_unwrap(r).ok()) {
+                for b in r.into_blocks() {
+                    st.pool.free(b.block);
+                }
+            }
+        }
+        let _ = self.sync_events(&mut st);
+        let _ = self.release_segments(&mut st, |_| true);
+        for e in st.free_events.drain(..) {
+            let _ = self.device.destroy_event(e);
+        }
+    }
+}
