@@ -12,10 +12,11 @@
 
 use super::*;
 
+// User callbacks are no part of a loom model, and loom's `Arc` cannot hold a `dyn Fn`: std's.
 /// An out-of-memory observer ([`Allocator::attach_oom_observer`]).
-type Observer = Arc<dyn Fn(&OomReport) + Send + Sync>;
+type Observer = std::sync::Arc<dyn Fn(&OomReport) + Send + Sync>;
 /// The failure callback ([`Allocator::set_failure_callback`]).
-type Callback = Arc<dyn Fn(&OomReport, u32) -> bool + Send + Sync>;
+type Callback = std::sync::Arc<dyn Fn(&OomReport, u32) -> bool + Send + Sync>;
 
 #[derive(Default)]
 pub(crate) struct Observers {
@@ -53,7 +54,7 @@ impl<D: Device> Allocator<D> {
     /// assert_eq!(*seen.lock().unwrap(), vec![1 << 30]);
     /// ```
     pub fn attach_oom_observer(&self, observer: impl Fn(&OomReport) + Send + Sync + 'static) {
-        lock(&self.shared.observers.observers).push(Arc::new(observer));
+        lock(&self.shared.observers.observers).push(std::sync::Arc::new(observer));
     }
 
     /// Sets the failure callback (replacing any earlier one): called after the observers with
@@ -64,7 +65,7 @@ impl<D: Device> Allocator<D> {
         &self,
         callback: impl Fn(&OomReport, u32) -> bool + Send + Sync + 'static,
     ) {
-        *lock(&self.shared.observers.callback) = Some(Arc::new(callback));
+        *lock(&self.shared.observers.callback) = Some(std::sync::Arc::new(callback));
     }
 
     /// Removes the failure callback.
