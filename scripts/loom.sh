@@ -27,6 +27,7 @@ variants=(
   "scope_batch:batch_return_against_fast_free"
   "adopt:escape_free_against_scope_exit"
   "unbound_free:unbound_free_against_next_planned_handout"
+  "large_drain:large_free_against_flush_of_the_large_block"
 )
 status=0
 for v in "${variants[@]}"; do

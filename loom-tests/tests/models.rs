@@ -14,6 +14,7 @@
 //! | `batch_return_against_fast_free` (scope exit)| batch return under the lock vs fast free  | `scope_batch`  |
 //! | `escape_free_against_scope_exit`             | exit adopts escapes under the run's lock  | `adopt`        |
 //! | `unbound_free_against_next_planned_handout`  | a free is ordered before the scope sees it | `unbound_free` |
+//! | `large_free_against_flush_of_the_large_block`| a stream's one cached large block vs a large-pool search | `large_drain` |
 //!
 //! The allocator runs with its real configuration (two cache lanes per stream, 64 fast streams):
 //! threads take lanes round-robin as under `std`.
@@ -362,6 +363,94 @@ fn unbound_free_against_next_planned_handout() {
         alloc.check_invariants().unwrap();
         drop(alloc);
         assert_eq!(dev.live_segments(), 0);
+    });
+}
+
+/// A 20 MiB large-pool segment with `n` allocated 4 MiB blocks at its start.
+fn large_pool_with_blocks(n: usize) -> (Pool, Vec<CachedBlock>) {
+    let key = PoolKey { kind: PoolKind::Large, ..small_key() };
+    let (mut pool, sizing) = (Pool::new(), Sizing::default());
+    pool.add_segment(key, BASE, 20 * MIB);
+    let blocks = (0..n)
+        .map(|_| {
+            let free = pool.find_free(key, 4 * MIB, &sizing).unwrap();
+            let id = pool.allocate(free, 4 * MIB, 4 * MIB, &sizing);
+            let quadrant = quadrant(PoolKind::Large, Residency::Transient);
+            CachedBlock {
+                block: id,
+                ptr: DeviceAddr(pool.block(id).addr),
+                size: 4 * MIB,
+                requested: 4 * MIB,
+                quadrant,
+            }
+        })
+        .collect();
+    (pool, blocks)
+}
+
+/// A stream caches one large block (`a`); a user frees another (`b`) while the slow path, under
+/// the global lock, searches the large pool: it first frees the cached large block into the pool
+/// (`drain_large`), then tries to reuse what is cached for the class (`pop_checked` with the
+/// pool's best-fit check). The user's free goes to the cache if it holds no large block, else
+/// into the pool under the global lock (`Shared::free`). Every block ends in exactly one place,
+/// and the cache's large-block count is exact.
+#[test]
+fn large_free_against_flush_of_the_large_block() {
+    model(3, || {
+        let (pool, blocks) = large_pool_with_blocks(2);
+        let (a, b) = (blocks[0], blocks[1]);
+        let class = ClassKey { residency: Residency::Transient, rounded: 4 * MIB };
+        let limits = Limits { enabled: true, entries: 8, bytes: 64 * MIB };
+        let cache = Arc::new(StreamCache::new(S0, limits));
+        cache.push(class, a).unwrap();
+        assert_eq!(cache.large_blocks(), 1);
+        let global = Arc::new(Mutex::new(pool));
+
+        let user = {
+            let (cache, global) = (cache.clone(), global.clone());
+            thread::spawn(move || {
+                if cache.push(class, b).is_err() {
+                    global.lock().unwrap().free(b.block);
+                }
+            })
+        };
+        let (drained, reused) = {
+            let mut pool = global.lock().unwrap();
+            let drained = if cache.large_blocks() > 0 { cache.drain_large() } else { None };
+            if let Some(x) = drained {
+                pool.free(x.block);
+            }
+            let sizing = Sizing::default();
+            let reused = match cache
+                .pop_checked(class, 4 * MIB, |x| pool.reuse_is_best_fit(x.block, 4 * MIB, &sizing))
+            {
+                Pop::Hit(x) => Some(x),
+                _ => None,
+            };
+            (drained, reused)
+        };
+        user.join().unwrap();
+
+        let pool = global.lock().unwrap();
+        pool.check_invariants().unwrap();
+        let still: Vec<CachedBlock> = cache.peek().into_iter().map(|(_, x)| x).collect();
+        assert_eq!(cache.large_blocks(), still.len() as u64, "the large-block count drifted");
+        assert!(still.len() <= 1, "a stream caches one large block at most");
+        for x in [a, b] {
+            let is_cached = still.contains(&x);
+            let handed_out = reused == Some(x);
+            let free = state_at(&pool, x.ptr) == BlockState::Free;
+            let places = usize::from(is_cached) + usize::from(handed_out) + usize::from(free);
+            assert_eq!(
+                places, 1,
+                "block at {:?}: cached {is_cached}, reused {handed_out}, free {free}",
+                x.ptr
+            );
+            if is_cached || handed_out {
+                held_intact(&pool, &x);
+            }
+        }
+        assert!(drained.is_none_or(|x| x == a), "only the block cached first is drained");
     });
 }
 

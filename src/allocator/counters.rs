@@ -45,8 +45,6 @@ pub struct BaseStats {
     dirty: [u64; BASE_WORDS.div_ceil(64)],
     /// `upper` per live group and cell.
     upper: [[u64; CELLS]; 5],
-    /// The pool-only groups as last mirrored.
-    mirrored: [StatGroup; 4],
 }
 
 impl Default for BaseStats {
@@ -55,7 +53,6 @@ impl Default for BaseStats {
             words: [0; BASE_WORDS],
             dirty: [0; BASE_WORDS.div_ceil(64)],
             upper: [[0; CELLS]; 5],
-            mirrored: [StatGroup::default(); 4],
         }
     }
 }
@@ -179,16 +176,42 @@ impl BaseStats {
 
     /// Copies the pool-only groups from the pool and the plain counters.
     pub fn mirror(&mut self, pool: &BlockStats, counters: [u64; COUNTERS]) {
-        for (i, &g) in POOL_ONLY.iter().enumerate() {
-            let group = group(pool, g);
-            if self.mirrored[i] == *group {
-                continue;
+        self.mirror_changed(pool, counters, Pool::SEGMENTS_CHANGED | Pool::SPLITS_CHANGED);
+    }
+
+    /// Like [`BaseStats::mirror`], copying only the cells of the pool-only groups that `changed`
+    /// (from [`Pool::take_changed`]) names: the quadrants whose reserved bytes and segments, or
+    /// inactive splits, changed.
+    pub fn mirror_changed(&mut self, pool: &BlockStats, counters: [u64; COUNTERS], changed: u8) {
+        if changed != 0 {
+            // A bit per cell, for the segment groups and for the split groups.
+            let (mut segments, mut splits) = (0u8, 0u8);
+            for q in 0..QUADRANTS {
+                let cells = cells_of(q).iter().fold(0u8, |m, &c| m | 1 << c);
+                if changed & (1 << q) != 0 {
+                    segments |= cells;
+                }
+                if changed & (0x10 << q) != 0 {
+                    splits |= cells;
+                }
             }
-            self.mirrored[i] = *group;
-            for (c, s) in cells(group).into_iter().enumerate() {
-                self.set(b_pool(i, c, 0), s.current);
-                self.set(b_pool(i, c, 1), s.peak);
-                self.set(b_pool(i, c, 2), s.allocated);
+            // POOL_ONLY: reserved bytes, inactive split bytes, segments, inactive splits.
+            let groups = [
+                (&pool.reserved_bytes, segments),
+                (&pool.inactive_split_bytes, splits),
+                (&pool.segment, segments),
+                (&pool.inactive_split, splits),
+            ];
+            for (i, (group, bits)) in groups.into_iter().enumerate() {
+                let mut bits = bits;
+                while bits != 0 {
+                    let c = bits.trailing_zeros() as usize;
+                    bits &= bits - 1;
+                    let s = cell(group, c);
+                    self.set(b_pool(i, c, 0), s.current);
+                    self.set(b_pool(i, c, 1), s.peak);
+                    self.set(b_pool(i, c, 2), s.allocated);
+                }
             }
         }
         for (i, v) in counters.into_iter().enumerate() {
@@ -271,6 +294,17 @@ fn group_mut(s: &mut BlockStats, g: usize) -> &mut StatGroup {
         6 => &mut s.segment,
         7 => &mut s.active,
         _ => &mut s.inactive_split,
+    }
+}
+
+/// Cell `c` of a group (see [`cells`]).
+fn cell(g: &StatGroup, c: usize) -> &Stat {
+    match c {
+        0 => &g.all,
+        1 => &g.small_pool,
+        2 => &g.large_pool,
+        3 => &g.persistent,
+        _ => &g.transient,
     }
 }
 
@@ -424,7 +458,54 @@ mod tests {
             assert_eq!((3..5).filter(|&c| in_cell(c, q)).count(), 1);
         }
         assert_eq!(quadrant(PoolKind::Large, Residency::Persistent), 2);
+        // The pool numbers the quadrants of its change bits the same way.
+        for kind in [PoolKind::Small, PoolKind::Large] {
+            for res in [Residency::Persistent, Residency::Transient] {
+                assert_eq!(Pool::quadrant(kind, res), quadrant(kind, res));
+            }
+        }
         assert_eq!(cells_of(2), [0, 2, 3]);
+    }
+
+    /// Mirroring only the changed cells of the pool-only groups keeps every field of them
+    /// (current, peak, allocated, freed) equal to the pool's.
+    #[test]
+    fn mirroring_the_changed_cells_keeps_pool_groups_exact() {
+        use crate::pool::{PoolKey, Sizing};
+        use crate::types::{MIB, StreamId};
+        let (mut pool, sizing, mut b) = (Pool::new(), Sizing::default(), BaseStats::default());
+        let key = |kind, residency| PoolKey { residency, stream: StreamId(0), kind };
+        let same = |b: &BaseStats, pool: &Pool| {
+            let s = assemble(&b.words, &[]);
+            POOL_ONLY.iter().all(|&g| group(&s, g) == group(pool.stats(), g))
+        };
+        let publish = |b: &mut BaseStats, pool: &mut Pool| {
+            let changed = pool.take_changed();
+            b.mirror_changed(pool.stats(), [0; COUNTERS], changed);
+        };
+        let small =
+            pool.add_segment(key(PoolKind::Small, Residency::Transient), 0x1000_0000, 2 * MIB);
+        publish(&mut b, &mut pool);
+        assert!(same(&b, &pool));
+        let a = pool.allocate(small, 512, 500, &sizing);
+        assert_eq!(pool.take_changed(), Pool::SPLITS_CHANGED & 0x20);
+        pool.free(a);
+        publish(&mut b, &mut pool);
+        assert!(same(&b, &pool), "inactive split peak and totals follow");
+        let large =
+            pool.add_segment(key(PoolKind::Large, Residency::Persistent), 0x2000_0000, 20 * MIB);
+        let c = pool.allocate(large, 8 * MIB, 8 * MIB, &sizing);
+        publish(&mut b, &mut pool);
+        assert!(same(&b, &pool));
+        pool.free(c);
+        let seg = pool.block(large).segment;
+        pool.remove_segment(seg);
+        assert_eq!(pool.take_changed(), 0x04 | 0x40);
+        b.mirror_changed(pool.stats(), [0; COUNTERS], 0x04 | 0x40);
+        assert!(same(&b, &pool));
+        pool.reset_peak_stats();
+        publish(&mut b, &mut pool);
+        assert!(same(&b, &pool), "a peak reset republishes every cell");
     }
 
     #[test]

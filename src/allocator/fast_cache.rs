@@ -20,17 +20,25 @@
 //! it into a free pool block. Lock order: global lock, then stream caches in stream order; the
 //! fast path takes one stream's lock and never the global one while holding it.
 //!
+//! Large-pool blocks are cached too, one at most per stream (in its lane 0), and never popped
+//! without the global lock: [`StreamCache::pop_checked`] hands one out again only where the pool
+//! confirms that freeing it and taking the best fit would give exactly that block
+//! (`Pool::reuse_is_best_fit`), and any other search of the large pool first frees it into the
+//! pool (`drain_large`). So the cache skips the split and the coalesce of a same-stream reuse
+//! (and the pool's statistics publishing) but never changes where a large block is placed.
+//!
 //! *Credit* keeps peaks exact without a shared counter (see `counters.rs`): a fast free lowers
 //! the live total by the block and grants its stream that much headroom under the peak; a fast pop
 //! may only spend headroom it holds, so it can never create a new peak. When it has too little,
 //! the pop returns [`Pop::NeedsLock`] and the caller accounts it under the global lock.
 
 use super::seqlock::SeqBlock;
-use super::stats_layout::{BYTES, COUNT, FAST_WORDS, QUADRANTS, REQ, fast_cur, fast_tot};
+use super::stats_layout::{BYTES, COUNT, FAST_WORDS, QUADRANTS, REQ, fast_cur, fast_tot, is_small};
 use super::stats_layout::{CACHED_BLOCKS, CACHED_BYTES};
 use crate::device::{DeviceAddr, StreamId};
 use crate::pool::{BlockId, Pool};
 use crate::stats::Residency;
+use crate::sync::atomic::{AtomicU64, Ordering};
 use crate::sync::{Arc, ArcCell, ArcRef, Mutex, MutexGuard, OnceSlot, SlotRef, lock};
 use crossbeam_utils::CachePadded;
 use std::collections::HashMap;
@@ -125,6 +133,8 @@ pub struct CacheInner {
     classes: Classes,
     blocks: usize,
     bytes: u64,
+    /// Large-pool blocks among `blocks`: 0 or 1 (see [`StreamCache::push`]).
+    large: u64,
     /// Headroom under the peak held by this stream, per quadrant: (bytes, count, requested).
     pub(crate) credit: [[u64; 3]; QUADRANTS],
     /// The words of `fast` as last published (this lock makes us their only writer).
@@ -150,6 +160,8 @@ pub struct CacheCells {
     inner: Mutex<CacheInner>,
     fast: SeqBlock<FAST_WORDS>,
     slow: SeqBlock<1>,
+    /// `inner.large`, stored under `inner`'s lock and read without it as a hint.
+    large: AtomicU64,
 }
 
 impl std::ops::Deref for StreamCache {
@@ -168,6 +180,7 @@ impl StreamCache {
                 classes: Classes::default(),
                 blocks: 0,
                 bytes: 0,
+                large: 0,
                 credit: [[0; 3]; QUADRANTS],
                 words: [0; FAST_WORDS],
                 limits,
@@ -175,6 +188,7 @@ impl StreamCache {
             }),
             fast: SeqBlock::new(),
             slow: SeqBlock::new(),
+            large: AtomicU64::new(0),
         }))
     }
 
@@ -199,12 +213,16 @@ impl StreamCache {
 
     /// Caches a block freed on this stream: the user's block becomes cached, its statistics
     /// move from live to cached, and the stream gains its size as credit. Gives the block back if
-    /// the cache is disabled, closed or full.
+    /// the cache is disabled, closed or full, or if it is a large-pool block and the cache holds
+    /// one already (a large block is reused only where that is exactly the pool's best fit,
+    /// checked against the pool with no other large block of the stream held back from it).
     pub fn push(&self, class: ClassKey, b: CachedBlock) -> Result<(), CachedBlock> {
         let mut g = self.lock_inner();
         let inner = &mut *g;
         let l = inner.limits;
-        if !l.enabled || inner.closed || inner.bytes + b.size > l.bytes {
+        let large = !is_small(b.quadrant);
+        if !l.enabled || inner.closed || inner.bytes + b.size > l.bytes || large && inner.large > 0
+        {
             return Err(b);
         }
         let n_classes = inner.classes.len();
@@ -219,6 +237,9 @@ impl StreamCache {
         list.push(b);
         inner.blocks += 1;
         inner.bytes += b.size;
+        if large {
+            self.set_large(inner, 1);
+        }
         let q = b.quadrant;
         let c = &mut inner.credit[q];
         c[BYTES] += b.size;
@@ -236,10 +257,24 @@ impl StreamCache {
 
     /// Takes a block of `class` for a request of `requested` bytes. See [`Pop`].
     pub fn pop(&self, class: ClassKey, requested: u64) -> Pop {
+        self.pop_checked(class, requested, |_| true)
+    }
+
+    /// Like [`StreamCache::pop`], when `accept` takes the block that would be popped (checked
+    /// under this cache's lock); [`Pop::Miss`] when it refuses it.
+    pub fn pop_checked(
+        &self,
+        class: ClassKey,
+        requested: u64,
+        accept: impl FnOnce(&CachedBlock) -> bool,
+    ) -> Pop {
         let mut g = self.lock_inner();
         let inner = &mut *g;
         let Some(list) = inner.classes.get_mut(&class) else { return Pop::Miss };
         let Some(&b) = list.last() else { return Pop::Miss };
+        if !accept(&b) {
+            return Pop::Miss;
+        }
         let q = b.quadrant;
         let c = &inner.credit[q];
         let covered = c[BYTES] >= b.size && c[COUNT] >= 1 && c[REQ] >= requested;
@@ -264,6 +299,9 @@ impl StreamCache {
         c[REQ] = c[REQ].saturating_sub(requested);
         inner.blocks = inner.blocks.saturating_sub(1);
         inner.bytes = inner.bytes.saturating_sub(b.size);
+        if !is_small(b.quadrant) {
+            self.set_large(inner, 0);
+        }
         let w = &mut inner.words;
         for (qty, v) in [(BYTES, b.size), (COUNT, 1), (REQ, requested)] {
             w[fast_cur(qty, q)] = w[fast_cur(qty, q)].wrapping_add(v);
@@ -293,6 +331,9 @@ impl StreamCache {
         let b = inner.classes.get_mut(&class)?.pop()?;
         inner.blocks -= 1;
         inner.bytes -= b.size;
+        if !is_small(b.quadrant) {
+            self.set_large(inner, 0);
+        }
         let w = &mut inner.words;
         w[CACHED_BYTES] -= b.size;
         w[CACHED_BLOCKS] -= 1;
@@ -315,10 +356,72 @@ impl StreamCache {
         inner.classes.clear();
         inner.blocks = 0;
         inner.bytes = 0;
+        self.set_large(inner, 0);
         inner.words[CACHED_BYTES] = 0;
         inner.words[CACHED_BLOCKS] = 0;
         self.publish(&inner.words, &[]);
         out
+    }
+
+    /// Takes the cache's large-pool block, if any (a flush of it alone); the caller holds the
+    /// global lock and frees it into the pool.
+    pub fn drain_large(&self) -> Option<CachedBlock> {
+        let mut g = self.lock_inner();
+        let inner = &mut *g;
+        if inner.large == 0 {
+            return None;
+        }
+        #[cfg(tidepool_broken = "large_drain")]
+        {
+            // BROKEN: marks the cache free of large blocks first and lets go of the lock before
+            // taking its block out: a large block pushed meanwhile is swept out with it, and only
+            // the first one found is returned to be freed (the other is lost).
+            self.set_large(inner, 0);
+            drop(g);
+            let mut g = self.lock_inner();
+            let inner = &mut *g;
+            let mut taken = Vec::new();
+            inner.classes.retain(|_, list| {
+                if list.first().is_some_and(|b| !is_small(b.quadrant)) {
+                    taken.append(list);
+                }
+                !list.is_empty()
+            });
+            for b in &taken {
+                inner.blocks -= 1;
+                inner.bytes -= b.size;
+                inner.words[CACHED_BYTES] -= b.size;
+                inner.words[CACHED_BLOCKS] -= 1;
+            }
+            self.publish(&inner.words, &[]);
+            return taken.first().copied();
+        }
+        let mut found = None;
+        inner.classes.retain(|_, list| {
+            if list.first().is_some_and(|b| !is_small(b.quadrant)) {
+                found = list.pop();
+            }
+            !list.is_empty()
+        });
+        let b = found.expect("a large block is counted");
+        inner.blocks -= 1;
+        inner.bytes -= b.size;
+        self.set_large(inner, 0);
+        inner.words[CACHED_BYTES] -= b.size;
+        inner.words[CACHED_BLOCKS] -= 1;
+        self.publish(&inner.words, &[]);
+        Some(b)
+    }
+
+    /// Large-pool blocks cached now, 0 or 1 (a relaxed read: exact under this cache's lock, a
+    /// hint without it).
+    pub fn large_blocks(&self) -> u64 {
+        self.large.load(Ordering::Relaxed)
+    }
+
+    fn set_large(&self, inner: &mut CacheInner, n: u64) {
+        inner.large = n;
+        self.large.store(n, Ordering::Relaxed);
     }
 
     /// The blocks cached now, in no particular order (for the broken variants' snapshots and
@@ -339,12 +442,14 @@ impl StreamCache {
                 if gone {
                     inner.blocks -= 1;
                     inner.bytes -= b.size;
+                    inner.large -= u64::from(!is_small(b.quadrant));
                     inner.words[CACHED_BYTES] -= b.size;
                     inner.words[CACHED_BLOCKS] -= 1;
                 }
                 !gone
             });
         }
+        self.large.store(inner.large, Ordering::Relaxed);
         self.publish(&inner.words, &[]);
     }
 
@@ -356,6 +461,7 @@ impl StreamCache {
         inner.classes.clear();
         inner.blocks = 0;
         inner.bytes = 0;
+        self.set_large(inner, 0);
         inner.words[CACHED_BYTES] = 0;
         inner.words[CACHED_BLOCKS] = 0;
         self.publish(&inner.words, &[]);

@@ -269,6 +269,14 @@ impl<D: Device> Allocator<D> {
             drop(st);
             return Ok(self.hand_out_cached(&b, bytes, stream, &plan, residency));
         }
+        if !plan.fast
+            && config.fast_path()
+            && !sh.recording.load(Ordering::Relaxed)
+            && let Some(b) = sh.reuse_large(&mut st, stream, class, bytes, &config.sizing)
+        {
+            drop(st);
+            return Ok(self.hand_out_cached(&b, bytes, stream, &plan, residency));
+        }
         let key = PoolKey { residency, stream, kind: plan.kind };
         let block = sh.find_or_reserve(&mut st, config, key, bytes, plan.rounded)?;
         let block = st.pool.allocate(block, plan.rounded, bytes, &config.sizing);

@@ -12,9 +12,8 @@
 
 use super::*;
 
+// User callbacks are no part of a loom model, and loom's `Arc` cannot hold a `dyn Fn`: std's.
 /// An out-of-memory observer ([`Allocator::attach_oom_observer`]).
-// (`std`'s `Arc`, also under loom: a callback is no protocol to model, and loom's `Arc` cannot
-// hold an unsized `dyn Fn`.)
 type Observer = std::sync::Arc<dyn Fn(&OomReport) + Send + Sync>;
 /// The failure callback ([`Allocator::set_failure_callback`]).
 type Callback = std::sync::Arc<dyn Fn(&OomReport, u32) -> bool + Send + Sync>;

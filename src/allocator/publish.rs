@@ -18,7 +18,8 @@ impl<D: Device> Shared<D> {
         }
         let c = &st.counters;
         let counters = [c.retries, c.ooms, c.device_alloc, c.device_free, c.host_syncs];
-        st.base.mirror(st.pool.stats(), counters);
+        let changed = st.pool.take_changed();
+        st.base.mirror_changed(st.pool.stats(), counters, changed);
         st.base.publish(&self.stats);
         let mut dirty = std::mem::take(&mut st.dirty);
         st.pool.take_dirty_streams(&mut dirty);

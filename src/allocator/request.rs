@@ -20,7 +20,7 @@ pub struct RequestPlan {
     pub rounded: u64,
     /// The pool that serves it.
     pub kind: PoolKind,
-    /// Whether the stream caches may serve it.
+    /// Whether the stream caches may serve it without the global lock (small-pool requests).
     pub fast: bool,
 }
 
@@ -34,7 +34,8 @@ impl RequestPlan {
         let kind = cell.load().sizing.kind(rounded); // BROKEN: a second load may see another config.
         #[cfg(not(tidepool_broken = "config"))]
         let kind = config.sizing.kind(rounded);
-        // Only small-pool blocks are ever cached (large ones go straight back to the pool).
+        // The lane loop serves small-pool blocks; a large one is reused under the global lock
+        // (`Shared::reuse_large`) where that is exactly the pool's best fit.
         let fast = config.fast_path() && kind == crate::stats::PoolKind::Small;
         Ok(RequestPlan { config, rounded, kind, fast })
     }

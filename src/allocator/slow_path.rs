@@ -66,6 +66,10 @@ impl<D: Device> Shared<D> {
             self.process_events(st);
         }
         self.scope_counters.searches.fetch_add(1, Ordering::Relaxed);
+        if key.kind == crate::stats::PoolKind::Large {
+            // A large block waiting in a stream cache is searched as the pool would hold it.
+            self.flush_large(st);
+        }
         if let Some(b) = st.pool.find_free(key, rounded, &config.sizing) {
             return Ok(b);
         }
@@ -233,17 +237,19 @@ impl<D: Device> Shared<D> {
         Ok(())
     }
 
-    /// Frees a block on behalf of a dropped buffer: into its stream's cache when it is a
-    /// small-pool block with no uses on other streams and the cache has room (no global lock),
-    /// else into the pool or, after `record_stream`, behind events. Large blocks always go back
-    /// to the pool, where they coalesce at once: their fragmentation costs more than the
-    /// allocator's ~100 ns does next to the work on a megabyte.
+    /// Frees a block on behalf of a dropped buffer: into its stream's cache when it has no uses
+    /// on other streams and the cache has room (no global lock), else into the pool or, after
+    /// `record_stream`, behind events. A large-pool block goes to the stream's first lane, which
+    /// holds at most one: it is reused only where that is exactly the pool's best fit
+    /// ([`Shared::reuse_large`]), and any other search of the large pool frees it first.
     pub(super) fn free(&self, f: buffer::Freed) {
         self.device.note_reclaim(f.ptr, f.size, f.stream);
         if !f.used_elsewhere
-            && counters::is_small(f.quadrant)
             && self.fast_path.load(Ordering::Relaxed)
-            && let Some(cache) = self.caches.fast(f.stream)
+            && let Some(cache) = match counters::is_small(f.quadrant) {
+                true => self.caches.fast(f.stream),
+                false => self.caches.first_lane(f.stream),
+            }
         {
             let class = ClassKey { residency: f.residency, rounded: f.rounded };
             let b = CachedBlock {
@@ -323,6 +329,54 @@ impl<D: Device> Shared<D> {
             }
         }
         n
+    }
+
+    /// Frees into the pool the large-pool block each stream cache may hold, so that a search of
+    /// the large pool sees them as if they had never been cached. The caller holds the global
+    /// lock. (A block cached concurrently is as if freed after the search.)
+    pub(super) fn flush_large(&self, st: &mut State) {
+        for c in self.caches.all().iter() {
+            if c.large_blocks() > 0
+                && let Some(b) = c.drain_large()
+            {
+                st.pool.free(b.block);
+            }
+        }
+    }
+
+    /// Same-stream reuse of a large block without the pool's split and coalesce: the block
+    /// `stream` caches for `class`, if handing it out is exactly what freeing it and taking the
+    /// best fit would do ([`Pool::reuse_is_best_fit`]; the stream holds no other large block
+    /// back from the pool). Accounted like a stream-cache hit. The caller holds the global lock.
+    pub(super) fn reuse_large(
+        &self,
+        st: &mut State,
+        stream: StreamId,
+        class: ClassKey,
+        bytes: u64,
+        sizing: &crate::pool::Sizing,
+    ) -> Option<CachedBlock> {
+        let cache = self.caches.first_lane(stream)?;
+        if cache.large_blocks() == 0 {
+            return None;
+        }
+        let pool = &st.pool;
+        match cache
+            .pop_checked(class, bytes, |b| pool.reuse_is_best_fit(b.block, class.rounded, sizing))
+        {
+            Pop::Hit(b) => Some(b),
+            Pop::Miss => None,
+            Pop::NeedsLock => {
+                // Accepted, but another request size or too little credit: account it here.
+                // Large blocks are popped under the global lock only, so it is the same block.
+                let b = cache.pop_locked(class)?;
+                if b.requested != bytes {
+                    st.pool.set_requested(b.block, bytes);
+                }
+                st.base.live_up(b.quadrant, b.size, bytes, || self.caches.all());
+                Some(b)
+            }
+        }
     }
 
     /// Flushes one stream's cache into the pool, closing it first if the stream goes away.

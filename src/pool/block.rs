@@ -67,4 +67,6 @@ pub struct Segment {
     pub first: BlockId,
     /// Blocks that are allocated or pending (a segment with none can be released).
     pub busy_blocks: usize,
+    /// The slot of its key's free index in the pool.
+    pub(super) slot: usize,
 }

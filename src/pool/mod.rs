@@ -4,8 +4,9 @@
 //!
 //! ```text
 //!  blocks:   Slab<Block>      segment = address-ordered doubly linked list of blocks
-//!  segments: Slab<Segment>
-//!  free:     BTreeSet<(PoolKey, size, addr, BlockId)>   best fit = first entry ≥ (key, size)
+//!  segments: Slab<Segment>    each knows the slot of its key's free index
+//!  keys:     [(PoolKey, slot)] sorted          free: [FreeIndex; slot]   (see free_index.rs)
+//!            best fit of (key, size) = the key's index: smallest block ≥ size, lowest address
 //!
 //!  seg 0x1000_0000 [alloc 512][free 1536][alloc 1024][free 2 MiB - 3 KiB]
 //! ```
@@ -15,33 +16,57 @@
 //! [`Pool::check_invariants`] recomputes them from scratch to prove it.
 
 mod block;
+mod free_index;
 mod sizing;
 
 pub use block::{Block, BlockId, BlockState, PoolKey, Segment, SegmentId};
 pub use sizing::{MIB, Sizing};
 
 use crate::types::{BlockStats, StreamId};
+use free_index::{Entry, FreeIndex};
 use slab::Slab;
-use std::collections::{BTreeMap, BTreeSet};
 
-type FreeEntry = (PoolKey, u64, u64, usize);
+/// The free blocks of one pool key.
+#[derive(Clone)]
+struct Keyed {
+    key: PoolKey,
+    index: FreeIndex,
+    /// Its free bytes changed since the last [`Pool::take_dirty_streams`].
+    dirty: bool,
+}
 
 /// Segments and blocks of every pool of one device. See the module docs.
-#[derive(Default)]
+#[derive(Clone, Default)]
 pub struct Pool {
     blocks: Slab<Block>,
     segments: Slab<Segment>,
-    free: BTreeSet<FreeEntry>,
+    /// Every key that ever had a segment, sorted, with the slot of its index in `free`.
+    keys: Vec<(PoolKey, usize)>,
+    /// Free index per slot (slots are never removed).
+    free: Vec<Keyed>,
     stats: BlockStats,
-    /// Bytes in the free index per stream (streams with none omitted), kept with the index; a
-    /// short vector sorted by stream (a handful of streams).
-    free_by_stream: Vec<(StreamId, u64)>,
-    /// Streams whose free bytes changed since the last [`Pool::take_dirty_streams`] (each once,
-    /// so it is bounded by the number of streams).
-    dirty: Vec<StreamId>,
+    /// Slots whose `dirty` flag is set (each once).
+    dirty: Vec<usize>,
+    /// Which of the statistics only the pool changes changed since [`Pool::take_changed`].
+    changed: u8,
 }
 
 impl Pool {
+    /// [`Pool::take_changed`]: reserved bytes and segment counts changed, one bit per
+    /// quadrant (see [`Pool::quadrant`]).
+    pub const SEGMENTS_CHANGED: u8 = 0x0f;
+    /// [`Pool::take_changed`]: inactive split bytes and counts changed, one bit per quadrant.
+    pub const SPLITS_CHANGED: u8 = 0xf0;
+
+    /// The quadrant of a pool key's statistics: small persistent 0, small transient 1, large
+    /// persistent 2, large transient 3.
+    pub fn quadrant(kind: crate::types::PoolKind, residency: crate::types::Residency) -> usize {
+        use crate::types::{PoolKind, Residency};
+        let k = usize::from(kind == PoolKind::Large);
+        let r = usize::from(residency == Residency::Transient);
+        k * 2 + r
+    }
+
     /// An empty pool.
     #[cfg_attr(not(any(test, feature = "test-hooks")), allow(dead_code))]
     pub fn new() -> Pool {
@@ -56,6 +81,41 @@ impl Pool {
     /// Resets every peak statistic to its current value.
     pub fn reset_peak_stats(&mut self) {
         self.stats.reset_peak();
+        self.changed = Self::SEGMENTS_CHANGED | Self::SPLITS_CHANGED;
+    }
+
+    /// Which of the statistics that only the pool changes (reserved bytes and segments,
+    /// inactive splits) changed since the last call, and in which quadrants: bit `q` of
+    /// [`Pool::SEGMENTS_CHANGED`] and of [`Pool::SPLITS_CHANGED`] for quadrant `q`, so that
+    /// publishing copies only those cells.
+    pub fn take_changed(&mut self) -> u8 {
+        std::mem::take(&mut self.changed)
+    }
+
+    /// Counts a segment of `size` bytes in (`up`) or out.
+    fn count_segment(&mut self, key: PoolKey, size: u64, up: bool) {
+        let (k, r, st) = (key.kind, key.residency, &mut self.stats);
+        if up {
+            st.reserved_bytes.increase(k, r, size);
+            st.segment.increase(k, r, 1);
+        } else {
+            st.reserved_bytes.decrease(k, r, size);
+            st.segment.decrease(k, r, 1);
+        }
+        self.changed |= 1 << Self::quadrant(k, r);
+    }
+
+    /// Counts a free block of a split segment, of `size` bytes, in (`up`) or out.
+    fn count_split(&mut self, key: PoolKey, size: u64, up: bool) {
+        let (k, r, st) = (key.kind, key.residency, &mut self.stats);
+        if up {
+            st.inactive_split_bytes.increase(k, r, size);
+            st.inactive_split.increase(k, r, 1);
+        } else {
+            st.inactive_split_bytes.decrease(k, r, size);
+            st.inactive_split.decrease(k, r, 1);
+        }
+        self.changed |= 0x10 << Self::quadrant(k, r);
     }
 
     /// The block record of `id`. Panics on an id that is not a live block (a caller bug).
@@ -87,25 +147,48 @@ impl Pool {
     /// Number of free blocks cached.
     #[cfg_attr(not(any(test, feature = "test-hooks")), allow(dead_code))]
     pub fn free_blocks(&self) -> usize {
-        self.free.len()
+        self.free.iter().map(|k| k.index.len()).sum()
     }
 
     /// The best-fit free block of `key` for a rounded request: the smallest block ≥ `rounded`
     /// (lowest address among equals), unless the size rules forbid spending it on this request.
+    #[inline]
     pub fn find_free(&self, key: PoolKey, rounded: u64, sizing: &Sizing) -> Option<BlockId> {
-        let &(k, size, _, id) = self.free.range((key, rounded, 0, 0)..).next()?;
-        (k == key && sizing.may_serve(size, rounded)).then_some(BlockId(id))
+        let e = self.free[self.slot_of(key)?].index.best_fit(rounded)?;
+        sizing.may_serve(e.size, rounded).then_some(BlockId(e.id))
     }
 
     /// Free blocks of `key` in (size, address) order.
     #[cfg_attr(not(any(test, feature = "test-hooks")), allow(dead_code))]
     pub fn free_of(&self, key: PoolKey) -> impl Iterator<Item = BlockId> + '_ {
-        self.free.range((key, 0, 0, 0)..).take_while(move |e| e.0 == key).map(|e| BlockId(e.3))
+        let index = self.slot_of(key).map(|s| &self.free[s].index);
+        index.into_iter().flat_map(|i| i.iter().map(|e| BlockId(e.id)))
+    }
+
+    /// The slot of `key`'s free index, if it ever had one.
+    #[inline]
+    fn slot_of(&self, key: PoolKey) -> Option<usize> {
+        let i = self.keys.binary_search_by_key(&key, |k| k.0).ok()?;
+        Some(self.keys[i].1)
+    }
+
+    /// The slot of `key`'s free index, made on first use.
+    fn slot_for(&mut self, key: PoolKey) -> usize {
+        match self.keys.binary_search_by_key(&key, |k| k.0) {
+            Ok(i) => self.keys[i].1,
+            Err(i) => {
+                let slot = self.free.len();
+                self.free.push(Keyed { key, index: FreeIndex::default(), dirty: false });
+                self.keys.insert(i, (key, slot));
+                slot
+            }
+        }
     }
 
     /// Adds a segment of `size` bytes at `base` for `key`, as one free block; returns that block.
     pub fn add_segment(&mut self, key: PoolKey, base: u64, size: u64) -> BlockId {
         let seg = SegmentId(self.segments.vacant_key());
+        let slot = self.slot_for(key);
         let block = BlockId(self.blocks.insert(Block {
             segment: seg,
             addr: base,
@@ -115,10 +198,9 @@ impl Pool {
             next: None,
             state: BlockState::Free,
         }));
-        self.segments.insert(Segment { base, size, key, first: block, busy_blocks: 0 });
-        self.index_insert((key, size, base, block.0));
-        self.stats.reserved_bytes.increase(key.kind, key.residency, size);
-        self.stats.segment.increase(key.kind, key.residency, 1);
+        self.segments.insert(Segment { base, size, key, first: block, busy_blocks: 0, slot });
+        self.index_insert(slot, Entry { size, addr: base, id: block.0 });
+        self.count_segment(key, size, true);
         block
     }
 
@@ -136,15 +218,13 @@ impl Pool {
         assert_eq!(b.state, BlockState::Free, "allocate of a block that is not free");
         assert!(b.size >= rounded, "allocate of a block smaller than the request");
         let seg = b.segment;
-        let key = self.segments[seg.0].key;
+        let (key, slot) = (self.segments[seg.0].key, self.segments[seg.0].slot);
         let (kind, res) = (key.kind, key.residency);
-        let (size0, addr0) = (b.size, b.addr);
-        self.index_remove(&(key, size0, addr0, id.0));
-        let b = &self.blocks[id.0];
-        if b.is_split() {
-            self.stats.inactive_split_bytes.decrease(kind, res, b.size);
-            self.stats.inactive_split.decrease(kind, res, 1);
+        self.index_remove(slot, &Entry { size: b.size, addr: b.addr, id: id.0 });
+        if self.blocks[id.0].is_split() {
+            self.count_split(key, self.blocks[id.0].size, false);
         }
+        let b = &self.blocks[id.0];
         if sizing.should_split(kind, b.size, rounded) {
             let rest = Block {
                 segment: seg,
@@ -163,9 +243,8 @@ impl Pool {
             let b = &mut self.blocks[id.0];
             b.next = Some(BlockId(rest_id));
             b.size = rounded;
-            self.index_insert((key, rest_size, rest_addr, rest_id));
-            self.stats.inactive_split_bytes.increase(kind, res, rest_size);
-            self.stats.inactive_split.increase(kind, res, 1);
+            self.index_insert(slot, Entry { size: rest_size, addr: rest_addr, id: rest_id });
+            self.count_split(key, rest_size, true);
         }
         let b = &mut self.blocks[id.0];
         b.state = BlockState::Allocated;
@@ -179,6 +258,47 @@ impl Pool {
         st.active.increase(kind, res, 1);
         st.requested_bytes.increase(kind, res, requested);
         id
+    }
+
+    /// Whether handing the allocated block `id` out again, unchanged, for a request rounded to
+    /// `rounded` leaves the pool exactly as [`Pool::free`] of it followed by
+    /// [`Pool::find_free`] and [`Pool::allocate`] would: the block, merged with a free right
+    /// neighbour, is the best fit (no free left neighbour would move its start, no other free
+    /// block of its key fits better) and the allocation would give back the same block. Two
+    /// O(1) lookups in the free index.
+    ///
+    /// ```text
+    ///  [busy][ id (allocated) ][free R]    freed: [busy][ id + R ]  best fit, starts at id,
+    ///                                      split back into [id][R]  ⇒  reuse id as it is
+    /// ```
+    pub fn reuse_is_best_fit(&self, id: BlockId, rounded: u64, sizing: &Sizing) -> bool {
+        let b = &self.blocks[id.0];
+        if b.state != BlockState::Allocated || b.size < rounded {
+            return false;
+        }
+        let free = |n: Option<BlockId>| n.filter(|n| self.blocks[n.0].state == BlockState::Free);
+        if free(b.prev).is_some() {
+            return false;
+        }
+        let seg = &self.segments[b.segment.0];
+        let right = free(b.next);
+        let merged = b.size + right.map_or(0, |r| self.blocks[r.0].size);
+        let same_split = match right {
+            // Freed, the block alone would be split again only where it was not before.
+            None => !sizing.should_split(seg.key.kind, b.size, rounded),
+            // Freed, it merges with R: the allocation must split exactly R off again.
+            Some(_) => b.size == rounded && sizing.should_split(seg.key.kind, merged, rounded),
+        };
+        if !same_split || !sizing.may_serve(merged, rounded) {
+            return false;
+        }
+        // The best fit among the other free blocks (R merges into the block when it is freed).
+        let index = &self.free[seg.slot].index;
+        let best = match index.best_fit(rounded) {
+            Some(e) if right.is_some_and(|r| r.0 == e.id) => index.next_after(&e),
+            e => e,
+        };
+        best.is_none_or(|e| (e.size, e.addr) > (merged, b.addr))
     }
 
     /// Marks an allocated block as freed by its user but waiting on events: it stops counting as
@@ -201,9 +321,10 @@ impl Pool {
         b.state = BlockState::Free;
         let (size, requested, seg) = (b.size, b.requested, b.segment);
         b.requested = 0;
-        let key = self.segments[seg.0].key;
+        let s = &mut self.segments[seg.0];
+        s.busy_blocks -= 1;
+        let (key, slot) = (s.key, s.slot);
         let (kind, res) = (key.kind, key.residency);
-        self.segments[seg.0].busy_blocks -= 1;
         let st = &mut self.stats;
         if was == BlockState::Allocated {
             st.allocated_bytes.decrease(kind, res, size);
@@ -217,36 +338,32 @@ impl Pool {
         if let Some(p) =
             self.blocks[id.0].prev.filter(|p| self.blocks[p.0].state == BlockState::Free)
         {
-            self.absorb(p, merged, key);
+            self.absorb(p, merged, key, slot);
             merged = p;
         }
         if let Some(n) =
             self.blocks[merged.0].next.filter(|n| self.blocks[n.0].state == BlockState::Free)
         {
-            self.absorb(merged, n, key);
+            self.absorb(merged, n, key, slot);
         }
         let m = &self.blocks[merged.0];
-        let entry = (key, m.size, m.addr, merged.0);
-        self.index_insert(entry);
+        self.index_insert(slot, Entry { size: m.size, addr: m.addr, id: merged.0 });
         let m = &self.blocks[merged.0];
         if m.is_split() {
-            let size = m.size;
-            self.stats.inactive_split_bytes.increase(kind, res, size);
-            self.stats.inactive_split.increase(kind, res, 1);
+            self.count_split(key, m.size, true);
         }
         merged
     }
 
     /// Merges block `right` into its left neighbour `left`; whichever of them was in the free index
     /// (as an inactive split) leaves it.
-    fn absorb(&mut self, left: BlockId, right: BlockId, key: PoolKey) {
+    fn absorb(&mut self, left: BlockId, right: BlockId, key: PoolKey, slot: usize) {
         for id in [left, right] {
             let b = &self.blocks[id.0];
             let size = b.size;
-            if self.index_remove(&(key, size, b.addr, id.0)) {
+            if self.index_remove(slot, &Entry { size, addr: b.addr, id: id.0 }) {
                 // A free neighbour of another block is always part of a split segment.
-                self.stats.inactive_split_bytes.decrease(key.kind, key.residency, size);
-                self.stats.inactive_split.decrease(key.kind, key.residency, 1);
+                self.count_split(key, size, false);
             }
         }
         let r = self.blocks.remove(right.0);
@@ -273,12 +390,11 @@ impl Pool {
         assert_eq!(seg.busy_blocks, 0, "remove_segment of a segment in use");
         let b = &self.blocks[seg.first.0];
         debug_assert!(b.state == BlockState::Free && !b.is_split());
-        let entry = (seg.key, b.size, b.addr, seg.first.0);
-        self.index_remove(&entry);
-        self.blocks.remove(entry.3);
+        let entry = Entry { size: b.size, addr: b.addr, id: seg.first.0 };
+        self.index_remove(seg.slot, &entry);
+        self.blocks.remove(entry.id);
         let seg = self.segments.remove(id.0);
-        self.stats.reserved_bytes.decrease(seg.key.kind, seg.key.residency, seg.size);
-        self.stats.segment.decrease(seg.key.kind, seg.key.residency, 1);
+        self.count_segment(seg.key, seg.size, false);
         (seg.base, seg.size)
     }
 
@@ -287,28 +403,30 @@ impl Pool {
         let seg = &self.segments[id.0];
         assert_eq!(seg.busy_blocks, 0, "rekey_segment of a segment in use");
         let b = &self.blocks[seg.first.0];
-        let old = (seg.key, b.size, b.addr, seg.first.0);
-        self.index_remove(&old);
+        let entry = Entry { size: b.size, addr: b.addr, id: seg.first.0 };
+        let (key, old) = (PoolKey { stream, ..seg.key }, seg.slot);
+        self.index_remove(old, &entry);
+        let slot = self.slot_for(key);
         let seg = &mut self.segments[id.0];
-        seg.key.stream = stream;
-        let key = seg.key;
-        self.index_insert((key, old.1, old.2, old.3));
-    }
-
-    /// Bytes of free blocks cached per stream (streams with none omitted).
-    pub fn free_bytes_by_stream(&self) -> BTreeMap<StreamId, u64> {
-        self.free_by_stream.iter().copied().collect()
+        (seg.key, seg.slot) = (key, slot);
+        self.index_insert(slot, entry);
     }
 
     /// Bytes of free blocks cached for `stream`.
     pub fn free_bytes_of(&self, stream: StreamId) -> u64 {
-        self.free_by_stream.iter().find(|e| e.0 == stream).map_or(0, |e| e.1)
+        self.free.iter().filter(|k| k.key.stream == stream).map(|k| k.index.bytes()).sum()
     }
 
     /// Streams whose free bytes changed since the last call (each once), for publishing.
     pub fn take_dirty_streams(&mut self, out: &mut Vec<StreamId>) {
         out.clear();
-        std::mem::swap(out, &mut self.dirty);
+        for slot in self.dirty.drain(..) {
+            let k = &mut self.free[slot];
+            k.dirty = false;
+            if !out.contains(&k.key.stream) {
+                out.push(k.key.stream);
+            }
+        }
     }
 
     /// Records the new request of an allocated block handed to another user unchanged (the
@@ -323,44 +441,37 @@ impl Pool {
         self.stats.requested_bytes.increase(key.kind, key.residency, requested);
     }
 
-    fn index_insert(&mut self, e: FreeEntry) {
-        let s = e.0.stream;
-        match self.free_by_stream.binary_search_by_key(&s, |x| x.0) {
-            Ok(i) => self.free_by_stream[i].1 += e.1,
-            Err(i) => self.free_by_stream.insert(i, (s, e.1)),
+    #[inline]
+    fn index_insert(&mut self, slot: usize, e: Entry) {
+        let k = &mut self.free[slot];
+        k.index.insert(e);
+        if !k.dirty {
+            k.dirty = true;
+            self.dirty.push(slot);
         }
-        self.note_dirty(s);
-        self.free.insert(e);
     }
 
-    fn index_remove(&mut self, e: &FreeEntry) -> bool {
-        if !self.free.remove(e) {
+    #[inline]
+    fn index_remove(&mut self, slot: usize, e: &Entry) -> bool {
+        let k = &mut self.free[slot];
+        if !k.index.remove(e) {
             return false;
         }
-        let s = e.0.stream;
-        let i = self.free_by_stream.binary_search_by_key(&s, |x| x.0).expect("indexed stream");
-        self.free_by_stream[i].1 -= e.1;
-        if self.free_by_stream[i].1 == 0 {
-            self.free_by_stream.remove(i);
+        if !k.dirty {
+            k.dirty = true;
+            self.dirty.push(slot);
         }
-        self.note_dirty(s);
         true
-    }
-
-    fn note_dirty(&mut self, s: StreamId) {
-        if !self.dirty.contains(&s) {
-            self.dirty.push(s);
-        }
     }
 
     /// The largest cached free block, in bytes.
     pub fn largest_free_block(&self) -> u64 {
-        self.free.iter().map(|e| e.1).max().unwrap_or(0)
+        self.free.iter().filter_map(|k| k.index.largest()).map(|e| e.size).max().unwrap_or(0)
     }
 
     /// Bytes of free blocks whose key satisfies `pred`.
     pub fn free_bytes_where(&self, mut pred: impl FnMut(&PoolKey) -> bool) -> u64 {
-        self.free.iter().filter(|e| pred(&e.0)).map(|e| e.1).sum()
+        self.free.iter().filter(|k| pred(&k.key)).map(|k| k.index.bytes()).sum()
     }
 
     /// Recomputes everything from scratch and compares: blocks tile each segment exactly, no two
@@ -403,7 +514,9 @@ impl Pool {
                 match b.state {
                     BlockState::Free => {
                         free_seen += 1;
-                        if !self.free.contains(&(seg.key, b.size, b.addr, id.0)) {
+                        let e = Entry { size: b.size, addr: b.addr, id: id.0 };
+                        let k = &self.free[seg.slot];
+                        if k.key != seg.key || !k.index.contains(&e) {
                             return Err(format!(
                                 "free block at {:#x} missing from the index",
                                 b.addr
@@ -446,17 +559,26 @@ impl Pool {
                 ));
             }
         }
-        let mut by_stream: BTreeMap<StreamId, u64> = BTreeMap::new();
-        for e in &self.free {
-            *by_stream.entry(e.0.stream).or_insert(0) += e.1;
+        for k in &self.free {
+            k.index.check()?;
         }
-        if by_stream != self.free_bytes_by_stream() {
-            return Err("free bytes per stream drifted".into());
+        let slots: Vec<_> = self.free.iter().enumerate().map(|(s, k)| (k.key, s)).collect();
+        if !self.keys.is_sorted_by(|a, b| a.0 < b.0) || {
+            let mut sorted = slots;
+            sorted.sort_unstable();
+            sorted != self.keys
+        } {
+            return Err("free index keys drifted".into());
         }
-        if free_seen != self.free.len() {
+        for (s, k) in self.free.iter().enumerate() {
+            if k.dirty != self.dirty.contains(&s) {
+                return Err(format!("dirty flag of free index {s} drifted"));
+            }
+        }
+        if free_seen != self.free_blocks() {
             return Err(format!(
                 "free index has {} entries, {free_seen} free blocks exist",
-                self.free.len()
+                self.free_blocks()
             ));
         }
         ranges.sort_unstable();

@@ -256,3 +256,150 @@ fn invariant_checker_catches_corruption() {
     pool.stats.allocated_bytes.all.current += 1;
     assert!(pool.check_invariants().unwrap_err().contains("stats drifted"));
 }
+
+/// Large pool, default sizing: a 20 MiB segment at `base` with the given blocks allocated in
+/// order (sizes already rounded); returns their ids.
+fn carve(pool: &mut Pool, s: &Sizing, base: u64, sizes: &[u64]) -> Vec<BlockId> {
+    let mut free = pool.add_segment(large(), base, 20 * MIB);
+    let mut out = Vec::new();
+    for &size in sizes {
+        let b = pool.allocate(free, size, size, s);
+        out.push(b);
+        if let Some(n) = pool.block(b).next {
+            free = n;
+        }
+    }
+    pool.check_invariants().unwrap();
+    out
+}
+
+#[test]
+fn reuse_of_a_block_before_its_free_remainder_is_the_best_fit() {
+    let (mut pool, s) = (Pool::new(), Sizing::default());
+    let a = carve(&mut pool, &s, BASE, &[4 * MIB])[0];
+    // [a 4 MiB][free 16 MiB]: freed, the segment is whole; 4 MiB splits off its start again.
+    assert!(pool.reuse_is_best_fit(a, 4 * MIB, &s));
+    // Another request of the class would not leave the same split.
+    assert!(!pool.reuse_is_best_fit(a, 4 * MIB - 512, &s));
+    // A pending block is not reusable.
+    pool.mark_pending(a);
+    assert!(!pool.reuse_is_best_fit(a, 4 * MIB, &s));
+}
+
+#[test]
+fn reuse_is_refused_when_another_free_block_fits_better() {
+    let (mut pool, s) = (Pool::new(), Sizing::default());
+    let a = carve(&mut pool, &s, BASE, &[4 * MIB])[0];
+    // A second segment [16 MiB][free 4 MiB]: the 4 MiB hole is the best fit once `a` is freed.
+    carve(&mut pool, &s, BASE + 20 * MIB, &[16 * MIB]);
+    assert!(!pool.reuse_is_best_fit(a, 4 * MIB, &s));
+    // Check by doing it: the search takes the hole at 36 MiB.
+    pool.free(a);
+    let best = pool.find_free(large(), 4 * MIB, &s).unwrap();
+    assert_eq!(pool.block(best).addr, BASE + 36 * MIB);
+}
+
+#[test]
+fn reuse_is_refused_when_a_whole_segment_at_a_lower_address_ties() {
+    let (mut pool, s) = (Pool::new(), Sizing::default());
+    // An untouched 20 MiB segment below: freed, `a` merges into 20 MiB at a higher address.
+    pool.add_segment(large(), BASE, 20 * MIB);
+    let a = carve(&mut pool, &s, BASE + 20 * MIB, &[4 * MIB])[0];
+    assert!(!pool.reuse_is_best_fit(a, 4 * MIB, &s));
+    // The same with the untouched segment above: `a` wins the tie on its address.
+    let (mut pool, s) = (Pool::new(), Sizing::default());
+    let a = carve(&mut pool, &s, BASE, &[4 * MIB])[0];
+    pool.add_segment(large(), BASE + 20 * MIB, 20 * MIB);
+    assert!(pool.reuse_is_best_fit(a, 4 * MIB, &s));
+    // A free block smaller than the merged 20 MiB but too small for the request changes nothing.
+    carve(&mut pool, &s, BASE + 40 * MIB, &[16 * MIB + 512]);
+    assert!(pool.reuse_is_best_fit(a, 4 * MIB, &s));
+}
+
+#[test]
+fn reuse_is_refused_when_the_left_neighbour_is_free() {
+    let (mut pool, s) = (Pool::new(), Sizing::default());
+    let ids = carve(&mut pool, &s, BASE, &[4 * MIB, 4 * MIB]);
+    pool.free(ids[0]);
+    // Freed, `ids[1]` would merge into [0, 20 MiB) and the request would start at BASE.
+    assert!(!pool.reuse_is_best_fit(ids[1], 4 * MIB, &s));
+}
+
+#[test]
+fn reuse_between_busy_neighbours_and_of_unsplit_blocks() {
+    let (mut pool, s) = (Pool::new(), Sizing::default());
+    let ids = carve(&mut pool, &s, BASE, &[4 * MIB, 4 * MIB, 12 * MIB]);
+    assert_eq!(pool.block(ids[2]).next, None);
+    assert!(pool.reuse_is_best_fit(ids[1], 4 * MIB, &s));
+    // Exactly between busy neighbours, a smaller request of the class would not split it
+    // (a 1 MiB - 512 remainder stays), so it is reused whole.
+    assert!(pool.reuse_is_best_fit(ids[1], 3 * MIB + 512, &s));
+    // But 2 MiB would split (remainder 2 MiB > 1 MiB): not the same block.
+    assert!(!pool.reuse_is_best_fit(ids[1], 2 * MIB, &s));
+}
+
+/// Against the real thing: for random pools (small, large and huge blocks), whenever `reuse_is_best_fit` says yes, freeing
+/// the block and allocating the best fit gives exactly the same blocks everywhere.
+#[test]
+fn reuse_agrees_with_free_then_best_fit() {
+    for s in [
+        Sizing::default(),
+        Sizing { max_split_size: 8 * MIB, ..Sizing::default() },
+        Sizing { roundup_power2_divisions: 4, ..Sizing::default() },
+    ] {
+        reuse_agrees_under(s);
+    }
+}
+
+fn reuse_agrees_under(s: Sizing) {
+    let mut x = 0x9e37_79b9_7f4a_7c15u64;
+    let mut rnd = move |n: u64| {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x % n
+    };
+    let layout = |p: &Pool| {
+        let mut v: Vec<(u64, u64, BlockState)> = p
+            .segments()
+            .flat_map(|(id, _)| p.segment_blocks(id).map(|(_, b)| (b.addr, b.size, b.state)))
+            .collect();
+        v.sort_unstable_by_key(|b| b.0);
+        v
+    };
+    let (mut yes, mut checked) = (0, 0);
+    for _ in 0..200 {
+        let (mut pool, mut next) = (Pool::new(), BASE);
+        let mut live: Vec<(BlockId, u64)> = Vec::new();
+        for _ in 0..40 {
+            if rnd(3) > 0 || live.is_empty() {
+                let bytes = match rnd(3) {
+                    0 => 512 * (1 + rnd(8192)),
+                    1 => MIB * (2 + rnd(6)),
+                    _ => 10 * MIB + 512 * rnd(8192),
+                };
+                let (b, _) = alloc(&mut pool, &s, small(), bytes, &mut next);
+                live.push((b, s.round(bytes).unwrap()));
+            } else {
+                let (b, _) = live.swap_remove(rnd(live.len() as u64) as usize);
+                pool.free(b);
+            }
+        }
+        for &(b, rounded) in &live {
+            checked += 1;
+            if !pool.reuse_is_best_fit(b, rounded, &s) {
+                continue;
+            }
+            yes += 1;
+            let mut freed = pool.clone();
+            freed.free(b);
+            let key = pool.segment(pool.block(b).segment).key;
+            let best = freed.find_free(key, rounded, &s).expect("the freed block fits");
+            let again = freed.allocate(best, rounded, rounded, &s);
+            freed.check_invariants().unwrap();
+            assert_eq!(freed.block(again).addr, pool.block(b).addr);
+            assert_eq!(layout(&freed), layout(&pool));
+        }
+    }
+    assert!(yes * 4 > checked, "reuse accepted {yes} of {checked}");
+}

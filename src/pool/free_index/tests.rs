@@ -1,0 +1,208 @@
+//! Exact tests of the free index: the bin of each size computed by hand, and every query's answer
+//! (size and address) against a sorted reference.
+
+use super::*;
+use std::collections::BTreeSet;
+
+const KIB: u64 = 1024;
+const MIB: u64 = 1024 * KIB;
+const BASE: u64 = 0x1_0000_0000;
+
+fn e(size: u64, addr: u64, id: usize) -> Entry {
+    Entry { size, addr: BASE + addr, id }
+}
+
+/// (size, address offset) of the best fit for `size`.
+fn fit(index: &FreeIndex, size: u64) -> Option<(u64, u64)> {
+    index.best_fit(size).map(|e| (e.size, e.addr - BASE))
+}
+
+#[test]
+fn bins_by_hand() {
+    assert_eq!(bin_of(0), (0, 0));
+    assert_eq!(bin_of(31), (0, 31));
+    assert_eq!(bin_of(32), (1, 0));
+    assert_eq!(bin_of(63), (1, 31));
+    assert_eq!(bin_of(64), (2, 0));
+    assert_eq!(bin_of(65), (2, 0));
+    assert_eq!(bin_of(66), (2, 1));
+    // 512 B granules: one size per bin below 32 KiB.
+    assert_eq!(bin_of(512), (5, 0));
+    assert_eq!(bin_of(1024), (6, 0));
+    assert_eq!(bin_of(1536), (6, 16));
+    assert_eq!(bin_of(16 * KIB - 512), (9, 30));
+    assert_eq!(bin_of(32 * KIB - 512), (10, 31));
+    assert_eq!(bin_of(16 * KIB), (10, 0));
+    // From 32 KiB a bin spans 1/32 of its octave: 32 KiB and 32 KiB + 512 share one.
+    assert_eq!(bin_of(32 * KIB), (11, 0));
+    assert_eq!(bin_of(32 * KIB + 512), (11, 0));
+    assert_eq!(bin_of(33 * KIB), (11, 1));
+    assert_eq!(bin_of(2 * MIB), (17, 0));
+    assert_eq!(bin_of(20 * MIB), (20, 8));
+    assert_eq!(bin_of(u64::MAX), (FL - 1, SL - 1));
+}
+
+#[test]
+fn bins_are_monotonic_in_size() {
+    let mut sizes: Vec<u64> = (0..4096).collect();
+    for top in 5..64 {
+        for d in [0u64, 1, 2, 3] {
+            let p = 1u64 << top;
+            sizes.extend([p - d, p + d, p + (p >> 5) - d, p + (p >> 5) + d, p | (p - 1)]);
+        }
+    }
+    sizes.sort_unstable();
+    sizes.dedup();
+    for w in sizes.windows(2) {
+        assert!(bin_of(w[0]) <= bin_of(w[1]), "{} {}", w[0], w[1]);
+    }
+}
+
+#[test]
+fn exact_size_then_lowest_address() {
+    let mut ix = FreeIndex::default();
+    ix.insert(e(1024, 0x3000, 3));
+    ix.insert(e(1024, 0x1000, 1));
+    ix.insert(e(1536, 0x0, 0));
+    ix.insert(e(512, 0x5000, 5));
+    ix.check().unwrap();
+    assert_eq!(fit(&ix, 512), Some((512, 0x5000)));
+    assert_eq!(fit(&ix, 1000), Some((1024, 0x1000)));
+    assert_eq!(fit(&ix, 1024), Some((1024, 0x1000)));
+    assert_eq!(fit(&ix, 1025), Some((1536, 0x0)));
+    assert_eq!(fit(&ix, 1537), None);
+    assert!(ix.remove(&e(1024, 0x1000, 1)));
+    assert_eq!(fit(&ix, 1024), Some((1024, 0x3000)));
+    assert!(ix.remove(&e(1024, 0x3000, 3)));
+    assert_eq!(fit(&ix, 1024), Some((1536, 0x0)));
+    assert_eq!((ix.len(), ix.bytes()), (2, 2048));
+    ix.check().unwrap();
+}
+
+#[test]
+fn shared_bin_skips_smaller_blocks() {
+    let mut ix = FreeIndex::default();
+    // Both in bin (11, 0); the smaller one at the lower address.
+    ix.insert(e(32 * KIB, 0x0, 0));
+    ix.insert(e(32 * KIB + 512, 0x10_0000, 1));
+    ix.insert(e(40 * KIB, 0x20_0000, 2));
+    assert_eq!(fit(&ix, 32 * KIB), Some((32 * KIB, 0x0)));
+    assert_eq!(fit(&ix, 32 * KIB + 1), Some((32 * KIB + 512, 0x10_0000)));
+    // Nothing in the request's bin is large enough: the next non-empty bin, same octave.
+    assert_eq!(fit(&ix, 32 * KIB + 513), Some((40 * KIB, 0x20_0000)));
+    // The next non-empty bin in a later octave.
+    ix.insert(e(3 * MIB, 0x30_0000, 3));
+    assert_eq!(fit(&ix, 40 * KIB + 1), Some((3 * MIB, 0x30_0000)));
+    assert_eq!(fit(&ix, 3 * MIB + 1), None);
+    assert_eq!(ix.largest().map(|e| e.size), Some(3 * MIB));
+    ix.check().unwrap();
+}
+
+#[test]
+fn next_after_walks_size_then_address() {
+    let mut ix = FreeIndex::default();
+    ix.insert(e(4 * MIB, 0x40_0000, 0));
+    ix.insert(e(16 * MIB, 0x80_0000, 1));
+    ix.insert(e(16 * MIB, 0x200_0000, 2));
+    ix.insert(e(20 * MIB, 0x0, 3));
+    let next = |size, addr, id| ix.next_after(&e(size, addr, id)).map(|e| (e.size, e.addr - BASE));
+    assert_eq!(next(4 * MIB, 0x40_0000, 0), Some((16 * MIB, 0x80_0000)));
+    assert_eq!(next(16 * MIB, 0x80_0000, 1), Some((16 * MIB, 0x200_0000)), "same bin");
+    assert_eq!(next(16 * MIB, 0x200_0000, 2), Some((20 * MIB, 0x0)), "next octave");
+    assert_eq!(next(20 * MIB, 0x0, 3), None);
+    // An entry that is not indexed: the first one after where it would be.
+    assert_eq!(next(8 * MIB, 0x0, 9), Some((16 * MIB, 0x80_0000)));
+    assert_eq!(next(512, 0x0, 9), Some((4 * MIB, 0x40_0000)));
+}
+
+#[test]
+fn bitmaps_follow_the_bins() {
+    let mut ix = FreeIndex::default();
+    assert_eq!((ix.fl_map, ix.largest()), (0, None));
+    ix.insert(e(2 * MIB, 0x0, 0));
+    ix.insert(e(2 * MIB + 64 * KIB, 0x40_0000, 1));
+    assert_eq!(ix.fl_map, 1 << 17);
+    assert_eq!(ix.sl_map[17], 0b11);
+    assert!(!ix.remove(&e(2 * MIB, 0x40_0000, 0)), "absent entry (wrong address)");
+    assert!(ix.remove(&e(2 * MIB, 0x0, 0)));
+    assert_eq!(ix.sl_map[17], 0b10);
+    assert!(ix.remove(&e(2 * MIB + 64 * KIB, 0x40_0000, 1)));
+    assert_eq!((ix.fl_map, ix.sl_map[17], ix.len(), ix.bytes()), (0, 0, 0, 0));
+    assert_eq!(fit(&ix, 1), None);
+    ix.check().unwrap();
+}
+
+#[test]
+fn iterates_in_size_then_address_order() {
+    let mut ix = FreeIndex::default();
+    for (i, (size, addr)) in
+        [(4 * MIB, 0x0), (512, 0x9000), (512, 0x8000), (33 * KIB, 0x7000)].into_iter().enumerate()
+    {
+        ix.insert(e(size, addr, i));
+    }
+    let order: Vec<(u64, u64)> = ix.iter().map(|e| (e.size, e.addr - BASE)).collect();
+    assert_eq!(order, [(512, 0x8000), (512, 0x9000), (33 * KIB, 0x7000), (4 * MIB, 0x0)]);
+}
+
+#[test]
+fn check_catches_corruption() {
+    let mut ix = FreeIndex::default();
+    ix.insert(e(1024, 0, 0));
+    ix.sl_map[6] = 0;
+    assert!(ix.check().unwrap_err().contains("bit disagrees"));
+    ix.sl_map[6] = 1;
+    ix.check().unwrap();
+    ix.bin_mut(6, 0).push(e(1024, 0x10, 1));
+    assert!(ix.check().unwrap_err().contains("counts"));
+    ix.bin_mut(6, 0).clear();
+    ix.bin_mut(6, 0).push(e(2048, 0, 0));
+    assert!(ix.check().unwrap_err().contains("in bin"));
+}
+
+/// A deterministic random walk of inserts, removes and queries, against a sorted set.
+#[test]
+fn agrees_with_a_sorted_set() {
+    let mut ix = FreeIndex::default();
+    let mut reference: BTreeSet<Entry> = BTreeSet::new();
+    let mut x = 0x2545_f491_4f6c_dd1du64;
+    let mut next = move || {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x
+    };
+    let size_of = |r: u64| match r % 4 {
+        0 => 512 * (1 + r % 64),
+        1 => 512 * (1 + r % 4096),
+        2 => MIB + 512 * (r % 40_000),
+        _ => 2 * MIB * (1 + r % 64),
+    };
+    for step in 0..20_000usize {
+        let r = next();
+        if r % 3 != 0 || reference.is_empty() {
+            let entry = Entry { size: size_of(next()), addr: next() & !511, id: step };
+            ix.insert(entry);
+            reference.insert(entry);
+        } else {
+            let victim = *reference.iter().nth((next() % reference.len() as u64) as usize).unwrap();
+            assert!(ix.remove(&victim));
+            reference.remove(&victim);
+        }
+        let q = size_of(next()).saturating_sub(512 * (next() % 3));
+        let want = reference.range(Entry { size: q, addr: 0, id: 0 }..).next().copied();
+        assert_eq!(ix.best_fit(q), want, "query {q} at step {step}");
+        if let Some(&probe) = reference.iter().nth((next() % (reference.len() as u64 + 1)) as usize)
+        {
+            let want =
+                reference.range((std::ops::Bound::Excluded(probe), std::ops::Bound::Unbounded));
+            assert_eq!(ix.next_after(&probe), want.into_iter().next().copied());
+        }
+        if step % 1000 == 0 {
+            ix.check().unwrap();
+            assert!(ix.iter().eq(reference.iter()));
+            assert_eq!(ix.largest(), reference.last().copied());
+        }
+    }
+    assert_eq!(ix.len(), reference.len());
+    assert_eq!(ix.bytes(), reference.iter().map(|e| e.size).sum::<u64>());
+}

@@ -1,0 +1,159 @@
+//! Same-stream reuse of large-pool blocks: a freed large block waits in its stream's first cache
+//! lane (one at most) and is handed out again only where that is exactly what freeing it and
+//! taking the pool's best fit would do; every other search of the large pool frees it into the
+//! pool first, so placement is the pool's best fit throughout. Exact addresses and counts.
+
+use std::sync::Arc;
+use tidepool::MIB;
+use tidepool::device::{SIM_BASE, SimDevice};
+use tidepool::{Allocator, Config, Device, DeviceAddr, StreamId};
+
+const S0: StreamId = StreamId::DEFAULT;
+
+fn setup(config: &str) -> (Arc<SimDevice>, Allocator<SimDevice>) {
+    let dev = Arc::new(SimDevice::new(1 << 30));
+    let alloc = Allocator::new(dev.clone(), Config::parse(config).unwrap()).unwrap();
+    (dev, alloc)
+}
+
+fn check(dev: &SimDevice, alloc: &Allocator<SimDevice>) {
+    alloc.check_invariants().unwrap();
+    assert_eq!(dev.violations(), vec![]);
+}
+
+fn at(offset: u64) -> DeviceAddr {
+    DeviceAddr(SIM_BASE + offset)
+}
+
+#[test]
+fn a_large_block_is_reused_in_place_without_split_or_coalesce() {
+    let (dev, alloc) = setup("");
+    let a = alloc.alloc(4 * MIB, S0).unwrap();
+    assert_eq!(a.ptr(), at(0));
+    let n = alloc.global_lock_acquisitions();
+    drop(a);
+    assert_eq!(alloc.global_lock_acquisitions(), n, "the free takes no global lock");
+    assert_eq!(alloc.stats().cached_fast_bytes, 4 * MIB);
+    for _ in 0..100 {
+        let b = alloc.alloc(4 * MIB, S0).unwrap();
+        assert_eq!(b.ptr(), at(0));
+    }
+    assert_eq!(alloc.global_lock_acquisitions(), n + 100, "one lock per reuse, to check the pool");
+    let s = alloc.stats();
+    assert_eq!(s.num_device_alloc, 1);
+    let count = s.blocks.allocation.large_pool;
+    assert_eq!((count.current, count.peak, count.allocated, count.freed), (0, 1, 101, 101));
+    assert_eq!(s.blocks.allocated_bytes.all.peak, 4 * MIB);
+    assert_eq!(s.blocks.inactive_split_bytes.large_pool.current, 16 * MIB);
+    assert_eq!(s.cached_fast_bytes, 4 * MIB);
+    check(&dev, &alloc);
+}
+
+#[test]
+fn a_large_block_is_not_reused_where_another_free_block_fits_better() {
+    let (dev, alloc) = setup("");
+    // Segment 1: [a 4][d 16]. Segment 2: [e 4][f 12][free 4].
+    let a = alloc.alloc(4 * MIB, S0).unwrap();
+    let d = alloc.alloc(16 * MIB, S0).unwrap();
+    let e = alloc.alloc(4 * MIB, S0).unwrap();
+    let f = alloc.alloc(12 * MIB, S0).unwrap();
+    assert_eq!(
+        (a.ptr(), d.ptr(), e.ptr(), f.ptr()),
+        (at(0), at(4 * MIB), at(20 * MIB), at(24 * MIB))
+    );
+    drop(a); // cached
+    drop(d); // the stream holds a large block already: into the pool, [a][free 16]
+    assert_eq!(alloc.stats().cached_fast_bytes, 4 * MIB);
+    // Freed, `a` would make segment 1 whole (20 MiB); the 4 MiB hole of segment 2 fits better.
+    let b = alloc.alloc(4 * MIB, S0).unwrap();
+    assert_eq!(b.ptr(), at(36 * MIB));
+    let s = alloc.stats();
+    assert_eq!((s.cached_fast_bytes, s.num_device_alloc), (0, 2));
+    assert_eq!(s.blocks.inactive_split.large_pool.current, 0, "segment 1 is whole again");
+    drop((b, e, f));
+    check(&dev, &alloc);
+}
+
+#[test]
+fn any_other_search_of_the_large_pool_sees_the_cached_block_coalesced() {
+    let (dev, alloc) = setup("");
+    drop(alloc.alloc(4 * MIB, S0).unwrap());
+    assert_eq!(alloc.stats().cached_fast_bytes, 4 * MIB);
+    // 18 MiB does not fit the 16 MiB tail, but does fit the whole segment once `a` is freed.
+    let b = alloc.alloc(18 * MIB, S0).unwrap();
+    assert_eq!(b.ptr(), at(0));
+    let s = alloc.stats();
+    assert_eq!((s.cached_fast_bytes, s.num_device_alloc), (0, 1));
+    drop(b);
+    check(&dev, &alloc);
+}
+
+#[test]
+fn one_large_block_per_stream_waits_the_others_go_to_the_pool() {
+    let (dev, alloc) = setup("");
+    let a = alloc.alloc(4 * MIB, S0).unwrap();
+    let b = alloc.alloc(4 * MIB, S0).unwrap();
+    assert_eq!(b.ptr(), at(4 * MIB));
+    drop(a);
+    drop(b); // merges with the 12 MiB tail
+    let s = alloc.stats();
+    assert_eq!(s.cached_fast_bytes, 4 * MIB);
+    assert_eq!(s.blocks.inactive_split_bytes.large_pool.current, 16 * MIB);
+    assert_eq!(s.blocks.inactive_split.large_pool.current, 1);
+    // [a][free 16]: `a` is the best fit again.
+    let c = alloc.alloc(4 * MIB, S0).unwrap();
+    assert_eq!((c.ptr(), alloc.stats().cached_fast_bytes), (at(0), 0));
+    drop(c);
+    check(&dev, &alloc);
+}
+
+#[test]
+fn a_different_request_of_the_class_is_reused_and_accounted_under_the_lock() {
+    let (dev, alloc) = setup("");
+    drop(alloc.alloc(4 * MIB, S0).unwrap());
+    let b = alloc.alloc(4 * MIB - 100, S0).unwrap();
+    assert_eq!((b.ptr(), b.block_size()), (at(0), 4 * MIB));
+    let s = alloc.stats();
+    assert_eq!(s.blocks.requested_bytes.all.current, 4 * MIB - 100);
+    assert_eq!(s.blocks.requested_bytes.all.allocated, 8 * MIB - 100);
+    assert_eq!(s.cached_fast_bytes, 0);
+    drop(b);
+    check(&dev, &alloc);
+}
+
+#[test]
+fn own_segments_are_reused_and_still_move_to_other_streams() {
+    let (dev, alloc) = setup("");
+    let s1 = dev.create_stream().unwrap();
+    // 11 MiB + 1 gets its own 12 MiB segment; freed, it waits in the cache of S0.
+    drop(alloc.alloc(11 * MIB + 1, S0).unwrap());
+    let a = alloc.alloc(11 * MIB + 1, S0).unwrap();
+    assert_eq!((a.ptr(), a.block_size()), (at(0), 12 * MIB));
+    drop(a);
+    assert_eq!(alloc.stats().cached_fast_bytes, 12 * MIB);
+    // Another stream's search frees it first, then takes the whole segment (no new one).
+    let b = alloc.alloc(11 * MIB + 1, s1).unwrap();
+    assert_eq!(b.ptr(), at(0));
+    let s = alloc.stats();
+    assert_eq!((s.num_device_alloc, s.cached_fast_bytes), (1, 0));
+    drop(b);
+    check(&dev, &alloc);
+}
+
+#[test]
+fn without_the_fast_cache_or_after_record_stream_large_blocks_go_to_the_pool() {
+    let (dev, alloc) = setup("fast_cache:false");
+    drop(alloc.alloc(4 * MIB, S0).unwrap());
+    let s = alloc.stats();
+    assert_eq!((s.cached_fast_bytes, s.blocks.inactive_split.all.current), (0, 0));
+    check(&dev, &alloc);
+
+    let (dev, alloc) = setup("");
+    let s1 = dev.create_stream().unwrap();
+    let a = alloc.alloc(4 * MIB, S0).unwrap();
+    alloc.record_stream(&a, s1).unwrap();
+    drop(a);
+    assert_eq!(alloc.stats().cached_fast_bytes, 0);
+    alloc.synchronize().unwrap();
+    check(&dev, &alloc);
+}
