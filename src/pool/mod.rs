@@ -15,6 +15,7 @@
 //! [`Pool::check_invariants`] recomputes them from scratch to prove it.
 
 mod block;
+mod pages;
 mod sizing;
 
 pub use block::{Block, BlockId, BlockState, PoolKey, Segment, SegmentId};
