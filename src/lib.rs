@@ -38,7 +38,8 @@ pub(crate) mod sync;
 mod types;
 
 pub use allocator::{
-    AllocError, Allocator, BlockInfo, Buffer, OomReport, Scope, ScopedBuffer, SegmentInfo,
+    AllocError, Allocator, BlockInfo, Buffer, OomReport, RangeInfo, Scope, ScopedBuffer,
+    SegmentInfo,
 };
 pub use config::{Config, ConfigError, CrossStream, ENV_VAR, KEYS as CONFIG_KEYS};
 pub use device::{Device, DeviceError, SimConfig, SimDevice};

@@ -41,6 +41,22 @@ pub struct MemoryStats {
     /// Bytes of freed blocks held in the per-stream fast-path caches (counted as freed in
     /// `blocks`, not yet returned to the pool's free lists).
     pub cached_fast_bytes: u64,
+    /// Expandable segments: whether they are in use (asked for, and the device has virtual
+    /// memory). Their mapped pages count in `blocks.reserved_bytes`.
+    pub expandable_segments: bool,
+    /// Expandable segments: bytes of virtual addresses reserved (free, but finite).
+    pub virtual_reserved_bytes: u64,
+    /// Expandable segments: pages mapped (`cuMemMap` calls), moved pages included.
+    pub num_device_map: u64,
+    /// Expandable segments: pages unmapped (`cuMemUnmap` calls), moved pages included.
+    pub num_device_unmap: u64,
+    /// Expandable segments: physical pages created (`cuMemCreate` calls).
+    pub num_physical_create: u64,
+    /// Expandable segments: physical pages released (`cuMemRelease` calls).
+    pub num_physical_release: u64,
+    /// Expandable segments: free pages another stream had cached, moved to a stream that ran out
+    /// (unmapped there, mapped here: no new physical memory).
+    pub num_pages_moved: u64,
 }
 
 impl MemoryStats {

@@ -24,6 +24,7 @@ mod checker;
 mod counters;
 mod error;
 mod events;
+mod expandable;
 mod fast_cache;
 mod oom;
 mod owner;
@@ -40,6 +41,7 @@ mod stats_layout;
 
 pub use buffer::Buffer;
 pub use error::{AllocError, OomReport};
+pub use expandable::RangeInfo;
 pub use report::{BlockInfo, SegmentInfo};
 pub use scope::{Scope, ScopedBuffer};
 
@@ -143,6 +145,7 @@ impl<D: Device> Allocator<D> {
             plans: Mutex::new(HashMap::new()),
             scope_counters: ScopeCounters::default(),
             lock_count: AtomicU64::new(0),
+            vm_published: Default::default(),
         });
         Ok(Allocator { owners: Arc::new(OwnerTable::new(&shared)), shared })
     }
@@ -230,7 +233,8 @@ impl<D: Device> Allocator<D> {
         }
         let key = PoolKey { residency, stream, kind: plan.kind };
         let block = sh.find_or_reserve(&mut st, config, key, bytes, plan.rounded)?;
-        let block = st.pool.allocate(block, plan.rounded, bytes, &config.sizing);
+        let sizing = sh.alloc_sizing(&st, block, &config.sizing);
+        let block = st.pool.allocate(block, plan.rounded, bytes, &sizing);
         let b = st.pool.block(block);
         let (ptr, size) = (DeviceAddr(b.addr), b.size);
         let q = quadrant(key.kind, residency);
@@ -333,6 +337,7 @@ impl<D: Device> Allocator<D> {
             sh.flush_stream(&mut st, stream, true);
         }
         sh.release_segments(&mut st, |s| s.key.stream == stream)?;
+        sh.free_ranges(&mut st, |k| k.stream == stream);
         drop(st);
         if adopted {
             sh.device.destroy_stream(stream)?;
@@ -350,6 +355,7 @@ impl<D: Device> Allocator<D> {
             sh.sync_events(&mut st)?;
         }
         sh.release_segments(&mut st, |s| s.key.stream == stream)?;
+        sh.free_ranges(&mut st, |k| k.stream == stream);
         drop(st);
         sh.device.destroy_stream(stream)?;
         Ok(())
@@ -387,7 +393,7 @@ impl<D: Device> Allocator<D> {
             && let Some((table, snap)) =
                 counters::collect(&sh.stats, || sh.caches.all(), STATS_TRIES)
         {
-            return sh.with_scope_stats(stats_from(&table, snap));
+            return sh.with_vm_stats(sh.with_scope_stats(stats_from(&table, snap)));
         }
         // Under the lock: exact, whether or not the statistics are being published.
         let mut st = sh.lock_state();
@@ -410,7 +416,7 @@ impl<D: Device> Allocator<D> {
                 .collect(),
         };
         drop(inners);
-        sh.with_scope_stats(stats_from(&all, snap))
+        sh.with_vm_stats(sh.with_scope_stats(stats_from(&all, snap)))
     }
 
     /// Bytes currently reserved from the device.

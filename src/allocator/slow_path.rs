@@ -65,15 +65,18 @@ impl<D: Device> Shared<D> {
             self.process_events(st);
         }
         self.scope_counters.searches.fetch_add(1, Ordering::Relaxed);
-        if let Some(b) = st.pool.find_free(key, rounded, &config.sizing) {
+        if let Some(b) = self.find_free(st, config, key, rounded) {
             return Ok(b);
         }
         // Before going further afield, return what the stream caches hold: they never make the
         // allocator reserve more than it would without them.
         if self.flush_all(st) > 0
-            && let Some(b) = st.pool.find_free(key, rounded, &config.sizing)
+            && let Some(b) = self.find_free(st, config, key, rounded)
         {
             return Ok(b);
+        }
+        if self.expandable(st, config, key) {
+            return self.find_or_grow(st, config, key, bytes, rounded);
         }
         if let Some(b) = self.take_from_other_stream(st, config, key, rounded)? {
             return Ok(b);
@@ -156,8 +159,10 @@ impl<D: Device> Shared<D> {
         if !st.segment_streams.keys().any(|&s| s != key.stream) {
             return Ok(None);
         }
+        let vm = &st.vm;
         let fits = |s: &crate::pool::Segment| {
-            s.key.stream != key.stream
+            !vm.contains(s.base)
+                && s.key.stream != key.stream
                 && s.key.residency == key.residency
                 && s.key.kind == key.kind
                 && s.size >= rounded
@@ -216,12 +221,17 @@ impl<D: Device> Shared<D> {
     }
 
     /// Releases segments with no busy block that satisfy `which`. Each release is a host sync.
+    /// Expandable segments satisfying `which` give back their whole free pages instead.
     pub(super) fn release_segments(
         &self,
         st: &mut State,
-        which: impl FnMut(&crate::pool::Segment) -> bool,
+        mut which: impl FnMut(&crate::pool::Segment) -> bool,
     ) -> Result<(), AllocError> {
-        for seg in st.pool.releasable_segments(which) {
+        if !st.vm.is_empty() {
+            self.release_pages(st, &mut which, 0)?;
+        }
+        let vm = &st.vm;
+        for seg in st.pool.releasable_segments(|s| !vm.contains(s.base) && which(s)) {
             let base = st.pool.segment(seg).base;
             // Release on the device first: if it fails, the segment stays cached and consistent.
             self.device.release(DeviceAddr(base))?;

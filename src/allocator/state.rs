@@ -32,6 +32,8 @@ pub(crate) struct Shared<D: Device> {
     /// Learned plans of named scopes, by (name, stream). Taken before `state`, never inside it.
     pub(super) plans: Mutex<HashMap<(String, StreamId), PlanState>>,
     pub(super) scope_counters: ScopeCounters,
+    /// Expandable-segment figures for lock-free readers (`expandable.rs`).
+    pub(super) vm_published: expandable::VmPublished,
 }
 
 /// What a named scope learned, and the region its plan lives in.
@@ -85,6 +87,8 @@ pub(super) struct State {
     pub(super) base: BaseStats,
     /// Scratch list of streams whose pool free bytes changed.
     pub(super) dirty: Vec<StreamId>,
+    /// Expandable segments: virtual ranges and their pages (`expandable.rs`).
+    pub(super) vm: expandable::Vm,
 }
 
 /// The global lock held: publishes the statistics when let go.
@@ -129,7 +133,9 @@ impl<D: Device> Drop for Shared<D> {
             }
         }
         let _ = self.sync_events(&mut st);
+        self.poll_retiring(&mut st, true);
         let _ = self.release_segments(&mut st, |_| true);
+        self.free_ranges(&mut st, |_| true);
         for e in st.free_events.drain(..) {
             let _ = self.device.destroy_event(e);
         }

@@ -14,8 +14,61 @@
 //! the same segment. Free blocks still merge only within a segment.
 
 use super::{Block, BlockId, BlockState, Pool, PoolKey, Segment, SegmentId};
+use crate::types::{BlockStats, PoolKind, Residency};
+
+fn held_index(kind: PoolKind, residency: Residency) -> (usize, usize) {
+    (usize::from(kind == PoolKind::Large), usize::from(residency == Residency::Transient))
+}
 
 impl Pool {
+    /// Counts `bytes` of memory `key`'s owner keeps outside every segment as reserved (mapped
+    /// pages an expandable range holds in reserve, above its segments).
+    pub fn hold(&mut self, key: PoolKey, bytes: u64) {
+        let (k, r) = held_index(key.kind, key.residency);
+        self.held[k][r] += bytes;
+        self.stats.reserved_bytes.increase(key.kind, key.residency, bytes);
+    }
+
+    /// Bytes held for pools of `key`'s kind and residency.
+    pub fn held_bytes(&self, key: PoolKey) -> u64 {
+        let (k, r) = held_index(key.kind, key.residency);
+        self.held[k][r]
+    }
+
+    /// Stops counting `bytes` held by [`Pool::hold`].
+    pub fn unhold(&mut self, key: PoolKey, bytes: u64) {
+        let (k, r) = held_index(key.kind, key.residency);
+        assert!(self.held[k][r] >= bytes, "unhold of more than is held");
+        self.held[k][r] -= bytes;
+        self.stats.reserved_bytes.decrease(key.kind, key.residency, bytes);
+    }
+
+    /// Adds the held bytes to recomputed statistics (for `check_invariants`).
+    pub(super) fn add_held(&self, expect: &mut BlockStats) {
+        for kind in [PoolKind::Small, PoolKind::Large] {
+            for res in [Residency::Persistent, Residency::Transient] {
+                let (k, r) = held_index(kind, res);
+                if self.held[k][r] > 0 {
+                    expect.reserved_bytes.increase(kind, res, self.held[k][r]);
+                }
+            }
+        }
+    }
+
+    /// The block record of `id`, if it is a live block.
+    pub fn try_block(&self, id: BlockId) -> Option<&Block> {
+        self.blocks.get(id.0)
+    }
+
+    /// The last block of the segment holding block `from`, walking forward from it.
+    pub fn last_block_from(&self, from: BlockId) -> BlockId {
+        let mut cur = from;
+        while let Some(n) = self.blocks[cur.0].next {
+            cur = n;
+        }
+        cur
+    }
+
     /// The block at the end of a segment.
     pub fn last_block(&self, id: SegmentId) -> BlockId {
         let mut cur = self.segments[id.0].first;
@@ -23,6 +76,11 @@ impl Pool {
             cur = n;
         }
         cur
+    }
+
+    /// Streams whose free bytes changed since the last [`Pool::take_dirty_streams`].
+    pub fn dirty_streams(&self) -> &[crate::types::StreamId] {
+        &self.dirty
     }
 
     /// A free block leaves the index (and the inactive-split figures, if it is split).
@@ -63,13 +121,14 @@ impl Pool {
     /// Newly mapped memory `[addr, addr + bytes)` of `key`: joined to `left` (a segment of `key`
     /// ending at `addr`) and to `right` (one starting at `addr + bytes`), or a segment of its
     /// own. The free block at the end of `left` (the start of `right`) is extended, as PyTorch's
-    /// expandable segments do. Returns the segment and the free block holding the new bytes.
+    /// expandable segments do. `hint`, any block of `left`, saves walking it from its start.
+    /// Returns the segment and the free block holding the new bytes.
     pub fn extend(
         &mut self,
         key: PoolKey,
         addr: u64,
         bytes: u64,
-        left: Option<SegmentId>,
+        (left, hint): (Option<SegmentId>, Option<BlockId>),
         right: Option<SegmentId>,
     ) -> (SegmentId, BlockId) {
         assert!(bytes > 0, "extend by nothing");
@@ -111,7 +170,10 @@ impl Pool {
         };
         let seg = &self.segments[l.0];
         assert!(seg.key == key && seg.base + seg.size == addr, "extend: left does not touch");
-        let last = self.last_block(l);
+        let last = match hint.filter(|&h| self.try_block(h).is_some_and(|b| b.segment == l)) {
+            Some(h) => self.last_block_from(h),
+            None => self.last_block(l),
+        };
         let blk = if self.blocks[last.0].state == BlockState::Free {
             self.unlist(last, key);
             self.blocks[last.0].size += bytes;
@@ -289,19 +351,19 @@ mod tests {
     #[test]
     fn extend_grows_the_free_end_block_and_joins_segments() {
         let (mut pool, s) = (Pool::new(), Sizing::default());
-        let (seg, b) = pool.extend(key(), BASE, P, None, None);
+        let (seg, b) = pool.extend(key(), BASE, P, (None, None), None);
         let a = pool.allocate(b, MIB + MIB / 2, MIB + MIB / 2, &s);
         assert_eq!(pool.block(a).addr, BASE);
         // The 512 KiB tail is not split off (large pool: the rest must exceed 1 MiB): one block.
         assert_eq!(layout(&pool), vec![vec![(0, P, A)]]);
         // Growing after a busy end block adds a free block.
-        let (seg2, blk) = pool.extend(key(), BASE + P, P, Some(seg), None);
+        let (seg2, blk) = pool.extend(key(), BASE + P, P, (Some(seg), None), None);
         assert_eq!((seg2, pool.block(blk).addr, pool.block(blk).size), (seg, BASE + P, P));
         pool.check_invariants().unwrap();
         // A separate segment three pages up, then the gap mapped: all one segment.
-        let (far, _) = pool.extend(key(), BASE + 3 * P, P, None, None);
+        let (far, _) = pool.extend(key(), BASE + 3 * P, P, (None, None), None);
         assert_eq!(pool.stats().segment.all.current, 2);
-        let (joined, blk) = pool.extend(key(), BASE + 2 * P, P, Some(seg), Some(far));
+        let (joined, blk) = pool.extend(key(), BASE + 2 * P, P, (Some(seg), Some(b)), Some(far));
         assert_eq!(joined, seg);
         assert_eq!(layout(&pool), vec![vec![(0, P, A), (P, 3 * P, F)]]);
         assert_eq!(pool.block(blk).size, 3 * P);
@@ -316,15 +378,15 @@ mod tests {
     #[test]
     fn extend_downwards_into_a_busy_first_block() {
         let (mut pool, s) = (Pool::new(), Sizing::default());
-        let (seg, b) = pool.extend(key(), BASE + P, P, None, None);
+        let (seg, b) = pool.extend(key(), BASE + P, P, (None, None), None);
         pool.allocate(b, P, P, &s);
-        let (seg2, blk) = pool.extend(key(), BASE, P, None, Some(seg));
+        let (seg2, blk) = pool.extend(key(), BASE, P, (None, None), Some(seg));
         assert_eq!(seg2, seg);
         assert_eq!(pool.segment(seg).base, BASE);
         assert_eq!(pool.block(blk).addr, BASE);
         assert_eq!(layout(&pool), vec![vec![(0, P, F), (P, P, A)]]);
         // And a free first block just grows down.
-        let (_, blk2) = pool.extend(key(), BASE - P, P, None, Some(seg));
+        let (_, blk2) = pool.extend(key(), BASE - P, P, (None, None), Some(seg));
         assert_eq!(blk2, blk);
         assert_eq!(pool.block(blk).addr, BASE - P);
         assert_eq!(pool.block(blk).size, 2 * P);
@@ -334,7 +396,7 @@ mod tests {
     #[test]
     fn carve_splits_a_segment_around_whole_free_pages() {
         let (mut pool, s) = (Pool::new(), Sizing::default());
-        let (seg, b) = pool.extend(key(), BASE, 5 * P, None, None);
+        let (seg, b) = pool.extend(key(), BASE, 5 * P, (None, None), None);
         let a = pool.allocate(b, MIB, MIB, &s);
         let rest = pool.segment_blocks(seg).nth(1).unwrap().0;
         let c = pool.allocate(rest, 2 * P, 2 * P, &s); // [1 MiB, 1 MiB + 4 MiB)
@@ -383,7 +445,7 @@ mod tests {
     #[test]
     fn carve_at_the_start_keeps_the_segment_for_the_rest() {
         let (mut pool, s) = (Pool::new(), Sizing::default());
-        let (seg, b) = pool.extend(key(), BASE, 3 * P, None, None);
+        let (seg, b) = pool.extend(key(), BASE, 3 * P, (None, None), None);
         let a = pool.allocate(b, 2 * P, 2 * P, &s);
         pool.free(a);
         let b = pool.segment(seg).first;

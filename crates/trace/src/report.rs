@@ -6,7 +6,8 @@
 //! {"trace": str, "events": int, "peak_live_bytes": int,
 //!  "policies": [{"name": str, "peak_reserved_bytes": int, "peak_allocated_bytes": int,
 //!                "fragmentation": float, "device_mallocs": int, "device_frees": int,
-//!                "host_syncs": int, "ns_per_op": float}]}
+//!                "device_maps": int, "device_unmaps": int, "host_syncs": int,
+//!                "ns_per_op": float}]}
 //! ```
 
 use std::fmt::Write as _;
@@ -48,6 +49,8 @@ struct JsonPolicy<'a> {
     fragmentation: f64,
     device_mallocs: u64,
     device_frees: u64,
+    device_maps: u64,
+    device_unmaps: u64,
     host_syncs: u64,
     ns_per_op: f64,
 }
@@ -85,6 +88,8 @@ impl Report {
                     fragmentation: fragmentation(self.peak_live_bytes, p.peak_reserved_bytes),
                     device_mallocs: p.device_mallocs,
                     device_frees: p.device_frees,
+                    device_maps: p.device_maps,
+                    device_unmaps: p.device_unmaps,
                     host_syncs: p.host_syncs,
                     // JSON has no NaN/inf; a policy reporting one gets 0.
                     ns_per_op: if p.ns_per_op.is_finite() { p.ns_per_op } else { 0.0 },
@@ -103,10 +108,12 @@ impl Report {
             "frag",
             "mallocs",
             "frees",
+            "maps",
+            "unmaps",
             "syncs",
             "ns/op",
         ];
-        let mut rows: Vec<[String; 8]> = vec![header.map(String::from)];
+        let mut rows: Vec<[String; 10]> = vec![header.map(String::from)];
         for p in &self.policies {
             rows.push([
                 p.name.clone(),
@@ -118,6 +125,8 @@ impl Report {
                 ),
                 p.device_mallocs.to_string(),
                 p.device_frees.to_string(),
+                p.device_maps.to_string(),
+                p.device_unmaps.to_string(),
                 p.host_syncs.to_string(),
                 format!("{:.1}", p.ns_per_op),
             ]);
@@ -131,8 +140,10 @@ impl Report {
             "-".into(),
             "-".into(),
             "-".into(),
+            "-".into(),
+            "-".into(),
         ]);
-        let mut widths = [0usize; 8];
+        let mut widths = [0usize; 10];
         for row in &rows {
             for (w, cell) in widths.iter_mut().zip(row) {
                 *w = (*w).max(cell.chars().count());
