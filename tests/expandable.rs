@@ -5,8 +5,9 @@
 //! (wait_event), persistent ranges are left alone by `empty_cache`, `release_threshold`, the
 //! fallback on a device without virtual memory, and nothing leaks.
 //!
-//! Ranges are reserved from the simulated address space in order: the first one a test makes
-//! starts at `SIM_BASE`, the next one `capacity` bytes above it. Pages are 2 MiB.
+//! Ranges are reserved from the simulated address space in order, each twice the device's
+//! capacity: the first one a test makes starts at `SIM_BASE`, the next one `2 × capacity` bytes
+//! above it. Pages are 2 MiB.
 
 use std::sync::Arc;
 use std::sync::mpsc;
@@ -91,12 +92,12 @@ fn growth_extends_the_free_end_block() {
     assert_eq!((s.num_device_map, s.num_physical_create, s.num_device_unmap), (3, 3, 0));
     assert_eq!(s.num_device_alloc, 0, "no cuMemAlloc");
     assert!(s.expandable_segments);
-    assert_eq!(s.virtual_reserved_bytes, CAP);
+    assert_eq!(s.virtual_reserved_bytes, 2 * CAP);
     assert_eq!(dev.physical_bytes(), 3 * P);
     let ranges = alloc.expandable_ranges();
     assert_eq!(ranges.len(), 1);
     let r = &ranges[0];
-    assert_eq!((r.base, r.virtual_size, r.mapped_bytes), (DeviceAddr(base()), CAP, 3 * P));
+    assert_eq!((r.base, r.virtual_size, r.mapped_bytes), (DeviceAddr(base()), 2 * CAP, 3 * P));
     assert_eq!((r.free_bytes, r.free_page_bytes, r.runs.len()), (0, 0, 1));
     alloc.check_invariants().unwrap();
     drop((a, b));
@@ -136,7 +137,7 @@ fn interior_free_pages_are_unmapped_and_mapped_again() {
     assert_eq!(dev.live_mappings(), vec![]);
     assert_eq!(alloc.reserved_bytes(), 0);
     // The virtual range stays for the next growth.
-    assert_eq!(dev.virtual_bytes(), CAP);
+    assert_eq!(dev.virtual_bytes(), 2 * CAP);
     drop(alloc);
     assert_no_leak(&dev);
 }
@@ -247,7 +248,7 @@ fn persistent_ranges_are_left_alone_by_empty_cache() {
     let t = alloc.alloc(4 * MIB, s0).unwrap();
     let (wp, tp) = (w.ptr(), t.ptr());
     assert_eq!(wp, DeviceAddr(base()), "the persistent range is made first");
-    assert_eq!(tp, DeviceAddr(base() + CAP), "the transient one above it");
+    assert_eq!(tp, DeviceAddr(base() + 2 * CAP), "the transient one above it");
     drop((w, t));
     alloc.empty_cache().unwrap();
     assert_eq!(mapped_pages(&dev, base()), vec![0, 1]);
@@ -342,7 +343,7 @@ fn page_move(config: &str, done_first: bool) -> (Arc<SimDevice>, Allocator<SimDe
 #[test]
 fn strict_moves_pages_of_an_idle_stream_without_a_sync() {
     let (dev, alloc, ptr) = page_move("", true);
-    assert_eq!(ptr, DeviceAddr(base() + 8 * MIB), "stream 2's range is the next one");
+    assert_eq!(ptr, DeviceAddr(base() + 16 * MIB), "stream 2's range is the next one");
     let s = alloc.stats();
     assert_eq!((s.num_pages_moved, s.num_physical_create, s.num_host_syncs), (2, 4, 0));
     assert_eq!(s.num_device_unmap, 2);
@@ -355,7 +356,7 @@ fn strict_moves_pages_of_an_idle_stream_without_a_sync() {
 #[test]
 fn strict_waits_for_a_busy_owner_before_its_pages_go() {
     let (dev, alloc, ptr) = page_move("", false);
-    assert_eq!(ptr, DeviceAddr(base() + 8 * MIB));
+    assert_eq!(ptr, DeviceAddr(base() + 16 * MIB));
     let s = alloc.stats();
     // Not moved while stream 1 ran: the ladder released stream 1's pages after waiting for it
     // (one host sync) and stream 2 created its own.
@@ -371,7 +372,7 @@ fn strict_waits_for_a_busy_owner_before_its_pages_go() {
 #[test]
 fn wait_event_moves_pages_at_once_and_unmaps_after_the_owner() {
     let (dev, alloc, ptr) = page_move("cross_stream:wait_event", false);
-    assert_eq!(ptr, DeviceAddr(base() + 8 * MIB));
+    assert_eq!(ptr, DeviceAddr(base() + 16 * MIB));
     let s = alloc.stats();
     assert_eq!((s.num_pages_moved, s.num_host_syncs, s.num_physical_create), (2, 0, 4));
     assert_eq!(dev.violations(), vec![], "stream 2 waited for stream 1 on the device");
@@ -515,4 +516,20 @@ fn device_counts_and_refuses_what_cuda_refuses() {
         (1, 1, 4, 1, 4, 2, 2)
     );
     assert_eq!((dev.physical_bytes(), dev.virtual_bytes()), (0, 0));
+}
+
+#[test]
+fn no_virtual_room_falls_back_to_segments_with_a_note() {
+    let dev = Arc::new(SimDevice::new(CAP));
+    dev.set_virtual_capacity(CAP); // less than one range (twice the device)
+    let alloc =
+        Allocator::new(dev.clone(), Config::default().with_expandable_segments(true)).unwrap();
+    let a = alloc.alloc(3 * MIB, StreamId::DEFAULT).unwrap();
+    assert_eq!(dev.live_segments(), vec![(a.ptr(), 20 * MIB)]);
+    assert_eq!(alloc.stats().num_device_map, 0);
+    let summary = alloc.memory_summary();
+    assert!(summary.contains("of virtual addresses for stream 0 failed"), "{summary}");
+    drop(a);
+    drop(alloc);
+    assert!(dev.live_segments().is_empty());
 }

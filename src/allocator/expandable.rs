@@ -301,7 +301,9 @@ impl<D: Device> Shared<D> {
             st.vm.page = g;
         }
         let page = st.vm.page;
-        let size = self.device_total.div_ceil(page).max(1) * page;
+        // Twice the device: pages released in the middle of a range leave it split, and any
+        // request the device can hold must still find room on one side.
+        let size = self.device_total.saturating_mul(2).div_ceil(page).max(1) * page;
         let base = self.device.vm_reserve(size).map_err(|e| {
             format!(
                 "reserving {} of virtual addresses for {} failed ({e}): ordinary segments for it",
@@ -382,7 +384,8 @@ impl<D: Device> Shared<D> {
 
     /// The expandable path of `find_or_reserve`, once the mapped free blocks had nothing: grows
     /// the range, climbing the out-of-memory ladder (wait for pending events and search again,
-    /// release cached transient memory, retry).
+    /// release cached transient memory, retry). `None` where the range has no virtual room left
+    /// for the request (the caller takes an ordinary segment).
     pub(super) fn find_or_grow(
         &self,
         st: &mut State,
@@ -390,15 +393,19 @@ impl<D: Device> Shared<D> {
         key: PoolKey,
         bytes: u64,
         rounded: u64,
-    ) -> Result<BlockId, AllocError> {
+    ) -> Result<Option<BlockId>, AllocError> {
         let mut retried = false;
         loop {
+            let page = st.vm.page;
+            if place(&st.pool, &st.vm.ranges[&st.vm.by_key[&key]], rounded, page).is_none() {
+                return Ok(None);
+            }
             match self.grow(st, config, key, rounded) {
                 Ok(b) => {
                     if retried {
                         st.counters.retries += 1;
                     }
-                    return Ok(b);
+                    return Ok(Some(b));
                 }
                 Err(AllocError::OutOfMemory(_)) if !retried => {
                     retried = true;
@@ -406,7 +413,7 @@ impl<D: Device> Shared<D> {
                         self.sync_events(st)?;
                         if let Some(b) = self.find_free(st, config, key, rounded) {
                             st.counters.retries += 1;
-                            return Ok(b);
+                            return Ok(Some(b));
                         }
                     }
                     self.poll_retiring(st, true);
@@ -698,6 +705,9 @@ impl<D: Device> Shared<D> {
         mut which: impl FnMut(&Segment) -> bool,
         keep: u64,
     ) -> Result<(), AllocError> {
+        // A moved page still mapped at its old place would outlive its release there (the
+        // driver frees memory at its last unmapping): old places go first.
+        self.poll_retiring(st, true);
         let page = st.vm.page;
         let bases: Vec<u64> = st.vm.ranges.keys().copied().collect();
         let mut result = Ok(());

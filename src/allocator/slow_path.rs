@@ -75,8 +75,10 @@ impl<D: Device> Shared<D> {
         {
             return Ok(b);
         }
-        if self.expandable(st, config, key) {
-            return self.find_or_grow(st, config, key, bytes, rounded);
+        if self.expandable(st, config, key)
+            && let Some(b) = self.find_or_grow(st, config, key, bytes, rounded)?
+        {
+            return Ok(b);
         }
         if let Some(b) = self.take_from_other_stream(st, config, key, rounded)? {
             return Ok(b);
