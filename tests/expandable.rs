@@ -152,22 +152,27 @@ fn the_end_of_a_range_is_used_last() {
     assert_eq!(c.ptr(), DeviceAddr(base() + 8 * MIB));
     drop(a);
     drop(c);
-    // Best fit alone would take the 2 MiB end block; it goes to the reserve (still mapped) and
-    // the 4 MiB hole at the start serves the request.
+    // Best fit alone would take the 2 MiB end block; the 4 MiB hole at the start serves instead.
     let d = alloc.alloc(2 * MIB, s0).unwrap();
     assert_eq!(d.ptr(), DeviceAddr(base()));
     let r = alloc.expandable_ranges()[0].clone();
-    assert_eq!((r.mapped_bytes, r.reserve_bytes, r.free_bytes), (5 * P, P, 2 * P));
-    assert_eq!(alloc.reserved_bytes(), 5 * P, "the reserve is still reserved");
+    assert_eq!((r.mapped_bytes, r.free_bytes, r.free_page_bytes), (5 * P, 2 * P, 2 * P));
     alloc.check_invariants().unwrap();
-    // 6 MiB fit nowhere: the range grows from its reserve (no device call) and two new pages.
+    // The rest of the hole serves the next 2 MiB; then only the end block fits: it serves (no
+    // device call).
+    let f = alloc.alloc(2 * MIB, s0).unwrap();
+    assert_eq!(f.ptr(), DeviceAddr(base() + 2 * MIB));
+    let g = alloc.alloc(2 * MIB, s0).unwrap();
+    assert_eq!(g.ptr(), DeviceAddr(base() + 8 * MIB));
+    drop(g);
+    // 6 MiB fit nowhere: the end block grows by two new pages.
     let maps = alloc.stats().num_device_map;
     let e = alloc.alloc(6 * MIB, s0).unwrap();
     assert_eq!(e.ptr(), DeviceAddr(base() + 8 * MIB));
     assert_eq!(alloc.stats().num_device_map, maps + 2);
     assert_eq!(mapped_pages(&dev, base()), (0..7).collect::<Vec<_>>());
-    assert_eq!(alloc.expandable_ranges()[0].reserve_bytes, 0);
     alloc.check_invariants().unwrap();
+    drop(f);
     drop((b, d, e));
     alloc.check_invariants().unwrap();
     drop(alloc);

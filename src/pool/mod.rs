@@ -40,9 +40,6 @@ pub struct Pool {
     /// Streams whose free bytes changed since the last [`Pool::take_dirty_streams`] (each once,
     /// so it is bounded by the number of streams).
     dirty: Vec<StreamId>,
-    /// Reserved bytes held outside any segment, by pool kind and residency (mapped pages an
-    /// expandable range keeps in reserve: see `pages.rs`).
-    held: [[u64; 2]; 2],
 }
 
 impl Pool {
@@ -485,7 +482,6 @@ impl Pool {
                 [g.all, g.small_pool, g.large_pool, g.persistent, g.transient].map(|s| s.current)
             })
         };
-        self.add_held(&mut expect);
         if current(&expect) != current(&self.stats) {
             return Err(format!(
                 "stats drifted: kept {:?}, recomputed {:?}",

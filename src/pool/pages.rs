@@ -14,47 +14,7 @@
 //! the same segment. Free blocks still merge only within a segment.
 
 use super::{Block, BlockId, BlockState, Pool, PoolKey, Segment, SegmentId};
-use crate::types::{BlockStats, PoolKind, Residency};
-
-fn held_index(kind: PoolKind, residency: Residency) -> (usize, usize) {
-    (usize::from(kind == PoolKind::Large), usize::from(residency == Residency::Transient))
-}
-
 impl Pool {
-    /// Counts `bytes` of memory `key`'s owner keeps outside every segment as reserved (mapped
-    /// pages an expandable range holds in reserve, above its segments).
-    pub fn hold(&mut self, key: PoolKey, bytes: u64) {
-        let (k, r) = held_index(key.kind, key.residency);
-        self.held[k][r] += bytes;
-        self.stats.reserved_bytes.increase(key.kind, key.residency, bytes);
-    }
-
-    /// Bytes held for pools of `key`'s kind and residency.
-    pub fn held_bytes(&self, key: PoolKey) -> u64 {
-        let (k, r) = held_index(key.kind, key.residency);
-        self.held[k][r]
-    }
-
-    /// Stops counting `bytes` held by [`Pool::hold`].
-    pub fn unhold(&mut self, key: PoolKey, bytes: u64) {
-        let (k, r) = held_index(key.kind, key.residency);
-        assert!(self.held[k][r] >= bytes, "unhold of more than is held");
-        self.held[k][r] -= bytes;
-        self.stats.reserved_bytes.decrease(key.kind, key.residency, bytes);
-    }
-
-    /// Adds the held bytes to recomputed statistics (for `check_invariants`).
-    pub(super) fn add_held(&self, expect: &mut BlockStats) {
-        for kind in [PoolKind::Small, PoolKind::Large] {
-            for res in [Residency::Persistent, Residency::Transient] {
-                let (k, r) = held_index(kind, res);
-                if self.held[k][r] > 0 {
-                    expect.reserved_bytes.increase(kind, res, self.held[k][r]);
-                }
-            }
-        }
-    }
-
     /// The block record of `id`, if it is a live block.
     pub fn try_block(&self, id: BlockId) -> Option<&Block> {
         self.blocks.get(id.0)

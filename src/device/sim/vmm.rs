@@ -16,7 +16,7 @@
 //! kernels read and write the physical bytes through whichever mapping they use, page by page.
 
 use crate::device::{DeviceAddr, DeviceError, PhysHandle};
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 
 /// `CUDA_ERROR_INVALID_VALUE`.
 const INVALID_VALUE: u32 = 1;
@@ -67,9 +67,29 @@ impl Buf<'_> {
 struct Physical {
     bytes: u64,
     data: Option<Vec<u8>>,
-    /// Addresses it is mapped at.
-    at: Vec<u64>,
+    /// The address it is mapped at, if any.
+    at: Option<u64>,
+    /// Further addresses it is mapped at (rare: a page being moved).
+    more: Vec<u64>,
     released: bool,
+}
+
+impl Physical {
+    fn addresses(&self) -> impl Iterator<Item = u64> + '_ {
+        self.at.into_iter().chain(self.more.iter().copied())
+    }
+
+    fn unmapped(&self) -> bool {
+        self.at.is_none() && self.more.is_empty()
+    }
+
+    fn forget(&mut self, va: u64) {
+        if self.at == Some(va) {
+            self.at = self.more.pop();
+        } else {
+            self.more.retain(|&a| a != va);
+        }
+    }
 }
 
 #[derive(Clone, Copy)]
@@ -111,7 +131,7 @@ pub(super) struct Vmm {
     /// Bytes of live physical allocations (released ones still mapped included).
     pub(super) physical_bytes: u64,
     ranges: BTreeMap<u64, u64>,
-    physical: HashMap<u64, Physical>,
+    physical: BTreeMap<u64, Physical>,
     next_handle: u64,
     mappings: BTreeMap<u64, Mapping>,
     pub(super) counters: VmCounters,
@@ -131,7 +151,7 @@ impl Vmm {
             virtual_reserved: 0,
             physical_bytes: 0,
             ranges: BTreeMap::new(),
-            physical: HashMap::new(),
+            physical: BTreeMap::new(),
             next_handle: 1,
             mappings: BTreeMap::new(),
             counters: VmCounters::default(),
@@ -224,7 +244,7 @@ impl Vmm {
         let h = self.next_handle;
         self.next_handle += 1;
         let data = backed.then(|| vec![0u8; bytes as usize]);
-        self.physical.insert(h, Physical { bytes, data, at: Vec::new(), released: false });
+        self.physical.insert(h, Physical { bytes, data, at: None, more: Vec::new(), released: false });
         self.physical_bytes += bytes;
         self.counters.creates += 1;
         Ok(PhysHandle(h))
@@ -232,7 +252,7 @@ impl Vmm {
 
     /// Frees a physical allocation that is released and mapped nowhere.
     fn reap(&mut self, h: u64) {
-        if self.physical.get(&h).is_some_and(|p| p.released && p.at.is_empty()) {
+        if self.physical.get(&h).is_some_and(|p| p.released && p.unmapped()) {
             let p = self.physical.remove(&h).expect("checked");
             self.physical_bytes -= p.bytes;
         }
@@ -274,7 +294,11 @@ impl Vmm {
                 code: DeviceError::CUDA_ERROR_OUT_OF_MEMORY,
             });
         }
-        self.physical.get_mut(&handle.0).expect("checked").at.push(va);
+        let p = self.physical.get_mut(&handle.0).expect("checked");
+        match p.at {
+            None => p.at = Some(va),
+            Some(_) => p.more.push(va),
+        }
         self.mappings.insert(va, Mapping { bytes, handle: handle.0 });
         self.counters.maps += 1;
         Ok(())
@@ -287,7 +311,7 @@ impl Vmm {
         }
         let m = self.mappings.remove(&va).expect("checked");
         let p = self.physical.get_mut(&m.handle).expect("a mapping's allocation is live");
-        p.at.retain(|&a| a != va);
+        p.forget(va);
         self.counters.unmaps += 1;
         self.reap(m.handle);
         Ok(())
@@ -305,7 +329,7 @@ impl Vmm {
             if a >= b {
                 continue;
             }
-            for &other in &self.physical[&m.handle].at {
+            for other in self.physical[&m.handle].addresses() {
                 if other != va {
                     out.push((other + (a - va), other + (b - va)));
                 }
