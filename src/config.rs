@@ -482,7 +482,10 @@ mod tests {
         assert_eq!(c.release_threshold, 0);
         assert_eq!(Config::parse("release_threshold_mb:none").unwrap().release_threshold, u64::MAX);
         let built = Config::default().with_expandable_segments(true).with_release_threshold(0);
-        assert_eq!(built, Config::parse("expandable_segments:true,release_threshold_mb:0").unwrap());
+        assert_eq!(
+            built,
+            Config::parse("expandable_segments:true,release_threshold_mb:0").unwrap()
+        );
     }
 
     #[test]

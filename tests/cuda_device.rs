@@ -393,7 +393,8 @@ fn record_stream_holds_the_block_until_the_other_stream_is_done() {
         .into_iter()
         .flat_map(|p| expandable.into_iter().map(move |e| (p, e)))
     {
-        let config = Config::default().with_cross_stream(policy).with_expandable_segments(expandable);
+        let config =
+            Config::default().with_cross_stream(policy).with_expandable_segments(expandable);
         // Control: without record_stream the block is reused at once on B, and A's late write
         // lands in y. This is the hazard, made visible, so the test below can see it.
         let (same, values) = hold_the_stream(&dev, config.clone(), false);

@@ -331,9 +331,13 @@ fn page_move(config: &str, done_first: bool) -> (Arc<SimDevice>, Allocator<SimDe
     // Stream 2 writes its buffer (in order after whatever the allocator arranged).
     dev.launch(
         s2,
-        Kernel::new("w2", vec![Access { ptr, bytes: 4 * MIB, kind: AccessKind::Write }], move |m| {
-            m.write(ptr, &vec![0x22; (4 * MIB) as usize]).unwrap();
-        }),
+        Kernel::new(
+            "w2",
+            vec![Access { ptr, bytes: 4 * MIB, kind: AccessKind::Write }],
+            move |m| {
+                m.write(ptr, &vec![0x22; (4 * MIB) as usize]).unwrap();
+            },
+        ),
     )
     .unwrap();
     dev.synchronize().unwrap();
@@ -475,11 +479,10 @@ fn unmapping_under_unfinished_work_is_a_violation() {
     dev.vm_unmap(base, P).unwrap();
     let v = dev.violations();
     assert_eq!(v.len(), 1);
-    assert_eq!((v[0].ptr, v[0].stream, v[0].op.as_str()), (
-        base,
-        s,
-        "unmap of memory that unfinished work uses"
-    ));
+    assert_eq!(
+        (v[0].ptr, v[0].stream, v[0].op.as_str()),
+        (base, s, "unmap of memory that unfinished work uses")
+    );
     // (The kernel then faults on the unmapped page: the device reports it as a kernel failure.)
     open.send(()).unwrap();
     dev.synchronize().unwrap();

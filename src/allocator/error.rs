@@ -119,9 +119,7 @@ impl fmt::Display for OomReport {
                 Bytes(self.mapped_free_in_used_pages),
                 Bytes(self.mapped_free_persistent),
                 Bytes(
-                    self.mapped_free
-                        - self.mapped_free_in_used_pages
-                        - self.mapped_free_persistent
+                    self.mapped_free - self.mapped_free_in_used_pages - self.mapped_free_persistent
                 ),
             )?;
         }

@@ -248,9 +248,7 @@ fn place(pool: &Pool, r: &Range, rounded: u64, page: u64) -> Option<Place> {
     for (gap_hi, next) in ends {
         if gap_hi > gap_lo {
             let tail = match prev {
-                Some(p) if top == Some(pool.segment(p).base) => {
-                    free_size(top_last(pool, r, p))
-                }
+                Some(p) if top == Some(pool.segment(p).base) => free_size(top_last(pool, r, p)),
                 Some(p) => free_size(pool.last_block(p)),
                 None => 0,
             };
@@ -366,7 +364,8 @@ impl<D: Device> Shared<D> {
         if st.vm.is_empty() || blk.next.is_some() {
             return Some(b);
         }
-        let top = st.vm.range_of(blk.addr).and_then(|base| st.vm.ranges[&base].segs.values().next_back());
+        let top =
+            st.vm.range_of(blk.addr).and_then(|base| st.vm.ranges[&base].segs.values().next_back());
         if top != Some(&blk.segment) {
             return Some(b);
         }
@@ -536,7 +535,8 @@ impl<D: Device> Shared<D> {
         n: u64,
     ) -> Result<Vec<PhysHandle>, AllocError> {
         let mut got = Vec::new();
-        let donor = |r: &Range| r.key.stream != key.stream && r.key.residency == Residency::Transient;
+        let donor =
+            |r: &Range| r.key.stream != key.stream && r.key.residency == Residency::Transient;
         if n == 0 || !st.vm.ranges.values().any(donor) {
             return Ok(got);
         }
@@ -937,7 +937,9 @@ impl<D: Device> Shared<D> {
                 }
                 if seg.base + seg.size > r.base + r.size || prev_end.is_some_and(|e| e >= seg.base)
                 {
-                    return Err(format!("segment at {b:#x} touches another run or leaves its range"));
+                    return Err(format!(
+                        "segment at {b:#x} touches another run or leaves its range"
+                    ));
                 }
                 for va in (seg.base..seg.base + seg.size).step_by(page as usize) {
                     if !r.pages.contains(va) {
@@ -999,4 +1001,3 @@ mod tests {
         assert_eq!(got, Some((base + p, base + 3 * p)));
     }
 }
-

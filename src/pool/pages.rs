@@ -198,7 +198,8 @@ impl Pool {
         let (x, y, seg, prev, next) = (b.addr, b.addr + b.size, b.segment, b.prev, b.next);
         assert!(x <= lo && lo < hi && hi <= y, "carve outside its block");
         let key = self.segments[seg.0].key;
-        let (sb, se) = (self.segments[seg.0].base, self.segments[seg.0].base + self.segments[seg.0].size);
+        let (sb, se) =
+            (self.segments[seg.0].base, self.segments[seg.0].base + self.segments[seg.0].size);
         self.unlist(id, key);
         // What stays below: the block's own start, or the blocks before it.
         let left_last = if lo > x {

@@ -287,7 +287,8 @@ impl CudaDevice {
     /// (asked once).
     fn vm_page(&self) -> Option<u64> {
         *self.vm_support.get_or_init(|| {
-            let attr = sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED;
+            let attr =
+                sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED;
             let supported = self.ctx.attribute(attr).is_ok_and(|v| v != 0);
             if !supported || self.bind().is_err() {
                 return None;

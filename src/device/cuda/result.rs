@@ -217,7 +217,10 @@ pub(super) fn mem_address_reserve(bytes: u64, align: u64) -> Result<sys::CUdevic
 /// # Safety
 /// `[ptr, ptr + bytes)` is exactly a range from [`mem_address_reserve`] in the current context,
 /// with nothing mapped in it, and it is not used after this call.
-pub(super) unsafe fn mem_address_free(ptr: sys::CUdeviceptr, bytes: u64) -> Result<(), DeviceError> {
+pub(super) unsafe fn mem_address_free(
+    ptr: sys::CUdeviceptr,
+    bytes: u64,
+) -> Result<(), DeviceError> {
     // SAFETY: the caller guarantees the range is a whole, unmapped reservation.
     check("cuMemAddressFree", unsafe { sys::cuMemAddressFree(ptr, bytes as usize) })
 }
@@ -242,7 +245,9 @@ pub(super) fn mem_create(
 /// # Safety
 /// `handle` came from [`mem_create`] and is released once; its memory lives on until its last
 /// mapping is unmapped (the driver's rule), so releasing a mapped one is no use after free.
-pub(super) unsafe fn mem_release(handle: sys::CUmemGenericAllocationHandle) -> Result<(), DeviceError> {
+pub(super) unsafe fn mem_release(
+    handle: sys::CUmemGenericAllocationHandle,
+) -> Result<(), DeviceError> {
     // SAFETY: the caller guarantees a live handle released once.
     check("cuMemRelease", unsafe { sys::cuMemRelease(handle) })
 }

@@ -244,7 +244,8 @@ impl Vmm {
         let h = self.next_handle;
         self.next_handle += 1;
         let data = backed.then(|| vec![0u8; bytes as usize]);
-        self.physical.insert(h, Physical { bytes, data, at: None, more: Vec::new(), released: false });
+        self.physical
+            .insert(h, Physical { bytes, data, at: None, more: Vec::new(), released: false });
         self.physical_bytes += bytes;
         self.counters.creates += 1;
         Ok(PhysHandle(h))
@@ -270,7 +271,12 @@ impl Vmm {
         Ok(())
     }
 
-    pub(super) fn map(&mut self, va: u64, bytes: u64, handle: PhysHandle) -> Result<(), DeviceError> {
+    pub(super) fn map(
+        &mut self,
+        va: u64,
+        bytes: u64,
+        handle: PhysHandle,
+    ) -> Result<(), DeviceError> {
         let p = self
             .physical
             .get(&handle.0)
@@ -283,7 +289,8 @@ impl Vmm {
             Some((b, n)) if va + bytes <= b + n => {}
             _ => return Err(invalid("cuMemMap")),
         }
-        let overlaps = self.mappings.range(..va + bytes).next_back().is_some_and(|(&a, m)| a + m.bytes > va);
+        let overlaps =
+            self.mappings.range(..va + bytes).next_back().is_some_and(|(&a, m)| a + m.bytes > va);
         if overlaps {
             return Err(invalid("cuMemMap"));
         }
