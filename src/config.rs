@@ -71,7 +71,7 @@ pub struct Config {
     /// With expandable segments: the free mapped bytes a transient range may keep; above it its
     /// free pages are unmapped and released, once its stream's work on them is done
     /// (`release_threshold_mb`, after `cudaMemPoolAttrReleaseThreshold`; `none` = never, the
-    /// default: see [`DEFAULT_RELEASE_THRESHOLD`]).
+    /// default: every finite threshold measured costs map/unmap calls in every training step).
     pub release_threshold: u64,
 }
 
