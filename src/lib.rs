@@ -30,20 +30,25 @@
 mod allocator;
 mod config;
 pub mod device;
+mod host;
 mod interop;
 pub mod packing;
+mod pickle;
 mod pool;
+mod registry;
 mod stats;
 pub(crate) mod sync;
 mod types;
 
 pub use allocator::{
-    AllocError, Allocator, BlockInfo, Buffer, OomReport, RangeInfo, Scope, ScopedBuffer,
-    SegmentInfo,
+    Action, AllocError, Allocator, BlockInfo, Buffer, HistoryOptions, OomReport, RangeInfo, Scope,
+    ScopedBuffer, SegmentInfo, TraceEntry,
 };
 pub use config::{Config, ConfigError, CrossStream, ENV_VAR, KEYS as CONFIG_KEYS};
 pub use device::{Device, DeviceError, SimConfig, SimDevice};
+pub use host::{HostAllocError, HostAllocator, HostStats, MIN_HOST_BLOCK, PinnedBuffer};
 pub use pool::Sizing;
+pub use registry::Allocators;
 pub use stats::MemoryStats;
 pub use types::{
     BlockState, BlockStats, Bytes, DeviceAddr, GIB, KIB, MAX_REQUEST, MIB, PoolKind, Residency,

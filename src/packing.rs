@@ -71,7 +71,7 @@ pub fn pack_greedy_by_size(intervals: &[(u64, u64, u64)], align: u64) -> Result<
 /// [`pack_greedy_by_size`] around `walls`: address ranges `[lo, hi)` that are busy for all
 /// time, so no interval overlaps them. Walls cut the address line into separate bins (the
 /// free space of existing segments, say) with the space above the last wall open-ended.
-pub fn pack_around(
+pub(crate) fn pack_around(
     intervals: &[(u64, u64, u64)],
     align: u64,
     walls: &[(u64, u64)],

@@ -60,6 +60,33 @@ pub struct MemoryStats {
 }
 
 impl MemoryStats {
+    /// Adds another allocator's statistics (several devices' totals, say): block figures as in
+    /// [`crate::Stat::accumulate`] (peaks are the sum of the peaks), counters summed, per-stream
+    /// cached bytes listed one after the other.
+    pub fn accumulate(&mut self, other: &MemoryStats) {
+        self.blocks.accumulate(&other.blocks);
+        self.num_alloc_retries += other.num_alloc_retries;
+        self.num_ooms += other.num_ooms;
+        self.num_device_alloc += other.num_device_alloc;
+        self.num_device_free += other.num_device_free;
+        self.num_host_syncs += other.num_host_syncs;
+        self.best_fit_searches += other.best_fit_searches;
+        self.plan_hits += other.plan_hits;
+        self.plan_misses += other.plan_misses;
+        self.plan_fallbacks += other.plan_fallbacks;
+        self.plan_region_bytes += other.plan_region_bytes;
+        self.scope_escapes += other.scope_escapes;
+        self.cached_free_bytes_per_stream.extend_from_slice(&other.cached_free_bytes_per_stream);
+        self.cached_fast_bytes += other.cached_fast_bytes;
+        self.expandable_segments |= other.expandable_segments;
+        self.virtual_reserved_bytes += other.virtual_reserved_bytes;
+        self.num_device_map += other.num_device_map;
+        self.num_device_unmap += other.num_device_unmap;
+        self.num_physical_create += other.num_physical_create;
+        self.num_physical_release += other.num_physical_release;
+        self.num_pages_moved += other.num_pages_moved;
+    }
+
     /// 1 − peak requested / peak reserved: the share of the reserved peak that no request needed.
     /// Zero before anything was reserved.
     pub fn fragmentation(&self) -> f64 {

@@ -527,3 +527,57 @@ fn expandable_segments_over_cuda_device() {
     dev.destroy_stream(side).unwrap();
     assert!(dev.live_segments().is_empty());
 }
+
+/// Pinned host memory on the GPU: `cuMemHostAlloc` blocks cached by size class; an upload held
+/// behind a gated kernel keeps its block from being reused until its event completed; the bytes
+/// arrive in stream order; `empty_cache` returns every block with `cuMemFreeHost`.
+#[test]
+fn pinned_host_blocks_wait_for_their_copies_before_reuse() {
+    let Some((_gpu, dev)) = gpu() else { return };
+    let k = kernels(&dev);
+    let alloc = Allocator::new(dev.clone(), Config::default()).unwrap();
+    let pinned = tidepool::HostAllocator::new(dev.clone());
+    let (a, c) = (dev.create_stream().unwrap(), dev.create_stream().unwrap());
+    let (sa, sc) = (dev.stream(a).unwrap(), dev.stream(c).unwrap());
+    let gate = closed_gate(&alloc, c);
+    // SAFETY: f32 has no invalid bit patterns.
+    let out = unsafe { CudaBuffer::<f32>::alloc(&alloc, N, a) }.unwrap();
+    let bytes = (N * 4) as u64;
+
+    launch_gated(&k, &sa, &out, 1.0, &gate);
+    let mut up = pinned.alloc(bytes).unwrap();
+    for chunk in up.as_mut_slice().unwrap().chunks_exact_mut(4) {
+        chunk.copy_from_slice(&2.0f32.to_le_bytes());
+    }
+    up.upload(out.buffer()).unwrap();
+    assert!(!up.is_ready().unwrap(), "the upload waits behind the gated kernel");
+    let first = up.host_ptr();
+    drop(up);
+    let second = pinned.alloc(bytes).unwrap();
+    assert_ne!(second.host_ptr(), first, "a pending block is not handed out");
+    assert_eq!(pinned.stats().pending_bytes, bytes);
+
+    open_gate(&gate, &sc);
+    dev.synchronize().unwrap();
+    assert_no_timeout(&gate);
+    let host = sa.clone_dtoh(&out).unwrap();
+    assert!(host.iter().all(|&v| v == 2.0), "the upload ran after the gated fill");
+
+    drop(second);
+    let third = pinned.alloc(bytes).unwrap();
+    let fourth = pinned.alloc(bytes).unwrap();
+    let mut got = [third.host_ptr().addr(), fourth.host_ptr().addr()];
+    got.sort();
+    assert!(got.contains(&first.addr()), "the completed block is reused");
+    assert_eq!(pinned.stats().num_host_alloc, 2);
+    drop((third, fourth));
+
+    let mut back = pinned.alloc(bytes).unwrap();
+    back.download(out.buffer()).unwrap();
+    assert!(back.as_slice().unwrap().chunks_exact(4).all(|c| c == 2.0f32.to_le_bytes()));
+    drop(back);
+    pinned.check_invariants().unwrap();
+    pinned.empty_cache().unwrap();
+    assert_eq!(pinned.stats().reserved_bytes.current, 0);
+    assert!(dev.live_host_allocations().is_empty());
+}

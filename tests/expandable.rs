@@ -541,3 +541,29 @@ fn no_virtual_room_falls_back_to_segments_with_a_note() {
     drop(alloc);
     assert!(dev.live_segments().is_empty());
 }
+
+#[test]
+fn the_memory_history_records_maps_and_unmaps() {
+    use tidepool::{Action, HistoryOptions};
+    let (dev, alloc) = setup("", CAP);
+    alloc.record_history(HistoryOptions::new(100));
+    let a = alloc.alloc(3 * MIB, StreamId::DEFAULT).unwrap();
+    drop(a);
+    alloc.empty_cache().unwrap();
+    let got: Vec<(Action, u64, u64)> =
+        alloc.history().iter().map(|e| (e.action, e.addr.0 - base(), e.size)).collect();
+    assert_eq!(
+        got,
+        vec![
+            (Action::SegmentMap, 0, 2 * P),
+            (Action::Alloc, 0, 3 * MIB),
+            (Action::FreeRequested, 0, 3 * MIB),
+            (Action::FreeCompleted, 0, 3 * MIB),
+            (Action::SegmentUnmap, 0, 2 * P),
+        ]
+    );
+    let pickle = alloc.snapshot_pickle();
+    assert!(!pickle.is_empty());
+    drop(alloc);
+    assert_no_leak(&dev);
+}

@@ -25,6 +25,13 @@ pub enum AllocError {
     Device(DeviceError),
     /// The configuration is inconsistent (from [`crate::Allocator::new`]).
     Config(ConfigError),
+    /// No device has this ordinal ([`crate::Allocators::for_device`]).
+    UnknownDevice {
+        /// The ordinal asked for.
+        ordinal: usize,
+        /// How many devices there are.
+        count: usize,
+    },
     /// An adopted stream cannot be released while buffers allocated on it are live or wait on
     /// events ([`crate::Allocator::release_stream`]).
     StreamInUse {
@@ -138,6 +145,9 @@ impl fmt::Display for AllocError {
             AllocError::OutOfMemory(report) => report.fmt(f),
             AllocError::Device(e) => write!(f, "device error: {e}"),
             AllocError::Config(e) => write!(f, "configuration error: {e}"),
+            AllocError::UnknownDevice { ordinal, count } => {
+                write!(f, "no device {ordinal}: there are {count} device(s)")
+            }
             AllocError::StreamInUse { stream, bytes } => write!(
                 f,
                 "cannot release {stream}: {} of buffers allocated on it are still live or wait on events; free them first",
@@ -154,6 +164,7 @@ impl std::error::Error for AllocError {
             AllocError::Config(e) => Some(e),
             AllocError::InvalidSize { .. }
             | AllocError::OutOfMemory(_)
+            | AllocError::UnknownDevice { .. }
             | AllocError::StreamInUse { .. } => None,
         }
     }

@@ -2,6 +2,7 @@
 //! polling them oldest first per stream, blocking on them in the OOM ladder, and making one stream
 //! wait for others on the device.
 
+use super::history::Action;
 use super::*;
 
 impl<D: Device> Shared<D> {
@@ -54,10 +55,11 @@ impl<D: Device> Shared<D> {
         if *n == 0 {
             st.pending_count.remove(&done.block);
             let b = st.pool.block(done.block);
-            let (size, requested) = (b.size, b.requested);
+            let (addr, size, requested) = (DeviceAddr(b.addr), b.size, b.requested);
             let key = st.pool.segment(b.segment).key;
             st.pool.free(done.block);
             st.base.pending_done(quadrant(key.kind, key.residency), size, requested);
+            st.note(Action::FreeCompleted, addr, requested, key.stream);
         }
     }
 

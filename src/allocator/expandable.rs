@@ -36,6 +36,7 @@
 //! virtual bytes, map/unmap and create/release calls and moved pages are counted apart.
 
 use super::*;
+use super::history::Action;
 use crate::device::PhysHandle;
 use crate::pool::{Segment, Sizing};
 use std::collections::BTreeSet;
@@ -419,6 +420,7 @@ impl<D: Device> Shared<D> {
                 }
                 Err(AllocError::OutOfMemory(_)) => {
                     st.counters.ooms += 1;
+                    st.note(Action::Oom, DeviceAddr::NULL, bytes, key.stream);
                     let page = st.vm.page;
                     let need = st.vm.by_key.get(&key).and_then(|b| {
                         place(&st.pool, &st.vm.ranges[b], rounded, page).map(|p| p.pages * page)
@@ -504,6 +506,7 @@ impl<D: Device> Shared<D> {
         if range.segs.keys().next_back() == Some(&st.pool.segment(seg).base) {
             range.top_hint = Some(blk);
         }
+        st.note(Action::SegmentMap, DeviceAddr(lo), pages * page, key.stream);
         self.ensure_cache(st, key.stream);
         let joined = usize::from(left.is_some()) + usize::from(right.is_some());
         for _ in 0..joined {
@@ -585,6 +588,7 @@ impl<D: Device> Shared<D> {
             let page = st.vm.page;
             for (block, a, b) in runs {
                 self.carve_run(st, d, block, a, b);
+                st.note(Action::SegmentUnmap, DeviceAddr(a), b - a, owner);
                 let range = st.vm.ranges.get_mut(&d).expect("donor");
                 for va in (a..b).step_by(page as usize) {
                     let h = range.pages.remove(va).expect("a mapped page");
@@ -716,6 +720,7 @@ impl<D: Device> Shared<D> {
                 }
                 if done < b {
                     self.carve_run(st, base, block, done, b);
+                    st.note(Action::SegmentUnmap, DeviceAddr(done), b - done, stream);
                 }
                 if result.is_err() {
                     self.publish_vm(&st.vm);

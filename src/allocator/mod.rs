@@ -22,10 +22,13 @@ mod batch;
 mod buffer;
 mod checker;
 mod counters;
+mod dump;
 mod error;
 mod events;
 mod expandable;
 mod fast_cache;
+mod history;
+mod observers;
 mod oom;
 mod owner;
 mod plan;
@@ -42,6 +45,7 @@ mod stats_layout;
 pub use buffer::Buffer;
 pub use error::{AllocError, OomReport};
 pub use expandable::RangeInfo;
+pub use history::{Action, HistoryOptions, TraceEntry};
 pub use report::{BlockInfo, SegmentInfo};
 pub use scope::{Scope, ScopedBuffer};
 
@@ -146,6 +150,8 @@ impl<D: Device> Allocator<D> {
             scope_counters: ScopeCounters::default(),
             lock_count: AtomicU64::new(0),
             vm_published: Default::default(),
+            recording: AtomicBool::new(false),
+            observers: observers::Observers::default(),
         });
         Ok(Allocator { owners: Arc::new(OwnerTable::new(&shared)), shared })
     }
@@ -168,7 +174,8 @@ impl<D: Device> Allocator<D> {
         let sh = &self.shared;
         let mut st = sh.lock_state();
         let limits = limits(&config);
-        sh.fast_path.store(config.fast_path(), Ordering::Relaxed);
+        let recording = sh.recording.load(Ordering::Relaxed);
+        sh.fast_path.store(config.fast_path() && !recording, Ordering::Relaxed);
         sh.publish_stats.store(!config.global_lock, Ordering::Relaxed);
         for c in sh.caches.all().iter() {
             c.set_limits(limits);
@@ -189,7 +196,32 @@ impl<D: Device> Allocator<D> {
 
     /// Allocates `bytes` on `stream` with the given residency. Persistent and transient blocks
     /// never share a segment.
+    ///
+    /// When memory runs out, the out-of-memory observers are called with the report, then the
+    /// failure callback (if any) may free memory and ask for another attempt
+    /// ([`Allocator::attach_oom_observer`], [`Allocator::set_failure_callback`]).
     pub fn alloc_in(
+        &self,
+        bytes: u64,
+        stream: StreamId,
+        residency: Residency,
+    ) -> Result<Buffer<D>, AllocError> {
+        let mut attempt = 0;
+        loop {
+            match self.alloc_in_once(bytes, stream, residency) {
+                Err(AllocError::OutOfMemory(report)) => {
+                    attempt += 1;
+                    if !self.shared.observers.out_of_memory(&report, attempt) {
+                        return Err(AllocError::OutOfMemory(report));
+                    }
+                }
+                other => return other,
+            }
+        }
+    }
+
+    /// One attempt of [`Allocator::alloc_in`].
+    fn alloc_in_once(
         &self,
         bytes: u64,
         stream: StreamId,
@@ -203,7 +235,7 @@ impl<D: Device> Allocator<D> {
         let config = &*plan.config;
         let class = ClassKey { residency, rounded: plan.rounded };
         let mut cached = None;
-        if plan.fast {
+        if plan.fast && !sh.recording.load(Ordering::Relaxed) {
             // This thread's lane first, then the stream's other lanes (a block freed on another
             // thread), each under its own lock only.
             for lane in 0..fast_cache::LANES {
@@ -239,6 +271,7 @@ impl<D: Device> Allocator<D> {
         let (ptr, size) = (DeviceAddr(b.addr), b.size);
         let q = quadrant(key.kind, residency);
         st.base.live_up(q, size, bytes, || sh.caches.all());
+        st.note(Action::Alloc, ptr, bytes, stream);
         drop(st);
         Ok(self.hand_out(ptr, bytes, size, stream, Some(block), plan.rounded, residency, q))
     }
@@ -374,6 +407,36 @@ impl<D: Device> Allocator<D> {
     #[cfg(feature = "test-hooks")]
     pub fn global_lock_acquisitions(&self) -> u64 {
         self.shared.lock_count.load(Ordering::Relaxed)
+    }
+
+    /// Starts (or, with `max_entries` 0, stops) recording the memory history, PyTorch's
+    /// `torch.cuda.memory._record_memory_history(max_entries=…, stacks=…)`: a ring of the last
+    /// `max_entries` allocations, frees (requested and completed), segment reserves and releases
+    /// and out-of-memory errors, each with its size, address, stream, time and optionally the
+    /// Rust stack. Starting again clears the ring. [`Allocator::dump_snapshot`] writes it out.
+    ///
+    /// While recording, every allocation and free takes the slow path (the stream caches are
+    /// bypassed), so the entries are complete and in order; buffers served from a learned scope
+    /// plan are not recorded one by one (the plan's region shows as one block). Off (the
+    /// default), recording costs the hot path one relaxed load.
+    pub fn record_history(&self, options: HistoryOptions) {
+        let sh = &self.shared;
+        let on = options.max_entries > 0;
+        let mut st = sh.lock_state();
+        sh.recording.store(on, Ordering::Relaxed);
+        sh.fast_path.store(self.config().fast_path() && !on, Ordering::Relaxed);
+        if on {
+            sh.flush_all(&mut st);
+            st.history = Some(history::History::new(options));
+        } else {
+            st.history = None;
+        }
+    }
+
+    /// The recorded memory history, oldest entry first (empty when not recording).
+    pub fn history(&self) -> Vec<TraceEntry> {
+        let st = self.shared.lock_state();
+        st.history.as_ref().map(|h| h.entries().cloned().collect()).unwrap_or_default()
     }
 
     /// Waits for every pending event and returns those blocks to the pool (a host sync per

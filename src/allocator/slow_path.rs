@@ -2,6 +2,7 @@
 //! another stream (strict or wait_event), a new segment; freeing back into the pool; flushing the
 //! stream caches; returning segments to the device.
 
+use super::history::Action;
 use super::*;
 
 impl<D: Device> Allocator<D> {
@@ -108,6 +109,7 @@ impl<D: Device> Shared<D> {
                 }
                 Err(AllocError::OutOfMemory(_)) => {
                     st.counters.ooms += 1;
+                    st.note(Action::Oom, DeviceAddr::NULL, bytes, key.stream);
                     return Err(AllocError::OutOfMemory(Box::new(
                         self.oom_report(st, config, key, bytes, rounded, seg_size),
                     )));
@@ -135,6 +137,7 @@ impl<D: Device> Shared<D> {
                 self.ensure_cache(st, key.stream);
                 st.counters.device_alloc += 1;
                 *st.segment_streams.entry(key.stream).or_default() += 1;
+                st.note(Action::SegmentAlloc, ptr, seg_size, key.stream);
                 Ok(st.pool.add_segment(key, ptr.0, seg_size))
             }
             // A refusal of the memory itself (capacity, limit, or the driver's own out-of-memory code)
@@ -238,7 +241,9 @@ impl<D: Device> Shared<D> {
             // Release on the device first: if it fails, the segment stays cached and consistent.
             self.device.release(DeviceAddr(base))?;
             let stream = st.pool.segment(seg).key.stream;
+            let size = st.pool.segment(seg).size;
             st.pool.remove_segment(seg);
+            st.note(Action::SegmentFree, DeviceAddr(base), size, stream);
             Self::forget_segment(st, stream);
             st.counters.device_free += 1;
             st.counters.host_syncs += 1;
@@ -272,6 +277,7 @@ impl<D: Device> Shared<D> {
         }
         let block = f.block;
         let mut st = self.lock_state();
+        st.note(Action::FreeRequested, f.ptr, f.requested, f.stream);
         let uses = if st.stream_uses.is_empty() {
             Vec::new()
         } else {
@@ -280,6 +286,7 @@ impl<D: Device> Shared<D> {
         if uses.is_empty() || self.broken_skip_events.load(Ordering::Relaxed) {
             st.pool.free(block);
             st.base.live_down(f.quadrant, f.size, f.requested);
+            st.note(Action::FreeCompleted, f.ptr, f.requested, f.stream);
             return;
         }
         st.pool.mark_pending(block);
@@ -301,6 +308,7 @@ impl<D: Device> Shared<D> {
         if recorded == 0 {
             st.pool.free(block);
             st.base.pending_done(f.quadrant, f.size, f.requested);
+            st.note(Action::FreeCompleted, f.ptr, f.requested, f.stream);
         } else {
             st.pending_count.insert(block, recorded);
         }

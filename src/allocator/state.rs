@@ -9,6 +9,8 @@
 //!          └─ plans: Mutex<(name, stream) → learned plan + region>
 //! ```
 
+use super::history::{Action, History};
+use super::observers::Observers;
 use super::*;
 
 pub(crate) struct Shared<D: Device> {
@@ -27,6 +29,10 @@ pub(crate) struct Shared<D: Device> {
     pub(super) stats: SeqBlock<BASE_WORDS>,
     /// Test-only deliberate bug: skip every event that orders cross-stream reuse.
     pub(super) broken_skip_events: AtomicBool,
+    /// Whether the memory history is recorded (then every operation takes the slow path).
+    pub(super) recording: AtomicBool,
+    /// Out-of-memory observers and the failure callback (`observers.rs`).
+    pub(super) observers: Observers,
     /// Acquisitions of `state`'s lock, for tests proving the fast path skips it.
     pub(super) lock_count: AtomicU64,
     /// Learned plans of named scopes, by (name, stream). Taken before `state`, never inside it.
@@ -89,6 +95,18 @@ pub(super) struct State {
     pub(super) dirty: Vec<StreamId>,
     /// Expandable segments: virtual ranges and their pages (`expandable.rs`).
     pub(super) vm: expandable::Vm,
+    /// The memory history, while it is recorded (`history.rs`).
+    pub(super) history: Option<History>,
+}
+
+impl State {
+    /// Adds an entry to the memory history, if it is recorded.
+    #[inline]
+    pub(super) fn note(&mut self, action: Action, addr: DeviceAddr, size: u64, stream: StreamId) {
+        if let Some(h) = &mut self.history {
+            h.push(action, addr, size, stream);
+        }
+    }
 }
 
 /// The global lock held: publishes the statistics when let go.

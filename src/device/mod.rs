@@ -27,13 +27,15 @@
 
 #[cfg(feature = "cuda")]
 pub(crate) mod cuda;
+mod host_ptr;
 mod sim;
 
 #[cfg(feature = "cuda")]
 pub use cuda::{CudaDevice, NO_DRIVER};
+pub use host_ptr::HostPtr;
 pub use sim::{
     AppStream, KernelFailure, SIM_ALIGN, SIM_BASE, SIM_VM_GRANULARITY, SimConfig, SimCounters,
-    SimDevice, Violation, VmCounters,
+    SimDevice, SimHostCounters, Violation, VmCounters,
 };
 
 pub use crate::types::{DeviceAddr, StreamId};
@@ -326,6 +328,65 @@ pub trait Device: Send + Sync + 'static {
     fn vm_unmap(&self, _va: DeviceAddr, _bytes: u64) -> Result<(), DeviceError> {
         Err(NO_VIRTUAL_MEMORY)
     }
+
+    /// Allocates `bytes` of page-locked host memory (`cuMemHostAlloc`), which asynchronous copies
+    /// read and write without staging; contents unspecified. [`crate::HostAllocator`] is the
+    /// safe, caching way to use it. The default: [`DeviceError::Unsupported`].
+    fn host_alloc(&self, _bytes: u64) -> Result<HostPtr, DeviceError> {
+        Err(DeviceError::Unsupported("pinned host memory"))
+    }
+
+    /// Frees memory from [`Device::host_alloc`] (`cuMemFreeHost`).
+    ///
+    /// # Safety
+    /// `ptr` came from this device's `host_alloc` and is not freed yet, and nothing uses the
+    /// memory after this call: no host reference into it and no copy that has not completed.
+    unsafe fn host_free(&self, _ptr: HostPtr) -> Result<(), DeviceError> {
+        Err(DeviceError::Unsupported("pinned host memory"))
+    }
+
+    /// Enqueues a copy of `bytes` bytes from pinned host memory at `src` to device memory at
+    /// `dst` on `stream` (`cuMemcpyHtoDAsync`); returns at once.
+    ///
+    /// # Safety
+    /// `[src, src + bytes)` lies in one live allocation of this device's
+    /// [`Device::host_alloc`], which stays allocated and which the host does not write until the
+    /// copy completed (an event recorded on `stream` after this call completed);
+    /// `[dst, dst + bytes)` is device memory of this device that stays allocated until the copy
+    /// has run (work on other streams that uses it unordered gives unspecified bytes, as any race
+    /// on device memory does).
+    unsafe fn memcpy_htod_async(
+        &self,
+        _dst: DeviceAddr,
+        _src: HostPtr,
+        _bytes: u64,
+        _stream: StreamId,
+    ) -> Result<(), DeviceError> {
+        Err(DeviceError::Unsupported("pinned host memory"))
+    }
+
+    /// Enqueues a copy of `bytes` bytes from device memory at `src` to pinned host memory at
+    /// `dst` on `stream` (`cuMemcpyDtoHAsync`); returns at once.
+    ///
+    /// # Safety
+    /// As [`Device::memcpy_htod_async`], and the host neither reads nor writes
+    /// `[dst, dst + bytes)` until the copy completed.
+    unsafe fn memcpy_dtoh_async(
+        &self,
+        _dst: HostPtr,
+        _src: DeviceAddr,
+        _bytes: u64,
+        _stream: StreamId,
+    ) -> Result<(), DeviceError> {
+        Err(DeviceError::Unsupported("pinned host memory"))
+    }
+
+    /// Sanitizer hook: host code is about to read (`Read`) or write (`Write`) `bytes` of pinned
+    /// memory at `ptr`; a host allocator handing a block out counts as a write. [`SimDevice`]
+    /// reports a copy that has not run yet on that memory as a [`Violation`] (`"host write"`,
+    /// `"host read"`; `"host free"` from `host_free`) whose `ptr` is the host address and whose
+    /// `stream` and `other` both name the copy's stream.
+    fn note_host_access(&self, _ptr: HostPtr, _bytes: u64, _kind: AccessKind) {}
 }
 
 /// A device that runs host [`Kernel`]s in stream order: what the simulator and the eager layer's

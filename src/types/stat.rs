@@ -37,6 +37,15 @@ impl Stat {
     pub fn reset_peak(&mut self) {
         self.peak = self.current;
     }
+
+    /// Adds another allocator's figure: currents and totals add; the peak becomes the sum of
+    /// the peaks (an upper bound of the peak of the sum: the two peaks may not coincide).
+    pub fn accumulate(&mut self, other: &Stat) {
+        self.current += other.current;
+        self.peak += other.peak;
+        self.allocated += other.allocated;
+        self.freed += other.freed;
+    }
 }
 
 /// A [`Stat`] for the whole allocator and per pool and residency.
@@ -55,6 +64,15 @@ pub struct StatGroup {
 }
 
 impl StatGroup {
+    /// Adds another allocator's group, cell by cell (see [`Stat::accumulate`]).
+    pub fn accumulate(&mut self, other: &StatGroup) {
+        self.all.accumulate(&other.all);
+        self.small_pool.accumulate(&other.small_pool);
+        self.large_pool.accumulate(&other.large_pool);
+        self.persistent.accumulate(&other.persistent);
+        self.transient.accumulate(&other.transient);
+    }
+
     /// Adds `n` to `all` and to the cells of `kind` and `residency`.
     pub fn increase(&mut self, kind: PoolKind, residency: Residency, n: u64) {
         self.all.increase(n);
@@ -129,6 +147,19 @@ pub struct BlockStats {
 }
 
 impl BlockStats {
+    /// Adds another allocator's figures, group by group (see [`Stat::accumulate`]).
+    pub fn accumulate(&mut self, other: &BlockStats) {
+        self.allocated_bytes.accumulate(&other.allocated_bytes);
+        self.reserved_bytes.accumulate(&other.reserved_bytes);
+        self.active_bytes.accumulate(&other.active_bytes);
+        self.inactive_split_bytes.accumulate(&other.inactive_split_bytes);
+        self.requested_bytes.accumulate(&other.requested_bytes);
+        self.allocation.accumulate(&other.allocation);
+        self.segment.accumulate(&other.segment);
+        self.active.accumulate(&other.active);
+        self.inactive_split.accumulate(&other.inactive_split);
+    }
+
     /// Resets every peak to its current value.
     pub fn reset_peak(&mut self) {
         for g in [

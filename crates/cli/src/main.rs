@@ -1,7 +1,8 @@
 //! The `tidepool` command line, on clap (derive):
 //!
 //! ```text
-//! tidepool replay TRACE [--policy NAME]... [--json] [--svg FILE] [--repeats N] [--config KEY:VAL,...]
+//! tidepool replay TRACE [--policy NAME]... [--json] [--svg FILE] [--repeats N]
+//!                 [--config KEY:VAL,...|from-snapshot] [--device N] [--max-input-size SIZE]
 //! tidepool demo [--steps N] [--two-streams] [--sim]
 //! ```
 //!

@@ -1,15 +1,26 @@
 //! `tidepool replay TRACE`: runs a trace through allocator policies and prints the report.
-//! A progress bar is drawn on stderr only when stderr is a terminal.
+//! A PyTorch snapshot holds one trace per device: each is replayed on its own simulated device
+//! and reported on its own (`--device N` keeps one). A progress bar is drawn on stderr only
+//! when stderr is a terminal.
+//!
+//! `--config from-snapshot` replays a snapshot under tidepool's equivalent of the snapshot's
+//! `allocator_settings` (see [`tidepool_trace::snapshot::AllocatorSettings::to_config`]); what
+//! cannot be mapped is said in the report's notes.
 
 use std::io::{IsTerminal, Write};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
+use tidepool_trace::Trace;
 use tidepool_trace::plot::write_svg;
 use tidepool_trace::policy::{Policy, ReplayOptions, registry};
-use tidepool_trace::read::read_trace;
+use tidepool_trace::read::{DEFAULT_MAX_INPUT, ReadOptions, read_traces};
+use tidepool_trace::report::Report;
 use tidepool_trace::runner::run_policies;
+
+/// The `--config` value that maps a snapshot's `allocator_settings`.
+pub const FROM_SNAPSHOT: &str = "from-snapshot";
 
 /// The `replay` subcommand's arguments.
 #[derive(Args, Debug, Clone, PartialEq)]
@@ -19,42 +30,55 @@ pub struct ReplayArgs {
     /// Run only this policy (repeatable; default: all).
     #[arg(long = "policy", value_name = "NAME")]
     pub policies: Vec<String>,
-    /// Print one JSON object instead of the table.
+    /// Print one JSON object per device (one line each) instead of the table.
     #[arg(long)]
     pub json: bool,
-    /// Draw the memory timeline into FILE (SVG).
+    /// Draw the memory timeline into FILE (SVG; FILE.deviceN.svg per device when a snapshot
+    /// has several).
     #[arg(long, value_name = "FILE")]
     pub svg: Option<PathBuf>,
     /// Replays per policy; the median ns/op is reported.
     #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..))]
     pub repeats: u32,
-    /// Allocator configuration, key:value,key:value (as TIDEPOOL_ALLOC_CONF).
+    /// Allocator configuration, key:value,key:value (as TIDEPOOL_ALLOC_CONF), or
+    /// `from-snapshot`: the equivalent of a PyTorch snapshot's allocator_settings.
     #[arg(long, value_name = "KEY:VAL,...")]
     pub config: Option<String>,
+    /// Replay only this device of a PyTorch snapshot (default: every device, each reported on
+    /// its own).
+    #[arg(long, value_name = "N")]
+    pub device: Option<u32>,
+    /// Refuse gzip input that decompresses to more than SIZE, and pickles larger than SIZE
+    /// (e.g. 4GiB).
+    #[arg(long, value_name = "SIZE", value_parser = parse_bytes,
+          default_value_t = DEFAULT_MAX_INPUT)]
+    pub max_input_size: u64,
 }
 
 impl ReplayArgs {
-    fn options(&self) -> ReplayOptions {
-        ReplayOptions {
-            repeats: self.repeats as usize,
-            config: self.config.clone(),
-            timeline: self.svg.is_some(),
-        }
+    fn config_from_snapshot(&self) -> bool {
+        self.config.as_deref() == Some(FROM_SNAPSHOT)
+    }
+
+    /// Replay options with `config` as the allocator configuration.
+    fn options(&self, config: Option<String>) -> ReplayOptions {
+        ReplayOptions { repeats: self.repeats as usize, config, timeline: self.svg.is_some() }
     }
 }
 
 /// Runs the subcommand; returns the exit code (1 runtime error, 2 usage error).
 pub fn run(cmd: &ReplayArgs, out: &mut dyn Write, err: &mut dyn Write) -> i32 {
-    let options = cmd.options();
-    let all = match registry(&options) {
+    // Usage errors (unknown policy, bad configuration) before reading anything.
+    let config = if cmd.config_from_snapshot() { None } else { cmd.config.clone() };
+    let all = match registry(&cmd.options(config)) {
         Ok(all) => all,
         Err(e) => return usage_error(err, &e.to_string()),
     };
-    let policies = match select(all, &cmd.policies) {
-        Ok(p) => p,
+    let n_policies = match select(all, &cmd.policies) {
+        Ok(p) => p.len(),
         Err(msg) => return usage_error(err, &msg),
     };
-    match replay(cmd, &options, &policies, out) {
+    match replay(cmd, n_policies, out) {
         Ok(()) => 0,
         Err(msg) => {
             let _ = writeln!(err, "tidepool: {msg}");
@@ -89,16 +113,107 @@ fn select(all: Vec<Box<dyn Policy>>, names: &[String]) -> Result<Vec<Box<dyn Pol
     Ok(chosen)
 }
 
-fn replay(
-    cmd: &ReplayArgs,
-    options: &ReplayOptions,
-    policies: &[Box<dyn Policy>],
-    out: &mut dyn Write,
-) -> Result<(), String> {
-    let trace = read_trace(&cmd.trace).map_err(|e| format!("{}: {e}", cmd.trace.display()))?;
-    let per_policy = options.repeats.max(1) + usize::from(options.timeline);
+/// The traces to replay: every device, or the one `--device` names.
+fn pick_device(cmd: &ReplayArgs, traces: Vec<Trace>) -> Result<Vec<Trace>, String> {
+    let Some(want) = cmd.device else { return Ok(traces) };
+    let devices: Vec<u32> =
+        traces.iter().filter_map(|t| t.snapshot.as_ref()).map(|s| s.device).collect();
+    if devices.is_empty() {
+        return Err(format!(
+            "{}: --device applies to PyTorch snapshots; this trace has no devices",
+            cmd.trace.display()
+        ));
+    }
+    let kept: Vec<Trace> = traces
+        .into_iter()
+        .filter(|t| t.snapshot.as_ref().is_some_and(|s| s.device == want))
+        .collect();
+    if kept.is_empty() {
+        let list: Vec<String> = devices.iter().map(u32::to_string).collect();
+        return Err(format!(
+            "{}: no device {want} in the snapshot (devices with allocations: {})",
+            cmd.trace.display(),
+            list.join(", ")
+        ));
+    }
+    Ok(kept)
+}
+
+/// The configuration one trace replays under, and notes saying where it came from.
+fn config_for(cmd: &ReplayArgs, trace: &Trace) -> Result<(Option<String>, Vec<String>), String> {
+    if !cmd.config_from_snapshot() {
+        return Ok((cmd.config.clone(), Vec::new()));
+    }
+    let Some(info) = &trace.snapshot else {
+        return Err(format!(
+            "{}: --config {FROM_SNAPSHOT} needs a PyTorch snapshot; this is a CSV trace",
+            cmd.trace.display()
+        ));
+    };
+    let Some(settings) = &info.settings else {
+        return Ok((
+            None,
+            vec![format!(
+                "--config {FROM_SNAPSHOT}: the snapshot records no allocator_settings (older \
+                 PyTorch); tidepool's defaults apply"
+            )],
+        ));
+    };
+    let mapping = settings.to_config();
+    let mut notes = vec![if mapping.config.is_empty() {
+        format!("--config {FROM_SNAPSHOT}: tidepool's defaults (nothing to map)")
+    } else {
+        format!("--config {FROM_SNAPSHOT}: `{}`", mapping.config)
+    }];
+    notes.extend(mapping.notes);
+    Ok((Some(mapping.config), notes))
+}
+
+/// Parses a byte count: a whole number with an optional unit, binary (`KiB`, `MiB`, `GiB`,
+/// `TiB`, or `K`, `M`, `G`, `T`) or `B`; no unit means bytes. `512MiB`, `4 GiB`, `1073741824`.
+pub fn parse_bytes(text: &str) -> Result<u64, String> {
+    let t = text.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let bad = || format!("`{text}` is not a byte count (e.g. 4GiB, 512MiB, 1048576)");
+    let n: u64 = num.parse().map_err(|_| bad())?;
+    let shift = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 0,
+        "k" | "kib" => 10,
+        "m" | "mib" => 20,
+        "g" | "gib" => 30,
+        "t" | "tib" => 40,
+        _ => return Err(bad()),
+    };
+    n.checked_mul(1u64 << shift).ok_or_else(|| format!("`{text}` is more than 2^64 bytes"))
+}
+
+/// `path` for one device of several: `out.svg` → `out.device1.svg`.
+fn svg_path(path: &Path, device: Option<u32>, several: bool) -> PathBuf {
+    match device {
+        Some(d) if several => {
+            let stem =
+                path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
+            let ext = path.extension().map(|e| e.to_string_lossy().into_owned());
+            let name = match ext {
+                Some(ext) => format!("{stem}.device{d}.{ext}"),
+                None => format!("{stem}.device{d}"),
+            };
+            path.with_file_name(name)
+        }
+        _ => path.to_path_buf(),
+    }
+}
+
+fn replay(cmd: &ReplayArgs, n_policies: usize, out: &mut dyn Write) -> Result<(), String> {
+    let read = ReadOptions { max_input_bytes: cmd.max_input_size };
+    let traces =
+        read_traces(&cmd.trace, &read).map_err(|e| format!("{}: {e}", cmd.trace.display()))?;
+    let traces = pick_device(cmd, traces)?;
+    let several = traces.len() > 1;
+    let per_policy = cmd.repeats.max(1) as usize + usize::from(cmd.svg.is_some());
     let bar = if std::io::stderr().is_terminal() {
-        let bar = ProgressBar::new((policies.len() * per_policy) as u64);
+        let bar = ProgressBar::new((traces.len() * n_policies * per_policy) as u64);
         if let Ok(style) = ProgressStyle::with_template("{bar:30} {pos}/{len} replays  {msg}") {
             bar.set_style(style);
         }
@@ -106,15 +221,63 @@ fn replay(
     } else {
         ProgressBar::hidden()
     };
-    let report = run_policies(&trace, policies, options, &mut |name| {
-        bar.set_message(name.to_string());
-        bar.inc(1);
-    })
-    .map_err(|e| e.to_string())?;
-    bar.finish_and_clear();
-    if let Some(svg) = &cmd.svg {
-        write_svg(&report, svg)?;
+    let mut reports: Vec<Report> = Vec::new();
+    for trace in &traces {
+        let (config, notes) = config_for(cmd, trace)?;
+        let options = cmd.options(config);
+        let policies = registry(&options)
+            .map_err(|e| e.to_string())
+            .and_then(|all| select(all, &cmd.policies))?;
+        let device = trace.snapshot.as_ref().map(|s| s.device);
+        let mut report = run_policies(trace, &policies, &options, &mut |name| {
+            match device {
+                Some(d) => bar.set_message(format!("device {d}: {name}")),
+                None => bar.set_message(name.to_string()),
+            }
+            bar.inc(1);
+        })
+        .map_err(|e| match device {
+            Some(d) => format!("device {d}: {e}"),
+            None => e.to_string(),
+        })?;
+        report.notes = notes;
+        if let Some(svg) = &cmd.svg {
+            write_svg(&report, &svg_path(svg, device, several))?;
+        }
+        reports.push(report);
     }
-    let text = if cmd.json { report.to_json() + "\n" } else { report.to_table() };
+    bar.finish_and_clear();
+    let text = if cmd.json {
+        reports.iter().map(|r| r.to_json() + "\n").collect::<String>()
+    } else {
+        reports.iter().map(Report::to_table).collect::<Vec<_>>().join("\n")
+    };
     out.write_all(text.as_bytes()).map_err(|e| format!("cannot write output: {e}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn byte_counts() {
+        assert_eq!(parse_bytes("1073741824"), Ok(1 << 30));
+        assert_eq!(parse_bytes("4GiB"), Ok(4 << 30));
+        assert_eq!(parse_bytes("512 MiB"), Ok(512 << 20));
+        assert_eq!(parse_bytes("2k"), Ok(2048));
+        assert_eq!(parse_bytes("7B"), Ok(7));
+        assert!(parse_bytes("").is_err());
+        assert!(parse_bytes("1.5GiB").is_err());
+        assert!(parse_bytes("3 parsecs").is_err());
+        assert!(parse_bytes("99999999999T").unwrap_err().contains("more than 2^64"));
+    }
+
+    #[test]
+    fn svg_names_per_device() {
+        let p = Path::new("/tmp/out.svg");
+        assert_eq!(svg_path(p, Some(1), true), Path::new("/tmp/out.device1.svg"));
+        assert_eq!(svg_path(p, Some(1), false), p);
+        assert_eq!(svg_path(p, None, true), p);
+        assert_eq!(svg_path(Path::new("plot"), Some(0), true), Path::new("plot.device0"));
+    }
 }

@@ -125,7 +125,15 @@ fn usage_errors_exit_2() {
     let o = tidepool(&["replay", "--help"]);
     assert_eq!(o.status.code(), Some(0));
     let help = String::from_utf8_lossy(&o.stdout).into_owned();
-    for flag in ["--policy <NAME>", "--json", "--svg <FILE>", "--repeats <REPEATS>", "--config"] {
+    for flag in [
+        "--policy <NAME>",
+        "--json",
+        "--svg <FILE>",
+        "--repeats <REPEATS>",
+        "--config",
+        "--device <N>",
+        "--max-input-size <SIZE>",
+    ] {
         assert!(help.contains(flag), "{flag} missing from {help}");
     }
 }
@@ -159,4 +167,208 @@ fn input_errors_exit_1() {
         "{}",
         stderr(&o)
     );
+}
+
+fn repo(path: &str) -> String {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..").join(path).display().to_string()
+}
+
+fn snapshot(name: &str) -> String {
+    repo(&format!("data/snapshots/{name}.pickle"))
+}
+
+fn multi_device() -> String {
+    repo("crates/trace/tests/fixtures/multi_device_snapshot.pickle")
+}
+
+fn json_lines(o: &Output) -> Vec<serde_json::Value> {
+    String::from_utf8_lossy(&o.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("one JSON object per line"))
+        .collect()
+}
+
+/// The real snapshots: peak live and PyTorch's recorded peak reserved to the byte (truth.json),
+/// the recorded row in the table, the history-less one as a static picture with how to record.
+#[test]
+fn real_snapshots() {
+    for (name, live, recorded) in [
+        ("cs336_wedsonlin_medium128_training", 7_013_335_044u64, 7_235_174_400u64),
+        ("ftcourse_memory_snapshot", 5_876_132_840, 6_471_811_072),
+        ("layoutediting_dump_snapshot_emptytraces", 10_637_601_344, 11_276_386_304),
+    ] {
+        let o = tidepool(&[
+            "replay",
+            &snapshot(name),
+            "--policy",
+            "caching",
+            "--repeats",
+            "1",
+            "--json",
+        ]);
+        assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+        let v = json_lines(&o);
+        assert_eq!(v.len(), 1, "{name}: one device");
+        assert_eq!(v[0]["device"], 0);
+        assert_eq!(v[0]["peak_live_bytes"].as_u64(), Some(live), "{name}");
+        assert_eq!(v[0]["pytorch_recorded"]["peak_reserved_bytes"].as_u64(), Some(recorded));
+    }
+    let o = tidepool(&[
+        "replay",
+        &snapshot("layoutediting_dump_snapshot_emptytraces"),
+        "--policy",
+        "caching",
+        "--repeats=1",
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let table = String::from_utf8_lossy(&o.stdout).into_owned();
+    assert!(
+        table.starts_with(
+            "trace layoutediting_dump_snapshot_emptytraces, device 0: 6241 events, peak live \
+             9.91 GiB (10637601344 B)\n"
+        ),
+        "{table}"
+    );
+    assert!(table.contains("  note: no allocation history: the snapshot was taken without"));
+    assert!(table.contains("torch.cuda.memory._record_memory_history(max_entries=100000) before"));
+    assert!(table.contains("\npytorch (recorded)  "), "{table}");
+}
+
+/// Every device reported on its own, `--device` picks one, skipped kinds in text and JSON.
+#[test]
+fn devices_of_a_snapshot() {
+    let o = tidepool(&["replay", &multi_device(), "--policy", "caching", "--repeats=1", "--json"]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let v = json_lines(&o);
+    let devices: Vec<_> = v.iter().map(|r| r["device"].as_u64()).collect();
+    assert_eq!(devices, [Some(0), Some(1)]);
+    assert_eq!(v[0]["peak_live_bytes"].as_u64(), Some(13_146_228));
+    assert_eq!(v[1]["peak_live_bytes"].as_u64(), Some(2_900_000));
+    assert_eq!(v[0]["policies"][0]["peak_reserved_bytes"].as_u64(), Some(44 << 20));
+    assert_eq!(v[1]["policies"][0]["peak_reserved_bytes"].as_u64(), Some(22 << 20));
+    assert_eq!(v[0]["skipped"]["oom"], 1);
+    assert_eq!(v[0]["skipped"]["segment_map"], 1);
+    assert_eq!(v[1]["skipped"]["segment_free"], 1);
+
+    let o = tidepool(&[
+        "replay",
+        &multi_device(),
+        "--device",
+        "1",
+        "--policy",
+        "planned",
+        "--repeats=1",
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let table = String::from_utf8_lossy(&o.stdout).into_owned();
+    assert!(table.starts_with("trace multi_device_snapshot, device 1: 5 events"), "{table}");
+    assert!(!table.contains("device 0"), "{table}");
+    assert!(table.contains("  skipped: segment_alloc 1, segment_free 1\n"), "{table}");
+    assert!(table.contains("  note: 1 entry was out of time_us order and was put in order\n"));
+
+    let o = tidepool(&["replay", &multi_device(), "--device", "2"]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(
+        stderr(&o).ends_with("no device 2 in the snapshot (devices with allocations: 0, 1)\n"),
+        "{}",
+        stderr(&o)
+    );
+    let o = tidepool(&["replay", &mlp(), "--device", "0"]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(stderr(&o).contains("--device applies to PyTorch snapshots"), "{}", stderr(&o));
+
+    // One SVG per device, with PyTorch's reserved line.
+    let svg = tmp("multi.svg");
+    let o = tidepool(&[
+        "replay",
+        &multi_device(),
+        "--policy",
+        "caching",
+        "--repeats=1",
+        "--svg",
+        svg.to_str().unwrap(),
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    for d in [0, 1] {
+        let text = std::fs::read_to_string(tmp(&format!("multi.device{d}.svg"))).unwrap();
+        assert!(text.contains(&format!("memory timeline: multi_device_snapshot, device {d}")));
+        assert!(text.contains("reserved: pytorch (recorded)"));
+    }
+}
+
+#[test]
+fn config_from_snapshot() {
+    let o = tidepool(&[
+        "replay",
+        &multi_device(),
+        "--config",
+        "from-snapshot",
+        "--policy",
+        "caching",
+        "--repeats=1",
+        "--json",
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let v = json_lines(&o);
+    let notes: Vec<&str> =
+        v[0]["notes"].as_array().unwrap().iter().filter_map(|n| n.as_str()).collect();
+    assert_eq!(
+        notes[0],
+        "--config from-snapshot: `max_split_size_mb:64,roundup_power2_divisions:4`"
+    );
+    assert!(notes[1].starts_with("expandable_segments True: tidepool's Config has no expandable"));
+    assert_eq!(v[0]["policies"][0]["peak_allocated_bytes"].as_u64(), Some(13_632_000));
+    // No allocator_settings (older PyTorch): the defaults, and a note.
+    let o = tidepool(&[
+        "replay",
+        &snapshot("ftcourse_memory_snapshot"),
+        "--config",
+        "from-snapshot",
+        "--policy",
+        "planned",
+        "--repeats=1",
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert!(String::from_utf8_lossy(&o.stdout).contains("records no allocator_settings"));
+    // Not a snapshot.
+    let o = tidepool(&["replay", &mlp(), "--config", "from-snapshot"]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(
+        stderr(&o).contains("--config from-snapshot needs a PyTorch snapshot"),
+        "{}",
+        stderr(&o)
+    );
+}
+
+#[test]
+fn input_errors_of_snapshots() {
+    let o = tidepool(&["replay", &multi_device(), "--max-input-size", "1KiB"]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(
+        stderr(&o).contains(
+            "input: input is larger than the cap of 1.00 KiB (1024 B); raise the cap with \
+             `tidepool replay --max-input-size SIZE`"
+        ),
+        "{}",
+        stderr(&o)
+    );
+    let o = tidepool(&["replay", &multi_device(), "--max-input-size", "lots"]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(stderr(&o).contains("is not a byte count"), "{}", stderr(&o));
+
+    // What pickle.dump(torch.cuda.memory_snapshot(), f) writes: a list of segments.
+    let list = tmp("segments.pickle");
+    std::fs::write(
+        &list,
+        b"\x80\x04]\x94}\x94(\x8c\x0atotal_size\x94K\x10\x8c\x06blocks\x94]\x94ua.",
+    )
+    .unwrap();
+    let o = tidepool(&["replay", list.to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(1));
+    let e = stderr(&o);
+    assert!(
+        e.contains("the pickle is a list of 1 segment, as torch.cuda.memory_snapshot() returns"),
+        "{e}"
+    );
+    assert!(e.contains("torch.cuda.memory._record_memory_history("), "{e}");
 }

@@ -2,8 +2,8 @@
 //! device (a refused launch), a shape that does not fit the op, or a back end that cannot run.
 
 use std::fmt;
-use tidepool::AllocError;
 use tidepool::device::DeviceError;
+use tidepool::{AllocError, HostAllocError};
 
 /// Why an eager operation failed.
 #[derive(Debug)]
@@ -51,6 +51,17 @@ impl From<AllocError> for EagerError {
 impl From<DeviceError> for EagerError {
     fn from(e: DeviceError) -> Self {
         EagerError::Device(e)
+    }
+}
+
+/// A pinned host memory failure: the device's error as [`EagerError::Device`], the rest (out of
+/// pinned memory, say) as [`EagerError::Backend`].
+impl From<HostAllocError> for EagerError {
+    fn from(e: HostAllocError) -> Self {
+        match e {
+            HostAllocError::Device(d) => EagerError::Device(d),
+            other => EagerError::Backend(other.to_string()),
+        }
     }
 }
 

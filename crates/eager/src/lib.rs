@@ -43,6 +43,7 @@ pub mod host;
 pub mod models;
 mod ops;
 mod optim;
+mod pinned;
 mod record;
 mod shape;
 mod step;

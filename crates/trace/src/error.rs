@@ -84,6 +84,16 @@ pub enum ErrorKind {
     BadPickle(String),
     /// The pickle decoded, but not into the structure of a PyTorch memory snapshot.
     BadStructure(String),
+    /// The input (decompressed, for gzip; or a pickle, which is read whole) is larger than the
+    /// cap of [`crate::read::ReadOptions::max_input_bytes`].
+    InputTooLarge {
+        /// The cap, in bytes.
+        cap: u64,
+        /// Whether the input was gzip (the cap bounds the decompressed bytes).
+        decompressed: bool,
+    },
+    /// A single trace was asked of a snapshot that holds several devices.
+    SeveralDevices(Vec<u32>),
 }
 
 /// A trace reading error: where, and why.
@@ -160,6 +170,27 @@ impl fmt::Display for ErrorKind {
             ErrorKind::NotUtf8 => f.write_str("line is not valid UTF-8"),
             ErrorKind::BadPickle(e) => write!(f, "bad pickle: {e}"),
             ErrorKind::BadStructure(e) => write!(f, "not a PyTorch memory snapshot: {e}"),
+            ErrorKind::InputTooLarge { cap, decompressed } => {
+                let what = if *decompressed { "decompressed input" } else { "input" };
+                let size = tidepool::Bytes(*cap);
+                let exact = if *cap < 1024 { String::new() } else { format!(" ({cap} B)") };
+                write!(
+                    f,
+                    "{what} is larger than the cap of {size}{exact}; raise the cap with \
+                     `tidepool replay --max-input-size SIZE` (library: \
+                     ReadOptions::max_input_bytes)"
+                )
+            }
+            ErrorKind::SeveralDevices(devices) => {
+                let list: Vec<String> = devices.iter().map(u32::to_string).collect();
+                write!(
+                    f,
+                    "the snapshot holds {} devices ({}); read them with read_traces \
+                     (`tidepool replay` reports each device, `--device N` picks one)",
+                    devices.len(),
+                    list.join(", ")
+                )
+            }
         }
     }
 }

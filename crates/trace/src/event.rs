@@ -12,9 +12,10 @@
 //! [`Trace::scope_names`] in [`Event::scope`] and the scope id of the input in [`Event::id`].
 //! Readers only hand out traces that pass [`Trace::validate`].
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 
 use super::error::TraceError;
+use super::snapshot::SnapshotInfo;
 use super::validate::Validator;
 
 /// What an event does.
@@ -77,9 +78,33 @@ pub struct Trace {
     pub events: Vec<Event>,
     /// Scope names; markers refer to them by index.
     pub scope_names: Vec<String>,
-    /// Input records read but deliberately not turned into events (RMM `allocate failure`
-    /// rows; PyTorch `segment_*`, `snapshot`, `oom` entries and the unused free variant).
-    pub skipped_records: u64,
+    /// Input records read but deliberately not turned into events, counted by kind: RMM
+    /// `allocate failure` rows; PyTorch `segment_*`, `snapshot`, `oom`, `user_defined` entries
+    /// and the free variant that is not used as the free (see [`crate::read`]).
+    pub skipped: BTreeMap<String, u64>,
+    /// Blocks allocated before the recording started, which the trace holds as allocations at
+    /// its start (see [`PreWindow`]).
+    pub pre_window: PreWindow,
+    /// What a PyTorch snapshot says about this device beyond its allocations (`None` for the
+    /// CSV formats).
+    pub snapshot: Option<SnapshotInfo>,
+}
+
+/// Blocks whose allocation precedes the recording: a recording (a PyTorch history ring buffer,
+/// an RMM log started late) can free, or hold at its end, a block it never saw allocated. Like
+/// PyTorch's own viewer, readers place a synthetic alloc for each such block at the start of
+/// the trace, so it counts as live from the start.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PreWindow {
+    /// Blocks freed in the recording that it never saw allocated.
+    pub freed_blocks: u64,
+    /// Their requested bytes.
+    pub freed_bytes: u64,
+    /// Blocks live at the end of the recording (a snapshot's `active_allocated` blocks) that it
+    /// never saw allocated: live throughout, tagged [`Tag::Param`] (persistent).
+    pub live_blocks: u64,
+    /// Their requested bytes.
+    pub live_bytes: u64,
 }
 
 /// The lifetime of one allocated id, as event indices.
@@ -118,6 +143,19 @@ impl Trace {
             v.check(e).map_err(|k| TraceError::at_line(line, k))?;
         }
         v.finish().map_err(|k| TraceError::at_line(self.events.len() as u64 + 2, k))
+    }
+
+    /// Number of input records skipped, all kinds together.
+    pub fn skipped_records(&self) -> u64 {
+        self.skipped.values().fold(0u64, |a, &b| a.saturating_add(b))
+    }
+
+    /// Counts one skipped input record of `kind`.
+    pub(crate) fn skip(&mut self, kind: &str) {
+        match self.skipped.get_mut(kind) {
+            Some(n) => *n = n.saturating_add(1),
+            None => _ = self.skipped.insert(kind.to_string(), 1),
+        }
     }
 
     /// Number of alloc events.
@@ -203,7 +241,7 @@ mod tests {
                 Event::alloc(3, 120, 0, Tag::Act),
             ],
             scope_names: vec![],
-            skipped_records: 0,
+            ..Trace::default()
         }
     }
 

@@ -1,5 +1,6 @@
 //! Traces and the replayer: the trace model ([`Trace`]), readers for tidepool CSV, RMM logs
-//! and PyTorch memory snapshots ([`read_trace`]), replay [`Policy`]s with their
+//! and PyTorch memory snapshots ([`read_traces`]: one trace per device, with PyTorch's own
+//! reserved memory in [`snapshot`]), replay [`Policy`]s with their
 //! [`registry`], the offline planner ([`plan`]), reports and SVG plots. The `tidepool` command
 //! line (crate `tidepool-cli`) is built on it.
 //!
@@ -16,11 +17,15 @@ pub mod policy;
 pub mod read;
 pub mod report;
 pub mod runner;
+pub mod snapshot;
 mod validate;
 
 pub use error::{ErrorKind, Location, TraceError};
-pub use event::{Event, Lifetime, Op, Tag, Trace};
+pub use event::{Event, Lifetime, Op, PreWindow, Tag, Trace};
 pub use policy::{Policy, PolicyResult, ReplayError, ReplayOptions, registry};
-pub use read::{read_trace, read_trace_bytes, read_trace_from};
+pub use read::{
+    ReadOptions, read_trace, read_trace_bytes, read_trace_from, read_traces, read_traces_bytes,
+    read_traces_from,
+};
 pub use report::Report;
 pub use validate::Validator;

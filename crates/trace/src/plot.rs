@@ -1,6 +1,7 @@
 //! The memory timeline as an SVG (plotters' SVG backend, which writes text as SVG `<text>`,
 //! so no font files are needed): x = event index, y = bytes in MiB or GiB; one line for
-//! live requested bytes and one per policy for reserved bytes.
+//! live requested bytes, one per policy for reserved bytes and, for a PyTorch snapshot, one
+//! for what PyTorch's allocator reserved (`pytorch (recorded)`).
 //!
 //! Long timelines are downsampled to at most [`MAX_POINTS`] points by splitting the x range
 //! into equal buckets and keeping each bucket's maximum (at the bucket's first index), so
@@ -41,6 +42,12 @@ pub fn write_svg(report: &Report, path: &Path) -> Result<(), String> {
             lines.push((format!("reserved: {}", p.name), downsample(tl, MAX_POINTS)));
         }
     }
+    if let Some(s) = &report.snapshot {
+        lines.push((
+            format!("reserved: {}", super::report::RECORDED_ROW),
+            downsample(&s.reserved.timeline, MAX_POINTS),
+        ));
+    }
     let max_y = lines.iter().flat_map(|(_, pts)| pts.iter().map(|&(_, v)| v)).max().unwrap_or(0);
     let (unit, scale) = axis_unit(max_y);
     let x_end = report.events.max(1) as f64;
@@ -50,7 +57,13 @@ pub fn write_svg(report: &Report, path: &Path) -> Result<(), String> {
     let err = |e: &dyn std::fmt::Display| format!("cannot draw {}: {e}", path.display());
     root.fill(&WHITE).map_err(|e| err(&e))?;
     let mut chart = ChartBuilder::on(&root)
-        .caption(format!("memory timeline: {}", report.trace), ("sans-serif", 24))
+        .caption(
+            match report.device() {
+                Some(d) => format!("memory timeline: {}, device {d}", report.trace),
+                None => format!("memory timeline: {}", report.trace),
+            },
+            ("sans-serif", 24),
+        )
         .margin(15)
         .x_label_area_size(45)
         .y_label_area_size(80)

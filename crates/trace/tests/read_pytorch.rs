@@ -1,23 +1,195 @@
-//! PyTorch memory snapshot reader: the committed fixture (made by
-//! tests/fixtures/make_pytorch_snapshot.py) and malformed snapshots built in Rust.
+//! PyTorch memory snapshot reader: the real snapshots of data/snapshots against the figures of
+//! their truth.json, the committed fixtures (made by tests/fixtures/make_pytorch_snapshot.py and
+//! make_multi_device_snapshot.py) and malformed snapshots built in Rust.
 
 use std::collections::BTreeMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use serde_pickle::{HashableValue, SerOptions, Value};
 use tidepool_trace::read::read_pytorch_snapshot;
-use tidepool_trace::{ErrorKind, Event, Location, Tag, TraceError, read_trace, read_trace_bytes};
+use tidepool_trace::{
+    ErrorKind, Event, Location, Op, PreWindow, ReadOptions, Tag, Trace, TraceError, read_trace,
+    read_trace_bytes, read_traces, read_traces_bytes,
+};
 
-fn fixture() -> std::path::PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/pytorch_snapshot.pickle")
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name)
+}
+
+fn counts(items: &[(&str, u64)]) -> BTreeMap<String, u64> {
+    items.iter().map(|&(k, n)| (k.to_string(), n)).collect()
+}
+
+/// One real snapshot's figures, as truth.json gives them for device 0 (computed independently
+/// with Python's pickle module).
+struct Truth {
+    file: &'static str,
+    entries: u64,
+    /// `peak_live_incl_pre_window_blocks_bytes`.
+    peak_live: u64,
+    /// `trace_only_peak_live_bytes` (blocks freed in the window but allocated before it count
+    /// from its start; blocks still live at the snapshot do not).
+    trace_only_peak_live: u64,
+    /// `live_at_snapshot_not_allocated_in_trace_bytes`.
+    pre_window_live: u64,
+    /// `pytorch_reserved_at_snapshot_bytes`.
+    reserved_at_snapshot: u64,
+    /// `pytorch_peak_reserved_in_window_bytes`.
+    peak_reserved: u64,
+}
+
+const REAL: [Truth; 3] = [
+    Truth {
+        file: "cs336_wedsonlin_medium128_training.pickle",
+        entries: 19136,
+        peak_live: 7_013_335_044,
+        trace_only_peak_live: 5_303_480_324,
+        pre_window_live: 1_709_854_720,
+        reserved_at_snapshot: 7_235_174_400,
+        peak_reserved: 7_235_174_400,
+    },
+    Truth {
+        file: "ftcourse_memory_snapshot.pickle",
+        entries: 10307,
+        peak_live: 5_876_132_840,
+        trace_only_peak_live: 4_780_407_592,
+        pre_window_live: 1_095_725_248,
+        reserved_at_snapshot: 6_471_811_072,
+        peak_reserved: 6_471_811_072,
+    },
+    Truth {
+        file: "layoutediting_dump_snapshot_emptytraces.pickle",
+        entries: 0,
+        peak_live: 10_637_601_344,
+        trace_only_peak_live: 0,
+        pre_window_live: 10_637_601_344,
+        reserved_at_snapshot: 11_276_386_304,
+        peak_reserved: 11_276_386_304,
+    },
+];
+
+fn snapshots_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../data/snapshots")
+}
+
+/// The constants above are truth.json's.
+#[test]
+fn real_snapshot_figures_are_truth_json() {
+    let text = std::fs::read_to_string(snapshots_dir().join("truth.json")).unwrap();
+    let truth: serde_json::Value = serde_json::from_str(&text).unwrap();
+    for t in &REAL {
+        let devices = truth[t.file].as_array().unwrap();
+        assert_eq!(devices.len(), 1, "{}", t.file);
+        let d = &devices[0];
+        let n = |k: &str| d[k].as_u64().unwrap();
+        assert_eq!(n("device"), 0);
+        assert_eq!(n("entries"), t.entries, "{}", t.file);
+        assert_eq!(n("peak_live_incl_pre_window_blocks_bytes"), t.peak_live, "{}", t.file);
+        assert_eq!(n("trace_only_peak_live_bytes"), t.trace_only_peak_live, "{}", t.file);
+        assert_eq!(
+            n("live_at_snapshot_not_allocated_in_trace_bytes"),
+            t.pre_window_live,
+            "{}",
+            t.file
+        );
+        assert_eq!(n("pytorch_reserved_at_snapshot_bytes"), t.reserved_at_snapshot, "{}", t.file);
+        assert_eq!(n("pytorch_peak_reserved_in_window_bytes"), t.peak_reserved, "{}", t.file);
+    }
+}
+
+/// Peak live and PyTorch's recorded reserved memory, to the byte, on the three real snapshots.
+#[test]
+fn real_snapshots_read_right() {
+    for t in &REAL {
+        let traces = read_traces(&snapshots_dir().join(t.file), &ReadOptions::default()).unwrap();
+        // layoutediting's second device has neither entries nor segments.
+        assert_eq!(traces.len(), 1, "{}", t.file);
+        let trace = &traces[0];
+        trace.validate().unwrap();
+        let info = trace.snapshot.as_ref().unwrap();
+        assert_eq!(info.device, 0);
+        assert_eq!(info.entries, t.entries, "{}", t.file);
+        assert_eq!(info.history, t.entries > 0, "{}", t.file);
+        assert_eq!(trace.peak_live_bytes(), t.peak_live, "{}", t.file);
+        assert_eq!(trace.pre_window.live_bytes, t.pre_window_live, "{}", t.file);
+        // Blocks still live at the snapshot are live throughout: the rest is the trace's own.
+        assert_eq!(trace.peak_live_bytes() - t.pre_window_live, t.trace_only_peak_live);
+        assert_eq!(info.reserved.at_snapshot, t.reserved_at_snapshot, "{}", t.file);
+        assert_eq!(info.reserved.peak, t.peak_reserved, "{}", t.file);
+        assert!(info.reserved.consistent);
+        assert_eq!(info.reserved.timeline.len(), trace.events.len());
+        // Blocks live at the start and at the end of the window are the persistent ones.
+        let persistent: u64 =
+            trace.events.iter().filter(|e| e.tag == Tag::Param).map(|e| e.bytes).sum();
+        assert_eq!(persistent, t.pre_window_live, "{}", t.file);
+    }
+}
+
+/// What else the real snapshots hold, exactly.
+#[test]
+fn real_snapshot_details() {
+    let read = |file: &str| {
+        let mut v = read_traces(&snapshots_dir().join(file), &ReadOptions::default()).unwrap();
+        v.remove(0)
+    };
+    // Recent PyTorch: time_us, allocator_settings (its PYTORCH_CUDA_ALLOC_CONF is an empty
+    // string shared with frames: it must not decode as None), an optimizer-step annotation.
+    let t = read(REAL[0].file);
+    assert_eq!(t.skipped, counts(&[("free_requested", 6305)]));
+    assert_eq!(
+        t.pre_window,
+        PreWindow {
+            freed_blocks: 438,
+            freed_bytes: 3_385_466_880,
+            live_blocks: 226,
+            live_bytes: 1_709_854_720
+        }
+    );
+    assert_eq!(t.events.len(), 226 + 438 + 6526 + 6305 + 2);
+    assert_eq!(t.scope_names, vec!["Optimizer.step#AdamW.step".to_string()]);
+    let info = t.snapshot.as_ref().unwrap();
+    assert_eq!((info.annotation_scopes, info.reordered, info.reserved.segment_events), (1, 0, 0));
+    let set = info.settings.as_ref().unwrap();
+    assert_eq!(set.conf, "");
+    assert_eq!(
+        set.summary(),
+        "PYTORCH_CUDA_ALLOC_CONF \"\", expandable_segments False, garbage_collection_threshold 0, \
+         graph_capture_record_stream_reuse False, max_split_size -1, \
+         pinned_num_register_threads 1, pinned_use_cuda_host_register False, \
+         release_lock_on_cudamalloc False, roundup_power2_divisions 0"
+    );
+    assert_eq!(set.to_config().config, "");
+    // Older PyTorch: no time_us, no allocator_settings; 152 segment_alloc entries, so PyTorch
+    // reserved 1400897536 B at the start of the window.
+    let t = read(REAL[1].file);
+    assert_eq!(t.skipped, counts(&[("free_requested", 3325), ("segment_alloc", 152)]));
+    let info = t.snapshot.as_ref().unwrap();
+    assert!(info.settings.is_none());
+    assert_eq!((info.reserved.at_start, info.reserved.segment_events), (1_400_897_536, 152));
+    // No history: the static picture, every block persistent, and a note on how to record.
+    let t = read(REAL[2].file);
+    let info = t.snapshot.as_ref().unwrap();
+    assert!(!info.history);
+    assert_eq!(t.events.len(), 6241);
+    assert!(t.events.iter().all(|e| e.op == Op::Alloc && e.tag == Tag::Param));
+    assert!(info.notes[0].starts_with("no allocation history"), "{:?}", info.notes);
 }
 
 #[test]
 fn fixture_round_trip() {
-    let t = read_trace(&fixture()).unwrap();
+    let t = read_trace(&fixture("pytorch_snapshot.pickle")).unwrap();
     assert_eq!(t.name, "pytorch_snapshot");
-    // segment_alloc, 3 unused free_requested, oom, snapshot, segment_free.
-    assert_eq!(t.skipped_records, 7);
+    assert_eq!(
+        t.skipped,
+        counts(&[
+            ("free_requested", 3),
+            ("oom", 1),
+            ("segment_alloc", 1),
+            ("segment_free", 1),
+            ("snapshot", 1)
+        ])
+    );
+    assert_eq!(t.skipped_records(), 7);
     assert!(t.scope_names.is_empty());
     assert_eq!(
         t.events,
@@ -34,13 +206,139 @@ fn fixture_round_trip() {
         ]
     );
     assert_eq!(t.peak_live_bytes(), 256 + 1024 + 512 + (4 << 20));
+    assert_eq!(
+        t.pre_window,
+        PreWindow { freed_blocks: 1, freed_bytes: 256, live_blocks: 0, live_bytes: 0 }
+    );
+    // Reserved: 2 MiB of segments at the snapshot; a 2 MiB segment_alloc and a 20 MiB
+    // segment_free in the window, so 20 MiB at its start and 22 MiB at the peak.
+    let s = t.snapshot.as_ref().unwrap();
+    assert_eq!((s.device, s.history, s.entries), (0, true, 14));
+    assert_eq!(
+        (s.reserved.at_start, s.reserved.peak, s.reserved.at_snapshot),
+        (20 << 20, 22 << 20, 2 << 20)
+    );
+    assert_eq!(s.reserved.timeline.len(), t.events.len());
+    assert_eq!(s.reserved.timeline[0], 20 << 20);
+    // After the last event; the 20 MiB segment_free comes after it.
+    assert_eq!(s.reserved.timeline.last(), Some(&(22 << 20)));
+    // The empty second device is not a trace.
+    assert_eq!(
+        read_traces(&fixture("pytorch_snapshot.pickle"), &ReadOptions::default()).unwrap().len(),
+        1
+    );
     // Gzipped snapshots are sniffed too.
-    let raw = std::fs::read(fixture()).unwrap();
+    let raw = std::fs::read(fixture("pytorch_snapshot.pickle")).unwrap();
     let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
     std::io::Write::write_all(&mut gz, &raw).unwrap();
     let mut from_gz = read_trace_bytes(&gz.finish().unwrap()).unwrap();
     from_gz.name = t.name.clone();
     assert_eq!(from_gz, t);
+}
+
+/// The synthetic multi-device, multi-stream snapshot: every figure of the generator's docstring.
+#[test]
+fn multi_device_fixture() {
+    const MIB: u64 = 1 << 20;
+    let path = fixture("multi_device_snapshot.pickle");
+    let traces = read_traces(&path, &ReadOptions::default()).unwrap();
+    assert_eq!(traces.len(), 2, "device 2 has neither entries nor segments");
+    let (d0, d1) = (&traces[0], &traces[1]);
+
+    // Device 0: W1 (persistent) and EARLY (freed in the window) first, then the window with
+    // the `train_step` scope around Z. Streams: S1 -> 1 (first seen), default 0, S2 -> 2.
+    let i0 = d0.snapshot.as_ref().unwrap();
+    assert_eq!((i0.device, i0.history, i0.entries, i0.reordered), (0, true, 15, 0));
+    let enter =
+        Event { op: Op::ScopeEnter, id: 0, bytes: 0, stream: 0, tag: Tag::Act, scope: Some(0) };
+    let exit = Event { op: Op::ScopeExit, ..enter.clone() };
+    assert_eq!(
+        d0.events,
+        vec![
+            Event::alloc(5, 4_000_000, 0, Tag::Param), // W1: live at the start and the end
+            Event::alloc(3, MIB, 0, Tag::Act),         // EARLY: freed in the window
+            Event::alloc(0, 500, 1, Tag::Act),         // Y on S1
+            Event::alloc(1, 2 * MIB, 0, Tag::Act),     // X
+            enter,
+            Event::alloc(2, 6_000_000, 2, Tag::Act), // Z on S2 (segment_map before it)
+            Event::free(2, 6_000_000, 2, Tag::Act),  // free_completed
+            Event::free(3, MIB, 0, Tag::Act),
+            exit,
+            Event::alloc(4, 3 * MIB, 0, Tag::Act), // Q
+            Event::free(4, 3 * MIB, 0, Tag::Act),  // a plain `free`
+        ]
+    );
+    assert_eq!(d0.scope_names, vec!["train_step".to_string()]);
+    assert_eq!(i0.annotation_scopes, 1);
+    assert_eq!(d0.peak_live_bytes(), 13_146_228);
+    assert_eq!(
+        d0.pre_window,
+        PreWindow { freed_blocks: 1, freed_bytes: MIB, live_blocks: 1, live_bytes: 4_000_000 }
+    );
+    assert_eq!(
+        d0.skipped,
+        counts(&[
+            ("external_annotations (nested)", 1),
+            ("free_requested", 2),
+            ("oom", 1),
+            ("segment_alloc", 1),
+            ("segment_map", 1),
+            ("segment_unmap", 1),
+            ("snapshot", 1),
+            ("user_defined", 1),
+        ])
+    );
+    // PyTorch reserved 20 MiB at the start, +2 MiB (segment_alloc), +8 MiB (segment_map),
+    // -8 MiB (segment_unmap): 30 MiB at the peak, 22 MiB at the snapshot.
+    assert_eq!(
+        (i0.reserved.at_start, i0.reserved.peak, i0.reserved.at_snapshot),
+        (20 * MIB, 30 * MIB, 22 * MIB)
+    );
+    assert_eq!(i0.reserved.segment_events, 3);
+    assert!(i0.reserved.consistent);
+    assert_eq!(
+        i0.reserved.timeline,
+        [20, 20, 22, 22, 22, 30, 30, 30, 30, 30, 30].map(|m| m * MIB).to_vec()
+    );
+
+    // Device 1: listed out of time order; in time order G and H overlap on V.
+    let i1 = d1.snapshot.as_ref().unwrap();
+    assert_eq!((i1.device, i1.history, i1.entries, i1.reordered), (1, true, 6, 1));
+    assert_eq!(
+        d1.events,
+        vec![
+            Event::alloc(2, 1_000_000, 1, Tag::Param), // V, on S3 -> stream 1 of device 1
+            Event::alloc(0, 1_500_000, 1, Tag::Act),
+            Event::alloc(1, 400_000, 1, Tag::Act),
+            Event::free(0, 1_500_000, 1, Tag::Act),
+            Event::free(1, 400_000, 1, Tag::Act),
+        ]
+    );
+    assert_eq!(d1.peak_live_bytes(), 2_900_000);
+    assert_eq!(d1.skipped, counts(&[("segment_alloc", 1), ("segment_free", 1)]));
+    assert_eq!(
+        (i1.reserved.at_start, i1.reserved.peak, i1.reserved.at_snapshot),
+        (4 * MIB, 6 * MIB, 4 * MIB)
+    );
+    assert!(i1.notes[0].contains("out of time_us order"), "{:?}", i1.notes);
+
+    // allocator_settings, read and mapped; floats come from the configuration string.
+    let set = i0.settings.as_ref().unwrap();
+    assert_eq!(set.expandable_segments, Some(true));
+    assert_eq!(set.max_split_size, Some(64 << 20));
+    assert!(set.summary().contains("garbage_collection_threshold 0.8"), "{}", set.summary());
+    assert!(set.summary().contains("roundup_power2_divisions 4"), "{}", set.summary());
+    let m = set.to_config();
+    assert_eq!(m.config, "max_split_size_mb:64,roundup_power2_divisions:4");
+    assert_eq!(m.notes.len(), 3, "{:?}", m.notes);
+    assert!(m.notes[0].starts_with("expandable_segments True"));
+    assert!(m.notes[1].starts_with("garbage_collection_threshold 0.8"));
+    assert!(m.notes[2].contains("release_lock_on_cudamalloc"));
+
+    // A single trace cannot be asked of it.
+    let e = read_trace(&path).unwrap_err();
+    assert_eq!(e, TraceError::input(ErrorKind::SeveralDevices(vec![0, 1])));
+    assert!(e.to_string().contains("--device N"), "{e}");
 }
 
 fn s(x: &str) -> Value {
@@ -65,14 +363,31 @@ fn entry(action: &str, addr: i64, size: i64) -> Value {
     ])
 }
 
-fn snapshot(devices: Vec<Vec<Value>>) -> Vec<u8> {
-    let v =
-        dict(vec![("device_traces", Value::List(devices.into_iter().map(Value::List).collect()))]);
-    serde_pickle::value_to_vec(&v, SerOptions::new()).unwrap()
+fn timed(action: &str, addr: i64, size: i64, time: i64) -> Value {
+    let mut e = entry(action, addr, size);
+    if let Value::Dict(m) = &mut e {
+        m.insert(HashableValue::String("time_us".into()), Value::I64(time));
+    }
+    e
 }
 
-fn read(devices: Vec<Vec<Value>>) -> Result<tidepool_trace::Trace, TraceError> {
+fn pickle(v: &Value) -> Vec<u8> {
+    serde_pickle::value_to_vec(v, SerOptions::new()).unwrap()
+}
+
+fn snapshot(devices: Vec<Vec<Value>>) -> Vec<u8> {
+    pickle(&dict(vec![(
+        "device_traces",
+        Value::List(devices.into_iter().map(Value::List).collect()),
+    )]))
+}
+
+fn read_all(devices: Vec<Vec<Value>>) -> Result<Vec<Trace>, TraceError> {
     read_pytorch_snapshot(&snapshot(devices)[..], "t")
+}
+
+fn read(devices: Vec<Vec<Value>>) -> Result<Trace, TraceError> {
+    read_trace_bytes(&snapshot(devices))
 }
 
 fn at(device: usize, index: usize, kind: ErrorKind) -> TraceError {
@@ -84,7 +399,20 @@ fn free_requested_is_used_when_there_is_no_free_completed() {
     let t =
         read(vec![vec![entry("alloc", 0x100, 10), entry("free_requested", 0x100, 10)]]).unwrap();
     assert_eq!(t.events, vec![Event::alloc(0, 10, 0, Tag::Act), Event::free(0, 10, 0, Tag::Act)]);
-    assert_eq!(t.skipped_records, 0);
+    assert_eq!(t.skipped_records(), 0);
+}
+
+#[test]
+fn plain_free_user_defined_and_oom_are_accepted() {
+    let t = read(vec![vec![
+        entry("alloc", 0x100, 10),
+        entry("user_defined", 0, 0),
+        dict(vec![("action", s("oom")), ("device_free", Value::I64(5)), ("size", Value::I64(1))]),
+        entry("free", 0x100, 10),
+    ]])
+    .unwrap();
+    assert_eq!(t.events, vec![Event::alloc(0, 10, 0, Tag::Act), Event::free(0, 10, 0, Tag::Act)]);
+    assert_eq!(t.skipped, counts(&[("oom", 1), ("user_defined", 1)]));
 }
 
 #[test]
@@ -96,18 +424,170 @@ fn devices_have_separate_address_spaces_and_streams() {
         }
         e
     };
-    let t = read(vec![
-        vec![entry("alloc", 0x100, 10)],
+    let t = read_all(vec![
+        vec![on_side("alloc", 0x200, 3), entry("alloc", 0x100, 10)],
         vec![on_side("alloc", 0x100, 7), on_side("free_completed", 0x100, 7)],
     ])
     .unwrap();
+    assert_eq!(t.len(), 2);
+    assert_eq!(
+        t[0].events,
+        vec![Event::alloc(0, 3, 1, Tag::Act), Event::alloc(1, 10, 0, Tag::Act)]
+    );
+    // Stream handle 99 is stream 1 on device 1 as well: ids are per device.
+    assert_eq!(t[1].events, vec![Event::alloc(0, 7, 1, Tag::Act), Event::free(0, 7, 1, Tag::Act)]);
+    assert_eq!(t[1].snapshot.as_ref().map(|s| s.device), Some(1));
+}
+
+#[test]
+fn entries_are_put_in_time_order_only_when_all_have_a_time() {
+    // In list order the two blocks never overlap; in time order they do.
+    let listed = vec![
+        timed("alloc", 0x100, 10, 1),
+        timed("free_completed", 0x100, 10, 4),
+        timed("alloc", 0x200, 20, 2),
+        timed("free_completed", 0x200, 20, 5),
+    ];
+    let t = read(vec![listed.clone()]).unwrap();
+    assert_eq!(t.peak_live_bytes(), 30);
+    assert_eq!(t.snapshot.as_ref().unwrap().reordered, 1);
+    let mut untimed = listed;
+    untimed[3] = entry("free_completed", 0x200, 20);
+    let t = read(vec![untimed]).unwrap();
+    assert_eq!(t.peak_live_bytes(), 20);
+    assert_eq!(t.snapshot.as_ref().unwrap().reordered, 0);
+}
+
+fn segment(device: i64, address: i64, total: i64, blocks: Vec<Value>) -> Value {
+    dict(vec![
+        ("device", Value::I64(device)),
+        ("address", Value::I64(address)),
+        ("total_size", Value::I64(total)),
+        ("stream", Value::I64(0)),
+        ("blocks", Value::List(blocks)),
+    ])
+}
+
+fn block(size: i64, requested: i64, state: &str) -> Value {
+    dict(vec![
+        ("size", Value::I64(size)),
+        ("requested_size", Value::I64(requested)),
+        ("state", s(state)),
+    ])
+}
+
+#[test]
+fn history_less_snapshot_is_the_static_picture() {
+    // Blocks without `address` (older snapshots) follow each other from the segment's address.
+    let snap = dict(vec![
+        ("device_traces", Value::List(vec![Value::List(vec![]), Value::List(vec![])])),
+        (
+            "segments",
+            Value::List(vec![segment(
+                0,
+                0x1000,
+                4096,
+                vec![
+                    block(1024, 1000, "active_allocated"),
+                    block(1024, 1024, "inactive"),
+                    block(512, 500, "active_pending_free"),
+                    block(1536, 1536, "active_allocated"),
+                ],
+            )]),
+        ),
+    ]);
+    let traces = read_traces_bytes(&pickle(&snap), &ReadOptions::default()).unwrap();
+    assert_eq!(traces.len(), 1);
+    let t = &traces[0];
     assert_eq!(
         t.events,
-        vec![
-            Event::alloc(0, 10, 0, Tag::Act),
-            Event::alloc(1, 7, 1, Tag::Act),
-            Event::free(1, 7, 1, Tag::Act),
-        ]
+        vec![Event::alloc(0, 1000, 0, Tag::Param), Event::alloc(1, 1536, 0, Tag::Param)]
+    );
+    assert_eq!(t.peak_live_bytes(), 2536);
+    let info = t.snapshot.as_ref().unwrap();
+    assert!(!info.history);
+    assert_eq!((info.reserved.at_start, info.reserved.peak), (4096, 4096));
+    assert!(info.notes[0].starts_with("no allocation history"), "{:?}", info.notes);
+    assert!(info.notes[0].contains("_record_memory_history("), "{:?}", info.notes);
+}
+
+#[test]
+fn snapshots_with_nothing_in_them_are_refused_with_how_to_record() {
+    let e = read_all(vec![vec![], vec![]]).unwrap_err();
+    assert_eq!(e.location, Location::Input);
+    let text = e.to_string();
+    assert!(text.contains("holds no allocations"), "{text}");
+    assert!(text.contains("torch.cuda.memory._record_memory_history(max_entries"), "{text}");
+    assert!(text.contains("_dump_snapshot("), "{text}");
+}
+
+#[test]
+fn a_segment_list_says_what_it_is_and_what_to_record() {
+    // What pickle.dump(torch.cuda.memory_snapshot(), f) writes: a list of segments.
+    let list =
+        Value::List(vec![segment(0, 0x1000, 4096, vec![block(4096, 4000, "active_allocated")])]);
+    let e = read_trace_bytes(&pickle(&list)).unwrap_err();
+    let text = e.to_string();
+    assert!(
+        text.starts_with("input: not a PyTorch memory snapshot: the pickle is a list of 1 segment, as torch.cuda.memory_snapshot() returns"),
+        "{text}"
+    );
+    assert!(text.contains("torch.cuda.memory._record_memory_history("), "{text}");
+    let e = read_trace_bytes(&pickle(&Value::List(vec![Value::I64(1)]))).unwrap_err();
+    assert!(e.to_string().contains("the pickle is a list of 1 item, not a dict"), "{e}");
+}
+
+#[test]
+fn reserved_that_goes_below_zero_is_raised_and_said() {
+    // The window allocates a 100-byte segment but the snapshot holds no segment at all.
+    let t = read(vec![vec![entry("segment_alloc", 0x100, 100), entry("alloc", 1, 1)]]).unwrap();
+    let info = t.snapshot.as_ref().unwrap();
+    assert!(!info.reserved.consistent);
+    assert_eq!((info.reserved.at_start, info.reserved.peak), (0, 100));
+    assert_eq!(info.reserved.timeline, vec![100]);
+    assert!(info.notes.iter().any(|n| n.contains("lowest point is 0")), "{:?}", info.notes);
+}
+
+#[test]
+fn annotations_become_scopes_only_when_they_pair_up() {
+    let ann = |stage: &str, name: &str, time: i64| {
+        dict(vec![
+            ("stage", s(stage)),
+            ("name", s(name)),
+            ("device", Value::I64(0)),
+            ("time_us", Value::I64(time)),
+        ])
+    };
+    let entries = Value::List(vec![Value::List(vec![
+        timed("alloc", 0x100, 10, 10),
+        timed("alloc", 0x200, 10, 20),
+        timed("free_completed", 0x200, 10, 30),
+    ])]);
+    let snap = |anns: Vec<Value>| {
+        pickle(&dict(vec![
+            ("device_traces", entries.clone()),
+            ("external_annotations", Value::List(anns)),
+        ]))
+    };
+    // START at 15, END at 30: the scope holds the alloc at 20 and the free at 30.
+    let t =
+        read_trace_bytes(&snap(vec![ann("START", "step", 15), ann("END", "step", 30)])).unwrap();
+    let ops: Vec<Op> = t.events.iter().map(|e| e.op).collect();
+    assert_eq!(ops, [Op::Alloc, Op::ScopeEnter, Op::Alloc, Op::Free, Op::ScopeExit]);
+    // An END without START is skipped; a START without END runs to the end.
+    let t = read_trace_bytes(&snap(vec![ann("END", "x", 5), ann("START", "step", 25)])).unwrap();
+    let ops: Vec<Op> = t.events.iter().map(|e| e.op).collect();
+    assert_eq!(ops, [Op::Alloc, Op::Alloc, Op::ScopeEnter, Op::Free, Op::ScopeExit]);
+    assert_eq!(t.skipped, counts(&[("external_annotations (END without START)", 1)]));
+    assert!(t.snapshot.as_ref().unwrap().notes[0].contains("has no END"));
+    t.validate().unwrap();
+    // Malformed annotations are errors.
+    let e = read_trace_bytes(&snap(vec![ann("MIDDLE", "x", 5)])).unwrap_err();
+    assert_eq!(
+        e,
+        TraceError::input(ErrorKind::BadStructure(
+            "external_annotations[0]: `stage` is not START or END".into()
+        ))
     );
 }
 
@@ -128,41 +608,80 @@ fn malformed_snapshots() {
         TraceError::input(ErrorKind::BadPickle("pickle nests deeper than 128 levels".into()))
     );
     // Wrong top-level shapes.
-    let list = serde_pickle::value_to_vec(&Value::List(vec![]), SerOptions::new()).unwrap();
+    let list = pickle(&Value::List(vec![]));
+    let e = read_trace_bytes(&list).unwrap_err();
+    assert!(
+        matches!(e.kind, ErrorKind::BadStructure(ref m) if m.starts_with("the pickle is a list of 0 items, not a dict")),
+        "{e}"
+    );
     assert_eq!(
-        read_trace_bytes(&list).unwrap_err(),
+        read_trace_bytes(&pickle(&Value::I64(3))).unwrap_err(),
         TraceError::input(structure("the pickle is not a dict"))
     );
-    let no_traces = serde_pickle::value_to_vec(
-        &dict(vec![("segments", Value::List(vec![]))]),
-        SerOptions::new(),
-    )
-    .unwrap();
+    let no_traces = pickle(&dict(vec![("segments", Value::List(vec![]))]));
     let e = read_trace_bytes(&no_traces).unwrap_err();
     assert!(
-        matches!(e.kind, ErrorKind::BadStructure(ref m) if m.starts_with("no `device_traces` key"))
+        matches!(e.kind, ErrorKind::BadStructure(ref m) if m.starts_with("no `device_traces` key")),
+        "{e}"
     );
-    let bad_list = serde_pickle::value_to_vec(
-        &dict(vec![("device_traces", Value::I64(3))]),
-        SerOptions::new(),
-    )
-    .unwrap();
+    let bad_list = pickle(&dict(vec![("device_traces", Value::I64(3))]));
     assert_eq!(
         read_trace_bytes(&bad_list).unwrap_err(),
         TraceError::input(structure("`device_traces` is not a list"))
     );
     assert_eq!(
         read_pytorch_snapshot(
-            &serde_pickle::value_to_vec(
-                &dict(vec![("device_traces", Value::List(vec![Value::I64(1)]))]),
-                SerOptions::new()
-            )
-            .unwrap()[..],
+            &pickle(&dict(vec![("device_traces", Value::List(vec![Value::I64(1)]))]))[..],
             "t"
         )
         .unwrap_err(),
         TraceError::input(structure("device_traces[0] is not a list"))
     );
+    let bad_segments = |segs: Value| {
+        read_trace_bytes(&pickle(&dict(vec![
+            ("device_traces", Value::List(vec![])),
+            ("segments", segs),
+        ])))
+        .unwrap_err()
+    };
+    assert_eq!(
+        bad_segments(Value::I64(1)),
+        TraceError::input(structure("`segments` is not a list"))
+    );
+    assert_eq!(
+        bad_segments(Value::List(vec![dict(vec![("device", Value::I64(0))])])),
+        TraceError::input(structure("segments[0]: missing key `address`"))
+    );
+    assert_eq!(
+        bad_segments(Value::List(vec![segment(-1, 0, 0, vec![])])),
+        TraceError::input(structure(
+            "segments[0]: `device` is not a non-negative integer below 2^64"
+        ))
+    );
+    assert_eq!(
+        bad_segments(Value::List(vec![segment(0, 0, 8, vec![Value::I64(2)])])),
+        TraceError::input(structure("segments[0].blocks[0]: not a dict"))
+    );
+    assert_eq!(
+        bad_segments(Value::List(vec![segment(0, -2, 8, vec![])])),
+        TraceError::input(structure(
+            "segments[0]: `address` is not a non-negative integer below 2^64"
+        ))
+    );
+    let mut past_end = block(16, 16, "inactive");
+    if let Value::Dict(m) = &mut past_end {
+        m.insert(HashableValue::String("address".into()), Value::Int((u64::MAX - 7).into()));
+    }
+    assert_eq!(
+        bad_segments(Value::List(vec![segment(0, 0, 8, vec![past_end])])),
+        TraceError::input(structure("segments[0].blocks[0]: block ends past 2^64"))
+    );
+    let e = read_trace_bytes(&pickle(&dict(vec![
+        ("device_traces", Value::List(vec![Value::List(vec![entry("alloc", 1, 1)])])),
+        ("allocator_settings", Value::I64(1)),
+    ])))
+    .unwrap_err();
+    assert_eq!(e, TraceError::input(structure("`allocator_settings` is not a dict")));
     // Entry-level problems name device and entry.
     assert_eq!(
         read(vec![vec![entry("alloc", 1, 1), Value::I64(5)]]).unwrap_err(),
@@ -177,7 +696,7 @@ fn malformed_snapshots() {
         at(0, 0, structure("`action` is not a string"))
     );
     assert_eq!(
-        read(vec![vec![], vec![entry("teleport", 1, 1)]]).unwrap_err(),
+        read_all(vec![vec![], vec![entry("teleport", 1, 1)]]).unwrap_err(),
         at(1, 0, ErrorKind::UnknownOp("teleport".into()))
     );
     assert_eq!(
@@ -188,7 +707,55 @@ fn malformed_snapshots() {
         read(vec![vec![entry("alloc", 1, -5)]]).unwrap_err(),
         at(0, 0, structure("`size` is not a non-negative integer below 2^64"))
     );
+    let mut bad_time = entry("alloc", 1, 1);
+    if let Value::Dict(m) = &mut bad_time {
+        m.insert(HashableValue::String("time_us".into()), s("noon"));
+    }
+    assert_eq!(
+        read(vec![vec![bad_time]]).unwrap_err(),
+        at(0, 0, structure("`time_us` is not an integer"))
+    );
     let e = read(vec![vec![entry("alloc", 16, 1), entry("alloc", 16, 1)]]).unwrap_err();
     assert_eq!(e, at(0, 1, ErrorKind::AllocOfLiveAddress(16)));
     assert_eq!(e.to_string(), "device 0 entry 1: allocate at live address 0x10");
+}
+
+/// A gzip bomb ends at the cap with an error naming it and how to raise it; a pickle larger
+/// than the cap is refused before it is decoded.
+#[test]
+fn input_is_capped() {
+    let raw = std::fs::read(fixture("multi_device_snapshot.pickle")).unwrap();
+    let small = ReadOptions { max_input_bytes: 1000 };
+    let e = read_traces_bytes(&raw, &small).unwrap_err();
+    assert_eq!(e, TraceError::input(ErrorKind::InputTooLarge { cap: 1000, decompressed: false }));
+    assert_eq!(
+        e.to_string(),
+        "input: input is larger than the cap of 1000 B; raise the cap with \
+         `tidepool replay --max-input-size SIZE` (library: ReadOptions::max_input_bytes)"
+    );
+    // 8 MiB of CSV (blank rows) in a gzip of a few KiB, read with a 1 MiB cap.
+    let mut csv = b"seq,op,id,bytes,stream,tag\n".to_vec();
+    csv.resize(8 << 20, b'\n');
+    let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
+    std::io::Write::write_all(&mut gz, &csv).unwrap();
+    let bomb = gz.finish().unwrap();
+    assert!(bomb.len() < 100 << 10, "{}", bomb.len());
+    let e = read_traces_bytes(&bomb, &ReadOptions { max_input_bytes: 1 << 20 }).unwrap_err();
+    assert_eq!(e, TraceError::input(ErrorKind::InputTooLarge { cap: 1 << 20, decompressed: true }));
+    assert!(
+        e.to_string().starts_with("input: decompressed input is larger than the cap of 1.00 MiB"),
+        "{e}"
+    );
+    // Exactly at the cap is fine.
+    let csv = b"seq,op,id,bytes,stream,tag\n0,alloc,1,1,0,act\n";
+    let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+    std::io::Write::write_all(&mut gz, csv).unwrap();
+    let gz = gz.finish().unwrap();
+    let exact = ReadOptions { max_input_bytes: csv.len() as u64 };
+    assert_eq!(read_traces_bytes(&gz, &exact).unwrap().len(), 1);
+    let under = ReadOptions { max_input_bytes: csv.len() as u64 - 1 };
+    assert!(matches!(
+        read_traces_bytes(&gz, &under).unwrap_err().kind,
+        ErrorKind::InputTooLarge { .. }
+    ));
 }

@@ -152,8 +152,33 @@ fn json_report_has_exactly_the_documented_shape() {
     let obj = v.as_object().unwrap();
     let mut keys: Vec<_> = obj.keys().map(String::as_str).collect();
     keys.sort();
-    assert_eq!(keys, vec!["events", "peak_live_bytes", "policies", "trace"]);
+    assert_eq!(
+        keys,
+        vec![
+            "allocator_settings",
+            "device",
+            "events",
+            "history",
+            "notes",
+            "peak_live_bytes",
+            "policies",
+            "pre_window",
+            "pytorch_recorded",
+            "skipped",
+            "trace"
+        ]
+    );
     assert_eq!(obj["trace"], "trace");
+    // A CSV trace: no device, no PyTorch row or settings, nothing skipped.
+    assert!(obj["device"].is_null() && obj["pytorch_recorded"].is_null());
+    assert!(obj["allocator_settings"].is_null());
+    assert_eq!(obj["history"], true);
+    assert_eq!(obj["skipped"], serde_json::json!({}));
+    assert_eq!(obj["notes"], serde_json::json!([]));
+    assert_eq!(
+        obj["pre_window"],
+        serde_json::json!({"freed_blocks": 0, "freed_bytes": 0, "live_blocks": 0, "live_bytes": 0})
+    );
     assert_eq!(obj["events"].as_u64(), Some(8));
     assert_eq!(obj["peak_live_bytes"].as_u64(), Some(1736));
     let policies = obj["policies"].as_array().unwrap();
@@ -188,7 +213,8 @@ fn json_report_has_exactly_the_documented_shape() {
                 "name",
                 "ns_per_op",
                 "peak_allocated_bytes",
-                "peak_reserved_bytes"
+                "peak_reserved_bytes",
+                "ratio_to_peak_live"
             ]
         );
         assert!(p["name"].is_string());

@@ -40,7 +40,7 @@
 
 pub(crate) mod result;
 
-use super::{Device, DeviceAddr, DeviceError, EventId, MemInfo, PhysHandle, StreamId};
+use super::{Device, DeviceAddr, DeviceError, EventId, HostPtr, MemInfo, PhysHandle, StreamId};
 use cudarc::driver::{CudaContext, CudaStream, DriverError, sys};
 use result::RawEvent;
 use std::collections::{HashMap, HashSet};
@@ -70,6 +70,8 @@ pub struct CudaDevice {
     events: Mutex<Events>,
     /// Live segments: address → bytes.
     segments: Mutex<HashMap<u64, u64>>,
+    /// Live pinned host allocations (`cuMemHostAlloc`): address → (pointer, bytes).
+    host: Mutex<HashMap<usize, (HostPtr, u64)>>,
     /// Virtual memory: support and granularity (asked once), live ranges, allocations, mappings.
     vm_support: OnceLock<Option<u64>>,
     vm: Mutex<CudaVm>,
@@ -179,6 +181,7 @@ impl CudaDevice {
             }),
             events: Mutex::new(Events { next: 0, live: HashMap::new(), pool: Vec::new() }),
             segments: Mutex::new(HashMap::new()),
+            host: Mutex::new(HashMap::new()),
             vm_support: OnceLock::new(),
             vm: Mutex::new(CudaVm::default()),
         }))
@@ -341,6 +344,11 @@ impl Drop for CudaDevice {
             // SAFETY: `ptr` came from `mem_alloc` in this context; the device is idle and no
             // buffer can outlive the device (buffers hold the allocator, which holds the device).
             let _ = unsafe { result::mem_free(ptr) };
+        }
+        for (_, (ptr, _)) in lock(&self.host).drain() {
+            // SAFETY: `ptr` came from `mem_host_alloc`; the device is idle, and no pinned buffer
+            // outlives the device (buffers hold their allocator, which holds the device).
+            let _ = unsafe { result::mem_free_host(ptr) };
         }
         let mut events = lock(&self.events);
         let live: Vec<RawEvent> = events.live.drain().map(|(_, s)| s.raw).collect();
@@ -597,6 +605,93 @@ impl Device for CudaDevice {
         unsafe { result::mem_unmap(va.0, bytes) }?;
         vm.mappings.remove(&va.0);
         Ok(())
+    }
+
+    /// `cuMemHostAlloc` (default flags).
+    fn host_alloc(&self, bytes: u64) -> Result<HostPtr, DeviceError> {
+        if bytes == 0 {
+            return Err(DeviceError::Unsupported("allocating 0 bytes of pinned host memory"));
+        }
+        self.bind()?;
+        let ptr = result::mem_host_alloc(bytes)?;
+        lock(&self.host).insert(ptr.addr(), (ptr, bytes));
+        Ok(ptr)
+    }
+
+    /// Synchronises the context (as [`Device::release`] does), then `cuMemFreeHost`. An error for
+    /// a pointer this device did not allocate.
+    unsafe fn host_free(&self, ptr: HostPtr) -> Result<(), DeviceError> {
+        let unknown = DeviceError::UnknownSegment(DeviceAddr(ptr.addr() as u64));
+        let entry = lock(&self.host).remove(&ptr.addr()).ok_or(unknown)?;
+        let freed = self.bind().and_then(|()| result::ctx_synchronize()).and_then(|()| {
+            // SAFETY: a live pinned allocation of this device (just taken out of the table, so
+            // freed once); the context is idle, and the caller promised no host use remains.
+            unsafe { result::mem_free_host(ptr) }
+        });
+        if freed.is_err() {
+            lock(&self.host).insert(ptr.addr(), entry);
+        }
+        freed
+    }
+
+    /// `cuMemcpyHtoDAsync` on the stream's cudarc stream.
+    unsafe fn memcpy_htod_async(
+        &self,
+        dst: DeviceAddr,
+        src: HostPtr,
+        bytes: u64,
+        stream: StreamId,
+    ) -> Result<(), DeviceError> {
+        let (s, n) = self.copy_args(src, bytes, stream)?;
+        // SAFETY: the caller guarantees the host range is pinned memory of this device kept
+        // valid and unwritten until the copy completed, and the device range is live memory of
+        // this context; `s` is a live stream of this context, kept alive by the `Arc` we hold.
+        unsafe { result::memcpy_htod_async(dst.0, src, n, s.cu_stream()) }
+    }
+
+    /// `cuMemcpyDtoHAsync` on the stream's cudarc stream.
+    unsafe fn memcpy_dtoh_async(
+        &self,
+        dst: HostPtr,
+        src: DeviceAddr,
+        bytes: u64,
+        stream: StreamId,
+    ) -> Result<(), DeviceError> {
+        let (s, n) = self.copy_args(dst, bytes, stream)?;
+        // SAFETY: as in `memcpy_htod_async`, and the host leaves the range alone until then.
+        unsafe { result::memcpy_dtoh_async(dst, src.0, n, s.cu_stream()) }
+    }
+}
+
+impl CudaDevice {
+    /// Checks that `[host, host + bytes)` lies in one live pinned allocation of this device and
+    /// binds the context: the stream and the length for a copy.
+    fn copy_args(
+        &self,
+        host: HostPtr,
+        bytes: u64,
+        stream: StreamId,
+    ) -> Result<(Arc<CudaStream>, usize), DeviceError> {
+        let s = self.stream(stream)?;
+        let bad = DeviceError::BadAccess { ptr: DeviceAddr(host.addr() as u64), bytes };
+        let n = usize::try_from(bytes).map_err(|_| bad.clone())?;
+        let inside = lock(&self.host).values().any(|&(base, len)| {
+            base.addr() <= host.addr()
+                && (host.addr() - base.addr()).checked_add(n).is_some_and(|end| end as u64 <= len)
+        });
+        if !inside {
+            return Err(bad);
+        }
+        self.bind()?;
+        Ok((s, n))
+    }
+
+    /// Live pinned host allocations, as (address, bytes), in address order: what tests check for
+    /// leaks.
+    pub fn live_host_allocations(&self) -> Vec<(HostPtr, u64)> {
+        let mut v: Vec<_> = lock(&self.host).values().copied().collect();
+        v.sort_by_key(|(p, _)| p.addr());
+        v
     }
 }
 

@@ -11,9 +11,9 @@
 //! are safe functions. Calls that take a raw handle (event, stream, device pointer) are `unsafe`:
 //! the handle must be live and belong to the current context.
 
-use crate::device::{DeviceError, MemInfo};
+use crate::device::{DeviceError, HostPtr, MemInfo};
 use cudarc::driver::sys;
-use std::ffi::{c_int, c_uint};
+use std::ffi::{c_int, c_uint, c_void};
 
 /// A raw CUDA event handle (`CUevent`), owned by [`super::CudaDevice`]'s event pool.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -289,6 +289,67 @@ pub(super) unsafe fn mem_map(
 pub(super) unsafe fn mem_unmap(ptr: sys::CUdeviceptr, bytes: u64) -> Result<(), DeviceError> {
     // SAFETY: the caller guarantees a whole mapping nothing uses any more.
     check("cuMemUnmap", unsafe { sys::cuMemUnmap(ptr, bytes as usize) })
+}
+
+/// `cuMemHostAlloc` (flags 0, as `cudaHostAllocDefault`): `bytes` of page-locked host memory.
+/// The driver's out-of-memory answer becomes [`DeviceError::OutOfMemory`].
+pub(super) fn mem_host_alloc(bytes: u64) -> Result<HostPtr, DeviceError> {
+    let size = usize::try_from(bytes).map_err(|_| DeviceError::OutOfMemory { requested: bytes })?;
+    let mut ptr: *mut c_void = std::ptr::null_mut();
+    // SAFETY: `ptr` is a valid place for the driver to write the new address.
+    let code = unsafe { sys::cuMemHostAlloc(&mut ptr, size, 0) };
+    if code == sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY {
+        return Err(DeviceError::OutOfMemory { requested: bytes });
+    }
+    check("cuMemHostAlloc", code)?;
+    HostPtr::new(ptr.cast())
+        .ok_or(DeviceError::Driver { op: "cuMemHostAlloc", code: DeviceError::CUDA_ERROR_UNKNOWN })
+}
+
+/// `cuMemFreeHost`.
+///
+/// # Safety
+/// `ptr` came from [`mem_host_alloc`] and is not used (by the host or by unfinished copies)
+/// after this call.
+pub(super) unsafe fn mem_free_host(ptr: HostPtr) -> Result<(), DeviceError> {
+    // SAFETY: the caller guarantees `ptr` is a live pinned allocation no longer in use.
+    check("cuMemFreeHost", unsafe { sys::cuMemFreeHost(ptr.as_ptr().cast()) })
+}
+
+/// `cuMemcpyHtoDAsync`: copies `bytes` bytes from host `src` to device `dst` in `stream`'s order.
+///
+/// # Safety
+/// `[src, src + bytes)` is host memory that stays valid and unwritten until the copy completed
+/// (pinned, or the driver stages it), `[dst, dst + bytes)` is device memory of the current
+/// context, and `stream` is a live handle of the current context.
+pub(super) unsafe fn memcpy_htod_async(
+    dst: sys::CUdeviceptr,
+    src: HostPtr,
+    bytes: usize,
+    stream: sys::CUstream,
+) -> Result<(), DeviceError> {
+    // SAFETY: the caller guarantees both ranges and the stream are valid.
+    check("cuMemcpyHtoDAsync", unsafe {
+        sys::cuMemcpyHtoDAsync_v2(dst, src.as_ptr().cast_const().cast(), bytes, stream)
+    })
+}
+
+/// `cuMemcpyDtoHAsync`: copies `bytes` bytes from device `src` to host `dst` in `stream`'s order.
+///
+/// # Safety
+/// `[dst, dst + bytes)` is host memory that stays valid and untouched by the host until the copy
+/// completed, `[src, src + bytes)` is device memory of the current context, and `stream` is a
+/// live handle of the current context.
+pub(super) unsafe fn memcpy_dtoh_async(
+    dst: HostPtr,
+    src: sys::CUdeviceptr,
+    bytes: usize,
+    stream: sys::CUstream,
+) -> Result<(), DeviceError> {
+    // SAFETY: the caller guarantees both ranges and the stream are valid.
+    check("cuMemcpyDtoHAsync", unsafe {
+        sys::cuMemcpyDtoHAsync_v2(dst.as_ptr().cast(), src, bytes, stream)
+    })
 }
 
 #[cfg(test)]

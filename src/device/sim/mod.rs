@@ -19,15 +19,19 @@
 //!
 //! Dropping the device drains every stream and joins every worker.
 
+mod host;
 mod memory;
 mod sanitizer;
 mod stream;
 mod vmm;
 
+pub use host::SimHostCounters;
 pub use memory::{SIM_ALIGN, SIM_BASE};
 pub use vmm::{SIM_VM_GRANULARITY, VmCounters};
 
-use super::{DeviceAddr, DeviceError, EventId, Kernel, MemInfo, PhysHandle, StreamId};
+use super::{
+    AccessKind, DeviceAddr, DeviceError, EventId, HostPtr, Kernel, MemInfo, PhysHandle, StreamId,
+};
 use crate::sync::{Arc, Condvar, Mutex, MutexGuard, lock, wait};
 use memory::Memory;
 use sanitizer::Sanitizer;
@@ -126,6 +130,8 @@ pub(super) struct State {
     /// Streams the application made ([`SimDevice::create_app_stream`]), and whether an
     /// allocator adopted them.
     app_streams: BTreeMap<u32, bool>,
+    /// Pinned host memory (`host.rs`).
+    host: host::HostMem,
 }
 
 impl State {
@@ -201,6 +207,7 @@ impl SimDevice {
                 san: Sanitizer::new(config.sanitize),
                 failures: Vec::new(),
                 panic_on_violation: false,
+                host: host::HostMem::new(config.capacity),
             }),
             progress: Condvar::new(),
         });
@@ -701,6 +708,39 @@ impl super::Device for SimDevice {
         drop(st);
         Self::after_check(found, panic);
         Ok(())
+    }
+
+    fn host_alloc(&self, bytes: u64) -> Result<HostPtr, DeviceError> {
+        self.sim_host_alloc(bytes)
+    }
+
+    /// Waits for copies still using the memory (reported as violations) before freeing it.
+    unsafe fn host_free(&self, ptr: HostPtr) -> Result<(), DeviceError> {
+        self.sim_host_free(ptr)
+    }
+
+    unsafe fn memcpy_htod_async(
+        &self,
+        dst: DeviceAddr,
+        src: HostPtr,
+        bytes: u64,
+        stream: StreamId,
+    ) -> Result<(), DeviceError> {
+        self.sim_memcpy(src, dst, bytes, stream, true)
+    }
+
+    unsafe fn memcpy_dtoh_async(
+        &self,
+        dst: HostPtr,
+        src: DeviceAddr,
+        bytes: u64,
+        stream: StreamId,
+    ) -> Result<(), DeviceError> {
+        self.sim_memcpy(dst, src, bytes, stream, false)
+    }
+
+    fn note_host_access(&self, ptr: HostPtr, bytes: u64, kind: AccessKind) {
+        self.sim_note_host_access(ptr, bytes, kind);
     }
 }
 

@@ -174,7 +174,7 @@ impl Sanitizer {
         out
     }
 
-    fn report(
+    pub(super) fn report(
         &mut self,
         found: &mut Vec<Violation>,
         lo: u64,

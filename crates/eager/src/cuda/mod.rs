@@ -1,7 +1,8 @@
 //! `CudaBackend` (feature `cuda`): the op interface on a real GPU — the kernels of
 //! [`kernels::SOURCE`] compiled once per device with NVRTC (cached per device ordinal for the
 //! process), cuBLAS `sgemm` (strided batched) for matmul, and driver copies for upload/download,
-//! all on [`CudaDevice::stream`] of the op's stream. Device pointers are the allocator's
+//! all on [`CudaDevice::stream`] of the op's stream. Uploads stage through pinned host memory
+//! ([`HostAllocator`], `cuMemHostAlloc`), so they are truly asynchronous. Device pointers are the allocator's
 //! [`DeviceAddr`]s (`CUdeviceptr`s), passed to kernels as pointer-sized arguments.
 //!
 //! ```text
@@ -21,6 +22,7 @@ use cudarc::driver::{CudaFunction, CudaStream, LaunchConfig, PushKernelArg, resu
 use cudarc::nvrtc::compile_ptx;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
+use tidepool::HostAllocator;
 use tidepool::device::{CudaDevice, DeviceAddr, StreamId};
 
 /// Threads per block of the elementwise and per-row kernels.
@@ -64,6 +66,8 @@ pub struct CudaBackend {
     kernels: Arc<Kernels>,
     /// One cuBLAS handle per stream (a handle is bound to its stream).
     blas: Mutex<HashMap<StreamId, Arc<CudaBlas>>>,
+    /// Pinned staging buffers for uploads.
+    pinned: HostAllocator<CudaDevice>,
 }
 
 impl CudaBackend {
@@ -97,7 +101,13 @@ impl CudaBackend {
                 k
             }
         };
-        Ok(CudaBackend { device, kernels, blas: Mutex::new(HashMap::new()) })
+        let pinned = HostAllocator::new(device.clone());
+        Ok(CudaBackend { device, kernels, blas: Mutex::new(HashMap::new()), pinned })
+    }
+
+    /// The pinned host allocator uploads stage through.
+    pub fn host_allocator(&self) -> &HostAllocator<CudaDevice> {
+        &self.pinned
     }
 
     fn stream(&self, id: StreamId) -> Result<Arc<CudaStream>> {
@@ -206,8 +216,10 @@ impl Backend for CudaBackend {
         format!("NVRTC/cuBLAS kernels on {}", self.device.name())
     }
 
+    /// Through a pinned staging buffer (`cuMemcpyHtoDAsync` from page-locked memory, an event
+    /// recorded after it); from pageable memory only if pinned memory is unsupported.
     fn upload(&self, stream: StreamId, dst: DeviceAddr, data: &[f32]) -> Result<()> {
-        if data.is_empty() {
+        if super::pinned::upload(&self.pinned, stream, dst, data)? {
             return Ok(());
         }
         let s = self.stream(stream)?;

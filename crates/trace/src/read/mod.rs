@@ -10,7 +10,14 @@
 //! ```
 //!
 //! Everything streams over a [`BufRead`]: CSV rows are parsed one at a time with bounded line
-//! length, and nothing is pre-allocated from a size found in the input.
+//! length, and nothing is pre-allocated from a size found in the input. Gzip input is
+//! decompressed through a cap ([`ReadOptions::max_input_bytes`], [`DEFAULT_MAX_INPUT`] unless
+//! raised), and a pickle, which is decoded whole, is read into memory only up to that cap: a
+//! gzip bomb ends in [`ErrorKind::InputTooLarge`], not in an exhausted memory.
+//!
+//! A PyTorch snapshot holds one trace per device; [`read_traces`] returns them all (the CSV
+//! formats give one), [`read_trace`] the only one (an error names the devices when there are
+//! several).
 
 mod lines;
 mod pickle_guard;
@@ -18,15 +25,19 @@ mod pytorch_snapshot;
 mod rmm_log;
 mod tidepool_csv;
 
+use std::cell::Cell;
 use std::fs::File;
 use std::io::{BufRead, BufReader, Cursor, Read};
 use std::path::Path;
+use std::rc::Rc;
 
 use flate2::bufread::MultiGzDecoder;
 
 pub use lines::MAX_LINE;
 pub use pickle_guard::{MAX_DEPTH as MAX_PICKLE_DEPTH, MAX_EXPANDED as MAX_PICKLE_VALUES};
-pub use pytorch_snapshot::{from_value as pytorch_snapshot_from_value, read_pytorch_snapshot};
+pub use pytorch_snapshot::{
+    HOW_TO_RECORD, from_value as pytorch_snapshot_from_value, read_pytorch_snapshot,
+};
 pub use rmm_log::{HEADER as RMM_HEADER, read_rmm_log};
 pub use tidepool_csv::{HEADER as TIDEPOOL_HEADER, read_tidepool_csv};
 
@@ -39,44 +50,129 @@ const GZIP_MAGIC: [u8; 2] = [0x1f, 0x8b];
 /// First byte of a pickle of protocol 2 or later (the `PROTO` opcode).
 const PICKLE_PROTO: u8 = 0x80;
 
-/// Reads a trace file of any supported format, gzipped or not. The trace is named after the
-/// file (its name without `.gz`, `.csv`, `.pickle`, `.pkl`).
-pub fn read_trace(path: &Path) -> Result<Trace, TraceError> {
-    let file = File::open(path).map_err(|e| {
-        TraceError::input(ErrorKind::Io(format!("cannot open {}: {e}", path.display())))
-    })?;
-    read_trace_from(BufReader::new(file), &trace_name(path))
+/// The default cap on decompressed gzip input and on a pickle read into memory: 1 GiB.
+pub const DEFAULT_MAX_INPUT: u64 = 1 << 30;
+
+/// Options of the readers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReadOptions {
+    /// The most bytes a gzip input may decompress to, and the largest pickle read into memory.
+    /// Larger inputs are refused with [`ErrorKind::InputTooLarge`].
+    pub max_input_bytes: u64,
 }
 
-/// Reads a trace of any supported format from memory (named `trace`).
+impl Default for ReadOptions {
+    fn default() -> Self {
+        ReadOptions { max_input_bytes: DEFAULT_MAX_INPUT }
+    }
+}
+
+/// Reads a trace file of any supported format, gzipped or not. The trace is named after the
+/// file (its name without `.gz`, `.csv`, `.pickle`, `.pkl`). A snapshot of several devices is
+/// an error ([`ErrorKind::SeveralDevices`]); [`read_traces`] reads those.
+pub fn read_trace(path: &Path) -> Result<Trace, TraceError> {
+    single(read_traces(path, &ReadOptions::default())?)
+}
+
+/// Reads a trace of any supported format from memory (named `trace`); see [`read_trace`].
 pub fn read_trace_bytes(bytes: &[u8]) -> Result<Trace, TraceError> {
     read_trace_from(bytes, "trace")
 }
 
-/// Reads a trace of any supported format from a reader, sniffing gzip and the format.
+/// Reads a trace of any supported format from a reader, sniffing gzip and the format; see
+/// [`read_trace`].
 pub fn read_trace_from<R: BufRead>(input: R, name: &str) -> Result<Trace, TraceError> {
+    single(read_traces_from(input, name, &ReadOptions::default())?)
+}
+
+/// Reads a trace file of any supported format: one trace per device of a PyTorch snapshot (in
+/// device order), one for the CSV formats. Named as in [`read_trace`].
+pub fn read_traces(path: &Path, options: &ReadOptions) -> Result<Vec<Trace>, TraceError> {
+    let file = File::open(path).map_err(|e| {
+        TraceError::input(ErrorKind::Io(format!("cannot open {}: {e}", path.display())))
+    })?;
+    read_traces_from(BufReader::new(file), &trace_name(path), options)
+}
+
+/// [`read_traces`] from memory (named `trace`).
+pub fn read_traces_bytes(bytes: &[u8], options: &ReadOptions) -> Result<Vec<Trace>, TraceError> {
+    read_traces_from(bytes, "trace", options)
+}
+
+/// [`read_traces`] from a reader, sniffing gzip and the format.
+pub fn read_traces_from<R: BufRead>(
+    input: R,
+    name: &str,
+    options: &ReadOptions,
+) -> Result<Vec<Trace>, TraceError> {
     let (magic, input) = peek(input, 2)?;
     if magic == GZIP_MAGIC {
-        return read_plain(BufReader::new(MultiGzDecoder::new(input)), name);
+        let cap = options.max_input_bytes;
+        let hit = Rc::new(Cell::new(false));
+        let capped = Capped { inner: MultiGzDecoder::new(input), left: cap, hit: hit.clone() };
+        let result = read_plain(BufReader::new(capped), name, cap);
+        if hit.get() {
+            return Err(TraceError::input(ErrorKind::InputTooLarge { cap, decompressed: true }));
+        }
+        return result;
     }
-    read_plain(input, name)
+    read_plain(input, name, options.max_input_bytes)
+}
+
+/// The only trace of `traces`, or an error naming the devices.
+fn single(mut traces: Vec<Trace>) -> Result<Trace, TraceError> {
+    if traces.len() == 1
+        && let Some(t) = traces.pop()
+    {
+        return Ok(t);
+    }
+    let devices = traces.iter().filter_map(|t| t.snapshot.as_ref().map(|s| s.device)).collect();
+    Err(TraceError::input(ErrorKind::SeveralDevices(devices)))
+}
+
+/// A reader that fails once more than `left` bytes would come out of `inner`, and says so in
+/// `hit` (the error itself passes through readers that turn it into text).
+struct Capped<R> {
+    inner: R,
+    left: u64,
+    hit: Rc<Cell<bool>>,
+}
+
+impl<R: Read> Read for Capped<R> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        if buf.is_empty() {
+            return Ok(0);
+        }
+        if self.left == 0 {
+            let mut probe = [0u8; 1];
+            if self.inner.read(&mut probe)? == 0 {
+                return Ok(0);
+            }
+            self.hit.set(true);
+            return Err(std::io::Error::other("decompressed input is larger than the cap"));
+        }
+        let want = buf.len().min(usize::try_from(self.left).unwrap_or(usize::MAX));
+        let n = self.inner.read(&mut buf[..want])?;
+        self.left -= n as u64;
+        Ok(n)
+    }
 }
 
 /// Reads a non-gzipped input of any supported format.
-fn read_plain<R: BufRead>(input: R, name: &str) -> Result<Trace, TraceError> {
+fn read_plain<R: BufRead>(input: R, name: &str, cap: u64) -> Result<Vec<Trace>, TraceError> {
     let (first, input) = peek(input, 1)?;
     match first.first() {
         None => Err(TraceError::input(ErrorKind::Empty)),
-        Some(&PICKLE_PROTO) => read_pytorch_snapshot(input, name),
+        Some(&PICKLE_PROTO) => pytorch_snapshot::read_capped(input, name, cap),
         Some(_) => {
             let mut lines = LineReader::new(input);
             let (n, header) =
                 lines.next_line()?.ok_or_else(|| TraceError::input(ErrorKind::Empty))?;
             let header = header.trim_start_matches('\u{feff}').trim();
             if header == TIDEPOOL_HEADER {
-                tidepool_csv::read_body(&mut lines, name)
+                Ok(vec![tidepool_csv::read_body(&mut lines, name)?])
             } else if header == RMM_HEADER {
-                rmm_log::read_body(&mut lines, name)
+                Ok(vec![rmm_log::read_body(&mut lines, name)?])
             } else {
                 Err(TraceError::at_line(
                     n,

@@ -16,6 +16,18 @@
 //! an opcode the scan does not know is refused at once (the decoder would refuse it too, but
 //! only after doing all the work before it).
 //!
+//! [`prepare`] also keeps short strings out of serde-pickle's memo. serde-pickle replaces a
+//! memoized value by a counted reference, the count being the references it read; a shared
+//! container holding one (PyTorch's frame dicts hold their keys and file names so) is expanded
+//! at each of its own references, each expansion spends one count, and once they are spent
+//! the string decodes as `None` — wherever it is used next (the empty string of a frame is
+//! also `allocator_settings["PYTORCH_CUDA_ALLOC_CONF"]`). So a string of at most
+//! [`MAX_INLINE`] bytes is memoized through a copy (`DUP`, the memo opcode, `POP`: the memo gets
+//! the copy, the value stays a plain string), and each memo reference (`GET`) to one becomes a
+//! copy of the string's opcode. The decoded value is the same, with no more values (each
+//! reference was already counted); the pickle grows by at most [`MAX_INLINE_TOTAL`] bytes,
+//! after which the remaining strings are left as they are.
+//!
 //! [`prepare`] also zeroes every float before decoding: serde-pickle orders hashable values
 //! (set elements, dict keys) with a comparison that is not total once floats are involved (NaN
 //! is "less" than everything, integers and floats compare lossily), and building a set or dict
@@ -32,6 +44,14 @@ pub const MAX_DEPTH: u32 = 128;
 /// seconds, whatever the input claims (2·10^8 unweighted values, the bound before, let a 1.5 KB
 /// pickle of duplicated tuples take 12 GB, and a duplicated string could take any amount).
 pub const MAX_EXPANDED: u64 = 10_000_000;
+/// Longest string opcode (opcode, length and text) copied in place of a memo reference.
+pub const MAX_INLINE: usize = 256;
+/// Most bytes added to a pickle by copying strings in place of memo references.
+pub const MAX_INLINE_TOTAL: usize = 64 << 20;
+
+/// A rewrite of the opcode at a range of the input: wrap it in `DUP` … `POP` (`None`), or
+/// replace it by the bytes at another range.
+type Rewrite = (std::ops::Range<usize>, Option<std::ops::Range<usize>>);
 
 #[derive(Clone, Copy)]
 enum Item {
@@ -65,6 +85,15 @@ struct Scan<'a> {
     floats: Vec<Float>,
     /// Items the decoder deep-copies while reading (`DUP`, `REDUCE`-like arguments).
     copied: Vec<Item>,
+    /// The last short string opcode: its bytes and the stack length after it pushed.
+    last_string: Option<(std::ops::Range<usize>, usize)>,
+    /// Memo ids holding a short string, with the string opcode's bytes.
+    memo_text: HashMap<u64, std::ops::Range<usize>>,
+    /// Rewrites, in input order: a memo opcode to wrap in `DUP` … `POP` (`None`), or a `GET`
+    /// to replace by the string opcode's bytes.
+    inline: Vec<Rewrite>,
+    /// Bytes `inline` adds.
+    inline_bytes: usize,
 }
 
 /// Checks `data`; `Err` carries the reason. Opcodes the scan does not know are left to the
@@ -74,19 +103,40 @@ pub fn check(data: &[u8]) -> Result<(), String> {
     scan(data).map(|_| ())
 }
 
-/// Checks `data` as described above, then sets every float in it to `0.0` (see the module docs).
-pub fn prepare(data: &mut [u8]) -> Result<(), String> {
-    for float in scan(data)? {
+/// Checks `data` as described above, then sets every float in it to `0.0` and copies short
+/// shared strings in place of their memo references (see the module docs).
+pub fn prepare(data: &mut Vec<u8>) -> Result<(), String> {
+    let (floats, inline, added) = scan(data)?;
+    for float in floats {
         match float {
             Float::Binary(r) => data[r].fill(0),
             Float::Text(r) => data[r].fill(b'0'),
         }
     }
+    if !inline.is_empty() {
+        let mut out = Vec::with_capacity(data.len().saturating_add(added));
+        let mut at = 0;
+        for (op, text) in inline {
+            out.extend_from_slice(&data[at..op.start]);
+            match text {
+                Some(text) => out.extend_from_slice(&data[text]),
+                None => {
+                    out.push(b'2');
+                    out.extend_from_slice(&data[op.clone()]);
+                    out.push(b'0');
+                }
+            }
+            at = op.end;
+        }
+        out.extend_from_slice(&data[at..]);
+        *data = out;
+    }
     Ok(())
 }
 
-/// Checks `data`; where its floats are.
-fn scan(data: &[u8]) -> Result<Vec<Float>, String> {
+/// Checks `data`; where its floats are, the strings to copy in place of memo references, and
+/// the bytes that adds.
+fn scan(data: &[u8]) -> Result<(Vec<Float>, Vec<Rewrite>, usize), String> {
     let mut s = Scan {
         data,
         pos: 0,
@@ -96,12 +146,16 @@ fn scan(data: &[u8]) -> Result<Vec<Float>, String> {
         nodes: Vec::new(),
         floats: Vec::new(),
         copied: Vec::new(),
+        last_string: None,
+        memo_text: HashMap::new(),
+        inline: Vec::new(),
+        inline_bytes: 0,
     };
     let result = s.run()?;
     let mut measured = std::mem::take(&mut s.copied);
     measured.extend(result);
     s.measure(&measured)?;
-    Ok(s.floats)
+    Ok((s.floats, s.inline, s.inline_bytes))
 }
 
 impl Scan<'_> {
@@ -178,6 +232,7 @@ impl Scan<'_> {
     /// Runs to `STOP`; the result item, or `None` for an opcode left to the decoder.
     fn run(&mut self) -> Result<Option<Item>, String> {
         loop {
+            let op_start = self.pos;
             let op = self.take(1)?[0];
             let mut weight = 1;
             match op {
@@ -331,6 +386,18 @@ impl Scan<'_> {
                     };
                     let t = self.top()?;
                     self.memo.insert(id, t);
+                    match &self.last_string {
+                        Some((text, depth))
+                            if text.end == op_start
+                                && *depth == self.stack.len()
+                                && self.inline_bytes + 2 <= MAX_INLINE_TOTAL =>
+                        {
+                            self.memo_text.insert(id, text.clone());
+                            self.inline_bytes += 2;
+                            self.inline.push((op_start..self.pos, None));
+                        }
+                        _ => _ = self.memo_text.remove(&id),
+                    }
                     continue;
                 }
                 b'g' | b'h' | b'j' => {
@@ -346,6 +413,12 @@ impl Scan<'_> {
                         _ => self.uint(4)?,
                     };
                     self.get(id)?;
+                    if let Some(text) = self.memo_text.get(&id)
+                        && self.inline_bytes + text.len() <= MAX_INLINE_TOTAL
+                    {
+                        self.inline_bytes += text.len();
+                        self.inline.push((op_start..self.pos, Some(text.clone())));
+                    }
                     continue;
                 }
                 _ => return Err(format!("unsupported pickle opcode {op:#04x}")),
@@ -353,6 +426,9 @@ impl Scan<'_> {
             // Every arm that falls through here, except PROTO and FRAME, yields one scalar.
             if !matches!(op, 0x80 | 0x95) {
                 self.stack.push(Item::Leaf(weight));
+                let short_text =
+                    matches!(op, 0x8c | b'X' | 0x8d) && self.pos - op_start <= MAX_INLINE;
+                self.last_string = short_text.then_some((op_start..self.pos, self.stack.len()));
             }
         }
     }
@@ -576,8 +652,9 @@ mod tests {
         //                       {2**53 + 1: 1, 2.0**53: 3, nan: 4, 0.5: 5}], protocol=4)
         let mut p = b"\x80\x04\x95\x82\x00\x00\x00\x00\x00\x00\x00]\x94((GC@\x00\x00\x00\x00\x00\x00G?\xf8\x00\x00\x00\x00\x00\x00\x8a\x07\x01\x00\x00\x00\x00\x00 G\x7f\xf8\x00\x00\x00\x00\x00\x00G?\xe0\x00\x00\x00\x00\x00\x00K\x07G\x7f\xf8\x00\x00\x00\x00\x00\x00G\x7f\xf8\x00\x00\x00\x00\x00\x00G\xbf\xf0\x00\x00\x00\x00\x00\x00\x91\x94}\x94(\x8a\x07\x01\x00\x00\x00\x00\x00 K\x01GC@\x00\x00\x00\x00\x00\x00K\x03G\x7f\xf8\x00\x00\x00\x00\x00\x00K\x04G?\xe0\x00\x00\x00\x00\x00\x00K\x05ue.".to_vec();
         assert_eq!(check(&p), Ok(()));
+        let len = p.len();
         prepare(&mut p).unwrap();
-        assert_eq!(p.len(), p.len(), "prepare rewrites in place");
+        assert_eq!(p.len(), len, "floats are rewritten in place");
         let v = serde_pickle::value_from_slice(&p, serde_pickle::DeOptions::new()).unwrap();
         let text = format!("{v:?}");
         assert!(!text.contains("NaN") && !text.contains("1.5"), "{text}");
@@ -593,6 +670,27 @@ mod tests {
         prepare(&mut p).unwrap();
         let r = serde_pickle::value_from_slice(&p, serde_pickle::DeOptions::new());
         assert!(r.as_ref().is_err_and(|e| e.to_string().contains("hashable")), "{r:?}");
+    }
+
+    /// A string shared by a shared container and another value: without the copy, serde-pickle
+    /// runs out of references to it and decodes the later ones as `None`.
+    #[test]
+    fn shared_strings_are_copied_in_place() {
+        // Python: s = "kkk"; inner = {"a": s}; pickle.dumps([inner, inner, s], protocol=4)
+        let original =
+            b"\x80\x04\x95\x16\x00\x00\x00\x00\x00\x00\x00]\x94(}\x94\x8c\x01a\x94\x8c\x03kkk\x94sh\x01h\x03e.";
+        let options = || serde_pickle::DeOptions::new().replace_recursive_structures();
+        let broken = serde_pickle::value_from_slice(original, options()).unwrap();
+        assert!(format!("{broken:?}").contains("None"), "{broken:?}");
+        let mut p = original.to_vec();
+        prepare(&mut p).unwrap();
+        // Two memo opcodes wrapped (+2 bytes each), one GET of `kkk` (2 bytes) became its
+        // opcode (5 bytes).
+        assert_eq!(p.len(), original.len() + 2 * 2 + 5 - 2);
+        let v = serde_pickle::value_from_slice(&p, options()).unwrap();
+        let text = format!("{v:?}");
+        assert!(!text.contains("None"), "{text}");
+        assert_eq!(text.matches("String(\"kkk\")").count(), 3, "{text}");
     }
 
     #[test]

@@ -1,63 +1,104 @@
 //! Reader for PyTorch memory snapshots, as pickled by `torch.cuda.memory._dump_snapshot()`:
 //!
 //! ```text
-//! { "segments": [...],                       <- ignored
-//!   "device_traces": [                       <- one list per device
-//!       [ {"action": "alloc", "addr": 139..., "size": 512, "stream": 0, "frames": [...], ...},
+//! { "segments": [ {"device": 0, "address": ..., "total_size": ..., "stream": ...,
+//!                  "blocks": [ {"address": ..., "size": ..., "requested_size": ...,
+//!                               "state": "active_allocated" | "active_pending_free" | "inactive"}, ...]},
+//!                 ... ],
+//!   "device_traces": [                       <- one list per device, oldest entry first
+//!       [ {"action": "alloc", "addr": 139..., "size": 512, "stream": 0, "time_us": ..., ...},
 //!         {"action": "free_requested", ...}, {"action": "free_completed", ...},
 //!         {"action": "segment_alloc", ...}, ... ],
-//!       ... ] }
+//!       ... ],
+//!   "allocator_settings": {...},             <- PyTorch 2.1+ (optional)
+//!   "external_annotations": [ {"stage": "START", "name": ..., "device": 0, "time_us": ...}, ...] }
 //! ```
 //!
-//! The pickle is decoded to a generic [`serde_pickle::Value`] and walked. `alloc` becomes
-//! [`Op::Alloc`](crate::Op); `free_completed` becomes the free (or `free_requested`
-//! for a device list that has no `free_completed` at all); the other free variant and
-//! `segment_alloc`, `segment_free`, `segment_map`, `segment_unmap`, `snapshot`, `oom` are
-//! skipped and counted in [`Trace::skipped_records`]. Addresses become ids through a map of
-//! live addresses (a reused address gets a fresh id); streams become dense ids per
-//! (device, stream), 0 staying 0. All buffers are tagged [`Tag::Act`].
+//! One [`Trace`] per device that has trace entries or segments; each device has its own
+//! address map and its own stream ids (handle 0 stays 0, others 1, 2, … in order of first
+//! appearance), and is replayed on its own simulated device. When every entry of a device has
+//! a `time_us`, the entries are put in time order (a stable sort: ties keep the list's order).
 //!
-//! PyTorch records history in a ring buffer (`max_entries`), so a snapshot can free a block
-//! allocated before the window. Like PyTorch's own `_memory_viz`, such a block is treated as
-//! allocated before the first entry: a synthetic alloc (with the free's `size`) is placed at
-//! the start of the trace. Multi-device snapshots are read device after device, each with its
-//! own address map.
+//! Actions, as PyTorch's viewer (`MemoryViz.js`, `process_alloc_data`) reads them:
+//!
+//! | action                                   | becomes                                          |
+//! |------------------------------------------|--------------------------------------------------|
+//! | `alloc`                                  | an alloc                                         |
+//! | `free_completed`, `free`                 | the free                                         |
+//! | `free_requested`                         | the free when the device has neither of the two above, else skipped |
+//! | `segment_alloc`/`_free`/`_map`/`_unmap`  | skipped; PyTorch's reserved bytes ([`RecordedReserved`](crate::snapshot::RecordedReserved)) |
+//! | `oom`, `snapshot`, `user_defined`        | skipped (markers)                                |
+//!
+//! Skipped entries are counted by action in [`Trace::skipped`]. Blocks allocated before the
+//! recorded window (PyTorch records history in a ring buffer) are live from its start: a free
+//! of an address the window never allocated gets a synthetic alloc at the start of the trace,
+//! and so does every `active_allocated` block of `segments` that is not live at the end of the
+//! window (its `requested_size`); the latter are live at the start and at the end of the window
+//! and are tagged [`Tag::Param`] (persistent: weights, optimizer state), everything else
+//! [`Tag::Act`]. A device with segments but no entries (snapshot taken without
+//! `_record_memory_history()`) becomes the static picture: those persistent blocks and nothing
+//! else, with [`SnapshotInfo::history`] false.
+//!
+//! `external_annotations` START/END pairs (PyTorch 2.5+, e.g. `Optimizer.step#AdamW.step`) of a
+//! device whose entries have `time_us` become scope markers: the scope is entered before the
+//! first entry at or after START and left before the first entry after END. Only outermost
+//! pairs become scopes (tidepool's scopes do not nest); the others are counted as skipped.
+//! `user_defined` entries carry no range and do not delimit scopes.
 //!
 //! The pickle is decoded with serde-pickle's `replace_recursive_structures` option, because
 //! PyTorch shares frame objects between entries (see [`read_pytorch_snapshot`]).
 //!
-//! Safety of decoding: the pickle is read into memory and scanned first
-//! ([`super::pickle_guard`]), which rejects nesting deeper than 128 levels, cycles, and memo
-//! sharing that would expand past 10^7 values — serde-pickle recurses per level and copies
-//! each shared object at every reference.
+//! Safety of decoding: the pickle is read into memory (at most the cap of
+//! [`super::ReadOptions`]) and scanned first ([`super::pickle_guard`]), which rejects nesting
+//! deeper than 128 levels, cycles, and memo sharing that would expand past 10^7 values —
+//! serde-pickle recurses per level and copies each shared object at every reference. Nothing
+//! is pre-allocated from a number found in the input.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::io::Read;
 
 use serde_pickle::{DeOptions, HashableValue, Value};
 
+use super::rmm_log::StreamIds;
 use crate::error::{ErrorKind, Location, TraceError, echo};
-use crate::event::{Event, Tag, Trace};
+use crate::event::{Event, Op, Tag, Trace};
+use crate::snapshot::{AllocatorSettings, SnapshotInfo};
 use crate::validate::Validator;
 
-/// Actions that are recognised and deliberately skipped.
-const SKIPPED_ACTIONS: [&str; 6] =
-    ["segment_alloc", "segment_free", "segment_map", "segment_unmap", "snapshot", "oom"];
+/// How to record a snapshot that tidepool can replay.
+pub const HOW_TO_RECORD: &str = "call torch.cuda.memory._record_memory_history(max_entries=100000) \
+     before the workload and torch.cuda.memory._dump_snapshot(\"snapshot.pickle\") after it";
 
-/// Reads a pickled PyTorch memory snapshot.
-pub fn read_pytorch_snapshot<R: Read>(input: R, name: &str) -> Result<Trace, TraceError> {
+/// Reads a pickled PyTorch memory snapshot: one trace per device (see the module docs), holding
+/// at most [`super::DEFAULT_MAX_INPUT`] bytes of pickle in memory.
+pub fn read_pytorch_snapshot<R: Read>(input: R, name: &str) -> Result<Vec<Trace>, TraceError> {
+    read_capped(input, name, super::DEFAULT_MAX_INPUT)
+}
+
+/// [`read_pytorch_snapshot`] with a cap on the bytes read into memory.
+pub(super) fn read_capped<R: Read>(
+    input: R,
+    name: &str,
+    cap: u64,
+) -> Result<Vec<Trace>, TraceError> {
     // Real snapshots share frame dicts between entries; serde-pickle cannot rebuild a shared
     // container nested in another shared one and would fail with "recursive structure".
     // Replacing those with None only touches such containers (frames), never the scalar
-    // `action`/`addr`/`size`/`stream` fields read here.
+    // fields read here.
     let mut data = Vec::new();
-    let mut input = input;
-    input.read_to_end(&mut data).map_err(|e| TraceError::input(ErrorKind::Io(e.to_string())))?;
+    input
+        .take(cap.saturating_add(1))
+        .read_to_end(&mut data)
+        .map_err(|e| TraceError::input(ErrorKind::Io(e.to_string())))?;
+    if data.len() as u64 > cap {
+        return Err(TraceError::input(ErrorKind::InputTooLarge { cap, decompressed: false }));
+    }
     super::pickle_guard::prepare(&mut data)
         .map_err(|e| TraceError::input(ErrorKind::BadPickle(e)))?;
     let options = DeOptions::new().replace_recursive_structures();
     let value = serde_pickle::value_from_slice(&data, options)
         .map_err(|e| TraceError::input(ErrorKind::BadPickle(echo(&e.to_string()))))?;
+    drop(data);
     from_value(&value, name)
 }
 
@@ -81,108 +122,617 @@ fn as_u64(v: &Value) -> Option<u64> {
     }
 }
 
-/// Builds a trace from an already decoded snapshot.
-pub fn from_value(value: &Value, name: &str) -> Result<Trace, TraceError> {
-    if !matches!(value, Value::Dict(_)) {
-        return Err(bad("the pickle is not a dict".into()));
+fn as_i128(v: &Value) -> Option<i128> {
+    match v {
+        Value::I64(i) => Some(i128::from(*i)),
+        Value::Int(big) => i128::try_from(big).ok(),
+        Value::Bool(b) => Some(i128::from(*b)),
+        _ => None,
+    }
+}
+
+/// A required non-negative integer field; `what` names the record in the message.
+fn field(dict: &Value, k: &str, what: &dyn Fn(String) -> TraceError) -> Result<u64, TraceError> {
+    let v = key(dict, k).ok_or_else(|| what(format!("missing key `{k}`")))?;
+    as_u64(v).ok_or_else(|| what(format!("`{k}` is not a non-negative integer below 2^64")))
+}
+
+/// An optional stream handle (`None` or absent: the default stream).
+fn stream_field(dict: &Value, what: &dyn Fn(String) -> TraceError) -> Result<u64, TraceError> {
+    match key(dict, "stream") {
+        None | Some(Value::None) => Ok(0),
+        Some(_) => field(dict, "stream", what),
+    }
+}
+
+/// Why a list is not a snapshot, and what to record instead.
+fn list_message(items: &[Value]) -> String {
+    let segment_like = |v: &Value| key(v, "total_size").is_some() || key(v, "blocks").is_some();
+    if !items.is_empty() && items.iter().all(segment_like) {
+        format!(
+            "the pickle is a list of {}, as torch.cuda.memory_snapshot() returns: the caching \
+             allocator's state with no allocation history, which cannot be replayed. Record a \
+             snapshot instead: {HOW_TO_RECORD}",
+            count(items.len() as u64, "segment")
+        )
+    } else {
+        format!(
+            "the pickle is a list of {}, not a dict (torch.cuda.memory_snapshot() returns a \
+             list of segments, which cannot be replayed). Record a snapshot instead: \
+             {HOW_TO_RECORD}",
+            count(items.len() as u64, "item")
+        )
+    }
+}
+
+/// `n things` (`1 thing`).
+fn count(n: u64, thing: &str) -> String {
+    if n == 1 { format!("1 {thing}") } else { format!("{n} {thing}s") }
+}
+
+/// An `active_allocated` block of a segment.
+struct Block {
+    address: u64,
+    requested: u64,
+}
+
+/// A segment of `segments`, with its `active_allocated` blocks.
+struct Segment {
+    total_size: u64,
+    stream: u64,
+    blocks: Vec<Block>,
+}
+
+fn parse_segments(v: Option<&Value>) -> Result<BTreeMap<u32, Vec<Segment>>, TraceError> {
+    let mut out: BTreeMap<u32, Vec<Segment>> = BTreeMap::new();
+    let list = match v {
+        None | Some(Value::None) => return Ok(out),
+        Some(Value::List(l)) => l,
+        Some(_) => return Err(bad("`segments` is not a list".into())),
+    };
+    for (i, seg) in list.iter().enumerate() {
+        let what = |m: String| bad(format!("segments[{i}]: {m}"));
+        if !matches!(seg, Value::Dict(_)) {
+            return Err(what("not a dict".into()));
+        }
+        let device = u32::try_from(field(seg, "device", &what)?)
+            .map_err(|_| what("`device` is not below 2^32".into()))?;
+        let address = field(seg, "address", &what)?;
+        let total_size = field(seg, "total_size", &what)?;
+        let stream = stream_field(seg, &what)?;
+        let blocks = match key(seg, "blocks") {
+            Some(Value::List(b)) => b,
+            Some(_) => return Err(what("`blocks` is not a list".into())),
+            None => return Err(what("missing key `blocks`".into())),
+        };
+        let mut at = address;
+        let mut kept = Vec::new();
+        for (j, b) in blocks.iter().enumerate() {
+            let what = |m: String| bad(format!("segments[{i}].blocks[{j}]: {m}"));
+            if !matches!(b, Value::Dict(_)) {
+                return Err(what("not a dict".into()));
+            }
+            let size = field(b, "size", &what)?;
+            // Older snapshots have no block `address`: blocks follow each other from the
+            // segment's address.
+            let addr = match key(b, "address") {
+                Some(_) => field(b, "address", &what)?,
+                None => at,
+            };
+            at = addr.checked_add(size).ok_or_else(|| what("block ends past 2^64".into()))?;
+            let state = match key(b, "state") {
+                Some(Value::String(s)) => s.as_str(),
+                _ => return Err(what("missing or non-string `state`".into())),
+            };
+            if state == "active_allocated" {
+                let requested = match key(b, "requested_size") {
+                    Some(_) => field(b, "requested_size", &what)?,
+                    None => size,
+                };
+                kept.push(Block { address: addr, requested });
+            }
+        }
+        out.entry(device).or_default().push(Segment { total_size, stream, blocks: kept });
+    }
+    Ok(out)
+}
+
+/// `text` cut to `max` characters (settings are shown in full unless absurdly long).
+fn cut(text: &str, max: usize) -> String {
+    let mut out: String = text.chars().take(max).collect();
+    if text.chars().nth(max).is_some() {
+        out.push('…');
+    }
+    out
+}
+
+fn parse_settings(v: Option<&Value>) -> Result<Option<AllocatorSettings>, TraceError> {
+    let map = match v {
+        None | Some(Value::None) => return Ok(None),
+        Some(Value::Dict(m)) => m,
+        Some(_) => return Err(bad("`allocator_settings` is not a dict".into())),
+    };
+    let mut s = AllocatorSettings::default();
+    for (k, val) in map {
+        let HashableValue::String(k) = k else { continue };
+        let text = match val {
+            Value::String(t) => format!("{t:?}"),
+            Value::Bool(b) => if *b { "True" } else { "False" }.to_string(),
+            Value::Dict(_) => "{…}".to_string(),
+            other => as_i128(other).map(|i| i.to_string()).unwrap_or_else(|| "…".into()),
+        };
+        match (k.as_str(), val) {
+            ("PYTORCH_CUDA_ALLOC_CONF", Value::String(t)) => s.conf = t.clone(),
+            ("max_split_size", v) => s.max_split_size = as_i128(v),
+            ("expandable_segments", Value::Bool(b)) => s.expandable_segments = Some(*b),
+            ("roundup_power2_divisions", Value::Dict(d)) => {
+                let mut r: Vec<(u64, String, u64)> = d
+                    .iter()
+                    .filter_map(|(k, v)| {
+                        let name = match k {
+                            HashableValue::String(s) => s.clone(),
+                            HashableValue::I64(i) => i.to_string(),
+                            _ => return None,
+                        };
+                        Some((name.parse().unwrap_or(u64::MAX), name, as_u64(v)?))
+                    })
+                    .collect();
+                r.sort();
+                s.roundup_power2_divisions = r.into_iter().map(|(_, k, v)| (k, v)).collect();
+            }
+            ("roundup_power2_divisions", v) => {
+                if let Some(n) = as_u64(v) {
+                    s.roundup_power2_divisions = vec![(String::new(), n)];
+                }
+            }
+            _ => {}
+        }
+        s.entries.push((cut(k, 64), cut(&text, 256)));
+    }
+    // Floats were zeroed before decoding, and dicts have no short text: write those from what
+    // was read.
+    let gc = s.conf_value("garbage_collection_threshold").map(|v| cut(v, 64));
+    let roundup = s.roundup_summary();
+    for (k, v) in &mut s.entries {
+        match k.as_str() {
+            "garbage_collection_threshold" => *v = gc.clone().unwrap_or_else(|| "0".into()),
+            "roundup_power2_divisions" => *v = roundup.clone(),
+            _ => {}
+        }
+    }
+    Ok(Some(s))
+}
+
+/// One `external_annotations` record.
+struct Annotation {
+    device: u64,
+    start: bool,
+    name: String,
+    time: i128,
+}
+
+fn parse_annotations(v: Option<&Value>) -> Result<Vec<Annotation>, TraceError> {
+    let list = match v {
+        None | Some(Value::None) => return Ok(Vec::new()),
+        Some(Value::List(l)) => l,
+        Some(_) => return Err(bad("`external_annotations` is not a list".into())),
+    };
+    let mut out = Vec::new();
+    for (i, a) in list.iter().enumerate() {
+        let what = |m: String| bad(format!("external_annotations[{i}]: {m}"));
+        if !matches!(a, Value::Dict(_)) {
+            return Err(what("not a dict".into()));
+        }
+        let start = match key(a, "stage") {
+            Some(Value::String(s)) if s == "START" => true,
+            Some(Value::String(s)) if s == "END" => false,
+            _ => return Err(what("`stage` is not START or END".into())),
+        };
+        let name = match key(a, "name") {
+            Some(Value::String(s)) => echo(s),
+            _ => return Err(what("missing or non-string `name`".into())),
+        };
+        let device = field(a, "device", &what)?;
+        let time = key(a, "time_us")
+            .and_then(as_i128)
+            .ok_or_else(|| what("missing or non-integer `time_us`".into()))?;
+        out.push(Annotation { device, start, name, time });
+    }
+    Ok(out)
+}
+
+/// Builds one trace per device from an already decoded snapshot (see the module docs).
+pub fn from_value(value: &Value, name: &str) -> Result<Vec<Trace>, TraceError> {
+    match value {
+        Value::Dict(_) => {}
+        Value::List(items) => return Err(bad(list_message(items))),
+        _ => return Err(bad("the pickle is not a dict".into())),
     }
     let devices = match key(value, "device_traces") {
         Some(Value::List(d)) => d,
         Some(_) => return Err(bad("`device_traces` is not a list".into())),
         None => {
-            return Err(bad(
-                "no `device_traces` key (record with torch.cuda.memory._record_memory_history())"
-                    .into(),
+            return Err(bad(format!(
+                "no `device_traces` key; to record a snapshot, {HOW_TO_RECORD}"
+            )));
+        }
+    };
+    let segments = parse_segments(key(value, "segments"))?;
+    let settings = parse_settings(key(value, "allocator_settings"))?;
+    let annotations = parse_annotations(key(value, "external_annotations"))?;
+    let mut indices: BTreeSet<u32> = segments.keys().copied().collect();
+    for i in 0..devices.len() {
+        indices.insert(u32::try_from(i).map_err(|_| bad("more than 2^32 devices".into()))?);
+    }
+    let mut by_device: BTreeMap<u64, Vec<&Annotation>> = BTreeMap::new();
+    for a in &annotations {
+        by_device.entry(a.device).or_default().push(a);
+    }
+    let mut traces = Vec::new();
+    for d in indices {
+        let entries: &[Value] = match devices.get(d as usize) {
+            Some(Value::List(e)) => e,
+            Some(_) => return Err(bad(format!("device_traces[{d}] is not a list"))),
+            None => &[],
+        };
+        let segs = segments.get(&d).map(Vec::as_slice).unwrap_or(&[]);
+        if entries.is_empty() && segs.is_empty() {
+            continue;
+        }
+        let anns = by_device.get(&u64::from(d)).map(Vec::as_slice).unwrap_or(&[]);
+        let input = DeviceInput { device: d, entries, segments: segs, annotations: anns };
+        traces.push(device_trace(&input, settings.as_ref(), name)?);
+    }
+    if traces.is_empty() {
+        return Err(bad(format!(
+            "the snapshot holds no allocations: every list of `device_traces` is empty (it was \
+             taken without torch.cuda.memory._record_memory_history()) and no device has \
+             segments. To record one, {HOW_TO_RECORD}"
+        )));
+    }
+    Ok(traces)
+}
+
+/// What a trace entry does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Action {
+    Alloc,
+    /// `free_completed` or `free`.
+    Free,
+    FreeRequested,
+    /// `segment_alloc`, `segment_map`: reserved grows.
+    SegmentUp,
+    /// `segment_free`, `segment_unmap`: reserved shrinks.
+    SegmentDown,
+    /// `oom`, `snapshot`, `user_defined`.
+    Marker,
+}
+
+/// One trace entry with what the reader uses.
+struct Entry<'a> {
+    index: usize,
+    action: Action,
+    /// The action's name (for counting skipped entries).
+    name: &'a str,
+    addr: u64,
+    size: u64,
+    stream: u64,
+    time: Option<i128>,
+}
+
+fn parse_entry(device: usize, index: usize, entry: &Value) -> Result<Entry<'_>, TraceError> {
+    let structure =
+        |s: String| TraceError::new(Location::Entry { device, index }, ErrorKind::BadStructure(s));
+    if !matches!(entry, Value::Dict(_)) {
+        return Err(structure("entry is not a dict".into()));
+    }
+    let name = match key(entry, "action") {
+        Some(Value::String(s)) => s.as_str(),
+        Some(_) => return Err(structure("`action` is not a string".into())),
+        None => return Err(structure("missing key `action`".into())),
+    };
+    let action = match name {
+        "alloc" => Action::Alloc,
+        "free_completed" | "free" => Action::Free,
+        "free_requested" => Action::FreeRequested,
+        "segment_alloc" | "segment_map" => Action::SegmentUp,
+        "segment_free" | "segment_unmap" => Action::SegmentDown,
+        "oom" | "snapshot" | "user_defined" => Action::Marker,
+        other => {
+            return Err(TraceError::new(
+                Location::Entry { device, index },
+                ErrorKind::UnknownOp(echo(other)),
             ));
         }
     };
-    let mut trace = Trace { name: name.to_string(), ..Trace::default() };
-    let mut prelude: Vec<Event> = Vec::new();
-    let mut body: Vec<Event> = Vec::new();
-    let mut next_id = 0u64;
-    let mut stream_ids: HashMap<(usize, u64), u32> = HashMap::new();
+    let time = match key(entry, "time_us") {
+        None | Some(Value::None) => None,
+        Some(v) => Some(as_i128(v).ok_or_else(|| structure("`time_us` is not an integer".into()))?),
+    };
+    let (addr, size, stream) = if action == Action::Marker {
+        (0, 0, 0)
+    } else {
+        (
+            field(entry, "addr", &structure)?,
+            field(entry, "size", &structure)?,
+            stream_field(entry, &structure)?,
+        )
+    };
+    Ok(Entry { index, action, name, addr, size, stream, time })
+}
 
-    for (device, entries) in devices.iter().enumerate() {
-        let Value::List(entries) = entries else {
-            return Err(bad(format!("device_traces[{device}] is not a list")));
-        };
-        let action_of = |e: &Value| match key(e, "action") {
-            Some(Value::String(s)) => Some(s.as_str() == "free_completed"),
-            _ => None,
-        };
-        let free_action = if entries.iter().any(|e| action_of(e) == Some(true)) {
-            "free_completed"
-        } else {
-            "free_requested"
-        };
-        let mut live: HashMap<u64, (u64, u64)> = HashMap::new(); // addr -> (id, bytes)
-        for (index, entry) in entries.iter().enumerate() {
-            let at = |kind| TraceError::new(Location::Entry { device, index }, kind);
-            let structure = |s: String| at(ErrorKind::BadStructure(s));
-            if !matches!(entry, Value::Dict(_)) {
-                return Err(structure("entry is not a dict".into()));
-            }
-            let action = match key(entry, "action") {
-                Some(Value::String(s)) => s.as_str(),
-                Some(_) => return Err(structure("`action` is not a string".into())),
-                None => return Err(structure("missing key `action`".into())),
+/// One device's part of the snapshot.
+struct DeviceInput<'a> {
+    device: u32,
+    entries: &'a [Value],
+    segments: &'a [Segment],
+    annotations: &'a [&'a Annotation],
+}
+
+/// Scope markers from annotations, placed between entries by time.
+struct Scopes<'a> {
+    /// (time, START?, name), in time order.
+    pending: Vec<(i128, bool, &'a str)>,
+    next: usize,
+    /// The open outermost scope: (index in scope_names, instance id, name).
+    open: Option<(u32, u64, &'a str)>,
+    /// Names of open annotations nested in it (skipped).
+    nested: Vec<&'a str>,
+    instances: u64,
+    /// Scope name -> index in `scope_names`.
+    index: HashMap<&'a str, u32>,
+}
+
+impl<'a> Scopes<'a> {
+    fn new(annotations: &[&'a Annotation]) -> Self {
+        let mut pending: Vec<(i128, bool, &str)> =
+            annotations.iter().map(|a| (a.time, a.start, a.name.as_str())).collect();
+        pending.sort_by_key(|&(t, _, _)| t);
+        Scopes {
+            pending,
+            next: 0,
+            open: None,
+            nested: Vec::new(),
+            instances: 0,
+            index: HashMap::new(),
+        }
+    }
+
+    /// Emits the markers due before an entry at `time` (all remaining ones when `None`).
+    fn emit(
+        &mut self,
+        time: Option<i128>,
+        trace: &mut Trace,
+        out: &mut Vec<(Event, i128)>,
+        at: i128,
+    ) {
+        while let Some(&(t, start, name)) = self.pending.get(self.next) {
+            let due = match time {
+                None => true,
+                Some(now) => {
+                    if start {
+                        t <= now
+                    } else {
+                        t < now
+                    }
+                }
             };
-            let is_alloc = action == "alloc";
-            if !is_alloc && action != free_action {
-                if action == "free_requested"
-                    || action == "free_completed"
-                    || SKIPPED_ACTIONS.contains(&action)
-                {
-                    trace.skipped_records += 1;
+            if !due {
+                break;
+            }
+            self.next += 1;
+            if start {
+                if self.open.is_some() {
+                    self.nested.push(name);
+                    trace.skip("external_annotations (nested)");
                     continue;
                 }
-                return Err(at(ErrorKind::UnknownOp(echo(action))));
-            }
-            let int = |k: &'static str| -> Result<u64, TraceError> {
-                let v = key(entry, k).ok_or_else(|| structure(format!("missing key `{k}`")))?;
-                as_u64(v).ok_or_else(|| {
-                    structure(format!("`{k}` is not a non-negative integer below 2^64"))
-                })
-            };
-            let addr = int("addr")?;
-            let size = int("size")?;
-            let handle = match key(entry, "stream") {
-                None | Some(Value::None) => 0,
-                Some(_) => int("stream")?,
-            };
-            // Streams are per device: key by (device, handle), keeping 0 as 0.
-            let stream = if handle == 0 {
-                0
+                let index = *self.index.entry(name).or_insert_with(|| {
+                    trace.scope_names.push(name.to_string());
+                    u32::try_from(trace.scope_names.len() - 1).unwrap_or(u32::MAX)
+                });
+                let id = self.instances;
+                self.instances += 1;
+                self.open = Some((index, id, name));
+                out.push((marker(Op::ScopeEnter, id, index), at));
+            } else if self.nested.last() == Some(&name) {
+                self.nested.pop();
             } else {
-                let n = u32::try_from(stream_ids.len() + 1).unwrap_or(u32::MAX);
-                *stream_ids.entry((device, handle)).or_insert(n)
-            };
-            if is_alloc {
-                if live.contains_key(&addr) {
-                    return Err(at(ErrorKind::AllocOfLiveAddress(addr)));
-                }
-                live.insert(addr, (next_id, size));
-                body.push(Event::alloc(next_id, size, stream, Tag::Act));
-                next_id += 1;
-            } else {
-                let (id, bytes) = match live.remove(&addr) {
-                    Some(x) => x,
-                    None => {
-                        // Allocated before the recorded window.
-                        prelude.push(Event::alloc(next_id, size, stream, Tag::Act));
-                        next_id += 1;
-                        (next_id - 1, size)
+                match self.open {
+                    Some((index, id, open)) if open == name => {
+                        out.push((marker(Op::ScopeExit, id, index), at));
+                        self.open = None;
+                        self.nested.clear();
                     }
-                };
-                body.push(Event::free(id, bytes, stream, Tag::Act));
+                    _ => trace.skip("external_annotations (END without START)"),
+                }
             }
         }
     }
-    prelude.extend(body);
-    trace.events = prelude;
+
+    /// Closes a scope still open at the end of the window.
+    fn close(&mut self, out: &mut Vec<(Event, i128)>, at: i128) -> Option<&'a str> {
+        let (index, id, name) = self.open.take()?;
+        out.push((marker(Op::ScopeExit, id, index), at));
+        Some(name)
+    }
+}
+
+fn marker(op: Op, id: u64, scope: u32) -> Event {
+    Event { op, id, bytes: 0, stream: 0, tag: Tag::Act, scope: Some(scope) }
+}
+
+fn clamp_u64(x: i128) -> u64 {
+    u64::try_from(x.max(0)).unwrap_or(u64::MAX)
+}
+
+/// Builds the trace of one device.
+fn device_trace(
+    input: &DeviceInput<'_>,
+    settings: Option<&AllocatorSettings>,
+    name: &str,
+) -> Result<Trace, TraceError> {
+    let device = input.device as usize;
+    let mut entries = input
+        .entries
+        .iter()
+        .enumerate()
+        .map(|(i, e)| parse_entry(device, i, e))
+        .collect::<Result<Vec<_>, _>>()?;
+    let mut info = SnapshotInfo {
+        device: input.device,
+        history: !entries.is_empty(),
+        entries: entries.len() as u64,
+        settings: settings.cloned(),
+        ..SnapshotInfo::default()
+    };
+    let timed = !entries.is_empty() && entries.iter().all(|e| e.time.is_some());
+    if timed {
+        info.reordered = entries.windows(2).filter(|w| w[1].time < w[0].time).count() as u64;
+        if info.reordered > 0 {
+            entries.sort_by_key(|e| e.time);
+            info.notes.push(match info.reordered {
+                1 => "1 entry was out of time_us order and was put in order".into(),
+                n => format!("{n} entries were out of time_us order and were put in order"),
+            });
+        }
+    }
+    let free_action = if entries.iter().any(|e| e.action == Action::Free) {
+        Action::Free
+    } else {
+        Action::FreeRequested
+    };
+
+    let mut trace = Trace { name: name.to_string(), ..Trace::default() };
+    let mut streams = StreamIds::default();
+    let mut live: HashMap<u64, (u64, u64)> = HashMap::new(); // addr -> (id, bytes)
+    let mut next_id = 0u64;
+    let mut freed_before: Vec<Event> = Vec::new();
+    // Body events with the change of reserved bytes since the start of the window.
+    let mut body: Vec<(Event, i128)> = Vec::new();
+    let (mut delta, mut max_delta, mut min_delta) = (0i128, 0i128, 0i128);
+    let mut scopes = Scopes::new(input.annotations);
+    if !timed && !input.annotations.is_empty() {
+        for _ in input.annotations {
+            trace.skip("external_annotations (no time_us in the trace)");
+        }
+        scopes.pending.clear();
+    }
+
+    for e in &entries {
+        if timed {
+            scopes.emit(e.time, &mut trace, &mut body, delta);
+        }
+        let at = |kind| TraceError::new(Location::Entry { device, index: e.index }, kind);
+        match e.action {
+            Action::Alloc => {
+                if live.contains_key(&e.addr) {
+                    return Err(at(ErrorKind::AllocOfLiveAddress(e.addr)));
+                }
+                let stream = streams.id(e.stream);
+                live.insert(e.addr, (next_id, e.size));
+                body.push((Event::alloc(next_id, e.size, stream, Tag::Act), delta));
+                next_id += 1;
+            }
+            a if a == free_action => {
+                let stream = streams.id(e.stream);
+                let (id, bytes) = match live.remove(&e.addr) {
+                    Some(x) => x,
+                    None => {
+                        // Allocated before the recorded window: live from its start.
+                        freed_before.push(Event::alloc(next_id, e.size, stream, Tag::Act));
+                        trace.pre_window.freed_blocks += 1;
+                        trace.pre_window.freed_bytes =
+                            trace.pre_window.freed_bytes.saturating_add(e.size);
+                        next_id += 1;
+                        (next_id - 1, e.size)
+                    }
+                };
+                body.push((Event::free(id, bytes, stream, Tag::Act), delta));
+            }
+            Action::SegmentUp | Action::SegmentDown => {
+                let size = i128::from(e.size);
+                delta += if e.action == Action::SegmentUp { size } else { -size };
+                max_delta = max_delta.max(delta);
+                min_delta = min_delta.min(delta);
+                info.reserved.segment_events += 1;
+                trace.skip(e.name);
+            }
+            Action::Free | Action::FreeRequested | Action::Marker => {
+                trace.skip(e.name);
+            }
+        }
+    }
+    if timed {
+        scopes.emit(None, &mut trace, &mut body, delta);
+        if let Some(open) = scopes.close(&mut body, delta) {
+            info.notes.push(format!(
+                "annotation `{open}` has no END: its scope runs to the end of the window"
+            ));
+        }
+    }
+    info.annotation_scopes = scopes.instances;
+
+    // Blocks live at the snapshot that the window never allocated: live throughout.
+    let mut persistent: Vec<Event> = Vec::new();
+    let mut at_snapshot: u128 = 0;
+    for seg in input.segments {
+        at_snapshot += u128::from(seg.total_size);
+        for b in &seg.blocks {
+            if live.contains_key(&b.address) {
+                continue;
+            }
+            let stream = streams.id(seg.stream);
+            persistent.push(Event::alloc(next_id, b.requested, stream, Tag::Param));
+            next_id += 1;
+            trace.pre_window.live_blocks += 1;
+            trace.pre_window.live_bytes = trace.pre_window.live_bytes.saturating_add(b.requested);
+        }
+    }
+
+    // PyTorch's reserved bytes, backwards from the snapshot.
+    let at_snapshot = i128::try_from(at_snapshot).unwrap_or(i128::MAX);
+    let mut start = at_snapshot.saturating_sub(delta);
+    info.reserved.consistent = start.saturating_add(min_delta) >= 0;
+    if !info.reserved.consistent {
+        start = -min_delta;
+        info.notes.push(
+            "the segment entries free more than the snapshot's segments account for; PyTorch's \
+             reserved bytes are raised so that their lowest point is 0"
+                .into(),
+        );
+    }
+    info.reserved.at_start = clamp_u64(start);
+    info.reserved.at_snapshot = clamp_u64(at_snapshot);
+    info.reserved.peak = clamp_u64(start.saturating_add(max_delta));
+
+    let prelude = persistent.len() + freed_before.len();
+    let mut events = Vec::with_capacity(prelude + body.len());
+    let mut timeline = Vec::with_capacity(prelude + body.len());
+    for e in persistent.into_iter().chain(freed_before) {
+        events.push(e);
+        timeline.push(info.reserved.at_start);
+    }
+    for (e, d) in body {
+        events.push(e);
+        timeline.push(clamp_u64(start.saturating_add(d)));
+    }
+    info.reserved.timeline = timeline;
+    trace.events = events;
+    if !info.history {
+        info.notes.push(format!(
+            "no allocation history: the snapshot was taken without \
+             torch.cuda.memory._record_memory_history(), so this is the static picture at the \
+             snapshot ({} live, tagged persistent). To replay the workload, {HOW_TO_RECORD}",
+            count(trace.pre_window.live_blocks, "block")
+        ));
+    }
+    trace.snapshot = Some(info);
+
     let mut validator = Validator::new();
     for e in &trace.events {
         validator.check(e).map_err(|k| TraceError::new(Location::Input, k))?;
     }
+    validator.finish().map_err(|k| TraceError::new(Location::Input, k))?;
     Ok(trace)
 }

@@ -12,6 +12,10 @@
 //! handles) become dense ids in order of first appearance, with handle 0 (the default
 //! stream) always id 0. `Thread` and `Time` are ignored; all buffers are tagged
 //! [`Tag::Act`] (the log has no residency). `deallocate` is accepted as a synonym of `free`.
+//!
+//! A free of an address the log never allocated (the allocation precedes the log) is read as
+//! the PyTorch reader reads one: a synthetic alloc of the free's `Size` at the start of the
+//! trace, counted in [`Trace::pre_window`].
 
 use std::collections::HashMap;
 use std::io::BufRead;
@@ -56,13 +60,15 @@ pub(super) fn read_body<R: BufRead>(
     let mut live: HashMap<u64, (u64, u64)> = HashMap::new(); // address -> (id, bytes)
     let mut streams = StreamIds::default();
     let mut next_id = 0u64;
+    // Synthetic allocs of blocks allocated before the log.
+    let mut prelude: Vec<Event> = Vec::new();
     while let Some((n, line)) = lines.next_line()? {
         let at = |k| TraceError::at_line(n, k);
         let [_thread, _time, action, ptr, size, stream] =
             split_fields(line, &COLUMNS).map_err(at)?;
         let event = match action {
             "allocate failure" => {
-                trace.skipped_records += 1;
+                trace.skip(action);
                 continue;
             }
             "allocate" => {
@@ -79,16 +85,32 @@ pub(super) fn read_body<R: BufRead>(
             }
             "free" | "deallocate" => {
                 let ptr = parse_u64_hex_or_dec(ptr, "Pointer").map_err(at)?;
-                parse_u64(size, "Size").map_err(at)?;
+                let size = parse_u64(size, "Size").map_err(at)?;
                 let stream = streams.id(parse_u64_hex_or_dec(stream, "Stream").map_err(at)?);
-                let (id, bytes) =
-                    live.remove(&ptr).ok_or_else(|| at(ErrorKind::FreeOfUnknownAddress(ptr)))?;
+                let (id, bytes) = match live.remove(&ptr) {
+                    Some(x) => x,
+                    None => {
+                        // Allocated before the log started: live from its start.
+                        let early = Event::alloc(next_id, size, stream, Tag::Act);
+                        validator.check(&early).map_err(at)?;
+                        prelude.push(early);
+                        trace.pre_window.freed_blocks += 1;
+                        trace.pre_window.freed_bytes =
+                            trace.pre_window.freed_bytes.saturating_add(size);
+                        next_id += 1;
+                        (next_id - 1, size)
+                    }
+                };
                 Event::free(id, bytes, stream, Tag::Act)
             }
             other => return Err(at(ErrorKind::UnknownOp(echo(other)))),
         };
         validator.check(&event).map_err(at)?;
         trace.events.push(event);
+    }
+    if !prelude.is_empty() {
+        prelude.append(&mut trace.events);
+        trace.events = prelude;
     }
     Ok(trace)
 }

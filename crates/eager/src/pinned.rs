@@ -1,0 +1,45 @@
+//! Host-to-device uploads through pinned staging buffers: the values are written into a
+//! [`PinnedBuffer`](tidepool::PinnedBuffer) from the back end's [`HostAllocator`], copied to the
+//! device asynchronously on the upload's stream (an event recorded after the copy), and the
+//! buffer goes back to the cache at once — its block is reused only once that copy completed.
+//!
+//! ```text
+//!   upload(stream, dst, data) ─▶ pinned.alloc(4·n) ─▶ as_mut_slice ← data (little endian)
+//!                             ─▶ copy_to_device(dst, stream) + event ─▶ drop (pending until done)
+//! ```
+
+use super::backend::ELEM;
+use super::error::Result;
+use tidepool::device::{Device, DeviceAddr, DeviceError, StreamId};
+use tidepool::{HostAllocError, HostAllocator};
+
+/// Uploads `data` to `dst` on `stream` through `pinned`. `Ok(false)` (nothing done) where the
+/// device has no pinned host memory, so the caller falls back to its own copy.
+///
+/// `dst` must be device memory of `pinned`'s device holding at least `data.len()` floats that
+/// stays allocated until the copy ran: the [`crate::Backend::upload`] contract (the caller's
+/// tensor, freed in its stream's order).
+pub(crate) fn upload<D: Device>(
+    pinned: &HostAllocator<D>,
+    stream: StreamId,
+    dst: DeviceAddr,
+    data: &[f32],
+) -> Result<bool> {
+    if data.is_empty() {
+        return Ok(true);
+    }
+    let bytes = data.len() as u64 * ELEM;
+    let mut staging = match pinned.alloc(bytes) {
+        Ok(b) => b,
+        Err(HostAllocError::Device(DeviceError::Unsupported(_))) => return Ok(false),
+        Err(e) => return Err(e.into()),
+    };
+    for (out, x) in staging.as_mut_slice()?.chunks_exact_mut(ELEM as usize).zip(data) {
+        out.copy_from_slice(&x.to_le_bytes());
+    }
+    // SAFETY: `dst` holds at least `data.len()` floats of this device's memory that stays
+    // allocated until the copy ran — the `Backend::upload` contract (the caller's live tensor,
+    // whose memory is reused only in its stream's order, and the copy is on that stream).
+    unsafe { staging.copy_to_device(0, dst, bytes, stream) }?;
+    Ok(true)
+}

@@ -1,0 +1,129 @@
+//! The eager layer's host-to-device uploads go through the back end's pinned host allocator
+//! (SimDevice): staging blocks are cached by size class and reused only after the upload that
+//! read them ran. Unfinished uploads are made with a gate: a kernel on the stream that blocks
+//! until the test opens a channel, so an upload enqueued after it cannot have run yet.
+
+use std::sync::mpsc;
+use tidepool::StreamId;
+use tidepool::device::{Device, Kernel, Launch};
+use tidepool_eager::{Eager, SimEager, Tensor};
+
+fn clean(e: &SimEager) {
+    e.synchronize().unwrap();
+    assert_eq!(e.device().violations(), vec![]);
+    assert_eq!(e.device().kernel_failures(), vec![]);
+}
+
+fn gate(e: &SimEager, stream: StreamId) -> mpsc::Sender<()> {
+    let (open, gate) = mpsc::channel::<()>();
+    let k = Kernel::new("gate", vec![], move |_| {
+        let _ = gate.recv();
+    });
+    e.device().launch(stream, k).unwrap();
+    open
+}
+
+#[test]
+fn uploads_stage_through_pinned_blocks_cached_by_size_class() {
+    let eager = Eager::sim(64 << 20).unwrap();
+    let s = StreamId::DEFAULT;
+    let w = Tensor::parameter(&eager, &[1.0, 2.0, 3.0, 4.0], &[2, 2], s).unwrap();
+    // Uploads are asynchronous: a block is reusable once its copy ran (here: after a sync).
+    eager.synchronize().unwrap();
+    for step in 0..5 {
+        let st = eager.step("step", s);
+        let cx = st.ctx();
+        let x = cx.tensor(&[step as f32; 2], &[1, 2]).unwrap(); // 8 bytes: class 512
+        let big = cx.tensor(&vec![0.5; 1000], &[1000]).unwrap(); // 4000 bytes: class 4096
+        let y = cx.matmul(&x, &w).unwrap();
+        let f = step as f32;
+        assert_eq!(y.to_host().unwrap(), vec![4.0 * f, 6.0 * f]);
+        assert_eq!(big.to_host().unwrap(), vec![0.5; 1000]);
+    }
+    let pinned = eager.backend().host_allocator();
+    let stats = pinned.stats();
+    assert_eq!(stats.num_host_alloc, 2, "one block per size class, reused every step");
+    assert_eq!(eager.device().host_counters().copies_to_device, 11);
+    assert_eq!(eager.stats().uploads, 11);
+    assert_eq!(stats.allocation.current, 0, "staging buffers are dropped at once");
+    pinned.check_invariants().unwrap();
+    clean(&eager);
+}
+
+#[test]
+fn a_staging_block_is_reused_only_after_its_upload_ran() {
+    let eager = Eager::sim(64 << 20).unwrap();
+    let s = eager.device().create_stream().unwrap();
+    let pinned = eager.backend().host_allocator();
+    let cx = eager.ctx(s);
+
+    let open = gate(&eager, s);
+    let a = cx.tensor(&[1.0; 64], &[64]).unwrap();
+    assert_eq!(eager.device().host_copies_in_flight(), 1);
+    assert_eq!(pinned.stats().pending_bytes, 512, "the block waits for its upload");
+    // The same class while the first upload is held: a second pinned block.
+    let b = cx.tensor(&[2.0; 64], &[64]).unwrap();
+    assert_eq!(pinned.stats().num_host_alloc, 2);
+
+    open.send(()).unwrap();
+    assert_eq!(a.to_host().unwrap(), vec![1.0; 64], "a's bytes were not overwritten by b's");
+    assert_eq!(b.to_host().unwrap(), vec![2.0; 64]);
+    // Both uploads ran: no new block for more uploads of the class.
+    for v in 0..10 {
+        let t = cx.tensor(&[v as f32; 64], &[64]).unwrap();
+        assert_eq!(t.to_host().unwrap(), vec![v as f32; 64]);
+    }
+    assert_eq!(pinned.stats().num_host_alloc, 2);
+    pinned.process_events().unwrap();
+    assert_eq!(pinned.stats().pending_bytes, 0);
+    pinned.check_invariants().unwrap();
+    clean(&eager);
+}
+
+#[test]
+fn copy_from_host_and_empty_uploads() {
+    let eager = Eager::sim(64 << 20).unwrap();
+    let cx = eager.ctx(StreamId::DEFAULT);
+    let mut t = cx.tensor(&[0.0; 3], &[3]).unwrap();
+    eager.synchronize().unwrap();
+    t.copy_from_host(&[7.0, 8.0, 9.0]).unwrap();
+    assert_eq!(t.to_host().unwrap(), vec![7.0, 8.0, 9.0]);
+    let e = cx.tensor(&[], &[0]).unwrap();
+    assert_eq!(e.to_host().unwrap(), Vec::<f32>::new());
+    assert_eq!(eager.backend().host_allocator().stats().num_host_alloc, 1);
+    clean(&eager);
+}
+
+/// On a GPU (feature `cuda`): uploads stage through `cuMemHostAlloc` blocks, reused once their
+/// copies completed. Skips, printing why, without a GPU or without NVRTC/cuBLAS.
+#[cfg(feature = "cuda")]
+#[test]
+fn cuda_uploads_stage_through_pinned_memory() {
+    use tidepool::{Config, CudaDevice};
+    use tidepool_eager::CudaBackend;
+    if let Some(reason) = CudaDevice::unavailable_reason() {
+        println!("skipping: {reason}");
+        return;
+    }
+    let device = CudaDevice::new(0).unwrap();
+    let backend = match CudaBackend::new(device.clone()) {
+        Ok(b) => b,
+        Err(e) => {
+            println!("skipping: {e}");
+            return;
+        }
+    };
+    let eager = Eager::new(backend, Config::default()).unwrap();
+    let cx = eager.ctx(StreamId::DEFAULT);
+    for v in 0..10 {
+        let data: Vec<f32> = (0..100_000).map(|i| (i + v) as f32).collect();
+        let t = cx.tensor(&data, &[100_000]).unwrap();
+        assert_eq!(t.to_host().unwrap(), data);
+    }
+    let pinned = eager.backend().host_allocator();
+    assert_eq!(pinned.stats().num_host_alloc, 1, "one staging block, reused");
+    pinned.check_invariants().unwrap();
+    drop(cx);
+    pinned.empty_cache().unwrap();
+    assert!(device.live_host_allocations().is_empty());
+}

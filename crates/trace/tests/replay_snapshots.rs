@@ -1,0 +1,204 @@
+//! PyTorch snapshots replayed per device: the synthetic multi-device, multi-stream fixture
+//! (tests/fixtures/make_multi_device_snapshot.py) with exact figures per device and policy,
+//! under the default configuration and under the snapshot's own (`--config from-snapshot`),
+//! the `pytorch (recorded)` row of the reports of the real snapshots, and tidepool's own
+//! `dump_snapshot` read back.
+
+use std::path::Path;
+
+use tidepool_trace::policy::alloc_steps;
+use tidepool_trace::policy::{AllocStep, Mode};
+use tidepool_trace::report::{RECORDED_ROW, Report};
+use tidepool_trace::runner::run_policies;
+use tidepool_trace::{ReadOptions, ReplayOptions, Trace, read_traces, read_traces_bytes, registry};
+
+const MIB: u64 = 1 << 20;
+
+fn fixture() -> Vec<Trace> {
+    let path =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/multi_device_snapshot.pickle");
+    read_traces(&path, &ReadOptions::default()).unwrap()
+}
+
+fn replay(trace: &Trace, config: Option<String>) -> Report {
+    let opts = ReplayOptions { repeats: 1, config, timeline: true };
+    let policies = registry(&opts).unwrap();
+    run_policies(trace, &policies, &opts, &mut |_| {}).unwrap()
+}
+
+/// (policy, peak reserved, peak allocated, device mallocs) per policy.
+fn figures(r: &Report) -> Vec<(&str, u64, u64, u64)> {
+    r.policies
+        .iter()
+        .map(|p| (p.name.as_str(), p.peak_reserved_bytes, p.peak_allocated_bytes, p.device_mallocs))
+        .collect()
+}
+
+#[test]
+fn each_device_replays_on_its_own_device_and_streams() {
+    let traces = fixture();
+    // Device 0 runs on three streams (default, S1, S2), device 1 on one side stream.
+    let streams = |t: &Trace| alloc_steps(t, Mode::Caching).2;
+    assert_eq!(streams(&traces[0]), vec![0, 1, 2]);
+    assert_eq!(streams(&traces[1]), vec![0, 1]);
+    let (steps, _, _) = alloc_steps(&traces[0], Mode::Scoped);
+    assert!(steps.iter().any(|s| matches!(s, AllocStep::Enter { .. })));
+
+    // Device 0: tidepool's segments are per stream: a 20 MiB large segment on the default
+    // stream (W1, X, Q), 2 MiB small segments for EARLY (1 MiB) and Y (S1), a 20 MiB large one
+    // for Z (S2).
+    let r0 = replay(&traces[0], None);
+    assert_eq!((r0.device(), r0.peak_live_bytes), (Some(0), 13_146_228));
+    assert_eq!(r0.recorded_peak_reserved(), Some(30 * MIB));
+    assert_eq!(
+        figures(&r0),
+        vec![
+            ("caching", 44 * MIB, 13_146_624, 4),
+            ("residency", 64 * MIB, 13_146_624, 5),
+            ("scoped", 64 * MIB, 13_146_624, 5),
+            ("offset-allocator", 13_146_368, 13_146_368, 1),
+            ("range-alloc", 13_146_368, 13_146_368, 1),
+            ("planned", 13_146_368, 13_146_368, 1),
+        ]
+    );
+    // Device 1 on its own: nothing of device 0 is left in it.
+    let r1 = replay(&traces[1], None);
+    assert_eq!((r1.device(), r1.peak_live_bytes), (Some(1), 2_900_000));
+    assert_eq!(r1.recorded_peak_reserved(), Some(6 * MIB));
+    assert_eq!(
+        figures(&r1),
+        vec![
+            ("caching", 22 * MIB, 2_900_992, 2),
+            ("residency", 24 * MIB, 2_900_992, 3),
+            ("scoped", 24 * MIB, 2_900_992, 3),
+            ("offset-allocator", 2_900_480, 2_900_480, 1),
+            ("range-alloc", 2_900_480, 2_900_480, 1),
+            ("planned", 2_900_480, 2_900_480, 1),
+        ]
+    );
+}
+
+#[test]
+fn from_snapshot_configuration_replays_under_the_snapshot_settings() {
+    let traces = fixture();
+    let config = traces[0].snapshot.as_ref().unwrap().settings.as_ref().unwrap().to_config();
+    assert_eq!(config.config, "max_split_size_mb:64,roundup_power2_divisions:4");
+    // Rounding to quarter powers of two: more allocated, the same segments.
+    let r0 = replay(&traces[0], Some(config.config.clone()));
+    assert_eq!(figures(&r0)[0], ("caching", 44 * MIB, 13_632_000, 4));
+    let r1 = replay(&traces[1], Some(config.config));
+    assert_eq!(figures(&r1)[0], ("caching", 22 * MIB, 3_080_192, 2));
+}
+
+#[test]
+fn reports_show_the_recorded_row_skipped_kinds_and_settings() {
+    let traces = fixture();
+    let r = replay(&traces[0], None);
+    let table = r.to_table();
+    assert!(
+        table.starts_with(
+            "trace multi_device_snapshot, device 0: 11 events, peak live 12.54 MiB (13146228 B)\n"
+        ),
+        "{table}"
+    );
+    for line in [
+        "  allocated before the recording, live from its start: 1 block still live at its end \
+         (3.81 MiB, tagged persistent), 1 block freed in it (1.00 MiB)\n",
+        "  skipped: external_annotations (nested) 1, free_requested 2, oom 1, segment_alloc 1, \
+         segment_map 1, segment_unmap 1, snapshot 1, user_defined 1\n",
+        "  out of memory: the trace records 1 `oom` entry (PyTorch failed an allocation)\n",
+        "  scopes: 1 from external_annotations START/END",
+        "pytorch (recorded)      30.00 MiB   2.393               -  58.2%        -      -      -",
+        "  pytorch (recorded): reserved 20971520 at the start of the window, 23068672 at the \
+         snapshot, 3 segment entries\n",
+    ] {
+        assert!(table.contains(line), "missing {line:?} in\n{table}");
+    }
+    assert!(
+        table.contains("allocator_settings: PYTORCH_CUDA_ALLOC_CONF \"expandable_segments:True")
+    );
+    let json: serde_json::Value = serde_json::from_str(&r.to_json()).unwrap();
+    assert_eq!(json["device"], 0);
+    assert_eq!(json["history"], true);
+    assert_eq!(json["skipped"]["oom"], 1);
+    assert_eq!(json["skipped"]["user_defined"], 1);
+    assert_eq!(json["pre_window"]["live_bytes"], 4_000_000);
+    assert_eq!(json["pytorch_recorded"]["peak_reserved_bytes"], 30 * MIB);
+    assert_eq!(json["pytorch_recorded"]["reserved_at_start_bytes"], 20 * MIB);
+    assert_eq!(json["pytorch_recorded"]["reserved_at_snapshot_bytes"], 22 * MIB);
+    assert_eq!(json["allocator_settings"]["expandable_segments"], "True");
+    assert_eq!(json["policies"][0]["name"], "caching");
+    assert_eq!(json["policies"][0]["ratio_to_peak_live"], 44.0 * MIB as f64 / 13_146_228.0);
+}
+
+/// The real snapshots' reports: peak live and the `pytorch (recorded)` row are truth.json's.
+#[test]
+fn real_snapshot_reports_carry_pytorch_reserved() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../data/snapshots");
+    for (file, peak_live, recorded) in [
+        ("cs336_wedsonlin_medium128_training.pickle", 7_013_335_044u64, 7_235_174_400u64),
+        ("ftcourse_memory_snapshot.pickle", 5_876_132_840, 6_471_811_072),
+        ("layoutediting_dump_snapshot_emptytraces.pickle", 10_637_601_344, 11_276_386_304),
+    ] {
+        let traces = read_traces(&dir.join(file), &ReadOptions::default()).unwrap();
+        let opts = ReplayOptions { repeats: 1, config: None, timeline: false };
+        let caching: Vec<_> = registry(&opts).unwrap().into_iter().take(1).collect();
+        let r = run_policies(&traces[0], &caching, &opts, &mut |_| {}).unwrap();
+        assert_eq!(r.peak_live_bytes, peak_live, "{file}");
+        assert_eq!(r.recorded_peak_reserved(), Some(recorded), "{file}");
+        let table = r.to_table();
+        assert!(table.contains(RECORDED_ROW), "{table}");
+        let json: serde_json::Value = serde_json::from_str(&r.to_json()).unwrap();
+        assert_eq!(json["pytorch_recorded"]["peak_reserved_bytes"].as_u64(), Some(recorded));
+        assert_eq!(json["peak_live_bytes"].as_u64(), Some(peak_live));
+        // tidepool's caching policy replays the window; its peak is at least the live peak.
+        assert!(r.policies[0].peak_reserved_bytes >= peak_live, "{file}");
+    }
+}
+
+/// tidepool's own `dump_snapshot` pickle reads back: blocks allocated before `record_history`
+/// are live from the start (persistent when still live), and PyTorch's-format reserved bytes are
+/// the allocator's own. (Sizes are multiples of 512: tidepool's history records a block's
+/// rounded size where PyTorch records the requested size.)
+#[test]
+fn tidepool_dump_snapshot_reads_back() {
+    use std::sync::Arc;
+    use tidepool::{Allocator, Config, Device, HistoryOptions, SimDevice, StreamId};
+
+    let dev = Arc::new(SimDevice::new(1 << 30));
+    let alloc = Allocator::new(dev.clone(), Config::default()).unwrap();
+    let weights = alloc.alloc(8 * MIB, StreamId::DEFAULT).unwrap(); // live throughout
+    let early = alloc.alloc(3 * MIB, StreamId::DEFAULT).unwrap(); // freed in the window
+    alloc.reset_peak_stats();
+    alloc.record_history(HistoryOptions::new(1000));
+    let side = dev.create_stream().unwrap();
+    let a = alloc.alloc(5 * MIB, side).unwrap();
+    let b = alloc.alloc(1024, StreamId::DEFAULT).unwrap();
+    drop(early);
+    drop(a);
+    let c = alloc.alloc(30 * MIB, StreamId::DEFAULT).unwrap();
+    drop(c);
+    drop(b);
+    let pickle = alloc.snapshot_pickle();
+    let traces = read_traces_bytes(&pickle, &ReadOptions::default()).unwrap();
+    assert_eq!(traces.len(), 1);
+    let t = &traces[0];
+    t.validate().unwrap();
+    assert_eq!(t.peak_live_bytes(), 8 * MIB + 30 * MIB + 1024);
+    assert_eq!(
+        t.pre_window,
+        tidepool_trace::PreWindow {
+            freed_blocks: 1,
+            freed_bytes: 3 * MIB,
+            live_blocks: 1,
+            live_bytes: 8 * MIB
+        }
+    );
+    assert_eq!(alloc_steps(t, Mode::Caching).2.len(), 2, "the side stream is a stream of its own");
+    let info = t.snapshot.as_ref().unwrap();
+    assert!(info.history && info.reserved.consistent);
+    assert_eq!(info.reserved.at_snapshot, alloc.reserved_bytes());
+    assert_eq!(info.reserved.peak, alloc.stats().blocks.reserved_bytes.all.peak);
+    assert!(info.settings.is_some());
+    drop(weights);
+}

@@ -1,0 +1,172 @@
+//! `dump_snapshot`: the allocator's segments, its memory history and its settings, written as the
+//! pickle `torch.cuda.memory._dump_snapshot()` writes, so PyTorch's memory viewer
+//! (pytorch.org/memory_viz) and `torch/cuda/_memory_viz.py` draw tidepool's memory, and
+//! `tidepool replay` reads it back.
+//!
+//! ```text
+//!  { 'segments': [ { device, address, total_size, allocated_size, active_size, requested_size,
+//!                    stream, segment_type: 'small'|'large', segment_pool_id, is_expandable,
+//!                    frames: [], blocks: [ { address, size, requested_size,
+//!                                            state: active_allocated|active_pending_free|inactive,
+//!                                            frames: [] } ] } ],
+//!    'device_traces': [ [ { action, addr, size, stream, time_us, frames: [...] } ] ],
+//!    'allocator_settings': { key: value } }
+//! ```
+
+use super::history::TraceEntry;
+use super::report::SegmentInfo;
+use super::*;
+use crate::pickle::{Py, to_pickle};
+use crate::types::{BlockState, PoolKind};
+use std::path::Path;
+
+impl<D: Device> Allocator<D> {
+    /// The snapshot pickle ([`Allocator::dump_snapshot`]) as bytes.
+    pub fn snapshot_pickle(&self) -> Vec<u8> {
+        let segments = self.snapshot();
+        let ranges = self.expandable_ranges();
+        let expandable = |s: &SegmentInfo| {
+            ranges.iter().any(|r| r.base <= s.address && s.address.0 < r.base.0 + r.virtual_size)
+        };
+        let entries: Vec<TraceEntry> = {
+            let st = self.shared.lock_state();
+            st.history.as_ref().map(|h| h.entries().cloned().collect()).unwrap_or_default()
+        };
+        let config = self.config();
+        let value = Py::dict([
+            ("segments", Py::List(segments.iter().map(|s| segment(s, expandable(s))).collect())),
+            ("device_traces", Py::List(vec![Py::List(entries.iter().map(entry).collect())])),
+            ("allocator_settings", settings(&config)),
+        ]);
+        to_pickle(&value)
+    }
+
+    /// Writes the allocator's segments and blocks, its memory history (when
+    /// [`Allocator::record_history`] is on) and its settings to `path`, in the pickle format of
+    /// `torch.cuda.memory._dump_snapshot()`: PyTorch's memory viewer opens it, and
+    /// `tidepool replay` replays it.
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use tidepool::{Allocator, Config, HistoryOptions, SimDevice, StreamId};
+    ///
+    /// let alloc = Allocator::new(Arc::new(SimDevice::new(1 << 30)), Config::default()).unwrap();
+    /// alloc.record_history(HistoryOptions::new(10_000));
+    /// let a = alloc.alloc(4 << 20, StreamId::DEFAULT).unwrap();
+    /// drop(a);
+    /// let path = std::env::temp_dir().join("tidepool-doc-snapshot.pickle");
+    /// alloc.dump_snapshot(&path).unwrap();
+    /// # std::fs::remove_file(path).unwrap();
+    /// ```
+    pub fn dump_snapshot(&self, path: impl AsRef<Path>) -> std::io::Result<()> {
+        std::fs::write(path, self.snapshot_pickle())
+    }
+}
+
+/// One segment (with expandable segments: one run of mapped pages of a range).
+fn segment(s: &SegmentInfo, is_expandable: bool) -> Py {
+    let sum = |pred: fn(BlockState) -> bool| -> u64 {
+        s.blocks.iter().filter(|b| pred(b.state)).map(|b| b.size).sum()
+    };
+    let allocated = sum(|st| st == BlockState::Allocated);
+    let active = sum(|st| st != BlockState::Free);
+    let requested: u64 = s.blocks.iter().map(|b| b.requested).sum();
+    Py::dict([
+        ("device", Py::int(0)),
+        ("address", Py::int(s.address.0)),
+        ("total_size", Py::int(s.size)),
+        ("allocated_size", Py::int(allocated)),
+        ("active_size", Py::int(active)),
+        ("requested_size", Py::int(requested)),
+        ("stream", Py::int(s.stream.0)),
+        ("segment_type", Py::str(if s.pool == PoolKind::Small { "small" } else { "large" })),
+        ("segment_pool_id", Py::Tuple(vec![Py::int(0), Py::int(0)])),
+        ("is_expandable", Py::Bool(is_expandable)),
+        ("frames", Py::List(vec![])),
+        (
+            "blocks",
+            Py::List(
+                s.blocks
+                    .iter()
+                    .map(|b| {
+                        let state = match b.state {
+                            BlockState::Allocated => "active_allocated",
+                            BlockState::Pending => "active_pending_free",
+                            BlockState::Free => "inactive",
+                        };
+                        Py::dict([
+                            ("address", Py::int(b.address.0)),
+                            ("size", Py::int(b.size)),
+                            ("requested_size", Py::int(b.requested)),
+                            ("state", Py::str(state)),
+                            ("frames", Py::List(vec![])),
+                        ])
+                    })
+                    .collect(),
+            ),
+        ),
+    ])
+}
+
+fn entry(e: &TraceEntry) -> Py {
+    Py::dict([
+        ("action", Py::str(e.action.name())),
+        ("addr", Py::int(e.addr.0)),
+        ("size", Py::int(e.size)),
+        ("stream", Py::int(e.stream.0)),
+        ("time_us", Py::int(e.time_us)),
+        ("frames", Py::List(e.stack.as_deref().map(frames).unwrap_or_default())),
+    ])
+}
+
+/// The frames of a captured stack, innermost first, as `{filename, line, name}` dicts. Resolved
+/// here, at dump time, from the backtrace's text (std offers no structured frames).
+fn frames(stack: &std::backtrace::Backtrace) -> Vec<Py> {
+    let text = stack.to_string();
+    let mut out = Vec::new();
+    let mut lines = text.lines().peekable();
+    while let Some(line) = lines.next() {
+        let Some((_, name)) = line.trim_start().split_once(": ") else { continue };
+        let (mut file, mut lineno) = (String::from("??"), 0u64);
+        if let Some(next) = lines.peek()
+            && let Some(loc) = next.trim_start().strip_prefix("at ")
+        {
+            let mut parts = loc.rsplitn(3, ':');
+            let _col = parts.next();
+            lineno = parts.next().and_then(|l| l.parse().ok()).unwrap_or(0);
+            file = parts.next().unwrap_or(loc).to_string();
+            lines.next();
+        }
+        out.push(Py::dict([
+            ("filename", Py::str(file)),
+            ("line", Py::int(lineno)),
+            ("name", Py::str(name)),
+        ]));
+    }
+    out
+}
+
+fn settings(c: &Config) -> Py {
+    let z = &c.sizing;
+    let mut v: Vec<(&str, Py)> = vec![
+        (
+            "max_split_size",
+            Py::int(if z.max_split_size == u64::MAX { -1 } else { z.max_split_size as i128 }),
+        ),
+        ("roundup_power2_divisions", Py::int(z.roundup_power2_divisions)),
+        ("min_block_size", Py::int(z.min_block_size)),
+        (
+            "cross_stream",
+            Py::str(match c.cross_stream {
+                crate::config::CrossStream::Strict => "strict",
+                crate::config::CrossStream::WaitEvent => "wait_event",
+            }),
+        ),
+        ("fast_cache", Py::Bool(c.fast_cache)),
+        ("global_lock", Py::Bool(c.global_lock)),
+        ("expandable_segments", Py::Bool(false)),
+    ];
+    v.push(("memory_limit", c.memory_limit.map_or(Py::None, Py::int)));
+    v.push(("per_process_memory_fraction", c.memory_fraction.map_or(Py::None, Py::Float)));
+    Py::dict(v)
+}

@@ -1,0 +1,732 @@
+//! Pinned host memory: [`HostAllocator`], a caching allocator of page-locked host buffers for
+//! asynchronous copies (PyTorch's `CachingHostAllocator`, RMM's pinned pool), and its
+//! [`PinnedBuffer`]s.
+//!
+//! ```text
+//!   alloc(n) ── class = max(512, n.next_power_of_two())
+//!      │  poll the freed blocks' events (oldest first): completed → free lists
+//!      ├─ free[class] has a block ─▶ reuse it
+//!      └─ Device::host_alloc(class) (cuMemHostAlloc; on failure: free the cache, retry once),
+//!         zeroed once
+//!   PinnedBuffer ── copy_to_device / copy_from_device / upload / download: the copy is enqueued
+//!      │            on a stream and an event recorded after it (one per stream, the latest)
+//!      │  as_slice / as_mut_slice: wait for the copies first (a host sync when one still runs)
+//!      └─ drop: back to the allocator ─▶ free[class] at once if no copy is recorded on it,
+//!                                        else pending until every event completed
+//!   empty_cache ── frees every free block (cuMemFreeHost); pending blocks stay until completed
+//! ```
+//!
+//! **The rule.** Host memory that a copy may still read or write is never given out as a safe
+//! slice, and a block is reused only after every event recorded on it completed:
+//!
+//! - a copy needs `&mut PinnedBuffer`, so no slice borrowed from the buffer is alive while one
+//!   is enqueued;
+//! - [`PinnedBuffer::as_slice`] waits for the copies that write the buffer (device to host),
+//!   [`PinnedBuffer::as_mut_slice`] for every copy;
+//! - a dropped buffer's block waits for its events before any `alloc` can return it; a copy on
+//!   another stream is ordered after the buffer's earlier conflicting copies on the device
+//!   (`wait_event`), so two copies never race on the same host bytes;
+//! - a failed event record never becomes a skipped wait: the use is then complete only after a
+//!   device synchronisation that started later (done by the accessors and by `empty_cache`).
+//!
+//! Statistics use the device allocator's names ([`HostStats`]: `allocated_bytes`,
+//! `reserved_bytes`, `active_bytes`, `requested_bytes`, `allocation`, `segment`, `active`, each
+//! a [`Stat`]; `num_host_alloc`, `num_host_free`, `num_alloc_retries`, `num_ooms`,
+//! `num_host_syncs`).
+//!
+//! ```
+//! use std::sync::Arc;
+//! use tidepool::{Allocator, Config, HostAllocator, SimDevice, StreamId};
+//!
+//! let dev = Arc::new(SimDevice::backed(64 << 20));
+//! let alloc = Allocator::new(dev.clone(), Config::default()).unwrap();
+//! let pinned = HostAllocator::new(dev.clone());
+//!
+//! let weights = alloc.alloc(1000, StreamId::DEFAULT).unwrap();
+//! let mut staging = pinned.alloc(1000).unwrap();
+//! staging.as_mut_slice().unwrap().fill(7);
+//! staging.upload(&weights).unwrap(); // async copy on the buffer's stream, event recorded
+//! drop(staging); // cached, but reusable only once the copy completed
+//!
+//! let mut back = pinned.alloc(1000).unwrap();
+//! back.download(&weights).unwrap();
+//! assert!(back.as_slice().unwrap().iter().all(|&b| b == 7)); // waits for the copy
+//! assert_eq!(pinned.stats().reserved_bytes.current, 2 * 1024);
+//! ```
+
+mod buffer;
+
+pub use buffer::PinnedBuffer;
+
+use crate::device::{AccessKind, Device, DeviceError, EventId, HostPtr, StreamId};
+use crate::sync::{Arc, Mutex, MutexGuard, lock};
+use crate::types::{Bytes, MAX_REQUEST, Stat};
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::fmt;
+
+/// The smallest size class of [`HostAllocator`] (smaller requests round up to it).
+pub const MIN_HOST_BLOCK: u64 = 512;
+
+/// Why a pinned host allocation or copy failed. The allocator stays usable after any of them.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum HostAllocError {
+    /// A request of zero bytes.
+    ZeroSize,
+    /// A request above [`crate::MAX_REQUEST`]: an error, not an out-of-memory.
+    TooLarge {
+        /// Bytes asked for.
+        requested: u64,
+    },
+    /// The device refused the pinned allocation, even after the cache was freed.
+    OutOfMemory {
+        /// Bytes asked for.
+        requested: u64,
+        /// The size class that was to be allocated.
+        class: u64,
+        /// Pinned bytes this allocator held when it gave up.
+        reserved: u64,
+        /// The device's answer.
+        error: DeviceError,
+    },
+    /// A device call failed (event, copy, synchronisation).
+    Device(DeviceError),
+    /// A copy outside the buffer: `offset + bytes` exceeds `len` (or the other buffer is too
+    /// small).
+    OutOfRange {
+        /// First byte of the copy in the pinned buffer.
+        offset: u64,
+        /// Length of the copy.
+        bytes: u64,
+        /// Length of the buffer.
+        len: u64,
+    },
+    /// The device buffer belongs to another device than the pinned allocator's.
+    WrongDevice,
+}
+
+impl fmt::Display for HostAllocError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            HostAllocError::ZeroSize => write!(f, "pinned host allocation of 0 bytes"),
+            HostAllocError::TooLarge { requested } => write!(
+                f,
+                "pinned host allocation of {requested} bytes exceeds the limit of {MAX_REQUEST}"
+            ),
+            HostAllocError::OutOfMemory { requested, class, reserved, error } => write!(
+                f,
+                "out of pinned host memory allocating {} (class {}; {} held): {error}",
+                Bytes(*requested),
+                Bytes(*class),
+                Bytes(*reserved)
+            ),
+            HostAllocError::Device(e) => write!(f, "device error on pinned host memory: {e}"),
+            HostAllocError::OutOfRange { offset, bytes, len } => write!(
+                f,
+                "copy of {bytes} bytes at offset {offset} is outside a buffer of {len} bytes"
+            ),
+            HostAllocError::WrongDevice => {
+                write!(f, "the device buffer is on another device than the pinned allocator")
+            }
+        }
+    }
+}
+
+impl std::error::Error for HostAllocError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            HostAllocError::OutOfMemory { error, .. } | HostAllocError::Device(error) => {
+                Some(error)
+            }
+            _ => None,
+        }
+    }
+}
+
+impl From<DeviceError> for HostAllocError {
+    fn from(e: DeviceError) -> Self {
+        HostAllocError::Device(e)
+    }
+}
+
+/// What [`HostAllocator::stats`] reports, with the device allocator's names. Bytes are
+/// size-class bytes except `requested_bytes`.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct HostStats {
+    /// Bytes of blocks handed to live [`PinnedBuffer`]s.
+    pub allocated_bytes: Stat,
+    /// Bytes of pinned memory held from the device (live, pending and free blocks).
+    pub reserved_bytes: Stat,
+    /// Bytes of blocks live or freed but still waiting on their copies' events.
+    pub active_bytes: Stat,
+    /// Bytes asked for by live buffers (before rounding).
+    pub requested_bytes: Stat,
+    /// Number of live buffers.
+    pub allocation: Stat,
+    /// Number of pinned allocations held (`cuMemHostAlloc` not yet freed).
+    pub segment: Stat,
+    /// Number of blocks live or waiting on events.
+    pub active: Stat,
+    /// `cuMemHostAlloc` calls that succeeded.
+    pub num_host_alloc: u64,
+    /// `cuMemFreeHost` calls that succeeded.
+    pub num_host_free: u64,
+    /// Allocations that freed the cache and retried.
+    pub num_alloc_retries: u64,
+    /// Allocations that failed for want of pinned memory.
+    pub num_ooms: u64,
+    /// Host synchronisations: accessors waiting on copies, device synchronisations.
+    pub num_host_syncs: u64,
+    /// Bytes of free blocks ready for reuse (now).
+    pub cached_bytes: u64,
+    /// Bytes of freed blocks still waiting on their copies' events (now).
+    pub pending_bytes: u64,
+}
+
+impl HostStats {
+    /// Sets every peak to its current value.
+    pub fn reset_peak(&mut self) {
+        for s in [
+            &mut self.allocated_bytes,
+            &mut self.reserved_bytes,
+            &mut self.active_bytes,
+            &mut self.requested_bytes,
+            &mut self.allocation,
+            &mut self.segment,
+            &mut self.active,
+        ] {
+            s.reset_peak();
+        }
+    }
+}
+
+/// One recorded use of a block by a copy on `stream`: complete once `event` completed, or, when
+/// the event could not be recorded, once a device synchronisation with ticket `after` or later
+/// completed.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Use {
+    stream: StreamId,
+    event: Option<EventId>,
+    after: u64,
+    /// A copy to the host (device to host) is among the uses merged here.
+    writes_host: bool,
+}
+
+/// A freed block waiting on its uses.
+struct Pending {
+    ptr: HostPtr,
+    size: u64,
+    uses: Vec<Use>,
+}
+
+/// Everything under the allocator's lock.
+struct State {
+    /// Every block held: address → size class.
+    blocks: HashMap<usize, u64>,
+    /// Reusable blocks per size class (last freed first).
+    free: BTreeMap<u64, Vec<HostPtr>>,
+    /// Freed blocks waiting on events, oldest first.
+    pending: VecDeque<Pending>,
+    /// Events not in use, for the next copies.
+    events: Vec<EventId>,
+    /// The ticket the next device synchronisation takes.
+    next_sync: u64,
+    /// The highest ticket of a completed device synchronisation.
+    synced: u64,
+    stats: HostStats,
+}
+
+pub(crate) struct Inner<D: Device> {
+    device: Arc<D>,
+    state: Mutex<State>,
+    #[cfg(feature = "test-hooks")]
+    broken_skip_events: crate::sync::atomic::AtomicBool,
+}
+
+/// A caching allocator of pinned host memory on one device; see the module docs. `Send + Sync`,
+/// cheap to clone (clones share the cache); buffers keep it alive.
+///
+/// ```
+/// use std::sync::Arc;
+/// use tidepool::{HostAllocator, SimDevice};
+///
+/// let pinned = HostAllocator::new(Arc::new(SimDevice::backed(1 << 20)));
+/// let a = pinned.alloc(3000).unwrap();
+/// assert_eq!((a.len(), a.block_size()), (3000, 4096)); // a power-of-two size class
+/// drop(a);
+/// let b = pinned.alloc(4000).unwrap(); // same class, no copy recorded: reused at once
+/// assert_eq!(pinned.stats().num_host_alloc, 1);
+/// drop(b);
+/// pinned.empty_cache().unwrap();
+/// assert_eq!(pinned.stats().reserved_bytes.current, 0);
+/// ```
+pub struct HostAllocator<D: Device> {
+    inner: Arc<Inner<D>>,
+}
+
+impl<D: Device> Clone for HostAllocator<D> {
+    fn clone(&self) -> Self {
+        HostAllocator { inner: self.inner.clone() }
+    }
+}
+
+impl<D: Device> fmt::Debug for HostAllocator<D> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let st = lock(&self.inner.state);
+        f.debug_struct("HostAllocator")
+            .field("device", &self.inner.device.name())
+            .field("blocks", &st.blocks.len())
+            .field("pending", &st.pending.len())
+            .field("reserved", &Bytes(st.stats.reserved_bytes.current))
+            .finish()
+    }
+}
+
+fn is_oom(e: &DeviceError) -> bool {
+    matches!(
+        e,
+        DeviceError::OutOfMemory { .. }
+            | DeviceError::Driver { code: DeviceError::CUDA_ERROR_OUT_OF_MEMORY, .. }
+    )
+}
+
+impl<D: Device> HostAllocator<D> {
+    /// An empty cache over `device`'s pinned memory. Makes no device call.
+    pub fn new(device: Arc<D>) -> HostAllocator<D> {
+        HostAllocator {
+            inner: Arc::new(Inner {
+                device,
+                state: Mutex::new(State {
+                    blocks: HashMap::new(),
+                    free: BTreeMap::new(),
+                    pending: VecDeque::new(),
+                    events: Vec::new(),
+                    next_sync: 1,
+                    synced: 0,
+                    stats: HostStats::default(),
+                }),
+                #[cfg(feature = "test-hooks")]
+                broken_skip_events: crate::sync::atomic::AtomicBool::new(false),
+            }),
+        }
+    }
+
+    /// The size class of a request: the next power of two, at least [`MIN_HOST_BLOCK`].
+    ///
+    /// ```
+    /// use tidepool::{HostAllocError, HostAllocator, SimDevice};
+    ///
+    /// assert_eq!(HostAllocator::<SimDevice>::size_class(1), Ok(512));
+    /// assert_eq!(HostAllocator::<SimDevice>::size_class(513), Ok(1024));
+    /// assert_eq!(HostAllocator::<SimDevice>::size_class(1 << 20), Ok(1 << 20));
+    /// assert_eq!(HostAllocator::<SimDevice>::size_class(0), Err(HostAllocError::ZeroSize));
+    /// ```
+    pub fn size_class(bytes: u64) -> Result<u64, HostAllocError> {
+        match bytes {
+            0 => Err(HostAllocError::ZeroSize),
+            b if b > MAX_REQUEST => Err(HostAllocError::TooLarge { requested: b }),
+            b => Ok(b.next_power_of_two().max(MIN_HOST_BLOCK)),
+        }
+    }
+
+    /// The device whose pinned memory this allocator caches.
+    pub fn device(&self) -> &Arc<D> {
+        &self.inner.device
+    }
+
+    /// A pinned buffer of `bytes` bytes (its block is the size class, [`Self::size_class`]):
+    /// a cached block of the class whose copies all completed, or a new pinned allocation
+    /// (zeroed). Errors: [`HostAllocError::ZeroSize`], [`HostAllocError::TooLarge`],
+    /// [`HostAllocError::OutOfMemory`] (after freeing the cache and retrying once).
+    pub fn alloc(&self, bytes: u64) -> Result<PinnedBuffer<D>, HostAllocError> {
+        let size = Self::size_class(bytes)?;
+        let mut guard = lock(&self.inner.state);
+        let st = &mut *guard;
+        // A failed query leaves its block waiting; the allocation goes on without it.
+        let _ = self.inner.process_events(st);
+        let reused = st.free.get_mut(&size).and_then(Vec::pop);
+        let ptr = match reused {
+            Some(ptr) => {
+                st.stats.cached_bytes -= size;
+                ptr
+            }
+            None => self.inner.new_block(st, bytes, size)?,
+        };
+        let s = &mut st.stats;
+        s.allocation.increase(1);
+        s.allocated_bytes.increase(size);
+        s.requested_bytes.increase(bytes);
+        s.active.increase(1);
+        s.active_bytes.increase(size);
+        drop(guard);
+        self.inner.device.note_host_access(ptr, size, AccessKind::Write);
+        Ok(PinnedBuffer::new(self.clone(), ptr, bytes, size))
+    }
+
+    /// Makes every freed block whose copies completed reusable (`alloc` does this first).
+    /// Never blocks. An error when an event query failed (the block stays waiting).
+    pub fn process_events(&self) -> Result<(), HostAllocError> {
+        let mut st = lock(&self.inner.state);
+        Ok(self.inner.process_events(&mut st)?)
+    }
+
+    /// Returns every free pinned block to the device (`cuMemFreeHost`). Blocks of live buffers
+    /// stay; freed blocks whose copies have not completed stay until they have (a block whose
+    /// event could not be recorded is released after a device synchronisation). On an error the
+    /// blocks not freed stay cached and the first error is returned.
+    pub fn empty_cache(&self) -> Result<(), HostAllocError> {
+        let needs_sync = {
+            let mut st = lock(&self.inner.state);
+            let _ = self.inner.process_events(&mut st);
+            st.pending.iter().any(|p| p.uses.iter().any(|u| u.event.is_none()))
+        };
+        let mut first_err = None;
+        if needs_sync && let Err(e) = self.inner.synchronize() {
+            first_err = Some(HostAllocError::Device(e));
+        }
+        let mut st = lock(&self.inner.state);
+        if let Err(e) = self.inner.process_events(&mut st) {
+            first_err.get_or_insert(HostAllocError::Device(e));
+        }
+        if let Err(e) = self.inner.release_free(&mut st) {
+            first_err.get_or_insert(HostAllocError::Device(e));
+        }
+        first_err.map_or(Ok(()), Err)
+    }
+
+    /// Statistics now.
+    pub fn stats(&self) -> HostStats {
+        lock(&self.inner.state).stats.clone()
+    }
+
+    /// Resets every peak to its current value.
+    pub fn reset_peak_stats(&self) {
+        lock(&self.inner.state).stats.reset_peak();
+    }
+
+    /// Recomputes every figure from the blocks and compares: an error naming the first figure
+    /// that differs.
+    pub fn check_invariants(&self) -> Result<(), String> {
+        let st = lock(&self.inner.state);
+        let s = &st.stats;
+        let free: Vec<(u64, usize)> =
+            st.free.iter().flat_map(|(&size, v)| v.iter().map(move |p| (size, p.addr()))).collect();
+        let pending: Vec<(u64, usize)> =
+            st.pending.iter().map(|p| (p.size, p.ptr.addr())).collect();
+        let mut seen = std::collections::HashSet::new();
+        for &(size, addr) in free.iter().chain(&pending) {
+            if st.blocks.get(&addr) != Some(&size) {
+                return Err(format!("block {addr:#x} of class {size} is not held as such"));
+            }
+            if !seen.insert(addr) {
+                return Err(format!("block {addr:#x} is cached twice"));
+            }
+        }
+        let reserved: u64 = st.blocks.values().sum();
+        let cached: u64 = free.iter().map(|b| b.0).sum();
+        let waiting: u64 = pending.iter().map(|b| b.0).sum();
+        let live = st.blocks.len() - free.len() - pending.len();
+        let checks = [
+            ("reserved_bytes", s.reserved_bytes.current, reserved),
+            ("segment", s.segment.current, st.blocks.len() as u64),
+            ("cached_bytes", s.cached_bytes, cached),
+            ("pending_bytes", s.pending_bytes, waiting),
+            ("allocated_bytes", s.allocated_bytes.current, reserved - cached - waiting),
+            ("allocation", s.allocation.current, live as u64),
+            ("active_bytes", s.active_bytes.current, reserved - cached),
+            ("active", s.active.current, (live + pending.len()) as u64),
+        ];
+        for (name, got, want) in checks {
+            if got != want {
+                return Err(format!("{name} is {got}, recount gives {want}"));
+            }
+        }
+        Ok(())
+    }
+
+    /// **Test only — a deliberate bug.** While on, a dropped buffer's block is reusable at once,
+    /// its copies' events ignored, so tests can show the SimDevice sanitizer (and wrong bytes)
+    /// catch premature reuse of pinned memory.
+    #[cfg(feature = "test-hooks")]
+    pub fn set_broken_skip_events(&self, on: bool) {
+        use crate::sync::atomic::Ordering;
+        self.inner.broken_skip_events.store(on, Ordering::Relaxed);
+    }
+
+    pub(crate) fn inner(&self) -> &Inner<D> {
+        &self.inner
+    }
+}
+
+impl<D: Device> Inner<D> {
+    pub(crate) fn device(&self) -> &Arc<D> {
+        &self.device
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        lock(&self.state)
+    }
+
+    /// Has `u` completed? Never blocks.
+    pub(crate) fn use_complete(&self, u: &Use) -> Result<bool, DeviceError> {
+        match u.event {
+            Some(e) => self.device.query_event(e),
+            None => Ok(self.lock().synced >= u.after),
+        }
+    }
+
+    /// [`Inner::use_complete`] under the lock already held.
+    fn use_done(&self, st: &State, u: &Use) -> Result<bool, DeviceError> {
+        match u.event {
+            Some(e) => self.device.query_event(e),
+            None => Ok(st.synced >= u.after),
+        }
+    }
+
+    /// Moves pending blocks whose uses all completed to the free lists.
+    fn process_events(&self, st: &mut State) -> Result<(), DeviceError> {
+        let mut i = 0;
+        while i < st.pending.len() {
+            let mut done = true;
+            for u in &st.pending[i].uses {
+                if !self.use_done(st, u)? {
+                    done = false;
+                    break;
+                }
+            }
+            if !done {
+                i += 1;
+                continue;
+            }
+            let p = st.pending.remove(i).expect("index checked");
+            st.events.extend(p.uses.iter().filter_map(|u| u.event));
+            st.stats.pending_bytes -= p.size;
+            st.stats.cached_bytes += p.size;
+            st.stats.active.decrease(1);
+            st.stats.active_bytes.decrease(p.size);
+            st.free.entry(p.size).or_default().push(p.ptr);
+        }
+        Ok(())
+    }
+
+    /// A new zeroed pinned block of `size` bytes; on failure frees the cache and retries once.
+    fn new_block(
+        &self,
+        st: &mut State,
+        requested: u64,
+        size: u64,
+    ) -> Result<HostPtr, HostAllocError> {
+        let mut result = self.device.host_alloc(size);
+        if let Err(e) = &result
+            && is_oom(e)
+            && st.stats.cached_bytes > 0
+        {
+            st.stats.num_alloc_retries += 1;
+            // Errors freeing leave those blocks cached; the retry says whether it was enough.
+            let _ = self.release_free(st);
+            result = self.device.host_alloc(size);
+        }
+        let ptr = match result {
+            Ok(ptr) => ptr,
+            Err(error) if is_oom(&error) => {
+                st.stats.num_ooms += 1;
+                return Err(HostAllocError::OutOfMemory {
+                    requested,
+                    class: size,
+                    reserved: st.stats.reserved_bytes.current,
+                    error,
+                });
+            }
+            Err(e) => return Err(HostAllocError::Device(e)),
+        };
+        // SAFETY: `ptr` is a fresh pinned allocation of `size` bytes (what `host_alloc` returns),
+        // not yet handed to anyone and not used by any copy; zeroing initialises it, so slices
+        // of it are valid `u8`s from now on.
+        unsafe { std::ptr::write_bytes(ptr.as_ptr(), 0, size as usize) };
+        st.blocks.insert(ptr.addr(), size);
+        st.stats.num_host_alloc += 1;
+        st.stats.segment.increase(1);
+        st.stats.reserved_bytes.increase(size);
+        Ok(ptr)
+    }
+
+    /// Frees every free block; the first error is returned, the failed block stays cached.
+    fn release_free(&self, st: &mut State) -> Result<(), DeviceError> {
+        let mut first_err = None;
+        let classes: Vec<u64> = st.free.keys().copied().collect();
+        for size in classes {
+            let blocks = st.free.remove(&size).unwrap_or_default();
+            let mut kept = Vec::new();
+            for ptr in blocks {
+                // SAFETY: a free block belongs to no buffer (no slice into it exists) and every
+                // use recorded on it completed (it left `pending` only then); it came from this
+                // device's `host_alloc` and leaves the allocator's tables just below.
+                match unsafe { self.device.host_free(ptr) } {
+                    Ok(()) => {
+                        st.blocks.remove(&ptr.addr());
+                        st.stats.cached_bytes -= size;
+                        st.stats.num_host_free += 1;
+                        st.stats.segment.decrease(1);
+                        st.stats.reserved_bytes.decrease(size);
+                    }
+                    Err(e) => {
+                        first_err.get_or_insert(e);
+                        kept.push(ptr);
+                    }
+                }
+            }
+            if !kept.is_empty() {
+                st.free.insert(size, kept);
+            }
+        }
+        first_err.map_or(Ok(()), Err)
+    }
+
+    /// Synchronises the device, so every use whose event could not be recorded before now is
+    /// complete. A host sync.
+    pub(crate) fn synchronize(&self) -> Result<(), DeviceError> {
+        let ticket = {
+            let mut st = self.lock();
+            st.next_sync += 1;
+            st.next_sync - 1
+        };
+        self.device.synchronize()?;
+        let mut st = self.lock();
+        st.synced = st.synced.max(ticket);
+        st.stats.num_host_syncs += 1;
+        Ok(())
+    }
+
+    /// Blocks until `u` completed.
+    pub(crate) fn wait_use(&self, u: &Use) -> Result<(), DeviceError> {
+        match u.event {
+            Some(e) => {
+                if !self.device.query_event(e)? {
+                    self.device.synchronize_event(e)?;
+                    self.lock().stats.num_host_syncs += 1;
+                }
+                Ok(())
+            }
+            None if self.lock().synced >= u.after => Ok(()),
+            None => self.synchronize(),
+        }
+    }
+
+    /// Makes `stream`'s later work wait on the device for `u` (a host sync when `u` has no
+    /// event).
+    pub(crate) fn order_after(&self, stream: StreamId, u: &Use) -> Result<(), DeviceError> {
+        match u.event {
+            Some(e) => self.device.wait_event(stream, e),
+            None => self.wait_use(u),
+        }
+    }
+
+    /// Records the use of a block by work just enqueued on `stream`. On an error the use is
+    /// still returned, without an event (complete after a later device synchronisation).
+    pub(crate) fn record_use(
+        &self,
+        stream: StreamId,
+        writes_host: bool,
+    ) -> (Use, Result<(), DeviceError>) {
+        let pooled = self.lock().events.pop();
+        let event = match pooled {
+            Some(e) => Ok(e),
+            None => self.device.create_event(),
+        };
+        let recorded = event.and_then(|e| match self.device.record_event(e, stream) {
+            Ok(()) => Ok(e),
+            Err(err) => {
+                self.lock().events.push(e);
+                Err(err)
+            }
+        });
+        match recorded {
+            Ok(e) => (Use { stream, event: Some(e), after: 0, writes_host }, Ok(())),
+            Err(err) => {
+                let after = self.lock().next_sync;
+                (Use { stream, event: None, after, writes_host }, Err(err))
+            }
+        }
+    }
+
+    /// Returns events of uses known complete (or superseded) to the pool.
+    pub(crate) fn recycle(&self, uses: impl IntoIterator<Item = Use>) {
+        let mut st = self.lock();
+        st.events.extend(uses.into_iter().filter_map(|u| u.event));
+    }
+
+    /// A buffer gives its block back, with the uses recorded on it.
+    pub(crate) fn give_back(&self, ptr: HostPtr, requested: u64, size: u64, uses: Vec<Use>) {
+        let mut guard = self.lock();
+        let st = &mut *guard;
+        #[cfg(feature = "test-hooks")]
+        let uses = if self.broken_skip_events.load(crate::sync::atomic::Ordering::Relaxed) {
+            st.events.extend(uses.iter().filter_map(|u| u.event));
+            Vec::new()
+        } else {
+            uses
+        };
+        let s = &mut st.stats;
+        s.allocation.decrease(1);
+        s.allocated_bytes.decrease(size);
+        s.requested_bytes.decrease(requested);
+        if uses.is_empty() {
+            s.active.decrease(1);
+            s.active_bytes.decrease(size);
+            s.cached_bytes += size;
+            st.free.entry(size).or_default().push(ptr);
+        } else {
+            s.pending_bytes += size;
+            st.pending.push_back(Pending { ptr, size, uses });
+        }
+    }
+}
+
+impl<D: Device> Drop for Inner<D> {
+    /// Runs when the last handle and the last buffer are gone: waits for pending blocks, frees
+    /// every block and destroys the events. A block whose copies cannot be waited for (a device
+    /// error) is leaked rather than freed under a copy.
+    fn drop(&mut self) {
+        let mut st = self.lock();
+        let pending = std::mem::take(&mut st.pending);
+        drop(st);
+        for p in pending {
+            let waited = p.uses.iter().all(|u| self.wait_use(u).is_ok());
+            let mut st = self.lock();
+            st.events.extend(p.uses.iter().filter_map(|u| u.event));
+            if waited {
+                st.stats.pending_bytes -= p.size;
+                st.stats.cached_bytes += p.size;
+                st.free.entry(p.size).or_default().push(p.ptr);
+            }
+        }
+        let mut st = self.lock();
+        let _ = self.release_free(&mut st);
+        for e in std::mem::take(&mut st.events) {
+            let _ = self.device.destroy_event(e);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::SimDevice;
+
+    #[test]
+    fn size_classes_are_powers_of_two_from_512() {
+        let class = HostAllocator::<SimDevice>::size_class;
+        assert_eq!(class(1), Ok(512));
+        assert_eq!(class(512), Ok(512));
+        assert_eq!(class(513), Ok(1024));
+        assert_eq!(class(4097), Ok(8192));
+        assert_eq!(class(MAX_REQUEST), Ok(MAX_REQUEST));
+        assert_eq!(
+            class(MAX_REQUEST + 1),
+            Err(HostAllocError::TooLarge { requested: MAX_REQUEST + 1 })
+        );
+        assert_eq!(class(u64::MAX), Err(HostAllocError::TooLarge { requested: u64::MAX }));
+        assert_eq!(class(0), Err(HostAllocError::ZeroSize));
+    }
+}

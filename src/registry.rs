@@ -1,0 +1,112 @@
+//! Several devices: one allocator per device, as PyTorch keeps one caching allocator per GPU.
+//! A buffer always goes back to the allocator of its own device (it holds it); a buffer handed
+//! to another device's allocator is refused like any foreign buffer.
+//!
+//! ```text
+//!  Allocators ── [0] Allocator<D> over device 0
+//!              ├ [1] Allocator<D> over device 1        for_device(n) → &Allocator<D>
+//!              └ …                                      stats() per device, total_stats() summed
+//! ```
+
+use crate::allocator::{AllocError, Allocator};
+use crate::config::Config;
+use crate::device::{Device, SimConfig, SimDevice};
+use crate::stats::MemoryStats;
+use crate::sync::Arc;
+
+/// One allocator per device, indexed by the device's position (its ordinal).
+///
+/// ```
+/// use tidepool::{Allocators, Config, StreamId};
+///
+/// let all = Allocators::sim(2, 1 << 30, Config::default()).unwrap();
+/// let a = all.for_device(0).unwrap().alloc(4 << 20, StreamId::DEFAULT).unwrap();
+/// let b = all.for_device(1).unwrap().alloc(8 << 20, StreamId::DEFAULT).unwrap();
+/// assert_eq!(all.total_stats().blocks.allocated_bytes.all.current, 12 << 20);
+/// assert!(all.for_device(2).is_err());
+/// # drop((a, b));
+/// ```
+pub struct Allocators<D: Device> {
+    allocators: Vec<Allocator<D>>,
+}
+
+impl<D: Device> Allocators<D> {
+    /// An allocator with `config` over each device, in order: device `n` is `for_device(n)`.
+    pub fn new(
+        devices: impl IntoIterator<Item = Arc<D>>,
+        config: Config,
+    ) -> Result<Allocators<D>, AllocError> {
+        let allocators = devices
+            .into_iter()
+            .map(|d| Allocator::new(d, config.clone()))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(Allocators { allocators })
+    }
+
+    /// The allocator of device `ordinal`; [`AllocError::UnknownDevice`] past the last one.
+    pub fn for_device(&self, ordinal: usize) -> Result<&Allocator<D>, AllocError> {
+        self.allocators
+            .get(ordinal)
+            .ok_or(AllocError::UnknownDevice { ordinal, count: self.allocators.len() })
+    }
+
+    /// How many devices.
+    pub fn len(&self) -> usize {
+        self.allocators.len()
+    }
+
+    /// Whether there are none.
+    pub fn is_empty(&self) -> bool {
+        self.allocators.is_empty()
+    }
+
+    /// The allocators, device 0 first.
+    pub fn iter(&self) -> impl Iterator<Item = &Allocator<D>> {
+        self.allocators.iter()
+    }
+
+    /// Each device's statistics, device 0 first.
+    pub fn stats(&self) -> Vec<MemoryStats> {
+        self.allocators.iter().map(Allocator::stats).collect()
+    }
+
+    /// All devices' statistics summed ([`MemoryStats::accumulate`]: peaks are the sum of the
+    /// per-device peaks).
+    pub fn total_stats(&self) -> MemoryStats {
+        let mut total = MemoryStats::default();
+        for s in self.stats() {
+            total.accumulate(&s);
+        }
+        total
+    }
+
+    /// Returns every device's unused cached memory ([`Allocator::empty_cache`]).
+    pub fn empty_cache(&self) -> Result<(), AllocError> {
+        self.allocators.iter().try_for_each(Allocator::empty_cache)
+    }
+}
+
+impl Allocators<SimDevice> {
+    /// `n` simulated devices of `capacity` bytes each, every one with its own streams, capacity
+    /// and sanitizer.
+    pub fn sim(
+        n: usize,
+        capacity: u64,
+        config: Config,
+    ) -> Result<Allocators<SimDevice>, AllocError> {
+        let devices = (0..n).map(|_| {
+            Arc::new(SimDevice::with_config(SimConfig { capacity, ..SimConfig::default() }))
+        });
+        Allocators::new(devices, config)
+    }
+}
+
+#[cfg(feature = "cuda")]
+impl Allocators<crate::device::CudaDevice> {
+    /// Every CUDA device of the machine, in ordinal order.
+    pub fn cuda(config: Config) -> Result<Allocators<crate::device::CudaDevice>, AllocError> {
+        let n = crate::device::CudaDevice::device_count()?;
+        let devices = (0..n).map(crate::device::CudaDevice::new).collect::<Result<Vec<_>, _>>()?;
+        Allocators::new(devices, config)
+    }
+}

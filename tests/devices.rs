@@ -1,0 +1,74 @@
+//! Several devices: one allocator per device, each with its own capacity, streams and
+//! sanitizer; statistics per device and in total; a buffer always returns to its own device.
+
+use std::sync::Arc;
+use tidepool::device::{Access, AccessKind, Kernel, Launch};
+use tidepool::{AllocError, Allocators, Config, Device, MIB, SimConfig, SimDevice, StreamId};
+
+#[test]
+fn each_device_has_its_own_allocator_capacity_and_statistics() {
+    let all = Allocators::sim(3, 64 * MIB, Config::default()).unwrap();
+    assert_eq!(all.len(), 3);
+    let a = all.for_device(0).unwrap().alloc(4 * MIB, StreamId::DEFAULT).unwrap();
+    let b = all.for_device(1).unwrap().alloc(30 * MIB, StreamId::DEFAULT).unwrap();
+    let c = all.for_device(1).unwrap().alloc(30 * MIB, StreamId::DEFAULT).unwrap();
+    // Device 1 is full (two 30 MiB segments of 64 MiB); device 2 is untouched.
+    let err = all.for_device(1).unwrap().alloc(30 * MIB, StreamId::DEFAULT).unwrap_err();
+    assert!(matches!(err, AllocError::OutOfMemory(_)), "{err:?}");
+    let d = all.for_device(2).unwrap().alloc(30 * MIB, StreamId::DEFAULT).unwrap();
+
+    let per: Vec<(u64, u64)> = all
+        .stats()
+        .iter()
+        .map(|s| (s.blocks.allocated_bytes.all.current, s.blocks.reserved_bytes.all.current))
+        .collect();
+    assert_eq!(per, vec![(4 * MIB, 20 * MIB), (60 * MIB, 60 * MIB), (30 * MIB, 30 * MIB)]);
+    let total = all.total_stats();
+    assert_eq!(total.blocks.allocated_bytes.all.current, 94 * MIB);
+    assert_eq!(total.blocks.reserved_bytes.all.current, 110 * MIB);
+    assert_eq!(total.num_device_alloc, 4);
+    assert_eq!(total.num_ooms, 1);
+
+    assert_eq!(all.for_device(3).err(), Some(AllocError::UnknownDevice { ordinal: 3, count: 3 }));
+    drop((a, b, c, d));
+    all.empty_cache().unwrap();
+    assert_eq!(all.total_stats().blocks.reserved_bytes.all.current, 0);
+    for alloc in all.iter() {
+        alloc.check_invariants().unwrap();
+        assert!(alloc.device().live_segments().is_empty());
+    }
+}
+
+#[test]
+fn streams_and_the_sanitizer_are_per_device() {
+    let devices: Vec<Arc<SimDevice>> = (0..2)
+        .map(|_| {
+            Arc::new(SimDevice::with_config(SimConfig {
+                capacity: 32 * MIB,
+                backed: true,
+                ..SimConfig::default()
+            }))
+        })
+        .collect();
+    let all = Allocators::new(devices.clone(), Config::default()).unwrap();
+    let s0 = devices[0].create_stream().unwrap();
+    // A stream is its device's own: device 1 does not know device 0's.
+    assert_eq!(devices[1].destroy_stream(s0), Err(tidepool::DeviceError::UnknownStream(s0)));
+    let buf = all.for_device(0).unwrap().alloc(4096, s0).unwrap();
+    let ptr = buf.ptr();
+    devices[0]
+        .launch(
+            s0,
+            Kernel::new(
+                "w",
+                vec![Access { ptr, bytes: 4096, kind: AccessKind::Write }],
+                move |m| m.write(ptr, &[1; 4096]).unwrap(),
+            ),
+        )
+        .unwrap();
+    drop(buf);
+    devices[0].synchronize().unwrap();
+    assert_eq!(devices[0].violations(), vec![]);
+    assert_eq!(devices[1].counters().launches, 0, "device 1 ran nothing");
+    assert_eq!(devices[1].counters().mallocs, 0);
+}
