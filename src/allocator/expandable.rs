@@ -35,8 +35,8 @@
 //! `reserved_bytes` is the mapped physical bytes (the pool segments and the reserves); the
 //! virtual bytes, map/unmap and create/release calls and moved pages are counted apart.
 
-use super::*;
 use super::history::Action;
+use super::*;
 use crate::device::PhysHandle;
 use crate::pool::{Segment, Sizing};
 use std::collections::BTreeSet;
