@@ -4,8 +4,9 @@
 //!    `cuMemAllocAsync`/`cuMemFreeAsync` on a stream (the driver's own stream-ordered pool).
 //! 2. `data/traces/gpt2_train.csv.gz` (gzip CSV `seq,op,id,bytes,stream,tag`, ops
 //!    alloc/free/scope_enter/scope_exit) replayed twice through tidepool over `CudaDevice` (cold,
-//!    then warm cache) and once through `cuMemAllocAsync`/`cuMemFreeAsync`; figures: ns/op, peak
-//!    reserved, peak allocated, fragmentation, device calls, host syncs.
+//!    then warm cache), the same again over expandable segments where the device has virtual
+//!    memory management, and once through `cuMemAllocAsync`/`cuMemFreeAsync`; figures: ns/op,
+//!    peak reserved, peak allocated, fragmentation, device calls (maps and unmaps too), host syncs.
 //!
 //! Figures go to `$RESULTS_DIR/gpu_bench.json` (default `target/gpu-check/`) and stdout. Without a
 //! GPU it prints why it cannot run, writes `{"skipped": reason}` and exits 0.
@@ -70,9 +71,14 @@ fn run(trace: &str) -> Result<Value, BoxError> {
     let mut replay = json!({ "trace": trace, "events": ops.len() });
     for pass in ["cold", "warm"] {
         // One allocator for both passes: the warm pass starts with the cold pass's cache.
-        let r = replay_tidepool(&device, &ops, pass == "warm")?;
+        let r = replay_tidepool(&device, &ops, pass == "warm", false)?;
         println!("replay tidepool {pass}: {r}");
         replay[format!("tidepool_{pass}")] = r;
+        if device.supports_virtual_memory() {
+            let r = replay_tidepool(&device, &ops, pass == "warm", true)?;
+            println!("replay tidepool expandable {pass}: {r}");
+            replay[format!("tidepool_expandable_{pass}")] = r;
+        }
     }
     let r = replay_async(&device, &ops)?;
     println!("replay cuMemAllocAsync: {r}");
@@ -174,13 +180,16 @@ fn read_trace(path: &str) -> Result<Vec<Op>, BoxError> {
 }
 
 /// Replays `ops` through a tidepool allocator over `device`; with `warm`, a first untimed pass
-/// fills the cache. Trace stream 0 is the default stream, others are created on first use.
+/// fills the cache; with `expandable`, over expandable segments (virtual memory). Trace stream 0
+/// is the default stream, others are created on first use.
 fn replay_tidepool(
     device: &std::sync::Arc<CudaDevice>,
     ops: &[Op],
     warm: bool,
+    expandable: bool,
 ) -> Result<Value, BoxError> {
-    let alloc = Allocator::new(device.clone(), Config::default())?;
+    let config = Config::default().with_expandable_segments(expandable);
+    let alloc = Allocator::new(device.clone(), config)?;
     let mut streams: HashMap<u32, StreamId> = HashMap::from([(0, StreamId::DEFAULT)]);
     for s in ops.iter().filter_map(|op| match op {
         Op::Alloc { stream, .. } => Some(*stream),
@@ -222,6 +231,8 @@ fn replay_tidepool(
         "device_allocs": s.num_device_alloc - before.num_device_alloc,
         "device_frees": s.num_device_free - before.num_device_free,
         "host_syncs": s.num_host_syncs - before.num_host_syncs,
+        "device_maps": s.num_device_map - before.num_device_map,
+        "device_unmaps": s.num_device_unmap - before.num_device_unmap,
     });
     alloc.synchronize()?;
     alloc.empty_cache()?;

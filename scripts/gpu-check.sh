@@ -4,10 +4,12 @@
 #   build  cargo: the GPU test binary and the two examples, release, --features cuda
 #          (skipped with SKIP_BUILD=1: then the binaries already in target/release are run,
 #          so the GPU machine needs no cargo and no crates: build here, carry `target/release`)
-#   tests  tests/cuda_device.rs, one at a time
+#   tests  tests/cuda_device.rs, one at a time (expandable segments included: virtual memory
+#          management through cuMemCreate/cuMemMap, where the device supports it)
 #   interop examples/cudarc_interop (NVRTC + cuBLAS through tidepool buffers, checked numerically)
 #   bench  examples/gpu_bench: alloc+free latency (tidepool hit / cuMemAlloc / cuMemAllocAsync)
-#          and the gpt2 trace replayed on device memory → $RESULTS_DIR/gpu_bench.json
+#          and the gpt2 trace replayed on device memory, with ordinary and expandable segments
+#          → $RESULTS_DIR/gpu_bench.json
 #
 # The three run steps share a budget of RUN_BUDGET_S seconds (default 300). Every step's output
 # is in $RESULTS_DIR/<step>.log (default target/gpu-check/), the verdicts in summary.txt.

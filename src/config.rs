@@ -62,11 +62,28 @@ pub struct Config {
     /// Route every operation through one mutex, with no fast cache and statistics read under
     /// it (`global_lock:true`): PyTorch's design, kept as a comparison point.
     pub global_lock: bool,
+    /// Expandable segments (`expandable_segments:true`, PyTorch's key): one virtual address range
+    /// per (stream, pool kind, residency), grown at its end by mapping physical pages and shrunk
+    /// page by page, so free memory is never stranded in a half-used segment. Needs a device with
+    /// virtual memory; elsewhere the allocator uses ordinary segments (and says so in
+    /// `memory_summary`).
+    pub expandable_segments: bool,
+    /// With expandable segments: the free mapped bytes a transient range may keep; above it its
+    /// free pages are unmapped and released, once its stream's work on them is done
+    /// (`release_threshold_mb`, after `cudaMemPoolAttrReleaseThreshold`; `none` = never, the
+    /// default: every finite threshold measured costs map/unmap calls in every training step).
+    pub release_threshold: u64,
 }
 
 /// The alignment of every pointer handed out (CUDA's `cudaMalloc` and RMM guarantee 256 bytes):
 /// the smallest `min_block_size` accepted. (Segments are at least this aligned on every device.)
 pub const MIN_ALIGN: u64 = 256;
+
+/// Default of [`Config::release_threshold`]: no limit. Measured on the six traces in
+/// `data/traces/` (docs/eager-memory.md): any finite threshold below a step's transient footprint
+/// unmaps pages after every step's peak and maps them again in the next step (map/unmap calls in
+/// steady state), and lowers no peak, since the peak is reached while those pages are in use.
+pub const DEFAULT_RELEASE_THRESHOLD: u64 = u64::MAX;
 
 /// Default of [`Config::fast_cache_entries`].
 pub const DEFAULT_FAST_CACHE_ENTRIES: usize = 16;
@@ -84,6 +101,8 @@ impl Default for Config {
             fast_cache_entries: DEFAULT_FAST_CACHE_ENTRIES,
             fast_cache_bytes: DEFAULT_FAST_CACHE_BYTES,
             global_lock: false,
+            expandable_segments: false,
+            release_threshold: DEFAULT_RELEASE_THRESHOLD,
         }
     }
 }
@@ -114,6 +133,14 @@ pub const KEYS: &[(&str, &str)] = &[
     ("fast_cache_entries", "blocks a stream caches per size class, 1..=65536"),
     ("fast_cache_bytes_mb", "MiB a stream caches in all, 1..=1048576"),
     ("global_lock", "route everything through one mutex (no fast cache): true or false"),
+    (
+        "expandable_segments",
+        "one growing virtual range per stream, pool and residency, mapped page by page: true or false",
+    ),
+    (
+        "release_threshold_mb",
+        "with expandable segments, free MiB a transient range keeps mapped (0.., or none: no limit)",
+    ),
 ];
 
 /// A configuration string that could not be applied.
@@ -259,6 +286,17 @@ impl Config {
             }
             "fast_cache_bytes_mb" => self.fast_cache_bytes = mib(1 << 20)?,
             "global_lock" => self.global_lock = flag()?,
+            "expandable_segments" => self.expandable_segments = flag()?,
+            "release_threshold_mb" => {
+                let what = "a whole number of MiB in 0..=268435456, or none";
+                self.release_threshold = match value {
+                    "none" => u64::MAX,
+                    v => match v.parse::<u64>() {
+                        Ok(v) if v <= MAX_MIB => v * MIB,
+                        _ => return Err(bad(what)),
+                    },
+                };
+            }
             _ => return Err(ConfigError::UnknownKey(key.to_string())),
         }
         Ok(())
@@ -367,6 +405,19 @@ impl Config {
         self
     }
 
+    /// Expandable segments on or off (`expandable_segments`).
+    pub fn with_expandable_segments(mut self, on: bool) -> Config {
+        self.expandable_segments = on;
+        self
+    }
+
+    /// The free mapped bytes a transient expandable range keeps (`release_threshold_mb`, in bytes
+    /// here; `u64::MAX`: no limit).
+    pub fn with_release_threshold(mut self, bytes: u64) -> Config {
+        self.release_threshold = bytes;
+        self
+    }
+
     /// Whether allocations and frees may use the per-stream caches.
     pub fn fast_path(&self) -> bool {
         self.fast_cache && !self.global_lock
@@ -393,7 +444,8 @@ mod tests {
             "max_split_size_mb:256, roundup_power2_divisions:8,min_block_size:1024,small_size_mb:2,\
              small_segment_mb:4,large_segment_mb:40,min_large_alloc_mb:20,round_large_mb:4,\
              memory_limit_mb:4096,per_process_memory_fraction:0.5,cross_stream:wait_event,\
-             fast_cache:false,fast_cache_entries:4,fast_cache_bytes_mb:8,global_lock:true",
+             fast_cache:false,fast_cache_entries:4,fast_cache_bytes_mb:8,global_lock:true,\
+             expandable_segments:true,release_threshold_mb:0",
         )
         .unwrap();
         let z = c.sizing;
@@ -415,7 +467,9 @@ mod tests {
         assert_eq!(c.fast_cache_bytes, 8 * MIB);
         assert!(c.global_lock);
         assert!(!c.fast_path());
-        assert_eq!(KEYS.len(), 15, "a new key needs a line in this test");
+        assert!(c.expandable_segments);
+        assert_eq!(c.release_threshold, 0);
+        assert_eq!(KEYS.len(), 17, "a new key needs a line in this test");
     }
 
     #[test]
@@ -426,6 +480,24 @@ mod tests {
         assert!(!Config::parse("global_lock:true").unwrap().fast_path());
         assert!(!Config::parse("fast_cache:false").unwrap().fast_path());
         assert!(Config::parse("global_lock:false,fast_cache:true").unwrap().fast_path());
+    }
+
+    #[test]
+    fn expandable_keys() {
+        let d = Config::default();
+        assert!(!d.expandable_segments);
+        assert_eq!(d.release_threshold, DEFAULT_RELEASE_THRESHOLD);
+        let c = Config::parse("expandable_segments:true,release_threshold_mb:64").unwrap();
+        assert!(c.expandable_segments);
+        assert_eq!(c.release_threshold, 64 * MIB);
+        let c = Config::parse("release_threshold_mb:0").unwrap();
+        assert_eq!(c.release_threshold, 0);
+        assert_eq!(Config::parse("release_threshold_mb:none").unwrap().release_threshold, u64::MAX);
+        let built = Config::default().with_expandable_segments(true).with_release_threshold(0);
+        assert_eq!(
+            built,
+            Config::parse("expandable_segments:true,release_threshold_mb:0").unwrap()
+        );
     }
 
     #[test]
@@ -469,6 +541,9 @@ mod tests {
             ("fast_cache_entries:70000", "fast_cache_entries"),
             ("fast_cache_bytes_mb:0", "fast_cache_bytes_mb"),
             ("global_lock:1", "global_lock"),
+            ("expandable_segments:on", "expandable_segments"),
+            ("release_threshold_mb:-1", "release_threshold_mb"),
+            ("release_threshold_mb:inf", "release_threshold_mb"),
         ] {
             match Config::parse(s) {
                 Err(ConfigError::BadValue { key: k, value, .. }) => {

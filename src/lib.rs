@@ -41,7 +41,7 @@ pub(crate) mod sync;
 mod types;
 
 pub use allocator::{
-    Action, AllocError, Allocator, BlockInfo, Buffer, HistoryOptions, OomReport, Scope,
+    Action, AllocError, Allocator, BlockInfo, Buffer, HistoryOptions, OomReport, RangeInfo, Scope,
     ScopedBuffer, SegmentInfo, TraceEntry,
 };
 pub use config::{Config, ConfigError, CrossStream, ENV_VAR, KEYS as CONFIG_KEYS};

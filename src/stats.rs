@@ -41,6 +41,22 @@ pub struct MemoryStats {
     /// Bytes of freed blocks held in the per-stream fast-path caches (counted as freed in
     /// `blocks`, not yet returned to the pool's free lists).
     pub cached_fast_bytes: u64,
+    /// Expandable segments: whether they are in use (asked for, and the device has virtual
+    /// memory). Their mapped pages count in `blocks.reserved_bytes`.
+    pub expandable_segments: bool,
+    /// Expandable segments: bytes of virtual addresses reserved (free, but finite).
+    pub virtual_reserved_bytes: u64,
+    /// Expandable segments: pages mapped (`cuMemMap` calls), moved pages included.
+    pub num_device_map: u64,
+    /// Expandable segments: pages unmapped (`cuMemUnmap` calls), moved pages included.
+    pub num_device_unmap: u64,
+    /// Expandable segments: physical pages created (`cuMemCreate` calls).
+    pub num_physical_create: u64,
+    /// Expandable segments: physical pages released (`cuMemRelease` calls).
+    pub num_physical_release: u64,
+    /// Expandable segments: free pages another stream had cached, moved to a stream that ran out
+    /// (unmapped there, mapped here: no new physical memory).
+    pub num_pages_moved: u64,
 }
 
 impl MemoryStats {
@@ -62,6 +78,13 @@ impl MemoryStats {
         self.scope_escapes += other.scope_escapes;
         self.cached_free_bytes_per_stream.extend_from_slice(&other.cached_free_bytes_per_stream);
         self.cached_fast_bytes += other.cached_fast_bytes;
+        self.expandable_segments |= other.expandable_segments;
+        self.virtual_reserved_bytes += other.virtual_reserved_bytes;
+        self.num_device_map += other.num_device_map;
+        self.num_device_unmap += other.num_device_unmap;
+        self.num_physical_create += other.num_physical_create;
+        self.num_physical_release += other.num_physical_release;
+        self.num_pages_moved += other.num_pages_moved;
     }
 
     /// 1 − peak requested / peak reserved: the share of the reserved peak that no request needed.

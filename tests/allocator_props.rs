@@ -2,6 +2,8 @@
 //! `record_stream`, `empty_cache` and injected device failures. After every step the pool's
 //! invariants hold, the allocator agrees with the device and with a reference model of the live
 //! buffers; at the end, dropping every buffer and the allocator leaves no segment on the device.
+//! With expandable segments, reserved bytes are the device's physical bytes, buffers lie in
+//! mapped pages, and nothing is left mapped, created or reserved at the end.
 
 use proptest::prelude::*;
 use std::sync::Arc;
@@ -17,6 +19,8 @@ enum Op {
     EmptyCache,
     FailNextMalloc,
     FailMallocsAbove(u64),
+    FailNthVmCreate(u64),
+    FailNthVmMap(u64),
     ClearFaults,
 }
 
@@ -37,6 +41,8 @@ fn op() -> impl Strategy<Value = Op> {
         1 => Just(Op::EmptyCache),
         1 => Just(Op::FailNextMalloc),
         1 => (1u64..40).prop_map(|m| Op::FailMallocsAbove(m * MIB)),
+        1 => (1u64..4).prop_map(Op::FailNthVmCreate),
+        1 => (1u64..4).prop_map(Op::FailNthVmMap),
         1 => Just(Op::ClearFaults),
     ]
 }
@@ -47,6 +53,9 @@ fn config() -> impl Strategy<Value = Config> {
         Just(Config::parse("max_split_size_mb:32").unwrap()),
         Just(Config::parse("roundup_power2_divisions:4").unwrap()),
         Just(Config::parse("cross_stream:wait_event").unwrap()),
+        Just(Config::parse("expandable_segments:true").unwrap()),
+        Just(Config::parse("expandable_segments:true,cross_stream:wait_event").unwrap()),
+        Just(Config::parse("expandable_segments:true,release_threshold_mb:4").unwrap()),
     ]
 }
 
@@ -65,8 +74,12 @@ fn check(
     prop_assert_eq!(dev.violations(), vec![]);
     let s = alloc.stats();
     let segs = dev.live_segments();
-    prop_assert_eq!(s.blocks.reserved_bytes.all.current, segs.iter().map(|s| s.1).sum::<u64>());
-    prop_assert_eq!(s.blocks.segment.all.current, segs.len() as u64);
+    let seg_bytes = segs.iter().map(|s| s.1).sum::<u64>();
+    prop_assert_eq!(s.blocks.reserved_bytes.all.current, seg_bytes + dev.physical_bytes());
+    let maps = dev.live_mappings();
+    if maps.is_empty() {
+        prop_assert_eq!(s.blocks.segment.all.current, segs.len() as u64);
+    }
     prop_assert_eq!(
         s.blocks.allocated_bytes.all.current,
         live.iter().map(|l| l.buf.block_size()).sum::<u64>()
@@ -86,9 +99,19 @@ fn check(
         prop_assert!(w[0].0 + w[0].1 <= w[1].0, "live buffers overlap");
     }
     for &(p, n) in &ranges {
+        let mapped = |lo: u64, hi: u64| {
+            let mut cur = lo;
+            while cur < hi {
+                match maps.iter().find(|&&(a, sz)| a.0 <= cur && cur < a.0 + sz) {
+                    Some(&(a, sz)) => cur = a.0 + sz,
+                    None => return false,
+                }
+            }
+            true
+        };
         prop_assert!(
-            segs.iter().any(|&(b, sz)| b.0 <= p && p + n <= b.0 + sz),
-            "buffer outside every segment"
+            segs.iter().any(|&(b, sz)| b.0 <= p && p + n <= b.0 + sz) || mapped(p, p + n),
+            "buffer outside every segment and mapping"
         );
     }
     for l in live {
@@ -133,9 +156,13 @@ proptest! {
                 Op::EmptyCache => alloc.empty_cache().unwrap(),
                 Op::FailNextMalloc => dev.fail_nth_malloc(Some(1)),
                 Op::FailMallocsAbove(b) => dev.fail_mallocs_above(Some(b)),
+                Op::FailNthVmCreate(n) => dev.fail_nth_vm_create(Some(n)),
+                Op::FailNthVmMap(n) => dev.fail_nth_vm_map(Some(n)),
                 Op::ClearFaults => {
                     dev.fail_nth_malloc(None);
                     dev.fail_mallocs_above(None);
+                    dev.fail_nth_vm_create(None);
+                    dev.fail_nth_vm_map(None);
                 }
                 Op::Free(_) | Op::RecordStream { .. } => {}
             }
@@ -150,5 +177,9 @@ proptest! {
         drop(alloc);
         prop_assert!(dev.live_segments().is_empty(), "leaked {:?}", dev.live_segments());
         prop_assert_eq!(dev.counters().mallocs, dev.counters().frees);
+        prop_assert_eq!(dev.live_mappings(), vec![]);
+        prop_assert_eq!((dev.physical_bytes(), dev.live_physical(), dev.virtual_bytes()), (0, 0, 0));
+        let v = dev.vm_counters();
+        prop_assert_eq!((v.creates, v.maps, v.reserves), (v.releases, v.unmaps, v.frees));
     }
 }

@@ -3,8 +3,10 @@
 //! - Always run: `CudaDevice::new` is an error with a clear reason where there is no driver or GPU.
 //! - GPU tier: each test calls `gpu()`, which prints `skipping: <reason>` and returns `None`
 //!   where no GPU can be used (no libcuda, no device). With a GPU they run for real:
-//!   reserve/release/mem_info; events around a gated kernel; hold-the-stream (record_stream);
-//!   the allocator over CudaDevice with no leaks, across threads.
+//!   reserve/release/mem_info; events around a gated kernel; hold-the-stream (record_stream),
+//!   with ordinary and expandable segments; the allocator over CudaDevice with no leaks, across
+//!   threads; expandable segments (virtual memory) with data across pages, growth, release after
+//!   a running kernel, and no leak.
 //!
 //! Kernels come as PTX (below), so these tests need only the driver, not NVRTC. "Gated" kernels
 //! spin until a flag in device memory is set by a memset on another stream, so "not finished
@@ -386,8 +388,13 @@ fn hold_the_stream(dev: &Arc<CudaDevice>, config: Config, record: bool) -> (bool
 #[test]
 fn record_stream_holds_the_block_until_the_other_stream_is_done() {
     let Some((_gpu, dev)) = gpu() else { return };
-    for policy in [CrossStream::Strict, CrossStream::WaitEvent] {
-        let config = Config::default().with_cross_stream(policy);
+    let expandable = [false, dev.supports_virtual_memory()];
+    for (policy, expandable) in [CrossStream::Strict, CrossStream::WaitEvent]
+        .into_iter()
+        .flat_map(|p| expandable.into_iter().map(move |e| (p, e)))
+    {
+        let config =
+            Config::default().with_cross_stream(policy).with_expandable_segments(expandable);
         // Control: without record_stream the block is reused at once on B, and A's late write
         // lands in y. This is the hazard, made visible, so the test below can see it.
         let (same, values) = hold_the_stream(&dev, config.clone(), false);
@@ -496,6 +503,70 @@ fn allocator_over_cuda_device_alloc_free_empty_cache_without_leaks() {
     assert_eq!(stats.num_device_free, stats.num_device_alloc);
     assert_eq!(alloc.reserved_bytes(), 0);
     assert!(dev.live_segments().is_empty(), "leaked: {:?}", dev.live_segments());
+}
+
+#[test]
+fn expandable_segments_over_cuda_device() {
+    let Some((_gpu, dev)) = gpu() else { return };
+    if !dev.supports_virtual_memory() {
+        println!("skipping: the device has no virtual memory management");
+        return;
+    }
+    let page = dev.vm_granularity().unwrap();
+    let k = kernels(&dev);
+    let config = Config::default().with_expandable_segments(true);
+    let alloc = Allocator::new(dev.clone(), config).unwrap();
+    let free_before = dev.mem_info().unwrap().free;
+
+    // Data survives a buffer over five pages, each its own physical allocation.
+    let stream = dev.stream(StreamId::DEFAULT).unwrap();
+    let data: Vec<u32> = (0..(5 * page / 4) as u32).collect();
+    // SAFETY: u32 has no invalid bit patterns (and it is written before it is read).
+    let mut t = unsafe { CudaBuffer::<u32>::alloc(&alloc, data.len(), StreamId::DEFAULT) }.unwrap();
+    stream.memcpy_htod(&data, &mut t).unwrap();
+    assert!(stream.clone_dtoh(&t).unwrap() == data);
+    let s = alloc.stats();
+    assert!(s.expandable_segments);
+    assert_eq!(s.blocks.reserved_bytes.all.current, 5 * page);
+    assert_eq!((s.num_device_map, s.num_physical_create, s.num_device_alloc), (5, 5, 0));
+    // The next buffer grows the range right after the first.
+    let u = alloc.alloc(page, StreamId::DEFAULT).unwrap();
+    assert_eq!(u.ptr().0, t.cu_device_ptr() + 5 * page);
+    assert!(dev.mem_info().unwrap().free <= free_before - 6 * page);
+    alloc.check_invariants().unwrap();
+
+    // A kernel still writing a freed buffer: empty_cache waits for it before unmapping.
+    let side = dev.create_stream().unwrap();
+    let gate = closed_gate(&alloc, side);
+    // SAFETY: f32 has no invalid bit patterns.
+    let x = unsafe { CudaBuffer::<f32>::alloc(&alloc, N, StreamId::DEFAULT) }.unwrap();
+    launch_gated(&k, &stream, &x, 3.0, &gate);
+    drop(x);
+    drop((t, u));
+    let opener = {
+        let sc = dev.stream(side).unwrap();
+        let g = gate.cu_device_ptr();
+        std::thread::spawn(move || {
+            // Only speeds the test up: correctness never depends on when the gate opens.
+            std::thread::sleep(std::time::Duration::from_millis(100));
+            sc.context().bind_to_thread().unwrap();
+            // SAFETY: the first byte of the gate's live memory (freed only after the join).
+            unsafe { result::memset_d8_async(g, 1, 1, sc.cu_stream()) }.unwrap();
+        })
+    };
+    alloc.empty_cache().unwrap();
+    opener.join().unwrap();
+    dev.synchronize().expect("no kernel touched unmapped memory");
+    assert_no_timeout(&gate);
+    let s = alloc.stats();
+    assert!(s.num_device_unmap >= 6, "{s:?}");
+    assert!(s.num_host_syncs >= 1);
+    drop(gate);
+    alloc.empty_cache().unwrap();
+    assert_eq!(alloc.reserved_bytes(), 0);
+    drop(alloc);
+    dev.destroy_stream(side).unwrap();
+    assert!(dev.live_segments().is_empty());
 }
 
 /// Pinned host memory on the GPU: `cuMemHostAlloc` blocks cached by size class; an upload held

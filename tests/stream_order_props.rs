@@ -3,7 +3,8 @@
 //! asynchronous SimDevice. Kernels follow PyTorch's protocol for the user's side of stream order:
 //! a stream first waits for every other stream that used the buffer (its owner included), and a
 //! use on a stream other than the owner is announced with `record_stream`. After each run: zero sanitizer violations, the
-//! pool's invariants, and no leaked segment.
+//! pool's invariants, and no leaked segment. Each policy runs with expandable segments off and
+//! on (then also: no mapping, physical allocation or virtual range left on the device).
 
 use proptest::prelude::*;
 use std::sync::Arc;
@@ -116,6 +117,9 @@ fn run(policy: &str, ops: Vec<Op>) -> Result<(), TestCaseError> {
     prop_assert_eq!(dev.kernel_failures(), vec![]);
     drop(alloc);
     prop_assert!(dev.live_segments().is_empty(), "leaked {:?}", dev.live_segments());
+    prop_assert_eq!(dev.live_mappings(), vec![]);
+    prop_assert_eq!((dev.physical_bytes(), dev.live_physical(), dev.virtual_bytes()), (0, 0, 0));
+    prop_assert_eq!(dev.violations(), vec![]);
     Ok(())
 }
 
@@ -130,5 +134,20 @@ proptest! {
     #[test]
     fn wait_event_programs_are_stream_ordered(ops in prop::collection::vec(op(), 1..80)) {
         run("cross_stream:wait_event", ops)?;
+    }
+
+    #[test]
+    fn strict_expandable_programs_are_stream_ordered(ops in prop::collection::vec(op(), 1..80)) {
+        run("cross_stream:strict,expandable_segments:true", ops)?;
+    }
+
+    #[test]
+    fn wait_event_expandable_programs_are_stream_ordered(ops in prop::collection::vec(op(), 1..80)) {
+        run("cross_stream:wait_event,expandable_segments:true", ops)?;
+    }
+
+    #[test]
+    fn trimming_expandable_programs_are_stream_ordered(ops in prop::collection::vec(op(), 1..80)) {
+        run("cross_stream:wait_event,expandable_segments:true,release_threshold_mb:0", ops)?;
     }
 }

@@ -77,6 +77,9 @@ impl<D: Device> Shared<D> {
         let transient = |k: &PoolKey| k.stream == stream && k.residency == Residency::Transient;
         // Free segments without escapes go back to the device: the plan replaces them.
         let _ = self.release_segments(&mut st, |s| transient(&s.key) && s.busy_blocks == 0);
+        // In expandable ranges, every whole free page goes too: what is left of a run around the
+        // live blocks may then be a bin.
+        let _ = self.release_pages(&mut st, |s| transient(&s.key), 0);
         let bins = self.bins(&st, &transient, &by_block, align);
         let walls: Vec<(u64, u64)> =
             bins.iter().map(|b| (b.virt + b.size, b.virt + b.size + align)).collect();

@@ -21,6 +21,7 @@ impl<D: Device> Allocator<D> {
         let table = sh.caches.all();
         let inners: Vec<_> = table.iter().map(|c| c.lock_inner()).collect();
         st.pool.check_invariants()?;
+        sh.check_vm(&st)?;
         let queued: usize = st.pending.values().map(VecDeque::len).sum();
         let counted: usize = st.pending_count.values().sum();
         if queued != counted {

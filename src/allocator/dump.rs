@@ -24,13 +24,17 @@ impl<D: Device> Allocator<D> {
     /// The snapshot pickle ([`Allocator::dump_snapshot`]) as bytes.
     pub fn snapshot_pickle(&self) -> Vec<u8> {
         let segments = self.snapshot();
+        let ranges = self.expandable_ranges();
+        let expandable = |s: &SegmentInfo| {
+            ranges.iter().any(|r| r.base <= s.address && s.address.0 < r.base.0 + r.virtual_size)
+        };
         let entries: Vec<TraceEntry> = {
             let st = self.shared.lock_state();
             st.history.as_ref().map(|h| h.entries().cloned().collect()).unwrap_or_default()
         };
         let config = self.config();
         let value = Py::dict([
-            ("segments", Py::List(segments.iter().map(segment).collect())),
+            ("segments", Py::List(segments.iter().map(|s| segment(s, expandable(s))).collect())),
             ("device_traces", Py::List(vec![Py::List(entries.iter().map(entry).collect())])),
             ("allocator_settings", settings(&config)),
         ]);
@@ -59,7 +63,8 @@ impl<D: Device> Allocator<D> {
     }
 }
 
-fn segment(s: &SegmentInfo) -> Py {
+/// One segment (with expandable segments: one run of mapped pages of a range).
+fn segment(s: &SegmentInfo, is_expandable: bool) -> Py {
     let sum = |pred: fn(BlockState) -> bool| -> u64 {
         s.blocks.iter().filter(|b| pred(b.state)).map(|b| b.size).sum()
     };
@@ -76,7 +81,7 @@ fn segment(s: &SegmentInfo) -> Py {
         ("stream", Py::int(s.stream.0)),
         ("segment_type", Py::str(if s.pool == PoolKind::Small { "small" } else { "large" })),
         ("segment_pool_id", Py::Tuple(vec![Py::int(0), Py::int(0)])),
-        ("is_expandable", Py::Bool(false)),
+        ("is_expandable", Py::Bool(is_expandable)),
         ("frames", Py::List(vec![])),
         (
             "blocks",

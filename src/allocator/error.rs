@@ -88,6 +88,13 @@ pub struct OomReport {
     pub persistent_reserved: u64,
     /// Reserved bytes of transient segments.
     pub transient_reserved: u64,
+    /// Expandable segments: bytes mapped but free (in free blocks of the ranges).
+    pub mapped_free: u64,
+    /// Of those, bytes in pages that live blocks share (a page is unmapped only whole).
+    pub mapped_free_in_used_pages: u64,
+    /// Of those, bytes in whole free pages of persistent ranges (only `release_persistent`
+    /// releases them).
+    pub mapped_free_persistent: u64,
 }
 
 impl fmt::Display for OomReport {
@@ -120,7 +127,22 @@ impl fmt::Display for OomReport {
             Bytes(self.inactive_split),
             Bytes(self.free_on_other_streams),
             Bytes(self.waiting_on_events),
-        )
+        )?;
+        if self.mapped_free > 0 {
+            write!(
+                f,
+                " Expandable segments hold {} mapped but free: {} in pages that live blocks share \
+                 (a page is unmapped only whole), {} in whole pages of persistent ranges (only \
+                 release_persistent releases them), {} in whole pages that could not be released.",
+                Bytes(self.mapped_free),
+                Bytes(self.mapped_free_in_used_pages),
+                Bytes(self.mapped_free_persistent),
+                Bytes(
+                    self.mapped_free - self.mapped_free_in_used_pages - self.mapped_free_persistent
+                ),
+            )?;
+        }
+        Ok(())
     }
 }
 

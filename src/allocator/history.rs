@@ -62,6 +62,10 @@ pub enum Action {
     SegmentAlloc,
     /// A segment was returned to the device (`segment_free`).
     SegmentFree,
+    /// Pages were mapped into an expandable range (`segment_map`).
+    SegmentMap,
+    /// Pages of an expandable range were unmapped (`segment_unmap`).
+    SegmentUnmap,
     /// An allocation failed for lack of memory (`oom`); `size` is the request.
     Oom,
 }
@@ -75,6 +79,8 @@ impl Action {
             Action::FreeCompleted => "free_completed",
             Action::SegmentAlloc => "segment_alloc",
             Action::SegmentFree => "segment_free",
+            Action::SegmentMap => "segment_map",
+            Action::SegmentUnmap => "segment_unmap",
             Action::Oom => "oom",
         }
     }

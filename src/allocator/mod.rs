@@ -26,6 +26,7 @@ mod counters;
 mod dump;
 mod error;
 mod events;
+mod expandable;
 mod fast_cache;
 mod history;
 mod observers;
@@ -44,6 +45,7 @@ mod stats_layout;
 
 pub use buffer::Buffer;
 pub use error::{AllocError, OomReport};
+pub use expandable::RangeInfo;
 pub use history::{Action, HistoryOptions, TraceEntry};
 pub use report::{BlockInfo, SegmentInfo};
 pub use scope::{Scope, ScopedBuffer};
@@ -139,6 +141,7 @@ impl<D: Device> Allocator<D> {
         config.validate()?;
         let total = device.mem_info()?.total;
         let (fast, global_lock) = (config.fast_path(), config.global_lock);
+        let cache_large = !config.expandable_segments;
         let shared = Arc::new(Shared {
             device,
             config: ArcCell::new(config),
@@ -146,6 +149,7 @@ impl<D: Device> Allocator<D> {
             state: Mutex::new(State::default()),
             caches: CacheTable::default(),
             fast_path: AtomicBool::new(fast),
+            cache_large: AtomicBool::new(cache_large),
             publish_stats: AtomicBool::new(!global_lock),
             stats: SeqBlock::new(),
             broken_skip_events: AtomicBool::new(false),
@@ -154,6 +158,7 @@ impl<D: Device> Allocator<D> {
             plans: Mutex::new(HashMap::new()),
             scope_counters: ScopeCounters::default(),
             lock_count: AtomicU64::new(0),
+            vm_published: Default::default(),
             recording: AtomicBool::new(false),
             observers: observers::Observers::default(),
         });
@@ -180,6 +185,7 @@ impl<D: Device> Allocator<D> {
         let limits = limits(&config);
         let recording = sh.recording.load(Ordering::Relaxed);
         sh.fast_path.store(config.fast_path() && !recording, Ordering::Relaxed);
+        sh.cache_large.store(!config.expandable_segments, Ordering::Relaxed);
         sh.publish_stats.store(!config.global_lock, Ordering::Relaxed);
         for c in sh.caches.all().iter() {
             c.set_limits(limits);
@@ -279,7 +285,8 @@ impl<D: Device> Allocator<D> {
         }
         let key = PoolKey { residency, stream, kind: plan.kind };
         let block = sh.find_or_reserve(&mut st, config, key, bytes, plan.rounded)?;
-        let block = st.pool.allocate(block, plan.rounded, bytes, &config.sizing);
+        let sizing = sh.alloc_sizing(&st, block, &config.sizing);
+        let block = st.pool.allocate(block, plan.rounded, bytes, &sizing);
         let b = st.pool.block(block);
         let (ptr, size) = (DeviceAddr(b.addr), b.size);
         let q = quadrant(key.kind, residency);
@@ -419,6 +426,7 @@ impl<D: Device> Allocator<D> {
             sh.flush_stream(&mut st, stream, true);
         }
         sh.release_segments(&mut st, |s| s.key.stream == stream)?;
+        sh.free_ranges(&mut st, |k| k.stream == stream);
         drop(st);
         if adopted {
             sh.device.destroy_stream(stream)?;
@@ -458,7 +466,9 @@ impl<D: Device> Allocator<D> {
         if st.pending.contains_key(&stream) {
             sh.sync_events(&mut st)?;
         }
-        sh.release_segments(&mut st, |s| s.key.stream == stream)
+        sh.release_segments(&mut st, |s| s.key.stream == stream)?;
+        sh.free_ranges(&mut st, |k| k.stream == stream);
+        Ok(())
     }
 
     /// **Test only — a deliberate bug.** While on, the allocator records no event for
@@ -542,7 +552,7 @@ impl<D: Device> Allocator<D> {
             && let Some((table, snap)) =
                 counters::collect(&sh.stats, || sh.caches.all(), STATS_TRIES)
         {
-            return sh.with_scope_stats(stats_from(&table, snap));
+            return sh.with_vm_stats(sh.with_scope_stats(stats_from(&table, snap)));
         }
         // Under the lock: exact, whether or not the statistics are being published.
         let mut st = sh.lock_state();
@@ -565,7 +575,7 @@ impl<D: Device> Allocator<D> {
                 .collect(),
         };
         drop(inners);
-        sh.with_scope_stats(stats_from(&all, snap))
+        sh.with_vm_stats(sh.with_scope_stats(stats_from(&all, snap)))
     }
 
     /// Bytes currently reserved from the device.

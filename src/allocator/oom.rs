@@ -17,6 +17,14 @@ impl<D: Device> Shared<D> {
             .mem_info()
             .unwrap_or(crate::device::MemInfo { free: 0, total: self.device_total });
         let s = st.pool.stats();
+        let ranges = self.range_infos(st);
+        let mapped_free = ranges.iter().map(|r| r.free_bytes).sum();
+        let in_used_pages = ranges.iter().map(|r| r.free_bytes - r.free_page_bytes).sum();
+        let persistent = ranges
+            .iter()
+            .filter(|r| r.residency == Residency::Persistent)
+            .map(|r| r.free_page_bytes)
+            .sum();
         OomReport {
             requested: bytes,
             rounded,
@@ -33,6 +41,9 @@ impl<D: Device> Shared<D> {
             waiting_on_events: s.active_bytes.all.current - s.allocated_bytes.all.current,
             persistent_reserved: s.reserved_bytes.persistent.current,
             transient_reserved: s.reserved_bytes.transient.current,
+            mapped_free,
+            mapped_free_in_used_pages: in_used_pages,
+            mapped_free_persistent: persistent,
         }
     }
 }

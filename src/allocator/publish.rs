@@ -13,6 +13,9 @@ impl<D: Device> Shared<D> {
     /// Publishes the base statistics and the pool's free bytes of every stream that changed
     /// (unless `global_lock` is on: then changes accumulate until it is turned off).
     pub(super) fn publish(&self, st: &mut State) {
+        if !st.vm.is_empty() {
+            self.trim(st);
+        }
         if !self.publish_stats.load(Ordering::Relaxed) {
             return;
         }

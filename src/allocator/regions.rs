@@ -133,7 +133,8 @@ impl<D: Device> Shared<D> {
         let key =
             PoolKey { residency: Residency::Transient, stream, kind: config.sizing.kind(rounded) };
         let block = self.find_or_reserve(st, config, key, bytes, rounded)?;
-        let block = st.pool.allocate(block, rounded, bytes, &config.sizing);
+        let sizing = self.alloc_sizing(st, block, &config.sizing);
+        let block = st.pool.allocate(block, rounded, bytes, &sizing);
         let (addr, size) = (st.pool.block(block).addr, st.pool.block(block).size);
         let q = quadrant(key.kind, key.residency);
         st.base.live_up(q, size, bytes, || self.caches.all());

@@ -152,6 +152,55 @@ impl<D: Device> Allocator<D> {
             "(freed, in per-stream caches)"
         );
         out += &rule;
+        let (ranges, note) = {
+            let mut st = self.shared.lock_state();
+            self.shared.flush_all(&mut st);
+            (self.shared.range_infos(&st), st.vm.note().map(str::to_string))
+        };
+        if s.expandable_segments || note.is_some() {
+            let _ = writeln!(
+                out,
+                "|{:^87}|",
+                format!(
+                    "expandable segments: {} virtual, {} maps, {} unmaps, {} creates, {} releases, {} moved",
+                    Bytes(s.virtual_reserved_bytes),
+                    s.num_device_map,
+                    s.num_device_unmap,
+                    s.num_physical_create,
+                    s.num_physical_release,
+                    s.num_pages_moved
+                )
+            );
+            for r in &ranges {
+                let _ = writeln!(
+                    out,
+                    "| {:<26}| {:>12} | {:>42} |",
+                    format!(
+                        "Range {} {} {}",
+                        r.stream,
+                        match r.pool {
+                            PoolKind::Small => "small",
+                            PoolKind::Large => "large",
+                        },
+                        match r.residency {
+                            Residency::Persistent => "pers.",
+                            Residency::Transient => "trans.",
+                        }
+                    ),
+                    Bytes(r.mapped_bytes).to_string(),
+                    format!(
+                        "mapped; {} free ({} in whole pages), {} runs",
+                        Bytes(r.free_bytes),
+                        Bytes(r.free_page_bytes),
+                        r.runs.len()
+                    )
+                );
+            }
+            if let Some(note) = note {
+                let _ = writeln!(out, "| note: {:<80}|", note);
+            }
+            out += &rule;
+        }
         if !s.cached_free_bytes_per_stream.is_empty() {
             for (stream, bytes) in &s.cached_free_bytes_per_stream {
                 let _ = writeln!(

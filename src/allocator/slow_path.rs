@@ -70,13 +70,18 @@ impl<D: Device> Shared<D> {
             // A large block waiting in a stream cache is searched as the pool would hold it.
             self.flush_large(st);
         }
-        if let Some(b) = st.pool.find_free(key, rounded, &config.sizing) {
+        if let Some(b) = self.find_free(st, config, key, rounded) {
             return Ok(b);
         }
         // Before going further afield, return what the stream caches hold: they never make the
         // allocator reserve more than it would without them.
         if self.flush_all(st) > 0
-            && let Some(b) = st.pool.find_free(key, rounded, &config.sizing)
+            && let Some(b) = self.find_free(st, config, key, rounded)
+        {
+            return Ok(b);
+        }
+        if self.expandable(st, config, key)
+            && let Some(b) = self.find_or_grow(st, config, key, bytes, rounded)?
         {
             return Ok(b);
         }
@@ -163,8 +168,10 @@ impl<D: Device> Shared<D> {
         if !st.segment_streams.keys().any(|&s| s != key.stream) {
             return Ok(None);
         }
+        let vm = &st.vm;
         let fits = |s: &crate::pool::Segment| {
-            s.key.stream != key.stream
+            !vm.contains(s.base)
+                && s.key.stream != key.stream
                 && s.key.residency == key.residency
                 && s.key.kind == key.kind
                 && s.size >= rounded
@@ -217,12 +224,17 @@ impl<D: Device> Shared<D> {
     }
 
     /// Releases segments with no busy block that satisfy `which`. Each release is a host sync.
+    /// Expandable segments satisfying `which` give back their whole free pages instead.
     pub(super) fn release_segments(
         &self,
         st: &mut State,
-        which: impl FnMut(&crate::pool::Segment) -> bool,
+        mut which: impl FnMut(&crate::pool::Segment) -> bool,
     ) -> Result<(), AllocError> {
-        for seg in st.pool.releasable_segments(which) {
+        if !st.vm.is_empty() {
+            self.release_pages(st, &mut which, 0)?;
+        }
+        let vm = &st.vm;
+        for seg in st.pool.releasable_segments(|s| !vm.contains(s.base) && which(s)) {
             let base = st.pool.segment(seg).base;
             // Release on the device first: if it fails, the segment stays cached and consistent.
             self.device.release(DeviceAddr(base))?;
@@ -248,7 +260,10 @@ impl<D: Device> Shared<D> {
             && self.fast_path.load(Ordering::Relaxed)
             && let Some(cache) = match counters::is_small(f.quadrant) {
                 true => self.caches.fast(f.stream),
-                false => self.caches.first_lane(f.stream),
+                false if self.cache_large.load(Ordering::Relaxed) => {
+                    self.caches.first_lane(f.stream)
+                }
+                false => None,
             }
         {
             let class = ClassKey { residency: f.residency, rounded: f.rounded };

@@ -34,6 +34,9 @@ pub(crate) struct Shared<D: Device> {
     pub(super) broken: AtomicU64,
     /// Whether the memory history is recorded (then every operation takes the slow path).
     pub(super) recording: AtomicBool,
+    /// Whether a freed large block may wait in its stream's cache: not with expandable segments,
+    /// where a cached block would keep its pages from being released.
+    pub(super) cache_large: AtomicBool,
     /// Out-of-memory observers and the failure callback (`observers.rs`).
     pub(super) observers: Observers,
     /// Acquisitions of `state`'s lock, for tests proving the fast path skips it.
@@ -41,6 +44,8 @@ pub(crate) struct Shared<D: Device> {
     /// Learned plans of named scopes, by (name, stream). Taken before `state`, never inside it.
     pub(super) plans: Mutex<HashMap<(String, StreamId), PlanState>>,
     pub(super) scope_counters: ScopeCounters,
+    /// Expandable-segment figures for lock-free readers (`expandable.rs`).
+    pub(super) vm_published: expandable::VmPublished,
 }
 
 /// What a named scope learned, and the region its plan lives in.
@@ -102,6 +107,8 @@ pub(super) struct State {
     /// Who last wrote and who read since, per live buffer (by address) announced with
     /// `use_on` on a stream other than its own; dropped when the buffer is freed.
     pub(super) buffer_uses: HashMap<u64, UseState>,
+    /// Expandable segments: virtual ranges and their pages (`expandable.rs`).
+    pub(super) vm: expandable::Vm,
     /// The memory history, while it is recorded (`history.rs`).
     pub(super) history: Option<History>,
 }
@@ -187,7 +194,9 @@ impl<D: Device> Drop for Shared<D> {
             }
         }
         let _ = self.sync_events(&mut st);
+        self.poll_retiring(&mut st, true);
         let _ = self.release_segments(&mut st, |_| true);
+        self.free_ranges(&mut st, |_| true);
         for e in st.free_events.drain(..) {
             let _ = self.device.destroy_event(e);
         }

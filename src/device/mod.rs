@@ -11,6 +11,16 @@
 //! | [`Device::synchronize_event`] / [`Device::synchronize`] | `cuEventSynchronize` / `cuCtxSynchronize` | wait; a host sync |
 //! | [`Launch::launch`]         | kernels, memcpy                 | a closure run in stream order        |
 //!
+//! Virtual memory (CUDA's VMM API), for expandable segments; a device without it keeps the
+//! defaults, which answer [`DeviceError::Unsupported`] (see [`Device::supports_virtual_memory`]):
+//!
+//! | trait operation                  | CUDA driver                        | [`SimDevice`]                  |
+//! |----------------------------------|------------------------------------|--------------------------------|
+//! | [`Device::vm_granularity`]       | `cuMemGetAllocationGranularity`    | 2 MiB (settable)               |
+//! | [`Device::vm_reserve`] / [`Device::vm_free`] | `cuMemAddressReserve` / `cuMemAddressFree` | addresses only, finite |
+//! | [`Device::vm_create`] / [`Device::vm_release`] | `cuMemCreate` / `cuMemRelease` | physical bytes, capacity-limited |
+//! | [`Device::vm_map`] / [`Device::vm_unmap`] | `cuMemMap` + `cuMemSetAccess` / `cuMemUnmap` | pages become usable / unusable |
+//!
 //! Streams and events are small copyable ids; [`StreamId::DEFAULT`] exists from the start.
 //! The `note_*` hooks let a device with a stream-order sanitizer see what the allocator hands
 //! out and takes back; devices without one ignore them.
@@ -24,12 +34,20 @@ mod sim;
 pub use cuda::{CudaDevice, NO_DRIVER};
 pub use host_ptr::HostPtr;
 pub use sim::{
-    AppStream, KernelFailure, SIM_ALIGN, SIM_BASE, SimConfig, SimCounters, SimDevice,
-    SimHostCounters, Violation,
+    AppStream, KernelFailure, SIM_ALIGN, SIM_BASE, SIM_VM_GRANULARITY, SimConfig, SimCounters,
+    SimDevice, SimHostCounters, Violation, VmCounters,
 };
 
 pub use crate::types::{DeviceAddr, StreamId};
 use std::fmt;
+
+/// A physical allocation made by [`Device::vm_create`] (CUDA's `CUmemGenericAllocationHandle`):
+/// memory with no address until it is mapped into a reserved range with [`Device::vm_map`].
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Debug)]
+pub struct PhysHandle(pub u64);
+
+/// What a device without virtual memory answers to every virtual-memory call.
+pub const NO_VIRTUAL_MEMORY: DeviceError = DeviceError::Unsupported("virtual memory management");
 
 /// An event: a marker recorded on a stream, reusable after it is recorded again.
 #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Debug)]
@@ -271,6 +289,56 @@ pub trait Device: Send + Sync + 'static {
 
     /// Sanitizer hook: the allocator took `bytes` at `ptr` back from its user (freed on `stream`).
     fn note_reclaim(&self, _ptr: DeviceAddr, _bytes: u64, _stream: StreamId) {}
+
+    /// Whether the `vm_*` calls work (CUDA: the device attribute
+    /// `VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED`). The defaults say no, and every `vm_*` default
+    /// answers [`NO_VIRTUAL_MEMORY`]; an allocator asked for expandable segments then falls back
+    /// to ordinary segments.
+    fn supports_virtual_memory(&self) -> bool {
+        false
+    }
+
+    /// The page size of physical allocations and mappings (`cuMemGetAllocationGranularity`, the
+    /// recommended granularity of pinned device memory): every size and address given to the
+    /// other `vm_*` calls is a multiple of it.
+    fn vm_granularity(&self) -> Result<u64, DeviceError> {
+        Err(NO_VIRTUAL_MEMORY)
+    }
+
+    /// Reserves `bytes` of virtual addresses, backed by nothing (`cuMemAddressReserve`). The base
+    /// is aligned to the granularity.
+    fn vm_reserve(&self, _bytes: u64) -> Result<DeviceAddr, DeviceError> {
+        Err(NO_VIRTUAL_MEMORY)
+    }
+
+    /// Frees a range from [`Device::vm_reserve`] (`cuMemAddressFree`); nothing may be mapped in it.
+    fn vm_free(&self, _base: DeviceAddr, _bytes: u64) -> Result<(), DeviceError> {
+        Err(NO_VIRTUAL_MEMORY)
+    }
+
+    /// Creates a physical allocation of `bytes` (`cuMemCreate`): this is what counts against the
+    /// device's memory.
+    fn vm_create(&self, _bytes: u64) -> Result<PhysHandle, DeviceError> {
+        Err(NO_VIRTUAL_MEMORY)
+    }
+
+    /// Releases a physical allocation (`cuMemRelease`). Its memory goes back to the device once
+    /// no mapping of it is left.
+    fn vm_release(&self, _handle: PhysHandle) -> Result<(), DeviceError> {
+        Err(NO_VIRTUAL_MEMORY)
+    }
+
+    /// Maps all of `handle` (`bytes` long) at `va` inside a reserved range and makes it readable
+    /// and writable by this device (`cuMemMap` + `cuMemSetAccess`). On an error nothing is mapped.
+    fn vm_map(&self, _va: DeviceAddr, _bytes: u64, _handle: PhysHandle) -> Result<(), DeviceError> {
+        Err(NO_VIRTUAL_MEMORY)
+    }
+
+    /// Unmaps `[va, va + bytes)`, which must be exactly one mapping (`cuMemUnmap`). It does not
+    /// wait for device work: the caller makes sure no unfinished work uses those addresses.
+    fn vm_unmap(&self, _va: DeviceAddr, _bytes: u64) -> Result<(), DeviceError> {
+        Err(NO_VIRTUAL_MEMORY)
+    }
 
     /// Allocates `bytes` of page-locked host memory (`cuMemHostAlloc`), which asynchronous copies
     /// read and write without staging; contents unspecified. [`crate::HostAllocator`] is the

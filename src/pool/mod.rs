@@ -17,6 +17,7 @@
 
 mod block;
 mod free_index;
+mod pages;
 mod sizing;
 
 pub use block::{Block, BlockId, BlockState, PoolKey, Segment, SegmentId};

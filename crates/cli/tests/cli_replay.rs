@@ -64,7 +64,7 @@ fn table_and_svg() {
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
     let table = String::from_utf8(o.stdout).unwrap();
     assert!(table.starts_with("trace mlp_train: 484 events, peak live 1.27 GiB (1367670784 B)\n"));
-    for name in ["offset-allocator", "range-alloc", "planned", "lower bound"] {
+    for name in ["expandable", "offset-allocator", "range-alloc", "planned", "lower bound"] {
         assert!(table.contains(name), "{table}");
     }
     let svg = std::fs::read_to_string(&svg).unwrap();
@@ -74,6 +74,7 @@ fn table_and_svg() {
         "event index",
         "bytes (GiB)",
         "live (requested)",
+        "reserved: expandable",
         "reserved: offset-allocator",
         "reserved: range-alloc",
         "reserved: planned",
@@ -93,7 +94,7 @@ fn usage_errors_exit_2() {
     let o = tidepool(&["replay", &mlp(), "--policy", "magic"]);
     assert_eq!(o.status.code(), Some(2));
     assert!(stderr(&o).starts_with(
-        "tidepool: unknown policy `magic` (known: caching, residency, scoped, offset-allocator, range-alloc, planned)\n"
+        "tidepool: unknown policy `magic` (known: caching, residency, scoped, expandable, offset-allocator, range-alloc, planned)\n"
     ));
 
     let o = tidepool(&["replay", &mlp(), "--config", "max_split_size_mb:1"]);

@@ -27,6 +27,14 @@
 //! segment behind; …). At the end every buffer is dropped, the allocator is dropped, and the
 //! device must hold no segment, no violation, and no other handle.
 //!
+//! Expandable segments (the `expandable_segments:true` configurations): the allocator's segments
+//! inside the device's virtual ranges are runs of mapped pages, so the segment check compares
+//! only the others with the device's segments; reserved = Σ device segments + the device's
+//! physical bytes; a release leaves no wholly free run behind; `FailNthMalloc`
+//! also arms the nth physical creation and the nth mapping (faults midway through a growth),
+//! and an injected page fault explains an out-of-memory error; at the end nothing is mapped,
+//! created or reserved on the device.
+//!
 //! Devices are reused: starting a SimDevice and its stream workers costs more than a whole
 //! program, so a device that ended a program clean (no segment, no violation, every stream idle)
 //! goes back to a small pool, with its streams, for the next program of the same capacity. Fault
@@ -91,6 +99,8 @@ fn take_device(capacity: u64) -> Arc<SimDevice> {
 
 /// Returns a device that ended a program clean to the pool.
 fn give_back(dev: Arc<SimDevice>) {
+    dev.fail_nth_vm_create(None);
+    dev.fail_nth_vm_map(None);
     dev.fail_nth_malloc(None);
     dev.fail_mallocs_above(None);
     dev.fail_event_queries(false);
@@ -158,6 +168,8 @@ fn second(alloc: &Allocator<SimDevice>, program: &Program) -> Result<Allocator<S
 /// program starts.
 fn start(program: &Program) -> Result<(Allocator<SimDevice>, SimCounters), String> {
     let dev = take_device(CAPACITIES[usize::from(program.capacity)]);
+    dev.fail_nth_vm_create(None);
+    dev.fail_nth_vm_map(None);
     dev.fail_nth_malloc(None);
     dev.fail_mallocs_above(None);
     dev.fail_event_queries(false);
@@ -175,6 +187,14 @@ fn finish(dev: Arc<SimDevice>) -> Result<(), String> {
     let segs = dev.live_segments();
     ensure!(segs.is_empty(), "segments leaked past the allocator's drop: {segs:?}");
     ensure!(dev.reserved_bytes() == 0, "device still reserves {} bytes", dev.reserved_bytes());
+    let maps = dev.live_mappings();
+    ensure!(maps.is_empty(), "mappings leaked past the allocator's drop: {maps:?}");
+    ensure!(
+        dev.physical_bytes() == 0 && dev.live_physical() == 0 && dev.virtual_bytes() == 0,
+        "physical ({} bytes) or virtual ({} bytes) memory leaked past the allocator's drop",
+        dev.physical_bytes(),
+        dev.virtual_bytes()
+    );
     ensure!(Arc::strong_count(&dev) == 1, "something still holds the device");
     let v = dev.violations();
     ensure!(v.is_empty(), "stream-order violations: {v:?}");
@@ -235,6 +255,8 @@ struct Harness<'a> {
     /// carved under one configuration stay in the cache under the next, so pointers and block
     /// sizes are only multiples of this.
     granularity: u64,
+    /// `vm_failures()` at the last check: refusals beyond it happened in the current step.
+    vm_fail_mark: std::cell::Cell<u64>,
 }
 
 /// What the harness checks of a scoped buffer, bound or unbound.
@@ -312,6 +334,7 @@ impl<'a> Harness<'a> {
             fail_above: None,
             base,
             granularity,
+            vm_fail_mark: std::cell::Cell::new(0),
         }
     }
 
@@ -332,6 +355,25 @@ impl<'a> Harness<'a> {
     fn reserve_calls(&self) -> u64 {
         let c = self.dev.counters();
         c.mallocs + c.failed_mallocs
+    }
+
+    /// Does `[lo, hi)` lie in mapped virtual memory of the device?
+    fn mapped(&self, lo: u64, hi: u64) -> bool {
+        let maps = self.dev.live_mappings();
+        let mut cur = lo;
+        while cur < hi {
+            match maps.iter().find(|&&(a, n)| a.0 <= cur && cur < a.0 + n) {
+                Some(&(a, n)) => cur = a.0 + n,
+                None => return false,
+            }
+        }
+        true
+    }
+
+    /// Physical creations and mappings refused so far (injected, or the device full).
+    fn vm_failures(&self) -> u64 {
+        let v = self.dev.vm_counters();
+        v.failed_creates + v.failed_maps
     }
 
     fn live_index(&self, index: u8) -> Option<usize> {
@@ -454,6 +496,8 @@ impl<'a> Harness<'a> {
             Op::FailNthMalloc { n } => {
                 let n = (n > 0).then_some(u64::from(n));
                 self.dev.fail_nth_malloc(n);
+                self.dev.fail_nth_vm_create(n);
+                self.dev.fail_nth_vm_map(n);
                 self.nth_fires_at = n.map(|n| self.reserve_calls() + n);
             }
             Op::FailMallocsAbove { limit } => {
@@ -714,8 +758,9 @@ impl<'a> Harness<'a> {
                     let (lo, hi) = (b.ptr().0, b.ptr().0 + b.block_size());
                     let segs = self.dev.live_segments();
                     ensure!(
-                        segs.iter().any(|&(p, len)| p.0 <= lo && hi <= p.0 + len),
-                        "bound {b:?} is in no live device segment: {segs:x?}"
+                        segs.iter().any(|&(p, len)| p.0 <= lo && hi <= p.0 + len)
+                            || self.mapped(lo, hi),
+                        "bound {b:?} is in no live device segment or mapping: {segs:x?}"
                     );
                     let spans = outside
                         .iter()
@@ -803,6 +848,11 @@ impl<'a> Harness<'a> {
 
     /// An out-of-memory error must have a cause the harness can see.
     fn explain_oom(&self, r: &OomReport, calls_before: u64) -> Result<(), String> {
+        if self.vm_failures() > self.vm_fail_mark.get() {
+            // A physical creation or a mapping was refused in this step (an injected fault, or
+            // the device full: for expandable segments the device refuses page by page).
+            return Ok(());
+        }
         let calls_after = self.reserve_calls();
         let nth_fired = self.nth_fires_at.is_some_and(|c| calls_before < c && c <= calls_after);
         let above = self.fail_above.is_some_and(|limit| r.segment > limit);
@@ -854,7 +904,8 @@ impl<'a> Harness<'a> {
         self.dev.launch(s, kernel).map_err(|e| dev_err("launch", e))
     }
 
-    /// After a release: no segment selected by `which` is left with only free blocks.
+    /// After a release: no segment selected by `which` (expandable runs included) is left with
+    /// only free blocks.
     fn nothing_releasable(
         &self,
         which: impl Fn(&SegmentInfo) -> bool,
@@ -895,8 +946,14 @@ impl<'a> Harness<'a> {
         let snap = self.alloc.snapshot();
         let other_snap = self.other.snapshot();
         let device_segs = self.dev.live_segments();
-        let mut alloc_segs: Vec<(DeviceAddr, u64)> =
-            snap.iter().chain(&other_snap).map(|s| (s.address, s.size)).collect();
+        let ranges = self.dev.live_virtual_ranges();
+        let in_range = |a: DeviceAddr| ranges.iter().any(|&(b, n)| b <= a && a.0 < b.0 + n);
+        let mut alloc_segs: Vec<(DeviceAddr, u64)> = snap
+            .iter()
+            .chain(&other_snap)
+            .filter(|s| !in_range(s.address))
+            .map(|s| (s.address, s.size))
+            .collect();
         alloc_segs.sort_unstable();
         ensure!(
             alloc_segs == device_segs,
@@ -908,8 +965,10 @@ impl<'a> Harness<'a> {
         let device_reserved: u64 = device_segs.iter().map(|s| s.1).sum();
         let reserved = b.reserved_bytes.all.current + other_stats.blocks.reserved_bytes.all.current;
         ensure!(
-            reserved == device_reserved && device_reserved == self.dev.reserved_bytes(),
-            "reserved_bytes {reserved} (both allocators) != Σ device segments {device_reserved}"
+            reserved == device_reserved + self.dev.physical_bytes()
+                && device_reserved == self.dev.reserved_bytes(),
+            "reserved_bytes {reserved} (both allocators) != Σ device segments {device_reserved} + physical {}",
+            self.dev.physical_bytes()
         );
         for o in self.others.iter().filter(|o| o.block_size() > 0) {
             let blk =
@@ -1001,6 +1060,7 @@ impl<'a> Harness<'a> {
         for w in spans.windows(2) {
             ensure!(w[0].0 + w[0].1 <= w[1].0, "live buffers overlap: {w:x?}");
         }
+        self.vm_fail_mark.set(self.vm_failures());
         self.check_device()
     }
 
@@ -1323,7 +1383,9 @@ mod tests {
         ops.clear();
         for _ in 0..3 {
             ops.push(Op::ScopeEnter { stream: 1, named: true });
-            ops.extend((0..8).map(|_| Op::Sleep { stream: 2, sleep_us: 5 }));
+            // Long enough (32 × 200 µs) that the read is still running when the next run
+            // hands the slice out, even on a loaded machine.
+            ops.extend((0..32).map(|_| Op::Sleep { stream: 2, sleep_us: 200 }));
             ops.push(Op::ScopeForget { bytes: 4096, used: true, stream: 2 });
             ops.push(Op::ScopeExit);
         }

@@ -27,8 +27,9 @@ pub const STREAM_SLOTS: u8 = 3;
 /// Device capacities a program may run on (the device is unbacked: capacity costs nothing).
 pub const CAPACITIES: [u64; 4] = [64 * MIB, 256 * MIB, 1 << 30, 64 << 30];
 
-/// Configurations a program may start with or switch to. All valid.
-pub const CONFIGS: [&str; 9] = [
+/// Configurations a program may start with or switch to. All valid. (The expandable ones were
+/// added last: a seed written with a choice below 9 decodes as before.)
+pub const CONFIGS: [&str; 12] = [
     "",
     "cross_stream:wait_event",
     "max_split_size_mb:40",
@@ -38,6 +39,9 @@ pub const CONFIGS: [&str; 9] = [
     "memory_limit_mb:96",
     "per_process_memory_fraction:0.5,min_block_size:1024",
     "small_segment_mb:1,large_segment_mb:10,min_large_alloc_mb:10,min_block_size:256",
+    "expandable_segments:true",
+    "expandable_segments:true,cross_stream:wait_event,memory_limit_mb:96",
+    "expandable_segments:true,release_threshold_mb:2,roundup_power2_divisions:4",
 ];
 
 /// Kernel and sleep durations in µs (mostly zero: a zero sleep costs nothing).

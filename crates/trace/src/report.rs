@@ -15,7 +15,8 @@
 //!  "allocator_settings": null | {key: str, ...}, "notes": [str, ...],
 //!  "policies": [{"name": str, "peak_reserved_bytes": int, "ratio_to_peak_live": float,
 //!                "peak_allocated_bytes": int, "fragmentation": float, "device_mallocs": int,
-//!                "device_frees": int, "host_syncs": int, "ns_per_op": float}]}
+//!                "device_frees": int, "device_maps": int, "device_unmaps": int,
+//!                "host_syncs": int, "ns_per_op": float}]}
 //! ```
 
 use std::collections::BTreeMap;
@@ -96,6 +97,8 @@ struct JsonPolicy<'a> {
     fragmentation: f64,
     device_mallocs: u64,
     device_frees: u64,
+    device_maps: u64,
+    device_unmaps: u64,
     host_syncs: u64,
     ns_per_op: f64,
 }
@@ -233,6 +236,8 @@ impl Report {
                     fragmentation: fragmentation(self.peak_live_bytes, p.peak_reserved_bytes),
                     device_mallocs: p.device_mallocs,
                     device_frees: p.device_frees,
+                    device_maps: p.device_maps,
+                    device_unmaps: p.device_unmaps,
                     host_syncs: p.host_syncs,
                     // JSON has no NaN/inf; a policy reporting one gets 0.
                     ns_per_op: if p.ns_per_op.is_finite() { p.ns_per_op } else { 0.0 },
@@ -252,6 +257,8 @@ impl Report {
             "frag",
             "mallocs",
             "frees",
+            "maps",
+            "unmaps",
             "syncs",
             "ns/op",
         ];
@@ -263,7 +270,7 @@ impl Report {
                 format!("{:.3}", ratio_to_live(live, reserved))
             }
         };
-        let mut rows: Vec<[String; 9]> = vec![header.map(String::from)];
+        let mut rows: Vec<[String; 11]> = vec![header.map(String::from)];
         for p in &self.policies {
             rows.push([
                 p.name.clone(),
@@ -276,6 +283,8 @@ impl Report {
                 ),
                 p.device_mallocs.to_string(),
                 p.device_frees.to_string(),
+                p.device_maps.to_string(),
+                p.device_unmaps.to_string(),
                 p.host_syncs.to_string(),
                 format!("{:.1}", p.ns_per_op),
             ]);
@@ -292,6 +301,8 @@ impl Report {
                 "-".into(),
                 "-".into(),
                 "-".into(),
+                "-".into(),
+                "-".into(),
             ]);
         }
         rows.push([
@@ -304,8 +315,10 @@ impl Report {
             "-".into(),
             "-".into(),
             "-".into(),
+            "-".into(),
+            "-".into(),
         ]);
-        let mut widths = [0usize; 9];
+        let mut widths = [0usize; 11];
         for row in &rows {
             for (w, cell) in widths.iter_mut().zip(row) {
                 *w = (*w).max(cell.chars().count());

@@ -54,6 +54,8 @@ fn unreachable_result(name: &str) -> PolicyResult {
         peak_allocated_bytes: 0,
         device_mallocs: 0,
         device_frees: 0,
+        device_maps: 0,
+        device_unmaps: 0,
         host_syncs: 0,
         ns_per_op: 0.0,
         reserved_timeline: None,

@@ -106,6 +106,8 @@ fn shipped_traces_exact_figures() {
         ("mlp_train.csv.gz", Mode::Residency, 1430257664, 1367670784, 26),
         ("gpt2_train.csv.gz", Mode::Scoped, 4102029312, 3921666048, 170),
         ("mlp_train.csv.gz", Mode::Scoped, 1430257664, 1369636864, 27),
+        ("gpt2_train.csv.gz", Mode::Expandable, 3925868544, 3911788544, 0),
+        ("mlp_train.csv.gz", Mode::Expandable, 1411383296, 1367670784, 0),
     ];
     for (file, mode, reserved, allocated, mallocs) in cases {
         let t = read_trace(&dir.join(file)).unwrap();
@@ -117,6 +119,18 @@ fn shipped_traces_exact_figures() {
         );
         if mode != Mode::Scoped {
             assert_eq!((r.device_frees, r.host_syncs), (0, 0), "{file} {mode:?}");
+        }
+        if mode == Mode::Expandable {
+            // Every page mapped once (in the first two steps), none unmapped: see the notes.
+            let maps = if file.starts_with("gpt2") { 1872 } else { 673 };
+            assert_eq!((r.device_maps, r.device_unmaps), (maps, 0), "{file}");
+            let per_step = &r.extra.iter().find(|(k, _)| k == "maps/unmaps per step").unwrap().1;
+            let want = if file.starts_with("gpt2") {
+                "[1394/0, 478/0, 0/0, 0/0]"
+            } else {
+                "[673/0, 0/0, 0/0, 0/0, 0/0, 0/0]"
+            };
+            assert_eq!(per_step, want, "{file}");
         }
     }
 }

@@ -86,7 +86,15 @@ fn registry_lists_baselines_in_order() {
         registry(&ReplayOptions::default()).unwrap().iter().map(|p| p.name()).collect();
     assert_eq!(
         names,
-        vec!["caching", "residency", "scoped", "offset-allocator", "range-alloc", "planned"]
+        vec![
+            "caching",
+            "residency",
+            "scoped",
+            "expandable",
+            "offset-allocator",
+            "range-alloc",
+            "planned"
+        ]
     );
 }
 
@@ -139,7 +147,7 @@ fn json_report_has_exactly_the_documented_shape() {
     let policies = registry(&opts).unwrap();
     let mut calls = 0;
     let report = run_policies(&t, &policies, &opts, &mut |_| calls += 1).unwrap();
-    assert_eq!(calls, 18);
+    assert_eq!(calls, 21);
     let v: serde_json::Value = serde_json::from_str(&report.to_json()).unwrap();
     let obj = v.as_object().unwrap();
     let mut keys: Vec<_> = obj.keys().map(String::as_str).collect();
@@ -177,10 +185,18 @@ fn json_report_has_exactly_the_documented_shape() {
     let names: Vec<_> = policies.iter().map(|p| p["name"].as_str().unwrap()).collect();
     assert_eq!(
         names,
-        vec!["caching", "residency", "scoped", "offset-allocator", "range-alloc", "planned"]
+        vec![
+            "caching",
+            "residency",
+            "scoped",
+            "expandable",
+            "offset-allocator",
+            "range-alloc",
+            "planned"
+        ]
     );
-    // caching, residency and scoped reserve one 2 MiB small-pool segment.
-    let expected_reserved = [2u64 << 20, 2 << 20, 2 << 20, 2560, 2560, 1792];
+    // caching, residency and scoped reserve one 2 MiB small-pool segment, expandable one page.
+    let expected_reserved = [2u64 << 20, 2 << 20, 2 << 20, 2 << 20, 2560, 2560, 1792];
     for (p, reserved) in policies.iter().zip(expected_reserved) {
         let p = p.as_object().unwrap();
         let mut keys: Vec<_> = p.keys().map(String::as_str).collect();
@@ -190,6 +206,8 @@ fn json_report_has_exactly_the_documented_shape() {
             vec![
                 "device_frees",
                 "device_mallocs",
+                "device_maps",
+                "device_unmaps",
                 "fragmentation",
                 "host_syncs",
                 "name",
@@ -205,6 +223,8 @@ fn json_report_has_exactly_the_documented_shape() {
             "peak_allocated_bytes",
             "device_mallocs",
             "device_frees",
+            "device_maps",
+            "device_unmaps",
             "host_syncs",
         ] {
             assert!(p[k].is_u64(), "{k} is an integer");

@@ -46,7 +46,7 @@ fn each_device_replays_on_its_own_device_and_streams() {
 
     // Device 0: tidepool's segments are per stream: a 20 MiB large segment on the default
     // stream (W1, X, Q), 2 MiB small segments for EARLY (1 MiB) and Y (S1), a 20 MiB large one
-    // for Z (S2).
+    // for Z (S2). Expandable segments map only the 2 MiB pages the blocks need.
     let r0 = replay(&traces[0], None);
     assert_eq!((r0.device(), r0.peak_live_bytes), (Some(0), 13_146_228));
     assert_eq!(r0.recorded_peak_reserved(), Some(30 * MIB));
@@ -56,6 +56,7 @@ fn each_device_replays_on_its_own_device_and_streams() {
             ("caching", 44 * MIB, 13_146_624, 4),
             ("residency", 64 * MIB, 13_146_624, 5),
             ("scoped", 64 * MIB, 13_146_624, 5),
+            ("expandable", 16 * MIB, 13_146_624, 0),
             ("offset-allocator", 13_146_368, 13_146_368, 1),
             ("range-alloc", 13_146_368, 13_146_368, 1),
             ("planned", 13_146_368, 13_146_368, 1),
@@ -71,6 +72,7 @@ fn each_device_replays_on_its_own_device_and_streams() {
             ("caching", 22 * MIB, 2_900_992, 2),
             ("residency", 24 * MIB, 2_900_992, 3),
             ("scoped", 24 * MIB, 2_900_992, 3),
+            ("expandable", 4 * MIB, 2_900_992, 0),
             ("offset-allocator", 2_900_480, 2_900_480, 1),
             ("range-alloc", 2_900_480, 2_900_480, 1),
             ("planned", 2_900_480, 2_900_480, 1),
@@ -108,7 +110,7 @@ fn reports_show_the_recorded_row_skipped_kinds_and_settings() {
          segment_map 1, segment_unmap 1, snapshot 1, user_defined 1\n",
         "  out of memory: the trace records 1 `oom` entry (PyTorch failed an allocation)\n",
         "  scopes: 1 from external_annotations START/END",
-        "pytorch (recorded)      30.00 MiB   2.393               -  58.2%        -      -      -",
+        "pytorch (recorded)      30.00 MiB   2.393               -  58.2%        -      -     -       -      -",
         "  pytorch (recorded): reserved 20971520 at the start of the window, 23068672 at the \
          snapshot, 3 segment entries\n",
     ] {

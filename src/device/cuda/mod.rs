@@ -30,12 +30,17 @@
 //! - `cuMemAlloc` guarantees 256-byte alignment; the trait promises 512. Segments the allocator
 //!   reserves are ≥ 2 MiB and land on the driver's 2 MiB pages, and a pointer that is not 512-byte
 //!   aligned is freed again and reported as an error rather than handed on.
+//! - Virtual memory (expandable segments): `cuMemGetAllocationGranularity` (recommended, pinned
+//!   device memory), `cuMemAddressReserve`/`cuMemAddressFree`, `cuMemCreate`/`cuMemRelease`,
+//!   `cuMemMap` + `cuMemSetAccess`/`cuMemUnmap`, one call per trait method; supported where the
+//!   device reports `VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED`. Ranges, allocations and mappings are
+//!   tracked, so a dropped device returns what an allocator left.
 //! - Locks are `std::sync`, not the `crate::sync` shim: driver calls cannot run under loom, so this
 //!   device is never modelled (and the `cuda` feature is not combined with `--cfg loom`).
 
 pub(crate) mod result;
 
-use super::{Device, DeviceAddr, DeviceError, EventId, HostPtr, MemInfo, StreamId};
+use super::{Device, DeviceAddr, DeviceError, EventId, HostPtr, MemInfo, PhysHandle, StreamId};
 use cudarc::driver::{CudaContext, CudaStream, DriverError, sys};
 use result::RawEvent;
 use std::collections::{HashMap, HashSet};
@@ -67,6 +72,20 @@ pub struct CudaDevice {
     segments: Mutex<HashMap<u64, u64>>,
     /// Live pinned host allocations (`cuMemHostAlloc`): address → (pointer, bytes).
     host: Mutex<HashMap<usize, (HostPtr, u64)>>,
+    /// Virtual memory: support and granularity (asked once), live ranges, allocations, mappings.
+    vm_support: OnceLock<Option<u64>>,
+    vm: Mutex<CudaVm>,
+}
+
+/// What the virtual-memory calls made and have not undone.
+#[derive(Default)]
+struct CudaVm {
+    /// Reserved ranges: base → bytes.
+    ranges: HashMap<u64, u64>,
+    /// Physical allocations not released: handle → bytes.
+    handles: HashMap<u64, u64>,
+    /// Mappings: address → (bytes, handle).
+    mappings: HashMap<u64, (u64, u64)>,
 }
 
 struct Streams {
@@ -163,6 +182,8 @@ impl CudaDevice {
             events: Mutex::new(Events { next: 0, live: HashMap::new(), pool: Vec::new() }),
             segments: Mutex::new(HashMap::new()),
             host: Mutex::new(HashMap::new()),
+            vm_support: OnceLock::new(),
+            vm: Mutex::new(CudaVm::default()),
         }))
     }
 
@@ -260,6 +281,25 @@ impl CudaDevice {
         lock(&self.segments).values().sum()
     }
 
+    /// The device ordinal as the driver's `int`.
+    fn ordinal_c(&self) -> std::ffi::c_int {
+        std::ffi::c_int::try_from(self.ordinal()).unwrap_or(std::ffi::c_int::MAX)
+    }
+
+    /// The virtual-memory granularity, where the device supports virtual memory management
+    /// (asked once).
+    fn vm_page(&self) -> Option<u64> {
+        *self.vm_support.get_or_init(|| {
+            let attr =
+                sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED;
+            let supported = self.ctx.attribute(attr).is_ok_and(|v| v != 0);
+            if !supported || self.bind().is_err() {
+                return None;
+            }
+            result::mem_granularity(self.ordinal_c()).ok().filter(|&g| g > 0)
+        })
+    }
+
     /// Makes this device's context current on the calling thread (the driver's per-thread state).
     pub(crate) fn bind(&self) -> Result<(), DeviceError> {
         self.ctx.bind_to_thread().map_err(|e| driver_error("cuCtxSetCurrent", e))
@@ -285,6 +325,21 @@ impl Drop for CudaDevice {
             return;
         }
         let _ = result::ctx_synchronize();
+        let mut vm = lock(&self.vm);
+        for (va, (bytes, _)) in vm.mappings.drain() {
+            // SAFETY: a mapping made by `vm_map` in this context; the device is idle and nothing
+            // can use it any more (buffers hold the allocator, which holds the device).
+            let _ = unsafe { result::mem_unmap(va, bytes) };
+        }
+        for (h, _) in vm.handles.drain() {
+            // SAFETY: a live allocation from `vm_create`, released once here, now unmapped.
+            let _ = unsafe { result::mem_release(h) };
+        }
+        for (base, bytes) in vm.ranges.drain() {
+            // SAFETY: a whole reservation from `vm_reserve` with nothing mapped in it any more.
+            let _ = unsafe { result::mem_address_free(base, bytes) };
+        }
+        drop(vm);
         for (ptr, _) in lock(&self.segments).drain() {
             // SAFETY: `ptr` came from `mem_alloc` in this context; the device is idle and no
             // buffer can outlive the device (buffers hold the allocator, which holds the device).
@@ -464,6 +519,96 @@ impl Device for CudaDevice {
     fn synchronize(&self) -> Result<(), DeviceError> {
         self.bind()?;
         result::ctx_synchronize()
+    }
+
+    /// The device attribute `VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED` (and a granularity query that
+    /// works).
+    fn supports_virtual_memory(&self) -> bool {
+        self.vm_page().is_some()
+    }
+
+    fn vm_granularity(&self) -> Result<u64, DeviceError> {
+        self.vm_page().ok_or(super::NO_VIRTUAL_MEMORY)
+    }
+
+    /// `cuMemAddressReserve`, aligned to the granularity.
+    fn vm_reserve(&self, bytes: u64) -> Result<DeviceAddr, DeviceError> {
+        let page = self.vm_granularity()?;
+        self.bind()?;
+        let ptr = result::mem_address_reserve(bytes, page)?;
+        lock(&self.vm).ranges.insert(ptr, bytes);
+        Ok(DeviceAddr(ptr))
+    }
+
+    /// `cuMemAddressFree` of a whole range with nothing mapped in it.
+    fn vm_free(&self, base: DeviceAddr, bytes: u64) -> Result<(), DeviceError> {
+        let mut vm = lock(&self.vm);
+        let mapped = vm.mappings.keys().any(|&va| base.0 <= va && va < base.0 + bytes);
+        if vm.ranges.get(&base.0) != Some(&bytes) || mapped {
+            return Err(DeviceError::Driver { op: "cuMemAddressFree", code: 1 });
+        }
+        self.bind()?;
+        // SAFETY: `base` is a whole live reservation of this context (checked in `ranges`) with
+        // nothing mapped in it (checked in `mappings`); it leaves the table, so it is freed once.
+        unsafe { result::mem_address_free(base.0, bytes) }?;
+        vm.ranges.remove(&base.0);
+        Ok(())
+    }
+
+    /// `cuMemCreate` of pinned memory on this device.
+    fn vm_create(&self, bytes: u64) -> Result<PhysHandle, DeviceError> {
+        self.vm_granularity()?;
+        self.bind()?;
+        let h = result::mem_create(bytes, self.ordinal_c())?;
+        lock(&self.vm).handles.insert(h, bytes);
+        Ok(PhysHandle(h))
+    }
+
+    /// `cuMemRelease`; the memory goes once its mappings are gone.
+    fn vm_release(&self, handle: PhysHandle) -> Result<(), DeviceError> {
+        let mut vm = lock(&self.vm);
+        if !vm.handles.contains_key(&handle.0) {
+            return Err(DeviceError::Driver { op: "cuMemRelease", code: 400 });
+        }
+        self.bind()?;
+        // SAFETY: a live handle of this device (checked in `handles`), released once: it leaves
+        // the table. Mappings of it keep its memory alive until they are unmapped.
+        unsafe { result::mem_release(handle.0) }?;
+        vm.handles.remove(&handle.0);
+        Ok(())
+    }
+
+    /// `cuMemMap` + `cuMemSetAccess` (read/write from this device).
+    fn vm_map(&self, va: DeviceAddr, bytes: u64, handle: PhysHandle) -> Result<(), DeviceError> {
+        let mut vm = lock(&self.vm);
+        let in_range = vm.ranges.iter().any(|(&b, &n)| b <= va.0 && va.0 + bytes <= b + n);
+        let overlaps = vm.mappings.iter().any(|(&a, &(n, _))| a < va.0 + bytes && va.0 < a + n);
+        let sized = vm.handles.get(&handle.0) == Some(&bytes);
+        if !in_range || overlaps || !sized {
+            return Err(DeviceError::Driver { op: "cuMemMap", code: 1 });
+        }
+        self.bind()?;
+        // SAFETY: `[va, va + bytes)` lies in a live reservation of this context with nothing
+        // mapped there (both checked above, under the table's lock), and `handle` is a live
+        // allocation of exactly `bytes` (checked in `handles`).
+        unsafe { result::mem_map(va.0, bytes, handle.0, self.ordinal_c()) }?;
+        vm.mappings.insert(va.0, (bytes, handle.0));
+        Ok(())
+    }
+
+    /// `cuMemUnmap` of one whole mapping; the caller made sure no unfinished work uses it.
+    fn vm_unmap(&self, va: DeviceAddr, bytes: u64) -> Result<(), DeviceError> {
+        let mut vm = lock(&self.vm);
+        if vm.mappings.get(&va.0).map(|m| m.0) != Some(bytes) {
+            return Err(DeviceError::Driver { op: "cuMemUnmap", code: 1 });
+        }
+        self.bind()?;
+        // SAFETY: `[va, va + bytes)` is exactly one live mapping of this context (checked in
+        // `mappings`), unmapped once (it leaves the table); the trait's contract makes the caller
+        // order it after every use (the allocator waits for the stream's events first).
+        unsafe { result::mem_unmap(va.0, bytes) }?;
+        vm.mappings.remove(&va.0);
+        Ok(())
     }
 
     /// `cuMemHostAlloc` (default flags).

@@ -13,7 +13,7 @@
 
 use crate::device::{DeviceError, HostPtr, MemInfo};
 use cudarc::driver::sys;
-use std::ffi::{c_uint, c_void};
+use std::ffi::{c_int, c_uint, c_void};
 
 /// A raw CUDA event handle (`CUevent`), owned by [`super::CudaDevice`]'s event pool.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -156,6 +156,139 @@ pub(crate) unsafe fn memset_d8_async(
 ) -> Result<(), DeviceError> {
     // SAFETY: the caller guarantees the range and the stream are valid.
     check("cuMemsetD8Async", unsafe { sys::cuMemsetD8Async(ptr, value, bytes, stream) })
+}
+
+// Virtual memory management (expandable segments).
+
+// The device id sits right after the location type in every CUDA version's `CUmemLocation` (a
+// plain `id` before 13.2, the first member of an anonymous union since): see `device_location`.
+const _: () = assert!(std::mem::size_of::<sys::CUmemLocation>() >= 8);
+
+/// `CUmemLocation` of device `ordinal`.
+fn device_location(ordinal: c_int) -> sys::CUmemLocation {
+    // SAFETY: `CUmemLocation` is a plain C struct; all-zero bytes are a valid value of it (0 is
+    // `CU_MEM_LOCATION_TYPE_INVALID`, and the id/union is an integer).
+    let mut loc: sys::CUmemLocation = unsafe { std::mem::zeroed() };
+    loc.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+    // SAFETY: offset 4 is inside the struct (asserted above: at least 8 bytes) and is where every
+    // CUDA version keeps the `int` device id; an unaligned write needs no alignment.
+    unsafe { (&raw mut loc).cast::<u8>().add(4).cast::<c_int>().write_unaligned(ordinal) };
+    loc
+}
+
+/// The properties of pinned device memory on device `ordinal` (what `cuMemCreate` makes).
+fn pinned_prop(ordinal: c_int) -> sys::CUmemAllocationProp {
+    // SAFETY: `CUmemAllocationProp` is a plain C struct; all-zero bytes are a valid value of it
+    // (the zero of each enum field is one of its variants, the pointer is null, the flags 0).
+    let mut prop: sys::CUmemAllocationProp = unsafe { std::mem::zeroed() };
+    prop.type_ = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
+    prop.location = device_location(ordinal);
+    prop
+}
+
+/// `cuMemGetAllocationGranularity` (recommended) of pinned memory on device `ordinal`.
+pub(super) fn mem_granularity(ordinal: c_int) -> Result<u64, DeviceError> {
+    let prop = pinned_prop(ordinal);
+    let mut granularity = 0usize;
+    let flag = sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_RECOMMENDED;
+    // SAFETY: both pointers are valid for the call: `granularity` to write, `prop` to read.
+    let code = unsafe { sys::cuMemGetAllocationGranularity(&mut granularity, &prop, flag) };
+    check("cuMemGetAllocationGranularity", code)?;
+    Ok(granularity as u64)
+}
+
+/// `cuMemAddressReserve`: `bytes` of virtual addresses, aligned to `align`, anywhere.
+pub(super) fn mem_address_reserve(bytes: u64, align: u64) -> Result<sys::CUdeviceptr, DeviceError> {
+    let too_big = DeviceError::Driver {
+        op: "cuMemAddressReserve",
+        code: DeviceError::CUDA_ERROR_OUT_OF_MEMORY,
+    };
+    let size = usize::try_from(bytes).map_err(|_| too_big.clone())?;
+    let align = usize::try_from(align).map_err(|_| too_big)?;
+    let mut ptr: sys::CUdeviceptr = 0;
+    // SAFETY: `ptr` is a valid place to write; address hint 0 and flags 0 as documented.
+    let code = unsafe { sys::cuMemAddressReserve(&mut ptr, size, align, 0, 0) };
+    check("cuMemAddressReserve", code)?;
+    Ok(ptr)
+}
+
+/// `cuMemAddressFree`.
+///
+/// # Safety
+/// `[ptr, ptr + bytes)` is exactly a range from [`mem_address_reserve`] in the current context,
+/// with nothing mapped in it, and it is not used after this call.
+pub(super) unsafe fn mem_address_free(
+    ptr: sys::CUdeviceptr,
+    bytes: u64,
+) -> Result<(), DeviceError> {
+    // SAFETY: the caller guarantees the range is a whole, unmapped reservation.
+    check("cuMemAddressFree", unsafe { sys::cuMemAddressFree(ptr, bytes as usize) })
+}
+
+/// `cuMemCreate`: a physical allocation of `bytes` (a multiple of the granularity) of pinned
+/// memory on device `ordinal`.
+pub(super) fn mem_create(
+    bytes: u64,
+    ordinal: c_int,
+) -> Result<sys::CUmemGenericAllocationHandle, DeviceError> {
+    let size = usize::try_from(bytes).map_err(|_| DeviceError::OutOfMemory { requested: bytes })?;
+    let prop = pinned_prop(ordinal);
+    let mut handle: sys::CUmemGenericAllocationHandle = 0;
+    // SAFETY: `handle` is a valid place to write and `prop` a valid description to read; flags 0.
+    let code = unsafe { sys::cuMemCreate(&mut handle, size, &prop, 0) };
+    check("cuMemCreate", code)?;
+    Ok(handle)
+}
+
+/// `cuMemRelease`.
+///
+/// # Safety
+/// `handle` came from [`mem_create`] and is released once; its memory lives on until its last
+/// mapping is unmapped (the driver's rule), so releasing a mapped one is no use after free.
+pub(super) unsafe fn mem_release(
+    handle: sys::CUmemGenericAllocationHandle,
+) -> Result<(), DeviceError> {
+    // SAFETY: the caller guarantees a live handle released once.
+    check("cuMemRelease", unsafe { sys::cuMemRelease(handle) })
+}
+
+/// `cuMemMap` of all of `handle` at `ptr`, then `cuMemSetAccess` (read and write from device
+/// `ordinal`); if the access cannot be set, the mapping is undone.
+///
+/// # Safety
+/// `[ptr, ptr + bytes)` lies in a reservation of the current context and nothing is mapped there;
+/// `handle` is a live allocation of exactly `bytes`.
+pub(super) unsafe fn mem_map(
+    ptr: sys::CUdeviceptr,
+    bytes: u64,
+    handle: sys::CUmemGenericAllocationHandle,
+    ordinal: c_int,
+) -> Result<(), DeviceError> {
+    let size = bytes as usize;
+    // SAFETY: the caller guarantees a free, reserved range and a live handle of this size; offset
+    // and flags 0 as documented.
+    check("cuMemMap", unsafe { sys::cuMemMap(ptr, size, 0, handle, 0) })?;
+    let desc = sys::CUmemAccessDesc {
+        location: device_location(ordinal),
+        flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+    };
+    // SAFETY: `[ptr, ptr + size)` is mapped (just above) and `desc` is one valid descriptor.
+    let access = check("cuMemSetAccess", unsafe { sys::cuMemSetAccess(ptr, size, &desc, 1) });
+    if access.is_err() {
+        // SAFETY: the range was mapped just above and nothing has used it.
+        let _ = unsafe { sys::cuMemUnmap(ptr, size) };
+    }
+    access
+}
+
+/// `cuMemUnmap`.
+///
+/// # Safety
+/// `[ptr, ptr + bytes)` is exactly one mapping made by [`mem_map`], and no unfinished device work
+/// and no later use touches it (the driver does not wait for the streams).
+pub(super) unsafe fn mem_unmap(ptr: sys::CUdeviceptr, bytes: u64) -> Result<(), DeviceError> {
+    // SAFETY: the caller guarantees a whole mapping nothing uses any more.
+    check("cuMemUnmap", unsafe { sys::cuMemUnmap(ptr, bytes as usize) })
 }
 
 /// `cuMemHostAlloc` (flags 0, as `cudaHostAllocDefault`): `bytes` of page-locked host memory.

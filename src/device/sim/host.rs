@@ -262,7 +262,8 @@ impl SimDevice {
         if !in_host {
             return Err(DeviceError::BadAccess { ptr: DeviceAddr(lo as u64), bytes });
         }
-        if !dev.0.checked_add(bytes).is_some_and(|hi| st.mem.contains(dev.0, hi)) {
+        let in_device = |hi: u64| st.mem.contains(dev.0, hi) || st.vm.mapped(dev.0, hi);
+        if !dev.0.checked_add(bytes).is_some_and(in_device) {
             return Err(DeviceError::BadAccess { ptr: dev, bytes });
         }
         if !self.config.backed {

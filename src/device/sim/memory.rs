@@ -50,6 +50,14 @@ impl Memory {
         addr
     }
 
+    /// Takes `bytes` of fresh addresses aligned to `align` (a power of two) for a virtual range:
+    /// the same bump pointer as segments, so ranges and segments never overlap.
+    pub(super) fn take_addresses(&mut self, bytes: u64, align: u64) -> Option<u64> {
+        let addr = self.next_addr.checked_add(align - 1)? & !(align - 1);
+        self.next_addr = addr.checked_add(bytes)?;
+        Some(addr)
+    }
+
     /// Removes the segment starting at `addr`, returning its size.
     pub(super) fn release(&mut self, addr: u64) -> Option<u64> {
         let seg = self.segments.remove(&addr)?;
@@ -107,14 +115,39 @@ impl SimMemory<'_> {
         let mut st = lock(&self.shared.state);
         Ok(f(st.mem.bytes_mut(ptr, bytes)?))
     }
+
+    /// Copies between `buf` and mapped virtual memory at `ptr` (page by page: each page may be
+    /// backed by another physical allocation). `None` when `ptr` is not in a virtual range.
+    fn virtual_copy(
+        &self,
+        ptr: DeviceAddr,
+        buf: super::vmm::Buf<'_>,
+    ) -> Option<Result<(), DeviceError>> {
+        let bytes = buf.len() as u64;
+        let mut st = lock(&self.shared.state);
+        if !st.vm.is_virtual(ptr.0) {
+            return None;
+        }
+        let write = matches!(buf, super::vmm::Buf::Write(_));
+        if !self.declared(ptr, bytes, write) {
+            return Some(Err(DeviceError::BadAccess { ptr, bytes }));
+        }
+        Some(st.vm.copy(ptr, buf))
+    }
 }
 
 impl KernelMemory for SimMemory<'_> {
     fn read(&self, ptr: DeviceAddr, out: &mut [u8]) -> Result<(), DeviceError> {
+        if let Some(r) = self.virtual_copy(ptr, super::vmm::Buf::Read(&mut *out)) {
+            return r;
+        }
         self.with_range(ptr, out.len() as u64, false, |src| out.copy_from_slice(src))
     }
 
     fn write(&self, ptr: DeviceAddr, data: &[u8]) -> Result<(), DeviceError> {
+        if let Some(r) = self.virtual_copy(ptr, super::vmm::Buf::Write(data)) {
+            return r;
+        }
         self.with_range(ptr, data.len() as u64, true, |dst| dst.copy_from_slice(data))
     }
 }

@@ -6,6 +6,8 @@
 //! - [`stream`]: each stream is an in-order queue drained by its own worker thread; `launch`
 //!   returns at once, events are positions in a queue, `wait_event` enqueues a device-side wait.
 //! - [`sanitizer`]: the stream-order sanitizer (vector clocks over stream positions).
+//! - [`vmm`]: virtual memory (address ranges, physical allocations, mappings) for expandable
+//!   segments; the device's capacity counts segments and physical allocations together.
 //!
 //! ```text
 //!   SimDevice ── Arc<Shared> ──┬── worker(stream 0) ─┐
@@ -21,16 +23,21 @@ mod host;
 mod memory;
 mod sanitizer;
 mod stream;
+mod vmm;
 
 pub use host::SimHostCounters;
 pub use memory::{SIM_ALIGN, SIM_BASE};
+pub use vmm::{SIM_VM_GRANULARITY, VmCounters};
 
-use super::{AccessKind, DeviceAddr, DeviceError, EventId, HostPtr, Kernel, MemInfo, StreamId};
+use super::{
+    AccessKind, DeviceAddr, DeviceError, EventId, HostPtr, Kernel, MemInfo, PhysHandle, StreamId,
+};
 use crate::sync::{Arc, Condvar, Mutex, MutexGuard, lock, wait};
 use memory::Memory;
 use sanitizer::Sanitizer;
 use std::collections::{BTreeMap, HashMap};
 use stream::{Op, Stream};
+use vmm::Vmm;
 
 /// How a [`SimDevice`] behaves.
 #[derive(Clone, Debug)]
@@ -113,6 +120,7 @@ struct Faults {
 /// Everything under the device lock.
 pub(super) struct State {
     mem: Memory,
+    vm: Vmm,
     streams: BTreeMap<u32, Stream>,
     next_stream: u32,
     /// Event id → the (stream, position) of its latest record, if any.
@@ -156,6 +164,11 @@ impl State {
     fn event(&self, event: EventId) -> Result<Option<(u32, u64)>, DeviceError> {
         self.events.get(&event.0).copied().ok_or(DeviceError::UnknownEvent(event))
     }
+
+    /// Bytes the device's capacity is spent on: segments and physical allocations.
+    fn used(&self) -> u64 {
+        self.mem.reserved + self.vm.physical_bytes
+    }
 }
 
 /// What the device and its workers share.
@@ -187,6 +200,7 @@ impl SimDevice {
         let shared = Arc::new(Shared {
             state: Mutex::new(State {
                 mem: Memory::new(),
+                vm: Vmm::new(config.capacity),
                 streams: BTreeMap::new(),
                 next_stream: 1,
                 app_streams: BTreeMap::new(),
@@ -302,6 +316,65 @@ impl SimDevice {
     /// backtrace in tests). Off by default.
     pub fn panic_on_violation(&self, on: bool) {
         self.state().panic_on_violation = on;
+    }
+
+    /// Turns virtual memory support on (the default) or off; off, the device answers like one
+    /// without it, so allocators fall back to ordinary segments.
+    pub fn set_virtual_memory(&self, on: bool) {
+        self.state().vm.supported = on;
+    }
+
+    /// Sets the virtual-memory granularity (a power of two, at least [`SIM_ALIGN`]; default
+    /// [`SIM_VM_GRANULARITY`], 2 MiB). Set it before anything is reserved or created.
+    pub fn set_vm_granularity(&self, bytes: u64) {
+        assert!(bytes.is_power_of_two() && bytes >= SIM_ALIGN, "granularity {bytes}");
+        self.state().vm.granularity = bytes;
+    }
+
+    /// Sets how many bytes of virtual addresses may be reserved in all (default 1024 × the
+    /// capacity, at least 1 TiB): virtual ranges cost nothing but are finite.
+    pub fn set_virtual_capacity(&self, bytes: u64) {
+        self.state().vm.virtual_capacity = bytes;
+    }
+
+    /// Every virtual-memory call counted so far.
+    pub fn vm_counters(&self) -> VmCounters {
+        self.state().vm.counters
+    }
+
+    /// Makes the `n`th `vm_create` from now fail with `CUDA_ERROR_OUT_OF_MEMORY`. `None` clears it.
+    pub fn fail_nth_vm_create(&self, n: Option<u64>) {
+        self.state().vm.faults.fail_nth_create = n.filter(|&n| n > 0);
+    }
+
+    /// Makes the `n`th `vm_map` from now fail with `CUDA_ERROR_OUT_OF_MEMORY`. `None` clears it.
+    pub fn fail_nth_vm_map(&self, n: Option<u64>) {
+        self.state().vm.faults.fail_nth_map = n.filter(|&n| n > 0);
+    }
+
+    /// Bytes of live physical allocations (counted against the capacity with the segments).
+    pub fn physical_bytes(&self) -> u64 {
+        self.state().vm.physical_bytes
+    }
+
+    /// Physical allocations not yet freed.
+    pub fn live_physical(&self) -> usize {
+        self.state().vm.physical_count()
+    }
+
+    /// Bytes of virtual addresses reserved.
+    pub fn virtual_bytes(&self) -> u64 {
+        self.state().vm.virtual_reserved
+    }
+
+    /// Reserved virtual ranges, as (base, bytes), in address order.
+    pub fn live_virtual_ranges(&self) -> Vec<(DeviceAddr, u64)> {
+        self.state().vm.ranges()
+    }
+
+    /// Live mappings, as (address, bytes), in address order.
+    pub fn live_mappings(&self) -> Vec<(DeviceAddr, u64)> {
+        self.state().vm.mappings()
     }
 
     /// Kernels whose body panicked, in completion order.
@@ -428,7 +501,7 @@ impl super::Device for SimDevice {
                 code: DeviceError::CUDA_ERROR_OUT_OF_MEMORY,
             });
         }
-        if bytes == 0 || bytes > self.config.capacity - st.mem.reserved {
+        if bytes == 0 || bytes > self.config.capacity - st.used() {
             st.counters.failed_mallocs += 1;
             return Err(DeviceError::OutOfMemory { requested: bytes });
         }
@@ -453,7 +526,7 @@ impl super::Device for SimDevice {
 
     fn mem_info(&self) -> Result<MemInfo, DeviceError> {
         let st = self.state();
-        Ok(MemInfo { free: self.config.capacity - st.mem.reserved, total: self.config.capacity })
+        Ok(MemInfo { free: self.config.capacity - st.used(), total: self.config.capacity })
     }
 
     fn create_stream(&self) -> Result<StreamId, DeviceError> {
@@ -603,6 +676,78 @@ impl super::Device for SimDevice {
         }
     }
 
+    fn supports_virtual_memory(&self) -> bool {
+        self.state().vm.supported
+    }
+
+    fn vm_granularity(&self) -> Result<u64, DeviceError> {
+        let st = self.state();
+        st.vm.supported.then_some(st.vm.granularity).ok_or(super::NO_VIRTUAL_MEMORY)
+    }
+
+    fn vm_reserve(&self, bytes: u64) -> Result<DeviceAddr, DeviceError> {
+        let mut guard = self.state();
+        let st = &mut *guard;
+        if !st.vm.supported {
+            return Err(super::NO_VIRTUAL_MEMORY);
+        }
+        st.vm.check_reserve(bytes)?;
+        let addr = st.mem.take_addresses(bytes, st.vm.granularity).ok_or(DeviceError::Driver {
+            op: "cuMemAddressReserve",
+            code: DeviceError::CUDA_ERROR_OUT_OF_MEMORY,
+        })?;
+        st.vm.add_range(addr, bytes);
+        Ok(DeviceAddr(addr))
+    }
+
+    fn vm_free(&self, base: DeviceAddr, bytes: u64) -> Result<(), DeviceError> {
+        let mut st = self.state();
+        if !st.vm.supported {
+            return Err(super::NO_VIRTUAL_MEMORY);
+        }
+        st.vm.free_range(base.0, bytes)
+    }
+
+    fn vm_create(&self, bytes: u64) -> Result<PhysHandle, DeviceError> {
+        let mut st = self.state();
+        if !st.vm.supported {
+            return Err(super::NO_VIRTUAL_MEMORY);
+        }
+        let room = self.config.capacity - st.used();
+        st.vm.create(bytes, room, self.config.backed)
+    }
+
+    fn vm_release(&self, handle: PhysHandle) -> Result<(), DeviceError> {
+        let mut st = self.state();
+        if !st.vm.supported {
+            return Err(super::NO_VIRTUAL_MEMORY);
+        }
+        st.vm.release(handle)
+    }
+
+    fn vm_map(&self, va: DeviceAddr, bytes: u64, handle: PhysHandle) -> Result<(), DeviceError> {
+        let mut st = self.state();
+        if !st.vm.supported {
+            return Err(super::NO_VIRTUAL_MEMORY);
+        }
+        st.vm.map(va.0, bytes, handle)
+    }
+
+    /// Unmaps at once, without waiting for the streams: the sanitizer reports unfinished work on
+    /// the range, and any part of it still handed out.
+    fn vm_unmap(&self, va: DeviceAddr, bytes: u64) -> Result<(), DeviceError> {
+        let mut st = self.state();
+        if !st.vm.supported {
+            return Err(super::NO_VIRTUAL_MEMORY);
+        }
+        st.vm.unmap(va.0, bytes)?;
+        let found = st.san.unmap(va.0, va.0.saturating_add(bytes));
+        let panic = st.panic_on_violation;
+        drop(st);
+        Self::after_check(found, panic);
+        Ok(())
+    }
+
     fn host_alloc(&self, bytes: u64) -> Result<HostPtr, DeviceError> {
         self.sim_host_alloc(bytes)
     }
@@ -643,9 +788,18 @@ impl super::Launch for SimDevice {
         let st = &mut *guard;
         let pos = st.open_stream(stream)?.next_pos();
         st.counters.launches += 1;
-        let found = st
-            .san
-            .launch(stream.0, pos, kernel.name, &kernel.accesses, |lo, hi| st.mem.contains(lo, hi));
+        let (mem, vm) = (&st.mem, &st.vm);
+        let mut found = st.san.launch(stream.0, pos, kernel.name, &kernel.accesses, |lo, hi| {
+            mem.contains(lo, hi) || vm.mapped(lo, hi)
+        });
+        if !st.vm.is_empty() {
+            for a in kernel.accesses.iter().filter(|a| a.bytes > 0) {
+                let aliases = st.vm.aliases(a.ptr.0, a.ptr.0 + a.bytes);
+                let write = a.kind == super::AccessKind::Write;
+                let op = format!("kernel {} (physical memory also mapped elsewhere)", kernel.name);
+                found.extend(st.san.check_aliases(stream.0, &aliases, write, &op));
+            }
+        }
         st.open_stream(stream)?.push(Op::Kernel { pos, kernel });
         let panic = st.panic_on_violation;
         drop(guard);
@@ -658,8 +812,20 @@ impl super::Launch for SimDevice {
 impl SimDevice {
     #[inline(never)]
     fn sanitize_handout(&self, ptr: DeviceAddr, bytes: u64, stream: StreamId) {
-        let mut st = self.state();
-        let found = st.san.handout(ptr.0, bytes, stream.0);
+        let mut guard = self.state();
+        let st = &mut *guard;
+        let mut found = Vec::new();
+        let (lo, hi) = (ptr.0, ptr.0.saturating_add(bytes));
+        if bytes > 0 && st.vm.is_virtual(lo) {
+            if !st.vm.mapped(lo, hi) {
+                found.extend(st.san.flag(lo, hi, stream.0, None, "handout of unmapped memory"));
+            }
+            let aliases = st.vm.aliases(lo, hi);
+            let op = "handout of physical memory also mapped elsewhere";
+            found.extend(st.san.check_aliases(stream.0, &aliases, true, op));
+        }
+        found.extend(st.san.handout(ptr.0, bytes, stream.0));
+        let st = guard;
         let panic = st.panic_on_violation;
         drop(st);
         Self::after_check(found, panic);

@@ -343,6 +343,72 @@ impl Sanitizer {
         }
     }
 
+    /// Reports a violation found outside the sanitizer's own checks (memory that is not mapped,
+    /// say); nothing when disabled.
+    pub(super) fn flag(
+        &mut self,
+        lo: u64,
+        hi: u64,
+        stream: u32,
+        other: Option<u32>,
+        op: &str,
+    ) -> Vec<Violation> {
+        let mut found = Vec::new();
+        if self.enabled {
+            self.report(&mut found, lo, hi, stream, other, op.into());
+        }
+        found
+    }
+
+    /// `stream` is about to use (write, or read) memory whose physical pages are also mapped at
+    /// `aliases`: unfinished work there that `stream` is not ordered after is a violation.
+    pub(super) fn check_aliases(
+        &mut self,
+        stream: u32,
+        aliases: &[(u64, u64)],
+        write: bool,
+        op: &str,
+    ) -> Vec<Violation> {
+        let mut found = Vec::new();
+        if !self.enabled {
+            return found;
+        }
+        for &(lo, hi) in aliases {
+            for (other, a, b) in self.conflicts(stream, lo, hi, write) {
+                self.report(&mut found, a, b, stream, Some(other), op.into());
+            }
+        }
+        found
+    }
+
+    /// `[lo, hi)` is unmapped now (a host-side act): any unfinished work on it, of any stream,
+    /// and any part of it still handed out, is a violation. What was handed out is forgotten.
+    pub(super) fn unmap(&mut self, lo: u64, hi: u64) -> Vec<Violation> {
+        let mut found = Vec::new();
+        if !self.enabled || lo >= hi {
+            return found;
+        }
+        let from = lo.saturating_sub(self.max_pending_len);
+        let mut busy: Vec<u32> = Vec::new();
+        for (_, list) in self.pending.range(from..hi) {
+            for p in list.iter().filter(|p| p.end > lo) {
+                if !busy.contains(&p.stream) {
+                    busy.push(p.stream);
+                }
+            }
+        }
+        for s in busy {
+            let op = "unmap of memory that unfinished work uses".to_string();
+            self.report(&mut found, lo, hi, s, Some(s), op);
+        }
+        let overlaps = self.handed_overlaps(lo, hi);
+        if let Some(&(_, h)) = overlaps.first() {
+            self.report(&mut found, lo, hi, h.stream, None, "unmap of memory handed out".into());
+            self.cut(lo, hi, &overlaps);
+        }
+        found
+    }
+
     /// A segment `[lo, hi)` was released: forget what was handed out in it.
     pub(super) fn release_segment(&mut self, lo: u64, hi: u64) {
         if !self.enabled {

@@ -7,6 +7,11 @@
 //! | `residency` | as `caching`, but `param` blocks persistent and `act` blocks transient    |
 //! | `scoped`    | as `residency`, plus a named scope per `scope_enter`/`scope_exit` pair,   |
 //! |             | with learned plans; `act` blocks inside a scope are allocated through it  |
+//! | `expandable`| as `caching`, with `expandable_segments:true` on top of the configuration |
+//!
+//! (`residency` and `scoped` run over expandable segments with `--config expandable_segments:true`.)
+//! With expandable segments the notes give the map and unmap calls made in each step (between
+//! two `scope_exit`s), so a steady state with none shows.
 //!
 //! Scope names have their trailing digits removed (`step0`, `step1` → `step`), so the steps
 //! of a training loop are runs of one named scope. An `act` block allocated in a scope and
@@ -40,6 +45,8 @@ pub enum Mode {
     Residency,
     /// As `Residency`, with named scopes and learned plans (`scoped`).
     Scoped,
+    /// As `Caching`, with expandable segments forced on (`expandable`).
+    Expandable,
 }
 
 /// One replay step with everything resolved.
@@ -127,8 +134,11 @@ impl AllocatorPolicy {
     /// A policy of `mode` with the allocator configured by `config` (`key:value,...`).
     pub fn from_config(mode: Mode, config: Option<&str>) -> Result<Self, ReplayError> {
         let name = Self::name_of(mode);
-        let config = Config::parse(config.unwrap_or(""))
+        let mut config = Config::parse(config.unwrap_or(""))
             .map_err(|e| ReplayError::new(name, e.to_string()))?;
+        if mode == Mode::Expandable {
+            config = config.with_expandable_segments(true);
+        }
         Ok(AllocatorPolicy { mode, config })
     }
 
@@ -137,6 +147,7 @@ impl AllocatorPolicy {
             Mode::Caching => "caching",
             Mode::Residency => "residency",
             Mode::Scoped => "scoped",
+            Mode::Expandable => "expandable",
         }
     }
 }
@@ -190,9 +201,13 @@ impl Policy for AllocatorPolicy {
         let mut runs: Vec<(u64, u64)> = Vec::new();
         let mut run_start = (0, 0);
         let mut first_peaks = (0, 0);
+        // Map and unmap calls made in each step (between two scope exits).
+        let exits: Vec<bool> = trace.events.iter().map(|e| e.op == Op::ScopeExit).collect();
+        let mut step_vm: Vec<(u64, u64, u64)> = Vec::new();
+        let mut vm_mark = (0, 0, 0);
         let err = |e: AllocError| ReplayError::new(name, e.to_string());
         let start = Instant::now();
-        for step in &steps {
+        for (i, step) in steps.iter().enumerate() {
             match *step {
                 AllocStep::Alloc { slot, bytes, stream, residency } => {
                     let buf = match &scope {
@@ -230,6 +245,12 @@ impl Policy for AllocatorPolicy {
                 }
                 AllocStep::Marker => {}
             }
+            if exits[i] {
+                let st = alloc.stats();
+                let now = (st.num_device_map, st.num_device_unmap, st.num_device_alloc);
+                step_vm.push((now.0 - vm_mark.0, now.1 - vm_mark.1, now.2 - vm_mark.2));
+                vm_mark = now;
+            }
             if let Some(tl) = tl.as_mut() {
                 tl.push(alloc.reserved_bytes());
             }
@@ -238,7 +259,7 @@ impl Policy for AllocatorPolicy {
         let elapsed = start.elapsed().as_nanos();
         let s = alloc.stats();
         drop(live);
-        let mut extra = self.extras(&s, &runs);
+        let mut extra = self.extras(&s, &runs, &step_vm);
         if runs.len() > 1 {
             extra.push((
                 "peak reserved after the first scope run".into(),
@@ -251,6 +272,8 @@ impl Policy for AllocatorPolicy {
             peak_allocated_bytes: s.blocks.allocated_bytes.all.peak.max(first_peaks.1),
             device_mallocs: s.num_device_alloc,
             device_frees: s.num_device_free,
+            device_maps: s.num_device_map,
+            device_unmaps: s.num_device_unmap,
             host_syncs: s.num_host_syncs,
             ns_per_op: elapsed as f64 / trace.events.len().max(1) as f64,
             reserved_timeline: tl,
@@ -260,7 +283,12 @@ impl Policy for AllocatorPolicy {
 }
 
 impl AllocatorPolicy {
-    fn extras(&self, s: &tidepool::MemoryStats, runs: &[(u64, u64)]) -> Vec<(String, String)> {
+    fn extras(
+        &self,
+        s: &tidepool::MemoryStats,
+        runs: &[(u64, u64)],
+        step_vm: &[(u64, u64, u64)],
+    ) -> Vec<(String, String)> {
         let mut extra = vec![
             ("alloc retries".into(), s.num_alloc_retries.to_string()),
             (
@@ -271,6 +299,24 @@ impl AllocatorPolicy {
                 ),
             ),
         ];
+        if s.expandable_segments {
+            let steps: Vec<String> = step_vm.iter().map(|(m, u, _)| format!("{m}/{u}")).collect();
+            extra.extend([
+                ("virtual reserved".into(), s.virtual_reserved_bytes.to_string()),
+                (
+                    "physical creates / releases / pages moved".into(),
+                    format!(
+                        "{} / {} / {}",
+                        s.num_physical_create, s.num_physical_release, s.num_pages_moved
+                    ),
+                ),
+                ("maps/unmaps per step".into(), format!("[{}]", steps.join(", "))),
+            ]);
+        }
+        if !s.expandable_segments && step_vm.len() > 1 {
+            let steps: Vec<String> = step_vm.iter().map(|s| s.2.to_string()).collect();
+            extra.push(("device mallocs per step".into(), format!("[{}]", steps.join(", "))));
+        }
         if self.mode == Mode::Scoped {
             let list = |f: fn(&(u64, u64)) -> u64| {
                 runs.iter().map(|r| f(r).to_string()).collect::<Vec<_>>().join(", ")

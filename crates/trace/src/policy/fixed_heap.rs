@@ -97,6 +97,8 @@ pub(super) fn replay<A: SubAllocator>(
                 peak_allocated_bytes: run.peak_live * GRANULE,
                 device_mallocs: 1,
                 device_frees: 1,
+                device_maps: 0,
+                device_unmaps: 0,
                 host_syncs: 0,
                 ns_per_op: run.elapsed_ns as f64 / events,
                 reserved_timeline: run.timeline,

@@ -8,6 +8,7 @@
 //! | `caching`          | tidepool's allocator, default config, every block transient       |
 //! | `residency`        | tidepool's allocator, `param` persistent and `act` transient      |
 //! | `scoped`           | `residency` plus a named scope per trace scope, with learned plans |
+//! | `expandable`       | `caching` with expandable segments (`expandable_segments:true`)    |
 //! | `offset-allocator` | the offset-allocator crate as a fixed-heap sub-allocator          |
 //! | `range-alloc`      | the range-alloc crate (best fit over a free list), fixed heap      |
 //! | `planned`          | offline greedy-by-size packing with every lifetime known           |
@@ -65,6 +66,10 @@ pub struct PolicyResult {
     pub device_mallocs: u64,
     /// Device free calls (`cuMemFree`).
     pub device_frees: u64,
+    /// Page mappings made (`cuMemMap`; expandable segments only).
+    pub device_maps: u64,
+    /// Page mappings removed (`cuMemUnmap`; expandable segments only).
+    pub device_unmaps: u64,
     /// Times the host waited for the device.
     pub host_syncs: u64,
     /// Wall time of the replay loop divided by the number of events.
@@ -116,6 +121,7 @@ pub fn registry(opts: &ReplayOptions) -> Result<Vec<Box<dyn Policy>>, ReplayErro
         Box::new(AllocatorPolicy::from_config(Mode::Caching, config)?),
         Box::new(AllocatorPolicy::from_config(Mode::Residency, config)?),
         Box::new(AllocatorPolicy::from_config(Mode::Scoped, config)?),
+        Box::new(AllocatorPolicy::from_config(Mode::Expandable, config)?),
         Box::new(OffsetAllocatorPolicy),
         Box::new(RangeAllocPolicy),
         Box::new(PlannedPolicy),

@@ -61,6 +61,8 @@ impl Policy for PlannedPolicy {
             peak_allocated_bytes: peak,
             device_mallocs: u64::from(plan.total_size > 0),
             device_frees: u64::from(plan.total_size > 0),
+            device_maps: 0,
+            device_unmaps: 0,
             host_syncs: 0,
             ns_per_op: elapsed_ns as f64 / trace.events.len().max(1) as f64,
             reserved_timeline: tl,

@@ -1,0 +1,1008 @@
+//! Expandable segments (`expandable_segments:true`): one virtual address range per (stream, pool
+//! kind, residency), sized to the device, whose pages are mapped to physical memory on demand.
+//!
+//! ```text
+//!  range (vm_reserve, device-sized)   base                                          base + size
+//!  pages  [h1][h2][h3]  ·  ·  [h7][h8]  ·  ·  ·  ·  ·  ·  ·  ·  ·  ·  ·  ·  ·  ·  ·  ·  ·  ·
+//!  pool   [== segment A ==]   [seg B ]                  (one pool segment per mapped run;
+//!          blocks split and coalesce within a run        free pages stay mapped: cached)
+//! ```
+//!
+//! - **Grow.** When no mapped free block fits, `grow` places the request where it needs the
+//!   fewest new pages: after the free block at the end of a run (PyTorch's "the free block at the
+//!   end is extended"), before the free block at the start of the next, or across a whole gap
+//!   (joining two runs). The pages come from free pages another stream has cached (moved: strict
+//!   or wait_event as for segments) or are created, and are mapped; then the pool's segment is
+//!   extended (`Pool::extend`). A failure midway unmaps and releases what this growth made: the
+//!   pool never sees it.
+//! - **The end is used last.** When best fit picks the free block at the end of a range's top
+//!   run, a larger free block, if there is one, serves instead: the end is where the range grows,
+//!   and spending it on requests that fit elsewhere spreads a step's blocks over more pages
+//!   (measured: `mlp_train` reserves 1.069 × its peak live bytes with plain best fit, 1.032 ×
+//!   with the end last).
+//! - **Release.** Whole free pages (of the runs, from the top down) are unmapped and their
+//!   physical memory released, only once the range's stream has
+//!   finished the work enqueued so far (an event: queried, and waited for, a host sync counted,
+//!   where it has not completed); the pool's segment is cut around them (`Pool::carve`). Done by
+//!   `empty_cache` and the out-of-memory ladder (transient ranges), `release_persistent`
+//!   (persistent ones), and after frees when a transient range's free mapped bytes exceed
+//!   `release_threshold` (down to it).
+//! - **Move.** A page taken by another stream is mapped at its new place first; under
+//!   `wait_event` the old mapping stays until the donor's event completes (the new stream waits
+//!   for that event on the device, no host sync), so the donor's unfinished work never loses its
+//!   memory.
+//!
+//! `reserved_bytes` is the mapped physical bytes (the pool segments and the reserves); the
+//! virtual bytes, map/unmap and create/release calls and moved pages are counted apart.
+
+use super::history::Action;
+use super::*;
+use crate::device::PhysHandle;
+use crate::pool::{Segment, Sizing};
+use std::collections::BTreeSet;
+
+/// One virtual range of one pool key.
+pub(super) struct Range {
+    key: PoolKey,
+    base: u64,
+    size: u64,
+    /// Mapped pages: address → physical allocation.
+    pages: PageTable,
+    /// The pool's segments in this range (one per run of mapped pages), by base address.
+    segs: BTreeMap<u64, SegmentId>,
+    /// A block of the top run, to find its end without walking it (validated on use).
+    top_hint: Option<BlockId>,
+    /// Old addresses of pages moved to another place, still mapped until the donor stream's
+    /// work is done: neither usable nor mappable meanwhile.
+    retiring: BTreeSet<u64>,
+}
+
+/// The physical allocation of each mapped page of a range, by page index from its base: O(1)
+/// per page, which is what a growth by many pages costs.
+struct PageTable {
+    base: u64,
+    page: u64,
+    slots: Vec<Option<PhysHandle>>,
+    len: usize,
+}
+
+impl PageTable {
+    fn new(base: u64, page: u64) -> PageTable {
+        PageTable { base, page, slots: Vec::new(), len: 0 }
+    }
+
+    fn index(&self, va: u64) -> usize {
+        ((va - self.base) / self.page) as usize
+    }
+
+    fn insert(&mut self, va: u64, h: PhysHandle) {
+        let i = self.index(va);
+        if i >= self.slots.len() {
+            self.slots.resize(i + 1, None);
+        }
+        debug_assert!(self.slots[i].is_none(), "page mapped twice");
+        self.slots[i] = Some(h);
+        self.len += 1;
+    }
+
+    fn remove(&mut self, va: u64) -> Option<PhysHandle> {
+        let i = self.index(va);
+        let h = self.slots.get_mut(i)?.take()?;
+        self.len -= 1;
+        if self.len == 0 {
+            self.slots = Vec::new();
+        }
+        Some(h)
+    }
+
+    fn get(&self, va: u64) -> Option<PhysHandle> {
+        self.slots.get(self.index(va)).copied().flatten()
+    }
+
+    fn contains(&self, va: u64) -> bool {
+        self.get(va).is_some()
+    }
+
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+/// Pages moved away under `wait_event`, whose old mappings wait for `event`.
+struct Retiring {
+    event: EventId,
+    /// (range base, page address).
+    pages: Vec<(u64, u64)>,
+}
+
+/// Counters of virtual-memory calls.
+#[derive(Default, Clone, Copy)]
+struct VmCounts {
+    maps: u64,
+    unmaps: u64,
+    creates: u64,
+    releases: u64,
+    moves: u64,
+}
+
+/// The allocator's virtual memory, under the global lock (in [`State`]).
+#[derive(Default)]
+pub(super) struct Vm {
+    ranges: BTreeMap<u64, Range>,
+    by_key: BTreeMap<PoolKey, u64>,
+    retiring: Vec<Retiring>,
+    /// Page size (the device's granularity), known once a range exists.
+    page: u64,
+    /// `release_threshold` of the configuration last seen by the slow path.
+    threshold: u64,
+    /// Why expandable segments asked for are not (all) in use.
+    note: Option<String>,
+    /// Free bytes of a stream when a trim last found nothing to release.
+    checked: HashMap<StreamId, u64>,
+    counts: VmCounts,
+    virtual_bytes: u64,
+}
+
+/// What the lock-free statistics read of expandable segments.
+#[derive(Default)]
+pub(super) struct VmPublished {
+    active: AtomicBool,
+    virtual_bytes: AtomicU64,
+    maps: AtomicU64,
+    unmaps: AtomicU64,
+    creates: AtomicU64,
+    releases: AtomicU64,
+    moves: AtomicU64,
+}
+
+/// One expandable range, as [`Allocator::expandable_ranges`] lists it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct RangeInfo {
+    /// First virtual address.
+    pub base: DeviceAddr,
+    /// Virtual bytes reserved.
+    pub virtual_size: u64,
+    /// The stream it serves.
+    pub stream: StreamId,
+    /// Small or large pool.
+    pub pool: crate::stats::PoolKind,
+    /// Persistent or transient.
+    pub residency: Residency,
+    /// Bytes of mapped pages.
+    pub mapped_bytes: u64,
+    /// Of those, bytes in free blocks.
+    pub free_bytes: u64,
+    /// Of those, bytes in whole free pages (what a release would unmap).
+    pub free_page_bytes: u64,
+    /// Its mapped runs (pool segments) as (address, bytes), in address order.
+    pub runs: Vec<(DeviceAddr, u64)>,
+    /// Pages moved away whose old mapping waits for the stream's work.
+    pub retiring_pages: usize,
+}
+
+impl Vm {
+    /// No range exists.
+    pub(super) fn is_empty(&self) -> bool {
+        self.ranges.is_empty()
+    }
+
+    /// The base of the range holding `addr`.
+    fn range_of(&self, addr: u64) -> Option<u64> {
+        let (&b, r) = self.ranges.range(..=addr).next_back()?;
+        (addr < b + r.size).then_some(b)
+    }
+
+    /// Does `addr` lie in one of the ranges?
+    pub(super) fn contains(&self, addr: u64) -> bool {
+        !self.ranges.is_empty() && self.range_of(addr).is_some()
+    }
+
+    /// Why expandable segments asked for are not in use, if so.
+    pub(super) fn note(&self) -> Option<&str> {
+        self.note.as_deref()
+    }
+}
+
+/// Whole pages of `[lo, hi)` relative to a range at `base`: the page-aligned part inside it.
+fn whole_pages(base: u64, page: u64, lo: u64, hi: u64) -> Option<(u64, u64)> {
+    let a = base + (lo - base).div_ceil(page) * page;
+    let b = base + (hi - base) / page * page;
+    (b > a).then_some((a, b))
+}
+
+/// A refusal of memory (the device's or the limit's): the out-of-memory ladder takes over.
+fn oom() -> AllocError {
+    AllocError::OutOfMemory(Box::default())
+}
+
+fn device_err(e: DeviceError) -> AllocError {
+    match e {
+        DeviceError::OutOfMemory { .. }
+        | DeviceError::Driver { code: DeviceError::CUDA_ERROR_OUT_OF_MEMORY, .. } => oom(),
+        e => AllocError::Device(e),
+    }
+}
+
+/// Where a growth goes: the pages `[lo, lo + pages × page)` are mapped and join the pool.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Place {
+    lo: u64,
+    pages: u64,
+}
+
+/// The placement of a block of `rounded` bytes needing the fewest new pages (then the lowest
+/// address). See the module docs.
+fn place(pool: &Pool, r: &Range, rounded: u64, page: u64) -> Option<Place> {
+    let mut best: Option<Place> = None;
+    let free_size = |id: BlockId| {
+        let b = pool.block(id);
+        if b.state == BlockState::Free { b.size } else { 0 }
+    };
+    let (mut gap_lo, mut prev) = (r.base, None::<SegmentId>);
+    let top = r.segs.keys().next_back().copied();
+    let ends = r.segs.iter().map(|(&b, &s)| (b, Some(s))).chain([(r.base + r.size, None)]);
+    for (gap_hi, next) in ends {
+        if gap_hi > gap_lo {
+            let tail = match prev {
+                Some(p) if top == Some(pool.segment(p).base) => free_size(top_last(pool, r, p)),
+                Some(p) => free_size(pool.last_block(p)),
+                None => 0,
+            };
+            let head = next.map_or(0, |n| free_size(pool.segment(n).first));
+            let (span_lo, span_hi) = (gap_lo - tail, gap_hi + head);
+            let right = (next.is_some() && span_hi - span_lo >= rounded).then(|| span_hi - rounded);
+            for w in [Some(span_lo), right].into_iter().flatten() {
+                if w + rounded > span_hi || tail >= rounded && w == span_lo {
+                    continue;
+                }
+                // The gap's pages under the window.
+                let lo = r.base + (w.max(gap_lo) - r.base) / page * page;
+                let hi = r.base + ((w + rounded).min(gap_hi) - r.base).div_ceil(page) * page;
+                if hi <= lo || r.retiring.range(lo..hi).next().is_some() {
+                    continue;
+                }
+                let p = Place { lo, pages: (hi - lo) / page };
+                if best.is_none_or(|b| (p.pages, p.lo) < (b.pages, b.lo)) {
+                    best = Some(p);
+                }
+            }
+        }
+        if let Some(n) = next {
+            gap_lo = gap_hi + pool.segment(n).size;
+            prev = Some(n);
+        }
+    }
+    best
+}
+
+/// The last block of the top run `seg`, from the range's hint where it is still in that run.
+fn top_last(pool: &Pool, r: &Range, seg: SegmentId) -> BlockId {
+    match r.top_hint.filter(|&h| pool.try_block(h).is_some_and(|b| b.segment == seg)) {
+        Some(h) => pool.last_block_from(h),
+        None => pool.last_block(seg),
+    }
+}
+
+impl<D: Device> Shared<D> {
+    /// Whether `key` is served by an expandable range under `config`; makes its range on first
+    /// use. `false` (ordinary segments, with a note) where the device has no virtual memory or
+    /// the range cannot be reserved.
+    pub(super) fn expandable(&self, st: &mut State, config: &Config, key: PoolKey) -> bool {
+        if !config.expandable_segments {
+            return false;
+        }
+        st.vm.threshold = config.release_threshold;
+        if st.vm.by_key.contains_key(&key) {
+            return true;
+        }
+        match self.make_range(st, key) {
+            Ok(()) => true,
+            Err(why) => {
+                st.vm.note = Some(why);
+                false
+            }
+        }
+    }
+
+    fn make_range(&self, st: &mut State, key: PoolKey) -> Result<(), String> {
+        let name = self.device.name();
+        if !self.device.supports_virtual_memory() {
+            return Err(format!(
+                "expandable_segments:true, but {name} has no virtual memory management: ordinary segments"
+            ));
+        }
+        if st.vm.page == 0 {
+            let g = self.device.vm_granularity().map_err(|e| {
+                format!("expandable_segments:true, but the granularity query failed ({e}): ordinary segments")
+            })?;
+            st.vm.page = g;
+        }
+        let page = st.vm.page;
+        // Twice the device: pages released in the middle of a range leave it split, and any
+        // request the device can hold must still find room on one side.
+        let size = self.device_total.saturating_mul(2).div_ceil(page).max(1) * page;
+        let base = self.device.vm_reserve(size).map_err(|e| {
+            format!(
+                "reserving {} of virtual addresses for {} failed ({e}): ordinary segments for it",
+                crate::types::Bytes(size),
+                key.stream
+            )
+        })?;
+        let range = Range {
+            key,
+            base: base.0,
+            size,
+            pages: PageTable::new(base.0, page),
+            segs: BTreeMap::new(),
+            top_hint: None,
+            retiring: BTreeSet::new(),
+        };
+        st.vm.ranges.insert(base.0, range);
+        st.vm.by_key.insert(key, base.0);
+        st.vm.virtual_bytes += size;
+        self.publish_vm(&st.vm);
+        Ok(())
+    }
+
+    /// Best fit in `key`'s free blocks, the end of an expandable range last: when best fit picks
+    /// the free block at the end of a range's top run, the next larger free block serves instead,
+    /// if there is one. (Best fit found no smaller block; an equal one would sit lower and have
+    /// won: so the smallest block above the end block's size is the best fit without it.)
+    pub(super) fn find_free(
+        &self,
+        st: &mut State,
+        config: &Config,
+        key: PoolKey,
+        rounded: u64,
+    ) -> Option<BlockId> {
+        let b = st.pool.find_free(key, rounded, &config.sizing)?;
+        let blk = st.pool.block(b);
+        if st.vm.is_empty() || blk.next.is_some() {
+            return Some(b);
+        }
+        let top =
+            st.vm.range_of(blk.addr).and_then(|base| st.vm.ranges[&base].segs.values().next_back());
+        if top != Some(&blk.segment) {
+            return Some(b);
+        }
+        st.pool.find_free(key, blk.size + 1, &config.sizing).or(Some(b))
+    }
+
+    /// The block size an allocation from `block` takes: in an expandable range a large block is
+    /// split whenever anything is left (an unsplit tail would only pin pages), elsewhere the
+    /// configured rules.
+    pub(super) fn alloc_sizing(&self, st: &State, block: BlockId, sizing: &Sizing) -> Sizing {
+        if !st.vm.is_empty() && st.vm.contains(st.pool.block(block).addr) {
+            Sizing { small_size: 0, ..*sizing }
+        } else {
+            *sizing
+        }
+    }
+
+    /// The expandable path of `find_or_reserve`, once the mapped free blocks had nothing: grows
+    /// the range, climbing the out-of-memory ladder (wait for pending events and search again,
+    /// release cached transient memory, retry). `None` where the range has no virtual room left
+    /// for the request (the caller takes an ordinary segment).
+    pub(super) fn find_or_grow(
+        &self,
+        st: &mut State,
+        config: &Config,
+        key: PoolKey,
+        bytes: u64,
+        rounded: u64,
+    ) -> Result<Option<BlockId>, AllocError> {
+        let mut retried = false;
+        loop {
+            match self.grow(st, config, key, rounded) {
+                Ok(None) => return Ok(None),
+                Ok(Some(b)) => {
+                    if retried {
+                        st.counters.retries += 1;
+                    }
+                    return Ok(Some(b));
+                }
+                Err(AllocError::OutOfMemory(_)) if !retried => {
+                    retried = true;
+                    if !st.pending.is_empty() {
+                        self.sync_events(st)?;
+                        if let Some(b) = self.find_free(st, config, key, rounded) {
+                            st.counters.retries += 1;
+                            return Ok(Some(b));
+                        }
+                    }
+                    self.poll_retiring(st, true);
+                    self.release_segments(st, |s| s.key.residency == Residency::Transient)?;
+                }
+                Err(AllocError::OutOfMemory(_)) => {
+                    st.counters.ooms += 1;
+                    st.note(Action::Oom, DeviceAddr::NULL, bytes, key.stream);
+                    let page = st.vm.page;
+                    let need = st.vm.by_key.get(&key).and_then(|b| {
+                        place(&st.pool, &st.vm.ranges[b], rounded, page).map(|p| p.pages * page)
+                    });
+                    let grow = need.unwrap_or_else(|| rounded.div_ceil(page) * page);
+                    return Err(AllocError::OutOfMemory(Box::new(
+                        self.oom_report(st, config, key, bytes, rounded, grow),
+                    )));
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    /// Maps pages into `key`'s range where a block of `rounded` fits with the fewest new ones;
+    /// returns the free block that holds them, or `None` where the range has no room for it.
+    /// Nothing changes on an error.
+    fn grow(
+        &self,
+        st: &mut State,
+        config: &Config,
+        key: PoolKey,
+        rounded: u64,
+    ) -> Result<Option<BlockId>, AllocError> {
+        self.poll_retiring(st, false);
+        let page = st.vm.page;
+        let base = st.vm.by_key[&key];
+        let Some(place) = place(&st.pool, &st.vm.ranges[&base], rounded, page) else {
+            return Ok(None);
+        };
+        let Place { lo, pages } = place;
+        let reserved = st.pool.stats().reserved_bytes.all.current;
+        if config.limit(self.device_total).is_some_and(|limit| reserved + pages * page > limit) {
+            return Err(oom());
+        }
+        let mut handles = self.take_pages(st, config, key, pages)?;
+        while (handles.len() as u64) < pages {
+            match self.device.vm_create(page) {
+                Ok(h) => {
+                    st.vm.counts.creates += 1;
+                    handles.push(h);
+                }
+                Err(e) => {
+                    self.drop_handles(st, &handles);
+                    return Err(device_err(e));
+                }
+            }
+        }
+        let end = lo + pages * page;
+        for (i, &h) in handles.iter().enumerate() {
+            let va = lo + i as u64 * page;
+            if let Err(e) = self.device.vm_map(DeviceAddr(va), page, h) {
+                for done in (lo..va).step_by(page as usize) {
+                    if self.device.vm_unmap(DeviceAddr(done), page).is_ok() {
+                        st.vm.counts.unmaps += 1;
+                    }
+                }
+                self.drop_handles(st, &handles);
+                return Err(device_err(e));
+            }
+            st.vm.counts.maps += 1;
+        }
+        let range = st.vm.ranges.get_mut(&base).expect("the key's range");
+        for (i, &h) in handles.iter().enumerate() {
+            range.pages.insert(lo + i as u64 * page, h);
+        }
+        let left = range
+            .segs
+            .range(..lo)
+            .next_back()
+            .filter(|&(&b, &s)| b + st.pool.segment(s).size == lo)
+            .map(|(&b, &s)| (b, s));
+        let (left_base, left) = (left.map(|l| l.0), left.map(|l| l.1));
+        let is_top = range.segs.keys().next_back().is_none_or(|&t| t < end);
+        let hint = range.top_hint.filter(|_| left.is_some() && is_top);
+        let right = range.segs.get(&end).copied();
+        let (seg, blk) = st.pool.extend(key, lo, pages * page, (left, hint), right);
+        if let Some(b) = left_base {
+            range.segs.remove(&b);
+        }
+        range.segs.remove(&end);
+        range.segs.insert(st.pool.segment(seg).base, seg);
+        if range.segs.keys().next_back() == Some(&st.pool.segment(seg).base) {
+            range.top_hint = Some(blk);
+        }
+        st.note(Action::SegmentMap, DeviceAddr(lo), pages * page, key.stream);
+        self.ensure_cache(st, key.stream);
+        let joined = usize::from(left.is_some()) + usize::from(right.is_some());
+        for _ in 0..joined {
+            Self::forget_segment(st, key.stream);
+        }
+        *st.segment_streams.entry(key.stream).or_default() += 1;
+        self.publish_vm(&st.vm);
+        Ok(Some(blk))
+    }
+
+    /// Releases physical allocations a failed growth had in hand.
+    fn drop_handles(&self, st: &mut State, handles: &[PhysHandle]) {
+        for &h in handles {
+            if self.device.vm_release(h).is_ok() {
+                st.vm.counts.releases += 1;
+            }
+        }
+    }
+
+    /// Takes up to `n` whole free pages cached by other streams' transient ranges for a growth
+    /// of `key`: under `strict` only from a stream whose work has completed, under `wait_event`
+    /// from any (the growing stream waits for it on the device; the old mapping is kept until
+    /// the event completes).
+    fn take_pages(
+        &self,
+        st: &mut State,
+        config: &Config,
+        key: PoolKey,
+        n: u64,
+    ) -> Result<Vec<PhysHandle>, AllocError> {
+        let mut got = Vec::new();
+        let donor =
+            |r: &Range| r.key.stream != key.stream && r.key.residency == Residency::Transient;
+        if n == 0 || !st.vm.ranges.values().any(donor) {
+            return Ok(got);
+        }
+        let donors: Vec<u64> = st
+            .vm
+            .ranges
+            .values()
+            .filter(|r| r.key.stream != key.stream && r.key.residency == Residency::Transient)
+            .map(|r| r.base)
+            .collect();
+        for d in donors {
+            let want = n - got.len() as u64;
+            if want == 0 {
+                break;
+            }
+            let runs = self.free_page_runs(st, d, want, |_| true);
+            if runs.is_empty() {
+                continue;
+            }
+            let owner = st.vm.ranges[&d].key.stream;
+            let event = self.event(st)?;
+            let done = match self.device.record_event(event, owner) {
+                // The owner is gone, hence drained.
+                Err(DeviceError::UnknownStream(_)) => true,
+                Err(e) => {
+                    st.free_events.push(event);
+                    return Err(e.into());
+                }
+                Ok(()) if self.broken_skip_events.load(Ordering::Relaxed) => true,
+                Ok(()) => match config.cross_stream {
+                    CrossStream::Strict => self.device.query_event(event).unwrap_or(false),
+                    CrossStream::WaitEvent => {
+                        if let Err(e) = self.device.wait_event(key.stream, event) {
+                            st.free_events.push(event);
+                            return Err(e.into());
+                        }
+                        self.device.query_event(event).unwrap_or(false)
+                    }
+                },
+            };
+            if !done && config.cross_stream == CrossStream::Strict {
+                st.free_events.push(event);
+                continue;
+            }
+            let mut retire = Vec::new();
+            let page = st.vm.page;
+            for (block, a, b) in runs {
+                self.carve_run(st, d, block, a, b);
+                st.note(Action::SegmentUnmap, DeviceAddr(a), b - a, owner);
+                let range = st.vm.ranges.get_mut(&d).expect("donor");
+                for va in (a..b).step_by(page as usize) {
+                    let h = range.pages.remove(va).expect("a mapped page");
+                    got.push(h);
+                    st.vm.counts.moves += 1;
+                    if done && self.device.vm_unmap(DeviceAddr(va), page).is_ok() {
+                        st.vm.counts.unmaps += 1;
+                    } else {
+                        range.retiring.insert(va);
+                        retire.push((d, va));
+                    }
+                }
+            }
+            if retire.is_empty() {
+                st.free_events.push(event);
+            } else {
+                st.vm.retiring.push(Retiring { event, pages: retire });
+            }
+        }
+        Ok(got)
+    }
+
+    /// Whole free pages of range `base` in its runs that satisfy `which`, as runs (free block,
+    /// first page, end), the highest first, at most `max` pages in all.
+    fn free_page_runs(
+        &self,
+        st: &State,
+        base: u64,
+        max: u64,
+        mut which: impl FnMut(&Segment) -> bool,
+    ) -> Vec<(BlockId, u64, u64)> {
+        let (page, r) = (st.vm.page, &st.vm.ranges[&base]);
+        let mut out = Vec::new();
+        let mut left = max;
+        for (_, &seg) in r.segs.iter().rev() {
+            if left == 0 {
+                break;
+            }
+            if !which(st.pool.segment(seg)) {
+                continue;
+            }
+            let mut runs: Vec<_> = st
+                .pool
+                .segment_blocks(seg)
+                .filter(|(_, b)| b.state == BlockState::Free)
+                .filter_map(|(id, b)| {
+                    whole_pages(r.base, page, b.addr, b.addr + b.size).map(|(a, z)| (id, a, z))
+                })
+                .collect();
+            runs.reverse();
+            for (id, a, z) in runs {
+                if left == 0 {
+                    break;
+                }
+                let k = ((z - a) / page).min(left);
+                out.push((id, z - k * page, z));
+                left -= k;
+            }
+        }
+        out
+    }
+
+    /// Cuts `[a, b)` out of free block `block` of range `base` in the pool, keeping the range's
+    /// segment table and the per-stream segment counts.
+    fn carve_run(&self, st: &mut State, base: u64, block: BlockId, a: u64, b: u64) {
+        let seg = st.pool.block(block).segment;
+        let old_base = st.pool.segment(seg).base;
+        let stream = st.pool.segment(seg).key.stream;
+        let (below, above) = st.pool.carve(block, a, b);
+        let range = st.vm.ranges.get_mut(&base).expect("range");
+        range.segs.remove(&old_base);
+        for s in [below, above].into_iter().flatten() {
+            range.segs.insert(st.pool.segment(s).base, s);
+        }
+        match (below, above) {
+            (Some(_), Some(_)) => *st.segment_streams.entry(stream).or_default() += 1,
+            (None, None) => Self::forget_segment(st, stream),
+            _ => {}
+        }
+    }
+
+    /// Unmaps and releases whole free pages of the ranges' runs that satisfy `which`, keeping up to `keep` free mapped bytes per range (the highest pages go
+    /// first; 0: release all), each range only after its stream's work so far has completed (an
+    /// event; a host sync where it has not).
+    pub(super) fn release_pages(
+        &self,
+        st: &mut State,
+        mut which: impl FnMut(&Segment) -> bool,
+        keep: u64,
+    ) -> Result<(), AllocError> {
+        // A moved page still mapped at its old place would outlive its release there (the
+        // driver frees memory at its last unmapping): old places go first.
+        self.poll_retiring(st, true);
+        let page = st.vm.page;
+        let bases: Vec<u64> = st.vm.ranges.keys().copied().collect();
+        let mut result = Ok(());
+        for base in bases {
+            let max = if keep == 0 {
+                u64::MAX
+            } else {
+                let free = self.range_free_bytes(st, base, &mut which);
+                if free <= keep {
+                    continue;
+                }
+                (free - keep).div_ceil(page)
+            };
+            let runs = self.free_page_runs(st, base, max, &mut which);
+            if runs.is_empty() {
+                continue;
+            }
+            let stream = st.vm.ranges[&base].key.stream;
+            self.stream_done(st, stream)?;
+            for (block, a, b) in runs {
+                // From the top down; stop at the first refusal.
+                let mut done = b;
+                while done > a {
+                    let va = done - page;
+                    let h = st.vm.ranges[&base].pages.get(va).expect("a mapped page");
+                    if let Err(e) = self.device.vm_unmap(DeviceAddr(va), page) {
+                        result = Err(e.into());
+                        break;
+                    }
+                    st.vm.counts.unmaps += 1;
+                    if self.device.vm_release(h).is_ok() {
+                        st.vm.counts.releases += 1;
+                    }
+                    st.vm.ranges.get_mut(&base).expect("range").pages.remove(va);
+                    done = va;
+                }
+                if done < b {
+                    self.carve_run(st, base, block, done, b);
+                    st.note(Action::SegmentUnmap, DeviceAddr(done), b - done, stream);
+                }
+                if result.is_err() {
+                    self.publish_vm(&st.vm);
+                    return result;
+                }
+            }
+        }
+        self.publish_vm(&st.vm);
+        result
+    }
+
+    /// Free mapped bytes of range `base` (free blocks of its runs) where they satisfy `which`.
+    fn range_free_bytes(
+        &self,
+        st: &State,
+        base: u64,
+        which: &mut impl FnMut(&Segment) -> bool,
+    ) -> u64 {
+        let r = &st.vm.ranges[&base];
+        r.segs
+            .values()
+            .filter(|&&s| which(st.pool.segment(s)))
+            .flat_map(|&s| st.pool.segment_blocks(s))
+            .filter(|(_, b)| b.state == BlockState::Free)
+            .map(|(_, b)| b.size)
+            .sum()
+    }
+
+    /// Returns once `stream`'s work enqueued so far has completed: an event recorded and queried,
+    /// waited for (a host sync) if it has not completed. A stream that is gone was drained.
+    fn stream_done(&self, st: &mut State, stream: StreamId) -> Result<(), AllocError> {
+        if self.broken_skip_events.load(Ordering::Relaxed) {
+            return Ok(());
+        }
+        let event = self.event(st)?;
+        let r = match self.device.record_event(event, stream) {
+            Err(DeviceError::UnknownStream(_)) => Ok(()),
+            Err(e) => Err(e),
+            Ok(()) => match self.device.query_event(event) {
+                Ok(true) => Ok(()),
+                _ => {
+                    st.counters.host_syncs += 1;
+                    self.device.synchronize_event(event)
+                }
+            },
+        };
+        st.free_events.push(event);
+        Ok(r?)
+    }
+
+    /// Unmaps the old mappings of moved pages whose donor's event has completed (with `block`:
+    /// waits for them, a host sync each).
+    pub(super) fn poll_retiring(&self, st: &mut State, block: bool) {
+        if st.vm.retiring.is_empty() {
+            return;
+        }
+        let page = st.vm.page;
+        let mut keep = Vec::new();
+        for mut r in std::mem::take(&mut st.vm.retiring) {
+            let done = match self.device.query_event(r.event) {
+                Ok(true) => true,
+                _ if block => {
+                    st.counters.host_syncs += 1;
+                    self.device.synchronize_event(r.event).is_ok()
+                }
+                _ => false,
+            };
+            if done {
+                r.pages.retain(|&(base, va)| {
+                    if self.device.vm_unmap(DeviceAddr(va), page).is_err() {
+                        return true;
+                    }
+                    st.vm.counts.unmaps += 1;
+                    if let Some(range) = st.vm.ranges.get_mut(&base) {
+                        range.retiring.remove(&va);
+                    }
+                    false
+                });
+            }
+            if r.pages.is_empty() {
+                st.free_events.push(r.event);
+            } else {
+                keep.push(r);
+            }
+        }
+        st.vm.retiring = keep;
+    }
+
+    /// After frees: a transient range whose free mapped bytes exceed `release_threshold` gives
+    /// pages back down to it. Checked for the streams whose free bytes changed, and only when
+    /// they grew by a page since a check that released nothing. Errors leave pages mapped.
+    pub(super) fn trim(&self, st: &mut State) {
+        let t = st.vm.threshold;
+        if t == u64::MAX || st.vm.ranges.is_empty() {
+            return;
+        }
+        let streams: Vec<StreamId> = st.pool.dirty_streams();
+        for s in streams {
+            let free = st.pool.free_bytes_of(s);
+            if free <= t {
+                st.vm.checked.remove(&s);
+                continue;
+            }
+            if st.vm.checked.get(&s).is_some_and(|&c| free < c.saturating_add(st.vm.page)) {
+                continue;
+            }
+            let which =
+                |seg: &Segment| seg.key.stream == s && seg.key.residency == Residency::Transient;
+            let _ = self.release_pages(st, which, t);
+            let after = st.pool.free_bytes_of(s);
+            st.vm.checked.insert(s, after);
+        }
+    }
+
+    /// Frees the virtual ranges of keys satisfying `which` that have nothing mapped (a destroyed
+    /// or released stream's, or all of them when the allocator goes).
+    pub(super) fn free_ranges(&self, st: &mut State, mut which: impl FnMut(&PoolKey) -> bool) {
+        let gone: Vec<u64> = st
+            .vm
+            .ranges
+            .values()
+            .filter(|r| which(&r.key) && r.pages.is_empty() && r.retiring.is_empty())
+            .map(|r| r.base)
+            .collect();
+        for base in gone {
+            let size = st.vm.ranges[&base].size;
+            if self.device.vm_free(DeviceAddr(base), size).is_ok() {
+                let r = st.vm.ranges.remove(&base).expect("listed");
+                st.vm.by_key.remove(&r.key);
+                st.vm.virtual_bytes -= size;
+            }
+        }
+        self.publish_vm(&st.vm);
+    }
+
+    /// Copies the counters for lock-free readers.
+    fn publish_vm(&self, vm: &Vm) {
+        let p = &self.vm_published;
+        let c = vm.counts;
+        p.active.store(!vm.ranges.is_empty(), Ordering::Relaxed);
+        p.virtual_bytes.store(vm.virtual_bytes, Ordering::Relaxed);
+        p.maps.store(c.maps, Ordering::Relaxed);
+        p.unmaps.store(c.unmaps, Ordering::Relaxed);
+        p.creates.store(c.creates, Ordering::Relaxed);
+        p.releases.store(c.releases, Ordering::Relaxed);
+        p.moves.store(c.moves, Ordering::Relaxed);
+    }
+
+    /// Adds the expandable-segment figures to statistics read elsewhere.
+    pub(super) fn with_vm_stats(&self, mut m: MemoryStats) -> MemoryStats {
+        let p = &self.vm_published;
+        m.expandable_segments = p.active.load(Ordering::Relaxed);
+        m.virtual_reserved_bytes = p.virtual_bytes.load(Ordering::Relaxed);
+        m.num_device_map = p.maps.load(Ordering::Relaxed);
+        m.num_device_unmap = p.unmaps.load(Ordering::Relaxed);
+        m.num_physical_create = p.creates.load(Ordering::Relaxed);
+        m.num_physical_release = p.releases.load(Ordering::Relaxed);
+        m.num_pages_moved = p.moves.load(Ordering::Relaxed);
+        m
+    }
+
+    /// Every range, as [`RangeInfo`], in address order.
+    pub(super) fn range_infos(&self, st: &State) -> Vec<RangeInfo> {
+        let page = st.vm.page;
+        st.vm
+            .ranges
+            .values()
+            .map(|r| {
+                let (mut free, mut free_pages) = (0, 0);
+                let mut runs = Vec::new();
+                for &s in r.segs.values() {
+                    let seg = st.pool.segment(s);
+                    runs.push((DeviceAddr(seg.base), seg.size));
+                    let blocks = st.pool.segment_blocks(s);
+                    for (_, b) in blocks.filter(|(_, b)| b.state == BlockState::Free) {
+                        free += b.size;
+                        free_pages += whole_pages(r.base, page, b.addr, b.addr + b.size)
+                            .map_or(0, |(a, z)| z - a);
+                    }
+                }
+                RangeInfo {
+                    base: DeviceAddr(r.base),
+                    virtual_size: r.size,
+                    stream: r.key.stream,
+                    pool: r.key.kind,
+                    residency: r.key.residency,
+                    mapped_bytes: r.pages.len() as u64 * page,
+                    free_bytes: free,
+                    free_page_bytes: free_pages,
+                    runs,
+                    retiring_pages: r.retiring.len(),
+                }
+            })
+            .collect()
+    }
+
+    /// The ranges' invariants: each pool segment of a range is a run of its mapped pages (page
+    /// aligned, its key, no two runs touching), every mapped page is in a run, the segment table
+    /// lists exactly the pool segments inside the range, retiring pages are in none.
+    pub(super) fn check_vm(&self, st: &State) -> Result<(), String> {
+        let page = st.vm.page;
+        let mut in_ranges = 0usize;
+        let live: HashMap<SegmentId, &Segment> = st.pool.segments().collect();
+        for r in st.vm.ranges.values() {
+            if st.vm.by_key.get(&r.key) != Some(&r.base) {
+                return Err(format!("range at {:#x} is not its key's", r.base));
+            }
+            let mut prev_end: Option<u64> = None;
+            let mut pages = 0u64;
+            for (&b, &s) in &r.segs {
+                let Some(seg) = live.get(&s) else {
+                    return Err(format!("range at {:#x} lists a dead segment", r.base));
+                };
+                if seg.base != b || seg.key != r.key {
+                    return Err(format!("range at {:#x}: segment at {b:#x} drifted", r.base));
+                }
+                if (seg.base - r.base) % page != 0 || seg.size % page != 0 {
+                    return Err(format!("segment at {b:#x} is not page aligned"));
+                }
+                if seg.base + seg.size > r.base + r.size || prev_end.is_some_and(|e| e >= seg.base)
+                {
+                    return Err(format!(
+                        "segment at {b:#x} touches another run or leaves its range"
+                    ));
+                }
+                for va in (seg.base..seg.base + seg.size).step_by(page as usize) {
+                    if !r.pages.contains(va) {
+                        return Err(format!("page at {va:#x} of a segment is not mapped"));
+                    }
+                }
+                pages += seg.size / page;
+                prev_end = Some(seg.base + seg.size);
+            }
+            if pages != r.pages.len() as u64 {
+                return Err(format!(
+                    "range at {:#x}: {} pages mapped, {pages} in its runs",
+                    r.base,
+                    r.pages.len()
+                ));
+            }
+            for &va in &r.retiring {
+                if r.pages.contains(va) {
+                    return Err(format!("retiring page at {va:#x} is also in use"));
+                }
+            }
+            in_ranges += r.segs.len();
+        }
+        let inside = st.pool.segments().filter(|(_, s)| st.vm.contains(s.base)).count();
+        if inside != in_ranges {
+            return Err(format!("{inside} pool segments in ranges, {in_ranges} listed"));
+        }
+        let queued: usize = st.vm.retiring.iter().map(|r| r.pages.len()).sum();
+        let marked: usize = st.vm.ranges.values().map(|r| r.retiring.len()).sum();
+        if queued != marked {
+            return Err(format!("{queued} retiring pages queued, {marked} marked"));
+        }
+        Ok(())
+    }
+}
+
+impl<D: Device> Allocator<D> {
+    /// The expandable ranges (`expandable_segments:true`), in address order: what each maps and
+    /// how much of it is free. The stream caches are flushed first.
+    pub fn expandable_ranges(&self) -> Vec<RangeInfo> {
+        let sh = &self.shared;
+        let mut st = sh.lock_state();
+        sh.flush_all(&mut st);
+        sh.range_infos(&st)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn whole_pages_of_a_range() {
+        let (base, p) = (0x1000_0000u64, 0x100u64);
+        assert_eq!(whole_pages(base, p, base, base + p), Some((base, base + p)));
+        assert_eq!(whole_pages(base, p, base + 1, base + 2 * p), Some((base + p, base + 2 * p)));
+        assert_eq!(whole_pages(base, p, base + 1, base + 2 * p - 1), None);
+        let got = whole_pages(base, p, base + 10, base + 3 * p + 5);
+        assert_eq!(got, Some((base + p, base + 3 * p)));
+    }
+}

@@ -1,0 +1,387 @@
+//! Virtual memory on the simulated device: reserved address ranges, physical allocations and the
+//! mappings between them (CUDA's `cuMemAddressReserve` / `cuMemCreate` / `cuMemMap` family).
+//!
+//! ```text
+//!   ranges   : base → bytes                       addresses only (finite: virtual_capacity)
+//!   physical : handle → {bytes, data?, at: [va]}  counts against the device's capacity
+//!   mappings : va → {bytes, handle}               a page is usable iff a mapping covers it
+//!
+//!   range  [........|== page (h1) ==|== page (h2) ==|...................]
+//!                    va              va + g
+//! ```
+//!
+//! A physical allocation may be mapped at several addresses at once (as CUDA allows): the
+//! allocator moves a page by mapping it at its new address before the old mapping is gone. Its
+//! memory is freed when it has been released and its last mapping is gone. With host backing,
+//! kernels read and write the physical bytes through whichever mapping they use, page by page.
+
+use crate::device::{DeviceAddr, DeviceError, PhysHandle};
+use std::collections::BTreeMap;
+
+/// `CUDA_ERROR_INVALID_VALUE`.
+const INVALID_VALUE: u32 = 1;
+/// `CUDA_ERROR_INVALID_HANDLE`.
+const INVALID_HANDLE: u32 = 400;
+
+/// Default granularity of physical allocations and mappings: CUDA's 2 MiB.
+pub const SIM_VM_GRANULARITY: u64 = 2 << 20;
+
+/// Counters of every virtual-memory call of a [`super::SimDevice`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct VmCounters {
+    /// Address ranges reserved (`cuMemAddressReserve`).
+    pub reserves: u64,
+    /// Address ranges freed (`cuMemAddressFree`).
+    pub frees: u64,
+    /// Physical allocations made (`cuMemCreate`).
+    pub creates: u64,
+    /// Physical allocations refused (out of memory or injected).
+    pub failed_creates: u64,
+    /// Physical allocations released (`cuMemRelease`).
+    pub releases: u64,
+    /// Mappings made (`cuMemMap` + `cuMemSetAccess`).
+    pub maps: u64,
+    /// Mappings refused (injected).
+    pub failed_maps: u64,
+    /// Mappings removed (`cuMemUnmap`).
+    pub unmaps: u64,
+}
+
+/// A copy to or from mapped memory.
+pub(super) enum Buf<'a> {
+    /// Device → host.
+    Read(&'a mut [u8]),
+    /// Host → device.
+    Write(&'a [u8]),
+}
+
+impl Buf<'_> {
+    pub(super) fn len(&self) -> usize {
+        match self {
+            Buf::Read(b) => b.len(),
+            Buf::Write(b) => b.len(),
+        }
+    }
+}
+
+struct Physical {
+    bytes: u64,
+    data: Option<Vec<u8>>,
+    /// The address it is mapped at, if any.
+    at: Option<u64>,
+    /// Further addresses it is mapped at (rare: a page being moved).
+    more: Vec<u64>,
+    released: bool,
+}
+
+impl Physical {
+    fn addresses(&self) -> impl Iterator<Item = u64> + '_ {
+        self.at.into_iter().chain(self.more.iter().copied())
+    }
+
+    fn unmapped(&self) -> bool {
+        self.at.is_none() && self.more.is_empty()
+    }
+
+    fn forget(&mut self, va: u64) {
+        if self.at == Some(va) {
+            self.at = self.more.pop();
+        } else {
+            self.more.retain(|&a| a != va);
+        }
+    }
+}
+
+#[derive(Clone, Copy)]
+struct Mapping {
+    bytes: u64,
+    handle: u64,
+}
+
+/// Injected virtual-memory faults.
+#[derive(Default)]
+pub(super) struct VmFaults {
+    /// Fail the Nth `vm_create` from now (1 = the next one).
+    pub(super) fail_nth_create: Option<u64>,
+    /// Fail the Nth `vm_map` from now.
+    pub(super) fail_nth_map: Option<u64>,
+}
+
+/// Counts down an injected fault; true when this call is the one to fail.
+pub(super) fn countdown(n: &mut Option<u64>) -> bool {
+    match *n {
+        Some(1) => {
+            *n = None;
+            true
+        }
+        Some(k) => {
+            *n = Some(k - 1);
+            false
+        }
+        None => false,
+    }
+}
+
+/// The device's virtual memory; lives under the device lock.
+pub(super) struct Vmm {
+    pub(super) supported: bool,
+    pub(super) granularity: u64,
+    pub(super) virtual_capacity: u64,
+    pub(super) virtual_reserved: u64,
+    /// Bytes of live physical allocations (released ones still mapped included).
+    pub(super) physical_bytes: u64,
+    ranges: BTreeMap<u64, u64>,
+    physical: BTreeMap<u64, Physical>,
+    next_handle: u64,
+    mappings: BTreeMap<u64, Mapping>,
+    pub(super) counters: VmCounters,
+    pub(super) faults: VmFaults,
+}
+
+fn invalid(op: &'static str) -> DeviceError {
+    DeviceError::Driver { op, code: INVALID_VALUE }
+}
+
+impl Vmm {
+    pub(super) fn new(capacity: u64) -> Vmm {
+        Vmm {
+            supported: true,
+            granularity: SIM_VM_GRANULARITY,
+            virtual_capacity: capacity.saturating_mul(1024).clamp(1 << 40, 1 << 60),
+            virtual_reserved: 0,
+            physical_bytes: 0,
+            ranges: BTreeMap::new(),
+            physical: BTreeMap::new(),
+            next_handle: 1,
+            mappings: BTreeMap::new(),
+            counters: VmCounters::default(),
+            faults: VmFaults::default(),
+        }
+    }
+
+    fn aligned(&self, v: u64) -> bool {
+        v.is_multiple_of(self.granularity)
+    }
+
+    /// The reserved range holding `addr`, as (base, bytes).
+    fn range_of(&self, addr: u64) -> Option<(u64, u64)> {
+        let (&b, &n) = self.ranges.range(..=addr).next_back()?;
+        (addr < b + n).then_some((b, n))
+    }
+
+    /// No mapping exists.
+    pub(super) fn is_empty(&self) -> bool {
+        self.mappings.is_empty()
+    }
+
+    /// Is `addr` inside a reserved range?
+    pub(super) fn is_virtual(&self, addr: u64) -> bool {
+        !self.ranges.is_empty() && self.range_of(addr).is_some()
+    }
+
+    /// Is all of `[lo, hi)` covered by mappings?
+    pub(super) fn mapped(&self, lo: u64, hi: u64) -> bool {
+        let mut cur = lo;
+        while cur < hi {
+            match self.mappings.range(..=cur).next_back() {
+                Some((&va, m)) if va + m.bytes > cur => cur = va + m.bytes,
+                _ => return false,
+            }
+        }
+        lo < hi
+    }
+
+    /// Checks a new range of `bytes` and records it at `addr` (from the device's bump pointer).
+    pub(super) fn check_reserve(&self, bytes: u64) -> Result<(), DeviceError> {
+        if bytes == 0 || !self.aligned(bytes) {
+            return Err(invalid("cuMemAddressReserve"));
+        }
+        if bytes > self.virtual_capacity - self.virtual_reserved {
+            return Err(DeviceError::Driver {
+                op: "cuMemAddressReserve",
+                code: DeviceError::CUDA_ERROR_OUT_OF_MEMORY,
+            });
+        }
+        Ok(())
+    }
+
+    pub(super) fn add_range(&mut self, addr: u64, bytes: u64) {
+        self.ranges.insert(addr, bytes);
+        self.virtual_reserved += bytes;
+        self.counters.reserves += 1;
+    }
+
+    pub(super) fn free_range(&mut self, base: u64, bytes: u64) -> Result<(), DeviceError> {
+        if self.ranges.get(&base) != Some(&bytes) {
+            return Err(invalid("cuMemAddressFree"));
+        }
+        if self.mappings.range(base..base + bytes).next().is_some() {
+            return Err(invalid("cuMemAddressFree"));
+        }
+        self.ranges.remove(&base);
+        self.virtual_reserved -= bytes;
+        self.counters.frees += 1;
+        Ok(())
+    }
+
+    /// A physical allocation of `bytes`; `room` is what the device's capacity still allows.
+    pub(super) fn create(
+        &mut self,
+        bytes: u64,
+        room: u64,
+        backed: bool,
+    ) -> Result<PhysHandle, DeviceError> {
+        if bytes == 0 || !self.aligned(bytes) {
+            return Err(invalid("cuMemCreate"));
+        }
+        if countdown(&mut self.faults.fail_nth_create) || bytes > room {
+            self.counters.failed_creates += 1;
+            return Err(DeviceError::Driver {
+                op: "cuMemCreate",
+                code: DeviceError::CUDA_ERROR_OUT_OF_MEMORY,
+            });
+        }
+        let h = self.next_handle;
+        self.next_handle += 1;
+        let data = backed.then(|| vec![0u8; bytes as usize]);
+        self.physical
+            .insert(h, Physical { bytes, data, at: None, more: Vec::new(), released: false });
+        self.physical_bytes += bytes;
+        self.counters.creates += 1;
+        Ok(PhysHandle(h))
+    }
+
+    /// Frees a physical allocation that is released and mapped nowhere.
+    fn reap(&mut self, h: u64) {
+        if self.physical.get(&h).is_some_and(|p| p.released && p.unmapped()) {
+            let p = self.physical.remove(&h).expect("checked");
+            self.physical_bytes -= p.bytes;
+        }
+    }
+
+    pub(super) fn release(&mut self, handle: PhysHandle) -> Result<(), DeviceError> {
+        let p = self
+            .physical
+            .get_mut(&handle.0)
+            .filter(|p| !p.released)
+            .ok_or(DeviceError::Driver { op: "cuMemRelease", code: INVALID_HANDLE })?;
+        p.released = true;
+        self.counters.releases += 1;
+        self.reap(handle.0);
+        Ok(())
+    }
+
+    pub(super) fn map(
+        &mut self,
+        va: u64,
+        bytes: u64,
+        handle: PhysHandle,
+    ) -> Result<(), DeviceError> {
+        let p = self
+            .physical
+            .get(&handle.0)
+            .filter(|p| !p.released)
+            .ok_or(DeviceError::Driver { op: "cuMemMap", code: INVALID_HANDLE })?;
+        if p.bytes != bytes || !self.aligned(va) {
+            return Err(invalid("cuMemMap"));
+        }
+        match self.range_of(va) {
+            Some((b, n)) if va + bytes <= b + n => {}
+            _ => return Err(invalid("cuMemMap")),
+        }
+        let overlaps =
+            self.mappings.range(..va + bytes).next_back().is_some_and(|(&a, m)| a + m.bytes > va);
+        if overlaps {
+            return Err(invalid("cuMemMap"));
+        }
+        if countdown(&mut self.faults.fail_nth_map) {
+            self.counters.failed_maps += 1;
+            return Err(DeviceError::Driver {
+                op: "cuMemMap",
+                code: DeviceError::CUDA_ERROR_OUT_OF_MEMORY,
+            });
+        }
+        let p = self.physical.get_mut(&handle.0).expect("checked");
+        match p.at {
+            None => p.at = Some(va),
+            Some(_) => p.more.push(va),
+        }
+        self.mappings.insert(va, Mapping { bytes, handle: handle.0 });
+        self.counters.maps += 1;
+        Ok(())
+    }
+
+    pub(super) fn unmap(&mut self, va: u64, bytes: u64) -> Result<(), DeviceError> {
+        match self.mappings.get(&va) {
+            Some(m) if m.bytes == bytes => {}
+            _ => return Err(invalid("cuMemUnmap")),
+        }
+        let m = self.mappings.remove(&va).expect("checked");
+        let p = self.physical.get_mut(&m.handle).expect("a mapping's allocation is live");
+        p.forget(va);
+        self.counters.unmaps += 1;
+        self.reap(m.handle);
+        Ok(())
+    }
+
+    /// The other addresses the physical memory under `[lo, hi)` is mapped at, as ranges.
+    pub(super) fn aliases(&self, lo: u64, hi: u64) -> Vec<(u64, u64)> {
+        let mut out = Vec::new();
+        if self.mappings.is_empty() {
+            return out;
+        }
+        let first = self.mappings.range(..=lo).next_back().map_or(lo, |(&a, _)| a);
+        for (&va, m) in self.mappings.range(first..hi) {
+            let (a, b) = (va.max(lo), (va + m.bytes).min(hi));
+            if a >= b {
+                continue;
+            }
+            for other in self.physical[&m.handle].addresses() {
+                if other != va {
+                    out.push((other + (a - va), other + (b - va)));
+                }
+            }
+        }
+        out
+    }
+
+    /// Copies through the mappings of `[ptr, ptr + len)`, page by page.
+    pub(super) fn copy(&mut self, ptr: DeviceAddr, mut buf: Buf<'_>) -> Result<(), DeviceError> {
+        let len = buf.len() as u64;
+        let bad = DeviceError::BadAccess { ptr, bytes: len };
+        let mut done = 0u64;
+        while done < len {
+            let at = ptr.0 + done;
+            let (&va, &m) = self.mappings.range(..=at).next_back().ok_or(bad.clone())?;
+            if va + m.bytes <= at {
+                return Err(bad);
+            }
+            let off = (at - va) as usize;
+            let n = ((va + m.bytes - at).min(len - done)) as usize;
+            let data = self.physical.get_mut(&m.handle).expect("live").data.as_mut();
+            let data = data.ok_or(DeviceError::Unsupported("kernel on unbacked memory"))?;
+            let d = done as usize;
+            match &mut buf {
+                Buf::Read(out) => out[d..d + n].copy_from_slice(&data[off..off + n]),
+                Buf::Write(src) => data[off..off + n].copy_from_slice(&src[d..d + n]),
+            }
+            done += n as u64;
+        }
+        Ok(())
+    }
+
+    /// Live mappings as (address, bytes), in address order.
+    pub(super) fn mappings(&self) -> Vec<(DeviceAddr, u64)> {
+        self.mappings.iter().map(|(&a, m)| (DeviceAddr(a), m.bytes)).collect()
+    }
+
+    /// Reserved ranges as (base, bytes), in address order.
+    pub(super) fn ranges(&self) -> Vec<(DeviceAddr, u64)> {
+        self.ranges.iter().map(|(&a, &n)| (DeviceAddr(a), n)).collect()
+    }
+
+    /// Physical allocations not yet freed.
+    pub(super) fn physical_count(&self) -> usize {
+        self.physical.len()
+    }
+}

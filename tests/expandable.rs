@@ -1,0 +1,569 @@
+//! Expandable segments (`expandable_segments:true`) on SimDevice, with exact addresses and pages:
+//! growth extends the end block, whole free pages are unmapped (interior ones too), the end of a
+//! range is used last, a map failure in the middle of a growth rolls back, pages move between
+//! streams only after the owner's work (strict) or with the new stream waiting for it
+//! (wait_event), persistent ranges are left alone by `empty_cache`, `release_threshold`, the
+//! fallback on a device without virtual memory, and nothing leaks.
+//!
+//! Ranges are reserved from the simulated address space in order, each twice the device's
+//! capacity: the first one a test makes starts at `SIM_BASE`, the next one `2 × capacity` bytes
+//! above it. Pages are 2 MiB.
+
+use std::sync::Arc;
+use std::sync::mpsc;
+use tidepool::MIB;
+use tidepool::device::{Access, AccessKind, Kernel, Launch, SIM_BASE, SimDevice};
+use tidepool::{AllocError, Allocator, Config, Device, DeviceAddr, Residency, StreamId};
+
+const P: u64 = 2 * MIB;
+const CAP: u64 = 64 * MIB;
+
+fn setup(config: &str, capacity: u64) -> (Arc<SimDevice>, Allocator<SimDevice>) {
+    let dev = Arc::new(SimDevice::backed(capacity));
+    let config = Config::parse(config).unwrap().with_expandable_segments(true);
+    let alloc = Allocator::new(dev.clone(), config).unwrap();
+    (dev, alloc)
+}
+
+fn base() -> u64 {
+    SIM_BASE
+}
+
+/// The device's mappings as page offsets (in pages) from `base`.
+fn mapped_pages(dev: &SimDevice, base: u64) -> Vec<u64> {
+    dev.live_mappings().iter().map(|&(a, n)| (assert_eq!(n, P), (a.0 - base) / P).1).collect()
+}
+
+/// Nothing is left on the device once the allocator is gone.
+fn assert_no_leak(dev: &SimDevice) {
+    assert_eq!(dev.live_mappings(), vec![]);
+    assert_eq!(dev.live_physical(), 0);
+    assert_eq!(dev.physical_bytes(), 0);
+    assert_eq!(dev.virtual_bytes(), 0);
+    assert_eq!(dev.live_virtual_ranges(), vec![]);
+    assert!(dev.live_segments().is_empty());
+    assert_eq!(dev.violations(), vec![]);
+}
+
+/// Opens `gate` once the device has counted a host synchronisation beyond those it has now: the
+/// moment the allocator (or the test) starts waiting for the gated kernel. No timing involved.
+fn open_on_next_sync(dev: &Arc<SimDevice>, gate: mpsc::Sender<()>) -> std::thread::JoinHandle<()> {
+    let dev = dev.clone();
+    let before = dev.counters().host_syncs;
+    std::thread::spawn(move || {
+        while dev.counters().host_syncs == before {
+            std::thread::yield_now();
+        }
+        let _ = gate.send(());
+    })
+}
+
+/// A kernel writing `byte` over `[ptr, ptr + bytes)` after the returned gate opens.
+fn gated_write(ptr: DeviceAddr, bytes: u64, byte: u8) -> (Kernel, mpsc::Sender<()>) {
+    let (open, gate) = mpsc::channel::<()>();
+    let k = Kernel::new(
+        "gated_write",
+        vec![Access { ptr, bytes, kind: AccessKind::Write }],
+        move |m| {
+            let _ = gate.recv();
+            m.write(ptr, &vec![byte; bytes as usize]).unwrap();
+        },
+    );
+    (k, open)
+}
+
+#[test]
+fn growth_extends_the_free_end_block() {
+    let (dev, alloc) = setup("", CAP);
+    let a = alloc.alloc(3 * MIB, StreamId::DEFAULT).unwrap();
+    assert_eq!(a.ptr(), DeviceAddr(base()));
+    // [a 3 MiB][free 1 MiB] over two pages.
+    assert_eq!(mapped_pages(&dev, base()), vec![0, 1]);
+    assert_eq!(alloc.reserved_bytes(), 2 * P);
+    // The next 3 MiB do not fit in the free 1 MiB: the end block grows by one page.
+    let b = alloc.alloc(3 * MIB, StreamId::DEFAULT).unwrap();
+    assert_eq!(b.ptr(), DeviceAddr(base() + 3 * MIB));
+    assert_eq!(mapped_pages(&dev, base()), vec![0, 1, 2]);
+    let s = alloc.stats();
+    assert_eq!(s.blocks.reserved_bytes.all.current, 3 * P);
+    assert_eq!(s.blocks.reserved_bytes.large_pool.current, 3 * P);
+    assert_eq!(s.blocks.segment.all.current, 1, "one run");
+    assert_eq!(s.blocks.allocated_bytes.all.current, 6 * MIB);
+    assert_eq!((s.num_device_map, s.num_physical_create, s.num_device_unmap), (3, 3, 0));
+    assert_eq!(s.num_device_alloc, 0, "no cuMemAlloc");
+    assert!(s.expandable_segments);
+    assert_eq!(s.virtual_reserved_bytes, 2 * CAP);
+    assert_eq!(dev.physical_bytes(), 3 * P);
+    let ranges = alloc.expandable_ranges();
+    assert_eq!(ranges.len(), 1);
+    let r = &ranges[0];
+    assert_eq!((r.base, r.virtual_size, r.mapped_bytes), (DeviceAddr(base()), 2 * CAP, 3 * P));
+    assert_eq!((r.free_bytes, r.free_page_bytes, r.runs.len()), (0, 0, 1));
+    alloc.check_invariants().unwrap();
+    drop((a, b));
+    alloc.check_invariants().unwrap();
+    drop(alloc);
+    assert_no_leak(&dev);
+}
+
+#[test]
+fn interior_free_pages_are_unmapped_and_mapped_again() {
+    let (dev, alloc) = setup("", CAP);
+    let s0 = StreamId::DEFAULT;
+    let a = alloc.alloc(4 * MIB, s0).unwrap();
+    let b = alloc.alloc(4 * MIB, s0).unwrap();
+    let c = alloc.alloc(4 * MIB, s0).unwrap();
+    assert_eq!([a.ptr(), b.ptr(), c.ptr()], [0, 4, 8].map(|m| DeviceAddr(base() + m * MIB)));
+    drop(b);
+    alloc.empty_cache().unwrap();
+    // Pages 2 and 3 (b's) are gone; the run is cut in two.
+    assert_eq!(mapped_pages(&dev, base()), vec![0, 1, 4, 5]);
+    let s = alloc.stats();
+    assert_eq!(s.blocks.reserved_bytes.all.current, 4 * P);
+    assert_eq!(s.blocks.segment.all.current, 2);
+    assert_eq!((s.num_device_unmap, s.num_physical_release), (2, 2));
+    assert_eq!(dev.physical_bytes(), 4 * P);
+    let runs = &alloc.expandable_ranges()[0].runs;
+    assert_eq!(runs, &vec![(DeviceAddr(base()), 2 * P), (DeviceAddr(base() + 8 * MIB), 2 * P)]);
+    alloc.check_invariants().unwrap();
+    // The hole needs as few new pages as the end: the lower address wins, joining the runs.
+    let d = alloc.alloc(4 * MIB, s0).unwrap();
+    assert_eq!(d.ptr(), DeviceAddr(base() + 4 * MIB));
+    assert_eq!(mapped_pages(&dev, base()), vec![0, 1, 2, 3, 4, 5]);
+    assert_eq!(alloc.stats().blocks.segment.all.current, 1);
+    alloc.check_invariants().unwrap();
+    drop((a, c, d));
+    alloc.empty_cache().unwrap();
+    assert_eq!(dev.live_mappings(), vec![]);
+    assert_eq!(alloc.reserved_bytes(), 0);
+    // The virtual range stays for the next growth.
+    assert_eq!(dev.virtual_bytes(), 2 * CAP);
+    drop(alloc);
+    assert_no_leak(&dev);
+}
+
+#[test]
+fn the_end_of_a_range_is_used_last() {
+    let (dev, alloc) = setup("", CAP);
+    let s0 = StreamId::DEFAULT;
+    let a = alloc.alloc(4 * MIB, s0).unwrap();
+    let b = alloc.alloc(4 * MIB, s0).unwrap();
+    let c = alloc.alloc(2 * MIB, s0).unwrap();
+    assert_eq!(c.ptr(), DeviceAddr(base() + 8 * MIB));
+    drop(a);
+    drop(c);
+    // Best fit alone would take the 2 MiB end block; the 4 MiB hole at the start serves instead.
+    let d = alloc.alloc(2 * MIB, s0).unwrap();
+    assert_eq!(d.ptr(), DeviceAddr(base()));
+    let r = alloc.expandable_ranges()[0].clone();
+    assert_eq!((r.mapped_bytes, r.free_bytes, r.free_page_bytes), (5 * P, 2 * P, 2 * P));
+    alloc.check_invariants().unwrap();
+    // The rest of the hole serves the next 2 MiB; then only the end block fits: it serves (no
+    // device call).
+    let f = alloc.alloc(2 * MIB, s0).unwrap();
+    assert_eq!(f.ptr(), DeviceAddr(base() + 2 * MIB));
+    let g = alloc.alloc(2 * MIB, s0).unwrap();
+    assert_eq!(g.ptr(), DeviceAddr(base() + 8 * MIB));
+    drop(g);
+    // 6 MiB fit nowhere: the end block grows by two new pages.
+    let maps = alloc.stats().num_device_map;
+    let e = alloc.alloc(6 * MIB, s0).unwrap();
+    assert_eq!(e.ptr(), DeviceAddr(base() + 8 * MIB));
+    assert_eq!(alloc.stats().num_device_map, maps + 2);
+    assert_eq!(mapped_pages(&dev, base()), (0..7).collect::<Vec<_>>());
+    alloc.check_invariants().unwrap();
+    drop(f);
+    drop((b, d, e));
+    alloc.check_invariants().unwrap();
+    drop(alloc);
+    assert_no_leak(&dev);
+}
+
+#[test]
+fn a_map_failure_in_the_middle_of_a_growth_rolls_back() {
+    let (dev, alloc) = setup("", CAP);
+    let s0 = StreamId::DEFAULT;
+    // The second of three mappings fails (once): the first is undone, all three pages released,
+    // and the out-of-memory ladder's retry succeeds.
+    dev.fail_nth_vm_map(Some(2));
+    let a = alloc.alloc(6 * MIB, s0).unwrap();
+    assert_eq!(a.ptr(), DeviceAddr(base()));
+    let v = dev.vm_counters();
+    assert_eq!((v.creates, v.releases, v.maps, v.failed_maps, v.unmaps), (6, 3, 4, 1, 1));
+    let s = alloc.stats();
+    assert_eq!((s.num_alloc_retries, s.num_ooms), (1, 0));
+    assert_eq!((s.num_physical_create, s.num_physical_release), (6, 3));
+    assert_eq!(dev.physical_bytes(), 3 * P);
+    alloc.check_invariants().unwrap();
+    // A creation that fails every time: the allocation fails, nothing stays half done.
+    let before = (dev.physical_bytes(), dev.live_mappings(), alloc.reserved_bytes());
+    dev.fail_nth_vm_create(Some(2));
+    let err = alloc.alloc(8 * MIB, s0);
+    // The ladder's retry succeeds again (the fault was one-shot).
+    let b = err.unwrap();
+    assert_eq!(b.ptr(), DeviceAddr(base() + 6 * MIB));
+    drop(b);
+    alloc.empty_cache().unwrap();
+    assert_eq!((dev.physical_bytes(), dev.live_mappings(), alloc.reserved_bytes()), before);
+    // Out of device memory: a refusal with the report, and the allocator works on.
+    match alloc.alloc(CAP, s0) {
+        Err(AllocError::OutOfMemory(r)) => {
+            assert_eq!(r.reserved, 3 * P);
+            assert_eq!(r.segment, CAP, "what the growth needed");
+            assert_eq!(r.mapped_free, 0);
+        }
+        other => panic!("expected out of memory, got {other:?}"),
+    }
+    assert_eq!(dev.physical_bytes(), 3 * P);
+    alloc.check_invariants().unwrap();
+    let c = alloc.alloc(MIB * 3 / 2, s0).unwrap();
+    assert_eq!(c.ptr(), DeviceAddr(base() + 6 * MIB));
+    drop((a, c));
+    drop(alloc);
+    assert_no_leak(&dev);
+}
+
+#[test]
+fn the_oom_report_says_what_is_mapped_but_free() {
+    let (_dev, alloc) = setup("", 16 * MIB);
+    let s0 = StreamId::DEFAULT;
+    let keep = alloc.alloc(MIB, s0).unwrap(); // small range: one page, mostly free
+    let p = alloc.alloc_in(4 * MIB, s0, Residency::Persistent).unwrap();
+    drop(p); // two whole free pages of a persistent range
+    match alloc.alloc(12 * MIB, s0) {
+        Err(AllocError::OutOfMemory(r)) => {
+            assert_eq!(r.reserved, 3 * P);
+            assert_eq!(r.mapped_free, P - MIB + 2 * P);
+            assert_eq!(r.mapped_free_in_used_pages, P - MIB);
+            assert_eq!(r.mapped_free_persistent, 2 * P);
+            let msg = r.to_string();
+            assert!(msg.contains("Expandable segments hold 5.00 MiB mapped but free"), "{msg}");
+            assert!(msg.contains("release_persistent"), "{msg}");
+        }
+        other => panic!("expected out of memory, got {other:?}"),
+    }
+    drop(keep);
+}
+
+#[test]
+fn persistent_ranges_are_left_alone_by_empty_cache() {
+    let (dev, alloc) = setup("", CAP);
+    let s0 = StreamId::DEFAULT;
+    let w = alloc.alloc_in(4 * MIB, s0, Residency::Persistent).unwrap();
+    let t = alloc.alloc(4 * MIB, s0).unwrap();
+    let (wp, tp) = (w.ptr(), t.ptr());
+    assert_eq!(wp, DeviceAddr(base()), "the persistent range is made first");
+    assert_eq!(tp, DeviceAddr(base() + 2 * CAP), "the transient one above it");
+    drop((w, t));
+    alloc.empty_cache().unwrap();
+    assert_eq!(mapped_pages(&dev, base()), vec![0, 1]);
+    let s = alloc.stats();
+    assert_eq!(s.blocks.reserved_bytes.persistent.current, 2 * P);
+    assert_eq!(s.blocks.reserved_bytes.transient.current, 0);
+    alloc.release_persistent().unwrap();
+    assert_eq!(dev.live_mappings(), vec![]);
+    assert_eq!(alloc.reserved_bytes(), 0);
+    alloc.check_invariants().unwrap();
+    drop(alloc);
+    assert_no_leak(&dev);
+}
+
+#[test]
+fn release_threshold_keeps_that_much_mapped() {
+    let (dev, alloc) = setup("release_threshold_mb:2", CAP);
+    let s0 = StreamId::DEFAULT;
+    let bufs: Vec<_> = (0..3).map(|_| alloc.alloc(4 * MIB, s0).unwrap()).collect();
+    assert_eq!(alloc.reserved_bytes(), 6 * P);
+    drop(bufs);
+    // 12 MiB free after the frees: everything above 2 MiB goes, the highest pages first.
+    assert_eq!(mapped_pages(&dev, base()), vec![0]);
+    let s = alloc.stats();
+    assert_eq!(s.blocks.reserved_bytes.all.current, P);
+    assert_eq!((s.num_device_unmap, s.num_physical_release, s.num_host_syncs), (5, 5, 0));
+    alloc.check_invariants().unwrap();
+    // Persistent memory is never trimmed.
+    let w = alloc.alloc_in(8 * MIB, s0, Residency::Persistent).unwrap();
+    drop(w);
+    assert_eq!(alloc.stats().blocks.reserved_bytes.persistent.current, 4 * P);
+    drop(alloc);
+    assert_no_leak(&dev);
+}
+
+#[test]
+fn release_waits_for_the_streams_work_and_counts_the_sync() {
+    let (dev, alloc) = setup("", CAP);
+    let s = dev.create_stream().unwrap();
+    let a = alloc.alloc(4 * MIB, s).unwrap();
+    let (k, open) = gated_write(a.ptr(), 4 * MIB, 0x5A);
+    dev.launch(s, k).unwrap();
+    drop(a); // free on its own stream: reusable at once there, but its pages are still in use
+    let waiter = open_on_next_sync(&dev, open);
+    alloc.empty_cache().unwrap(); // must wait for the kernel before unmapping
+    waiter.join().unwrap();
+    assert_eq!(dev.violations(), vec![], "no unmap under unfinished work");
+    let st = alloc.stats();
+    assert_eq!((st.num_device_unmap, st.num_host_syncs), (2, 1));
+    assert_eq!(dev.kernel_failures(), vec![]);
+    drop(alloc);
+    assert_no_leak(&dev);
+}
+
+/// Stream 1 caches 8 MiB of free pages while its kernel may still run on them (until the first
+/// host sync, unless `done_first`); stream 2 needs 4 MiB on a device with no room left. Returns
+/// the device, the allocator and stream 2's buffer address.
+fn page_move(config: &str, done_first: bool) -> (Arc<SimDevice>, Allocator<SimDevice>, DeviceAddr) {
+    let (dev, alloc) = setup(config, 8 * MIB);
+    let (s1, s2) = (dev.create_stream().unwrap(), dev.create_stream().unwrap());
+    let a = alloc.alloc(8 * MIB, s1).unwrap();
+    assert_eq!(a.ptr(), DeviceAddr(base()));
+    let (k, open) = gated_write(a.ptr(), 8 * MIB, 0x11);
+    dev.launch(s1, k).unwrap();
+    drop(a);
+    let waiter = if done_first {
+        open.send(()).unwrap();
+        dev.synchronize().unwrap();
+        None
+    } else {
+        Some(open_on_next_sync(&dev, open))
+    };
+    let b = alloc.alloc(4 * MIB, s2).unwrap();
+    let ptr = b.ptr();
+    // Stream 2 writes its buffer (in order after whatever the allocator arranged).
+    dev.launch(
+        s2,
+        Kernel::new(
+            "w2",
+            vec![Access { ptr, bytes: 4 * MIB, kind: AccessKind::Write }],
+            move |m| {
+                m.write(ptr, &vec![0x22; (4 * MIB) as usize]).unwrap();
+            },
+        ),
+    )
+    .unwrap();
+    dev.synchronize().unwrap();
+    if let Some(w) = waiter {
+        w.join().unwrap();
+    }
+    drop(b);
+    alloc.check_invariants().unwrap();
+    (dev, alloc, ptr)
+}
+
+#[test]
+fn strict_moves_pages_of_an_idle_stream_without_a_sync() {
+    let (dev, alloc, ptr) = page_move("", true);
+    assert_eq!(ptr, DeviceAddr(base() + 16 * MIB), "stream 2's range is the next one");
+    let s = alloc.stats();
+    assert_eq!((s.num_pages_moved, s.num_physical_create, s.num_host_syncs), (2, 4, 0));
+    assert_eq!(s.num_device_unmap, 2);
+    assert_eq!(dev.physical_bytes(), 8 * MIB, "no new physical memory");
+    assert_eq!(dev.violations(), vec![]);
+    drop(alloc);
+    assert_no_leak(&dev);
+}
+
+#[test]
+fn strict_waits_for_a_busy_owner_before_its_pages_go() {
+    let (dev, alloc, ptr) = page_move("", false);
+    assert_eq!(ptr, DeviceAddr(base() + 16 * MIB));
+    let s = alloc.stats();
+    // Not moved while stream 1 ran: the ladder released stream 1's pages after waiting for it
+    // (one host sync) and stream 2 created its own.
+    assert_eq!(s.num_pages_moved, 0);
+    assert_eq!((s.num_host_syncs, s.num_alloc_retries), (1, 1));
+    assert_eq!((s.num_physical_create, s.num_physical_release), (6, 4));
+    assert_eq!(dev.violations(), vec![]);
+    assert_eq!(dev.kernel_failures(), vec![]);
+    drop(alloc);
+    assert_no_leak(&dev);
+}
+
+#[test]
+fn wait_event_moves_pages_at_once_and_unmaps_after_the_owner() {
+    let (dev, alloc, ptr) = page_move("cross_stream:wait_event", false);
+    assert_eq!(ptr, DeviceAddr(base() + 16 * MIB));
+    let s = alloc.stats();
+    assert_eq!((s.num_pages_moved, s.num_host_syncs, s.num_physical_create), (2, 0, 4));
+    assert_eq!(dev.violations(), vec![], "stream 2 waited for stream 1 on the device");
+    assert_eq!(dev.kernel_failures(), vec![]);
+    // The old mappings stay until stream 1 is done and the allocator looks again (its next
+    // slow path): then they go.
+    let retiring = |a: &Allocator<SimDevice>| {
+        a.expandable_ranges().iter().map(|r| r.retiring_pages).sum::<usize>()
+    };
+    assert_eq!(retiring(&alloc), 2);
+    assert_eq!(dev.live_mappings().len(), 4 + 2, "moved pages mapped twice meanwhile");
+    assert_eq!(dev.physical_bytes(), 8 * MIB);
+    let _ = alloc.alloc(MIB * 3, StreamId::DEFAULT);
+    assert_eq!(retiring(&alloc), 0);
+    drop(alloc);
+    assert_no_leak(&dev);
+}
+
+#[test]
+fn the_sanitizer_catches_a_page_move_without_order() {
+    let (dev, alloc) = setup("cross_stream:wait_event", 8 * MIB);
+    alloc.set_broken_skip_events(true);
+    let (s1, s2) = (dev.create_stream().unwrap(), dev.create_stream().unwrap());
+    let a = alloc.alloc(8 * MIB, s1).unwrap();
+    let (k, open) = gated_write(a.ptr(), 8 * MIB, 0x11);
+    dev.launch(s1, k).unwrap();
+    drop(a);
+    let b = alloc.alloc(4 * MIB, s2).unwrap();
+    let v = dev.violations();
+    assert!(!v.is_empty(), "the broken allocator unmapped or aliased memory stream 1 still uses");
+    open.send(()).unwrap();
+    dev.synchronize().unwrap();
+    drop(b);
+}
+
+#[test]
+fn a_device_without_virtual_memory_falls_back_with_a_note() {
+    let dev = Arc::new(SimDevice::new(CAP));
+    dev.set_virtual_memory(false);
+    let alloc =
+        Allocator::new(dev.clone(), Config::default().with_expandable_segments(true)).unwrap();
+    let a = alloc.alloc(3 * MIB, StreamId::DEFAULT).unwrap();
+    assert_eq!(a.ptr(), DeviceAddr(SIM_BASE));
+    let s = alloc.stats();
+    assert!(!s.expandable_segments);
+    assert_eq!((s.num_device_alloc, s.num_device_map), (1, 0));
+    assert_eq!(dev.live_segments(), vec![(DeviceAddr(SIM_BASE), 20 * MIB)]);
+    let summary = alloc.memory_summary();
+    assert!(summary.contains("has no virtual memory management: ordinary segments"), "{summary}");
+    drop(a);
+    drop(alloc);
+    assert!(dev.live_segments().is_empty());
+}
+
+#[test]
+fn kernels_and_handouts_on_unmapped_pages_are_violations() {
+    let dev = SimDevice::backed(CAP);
+    let s = StreamId::DEFAULT;
+    let base = dev.vm_reserve(8 * MIB).unwrap();
+    let h = dev.vm_create(P).unwrap();
+    dev.vm_map(base, P, h).unwrap();
+    dev.note_handout(base, P, s);
+    assert_eq!(dev.violations(), vec![]);
+    dev.note_handout(base.offset(P), 16, s);
+    let v = dev.violations();
+    assert_eq!((v[0].ptr, v[0].op.as_str()), (base.offset(P), "handout of unmapped memory"));
+    let k = Kernel::new(
+        "spill",
+        vec![Access { ptr: base.offset(P - 8), bytes: 16, kind: AccessKind::Write }],
+        |_| {},
+    );
+    dev.launch(s, k).unwrap();
+    let v = dev.violations();
+    assert_eq!(v[1].op, "kernel spill touches unallocated memory");
+    dev.synchronize().unwrap();
+    dev.note_reclaim(base, P, s);
+    dev.note_reclaim(base.offset(P), 16, s);
+    dev.vm_unmap(base, P).unwrap();
+    dev.vm_release(h).unwrap();
+    dev.vm_free(base, 8 * MIB).unwrap();
+    assert_eq!(dev.physical_bytes(), 0);
+}
+
+#[test]
+fn unmapping_under_unfinished_work_is_a_violation() {
+    let dev = SimDevice::backed(CAP);
+    let s = dev.create_stream().unwrap();
+    let base = dev.vm_reserve(4 * MIB).unwrap();
+    let h = dev.vm_create(P).unwrap();
+    dev.vm_map(base, P, h).unwrap();
+    let (k, open) = gated_write(base, 64, 1);
+    dev.note_handout(base, 64, s);
+    dev.launch(s, k).unwrap();
+    dev.note_reclaim(base, 64, s);
+    dev.vm_unmap(base, P).unwrap();
+    let v = dev.violations();
+    assert_eq!(v.len(), 1);
+    assert_eq!(
+        (v[0].ptr, v[0].stream, v[0].op.as_str()),
+        (base, s, "unmap of memory that unfinished work uses")
+    );
+    // (The kernel then faults on the unmapped page: the device reports it as a kernel failure.)
+    open.send(()).unwrap();
+    dev.synchronize().unwrap();
+    assert_eq!(dev.kernel_failures().len(), 1);
+    dev.vm_release(h).unwrap();
+}
+
+#[test]
+fn device_counts_and_refuses_what_cuda_refuses() {
+    let dev = SimDevice::new(8 * MIB);
+    assert!(dev.supports_virtual_memory());
+    assert_eq!(dev.vm_granularity(), Ok(P));
+    let base = dev.vm_reserve(6 * MIB).unwrap();
+    assert_eq!(base, DeviceAddr(SIM_BASE));
+    assert!(dev.vm_reserve(3 * MIB).is_err(), "not a multiple of the granularity");
+    let hs: Vec<_> = (0..4).map(|_| dev.vm_create(P).unwrap()).collect();
+    let refused = dev.vm_create(P).unwrap_err();
+    assert_eq!(refused, tidepool::DeviceError::Driver { op: "cuMemCreate", code: 2 });
+    assert_eq!(dev.mem_info().unwrap().free, 0);
+    assert!(dev.reserve(512).is_err(), "physical memory counts against segments too");
+    dev.vm_map(base, P, hs[0]).unwrap();
+    assert!(dev.vm_map(base, P, hs[1]).is_err(), "overlapping mapping");
+    assert!(dev.vm_map(base.offset(6 * MIB), P, hs[1]).is_err(), "outside the range");
+    dev.vm_map(base.offset(4 * MIB), P, hs[0]).unwrap(); // a second mapping of one allocation
+    assert!(dev.vm_free(base, 6 * MIB).is_err(), "still mapped");
+    assert!(dev.vm_unmap(base, 4 * MIB).is_err(), "not one mapping");
+    dev.vm_release(hs[0]).unwrap();
+    assert_eq!(dev.physical_bytes(), 8 * MIB, "released, but still mapped");
+    dev.vm_unmap(base, P).unwrap();
+    dev.vm_unmap(base.offset(4 * MIB), P).unwrap();
+    assert_eq!(dev.physical_bytes(), 6 * MIB);
+    for &h in &hs[1..] {
+        dev.vm_release(h).unwrap();
+    }
+    dev.vm_free(base, 6 * MIB).unwrap();
+    let v = dev.vm_counters();
+    assert_eq!(
+        (v.reserves, v.frees, v.creates, v.failed_creates, v.releases, v.maps, v.unmaps),
+        (1, 1, 4, 1, 4, 2, 2)
+    );
+    assert_eq!((dev.physical_bytes(), dev.virtual_bytes()), (0, 0));
+}
+
+#[test]
+fn no_virtual_room_falls_back_to_segments_with_a_note() {
+    let dev = Arc::new(SimDevice::new(CAP));
+    dev.set_virtual_capacity(CAP); // less than one range (twice the device)
+    let alloc =
+        Allocator::new(dev.clone(), Config::default().with_expandable_segments(true)).unwrap();
+    let a = alloc.alloc(3 * MIB, StreamId::DEFAULT).unwrap();
+    assert_eq!(dev.live_segments(), vec![(a.ptr(), 20 * MIB)]);
+    assert_eq!(alloc.stats().num_device_map, 0);
+    let summary = alloc.memory_summary();
+    assert!(summary.contains("of virtual addresses for stream 0 failed"), "{summary}");
+    drop(a);
+    drop(alloc);
+    assert!(dev.live_segments().is_empty());
+}
+
+#[test]
+fn the_memory_history_records_maps_and_unmaps() {
+    use tidepool::{Action, HistoryOptions};
+    let (dev, alloc) = setup("", CAP);
+    alloc.record_history(HistoryOptions::new(100));
+    let a = alloc.alloc(3 * MIB, StreamId::DEFAULT).unwrap();
+    drop(a);
+    alloc.empty_cache().unwrap();
+    let got: Vec<(Action, u64, u64)> =
+        alloc.history().iter().map(|e| (e.action, e.addr.0 - base(), e.size)).collect();
+    assert_eq!(
+        got,
+        vec![
+            (Action::SegmentMap, 0, 2 * P),
+            (Action::Alloc, 0, 3 * MIB),
+            (Action::FreeRequested, 0, 3 * MIB),
+            (Action::FreeCompleted, 0, 3 * MIB),
+            (Action::SegmentUnmap, 0, 2 * P),
+        ]
+    );
+    let pickle = alloc.snapshot_pickle();
+    assert!(!pickle.is_empty());
+    drop(alloc);
+    assert_no_leak(&dev);
+}
