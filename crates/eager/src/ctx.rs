@@ -115,3 +115,27 @@ impl<'t, B: Backend> Ctx<'t, B> {
         self.eager.backend().launch(self.stream, op)
     }
 }
+
+/// Tensor constructors that take a context (here, above the tensor type, so that `tensor.rs`
+/// needs nothing of `Ctx`).
+impl<'t, B: Backend> Tensor<'t, B> {
+    /// A tensor made in `ctx` (its scope, or the allocator) holding `data`.
+    pub fn from_host(ctx: &Ctx<'t, B>, data: &[f32], dims: &[usize]) -> Result<Tensor<'t, B>> {
+        ctx.tensor(data, dims)
+    }
+
+    /// A tensor made in `ctx` filled with zeros.
+    pub fn zeros(ctx: &Ctx<'t, B>, dims: &[usize]) -> Result<Tensor<'t, B>> {
+        ctx.zeros(dims)
+    }
+}
+
+/// The unscoped context of an engine (here, above the engine, so that `engine.rs` needs nothing
+/// of `Ctx`).
+impl<B: Backend> Eager<B> {
+    /// Ops whose outputs are transient buffers from the allocator, outside any scope, on
+    /// `stream`: for values that outlive a step (gradients, prefetched inputs).
+    pub fn ctx(&self, stream: StreamId) -> Ctx<'static, B> {
+        Ctx::unscoped(self.clone(), stream)
+    }
+}

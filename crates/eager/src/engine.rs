@@ -11,11 +11,9 @@
 //! Cloning an `Eager` clones a handle; every tensor holds one (for `to_host` and its trace row).
 
 use super::backend::Backend;
-use super::ctx::Ctx;
 use super::error::{EagerError, Result};
 use super::host::HostBackend;
 use super::record::Recorder;
-use super::step::Step;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use tidepool::Allocator;
@@ -149,17 +147,9 @@ impl<B: Backend> Eager<B> {
         }
     }
 
-    /// Ops whose outputs are transient buffers from the allocator, outside any scope, on
-    /// `stream`: for values that outlive a step (gradients, prefetched inputs).
-    pub fn ctx(&self, stream: StreamId) -> Ctx<'static, B> {
-        Ctx::unscoped(self.clone(), stream)
-    }
-
-    /// Opens a step: a named scope `name` on `stream` (its runs share a learned plan) and, when
-    /// recording, a `scope_enter` row tagged `name` + the step's index.
-    pub fn step(&self, name: &str, stream: StreamId) -> Step<'_, B> {
-        let index = self.inner.counters.steps.fetch_add(1, Ordering::Relaxed);
-        Step::open(self, name, index, stream)
+    /// The index of the next step (counted in the engine's statistics).
+    pub(crate) fn next_step_index(&self) -> u64 {
+        self.inner.counters.steps.fetch_add(1, Ordering::Relaxed)
     }
 
     /// Blocks until every stream of the device is idle (a host sync).

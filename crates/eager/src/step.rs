@@ -87,3 +87,13 @@ impl<B: Backend> Drop for Step<'_, B> {
         }
     }
 }
+
+/// Steps of an engine (here, above the engine, so that `engine.rs` needs nothing of `Step`).
+impl<B: Backend> Eager<B> {
+    /// Opens a step: a named scope `name` on `stream` (its runs share a learned plan) and, when
+    /// recording, a `scope_enter` row tagged `name` + the step's index.
+    pub fn step(&self, name: &str, stream: StreamId) -> Step<'_, B> {
+        let index = self.next_step_index();
+        Step::open(self, name, index, stream)
+    }
+}

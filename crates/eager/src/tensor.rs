@@ -13,7 +13,6 @@
 //! Dropping a tensor frees its memory in its stream's order (and records the free in the trace).
 
 use super::backend::{Backend, ELEM, KernelOp};
-use super::ctx::Ctx;
 use super::engine::Eager;
 use super::error::{Result, shape_err};
 use super::record::TraceTag;
@@ -99,16 +98,6 @@ impl<'t, B: Backend> Tensor<'t, B> {
             _ => 0,
         };
         Tensor { shape, storage: Storage { mem, eager, trace_id, residency, tag } }
-    }
-
-    /// A tensor made in `ctx` (its scope, or the allocator) holding `data`.
-    pub fn from_host(ctx: &Ctx<'t, B>, data: &[f32], dims: &[usize]) -> Result<Tensor<'t, B>> {
-        ctx.tensor(data, dims)
-    }
-
-    /// A tensor made in `ctx` filled with zeros.
-    pub fn zeros(ctx: &Ctx<'t, B>, dims: &[usize]) -> Result<Tensor<'t, B>> {
-        ctx.zeros(dims)
     }
 
     /// The dimensions.
