@@ -5,25 +5,11 @@
 //! nothing depends on timing.
 
 use std::sync::Arc;
-use std::sync::mpsc;
-use tidepool::device::{Access, AccessKind, AppStream, Kernel, Launch, SimDevice};
-use tidepool::{AllocError, Allocator, Config, Device, DeviceAddr, DeviceError, StreamId};
+use tidepool::device::{AppStream, Launch, SimDevice};
+use tidepool::{AllocError, Allocator, Config, Device, DeviceError, StreamId};
 
-const N: u64 = 4096;
-
-/// A kernel that waits for the returned gate, then writes `byte` over `[ptr, ptr + N)`.
-fn gated_write(ptr: DeviceAddr, byte: u8) -> (Kernel, mpsc::Sender<()>) {
-    let (open, gate) = mpsc::channel::<()>();
-    let k = Kernel::new(
-        "gated_write",
-        vec![Access { ptr, bytes: N, kind: AccessKind::Write }],
-        move |m| {
-            let _ = gate.recv();
-            m.write(ptr, &[byte; N as usize]).unwrap();
-        },
-    );
-    (k, open)
-}
+mod common;
+use common::{N, gated_write};
 
 fn setup(config: &str) -> (Arc<SimDevice>, Allocator<SimDevice>, AppStream, StreamId) {
     let dev = Arc::new(SimDevice::backed(64 << 20));
@@ -100,7 +86,6 @@ fn releasing_a_stream_in_use_is_an_error_that_changes_nothing() {
 }
 
 #[test]
-#[ignore = "until unknown streams are refused on every entry point (issue 14 branch)"]
 fn release_then_destroy_returns_everything_and_forgets_the_stream() {
     let (dev, alloc, app, s) = setup("");
     let a = alloc.alloc(N, s).unwrap();
@@ -135,7 +120,6 @@ fn a_released_stream_can_be_adopted_again() {
 }
 
 #[test]
-#[ignore = "until unknown streams are refused on every entry point (issue 14 branch)"]
 fn an_application_stream_never_adopted_is_unknown_to_the_allocator() {
     let dev = Arc::new(SimDevice::backed(16 << 20));
     let app = dev.create_app_stream().unwrap();

@@ -10,7 +10,8 @@ use tidepool::MIB;
 use tidepool::device::{Access, AccessKind, Kernel, Launch, SIM_BASE, SimDevice};
 use tidepool::{AllocError, Allocator, Config, Device, DeviceAddr, Residency, StreamId};
 
-const N: u64 = 4096;
+mod common;
+use common::{N, gated_write};
 
 fn setup(
     config: &str,
@@ -21,20 +22,6 @@ fn setup(
     let b = dev.create_stream().unwrap();
     let alloc = Allocator::new(dev.clone(), Config::parse(config).unwrap()).unwrap();
     (dev, alloc, a, b)
-}
-
-/// A kernel that waits for the returned gate, then writes `byte` over `[ptr, ptr + N)`.
-fn gated_write(ptr: DeviceAddr, byte: u8) -> (Kernel, mpsc::Sender<()>) {
-    let (open, gate) = mpsc::channel::<()>();
-    let k = Kernel::new(
-        "gated_write",
-        vec![Access { ptr, bytes: N, kind: AccessKind::Write }],
-        move |m| {
-            let _ = gate.recv();
-            m.write(ptr, &[byte; N as usize]).unwrap();
-        },
-    );
-    (k, open)
 }
 
 fn write(ptr: DeviceAddr, byte: u8) -> Kernel {
