@@ -6,15 +6,17 @@
 //! test must show that a call *blocks*, a helper thread opens the gate only once the device has
 //! counted the host synchronisation the call is blocked in.
 
+mod common;
+use common::device_bytes;
 use std::sync::Arc;
+use std::sync::Barrier;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
-use std::sync::{Barrier, Mutex};
 use std::thread;
-use tidepool::device::{Access, AccessKind, HostPtr, Kernel, Launch, SimDevice};
+use tidepool::device::{AccessKind, HostPtr, Kernel, Launch, SimDevice};
 use tidepool::{
-    Allocator, Buffer, Config, Device, DeviceAddr, DeviceError, HostAllocError, HostAllocator,
-    MAX_REQUEST, MIB, StreamId,
+    Allocator, Config, Device, DeviceAddr, DeviceError, HostAllocError, HostAllocator, MAX_REQUEST,
+    MIB, StreamId,
 };
 
 const S: StreamId = StreamId::DEFAULT;
@@ -37,22 +39,6 @@ fn gate(dev: &SimDevice, stream: StreamId) -> mpsc::Sender<()> {
     )
     .unwrap();
     open
-}
-
-/// The device bytes of `buf`, read by a kernel on its stream after everything enqueued before.
-fn device_bytes(dev: &SimDevice, buf: &Buffer<SimDevice>) -> Vec<u8> {
-    let (ptr, n) = (buf.ptr(), buf.len());
-    let slot = Arc::new(Mutex::new(Vec::new()));
-    let out = slot.clone();
-    let read =
-        Kernel::new("read", vec![Access { ptr, bytes: n, kind: AccessKind::Read }], move |m| {
-            let mut v = vec![0u8; n as usize];
-            m.read(ptr, &mut v).unwrap();
-            *out.lock().unwrap() = v;
-        });
-    dev.launch(buf.stream(), read).unwrap();
-    dev.synchronize().unwrap();
-    slot.lock().unwrap().clone()
 }
 
 /// Runs `blocking` on this thread while a helper opens `open` only once the device counted a

@@ -7,6 +7,8 @@
 //! recount; after the run nothing leaks.
 
 use proptest::prelude::*;
+mod common;
+use common::device_bytes;
 use std::sync::Arc;
 use std::sync::mpsc;
 use tidepool::MIB;
@@ -46,21 +48,6 @@ fn op() -> impl Strategy<Value = Op> {
         1 => Just(Op::ProcessEvents),
         1 => Just(Op::EmptyCache),
     ]
-}
-
-fn device_bytes(dev: &SimDevice, buf: &Buffer<SimDevice>) -> Vec<u8> {
-    let (ptr, n) = (buf.ptr(), buf.len());
-    let slot = Arc::new(std::sync::Mutex::new(Vec::new()));
-    let out = slot.clone();
-    let read =
-        Kernel::new("read", vec![Access { ptr, bytes: n, kind: AccessKind::Read }], move |m| {
-            let mut v = vec![0u8; n as usize];
-            m.read(ptr, &mut v).unwrap();
-            *out.lock().unwrap() = v;
-        });
-    dev.launch(buf.stream(), read).unwrap();
-    dev.synchronize().unwrap();
-    slot.lock().unwrap().clone()
 }
 
 fn run(ops: Vec<Op>, broken: bool) -> Result<(), TestCaseError> {

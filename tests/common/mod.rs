@@ -1,8 +1,10 @@
 //! Kernels shared by the whole-allocator tests (a module, not a test target).
 
-use std::sync::mpsc;
-use tidepool::DeviceAddr;
-use tidepool::device::{Access, AccessKind, Kernel};
+#![allow(dead_code)] // each test target uses part of it
+
+use std::sync::{Arc, Mutex, mpsc};
+use tidepool::device::{Access, AccessKind, Kernel, Launch, SimDevice};
+use tidepool::{Buffer, Device, DeviceAddr};
 
 /// Bytes the shared kernels touch.
 pub const N: u64 = 4096;
@@ -20,4 +22,20 @@ pub fn gated_write(ptr: DeviceAddr, byte: u8) -> (Kernel, mpsc::Sender<()>) {
         },
     );
     (k, open)
+}
+
+/// The device bytes of `buf`, read by a kernel on its stream after everything enqueued before.
+pub fn device_bytes(dev: &SimDevice, buf: &Buffer<SimDevice>) -> Vec<u8> {
+    let (ptr, n) = (buf.ptr(), buf.len());
+    let slot = Arc::new(Mutex::new(Vec::new()));
+    let out = slot.clone();
+    let read =
+        Kernel::new("read", vec![Access { ptr, bytes: n, kind: AccessKind::Read }], move |m| {
+            let mut v = vec![0u8; n as usize];
+            m.read(ptr, &mut v).unwrap();
+            *out.lock().unwrap() = v;
+        });
+    dev.launch(buf.stream(), read).unwrap();
+    dev.synchronize().unwrap();
+    slot.lock().unwrap().clone()
 }
