@@ -188,11 +188,11 @@ impl<D: Device> Allocator<D> {
         sh.cache_large.store(!config.expandable_segments, Ordering::Relaxed);
         sh.publish_stats.store(!config.global_lock, Ordering::Relaxed);
         for c in sh.caches.all().iter() {
-            c.set_limits(limits);
+            c.configure(limits, config.sizing);
         }
         sh.flush_all(&mut st);
         // Published statistics are current before a lock-free reader can see the new config.
-        sh.publish(&mut st);
+        sh.publish_now(&mut st);
         sh.config.store(Arc::new(config));
         Ok(())
     }
@@ -242,27 +242,31 @@ impl<D: Device> Allocator<D> {
             sh.stream_exists(stream)?;
             return Ok(self.hand_out(DeviceAddr::NULL, 0, 0, stream, None, 0, residency, 0));
         }
-        let plan = RequestPlan::new(&sh.config, bytes)?;
-        let config = &*plan.config;
-        let class = ClassKey { residency, rounded: plan.rounded };
         let mut cached = None;
-        if plan.fast && !sh.recording.load(Ordering::Relaxed) {
+        if !sh.recording.load(Ordering::Relaxed) {
             // This thread's lane first, then the stream's other lanes (a block freed on another
-            // thread), each under its own lock only.
+            // thread), each under its own lock only. Each lane rounds the request by the size
+            // rules it was configured with, so a hit loads no configuration.
             for lane in 0..fast_cache::LANES {
                 let Some(cache) = sh.caches.fast_lane(stream, lane) else { break };
-                match cache.pop(class, bytes) {
-                    Pop::Hit(b) => {
-                        return Ok(self.hand_out_cached(&b, bytes, stream, &plan, residency));
+                match cache.pop_request(residency, bytes) {
+                    (Pop::Hit(b), rounded) => {
+                        let q = b.quadrant;
+                        let block = Some(b.block);
+                        return Ok(self
+                            .hand_out(b.ptr, bytes, b.size, stream, block, rounded, residency, q));
                     }
-                    Pop::NeedsLock => {
+                    (Pop::NeedsLock, _) => {
                         cached = Some(cache);
                         break;
                     }
-                    Pop::Miss => {}
+                    (Pop::Miss, _) => {}
                 }
             }
         }
+        let plan = RequestPlan::new(&sh.config, bytes)?;
+        let config = &*plan.config;
+        let class = ClassKey { residency, rounded: plan.rounded };
         let mut st = sh.lock_state();
         sh.check_stream(&mut st, stream)?;
         if let Some(b) = cached.and_then(|c| c.pop_locked(class)) {
@@ -546,13 +550,21 @@ impl<D: Device> Allocator<D> {
     /// A consistent copy of every statistic, read without the global lock (see `counters.rs`):
     /// one double collect over the published base and stream-cache statistics. Under
     /// `global_lock:true` it is read under the lock instead; if writers keep interfering, too.
+    ///
+    /// The slow path does not publish its figures as it goes; when it has run since the last
+    /// read, this read publishes them first, under the lock (once).
     pub fn stats(&self) -> MemoryStats {
         let sh = &self.shared;
-        if !sh.config.load().global_lock
-            && let Some((table, snap)) =
+        if !sh.config.load().global_lock {
+            if sh.stats.is_open() {
+                sh.lock_count.fetch_add(1, Ordering::Relaxed);
+                sh.publish_now(&mut lock(&sh.state));
+            }
+            if let Some((table, snap)) =
                 counters::collect(&sh.stats, || sh.caches.all(), STATS_TRIES)
-        {
-            return sh.with_vm_stats(sh.with_scope_stats(stats_from(&table, snap)));
+            {
+                return sh.with_vm_stats(sh.with_scope_stats(stats_from(&table, snap)));
+            }
         }
         // Under the lock: exact, whether or not the statistics are being published.
         let mut st = sh.lock_state();
