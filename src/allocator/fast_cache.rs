@@ -264,7 +264,9 @@ impl StreamCache {
         Ok(())
     }
 
-    /// Takes a block of `class` for a request of `requested` bytes. See [`Pop`].
+    /// Takes a block of `class` for a request of `requested` bytes. See [`Pop`]. (The allocator
+    /// pops with [`StreamCache::pop_request`]; the loom models drive this one.)
+    #[cfg_attr(not(any(test, feature = "test-hooks")), allow(dead_code))]
     pub fn pop(&self, class: ClassKey, requested: u64) -> Pop {
         self.pop_checked(class, requested, |_| true)
     }
@@ -502,12 +504,6 @@ impl StreamCache {
         inner.words[CACHED_BYTES] = 0;
         inner.words[CACHED_BLOCKS] = 0;
         self.publish(&inner.words, &[]);
-    }
-
-    /// Changes what the stream may cache (blocks already cached stay until the next flush).
-    pub fn set_limits(&self, limits: Limits) {
-        let sizing = self.lock_inner().sizing;
-        self.configure(limits, sizing);
     }
 
     /// Changes what the stream may cache and the size rules its hits round with (blocks already
