@@ -45,7 +45,7 @@ pub use allocator::{
     ScopedBuffer, SegmentInfo, TraceEntry,
 };
 pub use config::{Config, ConfigError, CrossStream, ENV_VAR, KEYS as CONFIG_KEYS};
-pub use device::{Device, DeviceError, SimConfig, SimDevice};
+pub use device::{Capture, Device, DeviceError, GraphId, SimConfig, SimDevice};
 pub use host::{HostAllocError, HostAllocator, HostStats, MIN_HOST_BLOCK, PinnedBuffer};
 pub use pool::Sizing;
 pub use registry::Allocators;
