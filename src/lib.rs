@@ -41,8 +41,8 @@ pub(crate) mod sync;
 mod types;
 
 pub use allocator::{
-    Action, AllocError, Allocator, BlockInfo, Buffer, HistoryOptions, OomReport, RangeInfo, Scope,
-    ScopedBuffer, SegmentInfo, TraceEntry,
+    Action, AllocError, Allocator, BlockInfo, Buffer, Graph, HistoryOptions, MemPool, OomReport,
+    PoolGuard, PoolOptions, RangeInfo, Scope, ScopedBuffer, SegmentInfo, TraceEntry,
 };
 pub use config::{Config, ConfigError, CrossStream, ENV_VAR, KEYS as CONFIG_KEYS};
 pub use device::{Capture, Device, DeviceError, GraphId, SimConfig, SimDevice};
