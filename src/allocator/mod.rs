@@ -339,7 +339,8 @@ impl<D: Device> Allocator<D> {
         let mut batch: BTreeMap<StreamId, Vec<BatchBlock>> = BTreeMap::new();
         for mut buf in buffers {
             if !sh.owns(&buf) {
-                foreign = true;
+                // A buffer of one of this allocator's private pools is freed by its pool.
+                foreign |= self.shared_of(&buf).is_none();
                 continue; // dropped at the end of this iteration: freed by its own allocator
             }
             if buf.used_elsewhere() {
