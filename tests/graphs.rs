@@ -19,12 +19,16 @@ fn acc(b: &Buffer<SimDevice>, kind: AccessKind) -> Access {
 /// A replayable kernel: `dst[i] = f(src[i])` over N bytes.
 fn map(src: &Buffer<SimDevice>, dst: &Buffer<SimDevice>, f: fn(u8) -> u8) -> Kernel {
     let (s, d) = (src.ptr(), dst.ptr());
-    Kernel::replayable("map", vec![acc(src, AccessKind::Read), acc(dst, AccessKind::Write)], move |m| {
-        let mut v = vec![0u8; N as usize];
-        m.read(s, &mut v).unwrap();
-        v.iter_mut().for_each(|x| *x = f(*x));
-        m.write(d, &v).unwrap();
-    })
+    Kernel::replayable(
+        "map",
+        vec![acc(src, AccessKind::Read), acc(dst, AccessKind::Write)],
+        move |m| {
+            let mut v = vec![0u8; N as usize];
+            m.read(s, &mut v).unwrap();
+            v.iter_mut().for_each(|x| *x = f(*x));
+            m.write(d, &v).unwrap();
+        },
+    )
 }
 
 /// A one-shot kernel writing `byte` over `b` (not captured).

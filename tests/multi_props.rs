@@ -250,9 +250,8 @@ impl World {
             }
             a
         });
-        let pools = [0, 1].map(|i| {
-            allocs[i].new_pool(PoolOptions::default().with_use_on_oom(i == 0)).unwrap()
-        });
+        let pools = [0, 1]
+            .map(|i| allocs[i].new_pool(PoolOptions::default().with_use_on_oom(i == 0)).unwrap());
         let graph_pools = [0, 1].map(|i| allocs[i].new_pool(PoolOptions::default()).unwrap());
         let mut slots = [None; SLOTS];
         slots[0] = Some(StreamId::DEFAULT);
@@ -580,7 +579,15 @@ impl World {
     /// gate alone): a live buffer of the stream freed during the capture (the graph holds it), a
     /// captured block freed during the capture, then the same size allocated outside the graph
     /// and written, and the graph replayed.
-    fn capture(&self, by: usize, slot: usize, n: u64, shared: bool, launches: usize, pick: usize) -> R {
+    fn capture(
+        &self,
+        by: usize,
+        slot: usize,
+        n: u64,
+        shared: bool,
+        launches: usize,
+        pick: usize,
+    ) -> R {
         let Some(s) = self.stream(slot).filter(|&s| s != StreamId::DEFAULT) else { return Ok(()) };
         let a = &self.allocs[by];
         let pool = shared.then_some(&self.graph_pools[by]);
@@ -591,8 +598,9 @@ impl World {
         }
         let victim = {
             let mut live = lock(&self.live);
-            let mine: Vec<usize> =
-                (0..live.len()).filter(|&i| live[i].by == by && live[i].buf.stream() == s).collect();
+            let mine: Vec<usize> = (0..live.len())
+                .filter(|&i| live[i].by == by && live[i].buf.stream() == s)
+                .collect();
             (!mine.is_empty()).then(|| live.swap_remove(mine[pick % mine.len()]))
         };
         if let Some(l) = victim {

@@ -2,11 +2,9 @@
 //! bytes per pool, teardown with live buffers, nested guards, refusals, `use_on_oom`.
 
 use std::sync::Arc;
-use tidepool::device::SIM_BASE;
 use tidepool::MIB;
-use tidepool::{
-    AllocError, Allocator, Config, Device, MemPool, PoolOptions, SimDevice, StreamId,
-};
+use tidepool::device::SIM_BASE;
+use tidepool::{AllocError, Allocator, Config, Device, MemPool, PoolOptions, SimDevice, StreamId};
 
 const SEG: u64 = 2 * MIB; // a small-pool segment
 
@@ -67,7 +65,10 @@ fn guard_routes_its_stream_and_the_pool_is_freed_as_a_whole() {
     assert_eq!(dev.counters().frees, frees + 1);
     assert_eq!(
         dev.live_segments(),
-        vec![(tidepool::DeviceAddr(SIM_BASE), SEG), (tidepool::DeviceAddr(SIM_BASE + 2 * SEG), SEG)]
+        vec![
+            (tidepool::DeviceAddr(SIM_BASE), SEG),
+            (tidepool::DeviceAddr(SIM_BASE + 2 * SEG), SEG)
+        ]
     );
     check(&alloc, &[]);
     drop((a, c, d));
@@ -125,7 +126,10 @@ fn pools_of_another_allocator_and_unknown_streams_are_refused() {
     let a = Allocator::new(dev.clone(), Config::default()).unwrap();
     let b = Allocator::new(dev.clone(), Config::default()).unwrap();
     let pb = b.new_pool(PoolOptions::default()).unwrap();
-    assert_eq!(a.use_pool(&pb, s).err().map(|e| e.to_string()), Some(AllocError::ForeignPool.to_string()));
+    assert_eq!(
+        a.use_pool(&pb, s).err().map(|e| e.to_string()),
+        Some(AllocError::ForeignPool.to_string())
+    );
     assert!(matches!(a.use_pool(&pb, s), Err(AllocError::ForeignPool)));
     let pa = a.new_pool(PoolOptions::default()).unwrap();
     assert!(matches!(a.use_pool(&pa, StreamId(77)), Err(AllocError::UnknownStream(_))));

@@ -210,7 +210,10 @@ impl<D: Capture> Allocator<D> {
             if t.contains_key(&stream) {
                 drop(t);
                 role.graphs.fetch_sub(1, Ordering::AcqRel);
-                return Err(AllocError::Capture { stream, reason: "the stream is already capturing" });
+                return Err(AllocError::Capture {
+                    stream,
+                    reason: "the stream is already capturing",
+                });
             }
             let pool = pool.clone();
             t.insert(stream, Entry { route, pool, deferred: Vec::new(), broken });

@@ -47,10 +47,10 @@ mod stats_layout;
 
 pub use buffer::Buffer;
 pub use capture::Graph;
-pub use private_pool::{MemPool, PoolGuard, PoolOptions};
 pub use error::{AllocError, OomReport};
 pub use expandable::RangeInfo;
 pub use history::{Action, HistoryOptions, TraceEntry};
+pub use private_pool::{MemPool, PoolGuard, PoolOptions};
 pub use report::{BlockInfo, SegmentInfo};
 pub use scope::{Scope, ScopedBuffer};
 

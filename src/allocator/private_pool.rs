@@ -179,7 +179,8 @@ impl<D: Device> Drop for PoolHandle<D> {
     fn drop(&mut self) {
         let gone: Vec<_> = {
             let mut list = lock(&self.family.oom_pools);
-            let (gone, kept) = std::mem::take(&mut *list).into_iter().partition(|(id, _)| *id == self.id);
+            let (gone, kept) =
+                std::mem::take(&mut *list).into_iter().partition(|(id, _)| *id == self.id);
             *list = kept;
             gone
         };

@@ -209,7 +209,10 @@ pub(super) unsafe fn stream_end_capture(stream: sys::CUstream) -> Result<RawGrap
 ///
 /// # Safety
 /// `graph` is live (not destroyed) in the current context and `stream` is a live handle of it.
-pub(super) unsafe fn graph_launch(graph: RawGraph, stream: sys::CUstream) -> Result<(), DeviceError> {
+pub(super) unsafe fn graph_launch(
+    graph: RawGraph,
+    stream: sys::CUstream,
+) -> Result<(), DeviceError> {
     // SAFETY: the caller guarantees both handles are live.
     check("cuGraphLaunch", unsafe { sys::cuGraphLaunch(graph.exec, stream) })
 }

@@ -94,7 +94,11 @@ impl Graphs {
     }
 
     /// Records `kernel` if `stream` is captured: `Ok(None)` then; `Ok(Some(kernel))` back if not.
-    pub(super) fn record(&mut self, stream: u32, kernel: Kernel) -> Result<Option<Kernel>, DeviceError> {
+    pub(super) fn record(
+        &mut self,
+        stream: u32,
+        kernel: Kernel,
+    ) -> Result<Option<Kernel>, DeviceError> {
         let Some(rec) = self.active.get_mut(&stream) else { return Ok(Some(kernel)) };
         if !kernel.is_replayable() {
             return Err(DeviceError::Unsupported(

@@ -907,7 +907,9 @@ impl SimDevice {
             found.extend(st.san.check_aliases(stream.0, &aliases, true, op));
         }
         found.extend(st.san.handout(ptr.0, bytes, stream.0));
-        if !st.graphs.is_empty() && bytes > 0 && !st.graphs.note(stream.0, lo, hi)
+        if !st.graphs.is_empty()
+            && bytes > 0
+            && !st.graphs.note(stream.0, lo, hi)
             && let Some((a, b)) = st.graphs.held(lo, hi)
         {
             // Memory a live graph's replays use, handed to work outside any capture.

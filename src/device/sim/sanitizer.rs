@@ -518,7 +518,9 @@ mod tests {
     fn disabled_sanitizer_tracks_nothing() {
         let mut s = Sanitizer::new(false);
         assert!(s.handout(0, 64, 1).is_empty());
-        assert!(s.launch(2, 1, "k", &[acc(0, 64, AccessKind::Write)], &[], |_, _| false).is_empty());
+        assert!(
+            s.launch(2, 1, "k", &[acc(0, 64, AccessKind::Write)], &[], |_, _| false).is_empty()
+        );
         assert_eq!(s.handed_len(), 0);
         assert_eq!(s.pending_len(), 0);
         assert!(s.violations().is_empty());
