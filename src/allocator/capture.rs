@@ -26,7 +26,8 @@
 //! Limits: a capture covers one stream (no fork/join into other captured streams); a buffer
 //! allocated on another stream and freed during the capture with `record_stream` uses on the
 //! capturing stream is not deferred — its event cannot be recorded, so it is never reused (sound,
-//! but its memory stays allocated); scopes refuse to allocate on a capturing stream.
+//! but its memory stays allocated); scopes refuse to allocate on a capturing stream, and scope
+//! memory (scoped buffers, planned slices) freed during a capture is not held back.
 
 use super::buffer::Freed;
 use super::owner::Owner;
