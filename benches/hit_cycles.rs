@@ -15,8 +15,7 @@ use tidepool::{Allocator, Config, SimConfig, SimDevice, StreamId};
 
 fn main() {
     let which = std::env::args().nth(1).unwrap_or_else(|| "small".into());
-    let pairs: u64 =
-        std::env::args().nth(2).and_then(|n| n.parse().ok()).unwrap_or(20_000_000);
+    let pairs: u64 = std::env::args().nth(2).and_then(|n| n.parse().ok()).unwrap_or(20_000_000);
     let (bytes, config) = match which.as_str() {
         "small" => (4096u64, ""),
         "large" => (4 << 20, ""),
