@@ -301,9 +301,9 @@ impl StreamCache {
     }
 
     /// [`StreamCache::pop_checked`] with this cache's lock already held.
-    fn pop_locked_inner(
-        &self,
-        mut g: MutexGuard<'_, CacheInner>,
+    fn pop_locked_inner<'a>(
+        &'a self,
+        mut g: MutexGuard<'a, CacheInner>,
         class: ClassKey,
         requested: u64,
         accept: impl FnOnce(&CachedBlock) -> bool,
