@@ -413,7 +413,11 @@ fn wait_event_moves_pages_at_once_and_unmaps_after_the_owner() {
         a.expandable_ranges().iter().map(|r| r.retiring_pages).sum::<usize>()
     };
     assert_eq!(retiring(&alloc), 4);
-    assert_eq!(mapped_chunks(&dev, base()), vec![(0, 4), (8, 4)], "the chunk mapped twice meanwhile");
+    assert_eq!(
+        mapped_chunks(&dev, base()),
+        vec![(0, 4), (8, 4)],
+        "the chunk mapped twice meanwhile"
+    );
     assert_eq!(dev.physical_bytes(), 8 * MIB);
     let _ = alloc.alloc(MIB * 3, StreamId::DEFAULT);
     assert_eq!(retiring(&alloc), 0);

@@ -3,16 +3,18 @@
 //!
 //! ```text
 //!  range (vm_reserve, device-sized)   base                                          base + size
-//!  pages  [h1][h2][h3]  ·  ·  [h7][h8]  ·  ·  ·  ·  ·  ·  ·  ·  ·  ·  ·  ·  ·  ·  ·  ·  ·  ·
-//!  pool   [== segment A ==]   [seg B ]                  (one pool segment per mapped run;
-//!          blocks split and coalesce within a run        free pages stay mapped: cached)
+//!  pages  [p][p][p]  ·  ·  [p][p]  ·  ·  ·  ·  ·  ·  ·  ·  ·  ·  ·  ·  ·  ·  ·  ·  ·  ·  ·
+//!  chunks [ h1 ][h2]       [ h3 ]                    (one physical allocation per growth, ≤ 32 pages)
+//!  pool   [= segment A =]  [seg B]                   (one pool segment per mapped run;
+//!          blocks split and coalesce within a run     free pages stay mapped: cached)
 //! ```
 //!
 //! - **Grow.** When no mapped free block fits, `grow` places the request where it needs the
 //!   fewest new pages: after the free block at the end of a run (PyTorch's "the free block at the
 //!   end is extended"), before the free block at the start of the next, or across a whole gap
-//!   (joining two runs). The pages come from free pages another stream has cached (moved: strict
-//!   or wait_event as for segments) or are created, and are mapped; then the pool's segment is
+//!   (joining two runs). The pages come from free chunks another stream has cached (moved: strict
+//!   or wait_event as for segments) or are created as chunks of up to [`MAX_CHUNK_PAGES`] pages
+//!   (one `cuMemCreate` and one `cuMemMap` each), and are mapped; then the pool's segment is
 //!   extended (`Pool::extend`). A failure midway unmaps and releases what this growth made: the
 //!   pool never sees it.
 //! - **The end is used last.** When best fit picks the free block at the end of a range's top
@@ -20,14 +22,15 @@
 //!   and spending it on requests that fit elsewhere spreads a step's blocks over more pages
 //!   (measured: `mlp_train` reserves 1.069 × its peak live bytes with plain best fit, 1.032 ×
 //!   with the end last).
-//! - **Release.** Whole free pages (of the runs, from the top down) are unmapped and their
-//!   physical memory released, only once the range's stream has
+//! - **Release.** Wholly free chunks (of the runs, from the top down; CUDA unmaps only whole
+//!   mappings) are unmapped and their physical memory released, only once the range's stream has
 //!   finished the work enqueued so far (an event: queried, and waited for, a host sync counted,
 //!   where it has not completed); the pool's segment is cut around them (`Pool::carve`). Done by
 //!   `empty_cache` and the out-of-memory ladder (transient ranges), `release_persistent`
 //!   (persistent ones), and after frees when a transient range's free mapped bytes exceed
-//!   `release_threshold` (down to it).
-//! - **Move.** A page taken by another stream is mapped at its new place first; under
+//!   `release_threshold` (down to it or below: a chunk goes whole).
+//! - **Move.** A chunk taken by another stream is mapped at its new place first (all of it: a
+//!   taker's gap must have room for it, and pages beyond its need join its free block); under
 //!   `wait_event` the old mapping stays until the donor's event completes (the new stream waits
 //!   for that event on the device, no host sync), so the donor's unfinished work never loses its
 //!   memory.
