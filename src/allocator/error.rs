@@ -107,7 +107,7 @@ pub struct OomReport {
     pub transient_reserved: u64,
     /// Expandable segments: bytes mapped but free (in free blocks of the ranges).
     pub mapped_free: u64,
-    /// Of those, bytes in pages that live blocks share (a page is unmapped only whole).
+    /// Of those, bytes in chunks that live blocks share (a chunk is unmapped only whole).
     pub mapped_free_in_used_pages: u64,
     /// Of those, bytes in whole free pages of persistent ranges (only `release_persistent`
     /// releases them).
