@@ -31,11 +31,20 @@ pub enum Broken {
     EventErrors = 1 << 5,
     /// `destroy_stream` closes the stream's caches before the device may refuse.
     DestroyStream = 1 << 6,
+    /// The garbage collection releases the most recently used idle segments first.
+    GcYoungestFirst = 1 << 7,
+    /// The garbage collection releases idle persistent segments too.
+    GcPersistent = 1 << 8,
+    /// Aligned allocations are served from the stream caches and the large-block reuse like
+    /// any other (a cached block of the class may start anywhere).
+    AlignedFromCache = 1 << 9,
 }
 
 #[cfg_attr(not(feature = "test-hooks"), allow(dead_code))]
 impl Broken {
     /// Every mode, for tests that go through them all.
+    /// (The stream-order soundness modes, which `tests/multi_props.rs` must catch; the control
+    /// modes after them are caught by their own tests in `tests/controls.rs`.)
     pub const ALL: [Broken; 7] = [
         Broken::ForeignBuffers,
         Broken::ForgottenUses,

@@ -21,6 +21,7 @@ mod free_index;
 mod pages;
 mod sizing;
 
+pub use align::padding;
 pub use block::{Block, BlockId, BlockState, PoolKey, Segment, SegmentId};
 pub use sizing::{MIB, Sizing};
 
