@@ -611,8 +611,6 @@ mod tests {
         assert_eq!(c.memory_limit, Some(4096 * MIB));
         assert_eq!(c.memory_fraction, Some(0.5));
         assert_eq!(c.cross_stream, CrossStream::WaitEvent);
-        assert_eq!(c.limit(16384 * MIB), Some(4096 * MIB));
-        assert_eq!(c.limit(4096 * MIB), Some(2048 * MIB));
         assert!(!c.fast_cache);
         assert_eq!(c.fast_cache_entries, 4);
         assert_eq!(c.fast_cache_bytes, 8 * MIB);
@@ -625,7 +623,9 @@ mod tests {
         assert_eq!(c.max_pool_size, Some(2048 * MIB));
         assert!(c.caching);
         // The cap is the smallest of the three limits; the collection starts at 3/4 of it.
-        assert_eq!(c.limit(16384 * MIB), Some(2048 * MIB));
+        assert_eq!(c.limit(16384 * MIB), Some(2048 * MIB)); // max_pool_size
+        assert_eq!(c.limit(2048 * MIB), Some(1024 * MIB)); // the fraction
+        assert_eq!(c.clone().with_max_pool_size(8192 * MIB).limit(16384 * MIB), Some(4096 * MIB));
         assert_eq!(c.gc_limit(16384 * MIB), Some(1536 * MIB));
         assert_eq!(KEYS.len(), 21, "a new key needs a line in this test");
     }
@@ -763,9 +763,13 @@ mod tests {
             "garbage_collection_threshold",
         );
         // A threshold with any of the three caps is fine.
-        for cap in ["memory_limit_mb:64", "per_process_memory_fraction:0.5", "max_pool_size_mb:64"] {
+        for (cap, gc) in [
+            ("memory_limit_mb:64", 32),
+            ("per_process_memory_fraction:0.5", 64),
+            ("max_pool_size_mb:64", 32),
+        ] {
             let c = Config::parse(&format!("garbage_collection_threshold:0.5,{cap}")).unwrap();
-            assert_eq!(c.gc_limit(256 * MIB), Some(64 * MIB), "{cap}");
+            assert_eq!(c.gc_limit(256 * MIB), Some(gc * MIB), "{cap}");
         }
         // The setters build the same configurations, and validate() checks them.
         let built = Config::default()
