@@ -543,3 +543,22 @@ fn memory_summary_shows_how_to_turn_each_control_on() {
     assert!(text.contains("caching: off"), "{text}");
     assert!(text.contains("max pool size: 512.00 MiB"), "{text}");
 }
+
+#[test]
+fn set_config_to_pass_through_keeps_the_initial_pool_and_releases_the_rest() {
+    let (dev, alloc) = setup("initial_pool_size_mb:32", 1 << 30);
+    let initial = live_bases(&dev);
+    let small = alloc.alloc(4096, S).unwrap();
+    drop(small); // cached in a 2 MiB segment
+    assert_eq!(alloc.reserved_bytes(), 34 * MIB);
+    alloc.set_config(Config::parse("caching:false").unwrap()).unwrap();
+    assert_eq!(live_bases(&dev), initial, "the cached segment went back, the initial pool stays");
+    // Served from the initial pool still (a free block fits), else one segment per request.
+    let a = alloc.alloc(4 * MIB, S).unwrap();
+    assert!(initial.contains(&a.ptr().0));
+    let b = alloc.alloc(4096, S).unwrap();
+    assert_eq!(dev.live_segments().len(), 2);
+    drop((a, b));
+    assert_eq!(live_bases(&dev), initial);
+    alloc.check_invariants().unwrap();
+}

@@ -73,13 +73,15 @@ impl<D: Device> Shared<D> {
         m
     }
 
-    /// Counts an ordinary segment of `size` bytes in (`up`) or out of `oversize_segments`.
-    pub(super) fn count_oversize_segment(&self, st: &mut State, size: u64, up: bool) {
-        if size >= self.oversize_at.load(Ordering::Relaxed) {
-            match up {
-                true => st.oversize_segments.increase(1),
-                false => st.oversize_segments.decrease(1),
-            }
+    /// Counts the ordinary segment at `base` of `size` bytes in `oversize_segments` if it is
+    /// oversize (at least `max_split_size`) as it is reserved (`up`), and out again as it is
+    /// released if it was counted in (whatever `max_split_size` is by then).
+    pub(super) fn count_oversize_segment(&self, st: &mut State, base: u64, size: u64, up: bool) {
+        if up && size >= self.oversize_at.load(Ordering::Relaxed) {
+            st.oversize_bases.insert(base);
+            st.oversize_segments.increase(1);
+        } else if !up && st.oversize_bases.remove(&base) {
+            st.oversize_segments.decrease(1);
         }
     }
 }

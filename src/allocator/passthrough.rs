@@ -18,8 +18,10 @@ impl<D: Device> Shared<D> {
     /// Returns every ordinary segment that holds no busy block to the device. A device that
     /// refuses leaves the segment cached (tried again at the next release).
     pub(super) fn release_free_segments(&self, st: &mut State) {
-        let vm = &st.vm;
-        for seg in st.pool.releasable_segments(|s| !vm.contains(s.base)) {
+        // (An initial pool, kept from a configuration before `set_config(caching:false)`,
+        // stays: it is kept until the allocator goes.)
+        let (vm, initial) = (&st.vm, st.initial);
+        for seg in st.pool.releasable_segments(|s| !vm.contains(s.base) && Some(s.base) != initial) {
             if self.release_segment(st, seg).is_err() {
                 break;
             }

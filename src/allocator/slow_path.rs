@@ -117,7 +117,7 @@ impl<D: Device> Shared<D> {
         };
         self.collect_garbage(st, config, seg_size)?;
         if self.expandable(st, config, key)
-            && let Some(b) = self.find_or_grow(st, config, key, bytes, need)?
+            && let Some(b) = self.find_or_grow(st, config, key, (bytes, rounded, need))?
         {
             let blk = st.pool.block(b);
             if !aligned || blk.size >= rounded + crate::pool::padding(blk.addr, align) {
@@ -184,7 +184,7 @@ impl<D: Device> Shared<D> {
                 st.counters.device_alloc += 1;
                 *st.segment_streams.entry(key.stream).or_default() += 1;
                 st.note(Action::SegmentAlloc, ptr, seg_size, key.stream);
-                self.count_oversize_segment(st, seg_size, true);
+                self.count_oversize_segment(st, ptr.0, seg_size, true);
                 Ok(st.pool.add_segment(key, ptr.0, seg_size))
             }
             // A refusal of the memory itself (capacity, limit, or the driver's own out-of-memory code)
@@ -296,7 +296,7 @@ impl<D: Device> Shared<D> {
         st.pool.remove_segment(seg);
         st.note(Action::SegmentFree, DeviceAddr(base), size, stream);
         Self::forget_segment(st, stream);
-        self.count_oversize_segment(st, size, false);
+        self.count_oversize_segment(st, base, size, false);
         st.counters.device_free += 1;
         st.counters.host_syncs += 1;
         Ok(())

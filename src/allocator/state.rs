@@ -124,6 +124,8 @@ pub(super) struct State {
     pub(super) history: Option<History>,
     /// Ordinary segments of at least `max_split_size` (PyTorch's `oversize_segments`).
     pub(super) oversize_segments: crate::types::Stat,
+    /// Bases of the segments counted in `oversize_segments`.
+    pub(super) oversize_bases: BTreeSet<u64>,
     /// The segment reserved up front (`initial_pool_size`), by base: kept until the end.
     pub(super) initial: Option<u64>,
     /// The extra figures as last published (`extra_stats.rs`).
