@@ -439,7 +439,9 @@ impl Config {
         {
             return fail(format!("per_process_memory_fraction {f} is not in (0, 1]"));
         }
-        for (name, cap) in [("max_pool_size_mb", self.max_pool_size), ("memory_limit_mb", self.memory_limit)] {
+        for (name, cap) in
+            [("max_pool_size_mb", self.max_pool_size), ("memory_limit_mb", self.memory_limit)]
+        {
             if let Some(cap) = cap
                 && self.initial_pool_size > cap
             {

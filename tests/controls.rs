@@ -36,10 +36,8 @@ fn live_bases(dev: &SimDevice) -> BTreeSet<u64> {
 /// Returns (bases of P, B, A, C, the new block's base), the device's live bases after, and the
 /// reserved bytes after.
 fn gc_scenario(broken: Option<Broken>) -> ([u64; 5], BTreeSet<u64>, u64) {
-    let (dev, alloc) = setup(
-        "memory_limit_mb:100,garbage_collection_threshold:0.5,fast_cache:false",
-        1 << 30,
-    );
+    let (dev, alloc) =
+        setup("memory_limit_mb:100,garbage_collection_threshold:0.5,fast_cache:false", 1 << 30);
     if let Some(mode) = broken {
         alloc.set_broken(mode, true);
     }
@@ -155,7 +153,10 @@ fn initial_pool_errors() {
     let bad = Config::default().with_initial_pool_size(64 * MIB).with_max_pool_size(32 * MIB);
     match Allocator::new(dev.clone(), bad) {
         Err(AllocError::Config(ConfigError::Inconsistent(m))) => {
-            assert!(m.contains("initial_pool_size_mb (64 MiB) exceeds max_pool_size_mb (32 MiB)"), "{m}")
+            assert!(
+                m.contains("initial_pool_size_mb (64 MiB) exceeds max_pool_size_mb (32 MiB)"),
+                "{m}"
+            )
         }
         other => panic!("expected a configuration error, got {other:?}"),
     }
@@ -199,7 +200,9 @@ fn alloc_aligned_refuses_bad_alignments() {
         (4 * MIB, 32 * MIB, 20 * MIB),
     ] {
         match alloc.alloc_aligned(bytes, align, S) {
-            Err(AllocError::InvalidAlignment { align: a, max: m }) => assert_eq!((a, m), (align, max)),
+            Err(AllocError::InvalidAlignment { align: a, max: m }) => {
+                assert_eq!((a, m), (align, max))
+            }
             other => panic!("{bytes} at {align}: expected InvalidAlignment, got {other:?}"),
         }
     }
@@ -244,7 +247,10 @@ fn alloc_aligned_from_the_pool_splits_the_padding_off_exactly() {
     drop(bufs);
     alloc.check_invariants().unwrap();
     let s = alloc.stats();
-    assert_eq!((s.blocks.allocated_bytes.all.current, s.blocks.inactive_split_bytes.all.current), (0, 0));
+    assert_eq!(
+        (s.blocks.allocated_bytes.all.current, s.blocks.inactive_split_bytes.all.current),
+        (0, 0)
+    );
     alloc.empty_cache().unwrap();
     assert!(dev.live_segments().is_empty());
 }
@@ -348,11 +354,26 @@ fn pass_through_makes_one_device_call_per_alloc_and_per_free() {
         let after = dev.counters();
         assert_eq!(after.mallocs, before.mallocs + 1, "one reserve per allocation");
         assert_eq!(
-            (after.frees, after.event_records, after.event_queries, after.event_waits, after.host_syncs),
-            (before.frees, before.event_records, before.event_queries, before.event_waits, before.host_syncs),
+            (
+                after.frees,
+                after.event_records,
+                after.event_queries,
+                after.event_waits,
+                after.host_syncs
+            ),
+            (
+                before.frees,
+                before.event_records,
+                before.event_queries,
+                before.event_waits,
+                before.host_syncs
+            ),
             "and nothing else"
         );
-        assert_eq!(dev.live_segments().iter().find(|(p, _)| *p == b.ptr()).unwrap().1, b.block_size());
+        assert_eq!(
+            dev.live_segments().iter().find(|(p, _)| *p == b.ptr()).unwrap().1,
+            b.block_size()
+        );
         live.push(b);
     }
     assert_eq!(alloc.reserved_bytes(), alloc.allocated_bytes(), "nothing cached");
@@ -535,10 +556,7 @@ fn memory_summary_shows_how_to_turn_each_control_on() {
     ] {
         assert!(text.contains(key), "{key} missing from\n{text}");
     }
-    let (_dev, on) = setup(
-        "caching:false,max_pool_size_mb:512",
-        1 << 30,
-    );
+    let (_dev, on) = setup("caching:false,max_pool_size_mb:512", 1 << 30);
     let text = on.memory_summary();
     assert!(text.contains("caching: off"), "{text}");
     assert!(text.contains("max pool size: 512.00 MiB"), "{text}");

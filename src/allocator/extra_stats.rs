@@ -171,7 +171,8 @@ mod tests {
     #[test]
     fn since_subtracts_totals_and_counters_only() {
         let mut m = MemoryStats::default();
-        m.blocks.allocated_bytes.large_pool = Stat { current: 5, peak: 9, allocated: 20, freed: 15 };
+        m.blocks.allocated_bytes.large_pool =
+            Stat { current: 5, peak: 9, allocated: 20, freed: 15 };
         m.oversize_segments = Stat { current: 1, peak: 2, allocated: 3, freed: 2 };
         m.num_ooms = 4;
         m.num_sync_all_streams = 3;

@@ -587,7 +587,10 @@ impl<D: Device> Allocator<D> {
             && let Some((table, snap)) =
                 counters::collect(&sh.stats, || sh.caches.all(), STATS_TRIES)
         {
-            sh.with_extra_stats(sh.with_vm_stats(sh.with_scope_stats(stats_from(&table, snap))), None)
+            sh.with_extra_stats(
+                sh.with_vm_stats(sh.with_scope_stats(stats_from(&table, snap))),
+                None,
+            )
         } else {
             self.stats_under_lock()
         };

@@ -21,7 +21,8 @@ impl<D: Device> Shared<D> {
         // (An initial pool, kept from a configuration before `set_config(caching:false)`,
         // stays: it is kept until the allocator goes.)
         let (vm, initial) = (&st.vm, st.initial);
-        for seg in st.pool.releasable_segments(|s| !vm.contains(s.base) && Some(s.base) != initial) {
+        for seg in st.pool.releasable_segments(|s| !vm.contains(s.base) && Some(s.base) != initial)
+        {
             if self.release_segment(st, seg).is_err() {
                 break;
             }

@@ -24,8 +24,11 @@ impl<D: Device> Allocator<D> {
             return Ok(());
         }
         let size = bytes.next_multiple_of(config.sizing.min_block_size);
-        let key =
-            PoolKey { residency: Residency::Transient, stream: StreamId::DEFAULT, kind: PoolKind::Large };
+        let key = PoolKey {
+            residency: Residency::Transient,
+            stream: StreamId::DEFAULT,
+            kind: PoolKind::Large,
+        };
         let mut st = sh.lock_state();
         sh.check_stream(&mut st, StreamId::DEFAULT)?;
         match sh.reserve(&mut st, &config, key, size) {

@@ -115,7 +115,10 @@ impl<D: Device> Allocator<D> {
             ),
             ("aligned allocations".into(), "Allocator::alloc_aligned(bytes, align, s)"),
             (
-                format!("oversize allocs / segs: {} / {}", s.oversize_allocations.current, s.oversize_segments.current),
+                format!(
+                    "oversize allocs / segs: {} / {}",
+                    s.oversize_allocations.current, s.oversize_segments.current
+                ),
                 "reset_accumulated_stats; max_split_size_mb",
             ),
         ];

@@ -91,8 +91,11 @@ mod tests {
     use super::*;
     use crate::types::{PoolKind, Residency, StreamId};
 
-    const KEY: PoolKey =
-        PoolKey { residency: Residency::Transient, stream: StreamId::DEFAULT, kind: PoolKind::Small };
+    const KEY: PoolKey = PoolKey {
+        residency: Residency::Transient,
+        stream: StreamId::DEFAULT,
+        kind: PoolKind::Small,
+    };
 
     #[test]
     fn padding_to_the_next_multiple() {
