@@ -558,6 +558,7 @@ fn memory_summary_shows_how_to_turn_each_control_on() {
     }
     let (_dev, on) = setup("caching:false,max_pool_size_mb:512", 1 << 30);
     let text = on.memory_summary();
+    assert!(text.lines().all(|l| l.chars().count() == 89), "every line is 89 columns:\n{text}");
     assert!(text.contains("caching: off"), "{text}");
     assert!(text.contains("max pool size: 512.00 MiB"), "{text}");
 }

@@ -10,6 +10,11 @@
 //!     release idle[0], idle[1], … while reserved + new segment > threshold × cap
 //! ```
 //!
+//! A segment's idle age is the pool's clock at its last allocation or free *in the pool*: a
+//! block freed into a stream cache keeps its segment busy until the cache is flushed (which
+//! the slow path does before it reserves, hence before the collection runs), so a segment
+//! whose last block waited in a cache counts as used at the flush.
+//!
 //! Expandable ranges are left to their own control, `release_threshold_mb` (their free pages
 //! have no idle age; what a range keeps mapped is bounded there): the collection releases
 //! ordinary segments only.

@@ -107,7 +107,7 @@ impl<D: Device> Allocator<D> {
             ),
             (
                 format!("caching: {}", if c.caching { "on" } else { "off (pass-through)" }),
-                "caching:false (or TIDEPOOL_NO_MEMORY_CACHING=1)",
+                "caching:false (TIDEPOOL_NO_MEMORY_CACHING=1)",
             ),
             (
                 format!("memory history: {}", if history { "recording" } else { "off" }),
