@@ -22,6 +22,7 @@ mod aligned;
 mod batch;
 mod broken;
 mod buffer;
+mod capture;
 mod checker;
 mod counters;
 mod dump;
@@ -38,6 +39,7 @@ mod owner;
 mod passthrough;
 mod plan;
 mod pool_size;
+mod private_pool;
 mod publish;
 mod regions;
 mod report;
@@ -49,9 +51,11 @@ mod state;
 mod stats_layout;
 
 pub use buffer::Buffer;
+pub use capture::Graph;
 pub use error::{AllocError, OomReport};
 pub use expandable::RangeInfo;
 pub use history::{Action, HistoryOptions, TraceEntry};
+pub use private_pool::{MemPool, PoolGuard, PoolOptions};
 pub use report::{BlockInfo, SegmentInfo};
 pub use scope::{Scope, ScopedBuffer};
 
@@ -143,6 +147,16 @@ impl<D: Device> Allocator<D> {
     /// An allocator over `device`. Fails if the configuration is inconsistent
     /// ([`AllocError::Config`]) or the device cannot report its memory.
     pub fn new(device: Arc<D>, config: Config) -> Result<Allocator<D>, AllocError> {
+        Allocator::build(device, config, Arc::new(private_pool::Family::default()), 0)
+    }
+
+    /// An allocator of `family`: the general one (`pool` 0) or a private pool.
+    fn build(
+        device: Arc<D>,
+        config: Config,
+        family: Arc<private_pool::Family<D>>,
+        pool: u64,
+    ) -> Result<Allocator<D>, AllocError> {
         config.validate()?;
         let total = device.mem_info()?.total;
         let (fast, global_lock) = (config.fast_path(), config.global_lock);
@@ -167,6 +181,9 @@ impl<D: Device> Allocator<D> {
             vm_published: Default::default(),
             recording: AtomicBool::new(false),
             observers: observers::Observers::default(),
+            family,
+            routes: private_pool::Routes::default(),
+            role: private_pool::PoolRole { id: pool, ..Default::default() },
             passthrough: AtomicBool::new(!config_caching),
             oversize_at: AtomicU64::new(oversize_at),
             extra: Default::default(),
@@ -246,8 +263,15 @@ impl<D: Device> Allocator<D> {
         align: u64,
     ) -> Result<Buffer<D>, AllocError> {
         let mut attempt = 0;
+        let mut pools_released = false;
         loop {
             match self.alloc_in_once(bytes, stream, residency, align) {
+                Err(AllocError::OutOfMemory(_))
+                    if !pools_released && self.shared.release_oom_pools() =>
+                {
+                    // The `use_on_oom` pools gave their free segments back: once more.
+                    pools_released = true;
+                }
                 Err(AllocError::OutOfMemory(report)) => {
                     attempt += 1;
                     if !self.shared.observers.out_of_memory(&report, attempt) {
@@ -268,6 +292,12 @@ impl<D: Device> Allocator<D> {
         align: u64,
     ) -> Result<Buffer<D>, AllocError> {
         let sh = &self.shared;
+        if sh.routes.any()
+            && let Some(pool) = sh.routes.get(stream)
+        {
+            // A guard or a capture routes this stream to a private pool.
+            return pool.alloc_in_once(bytes, stream, residency, align);
+        }
         if bytes == 0 {
             sh.stream_exists(stream)?;
             return Ok(self.hand_out(DeviceAddr::NULL, 0, 0, stream, None, 0, residency, 0));
@@ -343,7 +373,8 @@ impl<D: Device> Allocator<D> {
         let mut batch: BTreeMap<StreamId, Vec<BatchBlock>> = BTreeMap::new();
         for mut buf in buffers {
             if !sh.owns(&buf) {
-                foreign = true;
+                // A buffer of one of this allocator's private pools is freed by its pool.
+                foreign |= self.shared_of(&buf).is_none();
                 continue; // dropped at the end of this iteration: freed by its own allocator
             }
             if buf.used_elsewhere() {
@@ -351,6 +382,9 @@ impl<D: Device> Allocator<D> {
             }
             if buf.scope.is_some() {
                 continue; // its scope records the free: the ordinary path
+            }
+            if sh.family.captures.capturing(buf.stream) {
+                continue; // the capture may hold it back: the ordinary path
             }
             let Origin::Pool(block) = buf.origin else { continue };
             buf.origin = Origin::None;
@@ -379,10 +413,8 @@ impl<D: Device> Allocator<D> {
     /// A buffer of another allocator is refused ([`AllocError::ForeignBuffer`]) and nothing is
     /// recorded anywhere.
     pub fn record_stream(&self, buffer: &Buffer<D>, stream: StreamId) -> Result<(), AllocError> {
-        if !self.shared.owns(buffer) {
-            return Err(AllocError::ForeignBuffer);
-        }
-        self.shared.record_use(buffer, stream)
+        let sh = self.shared_of(buffer).ok_or(AllocError::ForeignBuffer)?;
+        sh.record_use(buffer, stream)
     }
 
     /// Announces that work about to be enqueued on `stream` will `access` `buffer`; see
@@ -394,10 +426,8 @@ impl<D: Device> Allocator<D> {
         stream: StreamId,
         access: AccessKind,
     ) -> Result<(), AllocError> {
-        if !self.shared.owns(buffer) {
-            return Err(AllocError::ForeignBuffer);
-        }
-        self.shared.use_on(buffer, stream, access)
+        let sh = self.shared_of(buffer).ok_or(AllocError::ForeignBuffer)?;
+        sh.use_on(buffer, stream, access)
     }
 
     /// Whether `buffer` was made by this allocator (or a clone of it).
