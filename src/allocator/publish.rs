@@ -1,10 +1,10 @@
-//! Statistics publishing: the slow path's figures are published for lock-free readers when the
-//! global lock is let go ([`Locked`]), and assembled with the stream caches' figures on read.
+//! Statistics publishing: the slow path marks its figures stale when the global lock is let go
+//! ([`Locked`]); the next reader publishes them, and assembles them with the stream caches' figures.
 
 use super::*;
 
 impl<D: Device> Shared<D> {
-    /// Takes the global lock; the statistics are published when it is let go.
+    /// Takes the global lock; the statistics are marked stale when it is let go.
     pub(super) fn lock_state(&self) -> Locked<'_, D> {
         self.lock_count.fetch_add(1, Ordering::Relaxed);
         Locked { sh: self, st: lock(&self.state) }
@@ -19,6 +19,10 @@ impl<D: Device> Shared<D> {
         if !st.vm.is_empty() {
             self.trim(st);
         }
+        if self.passthrough.load(Ordering::Relaxed) {
+            self.release_free_segments(st);
+        }
+        self.publish_extra(st);
         if self.publish_stats.load(Ordering::Relaxed) {
             self.stats.open();
         }
