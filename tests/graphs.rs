@@ -281,3 +281,23 @@ fn a_buffer_of_another_stream_used_by_the_capture_is_held_back() {
     assert!(dev.live_segments().is_empty());
     assert!(dev.violations().is_empty(), "{:?}", dev.violations());
 }
+
+#[test]
+fn garbage_collection_and_caching_off_release_nothing_during_a_capture() {
+    for conf in ["garbage_collection_threshold:0.5,memory_limit_mb:64", "caching:false"] {
+        let dev = Arc::new(SimDevice::backed(256 * MIB));
+        let s = dev.create_stream().unwrap();
+        let alloc = Allocator::new(dev.clone(), Config::parse(conf).unwrap()).unwrap();
+        alloc.begin_capture(s, None).unwrap();
+        let frees = dev.counters().frees;
+        drop(alloc.alloc(3 * MIB, s).unwrap()); // caching:false would release it now
+        // 20 MiB cached + 26 MiB new > 32 MiB: the collection would release the cached one now.
+        let b = alloc.alloc(25 * MIB, s).unwrap();
+        assert_eq!(dev.counters().frees, frees, "{conf}: a release during the capture");
+        let graph = alloc.end_capture(s).unwrap();
+        drop((graph, b));
+        alloc.empty_cache().unwrap();
+        assert!(dev.live_segments().is_empty(), "{conf}");
+        assert!(dev.violations().is_empty(), "{conf}: {:?}", dev.violations());
+    }
+}
