@@ -432,18 +432,19 @@ impl<D: Device> Shared<D> {
     /// The expandable path of `find_or_reserve`, once the mapped free blocks had nothing: grows
     /// the range, climbing the out-of-memory ladder (wait for pending events and search again,
     /// release cached transient memory, retry). `None` where the range has no virtual room left
-    /// for the request (the caller takes an ordinary segment).
+    /// for the request (the caller takes an ordinary segment). `need` is the free block wanted
+    /// (`rounded`, or more for an aligned request: see `aligned.rs`); `rounded` goes into the
+    /// out-of-memory report.
     pub(super) fn find_or_grow(
         &self,
         st: &mut State,
         config: &Config,
         key: PoolKey,
-        bytes: u64,
-        rounded: u64,
+        (bytes, rounded, need): (u64, u64, u64),
     ) -> Result<Option<BlockId>, AllocError> {
         let mut retried = false;
         loop {
-            match self.grow(st, config, key, rounded) {
+            match self.grow(st, config, key, need) {
                 Ok(None) => return Ok(None),
                 Ok(Some(b)) => {
                     if retried {
@@ -455,7 +456,7 @@ impl<D: Device> Shared<D> {
                     retried = true;
                     if !st.pending.is_empty() {
                         self.sync_events(st)?;
-                        if let Some(b) = self.find_free(st, config, key, rounded) {
+                        if let Some(b) = self.find_free(st, config, key, need) {
                             st.counters.retries += 1;
                             return Ok(Some(b));
                         }
@@ -467,10 +468,10 @@ impl<D: Device> Shared<D> {
                     st.counters.ooms += 1;
                     st.note(Action::Oom, DeviceAddr::NULL, bytes, key.stream);
                     let page = st.vm.page;
-                    let need = st.vm.by_key.get(&key).and_then(|b| {
-                        place(&st.pool, &st.vm.ranges[b], rounded, page).map(|p| p.pages * page)
+                    let placed = st.vm.by_key.get(&key).and_then(|b| {
+                        place(&st.pool, &st.vm.ranges[b], need, page).map(|p| p.pages * page)
                     });
-                    let grow = need.unwrap_or_else(|| rounded.div_ceil(page) * page);
+                    let grow = placed.unwrap_or_else(|| need.div_ceil(page) * page);
                     return Err(AllocError::OutOfMemory(Box::new(
                         self.oom_report(st, config, key, bytes, rounded, grow),
                     )));
