@@ -238,7 +238,8 @@ impl<D: Device> Allocator<D> {
     }
 
     /// Allocates `bytes` on `stream` with the given residency. Persistent and transient blocks
-    /// never share a segment.
+    /// never share a segment, except under expandable segments, where small-pool blocks
+    /// (≤ 1 MiB) of both residencies share the stream's small range and count as transient.
     ///
     /// When memory runs out, the out-of-memory observers are called with the report, then the
     /// failure callback (if any) may free memory and ask for another attempt
@@ -329,6 +330,20 @@ impl<D: Device> Allocator<D> {
         }
         let plan = RequestPlan::new(&sh.config, bytes)?;
         let config = &*plan.config;
+        // Over expandable segments the small blocks of both residencies share the stream's
+        // small range: pages, not segments, are what a block pins there, and a persistent small
+        // range of its own would keep a partly used page of its own (one page above `caching`
+        // on mlp_train, t5_train and llama_decode). Such a block counts as transient. (The
+        // stream caches above were asked with the residency as given: a persistent small
+        // request misses there, since such blocks are cached as transient, and lands here.)
+        let residency = if config.expandable_segments
+            && plan.kind == crate::stats::PoolKind::Small
+            && sh.device.supports_virtual_memory()
+        {
+            Residency::Transient
+        } else {
+            residency
+        };
         let class = ClassKey { residency, rounded: plan.rounded };
         let mut st = sh.lock_state();
         sh.check_stream(&mut st, stream)?;
