@@ -46,6 +46,8 @@ pub(crate) struct Escape {
 fn walls(bins: &[Bin], align: u64) -> Vec<(u64, u64)> {
     let inner =
         bins.iter().flat_map(|b| b.walls.iter().map(|&(lo, hi)| (b.virt + lo, b.virt + hi)));
+    #[cfg(tidepool_broken = "adopt_walls")]
+    let inner = inner.take(0); // BROKEN: the plan may place slices over blocks still in use.
     bins.iter().map(|b| (b.virt + b.size, b.virt + b.size + align)).chain(inner).collect()
 }
 
