@@ -163,7 +163,9 @@ impl<D: Device> Shared<D> {
             None => fresh_base + (v - open),
         };
         let offsets: Vec<u64> = plan.offsets.iter().map(|&v| absolute(v)).collect();
-        let size = bins.iter().map(|b| b.size).sum::<u64>() + fresh_size;
+        // The region's bytes: its bins but their walls (blocks it does not hold), and the fresh block.
+        let walled: u64 = bins.iter().flat_map(|b| &b.walls).map(|&(lo, hi)| hi - lo).sum();
+        let size = bins.iter().map(|b| b.size).sum::<u64>() - walled + fresh_size;
         let region = Arc::new(Region::new(blocks, 0, size));
         for e in &pinned {
             region.pin(e.ptr, e.size);

@@ -148,7 +148,8 @@ impl<D: Device> Shared<D> {
         let sizing = self.alloc_sizing(st, block, &config.sizing);
         let block = st.pool.allocate(block, rounded, bytes, &sizing);
         let (addr, size) = (st.pool.block(block).addr, st.pool.block(block).size);
-        let q = quadrant(key.kind, key.residency);
+        let held = st.pool.segment(st.pool.block(block).segment).key.residency;
+        let q = quadrant(key.kind, held);
         st.base.live_up(q, size, bytes, || self.caches.all());
         Ok((BatchBlock { block, quadrant: q, size, requested: bytes }, addr))
     }

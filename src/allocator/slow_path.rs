@@ -80,6 +80,25 @@ impl<D: Device> Shared<D> {
         {
             return Ok(b);
         }
+        // Before anything new is reserved, a transient block may take free space in the
+        // stream's persistent segments (the tails of the segments holding the weights). Never
+        // the other way round: a weight in a transient segment would pin it, which is what the
+        // split is for; an activation in a persistent segment pins nothing (persistent segments
+        // are never released by `empty_cache`, trimming or the OOM ladder).
+        // (BROKEN `residency_borrow`: weights borrow transient space too.)
+        let borrows =
+            key.residency == Residency::Transient || cfg!(tidepool_broken = "residency_borrow");
+        if borrows {
+            let other = match key.residency {
+                Residency::Transient => Residency::Persistent,
+                Residency::Persistent => Residency::Transient,
+            };
+            if let Some(b) =
+                self.find_free(st, config, PoolKey { residency: other, ..key }, rounded)
+            {
+                return Ok(b);
+            }
+        }
         if self.expandable(st, config, key)
             && let Some(b) = self.find_or_grow(st, config, key, bytes, rounded)?
         {
