@@ -6,12 +6,15 @@
 #          so the GPU machine needs no cargo and no crates: build here, carry `target/release`)
 #   tests  tests/cuda_device.rs, one at a time (expandable segments included: virtual memory
 #          management through cuMemCreate/cuMemMap, where the device supports it)
+#   graphs the private-pool and CUDA-graph tests of tests/cuda_device.rs: a guard routing a
+#          stream to a MemPool, then a capture (cuStreamBeginCapture/cuStreamEndCapture/
+#          cuGraphInstantiate) from the graph's private pool replayed 100 times (cuGraphLaunch)
 #   interop examples/cudarc_interop (NVRTC + cuBLAS through tidepool buffers, checked numerically)
 #   bench  examples/gpu_bench: alloc+free latency (tidepool hit / cuMemAlloc / cuMemAllocAsync)
 #          and the gpt2 trace replayed on device memory, with ordinary and expandable segments
 #          → $RESULTS_DIR/gpu_bench.json
 #
-# The three run steps share a budget of RUN_BUDGET_S seconds (default 300). Every step's output
+# The four run steps share a budget of RUN_BUDGET_S seconds (default 300). Every step's output
 # is in $RESULTS_DIR/<step>.log (default target/gpu-check/), the verdicts in summary.txt.
 # A step that could not run for want of a GPU/driver/library is SKIP (exit 0 unless
 # REQUIRE_GPU=1); any FAIL makes the script exit 1.
@@ -78,7 +81,10 @@ run_step() { # name skip-pattern command...
 if [[ -z "$test_bin" ]]; then
     verdict tests FAIL "no test binary target/release/deps/cuda_device-*"
 else
-    run_step tests "skipping:" "$test_bin" --test-threads=1 --nocapture
+    run_step tests "skipping:" "$test_bin" --test-threads=1 --nocapture \
+        --skip private_pool_ --skip graph_capture_
+    run_step graphs "skipping:" "$test_bin" --test-threads=1 --nocapture \
+        private_pool_ graph_capture_
 fi
 run_step interop "cannot run here" target/release/examples/cudarc_interop
 run_step bench "cannot run here" target/release/examples/gpu_bench

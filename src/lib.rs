@@ -41,11 +41,11 @@ pub(crate) mod sync;
 mod types;
 
 pub use allocator::{
-    Action, AllocError, Allocator, BlockInfo, Buffer, HistoryOptions, OomReport, RangeInfo, Scope,
-    ScopedBuffer, SegmentInfo, TraceEntry,
+    Action, AllocError, Allocator, BlockInfo, Buffer, Graph, HistoryOptions, MemPool, OomReport,
+    PoolGuard, PoolOptions, RangeInfo, Scope, ScopedBuffer, SegmentInfo, TraceEntry,
 };
 pub use config::{Config, ConfigError, CrossStream, ENV_VAR, KEYS as CONFIG_KEYS};
-pub use device::{Device, DeviceError, SimConfig, SimDevice};
+pub use device::{Capture, Device, DeviceError, GraphId, SimConfig, SimDevice};
 pub use host::{HostAllocError, HostAllocator, HostStats, MIN_HOST_BLOCK, PinnedBuffer};
 pub use pool::Sizing;
 pub use registry::Allocators;

@@ -6,7 +6,8 @@
 //!   reserve/release/mem_info; events around a gated kernel; hold-the-stream (record_stream),
 //!   with ordinary and expandable segments; the allocator over CudaDevice with no leaks, across
 //!   threads; expandable segments (virtual memory) with data across pages, growth, release after
-//!   a running kernel, and no leak.
+//!   a running kernel, and no leak; private pools (a guard routing a stream, teardown with a live
+//!   buffer) and CUDA-graph capture from the graph's private pool, replayed 100 times.
 //!
 //! Kernels come as PTX (below), so these tests need only the driver, not NVRTC. "Gated" kernels
 //! spin until a flag in device memory is set by a memset on another stream, so "not finished
@@ -621,4 +622,75 @@ fn pinned_host_blocks_wait_for_their_copies_before_reuse() {
     pinned.empty_cache().unwrap();
     assert_eq!(pinned.stats().reserved_bytes.current, 0);
     assert!(dev.live_host_allocations().is_empty());
+}
+
+/// Private pools on the GPU: a guard routes a stream's allocations (cudarc-visible buffers
+/// included) to the pool's own segments, with the pool's own statistics; the pool's memory goes
+/// back with its last buffer.
+#[test]
+fn private_pool_routes_a_stream_and_frees_as_a_whole() {
+    let Some((_gpu, dev)) = gpu() else { return };
+    let k = kernels(&dev);
+    let alloc = Allocator::new(dev.clone(), Config::default()).unwrap();
+    let s = dev.create_stream().unwrap();
+    let cs = dev.stream(s).unwrap();
+    let pool = alloc.new_pool(tidepool::PoolOptions::default()).unwrap();
+    let guard = alloc.use_pool(&pool, s).unwrap();
+    let mut x = CudaBuffer::<f32>::alloc_zeros(&alloc, N, s).unwrap();
+    drop(guard);
+    let general = alloc.alloc(4096, s).unwrap();
+    assert_eq!(pool.stats().blocks.allocated_bytes.all.current, (N * 4) as u64);
+    assert_eq!(alloc.stats().blocks.allocated_bytes.all.current, 4096);
+    launch_fill(&k, &cs, &mut x, 5.0);
+    assert!(cs.clone_dtoh(&x).unwrap().iter().all(|&v| v == 5.0));
+    let segments = dev.live_segments().len();
+    drop(pool);
+    assert_eq!(dev.live_segments().len(), segments, "a live buffer keeps the pool's segment");
+    drop(x);
+    assert_eq!(dev.live_segments().len(), segments - 1);
+    drop(general);
+    alloc.empty_cache().unwrap();
+    drop(alloc);
+    dev.destroy_stream(s).unwrap();
+    assert!(dev.live_segments().is_empty(), "leaked: {:?}", dev.live_segments());
+}
+
+/// CUDA graphs on the GPU: a capture whose allocations come from the graph's private pool (one
+/// of them freed and reused during the capture), instantiated and replayed 100 times with the
+/// general pool used in between; the output is overwritten by each replay.
+#[test]
+fn graph_capture_replays_from_its_private_pool() {
+    let Some((_gpu, dev)) = gpu() else { return };
+    let k = kernels(&dev);
+    let alloc = Allocator::new(dev.clone(), Config::default()).unwrap();
+    let s = dev.create_stream().unwrap();
+    let cs = dev.stream(s).unwrap();
+    alloc.begin_capture(s, None).unwrap();
+    // SAFETY: f32 has no invalid bit patterns; the captured fill writes it before any read.
+    let mut tmp = unsafe { CudaBuffer::<f32>::alloc(&alloc, N, s) }.unwrap();
+    launch_fill(&k, &cs, &mut tmp, 1.0);
+    let tmp_ptr = tmp.buffer().ptr();
+    drop(tmp); // freed during the capture: reused by the capture only
+    // SAFETY: as above.
+    let mut out = unsafe { CudaBuffer::<f32>::alloc(&alloc, N, s) }.unwrap();
+    assert_eq!(out.buffer().ptr(), tmp_ptr, "the capture reuses its own freed block");
+    launch_fill(&k, &cs, &mut out, 3.0);
+    let graph = alloc.end_capture(s).unwrap();
+    assert_eq!(graph.pool().stats().blocks.allocated_bytes.all.current, (N * 4) as u64);
+    for i in 0..100 {
+        cs.context().bind_to_thread().unwrap();
+        // SAFETY: `out`'s own live memory, on its stream.
+        unsafe { result::memset_d8_async(out.cu_device_ptr(), 0, N * 4, cs.cu_stream()) }.unwrap();
+        graph.launch(s).unwrap();
+        let other = alloc.alloc(1 << 20, s).unwrap();
+        assert_ne!(other.ptr(), tmp_ptr);
+        drop(other);
+        assert!(cs.clone_dtoh(&out).unwrap().iter().all(|&v| v == 3.0), "replay {i}");
+    }
+    drop(graph);
+    drop(out);
+    alloc.empty_cache().unwrap();
+    drop(alloc);
+    dev.destroy_stream(s).unwrap();
+    assert!(dev.live_segments().is_empty(), "leaked: {:?}", dev.live_segments());
 }

@@ -20,7 +20,12 @@
 //! their buffers are used on other streams, `mem::forget`ten, freed on other threads while the
 //! scope goes on, or escape; streams are created and destroyed; the default stream's destruction
 //! is refused and changes nothing; unknown streams are refused; event records fail for a while
-//! around a free. At the end, with everything dropped: no live segment and no live event.
+//! around a free. Private pools take allocations while a guard routes a stream to them; CUDA-graph
+//! captures (alone: the other threads wait, since CUDA refuses every synchronisation while one is
+//! underway) allocate from a private pool, sometimes shared between graphs, free a live buffer of
+//! the capturing stream and a captured block during the capture, then allocate the same size
+//! outside the graph and replay it. At the end, with everything dropped: no live segment and no
+//! live event.
 //!
 //! Every soundness fix has a `Broken` mode that reverts it (`tidepool::hooks::Broken`);
 //! `every_broken_mode_is_caught` runs this same property with each mode on and requires it to
@@ -35,12 +40,12 @@
 use proptest::prelude::*;
 use proptest::test_runner::{Config as RunnerConfig, TestCaseError, TestRunner};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::Duration;
 use tidepool::device::{Access, AccessKind, Kernel, Launch, SimDevice};
 use tidepool::hooks::Broken;
 use tidepool::{AllocError, Allocator, Buffer, Config, CrossStream, Device, Residency, StreamId};
-use tidepool::{Scope, ScopedBuffer};
+use tidepool::{MemPool, PoolOptions, Scope, ScopedBuffer};
 
 /// Stream slots; slot 0 is the default stream, the others come and go.
 const SLOTS: usize = 4;
@@ -65,6 +70,8 @@ enum Op {
     DestroyDefault { by: usize },
     UnknownStream { by: usize, pick: usize },
     EmptyCache { by: usize },
+    PoolAlloc { by: usize, slot: usize, size: usize, n: usize, auto: bool },
+    Capture { by: usize, slot: usize, size: usize, shared: bool, launches: usize, pick: usize },
 }
 
 /// One step of a scope script (bound buffers are `ScopedBuffer`s; unbound ones `Buffer`s).
@@ -126,6 +133,10 @@ fn op() -> impl Strategy<Value = Op> {
         1 => (0..2usize).prop_map(|by| Op::DestroyDefault { by }),
         1 => (0..2usize, idx()).prop_map(|(by, pick)| Op::UnknownStream { by, pick }),
         1 => (0..2usize).prop_map(|by| Op::EmptyCache { by }),
+        2 => (0..2usize, 0..SLOTS, 0..SIZES.len(), 1..=3usize, any::<bool>())
+            .prop_map(|(by, slot, size, n, auto)| Op::PoolAlloc { by, slot, size, n, auto }),
+        2 => (0..2usize, 1..SLOTS, 0..3usize, any::<bool>(), 1..=3usize, idx())
+            .prop_map(|(by, slot, size, shared, launches, pick)| Op::Capture { by, slot, size, shared, launches, pick }),
     ]
 }
 
@@ -201,6 +212,12 @@ struct World {
     faults: Mutex<()>,
     /// Set when a thread failed: the others stop.
     failed: AtomicBool,
+    /// A private pool per allocator (the first one's is `use_on_oom`).
+    pools: [MemPool<SimDevice>; 2],
+    /// A pool per allocator that captures may share.
+    graph_pools: [MemPool<SimDevice>; 2],
+    /// Every operation holds it: shared, a capture alone.
+    gate: RwLock<()>,
 }
 
 type R = Result<(), String>;
@@ -233,6 +250,9 @@ impl World {
             }
             a
         });
+        let pools = [0, 1]
+            .map(|i| allocs[i].new_pool(PoolOptions::default().with_use_on_oom(i == 0)).unwrap());
+        let graph_pools = [0, 1].map(|i| allocs[i].new_pool(PoolOptions::default()).unwrap());
         let mut slots = [None; SLOTS];
         slots[0] = Some(StreamId::DEFAULT);
         for s in slots.iter_mut().skip(1) {
@@ -249,6 +269,22 @@ impl World {
             next_range: AtomicU64::new(1),
             faults: Mutex::new(()),
             failed: AtomicBool::new(false),
+            pools,
+            graph_pools,
+            gate: RwLock::new(()),
+        }
+    }
+
+    /// One operation and the checks after it, under the gate (a capture holds it alone).
+    fn step(&self, op: &Op, scripts: &[Vec<Step>]) -> R {
+        if matches!(op, Op::Capture { .. }) {
+            let _alone = self.gate.write().unwrap_or_else(|p| p.into_inner());
+            self.run_op(op, scripts)?;
+            self.check()
+        } else {
+            let _shared = self.gate.read().unwrap_or_else(|p| p.into_inner());
+            self.run_op(op, scripts)?;
+            self.check()
         }
     }
 
@@ -301,6 +337,9 @@ impl World {
     fn check(&self) -> R {
         for (i, a) in self.allocs.iter().enumerate() {
             a.check_invariants().map_err(|e| format!("allocator {i}: {e}"))?;
+        }
+        for (i, p) in self.pools.iter().chain(&self.graph_pools).enumerate() {
+            p.check_invariants().map_err(|e| format!("pool {i}: {e}"))?;
         }
         let mut r = lock(&self.ranges).clone();
         r.sort_unstable();
@@ -513,7 +552,101 @@ impl World {
             }
             Op::EmptyCache { by } => {
                 self.allocs[by].empty_cache().map_err(|e| format!("empty_cache: {e}"))?;
+                self.pools[by].empty_cache().map_err(|e| format!("pool empty_cache: {e}"))?;
             }
+            Op::PoolAlloc { by, slot, size, n, auto } => {
+                let Some(s) = self.stream(slot) else { return Ok(()) };
+                let guard = match self.allocs[by].use_pool(&self.pools[by], s) {
+                    Ok(g) => g,
+                    Err(AllocError::UnknownStream(_)) => return Ok(()),
+                    Err(e) => return Err(format!("use_pool: {e}")),
+                };
+                for _ in 0..n {
+                    if let Some(b) = self.alloc(by, s, SIZES[size], Residency::Transient) {
+                        self.register(b, by, auto);
+                    }
+                }
+                drop(guard);
+            }
+            Op::Capture { by, slot, size, shared, launches, pick } => {
+                self.capture(by, slot, SIZES[size], shared, launches, pick)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// A CUDA-graph capture on `slot`'s stream through allocator `by` (the caller holds the
+    /// gate alone): a live buffer of the stream freed during the capture (the graph holds it), a
+    /// captured block freed during the capture, then the same size allocated outside the graph
+    /// and written, and the graph replayed.
+    fn capture(
+        &self,
+        by: usize,
+        slot: usize,
+        n: u64,
+        shared: bool,
+        launches: usize,
+        pick: usize,
+    ) -> R {
+        let Some(s) = self.stream(slot).filter(|&s| s != StreamId::DEFAULT) else { return Ok(()) };
+        let a = &self.allocs[by];
+        let pool = shared.then_some(&self.graph_pools[by]);
+        match a.begin_capture(s, pool) {
+            Ok(()) => {}
+            Err(AllocError::UnknownStream(_)) => return Ok(()),
+            Err(e) => return Err(format!("begin_capture: {e}")),
+        }
+        let victim = {
+            let mut live = lock(&self.live);
+            let mine: Vec<usize> = (0..live.len())
+                .filter(|&i| live[i].by == by && live[i].buf.stream() == s)
+                .collect();
+            (!mine.is_empty()).then(|| live.swap_remove(mine[pick % mine.len()]))
+        };
+        if let Some(l) = victim {
+            self.remove_range(l.range);
+            drop(l);
+        }
+        let mut bufs = Vec::new();
+        for _ in 0..3 {
+            match a.alloc(n, s) {
+                Ok(b) => bufs.push(b),
+                Err(AllocError::OutOfMemory(_)) => break,
+                Err(e) => return Err(format!("alloc during capture: {e}")),
+            }
+        }
+        let touch = n.min(TOUCH) as usize;
+        let kernel = |src: Option<&Buffer<SimDevice>>, dst: &Buffer<SimDevice>| {
+            let (d, sp) = (dst.ptr(), src.map(|b| b.ptr()));
+            let mut acc = vec![Access { ptr: d, bytes: n, kind: AccessKind::Write }];
+            acc.extend(sp.map(|p| Access { ptr: p, bytes: n, kind: AccessKind::Read }));
+            Kernel::replayable("captured", acc, move |m| {
+                let mut v = vec![0x5A; touch];
+                if let Some(p) = sp {
+                    m.read(p, &mut v).unwrap();
+                }
+                m.write(d, &v).unwrap();
+            })
+        };
+        let mut prev: Option<&Buffer<SimDevice>> = None;
+        for b in &bufs {
+            self.dev.launch(s, kernel(prev, b)).map_err(|e| format!("captured launch: {e}"))?;
+            prev = Some(b);
+        }
+        let freed = (!bufs.is_empty()).then(|| bufs.remove(0));
+        drop(freed);
+        let graph = a.end_capture(s).map_err(|e| format!("end_capture: {e}"))?;
+        // Outside the graph now: never a block its capture freed.
+        if let Some(b) = self.alloc(by, s, n, Residency::Transient) {
+            self.launch(s, b.ptr().0, b.len(), true, 0);
+            self.register(b, by, true);
+        }
+        for _ in 0..launches {
+            graph.launch(s).map_err(|e| format!("graph launch: {e}"))?;
+        }
+        drop(graph);
+        for b in bufs {
+            self.register(b, by, true);
         }
         Ok(())
     }
@@ -618,7 +751,11 @@ impl World {
                                 ),
                                 buf: b,
                             },
-                            Err(AllocError::UnknownStream(_) | AllocError::OutOfMemory(_)) => {
+                            Err(
+                                AllocError::UnknownStream(_)
+                                | AllocError::OutOfMemory(_)
+                                | AllocError::StreamRouted(_),
+                            ) => {
                                 return Ok(());
                             }
                             Err(e) => return Err(format!("scope alloc_unbound: {e}")),
@@ -633,7 +770,11 @@ impl World {
                                 buf: b,
                                 users: vec![],
                             },
-                            Err(AllocError::UnknownStream(_) | AllocError::OutOfMemory(_)) => {
+                            Err(
+                                AllocError::UnknownStream(_)
+                                | AllocError::OutOfMemory(_)
+                                | AllocError::StreamRouted(_),
+                            ) => {
                                 return Ok(());
                             }
                             Err(e) => return Err(format!("scope alloc: {e}")),
@@ -765,10 +906,7 @@ fn run_case(case: &Case, broken: Option<Broken>) -> R {
     if std::env::var("MULTI_PROPS_SEQ").is_ok() {
         // Debugging aid: the threads' programs one after the other, on this thread.
         for op in case.threads.iter().flatten() {
-            world
-                .run_op(op, &scripts)
-                .and_then(|()| world.check())
-                .map_err(|e| format!("{op:?}: {e}"))?;
+            world.step(op, &scripts).map_err(|e| format!("{op:?}: {e}"))?;
         }
         return finish(world, case);
     }
@@ -783,7 +921,7 @@ fn run_case(case: &Case, broken: Option<Broken>) -> R {
                     if world.failed.load(Ordering::Relaxed) {
                         return Ok(());
                     }
-                    let r = world.run_op(op, &scripts).and_then(|()| world.check());
+                    let r = world.step(op, &scripts);
                     if let Err(e) = r {
                         world.failed.store(true, Ordering::Relaxed);
                         return Err(format!("{op:?}: {e}"));

@@ -87,6 +87,7 @@ fn run(policy: &str, ops: Vec<Op>) -> Result<(), TestCaseError> {
                     accesses: vec![Access { ptr: b.ptr(), bytes: b.len().max(1), kind }],
                     sleep: Duration::from_micros(delay_us),
                     body: None,
+                    replay: None,
                 };
                 if !b.is_empty() {
                     dev.launch(s, k).unwrap();

@@ -31,12 +31,16 @@ pub enum Broken {
     EventErrors = 1 << 5,
     /// `destroy_stream` closes the stream's caches before the device may refuse.
     DestroyStream = 1 << 6,
+    /// A stream capture routes nothing to the graph's private pool and holds no free back: the
+    /// captured allocations come from the general cache, and what is freed during the capture
+    /// is reused outside the graph (the crash on replay users of graph capture report).
+    CaptureGeneral = 1 << 7,
 }
 
 #[cfg_attr(not(feature = "test-hooks"), allow(dead_code))]
 impl Broken {
     /// Every mode, for tests that go through them all.
-    pub const ALL: [Broken; 7] = [
+    pub const ALL: [Broken; 8] = [
         Broken::ForeignBuffers,
         Broken::ForgottenUses,
         Broken::UnboundFreeOrder,
@@ -44,6 +48,7 @@ impl Broken {
         Broken::UnknownStreams,
         Broken::EventErrors,
         Broken::DestroyStream,
+        Broken::CaptureGeneral,
     ];
 
     /// Its bit.

@@ -183,7 +183,10 @@ impl<D: Device> Drop for Buffer<D> {
                     quadrant: self.quadrant as usize,
                     used_elsewhere: self.used_elsewhere(),
                 };
-                self.owner.free(freed);
+                // A capture of its stream may hold it back (`capture.rs`).
+                if let Some(freed) = self.owner.family.captures.defer(&self.owner, freed) {
+                    self.owner.free(freed);
+                }
             }
             Origin::Region(region, _) => {
                 if !ordered {

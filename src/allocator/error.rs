@@ -52,6 +52,23 @@ pub enum AllocError {
         /// Bytes of its blocks still in use.
         bytes: u64,
     },
+    /// A private pool of another allocator was given to this one.
+    ForeignPool,
+    /// The private pool cannot be used this way now (a graph holds it, or a guard routes to it).
+    PoolBusy {
+        /// Why.
+        reason: &'static str,
+    },
+    /// A scope cannot allocate on a stream routed to a private pool (by a guard or a capture):
+    /// allocate with [`crate::Allocator::alloc`] there.
+    StreamRouted(StreamId),
+    /// A stream capture cannot begin or end here.
+    Capture {
+        /// The stream.
+        stream: StreamId,
+        /// Why.
+        reason: &'static str,
+    },
 }
 
 /// Where memory was when an allocation ran out of it.
@@ -180,6 +197,18 @@ impl fmt::Display for AllocError {
                 "cannot release {stream}: {} of buffers allocated on it are still live or wait on events; free them first",
                 Bytes(*bytes)
             ),
+            AllocError::ForeignPool => {
+                write!(f, "the private pool belongs to another allocator: refused")
+            }
+            AllocError::PoolBusy { reason } => write!(f, "the private pool is busy: {reason}"),
+            AllocError::StreamRouted(s) => write!(
+                f,
+                "{s} is routed to a private pool (a PoolGuard or a capture): scopes do not \
+                 allocate there; use Allocator::alloc"
+            ),
+            AllocError::Capture { stream, reason } => {
+                write!(f, "stream capture on {stream}: {reason}")
+            }
         }
     }
 }
@@ -195,7 +224,11 @@ impl std::error::Error for AllocError {
             | AllocError::StreamInUse { .. }
             | AllocError::ForeignBuffer
             | AllocError::UnknownStream(_)
-            | AllocError::TooManyScopeAllocations { .. } => None,
+            | AllocError::TooManyScopeAllocations { .. }
+            | AllocError::ForeignPool
+            | AllocError::PoolBusy { .. }
+            | AllocError::StreamRouted(_)
+            | AllocError::Capture { .. } => None,
         }
     }
 }

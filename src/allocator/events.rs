@@ -129,6 +129,9 @@ impl<D: Device> Shared<D> {
     /// Polls pending events without blocking, oldest first per stream; frees blocks whose
     /// events all completed. A failing query counts as "not yet".
     pub(super) fn process_events(&self, st: &mut State) {
+        if self.device.capture_underway() {
+            return; // CUDA refuses event queries during a capture: later
+        }
         let streams: Vec<StreamId> = st.pending.keys().copied().collect();
         for s in streams {
             while let Some(front) = st.pending.get(&s).and_then(VecDeque::front) {

@@ -21,6 +21,7 @@ mod adopt;
 mod batch;
 mod broken;
 mod buffer;
+mod capture;
 mod checker;
 mod counters;
 mod dump;
@@ -33,6 +34,7 @@ mod observers;
 mod oom;
 mod owner;
 mod plan;
+mod private_pool;
 mod publish;
 mod regions;
 mod report;
@@ -44,9 +46,11 @@ mod state;
 mod stats_layout;
 
 pub use buffer::Buffer;
+pub use capture::Graph;
 pub use error::{AllocError, OomReport};
 pub use expandable::RangeInfo;
 pub use history::{Action, HistoryOptions, TraceEntry};
+pub use private_pool::{MemPool, PoolGuard, PoolOptions};
 pub use report::{BlockInfo, SegmentInfo};
 pub use scope::{Scope, ScopedBuffer};
 
@@ -138,6 +142,16 @@ impl<D: Device> Allocator<D> {
     /// An allocator over `device`. Fails if the configuration is inconsistent
     /// ([`AllocError::Config`]) or the device cannot report its memory.
     pub fn new(device: Arc<D>, config: Config) -> Result<Allocator<D>, AllocError> {
+        Allocator::build(device, config, Arc::new(private_pool::Family::default()), 0)
+    }
+
+    /// An allocator of `family`: the general one (`pool` 0) or a private pool.
+    fn build(
+        device: Arc<D>,
+        config: Config,
+        family: Arc<private_pool::Family<D>>,
+        pool: u64,
+    ) -> Result<Allocator<D>, AllocError> {
         config.validate()?;
         let total = device.mem_info()?.total;
         let (fast, global_lock) = (config.fast_path(), config.global_lock);
@@ -161,6 +175,9 @@ impl<D: Device> Allocator<D> {
             vm_published: Default::default(),
             recording: AtomicBool::new(false),
             observers: observers::Observers::default(),
+            family,
+            routes: private_pool::Routes::default(),
+            role: private_pool::PoolRole { id: pool, ..Default::default() },
         });
         Ok(Allocator { owners: Arc::new(OwnerTable::new(&shared)), shared })
     }
@@ -217,8 +234,15 @@ impl<D: Device> Allocator<D> {
         residency: Residency,
     ) -> Result<Buffer<D>, AllocError> {
         let mut attempt = 0;
+        let mut pools_released = false;
         loop {
             match self.alloc_in_once(bytes, stream, residency) {
+                Err(AllocError::OutOfMemory(_))
+                    if !pools_released && self.shared.release_oom_pools() =>
+                {
+                    // The `use_on_oom` pools gave their free segments back: once more.
+                    pools_released = true;
+                }
                 Err(AllocError::OutOfMemory(report)) => {
                     attempt += 1;
                     if !self.shared.observers.out_of_memory(&report, attempt) {
@@ -238,6 +262,12 @@ impl<D: Device> Allocator<D> {
         residency: Residency,
     ) -> Result<Buffer<D>, AllocError> {
         let sh = &self.shared;
+        if sh.routes.any()
+            && let Some(pool) = sh.routes.get(stream)
+        {
+            // A guard or a capture routes this stream to a private pool.
+            return pool.alloc_in_once(bytes, stream, residency);
+        }
         if bytes == 0 {
             sh.stream_exists(stream)?;
             return Ok(self.hand_out(DeviceAddr::NULL, 0, 0, stream, None, 0, residency, 0));
@@ -312,7 +342,8 @@ impl<D: Device> Allocator<D> {
         let mut batch: BTreeMap<StreamId, Vec<BatchBlock>> = BTreeMap::new();
         for mut buf in buffers {
             if !sh.owns(&buf) {
-                foreign = true;
+                // A buffer of one of this allocator's private pools is freed by its pool.
+                foreign |= self.shared_of(&buf).is_none();
                 continue; // dropped at the end of this iteration: freed by its own allocator
             }
             if buf.used_elsewhere() {
@@ -320,6 +351,9 @@ impl<D: Device> Allocator<D> {
             }
             if buf.scope.is_some() {
                 continue; // its scope records the free: the ordinary path
+            }
+            if sh.family.captures.capturing(buf.stream) {
+                continue; // the capture may hold it back: the ordinary path
             }
             let Origin::Pool(block) = buf.origin else { continue };
             buf.origin = Origin::None;
@@ -348,10 +382,8 @@ impl<D: Device> Allocator<D> {
     /// A buffer of another allocator is refused ([`AllocError::ForeignBuffer`]) and nothing is
     /// recorded anywhere.
     pub fn record_stream(&self, buffer: &Buffer<D>, stream: StreamId) -> Result<(), AllocError> {
-        if !self.shared.owns(buffer) {
-            return Err(AllocError::ForeignBuffer);
-        }
-        self.shared.record_use(buffer, stream)
+        let sh = self.shared_of(buffer).ok_or(AllocError::ForeignBuffer)?;
+        sh.record_use(buffer, stream)
     }
 
     /// Announces that work about to be enqueued on `stream` will `access` `buffer`; see
@@ -363,10 +395,8 @@ impl<D: Device> Allocator<D> {
         stream: StreamId,
         access: AccessKind,
     ) -> Result<(), AllocError> {
-        if !self.shared.owns(buffer) {
-            return Err(AllocError::ForeignBuffer);
-        }
-        self.shared.use_on(buffer, stream, access)
+        let sh = self.shared_of(buffer).ok_or(AllocError::ForeignBuffer)?;
+        sh.use_on(buffer, stream, access)
     }
 
     /// Whether `buffer` was made by this allocator (or a clone of it).

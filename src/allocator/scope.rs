@@ -509,7 +509,12 @@ impl<'a, D: Device> Scope<'a, D> {
     fn try_planned(&self, bytes: u64) -> Option<ScopedBuffer<'_, D>> {
         let c = &self.cursor;
         let base = c.base.get();
-        if base == NO_BASE || !c.following.get() || c.check_pins.get() || self.queued() {
+        if base == NO_BASE
+            || !c.following.get()
+            || c.check_pins.get()
+            || self.queued()
+            || self.alloc.shared.routes.any()
+        {
             return None;
         }
         let rounded = self.config.sizing.round(bytes).filter(|_| bytes != 0)?;
@@ -647,6 +652,9 @@ impl<'a, D: Device> Scope<'a, D> {
     /// planned path needs the region, claimed on the slow path, so it never gets that far.)
     #[inline]
     fn check_stream(&self) -> Result<(), AllocError> {
+        if self.alloc.shared.routes.routed(self.stream) {
+            return Err(AllocError::StreamRouted(self.stream));
+        }
         match self.stream_ok {
             true => Ok(()),
             false => Err(AllocError::UnknownStream(self.stream)),

@@ -117,7 +117,7 @@ impl<D: Device> Shared<D> {
                     }
                     return Ok(b);
                 }
-                Err(AllocError::OutOfMemory(_)) if !retried => {
+                Err(AllocError::OutOfMemory(_)) if !retried && !self.device.capture_underway() => {
                     // The ladder: wait for pending events and search the pool again (their
                     // blocks may now fit), then release cached transient segments and retry.
                     retried = true;
@@ -249,6 +249,10 @@ impl<D: Device> Shared<D> {
         st: &mut State,
         mut which: impl FnMut(&crate::pool::Segment) -> bool,
     ) -> Result<(), AllocError> {
+        if self.device.capture_underway() {
+            // cuMemFree is illegal during a capture: everything stays cached until it ends.
+            return Ok(());
+        }
         if !st.vm.is_empty() {
             self.release_pages(st, &mut which, 0)?;
         }

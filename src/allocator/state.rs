@@ -46,6 +46,12 @@ pub(crate) struct Shared<D: Device> {
     pub(super) scope_counters: ScopeCounters,
     /// Expandable-segment figures for lock-free readers (`expandable.rs`).
     pub(super) vm_published: expandable::VmPublished,
+    /// What the general allocator and its private pools share (`private_pool.rs`).
+    pub(super) family: Arc<private_pool::Family<D>>,
+    /// Streams routed to private pools (used in the general allocator only).
+    pub(super) routes: private_pool::Routes<D>,
+    /// Which pool this is (id 0: the general allocator), and who uses it.
+    pub(super) role: private_pool::PoolRole,
 }
 
 /// What a named scope learned, and the region its plan lives in.

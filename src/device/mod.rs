@@ -35,7 +35,7 @@ pub use cuda::{CudaDevice, NO_DRIVER};
 pub use host_ptr::HostPtr;
 pub use sim::{
     AppStream, KernelFailure, SIM_ALIGN, SIM_BASE, SIM_VM_GRANULARITY, SimConfig, SimCounters,
-    SimDevice, SimHostCounters, Violation, VmCounters,
+    SimDevice, SimGraphCounters, SimHostCounters, Violation, VmCounters,
 };
 
 pub use crate::types::{DeviceAddr, StreamId};
@@ -94,6 +94,10 @@ pub trait KernelMemory {
 /// The body of a host kernel, run in stream order on the device.
 pub type KernelFn = Box<dyn FnOnce(&dyn KernelMemory) + Send + 'static>;
 
+/// The body of a host kernel that may run many times: what a captured graph replays
+/// ([`Kernel::replayable`]).
+pub type ReplayFn = std::sync::Arc<dyn Fn(&dyn KernelMemory) + Send + Sync + 'static>;
+
 /// Work enqueued on a stream: the memory it touches and what it does.
 ///
 /// On [`SimDevice`] the body runs on the stream's worker, after all earlier work on that stream.
@@ -105,14 +109,18 @@ pub struct Kernel {
     pub accesses: Vec<Access>,
     /// How long the kernel keeps its stream busy before its body runs.
     pub sleep: std::time::Duration,
-    /// What the kernel does.
+    /// What the kernel does, once.
     pub body: Option<KernelFn>,
+    /// What the kernel does, as often as it runs (set by [`Kernel::replayable`]); used when
+    /// there is no one-shot `body`. A kernel may be captured into a graph ([`Capture`]) only
+    /// if it has no one-shot `body`.
+    pub replay: Option<ReplayFn>,
 }
 
 impl Kernel {
     /// A kernel that only holds `stream` busy for `duration` (touches no memory).
     pub fn sleep(duration: std::time::Duration) -> Kernel {
-        Kernel { name: "sleep", accesses: Vec::new(), sleep: duration, body: None }
+        Kernel { name: "sleep", accesses: Vec::new(), sleep: duration, body: None, replay: None }
     }
 
     /// A kernel named `name` touching `accesses`, running `body`.
@@ -121,7 +129,35 @@ impl Kernel {
         accesses: Vec<Access>,
         body: impl FnOnce(&dyn KernelMemory) + Send + 'static,
     ) -> Kernel {
-        Kernel { name, accesses, sleep: std::time::Duration::ZERO, body: Some(Box::new(body)) }
+        Kernel {
+            name,
+            accesses,
+            sleep: std::time::Duration::ZERO,
+            body: Some(Box::new(body)),
+            replay: None,
+        }
+    }
+
+    /// A kernel named `name` touching `accesses`, whose `body` may run many times: launched on
+    /// a stream that is being captured ([`Capture::begin_capture`]), it runs at every launch of
+    /// the graph.
+    pub fn replayable(
+        name: &'static str,
+        accesses: Vec<Access>,
+        body: impl Fn(&dyn KernelMemory) + Send + Sync + 'static,
+    ) -> Kernel {
+        Kernel {
+            name,
+            accesses,
+            sleep: std::time::Duration::ZERO,
+            body: None,
+            replay: Some(std::sync::Arc::new(body)),
+        }
+    }
+
+    /// Whether a graph can replay it: its body (if any) may run many times.
+    pub fn is_replayable(&self) -> bool {
+        self.body.is_none()
     }
 }
 
@@ -171,6 +207,17 @@ impl DeviceError {
     pub const CUDA_ERROR_NOT_READY: u32 = 600;
     /// `CUDA_ERROR_UNKNOWN`.
     pub const CUDA_ERROR_UNKNOWN: u32 = 999;
+    /// `CUDA_ERROR_INVALID_HANDLE` (an unknown graph, say).
+    pub const CUDA_ERROR_INVALID_HANDLE: u32 = 400;
+    /// `CUDA_ERROR_ILLEGAL_STATE` (beginning a capture on a stream already capturing, ending one
+    /// on a stream that is not).
+    pub const CUDA_ERROR_ILLEGAL_STATE: u32 = 401;
+    /// `CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED`: an operation not permitted while a stream capture
+    /// is underway (a synchronisation, an event query, `cuMemFree`).
+    pub const CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED: u32 = 900;
+    /// `CUDA_ERROR_STREAM_CAPTURE_ISOLATION`: captured work would depend on work outside the
+    /// capture (a wait on an event recorded outside it).
+    pub const CUDA_ERROR_STREAM_CAPTURE_ISOLATION: u32 = 905;
 
     /// The name of a CUDA error code, where it is one of the common ones.
     pub fn code_name(code: u32) -> Option<&'static str> {
@@ -183,11 +230,15 @@ impl DeviceError {
             101 => "CUDA_ERROR_INVALID_DEVICE",
             201 => "CUDA_ERROR_INVALID_CONTEXT",
             400 => "CUDA_ERROR_INVALID_HANDLE",
+            401 => "CUDA_ERROR_ILLEGAL_STATE",
             500 => "CUDA_ERROR_NOT_FOUND",
             600 => "CUDA_ERROR_NOT_READY",
             700 => "CUDA_ERROR_ILLEGAL_ADDRESS",
             719 => "CUDA_ERROR_LAUNCH_FAILED",
             801 => "CUDA_ERROR_NOT_SUPPORTED",
+            900 => "CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED",
+            901 => "CUDA_ERROR_STREAM_CAPTURE_INVALIDATED",
+            905 => "CUDA_ERROR_STREAM_CAPTURE_ISOLATION",
             999 => "CUDA_ERROR_UNKNOWN",
             _ => return None,
         })
@@ -398,6 +449,44 @@ pub trait Device: Send + Sync + 'static {
     /// `"host read"`; `"host free"` from `host_free`) whose `ptr` is the host address and whose
     /// `stream` and `other` both name the copy's stream.
     fn note_host_access(&self, _ptr: HostPtr, _bytes: u64, _kind: AccessKind) {}
+
+    /// Whether a stream capture is underway on this device ([`Capture::begin_capture`]). While
+    /// one is, CUDA refuses (in its global capture mode) synchronisations, event queries and
+    /// `cuMemFree` from every thread, so the allocator makes none of them: it leaves pending
+    /// events unpolled, releases no segment and waits on nothing (PyTorch's
+    /// `captures_underway`). The default: never.
+    fn capture_underway(&self) -> bool {
+        false
+    }
+}
+
+/// A graph made by stream capture: on a GPU a `CUgraph` and its instantiation (`CUgraphExec`).
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Debug)]
+pub struct GraphId(pub u64);
+
+/// Stream capture (CUDA graphs): work enqueued on a capturing stream is recorded instead of run,
+/// and the graph it makes replays it at each launch. [`crate::Allocator::begin_capture`] is the
+/// allocator-aware way to use it: it routes the capture's allocations to a private pool.
+///
+/// | operation                   | CUDA driver                                  | [`SimDevice`]                         |
+/// |-----------------------------|----------------------------------------------|---------------------------------------|
+/// | [`Capture::begin_capture`]  | `cuStreamBeginCapture` (global mode)         | later work on the stream is recorded  |
+/// | [`Capture::end_capture`]    | `cuStreamEndCapture` + `cuGraphInstantiate`  | the recording becomes a graph         |
+/// | [`Capture::launch_graph`]   | `cuGraphLaunch`                              | the recorded kernels enqueued again, checked by the sanitizer |
+/// | [`Capture::destroy_graph`]  | `cuGraphExecDestroy` + `cuGraphDestroy`      | forgotten                             |
+pub trait Capture: Device {
+    /// Starts capturing `stream`: its later work is recorded, not run, until
+    /// [`Capture::end_capture`]. The default stream cannot be captured.
+    fn begin_capture(&self, stream: StreamId) -> Result<(), DeviceError>;
+
+    /// Ends the capture of `stream` and returns the graph of what was recorded.
+    fn end_capture(&self, stream: StreamId) -> Result<GraphId, DeviceError>;
+
+    /// Enqueues the graph's recorded work on `stream`, in the recorded order; returns at once.
+    fn launch_graph(&self, graph: GraphId, stream: StreamId) -> Result<(), DeviceError>;
+
+    /// Destroys a graph. Launches already enqueued still run.
+    fn destroy_graph(&self, graph: GraphId) -> Result<(), DeviceError>;
 }
 
 /// A device that runs host [`Kernel`]s in stream order: what the simulator and the eager layer's

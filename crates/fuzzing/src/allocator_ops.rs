@@ -553,6 +553,7 @@ impl<'a> Harness<'a> {
                     accesses: vec![Access { ptr: b.ptr(), bytes: b.len(), kind }],
                     sleep: Duration::from_micros(u64::from(SLEEPS_US[usize::from(index) % 8])),
                     body: None,
+                    replay: None,
                 };
                 self.dev.launch(s, kernel).map_err(|e| dev_err("launch", e))?;
             }
@@ -613,6 +614,7 @@ impl<'a> Harness<'a> {
                 accesses: vec![Access { ptr: b.ptr(), bytes, kind: AccessKind::Read }],
                 sleep: Duration::from_micros(5),
                 body: None,
+                replay: None,
             };
             self.dev.launch(other, kernel).map_err(|e| dev_err("launch", e))?;
             open.scope.record_stream(&b, other).map_err(|e| format!("record_stream: {e}"))?;
@@ -900,6 +902,7 @@ impl<'a> Harness<'a> {
             accesses: vec![Access { ptr: l.buf.ptr(), bytes: l.buf.len(), kind }],
             sleep: Duration::from_micros(u64::from(sleep_us)),
             body: None,
+            replay: None,
         };
         self.dev.launch(s, kernel).map_err(|e| dev_err("launch", e))
     }

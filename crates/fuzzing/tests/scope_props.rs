@@ -442,8 +442,13 @@ fn a_planned_buffer_used_elsewhere_and_freed_after_its_stream_was_destroyed() {
     let s2 = dev.create_stream().unwrap();
     alloc.record_stream(&planned, s2).unwrap();
     let write = Access { ptr: planned.ptr(), bytes: planned.len(), kind: AccessKind::Write };
-    let k =
-        Kernel { name: "w", accesses: vec![write], sleep: Duration::from_millis(50), body: None };
+    let k = Kernel {
+        name: "w",
+        accesses: vec![write],
+        sleep: Duration::from_millis(50),
+        body: None,
+        replay: None,
+    };
     dev.launch(s2, k).unwrap();
     drop(planned);
     let other = alloc.alloc(9 * MIB, S0).unwrap();

@@ -38,6 +38,7 @@
 //! - Locks are `std::sync`, not the `crate::sync` shim: driver calls cannot run under loom, so this
 //!   device is never modelled (and the `cuda` feature is not combined with `--cfg loom`).
 
+mod graph;
 pub(crate) mod result;
 
 use super::{Device, DeviceAddr, DeviceError, EventId, HostPtr, MemInfo, PhysHandle, StreamId};
@@ -75,6 +76,8 @@ pub struct CudaDevice {
     /// Virtual memory: support and granularity (asked once), live ranges, allocations, mappings.
     vm_support: OnceLock<Option<u64>>,
     vm: Mutex<CudaVm>,
+    /// Stream captures underway and live graphs (`graph.rs`).
+    graphs: Mutex<graph::CudaGraphs>,
 }
 
 /// What the virtual-memory calls made and have not undone.
@@ -184,6 +187,7 @@ impl CudaDevice {
             host: Mutex::new(HashMap::new()),
             vm_support: OnceLock::new(),
             vm: Mutex::new(CudaVm::default()),
+            graphs: Mutex::new(graph::CudaGraphs::default()),
         }))
     }
 
@@ -325,6 +329,7 @@ impl Drop for CudaDevice {
             return;
         }
         let _ = result::ctx_synchronize();
+        self.destroy_graphs();
         let mut vm = lock(&self.vm);
         for (va, (bytes, _)) in vm.mappings.drain() {
             // SAFETY: a mapping made by `vm_map` in this context; the device is idle and nothing
@@ -364,6 +369,11 @@ impl Drop for CudaDevice {
 impl Device for CudaDevice {
     fn name(&self) -> String {
         self.name.clone()
+    }
+
+    /// From the set of streams `begin_capture` started capturing (no driver call).
+    fn capture_underway(&self) -> bool {
+        self.capturing_any()
     }
 
     /// `cuMemAlloc`; the driver's out-of-memory answer is [`DeviceError::OutOfMemory`].

@@ -158,6 +158,77 @@ pub(crate) unsafe fn memset_d8_async(
     check("cuMemsetD8Async", unsafe { sys::cuMemsetD8Async(ptr, value, bytes, stream) })
 }
 
+// Stream capture (CUDA graphs).
+
+/// A captured graph and its instantiation (`CUgraph`, `CUgraphExec`), owned by
+/// [`super::CudaDevice`]'s graph table.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct RawGraph {
+    pub(super) graph: sys::CUgraph,
+    pub(super) exec: sys::CUgraphExec,
+}
+
+// SAFETY: both are opaque driver handles, valid on any thread of the process (the driver API is
+// thread-safe); the device only uses them with its context bound and destroys them once.
+unsafe impl Send for RawGraph {}
+
+/// `cuStreamBeginCapture` in the global mode (PyTorch's default): while the capture lasts, the
+/// driver refuses unsafe calls (synchronisations, event queries, `cuMemFree`) from every thread.
+///
+/// # Safety
+/// `stream` is a live handle of the current context, not the legacy null stream.
+pub(super) unsafe fn stream_begin_capture(stream: sys::CUstream) -> Result<(), DeviceError> {
+    let mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL;
+    // SAFETY: the caller guarantees the stream handle is live.
+    check("cuStreamBeginCapture", unsafe { sys::cuStreamBeginCapture_v2(stream, mode) })
+}
+
+/// `cuStreamEndCapture` then `cuGraphInstantiateWithFlags`: the captured graph, ready to launch.
+/// If instantiation fails the graph is destroyed and the error returned.
+///
+/// # Safety
+/// `stream` is a live handle of the current context that is being captured.
+pub(super) unsafe fn stream_end_capture(stream: sys::CUstream) -> Result<RawGraph, DeviceError> {
+    let mut graph: sys::CUgraph = std::ptr::null_mut();
+    // SAFETY: the caller guarantees the stream handle is live; `graph` is a valid out-pointer.
+    check("cuStreamEndCapture", unsafe { sys::cuStreamEndCapture(stream, &mut graph) })?;
+    let mut exec: sys::CUgraphExec = std::ptr::null_mut();
+    // SAFETY: `graph` was just made by the driver; `exec` is a valid out-pointer; flags 0.
+    let made = check("cuGraphInstantiate", unsafe {
+        sys::cuGraphInstantiateWithFlags(&mut exec, graph, 0)
+    });
+    if let Err(e) = made {
+        // SAFETY: the graph is live and owned here; nothing else refers to it.
+        let _ = unsafe { sys::cuGraphDestroy(graph) };
+        return Err(e);
+    }
+    Ok(RawGraph { graph, exec })
+}
+
+/// `cuGraphLaunch`: enqueues the graph's work on `stream`.
+///
+/// # Safety
+/// `graph` is live (not destroyed) in the current context and `stream` is a live handle of it.
+pub(super) unsafe fn graph_launch(
+    graph: RawGraph,
+    stream: sys::CUstream,
+) -> Result<(), DeviceError> {
+    // SAFETY: the caller guarantees both handles are live.
+    check("cuGraphLaunch", unsafe { sys::cuGraphLaunch(graph.exec, stream) })
+}
+
+/// `cuGraphExecDestroy` then `cuGraphDestroy`. Launches already enqueued still complete.
+///
+/// # Safety
+/// `graph` is live in the current context and is not used after this call.
+pub(super) unsafe fn graph_destroy(graph: RawGraph) -> Result<(), DeviceError> {
+    // SAFETY: the caller guarantees the handles are live and never used again.
+    let exec = check("cuGraphExecDestroy", unsafe { sys::cuGraphExecDestroy(graph.exec) });
+    // SAFETY: as above.
+    let g = check("cuGraphDestroy", unsafe { sys::cuGraphDestroy(graph.graph) });
+    exec.and(g)
+}
+
 // Virtual memory management (expandable segments).
 
 // The device id sits right after the location type in every CUDA version's `CUmemLocation` (a

@@ -253,6 +253,9 @@ impl SimDevice {
         let mut guard = self.state();
         let st = &mut *guard;
         st.open_stream(stream)?;
+        if st.graphs.capturing(stream.0) {
+            return Err(DeviceError::Unsupported("pinned-host copies on a captured stream"));
+        }
         if bytes == 0 {
             return Ok(());
         }
@@ -291,9 +294,9 @@ impl SimDevice {
             })
         };
         let pos = st.open_stream(stream)?.next_pos();
-        let found = st
-            .san
-            .launch(stream.0, pos, kernel.name, &kernel.accesses, |a, b| st.mem.contains(a, b));
+        let found = st.san.launch(stream.0, pos, kernel.name, &kernel.accesses, &[], |a, b| {
+            st.mem.contains(a, b)
+        });
         st.open_stream(stream)?.push(Op::Kernel { pos, kernel });
         let streams = &st.streams;
         st.host.copies.retain(|c| streams.get(&c.stream).is_some_and(|s| s.completed < c.pos));

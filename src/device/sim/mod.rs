@@ -19,12 +19,14 @@
 //!
 //! Dropping the device drains every stream and joins every worker.
 
+mod graph;
 mod host;
 mod memory;
 mod sanitizer;
 mod stream;
 mod vmm;
 
+pub use graph::SimGraphCounters;
 pub use host::SimHostCounters;
 pub use memory::{SIM_ALIGN, SIM_BASE};
 pub use vmm::{SIM_VM_GRANULARITY, VmCounters};
@@ -136,6 +138,8 @@ pub(super) struct State {
     app_streams: BTreeMap<u32, bool>,
     /// Pinned host memory (`host.rs`).
     host: host::HostMem,
+    /// Stream captures underway and the graphs they made (`graph.rs`).
+    graphs: graph::Graphs,
 }
 
 impl State {
@@ -212,6 +216,7 @@ impl SimDevice {
                 failures: Vec::new(),
                 panic_on_violation: false,
                 host: host::HostMem::new(config.capacity),
+                graphs: graph::Graphs::default(),
             }),
             progress: Condvar::new(),
         });
@@ -377,6 +382,11 @@ impl SimDevice {
         self.state().vm.mappings()
     }
 
+    /// Counters of stream captures and graph launches.
+    pub fn graph_counters(&self) -> SimGraphCounters {
+        self.shared.graph_counters()
+    }
+
     /// Kernels whose body panicked, in completion order.
     pub fn kernel_failures(&self) -> Vec<KernelFailure> {
         self.state().failures.clone()
@@ -516,11 +526,19 @@ impl super::Device for SimDevice {
         if !st.mem.segments.contains_key(&ptr.0) {
             return Err(DeviceError::UnknownSegment(ptr));
         }
+        st.graphs.refuse_during_capture("cuMemFree")?;
         let mut st = self.wait_until(st, State::idle);
         let bytes = st.mem.release(ptr.0).ok_or(DeviceError::UnknownSegment(ptr))?;
+        let mut found = Vec::new();
+        if let Some((lo, hi)) = st.graphs.held(ptr.0, ptr.0 + bytes) {
+            found = st.san.flag(lo, hi, 0, None, "release of memory a CUDA graph uses");
+        }
         st.san.release_segment(ptr.0, ptr.0 + bytes);
         st.counters.frees += 1;
         st.counters.host_syncs += 1;
+        let panic = st.panic_on_violation;
+        drop(st);
+        Self::after_check(found, panic);
         Ok(())
     }
 
@@ -552,6 +570,9 @@ impl super::Device for SimDevice {
         }
         let handle = {
             let mut st = self.state();
+            if st.graphs.capturing(stream.0) {
+                return Err(graph::capture_error("cuStreamDestroy"));
+            }
             let s = st.open_stream(stream)?;
             s.closing = true;
             s.handle.take()
@@ -600,6 +621,9 @@ impl super::Device for SimDevice {
                 code: DeviceError::CUDA_ERROR_UNKNOWN,
             });
         }
+        if st.graphs.capturing(stream.0) {
+            return Err(graph::capture_error("cuEventRecord"));
+        }
         let pos = st.open_stream(stream)?.enqueued;
         st.events.insert(event.0, Some((stream.0, pos)));
         st.san.record(event.0, stream.0, pos);
@@ -611,6 +635,7 @@ impl super::Device for SimDevice {
         let mut st = self.state();
         let target = st.event(event)?;
         st.counters.event_queries += 1;
+        st.graphs.refuse_during_capture("cuEventQuery")?;
         if st.faults.fail_event_query {
             return Err(DeviceError::Driver {
                 op: "query_event",
@@ -625,6 +650,12 @@ impl super::Device for SimDevice {
         let mut st = self.state();
         let target = st.event(event)?;
         st.open_stream(stream)?;
+        if st.graphs.capturing(stream.0) {
+            return Err(DeviceError::Driver {
+                op: "cuStreamWaitEvent",
+                code: DeviceError::CUDA_ERROR_STREAM_CAPTURE_ISOLATION,
+            });
+        }
         if st.faults.fail_event_wait {
             return Err(DeviceError::Driver {
                 op: "wait_event",
@@ -646,6 +677,7 @@ impl super::Device for SimDevice {
     fn synchronize_event(&self, event: EventId) -> Result<(), DeviceError> {
         let mut st = self.state();
         let target = st.event(event)?;
+        st.graphs.refuse_during_capture("cuEventSynchronize")?;
         st.counters.host_syncs += 1;
         drop(self.wait_until(st, |st| st.target_reached(target)));
         Ok(())
@@ -653,6 +685,7 @@ impl super::Device for SimDevice {
 
     fn synchronize(&self) -> Result<(), DeviceError> {
         let mut st = self.state();
+        st.graphs.refuse_during_capture("cuCtxSynchronize")?;
         st.counters.host_syncs += 1;
         drop(self.wait_until(st, State::idle));
         Ok(())
@@ -780,18 +813,71 @@ impl super::Device for SimDevice {
     fn note_host_access(&self, ptr: HostPtr, bytes: u64, kind: AccessKind) {
         self.sim_note_host_access(ptr, bytes, kind);
     }
+
+    fn capture_underway(&self) -> bool {
+        !self.state().graphs.active.is_empty()
+    }
+}
+
+impl super::Capture for SimDevice {
+    fn begin_capture(&self, stream: StreamId) -> Result<(), DeviceError> {
+        let mut st = self.state();
+        st.open_stream(stream)?;
+        st.graphs.begin(stream)
+    }
+
+    fn end_capture(&self, stream: StreamId) -> Result<super::GraphId, DeviceError> {
+        self.state().graphs.end(stream).map(super::GraphId)
+    }
+
+    fn launch_graph(&self, graph: super::GraphId, stream: StreamId) -> Result<(), DeviceError> {
+        let mut st = self.state();
+        let found = st.launch_graph(graph.0, stream)?;
+        let panic = st.panic_on_violation;
+        drop(st);
+        self.shared.progress.notify_all();
+        Self::after_check(found, panic);
+        Ok(())
+    }
+
+    fn destroy_graph(&self, graph: super::GraphId) -> Result<(), DeviceError> {
+        self.state().graphs.destroy(graph.0)
+    }
 }
 
 impl super::Launch for SimDevice {
+    /// On a stream being captured, the kernel is recorded into the capture instead (it must be
+    /// [`Kernel::replayable`]).
     fn launch(&self, stream: StreamId, kernel: Kernel) -> Result<(), DeviceError> {
-        let mut guard = self.state();
-        let st = &mut *guard;
+        let mut st = self.state();
+        st.open_stream(stream)?;
+        let Some(kernel) = st.graphs.record(stream.0, kernel)? else { return Ok(()) };
+        let found = st.enqueue_kernel(stream, kernel, &[])?;
+        let panic = st.panic_on_violation;
+        drop(st);
+        self.shared.progress.notify_all();
+        Self::after_check(found, panic);
+        Ok(())
+    }
+}
+
+impl State {
+    /// Enqueues `kernel` on `stream` after the sanitizer's checks; `held` lists ranges that
+    /// count as allocated (a graph's memory, for its replays).
+    fn enqueue_kernel(
+        &mut self,
+        stream: StreamId,
+        kernel: Kernel,
+        held: &[(u64, u64)],
+    ) -> Result<Vec<Violation>, DeviceError> {
+        let st = self;
         let pos = st.open_stream(stream)?.next_pos();
         st.counters.launches += 1;
         let (mem, vm) = (&st.mem, &st.vm);
-        let mut found = st.san.launch(stream.0, pos, kernel.name, &kernel.accesses, |lo, hi| {
-            mem.contains(lo, hi) || vm.mapped(lo, hi)
-        });
+        let mut found =
+            st.san.launch(stream.0, pos, kernel.name, &kernel.accesses, held, |lo, hi| {
+                mem.contains(lo, hi) || vm.mapped(lo, hi)
+            });
         if !st.vm.is_empty() {
             for a in kernel.accesses.iter().filter(|a| a.bytes > 0) {
                 let aliases = st.vm.aliases(a.ptr.0, a.ptr.0 + a.bytes);
@@ -801,11 +887,7 @@ impl super::Launch for SimDevice {
             }
         }
         st.open_stream(stream)?.push(Op::Kernel { pos, kernel });
-        let panic = st.panic_on_violation;
-        drop(guard);
-        self.shared.progress.notify_all();
-        Self::after_check(found, panic);
-        Ok(())
+        Ok(found)
     }
 }
 
@@ -825,6 +907,14 @@ impl SimDevice {
             found.extend(st.san.check_aliases(stream.0, &aliases, true, op));
         }
         found.extend(st.san.handout(ptr.0, bytes, stream.0));
+        if !st.graphs.is_empty()
+            && bytes > 0
+            && !st.graphs.note(stream.0, lo, hi)
+            && let Some((a, b)) = st.graphs.held(lo, hi)
+        {
+            // Memory a live graph's replays use, handed to work outside any capture.
+            found.extend(st.san.flag(a, b, stream.0, None, "handout of memory a CUDA graph uses"));
+        }
         let st = guard;
         let panic = st.panic_on_violation;
         drop(st);
@@ -835,6 +925,9 @@ impl SimDevice {
     fn sanitize_reclaim(&self, ptr: DeviceAddr, bytes: u64, stream: StreamId) {
         let mut st = self.state();
         let found = st.san.reclaim(ptr.0, bytes, stream.0);
+        if !st.graphs.active.is_empty() {
+            st.graphs.note(stream.0, ptr.0, ptr.0.saturating_add(bytes));
+        }
         let panic = st.panic_on_violation;
         drop(st);
         Self::after_check(found, panic);

@@ -207,12 +207,23 @@ impl Sanitizer {
     }
 
     /// Is all of `[lo, hi)` handed out?
+    #[cfg(test)]
     fn covered(&self, lo: u64, hi: u64) -> bool {
+        self.covered_or_held(lo, hi, &[])
+    }
+
+    /// Is all of `[lo, hi)` handed out or inside one of `held`?
+    fn covered_or_held(&self, lo: u64, hi: u64, held: &[(u64, u64)]) -> bool {
         let mut cur = lo;
         while cur < hi {
-            match self.handed.range(..=cur).next_back() {
-                Some((_, h)) if h.end > cur => cur = h.end,
-                _ => return false,
+            let handed = match self.handed.range(..=cur).next_back() {
+                Some((_, h)) if h.end > cur => Some(h.end),
+                _ => None,
+            };
+            let graph = held.iter().filter(|&&(a, b)| a <= cur && cur < b).map(|&(_, b)| b).max();
+            match handed.max(graph) {
+                Some(end) => cur = end,
+                None => return false,
             }
         }
         true
@@ -288,13 +299,15 @@ impl Sanitizer {
     }
 
     /// A kernel `name` is enqueued on `stream` at position `pos`. `in_segment(lo, hi)` says
-    /// whether a range lies inside one live segment. Returns the violations found.
+    /// whether a range lies inside one live segment; `held` lists ranges that count as handed
+    /// out besides what is (a graph's memory, for its replays). Returns the violations found.
     pub(super) fn launch(
         &mut self,
         stream: u32,
         pos: u64,
         name: &str,
         accesses: &[Access],
+        held: &[(u64, u64)],
         in_segment: impl Fn(u64, u64) -> bool,
     ) -> Vec<Violation> {
         let mut found = Vec::new();
@@ -304,7 +317,7 @@ impl Sanitizer {
         for a in accesses.iter().filter(|a| a.bytes > 0) {
             let (lo, hi) = (a.ptr.0, a.ptr.0.saturating_add(a.bytes));
             let write = a.kind == AccessKind::Write;
-            if !self.covered(lo, hi) || !in_segment(lo, hi) {
+            if !self.covered_or_held(lo, hi, held) || !in_segment(lo, hi) {
                 let op = format!("kernel {name} touches unallocated memory");
                 self.report(&mut found, lo, hi, stream, None, op);
             }
@@ -483,7 +496,7 @@ mod tests {
     fn ordering_through_clocks_and_completion() {
         let mut s = Sanitizer::new(true);
         s.handout(0, 64, 1);
-        assert!(s.launch(1, 1, "w", &[acc(0, 64, AccessKind::Write)], |_, _| true).is_empty());
+        assert!(s.launch(1, 1, "w", &[acc(0, 64, AccessKind::Write)], &[], |_, _| true).is_empty());
         // Stream 2 is not ordered after stream 1's write.
         let v = s.conflicts(2, 0, 64, false);
         assert_eq!(v, vec![(1, 0, 64)]);
@@ -505,7 +518,9 @@ mod tests {
     fn disabled_sanitizer_tracks_nothing() {
         let mut s = Sanitizer::new(false);
         assert!(s.handout(0, 64, 1).is_empty());
-        assert!(s.launch(2, 1, "k", &[acc(0, 64, AccessKind::Write)], |_, _| false).is_empty());
+        assert!(
+            s.launch(2, 1, "k", &[acc(0, 64, AccessKind::Write)], &[], |_, _| false).is_empty()
+        );
         assert_eq!(s.handed_len(), 0);
         assert_eq!(s.pending_len(), 0);
         assert!(s.violations().is_empty());

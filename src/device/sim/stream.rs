@@ -127,9 +127,17 @@ fn worker(shared: &Shared, id: u32) {
 /// Sleeps, then runs the kernel's body; returns the panic message if the body panicked.
 fn run(shared: &Shared, kernel: &mut Kernel) -> Option<String> {
     std::thread::sleep(kernel.sleep);
-    let body = kernel.body.take()?;
+    let body = kernel.body.take();
+    if body.is_none() && kernel.replay.is_none() {
+        return None;
+    }
     let mem = SimMemory { shared, accesses: &kernel.accesses };
-    let payload = catch_unwind(AssertUnwindSafe(|| body(&mem))).err()?;
+    let replay = kernel.replay.as_deref();
+    let payload = catch_unwind(AssertUnwindSafe(|| match body {
+        Some(body) => body(&mem),
+        None => replay.expect("checked above")(&mem),
+    }))
+    .err()?;
     Some(if let Some(s) = payload.downcast_ref::<&str>() {
         (*s).to_string()
     } else if let Some(s) = payload.downcast_ref::<String>() {

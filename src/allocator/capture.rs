@@ -1,0 +1,277 @@
+//! CUDA-graph capture through the allocator: [`Allocator::begin_capture`] starts capturing a
+//! stream on the device and routes its allocations to the graph's private pool;
+//! [`Allocator::end_capture`] returns a [`Graph`] that replays the captured work and keeps the
+//! pool (and every buffer freed during the capture) until it is dropped.
+//!
+//! ```text
+//!  begin_capture(s, pool) ─▶ device.begin_capture(s); table[s] = { pool, deferred: [] }; route s → pool
+//!    alloc(n, s)   ─▶ pool's segments (cuMemAlloc during capture is legal; nothing is released)
+//!    free of a pool buffer on s   ─▶ back into the pool: reused only by later captured allocations
+//!    free of any other buffer on s ─▶ deferred: held by the graph (its replays may read it)
+//!  end_capture(s) ─▶ device.end_capture(s) = GraphId; Graph { pool, deferred }
+//!  Graph::launch(t) ─▶ device.launch_graph
+//!  drop(Graph)    ─▶ destroy the graph, wait for its launches, free the deferred buffers,
+//!                    let go of the pool (its memory goes back when its last handle and buffer do)
+//! ```
+//!
+//! What CUDA forbids during a capture (global mode) the allocator never does while one is
+//! underway on its device ([`Device::capture_underway`], PyTorch's `captures_underway`): it polls
+//! no event, releases no segment, waits for nothing (the out-of-memory ladder goes straight to
+//! the error), and records no event on the capturing stream (a freed buffer used there is
+//! deferred, not ordered by an event). Frees during capture are ordered by the capture itself:
+//! a block freed on the capturing stream is reused only by later work of the same stream inside
+//! the same graph (or of a later capture sharing the pool, which PyTorch's `pool=` contract
+//! orders: graphs sharing a pool are replayed in capture order, never concurrently).
+//!
+//! Limits: a capture covers one stream (no fork/join into other captured streams); a buffer
+//! allocated on another stream and freed during the capture with `record_stream` uses on the
+//! capturing stream is not deferred — its event cannot be recorded, so it is never reused (sound,
+//! but its memory stays allocated); scopes refuse to allocate on a capturing stream, and scope
+//! memory (scoped buffers, planned slices) freed during a capture is not held back.
+
+use super::buffer::Freed;
+use super::owner::Owner;
+use super::private_pool::MemPool;
+use super::*;
+use crate::device::{Capture, GraphId};
+use crate::sync::atomic::AtomicUsize;
+
+/// Buffers whose free a graph holds back, each with its allocator.
+type Deferred<D> = Vec<(Arc<Owner<D>>, Freed)>;
+
+/// The captures underway in an allocator family, by stream.
+pub(crate) struct CaptureTable<D: Device> {
+    active: AtomicUsize,
+    inner: Mutex<HashMap<StreamId, Entry<D>>>,
+}
+
+impl<D: Device> Default for CaptureTable<D> {
+    fn default() -> Self {
+        CaptureTable { active: AtomicUsize::new(0), inner: Mutex::new(HashMap::new()) }
+    }
+}
+
+struct Entry<D: Device> {
+    route: u64,
+    pool: MemPool<D>,
+    deferred: Deferred<D>,
+    /// Test-only: the capture runs as if there were no private pool (`Broken::CaptureGeneral`).
+    broken: bool,
+}
+
+impl<D: Device> CaptureTable<D> {
+    /// Whether any capture is underway (one load).
+    #[inline(always)]
+    pub(super) fn any(&self) -> bool {
+        self.active.load(Ordering::Acquire) != 0
+    }
+
+    /// Whether `stream` is being captured.
+    pub(super) fn capturing(&self, stream: StreamId) -> bool {
+        self.any() && lock(&self.inner).contains_key(&stream)
+    }
+
+    /// A buffer is being freed: `Some(f)` to free it now; `None` when the capture of its stream
+    /// holds it back (it is not of the capture's pool: the graph's replays may read it).
+    pub(super) fn defer(&self, owner: &Arc<Owner<D>>, f: Freed) -> Option<Freed> {
+        if !self.any() {
+            return Some(f);
+        }
+        let mut t = lock(&self.inner);
+        let Some(e) = t.get_mut(&f.stream) else { return Some(f) };
+        let mine: &Shared<D> = owner;
+        if e.broken || std::ptr::eq(mine, &*e.pool.alloc.shared) {
+            return Some(f);
+        }
+        e.deferred.push((owner.clone(), f));
+        None
+    }
+}
+
+/// A captured CUDA graph: replays the work captured on a stream ([`Graph::launch`]). It keeps
+/// its private pool, and the buffers freed during its capture, until it is dropped; dropping it
+/// destroys the graph on the device, waits for its launches (a host sync, if it was launched)
+/// and frees what it held.
+pub struct Graph<D: Capture> {
+    device: Arc<D>,
+    id: GraphId,
+    pool: MemPool<D>,
+    deferred: Deferred<D>,
+    launched: AtomicBool,
+}
+
+impl<D: Capture> fmt::Debug for Graph<D> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Graph")
+            .field("id", &self.id)
+            .field("pool", &self.pool.id())
+            .field("held_buffers", &self.deferred.len())
+            .finish()
+    }
+}
+
+impl<D: Capture> Graph<D> {
+    /// Enqueues the graph's work on `stream` (`cuGraphLaunch`); returns at once. Launches of
+    /// graphs sharing a pool must be ordered (one stream, capture order), as in PyTorch.
+    pub fn launch(&self, stream: StreamId) -> Result<(), AllocError> {
+        self.device.launch_graph(self.id, stream)?;
+        self.launched.store(true, Ordering::Release);
+        Ok(())
+    }
+
+    /// The private pool its captured allocations came from (pass it to another capture to share
+    /// it, PyTorch's `pool=`).
+    pub fn pool(&self) -> &MemPool<D> {
+        &self.pool
+    }
+
+    /// The device's id of the graph.
+    pub fn id(&self) -> GraphId {
+        self.id
+    }
+
+    /// How many buffers freed during the capture it holds (not of its pool).
+    pub fn held_buffers(&self) -> usize {
+        self.deferred.len()
+    }
+}
+
+impl<D: Capture> Drop for Graph<D> {
+    fn drop(&mut self) {
+        let _ = self.device.destroy_graph(self.id);
+        // Its launches may still read the held buffers and the pool: done before either is
+        // reused. If the device cannot wait now (a capture is underway), the held buffers stay
+        // allocated for good: sound, if wasteful.
+        let done = !self.launched.load(Ordering::Acquire) || self.device.synchronize().is_ok();
+        self.pool.alloc.shared.role.graphs.fetch_sub(1, Ordering::AcqRel);
+        let deferred = std::mem::take(&mut self.deferred);
+        if done {
+            for (owner, f) in deferred {
+                owner.free(f);
+            }
+        }
+    }
+}
+
+impl<D: Capture> Allocator<D> {
+    /// Starts capturing `stream` into a CUDA graph (`cuStreamBeginCapture`): until
+    /// [`Allocator::end_capture`], work enqueued on it is recorded, allocations on it come from
+    /// `pool` (a new private pool if `None`; another graph's pool to share it, PyTorch's
+    /// `pool=`), and buffers of any other pool freed on it are held by the graph.
+    ///
+    /// Refused: a stream already capturing, a pool of another allocator
+    /// ([`AllocError::ForeignPool`]), a pool a [`PoolGuard`](super::PoolGuard) routes to now
+    /// ([`AllocError::PoolBusy`]), and whatever the device refuses (the default stream).
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use tidepool::device::{Access, AccessKind, Kernel, Launch};
+    /// use tidepool::{Allocator, Config, Device, SimDevice};
+    ///
+    /// let device = Arc::new(SimDevice::backed(1 << 30));
+    /// let s = device.create_stream().unwrap();
+    /// let alloc = Allocator::new(device.clone(), Config::default()).unwrap();
+    /// alloc.begin_capture(s, None).unwrap();
+    /// let out = alloc.alloc(4096, s).unwrap();              // from the graph's pool
+    /// let (ptr, n) = (out.ptr(), out.len());
+    /// let acc = vec![Access { ptr, bytes: n, kind: AccessKind::Write }];
+    /// device.launch(s, Kernel::replayable("fill", acc, move |m| m.write(ptr, &[7; 4096]).unwrap())).unwrap();
+    /// let graph = alloc.end_capture(s).unwrap();
+    /// for _ in 0..3 {
+    ///     graph.launch(s).unwrap();                          // runs "fill" again
+    /// }
+    /// device.synchronize().unwrap();
+    /// assert!(device.violations().is_empty());
+    /// ```
+    pub fn begin_capture(
+        &self,
+        stream: StreamId,
+        pool: Option<&MemPool<D>>,
+    ) -> Result<(), AllocError> {
+        let sh = &self.shared;
+        sh.stream_exists(stream)?;
+        let pool = match pool {
+            Some(p) if !Arc::ptr_eq(&p.alloc.shared.family, &sh.family) => {
+                return Err(AllocError::ForeignPool);
+            }
+            Some(p) => p.clone(),
+            None => self.new_pool(super::PoolOptions::default())?,
+        };
+        let role = &pool.alloc.shared.role;
+        role.graphs.fetch_add(1, Ordering::AcqRel);
+        if role.guards.load(Ordering::Acquire) > 0 {
+            role.graphs.fetch_sub(1, Ordering::AcqRel);
+            return Err(AllocError::PoolBusy { reason: "a PoolGuard routes allocations to it" });
+        }
+        let route = sh.family.next_id();
+        let broken = sh.broken(Broken::CaptureGeneral);
+        let table = &sh.family.captures;
+        {
+            let mut t = lock(&table.inner);
+            if t.contains_key(&stream) {
+                drop(t);
+                role.graphs.fetch_sub(1, Ordering::AcqRel);
+                return Err(AllocError::Capture {
+                    stream,
+                    reason: "the stream is already capturing",
+                });
+            }
+            let pool = pool.clone();
+            t.insert(stream, Entry { route, pool, deferred: Vec::new(), broken });
+            table.active.fetch_add(1, Ordering::AcqRel);
+        }
+        if let Err(e) = sh.device.begin_capture(stream) {
+            let entry = lock(&table.inner).remove(&stream);
+            table.active.fetch_sub(1, Ordering::AcqRel);
+            role.graphs.fetch_sub(1, Ordering::AcqRel);
+            if let Some(entry) = entry {
+                for (owner, f) in entry.deferred {
+                    owner.free(f);
+                }
+            }
+            return Err(e.into());
+        }
+        if !broken {
+            sh.routes.add(route, stream, pool.alloc.clone());
+        }
+        Ok(())
+    }
+
+    /// Ends the capture of `stream` (`cuStreamEndCapture` + `cuGraphInstantiate`) and returns
+    /// the graph. Its pool serves no other allocation until a later capture is given it. If the
+    /// device fails to make the graph, the capture is over all the same and the error returned.
+    pub fn end_capture(&self, stream: StreamId) -> Result<Graph<D>, AllocError> {
+        let sh = &self.shared;
+        let table = &sh.family.captures;
+        if !table.capturing(stream) {
+            return Err(AllocError::Capture { stream, reason: "the stream is not capturing" });
+        }
+        let made = sh.device.end_capture(stream);
+        let Some(entry) = lock(&table.inner).remove(&stream) else {
+            return Err(AllocError::Capture { stream, reason: "the stream is not capturing" });
+        };
+        table.active.fetch_sub(1, Ordering::AcqRel);
+        drop(sh.routes.remove(entry.route));
+        match made {
+            Ok(id) => Ok(Graph {
+                device: sh.device.clone(),
+                id,
+                pool: entry.pool,
+                deferred: entry.deferred,
+                launched: AtomicBool::new(false),
+            }),
+            Err(e) => {
+                entry.pool.alloc.shared.role.graphs.fetch_sub(1, Ordering::AcqRel);
+                for (owner, f) in entry.deferred {
+                    owner.free(f);
+                }
+                Err(e.into())
+            }
+        }
+    }
+
+    /// Whether `stream` is being captured through this allocator (or another of its family).
+    pub fn is_capturing(&self, stream: StreamId) -> bool {
+        self.shared.family.captures.capturing(stream)
+    }
+}

@@ -1,0 +1,345 @@
+//! Private memory pools (PyTorch's `torch.cuda.MemPool` and `use_mem_pool`): a [`MemPool`] has
+//! its own segments, statistics and snapshot; while a [`PoolGuard`] is alive, allocations on its
+//! stream are served from the pool; the pool's memory returns to the device as a whole when the
+//! pool and its last buffer are gone.
+//!
+//! ```text
+//!  Allocator (general) ── Shared ─┬─ routes: [(route id, stream, pool)]   chosen at the top of alloc
+//!                                 └─ family: Arc<Family> ─ captures, pools usable on OOM
+//!  MemPool ── Allocator (private) ── Shared (its own pool, caches, statistics) ─ same family
+//!  Buffer of the pool ── Owner ── private Shared          (freed into the pool, from any thread)
+//! ```
+//!
+//! A private pool *is* an allocator of its own over the same device, sharing the general
+//! allocator's family (capture table, out-of-memory helpers), so everything an allocator does —
+//! stream order, events, the fast path, statistics, snapshots, the invariant checker — holds for
+//! it unchanged, and routing is one lookup at the top of `alloc`. Each buffer holds its pool's
+//! state, so a pool dropped while buffers are live stays sound: its segments are released when
+//! the last buffer returns (after their pending events), not before.
+//!
+//! Routing is per *stream*, not per thread: a guard routes every allocation made on its stream,
+//! from any thread. Stream order is what makes reuse inside a pool safe, and a stream capture
+//! (CUDA graphs) is a property of a stream, so capture routing (`capture.rs`) is the same
+//! mechanism; thread-local routing would send an allocation to a pool depending on which thread
+//! happens to make it, which a multi-threaded stream user cannot control.
+//!
+//! The residency pools are *not* private pools: persistent and transient blocks share the
+//! allocator's statistics, lock, stream caches and out-of-memory ladder and differ only in
+//! eviction, which is a key of one pool (`PoolKey::residency`); a private pool separates all of
+//! that, so making residency two private pools would split what callers read as one allocator.
+
+use super::*;
+use crate::sync::atomic::AtomicUsize;
+
+/// What the general allocator and its private pools share.
+pub(crate) struct Family<D: Device> {
+    /// Stream captures underway (`capture.rs`).
+    pub(super) captures: capture::CaptureTable<D>,
+    /// Pools whose free cached memory may serve others when they run out (`use_on_oom`), by
+    /// pool id; an entry goes when the pool's last handle does.
+    oom_pools: Mutex<Vec<(u64, Arc<Shared<D>>)>>,
+    next_id: AtomicU64,
+}
+
+impl<D: Device> Default for Family<D> {
+    fn default() -> Self {
+        Family {
+            captures: capture::CaptureTable::default(),
+            oom_pools: Mutex::new(Vec::new()),
+            next_id: AtomicU64::new(1),
+        }
+    }
+}
+
+impl<D: Device> Family<D> {
+    /// A new id for a pool, a route or a capture (never 0).
+    pub(super) fn next_id(&self) -> u64 {
+        self.next_id.fetch_add(1, Ordering::Relaxed)
+    }
+}
+
+/// A private pool's own bookkeeping (in its `Shared`); the general allocator has id 0.
+#[derive(Default)]
+pub(crate) struct PoolRole {
+    /// 0 for the general allocator.
+    pub(super) id: u64,
+    /// Guards routing to the pool now.
+    pub(super) guards: AtomicUsize,
+    /// Captures underway and graphs alive that use the pool.
+    pub(super) graphs: AtomicUsize,
+}
+
+/// The streams routed to a private pool, in the general allocator.
+pub(crate) struct Routes<D: Device> {
+    /// How many routes exist (checked before the table, with one load).
+    active: AtomicUsize,
+    table: Mutex<Vec<Route<D>>>,
+}
+
+impl<D: Device> Default for Routes<D> {
+    fn default() -> Self {
+        Routes { active: AtomicUsize::new(0), table: Mutex::new(Vec::new()) }
+    }
+}
+
+struct Route<D: Device> {
+    id: u64,
+    stream: StreamId,
+    pool: Allocator<D>,
+}
+
+impl<D: Device> Routes<D> {
+    /// Whether any stream is routed (one relaxed load: the fast path's only cost).
+    #[inline(always)]
+    pub(super) fn any(&self) -> bool {
+        self.active.load(Ordering::Acquire) != 0
+    }
+
+    /// The pool allocations on `stream` go to: the latest route of the stream.
+    pub(super) fn get(&self, stream: StreamId) -> Option<Allocator<D>> {
+        if !self.any() {
+            return None;
+        }
+        lock(&self.table).iter().rev().find(|r| r.stream == stream).map(|r| r.pool.clone())
+    }
+
+    /// Whether `stream` is routed to a pool.
+    pub(super) fn routed(&self, stream: StreamId) -> bool {
+        self.any() && lock(&self.table).iter().any(|r| r.stream == stream)
+    }
+
+    pub(super) fn add(&self, id: u64, stream: StreamId, pool: Allocator<D>) {
+        let mut t = lock(&self.table);
+        t.push(Route { id, stream, pool });
+        self.active.store(t.len(), Ordering::Release);
+    }
+
+    /// Removes route `id`; returns its pool (dropped by the caller, outside the lock).
+    pub(super) fn remove(&self, id: u64) -> Option<Allocator<D>> {
+        let mut t = lock(&self.table);
+        let i = t.iter().position(|r| r.id == id)?;
+        let r = t.remove(i);
+        self.active.store(t.len(), Ordering::Release);
+        Some(r.pool)
+    }
+}
+
+/// How a private pool behaves.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct PoolOptions {
+    /// When an allocation elsewhere (the general allocator or another pool) runs out of memory,
+    /// the pool's free cached segments are returned to the device and the allocation retried
+    /// (PyTorch's `MemPool(use_on_oom=True)`, which lends the free blocks themselves).
+    pub use_on_oom: bool,
+}
+
+impl PoolOptions {
+    /// Sets [`PoolOptions::use_on_oom`].
+    pub fn with_use_on_oom(mut self, on: bool) -> PoolOptions {
+        self.use_on_oom = on;
+        self
+    }
+}
+
+/// A private memory pool: its own segments, statistics and snapshot. Allocations are routed to
+/// it by [`Allocator::use_pool`] (or by a stream capture, [`Allocator::begin_capture`]). Cheap to
+/// clone (a handle); its memory goes back to the device when every handle and every buffer of it
+/// is gone.
+///
+/// ```
+/// use std::sync::Arc;
+/// use tidepool::{Allocator, Config, Device, PoolOptions, SimDevice};
+///
+/// let device = Arc::new(SimDevice::new(1 << 30));
+/// let stream = device.create_stream().unwrap();
+/// let alloc = Allocator::new(device.clone(), Config::default()).unwrap();
+/// let pool = alloc.new_pool(PoolOptions::default()).unwrap();
+/// let guard = alloc.use_pool(&pool, stream).unwrap();
+/// let a = alloc.alloc(4096, stream).unwrap();        // from the pool
+/// drop(guard);
+/// assert_eq!(pool.stats().blocks.allocated_bytes.all.current, 4096);
+/// assert_eq!(alloc.stats().blocks.allocated_bytes.all.current, 0);
+/// drop((a, pool));                                   // the pool's segment goes back
+/// assert!(device.live_segments().is_empty());
+/// ```
+pub struct MemPool<D: Device> {
+    pub(super) alloc: Allocator<D>,
+    /// Shared by the pool's handles: the last one takes the pool off the out-of-memory list.
+    handle: Arc<PoolHandle<D>>,
+}
+
+/// What a pool's handles share.
+struct PoolHandle<D: Device> {
+    family: Arc<Family<D>>,
+    id: u64,
+}
+
+impl<D: Device> Drop for PoolHandle<D> {
+    fn drop(&mut self) {
+        let gone: Vec<_> = {
+            let mut list = lock(&self.family.oom_pools);
+            let (gone, kept) =
+                std::mem::take(&mut *list).into_iter().partition(|(id, _)| *id == self.id);
+            *list = kept;
+            gone
+        };
+        drop(gone); // outside the lock: may be the pool's last hold
+    }
+}
+
+impl<D: Device> Clone for MemPool<D> {
+    fn clone(&self) -> Self {
+        MemPool { alloc: self.alloc.clone(), handle: self.handle.clone() }
+    }
+}
+
+impl<D: Device> fmt::Debug for MemPool<D> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("MemPool")
+            .field("id", &self.id())
+            .field("reserved_bytes", &self.alloc.reserved_bytes())
+            .field("allocated_bytes", &self.alloc.allocated_bytes())
+            .finish()
+    }
+}
+
+impl<D: Device> MemPool<D> {
+    /// The pool's id (unique within its allocator family, never 0).
+    pub fn id(&self) -> u64 {
+        self.alloc.shared.role.id
+    }
+
+    /// The pool's own statistics (the general allocator's exclude it).
+    pub fn stats(&self) -> MemoryStats {
+        self.alloc.stats()
+    }
+
+    /// The pool's segments and blocks.
+    pub fn snapshot(&self) -> Vec<SegmentInfo> {
+        self.alloc.snapshot()
+    }
+
+    /// A text table of the pool's statistics.
+    pub fn memory_summary(&self) -> String {
+        self.alloc.memory_summary()
+    }
+
+    /// Returns the pool's free cached segments to the device. Refused (nothing released) while a
+    /// graph uses the pool: its replays read that memory.
+    pub fn empty_cache(&self) -> Result<(), AllocError> {
+        if self.alloc.shared.role.graphs.load(Ordering::Acquire) > 0 {
+            return Err(AllocError::PoolBusy { reason: "a CUDA graph uses the pool" });
+        }
+        self.alloc.empty_cache()?;
+        self.alloc.release_persistent()
+    }
+
+    /// Checks the pool's invariants (see [`Allocator::check_invariants`]).
+    #[cfg(feature = "test-hooks")]
+    pub fn check_invariants(&self) -> Result<(), String> {
+        self.alloc.check_invariants()
+    }
+
+    /// Whether graphs (or captures underway) use the pool.
+    pub fn graphs(&self) -> usize {
+        self.alloc.shared.role.graphs.load(Ordering::Acquire)
+    }
+}
+
+/// While alive, allocations on its stream are served from its pool ([`Allocator::use_pool`]).
+/// Dropping it restores the routing that was in force before (an outer guard, or none).
+#[must_use = "the pool is used only while the guard is alive"]
+pub struct PoolGuard<'a, D: Device> {
+    alloc: &'a Allocator<D>,
+    id: u64,
+}
+
+impl<D: Device> Drop for PoolGuard<'_, D> {
+    fn drop(&mut self) {
+        if let Some(pool) = self.alloc.shared.routes.remove(self.id) {
+            pool.shared.role.guards.fetch_sub(1, Ordering::AcqRel);
+        }
+    }
+}
+
+impl<D: Device> fmt::Debug for PoolGuard<'_, D> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PoolGuard").field("route", &self.id).finish()
+    }
+}
+
+impl<D: Device> Allocator<D> {
+    /// A new private pool, with this allocator's configuration.
+    pub fn new_pool(&self, options: PoolOptions) -> Result<MemPool<D>, AllocError> {
+        let sh = &self.shared;
+        let id = sh.family.next_id();
+        let config = (*self.config()).clone();
+        let alloc = Allocator::build(sh.device.clone(), config, sh.family.clone(), id)?;
+        if options.use_on_oom {
+            lock(&sh.family.oom_pools).push((id, alloc.shared.clone()));
+        }
+        let handle = Arc::new(PoolHandle { family: sh.family.clone(), id });
+        Ok(MemPool { alloc, handle })
+    }
+
+    /// Routes the allocations made on `stream` (by any thread) to `pool` while the guard is
+    /// alive; scopes on the stream refuse to allocate meanwhile ([`AllocError::StreamRouted`]).
+    /// Guards nest: the latest one of a stream wins. A pool of another allocator is refused
+    /// ([`AllocError::ForeignPool`]), and so is one a CUDA graph uses (its free memory is the
+    /// graph's: [`AllocError::PoolBusy`]).
+    pub fn use_pool(
+        &self,
+        pool: &MemPool<D>,
+        stream: StreamId,
+    ) -> Result<PoolGuard<'_, D>, AllocError> {
+        let sh = &self.shared;
+        if !Arc::ptr_eq(&pool.alloc.shared.family, &sh.family) || sh.role.id != 0 {
+            return Err(AllocError::ForeignPool);
+        }
+        sh.stream_exists(stream)?;
+        let role = &pool.alloc.shared.role;
+        role.guards.fetch_add(1, Ordering::AcqRel);
+        if role.graphs.load(Ordering::Acquire) > 0 {
+            role.guards.fetch_sub(1, Ordering::AcqRel);
+            return Err(AllocError::PoolBusy { reason: "a CUDA graph uses the pool" });
+        }
+        let id = sh.family.next_id();
+        sh.routes.add(id, stream, pool.alloc.clone());
+        Ok(PoolGuard { alloc: self, id })
+    }
+
+    /// The allocator behind a buffer of this allocator or of one of its private pools.
+    pub(super) fn shared_of<'b>(&'b self, buffer: &'b Buffer<D>) -> Option<&'b Shared<D>> {
+        if self.shared.owns(buffer) {
+            return Some(&self.shared);
+        }
+        let theirs: &Shared<D> = &buffer.owner;
+        Arc::ptr_eq(&theirs.family, &self.shared.family).then_some(theirs)
+    }
+}
+
+impl<D: Device> Shared<D> {
+    /// Returns the free cached segments of the `use_on_oom` pools (other than this one) to the
+    /// device; whether any was released. Nothing while a capture is underway.
+    pub(super) fn release_oom_pools(&self) -> bool {
+        if self.device.capture_underway() {
+            return false;
+        }
+        let pools: Vec<Arc<Shared<D>>> =
+            lock(&self.family.oom_pools).iter().map(|(_, p)| p.clone()).collect();
+        let mut released = false;
+        for pool in pools {
+            if std::ptr::eq(&*pool, self) || pool.role.graphs.load(Ordering::Acquire) > 0 {
+                continue;
+            }
+            let mut st = pool.lock_state();
+            let before = st.counters.device_free;
+            pool.flush_all(&mut st);
+            pool.process_events(&mut st);
+            let _ = pool.release_segments(&mut st, |_| true);
+            released |= st.counters.device_free > before;
+        }
+        released
+    }
+}

@@ -1,0 +1,106 @@
+//! Stream capture on a GPU: [`Capture`] for [`CudaDevice`], one driver call (or pair) per trait
+//! method, through `result.rs`.
+//!
+//! ```text
+//!   begin_capture(s)  ─▶ cuStreamBeginCapture(s, GLOBAL)            capturing += s
+//!   end_capture(s)    ─▶ cuStreamEndCapture + cuGraphInstantiate    live[g] = (CUgraph, CUgraphExec)
+//!   launch_graph(g,t) ─▶ cuGraphLaunch(exec, t)
+//!   destroy_graph(g)  ─▶ cuGraphExecDestroy + cuGraphDestroy        (the device's drop: all left)
+//! ```
+//!
+//! The default stream is the legacy null stream, which CUDA cannot capture: refused.
+//! `capture_underway` answers from the set of capturing streams (no driver call), so the
+//! allocator can ask it on every slow-path step.
+
+use super::result::{self, RawGraph};
+use super::{CudaDevice, lock};
+use crate::device::{Capture, DeviceError, GraphId, StreamId};
+use std::collections::{HashMap, HashSet};
+
+/// Captures underway and live graphs.
+#[derive(Default)]
+pub(super) struct CudaGraphs {
+    capturing: HashSet<u32>,
+    next: u64,
+    live: HashMap<u64, RawGraph>,
+}
+
+impl CudaDevice {
+    /// Whether a capture is underway on this device (no driver call).
+    pub(super) fn capturing_any(&self) -> bool {
+        !lock(&self.graphs).capturing.is_empty()
+    }
+
+    /// Destroys every graph left (the device's drop).
+    pub(super) fn destroy_graphs(&self) {
+        for (_, g) in lock(&self.graphs).live.drain() {
+            // SAFETY: a graph made by `end_capture` in this context, destroyed once (just taken
+            // out of the table); the context is bound by the caller.
+            let _ = unsafe { result::graph_destroy(g) };
+        }
+    }
+}
+
+impl Capture for CudaDevice {
+    fn begin_capture(&self, stream: StreamId) -> Result<(), DeviceError> {
+        if stream == StreamId::DEFAULT {
+            return Err(DeviceError::Unsupported("capturing the default (legacy null) stream"));
+        }
+        let s = self.stream(stream)?;
+        let mut graphs = lock(&self.graphs);
+        if graphs.capturing.contains(&stream.0) {
+            return Err(DeviceError::Driver {
+                op: "cuStreamBeginCapture",
+                code: DeviceError::CUDA_ERROR_ILLEGAL_STATE,
+            });
+        }
+        self.bind()?;
+        // SAFETY: `s` is a live non-null stream of this context, kept alive by the `Arc`.
+        unsafe { result::stream_begin_capture(s.cu_stream()) }?;
+        graphs.capturing.insert(stream.0);
+        Ok(())
+    }
+
+    fn end_capture(&self, stream: StreamId) -> Result<GraphId, DeviceError> {
+        let s = self.stream(stream)?;
+        let mut graphs = lock(&self.graphs);
+        if !graphs.capturing.remove(&stream.0) {
+            return Err(DeviceError::Driver {
+                op: "cuStreamEndCapture",
+                code: DeviceError::CUDA_ERROR_ILLEGAL_STATE,
+            });
+        }
+        self.bind()?;
+        // SAFETY: `s` is a live stream of this context being captured (begun above, not ended:
+        // the set said so). The capture ends whatever the outcome.
+        let g = unsafe { result::stream_end_capture(s.cu_stream()) }?;
+        graphs.next += 1;
+        let id = graphs.next;
+        graphs.live.insert(id, g);
+        Ok(GraphId(id))
+    }
+
+    fn launch_graph(&self, graph: GraphId, stream: StreamId) -> Result<(), DeviceError> {
+        let s = self.stream(stream)?;
+        let graphs = lock(&self.graphs);
+        let g = *graphs.live.get(&graph.0).ok_or(DeviceError::Driver {
+            op: "cuGraphLaunch",
+            code: DeviceError::CUDA_ERROR_INVALID_HANDLE,
+        })?;
+        self.bind()?;
+        // SAFETY: `g` is live (in the table, which we hold locked, so no destroy races) and `s`
+        // is a live stream of this context.
+        unsafe { result::graph_launch(g, s.cu_stream()) }
+    }
+
+    fn destroy_graph(&self, graph: GraphId) -> Result<(), DeviceError> {
+        let g = lock(&self.graphs).live.remove(&graph.0).ok_or(DeviceError::Driver {
+            op: "cuGraphExecDestroy",
+            code: DeviceError::CUDA_ERROR_INVALID_HANDLE,
+        })?;
+        self.bind()?;
+        // SAFETY: made by `end_capture` in this context, destroyed once (taken out of the table);
+        // launches already enqueued complete (the driver defers the release).
+        unsafe { result::graph_destroy(g) }
+    }
+}

@@ -1,0 +1,251 @@
+//! CUDA-graph capture through the allocator on SimDevice: captured allocations come from the
+//! graph's private pool, frees during capture are reused only inside the graph, replays really
+//! read and write memory and the sanitizer checks each one against the current owners.
+
+mod common;
+
+use common::{N, device_bytes};
+use std::sync::Arc;
+use tidepool::device::{Access, AccessKind, Capture, DeviceError, Kernel, Launch, SIM_BASE};
+use tidepool::hooks::Broken;
+use tidepool::{AllocError, Allocator, Buffer, Config, Device, MIB, SimDevice, StreamId};
+
+const SEG: u64 = 2 * MIB;
+
+fn acc(b: &Buffer<SimDevice>, kind: AccessKind) -> Access {
+    Access { ptr: b.ptr(), bytes: N, kind }
+}
+
+/// A replayable kernel: `dst[i] = f(src[i])` over N bytes.
+fn map(src: &Buffer<SimDevice>, dst: &Buffer<SimDevice>, f: fn(u8) -> u8) -> Kernel {
+    let (s, d) = (src.ptr(), dst.ptr());
+    Kernel::replayable(
+        "map",
+        vec![acc(src, AccessKind::Read), acc(dst, AccessKind::Write)],
+        move |m| {
+            let mut v = vec![0u8; N as usize];
+            m.read(s, &mut v).unwrap();
+            v.iter_mut().for_each(|x| *x = f(*x));
+            m.write(d, &v).unwrap();
+        },
+    )
+}
+
+/// A one-shot kernel writing `byte` over `b` (not captured).
+fn fill(b: &Buffer<SimDevice>, byte: u8) -> Kernel {
+    let p = b.ptr();
+    Kernel::new("fill", vec![acc(b, AccessKind::Write)], move |m| {
+        m.write(p, &[byte; N as usize]).unwrap();
+    })
+}
+
+struct Setup {
+    dev: Arc<SimDevice>,
+    s: StreamId,
+    alloc: Allocator<SimDevice>,
+}
+
+fn setup() -> Setup {
+    let dev = Arc::new(SimDevice::backed(256 * MIB));
+    let s = dev.create_stream().unwrap();
+    let alloc = Allocator::new(dev.clone(), Config::default()).unwrap();
+    Setup { dev, s, alloc }
+}
+
+#[test]
+fn a_graph_replays_100_times_while_the_general_pool_is_used_in_between() {
+    let Setup { dev, s, alloc } = setup();
+    let input = alloc.alloc(N, s).unwrap(); // static input, general pool
+    let scratch = alloc.alloc(N, s).unwrap(); // general, freed during the capture
+    assert_eq!((input.ptr().0, scratch.ptr().0), (SIM_BASE, SIM_BASE + N));
+    dev.launch(s, fill(&scratch, 0)).unwrap();
+
+    alloc.begin_capture(s, None).unwrap();
+    assert!(alloc.is_capturing(s));
+    let tmp = alloc.alloc(N, s).unwrap(); // the graph's pool: its own segment
+    assert_eq!(tmp.ptr().0, SIM_BASE + SEG);
+    let out = alloc.alloc(N, s).unwrap();
+    assert_eq!(out.ptr().0, SIM_BASE + SEG + N);
+    dev.launch(s, map(&input, &tmp, |x| x + 1)).unwrap();
+    dev.launch(s, map(&scratch, &out, |x| x)).unwrap(); // reads scratch ...
+    dev.launch(s, map(&tmp, &out, |x| x * 2)).unwrap();
+    let tmp_ptr = tmp.ptr();
+    drop(tmp); // freed during capture: reused by the capture only
+    drop(scratch); // ... which is freed during capture: the graph holds it
+    let tmp2 = alloc.alloc(N, s).unwrap();
+    assert_eq!(tmp2.ptr(), tmp_ptr);
+    let res = alloc.alloc(N, s).unwrap();
+    assert_eq!(res.ptr().0, SIM_BASE + SEG + 2 * N);
+    dev.launch(s, map(&out, &tmp2, |x| x + 3)).unwrap();
+    dev.launch(s, map(&tmp2, &res, |x| x)).unwrap();
+    drop(tmp2);
+    let graph = alloc.end_capture(s).unwrap();
+    assert!(!alloc.is_capturing(s));
+    assert_eq!(graph.held_buffers(), 1);
+    let pool = graph.pool().clone();
+    let ps = pool.stats();
+    assert_eq!(ps.blocks.allocated_bytes.all.current, 2 * N); // out, res
+    assert_eq!(ps.blocks.reserved_bytes.all.current, SEG);
+    assert_eq!(alloc.stats().blocks.allocated_bytes.all.current, 2 * N); // input, scratch (held)
+    assert_eq!(dev.graph_counters().captured_kernels, 5);
+    assert_eq!(dev.counters().launches, 1); // the fill only: nothing captured ran
+
+    let pool_range = SIM_BASE + SEG..SIM_BASE + 2 * SEG;
+    for i in 0..100u8 {
+        dev.launch(s, fill(&input, i)).unwrap();
+        graph.launch(s).unwrap();
+        // The general pool in between, on the graph's stream and another.
+        for stream in [s, StreamId::DEFAULT] {
+            let x = alloc.alloc(N, stream).unwrap();
+            assert!(!pool_range.contains(&x.ptr().0));
+            assert_ne!(x.ptr().0, SIM_BASE + N, "the held buffer was reused");
+            dev.launch(stream, fill(&x, 0xEE)).unwrap();
+        }
+        let want = (i.wrapping_add(1)).wrapping_mul(2).wrapping_add(3);
+        assert_eq!(device_bytes(&dev, &res), vec![want; N as usize], "replay {i}");
+        alloc.check_invariants().unwrap();
+        pool.check_invariants().unwrap();
+    }
+    assert_eq!(dev.graph_counters().graph_launches, 100);
+    assert_eq!(dev.graph_counters().replayed_kernels, 500);
+    assert!(dev.violations().is_empty(), "{:?}", dev.violations());
+    assert!(dev.kernel_failures().is_empty());
+
+    // Teardown: the graph lets go of scratch and of the pool; the pool goes with its buffers.
+    assert!(matches!(alloc.use_pool(&pool, s), Err(AllocError::PoolBusy { .. })));
+    drop(graph);
+    assert_eq!(dev.graph_counters().live_graphs, 0);
+    assert_eq!(alloc.stats().blocks.allocated_bytes.all.current, N);
+    drop(pool);
+    assert_eq!(dev.live_segments().len(), 3);
+    drop((out, res));
+    assert_eq!(dev.live_segments().len(), 2); // the general allocator's (s and default)
+    drop(input);
+    alloc.empty_cache().unwrap();
+    assert!(dev.live_segments().is_empty());
+    assert!(dev.violations().is_empty(), "{:?}", dev.violations());
+}
+
+/// The capture of the first test, cut down: a block freed during the capture, then a general
+/// allocation of the same size on the same stream while the graph is alive.
+fn capture_free_then_reuse(broken: bool) -> (Vec<tidepool::device::Violation>, bool) {
+    let Setup { dev, s, alloc } = setup();
+    alloc.set_broken(Broken::CaptureGeneral, broken);
+    let out = alloc.alloc(N, s).unwrap();
+    alloc.begin_capture(s, None).unwrap();
+    let tmp = alloc.alloc(N, s).unwrap();
+    dev.launch(s, map(&out, &tmp, |x| x + 1)).unwrap();
+    dev.launch(s, map(&tmp, &out, |x| x)).unwrap();
+    let tmp_ptr = tmp.ptr();
+    drop(tmp);
+    let graph = alloc.end_capture(s).unwrap();
+    let other = alloc.alloc(N, s).unwrap();
+    let reused = other.ptr() == tmp_ptr;
+    dev.launch(s, fill(&other, 9)).unwrap();
+    graph.launch(s).unwrap();
+    dev.synchronize().unwrap();
+    drop((graph, other, out));
+    (dev.violations(), reused)
+}
+
+#[test]
+fn capture_time_frees_are_not_reused_outside_the_graph() {
+    let (v, reused) = capture_free_then_reuse(false);
+    assert!(v.is_empty(), "{v:?}");
+    assert!(!reused);
+}
+
+#[test]
+fn the_sanitizer_catches_capture_frees_reused_outside_the_graph() {
+    let (v, reused) = capture_free_then_reuse(true);
+    assert!(reused, "the broken mode hands the captured block out again");
+    assert_eq!(v[0].op, "handout of memory a CUDA graph uses");
+    assert_eq!(v[0].bytes, N);
+}
+
+#[test]
+fn graphs_share_a_pool_in_capture_order() {
+    let Setup { dev, s, alloc } = setup();
+    let input = alloc.alloc(N, s).unwrap();
+    alloc.begin_capture(s, None).unwrap();
+    let t1 = alloc.alloc(N, s).unwrap();
+    let o1 = alloc.alloc(N, s).unwrap();
+    dev.launch(s, map(&input, &t1, |x| x + 1)).unwrap();
+    dev.launch(s, map(&t1, &o1, |x| x + 1)).unwrap();
+    let t1_ptr = t1.ptr();
+    drop(t1);
+    let g1 = alloc.end_capture(s).unwrap();
+    // The second graph's capture reuses what the first freed (PyTorch's `pool=`).
+    alloc.begin_capture(s, Some(g1.pool())).unwrap();
+    let t2 = alloc.alloc(N, s).unwrap();
+    assert_eq!(t2.ptr(), t1_ptr);
+    let o2 = alloc.alloc(N, s).unwrap();
+    dev.launch(s, map(&o1, &t2, |x| x * 3)).unwrap();
+    dev.launch(s, map(&t2, &o2, |x| x)).unwrap();
+    drop(t2);
+    let g2 = alloc.end_capture(s).unwrap();
+    assert_eq!(g1.pool().id(), g2.pool().id());
+    assert_eq!(g1.pool().graphs(), 2);
+    for i in 0..10u8 {
+        dev.launch(s, fill(&input, i)).unwrap();
+        g1.launch(s).unwrap();
+        g2.launch(s).unwrap();
+        assert_eq!(device_bytes(&dev, &o2), vec![(i + 2) * 3; N as usize]);
+    }
+    assert!(matches!(g1.pool().empty_cache(), Err(AllocError::PoolBusy { .. })));
+    drop(g1);
+    assert_eq!(g2.pool().graphs(), 1);
+    drop((g2, o1, o2, input));
+    alloc.empty_cache().unwrap();
+    assert!(dev.live_segments().is_empty());
+    assert!(dev.violations().is_empty(), "{:?}", dev.violations());
+}
+
+#[test]
+fn a_capture_makes_no_call_cuda_forbids_and_refuses_what_it_cannot_do() {
+    let Setup { dev, s, alloc } = setup();
+    let t = dev.create_stream().unwrap();
+    // Memory cached for the out-of-memory ladder to release, and an event pending.
+    let other = alloc.alloc(N, t).unwrap();
+    other.record_stream(s).unwrap();
+    drop(other);
+    drop(alloc.alloc(64 * MIB, t).unwrap());
+    assert!(matches!(alloc.begin_capture(StreamId::DEFAULT, None), Err(AllocError::Device(_))));
+    assert!(!alloc.is_capturing(StreamId::DEFAULT));
+    alloc.begin_capture(s, None).unwrap();
+    assert!(matches!(alloc.begin_capture(s, None), Err(AllocError::Capture { .. })));
+    let syncs = dev.counters().host_syncs;
+    let frees = dev.counters().frees;
+    // Out of memory during capture: no sync, no release, straight to the error.
+    assert!(matches!(alloc.alloc(200 * MIB, s), Err(AllocError::OutOfMemory(_))));
+    alloc.empty_cache().unwrap(); // releases nothing now
+    assert_eq!((dev.counters().host_syncs, dev.counters().frees), (syncs, frees));
+    // The device refuses what CUDA refuses during a capture.
+    let code = |r: Result<(), DeviceError>| match r {
+        Err(DeviceError::Driver { code, .. }) => code,
+        r => panic!("{r:?}"),
+    };
+    assert_eq!(code(dev.synchronize()), DeviceError::CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);
+    let e = dev.create_event().unwrap();
+    assert_eq!(code(dev.record_event(e, s)), DeviceError::CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);
+    dev.record_event(e, t).unwrap();
+    assert_eq!(code(dev.wait_event(s, e)), DeviceError::CUDA_ERROR_STREAM_CAPTURE_ISOLATION);
+    assert!(dev.query_event(e).is_err());
+    let b = alloc.alloc(N, s).unwrap();
+    assert!(matches!(dev.launch(s, fill(&b, 1)), Err(DeviceError::Unsupported(_))));
+    let scope = alloc.scope(s);
+    assert_eq!(scope.alloc(16).err(), Some(AllocError::StreamRouted(s)));
+    drop(scope);
+    drop(b);
+    let graph = alloc.end_capture(s).unwrap();
+    assert!(matches!(alloc.end_capture(s), Err(AllocError::Capture { .. })));
+    dev.destroy_event(e).unwrap();
+    dev.synchronize().unwrap();
+    drop(graph);
+    alloc.synchronize().unwrap();
+    alloc.empty_cache().unwrap();
+    assert!(dev.live_segments().is_empty());
+    assert!(dev.violations().is_empty(), "{:?}", dev.violations());
+    // A graph launched on a capturing stream, and an unknown graph, are refused by the device.
+    assert!(dev.launch_graph(tidepool::GraphId(999), s).is_err());
+}

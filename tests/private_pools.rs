@@ -1,0 +1,172 @@
+//! Private pools (`MemPool`, `Allocator::use_pool`): routing by stream, exact addresses and
+//! bytes per pool, teardown with live buffers, nested guards, refusals, `use_on_oom`.
+
+use std::sync::Arc;
+use tidepool::MIB;
+use tidepool::device::SIM_BASE;
+use tidepool::{AllocError, Allocator, Config, Device, MemPool, PoolOptions, SimDevice, StreamId};
+
+const SEG: u64 = 2 * MIB; // a small-pool segment
+
+fn allocated(p: &MemPool<SimDevice>) -> u64 {
+    p.stats().blocks.allocated_bytes.all.current
+}
+
+fn reserved(p: &MemPool<SimDevice>) -> u64 {
+    p.stats().blocks.reserved_bytes.all.current
+}
+
+fn check(alloc: &Allocator<SimDevice>, pools: &[&MemPool<SimDevice>]) {
+    alloc.check_invariants().unwrap();
+    for p in pools {
+        p.check_invariants().unwrap();
+    }
+}
+
+#[test]
+fn guard_routes_its_stream_and_the_pool_is_freed_as_a_whole() {
+    let dev = Arc::new(SimDevice::new(1 << 30));
+    let s = dev.create_stream().unwrap();
+    let alloc = Allocator::new(dev.clone(), Config::default()).unwrap();
+    let a = alloc.alloc(1000, s).unwrap();
+    assert_eq!(a.ptr().0, SIM_BASE);
+
+    let pool = alloc.new_pool(PoolOptions::default()).unwrap();
+    assert_ne!(pool.id(), 0);
+    let guard = alloc.use_pool(&pool, s).unwrap();
+    let b = alloc.alloc(1000, s).unwrap(); // the pool's own segment
+    assert_eq!(b.ptr().0, SIM_BASE + SEG);
+    let c = alloc.alloc(1000, StreamId::DEFAULT).unwrap(); // not routed: general
+    assert_eq!(c.ptr().0, SIM_BASE + 2 * SEG);
+    let b2 = alloc.alloc(3000, s).unwrap(); // the pool again, next to b
+    assert_eq!(b2.ptr().0, SIM_BASE + SEG + 1024);
+    check(&alloc, &[&pool]);
+    assert_eq!((allocated(&pool), reserved(&pool)), (1024 + 3072, SEG));
+    let general = alloc.stats();
+    assert_eq!(general.blocks.allocated_bytes.all.current, 2048);
+    assert_eq!(general.blocks.reserved_bytes.all.current, 2 * SEG);
+    assert_eq!(pool.snapshot().len(), 1);
+    assert_eq!(pool.snapshot()[0].address.0, SIM_BASE + SEG);
+
+    drop(guard);
+    let d = alloc.alloc(1000, s).unwrap(); // general again: next to a
+    assert_eq!(d.ptr().0, SIM_BASE + 1024);
+    drop(b);
+    check(&alloc, &[&pool]);
+    assert_eq!((allocated(&pool), reserved(&pool)), (3072, SEG));
+    assert_eq!(dev.live_segments().len(), 3);
+
+    // Dropped with a live buffer: the segment stays until the buffer returns.
+    let frees = dev.counters().frees;
+    drop(pool);
+    assert_eq!(dev.live_segments().len(), 3);
+    assert_eq!(dev.counters().frees, frees);
+    drop(b2);
+    assert_eq!(dev.counters().frees, frees + 1);
+    assert_eq!(
+        dev.live_segments(),
+        vec![
+            (tidepool::DeviceAddr(SIM_BASE), SEG),
+            (tidepool::DeviceAddr(SIM_BASE + 2 * SEG), SEG)
+        ]
+    );
+    check(&alloc, &[]);
+    drop((a, c, d));
+    alloc.empty_cache().unwrap();
+    assert!(dev.live_segments().is_empty());
+}
+
+#[test]
+fn guards_nest_per_stream_and_scopes_refuse_routed_streams() {
+    let dev = Arc::new(SimDevice::new(1 << 30));
+    let s = dev.create_stream().unwrap();
+    let alloc = Allocator::new(dev.clone(), Config::default()).unwrap();
+    let (p1, p2) = (
+        alloc.new_pool(PoolOptions::default()).unwrap(),
+        alloc.new_pool(PoolOptions::default()).unwrap(),
+    );
+    let g1 = alloc.use_pool(&p1, s).unwrap();
+    let x = alloc.alloc(512, s).unwrap();
+    let g2 = alloc.use_pool(&p2, s).unwrap();
+    let y = alloc.alloc(512, s).unwrap();
+    let scope = alloc.scope(s);
+    assert_eq!(scope.alloc(512).err(), Some(AllocError::StreamRouted(s)));
+    assert!(matches!(scope.alloc_unbound(512), Err(AllocError::StreamRouted(t)) if t == s));
+    drop(scope);
+    drop(g2);
+    let z = alloc.alloc(512, s).unwrap();
+    drop(g1);
+    assert_eq!((allocated(&p1), allocated(&p2)), (1024, 512));
+    assert_eq!(x.ptr().0, SIM_BASE);
+    assert_eq!(y.ptr().0, SIM_BASE + SEG);
+    assert_eq!(z.ptr().0, SIM_BASE + 512);
+    // Unrouted again: scopes work.
+    let scope = alloc.scope(s);
+    let w = scope.alloc(512).unwrap();
+    assert_eq!(w.ptr().0, SIM_BASE + 2 * SEG);
+    drop(w);
+    drop(scope);
+    // A pool buffer is recorded and freed through the general allocator's calls.
+    let t = dev.create_stream().unwrap();
+    alloc.record_stream(&x, t).unwrap();
+    alloc.free_batch(vec![x, y, z]).unwrap();
+    check(&alloc, &[&p1, &p2]);
+    assert_eq!((allocated(&p1), allocated(&p2)), (0, 0));
+    drop((p1, p2));
+    alloc.empty_cache().unwrap();
+    dev.synchronize().unwrap();
+    assert!(dev.live_segments().is_empty());
+    assert!(dev.violations().is_empty());
+}
+
+#[test]
+fn pools_of_another_allocator_and_unknown_streams_are_refused() {
+    let dev = Arc::new(SimDevice::new(1 << 30));
+    let s = dev.create_stream().unwrap();
+    let a = Allocator::new(dev.clone(), Config::default()).unwrap();
+    let b = Allocator::new(dev.clone(), Config::default()).unwrap();
+    let pb = b.new_pool(PoolOptions::default()).unwrap();
+    assert_eq!(
+        a.use_pool(&pb, s).err().map(|e| e.to_string()),
+        Some(AllocError::ForeignPool.to_string())
+    );
+    assert!(matches!(a.use_pool(&pb, s), Err(AllocError::ForeignPool)));
+    let pa = a.new_pool(PoolOptions::default()).unwrap();
+    assert!(matches!(a.use_pool(&pa, StreamId(77)), Err(AllocError::UnknownStream(_))));
+    // A pool's buffer is foreign to another allocator.
+    let g = a.use_pool(&pa, s).unwrap();
+    let x = a.alloc(512, s).unwrap();
+    drop(g);
+    assert_eq!(b.record_stream(&x, s), Err(AllocError::ForeignBuffer));
+    assert_eq!(b.free_batch(vec![x]), Err(AllocError::ForeignBuffer));
+    assert_eq!(allocated(&pa), 0);
+}
+
+#[test]
+fn use_on_oom_pools_give_their_free_segments_back() {
+    const CAP: u64 = 64 * MIB;
+    for use_on_oom in [false, true] {
+        let dev = Arc::new(SimDevice::new(CAP));
+        let s = dev.create_stream().unwrap();
+        let alloc = Allocator::new(dev.clone(), Config::default()).unwrap();
+        let pool = alloc.new_pool(PoolOptions::default().with_use_on_oom(use_on_oom)).unwrap();
+        let g = alloc.use_pool(&pool, s).unwrap();
+        drop(alloc.alloc(30 * MIB, s).unwrap()); // cached in the pool
+        drop(g);
+        assert_eq!((allocated(&pool), reserved(&pool)), (0, 30 * MIB));
+        let r = alloc.alloc(40 * MIB, s);
+        match use_on_oom {
+            false => {
+                assert!(matches!(r, Err(AllocError::OutOfMemory(_))), "{r:?}");
+                assert_eq!(reserved(&pool), 30 * MIB);
+            }
+            true => {
+                let b = r.unwrap();
+                assert_eq!(b.len(), 40 * MIB);
+                assert_eq!(reserved(&pool), 0);
+                assert_eq!(dev.reserved_bytes(), 40 * MIB);
+            }
+        }
+        check(&alloc, &[&pool]);
+    }
+}
