@@ -2,10 +2,14 @@
 //! `sanitized/…` runs with the SimDevice's stream-order sanitizer on (its hooks take the device
 //! lock on every hand-out and free); `allocator/…` with it off, measuring the allocator alone;
 //! `global_lock/…` is the same under `global_lock:true` (no fast path).
+//!
+//! `history/…` is the cost of the memory history (issue 18): `history_off` is the default hit
+//! path (the hook is one relaxed load), `history_on` records every allocation and free (which
+//! then take the slow path), `history_on_stacks` also captures a Rust backtrace for each.
 use criterion::{Criterion, criterion_group, criterion_main};
 use std::hint::black_box;
 use std::sync::Arc;
-use tidepool::{Allocator, Config, SimConfig, SimDevice, StreamId};
+use tidepool::{Allocator, Config, HistoryOptions, SimConfig, SimDevice, StreamId};
 
 fn hit_path(c: &mut Criterion) {
     let mut g = c.benchmark_group("hit_path");
@@ -32,5 +36,34 @@ fn hit_path(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, hit_path);
+fn history(c: &mut Criterion) {
+    let mut g = c.benchmark_group("history");
+    let options = [
+        ("history_off", None),
+        ("history_on", Some(HistoryOptions::new(1 << 16))),
+        ("history_on_stacks", Some(HistoryOptions::new(1 << 16).with_stacks(true))),
+    ];
+    for (prefix, options) in options {
+        let dev = SimDevice::with_config(SimConfig {
+            capacity: 1 << 30,
+            sanitize: false,
+            ..SimConfig::default()
+        });
+        let alloc = Allocator::new(Arc::new(dev), Config::default()).unwrap();
+        if let Some(o) = options {
+            alloc.record_history(o);
+        }
+        for (name, bytes) in [("small_4KiB", 4096u64), ("large_4MiB", 4 << 20)] {
+            drop(alloc.alloc(bytes, StreamId::DEFAULT).unwrap());
+            g.bench_function(format!("{prefix}/{name}"), |b| {
+                b.iter(|| {
+                    drop(black_box(alloc.alloc(black_box(bytes), StreamId::DEFAULT).unwrap()))
+                })
+            });
+        }
+    }
+    g.finish();
+}
+
+criterion_group!(benches, hit_path, history);
 criterion_main!(benches);

@@ -10,6 +10,10 @@ use std::fmt;
 /// The environment variable read by [`Config::from_env`].
 pub const ENV_VAR: &str = "TIDEPOOL_ALLOC_CONF";
 
+/// Set to `1`, turns caching off ([`Config::caching`]) in [`Config::from_env`], like PyTorch's
+/// `PYTORCH_NO_CUDA_MEMORY_CACHING=1`.
+pub const NO_CACHING_ENV_VAR: &str = "TIDEPOOL_NO_MEMORY_CACHING";
+
 /// How a block freed on one stream may be reused by another.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum CrossStream {
@@ -73,6 +77,27 @@ pub struct Config {
     /// (`release_threshold_mb`, after `cudaMemPoolAttrReleaseThreshold`; `none` = never, the
     /// default: every finite threshold measured costs map/unmap calls in every training step).
     pub release_threshold: u64,
+    /// PyTorch's `garbage_collection_threshold`, in (0, 1): when reserving a new segment would
+    /// take reserved memory past this share of the cap ([`Config::limit`]: `memory_limit_mb`,
+    /// `per_process_memory_fraction` or `max_pool_size_mb`, one of which must be set), cached
+    /// transient segments (whole, free) are released first, the longest idle first, until it
+    /// fits. Persistent segments are never released by it.
+    pub garbage_collection_threshold: Option<f64>,
+    /// Bytes reserved up front when the allocator is made (`initial_pool_size_mb`, RMM's
+    /// `initial_pool_size`; 0: none): one transient large-pool segment of the default stream,
+    /// served from later and kept for the allocator's lifetime (`empty_cache`, the garbage
+    /// collection and the out-of-memory ladder leave it).
+    pub initial_pool_size: u64,
+    /// Never reserve more than this many bytes (`max_pool_size_mb`, RMM's `maximum_pool_size`):
+    /// a cap like `memory_limit_mb`; past it an allocation climbs the out-of-memory ladder, then
+    /// fails with the report.
+    pub max_pool_size: Option<u64>,
+    /// Caching on (the default) or off (`caching:false`, PyTorch's
+    /// `PYTORCH_NO_CUDA_MEMORY_CACHING=1`, also set by [`NO_CACHING_ENV_VAR`]`=1`): off, every
+    /// allocation reserves its own segment and every free returns it to the device (after its
+    /// stream-ordered uses completed), so the device's memory checkers see every bad access.
+    /// The mode to debug with, not to run with.
+    pub caching: bool,
 }
 
 /// The alignment of every pointer handed out (CUDA's `cudaMalloc` and RMM guarantee 256 bytes):
@@ -103,6 +128,10 @@ impl Default for Config {
             global_lock: false,
             expandable_segments: false,
             release_threshold: DEFAULT_RELEASE_THRESHOLD,
+            garbage_collection_threshold: None,
+            initial_pool_size: 0,
+            max_pool_size: None,
+            caching: true,
         }
     }
 }
@@ -140,6 +169,16 @@ pub const KEYS: &[(&str, &str)] = &[
     (
         "release_threshold_mb",
         "with expandable segments, free MiB a transient range keeps mapped (0.., or none: no limit)",
+    ),
+    (
+        "garbage_collection_threshold",
+        "release idle cached segments, oldest first, before reserved passes this share of the cap, in (0, 1)",
+    ),
+    ("initial_pool_size_mb", "MiB reserved up front and kept (0: none)"),
+    ("max_pool_size_mb", "never reserve more than this many MiB (like memory_limit_mb)"),
+    (
+        "caching",
+        "false: every allocation is its own device allocation, every free returns it (debugging)",
     ),
 ];
 
@@ -192,15 +231,37 @@ impl Config {
         Ok(c)
     }
 
-    /// Reads [`ENV_VAR`]; the defaults when it is unset.
+    /// Reads [`ENV_VAR`] (the defaults when it is unset), then [`NO_CACHING_ENV_VAR`]: `1`
+    /// turns caching off, `0` or unset leaves it.
     pub fn from_env() -> Result<Config, ConfigError> {
-        match std::env::var(ENV_VAR) {
-            Ok(s) => Config::parse(&s),
-            Err(std::env::VarError::NotPresent) => Ok(Config::default()),
+        let var = |name: &str| match std::env::var(name) {
+            Ok(s) => Ok(Some(s)),
+            Err(std::env::VarError::NotPresent) => Ok(None),
             Err(std::env::VarError::NotUnicode(_)) => {
-                Err(ConfigError::Malformed(format!("{ENV_VAR} is not valid UTF-8")))
+                Err(ConfigError::Malformed(format!("{name} is not valid UTF-8")))
+            }
+        };
+        Config::from_vars(var(ENV_VAR)?.as_deref(), var(NO_CACHING_ENV_VAR)?.as_deref())
+    }
+
+    /// [`Config::from_env`] over given values of its two variables.
+    fn from_vars(conf: Option<&str>, no_caching: Option<&str>) -> Result<Config, ConfigError> {
+        let mut c = Config::parse(conf.unwrap_or(""))?;
+        match no_caching.map(str::trim) {
+            None | Some("" | "0") => {}
+            Some("1") => {
+                c.caching = false;
+                c.validate()?;
+            }
+            Some(v) => {
+                return Err(ConfigError::BadValue {
+                    key: NO_CACHING_ENV_VAR.into(),
+                    value: v.into(),
+                    expected: "1 or 0".into(),
+                });
             }
         }
+        Ok(c)
     }
 
     /// Applies a `key:value,...` string on top of this configuration. On error `self` is
@@ -297,6 +358,23 @@ impl Config {
                     },
                 };
             }
+            "garbage_collection_threshold" => {
+                let what = "a number in (0, 1)";
+                let v: f64 = value.parse().map_err(|_| bad(what))?;
+                if !(v > 0.0 && v < 1.0) {
+                    return Err(bad(what));
+                }
+                self.garbage_collection_threshold = Some(v);
+            }
+            "initial_pool_size_mb" => {
+                let what = "a whole number of MiB in 0..=268435456";
+                match value.parse::<u64>() {
+                    Ok(v) if v <= MAX_MIB => self.initial_pool_size = v * MIB,
+                    _ => return Err(bad(what)),
+                }
+            }
+            "max_pool_size_mb" => self.max_pool_size = Some(mib(MAX_MIB)?),
+            "caching" => self.caching = flag()?,
             _ => return Err(ConfigError::UnknownKey(key.to_string())),
         }
         Ok(())
@@ -340,6 +418,51 @@ impl Config {
         }
         if self.fast_cache_entries == 0 {
             return fail("fast_cache_entries must be at least 1".into());
+        }
+        if let Some(t) = self.garbage_collection_threshold {
+            if !(t > 0.0 && t < 1.0) {
+                return fail(format!("garbage_collection_threshold {t} is not in (0, 1)"));
+            }
+            if self.memory_limit.is_none()
+                && self.memory_fraction.is_none()
+                && self.max_pool_size.is_none()
+            {
+                return fail(
+                    "garbage_collection_threshold needs a cap: set memory_limit_mb, \
+                     per_process_memory_fraction or max_pool_size_mb"
+                        .into(),
+                );
+            }
+        }
+        if let Some(f) = self.memory_fraction
+            && !(f > 0.0 && f <= 1.0)
+        {
+            return fail(format!("per_process_memory_fraction {f} is not in (0, 1]"));
+        }
+        for (name, cap) in
+            [("max_pool_size_mb", self.max_pool_size), ("memory_limit_mb", self.memory_limit)]
+        {
+            if let Some(cap) = cap
+                && self.initial_pool_size > cap
+            {
+                return fail(format!(
+                    "initial_pool_size_mb ({} MiB) exceeds {name} ({} MiB)",
+                    self.initial_pool_size / MIB,
+                    cap / MIB
+                ));
+            }
+        }
+        if !self.caching {
+            let on = [
+                (self.expandable_segments, "expandable_segments"),
+                (self.initial_pool_size > 0, "initial_pool_size_mb"),
+                (self.garbage_collection_threshold.is_some(), "garbage_collection_threshold"),
+            ];
+            if let Some((_, key)) = on.iter().find(|(on, _)| *on) {
+                return fail(format!(
+                    "caching:false (every free returns its memory to the device) cannot be combined with {key}"
+                ));
+            }
         }
         Ok(())
     }
@@ -418,19 +541,48 @@ impl Config {
         self
     }
 
-    /// Whether allocations and frees may use the per-stream caches.
-    pub fn fast_path(&self) -> bool {
-        self.fast_cache && !self.global_lock
+    /// PyTorch's `garbage_collection_threshold` (`garbage_collection_threshold`; it needs a cap).
+    pub fn with_garbage_collection_threshold(mut self, fraction: f64) -> Config {
+        self.garbage_collection_threshold = Some(fraction);
+        self
     }
 
-    /// The byte limit in force on a device of `total` bytes: the smaller of `memory_limit` and
-    /// `memory_fraction × total`, if either is set.
+    /// Reserve `bytes` up front and keep them (`initial_pool_size_mb`, in bytes here; rounded up
+    /// to the block granularity).
+    pub fn with_initial_pool_size(mut self, bytes: u64) -> Config {
+        self.initial_pool_size = bytes;
+        self
+    }
+
+    /// Never reserve more than `bytes` (`max_pool_size_mb`, in bytes here).
+    pub fn with_max_pool_size(mut self, bytes: u64) -> Config {
+        self.max_pool_size = Some(bytes);
+        self
+    }
+
+    /// Caching on or off (`caching`; off: every allocation and free goes to the device).
+    pub fn with_caching(mut self, on: bool) -> Config {
+        self.caching = on;
+        self
+    }
+
+    /// Whether allocations and frees may use the per-stream caches.
+    pub fn fast_path(&self) -> bool {
+        self.fast_cache && !self.global_lock && self.caching
+    }
+
+    /// The byte limit in force on a device of `total` bytes: the smallest of `memory_limit`,
+    /// `memory_fraction × total` and `max_pool_size`, if any is set.
     pub fn limit(&self, total: u64) -> Option<u64> {
         let frac = self.memory_fraction.map(|f| (total as f64 * f) as u64);
-        match (self.memory_limit, frac) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
-        }
+        [self.memory_limit, frac, self.max_pool_size].into_iter().flatten().min()
+    }
+
+    /// The reserved bytes past which the garbage collection releases idle cached segments:
+    /// `garbage_collection_threshold × limit`, if both are set.
+    pub fn gc_limit(&self, total: u64) -> Option<u64> {
+        let t = self.garbage_collection_threshold?;
+        Some((self.limit(total)? as f64 * t) as u64)
     }
 }
 
@@ -445,7 +597,8 @@ mod tests {
              small_segment_mb:4,large_segment_mb:40,min_large_alloc_mb:20,round_large_mb:4,\
              memory_limit_mb:4096,per_process_memory_fraction:0.5,cross_stream:wait_event,\
              fast_cache:false,fast_cache_entries:4,fast_cache_bytes_mb:8,global_lock:true,\
-             expandable_segments:true,release_threshold_mb:0",
+             expandable_segments:true,release_threshold_mb:0,garbage_collection_threshold:0.75,\
+             initial_pool_size_mb:64,max_pool_size_mb:2048,caching:true",
         )
         .unwrap();
         let z = c.sizing;
@@ -460,8 +613,6 @@ mod tests {
         assert_eq!(c.memory_limit, Some(4096 * MIB));
         assert_eq!(c.memory_fraction, Some(0.5));
         assert_eq!(c.cross_stream, CrossStream::WaitEvent);
-        assert_eq!(c.limit(16384 * MIB), Some(4096 * MIB));
-        assert_eq!(c.limit(4096 * MIB), Some(2048 * MIB));
         assert!(!c.fast_cache);
         assert_eq!(c.fast_cache_entries, 4);
         assert_eq!(c.fast_cache_bytes, 8 * MIB);
@@ -469,7 +620,16 @@ mod tests {
         assert!(!c.fast_path());
         assert!(c.expandable_segments);
         assert_eq!(c.release_threshold, 0);
-        assert_eq!(KEYS.len(), 17, "a new key needs a line in this test");
+        assert_eq!(c.garbage_collection_threshold, Some(0.75));
+        assert_eq!(c.initial_pool_size, 64 * MIB);
+        assert_eq!(c.max_pool_size, Some(2048 * MIB));
+        assert!(c.caching);
+        // The cap is the smallest of the three limits; the collection starts at 3/4 of it.
+        assert_eq!(c.limit(16384 * MIB), Some(2048 * MIB)); // max_pool_size
+        assert_eq!(c.limit(2048 * MIB), Some(1024 * MIB)); // the fraction
+        assert_eq!(c.clone().with_max_pool_size(8192 * MIB).limit(16384 * MIB), Some(4096 * MIB));
+        assert_eq!(c.gc_limit(16384 * MIB), Some(1536 * MIB));
+        assert_eq!(KEYS.len(), 21, "a new key needs a line in this test");
     }
 
     #[test]
@@ -544,6 +704,13 @@ mod tests {
             ("expandable_segments:on", "expandable_segments"),
             ("release_threshold_mb:-1", "release_threshold_mb"),
             ("release_threshold_mb:inf", "release_threshold_mb"),
+            ("garbage_collection_threshold:0", "garbage_collection_threshold"),
+            ("garbage_collection_threshold:1", "garbage_collection_threshold"),
+            ("garbage_collection_threshold:NaN", "garbage_collection_threshold"),
+            ("initial_pool_size_mb:-1", "initial_pool_size_mb"),
+            ("initial_pool_size_mb:268435457", "initial_pool_size_mb"),
+            ("max_pool_size_mb:0", "max_pool_size_mb"),
+            ("caching:off", "caching"),
         ] {
             match Config::parse(s) {
                 Err(ConfigError::BadValue { key: k, value, .. }) => {
@@ -574,6 +741,73 @@ mod tests {
         assert!(matches!(Config::parse("small_size_mb:16"), Err(ConfigError::Inconsistent(_))));
         assert!(matches!(Config::parse("min_large_alloc_mb:1"), Err(ConfigError::Inconsistent(_))));
         assert!(matches!(Config::parse("small_size_mb:4"), Err(ConfigError::Inconsistent(_))));
+    }
+
+    #[test]
+    fn control_keys_and_their_consistency() {
+        let d = Config::default();
+        assert_eq!(
+            (d.garbage_collection_threshold, d.initial_pool_size, d.max_pool_size, d.caching),
+            (None, 0, None, true)
+        );
+        assert_eq!(d.gc_limit(1 << 30), None);
+        let inconsistent = |s: &str, what: &str| match Config::parse(s) {
+            Err(ConfigError::Inconsistent(m)) => assert!(m.contains(what), "{s}: {m}"),
+            other => panic!("{s}: expected Inconsistent, got {other:?}"),
+        };
+        inconsistent("garbage_collection_threshold:0.5", "needs a cap");
+        inconsistent("initial_pool_size_mb:64,max_pool_size_mb:32", "exceeds max_pool_size_mb");
+        inconsistent("initial_pool_size_mb:64,memory_limit_mb:32", "exceeds memory_limit_mb");
+        inconsistent("caching:false,expandable_segments:true", "expandable_segments");
+        inconsistent("caching:false,initial_pool_size_mb:2", "initial_pool_size_mb");
+        inconsistent(
+            "caching:false,memory_limit_mb:8,garbage_collection_threshold:0.5",
+            "garbage_collection_threshold",
+        );
+        // A threshold with any of the three caps is fine.
+        for (cap, gc) in [
+            ("memory_limit_mb:64", 32),
+            ("per_process_memory_fraction:0.5", 64),
+            ("max_pool_size_mb:64", 32),
+        ] {
+            let c = Config::parse(&format!("garbage_collection_threshold:0.5,{cap}")).unwrap();
+            assert_eq!(c.gc_limit(256 * MIB), Some(gc * MIB), "{cap}");
+        }
+        // The setters build the same configurations, and validate() checks them.
+        let built = Config::default()
+            .with_max_pool_size(64 * MIB)
+            .with_garbage_collection_threshold(0.5)
+            .with_initial_pool_size(32 * MIB);
+        assert_eq!(
+            built,
+            Config::parse(
+                "max_pool_size_mb:64,garbage_collection_threshold:0.5,initial_pool_size_mb:32"
+            )
+            .unwrap()
+        );
+        assert!(Config::default().with_garbage_collection_threshold(0.5).validate().is_err());
+        assert!(Config::default().with_garbage_collection_threshold(1.5).validate().is_err());
+        assert!(Config::default().with_memory_fraction(0.0).validate().is_err());
+        let off = Config::default().with_caching(false);
+        assert!(!off.fast_path() && off.validate().is_ok());
+        assert_eq!(off, Config::parse("caching:false").unwrap());
+    }
+
+    #[test]
+    fn no_caching_variable() {
+        assert!(Config::from_vars(None, None).unwrap().caching);
+        assert!(Config::from_vars(None, Some("0")).unwrap().caching);
+        assert!(!Config::from_vars(None, Some("1")).unwrap().caching);
+        let c = Config::from_vars(Some("max_split_size_mb:64"), Some("1")).unwrap();
+        assert!(!c.caching && c.sizing.max_split_size == 64 * MIB);
+        assert!(matches!(
+            Config::from_vars(None, Some("yes")),
+            Err(ConfigError::BadValue { ref key, .. }) if key == NO_CACHING_ENV_VAR
+        ));
+        assert!(matches!(
+            Config::from_vars(Some("expandable_segments:true"), Some("1")),
+            Err(ConfigError::Inconsistent(_))
+        ));
     }
 
     #[test]

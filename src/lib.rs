@@ -44,7 +44,9 @@ pub use allocator::{
     Action, AllocError, Allocator, BlockInfo, Buffer, Graph, HistoryOptions, MemPool, OomReport,
     PoolGuard, PoolOptions, RangeInfo, Scope, ScopedBuffer, SegmentInfo, TraceEntry,
 };
-pub use config::{Config, ConfigError, CrossStream, ENV_VAR, KEYS as CONFIG_KEYS};
+pub use config::{
+    Config, ConfigError, CrossStream, ENV_VAR, KEYS as CONFIG_KEYS, NO_CACHING_ENV_VAR,
+};
 pub use device::{Capture, Device, DeviceError, GraphId, SimConfig, SimDevice};
 pub use host::{HostAllocError, HostAllocator, HostStats, MIN_HOST_BLOCK, PinnedBuffer};
 pub use pool::Sizing;

@@ -57,6 +57,14 @@ pub struct MemoryStats {
     /// Expandable segments: free pages another stream had cached, moved to a stream that ran out
     /// (unmapped there, mapped here: no new physical memory).
     pub num_pages_moved: u64,
+    /// Waits for every pending event, all streams' (PyTorch's `num_sync_all_streams`): the
+    /// out-of-memory ladder's, [`crate::Allocator::synchronize`]'s and `destroy_stream`'s.
+    pub num_sync_all_streams: u64,
+    /// Live allocations of blocks of at least `max_split_size` (PyTorch's
+    /// `oversize_allocations`; none while `max_split_size_mb` is unset).
+    pub oversize_allocations: Stat,
+    /// Ordinary segments of at least `max_split_size` (PyTorch's `oversize_segments`).
+    pub oversize_segments: Stat,
 }
 
 impl MemoryStats {
@@ -85,6 +93,9 @@ impl MemoryStats {
         self.num_physical_create += other.num_physical_create;
         self.num_physical_release += other.num_physical_release;
         self.num_pages_moved += other.num_pages_moved;
+        self.num_sync_all_streams += other.num_sync_all_streams;
+        self.oversize_allocations.accumulate(&other.oversize_allocations);
+        self.oversize_segments.accumulate(&other.oversize_segments);
     }
 
     /// 1 − peak requested / peak reserved: the share of the reserved peak that no request needed.

@@ -29,9 +29,17 @@ fn base() -> u64 {
     SIM_BASE
 }
 
-/// The device's mappings as page offsets (in pages) from `base`.
+/// The pages the device has mapped, as page offsets from `base`.
 fn mapped_pages(dev: &SimDevice, base: u64) -> Vec<u64> {
-    dev.live_mappings().iter().map(|&(a, n)| (assert_eq!(n, P), (a.0 - base) / P).1).collect()
+    mapped_chunks(dev, base).into_iter().flat_map(|(p, n)| p..p + n).collect()
+}
+
+/// The device's mappings (one per physical chunk) as (first page, pages) from `base`.
+fn mapped_chunks(dev: &SimDevice, base: u64) -> Vec<(u64, u64)> {
+    dev.live_mappings()
+        .iter()
+        .map(|&(a, n)| (assert_eq!(n % P, 0), ((a.0 - base) / P, n / P)).1)
+        .collect()
 }
 
 /// Nothing is left on the device once the allocator is gone.
@@ -89,7 +97,9 @@ fn growth_extends_the_free_end_block() {
     assert_eq!(s.blocks.reserved_bytes.large_pool.current, 3 * P);
     assert_eq!(s.blocks.segment.all.current, 1, "one run");
     assert_eq!(s.blocks.allocated_bytes.all.current, 6 * MIB);
-    assert_eq!((s.num_device_map, s.num_physical_create, s.num_device_unmap), (3, 3, 0));
+    // One physical chunk per growth: two pages, then one.
+    assert_eq!(mapped_chunks(&dev, base()), vec![(0, 2), (2, 1)]);
+    assert_eq!((s.num_device_map, s.num_physical_create, s.num_device_unmap), (2, 2, 0));
     assert_eq!(s.num_device_alloc, 0, "no cuMemAlloc");
     assert!(s.expandable_segments);
     assert_eq!(s.virtual_reserved_bytes, 2 * CAP);
@@ -116,12 +126,12 @@ fn interior_free_pages_are_unmapped_and_mapped_again() {
     assert_eq!([a.ptr(), b.ptr(), c.ptr()], [0, 4, 8].map(|m| DeviceAddr(base() + m * MIB)));
     drop(b);
     alloc.empty_cache().unwrap();
-    // Pages 2 and 3 (b's) are gone; the run is cut in two.
-    assert_eq!(mapped_pages(&dev, base()), vec![0, 1, 4, 5]);
+    // Pages 2 and 3 (b's chunk) are gone; the run is cut in two.
+    assert_eq!(mapped_chunks(&dev, base()), vec![(0, 2), (4, 2)]);
     let s = alloc.stats();
     assert_eq!(s.blocks.reserved_bytes.all.current, 4 * P);
     assert_eq!(s.blocks.segment.all.current, 2);
-    assert_eq!((s.num_device_unmap, s.num_physical_release), (2, 2));
+    assert_eq!((s.num_device_unmap, s.num_physical_release), (1, 1));
     assert_eq!(dev.physical_bytes(), 4 * P);
     let runs = &alloc.expandable_ranges()[0].runs;
     assert_eq!(runs, &vec![(DeviceAddr(base()), 2 * P), (DeviceAddr(base() + 8 * MIB), 2 * P)]);
@@ -156,7 +166,9 @@ fn the_end_of_a_range_is_used_last() {
     let d = alloc.alloc(2 * MIB, s0).unwrap();
     assert_eq!(d.ptr(), DeviceAddr(base()));
     let r = alloc.expandable_ranges()[0].clone();
-    assert_eq!((r.mapped_bytes, r.free_bytes, r.free_page_bytes), (5 * P, 2 * P, 2 * P));
+    // Free: a page of a's chunk (d holds the other) and c's one-page chunk, which alone a
+    // release could unmap.
+    assert_eq!((r.mapped_bytes, r.free_bytes, r.free_page_bytes), (5 * P, 2 * P, P));
     alloc.check_invariants().unwrap();
     // The rest of the hole serves the next 2 MiB; then only the end block fits: it serves (no
     // device call).
@@ -165,11 +177,12 @@ fn the_end_of_a_range_is_used_last() {
     let g = alloc.alloc(2 * MIB, s0).unwrap();
     assert_eq!(g.ptr(), DeviceAddr(base() + 8 * MIB));
     drop(g);
-    // 6 MiB fit nowhere: the end block grows by two new pages.
+    // 6 MiB fit nowhere: the end block grows by two new pages, one chunk.
     let maps = alloc.stats().num_device_map;
     let e = alloc.alloc(6 * MIB, s0).unwrap();
     assert_eq!(e.ptr(), DeviceAddr(base() + 8 * MIB));
-    assert_eq!(alloc.stats().num_device_map, maps + 2);
+    assert_eq!(alloc.stats().num_device_map, maps + 1);
+    assert_eq!(mapped_chunks(&dev, base()), vec![(0, 2), (2, 2), (4, 1), (5, 2)]);
     assert_eq!(mapped_pages(&dev, base()), (0..7).collect::<Vec<_>>());
     alloc.check_invariants().unwrap();
     drop(f);
@@ -181,43 +194,48 @@ fn the_end_of_a_range_is_used_last() {
 
 #[test]
 fn a_map_failure_in_the_middle_of_a_growth_rolls_back() {
-    let (dev, alloc) = setup("", CAP);
+    const BIG: u64 = 256 * MIB;
+    let (dev, alloc) = setup("", BIG);
     let s0 = StreamId::DEFAULT;
-    // The second of three mappings fails (once): the first is undone, all three pages released,
-    // and the out-of-memory ladder's retry succeeds.
+    // 70 MiB are 35 pages: two chunks (32 pages, 3 pages). The second mapping fails (once):
+    // the first is undone, both chunks released, and the out-of-memory ladder's retry succeeds.
     dev.fail_nth_vm_map(Some(2));
-    let a = alloc.alloc(6 * MIB, s0).unwrap();
+    let a = alloc.alloc(70 * MIB, s0).unwrap();
     assert_eq!(a.ptr(), DeviceAddr(base()));
     let v = dev.vm_counters();
-    assert_eq!((v.creates, v.releases, v.maps, v.failed_maps, v.unmaps), (6, 3, 4, 1, 1));
+    assert_eq!((v.creates, v.releases, v.maps, v.failed_maps, v.unmaps), (4, 2, 3, 1, 1));
+    assert_eq!(mapped_chunks(&dev, base()), vec![(0, 32), (32, 3)]);
     let s = alloc.stats();
     assert_eq!((s.num_alloc_retries, s.num_ooms), (1, 0));
-    assert_eq!((s.num_physical_create, s.num_physical_release), (6, 3));
-    assert_eq!(dev.physical_bytes(), 3 * P);
+    assert_eq!((s.num_physical_create, s.num_physical_release), (4, 2));
+    assert_eq!((s.num_device_map, s.num_device_unmap), (3, 1));
+    assert_eq!(dev.physical_bytes(), 35 * P);
     alloc.check_invariants().unwrap();
-    // A creation that fails every time: the allocation fails, nothing stays half done.
+    // The second creation of a two-chunk growth fails (once): the first chunk is released, the
+    // ladder's retry succeeds, and after it nothing is left half done.
     let before = (dev.physical_bytes(), dev.live_mappings(), alloc.reserved_bytes());
     dev.fail_nth_vm_create(Some(2));
-    let err = alloc.alloc(8 * MIB, s0);
-    // The ladder's retry succeeds again (the fault was one-shot).
-    let b = err.unwrap();
-    assert_eq!(b.ptr(), DeviceAddr(base() + 6 * MIB));
+    let b = alloc.alloc(66 * MIB, s0).unwrap();
+    assert_eq!(b.ptr(), DeviceAddr(base() + 70 * MIB));
+    let v = dev.vm_counters();
+    assert_eq!((v.creates, v.failed_creates, v.releases), (4 + 1 + 2, 1, 2 + 1));
+    assert_eq!(mapped_chunks(&dev, base()), vec![(0, 32), (32, 3), (35, 32), (67, 1)]);
     drop(b);
     alloc.empty_cache().unwrap();
     assert_eq!((dev.physical_bytes(), dev.live_mappings(), alloc.reserved_bytes()), before);
     // Out of device memory: a refusal with the report, and the allocator works on.
-    match alloc.alloc(CAP, s0) {
+    match alloc.alloc(BIG, s0) {
         Err(AllocError::OutOfMemory(r)) => {
-            assert_eq!(r.reserved, 3 * P);
-            assert_eq!(r.segment, CAP, "what the growth needed");
+            assert_eq!(r.reserved, 35 * P);
+            assert_eq!(r.segment, BIG, "what the growth needed");
             assert_eq!(r.mapped_free, 0);
         }
         other => panic!("expected out of memory, got {other:?}"),
     }
-    assert_eq!(dev.physical_bytes(), 3 * P);
+    assert_eq!(dev.physical_bytes(), 35 * P);
     alloc.check_invariants().unwrap();
     let c = alloc.alloc(MIB * 3 / 2, s0).unwrap();
-    assert_eq!(c.ptr(), DeviceAddr(base() + 6 * MIB));
+    assert_eq!(c.ptr(), DeviceAddr(base() + 70 * MIB));
     drop((a, c));
     drop(alloc);
     assert_no_leak(&dev);
@@ -270,16 +288,17 @@ fn persistent_ranges_are_left_alone_by_empty_cache() {
 
 #[test]
 fn release_threshold_keeps_that_much_mapped() {
-    let (dev, alloc) = setup("release_threshold_mb:2", CAP);
+    let (dev, alloc) = setup("release_threshold_mb:4", CAP);
     let s0 = StreamId::DEFAULT;
     let bufs: Vec<_> = (0..3).map(|_| alloc.alloc(4 * MIB, s0).unwrap()).collect();
     assert_eq!(alloc.reserved_bytes(), 6 * P);
+    assert_eq!(mapped_chunks(&dev, base()), vec![(0, 2), (2, 2), (4, 2)]);
     drop(bufs);
-    // 12 MiB free after the frees: everything above 2 MiB goes, the highest pages first.
-    assert_eq!(mapped_pages(&dev, base()), vec![0]);
+    // 12 MiB free after the frees: everything above 4 MiB goes, the highest chunks first.
+    assert_eq!(mapped_pages(&dev, base()), vec![0, 1]);
     let s = alloc.stats();
-    assert_eq!(s.blocks.reserved_bytes.all.current, P);
-    assert_eq!((s.num_device_unmap, s.num_physical_release, s.num_host_syncs), (5, 5, 0));
+    assert_eq!(s.blocks.reserved_bytes.all.current, 2 * P);
+    assert_eq!((s.num_device_unmap, s.num_physical_release, s.num_host_syncs), (2, 2, 0));
     alloc.check_invariants().unwrap();
     // Persistent memory is never trimmed.
     let w = alloc.alloc_in(8 * MIB, s0, Residency::Persistent).unwrap();
@@ -302,7 +321,7 @@ fn release_waits_for_the_streams_work_and_counts_the_sync() {
     waiter.join().unwrap();
     assert_eq!(dev.violations(), vec![], "no unmap under unfinished work");
     let st = alloc.stats();
-    assert_eq!((st.num_device_unmap, st.num_host_syncs), (2, 1));
+    assert_eq!((st.num_device_unmap, st.num_host_syncs), (1, 1));
     assert_eq!(dev.kernel_failures(), vec![]);
     drop(alloc);
     assert_no_leak(&dev);
@@ -354,8 +373,10 @@ fn strict_moves_pages_of_an_idle_stream_without_a_sync() {
     let (dev, alloc, ptr) = page_move("", true);
     assert_eq!(ptr, DeviceAddr(base() + 16 * MIB), "stream 2's range is the next one");
     let s = alloc.stats();
-    assert_eq!((s.num_pages_moved, s.num_physical_create, s.num_host_syncs), (2, 4, 0));
-    assert_eq!(s.num_device_unmap, 2);
+    // Stream 1's one chunk (4 pages) moves whole: stream 2's range maps all four.
+    assert_eq!((s.num_pages_moved, s.num_physical_create, s.num_host_syncs), (4, 1, 0));
+    assert_eq!(s.num_device_unmap, 1);
+    assert_eq!(mapped_chunks(&dev, base()), vec![(8, 4)]);
     assert_eq!(dev.physical_bytes(), 8 * MIB, "no new physical memory");
     assert_eq!(dev.violations(), vec![]);
     drop(alloc);
@@ -371,7 +392,7 @@ fn strict_waits_for_a_busy_owner_before_its_pages_go() {
     // (one host sync) and stream 2 created its own.
     assert_eq!(s.num_pages_moved, 0);
     assert_eq!((s.num_host_syncs, s.num_alloc_retries), (1, 1));
-    assert_eq!((s.num_physical_create, s.num_physical_release), (6, 4));
+    assert_eq!((s.num_physical_create, s.num_physical_release), (2, 1));
     assert_eq!(dev.violations(), vec![]);
     assert_eq!(dev.kernel_failures(), vec![]);
     drop(alloc);
@@ -383,7 +404,7 @@ fn wait_event_moves_pages_at_once_and_unmaps_after_the_owner() {
     let (dev, alloc, ptr) = page_move("cross_stream:wait_event", false);
     assert_eq!(ptr, DeviceAddr(base() + 16 * MIB));
     let s = alloc.stats();
-    assert_eq!((s.num_pages_moved, s.num_host_syncs, s.num_physical_create), (2, 0, 4));
+    assert_eq!((s.num_pages_moved, s.num_host_syncs, s.num_physical_create), (4, 0, 1));
     assert_eq!(dev.violations(), vec![], "stream 2 waited for stream 1 on the device");
     assert_eq!(dev.kernel_failures(), vec![]);
     // The old mappings stay until stream 1 is done and the allocator looks again (its next
@@ -391,8 +412,12 @@ fn wait_event_moves_pages_at_once_and_unmaps_after_the_owner() {
     let retiring = |a: &Allocator<SimDevice>| {
         a.expandable_ranges().iter().map(|r| r.retiring_pages).sum::<usize>()
     };
-    assert_eq!(retiring(&alloc), 2);
-    assert_eq!(dev.live_mappings().len(), 4 + 2, "moved pages mapped twice meanwhile");
+    assert_eq!(retiring(&alloc), 4);
+    assert_eq!(
+        mapped_chunks(&dev, base()),
+        vec![(0, 4), (8, 4)],
+        "the chunk mapped twice meanwhile"
+    );
     assert_eq!(dev.physical_bytes(), 8 * MIB);
     let _ = alloc.alloc(MIB * 3, StreamId::DEFAULT);
     assert_eq!(retiring(&alloc), 0);

@@ -35,11 +35,20 @@ pub enum Broken {
     /// captured allocations come from the general cache, and what is freed during the capture
     /// is reused outside the graph (the crash on replay users of graph capture report).
     CaptureGeneral = 1 << 7,
+    /// The garbage collection releases the most recently used idle segments first.
+    GcYoungestFirst = 1 << 8,
+    /// The garbage collection releases idle persistent segments too.
+    GcPersistent = 1 << 9,
+    /// Aligned allocations are served from the stream caches and the large-block reuse like
+    /// any other (a cached block of the class may start anywhere).
+    AlignedFromCache = 1 << 10,
 }
 
 #[cfg_attr(not(feature = "test-hooks"), allow(dead_code))]
 impl Broken {
     /// Every mode, for tests that go through them all.
+    /// (The stream-order soundness modes, which `tests/multi_props.rs` must catch; the control
+    /// modes after them are caught by their own tests in `tests/controls.rs`.)
     pub const ALL: [Broken; 8] = [
         Broken::ForeignBuffers,
         Broken::ForgottenUses,

@@ -32,6 +32,11 @@ impl<D: Device> Allocator<D> {
                 return Err(format!("block {b:?} has events but is not pending"));
             }
         }
+        if let Some(base) = st.initial
+            && !st.pool.segments().any(|(_, s)| s.base == base)
+        {
+            return Err(format!("the initial pool segment at {base:#x} is gone"));
+        }
         let mut streams: BTreeMap<StreamId, usize> = BTreeMap::new();
         for (_, seg) in st.pool.segments() {
             *streams.entry(seg.key.stream).or_default() += 1;

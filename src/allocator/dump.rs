@@ -168,5 +168,13 @@ fn settings(c: &Config) -> Py {
     ];
     v.push(("memory_limit", c.memory_limit.map_or(Py::None, Py::int)));
     v.push(("per_process_memory_fraction", c.memory_fraction.map_or(Py::None, Py::Float)));
+    // PyTorch's key (0.0: off), and the other controls of issue 18.
+    v.push((
+        "garbage_collection_threshold",
+        Py::Float(c.garbage_collection_threshold.unwrap_or(0.0)),
+    ));
+    v.push(("initial_pool_size", Py::int(c.initial_pool_size)));
+    v.push(("max_pool_size", c.max_pool_size.map_or(Py::None, Py::int)));
+    v.push(("caching", Py::Bool(c.caching)));
     Py::dict(v)
 }

@@ -44,6 +44,14 @@ pub enum AllocError {
         /// How many devices there are.
         count: usize,
     },
+    /// An alignment [`crate::Allocator::alloc_aligned`] does not accept: zero, not a power of
+    /// two, or above the segment size of the request's pool.
+    InvalidAlignment {
+        /// The alignment asked for.
+        align: u64,
+        /// The largest alignment this request may ask for.
+        max: u64,
+    },
     /// An adopted stream cannot be released while buffers allocated on it are live or wait on
     /// events ([`crate::Allocator::release_stream`]).
     StreamInUse {
@@ -107,7 +115,7 @@ pub struct OomReport {
     pub transient_reserved: u64,
     /// Expandable segments: bytes mapped but free (in free blocks of the ranges).
     pub mapped_free: u64,
-    /// Of those, bytes in pages that live blocks share (a page is unmapped only whole).
+    /// Of those, bytes in chunks that live blocks share (a chunk is unmapped only whole).
     pub mapped_free_in_used_pages: u64,
     /// Of those, bytes in whole free pages of persistent ranges (only `release_persistent`
     /// releases them).
@@ -209,6 +217,11 @@ impl fmt::Display for AllocError {
             AllocError::Capture { stream, reason } => {
                 write!(f, "stream capture on {stream}: {reason}")
             }
+            AllocError::InvalidAlignment { align, max } => write!(
+                f,
+                "invalid alignment {align}: expected a power of two no larger than {max} bytes \
+                 (the segment size of the request's pool)"
+            ),
         }
     }
 }
@@ -222,6 +235,7 @@ impl std::error::Error for AllocError {
             | AllocError::OutOfMemory(_)
             | AllocError::UnknownDevice { .. }
             | AllocError::StreamInUse { .. }
+            | AllocError::InvalidAlignment { .. }
             | AllocError::ForeignBuffer
             | AllocError::UnknownStream(_)
             | AllocError::TooManyScopeAllocations { .. }

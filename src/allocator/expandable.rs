@@ -3,16 +3,18 @@
 //!
 //! ```text
 //!  range (vm_reserve, device-sized)   base                                          base + size
-//!  pages  [h1][h2][h3]  ·  ·  [h7][h8]  ·  ·  ·  ·  ·  ·  ·  ·  ·  ·  ·  ·  ·  ·  ·  ·  ·  ·
-//!  pool   [== segment A ==]   [seg B ]                  (one pool segment per mapped run;
-//!          blocks split and coalesce within a run        free pages stay mapped: cached)
+//!  pages  [p][p][p]  ·  ·  [p][p]  ·  ·  ·  ·  ·  ·  ·  ·  ·  ·  ·  ·  ·  ·  ·  ·  ·  ·  ·
+//!  chunks [ h1 ][h2]       [ h3 ]                    (one physical allocation per growth, ≤ 32 pages)
+//!  pool   [= segment A =]  [seg B]                   (one pool segment per mapped run;
+//!          blocks split and coalesce within a run     free pages stay mapped: cached)
 //! ```
 //!
 //! - **Grow.** When no mapped free block fits, `grow` places the request where it needs the
 //!   fewest new pages: after the free block at the end of a run (PyTorch's "the free block at the
 //!   end is extended"), before the free block at the start of the next, or across a whole gap
-//!   (joining two runs). The pages come from free pages another stream has cached (moved: strict
-//!   or wait_event as for segments) or are created, and are mapped; then the pool's segment is
+//!   (joining two runs). The pages come from free chunks another stream has cached (moved: strict
+//!   or wait_event as for segments) or are created as chunks of up to [`MAX_CHUNK_PAGES`] pages
+//!   (one `cuMemCreate` and one `cuMemMap` each), and are mapped; then the pool's segment is
 //!   extended (`Pool::extend`). A failure midway unmaps and releases what this growth made: the
 //!   pool never sees it.
 //! - **The end is used last.** When best fit picks the free block at the end of a range's top
@@ -20,14 +22,15 @@
 //!   and spending it on requests that fit elsewhere spreads a step's blocks over more pages
 //!   (measured: `mlp_train` reserves 1.069 × its peak live bytes with plain best fit, 1.032 ×
 //!   with the end last).
-//! - **Release.** Whole free pages (of the runs, from the top down) are unmapped and their
-//!   physical memory released, only once the range's stream has
+//! - **Release.** Wholly free chunks (of the runs, from the top down; CUDA unmaps only whole
+//!   mappings) are unmapped and their physical memory released, only once the range's stream has
 //!   finished the work enqueued so far (an event: queried, and waited for, a host sync counted,
 //!   where it has not completed); the pool's segment is cut around them (`Pool::carve`). Done by
 //!   `empty_cache` and the out-of-memory ladder (transient ranges), `release_persistent`
 //!   (persistent ones), and after frees when a transient range's free mapped bytes exceed
-//!   `release_threshold` (down to it).
-//! - **Move.** A page taken by another stream is mapped at its new place first; under
+//!   `release_threshold` (down to it or below: a chunk goes whole).
+//! - **Move.** A chunk taken by another stream is mapped at its new place first (all of it: a
+//!   taker's gap must have room for it, and pages beyond its need join its free block); under
 //!   `wait_event` the old mapping stays until the donor's event completes (the new stream waits
 //!   for that event on the device, no host sync), so the donor's unfinished work never loses its
 //!   memory.
@@ -57,12 +60,30 @@ pub(super) struct Range {
     retiring: BTreeSet<u64>,
 }
 
-/// The physical allocation of each mapped page of a range, by page index from its base: O(1)
-/// per page, which is what a growth by many pages costs.
+/// Most pages one physical allocation (one `cuMemCreate` + `cuMemMap`) holds: a growth of more
+/// pages is made of several chunks. Bounds how much a single live byte can keep mapped once
+/// the rest of its chunk is free (a chunk is unmapped and released only as a whole, as CUDA's
+/// `cuMemUnmap` requires).
+pub(super) const MAX_CHUNK_PAGES: u64 = 32;
+
+/// One physical allocation mapped into a range: `pages` pages from `lo`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Chunk {
+    handle: PhysHandle,
+    lo: u64,
+    pages: u64,
+}
+
+/// The chunk under each mapped page of a range, by page index from its base: O(1) per page.
+///
+/// ```text
+///  pages   [0][1][2][3][4][5]  ·  ·  [8][9]
+///  chunks  [ c1 ][   c2   ][c3]      [ c4 ]     (one physical allocation each)
+/// ```
 struct PageTable {
     base: u64,
     page: u64,
-    slots: Vec<Option<PhysHandle>>,
+    slots: Vec<Option<Chunk>>,
     len: usize,
 }
 
@@ -75,27 +96,36 @@ impl PageTable {
         ((va - self.base) / self.page) as usize
     }
 
-    fn insert(&mut self, va: u64, h: PhysHandle) {
-        let i = self.index(va);
-        if i >= self.slots.len() {
-            self.slots.resize(i + 1, None);
+    /// Records chunk `c` over its pages.
+    fn insert(&mut self, c: Chunk) {
+        let (i, n) = (self.index(c.lo), c.pages as usize);
+        if i + n > self.slots.len() {
+            self.slots.resize(i + n, None);
         }
-        debug_assert!(self.slots[i].is_none(), "page mapped twice");
-        self.slots[i] = Some(h);
-        self.len += 1;
+        for slot in &mut self.slots[i..i + n] {
+            debug_assert!(slot.is_none(), "page mapped twice");
+            *slot = Some(c);
+        }
+        self.len += n;
     }
 
-    fn remove(&mut self, va: u64) -> Option<PhysHandle> {
-        let i = self.index(va);
-        let h = self.slots.get_mut(i)?.take()?;
-        self.len -= 1;
+    /// Forgets the chunk starting at `lo`.
+    fn remove(&mut self, lo: u64) -> Option<Chunk> {
+        let i = self.index(lo);
+        let c = (*self.slots.get(i)?)?;
+        debug_assert_eq!(c.lo, lo, "a chunk is removed whole");
+        for slot in &mut self.slots[i..i + c.pages as usize] {
+            *slot = None;
+        }
+        self.len -= c.pages as usize;
         if self.len == 0 {
             self.slots = Vec::new();
         }
-        Some(h)
+        Some(c)
     }
 
-    fn get(&self, va: u64) -> Option<PhysHandle> {
+    /// The chunk under the page at `va`.
+    fn get(&self, va: u64) -> Option<Chunk> {
         self.slots.get(self.index(va)).copied().flatten()
     }
 
@@ -103,6 +133,7 @@ impl PageTable {
         self.get(va).is_some()
     }
 
+    /// Mapped pages.
     fn len(&self) -> usize {
         self.len
     }
@@ -112,11 +143,11 @@ impl PageTable {
     }
 }
 
-/// Pages moved away under `wait_event`, whose old mappings wait for `event`.
+/// Chunks moved away under `wait_event`, whose old mappings wait for `event`.
 struct Retiring {
     event: EventId,
-    /// (range base, page address).
-    pages: Vec<(u64, u64)>,
+    /// (range base, old address, pages).
+    pages: Vec<(u64, u64, u64)>,
 }
 
 /// Counters of virtual-memory calls.
@@ -180,7 +211,7 @@ pub struct RangeInfo {
     pub mapped_bytes: u64,
     /// Of those, bytes in free blocks.
     pub free_bytes: u64,
-    /// Of those, bytes in whole free pages (what a release would unmap).
+    /// Of those, bytes in wholly free chunks (what a release would unmap).
     pub free_page_bytes: u64,
     /// Its mapped runs (pool segments) as (address, bytes), in address order.
     pub runs: Vec<(DeviceAddr, u64)>,
@@ -216,6 +247,20 @@ fn whole_pages(base: u64, page: u64, lo: u64, hi: u64) -> Option<(u64, u64)> {
     let a = base + (lo - base).div_ceil(page) * page;
     let b = base + (hi - base) / page * page;
     (b > a).then_some((a, b))
+}
+
+/// Bytes of the chunks lying wholly inside the mapped pages `[a, z)`.
+fn whole_chunk_bytes(pages: &PageTable, page: u64, a: u64, z: u64) -> u64 {
+    let (mut va, mut n) = (a, 0);
+    while va < z {
+        let c = pages.get(va).expect("a mapped page");
+        let end = c.lo + c.pages * page;
+        if c.lo >= a && end <= z {
+            n += end - c.lo;
+        }
+        va = end;
+    }
+    n
 }
 
 /// A refusal of memory (the device's or the limit's): the out-of-memory ladder takes over.
@@ -390,18 +435,19 @@ impl<D: Device> Shared<D> {
     /// The expandable path of `find_or_reserve`, once the mapped free blocks had nothing: grows
     /// the range, climbing the out-of-memory ladder (wait for pending events and search again,
     /// release cached transient memory, retry). `None` where the range has no virtual room left
-    /// for the request (the caller takes an ordinary segment).
+    /// for the request (the caller takes an ordinary segment). `need` is the free block wanted
+    /// (`rounded`, or more for an aligned request: see `aligned.rs`); `rounded` goes into the
+    /// out-of-memory report.
     pub(super) fn find_or_grow(
         &self,
         st: &mut State,
         config: &Config,
         key: PoolKey,
-        bytes: u64,
-        rounded: u64,
+        (bytes, rounded, need): (u64, u64, u64),
     ) -> Result<Option<BlockId>, AllocError> {
         let mut retried = false;
         loop {
-            match self.grow(st, config, key, rounded) {
+            match self.grow(st, config, key, need) {
                 Ok(None) => return Ok(None),
                 Ok(Some(b)) => {
                     if retried {
@@ -413,7 +459,7 @@ impl<D: Device> Shared<D> {
                     retried = true;
                     if !st.pending.is_empty() {
                         self.sync_events(st)?;
-                        if let Some(b) = self.find_free(st, config, key, rounded) {
+                        if let Some(b) = self.find_free(st, config, key, need) {
                             st.counters.retries += 1;
                             return Ok(Some(b));
                         }
@@ -425,10 +471,10 @@ impl<D: Device> Shared<D> {
                     st.counters.ooms += 1;
                     st.note(Action::Oom, DeviceAddr::NULL, bytes, key.stream);
                     let page = st.vm.page;
-                    let need = st.vm.by_key.get(&key).and_then(|b| {
-                        place(&st.pool, &st.vm.ranges[b], rounded, page).map(|p| p.pages * page)
+                    let placed = st.vm.by_key.get(&key).and_then(|b| {
+                        place(&st.pool, &st.vm.ranges[b], need, page).map(|p| p.pages * page)
                     });
-                    let grow = need.unwrap_or_else(|| rounded.div_ceil(page) * page);
+                    let grow = placed.unwrap_or_else(|| need.div_ceil(page) * page);
                     return Err(AllocError::OutOfMemory(Box::new(
                         self.oom_report(st, config, key, bytes, rounded, grow),
                     )));
@@ -473,36 +519,54 @@ impl<D: Device> Shared<D> {
         if config.limit(self.device_total).is_some_and(|limit| reserved + pages * page > limit) {
             return Err(oom());
         }
-        let mut handles = self.take_pages(st, config, key, pages)?;
-        while (handles.len() as u64) < pages {
-            match self.device.vm_create(page) {
+        // Whole chunks other streams cached, then new chunks for the rest (one `cuMemCreate`
+        // and one `cuMemMap` per chunk, not per page). A moved chunk may bring more pages than
+        // needed where the gap above the window has room for them.
+        let room = {
+            let r = &st.vm.ranges[&base];
+            let win_end = lo + pages * page;
+            let next_run = r.segs.range(win_end..).next().map_or(r.base + r.size, |(&b, _)| b);
+            let retiring = r.retiring.range(win_end..).next().copied().unwrap_or(u64::MAX);
+            (next_run.min(retiring) - lo) / page
+        };
+        let mut chunks = self.take_pages(st, config, key, pages, room)?;
+        let mut have: u64 = chunks.iter().map(|c| c.1).sum();
+        let pages = pages.max(have);
+        while have < pages {
+            let n = (pages - have).min(MAX_CHUNK_PAGES);
+            match self.device.vm_create(n * page) {
                 Ok(h) => {
                     st.vm.counts.creates += 1;
-                    handles.push(h);
+                    chunks.push((h, n));
+                    have += n;
                 }
                 Err(e) => {
-                    self.drop_handles(st, &handles);
+                    self.drop_handles(st, &chunks);
                     return Err(device_err(e));
                 }
             }
         }
         let end = lo + pages * page;
-        for (i, &h) in handles.iter().enumerate() {
-            let va = lo + i as u64 * page;
-            if let Err(e) = self.device.vm_map(DeviceAddr(va), page, h) {
-                for done in (lo..va).step_by(page as usize) {
-                    if self.device.vm_unmap(DeviceAddr(done), page).is_ok() {
+        let mut va = lo;
+        let mut placed = Vec::with_capacity(chunks.len());
+        for &(h, n) in &chunks {
+            if let Err(e) = self.device.vm_map(DeviceAddr(va), n * page, h) {
+                for c in &placed {
+                    let c: &Chunk = c;
+                    if self.device.vm_unmap(DeviceAddr(c.lo), c.pages * page).is_ok() {
                         st.vm.counts.unmaps += 1;
                     }
                 }
-                self.drop_handles(st, &handles);
+                self.drop_handles(st, &chunks);
                 return Err(device_err(e));
             }
             st.vm.counts.maps += 1;
+            placed.push(Chunk { handle: h, lo: va, pages: n });
+            va += n * page;
         }
         let range = st.vm.ranges.get_mut(&base).expect("the key's range");
-        for (i, &h) in handles.iter().enumerate() {
-            range.pages.insert(lo + i as u64 * page, h);
+        for c in placed {
+            range.pages.insert(c);
         }
         let left = range
             .segs
@@ -584,16 +648,16 @@ impl<D: Device> Shared<D> {
     }
 
     /// Releases physical allocations a failed growth had in hand.
-    fn drop_handles(&self, st: &mut State, handles: &[PhysHandle]) {
-        for &h in handles {
+    fn drop_handles(&self, st: &mut State, handles: &[(PhysHandle, u64)]) {
+        for &(h, _) in handles {
             if self.device.vm_release(h).is_ok() {
                 st.vm.counts.releases += 1;
             }
         }
     }
 
-    /// Takes up to `n` whole free pages cached by other streams' transient ranges for a growth
-    /// of `key`: under `strict` only from a stream whose work has completed, under `wait_event`
+    /// Takes up to `n` pages, in whole free chunks, cached by other streams' transient ranges for
+    /// a growth of `key`: under `strict` only from a stream whose work has completed, under `wait_event`
     /// from any (the growing stream waits for it on the device; the old mapping is kept until
     /// the event completes).
     fn take_pages(
@@ -602,7 +666,8 @@ impl<D: Device> Shared<D> {
         config: &Config,
         key: PoolKey,
         n: u64,
-    ) -> Result<Vec<PhysHandle>, AllocError> {
+        room: u64,
+    ) -> Result<Vec<(PhysHandle, u64)>, AllocError> {
         let mut got = Vec::new();
         let donor =
             |r: &Range| r.key.stream != key.stream && r.key.residency == Residency::Transient;
@@ -616,12 +681,13 @@ impl<D: Device> Shared<D> {
             .filter(|r| r.key.stream != key.stream && r.key.residency == Residency::Transient)
             .map(|r| r.base)
             .collect();
+        let mut taken = 0;
         for d in donors {
-            let want = n - got.len() as u64;
+            let want = n.saturating_sub(taken);
             if want == 0 {
                 break;
             }
-            let runs = self.free_page_runs(st, d, want, |_| true);
+            let runs = self.free_page_runs(st, d, want, room - taken, |_| true);
             if runs.is_empty() {
                 continue;
             }
@@ -656,16 +722,19 @@ impl<D: Device> Shared<D> {
                 self.carve_run(st, d, block, a, b);
                 st.note(Action::SegmentUnmap, DeviceAddr(a), b - a, owner);
                 let range = st.vm.ranges.get_mut(&d).expect("donor");
-                for va in (a..b).step_by(page as usize) {
-                    let h = range.pages.remove(va).expect("a mapped page");
-                    got.push(h);
-                    st.vm.counts.moves += 1;
-                    if done && self.device.vm_unmap(DeviceAddr(va), page).is_ok() {
+                let mut va = a;
+                while va < b {
+                    let c = range.pages.remove(va).expect("a mapped chunk");
+                    got.push((c.handle, c.pages));
+                    taken += c.pages;
+                    st.vm.counts.moves += c.pages;
+                    if done && self.device.vm_unmap(DeviceAddr(va), c.pages * page).is_ok() {
                         st.vm.counts.unmaps += 1;
                     } else {
-                        range.retiring.insert(va);
-                        retire.push((d, va));
+                        range.retiring.extend((va..va + c.pages * page).step_by(page as usize));
+                        retire.push((d, va, c.pages));
                     }
+                    va += c.pages * page;
                 }
             }
             if retire.is_empty() {
@@ -677,18 +746,20 @@ impl<D: Device> Shared<D> {
         Ok(got)
     }
 
-    /// Whole free pages of range `base` in its runs that satisfy `which`, as runs (free block,
-    /// first page, end), the highest first, at most `max` pages in all.
+    /// Whole free chunks of range `base` in its runs that satisfy `which`, as runs (free block,
+    /// first page, end), the highest first, until they hold `want` pages, at most `cap` pages in
+    /// all (a chunk that would pass `cap` is passed over).
     fn free_page_runs(
         &self,
         st: &State,
         base: u64,
-        max: u64,
+        want: u64,
+        cap: u64,
         mut which: impl FnMut(&Segment) -> bool,
     ) -> Vec<(BlockId, u64, u64)> {
         let (page, r) = (st.vm.page, &st.vm.ranges[&base]);
         let mut out = Vec::new();
-        let mut left = max;
+        let (mut left, mut got) = (want, 0u64);
         for (_, &seg) in r.segs.iter().rev() {
             if left == 0 {
                 break;
@@ -706,12 +777,31 @@ impl<D: Device> Shared<D> {
                 .collect();
             runs.reverse();
             for (id, a, z) in runs {
+                // The whole chunks inside [a, z), from the top down, each no larger than what is
+                // left to find; neighbouring ones form one run.
+                let mut top = z;
+                let mut run_hi = z;
+                while top > a && left > 0 {
+                    let c = r.pages.get(top - page).expect("a run's page is mapped");
+                    let fits = c.lo >= a && c.lo + c.pages * page == top && got + c.pages <= cap;
+                    if fits {
+                        left = left.saturating_sub(c.pages);
+                        got += c.pages;
+                    } else if top < run_hi {
+                        out.push((id, top, run_hi));
+                    }
+                    let next = c.lo.max(a);
+                    if !fits {
+                        run_hi = next;
+                    }
+                    top = next;
+                }
+                if top < run_hi {
+                    out.push((id, top, run_hi));
+                }
                 if left == 0 {
                     break;
                 }
-                let k = ((z - a) / page).min(left);
-                out.push((id, z - k * page, z));
-                left -= k;
             }
         }
         out
@@ -736,9 +826,10 @@ impl<D: Device> Shared<D> {
         }
     }
 
-    /// Unmaps and releases whole free pages of the ranges' runs that satisfy `which`, keeping up to `keep` free mapped bytes per range (the highest pages go
-    /// first; 0: release all), each range only after its stream's work so far has completed (an
-    /// event; a host sync where it has not).
+    /// Unmaps and releases wholly free chunks of the ranges' runs that satisfy `which`, the
+    /// highest first, until at most `keep` free mapped bytes are left per range (a chunk is
+    /// released whole, so a range may end below `keep`; 0: release all), each range only after
+    /// its stream's work so far has completed (an event; a host sync where it has not).
     pub(super) fn release_pages(
         &self,
         st: &mut State,
@@ -761,7 +852,7 @@ impl<D: Device> Shared<D> {
                 }
                 (free - keep).div_ceil(page)
             };
-            let runs = self.free_page_runs(st, base, max, &mut which);
+            let runs = self.free_page_runs(st, base, max, u64::MAX, &mut which);
             if runs.is_empty() {
                 continue;
             }
@@ -771,18 +862,17 @@ impl<D: Device> Shared<D> {
                 // From the top down; stop at the first refusal.
                 let mut done = b;
                 while done > a {
-                    let va = done - page;
-                    let h = st.vm.ranges[&base].pages.get(va).expect("a mapped page");
-                    if let Err(e) = self.device.vm_unmap(DeviceAddr(va), page) {
+                    let c = st.vm.ranges[&base].pages.get(done - page).expect("a mapped chunk");
+                    if let Err(e) = self.device.vm_unmap(DeviceAddr(c.lo), c.pages * page) {
                         result = Err(e.into());
                         break;
                     }
                     st.vm.counts.unmaps += 1;
-                    if self.device.vm_release(h).is_ok() {
+                    if self.device.vm_release(c.handle).is_ok() {
                         st.vm.counts.releases += 1;
                     }
-                    st.vm.ranges.get_mut(&base).expect("range").pages.remove(va);
-                    done = va;
+                    st.vm.ranges.get_mut(&base).expect("range").pages.remove(c.lo);
+                    done = c.lo;
                 }
                 if done < b {
                     self.carve_run(st, base, block, done, b);
@@ -855,13 +945,15 @@ impl<D: Device> Shared<D> {
                 _ => false,
             };
             if done {
-                r.pages.retain(|&(base, va)| {
-                    if self.device.vm_unmap(DeviceAddr(va), page).is_err() {
+                r.pages.retain(|&(base, va, n)| {
+                    if self.device.vm_unmap(DeviceAddr(va), n * page).is_err() {
                         return true;
                     }
                     st.vm.counts.unmaps += 1;
                     if let Some(range) = st.vm.ranges.get_mut(&base) {
-                        range.retiring.remove(&va);
+                        for p in (va..va + n * page).step_by(page as usize) {
+                            range.retiring.remove(&p);
+                        }
                     }
                     false
                 });
@@ -985,7 +1077,7 @@ impl<D: Device> Shared<D> {
                     for (_, b) in blocks.filter(|(_, b)| b.state == BlockState::Free) {
                         free += b.size;
                         free_pages += whole_pages(r.base, page, b.addr, b.addr + b.size)
-                            .map_or(0, |(a, z)| z - a);
+                            .map_or(0, |(a, z)| whole_chunk_bytes(&r.pages, page, a, z));
                     }
                 }
                 RangeInfo {
@@ -1034,8 +1126,11 @@ impl<D: Device> Shared<D> {
                     ));
                 }
                 for va in (seg.base..seg.base + seg.size).step_by(page as usize) {
-                    if !r.pages.contains(va) {
+                    let Some(c) = r.pages.get(va) else {
                         return Err(format!("page at {va:#x} of a segment is not mapped"));
+                    };
+                    if c.lo < seg.base || c.lo + c.pages * page > seg.base + seg.size {
+                        return Err(format!("the chunk at {:#x} crosses a run's edge", c.lo));
                     }
                 }
                 pages += seg.size / page;
@@ -1059,8 +1154,8 @@ impl<D: Device> Shared<D> {
         if inside != in_ranges {
             return Err(format!("{inside} pool segments in ranges, {in_ranges} listed"));
         }
-        let queued: usize = st.vm.retiring.iter().map(|r| r.pages.len()).sum();
-        let marked: usize = st.vm.ranges.values().map(|r| r.retiring.len()).sum();
+        let queued: u64 = st.vm.retiring.iter().flat_map(|r| &r.pages).map(|p| p.2).sum();
+        let marked: u64 = st.vm.ranges.values().map(|r| r.retiring.len() as u64).sum();
         if queued != marked {
             return Err(format!("{queued} retiring pages queued, {marked} marked"));
         }

@@ -18,6 +18,7 @@
 //! off (everything under the one lock, PyTorch's design) as a comparison point.
 
 mod adopt;
+mod aligned;
 mod batch;
 mod broken;
 mod buffer;
@@ -28,12 +29,16 @@ mod dump;
 mod error;
 mod events;
 mod expandable;
+mod extra_stats;
 mod fast_cache;
+mod gc;
 mod history;
 mod observers;
 mod oom;
 mod owner;
+mod passthrough;
 mod plan;
+mod pool_size;
 mod private_pool;
 mod publish;
 mod regions;
@@ -156,6 +161,7 @@ impl<D: Device> Allocator<D> {
         let total = device.mem_info()?.total;
         let (fast, global_lock) = (config.fast_path(), config.global_lock);
         let cache_large = !config.expandable_segments;
+        let (config_caching, oversize_at) = (config.caching, config.sizing.max_split_size);
         let shared = Arc::new(Shared {
             device,
             config: ArcCell::new(config),
@@ -178,8 +184,15 @@ impl<D: Device> Allocator<D> {
             family,
             routes: private_pool::Routes::default(),
             role: private_pool::PoolRole { id: pool, ..Default::default() },
+            passthrough: AtomicBool::new(!config_caching),
+            oversize_at: AtomicU64::new(oversize_at),
+            extra: Default::default(),
+            accumulated_base: ArcCell::new(MemoryStats::default()),
         });
-        Ok(Allocator { owners: Arc::new(OwnerTable::new(&shared)), shared })
+        lock(&shared.state).pool.set_oversize_size(oversize_at);
+        let alloc = Allocator { owners: Arc::new(OwnerTable::new(&shared)), shared };
+        alloc.reserve_initial_pool()?;
+        Ok(alloc)
     }
 
     /// The device underneath.
@@ -204,6 +217,9 @@ impl<D: Device> Allocator<D> {
         sh.fast_path.store(config.fast_path() && !recording, Ordering::Relaxed);
         sh.cache_large.store(!config.expandable_segments, Ordering::Relaxed);
         sh.publish_stats.store(!config.global_lock, Ordering::Relaxed);
+        sh.passthrough.store(!config.caching, Ordering::Relaxed);
+        sh.oversize_at.store(config.sizing.max_split_size, Ordering::Relaxed);
+        st.pool.set_oversize_size(config.sizing.max_split_size);
         for c in sh.caches.all().iter() {
             c.set_limits(limits);
         }
@@ -233,10 +249,23 @@ impl<D: Device> Allocator<D> {
         stream: StreamId,
         residency: Residency,
     ) -> Result<Buffer<D>, AllocError> {
+        self.alloc_with_retries(bytes, stream, residency, 0)
+    }
+
+    /// [`Allocator::alloc_in`], the block starting at a multiple of `align` (0: no more than
+    /// every block's [`MIN_ALIGN`](crate::config::MIN_ALIGN)), with the out-of-memory
+    /// observers' retries.
+    pub(super) fn alloc_with_retries(
+        &self,
+        bytes: u64,
+        stream: StreamId,
+        residency: Residency,
+        align: u64,
+    ) -> Result<Buffer<D>, AllocError> {
         let mut attempt = 0;
         let mut pools_released = false;
         loop {
-            match self.alloc_in_once(bytes, stream, residency) {
+            match self.alloc_in_once(bytes, stream, residency, align) {
                 Err(AllocError::OutOfMemory(_))
                     if !pools_released && self.shared.release_oom_pools() =>
                 {
@@ -260,13 +289,14 @@ impl<D: Device> Allocator<D> {
         bytes: u64,
         stream: StreamId,
         residency: Residency,
+        align: u64,
     ) -> Result<Buffer<D>, AllocError> {
         let sh = &self.shared;
         if sh.routes.any()
             && let Some(pool) = sh.routes.get(stream)
         {
             // A guard or a capture routes this stream to a private pool.
-            return pool.alloc_in_once(bytes, stream, residency);
+            return pool.alloc_in_once(bytes, stream, residency, align);
         }
         if bytes == 0 {
             sh.stream_exists(stream)?;
@@ -276,7 +306,10 @@ impl<D: Device> Allocator<D> {
         let config = &*plan.config;
         let class = ClassKey { residency, rounded: plan.rounded };
         let mut cached = None;
-        if plan.fast && !sh.recording.load(Ordering::Relaxed) {
+        // An aligned request skips the stream caches and the large-block reuse: a cached block
+        // of its class may start anywhere.
+        let cacheable = align <= crate::config::MIN_ALIGN || sh.broken(Broken::AlignedFromCache);
+        if plan.fast && cacheable && !sh.recording.load(Ordering::Relaxed) {
             // This thread's lane first, then the stream's other lanes (a block freed on another
             // thread), each under its own lock only.
             for lane in 0..fast_cache::LANES {
@@ -306,6 +339,7 @@ impl<D: Device> Allocator<D> {
             return Ok(self.hand_out_cached(&b, bytes, stream, &plan, residency));
         }
         if !plan.fast
+            && cacheable
             && config.fast_path()
             && !sh.recording.load(Ordering::Relaxed)
             && let Some(b) = sh.reuse_large(&mut st, stream, class, bytes, &config.sizing)
@@ -314,7 +348,7 @@ impl<D: Device> Allocator<D> {
             return Ok(self.hand_out_cached(&b, bytes, stream, &plan, residency));
         }
         let key = PoolKey { residency, stream, kind: plan.kind };
-        let block = sh.find_or_reserve(&mut st, config, key, bytes, plan.rounded)?;
+        let block = sh.find_or_reserve_aligned(&mut st, config, key, bytes, plan.rounded, align)?;
         let sizing = sh.alloc_sizing(&st, block, &config.sizing);
         let block = st.pool.allocate(block, plan.rounded, bytes, &sizing);
         let b = st.pool.block(block);
@@ -579,15 +613,27 @@ impl<D: Device> Allocator<D> {
     /// A consistent copy of every statistic, read without the global lock (see `counters.rs`):
     /// one double collect over the published base and stream-cache statistics. Under
     /// `global_lock:true` it is read under the lock instead; if writers keep interfering, too.
+    /// Accumulated figures count from the last [`Allocator::reset_accumulated_stats`].
     pub fn stats(&self) -> MemoryStats {
         let sh = &self.shared;
-        if !sh.config.load().global_lock
+        let raw = if !sh.config.load().global_lock
             && let Some((table, snap)) =
                 counters::collect(&sh.stats, || sh.caches.all(), STATS_TRIES)
         {
-            return sh.with_vm_stats(sh.with_scope_stats(stats_from(&table, snap)));
-        }
-        // Under the lock: exact, whether or not the statistics are being published.
+            sh.with_extra_stats(
+                sh.with_vm_stats(sh.with_scope_stats(stats_from(&table, snap))),
+                None,
+            )
+        } else {
+            self.stats_under_lock()
+        };
+        extra_stats::since(raw, &sh.accumulated_base.load())
+    }
+
+    /// Every statistic read under the lock: exact, whether or not they are being published
+    /// (accumulated figures since the allocator was made).
+    fn stats_under_lock(&self) -> MemoryStats {
+        let sh = &self.shared;
         let mut st = sh.lock_state();
         let all = sh.caches.all();
         let inners: Vec<_> = all.iter().map(|c| c.lock_inner()).collect();
@@ -608,7 +654,8 @@ impl<D: Device> Allocator<D> {
                 .collect(),
         };
         drop(inners);
-        sh.with_vm_stats(sh.with_scope_stats(stats_from(&all, snap)))
+        let m = sh.with_vm_stats(sh.with_scope_stats(stats_from(&all, snap)));
+        sh.with_extra_stats(m, Some(&*st))
     }
 
     /// Bytes currently reserved from the device.
@@ -626,6 +673,7 @@ impl<D: Device> Allocator<D> {
         let sh = &self.shared;
         let mut st = sh.lock_state();
         st.pool.reset_peak_stats();
+        st.oversize_segments.reset_peak();
         st.base.reset_peaks(&sh.caches.all());
     }
 }

@@ -270,11 +270,12 @@ impl<D: Device> fmt::Debug for PoolGuard<'_, D> {
 }
 
 impl<D: Device> Allocator<D> {
-    /// A new private pool, with this allocator's configuration.
+    /// A new private pool, with this allocator's configuration (no initial pool of its own).
     pub fn new_pool(&self, options: PoolOptions) -> Result<MemPool<D>, AllocError> {
         let sh = &self.shared;
         let id = sh.family.next_id();
-        let config = (*self.config()).clone();
+        let mut config = (*self.config()).clone();
+        config.initial_pool_size = 0; // the initial pool is the general allocator's
         let alloc = Allocator::build(sh.device.clone(), config, sh.family.clone(), id)?;
         if options.use_on_oom {
             lock(&sh.family.oom_pools).push((id, alloc.shared.clone()));

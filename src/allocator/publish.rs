@@ -16,6 +16,10 @@ impl<D: Device> Shared<D> {
         if !st.vm.is_empty() {
             self.trim(st);
         }
+        if self.passthrough.load(Ordering::Relaxed) {
+            self.release_free_segments(st);
+        }
+        self.publish_extra(st);
         if !self.publish_stats.load(Ordering::Relaxed) {
             return;
         }

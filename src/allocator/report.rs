@@ -4,7 +4,8 @@
 use super::Allocator;
 use crate::device::{Device, DeviceAddr, StreamId};
 use crate::pool::BlockState;
-use crate::stats::{Bytes, PoolKind, Residency, Stat, StatGroup};
+use crate::stats::{Bytes, MemoryStats, PoolKind, Residency, Stat, StatGroup};
+use crate::sync::atomic::Ordering;
 use std::fmt::Write;
 
 /// One block of a segment, as `snapshot()` lists it.
@@ -68,6 +69,64 @@ impl<D: Device> Allocator<D> {
         out
     }
 
+    /// The controls section of [`Allocator::memory_summary`]: each control's state, and how to
+    /// turn it on.
+    fn controls_rows(&self, out: &mut String, s: &MemoryStats) {
+        let c = self.config();
+        let total = self.shared.device_total;
+        let mib = |b: u64| Bytes(b).to_string();
+        let history = self.shared.recording.load(Ordering::Relaxed);
+        let rows: [(String, &str); 8] = [
+            (
+                match (c.garbage_collection_threshold, c.gc_limit(total)) {
+                    (Some(t), Some(at)) => format!("garbage collection: {t} ({})", mib(at)),
+                    _ => "garbage collection: off".into(),
+                },
+                "garbage_collection_threshold:0.8 + a cap",
+            ),
+            (
+                match c.initial_pool_size {
+                    0 => "initial pool: none".into(),
+                    b => format!("initial pool: {}", mib(b)),
+                },
+                "initial_pool_size_mb:N",
+            ),
+            (
+                match c.max_pool_size {
+                    Some(b) => format!("max pool size: {}", mib(b)),
+                    None => "max pool size: none".into(),
+                },
+                "max_pool_size_mb:N",
+            ),
+            (
+                match c.limit(total) {
+                    Some(b) => format!("cap on reserved: {}", mib(b)),
+                    None => "cap on reserved: none".into(),
+                },
+                "memory_limit_mb, per_process_memory_fraction",
+            ),
+            (
+                format!("caching: {}", if c.caching { "on" } else { "off (pass-through)" }),
+                "caching:false (TIDEPOOL_NO_MEMORY_CACHING=1)",
+            ),
+            (
+                format!("memory history: {}", if history { "recording" } else { "off" }),
+                "Allocator::record_history",
+            ),
+            ("aligned allocations".into(), "Allocator::alloc_aligned(bytes, align, s)"),
+            (
+                format!(
+                    "oversize allocs / segs: {} / {}",
+                    s.oversize_allocations.current, s.oversize_segments.current
+                ),
+                "reset_accumulated_stats; max_split_size_mb",
+            ),
+        ];
+        for (state, how) in rows {
+            let _ = writeln!(out, "| {state:<38}| {how:<46}|");
+        }
+    }
+
     /// A text table of the statistics, like `torch.cuda.memory_summary()`.
     pub fn memory_summary(&self) -> String {
         let s = self.stats();
@@ -100,6 +159,8 @@ impl<D: Device> Allocator<D> {
                 s.fragmentation()
             )
         );
+        out += &thin;
+        self.controls_rows(&mut out, &s);
         out += &rule;
         let _ = writeln!(
             out,

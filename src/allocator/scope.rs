@@ -416,6 +416,10 @@ impl<D: Device> Allocator<D> {
 
 impl<'a, D: Device> Scope<'a, D> {
     fn open(alloc: &'a Allocator<D>, stream: StreamId, name: Option<String>) -> Scope<'a, D> {
+        // With caching off (`caching:false`) a scope neither learns plans nor reuses blocks
+        // locally: every allocation and free reaches the device.
+        let caching = alloc.shared.config.load().caching;
+        let name = name.filter(|_| caching);
         let (plan, region) = match &name {
             Some(n) => alloc.shared.plan_for(n, stream),
             None => (None, None),
@@ -841,6 +845,7 @@ impl<'a, D: Device> Scope<'a, D> {
         let mut run = self.run.borrow_mut();
         let mut buf = run.unhold(slot);
         if !buf.used_elsewhere()
+            && self.config.caching
             && let Origin::Pool(block) = buf.origin
         {
             self.device.note_reclaim(buf.ptr, buf.size, self.stream);

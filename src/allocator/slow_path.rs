@@ -4,6 +4,7 @@
 
 use super::history::Action;
 use super::*;
+use crate::config::MIN_ALIGN;
 
 impl<D: Device> Allocator<D> {
     /// A buffer for a block popped from a stream cache.
@@ -62,6 +63,21 @@ impl<D: Device> Shared<D> {
         bytes: u64,
         rounded: u64,
     ) -> Result<BlockId, AllocError> {
+        self.find_or_reserve_aligned(st, config, key, bytes, rounded, 0)
+    }
+
+    /// [`Shared::find_or_reserve`] for a block that starts at a multiple of `align` (0, or any
+    /// power of two up to [`MIN_ALIGN`]: every block does): the free block returned starts
+    /// there, its padding split off as a free block of its own (`pool/align.rs`).
+    pub(super) fn find_or_reserve_aligned(
+        &self,
+        st: &mut State,
+        config: &Config,
+        key: PoolKey,
+        bytes: u64,
+        rounded: u64,
+        align: u64,
+    ) -> Result<BlockId, AllocError> {
         if !st.pending.is_empty() {
             self.process_events(st);
         }
@@ -70,15 +86,27 @@ impl<D: Device> Shared<D> {
             // A large block waiting in a stream cache is searched as the pool would hold it.
             self.flush_large(st);
         }
-        if let Some(b) = self.find_free(st, config, key, rounded) {
-            return Ok(b);
+        let aligned = align > MIN_ALIGN;
+        // Any block of `need` bytes holds `rounded` bytes at an aligned address (blocks start
+        // at multiples of MIN_ALIGN).
+        let need = if aligned { rounded + align - MIN_ALIGN } else { rounded };
+        let find = |sh: &Self, st: &mut State| match aligned {
+            true => st.pool.find_free_aligned(key, rounded, align, &config.sizing),
+            false => sh.find_free(st, config, key, rounded),
+        };
+        let at = |st: &mut State, b: BlockId| match aligned {
+            true => st.pool.split_front(b, align),
+            false => b,
+        };
+        if let Some(b) = find(self, st) {
+            return Ok(at(st, b));
         }
         // Before going further afield, return what the stream caches hold: they never make the
         // allocator reserve more than it would without them.
         if self.flush_all(st) > 0
-            && let Some(b) = self.find_free(st, config, key, rounded)
+            && let Some(b) = find(self, st)
         {
-            return Ok(b);
+            return Ok(at(st, b));
         }
         // Before anything new is reserved, a transient block may take free space in the
         // stream's persistent segments (the tails of the segments holding the weights). Never
@@ -93,21 +121,34 @@ impl<D: Device> Shared<D> {
                 Residency::Transient => Residency::Persistent,
                 Residency::Persistent => Residency::Transient,
             };
-            if let Some(b) =
-                self.find_free(st, config, PoolKey { residency: other, ..key }, rounded)
-            {
-                return Ok(b);
+            let borrowed = PoolKey { residency: other, ..key };
+            let found = match aligned {
+                true => st.pool.find_free_aligned(borrowed, rounded, align, &config.sizing),
+                false => self.find_free(st, config, borrowed, rounded),
+            };
+            if let Some(b) = found {
+                return Ok(at(st, b));
             }
         }
+        let z = &config.sizing;
+        let seg_size = match self.passthrough.load(Ordering::Relaxed) {
+            // caching:false: a segment of the block's own size, returned when it is freed.
+            true => need.next_multiple_of(z.min_block_size),
+            false if z.segment_size(rounded) >= need => z.segment_size(rounded),
+            false => need.next_multiple_of(z.round_large),
+        };
+        self.collect_garbage(st, config, seg_size)?;
         if self.expandable(st, config, key)
-            && let Some(b) = self.find_or_grow(st, config, key, bytes, rounded)?
+            && let Some(b) = self.find_or_grow(st, config, key, (bytes, rounded, need))?
         {
-            return Ok(b);
+            let blk = st.pool.block(b);
+            if !aligned || blk.size >= rounded + crate::pool::padding(blk.addr, align) {
+                return Ok(at(st, b));
+            }
         }
-        if let Some(b) = self.take_from_other_stream(st, config, key, rounded)? {
-            return Ok(b);
+        if let Some(b) = self.take_from_other_stream(st, config, key, need)? {
+            return Ok(at(st, b));
         }
-        let seg_size = config.sizing.segment_size(rounded);
         let mut retried = false;
         loop {
             match self.reserve(st, config, key, seg_size) {
@@ -115,7 +156,7 @@ impl<D: Device> Shared<D> {
                     if retried {
                         st.counters.retries += 1;
                     }
-                    return Ok(b);
+                    return Ok(at(st, b));
                 }
                 Err(AllocError::OutOfMemory(_)) if !retried && !self.device.capture_underway() => {
                     // The ladder: wait for pending events and search the pool again (their
@@ -123,9 +164,13 @@ impl<D: Device> Shared<D> {
                     retried = true;
                     if !st.pending.is_empty() {
                         self.sync_events(st)?;
-                        if let Some(b) = st.pool.find_free(key, rounded, &config.sizing) {
+                        let found = match aligned {
+                            true => st.pool.find_free_aligned(key, rounded, align, z),
+                            false => st.pool.find_free(key, rounded, z),
+                        };
+                        if let Some(b) = found {
                             st.counters.retries += 1;
-                            return Ok(b);
+                            return Ok(at(st, b));
                         }
                     }
                     self.release_segments(st, |s| s.key.residency == Residency::Transient)?;
@@ -161,6 +206,7 @@ impl<D: Device> Shared<D> {
                 st.counters.device_alloc += 1;
                 *st.segment_streams.entry(key.stream).or_default() += 1;
                 st.note(Action::SegmentAlloc, ptr, seg_size, key.stream);
+                self.count_oversize_segment(st, ptr.0, seg_size, true);
                 Ok(st.pool.add_segment(key, ptr.0, seg_size))
             }
             // A refusal of the memory itself (capacity, limit, or the driver's own out-of-memory code)
@@ -256,19 +302,29 @@ impl<D: Device> Shared<D> {
         if !st.vm.is_empty() {
             self.release_pages(st, &mut which, 0)?;
         }
-        let vm = &st.vm;
-        for seg in st.pool.releasable_segments(|s| !vm.contains(s.base) && which(s)) {
-            let base = st.pool.segment(seg).base;
-            // Release on the device first: if it fails, the segment stays cached and consistent.
-            self.device.release(DeviceAddr(base))?;
-            let stream = st.pool.segment(seg).key.stream;
-            let size = st.pool.segment(seg).size;
-            st.pool.remove_segment(seg);
-            st.note(Action::SegmentFree, DeviceAddr(base), size, stream);
-            Self::forget_segment(st, stream);
-            st.counters.device_free += 1;
-            st.counters.host_syncs += 1;
+        let (vm, initial) = (&st.vm, st.initial);
+        for seg in st
+            .pool
+            .releasable_segments(|s| !vm.contains(s.base) && Some(s.base) != initial && which(s))
+        {
+            self.release_segment(st, seg)?;
         }
+        Ok(())
+    }
+
+    /// Returns one ordinary segment with no busy block to the device (a host sync).
+    pub(super) fn release_segment(&self, st: &mut State, seg: SegmentId) -> Result<(), AllocError> {
+        let base = st.pool.segment(seg).base;
+        // Release on the device first: if it fails, the segment stays cached and consistent.
+        self.device.release(DeviceAddr(base))?;
+        let stream = st.pool.segment(seg).key.stream;
+        let size = st.pool.segment(seg).size;
+        st.pool.remove_segment(seg);
+        st.note(Action::SegmentFree, DeviceAddr(base), size, stream);
+        Self::forget_segment(st, stream);
+        self.count_oversize_segment(st, base, size, false);
+        st.counters.device_free += 1;
+        st.counters.host_syncs += 1;
         Ok(())
     }
 
@@ -283,7 +339,10 @@ impl<D: Device> Shared<D> {
             && self.fast_path.load(Ordering::Relaxed)
             && let Some(cache) = match counters::is_small(f.quadrant) {
                 true => self.caches.fast(f.stream),
-                false if self.cache_large.load(Ordering::Relaxed) => {
+                false
+                    if self.cache_large.load(Ordering::Relaxed)
+                        && f.size < self.oversize_at.load(Ordering::Relaxed) =>
+                {
                     self.caches.first_lane(f.stream)
                 }
                 false => None,
@@ -325,6 +384,15 @@ impl<D: Device> Shared<D> {
                 Mark::Event(event) => events.push((s, PendingEvent { event, block })),
                 Mark::Drained => {}
                 Mark::Failed => wait_on_host = true,
+            }
+        }
+        if self.passthrough.load(Ordering::Relaxed) && !events.is_empty() {
+            // caching:false: the block goes back to the device now, once the other streams'
+            // work on it completed (a counted host sync per event).
+            for (_, p) in events.drain(..) {
+                st.counters.host_syncs += 1;
+                wait_on_host |= self.device.synchronize_event(p.event).is_err();
+                st.free_events.push(p.event);
             }
         }
         if wait_on_host {

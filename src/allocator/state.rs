@@ -52,6 +52,15 @@ pub(crate) struct Shared<D: Device> {
     pub(super) routes: private_pool::Routes<D>,
     /// Which pool this is (id 0: the general allocator), and who uses it.
     pub(super) role: private_pool::PoolRole,
+    /// `caching:false`: every free returns its segment to the device (`passthrough.rs`).
+    pub(super) passthrough: AtomicBool,
+    /// Blocks of at least this size (`max_split_size`) are oversize: never kept in a stream
+    /// cache, so `oversize_allocations` counts exactly the live ones.
+    pub(super) oversize_at: AtomicU64,
+    /// PyTorch's oversize and sync-all figures for lock-free readers (`extra_stats.rs`).
+    pub(super) extra: extra_stats::ExtraPublished,
+    /// The accumulated figures at the last `reset_accumulated_stats` (subtracted on read).
+    pub(super) accumulated_base: ArcCell<MemoryStats>,
 }
 
 /// What a named scope learned, and the region its plan lives in.
@@ -85,6 +94,8 @@ pub(super) struct Counters {
     pub(super) device_alloc: u64,
     pub(super) device_free: u64,
     pub(super) host_syncs: u64,
+    /// Waits for every pending event (PyTorch's `num_sync_all_streams`).
+    pub(super) sync_all: u64,
 }
 
 #[derive(Default)]
@@ -117,6 +128,14 @@ pub(super) struct State {
     pub(super) vm: expandable::Vm,
     /// The memory history, while it is recorded (`history.rs`).
     pub(super) history: Option<History>,
+    /// Ordinary segments of at least `max_split_size` (PyTorch's `oversize_segments`).
+    pub(super) oversize_segments: crate::types::Stat,
+    /// Bases of the segments counted in `oversize_segments`.
+    pub(super) oversize_bases: BTreeSet<u64>,
+    /// The segment reserved up front (`initial_pool_size`), by base: kept until the end.
+    pub(super) initial: Option<u64>,
+    /// The extra figures as last published (`extra_stats.rs`).
+    pub(super) extra_published: [u64; extra_stats::EXTRA_WORDS],
 }
 
 /// The streams that touched a buffer, as `Buffer::use_on` tracks them (cudarc's read and write
@@ -200,6 +219,7 @@ impl<D: Device> Drop for Shared<D> {
             }
         }
         let _ = self.sync_events(&mut st);
+        st.initial = None; // the initial pool goes too
         self.poll_retiring(&mut st, true);
         let _ = self.release_segments(&mut st, |_| true);
         self.free_ranges(&mut st, |_| true);

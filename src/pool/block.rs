@@ -45,6 +45,9 @@ pub struct Block {
     pub next: Option<BlockId>,
     /// Free, allocated or pending.
     pub state: BlockState,
+    /// Allocated while at least the pool's oversize size (`max_split_size`): counted in
+    /// `oversize_allocations` until freed.
+    pub oversize: bool,
 }
 
 impl Block {
@@ -69,4 +72,7 @@ pub struct Segment {
     pub busy_blocks: usize,
     /// The slot of its key's free index in the pool.
     pub(super) slot: usize,
+    /// The pool's clock when a block of it was last allocated or freed: the segment with the
+    /// smallest has been idle longest.
+    pub last_use: u64,
 }

@@ -15,15 +15,17 @@
 //! events) are neither free nor merged. [`BlockStats`] are kept exact after every operation, and
 //! [`Pool::check_invariants`] recomputes them from scratch to prove it.
 
+mod align;
 mod block;
 mod free_index;
 mod pages;
 mod sizing;
 
+pub use align::padding;
 pub use block::{Block, BlockId, BlockState, PoolKey, Segment, SegmentId};
 pub use sizing::{MIB, Sizing};
 
-use crate::types::{BlockStats, StreamId};
+use crate::types::{BlockStats, Stat, StreamId};
 use free_index::{Entry, FreeIndex};
 use slab::Slab;
 
@@ -50,6 +52,12 @@ pub struct Pool {
     dirty: Vec<usize>,
     /// Which of the statistics only the pool changes changed since [`Pool::take_changed`].
     changed: u8,
+    /// Ticks at every allocation and free: segments remember when they were last used.
+    clock: u64,
+    /// Blocks of at least this size are oversize allocations (`max_split_size`; 0: unset).
+    oversize_at: u64,
+    /// Live oversize allocations (PyTorch's `oversize_allocations`).
+    oversize: Stat,
 }
 
 impl Pool {
@@ -79,9 +87,21 @@ impl Pool {
         &self.stats
     }
 
+    /// Live allocations of blocks of at least the oversize size (PyTorch's
+    /// `oversize_allocations`: blocks never split, of `max_split_size` or more).
+    pub fn oversize_allocations(&self) -> &Stat {
+        &self.oversize
+    }
+
+    /// Blocks of at least `bytes` count as oversize allocations from now on (`u64::MAX`: none).
+    pub fn set_oversize_size(&mut self, bytes: u64) {
+        self.oversize_at = bytes;
+    }
+
     /// Resets every peak statistic to its current value.
     pub fn reset_peak_stats(&mut self) {
         self.stats.reset_peak();
+        self.oversize.reset_peak();
         self.changed = Self::SEGMENTS_CHANGED | Self::SPLITS_CHANGED;
     }
 
@@ -198,8 +218,19 @@ impl Pool {
             prev: None,
             next: None,
             state: BlockState::Free,
+            oversize: false,
         }));
-        self.segments.insert(Segment { base, size, key, first: block, busy_blocks: 0, slot });
+        self.clock += 1;
+        let last_use = self.clock;
+        self.segments.insert(Segment {
+            base,
+            size,
+            key,
+            first: block,
+            busy_blocks: 0,
+            slot,
+            last_use,
+        });
         self.index_insert(slot, Entry { size, addr: base, id: block.0 });
         self.count_segment(key, size, true);
         block
@@ -235,6 +266,7 @@ impl Pool {
                 prev: Some(id),
                 next: b.next,
                 state: BlockState::Free,
+                oversize: false,
             };
             let (rest_addr, rest_size, old_next) = (rest.addr, rest.size, rest.next);
             let rest_id = self.blocks.insert(rest);
@@ -251,7 +283,14 @@ impl Pool {
         b.state = BlockState::Allocated;
         b.requested = requested;
         let size = b.size;
-        self.segments[seg.0].busy_blocks += 1;
+        b.oversize = self.oversize_at > 0 && size >= self.oversize_at;
+        if b.oversize {
+            self.oversize.increase(1);
+        }
+        self.clock += 1;
+        let s = &mut self.segments[seg.0];
+        s.busy_blocks += 1;
+        s.last_use = self.clock;
         let st = &mut self.stats;
         st.allocated_bytes.increase(kind, res, size);
         st.allocation.increase(kind, res, 1);
@@ -308,6 +347,9 @@ impl Pool {
         let b = &mut self.blocks[id.0];
         assert_eq!(b.state, BlockState::Allocated, "mark_pending of a block that is not allocated");
         b.state = BlockState::Pending;
+        if std::mem::take(&mut b.oversize) {
+            self.oversize.decrease(1);
+        }
         let (size, key) = (b.size, self.segments[b.segment.0].key);
         self.stats.allocated_bytes.decrease(key.kind, key.residency, size);
         self.stats.allocation.decrease(key.kind, key.residency, 1);
@@ -322,8 +364,13 @@ impl Pool {
         b.state = BlockState::Free;
         let (size, requested, seg) = (b.size, b.requested, b.segment);
         b.requested = 0;
+        if std::mem::take(&mut b.oversize) {
+            self.oversize.decrease(1);
+        }
+        self.clock += 1;
         let s = &mut self.segments[seg.0];
         s.busy_blocks -= 1;
+        s.last_use = self.clock;
         let (key, slot) = (s.key, s.slot);
         let (kind, res) = (key.kind, key.residency);
         let st = &mut self.stats;
@@ -481,6 +528,7 @@ impl Pool {
     pub fn check_invariants(&self) -> Result<(), String> {
         let mut expect = BlockStats::default();
         let mut free_seen = 0usize;
+        let mut oversize = 0u64;
         let mut ranges: Vec<(u64, u64)> = Vec::new();
         for (sid, seg) in self.segments.iter() {
             let (kind, res) = (seg.key.kind, seg.key.residency);
@@ -533,6 +581,10 @@ impl Pool {
                         if b.state == BlockState::Allocated {
                             expect.allocated_bytes.increase(kind, res, b.size);
                             expect.allocation.increase(kind, res, 1);
+                        }
+                        oversize += u64::from(b.oversize);
+                        if b.oversize && b.state != BlockState::Allocated {
+                            return Err(format!("pending block at {:#x} still oversize", b.addr));
                         }
                         expect.active_bytes.increase(kind, res, b.size);
                         expect.active.increase(kind, res, 1);
@@ -604,6 +656,12 @@ impl Pool {
                 [g.all, g.small_pool, g.large_pool, g.persistent, g.transient].map(|s| s.current)
             })
         };
+        if oversize != self.oversize.current {
+            return Err(format!(
+                "oversize allocations drifted: kept {}, recounted {oversize}",
+                self.oversize.current
+            ));
+        }
         if current(&expect) != current(&self.stats) {
             return Err(format!(
                 "stats drifted: kept {:?}, recomputed {:?}",

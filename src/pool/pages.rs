@@ -120,6 +120,7 @@ impl Pool {
                     prev: None,
                     next: Some(first),
                     state: BlockState::Free,
+                    oversize: false,
                 }));
                 self.blocks[first.0].prev = Some(nb);
                 self.segments[r.0].first = nb;
@@ -152,6 +153,7 @@ impl Pool {
                 prev: Some(last),
                 next: None,
                 state: BlockState::Free,
+                oversize: false,
             }));
             self.blocks[last.0].next = Some(nb);
             nb
@@ -231,6 +233,7 @@ impl Pool {
                 prev: None,
                 next,
                 state: BlockState::Free,
+                oversize: false,
             }));
             if let Some(n) = next {
                 self.blocks[n.0].prev = Some(rb);
@@ -258,6 +261,7 @@ impl Pool {
                     first,
                     busy_blocks: busy,
                     slot,
+                    last_use: self.segments[seg.0].last_use,
                 });
                 let s = &mut self.segments[seg.0];
                 s.size = lo - sb;

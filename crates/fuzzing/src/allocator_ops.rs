@@ -257,6 +257,17 @@ struct Harness<'a> {
     granularity: u64,
     /// `vm_failures()` at the last check: refusals beyond it happened in the current step.
     vm_fail_mark: std::cell::Cell<u64>,
+    /// The initial pool segments (`initial_pool_size_mb`) of the two allocators, kept until
+    /// they are dropped: no release is expected to return them.
+    initial: [Option<(DeviceAddr, u64)>; 2],
+}
+
+/// The initial pool segment of an allocator just made (its only segment), if it has one.
+fn initial_segment(a: &Allocator<SimDevice>) -> Option<(DeviceAddr, u64)> {
+    if a.config().initial_pool_size == 0 {
+        return None;
+    }
+    a.snapshot().first().map(|s| (s.address, s.size))
 }
 
 /// What the harness checks of a scoped buffer, bound or unbound.
@@ -314,6 +325,7 @@ impl<'a> Harness<'a> {
     ) -> Harness<'a> {
         let dev = alloc.device().clone();
         let granularity = alloc.config().sizing.min_block_size.min(512);
+        let initial = [initial_segment(alloc), initial_segment(other)];
         // Slot 0 is the default stream; a reused device brings its other streams along.
         let mut slots = [None; STREAM_SLOTS as usize];
         slots[0] = Some(StreamId::DEFAULT);
@@ -335,6 +347,7 @@ impl<'a> Harness<'a> {
             base,
             granularity,
             vm_fail_mark: std::cell::Cell::new(0),
+            initial,
         }
     }
 
@@ -799,7 +812,17 @@ impl<'a> Harness<'a> {
         let rounded = sizing.round(bytes);
         let calls_before = self.reserve_calls();
         let ooms_before = self.alloc.stats().num_ooms;
-        match self.alloc.alloc_in(bytes, s, residency) {
+        // One request in four (sizes ≡ 3 mod 4) asks for an alignment from 512 B to 1 MiB
+        // (within every configuration's smallest segment) through `alloc_aligned_in`.
+        let align = match bytes % 4 {
+            3 => 1u64 << (9 + (bytes >> 2) % 12),
+            _ => 0,
+        };
+        let made = match align {
+            0 => self.alloc.alloc_in(bytes, s, residency),
+            _ => self.alloc.alloc_aligned_in(bytes, align, s, residency),
+        };
+        match made {
             Ok(b) if bytes == 0 => {
                 ensure!(
                     b.ptr() == DeviceAddr::NULL && b.block_size() == 0 && b.is_empty(),
@@ -813,15 +836,15 @@ impl<'a> Harness<'a> {
                 let Some(rounded) = rounded else {
                     return Err(format!("a request of {bytes} bytes beyond MAX_REQUEST succeeded"));
                 };
-                let align = self.granularity;
+                let granularity = self.granularity;
                 ensure!(
                     b.len() == bytes
                         && b.stream() == s
                         && b.block_size() >= rounded
-                        && b.block_size().is_multiple_of(align)
+                        && b.block_size().is_multiple_of(granularity)
                         && b.ptr() != DeviceAddr::NULL
-                        && b.ptr().0.is_multiple_of(align),
-                    "bad buffer for {bytes} bytes (rounded {rounded}) on {s}: {b:?}"
+                        && b.ptr().0.is_multiple_of(granularity.max(align)),
+                    "bad buffer for {bytes} bytes (rounded {rounded}, align {align}) on {s}: {b:?}"
                 );
                 let kind = sizing.kind(rounded);
                 self.live.push(Live { buf: b, residency, kind, users: vec![s], run: None });
@@ -914,7 +937,8 @@ impl<'a> Harness<'a> {
         which: impl Fn(&SegmentInfo) -> bool,
         what: &str,
     ) -> Result<(), String> {
-        for seg in self.alloc.snapshot().iter().filter(|s| which(s)) {
+        let kept = self.initial[0].map(|(a, _)| a);
+        for seg in self.alloc.snapshot().iter().filter(|s| which(s) && Some(s.address) != kept) {
             ensure!(
                 seg.blocks.iter().any(|b| b.state != BlockState::Free),
                 "{what} left the free segment at {} ({} bytes, {}) cached",
@@ -1187,14 +1211,18 @@ impl<'a> Harness<'a> {
         if explicit {
             self.other.empty_cache().map_err(|e| format!("second empty_cache: {e}"))?;
             self.other.release_persistent().map_err(|e| format!("second release: {e}"))?;
-            ensure!(self.other.reserved_bytes() == 0, "the second allocator kept memory");
+            let kept = |i: usize| self.initial[i].map_or(0, |(_, size)| size);
+            ensure!(self.other.reserved_bytes() == kept(1), "the second allocator kept memory");
             self.alloc.empty_cache().map_err(|e| format!("empty_cache: {e}"))?;
             self.alloc.release_persistent().map_err(|e| format!("release_persistent: {e}"))?;
             self.check()?;
             self.nothing_releasable(|_| true, "empty_cache + release_persistent")?;
+            let mut initials: Vec<_> = self.initial.iter().flatten().copied().collect();
+            initials.sort();
+            let mut live = self.dev.live_segments();
+            live.sort();
             ensure!(
-                regions > 0
-                    || self.alloc.reserved_bytes() == 0 && self.dev.live_segments().is_empty(),
+                regions > 0 || self.alloc.reserved_bytes() == kept(0) && live == initials,
                 "an idle allocator kept {} bytes after empty_cache + release_persistent",
                 self.alloc.reserved_bytes()
             );

@@ -28,8 +28,9 @@ pub const STREAM_SLOTS: u8 = 3;
 pub const CAPACITIES: [u64; 4] = [64 * MIB, 256 * MIB, 1 << 30, 64 << 30];
 
 /// Configurations a program may start with or switch to. All valid. (The expandable ones were
-/// added last: a seed written with a choice below 9 decodes as before.)
-pub const CONFIGS: [&str; 12] = [
+/// added after the first nine, the controls of issue 18 after those: a seed written with a
+/// choice below 9 decodes as before.)
+pub const CONFIGS: [&str; 16] = [
     "",
     "cross_stream:wait_event",
     "max_split_size_mb:40",
@@ -42,6 +43,10 @@ pub const CONFIGS: [&str; 12] = [
     "expandable_segments:true",
     "expandable_segments:true,cross_stream:wait_event,memory_limit_mb:96",
     "expandable_segments:true,release_threshold_mb:2,roundup_power2_divisions:4",
+    "memory_limit_mb:96,garbage_collection_threshold:0.5",
+    "caching:false",
+    "initial_pool_size_mb:8,max_pool_size_mb:128,garbage_collection_threshold:0.75,max_split_size_mb:40",
+    "caching:false,cross_stream:wait_event,max_pool_size_mb:96",
 ];
 
 /// Kernel and sleep durations in µs (mostly zero: a zero sleep costs nothing).

@@ -186,8 +186,8 @@ impl AllocatorSettings {
             && gc.parse::<f64>().is_ok_and(|x| x > 0.0)
         {
             notes.push(format!(
-                "garbage_collection_threshold {gc}: tidepool has no early release of cached \
-                 blocks; not mapped"
+                "garbage_collection_threshold {gc}: tidepool's key works against a cap \
+                 (per_process_memory_fraction), which the snapshot does not record; not mapped"
             ));
         }
         if let Some(backend) = self.conf_value("backend")

@@ -1,0 +1,583 @@
+//! The controls PyTorch and RMM users reach for (issue 18), on SimDevice with exact figures:
+//! garbage_collection_threshold, initial and maximum pool size, alloc_aligned, caching:false
+//! (pass-through), and the statistics num_sync_all_streams, oversize_* and
+//! reset_accumulated_stats. Each control's deliberate bug (`Broken`) is shown to be caught.
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+use tidepool::device::{Access, AccessKind, Kernel, Launch, SimDevice};
+use tidepool::hooks::Broken;
+use tidepool::{
+    AllocError, Allocator, Buffer, Config, ConfigError, Device, DeviceAddr, MIB, Residency, Stat,
+    StreamId,
+};
+
+mod common;
+use common::N;
+
+const S: StreamId = StreamId::DEFAULT;
+
+fn setup(config: &str, capacity: u64) -> (Arc<SimDevice>, Allocator<SimDevice>) {
+    let dev = Arc::new(SimDevice::new(capacity));
+    let alloc = Allocator::new(dev.clone(), Config::parse(config).unwrap()).unwrap();
+    (dev, alloc)
+}
+
+fn live_bases(dev: &SimDevice) -> BTreeSet<u64> {
+    dev.live_segments().iter().map(|(p, _)| p.0).collect()
+}
+
+// ---------------------------------------------------------------- garbage_collection_threshold
+
+/// Four 10 MiB segments (own-segment requests): P persistent, then B, A, C transient, freed in
+/// that order, then B reused and freed again: idle longest first, P, A, C, B. A 22 MiB request
+/// under a 50 MiB threshold (0.5 × 100 MiB) must first release A and C, the two transient
+/// segments idle longest, and nothing else.
+/// Returns (bases of P, B, A, C, the new block's base), the device's live bases after, and the
+/// reserved bytes after.
+fn gc_scenario(broken: Option<Broken>) -> ([u64; 5], BTreeSet<u64>, u64) {
+    let (dev, alloc) =
+        setup("memory_limit_mb:100,garbage_collection_threshold:0.5,fast_cache:false", 1 << 30);
+    if let Some(mode) = broken {
+        alloc.set_broken(mode, true);
+    }
+    let p = alloc.alloc_in(10 * MIB, S, Residency::Persistent).unwrap();
+    let b = alloc.alloc(10 * MIB, S).unwrap();
+    let a = alloc.alloc(10 * MIB, S).unwrap();
+    let c = alloc.alloc(10 * MIB, S).unwrap();
+    let bases = [p.ptr().0, b.ptr().0, a.ptr().0, c.ptr().0];
+    assert_eq!(alloc.reserved_bytes(), 40 * MIB);
+    for buf in [p, b, a, c] {
+        drop(buf);
+        alloc.check_invariants().unwrap();
+    }
+    // Nothing is collected below the threshold: 40 + 10 ≤ 50 (and the 10 MiB request reuses B).
+    let reuse = alloc.alloc(10 * MIB, S).unwrap();
+    assert_eq!(reuse.ptr().0, bases[1], "best fit: the lowest of the equal free segments");
+    drop(reuse);
+    assert_eq!(alloc.stats().num_device_free, 0);
+    // B was reused last now: the idle order is P, A, C, B.
+    let big = alloc.alloc(22 * MIB, S).unwrap();
+    alloc.check_invariants().unwrap();
+    assert_eq!(dev.counters().failed_mallocs, 0, "collected before asking the device");
+    assert_eq!(alloc.stats().num_alloc_retries, 0);
+    let out = ([bases[0], bases[1], bases[2], bases[3], big.ptr().0], live_bases(&dev), {
+        alloc.reserved_bytes()
+    });
+    drop(big);
+    out
+}
+
+#[test]
+fn gc_releases_idle_transient_segments_oldest_first_before_reserving() {
+    let ([p, b, a, c, big], live, reserved) = gc_scenario(None);
+    // Idle order P (persistent: never), A, C, B: A and C go (40 → 20 MiB, and 20 + 22 ≤ 50).
+    assert_eq!(live, BTreeSet::from([p, b, big]));
+    assert!(!live.contains(&a) && !live.contains(&c));
+    assert_eq!(reserved, 20 * MIB + 22 * MIB);
+}
+
+#[test]
+fn gc_broken_modes_are_caught() {
+    // Youngest first: B (just reused) and C go instead of A and C.
+    let ([p, b, a, c, big], live, _) = gc_scenario(Some(Broken::GcYoungestFirst));
+    assert_eq!(live, BTreeSet::from([p, a, big]), "youngest first releases B and C");
+    assert_ne!(live, BTreeSet::from([p, b, big]));
+    assert!(!live.contains(&c));
+    // Persistent too: P, idle longest, goes first.
+    let ([p, b, _a, c, big], live, _) = gc_scenario(Some(Broken::GcPersistent));
+    assert!(!live.contains(&p), "the broken collection released the persistent segment");
+    assert_eq!(live, BTreeSet::from([b, c, big]));
+}
+
+#[test]
+fn gc_never_touches_the_initial_pool_and_stops_when_nothing_is_idle() {
+    let (dev, alloc) = setup(
+        "max_pool_size_mb:64,garbage_collection_threshold:0.25,initial_pool_size_mb:20,fast_cache:false",
+        1 << 30,
+    );
+    let initial = live_bases(&dev);
+    assert_eq!(alloc.reserved_bytes(), 20 * MIB);
+    // 20 + 12 > 16: over the threshold, but the initial pool is not collected (and it is free).
+    let x = alloc.alloc(12 * MIB, S).unwrap();
+    assert!(initial.contains(&x.ptr().0), "served from the initial pool");
+    let y = alloc.alloc(12 * MIB, S).unwrap();
+    assert_eq!(alloc.reserved_bytes(), 32 * MIB);
+    assert_eq!(alloc.stats().num_device_free, 0);
+    drop((x, y));
+    alloc.check_invariants().unwrap();
+    assert!(live_bases(&dev).is_superset(&initial));
+}
+
+// ---------------------------------------------------------------- initial and maximum pool size
+
+#[test]
+fn initial_pool_is_reserved_up_front_served_from_and_kept() {
+    let (dev, alloc) = setup("initial_pool_size_mb:64", 1 << 30);
+    let s = alloc.stats();
+    assert_eq!(s.blocks.reserved_bytes.all.current, 64 * MIB);
+    assert_eq!(s.blocks.reserved_bytes.large_pool.current, 64 * MIB);
+    assert_eq!(s.num_device_alloc, 1);
+    let base = dev.live_segments()[0].0.0;
+    // Large requests on the default stream are served from it, split as usual.
+    let a = alloc.alloc(4 * MIB, S).unwrap();
+    let b = alloc.alloc(12 * MIB, S).unwrap();
+    assert_eq!((a.ptr().0, b.ptr().0), (base, base + 4 * MIB));
+    assert_eq!(alloc.stats().num_device_alloc, 1);
+    alloc.check_invariants().unwrap();
+    drop((a, b));
+    alloc.empty_cache().unwrap();
+    assert_eq!(live_bases(&dev), BTreeSet::from([base]), "empty_cache keeps the initial pool");
+    assert_eq!(alloc.reserved_bytes(), 64 * MIB);
+    // Small requests have their own pool.
+    let small = alloc.alloc(4096, S).unwrap();
+    assert_eq!(alloc.reserved_bytes(), 66 * MIB);
+    drop(small);
+    alloc.empty_cache().unwrap();
+    assert_eq!(alloc.reserved_bytes(), 64 * MIB);
+    alloc.check_invariants().unwrap();
+    drop(alloc);
+    assert!(dev.live_segments().is_empty(), "released when the allocator goes");
+}
+
+#[test]
+fn initial_pool_errors() {
+    let dev = Arc::new(SimDevice::new(32 * MIB));
+    match Allocator::new(dev.clone(), Config::parse("initial_pool_size_mb:64").unwrap()) {
+        Err(AllocError::OutOfMemory(r)) => {
+            assert_eq!((r.requested, r.segment, r.reserved), (64 * MIB, 64 * MIB, 0));
+        }
+        other => panic!("expected OutOfMemory, got {other:?}"),
+    }
+    assert!(dev.live_segments().is_empty());
+    let bad = Config::default().with_initial_pool_size(64 * MIB).with_max_pool_size(32 * MIB);
+    match Allocator::new(dev.clone(), bad) {
+        Err(AllocError::Config(ConfigError::Inconsistent(m))) => {
+            assert!(
+                m.contains("initial_pool_size_mb (64 MiB) exceeds max_pool_size_mb (32 MiB)"),
+                "{m}"
+            )
+        }
+        other => panic!("expected a configuration error, got {other:?}"),
+    }
+}
+
+#[test]
+fn max_pool_size_caps_reserved_then_reports() {
+    let (dev, alloc) = setup("max_pool_size_mb:32", 1 << 30);
+    let a = alloc.alloc(12 * MIB, S).unwrap();
+    let b = alloc.alloc(12 * MIB, S).unwrap();
+    assert_eq!(alloc.reserved_bytes(), 24 * MIB);
+    let err = alloc.alloc(12 * MIB, S).unwrap_err();
+    let AllocError::OutOfMemory(r) = err else { panic!("expected OutOfMemory, got {err:?}") };
+    assert_eq!(r.limit, Some(32 * MIB));
+    assert_eq!((r.requested, r.segment, r.reserved), (12 * MIB, 12 * MIB, 24 * MIB));
+    assert!(r.to_string().contains("limited to 32.00 MiB"), "{r}");
+    let s = alloc.stats();
+    assert_eq!((s.num_ooms, s.blocks.reserved_bytes.all.peak), (1, 24 * MIB));
+    // The ladder released nothing it could not (both segments are live); the allocator works on.
+    drop(a);
+    let c = alloc.alloc(12 * MIB, S).unwrap();
+    alloc.check_invariants().unwrap();
+    drop((b, c));
+    alloc.empty_cache().unwrap();
+    assert!(dev.live_segments().is_empty());
+}
+
+// ---------------------------------------------------------------- alloc_aligned
+
+fn assert_aligned(b: &Buffer<SimDevice>, align: u64) {
+    assert_eq!(b.ptr().0 % align, 0, "{:#x} is not {align}-aligned", b.ptr().0);
+}
+
+#[test]
+fn alloc_aligned_refuses_bad_alignments() {
+    let (_dev, alloc) = setup("", 1 << 30);
+    for (bytes, align, max) in [
+        (1000, 0, 2 * MIB),
+        (1000, 3000, 2 * MIB),
+        (1000, 4 * MIB, 2 * MIB),
+        (4 * MIB, 32 * MIB, 20 * MIB),
+    ] {
+        match alloc.alloc_aligned(bytes, align, S) {
+            Err(AllocError::InvalidAlignment { align: a, max: m }) => {
+                assert_eq!((a, m), (align, max))
+            }
+            other => panic!("{bytes} at {align}: expected InvalidAlignment, got {other:?}"),
+        }
+    }
+    let msg = alloc.alloc_aligned(1000, 3000, S).unwrap_err().to_string();
+    assert_eq!(
+        msg,
+        "invalid alignment 3000: expected a power of two no larger than 2097152 bytes (the segment size of the request's pool)"
+    );
+    assert_eq!(alloc.stats().num_device_alloc, 0, "nothing reserved for a refused request");
+    // The largest alignments allowed work (a new segment big enough for any padding).
+    let a = alloc.alloc_aligned(1000, 2 * MIB, S).unwrap();
+    assert_aligned(&a, 2 * MIB);
+    let b = alloc.alloc_aligned(4 * MIB, 16 * MIB, S).unwrap();
+    assert_aligned(&b, 16 * MIB);
+    alloc.check_invariants().unwrap();
+}
+
+/// Pool path: the padding in front of the aligned block is split off as a free block; the
+/// statistics stay exact and freeing coalesces everything back.
+#[test]
+fn alloc_aligned_from_the_pool_splits_the_padding_off_exactly() {
+    // No stream cache: freed blocks go straight back to the pool and coalesce.
+    let (dev, alloc) = setup("fast_cache:false", 1 << 30);
+    let first = alloc.alloc(512, S).unwrap();
+    let base = first.ptr().0;
+    let mut bufs = vec![first];
+    let mut allocated = 512;
+    for (bytes, align) in [(1000, 64 << 10), (3000, 4096), (512, 1 << 20), (2048, 512)] {
+        let b = alloc.alloc_aligned(bytes, align, S).unwrap();
+        assert_aligned(&b, align);
+        assert!(b.ptr().0 >= base && b.ptr().0 < base + 2 * MIB, "from the same segment");
+        allocated += b.block_size();
+        bufs.push(b);
+        alloc.check_invariants().unwrap();
+        let s = alloc.stats();
+        assert_eq!(s.blocks.allocated_bytes.all.current, allocated);
+        assert_eq!(s.blocks.reserved_bytes.all.current, 2 * MIB);
+        assert_eq!(s.num_device_alloc, 1);
+        // Everything reserved is allocated or a free block of the split segment: no byte lost.
+        assert_eq!(s.blocks.inactive_split_bytes.all.current, 2 * MIB - allocated);
+    }
+    drop(bufs);
+    alloc.check_invariants().unwrap();
+    let s = alloc.stats();
+    assert_eq!(
+        (s.blocks.allocated_bytes.all.current, s.blocks.inactive_split_bytes.all.current),
+        (0, 0)
+    );
+    alloc.empty_cache().unwrap();
+    assert!(dev.live_segments().is_empty());
+}
+
+/// Stream-cache path: a block of the same class waits in the stream cache at a misaligned
+/// address; the aligned request must not take it. With the deliberate bug it does.
+fn aligned_after_cached(broken: bool) -> (u64, u64) {
+    let (_dev, alloc) = setup("", 1 << 30);
+    alloc.set_broken(Broken::AlignedFromCache, broken);
+    let _x = alloc.alloc(512, S).unwrap();
+    let y = alloc.alloc(N, S).unwrap();
+    let cached = y.ptr().0;
+    drop(y); // into the stream cache
+    assert_eq!(alloc.stats().cached_fast_bytes, N);
+    let a = alloc.alloc_aligned(N, N, S).unwrap();
+    alloc.check_invariants().unwrap();
+    (a.ptr().0, cached)
+}
+
+#[test]
+fn alloc_aligned_skips_the_stream_cache_and_the_bug_is_caught() {
+    let (got, cached) = aligned_after_cached(false);
+    assert_eq!(got % N, 0);
+    assert_ne!(cached % N, 0, "the cached block is misaligned");
+    let (got, cached) = aligned_after_cached(true);
+    assert_eq!(got, cached, "the broken mode hands out the cached block");
+    assert_ne!(got % N, 0, "…which the alignment check catches");
+}
+
+#[test]
+fn alloc_aligned_skips_the_large_block_cache() {
+    let (_dev, alloc) = setup("", 1 << 30);
+    let _x = alloc.alloc(2 * MIB + 512, S).unwrap();
+    let y = alloc.alloc(4 * MIB, S).unwrap();
+    let cached = y.ptr().0;
+    drop(y); // the stream's large-block cache
+    let a = alloc.alloc_aligned(4 * MIB, 4 * MIB, S).unwrap();
+    assert_aligned(&a, 4 * MIB);
+    assert_ne!(cached % (4 * MIB), 0);
+    // A plain request of the same size is served as usual (after the aligned block).
+    let b = alloc.alloc(4 * MIB, S).unwrap();
+    assert_eq!(b.ptr().0, a.ptr().0 + 4 * MIB);
+    alloc.check_invariants().unwrap();
+    let s = alloc.stats();
+    assert_eq!(s.blocks.allocated_bytes.all.current, 2 * MIB + 512 + 8 * MIB);
+    drop((a, b));
+}
+
+#[test]
+fn alloc_aligned_on_new_segments_other_streams_and_expandable_ranges() {
+    // A new segment: big enough for the worst padding.
+    let (dev, alloc) = setup("", 1 << 30);
+    let s2 = dev.create_stream().unwrap();
+    let a = alloc.alloc_aligned(MIB, 2 * MIB, S).unwrap();
+    assert_aligned(&a, 2 * MIB);
+    // Another stream's free segment, taken whole (its work is done): 24 MiB holds 8 MiB at
+    // any 8 MiB boundary.
+    let b = alloc.alloc(24 * MIB, s2).unwrap();
+    let theirs = b.ptr().0;
+    drop(b);
+    alloc.synchronize().unwrap();
+    let before = alloc.stats().num_device_alloc;
+    let c = alloc.alloc_aligned(8 * MIB, 8 * MIB, S).unwrap();
+    assert_aligned(&c, 8 * MIB);
+    alloc.check_invariants().unwrap();
+    assert_eq!(alloc.stats().num_device_alloc, before, "no new segment");
+    assert!(c.ptr().0 >= theirs && c.ptr().0 + 8 * MIB <= theirs + 24 * MIB);
+    drop((a, c));
+    alloc.empty_cache().unwrap();
+    assert!(dev.live_segments().is_empty());
+
+    // Expandable segments: blocks of the ranges, grown where needed.
+    let (dev, alloc) = setup("expandable_segments:true", 1 << 30);
+    let mut bufs = vec![alloc.alloc(512, S).unwrap(), alloc.alloc(3 * MIB, S).unwrap()];
+    for (bytes, align) in [(1000, 64 << 10), (3 * MIB, MIB), (5 * MIB, 4 * MIB), (512, 2 * MIB)] {
+        let b = alloc.alloc_aligned(bytes, align, S).unwrap();
+        assert_aligned(&b, align);
+        bufs.push(b);
+        alloc.check_invariants().unwrap();
+    }
+    let allocated: u64 = bufs.iter().map(|b| b.block_size()).sum();
+    assert_eq!(alloc.stats().blocks.allocated_bytes.all.current, allocated);
+    drop(bufs);
+    alloc.empty_cache().unwrap();
+    alloc.check_invariants().unwrap();
+    assert_eq!(alloc.reserved_bytes(), 0);
+    assert!(dev.live_mappings().is_empty() && dev.live_segments().is_empty());
+}
+
+// ---------------------------------------------------------------- caching:false
+
+#[test]
+fn pass_through_makes_one_device_call_per_alloc_and_per_free() {
+    let (dev, alloc) = setup("caching:false", 1 << 30);
+    let s2 = dev.create_stream().unwrap();
+    let mut live = Vec::new();
+    for (i, bytes) in [512u64, 4096, 4096, 3 * MIB, 12 * MIB, 700].into_iter().enumerate() {
+        let before = dev.counters();
+        let stream = if i % 2 == 0 { S } else { s2 };
+        let b = alloc.alloc(bytes, stream).unwrap();
+        let after = dev.counters();
+        assert_eq!(after.mallocs, before.mallocs + 1, "one reserve per allocation");
+        assert_eq!(
+            (
+                after.frees,
+                after.event_records,
+                after.event_queries,
+                after.event_waits,
+                after.host_syncs
+            ),
+            (
+                before.frees,
+                before.event_records,
+                before.event_queries,
+                before.event_waits,
+                before.host_syncs
+            ),
+            "and nothing else"
+        );
+        assert_eq!(
+            dev.live_segments().iter().find(|(p, _)| *p == b.ptr()).unwrap().1,
+            b.block_size()
+        );
+        live.push(b);
+    }
+    assert_eq!(alloc.reserved_bytes(), alloc.allocated_bytes(), "nothing cached");
+    for b in live {
+        let before = dev.counters();
+        let n = dev.live_segments().len();
+        drop(b);
+        let after = dev.counters();
+        assert_eq!(after.frees, before.frees + 1, "one release per free");
+        assert_eq!((after.mallocs, after.event_records), (before.mallocs, before.event_records));
+        assert_eq!(dev.live_segments().len(), n - 1);
+        alloc.check_invariants().unwrap();
+    }
+    let s = alloc.stats();
+    assert_eq!((s.num_device_alloc, s.num_device_free, alloc.reserved_bytes()), (6, 6, 0));
+    // Scopes neither learn plans nor keep blocks.
+    for _ in 0..2 {
+        let scope = alloc.named_scope("step", S);
+        let x = scope.alloc(4096).unwrap();
+        drop(x);
+        let _y = scope.alloc(4096).unwrap();
+    }
+    let s = alloc.stats();
+    assert_eq!((s.num_device_alloc, s.num_device_free, s.plan_hits), (10, 10, 0));
+    assert!(dev.live_segments().is_empty());
+}
+
+#[test]
+fn pass_through_frees_after_other_streams_uses_with_counted_syncs() {
+    let dev = Arc::new(SimDevice::backed(1 << 30));
+    let alloc = Allocator::new(dev.clone(), Config::parse("caching:false").unwrap()).unwrap();
+    let s2 = dev.create_stream().unwrap();
+    let b = alloc.alloc(N, S).unwrap();
+    let p = b.ptr();
+    dev.launch(s2, write_kernel(p, 7)).unwrap();
+    alloc.record_stream(&b, s2).unwrap();
+    let before = (alloc.stats().num_host_syncs, dev.counters());
+    drop(b);
+    let (syncs, c) = (alloc.stats().num_host_syncs, dev.counters());
+    // One event recorded and waited for, then one release (itself a sync).
+    assert_eq!(syncs, before.0 + 2);
+    assert_eq!((c.event_records, c.frees), (before.1.event_records + 1, before.1.frees + 1));
+    assert!(dev.live_segments().is_empty());
+    assert!(dev.violations().is_empty(), "{:?}", dev.violations());
+}
+
+fn write_kernel(ptr: DeviceAddr, byte: u8) -> Kernel {
+    Kernel::new("write", vec![Access { ptr, bytes: N, kind: AccessKind::Write }], move |m| {
+        let _ = m.write(ptr, &[byte; N as usize]);
+    })
+}
+
+/// A use after free: a kernel writes through a stale pointer after the memory was freed and
+/// allocated again. Cached, the new buffer has the same address and the sanitizer sees a
+/// handed-out range; pass-through, the memory is gone and the access is flagged.
+fn use_after_free(config: &str) -> (bool, Vec<String>) {
+    let dev = Arc::new(SimDevice::backed(1 << 30));
+    let alloc = Allocator::new(dev.clone(), Config::parse(config).unwrap()).unwrap();
+    let a = alloc.alloc(N, S).unwrap();
+    let stale = a.ptr();
+    drop(a);
+    let b = alloc.alloc(N, S).unwrap();
+    dev.launch(S, write_kernel(stale, 1)).unwrap();
+    dev.synchronize().unwrap();
+    let same = b.ptr() == stale;
+    drop(b);
+    (same, dev.violations().into_iter().map(|v| v.op).collect())
+}
+
+#[test]
+fn pass_through_lets_the_sanitizer_see_a_use_after_free_that_caching_hides() {
+    let (same, violations) = use_after_free("");
+    assert!(same, "cached: the freed block is handed out again");
+    assert!(violations.is_empty(), "cached: hidden ({violations:?})");
+    let (same, violations) = use_after_free("caching:false");
+    assert!(!same, "pass-through: a new device allocation");
+    assert_eq!(violations, vec!["kernel write touches unallocated memory".to_string()]);
+}
+
+// ---------------------------------------------------------------- statistics
+
+#[test]
+fn oversize_statistics_count_blocks_and_segments_above_max_split_size() {
+    let (_dev, alloc) = setup("max_split_size_mb:40", 1 << 30);
+    let big = alloc.alloc(50 * MIB, S).unwrap();
+    let mid = alloc.alloc(30 * MIB, S).unwrap();
+    let s = alloc.stats();
+    assert_eq!(s.oversize_allocations, Stat { current: 1, peak: 1, allocated: 1, freed: 0 });
+    assert_eq!(s.oversize_segments, Stat { current: 1, peak: 1, allocated: 1, freed: 0 });
+    drop(big);
+    let s = alloc.stats();
+    assert_eq!(s.oversize_allocations, Stat { current: 0, peak: 1, allocated: 1, freed: 1 });
+    assert_eq!(s.oversize_segments.current, 1, "still cached");
+    // Reused by an oversize request it may serve (≤ 50 + 20 MiB): counted again.
+    let again = alloc.alloc(45 * MIB, S).unwrap();
+    assert_eq!(alloc.stats().oversize_allocations.allocated, 2);
+    drop((again, mid));
+    alloc.empty_cache().unwrap();
+    let s = alloc.stats();
+    assert_eq!(s.oversize_allocations, Stat { current: 0, peak: 1, allocated: 2, freed: 2 });
+    assert_eq!(s.oversize_segments, Stat { current: 0, peak: 1, allocated: 1, freed: 1 });
+    alloc.check_invariants().unwrap();
+    alloc.reset_peak_stats();
+    assert_eq!(alloc.stats().oversize_segments.peak, 0);
+    // Without max_split_size nothing is oversize.
+    let (_dev, plain) = setup("", 1 << 30);
+    drop(plain.alloc(50 * MIB, S).unwrap());
+    assert_eq!(plain.stats().oversize_allocations, Stat::default());
+}
+
+#[test]
+fn num_sync_all_streams_counts_waits_for_every_pending_event() {
+    let (dev, alloc) = setup("", 1 << 30);
+    let s2 = dev.create_stream().unwrap();
+    assert_eq!(alloc.stats().num_sync_all_streams, 0);
+    alloc.synchronize().unwrap();
+    let b = alloc.alloc(4096, S).unwrap();
+    alloc.record_stream(&b, s2).unwrap();
+    drop(b);
+    alloc.synchronize().unwrap();
+    let s = alloc.stats();
+    assert_eq!(s.num_sync_all_streams, 2);
+    assert_eq!(s.blocks.active_bytes.all.current, 0);
+}
+
+#[test]
+fn reset_accumulated_stats_zeroes_totals_and_counters_and_keeps_current_and_peak() {
+    let (_dev, alloc) = setup("max_split_size_mb:40,memory_limit_mb:64", 1 << 30);
+    let keep = alloc.alloc(4096, S).unwrap();
+    drop(alloc.alloc(50 * MIB, S).unwrap());
+    assert!(alloc.alloc(63 * MIB, S).is_err());
+    alloc.synchronize().unwrap();
+    let before = alloc.stats();
+    assert_eq!(before.num_ooms, 1);
+    alloc.reset_accumulated_stats();
+    let s = alloc.stats();
+    let b = &s.blocks;
+    for (name, g) in [
+        ("allocated", &b.allocated_bytes),
+        ("reserved", &b.reserved_bytes),
+        ("active", &b.active_bytes),
+        ("requested", &b.requested_bytes),
+        ("allocation", &b.allocation),
+        ("segment", &b.segment),
+    ] {
+        assert_eq!((g.all.allocated, g.all.freed), (0, 0), "{name}");
+        assert_eq!((g.small_pool.allocated, g.large_pool.freed), (0, 0), "{name}");
+    }
+    assert_eq!(b.allocated_bytes.all.current, 4096);
+    assert_eq!(b.allocated_bytes.all.peak, before.blocks.allocated_bytes.all.peak);
+    assert_eq!(
+        (s.num_ooms, s.num_alloc_retries, s.num_device_alloc, s.num_device_free),
+        (0, 0, 0, 0)
+    );
+    assert_eq!((s.num_host_syncs, s.num_sync_all_streams), (0, 0));
+    assert_eq!((s.oversize_allocations.allocated, s.oversize_allocations.peak), (0, 1));
+    // Counting goes on from zero, exactly.
+    let x = alloc.alloc(8192, S).unwrap();
+    let s = alloc.stats();
+    assert_eq!(s.blocks.allocated_bytes.all.allocated, 8192);
+    assert_eq!(s.blocks.allocation.all.allocated, 1);
+    drop(x);
+    assert_eq!(alloc.stats().blocks.allocated_bytes.all.freed, 8192);
+    drop(keep);
+    alloc.check_invariants().unwrap();
+}
+
+#[test]
+fn memory_summary_shows_how_to_turn_each_control_on() {
+    let (_dev, alloc) = setup("", 1 << 30);
+    let text = alloc.memory_summary();
+    for key in [
+        "garbage_collection_threshold",
+        "initial_pool_size_mb",
+        "max_pool_size_mb",
+        "caching:false",
+        "alloc_aligned",
+        "record_history",
+        "reset_accumulated_stats",
+    ] {
+        assert!(text.contains(key), "{key} missing from\n{text}");
+    }
+    let (_dev, on) = setup("caching:false,max_pool_size_mb:512", 1 << 30);
+    let text = on.memory_summary();
+    assert!(text.lines().all(|l| l.chars().count() == 89), "every line is 89 columns:\n{text}");
+    assert!(text.contains("caching: off"), "{text}");
+    assert!(text.contains("max pool size: 512.00 MiB"), "{text}");
+}
+
+#[test]
+fn set_config_to_pass_through_keeps_the_initial_pool_and_releases_the_rest() {
+    let (dev, alloc) = setup("initial_pool_size_mb:32", 1 << 30);
+    let initial = live_bases(&dev);
+    let small = alloc.alloc(4096, S).unwrap();
+    drop(small); // cached in a 2 MiB segment
+    assert_eq!(alloc.reserved_bytes(), 34 * MIB);
+    alloc.set_config(Config::parse("caching:false").unwrap()).unwrap();
+    assert_eq!(live_bases(&dev), initial, "the cached segment went back, the initial pool stays");
+    // Served from the initial pool still (a free block fits), else one segment per request.
+    let a = alloc.alloc(4 * MIB, S).unwrap();
+    assert!(initial.contains(&a.ptr().0));
+    let b = alloc.alloc(4096, S).unwrap();
+    assert_eq!(dev.live_segments().len(), 2);
+    drop((a, b));
+    assert_eq!(live_bases(&dev), initial);
+    alloc.check_invariants().unwrap();
+}
