@@ -108,28 +108,6 @@ impl<D: Device> Shared<D> {
         {
             return Ok(at(st, b));
         }
-        // Before anything new is reserved, a transient block may take free space in the
-        // stream's persistent segments (the tails of the segments holding the weights). Never
-        // the other way round: a weight in a transient segment would pin it, which is what the
-        // split is for; an activation in a persistent segment pins nothing (persistent segments
-        // are never released by `empty_cache`, trimming or the OOM ladder).
-        // (BROKEN `residency_borrow`: weights borrow transient space too.)
-        let borrows =
-            key.residency == Residency::Transient || cfg!(tidepool_broken = "residency_borrow");
-        if borrows {
-            let other = match key.residency {
-                Residency::Transient => Residency::Persistent,
-                Residency::Persistent => Residency::Transient,
-            };
-            let borrowed = PoolKey { residency: other, ..key };
-            let found = match aligned {
-                true => st.pool.find_free_aligned(borrowed, rounded, align, &config.sizing),
-                false => self.find_free(st, config, borrowed, rounded),
-            };
-            if let Some(b) = found {
-                return Ok(at(st, b));
-            }
-        }
         let z = &config.sizing;
         let seg_size = match self.passthrough.load(Ordering::Relaxed) {
             // caching:false: a segment of the block's own size, returned when it is freed.
