@@ -287,6 +287,34 @@ fn persistent_ranges_are_left_alone_by_empty_cache() {
 }
 
 #[test]
+fn small_blocks_of_both_residencies_share_the_small_range() {
+    let (dev, alloc) = setup("", CAP);
+    let s0 = StreamId::DEFAULT;
+    // A weight's 16 KiB bias and a 16 KiB activation: one small range, one page, side by side
+    // (a persistent small range would map a second page).
+    let w = alloc.alloc_in(16 * 1024, s0, Residency::Persistent).unwrap();
+    let t = alloc.alloc(16 * 1024, s0).unwrap();
+    assert_eq!(w.ptr(), DeviceAddr(base()));
+    assert_eq!(t.ptr(), DeviceAddr(base() + 16 * 1024));
+    assert_eq!(mapped_chunks(&dev, base()), vec![(0, 1)]);
+    let ranges = alloc.expandable_ranges();
+    assert_eq!(ranges.len(), 1);
+    assert_eq!(ranges[0].residency, Residency::Transient);
+    let s = alloc.stats();
+    assert_eq!(s.blocks.reserved_bytes.all.current, P);
+    assert_eq!(s.blocks.allocated_bytes.transient.current, 32 * 1024, "counted as transient");
+    assert_eq!(s.blocks.allocated_bytes.persistent.current, 0);
+    // Large persistent blocks keep a range of their own.
+    let big = alloc.alloc_in(4 * MIB, s0, Residency::Persistent).unwrap();
+    assert_eq!(big.ptr(), DeviceAddr(base() + 2 * CAP));
+    assert_eq!(alloc.stats().blocks.allocated_bytes.persistent.current, 4 * MIB);
+    alloc.check_invariants().unwrap();
+    drop((w, t, big));
+    drop(alloc);
+    assert_no_leak(&dev);
+}
+
+#[test]
 fn release_threshold_keeps_that_much_mapped() {
     let (dev, alloc) = setup("release_threshold_mb:4", CAP);
     let s0 = StreamId::DEFAULT;

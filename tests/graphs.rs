@@ -249,3 +249,55 @@ fn a_capture_makes_no_call_cuda_forbids_and_refuses_what_it_cannot_do() {
     // A graph launched on a capturing stream, and an unknown graph, are refused by the device.
     assert!(dev.launch_graph(tidepool::GraphId(999), s).is_err());
 }
+
+#[test]
+fn a_buffer_of_another_stream_used_by_the_capture_is_held_back() {
+    let Setup { dev, s, alloc } = setup();
+    let t = dev.create_stream().unwrap();
+    let shared = alloc.alloc(N, t).unwrap(); // general pool, stream t
+    dev.launch(t, fill(&shared, 4)).unwrap();
+    dev.synchronize().unwrap();
+    alloc.begin_capture(s, None).unwrap();
+    alloc.record_stream(&shared, s).unwrap();
+    let out = alloc.alloc(N, s).unwrap();
+    dev.launch(s, map(&shared, &out, |x| x * 10)).unwrap();
+    let shared_ptr = shared.ptr();
+    drop(shared); // used by the capture: no event can be recorded on s now
+    let graph = alloc.end_capture(s).unwrap();
+    assert_eq!(graph.held_buffers(), 1);
+    assert_eq!(alloc.stats().blocks.allocated_bytes.all.current, N);
+    let again = alloc.alloc(N, t).unwrap();
+    assert_ne!(again.ptr(), shared_ptr, "held by the graph");
+    graph.launch(s).unwrap();
+    assert_eq!(device_bytes(&dev, &out), vec![40; N as usize]);
+    drop(graph); // frees it: ordered after s by an event now
+    alloc.synchronize().unwrap();
+    assert_eq!(alloc.stats().blocks.allocated_bytes.all.current, N); // `again` only
+    let reuse = alloc.alloc(N, t).unwrap();
+    assert_eq!(reuse.ptr(), shared_ptr);
+    drop((reuse, out, again));
+    alloc.empty_cache().unwrap();
+    dev.synchronize().unwrap();
+    assert!(dev.live_segments().is_empty());
+    assert!(dev.violations().is_empty(), "{:?}", dev.violations());
+}
+
+#[test]
+fn garbage_collection_and_caching_off_release_nothing_during_a_capture() {
+    for conf in ["garbage_collection_threshold:0.5,memory_limit_mb:64", "caching:false"] {
+        let dev = Arc::new(SimDevice::backed(256 * MIB));
+        let s = dev.create_stream().unwrap();
+        let alloc = Allocator::new(dev.clone(), Config::parse(conf).unwrap()).unwrap();
+        alloc.begin_capture(s, None).unwrap();
+        let frees = dev.counters().frees;
+        drop(alloc.alloc(3 * MIB, s).unwrap()); // caching:false would release it now
+        // 20 MiB cached + 26 MiB new > 32 MiB: the collection would release the cached one now.
+        let b = alloc.alloc(25 * MIB, s).unwrap();
+        assert_eq!(dev.counters().frees, frees, "{conf}: a release during the capture");
+        let graph = alloc.end_capture(s).unwrap();
+        drop((graph, b));
+        alloc.empty_cache().unwrap();
+        assert!(dev.live_segments().is_empty(), "{conf}");
+        assert!(dev.violations().is_empty(), "{conf}: {:?}", dev.violations());
+    }
+}

@@ -170,3 +170,14 @@ fn use_on_oom_pools_give_their_free_segments_back() {
         check(&alloc, &[&pool]);
     }
 }
+
+#[test]
+fn a_pool_reserves_no_initial_pool_of_its_own() {
+    let dev = Arc::new(SimDevice::new(1 << 30));
+    let conf = Config::parse("initial_pool_size_mb:64").unwrap();
+    let alloc = Allocator::new(dev.clone(), conf).unwrap();
+    assert_eq!(dev.reserved_bytes(), 64 * MIB);
+    let pool = alloc.new_pool(PoolOptions::default()).unwrap();
+    assert_eq!(dev.reserved_bytes(), 64 * MIB);
+    assert_eq!(reserved(&pool), 0);
+}

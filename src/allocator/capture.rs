@@ -23,11 +23,13 @@
 //! the same graph (or of a later capture sharing the pool, which PyTorch's `pool=` contract
 //! orders: graphs sharing a pool are replayed in capture order, never concurrently).
 //!
-//! Limits: a capture covers one stream (no fork/join into other captured streams); a buffer
-//! allocated on another stream and freed during the capture with `record_stream` uses on the
-//! capturing stream is not deferred — its event cannot be recorded, so it is never reused (sound,
-//! but its memory stays allocated); scopes refuse to allocate on a capturing stream, and scope
-//! memory (scoped buffers, planned slices) freed during a capture is not held back.
+//! A buffer of another stream that was used on the capturing stream (`record_stream`,
+//! `use_on`) and is freed during the capture is held back too: no event can be recorded on a
+//! capturing stream, and the graph's replays may use it.
+//!
+//! Limits: a capture covers one stream (no fork/join into other captured streams); scopes refuse
+//! to allocate on a capturing stream, and scope memory (scoped buffers, planned slices) freed
+//! during a capture is not held back.
 
 use super::buffer::Freed;
 use super::owner::Owner;
@@ -71,18 +73,35 @@ impl<D: Device> CaptureTable<D> {
         self.any() && lock(&self.inner).contains_key(&stream)
     }
 
-    /// A buffer is being freed: `Some(f)` to free it now; `None` when the capture of its stream
-    /// holds it back (it is not of the capture's pool: the graph's replays may read it).
+    /// A buffer is being freed: `Some(f)` to free it now; `None` when a capture holds it back:
+    /// the capture of its stream (unless it is of that capture's pool), or the capture of a
+    /// stream it was used on (`record_stream`: no event can be recorded there now). The
+    /// graph's replays may read it.
     pub(super) fn defer(&self, owner: &Arc<Owner<D>>, f: Freed) -> Option<Freed> {
         if !self.any() {
             return Some(f);
         }
+        // The streams it was used on, read before this table is locked (lock order: the
+        // table is never held while the allocator's state is locked elsewhere).
+        let uses = match f.used_elsewhere {
+            true => owner.lock_state().stream_uses.get(&f.block).cloned().unwrap_or_default(),
+            false => Vec::new(),
+        };
         let mut t = lock(&self.inner);
-        let Some(e) = t.get_mut(&f.stream) else { return Some(f) };
         let mine: &Shared<D> = owner;
-        if e.broken || std::ptr::eq(mine, &*e.pool.alloc.shared) {
-            return Some(f);
-        }
+        let own_stream =
+            t.get(&f.stream).map(|e| (e.broken, std::ptr::eq(mine, &*e.pool.alloc.shared)));
+        let key = match own_stream {
+            Some((true, _)) => return Some(f),
+            Some((false, false)) => f.stream,
+            // Of the capture's own pool (or its stream is not captured): held back only if a
+            // captured stream used it.
+            _ => match uses.iter().find(|u| t.get(u).is_some_and(|e| !e.broken)) {
+                Some(&u) => u,
+                None => return Some(f),
+            },
+        };
+        let e = t.get_mut(&key).expect("found above");
         e.deferred.push((owner.clone(), f));
         None
     }

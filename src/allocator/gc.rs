@@ -31,6 +31,9 @@ impl<D: Device> Shared<D> {
         seg_size: u64,
     ) -> Result<(), AllocError> {
         let Some(limit) = config.gc_limit(self.device_total) else { return Ok(()) };
+        if self.device.capture_underway() {
+            return Ok(()); // cuMemFree is illegal during a stream capture: later
+        }
         let mut reserved = st.pool.stats().reserved_bytes.all.current;
         if reserved + seg_size <= limit {
             return Ok(());

@@ -238,7 +238,8 @@ impl<D: Device> Allocator<D> {
     }
 
     /// Allocates `bytes` on `stream` with the given residency. Persistent and transient blocks
-    /// never share a segment.
+    /// never share a segment, except under expandable segments, where small-pool blocks
+    /// (≤ 1 MiB) of both residencies share the stream's small range and count as transient.
     ///
     /// When memory runs out, the out-of-memory observers are called with the report, then the
     /// failure callback (if any) may free memory and ask for another attempt
@@ -304,6 +305,18 @@ impl<D: Device> Allocator<D> {
         }
         let plan = RequestPlan::new(&sh.config, bytes)?;
         let config = &*plan.config;
+        // Over expandable segments the small blocks of both residencies share the stream's
+        // small range: pages, not segments, are what a block pins there, and a persistent small
+        // range of its own would keep a partly used page of its own (one page above `caching`
+        // on mlp_train, t5_train and llama_decode). Such a block counts as transient.
+        let residency = if config.expandable_segments
+            && plan.kind == crate::stats::PoolKind::Small
+            && sh.device.supports_virtual_memory()
+        {
+            Residency::Transient
+        } else {
+            residency
+        };
         let class = ClassKey { residency, rounded: plan.rounded };
         let mut cached = None;
         // An aligned request skips the stream caches and the large-block reuse: a cached block

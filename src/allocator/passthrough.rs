@@ -18,6 +18,9 @@ impl<D: Device> Shared<D> {
     /// Returns every ordinary segment that holds no busy block to the device. A device that
     /// refuses leaves the segment cached (tried again at the next release).
     pub(super) fn release_free_segments(&self, st: &mut State) {
+        if self.device.capture_underway() {
+            return; // cuMemFree is illegal during a stream capture: released at a later free
+        }
         // (An initial pool, kept from a configuration before `set_config(caching:false)`,
         // stays: it is kept until the allocator goes.)
         let (vm, initial) = (&st.vm, st.initial);

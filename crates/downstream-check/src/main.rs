@@ -4,11 +4,11 @@
 
 use std::error::Error;
 use std::sync::Arc;
-use tidepool::device::{AppStream, Launch};
+use tidepool::device::{Access, AccessKind, AppStream, Kernel, Launch};
 use tidepool::{
     AllocError, Allocator, Buffer, Bytes, Config, ConfigError, CrossStream, Device, DeviceAddr,
-    DeviceError, MIB, MemoryStats, OomReport, Residency, Scope, ScopedBuffer, SimConfig, SimDevice,
-    StreamId,
+    DeviceError, Graph, MIB, MemPool, MemoryStats, OomReport, PoolGuard, PoolOptions, Residency,
+    Scope, ScopedBuffer, SimConfig, SimDevice, StreamId,
 };
 
 fn check(cond: bool, what: &str) -> Result<(), Box<dyn Error>> {
@@ -58,6 +58,21 @@ fn main() -> Result<(), Box<dyn Error>> {
         let x: ScopedBuffer<'_, SimDevice> = scope.alloc(64 * 1024)?;
         drop(x);
     }
+
+    // A private pool routed to a stream, and a CUDA graph captured from its own pool.
+    let pool: MemPool<SimDevice> = alloc.new_pool(PoolOptions::default().with_use_on_oom(true))?;
+    let guard: PoolGuard<'_, SimDevice> = alloc.use_pool(&pool, s)?;
+    let pooled = alloc.alloc(4096, s)?;
+    drop(guard);
+    check(pool.stats().blocks.allocated_bytes.all.current == 4096, "the pool's own figures")?;
+    drop(pooled);
+    alloc.begin_capture(s, None)?;
+    let out = alloc.alloc(4096, s)?;
+    let acc = vec![Access { ptr: out.ptr(), bytes: 0, kind: AccessKind::Write }];
+    device.launch(s, Kernel::replayable("noop", acc, |_| {}))?;
+    let graph: Graph<SimDevice> = alloc.end_capture(s)?;
+    graph.launch(s)?;
+    drop((graph, out, pool));
 
     // Errors: sizes, out of memory (with its report), device errors, source chains.
     match alloc.alloc(u64::MAX, StreamId::DEFAULT) {

@@ -30,7 +30,8 @@
 //! Expandable segments (the `expandable_segments:true` configurations): the allocator's segments
 //! inside the device's virtual ranges are runs of mapped pages, so the segment check compares
 //! only the others with the device's segments; reserved = Σ device segments + the device's
-//! physical bytes; a release leaves no wholly free run behind; `FailNthMalloc`
+//! physical bytes; small blocks of either residency sit in transient small runs; a release
+//! leaves no wholly free run behind; `FailNthMalloc`
 //! also arms the nth physical creation and the nth mapping (faults midway through a growth),
 //! and an injected page fault explains an out-of-memory error; at the end nothing is mapped,
 //! created or reserved on the device.
@@ -847,6 +848,16 @@ impl<'a> Harness<'a> {
                     "bad buffer for {bytes} bytes (rounded {rounded}, align {align}) on {s}: {b:?}"
                 );
                 let kind = sizing.kind(rounded);
+                // Over expandable segments small blocks of both residencies share the transient
+                // small range.
+                let residency = if config.expandable_segments
+                    && kind == PoolKind::Small
+                    && self.dev.supports_virtual_memory()
+                {
+                    Residency::Transient
+                } else {
+                    residency
+                };
                 self.live.push(Live { buf: b, residency, kind, users: vec![s], run: None });
             }
             Err(AllocError::InvalidSize { requested }) => {

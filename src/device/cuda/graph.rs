@@ -31,6 +31,11 @@ impl CudaDevice {
         !lock(&self.graphs).capturing.is_empty()
     }
 
+    /// Whether `stream` is being captured (no driver call).
+    pub(super) fn is_capturing(&self, stream: StreamId) -> bool {
+        lock(&self.graphs).capturing.contains(&stream.0)
+    }
+
     /// Destroys every graph left (the device's drop).
     pub(super) fn destroy_graphs(&self) {
         for (_, g) in lock(&self.graphs).live.drain() {

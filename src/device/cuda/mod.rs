@@ -472,7 +472,16 @@ impl Device for CudaDevice {
         Ok(())
     }
 
+    /// Refused on a stream being captured (`Capture::begin_capture`), as SimDevice refuses it:
+    /// there `cuEventRecord` would add a node to the graph, and a wait on that event would pull
+    /// the waiting stream into the capture; the allocator never means either.
     fn record_event(&self, event: EventId, stream: StreamId) -> Result<(), DeviceError> {
+        if self.is_capturing(stream) {
+            return Err(DeviceError::Driver {
+                op: "cuEventRecord",
+                code: DeviceError::CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED,
+            });
+        }
         let s = self.stream(stream)?;
         let mut events = lock(&self.events);
         let slot = events.live.get_mut(&event.0).ok_or(DeviceError::UnknownEvent(event))?;
@@ -497,7 +506,15 @@ impl Device for CudaDevice {
     }
 
     /// `cuStreamWaitEvent`; nothing to wait for when the event was never recorded.
+    /// Refused on a stream being captured: a captured wait on an event recorded outside the
+    /// capture is CUDA's `CUDA_ERROR_STREAM_CAPTURE_ISOLATION`.
     fn wait_event(&self, stream: StreamId, event: EventId) -> Result<(), DeviceError> {
+        if self.is_capturing(stream) {
+            return Err(DeviceError::Driver {
+                op: "cuStreamWaitEvent",
+                code: DeviceError::CUDA_ERROR_STREAM_CAPTURE_ISOLATION,
+            });
+        }
         let s = self.stream(stream)?;
         let events = lock(&self.events);
         let slot = events.live.get(&event.0).ok_or(DeviceError::UnknownEvent(event))?;

@@ -1,0 +1,279 @@
+#!/usr/bin/env python3
+"""A model of tidepool's expandable ranges (best fit, the end used last, growth where the fewest
+new pages are needed, 2 MiB pages, small/large ranges), to try placement and release policies
+on the shipped traces in seconds. It reproduces the allocator's `expandable` peaks exactly
+(mlp_train 1411383296, t5_train 1681915904; it has no stream caches, so a page may differ where
+`fast_cache` moves a block). Options (JSON):
+
+  reuse          a growth moves the range's own whole free pages instead of creating new ones
+  reuse_at_peak  ... only when the range's live bytes reach a new maximum
+  threshold      unmap free pages after every free down to this many free bytes (release_threshold)
+  high_below     place blocks smaller than this at the high end of their free block
+  split_small    false: one range for small and large blocks
+  residency      `param` blocks in ranges of their own; share_small: small ones stay shared
+
+  scripts/expandable_model.py '{"reuse":1}' [trace names]   prints x peak live, pages mapped/unmapped
+  per step (the allocator maps a growth in chunks: fewer calls than pages)
+"""
+import gzip, sys, csv  # needs the sortedcontainers package
+from sortedcontainers import SortedDict, SortedList
+
+PAGE = 2 << 20
+MIB = 1 << 20
+UNM, FREE = 'U', 'F'
+
+
+class Range:
+    def __init__(self, size, opts):
+        self.size = size
+        self.o = opts
+        # boundaries: addr -> state ('U', 'F', or ('L', id))
+        self.m = SortedDict({0: UNM})
+        self.fidx = SortedList()  # (size, addr) of free intervals
+        self.mapped = 0
+        self.maps = 0
+        self.unmaps = 0
+        self.live = 0
+        self.max_live = 0
+
+    def end_of(self, a):
+        i = self.m.index(a)
+        return self.m.peekitem(i + 1)[0] if i + 1 < len(self.m) else self.size
+
+    def interval_at(self, x):
+        i = self.m.bisect_right(x) - 1
+        a, s = self.m.peekitem(i)
+        e = self.m.peekitem(i + 1)[0] if i + 1 < len(self.m) else self.size
+        return a, e, s
+
+    def _set(self, lo, hi, state):
+        # split at lo, hi
+        for x in (lo, hi):
+            if x < self.size and x not in self.m:
+                a, e, s = self.interval_at(x)
+                if s == FREE:
+                    self.fidx.remove((e - a, a))
+                    self.fidx.add((x - a, a))
+                    self.fidx.add((e - x, x))
+                self.m[x] = s
+        # remove inner boundaries
+        keys = list(self.m.irange(lo, hi, inclusive=(True, False)))
+        for k in keys:
+            if self.m[k] == FREE:
+                e = self.end_of(k)
+                self.fidx.remove((e - k, k))
+        for k in keys[1:]:
+            del self.m[k]
+        self.m[lo] = state
+        if state == FREE:
+            self.fidx.add((hi - lo, lo))
+        # coalesce with neighbours of same (non-live) state
+        if state in (FREE, UNM):
+            self._merge(lo)
+
+    def _merge(self, lo):
+        st = self.m[lo]
+        i = self.m.index(lo)
+        # right
+        if i + 1 < len(self.m):
+            r, rs = self.m.peekitem(i + 1)
+            if rs == st:
+                if st == FREE:
+                    re = self.end_of(r)
+                    self.fidx.remove((re - r, r))
+                    self.fidx.remove((r - lo, lo))
+                    self.fidx.add((re - lo, lo))
+                del self.m[r]
+        if i > 0:
+            l, ls = self.m.peekitem(i - 1)
+            if ls == st:
+                if st == FREE:
+                    e = self.end_of(lo)
+                    self.fidx.remove((e - lo, lo))
+                    self.fidx.remove((lo - l, l))
+                    self.fidx.add((e - l, l))
+                del self.m[lo]
+
+    def top_free(self):
+        """The free interval at the end of the top run, if any."""
+        # last mapped interval
+        i = len(self.m) - 1
+        while i >= 0:
+            a, s = self.m.peekitem(i)
+            if s != UNM:
+                return (a, s) if s == FREE else None
+            i -= 1
+        return None
+
+    def find_free(self, r):
+        j = self.fidx.bisect_left((r, -1))
+        if j >= len(self.fidx):
+            return None
+        sz, a = self.fidx[j]
+        if self.o.get('end_last', True):
+            t = self.top_free()
+            if t and t[0] == a:
+                j2 = self.fidx.bisect_left((sz + 1, -1))
+                if j2 < len(self.fidx):
+                    return self.fidx[j2][1]
+        return a
+
+    def alloc_at(self, a, r, bid):
+        self._set(a, a + r, ('L', bid))
+
+    def free_block(self, a, r):
+        self.live -= r
+        self._set(a, a + r, FREE)
+
+    def place(self, r):
+        best = None
+        i = 0
+        items = list(self.m.items())
+        n = len(items)
+        for i, (a, s) in enumerate(items):
+            if s != UNM:
+                continue
+            e = items[i + 1][0] if i + 1 < n else self.size
+            tail = (a - items[i - 1][0]) if i > 0 and items[i - 1][1] == FREE else 0
+            has_next = i + 1 < n
+            head = 0
+            if has_next and items[i + 1][1] == FREE:
+                he = items[i + 2][0] if i + 2 < n else self.size
+                head = he - e
+            slo, shi = a - tail, e + head
+            ws = [slo]
+            if has_next and shi - slo >= r:
+                ws.append(shi - r)
+            for w in ws:
+                if w + r > shi or (tail >= r and w == slo):
+                    continue
+                lo = max(w, a) // PAGE * PAGE
+                hi = -(-min(w + r, e) // PAGE) * PAGE
+                if hi <= lo:
+                    continue
+                p = ((hi - lo) // PAGE, lo)
+                if best is None or p < best:
+                    best = p
+        return best
+
+    def free_pages(self, exclude=(0, 0)):
+        """Whole free pages (addr) outside [exclude)."""
+        out = []
+        for sz, a in self.fidx:
+            p0 = -(-a // PAGE) * PAGE
+            p1 = (a + sz) // PAGE * PAGE
+            for p in range(p0, p1, PAGE):
+                if not (exclude[0] <= p < exclude[1]):
+                    out.append(p)
+        return out
+
+    def map(self, lo, hi):
+        self._set(lo, hi, FREE)
+        n = (hi - lo) // PAGE
+        self.mapped += n * PAGE
+        self.maps += n
+
+    def unmap(self, p):
+        self._set(p, p + PAGE, UNM)
+        self.mapped -= PAGE
+        self.unmaps += 1
+
+    def grow(self, r):
+        pages, lo = self.place(r)
+        hi = lo + pages * PAGE
+        if self.o.get('reuse') and (not self.o.get('reuse_at_peak') or self.live + r > self.max_live):
+            # move own whole free pages (outside the window) here instead of creating
+            fp = self.free_pages()
+            xlo, xhi = lo, hi
+            if lo > 0:
+                a, e, st = self.interval_at(lo - 1)
+                if st == FREE: xlo = a
+            if hi < self.size:
+                a, e, st = self.interval_at(hi)
+                if st == FREE: xhi = e
+            fp = [p for p in fp if not (xlo <= p < xhi)]
+            order = self.o.get('reuse_order', 'high')
+            fp.sort(reverse=(order == 'high'))
+            for p in fp[:pages]:
+                self.unmap(p)
+        self.map(lo, hi)
+        # the free interval holding lo
+        a, e, s = self.interval_at(lo)
+        assert s == FREE and e - a >= r, (a, e, s, r)
+        return a
+
+    def alloc(self, r, bid):
+        a = self.find_free(r)
+        if a is None:
+            a = self.grow(r)
+        hi = self.o.get('high_below')
+        if hi is not None and r < hi:
+            a0, e, s = self.interval_at(a)
+            a = e - r
+        self.alloc_at(a, r, bid)
+        self.live += r
+        self.max_live = max(self.max_live, self.live)
+        return a
+
+    def release_free(self, keep=0):
+        fp = self.free_pages()
+        for p in sorted(fp, reverse=True):
+            if self.free_bytes() <= keep:
+                break
+            self.unmap(p)
+
+    def free_bytes(self):
+        return sum(s for s, _ in self.fidx)
+
+
+def round512(b):
+    return max(512, (b + 511) // 512 * 512)
+
+
+def run(path, opts):
+    rows = csv.reader(gzip.open(path, 'rt'))
+    next(rows)
+    ranges = {}
+    blocks = {}
+    live = peak_live = 0
+    peak_mapped = 0
+    steps = []
+    mark = (0, 0)
+    for seq, op, id_, b, stream, tag in rows:
+        b = int(b)
+        if op == 'alloc':
+            r = round512(b)
+            kind = 'S' if r <= MIB and opts.get('split_small', True) else 'L'
+            if opts.get('residency') and tag == 'param' and opts.get('pers_one'):
+                kind = 'L'
+            if opts.get('residency') and tag == 'param' and not (kind == 'S' and opts.get('share_small')):
+                kind += 'p'
+            rg = ranges.setdefault(kind, Range(1 << 44, opts))
+            a = rg.alloc(r, id_)
+            blocks[id_] = (kind, a, r)
+            live += b
+            peak_live = max(peak_live, live)
+        elif op == 'free':
+            kind, a, r = blocks.pop(id_)
+            ranges[kind].free_block(a, r)
+            live -= b
+            if opts.get('threshold') is not None:
+                ranges[kind].release_free(opts['threshold'])
+        elif op == 'scope_exit':
+            m = sum(x.maps for x in ranges.values()), sum(x.unmaps for x in ranges.values())
+            steps.append('%d/%d' % (m[0] - mark[0], m[1] - mark[1]))
+            mark = m
+        mapped = sum(x.mapped for x in ranges.values())
+        peak_mapped = max(peak_mapped, mapped)
+    return peak_live, peak_mapped, steps
+
+
+if __name__ == '__main__':
+    import json
+    opts = json.loads(sys.argv[1]) if len(sys.argv) > 1 else {}
+    files = sys.argv[2:] or ['mlp_train', 'gpt2_train', 'mobilenetv2_train', 'vit_train', 't5_train', 'llama_decode']
+    for f in files:
+        import os
+        here = os.path.dirname(os.path.abspath(__file__))
+        pl, pm, steps = run(os.path.join(here, '..', 'data', 'traces', '%s.csv.gz' % f), opts)
+        print('%-18s live %11d mapped %11d  x %.4f  steps %s' % (f, pl, pm, pm / pl, ' '.join(steps)))
