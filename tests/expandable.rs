@@ -620,3 +620,45 @@ fn the_memory_history_records_maps_and_unmaps() {
     drop(alloc);
     assert_no_leak(&dev);
 }
+
+#[test]
+fn a_learning_run_gives_freed_pages_back_and_the_runs_after_it_map_nothing() {
+    let (dev, alloc) = setup("", CAP);
+    let s0 = StreamId::DEFAULT;
+    let run = |alloc: &Allocator<SimDevice>, learning: bool| {
+        let scope = alloc.named_scope("step", s0);
+        let grad = scope.alloc_unbound(2 * P).unwrap(); // escapes (a gradient)
+        let act = scope.alloc_unbound(4 * P).unwrap();
+        assert_eq!(alloc.stats().blocks.reserved_bytes.all.current, 6 * P);
+        drop(act);
+        // Learning: act's four pages are unmapped as it is freed; planned: the region keeps them.
+        let want = if learning { 2 * P } else { 6 * P };
+        assert_eq!(alloc.stats().blocks.reserved_bytes.all.current, want);
+        let tmp = scope.alloc_unbound(3 * P).unwrap();
+        drop(tmp);
+        grad
+    };
+    let g1 = run(&alloc, true);
+    let s = alloc.stats();
+    // Run 1 mapped grad, act and tmp (one physical chunk each) and unmapped act's and tmp's;
+    // at its exit the region (grad's run as a bin, one fresh block of 4 pages for act and tmp)
+    // mapped one more.
+    assert_eq!((s.num_device_map, s.num_device_unmap), (4, 2));
+    assert_eq!(s.plan_region_bytes, 6 * P);
+    drop(g1); // zero_grad
+    for _ in 0..3 {
+        let before = alloc.stats();
+        let g = run(&alloc, false);
+        let after = alloc.stats();
+        assert!(g.is_planned());
+        assert_eq!(after.num_device_map - before.num_device_map, 0);
+        assert_eq!(after.num_device_unmap - before.num_device_unmap, 0);
+        assert_eq!(after.best_fit_searches, before.best_fit_searches);
+        assert_eq!(after.blocks.reserved_bytes.all.current, 6 * P);
+        drop(g);
+    }
+    assert_eq!(alloc.stats().plan_hits, 3 * 3);
+    alloc.check_invariants().unwrap();
+    drop(alloc);
+    assert_no_leak(&dev);
+}

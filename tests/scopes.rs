@@ -490,3 +490,39 @@ fn escapes_freed_on_other_threads_while_the_scope_exits_are_never_lost() {
         assert!(dev.live_segments().is_empty(), "round {round}");
     }
 }
+
+/// A learning run whose segment also holds a block allocated outside the scope (still live).
+fn walls_step(alloc: &Allocator<SimDevice>) -> (Buffer<SimDevice>, Buffer<SimDevice>) {
+    let scope = alloc.named_scope("walls", S0);
+    let grad = scope.alloc_unbound(2 * MIB).unwrap();
+    let other = alloc.alloc(2 * MIB, S0).unwrap(); // not the scope's: stays busy
+    let act = scope.alloc_unbound(6 * MIB).unwrap();
+    drop(act);
+    (grad, other)
+}
+
+#[test]
+fn a_busy_block_in_the_segment_of_the_escapes_is_a_wall_of_the_plan() {
+    let (dev, alloc) = setup(1 << 30);
+    // Run 1, one 20 MiB segment: grad [0, 2) MiB, other [2, 4), act [4, 10) then freed. At the
+    // exit the segment holds an escape, so it is a bin, and `other` is a wall inside it.
+    let (g1, other) = walls_step(&alloc);
+    let seg = g1.ptr().0;
+    assert_eq!(other.ptr().0, seg + 2 * MIB);
+    // The region: the segment but the wall, no fresh block.
+    assert_eq!(alloc.stats().plan_region_bytes, 18 * MIB);
+    drop(g1);
+    // Run 2: act (largest first) cannot start at 0 (it would cover the wall): it goes above it,
+    // and grad takes the bottom again.
+    let scope = alloc.named_scope("walls", S0);
+    let g2 = scope.alloc_unbound(2 * MIB).unwrap();
+    let act = scope.alloc_unbound(6 * MIB).unwrap();
+    assert!(g2.is_planned() && act.is_planned());
+    assert_eq!((g2.ptr().0, act.ptr().0), (seg, seg + 4 * MIB));
+    assert_eq!(dev.counters().mallocs, 1, "run 2 calls nothing");
+    assert_eq!(dev.violations(), vec![]);
+    drop((act, scope, g2, other));
+    alloc.check_invariants().unwrap();
+    drop(alloc);
+    assert!(dev.live_segments().is_empty());
+}

@@ -174,6 +174,9 @@ pub(super) struct Vm {
     note: Option<String>,
     /// Free bytes of a stream when a trim last found nothing to release.
     checked: HashMap<StreamId, u64>,
+    /// Streams with a named scope's learning run open (how many): their transient ranges keep
+    /// no free pages meanwhile (see [`Shared::set_learning`]).
+    learning: HashMap<StreamId, usize>,
     counts: VmCounts,
     virtual_bytes: u64,
 }
@@ -497,6 +500,20 @@ impl<D: Device> Shared<D> {
         let Some(place) = place(&st.pool, &st.vm.ranges[&base], rounded, page) else {
             return Ok(None);
         };
+        self.grow_at(st, config, key, place).map(Some)
+    }
+
+    /// Maps the pages of `place` (unmapped, not retiring) into `key`'s range and joins them to
+    /// the pool; returns the free block that holds them. Nothing changes on an error.
+    fn grow_at(
+        &self,
+        st: &mut State,
+        config: &Config,
+        key: PoolKey,
+        place: Place,
+    ) -> Result<BlockId, AllocError> {
+        let page = st.vm.page;
+        let base = st.vm.by_key[&key];
         let Place { lo, pages } = place;
         let reserved = st.pool.stats().reserved_bytes.all.current;
         if config.limit(self.device_total).is_some_and(|limit| reserved + pages * page > limit) {
@@ -578,7 +595,56 @@ impl<D: Device> Shared<D> {
         }
         *st.segment_streams.entry(key.stream).or_default() += 1;
         self.publish_vm(&st.vm);
-        Ok(Some(blk))
+        Ok(blk)
+    }
+
+    /// For a plan's region (`adopt.rs`): the span of `key`'s range a region of `need` bytes
+    /// would take if its runs were joined into one segment, one bin the plan packs into with no
+    /// walls but the blocks that stay busy: from the lowest run holding an `adoptable` block
+    /// (an escape of the learning run), up to the end of the top run or `lowest + need`
+    /// (page-rounded), whichever is higher. `None` where no run holds one, a page there is
+    /// retiring, or the span leaves the range.
+    pub(super) fn joinable_span(
+        &self,
+        st: &State,
+        key: PoolKey,
+        need: u64,
+        adoptable: impl Fn(BlockId) -> bool,
+    ) -> Option<(u64, u64)> {
+        let &base = st.vm.by_key.get(&key)?;
+        let (page, r) = (st.vm.page, &st.vm.ranges[&base]);
+        let lo = r.segs.iter().find_map(|(&b, &s)| {
+            st.pool.segment_blocks(s).any(|(id, _)| adoptable(id)).then_some(b)
+        })?;
+        let top = r.segs.iter().next_back().map_or(lo, |(&b, &s)| b + st.pool.segment(s).size);
+        let hi = top.max(lo + need.div_ceil(page) * page);
+        let retiring = r.retiring.range(lo..hi).next().is_some();
+        (!retiring && hi <= r.base + r.size).then_some((lo, hi))
+    }
+
+    /// Maps every unmapped page of `key`'s range in `[lo, hi)` (page-aligned, none retiring;
+    /// see [`Shared::joinable_span`]), joining the runs there into one segment. Gaps mapped
+    /// before an error stay mapped, as free blocks of the pool.
+    pub(super) fn join_runs(
+        &self,
+        st: &mut State,
+        config: &Config,
+        key: PoolKey,
+        (lo, hi): (u64, u64),
+    ) -> Result<(), AllocError> {
+        let Some(&base) = st.vm.by_key.get(&key) else { return Ok(()) };
+        let (page, r) = (st.vm.page, &st.vm.ranges[&base]);
+        let mut gaps = Vec::new();
+        let mut at = lo;
+        for (&b, &s) in r.segs.range(lo..hi) {
+            gaps.push((at, b));
+            at = b + st.pool.segment(s).size;
+        }
+        gaps.push((at, hi));
+        for (a, b) in gaps.into_iter().filter(|(a, b)| b > a) {
+            self.grow_at(st, config, key, Place { lo: a, pages: (b - a) / page })?;
+        }
+        Ok(())
     }
 
     /// Releases physical allocations a failed growth had in hand.
@@ -905,12 +971,16 @@ impl<D: Device> Shared<D> {
     /// pages back down to it. Checked for the streams whose free bytes changed, and only when
     /// they grew by a page since a check that released nothing. Errors leave pages mapped.
     pub(super) fn trim(&self, st: &mut State) {
-        let t = st.vm.threshold;
-        if t == u64::MAX || st.vm.ranges.is_empty() {
+        let threshold = st.vm.threshold;
+        if threshold == u64::MAX && st.vm.learning.is_empty() || st.vm.ranges.is_empty() {
             return;
         }
         let streams: Vec<StreamId> = st.pool.dirty_streams();
         for s in streams {
+            let t = if st.vm.learning.contains_key(&s) { 0 } else { threshold };
+            if t == u64::MAX {
+                continue;
+            }
             let free = st.pool.free_bytes_of(s);
             if free <= t {
                 st.vm.checked.remove(&s);
@@ -924,6 +994,23 @@ impl<D: Device> Shared<D> {
             let _ = self.release_pages(st, which, t);
             let after = st.pool.free_bytes_of(s);
             st.vm.checked.insert(s, after);
+        }
+    }
+
+    /// A named scope's learning run opened (`open`) or ended on `stream`. While one is open,
+    /// frees on the stream give its transient range's whole free pages back at once (as
+    /// `release_threshold_mb:0` would, for that stream only): the learning run's peak is then its
+    /// live bytes, not the pages its freed blocks left mapped, and since the runs after it are
+    /// served from the plan's region, the maps and unmaps this costs are paid in that run only.
+    /// (`mlp_train`: the first step's peak 1.033 × the plan without it, 1.003 with it.)
+    pub(super) fn set_learning(&self, st: &mut State, stream: StreamId, open: bool) {
+        let n = st.vm.learning.entry(stream).or_default();
+        match open {
+            true => *n += 1,
+            false => *n = n.saturating_sub(1),
+        }
+        if *n == 0 {
+            st.vm.learning.remove(&stream);
         }
     }
 

@@ -372,11 +372,14 @@ impl<D: Device> Allocator<D> {
         let block = st.pool.allocate(block, plan.rounded, bytes, &sizing);
         let b = st.pool.block(block);
         let (ptr, size) = (DeviceAddr(b.addr), b.size);
-        let q = quadrant(key.kind, residency);
+        // Accounted, and cached once freed, by its segment's residency (a transient block may
+        // sit in a persistent segment's free tail; see `find_or_reserve`).
+        let held = st.pool.segment(b.segment).key.residency;
+        let q = quadrant(key.kind, held);
         st.base.live_up(q, size, bytes, || sh.caches.all());
         st.note(Action::Alloc, ptr, bytes, stream);
         drop(st);
-        Ok(self.hand_out(ptr, bytes, size, stream, Some(block), plan.rounded, residency, q))
+        Ok(self.hand_out(ptr, bytes, size, stream, Some(block), plan.rounded, held, q))
     }
 
     /// Frees `buffers` under one acquisition of the global lock, straight into the pool so they

@@ -70,6 +70,18 @@ impl<D: Device> Shared<D> {
         Ok(Some(region))
     }
 
+    /// A named scope's learning run opens (`open`) or ends on `stream`: over expandable
+    /// segments the stream's transient pages are then given back as they are freed (see
+    /// `set_learning`). Returns whether it applies (the configuration has expandable segments).
+    pub(super) fn learning(&self, stream: StreamId, open: bool) -> bool {
+        if !self.config.load().expandable_segments {
+            return false;
+        }
+        let mut st = self.lock_state();
+        self.set_learning(&mut st, stream, open);
+        true
+    }
+
     /// Forgets the plans learned on `stream` (destroyed): their regions return to the pool once
     /// no run or escaped buffer holds them.
     pub(super) fn forget_plans(&self, stream: StreamId) {
@@ -136,7 +148,8 @@ impl<D: Device> Shared<D> {
         let sizing = self.alloc_sizing(st, block, &config.sizing);
         let block = st.pool.allocate(block, rounded, bytes, &sizing);
         let (addr, size) = (st.pool.block(block).addr, st.pool.block(block).size);
-        let q = quadrant(key.kind, key.residency);
+        let held = st.pool.segment(st.pool.block(block).segment).key.residency;
+        let q = quadrant(key.kind, held);
         st.base.live_up(q, size, bytes, || self.caches.all());
         Ok((BatchBlock { block, quadrant: q, size, requested: bytes }, addr))
     }

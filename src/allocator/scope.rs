@@ -280,6 +280,8 @@ pub struct Scope<'a, D: Device> {
     stream_ok: bool,
     /// The plan this run follows while its steps repeat it.
     plan: Option<Arc<Learned>>,
+    /// Whether this is a learning run over expandable segments (see `Shared::learning`).
+    learning: bool,
     cursor: Cursor,
     run: RefCell<Run<D>>,
     shared: Arc<ScopeShared>,
@@ -422,6 +424,7 @@ impl<'a, D: Device> Scope<'a, D> {
             Some(n) => alloc.shared.plan_for(n, stream),
             None => (None, None),
         };
+        let learning = name.is_some() && plan.is_none() && alloc.shared.learning(stream, true);
         Scope {
             alloc,
             device: &alloc.shared.device,
@@ -440,6 +443,7 @@ impl<'a, D: Device> Scope<'a, D> {
                 hits: Cell::new(0),
             },
             plan,
+            learning,
             run: RefCell::new(Run {
                 steps: Vec::new(),
                 unbound: Vec::new(),
@@ -961,6 +965,9 @@ impl<D: Device> Drop for Scope<'_, D> {
         let sh = &self.alloc.shared;
         // Closed under the queue's lock, held to the end: an unbound buffer freed from now on
         // finds the run closed (and any adopted region in place), one freed before is recorded.
+        if self.learning {
+            sh.learning(self.stream, false);
+        }
         let shared = self.shared.clone();
         let mut st = lock(&shared.state);
         for i in std::mem::take(&mut st.freed) {

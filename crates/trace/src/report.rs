@@ -16,8 +16,11 @@
 //!  "policies": [{"name": str, "peak_reserved_bytes": int, "ratio_to_peak_live": float,
 //!                "peak_allocated_bytes": int, "fragmentation": float, "device_mallocs": int,
 //!                "device_frees": int, "device_maps": int, "device_unmaps": int,
-//!                "host_syncs": int, "ns_per_op": float}]}
+//!                "host_syncs": int, "ns_per_op": float, "notes": {key: str, ...}}]}
 //! ```
+//!
+//! A policy's `notes` are the figures printed under the text table (per-step device calls,
+//! best-fit searches per scope run, plan hits, ...), as text.
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -101,6 +104,7 @@ struct JsonPolicy<'a> {
     device_unmaps: u64,
     host_syncs: u64,
     ns_per_op: f64,
+    notes: BTreeMap<&'a str, &'a str>,
 }
 
 /// 1 − peak live / peak reserved (0 when nothing was reserved).
@@ -241,6 +245,7 @@ impl Report {
                     host_syncs: p.host_syncs,
                     // JSON has no NaN/inf; a policy reporting one gets 0.
                     ns_per_op: if p.ns_per_op.is_finite() { p.ns_per_op } else { 0.0 },
+                    notes: p.extra.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect(),
                 })
                 .collect(),
         };

@@ -104,7 +104,9 @@ fn shipped_traces_exact_figures() {
         ("gpt2_train.csv.gz", Mode::Residency, 4309647360, 3915760640, 170),
         ("mlp_train.csv.gz", Mode::Caching, 1428160512, 1367670784, 25),
         ("mlp_train.csv.gz", Mode::Residency, 1430257664, 1367670784, 26),
-        ("gpt2_train.csv.gz", Mode::Scoped, 4102029312, 3921666048, 170),
+        // (Allocated includes the region's blocks: since bins may hold walls, gpt2's first plan
+        // adopts a segment more, 1.6 MB.)
+        ("gpt2_train.csv.gz", Mode::Scoped, 4102029312, 3923269632, 170),
         ("mlp_train.csv.gz", Mode::Scoped, 1430257664, 1369636864, 27),
         ("gpt2_train.csv.gz", Mode::Expandable, 3925868544, 3911788544, 0),
         ("mlp_train.csv.gz", Mode::Expandable, 1411383296, 1367670784, 0),

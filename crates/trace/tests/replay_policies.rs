@@ -211,6 +211,7 @@ fn json_report_has_exactly_the_documented_shape() {
                 "fragmentation",
                 "host_syncs",
                 "name",
+                "notes",
                 "ns_per_op",
                 "peak_allocated_bytes",
                 "peak_reserved_bytes",
@@ -231,6 +232,12 @@ fn json_report_has_exactly_the_documented_shape() {
         }
         assert!(p["fragmentation"].is_f64());
         assert!(p["ns_per_op"].is_f64());
+        // The notes printed under the table, as an object of strings.
+        let notes = p["notes"].as_object().unwrap();
+        assert!(notes.values().all(|v| v.is_string()));
+        if p["name"] == "planned" {
+            assert_eq!(notes.keys().collect::<Vec<_>>(), vec!["plan time"]);
+        }
         assert_eq!(p["peak_reserved_bytes"].as_u64(), Some(reserved));
         assert_eq!(p["fragmentation"].as_f64(), Some(1.0 - 1736.0 / reserved as f64));
     }
