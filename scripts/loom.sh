@@ -23,6 +23,7 @@ variants=(
   "events:event_completion_against_same_stream_alloc"
   "stats:stats_current_never_exceeds_peak"
   "stats_reader:stats_snapshot_is_never_torn"
+  "stats_open:stats_published_on_read_are_never_stale"
   "config:config_swap_during_allocation"
   "scope_batch:batch_return_against_fast_free"
   "adopt:escape_free_against_scope_exit"

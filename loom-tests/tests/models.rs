@@ -10,6 +10,7 @@
 //! | `event_completion_against_same_stream_alloc` | `record_stream` keeps a block out of the cache | `events`  |
 //! | `stats_current_never_exceeds_peak`           | credit and revocation keep peaks exact    | `stats`        |
 //! | `stats_snapshot_is_never_torn`               | seqlock publication, double collect       | `stats_reader` |
+//! | `stats_published_on_read_are_never_stale`    | slow path leaves its write open, a reader publishes | `stats_open` |
 //! | `config_swap_during_allocation`              | one config load per allocation            | `config`       |
 //! | `batch_return_against_fast_free` (scope exit)| batch return under the lock vs fast free  | `scope_batch`  |
 //! | `escape_free_against_scope_exit`             | exit adopts escapes under the run's lock  | `adopt`        |
@@ -267,6 +268,49 @@ fn stats_snapshot_is_never_torn() {
             assert_eq!(live_count + w[CACHED_BLOCKS] as i64, 0, "torn: count");
             assert_eq!(live_bytes, live_req, "torn: requested");
             assert_eq!(live_bytes, 4096 * live_count, "torn: bytes vs count");
+        }
+        user.join().unwrap();
+    });
+}
+
+/// Statistics published when read: the slow path counts a hand-out under the lock and only
+/// opens the base block's write (`SeqBlock::open`); the user then frees the block into its
+/// stream cache (published at once). A reader does what `Allocator::stats` does: if the base is
+/// open, it publishes under the lock, then takes a lock-free double collect. A snapshot it accepts
+/// never combines the stale base with the cache's newer free (live bytes would go below zero).
+#[test]
+fn stats_published_on_read_are_never_stale() {
+    model(3, || {
+        let q = quadrant(PoolKind::Small, Residency::Transient);
+        let (pool, blocks) = pool_with_blocks(1);
+        let x = cached(&pool, blocks[0]);
+        let cache = Arc::new(StreamCache::new(S0, LIMITS));
+        let caches = Arc::new(vec![cache.clone()]);
+        let base = Arc::new(SeqBlock::<1>::new());
+        let kept = Arc::new(Mutex::new(0u64)); // the base figure, kept under the global lock
+        let user = {
+            let (cache, base, kept) = (cache.clone(), base.clone(), kept.clone());
+            thread::spawn(move || {
+                {
+                    let mut k = kept.lock().unwrap(); // the slow path hands `x` out
+                    *k += 4096;
+                    base.open();
+                }
+                cache.push(CLASS, x).unwrap(); // the user frees it into the stream cache
+            })
+        };
+        // The reader may have seen the free (here: through the cache's lock), as a thread that
+        // synchronised with the user would; its read must then account for the hand-out too.
+        let _ = cache.peek();
+        if base.is_open() {
+            let k = kept.lock().unwrap();
+            base.write(|w| w.set(0, *k));
+        }
+        if let Some((_, snap)) = collect(&*base, || caches.clone(), 1) {
+            let live = snap.base[0].wrapping_add(snap.fast[0][fast_cur(BYTES, q)]) as i64;
+            let cached = snap.fast[0][CACHED_BYTES] as i64;
+            assert!(live >= 0, "stale base with a newer free: live bytes {live}");
+            assert!(live + cached <= 4096, "live {live} + cached {cached}");
         }
         user.join().unwrap();
     });

@@ -11,6 +11,7 @@ impl<D: Device> Allocator<D> {
     pub fn check_invariants(&self) -> Result<(), String> {
         let sh = &self.shared;
         let mut st = sh.lock_state();
+        sh.publish_now(&mut st);
         if !sh.publish_stats.load(Ordering::Relaxed) {
             // Under `global_lock` the kept statistics are brought up to date only when read.
             let st = &mut *st;

@@ -3,7 +3,7 @@
 //! [`SeqBlock`]s and read by double collect.
 //!
 //! ```text
-//!  BaseStats (global lock) ──publish──▶ base: SeqBlock<BASE_WORDS>
+//!  BaseStats (global lock) ──publish (when read)──▶ base: SeqBlock<BASE_WORDS>
 //!     live groups per quadrant: cur, tot      peaks per cell      pool-only groups      counters
 //!  StreamCache (its lock)   ──publish──▶ fast: SeqBlock<FAST_WORDS>
 //!     per quadrant: Δcur, Δtot of (bytes, count, requested); cached bytes and blocks
@@ -219,9 +219,10 @@ impl BaseStats {
         }
     }
 
-    /// Publishes what changed since the last call. The caller holds the global lock.
+    /// Publishes what changed since the last call, closing a write left open. The caller holds
+    /// the global lock.
     pub fn publish(&mut self, block: &SeqBlock<BASE_WORDS>) {
-        if self.dirty.iter().all(|&d| d == 0) {
+        if self.dirty.iter().all(|&d| d == 0) && !block.is_open() {
             return;
         }
         block.write(|w| {
@@ -242,7 +243,7 @@ impl BaseStats {
 
     /// Marks the base as changed, so that readers retry (a new stream cache appeared).
     pub fn touch(&mut self, block: &SeqBlock<BASE_WORDS>) {
-        block.write(|_| {});
+        block.open();
     }
 
     /// The exact statistics now. The caller holds the global lock and every stream cache's lock

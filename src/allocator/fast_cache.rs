@@ -36,7 +36,8 @@ use super::seqlock::SeqBlock;
 use super::stats_layout::{BYTES, COUNT, FAST_WORDS, QUADRANTS, REQ, fast_cur, fast_tot, is_small};
 use super::stats_layout::{CACHED_BLOCKS, CACHED_BYTES};
 use crate::device::{DeviceAddr, StreamId};
-use crate::pool::{BlockId, Pool};
+use crate::pool::{BlockId, Pool, Sizing};
+use crate::stats::PoolKind;
 use crate::stats::Residency;
 use crate::sync::atomic::{AtomicU64, Ordering};
 use crate::sync::{Arc, ArcCell, ArcRef, Mutex, MutexGuard, OnceSlot, SlotRef, lock};
@@ -140,6 +141,9 @@ pub struct CacheInner {
     /// The words of `fast` as last published (this lock makes us their only writer).
     pub(crate) words: [u64; FAST_WORDS],
     limits: Limits,
+    /// The size rules of the configuration in force (set with the limits), so that a hit
+    /// rounds its request here, under this lock, without loading the configuration.
+    sizing: Sizing,
     closed: bool,
 }
 
@@ -162,6 +166,9 @@ pub struct CacheCells {
     slow: SeqBlock<1>,
     /// `inner.large`, stored under `inner`'s lock and read without it as a hint.
     large: AtomicU64,
+    /// Largest request [`StreamCache::pop_request`] may serve (0: none), stored under `inner`'s
+    /// lock and read without it as a hint.
+    fast_max: AtomicU64,
 }
 
 impl std::ops::Deref for StreamCache {
@@ -184,11 +191,13 @@ impl StreamCache {
                 credit: [[0; 3]; QUADRANTS],
                 words: [0; FAST_WORDS],
                 limits,
+                sizing: Sizing::default(),
                 closed: false,
             }),
             fast: SeqBlock::new(),
             slow: SeqBlock::new(),
             large: AtomicU64::new(0),
+            fast_max: AtomicU64::new(Self::fast_max_of(limits, &Sizing::default())),
         }))
     }
 
@@ -255,9 +264,29 @@ impl StreamCache {
         Ok(())
     }
 
-    /// Takes a block of `class` for a request of `requested` bytes. See [`Pop`].
+    /// Takes a block of `class` for a request of `requested` bytes. See [`Pop`]. (The allocator
+    /// pops with [`StreamCache::pop_request`]; the loom models drive this one.)
+    #[cfg_attr(not(any(test, feature = "test-hooks")), allow(dead_code))]
     pub fn pop(&self, class: ClassKey, requested: u64) -> Pop {
         self.pop_checked(class, requested, |_| true)
+    }
+
+    /// The hit path: a request of `bytes` with `residency`, rounded here by the size rules of
+    /// the configuration in force (set under this lock with [`StreamCache::configure`]), so the
+    /// whole decision follows one configuration without loading it. [`Pop::Miss`] when the
+    /// stream caches may not serve it (disabled, or not a small-pool request). On a hit, the
+    /// rounded request comes with the block.
+    pub fn pop_request(&self, residency: Residency, bytes: u64) -> (Pop, u64) {
+        if bytes > self.fast_max.load(Ordering::Relaxed) {
+            return (Pop::Miss, 0); // a hint: the limits may have changed, the slow path decides
+        }
+        let mut g = self.lock_inner();
+        let inner = &mut *g;
+        let Some(rounded) = inner.sizing.round(bytes) else { return (Pop::Miss, 0) };
+        if !inner.limits.enabled || inner.sizing.kind(rounded) != PoolKind::Small {
+            return (Pop::Miss, 0);
+        }
+        (self.pop_locked_inner(g, ClassKey { residency, rounded }, bytes, |_| true), rounded)
     }
 
     /// Like [`StreamCache::pop`], when `accept` takes the block that would be popped (checked
@@ -268,7 +297,17 @@ impl StreamCache {
         requested: u64,
         accept: impl FnOnce(&CachedBlock) -> bool,
     ) -> Pop {
-        let mut g = self.lock_inner();
+        self.pop_locked_inner(self.lock_inner(), class, requested, accept)
+    }
+
+    /// [`StreamCache::pop_checked`] with this cache's lock already held.
+    fn pop_locked_inner<'a>(
+        &'a self,
+        mut g: MutexGuard<'a, CacheInner>,
+        class: ClassKey,
+        requested: u64,
+        accept: impl FnOnce(&CachedBlock) -> bool,
+    ) -> Pop {
         let inner = &mut *g;
         let Some(list) = inner.classes.get_mut(&class) else { return Pop::Miss };
         let Some(&b) = list.last() else { return Pop::Miss };
@@ -467,9 +506,18 @@ impl StreamCache {
         self.publish(&inner.words, &[]);
     }
 
-    /// Changes what the stream may cache (blocks already cached stay until the next flush).
-    pub fn set_limits(&self, limits: Limits) {
-        self.lock_inner().limits = limits;
+    /// Changes what the stream may cache and the size rules its hits round with (blocks already
+    /// cached stay until the next flush).
+    pub fn configure(&self, limits: Limits, sizing: Sizing) {
+        let mut g = self.lock_inner();
+        g.limits = limits;
+        g.sizing = sizing;
+        self.fast_max.store(Self::fast_max_of(limits, &sizing), Ordering::Relaxed);
+    }
+
+    /// The largest request a hit may serve under `limits` and `sizing`.
+    fn fast_max_of(limits: Limits, sizing: &Sizing) -> u64 {
+        if limits.enabled { sizing.small_size } else { 0 }
     }
 
     /// Refuses every later push (the stream was destroyed); the caller drains it.

@@ -221,11 +221,11 @@ impl<D: Device> Allocator<D> {
         sh.oversize_at.store(config.sizing.max_split_size, Ordering::Relaxed);
         st.pool.set_oversize_size(config.sizing.max_split_size);
         for c in sh.caches.all().iter() {
-            c.set_limits(limits);
+            c.configure(limits, config.sizing);
         }
         sh.flush_all(&mut st);
         // Published statistics are current before a lock-free reader can see the new config.
-        sh.publish(&mut st);
+        sh.publish_now(&mut st);
         sh.config.store(Arc::new(config));
         Ok(())
     }
@@ -303,12 +303,39 @@ impl<D: Device> Allocator<D> {
             sh.stream_exists(stream)?;
             return Ok(self.hand_out(DeviceAddr::NULL, 0, 0, stream, None, 0, residency, 0));
         }
+        let mut cached = None;
+        // An aligned request skips the stream caches and the large-block reuse: a cached block
+        // of its class may start anywhere.
+        let cacheable = align <= crate::config::MIN_ALIGN || sh.broken(Broken::AlignedFromCache);
+        if cacheable && !sh.recording.load(Ordering::Relaxed) {
+            // This thread's lane first, then the stream's other lanes (a block freed on another
+            // thread), each under its own lock only. Each lane rounds the request by the size
+            // rules it was configured with, so a hit loads no configuration.
+            for lane in 0..fast_cache::LANES {
+                let Some(cache) = sh.caches.fast_lane(stream, lane) else { break };
+                match cache.pop_request(residency, bytes) {
+                    (Pop::Hit(b), rounded) => {
+                        let q = b.quadrant;
+                        let block = Some(b.block);
+                        return Ok(self
+                            .hand_out(b.ptr, bytes, b.size, stream, block, rounded, residency, q));
+                    }
+                    (Pop::NeedsLock, _) => {
+                        cached = Some(cache);
+                        break;
+                    }
+                    (Pop::Miss, _) => {}
+                }
+            }
+        }
         let plan = RequestPlan::new(&sh.config, bytes)?;
         let config = &*plan.config;
         // Over expandable segments the small blocks of both residencies share the stream's
         // small range: pages, not segments, are what a block pins there, and a persistent small
         // range of its own would keep a partly used page of its own (one page above `caching`
-        // on mlp_train, t5_train and llama_decode). Such a block counts as transient.
+        // on mlp_train, t5_train and llama_decode). Such a block counts as transient. (The
+        // stream caches above were asked with the residency as given: a persistent small
+        // request misses there, since such blocks are cached as transient, and lands here.)
         let residency = if config.expandable_segments
             && plan.kind == crate::stats::PoolKind::Small
             && sh.device.supports_virtual_memory()
@@ -318,27 +345,6 @@ impl<D: Device> Allocator<D> {
             residency
         };
         let class = ClassKey { residency, rounded: plan.rounded };
-        let mut cached = None;
-        // An aligned request skips the stream caches and the large-block reuse: a cached block
-        // of its class may start anywhere.
-        let cacheable = align <= crate::config::MIN_ALIGN || sh.broken(Broken::AlignedFromCache);
-        if plan.fast && cacheable && !sh.recording.load(Ordering::Relaxed) {
-            // This thread's lane first, then the stream's other lanes (a block freed on another
-            // thread), each under its own lock only.
-            for lane in 0..fast_cache::LANES {
-                let Some(cache) = sh.caches.fast_lane(stream, lane) else { break };
-                match cache.pop(class, bytes) {
-                    Pop::Hit(b) => {
-                        return Ok(self.hand_out_cached(&b, bytes, stream, &plan, residency));
-                    }
-                    Pop::NeedsLock => {
-                        cached = Some(cache);
-                        break;
-                    }
-                    Pop::Miss => {}
-                }
-            }
-        }
         let mut st = sh.lock_state();
         sh.check_stream(&mut st, stream)?;
         if let Some(b) = cached.and_then(|c| c.pop_locked(class)) {
@@ -627,9 +633,17 @@ impl<D: Device> Allocator<D> {
     /// one double collect over the published base and stream-cache statistics. Under
     /// `global_lock:true` it is read under the lock instead; if writers keep interfering, too.
     /// Accumulated figures count from the last [`Allocator::reset_accumulated_stats`].
+    ///
+    /// The slow path does not publish its figures as it goes; when it has run since the last
+    /// read, this read publishes them first, under the lock (once).
     pub fn stats(&self) -> MemoryStats {
         let sh = &self.shared;
-        let raw = if !sh.config.load().global_lock
+        let lock_free = !sh.config.load().global_lock;
+        if lock_free && sh.stats.is_open() {
+            sh.lock_count.fetch_add(1, Ordering::Relaxed);
+            sh.publish_now(&mut lock(&sh.state));
+        }
+        let raw = if lock_free
             && let Some((table, snap)) =
                 counters::collect(&sh.stats, || sh.caches.all(), STATS_TRIES)
         {

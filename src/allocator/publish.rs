@@ -1,17 +1,20 @@
-//! Statistics publishing: the slow path's figures are published for lock-free readers when the
-//! global lock is let go ([`Locked`]), and assembled with the stream caches' figures on read.
+//! Statistics publishing: the slow path marks its figures stale when the global lock is let go
+//! ([`Locked`]); the next reader publishes them, and assembles them with the stream caches' figures.
 
 use super::*;
 
 impl<D: Device> Shared<D> {
-    /// Takes the global lock; the statistics are published when it is let go.
+    /// Takes the global lock; the statistics are marked stale when it is let go.
     pub(super) fn lock_state(&self) -> Locked<'_, D> {
         self.lock_count.fetch_add(1, Ordering::Relaxed);
         Locked { sh: self, st: lock(&self.state) }
     }
 
-    /// Publishes the base statistics and the pool's free bytes of every stream that changed
-    /// (unless `global_lock` is on: then changes accumulate until it is turned off).
+    /// What letting go of the global lock does: trims expandable ranges, and marks the published
+    /// statistics stale (a write left open on the base block, see [`SeqBlock::open`]) instead of
+    /// publishing them: the next reader publishes them ([`Shared::publish_now`]), so the slow
+    /// path pays one store for its statistics, not a copy of every changed figure.
+    /// (Under `global_lock` nothing is published: `stats()` reads under the lock.)
     pub(super) fn publish(&self, st: &mut State) {
         if !st.vm.is_empty() {
             self.trim(st);
@@ -20,6 +23,15 @@ impl<D: Device> Shared<D> {
             self.release_free_segments(st);
         }
         self.publish_extra(st);
+        if self.publish_stats.load(Ordering::Relaxed) {
+            self.stats.open();
+        }
+    }
+
+    /// Publishes the base statistics and the pool's free bytes of every stream that changed
+    /// (unless `global_lock` is on: then changes accumulate until it is turned off), closing
+    /// the base block's open write. The caller holds the global lock.
+    pub(super) fn publish_now(&self, st: &mut State) {
         if !self.publish_stats.load(Ordering::Relaxed) {
             return;
         }
@@ -27,7 +39,6 @@ impl<D: Device> Shared<D> {
         let counters = [c.retries, c.ooms, c.device_alloc, c.device_free, c.host_syncs];
         let changed = st.pool.take_changed();
         st.base.mirror_changed(st.pool.stats(), counters, changed);
-        st.base.publish(&self.stats);
         let mut dirty = std::mem::take(&mut st.dirty);
         st.pool.take_dirty_streams(&mut dirty);
         for &s in &dirty {
@@ -41,6 +52,8 @@ impl<D: Device> Shared<D> {
             }
         }
         st.dirty = dirty;
+        // Last: closing the write tells readers that the pool free bytes are current too.
+        st.base.publish(&self.stats);
     }
 
     /// Adds the scope and plan counters to statistics read elsewhere.

@@ -3,6 +3,8 @@
 //!
 //! ```text
 //!   writer (holds its lock):  seq = s+1 ─ fence(Release) ─ data[i] = … ─ seq = s+2 (Release)
+//!   lazy writer:  open: seq = s+1 ─ fence(Release) … (lock let go, taken again, maybe by another
+//!                 thread) … write: fence(Release) ─ data[i] = … ─ seq = s+2 (Release)
 //!   reader (no lock):         s1 = seq (Acquire) ─ copy data ─ fence(Acquire) ─ s2 = seq
 //!                             valid iff s1 == s2 and s1 is even
 //! ```
@@ -35,13 +37,39 @@ impl<const N: usize> SeqBlock<N> {
 
     /// Publishes new values. **The caller must hold the lock that makes it the only writer.**
     /// `f` gets a [`SeqWriter`] to store words with; readers see all of them or none.
+    /// A write already [opened](SeqBlock::open) (by this or an earlier holder of the lock) is
+    /// closed by this one.
     pub fn write<R>(&self, f: impl FnOnce(&SeqWriter<'_, N>) -> R) -> R {
-        let s = self.seq.load(Ordering::Relaxed);
-        self.seq.store(s.wrapping_add(1), Ordering::Relaxed);
+        let s = self.seq.load(Ordering::Relaxed) | 1;
+        self.seq.store(s, Ordering::Relaxed);
+        // Also when the write was opened earlier (by another thread, which let go of the lock
+        // since): the words stored below must not be seen before the odd number.
         fence(Ordering::Release);
         let r = f(&SeqWriter { block: self });
-        self.seq.store(s.wrapping_add(2), Ordering::Release);
+        self.seq.store(s.wrapping_add(1), Ordering::Release);
         r
+    }
+
+    /// Opens a write and leaves it open: from now on readers see a write in progress (and fail)
+    /// until a later [`SeqBlock::write`] (under the same lock) closes it. Marks the words as
+    /// *stale*, for a writer that publishes only when a reader asks. **The caller must hold the
+    /// lock that makes it the only writer.**
+    pub fn open(&self) {
+        #[cfg(tidepool_broken = "stats_open")]
+        return; // BROKEN: the words go stale without readers seeing it.
+        #[cfg(not(tidepool_broken = "stats_open"))]
+        {
+            let s = self.seq.load(Ordering::Relaxed);
+            if s & 1 == 0 {
+                self.seq.store(s.wrapping_add(1), Ordering::Relaxed);
+                fence(Ordering::Release);
+            }
+        }
+    }
+
+    /// Whether a write is open now (a relaxed hint; exact for the lock holder).
+    pub fn is_open(&self) -> bool {
+        self.seq.load(Ordering::Relaxed) & 1 == 1
     }
 
     /// The sequence number before a read: `None` while a write is in progress.

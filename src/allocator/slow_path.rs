@@ -81,7 +81,9 @@ impl<D: Device> Shared<D> {
         if !st.pending.is_empty() {
             self.process_events(st);
         }
-        self.scope_counters.searches.fetch_add(1, Ordering::Relaxed);
+        // Only holders of the global lock count searches: a load and a store, no shared RMW.
+        let searches = &self.scope_counters.searches;
+        searches.store(searches.load(Ordering::Relaxed) + 1, Ordering::Relaxed);
         if key.kind == crate::stats::PoolKind::Large {
             // A large block waiting in a stream cache is searched as the pool would hold it.
             self.flush_large(st);
@@ -500,9 +502,15 @@ impl<D: Device> Shared<D> {
         if self.caches.get(stream).is_some() {
             return;
         }
-        let limits = limits(&self.config.load());
-        let lanes: Vec<_> =
-            (0..fast_cache::LANES).map(|_| Arc::new(StreamCache::new(stream, limits))).collect();
+        let config = self.config.load();
+        let limits = limits(&config);
+        let lanes: Vec<_> = (0..fast_cache::LANES)
+            .map(|_| {
+                let cache = StreamCache::new(stream, limits);
+                cache.configure(limits, config.sizing);
+                Arc::new(cache)
+            })
+            .collect();
         lanes[0].publish_pool_free(st.pool.free_bytes_of(stream));
         if !st.streams.contains(&stream) && !self.broken(Broken::UnknownStreams) {
             // Destroyed (or forgotten) since it was checked: its caches never take a block.

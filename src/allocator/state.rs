@@ -1,6 +1,6 @@
 //! The allocator's shared state: [`Shared`] (device, config, caches, published statistics, plans)
-//! and the slow-path [`State`] behind the global lock, with [`Locked`], the guard that publishes
-//! statistics when it is let go.
+//! and the slow-path [`State`] behind the global lock, with [`Locked`], the guard that marks the
+//! published statistics stale when it is let go (the next `stats()` publishes them).
 //!
 //! ```text
 //!  Shared ─┬─ state: Mutex<State> ── pool, pending events per stream, stream uses, counters
@@ -78,6 +78,7 @@ pub(super) struct ScopeCounters {
     pub(super) plan_fallbacks: AtomicU64,
     pub(super) escapes: AtomicU64,
     pub(super) region_bytes: AtomicU64,
+    /// Best-fit searches: written only under the global lock (a load and a store).
     pub(super) searches: AtomicU64,
 }
 
@@ -112,7 +113,7 @@ pub(super) struct State {
     pub(super) free_events: Vec<EventId>,
     /// Streams that own segments, with how many (cross-stream search is skipped with one).
     pub(super) segment_streams: BTreeMap<StreamId, usize>,
-    /// Statistics kept under this lock, published when the lock is let go.
+    /// Statistics kept under this lock, published when read (`Shared::publish_now`).
     pub(super) base: BaseStats,
     /// Scratch list of streams whose pool free bytes changed.
     pub(super) dirty: Vec<StreamId>,
@@ -155,7 +156,7 @@ impl State {
     }
 }
 
-/// The global lock held: publishes the statistics when let go.
+/// The global lock held: marks the published statistics stale when let go (`Shared::publish`).
 pub(super) struct Locked<'a, D: Device> {
     pub(super) sh: &'a Shared<D>,
     pub(super) st: MutexGuard<'a, State>,
