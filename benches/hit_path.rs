@@ -11,6 +11,28 @@ use std::hint::black_box;
 use std::sync::Arc;
 use tidepool::{Allocator, Config, HistoryOptions, SimConfig, SimDevice, StreamId};
 
+/// An allocator on a 1 GiB SimDevice (sanitizer on or off) configured by `config`.
+fn allocator(sanitize: bool, config: &str) -> Allocator<SimDevice> {
+    let dev =
+        SimDevice::with_config(SimConfig { capacity: 1 << 30, sanitize, ..SimConfig::default() });
+    Allocator::new(Arc::new(dev), Config::parse(config).unwrap()).unwrap()
+}
+
+/// `{prefix}/small_4KiB` and `{prefix}/large_4MiB`: alloc + free pairs of one size on one
+/// stream, after one warm-up pair (the block is cached from then on).
+fn bench_pairs(
+    g: &mut criterion::BenchmarkGroup<'_, criterion::measurement::WallTime>,
+    prefix: &str,
+    alloc: &Allocator<SimDevice>,
+) {
+    for (name, bytes) in [("small_4KiB", 4096u64), ("large_4MiB", 4 << 20)] {
+        drop(alloc.alloc(bytes, StreamId::DEFAULT).unwrap());
+        g.bench_function(format!("{prefix}/{name}"), |b| {
+            b.iter(|| drop(black_box(alloc.alloc(black_box(bytes), StreamId::DEFAULT).unwrap())))
+        });
+    }
+}
+
 fn hit_path(c: &mut Criterion) {
     let mut g = c.benchmark_group("hit_path");
     for (prefix, sanitize, config) in [
@@ -18,20 +40,7 @@ fn hit_path(c: &mut Criterion) {
         ("allocator", false, ""),
         ("global_lock", false, "global_lock:true"),
     ] {
-        let dev = SimDevice::with_config(SimConfig {
-            capacity: 1 << 30,
-            sanitize,
-            ..SimConfig::default()
-        });
-        let alloc = Allocator::new(Arc::new(dev), Config::parse(config).unwrap()).unwrap();
-        for (name, bytes) in [("small_4KiB", 4096u64), ("large_4MiB", 4 << 20)] {
-            drop(alloc.alloc(bytes, StreamId::DEFAULT).unwrap());
-            g.bench_function(format!("{prefix}/{name}"), |b| {
-                b.iter(|| {
-                    drop(black_box(alloc.alloc(black_box(bytes), StreamId::DEFAULT).unwrap()))
-                })
-            });
-        }
+        bench_pairs(&mut g, prefix, &allocator(sanitize, config));
     }
     g.finish();
 }
@@ -44,23 +53,11 @@ fn history(c: &mut Criterion) {
         ("history_on_stacks", Some(HistoryOptions::new(1 << 16).with_stacks(true))),
     ];
     for (prefix, options) in options {
-        let dev = SimDevice::with_config(SimConfig {
-            capacity: 1 << 30,
-            sanitize: false,
-            ..SimConfig::default()
-        });
-        let alloc = Allocator::new(Arc::new(dev), Config::default()).unwrap();
+        let alloc = allocator(false, "");
         if let Some(o) = options {
             alloc.record_history(o);
         }
-        for (name, bytes) in [("small_4KiB", 4096u64), ("large_4MiB", 4 << 20)] {
-            drop(alloc.alloc(bytes, StreamId::DEFAULT).unwrap());
-            g.bench_function(format!("{prefix}/{name}"), |b| {
-                b.iter(|| {
-                    drop(black_box(alloc.alloc(black_box(bytes), StreamId::DEFAULT).unwrap()))
-                })
-            });
-        }
+        bench_pairs(&mut g, prefix, &alloc);
     }
     g.finish();
 }
