@@ -4,7 +4,7 @@
 //!
 //! ```text
 //!  State (global lock): pool.oversize, oversize_segments, counters.sync_all
-//!      └─ publish (when the lock is let go, only if changed) ─▶ ExtraPublished: SeqBlock<9>
+//!      └─ publish (when the lock is let go, only if its version grew) ─▶ ExtraPublished: SeqBlock<9>
 //!  stats(): base + caches (counters.rs) + extras ─▶ minus the accumulated figures saved by
 //!           reset_accumulated_stats (ArcCell<MemoryStats>, swapped whole)
 //! ```
@@ -39,16 +39,29 @@ fn words(st: &State) -> [u64; EXTRA_WORDS] {
     ]
 }
 
+/// A figure that grows whenever any extra figure changes (see [`Shared::publish_extra`]).
+fn version(st: &State) -> u64 {
+    let (a, s) = (st.pool.oversize_allocations(), &st.oversize_segments);
+    [a.allocated, a.freed, s.allocated, s.freed, st.counters.sync_all]
+        .iter()
+        .fold(0u64, |v, &x| v.wrapping_add(x))
+}
+
 fn stat(w: &[u64]) -> Stat {
     Stat { current: w[0], peak: w[1], allocated: w[2], freed: w[3] }
 }
 
 impl<D: Device> Shared<D> {
-    /// Publishes the extra figures if they changed. The caller holds the global lock.
+    /// Publishes the extra figures if they changed. The caller holds the global lock. This runs
+    /// on every release of the lock, so it compares one sum, not the nine words: the counts
+    /// of what was allocated and freed and of sync-alls only grow (a reset subtracts a saved
+    /// copy instead), and any change of a current or peak figure comes with one of them —
+    /// but for `reset_peak_stats`, which clears the version.
     pub(super) fn publish_extra(&self, st: &mut State) {
-        let now = words(st);
-        if now != st.extra_published {
-            st.extra_published = now;
+        let version = version(st);
+        if st.extra_published != Some(version) {
+            st.extra_published = Some(version);
+            let now = words(st);
             self.extra.block.write(|w| {
                 for (i, &v) in now.iter().enumerate() {
                     w.set(i, v);

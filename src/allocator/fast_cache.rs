@@ -271,6 +271,14 @@ impl StreamCache {
         self.pop_checked(class, requested, |_| true)
     }
 
+    /// Whether a hit may serve `bytes` at all (a relaxed hint, as in
+    /// [`StreamCache::pop_request`]): every lane of a stream is configured alike, so a request
+    /// one lane refuses for its size skips the others.
+    #[inline]
+    pub fn may_serve(&self, bytes: u64) -> bool {
+        bytes <= self.fast_max.load(Ordering::Relaxed)
+    }
+
     /// The hit path: a request of `bytes` with `residency`, rounded here by the size rules of
     /// the configuration in force (set under this lock with [`StreamCache::configure`]), so the
     /// whole decision follows one configuration without loading it. [`Pop::Miss`] when the

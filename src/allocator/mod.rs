@@ -313,6 +313,9 @@ impl<D: Device> Allocator<D> {
             // rules it was configured with, so a hit loads no configuration.
             for lane in 0..fast_cache::LANES {
                 let Some(cache) = sh.caches.fast_lane(stream, lane) else { break };
+                if !cache.may_serve(bytes) {
+                    break; // a large request: no lane serves it
+                }
                 match cache.pop_request(residency, bytes) {
                     (Pop::Hit(b), rounded) => {
                         let q = b.quadrant;
@@ -701,6 +704,7 @@ impl<D: Device> Allocator<D> {
         let mut st = sh.lock_state();
         st.pool.reset_peak_stats();
         st.oversize_segments.reset_peak();
+        st.extra_published = None; // peaks fell: publish the extra figures again
         st.base.reset_peaks(&sh.caches.all());
     }
 }

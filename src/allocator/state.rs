@@ -135,8 +135,9 @@ pub(super) struct State {
     pub(super) oversize_bases: BTreeSet<u64>,
     /// The segment reserved up front (`initial_pool_size`), by base: kept until the end.
     pub(super) initial: Option<u64>,
-    /// The extra figures as last published (`extra_stats.rs`).
-    pub(super) extra_published: [u64; extra_stats::EXTRA_WORDS],
+    /// The version of the extra figures last published (`extra_stats.rs`); `None` after a
+    /// peak reset (peaks fall without a count growing).
+    pub(super) extra_published: Option<u64>,
 }
 
 /// The streams that touched a buffer, as `Buffer::use_on` tracks them (cudarc's read and write
