@@ -221,9 +221,7 @@ impl<D: Capture> Allocator<D> {
             None => self.new_pool(super::PoolOptions::default())?,
         };
         let role = &pool.alloc.shared.role;
-        role.graphs.fetch_add(1, Ordering::AcqRel);
-        if role.guards.load(Ordering::Acquire) > 0 {
-            role.graphs.fetch_sub(1, Ordering::AcqRel);
+        if !super::private_pool::PoolRole::claim(&role.graphs, &role.guards) {
             return Err(AllocError::PoolBusy { reason: "a PoolGuard routes allocations to it" });
         }
         let route = sh.family.next_id();

@@ -69,6 +69,20 @@ pub(crate) struct PoolRole {
     pub(super) graphs: AtomicUsize,
 }
 
+impl PoolRole {
+    /// Counts one more holder in `mine` unless `theirs` has any: guards and graphs exclude each
+    /// other (each side counts itself first, then looks, so two racing claims cannot both win).
+    /// The caller gives its count back when done.
+    pub(super) fn claim(mine: &AtomicUsize, theirs: &AtomicUsize) -> bool {
+        mine.fetch_add(1, Ordering::AcqRel);
+        if theirs.load(Ordering::Acquire) > 0 {
+            mine.fetch_sub(1, Ordering::AcqRel);
+            return false;
+        }
+        true
+    }
+}
+
 /// The streams routed to a private pool, in the general allocator.
 pub(crate) struct Routes<D: Device> {
     /// How many routes exist (checked before the table, with one load).
@@ -304,9 +318,7 @@ impl<D: Device> Allocator<D> {
         }
         sh.stream_exists(stream)?;
         let role = &pool.alloc.shared.role;
-        role.guards.fetch_add(1, Ordering::AcqRel);
-        if role.graphs.load(Ordering::Acquire) > 0 {
-            role.guards.fetch_sub(1, Ordering::AcqRel);
+        if !PoolRole::claim(&role.guards, &role.graphs) {
             return Err(AllocError::PoolBusy { reason: "a CUDA graph uses the pool" });
         }
         let id = sh.family.next_id();
