@@ -239,6 +239,23 @@ fn stats_current_never_exceeds_peak() {
     });
 }
 
+/// The setting of the statistics models: the quadrant of small transient blocks, one such block
+/// `x` ready to be cached, stream S0's cache (the only one a reader collects) and an empty base
+/// block.
+#[allow(clippy::type_complexity)]
+fn stats_setting()
+-> (usize, CachedBlock, Arc<StreamCache>, Arc<Vec<Arc<StreamCache>>>, Arc<SeqBlock<1>>) {
+    let (pool, blocks) = pool_with_blocks(1);
+    let cache = Arc::new(StreamCache::new(S0, LIMITS));
+    (
+        quadrant(PoolKind::Small, Residency::Transient),
+        cached(&pool, blocks[0]),
+        cache.clone(),
+        Arc::new(vec![cache]),
+        Arc::new(SeqBlock::<1>::new()),
+    )
+}
+
 /// Statistics, snapshots: a user thread frees a block into its stream cache and allocates it
 /// again (both publish through the cache's sequence lock) while a reader takes a lock-free
 /// double collect. Every snapshot it accepts is one real state: live + cached stays constant,
@@ -246,12 +263,7 @@ fn stats_current_never_exceeds_peak() {
 #[test]
 fn stats_snapshot_is_never_torn() {
     model(3, || {
-        let q = quadrant(PoolKind::Small, Residency::Transient);
-        let (pool, blocks) = pool_with_blocks(1);
-        let x = cached(&pool, blocks[0]);
-        let cache = Arc::new(StreamCache::new(S0, LIMITS));
-        let caches = Arc::new(vec![cache.clone()]);
-        let base = Arc::new(SeqBlock::<1>::new());
+        let (q, x, cache, caches, base) = stats_setting();
         let user = {
             let cache = cache.clone();
             thread::spawn(move || {
@@ -281,12 +293,7 @@ fn stats_snapshot_is_never_torn() {
 #[test]
 fn stats_published_on_read_are_never_stale() {
     model(3, || {
-        let q = quadrant(PoolKind::Small, Residency::Transient);
-        let (pool, blocks) = pool_with_blocks(1);
-        let x = cached(&pool, blocks[0]);
-        let cache = Arc::new(StreamCache::new(S0, LIMITS));
-        let caches = Arc::new(vec![cache.clone()]);
-        let base = Arc::new(SeqBlock::<1>::new());
+        let (q, x, cache, caches, base) = stats_setting();
         let kept = Arc::new(Mutex::new(0u64)); // the base figure, kept under the global lock
         let user = {
             let (cache, base, kept) = (cache.clone(), base.clone(), kept.clone());
