@@ -16,6 +16,8 @@
 //! | `escape_free_against_scope_exit`             | exit adopts escapes under the run's lock  | `adopt`        |
 //! | `unbound_free_against_next_planned_handout`  | a free is ordered before the scope sees it | `unbound_free` |
 //! | `large_free_against_flush_of_the_large_block`| a stream's one cached large block vs a large-pool search | `large_drain` |
+//! | `fast_cache_push_pop_against_flush` (again)  | a lane's lock excludes (CAS in, store out)| `lane_lock`    |
+//! | `owner_hold_kept_in_a_lane_against_the_last_handle` | holds kept in lanes are released when the last handle goes | `owner_stash` |
 //!
 //! The allocator runs with its real configuration (two cache lanes per stream, 64 fast streams):
 //! threads take lanes round-robin as under `std`.
@@ -528,5 +530,26 @@ fn escape_free_against_scope_exit() {
         );
         drop(alloc);
         assert_eq!(dev.live_segments(), 0);
+    });
+}
+
+/// A buffer freed on another thread (its hold on the allocator kept in its stream's lane, see
+/// `owner.rs`) races the last handle going, which closes every lane's stash and releases what
+/// it kept. Whatever the order, once the buffer is gone the allocator is dropped and its
+/// segment is back on the device. A second buffer freed later, after the close, must keep its
+/// hold out of the lane too.
+#[test]
+fn owner_hold_kept_in_a_lane_against_the_last_handle() {
+    model(3, || {
+        let dev = Arc::new(LoomDevice::new());
+        let alloc = Allocator::new(dev.clone(), Config::default()).unwrap();
+        let a = alloc.alloc(4096, S0).unwrap();
+        let b = alloc.alloc(4096, S0).unwrap();
+        let user = thread::spawn(move || drop(a));
+        drop(alloc);
+        user.join().unwrap();
+        assert_eq!(dev.live_segments(), 1, "a live buffer keeps the allocator");
+        drop(b);
+        assert_eq!(dev.live_segments(), 0, "the allocator outlived its last handle and buffer");
     });
 }
