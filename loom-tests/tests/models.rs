@@ -45,6 +45,9 @@ fn model(bound: usize, f: impl Fn() + Sync + Send + 'static) {
     let mut b = loom::model::Builder::new();
     // The bound asked for (LOOM_MAX_PREEMPTIONS, default 3 in scripts/loom.sh), capped at `bound`.
     b.preemption_bound = Some(b.preemption_bound.map_or(bound, |p| p.min(bound)));
+    // The whole allocator's teardown (the last handle closes every lane, then `Shared` flushes
+    // and releases) runs past loom's default of 1000 branches in one execution.
+    b.max_branches = 10_000;
     b.check(f);
 }
 

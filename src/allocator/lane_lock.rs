@@ -74,7 +74,7 @@ impl<T> LaneLock<T> {
             true
         }
         #[cfg(not(tidepool_broken = "lane_lock"))]
-        self.locked.compare_exchange_weak(false, true, Ordering::Acquire, Ordering::Relaxed).is_ok()
+        self.locked.compare_exchange(false, true, Ordering::Acquire, Ordering::Relaxed).is_ok()
     }
 
     #[cold]
@@ -115,7 +115,7 @@ impl<T> Deref for LaneGuard<'_, T> {
         return unsafe { &*self.lock.data.get() };
         #[cfg(loom)]
         // SAFETY: as above; loom checks it.
-        return unsafe { self.ptr.as_ref().expect("held").deref() };
+        return unsafe { loom::cell::MutPtr::deref(self.ptr.as_ref().expect("held")) };
     }
 }
 
@@ -127,7 +127,7 @@ impl<T> DerefMut for LaneGuard<'_, T> {
         return unsafe { &mut *self.lock.data.get() };
         #[cfg(loom)]
         // SAFETY: as above; loom checks it.
-        return unsafe { self.ptr.as_mut().expect("held").deref() };
+        return unsafe { loom::cell::MutPtr::deref(self.ptr.as_ref().expect("held")) };
     }
 }
 
