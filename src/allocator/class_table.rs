@@ -75,7 +75,20 @@ impl ClassTable {
     }
 
     /// The blocks of `class`, added if there is room for another class (`None` if not).
+    #[inline]
     pub fn get_or_add(&mut self, class: ClassKey) -> Option<&mut Vec<CachedBlock>> {
+        let key = key_of(class);
+        if let Some(i) = self.find(key)
+            && self.slots[i].key == key
+        {
+            return Some(&mut self.slots[i].list);
+        }
+        self.add(class)
+    }
+
+    /// [`ClassTable::get_or_add`] for a class not in the table.
+    #[cold]
+    fn add(&mut self, class: ClassKey) -> Option<&mut Vec<CachedBlock>> {
         debug_assert!(class.rounded > 0 && class.rounded < 1 << 62);
         if self.slots.is_empty() {
             self.slots = (0..SLOTS).map(|_| Slot::default()).collect();

@@ -322,6 +322,7 @@ impl StreamCache {
     }
 
     /// [`StreamCache::pop_checked`] with this cache's lock already held.
+    #[inline]
     fn pop_locked_inner<'a>(
         &'a self,
         mut g: LaneGuard<'a, CacheInner>,
@@ -345,21 +346,25 @@ impl StreamCache {
             return (Pop::NeedsLock, false);
         }
         #[cfg(tidepool_broken = "fast_cache")]
-        {
+        let inner = {
             // BROKEN: looks the block up, lets go of the lock, then takes "the" last entry.
             drop(g);
             g = self.lock_inner();
-        }
-        let inner = &mut *g;
-        if let Some(list) = inner.classes.get_mut(class) {
-            list.pop();
-        }
+            let inner = &mut *g;
+            if let Some(list) = inner.classes.get_mut(class) {
+                list.pop();
+            }
+            inner
+        };
+        #[cfg(not(tidepool_broken = "fast_cache"))]
+        list.pop();
         let c = &mut inner.credit[q];
+        // Covered above (exactly, unless deliberately broken): no underflow.
         c[BYTES] = c[BYTES].saturating_sub(b.size);
         c[COUNT] = c[COUNT].saturating_sub(1);
         c[REQ] = c[REQ].saturating_sub(requested);
-        inner.blocks = inner.blocks.saturating_sub(1);
-        inner.bytes = inner.bytes.saturating_sub(b.size);
+        inner.blocks -= 1;
+        inner.bytes -= b.size;
         if !is_small(b.quadrant) {
             self.set_large(inner, 0);
         }
@@ -368,8 +373,8 @@ impl StreamCache {
             w[fast_cur(qty, q)] = w[fast_cur(qty, q)].wrapping_add(v);
             w[fast_tot(qty, q)] = w[fast_tot(qty, q)].wrapping_add(v);
         }
-        w[CACHED_BYTES] = w[CACHED_BYTES].saturating_sub(b.size);
-        w[CACHED_BLOCKS] = w[CACHED_BLOCKS].saturating_sub(1);
+        w[CACHED_BYTES] -= b.size;
+        w[CACHED_BLOCKS] -= 1;
         self.stats_changed(w);
         let stashed = take_ref && inner.owner_refs > 0;
         inner.owner_refs -= u64::from(stashed);
@@ -620,13 +625,23 @@ pub const LANES: usize = 2;
 
 /// This thread's lane.
 #[cfg(not(loom))]
+#[inline]
 fn thread_lane() -> usize {
+    use std::cell::Cell;
     use std::sync::atomic::{AtomicUsize, Ordering};
     static NEXT: AtomicUsize = AtomicUsize::new(0);
     thread_local! {
-        static LANE: usize = NEXT.fetch_add(1, Ordering::Relaxed) % LANES;
+        // A constant initialiser: reading it is one thread-local load, no lazy-init check.
+        static LANE: Cell<usize> = const { Cell::new(usize::MAX) };
     }
-    LANE.with(|l| *l)
+    LANE.with(|l| match l.get() {
+        usize::MAX => {
+            let lane = NEXT.fetch_add(1, Ordering::Relaxed) % LANES;
+            l.set(lane);
+            lane
+        }
+        lane => lane,
+    })
 }
 
 /// This thread's lane: round-robin in the order threads first ask, as under `std`, with the
