@@ -46,7 +46,8 @@ fn model(bound: usize, f: impl Fn() + Sync + Send + 'static) {
     // The bound asked for (LOOM_MAX_PREEMPTIONS, default 3 in scripts/loom.sh), capped at `bound`.
     b.preemption_bound = Some(b.preemption_bound.map_or(bound, |p| p.min(bound)));
     // The whole allocator's teardown (the last handle closes every lane, then `Shared` flushes
-    // and releases) runs past loom's default of 1000 branches in one execution.
+    // and releases) and lane-lock waits (a CAS retried after each yield) run past loom's default
+    // of 1000 branches in one execution.
     b.max_branches = 10_000;
     b.check(f);
 }
@@ -262,8 +263,8 @@ fn stats_setting()
 }
 
 /// Statistics, snapshots: a user thread frees a block into its stream cache and allocates it
-/// again (each only marks the lane's words stale) and after each publishes the lane as another
-/// reader would (`close_stats`, under the lane's lock), while a reader takes a double collect. Every snapshot it accepts is one real state: live + cached stays constant,
+/// again (each only marks the lane's words stale), then publishes the lane as another reader
+/// would (`close_stats`, under the lane's lock), while a reader takes a double collect. Every snapshot it accepts is one real state: live + cached stays constant,
 /// and bytes, count and requested bytes agree.
 #[test]
 fn stats_snapshot_is_never_torn() {
@@ -273,7 +274,6 @@ fn stats_snapshot_is_never_torn() {
             let cache = cache.clone();
             thread::spawn(move || {
                 cache.push(CLASS, x).unwrap();
-                cache.close_stats();
                 assert!(matches!(cache.pop(CLASS, 4096), Pop::Hit(_)));
                 cache.close_stats();
             })

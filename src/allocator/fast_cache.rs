@@ -122,6 +122,8 @@ pub struct CacheInner {
     /// Strong references to the stream's owner handle that buffers freed into this lane left
     /// here, for later hits to take over (see `owner.rs`): the hit path touches no reference count.
     owner_refs: u64,
+    /// Words of `words` changed since `fast` was last published, one bit each.
+    dirty: u32,
     /// Set once the allocator's last handle is gone: no reference is left here any more.
     stash_closed: bool,
 }
@@ -175,6 +177,7 @@ impl StreamCache {
                 sizing: Sizing::default(),
                 closed: false,
                 owner_refs: 0,
+                dirty: 0,
                 stash_closed: false,
             }),
             fast: SeqBlock::new(),
@@ -247,6 +250,7 @@ impl StreamCache {
         c[BYTES] += b.size;
         c[COUNT] += 1;
         c[REQ] += b.requested;
+        inner.dirty |= live_mask(q, false);
         let w = &mut inner.words;
         w[fast_cur(BYTES, q)] = w[fast_cur(BYTES, q)].wrapping_sub(b.size);
         w[fast_cur(COUNT, q)] = w[fast_cur(COUNT, q)].wrapping_sub(1);
@@ -368,6 +372,7 @@ impl StreamCache {
         if !is_small(b.quadrant) {
             self.set_large(inner, 0);
         }
+        inner.dirty |= live_mask(q, true);
         let w = &mut inner.words;
         for (qty, v) in [(BYTES, b.size), (COUNT, 1), (REQ, requested)] {
             w[fast_cur(qty, q)] = w[fast_cur(qty, q)].wrapping_add(v);
@@ -581,16 +586,38 @@ impl StreamCache {
         });
     }
 
-    /// For a statistics reader: publishes the lane's words if changes left them stale. The
-    /// caller holds no stream-cache lock.
+    /// For a statistics reader: publishes the lane's words if changes left them stale, unless
+    /// the lane is held right now (a reader never waits for a lane: its collect then sees the
+    /// write open and tries again, and after enough tries reads under the locks).
     pub fn close_stats(&self) {
-        if self.fast.is_open() {
-            let g = self.lock_inner();
-            if self.fast.is_open() {
-                self.publish(&g.words);
-            }
+        if self.fast.is_open()
+            && let Some(mut g) = self.inner.try_lock()
+            && self.fast.is_open()
+        {
+            let dirty = std::mem::take(&mut g.dirty);
+            self.cached.store(g.words[CACHED_BLOCKS], Ordering::Relaxed);
+            self.fast.write(|w| {
+                for (i, &v) in g.words.iter().enumerate() {
+                    if dirty & (1 << i) != 0 {
+                        w.set(i, v);
+                    }
+                }
+            });
         }
     }
+}
+
+/// The words a hit or a free of quadrant `q` changes (`tot`: a hit, which counts an allocation).
+#[inline]
+fn live_mask(q: usize, tot: bool) -> u32 {
+    let mut m = 1 << CACHED_BYTES | 1 << CACHED_BLOCKS;
+    for qty in [BYTES, COUNT, REQ] {
+        m |= 1 << fast_cur(qty, q);
+        if tot {
+            m |= 1 << fast_tot(qty, q);
+        }
+    }
+    m
 }
 
 /// Frees every block cached by `cache` into `pool` (a flush). The caller holds the global lock.
@@ -737,3 +764,6 @@ impl CacheTable {
         i == 0 || all[i - 1].stream() != all[i].stream()
     }
 }
+
+// `CacheInner::dirty` has a bit per published word.
+const _: () = assert!(FAST_WORDS <= 32);

@@ -61,6 +61,15 @@ impl<T> LaneLock<T> {
         }
     }
 
+    /// Takes the lock if it is free now (`None`: another thread holds it).
+    pub fn try_lock(&self) -> Option<LaneGuard<'_, T>> {
+        self.try_acquire().then(|| LaneGuard {
+            lock: self,
+            #[cfg(loom)]
+            ptr: Some(self.data.get_mut()),
+        })
+    }
+
     #[inline]
     fn try_acquire(&self) -> bool {
         #[cfg(tidepool_broken = "lane_lock")]
@@ -78,22 +87,31 @@ impl<T> LaneLock<T> {
     }
 
     #[cold]
+    #[cfg(not(loom))]
     fn lock_contended(&self) {
-        #[cfg(not(loom))]
         let mut spins = 0;
         loop {
+            // Test, then test-and-set: wait on plain loads, so waiters do not bounce the line.
             while self.locked.load(Ordering::Relaxed) {
-                #[cfg(not(loom))]
                 if spins < SPINS {
                     spins += 1;
                     std::hint::spin_loop();
-                    continue;
+                } else {
+                    crate::sync::thread::yield_now();
                 }
-                crate::sync::thread::yield_now();
             }
             if self.try_acquire() {
                 return;
             }
+        }
+    }
+
+    /// Under loom a waiter retries the CAS itself: an RMW always reads the latest value, where
+    /// a plain load may go on reading a stale `true` (a path loom would explore without end).
+    #[cfg(loom)]
+    fn lock_contended(&self) {
+        while !self.try_acquire() {
+            crate::sync::thread::yield_now();
         }
     }
 }
