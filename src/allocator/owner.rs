@@ -76,6 +76,8 @@ impl<D: Device> Drop for OwnerTable<D> {
                 continue;
             }
             let slot = self.slots.get(cache.stream().0 as usize).and_then(|s| s.get());
+            // (`get` yields a reference under std, a clone under loom.)
+            #[allow(clippy::needless_borrow)]
             let slot: &Arc<Owner<D>> = &slot.expect("a kept reference has its owner");
             for _ in 0..n {
                 // SAFETY: the lane kept `n` strong references of this very `Arc` (the one owner
@@ -93,7 +95,8 @@ impl<D: Device> OwnerTable<D> {
     #[inline]
     pub fn hit_owner(&self, stream: StreamId, stashed: bool) -> Arc<Owner<D>> {
         if stashed && let Some(slot) = self.slots.get(stream.0 as usize).and_then(|s| s.get()) {
-            let slot: &Arc<Owner<D>> = &slot;
+            #[allow(clippy::needless_borrow)]
+            let slot: &Arc<Owner<D>> = &slot; // a reference under std, a clone under loom
             // SAFETY: a lane of `stream` kept a strong reference of its one owner, this slot's
             // `Arc`, and handed it to this hit (it is not counted there any more): the new
             // handle owns it.
