@@ -441,13 +441,13 @@ impl Pool {
         if let Some(p) =
             self.blocks[id.0].prev.filter(|p| self.blocks[p.0].state == BlockState::Free)
         {
-            self.absorb(p, merged, key, slot);
+            self.absorb(p, merged, p, key, slot);
             merged = p;
         }
         if let Some(n) =
             self.blocks[merged.0].next.filter(|n| self.blocks[n.0].state == BlockState::Free)
         {
-            self.absorb(merged, n, key, slot);
+            self.absorb(merged, n, n, key, slot);
         }
         let m = &self.blocks[merged.0];
         self.index_insert(slot, Entry { size: m.size, addr: m.addr, id: merged.0 });
@@ -458,16 +458,21 @@ impl Pool {
         merged
     }
 
-    /// Merges block `right` into its left neighbour `left`; whichever of them was in the free index
-    /// (as an inactive split) leaves it.
-    fn absorb(&mut self, left: BlockId, right: BlockId, key: PoolKey, slot: usize) {
-        for id in [left, right] {
-            let b = &self.blocks[id.0];
-            let size = b.size;
-            if self.index_remove(slot, &Entry { size, addr: b.addr, id: id.0 }) {
-                // A free neighbour of another block is always part of a split segment.
-                self.count_split(key, size, false);
-            }
+    /// Merges block `right` into its left neighbour `left`; `indexed` (one of the two: the free
+    /// neighbour of the block being freed, which is in no index yet) leaves the free index.
+    fn absorb(
+        &mut self,
+        left: BlockId,
+        right: BlockId,
+        indexed: BlockId,
+        key: PoolKey,
+        slot: usize,
+    ) {
+        let b = &self.blocks[indexed.0];
+        let size = b.size;
+        if self.index_remove(slot, &Entry { size, addr: b.addr, id: indexed.0 }) {
+            // A free neighbour of another block is always part of a split segment.
+            self.count_split(key, size, false);
         }
         let r = self.blocks.remove(right.0);
         if let Some(n) = r.next {
