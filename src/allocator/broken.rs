@@ -42,6 +42,9 @@ pub enum Broken {
     /// Aligned allocations are served from the stream caches and the large-block reuse like
     /// any other (a cached block of the class may start anywhere).
     AlignedFromCache = 1 << 10,
+    /// Over expandable segments the same-stream reuse of a large block ignores the rule that
+    /// the end of a range's top run is used last (placement then differs from the pool's).
+    ReuseGrowthEnd = 1 << 11,
 }
 
 #[cfg_attr(not(feature = "test-hooks"), allow(dead_code))]
