@@ -44,6 +44,7 @@ mod publish;
 mod regions;
 mod report;
 mod request;
+mod residency;
 mod scope;
 mod seqlock;
 mod slow_path;
@@ -316,12 +317,10 @@ impl<D: Device> Allocator<D> {
                 if !cache.may_serve(bytes) {
                     break; // a large request: no lane serves it
                 }
-                match cache.pop_request(residency, bytes) {
+                match cache.pop_request(sh.cached_residency(residency), bytes) {
                     (Pop::Hit(b), rounded) => {
-                        let q = b.quadrant;
-                        let block = Some(b.block);
-                        return Ok(self
-                            .hand_out(b.ptr, bytes, b.size, stream, block, rounded, residency, q));
+                        let (q, block, r) = (b.quadrant, Some(b.block), sh.cached_residency(residency));
+                        return Ok(self.hand_out(b.ptr, bytes, b.size, stream, block, rounded, r, q));
                     }
                     (Pop::NeedsLock, _) => {
                         cached = Some(cache);
@@ -333,20 +332,9 @@ impl<D: Device> Allocator<D> {
         }
         let plan = RequestPlan::new(&sh.config, bytes)?;
         let config = &*plan.config;
-        // Over expandable segments the small blocks of both residencies share the stream's
-        // small range: pages, not segments, are what a block pins there, and a persistent small
-        // range of its own would keep a partly used page of its own (one page above `caching`
-        // on mlp_train, t5_train and llama_decode). Such a block counts as transient. (The
-        // stream caches above were asked with the residency as given: a persistent small
-        // request misses there, since such blocks are cached as transient, and lands here.)
-        let residency = if config.expandable_segments
-            && plan.kind == crate::stats::PoolKind::Small
-            && sh.device.supports_virtual_memory()
-        {
-            Residency::Transient
-        } else {
-            residency
-        };
+        // Small-pool blocks of both residencies share the stream's small segments and count as
+        // transient; large ones share free space on ordinary segments (`residency.rs`).
+        let residency = sh.placed_residency(config, plan.kind, residency);
         let class = ClassKey { residency, rounded: plan.rounded };
         let mut st = sh.lock_state();
         sh.check_stream(&mut st, stream)?;
@@ -375,8 +363,8 @@ impl<D: Device> Allocator<D> {
         let block = st.pool.allocate(block, plan.rounded, bytes, &sizing);
         let b = st.pool.block(block);
         let (ptr, size) = (DeviceAddr(b.addr), b.size);
-        // Accounted, and cached once freed, by its segment's residency (a transient block may
-        // sit in a persistent segment's free tail; see `find_or_reserve`).
+        // Accounted, and cached once freed, by its segment's residency (a block may sit in free
+        // space of the other residency's segment; see `residency.rs`).
         let held = st.pool.segment(b.segment).key.residency;
         let q = quadrant(key.kind, held);
         st.base.live_up(q, size, bytes, || sh.caches.all());
