@@ -19,7 +19,8 @@
 //! its state, only the device-side checks run): `check_invariants()` (tiling, no adjacent free
 //! blocks, exact stats, pending bookkeeping); the allocator's segments are exactly the device's
 //! live segments; reserved = Σ device segments; allocated = Σ live block sizes; every live buffer sits in an
-//! allocated block of its size, request, stream, residency and pool; live buffers never overlap;
+//! allocated block of its size, request, stream and pool, in a segment of the residency it must
+//! have (small blocks: transient; large ones on ordinary segments: either); live buffers never overlap;
 //! stat identities (current = allocated − freed ≤ peak; all = small + large = persistent +
 //! transient); device malloc/free counts match the allocator's; no sanitizer violation and no
 //! failed kernel. Each operation also checks its own outcome (an out-of-memory error must be
@@ -208,7 +209,10 @@ fn finish(dev: Arc<SimDevice>) -> Result<(), String> {
 /// A live buffer of the model.
 struct Live {
     buf: Buffer<SimDevice>,
-    residency: Residency,
+    /// The residency its segment must have: small blocks of either residency sit in transient
+    /// segments (or runs); `None` where either will do (on ordinary segments large blocks of
+    /// both residencies share free space: `residency.rs`).
+    residency: Option<Residency>,
     /// The pool its rounded size belongs to under the configuration it was allocated with.
     kind: PoolKind,
     /// Streams that used it (the owner first); a kernel on another stream waits for all.
@@ -698,7 +702,7 @@ impl<'a> Harness<'a> {
                     "a zero-byte scoped buffer must be empty at NULL on {s}: {b:?}"
                 );
                 let users = vec![s];
-                let (residency, kind) = (Residency::Transient, PoolKind::Small);
+                let (residency, kind) = (Some(Residency::Transient), PoolKind::Small);
                 self.live.push(Live { buf: b, residency, kind, users, run });
             }
             Ok(b) => {
@@ -706,7 +710,8 @@ impl<'a> Harness<'a> {
                 let config = if b.is_planned() { open.config.clone() } else { self.alloc.config() };
                 let kind = config.sizing.kind(config.sizing.round(bytes).unwrap_or(bytes));
                 let users = vec![s];
-                self.live.push(Live { buf: b, residency: Residency::Transient, kind, users, run });
+                let residency = Self::placed(&config, kind, Residency::Transient, &self.dev);
+                self.live.push(Live { buf: b, residency, kind, users, run });
             }
             Err(e) => self.scope_alloc_failed(open, bytes, e, calls_before, ooms_before)?,
         }
@@ -806,6 +811,22 @@ impl<'a> Harness<'a> {
         Ok(())
     }
 
+    /// The residency the segment of a block of `kind` asked for with `residency` must have:
+    /// small blocks count as transient, large ones may sit in either residency's free space on
+    /// ordinary segments and in their own residency's range over expandable segments.
+    fn placed(
+        config: &Config,
+        kind: PoolKind,
+        residency: Residency,
+        dev: &SimDevice,
+    ) -> Option<Residency> {
+        match kind {
+            PoolKind::Small => Some(Residency::Transient),
+            _ if config.expandable_segments && dev.supports_virtual_memory() => Some(residency),
+            _ => None,
+        }
+    }
+
     /// Allocates and checks the outcome against the request.
     fn alloc_op(&mut self, bytes: u64, s: StreamId, residency: Residency) -> Result<(), String> {
         let config = self.alloc.config();
@@ -830,7 +851,7 @@ impl<'a> Harness<'a> {
                     "a zero-byte buffer must be empty at NULL: {b:?}"
                 );
                 ensure!(b.stream() == s, "zero-byte buffer on {} not {s}", b.stream());
-                let users = vec![s];
+                let (users, residency) = (vec![s], Some(Residency::Transient));
                 self.live.push(Live { buf: b, residency, kind: PoolKind::Small, users, run: None });
             }
             Ok(b) => {
@@ -848,16 +869,7 @@ impl<'a> Harness<'a> {
                     "bad buffer for {bytes} bytes (rounded {rounded}, align {align}) on {s}: {b:?}"
                 );
                 let kind = sizing.kind(rounded);
-                // Over expandable segments small blocks of both residencies share the transient
-                // small range.
-                let residency = if config.expandable_segments
-                    && kind == PoolKind::Small
-                    && self.dev.supports_virtual_memory()
-                {
-                    Residency::Transient
-                } else {
-                    residency
-                };
+                let residency = Self::placed(&config, kind, residency, &self.dev);
                 self.live.push(Live { buf: b, residency, kind, users: vec![s], run: None });
             }
             Err(AllocError::InvalidSize { requested }) => {
@@ -1123,7 +1135,9 @@ impl<'a> Harness<'a> {
             return Err(format!("live {b:?} is in no segment"));
         };
         ensure!(
-            seg.stream == b.stream() && seg.residency == l.residency && seg.pool == l.kind,
+            seg.stream == b.stream()
+                && l.residency.is_none_or(|r| seg.residency == r)
+                && seg.pool == l.kind,
             "live {b:?} ({:?}, {:?}) sits in a segment of {}, {:?}, {:?}",
             l.residency,
             l.kind,
