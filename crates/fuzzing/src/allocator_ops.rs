@@ -1156,9 +1156,18 @@ impl<'a> Harness<'a> {
         Ok(())
     }
 
+    /// Whether a transient block may sit in `seg`: a transient one, or on ordinary segments
+    /// any large-pool one (both residencies share free space there: `residency.rs`).
+    fn transient_may_use(&self, seg: &SegmentInfo) -> bool {
+        let c = self.alloc.config();
+        seg.residency == Residency::Transient
+            || (seg.pool == PoolKind::Large
+                && !(c.expandable_segments && self.dev.supports_virtual_memory()))
+    }
+
     /// The allocated blocks of `snap` that back none of the live pool buffers `pooled` (a plan's
     /// region, the blocks an open scope freed and keeps): their bytes and number. All are
-    /// transient.
+    /// transient (in segments a transient block may use).
     fn unowned_blocks(&self, snap: &[SegmentInfo], pooled: &[&Live]) -> Result<(u64, u64), String> {
         let owned: HashSet<u64> = pooled.iter().map(|l| l.buf.ptr().0).collect();
         let (mut bytes, mut blocks) = (0, 0);
@@ -1166,7 +1175,7 @@ impl<'a> Harness<'a> {
             for blk in &seg.blocks {
                 if blk.state == BlockState::Allocated && !owned.contains(&blk.address.0) {
                     ensure!(
-                        seg.residency == Residency::Transient,
+                        self.transient_may_use(seg),
                         "an allocated persistent block at {} backs no live buffer",
                         blk.address
                     );
@@ -1178,7 +1187,8 @@ impl<'a> Harness<'a> {
         Ok((bytes, blocks))
     }
 
-    /// `[ptr, ptr + size)` lies inside one transient segment of `stream`, on allocated blocks
+    /// `[ptr, ptr + size)` lies inside one segment of `stream` that a transient block may use
+    /// ([`Harness::transient_may_use`]), on allocated blocks
     /// only (a planned slice in its region, which may span several blocks of an adopted
     /// segment; a bound buffer in its pool block).
     fn check_in_block(
@@ -1195,8 +1205,8 @@ impl<'a> Harness<'a> {
             return Err("in no segment".into());
         };
         ensure!(
-            seg.stream == stream && seg.residency == Residency::Transient,
-            "in a segment of {} ({:?}), not a transient one of {stream}",
+            seg.stream == stream && self.transient_may_use(seg),
+            "in a segment of {} ({:?}), not one of {stream} a transient block may use",
             seg.stream,
             seg.residency
         );
