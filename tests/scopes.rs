@@ -4,8 +4,8 @@ use proptest::prelude::*;
 use std::sync::Arc;
 use std::sync::mpsc;
 use tidepool::MIB;
-use tidepool::hooks::Broken;
 use tidepool::device::{Access, AccessKind, Kernel, Launch, SimDevice};
+use tidepool::hooks::Broken;
 use tidepool::{AllocError, Allocator, Buffer, Config, Device, DeviceAddr, Residency, StreamId};
 
 const S0: StreamId = StreamId::DEFAULT;

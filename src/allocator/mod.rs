@@ -319,8 +319,11 @@ impl<D: Device> Allocator<D> {
                 }
                 match cache.pop_request(sh.cached_residency(residency), bytes) {
                     (Pop::Hit(b), rounded) => {
-                        let (q, block, r) = (b.quadrant, Some(b.block), sh.cached_residency(residency));
-                        return Ok(self.hand_out(b.ptr, bytes, b.size, stream, block, rounded, r, q));
+                        let (q, block, r) =
+                            (b.quadrant, Some(b.block), sh.cached_residency(residency));
+                        return Ok(
+                            self.hand_out(b.ptr, bytes, b.size, stream, block, rounded, r, q)
+                        );
                     }
                     (Pop::NeedsLock, _) => {
                         cached = Some(cache);
