@@ -421,6 +421,63 @@ impl<D: Device> Shared<D> {
         st.pool.find_free(key, blk.size + 1, &config.sizing).or(Some(b))
     }
 
+    /// Whether handing the allocated block `block` out again, unchanged, for a request rounded
+    /// to `rounded` is exactly what freeing it and allocating would do ([`Pool::reuse_is_best_fit`]
+    /// with the block's own split rule, [`Shared::alloc_sizing`]), the end of a range's top run
+    /// used last as [`Shared::find_free`] does: where the block, merged with a free right
+    /// neighbour, would end the top run, no other free block of its key may serve the request.
+    ///
+    /// ```text
+    ///  top run  [busy][ block ][free R]|unmapped   freed: [busy][ block + R ]  the growth end:
+    ///                                              a larger free block elsewhere serves first
+    /// ```
+    pub(super) fn reuse_fits(
+        &self,
+        st: &State,
+        block: BlockId,
+        rounded: u64,
+        sizing: &Sizing,
+    ) -> bool {
+        let own = self.alloc_sizing(st, block, sizing);
+        if !st.pool.reuse_is_best_fit(block, rounded, &own) {
+            return false;
+        }
+        if self.broken(Broken::ReuseGrowthEnd) {
+            return true;
+        }
+        if st.vm.is_empty() {
+            return true;
+        }
+        let b = st.pool.block(block);
+        let (mut last, mut merged) = (block, b.size);
+        if let Some(r) = b.next {
+            let rb = st.pool.block(r);
+            if rb.state != BlockState::Free {
+                return true; // a busy neighbour: not the end of its run
+            }
+            (last, merged) = (r, merged + rb.size);
+        }
+        if st.pool.block(last).next.is_some() {
+            return true;
+        }
+        let seg = b.segment;
+        let top =
+            st.vm.range_of(b.addr).and_then(|base| st.vm.ranges[&base].segs.values().next_back());
+        if top != Some(&seg) {
+            return true;
+        }
+        let key = st.pool.segment(seg).key;
+        st.pool.find_free(key, merged + 1, sizing).is_none()
+    }
+
+    /// Whether freed large-pool blocks may wait in their stream's cache under `config` over
+    /// these ranges: only where a free releases no pages at once (no `release_threshold`, no
+    /// learning run open), since a cached block is not free in the pool.
+    pub(super) fn large_cacheable(st: &State, config: &Config) -> bool {
+        !config.expandable_segments
+            || config.release_threshold == u64::MAX && st.vm.learning.is_empty()
+    }
+
     /// The block size an allocation from `block` takes: in an expandable range a large block is
     /// split whenever anything is left (an unsplit tail would only pin pages), elsewhere the
     /// configured rules.
@@ -515,7 +572,7 @@ impl<D: Device> Shared<D> {
         let page = st.vm.page;
         let base = st.vm.by_key[&key];
         let Place { lo, pages } = place;
-        let reserved = st.pool.stats().reserved_bytes.all.current;
+        let reserved = st.pool.reserved_bytes();
         if config.limit(self.device_total).is_some_and(|limit| reserved + pages * page > limit) {
             return Err(oom());
         }
@@ -1011,6 +1068,13 @@ impl<D: Device> Shared<D> {
         }
         if *n == 0 {
             st.vm.learning.remove(&stream);
+        }
+        let cacheable = Self::large_cacheable(st, &self.config.load());
+        self.cache_large.store(cacheable, Ordering::Relaxed);
+        if !cacheable {
+            // Blocks cached before the run opened are free from now on, as they would have
+            // been without the cache: the run's trims see them.
+            self.flush_large(st);
         }
     }
 

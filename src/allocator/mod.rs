@@ -161,7 +161,9 @@ impl<D: Device> Allocator<D> {
         config.validate()?;
         let total = device.mem_info()?.total;
         let (fast, global_lock) = (config.fast_path(), config.global_lock);
-        let cache_large = !config.expandable_segments;
+        // Over expandable segments only while a free releases no pages at once (no learning
+        // run is open yet).
+        let cache_large = !config.expandable_segments || config.release_threshold == u64::MAX;
         let (config_caching, oversize_at) = (config.caching, config.sizing.max_split_size);
         let shared = Arc::new(Shared {
             device,
@@ -216,7 +218,7 @@ impl<D: Device> Allocator<D> {
         let limits = limits(&config);
         let recording = sh.recording.load(Ordering::Relaxed);
         sh.fast_path.store(config.fast_path() && !recording, Ordering::Relaxed);
-        sh.cache_large.store(!config.expandable_segments, Ordering::Relaxed);
+        sh.cache_large.store(Shared::<D>::large_cacheable(&st, &config), Ordering::Relaxed);
         sh.publish_stats.store(!config.global_lock, Ordering::Relaxed);
         sh.passthrough.store(!config.caching, Ordering::Relaxed);
         sh.oversize_at.store(config.sizing.max_split_size, Ordering::Relaxed);
@@ -661,7 +663,7 @@ impl<D: Device> Allocator<D> {
         let st = &mut *st;
         let c = &st.counters;
         st.base.mirror(
-            st.pool.stats(),
+            &st.pool.stats(),
             [c.retries, c.ooms, c.device_alloc, c.device_free, c.host_syncs],
         );
         let snap = counters::Snapshot {

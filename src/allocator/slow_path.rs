@@ -168,7 +168,7 @@ impl<D: Device> Shared<D> {
         key: PoolKey,
         seg_size: u64,
     ) -> Result<BlockId, AllocError> {
-        let reserved = st.pool.stats().reserved_bytes.all.current;
+        let reserved = st.pool.reserved_bytes();
         let refused = || AllocError::OutOfMemory(Box::default());
         if config.limit(self.device_total).is_some_and(|limit| reserved + seg_size > limit) {
             return Err(refused());
@@ -425,8 +425,8 @@ impl<D: Device> Shared<D> {
 
     /// Same-stream reuse of a large block without the pool's split and coalesce: the block
     /// `stream` caches for `class`, if handing it out is exactly what freeing it and taking the
-    /// best fit would do ([`Pool::reuse_is_best_fit`]; the stream holds no other large block
-    /// back from the pool). Accounted like a stream-cache hit. The caller holds the global lock.
+    /// best fit would do ([`Shared::reuse_fits`]: the pool's check, and over expandable segments
+    /// the range's rules; the stream holds no other large block back from the pool). Accounted like a stream-cache hit. The caller holds the global lock.
     pub(super) fn reuse_large(
         &self,
         st: &mut State,
@@ -439,9 +439,9 @@ impl<D: Device> Shared<D> {
         if cache.large_blocks() == 0 {
             return None;
         }
-        let pool = &st.pool;
+        let locked = &*st;
         match cache
-            .pop_checked(class, bytes, |b| pool.reuse_is_best_fit(b.block, class.rounded, sizing))
+            .pop_checked(class, bytes, |b| self.reuse_fits(locked, b.block, class.rounded, sizing))
         {
             Pop::Hit(b) => Some(b),
             Pop::Miss => None,
