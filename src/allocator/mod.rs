@@ -240,9 +240,13 @@ impl<D: Device> Allocator<D> {
         self.alloc_in(bytes, stream, Residency::Transient)
     }
 
-    /// Allocates `bytes` on `stream` with the given residency. Persistent and transient blocks
-    /// never share a segment, except under expandable segments, where small-pool blocks
-    /// (≤ 1 MiB) of both residencies share the stream's small range and count as transient.
+    /// Allocates `bytes` on `stream` with the given residency. The residency decides what a
+    /// segment reserved for the request is — persistent segments are never released by
+    /// `empty_cache`, the garbage collection or the out-of-memory ladder, only by
+    /// [`Allocator::release_persistent`] — not where the block may sit: small-pool blocks
+    /// (≤ 1 MiB) of both residencies share the stream's small segments and count as transient,
+    /// and on ordinary segments a large block takes the best fit over the free space of both.
+    /// A block is accounted by its segment's residency.
     ///
     /// When memory runs out, the out-of-memory observers are called with the report, then the
     /// failure callback (if any) may free memory and ask for another attempt

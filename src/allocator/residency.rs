@@ -31,8 +31,12 @@ impl<D: Device> Shared<D> {
     /// Whether the two residencies share free space in the large pool: on ordinary segments
     /// (an expandable range keeps each residency's pages apart).
     fn shares_large(&self, config: &Config) -> bool {
-        !(config.expandable_segments && self.device.supports_virtual_memory())
-            && !self.broken(Broken::ResidencySplit)
+        !(self.over_ranges(config) || self.broken(Broken::ResidencySplit))
+    }
+
+    /// Whether requests are served by expandable ranges (asked for, and the device can).
+    fn over_ranges(&self, config: &Config) -> bool {
+        config.expandable_segments && self.device.supports_virtual_memory()
     }
 
     /// The residency a request of `kind` is placed and accounted with: small-pool requests are
@@ -43,8 +47,7 @@ impl<D: Device> Shared<D> {
         kind: PoolKind,
         residency: Residency,
     ) -> Residency {
-        let split = self.broken(Broken::ResidencySplit)
-            && !(config.expandable_segments && self.device.supports_virtual_memory());
+        let split = self.broken(Broken::ResidencySplit) && !self.over_ranges(config);
         match kind {
             PoolKind::Small if !split => Residency::Transient,
             _ => residency,
