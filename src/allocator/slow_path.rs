@@ -316,7 +316,10 @@ impl<D: Device> Shared<D> {
                     if self.cache_large.load(Ordering::Relaxed)
                         && f.size < self.oversize_at.load(Ordering::Relaxed) =>
                 {
-                    self.caches.first_lane(f.stream)
+                    // The lane holds one large block at most: when its hint says it has one,
+                    // the push would refuse, so skip its lock. (A stale hint only sends the
+                    // block to the pool, which is always correct.)
+                    self.caches.first_lane(f.stream).filter(|c| c.large_blocks() == 0)
                 }
                 false => None,
             }
