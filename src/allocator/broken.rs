@@ -45,6 +45,10 @@ pub enum Broken {
     /// Over expandable segments the same-stream reuse of a large block ignores the rule that
     /// the end of a range's top run is used last (placement then differs from the pool's).
     ReuseGrowthEnd = 1 << 11,
+    /// The two residencies keep their free space apart on ordinary segments (the rule before
+    /// `residency.rs`): a request never takes free space in a segment of the other residency,
+    /// and small persistent blocks get small segments of their own.
+    ResidencySplit = 1 << 12,
 }
 
 #[cfg_attr(not(feature = "test-hooks"), allow(dead_code))]

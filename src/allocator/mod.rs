@@ -44,6 +44,7 @@ mod publish;
 mod regions;
 mod report;
 mod request;
+mod residency;
 mod scope;
 mod seqlock;
 mod slow_path;
@@ -239,9 +240,13 @@ impl<D: Device> Allocator<D> {
         self.alloc_in(bytes, stream, Residency::Transient)
     }
 
-    /// Allocates `bytes` on `stream` with the given residency. Persistent and transient blocks
-    /// never share a segment, except under expandable segments, where small-pool blocks
-    /// (≤ 1 MiB) of both residencies share the stream's small range and count as transient.
+    /// Allocates `bytes` on `stream` with the given residency. The residency decides what a
+    /// segment reserved for the request is — persistent segments are never released by
+    /// `empty_cache`, the garbage collection or the out-of-memory ladder, only by
+    /// [`Allocator::release_persistent`] — not where the block may sit: small-pool blocks
+    /// (≤ 1 MiB) of both residencies share the stream's small segments and count as transient,
+    /// and on ordinary segments a large block takes the best fit over the free space of both.
+    /// A block is accounted by its segment's residency.
     ///
     /// When memory runs out, the out-of-memory observers are called with the report, then the
     /// failure callback (if any) may free memory and ask for another attempt
@@ -318,12 +323,13 @@ impl<D: Device> Allocator<D> {
                 if !cache.may_serve(bytes) {
                     break; // a large request: no lane serves it
                 }
-                match cache.pop_request(residency, bytes) {
+                match cache.pop_request(sh.cached_residency(residency), bytes) {
                     (Pop::Hit(b), rounded) => {
-                        let q = b.quadrant;
-                        let block = Some(b.block);
-                        return Ok(self
-                            .hand_out(b.ptr, bytes, b.size, stream, block, rounded, residency, q));
+                        let (q, block, r) =
+                            (b.quadrant, Some(b.block), sh.cached_residency(residency));
+                        return Ok(
+                            self.hand_out(b.ptr, bytes, b.size, stream, block, rounded, r, q)
+                        );
                     }
                     (Pop::NeedsLock, _) => {
                         cached = Some(cache);
@@ -335,20 +341,9 @@ impl<D: Device> Allocator<D> {
         }
         let plan = RequestPlan::new(&sh.config, bytes)?;
         let config = &*plan.config;
-        // Over expandable segments the small blocks of both residencies share the stream's
-        // small range: pages, not segments, are what a block pins there, and a persistent small
-        // range of its own would keep a partly used page of its own (one page above `caching`
-        // on mlp_train, t5_train and llama_decode). Such a block counts as transient. (The
-        // stream caches above were asked with the residency as given: a persistent small
-        // request misses there, since such blocks are cached as transient, and lands here.)
-        let residency = if config.expandable_segments
-            && plan.kind == crate::stats::PoolKind::Small
-            && sh.device.supports_virtual_memory()
-        {
-            Residency::Transient
-        } else {
-            residency
-        };
+        // Small-pool blocks of both residencies share the stream's small segments and count as
+        // transient; large ones share free space on ordinary segments (`residency.rs`).
+        let residency = sh.placed_residency(config, plan.kind, residency);
         let class = ClassKey { residency, rounded: plan.rounded };
         let mut st = sh.lock_state();
         sh.check_stream(&mut st, stream)?;
@@ -377,8 +372,8 @@ impl<D: Device> Allocator<D> {
         let block = st.pool.allocate(block, plan.rounded, bytes, &sizing);
         let b = st.pool.block(block);
         let (ptr, size) = (DeviceAddr(b.addr), b.size);
-        // Accounted, and cached once freed, by its segment's residency (a transient block may
-        // sit in a persistent segment's free tail; see `find_or_reserve`).
+        // Accounted, and cached once freed, by its segment's residency (a block may sit in free
+        // space of the other residency's segment; see `residency.rs`).
         let held = st.pool.segment(b.segment).key.residency;
         let q = quadrant(key.kind, held);
         st.base.live_up(q, size, bytes, || sh.caches.all());

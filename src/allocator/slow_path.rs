@@ -92,10 +92,7 @@ impl<D: Device> Shared<D> {
         // Any block of `need` bytes holds `rounded` bytes at an aligned address (blocks start
         // at multiples of MIN_ALIGN).
         let need = if aligned { rounded + align - MIN_ALIGN } else { rounded };
-        let find = |sh: &Self, st: &mut State| match aligned {
-            true => st.pool.find_free_aligned(key, rounded, align, &config.sizing),
-            false => sh.find_free(st, config, key, rounded),
-        };
+        let find = |sh: &Self, st: &mut State| sh.find_placed(st, config, key, rounded, align);
         let at = |st: &mut State, b: BlockId| match aligned {
             true => st.pool.split_front(b, align),
             false => b,
@@ -144,11 +141,7 @@ impl<D: Device> Shared<D> {
                     retried = true;
                     if !st.pending.is_empty() {
                         self.sync_events(st)?;
-                        let found = match aligned {
-                            true => st.pool.find_free_aligned(key, rounded, align, z),
-                            false => st.pool.find_free(key, rounded, z),
-                        };
-                        if let Some(b) = found {
+                        if let Some(b) = find(self, st) {
                             st.counters.retries += 1;
                             return Ok(at(st, b));
                         }
