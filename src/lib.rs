@@ -1,7 +1,7 @@
 //! tidepool: a stream-ordered caching allocator for CUDA device memory.
 //!
-//! It splits and coalesces blocks, frees them in stream order, keeps persistent memory (weights)
-//! and transient memory (activations) in separate pools, and runs on a simulated device
+//! It splits and coalesces blocks, frees them in stream order, keeps the segments of persistent
+//! memory (weights) cached when those of transient memory (activations) are recycled, and runs on a simulated device
 //! ([`SimDevice`], with a stream-order sanitizer) where there is no GPU, or on a real one
 //! (`CudaDevice`, feature `cuda`). The architecture, layer by layer, is in
 //! `docs/ARCHITECTURE.md` of this repository:

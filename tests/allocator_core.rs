@@ -195,14 +195,15 @@ fn empty_cache_releases_only_unused_segments() {
 #[test]
 fn persistent_segments_survive_empty_cache() {
     let (dev, alloc) = setup(1 << 30);
-    let w = alloc.alloc_in(4096, S0, Residency::Persistent).unwrap();
-    let t = alloc.alloc(4096, S0).unwrap();
+    let w = alloc.alloc_in(4 * MIB, S0, Residency::Persistent).unwrap();
+    // 18 MiB: more than the weight segment's free tail, so a transient segment of its own.
+    let t = alloc.alloc(18 * MIB, S0).unwrap();
     assert_eq!(w.ptr(), DeviceAddr(SIM_BASE));
-    assert_eq!(t.ptr(), DeviceAddr(SIM_BASE + 2 * MIB), "never the same segment");
+    assert_eq!(t.ptr(), DeviceAddr(SIM_BASE + 20 * MIB));
     drop((w, t));
     alloc.empty_cache().unwrap();
-    assert_eq!(dev.live_segments(), vec![(DeviceAddr(SIM_BASE), 2 * MIB)]);
-    assert_eq!(alloc.stats().blocks.reserved_bytes.persistent.current, 2 * MIB);
+    assert_eq!(dev.live_segments(), vec![(DeviceAddr(SIM_BASE), 20 * MIB)]);
+    assert_eq!(alloc.stats().blocks.reserved_bytes.persistent.current, 20 * MIB);
     alloc.release_persistent().unwrap();
     assert!(dev.live_segments().is_empty());
 }

@@ -5,6 +5,7 @@ use std::sync::Arc;
 use std::sync::mpsc;
 use tidepool::MIB;
 use tidepool::device::{Access, AccessKind, Kernel, Launch, SimDevice};
+use tidepool::hooks::Broken;
 use tidepool::{AllocError, Allocator, Buffer, Config, Device, DeviceAddr, Residency, StreamId};
 
 const S0: StreamId = StreamId::DEFAULT;
@@ -249,33 +250,163 @@ fn out_of_memory_never_releases_persistent_segments() {
     assert!(dev.live_segments().is_empty());
 }
 
+/// Where a persistent 4 MiB block goes after a transient 4 MiB one on ordinary segments:
+/// (base of the first segment, address of each block, live segments, reserved persistent and
+/// transient bytes, allocated transient bytes).
+fn large_sharing(broken: bool) -> (u64, [u64; 2], usize, u64, u64, u64) {
+    let (dev, alloc) = setup(1 << 30);
+    alloc.set_broken(Broken::ResidencySplit, broken);
+    let t = alloc.alloc(4 * MIB, S0).unwrap();
+    let w = alloc.alloc_in(4 * MIB, S0, Residency::Persistent).unwrap();
+    alloc.check_invariants().unwrap();
+    let b = alloc.stats().blocks;
+    let base = dev.live_segments().iter().map(|(p, _)| p.0).min().unwrap();
+    let out = (
+        base,
+        [t.ptr().0, w.ptr().0],
+        dev.live_segments().len(),
+        b.reserved_bytes.persistent.current,
+        b.reserved_bytes.transient.current,
+        b.allocated_bytes.transient.current,
+    );
+    drop((t, w));
+    alloc.release_persistent().unwrap();
+    alloc.empty_cache().unwrap();
+    assert!(dev.live_segments().is_empty());
+    out
+}
+
+#[test]
+fn a_weight_takes_free_space_in_a_transient_segment_instead_of_a_new_segment() {
+    let (base, [t, w], segments, persistent, transient, allocated) = large_sharing(false);
+    // One 20 MiB transient segment: the activation at its base, the weight right after it (the
+    // best fit is the segment's 16 MiB tail), accounted with its segment.
+    assert_eq!((t, w), (base, base + 4 * MIB));
+    assert_eq!((segments, persistent, transient, allocated), (1, 0, 20 * MIB, 8 * MIB));
+}
+
+#[test]
+fn broken_residency_split_reserves_a_segment_for_the_weight() {
+    let (base, [t, _], segments, persistent, transient, allocated) = large_sharing(true);
+    assert_eq!(t, base);
+    assert_eq!((segments, persistent, transient, allocated), (2, 20 * MIB, 20 * MIB, 4 * MIB));
+}
+
+#[test]
+fn an_activation_takes_the_free_tail_of_a_weight_segment() {
+    let (dev, alloc) = setup(1 << 30);
+    let w = alloc.alloc_in(4 * MIB, S0, Residency::Persistent).unwrap();
+    let a = alloc.alloc(6 * MIB, S0).unwrap();
+    assert_eq!(a.ptr().0, w.ptr().0 + 4 * MIB);
+    assert_eq!(dev.live_segments().len(), 1);
+    let b = alloc.stats().blocks;
+    assert_eq!(b.reserved_bytes.persistent.current, 20 * MIB);
+    assert_eq!(b.allocated_bytes.persistent.current, 10 * MIB, "accounted with its segment");
+    drop(a);
+    // The tail is free again: the transient cache releases nothing of a persistent segment.
+    alloc.empty_cache().unwrap();
+    assert_eq!(dev.live_segments().len(), 1);
+    drop(w);
+    alloc.empty_cache().unwrap();
+    assert_eq!(dev.live_segments().len(), 1, "a free persistent segment stays cached");
+    alloc.release_persistent().unwrap();
+    assert!(dev.live_segments().is_empty());
+}
+
+#[test]
+fn a_transient_segment_holding_a_weight_is_released_only_after_the_weight() {
+    let (dev, alloc) = setup(1 << 30);
+    let a = alloc.alloc(4 * MIB, S0).unwrap();
+    let w = alloc.alloc_in(4 * MIB, S0, Residency::Persistent).unwrap();
+    assert_eq!(w.ptr().0, a.ptr().0 + 4 * MIB);
+    drop(a);
+    alloc.empty_cache().unwrap();
+    alloc.release_persistent().unwrap();
+    assert_eq!(dev.live_segments().len(), 1, "the weight pins its segment");
+    assert_eq!(alloc.stats().blocks.allocated_bytes.all.current, 4 * MIB);
+    drop(w);
+    alloc.empty_cache().unwrap();
+    assert!(dev.live_segments().is_empty(), "a transient segment is recycled");
+    alloc.check_invariants().unwrap();
+}
+
+#[test]
+fn small_blocks_of_both_residencies_share_one_small_segment() {
+    for broken in [false, true] {
+        let (dev, alloc) = setup(1 << 30);
+        alloc.set_broken(Broken::ResidencySplit, broken);
+        let w = alloc.alloc_in(4096, S0, Residency::Persistent).unwrap();
+        let a = alloc.alloc(4096, S0).unwrap();
+        let b = alloc.stats().blocks;
+        let (persistent, transient) =
+            (b.allocated_bytes.persistent.current, b.allocated_bytes.transient.current);
+        if broken {
+            assert_eq!(dev.live_segments().len(), 2, "a small segment per residency");
+            assert_eq!((persistent, transient), (4096, 4096));
+        } else {
+            assert_eq!(a.ptr().0, w.ptr().0 + 4096);
+            assert_eq!(dev.live_segments().len(), 1);
+            assert_eq!((persistent, transient), (0, 8192), "small blocks count as transient");
+        }
+        // A freed small weight is cached for the stream and serves either residency (split: a
+        // transient request never takes it).
+        let at = w.ptr();
+        drop(w);
+        let again = alloc.alloc(4096, S0).unwrap();
+        assert_eq!(again.ptr() == at, !broken);
+        drop((a, again));
+        alloc.empty_cache().unwrap();
+        alloc.release_persistent().unwrap();
+        assert!(dev.live_segments().is_empty());
+    }
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
 
-    /// Persistent and transient blocks never share a segment, whatever the mix.
+    /// Whatever the mix of residencies: small-pool buffers sit in transient segments, no two
+    /// live buffers overlap, `empty_cache` keeps every persistent segment and every segment
+    /// holding a live buffer and releases the rest, and everything goes once all is freed.
     #[test]
-    fn residency_never_shares_segments(
-        ops in prop::collection::vec((1u64..24 * MIB, any::<bool>(), any::<prop::sample::Index>(), any::<bool>()), 1..80)
+    fn residency_placement_keeps_the_release_rules(
+        ops in prop::collection::vec((1u64..24 * MIB, any::<bool>(), any::<prop::sample::Index>(), 0u8..8), 1..80)
     ) {
         let (dev, alloc) = setup(1 << 32);
-        let mut live: Vec<(Buffer<SimDevice>, Residency)> = Vec::new();
-        for (bytes, persistent, victim, free) in ops {
-            if free && !live.is_empty() {
-                let i = victim.index(live.len());
-                drop(live.swap_remove(i));
-            } else {
-                let r = if persistent { Residency::Persistent } else { Residency::Transient };
-                live.push((alloc.alloc_in(bytes, S0, r).unwrap(), r));
+        let mut live: Vec<Buffer<SimDevice>> = Vec::new();
+        for (bytes, persistent, victim, what) in ops {
+            match what {
+                0..=2 if !live.is_empty() => drop(live.swap_remove(victim.index(live.len()))),
+                3 => {
+                    let persistent_before: Vec<_> = alloc.snapshot().into_iter()
+                        .filter(|s| s.residency == Residency::Persistent).map(|s| s.address).collect();
+                    alloc.empty_cache().unwrap();
+                    let snap = alloc.snapshot();
+                    for seg in &snap {
+                        let holds = live.iter().any(|b| seg.address.0 <= b.ptr().0 && b.ptr().0 < seg.address.0 + seg.size);
+                        prop_assert!(holds || seg.residency == Residency::Persistent, "a free transient segment survived empty_cache");
+                    }
+                    for a in persistent_before {
+                        prop_assert!(snap.iter().any(|s| s.address == a), "empty_cache released a persistent segment");
+                    }
+                }
+                _ => {
+                    let r = if persistent { Residency::Persistent } else { Residency::Transient };
+                    live.push(alloc.alloc_in(bytes, S0, r).unwrap());
+                }
             }
             alloc.check_invariants().map_err(TestCaseError::fail)?;
-            for seg in alloc.snapshot() {
-                for (b, r) in &live {
-                    let inside = seg.address.0 <= b.ptr().0 && b.ptr().0 < seg.address.0 + seg.size;
-                    prop_assert!(!inside || seg.residency == *r, "a {r:?} buffer in a {:?} segment", seg.residency);
-                }
+            let snap = alloc.snapshot();
+            for b in &live {
+                let seg = snap.iter().find(|s| s.address.0 <= b.ptr().0 && b.ptr().0 < s.address.0 + s.size);
+                prop_assert!(seg.is_some(), "a live buffer in no segment");
+                let seg = seg.unwrap();
+                prop_assert!(seg.pool != tidepool::PoolKind::Small || seg.residency == Residency::Transient);
             }
         }
         drop(live);
+        alloc.release_persistent().unwrap();
+        alloc.empty_cache().unwrap();
+        prop_assert!(dev.live_segments().is_empty());
         drop(alloc);
         prop_assert!(dev.live_segments().is_empty());
     }

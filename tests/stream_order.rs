@@ -236,15 +236,16 @@ fn out_of_memory_waits_for_events_and_searches_again() {
 
 #[test]
 fn out_of_memory_report_counts_memory_cached_for_other_streams() {
-    let (dev, alloc, a, b) = setup("", 4 * MIB);
-    drop(alloc.alloc_in(4096, b, Residency::Persistent).unwrap());
-    let e = alloc.alloc(3 * MIB, a).unwrap_err();
+    // (A large weight: small blocks of both residencies count as transient.)
+    let (dev, alloc, a, b) = setup("", 24 * MIB);
+    drop(alloc.alloc_in(2 * MIB, b, Residency::Persistent).unwrap());
+    let e = alloc.alloc(5 * MIB, a).unwrap_err();
     let AllocError::OutOfMemory(r) = e else { panic!() };
     assert_eq!(
         (r.free_on_other_streams, r.waiting_on_events, r.persistent_reserved),
-        (2 * MIB, 0, 2 * MIB)
+        (20 * MIB, 0, 20 * MIB)
     );
-    assert_eq!(r.device_free, 2 * MIB);
+    assert_eq!(r.device_free, 4 * MIB);
     assert_eq!(dev.live_segments().len(), 1, "persistent memory is never released by the ladder");
 }
 

@@ -42,6 +42,13 @@ pub enum Broken {
     /// Aligned allocations are served from the stream caches and the large-block reuse like
     /// any other (a cached block of the class may start anywhere).
     AlignedFromCache = 1 << 10,
+    /// Over expandable segments the same-stream reuse of a large block ignores the rule that
+    /// the end of a range's top run is used last (placement then differs from the pool's).
+    ReuseGrowthEnd = 1 << 11,
+    /// The two residencies keep their free space apart on ordinary segments (the rule before
+    /// `residency.rs`): a request never takes free space in a segment of the other residency,
+    /// and small persistent blocks get small segments of their own.
+    ResidencySplit = 1 << 12,
 }
 
 #[cfg_attr(not(feature = "test-hooks"), allow(dead_code))]

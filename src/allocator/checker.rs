@@ -17,7 +17,7 @@ impl<D: Device> Allocator<D> {
             let st = &mut *st;
             let c = &st.counters;
             let counters = [c.retries, c.ooms, c.device_alloc, c.device_free, c.host_syncs];
-            st.base.mirror(st.pool.stats(), counters);
+            st.base.mirror(&st.pool.stats(), counters);
         }
         let table = sh.caches.all();
         let inners: Vec<_> = table.iter().map(|c| c.lock_inner()).collect();
@@ -74,7 +74,7 @@ impl<D: Device> Allocator<D> {
         let refs: Vec<&fast_cache::CacheInner> = inners.iter().map(|g| &**g).collect();
         let exact = st.base.exact(&refs);
         drop(inners);
-        let mut expect = counters::currents(st.pool.stats());
+        let mut expect = counters::currents(&st.pool.stats());
         let minus = counters::currents(&counters::cached_in_pool(&st.pool, &cached));
         for (row, m) in expect.iter_mut().zip(minus) {
             for (v, m) in row.iter_mut().zip(m) {

@@ -481,11 +481,11 @@ mod tests {
         let key = |kind, residency| PoolKey { residency, stream: StreamId(0), kind };
         let same = |b: &BaseStats, pool: &Pool| {
             let s = assemble(&b.words, &[]);
-            POOL_ONLY.iter().all(|&g| group(&s, g) == group(pool.stats(), g))
+            POOL_ONLY.iter().all(|&g| group(&s, g) == group(&pool.stats(), g))
         };
         let publish = |b: &mut BaseStats, pool: &mut Pool| {
             let changed = pool.take_changed();
-            b.mirror_changed(pool.stats(), [0; COUNTERS], changed);
+            b.mirror_changed(&pool.stats(), [0; COUNTERS], changed);
         };
         let small =
             pool.add_segment(key(PoolKind::Small, Residency::Transient), 0x1000_0000, 2 * MIB);
@@ -505,7 +505,7 @@ mod tests {
         let seg = pool.block(large).segment;
         pool.remove_segment(seg);
         assert_eq!(pool.take_changed(), 0x04 | 0x40);
-        b.mirror_changed(pool.stats(), [0; COUNTERS], 0x04 | 0x40);
+        b.mirror_changed(&pool.stats(), [0; COUNTERS], 0x04 | 0x40);
         assert!(same(&b, &pool));
         pool.reset_peak_stats();
         publish(&mut b, &mut pool);

@@ -164,6 +164,9 @@ struct VmCounts {
 #[derive(Default)]
 pub(super) struct Vm {
     ranges: BTreeMap<u64, Range>,
+    /// (base, end) of every range, for the address test each slow-path allocation makes (a
+    /// few entries: a scan beats the map's search).
+    spans: Vec<(u64, u64)>,
     by_key: BTreeMap<PoolKey, u64>,
     retiring: Vec<Retiring>,
     /// Page size (the device's granularity), known once a range exists.
@@ -227,8 +230,7 @@ impl Vm {
 
     /// The base of the range holding `addr`.
     fn range_of(&self, addr: u64) -> Option<u64> {
-        let (&b, r) = self.ranges.range(..=addr).next_back()?;
-        (addr < b + r.size).then_some(b)
+        self.spans.iter().find(|&&(b, e)| b <= addr && addr < e).map(|&(b, _)| b)
     }
 
     /// Does `addr` lie in one of the ranges?
@@ -391,6 +393,7 @@ impl<D: Device> Shared<D> {
             retiring: BTreeSet::new(),
         };
         st.vm.ranges.insert(base.0, range);
+        st.vm.spans.push((base.0, base.0 + size));
         st.vm.by_key.insert(key, base.0);
         st.vm.virtual_bytes += size;
         self.publish_vm(&st.vm);
@@ -419,6 +422,63 @@ impl<D: Device> Shared<D> {
             return Some(b);
         }
         st.pool.find_free(key, blk.size + 1, &config.sizing).or(Some(b))
+    }
+
+    /// Whether handing the allocated block `block` out again, unchanged, for a request rounded
+    /// to `rounded` is exactly what freeing it and allocating would do ([`Pool::reuse_is_best_fit`]
+    /// with the block's own split rule, [`Shared::alloc_sizing`]), the end of a range's top run
+    /// used last as [`Shared::find_free`] does: where the block, merged with a free right
+    /// neighbour, would end the top run, no other free block of its key may serve the request.
+    ///
+    /// ```text
+    ///  top run  [busy][ block ][free R]|unmapped   freed: [busy][ block + R ]  the growth end:
+    ///                                              a larger free block elsewhere serves first
+    /// ```
+    pub(super) fn reuse_fits(
+        &self,
+        st: &State,
+        block: BlockId,
+        rounded: u64,
+        sizing: &Sizing,
+    ) -> bool {
+        let own = self.alloc_sizing(st, block, sizing);
+        if !st.pool.reuse_is_best_fit(block, rounded, &own) {
+            return false;
+        }
+        if self.broken(Broken::ReuseGrowthEnd) {
+            return true;
+        }
+        if st.vm.is_empty() {
+            return true;
+        }
+        let b = st.pool.block(block);
+        let (mut last, mut merged) = (block, b.size);
+        if let Some(r) = b.next {
+            let rb = st.pool.block(r);
+            if rb.state != BlockState::Free {
+                return true; // a busy neighbour: not the end of its run
+            }
+            (last, merged) = (r, merged + rb.size);
+        }
+        if st.pool.block(last).next.is_some() {
+            return true;
+        }
+        let seg = b.segment;
+        let top =
+            st.vm.range_of(b.addr).and_then(|base| st.vm.ranges[&base].segs.values().next_back());
+        if top != Some(&seg) {
+            return true;
+        }
+        let key = st.pool.segment(seg).key;
+        st.pool.find_free(key, merged + 1, sizing).is_none()
+    }
+
+    /// Whether freed large-pool blocks may wait in their stream's cache under `config` over
+    /// these ranges: only where a free releases no pages at once (no `release_threshold`, no
+    /// learning run open), since a cached block is not free in the pool.
+    pub(super) fn large_cacheable(st: &State, config: &Config) -> bool {
+        !config.expandable_segments
+            || config.release_threshold == u64::MAX && st.vm.learning.is_empty()
     }
 
     /// The block size an allocation from `block` takes: in an expandable range a large block is
@@ -515,7 +575,7 @@ impl<D: Device> Shared<D> {
         let page = st.vm.page;
         let base = st.vm.by_key[&key];
         let Place { lo, pages } = place;
-        let reserved = st.pool.stats().reserved_bytes.all.current;
+        let reserved = st.pool.reserved_bytes();
         if config.limit(self.device_total).is_some_and(|limit| reserved + pages * page > limit) {
             return Err(oom());
         }
@@ -1012,6 +1072,13 @@ impl<D: Device> Shared<D> {
         if *n == 0 {
             st.vm.learning.remove(&stream);
         }
+        let cacheable = Self::large_cacheable(st, &self.config.load());
+        self.cache_large.store(cacheable, Ordering::Relaxed);
+        if !cacheable {
+            // Blocks cached before the run opened are free from now on, as they would have
+            // been without the cache: the run's trims see them.
+            self.flush_large(st);
+        }
     }
 
     /// Frees the virtual ranges of keys satisfying `which` that have nothing mapped (a destroyed
@@ -1028,6 +1095,7 @@ impl<D: Device> Shared<D> {
             let size = st.vm.ranges[&base].size;
             if self.device.vm_free(DeviceAddr(base), size).is_ok() {
                 let r = st.vm.ranges.remove(&base).expect("listed");
+                st.vm.spans.retain(|&(b, _)| b != base);
                 st.vm.by_key.remove(&r.key);
                 st.vm.virtual_bytes -= size;
             }
@@ -1103,6 +1171,13 @@ impl<D: Device> Shared<D> {
         let page = st.vm.page;
         let mut in_ranges = 0usize;
         let live: HashMap<SegmentId, &Segment> = st.pool.segments().collect();
+        let mut spans = st.vm.spans.clone();
+        spans.sort_unstable();
+        let expect: Vec<(u64, u64)> =
+            st.vm.ranges.values().map(|r| (r.base, r.base + r.size)).collect();
+        if spans != expect {
+            return Err(format!("range spans {spans:x?} drifted from the ranges {expect:x?}"));
+        }
         for r in st.vm.ranges.values() {
             if st.vm.by_key.get(&r.key) != Some(&r.base) {
                 return Err(format!("range at {:#x} is not its key's", r.base));

@@ -34,7 +34,7 @@ impl<D: Device> Shared<D> {
         if self.device.capture_underway() {
             return Ok(()); // cuMemFree is illegal during a stream capture: later
         }
-        let mut reserved = st.pool.stats().reserved_bytes.all.current;
+        let mut reserved = st.pool.reserved_bytes();
         if reserved + seg_size <= limit {
             return Ok(());
         }

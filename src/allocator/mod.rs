@@ -46,6 +46,7 @@ mod publish;
 mod regions;
 mod report;
 mod request;
+mod residency;
 mod scope;
 mod seqlock;
 mod slow_path;
@@ -162,7 +163,9 @@ impl<D: Device> Allocator<D> {
         config.validate()?;
         let total = device.mem_info()?.total;
         let (fast, global_lock) = (config.fast_path(), config.global_lock);
-        let cache_large = !config.expandable_segments;
+        // Over expandable segments only while a free releases no pages at once (no learning
+        // run is open yet).
+        let cache_large = !config.expandable_segments || config.release_threshold == u64::MAX;
         let (config_caching, oversize_at) = (config.caching, config.sizing.max_split_size);
         let shared = Arc::new(Shared {
             device,
@@ -217,7 +220,7 @@ impl<D: Device> Allocator<D> {
         let limits = limits(&config);
         let recording = sh.recording.load(Ordering::Relaxed);
         sh.fast_path.store(config.fast_path() && !recording, Ordering::Relaxed);
-        sh.cache_large.store(!config.expandable_segments, Ordering::Relaxed);
+        sh.cache_large.store(Shared::<D>::large_cacheable(&st, &config), Ordering::Relaxed);
         sh.publish_stats.store(!config.global_lock, Ordering::Relaxed);
         sh.passthrough.store(!config.caching, Ordering::Relaxed);
         sh.oversize_at.store(config.sizing.max_split_size, Ordering::Relaxed);
@@ -240,9 +243,13 @@ impl<D: Device> Allocator<D> {
         self.alloc_in(bytes, stream, Residency::Transient)
     }
 
-    /// Allocates `bytes` on `stream` with the given residency. Persistent and transient blocks
-    /// never share a segment, except under expandable segments, where small-pool blocks
-    /// (≤ 1 MiB) of both residencies share the stream's small range and count as transient.
+    /// Allocates `bytes` on `stream` with the given residency. The residency decides what a
+    /// segment reserved for the request is — persistent segments are never released by
+    /// `empty_cache`, the garbage collection or the out-of-memory ladder, only by
+    /// [`Allocator::release_persistent`] — not where the block may sit: small-pool blocks
+    /// (≤ 1 MiB) of both residencies share the stream's small segments and count as transient,
+    /// and on ordinary segments a large block takes the best fit over the free space of both.
+    /// A block is accounted by its segment's residency.
     ///
     /// When memory runs out, the out-of-memory observers are called with the report, then the
     /// failure callback (if any) may free memory and ask for another attempt
@@ -270,6 +277,7 @@ impl<D: Device> Allocator<D> {
             return None;
         }
         let cache = sh.caches.fast_lane(stream, 0)?;
+        let residency = sh.cached_residency(residency);
         match cache.pop_request(residency, bytes) {
             (Pop::Hit(b), rounded, stashed) => {
                 Some(self.hand_out_hit(&b, bytes, stream, rounded, residency, stashed))
@@ -357,11 +365,10 @@ impl<D: Device> Allocator<D> {
                 if !cache.may_serve(bytes) {
                     break; // a large request: no lane serves it
                 }
-                match cache.pop_request(residency, bytes) {
+                let r = sh.cached_residency(residency);
+                match cache.pop_request(r, bytes) {
                     (Pop::Hit(b), rounded, stashed) => {
-                        return Ok(
-                            self.hand_out_hit(&b, bytes, stream, rounded, residency, stashed)
-                        );
+                        return Ok(self.hand_out_hit(&b, bytes, stream, rounded, r, stashed));
                     }
                     (Pop::NeedsLock, ..) => {
                         cached = Some(cache);
@@ -373,20 +380,9 @@ impl<D: Device> Allocator<D> {
         }
         let plan = RequestPlan::new(&sh.config, bytes)?;
         let config = &*plan.config;
-        // Over expandable segments the small blocks of both residencies share the stream's
-        // small range: pages, not segments, are what a block pins there, and a persistent small
-        // range of its own would keep a partly used page of its own (one page above `caching`
-        // on mlp_train, t5_train and llama_decode). Such a block counts as transient. (The
-        // stream caches above were asked with the residency as given: a persistent small
-        // request misses there, since such blocks are cached as transient, and lands here.)
-        let residency = if config.expandable_segments
-            && plan.kind == crate::stats::PoolKind::Small
-            && sh.device.supports_virtual_memory()
-        {
-            Residency::Transient
-        } else {
-            residency
-        };
+        // Small-pool blocks of both residencies share the stream's small segments and count as
+        // transient; large ones share free space on ordinary segments (`residency.rs`).
+        let residency = sh.placed_residency(config, plan.kind, residency);
         let class = ClassKey { residency, rounded: plan.rounded };
         let mut st = sh.lock_state();
         sh.check_stream(&mut st, stream)?;
@@ -415,8 +411,8 @@ impl<D: Device> Allocator<D> {
         let block = st.pool.allocate(block, plan.rounded, bytes, &sizing);
         let b = st.pool.block(block);
         let (ptr, size) = (DeviceAddr(b.addr), b.size);
-        // Accounted, and cached once freed, by its segment's residency (a transient block may
-        // sit in a persistent segment's free tail; see `find_or_reserve`).
+        // Accounted, and cached once freed, by its segment's residency (a block may sit in free
+        // space of the other residency's segment; see `residency.rs`).
         let held = st.pool.segment(b.segment).key.residency;
         let q = quadrant(key.kind, held);
         st.base.live_up(q, size, bytes, || sh.caches.all());
@@ -710,7 +706,7 @@ impl<D: Device> Allocator<D> {
         let st = &mut *st;
         let c = &st.counters;
         st.base.mirror(
-            st.pool.stats(),
+            &st.pool.stats(),
             [c.retries, c.ooms, c.device_alloc, c.device_free, c.host_syncs],
         );
         let snap = counters::Snapshot {

@@ -38,7 +38,7 @@ impl<D: Device> Shared<D> {
         let c = &st.counters;
         let counters = [c.retries, c.ooms, c.device_alloc, c.device_free, c.host_syncs];
         let changed = st.pool.take_changed();
-        st.base.mirror_changed(st.pool.stats(), counters, changed);
+        st.base.mirror_changed(&st.pool.stats(), counters, changed);
         let mut dirty = std::mem::take(&mut st.dirty);
         st.pool.take_dirty_streams(&mut dirty);
         for &s in &dirty {

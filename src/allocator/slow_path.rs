@@ -113,10 +113,7 @@ impl<D: Device> Shared<D> {
         // Any block of `need` bytes holds `rounded` bytes at an aligned address (blocks start
         // at multiples of MIN_ALIGN).
         let need = if aligned { rounded + align - MIN_ALIGN } else { rounded };
-        let find = |sh: &Self, st: &mut State| match aligned {
-            true => st.pool.find_free_aligned(key, rounded, align, &config.sizing),
-            false => sh.find_free(st, config, key, rounded),
-        };
+        let find = |sh: &Self, st: &mut State| sh.find_placed(st, config, key, rounded, align);
         let at = |st: &mut State, b: BlockId| match aligned {
             true => st.pool.split_front(b, align),
             false => b,
@@ -165,11 +162,7 @@ impl<D: Device> Shared<D> {
                     retried = true;
                     if !st.pending.is_empty() {
                         self.sync_events(st)?;
-                        let found = match aligned {
-                            true => st.pool.find_free_aligned(key, rounded, align, z),
-                            false => st.pool.find_free(key, rounded, z),
-                        };
-                        if let Some(b) = found {
+                        if let Some(b) = find(self, st) {
                             st.counters.retries += 1;
                             return Ok(at(st, b));
                         }
@@ -196,7 +189,7 @@ impl<D: Device> Shared<D> {
         key: PoolKey,
         seg_size: u64,
     ) -> Result<BlockId, AllocError> {
-        let reserved = st.pool.stats().reserved_bytes.all.current;
+        let reserved = st.pool.reserved_bytes();
         let refused = || AllocError::OutOfMemory(Box::default());
         if config.limit(self.device_total).is_some_and(|limit| reserved + seg_size > limit) {
             return Err(refused());
@@ -351,7 +344,10 @@ impl<D: Device> Shared<D> {
                     if self.cache_large.load(Ordering::Relaxed)
                         && f.size < self.oversize_at.load(Ordering::Relaxed) =>
                 {
-                    self.caches.first_lane(f.stream)
+                    // The lane holds one large block at most: when its hint says it has one,
+                    // the push would refuse, so skip its lock. (A stale hint only sends the
+                    // block to the pool, which is always correct.)
+                    self.caches.first_lane(f.stream).filter(|c| c.large_blocks() == 0)
                 }
                 false => None,
             }
@@ -467,8 +463,8 @@ impl<D: Device> Shared<D> {
 
     /// Same-stream reuse of a large block without the pool's split and coalesce: the block
     /// `stream` caches for `class`, if handing it out is exactly what freeing it and taking the
-    /// best fit would do ([`Pool::reuse_is_best_fit`]; the stream holds no other large block
-    /// back from the pool). Accounted like a stream-cache hit. The caller holds the global lock.
+    /// best fit would do ([`Shared::reuse_fits`]: the pool's check, and over expandable segments
+    /// the range's rules; the stream holds no other large block back from the pool). Accounted like a stream-cache hit. The caller holds the global lock.
     pub(super) fn reuse_large(
         &self,
         st: &mut State,
@@ -481,9 +477,9 @@ impl<D: Device> Shared<D> {
         if cache.large_blocks() == 0 {
             return None;
         }
-        let pool = &st.pool;
+        let locked = &*st;
         match cache
-            .pop_checked(class, bytes, |b| pool.reuse_is_best_fit(b.block, class.rounded, sizing))
+            .pop_checked(class, bytes, |b| self.reuse_fits(locked, b.block, class.rounded, sizing))
         {
             Pop::Hit(b) => Some(b),
             Pop::Miss => None,

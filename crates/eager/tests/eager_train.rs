@@ -55,7 +55,9 @@ fn assert_planned_from(r: &[StepReport], first_clean: usize, two_streams: bool) 
         }
     }
     assert_eq!(r[0].plan_hits, 0, "the first step learns the plan");
-    assert_eq!(r[0].device_mallocs, 1, "the first step reserves one transient segment");
+    // Activations may use free space in the weights' segments (`residency.rs`): this small
+    // model's first step fits there and reserves nothing.
+    assert_eq!(r[0].device_mallocs, 0, "the first step fits the weights' segments");
 }
 
 #[test]
@@ -65,7 +67,7 @@ fn mlp_loss_falls_and_steady_steps_are_planned() {
     assert_eq!(l.len(), 20);
     assert!(l[19] < 0.5 * l[0], "loss {} → {}", l[0], l[19]);
     assert!(l.iter().all(|x| x.is_finite()));
-    // One stream: the plan's region fits the segment the first step reserved, so already the
+    // One stream: the plan's region fits the segments the first step ran in, so already the
     // second step (index 1) makes no device malloc.
     assert_planned_from(&r, 1, false);
     let s = e.allocator().stats();
@@ -78,10 +80,10 @@ fn two_streams_are_clean_and_give_the_same_numbers() {
     let (_, one) = run(&TrainConfig::default());
     let (e, two) = run(&TrainConfig { two_streams: true, ..TrainConfig::default() });
     assert_eq!(losses(&one), losses(&two), "bit-identical losses");
-    // The plan's region is made as step 0 ends, from the compute stream's cached segment, so
-    // step 0 makes the one device malloc of the run and from step 1 on there is nothing.
+    // Step 0 runs in the free space of the weights' segments and its plan's region is made
+    // there as it ends: no device call in any step.
     assert_planned_from(&two, 1, true);
-    assert_eq!((two[0].device_mallocs, two[0].device_frees), (1, 0));
+    assert_eq!((two[0].device_mallocs, two[0].device_frees), (0, 0));
     assert!(e.device().live_streams().len() == 1, "the copy stream was destroyed");
 }
 
@@ -152,7 +154,11 @@ fn residency_follows_how_a_tensor_is_made() {
     assert_eq!(kept.to_host().unwrap(), vec![2.0; 4]);
     let st = e.allocator().stats();
     assert_eq!(st.scope_escapes, 0);
-    assert_eq!(st.blocks.allocated_bytes.persistent.current, 512, "16 B rounded to 512 B");
+    // Small blocks of both residencies share the small segments and count as transient
+    // (`residency.rs`): w, g, the kept gradient and the step's plan region, 16 B each
+    // rounded to 512 B.
+    assert_eq!(st.blocks.allocated_bytes.persistent.current, 0);
+    assert_eq!(st.blocks.allocated_bytes.transient.current, 4 * 512);
     assert_eq!(e.stats().persistent_allocs, 1);
     clean(&e);
 }

@@ -19,7 +19,8 @@
 //! its state, only the device-side checks run): `check_invariants()` (tiling, no adjacent free
 //! blocks, exact stats, pending bookkeeping); the allocator's segments are exactly the device's
 //! live segments; reserved = Σ device segments; allocated = Σ live block sizes; every live buffer sits in an
-//! allocated block of its size, request, stream, residency and pool; live buffers never overlap;
+//! allocated block of its size, request, stream and pool, in a segment of the residency it must
+//! have (small blocks: transient; large ones on ordinary segments: either); live buffers never overlap;
 //! stat identities (current = allocated − freed ≤ peak; all = small + large = persistent +
 //! transient); device malloc/free counts match the allocator's; no sanitizer violation and no
 //! failed kernel. Each operation also checks its own outcome (an out-of-memory error must be
@@ -208,7 +209,10 @@ fn finish(dev: Arc<SimDevice>) -> Result<(), String> {
 /// A live buffer of the model.
 struct Live {
     buf: Buffer<SimDevice>,
-    residency: Residency,
+    /// The residency its segment must have: small blocks of either residency sit in transient
+    /// segments (or runs); `None` where either will do (on ordinary segments large blocks of
+    /// both residencies share free space: `residency.rs`).
+    residency: Option<Residency>,
     /// The pool its rounded size belongs to under the configuration it was allocated with.
     kind: PoolKind,
     /// Streams that used it (the owner first); a kernel on another stream waits for all.
@@ -698,7 +702,7 @@ impl<'a> Harness<'a> {
                     "a zero-byte scoped buffer must be empty at NULL on {s}: {b:?}"
                 );
                 let users = vec![s];
-                let (residency, kind) = (Residency::Transient, PoolKind::Small);
+                let (residency, kind) = (Some(Residency::Transient), PoolKind::Small);
                 self.live.push(Live { buf: b, residency, kind, users, run });
             }
             Ok(b) => {
@@ -706,7 +710,8 @@ impl<'a> Harness<'a> {
                 let config = if b.is_planned() { open.config.clone() } else { self.alloc.config() };
                 let kind = config.sizing.kind(config.sizing.round(bytes).unwrap_or(bytes));
                 let users = vec![s];
-                self.live.push(Live { buf: b, residency: Residency::Transient, kind, users, run });
+                let residency = Self::placed(&config, kind, Residency::Transient, &self.dev);
+                self.live.push(Live { buf: b, residency, kind, users, run });
             }
             Err(e) => self.scope_alloc_failed(open, bytes, e, calls_before, ooms_before)?,
         }
@@ -806,6 +811,22 @@ impl<'a> Harness<'a> {
         Ok(())
     }
 
+    /// The residency the segment of a block of `kind` asked for with `residency` must have:
+    /// small blocks count as transient, large ones may sit in either residency's free space on
+    /// ordinary segments and in their own residency's range over expandable segments.
+    fn placed(
+        config: &Config,
+        kind: PoolKind,
+        residency: Residency,
+        dev: &SimDevice,
+    ) -> Option<Residency> {
+        match kind {
+            PoolKind::Small => Some(Residency::Transient),
+            _ if config.expandable_segments && dev.supports_virtual_memory() => Some(residency),
+            _ => None,
+        }
+    }
+
     /// Allocates and checks the outcome against the request.
     fn alloc_op(&mut self, bytes: u64, s: StreamId, residency: Residency) -> Result<(), String> {
         let config = self.alloc.config();
@@ -830,7 +851,7 @@ impl<'a> Harness<'a> {
                     "a zero-byte buffer must be empty at NULL: {b:?}"
                 );
                 ensure!(b.stream() == s, "zero-byte buffer on {} not {s}", b.stream());
-                let users = vec![s];
+                let (users, residency) = (vec![s], Some(Residency::Transient));
                 self.live.push(Live { buf: b, residency, kind: PoolKind::Small, users, run: None });
             }
             Ok(b) => {
@@ -848,16 +869,7 @@ impl<'a> Harness<'a> {
                     "bad buffer for {bytes} bytes (rounded {rounded}, align {align}) on {s}: {b:?}"
                 );
                 let kind = sizing.kind(rounded);
-                // Over expandable segments small blocks of both residencies share the transient
-                // small range.
-                let residency = if config.expandable_segments
-                    && kind == PoolKind::Small
-                    && self.dev.supports_virtual_memory()
-                {
-                    Residency::Transient
-                } else {
-                    residency
-                };
+                let residency = Self::placed(&config, kind, residency, &self.dev);
                 self.live.push(Live { buf: b, residency, kind, users: vec![s], run: None });
             }
             Err(AllocError::InvalidSize { requested }) => {
@@ -1123,7 +1135,9 @@ impl<'a> Harness<'a> {
             return Err(format!("live {b:?} is in no segment"));
         };
         ensure!(
-            seg.stream == b.stream() && seg.residency == l.residency && seg.pool == l.kind,
+            seg.stream == b.stream()
+                && l.residency.is_none_or(|r| seg.residency == r)
+                && seg.pool == l.kind,
             "live {b:?} ({:?}, {:?}) sits in a segment of {}, {:?}, {:?}",
             l.residency,
             l.kind,
@@ -1142,9 +1156,18 @@ impl<'a> Harness<'a> {
         Ok(())
     }
 
+    /// Whether a transient block may sit in `seg`: a transient one, or on ordinary segments
+    /// any large-pool one (both residencies share free space there: `residency.rs`).
+    fn transient_may_use(&self, seg: &SegmentInfo) -> bool {
+        let c = self.alloc.config();
+        seg.residency == Residency::Transient
+            || (seg.pool == PoolKind::Large
+                && !(c.expandable_segments && self.dev.supports_virtual_memory()))
+    }
+
     /// The allocated blocks of `snap` that back none of the live pool buffers `pooled` (a plan's
     /// region, the blocks an open scope freed and keeps): their bytes and number. All are
-    /// transient.
+    /// transient (in segments a transient block may use).
     fn unowned_blocks(&self, snap: &[SegmentInfo], pooled: &[&Live]) -> Result<(u64, u64), String> {
         let owned: HashSet<u64> = pooled.iter().map(|l| l.buf.ptr().0).collect();
         let (mut bytes, mut blocks) = (0, 0);
@@ -1152,7 +1175,7 @@ impl<'a> Harness<'a> {
             for blk in &seg.blocks {
                 if blk.state == BlockState::Allocated && !owned.contains(&blk.address.0) {
                     ensure!(
-                        seg.residency == Residency::Transient,
+                        self.transient_may_use(seg),
                         "an allocated persistent block at {} backs no live buffer",
                         blk.address
                     );
@@ -1164,7 +1187,8 @@ impl<'a> Harness<'a> {
         Ok((bytes, blocks))
     }
 
-    /// `[ptr, ptr + size)` lies inside one transient segment of `stream`, on allocated blocks
+    /// `[ptr, ptr + size)` lies inside one segment of `stream` that a transient block may use
+    /// ([`Harness::transient_may_use`]), on allocated blocks
     /// only (a planned slice in its region, which may span several blocks of an adopted
     /// segment; a bound buffer in its pool block).
     fn check_in_block(
@@ -1181,8 +1205,8 @@ impl<'a> Harness<'a> {
             return Err("in no segment".into());
         };
         ensure!(
-            seg.stream == stream && seg.residency == Residency::Transient,
-            "in a segment of {} ({:?}), not a transient one of {stream}",
+            seg.stream == stream && self.transient_may_use(seg),
+            "in a segment of {} ({:?}), not one of {stream} a transient block may use",
             seg.stream,
             seg.residency
         );

@@ -8,6 +8,7 @@
 //!  file ─► read ─► Trace ─► runner ─► Policy × repeats ─► Report ─► table | JSON | SVG
 //! ```
 
+mod clock;
 mod error;
 mod event;
 /// The offline planner's packing, from the core crate (its learned scope plans use it too).

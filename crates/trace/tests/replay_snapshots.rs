@@ -54,8 +54,8 @@ fn each_device_replays_on_its_own_device_and_streams() {
         figures(&r0),
         vec![
             ("caching", 44 * MIB, 13_146_624, 4),
-            ("residency", 64 * MIB, 13_146_624, 5),
-            ("scoped", 64 * MIB, 13_146_624, 5),
+            ("residency", 44 * MIB, 13_146_624, 4),
+            ("scoped", 44 * MIB, 13_146_624, 4),
             ("expandable", 16 * MIB, 13_146_624, 0),
             ("offset-allocator", 13_146_368, 13_146_368, 1),
             ("range-alloc", 13_146_368, 13_146_368, 1),
@@ -70,8 +70,8 @@ fn each_device_replays_on_its_own_device_and_streams() {
         figures(&r1),
         vec![
             ("caching", 22 * MIB, 2_900_992, 2),
-            ("residency", 24 * MIB, 2_900_992, 3),
-            ("scoped", 24 * MIB, 2_900_992, 3),
+            ("residency", 22 * MIB, 2_900_992, 2),
+            ("scoped", 22 * MIB, 2_900_992, 2),
             ("expandable", 4 * MIB, 2_900_992, 0),
             ("offset-allocator", 2_900_480, 2_900_480, 1),
             ("range-alloc", 2_900_480, 2_900_480, 1),

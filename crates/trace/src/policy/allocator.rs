@@ -23,10 +23,10 @@
 //! allocator's own counters; peaks from its statistics.
 
 use std::sync::Arc;
-use std::time::Instant;
 
 use super::slots::{Slotted, Step};
 use super::{Policy, PolicyResult, ReplayError};
+use crate::clock::Stopwatch;
 use crate::event::{Op, Tag, Trace};
 use tidepool::Residency;
 use tidepool::Scope;
@@ -206,7 +206,7 @@ impl Policy for AllocatorPolicy {
         let mut step_vm: Vec<(u64, u64, u64)> = Vec::new();
         let mut vm_mark = (0, 0, 0);
         let err = |e: AllocError| ReplayError::new(name, e.to_string());
-        let start = Instant::now();
+        let start = Stopwatch::start();
         for (i, step) in steps.iter().enumerate() {
             match *step {
                 AllocStep::Alloc { slot, bytes, stream, residency } => {
@@ -256,7 +256,7 @@ impl Policy for AllocatorPolicy {
             }
         }
         drop(scope);
-        let elapsed = start.elapsed().as_nanos();
+        let elapsed = start.elapsed_ns();
         let s = alloc.stats();
         drop(live);
         let mut extra = self.extras(&s, &runs, &step_vm);

@@ -12,10 +12,9 @@
 //! can address. Reserved bytes = the high-water mark of (offset + size) over the successful
 //! run (so the heap's slack is not counted); allocated = live granule bytes.
 
-use std::time::Instant;
-
 use super::slots::{Slotted, Step};
 use super::{PolicyResult, ReplayError};
+use crate::clock::Stopwatch;
 use crate::event::Trace;
 
 /// Bytes per granule for the sub-allocator baselines (and the planner's alignment).
@@ -128,7 +127,7 @@ fn run_once<A: SubAllocator>(
     let mut handles: Vec<Option<A::Handle>> = vec![None; slotted.slots];
     let mut tl = if timeline { Some(Vec::with_capacity(slotted.steps.len())) } else { None };
     let (mut hwm, mut live, mut peak_live) = (0u64, 0u64, 0u64);
-    let start = Instant::now();
+    let start = Stopwatch::start();
     for step in &slotted.steps {
         match *step {
             Step::Alloc { slot, .. } => {
@@ -153,6 +152,6 @@ fn run_once<A: SubAllocator>(
             tl.push(hwm * GRANULE);
         }
     }
-    let elapsed_ns = start.elapsed().as_nanos();
+    let elapsed_ns = start.elapsed_ns();
     Ok(Some(Run { hwm, peak_live, elapsed_ns, timeline: tl }))
 }

@@ -72,7 +72,8 @@ pub struct PolicyResult {
     pub device_unmaps: u64,
     /// Times the host waited for the device.
     pub host_syncs: u64,
-    /// Wall time of the replay loop divided by the number of events.
+    /// Time of the replay loop divided by the number of events: the replaying thread's CPU
+    /// time where the platform has it (every policy alike; see `clock.rs`), else wall time.
     pub ns_per_op: f64,
     /// Reserved bytes after each event (one entry per event), when asked for.
     pub reserved_timeline: Option<Vec<u64>>,

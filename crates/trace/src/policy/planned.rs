@@ -10,6 +10,7 @@ use std::time::Instant;
 use super::fixed_heap::GRANULE;
 use super::slots::{Slotted, Step};
 use super::{Policy, PolicyResult, ReplayError};
+use crate::clock::Stopwatch;
 use crate::event::Trace;
 use tidepool::packing::{align_up, pack_greedy_by_size};
 
@@ -38,7 +39,7 @@ impl Policy for PlannedPolicy {
 
         let mut tl = if timeline { Some(Vec::with_capacity(slotted.steps.len())) } else { None };
         let (mut live, mut peak, mut top) = (0u64, 0u64, 0u64);
-        let start = Instant::now();
+        let start = Stopwatch::start();
         for step in &slotted.steps {
             match *step {
                 Step::Alloc { slot, .. } => {
@@ -53,7 +54,7 @@ impl Policy for PlannedPolicy {
                 tl.push(plan.total_size);
             }
         }
-        let elapsed_ns = start.elapsed().as_nanos();
+        let elapsed_ns = start.elapsed_ns();
         debug_assert!(top <= plan.total_size);
         Ok(PolicyResult {
             name: NAME.to_string(),
