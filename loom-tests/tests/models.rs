@@ -263,17 +263,18 @@ fn stats_setting()
 }
 
 /// Statistics, snapshots: a user thread frees a block into its stream cache and allocates it
-/// again (each only marks the lane's words stale), then publishes the lane as another reader
-/// would (`close_stats`, under the lane's lock), while a reader takes a double collect. Every snapshot it accepts is one real state: live + cached stays constant,
+/// again (each only marks the lane's words stale) and after each publishes the lane as another
+/// reader would (`close_stats`, under the lane's lock), while a reader takes a double collect. Every snapshot it accepts is one real state: live + cached stays constant,
 /// and bytes, count and requested bytes agree.
 #[test]
 fn stats_snapshot_is_never_torn() {
-    model(3, || {
+    model(2, || {
         let (q, x, cache, caches, base) = stats_setting();
         let user = {
             let cache = cache.clone();
             thread::spawn(move || {
                 cache.push(CLASS, x).unwrap();
+                cache.close_stats();
                 assert!(matches!(cache.pop(CLASS, 4096), Pop::Hit(_)));
                 cache.close_stats();
             })
