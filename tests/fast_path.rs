@@ -434,7 +434,11 @@ fn holds_kept_in_lanes_never_outlive_the_last_handle() {
     }
     let other = alloc.clone();
     drop(alloc);
-    assert_eq!(dev.live_segments().len(), 2, "a handle is left");
+    assert_eq!(
+        dev.live_segments().len(),
+        1,
+        "a handle is left (both residencies share small segments)"
+    );
     drop(other);
     assert!(dev.live_segments().is_empty(), "the allocator outlived its handles");
 }
