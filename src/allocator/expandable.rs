@@ -164,6 +164,9 @@ struct VmCounts {
 #[derive(Default)]
 pub(super) struct Vm {
     ranges: BTreeMap<u64, Range>,
+    /// (base, end) of every range, for the address test each slow-path allocation makes (a
+    /// few entries: a scan beats the map's search).
+    spans: Vec<(u64, u64)>,
     by_key: BTreeMap<PoolKey, u64>,
     retiring: Vec<Retiring>,
     /// Page size (the device's granularity), known once a range exists.
@@ -227,8 +230,7 @@ impl Vm {
 
     /// The base of the range holding `addr`.
     fn range_of(&self, addr: u64) -> Option<u64> {
-        let (&b, r) = self.ranges.range(..=addr).next_back()?;
-        (addr < b + r.size).then_some(b)
+        self.spans.iter().find(|&&(b, e)| b <= addr && addr < e).map(|&(b, _)| b)
     }
 
     /// Does `addr` lie in one of the ranges?
@@ -391,6 +393,7 @@ impl<D: Device> Shared<D> {
             retiring: BTreeSet::new(),
         };
         st.vm.ranges.insert(base.0, range);
+        st.vm.spans.push((base.0, base.0 + size));
         st.vm.by_key.insert(key, base.0);
         st.vm.virtual_bytes += size;
         self.publish_vm(&st.vm);
@@ -1092,6 +1095,7 @@ impl<D: Device> Shared<D> {
             let size = st.vm.ranges[&base].size;
             if self.device.vm_free(DeviceAddr(base), size).is_ok() {
                 let r = st.vm.ranges.remove(&base).expect("listed");
+                st.vm.spans.retain(|&(b, _)| b != base);
                 st.vm.by_key.remove(&r.key);
                 st.vm.virtual_bytes -= size;
             }
@@ -1167,6 +1171,13 @@ impl<D: Device> Shared<D> {
         let page = st.vm.page;
         let mut in_ranges = 0usize;
         let live: HashMap<SegmentId, &Segment> = st.pool.segments().collect();
+        let mut spans = st.vm.spans.clone();
+        spans.sort_unstable();
+        let expect: Vec<(u64, u64)> =
+            st.vm.ranges.values().map(|r| (r.base, r.base + r.size)).collect();
+        if spans != expect {
+            return Err(format!("range spans {spans:x?} drifted from the ranges {expect:x?}"));
+        }
         for r in st.vm.ranges.values() {
             if st.vm.by_key.get(&r.key) != Some(&r.base) {
                 return Err(format!("range at {:#x} is not its key's", r.base));
