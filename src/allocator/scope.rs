@@ -271,6 +271,14 @@ impl<D: Device> Run<D> {
 pub struct Scope<'a, D: Device> {
     alloc: &'a Allocator<D>,
     device: &'a D,
+    /// The allocator's private-pool routes, checked by the planned path (one load fewer than
+    /// through `alloc`).
+    routes: &'a super::private_pool::Routes<D>,
+    /// The rounding granule when this run's size rules round every request up to a multiple
+    /// of it and nothing else (the default rules): the planned path then checks a request
+    /// against the plan's rounded size with one subtraction. 0 otherwise (the planned path
+    /// leaves such runs to the general path, which rounds by the rules).
+    granule: u64,
     stream: StreamId,
     name: Option<String>,
     /// The configuration as of opening: every request of the run is rounded the same way.
@@ -425,12 +433,20 @@ impl<'a, D: Device> Scope<'a, D> {
             None => (None, None),
         };
         let learning = name.is_some() && plan.is_none() && alloc.shared.learning(stream, true);
+        let config = alloc.shared.config.load_full();
+        let z = &config.sizing;
+        let granule = match z.min_block_size.is_power_of_two() && z.roundup_power2_divisions <= 1 {
+            true => z.min_block_size,
+            false => 0,
+        };
         Scope {
             alloc,
             device: &alloc.shared.device,
+            routes: &alloc.shared.routes,
+            granule,
             stream,
             name,
-            config: alloc.shared.config.load_full(),
+            config,
             stream_ok: alloc.shared.stream_exists(stream).is_ok(),
             cursor: Cursor {
                 following: Cell::new(plan.is_some()),
@@ -517,14 +533,18 @@ impl<'a, D: Device> Scope<'a, D> {
             || !c.following.get()
             || c.check_pins.get()
             || self.queued()
-            || self.alloc.shared.routes.any()
+            || self.routes.any()
         {
             return None;
         }
-        let rounded = self.config.sizing.round(bytes).filter(|_| bytes != 0)?;
         let len = c.len.get();
         let [code, offset] = *self.plan.as_ref()?.script.get(len)?;
-        if code != Step::Alloc(rounded).code() {
+        // The plan's next step is an allocation of `rounded` bytes, and `bytes` rounds to it:
+        // under a granule g, for `rounded` a non-zero multiple of g (the plan may have been
+        // learned under other rules), that is `rounded - g < bytes ≤ rounded`. A zero-byte
+        // request never matches; with no granule (g = 0) nothing does.
+        let (rounded, g) = (code >> 1, self.granule);
+        if code & 1 != 0 || rounded.wrapping_sub(bytes) >= g || rounded & g.wrapping_sub(1) != 0 {
             return None;
         }
         let index = c.allocs.get();
