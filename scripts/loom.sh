@@ -29,6 +29,8 @@ variants=(
   "adopt:escape_free_against_scope_exit"
   "unbound_free:unbound_free_against_next_planned_handout"
   "large_drain:large_free_against_flush_of_the_large_block"
+  "lane_lock:fast_cache_push_pop_against_flush"
+  "owner_stash:owner_hold_kept_in_a_lane_against_the_last_handle"
 )
 status=0
 for v in "${variants[@]}"; do

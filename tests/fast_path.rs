@@ -421,3 +421,102 @@ fn a_block_freed_on_another_thread_is_reused_without_the_global_lock() {
     assert_eq!(alloc.stats().cached_fast_bytes, 4096);
     check(&dev, &alloc);
 }
+
+/// A hit takes over the hold on the allocator that its block's last buffer left in the lane
+/// (`owner.rs`): after many pairs, the holds kept in lanes never keep the allocator alive past
+/// its last handle, and every segment goes back to the device.
+#[test]
+fn holds_kept_in_lanes_never_outlive_the_last_handle() {
+    let (dev, alloc) = setup("", 1 << 30);
+    for _ in 0..100 {
+        drop(alloc.alloc(4096, S0).unwrap());
+        drop(alloc.alloc_in(512, S0, tidepool::Residency::Persistent).unwrap());
+    }
+    let other = alloc.clone();
+    drop(alloc);
+    assert_eq!(
+        dev.live_segments().len(),
+        1,
+        "a handle is left (both residencies share small segments)"
+    );
+    drop(other);
+    assert!(dev.live_segments().is_empty(), "the allocator outlived its handles");
+}
+
+/// Buffers outliving the allocator, freed afterwards on this thread and on another: their
+/// blocks go into lanes whose stash is closed, so each keeps its own hold, and the last one
+/// lets go of the allocator.
+#[test]
+fn buffers_freed_after_the_last_handle_let_go_of_the_allocator() {
+    let (dev, alloc) = setup("", 1 << 30);
+    let a = alloc.alloc(4096, S0).unwrap();
+    let b = alloc.alloc(4096, S0).unwrap();
+    let c = alloc.alloc(8192, S0).unwrap();
+    drop(alloc.alloc(4096, S0).unwrap()); // one hold kept in the lane
+    drop(alloc);
+    drop(a);
+    assert_eq!(dev.live_segments().len(), 1);
+    std::thread::spawn(move || drop(b)).join().unwrap();
+    assert_eq!(dev.live_segments().len(), 1);
+    drop(c);
+    assert!(dev.live_segments().is_empty(), "the last buffer did not let go of the allocator");
+}
+
+/// A forgotten buffer leaks its block and keeps the allocator (never undefined behaviour), also
+/// when its hold was one a hit took over from a lane.
+#[test]
+fn a_forgotten_buffer_keeps_the_allocator() {
+    let (dev, alloc) = setup("", 1 << 30);
+    drop(alloc.alloc(4096, S0).unwrap());
+    let b = alloc.alloc(4096, S0).unwrap(); // took over the kept hold
+    std::mem::forget(b);
+    let c = alloc.alloc(4096, S0).unwrap();
+    assert_ne!(c.ptr(), DeviceAddr(SIM_BASE), "the forgotten block stays out of the cache");
+    drop(c);
+    drop(alloc);
+    assert_eq!(dev.live_segments().len(), 1, "the forgotten buffer keeps the allocator");
+}
+
+/// Statistics of lanes are published when read: after hits on two threads and two streams,
+/// one read sees every pair, exactly, and neither the hits nor the read take the global lock.
+#[test]
+fn lane_statistics_are_published_when_read() {
+    let (dev, alloc) = setup("", 1 << 30);
+    let s1 = dev.create_stream().unwrap();
+    // Both streams' segments first, both live at once (a stream short of memory flushes every
+    // cache and may take over another stream's free segment, which would race the warm-up).
+    let (a, b) = (alloc.alloc(4096, S0).unwrap(), alloc.alloc(4096, s1).unwrap());
+    drop((a, b));
+    let warm = Barrier::new(3);
+    let measured = Barrier::new(3);
+    let mut before = 0;
+    std::thread::scope(|t| {
+        for s in [S0, s1] {
+            let (alloc, warm, measured) = (&alloc, &warm, &measured);
+            t.spawn(move || {
+                // Warm-up: each thread's own lane of its stream ends up holding the block.
+                for _ in 0..3 {
+                    drop(alloc.alloc(4096, s).unwrap());
+                }
+                warm.wait();
+                measured.wait();
+                for _ in 0..500 {
+                    drop(alloc.alloc(4096, s).unwrap());
+                }
+            });
+        }
+        warm.wait();
+        alloc.stats(); // publishes what the warm-up's slow path left
+        before = alloc.global_lock_acquisitions();
+        measured.wait();
+    });
+    let st = alloc.stats();
+    let a = st.blocks.allocation.all;
+    assert_eq!((a.current, a.allocated, a.freed), (0, 1008, 1008));
+    assert_eq!(st.blocks.requested_bytes.all.allocated, 1008 * 4096);
+    let peak = st.blocks.allocated_bytes.all.peak;
+    assert!((4096..=2 * 4096).contains(&peak), "peak {peak}");
+    assert_eq!(st.cached_fast_bytes, 2 * 4096);
+    assert_eq!(alloc.global_lock_acquisitions(), before, "no global lock taken");
+    check(&dev, &alloc);
+}

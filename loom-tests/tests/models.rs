@@ -16,6 +16,8 @@
 //! | `escape_free_against_scope_exit`             | exit adopts escapes under the run's lock  | `adopt`        |
 //! | `unbound_free_against_next_planned_handout`  | a free is ordered before the scope sees it | `unbound_free` |
 //! | `large_free_against_flush_of_the_large_block`| a stream's one cached large block vs a large-pool search | `large_drain` |
+//! | `fast_cache_push_pop_against_flush` (again)  | a lane's lock excludes (CAS in, store out)| `lane_lock`    |
+//! | `owner_hold_kept_in_a_lane_against_the_last_handle` | holds kept in lanes are released when the last handle goes | `owner_stash` |
 //!
 //! The allocator runs with its real configuration (two cache lanes per stream, 64 fast streams):
 //! threads take lanes round-robin as under `std`.
@@ -43,6 +45,10 @@ fn model(bound: usize, f: impl Fn() + Sync + Send + 'static) {
     let mut b = loom::model::Builder::new();
     // The bound asked for (LOOM_MAX_PREEMPTIONS, default 3 in scripts/loom.sh), capped at `bound`.
     b.preemption_bound = Some(b.preemption_bound.map_or(bound, |p| p.min(bound)));
+    // The whole allocator's teardown (the last handle closes every lane, then `Shared` flushes
+    // and releases) and lane-lock waits (a CAS retried after each yield) run past loom's default
+    // of 1000 branches in one execution.
+    b.max_branches = 10_000;
     b.check(f);
 }
 
@@ -257,18 +263,20 @@ fn stats_setting()
 }
 
 /// Statistics, snapshots: a user thread frees a block into its stream cache and allocates it
-/// again (both publish through the cache's sequence lock) while a reader takes a lock-free
-/// double collect. Every snapshot it accepts is one real state: live + cached stays constant,
+/// again (each only marks the lane's words stale) and after each publishes the lane as another
+/// reader would (`close_stats`, under the lane's lock), while a reader takes a double collect. Every snapshot it accepts is one real state: live + cached stays constant,
 /// and bytes, count and requested bytes agree.
 #[test]
 fn stats_snapshot_is_never_torn() {
-    model(3, || {
+    model(2, || {
         let (q, x, cache, caches, base) = stats_setting();
         let user = {
             let cache = cache.clone();
             thread::spawn(move || {
                 cache.push(CLASS, x).unwrap();
+                cache.close_stats();
                 assert!(matches!(cache.pop(CLASS, 4096), Pop::Hit(_)));
+                cache.close_stats();
             })
         };
         if let Some((_, snap)) = collect(&*base, || caches.clone(), 1) {
@@ -287,9 +295,11 @@ fn stats_snapshot_is_never_torn() {
 
 /// Statistics published when read: the slow path counts a hand-out under the lock and only
 /// opens the base block's write (`SeqBlock::open`); the user then frees the block into its
-/// stream cache (published at once). A reader does what `Allocator::stats` does: if the base is
-/// open, it publishes under the lock, then takes a lock-free double collect. A snapshot it accepts
-/// never combines the stale base with the cache's newer free (live bytes would go below zero).
+/// stream cache (which only opens the lane's write too). A reader does what `Allocator::stats`
+/// does: if the base is open, it publishes under the lock, then takes a double collect, which
+/// publishes each open lane under the lane's lock first. A snapshot it accepts never combines
+/// the stale base with the cache's newer free (live bytes would go below zero), and once the
+/// reader has seen the free, its snapshot shows it (nothing stale on either side).
 #[test]
 fn stats_published_on_read_are_never_stale() {
     model(3, || {
@@ -308,7 +318,7 @@ fn stats_published_on_read_are_never_stale() {
         };
         // The reader may have seen the free (here: through the cache's lock), as a thread that
         // synchronised with the user would; its read must then account for the hand-out too.
-        let _ = cache.peek();
+        let seen = !cache.peek().is_empty();
         if base.is_open() {
             let k = kept.lock().unwrap();
             base.write(|w| w.set(0, *k));
@@ -318,6 +328,9 @@ fn stats_published_on_read_are_never_stale() {
             let cached = snap.fast[0][CACHED_BYTES] as i64;
             assert!(live >= 0, "stale base with a newer free: live bytes {live}");
             assert!(live + cached <= 4096, "live {live} + cached {cached}");
+            if seen {
+                assert_eq!((live, cached), (0, 4096), "stale: the free the reader saw is missing");
+            }
         }
         user.join().unwrap();
     });
@@ -528,5 +541,26 @@ fn escape_free_against_scope_exit() {
         );
         drop(alloc);
         assert_eq!(dev.live_segments(), 0);
+    });
+}
+
+/// A buffer freed on another thread (its hold on the allocator kept in its stream's lane, see
+/// `owner.rs`) races the last handle going, which closes every lane's stash and releases what
+/// it kept. Whatever the order, once the buffer is gone the allocator is dropped and its
+/// segment is back on the device. A second buffer freed later, after the close, must keep its
+/// hold out of the lane too.
+#[test]
+fn owner_hold_kept_in_a_lane_against_the_last_handle() {
+    model(3, || {
+        let dev = Arc::new(LoomDevice::new());
+        let alloc = Allocator::new(dev.clone(), Config::default()).unwrap();
+        let a = alloc.alloc(4096, S0).unwrap();
+        let b = alloc.alloc(4096, S0).unwrap();
+        let user = thread::spawn(move || drop(a));
+        drop(alloc);
+        user.join().unwrap();
+        assert_eq!(dev.live_segments(), 1, "a live buffer keeps the allocator");
+        drop(b);
+        assert_eq!(dev.live_segments(), 0, "the allocator outlived its last handle and buffer");
     });
 }

@@ -13,6 +13,7 @@ use crate::stats::Residency;
 use crate::sync::Arc;
 use crate::sync::atomic::{AtomicBool, Ordering};
 use std::fmt;
+use std::mem::ManuallyDrop;
 
 /// Where a buffer's memory lives.
 pub(super) enum Origin {
@@ -37,7 +38,9 @@ pub struct Buffer<D: Device> {
     pub(super) stream: StreamId,
     pub(super) origin: Origin,
     pub(super) scope: Option<ScopeTag>,
-    pub(super) owner: Arc<Owner<D>>,
+    /// Its hold on the allocator. Dropped by hand at the end of [`Buffer`]'s drop, or left in a
+    /// stream cache for the next hit to take over (`owner.rs`).
+    pub(super) owner: ManuallyDrop<Arc<Owner<D>>>,
     /// The requested bytes its block is accounted with in the statistics: `requested`, except
     /// for a block a scope reused locally for another request of the same rounded size.
     pub(super) accounted: u64,
@@ -144,7 +147,48 @@ impl<D: Device> Drop for Buffer<D> {
     /// Frees the memory, stream-ordered. A planned slice (of a scope's region) is taken back
     /// and its stream ordered after the other streams it was used on *before* its scope (or a
     /// later run of it) can see the free and hand the slice out again.
+    #[inline]
     fn drop(&mut self) {
+        if let Origin::Pool(block) = self.origin
+            && self.scope.is_none()
+            && !self.owner.family.captures.any()
+        {
+            // The common case: a pool block, no scope, no capture that may hold it back. Into
+            // this thread's lane of its stream if it has room, and then the hold on the allocator
+            // stays there for the next hit.
+            let freed = self.freed(block);
+            if self.owner.free_stash(freed, true) {
+                return; // `owner` now belongs to the lane (ManuallyDrop: nothing to forget)
+            }
+        } else {
+            self.drop_slow();
+        }
+        // SAFETY: `owner` is dropped once, here, and the buffer is not used after.
+        unsafe { ManuallyDrop::drop(&mut self.owner) };
+    }
+}
+
+impl<D: Device> Buffer<D> {
+    /// What freeing its pool block needs to know.
+    #[inline]
+    fn freed(&self, block: BlockId) -> Freed {
+        Freed {
+            block,
+            ptr: self.ptr,
+            size: self.size,
+            requested: self.accounted,
+            stream: self.stream,
+            rounded: self.rounded,
+            residency: self.residency,
+            quadrant: self.quadrant as usize,
+            used_elsewhere: self.used_elsewhere(),
+        }
+    }
+
+    /// [`Buffer`]'s drop for everything but the common case: scoped buffers, planned slices,
+    /// frees a capture may hold back (all but letting go of `owner`).
+    #[cold]
+    fn drop_slow(&mut self) {
         let planned = matches!(self.origin, Origin::Region(..));
         let uses = self.scope.as_ref().map(ScopeTag::take_uses).unwrap_or_default();
         // BROKEN (finding 4): the free is visible to the scope before the ordering is in place.
@@ -172,17 +216,7 @@ impl<D: Device> Drop for Buffer<D> {
         }
         match std::mem::replace(&mut self.origin, Origin::None) {
             Origin::Pool(block) => {
-                let freed = Freed {
-                    block,
-                    ptr: self.ptr,
-                    size: self.size,
-                    requested: self.accounted,
-                    stream: self.stream,
-                    rounded: self.rounded,
-                    residency: self.residency,
-                    quadrant: self.quadrant as usize,
-                    used_elsewhere: self.used_elsewhere(),
-                };
+                let freed = self.freed(block);
                 // A capture of its stream may hold it back (`capture.rs`).
                 if let Some(freed) = self.owner.family.captures.defer(&self.owner, freed) {
                     self.owner.free(freed);

@@ -32,10 +32,11 @@
 //! (current, allocated, freed) are never torn either.
 
 use super::fast_cache::{CacheInner, StreamCache};
+use super::lane_lock::LaneGuard;
 use super::seqlock::{Collect, SeqBlock};
 pub use super::stats_layout::*;
 use crate::pool::Pool;
-use crate::sync::{Arc, MutexGuard};
+use crate::sync::Arc;
 use crate::types::{BlockStats, Stat, StatGroup};
 
 /// The statistics kept under the global lock. See the module docs.
@@ -136,7 +137,7 @@ impl BaseStats {
 
     /// Locks every stream cache, zeroes its credit and recomputes `upper` as the exact current.
     /// Returns the guards: the caller applies its change before letting them go.
-    fn revoke<'a>(&mut self, caches: &'a [Arc<StreamCache>]) -> Vec<MutexGuard<'a, CacheInner>> {
+    fn revoke<'a>(&mut self, caches: &'a [Arc<StreamCache>]) -> Vec<LaneGuard<'a, CacheInner>> {
         let guards: Vec<_> = caches.iter().map(|c| c.lock_inner()).collect();
         let mut cur = [[0u64; QUADRANTS]; 5];
         for (g, row) in cur.iter_mut().enumerate() {
@@ -403,6 +404,8 @@ pub fn collect<const N: usize, C: CacheList>(
         col.begin(base);
         let held = tables();
         let list = held.list();
+        // Lanes publish when read: a hit only marks its lane's words stale.
+        list.iter().for_each(|c| c.close_stats());
         for c in list {
             col.begin(c.fast_block());
             col.begin(c.slow_block());

@@ -32,6 +32,8 @@
 //! may only spend headroom it holds, so it can never create a new peak. When it has too little,
 //! the pop returns [`Pop::NeedsLock`] and the caller accounts it under the global lock.
 
+use super::class_table::ClassTable;
+use super::lane_lock::{LaneGuard, LaneLock};
 use super::seqlock::SeqBlock;
 use super::stats_layout::{BYTES, COUNT, FAST_WORDS, QUADRANTS, REQ, fast_cur, fast_tot, is_small};
 use super::stats_layout::{CACHED_BLOCKS, CACHED_BYTES};
@@ -40,10 +42,8 @@ use crate::pool::{BlockId, Pool, Sizing};
 use crate::stats::PoolKind;
 use crate::stats::Residency;
 use crate::sync::atomic::{AtomicU64, Ordering};
-use crate::sync::{Arc, ArcCell, ArcRef, Mutex, MutexGuard, OnceSlot, SlotRef, lock};
+use crate::sync::{Arc, ArcCell, ArcRef, OnceSlot, SlotRef};
 use crossbeam_utils::CachePadded;
-use std::collections::HashMap;
-use std::hash::{BuildHasherDefault, Hasher};
 
 /// Most distinct classes one stream caches at once; a free of a new class beyond it goes to the
 /// pool.
@@ -52,6 +52,9 @@ pub const MAX_CLASSES: usize = 128;
 /// Streams with an id below this have a fast path; others always take the slow path. (The
 /// same under loom: the models run the real configuration.)
 pub const FAST_STREAMS: usize = 64;
+
+/// Most owner references one lane keeps for later hits (far above any live buffer count).
+const MAX_STASH: u64 = 1 << 40;
 
 /// What a stream may cache.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -100,38 +103,9 @@ pub enum Pop {
     Miss,
 }
 
-/// A cheap multiplicative hasher for class keys (no DoS concern: keys come from the allocator).
-#[derive(Default, Clone, Copy)]
-pub struct ClassHasher(u64);
-
-impl Hasher for ClassHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.write_u64(u64::from(b));
-        }
-    }
-    fn write_u64(&mut self, v: u64) {
-        self.0 = (self.0.rotate_left(5) ^ v).wrapping_mul(0x51_7c_c1_b7_27_22_0a_95);
-    }
-    fn write_u8(&mut self, v: u8) {
-        self.write_u64(u64::from(v));
-    }
-    fn write_usize(&mut self, v: usize) {
-        self.write_u64(v as u64);
-    }
-    fn write_isize(&mut self, v: isize) {
-        self.write_u64(v as u64);
-    }
-}
-
-type Classes = HashMap<ClassKey, Vec<CachedBlock>, BuildHasherDefault<ClassHasher>>;
-
 /// Everything under a stream cache's lock.
 pub struct CacheInner {
-    classes: Classes,
+    classes: ClassTable,
     blocks: usize,
     bytes: u64,
     /// Large-pool blocks among `blocks`: 0 or 1 (see [`StreamCache::push`]).
@@ -145,12 +119,19 @@ pub struct CacheInner {
     /// rounds its request here, under this lock, without loading the configuration.
     sizing: Sizing,
     closed: bool,
+    /// Strong references to the stream's owner handle that buffers freed into this lane left
+    /// here, for later hits to take over (see `owner.rs`): the hit path touches no reference count.
+    owner_refs: u64,
+    /// Words of `words` changed since `fast` was last published, one bit each.
+    dirty: u32,
+    /// Set once the allocator's last handle is gone: no reference is left here any more.
+    stash_closed: bool,
 }
 
 impl CacheInner {
     /// The blocks cached, in no particular order.
     pub fn entries(&self) -> Vec<(ClassKey, CachedBlock)> {
-        self.classes.iter().flat_map(|(&k, l)| l.iter().map(move |&b| (k, b))).collect()
+        self.classes.iter().collect()
     }
 }
 
@@ -161,9 +142,11 @@ pub struct StreamCache(CachePadded<CacheCells>);
 /// What a [`StreamCache`] holds.
 pub struct CacheCells {
     stream: StreamId,
-    inner: Mutex<CacheInner>,
+    inner: LaneLock<CacheInner>,
     fast: SeqBlock<FAST_WORDS>,
     slow: SeqBlock<1>,
+    /// `inner.words[CACHED_BLOCKS]`, stored under `inner`'s lock and read without it as a hint.
+    cached: AtomicU64,
     /// `inner.large`, stored under `inner`'s lock and read without it as a hint.
     large: AtomicU64,
     /// Largest request [`StreamCache::pop_request`] may serve (0: none), stored under `inner`'s
@@ -183,8 +166,8 @@ impl StreamCache {
     pub fn new(stream: StreamId, limits: Limits) -> StreamCache {
         StreamCache(CachePadded::new(CacheCells {
             stream,
-            inner: Mutex::new(CacheInner {
-                classes: Classes::default(),
+            inner: LaneLock::new(CacheInner {
+                classes: ClassTable::default(),
                 blocks: 0,
                 bytes: 0,
                 large: 0,
@@ -193,9 +176,13 @@ impl StreamCache {
                 limits,
                 sizing: Sizing::default(),
                 closed: false,
+                owner_refs: 0,
+                dirty: 0,
+                stash_closed: false,
             }),
             fast: SeqBlock::new(),
             slow: SeqBlock::new(),
+            cached: AtomicU64::new(0),
             large: AtomicU64::new(0),
             fast_max: AtomicU64::new(Self::fast_max_of(limits, &Sizing::default())),
         }))
@@ -206,8 +193,8 @@ impl StreamCache {
         self.stream
     }
 
-    pub(crate) fn lock_inner(&self) -> MutexGuard<'_, CacheInner> {
-        lock(&self.inner)
+    pub(crate) fn lock_inner(&self) -> LaneGuard<'_, CacheInner> {
+        self.inner.lock()
     }
 
     /// The published statistics deltas (see `counters.rs` for the layout).
@@ -225,7 +212,21 @@ impl StreamCache {
     /// the cache is disabled, closed or full, or if it is a large-pool block and the cache holds
     /// one already (a large block is reused only where that is exactly the pool's best fit,
     /// checked against the pool with no other large block of the stream held back from it).
+    #[cfg_attr(not(any(test, feature = "test-hooks")), allow(dead_code))]
     pub fn push(&self, class: ClassKey, b: CachedBlock) -> Result<(), CachedBlock> {
+        self.push_stash(class, b, false).map(|_| ())
+    }
+
+    /// [`StreamCache::push`] from a buffer's drop: with `stash`, the buffer's strong reference
+    /// to the stream's owner handle stays here (returns `Ok(true)`: the caller forgets it) unless
+    /// the stash is closed ([`StreamCache::close_stash`]) or full.
+    #[inline]
+    pub fn push_stash(
+        &self,
+        class: ClassKey,
+        b: CachedBlock,
+        stash: bool,
+    ) -> Result<bool, CachedBlock> {
         let mut g = self.lock_inner();
         let inner = &mut *g;
         let l = inner.limits;
@@ -234,12 +235,7 @@ impl StreamCache {
         {
             return Err(b);
         }
-        let n_classes = inner.classes.len();
-        let list = match inner.classes.get_mut(&class) {
-            Some(list) => list,
-            None if n_classes < MAX_CLASSES => inner.classes.entry(class).or_default(),
-            None => return Err(b),
-        };
+        let Some(list) = inner.classes.get_or_add(class) else { return Err(b) };
         if list.len() >= l.entries {
             return Err(b);
         }
@@ -249,19 +245,26 @@ impl StreamCache {
         if large {
             self.set_large(inner, 1);
         }
-        let q = b.quadrant;
+        let q = b.quadrant & (QUADRANTS - 1);
         let c = &mut inner.credit[q];
         c[BYTES] += b.size;
         c[COUNT] += 1;
         c[REQ] += b.requested;
+        inner.dirty |= live_mask(q, false);
         let w = &mut inner.words;
-        for (qty, v) in [(BYTES, b.size), (COUNT, 1), (REQ, b.requested)] {
-            w[fast_cur(qty, q)] = w[fast_cur(qty, q)].wrapping_sub(v);
-        }
+        w[fast_cur(BYTES, q)] = w[fast_cur(BYTES, q)].wrapping_sub(b.size);
+        w[fast_cur(COUNT, q)] = w[fast_cur(COUNT, q)].wrapping_sub(1);
+        w[fast_cur(REQ, q)] = w[fast_cur(REQ, q)].wrapping_sub(b.requested);
         w[CACHED_BYTES] += b.size;
         w[CACHED_BLOCKS] += 1;
-        self.publish(w, &[fast_cur(BYTES, q), fast_cur(COUNT, q), fast_cur(REQ, q)]);
-        Ok(())
+        self.stats_changed(w);
+        #[cfg(not(tidepool_broken = "owner_stash"))]
+        let stash = stash && !inner.stash_closed && inner.owner_refs < MAX_STASH;
+        // BROKEN: keeps the reference even after the stash was closed (the allocator leaks).
+        #[cfg(tidepool_broken = "owner_stash")]
+        let stash = stash && inner.owner_refs < MAX_STASH;
+        inner.owner_refs += u64::from(stash);
+        Ok(stash)
     }
 
     /// Takes a block of `class` for a request of `requested` bytes. See [`Pop`]. (The allocator
@@ -284,17 +287,31 @@ impl StreamCache {
     /// whole decision follows one configuration without loading it. [`Pop::Miss`] when the
     /// stream caches may not serve it (disabled, or not a small-pool request). On a hit, the
     /// rounded request comes with the block.
-    pub fn pop_request(&self, residency: Residency, bytes: u64) -> (Pop, u64) {
+    ///
+    /// The third value says whether the hit took over a stashed reference to the stream's owner
+    /// handle ([`StreamCache::push_stash`]); the caller must then adopt it (`owner.rs`).
+    #[inline]
+    pub fn pop_request(&self, residency: Residency, bytes: u64) -> (Pop, u64, bool) {
         if bytes > self.fast_max.load(Ordering::Relaxed) {
-            return (Pop::Miss, 0); // a hint: the limits may have changed, the slow path decides
+            return (Pop::Miss, 0, false); // a hint: the limits may have changed, the slow path decides
         }
         let mut g = self.lock_inner();
         let inner = &mut *g;
-        let Some(rounded) = inner.sizing.round(bytes) else { return (Pop::Miss, 0) };
+        let Some(rounded) = inner.sizing.round(bytes) else { return (Pop::Miss, 0, false) };
         if !inner.limits.enabled || inner.sizing.kind(rounded) != PoolKind::Small {
-            return (Pop::Miss, 0);
+            return (Pop::Miss, 0, false);
         }
-        (self.pop_locked_inner(g, ClassKey { residency, rounded }, bytes, |_| true), rounded)
+        let (pop, stashed) =
+            self.pop_locked_inner(g, ClassKey { residency, rounded }, bytes, |_| true, true);
+        (pop, rounded, stashed)
+    }
+
+    /// Closes the stash of owner references and returns how many it held, for the caller to
+    /// release (the allocator's last handle is going: later frees keep their references).
+    pub fn close_stash(&self) -> u64 {
+        let mut g = self.lock_inner();
+        g.stash_closed = true;
+        std::mem::take(&mut g.owner_refs)
     }
 
     /// Like [`StreamCache::pop`], when `accept` takes the block that would be popped (checked
@@ -305,69 +322,68 @@ impl StreamCache {
         requested: u64,
         accept: impl FnOnce(&CachedBlock) -> bool,
     ) -> Pop {
-        self.pop_locked_inner(self.lock_inner(), class, requested, accept)
+        self.pop_locked_inner(self.lock_inner(), class, requested, accept, false).0
     }
 
     /// [`StreamCache::pop_checked`] with this cache's lock already held.
+    #[inline]
     fn pop_locked_inner<'a>(
         &'a self,
-        mut g: MutexGuard<'a, CacheInner>,
+        mut g: LaneGuard<'a, CacheInner>,
         class: ClassKey,
         requested: u64,
         accept: impl FnOnce(&CachedBlock) -> bool,
-    ) -> Pop {
+        take_ref: bool,
+    ) -> (Pop, bool) {
         let inner = &mut *g;
-        let Some(list) = inner.classes.get_mut(&class) else { return Pop::Miss };
-        let Some(&b) = list.last() else { return Pop::Miss };
+        let Some(list) = inner.classes.get_mut(class) else { return (Pop::Miss, false) };
+        let Some(&b) = list.last() else { return (Pop::Miss, false) };
         if !accept(&b) {
-            return Pop::Miss;
+            return (Pop::Miss, false);
         }
-        let q = b.quadrant;
+        let q = b.quadrant & (QUADRANTS - 1);
         let c = &inner.credit[q];
         let covered = c[BYTES] >= b.size && c[COUNT] >= 1 && c[REQ] >= requested;
         #[cfg(tidepool_broken = "stats")]
         let covered = true; // BROKEN: spends headroom the stream does not hold.
         if b.requested != requested || !covered {
-            return Pop::NeedsLock;
+            return (Pop::NeedsLock, false);
         }
         #[cfg(tidepool_broken = "fast_cache")]
-        {
+        let inner = {
             // BROKEN: looks the block up, lets go of the lock, then takes "the" last entry.
             drop(g);
             g = self.lock_inner();
-        }
-        let inner = &mut *g;
-        if let Some(list) = inner.classes.get_mut(&class) {
-            list.pop();
-        }
+            let inner = &mut *g;
+            if let Some(list) = inner.classes.get_mut(class) {
+                list.pop();
+            }
+            inner
+        };
+        #[cfg(not(tidepool_broken = "fast_cache"))]
+        list.pop();
         let c = &mut inner.credit[q];
+        // Covered above (exactly, unless deliberately broken): no underflow.
         c[BYTES] = c[BYTES].saturating_sub(b.size);
         c[COUNT] = c[COUNT].saturating_sub(1);
         c[REQ] = c[REQ].saturating_sub(requested);
-        inner.blocks = inner.blocks.saturating_sub(1);
-        inner.bytes = inner.bytes.saturating_sub(b.size);
+        inner.blocks -= 1;
+        inner.bytes -= b.size;
         if !is_small(b.quadrant) {
             self.set_large(inner, 0);
         }
+        inner.dirty |= live_mask(q, true);
         let w = &mut inner.words;
         for (qty, v) in [(BYTES, b.size), (COUNT, 1), (REQ, requested)] {
             w[fast_cur(qty, q)] = w[fast_cur(qty, q)].wrapping_add(v);
             w[fast_tot(qty, q)] = w[fast_tot(qty, q)].wrapping_add(v);
         }
-        w[CACHED_BYTES] = w[CACHED_BYTES].saturating_sub(b.size);
-        w[CACHED_BLOCKS] = w[CACHED_BLOCKS].saturating_sub(1);
-        self.publish(
-            w,
-            &[
-                fast_cur(BYTES, q),
-                fast_cur(COUNT, q),
-                fast_cur(REQ, q),
-                fast_tot(BYTES, q),
-                fast_tot(COUNT, q),
-                fast_tot(REQ, q),
-            ],
-        );
-        Pop::Hit(b)
+        w[CACHED_BYTES] -= b.size;
+        w[CACHED_BLOCKS] -= 1;
+        self.stats_changed(w);
+        let stashed = take_ref && inner.owner_refs > 0;
+        inner.owner_refs -= u64::from(stashed);
+        (Pop::Hit(b), stashed)
     }
 
     /// Takes a block of `class` whatever its request and the credit; the caller holds the global
@@ -375,7 +391,7 @@ impl StreamCache {
     pub fn pop_locked(&self, class: ClassKey) -> Option<CachedBlock> {
         let mut g = self.lock_inner();
         let inner = &mut *g;
-        let b = inner.classes.get_mut(&class)?.pop()?;
+        let b = inner.classes.get_mut(class)?.pop()?;
         inner.blocks -= 1;
         inner.bytes -= b.size;
         if !is_small(b.quadrant) {
@@ -384,7 +400,7 @@ impl StreamCache {
         let w = &mut inner.words;
         w[CACHED_BYTES] -= b.size;
         w[CACHED_BLOCKS] -= 1;
-        self.publish(w, &[]);
+        self.publish(w);
         Some(b)
     }
 
@@ -397,7 +413,7 @@ impl StreamCache {
         }
         let inner = &mut *g;
         let mut out = Vec::with_capacity(inner.blocks);
-        for list in inner.classes.values_mut() {
+        for list in inner.classes.lists_mut() {
             out.append(list);
         }
         inner.classes.clear();
@@ -406,7 +422,7 @@ impl StreamCache {
         self.set_large(inner, 0);
         inner.words[CACHED_BYTES] = 0;
         inner.words[CACHED_BLOCKS] = 0;
-        self.publish(&inner.words, &[]);
+        self.publish(&inner.words);
         out
     }
 
@@ -428,35 +444,33 @@ impl StreamCache {
             let mut g = self.lock_inner();
             let inner = &mut *g;
             let mut taken = Vec::new();
-            inner.classes.retain(|_, list| {
+            for list in inner.classes.lists_mut() {
                 if list.first().is_some_and(|b| !is_small(b.quadrant)) {
                     taken.append(list);
                 }
-                !list.is_empty()
-            });
+            }
             for b in &taken {
                 inner.blocks -= 1;
                 inner.bytes -= b.size;
                 inner.words[CACHED_BYTES] -= b.size;
                 inner.words[CACHED_BLOCKS] -= 1;
             }
-            self.publish(&inner.words, &[]);
+            self.publish(&inner.words);
             return taken.first().copied();
         }
         let mut found = None;
-        inner.classes.retain(|_, list| {
+        for list in inner.classes.lists_mut() {
             if list.first().is_some_and(|b| !is_small(b.quadrant)) {
                 found = list.pop();
             }
-            !list.is_empty()
-        });
+        }
         let b = found.expect("a large block is counted");
         inner.blocks -= 1;
         inner.bytes -= b.size;
         self.set_large(inner, 0);
         inner.words[CACHED_BYTES] -= b.size;
         inner.words[CACHED_BLOCKS] -= 1;
-        self.publish(&inner.words, &[]);
+        self.publish(&inner.words);
         Some(b)
     }
 
@@ -483,7 +497,7 @@ impl StreamCache {
     pub fn remove(&self, which: &[CachedBlock]) {
         let mut g = self.lock_inner();
         let inner = &mut *g;
-        for list in inner.classes.values_mut() {
+        for list in inner.classes.lists_mut() {
             list.retain(|b| {
                 let gone = which.contains(b);
                 if gone {
@@ -497,7 +511,7 @@ impl StreamCache {
             });
         }
         self.large.store(inner.large, Ordering::Relaxed);
-        self.publish(&inner.words, &[]);
+        self.publish(&inner.words);
     }
 
     /// Clears the cache without returning anything (used by the broken variants only).
@@ -511,7 +525,7 @@ impl StreamCache {
         self.set_large(inner, 0);
         inner.words[CACHED_BYTES] = 0;
         inner.words[CACHED_BLOCKS] = 0;
-        self.publish(&inner.words, &[]);
+        self.publish(&inner.words);
     }
 
     /// Changes what the stream may cache and the size rules its hits round with (blocks already
@@ -539,9 +553,10 @@ impl StreamCache {
         self.lock_inner().closed
     }
 
-    /// Blocks cached now (a relaxed read of the published count: exact once threads are quiet).
+    /// Blocks cached now (a relaxed read of a count stored under the lock: exact once threads are
+    /// quiet).
     pub fn cached_blocks(&self) -> u64 {
-        self.fast.get(CACHED_BLOCKS)
+        self.cached.load(Ordering::Relaxed)
     }
 
     /// Publishes the pool's free bytes of this stream. The caller holds the global lock.
@@ -551,16 +566,58 @@ impl StreamCache {
         }
     }
 
-    /// Stores `changed` words and the cached totals from `words` into `fast`.
-    fn publish(&self, words: &[u64; FAST_WORDS], changed: &[usize]) {
+    /// After a change of `words` under this lane's lock: the cached-blocks hint is stored and
+    /// the published block is marked stale (a write left open, [`SeqBlock::open`]: a relaxed
+    /// load when it is open already). Readers publish it when they read
+    /// ([`StreamCache::close_stats`]), so a hit pays no stores for statistics.
+    #[inline]
+    fn stats_changed(&self, words: &[u64; FAST_WORDS]) {
+        self.cached.store(words[CACHED_BLOCKS], Ordering::Relaxed);
+        self.fast.open();
+    }
+
+    /// Publishes every word of `words` into `fast` (closing a write left open).
+    fn publish(&self, words: &[u64; FAST_WORDS]) {
+        self.cached.store(words[CACHED_BLOCKS], Ordering::Relaxed);
         self.fast.write(|w| {
-            for &i in changed {
-                w.set(i, words[i]);
+            for (i, &v) in words.iter().enumerate() {
+                w.set(i, v);
             }
-            w.set(CACHED_BYTES, words[CACHED_BYTES]);
-            w.set(CACHED_BLOCKS, words[CACHED_BLOCKS]);
         });
     }
+
+    /// For a statistics reader: publishes the lane's words if changes left them stale, unless
+    /// the lane is held right now (a reader never waits for a lane: its collect then sees the
+    /// write open and tries again, and after enough tries reads under the locks).
+    pub fn close_stats(&self) {
+        if self.fast.is_open()
+            && let Some(mut g) = self.inner.try_lock()
+            && self.fast.is_open()
+        {
+            let dirty = std::mem::take(&mut g.dirty);
+            self.cached.store(g.words[CACHED_BLOCKS], Ordering::Relaxed);
+            self.fast.write(|w| {
+                for (i, &v) in g.words.iter().enumerate() {
+                    if dirty & (1 << i) != 0 {
+                        w.set(i, v);
+                    }
+                }
+            });
+        }
+    }
+}
+
+/// The words a hit or a free of quadrant `q` changes (`tot`: a hit, which counts an allocation).
+#[inline]
+fn live_mask(q: usize, tot: bool) -> u32 {
+    let mut m = 1 << CACHED_BYTES | 1 << CACHED_BLOCKS;
+    for qty in [BYTES, COUNT, REQ] {
+        m |= 1 << fast_cur(qty, q);
+        if tot {
+            m |= 1 << fast_tot(qty, q);
+        }
+    }
+    m
 }
 
 /// Frees every block cached by `cache` into `pool` (a flush). The caller holds the global lock.
@@ -595,13 +652,23 @@ pub const LANES: usize = 2;
 
 /// This thread's lane.
 #[cfg(not(loom))]
+#[inline]
 fn thread_lane() -> usize {
+    use std::cell::Cell;
     use std::sync::atomic::{AtomicUsize, Ordering};
     static NEXT: AtomicUsize = AtomicUsize::new(0);
     thread_local! {
-        static LANE: usize = NEXT.fetch_add(1, Ordering::Relaxed) % LANES;
+        // A constant initialiser: reading it is one thread-local load, no lazy-init check.
+        static LANE: Cell<usize> = const { Cell::new(usize::MAX) };
     }
-    LANE.with(|l| *l)
+    LANE.with(|l| match l.get() {
+        usize::MAX => {
+            let lane = NEXT.fetch_add(1, Ordering::Relaxed) % LANES;
+            l.set(lane);
+            lane
+        }
+        lane => lane,
+    })
 }
 
 /// This thread's lane: round-robin in the order threads first ask, as under `std`, with the
@@ -697,3 +764,6 @@ impl CacheTable {
         i == 0 || all[i - 1].stream() != all[i].stream()
     }
 }
+
+// `CacheInner::dirty` has a bit per published word.
+const _: () = assert!(FAST_WORDS <= 32);

@@ -24,6 +24,7 @@ mod broken;
 mod buffer;
 mod capture;
 mod checker;
+mod class_table;
 mod counters;
 mod dump;
 mod error;
@@ -33,6 +34,7 @@ mod extra_stats;
 mod fast_cache;
 mod gc;
 mod history;
+mod lane_lock;
 mod observers;
 mod oom;
 mod owner;
@@ -236,6 +238,7 @@ impl<D: Device> Allocator<D> {
     /// Allocates `bytes` of transient memory on `stream`.
     ///
     /// A zero-byte request returns an empty buffer at [`DeviceAddr::NULL`] that holds no memory.
+    #[inline]
     pub fn alloc(&self, bytes: u64, stream: StreamId) -> Result<Buffer<D>, AllocError> {
         self.alloc_in(bytes, stream, Residency::Transient)
     }
@@ -251,13 +254,52 @@ impl<D: Device> Allocator<D> {
     /// When memory runs out, the out-of-memory observers are called with the report, then the
     /// failure callback (if any) may free memory and ask for another attempt
     /// ([`Allocator::attach_oom_observer`], [`Allocator::set_failure_callback`]).
+    #[inline]
     pub fn alloc_in(
         &self,
         bytes: u64,
         stream: StreamId,
         residency: Residency,
     ) -> Result<Buffer<D>, AllocError> {
+        if let Some(buffer) = self.hit(bytes, stream, residency) {
+            return Ok(buffer);
+        }
         self.alloc_with_retries(bytes, stream, residency, 0)
+    }
+
+    /// The hit path: a block of the request's class from this thread's lane of `stream`, with
+    /// no global lock, no configuration load and no reference count touched (`owner.rs`).
+    /// `None` sends the request down the whole path (which looks at every lane).
+    #[inline]
+    fn hit(&self, bytes: u64, stream: StreamId, residency: Residency) -> Option<Buffer<D>> {
+        let sh = &*self.shared;
+        if sh.routes.any() || sh.recording.load(Ordering::Relaxed) {
+            return None;
+        }
+        let cache = sh.caches.fast_lane(stream, 0)?;
+        let residency = sh.cached_residency(residency);
+        match cache.pop_request(residency, bytes) {
+            (Pop::Hit(b), rounded, stashed) => {
+                Some(self.hand_out_hit(&b, bytes, stream, rounded, residency, stashed))
+            }
+            _ => None,
+        }
+    }
+
+    /// A buffer for block `b` popped by a hit that served `bytes` (rounded to `rounded`).
+    #[inline]
+    fn hand_out_hit(
+        &self,
+        b: &CachedBlock,
+        bytes: u64,
+        stream: StreamId,
+        rounded: u64,
+        residency: Residency,
+        stashed: bool,
+    ) -> Buffer<D> {
+        let owner = self.owners.hit_owner(stream, stashed);
+        let (q, block) = (b.quadrant, Some(b.block));
+        self.hand_out_to(b.ptr, bytes, b.size, stream, block, rounded, residency, q, owner)
     }
 
     /// [`Allocator::alloc_in`], the block starting at a multiple of `align` (0: no more than
@@ -323,19 +365,16 @@ impl<D: Device> Allocator<D> {
                 if !cache.may_serve(bytes) {
                     break; // a large request: no lane serves it
                 }
-                match cache.pop_request(sh.cached_residency(residency), bytes) {
-                    (Pop::Hit(b), rounded) => {
-                        let (q, block, r) =
-                            (b.quadrant, Some(b.block), sh.cached_residency(residency));
-                        return Ok(
-                            self.hand_out(b.ptr, bytes, b.size, stream, block, rounded, r, q)
-                        );
+                let r = sh.cached_residency(residency);
+                match cache.pop_request(r, bytes) {
+                    (Pop::Hit(b), rounded, stashed) => {
+                        return Ok(self.hand_out_hit(&b, bytes, stream, rounded, r, stashed));
                     }
-                    (Pop::NeedsLock, _) => {
+                    (Pop::NeedsLock, ..) => {
                         cached = Some(cache);
                         break;
                     }
-                    (Pop::Miss, _) => {}
+                    (Pop::Miss, ..) => {}
                 }
             }
         }

@@ -3,8 +3,10 @@
 //! stream caches; returning segments to the device.
 
 use super::history::Action;
+use super::owner::Owner;
 use super::*;
 use crate::config::MIN_ALIGN;
+use std::mem::ManuallyDrop;
 
 impl<D: Device> Allocator<D> {
     /// A buffer for a block popped from a stream cache.
@@ -33,6 +35,25 @@ impl<D: Device> Allocator<D> {
         residency: Residency,
         quadrant: usize,
     ) -> Buffer<D> {
+        let owner = self.owners.owner(stream);
+        self.hand_out_to(ptr, requested, size, stream, block, rounded, residency, quadrant, owner)
+    }
+
+    /// [`Allocator::hand_out`] with the buffer's hold on the allocator given.
+    #[allow(clippy::too_many_arguments)]
+    #[inline]
+    pub(crate) fn hand_out_to(
+        &self,
+        ptr: DeviceAddr,
+        requested: u64,
+        size: u64,
+        stream: StreamId,
+        block: Option<BlockId>,
+        rounded: u64,
+        residency: Residency,
+        quadrant: usize,
+        owner: Arc<Owner<D>>,
+    ) -> Buffer<D> {
         if block.is_some() {
             self.shared.device.note_handout(ptr, size, stream);
         }
@@ -44,7 +65,7 @@ impl<D: Device> Allocator<D> {
             stream,
             origin: block.map_or(Origin::None, Origin::Pool),
             scope: None,
-            owner: self.owners.owner(stream),
+            owner: ManuallyDrop::new(owner),
             rounded,
             residency,
             quadrant: quadrant as u8,
@@ -307,6 +328,13 @@ impl<D: Device> Shared<D> {
     /// holds at most one: it is reused only where that is exactly the pool's best fit
     /// ([`Shared::reuse_large`]), and any other search of the large pool frees it first.
     pub(super) fn free(&self, f: buffer::Freed) {
+        self.free_stash(f, false);
+    }
+
+    /// [`Shared::free`]; with `stash`, a block that goes to a stream cache leaves the buffer's
+    /// hold on the allocator there (`true`: the caller forgets it, see `owner.rs`).
+    #[inline]
+    pub(super) fn free_stash(&self, f: buffer::Freed, stash: bool) -> bool {
         self.device.note_reclaim(f.ptr, f.size, f.stream);
         if !f.used_elsewhere
             && self.fast_path.load(Ordering::Relaxed)
@@ -332,10 +360,17 @@ impl<D: Device> Shared<D> {
                 requested: f.requested,
                 quadrant: f.quadrant,
             };
-            if cache.push(class, b).is_ok() {
-                return;
+            if let Ok(stashed) = cache.push_stash(class, b, stash) {
+                return stashed;
             }
         }
+        self.free_into_pool(f);
+        false
+    }
+
+    /// The part of [`Shared::free`] under the global lock: into the pool, or behind events.
+    #[cold]
+    fn free_into_pool(&self, f: buffer::Freed) {
         let block = f.block;
         let mut st = self.lock_state();
         if f.used_elsewhere && !st.buffer_uses.is_empty() {
@@ -511,6 +546,9 @@ impl<D: Device> Shared<D> {
         if !st.streams.contains(&stream) && !self.broken(Broken::UnknownStreams) {
             // Destroyed (or forgotten) since it was checked: its caches never take a block.
             lanes.iter().for_each(|c| c.close());
+        }
+        if st.stash_closed {
+            lanes.iter().for_each(|c| debug_assert_eq!(c.close_stash(), 0));
         }
         self.caches.add(lanes);
         // Readers that loaded the old table must retry.

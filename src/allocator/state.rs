@@ -138,6 +138,9 @@ pub(super) struct State {
     /// The version of the extra figures last published (`extra_stats.rs`); `None` after a
     /// peak reset (peaks fall without a count growing).
     pub(super) extra_published: Option<u64>,
+    /// The allocator's last handle is gone: stream caches made from now on keep no owner
+    /// references (`owner.rs`).
+    pub(super) stash_closed: bool,
 }
 
 /// The streams that touched a buffer, as `Buffer::use_on` tracks them (cudarc's read and write
