@@ -813,6 +813,9 @@ impl<'a, D: Device> Scope<'a, D> {
         let Some((b, ptr)) = cached else {
             return self.alloc.alloc_in(bytes, self.stream, TRANSIENT);
         };
+        // A transient request may have been placed in a persistent segment's free space
+        // (`residency.rs`): the block keeps its segment's residency, as when it was handed out.
+        let residency = super::stats_layout::residency_of(b.quadrant);
         let mut reused = self.alloc.hand_out(
             ptr,
             bytes,
@@ -820,7 +823,7 @@ impl<'a, D: Device> Scope<'a, D> {
             self.stream,
             Some(b.block),
             rounded,
-            TRANSIENT,
+            residency,
             b.quadrant,
         );
         // The statistics still account the block with the request it was first made for.

@@ -27,6 +27,14 @@ pub fn quadrant(kind: PoolKind, residency: Residency) -> usize {
     k * 2 + r
 }
 
+/// The residency of a quadrant's blocks (their segment's).
+pub fn residency_of(q: usize) -> Residency {
+    match q % 2 {
+        0 => Residency::Persistent,
+        _ => Residency::Transient,
+    }
+}
+
 /// Is the quadrant one of the small pool?
 pub fn is_small(q: usize) -> bool {
     q / 2 == 0
