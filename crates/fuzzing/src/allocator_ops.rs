@@ -1156,13 +1156,19 @@ impl<'a> Harness<'a> {
         Ok(())
     }
 
-    /// Whether a transient block may sit in `seg`: a transient one, or on ordinary segments
-    /// any large-pool one (both residencies share free space there: `residency.rs`).
+    /// Whether a transient block may sit in `seg`: a transient one, or any large-pool ordinary
+    /// segment (both residencies share free space there: `residency.rs`), whatever the current
+    /// configuration (a `SetConfig` may turn expandable segments on after it was made); not a
+    /// persistent expandable range.
     fn transient_may_use(&self, seg: &SegmentInfo) -> bool {
-        let c = self.alloc.config();
+        let in_range = |a: u64| {
+            self.alloc
+                .expandable_ranges()
+                .iter()
+                .any(|r| r.base.0 <= a && a < r.base.0 + r.virtual_size)
+        };
         seg.residency == Residency::Transient
-            || (seg.pool == PoolKind::Large
-                && !(c.expandable_segments && self.dev.supports_virtual_memory()))
+            || (seg.pool == PoolKind::Large && !in_range(seg.address.0))
     }
 
     /// The allocated blocks of `snap` that back none of the live pool buffers `pooled` (a plan's
