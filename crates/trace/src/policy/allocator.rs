@@ -194,10 +194,8 @@ fn timed_loop(
                     out.runs.push((now.0 - run_start.0, now.1 - run_start.1));
                     if out.runs.len() == 1 {
                         // Peaks from here on are the steady state after the learning run.
-                        out.first_peaks = (
-                            st.blocks.reserved_bytes.all.peak,
-                            st.blocks.allocated_bytes.all.peak,
-                        );
+                        out.first_peaks =
+                            (st.blocks.reserved_bytes.all.peak, st.blocks.allocated_bytes.all.peak);
                         alloc.reset_peak_stats();
                     }
                 }
@@ -296,7 +294,8 @@ impl Policy for AllocatorPolicy {
             timeline: timeline.then(|| Vec::with_capacity(steps.len())),
             ..LoopOut::default()
         };
-        let lp = Loop { name, steps: &steps, exits: &exits, families: &families, streams: &streams };
+        let lp =
+            Loop { name, steps: &steps, exits: &exits, families: &families, streams: &streams };
         timed_loop(&lp, &device, &alloc, &mut live, &mut out)?;
         let LoopOut { elapsed, runs, first_peaks, step_vm, timeline: tl } = out;
         let s = alloc.stats();
