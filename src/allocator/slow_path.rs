@@ -15,10 +15,10 @@ impl<D: Device> Allocator<D> {
         b: &CachedBlock,
         bytes: u64,
         stream: StreamId,
-        plan: &RequestPlan,
+        rounded: u64,
         residency: Residency,
     ) -> Buffer<D> {
-        let (rounded, q) = (plan.rounded, b.quadrant);
+        let q = b.quadrant;
         self.hand_out(b.ptr, bytes, b.size, stream, Some(b.block), rounded, residency, q)
     }
 

@@ -101,6 +101,9 @@ pub(super) struct Counters {
 
 #[derive(Default)]
 pub(super) struct State {
+    /// The configuration in force: the same `Arc` as `Shared::config` holds, replaced with it
+    /// under this lock (`set_config`), so the slow path reads it here without loading the cell.
+    pub(super) config: Arc<Config>,
     pub(super) pool: Pool,
     pub(super) counters: Counters,
     /// Streams a block was used on besides its own (`record_stream`), by block.
