@@ -401,7 +401,8 @@ impl<D: Device> Allocator<D> {
             if b.requested != bytes {
                 st.pool.set_requested(b.block, bytes);
             }
-            st.base.live_up(b.quadrant, b.size, bytes, || sh.caches.all());
+            let locked: &mut State = &mut st;
+            locked.base.live_up(b.quadrant, b.size, bytes, || locked.lanes.clone());
             drop(st);
             return Ok(self.hand_out_cached(&b, bytes, stream, plan.rounded, residency));
         }
@@ -424,7 +425,8 @@ impl<D: Device> Allocator<D> {
         // space of the other residency's segment; see `residency.rs`).
         let held = st.pool.segment(b.segment).key.residency;
         let q = quadrant(key.kind, held);
-        st.base.live_up(q, size, bytes, || sh.caches.all());
+        let locked: &mut State = &mut st;
+        locked.base.live_up(q, size, bytes, || locked.lanes.clone());
         st.note(Action::Alloc, ptr, bytes, stream);
         drop(st);
         Ok(self.hand_out(ptr, bytes, size, stream, Some(block), plan.rounded, held, q))

@@ -240,6 +240,12 @@ impl Pool {
         sizing.may_serve(e.size, rounded).then_some(BlockId(e.id))
     }
 
+    /// Whether `key` ever had a segment (so it may have free blocks).
+    #[inline]
+    pub fn has_key(&self, key: PoolKey) -> bool {
+        self.slot_of(key).is_some()
+    }
+
     /// Free blocks of `key` in (size, address) order.
     #[cfg_attr(not(any(test, feature = "test-hooks")), allow(dead_code))]
     pub fn free_of(&self, key: PoolKey) -> impl Iterator<Item = BlockId> + '_ {
