@@ -193,11 +193,7 @@ impl BaseStats {
             }
         }
         for (upper, cur) in self.upper.iter_mut().zip(&cur) {
-            for (c, u) in upper.iter_mut().enumerate() {
-                *u = (0..QUADRANTS)
-                    .filter(|&q| in_cell(c, q))
-                    .fold(0u64, |a, q| a.wrapping_add(cur[q]));
-            }
+            *upper = cell_sums(cur);
         }
         guards
     }
@@ -307,6 +303,20 @@ impl BaseStats {
         }
         Ok(())
     }
+}
+
+/// The five cells of one group from its four quadrants (wrapping sums, as the words are):
+/// all, small pool (0 + 1), large pool (2 + 3), persistent (0 + 2), transient (1 + 3).
+#[inline]
+fn cell_sums(q: &[u64; QUADRANTS]) -> [u64; CELLS] {
+    let (small, large) = (q[0].wrapping_add(q[1]), q[2].wrapping_add(q[3]));
+    [
+        small.wrapping_add(large),
+        small,
+        large,
+        q[0].wrapping_add(q[2]),
+        q[1].wrapping_add(q[3]),
+    ]
 }
 
 fn group(s: &BlockStats, g: usize) -> &StatGroup {
@@ -507,6 +517,12 @@ mod tests {
             }
         }
         assert_eq!(cells_of(2), [0, 2, 3]);
+        let q = [1, 20, 300, 4000];
+        let by_membership: [u64; CELLS] = std::array::from_fn(|c| {
+            (0..QUADRANTS).filter(|&i| in_cell(c, i)).map(|i| q[i]).sum()
+        });
+        assert_eq!(cell_sums(&q), by_membership);
+        assert_eq!(cell_sums(&q), [4321, 21, 4300, 301, 4020]);
     }
 
     /// Mirroring only the changed cells of the pool-only groups keeps every field of them
