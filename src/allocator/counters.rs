@@ -310,13 +310,7 @@ impl BaseStats {
 #[inline]
 fn cell_sums(q: &[u64; QUADRANTS]) -> [u64; CELLS] {
     let (small, large) = (q[0].wrapping_add(q[1]), q[2].wrapping_add(q[3]));
-    [
-        small.wrapping_add(large),
-        small,
-        large,
-        q[0].wrapping_add(q[2]),
-        q[1].wrapping_add(q[3]),
-    ]
+    [small.wrapping_add(large), small, large, q[0].wrapping_add(q[2]), q[1].wrapping_add(q[3])]
 }
 
 fn group(s: &BlockStats, g: usize) -> &StatGroup {
@@ -518,9 +512,8 @@ mod tests {
         }
         assert_eq!(cells_of(2), [0, 2, 3]);
         let q = [1, 20, 300, 4000];
-        let by_membership: [u64; CELLS] = std::array::from_fn(|c| {
-            (0..QUADRANTS).filter(|&i| in_cell(c, i)).map(|i| q[i]).sum()
-        });
+        let by_membership: [u64; CELLS] =
+            std::array::from_fn(|c| (0..QUADRANTS).filter(|&i| in_cell(c, i)).map(|i| q[i]).sum());
         assert_eq!(cell_sums(&q), by_membership);
         assert_eq!(cell_sums(&q), [4321, 21, 4300, 301, 4020]);
     }
