@@ -49,6 +49,10 @@ pub enum Broken {
     /// `residency.rs`): a request never takes free space in a segment of the other residency,
     /// and small persistent blocks get small segments of their own.
     ResidencySplit = 1 << 12,
+    /// A large block checked under the global lock is handed out again without it even after
+    /// later sections changed the pool (`fast_cache::LargeVerdict` trusted whatever the epoch):
+    /// placement then differs from the pool's best fit.
+    StaleLargeVerdict = 1 << 13,
 }
 
 #[cfg_attr(not(feature = "test-hooks"), allow(dead_code))]
