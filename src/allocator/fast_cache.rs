@@ -116,13 +116,16 @@ pub struct CacheInner {
     /// rounds its request here, under this lock, without loading the configuration.
     sizing: Sizing,
     closed: bool,
+    /// The bytes this lane may hold: `limits.bytes`, 0 while caching is off or once closed.
+    room: u64,
     /// Strong references to the stream's owner handle that buffers freed into this lane left
     /// here, for later hits to take over (see `owner.rs`): the hit path touches no reference count.
     owner_refs: u64,
     /// Words of `words` changed since `fast` was last published, one bit each.
     dirty: u32,
-    /// Set once the allocator's last handle is gone: no reference is left here any more.
-    stash_closed: bool,
+    /// Most references the stash may hold: [`MAX_STASH`], 0 once the allocator's last handle is
+    /// gone (no reference is left here any more).
+    stash_max: u64,
     /// The largest rounded request a hit serves: the small pool's bound, 0 while caching is off
     /// (one compare covers both).
     small_max: u64,
@@ -200,9 +203,10 @@ impl StreamCache {
                 limits,
                 sizing: Sizing::default(),
                 closed: false,
+                room: if limits.enabled { limits.bytes } else { 0 },
                 owner_refs: 0,
                 dirty: 0,
-                stash_closed: false,
+                stash_max: MAX_STASH,
                 small_max: Self::small_max_of(limits, &Sizing::default()),
                 round_mask: Self::round_mask_of(&Sizing::default()),
                 verdict: None,
@@ -257,14 +261,14 @@ impl StreamCache {
     ) -> Result<bool, CachedBlock> {
         let mut g = self.lock_inner();
         let inner = &mut *g;
-        let l = inner.limits;
         let large = !is_small(b.quadrant);
-        if !l.enabled || inner.closed || inner.words[CACHED_BYTES] + b.size > l.bytes || large && inner.large > 0
-        {
+        // Disabled, closed or full: one compare (`room` is 0 in the first two cases).
+        if inner.words[CACHED_BYTES] + b.size > inner.room || large && inner.large > 0 {
             return Err(b);
         }
+        let entries = inner.limits.entries;
         let Some(list) = inner.classes.get_or_add(class) else { return Err(b) };
-        if list.len() >= l.entries {
+        if list.len() >= entries {
             return Err(b);
         }
         list.push(b);
@@ -285,7 +289,7 @@ impl StreamCache {
         w[CACHED_BLOCKS] += 1;
         self.stats_changed(w);
         #[cfg(not(tidepool_broken = "owner_stash"))]
-        let stash = stash && !inner.stash_closed && inner.owner_refs < MAX_STASH;
+        let stash = stash && inner.owner_refs < inner.stash_max;
         // BROKEN: keeps the reference even after the stash was closed (the allocator leaks).
         #[cfg(tidepool_broken = "owner_stash")]
         let stash = stash && inner.owner_refs < MAX_STASH;
@@ -380,7 +384,7 @@ impl StreamCache {
     /// release (the allocator's last handle is going: later frees keep their references).
     pub fn close_stash(&self) -> u64 {
         let mut g = self.lock_inner();
-        g.stash_closed = true;
+        g.stash_max = 0;
         std::mem::take(&mut g.owner_refs)
     }
 
@@ -618,6 +622,7 @@ impl StreamCache {
     pub fn configure(&self, limits: Limits, sizing: Sizing) {
         let mut g = self.lock_inner();
         g.limits = limits;
+        g.room = if limits.enabled && !g.closed { limits.bytes } else { 0 };
         g.sizing = sizing;
         g.small_max = Self::small_max_of(limits, &sizing);
         g.round_mask = Self::round_mask_of(&sizing);
@@ -646,7 +651,9 @@ impl StreamCache {
 
     /// Refuses every later push (the stream was destroyed); the caller drains it.
     pub fn close(&self) {
-        self.lock_inner().closed = true;
+        let mut g = self.lock_inner();
+        g.closed = true;
+        g.room = 0;
     }
 
     /// Whether [`StreamCache::close`] was called.
