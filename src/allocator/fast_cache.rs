@@ -20,12 +20,15 @@
 //! it into a free pool block. Lock order: global lock, then stream caches in stream order; the
 //! fast path takes one stream's lock and never the global one while holding it.
 //!
-//! Large-pool blocks are cached too, one at most per stream (in its lane 0), and never popped
-//! without the global lock: [`StreamCache::pop_checked`] hands one out again only where the pool
-//! confirms that freeing it and taking the best fit would give exactly that block
+//! Large-pool blocks are cached too, one at most per stream (in its lane 0):
+//! [`StreamCache::pop_checked_at`], under the global lock, hands one out again only where the
+//! pool confirms that freeing it and taking the best fit would give exactly that block
 //! (`Pool::reuse_is_best_fit`), and any other search of the large pool first frees it into the
-//! pool (`drain_large`). So the cache skips the split and the coalesce of a same-stream reuse
-//! (and the pool's statistics publishing) but never changes where a large block is placed.
+//! pool (`drain_large`). The lane remembers that check ([`LargeVerdict`]: block, request, the
+//! global-lock section's epoch); until another section begins, the pool cannot change, so a hit
+//! ([`StreamCache::pop_large`]) hands the same block out again for the same request with no
+//! global lock. So the cache skips the split, the coalesce and (mostly) the lock of a
+//! same-stream reuse, but never changes where a large block is placed.
 //!
 //! *Credit* keeps peaks exact without a shared counter (see `counters.rs`): a fast free lowers
 //! the live total by the block and grants its stream that much headroom under the peak; a fast pop
@@ -371,8 +374,7 @@ impl StreamCache {
         let current = v.epoch == epoch.load(Ordering::Acquire) || broken_stale;
         // `limits.enabled`: pushes stop when caching is turned off, but blocks cached before
         // stay until the flush.
-        if !current || v.requested != bytes || v.class.residency != residency || !g.limits.enabled
-        {
+        if !current || v.requested != bytes || v.class.residency != residency || !g.limits.enabled {
             return (Pop::Miss, 0, false);
         }
         let (pop, stashed) =
