@@ -40,10 +40,16 @@ use crate::sync::Arc;
 use crate::types::{BlockStats, Stat, StatGroup};
 
 /// The statistics kept under the global lock. See the module docs.
+///
+/// Plain words: an update is a few additions, and nothing is published as it goes.
+/// [`BaseStats::publish`] (a reader publishes, see `publish.rs`) stores the words that differ
+/// from a copy of what it last published, so the slow path keeps no per-word change marks.
 pub struct BaseStats {
     words: [u64; BASE_WORDS],
-    /// Words changed since the last publish, one bit each.
-    dirty: [u64; BASE_WORDS.div_ceil(64)],
+    /// The words as last published.
+    published: [u64; BASE_WORDS],
+    /// A word may have changed since the last publish.
+    stale: bool,
     /// `upper` per live group and cell.
     upper: [[u64; CELLS]; 5],
 }
@@ -52,13 +58,15 @@ impl Default for BaseStats {
     fn default() -> Self {
         BaseStats {
             words: [0; BASE_WORDS],
-            dirty: [0; BASE_WORDS.div_ceil(64)],
+            published: [0; BASE_WORDS],
+            stale: false,
             upper: [[0; CELLS]; 5],
         }
     }
 }
 
 /// The amounts one block adds to or removes from the live groups, in [`LIVE`] order.
+#[inline]
 fn live_amounts(bytes: u64, count: u64, requested: u64) -> [u64; 5] {
     [bytes, bytes, requested, count, count]
 }
@@ -66,6 +74,7 @@ fn live_amounts(bytes: u64, count: u64, requested: u64) -> [u64; 5] {
 impl BaseStats {
     /// A block of `bytes` serving `requested` was handed out (slow path or locked pop).
     /// `caches` gives every stream cache; it is called only if credit must be revoked.
+    #[inline]
     pub fn live_up<C: CacheList>(
         &mut self,
         q: usize,
@@ -77,6 +86,7 @@ impl BaseStats {
     }
 
     /// A live block went back to the pool.
+    #[inline]
     pub fn live_down(&mut self, q: usize, bytes: u64, requested: u64) {
         self.decrease(q, live_amounts(bytes, 1, requested));
     }
@@ -91,41 +101,69 @@ impl BaseStats {
         self.decrease(q, [0, bytes, requested, 0, 1]);
     }
 
+    #[inline]
     fn set(&mut self, i: usize, v: u64) {
-        if self.words[i] != v {
-            self.words[i] = v;
-            self.dirty[i / 64] |= 1 << (i % 64);
-        }
+        self.words[i] = v;
+        self.stale = true;
     }
 
+    #[inline]
     fn decrease(&mut self, q: usize, n: [u64; 5]) {
+        let q = q & (QUADRANTS - 1);
+        let cells = cells_of(q);
         for (g, &v) in n.iter().enumerate() {
-            self.set(b_cur(g, q), self.words[b_cur(g, q)].wrapping_sub(v));
-            for c in cells_of(q) {
+            let cur = &mut self.words[b_cur(g, q)];
+            *cur = cur.wrapping_sub(v);
+            for c in cells {
                 self.upper[g][c] -= v;
             }
         }
+        self.stale = true;
     }
 
+    /// Adds `n` to the live groups of quadrant `q`: when it stays under every peak of its cells
+    /// (`upper + n ≤ peak`), a few additions; else [`BaseStats::increase_past_peak`].
+    #[inline]
     fn increase<C: CacheList>(&mut self, q: usize, n: [u64; 5], caches: impl FnOnce() -> C) {
-        let fits = (0..5).all(|g| {
-            n[g] == 0 || cells_of(q).iter().all(|&c| self.upper[g][c] + n[g] <= self.peak(g, c))
-        });
-        let held = if fits { None } else { Some(caches()) };
-        let guards = match &held {
-            Some(h) => self.revoke(h.list()),
-            None => Vec::new(),
-        };
+        let q = q & (QUADRANTS - 1);
+        let cells = cells_of(q);
+        // `upper ≤ peak` always holds, so a zero amount always fits: no test for it.
+        let mut fits = true;
+        for (g, &v) in n.iter().enumerate() {
+            for c in cells {
+                fits &= self.upper[g][c] + v <= self.words[b_peak(g, c)];
+            }
+        }
+        if !fits {
+            return self.increase_past_peak(q, n, caches());
+        }
+        for (g, &v) in n.iter().enumerate() {
+            let cur = &mut self.words[b_cur(g, q)];
+            *cur = cur.wrapping_add(v);
+            let tot = &mut self.words[b_tot(g, q)];
+            *tot = tot.wrapping_add(v);
+            for c in cells {
+                self.upper[g][c] += v;
+            }
+        }
+        self.stale = true;
+    }
+
+    /// [`BaseStats::increase`] of an amount that may pass a peak: revokes all credit (so that
+    /// `upper` is the exact current), applies it and raises the peaks to the new exact values,
+    /// all with every stream cache locked.
+    #[cold]
+    #[inline(never)]
+    fn increase_past_peak<C: CacheList>(&mut self, q: usize, n: [u64; 5], held: C) {
+        let guards = self.revoke(held.list());
         for (g, &v) in n.iter().enumerate() {
             self.set(b_cur(g, q), self.words[b_cur(g, q)].wrapping_add(v));
             self.set(b_tot(g, q), self.words[b_tot(g, q)].wrapping_add(v));
             for c in cells_of(q) {
                 self.upper[g][c] += v;
-                if !fits {
-                    // `upper` is the exact current now: a new peak is exact.
-                    let p = b_peak(g, c);
-                    self.set(p, self.words[p].max(self.upper[g][c]));
-                }
+                // `upper` is the exact current now: a new peak is exact.
+                let p = b_peak(g, c);
+                self.set(p, self.words[p].max(self.upper[g][c]));
             }
         }
         drop(guards);
@@ -155,11 +193,7 @@ impl BaseStats {
             }
         }
         for (upper, cur) in self.upper.iter_mut().zip(&cur) {
-            for (c, u) in upper.iter_mut().enumerate() {
-                *u = (0..QUADRANTS)
-                    .filter(|&q| in_cell(c, q))
-                    .fold(0u64, |a, q| a.wrapping_add(cur[q]));
-            }
+            *upper = cell_sums(cur);
         }
         guards
     }
@@ -223,18 +257,18 @@ impl BaseStats {
     /// Publishes what changed since the last call, closing a write left open. The caller holds
     /// the global lock.
     pub fn publish(&mut self, block: &SeqBlock<BASE_WORDS>) {
-        if self.dirty.iter().all(|&d| d == 0) && !block.is_open() {
+        if !self.stale && !block.is_open() {
             return;
         }
         block.write(|w| {
-            for (k, d) in self.dirty.iter_mut().enumerate() {
-                while *d != 0 {
-                    let i = k * 64 + d.trailing_zeros() as usize;
-                    w.set(i, self.words[i]);
-                    *d &= *d - 1;
+            for (i, (&v, p)) in self.words.iter().zip(self.published.iter_mut()).enumerate() {
+                if v != *p {
+                    w.set(i, v);
+                    *p = v;
                 }
             }
         });
+        self.stale = false;
     }
 
     /// The words as they are (published or not).
@@ -269,6 +303,14 @@ impl BaseStats {
         }
         Ok(())
     }
+}
+
+/// The five cells of one group from its four quadrants (wrapping sums, as the words are):
+/// all, small pool (0 + 1), large pool (2 + 3), persistent (0 + 2), transient (1 + 3).
+#[inline]
+fn cell_sums(q: &[u64; QUADRANTS]) -> [u64; CELLS] {
+    let (small, large) = (q[0].wrapping_add(q[1]), q[2].wrapping_add(q[3]));
+    [small.wrapping_add(large), small, large, q[0].wrapping_add(q[2]), q[1].wrapping_add(q[3])]
 }
 
 fn group(s: &BlockStats, g: usize) -> &StatGroup {
@@ -469,6 +511,11 @@ mod tests {
             }
         }
         assert_eq!(cells_of(2), [0, 2, 3]);
+        let q = [1, 20, 300, 4000];
+        let by_membership: [u64; CELLS] =
+            std::array::from_fn(|c| (0..QUADRANTS).filter(|&i| in_cell(c, i)).map(|i| q[i]).sum());
+        assert_eq!(cell_sums(&q), by_membership);
+        assert_eq!(cell_sums(&q), [4321, 21, 4300, 301, 4020]);
     }
 
     /// Mirroring only the changed cells of the pool-only groups keeps every field of them

@@ -110,6 +110,9 @@ pub struct CacheInner {
     classes: ClassTable,
     /// Large-pool blocks among `blocks`: 0 or 1 (see [`StreamCache::push`]).
     large: u64,
+    /// The class of the large-pool block, while `large` is 1: [`StreamCache::drain_large`]
+    /// takes it out with one lookup instead of a scan of the class table.
+    large_class: ClassKey,
     /// Headroom under the peak held by this stream, per quadrant: (bytes, count, requested).
     pub(crate) credit: [[u64; 3]; QUADRANTS],
     /// The words of `fast` as last published (this lock makes us their only writer).
@@ -201,6 +204,7 @@ impl StreamCache {
             inner: LaneLock::new(CacheInner {
                 classes: ClassTable::default(),
                 large: 0,
+                large_class: ClassKey { residency: Residency::Transient, rounded: 0 },
                 credit: [[0; 3]; QUADRANTS],
                 words: [0; FAST_WORDS],
                 limits,
@@ -277,6 +281,7 @@ impl StreamCache {
         list.push(b);
         if large {
             self.set_large(inner, 1);
+            inner.large_class = class;
         }
         let q = b.quadrant & (QUADRANTS - 1);
         let c = &mut inner.credit[q];
@@ -555,13 +560,14 @@ impl StreamCache {
             self.publish(&inner.words);
             return taken.first().copied();
         }
-        let mut found = None;
-        for list in inner.classes.lists_mut() {
-            if list.first().is_some_and(|b| !is_small(b.quadrant)) {
-                found = list.pop();
-            }
-        }
-        let b = found.expect("a large block is counted");
+        // A class holds blocks of one pool only (its rounded size decides), and the cache holds
+        // one large block: the last of its class's list.
+        let b = inner
+            .classes
+            .get_mut(inner.large_class)
+            .and_then(|list| list.pop())
+            .expect("a large block is counted");
+        debug_assert!(!is_small(b.quadrant));
         self.set_large(inner, 0);
         inner.words[CACHED_BYTES] -= b.size;
         inner.words[CACHED_BLOCKS] -= 1;

@@ -167,11 +167,12 @@ impl<D: Device> Allocator<D> {
         // run is open yet).
         let cache_large = !config.expandable_segments || config.release_threshold == u64::MAX;
         let (config_caching, oversize_at) = (config.caching, config.sizing.max_split_size);
+        let config = Arc::new(config);
         let shared = Arc::new(Shared {
             device,
-            config: ArcCell::new(config),
+            config: ArcCell::from_arc(config.clone()),
             device_total: total,
-            state: Mutex::new(State::default()),
+            state: Mutex::new(State { config, ..State::default() }),
             caches: CacheTable::default(),
             fast_path: AtomicBool::new(fast),
             cache_large: AtomicBool::new(cache_large),
@@ -232,7 +233,9 @@ impl<D: Device> Allocator<D> {
         sh.flush_all(&mut st);
         // Published statistics are current before a lock-free reader can see the new config.
         sh.publish_now(&mut st);
-        sh.config.store(Arc::new(config));
+        let config = Arc::new(config);
+        st.config = config.clone();
+        sh.config.store(config);
         Ok(())
     }
 
@@ -350,7 +353,11 @@ impl<D: Device> Allocator<D> {
         let mut attempt = 0;
         let mut pools_released = false;
         loop {
-            match self.alloc_in_once(bytes, stream, residency, align) {
+            let r = self.alloc_in_once(bytes, stream, residency, align);
+            if !matches!(r, Err(AllocError::OutOfMemory(_))) {
+                return r; // the common case: a buffer, or an error no retry helps
+            }
+            match r {
                 Err(AllocError::OutOfMemory(_))
                     if !pools_released && self.shared.release_oom_pools() =>
                 {
@@ -413,13 +420,15 @@ impl<D: Device> Allocator<D> {
                 }
             }
         }
-        let plan = RequestPlan::new(&sh.config, bytes)?;
+        let mut st = sh.lock_state();
+        // The configuration as the global lock holds it: `set_config` replaces it under this
+        // lock, so it is the cell's too (no load of the cell on the slow path).
+        let plan = RequestPlan::with(st.config.clone(), bytes)?;
         let config = &*plan.config;
         // Small-pool blocks of both residencies share the stream's small segments and count as
         // transient; large ones share free space on ordinary segments (`residency.rs`).
         let residency = sh.placed_residency(config, plan.kind, residency);
         let class = ClassKey { residency, rounded: plan.rounded };
-        let mut st = sh.lock_state();
         sh.check_stream(&mut st, stream)?;
         if let Some(b) = cached.and_then(|c| c.pop_locked(class)) {
             // A cached block for another request size, or beyond the stream's credit: account
@@ -427,9 +436,10 @@ impl<D: Device> Allocator<D> {
             if b.requested != bytes {
                 st.pool.set_requested(b.block, bytes);
             }
-            st.base.live_up(b.quadrant, b.size, bytes, || sh.caches.all());
+            let locked: &mut State = &mut st;
+            locked.base.live_up(b.quadrant, b.size, bytes, || locked.lanes.clone());
             drop(st);
-            return Ok(self.hand_out_cached(&b, bytes, stream, &plan, residency));
+            return Ok(self.hand_out_cached(&b, bytes, stream, plan.rounded, residency));
         }
         if !plan.fast
             && cacheable
@@ -438,7 +448,7 @@ impl<D: Device> Allocator<D> {
             && let Some(b) = sh.reuse_large(&mut st, stream, class, bytes, &config.sizing)
         {
             drop(st);
-            return Ok(self.hand_out_cached(&b, bytes, stream, &plan, residency));
+            return Ok(self.hand_out_cached(&b, bytes, stream, plan.rounded, residency));
         }
         let key = PoolKey { residency, stream, kind: plan.kind };
         let block = sh.find_or_reserve_aligned(&mut st, config, key, bytes, plan.rounded, align)?;
@@ -450,7 +460,8 @@ impl<D: Device> Allocator<D> {
         // space of the other residency's segment; see `residency.rs`).
         let held = st.pool.segment(b.segment).key.residency;
         let q = quadrant(key.kind, held);
-        st.base.live_up(q, size, bytes, || sh.caches.all());
+        let locked: &mut State = &mut st;
+        locked.base.live_up(q, size, bytes, || locked.lanes.clone());
         st.note(Action::Alloc, ptr, bytes, stream);
         drop(st);
         Ok(self.hand_out(ptr, bytes, size, stream, Some(block), plan.rounded, held, q))

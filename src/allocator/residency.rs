@@ -88,7 +88,11 @@ impl<D: Device> Shared<D> {
             Residency::Persistent => Residency::Transient,
             Residency::Transient => Residency::Persistent,
         };
-        let other = find(self, st, PoolKey { residency, ..key });
+        let other_key = PoolKey { residency, ..key };
+        if !st.pool.has_key(other_key) {
+            return own; // the other residency never had a segment on this stream
+        }
+        let other = find(self, st, other_key);
         match (own, other) {
             (Some(a), Some(b)) if st.pool.block(b).size < st.pool.block(a).size => Some(b),
             (Some(a), _) => Some(a),

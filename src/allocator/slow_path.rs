@@ -15,10 +15,10 @@ impl<D: Device> Allocator<D> {
         b: &CachedBlock,
         bytes: u64,
         stream: StreamId,
-        plan: &RequestPlan,
+        rounded: u64,
         residency: Residency,
     ) -> Buffer<D> {
-        let (rounded, q) = (plan.rounded, b.quadrant);
+        let q = b.quadrant;
         self.hand_out(b.ptr, bytes, b.size, stream, Some(b.block), rounded, residency, q)
     }
 
@@ -459,7 +459,7 @@ impl<D: Device> Shared<D> {
     /// Flushes every stream cache into the pool; returns how many blocks moved.
     pub(super) fn flush_all(&self, st: &mut State) -> usize {
         let mut n = 0;
-        for c in self.caches.all().iter() {
+        for c in st.lanes.iter() {
             if c.cached_blocks() > 0 {
                 n += flush_into(c, &mut st.pool).len();
             }
@@ -471,7 +471,7 @@ impl<D: Device> Shared<D> {
     /// the large pool sees them as if they had never been cached. The caller holds the global
     /// lock. (A block cached concurrently is as if freed after the search.)
     pub(super) fn flush_large(&self, st: &mut State) {
-        for c in self.caches.all().iter() {
+        for c in st.lanes.iter() {
             if c.large_blocks() > 0
                 && let Some(b) = c.drain_large()
             {
@@ -512,7 +512,7 @@ impl<D: Device> Shared<D> {
                 if b.requested != bytes {
                     st.pool.set_requested(b.block, bytes);
                 }
-                st.base.live_up(b.quadrant, b.size, bytes, || self.caches.all());
+                st.base.live_up(b.quadrant, b.size, bytes, || st.lanes.clone());
                 Some(b)
             }
         }
@@ -573,6 +573,7 @@ impl<D: Device> Shared<D> {
             lanes.iter().for_each(|c| debug_assert_eq!(c.close_stash(), 0));
         }
         self.caches.add(lanes);
+        st.lanes = Arc::new(self.caches.all().iter().cloned().collect());
         // Readers that loaded the old table must retry.
         st.base.touch(&self.stats);
     }

@@ -105,6 +105,9 @@ pub(super) struct Counters {
 
 #[derive(Default)]
 pub(super) struct State {
+    /// The configuration in force: the same `Arc` as `Shared::config` holds, replaced with it
+    /// under this lock (`set_config`), so the slow path reads it here without loading the cell.
+    pub(super) config: Arc<Config>,
     pub(super) pool: Pool,
     pub(super) counters: Counters,
     /// Streams a block was used on besides its own (`record_stream`), by block.
@@ -120,6 +123,9 @@ pub(super) struct State {
     pub(super) free_events: Vec<EventId>,
     /// Streams that own segments, with how many (cross-stream search is skipped with one).
     pub(super) segment_streams: BTreeMap<StreamId, usize>,
+    /// Every stream cache in stream order, as `Shared::caches` lists them (replaced with that
+    /// list, under this lock): the lock holder walks them without loading the shared list.
+    pub(super) lanes: Arc<Vec<Arc<StreamCache>>>,
     /// Statistics kept under this lock, published when read (`Shared::publish_now`).
     pub(super) base: BaseStats,
     /// Scratch list of streams whose pool free bytes changed.

@@ -30,8 +30,10 @@ const SL: usize = 1 << SL_BITS;
 /// Octaves: sizes below 2^SL_BITS share octave 0 (one bin per size), then one per power of two.
 const FL: usize = 64 - SL_BITS as usize + 1;
 
-/// One free block: ordered by (size, address, id), as the best fit wants.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+/// One free block: ordered by (size, address), as the best fit wants. No two free blocks
+/// share an address, so (size, address) identifies one: the order compares them as one
+/// 128-bit key ([`Entry::order`]), and the id only rides along.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Entry {
     /// Its size in bytes.
     pub size: u64,
@@ -39,6 +41,28 @@ pub struct Entry {
     pub addr: u64,
     /// Its block id in the pool's slab.
     pub id: usize,
+}
+
+impl Entry {
+    /// The sort key: size, then address.
+    #[inline(always)]
+    fn order(&self) -> u128 {
+        (u128::from(self.size) << 64) | u128::from(self.addr)
+    }
+}
+
+impl PartialOrd for Entry {
+    #[inline(always)]
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl Ord for Entry {
+    #[inline(always)]
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        self.order().cmp(&other.order())
+    }
 }
 
 /// The bin of a size: (octave, bin within the octave). Monotonic in `size`.
@@ -127,7 +151,8 @@ impl FreeIndex {
     pub fn next_after(&self, e: &Entry) -> Option<Entry> {
         let (fl, sl) = bin_of(e.size);
         let bin = self.bin(fl, sl);
-        if let Some(&n) = bin.get(bin.partition_point(|x| x <= e)) {
+        let k = e.order();
+        if let Some(&n) = bin.get(bin.partition_point(|x| x.order() <= k)) {
             return Some(n);
         }
         self.first_above(fl, sl)
@@ -156,7 +181,9 @@ impl FreeIndex {
     pub fn insert(&mut self, e: Entry) {
         let (fl, sl) = bin_of(e.size);
         let bin = self.bin_mut(fl, sl);
-        let at = bin.binary_search(&e).expect_err("entry already in the free index");
+        let k = e.order();
+        let at = bin.partition_point(|x| x.order() < k);
+        assert!(bin.get(at).is_none_or(|x| x.order() != k), "entry already in the free index");
         bin.insert(at, e);
         self.sl_map[fl] |= 1 << sl;
         self.fl_map |= 1 << fl;
@@ -170,7 +197,11 @@ impl FreeIndex {
         let (fl, sl) = bin_of(e.size);
         let Some(octave) = self.octaves[fl].as_mut() else { return false };
         let bin = &mut octave[sl];
-        let Ok(at) = bin.binary_search(e) else { return false };
+        let k = e.order();
+        let at = bin.partition_point(|x| x.order() < k);
+        if bin.get(at).is_none_or(|x| x != e) {
+            return false;
+        }
         bin.remove(at);
         if bin.is_empty() {
             self.sl_map[fl] &= !(1 << sl);

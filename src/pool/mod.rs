@@ -45,6 +45,11 @@ enum Live {
 
 const LIVE_GROUPS: usize = 5;
 
+/// Streams whose keys' slots [`Pool`] also keeps in a table indexed by stream.
+const DIRECT_STREAMS: usize = 64;
+/// No slot (in `Pool::direct`).
+const NO_SLOT: u32 = u32::MAX;
+
 /// The free blocks of one pool key.
 #[derive(Clone)]
 struct Keyed {
@@ -61,6 +66,9 @@ pub struct Pool {
     segments: Slab<Segment>,
     /// Every key that ever had a segment, sorted, with the slot of its index in `free`.
     keys: Vec<(PoolKey, usize)>,
+    /// The same for streams below [`DIRECT_STREAMS`], by stream and quadrant
+    /// ([`Pool::quadrant`]; `NO_SLOT`: none): a key's slot without the binary search.
+    direct: Vec<[u32; 4]>,
     /// Free index per slot (slots are never removed).
     free: Vec<Keyed>,
     stats: BlockStats,
@@ -232,6 +240,12 @@ impl Pool {
         sizing.may_serve(e.size, rounded).then_some(BlockId(e.id))
     }
 
+    /// Whether `key` ever had a segment (so it may have free blocks).
+    #[inline]
+    pub fn has_key(&self, key: PoolKey) -> bool {
+        self.slot_of(key).is_some()
+    }
+
     /// Free blocks of `key` in (size, address) order.
     #[cfg_attr(not(any(test, feature = "test-hooks")), allow(dead_code))]
     pub fn free_of(&self, key: PoolKey) -> impl Iterator<Item = BlockId> + '_ {
@@ -242,6 +256,10 @@ impl Pool {
     /// The slot of `key`'s free index, if it ever had one.
     #[inline]
     fn slot_of(&self, key: PoolKey) -> Option<usize> {
+        if let Some(row) = self.direct.get(key.stream.0 as usize) {
+            let slot = row[Self::quadrant(key.kind, key.residency)];
+            return (slot != NO_SLOT).then_some(slot as usize);
+        }
         let i = self.keys.binary_search_by_key(&key, |k| k.0).ok()?;
         Some(self.keys[i].1)
     }
@@ -254,6 +272,13 @@ impl Pool {
                 let slot = self.free.len();
                 self.free.push(Keyed { key, index: FreeIndex::default(), dirty: false });
                 self.keys.insert(i, (key, slot));
+                let s = key.stream.0 as usize;
+                if s < DIRECT_STREAMS {
+                    if self.direct.len() <= s {
+                        self.direct.resize(s + 1, [NO_SLOT; 4]);
+                    }
+                    self.direct[s][Self::quadrant(key.kind, key.residency)] = slot as u32;
+                }
                 slot
             }
         }
@@ -683,6 +708,21 @@ impl Pool {
             sorted != self.keys
         } {
             return Err("free index keys drifted".into());
+        }
+        for (s, row) in self.direct.iter().enumerate() {
+            for (q, &slot) in row.iter().enumerate() {
+                let found = self.keys.iter().find(|(k, _)| {
+                    k.stream.0 as usize == s && Self::quadrant(k.kind, k.residency) == q
+                });
+                if found.map_or(NO_SLOT, |&(_, i)| i as u32) != slot {
+                    return Err(format!("direct slot of stream {s} quadrant {q} drifted"));
+                }
+            }
+        }
+        if let Some(&(k, _)) = self.keys.iter().find(|(k, _)| {
+            (k.stream.0 as usize) < DIRECT_STREAMS && (k.stream.0 as usize) >= self.direct.len()
+        }) {
+            return Err(format!("key {k:?} missing from the direct slots"));
         }
         for (s, k) in self.free.iter().enumerate() {
             if k.dirty != self.dirty.contains(&s) {

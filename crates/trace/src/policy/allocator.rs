@@ -123,6 +123,100 @@ pub fn alloc_steps(trace: &Trace, mode: Mode) -> (Vec<AllocStep>, usize, Vec<u32
     (steps, slotted.slots, streams)
 }
 
+/// What the timed loop reads.
+struct Loop<'a> {
+    name: &'static str,
+    steps: &'a [AllocStep],
+    /// Whether each event is a `scope_exit` (a step ends there).
+    exits: &'a [bool],
+    /// Scope families by scope name index.
+    families: &'a [&'a str],
+    /// Device stream of each trace stream.
+    streams: &'a [StreamId],
+}
+
+/// What the timed loop measures besides the allocator's own figures.
+#[derive(Default)]
+struct LoopOut {
+    /// CPU time of the loop, in nanoseconds.
+    elapsed: u128,
+    /// Device mallocs and best-fit searches made during each scope run.
+    runs: Vec<(u64, u64)>,
+    /// Peaks (reserved, allocated) at the end of the first scope run.
+    first_peaks: (u64, u64),
+    /// Map, unmap and malloc calls made in each step (between two scope exits).
+    step_vm: Vec<(u64, u64, u64)>,
+    /// Reserved bytes after each event, when asked for.
+    timeline: Option<Vec<u64>>,
+}
+
+/// The timed part of a replay: every step through the allocator. A function of its own so that
+/// instruction counts (`scripts/replay-instructions`) cover exactly what `ns_per_op` times.
+#[inline(never)]
+fn timed_loop(
+    lp: &Loop<'_>,
+    device: &SimDevice,
+    alloc: &Allocator<SimDevice>,
+    live: &mut [Option<Buffer<SimDevice>>],
+    out: &mut LoopOut,
+) -> Result<(), ReplayError> {
+    let Loop { name, steps, exits, families, streams } = *lp;
+    let mut scope = None;
+    let mut run_start = (0, 0);
+    let mut vm_mark = (0, 0, 0);
+    let err = |e: AllocError| ReplayError::new(name, e.to_string());
+    let start = Stopwatch::start();
+    for (i, step) in steps.iter().enumerate() {
+        match *step {
+            AllocStep::Alloc { slot, bytes, stream, residency } => {
+                let buf = match &scope {
+                    Some(s)
+                        if residency == Residency::Transient
+                            && streams[stream] == Scope::stream(s) =>
+                    {
+                        s.alloc_unbound(bytes).map_err(err)?
+                    }
+                    _ => alloc.alloc_in(bytes, streams[stream], residency).map_err(err)?,
+                };
+                live[slot] = Some(buf);
+            }
+            AllocStep::Free { slot } => release(&mut live[slot]),
+            AllocStep::Enter { name, stream } => {
+                drop(scope.take());
+                run_start = (device.counters().mallocs, alloc.stats().best_fit_searches);
+                let family = families.get(name).copied().unwrap_or("scope");
+                scope = Some(alloc.named_scope(family, streams[stream]));
+            }
+            AllocStep::Exit => {
+                if scope.take().is_some() {
+                    let st = alloc.stats();
+                    let now = (device.counters().mallocs, st.best_fit_searches);
+                    out.runs.push((now.0 - run_start.0, now.1 - run_start.1));
+                    if out.runs.len() == 1 {
+                        // Peaks from here on are the steady state after the learning run.
+                        out.first_peaks =
+                            (st.blocks.reserved_bytes.all.peak, st.blocks.allocated_bytes.all.peak);
+                        alloc.reset_peak_stats();
+                    }
+                }
+            }
+            AllocStep::Marker => {}
+        }
+        if exits[i] {
+            let st = alloc.stats();
+            let now = (st.num_device_map, st.num_device_unmap, st.num_device_alloc);
+            out.step_vm.push((now.0 - vm_mark.0, now.1 - vm_mark.1, now.2 - vm_mark.2));
+            vm_mark = now;
+        }
+        if let Some(tl) = out.timeline.as_mut() {
+            tl.push(alloc.reserved_bytes());
+        }
+    }
+    drop(scope);
+    out.elapsed = start.elapsed_ns();
+    Ok(())
+}
+
 /// A replay through tidepool's allocator.
 #[derive(Debug, Clone)]
 pub struct AllocatorPolicy {
@@ -202,69 +296,16 @@ impl Policy for AllocatorPolicy {
         let ReplayDevice { device, alloc, streams } =
             replay_device(&self.config, trace_streams.len(), name)?;
         let families: Vec<&str> = trace.scope_names.iter().map(|n| scope_family(n)).collect();
-        let mut live: Vec<Option<Buffer<SimDevice>>> = (0..slots).map(|_| None).collect();
-        let mut tl = timeline.then(|| Vec::with_capacity(steps.len()));
-        let mut scope = None;
-        // Device mallocs and best-fit searches made during each scope run.
-        let mut runs: Vec<(u64, u64)> = Vec::new();
-        let mut run_start = (0, 0);
-        let mut first_peaks = (0, 0);
-        // Map and unmap calls made in each step (between two scope exits).
         let exits: Vec<bool> = trace.events.iter().map(|e| e.op == Op::ScopeExit).collect();
-        let mut step_vm: Vec<(u64, u64, u64)> = Vec::new();
-        let mut vm_mark = (0, 0, 0);
-        let err = |e: AllocError| ReplayError::new(name, e.to_string());
-        let start = Stopwatch::start();
-        for (i, step) in steps.iter().enumerate() {
-            match *step {
-                AllocStep::Alloc { slot, bytes, stream, residency } => {
-                    let buf = match &scope {
-                        Some(s)
-                            if residency == Residency::Transient
-                                && streams[stream] == Scope::stream(s) =>
-                        {
-                            s.alloc_unbound(bytes).map_err(err)?
-                        }
-                        _ => alloc.alloc_in(bytes, streams[stream], residency).map_err(err)?,
-                    };
-                    live[slot] = Some(buf);
-                }
-                AllocStep::Free { slot } => release(&mut live[slot]),
-                AllocStep::Enter { name, stream } => {
-                    drop(scope.take());
-                    run_start = (device.counters().mallocs, alloc.stats().best_fit_searches);
-                    let family = families.get(name).copied().unwrap_or("scope");
-                    scope = Some(alloc.named_scope(family, streams[stream]));
-                }
-                AllocStep::Exit => {
-                    if scope.take().is_some() {
-                        let st = alloc.stats();
-                        let now = (device.counters().mallocs, st.best_fit_searches);
-                        runs.push((now.0 - run_start.0, now.1 - run_start.1));
-                        if runs.len() == 1 {
-                            // Peaks from here on are the steady state after the learning run.
-                            first_peaks = (
-                                st.blocks.reserved_bytes.all.peak,
-                                st.blocks.allocated_bytes.all.peak,
-                            );
-                            alloc.reset_peak_stats();
-                        }
-                    }
-                }
-                AllocStep::Marker => {}
-            }
-            if exits[i] {
-                let st = alloc.stats();
-                let now = (st.num_device_map, st.num_device_unmap, st.num_device_alloc);
-                step_vm.push((now.0 - vm_mark.0, now.1 - vm_mark.1, now.2 - vm_mark.2));
-                vm_mark = now;
-            }
-            if let Some(tl) = tl.as_mut() {
-                tl.push(alloc.reserved_bytes());
-            }
-        }
-        drop(scope);
-        let elapsed = start.elapsed_ns();
+        let mut live: Vec<Option<Buffer<SimDevice>>> = (0..slots).map(|_| None).collect();
+        let mut out = LoopOut {
+            timeline: timeline.then(|| Vec::with_capacity(steps.len())),
+            ..LoopOut::default()
+        };
+        let lp =
+            Loop { name, steps: &steps, exits: &exits, families: &families, streams: &streams };
+        timed_loop(&lp, &device, &alloc, &mut live, &mut out)?;
+        let LoopOut { elapsed, runs, first_peaks, step_vm, timeline: tl } = out;
         let s = alloc.stats();
         drop(live);
         let mut extra = self.extras(&s, &runs, &step_vm);

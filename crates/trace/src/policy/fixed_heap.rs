@@ -126,15 +126,32 @@ fn run_once<A: SubAllocator>(
     let mut alloc = A::with_heap(heap, max_live)?;
     let mut handles: Vec<Option<A::Handle>> = vec![None; slotted.slots];
     let mut tl = if timeline { Some(Vec::with_capacity(slotted.steps.len())) } else { None };
-    let (mut hwm, mut live, mut peak_live) = (0u64, 0u64, 0u64);
     let start = Stopwatch::start();
+    let Some((hwm, peak_live)) = timed_loop(&mut alloc, slotted, sizes, &mut handles, &mut tl)
+    else {
+        return Ok(None);
+    };
+    let elapsed_ns = start.elapsed_ns();
+    Ok(Some(Run { hwm, peak_live, elapsed_ns, timeline: tl }))
+}
+
+/// The timed part of a run: every step through the sub-allocator; (high-water mark, peak live
+/// granules), or `None` if an allocation did not fit. A function of its own so that instruction
+/// counts (`scripts/replay-instructions`) cover exactly what `ns_per_op` times.
+#[inline(never)]
+fn timed_loop<A: SubAllocator>(
+    alloc: &mut A,
+    slotted: &Slotted,
+    sizes: &[u64],
+    handles: &mut [Option<A::Handle>],
+    tl: &mut Option<Vec<u64>>,
+) -> Option<(u64, u64)> {
+    let (mut hwm, mut live, mut peak_live) = (0u64, 0u64, 0u64);
     for step in &slotted.steps {
         match *step {
             Step::Alloc { slot, .. } => {
                 let size = sizes[slot];
-                let Some((offset, handle)) = alloc.alloc(size) else {
-                    return Ok(None);
-                };
+                let (offset, handle) = alloc.alloc(size)?;
                 handles[slot] = Some(handle);
                 hwm = hwm.max(offset + size);
                 live += size;
@@ -152,6 +169,5 @@ fn run_once<A: SubAllocator>(
             tl.push(hwm * GRANULE);
         }
     }
-    let elapsed_ns = start.elapsed_ns();
-    Ok(Some(Run { hwm, peak_live, elapsed_ns, timeline: tl }))
+    Some((hwm, peak_live))
 }
