@@ -35,7 +35,7 @@ pub(crate) struct Learned {
     /// The run's steps as the planned path reads them: `[code, offset]` per step, where the code
     /// is [`Step::code`] and the offset is the allocation's slice (0 for a free). A later run
     /// follows the plan while it repeats the codes exactly; one load pair per step.
-    pub script: Vec<[u64; 2]>,
+    pub script: Script,
     /// The allocations the run never freed, as (script position, allocation index): escapes,
     /// and scoped buffers that were forgotten. A later run that repeats the plan exactly knows
     /// its own unfreed planned slices from this list, with no scan of the script.
@@ -44,6 +44,10 @@ pub(crate) struct Learned {
     /// rounding granule divides it may match requests against the script with one subtraction.
     pub size_align: u64,
 }
+
+/// A plan's steps as `[code, offset]` pairs, shared by the plan and the scopes following it
+/// (a plain `std` `Arc`: immutable once made, nothing for loom to model).
+pub(crate) type Script = std::sync::Arc<[[u64; 2]]>;
 
 /// The bits of a free's [`Step::code`] above the allocation index: a planned `ScopedBuffer`
 /// holds its free's code as its id (see `scope.rs`), so its drop compares one word with the

@@ -27,7 +27,7 @@
 use super::adopt::Escape;
 use super::batch::BatchBlock;
 use super::counters::quadrant;
-use super::plan::{FREE_TAG, Learned, NO_SLOT, Region, Step};
+use super::plan::{FREE_TAG, Learned, NO_SLOT, Region, Script, Step};
 use super::{AllocError, Allocator, Buffer, Origin};
 use crate::config::Config;
 use crate::device::{Device, DeviceAddr, StreamId};
@@ -304,7 +304,7 @@ pub struct Scope<'a, D: Device> {
     /// hand-out and free goes through the general path, which tells it).
     fast_ok: bool,
     stream: StreamId,
-    name: Option<String>,
+    name: Option<std::sync::Arc<str>>,
     /// The configuration as of opening: every request of the run is rounded the same way.
     config: Arc<Config>,
     /// Whether the device had the stream when the scope opened (if not, every allocation is
@@ -312,6 +312,9 @@ pub struct Scope<'a, D: Device> {
     stream_ok: bool,
     /// The plan this run follows while its steps repeat it.
     plan: Option<Arc<Learned>>,
+    /// The plan's script (empty without a plan), where the planned path reads it: no `Option`
+    /// to test and no pointer to the plan to follow.
+    script: Script,
     /// Whether this is a learning run over expandable segments (see `Shared::learning`).
     learning: bool,
     cursor: Cursor,
@@ -347,6 +350,12 @@ pub struct ScopedBuffer<'s, D: Device> {
     /// slice). A planned buffer's id is then its free's [`Step::code`], so its drop compares
     /// one word with the plan's next step.
     id: u64,
+}
+
+/// The script of a scope without a plan: empty, made once.
+fn no_script() -> Script {
+    static EMPTY: std::sync::LazyLock<Script> = std::sync::LazyLock::new(|| Script::from([]));
+    EMPTY.clone()
 }
 
 /// A `ScopedBuffer::id`.
@@ -451,22 +460,23 @@ impl<D: Device> Allocator<D> {
     /// Opens a scope named `name` on `stream`: it remembers its run, and a later run that
     /// repeats it is served from a planned layout in O(1) per allocation.
     pub fn named_scope(&self, name: &str, stream: StreamId) -> Scope<'_, D> {
-        Scope::open(self, stream, Some(name.to_string()))
+        Scope::open(self, stream, Some(name))
     }
 }
 
 impl<'a, D: Device> Scope<'a, D> {
-    fn open(alloc: &'a Allocator<D>, stream: StreamId, name: Option<String>) -> Scope<'a, D> {
+    fn open(alloc: &'a Allocator<D>, stream: StreamId, name: Option<&str>) -> Scope<'a, D> {
+        let config = alloc.shared.config.load_full();
         // With caching off (`caching:false`) a scope neither learns plans nor reuses blocks
         // locally: every allocation and free reaches the device.
-        let caching = alloc.shared.config.load().caching;
-        let name = name.filter(|_| caching);
-        let (plan, region) = match &name {
-            Some(n) => alloc.shared.plan_for(n, stream),
-            None => (None, None),
+        let (name, plan, region) = match name.filter(|_| config.caching) {
+            Some(n) => {
+                let (name, plan, region) = alloc.shared.plan_for(n, stream);
+                (Some(name), plan, region)
+            }
+            None => (None, None, None),
         };
         let learning = name.is_some() && plan.is_none() && alloc.shared.learning(stream, true);
-        let config = alloc.shared.config.load_full();
         let z = &config.sizing;
         let granule = match z.min_block_size.is_power_of_two() && z.roundup_power2_divisions <= 1 {
             true => z.min_block_size,
@@ -495,6 +505,7 @@ impl<'a, D: Device> Scope<'a, D> {
                 diverged_at: Cell::new(usize::MAX),
                 hits: Cell::new(0),
             },
+            script: plan.as_ref().map_or_else(no_script, |p| p.script.clone()),
             plan,
             learning,
             run: RefCell::new(Run {
@@ -595,7 +606,7 @@ impl<'a, D: Device> Scope<'a, D> {
     fn try_planned(&self, bytes: u64) -> Option<(DeviceAddr, u64)> {
         let c = &self.cursor;
         let pos = c.pos.get();
-        let &[code, offset] = self.plan.as_ref()?.script.get(pos)?;
+        let &[code, offset] = self.script.get(pos)?;
         // The plan's next step is an allocation of `rounded` bytes, and `bytes` rounds to it:
         // under the granule g, for `rounded` a non-zero multiple of g (`fast_ok`), that is
         // `rounded - g < bytes ≤ rounded`. A zero-byte request never matches.
@@ -906,8 +917,7 @@ impl<'a, D: Device> Scope<'a, D> {
     fn free_bound(&self, id: u64, ptr: DeviceAddr, requested: u64) {
         let c = &self.cursor;
         let pos = c.pos.get();
-        if let Some(plan) = &self.plan
-            && let Some(&[code, _]) = plan.script.get(pos)
+        if let Some(&[code, _]) = self.script.get(pos)
             && code == id
         {
             c.pos.set(pos + 1);
@@ -1095,9 +1105,15 @@ impl<D: Device> Drop for Scope<'_, D> {
             _ => None,
         };
         let c = &sh.scope_counters;
-        c.escapes.fetch_add(run.live_unbound as u64, Ordering::Relaxed);
-        c.plan_hits.fetch_add(self.cursor.hits.get(), Ordering::Relaxed);
-        c.plan_misses.fetch_add(run.misses, Ordering::Relaxed);
+        for (counter, n) in [
+            (&c.escapes, run.live_unbound as u64),
+            (&c.plan_hits, self.cursor.hits.get()),
+            (&c.plan_misses, run.misses),
+        ] {
+            if n != 0 {
+                counter.fetch_add(n, Ordering::Relaxed);
+            }
+        }
         let blocks: Vec<BatchBlock> =
             run.local.drain().flat_map(|(_, v)| v.into_iter().map(|(b, _)| b)).collect();
         let escapes: Vec<Escape> = run
@@ -1121,7 +1137,7 @@ impl<D: Device> Drop for Scope<'_, D> {
         let mut st = shared.as_ref().map(|s| lock(&s.state));
         // Holds let go of once the run's lock is let go (through `release_region`, so the last
         // one returns the region's blocks to the pool).
-        let mut release: Vec<Arc<Region>> = region.into_iter().collect();
+        let mut adopted_release = None;
         match (adopted, learner) {
             (Some((region, pinned)), _) => match (pinned.is_empty(), &mut st) {
                 (false, Some(st)) => {
@@ -1129,7 +1145,7 @@ impl<D: Device> Drop for Scope<'_, D> {
                     st.adopt = Some(region);
                 }
                 // Escapes are unbound buffers, so a run that pinned any has a queue.
-                _ => release.push(region),
+                _ => adopted_release = Some(region),
             },
             (None, Some(name)) => {
                 let align = sh.config.load().sizing.min_block_size;
@@ -1138,7 +1154,7 @@ impl<D: Device> Drop for Scope<'_, D> {
             (None, None) => {}
         }
         drop(st);
-        for r in release {
+        for r in region.into_iter().chain(adopted_release) {
             sh.release_region(r);
         }
     }
