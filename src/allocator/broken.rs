@@ -49,6 +49,10 @@ pub enum Broken {
     /// `residency.rs`): a request never takes free space in a segment of the other residency,
     /// and small persistent blocks get small segments of their own.
     ResidencySplit = 1 << 12,
+    /// A scope's planned path serves runs on a device whose sanitizer observes hand-outs (the
+    /// path tells it nothing): a planned slice reused while another stream still uses it goes
+    /// unreported.
+    PlannedUnobserved = 1 << 13,
 }
 
 #[cfg_attr(not(feature = "test-hooks"), allow(dead_code))]

@@ -1,15 +1,19 @@
 //! Learned plans and their regions: the memory a named scope's planned run hands out, made
 //! and adopted as a learning run ends, and returned to the pool in one stream-ordered batch.
 
-use super::*;
 use super::state::PlanState;
+use super::*;
 
 /// Learned plans by scope name, then stream: a scope opening looks its name up as a `&str` and
 /// keeps the table's `Arc<str>`, so a known name costs no allocation. (Few streams per name.)
 pub(super) type Plans = HashMap<std::sync::Arc<str>, Vec<(StreamId, PlanState)>>;
 
 /// The plan state of scope `name` on `stream`, made empty if there is none.
-pub(super) fn plan_entry<'p>(plans: &'p mut Plans, name: &str, stream: StreamId) -> &'p mut PlanState {
+pub(super) fn plan_entry<'p>(
+    plans: &'p mut Plans,
+    name: &str,
+    stream: StreamId,
+) -> &'p mut PlanState {
     if !plans.contains_key(name) {
         plans.insert(name.into(), Vec::new());
     }

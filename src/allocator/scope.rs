@@ -484,7 +484,8 @@ impl<'a, D: Device> Scope<'a, D> {
         };
         let fast_ok = granule != 0
             && plan.as_ref().is_some_and(|p| p.size_align != 0 && p.size_align % granule == 0)
-            && !alloc.shared.device.observes_handouts();
+            && (!alloc.shared.device.observes_handouts()
+                || alloc.shared.broken(super::Broken::PlannedUnobserved));
         Scope {
             alloc,
             device: &alloc.shared.device,
