@@ -223,18 +223,21 @@ struct Run<D: Device> {
 }
 
 impl<D: Device> Run<D> {
-    /// Keeps a pool buffer for a scoped buffer; returns its slot, or gives the buffer back
-    /// when `NO_SLOT` buffers are held already.
-    fn hold(&mut self, buf: Buffer<D>) -> Result<u32, Buffer<D>> {
+    /// Whether every slot is taken (`NO_SLOT` pool buffers are held).
+    fn full(&self) -> bool {
+        self.free_slots.is_empty() && self.held.len() >= NO_SLOT as usize
+    }
+
+    /// Keeps a pool buffer for a scoped buffer; returns its slot (`full` was checked).
+    fn hold(&mut self, buf: Buffer<D>) -> u32 {
         match self.free_slots.pop() {
             Some(i) => {
                 self.held[i as usize] = Some(buf);
-                Ok(i)
+                i
             }
-            None if self.held.len() >= NO_SLOT as usize => Err(buf),
             None => {
                 self.held.push(Some(buf));
-                Ok((self.held.len() - 1) as u32)
+                (self.held.len() - 1) as u32
             }
         }
     }
@@ -652,17 +655,14 @@ impl<'a, D: Device> Scope<'a, D> {
             }
             self.run.borrow_mut().missed(index);
         }
+        if self.run.borrow().full() {
+            self.unstep();
+            return Err(AllocError::TooManyScopeAllocations { limit: u64::from(NO_SLOT) });
+        }
         let buf = self.pool_block(bytes, rounded).inspect_err(|_| self.unstep())?;
         let ptr = buf.ptr;
-        let held = self.run.borrow_mut().hold(buf);
-        match held {
-            Ok(slot) => Ok((ptr, id(index, slot))),
-            Err(buf) => {
-                drop(buf); // freed as an ordinary buffer: the allocation never happened
-                self.unstep();
-                Err(AllocError::TooManyScopeAllocations { limit: u64::from(NO_SLOT) })
-            }
-        }
+        let slot = self.run.borrow_mut().hold(buf);
+        Ok((ptr, id(index, slot)))
     }
 
     /// Whether frees of unbound buffers wait to be recorded.
