@@ -301,3 +301,97 @@ fn garbage_collection_and_caching_off_release_nothing_during_a_capture() {
         assert!(dev.violations().is_empty(), "{conf}: {:?}", dev.violations());
     }
 }
+
+/// What a free that needs a host wait while a capture is underway leaves: the allocator's
+/// active bytes right after the free, its reserved bytes after `empty_cache` once the capture
+/// ended, and the device's live segments once everything is dropped.
+struct Refused {
+    active_during: u64,
+    syncs_during: u64,
+    reserved_after: u64,
+    live_at_end: usize,
+}
+
+/// A buffer used on a stream destroyed outside the allocator (so no event can mark that work)
+/// is freed while another stream is being captured: the host wait the free needs is refused.
+fn free_needing_a_refused_wait(broken: bool) -> Refused {
+    let dev = Arc::new(SimDevice::backed(256 * MIB));
+    let (s, s2, s3) =
+        (dev.create_stream().unwrap(), dev.create_stream().unwrap(), dev.create_stream().unwrap());
+    let alloc = Allocator::new(dev.clone(), Config::default()).unwrap();
+    alloc.set_broken(Broken::RefusedWaitLeaks, broken);
+    let a = alloc.alloc(N, s).unwrap();
+    assert_eq!(a.ptr().0, SIM_BASE);
+    dev.launch(s2, fill(&a, 1)).unwrap();
+    alloc.record_stream(&a, s2).unwrap();
+    dev.destroy_stream(s2).unwrap(); // not through the allocator: nothing says it drained
+    alloc.begin_capture(s3, None).unwrap();
+    let syncs = alloc.stats().num_host_syncs;
+    drop(a); // the free's host wait is refused: the capture is underway
+    let during = alloc.stats();
+    alloc.check_invariants().unwrap();
+    let graph = alloc.end_capture(s3).unwrap();
+    alloc.empty_cache().unwrap();
+    alloc.check_invariants().unwrap();
+    let reserved_after = alloc.stats().blocks.reserved_bytes.all.current;
+    drop((graph, alloc));
+    Refused {
+        active_during: during.blocks.active_bytes.all.current,
+        syncs_during: during.num_host_syncs - syncs,
+        reserved_after,
+        live_at_end: dev.live_segments().len(),
+    }
+}
+
+#[test]
+fn a_free_whose_host_wait_a_capture_refuses_waits_for_the_capture_to_end() {
+    let r = free_needing_a_refused_wait(false);
+    assert_eq!(r.active_during, N.next_multiple_of(512)); // pending: not reusable yet
+    assert_eq!(r.syncs_during, 1); // the refused wait, counted
+    assert_eq!(r.reserved_after, 0); // freed after the capture, its segment released
+    assert_eq!(r.live_at_end, 0);
+}
+
+#[test]
+fn a_refused_host_wait_that_gives_the_block_up_leaks_its_segment() {
+    let r = free_needing_a_refused_wait(true);
+    assert_eq!(r.reserved_after, SEG);
+    assert_eq!(r.live_at_end, 1);
+}
+
+/// A graph pool's buffer used on a stream that the general allocator then destroys, freed
+/// during a later capture into the same pool: the pool knows the stream drained (the family
+/// shares what its allocators destroyed), so the free completes at once and the capture
+/// reuses the block, with no host wait.
+fn pool_free_after_family_destroyed_stream(broken: bool) -> (bool, u64, usize) {
+    let Setup { dev, s, alloc } = setup();
+    alloc.set_broken(Broken::PoolDestroyedStreams, broken);
+    let s2 = dev.create_stream().unwrap();
+    alloc.begin_capture(s, None).unwrap();
+    let out = alloc.alloc(N, s).unwrap();
+    let g1 = alloc.end_capture(s).unwrap();
+    alloc.record_stream(&out, s2).unwrap();
+    alloc.destroy_stream(s2).unwrap();
+    alloc.begin_capture(s, Some(g1.pool())).unwrap();
+    let syncs = g1.pool().stats().num_host_syncs;
+    let out_ptr = out.ptr();
+    drop(out);
+    let next = alloc.alloc(N, s).unwrap();
+    let reused = next.ptr() == out_ptr;
+    let syncs = g1.pool().stats().num_host_syncs - syncs;
+    drop(next);
+    let g2 = alloc.end_capture(s).unwrap();
+    drop((g1, g2, alloc));
+    (reused, syncs, dev.live_segments().len())
+}
+
+#[test]
+fn a_pool_knows_the_streams_its_family_destroyed() {
+    assert_eq!(pool_free_after_family_destroyed_stream(false), (true, 0, 0));
+}
+
+#[test]
+fn a_pool_not_told_of_a_destroyed_stream_needs_a_host_wait() {
+    // The wait is refused (capture): the block waits, so the capture cannot reuse it.
+    assert_eq!(pool_free_after_family_destroyed_stream(true), (false, 1, 0));
+}

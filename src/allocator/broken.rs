@@ -49,10 +49,18 @@ pub enum Broken {
     /// `residency.rs`): a request never takes free space in a segment of the other residency,
     /// and small persistent blocks get small segments of their own.
     ResidencySplit = 1 << 12,
+    /// `destroy_stream` tells only the allocator it was called on that the stream is drained,
+    /// not the family's private pools (graph pools): a pool buffer used on that stream and
+    /// freed later needs a host wait, which a capture underway refuses.
+    PoolDestroyedStreams = 1 << 13,
+    /// A free whose host wait is refused because a stream capture is underway gives the block
+    /// up for good (it stays allocated, and its segment is never released) instead of waiting
+    /// for the capture to end.
+    RefusedWaitLeaks = 1 << 14,
     /// A scope's planned path serves runs on a device whose sanitizer observes hand-outs (the
     /// path tells it nothing): a planned slice reused while another stream still uses it goes
     /// unreported.
-    PlannedUnobserved = 1 << 13,
+    PlannedUnobserved = 1 << 15,
 }
 
 #[cfg_attr(not(feature = "test-hooks"), allow(dead_code))]

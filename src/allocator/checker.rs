@@ -33,6 +33,11 @@ impl<D: Device> Allocator<D> {
                 return Err(format!("block {b:?} has events but is not pending"));
             }
         }
+        for &b in &st.parked {
+            if st.pool.block(b).state != BlockState::Pending || st.pending_count.contains_key(&b) {
+                return Err(format!("parked block {b:?} is not pending on a host wait alone"));
+            }
+        }
         if let Some(base) = st.initial
             && !st.pool.segments().any(|(_, s)| s.base == base)
         {

@@ -94,20 +94,21 @@ impl<D: Device> Shared<D> {
 
     /// Records an event on `stream` now, marking the work enqueued on it so far. See [`Mark`].
     pub(super) fn mark(&self, st: &mut State, stream: StreamId) -> Mark {
-        let drained = |st: &State, e: &DeviceError| {
+        let drained = |e: &DeviceError| {
             self.broken(Broken::EventErrors)
-                || (matches!(e, DeviceError::UnknownStream(_)) && st.destroyed.contains(&stream))
+                || (matches!(e, DeviceError::UnknownStream(_))
+                    && self.family.destroyed_for(stream, self.role.id))
         };
         let event = match self.event(st) {
             Ok(event) => event,
-            Err(AllocError::Device(e)) if drained(st, &e) => return Mark::Drained,
+            Err(AllocError::Device(e)) if drained(&e) => return Mark::Drained,
             Err(_) => return Mark::Failed,
         };
         match self.device.record_event(event, stream) {
             Ok(()) => Mark::Event(event),
             Err(e) => {
                 st.free_events.push(event);
-                if drained(st, &e) { Mark::Drained } else { Mark::Failed }
+                if drained(&e) { Mark::Drained } else { Mark::Failed }
             }
         }
     }
@@ -131,6 +132,9 @@ impl<D: Device> Shared<D> {
     pub(super) fn process_events(&self, st: &mut State) {
         if self.device.capture_underway() {
             return; // CUDA refuses event queries during a capture: later
+        }
+        if !st.parked.is_empty() {
+            self.release_parked(st);
         }
         let streams: Vec<StreamId> = st.pending.keys().copied().collect();
         for s in streams {
@@ -161,7 +165,21 @@ impl<D: Device> Shared<D> {
             }
             st.pending.remove(&s);
         }
+        if !st.parked.is_empty() && !self.device.capture_underway() {
+            self.release_parked(st);
+        }
         Ok(())
+    }
+
+    /// Frees the parked blocks (their free's host wait was refused during a capture) after a
+    /// host wait, which no capture refuses now. If the device fails it, they stay parked.
+    pub(super) fn release_parked(&self, st: &mut State) {
+        if self.host_wait(st).is_err() {
+            return;
+        }
+        for block in std::mem::take(&mut st.parked) {
+            Self::pending_block_done(st, block);
+        }
     }
 
     pub(super) fn event_done(st: &mut State, done: PendingEvent) {
@@ -170,13 +188,18 @@ impl<D: Device> Shared<D> {
         *n -= 1;
         if *n == 0 {
             st.pending_count.remove(&done.block);
-            let b = st.pool.block(done.block);
-            let (addr, size, requested) = (DeviceAddr(b.addr), b.size, b.requested);
-            let key = st.pool.segment(b.segment).key;
-            st.pool.free(done.block);
-            st.base.pending_done(quadrant(key.kind, key.residency), size, requested);
-            st.note(Action::FreeCompleted, addr, requested, key.stream);
+            Self::pending_block_done(st, done.block);
         }
+    }
+
+    /// A pending block's stream-ordered uses are complete: it joins the free pool.
+    fn pending_block_done(st: &mut State, block: BlockId) {
+        let b = st.pool.block(block);
+        let (addr, size, requested) = (DeviceAddr(b.addr), b.size, b.requested);
+        let key = st.pool.segment(b.segment).key;
+        st.pool.free(block);
+        st.base.pending_done(quadrant(key.kind, key.residency), size, requested);
+        st.note(Action::FreeCompleted, addr, requested, key.stream);
     }
 
     /// Makes `stream`'s later work wait, on the device, for the work enqueued so far on each of

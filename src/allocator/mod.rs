@@ -559,7 +559,7 @@ impl<D: Device> Allocator<D> {
             // wait for.
             let mut st = sh.lock_state();
             st.streams.remove(&stream);
-            st.destroyed.insert(stream);
+            sh.family.note_destroyed(stream, private_pool::FAMILY_WIDE);
         }
         Ok(())
     }
@@ -586,7 +586,11 @@ impl<D: Device> Allocator<D> {
         sh.forget_plans(stream);
         let mut st = sh.lock_state();
         st.streams.remove(&stream);
-        st.destroyed.insert(stream);
+        let by = match sh.broken(Broken::PoolDestroyedStreams) {
+            true => sh.role.id, // BROKEN: the family's other pools are not told
+            false => private_pool::FAMILY_WIDE,
+        };
+        sh.family.note_destroyed(stream, by);
         sh.flush_stream(&mut st, stream, true);
         if st.pending.contains_key(&stream) {
             sh.sync_events(&mut st)?;

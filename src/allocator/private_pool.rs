@@ -38,6 +38,11 @@ pub(crate) struct Family<D: Device> {
     /// Pools whose free cached memory may serve others when they run out (`use_on_oom`), by
     /// pool id; an entry goes when the pool's last handle does.
     oom_pools: Mutex<Vec<(u64, Arc<Shared<D>>)>>,
+    /// Streams destroyed through an allocator of the family (the device drained them), with
+    /// the pool id of the one that destroyed each: an event that cannot be recorded on one
+    /// has nothing to wait for, in every pool of the family (a graph pool's buffer used on a
+    /// stream the general allocator destroyed).
+    destroyed: Mutex<BTreeMap<StreamId, u64>>,
     next_id: AtomicU64,
 }
 
@@ -46,17 +51,32 @@ impl<D: Device> Default for Family<D> {
         Family {
             captures: capture::CaptureTable::default(),
             oom_pools: Mutex::new(Vec::new()),
+            destroyed: Mutex::new(BTreeMap::new()),
             next_id: AtomicU64::new(1),
         }
     }
 }
 
 impl<D: Device> Family<D> {
+    /// Notes that pool `by` destroyed `stream` through the device (which drained it).
+    pub(super) fn note_destroyed(&self, stream: StreamId, by: u64) {
+        lock(&self.destroyed).insert(stream, by);
+    }
+
+    /// Whether `stream` was destroyed through the family, as pool `me` sees it: any pool's
+    /// destruction counts (with [`Broken::PoolDestroyedStreams`] only the destroyer's own).
+    pub(super) fn destroyed_for(&self, stream: StreamId, me: u64) -> bool {
+        lock(&self.destroyed).get(&stream).is_some_and(|&by| by == FAMILY_WIDE || by == me)
+    }
+
     /// A new id for a pool, a route or a capture (never 0).
     pub(super) fn next_id(&self) -> u64 {
         self.next_id.fetch_add(1, Ordering::Relaxed)
     }
 }
+
+/// [`Family::note_destroyed`]'s `by` for a destruction every pool of the family sees.
+pub(super) const FAMILY_WIDE: u64 = u64::MAX;
 
 /// A private pool's own bookkeeping (in its `Shared`); the general allocator has id 0.
 #[derive(Default)]

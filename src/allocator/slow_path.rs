@@ -412,6 +412,14 @@ impl<D: Device> Shared<D> {
             let done = self.host_wait(&mut st).is_ok();
             st.free_events.extend(events.drain(..).map(|(_, p)| p.event));
             if !done {
+                if self.device.capture_underway() && !self.broken(Broken::RefusedWaitLeaks) {
+                    // The capture refused the wait, not the device: the block waits for the
+                    // host wait made once no capture is underway (`release_parked`).
+                    st.pool.mark_pending(block);
+                    st.base.move_to_pending(f.quadrant, f.size);
+                    st.parked.push(block);
+                    return;
+                }
                 // Nothing proves the other streams are done with the block: it is never reused
                 // (it stays allocated, and its segment is never released).
                 return;

@@ -109,6 +109,9 @@ pub(super) struct State {
     pub(super) pending: BTreeMap<StreamId, VecDeque<PendingEvent>>,
     /// Outstanding events per pending block.
     pub(super) pending_count: HashMap<BlockId, usize>,
+    /// Freed blocks whose free needed a host wait that a stream capture refused: pending until
+    /// a host wait made once no capture is underway (`Shared::release_parked`).
+    pub(super) parked: Vec<BlockId>,
     /// Recorded-and-completed events ready for reuse.
     pub(super) free_events: Vec<EventId>,
     /// Streams that own segments, with how many (cross-stream search is skipped with one).
@@ -119,9 +122,6 @@ pub(super) struct State {
     pub(super) dirty: Vec<StreamId>,
     /// Streams the device confirmed exist (asked once each); `destroy_stream` removes them.
     pub(super) streams: BTreeSet<StreamId>,
-    /// Streams destroyed through `destroy_stream`: the device drained them, so an event that
-    /// cannot be recorded on one has nothing to wait for.
-    pub(super) destroyed: BTreeSet<StreamId>,
     /// Who last wrote and who read since, per live buffer (by address) announced with
     /// `use_on` on a stream other than its own; dropped when the buffer is freed.
     pub(super) buffer_uses: HashMap<u64, UseState>,

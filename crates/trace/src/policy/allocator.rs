@@ -183,6 +183,14 @@ pub fn replay_device(
     Ok(ReplayDevice { device: dev, alloc, streams })
 }
 
+/// Frees the buffer in `slot`. Never inlined, so that `scripts/replay-instructions` can count
+/// the free's instructions (callgrind toggles collection on a function's entry and exit, which
+/// an inlined `Buffer::drop` does not have); the call costs a few instructions.
+#[inline(never)]
+fn release(slot: &mut Option<Buffer<SimDevice>>) {
+    *slot = None;
+}
+
 impl Policy for AllocatorPolicy {
     fn name(&self) -> &'static str {
         Self::name_of(self.mode)
@@ -221,7 +229,7 @@ impl Policy for AllocatorPolicy {
                     };
                     live[slot] = Some(buf);
                 }
-                AllocStep::Free { slot } => live[slot] = None,
+                AllocStep::Free { slot } => release(&mut live[slot]),
                 AllocStep::Enter { name, stream } => {
                     drop(scope.take());
                     run_start = (device.counters().mallocs, alloc.stats().best_fit_searches);
