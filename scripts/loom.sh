@@ -31,6 +31,7 @@ variants=(
   "large_drain:large_free_against_flush_of_the_large_block"
   "lane_lock:fast_cache_push_pop_against_flush"
   "owner_stash:owner_hold_kept_in_a_lane_against_the_last_handle"
+  "fast_cache:large_hit_against_a_pool_change_and_drain"
 )
 status=0
 for v in "${variants[@]}"; do

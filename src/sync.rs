@@ -153,6 +153,7 @@ impl<T: Clone> OnceSlot<T> {
     }
 
     /// The value, once set.
+    #[inline]
     pub fn get(&self) -> Option<SlotRef<'_, T>> {
         #[cfg(not(loom))]
         return self.inner.get();

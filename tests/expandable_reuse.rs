@@ -57,7 +57,8 @@ fn a_large_block_is_reused_in_place_with_no_page_mapped_or_lock_on_the_free() {
         let b = alloc.alloc(4 * MIB, S0).unwrap();
         assert_eq!(b.ptr(), at(0));
     }
-    assert_eq!(alloc.global_lock_acquisitions(), n + 50, "one lock per reuse, to check the pool");
+    // The first reuse checks the pool under the lock; the others need no lock (nothing changed).
+    assert_eq!(alloc.global_lock_acquisitions(), n + 1, "one lock, for the first reuse's check");
     let s = alloc.stats();
     assert_eq!((s.num_device_map, s.num_device_unmap, s.num_physical_create), (1, 0, 1));
     assert_eq!(s.blocks.reserved_bytes.all.current, 4 * MIB);

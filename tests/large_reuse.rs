@@ -41,7 +41,9 @@ fn a_large_block_is_reused_in_place_without_split_or_coalesce() {
         let b = alloc.alloc(4 * MIB, S0).unwrap();
         assert_eq!(b.ptr(), at(0));
     }
-    assert_eq!(alloc.global_lock_acquisitions(), n + 100, "one lock per reuse, to check the pool");
+    // The first reuse checks the pool under the lock; the pool cannot change without the lock,
+    // so the others hand the checked block out without it.
+    assert_eq!(alloc.global_lock_acquisitions(), n + 1, "one lock, for the first reuse's check");
     let s = alloc.stats();
     assert_eq!(s.num_device_alloc, 1);
     let count = s.blocks.allocation.large_pool;
@@ -74,6 +76,61 @@ fn a_large_block_is_not_reused_where_another_free_block_fits_better() {
     assert_eq!((s.cached_fast_bytes, s.num_device_alloc), (0, 2));
     assert_eq!(s.blocks.inactive_split.large_pool.current, 0, "segment 1 is whole again");
     drop((b, e, f));
+    check(&dev, &alloc);
+}
+
+/// Segment 1: [a 4][free 16] with `a` cached and checked (its reuse left the verdict in the
+/// lane); segment 2: [e 4][f 12][g 4]. Returns the allocator with `e`, `f`, `g`.
+fn checked_block_then_a_better_fit(
+    broken: bool,
+) -> (Arc<SimDevice>, Allocator<SimDevice>, DeviceAddr, Vec<tidepool::Buffer<SimDevice>>) {
+    let (dev, alloc) = setup("");
+    alloc.set_broken(tidepool::hooks::Broken::StaleLargeVerdict, broken);
+    let a = alloc.alloc(4 * MIB, S0).unwrap();
+    let d = alloc.alloc(16 * MIB, S0).unwrap();
+    let e = alloc.alloc(4 * MIB, S0).unwrap();
+    let f = alloc.alloc(12 * MIB, S0).unwrap();
+    let g = alloc.alloc(4 * MIB, S0).unwrap();
+    assert_eq!((a.ptr(), e.ptr(), g.ptr()), (at(0), at(20 * MIB), at(36 * MIB)));
+    drop(a); // cached
+    drop(d); // into the pool: [a][free 16]
+    // Checked under the lock: freed, `a` would make segment 1 whole, the only free space.
+    let n = alloc.global_lock_acquisitions();
+    let x = alloc.alloc(4 * MIB, S0).unwrap();
+    assert_eq!((x.ptr(), alloc.global_lock_acquisitions()), (at(0), n + 1));
+    drop(x); // cached again, still checked
+    let again = alloc.alloc(4 * MIB, S0).unwrap();
+    assert_eq!((again.ptr(), alloc.global_lock_acquisitions()), (at(0), n + 1), "no lock");
+    drop(again);
+    // The lane holds `a`: `g` goes to the pool, under the lock, and is a better fit.
+    drop(g);
+    (dev, alloc, at(36 * MIB), vec![e, f])
+}
+
+#[test]
+fn a_checked_large_block_is_checked_again_once_the_pool_changed() {
+    let (dev, alloc, better, rest) = checked_block_then_a_better_fit(false);
+    let n = alloc.global_lock_acquisitions();
+    let y = alloc.alloc(4 * MIB, S0).unwrap();
+    assert_eq!(y.ptr(), better, "the pool's best fit, not the block checked before");
+    assert_eq!(alloc.global_lock_acquisitions(), n + 1);
+    let s = alloc.stats();
+    assert_eq!((s.cached_fast_bytes, s.num_device_alloc), (0, 2));
+    assert_eq!(s.blocks.inactive_split.large_pool.current, 0, "segment 1 is whole again");
+    drop((y, rest));
+    check(&dev, &alloc);
+}
+
+/// The deliberate bug: the verdict is trusted after the pool changed, and the test above sees
+/// the block placed where the pool would not put it.
+#[test]
+fn a_stale_verdict_is_caught() {
+    let (dev, alloc, better, rest) = checked_block_then_a_better_fit(true);
+    let y = alloc.alloc(4 * MIB, S0).unwrap();
+    assert_eq!(y.ptr(), at(0));
+    assert_ne!(y.ptr(), better);
+    drop((y, rest));
+    alloc.set_broken(tidepool::hooks::Broken::StaleLargeVerdict, false);
     check(&dev, &alloc);
 }
 

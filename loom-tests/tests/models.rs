@@ -18,11 +18,13 @@
 //! | `large_free_against_flush_of_the_large_block`| a stream's one cached large block vs a large-pool search | `large_drain` |
 //! | `fast_cache_push_pop_against_flush` (again)  | a lane's lock excludes (CAS in, store out)| `lane_lock`    |
 //! | `owner_hold_kept_in_a_lane_against_the_last_handle` | holds kept in lanes are released when the last handle goes | `owner_stash` |
+//! | `large_hit_against_a_pool_change_and_drain`  | a checked large block handed out without the global lock vs a section that drains it | `fast_cache` |
 //!
 //! The allocator runs with its real configuration (two cache lanes per stream, 64 fast streams):
 //! threads take lanes round-robin as under `std`.
 #![cfg(loom)]
 
+use loom::sync::atomic::{AtomicU64, Ordering};
 use loom::sync::{Arc, Mutex};
 use loom::thread;
 use tidepool::Sizing;
@@ -515,6 +517,68 @@ fn large_free_against_flush_of_the_large_block() {
             }
         }
         assert!(drained.is_none_or(|x| x == a), "only the block cached first is drained");
+    });
+}
+
+/// A stream's first lane holds a large block `a` that a global-lock section checked
+/// (`pop_checked_at`: the pool's best fit, handed out, freed back). A user's lock-free large hit
+/// (`pop_large`, trusting that check while the epoch reads its section) races the global-lock
+/// side, which begins a section (advancing the epoch, as `lock_state` does), frees `b` into the
+/// pool and drains the lane's large block into the pool. Every block ends in exactly one place,
+/// and a block handed out is intact in the pool.
+#[test]
+fn large_hit_against_a_pool_change_and_drain() {
+    model(3, || {
+        let (pool, blocks) = large_pool_with_blocks(2);
+        let (a, b) = (blocks[0], blocks[1]);
+        let class = ClassKey { residency: Residency::Transient, rounded: 4 * MIB };
+        let limits = Limits { enabled: true, entries: 8, bytes: 64 * MIB };
+        let cache = Arc::new(StreamCache::new(S0, limits));
+        let epoch = Arc::new(AtomicU64::new(1));
+        cache.push(class, a).unwrap();
+        let sizing = Sizing::default();
+        let fits = |x: &CachedBlock| pool.reuse_is_best_fit(x.block, 4 * MIB, &sizing);
+        let Pop::Hit(x) = cache.pop_checked_at(class, 4 * MIB, fits, 1) else {
+            panic!("section 1 reuses `a`")
+        };
+        cache.push(class, x).unwrap();
+        let global = Arc::new(Mutex::new(pool));
+
+        let user = {
+            let (cache, epoch) = (cache.clone(), epoch.clone());
+            thread::spawn(move || match cache.pop_large(class.residency, 4 * MIB, &epoch, false) {
+                (Pop::Hit(x), rounded, _) => {
+                    assert_eq!(rounded, 4 * MIB);
+                    Some(x)
+                }
+                _ => None,
+            })
+        };
+        let drained = {
+            let mut pool = global.lock().unwrap();
+            epoch.store(2, Ordering::Release);
+            pool.free(b.block);
+            let drained = cache.drain_large();
+            if let Some(x) = drained {
+                pool.free(x.block);
+            }
+            drained
+        };
+        let got = user.join().unwrap();
+
+        let pool = global.lock().unwrap();
+        pool.check_invariants().unwrap();
+        let still: Vec<CachedBlock> = cache.peek().into_iter().map(|(_, x)| x).collect();
+        assert!(still.is_empty(), "the drain empties the lane, a hit takes nothing back");
+        assert_eq!(cache.large_blocks(), 0, "the large-block count drifted");
+        let places = usize::from(got == Some(a)) + usize::from(drained == Some(a));
+        assert_eq!(places, 1, "block `a` handed out {:?}, drained {:?}", got, drained);
+        assert!(got.is_none_or(|x| x == a), "only the checked block is handed out");
+        if let Some(x) = got {
+            held_intact(&pool, &x);
+        } else {
+            assert_eq!(state_at(&pool, a.ptr), BlockState::Free);
+        }
     });
 }
 

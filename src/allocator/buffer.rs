@@ -4,6 +4,7 @@
 //! of a learned plan's region, or nowhere (zero bytes). A buffer made inside a scope also carries
 //! a [`ScopeTag`], so the scope can record its free and keep its block for local reuse.
 
+use super::fast_cache::{CachedBlock, ClassKey};
 use super::owner::Owner;
 use super::plan::Region;
 use super::scope::ScopeTag;
@@ -156,8 +157,7 @@ impl<D: Device> Drop for Buffer<D> {
             // The common case: a pool block, no scope, no capture that may hold it back. Into
             // this thread's lane of its stream if it has room, and then the hold on the allocator
             // stays there for the next hit.
-            let freed = self.freed(block);
-            if self.owner.free_stash(freed, true) {
+            if self.free_fast(block) {
                 return; // `owner` now belongs to the lane (ManuallyDrop: nothing to forget)
             }
         } else {
@@ -169,6 +169,34 @@ impl<D: Device> Drop for Buffer<D> {
 }
 
 impl<D: Device> Buffer<D> {
+    /// Frees its pool block (`Shared::free_stash`, read straight from the buffer: a free into
+    /// a lane copies no `Freed`). `true`: the block went to a lane, which kept the buffer's
+    /// hold on the allocator (see `owner.rs`).
+    #[inline]
+    fn free_fast(&self, block: BlockId) -> bool {
+        let sh: &super::Shared<D> = &self.owner;
+        sh.device.note_reclaim(self.ptr, self.size, self.stream);
+        let q = self.quadrant as usize;
+        if !self.used_elsewhere()
+            && sh.fast_path.load(Ordering::Relaxed)
+            && let Some(cache) = sh.lane_for_free(q, self.size, self.stream)
+        {
+            let class = ClassKey { residency: self.residency, rounded: self.rounded };
+            let b = CachedBlock {
+                block,
+                ptr: self.ptr,
+                size: self.size,
+                requested: self.accounted,
+                quadrant: q,
+            };
+            if let Ok(stashed) = cache.push_stash(class, b, true) {
+                return stashed;
+            }
+        }
+        sh.free_into_pool(self.freed(block));
+        false
+    }
+
     /// What freeing its pool block needs to know.
     #[inline]
     fn freed(&self, block: BlockId) -> Freed {

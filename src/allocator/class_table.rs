@@ -26,7 +26,9 @@ struct Slot {
 /// See the module docs.
 #[derive(Default)]
 pub struct ClassTable {
-    slots: Vec<Slot>,
+    /// `SLOTS` slots once the first class is added (a fixed size: a probe indexes it with no
+    /// bounds check).
+    slots: Option<Box<[Slot; SLOTS]>>,
     classes: usize,
 }
 
@@ -51,15 +53,12 @@ impl ClassTable {
 
     /// The slot holding `key`, or the empty slot where it would go (`None`: no slots yet).
     #[inline]
-    fn find(&self, key: u64) -> Option<usize> {
-        if self.slots.is_empty() {
-            return None;
-        }
+    fn find(slots: &[Slot; SLOTS], key: u64) -> usize {
         let mut i = (key.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 56) as usize;
         loop {
-            let k = self.slots[i].key;
+            let k = slots[i].key;
             if k == key || k == 0 {
-                return Some(i);
+                return i;
             }
             i = (i + 1) & (SLOTS - 1);
         }
@@ -69,8 +68,8 @@ impl ClassTable {
     #[inline]
     pub fn get_mut(&mut self, class: ClassKey) -> Option<&mut Vec<CachedBlock>> {
         let key = key_of(class);
-        let i = self.find(key)?;
-        let slot = &mut self.slots[i];
+        let slots = self.slots.as_deref_mut()?;
+        let slot = &mut slots[Self::find(slots, key)];
         (slot.key == key).then_some(&mut slot.list)
     }
 
@@ -78,49 +77,54 @@ impl ClassTable {
     #[inline]
     pub fn get_or_add(&mut self, class: ClassKey) -> Option<&mut Vec<CachedBlock>> {
         let key = key_of(class);
-        if let Some(i) = self.find(key)
-            && self.slots[i].key == key
-        {
-            return Some(&mut self.slots[i].list);
+        let found = self.slots.as_deref().and_then(|slots| {
+            let i = Self::find(slots, key);
+            (slots[i].key == key).then_some(i)
+        });
+        match found {
+            // (`i` < SLOTS: the mask only tells the compiler, so there is no bounds check.)
+            Some(i) => self.slots.as_deref_mut().map(|slots| &mut slots[i & (SLOTS - 1)].list),
+            None => self.add(class),
         }
-        self.add(class)
     }
 
     /// [`ClassTable::get_or_add`] for a class not in the table.
     #[cold]
     fn add(&mut self, class: ClassKey) -> Option<&mut Vec<CachedBlock>> {
         debug_assert!(class.rounded > 0 && class.rounded < 1 << 62);
-        if self.slots.is_empty() {
-            self.slots = (0..SLOTS).map(|_| Slot::default()).collect();
-        }
+        let slots = self.slots.get_or_insert_with(|| {
+            let v: Vec<Slot> = (0..SLOTS).map(|_| Slot::default()).collect();
+            v.into_boxed_slice().try_into().unwrap_or_else(|_| unreachable!("SLOTS slots"))
+        });
         let key = key_of(class);
-        let i = self.find(key).expect("slots allocated");
-        if self.slots[i].key != key {
+        let i = Self::find(slots, key);
+        if slots[i].key != key {
             if self.classes >= MAX_CLASSES {
                 return None;
             }
             self.classes += 1;
-            self.slots[i].key = key;
+            slots[i].key = key;
         }
-        Some(&mut self.slots[i].list)
+        Some(&mut slots[i].list)
     }
 
     /// Every class's blocks.
     pub fn lists_mut(&mut self) -> impl Iterator<Item = &mut Vec<CachedBlock>> {
-        self.slots.iter_mut().filter(|s| s.key != 0).map(|s| &mut s.list)
+        self.slots.iter_mut().flat_map(|s| s.iter_mut()).filter(|s| s.key != 0).map(|s| &mut s.list)
     }
 
     /// Every cached block with its class, in no particular order.
     pub fn iter(&self) -> impl Iterator<Item = (ClassKey, CachedBlock)> + '_ {
         self.slots
             .iter()
+            .flat_map(|s| s.iter())
             .filter(|s| s.key != 0)
             .flat_map(|s| s.list.iter().map(move |&b| (class_of(s.key), b)))
     }
 
     /// Forgets every class (and block); keeps the slots' memory.
     pub fn clear(&mut self) {
-        for s in &mut self.slots {
+        for s in self.slots.iter_mut().flat_map(|s| s.iter_mut()) {
             s.key = 0;
             s.list.clear();
         }

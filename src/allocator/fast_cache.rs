@@ -20,12 +20,15 @@
 //! it into a free pool block. Lock order: global lock, then stream caches in stream order; the
 //! fast path takes one stream's lock and never the global one while holding it.
 //!
-//! Large-pool blocks are cached too, one at most per stream (in its lane 0), and never popped
-//! without the global lock: [`StreamCache::pop_checked`] hands one out again only where the pool
-//! confirms that freeing it and taking the best fit would give exactly that block
+//! Large-pool blocks are cached too, one at most per stream (in its lane 0):
+//! [`StreamCache::pop_checked_at`], under the global lock, hands one out again only where the
+//! pool confirms that freeing it and taking the best fit would give exactly that block
 //! (`Pool::reuse_is_best_fit`), and any other search of the large pool first frees it into the
-//! pool (`drain_large`). So the cache skips the split and the coalesce of a same-stream reuse
-//! (and the pool's statistics publishing) but never changes where a large block is placed.
+//! pool (`drain_large`). The lane remembers that check ([`LargeVerdict`]: block, request, the
+//! global-lock section's epoch); until another section begins, the pool cannot change, so a hit
+//! ([`StreamCache::pop_large`]) hands the same block out again for the same request with no
+//! global lock. So the cache skips the split, the coalesce and (mostly) the lock of a
+//! same-stream reuse, but never changes where a large block is placed.
 //!
 //! *Credit* keeps peaks exact without a shared counter (see `counters.rs`): a fast free lowers
 //! the live total by the block and grants its stream that much headroom under the peak; a fast pop
@@ -39,7 +42,6 @@ use super::stats_layout::{BYTES, COUNT, FAST_WORDS, QUADRANTS, REQ, fast_cur, fa
 use super::stats_layout::{CACHED_BLOCKS, CACHED_BYTES};
 use crate::device::{DeviceAddr, StreamId};
 use crate::pool::{BlockId, Pool, Sizing};
-use crate::stats::PoolKind;
 use crate::stats::Residency;
 use crate::sync::atomic::{AtomicU64, Ordering};
 use crate::sync::{Arc, ArcCell, ArcRef, OnceSlot, SlotRef};
@@ -106,8 +108,6 @@ pub enum Pop {
 /// Everything under a stream cache's lock.
 pub struct CacheInner {
     classes: ClassTable,
-    blocks: usize,
-    bytes: u64,
     /// Large-pool blocks among `blocks`: 0 or 1 (see [`StreamCache::push`]).
     large: u64,
     /// Headroom under the peak held by this stream, per quadrant: (bytes, count, requested).
@@ -119,13 +119,45 @@ pub struct CacheInner {
     /// rounds its request here, under this lock, without loading the configuration.
     sizing: Sizing,
     closed: bool,
+    /// The bytes this lane may hold: `limits.bytes`, 0 while caching is off or once closed.
+    room: u64,
     /// Strong references to the stream's owner handle that buffers freed into this lane left
     /// here, for later hits to take over (see `owner.rs`): the hit path touches no reference count.
     owner_refs: u64,
     /// Words of `words` changed since `fast` was last published, one bit each.
     dirty: u32,
-    /// Set once the allocator's last handle is gone: no reference is left here any more.
-    stash_closed: bool,
+    /// Most references the stash may hold: [`MAX_STASH`], 0 once the allocator's last handle is
+    /// gone (no reference is left here any more).
+    stash_max: u64,
+    /// The largest rounded request a hit serves: the small pool's bound, 0 while caching is off
+    /// (one compare covers both).
+    small_max: u64,
+    /// `min_block_size − 1` where rounding every small request is `(bytes + mask) & !mask`
+    /// (a power-of-two granule, no power-of-two divisions below the small bound), else
+    /// `u64::MAX`: round by `sizing`.
+    round_mask: u64,
+    /// The large block this lane holds, as last checked under the global lock
+    /// ([`StreamCache::pop_large`]): a hit may hand it out again without that lock while no
+    /// global-lock section began since (see [`LargeVerdict`]).
+    verdict: Option<LargeVerdict>,
+}
+
+/// A large block found, under the global lock, to be exactly what freeing it and taking the
+/// pool's best fit would give for `requested` (`Shared::reuse_fits`), at global-lock section
+/// `epoch`. Every section that may change the pool begins by advancing the allocator's epoch
+/// (`Shared::lock_state`), and the section that checked changes nothing placement depends on
+/// after the check; so while the epoch still reads `epoch`, the pool is as it was checked, and
+/// handing the block out (for the same request) places it exactly where the pool would.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LargeVerdict {
+    /// The block checked.
+    pub block: BlockId,
+    /// Its class.
+    pub class: ClassKey,
+    /// The request it was checked for (a hit must ask for exactly this: same rounding).
+    pub requested: u64,
+    /// The global-lock section that checked it.
+    pub epoch: u64,
 }
 
 impl CacheInner {
@@ -168,17 +200,19 @@ impl StreamCache {
             stream,
             inner: LaneLock::new(CacheInner {
                 classes: ClassTable::default(),
-                blocks: 0,
-                bytes: 0,
                 large: 0,
                 credit: [[0; 3]; QUADRANTS],
                 words: [0; FAST_WORDS],
                 limits,
                 sizing: Sizing::default(),
                 closed: false,
+                room: if limits.enabled { limits.bytes } else { 0 },
                 owner_refs: 0,
                 dirty: 0,
-                stash_closed: false,
+                stash_max: MAX_STASH,
+                small_max: Self::small_max_of(limits, &Sizing::default()),
+                round_mask: Self::round_mask_of(&Sizing::default()),
+                verdict: None,
             }),
             fast: SeqBlock::new(),
             slow: SeqBlock::new(),
@@ -193,6 +227,7 @@ impl StreamCache {
         self.stream
     }
 
+    #[inline(always)]
     pub(crate) fn lock_inner(&self) -> LaneGuard<'_, CacheInner> {
         self.inner.lock()
     }
@@ -229,19 +264,17 @@ impl StreamCache {
     ) -> Result<bool, CachedBlock> {
         let mut g = self.lock_inner();
         let inner = &mut *g;
-        let l = inner.limits;
         let large = !is_small(b.quadrant);
-        if !l.enabled || inner.closed || inner.bytes + b.size > l.bytes || large && inner.large > 0
-        {
+        // Disabled, closed or full: one compare (`room` is 0 in the first two cases).
+        if inner.words[CACHED_BYTES] + b.size > inner.room || large && inner.large > 0 {
             return Err(b);
         }
+        let entries = inner.limits.entries;
         let Some(list) = inner.classes.get_or_add(class) else { return Err(b) };
-        if list.len() >= l.entries {
+        if list.len() >= entries {
             return Err(b);
         }
         list.push(b);
-        inner.blocks += 1;
-        inner.bytes += b.size;
         if large {
             self.set_large(inner, 1);
         }
@@ -259,7 +292,7 @@ impl StreamCache {
         w[CACHED_BLOCKS] += 1;
         self.stats_changed(w);
         #[cfg(not(tidepool_broken = "owner_stash"))]
-        let stash = stash && !inner.stash_closed && inner.owner_refs < MAX_STASH;
+        let stash = stash && inner.owner_refs < inner.stash_max;
         // BROKEN: keeps the reference even after the stash was closed (the allocator leaks).
         #[cfg(tidepool_broken = "owner_stash")]
         let stash = stash && inner.owner_refs < MAX_STASH;
@@ -292,25 +325,68 @@ impl StreamCache {
     /// handle ([`StreamCache::push_stash`]); the caller must then adopt it (`owner.rs`).
     #[inline]
     pub fn pop_request(&self, residency: Residency, bytes: u64) -> (Pop, u64, bool) {
-        if bytes > self.fast_max.load(Ordering::Relaxed) {
-            return (Pop::Miss, 0, false); // a hint: the limits may have changed, the slow path decides
+        // A hint (the limits may have changed: the slow path decides); a zero-byte request
+        // wraps around and misses too.
+        if bytes.wrapping_sub(1) >= self.fast_max.load(Ordering::Relaxed) {
+            return (Pop::Miss, 0, false);
         }
-        let mut g = self.lock_inner();
-        let inner = &mut *g;
-        let Some(rounded) = inner.sizing.round(bytes) else { return (Pop::Miss, 0, false) };
-        if !inner.limits.enabled || inner.sizing.kind(rounded) != PoolKind::Small {
+        let g = self.lock_inner();
+        let mask = g.round_mask;
+        let rounded = match mask {
+            u64::MAX => match g.sizing.round(bytes) {
+                Some(r) => r,
+                None => return (Pop::Miss, 0, false),
+            },
+            // `bytes` ≤ the small bound here, so no overflow.
+            _ => (bytes + mask) & !mask,
+        };
+        // Caching off, or not a small-pool request: one compare.
+        if rounded > g.small_max {
             return (Pop::Miss, 0, false);
         }
         let (pop, stashed) =
-            self.pop_locked_inner(g, ClassKey { residency, rounded }, bytes, |_| true, true);
+            self.pop_locked_inner(g, ClassKey { residency, rounded }, bytes, |_| true, true, None);
         (pop, rounded, stashed)
+    }
+
+    /// The large-block hit: the block this lane (a stream's first) holds, handed out without
+    /// the global lock where it is the one checked under that lock for exactly this request
+    /// and no global-lock section began since ([`LargeVerdict`]). The pop spends credit as a
+    /// small hit does; [`Pop::Miss`] in every other case (the slow path decides). Returns the
+    /// rounded request with the block, and whether a kept owner reference came with it.
+    ///
+    /// The epoch is read under this lane's lock: a global-lock section that took this lane
+    /// (a flush, a credit revocation) advanced it before, so the hit sees the new value.
+    /// `broken_stale` (a deliberate bug, `Broken::StaleLargeVerdict`) trusts any verdict.
+    #[inline]
+    pub fn pop_large(
+        &self,
+        residency: Residency,
+        bytes: u64,
+        epoch: &AtomicU64,
+        broken_stale: bool,
+    ) -> (Pop, u64, bool) {
+        if self.large.load(Ordering::Relaxed) == 0 {
+            return (Pop::Miss, 0, false);
+        }
+        let g = self.lock_inner();
+        let Some(v) = g.verdict else { return (Pop::Miss, 0, false) };
+        let current = v.epoch == epoch.load(Ordering::Acquire) || broken_stale;
+        // `limits.enabled`: pushes stop when caching is turned off, but blocks cached before
+        // stay until the flush.
+        if !current || v.requested != bytes || v.class.residency != residency || !g.limits.enabled {
+            return (Pop::Miss, 0, false);
+        }
+        let (pop, stashed) =
+            self.pop_locked_inner(g, v.class, bytes, |b| b.block == v.block, true, None);
+        (pop, v.class.rounded, stashed)
     }
 
     /// Closes the stash of owner references and returns how many it held, for the caller to
     /// release (the allocator's last handle is going: later frees keep their references).
     pub fn close_stash(&self) -> u64 {
         let mut g = self.lock_inner();
-        g.stash_closed = true;
+        g.stash_max = 0;
         std::mem::take(&mut g.owner_refs)
     }
 
@@ -322,7 +398,21 @@ impl StreamCache {
         requested: u64,
         accept: impl FnOnce(&CachedBlock) -> bool,
     ) -> Pop {
-        self.pop_locked_inner(self.lock_inner(), class, requested, accept, false).0
+        self.pop_locked_inner(self.lock_inner(), class, requested, accept, false, None).0
+    }
+
+    /// [`StreamCache::pop_checked`] by the global-lock side in section `epoch`: a block
+    /// `accept` takes is remembered as checked ([`LargeVerdict`]), so that while no other
+    /// global-lock section begins, a hit ([`StreamCache::pop_large`]) may hand it out again
+    /// for the same request without the global lock.
+    pub fn pop_checked_at(
+        &self,
+        class: ClassKey,
+        requested: u64,
+        accept: impl FnOnce(&CachedBlock) -> bool,
+        epoch: u64,
+    ) -> Pop {
+        self.pop_locked_inner(self.lock_inner(), class, requested, accept, false, Some(epoch)).0
     }
 
     /// [`StreamCache::pop_checked`] with this cache's lock already held.
@@ -334,12 +424,16 @@ impl StreamCache {
         requested: u64,
         accept: impl FnOnce(&CachedBlock) -> bool,
         take_ref: bool,
+        checked_at: Option<u64>,
     ) -> (Pop, bool) {
         let inner = &mut *g;
         let Some(list) = inner.classes.get_mut(class) else { return (Pop::Miss, false) };
         let Some(&b) = list.last() else { return (Pop::Miss, false) };
         if !accept(&b) {
             return (Pop::Miss, false);
+        }
+        if let Some(epoch) = checked_at {
+            inner.verdict = Some(LargeVerdict { block: b.block, class, requested, epoch });
         }
         let q = b.quadrant & (QUADRANTS - 1);
         let c = &inner.credit[q];
@@ -363,12 +457,20 @@ impl StreamCache {
         #[cfg(not(tidepool_broken = "fast_cache"))]
         list.pop();
         let c = &mut inner.credit[q];
-        // Covered above (exactly, unless deliberately broken): no underflow.
-        c[BYTES] = c[BYTES].saturating_sub(b.size);
-        c[COUNT] = c[COUNT].saturating_sub(1);
-        c[REQ] = c[REQ].saturating_sub(requested);
-        inner.blocks -= 1;
-        inner.bytes -= b.size;
+        // Covered above (exactly): no underflow.
+        #[cfg(not(tidepool_broken = "stats"))]
+        {
+            c[BYTES] -= b.size;
+            c[COUNT] -= 1;
+            c[REQ] -= requested;
+        }
+        // (Deliberately broken: spends what it does not hold, down to zero.)
+        #[cfg(tidepool_broken = "stats")]
+        {
+            c[BYTES] = c[BYTES].saturating_sub(b.size);
+            c[COUNT] = c[COUNT].saturating_sub(1);
+            c[REQ] = c[REQ].saturating_sub(requested);
+        }
         if !is_small(b.quadrant) {
             self.set_large(inner, 0);
         }
@@ -392,8 +494,6 @@ impl StreamCache {
         let mut g = self.lock_inner();
         let inner = &mut *g;
         let b = inner.classes.get_mut(class)?.pop()?;
-        inner.blocks -= 1;
-        inner.bytes -= b.size;
         if !is_small(b.quadrant) {
             self.set_large(inner, 0);
         }
@@ -408,17 +508,16 @@ impl StreamCache {
     /// block into the pool. The statistics do not change: cached blocks already count as freed.
     pub fn drain(&self) -> Vec<CachedBlock> {
         let mut g = self.lock_inner();
-        if g.blocks == 0 {
+        if g.words[CACHED_BLOCKS] == 0 {
             return Vec::new();
         }
         let inner = &mut *g;
-        let mut out = Vec::with_capacity(inner.blocks);
+        let mut out = Vec::with_capacity(inner.words[CACHED_BLOCKS] as usize);
         for list in inner.classes.lists_mut() {
             out.append(list);
         }
         inner.classes.clear();
-        inner.blocks = 0;
-        inner.bytes = 0;
+        inner.verdict = None;
         self.set_large(inner, 0);
         inner.words[CACHED_BYTES] = 0;
         inner.words[CACHED_BLOCKS] = 0;
@@ -450,8 +549,6 @@ impl StreamCache {
                 }
             }
             for b in &taken {
-                inner.blocks -= 1;
-                inner.bytes -= b.size;
                 inner.words[CACHED_BYTES] -= b.size;
                 inner.words[CACHED_BLOCKS] -= 1;
             }
@@ -465,8 +562,6 @@ impl StreamCache {
             }
         }
         let b = found.expect("a large block is counted");
-        inner.blocks -= 1;
-        inner.bytes -= b.size;
         self.set_large(inner, 0);
         inner.words[CACHED_BYTES] -= b.size;
         inner.words[CACHED_BLOCKS] -= 1;
@@ -501,8 +596,6 @@ impl StreamCache {
             list.retain(|b| {
                 let gone = which.contains(b);
                 if gone {
-                    inner.blocks -= 1;
-                    inner.bytes -= b.size;
                     inner.large -= u64::from(!is_small(b.quadrant));
                     inner.words[CACHED_BYTES] -= b.size;
                     inner.words[CACHED_BLOCKS] -= 1;
@@ -520,8 +613,6 @@ impl StreamCache {
         let mut g = self.lock_inner();
         let inner = &mut *g;
         inner.classes.clear();
-        inner.blocks = 0;
-        inner.bytes = 0;
         self.set_large(inner, 0);
         inner.words[CACHED_BYTES] = 0;
         inner.words[CACHED_BLOCKS] = 0;
@@ -533,7 +624,11 @@ impl StreamCache {
     pub fn configure(&self, limits: Limits, sizing: Sizing) {
         let mut g = self.lock_inner();
         g.limits = limits;
+        g.room = if limits.enabled && !g.closed { limits.bytes } else { 0 };
         g.sizing = sizing;
+        g.small_max = Self::small_max_of(limits, &sizing);
+        g.round_mask = Self::round_mask_of(&sizing);
+        g.verdict = None;
         self.fast_max.store(Self::fast_max_of(limits, &sizing), Ordering::Relaxed);
     }
 
@@ -542,9 +637,25 @@ impl StreamCache {
         if limits.enabled { sizing.small_size } else { 0 }
     }
 
+    /// The largest rounded request a hit may serve (see `CacheInner::small_max`).
+    fn small_max_of(limits: Limits, sizing: &Sizing) -> u64 {
+        Self::fast_max_of(limits, sizing)
+    }
+
+    /// See `CacheInner::round_mask`: the mask where `Sizing::round` of every request up to the
+    /// small bound is a round-up to the granule.
+    fn round_mask_of(sizing: &Sizing) -> u64 {
+        let m = sizing.min_block_size;
+        let div = sizing.roundup_power2_divisions;
+        let no_divisions = div <= 1 || m.saturating_mul(div) >= sizing.small_size;
+        if m.is_power_of_two() && no_divisions { m - 1 } else { u64::MAX }
+    }
+
     /// Refuses every later push (the stream was destroyed); the caller drains it.
     pub fn close(&self) {
-        self.lock_inner().closed = true;
+        let mut g = self.lock_inner();
+        g.closed = true;
+        g.room = 0;
     }
 
     /// Whether [`StreamCache::close`] was called.
@@ -707,17 +818,20 @@ impl Default for CacheTable {
 impl CacheTable {
     /// The cache of `stream` for the fast path: `None` if it has none yet, or if its id is not
     /// below [`FAST_STREAMS`] (such streams always take the slow path).
+    #[inline]
     pub fn fast(&self, stream: StreamId) -> Option<SlotRef<'_, Arc<StreamCache>>> {
         self.fast_lane(stream, 0)
     }
 
     /// Lane 0 of `stream` from the fast slots (`None` past [`FAST_STREAMS`] or before it has
     /// caches).
+    #[inline]
     pub fn first_lane(&self, stream: StreamId) -> Option<SlotRef<'_, Arc<StreamCache>>> {
         self.slots.get((stream.0 as usize).checked_mul(LANES)?)?.get()
     }
 
     /// Like [`CacheTable::fast`], for the `k`-th lane counted from this thread's own.
+    #[inline]
     pub fn fast_lane(&self, stream: StreamId, k: usize) -> Option<SlotRef<'_, Arc<StreamCache>>> {
         let lane = (thread_lane() + k) % LANES;
         self.slots.get((stream.0 as usize).checked_mul(LANES)? + lane)?.get()

@@ -49,7 +49,7 @@ impl<T> LaneLock<T> {
     }
 
     /// Takes the lock, waiting (spinning, then yielding) while another thread holds it.
-    #[inline]
+    #[inline(always)]
     pub fn lock(&self) -> LaneGuard<'_, T> {
         if !self.try_acquire() {
             self.lock_contended();
@@ -70,7 +70,7 @@ impl<T> LaneLock<T> {
         })
     }
 
-    #[inline]
+    #[inline(always)]
     fn try_acquire(&self) -> bool {
         #[cfg(tidepool_broken = "lane_lock")]
         {
@@ -86,7 +86,9 @@ impl<T> LaneLock<T> {
         self.locked.compare_exchange(false, true, Ordering::Acquire, Ordering::Relaxed).is_ok()
     }
 
+    /// Kept out of line, so that the uncontended path inlined into its callers is the CAS alone.
     #[cold]
+    #[inline(never)]
     #[cfg(not(loom))]
     fn lock_contended(&self) {
         let mut spins = 0;
@@ -150,7 +152,7 @@ impl<T> DerefMut for LaneGuard<'_, T> {
 }
 
 impl<T> Drop for LaneGuard<'_, T> {
-    #[inline]
+    #[inline(always)]
     fn drop(&mut self) {
         #[cfg(loom)]
         drop(self.ptr.take());

@@ -183,6 +183,7 @@ impl<D: Device> Allocator<D> {
             plans: Mutex::new(HashMap::new()),
             scope_counters: ScopeCounters::default(),
             lock_count: AtomicU64::new(0),
+            epoch: AtomicU64::new(0),
             vm_published: Default::default(),
             recording: AtomicBool::new(false),
             observers: observers::Observers::default(),
@@ -270,6 +271,10 @@ impl<D: Device> Allocator<D> {
     /// The hit path: a block of the request's class from this thread's lane of `stream`, with
     /// no global lock, no configuration load and no reference count touched (`owner.rs`).
     /// `None` sends the request down the whole path (which looks at every lane).
+    ///
+    /// A large request asks the stream's first lane for the large block it holds, which it
+    /// hands out only where the global-lock side checked it for this very request and the pool
+    /// has not changed since (`fast_cache::LargeVerdict`): placement stays the pool's.
     #[inline]
     fn hit(&self, bytes: u64, stream: StreamId, residency: Residency) -> Option<Buffer<D>> {
         let sh = &*self.shared;
@@ -277,6 +282,9 @@ impl<D: Device> Allocator<D> {
             return None;
         }
         let cache = sh.caches.fast_lane(stream, 0)?;
+        if !cache.may_serve(bytes) {
+            return self.hit_large(bytes, stream, residency);
+        }
         let residency = sh.cached_residency(residency);
         match cache.pop_request(residency, bytes) {
             (Pop::Hit(b), rounded, stashed) => {
@@ -286,8 +294,22 @@ impl<D: Device> Allocator<D> {
         }
     }
 
+    /// [`Allocator::hit`] for a request the small-pool lanes do not serve.
+    #[inline(never)]
+    fn hit_large(&self, bytes: u64, stream: StreamId, residency: Residency) -> Option<Buffer<D>> {
+        let sh = &*self.shared;
+        let cache = sh.caches.first_lane(stream)?;
+        let stale = sh.broken(Broken::StaleLargeVerdict);
+        match cache.pop_large(residency, bytes, &sh.epoch, stale) {
+            (Pop::Hit(b), rounded, stashed) => {
+                Some(self.hand_out_hit(&b, bytes, stream, rounded, residency, stashed))
+            }
+            _ => None,
+        }
+    }
+
     /// A buffer for block `b` popped by a hit that served `bytes` (rounded to `rounded`).
-    #[inline]
+    #[inline(always)]
     fn hand_out_hit(
         &self,
         b: &CachedBlock,
@@ -298,8 +320,21 @@ impl<D: Device> Allocator<D> {
         stashed: bool,
     ) -> Buffer<D> {
         let owner = self.owners.hit_owner(stream, stashed);
-        let (q, block) = (b.quadrant, Some(b.block));
-        self.hand_out_to(b.ptr, bytes, b.size, stream, block, rounded, residency, q, owner)
+        self.shared.device.note_handout(b.ptr, b.size, stream);
+        Buffer {
+            ptr: b.ptr,
+            requested: bytes,
+            accounted: bytes,
+            size: b.size,
+            stream,
+            origin: Origin::Pool(b.block),
+            scope: None,
+            owner: std::mem::ManuallyDrop::new(owner),
+            rounded,
+            residency,
+            quadrant: b.quadrant as u8,
+            used_elsewhere: AtomicBool::new(false),
+        }
     }
 
     /// [`Allocator::alloc_in`], the block starting at a multiple of `align` (0: no more than

@@ -92,7 +92,7 @@ impl<D: Device> Drop for OwnerTable<D> {
 impl<D: Device> OwnerTable<D> {
     /// The hold on the allocator for a buffer handed out by a stream-cache hit: the reference
     /// the hit took over from the lane (`stashed`), or a new one.
-    #[inline]
+    #[inline(always)]
     pub fn hit_owner(&self, stream: StreamId, stashed: bool) -> Arc<Owner<D>> {
         if stashed && let Some(slot) = self.slots.get(stream.0 as usize).and_then(|s| s.get()) {
             #[allow(clippy::needless_borrow)]
@@ -103,6 +103,12 @@ impl<D: Device> OwnerTable<D> {
             return unsafe { Arc::from_raw(Arc::as_ptr(slot)) };
         }
         debug_assert!(!stashed, "a kept reference has its owner");
+        self.owner_cold(stream)
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn owner_cold(&self, stream: StreamId) -> Arc<Owner<D>> {
         self.owner(stream)
     }
 

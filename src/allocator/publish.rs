@@ -5,9 +5,16 @@ use super::*;
 
 impl<D: Device> Shared<D> {
     /// Takes the global lock; the statistics are marked stale when it is let go.
+    ///
+    /// Every section that may change the pool comes through here, and advances the epoch first
+    /// (a plain store: only holders of the lock write it), so a large block checked in an
+    /// earlier section is not handed out again without the lock (`fast_cache::LargeVerdict`).
     pub(super) fn lock_state(&self) -> Locked<'_, D> {
         self.lock_count.fetch_add(1, Ordering::Relaxed);
-        Locked { sh: self, st: lock(&self.state) }
+        let st = lock(&self.state);
+        let e = self.epoch.load(Ordering::Relaxed);
+        self.epoch.store(e.wrapping_add(1), Ordering::Release);
+        Locked { sh: self, st }
     }
 
     /// What letting go of the global lock does: trims expandable ranges, and marks the published

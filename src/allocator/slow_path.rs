@@ -338,19 +338,7 @@ impl<D: Device> Shared<D> {
         self.device.note_reclaim(f.ptr, f.size, f.stream);
         if !f.used_elsewhere
             && self.fast_path.load(Ordering::Relaxed)
-            && let Some(cache) = match counters::is_small(f.quadrant) {
-                true => self.caches.fast(f.stream),
-                false
-                    if self.cache_large.load(Ordering::Relaxed)
-                        && f.size < self.oversize_at.load(Ordering::Relaxed) =>
-                {
-                    // The lane holds one large block at most: when its hint says it has one,
-                    // the push would refuse, so skip its lock. (A stale hint only sends the
-                    // block to the pool, which is always correct.)
-                    self.caches.first_lane(f.stream).filter(|c| c.large_blocks() == 0)
-                }
-                false => None,
-            }
+            && let Some(cache) = self.lane_for_free(f.quadrant, f.size, f.stream)
         {
             let class = ClassKey { residency: f.residency, rounded: f.rounded };
             let b = CachedBlock {
@@ -368,9 +356,32 @@ impl<D: Device> Shared<D> {
         false
     }
 
+    /// The lane a freed block of quadrant `q` and `size` bytes on `stream` may go to: this
+    /// thread's lane for a small-pool block; the stream's first lane for a large one (which holds
+    /// one at most: when its hint says it has one, the push would refuse, so its lock is
+    /// skipped — a stale hint only sends the block to the pool, which is always correct).
+    #[inline]
+    pub(super) fn lane_for_free(
+        &self,
+        q: usize,
+        size: u64,
+        stream: StreamId,
+    ) -> Option<crate::sync::SlotRef<'_, Arc<StreamCache>>> {
+        match counters::is_small(q) {
+            true => self.caches.fast(stream),
+            false
+                if self.cache_large.load(Ordering::Relaxed)
+                    && size < self.oversize_at.load(Ordering::Relaxed) =>
+            {
+                self.caches.first_lane(stream).filter(|c| c.large_blocks() == 0)
+            }
+            false => None,
+        }
+    }
+
     /// The part of [`Shared::free`] under the global lock: into the pool, or behind events.
     #[cold]
-    fn free_into_pool(&self, f: buffer::Freed) {
+    pub(super) fn free_into_pool(&self, f: buffer::Freed) {
         let block = f.block;
         let mut st = self.lock_state();
         if f.used_elsewhere && !st.buffer_uses.is_empty() {
@@ -486,9 +497,12 @@ impl<D: Device> Shared<D> {
             return None;
         }
         let locked = &*st;
-        match cache
-            .pop_checked(class, bytes, |b| self.reuse_fits(locked, b.block, class.rounded, sizing))
-        {
+        // Nothing placement depends on changes in this section after the check (the requested
+        // bytes and the statistics below do not move blocks), so the block may be handed out
+        // again without the lock while no other section began (`pop_large`).
+        let epoch = self.epoch.load(Ordering::Relaxed);
+        let fits = |b: &CachedBlock| self.reuse_fits(locked, b.block, class.rounded, sizing);
+        match cache.pop_checked_at(class, bytes, fits, epoch) {
             Pop::Hit(b) => Some(b),
             Pop::Miss => None,
             Pop::NeedsLock => {

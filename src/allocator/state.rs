@@ -41,6 +41,10 @@ pub(crate) struct Shared<D: Device> {
     pub(super) observers: Observers,
     /// Acquisitions of `state`'s lock, for tests proving the fast path skips it.
     pub(super) lock_count: AtomicU64,
+    /// Advanced (under the lock) by every section of `state`'s lock that may change the pool
+    /// ([`Shared::lock_state`]): a large block checked in section `e` may be handed out again
+    /// without the lock while it still reads `e` (`fast_cache::LargeVerdict`).
+    pub(super) epoch: AtomicU64,
     /// Learned plans of named scopes, by name and stream. Taken before `state`, never inside it.
     pub(super) plans: Mutex<super::regions::Plans>,
     pub(super) scope_counters: ScopeCounters,
