@@ -8,7 +8,14 @@
 //!
 //! instructions:u ÷ the pairs printed is the instructions of a pair (plus one scope open and
 //! exit per 256 pairs, as in `benches/scope.rs`'s `planned_alloc_free_pair`). It also prints
-//! the wall time per pair.
+//! the wall time per pair. Without hardware counters, count instructions with callgrind for two
+//! run counts and take the difference (setup cancels out):
+//!
+//! ```text
+//! valgrind --tool=callgrind target/release/deps/scope_cycles-* planned 2000   # Collected: A
+//! valgrind --tool=callgrind target/release/deps/scope_cycles-* planned 4000   # Collected: B
+//! (B − A) ÷ (2000 × 256) = instructions per pair
+//! ```
 use std::hint::black_box;
 use std::sync::Arc;
 use std::time::Instant;

@@ -657,3 +657,112 @@ fn a_busy_block_in_the_segment_of_the_escapes_is_a_wall_of_the_plan() {
     drop(alloc);
     assert!(dev.live_segments().is_empty());
 }
+
+/// With the sanitizer on, the planned path leaves every run to the general path, which tells
+/// the sanitizer each hand-out and free: a planned slice reused while another stream still
+/// writes it (the user forgot `record_stream`) is reported. The planned path itself tells it
+/// nothing, so with it (broken mode `PlannedUnobserved`) the misuse goes unseen.
+#[test]
+fn the_sanitizer_sees_every_planned_handout() {
+    for broken in [false, true] {
+        let (dev, alloc) = setup(1 << 30);
+        alloc.set_broken(Broken::PlannedUnobserved, broken);
+        let b = dev.create_stream().unwrap();
+        let run = |misuse: bool| {
+            let scope = alloc.named_scope("s", S0);
+            let x = scope.alloc(4096).unwrap();
+            let w = scope.alloc(4096).unwrap();
+            let px = x.ptr();
+            let mut open = None;
+            if misuse {
+                let e = dev.create_event().unwrap();
+                dev.record_event(e, S0).unwrap();
+                dev.wait_event(b, e).unwrap();
+                let (k, o) = gated_write(px, 4096);
+                dev.launch(b, k).unwrap();
+                open = Some(o); // no record_stream: the allocator cannot know
+            }
+            drop(x);
+            let y = scope.alloc(4096).unwrap();
+            let planned = [&w, &y].iter().all(|b| b.is_planned());
+            assert_eq!(y.ptr(), px, "y takes x's slice");
+            drop((w, y));
+            (planned, open)
+        };
+        let (planned, _) = run(false); // learn
+        assert!(!planned);
+        assert!(run(false).0, "the second run is planned");
+        let (planned, open) = run(true);
+        assert!(planned);
+        open.unwrap().send(()).unwrap();
+        dev.synchronize().unwrap();
+        let v = dev.violations();
+        let reuse =
+            |x: &tidepool::device::Violation| x.op.contains("handout") && x.other == Some(b);
+        match broken {
+            false => assert!(
+                v.len() == 1 && reuse(&v[0]),
+                "the reuse of x's slice while b writes it is reported: {v:?}"
+            ),
+            true => assert!(!v.iter().any(reuse), "the planned path told the sanitizer nothing"),
+        }
+        assert_eq!(alloc.stats().plan_hits, 6);
+    }
+}
+
+/// The planned path (a device without a sanitizer) serves exactly as the general path (the
+/// same device with one): the same slices, sizes and plan figures, through runs with an
+/// unbound buffer freed on another thread, a zero-byte buffer, a divergence, a planned buffer
+/// used on another stream and a failed allocation.
+#[test]
+fn the_planned_path_serves_as_the_general_path_does() {
+    let runs = |sanitize: bool| {
+        let dev = Arc::new(SimDevice::with_config(tidepool::SimConfig {
+            capacity: 1 << 32,
+            backed: false,
+            sanitize,
+        }));
+        let alloc = Allocator::new(dev.clone(), Config::default()).unwrap();
+        let b = dev.create_stream().unwrap();
+        let mut seen = Vec::new();
+        for run in 0..7u64 {
+            let scope = alloc.named_scope("same", S0);
+            let x = scope.alloc(MIB).unwrap();
+            let u = scope.alloc_unbound(3 * MIB).unwrap();
+            let z = scope.alloc(0).unwrap();
+            let y = scope.alloc(64 * 1024 - 100).unwrap();
+            std::thread::spawn(move || drop(u)).join().unwrap(); // queued for the scope
+            let w = scope.alloc(3 * MIB - 511).unwrap(); // its step comes after u's free
+            if run == 4 {
+                y.record_stream(b).unwrap();
+            }
+            if run == 5 {
+                assert!(matches!(scope.alloc(u64::MAX), Err(AllocError::InvalidSize { .. })));
+            }
+            let v = scope.alloc(if run == 3 { 8192 } else { 4096 }).unwrap(); // run 3 diverges
+            let base = x.ptr().0 as i64;
+            for buf in [&x, &z, &y, &w, &v] {
+                let at = (buf.ptr().0 as i64 - base) * i64::from(buf.is_planned());
+                seen.push((run, at, buf.len(), buf.block_size(), buf.is_planned()));
+            }
+            drop((x, y));
+            drop((z, w, v));
+            drop(scope);
+            let s = alloc.stats();
+            seen.push((run, s.plan_hits as i64, s.plan_misses, s.plan_fallbacks, false));
+        }
+        alloc.check_invariants().unwrap();
+        assert_eq!(dev.violations(), vec![]);
+        seen
+    };
+    let general = runs(true);
+    assert_eq!(runs(false), general);
+    // Runs 1, 2, 5 and 6 follow their plan: five planned allocations each (x, u, y, w, v; the
+    // zero-byte one is no step, the failed one neither). Run 3 diverges at v (8192 bytes) and
+    // relearns; run 4 diverges from that plan at v (4096 again) and relearns.
+    let hits: Vec<i64> = general.iter().skip(5).step_by(6).map(|s| s.1).collect();
+    assert_eq!(hits, vec![0, 5, 10, 14, 18, 23, 28]);
+    assert!(general.iter().filter(|s| s.0 == 6 && s.2 > 0).all(|s| s.4), "run 6 is planned");
+    // A scoped buffer is four words: scope, address, length, and an id that is its free's code.
+    assert_eq!(std::mem::size_of::<tidepool::ScopedBuffer<'_, SimDevice>>(), 32);
+}

@@ -173,6 +173,10 @@ impl Device for LoomDevice {
         Ok(())
     }
 
+    fn observes_handouts(&self) -> bool {
+        true
+    }
+
     fn note_handout(&self, ptr: DeviceAddr, bytes: u64, stream: StreamId) {
         let st = self.st.lock().unwrap();
         let s = stream.0 as usize;

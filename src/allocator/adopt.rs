@@ -79,7 +79,7 @@ impl<D: Device> Shared<D> {
         escapes: &[Escape],
     ) -> Option<(Arc<Region>, Vec<Escape>)> {
         let mut plans = lock(&self.plans);
-        let entry = plans.entry((name.to_string(), stream)).or_default();
+        let entry = super::regions::plan_entry(&mut plans, name, stream);
         if entry.region.is_some() || entry.learned.is_some() {
             return None;
         }

@@ -61,6 +61,10 @@ pub enum Broken {
     /// later sections changed the pool (`fast_cache::LargeVerdict` trusted whatever the epoch):
     /// placement then differs from the pool's best fit.
     StaleLargeVerdict = 1 << 15,
+    /// A scope's planned path serves runs on a device whose sanitizer observes hand-outs (the
+    /// path tells it nothing): a planned slice reused while another stream still uses it goes
+    /// unreported.
+    PlannedUnobserved = 1 << 16,
 }
 
 #[cfg_attr(not(feature = "test-hooks"), allow(dead_code))]

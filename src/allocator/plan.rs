@@ -35,12 +35,27 @@ pub(crate) struct Learned {
     /// The run's steps as the planned path reads them: `[code, offset]` per step, where the code
     /// is [`Step::code`] and the offset is the allocation's slice (0 for a free). A later run
     /// follows the plan while it repeats the codes exactly; one load pair per step.
-    pub script: Vec<[u64; 2]>,
+    pub script: Script,
     /// The allocations the run never freed, as (script position, allocation index): escapes,
     /// and scoped buffers that were forgotten. A later run that repeats the plan exactly knows
     /// its own unfreed planned slices from this list, with no scan of the script.
     pub unfreed: Vec<(u32, u32)>,
+    /// The largest power of two dividing every allocation's size (0 if none): a scope whose
+    /// rounding granule divides it may match requests against the script with one subtraction.
+    pub size_align: u64,
 }
+
+/// A plan's steps as `[code, offset]` pairs, shared by the plan and the scopes following it
+/// (a plain `std` `Arc`: immutable once made, nothing for loom to model).
+pub(crate) type Script = std::sync::Arc<[[u64; 2]]>;
+
+/// The bits of a free's [`Step::code`] above the allocation index: a planned `ScopedBuffer`
+/// holds its free's code as its id (see `scope.rs`), so its drop compares one word with the
+/// script. (Bit 0 is 1 in every free's code and 0 in every allocation's.)
+pub(crate) const FREE_TAG: u64 = (NO_SLOT as u64) << 33;
+
+/// The slot field of a free's code (all ones): "no pool buffer", 31 bits.
+pub(crate) const NO_SLOT: u32 = 0x7FFF_FFFF;
 
 #[cfg(test)]
 impl Learned {
@@ -51,13 +66,13 @@ impl Learned {
 }
 
 impl Step {
-    /// A one-word form: `size << 1` for an allocation (sizes stay far below 2^63), `index << 1
-    /// | 1` for a free.
+    /// A one-word form: `size << 1` for an allocation (sizes stay far below 2^63),
+    /// `FREE_TAG | index << 1 | 1` for a free.
     #[inline]
     pub fn code(self) -> u64 {
         match self {
             Step::Alloc(size) => size << 1,
-            Step::Free(index) => (u64::from(index) << 1) | 1,
+            Step::Free(index) => FREE_TAG | (u64::from(index) << 1) | 1,
         }
     }
 
@@ -105,6 +120,14 @@ impl Learned {
     /// A plan giving allocation `j` of `steps` the slice at `offsets[j]`.
     pub fn with_offsets(steps: &[Step], offsets: &[u64], region_size: u64) -> Learned {
         let mut allocs = offsets.iter();
+        let sizes = steps.iter().fold(0, |or, s| match s {
+            Step::Alloc(size) => or | size,
+            Step::Free(_) => or,
+        });
+        let size_align = match sizes {
+            0 => 0,
+            s => 1 << s.trailing_zeros(),
+        };
         let script = steps
             .iter()
             .map(|&step| match step {
@@ -112,7 +135,7 @@ impl Learned {
                 Step::Free(_) => [step.code(), 0],
             })
             .collect();
-        Learned { region_size, script, unfreed: Self::unfreed(steps) }
+        Learned { region_size, script, unfreed: Self::unfreed(steps), size_align }
     }
 
     /// The allocations of `steps` never freed in them, as (step position, allocation index).
@@ -283,6 +306,8 @@ mod tests {
         assert_ne!(Step::Alloc(2).code(), Step::Free(1).code());
         let steps = [Step::Alloc(1024), Step::Free(0), Step::Alloc(2048)];
         let l = Learned::from_steps(&steps, 512).unwrap();
+        assert_eq!(l.size_align, 1024);
+        assert_eq!(Step::Free(5).code(), FREE_TAG | 11);
         assert_eq!((l.len(), l.steps(2)), (3, steps[..2].to_vec()));
     }
 

@@ -1,19 +1,47 @@
 //! Learned plans and their regions: the memory a named scope's planned run hands out, made
 //! and adopted as a learning run ends, and returned to the pool in one stream-ordered batch.
 
+use super::state::PlanState;
 use super::*;
 
+/// Learned plans by scope name, then stream: a scope opening looks its name up as a `&str` and
+/// keeps the table's `Arc<str>`, so a known name costs no allocation. (Few streams per name.)
+pub(super) type Plans = HashMap<std::sync::Arc<str>, Vec<(StreamId, PlanState)>>;
+
+/// The plan state of scope `name` on `stream`, made empty if there is none.
+pub(super) fn plan_entry<'p>(
+    plans: &'p mut Plans,
+    name: &str,
+    stream: StreamId,
+) -> &'p mut PlanState {
+    if !plans.contains_key(name) {
+        plans.insert(name.into(), Vec::new());
+    }
+    let streams = plans.get_mut(name).expect("inserted above");
+    match streams.iter().position(|(s, _)| *s == stream) {
+        Some(i) => &mut streams[i].1,
+        None => {
+            streams.push((stream, PlanState::default()));
+            &mut streams.last_mut().expect("pushed above").1
+        }
+    }
+}
+
 impl<D: Device> Shared<D> {
-    /// The plan learned for a named scope and its region, if any.
+    /// The plan learned for a named scope and its region, if any, and the name as the table
+    /// keeps it (a new `Arc<str>` while the name has no entry).
     pub(super) fn plan_for(
         &self,
         name: &str,
         stream: StreamId,
-    ) -> (Option<Arc<Learned>>, Option<Arc<Region>>) {
+    ) -> (std::sync::Arc<str>, Option<Arc<Learned>>, Option<Arc<Region>>) {
         let plans = lock(&self.plans);
-        match plans.get(&(name.to_string(), stream)) {
-            Some(p) => (p.learned.clone(), p.region.clone()),
-            None => (None, None),
+        let Some((key, streams)) = plans.get_key_value(name) else {
+            return (name.into(), None, None);
+        };
+        match streams.iter().find(|(s, _)| *s == stream) {
+            Some((_, p)) => (key.clone(), p.learned.clone(), p.region.clone()),
+            None => (key.clone(), None, None),
         }
     }
 
@@ -22,7 +50,7 @@ impl<D: Device> Shared<D> {
     pub(super) fn learn(&self, name: &str, stream: StreamId, learned: Option<Learned>) {
         let old = {
             let mut plans = lock(&self.plans);
-            let entry = plans.entry((name.to_string(), stream)).or_default();
+            let entry = plan_entry(&mut plans, name, stream);
             entry.learned = learned.map(Arc::new);
             entry.region.take()
         };
@@ -43,7 +71,7 @@ impl<D: Device> Shared<D> {
         learned: &Arc<Learned>,
     ) -> Result<Option<Arc<Region>>, AllocError> {
         let mut plans = lock(&self.plans);
-        let entry = plans.entry((name.to_string(), stream)).or_default();
+        let entry = plan_entry(&mut plans, name, stream);
         if !entry.learned.as_ref().is_some_and(|l| Arc::ptr_eq(l, learned)) {
             return Ok(None);
         }
@@ -87,8 +115,18 @@ impl<D: Device> Shared<D> {
     pub(super) fn forget_plans(&self, stream: StreamId) {
         let regions: Vec<Arc<Region>> = {
             let mut plans = lock(&self.plans);
-            let keys: Vec<_> = plans.keys().filter(|(_, s)| *s == stream).cloned().collect();
-            keys.into_iter().filter_map(|k| plans.remove(&k).and_then(|p| p.region)).collect()
+            let mut regions = Vec::new();
+            for streams in plans.values_mut() {
+                streams.retain_mut(|(s, p)| match *s == stream {
+                    true => {
+                        regions.extend(p.region.take());
+                        false
+                    }
+                    false => true,
+                });
+            }
+            plans.retain(|_, streams| !streams.is_empty());
+            regions
         };
         for region in regions {
             self.release_region(region);

@@ -27,7 +27,7 @@
 use super::adopt::Escape;
 use super::batch::BatchBlock;
 use super::counters::quadrant;
-use super::plan::{Learned, Region, Step};
+use super::plan::{FREE_TAG, Learned, NO_SLOT, Region, Script, Step};
 use super::{AllocError, Allocator, Buffer, Origin};
 use crate::config::Config;
 use crate::device::{Device, DeviceAddr, StreamId};
@@ -35,7 +35,7 @@ use crate::pool::BlockId;
 use crate::stats::Residency;
 use crate::sync::atomic::{AtomicBool, Ordering};
 use crate::sync::{Arc, Mutex, lock};
-use std::cell::{Cell, RefCell};
+use std::cell::{Cell, OnceCell, RefCell};
 use std::collections::HashMap;
 
 const TRANSIENT: Residency = Residency::Transient;
@@ -43,6 +43,12 @@ const TRANSIENT: Residency = Residency::Transient;
 const NO_OFFSET: u64 = u64::MAX;
 /// `ScopedBuffer::index` of a zero-byte buffer (no step recorded).
 const NO_INDEX: u32 = u32::MAX;
+/// Set in `Cursor::pos` while the planned path may not serve: no script position is that large,
+/// so the planned path's one bounds check fails.
+const FAST_OFF: usize = 1 << (usize::BITS - 1);
+/// What the general path returns instead of an id when it failed (ids are odd); the error waits
+/// in `Scope::error`.
+const FAILED: u64 = 0;
 
 /// What unbound buffers of a run reach from any thread.
 pub(crate) struct ScopeShared {
@@ -159,13 +165,16 @@ enum RegionSlot {
     Denied,
 }
 
-/// Where a run stands against its plan: the hot path reads and writes only these cells.
+/// Where a run stands against its plan: the hot path reads and writes only `pos` and `allocs`.
 struct Cursor {
+    /// Number of steps taken, with `FAST_OFF` set unless the planned path may serve the next
+    /// step: the run follows its plan, holds its region, has no pins to check and no planned
+    /// buffer used on another stream, and the scope's rules allow it (`Scope::fast_ok`). One
+    /// load and one bounds check stand for all of these (see `Scope::set_fast`).
+    pos: Cell<usize>,
     /// Whether every step so far equals the plan's step at the same position. While it does,
     /// the steps are the plan's prefix of length `len` and `Run::steps` stays empty.
     following: Cell<bool>,
-    /// Number of steps taken.
-    len: Cell<usize>,
     /// Number of allocations made (the next allocation's index).
     allocs: Cell<u32>,
     /// Base address of the claimed region, `NO_BASE` until claimed (or if denied).
@@ -177,7 +186,17 @@ struct Cursor {
     any_uses: Cell<bool>,
     /// The step at which the run stopped following its plan (`usize::MAX`: it has not).
     diverged_at: Cell<usize>,
+    /// Plan hits of the general path, plus, for the planned path, `allocs` at each moment
+    /// it stopped serving minus `allocs` at each moment it started (see `Scope::set_fast`).
     hits: Cell<u64>,
+}
+
+impl Cursor {
+    /// Number of steps taken.
+    #[inline]
+    fn len(&self) -> usize {
+        self.pos.get() & !FAST_OFF
+    }
 }
 
 const NO_BASE: u64 = u64::MAX;
@@ -204,7 +223,12 @@ struct Run<D: Device> {
 }
 
 impl<D: Device> Run<D> {
-    /// Keeps a pool buffer for a scoped buffer; returns its slot.
+    /// Whether every slot is taken (`NO_SLOT` pool buffers are held).
+    fn full(&self) -> bool {
+        self.free_slots.is_empty() && self.held.len() >= NO_SLOT as usize
+    }
+
+    /// Keeps a pool buffer for a scoped buffer; returns its slot (`full` was checked).
     fn hold(&mut self, buf: Buffer<D>) -> u32 {
         match self.free_slots.pop() {
             Some(i) => {
@@ -276,11 +300,14 @@ pub struct Scope<'a, D: Device> {
     routes: &'a super::private_pool::Routes<D>,
     /// The rounding granule when this run's size rules round every request up to a multiple
     /// of it and nothing else (the default rules): the planned path then checks a request
-    /// against the plan's rounded size with one subtraction. 0 otherwise (the planned path
-    /// leaves such runs to the general path, which rounds by the rules).
+    /// against the plan's rounded size with one subtraction. 0 otherwise.
     granule: u64,
+    /// Whether the planned path may serve this run at all: a plan whose sizes are multiples of
+    /// `granule` (non-zero), and a device whose sanitizer hooks are off (with a sanitizer every
+    /// hand-out and free goes through the general path, which tells it).
+    fast_ok: bool,
     stream: StreamId,
-    name: Option<String>,
+    name: Option<std::sync::Arc<str>>,
     /// The configuration as of opening: every request of the run is rounded the same way.
     config: Arc<Config>,
     /// Whether the device had the stream when the scope opened (if not, every allocation is
@@ -288,11 +315,17 @@ pub struct Scope<'a, D: Device> {
     stream_ok: bool,
     /// The plan this run follows while its steps repeat it.
     plan: Option<Arc<Learned>>,
+    /// The plan's script (empty without a plan), where the planned path reads it: no `Option`
+    /// to test and no pointer to the plan to follow.
+    script: Script,
     /// Whether this is a learning run over expandable segments (see `Shared::learning`).
     learning: bool,
     cursor: Cursor,
     run: RefCell<Run<D>>,
-    shared: Arc<ScopeShared>,
+    /// Made by the first unbound allocation (a run without one allocates nothing for it).
+    shared: OnceCell<Arc<ScopeShared>>,
+    /// The error of the general path's last failed allocation, for `Scope::alloc`.
+    error: Cell<Option<AllocError>>,
 }
 
 /// A buffer of a [`Scope`]; it cannot outlive the scope, nor leave its thread (the scope's
@@ -315,27 +348,35 @@ pub struct ScopedBuffer<'s, D: Device> {
     scope: &'s Scope<'s, D>,
     ptr: DeviceAddr,
     requested: u64,
-    size: u64,
-    /// Its allocation index in the run (`NO_INDEX` for zero bytes) and the slot of the pool
-    /// buffer behind it (`NO_SLOT` for a planned slice), in one word: written and read whole,
-    /// so returning the buffer never stalls on two half-word stores.
+    /// `slot << 33 | index << 1 | 1`: its allocation index in the run (`NO_INDEX` for zero
+    /// bytes) and the slot of the pool buffer behind it in `Run::held` (`NO_SLOT` for a planned
+    /// slice). A planned buffer's id is then its free's [`Step::code`], so its drop compares
+    /// one word with the plan's next step.
     id: u64,
 }
 
-fn id(index: u32, slot: u32) -> u64 {
-    u64::from(index) | u64::from(slot) << 32
+/// The script of a scope without a plan: empty, made once.
+fn no_script() -> Script {
+    static EMPTY: std::sync::LazyLock<Script> = std::sync::LazyLock::new(|| Script::from([]));
+    EMPTY.clone()
 }
 
-/// `ScopedBuffer::slot` of a planned slice (or a zero-byte buffer).
-const NO_SLOT: u32 = u32::MAX;
+/// A `ScopedBuffer::id`.
+#[inline(always)]
+const fn id(index: u32, slot: u32) -> u64 {
+    (slot as u64) << 33 | (index as u64) << 1 | 1
+}
+
+// A planned buffer's id is its free's code.
+const _: () = assert!(id(7, NO_SLOT) == FREE_TAG | 7 << 1 | 1);
 
 impl<D: Device> ScopedBuffer<'_, D> {
     fn index(&self) -> u32 {
-        self.id as u32
+        (self.id >> 1) as u32
     }
 
     fn slot(&self) -> u32 {
-        (self.id >> 32) as u32
+        (self.id >> 33) as u32
     }
 
     /// The device address of the first byte ([`DeviceAddr::NULL`] for a zero-byte buffer).
@@ -355,7 +396,12 @@ impl<D: Device> ScopedBuffer<'_, D> {
 
     /// Bytes of the block or slice behind it.
     pub fn block_size(&self) -> u64 {
-        self.size
+        match (self.index(), self.slot()) {
+            (NO_INDEX, _) => 0,
+            // A planned slice is the plan's step, which is the request rounded by the run's rules.
+            (_, NO_SLOT) => self.scope.round(self.requested).unwrap_or(0),
+            (_, slot) => self.scope.run.borrow().held[slot as usize].as_ref().map_or(0, |b| b.size),
+        }
     }
 
     /// The scope's stream, which owns it.
@@ -383,6 +429,7 @@ impl<D: Device> ScopedBuffer<'_, D> {
         } else if !run.uses.contains(&(self.index(), stream)) {
             run.uses.push((self.index(), stream));
             self.scope.cursor.any_uses.set(true);
+            self.scope.set_fast();
         }
         Ok(())
     }
@@ -391,9 +438,7 @@ impl<D: Device> ScopedBuffer<'_, D> {
 impl<D: Device> Drop for ScopedBuffer<'_, D> {
     #[inline(always)]
     fn drop(&mut self) {
-        if self.index() != NO_INDEX {
-            self.scope.free_bound(self.index(), self.ptr, self.size, self.slot());
-        }
+        self.scope.free_bound(self.id, self.ptr, self.requested);
     }
 }
 
@@ -402,7 +447,7 @@ impl<D: Device> std::fmt::Debug for ScopedBuffer<'_, D> {
         f.debug_struct("ScopedBuffer")
             .field("ptr", &self.ptr)
             .field("len", &self.requested)
-            .field("block_size", &self.size)
+            .field("block_size", &self.block_size())
             .field("stream", &self.scope.stream)
             .field("planned", &self.is_planned())
             .finish()
@@ -418,39 +463,45 @@ impl<D: Device> Allocator<D> {
     /// Opens a scope named `name` on `stream`: it remembers its run, and a later run that
     /// repeats it is served from a planned layout in O(1) per allocation.
     pub fn named_scope(&self, name: &str, stream: StreamId) -> Scope<'_, D> {
-        Scope::open(self, stream, Some(name.to_string()))
+        Scope::open(self, stream, Some(name))
     }
 }
 
 impl<'a, D: Device> Scope<'a, D> {
-    fn open(alloc: &'a Allocator<D>, stream: StreamId, name: Option<String>) -> Scope<'a, D> {
+    fn open(alloc: &'a Allocator<D>, stream: StreamId, name: Option<&str>) -> Scope<'a, D> {
+        let config = alloc.shared.config.load_full();
         // With caching off (`caching:false`) a scope neither learns plans nor reuses blocks
         // locally: every allocation and free reaches the device.
-        let caching = alloc.shared.config.load().caching;
-        let name = name.filter(|_| caching);
-        let (plan, region) = match &name {
-            Some(n) => alloc.shared.plan_for(n, stream),
-            None => (None, None),
+        let (name, plan, region) = match name.filter(|_| config.caching) {
+            Some(n) => {
+                let (name, plan, region) = alloc.shared.plan_for(n, stream);
+                (Some(name), plan, region)
+            }
+            None => (None, None, None),
         };
         let learning = name.is_some() && plan.is_none() && alloc.shared.learning(stream, true);
-        let config = alloc.shared.config.load_full();
         let z = &config.sizing;
         let granule = match z.min_block_size.is_power_of_two() && z.roundup_power2_divisions <= 1 {
             true => z.min_block_size,
             false => 0,
         };
+        let fast_ok = granule != 0
+            && plan.as_ref().is_some_and(|p| p.size_align != 0 && p.size_align % granule == 0)
+            && (!alloc.shared.device.observes_handouts()
+                || alloc.shared.broken(super::Broken::PlannedUnobserved));
         Scope {
             alloc,
             device: &alloc.shared.device,
             routes: &alloc.shared.routes,
             granule,
+            fast_ok,
             stream,
             name,
             config,
             stream_ok: alloc.shared.stream_exists(stream).is_ok(),
             cursor: Cursor {
+                pos: Cell::new(FAST_OFF),
                 following: Cell::new(plan.is_some()),
-                len: Cell::new(0),
                 allocs: Cell::new(0),
                 base: Cell::new(NO_BASE),
                 check_pins: Cell::new(false),
@@ -458,6 +509,7 @@ impl<'a, D: Device> Scope<'a, D> {
                 diverged_at: Cell::new(usize::MAX),
                 hits: Cell::new(0),
             },
+            script: plan.as_ref().map_or_else(no_script, |p| p.script.clone()),
             plan,
             learning,
             run: RefCell::new(Run {
@@ -472,7 +524,27 @@ impl<'a, D: Device> Scope<'a, D> {
                 misses: 0,
                 missed: Vec::new(),
             }),
-            shared: Arc::new(ScopeShared {
+            shared: OnceCell::new(),
+            error: Cell::new(None),
+        }
+    }
+
+    /// Recomputes whether the planned path may serve the next step (the `FAST_OFF` bit of
+    /// `Cursor::pos`); called wherever one of its conditions changes.
+    fn set_fast(&self) {
+        let c = &self.cursor;
+        let on = self.fast_ok
+            && c.following.get()
+            && c.base.get() != NO_BASE
+            && !c.check_pins.get()
+            && !c.any_uses.get();
+        c.pos.set(c.len() | if on { 0 } else { FAST_OFF });
+    }
+
+    /// The queue of unbound buffers' frees, made by the run's first unbound allocation.
+    fn shared(&self) -> &Arc<ScopeShared> {
+        self.shared.get_or_init(|| {
+            Arc::new(ScopeShared {
                 state: Mutex::new(SharedRun {
                     open: true,
                     freed: Vec::new(),
@@ -480,8 +552,8 @@ impl<'a, D: Device> Scope<'a, D> {
                     to_absorb: 0,
                 }),
                 pending: AtomicBool::new(false),
-            }),
-        }
+            })
+        })
     }
 
     /// The scope's stream.
@@ -516,84 +588,87 @@ impl<'a, D: Device> Scope<'a, D> {
     /// Allocates `bytes` of transient memory for this scope; the buffer cannot outlive it.
     #[inline]
     pub fn alloc(&self, bytes: u64) -> Result<ScopedBuffer<'_, D>, AllocError> {
-        match self.try_planned(bytes) {
-            Some(b) => Ok(b),
+        // Both paths give (address, id) in registers, and the buffer is made once, here.
+        let (ptr, id) = match self.try_planned(bytes) {
+            Some(r) => r,
             None => self.alloc_slow(bytes),
+        };
+        if id == FAILED {
+            return Err(self.take_error(bytes));
         }
+        Ok(ScopedBuffer { scope: self, ptr, requested: bytes, id })
     }
 
-    /// The planned path, small enough to inline: the run follows its plan, holds the region with
-    /// no pins to check, has no queued frees, and the next step of the plan is this allocation.
-    /// Changes nothing unless it succeeds.
+    /// The planned path, small enough to inline: the planned path may serve (`Cursor::pos`
+    /// has no `FAST_OFF`: the run follows its plan, holds the region, has no pins to check),
+    /// the plan's next step is this allocation, and no private pool routes a stream. Changes
+    /// nothing unless it succeeds. Frees of unbound buffers queued by other threads are not
+    /// looked at: while one is queued the plan's next step is its free (the run stops at it and
+    /// takes the general path, which records it) or a later one (then the plan's slice for
+    /// this allocation does not overlap it, which is still live in the plan).
     #[inline(always)]
-    fn try_planned(&self, bytes: u64) -> Option<ScopedBuffer<'_, D>> {
+    fn try_planned(&self, bytes: u64) -> Option<(DeviceAddr, u64)> {
         let c = &self.cursor;
-        let base = c.base.get();
-        if base == NO_BASE
-            || !c.following.get()
-            || c.check_pins.get()
-            || self.queued()
-            || self.routes.any()
-        {
-            return None;
-        }
-        let len = c.len.get();
-        let [code, offset] = *self.plan.as_ref()?.script.get(len)?;
+        let pos = c.pos.get();
+        let &[code, offset] = self.script.get(pos)?;
         // The plan's next step is an allocation of `rounded` bytes, and `bytes` rounds to it:
-        // under a granule g, for `rounded` a non-zero multiple of g (the plan may have been
-        // learned under other rules), that is `rounded - g < bytes ≤ rounded`. A zero-byte
-        // request never matches; with no granule (g = 0) nothing does.
-        let (rounded, g) = (code >> 1, self.granule);
-        if code & 1 != 0 || rounded.wrapping_sub(bytes) >= g || rounded & g.wrapping_sub(1) != 0 {
+        // under the granule g, for `rounded` a non-zero multiple of g (`fast_ok`), that is
+        // `rounded - g < bytes ≤ rounded`. A zero-byte request never matches.
+        if code & 1 != 0 || (code >> 1).wrapping_sub(bytes) >= self.granule || self.routes.any() {
             return None;
         }
         let index = c.allocs.get();
-        c.len.set(len + 1);
+        c.pos.set(pos + 1);
         c.allocs.set(index + 1);
         c.hits.set(c.hits.get() + 1);
-        let ptr = DeviceAddr(base + offset);
-        self.device.note_handout(ptr, rounded, self.stream);
-        Some(ScopedBuffer {
-            scope: self,
-            ptr,
-            requested: bytes,
-            size: rounded,
-            id: id(index, NO_SLOT),
-        })
+        Some((DeviceAddr(c.base.get() + offset), id(index, NO_SLOT)))
     }
 
+    /// The general path: the buffer's address and id, or `FAILED` with the error in `error`.
     #[inline(never)]
-    fn alloc_slow(&self, bytes: u64) -> Result<ScopedBuffer<'_, D>, AllocError> {
+    fn alloc_slow(&self, bytes: u64) -> (DeviceAddr, u64) {
+        match self.alloc_general(bytes) {
+            Ok(r) => r,
+            Err(e) => {
+                self.error.set(Some(e));
+                (DeviceAddr::NULL, FAILED)
+            }
+        }
+    }
+
+    #[cold]
+    fn take_error(&self, bytes: u64) -> AllocError {
+        self.error.take().unwrap_or(AllocError::InvalidSize { requested: bytes })
+    }
+
+    fn alloc_general(&self, bytes: u64) -> Result<(DeviceAddr, u64), AllocError> {
         self.check_stream()?;
         self.drain_freed();
-        let made = |ptr, size, index, slot| ScopedBuffer {
-            scope: self,
-            ptr,
-            requested: bytes,
-            size,
-            id: id(index, slot),
-        };
         if bytes == 0 {
-            return Ok(made(DeviceAddr::NULL, 0, NO_INDEX, NO_SLOT));
+            return Ok((DeviceAddr::NULL, id(NO_INDEX, NO_SLOT)));
         }
         let rounded = self.round(bytes)?;
         let index = self.next_index()?;
         if let Some(offset) = self.step(Step::Alloc(rounded)) {
             if let Some(ptr) = self.planned(offset, rounded) {
-                return Ok(made(ptr, rounded, index, NO_SLOT));
+                return Ok((ptr, id(index, NO_SLOT)));
             }
             self.run.borrow_mut().missed(index);
         }
+        if self.run.borrow().full() {
+            self.unstep();
+            return Err(AllocError::TooManyScopeAllocations { limit: u64::from(NO_SLOT) });
+        }
         let buf = self.pool_block(bytes, rounded).inspect_err(|_| self.unstep())?;
-        let (ptr, size) = (buf.ptr, buf.size);
+        let ptr = buf.ptr;
         let slot = self.run.borrow_mut().hold(buf);
-        Ok(made(ptr, size, index, slot))
+        Ok((ptr, id(index, slot)))
     }
 
     /// Whether frees of unbound buffers wait to be recorded.
     #[inline(always)]
     fn queued(&self) -> bool {
-        self.shared.pending.load(Ordering::Acquire)
+        self.shared.get().is_some_and(|s| s.pending.load(Ordering::Acquire))
     }
 
     /// Allocates `bytes` through this scope as an ordinary [`Buffer`] that may outlive it (and
@@ -651,7 +726,7 @@ impl<'a, D: Device> Scope<'a, D> {
         run.unbound.push(LiveEntry { index, size: buf.size, offset, live: true, ptr, block });
         run.live_unbound += 1;
         buf.scope = Some(ScopeTag {
-            shared: self.shared.clone(),
+            shared: self.shared().clone(),
             index,
             uses: Mutex::new(Vec::new()),
             has_uses: AtomicBool::new(false),
@@ -695,8 +770,8 @@ impl<'a, D: Device> Scope<'a, D> {
     #[inline]
     fn step(&self, step: Step) -> Option<u64> {
         let c = &self.cursor;
-        let len = c.len.get();
-        c.len.set(len + 1);
+        let len = c.len();
+        c.pos.set(c.pos.get() + 1);
         if c.following.get()
             && let Some(plan) = &self.plan
             && let Some(&[code, offset]) = plan.script.get(len)
@@ -713,8 +788,8 @@ impl<'a, D: Device> Scope<'a, D> {
     #[cold]
     fn unstep(&self) {
         let c = &self.cursor;
-        let len = c.len.get() - 1;
-        c.len.set(len);
+        c.pos.set(c.pos.get() - 1);
+        let len = c.len();
         c.allocs.set(c.allocs.get() - 1);
         if c.following.get() {
             return;
@@ -725,6 +800,8 @@ impl<'a, D: Device> Scope<'a, D> {
             c.following.set(true);
             c.diverged_at.set(usize::MAX);
             run.steps.clear();
+            drop(run);
+            self.set_fast();
         }
     }
 
@@ -736,6 +813,7 @@ impl<'a, D: Device> Scope<'a, D> {
         {
             run.steps = plan.steps(len);
             self.cursor.diverged_at.set(len);
+            self.set_fast();
         }
         run.steps.push(step);
     }
@@ -743,7 +821,7 @@ impl<'a, D: Device> Scope<'a, D> {
     /// The steps of the run, for learning.
     fn take_steps(&mut self) -> Vec<Step> {
         match &self.plan {
-            Some(plan) if self.cursor.following.get() => plan.steps(self.cursor.len.get()),
+            Some(plan) if self.cursor.following.get() => plan.steps(self.cursor.len()),
             _ => std::mem::take(&mut self.run.get_mut().steps),
         }
     }
@@ -803,6 +881,7 @@ impl<'a, D: Device> Scope<'a, D> {
         self.cursor.check_pins.set(region.has_pins());
         run.region = RegionSlot::Claimed(region);
         drop(run);
+        self.set_fast();
         self.planned(offset, size)
     }
 
@@ -831,34 +910,37 @@ impl<'a, D: Device> Scope<'a, D> {
         Ok(reused)
     }
 
-    /// Records the free of a bound buffer. The planned path, inlined: the run follows its plan,
-    /// whose next step is this free, and no planned buffer was used on another stream.
+    /// Records the free of a bound buffer (`id` as in [`ScopedBuffer`]). The planned path,
+    /// inlined: the planned path may serve (no `FAST_OFF`: following, no planned buffer used on
+    /// another stream, no sanitizer) and the plan's next step is this buffer's free, whose code
+    /// is the id of a planned buffer (a pool buffer's or a zero-byte one's never matches).
     #[inline(always)]
-    fn free_bound(&self, index: u32, ptr: DeviceAddr, size: u64, slot: u32) {
+    fn free_bound(&self, id: u64, ptr: DeviceAddr, requested: u64) {
         let c = &self.cursor;
-        let len = c.len.get();
-        if slot == NO_SLOT
-            && c.following.get()
-            && !c.any_uses.get()
-            && let Some(plan) = &self.plan
-            && let Some(&[code, _]) = plan.script.get(len)
-            && code == Step::Free(index).code()
+        let pos = c.pos.get();
+        if let Some(&[code, _]) = self.script.get(pos)
+            && code == id
         {
-            c.len.set(len + 1);
-            self.device.note_reclaim(ptr, size, self.stream);
+            c.pos.set(pos + 1);
             return;
         }
-        self.free_slow(index, ptr, size, slot);
+        self.free_slow(id, ptr, requested);
     }
 
     /// A planned slice only orders its reuse after the streams it was used on; a pool block
-    /// goes to the local cache unless it was used on another stream. (Queued frees of unbound
-    /// buffers are recorded at the next allocation, not here: a free recorded late only makes
-    /// the plan keep that slice a little longer, and the order is the same in every run.)
+    /// goes to the local cache unless it was used on another stream. Frees of unbound buffers
+    /// queued by other threads are recorded first (the plan may have them before this one).
     #[inline(never)]
-    fn free_slow(&self, index: u32, ptr: DeviceAddr, size: u64, slot: u32) {
+    fn free_slow(&self, id: u64, ptr: DeviceAddr, requested: u64) {
+        let (index, slot) = ((id >> 1) as u32, (id >> 33) as u32);
+        if index == NO_INDEX {
+            return; // a zero-byte buffer
+        }
+        self.drain_freed();
         self.step(Step::Free(index));
         if slot == NO_SLOT {
+            // A planned slice: the plan's step, the request rounded by the run's rules.
+            let size = self.round(requested).unwrap_or(0);
             self.device.note_reclaim(ptr, size, self.stream);
             if self.cursor.any_uses.get() {
                 self.order_uses(index);
@@ -908,6 +990,7 @@ impl<'a, D: Device> Scope<'a, D> {
             region.poison();
         }
         self.cursor.base.set(NO_BASE);
+        self.set_fast();
     }
 
     /// At exit: the planned slices of bound buffers that were never freed (`mem::forget`) go
@@ -919,7 +1002,7 @@ impl<'a, D: Device> Scope<'a, D> {
         if let (Some(plan), true) = (&self.plan, base != NO_BASE) {
             // Planned allocations are the run's first steps that followed the plan.
             let prefix = match self.cursor.following.get() {
-                true => self.cursor.len.get(),
+                true => self.cursor.len(),
                 false => self.cursor.diverged_at.get(),
             };
             let unfreed = match followed {
@@ -962,9 +1045,10 @@ impl<'a, D: Device> Scope<'a, D> {
 
     #[cold]
     fn drain_queue(&self) {
+        let Some(shared) = self.shared.get() else { return };
         let freed = {
-            let mut st = lock(&self.shared.state);
-            self.shared.pending.store(false, Ordering::Relaxed);
+            let mut st = lock(&shared.state);
+            shared.pending.store(false, Ordering::Relaxed);
             std::mem::take(&mut st.freed)
         };
         for i in freed {
@@ -991,14 +1075,17 @@ impl<D: Device> Drop for Scope<'_, D> {
         if self.learning {
             sh.learning(self.stream, false);
         }
-        let shared = self.shared.clone();
-        let mut st = lock(&shared.state);
-        for i in std::mem::take(&mut st.freed) {
-            self.unbound_freed(i);
+        // (A run without unbound buffers has no queue: nothing can reach it after the exit.)
+        let shared = self.shared.get().cloned();
+        let mut st = shared.as_ref().map(|s| lock(&s.state));
+        if let Some(st) = &mut st {
+            for i in std::mem::take(&mut st.freed) {
+                self.unbound_freed(i);
+            }
+            st.open = false;
         }
-        st.open = false;
         let followed = self.cursor.following.get()
-            && self.plan.as_ref().is_some_and(|p| p.len() == self.cursor.len.get());
+            && self.plan.as_ref().is_some_and(|p| p.len() == self.cursor.len());
         let steps = if followed { Vec::new() } else { self.take_steps() };
         // Planned slices of forgotten scoped buffers: taken back, and ordered after the other
         // streams they were used on, before the region can serve or return them.
@@ -1019,9 +1106,15 @@ impl<D: Device> Drop for Scope<'_, D> {
             _ => None,
         };
         let c = &sh.scope_counters;
-        c.escapes.fetch_add(run.live_unbound as u64, Ordering::Relaxed);
-        c.plan_hits.fetch_add(self.cursor.hits.get(), Ordering::Relaxed);
-        c.plan_misses.fetch_add(run.misses, Ordering::Relaxed);
+        for (counter, n) in [
+            (&c.escapes, run.live_unbound as u64),
+            (&c.plan_hits, self.cursor.hits.get()),
+            (&c.plan_misses, run.misses),
+        ] {
+            if n != 0 {
+                counter.fetch_add(n, Ordering::Relaxed);
+            }
+        }
         let blocks: Vec<BatchBlock> =
             run.local.drain().flat_map(|(_, v)| v.into_iter().map(|(b, _)| b)).collect();
         let escapes: Vec<Escape> = run
@@ -1042,18 +1135,19 @@ impl<D: Device> Drop for Scope<'_, D> {
             _ => None,
         };
         #[cfg(tidepool_broken = "adopt")]
-        let mut st = lock(&shared.state);
+        let mut st = shared.as_ref().map(|s| lock(&s.state));
         // Holds let go of once the run's lock is let go (through `release_region`, so the last
         // one returns the region's blocks to the pool).
-        let mut release: Vec<Arc<Region>> = region.into_iter().collect();
+        let mut adopted_release = None;
         match (adopted, learner) {
-            (Some((region, pinned)), _) => {
-                st.to_absorb = pinned.len();
-                match pinned.is_empty() {
-                    true => release.push(region),
-                    false => st.adopt = Some(region),
+            (Some((region, pinned)), _) => match (pinned.is_empty(), &mut st) {
+                (false, Some(st)) => {
+                    st.to_absorb = pinned.len();
+                    st.adopt = Some(region);
                 }
-            }
+                // Escapes are unbound buffers, so a run that pinned any has a queue.
+                _ => adopted_release = Some(region),
+            },
             (None, Some(name)) => {
                 let align = sh.config.load().sizing.min_block_size;
                 sh.learn(name, self.stream, Learned::from_steps(&steps, align));
@@ -1061,7 +1155,7 @@ impl<D: Device> Drop for Scope<'_, D> {
             (None, None) => {}
         }
         drop(st);
-        for r in release {
+        for r in region.into_iter().chain(adopted_release) {
             sh.release_region(r);
         }
     }

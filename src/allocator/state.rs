@@ -6,7 +6,7 @@
 //!  Shared ─┬─ state: Mutex<State> ── pool, pending events per stream, stream uses, counters
 //!          ├─ caches (lock-free per-stream caches, fast_cache.rs)
 //!          ├─ stats: SeqBlock (published copy, counters.rs)
-//!          └─ plans: Mutex<(name, stream) → learned plan + region>
+//!          └─ plans: Mutex<name → stream → learned plan + region>
 //! ```
 
 use super::history::{Action, History};
@@ -45,8 +45,8 @@ pub(crate) struct Shared<D: Device> {
     /// ([`Shared::lock_state`]): a large block checked in section `e` may be handed out again
     /// without the lock while it still reads `e` (`fast_cache::LargeVerdict`).
     pub(super) epoch: AtomicU64,
-    /// Learned plans of named scopes, by (name, stream). Taken before `state`, never inside it.
-    pub(super) plans: Mutex<HashMap<(String, StreamId), PlanState>>,
+    /// Learned plans of named scopes, by name and stream. Taken before `state`, never inside it.
+    pub(super) plans: Mutex<super::regions::Plans>,
     pub(super) scope_counters: ScopeCounters,
     /// Expandable-segment figures for lock-free readers (`expandable.rs`).
     pub(super) vm_published: expandable::VmPublished,
@@ -226,7 +226,7 @@ impl<D: Device> Drop for Shared<D> {
         let mut st = std::mem::take(&mut *st);
         self.flush_all(&mut st);
         // No buffer is left (each holds the allocator), so the plans hold the only regions.
-        for (_, plan) in plans {
+        for plan in plans.into_values().flatten().map(|(_, p)| p) {
             if let Some(r) = plan.region.and_then(|r| Arc::try_unwrap(r).ok()) {
                 for b in r.into_blocks() {
                     st.pool.free(b.block);

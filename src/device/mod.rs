@@ -341,6 +341,12 @@ pub trait Device: Send + Sync + 'static {
     /// Sanitizer hook: the allocator took `bytes` at `ptr` back from its user (freed on `stream`).
     fn note_reclaim(&self, _ptr: DeviceAddr, _bytes: u64, _stream: StreamId) {}
 
+    /// Whether [`Device::note_handout`] and [`Device::note_reclaim`] do anything (a sanitizer
+    /// is on). Fixed for the device's life. When they do not, a scope's planned path skips them.
+    fn observes_handouts(&self) -> bool {
+        false
+    }
+
     /// Whether the `vm_*` calls work (CUDA: the device attribute
     /// `VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED`). The defaults say no, and every `vm_*` default
     /// answers [`NO_VIRTUAL_MEMORY`]; an allocator asked for expandable segments then falls back

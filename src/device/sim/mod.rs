@@ -695,6 +695,10 @@ impl super::Device for SimDevice {
         self.state().app_streams.get(&stream.0) == Some(&true)
     }
 
+    fn observes_handouts(&self) -> bool {
+        self.config.sanitize
+    }
+
     #[inline]
     fn note_handout(&self, ptr: DeviceAddr, bytes: u64, stream: StreamId) {
         if self.config.sanitize {
