@@ -662,3 +662,40 @@ fn a_learning_run_gives_freed_pages_back_and_the_runs_after_it_map_nothing() {
     drop(alloc);
     assert_no_leak(&dev);
 }
+
+/// Where a 4 MiB transient request goes once `expandable_segments` is turned off, with a
+/// persistent range's 8 MiB free (mapped) beside it: its address, and the device's ordinary
+/// segments after it.
+fn transient_after_ranges_turned_off(broken: bool) -> (DeviceAddr, Vec<(DeviceAddr, u64)>) {
+    let (dev, alloc) = setup("", CAP);
+    alloc.set_broken(tidepool::hooks::Broken::SharedRanges, broken);
+    let s0 = StreamId::DEFAULT;
+    let w = alloc.alloc_in(8 * MIB, s0, Residency::Persistent).unwrap();
+    assert_eq!(w.ptr(), DeviceAddr(base()));
+    drop(w); // four free mapped pages of a persistent range
+    alloc.set_config(Config::default()).unwrap();
+    let t = alloc.alloc(4 * MIB, s0).unwrap();
+    let at = (t.ptr(), dev.live_segments());
+    alloc.check_invariants().unwrap();
+    assert_eq!(mapped_pages(&dev, base()), vec![0, 1, 2, 3]); // the range is left as it was
+    drop(t);
+    alloc.release_persistent().unwrap();
+    alloc.empty_cache().unwrap();
+    drop(alloc);
+    assert_no_leak(&dev);
+    at
+}
+
+#[test]
+fn a_range_keeps_its_residency_after_expandable_segments_are_turned_off() {
+    let (t, segments) = transient_after_ranges_turned_off(false);
+    assert_eq!(segments, vec![(t, 20 * MIB)]); // an ordinary transient segment of its own
+    assert!(t.0 >= base() + 2 * CAP, "{t} lies in the persistent range");
+}
+
+#[test]
+fn a_transient_block_in_a_persistent_range_is_caught() {
+    let (t, segments) = transient_after_ranges_turned_off(true);
+    assert_eq!(t, DeviceAddr(base())); // the persistent range's free pages
+    assert_eq!(segments, vec![]);
+}

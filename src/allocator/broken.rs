@@ -65,6 +65,11 @@ pub enum Broken {
     /// path tells it nothing): a planned slice reused while another stream still uses it goes
     /// unreported.
     PlannedUnobserved = 1 << 16,
+    /// On ordinary segments a large request may take the other residency's free block even
+    /// when that block lies in an expandable range (made while `expandable_segments` was on):
+    /// a transient block then pins a persistent range's pages, or a persistent one a transient
+    /// range's.
+    SharedRanges = 1 << 17,
 }
 
 #[cfg_attr(not(feature = "test-hooks"), allow(dead_code))]

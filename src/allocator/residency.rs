@@ -7,7 +7,8 @@
 //!    └─ large pool
 //!         ├─ ordinary segments ─▶ best fit over the free blocks of (r, s) and (other, s):
 //!         │                       the smaller block wins, a tie goes to r
-//!         └─ expandable ranges ─▶ r's own range only (a block there pins a page, not a segment)
+//!         └─ expandable ranges ─▶ r's own range only (a block there pins a page, not a segment;
+//!                                 ranges kept after `expandable_segments` is turned off too)
 //!  nothing fits ─▶ a new segment (or growth) keyed r
 //!  a block is accounted, and cached once freed, by its segment's residency
 //! ```
@@ -92,7 +93,13 @@ impl<D: Device> Shared<D> {
         if !st.pool.has_key(other_key) {
             return own; // the other residency never had a segment on this stream
         }
-        let other = find(self, st, other_key);
+        // A range keeps each residency's pages apart whatever the configuration is now (ranges
+        // made while `expandable_segments` was on stay after it is turned off).
+        let other = find(self, st, other_key).filter(|&b| {
+            st.vm.is_empty()
+                || !st.vm.contains(st.pool.block(b).addr)
+                || self.broken(Broken::SharedRanges)
+        });
         match (own, other) {
             (Some(a), Some(b)) if st.pool.block(b).size < st.pool.block(a).size => Some(b),
             (Some(a), _) => Some(a),
