@@ -70,6 +70,10 @@ pub enum Broken {
     /// a transient block then pins a persistent range's pages, or a persistent one a transient
     /// range's.
     SharedRanges = 1 << 17,
+    /// A growth that fails after taking pages from another stream under `wait_event` releases
+    /// them while their old mappings still retire: the device holds memory no range counts
+    /// until a later poll.
+    UnsettledMoves = 1 << 18,
 }
 
 #[cfg_attr(not(feature = "test-hooks"), allow(dead_code))]

@@ -589,6 +589,7 @@ impl<D: Device> Shared<D> {
             let retiring = r.retiring.range(win_end..).next().copied().unwrap_or(u64::MAX);
             (next_run.min(retiring) - lo) / page
         };
+        let retiring_before = st.vm.retiring.len();
         let mut chunks = self.take_pages(st, config, key, pages, room)?;
         let mut have: u64 = chunks.iter().map(|c| c.1).sum();
         let pages = pages.max(have);
@@ -601,6 +602,7 @@ impl<D: Device> Shared<D> {
                     have += n;
                 }
                 Err(e) => {
+                    self.settle_taken(st, retiring_before);
                     self.drop_handles(st, &chunks);
                     return Err(device_err(e));
                 }
@@ -617,6 +619,7 @@ impl<D: Device> Shared<D> {
                         st.vm.counts.unmaps += 1;
                     }
                 }
+                self.settle_taken(st, retiring_before);
                 self.drop_handles(st, &chunks);
                 return Err(device_err(e));
             }
@@ -705,6 +708,21 @@ impl<D: Device> Shared<D> {
             self.grow_at(st, config, key, Place { lo: a, pages: (b - a) / page })?;
         }
         Ok(())
+    }
+
+    /// A growth failed after taking chunks whose old mappings still retire (`wait_event`: the
+    /// donor's work may be unfinished): waits for those events on the host (counted), so that the
+    /// old mappings go now and releasing the chunks frees their memory. Otherwise no range would
+    /// count memory the device still holds until the next poll. `from`: the retiring entries
+    /// before the growth. (A wait refused during a capture leaves them to the next poll.)
+    fn settle_taken(&self, st: &mut State, from: usize) {
+        if st.vm.retiring.len() <= from || self.broken(Broken::UnsettledMoves) {
+            return;
+        }
+        let taken = st.vm.retiring.split_off(from);
+        let older = std::mem::replace(&mut st.vm.retiring, taken);
+        self.poll_retiring(st, !self.device.capture_underway());
+        st.vm.retiring.splice(0..0, older);
     }
 
     /// Releases physical allocations a failed growth had in hand.

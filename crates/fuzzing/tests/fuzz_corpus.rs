@@ -56,3 +56,23 @@ fn config_parse_corpus_and_artifacts() {
 fn trace_parse_corpus_and_artifacts() {
     replay("trace_parse", tidepool_fuzzing::trace_parse);
 }
+
+/// Artifacts that stand as the test of a fix: each passes (above), and fails with the fix's
+/// broken mode on, with the check named here in its failure.
+#[test]
+fn artifacts_catch_their_broken_modes() {
+    use tidepool::hooks::Broken;
+    let cases = [(
+        "crash-failed-growth-drops-retiring-moved-pages",
+        Broken::UnsettledMoves,
+        "reserved_bytes",
+    )];
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fuzz/artifacts/allocator_ops");
+    for (name, mode, check) in cases {
+        let data = std::fs::read(dir.join(name)).expect("readable artifact");
+        let program = tidepool_fuzzing::program::Program::decode(&data);
+        let options = tidepool_fuzzing::Options { broken: Some(mode), ..Default::default() };
+        let err = tidepool_fuzzing::run_program(&program, options).unwrap_err();
+        assert!(err.contains(check), "{name} with {mode:?}: {err}");
+    }
+}
