@@ -5,6 +5,7 @@
 //! a [`ScopeTag`], so the scope can record its free and keep its block for local reuse.
 
 use super::fast_cache::{CachedBlock, ClassKey};
+use super::stats_layout::is_small;
 use super::owner::Owner;
 use super::plan::Region;
 use super::scope::ScopeTag;
@@ -152,11 +153,11 @@ impl<D: Device> Drop for Buffer<D> {
     fn drop(&mut self) {
         if let Origin::Pool(block) = self.origin
             && self.scope.is_none()
-            && !self.owner.family.captures.any()
+            && !self.owner.cells().family.captures.any()
         {
             // The common case: a pool block, no scope, no capture that may hold it back. Into
-            // this thread's lane of its stream if it has room, and then the hold on the allocator
-            // stays there for the next hit.
+            // the lane that handed it out (its owner's) if it has room, and then the hold on the
+            // allocator stays there for the next hit.
             if self.free_fast(block) {
                 return; // `owner` now belongs to the lane (ManuallyDrop: nothing to forget)
             }
@@ -172,14 +173,20 @@ impl<D: Device> Buffer<D> {
     /// Frees its pool block (`Shared::free_stash`, read straight from the buffer: a free into
     /// a lane copies no `Freed`). `true`: the block went to a lane, which kept the buffer's
     /// hold on the allocator (see `owner.rs`).
+    ///
+    /// A small block goes to its owner's lane: no lookup. (Caching off, history recorded or the
+    /// lane closed: its `room` is 0 and the push refuses.) A large one goes to its stream's
+    /// first lane, which holds one at most; the hold stays there only if that lane is its
+    /// owner's (large buffers are handed out with it).
     #[inline]
     fn free_fast(&self, block: BlockId) -> bool {
-        let sh: &super::Shared<D> = &self.owner;
-        sh.device.note_reclaim(self.ptr, self.size, self.stream);
+        let owner: &Owner<D> = &self.owner;
+        if owner.cells().observes {
+            owner.device.note_reclaim(self.ptr, self.size, self.stream);
+        }
         let q = self.quadrant as usize;
         if !self.used_elsewhere()
-            && sh.fast_path.load(Ordering::Relaxed)
-            && let Some(cache) = sh.lane_for_free(q, self.size, self.stream)
+            && let Some(lane) = owner.lane()
         {
             let class = ClassKey { residency: self.residency, rounded: self.rounded };
             let b = CachedBlock {
@@ -189,11 +196,17 @@ impl<D: Device> Buffer<D> {
                 requested: self.accounted,
                 quadrant: q,
             };
-            if let Ok(stashed) = cache.push_stash(class, b, true) {
+            if is_small(q) {
+                if let Ok(stashed) = lane.push_stash(class, b, true) {
+                    return stashed;
+                }
+            } else if let Some(first) = owner.lane_for_free(q, self.size, self.stream)
+                && let Ok(stashed) = first.push_stash(class, b, std::ptr::eq(lane, &**first))
+            {
                 return stashed;
             }
         }
-        sh.free_into_pool(self.freed(block));
+        owner.free_into_pool(self.freed(block));
         false
     }
 

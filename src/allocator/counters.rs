@@ -185,7 +185,12 @@ impl BaseStats {
         }
         let mut guards = guards;
         for inner in guards.iter_mut() {
-            inner.credit = [[0; 3]; QUADRANTS];
+            // No credit left: the ceiling is the lane's current delta.
+            for q in 0..QUADRANTS {
+                for qty in [BYTES, COUNT, REQ] {
+                    inner.ceiling[q][qty] = inner.words[fast_cur(qty, q)];
+                }
+            }
             for (g, &(_, qty)) in LIVE.iter().enumerate() {
                 for (q, v) in cur[g].iter_mut().enumerate() {
                     *v = v.wrapping_add(inner.words[fast_cur(qty, q)]);
