@@ -39,7 +39,9 @@ pub struct Buffer<D: Device> {
     pub(super) size: u64,
     pub(super) stream: StreamId,
     pub(super) origin: Origin,
-    pub(super) scope: Option<ScopeTag>,
+    /// Boxed: only unbound scope buffers carry one, and the common hand-out then moves one word
+    /// for it instead of the tag's six.
+    pub(super) scope: Option<Box<ScopeTag>>,
     /// Its hold on the allocator. Dropped by hand at the end of [`Buffer`]'s drop, or left in a
     /// stream cache for the next hit to take over (`owner.rs`).
     pub(super) owner: ManuallyDrop<Arc<Owner<D>>>,
@@ -231,7 +233,7 @@ impl<D: Device> Buffer<D> {
     #[cold]
     fn drop_slow(&mut self) {
         let planned = matches!(self.origin, Origin::Region(..));
-        let uses = self.scope.as_ref().map(ScopeTag::take_uses).unwrap_or_default();
+        let uses = self.scope.as_ref().map(|t| t.take_uses()).unwrap_or_default();
         // BROKEN (finding 4): the free is visible to the scope before the ordering is in place.
         let late = cfg!(tidepool_broken = "unbound_free")
             || (planned && self.owner.broken(super::Broken::UnboundFreeOrder));

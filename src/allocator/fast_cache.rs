@@ -334,7 +334,7 @@ impl StreamCache {
         let g = self.lock_inner();
         let mask = g.round_mask;
         let rounded = match mask {
-            u64::MAX => match g.sizing.round(bytes) {
+            u64::MAX => match round_cold(&g.sizing, bytes) {
                 Some(r) => r,
                 None => return (Pop::Miss, 0, false),
             },
@@ -710,6 +710,13 @@ impl StreamCache {
             self.publish(&g.words);
         }
     }
+}
+
+/// `Sizing::round` out of line: the hit path rounds with one mask where it can.
+#[cold]
+#[inline(never)]
+fn round_cold(sizing: &Sizing, bytes: u64) -> Option<u64> {
+    sizing.round(bytes)
 }
 
 /// Frees every block cached by `cache` into `pool` (a flush). The caller holds the global lock.
