@@ -308,29 +308,25 @@ impl StreamCache {
         self.pop_checked(class, requested, |_| true)
     }
 
-    /// Whether a hit may serve `bytes` at all (a relaxed hint, as in
-    /// [`StreamCache::pop_request`]): every lane of a stream is configured alike, so a request
-    /// one lane refuses for its size skips the others.
+    /// Whether a hit may serve `bytes` at all (a relaxed hint: the limits may have changed, the
+    /// slow path decides): every lane of a stream is configured alike, so a request one lane
+    /// refuses for its size skips the others. A zero-byte request wraps around and is refused.
     #[inline]
     pub fn may_serve(&self, bytes: u64) -> bool {
-        bytes <= self.fast_max.load(Ordering::Relaxed)
+        bytes.wrapping_sub(1) < self.fast_max.load(Ordering::Relaxed)
     }
 
     /// The hit path: a request of `bytes` with `residency`, rounded here by the size rules of
     /// the configuration in force (set under this lock with [`StreamCache::configure`]), so the
     /// whole decision follows one configuration without loading it. [`Pop::Miss`] when the
     /// stream caches may not serve it (disabled, or not a small-pool request). On a hit, the
-    /// rounded request comes with the block.
+    /// rounded request comes with the block. The caller asked [`StreamCache::may_serve`] first.
     ///
     /// The third value says whether the hit took over a stashed reference to the stream's owner
     /// handle ([`StreamCache::push_stash`]); the caller must then adopt it (`owner.rs`).
     #[inline(always)]
     pub fn pop_request(&self, residency: Residency, bytes: u64) -> (Pop, u64, bool) {
-        // A hint (the limits may have changed: the slow path decides); a zero-byte request
-        // wraps around and misses too.
-        if bytes.wrapping_sub(1) >= self.fast_max.load(Ordering::Relaxed) {
-            return (Pop::Miss, 0, false);
-        }
+        debug_assert!(bytes > 0);
         let g = self.lock_inner();
         let mask = g.round_mask;
         let rounded = match mask {
