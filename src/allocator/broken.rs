@@ -74,6 +74,9 @@ pub enum Broken {
     /// them while their old mappings still retire: the device holds memory no range counts
     /// until a later poll.
     UnsettledMoves = 1 << 18,
+    /// Recording the memory history leaves the stream-cache lanes open (their room and size
+    /// bound as configured): hits and frees then bypass the slow path and go unrecorded.
+    HistoryLanesOpen = 1 << 22,
 }
 
 #[cfg_attr(not(feature = "test-hooks"), allow(dead_code))]

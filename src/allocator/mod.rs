@@ -715,8 +715,11 @@ impl<D: Device> Allocator<D> {
         sh.recording.store(on, Ordering::Relaxed);
         let config = st.config.clone();
         sh.fast_path.store(config.fast_path() && !on, Ordering::Relaxed);
+        // The lanes close to hits and frees alike (room and size bound 0), so every operation
+        // takes the slow path, which records it.
+        let closed = on && !sh.broken(Broken::HistoryLanesOpen);
         for c in sh.caches.all().iter() {
-            c.configure(limits(&config, on), config.sizing);
+            c.configure(limits(&config, closed), config.sizing);
         }
         if on {
             sh.flush_all(&mut st);

@@ -561,7 +561,8 @@ impl<D: Device> Shared<D> {
             return;
         }
         let config = self.config.load();
-        let limits = limits(&config, self.recording.load(Ordering::Relaxed));
+        let recording = self.recording.load(Ordering::Relaxed);
+        let limits = limits(&config, recording && !self.broken(Broken::HistoryLanesOpen));
         let lanes: Vec<_> = (0..fast_cache::LANES)
             .map(|_| {
                 let cache = StreamCache::new(stream, limits);
