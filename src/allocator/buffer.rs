@@ -5,10 +5,10 @@
 //! a [`ScopeTag`], so the scope can record its free and keep its block for local reuse.
 
 use super::fast_cache::{CachedBlock, ClassKey};
-use super::stats_layout::is_small;
 use super::owner::Owner;
 use super::plan::Region;
 use super::scope::ScopeTag;
+use super::stats_layout::is_small;
 use crate::device::{AccessKind, Device, DeviceAddr, StreamId};
 use crate::pool::BlockId;
 use crate::stats::Residency;

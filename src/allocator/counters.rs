@@ -176,7 +176,7 @@ impl BaseStats {
     }
 
     /// Locks every stream cache, zeroes its credit (its ceiling becomes its `Δcur`) and recomputes
-/// `upper` as the exact current.
+    /// `upper` as the exact current.
     /// Returns the guards: the caller applies its change before letting them go.
     fn revoke<'a>(&mut self, caches: &'a [Arc<StreamCache>]) -> Vec<LaneGuard<'a, CacheInner>> {
         let guards: Vec<_> = caches.iter().map(|c| c.lock_inner()).collect();

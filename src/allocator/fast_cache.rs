@@ -871,4 +871,3 @@ impl CacheTable {
         i == 0 || all[i - 1].stream() != all[i].stream()
     }
 }
-

@@ -93,12 +93,12 @@ use counters::{BASE_WORDS, BaseStats, quadrant};
 use events::Mark;
 use fast_cache::{CacheTable, CachedBlock, ClassKey, Limits, Pop, StreamCache, flush_into};
 use owner::OwnerTable;
-use stats_layout::is_small;
 use plan::{Learned, Region};
 use publish::{limits, stats_from};
 use request::RequestPlan;
 use seqlock::SeqBlock;
 use state::{Locked, PendingEvent, ScopeCounters, Shared, State, UseState};
+use stats_layout::is_small;
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::fmt;
 use std::ops::{Deref, DerefMut};
@@ -428,7 +428,9 @@ impl<D: Device> Allocator<D> {
                 let r = sh.cached_residency(residency);
                 match cache.pop_request(r, bytes) {
                     (Pop::Hit(b), rounded, stashed) => {
-                        return Ok(self.hand_out_hit(&owner, &b, bytes, stream, rounded, r, stashed));
+                        return Ok(
+                            self.hand_out_hit(&owner, &b, bytes, stream, rounded, r, stashed)
+                        );
                     }
                     (Pop::NeedsLock, ..) => {
                         cached = sh.caches.fast_lane_at(stream, lane);
