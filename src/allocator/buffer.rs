@@ -4,7 +4,7 @@
 //! of a learned plan's region, or nowhere (zero bytes). A buffer made inside a scope also carries
 //! a [`ScopeTag`], so the scope can record its free and keep its block for local reuse.
 
-use super::fast_cache::{CachedBlock, ClassKey};
+use super::fast_cache::{CachedBlock, ClassKey, StreamCache};
 use super::owner::Owner;
 use super::plan::Region;
 use super::scope::ScopeTag;
@@ -202,10 +202,12 @@ impl<D: Device> Buffer<D> {
                 if let Ok(stashed) = lane.push_stash(class, b, true) {
                     return stashed;
                 }
-            } else if let Some(first) = owner.lane_for_free(q, self.size, self.stream)
-                && let Ok(stashed) = first.push_stash(class, b, std::ptr::eq(lane, &**first))
-            {
-                return stashed;
+            } else if let Some(first) = owner.lane_for_free(q, self.size, self.stream) {
+                // (A reference under std, a clone under loom.)
+                let first: &StreamCache = &first;
+                if let Ok(stashed) = first.push_stash(class, b, std::ptr::eq(lane, first)) {
+                    return stashed;
+                }
             }
         }
         owner.free_into_pool(self.freed(block));

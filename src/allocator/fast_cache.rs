@@ -118,8 +118,10 @@ pub struct CacheInner {
     /// (wrapping): a free lowers `Δcur` and so grants credit with no store of its own, a hit
     /// may raise `Δcur` up to the ceiling, and a revocation sets the ceiling to `Δcur`.
     pub(crate) ceiling: [[u64; 3]; QUADRANTS],
-    /// The words of `fast` as last published (this lock makes us their only writer).
+    /// The lane's statistics words (see `counters.rs`), published into `fast` by readers.
     pub(crate) words: [u64; FAST_WORDS],
+    /// `words` as last published into `fast` (this lock makes us its only writer).
+    published: [u64; FAST_WORDS],
     limits: Limits,
     /// The size rules of the configuration in force (set with the limits), so that a hit
     /// rounds its request here, under this lock, without loading the configuration.
@@ -208,6 +210,7 @@ impl StreamCache {
                 large_class: ClassKey { residency: Residency::Transient, rounded: 0 },
                 ceiling: [[0; 3]; QUADRANTS],
                 words: [0; FAST_WORDS],
+                published: [0; FAST_WORDS],
                 limits,
                 sizing: Sizing::default(),
                 closed: false,
@@ -496,7 +499,7 @@ impl StreamCache {
         let w = &mut inner.words;
         w[CACHED_BYTES] -= b.size;
         w[CACHED_BLOCKS] -= 1;
-        self.publish(w);
+        self.publish(inner);
         Some(b)
     }
 
@@ -517,7 +520,7 @@ impl StreamCache {
         self.set_large(inner, 0);
         inner.words[CACHED_BYTES] = 0;
         inner.words[CACHED_BLOCKS] = 0;
-        self.publish(&inner.words);
+        self.publish(inner);
         out
     }
 
@@ -548,7 +551,7 @@ impl StreamCache {
                 inner.words[CACHED_BYTES] -= b.size;
                 inner.words[CACHED_BLOCKS] -= 1;
             }
-            self.publish(&inner.words);
+            self.publish(inner);
             return taken.first().copied();
         }
         // A class holds blocks of one pool only (its rounded size decides), and the cache holds
@@ -562,7 +565,7 @@ impl StreamCache {
         self.set_large(inner, 0);
         inner.words[CACHED_BYTES] -= b.size;
         inner.words[CACHED_BLOCKS] -= 1;
-        self.publish(&inner.words);
+        self.publish(inner);
         Some(b)
     }
 
@@ -601,7 +604,7 @@ impl StreamCache {
             });
         }
         self.large.store(inner.large, Ordering::Relaxed);
-        self.publish(&inner.words);
+        self.publish(inner);
     }
 
     /// Clears the cache without returning anything (used by the broken variants only).
@@ -613,7 +616,7 @@ impl StreamCache {
         self.set_large(inner, 0);
         inner.words[CACHED_BYTES] = 0;
         inner.words[CACHED_BLOCKS] = 0;
-        self.publish(&inner.words);
+        self.publish(inner);
     }
 
     /// Changes what the stream may cache and the size rules its hits round with (blocks already
@@ -684,12 +687,17 @@ impl StreamCache {
         self.fast.open();
     }
 
-    /// Publishes every word of `words` into `fast` (closing a write left open).
-    fn publish(&self, words: &[u64; FAST_WORDS]) {
-        self.cached.store(words[CACHED_BLOCKS], Ordering::Relaxed);
+    /// Publishes into `fast` the words that differ from what it last published (closing a write
+    /// left open). The caller holds this lane's lock.
+    fn publish(&self, inner: &mut CacheInner) {
+        self.cached.store(inner.words[CACHED_BLOCKS], Ordering::Relaxed);
+        let (words, published) = (&inner.words, &mut inner.published);
         self.fast.write(|w| {
-            for (i, &v) in words.iter().enumerate() {
-                w.set(i, v);
+            for (i, (&v, p)) in words.iter().zip(published.iter_mut()).enumerate() {
+                if v != *p {
+                    w.set(i, v);
+                    *p = v;
+                }
             }
         });
     }
@@ -699,11 +707,12 @@ impl StreamCache {
     /// write open and tries again, and after enough tries reads under the locks).
     pub fn close_stats(&self) {
         if self.fast.is_open()
-            && let Some(g) = self.inner.try_lock()
+            && let Some(mut g) = self.inner.try_lock()
             && self.fast.is_open()
         {
-            // Every word (a hit keeps no change marks): a few dozen stores, on the reader's side.
-            self.publish(&g.words);
+            // The words that changed since the last publish (a hit keeps no change marks: they
+            // are found by comparing with a copy, on the reader's side).
+            self.publish(&mut g);
         }
     }
 }
