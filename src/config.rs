@@ -250,34 +250,55 @@ impl fmt::Display for ConfigError {
 
 impl std::error::Error for ConfigError {}
 
-/// The `key:value` entries of a configuration string: split at commas outside brackets (a
-/// PyTorch list value such as `[64:8,>:1]` stays whole).
-fn top_level_entries(s: &str) -> Result<Vec<&str>, ConfigError> {
-    let mut out = Vec::new();
-    let (mut depth, mut start) = (0usize, 0usize);
-    for (i, c) in s.char_indices() {
-        match c {
-            '[' => depth += 1,
-            ']' => {
-                depth = depth.checked_sub(1).ok_or_else(|| {
-                    ConfigError::Malformed(format!("`]` without `[` in `{}`", s[start..].trim()))
-                })?
-            }
-            ',' if depth == 0 => {
-                out.push(&s[start..i]);
-                start = i + 1;
-            }
-            _ => {}
-        }
-    }
-    if depth != 0 {
-        return Err(ConfigError::Malformed(format!("`[` without `]` in `{}`", s[start..].trim())));
-    }
-    out.push(&s[start..]);
-    Ok(out)
-}
-
 impl Config {
+    /// The `(key, value)` entries of a `key:value,...` string, trimmed, empty ones skipped: split
+    /// at commas outside brackets, so a PyTorch list value such as `[64:8,>:1]` stays whole.
+    ///
+    /// ```
+    /// use tidepool::Config;
+    /// let e = Config::entries("expandable_segments:True, roundup_power2_divisions:[64:8,>:1]");
+    /// assert_eq!(
+    ///     e.unwrap(),
+    ///     [("expandable_segments", "True"), ("roundup_power2_divisions", "[64:8,>:1]")]
+    /// );
+    /// assert!(Config::entries("roundup_power2_divisions:[64:8").is_err());
+    /// ```
+    pub fn entries(s: &str) -> Result<Vec<(&str, &str)>, ConfigError> {
+        let mut parts = Vec::new();
+        let (mut depth, mut start) = (0usize, 0usize);
+        let unbalanced = |what: &str, from: usize| {
+            ConfigError::Malformed(format!("{what} in `{}`", s[from..].trim()))
+        };
+        for (i, c) in s.char_indices() {
+            match c {
+                '[' => depth += 1,
+                ']' => {
+                    depth =
+                        depth.checked_sub(1).ok_or_else(|| unbalanced("`]` without `[`", start))?
+                }
+                ',' if depth == 0 => {
+                    parts.push(&s[start..i]);
+                    start = i + 1;
+                }
+                _ => {}
+            }
+        }
+        if depth != 0 {
+            return Err(unbalanced("`[` without `]`", start));
+        }
+        parts.push(&s[start..]);
+        parts
+            .into_iter()
+            .map(str::trim)
+            .filter(|e| !e.is_empty())
+            .map(|e| {
+                let (k, v) =
+                    e.split_once(':').ok_or_else(|| ConfigError::Malformed(e.to_string()))?;
+                Ok((k.trim(), v.trim()))
+            })
+            .collect()
+    }
+
     /// Parses a `key:value,key:value` string over the defaults. Empty entries are ignored.
     pub fn parse(s: &str) -> Result<Config, ConfigError> {
         let mut c = Config::default();
@@ -322,10 +343,8 @@ impl Config {
     /// unchanged.
     pub fn apply(&mut self, s: &str) -> Result<(), ConfigError> {
         let mut next = self.clone();
-        for entry in top_level_entries(s)?.into_iter().map(str::trim).filter(|e| !e.is_empty()) {
-            let (key, value) =
-                entry.split_once(':').ok_or_else(|| ConfigError::Malformed(entry.to_string()))?;
-            next.set(key.trim(), value.trim())?;
+        for (key, value) in Config::entries(s)? {
+            next.set(key, value)?;
         }
         next.validate()?;
         *self = next;

@@ -97,34 +97,12 @@ pub struct ConfigMapping {
     pub notes: Vec<String>,
 }
 
-/// One entry of a `PYTORCH_CUDA_ALLOC_CONF` string (`key:value`, brackets kept together).
-fn conf_entries(conf: &str) -> Vec<(&str, &str)> {
-    let mut out = Vec::new();
-    let mut depth = 0i32;
-    let mut start = 0;
-    let bytes = conf.as_bytes();
-    for i in 0..=bytes.len() {
-        let c = bytes.get(i).copied();
-        match c {
-            Some(b'[') => depth += 1,
-            Some(b']') => depth -= 1,
-            Some(b',') | None if depth <= 0 => {
-                let entry = conf[start..i].trim();
-                if let Some((k, v)) = entry.split_once(':') {
-                    out.push((k.trim(), v.trim()));
-                }
-                start = i + 1;
-            }
-            _ => {}
-        }
-    }
-    out
-}
-
 impl AllocatorSettings {
     /// The value of `key` in the `PYTORCH_CUDA_ALLOC_CONF` string, if set there.
     pub fn conf_value(&self, key: &str) -> Option<&str> {
-        conf_entries(&self.conf).into_iter().rev().find(|(k, _)| *k == key).map(|(_, v)| v)
+        // PyTorch accepted the string, so it is well formed; one that is not has no value.
+        let entries = Config::entries(&self.conf).unwrap_or_default();
+        entries.into_iter().rev().find(|(k, _)| *k == key).map(|(_, v)| v)
     }
 
     /// One line for reports: `key value, key value, ...`.
@@ -317,11 +295,13 @@ mod tests {
     }
 
     #[test]
-    fn conf_string_entries_keep_brackets() {
-        assert_eq!(
-            conf_entries("roundup_power2_divisions:[256:1,>:4], backend:native"),
-            vec![("roundup_power2_divisions", "[256:1,>:4]"), ("backend", "native")]
-        );
-        assert_eq!(conf_entries(""), vec![]);
+    fn conf_string_values_keep_brackets() {
+        let s = AllocatorSettings {
+            conf: "roundup_power2_divisions:[256:1,>:4], backend:native".into(),
+            ..AllocatorSettings::default()
+        };
+        assert_eq!(s.conf_value("roundup_power2_divisions"), Some("[256:1,>:4]"));
+        assert_eq!(s.conf_value("backend"), Some("native"));
+        assert_eq!(s.conf_value("max_split_size_mb"), None);
     }
 }
