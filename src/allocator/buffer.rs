@@ -204,6 +204,7 @@ impl<D: Device> Buffer<D> {
                 }
             } else if let Some(first) = owner.lane_for_free(q, self.size, self.stream) {
                 // (A reference under std, a clone under loom.)
+                #[allow(clippy::needless_borrow)]
                 let first: &StreamCache = &first;
                 if let Ok(stashed) = first.push_stash(class, b, std::ptr::eq(lane, first)) {
                     return stashed;
