@@ -38,6 +38,7 @@ mod lane_lock;
 mod observers;
 mod oom;
 mod owner;
+mod page_table;
 mod passthrough;
 mod plan;
 mod pool_size;
@@ -50,6 +51,7 @@ mod residency;
 mod scope;
 mod seqlock;
 mod slow_path;
+mod sorted_map;
 mod state;
 mod stats_layout;
 
