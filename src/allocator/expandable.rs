@@ -158,7 +158,6 @@ impl Vm {
     }
 
     /// The base of the range holding `addr`.
-    #[inline]
     fn range_of(&self, addr: u64) -> Option<u64> {
         self.spans.iter().find(|&&(b, e)| b <= addr && addr < e).map(|&(b, _)| b)
     }
@@ -171,7 +170,6 @@ impl Vm {
     }
 
     /// Does `addr` lie in one of the ranges?
-    #[inline]
     pub(super) fn contains(&self, addr: u64) -> bool {
         !self.ranges.is_empty() && self.range_of(addr).is_some()
     }
@@ -361,7 +359,7 @@ impl<D: Device> Shared<D> {
         if st.vm.is_empty() || blk.next.is_some() {
             return Some(b);
         }
-        if !st.vm.is_top(blk.addr, blk.segment) || !st.pool.has_free_above(key, blk.size) {
+        if !st.vm.is_top(blk.addr, blk.segment) {
             return Some(b);
         }
         st.pool.find_free(key, blk.size + 1, &config.sizing).or(Some(b))
@@ -411,7 +409,7 @@ impl<D: Device> Shared<D> {
             return true;
         }
         let key = st.pool.segment(seg).key;
-        !st.pool.has_free_above(key, merged) || st.pool.find_free(key, merged + 1, sizing).is_none()
+        st.pool.find_free(key, merged + 1, sizing).is_none()
     }
 
     /// Whether freed large-pool blocks may wait in their stream's cache under `config` over
