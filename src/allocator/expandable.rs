@@ -158,6 +158,7 @@ impl Vm {
     }
 
     /// The base of the range holding `addr`.
+    #[inline]
     fn range_of(&self, addr: u64) -> Option<u64> {
         self.spans.iter().find(|&&(b, e)| b <= addr && addr < e).map(|&(b, _)| b)
     }
@@ -170,6 +171,7 @@ impl Vm {
     }
 
     /// Does `addr` lie in one of the ranges?
+    #[inline]
     pub(super) fn contains(&self, addr: u64) -> bool {
         !self.ranges.is_empty() && self.range_of(addr).is_some()
     }
@@ -303,8 +305,8 @@ impl<D: Device> Shared<D> {
     }
 
     fn make_range(&self, st: &mut State, key: PoolKey) -> Result<(), String> {
-        let name = self.device.name();
         if !self.vm_supported(st) {
+            let name = self.device.name();
             return Err(format!(
                 "expandable_segments:true, but {name} has no virtual memory management: ordinary segments"
             ));
