@@ -44,7 +44,7 @@ use crate::device::PhysHandle;
 use crate::pool::{Segment, Sizing};
 use std::collections::BTreeSet;
 use page_table::{Chunk, PageTable};
-use sorted_map::SortedMap;
+use crate::types::SortedMap;
 
 /// One virtual range of one pool key.
 pub(super) struct Range {

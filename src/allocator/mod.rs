@@ -51,7 +51,6 @@ mod residency;
 mod scope;
 mod seqlock;
 mod slow_path;
-mod sorted_map;
 mod state;
 mod stats_layout;
 

@@ -2,7 +2,10 @@
 //! block states and size units. It sits below the device, pool and allocator layers, so each of
 //! them can name these without importing another layer (see `docs/ARCHITECTURE.md`).
 
+mod sorted_map;
 mod stat;
+
+pub(crate) use sorted_map::SortedMap;
 
 pub use stat::{BlockStats, Stat, StatGroup};
 

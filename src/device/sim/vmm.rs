@@ -16,7 +16,7 @@
 //! kernels read and write the physical bytes through whichever mapping they use, page by page.
 
 use crate::device::{DeviceAddr, DeviceError, PhysHandle};
-use std::collections::BTreeMap;
+use crate::types::SortedMap;
 
 /// `CUDA_ERROR_INVALID_VALUE`.
 const INVALID_VALUE: u32 = 1;
@@ -212,9 +212,9 @@ pub(super) struct Vmm {
     pub(super) virtual_reserved: u64,
     /// Bytes of live physical allocations (released ones still mapped included).
     pub(super) physical_bytes: u64,
-    ranges: BTreeMap<u64, u64>,
+    ranges: SortedMap<u64, u64>,
     physical: PhysTable,
-    mappings: BTreeMap<u64, Mapping>,
+    mappings: SortedMap<u64, Mapping>,
     pub(super) counters: VmCounters,
     pub(super) faults: VmFaults,
 }
@@ -231,9 +231,9 @@ impl Vmm {
             virtual_capacity: capacity.saturating_mul(1024).clamp(1 << 40, 1 << 60),
             virtual_reserved: 0,
             physical_bytes: 0,
-            ranges: BTreeMap::new(),
+            ranges: SortedMap::default(),
             physical: PhysTable::default(),
-            mappings: BTreeMap::new(),
+            mappings: SortedMap::default(),
             counters: VmCounters::default(),
             faults: VmFaults::default(),
         }

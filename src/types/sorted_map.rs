@@ -1,23 +1,26 @@
-//! `SortedMap`: a map kept as one vector sorted by key, for the expandable segments' small
-//! tables (the ranges by base address and by pool key, a range's runs by base address).
+//! `SortedMap`: a map kept as one vector sorted by key, for small address tables on hot paths:
+//! the expandable segments' (ranges by base address and by pool key, a range's runs by base
+//! address) and the simulated device's virtual memory (ranges, mappings by address).
 //!
 //! ```text
 //!  entries  [(k0, v0) (k1, v1) (k2, v2) …]    k0 < k1 < k2: lookups by binary search,
 //!                                              first / last / ranges as slices
 //! ```
 //!
-//! These tables hold a few entries (a range per stream, pool kind and residency; a run per
-//! stretch of mapped pages, one while nothing was released), and the slow path reads them on
-//! every search of an expandable pool and every growth. A vector answers those reads with a
-//! few comparisons and no pointer chasing, and walks them with the slice code every other table
-//! uses, where a `BTreeMap` brought its node code into the hot path (and out of the instruction
-//! cache). Inserts and removals move the entries above them: cheap at these sizes.
+//! The allocator's tables hold a few entries (a range per stream, pool kind and residency; a run
+//! per stretch of mapped pages, one while nothing was released), and the slow path reads them
+//! on every search of an expandable pool and every growth; the device's mappings grow by one
+//! per growth, almost always at the top. A vector answers those reads with a binary search and
+//! no pointer chasing, and walks them with the slice code every other table uses, where a
+//! `BTreeMap` brought its node code into the hot path (and out of the instruction cache).
+//! Inserts and removals move the entries above them: a few words at the top, and a `memmove`
+//! of the table at worst.
 
 use std::ops::{Bound, RangeBounds};
 
 /// A map sorted by key, as one vector. See the module docs.
 #[derive(Clone, Debug)]
-pub(super) struct SortedMap<K, V> {
+pub(crate) struct SortedMap<K, V> {
     entries: Vec<(K, V)>,
 }
 
@@ -35,7 +38,7 @@ impl<K: Ord + Copy, V> SortedMap<K, V> {
     }
 
     /// Inserts `v` at `k`; returns the value it replaces.
-    pub(super) fn insert(&mut self, k: K, v: V) -> Option<V> {
+    pub(crate) fn insert(&mut self, k: K, v: V) -> Option<V> {
         match self.find(&k) {
             Ok(i) => Some(std::mem::replace(&mut self.entries[i].1, v)),
             Err(i) => {
@@ -46,62 +49,62 @@ impl<K: Ord + Copy, V> SortedMap<K, V> {
     }
 
     /// Removes the entry at `k`.
-    pub(super) fn remove(&mut self, k: &K) -> Option<V> {
+    pub(crate) fn remove(&mut self, k: &K) -> Option<V> {
         self.find(k).ok().map(|i| self.entries.remove(i).1)
     }
 
     /// The value at `k`.
     #[inline]
-    pub(super) fn get(&self, k: &K) -> Option<&V> {
+    pub(crate) fn get(&self, k: &K) -> Option<&V> {
         self.find(k).ok().map(|i| &self.entries[i].1)
     }
 
     /// The value at `k`, to change.
     #[inline]
-    pub(super) fn get_mut(&mut self, k: &K) -> Option<&mut V> {
+    pub(crate) fn get_mut(&mut self, k: &K) -> Option<&mut V> {
         self.find(k).ok().map(|i| &mut self.entries[i].1)
     }
 
     /// Whether `k` has an entry.
     #[inline]
-    pub(super) fn contains_key(&self, k: &K) -> bool {
+    pub(crate) fn contains_key(&self, k: &K) -> bool {
         self.find(k).is_ok()
     }
 
     /// No entry.
     #[inline]
-    pub(super) fn is_empty(&self) -> bool {
+    pub(crate) fn is_empty(&self) -> bool {
         self.entries.is_empty()
     }
 
     /// Number of entries.
-    pub(super) fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         self.entries.len()
     }
 
     /// Entries in key order.
-    pub(super) fn iter(&self) -> impl DoubleEndedIterator<Item = (&K, &V)> + Clone {
+    pub(crate) fn iter(&self) -> impl DoubleEndedIterator<Item = (&K, &V)> + Clone {
         self.entries.iter().map(|(k, v)| (k, v))
     }
 
     /// Keys in order.
-    pub(super) fn keys(&self) -> impl DoubleEndedIterator<Item = &K> + Clone {
+    pub(crate) fn keys(&self) -> impl DoubleEndedIterator<Item = &K> + Clone {
         self.entries.iter().map(|(k, _)| k)
     }
 
     /// Values in key order.
-    pub(super) fn values(&self) -> impl DoubleEndedIterator<Item = &V> + Clone {
+    pub(crate) fn values(&self) -> impl DoubleEndedIterator<Item = &V> + Clone {
         self.entries.iter().map(|(_, v)| v)
     }
 
     /// The entry with the largest key.
     #[inline]
-    pub(super) fn last(&self) -> Option<(&K, &V)> {
+    pub(crate) fn last(&self) -> Option<(&K, &V)> {
         self.entries.last().map(|(k, v)| (k, v))
     }
 
     /// Entries whose keys lie in `r`, in key order.
-    pub(super) fn range(
+    pub(crate) fn range(
         &self,
         r: impl RangeBounds<K>,
     ) -> impl DoubleEndedIterator<Item = (&K, &V)> + Clone {
