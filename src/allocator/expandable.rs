@@ -42,9 +42,9 @@ use super::history::Action;
 use super::*;
 use crate::device::PhysHandle;
 use crate::pool::{Segment, Sizing};
-use std::collections::BTreeSet;
-use page_table::{Chunk, PageTable};
 use crate::types::SortedMap;
+use page_table::{Chunk, PageTable};
+use std::collections::BTreeSet;
 
 /// One virtual range of one pool key.
 pub(super) struct Range {
@@ -251,8 +251,7 @@ fn place(pool: &Pool, r: &Range, rounded: u64, page: u64) -> Option<Place> {
                 // The gap's pages under the window.
                 let lo = r.base + (w.max(gap_lo) - r.base) / page * page;
                 let hi = r.base + ((w + rounded).min(gap_hi) - r.base).div_ceil(page) * page;
-                if hi <= lo || !r.retiring.is_empty() && r.retiring.range(lo..hi).next().is_some()
-                {
+                if hi <= lo || !r.retiring.is_empty() && r.retiring.range(lo..hi).next().is_some() {
                     continue;
                 }
                 let p = Place { lo, pages: (hi - lo) / page };
