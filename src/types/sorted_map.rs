@@ -147,7 +147,7 @@ mod tests {
             x ^= x >> 7;
             x ^= x << 17;
             let k = x % 40;
-            if x % 3 == 0 {
+            if x.is_multiple_of(3) {
                 assert_eq!(m.remove(&k), b.remove(&k), "remove {k} at step {step}");
             } else {
                 assert_eq!(m.insert(k, step), b.insert(k, step), "insert {k} at step {step}");
