@@ -1,7 +1,8 @@
-//! `PYTORCH_CUDA_ALLOC_CONF` strings copied from PyTorch jobs configure tidepool unchanged, and
-//! mean what they mean there: the rounding of PyTorch's `test_cuda` allocator-settings test,
-//! `expandable_segments:True`, the per-interval `roundup_power2_divisions` list, and the keys
-//! that have no effect here (accepted, listed in `memory_summary`).
+//! What a PyTorch user brings works as it does there: `PYTORCH_CUDA_ALLOC_CONF` strings copied
+//! from PyTorch jobs configure tidepool unchanged (the rounding of PyTorch's `test_cuda`
+//! allocator-settings test, `expandable_segments:True`, the per-interval
+//! `roundup_power2_divisions` list, and the keys that have no effect here, accepted and listed in
+//! `memory_summary`), and `memory_stats()` reads with `torch.cuda.memory_stats()`'s keys.
 
 use std::sync::Arc;
 use tidepool::device::SimDevice;
@@ -99,4 +100,63 @@ fn keys_without_effect_are_accepted_and_shown() {
     let (_dev, alloc) = allocator("garbage_collection_threshold:0.5");
     let summary = alloc.memory_summary();
     assert!(summary.contains("garbage collection: 0.5 (4.00 GiB)"), "{summary}");
+}
+
+/// `memory_stats()` has `torch.cuda.memory_stats()`'s keys and figures: a 1000-byte tensor in a
+/// 2 MiB small segment, a 3 MiB one split off a 20 MiB large segment (its 17 MiB remainder an
+/// inactive split), then the small one freed.
+#[test]
+fn memory_stats_has_pytorchs_keys_and_figures() {
+    let (_dev, alloc) = allocator("max_split_size_mb:64");
+    let small = alloc.alloc(1000, S0).unwrap();
+    let large = alloc.alloc(3 * MIB, S0).unwrap();
+    drop(small);
+    let m = alloc.memory_stats();
+    // Nine block figures × five groups × four fields, two oversize figures, six counters.
+    assert_eq!(m.len(), 9 * 5 * 4 + 2 * 4 + 6);
+    let want: [(&str, i64); 22] = [
+        ("allocation.all.current", 1),
+        ("allocation.all.peak", 2),
+        ("allocation.all.allocated", 2),
+        ("allocation.all.freed", 1),
+        ("allocation.small_pool.freed", 1),
+        ("allocated_bytes.all.current", 3 << 20),
+        ("allocated_bytes.small_pool.peak", 1024),
+        ("allocated_bytes.large_pool.current", 3 << 20),
+        ("requested_bytes.all.allocated", (3 << 20) + 1000),
+        ("requested_bytes.small_pool.current", 0),
+        ("reserved_bytes.all.current", 22 << 20),
+        ("reserved_bytes.small_pool.current", 2 << 20),
+        ("reserved_bytes.large_pool.current", 20 << 20),
+        ("reserved_bytes.transient.current", 22 << 20),
+        ("segment.all.current", 2),
+        ("inactive_split_bytes.large_pool.current", 17 << 20),
+        ("inactive_split.large_pool.current", 1),
+        ("active_bytes.all.current", 3 << 20),
+        ("num_device_alloc", 2),
+        ("num_device_free", 0),
+        ("num_alloc_retries", 0),
+        ("max_split_size", 64 << 20),
+    ];
+    for (key, v) in want {
+        assert_eq!(m[key], v, "{key}");
+    }
+    drop(large);
+    alloc.empty_cache().unwrap();
+    let m = alloc.memory_stats();
+    assert_eq!((m["reserved_bytes.all.current"], m["num_device_free"]), (0, 2));
+    assert_eq!(m["reserved_bytes.all.peak"], 22 << 20);
+    // On expandable segments PyTorch counts page maps and unmaps as device calls too.
+    let (_dev, alloc) = allocator("expandable_segments:True");
+    let b = alloc.alloc(3 * MIB, S0).unwrap();
+    let s = alloc.stats();
+    let m = alloc.memory_stats();
+    assert_eq!((s.num_device_alloc, m["max_split_size"]), (0, -1));
+    assert!(s.num_device_map >= 1);
+    assert_eq!(m["num_device_alloc"], s.num_device_map as i64);
+    drop(b);
+    alloc.empty_cache().unwrap();
+    let s = alloc.stats();
+    assert_eq!(alloc.memory_stats()["num_device_free"], s.num_device_unmap as i64);
+    assert!(s.num_device_unmap >= 1);
 }
