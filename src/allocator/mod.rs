@@ -38,6 +38,7 @@ mod lane_lock;
 mod observers;
 mod oom;
 mod owner;
+mod page_table;
 mod passthrough;
 mod plan;
 mod pool_size;
