@@ -29,7 +29,7 @@
 //! that, so making residency two private pools would split what callers read as one allocator.
 
 use super::*;
-use crate::sync::atomic::AtomicUsize;
+use crate::sync::atomic::{AtomicU64, AtomicUsize};
 
 /// What the general allocator and its private pools share.
 pub(crate) struct Family<D: Device> {
@@ -105,14 +105,15 @@ impl PoolRole {
 
 /// The streams routed to a private pool, in the general allocator.
 pub(crate) struct Routes<D: Device> {
-    /// How many routes exist (checked before the table, with one load).
-    active: AtomicUsize,
+    /// All ones while any route exists, else 0 (checked before the table, with one load; the
+    /// planned path of a scope ORs it into its size check, see [`Routes::mask`]).
+    active: AtomicU64,
     table: Mutex<Vec<Route<D>>>,
 }
 
 impl<D: Device> Default for Routes<D> {
     fn default() -> Self {
-        Routes { active: AtomicUsize::new(0), table: Mutex::new(Vec::new()) }
+        Routes { active: AtomicU64::new(0), table: Mutex::new(Vec::new()) }
     }
 }
 
@@ -130,7 +131,17 @@ impl<D: Device> Routes<D> {
     /// it keeps the compiler from holding the scope's cursor cells in registers across it.)
     #[inline(always)]
     pub(super) fn any(&self) -> bool {
-        self.active.load(Ordering::Relaxed) != 0
+        self.mask() != 0
+    }
+
+    /// All ones while any stream is routed, else 0: one relaxed load, as for [`Routes::any`].
+    #[inline(always)]
+    pub(super) fn mask(&self) -> u64 {
+        self.active.load(Ordering::Relaxed)
+    }
+
+    fn set_active(&self, routes: usize) {
+        self.active.store(if routes == 0 { 0 } else { u64::MAX }, Ordering::Release);
     }
 
     /// The pool allocations on `stream` go to: the latest route of the stream.
@@ -149,7 +160,7 @@ impl<D: Device> Routes<D> {
     pub(super) fn add(&self, id: u64, stream: StreamId, pool: Allocator<D>) {
         let mut t = lock(&self.table);
         t.push(Route { id, stream, pool });
-        self.active.store(t.len(), Ordering::Release);
+        self.set_active(t.len());
     }
 
     /// Removes route `id`; returns its pool (dropped by the caller, outside the lock).
@@ -157,7 +168,7 @@ impl<D: Device> Routes<D> {
         let mut t = lock(&self.table);
         let i = t.iter().position(|r| r.id == id)?;
         let r = t.remove(i);
-        self.active.store(t.len(), Ordering::Release);
+        self.set_active(t.len());
         Some(r.pool)
     }
 }

@@ -27,7 +27,7 @@
 use super::adopt::Escape;
 use super::batch::BatchBlock;
 use super::counters::quadrant;
-use super::plan::{FREE_TAG, Learned, NO_SLOT, Region, Script, Step};
+use super::plan::{Entry, Learned, Region, Script, Step, UNFREED};
 use super::{AllocError, Allocator, Buffer, Origin};
 use crate::config::Config;
 use crate::device::{Device, DeviceAddr, StreamId};
@@ -41,13 +41,20 @@ use std::collections::HashMap;
 const TRANSIENT: Residency = Residency::Transient;
 /// `LiveEntry::offset` of an allocation not served from the region.
 const NO_OFFSET: u64 = u64::MAX;
-/// `ScopedBuffer::index` of a zero-byte buffer (no step recorded).
+/// An allocation index no allocation gets (the run's allocation count stops below it).
 const NO_INDEX: u32 = u32::MAX;
+/// The slot field of a pool buffer's id (30 bits) all ones: the most pool buffers a run holds
+/// at once is one fewer.
+const NO_SLOT: u32 = (1 << 30) - 1;
+/// The top bits of a pool buffer's id (see [`ScopedBuffer`]).
+const POOL: u64 = 3 << 62;
+/// The id of a zero-byte buffer (no step recorded).
+const ZERO_ID: u64 = u64::MAX;
 /// Set in `Cursor::pos` while the planned path may not serve: no script position is that large,
 /// so the planned path's one bounds check fails.
 const FAST_OFF: usize = 1 << (usize::BITS - 1);
-/// What the general path returns instead of an id when it failed (ids are odd); the error waits
-/// in `Scope::error`.
+/// What the general path returns instead of an id when it failed (no id is 0: a planned
+/// buffer's free is never a run's first step); the error waits in `Scope::error`.
 const FAILED: u64 = 0;
 
 /// What unbound buffers of a run reach from any thread.
@@ -165,7 +172,7 @@ enum RegionSlot {
     Denied,
 }
 
-/// Where a run stands against its plan: the hot path reads and writes only `pos` and `allocs`.
+/// Where a run stands against its plan: the planned path reads and writes only `pos`.
 struct Cursor {
     /// Number of steps taken, with `FAST_OFF` set unless the planned path may serve the next
     /// step: the run follows its plan, holds its region, has no pins to check and no planned
@@ -175,7 +182,8 @@ struct Cursor {
     /// Whether every step so far equals the plan's step at the same position. While it does,
     /// the steps are the plan's prefix of length `len` and `Run::steps` stays empty.
     following: Cell<bool>,
-    /// Number of allocations made (the next allocation's index).
+    /// Number of allocations made (the next allocation's index) once the run stopped following
+    /// its plan or had none; while it follows, the plan counts them (`Learned::allocs_before`).
     allocs: Cell<u32>,
     /// Base address of the claimed region, `NO_BASE` until claimed (or if denied).
     base: Cell<u64>,
@@ -186,9 +194,6 @@ struct Cursor {
     any_uses: Cell<bool>,
     /// The step at which the run stopped following its plan (`usize::MAX`: it has not).
     diverged_at: Cell<usize>,
-    /// Plan hits of the general path, plus, for the planned path, `allocs` at each moment
-    /// it stopped serving minus `allocs` at each moment it started (see `Scope::set_fast`).
-    hits: Cell<u64>,
 }
 
 impl Cursor {
@@ -219,6 +224,7 @@ struct Run<D: Device> {
     uses: Vec<(u32, StreamId)>,
     misses: u64,
     /// Allocation indices that followed the plan but were served by the pool (plan misses).
+    /// Every other allocation that followed the plan is a plan hit, so hits are not counted.
     missed: Vec<u32>,
 }
 
@@ -348,11 +354,28 @@ pub struct ScopedBuffer<'s, D: Device> {
     scope: &'s Scope<'s, D>,
     ptr: DeviceAddr,
     requested: u64,
-    /// `slot << 33 | index << 1 | 1`: its allocation index in the run (`NO_INDEX` for zero
-    /// bytes) and the slot of the pool buffer behind it in `Run::held` (`NO_SLOT` for a planned
-    /// slice). A planned buffer's id is then its free's [`Step::code`], so its drop compares
-    /// one word with the plan's next step.
+    /// What it is, in one word (see [`Scope::kind`]):
+    ///
+    /// ```text
+    ///  planned, freed by the plan   position of its free in the script   (< 2^62)
+    ///  planned, never freed by it   UNFREED | allocation index           (01 in the top bits)
+    ///  pool buffer                  POOL | slot << 32 | allocation index (11; slot in `Run::held`)
+    ///  zero bytes                   ZERO_ID                              (all ones)
+    /// ```
+    ///
+    /// The run's position (`Cursor::pos`) equals the id only for a planned buffer whose free is
+    /// the plan's next step while the planned path may serve, so its drop is one comparison.
     id: u64,
+}
+
+/// What a [`ScopedBuffer::id`] stands for.
+#[derive(Clone, Copy)]
+enum Kind {
+    Zero,
+    /// A planned slice, with its allocation index.
+    Planned(u32),
+    /// A pool buffer: its allocation index and slot.
+    Pool(u32, u32),
 }
 
 /// The script of a scope without a plan: empty, made once.
@@ -361,22 +384,18 @@ fn no_script() -> Script {
     EMPTY.clone()
 }
 
-/// A `ScopedBuffer::id`.
-#[inline(always)]
-const fn id(index: u32, slot: u32) -> u64 {
-    (slot as u64) << 33 | (index as u64) << 1 | 1
+/// The id of a pool buffer (see [`ScopedBuffer::id`]).
+#[inline]
+const fn pool_id(index: u32, slot: u32) -> u64 {
+    POOL | (slot as u64) << 32 | index as u64
 }
 
-// A planned buffer's id is its free's code.
-const _: () = assert!(id(7, NO_SLOT) == FREE_TAG | 7 << 1 | 1);
+// A zero-byte buffer's id is no pool buffer's (slot `NO_SLOT` is never held).
+const _: () = assert!(pool_id(NO_INDEX, NO_SLOT) == ZERO_ID);
 
 impl<D: Device> ScopedBuffer<'_, D> {
-    fn index(&self) -> u32 {
-        (self.id >> 1) as u32
-    }
-
-    fn slot(&self) -> u32 {
-        (self.id >> 33) as u32
+    fn kind(&self) -> Kind {
+        self.scope.kind(self.id)
     }
 
     /// The device address of the first byte ([`DeviceAddr::NULL`] for a zero-byte buffer).
@@ -396,11 +415,13 @@ impl<D: Device> ScopedBuffer<'_, D> {
 
     /// Bytes of the block or slice behind it.
     pub fn block_size(&self) -> u64 {
-        match (self.index(), self.slot()) {
-            (NO_INDEX, _) => 0,
+        match self.kind() {
+            Kind::Zero => 0,
             // A planned slice is the plan's step, which is the request rounded by the run's rules.
-            (_, NO_SLOT) => self.scope.round(self.requested).unwrap_or(0),
-            (_, slot) => self.scope.run.borrow().held[slot as usize].as_ref().map_or(0, |b| b.size),
+            Kind::Planned(_) => self.scope.round(self.requested).unwrap_or(0),
+            Kind::Pool(_, slot) => {
+                self.scope.run.borrow().held[slot as usize].as_ref().map_or(0, |b| b.size)
+            }
         }
     }
 
@@ -411,25 +432,31 @@ impl<D: Device> ScopedBuffer<'_, D> {
 
     /// Whether it was served from the learned plan's region.
     pub fn is_planned(&self) -> bool {
-        self.slot() == NO_SLOT && self.index() != NO_INDEX
+        matches!(self.kind(), Kind::Planned(_))
     }
 
     /// Marks it as used on `stream` too (see [`Allocator::record_stream`]): it is no longer
     /// reused locally, and its reuse is ordered after `stream`'s work.
     pub fn record_stream(&self, stream: StreamId) -> Result<(), AllocError> {
         self.scope.alloc.shared.stream_exists(stream)?;
-        if stream == self.scope.stream || self.index() == NO_INDEX {
+        if stream == self.scope.stream {
             return Ok(());
         }
         let mut run = self.scope.run.borrow_mut();
-        if self.slot() != NO_SLOT {
-            if let Some(buf) = &run.held[self.slot() as usize] {
-                self.scope.alloc.shared.record_use(buf, stream)?;
+        match self.kind() {
+            Kind::Zero => {}
+            Kind::Pool(_, slot) => {
+                if let Some(buf) = &run.held[slot as usize] {
+                    self.scope.alloc.shared.record_use(buf, stream)?;
+                }
             }
-        } else if !run.uses.contains(&(self.index(), stream)) {
-            run.uses.push((self.index(), stream));
-            self.scope.cursor.any_uses.set(true);
-            self.scope.set_fast();
+            Kind::Planned(index) => {
+                if !run.uses.contains(&(index, stream)) {
+                    run.uses.push((index, stream));
+                    self.scope.cursor.any_uses.set(true);
+                    self.scope.set_fast();
+                }
+            }
         }
         Ok(())
     }
@@ -486,7 +513,7 @@ impl<'a, D: Device> Scope<'a, D> {
             false => 0,
         };
         let fast_ok = granule != 0
-            && plan.as_ref().is_some_and(|p| p.size_align != 0 && p.size_align % granule == 0)
+            && plan.as_ref().is_some_and(|p| p.granule == granule)
             && (!alloc.shared.device.observes_handouts()
                 || alloc.shared.broken(super::Broken::PlannedUnobserved));
         Scope {
@@ -507,7 +534,6 @@ impl<'a, D: Device> Scope<'a, D> {
                 check_pins: Cell::new(false),
                 any_uses: Cell::new(false),
                 diverged_at: Cell::new(usize::MAX),
-                hits: Cell::new(0),
             },
             script: plan.as_ref().map_or_else(no_script, |p| p.script.clone()),
             plan,
@@ -562,7 +588,8 @@ impl<'a, D: Device> Scope<'a, D> {
     }
 
     /// **Test only** (feature `test-hooks`): pretends the run already made `n` allocations, so
-    /// tests reach the end of the run's allocation index without 2³² allocations.
+    /// tests reach the end of the run's allocation index without 2³² allocations (a run that
+    /// follows a plan counts its allocations from the plan instead).
     #[cfg(feature = "test-hooks")]
     #[doc(hidden)]
     pub fn set_allocation_count(&self, n: u32) {
@@ -591,11 +618,14 @@ impl<'a, D: Device> Scope<'a, D> {
         // Both paths give (address, id) in registers, and the buffer is made once, here.
         let (ptr, id) = match self.try_planned(bytes) {
             Some(r) => r,
-            None => self.alloc_slow(bytes),
+            None => match {
+                std::hint::cold_path();
+                self.alloc_slow(bytes)
+            } {
+                (_, FAILED) => return Err(self.take_error(bytes)),
+                r => r,
+            },
         };
-        if id == FAILED {
-            return Err(self.take_error(bytes));
-        }
         Ok(ScopedBuffer { scope: self, ptr, requested: bytes, id })
     }
 
@@ -610,21 +640,20 @@ impl<'a, D: Device> Scope<'a, D> {
     fn try_planned(&self, bytes: u64) -> Option<(DeviceAddr, u64)> {
         let c = &self.cursor;
         let pos = c.pos.get();
-        let &[code, offset] = self.script.get(pos)?;
-        // The plan's next step is an allocation of `rounded` bytes, and `bytes` rounds to it:
-        // under the granule g, for `rounded` a non-zero multiple of g (`fast_ok`), that is
-        // `rounded - g < bytes ≤ rounded`. A zero-byte request never matches.
-        if code & 1 != 0 || (code >> 1).wrapping_sub(bytes) >= self.granule || self.routes.any() {
+        let &Entry { size, span, offset, id } = self.script.get(pos)?;
+        // The plan's next step is an allocation that `bytes` rounds to (see `Entry`; the plan's
+        // granule is the run's, `fast_ok`), and no stream is routed (the mask is then all ones,
+        // above any span). A zero-byte request never matches.
+        if size.wrapping_sub(bytes) | self.routes.mask() >= span {
             return None;
         }
-        let index = c.allocs.get();
         c.pos.set(pos + 1);
-        c.allocs.set(index + 1);
-        c.hits.set(c.hits.get() + 1);
-        Some((DeviceAddr(c.base.get() + offset), id(index, NO_SLOT)))
+        Some((DeviceAddr(c.base.get() + offset), id))
     }
 
     /// The general path: the buffer's address and id, or `FAILED` with the error in `error`.
+    /// (Cold: the planned path falls through to the buffer.)
+    #[cold]
     #[inline(never)]
     fn alloc_slow(&self, bytes: u64) -> (DeviceAddr, u64) {
         match self.alloc_general(bytes) {
@@ -645,15 +674,16 @@ impl<'a, D: Device> Scope<'a, D> {
         self.check_stream()?;
         self.drain_freed();
         if bytes == 0 {
-            return Ok((DeviceAddr::NULL, id(NO_INDEX, NO_SLOT)));
+            return Ok((DeviceAddr::NULL, ZERO_ID));
         }
         let rounded = self.round(bytes)?;
         let index = self.next_index()?;
-        if let Some(offset) = self.step(Step::Alloc(rounded)) {
-            if let Some(ptr) = self.planned(offset, rounded) {
-                return Ok((ptr, id(index, NO_SLOT)));
+        let mut missed = false;
+        if let Some(e) = self.step(Step::Alloc(rounded)) {
+            if let Some(ptr) = self.planned(e.offset, rounded) {
+                return Ok((ptr, e.id));
             }
-            self.run.borrow_mut().missed(index);
+            missed = true;
         }
         if self.run.borrow().full() {
             self.unstep();
@@ -661,8 +691,27 @@ impl<'a, D: Device> Scope<'a, D> {
         }
         let buf = self.pool_block(bytes, rounded).inspect_err(|_| self.unstep())?;
         let ptr = buf.ptr;
-        let slot = self.run.borrow_mut().hold(buf);
-        Ok((ptr, id(index, slot)))
+        let mut run = self.run.borrow_mut();
+        if missed {
+            run.missed(index);
+        }
+        let slot = run.hold(buf);
+        Ok((ptr, pool_id(index, slot)))
+    }
+
+    /// What a buffer id of this run stands for (see [`ScopedBuffer::id`]).
+    #[inline]
+    fn kind(&self, id: u64) -> Kind {
+        if id < UNFREED {
+            // The position of its free in this run's plan, whose entry holds its index.
+            Kind::Planned(self.script[id as usize].offset as u32)
+        } else if id < POOL {
+            Kind::Planned(id as u32)
+        } else if id == ZERO_ID {
+            Kind::Zero
+        } else {
+            Kind::Pool(id as u32, (id >> 32) as u32 & NO_SLOT)
+        }
     }
 
     /// Whether frees of unbound buffers wait to be recorded.
@@ -692,11 +741,11 @@ impl<'a, D: Device> Scope<'a, D> {
         }
         let rounded = self.round(bytes)?;
         let index = self.next_index()?;
-        let mut planned = None;
-        if let Some(offset) = self.step(Step::Alloc(rounded)) {
-            match self.planned(offset, rounded) {
+        let (mut planned, mut missed) = (None, false);
+        if let Some(e) = self.step(Step::Alloc(rounded)) {
+            match self.planned(e.offset, rounded) {
                 Some(ptr) => planned = Some(ptr),
-                None => self.run.borrow_mut().missed(index),
+                None => missed = true,
             }
         }
         let (mut buf, offset) = match planned {
@@ -722,6 +771,9 @@ impl<'a, D: Device> Scope<'a, D> {
             None => (self.pool_block(bytes, rounded).inspect_err(|_| self.unstep())?, NO_OFFSET),
         };
         let mut run = self.run.borrow_mut();
+        if missed {
+            run.missed(index);
+        }
         let (ptr, block) = (buf.ptr.0, buf.block());
         run.unbound.push(LiveEntry { index, size: buf.size, offset, live: true, ptr, block });
         run.live_unbound += 1;
@@ -739,11 +791,15 @@ impl<'a, D: Device> Scope<'a, D> {
     /// follows a plan never gets there: its plan was learned from a run that did not.)
     #[inline]
     fn next_index(&self) -> Result<u32, AllocError> {
-        let index = self.cursor.allocs.get();
+        let c = &self.cursor;
+        let index = match &self.plan {
+            Some(plan) if c.following.get() => plan.allocs_before(c.len()),
+            _ => c.allocs.get(),
+        };
         if index == NO_INDEX {
             return Err(AllocError::TooManyScopeAllocations { limit: u64::from(NO_INDEX) });
         }
-        self.cursor.allocs.set(index + 1);
+        c.allocs.set(index + 1);
         Ok(index)
     }
 
@@ -765,19 +821,18 @@ impl<'a, D: Device> Scope<'a, D> {
         self.config.sizing.round(bytes).ok_or(AllocError::InvalidSize { requested: bytes })
     }
 
-    /// Takes a step; while the run still follows its plan, returns the step's offset in the
-    /// region (an allocation's slice; 0 for a free).
+    /// Takes a step; while the run still follows its plan, returns the plan's entry for it.
     #[inline]
-    fn step(&self, step: Step) -> Option<u64> {
+    fn step(&self, step: Step) -> Option<Entry> {
         let c = &self.cursor;
         let len = c.len();
         c.pos.set(c.pos.get() + 1);
+        // (While the run follows, the script is its plan's.)
         if c.following.get()
-            && let Some(plan) = &self.plan
-            && let Some(&[code, offset]) = plan.script.get(len)
-            && code == step.code()
+            && let Some(e) = self.script.get(len)
+            && e.step() == step
         {
-            return Some(offset);
+            return Some(*e);
         }
         self.step_off_plan(len, step);
         None
@@ -790,10 +845,10 @@ impl<'a, D: Device> Scope<'a, D> {
         let c = &self.cursor;
         c.pos.set(c.pos.get() - 1);
         let len = c.len();
-        c.allocs.set(c.allocs.get() - 1);
         if c.following.get() {
-            return;
+            return; // the plan counts the run's allocations
         }
+        c.allocs.set(c.allocs.get() - 1);
         let mut run = self.run.borrow_mut();
         run.steps.pop();
         if c.diverged_at.get() == len {
@@ -813,6 +868,9 @@ impl<'a, D: Device> Scope<'a, D> {
         {
             run.steps = plan.steps(len);
             self.cursor.diverged_at.set(len);
+            // From now on the run counts its allocations (this one included).
+            let this = u32::from(matches!(step, Step::Alloc(_)));
+            self.cursor.allocs.set(plan.allocs_before(len) + this);
             self.set_fast();
         }
         run.steps.push(step);
@@ -840,7 +898,6 @@ impl<'a, D: Device> Scope<'a, D> {
         }
         let ptr = DeviceAddr(base + offset);
         self.device.note_handout(ptr, size, self.stream);
-        c.hits.set(c.hits.get() + 1);
         Some(ptr)
     }
 
@@ -911,16 +968,15 @@ impl<'a, D: Device> Scope<'a, D> {
     }
 
     /// Records the free of a bound buffer (`id` as in [`ScopedBuffer`]). The planned path,
-    /// inlined: the planned path may serve (no `FAST_OFF`: following, no planned buffer used on
-    /// another stream, no sanitizer) and the plan's next step is this buffer's free, whose code
-    /// is the id of a planned buffer (a pool buffer's or a zero-byte one's never matches).
+    /// inlined: the run's position is the buffer's id, so the planned path may serve (no
+    /// `FAST_OFF`: following, no planned buffer used on another stream, no sanitizer) and the
+    /// plan's next step is this buffer's free (a pool buffer's or a zero-byte one's id is no
+    /// position).
     #[inline(always)]
     fn free_bound(&self, id: u64, ptr: DeviceAddr, requested: u64) {
         let c = &self.cursor;
         let pos = c.pos.get();
-        if let Some(&[code, _]) = self.script.get(pos)
-            && code == id
-        {
+        if pos as u64 == id {
             c.pos.set(pos + 1);
             return;
         }
@@ -932,13 +988,14 @@ impl<'a, D: Device> Scope<'a, D> {
     /// queued by other threads are recorded first (the plan may have them before this one).
     #[inline(never)]
     fn free_slow(&self, id: u64, ptr: DeviceAddr, requested: u64) {
-        let (index, slot) = ((id >> 1) as u32, (id >> 33) as u32);
-        if index == NO_INDEX {
-            return; // a zero-byte buffer
-        }
+        let (index, slot) = match self.kind(id) {
+            Kind::Zero => return,
+            Kind::Planned(index) => (index, None),
+            Kind::Pool(index, slot) => (index, Some(slot)),
+        };
         self.drain_freed();
         self.step(Step::Free(index));
-        if slot == NO_SLOT {
+        let Some(slot) = slot else {
             // A planned slice: the plan's step, the request rounded by the run's rules.
             let size = self.round(requested).unwrap_or(0);
             self.device.note_reclaim(ptr, size, self.stream);
@@ -946,7 +1003,7 @@ impl<'a, D: Device> Scope<'a, D> {
                 self.order_uses(index);
             }
             return;
-        }
+        };
         let mut run = self.run.borrow_mut();
         let mut buf = run.unhold(slot);
         if !buf.used_elsewhere()
@@ -1001,10 +1058,7 @@ impl<'a, D: Device> Scope<'a, D> {
         let base = self.cursor.base.get();
         if let (Some(plan), true) = (&self.plan, base != NO_BASE) {
             // Planned allocations are the run's first steps that followed the plan.
-            let prefix = match self.cursor.following.get() {
-                true => self.cursor.len(),
-                false => self.cursor.diverged_at.get(),
-            };
+            let prefix = self.followed();
             let unfreed = match followed {
                 true => plan.unfreed.clone(),
                 false => Learned::unfreed(steps),
@@ -1017,9 +1071,9 @@ impl<'a, D: Device> Scope<'a, D> {
                 {
                     continue; // not a planned slice, or an unbound one (an escape)
                 }
-                let [code, offset] = plan.script[pos as usize];
-                if let Step::Alloc(size) = Step::from_code(code) {
-                    self.device.note_reclaim(DeviceAddr(base + offset), size, self.stream);
+                let e = plan.script[pos as usize];
+                if let Step::Alloc(size) = e.step() {
+                    self.device.note_reclaim(DeviceAddr(base + e.offset), size, self.stream);
                 }
             }
         }
@@ -1033,6 +1087,23 @@ impl<'a, D: Device> Scope<'a, D> {
         if !self.alloc.shared.order_after(self.stream, &others) {
             self.poison_region();
         }
+    }
+
+    /// Number of the run's first steps that followed its plan.
+    fn followed(&self) -> usize {
+        match self.cursor.following.get() {
+            true => self.cursor.len(),
+            false => self.cursor.diverged_at.get(),
+        }
+    }
+
+    /// The run's plan hits: every allocation that followed the plan but was not a miss (the
+    /// planned path counts nothing).
+    fn plan_hits(&self) -> u64 {
+        let followed = self.plan.as_ref().map_or(0, |p| p.allocs_before(self.followed()));
+        let misses = self.run.borrow().misses;
+        debug_assert!(u64::from(followed) >= misses, "{followed} allocations, {misses} misses");
+        u64::from(followed).saturating_sub(misses)
     }
 
     /// Records the frees of unbound buffers queued since the last step.
@@ -1090,6 +1161,7 @@ impl<D: Device> Drop for Scope<'_, D> {
         // Planned slices of forgotten scoped buffers: taken back, and ordered after the other
         // streams they were used on, before the region can serve or return them.
         self.reclaim_forgotten(&steps, followed);
+        let hits = self.plan_hits();
         let run = self.run.get_mut();
         // Pool buffers of forgotten scoped buffers: freed now, before the pool is looked at.
         run.held.clear();
@@ -1108,7 +1180,7 @@ impl<D: Device> Drop for Scope<'_, D> {
         let c = &sh.scope_counters;
         for (counter, n) in [
             (&c.escapes, run.live_unbound as u64),
-            (&c.plan_hits, self.cursor.hits.get()),
+            (&c.plan_hits, hits),
             (&c.plan_misses, run.misses),
         ] {
             if n != 0 {
@@ -1131,7 +1203,9 @@ impl<D: Device> Drop for Scope<'_, D> {
         #[cfg(tidepool_broken = "adopt")]
         drop(st); // BROKEN: an escape freed now finds the run closed and no region yet.
         let adopted = match (learner, &self.plan) {
-            (Some(name), None) => sh.adopt_region(name, self.stream, &steps, &escapes),
+            (Some(name), None) => {
+                sh.adopt_region(name, self.stream, &steps, &escapes, self.granule)
+            }
             _ => None,
         };
         #[cfg(tidepool_broken = "adopt")]
@@ -1150,7 +1224,7 @@ impl<D: Device> Drop for Scope<'_, D> {
             },
             (None, Some(name)) => {
                 let align = sh.config.load().sizing.min_block_size;
-                sh.learn(name, self.stream, Learned::from_steps(&steps, align));
+                sh.learn(name, self.stream, Learned::from_steps(&steps, align, self.granule));
             }
             (None, None) => {}
         }
