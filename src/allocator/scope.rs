@@ -378,6 +378,16 @@ enum Kind {
     Pool(u32, u32),
 }
 
+/// A run's hold on `region`: claimed, or denied (let go through `release_region`, so the last
+/// hold returns its blocks) while another run holds it or once it is poisoned.
+fn claim_slot<D: Device>(shared: &super::state::Shared<D>, region: Arc<Region>) -> RegionSlot {
+    if region.try_claim() {
+        return RegionSlot::Claimed(region);
+    }
+    shared.release_region(region);
+    RegionSlot::Denied
+}
+
 /// The script of a scope without a plan: empty, made once.
 fn no_script() -> Script {
     static EMPTY: std::sync::LazyLock<Script> = std::sync::LazyLock::new(|| Script::from([]));
@@ -516,6 +526,19 @@ impl<'a, D: Device> Scope<'a, D> {
             && plan.as_ref().is_some_and(|p| p.granule == granule)
             && (!alloc.shared.device.observes_handouts()
                 || alloc.shared.broken(super::Broken::PlannedUnobserved));
+        let stream_ok = alloc.shared.stream_exists(stream).is_ok();
+        // A plan whose region exists is claimed now, so the run's first allocation is planned
+        // too (one that must make its region makes it at its first planned allocation).
+        let region = match region {
+            Some(r) if stream_ok => claim_slot(&alloc.shared, r),
+            r => RegionSlot::Unclaimed(r),
+        };
+        let (base, check_pins) = match &region {
+            RegionSlot::Claimed(r) => (r.base, r.has_pins()),
+            _ => (NO_BASE, false),
+        };
+        // As `set_fast` has it.
+        let on = fast_ok && base != NO_BASE && !check_pins;
         Scope {
             alloc,
             device: &alloc.shared.device,
@@ -525,13 +548,13 @@ impl<'a, D: Device> Scope<'a, D> {
             stream,
             name,
             config,
-            stream_ok: alloc.shared.stream_exists(stream).is_ok(),
+            stream_ok,
             cursor: Cursor {
-                pos: Cell::new(FAST_OFF),
+                pos: Cell::new(if on { 0 } else { FAST_OFF }),
                 following: Cell::new(plan.is_some()),
                 allocs: Cell::new(0),
-                base: Cell::new(NO_BASE),
-                check_pins: Cell::new(false),
+                base: Cell::new(base),
+                check_pins: Cell::new(check_pins),
                 any_uses: Cell::new(false),
                 diverged_at: Cell::new(usize::MAX),
             },
@@ -542,7 +565,7 @@ impl<'a, D: Device> Scope<'a, D> {
                 steps: Vec::new(),
                 unbound: Vec::new(),
                 live_unbound: 0,
-                region: RegionSlot::Unclaimed(region),
+                region,
                 local: HashMap::new(),
                 held: Vec::new(),
                 free_slots: Vec::new(),
@@ -804,7 +827,8 @@ impl<'a, D: Device> Scope<'a, D> {
     }
 
     /// Refuses every allocation of a scope opened on a stream the device did not have. (The
-    /// planned path needs the region, claimed on the slow path, so it never gets that far.)
+    /// planned path needs the region, which such a scope never claims, so it never gets that
+    /// far.)
     #[inline]
     fn check_stream(&self) -> Result<(), AllocError> {
         if self.alloc.shared.routes.routed(self.stream) {
@@ -908,38 +932,54 @@ impl<'a, D: Device> Scope<'a, D> {
         }
     }
 
-    /// The first planned allocation of the run: claims the plan's region, made on first use
-    /// (the stream's cached transient segments are trimmed first so the region replaces them).
-    /// `None` when another run holds it or it cannot be made (out of memory, a device error):
-    /// then the whole run is served by the pool, which reports any error itself.
+    /// The first planned allocation of a run that has not claimed its plan's region yet: claims
+    /// it, made on first use. `None` when another run holds it or it cannot be made (out of
+    /// memory, a device error): then the whole run is served by the pool, which reports any
+    /// error itself.
     #[cold]
     fn planned_claiming(&self, offset: u64, size: u64) -> Option<DeviceAddr> {
+        match self.claim(true) {
+            true => self.planned(offset, size),
+            false => None,
+        }
+    }
+
+    /// Claims the plan's region for this run, if it was not tried yet: the plan's region, or
+    /// with `make` one made now if the plan has none (the stream's cached transient segments
+    /// are trimmed first so the region replaces them). `false` when there is none to claim (or
+    /// `make` is false and it does not exist yet), or another run holds it; then this run
+    /// serves no planned slice.
+    fn claim(&self, make: bool) -> bool {
         let mut run = self.run.borrow_mut();
-        let (Some(name), Some(plan)) = (self.name.as_deref(), &self.plan) else { return None };
-        let RegionSlot::Unclaimed(existing) = &mut run.region else { return None };
+        let (Some(name), Some(plan)) = (self.name.as_deref(), &self.plan) else { return false };
+        let RegionSlot::Unclaimed(existing) = &mut run.region else { return false };
         // The run's hold moves out of the slot; every hold lets go through `release_region`
         // (a plain drop of the last one would strand the region's blocks in the pool).
         let region = match existing.take() {
-            Some(r) => Some(r),
-            None => self.alloc.shared.make_region(name, self.stream, plan).ok().flatten(),
-        };
-        let region = match region {
-            Some(r) if r.try_claim() => r,
-            denied => {
-                run.region = RegionSlot::Denied;
-                drop(run);
-                if let Some(r) = denied {
-                    self.alloc.shared.release_region(r);
+            Some(r) => r,
+            None if !make => return false,
+            None => match self.alloc.shared.make_region(name, self.stream, plan) {
+                Ok(Some(r)) => r,
+                _ => {
+                    run.region = RegionSlot::Denied;
+                    return false;
                 }
-                return None;
-            }
+            },
         };
-        self.cursor.base.set(region.base);
-        self.cursor.check_pins.set(region.has_pins());
-        run.region = RegionSlot::Claimed(region);
-        drop(run);
+        // (A denied region is let go with the run's borrow ended.)
+        let slot = {
+            drop(run);
+            claim_slot(&self.alloc.shared, region)
+        };
+        let RegionSlot::Claimed(r) = &slot else {
+            self.run.borrow_mut().region = slot;
+            return false;
+        };
+        self.cursor.base.set(r.base);
+        self.cursor.check_pins.set(r.has_pins());
+        self.run.borrow_mut().region = slot;
         self.set_fast();
-        self.planned(offset, size)
+        true
     }
 
     /// A pool block for the run: from the local cache when one of the size was freed in this
@@ -1059,12 +1099,16 @@ impl<'a, D: Device> Scope<'a, D> {
         if let (Some(plan), true) = (&self.plan, base != NO_BASE) {
             // Planned allocations are the run's first steps that followed the plan.
             let prefix = self.followed();
+            let computed;
             let unfreed = match followed {
-                true => plan.unfreed.clone(),
-                false => Learned::unfreed(steps),
+                true => &plan.unfreed,
+                false => {
+                    computed = Learned::unfreed(steps);
+                    &computed
+                }
             };
             let run = self.run.get_mut();
-            for (pos, index) in unfreed {
+            for &(pos, index) in unfreed {
                 if pos as usize >= prefix
                     || run.missed.contains(&index)
                     || run.unbound.binary_search_by_key(&index, |e| e.index).is_ok()
@@ -1187,23 +1231,25 @@ impl<D: Device> Drop for Scope<'_, D> {
                 counter.fetch_add(n, Ordering::Relaxed);
             }
         }
-        let blocks: Vec<BatchBlock> =
-            run.local.drain().flat_map(|(_, v)| v.into_iter().map(|(b, _)| b)).collect();
-        let escapes: Vec<Escape> = run
-            .unbound
-            .iter()
-            .filter(|e| e.live)
-            .filter_map(|e| Some(Escape { block: e.block?, ptr: e.ptr, size: e.size }))
-            .collect();
+        if !run.local.is_empty() {
+            let blocks: Vec<BatchBlock> =
+                run.local.drain().flat_map(|(_, v)| v.into_iter().map(|(b, _)| b)).collect();
+            sh.free_blocks(self.stream, &blocks);
+        }
         if self.plan.is_some() && !followed {
             c.plan_fallbacks.fetch_add(1, Ordering::Relaxed);
         }
-        sh.free_blocks(self.stream, &blocks);
         let learner = if followed { None } else { self.name.as_deref() };
         #[cfg(tidepool_broken = "adopt")]
         drop(st); // BROKEN: an escape freed now finds the run closed and no region yet.
         let adopted = match (learner, &self.plan) {
             (Some(name), None) => {
+                let escapes: Vec<Escape> = run
+                    .unbound
+                    .iter()
+                    .filter(|e| e.live)
+                    .filter_map(|e| Some(Escape { block: e.block?, ptr: e.ptr, size: e.size }))
+                    .collect();
                 sh.adopt_region(name, self.stream, &steps, &escapes, self.granule)
             }
             _ => None,
