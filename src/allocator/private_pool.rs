@@ -106,14 +106,20 @@ impl PoolRole {
 /// The streams routed to a private pool, in the general allocator.
 pub(crate) struct Routes<D: Device> {
     /// All ones while any route exists, else 0 (checked before the table, with one load; the
-    /// planned path of a scope ORs it into its size check, see [`Routes::mask`]).
+    /// planned path of a scope ORs it into its size check, see [`Routes::mask_word`]).
     active: AtomicU64,
+    /// Always 0: what a scope reads instead of `active` in broken mode `PlannedStaleRoutes`.
+    never: AtomicU64,
     table: Mutex<Vec<Route<D>>>,
 }
 
 impl<D: Device> Default for Routes<D> {
     fn default() -> Self {
-        Routes { active: AtomicU64::new(0), table: Mutex::new(Vec::new()) }
+        Routes {
+            active: AtomicU64::new(0),
+            never: AtomicU64::new(0),
+            table: Mutex::new(Vec::new()),
+        }
     }
 }
 
@@ -131,13 +137,17 @@ impl<D: Device> Routes<D> {
     /// it keeps the compiler from holding the scope's cursor cells in registers across it.)
     #[inline(always)]
     pub(super) fn any(&self) -> bool {
-        self.mask() != 0
+        self.active.load(Ordering::Relaxed) != 0
     }
 
-    /// All ones while any stream is routed, else 0: one relaxed load, as for [`Routes::any`].
-    #[inline(always)]
-    pub(super) fn mask(&self) -> u64 {
-        self.active.load(Ordering::Relaxed)
+    /// The word [`Routes::any`] reads (all ones while any stream is routed, else 0), for a
+    /// scope's planned path to read it with no pointer to the table in between; with `stale` (broken mode `PlannedStaleRoutes`) a word that
+    /// stays 0, as if the routes were read once when the scope opened and no route existed.
+    pub(super) fn mask_word(&self, stale: bool) -> &AtomicU64 {
+        match stale {
+            false => &self.active,
+            true => &self.never,
+        }
     }
 
     fn set_active(&self, routes: usize) {

@@ -33,7 +33,7 @@ use crate::config::Config;
 use crate::device::{Device, DeviceAddr, StreamId};
 use crate::pool::BlockId;
 use crate::stats::Residency;
-use crate::sync::atomic::{AtomicBool, Ordering};
+use crate::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use crate::sync::{Arc, Mutex, lock};
 use std::cell::{Cell, OnceCell, RefCell};
 use std::collections::HashMap;
@@ -301,9 +301,10 @@ impl<D: Device> Run<D> {
 pub struct Scope<'a, D: Device> {
     alloc: &'a Allocator<D>,
     device: &'a D,
-    /// The allocator's private-pool routes, checked by the planned path (one load fewer than
-    /// through `alloc`).
-    routes: &'a super::private_pool::Routes<D>,
+    /// The private-pool routes' mask (all ones while any stream is routed, see
+    /// `Routes::mask_word`), ORed into the planned path's size check at every allocation: a
+    /// guard or a capture may begin on the stream, on any thread, while the scope is open.
+    route_mask: &'a AtomicU64,
     /// The rounding granule when this run's size rules round every request up to a multiple
     /// of it and nothing else (the default rules): the planned path then checks a request
     /// against the plan's rounded size with one subtraction. 0 otherwise.
@@ -542,7 +543,10 @@ impl<'a, D: Device> Scope<'a, D> {
         Scope {
             alloc,
             device: &alloc.shared.device,
-            routes: &alloc.shared.routes,
+            route_mask: alloc
+                .shared
+                .routes
+                .mask_word(alloc.shared.broken(super::Broken::PlannedStaleRoutes)),
             granule,
             fast_ok,
             stream,
@@ -667,7 +671,7 @@ impl<'a, D: Device> Scope<'a, D> {
         // The plan's next step is an allocation that `bytes` rounds to (see `Entry`; the plan's
         // granule is the run's, `fast_ok`), and no stream is routed (the mask is then all ones,
         // above any span). A zero-byte request never matches.
-        if size.wrapping_sub(bytes) | self.routes.mask() >= span {
+        if size.wrapping_sub(bytes) | self.route_mask.load(Ordering::Relaxed) >= span {
             return None;
         }
         c.pos.set(pos + 1);
