@@ -645,13 +645,13 @@ impl<'a, D: Device> Scope<'a, D> {
         // Both paths give (address, id) in registers, and the buffer is made once, here.
         let (ptr, id) = match self.try_planned(bytes) {
             Some(r) => r,
-            None => match {
+            None => {
                 std::hint::cold_path();
-                self.alloc_slow(bytes)
-            } {
-                (_, FAILED) => return Err(self.take_error(bytes)),
-                r => r,
-            },
+                match self.alloc_slow(bytes) {
+                    (_, FAILED) => return Err(self.take_error(bytes)),
+                    r => r,
+                }
+            }
         };
         Ok(ScopedBuffer { scope: self, ptr, requested: bytes, id })
     }
