@@ -4,7 +4,7 @@
 //! Every key is listed in [`KEYS`] (`tidepool::CONFIG_KEYS`); an unknown key or a bad value is an error naming it (and, for
 //! an unknown key, listing the valid ones). Parsing never panics.
 
-use crate::pool::{MIB, Sizing};
+use crate::pool::{DEFAULT_MAX_NON_SPLIT_ROUNDING, MIB, RoundupDivisions, Sizing};
 use std::fmt;
 
 /// The environment variable read by [`Config::from_env`].
@@ -33,13 +33,16 @@ pub enum CrossStream {
 /// use tidepool::{Config, CrossStream};
 /// let c = Config::parse("max_split_size_mb:256,roundup_power2_divisions:4").unwrap();
 /// assert_eq!(c.sizing.max_split_size, 256 << 20);
-/// assert_eq!(c.sizing.roundup_power2_divisions, 4);
+/// assert_eq!(c.sizing.roundup_power2_divisions.for_size(300 << 20), 4);
+/// // PyTorch's own strings work as they are:
+/// let p = Config::parse("expandable_segments:True,roundup_power2_divisions:[32:256,64:128,>:32]");
+/// assert!(p.unwrap().expandable_segments);
 /// let err = Config::parse("max_split_size:256").unwrap_err();
 /// assert!(err.to_string().contains("unknown key `max_split_size`"));
 ///
 /// let built = Config::default()
 ///     .with_max_split_size_mb(256)
-///     .with_roundup_power2_divisions(4)
+///     .with_roundup_power2_divisions(tidepool::RoundupDivisions::uniform(4).unwrap())
 ///     .with_cross_stream(CrossStream::WaitEvent);
 /// assert_eq!(built.sizing, c.sizing);
 /// assert!(built.validate().is_ok());
@@ -98,6 +101,10 @@ pub struct Config {
     /// stream-ordered uses completed), so the device's memory checkers see every bad access.
     /// The mode to debug with, not to run with.
     pub caching: bool,
+    /// PyTorch keys accepted so that a `PYTORCH_CUDA_ALLOC_CONF` string works unchanged, but
+    /// with no effect on device memory here, as `key:value` in the order given (see
+    /// `tidepool::CONFIG_NO_EFFECT_KEYS`); `memory_summary` lists them.
+    pub no_effect: Vec<String>,
 }
 
 /// The alignment of every pointer handed out (CUDA's `cudaMalloc` and RMM guarantee 256 bytes):
@@ -132,6 +139,7 @@ impl Default for Config {
             initial_pool_size: 0,
             max_pool_size: None,
             caching: true,
+            no_effect: Vec::new(),
         }
     }
 }
@@ -141,8 +149,15 @@ pub const KEYS: &[(&str, &str)] = &[
     ("max_split_size_mb", "blocks of at least this many MiB are never split (> large_segment_mb)"),
     (
         "roundup_power2_divisions",
-        "round sizes to this many steps between powers of two (0, or a power of two ≤ 64)",
+        "round sizes to this many steps between powers of two: 0 or a power of two, or PyTorch's \
+         per-interval list [64:8,256:4,>:1] (keys in MiB)",
     ),
+    (
+        "max_non_split_rounding_mb",
+        "an oversized block (≥ max_split_size) serves a large request it exceeds by less than \
+         this many MiB (≥ 20; default 20)",
+    ),
+    ("backend", "native (the only backend: PyTorch's key, for its strings)"),
     ("min_block_size", "rounding granularity in bytes (a power of two, 256..=1048576)"),
     ("small_size_mb", "largest request of the small pool, MiB"),
     ("small_segment_mb", "segment size of the small pool, MiB"),
@@ -180,6 +195,18 @@ pub const KEYS: &[(&str, &str)] = &[
         "caching",
         "false: every allocation is its own device allocation, every free returns it (debugging)",
     ),
+];
+
+/// PyTorch keys accepted with no effect on device memory (their values checked as PyTorch
+/// checks them, and kept in [`Config::no_effect`]), with why.
+pub const NO_EFFECT_KEYS: &[(&str, &str)] = &[
+    ("release_lock_on_cudamalloc", "lock handling only (true or false)"),
+    ("release_lock_on_device_malloc", "lock handling only (true or false)"),
+    ("pinned_use_cuda_host_register", "pinned host memory (true or false)"),
+    ("pinned_use_device_host_register", "pinned host memory (true or false)"),
+    ("pinned_num_register_threads", "pinned host memory (a power of two ≤ 128)"),
+    ("pinned_use_background_threads", "pinned host memory (true or false)"),
+    ("graph_capture_record_stream_reuse", "capture-time reuse of recorded streams (true or false)"),
 ];
 
 /// A configuration string that could not be applied.
@@ -224,6 +251,54 @@ impl fmt::Display for ConfigError {
 impl std::error::Error for ConfigError {}
 
 impl Config {
+    /// The `(key, value)` entries of a `key:value,...` string, trimmed, empty ones skipped: split
+    /// at commas outside brackets, so a PyTorch list value such as `[64:8,>:1]` stays whole.
+    ///
+    /// ```
+    /// use tidepool::Config;
+    /// let e = Config::entries("expandable_segments:True, roundup_power2_divisions:[64:8,>:1]");
+    /// assert_eq!(
+    ///     e.unwrap(),
+    ///     [("expandable_segments", "True"), ("roundup_power2_divisions", "[64:8,>:1]")]
+    /// );
+    /// assert!(Config::entries("roundup_power2_divisions:[64:8").is_err());
+    /// ```
+    pub fn entries(s: &str) -> Result<Vec<(&str, &str)>, ConfigError> {
+        let mut parts = Vec::new();
+        let (mut depth, mut start) = (0usize, 0usize);
+        let unbalanced = |what: &str, from: usize| {
+            ConfigError::Malformed(format!("{what} in `{}`", s[from..].trim()))
+        };
+        for (i, c) in s.char_indices() {
+            match c {
+                '[' => depth += 1,
+                ']' => {
+                    depth =
+                        depth.checked_sub(1).ok_or_else(|| unbalanced("`]` without `[`", start))?
+                }
+                ',' if depth == 0 => {
+                    parts.push(&s[start..i]);
+                    start = i + 1;
+                }
+                _ => {}
+            }
+        }
+        if depth != 0 {
+            return Err(unbalanced("`[` without `]`", start));
+        }
+        parts.push(&s[start..]);
+        parts
+            .into_iter()
+            .map(str::trim)
+            .filter(|e| !e.is_empty())
+            .map(|e| {
+                let (k, v) =
+                    e.split_once(':').ok_or_else(|| ConfigError::Malformed(e.to_string()))?;
+                Ok((k.trim(), v.trim()))
+            })
+            .collect()
+    }
+
     /// Parses a `key:value,key:value` string over the defaults. Empty entries are ignored.
     pub fn parse(s: &str) -> Result<Config, ConfigError> {
         let mut c = Config::default();
@@ -268,10 +343,8 @@ impl Config {
     /// unchanged.
     pub fn apply(&mut self, s: &str) -> Result<(), ConfigError> {
         let mut next = self.clone();
-        for entry in s.split(',').map(str::trim).filter(|e| !e.is_empty()) {
-            let (key, value) =
-                entry.split_once(':').ok_or_else(|| ConfigError::Malformed(entry.to_string()))?;
-            next.set(key.trim(), value.trim())?;
+        for (key, value) in Config::entries(s)? {
+            next.set(key, value)?;
         }
         next.validate()?;
         *self = next;
@@ -289,9 +362,10 @@ impl Config {
             let v: u64 = value.parse().map_err(|_| bad(&what))?;
             if v == 0 || v > max { Err(bad(&what)) } else { Ok(v * MIB) }
         };
+        // PyTorch spells them `True` and `False`.
         let flag = || match value {
-            "true" => Ok(true),
-            "false" => Ok(false),
+            "true" | "True" => Ok(true),
+            "false" | "False" => Ok(false),
             _ => Err(bad("true or false")),
         };
         const MAX_MIB: u64 = 1 << 28; // 256 TiB
@@ -299,12 +373,34 @@ impl Config {
         match key {
             "max_split_size_mb" => z.max_split_size = mib(MAX_MIB)?,
             "roundup_power2_divisions" => {
-                let what = "0, or a power of two up to 64";
-                let v: u64 = value.parse().map_err(|_| bad(what))?;
-                if v != 0 && (!v.is_power_of_two() || v > 64) {
-                    return Err(bad(what));
+                z.roundup_power2_divisions = RoundupDivisions::parse(value).map_err(|e| bad(&e))?
+            }
+            "max_non_split_rounding_mb" => {
+                let v = mib(MAX_MIB)?;
+                if v < DEFAULT_MAX_NON_SPLIT_ROUNDING {
+                    return Err(bad("a whole number of MiB, at least 20 (as PyTorch)"));
                 }
-                z.roundup_power2_divisions = v;
+                z.max_non_split_rounding = v;
+            }
+            "backend" if value == "native" => {}
+            "backend" => {
+                return Err(bad(
+                    "native: tidepool is a caching allocator of its own, it does not hand \
+                     requests to cudaMallocAsync",
+                ));
+            }
+            k if NO_EFFECT_KEYS.iter().any(|(n, _)| *n == k) => {
+                let ok = if k == "pinned_num_register_threads" {
+                    value.parse::<u64>().is_ok_and(|n| n.is_power_of_two() && n <= 128)
+                } else {
+                    flag().is_ok()
+                };
+                if !ok {
+                    let why = NO_EFFECT_KEYS.iter().find(|(n, _)| *n == k).map_or("", |(_, w)| w);
+                    return Err(bad(why));
+                }
+                self.no_effect.retain(|e| e.split_once(':').is_none_or(|(old, _)| old != k));
+                self.no_effect.push(format!("{k}:{value}"));
             }
             "min_block_size" => {
                 let what = "a power of two in 256..=1048576 bytes (pointers stay 256-byte \
@@ -419,20 +515,10 @@ impl Config {
         if self.fast_cache_entries == 0 {
             return fail("fast_cache_entries must be at least 1".into());
         }
-        if let Some(t) = self.garbage_collection_threshold {
-            if !(t > 0.0 && t < 1.0) {
-                return fail(format!("garbage_collection_threshold {t} is not in (0, 1)"));
-            }
-            if self.memory_limit.is_none()
-                && self.memory_fraction.is_none()
-                && self.max_pool_size.is_none()
-            {
-                return fail(
-                    "garbage_collection_threshold needs a cap: set memory_limit_mb, \
-                     per_process_memory_fraction or max_pool_size_mb"
-                        .into(),
-                );
-            }
+        if let Some(t) = self.garbage_collection_threshold
+            && !(t > 0.0 && t < 1.0)
+        {
+            return fail(format!("garbage_collection_threshold {t} is not in (0, 1)"));
         }
         if let Some(f) = self.memory_fraction
             && !(f > 0.0 && f <= 1.0)
@@ -481,7 +567,7 @@ impl Config {
     }
 
     /// Rounds sizes to `divisions` steps between powers of two (`roundup_power2_divisions`).
-    pub fn with_roundup_power2_divisions(mut self, divisions: u64) -> Config {
+    pub fn with_roundup_power2_divisions(mut self, divisions: RoundupDivisions) -> Config {
         self.sizing.roundup_power2_divisions = divisions;
         self
     }
@@ -579,10 +665,11 @@ impl Config {
     }
 
     /// The reserved bytes past which the garbage collection releases idle cached segments:
-    /// `garbage_collection_threshold × limit`, if both are set.
+    /// `garbage_collection_threshold × limit` when a cap is set, else × the device's `total`
+    /// memory (as PyTorch documents it: a share of the memory the process may use).
     pub fn gc_limit(&self, total: u64) -> Option<u64> {
         let t = self.garbage_collection_threshold?;
-        Some((self.limit(total)? as f64 * t) as u64)
+        Some((self.limit(total).unwrap_or(total) as f64 * t) as u64)
     }
 }
 
@@ -598,12 +685,14 @@ mod tests {
              memory_limit_mb:4096,per_process_memory_fraction:0.5,cross_stream:wait_event,\
              fast_cache:false,fast_cache_entries:4,fast_cache_bytes_mb:8,global_lock:true,\
              expandable_segments:true,release_threshold_mb:0,garbage_collection_threshold:0.75,\
-             initial_pool_size_mb:64,max_pool_size_mb:2048,caching:true",
+             initial_pool_size_mb:64,max_pool_size_mb:2048,caching:true,\
+             max_non_split_rounding_mb:30,backend:native",
         )
         .unwrap();
         let z = c.sizing;
         assert_eq!(z.max_split_size, 256 * MIB);
-        assert_eq!(z.roundup_power2_divisions, 8);
+        assert_eq!(z.roundup_power2_divisions, RoundupDivisions::uniform(8).unwrap());
+        assert_eq!(z.max_non_split_rounding, 30 * MIB);
         assert_eq!(z.min_block_size, 1024);
         assert_eq!(z.small_size, 2 * MIB);
         assert_eq!(z.small_segment, 4 * MIB);
@@ -629,7 +718,7 @@ mod tests {
         assert_eq!(c.limit(2048 * MIB), Some(1024 * MIB)); // the fraction
         assert_eq!(c.clone().with_max_pool_size(8192 * MIB).limit(16384 * MIB), Some(4096 * MIB));
         assert_eq!(c.gc_limit(16384 * MIB), Some(1536 * MIB));
-        assert_eq!(KEYS.len(), 21, "a new key needs a line in this test");
+        assert_eq!(KEYS.len(), 23, "a new key needs a line in this test");
     }
 
     #[test]
@@ -686,7 +775,18 @@ mod tests {
             ("max_split_size_mb:-5", "max_split_size_mb"),
             ("max_split_size_mb:99999999999999999999", "max_split_size_mb"),
             ("roundup_power2_divisions:3", "roundup_power2_divisions"),
-            ("roundup_power2_divisions:128", "roundup_power2_divisions"),
+            ("roundup_power2_divisions:8589934592", "roundup_power2_divisions"),
+            ("roundup_power2_divisions:[64:3]", "roundup_power2_divisions"),
+            ("roundup_power2_divisions:[65:8]", "roundup_power2_divisions"),
+            ("roundup_power2_divisions:[>:8,64:2]", "roundup_power2_divisions"),
+            ("max_non_split_rounding_mb:19", "max_non_split_rounding_mb"),
+            ("max_non_split_rounding_mb:x", "max_non_split_rounding_mb"),
+            ("backend:cudaMallocAsync", "backend"),
+            ("expandable_segments:TRUE", "expandable_segments"),
+            ("pinned_num_register_threads:3", "pinned_num_register_threads"),
+            ("pinned_num_register_threads:256", "pinned_num_register_threads"),
+            ("pinned_use_cuda_host_register:yes", "pinned_use_cuda_host_register"),
+            ("release_lock_on_cudamalloc:1", "release_lock_on_cudamalloc"),
             ("min_block_size:1000", "min_block_size"),
             ("min_block_size:0", "min_block_size"),
             ("min_block_size:1", "min_block_size"),
@@ -751,11 +851,14 @@ mod tests {
             (None, 0, None, true)
         );
         assert_eq!(d.gc_limit(1 << 30), None);
+        // Without a cap the threshold is a share of the device's memory (PyTorch's documented
+        // behaviour), so PyTorch's common `garbage_collection_threshold:0.6,...` strings work.
+        let no_cap = Config::parse("garbage_collection_threshold:0.5,max_split_size_mb:128");
+        assert_eq!(no_cap.unwrap().gc_limit(1 << 30), Some(1 << 29));
         let inconsistent = |s: &str, what: &str| match Config::parse(s) {
             Err(ConfigError::Inconsistent(m)) => assert!(m.contains(what), "{s}: {m}"),
             other => panic!("{s}: expected Inconsistent, got {other:?}"),
         };
-        inconsistent("garbage_collection_threshold:0.5", "needs a cap");
         inconsistent("initial_pool_size_mb:64,max_pool_size_mb:32", "exceeds max_pool_size_mb");
         inconsistent("initial_pool_size_mb:64,memory_limit_mb:32", "exceeds memory_limit_mb");
         inconsistent("caching:false,expandable_segments:true", "expandable_segments");
@@ -785,12 +888,67 @@ mod tests {
             )
             .unwrap()
         );
-        assert!(Config::default().with_garbage_collection_threshold(0.5).validate().is_err());
+        assert!(Config::default().with_garbage_collection_threshold(0.5).validate().is_ok());
         assert!(Config::default().with_garbage_collection_threshold(1.5).validate().is_err());
         assert!(Config::default().with_memory_fraction(0.0).validate().is_err());
         let off = Config::default().with_caching(false);
         assert!(!off.fast_path() && off.validate().is_ok());
         assert_eq!(off, Config::parse("caching:false").unwrap());
+    }
+
+    /// Strings copied from PyTorch jobs parse unchanged and mean what they mean there.
+    #[test]
+    fn pytorch_strings_work_unchanged() {
+        // Unsloth's default.
+        let c = Config::parse(
+            "expandable_segments:True,roundup_power2_divisions:[32:256,64:128,256:64,>:32]",
+        )
+        .unwrap();
+        assert!(c.expandable_segments);
+        let d = c.sizing.roundup_power2_divisions;
+        assert_eq!(
+            [d.for_size(40 * MIB), d.for_size(100 * MIB), d.for_size(4096 * MIB)],
+            [256, 128, 32]
+        );
+        // c10's own parser test string, with the newer generic key names.
+        let c = Config::parse(
+            "max_split_size_mb:40,max_non_split_rounding_mb:30,garbage_collection_threshold:0.5,\
+             roundup_power2_divisions:[64:8,128:2,256:4,512:2,1024:4,>:1],backend:native,\
+             expandable_segments:True,release_lock_on_device_malloc:True,\
+             pinned_use_device_host_register:True,pinned_num_register_threads:8,\
+             pinned_use_background_threads:True",
+        )
+        .unwrap();
+        assert_eq!(c.sizing.max_split_size, 40 * MIB);
+        assert_eq!(c.sizing.max_non_split_rounding, 30 * MIB);
+        assert_eq!(c.garbage_collection_threshold, Some(0.5));
+        assert_eq!(c.sizing.roundup_power2_divisions.for_size(1024 * MIB), 4);
+        assert_eq!(
+            c.no_effect,
+            [
+                "release_lock_on_device_malloc:True",
+                "pinned_use_device_host_register:True",
+                "pinned_num_register_threads:8",
+                "pinned_use_background_threads:True"
+            ]
+        );
+        // A key given twice keeps its last value, once.
+        let c = Config::parse("pinned_num_register_threads:8,pinned_num_register_threads:4");
+        assert_eq!(c.unwrap().no_effect, ["pinned_num_register_threads:4"]);
+        // `False` and spaces, as PyTorch's lexer allows.
+        let c = Config::parse(
+            " expandable_segments : False , roundup_power2_divisions : [ 64 : 8 , > : 2 ] ",
+        );
+        let c = c.unwrap();
+        assert!(!c.expandable_segments);
+        assert_eq!(c.sizing.roundup_power2_divisions.for_size(MIB), 8);
+        assert_eq!(c.sizing.roundup_power2_divisions.for_size(200 * MIB), 2);
+        // Brackets must balance.
+        for bad in ["roundup_power2_divisions:[64:8", "roundup_power2_divisions:64:8]", "a:]["] {
+            assert!(matches!(Config::parse(bad), Err(ConfigError::Malformed(_))), "{bad}");
+        }
+        let e = Config::parse("backend:cudaMallocAsync").unwrap_err().to_string();
+        assert!(e.contains("does not hand requests to cudaMallocAsync"), "{e}");
     }
 
     #[test]
@@ -817,7 +975,7 @@ mod tests {
         assert!(c.apply("roundup_power2_divisions:4,bogus:1").is_err());
         assert_eq!(c, before);
         c.apply("roundup_power2_divisions:4").unwrap();
-        assert_eq!(c.sizing.roundup_power2_divisions, 4);
+        assert_eq!(c.sizing.roundup_power2_divisions.for_size(1), 4);
         assert_eq!(c.sizing.max_split_size, 64 * MIB);
     }
 }

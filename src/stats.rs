@@ -5,6 +5,7 @@
 //! transient residency. One change updates three cells: `all`, its pool and its residency.
 
 pub use crate::types::{BlockStats, Bytes, PoolKind, Residency, Stat, StatGroup};
+use std::collections::BTreeMap;
 
 /// Everything [`crate::Allocator::stats`] reports.
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -106,6 +107,65 @@ impl MemoryStats {
             return 0.0;
         }
         1.0 - self.blocks.requested_bytes.all.peak as f64 / reserved as f64
+    }
+
+    /// The flat dictionary `torch.cuda.memory_stats()` returns, key for key, sorted:
+    /// `"{stat}.{all|small_pool|large_pool}.{current|peak|allocated|freed}"` for PyTorch's nine
+    /// block figures, `oversize_allocations.*` and `oversize_segments.*`, `num_alloc_retries`,
+    /// `num_ooms`, `num_sync_all_streams`, `num_device_alloc` and `num_device_free` (as in
+    /// PyTorch, device calls of both kinds: segment allocations and page maps, segment frees
+    /// and page unmaps), and `max_split_size` (`-1`: unlimited). tidepool's residency groups
+    /// follow PyTorch's pattern as `"{stat}.{persistent|transient}.*"`.
+    pub fn to_pytorch(&self, max_split_size: u64) -> BTreeMap<String, i64> {
+        let n = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
+        let mut out = BTreeMap::new();
+        let mut stat = |name: &str, s: &Stat| {
+            for (field, v) in [
+                ("current", s.current),
+                ("peak", s.peak),
+                ("allocated", s.allocated),
+                ("freed", s.freed),
+            ] {
+                out.insert(format!("{name}.{field}"), n(v));
+            }
+        };
+        let b = &self.blocks;
+        for (name, g) in [
+            ("allocation", &b.allocation),
+            ("segment", &b.segment),
+            ("active", &b.active),
+            ("inactive_split", &b.inactive_split),
+            ("allocated_bytes", &b.allocated_bytes),
+            ("reserved_bytes", &b.reserved_bytes),
+            ("active_bytes", &b.active_bytes),
+            ("inactive_split_bytes", &b.inactive_split_bytes),
+            ("requested_bytes", &b.requested_bytes),
+        ] {
+            for (group, s) in [
+                ("all", &g.all),
+                ("small_pool", &g.small_pool),
+                ("large_pool", &g.large_pool),
+                ("persistent", &g.persistent),
+                ("transient", &g.transient),
+            ] {
+                stat(&format!("{name}.{group}"), s);
+            }
+        }
+        stat("oversize_allocations", &self.oversize_allocations);
+        stat("oversize_segments", &self.oversize_segments);
+        let device_alloc = self.num_device_alloc.saturating_add(self.num_device_map);
+        let device_free = self.num_device_free.saturating_add(self.num_device_unmap);
+        for (key, v) in [
+            ("num_alloc_retries", n(self.num_alloc_retries)),
+            ("num_ooms", n(self.num_ooms)),
+            ("num_sync_all_streams", n(self.num_sync_all_streams)),
+            ("num_device_alloc", n(device_alloc)),
+            ("num_device_free", n(device_free)),
+            ("max_split_size", if max_split_size == u64::MAX { -1 } else { n(max_split_size) }),
+        ] {
+            out.insert(key.to_string(), v);
+        }
+        out
     }
 }
 

@@ -36,7 +36,7 @@ impl<D: Device> Allocator<D> {
         let value = Py::dict([
             ("segments", Py::List(segments.iter().map(|s| segment(s, expandable(s))).collect())),
             ("device_traces", Py::List(vec![Py::List(entries.iter().map(entry).collect())])),
-            ("allocator_settings", settings(&config)),
+            ("allocator_settings", settings(&config, self.shared.device.supports_virtual_memory())),
         ]);
         to_pickle(&value)
     }
@@ -146,14 +146,25 @@ fn frames(stack: &std::backtrace::Backtrace) -> Vec<Py> {
     out
 }
 
-fn settings(c: &Config) -> Py {
+/// `allocator_settings` in PyTorch's form: its keys first (`roundup_power2_divisions` as a dict
+/// of interval start in MiB → divisions, `expandable_segments` as in force), then tidepool's.
+fn settings(c: &Config, virtual_memory: bool) -> Py {
     let z = &c.sizing;
+    let mib: Vec<String> =
+        (0..crate::pool::ROUNDUP_INTERVALS).map(|i| (1u64 << i).to_string()).collect();
+    let roundup = Py::Dict(
+        mib.iter()
+            .enumerate()
+            .map(|(i, k)| (Py::str(k.as_str()), Py::int(z.roundup_power2_divisions.interval(i))))
+            .collect(),
+    );
     let mut v: Vec<(&str, Py)> = vec![
         (
             "max_split_size",
             Py::int(if z.max_split_size == u64::MAX { -1 } else { z.max_split_size as i128 }),
         ),
-        ("roundup_power2_divisions", Py::int(z.roundup_power2_divisions)),
+        ("roundup_power2_divisions", roundup),
+        ("max_non_split_rounding", Py::int(z.max_non_split_rounding)),
         ("min_block_size", Py::int(z.min_block_size)),
         (
             "cross_stream",
@@ -164,7 +175,7 @@ fn settings(c: &Config) -> Py {
         ),
         ("fast_cache", Py::Bool(c.fast_cache)),
         ("global_lock", Py::Bool(c.global_lock)),
-        ("expandable_segments", Py::Bool(false)),
+        ("expandable_segments", Py::Bool(c.expandable_segments && virtual_memory)),
     ];
     v.push(("memory_limit", c.memory_limit.map_or(Py::None, Py::int)));
     v.push(("per_process_memory_fraction", c.memory_fraction.map_or(Py::None, Py::Float)));

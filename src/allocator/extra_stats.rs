@@ -153,6 +153,26 @@ pub(super) fn since(mut m: MemoryStats, base: &MemoryStats) -> MemoryStats {
 }
 
 impl<D: Device> Allocator<D> {
+    /// `torch.cuda.memory_stats()`: [`Allocator::stats`] as PyTorch's flat, sorted dictionary
+    /// (see [`MemoryStats::to_pytorch`]), so code and tests written against PyTorch's keys read
+    /// the same figures.
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use tidepool::{Allocator, Config, SimDevice, StreamId};
+    /// let alloc = Allocator::new(Arc::new(SimDevice::new(1 << 30)), Config::default()).unwrap();
+    /// let b = alloc.alloc(1000, StreamId::DEFAULT).unwrap();
+    /// let m = alloc.memory_stats();
+    /// assert_eq!(m["allocated_bytes.all.current"], 1024);
+    /// assert_eq!(m["requested_bytes.small_pool.current"], 1000);
+    /// assert_eq!(m["reserved_bytes.all.current"], 2 << 20);
+    /// assert_eq!((m["num_device_alloc"], m["max_split_size"]), (1, -1));
+    /// drop(b);
+    /// ```
+    pub fn memory_stats(&self) -> std::collections::BTreeMap<String, i64> {
+        self.stats().to_pytorch(self.config().sizing.max_split_size)
+    }
+
     /// Resets the accumulated statistics, PyTorch's `reset_accumulated_memory_stats`: the
     /// `allocated` and `freed` totals of every [`Stat`](crate::Stat) (block figures and oversize
     /// figures), and `num_alloc_retries`, `num_ooms`, `num_device_alloc`, `num_device_free`,

@@ -652,7 +652,7 @@ impl StreamCache {
     /// small bound is a round-up to the granule.
     fn round_mask_of(sizing: &Sizing) -> u64 {
         let m = sizing.min_block_size;
-        let div = sizing.roundup_power2_divisions;
+        let div = sizing.roundup_power2_divisions.for_size(sizing.small_size);
         let no_divisions = div <= 1 || m.saturating_mul(div) >= sizing.small_size;
         if m.is_power_of_two() && no_divisions { m - 1 } else { u64::MAX }
     }

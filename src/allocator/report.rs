@@ -82,7 +82,7 @@ impl<D: Device> Allocator<D> {
                     (Some(t), Some(at)) => format!("garbage collection: {t} ({})", mib(at)),
                     _ => "garbage collection: off".into(),
                 },
-                "garbage_collection_threshold:0.8 + a cap",
+                "garbage_collection_threshold:0.8",
             ),
             (
                 match c.initial_pool_size {
@@ -124,6 +124,9 @@ impl<D: Device> Allocator<D> {
         ];
         for (state, how) in rows {
             let _ = writeln!(out, "| {state:<38}| {how:<46}|");
+        }
+        for kv in &c.no_effect {
+            let _ = writeln!(out, "| {kv:<38}| {:<46}|", "PyTorch key, accepted: no effect here");
         }
     }
 

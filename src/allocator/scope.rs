@@ -519,10 +519,11 @@ impl<'a, D: Device> Scope<'a, D> {
         };
         let learning = name.is_some() && plan.is_none() && alloc.shared.learning(stream, true);
         let z = &config.sizing;
-        let granule = match z.min_block_size.is_power_of_two() && z.roundup_power2_divisions <= 1 {
-            true => z.min_block_size,
-            false => 0,
-        };
+        let granule =
+            match z.min_block_size.is_power_of_two() && z.roundup_power2_divisions.is_off() {
+                true => z.min_block_size,
+                false => 0,
+            };
         let fast_ok = granule != 0
             && plan.as_ref().is_some_and(|p| p.granule == granule)
             && (!alloc.shared.device.observes_handouts()

@@ -21,13 +21,15 @@
 
 mod align;
 mod block;
+mod divisions;
 mod free_index;
 mod pages;
 mod sizing;
 
 pub use align::padding;
 pub use block::{Block, BlockId, BlockState, PoolKey, Segment, SegmentId};
-pub use sizing::{MIB, Sizing};
+pub use divisions::{INTERVALS as ROUNDUP_INTERVALS, RoundupDivisions};
+pub use sizing::{DEFAULT_MAX_NON_SPLIT_ROUNDING, MIB, Sizing};
 
 use crate::types::{BlockStats, Stat, StreamId};
 use free_index::{Entry, FreeIndex};

@@ -7,6 +7,7 @@
 //!                               └─ otherwise                   → own segment, rounded to 2 MiB
 //! ```
 
+use super::divisions::RoundupDivisions;
 #[cfg(test)]
 use crate::types::KIB;
 use crate::types::PoolKind;
@@ -24,6 +25,8 @@ pub const DEFAULT_LARGE_SEGMENT: u64 = 20 * MIB;
 pub const DEFAULT_MIN_LARGE_ALLOC: u64 = 10 * MIB;
 /// Own segments are rounded up to a multiple of this (`kRoundLarge`).
 pub const DEFAULT_ROUND_LARGE: u64 = 2 * MIB;
+/// Default of [`Sizing::max_non_split_rounding`] (PyTorch's `kLargeBuffer`).
+pub const DEFAULT_MAX_NON_SPLIT_ROUNDING: u64 = 20 * MIB;
 
 /// The numeric size rules (PyTorch's constants by default). Every field is configurable through
 /// [`crate::Config`] (its `TIDEPOOL_ALLOC_CONF` keys or [`crate::Config::with_sizing`]).
@@ -46,8 +49,11 @@ pub struct Sizing {
     /// `u64::MAX` (the default) means no limit.
     pub max_split_size: u64,
     /// Round requests above `min_block_size × divisions` to one of `divisions` steps between
-    /// powers of two (0 or 1: off).
-    pub roundup_power2_divisions: u64,
+    /// powers of two (0 or 1: off), `divisions` chosen per power-of-two size interval.
+    pub roundup_power2_divisions: RoundupDivisions,
+    /// An oversized block (≥ `max_split_size`) serves a large request only if it exceeds it by
+    /// less than this (PyTorch's `max_non_split_rounding_mb`; default 20 MiB).
+    pub max_non_split_rounding: u64,
 }
 
 impl Default for Sizing {
@@ -60,7 +66,8 @@ impl Default for Sizing {
             min_large_alloc: DEFAULT_MIN_LARGE_ALLOC,
             round_large: DEFAULT_ROUND_LARGE,
             max_split_size: u64::MAX,
-            roundup_power2_divisions: 0,
+            roundup_power2_divisions: RoundupDivisions::OFF,
+            max_non_split_rounding: DEFAULT_MAX_NON_SPLIT_ROUNDING,
         }
     }
 }
@@ -72,7 +79,7 @@ impl Sizing {
     /// let s = Sizing::default();
     /// assert_eq!(s.round(1), Some(512));
     /// assert_eq!(s.round(513), Some(1024));
-    /// let p2 = Sizing { roundup_power2_divisions: 4, ..Sizing::default() };
+    /// let p2 = Sizing { roundup_power2_divisions: RoundupDivisions::uniform(4).unwrap(), ..Sizing::default() };
     /// assert_eq!(p2.round(1_200_000), Some(1_310_720)); // 1 MiB + 1/4 MiB
     /// ```
     #[inline]
@@ -83,8 +90,8 @@ impl Sizing {
         if bytes <= self.min_block_size {
             return Some(self.min_block_size);
         }
-        let div = self.roundup_power2_divisions;
-        if div > 1 && bytes > self.min_block_size * div {
+        let div = self.roundup_power2_divisions.for_size(bytes);
+        if div > 1 && bytes > self.min_block_size.saturating_mul(div) {
             return Some(round_power2_division(bytes, div));
         }
         let m = self.min_block_size;
@@ -124,12 +131,12 @@ impl Sizing {
 
     /// Whether a cached free block of `block` bytes may serve a request of `rounded` bytes: an
     /// oversized block (≥ `max_split_size`) is not spent on a smaller request, nor on a large one it
-    /// exceeds by a whole large segment or more.
+    /// exceeds by `max_non_split_rounding` or more.
     pub fn may_serve(&self, block: u64, rounded: u64) -> bool {
         if rounded < self.max_split_size {
             block < self.max_split_size
         } else {
-            block < rounded.saturating_add(self.large_segment)
+            block < rounded.saturating_add(self.max_non_split_rounding)
         }
     }
 }
@@ -166,7 +173,8 @@ mod tests {
 
     #[test]
     fn rounding_power2_divisions() {
-        let s = Sizing { roundup_power2_divisions: 4, ..Sizing::default() };
+        let four = RoundupDivisions::uniform(4).unwrap();
+        let s = Sizing { roundup_power2_divisions: four, ..Sizing::default() };
         // 1 MiB..2 MiB in steps of 256 KiB.
         assert_eq!(s.round(MIB + 1), Some(MIB + 256 * KIB));
         assert_eq!(s.round(MIB + 256 * KIB), Some(MIB + 256 * KIB));
@@ -175,8 +183,40 @@ mod tests {
         // At or below min_block_size × divisions (2 KiB), plain 512 B rounding applies.
         assert_eq!(s.round(1500), Some(1536));
         assert_eq!(s.round(2049), Some(2560));
-        let s8 = Sizing { roundup_power2_divisions: 8, ..Sizing::default() };
+        let eight = RoundupDivisions::uniform(8).unwrap();
+        let s8 = Sizing { roundup_power2_divisions: eight, ..Sizing::default() };
         assert_eq!(s8.round(5 * MIB + 1), Some(5 * MIB + 512 * KIB));
+    }
+
+    /// Per-interval divisions, as PyTorch's `test_cuda` checks them (`power2_div(nbytes, 8)` for
+    /// an 84 MiB tensor under `[64:8,...]`, `power2_div(nbytes_big, 2)` for 400 MiB under
+    /// `256:2`), and Unsloth's default with 256 divisions.
+    #[test]
+    fn rounding_per_interval() {
+        let d = RoundupDivisions::parse("[64:8,128:2,256:2,512:2,1024:1,>:1]").unwrap();
+        let s = Sizing { roundup_power2_divisions: d, ..Sizing::default() };
+        // 84 MiB: 64 MiB..128 MiB in steps of 8 MiB → 88 MiB.
+        assert_eq!(s.round(84 * MIB), Some(88 * MIB));
+        // 400 MiB: 256 MiB..512 MiB in 2 steps → 512 MiB.
+        assert_eq!(s.round(400 * MIB), Some(512 * MIB));
+        // 1 GiB..: one division, plain granule rounding.
+        assert_eq!(s.round(1500 * MIB + 1), Some(1500 * MIB + 512));
+        // Below the first key: 8 divisions (3 MiB → 2 MiB..4 MiB in 256 KiB steps).
+        assert_eq!(s.round(3 * MIB + 1), Some(3 * MIB + 256 * KIB));
+        let unsloth = RoundupDivisions::parse("[32:256,64:128,256:64,>:32]").unwrap();
+        let s = Sizing { roundup_power2_divisions: unsloth, ..Sizing::default() };
+        // 256 divisions apply above 512 B × 256 = 128 KiB: 200 KiB in 128 KiB..256 KiB → 512 B steps.
+        assert_eq!(s.round(200 * KIB + 1), Some(200 * KIB + 512));
+        // 1 MiB + 1 in 1 MiB..2 MiB: steps of 4 KiB.
+        assert_eq!(s.round(MIB + 1), Some(MIB + 4 * KIB));
+        // 100 MiB + 1 in 64 MiB..128 MiB with 128 divisions: steps of 512 KiB.
+        assert_eq!(s.round(100 * MIB + 1), Some(100 * MIB + 512 * KIB));
+        // 200 MiB + 1 in 128 MiB..256 MiB: not named, granule rounding.
+        assert_eq!(s.round(200 * MIB + 1), Some(200 * MIB + 512));
+        // Huge division counts never overflow the threshold.
+        let max = RoundupDivisions::uniform(super::super::divisions::MAX_DIVISIONS).unwrap();
+        let s = Sizing { roundup_power2_divisions: max, ..Sizing::default() };
+        assert_eq!(s.round(3 * MIB + 1), Some(3 * MIB + 512));
     }
 
     #[test]
@@ -214,5 +254,9 @@ mod tests {
         assert!(s.may_serve(80 * MIB, 64 * MIB));
         assert!(!s.may_serve(84 * MIB, 64 * MIB));
         assert!(Sizing::default().may_serve(u64::MAX - 1, 512));
+        // max_non_split_rounding widens what an oversized block may serve.
+        let wide = Sizing { max_non_split_rounding: 30 * MIB, ..s };
+        assert!(wide.may_serve(93 * MIB, 64 * MIB));
+        assert!(!wide.may_serve(94 * MIB, 64 * MIB));
     }
 }

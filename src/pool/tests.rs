@@ -345,7 +345,10 @@ fn reuse_agrees_with_free_then_best_fit() {
     for s in [
         Sizing::default(),
         Sizing { max_split_size: 8 * MIB, ..Sizing::default() },
-        Sizing { roundup_power2_divisions: 4, ..Sizing::default() },
+        Sizing {
+            roundup_power2_divisions: crate::pool::RoundupDivisions::uniform(4).unwrap(),
+            ..Sizing::default()
+        },
     ] {
         reuse_agrees_under(s);
     }

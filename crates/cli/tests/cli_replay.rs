@@ -314,9 +314,10 @@ fn config_from_snapshot() {
         v[0]["notes"].as_array().unwrap().iter().filter_map(|n| n.as_str()).collect();
     assert_eq!(
         notes[0],
-        "--config from-snapshot: `max_split_size_mb:64,roundup_power2_divisions:4`"
+        "--config from-snapshot: `max_split_size_mb:64,roundup_power2_divisions:4,\
+         expandable_segments:true,garbage_collection_threshold:0.8`"
     );
-    assert!(notes[1].starts_with("expandable_segments True: tidepool's Config has no expandable"));
+    assert!(notes[1].starts_with("garbage_collection_threshold 0.8: the snapshot records no"));
     assert_eq!(v[0]["policies"][0]["peak_allocated_bytes"].as_u64(), Some(13_632_000));
     // No allocator_settings (older PyTorch): the defaults, and a note.
     let o = tidepool(&[

@@ -97,34 +97,12 @@ pub struct ConfigMapping {
     pub notes: Vec<String>,
 }
 
-/// One entry of a `PYTORCH_CUDA_ALLOC_CONF` string (`key:value`, brackets kept together).
-fn conf_entries(conf: &str) -> Vec<(&str, &str)> {
-    let mut out = Vec::new();
-    let mut depth = 0i32;
-    let mut start = 0;
-    let bytes = conf.as_bytes();
-    for i in 0..=bytes.len() {
-        let c = bytes.get(i).copied();
-        match c {
-            Some(b'[') => depth += 1,
-            Some(b']') => depth -= 1,
-            Some(b',') | None if depth <= 0 => {
-                let entry = conf[start..i].trim();
-                if let Some((k, v)) = entry.split_once(':') {
-                    out.push((k.trim(), v.trim()));
-                }
-                start = i + 1;
-            }
-            _ => {}
-        }
-    }
-    out
-}
-
 impl AllocatorSettings {
     /// The value of `key` in the `PYTORCH_CUDA_ALLOC_CONF` string, if set there.
     pub fn conf_value(&self, key: &str) -> Option<&str> {
-        conf_entries(&self.conf).into_iter().rev().find(|(k, _)| *k == key).map(|(_, v)| v)
+        // PyTorch accepted the string, so it is well formed; one that is not has no value.
+        let entries = Config::entries(&self.conf).unwrap_or_default();
+        entries.into_iter().rev().find(|(k, _)| *k == key).map(|(_, v)| v)
     }
 
     /// One line for reports: `key value, key value, ...`.
@@ -168,26 +146,21 @@ impl AllocatorSettings {
                     config.push(format!("roundup_power2_divisions:{v}"));
                 }
             } else {
-                notes.push(format!(
-                    "roundup_power2_divisions {}: tidepool takes one value for all sizes, not one \
-                     per size interval; not mapped (no power-of-two rounding)",
-                    self.roundup_summary()
-                ));
+                // One entry per interval, keyed by its start in MiB: PyTorch's list form.
+                let each: Vec<String> = r.iter().map(|(k, v)| format!("{k}:{v}")).collect();
+                config.push(format!("roundup_power2_divisions:[{}]", each.join(",")));
             }
         }
         if self.expandable_segments == Some(true) {
-            notes.push(
-                "expandable_segments True: tidepool's Config has no expandable segments; \
-                 replayed with fixed-size segments"
-                    .into(),
-            );
+            config.push("expandable_segments:true".into());
         }
         if let Some(gc) = self.conf_value("garbage_collection_threshold")
             && gc.parse::<f64>().is_ok_and(|x| x > 0.0)
         {
+            config.push(format!("garbage_collection_threshold:{gc}"));
             notes.push(format!(
-                "garbage_collection_threshold {gc}: tidepool's key works against a cap \
-                 (per_process_memory_fraction), which the snapshot does not record; not mapped"
+                "garbage_collection_threshold {gc}: the snapshot records no per-process memory \
+                 fraction, so it applies against the replay device's whole memory"
             ));
         }
         if let Some(backend) = self.conf_value("backend")
@@ -299,15 +272,22 @@ mod tests {
             "expandable_segments:True,garbage_collection_threshold:0.6,max_split_size_mb:256",
         );
         let m = s.to_config();
-        assert_eq!(m.config, "max_split_size_mb:256,roundup_power2_divisions:4");
-        assert!(m.notes[0].starts_with("expandable_segments True"), "{:?}", m.notes);
-        assert!(m.notes[1].starts_with("garbage_collection_threshold 0.6"), "{:?}", m.notes);
+        assert_eq!(
+            m.config,
+            "max_split_size_mb:256,roundup_power2_divisions:4,expandable_segments:true,\
+             garbage_collection_threshold:0.6"
+        );
+        assert!(m.notes[0].starts_with("garbage_collection_threshold 0.6"), "{:?}", m.notes);
         assert!(s.summary().contains("garbage_collection_threshold 0.6"), "{}", s.summary());
         assert!(s.summary().contains("roundup_power2_divisions 4"), "{}", s.summary());
-        // Per-interval divisions are not mapped.
+        let c = Config::parse(&m.config).unwrap();
+        assert!(c.expandable_segments && c.garbage_collection_threshold == Some(0.6));
+        // Per-interval divisions map to PyTorch's list form, interval by interval.
         let m = settings(-1, &[1, 2, 4], false, "").to_config();
-        assert_eq!(m.config, "");
-        assert!(m.notes[0].starts_with("roundup_power2_divisions [1:1 2:2 4:4]"), "{:?}", m.notes);
+        assert_eq!(m.config, "roundup_power2_divisions:[1:1,2:2,4:4]");
+        let d = Config::parse(&m.config).unwrap().sizing.roundup_power2_divisions;
+        assert_eq!([d.for_size(1 << 20), d.for_size(3 << 20), d.for_size(5 << 20)], [1, 2, 4]);
+        assert!(m.notes.iter().all(|n| !n.contains("roundup")), "{:?}", m.notes);
         // A max_split_size tidepool rejects (not above its large segment size) is explained.
         let m = settings(1 << 20, &[], false, "").to_config();
         assert_eq!(m.config, "");
@@ -315,11 +295,13 @@ mod tests {
     }
 
     #[test]
-    fn conf_string_entries_keep_brackets() {
-        assert_eq!(
-            conf_entries("roundup_power2_divisions:[256:1,>:4], backend:native"),
-            vec![("roundup_power2_divisions", "[256:1,>:4]"), ("backend", "native")]
-        );
-        assert_eq!(conf_entries(""), vec![]);
+    fn conf_string_values_keep_brackets() {
+        let s = AllocatorSettings {
+            conf: "roundup_power2_divisions:[256:1,>:4], backend:native".into(),
+            ..AllocatorSettings::default()
+        };
+        assert_eq!(s.conf_value("roundup_power2_divisions"), Some("[256:1,>:4]"));
+        assert_eq!(s.conf_value("backend"), Some("native"));
+        assert_eq!(s.conf_value("max_split_size_mb"), None);
     }
 }

@@ -329,11 +329,14 @@ fn multi_device_fixture() {
     assert!(set.summary().contains("garbage_collection_threshold 0.8"), "{}", set.summary());
     assert!(set.summary().contains("roundup_power2_divisions 4"), "{}", set.summary());
     let m = set.to_config();
-    assert_eq!(m.config, "max_split_size_mb:64,roundup_power2_divisions:4");
-    assert_eq!(m.notes.len(), 3, "{:?}", m.notes);
-    assert!(m.notes[0].starts_with("expandable_segments True"));
-    assert!(m.notes[1].starts_with("garbage_collection_threshold 0.8"));
-    assert!(m.notes[2].contains("release_lock_on_cudamalloc"));
+    assert_eq!(
+        m.config,
+        "max_split_size_mb:64,roundup_power2_divisions:4,expandable_segments:true,\
+         garbage_collection_threshold:0.8"
+    );
+    assert_eq!(m.notes.len(), 2, "{:?}", m.notes);
+    assert!(m.notes[0].starts_with("garbage_collection_threshold 0.8"));
+    assert!(m.notes[1].contains("release_lock_on_cudamalloc"));
 
     // A single trace cannot be asked of it.
     let e = read_trace(&path).unwrap_err();

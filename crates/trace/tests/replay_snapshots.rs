@@ -84,12 +84,17 @@ fn each_device_replays_on_its_own_device_and_streams() {
 fn from_snapshot_configuration_replays_under_the_snapshot_settings() {
     let traces = fixture();
     let config = traces[0].snapshot.as_ref().unwrap().settings.as_ref().unwrap().to_config();
-    assert_eq!(config.config, "max_split_size_mb:64,roundup_power2_divisions:4");
-    // Rounding to quarter powers of two: more allocated, the same segments.
+    assert_eq!(
+        config.config,
+        "max_split_size_mb:64,roundup_power2_divisions:4,expandable_segments:true,\
+         garbage_collection_threshold:0.8"
+    );
+    // Rounding to quarter powers of two: more allocated; on expandable segments, as the
+    // snapshot's PyTorch ran: the pages of the default replay's `expandable` row, no mallocs.
     let r0 = replay(&traces[0], Some(config.config.clone()));
-    assert_eq!(figures(&r0)[0], ("caching", 44 * MIB, 13_632_000, 4));
+    assert_eq!(figures(&r0)[0], ("caching", 16 * MIB, 13_632_000, 0));
     let r1 = replay(&traces[1], Some(config.config));
-    assert_eq!(figures(&r1)[0], ("caching", 22 * MIB, 3_080_192, 2));
+    assert_eq!(figures(&r1)[0], ("caching", 4 * MIB, 3_080_192, 0));
 }
 
 #[test]
@@ -203,4 +208,30 @@ fn tidepool_dump_snapshot_reads_back() {
     assert_eq!(info.reserved.peak, alloc.stats().blocks.reserved_bytes.all.peak);
     assert!(info.settings.is_some());
     drop(weights);
+}
+
+/// A snapshot of an allocator configured with PyTorch's per-interval `roundup_power2_divisions`
+/// and expandable segments records both in PyTorch's form (a dict of interval → divisions,
+/// `expandable_segments` True), and `--config from-snapshot` maps them back to the same
+/// configuration.
+#[test]
+fn snapshot_settings_round_trip_through_from_snapshot() {
+    use std::sync::Arc;
+    use tidepool::{Allocator, Config, SimDevice, StreamId};
+
+    let conf = "expandable_segments:True,roundup_power2_divisions:[32:256,64:128,256:64,>:32]";
+    let config = Config::parse(conf).unwrap();
+    let alloc = Allocator::new(Arc::new(SimDevice::new(1 << 30)), config.clone()).unwrap();
+    let b = alloc.alloc(3 * MIB, StreamId::DEFAULT).unwrap();
+    let traces = read_traces_bytes(&alloc.snapshot_pickle(), &ReadOptions::default()).unwrap();
+    drop(b);
+    let settings = traces[0].snapshot.as_ref().unwrap().settings.clone().unwrap();
+    assert_eq!(settings.expandable_segments, Some(true));
+    assert_eq!(settings.roundup_power2_divisions.len(), 16);
+    assert_eq!(settings.roundup_power2_divisions[5], ("32".to_string(), 256));
+    assert_eq!(settings.roundup_power2_divisions[7], ("128".to_string(), 0));
+    let mapped = settings.to_config();
+    let back = Config::parse(&mapped.config).unwrap();
+    assert_eq!(back.sizing.roundup_power2_divisions, config.sizing.roundup_power2_divisions);
+    assert!(back.expandable_segments);
 }
