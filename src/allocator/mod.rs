@@ -182,7 +182,7 @@ impl<D: Device> Allocator<D> {
             broken_skip_events: AtomicBool::new(false),
             #[cfg(feature = "test-hooks")]
             broken: AtomicU64::new(0),
-            plans: Mutex::new(HashMap::new()),
+            plans: Mutex::new(regions::Plans::default()),
             scope_counters: ScopeCounters::default(),
             lock_count: AtomicU64::new(0),
             epoch: AtomicU64::new(0),
