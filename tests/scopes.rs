@@ -766,3 +766,81 @@ fn the_planned_path_serves_as_the_general_path_does() {
     // A scoped buffer is four words: scope, address, length, and an id that is its free's code.
     assert_eq!(std::mem::size_of::<tidepool::ScopedBuffer<'_, SimDevice>>(), 32);
 }
+
+/// A guard or a capture that begins on a scope's stream while a planned run is open, on this
+/// thread or another, stops the planned path at once: the next allocation is refused
+/// (`StreamRouted`) as any scoped allocation on a routed stream, and once the route ends the
+/// run goes on following its plan. The planned path reads the routes at every allocation (a
+/// relaxed load ORed into its size check); reading them as they were when the scope opened
+/// (broken mode `PlannedStaleRoutes`) serves the refused request from the plan.
+#[test]
+fn a_route_begun_while_a_planned_scope_is_open_stops_its_planned_path() {
+    for broken in [false, true] {
+        // No sanitizer: the planned path serves (with one, every run takes the general path).
+        let cfg = tidepool::SimConfig { capacity: 1 << 30, backed: false, sanitize: false };
+        let dev = Arc::new(SimDevice::with_config(cfg));
+        let s = dev.create_stream().unwrap();
+        let alloc = Allocator::new(dev.clone(), Config::default()).unwrap();
+        alloc.set_broken(Broken::PlannedStaleRoutes, broken);
+        let pool = alloc.new_pool(tidepool::PoolOptions::default()).unwrap();
+        // Each refused request is the plan's next allocation, so a stale route flag serves it.
+        let refused = |r: Result<tidepool::ScopedBuffer<'_, SimDevice>, AllocError>| match r {
+            Ok(b) => format!("served, planned: {}", b.is_planned()),
+            Err(e) => format!("{e:?}"),
+        };
+        let run = || {
+            let scope = alloc.named_scope("routed", s);
+            let a = scope.alloc(4096).unwrap();
+            let guard = alloc.use_pool(&pool, s).unwrap(); // a guard on this thread
+            let r1 = refused(scope.alloc(8192));
+            drop(guard);
+            let b = scope.alloc(8192).unwrap();
+            let (began, began_rx) = mpsc::channel();
+            let (end, end_rx) = mpsc::channel::<()>();
+            let r2 = std::thread::scope(|t| {
+                let (alloc, pool) = (&alloc, &pool);
+                t.spawn(move || {
+                    let guard = alloc.use_pool(pool, s).unwrap(); // and on another thread
+                    began.send(()).unwrap();
+                    end_rx.recv().unwrap();
+                    drop(guard);
+                });
+                began_rx.recv().unwrap();
+                let r = refused(scope.alloc(16384));
+                end.send(()).unwrap();
+                r
+            });
+            let c = scope.alloc(16384).unwrap();
+            alloc.begin_capture(s, None).unwrap(); // a capture
+            let r3 = refused(scope.alloc(512));
+            drop(alloc.end_capture(s).unwrap());
+            let d = scope.alloc(512).unwrap();
+            let bufs = [&a, &b, &c, &d];
+            let planned = bufs.iter().map(|b| b.is_planned()).collect::<Vec<_>>();
+            let ptrs = bufs.iter().map(|b| b.ptr()).collect::<Vec<_>>();
+            drop((a, b, c, d));
+            ([r1, r2, r3], planned, ptrs)
+        };
+        let routed = format!("{:?}", AllocError::StreamRouted(s));
+        let (learned, planned, _) = run();
+        assert_eq!(learned, [routed.clone(), routed.clone(), routed.clone()]);
+        assert_eq!(planned, [false; 4], "the first run learns");
+        let (r, planned, ptrs) = run();
+        match broken {
+            false => {
+                assert_eq!(r, [routed.clone(), routed.clone(), routed.clone()]);
+                assert_eq!(planned, [true; 4], "the run follows its plan around the routes");
+                let (r, planned, again) = run();
+                assert_eq!(
+                    (r, planned, again),
+                    ([routed.clone(), routed.clone(), routed], vec![true; 4], ptrs)
+                );
+                let st = alloc.stats();
+                assert_eq!((st.plan_hits, st.plan_misses, st.plan_fallbacks), (8, 0, 0));
+            }
+            true => assert_eq!(r[0], "served, planned: true", "a stale flag serves the plan"),
+        }
+        alloc.check_invariants().unwrap();
+        assert_eq!(dev.violations(), vec![]);
+    }
+}

@@ -77,6 +77,7 @@ impl<D: Device> Shared<D> {
         stream: StreamId,
         steps: &[Step],
         escapes: &[Escape],
+        granule: u64,
     ) -> Option<(Arc<Region>, Vec<Escape>)> {
         let mut plans = lock(&self.plans);
         let entry = super::regions::plan_entry(&mut plans, name, stream);
@@ -170,7 +171,7 @@ impl<D: Device> Shared<D> {
         for e in &pinned {
             region.pin(e.ptr, e.size);
         }
-        let learned = Learned::with_offsets(steps, &offsets, size);
+        let learned = Learned::with_offsets(steps, &offsets, size, granule);
         self.scope_counters.region_bytes.fetch_add(size, Ordering::Relaxed);
         entry.learned = Some(Arc::new(learned));
         entry.region = Some(region.clone());

@@ -74,6 +74,10 @@ pub enum Broken {
     /// them while their old mappings still retire: the device holds memory no range counts
     /// until a later poll.
     UnsettledMoves = 1 << 18,
+    /// A scope's planned path reads the private-pool routes as they were when the scope opened
+    /// (none): a guard or a capture begun on the stream while the scope is open does not stop
+    /// its planned allocations there.
+    PlannedStaleRoutes = 1 << 19,
     /// Recording the memory history leaves the stream-cache lanes open (their room and size
     /// bound as configured): hits and frees then bypass the slow path and go unrecorded.
     HistoryLanesOpen = 1 << 22,

@@ -42,6 +42,8 @@ use super::history::Action;
 use super::*;
 use crate::device::PhysHandle;
 use crate::pool::{Segment, Sizing};
+use crate::types::SortedMap;
+use page_table::{Chunk, PageTable};
 use std::collections::BTreeSet;
 
 /// One virtual range of one pool key.
@@ -52,7 +54,7 @@ pub(super) struct Range {
     /// Mapped pages: address → physical allocation.
     pages: PageTable,
     /// The pool's segments in this range (one per run of mapped pages), by base address.
-    segs: BTreeMap<u64, SegmentId>,
+    segs: SortedMap<u64, SegmentId>,
     /// A block of the top run, to find its end without walking it (validated on use).
     top_hint: Option<BlockId>,
     /// Old addresses of pages moved to another place, still mapped until the donor stream's
@@ -65,83 +67,6 @@ pub(super) struct Range {
 /// the rest of its chunk is free (a chunk is unmapped and released only as a whole, as CUDA's
 /// `cuMemUnmap` requires).
 pub(super) const MAX_CHUNK_PAGES: u64 = 32;
-
-/// One physical allocation mapped into a range: `pages` pages from `lo`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-struct Chunk {
-    handle: PhysHandle,
-    lo: u64,
-    pages: u64,
-}
-
-/// The chunk under each mapped page of a range, by page index from its base: O(1) per page.
-///
-/// ```text
-///  pages   [0][1][2][3][4][5]  ·  ·  [8][9]
-///  chunks  [ c1 ][   c2   ][c3]      [ c4 ]     (one physical allocation each)
-/// ```
-struct PageTable {
-    base: u64,
-    page: u64,
-    slots: Vec<Option<Chunk>>,
-    len: usize,
-}
-
-impl PageTable {
-    fn new(base: u64, page: u64) -> PageTable {
-        PageTable { base, page, slots: Vec::new(), len: 0 }
-    }
-
-    fn index(&self, va: u64) -> usize {
-        ((va - self.base) / self.page) as usize
-    }
-
-    /// Records chunk `c` over its pages.
-    fn insert(&mut self, c: Chunk) {
-        let (i, n) = (self.index(c.lo), c.pages as usize);
-        if i + n > self.slots.len() {
-            self.slots.resize(i + n, None);
-        }
-        for slot in &mut self.slots[i..i + n] {
-            debug_assert!(slot.is_none(), "page mapped twice");
-            *slot = Some(c);
-        }
-        self.len += n;
-    }
-
-    /// Forgets the chunk starting at `lo`.
-    fn remove(&mut self, lo: u64) -> Option<Chunk> {
-        let i = self.index(lo);
-        let c = (*self.slots.get(i)?)?;
-        debug_assert_eq!(c.lo, lo, "a chunk is removed whole");
-        for slot in &mut self.slots[i..i + c.pages as usize] {
-            *slot = None;
-        }
-        self.len -= c.pages as usize;
-        if self.len == 0 {
-            self.slots = Vec::new();
-        }
-        Some(c)
-    }
-
-    /// The chunk under the page at `va`.
-    fn get(&self, va: u64) -> Option<Chunk> {
-        self.slots.get(self.index(va)).copied().flatten()
-    }
-
-    fn contains(&self, va: u64) -> bool {
-        self.get(va).is_some()
-    }
-
-    /// Mapped pages.
-    fn len(&self) -> usize {
-        self.len
-    }
-
-    fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-}
 
 /// Chunks moved away under `wait_event`, whose old mappings wait for `event`.
 struct Retiring {
@@ -163,12 +88,16 @@ struct VmCounts {
 /// The allocator's virtual memory, under the global lock (in [`State`]).
 #[derive(Default)]
 pub(super) struct Vm {
-    ranges: BTreeMap<u64, Range>,
+    ranges: SortedMap<u64, Range>,
     /// (base, end) of every range, for the address test each slow-path allocation makes (a
     /// few entries: a scan beats the map's search).
     spans: Vec<(u64, u64)>,
-    by_key: BTreeMap<PoolKey, u64>,
+    by_key: SortedMap<PoolKey, u64>,
     retiring: Vec<Retiring>,
+    /// Whether the device has virtual memory management, once asked.
+    supported: Option<bool>,
+    /// The chunk list of a growth, kept between growths (empty).
+    scratch: Vec<(PhysHandle, u64)>,
     /// Page size (the device's granularity), known once a range exists.
     page: u64,
     /// `release_threshold` of the configuration last seen by the slow path.
@@ -229,11 +158,20 @@ impl Vm {
     }
 
     /// The base of the range holding `addr`.
+    #[inline]
     fn range_of(&self, addr: u64) -> Option<u64> {
         self.spans.iter().find(|&&(b, e)| b <= addr && addr < e).map(|&(b, _)| b)
     }
 
+    /// Is `seg`, a segment holding `addr`, the top run of a range (the one it grows from)?
+    #[inline]
+    fn is_top(&self, addr: u64, seg: SegmentId) -> bool {
+        let top = self.range_of(addr).and_then(|base| self.ranges[&base].segs.last());
+        top.is_some_and(|(_, &s)| s == seg)
+    }
+
     /// Does `addr` lie in one of the ranges?
+    #[inline]
     pub(super) fn contains(&self, addr: u64) -> bool {
         !self.ranges.is_empty() && self.range_of(addr).is_some()
     }
@@ -313,7 +251,7 @@ fn place(pool: &Pool, r: &Range, rounded: u64, page: u64) -> Option<Place> {
                 // The gap's pages under the window.
                 let lo = r.base + (w.max(gap_lo) - r.base) / page * page;
                 let hi = r.base + ((w + rounded).min(gap_hi) - r.base).div_ceil(page) * page;
-                if hi <= lo || r.retiring.range(lo..hi).next().is_some() {
+                if hi <= lo || !r.retiring.is_empty() && r.retiring.range(lo..hi).next().is_some() {
                     continue;
                 }
                 let p = Place { lo, pages: (hi - lo) / page };
@@ -359,9 +297,15 @@ impl<D: Device> Shared<D> {
         }
     }
 
+    /// Whether the device has virtual memory management: asked once, then remembered (a
+    /// device's answer is fixed for its life; the slow path asks on every large-pool search).
+    pub(super) fn vm_supported(&self, st: &mut State) -> bool {
+        *st.vm.supported.get_or_insert_with(|| self.device.supports_virtual_memory())
+    }
+
     fn make_range(&self, st: &mut State, key: PoolKey) -> Result<(), String> {
-        let name = self.device.name();
-        if !self.device.supports_virtual_memory() {
+        if !self.vm_supported(st) {
+            let name = self.device.name();
             return Err(format!(
                 "expandable_segments:true, but {name} has no virtual memory management: ordinary segments"
             ));
@@ -388,7 +332,7 @@ impl<D: Device> Shared<D> {
             base: base.0,
             size,
             pages: PageTable::new(base.0, page),
-            segs: BTreeMap::new(),
+            segs: SortedMap::default(),
             top_hint: None,
             retiring: BTreeSet::new(),
         };
@@ -416,9 +360,7 @@ impl<D: Device> Shared<D> {
         if st.vm.is_empty() || blk.next.is_some() {
             return Some(b);
         }
-        let top =
-            st.vm.range_of(blk.addr).and_then(|base| st.vm.ranges[&base].segs.values().next_back());
-        if top != Some(&blk.segment) {
+        if !st.vm.is_top(blk.addr, blk.segment) {
             return Some(b);
         }
         st.pool.find_free(key, blk.size + 1, &config.sizing).or(Some(b))
@@ -464,9 +406,7 @@ impl<D: Device> Shared<D> {
             return true;
         }
         let seg = b.segment;
-        let top =
-            st.vm.range_of(b.addr).and_then(|base| st.vm.ranges[&base].segs.values().next_back());
-        if top != Some(&seg) {
+        if !st.vm.is_top(b.addr, seg) {
             return true;
         }
         let key = st.pool.segment(seg).key;
@@ -572,6 +512,23 @@ impl<D: Device> Shared<D> {
         key: PoolKey,
         place: Place,
     ) -> Result<BlockId, AllocError> {
+        // The chunk list lives in `Vm` between growths: a growth allocates nothing for it.
+        let mut chunks = std::mem::take(&mut st.vm.scratch);
+        let grown = self.grow_with(st, config, key, place, &mut chunks);
+        chunks.clear();
+        st.vm.scratch = chunks;
+        grown
+    }
+
+    /// [`Shared::grow_at`] with `chunks`, empty, to collect the growth's physical allocations.
+    fn grow_with(
+        &self,
+        st: &mut State,
+        config: &Config,
+        key: PoolKey,
+        place: Place,
+        chunks: &mut Vec<(PhysHandle, u64)>,
+    ) -> Result<BlockId, AllocError> {
         let page = st.vm.page;
         let base = st.vm.by_key[&key];
         let Place { lo, pages } = place;
@@ -586,11 +543,14 @@ impl<D: Device> Shared<D> {
             let r = &st.vm.ranges[&base];
             let win_end = lo + pages * page;
             let next_run = r.segs.range(win_end..).next().map_or(r.base + r.size, |(&b, _)| b);
-            let retiring = r.retiring.range(win_end..).next().copied().unwrap_or(u64::MAX);
+            let retiring = match r.retiring.is_empty() {
+                true => u64::MAX,
+                false => r.retiring.range(win_end..).next().copied().unwrap_or(u64::MAX),
+            };
             (next_run.min(retiring) - lo) / page
         };
         let retiring_before = st.vm.retiring.len();
-        let mut chunks = self.take_pages(st, config, key, pages, room)?;
+        self.take_pages(st, config, key, pages, room, chunks)?;
         let mut have: u64 = chunks.iter().map(|c| c.1).sum();
         let pages = pages.max(have);
         while have < pages {
@@ -603,60 +563,69 @@ impl<D: Device> Shared<D> {
                 }
                 Err(e) => {
                     self.settle_taken(st, retiring_before);
-                    self.drop_handles(st, &chunks);
+                    self.drop_handles(st, chunks);
                     return Err(device_err(e));
                 }
             }
         }
         let end = lo + pages * page;
         let mut va = lo;
-        let mut placed = Vec::with_capacity(chunks.len());
-        for &(h, n) in &chunks {
+        for (i, &(h, n)) in chunks.iter().enumerate() {
             if let Err(e) = self.device.vm_map(DeviceAddr(va), n * page, h) {
-                for c in &placed {
-                    let c: &Chunk = c;
-                    if self.device.vm_unmap(DeviceAddr(c.lo), c.pages * page).is_ok() {
+                // Unmap what this growth mapped (the chunks before this one, from `lo` up).
+                let mut at = lo;
+                for &(_, m) in &chunks[..i] {
+                    if self.device.vm_unmap(DeviceAddr(at), m * page).is_ok() {
                         st.vm.counts.unmaps += 1;
                     }
+                    at += m * page;
                 }
                 self.settle_taken(st, retiring_before);
-                self.drop_handles(st, &chunks);
+                self.drop_handles(st, chunks);
                 return Err(device_err(e));
             }
             st.vm.counts.maps += 1;
-            placed.push(Chunk { handle: h, lo: va, pages: n });
             va += n * page;
         }
         let range = st.vm.ranges.get_mut(&base).expect("the key's range");
-        for c in placed {
-            range.pages.insert(c);
+        let mut va = lo;
+        for &(h, n) in chunks.iter() {
+            range.pages.insert(Chunk { handle: h, lo: va, pages: n });
+            va += n * page;
         }
         let left = range
             .segs
             .range(..lo)
             .next_back()
             .filter(|&(&b, &s)| b + st.pool.segment(s).size == lo)
-            .map(|(&b, &s)| (b, s));
-        let (left_base, left) = (left.map(|l| l.0), left.map(|l| l.1));
+            .map(|(_, &s)| s);
         let is_top = range.segs.keys().next_back().is_none_or(|&t| t < end);
         let hint = range.top_hint.filter(|_| left.is_some() && is_top);
         let right = range.segs.get(&end).copied();
         let (seg, blk) = st.pool.extend(key, lo, pages * page, (left, hint), right);
-        if let Some(b) = left_base {
-            range.segs.remove(&b);
+        // The runs table: a left neighbour keeps its base (and its entry); a right one joined
+        // to it, or grown down to `lo`, leaves its entry at `end`.
+        if right.is_some() {
+            range.segs.remove(&end);
         }
-        range.segs.remove(&end);
-        range.segs.insert(st.pool.segment(seg).base, seg);
+        if left.is_none() {
+            range.segs.insert(lo, seg);
+        }
+        debug_assert_eq!(range.segs.get(&st.pool.segment(seg).base), Some(&seg));
         if range.segs.keys().next_back() == Some(&st.pool.segment(seg).base) {
             range.top_hint = Some(blk);
         }
         st.note(Action::SegmentMap, DeviceAddr(lo), pages * page, key.stream);
-        self.ensure_cache(st, key.stream);
-        let joined = usize::from(left.is_some()) + usize::from(right.is_some());
-        for _ in 0..joined {
-            Self::forget_segment(st, key.stream);
+        // Segments per stream: the new run counts one, each neighbour it joined one less. A
+        // stream with a run here already has its cache.
+        match (left.is_some(), right.is_some()) {
+            (false, false) => {
+                self.ensure_cache(st, key.stream);
+                *st.segment_streams.entry(key.stream).or_default() += 1;
+            }
+            (true, true) => Self::forget_segment(st, key.stream),
+            _ => {}
         }
-        *st.segment_streams.entry(key.stream).or_default() += 1;
         self.publish_vm(&st.vm);
         Ok(blk)
     }
@@ -745,12 +714,12 @@ impl<D: Device> Shared<D> {
         key: PoolKey,
         n: u64,
         room: u64,
-    ) -> Result<Vec<(PhysHandle, u64)>, AllocError> {
-        let mut got = Vec::new();
+        got: &mut Vec<(PhysHandle, u64)>,
+    ) -> Result<(), AllocError> {
         let donor =
             |r: &Range| r.key.stream != key.stream && r.key.residency == Residency::Transient;
         if n == 0 || !st.vm.ranges.values().any(donor) {
-            return Ok(got);
+            return Ok(());
         }
         let donors: Vec<u64> = st
             .vm
@@ -821,7 +790,7 @@ impl<D: Device> Shared<D> {
                 st.vm.retiring.push(Retiring { event, pages: retire });
             }
         }
-        Ok(got)
+        Ok(())
     }
 
     /// Whole free chunks of range `base` in its runs that satisfy `which`, as runs (free block,
@@ -1202,7 +1171,7 @@ impl<D: Device> Shared<D> {
             }
             let mut prev_end: Option<u64> = None;
             let mut pages = 0u64;
-            for (&b, &s) in &r.segs {
+            for (&b, &s) in r.segs.iter() {
                 let Some(seg) = live.get(&s) else {
                     return Err(format!("range at {:#x} lists a dead segment", r.base));
                 };

@@ -38,6 +38,7 @@ mod lane_lock;
 mod observers;
 mod oom;
 mod owner;
+mod page_table;
 mod passthrough;
 mod plan;
 mod pool_size;
@@ -182,7 +183,7 @@ impl<D: Device> Allocator<D> {
             broken_skip_events: AtomicBool::new(false),
             #[cfg(feature = "test-hooks")]
             broken: AtomicU64::new(0),
-            plans: Mutex::new(HashMap::new()),
+            plans: Mutex::new(regions::Plans::default()),
             scope_counters: ScopeCounters::default(),
             lock_count: AtomicU64::new(0),
             epoch: AtomicU64::new(0),

@@ -27,71 +27,88 @@ pub(crate) enum Step {
     Free(u32),
 }
 
+/// One step of a plan as the planned path reads it, 32 bytes:
+///
+/// ```text
+///          size           span        offset                  id
+///  alloc   rounded bytes  granule g   its slice in the region its buffer's id: the position
+///                                                             of its free, or UNFREED | index
+///  free    0              0           index of the freed      0
+///                                     allocation
+/// ```
+///
+/// A request of `bytes` is the plan's next allocation iff `size - bytes < span` (wrapping):
+/// `size` is a non-zero multiple of `g`, so that is `size - g < bytes ≤ size`, the requests the
+/// run's rules round to `size`. A free's span is 0: no request matches it. A planned buffer's
+/// free is the plan's next step iff the run's position equals the buffer's id.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Entry {
+    pub size: u64,
+    pub span: u64,
+    pub offset: u64,
+    pub id: u64,
+}
+
+impl Entry {
+    /// The step it stands for.
+    #[inline]
+    pub fn step(&self) -> Step {
+        match self.size {
+            0 => Step::Free(self.offset as u32),
+            size => Step::Alloc(size),
+        }
+    }
+}
+
+/// The id of a planned buffer the plan never frees (an escape, a forgotten buffer): this bit
+/// and its allocation index. No run reaches that position, so its drop takes the general path.
+/// (A planned buffer the plan frees has the position of its free as its id.)
+pub(crate) const UNFREED: u64 = 1 << 62;
+
 /// A plan learned from one run.
 #[derive(Debug)]
 pub(crate) struct Learned {
     /// Size of the region.
     pub region_size: u64,
-    /// The run's steps as the planned path reads them: `[code, offset]` per step, where the code
-    /// is [`Step::code`] and the offset is the allocation's slice (0 for a free). A later run
-    /// follows the plan while it repeats the codes exactly; one load pair per step.
+    /// The run's steps as the planned path reads them, one [`Entry`] per step. A later run
+    /// follows the plan while it repeats the steps exactly.
     pub script: Script,
+    /// Number of allocations before each position (`len() + 1` of them): a run following the
+    /// plan knows its allocation count from its position, so the planned path keeps no count.
+    allocs_before: Box<[u32]>,
     /// The allocations the run never freed, as (script position, allocation index): escapes,
     /// and scoped buffers that were forgotten. A later run that repeats the plan exactly knows
     /// its own unfreed planned slices from this list, with no scan of the script.
     pub unfreed: Vec<(u32, u32)>,
-    /// The largest power of two dividing every allocation's size (0 if none): a scope whose
-    /// rounding granule divides it may match requests against the script with one subtraction.
-    pub size_align: u64,
+    /// The learning run's rounding granule (the `span` of every allocation, see [`Entry`]), or
+    /// 0 when its rules were not "a multiple of a power of two": then the planned path never
+    /// matches and a later run must use the same granule to take it.
+    pub granule: u64,
 }
 
-/// A plan's steps as `[code, offset]` pairs, shared by the plan and the scopes following it
-/// (a plain `std` `Arc`: immutable once made, nothing for loom to model).
-pub(crate) type Script = std::sync::Arc<[[u64; 2]]>;
-
-/// The bits of a free's [`Step::code`] above the allocation index: a planned `ScopedBuffer`
-/// holds its free's code as its id (see `scope.rs`), so its drop compares one word with the
-/// script. (Bit 0 is 1 in every free's code and 0 in every allocation's.)
-pub(crate) const FREE_TAG: u64 = (NO_SLOT as u64) << 33;
-
-/// The slot field of a free's code (all ones): "no pool buffer", 31 bits.
-pub(crate) const NO_SLOT: u32 = 0x7FFF_FFFF;
+/// A plan's steps, shared by the plan and the scopes following it (a plain `std` `Arc`:
+/// immutable once made, nothing for loom to model).
+pub(crate) type Script = std::sync::Arc<[Entry]>;
 
 #[cfg(test)]
 impl Learned {
     /// Offset in the region of each allocation of the run, by allocation index.
     fn offsets(&self) -> Vec<u64> {
-        self.script.iter().filter(|[code, _]| code & 1 == 0).map(|&[_, off]| off).collect()
-    }
-}
-
-impl Step {
-    /// A one-word form: `size << 1` for an allocation (sizes stay far below 2^63),
-    /// `FREE_TAG | index << 1 | 1` for a free.
-    #[inline]
-    pub fn code(self) -> u64 {
-        match self {
-            Step::Alloc(size) => size << 1,
-            Step::Free(index) => FREE_TAG | (u64::from(index) << 1) | 1,
-        }
-    }
-
-    /// The step a [`Step::code`] stands for.
-    pub fn from_code(code: u64) -> Step {
-        if code & 1 == 0 { Step::Alloc(code >> 1) } else { Step::Free((code >> 1) as u32) }
+        self.script.iter().filter(|e| e.size != 0).map(|e| e.offset).collect()
     }
 }
 
 impl Learned {
-    /// Packs the lifetimes of `steps` (escapes live to the end of the run) with `align`.
-    /// `None` when the run allocated nothing or the plan would not fit the address space.
-    pub fn from_steps(steps: &[Step], align: u64) -> Option<Learned> {
+    /// Packs the lifetimes of `steps` (escapes live to the end of the run) with `align`;
+    /// `granule` as in [`Learned::granule`]. `None` when the run allocated nothing or the plan
+    /// would not fit the address space.
+    pub fn from_steps(steps: &[Step], align: u64, granule: u64) -> Option<Learned> {
         let intervals = Self::intervals(steps);
         if intervals.is_empty() {
             return None;
         }
         let plan = pack_greedy_by_size(&intervals, align).ok()?;
-        Some(Self::with_offsets(steps, &plan.offsets, plan.total_size))
+        Some(Self::with_offsets(steps, &plan.offsets, plan.total_size, granule))
     }
 
     /// The lifetime of each allocation of `steps`: `(size, start, end)` in step positions, with
@@ -109,7 +126,7 @@ impl Learned {
 
     /// Its first `n` steps.
     pub fn steps(&self, n: usize) -> Vec<Step> {
-        self.script[..n].iter().map(|&[code, _]| Step::from_code(code)).collect()
+        self.script[..n].iter().map(Entry::step).collect()
     }
 
     /// Number of steps.
@@ -117,25 +134,58 @@ impl Learned {
         self.script.len()
     }
 
-    /// A plan giving allocation `j` of `steps` the slice at `offsets[j]`.
-    pub fn with_offsets(steps: &[Step], offsets: &[u64], region_size: u64) -> Learned {
-        let mut allocs = offsets.iter();
-        let sizes = steps.iter().fold(0, |or, s| match s {
-            Step::Alloc(size) => or | size,
-            Step::Free(_) => or,
-        });
-        let size_align = match sizes {
-            0 => 0,
-            s => 1 << s.trailing_zeros(),
+    /// Number of allocations among the first `n` steps (`n ≤ len()`).
+    #[inline]
+    pub fn allocs_before(&self, n: usize) -> u32 {
+        self.allocs_before[n]
+    }
+
+    /// A plan giving allocation `j` of `steps` the slice at `offsets[j]`; `granule` as in
+    /// [`Learned::granule`] (0 unless every size is a non-zero multiple of it).
+    pub fn with_offsets(
+        steps: &[Step],
+        offsets: &[u64],
+        region_size: u64,
+        granule: u64,
+    ) -> Learned {
+        let granule = match steps.iter().all(|s| match *s {
+            Step::Alloc(size) => granule != 0 && size % granule == 0,
+            Step::Free(_) => true,
+        }) {
+            true => granule,
+            false => 0,
         };
+        // The position of each allocation's free, by allocation index.
+        let mut frees: Vec<Option<usize>> = Vec::with_capacity(offsets.len());
+        let mut allocs_before = Vec::with_capacity(steps.len() + 1);
+        for (pos, step) in steps.iter().enumerate() {
+            allocs_before.push(frees.len() as u32);
+            match *step {
+                Step::Alloc(_) => frees.push(None),
+                Step::Free(index) => frees[index as usize] = Some(pos),
+            }
+        }
+        allocs_before.push(frees.len() as u32);
+        let mut index = 0;
         let script = steps
             .iter()
             .map(|&step| match step {
-                Step::Alloc(_) => [step.code(), *allocs.next().expect("one offset per alloc")],
-                Step::Free(_) => [step.code(), 0],
+                Step::Alloc(size) => {
+                    let id = frees[index].map_or(UNFREED | index as u64, |pos| pos as u64);
+                    let offset = offsets[index];
+                    index += 1;
+                    Entry { size, span: granule, offset, id }
+                }
+                Step::Free(index) => Entry { size: 0, span: 0, offset: u64::from(index), id: 0 },
             })
             .collect();
-        Learned { region_size, script, unfreed: Self::unfreed(steps), size_align }
+        Learned {
+            region_size,
+            script,
+            allocs_before: allocs_before.into(),
+            unfreed: Self::unfreed(steps),
+            granule,
+        }
     }
 
     /// The allocations of `steps` never freed in them, as (step position, allocation index).
@@ -293,32 +343,38 @@ mod tests {
             Step::Free(2),
             Step::Alloc(512),
         ];
-        let l = Learned::from_steps(&steps, 512).unwrap();
+        let l = Learned::from_steps(&steps, 512, 512).unwrap();
         assert_eq!(l.offsets(), vec![0, 4096, 0, 0]);
         assert_eq!(l.region_size, 5120);
     }
 
     #[test]
-    fn step_codes_round_trip() {
-        for step in [Step::Alloc(512), Step::Alloc(1 << 48), Step::Free(0), Step::Free(u32::MAX)] {
-            assert_eq!(Step::from_code(step.code()), step);
-        }
-        assert_ne!(Step::Alloc(2).code(), Step::Free(1).code());
-        let steps = [Step::Alloc(1024), Step::Free(0), Step::Alloc(2048)];
-        let l = Learned::from_steps(&steps, 512).unwrap();
-        assert_eq!(l.size_align, 1024);
-        assert_eq!(Step::Free(5).code(), FREE_TAG | 11);
-        assert_eq!((l.len(), l.steps(2)), (3, steps[..2].to_vec()));
+    fn entries_hold_steps_ids_and_allocation_counts() {
+        // a0 a1 f1 a2 f0 (a2 escapes)
+        let steps = [Step::Alloc(1024), Step::Alloc(512), Step::Free(1), Step::Alloc(2048)];
+        let steps = [&steps[..], &[Step::Free(0)]].concat();
+        let l = Learned::from_steps(&steps, 512, 512).unwrap();
+        assert_eq!((l.len(), l.steps(5), l.granule), (5, steps.clone(), 512));
+        let ids: Vec<u64> = l.script.iter().map(|e| e.id).collect();
+        assert_eq!(ids, vec![4, 2, 0, UNFREED | 2, 0]);
+        let spans: Vec<u64> = l.script.iter().map(|e| e.span).collect();
+        assert_eq!(spans, vec![512, 512, 0, 512, 0]);
+        assert_eq!((0..=5).map(|n| l.allocs_before(n)).collect::<Vec<_>>(), [0, 1, 2, 2, 3, 3]);
+        assert_eq!(l.unfreed, vec![(3, 2)]);
+        // A size that is not a multiple of the granule: no request matches any step.
+        let l = Learned::from_steps(&[Step::Alloc(1024), Step::Alloc(768)], 256, 512).unwrap();
+        assert_eq!((l.granule, l.script[0].span), (0, 0));
+        assert_eq!(Learned::from_steps(&steps, 512, 0).unwrap().granule, 0);
     }
 
     #[test]
     fn escapes_live_to_the_end_of_the_run() {
         let steps = vec![Step::Alloc(1024), Step::Alloc(1024), Step::Free(1), Step::Alloc(1024)];
-        let l = Learned::from_steps(&steps, 512).unwrap();
+        let l = Learned::from_steps(&steps, 512, 512).unwrap();
         // a0 escapes, so a2 cannot share its slice; a2 reuses a1's.
         assert_eq!(l.offsets(), vec![0, 1024, 1024]);
         assert_eq!(l.region_size, 2048);
-        assert!(Learned::from_steps(&[], 512).is_none());
+        assert!(Learned::from_steps(&[], 512, 512).is_none());
     }
 
     #[test]

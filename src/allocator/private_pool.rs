@@ -29,7 +29,7 @@
 //! that, so making residency two private pools would split what callers read as one allocator.
 
 use super::*;
-use crate::sync::atomic::AtomicUsize;
+use crate::sync::atomic::{AtomicU64, AtomicUsize};
 
 /// What the general allocator and its private pools share.
 pub(crate) struct Family<D: Device> {
@@ -105,14 +105,21 @@ impl PoolRole {
 
 /// The streams routed to a private pool, in the general allocator.
 pub(crate) struct Routes<D: Device> {
-    /// How many routes exist (checked before the table, with one load).
-    active: AtomicUsize,
+    /// All ones while any route exists, else 0 (checked before the table, with one load; the
+    /// planned path of a scope ORs it into its size check, see [`Routes::mask_word`]).
+    active: AtomicU64,
+    /// Always 0: what a scope reads instead of `active` in broken mode `PlannedStaleRoutes`.
+    never: AtomicU64,
     table: Mutex<Vec<Route<D>>>,
 }
 
 impl<D: Device> Default for Routes<D> {
     fn default() -> Self {
-        Routes { active: AtomicUsize::new(0), table: Mutex::new(Vec::new()) }
+        Routes {
+            active: AtomicU64::new(0),
+            never: AtomicU64::new(0),
+            table: Mutex::new(Vec::new()),
+        }
     }
 }
 
@@ -133,6 +140,20 @@ impl<D: Device> Routes<D> {
         self.active.load(Ordering::Relaxed) != 0
     }
 
+    /// The word [`Routes::any`] reads (all ones while any stream is routed, else 0), for a
+    /// scope's planned path to read it with no pointer to the table in between; with `stale` (broken mode `PlannedStaleRoutes`) a word that
+    /// stays 0, as if the routes were read once when the scope opened and no route existed.
+    pub(super) fn mask_word(&self, stale: bool) -> &AtomicU64 {
+        match stale {
+            false => &self.active,
+            true => &self.never,
+        }
+    }
+
+    fn set_active(&self, routes: usize) {
+        self.active.store(if routes == 0 { 0 } else { u64::MAX }, Ordering::Release);
+    }
+
     /// The pool allocations on `stream` go to: the latest route of the stream.
     pub(super) fn get(&self, stream: StreamId) -> Option<Allocator<D>> {
         if !self.any() {
@@ -149,7 +170,7 @@ impl<D: Device> Routes<D> {
     pub(super) fn add(&self, id: u64, stream: StreamId, pool: Allocator<D>) {
         let mut t = lock(&self.table);
         t.push(Route { id, stream, pool });
-        self.active.store(t.len(), Ordering::Release);
+        self.set_active(t.len());
     }
 
     /// Removes route `id`; returns its pool (dropped by the caller, outside the lock).
@@ -157,7 +178,7 @@ impl<D: Device> Routes<D> {
         let mut t = lock(&self.table);
         let i = t.iter().position(|r| r.id == id)?;
         let r = t.remove(i);
-        self.active.store(t.len(), Ordering::Release);
+        self.set_active(t.len());
         Some(r.pool)
     }
 }

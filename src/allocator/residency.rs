@@ -31,8 +31,10 @@ use crate::stats::PoolKind;
 impl<D: Device> Shared<D> {
     /// Whether the two residencies share free space in the large pool: on ordinary segments
     /// (an expandable range keeps each residency's pages apart).
-    fn shares_large(&self, config: &Config) -> bool {
-        !(self.over_ranges(config) || self.broken(Broken::ResidencySplit))
+    /// (The device's answer is asked once: [`Shared::vm_supported`].)
+    fn shares_large(&self, st: &mut State, config: &Config) -> bool {
+        let over_ranges = config.expandable_segments && self.vm_supported(st);
+        !(over_ranges || self.broken(Broken::ResidencySplit))
     }
 
     /// Whether requests are served by expandable ranges (asked for, and the device can).
@@ -82,7 +84,7 @@ impl<D: Device> Shared<D> {
             false => sh.find_free(st, config, key, rounded),
         };
         let own = find(self, st, key);
-        if key.kind != PoolKind::Large || !self.shares_large(config) {
+        if key.kind != PoolKind::Large || !self.shares_large(st, config) {
             return own;
         }
         let residency = match key.residency {

@@ -27,13 +27,13 @@
 use super::adopt::Escape;
 use super::batch::BatchBlock;
 use super::counters::quadrant;
-use super::plan::{FREE_TAG, Learned, NO_SLOT, Region, Script, Step};
+use super::plan::{Entry, Learned, Region, Script, Step, UNFREED};
 use super::{AllocError, Allocator, Buffer, Origin};
 use crate::config::Config;
 use crate::device::{Device, DeviceAddr, StreamId};
 use crate::pool::BlockId;
 use crate::stats::Residency;
-use crate::sync::atomic::{AtomicBool, Ordering};
+use crate::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use crate::sync::{Arc, Mutex, lock};
 use std::cell::{Cell, OnceCell, RefCell};
 use std::collections::HashMap;
@@ -41,13 +41,20 @@ use std::collections::HashMap;
 const TRANSIENT: Residency = Residency::Transient;
 /// `LiveEntry::offset` of an allocation not served from the region.
 const NO_OFFSET: u64 = u64::MAX;
-/// `ScopedBuffer::index` of a zero-byte buffer (no step recorded).
+/// An allocation index no allocation gets (the run's allocation count stops below it).
 const NO_INDEX: u32 = u32::MAX;
+/// The slot field of a pool buffer's id (30 bits) all ones: the most pool buffers a run holds
+/// at once is one fewer.
+const NO_SLOT: u32 = (1 << 30) - 1;
+/// The top bits of a pool buffer's id (see [`ScopedBuffer`]).
+const POOL: u64 = 3 << 62;
+/// The id of a zero-byte buffer (no step recorded).
+const ZERO_ID: u64 = u64::MAX;
 /// Set in `Cursor::pos` while the planned path may not serve: no script position is that large,
 /// so the planned path's one bounds check fails.
 const FAST_OFF: usize = 1 << (usize::BITS - 1);
-/// What the general path returns instead of an id when it failed (ids are odd); the error waits
-/// in `Scope::error`.
+/// What the general path returns instead of an id when it failed (no id is 0: a planned
+/// buffer's free is never a run's first step); the error waits in `Scope::error`.
 const FAILED: u64 = 0;
 
 /// What unbound buffers of a run reach from any thread.
@@ -165,7 +172,7 @@ enum RegionSlot {
     Denied,
 }
 
-/// Where a run stands against its plan: the hot path reads and writes only `pos` and `allocs`.
+/// Where a run stands against its plan: the planned path reads and writes only `pos`.
 struct Cursor {
     /// Number of steps taken, with `FAST_OFF` set unless the planned path may serve the next
     /// step: the run follows its plan, holds its region, has no pins to check and no planned
@@ -175,7 +182,8 @@ struct Cursor {
     /// Whether every step so far equals the plan's step at the same position. While it does,
     /// the steps are the plan's prefix of length `len` and `Run::steps` stays empty.
     following: Cell<bool>,
-    /// Number of allocations made (the next allocation's index).
+    /// Number of allocations made (the next allocation's index) once the run stopped following
+    /// its plan or had none; while it follows, the plan counts them (`Learned::allocs_before`).
     allocs: Cell<u32>,
     /// Base address of the claimed region, `NO_BASE` until claimed (or if denied).
     base: Cell<u64>,
@@ -186,9 +194,6 @@ struct Cursor {
     any_uses: Cell<bool>,
     /// The step at which the run stopped following its plan (`usize::MAX`: it has not).
     diverged_at: Cell<usize>,
-    /// Plan hits of the general path, plus, for the planned path, `allocs` at each moment
-    /// it stopped serving minus `allocs` at each moment it started (see `Scope::set_fast`).
-    hits: Cell<u64>,
 }
 
 impl Cursor {
@@ -219,6 +224,7 @@ struct Run<D: Device> {
     uses: Vec<(u32, StreamId)>,
     misses: u64,
     /// Allocation indices that followed the plan but were served by the pool (plan misses).
+    /// Every other allocation that followed the plan is a plan hit, so hits are not counted.
     missed: Vec<u32>,
 }
 
@@ -295,9 +301,10 @@ impl<D: Device> Run<D> {
 pub struct Scope<'a, D: Device> {
     alloc: &'a Allocator<D>,
     device: &'a D,
-    /// The allocator's private-pool routes, checked by the planned path (one load fewer than
-    /// through `alloc`).
-    routes: &'a super::private_pool::Routes<D>,
+    /// The private-pool routes' mask (all ones while any stream is routed, see
+    /// `Routes::mask_word`), ORed into the planned path's size check at every allocation: a
+    /// guard or a capture may begin on the stream, on any thread, while the scope is open.
+    route_mask: &'a AtomicU64,
     /// The rounding granule when this run's size rules round every request up to a multiple
     /// of it and nothing else (the default rules): the planned path then checks a request
     /// against the plan's rounded size with one subtraction. 0 otherwise.
@@ -348,11 +355,38 @@ pub struct ScopedBuffer<'s, D: Device> {
     scope: &'s Scope<'s, D>,
     ptr: DeviceAddr,
     requested: u64,
-    /// `slot << 33 | index << 1 | 1`: its allocation index in the run (`NO_INDEX` for zero
-    /// bytes) and the slot of the pool buffer behind it in `Run::held` (`NO_SLOT` for a planned
-    /// slice). A planned buffer's id is then its free's [`Step::code`], so its drop compares
-    /// one word with the plan's next step.
+    /// What it is, in one word (see [`Scope::kind`]):
+    ///
+    /// ```text
+    ///  planned, freed by the plan   position of its free in the script   (< 2^62)
+    ///  planned, never freed by it   UNFREED | allocation index           (01 in the top bits)
+    ///  pool buffer                  POOL | slot << 32 | allocation index (11; slot in `Run::held`)
+    ///  zero bytes                   ZERO_ID                              (all ones)
+    /// ```
+    ///
+    /// The run's position (`Cursor::pos`) equals the id only for a planned buffer whose free is
+    /// the plan's next step while the planned path may serve, so its drop is one comparison.
     id: u64,
+}
+
+/// What a [`ScopedBuffer::id`] stands for.
+#[derive(Clone, Copy)]
+enum Kind {
+    Zero,
+    /// A planned slice, with its allocation index.
+    Planned(u32),
+    /// A pool buffer: its allocation index and slot.
+    Pool(u32, u32),
+}
+
+/// A run's hold on `region`: claimed, or denied (let go through `release_region`, so the last
+/// hold returns its blocks) while another run holds it or once it is poisoned.
+fn claim_slot<D: Device>(shared: &super::state::Shared<D>, region: Arc<Region>) -> RegionSlot {
+    if region.try_claim() {
+        return RegionSlot::Claimed(region);
+    }
+    shared.release_region(region);
+    RegionSlot::Denied
 }
 
 /// The script of a scope without a plan: empty, made once.
@@ -361,22 +395,18 @@ fn no_script() -> Script {
     EMPTY.clone()
 }
 
-/// A `ScopedBuffer::id`.
-#[inline(always)]
-const fn id(index: u32, slot: u32) -> u64 {
-    (slot as u64) << 33 | (index as u64) << 1 | 1
+/// The id of a pool buffer (see [`ScopedBuffer::id`]).
+#[inline]
+const fn pool_id(index: u32, slot: u32) -> u64 {
+    POOL | (slot as u64) << 32 | index as u64
 }
 
-// A planned buffer's id is its free's code.
-const _: () = assert!(id(7, NO_SLOT) == FREE_TAG | 7 << 1 | 1);
+// A zero-byte buffer's id is no pool buffer's (slot `NO_SLOT` is never held).
+const _: () = assert!(pool_id(NO_INDEX, NO_SLOT) == ZERO_ID);
 
 impl<D: Device> ScopedBuffer<'_, D> {
-    fn index(&self) -> u32 {
-        (self.id >> 1) as u32
-    }
-
-    fn slot(&self) -> u32 {
-        (self.id >> 33) as u32
+    fn kind(&self) -> Kind {
+        self.scope.kind(self.id)
     }
 
     /// The device address of the first byte ([`DeviceAddr::NULL`] for a zero-byte buffer).
@@ -396,11 +426,13 @@ impl<D: Device> ScopedBuffer<'_, D> {
 
     /// Bytes of the block or slice behind it.
     pub fn block_size(&self) -> u64 {
-        match (self.index(), self.slot()) {
-            (NO_INDEX, _) => 0,
+        match self.kind() {
+            Kind::Zero => 0,
             // A planned slice is the plan's step, which is the request rounded by the run's rules.
-            (_, NO_SLOT) => self.scope.round(self.requested).unwrap_or(0),
-            (_, slot) => self.scope.run.borrow().held[slot as usize].as_ref().map_or(0, |b| b.size),
+            Kind::Planned(_) => self.scope.round(self.requested).unwrap_or(0),
+            Kind::Pool(_, slot) => {
+                self.scope.run.borrow().held[slot as usize].as_ref().map_or(0, |b| b.size)
+            }
         }
     }
 
@@ -411,25 +443,31 @@ impl<D: Device> ScopedBuffer<'_, D> {
 
     /// Whether it was served from the learned plan's region.
     pub fn is_planned(&self) -> bool {
-        self.slot() == NO_SLOT && self.index() != NO_INDEX
+        matches!(self.kind(), Kind::Planned(_))
     }
 
     /// Marks it as used on `stream` too (see [`Allocator::record_stream`]): it is no longer
     /// reused locally, and its reuse is ordered after `stream`'s work.
     pub fn record_stream(&self, stream: StreamId) -> Result<(), AllocError> {
         self.scope.alloc.shared.stream_exists(stream)?;
-        if stream == self.scope.stream || self.index() == NO_INDEX {
+        if stream == self.scope.stream {
             return Ok(());
         }
         let mut run = self.scope.run.borrow_mut();
-        if self.slot() != NO_SLOT {
-            if let Some(buf) = &run.held[self.slot() as usize] {
-                self.scope.alloc.shared.record_use(buf, stream)?;
+        match self.kind() {
+            Kind::Zero => {}
+            Kind::Pool(_, slot) => {
+                if let Some(buf) = &run.held[slot as usize] {
+                    self.scope.alloc.shared.record_use(buf, stream)?;
+                }
             }
-        } else if !run.uses.contains(&(self.index(), stream)) {
-            run.uses.push((self.index(), stream));
-            self.scope.cursor.any_uses.set(true);
-            self.scope.set_fast();
+            Kind::Planned(index) => {
+                if !run.uses.contains(&(index, stream)) {
+                    run.uses.push((index, stream));
+                    self.scope.cursor.any_uses.set(true);
+                    self.scope.set_fast();
+                }
+            }
         }
         Ok(())
     }
@@ -487,28 +525,43 @@ impl<'a, D: Device> Scope<'a, D> {
                 false => 0,
             };
         let fast_ok = granule != 0
-            && plan.as_ref().is_some_and(|p| p.size_align != 0 && p.size_align % granule == 0)
+            && plan.as_ref().is_some_and(|p| p.granule == granule)
             && (!alloc.shared.device.observes_handouts()
                 || alloc.shared.broken(super::Broken::PlannedUnobserved));
+        let stream_ok = alloc.shared.stream_exists(stream).is_ok();
+        // A plan whose region exists is claimed now, so the run's first allocation is planned
+        // too (one that must make its region makes it at its first planned allocation).
+        let region = match region {
+            Some(r) if stream_ok => claim_slot(&alloc.shared, r),
+            r => RegionSlot::Unclaimed(r),
+        };
+        let (base, check_pins) = match &region {
+            RegionSlot::Claimed(r) => (r.base, r.has_pins()),
+            _ => (NO_BASE, false),
+        };
+        // As `set_fast` has it.
+        let on = fast_ok && base != NO_BASE && !check_pins;
         Scope {
             alloc,
             device: &alloc.shared.device,
-            routes: &alloc.shared.routes,
+            route_mask: alloc
+                .shared
+                .routes
+                .mask_word(alloc.shared.broken(super::Broken::PlannedStaleRoutes)),
             granule,
             fast_ok,
             stream,
             name,
             config,
-            stream_ok: alloc.shared.stream_exists(stream).is_ok(),
+            stream_ok,
             cursor: Cursor {
-                pos: Cell::new(FAST_OFF),
+                pos: Cell::new(if on { 0 } else { FAST_OFF }),
                 following: Cell::new(plan.is_some()),
                 allocs: Cell::new(0),
-                base: Cell::new(NO_BASE),
-                check_pins: Cell::new(false),
+                base: Cell::new(base),
+                check_pins: Cell::new(check_pins),
                 any_uses: Cell::new(false),
                 diverged_at: Cell::new(usize::MAX),
-                hits: Cell::new(0),
             },
             script: plan.as_ref().map_or_else(no_script, |p| p.script.clone()),
             plan,
@@ -517,7 +570,7 @@ impl<'a, D: Device> Scope<'a, D> {
                 steps: Vec::new(),
                 unbound: Vec::new(),
                 live_unbound: 0,
-                region: RegionSlot::Unclaimed(region),
+                region,
                 local: HashMap::new(),
                 held: Vec::new(),
                 free_slots: Vec::new(),
@@ -563,7 +616,8 @@ impl<'a, D: Device> Scope<'a, D> {
     }
 
     /// **Test only** (feature `test-hooks`): pretends the run already made `n` allocations, so
-    /// tests reach the end of the run's allocation index without 2³² allocations.
+    /// tests reach the end of the run's allocation index without 2³² allocations (a run that
+    /// follows a plan counts its allocations from the plan instead).
     #[cfg(feature = "test-hooks")]
     #[doc(hidden)]
     pub fn set_allocation_count(&self, n: u32) {
@@ -592,11 +646,14 @@ impl<'a, D: Device> Scope<'a, D> {
         // Both paths give (address, id) in registers, and the buffer is made once, here.
         let (ptr, id) = match self.try_planned(bytes) {
             Some(r) => r,
-            None => self.alloc_slow(bytes),
+            None => {
+                std::hint::cold_path();
+                match self.alloc_slow(bytes) {
+                    (_, FAILED) => return Err(self.take_error(bytes)),
+                    r => r,
+                }
+            }
         };
-        if id == FAILED {
-            return Err(self.take_error(bytes));
-        }
         Ok(ScopedBuffer { scope: self, ptr, requested: bytes, id })
     }
 
@@ -611,21 +668,20 @@ impl<'a, D: Device> Scope<'a, D> {
     fn try_planned(&self, bytes: u64) -> Option<(DeviceAddr, u64)> {
         let c = &self.cursor;
         let pos = c.pos.get();
-        let &[code, offset] = self.script.get(pos)?;
-        // The plan's next step is an allocation of `rounded` bytes, and `bytes` rounds to it:
-        // under the granule g, for `rounded` a non-zero multiple of g (`fast_ok`), that is
-        // `rounded - g < bytes ≤ rounded`. A zero-byte request never matches.
-        if code & 1 != 0 || (code >> 1).wrapping_sub(bytes) >= self.granule || self.routes.any() {
+        let &Entry { size, span, offset, id } = self.script.get(pos)?;
+        // The plan's next step is an allocation that `bytes` rounds to (see `Entry`; the plan's
+        // granule is the run's, `fast_ok`), and no stream is routed (the mask is then all ones,
+        // above any span). A zero-byte request never matches.
+        if size.wrapping_sub(bytes) | self.route_mask.load(Ordering::Relaxed) >= span {
             return None;
         }
-        let index = c.allocs.get();
         c.pos.set(pos + 1);
-        c.allocs.set(index + 1);
-        c.hits.set(c.hits.get() + 1);
-        Some((DeviceAddr(c.base.get() + offset), id(index, NO_SLOT)))
+        Some((DeviceAddr(c.base.get() + offset), id))
     }
 
     /// The general path: the buffer's address and id, or `FAILED` with the error in `error`.
+    /// (Cold: the planned path falls through to the buffer.)
+    #[cold]
     #[inline(never)]
     fn alloc_slow(&self, bytes: u64) -> (DeviceAddr, u64) {
         match self.alloc_general(bytes) {
@@ -646,15 +702,16 @@ impl<'a, D: Device> Scope<'a, D> {
         self.check_stream()?;
         self.drain_freed();
         if bytes == 0 {
-            return Ok((DeviceAddr::NULL, id(NO_INDEX, NO_SLOT)));
+            return Ok((DeviceAddr::NULL, ZERO_ID));
         }
         let rounded = self.round(bytes)?;
         let index = self.next_index()?;
-        if let Some(offset) = self.step(Step::Alloc(rounded)) {
-            if let Some(ptr) = self.planned(offset, rounded) {
-                return Ok((ptr, id(index, NO_SLOT)));
+        let mut missed = false;
+        if let Some(e) = self.step(Step::Alloc(rounded)) {
+            if let Some(ptr) = self.planned(e.offset, rounded) {
+                return Ok((ptr, e.id));
             }
-            self.run.borrow_mut().missed(index);
+            missed = true;
         }
         if self.run.borrow().full() {
             self.unstep();
@@ -662,8 +719,27 @@ impl<'a, D: Device> Scope<'a, D> {
         }
         let buf = self.pool_block(bytes, rounded).inspect_err(|_| self.unstep())?;
         let ptr = buf.ptr;
-        let slot = self.run.borrow_mut().hold(buf);
-        Ok((ptr, id(index, slot)))
+        let mut run = self.run.borrow_mut();
+        if missed {
+            run.missed(index);
+        }
+        let slot = run.hold(buf);
+        Ok((ptr, pool_id(index, slot)))
+    }
+
+    /// What a buffer id of this run stands for (see [`ScopedBuffer::id`]).
+    #[inline]
+    fn kind(&self, id: u64) -> Kind {
+        if id < UNFREED {
+            // The position of its free in this run's plan, whose entry holds its index.
+            Kind::Planned(self.script[id as usize].offset as u32)
+        } else if id < POOL {
+            Kind::Planned(id as u32)
+        } else if id == ZERO_ID {
+            Kind::Zero
+        } else {
+            Kind::Pool(id as u32, (id >> 32) as u32 & NO_SLOT)
+        }
     }
 
     /// Whether frees of unbound buffers wait to be recorded.
@@ -693,11 +769,11 @@ impl<'a, D: Device> Scope<'a, D> {
         }
         let rounded = self.round(bytes)?;
         let index = self.next_index()?;
-        let mut planned = None;
-        if let Some(offset) = self.step(Step::Alloc(rounded)) {
-            match self.planned(offset, rounded) {
+        let (mut planned, mut missed) = (None, false);
+        if let Some(e) = self.step(Step::Alloc(rounded)) {
+            match self.planned(e.offset, rounded) {
                 Some(ptr) => planned = Some(ptr),
-                None => self.run.borrow_mut().missed(index),
+                None => missed = true,
             }
         }
         let (mut buf, offset) = match planned {
@@ -723,6 +799,9 @@ impl<'a, D: Device> Scope<'a, D> {
             None => (self.pool_block(bytes, rounded).inspect_err(|_| self.unstep())?, NO_OFFSET),
         };
         let mut run = self.run.borrow_mut();
+        if missed {
+            run.missed(index);
+        }
         let (ptr, block) = (buf.ptr.0, buf.block());
         run.unbound.push(LiveEntry { index, size: buf.size, offset, live: true, ptr, block });
         run.live_unbound += 1;
@@ -740,16 +819,21 @@ impl<'a, D: Device> Scope<'a, D> {
     /// follows a plan never gets there: its plan was learned from a run that did not.)
     #[inline]
     fn next_index(&self) -> Result<u32, AllocError> {
-        let index = self.cursor.allocs.get();
+        let c = &self.cursor;
+        let index = match &self.plan {
+            Some(plan) if c.following.get() => plan.allocs_before(c.len()),
+            _ => c.allocs.get(),
+        };
         if index == NO_INDEX {
             return Err(AllocError::TooManyScopeAllocations { limit: u64::from(NO_INDEX) });
         }
-        self.cursor.allocs.set(index + 1);
+        c.allocs.set(index + 1);
         Ok(index)
     }
 
     /// Refuses every allocation of a scope opened on a stream the device did not have. (The
-    /// planned path needs the region, claimed on the slow path, so it never gets that far.)
+    /// planned path needs the region, which such a scope never claims, so it never gets that
+    /// far.)
     #[inline]
     fn check_stream(&self) -> Result<(), AllocError> {
         if self.alloc.shared.routes.routed(self.stream) {
@@ -766,19 +850,18 @@ impl<'a, D: Device> Scope<'a, D> {
         self.config.sizing.round(bytes).ok_or(AllocError::InvalidSize { requested: bytes })
     }
 
-    /// Takes a step; while the run still follows its plan, returns the step's offset in the
-    /// region (an allocation's slice; 0 for a free).
+    /// Takes a step; while the run still follows its plan, returns the plan's entry for it.
     #[inline]
-    fn step(&self, step: Step) -> Option<u64> {
+    fn step(&self, step: Step) -> Option<Entry> {
         let c = &self.cursor;
         let len = c.len();
         c.pos.set(c.pos.get() + 1);
+        // (While the run follows, the script is its plan's.)
         if c.following.get()
-            && let Some(plan) = &self.plan
-            && let Some(&[code, offset]) = plan.script.get(len)
-            && code == step.code()
+            && let Some(e) = self.script.get(len)
+            && e.step() == step
         {
-            return Some(offset);
+            return Some(*e);
         }
         self.step_off_plan(len, step);
         None
@@ -791,10 +874,10 @@ impl<'a, D: Device> Scope<'a, D> {
         let c = &self.cursor;
         c.pos.set(c.pos.get() - 1);
         let len = c.len();
-        c.allocs.set(c.allocs.get() - 1);
         if c.following.get() {
-            return;
+            return; // the plan counts the run's allocations
         }
+        c.allocs.set(c.allocs.get() - 1);
         let mut run = self.run.borrow_mut();
         run.steps.pop();
         if c.diverged_at.get() == len {
@@ -814,6 +897,9 @@ impl<'a, D: Device> Scope<'a, D> {
         {
             run.steps = plan.steps(len);
             self.cursor.diverged_at.set(len);
+            // From now on the run counts its allocations (this one included).
+            let this = u32::from(matches!(step, Step::Alloc(_)));
+            self.cursor.allocs.set(plan.allocs_before(len) + this);
             self.set_fast();
         }
         run.steps.push(step);
@@ -841,7 +927,6 @@ impl<'a, D: Device> Scope<'a, D> {
         }
         let ptr = DeviceAddr(base + offset);
         self.device.note_handout(ptr, size, self.stream);
-        c.hits.set(c.hits.get() + 1);
         Some(ptr)
     }
 
@@ -852,38 +937,54 @@ impl<'a, D: Device> Scope<'a, D> {
         }
     }
 
-    /// The first planned allocation of the run: claims the plan's region, made on first use
-    /// (the stream's cached transient segments are trimmed first so the region replaces them).
-    /// `None` when another run holds it or it cannot be made (out of memory, a device error):
-    /// then the whole run is served by the pool, which reports any error itself.
+    /// The first planned allocation of a run that has not claimed its plan's region yet: claims
+    /// it, made on first use. `None` when another run holds it or it cannot be made (out of
+    /// memory, a device error): then the whole run is served by the pool, which reports any
+    /// error itself.
     #[cold]
     fn planned_claiming(&self, offset: u64, size: u64) -> Option<DeviceAddr> {
+        match self.claim(true) {
+            true => self.planned(offset, size),
+            false => None,
+        }
+    }
+
+    /// Claims the plan's region for this run, if it was not tried yet: the plan's region, or
+    /// with `make` one made now if the plan has none (the stream's cached transient segments
+    /// are trimmed first so the region replaces them). `false` when there is none to claim (or
+    /// `make` is false and it does not exist yet), or another run holds it; then this run
+    /// serves no planned slice.
+    fn claim(&self, make: bool) -> bool {
         let mut run = self.run.borrow_mut();
-        let (Some(name), Some(plan)) = (self.name.as_deref(), &self.plan) else { return None };
-        let RegionSlot::Unclaimed(existing) = &mut run.region else { return None };
+        let (Some(name), Some(plan)) = (self.name.as_deref(), &self.plan) else { return false };
+        let RegionSlot::Unclaimed(existing) = &mut run.region else { return false };
         // The run's hold moves out of the slot; every hold lets go through `release_region`
         // (a plain drop of the last one would strand the region's blocks in the pool).
         let region = match existing.take() {
-            Some(r) => Some(r),
-            None => self.alloc.shared.make_region(name, self.stream, plan).ok().flatten(),
-        };
-        let region = match region {
-            Some(r) if r.try_claim() => r,
-            denied => {
-                run.region = RegionSlot::Denied;
-                drop(run);
-                if let Some(r) = denied {
-                    self.alloc.shared.release_region(r);
+            Some(r) => r,
+            None if !make => return false,
+            None => match self.alloc.shared.make_region(name, self.stream, plan) {
+                Ok(Some(r)) => r,
+                _ => {
+                    run.region = RegionSlot::Denied;
+                    return false;
                 }
-                return None;
-            }
+            },
         };
-        self.cursor.base.set(region.base);
-        self.cursor.check_pins.set(region.has_pins());
-        run.region = RegionSlot::Claimed(region);
-        drop(run);
+        // (A denied region is let go with the run's borrow ended.)
+        let slot = {
+            drop(run);
+            claim_slot(&self.alloc.shared, region)
+        };
+        let RegionSlot::Claimed(r) = &slot else {
+            self.run.borrow_mut().region = slot;
+            return false;
+        };
+        self.cursor.base.set(r.base);
+        self.cursor.check_pins.set(r.has_pins());
+        self.run.borrow_mut().region = slot;
         self.set_fast();
-        self.planned(offset, size)
+        true
     }
 
     /// A pool block for the run: from the local cache when one of the size was freed in this
@@ -912,16 +1013,15 @@ impl<'a, D: Device> Scope<'a, D> {
     }
 
     /// Records the free of a bound buffer (`id` as in [`ScopedBuffer`]). The planned path,
-    /// inlined: the planned path may serve (no `FAST_OFF`: following, no planned buffer used on
-    /// another stream, no sanitizer) and the plan's next step is this buffer's free, whose code
-    /// is the id of a planned buffer (a pool buffer's or a zero-byte one's never matches).
+    /// inlined: the run's position is the buffer's id, so the planned path may serve (no
+    /// `FAST_OFF`: following, no planned buffer used on another stream, no sanitizer) and the
+    /// plan's next step is this buffer's free (a pool buffer's or a zero-byte one's id is no
+    /// position).
     #[inline(always)]
     fn free_bound(&self, id: u64, ptr: DeviceAddr, requested: u64) {
         let c = &self.cursor;
         let pos = c.pos.get();
-        if let Some(&[code, _]) = self.script.get(pos)
-            && code == id
-        {
+        if pos as u64 == id {
             c.pos.set(pos + 1);
             return;
         }
@@ -933,13 +1033,14 @@ impl<'a, D: Device> Scope<'a, D> {
     /// queued by other threads are recorded first (the plan may have them before this one).
     #[inline(never)]
     fn free_slow(&self, id: u64, ptr: DeviceAddr, requested: u64) {
-        let (index, slot) = ((id >> 1) as u32, (id >> 33) as u32);
-        if index == NO_INDEX {
-            return; // a zero-byte buffer
-        }
+        let (index, slot) = match self.kind(id) {
+            Kind::Zero => return,
+            Kind::Planned(index) => (index, None),
+            Kind::Pool(index, slot) => (index, Some(slot)),
+        };
         self.drain_freed();
         self.step(Step::Free(index));
-        if slot == NO_SLOT {
+        let Some(slot) = slot else {
             // A planned slice: the plan's step, the request rounded by the run's rules.
             let size = self.round(requested).unwrap_or(0);
             self.device.note_reclaim(ptr, size, self.stream);
@@ -947,7 +1048,7 @@ impl<'a, D: Device> Scope<'a, D> {
                 self.order_uses(index);
             }
             return;
-        }
+        };
         let mut run = self.run.borrow_mut();
         let mut buf = run.unhold(slot);
         if !buf.used_elsewhere()
@@ -1002,25 +1103,26 @@ impl<'a, D: Device> Scope<'a, D> {
         let base = self.cursor.base.get();
         if let (Some(plan), true) = (&self.plan, base != NO_BASE) {
             // Planned allocations are the run's first steps that followed the plan.
-            let prefix = match self.cursor.following.get() {
-                true => self.cursor.len(),
-                false => self.cursor.diverged_at.get(),
-            };
+            let prefix = self.followed();
+            let computed;
             let unfreed = match followed {
-                true => plan.unfreed.clone(),
-                false => Learned::unfreed(steps),
+                true => &plan.unfreed,
+                false => {
+                    computed = Learned::unfreed(steps);
+                    &computed
+                }
             };
             let run = self.run.get_mut();
-            for (pos, index) in unfreed {
+            for &(pos, index) in unfreed {
                 if pos as usize >= prefix
                     || run.missed.contains(&index)
                     || run.unbound.binary_search_by_key(&index, |e| e.index).is_ok()
                 {
                     continue; // not a planned slice, or an unbound one (an escape)
                 }
-                let [code, offset] = plan.script[pos as usize];
-                if let Step::Alloc(size) = Step::from_code(code) {
-                    self.device.note_reclaim(DeviceAddr(base + offset), size, self.stream);
+                let e = plan.script[pos as usize];
+                if let Step::Alloc(size) = e.step() {
+                    self.device.note_reclaim(DeviceAddr(base + e.offset), size, self.stream);
                 }
             }
         }
@@ -1034,6 +1136,23 @@ impl<'a, D: Device> Scope<'a, D> {
         if !self.alloc.shared.order_after(self.stream, &others) {
             self.poison_region();
         }
+    }
+
+    /// Number of the run's first steps that followed its plan.
+    fn followed(&self) -> usize {
+        match self.cursor.following.get() {
+            true => self.cursor.len(),
+            false => self.cursor.diverged_at.get(),
+        }
+    }
+
+    /// The run's plan hits: every allocation that followed the plan but was not a miss (the
+    /// planned path counts nothing).
+    fn plan_hits(&self) -> u64 {
+        let followed = self.plan.as_ref().map_or(0, |p| p.allocs_before(self.followed()));
+        let misses = self.run.borrow().misses;
+        debug_assert!(u64::from(followed) >= misses, "{followed} allocations, {misses} misses");
+        u64::from(followed).saturating_sub(misses)
     }
 
     /// Records the frees of unbound buffers queued since the last step.
@@ -1091,6 +1210,7 @@ impl<D: Device> Drop for Scope<'_, D> {
         // Planned slices of forgotten scoped buffers: taken back, and ordered after the other
         // streams they were used on, before the region can serve or return them.
         self.reclaim_forgotten(&steps, followed);
+        let hits = self.plan_hits();
         let run = self.run.get_mut();
         // Pool buffers of forgotten scoped buffers: freed now, before the pool is looked at.
         run.held.clear();
@@ -1109,30 +1229,34 @@ impl<D: Device> Drop for Scope<'_, D> {
         let c = &sh.scope_counters;
         for (counter, n) in [
             (&c.escapes, run.live_unbound as u64),
-            (&c.plan_hits, self.cursor.hits.get()),
+            (&c.plan_hits, hits),
             (&c.plan_misses, run.misses),
         ] {
             if n != 0 {
                 counter.fetch_add(n, Ordering::Relaxed);
             }
         }
-        let blocks: Vec<BatchBlock> =
-            run.local.drain().flat_map(|(_, v)| v.into_iter().map(|(b, _)| b)).collect();
-        let escapes: Vec<Escape> = run
-            .unbound
-            .iter()
-            .filter(|e| e.live)
-            .filter_map(|e| Some(Escape { block: e.block?, ptr: e.ptr, size: e.size }))
-            .collect();
+        if !run.local.is_empty() {
+            let blocks: Vec<BatchBlock> =
+                run.local.drain().flat_map(|(_, v)| v.into_iter().map(|(b, _)| b)).collect();
+            sh.free_blocks(self.stream, &blocks);
+        }
         if self.plan.is_some() && !followed {
             c.plan_fallbacks.fetch_add(1, Ordering::Relaxed);
         }
-        sh.free_blocks(self.stream, &blocks);
         let learner = if followed { None } else { self.name.as_deref() };
         #[cfg(tidepool_broken = "adopt")]
         drop(st); // BROKEN: an escape freed now finds the run closed and no region yet.
         let adopted = match (learner, &self.plan) {
-            (Some(name), None) => sh.adopt_region(name, self.stream, &steps, &escapes),
+            (Some(name), None) => {
+                let escapes: Vec<Escape> = run
+                    .unbound
+                    .iter()
+                    .filter(|e| e.live)
+                    .filter_map(|e| Some(Escape { block: e.block?, ptr: e.ptr, size: e.size }))
+                    .collect();
+                sh.adopt_region(name, self.stream, &steps, &escapes, self.granule)
+            }
             _ => None,
         };
         #[cfg(tidepool_broken = "adopt")]
@@ -1151,7 +1275,7 @@ impl<D: Device> Drop for Scope<'_, D> {
             },
             (None, Some(name)) => {
                 let align = sh.config.load().sizing.min_block_size;
-                sh.learn(name, self.stream, Learned::from_steps(&steps, align));
+                sh.learn(name, self.stream, Learned::from_steps(&steps, align, self.granule));
             }
             (None, None) => {}
         }

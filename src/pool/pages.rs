@@ -63,7 +63,10 @@ impl Pool {
     fn relist(&mut self, id: BlockId, key: PoolKey) {
         let b = &self.blocks[id.0];
         let (size, addr, split) = (b.size, b.addr, b.is_split());
-        let slot = self.slot_for(key);
+        let slot = match self.slot_of(key) {
+            Some(slot) => slot,
+            None => self.slot_for(key),
+        };
         self.index_insert(slot, Entry { size, addr, id: id.0 });
         if split {
             self.count_split(key, size, true);

@@ -1,8 +1,12 @@
 //! The vocabulary every layer shares: stream ids, device addresses, residency, pool kinds,
-//! block states and size units. It sits below the device, pool and allocator layers, so each of
+//! block states and size units, and `SortedMap`, the small sorted table both the simulated
+//! device and the allocator keep addresses in. It sits below the device, pool and allocator layers, so each of
 //! them can name these without importing another layer (see `docs/ARCHITECTURE.md`).
 
+mod sorted_map;
 mod stat;
+
+pub(crate) use sorted_map::SortedMap;
 
 pub use stat::{BlockStats, Stat, StatGroup};
 

@@ -324,7 +324,8 @@ impl SimDevice {
     }
 
     /// Turns virtual memory support on (the default) or off; off, the device answers like one
-    /// without it, so allocators fall back to ordinary segments.
+    /// without it, so allocators fall back to ordinary segments. Set it before an allocator
+    /// uses the device: an allocator asks once (a real device's answer never changes).
     pub fn set_virtual_memory(&self, on: bool) {
         self.state().vm.supported = on;
     }

@@ -16,7 +16,7 @@
 //! kernels read and write the physical bytes through whichever mapping they use, page by page.
 
 use crate::device::{DeviceAddr, DeviceError, PhysHandle};
-use std::collections::BTreeMap;
+use crate::types::SortedMap;
 
 /// `CUDA_ERROR_INVALID_VALUE`.
 const INVALID_VALUE: u32 = 1;
@@ -92,6 +92,88 @@ impl Physical {
     }
 }
 
+/// Physical allocations by handle: a slab whose handles carry the slot's generation, so a
+/// released handle never reaches the allocation that reuses its slot (the driver answers
+/// `CUDA_ERROR_INVALID_HANDLE`, as before the slot was reused).
+///
+/// ```text
+///  handle = generation << 32 | (slot + 1)      slots [Some(p) | era] [None | era] ...
+/// ```
+#[derive(Default)]
+struct PhysTable {
+    slots: Vec<(u32, Option<Physical>)>,
+    /// Empty slots, reused last-freed first.
+    free: Vec<u32>,
+    len: usize,
+}
+
+impl PhysTable {
+    #[inline]
+    fn slot(h: u64) -> Option<(usize, u32)> {
+        let idx = (h & u64::from(u32::MAX)).checked_sub(1)?;
+        Some((idx as usize, (h >> 32) as u32))
+    }
+
+    #[inline]
+    fn get(&self, h: &u64) -> Option<&Physical> {
+        let (i, g) = Self::slot(*h)?;
+        match self.slots.get(i) {
+            Some((era, Some(p))) if *era == g => Some(p),
+            _ => None,
+        }
+    }
+
+    #[inline]
+    fn get_mut(&mut self, h: &u64) -> Option<&mut Physical> {
+        let (i, g) = Self::slot(*h)?;
+        match self.slots.get_mut(i) {
+            Some((era, Some(p))) if *era == g => Some(p),
+            _ => None,
+        }
+    }
+
+    /// Stores `p`; returns its handle.
+    fn insert(&mut self, p: Physical) -> u64 {
+        self.len += 1;
+        let i = match self.free.pop() {
+            Some(i) => {
+                self.slots[i as usize].1 = Some(p);
+                i as usize
+            }
+            None => {
+                self.slots.push((0, Some(p)));
+                self.slots.len() - 1
+            }
+        };
+        (u64::from(self.slots[i].0) << 32) | (i as u64 + 1)
+    }
+
+    fn remove(&mut self, h: &u64) -> Option<Physical> {
+        let (i, g) = Self::slot(*h)?;
+        let (era, slot) = self.slots.get_mut(i)?;
+        if *era != g || slot.is_none() {
+            return None;
+        }
+        let p = slot.take();
+        *era = era.wrapping_add(1);
+        self.free.push(i as u32);
+        self.len -= 1;
+        p
+    }
+
+    fn len(&self) -> usize {
+        self.len
+    }
+}
+
+impl std::ops::Index<&u64> for PhysTable {
+    type Output = Physical;
+
+    fn index(&self, h: &u64) -> &Physical {
+        self.get(h).expect("a live physical allocation")
+    }
+}
+
 #[derive(Clone, Copy)]
 struct Mapping {
     bytes: u64,
@@ -130,10 +212,9 @@ pub(super) struct Vmm {
     pub(super) virtual_reserved: u64,
     /// Bytes of live physical allocations (released ones still mapped included).
     pub(super) physical_bytes: u64,
-    ranges: BTreeMap<u64, u64>,
-    physical: BTreeMap<u64, Physical>,
-    next_handle: u64,
-    mappings: BTreeMap<u64, Mapping>,
+    ranges: SortedMap<u64, u64>,
+    physical: PhysTable,
+    mappings: SortedMap<u64, Mapping>,
     pub(super) counters: VmCounters,
     pub(super) faults: VmFaults,
 }
@@ -150,10 +231,9 @@ impl Vmm {
             virtual_capacity: capacity.saturating_mul(1024).clamp(1 << 40, 1 << 60),
             virtual_reserved: 0,
             physical_bytes: 0,
-            ranges: BTreeMap::new(),
-            physical: BTreeMap::new(),
-            next_handle: 1,
-            mappings: BTreeMap::new(),
+            ranges: SortedMap::default(),
+            physical: PhysTable::default(),
+            mappings: SortedMap::default(),
             counters: VmCounters::default(),
             faults: VmFaults::default(),
         }
@@ -241,11 +321,9 @@ impl Vmm {
                 code: DeviceError::CUDA_ERROR_OUT_OF_MEMORY,
             });
         }
-        let h = self.next_handle;
-        self.next_handle += 1;
         let data = backed.then(|| vec![0u8; bytes as usize]);
-        self.physical
-            .insert(h, Physical { bytes, data, at: None, more: Vec::new(), released: false });
+        let p = Physical { bytes, data, at: None, more: Vec::new(), released: false };
+        let h = self.physical.insert(p);
         self.physical_bytes += bytes;
         self.counters.creates += 1;
         Ok(PhysHandle(h))
