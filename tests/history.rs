@@ -5,6 +5,7 @@
 use std::sync::Arc;
 use std::sync::mpsc;
 use tidepool::device::{Access, AccessKind, Kernel, Launch, SIM_BASE, SimDevice};
+use tidepool::hooks::Broken;
 use tidepool::{Action, Allocator, Config, Device, DeviceAddr, HistoryOptions, MIB, StreamId};
 
 fn setup() -> (Arc<SimDevice>, Allocator<SimDevice>) {
@@ -46,6 +47,28 @@ fn a_scripted_program_is_recorded_exactly() {
     let times: Vec<u64> = alloc.history().iter().map(|e| e.time_us).collect();
     assert!(times.windows(2).all(|w| w[0] <= w[1]), "times never go back: {times:?}");
     alloc.check_invariants().unwrap();
+}
+
+/// Recording closes the stream caches to hits and frees alike (room and size bound 0), so every
+/// allocation and free is recorded even where the block was cached before; `HistoryLanesOpen`
+/// (the lanes left open) loses them.
+#[test]
+fn recording_closes_the_stream_caches_to_hits_and_frees() {
+    use Action::*;
+    for broken in [false, true] {
+        let (_dev, alloc) = setup();
+        alloc.set_broken(Broken::HistoryLanesOpen, broken);
+        drop(alloc.alloc(4096, StreamId::DEFAULT).unwrap()); // cached in this thread's lane
+        alloc.record_history(HistoryOptions::new(100));
+        for _ in 0..3 {
+            drop(alloc.alloc(4096, StreamId::DEFAULT).unwrap());
+        }
+        let pair = [(Alloc, 0, 4096, 0), (FreeRequested, 0, 4096, 0), (FreeCompleted, 0, 4096, 0)];
+        let all: Vec<_> = pair.iter().copied().cycle().take(9).collect();
+        assert_eq!(entries(&alloc) == all, !broken, "broken {broken}: {:?}", entries(&alloc));
+        assert_eq!(alloc.stats().cached_fast_bytes == 0, !broken);
+        alloc.check_invariants().unwrap();
+    }
 }
 
 #[test]

@@ -78,6 +78,9 @@ pub enum Broken {
     /// (none): a guard or a capture begun on the stream while the scope is open does not stop
     /// its planned allocations there.
     PlannedStaleRoutes = 1 << 19,
+    /// Recording the memory history leaves the stream-cache lanes open (their room and size
+    /// bound as configured): hits and frees then bypass the slow path and go unrecorded.
+    HistoryLanesOpen = 1 << 22,
 }
 
 #[cfg_attr(not(feature = "test-hooks"), allow(dead_code))]

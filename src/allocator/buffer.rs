@@ -4,10 +4,11 @@
 //! of a learned plan's region, or nowhere (zero bytes). A buffer made inside a scope also carries
 //! a [`ScopeTag`], so the scope can record its free and keep its block for local reuse.
 
-use super::fast_cache::{CachedBlock, ClassKey};
+use super::fast_cache::{CachedBlock, ClassKey, StreamCache};
 use super::owner::Owner;
 use super::plan::Region;
 use super::scope::ScopeTag;
+use super::stats_layout::is_small;
 use crate::device::{AccessKind, Device, DeviceAddr, StreamId};
 use crate::pool::BlockId;
 use crate::stats::Residency;
@@ -38,7 +39,9 @@ pub struct Buffer<D: Device> {
     pub(super) size: u64,
     pub(super) stream: StreamId,
     pub(super) origin: Origin,
-    pub(super) scope: Option<ScopeTag>,
+    /// Boxed: only unbound scope buffers carry one, and the common hand-out then moves one word
+    /// for it instead of the tag's six.
+    pub(super) scope: Option<Box<ScopeTag>>,
     /// Its hold on the allocator. Dropped by hand at the end of [`Buffer`]'s drop, or left in a
     /// stream cache for the next hit to take over (`owner.rs`).
     pub(super) owner: ManuallyDrop<Arc<Owner<D>>>,
@@ -152,11 +155,11 @@ impl<D: Device> Drop for Buffer<D> {
     fn drop(&mut self) {
         if let Origin::Pool(block) = self.origin
             && self.scope.is_none()
-            && !self.owner.family.captures.any()
+            && !self.owner.cells().family.captures.any()
         {
             // The common case: a pool block, no scope, no capture that may hold it back. Into
-            // this thread's lane of its stream if it has room, and then the hold on the allocator
-            // stays there for the next hit.
+            // the lane that handed it out (its owner's) if it has room, and then the hold on the
+            // allocator stays there for the next hit.
             if self.free_fast(block) {
                 return; // `owner` now belongs to the lane (ManuallyDrop: nothing to forget)
             }
@@ -172,14 +175,20 @@ impl<D: Device> Buffer<D> {
     /// Frees its pool block (`Shared::free_stash`, read straight from the buffer: a free into
     /// a lane copies no `Freed`). `true`: the block went to a lane, which kept the buffer's
     /// hold on the allocator (see `owner.rs`).
+    ///
+    /// A small block goes to its owner's lane: no lookup. (Caching off, history recorded or the
+    /// lane closed: its `room` is 0 and the push refuses.) A large one goes to its stream's
+    /// first lane, which holds one at most; the hold stays there only if that lane is its
+    /// owner's (large buffers are handed out with it).
     #[inline]
     fn free_fast(&self, block: BlockId) -> bool {
-        let sh: &super::Shared<D> = &self.owner;
-        sh.device.note_reclaim(self.ptr, self.size, self.stream);
+        let owner: &Owner<D> = &self.owner;
+        if owner.cells().observes {
+            owner.device.note_reclaim(self.ptr, self.size, self.stream);
+        }
         let q = self.quadrant as usize;
         if !self.used_elsewhere()
-            && sh.fast_path.load(Ordering::Relaxed)
-            && let Some(cache) = sh.lane_for_free(q, self.size, self.stream)
+            && let Some(lane) = owner.lane()
         {
             let class = ClassKey { residency: self.residency, rounded: self.rounded };
             let b = CachedBlock {
@@ -189,11 +198,20 @@ impl<D: Device> Buffer<D> {
                 requested: self.accounted,
                 quadrant: q,
             };
-            if let Ok(stashed) = cache.push_stash(class, b, true) {
-                return stashed;
+            if is_small(q) {
+                if let Ok(stashed) = lane.push_stash(class, b, true) {
+                    return stashed;
+                }
+            } else if let Some(first) = owner.lane_for_free(q, self.size, self.stream) {
+                // (A reference under std, a clone under loom.)
+                #[allow(clippy::needless_borrow)]
+                let first: &StreamCache = &first;
+                if let Ok(stashed) = first.push_stash(class, b, std::ptr::eq(lane, first)) {
+                    return stashed;
+                }
             }
         }
-        sh.free_into_pool(self.freed(block));
+        owner.free_into_pool(self.freed(block));
         false
     }
 
@@ -218,7 +236,7 @@ impl<D: Device> Buffer<D> {
     #[cold]
     fn drop_slow(&mut self) {
         let planned = matches!(self.origin, Origin::Region(..));
-        let uses = self.scope.as_ref().map(ScopeTag::take_uses).unwrap_or_default();
+        let uses = self.scope.as_ref().map(|t| t.take_uses()).unwrap_or_default();
         // BROKEN (finding 4): the free is visible to the scope before the ordering is in place.
         let late = cfg!(tidepool_broken = "unbound_free")
             || (planned && self.owner.broken(super::Broken::UnboundFreeOrder));

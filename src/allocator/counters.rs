@@ -21,7 +21,9 @@
 //! group and cell, `upper[c] = current[c] + Σ credit[q∈c] ≤ peak[c]` holds at every instant.
 //! - A fast free lowers current by a block and raises its stream's credit by as much: `upper`
 //!   is unchanged. A fast pop spends credit it holds (else it needs the lock): unchanged again.
-//!   So `upper` moves only under the global lock, where it is kept.
+//!   So `upper` moves only under the global lock, where it is kept. (A lane stores no credit:
+//!   it keeps a *ceiling* per quadrant and quantity, and its credit is `ceiling − Δcur`, so the
+//!   free's grant and the pop's spend are the `Δcur` updates themselves.)
 //! - A locked increase of `n` that fits (`upper + n ≤ peak`) cannot pass the peak. One that does
 //!   not fit *revokes* all credit (locks every stream cache, zeroes credit, recomputes `upper` =
 //!   the exact current) and raises the peak to the new exact value, still holding those locks.
@@ -173,7 +175,8 @@ impl BaseStats {
         self.words[b_peak(g, c)]
     }
 
-    /// Locks every stream cache, zeroes its credit and recomputes `upper` as the exact current.
+    /// Locks every stream cache, zeroes its credit (its ceiling becomes its `Δcur`) and recomputes
+    /// `upper` as the exact current.
     /// Returns the guards: the caller applies its change before letting them go.
     fn revoke<'a>(&mut self, caches: &'a [Arc<StreamCache>]) -> Vec<LaneGuard<'a, CacheInner>> {
         let guards: Vec<_> = caches.iter().map(|c| c.lock_inner()).collect();
@@ -185,7 +188,12 @@ impl BaseStats {
         }
         let mut guards = guards;
         for inner in guards.iter_mut() {
-            inner.credit = [[0; 3]; QUADRANTS];
+            // No credit left: the ceiling is the lane's current delta.
+            for q in 0..QUADRANTS {
+                for qty in [BYTES, COUNT, REQ] {
+                    inner.ceiling[q][qty] = inner.words[fast_cur(qty, q)];
+                }
+            }
             for (g, &(_, qty)) in LIVE.iter().enumerate() {
                 for (q, v) in cur[g].iter_mut().enumerate() {
                     *v = v.wrapping_add(inner.words[fast_cur(qty, q)]);

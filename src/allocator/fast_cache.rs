@@ -9,7 +9,7 @@
 //!                               └─ all: ArcCell<[cache, cache, …]>   (stream order, slow side)
 //!                                              │
 //!   StreamCache ── inner: Mutex (this lane only) ─── classes: (residency, rounded) → [blocks]
-//!               │                                  ├─ credit[quadrant] = (bytes, count, req)
+//!               │                                  ├─ ceiling[quadrant] (credit = ceiling − Δcur)
 //!               │                                  └─ limits, closed, mirror of `fast`
 //!               ├─ fast: SeqBlock  ── stats deltas per quadrant, cached bytes/blocks   (inner lock)
 //!               └─ slow: SeqBlock  ── the pool's free bytes of the stream (lane 0; global lock)
@@ -113,10 +113,15 @@ pub struct CacheInner {
     /// The class of the large-pool block, while `large` is 1: [`StreamCache::drain_large`]
     /// takes it out with one lookup instead of a scan of the class table.
     large_class: ClassKey,
-    /// Headroom under the peak held by this stream, per quadrant: (bytes, count, requested).
-    pub(crate) credit: [[u64; 3]; QUADRANTS],
-    /// The words of `fast` as last published (this lock makes us their only writer).
+    /// The *ceiling* of this lane's current deltas, per quadrant: (bytes, count, requested).
+    /// Its headroom under the peaks ("credit", see `counters.rs`) is `ceiling − Δcur`
+    /// (wrapping): a free lowers `Δcur` and so grants credit with no store of its own, a hit
+    /// may raise `Δcur` up to the ceiling, and a revocation sets the ceiling to `Δcur`.
+    pub(crate) ceiling: [[u64; 3]; QUADRANTS],
+    /// The lane's statistics words (see `counters.rs`), published into `fast` by readers.
     pub(crate) words: [u64; FAST_WORDS],
+    /// `words` as last published into `fast` (this lock makes us its only writer).
+    published: [u64; FAST_WORDS],
     limits: Limits,
     /// The size rules of the configuration in force (set with the limits), so that a hit
     /// rounds its request here, under this lock, without loading the configuration.
@@ -127,8 +132,6 @@ pub struct CacheInner {
     /// Strong references to the stream's owner handle that buffers freed into this lane left
     /// here, for later hits to take over (see `owner.rs`): the hit path touches no reference count.
     owner_refs: u64,
-    /// Words of `words` changed since `fast` was last published, one bit each.
-    dirty: u32,
     /// Most references the stash may hold: [`MAX_STASH`], 0 once the allocator's last handle is
     /// gone (no reference is left here any more).
     stash_max: u64,
@@ -205,14 +208,14 @@ impl StreamCache {
                 classes: ClassTable::default(),
                 large: 0,
                 large_class: ClassKey { residency: Residency::Transient, rounded: 0 },
-                credit: [[0; 3]; QUADRANTS],
+                ceiling: [[0; 3]; QUADRANTS],
                 words: [0; FAST_WORDS],
+                published: [0; FAST_WORDS],
                 limits,
                 sizing: Sizing::default(),
                 closed: false,
                 room: if limits.enabled { limits.bytes } else { 0 },
                 owner_refs: 0,
-                dirty: 0,
                 stash_max: MAX_STASH,
                 small_max: Self::small_max_of(limits, &Sizing::default()),
                 round_mask: Self::round_mask_of(&Sizing::default()),
@@ -259,7 +262,7 @@ impl StreamCache {
     /// [`StreamCache::push`] from a buffer's drop: with `stash`, the buffer's strong reference
     /// to the stream's owner handle stays here (returns `Ok(true)`: the caller forgets it) unless
     /// the stash is closed ([`StreamCache::close_stash`]) or full.
-    #[inline]
+    #[inline(always)]
     pub fn push_stash(
         &self,
         class: ClassKey,
@@ -283,12 +286,8 @@ impl StreamCache {
             self.set_large(inner, 1);
             inner.large_class = class;
         }
+        // Lowering `Δcur` grants the block as credit (the ceiling stays).
         let q = b.quadrant & (QUADRANTS - 1);
-        let c = &mut inner.credit[q];
-        c[BYTES] += b.size;
-        c[COUNT] += 1;
-        c[REQ] += b.requested;
-        inner.dirty |= live_mask(q, false);
         let w = &mut inner.words;
         w[fast_cur(BYTES, q)] = w[fast_cur(BYTES, q)].wrapping_sub(b.size);
         w[fast_cur(COUNT, q)] = w[fast_cur(COUNT, q)].wrapping_sub(1);
@@ -312,33 +311,29 @@ impl StreamCache {
         self.pop_checked(class, requested, |_| true)
     }
 
-    /// Whether a hit may serve `bytes` at all (a relaxed hint, as in
-    /// [`StreamCache::pop_request`]): every lane of a stream is configured alike, so a request
-    /// one lane refuses for its size skips the others.
+    /// Whether a hit may serve `bytes` at all (a relaxed hint: the limits may have changed, the
+    /// slow path decides): every lane of a stream is configured alike, so a request one lane
+    /// refuses for its size skips the others. A zero-byte request wraps around and is refused.
     #[inline]
     pub fn may_serve(&self, bytes: u64) -> bool {
-        bytes <= self.fast_max.load(Ordering::Relaxed)
+        bytes.wrapping_sub(1) < self.fast_max.load(Ordering::Relaxed)
     }
 
     /// The hit path: a request of `bytes` with `residency`, rounded here by the size rules of
     /// the configuration in force (set under this lock with [`StreamCache::configure`]), so the
     /// whole decision follows one configuration without loading it. [`Pop::Miss`] when the
     /// stream caches may not serve it (disabled, or not a small-pool request). On a hit, the
-    /// rounded request comes with the block.
+    /// rounded request comes with the block. The caller asked [`StreamCache::may_serve`] first.
     ///
     /// The third value says whether the hit took over a stashed reference to the stream's owner
     /// handle ([`StreamCache::push_stash`]); the caller must then adopt it (`owner.rs`).
-    #[inline]
+    #[inline(always)]
     pub fn pop_request(&self, residency: Residency, bytes: u64) -> (Pop, u64, bool) {
-        // A hint (the limits may have changed: the slow path decides); a zero-byte request
-        // wraps around and misses too.
-        if bytes.wrapping_sub(1) >= self.fast_max.load(Ordering::Relaxed) {
-            return (Pop::Miss, 0, false);
-        }
+        debug_assert!(bytes > 0);
         let g = self.lock_inner();
         let mask = g.round_mask;
         let rounded = match mask {
-            u64::MAX => match g.sizing.round(bytes) {
+            u64::MAX => match round_cold(&g.sizing, bytes) {
                 Some(r) => r,
                 None => return (Pop::Miss, 0, false),
             },
@@ -421,7 +416,7 @@ impl StreamCache {
     }
 
     /// [`StreamCache::pop_checked`] with this cache's lock already held.
-    #[inline]
+    #[inline(always)]
     fn pop_locked_inner<'a>(
         &'a self,
         mut g: LaneGuard<'a, CacheInner>,
@@ -441,8 +436,11 @@ impl StreamCache {
             inner.verdict = Some(LargeVerdict { block: b.block, class, requested, epoch });
         }
         let q = b.quadrant & (QUADRANTS - 1);
-        let c = &inner.credit[q];
-        let covered = c[BYTES] >= b.size && c[COUNT] >= 1 && c[REQ] >= requested;
+        let (w, k) = (&inner.words, &inner.ceiling[q]);
+        // The credit held (`ceiling − Δcur`) covers the block: exactly, so no peak can pass.
+        let covered = k[BYTES].wrapping_sub(w[fast_cur(BYTES, q)]) >= b.size
+            && k[COUNT].wrapping_sub(w[fast_cur(COUNT, q)]) >= 1
+            && k[REQ].wrapping_sub(w[fast_cur(REQ, q)]) >= requested;
         #[cfg(tidepool_broken = "stats")]
         let covered = true; // BROKEN: spends headroom the stream does not hold.
         if b.requested != requested || !covered {
@@ -461,25 +459,21 @@ impl StreamCache {
         };
         #[cfg(not(tidepool_broken = "fast_cache"))]
         list.pop();
-        let c = &mut inner.credit[q];
-        // Covered above (exactly): no underflow.
-        #[cfg(not(tidepool_broken = "stats"))]
-        {
-            c[BYTES] -= b.size;
-            c[COUNT] -= 1;
-            c[REQ] -= requested;
-        }
-        // (Deliberately broken: spends what it does not hold, down to zero.)
         #[cfg(tidepool_broken = "stats")]
         {
-            c[BYTES] = c[BYTES].saturating_sub(b.size);
-            c[COUNT] = c[COUNT].saturating_sub(1);
-            c[REQ] = c[REQ].saturating_sub(requested);
+            // (Deliberately broken: what it spent past the ceiling is forgotten, so the credit
+            // reads zero instead of negative.)
+            let (w, k) = (&inner.words, &mut inner.ceiling[q]);
+            for (qty, v) in [(BYTES, b.size), (COUNT, 1), (REQ, requested)] {
+                let cur = w[fast_cur(qty, q)].wrapping_add(v);
+                if (k[qty].wrapping_sub(cur) as i64) < 0 {
+                    k[qty] = cur;
+                }
+            }
         }
         if !is_small(b.quadrant) {
             self.set_large(inner, 0);
         }
-        inner.dirty |= live_mask(q, true);
         let w = &mut inner.words;
         for (qty, v) in [(BYTES, b.size), (COUNT, 1), (REQ, requested)] {
             w[fast_cur(qty, q)] = w[fast_cur(qty, q)].wrapping_add(v);
@@ -505,7 +499,7 @@ impl StreamCache {
         let w = &mut inner.words;
         w[CACHED_BYTES] -= b.size;
         w[CACHED_BLOCKS] -= 1;
-        self.publish(w);
+        self.publish(inner);
         Some(b)
     }
 
@@ -526,7 +520,7 @@ impl StreamCache {
         self.set_large(inner, 0);
         inner.words[CACHED_BYTES] = 0;
         inner.words[CACHED_BLOCKS] = 0;
-        self.publish(&inner.words);
+        self.publish(inner);
         out
     }
 
@@ -557,7 +551,7 @@ impl StreamCache {
                 inner.words[CACHED_BYTES] -= b.size;
                 inner.words[CACHED_BLOCKS] -= 1;
             }
-            self.publish(&inner.words);
+            self.publish(inner);
             return taken.first().copied();
         }
         // A class holds blocks of one pool only (its rounded size decides), and the cache holds
@@ -571,7 +565,7 @@ impl StreamCache {
         self.set_large(inner, 0);
         inner.words[CACHED_BYTES] -= b.size;
         inner.words[CACHED_BLOCKS] -= 1;
-        self.publish(&inner.words);
+        self.publish(inner);
         Some(b)
     }
 
@@ -610,7 +604,7 @@ impl StreamCache {
             });
         }
         self.large.store(inner.large, Ordering::Relaxed);
-        self.publish(&inner.words);
+        self.publish(inner);
     }
 
     /// Clears the cache without returning anything (used by the broken variants only).
@@ -622,7 +616,7 @@ impl StreamCache {
         self.set_large(inner, 0);
         inner.words[CACHED_BYTES] = 0;
         inner.words[CACHED_BLOCKS] = 0;
-        self.publish(&inner.words);
+        self.publish(inner);
     }
 
     /// Changes what the stream may cache and the size rules its hits round with (blocks already
@@ -693,12 +687,17 @@ impl StreamCache {
         self.fast.open();
     }
 
-    /// Publishes every word of `words` into `fast` (closing a write left open).
-    fn publish(&self, words: &[u64; FAST_WORDS]) {
-        self.cached.store(words[CACHED_BLOCKS], Ordering::Relaxed);
+    /// Publishes into `fast` the words that differ from what it last published (closing a write
+    /// left open). The caller holds this lane's lock.
+    fn publish(&self, inner: &mut CacheInner) {
+        self.cached.store(inner.words[CACHED_BLOCKS], Ordering::Relaxed);
+        let (words, published) = (&inner.words, &mut inner.published);
         self.fast.write(|w| {
-            for (i, &v) in words.iter().enumerate() {
-                w.set(i, v);
+            for (i, (&v, p)) in words.iter().zip(published.iter_mut()).enumerate() {
+                if v != *p {
+                    w.set(i, v);
+                    *p = v;
+                }
             }
         });
     }
@@ -711,30 +710,18 @@ impl StreamCache {
             && let Some(mut g) = self.inner.try_lock()
             && self.fast.is_open()
         {
-            let dirty = std::mem::take(&mut g.dirty);
-            self.cached.store(g.words[CACHED_BLOCKS], Ordering::Relaxed);
-            self.fast.write(|w| {
-                for (i, &v) in g.words.iter().enumerate() {
-                    if dirty & (1 << i) != 0 {
-                        w.set(i, v);
-                    }
-                }
-            });
+            // The words that changed since the last publish (a hit keeps no change marks: they
+            // are found by comparing with a copy, on the reader's side).
+            self.publish(&mut g);
         }
     }
 }
 
-/// The words a hit or a free of quadrant `q` changes (`tot`: a hit, which counts an allocation).
-#[inline]
-fn live_mask(q: usize, tot: bool) -> u32 {
-    let mut m = 1 << CACHED_BYTES | 1 << CACHED_BLOCKS;
-    for qty in [BYTES, COUNT, REQ] {
-        m |= 1 << fast_cur(qty, q);
-        if tot {
-            m |= 1 << fast_tot(qty, q);
-        }
-    }
-    m
+/// `Sizing::round` out of line: the hit path rounds with one mask where it can.
+#[cold]
+#[inline(never)]
+fn round_cold(sizing: &Sizing, bytes: u64) -> Option<u64> {
+    sizing.round(bytes)
 }
 
 /// Frees every block cached by `cache` into `pool` (a flush). The caller holds the global lock.
@@ -769,8 +756,8 @@ pub const LANES: usize = 2;
 
 /// This thread's lane.
 #[cfg(not(loom))]
-#[inline]
-fn thread_lane() -> usize {
+#[inline(always)]
+pub(crate) fn thread_lane() -> usize {
     use std::cell::Cell;
     use std::sync::atomic::{AtomicUsize, Ordering};
     static NEXT: AtomicUsize = AtomicUsize::new(0);
@@ -791,7 +778,7 @@ fn thread_lane() -> usize {
 /// This thread's lane: round-robin in the order threads first ask, as under `std`, with the
 /// counter and the thread-locals loom's (reset for every execution of a model).
 #[cfg(loom)]
-fn thread_lane() -> usize {
+pub(crate) fn thread_lane() -> usize {
     use crate::sync::atomic::{AtomicUsize, Ordering};
     loom::lazy_static! {
         static ref NEXT: AtomicUsize = AtomicUsize::new(0);
@@ -843,6 +830,15 @@ impl CacheTable {
         self.slots.get((stream.0 as usize).checked_mul(LANES)? + lane)?.get()
     }
 
+    /// Lane `lane` (counted from 0, not from this thread's) of `stream` from the fast slots.
+    pub fn fast_lane_at(
+        &self,
+        stream: StreamId,
+        lane: usize,
+    ) -> Option<SlotRef<'_, Arc<StreamCache>>> {
+        self.slots.get((stream.0 as usize).checked_mul(LANES)? + lane)?.get()
+    }
+
     /// Every cache, in stream order (the lock order).
     pub fn all(&self) -> ArcRef<Vec<Arc<StreamCache>>> {
         self.all.load()
@@ -884,6 +880,3 @@ impl CacheTable {
         i == 0 || all[i - 1].stream() != all[i].stream()
     }
 }
-
-// `CacheInner::dirty` has a bit per published word.
-const _: () = assert!(FAST_WORDS <= 32);

@@ -99,6 +99,7 @@ use publish::{limits, stats_from};
 use request::RequestPlan;
 use seqlock::SeqBlock;
 use state::{Locked, PendingEvent, ScopeCounters, Shared, State, UseState};
+use stats_layout::is_small;
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::fmt;
 use std::ops::{Deref, DerefMut};
@@ -220,8 +221,8 @@ impl<D: Device> Allocator<D> {
         config.validate()?;
         let sh = &self.shared;
         let mut st = sh.lock_state();
-        let limits = limits(&config);
         let recording = sh.recording.load(Ordering::Relaxed);
+        let limits = limits(&config, recording);
         sh.fast_path.store(config.fast_path() && !recording, Ordering::Relaxed);
         sh.cache_large.store(Shared::<D>::large_cacheable(&st, &config), Ordering::Relaxed);
         sh.publish_stats.store(!config.global_lock, Ordering::Relaxed);
@@ -279,20 +280,25 @@ impl<D: Device> Allocator<D> {
     /// A large request asks the stream's first lane for the large block it holds, which it
     /// hands out only where the global-lock side checked it for this very request and the pool
     /// has not changed since (`fast_cache::LargeVerdict`): placement stays the pool's.
-    #[inline]
+    #[inline(always)]
     fn hit(&self, bytes: u64, stream: StreamId, residency: Residency) -> Option<Buffer<D>> {
         let sh = &*self.shared;
-        if sh.routes.any() || sh.recording.load(Ordering::Relaxed) {
+        // (Recording the history closes every lane: `Limits::enabled`.)
+        if sh.routes.any() {
             return None;
         }
-        let cache = sh.caches.fast_lane(stream, 0)?;
+        // The one lookup: this thread's lane owner of the stream, which holds the lane.
+        let slot = self.owners.lane_owner(stream)?;
+        #[allow(clippy::needless_borrow)]
+        let owner: &Arc<owner::Owner<D>> = &slot; // a reference under std, a clone under loom
+        let cache = owner.lane()?;
         if !cache.may_serve(bytes) {
             return self.hit_large(bytes, stream, residency);
         }
         let residency = sh.cached_residency(residency);
         match cache.pop_request(residency, bytes) {
             (Pop::Hit(b), rounded, stashed) => {
-                Some(self.hand_out_hit(&b, bytes, stream, rounded, residency, stashed))
+                Some(self.hand_out_hit(owner, &b, bytes, stream, rounded, residency, stashed))
             }
             _ => None,
         }
@@ -302,20 +308,27 @@ impl<D: Device> Allocator<D> {
     #[inline(never)]
     fn hit_large(&self, bytes: u64, stream: StreamId, residency: Residency) -> Option<Buffer<D>> {
         let sh = &*self.shared;
-        let cache = sh.caches.first_lane(stream)?;
+        // A stream's large block waits in its first lane, whose owner large buffers hold.
+        let slot = self.owners.owner_slot(stream, 0)?;
+        #[allow(clippy::needless_borrow)]
+        let owner: &Arc<owner::Owner<D>> = &slot;
+        let cache = owner.lane()?;
         let stale = sh.broken(Broken::StaleLargeVerdict);
         match cache.pop_large(residency, bytes, &sh.epoch, stale) {
             (Pop::Hit(b), rounded, stashed) => {
-                Some(self.hand_out_hit(&b, bytes, stream, rounded, residency, stashed))
+                Some(self.hand_out_hit(owner, &b, bytes, stream, rounded, residency, stashed))
             }
             _ => None,
         }
     }
 
-    /// A buffer for block `b` popped by a hit that served `bytes` (rounded to `rounded`).
+    /// A buffer for block `b` popped by a hit through lane owner `slot` that served `bytes`
+    /// (rounded to `rounded`).
+    #[allow(clippy::too_many_arguments)]
     #[inline(always)]
     fn hand_out_hit(
         &self,
+        slot: &Arc<owner::Owner<D>>,
         b: &CachedBlock,
         bytes: u64,
         stream: StreamId,
@@ -323,8 +336,10 @@ impl<D: Device> Allocator<D> {
         residency: Residency,
         stashed: bool,
     ) -> Buffer<D> {
-        let owner = self.owners.hit_owner(stream, stashed);
-        self.shared.device.note_handout(b.ptr, b.size, stream);
+        if slot.cells().observes {
+            self.shared.device.note_handout(b.ptr, b.size, stream);
+        }
+        let owner = OwnerTable::hit_owner(slot, stashed);
         Buffer {
             ptr: b.ptr,
             requested: bytes,
@@ -403,18 +418,23 @@ impl<D: Device> Allocator<D> {
             // This thread's lane first, then the stream's other lanes (a block freed on another
             // thread), each under its own lock only. Each lane rounds the request by the size
             // rules it was configured with, so a hit loads no configuration.
-            for lane in 0..fast_cache::LANES {
-                let Some(cache) = sh.caches.fast_lane(stream, lane) else { break };
+            for k in 0..fast_cache::LANES {
+                // Through the lane's owner (made here the first time), whose hold a hit takes.
+                let lane = (fast_cache::thread_lane() + k) % fast_cache::LANES;
+                let owner = self.owners.owner_of_lane(stream, lane);
+                let Some(cache) = owner.lane() else { break };
                 if !cache.may_serve(bytes) {
                     break; // a large request: no lane serves it
                 }
                 let r = sh.cached_residency(residency);
                 match cache.pop_request(r, bytes) {
                     (Pop::Hit(b), rounded, stashed) => {
-                        return Ok(self.hand_out_hit(&b, bytes, stream, rounded, r, stashed));
+                        return Ok(
+                            self.hand_out_hit(&owner, &b, bytes, stream, rounded, r, stashed)
+                        );
                     }
                     (Pop::NeedsLock, ..) => {
-                        cached = Some(cache);
+                        cached = sh.caches.fast_lane_at(stream, lane);
                         break;
                     }
                     (Pop::Miss, ..) => {}
@@ -696,7 +716,14 @@ impl<D: Device> Allocator<D> {
         let on = options.max_entries > 0;
         let mut st = sh.lock_state();
         sh.recording.store(on, Ordering::Relaxed);
-        sh.fast_path.store(self.config().fast_path() && !on, Ordering::Relaxed);
+        let config = st.config.clone();
+        sh.fast_path.store(config.fast_path() && !on, Ordering::Relaxed);
+        // The lanes close to hits and frees alike (room and size bound 0), so every operation
+        // takes the slow path, which records it.
+        let closed = on && !sh.broken(Broken::HistoryLanesOpen);
+        for c in sh.caches.all().iter() {
+            c.configure(limits(&config, closed), config.sizing);
+        }
         if on {
             sh.flush_all(&mut st);
             st.history = Some(history::History::new(options));

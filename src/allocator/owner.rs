@@ -1,11 +1,21 @@
-//! Per-stream owner handles: what a [`Buffer`](super::Buffer) holds to reach its allocator.
+//! Per-lane owner handles: what a [`Buffer`](super::Buffer) holds to reach its allocator, and
+//! the stream-cache lane its hits come from and its free goes to.
 //!
 //! ```text
 //!  Allocator ─┬─ shared: Arc<Shared>
-//!             └─ owners: Arc<OwnerTable> ── slots: [once(stream 0)] [once(stream 1)] …  other
-//!                                                   │ Arc<Owner>, 128-byte aligned
-//!  Buffer ── owner: Arc<Owner> ── shared: Arc<Shared>
+//!             └─ owners: Arc<OwnerTable> ── slots: [s0 lane0] [s0 lane1] [s1 lane0] …   other
+//!                                                   │ once-set Arc<Owner>, 128-byte aligned
+//!  Buffer ── owner: Arc<Owner> ─┬─ shared: Arc<Shared>
+//!                               ├─ lane: the stream cache (StreamCache) of this slot
+//!                               └─ family (captures), observes (sanitizer hooks on)
 //! ```
+//!
+//! **One lane lookup per operation.** A hit finds this thread's slot of its stream (a
+//! thread-local and an index) and reaches the lane through the owner; the buffer it hands out
+//! holds that owner, so its free goes straight to the same lane with no lookup at all.
+//! Frees therefore return a block to the lane that handed it out (the allocating thread's), as
+//! mimalloc returns a block to its page's owner: a producer thread's lane gets back what a
+//! consumer thread frees, and reuse stays sound because a lane belongs to one stream.
 //!
 //! Every buffer keeps the allocator alive. Were that one `Arc<Shared>`, each allocation and free
 //! would increment and decrement one reference count shared by all threads, and two threads on
@@ -18,8 +28,9 @@
 //! and per free. So a buffer freed into a stream cache leaves its strong reference there (the
 //! lane counts them, `owner_refs`, under its lock) and a hit takes one over ([`OwnerTable::
 //! hit_owner`]) instead of cloning: a hit and its free touch no reference count. That is sound
-//! because every buffer of a stream below [`FAST_STREAMS`] holds the *same* `Arc<Owner>` (its
-//! slot's, set once), and only those streams have caches. The references kept in lanes would
+//! because every buffer freed into a lane with its reference holds that lane's `Arc<Owner>` (its
+//! slot's, set once; a free stashes only into its owner's own lane), and only the streams below
+//! [`FAST_STREAMS`] have such owners. The references kept in lanes would
 //! keep `Shared` alive for ever, so when the last handle goes the table, under the global lock,
 //! closes every lane's stash and releases what it held; a buffer freed later (or into a lane
 //! made later) keeps its reference and lets go of it as before.
@@ -31,34 +42,63 @@
 //! ```
 
 use super::Shared;
-use super::fast_cache::FAST_STREAMS;
+use super::fast_cache::{FAST_STREAMS, LANES, StreamCache, thread_lane};
+use super::private_pool::Family;
 use crate::device::{Device, StreamId};
-use crate::sync::{Arc, OnceSlot};
+use crate::sync::{Arc, OnceSlot, SlotRef};
 use crossbeam_utils::CachePadded;
 use std::ops::Deref;
 
-/// A stream's handle on the allocator's shared state, padded (crossbeam's `CachePadded`) so that
-/// its reference count, which buffers of that stream touch, has a cache line of its own.
-pub(crate) struct Owner<D: Device> {
-    shared: CachePadded<Arc<Shared<D>>>,
+/// A lane's handle on the allocator's shared state, padded (crossbeam's `CachePadded`) so that
+/// its reference count, which buffers of that lane touch off the hit path, has a cache line of
+/// its own and its read-mostly fields another.
+pub(crate) struct Owner<D: Device>(CachePadded<OwnerCells<D>>);
+
+pub(crate) struct OwnerCells<D: Device> {
+    shared: Arc<Shared<D>>,
+    /// The lane its buffers' frees go to (`None`: the `other` owner, no lane).
+    lane: Option<Arc<StreamCache>>,
+    /// The allocator family's shared parts (captures that may hold a free back).
+    pub(crate) family: Arc<Family<D>>,
+    /// Whether the device's sanitizer hooks do anything (`Device::observes_handouts`, fixed).
+    pub(crate) observes: bool,
 }
 
 impl<D: Device> Deref for Owner<D> {
     type Target = Shared<D>;
+    #[inline(always)]
     fn deref(&self) -> &Shared<D> {
-        &self.shared
+        &self.0.shared
     }
 }
 
 impl<D: Device> Owner<D> {
-    fn new(shared: &Arc<Shared<D>>) -> Arc<Owner<D>> {
-        Arc::new(Owner { shared: CachePadded::new(shared.clone()) })
+    fn new(shared: &Arc<Shared<D>>, lane: Option<Arc<StreamCache>>) -> Arc<Owner<D>> {
+        Arc::new(Owner(CachePadded::new(OwnerCells {
+            shared: shared.clone(),
+            lane,
+            family: shared.family.clone(),
+            observes: shared.device.observes_handouts(),
+        })))
+    }
+
+    /// The lane its buffers' frees go to (`None` for streams without a fast path).
+    #[inline(always)]
+    pub(crate) fn lane(&self) -> Option<&StreamCache> {
+        self.0.lane.as_deref()
+    }
+
+    /// The read-mostly fields.
+    #[inline(always)]
+    pub(crate) fn cells(&self) -> &OwnerCells<D> {
+        &self.0
     }
 }
 
-/// One owner per stream with a fast path, and one for every other stream.
+/// One owner per lane of every stream with a fast path, and one for every other stream.
 pub(crate) struct OwnerTable<D: Device> {
     shared: Arc<Shared<D>>,
+    /// `FAST_STREAMS × LANES` slots, lane `l` of stream `s` at `s · LANES + l` (as the caches').
     slots: Box<[OnceSlot<Arc<Owner<D>>>]>,
     other: Arc<Owner<D>>,
 }
@@ -75,59 +115,83 @@ impl<D: Device> Drop for OwnerTable<D> {
             if n == 0 {
                 continue;
             }
-            let slot = self.slots.get(cache.stream().0 as usize).and_then(|s| s.get());
+            // The owner whose lane it is: one of its stream's slots.
+            let base = cache.stream().0 as usize * LANES;
+            let owner = (base..base + LANES)
+                .filter_map(|i| self.slots.get(i).and_then(|s| s.get()))
+                .find(|o| o.lane().is_some_and(|l| std::ptr::eq(l, &**cache)));
             // (`get` yields a reference under std, a clone under loom.)
             #[allow(clippy::needless_borrow)]
-            let slot: &Arc<Owner<D>> = &slot.expect("a kept reference has its owner");
+            let owner: &Arc<Owner<D>> = &owner.expect("a kept reference has its owner");
             for _ in 0..n {
-                // SAFETY: the lane kept `n` strong references of this very `Arc` (the one owner
-                // of its stream, see the module docs) and gave them up; the slot holds another,
-                // so none of these is the last.
-                unsafe { Arc::decrement_strong_count(Arc::as_ptr(slot)) };
+                // SAFETY: the lane kept `n` strong references of this very `Arc` (its owner's,
+                // see the module docs) and gave them up; the slot holds another, so none of
+                // these is the last.
+                unsafe { Arc::decrement_strong_count(Arc::as_ptr(owner)) };
             }
         }
     }
 }
 
 impl<D: Device> OwnerTable<D> {
-    /// The hold on the allocator for a buffer handed out by a stream-cache hit: the reference
-    /// the hit took over from the lane (`stashed`), or a new one.
-    #[inline(always)]
-    pub fn hit_owner(&self, stream: StreamId, stashed: bool) -> Arc<Owner<D>> {
-        if stashed && let Some(slot) = self.slots.get(stream.0 as usize).and_then(|s| s.get()) {
-            #[allow(clippy::needless_borrow)]
-            let slot: &Arc<Owner<D>> = &slot; // a reference under std, a clone under loom
-            // SAFETY: a lane of `stream` kept a strong reference of its one owner, this slot's
-            // `Arc`, and handed it to this hit (it is not counted there any more): the new
-            // handle owns it.
-            return unsafe { Arc::from_raw(Arc::as_ptr(slot)) };
-        }
-        debug_assert!(!stashed, "a kept reference has its owner");
-        self.owner_cold(stream)
-    }
-
-    #[cold]
-    #[inline(never)]
-    fn owner_cold(&self, stream: StreamId) -> Arc<Owner<D>> {
-        self.owner(stream)
-    }
-
     pub fn new(shared: &Arc<Shared<D>>) -> OwnerTable<D> {
         OwnerTable {
             shared: shared.clone(),
-            slots: (0..FAST_STREAMS).map(|_| OnceSlot::new()).collect(),
-            other: Owner::new(shared),
+            slots: (0..FAST_STREAMS * LANES).map(|_| OnceSlot::new()).collect(),
+            other: Owner::new(shared, None),
         }
     }
 
-    /// A new hold on the allocator for a buffer of `stream`.
+    /// The owner of this thread's lane of `stream` (the hit path's one lookup), once a buffer
+    /// of it was handed out (`None` before, or past [`FAST_STREAMS`]).
+    #[inline(always)]
+    pub fn lane_owner(&self, stream: StreamId) -> Option<SlotRef<'_, Arc<Owner<D>>>> {
+        self.owner_slot(stream, thread_lane())
+    }
+
+    /// The owner of lane `lane` of `stream`, if made.
+    #[inline(always)]
+    pub fn owner_slot(&self, stream: StreamId, lane: usize) -> Option<SlotRef<'_, Arc<Owner<D>>>> {
+        self.slots.get((stream.0 as usize).checked_mul(LANES)? + lane)?.get()
+    }
+
+    /// The hold on the allocator for a buffer a hit through `slot` handed out: the reference
+    /// the hit took over from the slot's lane (`stashed`), or a new one.
+    #[inline(always)]
+    pub fn hit_owner(slot: &Arc<Owner<D>>, stashed: bool) -> Arc<Owner<D>> {
+        if stashed {
+            // SAFETY: the slot's lane kept a strong reference of this very `Arc` (a free
+            // stashes only into its owner's lane) and handed it to this hit (it is not counted
+            // there any more): the new handle owns it.
+            return unsafe { Arc::from_raw(Arc::as_ptr(slot)) };
+        }
+        slot.clone()
+    }
+
+    /// A new hold on the allocator for a buffer of `stream` handed out by this thread: its lane's
+    /// owner (made here the first time, once the stream has caches), else the `other` one.
     pub fn owner(&self, stream: StreamId) -> Arc<Owner<D>> {
-        let Some(slot) = self.slots.get(stream.0 as usize) else { return self.other.clone() };
+        self.owner_of_lane(stream, thread_lane())
+    }
+
+    /// [`OwnerTable::owner`] of lane `lane` of `stream` (a stream's first lane holds its large
+    /// block, so a large buffer belongs to it).
+    pub fn owner_of_lane(&self, stream: StreamId, lane: usize) -> Arc<Owner<D>> {
+        let Some(slot) =
+            (stream.0 as usize).checked_mul(LANES).and_then(|i| self.slots.get(i + lane))
+        else {
+            return self.other.clone();
+        };
         // `get` yields a reference under std and a clone under loom; `clone` serves both.
         if let Some(o) = slot.get() {
             return o.clone();
         }
-        slot.set(Owner::new(&self.shared));
+        let Some(cache) = self.shared.caches.fast_lane_at(stream, lane) else {
+            return self.other.clone(); // no caches yet: a buffer of it takes the slow free
+        };
+        #[allow(clippy::needless_borrow)]
+        let cache: &Arc<StreamCache> = &cache;
+        slot.set(Owner::new(&self.shared, Some(cache.clone())));
         slot.get().expect("just set").clone()
     }
 }

@@ -77,9 +77,11 @@ impl<D: Device> Shared<D> {
 }
 
 /// What a stream may cache under `config`.
-pub(super) fn limits(config: &Config) -> Limits {
+pub(super) fn limits(config: &Config, recording: bool) -> Limits {
     Limits {
-        enabled: config.fast_path(),
+        // Recording the history closes every lane (to hits and frees alike): every operation
+        // then takes the slow path, which records it.
+        enabled: config.fast_path() && !recording,
         entries: config.fast_cache_entries,
         bytes: config.fast_cache_bytes,
     }

@@ -805,12 +805,12 @@ impl<'a, D: Device> Scope<'a, D> {
         let (ptr, block) = (buf.ptr.0, buf.block());
         run.unbound.push(LiveEntry { index, size: buf.size, offset, live: true, ptr, block });
         run.live_unbound += 1;
-        buf.scope = Some(ScopeTag {
+        buf.scope = Some(Box::new(ScopeTag {
             shared: self.shared().clone(),
             index,
             uses: Mutex::new(Vec::new()),
             has_uses: AtomicBool::new(false),
-        });
+        }));
         Ok(buf)
     }
 

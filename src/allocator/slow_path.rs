@@ -35,7 +35,12 @@ impl<D: Device> Allocator<D> {
         residency: Residency,
         quadrant: usize,
     ) -> Buffer<D> {
-        let owner = self.owners.owner(stream);
+        // A large block waits in its stream's first lane once freed: its buffer holds that
+        // lane's owner, so the free stashes the hold there.
+        let owner = match is_small(quadrant) {
+            true => self.owners.owner(stream),
+            false => self.owners.owner_of_lane(stream, 0),
+        };
         self.hand_out_to(ptr, requested, size, stream, block, rounded, residency, quadrant, owner)
     }
 
@@ -556,7 +561,8 @@ impl<D: Device> Shared<D> {
             return;
         }
         let config = self.config.load();
-        let limits = limits(&config);
+        let recording = self.recording.load(Ordering::Relaxed);
+        let limits = limits(&config, recording && !self.broken(Broken::HistoryLanesOpen));
         let lanes: Vec<_> = (0..fast_cache::LANES)
             .map(|_| {
                 let cache = StreamCache::new(stream, limits);
