@@ -198,15 +198,16 @@ pub const KEYS: &[(&str, &str)] = &[
 ];
 
 /// PyTorch keys accepted with no effect on device memory (their values checked as PyTorch
-/// checks them, and kept in [`Config::no_effect`]), with why.
+/// checks them: `true` or `false`, `pinned_num_register_threads` a power of two ≤ 128; kept in
+/// [`Config::no_effect`]), with what they concern.
 pub const NO_EFFECT_KEYS: &[(&str, &str)] = &[
-    ("release_lock_on_cudamalloc", "lock handling only (true or false)"),
-    ("release_lock_on_device_malloc", "lock handling only (true or false)"),
-    ("pinned_use_cuda_host_register", "pinned host memory (true or false)"),
-    ("pinned_use_device_host_register", "pinned host memory (true or false)"),
-    ("pinned_num_register_threads", "pinned host memory (a power of two ≤ 128)"),
-    ("pinned_use_background_threads", "pinned host memory (true or false)"),
-    ("graph_capture_record_stream_reuse", "capture-time reuse of recorded streams (true or false)"),
+    ("release_lock_on_cudamalloc", "locking only"),
+    ("release_lock_on_device_malloc", "locking only"),
+    ("pinned_use_cuda_host_register", "pinned host memory"),
+    ("pinned_use_device_host_register", "pinned host memory"),
+    ("pinned_num_register_threads", "pinned host memory"),
+    ("pinned_use_background_threads", "pinned host memory"),
+    ("graph_capture_record_stream_reuse", "CUDA graph capture, reuse of recorded streams"),
 ];
 
 /// A configuration string that could not be applied.
@@ -390,14 +391,12 @@ impl Config {
                 ));
             }
             k if NO_EFFECT_KEYS.iter().any(|(n, _)| *n == k) => {
-                let ok = if k == "pinned_num_register_threads" {
-                    value.parse::<u64>().is_ok_and(|n| n.is_power_of_two() && n <= 128)
+                if k == "pinned_num_register_threads" {
+                    if !value.parse::<u64>().is_ok_and(|n| n.is_power_of_two() && n <= 128) {
+                        return Err(bad("a power of two ≤ 128"));
+                    }
                 } else {
-                    flag().is_ok()
-                };
-                if !ok {
-                    let why = NO_EFFECT_KEYS.iter().find(|(n, _)| *n == k).map_or("", |(_, w)| w);
-                    return Err(bad(why));
+                    flag()?;
                 }
                 self.no_effect.retain(|e| e.split_once(':').is_none_or(|(old, _)| old != k));
                 self.no_effect.push(format!("{k}:{value}"));

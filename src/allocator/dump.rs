@@ -150,12 +150,11 @@ fn frames(stack: &std::backtrace::Backtrace) -> Vec<Py> {
 /// of interval start in MiB → divisions, `expandable_segments` as in force), then tidepool's.
 fn settings(c: &Config, virtual_memory: bool) -> Py {
     let z = &c.sizing;
-    let mib: Vec<String> =
-        (0..crate::pool::ROUNDUP_INTERVALS).map(|i| (1u64 << i).to_string()).collect();
     let roundup = Py::Dict(
-        mib.iter()
-            .enumerate()
-            .map(|(i, k)| (Py::str(k.as_str()), Py::int(z.roundup_power2_divisions.interval(i))))
+        (0..crate::pool::ROUNDUP_INTERVALS)
+            .map(|i| {
+                (Py::str((1u64 << i).to_string()), Py::int(z.roundup_power2_divisions.interval(i)))
+            })
             .collect(),
     );
     let mut v: Vec<(&str, Py)> = vec![

@@ -80,13 +80,9 @@ pub struct AllocatorSettings {
     pub roundup_power2_divisions: Vec<(String, u64)>,
 }
 
-/// Keys of `allocator_settings` that have no effect on a replay of device memory.
-const NO_EFFECT: [(&str, &str); 4] = [
-    ("pinned_num_register_threads", "pinned host memory"),
-    ("pinned_use_cuda_host_register", "pinned host memory"),
-    ("release_lock_on_cudamalloc", "locking only"),
-    ("graph_capture_record_stream_reuse", "CUDA graph capture, not replayed"),
-];
+/// Keys of `allocator_settings` that have no effect on a replay of device memory: those
+/// tidepool's `Config` accepts without effect.
+const NO_EFFECT: &[(&str, &str)] = tidepool::CONFIG_NO_EFFECT_KEYS;
 
 /// `allocator_settings` mapped onto tidepool's configuration.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
