@@ -81,6 +81,9 @@ pub enum Broken {
     /// Recording the memory history leaves the stream-cache lanes open (their room and size
     /// bound as configured): hits and frees then bypass the slow path and go unrecorded.
     HistoryLanesOpen = 1 << 22,
+    /// A growth whose headroom (expandable segments) does not fit the device fails the request
+    /// instead of growing by exactly what the request needs.
+    HeadroomOom = 1 << 30,
 }
 
 #[cfg_attr(not(feature = "test-hooks"), allow(dead_code))]
