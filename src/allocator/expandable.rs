@@ -68,18 +68,20 @@ pub(super) struct Range {
 /// `cuMemUnmap` requires).
 pub(super) const MAX_CHUNK_PAGES: u64 = 32;
 
-/// A growth at the top of a range maps at least its mapped pages ÷ this (see
-/// [`Shared::with_headroom`]): the free pages it leaves at the top are under 0.4 % of the
+/// A growth at the top of a transient range maps at least its mapped pages ÷ this (see
+/// [`Shared::with_headroom`]): the free pages it leaves at the top are under 0.2 % of the
 /// range, and a range that grows in many small steps (a static snapshot's blocks, a first
-/// training step) makes a device call per ~0.4 % of its size rather than per request.
-/// Measured on the shipped traces and the three real snapshots: 1/256 leaves every peak
-/// unchanged but vit_train's (1.0112 → 1.0136 × live) and cuts growths by up to 2.5 × (a static
-/// 10 GiB snapshot: 2898 → 1137); 1/128 raised t5_train's peak by 0.25 %, 1/64 by 0.9 %.
+/// training step) makes a device call per ~0.2 % of its size rather than per request.
+/// Measured on the six shipped traces and the three real snapshots: 1/512 leaves every trace's
+/// peak and steady-state maps unchanged and cuts growths on the snapshots (10 GiB static:
+/// 2898 → 1596; cs336: 888 → 654); 1/256 cut them further (1137, 499) but raised vit_train's
+/// peak from 1.0112 to 1.0136 × live and mobilenetv2_train's `residency` over `expandable`;
+/// 1/128 raised t5_train's by 0.25 %, 1/64 by 0.9 %.
 const HEADROOM_DIVISOR: u64 = 512;
 
 /// The most pages a growth's headroom reaches: 20 MiB of 2 MiB pages, PyTorch's granule of
-/// mapping in large expandable segments (`kLargeBuffer`). Measured: 32 pages cut growths on the
-/// 10 GiB snapshot only from 1137 to 1085, for a peak 0.2 % higher.
+/// mapping in large expandable segments (`kLargeBuffer`). Measured (at 1/256): 32 pages cut
+/// growths on the 10 GiB snapshot only from 1137 to 1085, for a peak 0.2 % higher.
 const HEADROOM_MAX_PAGES: u64 = 10;
 
 /// Chunks moved away under `wait_event`, whose old mappings wait for `event`.
