@@ -757,8 +757,9 @@ impl<D: Device> Allocator<D> {
         let sh = &self.shared;
         let lock_free = !sh.config.load().global_lock;
         if lock_free && sh.stats.is_open() {
-            sh.lock_count.fetch_add(1, Ordering::Relaxed);
-            sh.publish_now(&mut lock(&sh.state));
+            let mut st = lock(&sh.state);
+            sh.count_lock();
+            sh.publish_now(&mut st);
         }
         let raw = if lock_free
             && let Some((table, snap)) =
