@@ -84,6 +84,10 @@ pub enum Broken {
     /// A growth whose headroom (expandable segments) does not fit the device fails the request
     /// instead of growing by exactly what the request needs.
     HeadroomOom = 1 << 30,
+    /// A scope keeps the block of a freed pool buffer for local reuse even when a private pool
+    /// served it (the stream was routed after the scope's check): the block is handed out again
+    /// and returned as the general pool's, whose tables it corrupts.
+    ScopeKeepsRouted = 1 << 29,
 }
 
 #[cfg_attr(not(feature = "test-hooks"), allow(dead_code))]
