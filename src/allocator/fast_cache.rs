@@ -183,8 +183,6 @@ pub struct CacheCells {
     inner: LaneLock<CacheInner>,
     fast: SeqBlock<FAST_WORDS>,
     slow: SeqBlock<1>,
-    /// `inner.words[CACHED_BLOCKS]`, stored under `inner`'s lock and read without it as a hint.
-    cached: AtomicU64,
     /// `inner.large`, stored under `inner`'s lock and read without it as a hint.
     large: AtomicU64,
     /// Largest request [`StreamCache::pop_request`] may serve (0: none), stored under `inner`'s
@@ -223,7 +221,6 @@ impl StreamCache {
             }),
             fast: SeqBlock::new(),
             slow: SeqBlock::new(),
-            cached: AtomicU64::new(0),
             large: AtomicU64::new(0),
             fast_max: AtomicU64::new(Self::fast_max_of(limits, &Sizing::default())),
         }))
@@ -294,12 +291,47 @@ impl StreamCache {
         w[fast_cur(REQ, q)] = w[fast_cur(REQ, q)].wrapping_sub(b.requested);
         w[CACHED_BYTES] += b.size;
         w[CACHED_BLOCKS] += 1;
-        self.stats_changed(w);
+        self.fast.open();
         #[cfg(not(tidepool_broken = "owner_stash"))]
         let stash = stash && inner.owner_refs < inner.stash_max;
         // BROKEN: keeps the reference even after the stash was closed (the allocator leaks).
         #[cfg(tidepool_broken = "owner_stash")]
         let stash = stash && inner.owner_refs < MAX_STASH;
+        inner.owner_refs += u64::from(stash);
+        Ok(stash)
+    }
+
+    /// [`StreamCache::push_stash`] of a small-pool block from a buffer's drop (stash asked), the
+    /// common free: `Err` when the lane refuses it (the caller frees it into the pool).
+    #[inline(always)]
+    pub fn push_small(&self, class: ClassKey, b: CachedBlock) -> Result<bool, ()> {
+        debug_assert!(is_small(b.quadrant));
+        let mut g = self.lock_inner();
+        let inner = &mut *g;
+        // Disabled, closed or full: one compare (`room` is 0 in the first two cases).
+        if inner.words[CACHED_BYTES] + b.size > inner.room {
+            return Err(());
+        }
+        let entries = inner.limits.entries;
+        let Some(list) = inner.classes.get_or_add(class) else { return Err(()) };
+        if list.len() >= entries {
+            return Err(());
+        }
+        list.push(b);
+        // Lowering `Δcur` grants the block as credit (the ceiling stays).
+        let q = b.quadrant & (QUADRANTS - 1);
+        let w = &mut inner.words;
+        w[fast_cur(BYTES, q)] = w[fast_cur(BYTES, q)].wrapping_sub(b.size);
+        w[fast_cur(COUNT, q)] = w[fast_cur(COUNT, q)].wrapping_sub(1);
+        w[fast_cur(REQ, q)] = w[fast_cur(REQ, q)].wrapping_sub(b.requested);
+        w[CACHED_BYTES] += b.size;
+        w[CACHED_BLOCKS] += 1;
+        self.fast.open();
+        #[cfg(not(tidepool_broken = "owner_stash"))]
+        let stash = inner.owner_refs < inner.stash_max;
+        // BROKEN: keeps the reference even after the stash was closed (the allocator leaks).
+        #[cfg(tidepool_broken = "owner_stash")]
+        let stash = inner.owner_refs < MAX_STASH;
         inner.owner_refs += u64::from(stash);
         Ok(stash)
     }
@@ -481,7 +513,7 @@ impl StreamCache {
         }
         w[CACHED_BYTES] -= b.size;
         w[CACHED_BLOCKS] -= 1;
-        self.stats_changed(w);
+        self.fast.open();
         let stashed = take_ref && inner.owner_refs > 0;
         inner.owner_refs -= u64::from(stashed);
         (Pop::Hit(b), stashed)
@@ -664,10 +696,9 @@ impl StreamCache {
         self.lock_inner().closed
     }
 
-    /// Blocks cached now (a relaxed read of a count stored under the lock: exact once threads are
-    /// quiet).
+    /// Blocks cached now (read under the lane's lock: the hit path keeps no copy outside it).
     pub fn cached_blocks(&self) -> u64 {
-        self.cached.load(Ordering::Relaxed)
+        self.lock_inner().words[CACHED_BLOCKS]
     }
 
     /// Publishes the pool's free bytes of this stream. The caller holds the global lock.
@@ -677,20 +708,9 @@ impl StreamCache {
         }
     }
 
-    /// After a change of `words` under this lane's lock: the cached-blocks hint is stored and
-    /// the published block is marked stale (a write left open, [`SeqBlock::open`]: a relaxed
-    /// load when it is open already). Readers publish it when they read
-    /// ([`StreamCache::close_stats`]), so a hit pays no stores for statistics.
-    #[inline]
-    fn stats_changed(&self, words: &[u64; FAST_WORDS]) {
-        self.cached.store(words[CACHED_BLOCKS], Ordering::Relaxed);
-        self.fast.open();
-    }
-
     /// Publishes into `fast` the words that differ from what it last published (closing a write
     /// left open). The caller holds this lane's lock.
     fn publish(&self, inner: &mut CacheInner) {
-        self.cached.store(inner.words[CACHED_BLOCKS], Ordering::Relaxed);
         let (words, published) = (&inner.words, &mut inner.published);
         self.fast.write(|w| {
             for (i, (&v, p)) in words.iter().zip(published.iter_mut()).enumerate() {

@@ -346,8 +346,8 @@ impl<D: Device> Allocator<D> {
             accounted: bytes,
             size: b.size,
             stream,
-            origin: Origin::Pool(b.block),
-            scope: None,
+            origin: std::mem::ManuallyDrop::new(Origin::Pool(b.block)),
+            scope: std::mem::ManuallyDrop::new(None),
             owner: std::mem::ManuallyDrop::new(owner),
             rounded,
             residency,
@@ -514,8 +514,8 @@ impl<D: Device> Allocator<D> {
             if sh.family.captures.capturing(buf.stream) {
                 continue; // the capture may hold it back: the ordinary path
             }
-            let Origin::Pool(block) = buf.origin else { continue };
-            buf.origin = Origin::None;
+            let Origin::Pool(block) = *buf.origin else { continue };
+            *buf.origin = Origin::None;
             sh.device.note_reclaim(buf.ptr, buf.size, buf.stream);
             batch.entry(buf.stream).or_default().push(BatchBlock {
                 block,
