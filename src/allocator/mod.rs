@@ -267,7 +267,23 @@ impl<D: Device> Allocator<D> {
         stream: StreamId,
         residency: Residency,
     ) -> Result<Buffer<D>, AllocError> {
-        if let Some(buffer) = self.hit(bytes, stream, residency) {
+        match self.hit(bytes, stream, residency) {
+            Some(buffer) => Ok(buffer),
+            None => self.alloc_missed(bytes, stream, residency),
+        }
+    }
+
+    /// [`Allocator::alloc_in`] past the small hit: the large hit, then the whole path. Out of
+    /// line, so that the small hit builds its buffer straight into the caller's result (one
+    /// place makes it there, one call the rest).
+    #[inline(never)]
+    fn alloc_missed(
+        &self,
+        bytes: u64,
+        stream: StreamId,
+        residency: Residency,
+    ) -> Result<Buffer<D>, AllocError> {
+        if let Some(buffer) = self.hit_large(bytes, stream, residency) {
             return Ok(buffer);
         }
         self.alloc_with_retries(bytes, stream, residency, 0)
@@ -293,7 +309,7 @@ impl<D: Device> Allocator<D> {
         let owner: &Arc<owner::Owner<D>> = &slot; // a reference under std, a clone under loom
         let cache = owner.lane()?;
         if !cache.may_serve(bytes) {
-            return self.hit_large(bytes, stream, residency);
+            return None; // a large request: `alloc_missed` asks the stream's first lane
         }
         let residency = sh.cached_residency(residency);
         match cache.pop_request(residency, bytes) {
@@ -305,7 +321,7 @@ impl<D: Device> Allocator<D> {
     }
 
     /// [`Allocator::hit`] for a request the small-pool lanes do not serve.
-    #[inline(never)]
+    #[inline(always)]
     fn hit_large(&self, bytes: u64, stream: StreamId, residency: Residency) -> Option<Buffer<D>> {
         let sh = &*self.shared;
         // A stream's large block waits in its first lane, whose owner large buffers hold.
