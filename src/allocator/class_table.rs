@@ -128,6 +128,11 @@ impl ClassTable {
         Some(&mut slots[i].list)
     }
 
+    /// Blocks held, over all classes (a scan: for the global-lock side and tests).
+    pub fn blocks(&self) -> usize {
+        self.slots.iter().flat_map(|s| s.iter()).map(|s| s.list.len()).sum()
+    }
+
     /// Every class's blocks.
     pub fn lists_mut(&mut self) -> impl Iterator<Item = &mut Vec<CachedBlock>> {
         self.slots.iter_mut().flat_map(|s| s.iter_mut()).filter(|s| s.key != 0).map(|s| &mut s.list)

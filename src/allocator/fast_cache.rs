@@ -11,7 +11,7 @@
 //!   StreamCache ── inner: Mutex (this lane only) ─── classes: (residency, rounded) → [blocks]
 //!               │                                  ├─ ceiling[quadrant] (credit = ceiling − Δcur)
 //!               │                                  └─ limits, closed, mirror of `fast`
-//!               ├─ fast: SeqBlock  ── stats deltas per quadrant, cached bytes/blocks   (inner lock)
+//!               ├─ fast: SeqBlock  ── stats deltas per quadrant, cached bytes   (inner lock)
 //!               └─ slow: SeqBlock  ── the pool's free bytes of the stream (lane 0; global lock)
 //! ```
 //!
@@ -38,8 +38,8 @@
 use super::class_table::ClassTable;
 use super::lane_lock::{LaneGuard, LaneLock};
 use super::seqlock::SeqBlock;
+use super::stats_layout::CACHED_BYTES;
 use super::stats_layout::{BYTES, COUNT, FAST_WORDS, QUADRANTS, REQ, fast_cur, fast_tot, is_small};
-use super::stats_layout::{CACHED_BLOCKS, CACHED_BYTES};
 use crate::device::{DeviceAddr, StreamId};
 use crate::pool::{BlockId, Pool, Sizing};
 use crate::stats::Residency;
@@ -290,7 +290,6 @@ impl StreamCache {
         w[fast_cur(COUNT, q)] = w[fast_cur(COUNT, q)].wrapping_sub(1);
         w[fast_cur(REQ, q)] = w[fast_cur(REQ, q)].wrapping_sub(b.requested);
         w[CACHED_BYTES] += b.size;
-        w[CACHED_BLOCKS] += 1;
         self.fast.open();
         #[cfg(not(tidepool_broken = "owner_stash"))]
         let stash = stash && inner.owner_refs < inner.stash_max;
@@ -325,7 +324,6 @@ impl StreamCache {
         w[fast_cur(COUNT, q)] = w[fast_cur(COUNT, q)].wrapping_sub(1);
         w[fast_cur(REQ, q)] = w[fast_cur(REQ, q)].wrapping_sub(b.requested);
         w[CACHED_BYTES] += b.size;
-        w[CACHED_BLOCKS] += 1;
         self.fast.open();
         #[cfg(not(tidepool_broken = "owner_stash"))]
         let stash = inner.owner_refs < inner.stash_max;
@@ -512,7 +510,6 @@ impl StreamCache {
             w[fast_tot(qty, q)] = w[fast_tot(qty, q)].wrapping_add(v);
         }
         w[CACHED_BYTES] -= b.size;
-        w[CACHED_BLOCKS] -= 1;
         self.fast.open();
         let stashed = take_ref && inner.owner_refs > 0;
         inner.owner_refs -= u64::from(stashed);
@@ -530,7 +527,6 @@ impl StreamCache {
         }
         let w = &mut inner.words;
         w[CACHED_BYTES] -= b.size;
-        w[CACHED_BLOCKS] -= 1;
         self.publish(inner);
         Some(b)
     }
@@ -539,11 +535,12 @@ impl StreamCache {
     /// block into the pool. The statistics do not change: cached blocks already count as freed.
     pub fn drain(&self) -> Vec<CachedBlock> {
         let mut g = self.lock_inner();
-        if g.words[CACHED_BLOCKS] == 0 {
+        // (No block is empty: no bytes, no blocks.)
+        if g.words[CACHED_BYTES] == 0 {
             return Vec::new();
         }
         let inner = &mut *g;
-        let mut out = Vec::with_capacity(inner.words[CACHED_BLOCKS] as usize);
+        let mut out = Vec::with_capacity(inner.classes.blocks());
         for list in inner.classes.lists_mut() {
             out.append(list);
         }
@@ -551,7 +548,6 @@ impl StreamCache {
         inner.verdict = None;
         self.set_large(inner, 0);
         inner.words[CACHED_BYTES] = 0;
-        inner.words[CACHED_BLOCKS] = 0;
         self.publish(inner);
         out
     }
@@ -581,7 +577,6 @@ impl StreamCache {
             }
             for b in &taken {
                 inner.words[CACHED_BYTES] -= b.size;
-                inner.words[CACHED_BLOCKS] -= 1;
             }
             self.publish(inner);
             return taken.first().copied();
@@ -596,7 +591,6 @@ impl StreamCache {
         debug_assert!(!is_small(b.quadrant));
         self.set_large(inner, 0);
         inner.words[CACHED_BYTES] -= b.size;
-        inner.words[CACHED_BLOCKS] -= 1;
         self.publish(inner);
         Some(b)
     }
@@ -630,7 +624,6 @@ impl StreamCache {
                 if gone {
                     inner.large -= u64::from(!is_small(b.quadrant));
                     inner.words[CACHED_BYTES] -= b.size;
-                    inner.words[CACHED_BLOCKS] -= 1;
                 }
                 !gone
             });
@@ -647,7 +640,6 @@ impl StreamCache {
         inner.classes.clear();
         self.set_large(inner, 0);
         inner.words[CACHED_BYTES] = 0;
-        inner.words[CACHED_BLOCKS] = 0;
         self.publish(inner);
     }
 
@@ -698,7 +690,7 @@ impl StreamCache {
 
     /// Blocks cached now (read under the lane's lock: the hit path keeps no copy outside it).
     pub fn cached_blocks(&self) -> u64 {
-        self.lock_inner().words[CACHED_BLOCKS]
+        self.lock_inner().classes.blocks() as u64
     }
 
     /// Publishes the pool's free bytes of this stream. The caller holds the global lock.

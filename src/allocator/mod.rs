@@ -69,8 +69,8 @@ pub(crate) mod internals {
     pub use super::batch::{BatchBlock, return_batch};
     pub use super::broken::Broken;
     pub use super::counters::{
-        BASE_WORDS, BYTES, BaseStats, CACHED_BLOCKS, CACHED_BYTES, COUNT, CacheList, FAST_WORDS,
-        REQ, Snapshot, assemble, collect, fast_cur, fast_tot, quadrant,
+        BASE_WORDS, BYTES, BaseStats, CACHED_BYTES, COUNT, CacheList, FAST_WORDS, REQ, Snapshot,
+        assemble, collect, fast_cur, fast_tot, quadrant,
     };
     pub use super::fast_cache::{
         CacheTable, CachedBlock, ClassKey, FAST_STREAMS, Limits, Pop, StreamCache, flush_into,
