@@ -165,11 +165,9 @@ impl<D: Device> Drop for Buffer<D> {
             && is_small(self.quadrant as usize)
             && self.scope.is_none()
         {
-            let cells = self.owner.cells();
-            if !cells.family.captures.any()
-                && !cells.observes
+            if !self.owner.cells().family.captures.any()
                 && !self.used_elsewhere()
-                && let Some(lane) = self.owner.lane()
+                && let Some(lane) = self.owner.quiet_lane()
             {
                 state = match lane.push_small(self.class(), self.cached(block)) {
                     Ok(true) => return, // `owner` now belongs to the lane (nothing to forget)

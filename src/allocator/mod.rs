@@ -307,14 +307,16 @@ impl<D: Device> Allocator<D> {
         let slot = self.owners.lane_owner(stream)?;
         #[allow(clippy::needless_borrow)]
         let owner: &Arc<owner::Owner<D>> = &slot; // a reference under std, a clone under loom
-        let cache = owner.lane()?;
+        // (With the sanitizer on, the whole path serves it, and tells the sanitizer.)
+        let cache = owner.quiet_lane()?;
         if !cache.may_serve(bytes) {
             return None; // a large request: `alloc_missed` asks the stream's first lane
         }
         let residency = sh.cached_residency(residency);
         match cache.pop_request(residency, bytes) {
             (Pop::Hit(b), rounded, stashed) => {
-                Some(self.hand_out_hit(owner, &b, bytes, stream, rounded, residency, stashed))
+                let owner = OwnerTable::hit_owner(owner, stashed);
+                Some(Self::buffer_of_hit(owner, &b, bytes, stream, rounded, residency))
             }
             _ => None,
         }
@@ -356,6 +358,20 @@ impl<D: Device> Allocator<D> {
             self.shared.device.note_handout(b.ptr, b.size, stream);
         }
         let owner = OwnerTable::hit_owner(slot, stashed);
+        Self::buffer_of_hit(owner, b, bytes, stream, rounded, residency)
+    }
+
+    /// The buffer for block `b` popped by a hit that served `bytes` (rounded to `rounded`),
+    /// holding `owner`.
+    #[inline(always)]
+    fn buffer_of_hit(
+        owner: Arc<owner::Owner<D>>,
+        b: &CachedBlock,
+        bytes: u64,
+        stream: StreamId,
+        rounded: u64,
+        residency: Residency,
+    ) -> Buffer<D> {
         Buffer {
             ptr: b.ptr,
             requested: bytes,

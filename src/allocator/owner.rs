@@ -58,6 +58,9 @@ pub(crate) struct OwnerCells<D: Device> {
     shared: Arc<Shared<D>>,
     /// The lane its buffers' frees go to (`None`: the `other` owner, no lane).
     lane: Option<Arc<StreamCache>>,
+    /// `lane` where the device's sanitizer hooks do nothing, else `None`: the inlined hit and
+    /// free test one word for both (the rest of the path tells the sanitizer).
+    quiet_lane: Option<Arc<StreamCache>>,
     /// The allocator family's shared parts (captures that may hold a free back).
     pub(crate) family: Arc<Family<D>>,
     /// Whether the device's sanitizer hooks do anything (`Device::observes_handouts`, fixed).
@@ -74,11 +77,13 @@ impl<D: Device> Deref for Owner<D> {
 
 impl<D: Device> Owner<D> {
     fn new(shared: &Arc<Shared<D>>, lane: Option<Arc<StreamCache>>) -> Arc<Owner<D>> {
+        let observes = shared.device.observes_handouts();
         Arc::new(Owner(CachePadded::new(OwnerCells {
             shared: shared.clone(),
+            quiet_lane: if observes { None } else { lane.clone() },
             lane,
             family: shared.family.clone(),
-            observes: shared.device.observes_handouts(),
+            observes,
         })))
     }
 
@@ -86,6 +91,12 @@ impl<D: Device> Owner<D> {
     #[inline(always)]
     pub(crate) fn lane(&self) -> Option<&StreamCache> {
         self.0.lane.as_deref()
+    }
+
+    /// [`Owner::lane`] where the sanitizer hooks do nothing (`None` where they do).
+    #[inline(always)]
+    pub(crate) fn quiet_lane(&self) -> Option<&StreamCache> {
+        self.0.quiet_lane.as_deref()
     }
 
     /// The read-mostly fields.
