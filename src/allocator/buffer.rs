@@ -13,7 +13,7 @@ use crate::device::{AccessKind, Device, DeviceAddr, StreamId};
 use crate::pool::BlockId;
 use crate::stats::Residency;
 use crate::sync::Arc;
-use crate::sync::atomic::{AtomicBool, Ordering};
+use crate::sync::atomic::{AtomicU8, Ordering};
 use std::fmt;
 use std::mem::ManuallyDrop;
 
@@ -39,11 +39,12 @@ pub struct Buffer<D: Device> {
     pub(super) size: u64,
     pub(super) stream: StreamId,
     /// (`ManuallyDrop`, as `scope`: the drop lets go of them by hand, on its cold path only, so
-    /// the common free runs no drop glue after [`Buffer`]'s drop.)
-    pub(super) origin: ManuallyDrop<Origin>,
+    /// the common free runs no drop glue after [`Buffer`]'s drop.) Private, as `scope` and
+    /// `flags`: every change goes through the methods below, which keep `flags` right.
+    origin: ManuallyDrop<Origin>,
     /// Boxed: only unbound scope buffers carry one, and the common hand-out then moves one word
     /// for it instead of the tag's six.
-    pub(super) scope: ManuallyDrop<Option<Box<ScopeTag>>>,
+    scope: ManuallyDrop<Option<Box<ScopeTag>>>,
     /// Its hold on the allocator. Dropped by hand at the end of [`Buffer`]'s drop, or left in a
     /// stream cache for the next hit to take over (`owner.rs`).
     pub(super) owner: ManuallyDrop<Arc<Owner<D>>>,
@@ -55,22 +56,90 @@ pub struct Buffer<D: Device> {
     pub(super) residency: Residency,
     /// Its statistics quadrant (pool kind × residency).
     pub(super) quadrant: u8,
-    /// Set by `record_stream` when another stream uses it: its free must then take the slow
-    /// path (events), never the stream cache. The uses themselves sit in the locked state.
-    pub(super) used_elsewhere: AtomicBool,
+    /// [`USED_ELSEWHERE`] and [`UNCOMMON`]: 0 (one compare) lets the drop take its common case.
+    flags: AtomicU8,
 }
 
+/// A flag bit: `record_stream` recorded a use on another stream, so its free must take the slow
+/// path (events), never the stream cache. The uses themselves sit in the locked state.
+const USED_ELSEWHERE: u8 = 1;
+/// A flag bit: not a small-pool block with no scope tag (set at hand-out, or as the origin
+/// or the scope tag changes): the drop looks at everything, out of line.
+const UNCOMMON: u8 = 2;
+
 impl<D: Device> Buffer<D> {
+    /// A buffer of `size` bytes at `ptr` that served a request of `requested` bytes (rounded
+    /// to `rounded`) on `stream`, from `origin`, accounted in `quadrant`, holding `owner`.
+    #[allow(clippy::too_many_arguments)]
+    #[inline(always)]
+    pub(super) fn new(
+        ptr: DeviceAddr,
+        requested: u64,
+        size: u64,
+        stream: StreamId,
+        origin: Origin,
+        owner: Arc<Owner<D>>,
+        rounded: u64,
+        residency: Residency,
+        quadrant: usize,
+    ) -> Buffer<D> {
+        let common = matches!(origin, Origin::Pool(_)) && is_small(quadrant);
+        Buffer {
+            ptr,
+            requested,
+            accounted: requested,
+            size,
+            stream,
+            origin: ManuallyDrop::new(origin),
+            scope: ManuallyDrop::new(None),
+            owner: ManuallyDrop::new(owner),
+            rounded,
+            residency,
+            quadrant: quadrant as u8,
+            flags: AtomicU8::new(if common { 0 } else { UNCOMMON }),
+        }
+    }
+
     /// Whether `record_stream` recorded a use on another stream.
     pub(super) fn used_elsewhere(&self) -> bool {
         #[cfg(tidepool_broken = "events")]
         return false; // BROKEN: forgets the recorded uses, so the block skips its events.
         #[cfg(not(tidepool_broken = "events"))]
-        return self.used_elsewhere.load(Ordering::Acquire);
+        return self.flags.load(Ordering::Acquire) & USED_ELSEWHERE != 0;
     }
 
     pub(super) fn mark_used_elsewhere(&self) {
-        self.used_elsewhere.store(true, Ordering::Release);
+        self.flags.fetch_or(USED_ELSEWHERE, Ordering::Release);
+    }
+
+    /// Where its memory lives.
+    pub(super) fn origin(&self) -> &Origin {
+        &self.origin
+    }
+
+    /// Makes it a slice of a region (`Origin::Region`).
+    pub(super) fn set_origin(&mut self, origin: Origin) {
+        *self.origin = origin;
+        self.flags.fetch_or(UNCOMMON, Ordering::Relaxed); // (cold: `&mut self`, any ordering)
+    }
+
+    /// Takes its pool block, if it has one, for the caller to free: its drop then frees nothing.
+    pub(super) fn take_block(&mut self) -> Option<BlockId> {
+        let Origin::Pool(block) = *self.origin else { return None };
+        *self.origin = Origin::None;
+        self.flags.fetch_or(UNCOMMON, Ordering::Relaxed); // (cold: `&mut self`, any ordering)
+        Some(block)
+    }
+
+    /// Its scope tag, if an unbound scope buffer.
+    pub(super) fn scope_tag(&self) -> Option<&ScopeTag> {
+        self.scope.as_deref()
+    }
+
+    /// Tags it as a scope's unbound buffer.
+    pub(super) fn set_scope(&mut self, tag: Box<ScopeTag>) {
+        *self.scope = Some(tag);
+        self.flags.fetch_or(UNCOMMON, Ordering::Relaxed); // (cold: `&mut self`, any ordering)
     }
 }
 
@@ -161,20 +230,17 @@ impl<D: Device> Drop for Buffer<D> {
     #[inline]
     fn drop(&mut self) {
         let mut state = Freeing::NotTried;
-        if let Origin::Pool(block) = *self.origin
-            && is_small(self.quadrant as usize)
-            && self.scope.is_none()
+        // (A relaxed load: `&mut self` orders it after every `record_stream`.)
+        if self.flags.load(Ordering::Relaxed) == 0
+            && let Origin::Pool(block) = *self.origin
+            && !self.owner.cells().family.captures.any()
+            && let Some(lane) = self.owner.quiet_lane()
         {
-            if !self.owner.cells().family.captures.any()
-                && !self.used_elsewhere()
-                && let Some(lane) = self.owner.quiet_lane()
-            {
-                state = match lane.push_small(self.class(), self.cached(block)) {
-                    Ok(true) => return, // `owner` now belongs to the lane (nothing to forget)
-                    Ok(false) => Freeing::Done,
-                    Err(_) => Freeing::Refused,
-                };
-            }
+            state = match lane.push_small(self.class(), self.cached(block)) {
+                Ok(true) => return, // `owner` now belongs to the lane (nothing to forget)
+                Ok(false) => Freeing::Done,
+                Err(_) => Freeing::Refused,
+            };
         }
         self.drop_cold(state);
     }

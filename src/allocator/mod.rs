@@ -372,20 +372,8 @@ impl<D: Device> Allocator<D> {
         rounded: u64,
         residency: Residency,
     ) -> Buffer<D> {
-        Buffer {
-            ptr: b.ptr,
-            requested: bytes,
-            accounted: bytes,
-            size: b.size,
-            stream,
-            origin: std::mem::ManuallyDrop::new(Origin::Pool(b.block)),
-            scope: std::mem::ManuallyDrop::new(None),
-            owner: std::mem::ManuallyDrop::new(owner),
-            rounded,
-            residency,
-            quadrant: b.quadrant as u8,
-            used_elsewhere: AtomicBool::new(false),
-        }
+        let origin = Origin::Pool(b.block);
+        Buffer::new(b.ptr, bytes, b.size, stream, origin, owner, rounded, residency, b.quadrant)
     }
 
     /// [`Allocator::alloc_in`], the block starting at a multiple of `align` (0: no more than
@@ -540,14 +528,13 @@ impl<D: Device> Allocator<D> {
             if buf.used_elsewhere() {
                 continue; // dropped at the end of this iteration: the ordinary free
             }
-            if buf.scope.is_some() {
+            if buf.scope_tag().is_some() {
                 continue; // its scope records the free: the ordinary path
             }
             if sh.family.captures.capturing(buf.stream) {
                 continue; // the capture may hold it back: the ordinary path
             }
-            let Origin::Pool(block) = *buf.origin else { continue };
-            *buf.origin = Origin::None;
+            let Some(block) = buf.take_block() else { continue };
             sh.device.note_reclaim(buf.ptr, buf.size, buf.stream);
             batch.entry(buf.stream).or_default().push(BatchBlock {
                 block,
