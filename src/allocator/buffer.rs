@@ -236,11 +236,10 @@ impl<D: Device> Drop for Buffer<D> {
             && !self.owner.cells().family.captures.any()
             && let Some(lane) = self.owner.quiet_lane()
         {
-            state = match lane.push_small(self.class(), self.cached(block)) {
-                Ok(true) => return, // `owner` now belongs to the lane (nothing to forget)
-                Ok(false) => Freeing::Done,
-                Err(_) => Freeing::Refused,
-            };
+            match lane.push_small(self.class(), self.cached(block)) {
+                Ok(()) => return, // `owner` now belongs to the lane (nothing to forget)
+                Err(()) => state = Freeing::Refused,
+            }
         }
         self.drop_cold(state);
     }
@@ -253,8 +252,6 @@ enum Freeing {
     NotTried,
     /// Its owner's lane refused the block (full, closed, caching off): to the pool.
     Refused,
-    /// The block went to the lane, which did not keep the hold on the allocator.
-    Done,
 }
 
 impl<D: Device> Buffer<D> {
@@ -282,7 +279,6 @@ impl<D: Device> Buffer<D> {
     #[inline(never)]
     fn drop_cold(&mut self, state: Freeing) {
         let kept = match (state, &*self.origin) {
-            (Freeing::Done, _) => false,
             (Freeing::Refused, &Origin::Pool(block)) => {
                 self.owner.free_into_pool(self.freed(block));
                 false

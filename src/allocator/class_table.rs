@@ -55,14 +55,17 @@ impl ClassTable {
         self.classes
     }
 
-    /// The slot holding `key` (the last one found first), or the empty slot where it would go.
+    /// The slot holding `key` (the last one found first: `last` is set when the probe finds
+    /// another), or the empty slot where it would go.
     #[inline(always)]
-    fn find_from(slots: &[Slot; SLOTS], last: usize, key: u64) -> usize {
-        let last = last & (SLOTS - 1);
-        if slots[last].key == key {
-            return last;
+    fn find_from(slots: &[Slot; SLOTS], last: &mut usize, key: u64) -> usize {
+        let l = *last & (SLOTS - 1);
+        if slots[l].key == key {
+            return l;
         }
-        Self::find(slots, key)
+        let i = Self::find(slots, key);
+        *last = i;
+        i
     }
 
     /// The slot holding `key`, or the empty slot where it would go.
@@ -83,8 +86,7 @@ impl ClassTable {
     pub fn get_mut(&mut self, class: ClassKey) -> Option<&mut Vec<CachedBlock>> {
         let key = key_of(class);
         let slots = self.slots.as_deref_mut()?;
-        let i = Self::find_from(slots, self.last, key);
-        self.last = i;
+        let i = Self::find_from(slots, &mut self.last, key);
         let slot = &mut slots[i];
         (slot.key == key).then_some(&mut slot.list)
     }
@@ -93,17 +95,14 @@ impl ClassTable {
     #[inline(always)]
     pub fn get_or_add(&mut self, class: ClassKey) -> Option<&mut Vec<CachedBlock>> {
         let key = key_of(class);
-        let last = self.last;
+        let last = &mut self.last;
         let found = self.slots.as_deref().and_then(|slots| {
             let i = Self::find_from(slots, last, key);
             (slots[i].key == key).then_some(i)
         });
         match found {
-            Some(i) => {
-                self.last = i;
-                // (`i` < SLOTS: the mask only tells the compiler, so there is no bounds check.)
-                self.slots.as_deref_mut().map(|slots| &mut slots[i & (SLOTS - 1)].list)
-            }
+            // (`i` < SLOTS: the mask only tells the compiler, so there is no bounds check.)
+            Some(i) => self.slots.as_deref_mut().map(|slots| &mut slots[i & (SLOTS - 1)].list),
             None => self.add(class),
         }
     }

@@ -55,9 +55,6 @@ pub const MAX_CLASSES: usize = 128;
 /// same under loom: the models run the real configuration.)
 pub const FAST_STREAMS: usize = 64;
 
-/// Most owner references one lane keeps for later hits (far above any live buffer count).
-const MAX_STASH: u64 = 1 << 40;
-
 /// What a stream may cache.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Limits {
@@ -132,9 +129,9 @@ pub struct CacheInner {
     /// Strong references to the stream's owner handle that buffers freed into this lane left
     /// here, for later hits to take over (see `owner.rs`): the hit path touches no reference count.
     owner_refs: u64,
-    /// Most references the stash may hold: [`MAX_STASH`], 0 once the allocator's last handle is
-    /// gone (no reference is left here any more).
-    stash_max: u64,
+    /// The stash is closed: the allocator's last handle is gone, no reference may be left here
+    /// any more, and the lane takes no block (`room` 0: a later free keeps its reference).
+    stash_closed: bool,
     /// The largest rounded request a hit serves: the small pool's bound, 0 while caching is off
     /// (one compare covers both).
     small_max: u64,
@@ -214,7 +211,7 @@ impl StreamCache {
                 closed: false,
                 room: if limits.enabled { limits.bytes } else { 0 },
                 owner_refs: 0,
-                stash_max: MAX_STASH,
+                stash_closed: false,
                 small_max: Self::small_max_of(limits, &Sizing::default()),
                 round_mask: Self::round_mask_of(&Sizing::default()),
                 verdict: None,
@@ -291,19 +288,16 @@ impl StreamCache {
         w[fast_cur(REQ, q)] = w[fast_cur(REQ, q)].wrapping_sub(b.requested);
         w[CACHED_BYTES] += b.size;
         self.fast.open();
-        #[cfg(not(tidepool_broken = "owner_stash"))]
-        let stash = stash && inner.owner_refs < inner.stash_max;
-        // BROKEN: keeps the reference even after the stash was closed (the allocator leaks).
-        #[cfg(tidepool_broken = "owner_stash")]
-        let stash = stash && inner.owner_refs < MAX_STASH;
+        // (A closed stash takes no block at all: `room` is 0.)
         inner.owner_refs += u64::from(stash);
         Ok(stash)
     }
 
     /// [`StreamCache::push_stash`] of a small-pool block from a buffer's drop (stash asked), the
-    /// common free: `Err` when the lane refuses it (the caller frees it into the pool).
+    /// common free: `Ok`, the buffer's hold on the allocator stays here; `Err` when the lane
+    /// refuses the block (the caller frees it into the pool).
     #[inline(always)]
-    pub fn push_small(&self, class: ClassKey, b: CachedBlock) -> Result<bool, ()> {
+    pub fn push_small(&self, class: ClassKey, b: CachedBlock) -> Result<(), ()> {
         debug_assert!(is_small(b.quadrant));
         let mut g = self.lock_inner();
         let inner = &mut *g;
@@ -325,13 +319,9 @@ impl StreamCache {
         w[fast_cur(REQ, q)] = w[fast_cur(REQ, q)].wrapping_sub(b.requested);
         w[CACHED_BYTES] += b.size;
         self.fast.open();
-        #[cfg(not(tidepool_broken = "owner_stash"))]
-        let stash = inner.owner_refs < inner.stash_max;
-        // BROKEN: keeps the reference even after the stash was closed (the allocator leaks).
-        #[cfg(tidepool_broken = "owner_stash")]
-        let stash = inner.owner_refs < MAX_STASH;
-        inner.owner_refs += u64::from(stash);
-        Ok(stash)
+        // The buffer's hold stays here (a closed stash takes no block at all: `room` is 0).
+        inner.owner_refs += 1;
+        Ok(())
     }
 
     /// Takes a block of `class` for a request of `requested` bytes. See [`Pop`]. (The allocator
@@ -413,10 +403,17 @@ impl StreamCache {
     }
 
     /// Closes the stash of owner references and returns how many it held, for the caller to
-    /// release (the allocator's last handle is going: later frees keep their references).
+    /// release (the allocator's last handle is going: later frees keep their references, and
+    /// go to the pool: the lane takes no more blocks, so a push never has to ask whether it may
+    /// keep a reference).
     pub fn close_stash(&self) -> u64 {
         let mut g = self.lock_inner();
-        g.stash_max = 0;
+        g.stash_closed = true;
+        // BROKEN: the lane stays open, so a later free leaves its reference here (a leak).
+        #[cfg(not(tidepool_broken = "owner_stash"))]
+        {
+            g.room = 0;
+        }
         std::mem::take(&mut g.owner_refs)
     }
 
@@ -648,7 +645,7 @@ impl StreamCache {
     pub fn configure(&self, limits: Limits, sizing: Sizing) {
         let mut g = self.lock_inner();
         g.limits = limits;
-        g.room = if limits.enabled && !g.closed { limits.bytes } else { 0 };
+        g.room = if limits.enabled && !g.closed && !g.stash_closed { limits.bytes } else { 0 };
         g.sizing = sizing;
         g.small_max = Self::small_max_of(limits, &sizing);
         g.round_mask = Self::round_mask_of(&sizing);

@@ -36,9 +36,10 @@
 //! made later) keeps its reference and lets go of it as before.
 //!
 //! ```text
-//!  free (lane lock): push block; stash open? refs += 1, forget the buffer's Arc : drop it
+//!  free (lane lock): push block (an open lane has an open stash); refs += 1, forget the Arc
 //!  hit  (lane lock): pop block;  refs > 0?   refs −= 1, Arc::from_raw(slot)     : slot.clone()
-//!  last handle (global lock, then each lane lock): close stash; release its refs
+//!  last handle (global lock, then each lane lock): close stash and lane (room 0, so later
+//!  frees go to the pool with their own refs); release its refs
 //! ```
 
 use super::Shared;
