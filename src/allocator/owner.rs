@@ -107,11 +107,17 @@ impl<D: Device> Owner<D> {
     }
 }
 
+/// Owner slots: one per lane of every stream with a fast path.
+const SLOTS: usize = FAST_STREAMS * LANES;
+// A lane index is masked with `LANES - 1`.
+const _: () = assert!(LANES.is_power_of_two());
+
 /// One owner per lane of every stream with a fast path, and one for every other stream.
 pub(crate) struct OwnerTable<D: Device> {
     shared: Arc<Shared<D>>,
-    /// `FAST_STREAMS × LANES` slots, lane `l` of stream `s` at `s · LANES + l` (as the caches').
-    slots: Box<[OnceSlot<Arc<Owner<D>>>]>,
+    /// `FAST_STREAMS × LANES` slots, lane `l` of stream `s` at `s · LANES + l` (as the caches'):
+    /// a fixed size, so a lookup checks the stream alone (no bounds check).
+    slots: Box<[OnceSlot<Arc<Owner<D>>>; SLOTS]>,
     other: Arc<Owner<D>>,
 }
 
@@ -149,7 +155,11 @@ impl<D: Device> OwnerTable<D> {
     pub fn new(shared: &Arc<Shared<D>>) -> OwnerTable<D> {
         OwnerTable {
             shared: shared.clone(),
-            slots: (0..FAST_STREAMS * LANES).map(|_| OnceSlot::new()).collect(),
+            slots: (0..SLOTS)
+                .map(|_| OnceSlot::new())
+                .collect::<Vec<_>>()
+                .try_into()
+                .unwrap_or_else(|_| unreachable!("SLOTS slots")),
             other: Owner::new(shared, None),
         }
     }
@@ -164,7 +174,15 @@ impl<D: Device> OwnerTable<D> {
     /// The owner of lane `lane` of `stream`, if made.
     #[inline(always)]
     pub fn owner_slot(&self, stream: StreamId, lane: usize) -> Option<SlotRef<'_, Arc<Owner<D>>>> {
-        self.slots.get((stream.0 as usize).checked_mul(LANES)? + lane)?.get()
+        self.slot(stream, lane)?.get()
+    }
+
+    /// The slot of lane `lane` of `stream` (`None` past [`FAST_STREAMS`]).
+    #[inline(always)]
+    fn slot(&self, stream: StreamId, lane: usize) -> Option<&OnceSlot<Arc<Owner<D>>>> {
+        let s = stream.0 as usize;
+        // (`lane` < LANES, a power of two: the mask only tells the compiler.)
+        (s < FAST_STREAMS).then(|| &self.slots[s * LANES + (lane & (LANES - 1))])
     }
 
     /// The hold on the allocator for a buffer a hit through `slot` handed out: the reference
@@ -189,11 +207,7 @@ impl<D: Device> OwnerTable<D> {
     /// [`OwnerTable::owner`] of lane `lane` of `stream` (a stream's first lane holds its large
     /// block, so a large buffer belongs to it).
     pub fn owner_of_lane(&self, stream: StreamId, lane: usize) -> Arc<Owner<D>> {
-        let Some(slot) =
-            (stream.0 as usize).checked_mul(LANES).and_then(|i| self.slots.get(i + lane))
-        else {
-            return self.other.clone();
-        };
+        let Some(slot) = self.slot(stream, lane) else { return self.other.clone() };
         // `get` yields a reference under std and a clone under loom; `clone` serves both.
         if let Some(o) = slot.get() {
             return o.clone();
