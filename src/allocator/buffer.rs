@@ -139,7 +139,10 @@ impl<D: Device> Buffer<D> {
     /// Tags it as a scope's unbound buffer.
     pub(super) fn set_scope(&mut self, tag: Box<ScopeTag>) {
         *self.scope = Some(tag);
-        self.flags.fetch_or(UNCOMMON, Ordering::Relaxed); // (cold: `&mut self`, any ordering)
+        // BROKEN (`UnflaggedScopeTag`): the drop then takes the common case.
+        if !self.owner.broken(super::Broken::UnflaggedScopeTag) {
+            self.flags.fetch_or(UNCOMMON, Ordering::Relaxed); // (cold: `&mut self`, any ordering)
+        }
     }
 }
 
