@@ -239,10 +239,10 @@ impl<D: Device> Drop for Buffer<D> {
             && !self.owner.cells().family.captures.any()
             && let Some(lane) = self.owner.quiet_lane()
         {
-            match lane.push_small(self.class(), self.cached(block)) {
-                Ok(()) => return, // `owner` now belongs to the lane (nothing to forget)
-                Err(()) => state = Freeing::Refused,
+            if lane.push_small(self.class(), self.cached(block)) {
+                return; // `owner` now belongs to the lane (nothing to forget)
             }
+            state = Freeing::Refused;
         }
         self.drop_cold(state);
     }

@@ -294,21 +294,21 @@ impl StreamCache {
     }
 
     /// [`StreamCache::push_stash`] of a small-pool block from a buffer's drop (stash asked), the
-    /// common free: `Ok`, the buffer's hold on the allocator stays here; `Err` when the lane
+    /// common free: `true`, the buffer's hold on the allocator stays here; `false` when the lane
     /// refuses the block (the caller frees it into the pool).
     #[inline(always)]
-    pub fn push_small(&self, class: ClassKey, b: CachedBlock) -> Result<(), ()> {
+    pub fn push_small(&self, class: ClassKey, b: CachedBlock) -> bool {
         debug_assert!(is_small(b.quadrant));
         let mut g = self.lock_inner();
         let inner = &mut *g;
         // Disabled, closed or full: one compare (`room` is 0 in the first two cases).
         if inner.words[CACHED_BYTES] + b.size > inner.room {
-            return Err(());
+            return false;
         }
         let entries = inner.limits.entries;
-        let Some(list) = inner.classes.get_or_add(class) else { return Err(()) };
+        let Some(list) = inner.classes.get_or_add(class) else { return false };
         if list.len() >= entries {
-            return Err(());
+            return false;
         }
         list.push(b);
         // Lowering `Δcur` grants the block as credit (the ceiling stays).
@@ -321,7 +321,7 @@ impl StreamCache {
         self.fast.open();
         // The buffer's hold stays here (a closed stash takes no block at all: `room` is 0).
         inner.owner_refs += 1;
-        Ok(())
+        true
     }
 
     /// Takes a block of `class` for a request of `requested` bytes. See [`Pop`]. (The allocator
