@@ -228,7 +228,7 @@ impl<D: Device> Drop for Buffer<D> {
     ///
     /// Inlined: the common case (a small pool block with no scope, capture, sanitizer or use on
     /// another stream, into its owner's lane, which keeps the hold on the allocator) is the push
-    /// alone; everything else is [`Buffer::drop_cold`], out of line, so the common case saves no
+    /// alone; everything else is `Buffer::drop_cold`, out of line, so the common case saves no
     /// registers for it.
     #[inline]
     fn drop(&mut self) {
