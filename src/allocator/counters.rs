@@ -178,16 +178,15 @@ impl BaseStats {
     /// Locks every stream cache, zeroes its credit (its ceiling becomes its `Δcur`) and recomputes
     /// `upper` as the exact current.
     /// Returns the guards: the caller applies its change before letting them go.
-    fn revoke<'a>(&mut self, caches: &'a [Arc<StreamCache>]) -> Vec<LaneGuard<'a, CacheInner>> {
-        let guards: Vec<_> = caches.iter().map(|c| c.lock_inner()).collect();
+    fn revoke<'a>(&mut self, caches: &'a [Arc<StreamCache>]) -> Held<'a> {
+        let mut guards = Held::lock(caches);
         let mut cur = [[0u64; QUADRANTS]; 5];
         for (g, row) in cur.iter_mut().enumerate() {
             for (q, v) in row.iter_mut().enumerate() {
                 *v = self.words[b_cur(g, q)];
             }
         }
-        let mut guards = guards;
-        for inner in guards.iter_mut() {
+        guards.for_each(|inner| {
             // No credit left: the ceiling is the lane's current delta.
             for q in 0..QUADRANTS {
                 for qty in [BYTES, COUNT, REQ] {
@@ -199,7 +198,7 @@ impl BaseStats {
                     *v = v.wrapping_add(inner.words[fast_cur(qty, q)]);
                 }
             }
-        }
+        });
         for (upper, cur) in self.upper.iter_mut().zip(&cur) {
             *upper = cell_sums(cur);
         }
@@ -410,6 +409,39 @@ pub fn counters(base: &[u64; BASE_WORDS]) -> [u64; COUNTERS] {
     let mut out = [0; COUNTERS];
     out.copy_from_slice(&base[B_COUNTERS..]);
     out
+}
+
+/// Lanes locked together by a revocation, in the order given: up to [`HELD_INLINE`] without a
+/// heap allocation (a revocation runs whenever a locked hand-out passes a peak).
+pub(crate) enum Held<'a> {
+    Few([Option<LaneGuard<'a, CacheInner>>; HELD_INLINE]),
+    Many(Vec<LaneGuard<'a, CacheInner>>),
+}
+
+/// Lanes a revocation holds without allocating.
+const HELD_INLINE: usize = 16;
+
+impl<'a> Held<'a> {
+    /// Locks every cache of `caches`, in order.
+    fn lock(caches: &'a [Arc<StreamCache>]) -> Held<'a> {
+        if caches.len() > HELD_INLINE {
+            return Held::Many(caches.iter().map(|c| c.lock_inner()).collect());
+        }
+        let mut few: [Option<LaneGuard<'a, CacheInner>>; HELD_INLINE] =
+            std::array::from_fn(|_| None);
+        for (slot, c) in few.iter_mut().zip(caches) {
+            *slot = Some(c.lock_inner());
+        }
+        Held::Few(few)
+    }
+
+    /// Runs `f` on every locked lane.
+    fn for_each(&mut self, mut f: impl FnMut(&mut CacheInner)) {
+        match self {
+            Held::Few(few) => few.iter_mut().map_while(Option::as_mut).for_each(|g| f(g)),
+            Held::Many(many) => many.iter_mut().for_each(|g| f(g)),
+        }
+    }
 }
 
 /// A held list of stream caches (an `Arc`, or an `ArcCell` load guard of one).

@@ -356,8 +356,11 @@ impl<D: Device> Shared<D> {
         rounded: u64,
     ) -> Option<BlockId> {
         let b = st.pool.find_free(key, rounded, &config.sizing)?;
+        if st.vm.is_empty() {
+            return Some(b); // no range: the block's record is not looked at
+        }
         let blk = st.pool.block(b);
-        if st.vm.is_empty() || blk.next.is_some() {
+        if blk.next.is_some() {
             return Some(b);
         }
         if !st.vm.is_top(blk.addr, blk.segment) {

@@ -237,6 +237,7 @@ impl<D: Device> Allocator<D> {
         sh.publish_now(&mut st);
         let config = Arc::new(config);
         st.config = config.clone();
+        st.config_spare = Some(config.clone());
         sh.config.store(config);
         Ok(())
     }
@@ -463,8 +464,11 @@ impl<D: Device> Allocator<D> {
         }
         let mut st = sh.lock_state();
         // The configuration as the global lock holds it: `set_config` replaces it under this
-        // lock, so it is the cell's too (no load of the cell on the slow path).
-        let plan = RequestPlan::with(st.config.clone(), bytes)?;
+        // lock, so it is the cell's too (no load of the cell on the slow path). The plan holds
+        // the state's spare handle of it, given back before the lock is let go: no reference
+        // count is touched (a clone only when an error kept the spare).
+        let held = st.config_spare.take().unwrap_or_else(|| st.config.clone());
+        let plan = RequestPlan::with(held, bytes)?;
         let config = &*plan.config;
         // Small-pool blocks of both residencies share the stream's small segments and count as
         // transient; large ones share free space on ordinary segments (`residency.rs`).
@@ -479,6 +483,7 @@ impl<D: Device> Allocator<D> {
             }
             let locked: &mut State = &mut st;
             locked.base.live_up(b.quadrant, b.size, bytes, || locked.lanes.clone());
+            st.config_spare = Some(plan.config);
             drop(st);
             return Ok(self.hand_out_cached(&b, bytes, stream, plan.rounded, residency));
         }
@@ -488,6 +493,7 @@ impl<D: Device> Allocator<D> {
             && !sh.recording.load(Ordering::Relaxed)
             && let Some(b) = sh.reuse_large(&mut st, stream, class, bytes, &config.sizing)
         {
+            st.config_spare = Some(plan.config);
             drop(st);
             return Ok(self.hand_out_cached(&b, bytes, stream, plan.rounded, residency));
         }
@@ -504,6 +510,7 @@ impl<D: Device> Allocator<D> {
         let locked: &mut State = &mut st;
         locked.base.live_up(q, size, bytes, || locked.lanes.clone());
         st.note(Action::Alloc, ptr, bytes, stream);
+        st.config_spare = Some(plan.config);
         drop(st);
         Ok(self.hand_out(ptr, bytes, size, stream, Some(block), plan.rounded, held, q))
     }
@@ -776,8 +783,9 @@ impl<D: Device> Allocator<D> {
         let sh = &self.shared;
         let lock_free = !sh.config.load().global_lock;
         if lock_free && sh.stats.is_open() {
-            sh.lock_count.fetch_add(1, Ordering::Relaxed);
-            sh.publish_now(&mut lock(&sh.state));
+            let mut st = lock(&sh.state);
+            sh.count_lock();
+            sh.publish_now(&mut st);
         }
         let raw = if lock_free
             && let Some((table, snap)) =

@@ -9,12 +9,22 @@ impl<D: Device> Shared<D> {
     /// Every section that may change the pool comes through here, and advances the epoch first
     /// (a plain store: only holders of the lock write it), so a large block checked in an
     /// earlier section is not handed out again without the lock (`fast_cache::LargeVerdict`).
+    ///
+    /// The lock count is bumped under the lock with a load and a store (only lock holders
+    /// write it): no atomic read-modify-write besides the mutex's own.
     pub(super) fn lock_state(&self) -> Locked<'_, D> {
-        self.lock_count.fetch_add(1, Ordering::Relaxed);
         let st = lock(&self.state);
+        self.count_lock();
         let e = self.epoch.load(Ordering::Relaxed);
         self.epoch.store(e.wrapping_add(1), Ordering::Release);
         Locked { sh: self, st }
+    }
+
+    /// Counts one acquisition of the global lock. The caller holds it.
+    #[inline(always)]
+    pub(super) fn count_lock(&self) {
+        let n = self.lock_count.load(Ordering::Relaxed);
+        self.lock_count.store(n + 1, Ordering::Relaxed);
     }
 
     /// What letting go of the global lock does: trims expandable ranges, and marks the published

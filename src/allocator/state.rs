@@ -108,6 +108,9 @@ pub(super) struct State {
     /// The configuration in force: the same `Arc` as `Shared::config` holds, replaced with it
     /// under this lock (`set_config`), so the slow path reads it here without loading the cell.
     pub(super) config: Arc<Config>,
+    /// A second handle of `config` (or none): an allocation's plan holds it while the lock is
+    /// held and gives it back, so the slow path touches no reference count.
+    pub(super) config_spare: Option<Arc<Config>>,
     pub(super) pool: Pool,
     pub(super) counters: Counters,
     /// Streams a block was used on besides its own (`record_stream`), by block.

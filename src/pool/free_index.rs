@@ -11,13 +11,17 @@
 //!                │└─ fl = 6 ───────▶ sl_map[6] …
 //!
 //!  bins[fl][sl]: [(size, addr, id), …] sorted       32 bins per octave, each ≤ 1/32 of its sizes
-//!                                                     (an octave's bins are made on first use)
+//!               largest first: the smallest at the end  (an octave's bins are made on first use)
 //! ```
 //!
 //! A request of `n` bytes maps to bin `b = bin(n)`. Every block in a bin above `b` is larger
-//! than every block of `b`, so the best fit is the first entry ≥ `n` of bin `b` if there is one
-//! (a binary search), else the first entry of the next non-empty bin, found with two
-//! `trailing_zeros` on the bitmaps. Sizes below 2⁵ bytes get one bin each; with the default
+//! than every block of `b`, so the best fit is the smallest entry ≥ `n` of bin `b` if there is
+//! one (the bin's last entry when that one fits, else a binary search), else the smallest
+//! (last) entry of the next non-empty bin, found with two `trailing_zeros` on the bitmaps.
+//! A bin is kept in *descending* order so that the entry the best fit takes is usually its
+//! last: a bin of one size (every bin below 32 KiB; same-size whole segments) gives its lowest
+//! address, which a hand-out removes with a pop and a LIFO free puts back with a push, no
+//! search and no move. Sizes below 2⁵ bytes get one bin each; with the default
 //! 512-byte granularity every bin below 32 KiB holds a single size. Bins hold few blocks (a
 //! bin spans 3 % of its octave; the most on the real traces is ~80 free 12 MiB segments in
 //! one bin, gpt2_train), so a binary search and a short move keep them sorted; nothing
@@ -139,8 +143,15 @@ impl FreeIndex {
         let (fl, sl) = bin_of(size);
         if self.sl_map[fl] & (1 << sl) != 0 {
             let bin = self.bin(fl, sl);
-            if let Some(&e) = bin.get(bin.partition_point(|e| e.size < size)) {
-                return Some(e);
+            // Descending: the entries ≥ `size` are a prefix, whose last is the best fit.
+            match bin.last() {
+                Some(&e) if e.size >= size => return Some(e),
+                _ => {
+                    let at = bin.partition_point(|e| e.size >= size);
+                    if at > 0 {
+                        return Some(bin[at - 1]);
+                    }
+                }
             }
         }
         self.first_above(fl, sl)
@@ -152,14 +163,15 @@ impl FreeIndex {
         let (fl, sl) = bin_of(e.size);
         let bin = self.bin(fl, sl);
         let k = e.order();
-        if let Some(&n) = bin.get(bin.partition_point(|x| x.order() <= k)) {
-            return Some(n);
+        let at = bin.partition_point(|x| x.order() > k);
+        if at > 0 {
+            return Some(bin[at - 1]);
         }
         self.first_above(fl, sl)
     }
 
-    /// The first entry of the first non-empty bin above bin (fl, sl): later in this octave,
-    /// else the first bin of a later octave.
+    /// The smallest (last) entry of the first non-empty bin above bin (fl, sl): later in this
+    /// octave, else the first bin of a later octave.
     #[inline]
     fn first_above(&self, fl: usize, sl: usize) -> Option<Entry> {
         let above = self.sl_map[fl] & (u32::MAX << sl << 1);
@@ -173,7 +185,7 @@ impl FreeIndex {
             let fl = octaves.trailing_zeros() as usize;
             (fl, self.sl_map[fl].trailing_zeros() as usize)
         };
-        Some(self.bin(fl, sl)[0])
+        self.bin(fl, sl).last().copied()
     }
 
     /// Adds an entry (which must not be in the index).
@@ -182,9 +194,13 @@ impl FreeIndex {
         let (fl, sl) = bin_of(e.size);
         let bin = self.bin_mut(fl, sl);
         let k = e.order();
-        let at = bin.partition_point(|x| x.order() < k);
-        assert!(bin.get(at).is_none_or(|x| x.order() != k), "entry already in the free index");
-        bin.insert(at, e);
+        if bin.last().is_none_or(|x| x.order() > k) {
+            bin.push(e); // the new smallest: a LIFO free of the lowest address
+        } else {
+            let at = bin.partition_point(|x| x.order() > k);
+            assert!(bin[at].order() != k, "entry already in the free index");
+            bin.insert(at, e);
+        }
         self.sl_map[fl] |= 1 << sl;
         self.fl_map |= 1 << fl;
         self.len += 1;
@@ -197,12 +213,16 @@ impl FreeIndex {
         let (fl, sl) = bin_of(e.size);
         let Some(octave) = self.octaves[fl].as_mut() else { return false };
         let bin = &mut octave[sl];
-        let k = e.order();
-        let at = bin.partition_point(|x| x.order() < k);
-        if bin.get(at).is_none_or(|x| x != e) {
-            return false;
+        if bin.last() == Some(e) {
+            bin.pop(); // the bin's smallest: what a best fit takes
+        } else {
+            let k = e.order();
+            let at = bin.partition_point(|x| x.order() > k);
+            if bin.get(at).is_none_or(|x| x != e) {
+                return false;
+            }
+            bin.remove(at);
         }
-        bin.remove(at);
         if bin.is_empty() {
             self.sl_map[fl] &= !(1 << sl);
             if self.sl_map[fl] == 0 {
@@ -217,7 +237,7 @@ impl FreeIndex {
     /// Whether the entry is in the index.
     pub fn contains(&self, e: &Entry) -> bool {
         let (fl, sl) = bin_of(e.size);
-        self.bin(fl, sl).binary_search(e).is_ok()
+        self.bin(fl, sl).binary_search_by(|x| e.cmp(x)).is_ok()
     }
 
     /// The largest entry, if any.
@@ -227,12 +247,12 @@ impl FreeIndex {
         }
         let fl = 63 - self.fl_map.leading_zeros() as usize;
         let sl = 31 - self.sl_map[fl].leading_zeros() as usize;
-        self.bin(fl, sl).last().copied()
+        self.bin(fl, sl).first().copied()
     }
 
     /// Every entry in (size, address) order.
     pub fn iter(&self) -> impl Iterator<Item = &Entry> + '_ {
-        self.octaves.iter().flatten().flat_map(|o| o.iter().flatten())
+        self.octaves.iter().flatten().flat_map(|o| o.iter().flat_map(|b| b.iter().rev()))
     }
 
     /// Checks the bitmaps, the bins' order and placement, and the totals against the entries.
@@ -245,7 +265,7 @@ impl FreeIndex {
             if bit == bin.is_empty() {
                 return Err(format!("free index: bin ({fl}, {sl}) bit disagrees with its entries"));
             }
-            if !bin.is_sorted_by(|a, b| a < b) {
+            if !bin.is_sorted_by(|a, b| a > b) {
                 return Err(format!("free index: bin ({fl}, {sl}) out of order"));
             }
             if let Some(e) = bin.iter().find(|e| bin_of(e.size) != (fl, sl)) {

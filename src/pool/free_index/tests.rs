@@ -152,7 +152,7 @@ fn check_catches_corruption() {
     assert!(ix.check().unwrap_err().contains("bit disagrees"));
     ix.sl_map[6] = 1;
     ix.check().unwrap();
-    ix.bin_mut(6, 0).push(e(1024, 0x10, 1));
+    ix.bin_mut(6, 0).insert(0, e(1024, 0x10, 1)); // in order (descending), uncounted
     assert!(ix.check().unwrap_err().contains("counts"));
     ix.bin_mut(6, 0).clear();
     ix.bin_mut(6, 0).push(e(2048, 0, 0));
