@@ -594,3 +594,28 @@ fn a_scope_tagged_buffer_is_freed_through_its_scope() {
         assert_eq!(dev.live_segments().is_empty(), !broken, "the allocator gave everything back");
     }
 }
+
+/// A routed stream's large request never takes the large block the stream's general lane holds,
+/// even with that block's verdict current: the large hit asks for routes first, as the small
+/// hit does.
+#[test]
+fn a_routed_stream_never_takes_the_general_large_block() {
+    use tidepool::PoolOptions;
+    let (dev, alloc) = setup("", 1 << 30);
+    let s = dev.create_stream().unwrap();
+    // The block is cached, checked under the lock, then handed out again without it.
+    let mut at = Vec::new();
+    for _ in 0..4 {
+        let b = alloc.alloc(4 * MIB, s).unwrap();
+        at.push(b.ptr());
+    }
+    assert!(at.iter().all(|&p| p == at[0]));
+    let pool = alloc.new_pool(PoolOptions::default()).unwrap();
+    let guard = alloc.use_pool(&pool, s).unwrap();
+    let b = alloc.alloc(4 * MIB, s).unwrap();
+    assert_ne!(b.ptr(), at[0], "a routed request took the general allocator's block");
+    assert_eq!(pool.stats().blocks.allocated_bytes.all.current, 4 * MIB);
+    drop(b);
+    drop(guard);
+    check(&dev, &alloc);
+}

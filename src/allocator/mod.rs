@@ -327,6 +327,10 @@ impl<D: Device> Allocator<D> {
     #[inline(always)]
     fn hit_large(&self, bytes: u64, stream: StreamId, residency: Residency) -> Option<Buffer<D>> {
         let sh = &*self.shared;
+        // A routed stream allocates from its private pool (`alloc_in_once`).
+        if sh.routes.any() {
+            return None;
+        }
         // A stream's large block waits in its first lane, whose owner large buffers hold.
         let slot = self.owners.owner_slot(stream, 0)?;
         #[allow(clippy::needless_borrow)]
