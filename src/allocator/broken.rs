@@ -81,6 +81,9 @@ pub enum Broken {
     /// Recording the memory history leaves the stream-cache lanes open (their room and size
     /// bound as configured): hits and frees then bypass the slow path and go unrecorded.
     HistoryLanesOpen = 1 << 22,
+    /// Tagging a buffer as a scope's unbound buffer leaves its flags byte as it was: its drop
+    /// takes the common case (straight into its lane) and its scope never sees the free.
+    UnflaggedScopeTag = 1 << 40,
 }
 
 #[cfg_attr(not(feature = "test-hooks"), allow(dead_code))]
