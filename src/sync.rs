@@ -14,7 +14,9 @@ pub(crate) use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 #[cfg(not(loom))]
 #[allow(unused_imports)]
 pub(crate) mod atomic {
-    pub(crate) use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering, fence};
+    pub(crate) use std::sync::atomic::{
+        AtomicBool, AtomicU8, AtomicU64, AtomicUsize, Ordering, fence,
+    };
 }
 #[cfg(not(loom))]
 #[allow(unused_imports)]
@@ -26,7 +28,9 @@ pub(crate) use loom::sync::{Arc, Condvar, Mutex, MutexGuard};
 #[cfg(loom)]
 #[allow(unused_imports)]
 pub(crate) mod atomic {
-    pub(crate) use loom::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering, fence};
+    pub(crate) use loom::sync::atomic::{
+        AtomicBool, AtomicU8, AtomicU64, AtomicUsize, Ordering, fence,
+    };
 }
 #[cfg(loom)]
 #[allow(unused_imports)]

@@ -555,3 +555,67 @@ fn lane_statistics_are_published_when_read() {
     assert_eq!(alloc.global_lock_acquisitions(), before, "no global lock taken");
     check(&dev, &alloc);
 }
+
+/// The drop's common case is one compare of the buffer's flags byte (with the sanitizer's hooks
+/// off, as on a real device). Tagging a scope's unbound buffer sets the byte, so its free still
+/// goes through its scope, which learns from it: the learning run below frees its activation,
+/// so the next run is planned whole (activation at the region's base, gradient above it), and
+/// nothing leaks. (Broken mode `UnflaggedScopeTag`: the tag leaves the byte, the activation's
+/// free goes straight to its lane, the scope never sees it, the next run falls back for the
+/// gradient and the activation's segment is never given back.)
+#[test]
+fn a_scope_tagged_buffer_is_freed_through_its_scope() {
+    use tidepool::SimConfig;
+    use tidepool::hooks::Broken;
+    let step = |alloc: &Allocator<SimDevice>| {
+        let scope = alloc.named_scope("step", S0);
+        let act = scope.alloc_unbound(64 * 1024).unwrap();
+        let grad = scope.alloc_unbound(16 * 1024).unwrap();
+        let planned = (act.ptr(), act.is_planned(), grad.ptr(), grad.is_planned());
+        drop(act);
+        (grad, planned)
+    };
+    for broken in [false, true] {
+        let sim = SimConfig { capacity: 1 << 30, sanitize: false, ..SimConfig::default() };
+        let dev = Arc::new(SimDevice::with_config(sim));
+        let alloc = Allocator::new(dev.clone(), Config::default()).unwrap();
+        alloc.set_broken(Broken::UnflaggedScopeTag, broken);
+        let (grad, _) = step(&alloc);
+        assert_eq!(grad.ptr(), DeviceAddr(SIM_BASE + 64 * 1024));
+        drop(grad);
+        let (grad, planned) = step(&alloc);
+        let s = alloc.stats();
+        let whole = (DeviceAddr(SIM_BASE), true, DeviceAddr(SIM_BASE + 64 * 1024), true);
+        assert_eq!(planned == whole && (s.plan_hits, s.plan_fallbacks) == (2, 0), !broken);
+        assert_eq!(dev.counters().mallocs, 1);
+        alloc.check_invariants().unwrap();
+        drop(grad);
+        drop(alloc);
+        assert_eq!(dev.live_segments().is_empty(), !broken, "the allocator gave everything back");
+    }
+}
+
+/// A routed stream's large request never takes the large block the stream's general lane holds,
+/// even with that block's verdict current: the large hit asks for routes first, as the small
+/// hit does.
+#[test]
+fn a_routed_stream_never_takes_the_general_large_block() {
+    use tidepool::PoolOptions;
+    let (dev, alloc) = setup("", 1 << 30);
+    let s = dev.create_stream().unwrap();
+    // The block is cached, checked under the lock, then handed out again without it.
+    let mut at = Vec::new();
+    for _ in 0..4 {
+        let b = alloc.alloc(4 * MIB, s).unwrap();
+        at.push(b.ptr());
+    }
+    assert!(at.iter().all(|&p| p == at[0]));
+    let pool = alloc.new_pool(PoolOptions::default()).unwrap();
+    let guard = alloc.use_pool(&pool, s).unwrap();
+    let b = alloc.alloc(4 * MIB, s).unwrap();
+    assert_ne!(b.ptr(), at[0], "a routed request took the general allocator's block");
+    assert_eq!(pool.stats().blocks.allocated_bytes.all.current, 4 * MIB);
+    drop(b);
+    drop(guard);
+    check(&dev, &alloc);
+}

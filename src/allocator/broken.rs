@@ -88,6 +88,9 @@ pub enum Broken {
     /// served it (the stream was routed after the scope's check): the block is handed out again
     /// and returned as the general pool's, whose tables it corrupts.
     ScopeKeepsRouted = 1 << 29,
+    /// Tagging a buffer as a scope's unbound buffer leaves its flags byte as it was: its drop
+    /// takes the common case (straight into its lane) and its scope never sees the free.
+    UnflaggedScopeTag = 1 << 40,
 }
 
 #[cfg_attr(not(feature = "test-hooks"), allow(dead_code))]

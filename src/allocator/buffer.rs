@@ -13,7 +13,7 @@ use crate::device::{AccessKind, Device, DeviceAddr, StreamId};
 use crate::pool::BlockId;
 use crate::stats::Residency;
 use crate::sync::Arc;
-use crate::sync::atomic::{AtomicBool, Ordering};
+use crate::sync::atomic::{AtomicU8, Ordering};
 use std::fmt;
 use std::mem::ManuallyDrop;
 
@@ -38,10 +38,13 @@ pub struct Buffer<D: Device> {
     pub(super) requested: u64,
     pub(super) size: u64,
     pub(super) stream: StreamId,
-    pub(super) origin: Origin,
+    /// (`ManuallyDrop`, as `scope`: the drop lets go of them by hand, on its cold path only, so
+    /// the common free runs no drop glue after [`Buffer`]'s drop.) Private, as `scope` and
+    /// `flags`: every change goes through the methods below, which keep `flags` right.
+    origin: ManuallyDrop<Origin>,
     /// Boxed: only unbound scope buffers carry one, and the common hand-out then moves one word
     /// for it instead of the tag's six.
-    pub(super) scope: Option<Box<ScopeTag>>,
+    scope: ManuallyDrop<Option<Box<ScopeTag>>>,
     /// Its hold on the allocator. Dropped by hand at the end of [`Buffer`]'s drop, or left in a
     /// stream cache for the next hit to take over (`owner.rs`).
     pub(super) owner: ManuallyDrop<Arc<Owner<D>>>,
@@ -53,22 +56,93 @@ pub struct Buffer<D: Device> {
     pub(super) residency: Residency,
     /// Its statistics quadrant (pool kind × residency).
     pub(super) quadrant: u8,
-    /// Set by `record_stream` when another stream uses it: its free must then take the slow
-    /// path (events), never the stream cache. The uses themselves sit in the locked state.
-    pub(super) used_elsewhere: AtomicBool,
+    /// [`USED_ELSEWHERE`] and [`UNCOMMON`]: 0 (one compare) lets the drop take its common case.
+    flags: AtomicU8,
 }
 
+/// A flag bit: `record_stream` recorded a use on another stream, so its free must take the slow
+/// path (events), never the stream cache. The uses themselves sit in the locked state.
+const USED_ELSEWHERE: u8 = 1;
+/// A flag bit: not a small-pool block with no scope tag (set at hand-out, or as the origin
+/// or the scope tag changes): the drop looks at everything, out of line.
+const UNCOMMON: u8 = 2;
+
 impl<D: Device> Buffer<D> {
+    /// A buffer of `size` bytes at `ptr` that served a request of `requested` bytes (rounded
+    /// to `rounded`) on `stream`, from `origin`, accounted in `quadrant`, holding `owner`.
+    #[allow(clippy::too_many_arguments)]
+    #[inline(always)]
+    pub(super) fn new(
+        ptr: DeviceAddr,
+        requested: u64,
+        size: u64,
+        stream: StreamId,
+        origin: Origin,
+        owner: Arc<Owner<D>>,
+        rounded: u64,
+        residency: Residency,
+        quadrant: usize,
+    ) -> Buffer<D> {
+        let common = matches!(origin, Origin::Pool(_)) && is_small(quadrant);
+        Buffer {
+            ptr,
+            requested,
+            accounted: requested,
+            size,
+            stream,
+            origin: ManuallyDrop::new(origin),
+            scope: ManuallyDrop::new(None),
+            owner: ManuallyDrop::new(owner),
+            rounded,
+            residency,
+            quadrant: quadrant as u8,
+            flags: AtomicU8::new(if common { 0 } else { UNCOMMON }),
+        }
+    }
+
     /// Whether `record_stream` recorded a use on another stream.
     pub(super) fn used_elsewhere(&self) -> bool {
         #[cfg(tidepool_broken = "events")]
         return false; // BROKEN: forgets the recorded uses, so the block skips its events.
         #[cfg(not(tidepool_broken = "events"))]
-        return self.used_elsewhere.load(Ordering::Acquire);
+        return self.flags.load(Ordering::Acquire) & USED_ELSEWHERE != 0;
     }
 
     pub(super) fn mark_used_elsewhere(&self) {
-        self.used_elsewhere.store(true, Ordering::Release);
+        self.flags.fetch_or(USED_ELSEWHERE, Ordering::Release);
+    }
+
+    /// Where its memory lives.
+    pub(super) fn origin(&self) -> &Origin {
+        &self.origin
+    }
+
+    /// Makes it a slice of a region (`Origin::Region`).
+    pub(super) fn set_origin(&mut self, origin: Origin) {
+        *self.origin = origin;
+        self.flags.fetch_or(UNCOMMON, Ordering::Relaxed); // (cold: `&mut self`, any ordering)
+    }
+
+    /// Takes its pool block, if it has one, for the caller to free: its drop then frees nothing.
+    pub(super) fn take_block(&mut self) -> Option<BlockId> {
+        let Origin::Pool(block) = *self.origin else { return None };
+        *self.origin = Origin::None;
+        self.flags.fetch_or(UNCOMMON, Ordering::Relaxed); // (cold: `&mut self`, any ordering)
+        Some(block)
+    }
+
+    /// Its scope tag, if an unbound scope buffer.
+    pub(super) fn scope_tag(&self) -> Option<&ScopeTag> {
+        self.scope.as_deref()
+    }
+
+    /// Tags it as a scope's unbound buffer.
+    pub(super) fn set_scope(&mut self, tag: Box<ScopeTag>) {
+        *self.scope = Some(tag);
+        // BROKEN (`UnflaggedScopeTag`): the drop then takes the common case.
+        if !self.owner.broken(super::Broken::UnflaggedScopeTag) {
+            self.flags.fetch_or(UNCOMMON, Ordering::Relaxed); // (cold: `&mut self`, any ordering)
+        }
     }
 }
 
@@ -100,12 +174,12 @@ impl<D: Device> Buffer<D> {
 
     /// Whether it was served from a learned plan's region.
     pub fn is_planned(&self) -> bool {
-        matches!(self.origin, Origin::Region(..))
+        matches!(*self.origin, Origin::Region(..))
     }
 
     /// The pool block behind it, if any.
     pub(super) fn block(&self) -> Option<BlockId> {
-        match self.origin {
+        match *self.origin {
             Origin::Pool(b) => Some(b),
             _ => None,
         }
@@ -151,27 +225,88 @@ impl<D: Device> Drop for Buffer<D> {
     /// Frees the memory, stream-ordered. A planned slice (of a scope's region) is taken back
     /// and its stream ordered after the other streams it was used on *before* its scope (or a
     /// later run of it) can see the free and hand the slice out again.
+    ///
+    /// Inlined: the common case (a small pool block with no scope, capture, sanitizer or use on
+    /// another stream, into its owner's lane, which keeps the hold on the allocator) is the push
+    /// alone; everything else is `Buffer::drop_cold`, out of line, so the common case saves no
+    /// registers for it.
     #[inline]
     fn drop(&mut self) {
-        if let Origin::Pool(block) = self.origin
-            && self.scope.is_none()
+        let mut state = Freeing::NotTried;
+        // (A relaxed load: `&mut self` orders it after every `record_stream`.)
+        if self.flags.load(Ordering::Relaxed) == 0
+            && let Origin::Pool(block) = *self.origin
             && !self.owner.cells().family.captures.any()
+            && let Some(lane) = self.owner.quiet_lane()
         {
-            // The common case: a pool block, no scope, no capture that may hold it back. Into
-            // the lane that handed it out (its owner's) if it has room, and then the hold on the
-            // allocator stays there for the next hit.
-            if self.free_fast(block) {
-                return; // `owner` now belongs to the lane (ManuallyDrop: nothing to forget)
+            if lane.push_small(self.class(), self.cached(block)) {
+                return; // `owner` now belongs to the lane (nothing to forget)
             }
-        } else {
-            self.drop_slow();
+            state = Freeing::Refused;
         }
-        // SAFETY: `owner` is dropped once, here, and the buffer is not used after.
-        unsafe { ManuallyDrop::drop(&mut self.owner) };
+        self.drop_cold(state);
     }
 }
 
+/// How far the inlined part of [`Buffer`]'s drop got.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Freeing {
+    /// Not the common case: everything is left to [`Buffer::drop_cold`].
+    NotTried,
+    /// Its owner's lane refused the block (full, closed, caching off): to the pool.
+    Refused,
+}
+
 impl<D: Device> Buffer<D> {
+    /// Its class in a stream cache.
+    #[inline(always)]
+    fn class(&self) -> ClassKey {
+        ClassKey { residency: self.residency, rounded: self.rounded }
+    }
+
+    /// Its pool block as a stream cache keeps it.
+    #[inline(always)]
+    fn cached(&self, block: BlockId) -> CachedBlock {
+        CachedBlock {
+            block,
+            ptr: self.ptr,
+            size: self.size,
+            requested: self.accounted,
+            quadrant: self.quadrant as usize,
+        }
+    }
+
+    /// The rest of [`Buffer`]'s drop, out of line: the free (unless the inlined part did it),
+    /// then its hold on the allocator, its origin and its scope tag are let go.
+    #[cold]
+    #[inline(never)]
+    fn drop_cold(&mut self, state: Freeing) {
+        let kept = match (state, &*self.origin) {
+            (Freeing::Refused, &Origin::Pool(block)) => {
+                self.owner.free_into_pool(self.freed(block));
+                false
+            }
+            (_, &Origin::Pool(block))
+                if self.scope.is_none() && !self.owner.cells().family.captures.any() =>
+            {
+                self.free_fast(block)
+            }
+            _ => {
+                self.drop_slow();
+                false
+            }
+        };
+        // SAFETY: each is let go once, here, and the buffer is not used after. (`owner` only
+        // where the lane did not keep it: the lane owns that reference now.)
+        unsafe {
+            if !kept {
+                ManuallyDrop::drop(&mut self.owner);
+            }
+            ManuallyDrop::drop(&mut self.origin);
+            ManuallyDrop::drop(&mut self.scope);
+        }
+    }
+
     /// Frees its pool block (`Shared::free_stash`, read straight from the buffer: a free into
     /// a lane copies no `Freed`). `true`: the block went to a lane, which kept the buffer's
     /// hold on the allocator (see `owner.rs`).
@@ -180,7 +315,6 @@ impl<D: Device> Buffer<D> {
     /// lane closed: its `room` is 0 and the push refuses.) A large one goes to its stream's
     /// first lane, which holds one at most; the hold stays there only if that lane is its
     /// owner's (large buffers are handed out with it).
-    #[inline]
     fn free_fast(&self, block: BlockId) -> bool {
         let owner: &Owner<D> = &self.owner;
         if owner.cells().observes {
@@ -190,14 +324,7 @@ impl<D: Device> Buffer<D> {
         if !self.used_elsewhere()
             && let Some(lane) = owner.lane()
         {
-            let class = ClassKey { residency: self.residency, rounded: self.rounded };
-            let b = CachedBlock {
-                block,
-                ptr: self.ptr,
-                size: self.size,
-                requested: self.accounted,
-                quadrant: q,
-            };
+            let (class, b) = (self.class(), self.cached(block));
             if is_small(q) {
                 if let Ok(stashed) = lane.push_stash(class, b, true) {
                     return stashed;
@@ -235,7 +362,7 @@ impl<D: Device> Buffer<D> {
     /// frees a capture may hold back (all but letting go of `owner`).
     #[cold]
     fn drop_slow(&mut self) {
-        let planned = matches!(self.origin, Origin::Region(..));
+        let planned = matches!(*self.origin, Origin::Region(..));
         let uses = self.scope.as_ref().map(|t| t.take_uses()).unwrap_or_default();
         // BROKEN (finding 4): the free is visible to the scope before the ordering is in place.
         let late = cfg!(tidepool_broken = "unbound_free")
@@ -244,7 +371,7 @@ impl<D: Device> Buffer<D> {
         if planned && !late {
             self.owner.device.note_reclaim(self.ptr, self.size, self.stream);
             ordered = self.owner.order_after(self.stream, &uses);
-            if let (false, Origin::Region(region, _)) = (ordered, &self.origin) {
+            if let (false, Origin::Region(region, _)) = (ordered, &*self.origin) {
                 region.poison();
             }
         }
@@ -260,7 +387,7 @@ impl<D: Device> Buffer<D> {
             self.owner.device.note_reclaim(self.ptr, self.size, self.stream);
             ordered = self.owner.order_after(self.stream, &uses);
         }
-        match std::mem::replace(&mut self.origin, Origin::None) {
+        match std::mem::replace(&mut *self.origin, Origin::None) {
             Origin::Pool(block) => {
                 let freed = self.freed(block);
                 // A capture of its stream may hold it back (`capture.rs`).

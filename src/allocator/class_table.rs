@@ -6,6 +6,7 @@
 //!   slot = top 8 bits of key·φ  ──▶ [key | blocks: Vec<CachedBlock>] ─ linear probing ─▶ next …
 //!   256 slots (2 × MAX_CLASSES), allocated at the first insert; a class once added keeps its
 //!   slot (its list may be empty) until `clear`
+//!   last: the slot last found, compared first (a run of one class costs one compare, no hash)
 //! ```
 //!
 //! It replaces a `HashMap` whose lookup cost a hit about sixty instructions.
@@ -30,6 +31,9 @@ pub struct ClassTable {
     /// bounds check).
     slots: Option<Box<[Slot; SLOTS]>>,
     classes: usize,
+    /// The slot last found: looked at first (a lane serves one class many times in a row, and
+    /// then the probe is one compare with no hash).
+    last: usize,
 }
 
 /// The table's key of `class`.
@@ -51,7 +55,20 @@ impl ClassTable {
         self.classes
     }
 
-    /// The slot holding `key`, or the empty slot where it would go (`None`: no slots yet).
+    /// The slot holding `key` (the last one found first: `last` is set when the probe finds
+    /// another), or the empty slot where it would go.
+    #[inline(always)]
+    fn find_from(slots: &[Slot; SLOTS], last: &mut usize, key: u64) -> usize {
+        let l = *last & (SLOTS - 1);
+        if slots[l].key == key {
+            return l;
+        }
+        let i = Self::find(slots, key);
+        *last = i;
+        i
+    }
+
+    /// The slot holding `key`, or the empty slot where it would go.
     #[inline]
     fn find(slots: &[Slot; SLOTS], key: u64) -> usize {
         let mut i = (key.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 56) as usize;
@@ -65,20 +82,22 @@ impl ClassTable {
     }
 
     /// The blocks of `class`, if it was added.
-    #[inline]
+    #[inline(always)]
     pub fn get_mut(&mut self, class: ClassKey) -> Option<&mut Vec<CachedBlock>> {
         let key = key_of(class);
         let slots = self.slots.as_deref_mut()?;
-        let slot = &mut slots[Self::find(slots, key)];
+        let i = Self::find_from(slots, &mut self.last, key);
+        let slot = &mut slots[i];
         (slot.key == key).then_some(&mut slot.list)
     }
 
     /// The blocks of `class`, added if there is room for another class (`None` if not).
-    #[inline]
+    #[inline(always)]
     pub fn get_or_add(&mut self, class: ClassKey) -> Option<&mut Vec<CachedBlock>> {
         let key = key_of(class);
+        let last = &mut self.last;
         let found = self.slots.as_deref().and_then(|slots| {
-            let i = Self::find(slots, key);
+            let i = Self::find_from(slots, last, key);
             (slots[i].key == key).then_some(i)
         });
         match found {
@@ -106,6 +125,11 @@ impl ClassTable {
             slots[i].key = key;
         }
         Some(&mut slots[i].list)
+    }
+
+    /// Blocks held, over all classes (a scan: for the global-lock side and tests).
+    pub fn blocks(&self) -> usize {
+        self.slots.iter().flat_map(|s| s.iter()).map(|s| s.list.len()).sum()
     }
 
     /// Every class's blocks.

@@ -18,7 +18,7 @@ impl<D: Device> Shared<D> {
             return Ok(());
         }
         buffer.mark_used_elsewhere();
-        if let Some(tag) = &buffer.scope {
+        if let Some(tag) = buffer.scope_tag() {
             tag.used_on(stream);
         }
         let Some(block) = buffer.block() else { return Ok(()) };

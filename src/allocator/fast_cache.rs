@@ -11,7 +11,7 @@
 //!   StreamCache ── inner: Mutex (this lane only) ─── classes: (residency, rounded) → [blocks]
 //!               │                                  ├─ ceiling[quadrant] (credit = ceiling − Δcur)
 //!               │                                  └─ limits, closed, mirror of `fast`
-//!               ├─ fast: SeqBlock  ── stats deltas per quadrant, cached bytes/blocks   (inner lock)
+//!               ├─ fast: SeqBlock  ── stats deltas per quadrant, cached bytes   (inner lock)
 //!               └─ slow: SeqBlock  ── the pool's free bytes of the stream (lane 0; global lock)
 //! ```
 //!
@@ -38,8 +38,8 @@
 use super::class_table::ClassTable;
 use super::lane_lock::{LaneGuard, LaneLock};
 use super::seqlock::SeqBlock;
+use super::stats_layout::CACHED_BYTES;
 use super::stats_layout::{BYTES, COUNT, FAST_WORDS, QUADRANTS, REQ, fast_cur, fast_tot, is_small};
-use super::stats_layout::{CACHED_BLOCKS, CACHED_BYTES};
 use crate::device::{DeviceAddr, StreamId};
 use crate::pool::{BlockId, Pool, Sizing};
 use crate::stats::Residency;
@@ -54,9 +54,6 @@ pub const MAX_CLASSES: usize = 128;
 /// Streams with an id below this have a fast path; others always take the slow path. (The
 /// same under loom: the models run the real configuration.)
 pub const FAST_STREAMS: usize = 64;
-
-/// Most owner references one lane keeps for later hits (far above any live buffer count).
-const MAX_STASH: u64 = 1 << 40;
 
 /// What a stream may cache.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -132,9 +129,9 @@ pub struct CacheInner {
     /// Strong references to the stream's owner handle that buffers freed into this lane left
     /// here, for later hits to take over (see `owner.rs`): the hit path touches no reference count.
     owner_refs: u64,
-    /// Most references the stash may hold: [`MAX_STASH`], 0 once the allocator's last handle is
-    /// gone (no reference is left here any more).
-    stash_max: u64,
+    /// The stash is closed: the allocator's last handle is gone, no reference may be left here
+    /// any more, and the lane takes no block (`room` 0: a later free keeps its reference).
+    stash_closed: bool,
     /// The largest rounded request a hit serves: the small pool's bound, 0 while caching is off
     /// (one compare covers both).
     small_max: u64,
@@ -183,8 +180,6 @@ pub struct CacheCells {
     inner: LaneLock<CacheInner>,
     fast: SeqBlock<FAST_WORDS>,
     slow: SeqBlock<1>,
-    /// `inner.words[CACHED_BLOCKS]`, stored under `inner`'s lock and read without it as a hint.
-    cached: AtomicU64,
     /// `inner.large`, stored under `inner`'s lock and read without it as a hint.
     large: AtomicU64,
     /// Largest request [`StreamCache::pop_request`] may serve (0: none), stored under `inner`'s
@@ -216,14 +211,13 @@ impl StreamCache {
                 closed: false,
                 room: if limits.enabled { limits.bytes } else { 0 },
                 owner_refs: 0,
-                stash_max: MAX_STASH,
+                stash_closed: false,
                 small_max: Self::small_max_of(limits, &Sizing::default()),
                 round_mask: Self::round_mask_of(&Sizing::default()),
                 verdict: None,
             }),
             fast: SeqBlock::new(),
             slow: SeqBlock::new(),
-            cached: AtomicU64::new(0),
             large: AtomicU64::new(0),
             fast_max: AtomicU64::new(Self::fast_max_of(limits, &Sizing::default())),
         }))
@@ -293,15 +287,41 @@ impl StreamCache {
         w[fast_cur(COUNT, q)] = w[fast_cur(COUNT, q)].wrapping_sub(1);
         w[fast_cur(REQ, q)] = w[fast_cur(REQ, q)].wrapping_sub(b.requested);
         w[CACHED_BYTES] += b.size;
-        w[CACHED_BLOCKS] += 1;
-        self.stats_changed(w);
-        #[cfg(not(tidepool_broken = "owner_stash"))]
-        let stash = stash && inner.owner_refs < inner.stash_max;
-        // BROKEN: keeps the reference even after the stash was closed (the allocator leaks).
-        #[cfg(tidepool_broken = "owner_stash")]
-        let stash = stash && inner.owner_refs < MAX_STASH;
+        self.fast.open();
+        // (A closed stash takes no block at all: `room` is 0.)
         inner.owner_refs += u64::from(stash);
         Ok(stash)
+    }
+
+    /// [`StreamCache::push_stash`] of a small-pool block from a buffer's drop (stash asked), the
+    /// common free: `true`, the buffer's hold on the allocator stays here; `false` when the lane
+    /// refuses the block (the caller frees it into the pool).
+    #[inline(always)]
+    pub fn push_small(&self, class: ClassKey, b: CachedBlock) -> bool {
+        debug_assert!(is_small(b.quadrant));
+        let mut g = self.lock_inner();
+        let inner = &mut *g;
+        // Disabled, closed or full: one compare (`room` is 0 in the first two cases).
+        if inner.words[CACHED_BYTES] + b.size > inner.room {
+            return false;
+        }
+        let entries = inner.limits.entries;
+        let Some(list) = inner.classes.get_or_add(class) else { return false };
+        if list.len() >= entries {
+            return false;
+        }
+        list.push(b);
+        // Lowering `Δcur` grants the block as credit (the ceiling stays).
+        let q = b.quadrant & (QUADRANTS - 1);
+        let w = &mut inner.words;
+        w[fast_cur(BYTES, q)] = w[fast_cur(BYTES, q)].wrapping_sub(b.size);
+        w[fast_cur(COUNT, q)] = w[fast_cur(COUNT, q)].wrapping_sub(1);
+        w[fast_cur(REQ, q)] = w[fast_cur(REQ, q)].wrapping_sub(b.requested);
+        w[CACHED_BYTES] += b.size;
+        self.fast.open();
+        // The buffer's hold stays here (a closed stash takes no block at all: `room` is 0).
+        inner.owner_refs += 1;
+        true
     }
 
     /// Takes a block of `class` for a request of `requested` bytes. See [`Pop`]. (The allocator
@@ -383,10 +403,17 @@ impl StreamCache {
     }
 
     /// Closes the stash of owner references and returns how many it held, for the caller to
-    /// release (the allocator's last handle is going: later frees keep their references).
+    /// release (the allocator's last handle is going: later frees keep their references, and
+    /// go to the pool: the lane takes no more blocks, so a push never has to ask whether it may
+    /// keep a reference).
     pub fn close_stash(&self) -> u64 {
         let mut g = self.lock_inner();
-        g.stash_max = 0;
+        g.stash_closed = true;
+        // BROKEN: the lane stays open, so a later free leaves its reference here (a leak).
+        #[cfg(not(tidepool_broken = "owner_stash"))]
+        {
+            g.room = 0;
+        }
         std::mem::take(&mut g.owner_refs)
     }
 
@@ -480,8 +507,7 @@ impl StreamCache {
             w[fast_tot(qty, q)] = w[fast_tot(qty, q)].wrapping_add(v);
         }
         w[CACHED_BYTES] -= b.size;
-        w[CACHED_BLOCKS] -= 1;
-        self.stats_changed(w);
+        self.fast.open();
         let stashed = take_ref && inner.owner_refs > 0;
         inner.owner_refs -= u64::from(stashed);
         (Pop::Hit(b), stashed)
@@ -498,7 +524,6 @@ impl StreamCache {
         }
         let w = &mut inner.words;
         w[CACHED_BYTES] -= b.size;
-        w[CACHED_BLOCKS] -= 1;
         self.publish(inner);
         Some(b)
     }
@@ -507,11 +532,12 @@ impl StreamCache {
     /// block into the pool. The statistics do not change: cached blocks already count as freed.
     pub fn drain(&self) -> Vec<CachedBlock> {
         let mut g = self.lock_inner();
-        if g.words[CACHED_BLOCKS] == 0 {
+        // (No block is empty: no bytes, no blocks.)
+        if g.words[CACHED_BYTES] == 0 {
             return Vec::new();
         }
         let inner = &mut *g;
-        let mut out = Vec::with_capacity(inner.words[CACHED_BLOCKS] as usize);
+        let mut out = Vec::with_capacity(inner.classes.blocks());
         for list in inner.classes.lists_mut() {
             out.append(list);
         }
@@ -519,7 +545,6 @@ impl StreamCache {
         inner.verdict = None;
         self.set_large(inner, 0);
         inner.words[CACHED_BYTES] = 0;
-        inner.words[CACHED_BLOCKS] = 0;
         self.publish(inner);
         out
     }
@@ -549,7 +574,6 @@ impl StreamCache {
             }
             for b in &taken {
                 inner.words[CACHED_BYTES] -= b.size;
-                inner.words[CACHED_BLOCKS] -= 1;
             }
             self.publish(inner);
             return taken.first().copied();
@@ -564,7 +588,6 @@ impl StreamCache {
         debug_assert!(!is_small(b.quadrant));
         self.set_large(inner, 0);
         inner.words[CACHED_BYTES] -= b.size;
-        inner.words[CACHED_BLOCKS] -= 1;
         self.publish(inner);
         Some(b)
     }
@@ -598,7 +621,6 @@ impl StreamCache {
                 if gone {
                     inner.large -= u64::from(!is_small(b.quadrant));
                     inner.words[CACHED_BYTES] -= b.size;
-                    inner.words[CACHED_BLOCKS] -= 1;
                 }
                 !gone
             });
@@ -615,7 +637,6 @@ impl StreamCache {
         inner.classes.clear();
         self.set_large(inner, 0);
         inner.words[CACHED_BYTES] = 0;
-        inner.words[CACHED_BLOCKS] = 0;
         self.publish(inner);
     }
 
@@ -624,7 +645,7 @@ impl StreamCache {
     pub fn configure(&self, limits: Limits, sizing: Sizing) {
         let mut g = self.lock_inner();
         g.limits = limits;
-        g.room = if limits.enabled && !g.closed { limits.bytes } else { 0 };
+        g.room = if limits.enabled && !g.closed && !g.stash_closed { limits.bytes } else { 0 };
         g.sizing = sizing;
         g.small_max = Self::small_max_of(limits, &sizing);
         g.round_mask = Self::round_mask_of(&sizing);
@@ -664,10 +685,9 @@ impl StreamCache {
         self.lock_inner().closed
     }
 
-    /// Blocks cached now (a relaxed read of a count stored under the lock: exact once threads are
-    /// quiet).
+    /// Blocks cached now (read under the lane's lock: the hit path keeps no copy outside it).
     pub fn cached_blocks(&self) -> u64 {
-        self.cached.load(Ordering::Relaxed)
+        self.lock_inner().classes.blocks() as u64
     }
 
     /// Publishes the pool's free bytes of this stream. The caller holds the global lock.
@@ -677,20 +697,9 @@ impl StreamCache {
         }
     }
 
-    /// After a change of `words` under this lane's lock: the cached-blocks hint is stored and
-    /// the published block is marked stale (a write left open, [`SeqBlock::open`]: a relaxed
-    /// load when it is open already). Readers publish it when they read
-    /// ([`StreamCache::close_stats`]), so a hit pays no stores for statistics.
-    #[inline]
-    fn stats_changed(&self, words: &[u64; FAST_WORDS]) {
-        self.cached.store(words[CACHED_BLOCKS], Ordering::Relaxed);
-        self.fast.open();
-    }
-
     /// Publishes into `fast` the words that differ from what it last published (closing a write
     /// left open). The caller holds this lane's lock.
     fn publish(&self, inner: &mut CacheInner) {
-        self.cached.store(inner.words[CACHED_BLOCKS], Ordering::Relaxed);
         let (words, published) = (&inner.words, &mut inner.published);
         self.fast.write(|w| {
             for (i, (&v, p)) in words.iter().zip(published.iter_mut()).enumerate() {

@@ -69,8 +69,8 @@ pub(crate) mod internals {
     pub use super::batch::{BatchBlock, return_batch};
     pub use super::broken::Broken;
     pub use super::counters::{
-        BASE_WORDS, BYTES, BaseStats, CACHED_BLOCKS, CACHED_BYTES, COUNT, CacheList, FAST_WORDS,
-        REQ, Snapshot, assemble, collect, fast_cur, fast_tot, quadrant,
+        BASE_WORDS, BYTES, BaseStats, CACHED_BYTES, COUNT, CacheList, FAST_WORDS, REQ, Snapshot,
+        assemble, collect, fast_cur, fast_tot, quadrant,
     };
     pub use super::fast_cache::{
         CacheTable, CachedBlock, ClassKey, FAST_STREAMS, Limits, Pop, StreamCache, flush_into,
@@ -268,7 +268,23 @@ impl<D: Device> Allocator<D> {
         stream: StreamId,
         residency: Residency,
     ) -> Result<Buffer<D>, AllocError> {
-        if let Some(buffer) = self.hit(bytes, stream, residency) {
+        match self.hit(bytes, stream, residency) {
+            Some(buffer) => Ok(buffer),
+            None => self.alloc_missed(bytes, stream, residency),
+        }
+    }
+
+    /// [`Allocator::alloc_in`] past the small hit: the large hit, then the whole path. Out of
+    /// line, so that the small hit builds its buffer straight into the caller's result (one
+    /// place makes it there, one call the rest).
+    #[inline(never)]
+    fn alloc_missed(
+        &self,
+        bytes: u64,
+        stream: StreamId,
+        residency: Residency,
+    ) -> Result<Buffer<D>, AllocError> {
+        if let Some(buffer) = self.hit_large(bytes, stream, residency) {
             return Ok(buffer);
         }
         self.alloc_with_retries(bytes, stream, residency, 0)
@@ -292,23 +308,29 @@ impl<D: Device> Allocator<D> {
         let slot = self.owners.lane_owner(stream)?;
         #[allow(clippy::needless_borrow)]
         let owner: &Arc<owner::Owner<D>> = &slot; // a reference under std, a clone under loom
-        let cache = owner.lane()?;
+        // (With the sanitizer on, the whole path serves it, and tells the sanitizer.)
+        let cache = owner.quiet_lane()?;
         if !cache.may_serve(bytes) {
-            return self.hit_large(bytes, stream, residency);
+            return None; // a large request: `alloc_missed` asks the stream's first lane
         }
         let residency = sh.cached_residency(residency);
         match cache.pop_request(residency, bytes) {
             (Pop::Hit(b), rounded, stashed) => {
-                Some(self.hand_out_hit(owner, &b, bytes, stream, rounded, residency, stashed))
+                let owner = OwnerTable::hit_owner(owner, stashed);
+                Some(Self::buffer_of_hit(owner, &b, bytes, stream, rounded, residency))
             }
             _ => None,
         }
     }
 
     /// [`Allocator::hit`] for a request the small-pool lanes do not serve.
-    #[inline(never)]
+    #[inline(always)]
     fn hit_large(&self, bytes: u64, stream: StreamId, residency: Residency) -> Option<Buffer<D>> {
         let sh = &*self.shared;
+        // A routed stream allocates from its private pool (`alloc_in_once`).
+        if sh.routes.any() {
+            return None;
+        }
         // A stream's large block waits in its first lane, whose owner large buffers hold.
         let slot = self.owners.owner_slot(stream, 0)?;
         #[allow(clippy::needless_borrow)]
@@ -341,20 +363,22 @@ impl<D: Device> Allocator<D> {
             self.shared.device.note_handout(b.ptr, b.size, stream);
         }
         let owner = OwnerTable::hit_owner(slot, stashed);
-        Buffer {
-            ptr: b.ptr,
-            requested: bytes,
-            accounted: bytes,
-            size: b.size,
-            stream,
-            origin: Origin::Pool(b.block),
-            scope: None,
-            owner: std::mem::ManuallyDrop::new(owner),
-            rounded,
-            residency,
-            quadrant: b.quadrant as u8,
-            used_elsewhere: AtomicBool::new(false),
-        }
+        Self::buffer_of_hit(owner, b, bytes, stream, rounded, residency)
+    }
+
+    /// The buffer for block `b` popped by a hit that served `bytes` (rounded to `rounded`),
+    /// holding `owner`.
+    #[inline(always)]
+    fn buffer_of_hit(
+        owner: Arc<owner::Owner<D>>,
+        b: &CachedBlock,
+        bytes: u64,
+        stream: StreamId,
+        rounded: u64,
+        residency: Residency,
+    ) -> Buffer<D> {
+        let origin = Origin::Pool(b.block);
+        Buffer::new(b.ptr, bytes, b.size, stream, origin, owner, rounded, residency, b.quadrant)
     }
 
     /// [`Allocator::alloc_in`], the block starting at a multiple of `align` (0: no more than
@@ -515,14 +539,13 @@ impl<D: Device> Allocator<D> {
             if buf.used_elsewhere() {
                 continue; // dropped at the end of this iteration: the ordinary free
             }
-            if buf.scope.is_some() {
+            if buf.scope_tag().is_some() {
                 continue; // its scope records the free: the ordinary path
             }
             if sh.family.captures.capturing(buf.stream) {
                 continue; // the capture may hold it back: the ordinary path
             }
-            let Origin::Pool(block) = buf.origin else { continue };
-            buf.origin = Origin::None;
+            let Some(block) = buf.take_block() else { continue };
             sh.device.note_reclaim(buf.ptr, buf.size, buf.stream);
             batch.entry(buf.stream).or_default().push(BatchBlock {
                 block,

@@ -36,9 +36,10 @@
 //! made later) keeps its reference and lets go of it as before.
 //!
 //! ```text
-//!  free (lane lock): push block; stash open? refs += 1, forget the buffer's Arc : drop it
+//!  free (lane lock): push block (an open lane has an open stash); refs += 1, forget the Arc
 //!  hit  (lane lock): pop block;  refs > 0?   refs −= 1, Arc::from_raw(slot)     : slot.clone()
-//!  last handle (global lock, then each lane lock): close stash; release its refs
+//!  last handle (global lock, then each lane lock): close stash and lane (room 0, so later
+//!  frees go to the pool with their own refs); release its refs
 //! ```
 
 use super::Shared;
@@ -58,6 +59,9 @@ pub(crate) struct OwnerCells<D: Device> {
     shared: Arc<Shared<D>>,
     /// The lane its buffers' frees go to (`None`: the `other` owner, no lane).
     lane: Option<Arc<StreamCache>>,
+    /// `lane` where the device's sanitizer hooks do nothing, else `None`: the inlined hit and
+    /// free test one word for both (the rest of the path tells the sanitizer).
+    quiet_lane: Option<Arc<StreamCache>>,
     /// The allocator family's shared parts (captures that may hold a free back).
     pub(crate) family: Arc<Family<D>>,
     /// Whether the device's sanitizer hooks do anything (`Device::observes_handouts`, fixed).
@@ -74,11 +78,13 @@ impl<D: Device> Deref for Owner<D> {
 
 impl<D: Device> Owner<D> {
     fn new(shared: &Arc<Shared<D>>, lane: Option<Arc<StreamCache>>) -> Arc<Owner<D>> {
+        let observes = shared.device.observes_handouts();
         Arc::new(Owner(CachePadded::new(OwnerCells {
             shared: shared.clone(),
+            quiet_lane: if observes { None } else { lane.clone() },
             lane,
             family: shared.family.clone(),
-            observes: shared.device.observes_handouts(),
+            observes,
         })))
     }
 
@@ -88,6 +94,12 @@ impl<D: Device> Owner<D> {
         self.0.lane.as_deref()
     }
 
+    /// [`Owner::lane`] where the sanitizer hooks do nothing (`None` where they do).
+    #[inline(always)]
+    pub(crate) fn quiet_lane(&self) -> Option<&StreamCache> {
+        self.0.quiet_lane.as_deref()
+    }
+
     /// The read-mostly fields.
     #[inline(always)]
     pub(crate) fn cells(&self) -> &OwnerCells<D> {
@@ -95,11 +107,17 @@ impl<D: Device> Owner<D> {
     }
 }
 
+/// Owner slots: one per lane of every stream with a fast path.
+const SLOTS: usize = FAST_STREAMS * LANES;
+// A lane index is masked with `LANES - 1`.
+const _: () = assert!(LANES.is_power_of_two());
+
 /// One owner per lane of every stream with a fast path, and one for every other stream.
 pub(crate) struct OwnerTable<D: Device> {
     shared: Arc<Shared<D>>,
-    /// `FAST_STREAMS × LANES` slots, lane `l` of stream `s` at `s · LANES + l` (as the caches').
-    slots: Box<[OnceSlot<Arc<Owner<D>>>]>,
+    /// `FAST_STREAMS × LANES` slots, lane `l` of stream `s` at `s · LANES + l` (as the caches'):
+    /// a fixed size, so a lookup checks the stream alone (no bounds check).
+    slots: Box<[OnceSlot<Arc<Owner<D>>>; SLOTS]>,
     other: Arc<Owner<D>>,
 }
 
@@ -137,7 +155,11 @@ impl<D: Device> OwnerTable<D> {
     pub fn new(shared: &Arc<Shared<D>>) -> OwnerTable<D> {
         OwnerTable {
             shared: shared.clone(),
-            slots: (0..FAST_STREAMS * LANES).map(|_| OnceSlot::new()).collect(),
+            slots: (0..SLOTS)
+                .map(|_| OnceSlot::new())
+                .collect::<Vec<_>>()
+                .try_into()
+                .unwrap_or_else(|_| unreachable!("SLOTS slots")),
             other: Owner::new(shared, None),
         }
     }
@@ -152,7 +174,15 @@ impl<D: Device> OwnerTable<D> {
     /// The owner of lane `lane` of `stream`, if made.
     #[inline(always)]
     pub fn owner_slot(&self, stream: StreamId, lane: usize) -> Option<SlotRef<'_, Arc<Owner<D>>>> {
-        self.slots.get((stream.0 as usize).checked_mul(LANES)? + lane)?.get()
+        self.slot(stream, lane)?.get()
+    }
+
+    /// The slot of lane `lane` of `stream` (`None` past [`FAST_STREAMS`]).
+    #[inline(always)]
+    fn slot(&self, stream: StreamId, lane: usize) -> Option<&OnceSlot<Arc<Owner<D>>>> {
+        let s = stream.0 as usize;
+        // (`lane` < LANES, a power of two: the mask only tells the compiler.)
+        (s < FAST_STREAMS).then(|| &self.slots[s * LANES + (lane & (LANES - 1))])
     }
 
     /// The hold on the allocator for a buffer a hit through `slot` handed out: the reference
@@ -177,11 +207,7 @@ impl<D: Device> OwnerTable<D> {
     /// [`OwnerTable::owner`] of lane `lane` of `stream` (a stream's first lane holds its large
     /// block, so a large buffer belongs to it).
     pub fn owner_of_lane(&self, stream: StreamId, lane: usize) -> Arc<Owner<D>> {
-        let Some(slot) =
-            (stream.0 as usize).checked_mul(LANES).and_then(|i| self.slots.get(i + lane))
-        else {
-            return self.other.clone();
-        };
+        let Some(slot) = self.slot(stream, lane) else { return self.other.clone() };
         // `get` yields a reference under std and a clone under loom; `clone` serves both.
         if let Some(o) = slot.get() {
             return o.clone();

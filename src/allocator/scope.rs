@@ -114,7 +114,7 @@ impl ScopeTag {
             self.shared.pending.store(true, Ordering::Release);
             return;
         }
-        match &buf.origin {
+        match buf.origin() {
             Origin::Region(region, offset) => region.unpin(*offset),
             &Origin::Pool(block) => {
                 let Some(region) = &run.adopt else { return };
@@ -133,7 +133,7 @@ impl ScopeTag {
                     // Taken back before the region can serve the range again.
                     buf.owner.device.note_reclaim(buf.ptr, buf.size, buf.stream);
                     region.absorb(b, buf.ptr.0);
-                    buf.origin = Origin::None;
+                    buf.take_block();
                 }
                 run.to_absorb = run.to_absorb.saturating_sub(1);
                 if run.to_absorb == 0
@@ -793,7 +793,7 @@ impl<'a, D: Device> Scope<'a, D> {
                 let RegionSlot::Claimed(region) = &self.run.borrow().region else {
                     unreachable!("a planned slice comes from the claimed region")
                 };
-                b.origin = Origin::Region(region.clone(), offset);
+                b.set_origin(Origin::Region(region.clone(), offset));
                 (b, offset)
             }
             None => (self.pool_block(bytes, rounded).inspect_err(|_| self.unstep())?, NO_OFFSET),
@@ -805,7 +805,7 @@ impl<'a, D: Device> Scope<'a, D> {
         let (ptr, block) = (buf.ptr.0, buf.block());
         run.unbound.push(LiveEntry { index, size: buf.size, offset, live: true, ptr, block });
         run.live_unbound += 1;
-        buf.scope = Some(Box::new(ScopeTag {
+        buf.set_scope(Box::new(ScopeTag {
             shared: self.shared().clone(),
             index,
             uses: Mutex::new(Vec::new()),
@@ -1062,7 +1062,7 @@ impl<'a, D: Device> Scope<'a, D> {
         if ours
             && !buf.used_elsewhere()
             && self.config.caching
-            && let Origin::Pool(block) = buf.origin
+            && let Some(block) = buf.block()
         {
             self.device.note_reclaim(buf.ptr, buf.size, self.stream);
             let b = BatchBlock {
@@ -1072,7 +1072,7 @@ impl<'a, D: Device> Scope<'a, D> {
                 requested: buf.accounted,
             };
             run.local.entry(buf.rounded).or_default().push((b, buf.ptr));
-            buf.origin = Origin::None;
+            buf.take_block();
         }
         drop(run);
         drop(buf); // the ordinary stream-ordered free, unless taken into the local cache

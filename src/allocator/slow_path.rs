@@ -6,7 +6,6 @@ use super::history::Action;
 use super::owner::Owner;
 use super::*;
 use crate::config::MIN_ALIGN;
-use std::mem::ManuallyDrop;
 
 impl<D: Device> Allocator<D> {
     /// A buffer for a block popped from a stream cache.
@@ -62,20 +61,8 @@ impl<D: Device> Allocator<D> {
         if block.is_some() {
             self.shared.device.note_handout(ptr, size, stream);
         }
-        Buffer {
-            ptr,
-            requested,
-            accounted: requested,
-            size,
-            stream,
-            origin: block.map_or(Origin::None, Origin::Pool),
-            scope: None,
-            owner: ManuallyDrop::new(owner),
-            rounded,
-            residency,
-            quadrant: quadrant as u8,
-            used_elsewhere: AtomicBool::new(false),
-        }
+        let origin = block.map_or(Origin::None, Origin::Pool);
+        Buffer::new(ptr, requested, size, stream, origin, owner, rounded, residency, quadrant)
     }
 }
 

@@ -4,7 +4,7 @@
 //!
 //! ```text
 //!  base  words: cur[group][quadrant] │ tot[group][quadrant] │ peak[group][cell] │ pool-only │ counters
-//!  cache words: Δcur[qty][quadrant] │ Δtot[qty][quadrant] │ cached bytes │ cached blocks
+//!  cache words: Δcur[qty][quadrant] │ Δtot[qty][quadrant] │ cached bytes
 //! ```
 
 use crate::types::{PoolKind, Residency};
@@ -98,7 +98,6 @@ pub fn fast_tot(qty: usize, q: usize) -> usize {
 }
 /// Word of a stream cache's cached bytes.
 pub const CACHED_BYTES: usize = 6 * QUADRANTS;
-/// Word of a stream cache's cached block count.
-pub const CACHED_BLOCKS: usize = CACHED_BYTES + 1;
-/// Words in a stream cache's block.
-pub const FAST_WORDS: usize = CACHED_BLOCKS + 1;
+/// Words in a stream cache's block. (Its cached blocks are counted by scanning its classes
+/// where needed: the hit path keeps no count of them.)
+pub const FAST_WORDS: usize = CACHED_BYTES + 1;

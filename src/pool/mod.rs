@@ -326,51 +326,54 @@ impl Pool {
         requested: u64,
         sizing: &Sizing,
     ) -> BlockId {
+        // The block's record is read once; the segment's once (its key, slot and use mark).
         let b = &self.blocks[id.0];
         assert_eq!(b.state, BlockState::Free, "allocate of a block that is not free");
         assert!(b.size >= rounded, "allocate of a block smaller than the request");
-        let seg = b.segment;
-        let (key, slot) = (self.segments[seg.0].key, self.segments[seg.0].slot);
-        let (kind, res) = (key.kind, key.residency);
-        self.index_remove(slot, &Entry { size: b.size, addr: b.addr, id: id.0 });
-        if self.blocks[id.0].is_split() {
-            self.count_split(key, self.blocks[id.0].size, false);
-        }
-        let b = &self.blocks[id.0];
-        if sizing.should_split(kind, b.size, rounded) {
-            let rest = Block {
-                segment: seg,
-                addr: b.addr + rounded,
-                size: b.size - rounded,
-                requested: 0,
-                prev: Some(id),
-                next: b.next,
-                state: BlockState::Free,
-                oversize: false,
-            };
-            let (rest_addr, rest_size, old_next) = (rest.addr, rest.size, rest.next);
-            let rest_id = self.blocks.insert(rest);
-            if let Some(n) = old_next {
-                self.blocks[n.0].prev = Some(BlockId(rest_id));
-            }
-            let b = &mut self.blocks[id.0];
-            b.next = Some(BlockId(rest_id));
-            b.size = rounded;
-            self.index_insert(slot, Entry { size: rest_size, addr: rest_addr, id: rest_id });
-            self.count_split(key, rest_size, true);
-        }
-        let b = &mut self.blocks[id.0];
-        b.state = BlockState::Allocated;
-        b.requested = requested;
-        let size = b.size;
-        b.oversize = self.oversize_at > 0 && size >= self.oversize_at;
-        if b.oversize {
-            self.oversize.increase(1);
-        }
+        let (seg, addr, whole, next, split) = (b.segment, b.addr, b.size, b.next, b.is_split());
         self.clock += 1;
         let s = &mut self.segments[seg.0];
         s.busy_blocks += 1;
         s.last_use = self.clock;
+        let (key, slot) = (s.key, s.slot);
+        let (kind, res) = (key.kind, key.residency);
+        self.index_remove(slot, &Entry { size: whole, addr, id: id.0 });
+        if split {
+            self.count_split(key, whole, false);
+        }
+        let size = match sizing.should_split(kind, whole, rounded) {
+            true => {
+                let rest = Block {
+                    segment: seg,
+                    addr: addr + rounded,
+                    size: whole - rounded,
+                    requested: 0,
+                    prev: Some(id),
+                    next,
+                    state: BlockState::Free,
+                    oversize: false,
+                };
+                let rest_id = self.blocks.insert(rest);
+                if let Some(n) = next {
+                    self.blocks[n.0].prev = Some(BlockId(rest_id));
+                }
+                self.blocks[id.0].next = Some(BlockId(rest_id));
+                let e = Entry { size: whole - rounded, addr: addr + rounded, id: rest_id };
+                self.index_insert(slot, e);
+                self.count_split(key, whole - rounded, true);
+                rounded
+            }
+            false => whole,
+        };
+        let oversize = self.oversize_at > 0 && size >= self.oversize_at;
+        let b = &mut self.blocks[id.0];
+        b.size = size;
+        b.state = BlockState::Allocated;
+        b.requested = requested;
+        b.oversize = oversize;
+        if oversize {
+            self.oversize.increase(1);
+        }
         let q = Self::quadrant(kind, res);
         let l = &mut self.live[q];
         l[Live::AllocatedBytes as usize] += size;

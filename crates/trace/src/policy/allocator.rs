@@ -178,7 +178,13 @@ fn timed_loop(
                     }
                     _ => alloc.alloc_in(bytes, streams[stream], residency).map_err(err)?,
                 };
-                live[slot] = Some(buf);
+                // A slot is filled once (slots are per allocation): storing into the empty
+                // slot skips the drop glue an assignment would call for its old value, as the
+                // baselines' plain handles do.
+                match &mut live[slot] {
+                    s @ None => *s = Some(buf),
+                    Some(_) => unreachable!("slot {slot} filled twice"),
+                }
             }
             AllocStep::Free { slot } => release(&mut live[slot]),
             AllocStep::Enter { name, stream } => {
