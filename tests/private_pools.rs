@@ -181,3 +181,59 @@ fn a_pool_reserves_no_initial_pool_of_its_own() {
     assert_eq!(dev.reserved_bytes(), 64 * MIB);
     assert_eq!(reserved(&pool), 0);
 }
+
+/// A scope's allocation on a stream routed to a private pool *after* the scope checked the
+/// route: here in the out-of-memory callback of that very allocation (another thread beginning
+/// a guard or a capture at that moment does the same). The pool serves it, so its free goes
+/// to the pool; the scope must not keep the block for local reuse and hand it back to the
+/// general pool at its end (broken mode `ScopeKeepsRouted`: the general pool's tables take a
+/// block id of the pool's, a double free or a stale block found by the checker).
+fn routed_after_the_scope_checked(broken: bool) -> Result<(), String> {
+    let dev = Arc::new(SimDevice::new(64 * MIB));
+    let s = dev.create_stream().unwrap();
+    let alloc = Allocator::new(dev.clone(), Config::default()).unwrap();
+    alloc.set_broken(tidepool::hooks::Broken::ScopeKeepsRouted, broken);
+    let pool = Arc::new(alloc.new_pool(PoolOptions::default()).unwrap());
+    // The callback's allocator handle lives for the test's process, so its guard can be kept.
+    let inner: &'static Allocator<SimDevice> = Box::leak(Box::new(alloc.clone()));
+    let hoard = Arc::new(std::sync::Mutex::new(vec![alloc.alloc(60 * MIB, s).unwrap()]));
+    let guard = Arc::new(std::sync::Mutex::new(None));
+    let (h, g, p) = (hoard.clone(), guard.clone(), pool.clone());
+    alloc.set_failure_callback(move |_, attempt| {
+        if attempt > 1 {
+            return false;
+        }
+        h.lock().unwrap().clear();
+        inner.empty_cache().unwrap();
+        *g.lock().unwrap() = Some(inner.use_pool(&p, s).unwrap());
+        true
+    });
+    let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        let scope = alloc.scope(s);
+        let b = scope.alloc(8 * MIB).unwrap();
+        assert_eq!(allocated(&pool), 8 * MIB, "the pool served the scope's allocation");
+        assert_eq!(alloc.stats().blocks.allocated_bytes.all.current, 0);
+        guard.lock().unwrap().take(); // the route ends
+        drop(b);
+        drop(scope);
+        alloc.check_invariants()?;
+        pool.check_invariants()?;
+        // Everything went back where it came from: the general pool has nothing allocated,
+        // the pool's block is free, and the next allocation takes it from the general pool.
+        assert_eq!(allocated(&pool), 0);
+        assert_eq!(alloc.stats().blocks.allocated_bytes.all.current, 0);
+        let again = alloc.alloc(8 * MIB, s).unwrap();
+        alloc.check_invariants()?;
+        drop(again);
+        Ok::<(), String>(())
+    }));
+    alloc.clear_failure_callback();
+    run.unwrap_or_else(|_| Err("panicked".into()))
+}
+
+#[test]
+fn a_scope_never_keeps_a_block_a_private_pool_served() {
+    routed_after_the_scope_checked(false).unwrap();
+    // Broken: the scope keeps the pool's block and its exit frees it in the general pool.
+    assert!(routed_after_the_scope_checked(true).is_err());
+}

@@ -81,6 +81,13 @@ pub enum Broken {
     /// Recording the memory history leaves the stream-cache lanes open (their room and size
     /// bound as configured): hits and frees then bypass the slow path and go unrecorded.
     HistoryLanesOpen = 1 << 22,
+    /// A growth whose headroom (expandable segments) does not fit the device fails the request
+    /// instead of growing by exactly what the request needs.
+    HeadroomOom = 1 << 30,
+    /// A scope keeps the block of a freed pool buffer for local reuse even when a private pool
+    /// served it (the stream was routed after the scope's check): the block is handed out again
+    /// and returned as the general pool's, whose tables it corrupts.
+    ScopeKeepsRouted = 1 << 29,
     /// Tagging a buffer as a scope's unbound buffer leaves its flags byte as it was: its drop
     /// takes the common case (straight into its lane) and its scope never sees the free.
     UnflaggedScopeTag = 1 << 40,

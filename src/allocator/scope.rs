@@ -1051,7 +1051,16 @@ impl<'a, D: Device> Scope<'a, D> {
         };
         let mut run = self.run.borrow_mut();
         let mut buf = run.unhold(slot);
-        if !buf.used_elsewhere()
+        // A private pool may have served it (a guard or a capture began routing the stream on
+        // another thread, or in an out-of-memory callback, after the scope checked the route):
+        // its block is that pool's, freed there by the ordinary drop, never kept here.
+        let ours = {
+            let theirs: &super::state::Shared<D> = &buf.owner;
+            std::ptr::eq(theirs, &*self.alloc.shared)
+                || self.alloc.shared.broken(super::Broken::ScopeKeepsRouted)
+        };
+        if ours
+            && !buf.used_elsewhere()
             && self.config.caching
             && let Some(block) = buf.block()
         {

@@ -1,0 +1,142 @@
+//! The growth headroom of expandable segments: a growth at the top of a transient range maps at
+//! least 1/512 of the range's mapped pages (at most 10 pages, 20 MiB), so a range that grows in
+//! many small steps makes a device call per ~0.2 % of its size, not per request. Exact pages,
+//! addresses and device calls; the headroom never costs a request that fits without it
+//! (out of memory for the headroom falls back to the exact growth: broken mode `HeadroomOom`),
+//! stays within `release_threshold`, and persistent ranges grow by exactly what is asked.
+//!
+//! The device is unbacked (no host memory behind its pages), so ranges of several GiB cost
+//! nothing to map. Pages are 2 MiB; the first range a test makes starts at `SIM_BASE`.
+
+use std::sync::Arc;
+use tidepool::device::{SIM_BASE, SimDevice};
+use tidepool::hooks::Broken;
+use tidepool::{AllocError, Allocator, Config, DeviceAddr, GIB, MIB, Residency, StreamId};
+
+const P: u64 = 2 * MIB;
+const S0: StreamId = StreamId::DEFAULT;
+
+fn setup(config: &str, capacity: u64) -> (Arc<SimDevice>, Allocator<SimDevice>) {
+    let dev = Arc::new(SimDevice::new(capacity));
+    let config = Config::parse(config).unwrap().with_expandable_segments(true);
+    let alloc = Allocator::new(dev.clone(), config).unwrap();
+    (dev, alloc)
+}
+
+fn at(offset: u64) -> DeviceAddr {
+    DeviceAddr(SIM_BASE + offset)
+}
+
+/// (maps, creates, failed creates) the device has counted.
+fn calls(dev: &SimDevice) -> (u64, u64, u64) {
+    let c = dev.vm_counters();
+    (c.maps, c.creates, c.failed_creates)
+}
+
+fn check(dev: &SimDevice, alloc: &Allocator<SimDevice>) {
+    alloc.check_invariants().unwrap();
+    assert_eq!(dev.physical_bytes(), alloc.reserved_bytes());
+    assert_eq!(dev.violations(), vec![]);
+}
+
+#[test]
+fn a_growth_at_the_top_maps_a_share_of_the_range_ahead() {
+    let (dev, alloc) = setup("", 16 * GIB);
+    // An empty range grows by exactly what is asked: 2048 pages, in chunks of 32.
+    let big = alloc.alloc(4 * GIB, S0).unwrap();
+    assert_eq!(big.ptr(), at(0));
+    assert_eq!(calls(&dev), (64, 64, 0));
+    assert_eq!(alloc.reserved_bytes(), 4 * GIB);
+    check(&dev, &alloc);
+
+    // 2048 pages mapped: a growth maps at least 2048 / 512 = 4 pages, one chunk.
+    let mut small = vec![alloc.alloc(P, S0).unwrap()];
+    assert_eq!(calls(&dev), (65, 65, 0));
+    assert_eq!(alloc.reserved_bytes(), 4 * GIB + 4 * P);
+    // The next three fit in those pages: no device call, one after another.
+    for _ in 1..4 {
+        small.push(alloc.alloc(P, S0).unwrap());
+        assert_eq!(calls(&dev), (65, 65, 0));
+        assert_eq!(alloc.reserved_bytes(), 4 * GIB + 4 * P);
+        check(&dev, &alloc);
+    }
+    let addrs: Vec<DeviceAddr> = small.iter().map(|b| b.ptr()).collect();
+    assert_eq!(addrs, (0..4).map(|i| at(4 * GIB + i * P)).collect::<Vec<_>>());
+
+    // A request larger than the headroom grows by exactly its own pages (5), at the top.
+    let wide = alloc.alloc(5 * P, S0).unwrap();
+    assert_eq!(wide.ptr(), at(4 * GIB + 4 * P));
+    assert_eq!(calls(&dev), (66, 66, 0));
+    assert_eq!(alloc.reserved_bytes(), 4 * GIB + 9 * P);
+
+    // 2057 pages mapped: 4 again for the next small one.
+    small.push(alloc.alloc(P, S0).unwrap());
+    assert_eq!(small[4].ptr(), at(4 * GIB + 9 * P));
+    assert_eq!(calls(&dev), (67, 67, 0));
+    assert_eq!(alloc.reserved_bytes(), 4 * GIB + 13 * P);
+    check(&dev, &alloc);
+
+    drop((big, small, wide));
+    alloc.empty_cache().unwrap();
+    assert_eq!(alloc.reserved_bytes(), 0);
+    drop(alloc);
+    assert_eq!(dev.physical_bytes(), 0);
+    assert_eq!(dev.live_mappings(), vec![]);
+}
+
+/// A device with room for 2049 pages: the 4 GiB block, then one page.
+fn headroom_without_room(broken: bool) -> Result<DeviceAddr, AllocError> {
+    let (dev, alloc) = setup("", 4 * GIB + P);
+    alloc.set_broken(Broken::HeadroomOom, broken);
+    let big = alloc.alloc(4 * GIB, S0).unwrap();
+    let got = alloc.alloc(P, S0).map(|b| b.ptr());
+    if got.is_ok() {
+        // The headroom's four pages were refused, the exact page was not.
+        assert_eq!(calls(&dev), (65, 65, 1));
+        assert_eq!(alloc.reserved_bytes(), 4 * GIB + P);
+    }
+    check(&dev, &alloc);
+    // Whatever happened, the allocator works on and gives everything back.
+    drop(big);
+    let again = alloc.alloc(2 * GIB, S0).unwrap();
+    assert_eq!(again.ptr(), at(0));
+    drop(again);
+    alloc.empty_cache().unwrap();
+    assert_eq!(dev.physical_bytes(), 0);
+    got
+}
+
+#[test]
+fn headroom_the_device_cannot_hold_falls_back_to_the_exact_growth() {
+    assert_eq!(headroom_without_room(false).unwrap(), at(4 * GIB));
+    // Broken: the headroom's out-of-memory fails a request the device has room for.
+    assert!(matches!(headroom_without_room(true), Err(AllocError::OutOfMemory(_))));
+}
+
+#[test]
+fn release_threshold_bounds_the_headroom() {
+    // The range may keep 4 MiB of free pages: the headroom is 2 pages, not 4.
+    let (dev, alloc) = setup("release_threshold_mb:4", 16 * GIB);
+    let big = alloc.alloc(4 * GIB, S0).unwrap();
+    let a = alloc.alloc(P, S0).unwrap();
+    assert_eq!(a.ptr(), at(4 * GIB));
+    assert_eq!(calls(&dev), (65, 65, 0));
+    assert_eq!(alloc.reserved_bytes(), 4 * GIB + 2 * P);
+    let b = alloc.alloc(P, S0).unwrap();
+    assert_eq!(b.ptr(), at(4 * GIB + P));
+    assert_eq!(calls(&dev), (65, 65, 0));
+    check(&dev, &alloc);
+    drop((big, a, b));
+}
+
+#[test]
+fn persistent_ranges_grow_by_exactly_what_is_asked() {
+    let (dev, alloc) = setup("", 16 * GIB);
+    let big = alloc.alloc_in(4 * GIB, S0, Residency::Persistent).unwrap();
+    let w = alloc.alloc_in(P, S0, Residency::Persistent).unwrap();
+    assert_eq!(w.ptr(), at(4 * GIB));
+    assert_eq!(calls(&dev), (65, 65, 0));
+    assert_eq!(alloc.reserved_bytes(), 4 * GIB + P);
+    check(&dev, &alloc);
+    drop((big, w));
+}
