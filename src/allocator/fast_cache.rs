@@ -280,17 +280,23 @@ impl StreamCache {
             self.set_large(inner, 1);
             inner.large_class = class;
         }
-        // Lowering `Δcur` grants the block as credit (the ceiling stays).
+        Self::grant(inner, &b);
+        self.fast.open();
+        // (A closed stash takes no block at all: `room` is 0.)
+        inner.owner_refs += u64::from(stash);
+        Ok(stash)
+    }
+
+    /// Counts pushed block `b` as cached: lowering `Δcur` grants it as credit (the ceiling
+    /// stays).
+    #[inline(always)]
+    fn grant(inner: &mut CacheInner, b: &CachedBlock) {
         let q = b.quadrant & (QUADRANTS - 1);
         let w = &mut inner.words;
         w[fast_cur(BYTES, q)] = w[fast_cur(BYTES, q)].wrapping_sub(b.size);
         w[fast_cur(COUNT, q)] = w[fast_cur(COUNT, q)].wrapping_sub(1);
         w[fast_cur(REQ, q)] = w[fast_cur(REQ, q)].wrapping_sub(b.requested);
         w[CACHED_BYTES] += b.size;
-        self.fast.open();
-        // (A closed stash takes no block at all: `room` is 0.)
-        inner.owner_refs += u64::from(stash);
-        Ok(stash)
     }
 
     /// [`StreamCache::push_stash`] of a small-pool block from a buffer's drop (stash asked), the
@@ -311,13 +317,7 @@ impl StreamCache {
             return false;
         }
         list.push(b);
-        // Lowering `Δcur` grants the block as credit (the ceiling stays).
-        let q = b.quadrant & (QUADRANTS - 1);
-        let w = &mut inner.words;
-        w[fast_cur(BYTES, q)] = w[fast_cur(BYTES, q)].wrapping_sub(b.size);
-        w[fast_cur(COUNT, q)] = w[fast_cur(COUNT, q)].wrapping_sub(1);
-        w[fast_cur(REQ, q)] = w[fast_cur(REQ, q)].wrapping_sub(b.requested);
-        w[CACHED_BYTES] += b.size;
+        Self::grant(inner, &b);
         self.fast.open();
         // The buffer's hold stays here (a closed stash takes no block at all: `room` is 0).
         inner.owner_refs += 1;
