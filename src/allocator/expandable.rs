@@ -532,22 +532,26 @@ impl<D: Device> Shared<D> {
 
     /// `place` widened by the growth headroom where it ends the range's top run: at least
     /// `1 / HEADROOM_DIVISOR` of the range's mapped pages, at most [`HEADROOM_MAX_PAGES`], no
-    /// more than the free bytes the range may keep (`release_threshold`; none while a learning
-    /// run is open on its stream), and only over unmapped pages that nothing retires.
+    /// more than the free bytes the range may keep (`release_threshold`; none in a persistent
+    /// range or while a learning run is open on its stream), and only over unmapped pages that
+    /// nothing retires.
     fn with_headroom(&self, st: &State, key: PoolKey, place: Place) -> Place {
         let page = st.vm.page;
         let r = &st.vm.ranges[&st.vm.by_key[&key]];
-        let keep = match st.vm.learning.contains_key(&key.stream) {
-            _ if key.residency == Residency::Persistent => 0,
-            true => 0,
-            false => st.vm.threshold,
-        };
+        let keep =
+            if key.residency == Residency::Persistent || st.vm.learning.contains_key(&key.stream) {
+                0
+            } else {
+                st.vm.threshold
+            };
         let pages =
             (r.pages.len() as u64 / HEADROOM_DIVISOR).min(HEADROOM_MAX_PAGES).min(keep / page);
-        let end = place.lo + pages.max(place.pages) * page;
-        if pages <= place.pages
-            || end > r.base + r.size
-            || r.segs.keys().next_back().is_some_and(|&t| t >= place.lo + place.pages * page)
+        if pages <= place.pages {
+            return place;
+        }
+        let (exact_end, end) = (place.lo + place.pages * page, place.lo + pages * page);
+        if end > r.base + r.size
+            || r.segs.keys().next_back().is_some_and(|&t| t >= exact_end)
             || r.retiring.range(place.lo..end).next().is_some()
         {
             return place;
