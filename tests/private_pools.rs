@@ -237,3 +237,56 @@ fn a_scope_never_keeps_a_block_a_private_pool_served() {
     // Broken: the scope keeps the pool's block and its exit frees it in the general pool.
     assert!(routed_after_the_scope_checked(true).is_err());
 }
+
+/// A stream destroyed while a guard routes it to a pool (by this allocator, or by another
+/// allocator on the device and then released here): allocations on it are refused, through
+/// the pool's stream caches as through its whole path (broken mode `RoutedDeadStreams`: the
+/// pool still knows the stream and its cached block serves the allocation).
+fn alloc_on_a_destroyed_routed_stream(by_other: bool, broken: bool) -> Result<(), String> {
+    let dev = Arc::new(SimDevice::new(1 << 30));
+    let s = dev.create_stream().unwrap();
+    let alloc = Allocator::new(dev.clone(), Config::default()).unwrap();
+    alloc.set_broken(tidepool::hooks::Broken::RoutedDeadStreams, broken);
+    let other = Allocator::new(dev.clone(), Config::default()).unwrap();
+    let pool = alloc.new_pool(PoolOptions::default()).unwrap();
+    let guard = alloc.use_pool(&pool, s).unwrap();
+    let a = alloc.alloc(4096, s).unwrap(); // the pool's segment
+    assert_eq!(a.ptr().0, SIM_BASE);
+    let b = alloc.alloc(3 * MIB, s).unwrap(); // a large one, cached too
+    drop(a); // cached in the pool's lane of `s`
+    drop(b);
+    assert_eq!(allocated(&pool), 0);
+    if by_other {
+        other.destroy_stream(s).map_err(|e| e.to_string())?;
+        match alloc.release_stream(s) {
+            Ok(()) | Err(AllocError::UnknownStream(_)) => {}
+            Err(e) => return Err(format!("release_stream: {e}")),
+        }
+    } else {
+        alloc.destroy_stream(s).map_err(|e| e.to_string())?;
+    }
+    for bytes in [4096, 3 * MIB, 100] {
+        match alloc.alloc(bytes, s) {
+            Err(AllocError::UnknownStream(g)) if g == s => {}
+            r => return Err(format!("alloc of {bytes} on the destroyed {s}: {r:?}")),
+        }
+    }
+    assert_eq!(allocated(&pool), 0);
+    drop(guard);
+    alloc.check_invariants()?;
+    pool.check_invariants()?;
+    // The pool's memory is still the pool's, and goes back with it.
+    pool.empty_cache().map_err(|e| e.to_string())?;
+    assert_eq!(reserved(&pool), 0);
+    Ok(())
+}
+
+#[test]
+fn a_routed_stream_destroyed_under_its_guard_is_refused() {
+    for by_other in [false, true] {
+        alloc_on_a_destroyed_routed_stream(by_other, false).unwrap();
+        // Broken: the pool serves the destroyed stream from its cache.
+        let e = alloc_on_a_destroyed_routed_stream(by_other, true).unwrap_err();
+        assert!(e.starts_with("alloc of 4096 on the destroyed"), "{by_other}: {e}");
+    }
+}

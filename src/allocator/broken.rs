@@ -91,6 +91,10 @@ pub enum Broken {
     /// Tagging a buffer as a scope's unbound buffer leaves its flags byte as it was: its drop
     /// takes the common case (straight into its lane) and its scope never sees the free.
     UnflaggedScopeTag = 1 << 40,
+    /// A routed allocation goes to its private pool without asking whether the stream still
+    /// exists: a pool that never saw the stream's destruction serves it (from its stream cache
+    /// or its whole path, where it remembers the stream as known).
+    RoutedDeadStreams = 1 << 41,
 }
 
 #[cfg_attr(not(feature = "test-hooks"), allow(dead_code))]

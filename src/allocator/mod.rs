@@ -428,7 +428,13 @@ impl<D: Device> Allocator<D> {
         if sh.routes.any()
             && let Some(pool) = sh.routes.get(stream)
         {
-            // A guard or a capture routes this stream to a private pool.
+            // A guard or a capture routes this stream to a private pool. The stream may have
+            // been destroyed under the route (here, or elsewhere and released here): the pool's
+            // lanes and its known streams never heard of it, so the device is asked here (one
+            // lookup; routed allocations already take the route table's lock).
+            if !sh.broken(Broken::RoutedDeadStreams) {
+                sh.stream_exists(stream)?;
+            }
             return pool.alloc_in_once(bytes, stream, residency, align);
         }
         if bytes == 0 {
