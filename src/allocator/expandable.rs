@@ -379,7 +379,9 @@ impl<D: Device> Shared<D> {
         if blk.next.is_some() {
             return Some(b);
         }
-        if !st.vm.is_top(blk.addr, blk.segment) {
+        // The end block is most often the largest free block (a range growing block by block):
+        // then no search can find a larger one.
+        if !st.pool.has_free_above(key, blk.size) || !st.vm.is_top(blk.addr, blk.segment) {
             return Some(b);
         }
         st.pool.find_free(key, blk.size + 1, &config.sizing).or(Some(b))
@@ -429,7 +431,7 @@ impl<D: Device> Shared<D> {
             return true;
         }
         let key = st.pool.segment(seg).key;
-        st.pool.find_free(key, merged + 1, sizing).is_none()
+        !st.pool.has_free_above(key, merged) || st.pool.find_free(key, merged + 1, sizing).is_none()
     }
 
     /// Whether freed large-pool blocks may wait in their stream's cache under `config` over

@@ -242,6 +242,14 @@ impl Pool {
         sizing.may_serve(e.size, rounded).then_some(BlockId(e.id))
     }
 
+    /// Whether `key` has a free block larger than `size` bytes (its largest, from the index's
+    /// bitmaps: no search). Where it has none, no `find_free` above `size` can succeed.
+    #[inline]
+    pub fn has_free_above(&self, key: PoolKey, size: u64) -> bool {
+        let largest = self.slot_of(key).and_then(|s| self.free[s].index.largest());
+        largest.is_some_and(|e| e.size > size)
+    }
+
     /// Whether `key` ever had a segment (so it may have free blocks).
     #[inline]
     pub fn has_key(&self, key: PoolKey) -> bool {
