@@ -55,8 +55,6 @@ pub(super) struct Range {
     pages: PageTable,
     /// The pool's segments in this range (one per run of mapped pages), by base address.
     segs: SortedMap<u64, SegmentId>,
-    /// A block of the top run, to find its end without walking it (validated on use).
-    top_hint: Option<BlockId>,
     /// Old addresses of pages moved to another place, still mapped until the donor stream's
     /// work is done: neither usable nor mappable meanwhile.
     retiring: BTreeSet<u64>,
@@ -248,15 +246,10 @@ fn place(pool: &Pool, r: &Range, rounded: u64, page: u64) -> Option<Place> {
         if b.state == BlockState::Free { b.size } else { 0 }
     };
     let (mut gap_lo, mut prev) = (r.base, None::<SegmentId>);
-    let top = r.segs.keys().next_back().copied();
     let ends = r.segs.iter().map(|(&b, &s)| (b, Some(s))).chain([(r.base + r.size, None)]);
     for (gap_hi, next) in ends {
         if gap_hi > gap_lo {
-            let tail = match prev {
-                Some(p) if top == Some(pool.segment(p).base) => free_size(top_last(pool, r, p)),
-                Some(p) => free_size(pool.last_block(p)),
-                None => 0,
-            };
+            let tail = prev.map_or(0, |p| free_size(pool.last_block(p)));
             let head = next.map_or(0, |n| free_size(pool.segment(n).first));
             let (span_lo, span_hi) = (gap_lo - tail, gap_hi + head);
             let right = (next.is_some() && span_hi - span_lo >= rounded).then(|| span_hi - rounded);
@@ -282,14 +275,6 @@ fn place(pool: &Pool, r: &Range, rounded: u64, page: u64) -> Option<Place> {
         }
     }
     best
-}
-
-/// The last block of the top run `seg`, from the range's hint where it is still in that run.
-fn top_last(pool: &Pool, r: &Range, seg: SegmentId) -> BlockId {
-    match r.top_hint.filter(|&h| pool.try_block(h).is_some_and(|b| b.segment == seg)) {
-        Some(h) => pool.last_block_from(h),
-        None => pool.last_block(seg),
-    }
 }
 
 impl<D: Device> Shared<D> {
@@ -349,7 +334,6 @@ impl<D: Device> Shared<D> {
             size,
             pages: PageTable::new(base.0, page),
             segs: SortedMap::default(),
-            top_hint: None,
             retiring: BTreeSet::new(),
         };
         st.vm.ranges.insert(base.0, range);
@@ -657,10 +641,8 @@ impl<D: Device> Shared<D> {
             .next_back()
             .filter(|&(&b, &s)| b + st.pool.segment(s).size == lo)
             .map(|(_, &s)| s);
-        let is_top = range.segs.keys().next_back().is_none_or(|&t| t < end);
-        let hint = range.top_hint.filter(|_| left.is_some() && is_top);
         let right = range.segs.get(&end).copied();
-        let (seg, blk) = st.pool.extend(key, lo, pages * page, (left, hint), right);
+        let (seg, blk) = st.pool.extend(key, lo, pages * page, left, right);
         // The runs table: a left neighbour keeps its base (and its entry); a right one joined
         // to it, or grown down to `lo`, leaves its entry at `end`.
         if right.is_some() {
@@ -670,9 +652,6 @@ impl<D: Device> Shared<D> {
             range.segs.insert(lo, seg);
         }
         debug_assert_eq!(range.segs.get(&st.pool.segment(seg).base), Some(&seg));
-        if range.segs.keys().next_back() == Some(&st.pool.segment(seg).base) {
-            range.top_hint = Some(blk);
-        }
         st.note(Action::SegmentMap, DeviceAddr(lo), pages * page, key.stream);
         // Segments per stream: the new run counts one, each neighbour it joined one less. A
         // stream with a run here already has its cache.

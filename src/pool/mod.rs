@@ -315,6 +315,7 @@ impl Pool {
             size,
             key,
             first: block,
+            last: block,
             busy_blocks: 0,
             slot,
             last_use,
@@ -362,8 +363,9 @@ impl Pool {
                     oversize: false,
                 };
                 let rest_id = self.blocks.insert(rest);
-                if let Some(n) = next {
-                    self.blocks[n.0].prev = Some(BlockId(rest_id));
+                match next {
+                    Some(n) => self.blocks[n.0].prev = Some(BlockId(rest_id)),
+                    None => self.segments[seg.0].last = BlockId(rest_id),
                 }
                 self.blocks[id.0].next = Some(BlockId(rest_id));
                 let e = Entry { size: whole - rounded, addr: addr + rounded, id: rest_id };
@@ -513,8 +515,9 @@ impl Pool {
             self.count_split(key, size, false);
         }
         let r = self.blocks.remove(right.0);
-        if let Some(n) = r.next {
-            self.blocks[n.0].prev = Some(left);
+        match r.next {
+            Some(n) => self.blocks[n.0].prev = Some(left),
+            None => self.segments[r.segment.0].last = left,
         }
         let l = &mut self.blocks[left.0];
         l.size += r.size;
@@ -697,6 +700,9 @@ impl Pool {
                 prev = Some(id);
                 addr += b.size;
                 cur = b.next;
+            }
+            if prev != Some(seg.last) {
+                return Err(format!("segment {sid}: its last block is not the one recorded"));
             }
             if addr != seg.base + seg.size {
                 return Err(format!(
