@@ -245,27 +245,35 @@ fn place(pool: &Pool, r: &Range, rounded: u64, page: u64) -> Option<Place> {
         let b = pool.block(id);
         if b.state == BlockState::Free { b.size } else { 0 }
     };
+    // The window of `rounded` bytes at `w` in the gap [gap_lo, gap_hi): the gap's pages under it.
+    let mut window = |w: u64, (gap_lo, gap_hi): (u64, u64)| {
+        let lo = r.base + (w.max(gap_lo) - r.base) / page * page;
+        let hi = r.base + ((w + rounded).min(gap_hi) - r.base).div_ceil(page) * page;
+        if hi <= lo || !r.retiring.is_empty() && r.retiring.range(lo..hi).next().is_some() {
+            return;
+        }
+        let p = Place { lo, pages: (hi - lo) / page };
+        if best.is_none_or(|b| (p.pages, p.lo) < (b.pages, b.lo)) {
+            best = Some(p);
+        }
+    };
     let (mut gap_lo, mut prev) = (r.base, None::<SegmentId>);
-    let ends = r.segs.iter().map(|(&b, &s)| (b, Some(s))).chain([(r.base + r.size, None)]);
-    for (gap_hi, next) in ends {
+    // The gaps: below each run, then above the last one (to the range's end).
+    let runs = r.segs.iter().map(|(&b, &s)| (b, Some(s)));
+    for (gap_hi, next) in runs.chain(std::iter::once((r.base + r.size, None))) {
         if gap_hi > gap_lo {
             let tail = prev.map_or(0, |p| free_size(pool.last_block(p)));
             let head = next.map_or(0, |n| free_size(pool.segment(n).first));
             let (span_lo, span_hi) = (gap_lo - tail, gap_hi + head);
-            let right = (next.is_some() && span_hi - span_lo >= rounded).then(|| span_hi - rounded);
-            for w in [Some(span_lo), right].into_iter().flatten() {
-                if w + rounded > span_hi || tail >= rounded && w == span_lo {
-                    continue;
-                }
-                // The gap's pages under the window.
-                let lo = r.base + (w.max(gap_lo) - r.base) / page * page;
-                let hi = r.base + ((w + rounded).min(gap_hi) - r.base).div_ceil(page) * page;
-                if hi <= lo || !r.retiring.is_empty() && r.retiring.range(lo..hi).next().is_some() {
-                    continue;
-                }
-                let p = Place { lo, pages: (hi - lo) / page };
-                if best.is_none_or(|b| (p.pages, p.lo) < (b.pages, b.lo)) {
-                    best = Some(p);
+            // From the span's start (not where the free tail alone holds the request) ...
+            if span_lo + rounded <= span_hi && tail < rounded {
+                window(span_lo, (gap_lo, gap_hi));
+            }
+            // ... and, below a run, ending at the span's end.
+            if next.is_some() && span_hi - span_lo >= rounded {
+                let w = span_hi - rounded;
+                if tail < rounded || w != span_lo {
+                    window(w, (gap_lo, gap_hi));
                 }
             }
         }

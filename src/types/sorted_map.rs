@@ -18,6 +18,9 @@
 
 use std::ops::{Bound, RangeBounds};
 
+/// Entries up to which a lookup scans rather than searches.
+const SCAN_MAX: usize = 8;
+
 /// A map sorted by key, as one vector. See the module docs.
 #[derive(Clone, Debug)]
 pub(crate) struct SortedMap<K, V> {
@@ -35,6 +38,18 @@ impl<K: Ord + Copy, V> SortedMap<K, V> {
     #[inline]
     fn find(&self, k: &K) -> Result<usize, usize> {
         self.entries.binary_search_by(|(x, _)| x.cmp(k))
+    }
+
+    /// The index of `k`'s entry: a scan for equality in a table of a few entries (the
+    /// allocator's range tables; no comparisons for order, no unpredictable halving), else a
+    /// binary search.
+    #[inline]
+    fn position(&self, k: &K) -> Option<usize> {
+        if self.entries.len() <= SCAN_MAX {
+            self.entries.iter().position(|(x, _)| x == k)
+        } else {
+            self.find(k).ok()
+        }
     }
 
     /// Inserts `v` at `k`; returns the value it replaces. A key above all others is pushed
@@ -61,19 +76,19 @@ impl<K: Ord + Copy, V> SortedMap<K, V> {
     /// The value at `k`.
     #[inline]
     pub(crate) fn get(&self, k: &K) -> Option<&V> {
-        self.find(k).ok().map(|i| &self.entries[i].1)
+        self.position(k).map(|i| &self.entries[i].1)
     }
 
     /// The value at `k`, to change.
     #[inline]
     pub(crate) fn get_mut(&mut self, k: &K) -> Option<&mut V> {
-        self.find(k).ok().map(|i| &mut self.entries[i].1)
+        self.position(k).map(|i| &mut self.entries[i].1)
     }
 
     /// Whether `k` has an entry.
     #[inline]
     pub(crate) fn contains_key(&self, k: &K) -> bool {
-        self.find(k).is_ok()
+        self.position(k).is_some()
     }
 
     /// No entry.
