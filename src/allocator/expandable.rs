@@ -363,17 +363,15 @@ impl<D: Device> Shared<D> {
         key: PoolKey,
         rounded: u64,
     ) -> Option<BlockId> {
-        let b = st.pool.find_free(key, rounded, &config.sizing)?;
         if st.vm.is_empty() {
-            return Some(b); // no range: the block's record is not looked at
-        }
-        let blk = st.pool.block(b);
-        if blk.next.is_some() {
-            return Some(b);
+            // No range: the block's record is not looked at.
+            return st.pool.find_free(key, rounded, &config.sizing);
         }
         // The end block is most often the largest free block (a range growing block by block):
-        // then no search can find a larger one.
-        if !st.pool.has_free_above(key, blk.size) || !st.vm.is_top(blk.addr, blk.segment) {
+        // then no search can find a larger one (the best fit says so from its bitmaps).
+        let (b, larger) = st.pool.find_free_and_larger(key, rounded, &config.sizing)?;
+        let blk = st.pool.block(b);
+        if !larger || blk.next.is_some() || !st.vm.is_top(blk.addr, blk.segment) {
             return Some(b);
         }
         st.pool.find_free(key, blk.size + 1, &config.sizing).or(Some(b))

@@ -242,6 +242,19 @@ impl Pool {
         sizing.may_serve(e.size, rounded).then_some(BlockId(e.id))
     }
 
+    /// [`Pool::find_free`], and whether `key` has a free block larger than the one found
+    /// (where it has none, no search above that size can succeed).
+    #[inline]
+    pub fn find_free_and_larger(
+        &self,
+        key: PoolKey,
+        rounded: u64,
+        sizing: &Sizing,
+    ) -> Option<(BlockId, bool)> {
+        let (e, larger) = self.free[self.slot_of(key)?].index.best_fit_and_larger(rounded)?;
+        sizing.may_serve(e.size, rounded).then_some((BlockId(e.id), larger))
+    }
+
     /// Whether `key` has a free block larger than `size` bytes (its largest, from the index's
     /// bitmaps: no search). Where it has none, no `find_free` above `size` can succeed.
     #[inline]
