@@ -399,8 +399,8 @@ impl Vmm {
             return Err(invalid("cuMemMap"));
         }
         // Mappings lie inside their ranges: only this range's can overlap the new one.
-        let range = match self.range_of(va) {
-            Some((b, r)) if va + bytes <= b + r.bytes => r,
+        let range = match self.ranges.floor_mut(&va) {
+            Some((&b, r)) if va + bytes <= b + r.bytes => r,
             _ => return Err(invalid("cuMemMap")),
         };
         let below = range.mappings.floor(&(va + bytes - 1));
@@ -414,13 +414,12 @@ impl Vmm {
                 code: DeviceError::CUDA_ERROR_OUT_OF_MEMORY,
             });
         }
+        range.mappings.insert(va, Mapping { bytes, handle: handle.0 });
         let p = self.physical.get_mut(&handle.0).expect("checked");
         match p.at {
             None => p.at = Some(va),
             Some(_) => p.more.push(va),
         }
-        let (_, range) = self.range_of_mut(va).expect("checked");
-        range.mappings.insert(va, Mapping { bytes, handle: handle.0 });
         self.mapping_count += 1;
         self.counters.maps += 1;
         Ok(())
