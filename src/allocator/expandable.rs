@@ -1019,10 +1019,16 @@ impl<D: Device> Shared<D> {
 
     /// Unmaps the old mappings of moved pages whose donor's event has completed (with `block`:
     /// waits for them, a host sync each).
+    #[inline]
     pub(super) fn poll_retiring(&self, st: &mut State, block: bool) {
-        if st.vm.retiring.is_empty() {
-            return;
+        if !st.vm.retiring.is_empty() {
+            self.poll_retiring_now(st, block);
         }
+    }
+
+    /// [`Shared::poll_retiring`] where pages retire.
+    #[cold]
+    fn poll_retiring_now(&self, st: &mut State, block: bool) {
         let page = st.vm.page;
         let mut keep = Vec::new();
         for mut r in std::mem::take(&mut st.vm.retiring) {
