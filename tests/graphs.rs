@@ -395,3 +395,89 @@ fn a_pool_not_told_of_a_destroyed_stream_needs_a_host_wait() {
     // The wait is refused (capture): the block waits, so the capture cannot reuse it.
     assert_eq!(pool_free_after_family_destroyed_stream(true), (false, 1, 0));
 }
+
+/// Which scope memory a capture frees in [`scope_memory_freed_during_capture`].
+#[derive(Clone, Copy, Debug)]
+enum ScopeVictim {
+    /// An unbound buffer that escaped the learning run (no plan yet).
+    LearningEscape,
+    /// An unbound buffer that escaped a planned run (a pinned slice of its region).
+    PlannedEscape,
+    /// An unbound buffer of a run still open, freed during a capture of another run's stream.
+    OpenRun,
+}
+
+/// Scope memory freed while its stream is captured, after a captured kernel read it: the graph
+/// holds it until it is dropped, so neither a general allocation nor later runs of the scope
+/// hand it out while the graph lives (broken mode `CaptureScopeFrees`: the free goes to the
+/// scope or its region at once, as before the fix). Returns the sanitizer's findings and
+/// whether the victim's address was handed out again while the graph lived.
+fn scope_memory_freed_during_capture(
+    victim: ScopeVictim,
+    broken: bool,
+) -> (Vec<tidepool::device::Violation>, bool) {
+    let Setup { dev, s, alloc } = setup();
+    alloc.set_broken(Broken::CaptureScopeFrees, broken);
+    let out = alloc.alloc(N, s).unwrap();
+    let runs = match victim {
+        ScopeVictim::LearningEscape => 0,
+        _ => 2,
+    };
+    for _ in 0..runs {
+        let sc = alloc.named_scope("step", s);
+        let b = sc.alloc_unbound(N).unwrap();
+        dev.launch(s, fill(&b, 1)).unwrap();
+    }
+    let open = alloc.named_scope("step", s);
+    let v = open.alloc_unbound(N).unwrap();
+    dev.launch(s, fill(&v, 7)).unwrap();
+    let open = match victim {
+        ScopeVictim::OpenRun => Some(open),
+        _ => {
+            drop(open); // `v` escapes the run
+            None
+        }
+    };
+    let v_ptr = v.ptr();
+    alloc.begin_capture(s, None).unwrap();
+    dev.launch(s, map(&v, &out, |x| x + 1)).unwrap();
+    drop(v);
+    let graph = alloc.end_capture(s).unwrap();
+    let mut handed = Vec::new();
+    // The open run goes on, and ends; then more runs and a general allocation.
+    if let Some(open) = open {
+        let b = open.alloc_unbound(N).unwrap();
+        dev.launch(s, fill(&b, 2)).unwrap();
+        handed.push(b.ptr());
+    }
+    for _ in 0..2 {
+        let sc = alloc.named_scope("step", s);
+        let b = sc.alloc_unbound(N).unwrap();
+        dev.launch(s, fill(&b, 3)).unwrap();
+        handed.push(b.ptr());
+    }
+    let other = alloc.alloc(N, s).unwrap();
+    dev.launch(s, fill(&other, 9)).unwrap();
+    handed.push(other.ptr());
+    graph.launch(s).unwrap();
+    dev.synchronize().unwrap();
+    drop((graph, other));
+    alloc.check_invariants().unwrap();
+    // Once the graph is gone, its memory is the allocator's again.
+    let again = alloc.alloc(N, s).unwrap();
+    drop((again, out));
+    alloc.check_invariants().unwrap();
+    (dev.violations(), handed.contains(&v_ptr))
+}
+
+#[test]
+fn scope_memory_freed_during_a_capture_is_held_by_the_graph() {
+    for victim in [ScopeVictim::LearningEscape, ScopeVictim::PlannedEscape, ScopeVictim::OpenRun] {
+        let (v, reused) = scope_memory_freed_during_capture(victim, false);
+        assert!(v.is_empty(), "{victim:?}: {v:?}");
+        assert!(!reused, "{victim:?}");
+        let (v, reused) = scope_memory_freed_during_capture(victim, true);
+        assert!(reused, "{victim:?}: the broken mode hands the victim out again");
+        assert_eq!(v[0].op, "handout of memory a CUDA graph uses", "{victim:?}");
+    }
+}

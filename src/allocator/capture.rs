@@ -27,9 +27,14 @@
 //! `use_on`) and is freed during the capture is held back too: no event can be recorded on a
 //! capturing stream, and the graph's replays may use it.
 //!
+//! A scope's unbound buffer (a planned slice, or a pool block its run or region would take
+//! back) freed while a capture holds it is kept *whole* by the graph: its scope run and region
+//! hear of the free only when the graph goes, so neither hands the memory out meanwhile (to
+//! them it is an escape still alive).
+//!
 //! Limits: a capture covers one stream (no fork/join into other captured streams); scopes refuse
-//! to allocate on a capturing stream, and scope memory (scoped buffers, planned slices) freed
-//! during a capture is not held back.
+//! to allocate on a capturing stream, and a scope's *bound* buffers (`ScopedBuffer`, which
+//! cannot outlive their scope) freed during a capture are not held back.
 
 use super::buffer::Freed;
 use super::owner::Owner;
@@ -38,8 +43,35 @@ use super::*;
 use crate::device::{Capture, GraphId};
 use crate::sync::atomic::AtomicUsize;
 
-/// Buffers whose free a graph holds back, each with its allocator.
-type Deferred<D> = Vec<(Arc<Owner<D>>, Freed)>;
+/// What a graph holds back until it is dropped.
+enum Held<D: Device> {
+    /// A pool block freed during the capture, with its allocator: freed when the graph goes.
+    Block(Arc<Owner<D>>, Freed),
+    /// A scope's unbound buffer freed during the capture, kept whole: its scope run and region
+    /// hear of the free only when the graph goes (a planned slice or a block a region would
+    /// take back has no pool free to defer).
+    Buffer(Buffer<D>),
+}
+
+impl<D: Device> Held<D> {
+    /// Lets go of it: the block is freed, the buffer dropped.
+    fn release(self) {
+        match self {
+            Held::Block(owner, f) => owner.free(f),
+            Held::Buffer(b) => drop(b),
+        }
+    }
+
+    /// Keeps it allocated for good (nothing can tell when the graph's launches end).
+    fn leak(self) {
+        if let Held::Buffer(b) = self {
+            std::mem::forget(b);
+        }
+    }
+}
+
+/// What graphs hold back, with the allocators.
+type Deferred<D> = Vec<Held<D>>;
 
 /// The captures underway in an allocator family, by stream.
 pub(crate) struct CaptureTable<D: Device> {
@@ -92,22 +124,51 @@ impl<D: Device> CaptureTable<D> {
             false => Vec::new(),
         };
         let mut t = lock(&self.inner);
+        let Some(key) = Self::holder(&t, owner, f.stream, &uses) else { return Some(f) };
+        let e = t.get_mut(&key).expect("found by holder");
+        e.deferred.push(Held::Block(owner.clone(), f));
+        None
+    }
+
+    /// [`CaptureTable::defer`] for a scope's unbound buffer of `owner` on `stream`, used on
+    /// `uses` too: `true` when a capture holds it back, and then `take` made the whole buffer
+    /// the graph keeps (its drop, when the graph goes, frees it as it would have now).
+    pub(super) fn defer_buffer(
+        &self,
+        owner: &Arc<Owner<D>>,
+        stream: StreamId,
+        uses: &[StreamId],
+        take: impl FnOnce() -> Buffer<D>,
+    ) -> bool {
+        if !self.any() {
+            return false;
+        }
+        let mut t = lock(&self.inner);
+        let Some(key) = Self::holder(&t, owner, stream, uses) else { return false };
+        let e = t.get_mut(&key).expect("found by holder");
+        e.deferred.push(Held::Buffer(take()));
+        true
+    }
+
+    /// The capture that holds back memory of `owner` freed on `stream` and used on `uses`: the
+    /// capture of its stream (unless the memory is of that capture's own pool), else that of a
+    /// stream it was used on; `None` when none does.
+    fn holder(
+        t: &HashMap<StreamId, Entry<D>>,
+        owner: &Arc<Owner<D>>,
+        stream: StreamId,
+        uses: &[StreamId],
+    ) -> Option<StreamId> {
         let mine: &Shared<D> = owner;
         let own_stream =
-            t.get(&f.stream).map(|e| (e.broken, std::ptr::eq(mine, &*e.pool.alloc.shared)));
-        let key = match own_stream {
-            Some((true, _)) => return Some(f),
-            Some((false, false)) => f.stream,
+            t.get(&stream).map(|e| (e.broken, std::ptr::eq(mine, &*e.pool.alloc.shared)));
+        match own_stream {
+            Some((true, _)) => None,
+            Some((false, false)) => Some(stream),
             // Of the capture's own pool (or its stream is not captured): held back only if a
             // captured stream used it.
-            _ => match uses.iter().find(|u| t.get(u).is_some_and(|e| !e.broken)) {
-                Some(&u) => u,
-                None => return Some(f),
-            },
-        };
-        let e = t.get_mut(&key).expect("found above");
-        e.deferred.push((owner.clone(), f));
-        None
+            _ => uses.iter().find(|u| t.get(u).is_some_and(|e| !e.broken)).copied(),
+        }
     }
 }
 
@@ -168,9 +229,10 @@ impl<D: Capture> Drop for Graph<D> {
         let done = !self.launched.load(Ordering::Acquire) || self.device.synchronize().is_ok();
         self.pool.alloc.shared.role.graphs.fetch_sub(1, Ordering::AcqRel);
         let deferred = std::mem::take(&mut self.deferred);
-        if done {
-            for (owner, f) in deferred {
-                owner.free(f);
+        for held in deferred {
+            match done {
+                true => held.release(),
+                false => held.leak(),
             }
         }
     }
@@ -246,9 +308,7 @@ impl<D: Capture> Allocator<D> {
             table.active.fetch_sub(1, Ordering::AcqRel);
             role.graphs.fetch_sub(1, Ordering::AcqRel);
             if let Some(entry) = entry {
-                for (owner, f) in entry.deferred {
-                    owner.free(f);
-                }
+                entry.deferred.into_iter().for_each(Held::release);
             }
             return Err(e.into());
         }
@@ -283,9 +343,7 @@ impl<D: Capture> Allocator<D> {
             }),
             Err(e) => {
                 entry.pool.alloc.shared.role.graphs.fetch_sub(1, Ordering::AcqRel);
-                for (owner, f) in entry.deferred {
-                    owner.free(f);
-                }
+                entry.deferred.into_iter().for_each(Held::release);
                 Err(e.into())
             }
         }

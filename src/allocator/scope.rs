@@ -95,6 +95,14 @@ impl ScopeTag {
         }
     }
 
+    /// The other streams the buffer was used on (a copy).
+    pub(crate) fn uses(&self) -> Vec<StreamId> {
+        match self.has_uses.load(Ordering::Relaxed) {
+            true => lock(&self.uses).clone(),
+            false => Vec::new(),
+        }
+    }
+
     /// The other streams the buffer was used on (taken: called once, as it is freed).
     pub(crate) fn take_uses(&self) -> Vec<StreamId> {
         match self.has_uses.load(Ordering::Relaxed) {
