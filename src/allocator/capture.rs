@@ -27,17 +27,21 @@
 //! `use_on`) and is freed during the capture is held back too: no event can be recorded on a
 //! capturing stream, and the graph's replays may use it.
 //!
-//! A scope's unbound buffer (a planned slice, or a pool block its run or region would take
-//! back) freed while a capture holds it is kept *whole* by the graph: its scope run and region
-//! hear of the free only when the graph goes, so neither hands the memory out meanwhile (to
-//! them it is an escape still alive).
+//! Scope memory has no pool free to defer, so it is held back in its own way:
+//! - a scope's unbound buffer (a planned slice, or a pool block its run or region would take
+//!   back) is kept *whole* by the graph: its run and region hear of the free only when the
+//!   graph goes, so neither hands the memory out meanwhile (to them it is a live escape);
+//! - a bound buffer's pool block is not kept for the run's local reuse: its drop defers it;
+//! - a bound buffer's planned slice makes the graph hold the run's whole region: it serves no
+//!   more slices in the run and no later run claims it until the graph is gone (the inlined
+//!   planned free takes the slow path while any stream is routed, as a capture's is).
 //!
 //! Limits: a capture covers one stream (no fork/join into other captured streams); scopes refuse
-//! to allocate on a capturing stream, and a scope's *bound* buffers (`ScopedBuffer`, which
-//! cannot outlive their scope) freed during a capture are not held back.
+//! to allocate on a capturing stream.
 
 use super::buffer::Freed;
 use super::owner::Owner;
+use super::plan::Region;
 use super::private_pool::MemPool;
 use super::*;
 use crate::device::{Capture, GraphId};
@@ -51,6 +55,9 @@ enum Held<D: Device> {
     /// hear of the free only when the graph goes (a planned slice or a block a region would
     /// take back has no pool free to defer).
     Buffer(Buffer<D>),
+    /// A scope's region, one of whose planned slices was freed during the capture: claimed by
+    /// no run while held; the hold is let go through its allocator when the graph goes.
+    Region(Arc<Shared<D>>, Arc<Region>),
 }
 
 impl<D: Device> Held<D> {
@@ -59,13 +66,20 @@ impl<D: Device> Held<D> {
         match self {
             Held::Block(owner, f) => owner.free(f),
             Held::Buffer(b) => drop(b),
+            Held::Region(shared, region) => {
+                region.graph_gone();
+                shared.release_region(region);
+            }
         }
     }
 
     /// Keeps it allocated for good (nothing can tell when the graph's launches end).
     fn leak(self) {
-        if let Held::Buffer(b) = self {
-            std::mem::forget(b);
+        match self {
+            Held::Block(..) => {}
+            Held::Buffer(b) => std::mem::forget(b),
+            // Never claimed again, never back in the pool.
+            Held::Region(_, region) => std::mem::forget(region),
         }
     }
 }
@@ -150,16 +164,36 @@ impl<D: Device> CaptureTable<D> {
         true
     }
 
+    /// A planned slice of `region` (of `shared`'s scopes) was freed on `stream`: `true` when a
+    /// capture holds it back, and then the graph holds the whole region (no run claims it)
+    /// until it goes.
+    pub(super) fn hold_region(
+        &self,
+        shared: &Arc<Shared<D>>,
+        stream: StreamId,
+        uses: &[StreamId],
+        region: &Arc<Region>,
+    ) -> bool {
+        if !self.any() {
+            return false;
+        }
+        let mut t = lock(&self.inner);
+        let Some(key) = Self::holder(&t, shared, stream, uses) else { return false };
+        region.graph_holds();
+        let e = t.get_mut(&key).expect("found by holder");
+        e.deferred.push(Held::Region(shared.clone(), region.clone()));
+        true
+    }
+
     /// The capture that holds back memory of `owner` freed on `stream` and used on `uses`: the
     /// capture of its stream (unless the memory is of that capture's own pool), else that of a
     /// stream it was used on; `None` when none does.
     fn holder(
         t: &HashMap<StreamId, Entry<D>>,
-        owner: &Arc<Owner<D>>,
+        mine: &Shared<D>,
         stream: StreamId,
         uses: &[StreamId],
     ) -> Option<StreamId> {
-        let mine: &Shared<D> = owner;
         let own_stream =
             t.get(&stream).map(|e| (e.broken, std::ptr::eq(mine, &*e.pool.alloc.shared)));
         match own_stream {
