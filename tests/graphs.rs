@@ -395,3 +395,179 @@ fn a_pool_not_told_of_a_destroyed_stream_needs_a_host_wait() {
     // The wait is refused (capture): the block waits, so the capture cannot reuse it.
     assert_eq!(pool_free_after_family_destroyed_stream(true), (false, 1, 0));
 }
+
+/// Which scope memory a capture frees in [`scope_memory_freed_during_capture`].
+#[derive(Clone, Copy, Debug)]
+enum ScopeVictim {
+    /// An unbound buffer that escaped the learning run (no plan yet).
+    LearningEscape,
+    /// An unbound buffer that escaped a planned run (a pinned slice of its region).
+    PlannedEscape,
+    /// An unbound buffer of a run still open, freed during a capture of its stream.
+    OpenRun,
+    /// A bound buffer of a learning run still open (a pool block), freed during a capture.
+    BoundLearning,
+    /// A bound buffer of a planned run still open (a slice of its region), freed during a
+    /// capture.
+    BoundPlanned,
+}
+
+/// Scope memory freed while its stream is captured, after a captured kernel read it: the graph
+/// holds it until it is dropped, so neither a general allocation nor later runs of the scope
+/// hand it out while the graph lives (broken mode `CaptureScopeFrees`: the free goes to the
+/// scope or its region at once, as before the fix). Returns the sanitizer's findings and
+/// whether the victim's address was handed out again while the graph lived.
+/// With `sanitize` off, the scope's planned paths (inlined, taken only where no sanitizer
+/// watches) serve the run.
+fn scope_memory_freed_during_capture(
+    victim: ScopeVictim,
+    broken: bool,
+    sanitize: bool,
+) -> (Vec<tidepool::device::Violation>, bool) {
+    let dev = Arc::new(SimDevice::with_config(tidepool::SimConfig {
+        capacity: 256 * MIB,
+        backed: true,
+        sanitize,
+    }));
+    let s = dev.create_stream().unwrap();
+    let alloc = Allocator::new(dev.clone(), Config::default()).unwrap();
+    alloc.set_broken(Broken::CaptureScopeFrees, broken);
+    let out = alloc.alloc(N, s).unwrap();
+    let runs = match victim {
+        ScopeVictim::LearningEscape | ScopeVictim::BoundLearning => 0,
+        _ => 2,
+    };
+    if let ScopeVictim::BoundLearning | ScopeVictim::BoundPlanned = victim {
+        return bound_freed_during_capture(dev, s, alloc, out, runs);
+    }
+    for _ in 0..runs {
+        let sc = alloc.named_scope("step", s);
+        let b = sc.alloc_unbound(N).unwrap();
+        dev.launch(s, fill(&b, 1)).unwrap();
+    }
+    let open = alloc.named_scope("step", s);
+    let v = open.alloc_unbound(N).unwrap();
+    dev.launch(s, fill(&v, 7)).unwrap();
+    let open = match victim {
+        ScopeVictim::OpenRun => Some(open),
+        _ => {
+            drop(open); // `v` escapes the run
+            None
+        }
+    };
+    let v_ptr = v.ptr();
+    alloc.begin_capture(s, None).unwrap();
+    dev.launch(s, map(&v, &out, |x| x + 1)).unwrap();
+    drop(v);
+    let graph = alloc.end_capture(s).unwrap();
+    let mut handed = Vec::new();
+    // The open run goes on, and ends; then more runs and a general allocation.
+    if let Some(open) = open {
+        let b = open.alloc_unbound(N).unwrap();
+        dev.launch(s, fill(&b, 2)).unwrap();
+        handed.push(b.ptr());
+    }
+    for _ in 0..2 {
+        let sc = alloc.named_scope("step", s);
+        let b = sc.alloc_unbound(N).unwrap();
+        dev.launch(s, fill(&b, 3)).unwrap();
+        handed.push(b.ptr());
+    }
+    let other = alloc.alloc(N, s).unwrap();
+    dev.launch(s, fill(&other, 9)).unwrap();
+    handed.push(other.ptr());
+    graph.launch(s).unwrap();
+    dev.synchronize().unwrap();
+    drop((graph, other));
+    alloc.check_invariants().unwrap();
+    // Once the graph is gone, its memory is the allocator's again.
+    let again = alloc.alloc(N, s).unwrap();
+    drop((again, out));
+    alloc.check_invariants().unwrap();
+    (dev.violations(), handed.contains(&v_ptr))
+}
+
+/// [`scope_memory_freed_during_capture`] for a bound buffer of an open learning run: the run
+/// must not keep its block for local reuse while the graph lives.
+fn bound_freed_during_capture(
+    dev: Arc<SimDevice>,
+    s: StreamId,
+    alloc: Allocator<SimDevice>,
+    out: Buffer<SimDevice>,
+    runs: usize,
+) -> (Vec<tidepool::device::Violation>, bool) {
+    let write = |b: &tidepool::ScopedBuffer<'_, SimDevice>, byte: u8| {
+        let p = b.ptr();
+        let acc = vec![Access { ptr: p, bytes: N, kind: AccessKind::Write }];
+        dev.launch(s, Kernel::new("fill", acc, move |m| m.write(p, &[byte; N as usize]).unwrap()))
+            .unwrap();
+    };
+    // Each run: two buffers of one size, one after the other (a plan gives them one slice).
+    for _ in 0..runs {
+        let sc = alloc.named_scope("bound", s);
+        let b = sc.alloc(N).unwrap();
+        write(&b, 1);
+        drop(b);
+        let c = sc.alloc(N).unwrap();
+        write(&c, 1);
+    }
+    let sc = alloc.named_scope("bound", s);
+    let v = sc.alloc(N).unwrap();
+    let v_ptr = v.ptr();
+    write(&v, 7);
+    alloc.begin_capture(s, None).unwrap();
+    let (o, acc) = (out.ptr(), Access { ptr: v_ptr, bytes: N, kind: AccessKind::Read });
+    let reads = vec![acc, Access { ptr: o, bytes: N, kind: AccessKind::Write }];
+    let k = Kernel::replayable("copy", reads, move |m| {
+        let mut x = vec![0u8; N as usize];
+        m.read(v_ptr, &mut x).unwrap();
+        m.write(o, &x).unwrap();
+    });
+    dev.launch(s, k).unwrap();
+    drop(v);
+    let graph = alloc.end_capture(s).unwrap();
+    // The run goes on: the same size again, used at once; then two more runs.
+    let again = sc.alloc(N).unwrap();
+    write(&again, 3);
+    let mut handed = vec![again.ptr()];
+    drop(again);
+    drop(sc);
+    for _ in 0..2 {
+        let sc = alloc.named_scope("bound", s);
+        let b = sc.alloc(N).unwrap();
+        write(&b, 4);
+        handed.push(b.ptr());
+        drop(b);
+        let c = sc.alloc(N).unwrap();
+        write(&c, 4);
+        handed.push(c.ptr());
+    }
+    graph.launch(s).unwrap();
+    dev.synchronize().unwrap();
+    drop(graph);
+    alloc.check_invariants().unwrap();
+    drop(out);
+    alloc.check_invariants().unwrap();
+    (dev.violations(), handed.contains(&v_ptr))
+}
+
+#[test]
+fn scope_memory_freed_during_a_capture_is_held_by_the_graph() {
+    for victim in [
+        ScopeVictim::LearningEscape,
+        ScopeVictim::PlannedEscape,
+        ScopeVictim::OpenRun,
+        ScopeVictim::BoundLearning,
+        ScopeVictim::BoundPlanned,
+    ] {
+        let (v, reused) = scope_memory_freed_during_capture(victim, false, true);
+        assert!(v.is_empty(), "{victim:?}: {v:?}");
+        assert!(!reused, "{victim:?}");
+        let (v, reused) = scope_memory_freed_during_capture(victim, true, true);
+        assert!(reused, "{victim:?}: the broken mode hands the victim out again");
+        assert_eq!(v[0].op, "handout of memory a CUDA graph uses", "{victim:?}");
+        // The same on the planned fast paths (no sanitizer: addresses tell).
+        assert!(!scope_memory_freed_during_capture(victim, false, false).1, "{victim:?}");
+        assert!(scope_memory_freed_during_capture(victim, true, false).1, "{victim:?}");
+    }
+}

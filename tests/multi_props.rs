@@ -72,7 +72,22 @@ enum Op {
     EmptyCache { by: usize },
     PoolAlloc { by: usize, slot: usize, size: usize, n: usize, auto: bool },
     Capture { by: usize, slot: usize, size: usize, shared: bool, launches: usize, pick: usize },
+    SetConfig { by: usize, which: usize },
 }
+
+/// What `Op::SetConfig` switches an allocator to (with its cross-stream policy kept): the
+/// default, expandable segments (and with pages released at once), caching off, one global
+/// lock, a split bound, rounding divisions, garbage collection.
+const CONFIGS: [&str; 8] = [
+    "",
+    "expandable_segments:true",
+    "expandable_segments:true,release_threshold_mb:0",
+    "caching:false",
+    "global_lock:true",
+    "max_split_size_mb:40",
+    "roundup_power2_divisions:4",
+    "garbage_collection_threshold:0.5",
+];
 
 /// One step of a scope script (bound buffers are `ScopedBuffer`s; unbound ones `Buffer`s).
 #[derive(Clone, Debug)]
@@ -133,6 +148,7 @@ fn op() -> impl Strategy<Value = Op> {
         1 => (0..2usize).prop_map(|by| Op::DestroyDefault { by }),
         1 => (0..2usize, idx()).prop_map(|(by, pick)| Op::UnknownStream { by, pick }),
         1 => (0..2usize).prop_map(|by| Op::EmptyCache { by }),
+        1 => (0..2usize, 0..CONFIGS.len()).prop_map(|(by, which)| Op::SetConfig { by, which }),
         2 => (0..2usize, 0..SLOTS, 0..SIZES.len(), 1..=3usize, any::<bool>())
             .prop_map(|(by, slot, size, n, auto)| Op::PoolAlloc { by, slot, size, n, auto }),
         2 => (0..2usize, 1..SLOTS, 0..3usize, any::<bool>(), 1..=3usize, idx())
@@ -570,6 +586,12 @@ impl World {
             }
             Op::Capture { by, slot, size, shared, launches, pick } => {
                 self.capture(by, slot, SIZES[size], shared, launches, pick)?;
+            }
+            Op::SetConfig { by, which } => {
+                let a = &self.allocs[by];
+                let config = Config::parse(CONFIGS[which]).unwrap();
+                let config = config.with_cross_stream(a.config().cross_stream);
+                a.set_config(config).map_err(|e| format!("set_config: {e}"))?;
             }
         }
         Ok(())

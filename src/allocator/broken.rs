@@ -95,6 +95,10 @@ pub enum Broken {
     /// exists: a pool that never saw the stream's destruction serves it (from its stream cache
     /// or its whole path, where it remembers the stream as known).
     RoutedDeadStreams = 1 << 41,
+    /// Scope memory (an unbound buffer of a scope: a planned slice, or a pool block an open run
+    /// or a region may take back) freed while a capture holds it goes to its scope or region at
+    /// once instead of to the graph, which then shares it with work outside the graph.
+    CaptureScopeFrees = 1 << 42,
 }
 
 #[cfg_attr(not(feature = "test-hooks"), allow(dead_code))]

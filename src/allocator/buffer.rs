@@ -363,6 +363,19 @@ impl<D: Device> Buffer<D> {
     #[cold]
     fn drop_slow(&mut self) {
         let planned = matches!(*self.origin, Origin::Region(..));
+        // A scope's unbound buffer freed while a capture holds it goes to the graph whole: its
+        // run or region would hand its memory out again at once (`capture.rs`).
+        if (planned || self.scope.is_some())
+            && self.owner.family.captures.any()
+            && !self.owner.broken(super::Broken::CaptureScopeFrees)
+        {
+            let owner = Arc::clone(&self.owner);
+            let uses = self.uses_for_capture();
+            if owner.family.captures.defer_buffer(&owner, self.stream, &uses, || self.take_whole())
+            {
+                return;
+            }
+        }
         let uses = self.scope.as_ref().map(|t| t.take_uses()).unwrap_or_default();
         // BROKEN (finding 4): the free is visible to the scope before the ordering is in place.
         let late = cfg!(tidepool_broken = "unbound_free")
@@ -405,6 +418,43 @@ impl<D: Device> Buffer<D> {
                 self.owner.release_region(region);
             }
             Origin::None => {}
+        }
+    }
+}
+
+impl<D: Device> Buffer<D> {
+    /// The other streams it was used on, for a capture deciding whether it holds the buffer
+    /// back (read, not taken: the buffer's drop still needs them).
+    fn uses_for_capture(&self) -> Vec<StreamId> {
+        if !self.used_elsewhere() {
+            return Vec::new();
+        }
+        let mut uses = self.scope.as_ref().map(|t| t.uses()).unwrap_or_default();
+        if let Origin::Pool(block) = *self.origin
+            && let Some(more) = self.owner.lock_state().stream_uses.get(&block)
+        {
+            uses.extend(more.iter().copied());
+        }
+        uses
+    }
+
+    /// Moves everything it holds into a new buffer (a capture keeps that one): this one is
+    /// left with no origin and no scope tag, and its own hold on the allocator, for its drop
+    /// to let go of.
+    fn take_whole(&mut self) -> Buffer<D> {
+        Buffer {
+            ptr: self.ptr,
+            requested: self.requested,
+            size: self.size,
+            stream: self.stream,
+            origin: ManuallyDrop::new(std::mem::replace(&mut *self.origin, Origin::None)),
+            scope: ManuallyDrop::new(self.scope.take()),
+            owner: ManuallyDrop::new(Arc::clone(&self.owner)),
+            accounted: self.accounted,
+            rounded: self.rounded,
+            residency: self.residency,
+            quadrant: self.quadrant,
+            flags: AtomicU8::new(self.flags.load(Ordering::Acquire) | UNCOMMON),
         }
     }
 }

@@ -27,19 +27,65 @@
 //! `use_on`) and is freed during the capture is held back too: no event can be recorded on a
 //! capturing stream, and the graph's replays may use it.
 //!
+//! Scope memory has no pool free to defer, so it is held back in its own way:
+//! - a scope's unbound buffer (a planned slice, or a pool block its run or region would take
+//!   back) is kept *whole* by the graph: its run and region hear of the free only when the
+//!   graph goes, so neither hands the memory out meanwhile (to them it is a live escape);
+//! - a bound buffer's pool block is not kept for the run's local reuse: its drop defers it;
+//! - a bound buffer's planned slice makes the graph hold the run's whole region: it serves no
+//!   more slices in the run and no later run claims it until the graph is gone (the inlined
+//!   planned free takes the slow path while any stream is routed, as a capture's is).
+//!
 //! Limits: a capture covers one stream (no fork/join into other captured streams); scopes refuse
-//! to allocate on a capturing stream, and scope memory (scoped buffers, planned slices) freed
-//! during a capture is not held back.
+//! to allocate on a capturing stream.
 
 use super::buffer::Freed;
 use super::owner::Owner;
+use super::plan::Region;
 use super::private_pool::MemPool;
 use super::*;
 use crate::device::{Capture, GraphId};
 use crate::sync::atomic::AtomicUsize;
 
-/// Buffers whose free a graph holds back, each with its allocator.
-type Deferred<D> = Vec<(Arc<Owner<D>>, Freed)>;
+/// What a graph holds back until it is dropped.
+enum Held<D: Device> {
+    /// A pool block freed during the capture, with its allocator: freed when the graph goes.
+    Block(Arc<Owner<D>>, Freed),
+    /// A scope's unbound buffer freed during the capture, kept whole: its scope run and region
+    /// hear of the free only when the graph goes (a planned slice or a block a region would
+    /// take back has no pool free to defer).
+    Buffer(Buffer<D>),
+    /// A scope's region, one of whose planned slices was freed during the capture: claimed by
+    /// no run while held; the hold is let go through its allocator when the graph goes.
+    Region(Arc<Shared<D>>, Arc<Region>),
+}
+
+impl<D: Device> Held<D> {
+    /// Lets go of it: the block is freed, the buffer dropped.
+    fn release(self) {
+        match self {
+            Held::Block(owner, f) => owner.free(f),
+            Held::Buffer(b) => drop(b),
+            Held::Region(shared, region) => {
+                region.graph_gone();
+                shared.release_region(region);
+            }
+        }
+    }
+
+    /// Keeps it allocated for good (nothing can tell when the graph's launches end).
+    fn leak(self) {
+        match self {
+            Held::Block(..) => {}
+            Held::Buffer(b) => std::mem::forget(b),
+            // Never claimed again, never back in the pool.
+            Held::Region(_, region) => std::mem::forget(region),
+        }
+    }
+}
+
+/// What graphs hold back, with the allocators.
+type Deferred<D> = Vec<Held<D>>;
 
 /// The captures underway in an allocator family, by stream.
 pub(crate) struct CaptureTable<D: Device> {
@@ -92,22 +138,71 @@ impl<D: Device> CaptureTable<D> {
             false => Vec::new(),
         };
         let mut t = lock(&self.inner);
-        let mine: &Shared<D> = owner;
+        let Some(key) = Self::holder(&t, owner, f.stream, &uses) else { return Some(f) };
+        let e = t.get_mut(&key).expect("found by holder");
+        e.deferred.push(Held::Block(owner.clone(), f));
+        None
+    }
+
+    /// [`CaptureTable::defer`] for a scope's unbound buffer of `owner` on `stream`, used on
+    /// `uses` too: `true` when a capture holds it back, and then `take` made the whole buffer
+    /// the graph keeps (its drop, when the graph goes, frees it as it would have now).
+    pub(super) fn defer_buffer(
+        &self,
+        owner: &Arc<Owner<D>>,
+        stream: StreamId,
+        uses: &[StreamId],
+        take: impl FnOnce() -> Buffer<D>,
+    ) -> bool {
+        if !self.any() {
+            return false;
+        }
+        let mut t = lock(&self.inner);
+        let Some(key) = Self::holder(&t, owner, stream, uses) else { return false };
+        let e = t.get_mut(&key).expect("found by holder");
+        e.deferred.push(Held::Buffer(take()));
+        true
+    }
+
+    /// A planned slice of `region` (of `shared`'s scopes) was freed on `stream`: `true` when a
+    /// capture holds it back, and then the graph holds the whole region (no run claims it)
+    /// until it goes.
+    pub(super) fn hold_region(
+        &self,
+        shared: &Arc<Shared<D>>,
+        stream: StreamId,
+        uses: &[StreamId],
+        region: &Arc<Region>,
+    ) -> bool {
+        if !self.any() {
+            return false;
+        }
+        let mut t = lock(&self.inner);
+        let Some(key) = Self::holder(&t, shared, stream, uses) else { return false };
+        region.graph_holds();
+        let e = t.get_mut(&key).expect("found by holder");
+        e.deferred.push(Held::Region(shared.clone(), region.clone()));
+        true
+    }
+
+    /// The capture that holds back memory of `owner` freed on `stream` and used on `uses`: the
+    /// capture of its stream (unless the memory is of that capture's own pool), else that of a
+    /// stream it was used on; `None` when none does.
+    fn holder(
+        t: &HashMap<StreamId, Entry<D>>,
+        mine: &Shared<D>,
+        stream: StreamId,
+        uses: &[StreamId],
+    ) -> Option<StreamId> {
         let own_stream =
-            t.get(&f.stream).map(|e| (e.broken, std::ptr::eq(mine, &*e.pool.alloc.shared)));
-        let key = match own_stream {
-            Some((true, _)) => return Some(f),
-            Some((false, false)) => f.stream,
+            t.get(&stream).map(|e| (e.broken, std::ptr::eq(mine, &*e.pool.alloc.shared)));
+        match own_stream {
+            Some((true, _)) => None,
+            Some((false, false)) => Some(stream),
             // Of the capture's own pool (or its stream is not captured): held back only if a
             // captured stream used it.
-            _ => match uses.iter().find(|u| t.get(u).is_some_and(|e| !e.broken)) {
-                Some(&u) => u,
-                None => return Some(f),
-            },
-        };
-        let e = t.get_mut(&key).expect("found above");
-        e.deferred.push((owner.clone(), f));
-        None
+            _ => uses.iter().find(|u| t.get(u).is_some_and(|e| !e.broken)).copied(),
+        }
     }
 }
 
@@ -168,9 +263,10 @@ impl<D: Capture> Drop for Graph<D> {
         let done = !self.launched.load(Ordering::Acquire) || self.device.synchronize().is_ok();
         self.pool.alloc.shared.role.graphs.fetch_sub(1, Ordering::AcqRel);
         let deferred = std::mem::take(&mut self.deferred);
-        if done {
-            for (owner, f) in deferred {
-                owner.free(f);
+        for held in deferred {
+            match done {
+                true => held.release(),
+                false => held.leak(),
             }
         }
     }
@@ -246,9 +342,7 @@ impl<D: Capture> Allocator<D> {
             table.active.fetch_sub(1, Ordering::AcqRel);
             role.graphs.fetch_sub(1, Ordering::AcqRel);
             if let Some(entry) = entry {
-                for (owner, f) in entry.deferred {
-                    owner.free(f);
-                }
+                entry.deferred.into_iter().for_each(Held::release);
             }
             return Err(e.into());
         }
@@ -283,9 +377,7 @@ impl<D: Capture> Allocator<D> {
             }),
             Err(e) => {
                 entry.pool.alloc.shared.role.graphs.fetch_sub(1, Ordering::AcqRel);
-                for (owner, f) in entry.deferred {
-                    owner.free(f);
-                }
+                entry.deferred.into_iter().for_each(Held::release);
                 Err(e.into())
             }
         }

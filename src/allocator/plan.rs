@@ -232,6 +232,9 @@ pub(crate) struct Region {
     /// refused events, waits and host syncs alike): the region is never claimed again and never
     /// returns to the pool.
     poisoned: AtomicBool,
+    /// CUDA graphs holding it (a slice was freed while its stream was captured: the graph's
+    /// replays may read it): no run claims it until they are gone.
+    graphs: AtomicUsize,
 }
 
 impl Region {
@@ -244,6 +247,7 @@ impl Region {
             pinned_count: AtomicUsize::new(0),
             in_use: AtomicBool::new(false),
             poisoned: AtomicBool::new(false),
+            graphs: AtomicUsize::new(0),
         }
     }
 
@@ -272,6 +276,7 @@ impl Region {
     /// it is poisoned.
     pub fn try_claim(&self) -> bool {
         !self.is_poisoned()
+            && self.graphs.load(Ordering::Acquire) == 0
             && self
                 .in_use
                 .compare_exchange(false, true, Ordering::Acquire, Ordering::Relaxed)
@@ -281,6 +286,16 @@ impl Region {
     /// Never serve or reuse this region's memory again (see `poisoned`).
     pub fn poison(&self) {
         self.poisoned.store(true, Ordering::Release);
+    }
+
+    /// A graph holds the region: no run claims it until [`Region::graph_gone`].
+    pub fn graph_holds(&self) {
+        self.graphs.fetch_add(1, Ordering::AcqRel);
+    }
+
+    /// A graph that held the region is gone (its launches done).
+    pub fn graph_gone(&self) {
+        self.graphs.fetch_sub(1, Ordering::AcqRel);
     }
 
     /// Whether [`Region::poison`] was called.

@@ -95,6 +95,14 @@ impl ScopeTag {
         }
     }
 
+    /// The other streams the buffer was used on (a copy).
+    pub(crate) fn uses(&self) -> Vec<StreamId> {
+        match self.has_uses.load(Ordering::Relaxed) {
+            true => lock(&self.uses).clone(),
+            false => Vec::new(),
+        }
+    }
+
     /// The other streams the buffer was used on (taken: called once, as it is freed).
     pub(crate) fn take_uses(&self) -> Vec<StreamId> {
         match self.has_uses.load(Ordering::Relaxed) {
@@ -1021,7 +1029,9 @@ impl<'a, D: Device> Scope<'a, D> {
     fn free_bound(&self, id: u64, ptr: DeviceAddr, requested: u64) {
         let c = &self.cursor;
         let pos = c.pos.get();
-        if pos as u64 == id {
+        // (While a stream is routed — a guard, or a capture that may hold the slice back — the
+        // mask is all ones and the free takes the slow path.)
+        if (pos as u64 ^ id) | self.route_mask.load(Ordering::Relaxed) == 0 {
             c.pos.set(pos + 1);
             return;
         }
@@ -1044,8 +1054,12 @@ impl<'a, D: Device> Scope<'a, D> {
             // A planned slice: the plan's step, the request rounded by the run's rules.
             let size = self.round(requested).unwrap_or(0);
             self.device.note_reclaim(ptr, size, self.stream);
-            if self.cursor.any_uses.get() {
-                self.order_uses(index);
+            let uses = match self.cursor.any_uses.get() {
+                true => self.order_uses(index),
+                false => Vec::new(),
+            };
+            if self.alloc.shared.family.captures.any() {
+                self.hold_region(&uses);
             }
             return;
         };
@@ -1059,7 +1073,12 @@ impl<'a, D: Device> Scope<'a, D> {
             std::ptr::eq(theirs, &*self.alloc.shared)
                 || self.alloc.shared.broken(super::Broken::ScopeKeepsRouted)
         };
+        // Nor while its stream is captured: the graph's replays may read it, so its drop
+        // hands it to the graph (`capture.rs`) instead.
+        let captured = self.alloc.shared.family.captures.capturing(self.stream)
+            && !self.alloc.shared.broken(super::Broken::CaptureScopeFrees);
         if ours
+            && !captured
             && !buf.used_elsewhere()
             && self.config.caching
             && let Some(block) = buf.block()
@@ -1078,9 +1097,10 @@ impl<'a, D: Device> Scope<'a, D> {
         drop(buf); // the ordinary stream-ordered free, unless taken into the local cache
     }
 
-    /// Orders the reuse of freed planned allocation `index` after the streams it was used on.
+    /// Orders the reuse of freed planned allocation `index` after the streams it was used on;
+    /// returns them.
     #[cold]
-    fn order_uses(&self, index: u32) {
+    fn order_uses(&self, index: u32) -> Vec<StreamId> {
         let mut others = Vec::new();
         self.run.borrow_mut().uses.retain(|&(i, s)| {
             if i == index {
@@ -1090,6 +1110,24 @@ impl<'a, D: Device> Scope<'a, D> {
         });
         if !self.alloc.shared.order_after(self.stream, &others) {
             self.poison_region();
+        }
+        others
+    }
+
+    /// A planned slice (used on `uses` too) was freed while a capture may hold it: if one does,
+    /// the graph holds the claimed region, which serves no more slices in this run and is
+    /// claimed by no later run until the graph is gone (its replays may read the slice).
+    /// Broken mode `CaptureScopeFrees`: the slice is served again at once.
+    #[cold]
+    fn hold_region(&self, uses: &[StreamId]) {
+        let sh = &self.alloc.shared;
+        if sh.broken(super::Broken::CaptureScopeFrees) {
+            return;
+        }
+        let RegionSlot::Claimed(region) = &self.run.borrow().region else { return };
+        if sh.family.captures.hold_region(sh, self.stream, uses, region) {
+            self.cursor.base.set(NO_BASE);
+            self.set_fast();
         }
     }
 
