@@ -70,30 +70,33 @@ impl Buf<'_> {
     }
 }
 
+/// One physical allocation. Kept small (its rare parts boxed): the table of them grows by one
+/// per growth of an expandable range.
 struct Physical {
     bytes: u64,
-    data: Option<Vec<u8>>,
+    /// Host backing, where the device has it.
+    data: Option<Box<[u8]>>,
     /// The address it is mapped at, if any.
     at: Option<u64>,
     /// Further addresses it is mapped at (rare: a page being moved).
-    more: Vec<u64>,
+    more: Option<Box<Vec<u64>>>,
     released: bool,
 }
 
 impl Physical {
     fn addresses(&self) -> impl Iterator<Item = u64> + '_ {
-        self.at.into_iter().chain(self.more.iter().copied())
+        self.at.into_iter().chain(self.more.iter().flat_map(|m| m.iter().copied()))
     }
 
     fn unmapped(&self) -> bool {
-        self.at.is_none() && self.more.is_empty()
+        self.at.is_none() && self.more.as_ref().is_none_or(|m| m.is_empty())
     }
 
     fn forget(&mut self, va: u64) {
         if self.at == Some(va) {
-            self.at = self.more.pop();
-        } else {
-            self.more.retain(|&a| a != va);
+            self.at = self.more.as_mut().and_then(|m| m.pop());
+        } else if let Some(m) = &mut self.more {
+            m.retain(|&a| a != va);
         }
     }
 }
@@ -356,8 +359,8 @@ impl Vmm {
                 code: DeviceError::CUDA_ERROR_OUT_OF_MEMORY,
             });
         }
-        let data = backed.then(|| vec![0u8; bytes as usize]);
-        let p = Physical { bytes, data, at: None, more: Vec::new(), released: false };
+        let data = backed.then(|| vec![0u8; bytes as usize].into_boxed_slice());
+        let p = Physical { bytes, data, at: None, more: None, released: false };
         let h = self.physical.insert(p);
         self.physical_bytes += bytes;
         self.counters.creates += 1;
@@ -418,7 +421,7 @@ impl Vmm {
         let p = self.physical.get_mut(&handle.0).expect("checked");
         match p.at {
             None => p.at = Some(va),
-            Some(_) => p.more.push(va),
+            Some(_) => p.more.get_or_insert_default().push(va),
         }
         self.mapping_count += 1;
         self.counters.maps += 1;
