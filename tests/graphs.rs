@@ -502,9 +502,17 @@ fn bound_freed_during_capture(
         dev.launch(s, Kernel::new("fill", acc, move |m| m.write(p, &[byte; N as usize]).unwrap()))
             .unwrap();
     };
-    // Each run: two buffers of one size, one after the other (a plan gives them one slice).
+    // Each run: a buffer forgotten (`mem::forget`: the run's end takes its slice back, held
+    // region or not), then two buffers of one size, one after the other (a plan gives them
+    // one slice).
+    let forget = |sc: &tidepool::Scope<'_, SimDevice>| {
+        let f = sc.alloc(N).unwrap();
+        write(&f, 5);
+        std::mem::forget(f);
+    };
     for _ in 0..runs {
         let sc = alloc.named_scope("bound", s);
+        forget(&sc);
         let b = sc.alloc(N).unwrap();
         write(&b, 1);
         drop(b);
@@ -512,6 +520,7 @@ fn bound_freed_during_capture(
         write(&c, 1);
     }
     let sc = alloc.named_scope("bound", s);
+    forget(&sc);
     let v = sc.alloc(N).unwrap();
     let v_ptr = v.ptr();
     write(&v, 7);
@@ -534,6 +543,7 @@ fn bound_freed_during_capture(
     drop(sc);
     for _ in 0..2 {
         let sc = alloc.named_scope("bound", s);
+        forget(&sc);
         let b = sc.alloc(N).unwrap();
         write(&b, 4);
         handed.push(b.ptr());
@@ -657,4 +667,44 @@ fn a_planned_slice_used_elsewhere_and_freed_in_a_capture_is_ordered_when_the_gra
     // Broken: ordered during the capture, which fails: the region is poisoned for good.
     let (_, _, left) = planned_slice_used_elsewhere(true);
     assert_eq!(left, 1, "the poisoned region's segment stays");
+}
+
+/// A run whose region a graph holds (a planned slice freed during a capture) still takes back,
+/// as it ends, the slices of the buffers it forgot (`mem::forget`): the next run hands them out
+/// again with the sanitizer told (they were reclaimed), and each run's freed slice waits for
+/// its graph.
+#[test]
+fn a_run_whose_region_a_graph_holds_takes_its_forgotten_slices_back() {
+    let dev = Arc::new(SimDevice::backed(256 * MIB));
+    let s = dev.create_stream().unwrap();
+    let alloc = Allocator::new(dev.clone(), Config::default()).unwrap();
+    let n = 700_000u64; // a 700416-byte slice
+    let mut seen = Vec::new();
+    for _ in 0..3 {
+        let sc = alloc.named_scope("x", s);
+        let a = sc.alloc(n).unwrap();
+        let a_ptr = a.ptr().0;
+        std::mem::forget(a);
+        let b = sc.alloc(n).unwrap();
+        seen.push((a_ptr, b.ptr().0, b.is_planned()));
+        alloc.begin_capture(s, None).unwrap();
+        let p = b.ptr();
+        let acc = vec![Access { ptr: p, bytes: n, kind: AccessKind::Read }];
+        let k = Kernel::replayable("read", acc, move |m| m.read(p, &mut [0u8; 64]).unwrap());
+        dev.launch(s, k).unwrap();
+        drop(b);
+        let graph = alloc.end_capture(s).unwrap();
+        graph.launch(s).unwrap();
+        drop(sc);
+        drop(graph);
+        let post = alloc.alloc(n, s).unwrap();
+        assert!(dev.violations().is_empty(), "{:?}", dev.violations());
+        drop(post);
+    }
+    // The learning run's blocks in the first segment, the plan's region in a new one: each
+    // planned run serves the same two slices.
+    let region = SIM_BASE + SEG;
+    assert_eq!(seen[0], (SIM_BASE, SIM_BASE + 700_416, false));
+    assert_eq!(seen[1..], [(region, region + 700_416, true), (region, region + 700_416, true)]);
+    alloc.check_invariants().unwrap();
 }

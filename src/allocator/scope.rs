@@ -202,6 +202,9 @@ struct Cursor {
     any_uses: Cell<bool>,
     /// The step at which the run stopped following its plan (`usize::MAX`: it has not).
     diverged_at: Cell<usize>,
+    /// A CUDA graph holds the claimed region (a planned slice was freed during a capture): the
+    /// run serves no more slices from it (`base` stays, for what the run's end reclaims).
+    held: Cell<bool>,
 }
 
 impl Cursor {
@@ -570,6 +573,7 @@ impl<'a, D: Device> Scope<'a, D> {
                 check_pins: Cell::new(check_pins),
                 any_uses: Cell::new(false),
                 diverged_at: Cell::new(usize::MAX),
+                held: Cell::new(false),
             },
             script: plan.as_ref().map_or_else(no_script, |p| p.script.clone()),
             plan,
@@ -599,7 +603,8 @@ impl<'a, D: Device> Scope<'a, D> {
             && c.following.get()
             && c.base.get() != NO_BASE
             && !c.check_pins.get()
-            && !c.any_uses.get();
+            && !c.any_uses.get()
+            && !c.held.get();
         c.pos.set(c.len() | if on { 0 } else { FAST_OFF });
     }
 
@@ -926,6 +931,9 @@ impl<'a, D: Device> Scope<'a, D> {
     #[inline]
     fn planned(&self, offset: u64, size: u64) -> Option<DeviceAddr> {
         let c = &self.cursor;
+        if c.held.get() {
+            return None;
+        }
         let base = c.base.get();
         if base == NO_BASE {
             return self.planned_claiming(offset, size);
@@ -1131,7 +1139,7 @@ impl<'a, D: Device> Scope<'a, D> {
         if !sh.family.captures.hold_region(sh, self.stream, uses, region) {
             return false;
         }
-        self.cursor.base.set(NO_BASE);
+        self.cursor.held.set(true);
         self.set_fast();
         true
     }
