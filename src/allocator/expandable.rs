@@ -55,8 +55,6 @@ pub(super) struct Range {
     pages: PageTable,
     /// The pool's segments in this range (one per run of mapped pages), by base address.
     segs: SortedMap<u64, SegmentId>,
-    /// A block of the top run, to find its end without walking it (validated on use).
-    top_hint: Option<BlockId>,
     /// Old addresses of pages moved to another place, still mapped until the donor stream's
     /// work is done: neither usable nor mappable meanwhile.
     retiring: BTreeSet<u64>,
@@ -247,32 +245,35 @@ fn place(pool: &Pool, r: &Range, rounded: u64, page: u64) -> Option<Place> {
         let b = pool.block(id);
         if b.state == BlockState::Free { b.size } else { 0 }
     };
+    // The window of `rounded` bytes at `w` in the gap [gap_lo, gap_hi): the gap's pages under it.
+    let mut window = |w: u64, (gap_lo, gap_hi): (u64, u64)| {
+        let lo = r.base + (w.max(gap_lo) - r.base) / page * page;
+        let hi = r.base + ((w + rounded).min(gap_hi) - r.base).div_ceil(page) * page;
+        if hi <= lo || !r.retiring.is_empty() && r.retiring.range(lo..hi).next().is_some() {
+            return;
+        }
+        let p = Place { lo, pages: (hi - lo) / page };
+        if best.is_none_or(|b| (p.pages, p.lo) < (b.pages, b.lo)) {
+            best = Some(p);
+        }
+    };
     let (mut gap_lo, mut prev) = (r.base, None::<SegmentId>);
-    let top = r.segs.keys().next_back().copied();
-    let ends = r.segs.iter().map(|(&b, &s)| (b, Some(s))).chain([(r.base + r.size, None)]);
-    for (gap_hi, next) in ends {
+    // The gaps: below each run, then above the last one (to the range's end).
+    let runs = r.segs.iter().map(|(&b, &s)| (b, Some(s)));
+    for (gap_hi, next) in runs.chain(std::iter::once((r.base + r.size, None))) {
         if gap_hi > gap_lo {
-            let tail = match prev {
-                Some(p) if top == Some(pool.segment(p).base) => free_size(top_last(pool, r, p)),
-                Some(p) => free_size(pool.last_block(p)),
-                None => 0,
-            };
+            let tail = prev.map_or(0, |p| free_size(pool.last_block(p)));
             let head = next.map_or(0, |n| free_size(pool.segment(n).first));
             let (span_lo, span_hi) = (gap_lo - tail, gap_hi + head);
-            let right = (next.is_some() && span_hi - span_lo >= rounded).then(|| span_hi - rounded);
-            for w in [Some(span_lo), right].into_iter().flatten() {
-                if w + rounded > span_hi || tail >= rounded && w == span_lo {
-                    continue;
-                }
-                // The gap's pages under the window.
-                let lo = r.base + (w.max(gap_lo) - r.base) / page * page;
-                let hi = r.base + ((w + rounded).min(gap_hi) - r.base).div_ceil(page) * page;
-                if hi <= lo || !r.retiring.is_empty() && r.retiring.range(lo..hi).next().is_some() {
-                    continue;
-                }
-                let p = Place { lo, pages: (hi - lo) / page };
-                if best.is_none_or(|b| (p.pages, p.lo) < (b.pages, b.lo)) {
-                    best = Some(p);
+            // From the span's start (not where the free tail alone holds the request) ...
+            if span_lo + rounded <= span_hi && tail < rounded {
+                window(span_lo, (gap_lo, gap_hi));
+            }
+            // ... and, below a run, ending at the span's end.
+            if next.is_some() && span_hi - span_lo >= rounded {
+                let w = span_hi - rounded;
+                if tail < rounded || w != span_lo {
+                    window(w, (gap_lo, gap_hi));
                 }
             }
         }
@@ -282,14 +283,6 @@ fn place(pool: &Pool, r: &Range, rounded: u64, page: u64) -> Option<Place> {
         }
     }
     best
-}
-
-/// The last block of the top run `seg`, from the range's hint where it is still in that run.
-fn top_last(pool: &Pool, r: &Range, seg: SegmentId) -> BlockId {
-    match r.top_hint.filter(|&h| pool.try_block(h).is_some_and(|b| b.segment == seg)) {
-        Some(h) => pool.last_block_from(h),
-        None => pool.last_block(seg),
-    }
 }
 
 impl<D: Device> Shared<D> {
@@ -349,7 +342,6 @@ impl<D: Device> Shared<D> {
             size,
             pages: PageTable::new(base.0, page),
             segs: SortedMap::default(),
-            top_hint: None,
             retiring: BTreeSet::new(),
         };
         st.vm.ranges.insert(base.0, range);
@@ -371,15 +363,15 @@ impl<D: Device> Shared<D> {
         key: PoolKey,
         rounded: u64,
     ) -> Option<BlockId> {
-        let b = st.pool.find_free(key, rounded, &config.sizing)?;
         if st.vm.is_empty() {
-            return Some(b); // no range: the block's record is not looked at
+            // No range: the block's record is not looked at.
+            return st.pool.find_free(key, rounded, &config.sizing);
         }
+        // The end block is most often the largest free block (a range growing block by block):
+        // then no search can find a larger one (the best fit says so from its bitmaps).
+        let (b, larger) = st.pool.find_free_and_larger(key, rounded, &config.sizing)?;
         let blk = st.pool.block(b);
-        if blk.next.is_some() {
-            return Some(b);
-        }
-        if !st.vm.is_top(blk.addr, blk.segment) {
+        if !larger || blk.next.is_some() || !st.vm.is_top(blk.addr, blk.segment) {
             return Some(b);
         }
         st.pool.find_free(key, blk.size + 1, &config.sizing).or(Some(b))
@@ -429,7 +421,7 @@ impl<D: Device> Shared<D> {
             return true;
         }
         let key = st.pool.segment(seg).key;
-        st.pool.find_free(key, merged + 1, sizing).is_none()
+        !st.pool.has_free_above(key, merged) || st.pool.find_free(key, merged + 1, sizing).is_none()
     }
 
     /// Whether freed large-pool blocks may wait in their stream's cache under `config` over
@@ -655,10 +647,8 @@ impl<D: Device> Shared<D> {
             .next_back()
             .filter(|&(&b, &s)| b + st.pool.segment(s).size == lo)
             .map(|(_, &s)| s);
-        let is_top = range.segs.keys().next_back().is_none_or(|&t| t < end);
-        let hint = range.top_hint.filter(|_| left.is_some() && is_top);
         let right = range.segs.get(&end).copied();
-        let (seg, blk) = st.pool.extend(key, lo, pages * page, (left, hint), right);
+        let (seg, blk) = st.pool.extend(key, lo, pages * page, left, right);
         // The runs table: a left neighbour keeps its base (and its entry); a right one joined
         // to it, or grown down to `lo`, leaves its entry at `end`.
         if right.is_some() {
@@ -668,9 +658,6 @@ impl<D: Device> Shared<D> {
             range.segs.insert(lo, seg);
         }
         debug_assert_eq!(range.segs.get(&st.pool.segment(seg).base), Some(&seg));
-        if range.segs.keys().next_back() == Some(&st.pool.segment(seg).base) {
-            range.top_hint = Some(blk);
-        }
         st.note(Action::SegmentMap, DeviceAddr(lo), pages * page, key.stream);
         // Segments per stream: the new run counts one, each neighbour it joined one less. A
         // stream with a run here already has its cache.
@@ -1032,10 +1019,16 @@ impl<D: Device> Shared<D> {
 
     /// Unmaps the old mappings of moved pages whose donor's event has completed (with `block`:
     /// waits for them, a host sync each).
+    #[inline]
     pub(super) fn poll_retiring(&self, st: &mut State, block: bool) {
-        if st.vm.retiring.is_empty() {
-            return;
+        if !st.vm.retiring.is_empty() {
+            self.poll_retiring_now(st, block);
         }
+    }
+
+    /// [`Shared::poll_retiring`] where pages retire.
+    #[cold]
+    fn poll_retiring_now(&self, st: &mut State, block: bool) {
         let page = st.vm.page;
         let mut keep = Vec::new();
         for mut r in std::mem::take(&mut st.vm.retiring) {

@@ -54,12 +54,6 @@ impl PageTable {
     /// Records chunk `c` over its pages (none of them mapped).
     pub(super) fn insert(&mut self, c: Chunk) {
         let (i, n) = (self.index(c.lo), c.pages as usize);
-        if i + n > self.slots.len() {
-            if self.slots.capacity() == 0 {
-                self.slots.reserve(FIRST_SLOTS.max(i + n));
-            }
-            self.slots.resize(i + n, 0);
-        }
         let k = match self.free.pop() {
             Some(k) => {
                 self.chunks[k as usize] = c;
@@ -70,9 +64,21 @@ impl PageTable {
                 (self.chunks.len() - 1) as u32
             }
         };
-        for slot in &mut self.slots[i..i + n] {
-            debug_assert_eq!(*slot, 0, "page mapped twice");
-            *slot = k + 1;
+        if i >= self.slots.len() {
+            // At or above the top (a range growing): the new pages are appended.
+            if self.slots.capacity() == 0 {
+                self.slots.reserve(FIRST_SLOTS.max(i + n));
+            }
+            self.slots.resize(i, 0);
+            self.slots.extend(std::iter::repeat_n(k + 1, n));
+        } else {
+            if i + n > self.slots.len() {
+                self.slots.resize(i + n, 0);
+            }
+            for slot in &mut self.slots[i..i + n] {
+                debug_assert_eq!(*slot, 0, "page mapped twice");
+                *slot = k + 1;
+            }
         }
         self.len += n;
     }

@@ -70,8 +70,9 @@ impl Pool {
             state: BlockState::Free,
             oversize: false,
         }));
-        if let Some(n) = next {
-            self.blocks[n.0].prev = Some(rest);
+        match next {
+            Some(n) => self.blocks[n.0].prev = Some(rest),
+            None => self.segments[seg.0].last = rest,
         }
         let front = &mut self.blocks[id.0];
         front.size = pad;

@@ -68,6 +68,9 @@ pub struct Segment {
     pub key: PoolKey,
     /// The block at `base`.
     pub first: BlockId,
+    /// The block at its end (kept by every split, merge and join: expandable growth finds a
+    /// run's end block without walking the run).
+    pub last: BlockId,
     /// Blocks that are allocated or pending (a segment with none can be released).
     pub busy_blocks: usize,
     /// The slot of its key's free index in the pool.

@@ -174,18 +174,53 @@ impl FreeIndex {
     /// octave, else the first bin of a later octave.
     #[inline]
     fn first_above(&self, fl: usize, sl: usize) -> Option<Entry> {
-        let above = self.sl_map[fl] & (u32::MAX << sl << 1);
-        let (fl, sl) = if above != 0 {
-            (fl, above.trailing_zeros() as usize)
-        } else {
-            let octaves = self.fl_map & (u64::MAX << fl << 1);
-            if octaves == 0 {
-                return None;
-            }
-            let fl = octaves.trailing_zeros() as usize;
-            (fl, self.sl_map[fl].trailing_zeros() as usize)
-        };
+        let (fl, sl) = self.bin_above(fl, sl)?;
         self.bin(fl, sl).last().copied()
+    }
+
+    /// The first non-empty bin above bin (fl, sl).
+    #[inline]
+    fn bin_above(&self, fl: usize, sl: usize) -> Option<(usize, usize)> {
+        let above = self.sl_map[fl] & (u32::MAX << sl << 1);
+        if above != 0 {
+            return Some((fl, above.trailing_zeros() as usize));
+        }
+        let octaves = self.fl_map & (u64::MAX << fl << 1);
+        if octaves == 0 {
+            return None;
+        }
+        let fl = octaves.trailing_zeros() as usize;
+        Some((fl, self.sl_map[fl].trailing_zeros() as usize))
+    }
+
+    /// [`FreeIndex::best_fit`], and whether an entry larger than the one found exists (read
+    /// from the found entry's bin and the bitmaps above it: no second search).
+    #[inline]
+    pub fn best_fit_and_larger(&self, size: u64) -> Option<(Entry, bool)> {
+        let (fl, sl) = bin_of(size);
+        let mut at = None;
+        if self.sl_map[fl] & (1 << sl) != 0 {
+            let bin = self.bin(fl, sl);
+            let k = match bin.last() {
+                Some(e) if e.size >= size => bin.len(),
+                _ => bin.partition_point(|e| e.size >= size),
+            };
+            if k > 0 {
+                at = Some((fl, sl, k - 1));
+            }
+        }
+        let (fl, sl, i) = match at {
+            Some(x) => x,
+            None => {
+                let (fl, sl) = self.bin_above(fl, sl)?;
+                (fl, sl, self.bin(fl, sl).len() - 1)
+            }
+        };
+        let bin = self.bin(fl, sl);
+        let e = bin[i];
+        // Bins are descending (the first is the bin's largest); every bin above holds larger sizes.
+        let larger = bin[0].size > e.size || self.bin_above(fl, sl).is_some();
+        Some((e, larger))
     }
 
     /// Adds an entry (which must not be in the index).

@@ -242,6 +242,27 @@ impl Pool {
         sizing.may_serve(e.size, rounded).then_some(BlockId(e.id))
     }
 
+    /// [`Pool::find_free`], and whether `key` has a free block larger than the one found
+    /// (where it has none, no search above that size can succeed).
+    #[inline]
+    pub fn find_free_and_larger(
+        &self,
+        key: PoolKey,
+        rounded: u64,
+        sizing: &Sizing,
+    ) -> Option<(BlockId, bool)> {
+        let (e, larger) = self.free[self.slot_of(key)?].index.best_fit_and_larger(rounded)?;
+        sizing.may_serve(e.size, rounded).then_some((BlockId(e.id), larger))
+    }
+
+    /// Whether `key` has a free block larger than `size` bytes (its largest, from the index's
+    /// bitmaps: no search). Where it has none, no `find_free` above `size` can succeed.
+    #[inline]
+    pub fn has_free_above(&self, key: PoolKey, size: u64) -> bool {
+        let largest = self.slot_of(key).and_then(|s| self.free[s].index.largest());
+        largest.is_some_and(|e| e.size > size)
+    }
+
     /// Whether `key` ever had a segment (so it may have free blocks).
     #[inline]
     pub fn has_key(&self, key: PoolKey) -> bool {
@@ -307,6 +328,7 @@ impl Pool {
             size,
             key,
             first: block,
+            last: block,
             busy_blocks: 0,
             slot,
             last_use,
@@ -354,8 +376,9 @@ impl Pool {
                     oversize: false,
                 };
                 let rest_id = self.blocks.insert(rest);
-                if let Some(n) = next {
-                    self.blocks[n.0].prev = Some(BlockId(rest_id));
+                match next {
+                    Some(n) => self.blocks[n.0].prev = Some(BlockId(rest_id)),
+                    None => self.segments[seg.0].last = BlockId(rest_id),
                 }
                 self.blocks[id.0].next = Some(BlockId(rest_id));
                 let e = Entry { size: whole - rounded, addr: addr + rounded, id: rest_id };
@@ -505,8 +528,9 @@ impl Pool {
             self.count_split(key, size, false);
         }
         let r = self.blocks.remove(right.0);
-        if let Some(n) = r.next {
-            self.blocks[n.0].prev = Some(left);
+        match r.next {
+            Some(n) => self.blocks[n.0].prev = Some(left),
+            None => self.segments[r.segment.0].last = left,
         }
         let l = &mut self.blocks[left.0];
         l.size += r.size;
@@ -689,6 +713,9 @@ impl Pool {
                 prev = Some(id);
                 addr += b.size;
                 cur = b.next;
+            }
+            if prev != Some(seg.last) {
+                return Err(format!("segment {sid}: its last block is not the one recorded"));
             }
             if addr != seg.base + seg.size {
                 return Err(format!(

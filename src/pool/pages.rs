@@ -16,27 +16,10 @@
 use super::free_index::Entry;
 use super::{Block, BlockId, BlockState, Pool, PoolKey, Segment, SegmentId};
 impl Pool {
-    /// The block record of `id`, if it is a live block.
-    pub fn try_block(&self, id: BlockId) -> Option<&Block> {
-        self.blocks.get(id.0)
-    }
-
-    /// The last block of the segment holding block `from`, walking forward from it.
-    pub fn last_block_from(&self, from: BlockId) -> BlockId {
-        let mut cur = from;
-        while let Some(n) = self.blocks[cur.0].next {
-            cur = n;
-        }
-        cur
-    }
-
-    /// The block at the end of a segment.
+    /// The block at the end of a segment (recorded: no walk).
+    #[inline]
     pub fn last_block(&self, id: SegmentId) -> BlockId {
-        let mut cur = self.segments[id.0].first;
-        while let Some(n) = self.blocks[cur.0].next {
-            cur = n;
-        }
-        cur
+        self.segments[id.0].last
     }
 
     /// Streams whose free bytes changed since the last [`Pool::take_dirty_streams`] (each once).
@@ -88,14 +71,14 @@ impl Pool {
     /// Newly mapped memory `[addr, addr + bytes)` of `key`: joined to `left` (a segment of `key`
     /// ending at `addr`) and to `right` (one starting at `addr + bytes`), or a segment of its
     /// own. The free block at the end of `left` (the start of `right`) is extended, as PyTorch's
-    /// expandable segments do. `hint`, any block of `left`, saves walking it from its start.
+    /// expandable segments do.
     /// Returns the segment and the free block holding the new bytes.
     pub fn extend(
         &mut self,
         key: PoolKey,
         addr: u64,
         bytes: u64,
-        (left, hint): (Option<SegmentId>, Option<BlockId>),
+        left: Option<SegmentId>,
         right: Option<SegmentId>,
     ) -> (SegmentId, BlockId) {
         assert!(bytes > 0, "extend by nothing");
@@ -139,10 +122,7 @@ impl Pool {
         };
         let seg = &self.segments[l.0];
         assert!(seg.key == key && seg.base + seg.size == addr, "extend: left does not touch");
-        let last = match hint.filter(|&h| self.try_block(h).is_some_and(|b| b.segment == l)) {
-            Some(h) => self.last_block_from(h),
-            None => self.last_block(l),
-        };
+        let last = self.segments[l.0].last;
         let blk = if self.blocks[last.0].state == BlockState::Free {
             self.unlist(last, key);
             self.blocks[last.0].size += bytes;
@@ -159,6 +139,7 @@ impl Pool {
                 oversize: false,
             }));
             self.blocks[last.0].next = Some(nb);
+            self.segments[l.0].last = nb;
             nb
         };
         self.segments[l.0].size += bytes;
@@ -167,7 +148,7 @@ impl Pool {
         if let Some(r) = right {
             let rs = &self.segments[r.0];
             assert!(rs.key == key && rs.base == addr + bytes && r != l, "extend: right");
-            let (rfirst, rsize, rbusy) = (rs.first, rs.size, rs.busy_blocks);
+            let (rfirst, rlast, rsize, rbusy) = (rs.first, rs.last, rs.size, rs.busy_blocks);
             self.relabel(Some(rfirst), l);
             self.blocks[blk.0].next = Some(rfirst);
             self.blocks[rfirst.0].prev = Some(blk);
@@ -187,6 +168,8 @@ impl Pool {
             let seg = &mut self.segments[l.0];
             seg.size += rsize;
             seg.busy_blocks += rbusy;
+            // The joined run ends where the right one did (at `blk` where its only block merged).
+            seg.last = if self.blocks[blk.0].next.is_none() { blk } else { rlast };
             self.segments.remove(r.0);
             self.stats.segment.decrease(kind, res, 1);
             self.changed |= 1 << Self::quadrant(kind, res);
@@ -209,7 +192,7 @@ impl Pool {
         assert_eq!(b.state, BlockState::Free, "carve of a block that is not free");
         let (x, y, seg, prev, next) = (b.addr, b.addr + b.size, b.segment, b.prev, b.next);
         assert!(x <= lo && lo < hi && hi <= y, "carve outside its block");
-        let key = self.segments[seg.0].key;
+        let (key, old_last) = (self.segments[seg.0].key, self.segments[seg.0].last);
         let (sb, se) =
             (self.segments[seg.0].base, self.segments[seg.0].base + self.segments[seg.0].size);
         self.unlist(id, key);
@@ -248,6 +231,8 @@ impl Pool {
             }
             next
         };
+        // The last block above the cut: the segment's, or the new end piece where `id` was last.
+        let upper_last = if old_last == id { right_first } else { Some(old_last) };
         let (kind, res) = (key.kind, key.residency);
         self.stats.reserved_bytes.decrease(kind, res, hi - lo);
         self.changed |= 1 << Self::quadrant(kind, res);
@@ -262,19 +247,23 @@ impl Pool {
                     size: se - hi,
                     key,
                     first,
+                    last: upper_last.expect("a block above"),
                     busy_blocks: busy,
                     slot,
                     last_use: self.segments[seg.0].last_use,
                 });
                 let s = &mut self.segments[seg.0];
                 s.size = lo - sb;
+                s.last = left_last.expect("a block below");
                 s.busy_blocks -= busy;
                 self.stats.segment.increase(kind, res, 1);
                 self.changed |= 1 << Self::quadrant(kind, res);
                 Some(upper)
             }
-            (Some(_), None) => {
-                self.segments[seg.0].size = lo - sb;
+            (Some(below_last), None) => {
+                let s = &mut self.segments[seg.0];
+                s.size = lo - sb;
+                s.last = below_last;
                 None
             }
             (None, Some(first)) => {
@@ -282,6 +271,7 @@ impl Pool {
                 s.base = hi;
                 s.size = se - hi;
                 s.first = first;
+                s.last = upper_last.expect("a block above");
                 Some(seg)
             }
             (None, None) => {
@@ -331,19 +321,19 @@ mod tests {
     #[test]
     fn extend_grows_the_free_end_block_and_joins_segments() {
         let (mut pool, s) = (Pool::new(), Sizing::default());
-        let (seg, b) = pool.extend(key(), BASE, P, (None, None), None);
+        let (seg, b) = pool.extend(key(), BASE, P, None, None);
         let a = pool.allocate(b, MIB + MIB / 2, MIB + MIB / 2, &s);
         assert_eq!(pool.block(a).addr, BASE);
         // The 512 KiB tail is not split off (large pool: the rest must exceed 1 MiB): one block.
         assert_eq!(layout(&pool), vec![vec![(0, P, A)]]);
         // Growing after a busy end block adds a free block.
-        let (seg2, blk) = pool.extend(key(), BASE + P, P, (Some(seg), None), None);
+        let (seg2, blk) = pool.extend(key(), BASE + P, P, Some(seg), None);
         assert_eq!((seg2, pool.block(blk).addr, pool.block(blk).size), (seg, BASE + P, P));
         pool.check_invariants().unwrap();
         // A separate segment three pages up, then the gap mapped: all one segment.
-        let (far, _) = pool.extend(key(), BASE + 3 * P, P, (None, None), None);
+        let (far, _) = pool.extend(key(), BASE + 3 * P, P, None, None);
         assert_eq!(pool.stats().segment.all.current, 2);
-        let (joined, blk) = pool.extend(key(), BASE + 2 * P, P, (Some(seg), Some(b)), Some(far));
+        let (joined, blk) = pool.extend(key(), BASE + 2 * P, P, Some(seg), Some(far));
         assert_eq!(joined, seg);
         assert_eq!(layout(&pool), vec![vec![(0, P, A), (P, 3 * P, F)]]);
         assert_eq!(pool.block(blk).size, 3 * P);
@@ -358,15 +348,15 @@ mod tests {
     #[test]
     fn extend_downwards_into_a_busy_first_block() {
         let (mut pool, s) = (Pool::new(), Sizing::default());
-        let (seg, b) = pool.extend(key(), BASE + P, P, (None, None), None);
+        let (seg, b) = pool.extend(key(), BASE + P, P, None, None);
         pool.allocate(b, P, P, &s);
-        let (seg2, blk) = pool.extend(key(), BASE, P, (None, None), Some(seg));
+        let (seg2, blk) = pool.extend(key(), BASE, P, None, Some(seg));
         assert_eq!(seg2, seg);
         assert_eq!(pool.segment(seg).base, BASE);
         assert_eq!(pool.block(blk).addr, BASE);
         assert_eq!(layout(&pool), vec![vec![(0, P, F), (P, P, A)]]);
         // And a free first block just grows down.
-        let (_, blk2) = pool.extend(key(), BASE - P, P, (None, None), Some(seg));
+        let (_, blk2) = pool.extend(key(), BASE - P, P, None, Some(seg));
         assert_eq!(blk2, blk);
         assert_eq!(pool.block(blk).addr, BASE - P);
         assert_eq!(pool.block(blk).size, 2 * P);
@@ -376,7 +366,7 @@ mod tests {
     #[test]
     fn carve_splits_a_segment_around_whole_free_pages() {
         let (mut pool, s) = (Pool::new(), Sizing::default());
-        let (seg, b) = pool.extend(key(), BASE, 5 * P, (None, None), None);
+        let (seg, b) = pool.extend(key(), BASE, 5 * P, None, None);
         let a = pool.allocate(b, MIB, MIB, &s);
         let rest = pool.segment_blocks(seg).nth(1).unwrap().0;
         let c = pool.allocate(rest, 2 * P, 2 * P, &s); // [1 MiB, 1 MiB + 4 MiB)
@@ -425,7 +415,7 @@ mod tests {
     #[test]
     fn carve_at_the_start_keeps_the_segment_for_the_rest() {
         let (mut pool, s) = (Pool::new(), Sizing::default());
-        let (seg, b) = pool.extend(key(), BASE, 3 * P, (None, None), None);
+        let (seg, b) = pool.extend(key(), BASE, 3 * P, None, None);
         let a = pool.allocate(b, 2 * P, 2 * P, &s);
         pool.free(a);
         let b = pool.segment(seg).first;

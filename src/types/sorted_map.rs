@@ -18,6 +18,9 @@
 
 use std::ops::{Bound, RangeBounds};
 
+/// Entries up to which a lookup scans rather than searches.
+const SCAN_MAX: usize = 8;
+
 /// A map sorted by key, as one vector. See the module docs.
 #[derive(Clone, Debug)]
 pub(crate) struct SortedMap<K, V> {
@@ -37,8 +40,25 @@ impl<K: Ord + Copy, V> SortedMap<K, V> {
         self.entries.binary_search_by(|(x, _)| x.cmp(k))
     }
 
-    /// Inserts `v` at `k`; returns the value it replaces.
+    /// The index of `k`'s entry: a scan for equality in a table of a few entries (the
+    /// allocator's range tables; no comparisons for order, no unpredictable halving), else a
+    /// binary search.
+    #[inline]
+    fn position(&self, k: &K) -> Option<usize> {
+        if self.entries.len() <= SCAN_MAX {
+            self.entries.iter().position(|(x, _)| x == k)
+        } else {
+            self.find(k).ok()
+        }
+    }
+
+    /// Inserts `v` at `k`; returns the value it replaces. A key above all others is pushed
+    /// with no search (tables that grow at the top: a range's mappings, its runs).
     pub(crate) fn insert(&mut self, k: K, v: V) -> Option<V> {
+        if self.entries.last().is_none_or(|(x, _)| *x < k) {
+            self.entries.push((k, v));
+            return None;
+        }
         match self.find(&k) {
             Ok(i) => Some(std::mem::replace(&mut self.entries[i].1, v)),
             Err(i) => {
@@ -56,19 +76,19 @@ impl<K: Ord + Copy, V> SortedMap<K, V> {
     /// The value at `k`.
     #[inline]
     pub(crate) fn get(&self, k: &K) -> Option<&V> {
-        self.find(k).ok().map(|i| &self.entries[i].1)
+        self.position(k).map(|i| &self.entries[i].1)
     }
 
     /// The value at `k`, to change.
     #[inline]
     pub(crate) fn get_mut(&mut self, k: &K) -> Option<&mut V> {
-        self.find(k).ok().map(|i| &mut self.entries[i].1)
+        self.position(k).map(|i| &mut self.entries[i].1)
     }
 
     /// Whether `k` has an entry.
     #[inline]
     pub(crate) fn contains_key(&self, k: &K) -> bool {
-        self.find(k).is_ok()
+        self.position(k).is_some()
     }
 
     /// No entry.
@@ -101,6 +121,29 @@ impl<K: Ord + Copy, V> SortedMap<K, V> {
     #[inline]
     pub(crate) fn last(&self) -> Option<(&K, &V)> {
         self.entries.last().map(|(k, v)| (k, v))
+    }
+
+    /// The entry with the largest key at or below `k`.
+    #[inline]
+    pub(crate) fn floor(&self, k: &K) -> Option<(&K, &V)> {
+        if let Some((x, v)) = self.entries.last().filter(|(x, _)| x <= k) {
+            return Some((x, v)); // at or above the top: no search
+        }
+        let i = self.entries.partition_point(|(x, _)| x <= k);
+        i.checked_sub(1).map(|i| (&self.entries[i].0, &self.entries[i].1))
+    }
+
+    /// The entry with the largest key at or below `k`, its value to change.
+    #[inline]
+    pub(crate) fn floor_mut(&mut self, k: &K) -> Option<(&K, &mut V)> {
+        let i = match self.entries.last() {
+            Some((x, _)) if x <= k => self.entries.len(), // at or above the top: no search
+            _ => self.entries.partition_point(|(x, _)| x <= k),
+        };
+        i.checked_sub(1).map(|i| {
+            let (k, v) = &mut self.entries[i];
+            (&*k, v)
+        })
     }
 
     /// Entries whose keys lie in `r`, in key order.
@@ -161,6 +204,11 @@ mod tests {
             assert!(m.range(lo..hi).eq(b.range(lo..hi)), "range {lo}..{hi}");
             assert!(m.range(..=lo).rev().eq(b.range(..=lo).rev()), "range ..={lo}");
             assert!(m.range(hi..).eq(b.range(hi..)), "range {hi}..");
+            assert_eq!(m.floor(&lo), b.range(..=lo).next_back(), "floor {lo}");
+            assert_eq!(
+                m.floor_mut(&hi).map(|(k, v)| (*k, *v)),
+                b.range(..=hi).next_back().map(|(k, v)| (*k, *v))
+            );
         }
         assert!(m.iter().eq(b.iter()));
         assert!(m.keys().eq(b.keys()));

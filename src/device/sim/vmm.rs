@@ -2,13 +2,19 @@
 //! mappings between them (CUDA's `cuMemAddressReserve` / `cuMemCreate` / `cuMemMap` family).
 //!
 //! ```text
-//!   ranges   : base → bytes                       addresses only (finite: virtual_capacity)
+//!   ranges   : base → {bytes, mappings}           addresses only (finite: virtual_capacity)
+//!     mappings : va → {bytes, handle}             per range; a page is usable iff a mapping
+//!                                                 covers it
 //!   physical : handle → {bytes, data?, at: [va]}  counts against the device's capacity
-//!   mappings : va → {bytes, handle}               a page is usable iff a mapping covers it
 //!
 //!   range  [........|== page (h1) ==|== page (h2) ==|...................]
 //!                    va              va + g
 //! ```
+//!
+//! A mapping lies inside one range (`cuMemMap` refuses one that leaves its range), so each range
+//! keeps its own mappings: a lookup searches one range's table, and a range that grows at its
+//! top appends to its table instead of moving the mappings of every range above it (one sorted
+//! table for the whole device made each growth of a low range a `memmove` of the others).
 //!
 //! A physical allocation may be mapped at several addresses at once (as CUDA allows): the
 //! allocator moves a page by mapping it at its new address before the old mapping is gone. Its
@@ -180,6 +186,21 @@ struct Mapping {
     handle: u64,
 }
 
+/// A reserved address range and the mappings inside it.
+struct VRange {
+    bytes: u64,
+    mappings: SortedMap<u64, Mapping>,
+}
+
+impl VRange {
+    /// The mapping covering `addr`, as (address, mapping).
+    #[inline]
+    fn mapping_at(&self, addr: u64) -> Option<(u64, Mapping)> {
+        let (&va, &m) = self.mappings.floor(&addr)?;
+        (addr < va + m.bytes).then_some((va, m))
+    }
+}
+
 /// Injected virtual-memory faults.
 #[derive(Default)]
 pub(super) struct VmFaults {
@@ -212,9 +233,11 @@ pub(super) struct Vmm {
     pub(super) virtual_reserved: u64,
     /// Bytes of live physical allocations (released ones still mapped included).
     pub(super) physical_bytes: u64,
-    ranges: SortedMap<u64, u64>,
+    /// Reserved ranges by base, each with its mappings.
+    ranges: SortedMap<u64, VRange>,
     physical: PhysTable,
-    mappings: SortedMap<u64, Mapping>,
+    /// Mappings, over all ranges.
+    mapping_count: usize,
     pub(super) counters: VmCounters,
     pub(super) faults: VmFaults,
 }
@@ -233,7 +256,7 @@ impl Vmm {
             physical_bytes: 0,
             ranges: SortedMap::default(),
             physical: PhysTable::default(),
-            mappings: SortedMap::default(),
+            mapping_count: 0,
             counters: VmCounters::default(),
             faults: VmFaults::default(),
         }
@@ -243,15 +266,29 @@ impl Vmm {
         v.is_multiple_of(self.granularity)
     }
 
-    /// The reserved range holding `addr`, as (base, bytes).
-    fn range_of(&self, addr: u64) -> Option<(u64, u64)> {
-        let (&b, &n) = self.ranges.range(..=addr).next_back()?;
-        (addr < b + n).then_some((b, n))
+    /// The reserved range holding `addr`, as (base, range).
+    #[inline]
+    fn range_of(&self, addr: u64) -> Option<(u64, &VRange)> {
+        let (&b, r) = self.ranges.floor(&addr)?;
+        (addr < b + r.bytes).then_some((b, r))
+    }
+
+    /// The reserved range holding `addr`, to change.
+    #[inline]
+    fn range_of_mut(&mut self, addr: u64) -> Option<(u64, &mut VRange)> {
+        let (&b, r) = self.ranges.floor_mut(&addr)?;
+        (addr < b + r.bytes).then_some((b, r))
+    }
+
+    /// The mapping covering `addr`, as (address, mapping).
+    #[inline]
+    fn mapping_at(&self, addr: u64) -> Option<(u64, Mapping)> {
+        self.range_of(addr)?.1.mapping_at(addr)
     }
 
     /// No mapping exists.
     pub(super) fn is_empty(&self) -> bool {
-        self.mappings.is_empty()
+        self.mapping_count == 0
     }
 
     /// Is `addr` inside a reserved range?
@@ -263,9 +300,9 @@ impl Vmm {
     pub(super) fn mapped(&self, lo: u64, hi: u64) -> bool {
         let mut cur = lo;
         while cur < hi {
-            match self.mappings.range(..=cur).next_back() {
-                Some((&va, m)) if va + m.bytes > cur => cur = va + m.bytes,
-                _ => return false,
+            match self.mapping_at(cur) {
+                Some((va, m)) => cur = va + m.bytes,
+                None => return false,
             }
         }
         lo < hi
@@ -286,17 +323,15 @@ impl Vmm {
     }
 
     pub(super) fn add_range(&mut self, addr: u64, bytes: u64) {
-        self.ranges.insert(addr, bytes);
+        self.ranges.insert(addr, VRange { bytes, mappings: SortedMap::default() });
         self.virtual_reserved += bytes;
         self.counters.reserves += 1;
     }
 
     pub(super) fn free_range(&mut self, base: u64, bytes: u64) -> Result<(), DeviceError> {
-        if self.ranges.get(&base) != Some(&bytes) {
-            return Err(invalid("cuMemAddressFree"));
-        }
-        if self.mappings.range(base..base + bytes).next().is_some() {
-            return Err(invalid("cuMemAddressFree"));
+        match self.ranges.get(&base) {
+            Some(r) if r.bytes == bytes && r.mappings.is_empty() => {}
+            _ => return Err(invalid("cuMemAddressFree")),
         }
         self.ranges.remove(&base);
         self.virtual_reserved -= bytes;
@@ -363,13 +398,13 @@ impl Vmm {
         if p.bytes != bytes || !self.aligned(va) {
             return Err(invalid("cuMemMap"));
         }
-        match self.range_of(va) {
-            Some((b, n)) if va + bytes <= b + n => {}
+        // Mappings lie inside their ranges: only this range's can overlap the new one.
+        let range = match self.ranges.floor_mut(&va) {
+            Some((&b, r)) if va + bytes <= b + r.bytes => r,
             _ => return Err(invalid("cuMemMap")),
-        }
-        let overlaps =
-            self.mappings.range(..va + bytes).next_back().is_some_and(|(&a, m)| a + m.bytes > va);
-        if overlaps {
+        };
+        let below = range.mappings.floor(&(va + bytes - 1));
+        if below.is_some_and(|(&a, m)| a + m.bytes > va) {
             return Err(invalid("cuMemMap"));
         }
         if countdown(&mut self.faults.fail_nth_map) {
@@ -379,22 +414,27 @@ impl Vmm {
                 code: DeviceError::CUDA_ERROR_OUT_OF_MEMORY,
             });
         }
+        range.mappings.insert(va, Mapping { bytes, handle: handle.0 });
         let p = self.physical.get_mut(&handle.0).expect("checked");
         match p.at {
             None => p.at = Some(va),
             Some(_) => p.more.push(va),
         }
-        self.mappings.insert(va, Mapping { bytes, handle: handle.0 });
+        self.mapping_count += 1;
         self.counters.maps += 1;
         Ok(())
     }
 
     pub(super) fn unmap(&mut self, va: u64, bytes: u64) -> Result<(), DeviceError> {
-        match self.mappings.get(&va) {
+        let Some((_, range)) = self.range_of_mut(va) else {
+            return Err(invalid("cuMemUnmap"));
+        };
+        match range.mappings.get(&va) {
             Some(m) if m.bytes == bytes => {}
             _ => return Err(invalid("cuMemUnmap")),
         }
-        let m = self.mappings.remove(&va).expect("checked");
+        let m = range.mappings.remove(&va).expect("checked");
+        self.mapping_count -= 1;
         let p = self.physical.get_mut(&m.handle).expect("a mapping's allocation is live");
         p.forget(va);
         self.counters.unmaps += 1;
@@ -405,11 +445,16 @@ impl Vmm {
     /// The other addresses the physical memory under `[lo, hi)` is mapped at, as ranges.
     pub(super) fn aliases(&self, lo: u64, hi: u64) -> Vec<(u64, u64)> {
         let mut out = Vec::new();
-        if self.mappings.is_empty() {
+        if self.mapping_count == 0 || hi <= lo {
             return out;
         }
-        let first = self.mappings.range(..=lo).next_back().map_or(lo, |(&a, _)| a);
-        for (&va, m) in self.mappings.range(first..hi) {
+        // The ranges meeting [lo, hi): the one holding `lo` (if any), then those starting below `hi`.
+        let first = self.ranges.floor(&lo).map_or(lo, |(&b, _)| b);
+        let mappings = self.ranges.range(first..hi).flat_map(|(_, r)| {
+            let first = r.mappings.floor(&lo).map_or(lo, |(&a, _)| a);
+            r.mappings.range(first..hi)
+        });
+        for (&va, m) in mappings {
             let (a, b) = (va.max(lo), (va + m.bytes).min(hi));
             if a >= b {
                 continue;
@@ -430,10 +475,7 @@ impl Vmm {
         let mut done = 0u64;
         while done < len {
             let at = ptr.0 + done;
-            let (&va, &m) = self.mappings.range(..=at).next_back().ok_or(bad.clone())?;
-            if va + m.bytes <= at {
-                return Err(bad);
-            }
+            let (va, m) = self.mapping_at(at).ok_or(bad.clone())?;
             let off = (at - va) as usize;
             let n = ((va + m.bytes - at).min(len - done)) as usize;
             let data = self.physical.get_mut(&m.handle).expect("live").data.as_mut();
@@ -450,12 +492,13 @@ impl Vmm {
 
     /// Live mappings as (address, bytes), in address order.
     pub(super) fn mappings(&self) -> Vec<(DeviceAddr, u64)> {
-        self.mappings.iter().map(|(&a, m)| (DeviceAddr(a), m.bytes)).collect()
+        let all = self.ranges.values().flat_map(|r| r.mappings.iter());
+        all.map(|(&a, m)| (DeviceAddr(a), m.bytes)).collect()
     }
 
     /// Reserved ranges as (base, bytes), in address order.
     pub(super) fn ranges(&self) -> Vec<(DeviceAddr, u64)> {
-        self.ranges.iter().map(|(&a, &n)| (DeviceAddr(a), n)).collect()
+        self.ranges.iter().map(|(&a, r)| (DeviceAddr(a), r.bytes)).collect()
     }
 
     /// Physical allocations not yet freed.

@@ -191,6 +191,8 @@ fn agrees_with_a_sorted_set() {
         let q = size_of(next()).saturating_sub(512 * (next() % 3));
         let want = reference.range(Entry { size: q, addr: 0, id: 0 }..).next().copied();
         assert_eq!(ix.best_fit(q), want, "query {q} at step {step}");
+        let larger = want.map(|w| reference.last().is_some_and(|e| e.size > w.size));
+        assert_eq!(ix.best_fit_and_larger(q).map(|(e, l)| (Some(e), l)), larger.map(|l| (want, l)));
         if let Some(&probe) = reference.iter().nth((next() % (reference.len() as u64 + 1)) as usize)
         {
             let want =
