@@ -502,9 +502,17 @@ fn bound_freed_during_capture(
         dev.launch(s, Kernel::new("fill", acc, move |m| m.write(p, &[byte; N as usize]).unwrap()))
             .unwrap();
     };
-    // Each run: two buffers of one size, one after the other (a plan gives them one slice).
+    // Each run: a buffer forgotten (`mem::forget`: the run's end takes its slice back, held
+    // region or not), then two buffers of one size, one after the other (a plan gives them
+    // one slice).
+    let forget = |sc: &tidepool::Scope<'_, SimDevice>| {
+        let f = sc.alloc(N).unwrap();
+        write(&f, 5);
+        std::mem::forget(f);
+    };
     for _ in 0..runs {
         let sc = alloc.named_scope("bound", s);
+        forget(&sc);
         let b = sc.alloc(N).unwrap();
         write(&b, 1);
         drop(b);
@@ -512,6 +520,7 @@ fn bound_freed_during_capture(
         write(&c, 1);
     }
     let sc = alloc.named_scope("bound", s);
+    forget(&sc);
     let v = sc.alloc(N).unwrap();
     let v_ptr = v.ptr();
     write(&v, 7);
@@ -534,6 +543,7 @@ fn bound_freed_during_capture(
     drop(sc);
     for _ in 0..2 {
         let sc = alloc.named_scope("bound", s);
+        forget(&sc);
         let b = sc.alloc(N).unwrap();
         write(&b, 4);
         handed.push(b.ptr());
@@ -570,4 +580,131 @@ fn scope_memory_freed_during_a_capture_is_held_by_the_graph() {
         assert!(!scope_memory_freed_during_capture(victim, false, false).1, "{victim:?}");
         assert!(scope_memory_freed_during_capture(victim, true, false).1, "{victim:?}");
     }
+}
+
+/// A planned bound slice used on another stream (`record_stream`) and freed while its stream is
+/// captured: no event can be waited on by the captured stream then, so its reuse is ordered as
+/// the graph goes, and the region returns to the pool with the allocator (broken mode
+/// `CaptureScopeFrees`: ordered during the capture, which fails, so the region is poisoned and
+/// its segment never returned). Returns the sanitizer's findings, whether the slice was
+/// handed out again while the graph lived, and the segments left once all is gone.
+fn planned_slice_used_elsewhere(broken: bool) -> (Vec<tidepool::device::Violation>, bool, usize) {
+    let Setup { dev, s, alloc } = setup();
+    alloc.set_broken(Broken::CaptureScopeFrees, broken);
+    let t = dev.create_stream().unwrap();
+    let order = |stream: StreamId, after: StreamId| {
+        let e = dev.create_event().unwrap();
+        dev.record_event(e, after).unwrap();
+        dev.wait_event(stream, e).unwrap();
+        dev.destroy_event(e).unwrap();
+    };
+    let out = alloc.alloc(N, s).unwrap();
+    let mut handed = Vec::new();
+    let mut graph = None;
+    let mut v_ptr = None;
+    for run in 0..5 {
+        let sc = alloc.named_scope("used", s);
+        let v = sc.alloc(N).unwrap();
+        dev.launch(s, fill_at(v.ptr(), 1)).unwrap();
+        order(t, s);
+        dev.launch(t, read_at(v.ptr())).unwrap();
+        sc.record_stream(&v, t).unwrap();
+        if run == 2 {
+            v_ptr = Some(v.ptr());
+            assert!(v.is_planned());
+            alloc.begin_capture(s, None).unwrap();
+            dev.launch(s, map_at(v.ptr(), out.ptr())).unwrap();
+            drop(v);
+            let g = alloc.end_capture(s).unwrap();
+            g.launch(s).unwrap();
+            graph = Some(g);
+        } else if run > 2 {
+            handed.push(v.ptr());
+        }
+    }
+    dev.synchronize().unwrap();
+    drop(graph);
+    alloc.check_invariants().unwrap();
+    drop(out);
+    // The stream goes, and its plans with it (their regions return to the pool), then the
+    // allocator, and every segment with it.
+    alloc.destroy_stream(s).unwrap();
+    alloc.check_invariants().unwrap();
+    drop(alloc);
+    let left = dev.live_segments().len();
+    (dev.violations(), handed.contains(&v_ptr.unwrap()), left)
+}
+
+/// Kernels over N bytes at an address: a one-shot fill, a one-shot read, and a replayable copy.
+fn fill_at(p: tidepool::DeviceAddr, byte: u8) -> Kernel {
+    let acc = vec![Access { ptr: p, bytes: N, kind: AccessKind::Write }];
+    Kernel::new("fill", acc, move |m| m.write(p, &[byte; N as usize]).unwrap())
+}
+
+fn read_at(p: tidepool::DeviceAddr) -> Kernel {
+    let acc = vec![Access { ptr: p, bytes: N, kind: AccessKind::Read }];
+    Kernel::new("read", acc, move |m| m.read(p, &mut [0u8; N as usize]).unwrap())
+}
+
+fn map_at(src: tidepool::DeviceAddr, dst: tidepool::DeviceAddr) -> Kernel {
+    let acc = vec![
+        Access { ptr: src, bytes: N, kind: AccessKind::Read },
+        Access { ptr: dst, bytes: N, kind: AccessKind::Write },
+    ];
+    Kernel::replayable("copy", acc, move |m| {
+        let mut x = vec![0u8; N as usize];
+        m.read(src, &mut x).unwrap();
+        m.write(dst, &x).unwrap();
+    })
+}
+
+#[test]
+fn a_planned_slice_used_elsewhere_and_freed_in_a_capture_is_ordered_when_the_graph_goes() {
+    let (v, reused, left) = planned_slice_used_elsewhere(false);
+    assert!(v.is_empty(), "{v:?}");
+    assert!(!reused);
+    assert_eq!(left, 0, "every segment went back with the allocator");
+    // Broken: ordered during the capture, which fails: the region is poisoned for good.
+    let (_, _, left) = planned_slice_used_elsewhere(true);
+    assert_eq!(left, 1, "the poisoned region's segment stays");
+}
+
+/// A run whose region a graph holds (a planned slice freed during a capture) still takes back,
+/// as it ends, the slices of the buffers it forgot (`mem::forget`): the next run hands them out
+/// again with the sanitizer told (they were reclaimed), and each run's freed slice waits for
+/// its graph.
+#[test]
+fn a_run_whose_region_a_graph_holds_takes_its_forgotten_slices_back() {
+    let dev = Arc::new(SimDevice::backed(256 * MIB));
+    let s = dev.create_stream().unwrap();
+    let alloc = Allocator::new(dev.clone(), Config::default()).unwrap();
+    let n = 700_000u64; // a 700416-byte slice
+    let mut seen = Vec::new();
+    for _ in 0..3 {
+        let sc = alloc.named_scope("x", s);
+        let a = sc.alloc(n).unwrap();
+        let a_ptr = a.ptr().0;
+        std::mem::forget(a);
+        let b = sc.alloc(n).unwrap();
+        seen.push((a_ptr, b.ptr().0, b.is_planned()));
+        alloc.begin_capture(s, None).unwrap();
+        let p = b.ptr();
+        let acc = vec![Access { ptr: p, bytes: n, kind: AccessKind::Read }];
+        let k = Kernel::replayable("read", acc, move |m| m.read(p, &mut [0u8; 64]).unwrap());
+        dev.launch(s, k).unwrap();
+        drop(b);
+        let graph = alloc.end_capture(s).unwrap();
+        graph.launch(s).unwrap();
+        drop(sc);
+        drop(graph);
+        let post = alloc.alloc(n, s).unwrap();
+        assert!(dev.violations().is_empty(), "{:?}", dev.violations());
+        drop(post);
+    }
+    // The learning run's blocks in the first segment, the plan's region in a new one: each
+    // planned run serves the same two slices.
+    let region = SIM_BASE + SEG;
+    assert_eq!(seen[0], (SIM_BASE, SIM_BASE + 700_416, false));
+    assert_eq!(seen[1..], [(region, region + 700_416, true), (region, region + 700_416, true)]);
+    alloc.check_invariants().unwrap();
 }

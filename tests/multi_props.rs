@@ -120,6 +120,13 @@ enum Step {
     Escape {
         k: usize,
     },
+    /// The run's stream is captured: a captured kernel reads item `k`, which is freed during
+    /// the capture; the graph is launched `launches` times and lives until the run has ended
+    /// (the run holds the gate alone).
+    Captured {
+        k: usize,
+        launches: usize,
+    },
 }
 
 #[derive(Clone, Debug)]
@@ -183,6 +190,7 @@ fn step() -> impl Strategy<Value = Step> {
         1 => (k(), 0..SLOTS, 2000..5000u16).prop_map(|(k, slot, delay)| Step::ForgetUsed { k, slot, delay }),
         1 => k().prop_map(|k| Step::GiveAway { k }),
         1 => k().prop_map(|k| Step::Escape { k }),
+        1 => (k(), 1..=2usize).prop_map(|(k, launches)| Step::Captured { k, launches }),
     ]
 }
 
@@ -293,7 +301,14 @@ impl World {
 
     /// One operation and the checks after it, under the gate (a capture holds it alone).
     fn step(&self, op: &Op, scripts: &[Vec<Step>]) -> R {
-        if matches!(op, Op::Capture { .. }) {
+        let captures = match op {
+            Op::Capture { .. } => true,
+            Op::ScopeRun { script, .. } => {
+                scripts[script % scripts.len()].iter().any(|st| matches!(st, Step::Captured { .. }))
+            }
+            _ => false,
+        };
+        if captures {
             let _alone = self.gate.write().unwrap_or_else(|p| p.into_inner());
             self.run_op(op, scripts)?;
             self.check()
@@ -711,7 +726,10 @@ impl World {
         let mut items: Vec<Item<'_>> = Vec::new();
         let mut forgotten = Vec::new();
         let mut helpers = Vec::new();
-        let r = self.script(by, &scope, script, &mut items, &mut forgotten, &mut helpers);
+        let mut graphs = Vec::new();
+        let mut held =
+            Held { forgotten: &mut forgotten, helpers: &mut helpers, graphs: &mut graphs };
+        let r = self.script(by, &scope, script, &mut items, &mut held);
         for it in items.drain(..) {
             self.remove_range(it.range());
             drop(it);
@@ -726,6 +744,7 @@ impl World {
         for h in helpers {
             h.join().map_err(|_| "a freeing thread panicked".to_string())?;
         }
+        drop(graphs); // what they held is free from here on
         r?;
         let first = script.iter().find_map(|st| match st {
             Step::Alloc { size, .. } => Some(SIZES[*size]),
@@ -752,8 +771,7 @@ impl World {
         scope: &'s Scope<'_, SimDevice>,
         script: &[Step],
         items: &mut Vec<Item<'s>>,
-        forgotten: &mut Vec<u64>,
-        helpers: &mut Vec<std::thread::JoinHandle<()>>,
+        held: &mut Held<'_>,
     ) -> R {
         let s = scope.stream();
         for step in script {
@@ -832,7 +850,7 @@ impl World {
                         }
                     }
                     let Item::Bound { buf, range, .. } = items.remove(i) else { unreachable!() };
-                    forgotten.push(range); // its memory is not reused before the scope ends
+                    held.forgotten.push(range); // its memory is not reused before the scope ends
                     std::mem::forget(buf);
                 }
                 Step::GiveAway { k } if !items.is_empty() => {
@@ -842,7 +860,7 @@ impl World {
                             unreachable!()
                         };
                         self.remove_range(range);
-                        helpers.push(std::thread::spawn(move || drop(buf)));
+                        held.helpers.push(std::thread::spawn(move || drop(buf)));
                         // The scope goes on at once: its next allocations race the free.
                         std::thread::sleep(Duration::from_micros(300));
                     }
@@ -862,12 +880,59 @@ impl World {
                         });
                     }
                 }
+                Step::Captured { k, launches } if !items.is_empty() && s != StreamId::DEFAULT => {
+                    let a = &self.allocs[by];
+                    // The user's side of stream order first: the captured read on `s` comes
+                    // after the item's uses on other streams (no event can be waited on once
+                    // `s` is captured).
+                    let i = k % items.len();
+                    match &items[i] {
+                        Item::Bound { users, .. } => users.iter().for_each(|&u| self.order(s, u)),
+                        Item::Unbound { buf, .. } => match buf.use_on(s, AccessKind::Read) {
+                            Ok(()) | Err(AllocError::UnknownStream(_)) => {}
+                            Err(e) => return Err(format!("use_on before a capture: {e}")),
+                        },
+                    }
+                    match a.begin_capture(s, None) {
+                        Ok(()) => {}
+                        Err(AllocError::UnknownStream(_)) => return Ok(()),
+                        Err(e) => return Err(format!("begin_capture in a scope run: {e}")),
+                    }
+                    let it = items.remove(i);
+                    let (ptr, bytes) = match &it {
+                        Item::Bound { buf, .. } => (buf.ptr(), buf.len()),
+                        Item::Unbound { buf, .. } => (buf.ptr(), buf.len()),
+                    };
+                    let touch = bytes.min(TOUCH) as usize;
+                    let acc = vec![Access { ptr, bytes, kind: AccessKind::Read }];
+                    let kernel = Kernel::replayable("captured read", acc, move |m| {
+                        let mut v = vec![0u8; touch];
+                        m.read(ptr, &mut v).unwrap();
+                    });
+                    let launched = self.dev.launch(s, kernel);
+                    self.remove_range(it.range());
+                    drop(it); // the graph holds it
+                    let graph = a.end_capture(s).map_err(|e| format!("end_capture: {e}"))?;
+                    launched.map_err(|e| format!("captured launch: {e}"))?;
+                    for _ in 0..launches {
+                        graph.launch(s).map_err(|e| format!("graph launch: {e}"))?;
+                    }
+                    held.graphs.push(graph);
+                }
                 _ => {}
             }
             self.check()?;
         }
         Ok(())
     }
+}
+
+/// What a scope run's script leaves for the run's end: forgotten slices, threads freeing
+/// buffers, graphs holding what their captures freed.
+struct Held<'h> {
+    forgotten: &'h mut Vec<u64>,
+    helpers: &'h mut Vec<std::thread::JoinHandle<()>>,
+    graphs: &'h mut Vec<tidepool::Graph<SimDevice>>,
 }
 
 impl World {

@@ -55,9 +55,10 @@ enum Held<D: Device> {
     /// hear of the free only when the graph goes (a planned slice or a block a region would
     /// take back has no pool free to defer).
     Buffer(Buffer<D>),
-    /// A scope's region, one of whose planned slices was freed during the capture: claimed by
-    /// no run while held; the hold is let go through its allocator when the graph goes.
-    Region(Arc<Shared<D>>, Arc<Region>),
+    /// A scope's region, one of whose planned slices (of `stream`, used on `uses` too) was
+    /// freed during the capture: claimed by no run while held; when the graph goes, the
+    /// slice's reuse is ordered after `uses` and the hold let go through its allocator.
+    Region { shared: Arc<Shared<D>>, region: Arc<Region>, stream: StreamId, uses: Vec<StreamId> },
 }
 
 impl<D: Device> Held<D> {
@@ -66,7 +67,12 @@ impl<D: Device> Held<D> {
         match self {
             Held::Block(owner, f) => owner.free(f),
             Held::Buffer(b) => drop(b),
-            Held::Region(shared, region) => {
+            Held::Region { shared, region, stream, uses } => {
+                // Nothing could order it (the stream is gone and no host wait is allowed):
+                // never served again.
+                if !shared.order_after(stream, &uses) {
+                    region.poison();
+                }
                 region.graph_gone();
                 shared.release_region(region);
             }
@@ -79,7 +85,7 @@ impl<D: Device> Held<D> {
             Held::Block(..) => {}
             Held::Buffer(b) => std::mem::forget(b),
             // Never claimed again, never back in the pool.
-            Held::Region(_, region) => std::mem::forget(region),
+            Held::Region { region, .. } => std::mem::forget(region),
         }
     }
 }
@@ -181,7 +187,8 @@ impl<D: Device> CaptureTable<D> {
         let Some(key) = Self::holder(&t, shared, stream, uses) else { return false };
         region.graph_holds();
         let e = t.get_mut(&key).expect("found by holder");
-        e.deferred.push(Held::Region(shared.clone(), region.clone()));
+        let (shared, region, uses) = (shared.clone(), region.clone(), uses.to_vec());
+        e.deferred.push(Held::Region { shared, region, stream, uses });
         true
     }
 

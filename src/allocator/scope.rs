@@ -202,6 +202,9 @@ struct Cursor {
     any_uses: Cell<bool>,
     /// The step at which the run stopped following its plan (`usize::MAX`: it has not).
     diverged_at: Cell<usize>,
+    /// A CUDA graph holds the claimed region (a planned slice was freed during a capture): the
+    /// run serves no more slices from it (`base` stays, for what the run's end reclaims).
+    held: Cell<bool>,
 }
 
 impl Cursor {
@@ -570,6 +573,7 @@ impl<'a, D: Device> Scope<'a, D> {
                 check_pins: Cell::new(check_pins),
                 any_uses: Cell::new(false),
                 diverged_at: Cell::new(usize::MAX),
+                held: Cell::new(false),
             },
             script: plan.as_ref().map_or_else(no_script, |p| p.script.clone()),
             plan,
@@ -599,7 +603,8 @@ impl<'a, D: Device> Scope<'a, D> {
             && c.following.get()
             && c.base.get() != NO_BASE
             && !c.check_pins.get()
-            && !c.any_uses.get();
+            && !c.any_uses.get()
+            && !c.held.get();
         c.pos.set(c.len() | if on { 0 } else { FAST_OFF });
     }
 
@@ -926,6 +931,9 @@ impl<'a, D: Device> Scope<'a, D> {
     #[inline]
     fn planned(&self, offset: u64, size: u64) -> Option<DeviceAddr> {
         let c = &self.cursor;
+        if c.held.get() {
+            return None;
+        }
         let base = c.base.get();
         if base == NO_BASE {
             return self.planned_claiming(offset, size);
@@ -1055,11 +1063,16 @@ impl<'a, D: Device> Scope<'a, D> {
             let size = self.round(requested).unwrap_or(0);
             self.device.note_reclaim(ptr, size, self.stream);
             let uses = match self.cursor.any_uses.get() {
-                true => self.order_uses(index),
+                true => self.take_uses(index),
                 false => Vec::new(),
             };
-            if self.alloc.shared.family.captures.any() {
-                self.hold_region(&uses);
+            // A capture that holds the slice orders its reuse after `uses` as the graph goes
+            // (no event can be waited on by a captured stream now).
+            if self.alloc.shared.family.captures.any() && self.hold_region(&uses) {
+                return;
+            }
+            if !uses.is_empty() && !self.alloc.shared.order_after(self.stream, &uses) {
+                self.poison_region();
             }
             return;
         };
@@ -1097,10 +1110,10 @@ impl<'a, D: Device> Scope<'a, D> {
         drop(buf); // the ordinary stream-ordered free, unless taken into the local cache
     }
 
-    /// Orders the reuse of freed planned allocation `index` after the streams it was used on;
-    /// returns them.
+    /// The streams freed planned allocation `index` was used on (taken out of the run's
+    /// record): its reuse must be ordered after them.
     #[cold]
-    fn order_uses(&self, index: u32) -> Vec<StreamId> {
+    fn take_uses(&self, index: u32) -> Vec<StreamId> {
         let mut others = Vec::new();
         self.run.borrow_mut().uses.retain(|&(i, s)| {
             if i == index {
@@ -1108,27 +1121,27 @@ impl<'a, D: Device> Scope<'a, D> {
             }
             i != index
         });
-        if !self.alloc.shared.order_after(self.stream, &others) {
-            self.poison_region();
-        }
         others
     }
 
-    /// A planned slice (used on `uses` too) was freed while a capture may hold it: if one does,
-    /// the graph holds the claimed region, which serves no more slices in this run and is
-    /// claimed by no later run until the graph is gone (its replays may read the slice).
-    /// Broken mode `CaptureScopeFrees`: the slice is served again at once.
+    /// A planned slice (used on `uses` too) was freed while a capture may hold it: if one does
+    /// (`true`), the graph holds the claimed region, which serves no more slices in this run
+    /// and is claimed by no later run until the graph is gone (its replays may read the slice),
+    /// and orders its reuse after `uses` then. Broken mode `CaptureScopeFrees`: the slice is
+    /// served again at once.
     #[cold]
-    fn hold_region(&self, uses: &[StreamId]) {
+    fn hold_region(&self, uses: &[StreamId]) -> bool {
         let sh = &self.alloc.shared;
         if sh.broken(super::Broken::CaptureScopeFrees) {
-            return;
+            return false;
         }
-        let RegionSlot::Claimed(region) = &self.run.borrow().region else { return };
-        if sh.family.captures.hold_region(sh, self.stream, uses, region) {
-            self.cursor.base.set(NO_BASE);
-            self.set_fast();
+        let RegionSlot::Claimed(region) = &self.run.borrow().region else { return false };
+        if !sh.family.captures.hold_region(sh, self.stream, uses, region) {
+            return false;
         }
+        self.cursor.held.set(true);
+        self.set_fast();
+        true
     }
 
     /// Nothing could order a freed planned slice's reuse: the claimed region serves no more
