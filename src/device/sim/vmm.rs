@@ -78,8 +78,8 @@ struct Physical {
     data: Option<Box<[u8]>>,
     /// The address it is mapped at, if any.
     at: Option<u64>,
-    /// Further addresses it is mapped at (rare: a page being moved).
-    more: Option<Box<Vec<u64>>>,
+    /// Further addresses it is mapped at (rare: a page being moved; rebuilt on each change).
+    more: Option<Box<[u64]>>,
     released: bool,
 }
 
@@ -93,11 +93,20 @@ impl Physical {
     }
 
     fn forget(&mut self, va: u64) {
+        let mut more = self.more.take().map(Vec::from).unwrap_or_default();
         if self.at == Some(va) {
-            self.at = self.more.as_mut().and_then(|m| m.pop());
-        } else if let Some(m) = &mut self.more {
-            m.retain(|&a| a != va);
+            self.at = more.pop();
+        } else {
+            more.retain(|&a| a != va);
         }
+        self.more = (!more.is_empty()).then(|| more.into_boxed_slice());
+    }
+
+    /// Records a further address it is mapped at.
+    fn also_at(&mut self, va: u64) {
+        let mut more = self.more.take().map(Vec::from).unwrap_or_default();
+        more.push(va);
+        self.more = Some(more.into_boxed_slice());
     }
 }
 
@@ -421,7 +430,7 @@ impl Vmm {
         let p = self.physical.get_mut(&handle.0).expect("checked");
         match p.at {
             None => p.at = Some(va),
-            Some(_) => p.more.get_or_insert_default().push(va),
+            Some(_) => p.also_at(va),
         }
         self.mapping_count += 1;
         self.counters.maps += 1;
