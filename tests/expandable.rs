@@ -699,3 +699,38 @@ fn a_transient_block_in_a_persistent_range_is_caught() {
     assert_eq!(t, DeviceAddr(base())); // the persistent range's free pages
     assert_eq!(segments, vec![]);
 }
+
+/// Event records fail (injected) while a growth on one stream needs the pages another stream
+/// caches: no page can be moved (nothing orders the move), so the growth goes on to the
+/// out-of-memory ladder, which releases the other stream's free pages after a host wait (no
+/// event marks its work) and retries: the allocation succeeds, and the allocator works on once
+/// records succeed again. (Broken mode `VmEventErrors`: the failed record fails the allocation.)
+fn growth_while_event_records_fail(broken: bool) -> Result<(), String> {
+    let (dev, alloc) = setup("", 8 * MIB);
+    alloc.set_broken(tidepool::hooks::Broken::VmEventErrors, broken);
+    let (s1, s2) = (dev.create_stream().unwrap(), dev.create_stream().unwrap());
+    let a = alloc.alloc(8 * MIB, s1).unwrap();
+    assert_eq!(a.ptr(), DeviceAddr(base()));
+    drop(a); // four pages cached by s1's range: the device is full
+    dev.fail_event_records(true);
+    let syncs = alloc.stats().num_host_syncs;
+    let b = alloc.alloc(4 * MIB, s2).map_err(|e| format!("alloc while records fail: {e}"))?;
+    assert_eq!(alloc.stats().num_host_syncs, syncs + 1, "one host wait for s1's work");
+    assert_eq!(alloc.stats().blocks.reserved_bytes.all.current, 4 * MIB);
+    dev.fail_event_records(false);
+    alloc.check_invariants()?;
+    drop(b);
+    let c = alloc.alloc(8 * MIB, s1).map_err(|e| format!("alloc after: {e}"))?;
+    drop(c);
+    alloc.empty_cache().map_err(|e| e.to_string())?;
+    alloc.check_invariants()?;
+    assert_eq!(dev.violations(), vec![]);
+    Ok(())
+}
+
+#[test]
+fn a_growth_works_on_while_event_records_fail() {
+    growth_while_event_records_fail(false).unwrap();
+    let e = growth_while_event_records_fail(true).unwrap_err();
+    assert!(e.contains("record_event failed"), "{e}");
+}

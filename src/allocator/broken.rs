@@ -99,6 +99,9 @@ pub enum Broken {
     /// or a region may take back) freed while a capture holds it goes to its scope or region at
     /// once instead of to the graph, which then shares it with work outside the graph.
     CaptureScopeFrees = 1 << 42,
+    /// A failed event record while expandable segments move or release pages fails the
+    /// allocation (or release) instead of skipping the donor or waiting on the host.
+    VmEventErrors = 1 << 43,
 }
 
 #[cfg_attr(not(feature = "test-hooks"), allow(dead_code))]

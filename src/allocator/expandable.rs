@@ -798,12 +798,17 @@ impl<D: Device> Shared<D> {
             }
             let owner = st.vm.ranges[&d].key.stream;
             let event = self.event(st)?;
+            let failed = self.broken(Broken::VmEventErrors);
             let done = match self.device.record_event(event, owner) {
                 // The owner is gone, hence drained.
                 Err(DeviceError::UnknownStream(_)) => true,
+                // Nothing orders a move from this donor: the next one (or new memory).
                 Err(e) => {
                     st.free_events.push(event);
-                    return Err(e.into());
+                    if failed {
+                        return Err(e.into()); // BROKEN: the allocation fails
+                    }
+                    continue;
                 }
                 Ok(()) if self.broken_skip_events.load(Ordering::Relaxed) => true,
                 Ok(()) => match config.cross_stream {
@@ -811,7 +816,10 @@ impl<D: Device> Shared<D> {
                     CrossStream::WaitEvent => {
                         if let Err(e) = self.device.wait_event(key.stream, event) {
                             st.free_events.push(event);
-                            return Err(e.into());
+                            if failed {
+                                return Err(e.into()); // BROKEN: the allocation fails
+                            }
+                            continue;
                         }
                         self.device.query_event(event).unwrap_or(false)
                     }
@@ -962,7 +970,13 @@ impl<D: Device> Shared<D> {
                 continue;
             }
             let stream = st.vm.ranges[&base].key.stream;
-            self.stream_done(st, stream)?;
+            // Its work cannot be waited for: its pages stay mapped (the next range).
+            if let Err(e) = self.stream_done(st, stream) {
+                if self.broken(Broken::VmEventErrors) {
+                    return Err(e); // BROKEN: the release (and the allocation under it) fails
+                }
+                continue;
+            }
             for (block, a, b) in runs {
                 // From the top down; stop at the first refusal.
                 let mut done = b;
@@ -1019,7 +1033,9 @@ impl<D: Device> Shared<D> {
         let event = self.event(st)?;
         let r = match self.device.record_event(event, stream) {
             Err(DeviceError::UnknownStream(_)) => Ok(()),
-            Err(e) => Err(e),
+            Err(e) if self.broken(Broken::VmEventErrors) => Err(e),
+            // No event marks its work: wait for all of the device's.
+            Err(_) => self.host_wait(st),
             Ok(()) => match self.device.query_event(event) {
                 Ok(true) => Ok(()),
                 _ => {
