@@ -245,35 +245,28 @@ fn place(pool: &Pool, r: &Range, rounded: u64, page: u64) -> Option<Place> {
         let b = pool.block(id);
         if b.state == BlockState::Free { b.size } else { 0 }
     };
-    // The window of `rounded` bytes at `w` in the gap [gap_lo, gap_hi): the gap's pages under it.
-    let mut window = |w: u64, (gap_lo, gap_hi): (u64, u64)| {
-        let lo = r.base + (w.max(gap_lo) - r.base) / page * page;
-        let hi = r.base + ((w + rounded).min(gap_hi) - r.base).div_ceil(page) * page;
-        if hi <= lo || !r.retiring.is_empty() && r.retiring.range(lo..hi).next().is_some() {
-            return;
-        }
-        let p = Place { lo, pages: (hi - lo) / page };
-        if best.is_none_or(|b| (p.pages, p.lo) < (b.pages, b.lo)) {
-            best = Some(p);
-        }
-    };
+    let runs = r.segs.entries();
     let (mut gap_lo, mut prev) = (r.base, None::<SegmentId>);
     // The gaps: below each run, then above the last one (to the range's end).
-    let runs = r.segs.iter().map(|(&b, &s)| (b, Some(s)));
-    for (gap_hi, next) in runs.chain(std::iter::once((r.base + r.size, None))) {
+    for i in 0..=runs.len() {
+        let (gap_hi, next) = match runs.get(i) {
+            Some(&(b, s)) => (b, Some(s)),
+            None => (r.base + r.size, None),
+        };
         if gap_hi > gap_lo {
             let tail = prev.map_or(0, |p| free_size(pool.last_block(p)));
             let head = next.map_or(0, |n| free_size(pool.segment(n).first));
             let (span_lo, span_hi) = (gap_lo - tail, gap_hi + head);
+            let gap = (gap_lo, gap_hi);
             // From the span's start (not where the free tail alone holds the request) ...
             if span_lo + rounded <= span_hi && tail < rounded {
-                window(span_lo, (gap_lo, gap_hi));
+                window(r, page, rounded, span_lo, gap, &mut best);
             }
             // ... and, below a run, ending at the span's end.
             if next.is_some() && span_hi - span_lo >= rounded {
                 let w = span_hi - rounded;
                 if tail < rounded || w != span_lo {
-                    window(w, (gap_lo, gap_hi));
+                    window(r, page, rounded, w, gap, &mut best);
                 }
             }
         }
@@ -283,6 +276,28 @@ fn place(pool: &Pool, r: &Range, rounded: u64, page: u64) -> Option<Place> {
         }
     }
     best
+}
+
+/// The window of `rounded` bytes at `w` in the gap `[gap_lo, gap_hi)` of range `r`: the gap's
+/// pages under it, kept in `best` where they are fewer (then lower) and none retires.
+#[inline(always)]
+fn window(
+    r: &Range,
+    page: u64,
+    rounded: u64,
+    w: u64,
+    (gap_lo, gap_hi): (u64, u64),
+    best: &mut Option<Place>,
+) {
+    let lo = r.base + (w.max(gap_lo) - r.base) / page * page;
+    let hi = r.base + ((w + rounded).min(gap_hi) - r.base).div_ceil(page) * page;
+    if hi <= lo || !r.retiring.is_empty() && r.retiring.range(lo..hi).next().is_some() {
+        return;
+    }
+    let p = Place { lo, pages: (hi - lo) / page };
+    if best.is_none_or(|b| (p.pages, p.lo) < (b.pages, b.lo)) {
+        *best = Some(p);
+    }
 }
 
 impl<D: Device> Shared<D> {

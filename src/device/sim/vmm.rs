@@ -70,31 +70,43 @@ impl Buf<'_> {
     }
 }
 
+/// One physical allocation. Kept small (its rare parts boxed): the table of them grows by one
+/// per growth of an expandable range.
 struct Physical {
     bytes: u64,
-    data: Option<Vec<u8>>,
+    /// Host backing, where the device has it.
+    data: Option<Box<[u8]>>,
     /// The address it is mapped at, if any.
     at: Option<u64>,
-    /// Further addresses it is mapped at (rare: a page being moved).
-    more: Vec<u64>,
+    /// Further addresses it is mapped at (rare: a page being moved; rebuilt on each change).
+    more: Option<Box<[u64]>>,
     released: bool,
 }
 
 impl Physical {
     fn addresses(&self) -> impl Iterator<Item = u64> + '_ {
-        self.at.into_iter().chain(self.more.iter().copied())
+        self.at.into_iter().chain(self.more.iter().flat_map(|m| m.iter().copied()))
     }
 
     fn unmapped(&self) -> bool {
-        self.at.is_none() && self.more.is_empty()
+        self.at.is_none() && self.more.as_ref().is_none_or(|m| m.is_empty())
     }
 
     fn forget(&mut self, va: u64) {
+        let mut more = self.more.take().map(Vec::from).unwrap_or_default();
         if self.at == Some(va) {
-            self.at = self.more.pop();
+            self.at = more.pop();
         } else {
-            self.more.retain(|&a| a != va);
+            more.retain(|&a| a != va);
         }
+        self.more = (!more.is_empty()).then(|| more.into_boxed_slice());
+    }
+
+    /// Records a further address it is mapped at.
+    fn also_at(&mut self, va: u64) {
+        let mut more = self.more.take().map(Vec::from).unwrap_or_default();
+        more.push(va);
+        self.more = Some(more.into_boxed_slice());
     }
 }
 
@@ -356,8 +368,8 @@ impl Vmm {
                 code: DeviceError::CUDA_ERROR_OUT_OF_MEMORY,
             });
         }
-        let data = backed.then(|| vec![0u8; bytes as usize]);
-        let p = Physical { bytes, data, at: None, more: Vec::new(), released: false };
+        let data = backed.then(|| vec![0u8; bytes as usize].into_boxed_slice());
+        let p = Physical { bytes, data, at: None, more: None, released: false };
         let h = self.physical.insert(p);
         self.physical_bytes += bytes;
         self.counters.creates += 1;
@@ -418,7 +430,7 @@ impl Vmm {
         let p = self.physical.get_mut(&handle.0).expect("checked");
         match p.at {
             None => p.at = Some(va),
-            Some(_) => p.more.push(va),
+            Some(_) => p.also_at(va),
         }
         self.mapping_count += 1;
         self.counters.maps += 1;
