@@ -143,11 +143,11 @@ impl<D: Device> CaptureTable<D> {
             true => owner.lock_state().stream_uses.get(&f.block).cloned().unwrap_or_default(),
             false => Vec::new(),
         };
-        let mut t = lock(&self.inner);
-        let Some(key) = Self::holder(&t, owner, f.stream, &uses) else { return Some(f) };
-        let e = t.get_mut(&key).expect("found by holder");
-        e.deferred.push(Held::Block(owner.clone(), f));
-        None
+        let stream = f.stream;
+        let mut f = Some(f);
+        let held =
+            self.hold(owner, stream, &uses, || Held::Block(owner.clone(), f.take().expect("once")));
+        if held { None } else { f }
     }
 
     /// [`CaptureTable::defer`] for a scope's unbound buffer of `owner` on `stream`, used on
@@ -160,14 +160,7 @@ impl<D: Device> CaptureTable<D> {
         uses: &[StreamId],
         take: impl FnOnce() -> Buffer<D>,
     ) -> bool {
-        if !self.any() {
-            return false;
-        }
-        let mut t = lock(&self.inner);
-        let Some(key) = Self::holder(&t, owner, stream, uses) else { return false };
-        let e = t.get_mut(&key).expect("found by holder");
-        e.deferred.push(Held::Buffer(take()));
-        true
+        self.any() && self.hold(owner, stream, uses, || Held::Buffer(take()))
     }
 
     /// A planned slice of `region` (of `shared`'s scopes) was freed on `stream`: `true` when a
@@ -180,15 +173,28 @@ impl<D: Device> CaptureTable<D> {
         uses: &[StreamId],
         region: &Arc<Region>,
     ) -> bool {
-        if !self.any() {
-            return false;
-        }
+        self.any()
+            && self.hold(shared, stream, uses, || {
+                region.graph_holds();
+                let (shared, region, uses) = (shared.clone(), region.clone(), uses.to_vec());
+                Held::Region { shared, region, stream, uses }
+            })
+    }
+
+    /// Memory of `mine` freed on `stream` and used on `uses`: when a capture holds it back
+    /// ([`CaptureTable::holder`]), `make` is called, under this table's lock, for what that
+    /// capture's graph keeps; `true` then.
+    fn hold(
+        &self,
+        mine: &Shared<D>,
+        stream: StreamId,
+        uses: &[StreamId],
+        make: impl FnOnce() -> Held<D>,
+    ) -> bool {
         let mut t = lock(&self.inner);
-        let Some(key) = Self::holder(&t, shared, stream, uses) else { return false };
-        region.graph_holds();
+        let Some(key) = Self::holder(&t, mine, stream, uses) else { return false };
         let e = t.get_mut(&key).expect("found by holder");
-        let (shared, region, uses) = (shared.clone(), region.clone(), uses.to_vec());
-        e.deferred.push(Held::Region { shared, region, stream, uses });
+        e.deferred.push(make());
         true
     }
 
