@@ -33,10 +33,7 @@ fn map(src: &Buffer<SimDevice>, dst: &Buffer<SimDevice>, f: fn(u8) -> u8) -> Ker
 
 /// A one-shot kernel writing `byte` over `b` (not captured).
 fn fill(b: &Buffer<SimDevice>, byte: u8) -> Kernel {
-    let p = b.ptr();
-    Kernel::new("fill", vec![acc(b, AccessKind::Write)], move |m| {
-        m.write(p, &[byte; N as usize]).unwrap();
-    })
+    fill_at(b.ptr(), byte)
 }
 
 struct Setup {
@@ -497,10 +494,7 @@ fn bound_freed_during_capture(
     runs: usize,
 ) -> (Vec<tidepool::device::Violation>, bool) {
     let write = |b: &tidepool::ScopedBuffer<'_, SimDevice>, byte: u8| {
-        let p = b.ptr();
-        let acc = vec![Access { ptr: p, bytes: N, kind: AccessKind::Write }];
-        dev.launch(s, Kernel::new("fill", acc, move |m| m.write(p, &[byte; N as usize]).unwrap()))
-            .unwrap();
+        dev.launch(s, fill_at(b.ptr(), byte)).unwrap();
     };
     // Each run: a buffer forgotten (`mem::forget`: the run's end takes its slice back, held
     // region or not), then two buffers of one size, one after the other (a plan gives them
@@ -525,14 +519,7 @@ fn bound_freed_during_capture(
     let v_ptr = v.ptr();
     write(&v, 7);
     alloc.begin_capture(s, None).unwrap();
-    let (o, acc) = (out.ptr(), Access { ptr: v_ptr, bytes: N, kind: AccessKind::Read });
-    let reads = vec![acc, Access { ptr: o, bytes: N, kind: AccessKind::Write }];
-    let k = Kernel::replayable("copy", reads, move |m| {
-        let mut x = vec![0u8; N as usize];
-        m.read(v_ptr, &mut x).unwrap();
-        m.write(o, &x).unwrap();
-    });
-    dev.launch(s, k).unwrap();
+    dev.launch(s, map_at(v_ptr, out.ptr())).unwrap();
     drop(v);
     let graph = alloc.end_capture(s).unwrap();
     // The run goes on: the same size again, used at once; then two more runs.

@@ -430,10 +430,8 @@ impl<D: Device> Buffer<D> {
             return Vec::new();
         }
         let mut uses = self.scope.as_ref().map(|t| t.uses()).unwrap_or_default();
-        if let Origin::Pool(block) = *self.origin
-            && let Some(more) = self.owner.lock_state().stream_uses.get(&block)
-        {
-            uses.extend(more.iter().copied());
+        if let Origin::Pool(block) = *self.origin {
+            uses.extend(self.owner.block_uses(block));
         }
         uses
     }

@@ -140,7 +140,7 @@ impl<D: Device> CaptureTable<D> {
         // The streams it was used on, read before this table is locked (lock order: the
         // table is never held while the allocator's state is locked elsewhere).
         let uses = match f.used_elsewhere {
-            true => owner.lock_state().stream_uses.get(&f.block).cloned().unwrap_or_default(),
+            true => owner.block_uses(f.block),
             false => Vec::new(),
         };
         let stream = f.stream;

@@ -30,6 +30,11 @@ impl<D: Device> Shared<D> {
         Ok(())
     }
 
+    /// The other streams pool block `block` was used on ([`Shared::record_use`]), a copy.
+    pub(super) fn block_uses(&self, block: BlockId) -> Vec<StreamId> {
+        self.lock_state().stream_uses.get(&block).cloned().unwrap_or_default()
+    }
+
     /// Work about to be enqueued on `stream` will `access` `buffer` (of this allocator): makes
     /// `stream` wait, on the device, for the buffer's last write on another stream (its owner's
     /// work, until another stream wrote it) and, for a write, for the reads on other streams
