@@ -210,11 +210,13 @@ impl Pool {
     }
 
     /// The block record of `id`. Panics on an id that is not a live block (a caller bug).
+    #[inline]
     pub fn block(&self, id: BlockId) -> &Block {
         &self.blocks[id.0]
     }
 
     /// The segment record of `id`.
+    #[inline]
     pub fn segment(&self, id: SegmentId) -> &Segment {
         &self.segments[id.0]
     }
