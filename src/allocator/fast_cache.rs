@@ -209,7 +209,7 @@ impl StreamCache {
                 limits,
                 sizing: Sizing::default(),
                 closed: false,
-                room: if limits.enabled { limits.bytes } else { 0 },
+                room: Self::room_of(limits, false),
                 owner_refs: 0,
                 stash_closed: false,
                 small_max: Self::small_max_of(limits, &Sizing::default()),
@@ -307,16 +307,24 @@ impl StreamCache {
         debug_assert!(is_small(b.quadrant));
         let mut g = self.lock_inner();
         let inner = &mut *g;
-        // Disabled, closed or full: one compare (`room` is 0 in the first two cases).
-        if inner.words[CACHED_BYTES] + b.size > inner.room {
+        let cached = inner.words[CACHED_BYTES];
+        // Disabled, closed or full: one compare (`room` is 0 in the first two cases, and with
+        // no entries allowed).
+        if cached + b.size > inner.room {
             return false;
         }
-        let entries = inner.limits.entries;
-        let Some(list) = inner.classes.get_or_add(class) else { return false };
-        if list.len() >= entries {
-            return false;
+        if cached == 0 {
+            // The lane's only block: the hot entry, no list (`class_table.rs`). A class of one
+            // block is within every `entries` bound (`room` is 0 where none is allowed).
+            inner.classes.set_hot(class, b);
+        } else {
+            let entries = inner.limits.entries;
+            let Some(list) = inner.classes.get_or_add(class) else { return false };
+            if list.len() >= entries {
+                return false;
+            }
+            list.push(b);
         }
-        list.push(b);
         Self::grant(inner, &b);
         self.fast.open();
         // The buffer's hold stays here (a closed stash takes no block at all: `room` is 0).
@@ -364,8 +372,14 @@ impl StreamCache {
         if rounded > g.small_max {
             return (Pop::Miss, 0, false);
         }
-        let (pop, stashed) =
-            self.pop_locked_inner(g, ClassKey { residency, rounded }, bytes, |_| true, true, None);
+        let (pop, stashed) = self.pop_locked_inner::<true>(
+            g,
+            ClassKey { residency, rounded },
+            bytes,
+            |_| true,
+            true,
+            None,
+        );
         (pop, rounded, stashed)
     }
 
@@ -398,7 +412,7 @@ impl StreamCache {
             return (Pop::Miss, 0, false);
         }
         let (pop, stashed) =
-            self.pop_locked_inner(g, v.class, bytes, |b| b.block == v.block, true, None);
+            self.pop_locked_inner::<false>(g, v.class, bytes, |b| b.block == v.block, true, None);
         (pop, v.class.rounded, stashed)
     }
 
@@ -425,7 +439,9 @@ impl StreamCache {
         requested: u64,
         accept: impl FnOnce(&CachedBlock) -> bool,
     ) -> Pop {
-        self.pop_locked_inner(self.lock_inner(), class, requested, accept, false, None).0
+        let mut g = self.lock_inner();
+        g.classes.spill();
+        self.pop_locked_inner::<false>(g, class, requested, accept, false, None).0
     }
 
     /// [`StreamCache::pop_checked`] by the global-lock side in section `epoch`: a block
@@ -439,12 +455,16 @@ impl StreamCache {
         accept: impl FnOnce(&CachedBlock) -> bool,
         epoch: u64,
     ) -> Pop {
-        self.pop_locked_inner(self.lock_inner(), class, requested, accept, false, Some(epoch)).0
+        let mut g = self.lock_inner();
+        g.classes.spill();
+        self.pop_locked_inner::<false>(g, class, requested, accept, false, Some(epoch)).0
     }
 
-    /// [`StreamCache::pop_checked`] with this cache's lock already held.
+    /// [`StreamCache::pop_checked`] with this cache's lock already held. `HOT`: the block may
+    /// be the hot one (`class_table.rs`); callers without it hold a large block's class (never
+    /// hot: only small frees make one) or moved the hot block into its list first.
     #[inline(always)]
-    fn pop_locked_inner<'a>(
+    fn pop_locked_inner<'a, const HOT: bool>(
         &'a self,
         mut g: LaneGuard<'a, CacheInner>,
         class: ClassKey,
@@ -454,8 +474,16 @@ impl StreamCache {
         checked_at: Option<u64>,
     ) -> (Pop, bool) {
         let inner = &mut *g;
-        let Some(list) = inner.classes.get_mut(class) else { return (Pop::Miss, false) };
-        let Some(&b) = list.last() else { return (Pop::Miss, false) };
+        // The hot block first (then it is the lane's only one), else the class's list.
+        let hot = if HOT { inner.classes.hot(class).copied() } else { None };
+        let (b, list) = match hot {
+            Some(b) => (b, None),
+            None => {
+                let Some(list) = inner.classes.get_mut(class) else { return (Pop::Miss, false) };
+                let Some(&b) = list.last() else { return (Pop::Miss, false) };
+                (b, Some(list))
+            }
+        };
         if !accept(&b) {
             return (Pop::Miss, false);
         }
@@ -476,16 +504,20 @@ impl StreamCache {
         #[cfg(tidepool_broken = "fast_cache")]
         let inner = {
             // BROKEN: looks the block up, lets go of the lock, then takes "the" last entry.
+            let _ = list;
             drop(g);
             g = self.lock_inner();
             let inner = &mut *g;
-            if let Some(list) = inner.classes.get_mut(class) {
-                list.pop();
-            }
+            let _ = inner.classes.pop(class);
             inner
         };
         #[cfg(not(tidepool_broken = "fast_cache"))]
-        list.pop();
+        match list {
+            Some(list) => {
+                list.pop();
+            }
+            None => inner.classes.take_hot(),
+        }
         #[cfg(tidepool_broken = "stats")]
         {
             // (Deliberately broken: what it spent past the ceiling is forgotten, so the credit
@@ -518,7 +550,7 @@ impl StreamCache {
     pub fn pop_locked(&self, class: ClassKey) -> Option<CachedBlock> {
         let mut g = self.lock_inner();
         let inner = &mut *g;
-        let b = inner.classes.get_mut(class)?.pop()?;
+        let b = inner.classes.pop(class)?;
         if !is_small(b.quadrant) {
             self.set_large(inner, 0);
         }
@@ -645,12 +677,18 @@ impl StreamCache {
     pub fn configure(&self, limits: Limits, sizing: Sizing) {
         let mut g = self.lock_inner();
         g.limits = limits;
-        g.room = if limits.enabled && !g.closed && !g.stash_closed { limits.bytes } else { 0 };
+        g.room = Self::room_of(limits, g.closed || g.stash_closed);
         g.sizing = sizing;
         g.small_max = Self::small_max_of(limits, &sizing);
         g.round_mask = Self::round_mask_of(&sizing);
         g.verdict = None;
         self.fast_max.store(Self::fast_max_of(limits, &sizing), Ordering::Relaxed);
+    }
+
+    /// The bytes a lane may hold under `limits` (`CacheInner::room`): 0 when caching is off,
+    /// when no block is allowed per class, or once `closed`.
+    fn room_of(limits: Limits, closed: bool) -> u64 {
+        if limits.enabled && limits.entries > 0 && !closed { limits.bytes } else { 0 }
     }
 
     /// The largest request a hit may serve under `limits` and `sizing`.
