@@ -474,37 +474,34 @@ impl StreamCache {
         checked_at: Option<u64>,
     ) -> (Pop, bool) {
         let inner = &mut *g;
-        // The hot block first (then it is the lane's only one), else the class's list.
-        let hot = if HOT { inner.classes.hot(class).copied() } else { None };
-        let (b, list) = match hot {
-            Some(b) => (b, None),
-            None => {
-                let Some(list) = inner.classes.get_mut(class) else { return (Pop::Miss, false) };
-                let Some(&b) = list.last() else { return (Pop::Miss, false) };
-                (b, Some(list))
+        // The hot block first (then it is the lane's only one): its own straight line.
+        if HOT && let Some(&b) = inner.classes.hot(class) {
+            if !accept(&b) {
+                return (Pop::Miss, false);
             }
-        };
+            if let Some(epoch) = checked_at {
+                inner.verdict = Some(LargeVerdict { block: b.block, class, requested, epoch });
+            }
+            if !Self::covers(&inner.words, &inner.ceiling, &b, requested) {
+                return (Pop::NeedsLock, false);
+            }
+            inner.classes.take_hot();
+            return self.spend::<true>(inner, b, requested, take_ref);
+        }
+        let Some(list) = inner.classes.get_mut(class) else { return (Pop::Miss, false) };
+        let Some(&b) = list.last() else { return (Pop::Miss, false) };
         if !accept(&b) {
             return (Pop::Miss, false);
         }
         if let Some(epoch) = checked_at {
             inner.verdict = Some(LargeVerdict { block: b.block, class, requested, epoch });
         }
-        let q = b.quadrant & (QUADRANTS - 1);
-        let (w, k) = (&inner.words, &inner.ceiling[q]);
-        // The credit held (`ceiling − Δcur`) covers the block: exactly, so no peak can pass.
-        let covered = k[BYTES].wrapping_sub(w[fast_cur(BYTES, q)]) >= b.size
-            && k[COUNT].wrapping_sub(w[fast_cur(COUNT, q)]) >= 1
-            && k[REQ].wrapping_sub(w[fast_cur(REQ, q)]) >= requested;
-        #[cfg(tidepool_broken = "stats")]
-        let covered = true; // BROKEN: spends headroom the stream does not hold.
-        if b.requested != requested || !covered {
+        if !Self::covers(&inner.words, &inner.ceiling, &b, requested) {
             return (Pop::NeedsLock, false);
         }
         #[cfg(tidepool_broken = "fast_cache")]
         let inner = {
             // BROKEN: looks the block up, lets go of the lock, then takes "the" last entry.
-            let _ = list;
             drop(g);
             g = self.lock_inner();
             let inner = &mut *g;
@@ -512,12 +509,47 @@ impl StreamCache {
             inner
         };
         #[cfg(not(tidepool_broken = "fast_cache"))]
-        match list {
-            Some(list) => {
-                list.pop();
-            }
-            None => inner.classes.take_hot(),
-        }
+        list.pop();
+        self.spend::<false>(inner, b, requested, take_ref)
+    }
+
+    /// Whether the lane (its words `w` and `ceiling`) may hand `b` out for `requested` bytes
+    /// without the global lock: the same request, and the credit held (`ceiling − Δcur`) covers
+    /// the block — exactly, so no peak can pass.
+    #[inline(always)]
+    fn covers(
+        w: &[u64; FAST_WORDS],
+        ceiling: &[[u64; 3]; QUADRANTS],
+        b: &CachedBlock,
+        requested: u64,
+    ) -> bool {
+        let q = b.quadrant & (QUADRANTS - 1);
+        let k = &ceiling[q];
+        let covered = k[BYTES].wrapping_sub(w[fast_cur(BYTES, q)]) >= b.size
+            && k[COUNT].wrapping_sub(w[fast_cur(COUNT, q)]) >= 1
+            && k[REQ].wrapping_sub(w[fast_cur(REQ, q)]) >= requested;
+        #[cfg(tidepool_broken = "stats")]
+        let covered = true; // BROKEN: spends headroom the stream does not hold.
+        b.requested == requested && covered
+    }
+
+    /// Counts popped block `b` (taken out of its list or, with `HOT`, the hot entry) as handed
+    /// out for `requested` bytes: credit spent, the lane's words, and the owner hold it takes
+    /// over (`take_ref`).
+    ///
+    /// A hot block is small and came with its buffer's hold (only [`StreamCache::push_small`]
+    /// makes one, and it keeps the hold), so the lane holds one for it: every small block that
+    /// enters a lane leaves one, and only pops that take its block out take one. (Once the
+    /// stash is closed, the allocator's last handle is gone and nobody pops with `take_ref`.)
+    #[inline(always)]
+    fn spend<const HOT: bool>(
+        &self,
+        inner: &mut CacheInner,
+        b: CachedBlock,
+        requested: u64,
+        take_ref: bool,
+    ) -> (Pop, bool) {
+        let q = b.quadrant & (QUADRANTS - 1);
         #[cfg(tidepool_broken = "stats")]
         {
             // (Deliberately broken: what it spent past the ceiling is forgotten, so the credit
@@ -530,7 +562,7 @@ impl StreamCache {
                 }
             }
         }
-        if !is_small(b.quadrant) {
+        if !HOT && !is_small(b.quadrant) {
             self.set_large(inner, 0);
         }
         let w = &mut inner.words;
@@ -540,7 +572,12 @@ impl StreamCache {
         }
         w[CACHED_BYTES] -= b.size;
         self.fast.open();
-        let stashed = take_ref && inner.owner_refs > 0;
+        let stashed = if HOT {
+            debug_assert!(is_small(b.quadrant) && (!take_ref || inner.owner_refs > 0));
+            take_ref
+        } else {
+            take_ref && inner.owner_refs > 0
+        };
         inner.owner_refs -= u64::from(stashed);
         (Pop::Hit(b), stashed)
     }
