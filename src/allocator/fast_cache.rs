@@ -114,7 +114,7 @@ pub struct CacheInner {
     /// Its headroom under the peaks ("credit", see `counters.rs`) is `ceiling − Δcur`
     /// (wrapping): a free lowers `Δcur` and so grants credit with no store of its own, a hit
     /// may raise `Δcur` up to the ceiling, and a revocation sets the ceiling to `Δcur`.
-    pub(crate) ceiling: [[u64; 3]; QUADRANTS],
+    ceiling: [[u64; 3]; QUADRANTS],
     /// The lane's statistics words (see `counters.rs`), published into `fast` by readers.
     pub(crate) words: [u64; FAST_WORDS],
     /// `words` as last published into `fast` (this lock makes us its only writer).
@@ -164,6 +164,19 @@ pub struct LargeVerdict {
 }
 
 impl CacheInner {
+    /// Takes all of the lane's credit back (a revocation, see `counters.rs`): its ceiling
+    /// becomes its `Δcur`. The hot block moves into its list, so that a hot block's credit is
+    /// always held (it was granted by its own free, and nothing else spent it since: the block
+    /// was the lane's only one), and its hit checks none (`class_table.rs`).
+    pub(crate) fn revoke_credit(&mut self) {
+        for q in 0..QUADRANTS {
+            for qty in [BYTES, COUNT, REQ] {
+                self.ceiling[q][qty] = self.words[fast_cur(qty, q)];
+            }
+        }
+        self.classes.spill();
+    }
+
     /// The blocks cached, in no particular order.
     pub fn entries(&self) -> Vec<(ClassKey, CachedBlock)> {
         self.classes.iter().collect()
@@ -482,7 +495,8 @@ impl StreamCache {
             if let Some(epoch) = checked_at {
                 inner.verdict = Some(LargeVerdict { block: b.block, class, requested, epoch });
             }
-            if !Self::covers(&inner.words, &inner.ceiling, &b, requested) {
+            // Its credit is held (see `CacheInner::revoke_credit`): the request alone decides.
+            if b.requested != requested {
                 return (Pop::NeedsLock, false);
             }
             inner.classes.take_hot();
