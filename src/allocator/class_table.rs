@@ -112,13 +112,20 @@ impl ClassTable {
         }
     }
 
-    /// Makes `b` (of `class`) the hot block. **The table must hold no block** (the caller
-    /// knows: its lane caches no bytes).
+    /// Makes `b` (of `class`) the hot block, if there is room for its class should it move
+    /// into a list (`false`: the caller pushes it as usual, which finds its class or refuses
+    /// it). **The table must hold no block** (the caller knows: its lane caches no bytes).
     #[inline(always)]
-    pub fn set_hot(&mut self, class: ClassKey, b: CachedBlock) {
+    pub fn set_hot(&mut self, class: ClassKey, b: CachedBlock) -> bool {
         debug_assert!(self.hot_key == 0 && self.blocks() == 0);
+        // (No class is added while a block is hot — every other push moves it first — so
+        // [`ClassTable::spill`] then finds room for it.)
+        if self.classes >= MAX_CLASSES {
+            return false;
+        }
         self.hot_key = key_of(class);
         self.hot = b;
+        true
     }
 
     /// The hot block, if it is of `class` (then it is the table's only block).
@@ -142,8 +149,8 @@ impl ClassTable {
         self.get_mut(class)?.pop()
     }
 
-    /// Moves the hot block, if any, into its class's list (added past [`MAX_CLASSES`] if it
-    /// must be: one class more keeps every probe short, as the slots are twice that many).
+    /// Moves the hot block, if any, into its class's list (added if it is new: there is room,
+    /// see [`ClassTable::set_hot`]).
     #[inline]
     pub fn spill(&mut self) {
         if self.hot_key != 0 {
@@ -157,6 +164,7 @@ impl ClassTable {
         let slots = self.slots.get_or_insert_with(Self::new_slots);
         let i = Self::find(slots, key);
         if slots[i].key != key {
+            debug_assert!(self.classes < MAX_CLASSES);
             self.classes += 1;
             slots[i].key = key;
         }
@@ -296,5 +304,37 @@ mod tests {
         assert!(t.get_mut(class(512, false)).is_none());
         t.get_or_add(class(1 << 20, true)).unwrap().push(block(7));
         assert_eq!(t.iter().next(), Some((class(1 << 20, true), block(7))));
+    }
+
+    /// The hot block: found for its class only, counted and listed, moved into its list (after
+    /// which the list's order is the push order) by a push, a listing or a spill, and refused
+    /// where its class could not be added.
+    #[test]
+    fn the_hot_block_is_the_only_one_and_moves_into_its_list() {
+        let (a, b) = (class(4096, false), class(8192, false));
+        let mut t = ClassTable::default();
+        assert!(t.set_hot(a, block(1)));
+        assert_eq!((t.hot(a).copied(), t.hot(b).copied(), t.blocks()), (Some(block(1)), None, 1));
+        assert_eq!(t.iter().collect::<Vec<_>>(), vec![(a, block(1))]);
+        assert!(t.get_mut(b).is_none(), "no list was made for it");
+        assert_eq!(t.pop(a), Some(block(1)));
+        assert_eq!((t.blocks(), t.pop(a)), (0, None));
+        assert!(t.set_hot(a, block(2)));
+        t.get_or_add(a).unwrap().push(block(3)); // a push moves the hot block first
+        assert_eq!(t.hot(a), None);
+        assert_eq!(t.get_mut(a).unwrap().clone(), vec![block(2), block(3)]);
+        assert_eq!((t.pop(a), t.pop(a), t.pop(a)), (Some(block(3)), Some(block(2)), None));
+        assert!(t.set_hot(b, block(4)));
+        assert_eq!(t.lists_mut().map(|l| l.len()).sum::<usize>(), 1, "a listing moves it");
+        assert_eq!(t.len(), 2);
+        t.clear();
+        assert!(t.set_hot(b, block(5)));
+        t.clear();
+        assert_eq!((t.blocks(), t.hot(b).copied()), (0, None));
+        for i in 1..=MAX_CLASSES as u64 {
+            t.get_or_add(class(i * 512, true)).unwrap();
+        }
+        assert!(!t.set_hot(a, block(6)), "no room for its class");
+        assert_eq!(t.blocks(), 0);
     }
 }

@@ -143,6 +143,9 @@ pub struct CacheInner {
     /// ([`StreamCache::pop_large`]): a hit may hand it out again without that lock while no
     /// global-lock section began since (see [`LargeVerdict`]).
     verdict: Option<LargeVerdict>,
+    /// Deliberately broken (`Broken::HotCreditKept`): a revocation keeps the hot block.
+    #[cfg(feature = "test-hooks")]
+    keep_hot: bool,
 }
 
 /// A large block found, under the global lock, to be exactly what freeing it and taking the
@@ -174,6 +177,13 @@ impl CacheInner {
                 self.ceiling[q][qty] = self.words[fast_cur(qty, q)];
             }
         }
+        #[cfg(tidepool_broken = "hot_credit")]
+        return; // BROKEN: the hot block keeps credit it no longer holds.
+        #[cfg(feature = "test-hooks")]
+        if self.keep_hot {
+            return; // BROKEN (`Broken::HotCreditKept`), as above.
+        }
+        #[allow(unreachable_code)]
         self.classes.spill();
     }
 
@@ -228,6 +238,8 @@ impl StreamCache {
                 small_max: Self::small_max_of(limits, &Sizing::default()),
                 round_mask: Self::round_mask_of(&Sizing::default()),
                 verdict: None,
+                #[cfg(feature = "test-hooks")]
+                keep_hot: false,
             }),
             fast: SeqBlock::new(),
             slow: SeqBlock::new(),
@@ -326,11 +338,9 @@ impl StreamCache {
         if cached + b.size > inner.room {
             return false;
         }
-        if cached == 0 {
-            // The lane's only block: the hot entry, no list (`class_table.rs`). A class of one
-            // block is within every `entries` bound (`room` is 0 where none is allowed).
-            inner.classes.set_hot(class, b);
-        } else {
+        // The lane's only block: the hot entry, no list (`class_table.rs`). A class of one
+        // block is within every `entries` bound (`room` is 0 where none is allowed).
+        if !(cached == 0 && inner.classes.set_hot(class, b)) {
             let entries = inner.limits.entries;
             let Some(list) = inner.classes.get_or_add(class) else { return false };
             if list.len() >= entries {
@@ -759,6 +769,12 @@ impl StreamCache {
         let div = sizing.roundup_power2_divisions.for_size(sizing.small_size);
         let no_divisions = div <= 1 || m.saturating_mul(div) >= sizing.small_size;
         if m.is_power_of_two() && no_divisions { m - 1 } else { u64::MAX }
+    }
+
+    /// Turns the deliberate bug `Broken::HotCreditKept` on or off for this lane.
+    #[cfg(feature = "test-hooks")]
+    pub fn set_keep_hot(&self, on: bool) {
+        self.lock_inner().keep_hot = on;
     }
 
     /// Refuses every later push (the stream was destroyed); the caller drains it.
