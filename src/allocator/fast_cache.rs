@@ -177,13 +177,10 @@ impl CacheInner {
                 self.ceiling[q][qty] = self.words[fast_cur(qty, q)];
             }
         }
-        #[cfg(tidepool_broken = "hot_credit")]
-        return; // BROKEN: the hot block keeps credit it no longer holds.
         #[cfg(feature = "test-hooks")]
         if self.keep_hot {
-            return; // BROKEN (`Broken::HotCreditKept`), as above.
+            return; // BROKEN (`Broken::HotCreditKept`): it keeps credit it no longer holds.
         }
-        #[allow(unreachable_code)]
         self.classes.spill();
     }
 
