@@ -105,6 +105,7 @@ pub enum Broken {
     /// A credit revocation leaves a lane's hot block where it is (`class_table.rs`): its hit,
     /// which checks no credit, then spends headroom the lane no longer holds, past the peak.
     /// (Set on the lanes that exist when it is turned on.)
+    #[cfg_attr(not(feature = "test-hooks"), allow(dead_code))]
     HotCreditKept = 1 << 44,
 }
 
