@@ -762,3 +762,75 @@ fn input_is_capped() {
         ErrorKind::InputTooLarge { .. }
     ));
 }
+
+/// A PyTorch-style pickle written by hand: `n` allocations of 512 bytes on device 0, then their
+/// frees, every entry's `frames` one shared list of `frames` frame dicts — written once and
+/// referenced by memo id 0 after that, as Python's pickler writes a traceback many entries
+/// share (real snapshots share them so: 7.9 million decoded values from the 2.6 MB ftcourse
+/// snapshot when every reference was copied).
+fn shared_traceback_snapshot(n: u32, frames: u32) -> Vec<u8> {
+    let text = |p: &mut Vec<u8>, t: &str| {
+        p.extend([0x8c, u8::try_from(t.len()).unwrap()]);
+        p.extend(t.as_bytes());
+    };
+    let int = |p: &mut Vec<u8>, v: u32| {
+        p.push(b'J');
+        p.extend(i32::try_from(v).unwrap().to_le_bytes());
+    };
+    let mut p = b"\x80\x04}(".to_vec();
+    text(&mut p, "device_traces");
+    p.extend(b"]]("); // all devices, device 0's entries, a mark
+    for i in 0..2 * n {
+        let (action, k) = if i < n { ("alloc", i) } else { ("free_completed", i - n) };
+        p.extend(b"}(");
+        for (key, value) in [("action", action), ("addr", ""), ("size", ""), ("stream", "")] {
+            text(&mut p, key);
+            match key {
+                "action" => text(&mut p, value),
+                "addr" => int(&mut p, 0x1000_0000 + k * 512),
+                "size" => int(&mut p, 512),
+                _ => p.extend(b"K\x00"),
+            }
+        }
+        text(&mut p, "frames");
+        if i == 0 {
+            p.extend(b"]r\x00\x00\x00\x00("); // the list, memo id 0, a mark
+            for line in 0..frames {
+                p.extend(b"}(");
+                text(&mut p, "filename");
+                text(&mut p, "train.py");
+                text(&mut p, "line");
+                int(&mut p, line);
+                text(&mut p, "name");
+                text(&mut p, "forward");
+                p.push(b'u');
+            }
+            p.push(b'e');
+        } else {
+            p.extend(b"j\x00\x00\x00\x00");
+        }
+        p.push(b'u');
+    }
+    p.extend(b"eau.");
+    p
+}
+
+/// Regression: a long snapshot whose entries share one traceback read as copies of it at every
+/// reference (serde-pickle rebuilds no sharing), 20 000 entries × 300 frames × 7 values = 42
+/// million values, refused as "expands to more than 10000000 values" — a real snapshot a
+/// little longer than ftcourse was. A shared container now decodes once, its other references
+/// as `None`, so this reads, to the byte.
+#[test]
+fn a_long_snapshot_sharing_its_tracebacks_reads() {
+    let data = shared_traceback_snapshot(10_000, 300);
+    let trace = read_trace_bytes(&data).unwrap();
+    trace.validate().unwrap();
+    assert_eq!(trace.events.len(), 20_000);
+    assert_eq!(trace.peak_live_bytes(), 10_000 * 512);
+    assert_eq!(trace.events[0].bytes, 512);
+    assert_eq!(trace.events[0].op, Op::Alloc);
+    assert_eq!(trace.events[10_000].op, Op::Free);
+    // Sharing does not lift the bound on what the input itself writes out.
+    let e = read_trace_bytes(&shared_traceback_snapshot(1, 1_500_000)).unwrap_err();
+    assert!(e.to_string().contains("expands to more than"), "{e}");
+}

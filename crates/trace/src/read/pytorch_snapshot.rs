@@ -45,14 +45,16 @@
 //! pairs become scopes (tidepool's scopes do not nest); the others are counted as skipped.
 //! `user_defined` entries carry no range and do not delimit scopes.
 //!
-//! The pickle is decoded with serde-pickle's `replace_recursive_structures` option, because
-//! PyTorch shares frame objects between entries (see [`read_pytorch_snapshot`]).
+//! PyTorch shares traceback objects (frame lists and dicts) between entries; serde-pickle
+//! would copy one at every reference, so the guard ([`super::pickle_guard`]) makes every
+//! reference to a shared container after the first `None`, and frames are not read.
 //!
 //! Safety of decoding: the pickle is read into memory (at most the cap of
 //! [`super::ReadOptions`]) and scanned first ([`super::pickle_guard`]), which rejects nesting
-//! deeper than 128 levels, cycles, and memo sharing that would expand past 10^7 values —
-//! serde-pickle recurses per level and copies each shared object at every reference. Nothing
-//! is pre-allocated from a number found in the input.
+//! deeper than 128 levels and `DUP` copies that would expand past 10^7 values (serde-pickle
+//! recurses per level and copies a duplicated object), and cuts memo references to
+//! containers (so no cycle and no copy through the memo reach the decoder). Nothing is
+//! pre-allocated from a number found in the input.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::io::Read;
@@ -81,10 +83,10 @@ pub(super) fn read_capped<R: Read>(
     name: &str,
     cap: u64,
 ) -> Result<Vec<Trace>, TraceError> {
-    // Real snapshots share frame dicts between entries; serde-pickle cannot rebuild a shared
-    // container nested in another shared one and would fail with "recursive structure".
-    // Replacing those with None only touches such containers (frames), never the scalar
-    // fields read here.
+    // Real snapshots share tracebacks (frame lists and dicts) between entries: the guard turns
+    // every later reference to a shared container into None (serde-pickle would copy it at
+    // each), and `replace_recursive_structures` stays as a second line for what it misses.
+    // Frames are never read here.
     let mut data = Vec::new();
     input
         .take(cap.saturating_add(1))
