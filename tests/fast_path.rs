@@ -619,3 +619,89 @@ fn a_routed_stream_never_takes_the_general_large_block() {
     drop(guard);
     check(&dev, &alloc);
 }
+
+/// An allocator with the sanitizer's hooks off (as on a real device), where frees take the
+/// inlined common case and a lane's only block waits in its hot entry (`class_table.rs`).
+fn quiet(config: &str) -> (Arc<SimDevice>, Allocator<SimDevice>) {
+    use tidepool::SimConfig;
+    let sim = SimConfig { capacity: 1 << 30, sanitize: false, ..SimConfig::default() };
+    let dev = Arc::new(SimDevice::with_config(sim));
+    let alloc = Allocator::new(dev.clone(), Config::parse(config).unwrap()).unwrap();
+    (dev, alloc)
+}
+
+/// The hot entry changes no outcome: blocks come back last in, first out per class, another
+/// class finds nothing, the bounds hold, the statistics and the checker see the hot block, and
+/// flushes take it.
+#[test]
+fn the_hot_block_keeps_the_lanes_order_bounds_and_figures() {
+    let (dev, alloc) = quiet("");
+    let at = |n: u64| DeviceAddr(SIM_BASE + n);
+    let a = alloc.alloc(4096, S0).unwrap();
+    let b = alloc.alloc(4096, S0).unwrap();
+    let c = alloc.alloc(8192, S0).unwrap();
+    assert_eq!((a.ptr(), b.ptr(), c.ptr()), (at(0), at(4096), at(8192)));
+    drop(a); // the lane's only block: hot
+    let s = alloc.stats();
+    assert_eq!((s.cached_fast_bytes, s.blocks.allocated_bytes.all.current), (4096, 12288));
+    alloc.check_invariants().unwrap();
+    let n = alloc.global_lock_acquisitions();
+    drop(b); // a second block: the hot one moves into its list first
+    let (b2, a2) = (alloc.alloc(4096, S0).unwrap(), alloc.alloc(4096, S0).unwrap());
+    assert_eq!((b2.ptr(), a2.ptr()), (at(4096), at(0)), "last in, first out");
+    assert_eq!(alloc.global_lock_acquisitions(), n, "both hits lock-free");
+    drop(c); // hot, of another class
+    let d = alloc.alloc(4096, S0).unwrap(); // nothing of its class: the slow path
+    assert_eq!(d.ptr(), at(16384));
+    assert_eq!(alloc.global_lock_acquisitions(), n + 1);
+    let c2 = alloc.alloc(8192, S0).unwrap();
+    assert_eq!(c2.ptr(), at(8192));
+    let s = alloc.stats();
+    let a = s.blocks.allocation.all;
+    assert_eq!((a.current, a.peak, a.allocated), (4, 4, 7));
+    assert_eq!(s.blocks.allocated_bytes.all.current, 3 * 4096 + 8192);
+    assert_eq!(s.cached_fast_bytes, 0);
+    alloc.check_invariants().unwrap();
+    drop((a2, b2, c2, d));
+    alloc.check_invariants().unwrap();
+    alloc.empty_cache().unwrap();
+    assert!(dev.live_segments().is_empty(), "a flush takes the hot block too");
+
+    let (_dev, alloc) = quiet("fast_cache_entries:2");
+    let bufs: Vec<_> = (0..3).map(|_| alloc.alloc(4096, S0).unwrap()).collect();
+    drop(bufs);
+    assert_eq!(alloc.stats().cached_fast_bytes, 8192, "two per class, the hot one counted");
+    alloc.check_invariants().unwrap();
+    let (_dev, alloc) = quiet("fast_cache_bytes_mb:1");
+    let bufs: Vec<_> = (0..3).map(|_| alloc.alloc(512 * 1024, S0).unwrap()).collect();
+    drop(bufs);
+    assert_eq!(alloc.stats().cached_fast_bytes, MIB);
+    alloc.check_invariants().unwrap();
+}
+
+/// A hot block's hit checks no credit (its own free granted it, and nothing else spent it), so
+/// a credit revocation moves it into its list. (Broken mode `HotCreditKept`: it stays hot, and
+/// its hit spends headroom the lane no longer holds: the current passes the peak.)
+#[test]
+fn a_revocation_takes_the_hot_blocks_credit_too() {
+    use tidepool::hooks::Broken;
+    for broken in [false, true] {
+        let (dev, alloc) = quiet("");
+        drop(alloc.alloc(4096, S0).unwrap()); // the stream's lanes exist from here
+        alloc.set_broken(Broken::HotCreditKept, broken);
+        let x = alloc.alloc(4096, S0).unwrap();
+        drop(x); // hot, with 4096 of credit under the peak of 4096
+        let y = alloc.alloc(8192, S0).unwrap(); // a new peak: the credit is revoked
+        let n = alloc.global_lock_acquisitions();
+        let z = alloc.alloc(4096, S0).unwrap();
+        assert_eq!(z.ptr(), DeviceAddr(SIM_BASE));
+        assert_eq!(alloc.global_lock_acquisitions() == n + 1, !broken, "no credit: under the lock");
+        let s = alloc.stats().blocks.allocated_bytes.all;
+        assert_eq!(s.current, 12288);
+        assert_eq!(s.peak == 12288, !broken, "the peak stays exact");
+        assert_eq!(alloc.check_invariants().is_ok(), !broken);
+        drop((y, z));
+        drop(alloc);
+        assert!(dev.live_segments().is_empty());
+    }
+}

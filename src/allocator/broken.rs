@@ -102,6 +102,11 @@ pub enum Broken {
     /// A failed event record while expandable segments move or release pages fails the
     /// allocation (or release) instead of skipping the donor or waiting on the host.
     VmEventErrors = 1 << 43,
+    /// A credit revocation leaves a lane's hot block where it is (`class_table.rs`): its hit,
+    /// which checks no credit, then spends headroom the lane no longer holds, past the peak.
+    /// (Set on the lanes that exist when it is turned on.)
+    #[cfg_attr(not(feature = "test-hooks"), allow(dead_code))]
+    HotCreditKept = 1 << 44,
 }
 
 #[cfg_attr(not(feature = "test-hooks"), allow(dead_code))]

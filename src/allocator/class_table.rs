@@ -7,9 +7,19 @@
 //!   256 slots (2 × MAX_CLASSES), allocated at the first insert; a class once added keeps its
 //!   slot (its list may be empty) until `clear`
 //!   last: the slot last found, compared first (a run of one class costs one compare, no hash)
+//!   hot:  [key | block]  the lane's only block, outside the slots (see below)
 //! ```
 //!
 //! It replaces a `HashMap` whose lookup cost a hit about sixty instructions.
+//!
+//! **The hot entry.** A block pushed into an empty lane ([`ClassTable::set_hot`]) waits in `hot`,
+//! not in its class's list: the free and the next hit of the same class (the common pair) then
+//! touch one key and one block, with no slot, no list and no length. The rule is one sentence:
+//! *`hot` holds a block only while it is the table's only block.* Every other way in (a push
+//! while it holds one, a listing, a drain) first moves it into its class's list
+//! ([`ClassTable::spill`]), so the lists see exactly the blocks and the order (last in, first
+//! out per class) they would without it, and a pop that asks for another class finds nothing
+//! anywhere else.
 
 use super::fast_cache::{CachedBlock, ClassKey, MAX_CLASSES};
 use crate::stats::Residency;
@@ -25,7 +35,6 @@ struct Slot {
 }
 
 /// See the module docs.
-#[derive(Default)]
 pub struct ClassTable {
     /// `SLOTS` slots once the first class is added (a fixed size: a probe indexes it with no
     /// bounds check).
@@ -34,6 +43,28 @@ pub struct ClassTable {
     /// The slot last found: looked at first (a lane serves one class many times in a row, and
     /// then the probe is one compare with no hash).
     last: usize,
+    /// The key of the hot block (0: none). See the module docs.
+    hot_key: u64,
+    /// The hot block, while `hot_key` is not 0.
+    hot: CachedBlock,
+}
+
+impl Default for ClassTable {
+    fn default() -> Self {
+        ClassTable {
+            slots: None,
+            classes: 0,
+            last: 0,
+            hot_key: 0,
+            hot: CachedBlock {
+                block: crate::pool::BlockId(0),
+                ptr: crate::device::DeviceAddr(0),
+                size: 0,
+                requested: 0,
+                quadrant: 0,
+            },
+        }
+    }
 }
 
 /// The table's key of `class`.
@@ -81,7 +112,73 @@ impl ClassTable {
         }
     }
 
-    /// The blocks of `class`, if it was added.
+    /// Makes `b` (of `class`) the hot block, if there is room for its class should it move
+    /// into a list (`false`: the caller pushes it as usual, which finds its class or refuses
+    /// it). **The table must hold no block** (the caller knows: its lane caches no bytes).
+    #[inline(always)]
+    pub fn set_hot(&mut self, class: ClassKey, b: CachedBlock) -> bool {
+        debug_assert!(self.hot_key == 0 && self.blocks() == 0);
+        // (No class is added while a block is hot — every other push moves it first — so
+        // [`ClassTable::spill`] then finds room for it.)
+        if self.classes >= MAX_CLASSES {
+            return false;
+        }
+        self.hot_key = key_of(class);
+        self.hot = b;
+        true
+    }
+
+    /// The hot block, if it is of `class` (then it is the table's only block).
+    #[inline(always)]
+    pub fn hot(&self, class: ClassKey) -> Option<&CachedBlock> {
+        (self.hot_key == key_of(class)).then_some(&self.hot)
+    }
+
+    /// Forgets the hot block (the caller took it, after [`ClassTable::hot`]).
+    #[inline(always)]
+    pub fn take_hot(&mut self) {
+        self.hot_key = 0;
+    }
+
+    /// Takes the last block of `class` (the next a pop takes): the hot one, or its list's last.
+    pub fn pop(&mut self, class: ClassKey) -> Option<CachedBlock> {
+        if let Some(&b) = self.hot(class) {
+            self.take_hot();
+            return Some(b);
+        }
+        self.get_mut(class)?.pop()
+    }
+
+    /// Moves the hot block, if any, into its class's list (added if it is new: there is room,
+    /// see [`ClassTable::set_hot`]).
+    #[inline]
+    pub fn spill(&mut self) {
+        if self.hot_key != 0 {
+            self.spill_cold();
+        }
+    }
+
+    #[cold]
+    fn spill_cold(&mut self) {
+        let (key, b) = (std::mem::take(&mut self.hot_key), self.hot);
+        let slots = self.slots.get_or_insert_with(Self::new_slots);
+        let i = Self::find(slots, key);
+        if slots[i].key != key {
+            debug_assert!(self.classes < MAX_CLASSES);
+            self.classes += 1;
+            slots[i].key = key;
+        }
+        debug_assert!(slots[i].list.is_empty(), "the hot block was the only one");
+        slots[i].list.push(b);
+    }
+
+    fn new_slots() -> Box<[Slot; SLOTS]> {
+        let v: Vec<Slot> = (0..SLOTS).map(|_| Slot::default()).collect();
+        v.into_boxed_slice().try_into().unwrap_or_else(|_| unreachable!("SLOTS slots"))
+    }
+
+    /// The list of `class`, if it was added. (The hot block is not in it: a pop looks at
+    /// [`ClassTable::hot`] first.)
     #[inline(always)]
     pub fn get_mut(&mut self, class: ClassKey) -> Option<&mut Vec<CachedBlock>> {
         let key = key_of(class);
@@ -91,9 +188,11 @@ impl ClassTable {
         (slot.key == key).then_some(&mut slot.list)
     }
 
-    /// The blocks of `class`, added if there is room for another class (`None` if not).
+    /// The blocks of `class`, added if there is room for another class (`None` if not). The
+    /// hot block moves into its list first (a push after it: see the module docs).
     #[inline(always)]
     pub fn get_or_add(&mut self, class: ClassKey) -> Option<&mut Vec<CachedBlock>> {
+        self.spill();
         let key = key_of(class);
         let last = &mut self.last;
         let found = self.slots.as_deref().and_then(|slots| {
@@ -111,10 +210,7 @@ impl ClassTable {
     #[cold]
     fn add(&mut self, class: ClassKey) -> Option<&mut Vec<CachedBlock>> {
         debug_assert!(class.rounded > 0 && class.rounded < 1 << 62);
-        let slots = self.slots.get_or_insert_with(|| {
-            let v: Vec<Slot> = (0..SLOTS).map(|_| Slot::default()).collect();
-            v.into_boxed_slice().try_into().unwrap_or_else(|_| unreachable!("SLOTS slots"))
-        });
+        let slots = self.slots.get_or_insert_with(Self::new_slots);
         let key = key_of(class);
         let i = Self::find(slots, key);
         if slots[i].key != key {
@@ -129,21 +225,25 @@ impl ClassTable {
 
     /// Blocks held, over all classes (a scan: for the global-lock side and tests).
     pub fn blocks(&self) -> usize {
-        self.slots.iter().flat_map(|s| s.iter()).map(|s| s.list.len()).sum()
+        let listed: usize = self.slots.iter().flat_map(|s| s.iter()).map(|s| s.list.len()).sum();
+        listed + usize::from(self.hot_key != 0)
     }
 
-    /// Every class's blocks.
+    /// Every class's blocks (the hot block moved into its list first).
     pub fn lists_mut(&mut self) -> impl Iterator<Item = &mut Vec<CachedBlock>> {
+        self.spill();
         self.slots.iter_mut().flat_map(|s| s.iter_mut()).filter(|s| s.key != 0).map(|s| &mut s.list)
     }
 
     /// Every cached block with its class, in no particular order.
     pub fn iter(&self) -> impl Iterator<Item = (ClassKey, CachedBlock)> + '_ {
+        let hot = (self.hot_key != 0).then(|| (class_of(self.hot_key), self.hot));
         self.slots
             .iter()
             .flat_map(|s| s.iter())
             .filter(|s| s.key != 0)
             .flat_map(|s| s.list.iter().map(move |&b| (class_of(s.key), b)))
+            .chain(hot)
     }
 
     /// Forgets every class (and block); keeps the slots' memory.
@@ -153,6 +253,7 @@ impl ClassTable {
             s.list.clear();
         }
         self.classes = 0;
+        self.hot_key = 0;
     }
 }
 
@@ -203,5 +304,37 @@ mod tests {
         assert!(t.get_mut(class(512, false)).is_none());
         t.get_or_add(class(1 << 20, true)).unwrap().push(block(7));
         assert_eq!(t.iter().next(), Some((class(1 << 20, true), block(7))));
+    }
+
+    /// The hot block: found for its class only, counted and listed, moved into its list (after
+    /// which the list's order is the push order) by a push, a listing or a spill, and refused
+    /// where its class could not be added.
+    #[test]
+    fn the_hot_block_is_the_only_one_and_moves_into_its_list() {
+        let (a, b) = (class(4096, false), class(8192, false));
+        let mut t = ClassTable::default();
+        assert!(t.set_hot(a, block(1)));
+        assert_eq!((t.hot(a).copied(), t.hot(b).copied(), t.blocks()), (Some(block(1)), None, 1));
+        assert_eq!(t.iter().collect::<Vec<_>>(), vec![(a, block(1))]);
+        assert!(t.get_mut(b).is_none(), "no list was made for it");
+        assert_eq!(t.pop(a), Some(block(1)));
+        assert_eq!((t.blocks(), t.pop(a)), (0, None));
+        assert!(t.set_hot(a, block(2)));
+        t.get_or_add(a).unwrap().push(block(3)); // a push moves the hot block first
+        assert_eq!(t.hot(a), None);
+        assert_eq!(t.get_mut(a).unwrap().clone(), vec![block(2), block(3)]);
+        assert_eq!((t.pop(a), t.pop(a), t.pop(a)), (Some(block(3)), Some(block(2)), None));
+        assert!(t.set_hot(b, block(4)));
+        assert_eq!(t.lists_mut().map(|l| l.len()).sum::<usize>(), 1, "a listing moves it");
+        assert_eq!(t.len(), 2);
+        t.clear();
+        assert!(t.set_hot(b, block(5)));
+        t.clear();
+        assert_eq!((t.blocks(), t.hot(b).copied()), (0, None));
+        for i in 1..=MAX_CLASSES as u64 {
+            t.get_or_add(class(i * 512, true)).unwrap();
+        }
+        assert!(!t.set_hot(a, block(6)), "no room for its class");
+        assert_eq!(t.blocks(), 0);
     }
 }

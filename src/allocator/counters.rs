@@ -188,11 +188,7 @@ impl BaseStats {
         }
         guards.for_each(|inner| {
             // No credit left: the ceiling is the lane's current delta.
-            for q in 0..QUADRANTS {
-                for qty in [BYTES, COUNT, REQ] {
-                    inner.ceiling[q][qty] = inner.words[fast_cur(qty, q)];
-                }
-            }
+            inner.revoke_credit();
             for (g, &(_, qty)) in LIVE.iter().enumerate() {
                 for (q, v) in cur[g].iter_mut().enumerate() {
                     *v = v.wrapping_add(inner.words[fast_cur(qty, q)]);

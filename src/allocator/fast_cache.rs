@@ -114,7 +114,7 @@ pub struct CacheInner {
     /// Its headroom under the peaks ("credit", see `counters.rs`) is `ceiling − Δcur`
     /// (wrapping): a free lowers `Δcur` and so grants credit with no store of its own, a hit
     /// may raise `Δcur` up to the ceiling, and a revocation sets the ceiling to `Δcur`.
-    pub(crate) ceiling: [[u64; 3]; QUADRANTS],
+    ceiling: [[u64; 3]; QUADRANTS],
     /// The lane's statistics words (see `counters.rs`), published into `fast` by readers.
     pub(crate) words: [u64; FAST_WORDS],
     /// `words` as last published into `fast` (this lock makes us its only writer).
@@ -143,6 +143,9 @@ pub struct CacheInner {
     /// ([`StreamCache::pop_large`]): a hit may hand it out again without that lock while no
     /// global-lock section began since (see [`LargeVerdict`]).
     verdict: Option<LargeVerdict>,
+    /// Deliberately broken (`Broken::HotCreditKept`): a revocation keeps the hot block.
+    #[cfg(feature = "test-hooks")]
+    keep_hot: bool,
 }
 
 /// A large block found, under the global lock, to be exactly what freeing it and taking the
@@ -164,6 +167,23 @@ pub struct LargeVerdict {
 }
 
 impl CacheInner {
+    /// Takes all of the lane's credit back (a revocation, see `counters.rs`): its ceiling
+    /// becomes its `Δcur`. The hot block moves into its list, so that a hot block's credit is
+    /// always held (it was granted by its own free, and nothing else spent it since: the block
+    /// was the lane's only one), and its hit checks none (`class_table.rs`).
+    pub(crate) fn revoke_credit(&mut self) {
+        for q in 0..QUADRANTS {
+            for qty in [BYTES, COUNT, REQ] {
+                self.ceiling[q][qty] = self.words[fast_cur(qty, q)];
+            }
+        }
+        #[cfg(feature = "test-hooks")]
+        if self.keep_hot {
+            return; // BROKEN (`Broken::HotCreditKept`): it keeps credit it no longer holds.
+        }
+        self.classes.spill();
+    }
+
     /// The blocks cached, in no particular order.
     pub fn entries(&self) -> Vec<(ClassKey, CachedBlock)> {
         self.classes.iter().collect()
@@ -209,12 +229,14 @@ impl StreamCache {
                 limits,
                 sizing: Sizing::default(),
                 closed: false,
-                room: if limits.enabled { limits.bytes } else { 0 },
+                room: Self::room_of(limits, false),
                 owner_refs: 0,
                 stash_closed: false,
                 small_max: Self::small_max_of(limits, &Sizing::default()),
                 round_mask: Self::round_mask_of(&Sizing::default()),
                 verdict: None,
+                #[cfg(feature = "test-hooks")]
+                keep_hot: false,
             }),
             fast: SeqBlock::new(),
             slow: SeqBlock::new(),
@@ -307,16 +329,22 @@ impl StreamCache {
         debug_assert!(is_small(b.quadrant));
         let mut g = self.lock_inner();
         let inner = &mut *g;
-        // Disabled, closed or full: one compare (`room` is 0 in the first two cases).
-        if inner.words[CACHED_BYTES] + b.size > inner.room {
+        let cached = inner.words[CACHED_BYTES];
+        // Disabled, closed or full: one compare (`room` is 0 in the first two cases, and with
+        // no entries allowed).
+        if cached + b.size > inner.room {
             return false;
         }
-        let entries = inner.limits.entries;
-        let Some(list) = inner.classes.get_or_add(class) else { return false };
-        if list.len() >= entries {
-            return false;
+        // The lane's only block: the hot entry, no list (`class_table.rs`). A class of one
+        // block is within every `entries` bound (`room` is 0 where none is allowed).
+        if !(cached == 0 && inner.classes.set_hot(class, b)) {
+            let entries = inner.limits.entries;
+            let Some(list) = inner.classes.get_or_add(class) else { return false };
+            if list.len() >= entries {
+                return false;
+            }
+            list.push(b);
         }
-        list.push(b);
         Self::grant(inner, &b);
         self.fast.open();
         // The buffer's hold stays here (a closed stash takes no block at all: `room` is 0).
@@ -364,8 +392,14 @@ impl StreamCache {
         if rounded > g.small_max {
             return (Pop::Miss, 0, false);
         }
-        let (pop, stashed) =
-            self.pop_locked_inner(g, ClassKey { residency, rounded }, bytes, |_| true, true, None);
+        let (pop, stashed) = self.pop_locked_inner::<true>(
+            g,
+            ClassKey { residency, rounded },
+            bytes,
+            |_| true,
+            true,
+            None,
+        );
         (pop, rounded, stashed)
     }
 
@@ -398,7 +432,7 @@ impl StreamCache {
             return (Pop::Miss, 0, false);
         }
         let (pop, stashed) =
-            self.pop_locked_inner(g, v.class, bytes, |b| b.block == v.block, true, None);
+            self.pop_locked_inner::<false>(g, v.class, bytes, |b| b.block == v.block, true, None);
         (pop, v.class.rounded, stashed)
     }
 
@@ -425,7 +459,9 @@ impl StreamCache {
         requested: u64,
         accept: impl FnOnce(&CachedBlock) -> bool,
     ) -> Pop {
-        self.pop_locked_inner(self.lock_inner(), class, requested, accept, false, None).0
+        let mut g = self.lock_inner();
+        g.classes.spill();
+        self.pop_locked_inner::<false>(g, class, requested, accept, false, None).0
     }
 
     /// [`StreamCache::pop_checked`] by the global-lock side in section `epoch`: a block
@@ -439,12 +475,16 @@ impl StreamCache {
         accept: impl FnOnce(&CachedBlock) -> bool,
         epoch: u64,
     ) -> Pop {
-        self.pop_locked_inner(self.lock_inner(), class, requested, accept, false, Some(epoch)).0
+        let mut g = self.lock_inner();
+        g.classes.spill();
+        self.pop_locked_inner::<false>(g, class, requested, accept, false, Some(epoch)).0
     }
 
-    /// [`StreamCache::pop_checked`] with this cache's lock already held.
+    /// [`StreamCache::pop_checked`] with this cache's lock already held. `HOT`: the block may
+    /// be the hot one (`class_table.rs`); callers without it hold a large block's class (never
+    /// hot: only small frees make one) or moved the hot block into its list first.
     #[inline(always)]
-    fn pop_locked_inner<'a>(
+    fn pop_locked_inner<'a, const HOT: bool>(
         &'a self,
         mut g: LaneGuard<'a, CacheInner>,
         class: ClassKey,
@@ -454,6 +494,21 @@ impl StreamCache {
         checked_at: Option<u64>,
     ) -> (Pop, bool) {
         let inner = &mut *g;
+        // The hot block first (then it is the lane's only one): its own straight line.
+        if HOT && let Some(&b) = inner.classes.hot(class) {
+            if !accept(&b) {
+                return (Pop::Miss, false);
+            }
+            if let Some(epoch) = checked_at {
+                inner.verdict = Some(LargeVerdict { block: b.block, class, requested, epoch });
+            }
+            // Its credit is held (see `CacheInner::revoke_credit`): the request alone decides.
+            if b.requested != requested {
+                return (Pop::NeedsLock, false);
+            }
+            inner.classes.take_hot();
+            return self.spend::<true>(inner, b, requested, take_ref);
+        }
         let Some(list) = inner.classes.get_mut(class) else { return (Pop::Miss, false) };
         let Some(&b) = list.last() else { return (Pop::Miss, false) };
         if !accept(&b) {
@@ -462,15 +517,7 @@ impl StreamCache {
         if let Some(epoch) = checked_at {
             inner.verdict = Some(LargeVerdict { block: b.block, class, requested, epoch });
         }
-        let q = b.quadrant & (QUADRANTS - 1);
-        let (w, k) = (&inner.words, &inner.ceiling[q]);
-        // The credit held (`ceiling − Δcur`) covers the block: exactly, so no peak can pass.
-        let covered = k[BYTES].wrapping_sub(w[fast_cur(BYTES, q)]) >= b.size
-            && k[COUNT].wrapping_sub(w[fast_cur(COUNT, q)]) >= 1
-            && k[REQ].wrapping_sub(w[fast_cur(REQ, q)]) >= requested;
-        #[cfg(tidepool_broken = "stats")]
-        let covered = true; // BROKEN: spends headroom the stream does not hold.
-        if b.requested != requested || !covered {
+        if !Self::covers(&inner.words, &inner.ceiling, &b, requested) {
             return (Pop::NeedsLock, false);
         }
         #[cfg(tidepool_broken = "fast_cache")]
@@ -479,13 +526,51 @@ impl StreamCache {
             drop(g);
             g = self.lock_inner();
             let inner = &mut *g;
-            if let Some(list) = inner.classes.get_mut(class) {
-                list.pop();
-            }
+            let _ = inner.classes.pop(class);
             inner
         };
         #[cfg(not(tidepool_broken = "fast_cache"))]
         list.pop();
+        self.spend::<false>(inner, b, requested, take_ref)
+    }
+
+    /// Whether the lane (its words `w` and `ceiling`) may hand `b` out for `requested` bytes
+    /// without the global lock: the same request, and the credit held (`ceiling − Δcur`) covers
+    /// the block — exactly, so no peak can pass.
+    #[inline(always)]
+    fn covers(
+        w: &[u64; FAST_WORDS],
+        ceiling: &[[u64; 3]; QUADRANTS],
+        b: &CachedBlock,
+        requested: u64,
+    ) -> bool {
+        let q = b.quadrant & (QUADRANTS - 1);
+        let k = &ceiling[q];
+        let covered = k[BYTES].wrapping_sub(w[fast_cur(BYTES, q)]) >= b.size
+            && k[COUNT].wrapping_sub(w[fast_cur(COUNT, q)]) >= 1
+            && k[REQ].wrapping_sub(w[fast_cur(REQ, q)]) >= requested;
+        #[cfg(tidepool_broken = "stats")]
+        let covered = true; // BROKEN: spends headroom the stream does not hold.
+        b.requested == requested && covered
+    }
+
+    /// Counts popped block `b` (taken out of its list or, with `HOT`, the hot entry) as handed
+    /// out for `requested` bytes: credit spent, the lane's words, and the owner hold it takes
+    /// over (`take_ref`).
+    ///
+    /// A hot block is small and came with its buffer's hold (only [`StreamCache::push_small`]
+    /// makes one, and it keeps the hold), so the lane holds one for it: every small block that
+    /// enters a lane leaves one, and only pops that take its block out take one. (Once the
+    /// stash is closed, the allocator's last handle is gone and nobody pops with `take_ref`.)
+    #[inline(always)]
+    fn spend<const HOT: bool>(
+        &self,
+        inner: &mut CacheInner,
+        b: CachedBlock,
+        requested: u64,
+        take_ref: bool,
+    ) -> (Pop, bool) {
+        let q = b.quadrant & (QUADRANTS - 1);
         #[cfg(tidepool_broken = "stats")]
         {
             // (Deliberately broken: what it spent past the ceiling is forgotten, so the credit
@@ -498,7 +583,7 @@ impl StreamCache {
                 }
             }
         }
-        if !is_small(b.quadrant) {
+        if !HOT && !is_small(b.quadrant) {
             self.set_large(inner, 0);
         }
         let w = &mut inner.words;
@@ -508,7 +593,12 @@ impl StreamCache {
         }
         w[CACHED_BYTES] -= b.size;
         self.fast.open();
-        let stashed = take_ref && inner.owner_refs > 0;
+        let stashed = if HOT {
+            debug_assert!(is_small(b.quadrant) && (!take_ref || inner.owner_refs > 0));
+            take_ref
+        } else {
+            take_ref && inner.owner_refs > 0
+        };
         inner.owner_refs -= u64::from(stashed);
         (Pop::Hit(b), stashed)
     }
@@ -518,7 +608,7 @@ impl StreamCache {
     pub fn pop_locked(&self, class: ClassKey) -> Option<CachedBlock> {
         let mut g = self.lock_inner();
         let inner = &mut *g;
-        let b = inner.classes.get_mut(class)?.pop()?;
+        let b = inner.classes.pop(class)?;
         if !is_small(b.quadrant) {
             self.set_large(inner, 0);
         }
@@ -645,12 +735,18 @@ impl StreamCache {
     pub fn configure(&self, limits: Limits, sizing: Sizing) {
         let mut g = self.lock_inner();
         g.limits = limits;
-        g.room = if limits.enabled && !g.closed && !g.stash_closed { limits.bytes } else { 0 };
+        g.room = Self::room_of(limits, g.closed || g.stash_closed);
         g.sizing = sizing;
         g.small_max = Self::small_max_of(limits, &sizing);
         g.round_mask = Self::round_mask_of(&sizing);
         g.verdict = None;
         self.fast_max.store(Self::fast_max_of(limits, &sizing), Ordering::Relaxed);
+    }
+
+    /// The bytes a lane may hold under `limits` (`CacheInner::room`): 0 when caching is off,
+    /// when no block is allowed per class, or once `closed`.
+    fn room_of(limits: Limits, closed: bool) -> u64 {
+        if limits.enabled && limits.entries > 0 && !closed { limits.bytes } else { 0 }
     }
 
     /// The largest request a hit may serve under `limits` and `sizing`.
@@ -670,6 +766,12 @@ impl StreamCache {
         let div = sizing.roundup_power2_divisions.for_size(sizing.small_size);
         let no_divisions = div <= 1 || m.saturating_mul(div) >= sizing.small_size;
         if m.is_power_of_two() && no_divisions { m - 1 } else { u64::MAX }
+    }
+
+    /// Turns the deliberate bug `Broken::HotCreditKept` on or off for this lane.
+    #[cfg(feature = "test-hooks")]
+    pub fn set_keep_hot(&self, on: bool) {
+        self.lock_inner().keep_hot = on;
     }
 
     /// Refuses every later push (the stream was destroyed); the caller drains it.

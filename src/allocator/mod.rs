@@ -720,6 +720,10 @@ impl<D: Device> Allocator<D> {
             true => self.shared.broken.fetch_or(mode.bit(), Ordering::Relaxed),
             false => self.shared.broken.fetch_and(!mode.bit(), Ordering::Relaxed),
         };
+        if mode == Broken::HotCreditKept {
+            // The lanes keep it under their own locks: a revocation sees no `Shared`.
+            self.shared.caches.all().iter().for_each(|c| c.set_keep_hot(on));
+        }
     }
 
     /// **Test only** (feature `test-hooks`): whether `stream`'s cache is closed (`None`: it
