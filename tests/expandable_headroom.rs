@@ -3,7 +3,9 @@
 //! many small steps makes a device call per ~0.2 % of its size, not per request. Exact pages,
 //! addresses and device calls; the headroom never costs a request that fits without it
 //! (out of memory for the headroom falls back to the exact growth: broken mode `HeadroomOom`),
-//! stays within `release_threshold`, and persistent ranges grow by exactly what is asked.
+//! stays within `release_threshold`, and persistent ranges grow by exactly what is asked. A
+//! build-up (growths before the pool has had any block freed) ramps the headroom up, one page
+//! per growth after its first eight, until the first free.
 //!
 //! The device is unbacked (no host memory behind its pages), so ranges of several GiB cost
 //! nothing to map. Pages are 2 MiB; the first range a test makes starts at `SIM_BASE`.
@@ -82,6 +84,51 @@ fn a_growth_at_the_top_maps_a_share_of_the_range_ahead() {
     drop(alloc);
     assert_eq!(dev.physical_bytes(), 0);
     assert_eq!(dev.live_mappings(), vec![]);
+}
+
+#[test]
+fn a_build_up_ramps_the_headroom_until_the_first_free() {
+    let (dev, alloc) = setup("", 16 * GIB);
+    let mut held = Vec::new();
+    // Nothing freed yet: the first eight growths are exact, and the ninth (one page of ramp,
+    // as much as the request) too.
+    for i in 0..9 {
+        held.push(alloc.alloc(P, S0).unwrap());
+        assert_eq!(held[i as usize].ptr(), at(i * P));
+        assert_eq!(calls(&dev), (i + 1, i + 1, 0));
+        assert_eq!(alloc.reserved_bytes(), (i + 1) * P);
+    }
+    check(&dev, &alloc);
+    // The tenth maps two pages (one ahead), the eleventh three: the requests between need no
+    // device call.
+    for (grown, ahead) in [(10, 1), (11, 2)] {
+        let before = held.len() as u64;
+        for j in 0..=ahead {
+            held.push(alloc.alloc(P, S0).unwrap());
+            assert_eq!(held.last().unwrap().ptr(), at((before + j) * P));
+            assert_eq!(calls(&dev), (grown, grown, 0));
+            assert_eq!(alloc.reserved_bytes(), (before + ahead + 1) * P);
+        }
+        check(&dev, &alloc);
+    }
+    assert_eq!(held.len(), 14);
+    // A free ends the build-up (the stream cache holds the freed block until the next search
+    // returns it to the pool): growths are exact again.
+    drop(held.swap_remove(0));
+    let two = alloc.alloc(2 * P, S0).unwrap();
+    assert_eq!(two.ptr(), at(14 * P));
+    assert_eq!(calls(&dev), (12, 12, 0));
+    assert_eq!(alloc.reserved_bytes(), 16 * P);
+    let reuse = alloc.alloc(P, S0).unwrap();
+    assert_eq!(reuse.ptr(), at(0));
+    let next = alloc.alloc(P, S0).unwrap();
+    assert_eq!(next.ptr(), at(16 * P));
+    assert_eq!(calls(&dev), (13, 13, 0));
+    assert_eq!(alloc.reserved_bytes(), 17 * P);
+    check(&dev, &alloc);
+    drop((held, two, reuse, next));
+    alloc.empty_cache().unwrap();
+    assert_eq!(dev.physical_bytes(), 0);
 }
 
 /// A device with room for 2049 pages: the 4 GiB block, then one page.

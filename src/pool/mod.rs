@@ -82,6 +82,8 @@ pub struct Pool {
     changed: u8,
     /// Ticks at every allocation and free: segments remember when they were last used.
     clock: u64,
+    /// Blocks freed so far ([`Pool::frees`]).
+    frees: u64,
     /// Blocks of at least this size are oversize allocations (`max_split_size`; 0: unset).
     oversize_at: u64,
     /// Live oversize allocations (PyTorch's `oversize_allocations`).
@@ -136,6 +138,11 @@ impl Pool {
             }
         }
         s
+    }
+
+    /// How many times a block was freed ([`Pool::free`]) since the pool was made.
+    pub fn frees(&self) -> u64 {
+        self.frees
     }
 
     /// Bytes of segments reserved (`stats().reserved_bytes.all.current`, without the copy).
@@ -203,11 +210,13 @@ impl Pool {
     }
 
     /// The block record of `id`. Panics on an id that is not a live block (a caller bug).
+    #[inline]
     pub fn block(&self, id: BlockId) -> &Block {
         &self.blocks[id.0]
     }
 
     /// The segment record of `id`.
+    #[inline]
     pub fn segment(&self, id: SegmentId) -> &Segment {
         &self.segments[id.0]
     }
@@ -476,6 +485,7 @@ impl Pool {
             self.oversize.decrease(1);
         }
         self.clock += 1;
+        self.frees += 1;
         let s = &mut self.segments[seg.0];
         s.busy_blocks -= 1;
         s.last_use = self.clock;

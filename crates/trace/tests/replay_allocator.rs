@@ -125,12 +125,13 @@ fn shipped_traces_exact_figures() {
         if mode == Mode::Expandable {
             // Every page mapped once (in the first two steps: 1872 and 673 pages), in one chunk
             // (one create and one map) per growth of up to 32 pages, none unmapped; on gpt2 two
-            // growths at the top carry headroom (1/512 of the range) that a later one needed.
-            let maps = if file.starts_with("gpt2") { 295 } else { 29 };
+            // growths at the top carry headroom (1/512 of the range) that a later one needed, and
+            // its build-up (the growths before the first free) ramps the headroom up.
+            let maps = if file.starts_with("gpt2") { 272 } else { 29 };
             assert_eq!((r.device_maps, r.device_unmaps), (maps, 0), "{file}");
             let per_step = &r.extra.iter().find(|(k, _)| k == "maps/unmaps per step").unwrap().1;
             let want = if file.starts_with("gpt2") {
-                "[259/0, 36/0, 0/0, 0/0]"
+                "[236/0, 36/0, 0/0, 0/0]"
             } else {
                 "[29/0, 0/0, 0/0, 0/0, 0/0, 0/0]"
             };
