@@ -1411,8 +1411,10 @@ mod tests {
     /// The allocator's deliberate bug (no events for `record_stream` uses) must be caught.
     fn reuse_while_another_stream_runs() -> Program {
         let mut ops = vec![Op::Alloc { bytes: 4096, stream: 1, persistent: false }];
-        // Hold stream 2 busy for a while, then touch the buffer on it.
-        ops.extend((0..20).map(|_| Op::Sleep { stream: 2, sleep_us: 250 }));
+        // Hold stream 2 busy for a while, then touch the buffer on it. 100 ms: the broken run
+        // reuses the block before that work ends unless this thread is kept off a core for that
+        // long (5 ms was not enough under a loaded `cargo test`: a broken run came out clean).
+        ops.extend((0..400).map(|_| Op::Sleep { stream: 2, sleep_us: 250 }));
         ops.push(Op::Launch { index: 0, stream: 2, write: true, sleep_us: 0 });
         // Free it and take the same block again on its owner stream at once.
         ops.push(Op::Free { index: 0 });
