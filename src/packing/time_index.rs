@@ -40,7 +40,7 @@ pub(super) struct TimeIndex {
     long: ByOffset,
     all: ByOffset,
     /// A walk's scratch: each source's next `(lo, hi)` and cursor (source 0: the walls, 1:
-    /// the long list or the list of all, 2 + k: the k-th bucket of the lifetime).
+    /// the long list, 2 + k: the k-th bucket of the lifetime).
     heads: Vec<(u64, u64)>,
     cursors: Vec<Cursor>,
 }
@@ -60,25 +60,18 @@ impl TimeIndex {
         by_time_from: usize,
     ) -> TimeIndex {
         let mut lengths: Vec<u64> = lifetimes.map(|(s, e)| e - s).collect();
-        if lengths.len() < by_time_from {
-            return TimeIndex {
-                shift: 0,
-                buckets: Vec::new(),
-                long: ByOffset::default(),
-                all: ByOffset::default(),
-                heads: Vec::new(),
-                cursors: Vec::new(),
+        let (mut shift, mut n) = (0, 0);
+        if lengths.len() >= by_time_from {
+            let median = match lengths.len() {
+                0 => 1,
+                len => *lengths.select_nth_unstable(len / 2).1,
             };
+            shift = median.max(1).next_power_of_two().trailing_zeros();
+            while horizon >> shift >= MAX_BUCKETS {
+                shift += 1;
+            }
+            n = (horizon >> shift) as usize + 1;
         }
-        let median = match lengths.len() {
-            0 => 1,
-            n => *lengths.select_nth_unstable(n / 2).1,
-        };
-        let mut shift = median.max(1).next_power_of_two().trailing_zeros();
-        while horizon >> shift >= MAX_BUCKETS {
-            shift += 1;
-        }
-        let n = (horizon >> shift) as usize + 1;
         TimeIndex {
             shift,
             buckets: (0..n).map(|_| ByOffset::default()).collect(),
@@ -114,15 +107,12 @@ impl TimeIndex {
     /// rectangle that overlaps `[start, end)` in time: the busy ranges are walked in `(lo, hi)`
     /// order, and the first gap before one of them that fits is taken.
     pub fn lowest_gap(&mut self, walls: &[(u64, u64)], start: u64, end: u64, size: u64) -> u64 {
-        // Sources: 0 the walls, 1 the long list and 2 + k the lifetime's k-th bucket, or 1
-        // the list of all for a long lifetime (or when not indexed by time).
-        let (first, last) = match self.buckets.is_empty() {
-            true => (0, LONG),
-            false => self.span(start, end),
-        };
-        if last - first >= LONG {
+        // Not indexed by time, or a long lifetime: one walk of the list of all.
+        let span = (!self.buckets.is_empty()).then(|| self.span(start, end));
+        let Some((first, last)) = span.filter(|(first, last)| last - first < LONG) else {
             return self.all.lowest_gap(walls, start, end, size);
-        }
+        };
+        // Sources: 0 the walls, 1 the long list, 2 + k the lifetime's k-th bucket.
         let (lists, one) = (&self.buckets[first..=last], &self.long);
         let list = |source: usize| if source == 1 { one } else { &lists[source - 2] };
         let heads = &mut self.heads;
