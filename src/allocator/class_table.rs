@@ -161,15 +161,9 @@ impl ClassTable {
     #[cold]
     fn spill_cold(&mut self) {
         let (key, b) = (std::mem::take(&mut self.hot_key), self.hot);
-        let slots = self.slots.get_or_insert_with(Self::new_slots);
-        let i = Self::find(slots, key);
-        if slots[i].key != key {
-            debug_assert!(self.classes < MAX_CLASSES);
-            self.classes += 1;
-            slots[i].key = key;
-        }
-        debug_assert!(slots[i].list.is_empty(), "the hot block was the only one");
-        slots[i].list.push(b);
+        let list = self.add(class_of(key)).expect("room for the hot block's class: see set_hot");
+        debug_assert!(list.is_empty(), "the hot block was the only one");
+        list.push(b);
     }
 
     fn new_slots() -> Box<[Slot; SLOTS]> {
