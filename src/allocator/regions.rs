@@ -202,7 +202,7 @@ impl<D: Device> Shared<D> {
         bytes: u64,
     ) -> Result<(BatchBlock, u64), AllocError> {
         let rounded =
-            config.sizing.round(bytes).ok_or(AllocError::InvalidSize { requested: bytes })?;
+            config.sizing.round(bytes).ok_or_else(|| AllocError::InvalidSize { requested: bytes })?;
         self.check_stream(st, stream)?;
         let key =
             PoolKey { residency: Residency::Transient, stream, kind: config.sizing.kind(rounded) };

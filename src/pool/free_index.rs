@@ -269,6 +269,51 @@ impl FreeIndex {
         true
     }
 
+    /// Replaces the indexed entry `old` with `new` (not indexed): what a split or a merge
+    /// does to a free block (its remainder or the merged block takes its place). Where both
+    /// fall in one bin and `new` keeps `old`'s rank there (the common case: the bin's last
+    /// entry split or merged with a block of its own bin), the entry is overwritten in place —
+    /// no search on a bin's last entry, no move, no bitmap or count change; else a removal and
+    /// an insertion. Returns whether `old` was there (if not, nothing changes).
+    #[inline]
+    pub fn replace(&mut self, old: &Entry, new: Entry) -> bool {
+        let (fl, sl) = bin_of(old.size);
+        if bin_of(new.size) != (fl, sl) {
+            if !self.remove(old) {
+                return false;
+            }
+            self.insert(new);
+            return true;
+        }
+        let Some(octave) = self.octaves[fl].as_mut() else { return false };
+        let bin = &mut octave[sl];
+        let at = match bin.len().checked_sub(1) {
+            Some(last) if bin[last] == *old => last,
+            _ => {
+                let k = old.order();
+                let at = bin.partition_point(|x| x.order() > k);
+                if bin.get(at).is_none_or(|x| x != old) {
+                    return false;
+                }
+                at
+            }
+        };
+        // Descending: the entry before must stay larger, the one after smaller.
+        let k = new.order();
+        let keeps_rank = (at == 0 || bin[at - 1].order() > k)
+            && bin.get(at + 1).is_none_or(|x| x.order() < k);
+        if keeps_rank {
+            bin[at] = new;
+            self.bytes = self.bytes - old.size + new.size;
+        } else {
+            bin.remove(at);
+            self.len -= 1;
+            self.bytes -= old.size;
+            self.insert(new);
+        }
+        true
+    }
+
     /// Whether the entry is in the index.
     pub fn contains(&self, e: &Entry) -> bool {
         let (fl, sl) = bin_of(e.size);

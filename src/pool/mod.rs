@@ -368,7 +368,7 @@ impl Pool {
         s.last_use = self.clock;
         let (key, slot) = (s.key, s.slot);
         let (kind, res) = (key.kind, key.residency);
-        self.index_remove(slot, &Entry { size: whole, addr, id: id.0 });
+        let taken = Entry { size: whole, addr, id: id.0 };
         if split {
             self.count_split(key, whole, false);
         }
@@ -390,12 +390,16 @@ impl Pool {
                     None => self.segments[seg.0].last = BlockId(rest_id),
                 }
                 self.blocks[id.0].next = Some(BlockId(rest_id));
+                // The remainder takes the block's entry (in place where it keeps its rank).
                 let e = Entry { size: whole - rounded, addr: addr + rounded, id: rest_id };
-                self.index_insert(slot, e);
+                self.index_replace(slot, &taken, e);
                 self.count_split(key, whole - rounded, true);
                 rounded
             }
-            false => whole,
+            false => {
+                self.index_remove(slot, &taken);
+                whole
+            }
         };
         let oversize = self.oversize_at > 0 && size >= self.oversize_at;
         let b = &mut self.blocks[id.0];
@@ -500,43 +504,51 @@ impl Pool {
         l[Live::Active as usize] -= 1;
         l[Live::RequestedBytes as usize] -= requested;
 
+        // The merged block takes the entry of a free neighbour (the first found), in place
+        // where it keeps its rank; a second free neighbour leaves the index.
         let mut merged = id;
+        let mut taken = None;
         if let Some(p) =
             self.blocks[id.0].prev.filter(|p| self.blocks[p.0].state == BlockState::Free)
         {
-            self.absorb(p, merged, p, key, slot);
+            taken = Some(self.entry(p));
+            self.absorb(p, merged);
             merged = p;
         }
         if let Some(n) =
             self.blocks[merged.0].next.filter(|n| self.blocks[n.0].state == BlockState::Free)
         {
-            self.absorb(merged, n, n, key, slot);
+            let e = self.entry(n);
+            self.absorb(merged, n);
+            match taken {
+                None => taken = Some(e),
+                // A free neighbour of another block is always part of a split segment.
+                Some(_) if self.index_remove(slot, &e) => self.count_split(key, e.size, false),
+                Some(_) => {}
+            }
         }
-        let m = &self.blocks[merged.0];
-        self.index_insert(slot, Entry { size: m.size, addr: m.addr, id: merged.0 });
-        let m = &self.blocks[merged.0];
-        if m.is_split() {
+        let m = self.entry(merged);
+        match taken {
+            Some(e) if self.index_replace(slot, &e, m) => self.count_split(key, e.size, false),
+            _ => self.index_insert(slot, m),
+        }
+        if self.blocks[merged.0].is_split() {
             self.count_split(key, m.size, true);
         }
         merged
     }
 
-    /// Merges block `right` into its left neighbour `left`; `indexed` (one of the two: the free
-    /// neighbour of the block being freed, which is in no index yet) leaves the free index.
-    fn absorb(
-        &mut self,
-        left: BlockId,
-        right: BlockId,
-        indexed: BlockId,
-        key: PoolKey,
-        slot: usize,
-    ) {
-        let b = &self.blocks[indexed.0];
-        let size = b.size;
-        if self.index_remove(slot, &Entry { size, addr: b.addr, id: indexed.0 }) {
-            // A free neighbour of another block is always part of a split segment.
-            self.count_split(key, size, false);
-        }
+    /// The free-index entry of block `id`.
+    #[inline]
+    fn entry(&self, id: BlockId) -> Entry {
+        let b = &self.blocks[id.0];
+        Entry { size: b.size, addr: b.addr, id: id.0 }
+    }
+
+    /// Merges block `right` into its left neighbour `left` (their links and sizes; the free
+    /// index is the caller's).
+    #[inline]
+    fn absorb(&mut self, left: BlockId, right: BlockId) {
         let r = self.blocks.remove(right.0);
         match r.next {
             Some(n) => self.blocks[n.0].prev = Some(left),
@@ -622,6 +634,20 @@ impl Pool {
             k.dirty = true;
             self.dirty.push(slot);
         }
+    }
+
+    /// [`FreeIndex::replace`] in slot `slot`; whether `old` was there.
+    #[inline]
+    fn index_replace(&mut self, slot: usize, old: &Entry, new: Entry) -> bool {
+        let k = &mut self.free[slot];
+        if !k.index.replace(old, new) {
+            return false;
+        }
+        if !k.dirty {
+            k.dirty = true;
+            self.dirty.push(slot);
+        }
+        true
     }
 
     #[inline]
