@@ -492,7 +492,7 @@ impl<D: Device> Allocator<D> {
                 st.pool.set_requested(b.block, bytes);
             }
             let locked: &mut State = &mut st;
-            locked.base.live_up(b.quadrant, b.size, bytes, || locked.lanes.clone());
+            locked.base.live_up(b.quadrant, b.size, bytes, || &locked.lanes[..]);
             st.config_spare = Some(plan.config);
             drop(st);
             return Ok(self.hand_out_cached(&b, bytes, stream, plan.rounded, residency));
@@ -518,7 +518,7 @@ impl<D: Device> Allocator<D> {
         let held = st.pool.segment(b.segment).key.residency;
         let q = quadrant(key.kind, held);
         let locked: &mut State = &mut st;
-        locked.base.live_up(q, size, bytes, || locked.lanes.clone());
+        locked.base.live_up(q, size, bytes, || &locked.lanes[..]);
         st.note(Action::Alloc, ptr, bytes, stream);
         st.config_spare = Some(plan.config);
         drop(st);

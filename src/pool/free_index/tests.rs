@@ -226,7 +226,9 @@ fn agrees_with_a_sorted_set() {
             let victim = *reference.iter().nth((next() % reference.len() as u64) as usize).unwrap();
             let k = 512 * (1 + next() % 64);
             let new = match next() % 4 {
-                0 if victim.size > k => Entry { size: victim.size - k, addr: victim.addr + k, id: step },
+                0 if victim.size > k => {
+                    Entry { size: victim.size - k, addr: victim.addr + k, id: step }
+                }
                 1 => Entry { size: victim.size + k, ..victim },
                 2 => Entry { size: victim.size + k, addr: victim.addr.wrapping_sub(k), id: step },
                 _ => Entry { size: size_of(next()), addr: next() & !511, id: step },
