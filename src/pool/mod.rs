@@ -372,7 +372,7 @@ impl Pool {
         if split {
             self.count_split(key, whole, false);
         }
-        let size = match sizing.should_split(kind, whole, rounded) {
+        let (size, next) = match sizing.should_split(kind, whole, rounded) {
             true => {
                 let rest = Block {
                     segment: seg,
@@ -389,20 +389,20 @@ impl Pool {
                     Some(n) => self.blocks[n.0].prev = Some(BlockId(rest_id)),
                     None => self.segments[seg.0].last = BlockId(rest_id),
                 }
-                self.blocks[id.0].next = Some(BlockId(rest_id));
                 // The remainder takes the block's entry (in place where it keeps its rank).
                 let e = Entry { size: whole - rounded, addr: addr + rounded, id: rest_id };
                 self.index_replace(slot, &taken, e);
                 self.count_split(key, whole - rounded, true);
-                rounded
+                (rounded, Some(BlockId(rest_id)))
             }
             false => {
                 self.index_remove(slot, &taken);
-                whole
+                (whole, next)
             }
         };
         let oversize = self.oversize_at > 0 && size >= self.oversize_at;
         let b = &mut self.blocks[id.0];
+        b.next = next;
         b.size = size;
         b.state = BlockState::Allocated;
         b.requested = requested;
@@ -478,12 +478,18 @@ impl Pool {
 
     /// Returns an allocated or pending block to the free index, merging it with free neighbours.
     /// Returns the id of the resulting free block.
+    ///
+    /// ```text
+    ///  [left L free][ id ][right R free]  ──▶  [ L + id + R ]   L's record (else id's) stays;
+    ///                                          it takes L's (else R's) free-index entry
+    /// ```
     pub fn free(&mut self, id: BlockId) -> BlockId {
         let b = &mut self.blocks[id.0];
         let was = b.state;
         assert_ne!(was, BlockState::Free, "double free of a block");
         b.state = BlockState::Free;
         let (size, requested, seg) = (b.size, b.requested, b.segment);
+        let (addr, prev, next) = (b.addr, b.prev, b.next);
         b.requested = 0;
         if std::mem::take(&mut b.oversize) {
             self.oversize.decrease(1);
@@ -504,59 +510,61 @@ impl Pool {
         l[Live::Active as usize] -= 1;
         l[Live::RequestedBytes as usize] -= requested;
 
-        // The merged block takes the entry of a free neighbour (the first found), in place
-        // where it keeps its rank; a second free neighbour leaves the index.
-        let mut merged = id;
-        let mut taken = None;
-        if let Some(p) =
-            self.blocks[id.0].prev.filter(|p| self.blocks[p.0].state == BlockState::Free)
-        {
-            taken = Some(self.entry(p));
-            self.absorb(p, merged);
-            merged = p;
-        }
-        if let Some(n) =
-            self.blocks[merged.0].next.filter(|n| self.blocks[n.0].state == BlockState::Free)
-        {
-            let e = self.entry(n);
-            self.absorb(merged, n);
-            match taken {
-                None => taken = Some(e),
-                // A free neighbour of another block is always part of a split segment.
-                Some(_) if self.index_remove(slot, &e) => self.count_split(key, e.size, false),
-                Some(_) => {}
+        // Each neighbour's record is read once: its entry if it is free.
+        let free_entry = |n: Option<BlockId>| {
+            let n = n?;
+            let x = &self.blocks[n.0];
+            (x.state == BlockState::Free).then_some(Entry { size: x.size, addr: x.addr, id: n.0 })
+        };
+        let (left, right) = (free_entry(prev), free_entry(next));
+        if left.is_none() && right.is_none() {
+            let m = Entry { size, addr, id: id.0 };
+            self.index_insert(slot, m);
+            if prev.is_some() || next.is_some() {
+                self.count_split(key, size, true);
             }
+            return id;
         }
-        let m = self.entry(merged);
-        match taken {
-            Some(e) if self.index_replace(slot, &e, m) => self.count_split(key, e.size, false),
-            _ => self.index_insert(slot, m),
+        // The merged block keeps the left neighbour's record if it is free, else `id`'s, and
+        // ends where the right neighbour (if free) ended.
+        let merged = left.map_or(id, |l| BlockId(l.id));
+        let end_next = match right {
+            Some(r) => self.blocks.remove(r.id).next,
+            None => next,
+        };
+        if left.is_some() {
+            self.blocks.remove(id.0);
         }
-        if self.blocks[merged.0].is_split() {
+        match end_next {
+            Some(n) => self.blocks[n.0].prev = Some(merged),
+            None => self.segments[seg.0].last = merged,
+        }
+        let m = &mut self.blocks[merged.0];
+        m.size = size + left.map_or(0, |l| l.size) + right.map_or(0, |r| r.size);
+        m.next = end_next;
+        let (m, split) = (Entry { size: m.size, addr: m.addr, id: merged.0 }, m.is_split());
+        // The merged block takes the left neighbour's entry (else the right's), in place where
+        // it keeps its rank; with both free, the right one leaves the index. (A free neighbour
+        // of another block is always part of a split segment.)
+        let taken = match (left, right) {
+            (Some(l), Some(r)) => {
+                if self.index_remove(slot, &r) {
+                    self.count_split(key, r.size, false);
+                }
+                l
+            }
+            (Some(e), None) | (None, Some(e)) => e,
+            (None, None) => unreachable!("a free neighbour: see above"),
+        };
+        if self.index_replace(slot, &taken, m) {
+            self.count_split(key, taken.size, false);
+        } else {
+            self.index_insert(slot, m);
+        }
+        if split {
             self.count_split(key, m.size, true);
         }
         merged
-    }
-
-    /// The free-index entry of block `id`.
-    #[inline]
-    fn entry(&self, id: BlockId) -> Entry {
-        let b = &self.blocks[id.0];
-        Entry { size: b.size, addr: b.addr, id: id.0 }
-    }
-
-    /// Merges block `right` into its left neighbour `left` (their links and sizes; the free
-    /// index is the caller's).
-    #[inline]
-    fn absorb(&mut self, left: BlockId, right: BlockId) {
-        let r = self.blocks.remove(right.0);
-        match r.next {
-            Some(n) => self.blocks[n.0].prev = Some(left),
-            None => self.segments[r.segment.0].last = left,
-        }
-        let l = &mut self.blocks[left.0];
-        l.size += r.size;
-        l.next = r.next;
     }
 
     /// Segments that hold no allocated or pending block (one free block each) and satisfy `keep`.
