@@ -107,6 +107,12 @@ pub enum Broken {
     /// (Set on the lanes that exist when it is turned on.)
     #[cfg_attr(not(feature = "test-hooks"), allow(dead_code))]
     HotCreditKept = 1 << 44,
+    /// A free into a lane grants credit without marking the lane (`fast_cache.rs`): a
+    /// revocation that finds no lane marked skips them all, and raises the peak from an
+    /// `upper` that still holds that credit — past the exact peak. (Set on the lanes that
+    /// exist when it is turned on.)
+    #[cfg_attr(not(feature = "test-hooks"), allow(dead_code))]
+    UnmarkedCredit = 1 << 45,
 }
 
 #[cfg_attr(not(feature = "test-hooks"), allow(dead_code))]

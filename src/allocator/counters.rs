@@ -139,12 +139,18 @@ impl BaseStats {
         if !fits {
             return self.increase_past_peak(q, n, caches());
         }
+        self.add(q, n);
+    }
+
+    /// Adds `n` to the live groups of quadrant `q` (currents, totals and `upper`).
+    #[inline(always)]
+    fn add(&mut self, q: usize, n: [u64; 5]) {
         for (g, &v) in n.iter().enumerate() {
             let cur = &mut self.words[b_cur(g, q)];
             *cur = cur.wrapping_add(v);
             let tot = &mut self.words[b_tot(g, q)];
             *tot = tot.wrapping_add(v);
-            for c in cells {
+            for c in cells_of(q) {
                 self.upper[g][c] += v;
             }
         }
@@ -152,20 +158,18 @@ impl BaseStats {
     }
 
     /// [`BaseStats::increase`] of an amount that may pass a peak: revokes all credit (so that
-    /// `upper` is the exact current), applies it and raises the peaks to the new exact values,
-    /// all with every stream cache locked.
+    /// `upper` is the exact current), applies it and raises the peaks of quadrant `q`'s cells
+    /// to `upper`, the new exact values, all with every stream cache locked.
     #[cold]
     #[inline(never)]
     fn increase_past_peak<C: CacheList>(&mut self, q: usize, n: [u64; 5], held: C) {
         self.revoke_then(held.list(), |b| {
-            for (g, &v) in n.iter().enumerate() {
-                b.set(b_cur(g, q), b.words[b_cur(g, q)].wrapping_add(v));
-                b.set(b_tot(g, q), b.words[b_tot(g, q)].wrapping_add(v));
+            b.add(q, n);
+            for g in 0..n.len() {
                 for c in cells_of(q) {
-                    b.upper[g][c] += v;
                     // `upper` is the exact current now: a new peak is exact.
                     let p = b_peak(g, c);
-                    b.set(p, b.words[p].max(b.upper[g][c]));
+                    b.words[p] = b.words[p].max(b.upper[g][c]);
                 }
             }
         });
@@ -182,6 +186,13 @@ impl BaseStats {
     /// the five live groups), and up to [`HELD_INLINE`] lanes are held on the stack
     /// ([`hold_revoked`]).
     fn revoke_then(&mut self, caches: &[Arc<StreamCache>], apply: impl FnOnce(&mut Self)) {
+        // No lane marked: none was granted credit since its last revocation, so none holds
+        // any and `upper` is the exact current already. (Marks are set only under the lanes'
+        // locks and cleared only here, under the global lock: all read clear means all were
+        // clear at the first read, an instant where `upper` was exact.)
+        if !caches.iter().any(|c| c.may_hold_credit()) {
+            return apply(self);
+        }
         let mut apply = Some(apply);
         let mut then = |lanes: &[u64; LANE_CURS]| {
             for (g, &(_, qty)) in LIVE.iter().enumerate() {
@@ -196,8 +207,8 @@ impl BaseStats {
         };
         let mut lanes = [0u64; LANE_CURS];
         if caches.len() > HELD_INLINE {
-            let mut guards: Vec<_> = caches.iter().map(|c| c.lock_inner()).collect();
-            guards.iter_mut().for_each(|g| revoke_lane(g, &mut lanes));
+            let mut guards: Vec<_> = caches.iter().map(|c| (c, c.lock_inner())).collect();
+            guards.iter_mut().for_each(|(c, g)| revoke_lane(c, g, &mut lanes));
             then(&lanes);
         } else {
             hold_revoked(caches, &mut lanes, &mut then);
@@ -416,11 +427,11 @@ const HELD_INLINE: usize = 16;
 /// A lane's current-delta words: three quantities by quadrant (`fast_cur`).
 const LANE_CURS: usize = 3 * QUADRANTS;
 
-/// Zeroes a locked lane's credit (its ceiling becomes its current delta) and adds its current
-/// deltas to `sums`.
+/// Zeroes a locked lane's credit (its ceiling becomes its current delta; its mark is cleared)
+/// and adds its current deltas to `sums`.
 #[inline]
-fn revoke_lane(inner: &mut CacheInner, sums: &mut [u64; LANE_CURS]) {
-    inner.revoke_credit();
+fn revoke_lane(cache: &StreamCache, inner: &mut CacheInner, sums: &mut [u64; LANE_CURS]) {
+    cache.revoke(inner);
     for (sum, &w) in sums.iter_mut().zip(&inner.words[..LANE_CURS]) {
         *sum = sum.wrapping_add(w);
     }
@@ -438,7 +449,7 @@ fn hold_revoked(
         None => then(sums),
         Some((c, rest)) => {
             let mut guard: LaneGuard<'_, CacheInner> = c.lock_inner();
-            revoke_lane(&mut guard, sums);
+            revoke_lane(c, &mut guard, sums);
             hold_revoked(rest, sums, then);
         }
     }

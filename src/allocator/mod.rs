@@ -724,6 +724,10 @@ impl<D: Device> Allocator<D> {
             // The lanes keep it under their own locks: a revocation sees no `Shared`.
             self.shared.caches.all().iter().for_each(|c| c.set_keep_hot(on));
         }
+        if mode == Broken::UnmarkedCredit {
+            // The lanes' frees grant credit under their own locks, with no `Shared` in sight.
+            self.shared.caches.all().iter().for_each(|c| c.set_unmarked(on));
+        }
     }
 
     /// **Test only** (feature `test-hooks`): whether `stream`'s cache is closed (`None`: it

@@ -209,6 +209,33 @@ impl Pool {
         self.changed |= 0x10 << Self::quadrant(k, r);
     }
 
+    /// Counts a free block of a split segment, of `old` bytes, out and its remainder of `new`
+    /// bytes (≤ `old`) in: [`Pool::count_split`] down then up, in one pass over the cells. (The
+    /// current falls or stays, so no peak moves.)
+    fn count_split_shrunk(&mut self, key: PoolKey, old: u64, new: u64) {
+        debug_assert!(new <= old);
+        let (k, r) = (key.kind, key.residency);
+        let shrink = |g: &mut crate::types::StatGroup, old: u64, new: u64| {
+            let cell = |s: &mut Stat| {
+                s.current = s.current - old + new;
+                s.freed += old;
+                s.allocated += new;
+            };
+            cell(&mut g.all);
+            cell(match k {
+                crate::types::PoolKind::Small => &mut g.small_pool,
+                crate::types::PoolKind::Large => &mut g.large_pool,
+            });
+            cell(match r {
+                crate::types::Residency::Persistent => &mut g.persistent,
+                crate::types::Residency::Transient => &mut g.transient,
+            });
+        };
+        shrink(&mut self.stats.inactive_split_bytes, old, new);
+        shrink(&mut self.stats.inactive_split, 1, 1);
+        self.changed |= 0x10 << Self::quadrant(k, r);
+    }
+
     /// The block record of `id`. Panics on an id that is not a live block (a caller bug).
     #[inline]
     pub fn block(&self, id: BlockId) -> &Block {
@@ -369,9 +396,6 @@ impl Pool {
         let (key, slot) = (s.key, s.slot);
         let (kind, res) = (key.kind, key.residency);
         let taken = Entry { size: whole, addr, id: id.0 };
-        if split {
-            self.count_split(key, whole, false);
-        }
         let (size, next) = match sizing.should_split(kind, whole, rounded) {
             true => {
                 let rest = Block {
@@ -392,11 +416,18 @@ impl Pool {
                 // The remainder takes the block's entry (in place where it keeps its rank).
                 let e = Entry { size: whole - rounded, addr: addr + rounded, id: rest_id };
                 self.index_replace(slot, &taken, e);
-                self.count_split(key, whole - rounded, true);
+                // The free block leaves the inactive splits and its remainder enters them.
+                match split {
+                    true => self.count_split_shrunk(key, whole, whole - rounded),
+                    false => self.count_split(key, whole - rounded, true),
+                }
                 (rounded, Some(BlockId(rest_id)))
             }
             false => {
                 self.index_remove(slot, &taken);
+                if split {
+                    self.count_split(key, whole, false);
+                }
                 (whole, next)
             }
         };
