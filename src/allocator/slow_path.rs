@@ -522,10 +522,17 @@ impl<D: Device> Shared<D> {
 
     /// Refuses a stream the device does not have; streams it confirmed are remembered here,
     /// so each is asked about once. The caller holds the global lock.
+    #[inline]
     pub(super) fn check_stream(&self, st: &mut State, stream: StreamId) -> Result<(), AllocError> {
         if st.streams.contains_key(&stream) || self.broken(Broken::UnknownStreams) {
             return Ok(());
         }
+        self.confirm_stream(st, stream)
+    }
+
+    /// [`Shared::check_stream`] of a stream not confirmed yet: asks the device once.
+    #[inline(never)]
+    fn confirm_stream(&self, st: &mut State, stream: StreamId) -> Result<(), AllocError> {
         if !self.device.has_stream(stream) {
             return Err(AllocError::UnknownStream(stream));
         }
