@@ -111,10 +111,10 @@ pub enum Broken {
 
 #[cfg_attr(not(feature = "test-hooks"), allow(dead_code))]
 impl Broken {
-    /// Every mode, for tests that go through them all.
-    /// (The stream-order soundness modes, which `tests/multi_props.rs` must catch; the control
-    /// modes after them are caught by their own tests in `tests/controls.rs`.)
-    pub const ALL: [Broken; 8] = [
+    /// The stream-order soundness modes, which the property test `tests/multi_props.rs` must
+    /// catch one by one (`every_broken_mode_is_caught`). The other modes are caught by their own
+    /// deterministic tests (`tests/broken_modes.rs` checks that each has one).
+    pub const STREAM_ORDER: [Broken; 8] = [
         Broken::ForeignBuffers,
         Broken::ForgottenUses,
         Broken::UnboundFreeOrder,
@@ -124,6 +124,73 @@ impl Broken {
         Broken::DestroyStream,
         Broken::CaptureGeneral,
     ];
+
+    /// Every mode, in declaration order. Kept complete by [`Broken::position`], whose match
+    /// stops compiling when a mode is added and not listed.
+    pub const EVERY: [Broken; 28] = [
+        Broken::ForeignBuffers,
+        Broken::ForgottenUses,
+        Broken::UnboundFreeOrder,
+        Broken::UseOn,
+        Broken::UnknownStreams,
+        Broken::EventErrors,
+        Broken::DestroyStream,
+        Broken::CaptureGeneral,
+        Broken::GcYoungestFirst,
+        Broken::GcPersistent,
+        Broken::AlignedFromCache,
+        Broken::ReuseGrowthEnd,
+        Broken::ResidencySplit,
+        Broken::PoolDestroyedStreams,
+        Broken::RefusedWaitLeaks,
+        Broken::StaleLargeVerdict,
+        Broken::PlannedUnobserved,
+        Broken::SharedRanges,
+        Broken::UnsettledMoves,
+        Broken::PlannedStaleRoutes,
+        Broken::HistoryLanesOpen,
+        Broken::HeadroomOom,
+        Broken::ScopeKeepsRouted,
+        Broken::UnflaggedScopeTag,
+        Broken::RoutedDeadStreams,
+        Broken::CaptureScopeFrees,
+        Broken::VmEventErrors,
+        Broken::HotCreditKept,
+    ];
+
+    /// Its place in [`Broken::EVERY`].
+    pub const fn position(self) -> usize {
+        match self {
+            Broken::ForeignBuffers => 0,
+            Broken::ForgottenUses => 1,
+            Broken::UnboundFreeOrder => 2,
+            Broken::UseOn => 3,
+            Broken::UnknownStreams => 4,
+            Broken::EventErrors => 5,
+            Broken::DestroyStream => 6,
+            Broken::CaptureGeneral => 7,
+            Broken::GcYoungestFirst => 8,
+            Broken::GcPersistent => 9,
+            Broken::AlignedFromCache => 10,
+            Broken::ReuseGrowthEnd => 11,
+            Broken::ResidencySplit => 12,
+            Broken::PoolDestroyedStreams => 13,
+            Broken::RefusedWaitLeaks => 14,
+            Broken::StaleLargeVerdict => 15,
+            Broken::PlannedUnobserved => 16,
+            Broken::SharedRanges => 17,
+            Broken::UnsettledMoves => 18,
+            Broken::PlannedStaleRoutes => 19,
+            Broken::HistoryLanesOpen => 20,
+            Broken::HeadroomOom => 21,
+            Broken::ScopeKeepsRouted => 22,
+            Broken::UnflaggedScopeTag => 23,
+            Broken::RoutedDeadStreams => 24,
+            Broken::CaptureScopeFrees => 25,
+            Broken::VmEventErrors => 26,
+            Broken::HotCreditKept => 27,
+        }
+    }
 
     /// Its bit.
     pub(crate) fn bit(self) -> u64 {
