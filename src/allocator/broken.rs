@@ -107,6 +107,10 @@ pub enum Broken {
     /// (Set on the lanes that exist when it is turned on.)
     #[cfg_attr(not(feature = "test-hooks"), allow(dead_code))]
     HotCreditKept = 1 << 44,
+    /// A learning run's region is laid out over the bins found before joining its runs even
+    /// when the join failed midway (a map refused): the gaps it did map joined runs into one
+    /// segment, so a bin names a segment that no longer exists.
+    StaleJoinBins = 1 << 45,
 }
 
 #[cfg_attr(not(feature = "test-hooks"), allow(dead_code))]
@@ -127,7 +131,7 @@ impl Broken {
 
     /// Every mode, in declaration order. Kept complete by [`Broken::position`], whose match
     /// stops compiling when a mode is added and not listed.
-    pub const EVERY: [Broken; 28] = [
+    pub const EVERY: [Broken; 29] = [
         Broken::ForeignBuffers,
         Broken::ForgottenUses,
         Broken::UnboundFreeOrder,
@@ -156,6 +160,7 @@ impl Broken {
         Broken::CaptureScopeFrees,
         Broken::VmEventErrors,
         Broken::HotCreditKept,
+        Broken::StaleJoinBins,
     ];
 
     /// Its place in [`Broken::EVERY`].
@@ -189,6 +194,7 @@ impl Broken {
             Broken::CaptureScopeFrees => 25,
             Broken::VmEventErrors => 26,
             Broken::HotCreditKept => 27,
+            Broken::StaleJoinBins => 28,
         }
     }
 
