@@ -21,6 +21,7 @@
 //! the plan and is served by the pool instead, so a wrong guess costs speed, never safety.
 
 use super::batch::BatchBlock;
+use super::broken::Broken;
 use super::counters::quadrant;
 use super::plan::{Learned, Region, Step};
 use super::{Shared, State};
@@ -117,9 +118,15 @@ impl<D: Device> Shared<D> {
             let now = bins.iter().map(|b| b.size).sum::<u64>() + fresh;
             let outside = bins.iter().filter(|b| b.base + b.size <= span.0 || b.base >= span.1);
             let joined = outside.map(|b| b.size).sum::<u64>() + (span.1 - span.0);
-            if joined < now && self.join_runs(&mut st, &config, large, span).is_ok() {
-                bins = self.bins(&st, &transient, &by_block, align);
-                plan = pack_around(&intervals, align, &walls(&bins, align)).ok()?;
+            if joined < now {
+                // A join that fails midway keeps the gaps it mapped, which joined runs into one
+                // segment: the bins are made again either way (the old ones may name segments
+                // that no longer exist).
+                let joined_all = self.join_runs(&mut st, &config, large, span).is_ok();
+                if joined_all || !self.broken(Broken::StaleJoinBins) {
+                    bins = self.bins(&st, &transient, &by_block, align);
+                    plan = pack_around(&intervals, align, &walls(&bins, align)).ok()?;
+                }
             }
         }
         let open = open_end(&bins, align);

@@ -450,9 +450,22 @@ impl<D: Device> Allocator<D> {
             // thread), each under its own lock only. Each lane rounds the request by the size
             // rules it was configured with, so a hit loads no configuration.
             for k in 0..fast_cache::LANES {
-                // Through the lane's owner (made here the first time), whose hold a hit takes.
+                // Through the lane's owner (made here the first time), whose hold a hit takes;
+                // borrowed once made (no reference count touched: a large request leaves at the
+                // first lane, and a miss looks at every lane).
                 let lane = (fast_cache::thread_lane() + k) % fast_cache::LANES;
-                let owner = self.owners.owner_of_lane(stream, lane);
+                let (held, made);
+                let owner: &Arc<owner::Owner<D>> = match self.owners.owner_slot(stream, lane) {
+                    Some(slot) => {
+                        held = slot;
+                        #[allow(clippy::needless_borrow)]
+                        &held // a reference under std, a clone under loom
+                    }
+                    None => {
+                        made = self.owners.owner_of_lane(stream, lane);
+                        &made
+                    }
+                };
                 let Some(cache) = owner.lane() else { break };
                 if !cache.may_serve(bytes) {
                     break; // a large request: no lane serves it
@@ -460,9 +473,7 @@ impl<D: Device> Allocator<D> {
                 let r = sh.cached_residency(residency);
                 match cache.pop_request(r, bytes) {
                     (Pop::Hit(b), rounded, stashed) => {
-                        return Ok(
-                            self.hand_out_hit(&owner, &b, bytes, stream, rounded, r, stashed)
-                        );
+                        return Ok(self.hand_out_hit(owner, &b, bytes, stream, rounded, r, stashed));
                     }
                     (Pop::NeedsLock, ..) => {
                         cached = sh.caches.fast_lane_at(stream, lane);
