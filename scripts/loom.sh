@@ -32,6 +32,7 @@ variants=(
   "lane_lock:fast_cache_push_pop_against_flush"
   "owner_stash:owner_hold_kept_in_a_lane_against_the_last_handle"
   "fast_cache:large_hit_against_a_pool_change_and_drain"
+  "credit_mark:stats_revocation_sees_credit_granted_before_it"
 )
 status=0
 for v in "${variants[@]}"; do

@@ -679,6 +679,39 @@ fn the_hot_block_keeps_the_lanes_order_bounds_and_figures() {
     alloc.check_invariants().unwrap();
 }
 
+/// A revocation locks the lanes only when one was granted credit since the last revocation
+/// (a free marks its lane); with none marked, `upper` is exact and the peak is raised at once.
+/// (Broken mode `UnmarkedCredit`: a free grants credit without the mark; the next revocation
+/// skips its lane and raises the peak from an `upper` that still counts that credit.)
+#[test]
+fn a_revocation_sees_every_lane_granted_credit() {
+    use tidepool::hooks::Broken;
+    for broken in [false, true] {
+        let (dev, alloc) = quiet("");
+        drop(alloc.alloc(4096, S0).unwrap()); // the stream's lanes exist (and one is marked)
+        alloc.set_broken(Broken::UnmarkedCredit, broken);
+        let peak = |alloc: &Allocator<SimDevice>| {
+            let s = alloc.stats().blocks.allocated_bytes.all;
+            (s.current, s.peak)
+        };
+        let y = alloc.alloc(8192, S0).unwrap(); // past the peak: the marked lane is revoked
+        assert_eq!(peak(&alloc), (8192, 8192));
+        drop(y); // cached: 8192 of credit, the lane marked (not in the broken mode)
+        let z = alloc.alloc(12288, S0).unwrap(); // past the peak again
+        let (current, p) = peak(&alloc);
+        assert_eq!(current, 12288);
+        assert_eq!(p == 12288, !broken, "the peak stays exact: {p}");
+        let w = alloc.alloc(16384, S0).unwrap(); // no lane marked since: no lane is locked
+        let (current, p) = peak(&alloc);
+        assert_eq!(current, 28672);
+        assert_eq!(p == 28672, !broken, "the peak stays exact: {p}");
+        alloc.check_invariants().unwrap();
+        drop((z, w));
+        drop(alloc);
+        assert!(dev.live_segments().is_empty());
+    }
+}
+
 /// A hot block's hit checks no credit (its own free granted it, and nothing else spent it), so
 /// a credit revocation moves it into its list. (Broken mode `HotCreditKept`: it stays hot, and
 /// its hit spends headroom the lane no longer holds: the current passes the peak.)

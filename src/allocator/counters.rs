@@ -139,12 +139,18 @@ impl BaseStats {
         if !fits {
             return self.increase_past_peak(q, n, caches());
         }
+        self.add(q, n);
+    }
+
+    /// Adds `n` to the live groups of quadrant `q` (currents, totals and `upper`).
+    #[inline(always)]
+    fn add(&mut self, q: usize, n: [u64; 5]) {
         for (g, &v) in n.iter().enumerate() {
             let cur = &mut self.words[b_cur(g, q)];
             *cur = cur.wrapping_add(v);
             let tot = &mut self.words[b_tot(g, q)];
             *tot = tot.wrapping_add(v);
-            for c in cells {
+            for c in cells_of(q) {
                 self.upper[g][c] += v;
             }
         }
@@ -152,64 +158,72 @@ impl BaseStats {
     }
 
     /// [`BaseStats::increase`] of an amount that may pass a peak: revokes all credit (so that
-    /// `upper` is the exact current), applies it and raises the peaks to the new exact values,
-    /// all with every stream cache locked.
+    /// `upper` is the exact current), applies it and raises the peaks of quadrant `q`'s cells
+    /// to `upper`, the new exact values, all with every stream cache locked.
     #[cold]
     #[inline(never)]
     fn increase_past_peak<C: CacheList>(&mut self, q: usize, n: [u64; 5], held: C) {
-        let guards = self.revoke(held.list());
-        for (g, &v) in n.iter().enumerate() {
-            self.set(b_cur(g, q), self.words[b_cur(g, q)].wrapping_add(v));
-            self.set(b_tot(g, q), self.words[b_tot(g, q)].wrapping_add(v));
-            for c in cells_of(q) {
-                self.upper[g][c] += v;
-                // `upper` is the exact current now: a new peak is exact.
-                let p = b_peak(g, c);
-                self.set(p, self.words[p].max(self.upper[g][c]));
+        self.revoke_then(held.list(), |b| {
+            b.add(q, n);
+            for g in 0..n.len() {
+                for c in cells_of(q) {
+                    // `upper` is the exact current now: a new peak is exact.
+                    let p = b_peak(g, c);
+                    b.words[p] = b.words[p].max(b.upper[g][c]);
+                }
             }
-        }
-        drop(guards);
+        });
     }
 
     fn peak(&self, g: usize, c: usize) -> u64 {
         self.words[b_peak(g, c)]
     }
 
-    /// Locks every stream cache, zeroes its credit (its ceiling becomes its `Δcur`) and recomputes
-    /// `upper` as the exact current.
-    /// Returns the guards: the caller applies its change before letting them go.
-    fn revoke<'a>(&mut self, caches: &'a [Arc<StreamCache>]) -> Held<'a> {
-        let mut guards = Held::lock(caches);
-        let mut cur = [[0u64; QUADRANTS]; 5];
-        for (g, row) in cur.iter_mut().enumerate() {
-            for (q, v) in row.iter_mut().enumerate() {
-                *v = self.words[b_cur(g, q)];
-            }
+    /// Locks every stream cache, zeroes its credit (its ceiling becomes its `Δcur`), recomputes
+    /// `upper` as the exact current, and runs `apply` before letting the caches go.
+    ///
+    /// The lanes' current deltas are summed per quantity and quadrant (three quantities feed
+    /// the five live groups), and up to [`HELD_INLINE`] lanes are held on the stack
+    /// ([`hold_revoked`]).
+    fn revoke_then(&mut self, caches: &[Arc<StreamCache>], apply: impl FnOnce(&mut Self)) {
+        // No lane marked: none was granted credit since its last revocation, so none holds
+        // any and `upper` is the exact current already. (Marks are set only under the lanes'
+        // locks and cleared only here, under the global lock: all read clear means all were
+        // clear at the first read, an instant where `upper` was exact.)
+        if !caches.iter().any(|c| c.may_hold_credit()) {
+            return apply(self);
         }
-        guards.for_each(|inner| {
-            // No credit left: the ceiling is the lane's current delta.
-            inner.revoke_credit();
+        let mut apply = Some(apply);
+        let mut then = |lanes: &[u64; LANE_CURS]| {
             for (g, &(_, qty)) in LIVE.iter().enumerate() {
-                for (q, v) in cur[g].iter_mut().enumerate() {
-                    *v = v.wrapping_add(inner.words[fast_cur(qty, q)]);
-                }
+                let cur: [u64; QUADRANTS] = std::array::from_fn(|q| {
+                    self.words[b_cur(g, q)].wrapping_add(lanes[fast_cur(qty, q)])
+                });
+                self.upper[g] = cell_sums(&cur);
             }
-        });
-        for (upper, cur) in self.upper.iter_mut().zip(&cur) {
-            *upper = cell_sums(cur);
+            if let Some(apply) = apply.take() {
+                apply(self);
+            }
+        };
+        let mut lanes = [0u64; LANE_CURS];
+        if caches.len() > HELD_INLINE {
+            let mut guards: Vec<_> = caches.iter().map(|c| (c, c.lock_inner())).collect();
+            guards.iter_mut().for_each(|(c, g)| revoke_lane(c, g, &mut lanes));
+            then(&lanes);
+        } else {
+            hold_revoked(caches, &mut lanes, &mut then);
         }
-        guards
     }
 
     /// Sets every peak to its current value (the pool's own peaks are reset by the caller).
     pub fn reset_peaks(&mut self, caches: &[Arc<StreamCache>]) {
-        let guards = self.revoke(caches);
-        for g in 0..5 {
-            for c in 0..CELLS {
-                self.set(b_peak(g, c), self.upper[g][c]);
+        self.revoke_then(caches, |b| {
+            for g in 0..5 {
+                for c in 0..CELLS {
+                    b.set(b_peak(g, c), b.upper[g][c]);
+                }
             }
-        }
-        drop(guards);
+        });
     }
 
     /// Copies the pool-only groups from the pool and the plain counters.
@@ -407,35 +421,36 @@ pub fn counters(base: &[u64; BASE_WORDS]) -> [u64; COUNTERS] {
     out
 }
 
-/// Lanes locked together by a revocation, in the order given: up to [`HELD_INLINE`] without a
-/// heap allocation (a revocation runs whenever a locked hand-out passes a peak).
-pub(crate) enum Held<'a> {
-    Few([Option<LaneGuard<'a, CacheInner>>; HELD_INLINE]),
-    Many(Vec<LaneGuard<'a, CacheInner>>),
-}
-
-/// Lanes a revocation holds without allocating.
+/// Lanes a revocation holds on the stack (more are held in a `Vec`).
 const HELD_INLINE: usize = 16;
 
-impl<'a> Held<'a> {
-    /// Locks every cache of `caches`, in order.
-    fn lock(caches: &'a [Arc<StreamCache>]) -> Held<'a> {
-        if caches.len() > HELD_INLINE {
-            return Held::Many(caches.iter().map(|c| c.lock_inner()).collect());
-        }
-        let mut few: [Option<LaneGuard<'a, CacheInner>>; HELD_INLINE] =
-            std::array::from_fn(|_| None);
-        for (slot, c) in few.iter_mut().zip(caches) {
-            *slot = Some(c.lock_inner());
-        }
-        Held::Few(few)
-    }
+/// A lane's current-delta words: three quantities by quadrant (`fast_cur`).
+const LANE_CURS: usize = 3 * QUADRANTS;
 
-    /// Runs `f` on every locked lane.
-    fn for_each(&mut self, mut f: impl FnMut(&mut CacheInner)) {
-        match self {
-            Held::Few(few) => few.iter_mut().map_while(Option::as_mut).for_each(|g| f(g)),
-            Held::Many(many) => many.iter_mut().for_each(|g| f(g)),
+/// Zeroes a locked lane's credit (its ceiling becomes its current delta; its mark is cleared)
+/// and adds its current deltas to `sums`.
+#[inline]
+fn revoke_lane(cache: &StreamCache, inner: &mut CacheInner, sums: &mut [u64; LANE_CURS]) {
+    cache.revoke(inner);
+    for (sum, &w) in sums.iter_mut().zip(&inner.words[..LANE_CURS]) {
+        *sum = sum.wrapping_add(w);
+    }
+}
+
+/// Locks `caches` in order, revoking each one's credit into `sums` ([`revoke_lane`]), then
+/// runs `then` with all of them held; lets them go on the way back. One stack frame per lane
+/// (at most [`HELD_INLINE`]): no guard array is built, moved or dropped slot by slot.
+fn hold_revoked(
+    caches: &[Arc<StreamCache>],
+    sums: &mut [u64; LANE_CURS],
+    then: &mut dyn FnMut(&[u64; LANE_CURS]),
+) {
+    match caches.split_first() {
+        None => then(sums),
+        Some((c, rest)) => {
+            let mut guard: LaneGuard<'_, CacheInner> = c.lock_inner();
+            revoke_lane(c, &mut guard, sums);
+            hold_revoked(rest, sums, then);
         }
     }
 }
@@ -444,6 +459,12 @@ impl<'a> Held<'a> {
 pub trait CacheList {
     /// The caches.
     fn list(&self) -> &[Arc<StreamCache>];
+}
+
+impl CacheList for &[Arc<StreamCache>] {
+    fn list(&self) -> &[Arc<StreamCache>] {
+        self
+    }
 }
 
 impl CacheList for Arc<Vec<Arc<StreamCache>>> {

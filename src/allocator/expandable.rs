@@ -391,6 +391,7 @@ impl<D: Device> Shared<D> {
     /// the free block at the end of a range's top run, the next larger free block serves instead,
     /// if there is one. (Best fit found no smaller block; an equal one would sit lower and have
     /// won: so the smallest block above the end block's size is the best fit without it.)
+    #[inline]
     pub(super) fn find_free(
         &self,
         st: &mut State,
@@ -398,10 +399,22 @@ impl<D: Device> Shared<D> {
         key: PoolKey,
         rounded: u64,
     ) -> Option<BlockId> {
-        if st.vm.is_empty() {
+        match st.vm.is_empty() {
             // No range: the block's record is not looked at.
-            return st.pool.find_free(key, rounded, &config.sizing);
+            true => st.pool.find_free(key, rounded, &config.sizing),
+            false => self.find_free_over_ranges(st, config, key, rounded),
         }
+    }
+
+    /// [`Shared::find_free`] where ranges exist.
+    #[inline(never)]
+    fn find_free_over_ranges(
+        &self,
+        st: &mut State,
+        config: &Config,
+        key: PoolKey,
+        rounded: u64,
+    ) -> Option<BlockId> {
         // The end block is most often the largest free block (a range growing block by block):
         // then no search can find a larger one (the best fit says so from its bitmaps).
         let (b, larger) = st.pool.find_free_and_larger(key, rounded, &config.sizing)?;

@@ -43,7 +43,7 @@ use super::stats_layout::{BYTES, COUNT, FAST_WORDS, QUADRANTS, REQ, fast_cur, fa
 use crate::device::{DeviceAddr, StreamId};
 use crate::pool::{BlockId, Pool, Sizing};
 use crate::stats::Residency;
-use crate::sync::atomic::{AtomicU64, Ordering};
+use crate::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use crate::sync::{Arc, ArcCell, ArcRef, OnceSlot, SlotRef};
 use crossbeam_utils::CachePadded;
 
@@ -143,9 +143,17 @@ pub struct CacheInner {
     /// ([`StreamCache::pop_large`]): a hit may hand it out again without that lock while no
     /// global-lock section began since (see [`LargeVerdict`]).
     verdict: Option<LargeVerdict>,
+    /// Credit was granted (a free) since the last revocation: [`CacheCells::credited`], as
+    /// this lock's holder knows it (so a free stores that flag once per revocation, not each
+    /// time).
+    credited: bool,
     /// Deliberately broken (`Broken::HotCreditKept`): a revocation keeps the hot block.
     #[cfg(feature = "test-hooks")]
     keep_hot: bool,
+    /// Deliberately broken (`Broken::UnmarkedCredit`): a free grants credit without marking
+    /// the lane.
+    #[cfg(feature = "test-hooks")]
+    unmarked: bool,
 }
 
 /// A large block found, under the global lock, to be exactly what freeing it and taking the
@@ -205,6 +213,12 @@ pub struct CacheCells {
     /// Largest request [`StreamCache::pop_request`] may serve (0: none), stored under `inner`'s
     /// lock and read without it as a hint.
     fast_max: AtomicU64,
+    /// The lane may hold credit: a free granted some since the last revocation. Set under
+    /// `inner`'s lock by that free before the grant, cleared by a revocation that holds `inner`
+    /// and the global lock; read without `inner`'s lock by a revocation (`counters.rs`): only
+    /// revocations clear it, so when every lane reads clear, none held credit at the first read
+    /// and the revocation locks none.
+    credited: AtomicBool,
 }
 
 impl std::ops::Deref for StreamCache {
@@ -235,13 +249,17 @@ impl StreamCache {
                 small_max: Self::small_max_of(limits, &Sizing::default()),
                 round_mask: Self::round_mask_of(&Sizing::default()),
                 verdict: None,
+                credited: false,
                 #[cfg(feature = "test-hooks")]
                 keep_hot: false,
+                #[cfg(feature = "test-hooks")]
+                unmarked: false,
             }),
             fast: SeqBlock::new(),
             slow: SeqBlock::new(),
             large: AtomicU64::new(0),
             fast_max: AtomicU64::new(Self::fast_max_of(limits, &Sizing::default())),
+            credited: AtomicBool::new(false),
         }))
     }
 
@@ -302,7 +320,7 @@ impl StreamCache {
             self.set_large(inner, 1);
             inner.large_class = class;
         }
-        Self::grant(inner, &b);
+        self.grant(inner, &b);
         self.fast.open();
         // (A closed stash takes no block at all: `room` is 0.)
         inner.owner_refs += u64::from(stash);
@@ -310,9 +328,12 @@ impl StreamCache {
     }
 
     /// Counts pushed block `b` as cached: lowering `Δcur` grants it as credit (the ceiling
-    /// stays).
+    /// stays). The lane is marked as holding credit first (once per revocation).
     #[inline(always)]
-    fn grant(inner: &mut CacheInner, b: &CachedBlock) {
+    fn grant(&self, inner: &mut CacheInner, b: &CachedBlock) {
+        if !inner.credited {
+            self.mark_credited(inner);
+        }
         let q = b.quadrant & (QUADRANTS - 1);
         let w = &mut inner.words;
         w[fast_cur(BYTES, q)] = w[fast_cur(BYTES, q)].wrapping_sub(b.size);
@@ -345,7 +366,7 @@ impl StreamCache {
             }
             list.push(b);
         }
-        Self::grant(inner, &b);
+        self.grant(inner, &b);
         self.fast.open();
         // The buffer's hold stays here (a closed stash takes no block at all: `room` is 0).
         inner.owner_refs += 1;
@@ -766,6 +787,45 @@ impl StreamCache {
         let div = sizing.roundup_power2_divisions.for_size(sizing.small_size);
         let no_divisions = div <= 1 || m.saturating_mul(div) >= sizing.small_size;
         if m.is_power_of_two() && no_divisions { m - 1 } else { u64::MAX }
+    }
+
+    /// Marks the lane as holding credit (see [`CacheCells::credited`]); the caller holds its
+    /// lock and grants the credit after.
+    #[cold]
+    fn mark_credited(&self, inner: &mut CacheInner) {
+        #[cfg(feature = "test-hooks")]
+        if inner.unmarked {
+            return; // BROKEN (`Broken::UnmarkedCredit`): a revocation will not see this credit.
+        }
+        #[cfg(tidepool_broken = "credit_mark")]
+        return; // BROKEN: a revocation will not see this credit.
+        #[allow(unreachable_code)]
+        {
+            inner.credited = true;
+            self.credited.store(true, Ordering::Relaxed);
+        }
+    }
+
+    /// Whether the lane may hold credit (see [`CacheCells::credited`]). Read without the lane's
+    /// lock, under the global lock.
+    #[inline]
+    pub(crate) fn may_hold_credit(&self) -> bool {
+        self.credited.load(Ordering::Relaxed)
+    }
+
+    /// Takes all of the lane's credit back ([`CacheInner::revoke_credit`]) and clears its mark.
+    /// The caller holds the lane's lock (`inner`) and the global lock.
+    #[inline]
+    pub(crate) fn revoke(&self, inner: &mut CacheInner) {
+        inner.revoke_credit();
+        inner.credited = false;
+        self.credited.store(false, Ordering::Relaxed);
+    }
+
+    /// Turns the deliberate bug `Broken::UnmarkedCredit` on or off for this lane.
+    #[cfg(feature = "test-hooks")]
+    pub fn set_unmarked(&self, on: bool) {
+        self.lock_inner().unmarked = on;
     }
 
     /// Turns the deliberate bug `Broken::HotCreditKept` on or off for this lane.

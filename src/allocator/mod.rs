@@ -503,7 +503,7 @@ impl<D: Device> Allocator<D> {
                 st.pool.set_requested(b.block, bytes);
             }
             let locked: &mut State = &mut st;
-            locked.base.live_up(b.quadrant, b.size, bytes, || locked.lanes.clone());
+            locked.base.live_up(b.quadrant, b.size, bytes, || &locked.lanes[..]);
             st.config_spare = Some(plan.config);
             drop(st);
             return Ok(self.hand_out_cached(&b, bytes, stream, plan.rounded, residency));
@@ -529,7 +529,7 @@ impl<D: Device> Allocator<D> {
         let held = st.pool.segment(b.segment).key.residency;
         let q = quadrant(key.kind, held);
         let locked: &mut State = &mut st;
-        locked.base.live_up(q, size, bytes, || locked.lanes.clone());
+        locked.base.live_up(q, size, bytes, || &locked.lanes[..]);
         st.note(Action::Alloc, ptr, bytes, stream);
         st.config_spare = Some(plan.config);
         drop(st);
@@ -734,6 +734,10 @@ impl<D: Device> Allocator<D> {
         if mode == Broken::HotCreditKept {
             // The lanes keep it under their own locks: a revocation sees no `Shared`.
             self.shared.caches.all().iter().for_each(|c| c.set_keep_hot(on));
+        }
+        if mode == Broken::UnmarkedCredit {
+            // The lanes' frees grant credit under their own locks, with no `Shared` in sight.
+            self.shared.caches.all().iter().for_each(|c| c.set_unmarked(on));
         }
     }
 

@@ -201,8 +201,10 @@ impl<D: Device> Shared<D> {
         stream: StreamId,
         bytes: u64,
     ) -> Result<(BatchBlock, u64), AllocError> {
-        let rounded =
-            config.sizing.round(bytes).ok_or(AllocError::InvalidSize { requested: bytes })?;
+        // (The error is built only on the error path: `ok_or` built and dropped it each time.)
+        let Some(rounded) = config.sizing.round(bytes) else {
+            return Err(AllocError::InvalidSize { requested: bytes });
+        };
         self.check_stream(st, stream)?;
         let key =
             PoolKey { residency: Residency::Transient, stream, kind: config.sizing.kind(rounded) };

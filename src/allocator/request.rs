@@ -37,8 +37,10 @@ impl RequestPlan {
     #[cfg_attr(not(any(test, feature = "test-hooks")), allow(dead_code))]
     pub fn new(cell: &ArcCell<Config>, bytes: u64) -> Result<RequestPlan, AllocError> {
         let config = cell.load();
-        let rounded =
-            config.sizing.round(bytes).ok_or(AllocError::InvalidSize { requested: bytes })?;
+        // (The error is built only on the error path: `ok_or` built and dropped it each time.)
+        let Some(rounded) = config.sizing.round(bytes) else {
+            return Err(AllocError::InvalidSize { requested: bytes });
+        };
         #[cfg(tidepool_broken = "config")]
         let kind = cell.load().sizing.kind(rounded); // BROKEN: a second load may see another config.
         #[cfg(not(tidepool_broken = "config"))]
@@ -55,8 +57,10 @@ impl RequestPlan<Arc<Config>> {
     /// for the whole allocation.
     #[inline]
     pub fn with(config: Arc<Config>, bytes: u64) -> Result<RequestPlan<Arc<Config>>, AllocError> {
-        let rounded =
-            config.sizing.round(bytes).ok_or(AllocError::InvalidSize { requested: bytes })?;
+        // (The error is built only on the error path: `ok_or` built and dropped it each time.)
+        let Some(rounded) = config.sizing.round(bytes) else {
+            return Err(AllocError::InvalidSize { requested: bytes });
+        };
         let kind = config.sizing.kind(rounded);
         let fast = config.fast_path() && kind == PoolKind::Small;
         Ok(RequestPlan { config, rounded, kind, fast })

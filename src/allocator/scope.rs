@@ -860,7 +860,10 @@ impl<'a, D: Device> Scope<'a, D> {
 
     #[inline]
     fn round(&self, bytes: u64) -> Result<u64, AllocError> {
-        self.config.sizing.round(bytes).ok_or(AllocError::InvalidSize { requested: bytes })
+        match self.config.sizing.round(bytes) {
+            Some(rounded) => Ok(rounded),
+            None => Err(AllocError::InvalidSize { requested: bytes }),
+        }
     }
 
     /// Takes a step; while the run still follows its plan, returns the plan's entry for it.

@@ -504,7 +504,7 @@ impl<D: Device> Shared<D> {
                 if b.requested != bytes {
                     st.pool.set_requested(b.block, bytes);
                 }
-                st.base.live_up(b.quadrant, b.size, bytes, || st.lanes.clone());
+                st.base.live_up(b.quadrant, b.size, bytes, || &st.lanes[..]);
                 Some(b)
             }
         }
@@ -522,14 +522,21 @@ impl<D: Device> Shared<D> {
 
     /// Refuses a stream the device does not have; streams it confirmed are remembered here,
     /// so each is asked about once. The caller holds the global lock.
+    #[inline]
     pub(super) fn check_stream(&self, st: &mut State, stream: StreamId) -> Result<(), AllocError> {
-        if st.streams.contains(&stream) || self.broken(Broken::UnknownStreams) {
+        if st.streams.contains_key(&stream) || self.broken(Broken::UnknownStreams) {
             return Ok(());
         }
+        self.confirm_stream(st, stream)
+    }
+
+    /// [`Shared::check_stream`] of a stream not confirmed yet: asks the device once.
+    #[inline(never)]
+    fn confirm_stream(&self, st: &mut State, stream: StreamId) -> Result<(), AllocError> {
         if !self.device.has_stream(stream) {
             return Err(AllocError::UnknownStream(stream));
         }
-        st.streams.insert(stream);
+        st.streams.insert(stream, ());
         Ok(())
     }
 
@@ -558,7 +565,7 @@ impl<D: Device> Shared<D> {
             })
             .collect();
         lanes[0].publish_pool_free(st.pool.free_bytes_of(stream));
-        if !st.streams.contains(&stream) && !self.broken(Broken::UnknownStreams) {
+        if !st.streams.contains_key(&stream) && !self.broken(Broken::UnknownStreams) {
             // Destroyed (or forgotten) since it was checked: its caches never take a block.
             lanes.iter().for_each(|c| c.close());
         }

@@ -134,7 +134,8 @@ pub(super) struct State {
     /// Scratch list of streams whose pool free bytes changed.
     pub(super) dirty: Vec<StreamId>,
     /// Streams the device confirmed exist (asked once each); `destroy_stream` removes them.
-    pub(super) streams: BTreeSet<StreamId>,
+    /// (A sorted vector: the slow path asks on every allocation, for one of a few streams.)
+    pub(super) streams: crate::types::SortedMap<StreamId, ()>,
     /// Who last wrote and who read since, per live buffer (by address) announced with
     /// `use_on` on a stream other than its own; dropped when the buffer is freed.
     pub(super) buffer_uses: HashMap<u64, UseState>,

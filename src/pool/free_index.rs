@@ -81,6 +81,21 @@ fn bin_of(size: u64) -> (usize, usize) {
     (fl, sl)
 }
 
+/// Where `e` sits in a (descending) bin: its last entry (what a best fit takes) without a
+/// search, else found by binary search. (Size and address identify an entry: the id only
+/// rides along.)
+#[inline(always)]
+fn position(bin: &[Entry], e: &Entry) -> Option<usize> {
+    let k = e.order();
+    match bin.last() {
+        Some(x) if x.order() == k => Some(bin.len() - 1),
+        _ => {
+            let at = bin.partition_point(|x| x.order() > k);
+            bin.get(at).is_some_and(|x| x.order() == k).then_some(at)
+        }
+    }
+}
+
 /// The bins of one octave.
 type Octave = [Vec<Entry>; SL];
 
@@ -227,14 +242,65 @@ impl FreeIndex {
     #[inline]
     pub fn insert(&mut self, e: Entry) {
         let (fl, sl) = bin_of(e.size);
+        self.put(fl, sl, e);
+    }
+
+    /// Removes an entry; returns whether it was there.
+    #[inline]
+    pub fn remove(&mut self, e: &Entry) -> bool {
+        let (fl, sl) = bin_of(e.size);
+        self.take(fl, sl, e)
+    }
+
+    /// Replaces the indexed entry `old` with `new` (not indexed): what a split or a merge
+    /// does to a free block (its remainder or the merged block takes its place). Where both
+    /// fall in one bin and `new` keeps `old`'s rank there (the bin's last entry split or merged
+    /// within its bin), the entry is overwritten in place — no search on a bin's last entry, no
+    /// move, no bitmap or count change; else a removal and an insertion, in one call. Returns
+    /// whether `old` was there (if not, nothing changes).
+    #[inline]
+    pub fn replace(&mut self, old: &Entry, new: Entry) -> bool {
+        let (fl, sl) = bin_of(old.size);
+        let to = bin_of(new.size);
+        if to != (fl, sl) {
+            if !self.take(fl, sl, old) {
+                return false;
+            }
+            self.put(to.0, to.1, new);
+            return true;
+        }
+        let Some(octave) = self.octaves[fl].as_mut() else { return false };
+        let bin = &mut octave[sl];
+        let Some(at) = position(bin, old) else { return false };
+        // Descending: the entry before must stay larger, the one after smaller.
+        let k = new.order();
+        let keeps_rank =
+            (at == 0 || bin[at - 1].order() > k) && bin.get(at + 1).is_none_or(|x| x.order() < k);
+        if keeps_rank {
+            bin[at] = new;
+            self.bytes = self.bytes - old.size + new.size;
+        } else {
+            bin.remove(at);
+            self.len -= 1;
+            self.bytes -= old.size;
+            self.put(fl, sl, new);
+        }
+        true
+    }
+
+    /// Adds `e` to its bin (fl, sl).
+    #[inline(always)]
+    fn put(&mut self, fl: usize, sl: usize, e: Entry) {
         let bin = self.bin_mut(fl, sl);
         let k = e.order();
-        if bin.last().is_none_or(|x| x.order() > k) {
-            bin.push(e); // the new smallest: a LIFO free of the lowest address
-        } else {
-            let at = bin.partition_point(|x| x.order() > k);
-            assert!(bin[at].order() != k, "entry already in the free index");
-            bin.insert(at, e);
+        match bin.last() {
+            Some(x) if x.order() < k => {
+                let at = bin.partition_point(|x| x.order() > k);
+                assert!(bin[at].order() != k, "entry already in the free index");
+                bin.insert(at, e);
+            }
+            // The new smallest (a LIFO free of the lowest address), or the bin's first.
+            _ => bin.push(e),
         }
         self.sl_map[fl] |= 1 << sl;
         self.fl_map |= 1 << fl;
@@ -242,21 +308,18 @@ impl FreeIndex {
         self.bytes += e.size;
     }
 
-    /// Removes an entry; returns whether it was there.
-    #[inline]
-    pub fn remove(&mut self, e: &Entry) -> bool {
-        let (fl, sl) = bin_of(e.size);
+    /// Removes `e` from its bin (fl, sl); whether it was there.
+    #[inline(always)]
+    fn take(&mut self, fl: usize, sl: usize, e: &Entry) -> bool {
         let Some(octave) = self.octaves[fl].as_mut() else { return false };
         let bin = &mut octave[sl];
-        if bin.last() == Some(e) {
-            bin.pop(); // the bin's smallest: what a best fit takes
-        } else {
-            let k = e.order();
-            let at = bin.partition_point(|x| x.order() > k);
-            if bin.get(at).is_none_or(|x| x != e) {
-                return false;
+        let Some(at) = position(bin, e) else { return false };
+        debug_assert_eq!(bin[at].id, e.id, "one block per (size, address)");
+        match at + 1 == bin.len() {
+            true => bin.truncate(at), // the bin's smallest: what a best fit takes
+            false => {
+                bin.remove(at);
             }
-            bin.remove(at);
         }
         if bin.is_empty() {
             self.sl_map[fl] &= !(1 << sl);

@@ -209,6 +209,33 @@ impl Pool {
         self.changed |= 0x10 << Self::quadrant(k, r);
     }
 
+    /// Counts a free block of a split segment, of `old` bytes, out and its remainder of `new`
+    /// bytes (≤ `old`) in: [`Pool::count_split`] down then up, in one pass over the cells. (The
+    /// current falls or stays, so no peak moves.)
+    fn count_split_shrunk(&mut self, key: PoolKey, old: u64, new: u64) {
+        debug_assert!(new <= old);
+        let (k, r) = (key.kind, key.residency);
+        let shrink = |g: &mut crate::types::StatGroup, old: u64, new: u64| {
+            let cell = |s: &mut Stat| {
+                s.current = s.current - old + new;
+                s.freed += old;
+                s.allocated += new;
+            };
+            cell(&mut g.all);
+            cell(match k {
+                crate::types::PoolKind::Small => &mut g.small_pool,
+                crate::types::PoolKind::Large => &mut g.large_pool,
+            });
+            cell(match r {
+                crate::types::Residency::Persistent => &mut g.persistent,
+                crate::types::Residency::Transient => &mut g.transient,
+            });
+        };
+        shrink(&mut self.stats.inactive_split_bytes, old, new);
+        shrink(&mut self.stats.inactive_split, 1, 1);
+        self.changed |= 0x10 << Self::quadrant(k, r);
+    }
+
     /// The block record of `id`. Panics on an id that is not a live block (a caller bug).
     #[inline]
     pub fn block(&self, id: BlockId) -> &Block {
@@ -368,11 +395,8 @@ impl Pool {
         s.last_use = self.clock;
         let (key, slot) = (s.key, s.slot);
         let (kind, res) = (key.kind, key.residency);
-        self.index_remove(slot, &Entry { size: whole, addr, id: id.0 });
-        if split {
-            self.count_split(key, whole, false);
-        }
-        let size = match sizing.should_split(kind, whole, rounded) {
+        let taken = Entry { size: whole, addr, id: id.0 };
+        let (size, next) = match sizing.should_split(kind, whole, rounded) {
             true => {
                 let rest = Block {
                     segment: seg,
@@ -389,16 +413,27 @@ impl Pool {
                     Some(n) => self.blocks[n.0].prev = Some(BlockId(rest_id)),
                     None => self.segments[seg.0].last = BlockId(rest_id),
                 }
-                self.blocks[id.0].next = Some(BlockId(rest_id));
+                // The remainder takes the block's entry (in place where it keeps its rank).
                 let e = Entry { size: whole - rounded, addr: addr + rounded, id: rest_id };
-                self.index_insert(slot, e);
-                self.count_split(key, whole - rounded, true);
-                rounded
+                self.index_replace(slot, &taken, e);
+                // The free block leaves the inactive splits and its remainder enters them.
+                match split {
+                    true => self.count_split_shrunk(key, whole, whole - rounded),
+                    false => self.count_split(key, whole - rounded, true),
+                }
+                (rounded, Some(BlockId(rest_id)))
             }
-            false => whole,
+            false => {
+                self.index_remove(slot, &taken);
+                if split {
+                    self.count_split(key, whole, false);
+                }
+                (whole, next)
+            }
         };
         let oversize = self.oversize_at > 0 && size >= self.oversize_at;
         let b = &mut self.blocks[id.0];
+        b.next = next;
         b.size = size;
         b.state = BlockState::Allocated;
         b.requested = requested;
@@ -474,12 +509,18 @@ impl Pool {
 
     /// Returns an allocated or pending block to the free index, merging it with free neighbours.
     /// Returns the id of the resulting free block.
+    ///
+    /// ```text
+    ///  [left L free][ id ][right R free]  ──▶  [ L + id + R ]   L's record (else id's) stays;
+    ///                                          it takes L's (else R's) free-index entry
+    /// ```
     pub fn free(&mut self, id: BlockId) -> BlockId {
         let b = &mut self.blocks[id.0];
         let was = b.state;
         assert_ne!(was, BlockState::Free, "double free of a block");
         b.state = BlockState::Free;
         let (size, requested, seg) = (b.size, b.requested, b.segment);
+        let (addr, prev, next) = (b.addr, b.prev, b.next);
         b.requested = 0;
         if std::mem::take(&mut b.oversize) {
             self.oversize.decrease(1);
@@ -500,51 +541,61 @@ impl Pool {
         l[Live::Active as usize] -= 1;
         l[Live::RequestedBytes as usize] -= requested;
 
-        let mut merged = id;
-        if let Some(p) =
-            self.blocks[id.0].prev.filter(|p| self.blocks[p.0].state == BlockState::Free)
-        {
-            self.absorb(p, merged, p, key, slot);
-            merged = p;
+        // Each neighbour's record is read once: its entry if it is free.
+        let free_entry = |n: Option<BlockId>| {
+            let n = n?;
+            let x = &self.blocks[n.0];
+            (x.state == BlockState::Free).then_some(Entry { size: x.size, addr: x.addr, id: n.0 })
+        };
+        let (left, right) = (free_entry(prev), free_entry(next));
+        if left.is_none() && right.is_none() {
+            let m = Entry { size, addr, id: id.0 };
+            self.index_insert(slot, m);
+            if prev.is_some() || next.is_some() {
+                self.count_split(key, size, true);
+            }
+            return id;
         }
-        if let Some(n) =
-            self.blocks[merged.0].next.filter(|n| self.blocks[n.0].state == BlockState::Free)
-        {
-            self.absorb(merged, n, n, key, slot);
+        // The merged block keeps the left neighbour's record if it is free, else `id`'s, and
+        // ends where the right neighbour (if free) ended.
+        let merged = left.map_or(id, |l| BlockId(l.id));
+        let end_next = match right {
+            Some(r) => self.blocks.remove(r.id).next,
+            None => next,
+        };
+        if left.is_some() {
+            self.blocks.remove(id.0);
         }
-        let m = &self.blocks[merged.0];
-        self.index_insert(slot, Entry { size: m.size, addr: m.addr, id: merged.0 });
-        let m = &self.blocks[merged.0];
-        if m.is_split() {
+        match end_next {
+            Some(n) => self.blocks[n.0].prev = Some(merged),
+            None => self.segments[seg.0].last = merged,
+        }
+        let m = &mut self.blocks[merged.0];
+        m.size = size + left.map_or(0, |l| l.size) + right.map_or(0, |r| r.size);
+        m.next = end_next;
+        let (m, split) = (Entry { size: m.size, addr: m.addr, id: merged.0 }, m.is_split());
+        // The merged block takes the left neighbour's entry (else the right's), in place where
+        // it keeps its rank; with both free, the right one leaves the index. (A free neighbour
+        // of another block is always part of a split segment.)
+        let taken = match (left, right) {
+            (Some(l), Some(r)) => {
+                if self.index_remove(slot, &r) {
+                    self.count_split(key, r.size, false);
+                }
+                l
+            }
+            (Some(e), None) | (None, Some(e)) => e,
+            (None, None) => unreachable!("a free neighbour: see above"),
+        };
+        if self.index_replace(slot, &taken, m) {
+            self.count_split(key, taken.size, false);
+        } else {
+            self.index_insert(slot, m);
+        }
+        if split {
             self.count_split(key, m.size, true);
         }
         merged
-    }
-
-    /// Merges block `right` into its left neighbour `left`; `indexed` (one of the two: the free
-    /// neighbour of the block being freed, which is in no index yet) leaves the free index.
-    fn absorb(
-        &mut self,
-        left: BlockId,
-        right: BlockId,
-        indexed: BlockId,
-        key: PoolKey,
-        slot: usize,
-    ) {
-        let b = &self.blocks[indexed.0];
-        let size = b.size;
-        if self.index_remove(slot, &Entry { size, addr: b.addr, id: indexed.0 }) {
-            // A free neighbour of another block is always part of a split segment.
-            self.count_split(key, size, false);
-        }
-        let r = self.blocks.remove(right.0);
-        match r.next {
-            Some(n) => self.blocks[n.0].prev = Some(left),
-            None => self.segments[r.segment.0].last = left,
-        }
-        let l = &mut self.blocks[left.0];
-        l.size += r.size;
-        l.next = r.next;
     }
 
     /// Segments that hold no allocated or pending block (one free block each) and satisfy `keep`.
@@ -622,6 +673,20 @@ impl Pool {
             k.dirty = true;
             self.dirty.push(slot);
         }
+    }
+
+    /// [`FreeIndex::replace`] in slot `slot`; whether `old` was there.
+    #[inline]
+    fn index_replace(&mut self, slot: usize, old: &Entry, new: Entry) -> bool {
+        let k = &mut self.free[slot];
+        if !k.index.replace(old, new) {
+            return false;
+        }
+        if !k.dirty {
+            k.dirty = true;
+            self.dirty.push(slot);
+        }
+        true
     }
 
     #[inline]

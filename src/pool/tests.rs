@@ -406,3 +406,39 @@ fn reuse_agrees_under(s: Sizing) {
     }
     assert!(yes * 4 > checked, "reuse accepted {yes} of {checked}");
 }
+
+/// The inactive-split figures, exactly (current, peak and both totals), through a split of a
+/// whole segment, a split of its remainder (the free block leaves the figures and its
+/// remainder enters them, in one pass), an allocation of a whole remainder, and frees that
+/// merge.
+#[test]
+fn inactive_split_totals_are_exact() {
+    let mut pool = Pool::new();
+    let sizing = Sizing::default();
+    let b0 = pool.add_segment(large(), BASE, 20 * MIB);
+    let s = |pool: &Pool| {
+        let st = pool.stats();
+        let (b, n) = (st.inactive_split_bytes, st.inactive_split);
+        assert_eq!(b.all, b.large_pool);
+        assert_eq!(b.all, b.transient);
+        assert_eq!(n.all, n.transient);
+        assert_eq!((b.small_pool, b.persistent), (Stat::default(), Stat::default()));
+        let f = |x: Stat| (x.current, x.peak, x.allocated, x.freed);
+        (f(b.all), f(n.all))
+    };
+    let a = pool.allocate(b0, 4 * MIB, 4 * MIB, &sizing); // whole segment: split, 16 MiB left
+    assert_eq!(s(&pool), ((16 * MIB, 16 * MIB, 16 * MIB, 0), (1, 1, 1, 0)));
+    let rest = pool.find_free(large(), 4 * MIB, &sizing).unwrap();
+    let b = pool.allocate(rest, 4 * MIB, 4 * MIB, &sizing); // the split remainder: 12 MiB left
+    assert_eq!(s(&pool), ((12 * MIB, 16 * MIB, 28 * MIB, 16 * MIB), (1, 1, 2, 1)));
+    let rest = pool.find_free(large(), 12 * MIB, &sizing).unwrap();
+    let c = pool.allocate(rest, 12 * MIB, 12 * MIB, &sizing); // all of it: no split
+    assert_eq!(s(&pool), ((0, 16 * MIB, 28 * MIB, 28 * MIB), (0, 1, 2, 2)));
+    pool.free(b); // between two allocated blocks: 4 MiB in
+    assert_eq!(s(&pool), ((4 * MIB, 16 * MIB, 32 * MIB, 28 * MIB), (1, 1, 3, 2)));
+    pool.free(c); // merges with b's 4 MiB: 16 MiB
+    assert_eq!(s(&pool), ((16 * MIB, 16 * MIB, 48 * MIB, 32 * MIB), (1, 1, 4, 3)));
+    pool.free(a); // the whole segment again: no split
+    assert_eq!(s(&pool), ((0, 16 * MIB, 48 * MIB, 48 * MIB), (0, 1, 4, 4)));
+    pool.check_invariants().unwrap();
+}

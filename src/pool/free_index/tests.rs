@@ -144,6 +144,39 @@ fn iterates_in_size_then_address_order() {
     assert_eq!(order, [(512, 0x8000), (512, 0x9000), (33 * KIB, 0x7000), (4 * MIB, 0x0)]);
 }
 
+/// A replacement that keeps its rank overwrites the entry in place (the bin's order, its
+/// bitmaps and the totals stay right); one that moves, or leaves the bin, is a removal and an
+/// insertion.
+#[test]
+fn replace_in_place_and_across_bins() {
+    let mut ix = FreeIndex::default();
+    // One bin, (17, 0): 2 MiB up to 2 MiB + 64 KiB. 2 MiB + 40 KiB at 0x100, + 8 KiB at 0x200.
+    let (a, b) = (e(2 * MIB + 40 * KIB, 0x100, 1), e(2 * MIB + 8 * KIB, 0x200, 2));
+    ix.insert(a);
+    ix.insert(b);
+    // The last entry split: the remainder stays last in the same bin.
+    let b2 = e(2 * MIB + 4 * KIB, 0x200 + 4 * KIB, 2);
+    assert!(ix.replace(&b, b2));
+    assert_eq!(ix.bin(bin_of(b2.size).0, bin_of(b2.size).1), &[a, b2]);
+    assert_eq!((ix.len(), ix.bytes()), (2, a.size + b2.size));
+    // Grown past `a`: it moves to the front of the bin.
+    let b3 = e(2 * MIB + 60 * KIB, 0x200, 2);
+    assert!(ix.replace(&b2, b3));
+    assert_eq!(ix.bin(bin_of(b3.size).0, bin_of(b3.size).1), &[b3, a]);
+    assert_eq!(fit(&ix, 2 * MIB), Some((a.size, 0x100)));
+    // Split below the bin: it leaves it (and the bitmaps follow).
+    let small = e(64 * KIB, 0x300, 2);
+    assert!(ix.replace(&b3, small));
+    assert_eq!(fit(&ix, KIB), Some((64 * KIB, 0x300)));
+    assert_eq!((ix.len(), ix.bytes()), (2, a.size + small.size));
+    ix.check().unwrap();
+    // Not indexed: nothing changes.
+    assert!(!ix.replace(&b3, e(KIB, 0x400, 3)));
+    assert!(!ix.replace(&e(2 * MIB + 44 * KIB, 0x100, 1), e(2 * MIB + 48 * KIB, 0x100, 1)));
+    assert_eq!(ix.iter().copied().collect::<Vec<_>>(), vec![small, a]);
+    ix.check().unwrap();
+}
+
 #[test]
 fn check_catches_corruption() {
     let mut ix = FreeIndex::default();
@@ -183,10 +216,30 @@ fn agrees_with_a_sorted_set() {
             let entry = Entry { size: size_of(next()), addr: next() & !511, id: step };
             ix.insert(entry);
             reference.insert(entry);
-        } else {
+        } else if r % 3 == 1 {
             let victim = *reference.iter().nth((next() % reference.len() as u64) as usize).unwrap();
             assert!(ix.remove(&victim));
             reference.remove(&victim);
+        } else {
+            // A split (the remainder above the block handed out), a merge (a grown block at
+            // the same address, or one that starts lower), or any entry at all.
+            let victim = *reference.iter().nth((next() % reference.len() as u64) as usize).unwrap();
+            let k = 512 * (1 + next() % 64);
+            let new = match next() % 4 {
+                0 if victim.size > k => {
+                    Entry { size: victim.size - k, addr: victim.addr + k, id: step }
+                }
+                1 => Entry { size: victim.size + k, ..victim },
+                2 => Entry { size: victim.size + k, addr: victim.addr.wrapping_sub(k), id: step },
+                _ => Entry { size: size_of(next()), addr: next() & !511, id: step },
+            };
+            if !reference.contains(&new) {
+                assert!(ix.replace(&victim, new));
+                reference.remove(&victim);
+                reference.insert(new);
+            }
+            let absent = Entry { addr: victim.addr ^ 1, ..victim };
+            assert!(!ix.replace(&absent, new), "an entry not indexed is not replaced");
         }
         let q = size_of(next()).saturating_sub(512 * (next() % 3));
         let want = reference.range(Entry { size: q, addr: 0, id: 0 }..).next().copied();
