@@ -294,7 +294,8 @@ impl FreeIndex {
         let bin = self.bin_mut(fl, sl);
         let k = e.order();
         match bin.last() {
-            Some(x) if x.order() < k => {
+            // (An entry equal to the last is found by the search and refused by the assert.)
+            Some(x) if x.order() <= k => {
                 let at = bin.partition_point(|x| x.order() > k);
                 assert!(bin[at].order() != k, "entry already in the free index");
                 bin.insert(at, e);

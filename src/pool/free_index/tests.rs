@@ -261,3 +261,21 @@ fn agrees_with_a_sorted_set() {
     assert_eq!(ix.len(), reference.len());
     assert_eq!(ix.bytes(), reference.iter().map(|e| e.size).sum::<u64>());
 }
+
+#[test]
+#[should_panic(expected = "entry already in the free index")]
+fn an_entry_inserted_twice_as_the_bins_last_is_refused() {
+    let mut index = FreeIndex::default();
+    index.insert(e(4096, 0x1000, 1));
+    index.insert(e(4096, 0x1000, 1));
+}
+
+#[test]
+#[should_panic(expected = "entry already in the free index")]
+fn an_entry_inserted_twice_inside_its_bin_is_refused() {
+    let mut index = FreeIndex::default();
+    // One bin (sizes 3 MiB and 3 MiB + 512 share it); the larger is not the bin's last.
+    index.insert(e(3 << 20, 0x10_0000, 1));
+    index.insert(e((3 << 20) + 512, 0x40_0000, 2));
+    index.insert(e((3 << 20) + 512, 0x40_0000, 2));
+}
