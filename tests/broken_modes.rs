@@ -50,7 +50,7 @@ fn every_mode_is_listed_once_with_a_bit_of_its_own() {
         assert_eq!(bits & bit, 0, "{mode:?} shares its bit");
         bits |= bit;
     }
-    for mode in Broken::STREAM_ORDER {
+    for &mode in Broken::STREAM_ORDER {
         assert!(Broken::EVERY.contains(&mode));
     }
 }

@@ -1112,7 +1112,7 @@ proptest! {
 /// of cases (no shrinking: only the failure matters).
 #[test]
 fn every_broken_mode_is_caught() {
-    for mode in Broken::STREAM_ORDER {
+    for &mode in Broken::STREAM_ORDER {
         let config = RunnerConfig {
             // A cap: each mode stops at its first failure (most within a few cases; a mode whose
             // catch needs a thread interleaving took up to ~260, so the cap leaves room).
