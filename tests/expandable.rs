@@ -734,3 +734,54 @@ fn a_growth_works_on_while_event_records_fail() {
     let e = growth_while_event_records_fail(true).unwrap_err();
     assert!(e.contains("record_event failed"), "{e}");
 }
+
+/// A named scope's run keeps what it frees for its next request of the size (its local cache).
+/// A transient block it got from a persistent ordinary segment's free space while segments
+/// were in force (the residencies then share free space) is not handed out again once
+/// `expandable_segments` is on, where a transient request never takes persistent memory: the
+/// run asks the pool, which grows a transient range. Returns the two blocks' addresses, the
+/// persistent segment's, and the device's segments while the second block lives. (Broken mode
+/// `LocalReuseAcrossRanges`: the run hands the persistent segment's block out again.)
+fn scope_reuse_after_ranges_turned_on(broken: bool) -> (u64, u64, u64, Vec<(DeviceAddr, u64)>) {
+    let dev = Arc::new(SimDevice::backed(CAP));
+    let alloc = Allocator::new(dev.clone(), Config::default()).unwrap();
+    alloc.set_broken(tidepool::hooks::Broken::LocalReuseAcrossRanges, broken);
+    let s0 = StreamId::DEFAULT;
+    // A 20 MiB persistent segment (a large request under 10 MiB), its first 3 MiB live.
+    let w = alloc.alloc_in(3 * MIB, s0, Residency::Persistent).unwrap();
+    let scope = alloc.named_scope("step", s0);
+    let a = scope.alloc(2 * MIB).unwrap(); // the persistent segment's free tail
+    let first = a.ptr().0;
+    drop(a); // into the run's local cache
+    alloc.set_config(Config::default().with_expandable_segments(true)).unwrap();
+    let b = scope.alloc(2 * MIB).unwrap();
+    let second = (b.ptr().0, dev.live_segments());
+    alloc.check_invariants().unwrap();
+    drop(b);
+    drop(scope);
+    let persistent = w.ptr().0;
+    drop(w);
+    alloc.check_invariants().unwrap();
+    alloc.release_persistent().unwrap();
+    alloc.empty_cache().unwrap();
+    drop(alloc);
+    assert_no_leak(&dev);
+    (first, second.0, persistent, second.1)
+}
+
+#[test]
+fn a_scope_reuses_no_persistent_block_once_ranges_serve_requests() {
+    let (first, second, persistent, segments) = scope_reuse_after_ranges_turned_on(false);
+    assert_eq!((persistent, first), (base(), base() + 3 * MIB));
+    // The first page of a transient range reserved right above the persistent segment, the
+    // device's only segment.
+    assert_eq!(segments, vec![(DeviceAddr(base()), 20 * MIB)]);
+    assert_eq!(second, base() + 20 * MIB);
+}
+
+#[test]
+fn a_scope_reusing_a_persistent_block_over_ranges_is_caught() {
+    let (first, second, persistent, _) = scope_reuse_after_ranges_turned_on(true);
+    assert_eq!(first, persistent + 3 * MIB);
+    assert_eq!(second, first); // the persistent segment's block again
+}

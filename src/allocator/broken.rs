@@ -117,6 +117,11 @@ pub enum Broken {
     /// exist when it is turned on.)
     #[cfg_attr(not(feature = "test-hooks"), allow(dead_code))]
     UnmarkedCredit = 1 << 46,
+    /// A scope run hands out again a block it freed into its local cache even where the
+    /// search would no longer place the request there: a transient block in a persistent
+    /// ordinary segment's free space (shared while segments were in force), reused after
+    /// `expandable_segments` was turned on, when residencies no longer share (`scope.rs`).
+    LocalReuseAcrossRanges = 1 << 49,
 }
 
 #[cfg_attr(not(feature = "test-hooks"), allow(dead_code))]
@@ -129,7 +134,7 @@ impl Broken {
 
     /// Every mode, in declaration order. Kept complete by [`Broken::position`], whose match
     /// stops compiling when a mode is added and not listed.
-    pub const EVERY: [Broken; 30] = [
+    pub const EVERY: [Broken; 31] = [
         Broken::ForeignBuffers,
         Broken::ForgottenUses,
         Broken::UnboundFreeOrder,
@@ -160,6 +165,7 @@ impl Broken {
         Broken::HotCreditKept,
         Broken::StaleJoinBins,
         Broken::UnmarkedCredit,
+        Broken::LocalReuseAcrossRanges,
     ];
 
     /// Its place in [`Broken::EVERY`].
@@ -195,6 +201,7 @@ impl Broken {
             Broken::HotCreditKept => 27,
             Broken::StaleJoinBins => 28,
             Broken::UnmarkedCredit => 29,
+            Broken::LocalReuseAcrossRanges => 30,
         }
     }
 

@@ -38,7 +38,7 @@ impl<D: Device> Shared<D> {
     }
 
     /// Whether requests are served by expandable ranges (asked for, and the device can).
-    fn over_ranges(&self, config: &Config) -> bool {
+    pub(super) fn over_ranges(&self, config: &Config) -> bool {
         config.expandable_segments && self.device.supports_virtual_memory()
     }
 

@@ -1009,7 +1009,11 @@ impl<'a, D: Device> Scope<'a, D> {
     /// A pool block for the run: from the local cache when one of the size was freed in this
     /// run, else from the allocator.
     fn pool_block(&self, bytes: u64, rounded: u64) -> Result<Buffer<D>, AllocError> {
-        let cached = self.run.borrow_mut().local.get_mut(&rounded).and_then(Vec::pop);
+        let cached = {
+            let mut run = self.run.borrow_mut();
+            let list = run.local.get_mut(&rounded);
+            list.and_then(|v| v.pop_if(|(b, _)| self.may_reuse(b)))
+        };
         let Some((b, ptr)) = cached else {
             return self.alloc.alloc_in(bytes, self.stream, TRANSIENT);
         };
@@ -1029,6 +1033,18 @@ impl<'a, D: Device> Scope<'a, D> {
         // The statistics still account the block with the request it was first made for.
         reused.accounted = b.requested;
         Ok(reused)
+    }
+
+    /// Whether a block the run freed into its local cache may serve a transient request now:
+    /// one that sits in persistent memory (a persistent ordinary segment's free space, where
+    /// the search placed it while the residencies shared free space) only while they still
+    /// do, i.e. while no expandable ranges serve requests (`residency.rs`); otherwise it waits
+    /// in the cache for the run's end, and the request goes to the pool.
+    fn may_reuse(&self, b: &BatchBlock) -> bool {
+        let sh = &self.alloc.shared;
+        super::stats_layout::residency_of(b.quadrant) == TRANSIENT
+            || !sh.over_ranges(&self.alloc.config())
+            || sh.broken(super::Broken::LocalReuseAcrossRanges)
     }
 
     /// Records the free of a bound buffer (`id` as in [`ScopedBuffer`]). The planned path,

@@ -72,6 +72,14 @@ fn artifacts_catch_their_broken_modes() {
         // A learning run's exit whose join of its runs fails midway laid its region out over
         // bins naming a segment the join had removed: the pool's slab panics.
         ("crash-failed-join-leaves-stale-bins", Broken::StaleJoinBins, "invalid key"),
+        // A named scope's run reused a transient block from a persistent ordinary segment
+        // (placed there while segments shared free space) after `expandable_segments` was
+        // turned on mid-run.
+        (
+            "crash-scope-reuses-persistent-block-over-ranges",
+            Broken::LocalReuseAcrossRanges,
+            "sits in a segment of stream 0, Persistent",
+        ),
     ];
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fuzz/artifacts/allocator_ops");
     for (name, mode, check) in cases {
