@@ -151,10 +151,15 @@ impl<D: Device> Shared<D> {
                 Err(AllocError::OutOfMemory(_)) if !retried && !self.device.capture_underway() => {
                     // The ladder: wait for pending events and search the pool again (their
                     // blocks may now fit), then release cached transient segments and retry.
+                    // Both count as PyTorch's `release_cached_blocks` + `alloc_block(isRetry)`
+                    // do: the wait in `num_sync_all_streams` (pending or not), the attempt after
+                    // it in `num_alloc_retries` (successful or not).
                     retried = true;
-                    if !st.pending.is_empty() {
+                    let uncounted = self.broken(Broken::LadderUncounted);
+                    if !st.pending.is_empty() || !uncounted {
+                        let had_pending = !st.pending.is_empty();
                         self.sync_events(st)?;
-                        if let Some(b) = find(self, st) {
+                        if had_pending && let Some(b) = find(self, st) {
                             st.counters.retries += 1;
                             return Ok(at(st, b));
                         }
@@ -162,6 +167,9 @@ impl<D: Device> Shared<D> {
                     self.release_segments(st, |s| s.key.residency == Residency::Transient)?;
                 }
                 Err(AllocError::OutOfMemory(_)) => {
+                    if retried && !self.broken(Broken::LadderUncounted) {
+                        st.counters.retries += 1;
+                    }
                     st.counters.ooms += 1;
                     st.note(Action::Oom, DeviceAddr::NULL, bytes, key.stream);
                     return Err(AllocError::OutOfMemory(Box::new(
