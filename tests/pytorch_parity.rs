@@ -10,7 +10,10 @@
 //!   `num_sync_all_streams`): `Broken::EmptyCacheSkipsEvents`;
 //! - the out-of-memory ladder counts its last attempt in `num_alloc_retries` and its wait for
 //!   every event in `num_sync_all_streams` even when that attempt fails or nothing was pending
-//!   (PyTorch's `alloc_block(isRetry = true)`): `Broken::LadderUncounted`.
+//!   (PyTorch's `alloc_block(isRetry = true)`): `Broken::LadderUncounted`;
+//! - under `max_split_size_mb` the ladder first releases only cached oversize segments of the
+//!   request's stream and pool (PyTorch's `release_available_cached_blocks`) before it releases
+//!   every cached segment: `Broken::OversizeReleasedLast`.
 
 mod common;
 
@@ -586,4 +589,100 @@ fn freed_blocks_stay_with_their_stream_until_a_whole_segment_moves() {
     assert_eq!(stat(&alloc, "segment.all.current"), 2);
     assert_eq!(stat(&alloc, "num_device_alloc"), 2);
     drop(on_c);
+}
+
+/// `release_available_cached_blocks`, the out-of-memory ladder's first step under
+/// `max_split_size_mb`: with a 100 MiB cap, a cached 12 MiB segment and a cached 86 MiB oversize
+/// one (too large for 60 MiB: 86 ≥ 60 + 20), a 60 MiB request releases the smallest cached
+/// oversize segment that holds it and nothing else, and the next attempt is no retry: the 12 MiB
+/// segment stays cached (reserved 72 MiB, one segment released, `num_alloc_retries` 0). With
+/// `Broken::OversizeReleasedLast` (the old ladder) every cached segment goes and the attempt
+/// counts as a retry.
+#[test]
+fn out_of_memory_releases_oversize_blocks_first() {
+    for broken in [false, true] {
+        let (dev, alloc) = allocator("max_split_size_mb:40,memory_limit_mb:100");
+        alloc.set_broken(Broken::OversizeReleasedLast, broken);
+        drop(alloc.alloc(12 * MIB, S0).unwrap());
+        drop(alloc.alloc(86 * MIB, S0).unwrap());
+        assert_eq!(dev.reserved_bytes(), 98 * MIB);
+        let b = alloc.alloc(60 * MIB, S0).unwrap();
+        let figures = (
+            dev.reserved_bytes(),
+            stat(&alloc, "num_device_free"),
+            stat(&alloc, "num_alloc_retries"),
+            stat(&alloc, "num_ooms"),
+        );
+        if broken {
+            assert_eq!(figures, (60 * MIB, 2, 1, 0));
+        } else {
+            assert_eq!(figures, (72 * MIB, 1, 0, 0));
+        }
+        assert_eq!(stat(&alloc, "oversize_segments.current"), 1);
+        drop(b);
+        alloc.check_invariants().unwrap();
+    }
+}
+
+/// `test_max_split_expandable`: under a 120 MiB cap and `max_split_size_mb:40`, 40 MiB on an
+/// ordinary segment, 40 MiB on an expandable one (the setting switched at run time), 40 MiB on
+/// an ordinary one again fill the cap; a fourth is out of memory; once all three are deleted,
+/// 120 MiB succeeds (the ladder releases with an expandable range among the cached blocks).
+#[test]
+fn max_split_with_expandable_segments_switched_at_run_time() {
+    let (dev, alloc) = allocator("memory_limit_mb:120");
+    dev.set_virtual_memory(true);
+    let set = |exp: &str| {
+        let conf = format!("expandable_segments:{exp},max_split_size_mb:40,memory_limit_mb:120");
+        alloc.set_config(Config::parse(&conf).unwrap()).unwrap();
+    };
+    set("False");
+    let a = alloc.alloc(40 * MIB, S0).unwrap();
+    set("True");
+    let b = alloc.alloc(40 * MIB, S0).unwrap();
+    set("False");
+    let c = alloc.alloc(40 * MIB, S0).unwrap();
+    assert_eq!(stat(&alloc, "reserved_bytes.all.current"), 120 << 20);
+    let e = alloc.alloc(40 * MIB, S0).unwrap_err();
+    assert!(matches!(e, AllocError::OutOfMemory(_)), "{e}");
+    drop((a, b, c));
+    let d = alloc.alloc(120 * MIB, S0).unwrap();
+    assert_eq!(stat(&alloc, "reserved_bytes.all.current"), 120 << 20);
+    assert_eq!(stat(&alloc, "num_ooms"), 1);
+    drop(d);
+    alloc.check_invariants().unwrap();
+}
+
+/// `test_garbage_collect_expandable`: under a 120 MiB cap and
+/// `garbage_collection_threshold:0.5`, 40 MiB on an ordinary segment and 40 MiB on an
+/// expandable one, both deleted; then 80 MiB succeeds (the collection runs with an expandable
+/// range's free pages cached): the collection releases the ordinary segment (80 MiB more would
+/// pass 0.5 × 120 MiB) and the range grows to 80 MiB, with no retry.
+#[test]
+fn garbage_collection_with_an_expandable_range_cached() {
+    let (dev, alloc) = allocator("memory_limit_mb:120");
+    dev.set_virtual_memory(true);
+    let set = |exp: &str| {
+        let conf = format!(
+            "expandable_segments:{exp},garbage_collection_threshold:0.5,memory_limit_mb:120"
+        );
+        alloc.set_config(Config::parse(&conf).unwrap()).unwrap();
+    };
+    set("False");
+    let a = alloc.alloc(40 * MIB, S0).unwrap();
+    set("True");
+    let b = alloc.alloc(40 * MIB, S0).unwrap();
+    drop((a, b));
+    let c = alloc.alloc(80 * MIB, S0).unwrap();
+    assert_eq!(c.len(), 80 * MIB);
+    // The collection released the ordinary segment; the range grew from 40 to 80 MiB mapped.
+    let figures = (
+        stat(&alloc, "reserved_bytes.all.current"),
+        stat(&alloc, "num_device_free"),
+        stat(&alloc, "num_alloc_retries"),
+    );
+    assert_eq!(figures, (80 << 20, 1, 0));
+    assert_eq!(stat(&alloc, "num_ooms"), 0);
+    drop(c);
+    alloc.check_invariants().unwrap();
 }

@@ -131,6 +131,10 @@ pub enum Broken {
     /// succeeds, and its wait for every event in `num_sync_all_streams` only when an event was
     /// pending (PyTorch counts both whenever the ladder reaches `release_cached_blocks`).
     LadderUncounted = 1 << 51,
+    /// The out-of-memory ladder skips its first step under `max_split_size_mb` (PyTorch's
+    /// `release_available_cached_blocks`: cached oversize segments of the request's stream
+    /// and pool only) and releases every cached transient segment at once.
+    OversizeReleasedLast = 1 << 52,
 }
 
 #[cfg_attr(not(feature = "test-hooks"), allow(dead_code))]
@@ -143,7 +147,7 @@ impl Broken {
 
     /// Every mode, in declaration order. Kept complete by [`Broken::position`], whose match
     /// stops compiling when a mode is added and not listed.
-    pub const EVERY: [Broken; 33] = [
+    pub const EVERY: [Broken; 34] = [
         Broken::ForeignBuffers,
         Broken::ForgottenUses,
         Broken::UnboundFreeOrder,
@@ -177,6 +181,7 @@ impl Broken {
         Broken::LocalReuseAcrossRanges,
         Broken::EmptyCacheSkipsEvents,
         Broken::LadderUncounted,
+        Broken::OversizeReleasedLast,
     ];
 
     /// Its place in [`Broken::EVERY`].
@@ -215,6 +220,7 @@ impl Broken {
             Broken::LocalReuseAcrossRanges => 30,
             Broken::EmptyCacheSkipsEvents => 31,
             Broken::LadderUncounted => 32,
+            Broken::OversizeReleasedLast => 33,
         }
     }
 
