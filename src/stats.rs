@@ -59,7 +59,8 @@ pub struct MemoryStats {
     /// (unmapped there, mapped here: no new physical memory).
     pub num_pages_moved: u64,
     /// Waits for every pending event, all streams' (PyTorch's `num_sync_all_streams`): the
-    /// out-of-memory ladder's, [`crate::Allocator::synchronize`]'s and `destroy_stream`'s.
+    /// out-of-memory ladder's, [`crate::Allocator::empty_cache`]'s,
+    /// [`crate::Allocator::synchronize`]'s and `destroy_stream`'s.
     pub num_sync_all_streams: u64,
     /// Live allocations of blocks of at least `max_split_size` (PyTorch's
     /// `oversize_allocations`; none while `max_split_size_mb` is unset).

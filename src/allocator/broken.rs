@@ -122,6 +122,19 @@ pub enum Broken {
     /// ordinary segment's free space (shared while segments were in force), reused after
     /// `expandable_segments` was turned on, when residencies no longer share (`scope.rs`).
     LocalReuseAcrossRanges = 1 << 49,
+    /// `empty_cache` only polls the pending events instead of waiting for them all (PyTorch's
+    /// `release_cached_blocks` → `synchronize_and_free_events`): a block whose free waits on
+    /// another stream's unfinished work keeps its segment, and `num_sync_all_streams` does
+    /// not count the call.
+    EmptyCacheSkipsEvents = 1 << 50,
+    /// The out-of-memory ladder counts its last attempt in `num_alloc_retries` only when it
+    /// succeeds, and its wait for every event in `num_sync_all_streams` only when an event was
+    /// pending (PyTorch counts both whenever the ladder reaches `release_cached_blocks`).
+    LadderUncounted = 1 << 51,
+    /// The out-of-memory ladder skips its first step under `max_split_size_mb` (PyTorch's
+    /// `release_available_cached_blocks`: cached oversize segments of the request's stream
+    /// and pool only) and releases every cached transient segment at once.
+    OversizeReleasedLast = 1 << 52,
 }
 
 #[cfg_attr(not(feature = "test-hooks"), allow(dead_code))]
@@ -134,7 +147,7 @@ impl Broken {
 
     /// Every mode, in declaration order. Kept complete by [`Broken::position`], whose match
     /// stops compiling when a mode is added and not listed.
-    pub const EVERY: [Broken; 31] = [
+    pub const EVERY: [Broken; 34] = [
         Broken::ForeignBuffers,
         Broken::ForgottenUses,
         Broken::UnboundFreeOrder,
@@ -166,6 +179,9 @@ impl Broken {
         Broken::StaleJoinBins,
         Broken::UnmarkedCredit,
         Broken::LocalReuseAcrossRanges,
+        Broken::EmptyCacheSkipsEvents,
+        Broken::LadderUncounted,
+        Broken::OversizeReleasedLast,
     ];
 
     /// Its place in [`Broken::EVERY`].
@@ -202,6 +218,9 @@ impl Broken {
             Broken::StaleJoinBins => 28,
             Broken::UnmarkedCredit => 29,
             Broken::LocalReuseAcrossRanges => 30,
+            Broken::EmptyCacheSkipsEvents => 31,
+            Broken::LadderUncounted => 32,
+            Broken::OversizeReleasedLast => 33,
         }
     }
 

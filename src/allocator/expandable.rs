@@ -515,10 +515,13 @@ impl<D: Device> Shared<D> {
                     return Ok(Some(b));
                 }
                 Err(AllocError::OutOfMemory(_)) if !retried => {
+                    // Counted as in `slow_path.rs`'s ladder (PyTorch's `release_cached_blocks`).
                     retried = true;
-                    if !st.pending.is_empty() {
+                    let uncounted = self.broken(Broken::LadderUncounted);
+                    if !st.pending.is_empty() || !uncounted {
+                        let had_pending = !st.pending.is_empty();
                         self.sync_events(st)?;
-                        if let Some(b) = self.find_free(st, config, key, need) {
+                        if had_pending && let Some(b) = self.find_free(st, config, key, need) {
                             st.counters.retries += 1;
                             return Ok(Some(b));
                         }
@@ -527,6 +530,9 @@ impl<D: Device> Shared<D> {
                     self.release_segments(st, |s| s.key.residency == Residency::Transient)?;
                 }
                 Err(AllocError::OutOfMemory(_)) => {
+                    if !self.broken(Broken::LadderUncounted) {
+                        st.counters.retries += 1;
+                    }
                     st.counters.ooms += 1;
                     st.note(Action::Oom, DeviceAddr::NULL, bytes, key.stream);
                     let page = st.vm.page;

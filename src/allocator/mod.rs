@@ -611,13 +611,20 @@ impl<D: Device> Allocator<D> {
         std::ptr::eq(theirs, &*self.shared)
     }
 
-    /// Releases every cached segment that holds no live or pending block, persistent ones
-    /// excepted (see [`Allocator::release_persistent`]). Completed events are processed first.
+    /// Releases every cached segment that holds no live block, persistent ones excepted (see
+    /// [`Allocator::release_persistent`]). Like PyTorch's `emptyCache`, it first waits for
+    /// every pending event (counted in `num_sync_all_streams`), so blocks whose free waited on
+    /// other streams' work are released too; while a capture is underway (no host wait
+    /// allowed) it only polls them.
     pub fn empty_cache(&self) -> Result<(), AllocError> {
         let sh = &self.shared;
         let mut st = sh.lock_state();
         sh.flush_all(&mut st);
-        sh.process_events(&mut st);
+        if sh.device.capture_underway() || sh.broken(Broken::EmptyCacheSkipsEvents) {
+            sh.process_events(&mut st);
+        } else {
+            sh.sync_events(&mut st)?;
+        }
         sh.release_segments(&mut st, |s| s.key.residency == Residency::Transient)
     }
 

@@ -139,7 +139,7 @@ impl<D: Device> Shared<D> {
         if let Some(b) = self.take_from_other_stream(st, config, key, need)? {
             return Ok(at(st, b));
         }
-        let mut retried = false;
+        let (mut retried, mut oversize_released) = (false, false);
         loop {
             match self.reserve(st, config, key, seg_size) {
                 Ok(b) => {
@@ -149,12 +149,25 @@ impl<D: Device> Shared<D> {
                     return Ok(at(st, b));
                 }
                 Err(AllocError::OutOfMemory(_)) if !retried && !self.device.capture_underway() => {
+                    // PyTorch's `release_available_cached_blocks`: first only cached oversize
+                    // segments of the request's stream and pool, then an attempt (no retry).
+                    if !oversize_released && !self.broken(Broken::OversizeReleasedLast) {
+                        oversize_released = true;
+                        if self.release_oversize(st, config, key, rounded)? {
+                            continue;
+                        }
+                    }
                     // The ladder: wait for pending events and search the pool again (their
                     // blocks may now fit), then release cached transient segments and retry.
+                    // Both count as PyTorch's `release_cached_blocks` + `alloc_block(isRetry)`
+                    // do: the wait in `num_sync_all_streams` (pending or not), the attempt after
+                    // it in `num_alloc_retries` (successful or not).
                     retried = true;
-                    if !st.pending.is_empty() {
+                    let uncounted = self.broken(Broken::LadderUncounted);
+                    if !st.pending.is_empty() || !uncounted {
+                        let had_pending = !st.pending.is_empty();
                         self.sync_events(st)?;
-                        if let Some(b) = find(self, st) {
+                        if had_pending && let Some(b) = find(self, st) {
                             st.counters.retries += 1;
                             return Ok(at(st, b));
                         }
@@ -162,6 +175,9 @@ impl<D: Device> Shared<D> {
                     self.release_segments(st, |s| s.key.residency == Residency::Transient)?;
                 }
                 Err(AllocError::OutOfMemory(_)) => {
+                    if retried && !self.broken(Broken::LadderUncounted) {
+                        st.counters.retries += 1;
+                    }
                     st.counters.ooms += 1;
                     st.note(Action::Oom, DeviceAddr::NULL, bytes, key.stream);
                     return Err(AllocError::OutOfMemory(Box::new(
@@ -296,6 +312,53 @@ impl<D: Device> Shared<D> {
             self.release_segment(st, seg)?;
         }
         Ok(())
+    }
+
+    /// The ladder's first step under `max_split_size_mb` (PyTorch's
+    /// `release_available_cached_blocks`): of the free transient ordinary segments of `key`'s
+    /// stream and pool of at least `max_split_size` (oversize blocks are never split, so each is
+    /// one free block), releases the smallest that holds `max(rounded, max_split_size)`, or,
+    /// where none does, the largest ones until that many bytes went. Whether it found that
+    /// much (then the caller tries again); nothing without `max_split_size_mb`.
+    fn release_oversize(
+        &self,
+        st: &mut State,
+        config: &Config,
+        key: PoolKey,
+        rounded: u64,
+    ) -> Result<bool, AllocError> {
+        let max_split = config.sizing.max_split_size;
+        if max_split == u64::MAX {
+            return Ok(false);
+        }
+        let want = rounded.max(max_split);
+        let (vm, initial) = (&st.vm, st.initial);
+        let same = PoolKey { residency: Residency::Transient, ..key };
+        let mut found: Vec<(u64, SegmentId)> = st
+            .pool
+            .releasable_segments(|s| {
+                s.key == same
+                    && s.size >= max_split
+                    && !vm.contains(s.base)
+                    && Some(s.base) != initial
+            })
+            .into_iter()
+            .map(|id| (st.pool.segment(id).size, id))
+            .collect();
+        found.sort_unstable_by_key(|&(size, id)| (size, id.0));
+        if let Some(&(_, id)) = found.iter().find(|&&(size, _)| size >= want) {
+            self.release_segment(st, id)?;
+            return Ok(true);
+        }
+        let mut released = 0;
+        for &(size, id) in found.iter().rev() {
+            if released >= want {
+                break;
+            }
+            self.release_segment(st, id)?;
+            released += size;
+        }
+        Ok(released >= want)
     }
 
     /// Returns one ordinary segment with no busy block to the device (a host sync).
