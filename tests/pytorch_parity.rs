@@ -624,6 +624,13 @@ fn out_of_memory_releases_oversize_blocks_first() {
     }
 }
 
+/// `set_config` at run time, as PyTorch's `_set_allocator_settings`: `expandable_segments:{exp}`
+/// (PyTorch's spelling, `True`/`False`) with the other settings `rest`.
+fn switch_expandable(alloc: &Allocator<SimDevice>, exp: &str, rest: &str) {
+    let conf = format!("expandable_segments:{exp},{rest}");
+    alloc.set_config(Config::parse(&conf).unwrap()).unwrap();
+}
+
 /// `test_max_split_expandable`: under a 120 MiB cap and `max_split_size_mb:40`, 40 MiB on an
 /// ordinary segment, 40 MiB on an expandable one (the setting switched at run time), 40 MiB on
 /// an ordinary one again fill the cap; a fourth is out of memory; once all three are deleted,
@@ -632,10 +639,7 @@ fn out_of_memory_releases_oversize_blocks_first() {
 fn max_split_with_expandable_segments_switched_at_run_time() {
     let (dev, alloc) = allocator("memory_limit_mb:120");
     dev.set_virtual_memory(true);
-    let set = |exp: &str| {
-        let conf = format!("expandable_segments:{exp},max_split_size_mb:40,memory_limit_mb:120");
-        alloc.set_config(Config::parse(&conf).unwrap()).unwrap();
-    };
+    let set = |exp| switch_expandable(&alloc, exp, "max_split_size_mb:40,memory_limit_mb:120");
     set("False");
     let a = alloc.alloc(40 * MIB, S0).unwrap();
     set("True");
@@ -662,11 +666,8 @@ fn max_split_with_expandable_segments_switched_at_run_time() {
 fn garbage_collection_with_an_expandable_range_cached() {
     let (dev, alloc) = allocator("memory_limit_mb:120");
     dev.set_virtual_memory(true);
-    let set = |exp: &str| {
-        let conf = format!(
-            "expandable_segments:{exp},garbage_collection_threshold:0.5,memory_limit_mb:120"
-        );
-        alloc.set_config(Config::parse(&conf).unwrap()).unwrap();
+    let set = |exp| {
+        switch_expandable(&alloc, exp, "garbage_collection_threshold:0.5,memory_limit_mb:120")
     };
     set("False");
     let a = alloc.alloc(40 * MIB, S0).unwrap();

@@ -515,16 +515,12 @@ impl<D: Device> Shared<D> {
                     return Ok(Some(b));
                 }
                 Err(AllocError::OutOfMemory(_)) if !retried => {
-                    // Counted as in `slow_path.rs`'s ladder (PyTorch's `release_cached_blocks`).
                     retried = true;
-                    let uncounted = self.broken(Broken::LadderUncounted);
-                    if !st.pending.is_empty() || !uncounted {
-                        let had_pending = !st.pending.is_empty();
-                        self.sync_events(st)?;
-                        if had_pending && let Some(b) = self.find_free(st, config, key, need) {
-                            st.counters.retries += 1;
-                            return Ok(Some(b));
-                        }
+                    if self.ladder_wait(st)?
+                        && let Some(b) = self.find_free(st, config, key, need)
+                    {
+                        st.counters.retries += 1;
+                        return Ok(Some(b));
                     }
                     self.poll_retiring(st, true);
                     self.release_segments(st, |s| s.key.residency == Residency::Transient)?;

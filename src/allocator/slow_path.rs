@@ -163,14 +163,11 @@ impl<D: Device> Shared<D> {
                     // do: the wait in `num_sync_all_streams` (pending or not), the attempt after
                     // it in `num_alloc_retries` (successful or not).
                     retried = true;
-                    let uncounted = self.broken(Broken::LadderUncounted);
-                    if !st.pending.is_empty() || !uncounted {
-                        let had_pending = !st.pending.is_empty();
-                        self.sync_events(st)?;
-                        if had_pending && let Some(b) = find(self, st) {
-                            st.counters.retries += 1;
-                            return Ok(at(st, b));
-                        }
+                    if self.ladder_wait(st)?
+                        && let Some(b) = find(self, st)
+                    {
+                        st.counters.retries += 1;
+                        return Ok(at(st, b));
                     }
                     self.release_segments(st, |s| s.key.residency == Residency::Transient)?;
                 }
@@ -312,6 +309,18 @@ impl<D: Device> Shared<D> {
             self.release_segment(st, seg)?;
         }
         Ok(())
+    }
+
+    /// The out-of-memory ladder's wait for every pending event (segments and expandable
+    /// ranges alike), counted as PyTorch's `release_cached_blocks` counts it: in
+    /// `num_sync_all_streams` whether or not an event was pending. Whether one was (only then
+    /// may a search of the pool find more than it did).
+    pub(super) fn ladder_wait(&self, st: &mut State) -> Result<bool, AllocError> {
+        let had_pending = !st.pending.is_empty();
+        if had_pending || !self.broken(Broken::LadderUncounted) {
+            self.sync_events(st)?;
+        }
+        Ok(had_pending)
     }
 
     /// The ladder's first step under `max_split_size_mb` (PyTorch's
