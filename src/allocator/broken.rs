@@ -135,6 +135,12 @@ pub enum Broken {
     /// `release_available_cached_blocks`: cached oversize segments of the request's stream
     /// and pool only) and releases every cached transient segment at once.
     OversizeReleasedLast = 1 << 52,
+    /// A physical allocation the device refuses to release (`vm_release` fails or panics) is
+    /// forgotten instead of kept for another try: its memory stays taken on the device.
+    LostReleases = 1 << 53,
+    /// A panic in a [`crate::Device`] method unwinds through the allocator instead of being
+    /// caught at the call (`device/guarded.rs`): the operation it interrupts is left half done.
+    DevicePanicsUnwind = 1 << 54,
 }
 
 #[cfg_attr(not(feature = "test-hooks"), allow(dead_code))]
@@ -147,7 +153,7 @@ impl Broken {
 
     /// Every mode, in declaration order. Kept complete by [`Broken::position`], whose match
     /// stops compiling when a mode is added and not listed.
-    pub const EVERY: [Broken; 34] = [
+    pub const EVERY: [Broken; 36] = [
         Broken::ForeignBuffers,
         Broken::ForgottenUses,
         Broken::UnboundFreeOrder,
@@ -182,6 +188,8 @@ impl Broken {
         Broken::EmptyCacheSkipsEvents,
         Broken::LadderUncounted,
         Broken::OversizeReleasedLast,
+        Broken::LostReleases,
+        Broken::DevicePanicsUnwind,
     ];
 
     /// Its place in [`Broken::EVERY`].
@@ -221,6 +229,8 @@ impl Broken {
             Broken::EmptyCacheSkipsEvents => 31,
             Broken::LadderUncounted => 32,
             Broken::OversizeReleasedLast => 33,
+            Broken::LostReleases => 34,
+            Broken::DevicePanicsUnwind => 35,
         }
     }
 

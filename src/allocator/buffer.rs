@@ -217,7 +217,7 @@ impl<D: Device> Buffer<D> {
 
     /// The device its memory lives on (the allocator's device).
     pub fn device(&self) -> &Arc<D> {
-        &self.owner.device
+        self.owner.device.arc()
     }
 }
 

@@ -382,7 +382,7 @@ impl<D: Capture> Allocator<D> {
         drop(sh.routes.remove(entry.route));
         match made {
             Ok(id) => Ok(Graph {
-                device: sh.device.clone(),
+                device: sh.device.arc().clone(),
                 id,
                 pool: entry.pool,
                 deferred: entry.deferred,

@@ -144,6 +144,9 @@ pub(super) struct Vm {
     learning: HashMap<StreamId, usize>,
     counts: VmCounts,
     virtual_bytes: u64,
+    /// Physical allocations the device refused to release (unmapped, owned by no range): tried
+    /// again at every page release and when ranges are freed, so their memory is not lost.
+    unreleased: Vec<PhysHandle>,
 }
 
 /// What the lock-free statistics read of expandable segments.
@@ -801,9 +804,28 @@ impl<D: Device> Shared<D> {
     /// Releases physical allocations a failed growth had in hand.
     fn drop_handles(&self, st: &mut State, handles: &[(PhysHandle, u64)]) {
         for &(h, _) in handles {
-            if self.device.vm_release(h).is_ok() {
-                st.vm.counts.releases += 1;
-            }
+            self.release_handle(&mut st.vm, h);
+        }
+    }
+
+    /// Releases an unmapped physical allocation; one the device refuses (an error, a panic)
+    /// waits in `unreleased` for [`Shared::retry_releases`].
+    fn release_handle(&self, vm: &mut Vm, handle: PhysHandle) {
+        if self.broken(Broken::LostReleases) {
+            let _ = self.device.vm_release(handle); // BROKEN: a refused release loses the handle
+            vm.counts.releases += 1;
+            return;
+        }
+        match self.device.vm_release(handle) {
+            Ok(()) => vm.counts.releases += 1,
+            Err(_) => vm.unreleased.push(handle),
+        }
+    }
+
+    /// Tries again to release the allocations the device refused before.
+    fn retry_releases(&self, vm: &mut Vm) {
+        for h in std::mem::take(&mut vm.unreleased) {
+            self.release_handle(vm, h);
         }
     }
 
@@ -995,6 +1017,7 @@ impl<D: Device> Shared<D> {
         mut which: impl FnMut(&Segment) -> bool,
         keep: u64,
     ) -> Result<(), AllocError> {
+        self.retry_releases(&mut st.vm);
         // A moved page still mapped at its old place would outlive its release there (the
         // driver frees memory at its last unmapping): old places go first.
         self.poll_retiring(st, true);
@@ -1033,9 +1056,7 @@ impl<D: Device> Shared<D> {
                         break;
                     }
                     st.vm.counts.unmaps += 1;
-                    if self.device.vm_release(c.handle).is_ok() {
-                        st.vm.counts.releases += 1;
-                    }
+                    self.release_handle(&mut st.vm, c.handle);
                     st.vm.ranges.get_mut(&base).expect("range").pages.remove(c.lo);
                     done = c.lo;
                 }
@@ -1197,6 +1218,7 @@ impl<D: Device> Shared<D> {
     /// Frees the virtual ranges of keys satisfying `which` that have nothing mapped (a destroyed
     /// or released stream's, or all of them when the allocator goes).
     pub(super) fn free_ranges(&self, st: &mut State, mut which: impl FnMut(&PoolKey) -> bool) {
+        self.retry_releases(&mut st.vm);
         let gone: Vec<u64> = st
             .vm
             .ranges

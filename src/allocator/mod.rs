@@ -82,7 +82,7 @@ pub(crate) mod internals {
 
 use crate::config::{Config, CrossStream};
 use crate::device::AccessKind;
-use crate::device::{Device, DeviceAddr, DeviceError, EventId, StreamId};
+use crate::device::{Device, DeviceAddr, DeviceError, EventId, Guarded, StreamId};
 use crate::pool::{BlockId, BlockState, Pool, PoolKey, SegmentId};
 use crate::stats::{MemoryStats, Residency};
 use crate::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -163,6 +163,7 @@ impl<D: Device> Allocator<D> {
         pool: u64,
     ) -> Result<Allocator<D>, AllocError> {
         config.validate()?;
+        let device = Guarded::new(device);
         let total = device.mem_info()?.total;
         let (fast, global_lock) = (config.fast_path(), config.global_lock);
         // Over expandable segments only while a free releases no pages at once (no learning
@@ -206,7 +207,7 @@ impl<D: Device> Allocator<D> {
 
     /// The device underneath.
     pub fn device(&self) -> &Arc<D> {
-        &self.shared.device
+        self.shared.device.arc()
     }
 
     /// The configuration in force.
@@ -741,6 +742,9 @@ impl<D: Device> Allocator<D> {
         if mode == Broken::HotCreditKept {
             // The lanes keep it under their own locks: a revocation sees no `Shared`.
             self.shared.caches.all().iter().for_each(|c| c.set_keep_hot(on));
+        }
+        if mode == Broken::DevicePanicsUnwind {
+            self.shared.device.set_unwind(on);
         }
         if mode == Broken::UnmarkedCredit {
             // The lanes' frees grant credit under their own locks, with no `Shared` in sight.

@@ -335,7 +335,7 @@ impl<D: Device> Allocator<D> {
         let id = sh.family.next_id();
         let mut config = (*self.config()).clone();
         config.initial_pool_size = 0; // the initial pool is the general allocator's
-        let alloc = Allocator::build(sh.device.clone(), config, sh.family.clone(), id)?;
+        let alloc = Allocator::build(sh.device.arc().clone(), config, sh.family.clone(), id)?;
         if options.use_on_oom {
             lock(&sh.family.oom_pools).push((id, alloc.shared.clone()));
         }

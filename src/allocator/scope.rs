@@ -30,7 +30,7 @@ use super::counters::quadrant;
 use super::plan::{Entry, Learned, Region, Script, Step, UNFREED};
 use super::{AllocError, Allocator, Buffer, Origin};
 use crate::config::Config;
-use crate::device::{Device, DeviceAddr, StreamId};
+use crate::device::{Device, DeviceAddr, Guarded, StreamId};
 use crate::pool::BlockId;
 use crate::stats::Residency;
 use crate::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -311,7 +311,7 @@ impl<D: Device> Run<D> {
 #[must_use = "a Scope ends (and recycles its buffers) when dropped"]
 pub struct Scope<'a, D: Device> {
     alloc: &'a Allocator<D>,
-    device: &'a D,
+    device: &'a Guarded<D>,
     /// The private-pool routes' mask (all ones while any stream is routed, see
     /// `Routes::mask_word`), ORed into the planned path's size check at every allocation: a
     /// guard or a capture may begin on the stream, on any thread, while the scope is open.

@@ -14,7 +14,7 @@ use super::observers::Observers;
 use super::*;
 
 pub(crate) struct Shared<D: Device> {
-    pub(super) device: Arc<D>,
+    pub(super) device: Guarded<D>,
     pub(super) config: ArcCell<Config>,
     pub(super) device_total: u64,
     pub(super) state: Mutex<State>,

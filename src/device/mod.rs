@@ -27,8 +27,11 @@
 
 #[cfg(feature = "cuda")]
 pub(crate) mod cuda;
+mod guarded;
 mod host_ptr;
 mod sim;
+
+pub(crate) use guarded::Guarded;
 
 #[cfg(feature = "cuda")]
 pub use cuda::{CudaDevice, NO_DRIVER};
@@ -191,6 +194,15 @@ pub enum DeviceError {
     UnknownSegment(DeviceAddr),
     /// The device cannot run this kind of work (host kernels on a real GPU, say).
     Unsupported(&'static str),
+    /// A method of the [`Device`] implementation panicked. The allocator catches the panic at
+    /// the call (the panic hook has printed it) and handles it as this call's failure, so the
+    /// operation is rolled back and the allocator works on.
+    Panicked {
+        /// The [`Device`] method, e.g. `"reserve"`.
+        op: &'static str,
+        /// The panic's message.
+        message: String,
+    },
     /// A kernel touched memory outside what it declared or outside any segment.
     BadAccess {
         /// First byte of the access.
@@ -264,6 +276,9 @@ impl fmt::Display for DeviceError {
             ),
             DeviceError::UnknownSegment(p) => write!(f, "{p} is not the start of a live segment"),
             DeviceError::Unsupported(what) => write!(f, "unsupported on this device: {what}"),
+            DeviceError::Panicked { op, message } => {
+                write!(f, "the device's {op}() panicked: {message}")
+            }
             DeviceError::BadAccess { ptr, bytes } => {
                 write!(f, "kernel access of {bytes} bytes at {ptr} is outside its declared memory")
             }

@@ -59,7 +59,7 @@ mod buffer;
 
 pub use buffer::PinnedBuffer;
 
-use crate::device::{AccessKind, Device, DeviceError, EventId, HostPtr, StreamId};
+use crate::device::{AccessKind, Device, DeviceError, EventId, Guarded, HostPtr, StreamId};
 use crate::sync::{Arc, Mutex, MutexGuard, lock};
 use crate::types::{Bytes, MAX_REQUEST, Stat};
 use std::collections::{BTreeMap, HashMap, VecDeque};
@@ -239,7 +239,7 @@ struct State {
 }
 
 pub(crate) struct Inner<D: Device> {
-    device: Arc<D>,
+    device: Guarded<D>,
     state: Mutex<State>,
     #[cfg(feature = "test-hooks")]
     broken_skip_events: crate::sync::atomic::AtomicBool,
@@ -297,7 +297,7 @@ impl<D: Device> HostAllocator<D> {
     pub fn new(device: Arc<D>) -> HostAllocator<D> {
         HostAllocator {
             inner: Arc::new(Inner {
-                device,
+                device: Guarded::new(device),
                 state: Mutex::new(State {
                     blocks: HashMap::new(),
                     free: BTreeMap::new(),
@@ -333,7 +333,7 @@ impl<D: Device> HostAllocator<D> {
 
     /// The device whose pinned memory this allocator caches.
     pub fn device(&self) -> &Arc<D> {
-        &self.inner.device
+        self.inner.device.arc()
     }
 
     /// A pinned buffer of `bytes` bytes (its block is the size class, [`Self::size_class`]):
@@ -455,13 +455,22 @@ impl<D: Device> HostAllocator<D> {
         self.inner.broken_skip_events.store(on, Ordering::Relaxed);
     }
 
+    /// **Test only — a deliberate bug** (`Broken::DevicePanicsUnwind` for this allocator): while
+    /// on, a panic in a device method unwinds through the host allocator instead of being caught
+    /// at the call.
+    #[cfg(feature = "test-hooks")]
+    #[doc(hidden)]
+    pub fn set_broken_unwind(&self, on: bool) {
+        self.inner.device.set_unwind(on);
+    }
+
     pub(crate) fn inner(&self) -> &Inner<D> {
         &self.inner
     }
 }
 
 impl<D: Device> Inner<D> {
-    pub(crate) fn device(&self) -> &Arc<D> {
+    pub(crate) fn device(&self) -> &Guarded<D> {
         &self.device
     }
 

@@ -1,0 +1,245 @@
+//! A [`Device`] whose calls cannot unwind into the allocator.
+//!
+//! [`Device`] is a public trait: an application may plug in its own, and any of its methods may
+//! panic (a binding that `unwrap`s, an assertion in a wrapper). The allocator makes most device
+//! calls in the middle of an operation (a block taken from the free index, a page about to be
+//! mapped, an event about to be recorded) and often under its lock; a panic unwinding from there
+//! would leave a half-done operation behind: a leaked segment, a page the page table thinks
+//! mapped, a block counted as allocated that no buffer holds.
+//!
+//! So every call goes through [`Guarded`], which catches a panic at the call and answers it as
+//! that call's failure, [`DeviceError::Panicked`] (the panic hook has already printed the
+//! message): the allocator's error paths, which fault injection tests at every call, roll the
+//! operation back and the error reaches the caller.
+//!
+//! ```text
+//!  allocator ──▶ Guarded::reserve ──catch_unwind──▶ D::reserve
+//!      ▲                 │ panicked
+//!      └── Err(DeviceError::Panicked { op: "reserve", message }) ◀┘
+//! ```
+//!
+//! The sanitizer hooks (`note_*`, which return nothing) are guarded too: a panic there is
+//! dropped after the hook has printed it, as the hook could not have failed the operation.
+
+use super::{
+    AccessKind, Capture, Device, DeviceAddr, DeviceError, EventId, GraphId, HostPtr, MemInfo,
+    PhysHandle, StreamId,
+};
+use crate::sync::Arc;
+use std::any::Any;
+use std::panic::{AssertUnwindSafe, catch_unwind};
+
+/// The allocator's hold on its device: every call guarded against panics (module docs).
+pub(crate) struct Guarded<D> {
+    device: Arc<D>,
+    /// The deliberate bug `Broken::DevicePanicsUnwind` (feature `test-hooks`): panics unwind.
+    #[cfg(feature = "test-hooks")]
+    unwind: std::sync::atomic::AtomicBool,
+}
+
+/// The text of a panic's payload (`panic!` with a literal or a formatted message).
+fn message(payload: &(dyn Any + Send)) -> String {
+    if let Some(s) = payload.downcast_ref::<&str>() {
+        (*s).to_string()
+    } else if let Some(s) = payload.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "a panic with a non-string payload".to_string()
+    }
+}
+
+impl<D> Guarded<D> {
+    /// Runs `f`, answering a panic as `DeviceError::Panicked` for `op`.
+    #[inline]
+    fn guard<T>(
+        &self,
+        op: &'static str,
+        f: impl FnOnce() -> Result<T, DeviceError>,
+    ) -> Result<T, DeviceError> {
+        #[cfg(feature = "test-hooks")]
+        if self.unwind.load(std::sync::atomic::Ordering::Relaxed) {
+            return f(); // BROKEN: the panic unwinds through the allocator
+        }
+        // AssertUnwindSafe: after a panic only the device's own state may be inconsistent, and
+        // the device is the panicking party; the allocator's state is not touched inside `f`.
+        match catch_unwind(AssertUnwindSafe(f)) {
+            Ok(r) => r,
+            Err(payload) => Err(DeviceError::Panicked { op, message: message(&*payload) }),
+        }
+    }
+
+    /// Runs `f` for a query with no error channel; a panic answers `fallback`.
+    #[inline]
+    fn guard_or<T>(&self, fallback: T, f: impl FnOnce() -> T) -> T {
+        #[cfg(feature = "test-hooks")]
+        if self.unwind.load(std::sync::atomic::Ordering::Relaxed) {
+            return f(); // BROKEN: as in `guard`
+        }
+        catch_unwind(AssertUnwindSafe(f)).unwrap_or(fallback)
+    }
+
+    /// Turns the deliberate bug `Broken::DevicePanicsUnwind` on or off.
+    #[cfg(feature = "test-hooks")]
+    pub(crate) fn set_unwind(&self, on: bool) {
+        self.unwind.store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+/// `Guarded` methods of the same names and signatures as [`Device`]'s fallible ones.
+macro_rules! guarded {
+    ($($name:ident($($arg:ident: $ty:ty),*) -> $ret:ty;)*) => {
+        impl<D: Device> Guarded<D> {
+            $(
+                #[doc = concat!("[`Device::", stringify!($name), "`], guarded.")]
+                #[inline]
+                pub(crate) fn $name(&self, $($arg: $ty),*) -> Result<$ret, DeviceError> {
+                    self.guard(stringify!($name), || self.device.$name($($arg),*))
+                }
+            )*
+        }
+    };
+}
+
+guarded! {
+    reserve(bytes: u64) -> DeviceAddr;
+    release(ptr: DeviceAddr) -> ();
+    mem_info() -> MemInfo;
+    create_event() -> EventId;
+    destroy_event(event: EventId) -> ();
+    record_event(event: EventId, stream: StreamId) -> ();
+    query_event(event: EventId) -> bool;
+    wait_event(stream: StreamId, event: EventId) -> ();
+    synchronize_event(event: EventId) -> ();
+    synchronize() -> ();
+    vm_granularity() -> u64;
+    vm_reserve(bytes: u64) -> DeviceAddr;
+    vm_free(base: DeviceAddr, bytes: u64) -> ();
+    vm_create(bytes: u64) -> PhysHandle;
+    vm_release(handle: PhysHandle) -> ();
+    vm_map(va: DeviceAddr, bytes: u64, handle: PhysHandle) -> ();
+    vm_unmap(va: DeviceAddr, bytes: u64) -> ();
+    destroy_stream(stream: StreamId) -> ();
+}
+
+impl<D: Capture> Guarded<D> {
+    /// [`Capture::begin_capture`], guarded.
+    pub(crate) fn begin_capture(&self, stream: StreamId) -> Result<(), DeviceError> {
+        self.guard("begin_capture", || self.device.begin_capture(stream))
+    }
+
+    /// [`Capture::end_capture`], guarded.
+    pub(crate) fn end_capture(&self, stream: StreamId) -> Result<GraphId, DeviceError> {
+        self.guard("end_capture", || self.device.end_capture(stream))
+    }
+}
+
+impl<D: Device> Guarded<D> {
+    /// Guards `device`.
+    pub(crate) fn new(device: Arc<D>) -> Self {
+        Guarded {
+            device,
+            #[cfg(feature = "test-hooks")]
+            unwind: std::sync::atomic::AtomicBool::new(false),
+        }
+    }
+
+    /// The device itself, for the application ([`crate::Allocator::device`]) and for calls
+    /// the allocator makes outside any operation of its own.
+    pub(crate) fn arc(&self) -> &Arc<D> {
+        &self.device
+    }
+
+    /// [`Device::name`]; a panic names it so.
+    pub(crate) fn name(&self) -> String {
+        self.guard_or("a device whose name() panicked".to_string(), || self.device.name())
+    }
+
+    /// [`Device::has_stream`]; a panic answers no (the stream is refused).
+    pub(crate) fn has_stream(&self, stream: StreamId) -> bool {
+        self.guard_or(false, || self.device.has_stream(stream))
+    }
+
+    /// [`Device::is_adopted`]; a panic answers no.
+    pub(crate) fn is_adopted(&self, stream: StreamId) -> bool {
+        self.guard_or(false, || self.device.is_adopted(stream))
+    }
+
+    /// [`Device::capture_underway`]; a panic answers yes, the answer under which the allocator
+    /// makes no call a capture forbids (no sync, no query, no release).
+    pub(crate) fn capture_underway(&self) -> bool {
+        self.guard_or(true, || self.device.capture_underway())
+    }
+
+    /// [`Device::supports_virtual_memory`]; a panic answers no (ordinary segments).
+    pub(crate) fn supports_virtual_memory(&self) -> bool {
+        self.guard_or(false, || self.device.supports_virtual_memory())
+    }
+
+    /// [`Device::observes_handouts`]; a panic answers yes (the hooks keep being called).
+    pub(crate) fn observes_handouts(&self) -> bool {
+        self.guard_or(true, || self.device.observes_handouts())
+    }
+
+    /// [`Device::note_handout`]; a panic is dropped (module docs).
+    pub(crate) fn note_handout(&self, ptr: DeviceAddr, bytes: u64, stream: StreamId) {
+        self.guard_or((), || self.device.note_handout(ptr, bytes, stream))
+    }
+
+    /// [`Device::host_alloc`], guarded.
+    pub(crate) fn host_alloc(&self, bytes: u64) -> Result<HostPtr, DeviceError> {
+        self.guard("host_alloc", || self.device.host_alloc(bytes))
+    }
+
+    /// [`Device::host_free`], guarded.
+    ///
+    /// # Safety
+    /// As [`Device::host_free`].
+    pub(crate) unsafe fn host_free(&self, ptr: HostPtr) -> Result<(), DeviceError> {
+        // SAFETY: the caller keeps `Device::host_free`'s contract, forwarded unchanged.
+        self.guard("host_free", || unsafe { self.device.host_free(ptr) })
+    }
+
+    /// [`Device::memcpy_htod_async`], guarded.
+    ///
+    /// # Safety
+    /// As [`Device::memcpy_htod_async`].
+    pub(crate) unsafe fn memcpy_htod_async(
+        &self,
+        dst: DeviceAddr,
+        src: HostPtr,
+        bytes: u64,
+        stream: StreamId,
+    ) -> Result<(), DeviceError> {
+        // SAFETY: the caller keeps `Device::memcpy_htod_async`'s contract, forwarded unchanged.
+        self.guard("memcpy_htod_async", || unsafe {
+            self.device.memcpy_htod_async(dst, src, bytes, stream)
+        })
+    }
+
+    /// [`Device::memcpy_dtoh_async`], guarded.
+    ///
+    /// # Safety
+    /// As [`Device::memcpy_dtoh_async`].
+    pub(crate) unsafe fn memcpy_dtoh_async(
+        &self,
+        dst: HostPtr,
+        src: DeviceAddr,
+        bytes: u64,
+        stream: StreamId,
+    ) -> Result<(), DeviceError> {
+        // SAFETY: the caller keeps `Device::memcpy_dtoh_async`'s contract, forwarded unchanged.
+        self.guard("memcpy_dtoh_async", || unsafe {
+            self.device.memcpy_dtoh_async(dst, src, bytes, stream)
+        })
+    }
+
+    /// [`Device::note_host_access`]; a panic is dropped (module docs).
+    pub(crate) fn note_host_access(&self, ptr: HostPtr, bytes: u64, kind: AccessKind) {
+        self.guard_or((), || self.device.note_host_access(ptr, bytes, kind))
+    }
+
+    /// [`Device::note_reclaim`]; a panic is dropped (module docs).
+    pub(crate) fn note_reclaim(&self, ptr: DeviceAddr, bytes: u64, stream: StreamId) {
+        self.guard_or((), || self.device.note_reclaim(ptr, bytes, stream))
+    }
+}
