@@ -141,6 +141,9 @@ pub enum Broken {
     /// A panic in a [`crate::Device`] method unwinds through the allocator instead of being
     /// caught at the call (`device/guarded.rs`): the operation it interrupts is left half done.
     DevicePanicsUnwind = 1 << 54,
+    /// What the device refuses to take back as an allocator goes (a range, a physical
+    /// allocation, a segment, an event) is lost with it instead of left to its family.
+    LostLeftovers = 1 << 55,
 }
 
 #[cfg_attr(not(feature = "test-hooks"), allow(dead_code))]
@@ -153,7 +156,7 @@ impl Broken {
 
     /// Every mode, in declaration order. Kept complete by [`Broken::position`], whose match
     /// stops compiling when a mode is added and not listed.
-    pub const EVERY: [Broken; 36] = [
+    pub const EVERY: [Broken; 37] = [
         Broken::ForeignBuffers,
         Broken::ForgottenUses,
         Broken::UnboundFreeOrder,
@@ -190,6 +193,7 @@ impl Broken {
         Broken::OversizeReleasedLast,
         Broken::LostReleases,
         Broken::DevicePanicsUnwind,
+        Broken::LostLeftovers,
     ];
 
     /// Its place in [`Broken::EVERY`].
@@ -231,6 +235,7 @@ impl Broken {
             Broken::OversizeReleasedLast => 33,
             Broken::LostReleases => 34,
             Broken::DevicePanicsUnwind => 35,
+            Broken::LostLeftovers => 36,
         }
     }
 

@@ -1238,6 +1238,31 @@ impl<D: Device> Shared<D> {
         self.publish_vm(&st.vm);
     }
 
+    /// What the ranges still hold on the device as the allocator goes (the calls that would
+    /// have given it back were refused), for the family to try again (`leftovers.rs`): every
+    /// mapping, old places of moved pages included, every physical allocation and every range.
+    /// (A range holding a block still counted as allocated, which only a bug leaves by now,
+    /// stays as it is.)
+    pub(super) fn vm_leftovers(&self, vm: &mut Vm, pool: &Pool) -> Vec<Leftover> {
+        let page = vm.page;
+        let mut left: Vec<Leftover> = vm.unreleased.drain(..).map(Leftover::Release).collect();
+        for r in std::mem::take(&mut vm.retiring) {
+            left.extend(r.pages.iter().map(|&(_, va, n)| Leftover::Unmap { va, bytes: n * page }));
+            left.push(Leftover::Event(r.event));
+        }
+        for range in vm.ranges.values() {
+            if range.segs.values().any(|&id| pool.segment(id).busy_blocks != 0) {
+                continue;
+            }
+            for c in range.pages.chunks() {
+                left.push(Leftover::Unmap { va: c.lo, bytes: c.pages * page });
+                left.push(Leftover::Release(c.handle));
+            }
+            left.push(Leftover::Free { base: range.base, size: range.size });
+        }
+        left
+    }
+
     /// Copies the counters for lock-free readers.
     fn publish_vm(&self, vm: &Vm) {
         let p = &self.vm_published;

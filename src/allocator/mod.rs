@@ -35,6 +35,7 @@ mod fast_cache;
 mod gc;
 mod history;
 mod lane_lock;
+mod leftovers;
 mod observers;
 mod oom;
 mod owner;
@@ -93,6 +94,7 @@ use buffer::Origin;
 use counters::{BASE_WORDS, BaseStats, quadrant};
 use events::Mark;
 use fast_cache::{CacheTable, CachedBlock, ClassKey, Limits, Pop, StreamCache, flush_into};
+use leftovers::{Leftover, Leftovers};
 use owner::OwnerTable;
 use plan::{Learned, Region};
 use publish::{limits, stats_from};
@@ -626,7 +628,12 @@ impl<D: Device> Allocator<D> {
         } else {
             sh.sync_events(&mut st)?;
         }
-        sh.release_segments(&mut st, |s| s.key.residency == Residency::Transient)
+        let released = sh.release_segments(&mut st, |s| s.key.residency == Residency::Transient);
+        if !sh.device.capture_underway() {
+            // What gone allocators of the family could not give back (`leftovers.rs`).
+            sh.family.leftovers.retry(&sh.device);
+        }
+        released
     }
 
     /// Releases cached persistent segments that hold no live block.

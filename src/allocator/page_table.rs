@@ -124,6 +124,13 @@ impl PageTable {
     pub(super) fn is_empty(&self) -> bool {
         self.len == 0
     }
+
+    /// Every chunk mapped, in no particular order.
+    pub(super) fn chunks(&self) -> Vec<Chunk> {
+        let mut unused = vec![false; self.chunks.len()];
+        self.free.iter().for_each(|&k| unused[k as usize] = true);
+        self.chunks.iter().zip(unused).filter(|(_, u)| !u).map(|(c, _)| *c).collect()
+    }
 }
 
 #[cfg(test)]

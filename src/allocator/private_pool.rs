@@ -44,6 +44,8 @@ pub(crate) struct Family<D: Device> {
     /// stream the general allocator destroyed).
     destroyed: Mutex<BTreeMap<StreamId, u64>>,
     next_id: AtomicU64,
+    /// What an allocator of the family could not give back to the device as it went.
+    pub(super) leftovers: Leftovers,
 }
 
 impl<D: Device> Default for Family<D> {
@@ -53,6 +55,7 @@ impl<D: Device> Default for Family<D> {
             oom_pools: Mutex::new(Vec::new()),
             destroyed: Mutex::new(BTreeMap::new()),
             next_id: AtomicU64::new(1),
+            leftovers: Leftovers::default(),
         }
     }
 }
@@ -336,6 +339,9 @@ impl<D: Device> Allocator<D> {
         let mut config = (*self.config()).clone();
         config.initial_pool_size = 0; // the initial pool is the general allocator's
         let alloc = Allocator::build(sh.device.arc().clone(), config, sh.family.clone(), id)?;
+        // A pool has its allocator's deliberate bugs (feature `test-hooks`).
+        #[cfg(feature = "test-hooks")]
+        alloc.shared.broken.store(sh.broken.load(Ordering::Relaxed), Ordering::Relaxed);
         if options.use_on_oom {
             lock(&sh.family.oom_pools).push((id, alloc.shared.clone()));
         }

@@ -242,8 +242,24 @@ impl<D: Device> Drop for Shared<D> {
         self.poll_retiring(&mut st, true);
         let _ = self.release_segments(&mut st, |_| true);
         self.free_ranges(&mut st, |_| true);
+        let mut left: Vec<Leftover> = Vec::new();
         for e in st.free_events.drain(..) {
-            let _ = self.device.destroy_event(e);
+            if self.device.destroy_event(e).is_err() {
+                left.push(Leftover::Event(e));
+            }
         }
+        if self.broken(Broken::LostLeftovers) {
+            return; // BROKEN: what the device refused above is lost with this allocator
+        }
+        // What the device refused: the family tries again (`leftovers.rs`).
+        left.extend(self.vm_leftovers(&mut st.vm, &st.pool));
+        let vm = &st.vm;
+        // Free segments only: one holding a block still counted as allocated (only a bug
+        // leaves one by now) stays as it is.
+        for id in st.pool.releasable_segments(|s| !vm.contains(s.base)) {
+            left.push(Leftover::Segment(DeviceAddr(st.pool.segment(id).base)));
+        }
+        left.extend(st.pending.values().flatten().map(|p| Leftover::Event(p.event)));
+        self.family.leftovers.add_and_retry(left, &self.device);
     }
 }
