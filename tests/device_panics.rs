@@ -17,8 +17,8 @@ use std::sync::{Arc, Mutex, mpsc};
 use tidepool::device::{Access, AccessKind, EventId, HostPtr, Kernel, Launch, MemInfo, PhysHandle};
 use tidepool::hooks::Broken;
 use tidepool::{
-    Allocator, Buffer, Config, Device, DeviceAddr, DeviceError, HostAllocError, HostAllocator,
-    PinnedBuffer, PoolOptions, SimConfig, SimDevice, StreamId,
+    Allocator, Buffer, Capture, Config, Device, DeviceAddr, DeviceError, GraphId, HostAllocError,
+    HostAllocator, PinnedBuffer, PoolOptions, SimConfig, SimDevice, StreamId,
 };
 
 const MIB: u64 = 1 << 20;
@@ -141,6 +141,9 @@ impl Device for PanicDev {
         self.tick("vm_unmap");
         self.sim.vm_unmap(va, bytes)
     }
+    fn capture_underway(&self) -> bool {
+        self.sim.capture_underway()
+    }
     fn observes_handouts(&self) -> bool {
         self.sim.observes_handouts()
     }
@@ -183,6 +186,25 @@ impl Device for PanicDev {
     }
     fn note_host_access(&self, ptr: HostPtr, bytes: u64, kind: AccessKind) {
         self.sim.note_host_access(ptr, bytes, kind)
+    }
+}
+
+impl Capture for PanicDev {
+    fn begin_capture(&self, stream: StreamId) -> Result<(), DeviceError> {
+        self.tick("begin_capture");
+        self.sim.begin_capture(stream)
+    }
+    fn end_capture(&self, stream: StreamId) -> Result<GraphId, DeviceError> {
+        self.tick("end_capture");
+        self.sim.end_capture(stream)
+    }
+    fn launch_graph(&self, graph: GraphId, stream: StreamId) -> Result<(), DeviceError> {
+        self.tick("launch_graph");
+        self.sim.launch_graph(graph, stream)
+    }
+    fn destroy_graph(&self, graph: GraphId) -> Result<(), DeviceError> {
+        self.tick("destroy_graph");
+        self.sim.destroy_graph(graph)
     }
 }
 
@@ -595,4 +617,96 @@ fn what_a_dropped_pool_could_not_free_is_freed_by_the_family_later() {
         drop(alloc);
         assert_eq!(sim.live_virtual_ranges(), left, "broken: {broken}");
     }
+}
+
+/// A CUDA graph capture: a buffer of the general pool freed during the capture (the graph holds
+/// it), a captured allocation with a replayable kernel on it, two launches, the graph dropped.
+fn capture_workload(dev: &PanicDev, alloc: &Allocator<PanicDev>, s1: StreamId) {
+    let before = alloc.alloc(MIB, s1).unwrap();
+    alloc.begin_capture(s1, None).unwrap();
+    let x = alloc.alloc(2 * MIB, s1).unwrap();
+    let (ptr, bytes) = (x.ptr(), x.len());
+    let access = vec![Access { ptr, bytes, kind: AccessKind::Write }];
+    dev.sim.launch(s1, Kernel::replayable("w", access, |_| {})).unwrap();
+    drop(before);
+    drop(x);
+    let graph = alloc.end_capture(s1).unwrap();
+    graph.launch(s1).unwrap();
+    graph.launch(s1).unwrap();
+    drop(graph);
+    alloc.empty_cache().unwrap();
+}
+
+/// As `run`, for `capture_workload` (`broken`: that deliberate bug on, in its pools too). A
+/// graph the device refused to destroy keeps its memory for good (sound, if wasteful); every
+/// other panic point leaves nothing on the device. What a graph holds when the wait for its
+/// launches panicked is let go of by the next `empty_cache` (the second workload's).
+fn run_capture(at: Option<u64>, broken: Option<Broken>) -> Vec<&'static str> {
+    let dev = panic_dev(at);
+    let s1 = dev.sim.create_stream().unwrap();
+    let alloc = Allocator::new(dev.clone(), Config::default()).unwrap();
+    broken.inspect(|&mode| alloc.set_broken(mode, true));
+    let _ = catch_unwind(AssertUnwindSafe(|| capture_workload(&dev, &alloc, s1)));
+    let injected = dev.left.swap(u64::MAX, Ordering::Relaxed) == 0;
+    let reached = at.is_some_and(|n| n <= dev.calls.load(Ordering::Relaxed));
+    assert_eq!(injected, reached, "the panic at call {at:?} was injected");
+    let ops = std::mem::take(&mut *dev.ops.lock().unwrap());
+    let panicked = at.and_then(|n| ops.get(n as usize - 1).copied());
+    if alloc.is_capturing(s1) {
+        drop(alloc.end_capture(s1)); // the capture the panic interrupted
+    }
+    if dev.sim.capture_underway() {
+        // `end_capture` panicked before the device ended it: the test ends it.
+        dev.sim.destroy_graph(dev.sim.end_capture(s1).unwrap()).unwrap();
+    }
+    alloc.check_invariants().unwrap_or_else(|e| panic!("panic at {at:?}: {e}"));
+    dev.sim.synchronize().unwrap();
+    capture_workload(&dev, &alloc, s1);
+    alloc.check_invariants().unwrap_or_else(|e| panic!("panic at {at:?}: {e}"));
+    assert_eq!(dev.sim.violations(), vec![], "panic at {at:?}");
+    assert_eq!(dev.sim.kernel_failures(), vec![], "panic at {at:?}");
+    drop(alloc);
+    dev.sim.synchronize().unwrap();
+    if panicked != Some("destroy_graph") {
+        assert_eq!(dev.sim.live_segments(), vec![], "panic at {at:?} ({panicked:?})");
+        assert_eq!(dev.sim.live_events(), 0, "panic at {at:?} ({panicked:?})");
+    }
+    ops
+}
+
+#[test]
+fn a_panicking_device_during_a_graph_capture_leaves_no_reuse_unordered() {
+    let ops = run_capture(None, None);
+    assert!(ops.contains(&"destroy_graph") && ops.contains(&"launch_graph"), "{ops:?}");
+    let mut bad = Vec::new();
+    for (at, op) in (1..).zip(&ops) {
+        if let Err(e) = catch_unwind(|| run_capture(Some(at), None)) {
+            bad.push((at, op, e.downcast_ref::<String>().cloned().unwrap_or_default()));
+        }
+    }
+    assert!(bad.is_empty(), "{} of {} panic points fail: {bad:#?}", bad.len(), ops.len());
+}
+
+/// The deliberate bug: a graph whose destruction panicked gives its pool's memory back while
+/// the device still holds the graph; the sanitizer reports the release.
+#[test]
+fn the_checks_catch_memory_freed_under_an_undestroyed_graph() {
+    let ops = run_capture(None, None);
+    let at = 1 + ops.iter().position(|&op| op == "destroy_graph").unwrap() as u64;
+    run_capture(Some(at), None);
+    let broken = catch_unwind(|| run_capture(Some(at), Some(Broken::UndestroyedGraphFreed)));
+    let msg = broken.expect_err("caught").downcast_ref::<String>().cloned().unwrap_or_default();
+    assert!(msg.contains("release of memory a CUDA graph uses"), "{msg}");
+}
+
+/// The deliberate bug: what a graph holds is leaked for good when the wait for its launches
+/// panicked (the general pool's 1 MiB buffer freed during the capture keeps its segment).
+#[test]
+fn the_checks_catch_graph_holds_leaked_after_a_failed_wait() {
+    let ops = run_capture(None, None);
+    let at = 1 + ops.iter().position(|&op| op == "synchronize").unwrap() as u64;
+    run_capture(Some(at), None);
+    let broken = catch_unwind(|| run_capture(Some(at), Some(Broken::GraphHoldsLeaked)));
+    let msg = broken.expect_err("caught").downcast_ref::<String>().cloned().unwrap_or_default();
+    assert!(msg.contains("left: [(0x7f0000000000, 2097152)]"), "{msg}");
 }

@@ -144,6 +144,12 @@ pub enum Broken {
     /// What the device refuses to take back as an allocator goes (a range, a physical
     /// allocation, a segment, an event) is lost with it instead of left to its family.
     LostLeftovers = 1 << 55,
+    /// A CUDA graph the device refused to destroy gives its pool's memory and the buffers it
+    /// holds back anyway, although the graph still references them.
+    UndestroyedGraphFreed = 1 << 56,
+    /// What a dropped graph holds back is leaked for good when the wait for its launches fails,
+    /// instead of let go of after a later device synchronisation (`empty_cache`).
+    GraphHoldsLeaked = 1 << 57,
 }
 
 #[cfg_attr(not(feature = "test-hooks"), allow(dead_code))]
@@ -156,7 +162,7 @@ impl Broken {
 
     /// Every mode, in declaration order. Kept complete by [`Broken::position`], whose match
     /// stops compiling when a mode is added and not listed.
-    pub const EVERY: [Broken; 37] = [
+    pub const EVERY: [Broken; 39] = [
         Broken::ForeignBuffers,
         Broken::ForgottenUses,
         Broken::UnboundFreeOrder,
@@ -194,6 +200,8 @@ impl Broken {
         Broken::LostReleases,
         Broken::DevicePanicsUnwind,
         Broken::LostLeftovers,
+        Broken::UndestroyedGraphFreed,
+        Broken::GraphHoldsLeaked,
     ];
 
     /// Its place in [`Broken::EVERY`].
@@ -236,6 +244,8 @@ impl Broken {
             Broken::LostReleases => 34,
             Broken::DevicePanicsUnwind => 35,
             Broken::LostLeftovers => 36,
+            Broken::UndestroyedGraphFreed => 37,
+            Broken::GraphHoldsLeaked => 38,
         }
     }
 

@@ -44,11 +44,11 @@ use super::owner::Owner;
 use super::plan::Region;
 use super::private_pool::MemPool;
 use super::*;
-use crate::device::{Capture, GraphId};
+use crate::device::{Capture, GraphId, Guarded};
 use crate::sync::atomic::AtomicUsize;
 
 /// What a graph holds back until it is dropped.
-enum Held<D: Device> {
+pub(super) enum Held<D: Device> {
     /// A pool block freed during the capture, with its allocator: freed when the graph goes.
     Block(Arc<Owner<D>>, Freed),
     /// A scope's unbound buffer freed during the capture, kept whole: its scope run and region
@@ -63,7 +63,7 @@ enum Held<D: Device> {
 
 impl<D: Device> Held<D> {
     /// Lets go of it: the block is freed, the buffer dropped.
-    fn release(self) {
+    pub(super) fn release(self) {
         match self {
             Held::Block(owner, f) => owner.free(f),
             Held::Buffer(b) => drop(b),
@@ -222,9 +222,11 @@ impl<D: Device> CaptureTable<D> {
 /// A captured CUDA graph: replays the work captured on a stream ([`Graph::launch`]). It keeps
 /// its private pool, and the buffers freed during its capture, until it is dropped; dropping it
 /// destroys the graph on the device, waits for its launches (a host sync, if it was launched)
-/// and frees what it held.
+/// and frees what it held. Where the device cannot wait then, what it held is freed by a later
+/// [`Allocator::empty_cache`] that can; where it refuses to destroy the graph, the graph's
+/// memory stays allocated for good.
 pub struct Graph<D: Capture> {
-    device: Arc<D>,
+    device: Guarded<D>,
     id: GraphId,
     pool: MemPool<D>,
     deferred: Deferred<D>,
@@ -269,13 +271,26 @@ impl<D: Capture> Graph<D> {
 
 impl<D: Capture> Drop for Graph<D> {
     fn drop(&mut self) {
-        let _ = self.device.destroy_graph(self.id);
+        // A graph the device refused to destroy still references the pool's memory and the
+        // held buffers: they stay allocated for good (sound, if wasteful), as below.
+        let destroyed = self.device.destroy_graph(self.id).is_ok()
+            || self.pool.alloc.shared.broken(Broken::UndestroyedGraphFreed);
+        if !destroyed {
+            std::mem::forget(self.pool.clone());
+        }
         // Its launches may still read the held buffers and the pool: done before either is
         // reused. If the device cannot wait now (a capture is underway), the held buffers stay
         // allocated for good: sound, if wasteful.
-        let done = !self.launched.load(Ordering::Acquire) || self.device.synchronize().is_ok();
+        let done = destroyed
+            && (!self.launched.load(Ordering::Acquire) || self.device.synchronize().is_ok());
         self.pool.alloc.shared.role.graphs.fetch_sub(1, Ordering::AcqRel);
         let deferred = std::mem::take(&mut self.deferred);
+        if !done && destroyed && !self.pool.alloc.shared.broken(Broken::GraphHoldsLeaked) {
+            // The wait failed: the family lets go of them after a later device
+            // synchronisation succeeds (`Family::release_graph_holds`, from `empty_cache`).
+            lock(&self.pool.alloc.shared.family.graph_holds).extend(deferred);
+            return;
+        }
         for held in deferred {
             match done {
                 true => held.release(),
@@ -382,7 +397,7 @@ impl<D: Capture> Allocator<D> {
         drop(sh.routes.remove(entry.route));
         match made {
             Ok(id) => Ok(Graph {
-                device: sh.device.arc().clone(),
+                device: Guarded::new(sh.device.arc().clone()),
                 id,
                 pool: entry.pool,
                 deferred: entry.deferred,

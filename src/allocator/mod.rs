@@ -628,6 +628,14 @@ impl<D: Device> Allocator<D> {
         } else {
             sh.sync_events(&mut st)?;
         }
+        let holds = sh.family.take_graph_holds(&sh.device, &mut st);
+        if !holds.is_empty() {
+            // Dropped graphs' holds whose wait failed, now waited for: freed before the release.
+            drop(st);
+            holds.into_iter().for_each(capture::Held::release);
+            st = sh.lock_state();
+            sh.flush_all(&mut st);
+        }
         let released = sh.release_segments(&mut st, |s| s.key.residency == Residency::Transient);
         if !sh.device.capture_underway() {
             // What gone allocators of the family could not give back (`leftovers.rs`).

@@ -46,6 +46,9 @@ pub(crate) struct Family<D: Device> {
     next_id: AtomicU64,
     /// What an allocator of the family could not give back to the device as it went.
     pub(super) leftovers: Leftovers,
+    /// What dropped graphs held back and could not let go of because the wait for their
+    /// launches failed: let go of after a later device synchronisation succeeds.
+    pub(super) graph_holds: Mutex<Vec<capture::Held<D>>>,
 }
 
 impl<D: Device> Default for Family<D> {
@@ -56,6 +59,7 @@ impl<D: Device> Default for Family<D> {
             destroyed: Mutex::new(BTreeMap::new()),
             next_id: AtomicU64::new(1),
             leftovers: Leftovers::default(),
+            graph_holds: Mutex::new(Vec::new()),
         }
     }
 }
@@ -70,6 +74,26 @@ impl<D: Device> Family<D> {
     /// destruction counts (with [`Broken::PoolDestroyedStreams`] only the destroyer's own).
     pub(super) fn destroyed_for(&self, stream: StreamId, me: u64) -> bool {
         lock(&self.destroyed).get(&stream).is_some_and(|&by| by == FAMILY_WIDE || by == me)
+    }
+
+    /// Lets go of what dropped graphs could not (`graph_holds`) once a device synchronisation
+    /// succeeds (one host sync, counted in `st`); nothing while a capture is underway. Called
+    /// with `st`, the calling allocator's state, locked: the holds are let go of after it is
+    /// unlocked by the caller, as their frees take allocator locks.
+    pub(super) fn take_graph_holds(
+        &self,
+        device: &Guarded<D>,
+        st: &mut State,
+    ) -> Vec<capture::Held<D>> {
+        let mut holds = lock(&self.graph_holds);
+        if holds.is_empty() || device.capture_underway() {
+            return Vec::new();
+        }
+        st.counters.host_syncs += 1;
+        match device.synchronize() {
+            Ok(()) => std::mem::take(&mut *holds),
+            Err(_) => Vec::new(),
+        }
     }
 
     /// A new id for a pool, a route or a capture (never 0).

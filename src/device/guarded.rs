@@ -131,6 +131,16 @@ impl<D: Capture> Guarded<D> {
     pub(crate) fn end_capture(&self, stream: StreamId) -> Result<GraphId, DeviceError> {
         self.guard("end_capture", || self.device.end_capture(stream))
     }
+
+    /// [`Capture::launch_graph`], guarded.
+    pub(crate) fn launch_graph(&self, graph: GraphId, stream: StreamId) -> Result<(), DeviceError> {
+        self.guard("launch_graph", || self.device.launch_graph(graph, stream))
+    }
+
+    /// [`Capture::destroy_graph`], guarded.
+    pub(crate) fn destroy_graph(&self, graph: GraphId) -> Result<(), DeviceError> {
+        self.guard("destroy_graph", || self.device.destroy_graph(graph))
+    }
 }
 
 impl<D: Device> Guarded<D> {
