@@ -135,6 +135,9 @@ impl<D: Device> Shared<D> {
     /// Polls pending events without blocking, oldest first per stream; frees blocks whose
     /// events all completed. A failing query counts as "not yet".
     pub(super) fn process_events(&self, st: &mut State) {
+        if st.pending.is_empty() && st.parked.is_empty() {
+            return; // nothing to poll (and no device call to ask about captures)
+        }
         if self.device.capture_underway() {
             return; // CUDA refuses event queries during a capture: later
         }

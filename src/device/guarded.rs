@@ -32,6 +32,9 @@ use std::panic::{AssertUnwindSafe, catch_unwind};
 /// The allocator's hold on its device: every call guarded against panics (module docs).
 pub(crate) struct Guarded<D> {
     device: Arc<D>,
+    /// [`Device::observes_handouts`], fixed for the device's life: the hooks are not called
+    /// (nor guarded, which costs a few instructions per hand-out) where it is off.
+    observes: bool,
     /// The deliberate bug `Broken::DevicePanicsUnwind` (feature `test-hooks`): panics unwind.
     #[cfg(feature = "test-hooks")]
     unwind: std::sync::atomic::AtomicBool,
@@ -146,8 +149,11 @@ impl<D: Capture> Guarded<D> {
 impl<D: Device> Guarded<D> {
     /// Guards `device`.
     pub(crate) fn new(device: Arc<D>) -> Self {
+        let observes =
+            catch_unwind(AssertUnwindSafe(|| device.observes_handouts())).unwrap_or(true);
         Guarded {
             device,
+            observes,
             #[cfg(feature = "test-hooks")]
             unwind: std::sync::atomic::AtomicBool::new(false),
         }
@@ -185,14 +191,17 @@ impl<D: Device> Guarded<D> {
         self.guard_or(false, || self.device.supports_virtual_memory())
     }
 
-    /// [`Device::observes_handouts`]; a panic answers yes (the hooks keep being called).
+    /// [`Device::observes_handouts`], as asked once (a panic answered yes).
     pub(crate) fn observes_handouts(&self) -> bool {
-        self.guard_or(true, || self.device.observes_handouts())
+        self.observes
     }
 
-    /// [`Device::note_handout`]; a panic is dropped (module docs).
+    /// [`Device::note_handout`], where the device observes hand-outs; a panic is dropped.
+    #[inline]
     pub(crate) fn note_handout(&self, ptr: DeviceAddr, bytes: u64, stream: StreamId) {
-        self.guard_or((), || self.device.note_handout(ptr, bytes, stream))
+        if self.observes {
+            self.guard_or((), || self.device.note_handout(ptr, bytes, stream))
+        }
     }
 
     /// [`Device::host_alloc`], guarded.
@@ -248,8 +257,11 @@ impl<D: Device> Guarded<D> {
         self.guard_or((), || self.device.note_host_access(ptr, bytes, kind))
     }
 
-    /// [`Device::note_reclaim`]; a panic is dropped (module docs).
+    /// [`Device::note_reclaim`], where the device observes hand-outs; a panic is dropped.
+    #[inline]
     pub(crate) fn note_reclaim(&self, ptr: DeviceAddr, bytes: u64, stream: StreamId) {
-        self.guard_or((), || self.device.note_reclaim(ptr, bytes, stream))
+        if self.observes {
+            self.guard_or((), || self.device.note_reclaim(ptr, bytes, stream))
+        }
     }
 }
