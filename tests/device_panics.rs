@@ -228,6 +228,46 @@ fn workload(alloc: &Allocator<PanicDev>, s1: StreamId, held: &mut Vec<Buffer<Pan
     alloc.empty_cache().unwrap();
 }
 
+impl PanicDev {
+    /// After the workload: whether the panic at call `at` struck as it should (a run whose
+    /// event polls went otherwise may make fewer calls than the sweep's first run), the
+    /// countdown disarmed; returns the methods of the calls made so far.
+    fn finish_workload(&self, at: Option<u64>, what: &str) -> Vec<&'static str> {
+        let injected = self.left.swap(u64::MAX, Ordering::Relaxed) == 0;
+        let reached = at.is_some_and(|n| n <= self.calls.load(Ordering::Relaxed));
+        assert_eq!(injected, reached, "{what}: the panic at call {at:?} was injected");
+        std::mem::take(&mut *self.ops.lock().unwrap())
+    }
+
+    /// Asserts that the device holds nothing: segments, physical memory, mappings, virtual
+    /// ranges, events.
+    fn assert_empty(&self, what: &str, at: Option<u64>) {
+        let sim = &self.sim;
+        sim.synchronize().unwrap();
+        let left = (
+            sim.live_segments(),
+            sim.physical_bytes(),
+            sim.live_mappings(),
+            sim.live_virtual_ranges(),
+            sim.live_events(),
+        );
+        let empty = (vec![], 0, vec![], vec![], 0);
+        assert_eq!(left, empty, "{what}: left on the device, panic at {at:?}");
+    }
+}
+
+/// Runs `run(at)` for every call `at` of `ops` (the calls of a run without a panic); fails
+/// with every panic point that failed, its method and its message.
+fn sweep_points(what: &str, ops: &[&'static str], run: impl Fn(u64) + std::panic::RefUnwindSafe) {
+    let mut bad = Vec::new();
+    for (at, op) in (1..).zip(ops) {
+        if let Err(e) = catch_unwind(|| run(at)) {
+            bad.push((at, op, e.downcast_ref::<String>().cloned().unwrap_or_default()));
+        }
+    }
+    assert!(bad.is_empty(), "{what}: {} of {} panic points fail: {bad:#?}", bad.len(), ops.len());
+}
+
 /// Runs the workload with a panic at device call `at` (`None`: no panic); returns the device
 /// calls it made. Asserts the invariants after the panic, that the allocator still serves, and
 /// that nothing is left on the device at the end.
@@ -263,11 +303,7 @@ fn run(config: &str, at: Option<u64>, broken: Option<Broken>) -> Vec<&'static st
     // absorb it (a failed event record falls back to a host sync, say).
     let _ = catch_unwind(AssertUnwindSafe(|| workload(&alloc, s1, &mut held)));
     broken.inspect(|&mode| alloc.set_broken(mode, false));
-    let injected = dev.left.swap(u64::MAX, Ordering::Relaxed) == 0;
-    // (Event polls depend on timing: a run may make fewer calls than the sweep's first run.)
-    let reached = at.is_some_and(|n| n <= dev.calls.load(Ordering::Relaxed));
-    assert_eq!(injected, reached, "{config}: the panic at call {at:?} was injected");
-    let ops = std::mem::take(&mut *dev.ops.lock().unwrap());
+    let ops = dev.finish_workload(at, config);
     alloc.check_invariants().unwrap_or_else(|e| panic!("{config}, panic at {at:?}: {e}"));
     // It serves on: a fresh block of each pool, then the workload once more, whole.
     drop(alloc.alloc(4096, s1).unwrap());
@@ -278,33 +314,14 @@ fn run(config: &str, at: Option<u64>, broken: Option<Broken>) -> Vec<&'static st
     let st = alloc.stats();
     assert_eq!(st.blocks.allocated_bytes.all.current, 0, "{config}, panic at {at:?}");
     drop(alloc);
-    let sim = &dev.sim;
-    sim.synchronize().unwrap();
-    let left = (
-        sim.live_segments(),
-        sim.physical_bytes(),
-        sim.live_mappings(),
-        sim.live_virtual_ranges(),
-        sim.live_events(),
-    );
-    assert_eq!(
-        left,
-        (vec![], 0, vec![], vec![], 0),
-        "{config}: left on the device, panic at {at:?}"
-    );
+    dev.assert_empty(config, at);
     ops
 }
 
 fn sweep(config: &str) {
     let ops = run(config, None, None);
     assert!(ops.len() > 10, "{config}: the workload makes device calls ({ops:?})");
-    let mut bad = Vec::new();
-    for (at, op) in (1..).zip(&ops) {
-        if let Err(e) = catch_unwind(|| run(config, Some(at), None)) {
-            bad.push((at, op, e.downcast_ref::<String>().cloned().unwrap_or_default()));
-        }
-    }
-    assert!(bad.is_empty(), "{config}: {} of {} panic points fail: {bad:#?}", bad.len(), ops.len());
+    sweep_points(config, &ops, |at| drop(run(config, Some(at), None)));
 }
 
 #[test]
@@ -399,10 +416,7 @@ fn run_host(at: Option<u64>) -> Vec<&'static str> {
     let host = HostAllocator::new(dev.clone());
     let mut held = Vec::new();
     let _ = catch_unwind(AssertUnwindSafe(|| host_workload(&host, &alloc, s1, &mut held)));
-    let injected = dev.left.swap(u64::MAX, Ordering::Relaxed) == 0;
-    let reached = at.is_some_and(|n| n <= dev.calls.load(Ordering::Relaxed));
-    assert_eq!(injected, reached, "the panic at call {at:?} was injected");
-    let ops = std::mem::take(&mut *dev.ops.lock().unwrap());
+    let ops = dev.finish_workload(at, "pinned");
     host.check_invariants().unwrap_or_else(|e| panic!("panic at {at:?}: {e}"));
     host_workload(&host, &alloc, s1, &mut held);
     host.check_invariants().unwrap_or_else(|e| panic!("panic at {at:?}: {e}"));
@@ -422,20 +436,9 @@ fn run_host(at: Option<u64>) -> Vec<&'static str> {
 fn a_panicking_device_leaves_pinned_host_memory_consistent_and_nothing_behind() {
     let ops = run_host(None);
     assert!(ops.contains(&"host_free") && ops.contains(&"memcpy_dtoh_async"), "{ops:?}");
-    let mut bad = Vec::new();
-    for (at, op) in (1..).zip(&ops) {
-        if let Err(e) = catch_unwind(|| run_host(Some(at))) {
-            bad.push((at, op, e.downcast_ref::<String>().cloned().unwrap_or_default()));
-        }
-    }
-    assert!(bad.is_empty(), "{} of {} panic points fail: {bad:#?}", bad.len(), ops.len());
+    sweep_points("pinned", &ops, |at| drop(run_host(Some(at))));
 }
 
-/// A panic in the event record after a copy, while the copy cannot run yet (its stream waits
-/// behind a gated kernel): the copy's use must still hold the block, so the next request of
-/// the class gets another block. With the deliberate bug the panic unwinds before the use is
-/// recorded, the same block is handed out and written by the host under the pending copy, and
-/// the sanitizer reports it.
 #[test]
 fn a_panic_after_a_copy_does_not_free_its_pinned_block_early() {
     for broken in [false, true] {
@@ -528,10 +531,7 @@ fn run_pressure(config: &str, at: Option<u64>) -> Vec<&'static str> {
     let alloc = Allocator::new(dev.clone(), Config::parse(config).unwrap()).unwrap();
     let mut held = Vec::new();
     let _ = catch_unwind(AssertUnwindSafe(|| pressure_workload(&dev, &alloc, streams, &mut held)));
-    let injected = dev.left.swap(u64::MAX, Ordering::Relaxed) == 0;
-    let reached = at.is_some_and(|n| n <= dev.calls.load(Ordering::Relaxed));
-    assert_eq!(injected, reached, "{config}: the panic at call {at:?} was injected");
-    let ops = std::mem::take(&mut *dev.ops.lock().unwrap());
+    let ops = dev.finish_workload(at, config);
     alloc.check_invariants().unwrap_or_else(|e| panic!("{config}, panic at {at:?}: {e}"));
     dev.sim.synchronize().unwrap();
     held.clear();
@@ -544,33 +544,14 @@ fn run_pressure(config: &str, at: Option<u64>) -> Vec<&'static str> {
     let region = st.plan_region_bytes;
     assert_eq!(st.blocks.allocated_bytes.all.current, region, "{config}, panic at {at:?}");
     drop(alloc);
-    let sim = &dev.sim;
-    sim.synchronize().unwrap();
-    let left = (
-        sim.live_segments(),
-        sim.physical_bytes(),
-        sim.live_mappings(),
-        sim.live_virtual_ranges(),
-        sim.live_events(),
-    );
-    assert_eq!(
-        left,
-        (vec![], 0, vec![], vec![], 0),
-        "{config}: left on the device, panic at {at:?}"
-    );
-    assert_eq!(sim.violations(), vec![], "{config}, panic at {at:?}");
+    dev.assert_empty(config, at);
+    assert_eq!(dev.sim.violations(), vec![], "{config}, panic at {at:?}");
     ops
 }
 
 fn sweep_pressure(config: &str) {
     let ops = run_pressure(config, None);
-    let mut bad = Vec::new();
-    for (at, op) in (1..).zip(&ops) {
-        if let Err(e) = catch_unwind(|| run_pressure(config, Some(at))) {
-            bad.push((at, op, e.downcast_ref::<String>().cloned().unwrap_or_default()));
-        }
-    }
-    assert!(bad.is_empty(), "{config}: {} of {} panic points fail: {bad:#?}", bad.len(), ops.len());
+    sweep_points(config, &ops, |at| drop(run_pressure(config, Some(at))));
 }
 
 #[test]
@@ -647,10 +628,7 @@ fn run_capture(at: Option<u64>, broken: Option<Broken>) -> Vec<&'static str> {
     let alloc = Allocator::new(dev.clone(), Config::default()).unwrap();
     broken.inspect(|&mode| alloc.set_broken(mode, true));
     let _ = catch_unwind(AssertUnwindSafe(|| capture_workload(&dev, &alloc, s1)));
-    let injected = dev.left.swap(u64::MAX, Ordering::Relaxed) == 0;
-    let reached = at.is_some_and(|n| n <= dev.calls.load(Ordering::Relaxed));
-    assert_eq!(injected, reached, "the panic at call {at:?} was injected");
-    let ops = std::mem::take(&mut *dev.ops.lock().unwrap());
+    let ops = dev.finish_workload(at, "capture");
     let panicked = at.and_then(|n| ops.get(n as usize - 1).copied());
     if alloc.is_capturing(s1) {
         drop(alloc.end_capture(s1)); // the capture the panic interrupted
@@ -678,17 +656,9 @@ fn run_capture(at: Option<u64>, broken: Option<Broken>) -> Vec<&'static str> {
 fn a_panicking_device_during_a_graph_capture_leaves_no_reuse_unordered() {
     let ops = run_capture(None, None);
     assert!(ops.contains(&"destroy_graph") && ops.contains(&"launch_graph"), "{ops:?}");
-    let mut bad = Vec::new();
-    for (at, op) in (1..).zip(&ops) {
-        if let Err(e) = catch_unwind(|| run_capture(Some(at), None)) {
-            bad.push((at, op, e.downcast_ref::<String>().cloned().unwrap_or_default()));
-        }
-    }
-    assert!(bad.is_empty(), "{} of {} panic points fail: {bad:#?}", bad.len(), ops.len());
+    sweep_points("capture", &ops, |at| drop(run_capture(Some(at), None)));
 }
 
-/// The deliberate bug: a graph whose destruction panicked gives its pool's memory back while
-/// the device still holds the graph; the sanitizer reports the release.
 #[test]
 fn the_checks_catch_memory_freed_under_an_undestroyed_graph() {
     let ops = run_capture(None, None);
