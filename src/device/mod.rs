@@ -290,7 +290,10 @@ impl std::error::Error for DeviceError {}
 
 /// What the allocator needs from a GPU. See the module docs for the CUDA mapping.
 ///
-/// Implementations are shared between threads; every method takes `&self`.
+/// Implementations are shared between threads; every method takes `&self`. A method that
+/// panics does not unwind through an allocator: the allocators catch the panic at the call and
+/// handle it as that call's failure ([`DeviceError::Panicked`]), so they stay consistent and
+/// keep working.
 pub trait Device: Send + Sync + 'static {
     /// A short description ("SimDevice 8 GiB", "NVIDIA H200").
     fn name(&self) -> String;
