@@ -19,8 +19,8 @@
 //! (refused, never aliased); named scopes run scripts repeatedly, so later runs are planned, and
 //! their buffers are used on other streams, `mem::forget`ten, freed on other threads while the
 //! scope goes on, or escape; streams are created and destroyed; the default stream's destruction
-//! is refused and changes nothing; unknown streams are refused; event records fail for a while
-//! around a free. Private pools take allocations while a guard routes a stream to them; CUDA-graph
+//! is refused and changes nothing; unknown streams are refused; event records fail (an error, or
+//! a panic in the device) for a while around a free. Private pools take allocations while a guard routes a stream to them; CUDA-graph
 //! captures (alone: the other threads wait, since CUDA refuses every synchronisation while one is
 //! underway) allocate from a private pool, sometimes shared between graphs, free a live buffer of
 //! the capturing stream and a captured block during the capture, then allocate the same size
@@ -401,7 +401,11 @@ impl World {
             let _ = self.dev.synchronize();
             return;
         };
-        if self.dev.record_event(e, after).is_err() || self.dev.wait_event(stream, e).is_err() {
+        // (In a window of panicking faults the device's refusal is a panic.)
+        let refused = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            self.dev.record_event(e, after).is_err() || self.dev.wait_event(stream, e).is_err()
+        }));
+        if refused.unwrap_or(true) {
             let _ = self.dev.synchronize();
         }
         let _ = self.dev.destroy_event(e);
@@ -699,10 +703,14 @@ impl World {
         }
         self.remove_range(l.range);
         {
+            // Every other time the refusal is a panic in the device, which the allocator must
+            // handle as the same failure.
             let _window = lock(&self.faults);
+            self.dev.panic_on_faults(pick % 2 == 1);
             self.dev.fail_event_records(true);
             drop(l);
             self.dev.fail_event_records(false);
+            self.dev.panic_on_faults(false);
         }
         if let Some(b) = self.alloc(by, owner, bytes.max(1), Residency::Transient) {
             let mut l = Live {
@@ -1112,7 +1120,8 @@ proptest! {
 /// of cases (no shrinking: only the failure matters).
 #[test]
 fn every_broken_mode_is_caught() {
-    for &mode in Broken::STREAM_ORDER {
+    // And the panics of a device, which the fault windows inject every other time.
+    for &mode in Broken::STREAM_ORDER.iter().chain(&[Broken::DevicePanicsUnwind]) {
         let config = RunnerConfig {
             // A cap: each mode stops at its first failure (most within a few cases; a mode whose
             // catch needs a thread interleaving took up to ~260, so the cap leaves room).

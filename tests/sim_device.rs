@@ -671,3 +671,25 @@ fn many_handouts_and_reclaims_without_kernels() {
     assert!(dev.violations().is_empty());
     dev.release(p).unwrap();
 }
+
+#[test]
+fn injected_event_faults_panic_when_asked_and_the_device_works_on() {
+    let dev = SimDevice::new(1 << 20);
+    let e = dev.create_event().unwrap();
+    dev.fail_event_records(true);
+    assert!(matches!(
+        dev.record_event(e, StreamId::DEFAULT),
+        Err(DeviceError::Driver { op: "record_event", .. })
+    ));
+    dev.panic_on_faults(true);
+    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        dev.record_event(e, StreamId::DEFAULT)
+    }));
+    assert!(r.is_err(), "the fault panicked");
+    dev.fail_event_records(false);
+    dev.panic_on_faults(false);
+    dev.record_event(e, StreamId::DEFAULT).unwrap();
+    dev.synchronize_event(e).unwrap();
+    assert!(dev.query_event(e).unwrap());
+    dev.destroy_event(e).unwrap();
+}

@@ -117,6 +117,8 @@ struct Faults {
     fail_event_record: bool,
     /// Fail every device-side wait on an event.
     fail_event_wait: bool,
+    /// The event faults above panic instead of returning their error.
+    panic: bool,
 }
 
 /// Everything under the device lock.
@@ -305,6 +307,24 @@ impl SimDevice {
     /// Makes every `wait_event` fail while `on` (an injected driver error).
     pub fn fail_event_waits(&self, on: bool) {
         self.state().faults.fail_event_wait = on;
+    }
+
+    /// While `on`, the injected event faults (`fail_event_records`, `fail_event_queries`,
+    /// `fail_event_waits`) panic instead of returning their error, as a [`Device`] that panics
+    /// would (the allocators handle it as that call's failure: [`DeviceError::Panicked`]).
+    pub fn panic_on_faults(&self, on: bool) {
+        self.state().faults.panic = on;
+    }
+
+    /// An injected event fault of `op`: its error, or a panic (`panic_on_faults`), the device
+    /// lock let go of first.
+    fn event_fault<T>(st: MutexGuard<'_, State>, op: &'static str) -> Result<T, DeviceError> {
+        let panic = st.faults.panic;
+        drop(st);
+        if panic {
+            panic!("SimDevice: injected {op} panic (panic_on_faults)");
+        }
+        Err(DeviceError::Driver { op, code: DeviceError::CUDA_ERROR_UNKNOWN })
     }
 
     /// Events that exist now (created and not destroyed).
@@ -617,10 +637,7 @@ impl super::Device for SimDevice {
         let mut st = self.state();
         st.event(event)?;
         if st.faults.fail_event_record {
-            return Err(DeviceError::Driver {
-                op: "record_event",
-                code: DeviceError::CUDA_ERROR_UNKNOWN,
-            });
+            return Self::event_fault(st, "record_event");
         }
         if st.graphs.capturing(stream.0) {
             return Err(graph::capture_error("cuEventRecord"));
@@ -638,10 +655,7 @@ impl super::Device for SimDevice {
         st.counters.event_queries += 1;
         st.graphs.refuse_during_capture("cuEventQuery")?;
         if st.faults.fail_event_query {
-            return Err(DeviceError::Driver {
-                op: "query_event",
-                code: DeviceError::CUDA_ERROR_UNKNOWN,
-            });
+            return Self::event_fault(st, "query_event");
         }
         Ok(st.target_reached(target))
     }
@@ -658,10 +672,7 @@ impl super::Device for SimDevice {
             });
         }
         if st.faults.fail_event_wait {
-            return Err(DeviceError::Driver {
-                op: "wait_event",
-                code: DeviceError::CUDA_ERROR_UNKNOWN,
-            });
+            return Self::event_fault(st, "wait_event");
         }
         st.counters.event_waits += 1;
         if let Some((a, p)) = target
