@@ -680,3 +680,31 @@ fn the_checks_catch_graph_holds_leaked_after_a_failed_wait() {
     let msg = broken.expect_err("caught").downcast_ref::<String>().cloned().unwrap_or_default();
     assert!(msg.contains("left: [(0x7f0000000000, 2097152)]"), "{msg}");
 }
+
+/// The pinned allocator goes while the wait for a freed block's copy fails (every event query
+/// panics): a device synchronisation waits for the copy instead and the block is freed. With
+/// the deliberate bug the block is leaked.
+#[test]
+fn a_pinned_block_whose_wait_fails_is_freed_after_a_device_sync_as_the_allocator_goes() {
+    for broken in [false, true] {
+        let sim = SimConfig { capacity: 64 << 20, backed: true, ..SimConfig::default() };
+        let dev = panic_dev_over(sim, None);
+        let s1 = dev.sim.create_stream().unwrap();
+        let alloc = Allocator::new(dev.clone(), Config::default()).unwrap();
+        let host = HostAllocator::new(dev.clone());
+        host.set_broken_drop_waits(broken);
+        let dst = alloc.alloc(8192, s1).unwrap();
+        let (open, gate) = mpsc::channel::<()>();
+        dev.sim.launch(s1, Kernel::new("gate", vec![], move |_| drop(gate.recv()))).unwrap();
+        let mut up = host.alloc(5000).unwrap();
+        up.upload(&dst).unwrap();
+        drop(up); // pending behind its copy
+        open.send(()).unwrap();
+        *dev.always.lock().unwrap() = Some("query_event");
+        drop(host);
+        *dev.always.lock().unwrap() = None;
+        let left = dev.sim.live_host_allocations().len();
+        assert_eq!(left, usize::from(broken), "broken: {broken}");
+        assert_eq!(dev.sim.violations(), vec![]);
+    }
+}

@@ -243,6 +243,8 @@ pub(crate) struct Inner<D: Device> {
     state: Mutex<State>,
     #[cfg(feature = "test-hooks")]
     broken_skip_events: crate::sync::atomic::AtomicBool,
+    #[cfg(feature = "test-hooks")]
+    broken_drop_waits: crate::sync::atomic::AtomicBool,
 }
 
 /// A caching allocator of pinned host memory on one device; see the module docs. `Send + Sync`,
@@ -309,6 +311,8 @@ impl<D: Device> HostAllocator<D> {
                 }),
                 #[cfg(feature = "test-hooks")]
                 broken_skip_events: crate::sync::atomic::AtomicBool::new(false),
+                #[cfg(feature = "test-hooks")]
+                broken_drop_waits: crate::sync::atomic::AtomicBool::new(false),
             }),
         }
     }
@@ -455,6 +459,15 @@ impl<D: Device> HostAllocator<D> {
         self.inner.broken_skip_events.store(on, Ordering::Relaxed);
     }
 
+    /// **Test only — a deliberate bug**: while on, a block whose copies cannot be waited for as
+    /// the allocator goes is leaked at once, with no device synchronisation tried.
+    #[cfg(feature = "test-hooks")]
+    #[doc(hidden)]
+    pub fn set_broken_drop_waits(&self, on: bool) {
+        use crate::sync::atomic::Ordering;
+        self.inner.broken_drop_waits.store(on, Ordering::Relaxed);
+    }
+
     /// **Test only — a deliberate bug** (`Broken::DevicePanicsUnwind` for this allocator): while
     /// on, a panic in a device method unwinds through the host allocator instead of being caught
     /// at the call.
@@ -470,6 +483,14 @@ impl<D: Device> HostAllocator<D> {
 }
 
 impl<D: Device> Inner<D> {
+    /// Whether the deliberate bug of [`HostAllocator::set_broken_drop_waits`] is on.
+    fn broken_drop_waits(&self) -> bool {
+        #[cfg(feature = "test-hooks")]
+        return self.broken_drop_waits.load(crate::sync::atomic::Ordering::Relaxed);
+        #[cfg(not(feature = "test-hooks"))]
+        false
+    }
+
     pub(crate) fn device(&self) -> &Guarded<D> {
         &self.device
     }
@@ -696,13 +717,15 @@ impl<D: Device> Inner<D> {
 impl<D: Device> Drop for Inner<D> {
     /// Runs when the last handle and the last buffer are gone: waits for pending blocks, frees
     /// every block and destroys the events. A block whose copies cannot be waited for (a device
-    /// error) is leaked rather than freed under a copy.
+    /// error) is waited for by a device synchronisation, and leaked rather than freed under a
+    /// copy only if that fails too.
     fn drop(&mut self) {
         let mut st = self.lock();
         let pending = std::mem::take(&mut st.pending);
         drop(st);
         for p in pending {
-            let waited = p.uses.iter().all(|u| self.wait_use(u).is_ok());
+            let waited = p.uses.iter().all(|u| self.wait_use(u).is_ok())
+                || !self.broken_drop_waits() && self.synchronize().is_ok();
             let mut st = self.lock();
             st.events.extend(p.uses.iter().filter_map(|u| u.event));
             if waited {
