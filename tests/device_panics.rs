@@ -695,7 +695,14 @@ fn a_pinned_block_whose_wait_fails_is_freed_after_a_device_sync_as_the_allocator
         host.set_broken_drop_waits(broken);
         let dst = alloc.alloc(8192, s1).unwrap();
         let (open, gate) = mpsc::channel::<()>();
-        dev.sim.launch(s1, Kernel::new("gate", vec![], move |_| drop(gate.recv()))).unwrap();
+        dev.sim
+            .launch(
+                s1,
+                Kernel::new("gate", vec![], move |_| {
+                    let _ = gate.recv();
+                }),
+            )
+            .unwrap();
         let mut up = host.alloc(5000).unwrap();
         up.upload(&dst).unwrap();
         drop(up); // pending behind its copy
