@@ -310,7 +310,7 @@ impl SimDevice {
     }
 
     /// While `on`, the injected event faults (`fail_event_records`, `fail_event_queries`,
-    /// `fail_event_waits`) panic instead of returning their error, as a [`Device`] that panics
+    /// `fail_event_waits`) panic instead of returning their error, as a [`Device`](crate::Device) that panics
     /// would (the allocators handle it as that call's failure: [`DeviceError::Panicked`]).
     pub fn panic_on_faults(&self, on: bool) {
         self.state().faults.panic = on;
