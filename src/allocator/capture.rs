@@ -287,7 +287,7 @@ impl<D: Capture> Drop for Graph<D> {
         let deferred = std::mem::take(&mut self.deferred);
         if !done && destroyed && !self.pool.alloc.shared.broken(Broken::GraphHoldsLeaked) {
             // The wait failed: the family lets go of them after a later device
-            // synchronisation succeeds (`Family::release_graph_holds`, from `empty_cache`).
+            // synchronisation succeeds (`Family::take_graph_holds`, from `empty_cache`).
             lock(&self.pool.alloc.shared.family.graph_holds).extend(deferred);
             return;
         }
