@@ -1120,8 +1120,10 @@ proptest! {
 /// of cases (no shrinking: only the failure matters).
 #[test]
 fn every_broken_mode_is_caught() {
-    // And the panics of a device, which the fault windows inject every other time.
-    for &mode in Broken::STREAM_ORDER.iter().chain(&[Broken::DevicePanicsUnwind]) {
+    // (`DevicePanicsUnwind` is not among them: a panic unwinding through the allocator may
+    // abort the process from a destructor, which no case can report; `tests/device_panics.rs`
+    // catches it at chosen panic points.)
+    for &mode in Broken::STREAM_ORDER {
         let config = RunnerConfig {
             // A cap: each mode stops at its first failure (most within a few cases; a mode whose
             // catch needs a thread interleaving took up to ~260, so the cap leaves room).
