@@ -262,10 +262,29 @@ fn sweep_points(what: &str, ops: &[&'static str], run: impl Fn(u64) + std::panic
     let mut bad = Vec::new();
     for (at, op) in (1..).zip(ops) {
         if let Err(e) = catch_unwind(|| run(at)) {
-            bad.push((at, op, e.downcast_ref::<String>().cloned().unwrap_or_default()));
+            bad.push((at, op, message(e)));
         }
     }
     assert!(bad.is_empty(), "{what}: {} of {} panic points fail: {bad:#?}", bad.len(), ops.len());
+}
+
+/// The message of a panic payload (empty where it is not a formatted string).
+fn message(payload: Box<dyn std::any::Any + Send>) -> String {
+    payload.downcast_ref::<String>().cloned().unwrap_or_default()
+}
+
+/// A deliberate bug caught at a chosen panic point: with a panic at the first call of `op` in
+/// `ops` (a run without a panic), `run(at, None)` passes and `run(at, Some(mode))` fails;
+/// returns the failure's message.
+fn caught_at<T>(
+    ops: &[&'static str],
+    op: &str,
+    mode: Broken,
+    run: impl Fn(u64, Option<Broken>) -> T + std::panic::RefUnwindSafe,
+) -> String {
+    let at = 1 + ops.iter().position(|&o| o == op).expect("the workload makes the call") as u64;
+    run(at, None);
+    message(catch_unwind(|| run(at, Some(mode))).err().expect("the deliberate bug is caught"))
 }
 
 /// Runs the workload with a panic at device call `at` (`None`: no panic); returns the device
@@ -340,10 +359,8 @@ fn a_panicking_device_leaves_expandable_ranges_consistent_and_nothing_behind() {
 #[test]
 fn the_checks_catch_a_panic_unwinding_through_the_allocator() {
     let ops = run("", None, None);
-    let at = 1 + ops.iter().position(|&op| op == "create_event").unwrap() as u64;
-    run("", Some(at), None);
-    let broken = catch_unwind(|| run("", Some(at), Some(Broken::DevicePanicsUnwind)));
-    let msg = broken.expect_err("caught").downcast_ref::<String>().cloned().unwrap_or_default();
+    let unwind = Broken::DevicePanicsUnwind;
+    let msg = caught_at(&ops, "create_event", unwind, |at, b| run("", Some(at), b));
     assert!(msg.contains("left: 1048576"), "the lost 1 MiB block: {msg}");
 }
 
@@ -662,10 +679,8 @@ fn a_panicking_device_during_a_graph_capture_leaves_no_reuse_unordered() {
 #[test]
 fn the_checks_catch_memory_freed_under_an_undestroyed_graph() {
     let ops = run_capture(None, None);
-    let at = 1 + ops.iter().position(|&op| op == "destroy_graph").unwrap() as u64;
-    run_capture(Some(at), None);
-    let broken = catch_unwind(|| run_capture(Some(at), Some(Broken::UndestroyedGraphFreed)));
-    let msg = broken.expect_err("caught").downcast_ref::<String>().cloned().unwrap_or_default();
+    let freed = Broken::UndestroyedGraphFreed;
+    let msg = caught_at(&ops, "destroy_graph", freed, |at, b| run_capture(Some(at), b));
     assert!(msg.contains("release of memory a CUDA graph uses"), "{msg}");
 }
 
@@ -674,10 +689,8 @@ fn the_checks_catch_memory_freed_under_an_undestroyed_graph() {
 #[test]
 fn the_checks_catch_graph_holds_leaked_after_a_failed_wait() {
     let ops = run_capture(None, None);
-    let at = 1 + ops.iter().position(|&op| op == "synchronize").unwrap() as u64;
-    run_capture(Some(at), None);
-    let broken = catch_unwind(|| run_capture(Some(at), Some(Broken::GraphHoldsLeaked)));
-    let msg = broken.expect_err("caught").downcast_ref::<String>().cloned().unwrap_or_default();
+    let leaked = Broken::GraphHoldsLeaked;
+    let msg = caught_at(&ops, "synchronize", leaked, |at, b| run_capture(Some(at), b));
     assert!(msg.contains("left: [(0x7f0000000000, 2097152)]"), "{msg}");
 }
 

@@ -46,7 +46,7 @@ impl Leftovers {
         Self::retry_locked(&mut all, device);
     }
 
-    /// Tries every leftover again (nothing to do, no lock held long, where there is none).
+    /// Tries every leftover again, if there is any.
     pub(super) fn retry<D: Device>(&self, device: &Guarded<D>) {
         let mut all = lock(&self.0);
         if !all.is_empty() {
