@@ -7,6 +7,14 @@ on the shipped traces in seconds. It reproduces the allocator's `expandable` pea
 
   reuse          a growth moves the range's own whole free pages instead of creating new ones
   reuse_at_peak  ... only when the range's live bytes reach a new maximum
+  stitch         GMLake's stitching, over physical pages mapped at two addresses: where a request
+                 of at least `stitch_pages` (8) pages finds no free block, a cached stitched block whose pages are
+                 all free serves it, else a new one is made of the range's free pages (lowest
+                 first; the range grows at its top for what they lack) and cached: the pages stay
+                 mapped in the range, and are taken there while the stitched block is live.
+                 Counts the alias maps; physical bytes count once
+  stitch_chunks  ... of whole chunks only (CUDA maps a physical allocation only whole; the model's
+                 chunks are its growths, up to 32 pages each)
   threshold      unmap free pages after every free down to this many free bytes (release_threshold)
   high_below     place blocks smaller than this at the high end of their free block
   split_small    false: one range for small and large blocks
@@ -35,6 +43,8 @@ class Range:
         self.unmaps = 0
         self.live = 0
         self.max_live = 0
+        self.chunks = []  # (lo, hi) of each physical allocation, for stitch_chunks
+        self.stitches = []  # [pages, live] of each stitched block
 
     def end_of(self, a):
         i = self.m.index(a)
@@ -123,6 +133,12 @@ class Range:
 
     def free_block(self, a, r):
         self.live -= r
+        if isinstance(a, tuple):
+            st = self.stitches[a[1]]
+            for p in st[0]:
+                self._set(p, p + PAGE, FREE)
+            st[1] = False
+            return
         self._set(a, a + r, FREE)
 
     def place(self, r):
@@ -169,6 +185,8 @@ class Range:
 
     def map(self, lo, hi):
         self._set(lo, hi, FREE)
+        for c in range(lo, hi, 32 * PAGE):
+            self.chunks.append((c, min(hi, c + 32 * PAGE)))
         n = (hi - lo) // PAGE
         self.mapped += n * PAGE
         self.maps += n
@@ -202,8 +220,59 @@ class Range:
         assert s == FREE and e - a >= r, (a, e, s, r)
         return a
 
+    def pages_free(self, pages):
+        for p in pages:
+            a, e, st = self.interval_at(p)
+            if st != FREE or e < p + PAGE:
+                return False
+        return True
+
+    def top_mapped(self):
+        i = len(self.m) - 1
+        while i > 0 and self.m.peekitem(i)[1] == UNM:
+            i -= 1
+        return self.m.peekitem(i + 1)[0] if i + 1 < len(self.m) else self.size
+
+    def stitch(self, r):
+        """A stitched block for `r` bytes (its index), or None."""
+        need = -(-r // PAGE)
+        if need < self.o.get("stitch_pages", 8):
+            return None
+        fits = [i for i, (pages, live) in enumerate(self.stitches)
+                if not live and len(pages) >= need and self.pages_free(pages)]
+        if fits:
+            i = min(fits, key=lambda i: len(self.stitches[i][0]))
+        else:
+            if self.o.get('stitch_chunks'):
+                pages = []
+                for lo, hi in sorted(self.chunks):
+                    run = list(range(lo, hi, PAGE))
+                    if len(pages) + len(run) <= need and self.pages_free(run):
+                        pages += run
+            else:
+                pages = sorted(self.free_pages())[:need]
+            if not pages:
+                return None
+            if len(pages) < need:
+                top = self.top_mapped()
+                self.map(top, top + (need - len(pages)) * PAGE)
+                pages += [top + k * PAGE for k in range(need - len(pages))]
+            self.maps += len(pages)  # the alias mappings
+            self.stitches.append([pages, False])
+            i = len(self.stitches) - 1
+        for p in self.stitches[i][0]:
+            self._set(p, p + PAGE, ('L', 'stitch'))
+        self.stitches[i][1] = True
+        return i
+
     def alloc(self, r, bid):
         a = self.find_free(r)
+        if a is None and (self.o.get('stitch') or self.o.get('stitch_chunks')):
+            i = self.stitch(r)
+            if i is not None:
+                self.live += r
+                self.max_live = max(self.max_live, self.live)
+                return ('stitch', i)
         if a is None:
             a = self.grow(r)
         hi = self.o.get('high_below')

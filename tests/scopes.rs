@@ -844,3 +844,138 @@ fn a_route_begun_while_a_planned_scope_is_open_stops_its_planned_path() {
         assert_eq!(dev.violations(), vec![]);
     }
 }
+
+/// Runs `train_step` until it is planned, lets its region go idle with a kernel still writing
+/// it, calls `empty_cache`, then runs the step twice more, a kernel writing each run's gradient.
+/// Returns (region bytes before, region bytes after `empty_cache`, plan hits of the two runs,
+/// violations).
+fn empty_cache_between_runs(
+    broken: bool,
+) -> (u64, u64, [u64; 2], Vec<tidepool::device::Violation>) {
+    let (dev, alloc) = setup(1 << 32);
+    alloc.set_broken(Broken::AdoptedPlanKept, broken);
+    let (_, grad) = step(&alloc, &SIZES);
+    drop(grad);
+    let (_, grad) = step(&alloc, &SIZES);
+    let region = alloc.stats().plan_region_bytes;
+    // A live escape of the planned run (the gradient) holds the region: kept.
+    alloc.empty_cache().unwrap();
+    assert_eq!(alloc.stats().plan_region_bytes, region, "an escape holds it");
+    // A kernel still writes the region's memory as its last holder goes.
+    let (k, open) = gated_write(grad.ptr(), 4096);
+    dev.launch(S0, k).unwrap();
+    drop(grad);
+    let reserved = alloc.stats().blocks.reserved_bytes.all.current;
+    let frees = dev.counters().frees;
+    let gate = std::thread::spawn(move || {
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        open.send(()).unwrap();
+    });
+    alloc.empty_cache().unwrap(); // waits for the kernel (cudaFree's device sync)
+    gate.join().unwrap();
+    let s = alloc.stats();
+    let after = s.plan_region_bytes;
+    assert!(dev.counters().frees > frees, "the region's memory went back to the device");
+    assert!(s.blocks.reserved_bytes.all.current < reserved);
+    assert_eq!(s.blocks.allocated_bytes.all.current, 0);
+    alloc.check_invariants().unwrap();
+    let mut hits = [0; 2];
+    for h in &mut hits {
+        let before = alloc.stats().plan_hits;
+        let (_, grad) = step(&alloc, &SIZES);
+        *h = alloc.stats().plan_hits - before;
+        let write = Kernel::new(
+            "w",
+            vec![Access { ptr: grad.ptr(), bytes: 4096, kind: AccessKind::Write }],
+            |_| {},
+        );
+        dev.launch(S0, write).unwrap();
+        dev.synchronize().unwrap();
+        drop(grad);
+    }
+    alloc.check_invariants().unwrap();
+    (region, after, hits, dev.violations())
+}
+
+/// `empty_cache` releases the region of a plan that no run, planned buffer, graph or escape
+/// holds (PyTorch's `empty_cache` releases every cached block no tensor uses; a region is
+/// cached memory). This plan's region adopted its learning run's segments, so its offsets are
+/// addresses in them: the plan goes with the region, the next run learns again and the one
+/// after is planned throughout.
+#[test]
+fn empty_cache_releases_an_idle_plan_region() {
+    let (region, after, hits, violations) = empty_cache_between_runs(false);
+    assert!(region > 0);
+    assert_eq!(after, 0, "the idle region went");
+    assert_eq!(hits, [0, 7], "a learning run, then a planned one");
+    assert_eq!(violations, vec![]);
+}
+
+/// The broken mode keeps the adopted plan: the next run makes a region elsewhere and hands out
+/// slices at the old addresses, which the kernel finds unallocated.
+#[test]
+fn the_checks_catch_an_adopted_plan_kept_past_its_region() {
+    let (_, after, hits, violations) = empty_cache_between_runs(true);
+    assert_eq!(after, 0);
+    assert_eq!(hits[0], 7, "planned from the kept plan");
+    assert!(
+        violations.iter().any(|v| v.op.contains("touches unallocated memory")),
+        "{violations:?}"
+    );
+}
+
+/// A plan whose offsets are relative to its region (learned again after a diverging run, its
+/// region made by `make_region`) stays learned when `empty_cache` releases the region: the
+/// next run makes the region anew and is planned throughout.
+#[test]
+fn empty_cache_keeps_a_relative_plan_and_the_next_run_makes_its_region() {
+    let (dev, alloc) = setup(1 << 32);
+    // Learn, then diverge (a different step) so the scope learns a plan with its own region.
+    for sizes in [&SIZES[..], &SIZES[..4], &SIZES[..4]] {
+        let (_, grad) = step(&alloc, sizes);
+        drop(grad);
+    }
+    let region = alloc.stats().plan_region_bytes;
+    alloc.empty_cache().unwrap();
+    let released = alloc.stats().plan_region_bytes;
+    let hits = alloc.stats().plan_hits;
+    let (_, grad) = step(&alloc, &SIZES[..4]);
+    let write = Kernel::new(
+        "w",
+        vec![Access { ptr: grad.ptr(), bytes: 4096, kind: AccessKind::Write }],
+        |_| {},
+    );
+    dev.launch(S0, write).unwrap();
+    dev.synchronize().unwrap();
+    drop(grad);
+    assert_eq!((region > 0, released), (true, 0));
+    assert_eq!(alloc.stats().plan_hits - hits, 5, "planned throughout");
+    assert_eq!(alloc.stats().plan_region_bytes, region, "made anew, the same size");
+    alloc.check_invariants().unwrap();
+    assert_eq!(dev.violations(), vec![]);
+}
+
+/// A run that holds the plan's region (open, claimed) keeps it through `empty_cache`.
+#[test]
+fn empty_cache_keeps_the_region_of_an_open_run() {
+    let (dev, alloc) = setup(1 << 32);
+    for _ in 0..2 {
+        let (_, grad) = step(&alloc, &SIZES);
+        drop(grad);
+    }
+    let region = alloc.stats().plan_region_bytes;
+    let scope = alloc.named_scope("train_step", S0);
+    let a = scope.alloc_unbound(SIZES[0]).unwrap();
+    alloc.empty_cache().unwrap();
+    assert_eq!(alloc.stats().plan_region_bytes, region, "the open run holds it");
+    let (k, open) = gated_write(a.ptr(), 4096);
+    dev.launch(S0, k).unwrap();
+    open.send(()).unwrap();
+    drop(a);
+    drop(scope);
+    alloc.empty_cache().unwrap();
+    assert_eq!(alloc.stats().plan_region_bytes, 0, "idle once the run ended");
+    alloc.check_invariants().unwrap();
+    dev.synchronize().unwrap();
+    assert_eq!(dev.violations(), vec![]);
+}

@@ -150,6 +150,10 @@ pub enum Broken {
     /// What a dropped graph holds back is leaked for good when the wait for its launches fails,
     /// instead of let go of after a later device synchronisation (`empty_cache`).
     GraphHoldsLeaked = 1 << 57,
+    /// `empty_cache` lets go of an idle region that adopted its learning run's segments but
+    /// keeps the plan, whose offsets are addresses in that released memory: the scope's next
+    /// run makes a new region and hands out slices outside it.
+    AdoptedPlanKept = 1 << 58,
 }
 
 #[cfg_attr(not(feature = "test-hooks"), allow(dead_code))]
@@ -162,7 +166,7 @@ impl Broken {
 
     /// Every mode, in declaration order. Kept complete by [`Broken::position`], whose match
     /// stops compiling when a mode is added and not listed.
-    pub const EVERY: [Broken; 39] = [
+    pub const EVERY: [Broken; 40] = [
         Broken::ForeignBuffers,
         Broken::ForgottenUses,
         Broken::UnboundFreeOrder,
@@ -202,6 +206,7 @@ impl Broken {
         Broken::LostLeftovers,
         Broken::UndestroyedGraphFreed,
         Broken::GraphHoldsLeaked,
+        Broken::AdoptedPlanKept,
     ];
 
     /// Its place in [`Broken::EVERY`].
@@ -246,6 +251,7 @@ impl Broken {
             Broken::LostLeftovers => 36,
             Broken::UndestroyedGraphFreed => 37,
             Broken::GraphHoldsLeaked => 38,
+            Broken::AdoptedPlanKept => 39,
         }
     }
 

@@ -619,8 +619,18 @@ impl<D: Device> Allocator<D> {
     /// every pending event (counted in `num_sync_all_streams`), so blocks whose free waited on
     /// other streams' work are released too; while a capture is underway (no host wait
     /// allowed) it only polls them.
+    ///
+    /// The region of a named scope's plan ([`Allocator::named_scope`]) is cached memory too:
+    /// where no run, planned buffer, escaped buffer or CUDA graph holds it, it goes back to the
+    /// pool and is released with the rest. The plan stays learned where its offsets are
+    /// relative to the region (the scope's next run makes the region anew); a plan whose region
+    /// adopted its learning run's own segments is forgotten with them (the next run learns
+    /// again).
     pub fn empty_cache(&self) -> Result<(), AllocError> {
         let sh = &self.shared;
+        if !sh.device.capture_underway() {
+            sh.release_idle_regions();
+        }
         let mut st = sh.lock_state();
         sh.flush_all(&mut st);
         if sh.device.capture_underway() || sh.broken(Broken::EmptyCacheSkipsEvents) {

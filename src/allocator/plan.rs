@@ -324,6 +324,21 @@ impl Region {
         self.pinned_count.store(p.len(), Ordering::Release);
     }
 
+    /// Whether it adopted the learning run's own segments (`adopt.rs`): its base is 0 and its
+    /// plan's offsets are the addresses of those segments, so the plan holds only with it.
+    pub fn is_adopted(&self) -> bool {
+        self.base == 0
+    }
+
+    /// Whether no run claims it, no graph holds it, no escaped buffer pins a slice of it and it
+    /// is not poisoned: with no other holder of the `Arc`, its memory is in no one's use.
+    pub fn is_idle(&self) -> bool {
+        !self.in_use.load(Ordering::Acquire)
+            && self.graphs.load(Ordering::Acquire) == 0
+            && !self.has_pins()
+            && !self.is_poisoned()
+    }
+
     /// Whether any slice is pinned.
     pub fn has_pins(&self) -> bool {
         self.pinned_count.load(Ordering::Acquire) != 0

@@ -134,6 +134,39 @@ impl<D: Device> Shared<D> {
         true
     }
 
+    /// Lets go of the regions of learned plans that nothing else holds — no scope run, planned
+    /// buffer, graph or escaped buffer — so that `empty_cache` can release their memory (a
+    /// region is cached memory, as a free segment is). A plan whose offsets are relative to its
+    /// region stays learned: the scope's next run makes the region anew. One whose region
+    /// adopted the learning run's segments ([`Region::is_adopted`]: its offsets are addresses
+    /// in them) is forgotten with it: the next run learns again. Takes the plans' lock, then the
+    /// state's: the caller holds neither.
+    pub(super) fn release_idle_regions(&self) {
+        let idle: Vec<Arc<Region>> = {
+            let mut plans = lock(&self.plans);
+            let mut idle = Vec::new();
+            for (_, p) in plans.values_mut().flat_map(|streams| streams.iter_mut()) {
+                // A holder clones the plan's `Arc` under this lock only (`plan_for`,
+                // `make_region`): a count of one here stays one until the lock is let go.
+                let Some(r) = p.region.take_if(|r| Arc::strong_count(r) == 1 && r.is_idle()) else {
+                    continue;
+                };
+                if r.is_adopted() && !self.broken(Broken::AdoptedPlanKept) {
+                    p.learned = None;
+                }
+                idle.push(r);
+            }
+            plans.retain(|_, streams| {
+                streams.retain(|(_, p)| p.learned.is_some() || p.region.is_some());
+                !streams.is_empty()
+            });
+            idle
+        };
+        for region in idle {
+            self.release_region(region);
+        }
+    }
+
     /// Forgets the plans learned on `stream` (destroyed): their regions return to the pool once
     /// no run or escaped buffer holds them.
     pub(super) fn forget_plans(&self, stream: StreamId) {
