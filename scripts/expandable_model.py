@@ -13,6 +13,8 @@ on the shipped traces in seconds. It reproduces the allocator's `expandable` pea
                  first; the range grows at its top for what they lack) and cached: the pages stay
                  mapped in the range, and are taken there while the stitched block is live.
                  Counts the alias maps; physical bytes count once
+  stitch_peers   ... borrowing the free pages of the other ranges too (small, and with residency
+                 persistent), own pages first; stitch_peers_first: theirs first
   stitch_chunks  ... of whole chunks only (CUDA maps a physical allocation only whole; the model's
                  chunks are its growths, up to 32 pages each)
   threshold      unmap free pages after every free down to this many free bytes (release_threshold)
@@ -45,6 +47,7 @@ class Range:
         self.max_live = 0
         self.chunks = []  # (lo, hi) of each physical allocation, for stitch_chunks
         self.stitches = []  # [pages, live] of each stitched block
+        self.peers = []  # the stream's other ranges (stitch_peers)
 
     def end_of(self, a):
         i = self.m.index(a)
@@ -135,8 +138,8 @@ class Range:
         self.live -= r
         if isinstance(a, tuple):
             st = self.stitches[a[1]]
-            for p in st[0]:
-                self._set(p, p + PAGE, FREE)
+            for rg, p in st[0]:
+                rg._set(p, p + PAGE, FREE)
             st[1] = False
             return
         self._set(a, a + r, FREE)
@@ -234,12 +237,15 @@ class Range:
         return self.m.peekitem(i + 1)[0] if i + 1 < len(self.m) else self.size
 
     def stitch(self, r):
-        """A stitched block for `r` bytes (its index), or None."""
+        """A stitched block for `r` bytes (its index), or None. Its pages are (range, address)
+        pairs: this range's, and with `stitch_peers` the free pages of the stream's other
+        ranges too (`self.peers`)."""
         need = -(-r // PAGE)
         if need < self.o.get("stitch_pages", 8):
             return None
+        free = lambda pages: all(rg.pages_free([p]) for rg, p in pages)
         fits = [i for i, (pages, live) in enumerate(self.stitches)
-                if not live and len(pages) >= need and self.pages_free(pages)]
+                if not live and len(pages) >= need and free(pages)]
         if fits:
             i = min(fits, key=lambda i: len(self.stitches[i][0]))
         else:
@@ -248,20 +254,23 @@ class Range:
                 for lo, hi in sorted(self.chunks):
                     run = list(range(lo, hi, PAGE))
                     if len(pages) + len(run) <= need and self.pages_free(run):
-                        pages += run
+                        pages += [(self, p) for p in run]
             else:
-                pages = sorted(self.free_pages())[:need]
+                donors = [self] + (self.peers if self.o.get('stitch_peers') else [])
+                if self.o.get('stitch_peers_first'):
+                    donors = donors[1:] + donors[:1]
+                pages = [(rg, p) for rg in donors for p in sorted(rg.free_pages())][:need]
             if not pages:
                 return None
             if len(pages) < need:
                 top = self.top_mapped()
                 self.map(top, top + (need - len(pages)) * PAGE)
-                pages += [top + k * PAGE for k in range(need - len(pages))]
+                pages += [(self, top + k * PAGE) for k in range(need - len(pages))]
             self.maps += len(pages)  # the alias mappings
             self.stitches.append([pages, False])
             i = len(self.stitches) - 1
-        for p in self.stitches[i][0]:
-            self._set(p, p + PAGE, ('L', 'stitch'))
+        for rg, p in self.stitches[i][0]:
+            rg._set(p, p + PAGE, ('L', 'stitch'))
         self.stitches[i][1] = True
         return i
 
@@ -317,7 +326,11 @@ def run(path, opts):
                 kind = 'L'
             if opts.get('residency') and tag == 'param' and not (kind == 'S' and opts.get('share_small')):
                 kind += 'p'
-            rg = ranges.setdefault(kind, Range(1 << 44, opts))
+            if kind not in ranges:
+                ranges[kind] = Range(1 << 44, opts)
+                for k, x in ranges.items():
+                    x.peers = [y for j, y in ranges.items() if j != k]
+            rg = ranges[kind]
             a = rg.alloc(r, id_)
             blocks[id_] = (kind, a, r)
             live += b
