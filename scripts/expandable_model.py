@@ -8,11 +8,11 @@ on the shipped traces in seconds. It reproduces the allocator's `expandable` pea
   reuse          a growth moves the range's own whole free pages instead of creating new ones
   reuse_at_peak  ... only when the range's live bytes reach a new maximum
   stitch         GMLake's stitching, over physical pages mapped at two addresses: where a request
-                 of at least `stitch_pages` (8) pages finds no free block, a cached stitched block whose pages are
-                 all free serves it, else a new one is made of the range's free pages (lowest
-                 first; the range grows at its top for what they lack) and cached: the pages stay
-                 mapped in the range, and are taken there while the stitched block is live.
-                 Counts the alias maps; physical bytes count once
+                 of at least `stitch_pages` (8) pages finds no free block, a cached stitched
+                 block whose pages are all free serves it, else a new one is made of the range's
+                 free pages (lowest first; the range grows at its top for what they lack) and
+                 cached: the pages stay mapped in the range, and are taken there while the
+                 stitched block is live. Counts the alias maps; physical bytes count once
   stitch_peers   ... borrowing the free pages of the other ranges too (small, and with residency
                  persistent), own pages first; stitch_peers_first: theirs first
   stitch_chunks  ... of whole chunks only (CUDA maps a physical allocation only whole; the model's
@@ -22,8 +22,9 @@ on the shipped traces in seconds. It reproduces the allocator's `expandable` pea
   split_small    false: one range for small and large blocks
   residency      `param` blocks in ranges of their own; share_small: small ones stay shared
 
-  scripts/expandable_model.py '{"reuse":1}' [trace names]   prints x peak live, pages mapped/unmapped
-  per step (the allocator maps a growth in chunks: fewer calls than pages)
+  scripts/expandable_model.py '{"reuse":1}' [trace names or .csv.gz paths]
+  prints x peak live, pages mapped/unmapped per step (the allocator maps a growth in chunks:
+  fewer calls than pages)
 """
 import gzip, sys, csv  # needs the sortedcontainers package
 from sortedcontainers import SortedDict, SortedList
@@ -357,5 +358,8 @@ if __name__ == '__main__':
     for f in files:
         import os
         here = os.path.dirname(os.path.abspath(__file__))
-        pl, pm, steps = run(os.path.join(here, '..', 'data', 'traces', '%s.csv.gz' % f), opts)
-        print('%-18s live %11d mapped %11d  x %.4f  steps %s' % (f, pl, pm, pm / pl, ' '.join(steps)))
+        # A trace name of data/traces, or a path (e.g. the variants of scripts/trace-variants).
+        path = f if f.endswith('.csv.gz') else os.path.join(here, '..', 'data', 'traces', '%s.csv.gz' % f)
+        name = os.path.basename(path)[:-len('.csv.gz')]
+        pl, pm, steps = run(path, opts)
+        print('%-18s live %11d mapped %11d  x %.4f  steps %s' % (name, pl, pm, pm / pl, ' '.join(steps)))
