@@ -845,6 +845,14 @@ fn a_route_begun_while_a_planned_scope_is_open_stops_its_planned_path() {
     }
 }
 
+/// A kernel on the default stream writes the first 4 KiB of `buf`; waits for it (the
+/// sanitizer reports a write to memory the allocator does not hold).
+fn write_and_wait(dev: &SimDevice, buf: &Buffer<SimDevice>) {
+    let access = vec![Access { ptr: buf.ptr(), bytes: 4096, kind: AccessKind::Write }];
+    dev.launch(S0, Kernel::new("w", access, |_| {})).unwrap();
+    dev.synchronize().unwrap();
+}
+
 /// Runs `train_step` until it is planned, lets its region go idle with a kernel still writing
 /// it, calls `empty_cache`, then runs the step twice more, a kernel writing each run's gradient.
 /// Returns (region bytes before, region bytes after `empty_cache`, plan hits of the two runs,
@@ -884,13 +892,7 @@ fn empty_cache_between_runs(
         let before = alloc.stats().plan_hits;
         let (_, grad) = step(&alloc, &SIZES);
         *h = alloc.stats().plan_hits - before;
-        let write = Kernel::new(
-            "w",
-            vec![Access { ptr: grad.ptr(), bytes: 4096, kind: AccessKind::Write }],
-            |_| {},
-        );
-        dev.launch(S0, write).unwrap();
-        dev.synchronize().unwrap();
+        write_and_wait(&dev, &grad);
         drop(grad);
     }
     alloc.check_invariants().unwrap();
@@ -940,13 +942,7 @@ fn empty_cache_keeps_a_relative_plan_and_the_next_run_makes_its_region() {
     let released = alloc.stats().plan_region_bytes;
     let hits = alloc.stats().plan_hits;
     let (_, grad) = step(&alloc, &SIZES[..4]);
-    let write = Kernel::new(
-        "w",
-        vec![Access { ptr: grad.ptr(), bytes: 4096, kind: AccessKind::Write }],
-        |_| {},
-    );
-    dev.launch(S0, write).unwrap();
-    dev.synchronize().unwrap();
+    write_and_wait(&dev, &grad);
     drop(grad);
     assert_eq!((region > 0, released), (true, 0));
     assert_eq!(alloc.stats().plan_hits - hits, 5, "planned throughout");
