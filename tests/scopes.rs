@@ -975,3 +975,39 @@ fn empty_cache_keeps_the_region_of_an_open_run() {
     dev.synchronize().unwrap();
     assert_eq!(dev.violations(), vec![]);
 }
+
+/// A request the device holds only with the memory of an idle plan region: (the allocation
+/// succeeded, region bytes before, region bytes after).
+fn oom_with_an_idle_region(broken: bool) -> (bool, u64, u64) {
+    let (dev, alloc) = setup(64 * MIB);
+    alloc.set_broken(Broken::OomKeepsRegions, broken);
+    for _ in 0..2 {
+        let (_, grad) = step(&alloc, &SIZES);
+        drop(grad);
+    }
+    let region = alloc.stats().plan_region_bytes;
+    let big = alloc.alloc(60 * MIB, S0);
+    let ok = big.is_ok();
+    if let Ok(b) = &big {
+        write_and_wait(&dev, b);
+    }
+    drop(big);
+    alloc.check_invariants().unwrap();
+    assert_eq!(dev.violations(), vec![]);
+    (ok, region, alloc.stats().plan_region_bytes)
+}
+
+/// Out of memory, an allocation first lets go of idle plan regions and tries again, as
+/// `empty_cache` would (PyTorch frees every cached block before giving up).
+#[test]
+fn an_allocation_out_of_memory_releases_idle_plan_regions_first() {
+    let (ok, region, after) = oom_with_an_idle_region(false);
+    assert!(region > 4 * MIB, "{region}");
+    assert_eq!((ok, after), (true, 0));
+}
+
+#[test]
+fn the_checks_catch_an_oom_that_keeps_idle_regions() {
+    let (ok, region, after) = oom_with_an_idle_region(true);
+    assert_eq!((ok, after), (false, region), "the region held the memory");
+}

@@ -154,6 +154,9 @@ pub enum Broken {
     /// keeps the plan, whose offsets are addresses in that released memory: the scope's next
     /// run makes a new region and hands out slices outside it.
     AdoptedPlanKept = 1 << 58,
+    /// An allocation that runs out of memory does not let go of idle plan regions first: memory
+    /// that only a learned plan holds makes it fail.
+    OomKeepsRegions = 1 << 59,
 }
 
 #[cfg_attr(not(feature = "test-hooks"), allow(dead_code))]
@@ -166,7 +169,7 @@ impl Broken {
 
     /// Every mode, in declaration order. Kept complete by [`Broken::position`], whose match
     /// stops compiling when a mode is added and not listed.
-    pub const EVERY: [Broken; 40] = [
+    pub const EVERY: [Broken; 41] = [
         Broken::ForeignBuffers,
         Broken::ForgottenUses,
         Broken::UnboundFreeOrder,
@@ -207,6 +210,7 @@ impl Broken {
         Broken::UndestroyedGraphFreed,
         Broken::GraphHoldsLeaked,
         Broken::AdoptedPlanKept,
+        Broken::OomKeepsRegions,
     ];
 
     /// Its place in [`Broken::EVERY`].
@@ -252,6 +256,7 @@ impl Broken {
             Broken::UndestroyedGraphFreed => 37,
             Broken::GraphHoldsLeaked => 38,
             Broken::AdoptedPlanKept => 39,
+            Broken::OomKeepsRegions => 40,
         }
     }
 

@@ -140,8 +140,8 @@ impl<D: Device> Shared<D> {
     /// region stays learned: the scope's next run makes the region anew. One whose region
     /// adopted the learning run's segments ([`Region::is_adopted`]: its offsets are addresses
     /// in them) is forgotten with it: the next run learns again. Takes the plans' lock, then the
-    /// state's: the caller holds neither.
-    pub(super) fn release_idle_regions(&self) {
+    /// state's: the caller holds neither. Whether it let go of any.
+    pub(super) fn release_idle_regions(&self) -> bool {
         let idle: Vec<Arc<Region>> = {
             let mut plans = lock(&self.plans);
             let mut idle = Vec::new();
@@ -162,9 +162,11 @@ impl<D: Device> Shared<D> {
             });
             idle
         };
+        let any = !idle.is_empty();
         for region in idle {
             self.release_region(region);
         }
+        any
     }
 
     /// Forgets the plans learned on `stream` (destroyed): their regions return to the pool once
