@@ -33,6 +33,7 @@ variants=(
   "owner_stash:owner_hold_kept_in_a_lane_against_the_last_handle"
   "fast_cache:large_hit_against_a_pool_change_and_drain"
   "credit_mark:stats_revocation_sees_credit_granted_before_it"
+  "region_idle:idle_region_release_against_a_run_of_its_scope"
 )
 status=0
 for v in "${variants[@]}"; do

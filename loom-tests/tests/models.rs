@@ -19,6 +19,7 @@
 //! | `fast_cache_push_pop_against_flush` (again)  | a lane's lock excludes (CAS in, store out)| `lane_lock`    |
 //! | `owner_hold_kept_in_a_lane_against_the_last_handle` | holds kept in lanes are released when the last handle goes | `owner_stash` |
 //! | `large_hit_against_a_pool_change_and_drain`  | a checked large block handed out without the global lock vs a section that drains it | `fast_cache` |
+//! | `idle_region_release_against_a_run_of_its_scope` | `empty_cache` takes a plan's region only where the plan's is its one hold (counted under the plans' lock) | `region_idle` |
 //!
 //! The allocator runs with its real configuration (two cache lanes per stream, 64 fast streams):
 //! threads take lanes round-robin as under `std`.
@@ -662,5 +663,35 @@ fn owner_hold_kept_in_a_lane_against_the_last_handle() {
         assert_eq!(dev.live_segments(), 1, "a live buffer keeps the allocator");
         drop(b);
         assert_eq!(dev.live_segments(), 0, "the allocator outlived its last handle and buffer");
+    });
+}
+
+/// `empty_cache` lets a plan's region go only where the plan holds it alone: a run of the scope
+/// on another thread takes its hold (a clone, under the plans' lock) before it claims the region.
+/// With the count unchecked (broken variant `region_idle`) the region can be taken from its
+/// plan between the run's hold and its claim, and the model ends with a device segment that
+/// was never released.
+#[test]
+fn idle_region_release_against_a_run_of_its_scope() {
+    model(2, || {
+        let dev = Arc::new(LoomDevice::new());
+        let alloc = Allocator::new(dev.clone(), Config::default()).unwrap();
+        for _ in 0..2 {
+            let scope = alloc.named_scope("step", S0);
+            drop(scope.alloc(8192).unwrap());
+        }
+        assert!(alloc.stats().plan_region_bytes > 0, "learned and planned: a region");
+        let runner = {
+            let alloc = alloc.clone();
+            thread::spawn(move || {
+                let scope = alloc.named_scope("step", S0);
+                drop(scope.alloc(8192).unwrap());
+            })
+        };
+        alloc.empty_cache().unwrap();
+        runner.join().unwrap();
+        alloc.check_invariants().unwrap();
+        drop(alloc);
+        assert_eq!(dev.live_segments(), 0);
     });
 }
