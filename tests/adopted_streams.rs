@@ -128,3 +128,42 @@ fn an_application_stream_never_adopted_is_unknown_to_the_allocator() {
     assert!(alloc.alloc(N, app.id()).is_err(), "not adopted: not the allocator's stream");
     dev.destroy_app_stream(app).unwrap();
 }
+
+/// A named scope runs twice on an adopted stream (a learned plan, its region on the stream),
+/// then the stream is released: the answer, and the plan region bytes left.
+fn release_after_a_named_scope(broken: bool) -> (Result<(), AllocError>, u64) {
+    let (dev, alloc, app, s) = setup("");
+    alloc.set_broken(tidepool::hooks::Broken::StreamKeepsRegions, broken);
+    for _ in 0..2 {
+        let scope = alloc.named_scope("step", s);
+        let a = scope.alloc_unbound(N).unwrap();
+        let (k, open) = gated_write(a.ptr(), 3);
+        dev.launch(s, k).unwrap();
+        open.send(()).unwrap();
+        drop(a);
+    }
+    assert!(alloc.stats().plan_region_bytes > 0, "a learned plan with its region");
+    let r = alloc.release_stream(s);
+    if r.is_ok() {
+        assert_eq!(alloc.stats().blocks.reserved_bytes.all.current, 0, "nothing left");
+        assert!(!dev.is_adopted(s), "let go of");
+    }
+    drop(app);
+    assert_eq!(dev.violations(), vec![]);
+    alloc.check_invariants().unwrap();
+    (r, alloc.stats().plan_region_bytes)
+}
+
+/// `release_stream` lets go of the stream's idle plan regions (as `empty_cache` does) before it
+/// checks that nothing on the stream is live, so the application can take its stream back.
+#[test]
+fn release_stream_lets_go_of_an_idle_plan_region_on_the_stream() {
+    assert_eq!(release_after_a_named_scope(false), (Ok(()), 0));
+}
+
+#[test]
+fn the_checks_catch_release_stream_keeping_the_regions() {
+    let (r, region) = release_after_a_named_scope(true);
+    assert!(matches!(r, Err(AllocError::StreamInUse { .. })), "{r:?}");
+    assert!(region > 0);
+}

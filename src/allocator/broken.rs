@@ -157,6 +157,9 @@ pub enum Broken {
     /// An allocation that runs out of memory does not let go of idle plan regions first: memory
     /// that only a learned plan holds makes it fail.
     OomKeepsRegions = 1 << 59,
+    /// `release_stream` does not let go of the idle regions of plans on the stream: an adopted
+    /// stream where a named scope ran can never be given back (`StreamInUse`).
+    StreamKeepsRegions = 1 << 60,
 }
 
 #[cfg_attr(not(feature = "test-hooks"), allow(dead_code))]
@@ -169,7 +172,7 @@ impl Broken {
 
     /// Every mode, in declaration order. Kept complete by [`Broken::position`], whose match
     /// stops compiling when a mode is added and not listed.
-    pub const EVERY: [Broken; 41] = [
+    pub const EVERY: [Broken; 42] = [
         Broken::ForeignBuffers,
         Broken::ForgottenUses,
         Broken::UnboundFreeOrder,
@@ -211,6 +214,7 @@ impl Broken {
         Broken::GraphHoldsLeaked,
         Broken::AdoptedPlanKept,
         Broken::OomKeepsRegions,
+        Broken::StreamKeepsRegions,
     ];
 
     /// Its place in [`Broken::EVERY`].
@@ -257,6 +261,7 @@ impl Broken {
             Broken::GraphHoldsLeaked => 38,
             Broken::AdoptedPlanKept => 39,
             Broken::OomKeepsRegions => 40,
+            Broken::StreamKeepsRegions => 41,
         }
     }
 

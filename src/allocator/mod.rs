@@ -682,6 +682,9 @@ impl<D: Device> Allocator<D> {
     /// and a stream destroyed elsewhere (by another allocator, or on the device) is forgotten:
     /// later requests on it are refused.
     ///
+    /// The regions of named scopes' plans on the stream that nothing holds go too (see
+    /// [`Allocator::empty_cache`]).
+    ///
     /// For a stream the application owns and the device adopted (`CudaDevice::adopt_stream`,
     /// [`crate::SimDevice::adopt_stream`]), this also lets go of it: its work is drained and the
     /// device forgets it, so the application may destroy it; later use of its id is
@@ -690,6 +693,10 @@ impl<D: Device> Allocator<D> {
     pub fn release_stream(&self, stream: StreamId) -> Result<(), AllocError> {
         let sh = &self.shared;
         let adopted = sh.device.is_adopted(stream);
+        if !sh.device.capture_underway() && !sh.broken(Broken::StreamKeepsRegions) {
+            // The idle regions of plans learned on it are its cached memory too.
+            let _ = sh.release_idle_regions_of(|s| s == stream);
+        }
         let mut st = sh.lock_state();
         let gone = !sh.broken(Broken::UnknownStreams) && !sh.device.has_stream(stream);
         if gone {

@@ -142,10 +142,16 @@ impl<D: Device> Shared<D> {
     /// in them) is forgotten with it: the next run learns again. Takes the plans' lock, then the
     /// state's: the caller holds neither. Whether it let go of any.
     pub(super) fn release_idle_regions(&self) -> bool {
+        self.release_idle_regions_of(|_| true)
+    }
+
+    /// [`Shared::release_idle_regions`] for the plans of the streams `which` picks.
+    pub(super) fn release_idle_regions_of(&self, which: impl Fn(StreamId) -> bool) -> bool {
         let idle: Vec<Arc<Region>> = {
             let mut plans = lock(&self.plans);
             let mut idle = Vec::new();
-            for (_, p) in plans.values_mut().flat_map(|streams| streams.iter_mut()) {
+            let entries = plans.values_mut().flat_map(|streams| streams.iter_mut());
+            for (_, p) in entries.filter(|(s, _)| which(*s)) {
                 // A holder clones the plan's `Arc` under this lock only (`plan_for`,
                 // `make_region`): a count of one here stays one until the lock is let go.
                 #[cfg(not(tidepool_broken = "region_idle"))]
