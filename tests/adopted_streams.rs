@@ -147,8 +147,8 @@ fn release_after_a_named_scope(broken: bool) -> (Result<(), AllocError>, u64) {
     if r.is_ok() {
         assert_eq!(alloc.stats().blocks.reserved_bytes.all.current, 0, "nothing left");
         assert!(!dev.is_adopted(s), "let go of");
+        dev.destroy_app_stream(app).unwrap(); // the application takes it back
     }
-    drop(app);
     assert_eq!(dev.violations(), vec![]);
     alloc.check_invariants().unwrap();
     (r, alloc.stats().plan_region_bytes)
