@@ -866,6 +866,11 @@ fn empty_cache_between_runs(
     drop(grad);
     let (_, grad) = step(&alloc, &SIZES);
     let region = alloc.stats().plan_region_bytes;
+    let line = |a: &Allocator<SimDevice>| {
+        a.memory_summary().lines().find(|l| l.starts_with("| Plan regions")).map(str::to_string)
+    };
+    let shown = line(&alloc).expect("the summary shows the region");
+    assert!(shown.contains(&tidepool::Bytes(region).to_string()), "{shown}");
     // A live escape of the planned run (the gradient) holds the region: kept.
     alloc.empty_cache().unwrap();
     assert_eq!(alloc.stats().plan_region_bytes, region, "an escape holds it");
@@ -883,6 +888,7 @@ fn empty_cache_between_runs(
     gate.join().unwrap();
     let s = alloc.stats();
     let after = s.plan_region_bytes;
+    assert_eq!(line(&alloc).is_some(), after > 0, "shown while there is one");
     assert!(dev.counters().frees > frees, "the region's memory went back to the device");
     assert!(s.blocks.reserved_bytes.all.current < reserved);
     assert_eq!(s.blocks.allocated_bytes.all.current, 0);

@@ -215,6 +215,16 @@ impl<D: Device> Allocator<D> {
             Bytes(s.cached_fast_bytes).to_string(),
             "(freed, in per-stream caches)"
         );
+        if s.plan_region_bytes > 0 {
+            // Counted as allocated above; `empty_cache` releases the idle ones.
+            let _ = writeln!(
+                out,
+                "| {:<26}| {:>12} | {:>42} |",
+                "Plan regions",
+                Bytes(s.plan_region_bytes).to_string(),
+                "(named scopes' plans, in allocated)"
+            );
+        }
         out += &rule;
         let (ranges, note) = {
             let mut st = self.shared.lock_state();
