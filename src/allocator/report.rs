@@ -208,21 +208,19 @@ impl<D: Device> Allocator<D> {
             }
         }
         out += &rule;
-        let _ = writeln!(
-            out,
-            "| {:<26}| {:>12} | {:>42} |",
-            "Fast-cached memory",
-            Bytes(s.cached_fast_bytes).to_string(),
-            "(freed, in per-stream caches)"
-        );
+        // A row of one figure in bytes: its name, the bytes, what they are.
+        let line = |out: &mut String, name: &str, bytes: u64, what: &str| {
+            let _ =
+                writeln!(out, "| {:<26}| {:>12} | {:>42} |", name, Bytes(bytes).to_string(), what);
+        };
+        line(&mut out, "Fast-cached memory", s.cached_fast_bytes, "(freed, in per-stream caches)");
         if s.plan_region_bytes > 0 {
             // Counted as allocated above; `empty_cache` releases the idle ones.
-            let _ = writeln!(
-                out,
-                "| {:<26}| {:>12} | {:>42} |",
+            line(
+                &mut out,
                 "Plan regions",
-                Bytes(s.plan_region_bytes).to_string(),
-                "(named scopes' plans, in allocated)"
+                s.plan_region_bytes,
+                "(named scopes' plans, in allocated)",
             );
         }
         out += &rule;
@@ -277,13 +275,7 @@ impl<D: Device> Allocator<D> {
         }
         if !s.cached_free_bytes_per_stream.is_empty() {
             for (stream, bytes) in &s.cached_free_bytes_per_stream {
-                let _ = writeln!(
-                    out,
-                    "| {:<26}| {:>12} | {:>42} |",
-                    format!("Cached free, stream {stream}"),
-                    Bytes(*bytes).to_string(),
-                    ""
-                );
+                line(&mut out, &format!("Cached free, stream {stream}"), *bytes, "");
             }
             out += &rule;
         }
