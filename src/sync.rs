@@ -47,6 +47,15 @@ pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     }
 }
 
+/// `m`'s guard if no one holds it (recovered from a holder that panicked), else `None`.
+pub(crate) fn try_lock<T>(m: &Mutex<T>) -> Option<MutexGuard<'_, T>> {
+    match m.try_lock() {
+        Ok(g) => Some(g),
+        Err(std::sync::TryLockError::Poisoned(p)) => Some(p.into_inner()),
+        Err(std::sync::TryLockError::WouldBlock) => None,
+    }
+}
+
 /// The value of `arc` if this was the last hold on it. Of several threads letting go of clones
 /// at once, exactly one gets it (`Arc::into_inner`; loom's `Arc` has only `try_unwrap`, which
 /// the models do not race).

@@ -154,8 +154,8 @@ pub enum Broken {
     /// keeps the plan, whose offsets are addresses in that released memory: the scope's next
     /// run makes a new region and hands out slices outside it.
     AdoptedPlanKept = 1 << 58,
-    /// An allocation that runs out of memory does not let go of idle plan regions first: memory
-    /// that only a learned plan holds makes it fail.
+    /// The out-of-memory ladder does not let go of idle plan regions: memory that only a
+    /// learned plan holds makes a request fail.
     OomKeepsRegions = 1 << 59,
     /// `release_stream` does not let go of the idle regions of plans on the stream: an adopted
     /// stream where a named scope ran can never be given back (`StreamInUse`).

@@ -261,11 +261,11 @@ impl<D: Device> Allocator<D> {
     /// and on ordinary segments a large block takes the best fit over the free space of both.
     /// A block is accounted by its segment's residency.
     ///
-    /// When memory runs out, the regions of named scopes' plans that nothing holds are let go
-    /// (as [`Allocator::empty_cache`] does) and the request tried once more; then the
-    /// out-of-memory observers are called with the report, and the failure callback (if any)
-    /// may free memory and ask for another attempt ([`Allocator::attach_oom_observer`],
-    /// [`Allocator::set_failure_callback`]).
+    /// When memory runs out, the out-of-memory ladder releases cached memory (the regions of
+    /// named scopes' plans that nothing holds included, as [`Allocator::empty_cache`] does) and
+    /// tries again; then the out-of-memory observers are called with the report, and the
+    /// failure callback (if any) may free memory and ask for another attempt
+    /// ([`Allocator::attach_oom_observer`], [`Allocator::set_failure_callback`]).
     #[inline]
     pub fn alloc_in(
         &self,
@@ -397,23 +397,13 @@ impl<D: Device> Allocator<D> {
         align: u64,
     ) -> Result<Buffer<D>, AllocError> {
         let mut attempt = 0;
-        let (mut regions_released, mut pools_released) = (false, false);
+        let mut pools_released = false;
         loop {
             let r = self.alloc_in_once(bytes, stream, residency, align);
             if !matches!(r, Err(AllocError::OutOfMemory(_))) {
                 return r; // the common case: a buffer, or an error no retry helps
             }
             match r {
-                Err(AllocError::OutOfMemory(_))
-                    if !regions_released
-                        && !self.shared.broken(Broken::OomKeepsRegions)
-                        && !self.shared.device.capture_underway()
-                        && self.shared.release_idle_regions() =>
-                {
-                    // Idle plan regions went back to the pool (their memory is cached, as
-                    // `empty_cache` counts it): once more, the ladder may release it.
-                    regions_released = true;
-                }
                 Err(AllocError::OutOfMemory(_))
                     if !pools_released && self.shared.release_oom_pools() =>
                 {

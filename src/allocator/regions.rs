@@ -147,35 +147,64 @@ impl<D: Device> Shared<D> {
 
     /// [`Shared::release_idle_regions`] for the plans of the streams `which` picks.
     pub(super) fn release_idle_regions_of(&self, which: impl Fn(StreamId) -> bool) -> bool {
-        let idle: Vec<Arc<Region>> = {
-            let mut plans = lock(&self.plans);
-            let mut idle = Vec::new();
-            let entries = plans.values_mut().flat_map(|streams| streams.iter_mut());
-            for (_, p) in entries.filter(|(s, _)| which(*s)) {
-                // A holder clones the plan's `Arc` under this lock only (`plan_for`,
-                // `make_region`): a count of one here stays one until the lock is let go.
-                #[cfg(not(tidepool_broken = "region_idle"))]
-                let alone = |r: &mut Arc<Region>| Arc::strong_count(r) == 1 && r.is_idle();
-                // BROKEN: another hold (a run that has not claimed it yet) is not seen.
-                #[cfg(tidepool_broken = "region_idle")]
-                let alone = |r: &mut Arc<Region>| r.is_idle();
-                let Some(r) = p.region.take_if(alone) else { continue };
-                if r.is_adopted() && !self.broken(Broken::AdoptedPlanKept) {
-                    p.learned = None;
-                }
-                idle.push(r);
-            }
-            plans.retain(|_, streams| {
-                streams.retain(|(_, p)| p.learned.is_some() || p.region.is_some());
-                !streams.is_empty()
-            });
-            idle
-        };
+        let idle = self.take_idle_regions(&mut lock(&self.plans), which);
         let any = !idle.is_empty();
         for region in idle {
             self.release_region(region);
         }
         any
+    }
+
+    /// [`Shared::release_idle_regions`] for the out-of-memory ladder, which holds the global
+    /// lock: the plans' lock comes first in the lock order, so it is only tried (held by another
+    /// thread, nothing is let go this time), and the regions' blocks go straight to the pool.
+    /// Nothing during a capture. Whether it let go of any.
+    pub(super) fn release_idle_regions_locked(&self, st: &mut State) -> bool {
+        if self.broken(Broken::OomKeepsRegions) || self.device.capture_underway() {
+            return false;
+        }
+        let idle = match crate::sync::try_lock(&self.plans) {
+            Some(mut plans) => self.take_idle_regions(&mut plans, |_| true),
+            None => return false,
+        };
+        let any = !idle.is_empty();
+        for region in idle {
+            // The plan's was its one hold, and no one can take another now.
+            if let Some(r) = crate::sync::arc_into_inner(region) {
+                self.return_region(st, r);
+            }
+        }
+        any
+    }
+
+    /// Takes from `plans` the regions of the streams `which` picks that only their plan holds
+    /// (see [`Shared::release_idle_regions`]), forgetting the adopted plans with theirs.
+    fn take_idle_regions(
+        &self,
+        plans: &mut Plans,
+        which: impl Fn(StreamId) -> bool,
+    ) -> Vec<Arc<Region>> {
+        let mut idle = Vec::new();
+        let entries = plans.values_mut().flat_map(|streams| streams.iter_mut());
+        for (_, p) in entries.filter(|(s, _)| which(*s)) {
+            // A holder clones the plan's `Arc` under the plans' lock only (`plan_for`,
+            // `make_region`, `adopt_region`): a count of one here stays one while it is held.
+            #[cfg(not(tidepool_broken = "region_idle"))]
+            let alone = |r: &mut Arc<Region>| Arc::strong_count(r) == 1 && r.is_idle();
+            // BROKEN: another hold (a run that has not claimed it yet) is not seen.
+            #[cfg(tidepool_broken = "region_idle")]
+            let alone = |r: &mut Arc<Region>| r.is_idle();
+            let Some(r) = p.region.take_if(alone) else { continue };
+            if r.is_adopted() && !self.broken(Broken::AdoptedPlanKept) {
+                p.learned = None;
+            }
+            idle.push(r);
+        }
+        plans.retain(|_, streams| {
+            streams.retain(|(_, p)| p.learned.is_some() || p.region.is_some());
+            !streams.is_empty()
+        });
+        idle
     }
 
     /// Forgets the plans learned on `stream` (destroyed): their regions return to the pool once
@@ -207,13 +236,17 @@ impl<D: Device> Shared<D> {
             if r.is_poisoned() {
                 return; // its blocks stay allocated for good: nothing ordered their reuse
             }
-            let size = r.size;
-            let blocks = r.into_blocks();
             let mut st = self.lock_state();
-            let st = &mut *st;
-            batch::return_batch(&mut st.pool, &mut st.base, None, &blocks);
-            self.scope_counters.region_bytes.fetch_sub(size, Ordering::Relaxed);
+            self.return_region(&mut st, r);
         }
+    }
+
+    /// Returns a region no one holds to the pool. The caller holds the global lock.
+    fn return_region(&self, st: &mut State, r: Region) {
+        let size = r.size;
+        let blocks = r.into_blocks();
+        batch::return_batch(&mut st.pool, &mut st.base, None, &blocks);
+        self.scope_counters.region_bytes.fetch_sub(size, Ordering::Relaxed);
     }
 
     /// Returns a scope's locally cached blocks of `stream` to the pool under one lock, and

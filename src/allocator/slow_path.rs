@@ -163,7 +163,9 @@ impl<D: Device> Shared<D> {
                     // do: the wait in `num_sync_all_streams` (pending or not), the attempt after
                     // it in `num_alloc_retries` (successful or not).
                     retried = true;
-                    if self.ladder_wait(st)?
+                    // Idle plan regions are cached memory too: their blocks go back first.
+                    let regions = self.release_idle_regions_locked(st);
+                    if (self.ladder_wait(st)? || regions)
                         && let Some(b) = find(self, st)
                     {
                         st.counters.retries += 1;
