@@ -519,8 +519,7 @@ impl<D: Device> Shared<D> {
                 }
                 Err(AllocError::OutOfMemory(_)) if !retried => {
                     retried = true;
-                    let regions = self.release_idle_regions_locked(st);
-                    if (self.ladder_wait(st)? || regions)
+                    if self.ladder_wait(st)?
                         && let Some(b) = self.find_free(st, config, key, need)
                     {
                         st.counters.retries += 1;

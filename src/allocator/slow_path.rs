@@ -163,9 +163,7 @@ impl<D: Device> Shared<D> {
                     // do: the wait in `num_sync_all_streams` (pending or not), the attempt after
                     // it in `num_alloc_retries` (successful or not).
                     retried = true;
-                    // Idle plan regions are cached memory too: their blocks go back first.
-                    let regions = self.release_idle_regions_locked(st);
-                    if (self.ladder_wait(st)? || regions)
+                    if self.ladder_wait(st)?
                         && let Some(b) = find(self, st)
                     {
                         st.counters.retries += 1;
@@ -313,16 +311,19 @@ impl<D: Device> Shared<D> {
         Ok(())
     }
 
-    /// The out-of-memory ladder's wait for every pending event (segments and expandable
-    /// ranges alike), counted as PyTorch's `release_cached_blocks` counts it: in
-    /// `num_sync_all_streams` whether or not an event was pending. Whether one was (only then
-    /// may a search of the pool find more than it did).
+    /// The out-of-memory ladder's first step (segments and expandable ranges alike): idle plan
+    /// regions go back to the pool (cached memory too, [`Shared::release_idle_regions_locked`]),
+    /// then the wait for every pending event, counted as PyTorch's `release_cached_blocks`
+    /// counts it: in `num_sync_all_streams` whether or not an event was pending. Whether a
+    /// region went back or an event was pending (only then may a search of the pool find more
+    /// than it did).
     pub(super) fn ladder_wait(&self, st: &mut State) -> Result<bool, AllocError> {
+        let regions = self.release_idle_regions_locked(st);
         let had_pending = !st.pending.is_empty();
         if had_pending || !self.broken(Broken::LadderUncounted) {
             self.sync_events(st)?;
         }
-        Ok(had_pending)
+        Ok(had_pending || regions)
     }
 
     /// The ladder's first step under `max_split_size_mb` (PyTorch's
