@@ -630,9 +630,7 @@ impl<D: Device> Allocator<D> {
     /// again).
     pub fn empty_cache(&self) -> Result<(), AllocError> {
         let sh = &self.shared;
-        if !sh.device.capture_underway() {
-            let _ = sh.release_idle_regions();
-        }
+        let _ = sh.release_idle_regions();
         let mut st = sh.lock_state();
         sh.flush_all(&mut st);
         if sh.device.capture_underway() || sh.broken(Broken::EmptyCacheSkipsEvents) {
@@ -683,7 +681,7 @@ impl<D: Device> Allocator<D> {
     pub fn release_stream(&self, stream: StreamId) -> Result<(), AllocError> {
         let sh = &self.shared;
         let adopted = sh.device.is_adopted(stream);
-        if !sh.device.capture_underway() && !sh.broken(Broken::StreamKeepsRegions) {
+        if !sh.broken(Broken::StreamKeepsRegions) {
             // The idle regions of plans learned on it are its cached memory too.
             let _ = sh.release_idle_regions_of(|s| s == stream);
         }

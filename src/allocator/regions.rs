@@ -145,8 +145,12 @@ impl<D: Device> Shared<D> {
         self.release_idle_regions_of(|_| true)
     }
 
-    /// [`Shared::release_idle_regions`] for the plans of the streams `which` picks.
+    /// [`Shared::release_idle_regions`] for the plans of the streams `which` picks. Nothing
+    /// during a capture (its memory may not be freed then).
     pub(super) fn release_idle_regions_of(&self, which: impl Fn(StreamId) -> bool) -> bool {
+        if self.device.capture_underway() {
+            return false;
+        }
         let idle = self.take_idle_regions(&mut lock(&self.plans), which);
         let any = !idle.is_empty();
         for region in idle {
