@@ -389,7 +389,7 @@ impl<D: Device> Buffer<D> {
             }
         }
         if let Some(tag) = self.scope.take() {
-            tag.on_drop(self);
+            tag.on_drop(self, &uses);
         }
         if planned && late {
             #[cfg(not(loom))]
