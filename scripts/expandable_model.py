@@ -19,6 +19,9 @@ on the shipped traces in seconds. It reproduces the allocator's `expandable` pea
                  chunks are its growths, up to 32 pages each)
   threshold      unmap free pages after every free down to this many free bytes (release_threshold)
   high_below     place blocks smaller than this at the high end of their free block
+  peer_move      a growth first takes whole free pages the stream's other ranges have mapped
+                 (unmapped there) instead of creating new ones; peer_move_at_peak: only where the
+                 stream's live bytes reach a new maximum
   split_small    false: one range for small and large blocks
   residency      `param` blocks in ranges of their own; share_small: small ones stay shared
 
@@ -218,6 +221,16 @@ class Range:
             fp.sort(reverse=(order == 'high'))
             for p in fp[:pages]:
                 self.unmap(p)
+        total = self.live + r + sum(rg.live for rg in self.peers)
+        at_peak = total > self.o.get('_max_total', 0)
+        if self.o.get('peer_move') and (not self.o.get('peer_move_at_peak') or at_peak):
+            # take whole free pages the stream's other ranges have mapped instead of creating
+            # new ones (unmapped there, mapped here: the physical pages move)
+            left = pages
+            for rg in self.peers:
+                for p in sorted(rg.free_pages(), reverse=True)[:left]:
+                    rg.unmap(p)
+                    left -= 1
         self.map(lo, hi)
         # the free interval holding lo
         a, e, s = self.interval_at(lo)
@@ -333,6 +346,7 @@ def run(path, opts):
                     x.peers = [y for j, y in ranges.items() if j != k]
             rg = ranges[kind]
             a = rg.alloc(r, id_)
+            opts['_max_total'] = max(opts.get('_max_total', 0), sum(x.live for x in ranges.values()))
             blocks[id_] = (kind, a, r)
             live += b
             peak_live = max(peak_live, live)
