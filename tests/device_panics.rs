@@ -728,3 +728,51 @@ fn a_pinned_block_whose_wait_fails_is_freed_after_a_device_sync_as_the_allocator
         assert_eq!(dev.sim.violations(), vec![]);
     }
 }
+
+/// An escape of a named scope's learning run, used on another stream and freed while nothing
+/// can order its reuse after that stream (event records fail, host synchronisations panic):
+/// it does not join the region that adopted its segment. Its range stays pinned, so the next
+/// run misses the plan there instead of handing the range out, and its block stays allocated,
+/// as any block whose work on another stream nothing proves done. (Broken mode
+/// `EscapeElsewhereUnordered` skips the ordering: the escape joins the region and the next run
+/// hands its range out.)
+#[test]
+fn an_escape_that_nothing_can_order_keeps_its_range_pinned() {
+    for broken in [false, true] {
+        let dev = panic_dev(None);
+        let other = dev.sim.create_stream().unwrap();
+        let alloc = Allocator::new(dev.clone(), Config::default()).unwrap();
+        alloc.set_broken(Broken::EscapeElsewhereUnordered, broken);
+        let step = || {
+            let scope = alloc.named_scope("step", StreamId::DEFAULT);
+            let act = scope.alloc_unbound(64 * 1024).unwrap();
+            let grad = scope.alloc_unbound(16 * 1024).unwrap();
+            drop(act);
+            grad
+        };
+        let g1 = step();
+        g1.record_stream(other).unwrap();
+        let escape = g1.ptr();
+        dev.sim.fail_event_records(true);
+        *dev.always.lock().unwrap() = Some("synchronize");
+        drop(g1);
+        *dev.always.lock().unwrap() = None;
+        dev.sim.fail_event_records(false);
+        let before = alloc.stats();
+        let g2 = step();
+        let after = alloc.stats();
+        let hits_misses =
+            (after.plan_hits - before.plan_hits, after.plan_misses - before.plan_misses);
+        if broken {
+            assert_eq!((g2.ptr(), hits_misses), (escape, (2, 0)), "absorbed unordered");
+            continue;
+        }
+        assert_ne!(g2.ptr(), escape, "the pinned range is never handed out");
+        assert!(!g2.is_planned());
+        assert_eq!(hits_misses, (1, 1));
+        drop(g2);
+        alloc.check_invariants().unwrap();
+        assert_eq!(alloc.stats().plan_region_bytes, 2 * MIB);
+        assert_eq!(dev.sim.violations(), vec![]);
+    }
+}
