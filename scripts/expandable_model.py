@@ -52,6 +52,7 @@ class Range:
         self.chunks = []  # (lo, hi) of each physical allocation, for stitch_chunks
         self.stitches = []  # [pages, live] of each stitched block
         self.peers = []  # the stream's other ranges (stitch_peers)
+        self.shared = None  # what the ranges share (peer_move_at_peak), set by run()
 
     def end_of(self, a):
         i = self.m.index(a)
@@ -221,9 +222,7 @@ class Range:
             fp.sort(reverse=(order == 'high'))
             for p in fp[:pages]:
                 self.unmap(p)
-        total = self.live + r + sum(rg.live for rg in self.peers)
-        at_peak = total > self.o.get('_max_total', 0)
-        if self.o.get('peer_move') and (not self.o.get('peer_move_at_peak') or at_peak):
+        if self.o.get('peer_move') and (not self.o.get('peer_move_at_peak') or self.at_peak(r)):
             # take whole free pages the stream's other ranges have mapped instead of creating
             # new ones (unmapped there, mapped here: the physical pages move)
             left = pages
@@ -236,6 +235,10 @@ class Range:
         a, e, s = self.interval_at(lo)
         assert s == FREE and e - a >= r, (a, e, s, r)
         return a
+
+    def at_peak(self, r):
+        """Whether `r` more bytes take the stream's live bytes to a new maximum."""
+        return self.live + r + sum(rg.live for rg in self.peers) > self.shared['max_live']
 
     def pages_free(self, pages):
         for p in pages:
@@ -326,6 +329,7 @@ def run(path, opts):
     rows = csv.reader(gzip.open(path, 'rt'))
     next(rows)
     ranges = {}
+    shared = {'max_live': 0}  # the ranges' live bytes at their largest (peer_move_at_peak)
     blocks = {}
     live = peak_live = 0
     peak_mapped = 0
@@ -342,11 +346,13 @@ def run(path, opts):
                 kind += 'p'
             if kind not in ranges:
                 ranges[kind] = Range(1 << 44, opts)
+                ranges[kind].shared = shared
                 for k, x in ranges.items():
                     x.peers = [y for j, y in ranges.items() if j != k]
             rg = ranges[kind]
             a = rg.alloc(r, id_)
-            opts['_max_total'] = max(opts.get('_max_total', 0), sum(x.live for x in ranges.values()))
+            if opts.get('peer_move_at_peak'):
+                shared['max_live'] = max(shared['max_live'], sum(x.live for x in ranges.values()))
             blocks[id_] = (kind, a, r)
             live += b
             peak_live = max(peak_live, live)
