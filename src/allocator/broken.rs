@@ -160,14 +160,6 @@ pub enum Broken {
     /// `release_stream` does not let go of the idle regions of plans on the stream: an adopted
     /// stream where a named scope ran can never be given back (`StreamInUse`).
     StreamKeepsRegions = 1 << 60,
-    /// An escape of a learning run used on another stream never joins the region that adopted
-    /// its segment: its range stays pinned for good, so the plan never serves it and the region
-    /// is never idle (`empty_cache` keeps it).
-    EscapeElsewherePinned = 1 << 61,
-    /// An escape of a learning run used on another stream joins its region without its stream
-    /// waiting for that work: the next run hands the range out while the other stream may
-    /// still touch it.
-    EscapeElsewhereUnordered = 1 << 62,
 }
 
 #[cfg_attr(not(feature = "test-hooks"), allow(dead_code))]
@@ -180,7 +172,7 @@ impl Broken {
 
     /// Every mode, in declaration order. Kept complete by [`Broken::position`], whose match
     /// stops compiling when a mode is added and not listed.
-    pub const EVERY: [Broken; 44] = [
+    pub const EVERY: [Broken; 42] = [
         Broken::ForeignBuffers,
         Broken::ForgottenUses,
         Broken::UnboundFreeOrder,
@@ -223,8 +215,6 @@ impl Broken {
         Broken::AdoptedPlanKept,
         Broken::OomKeepsRegions,
         Broken::StreamKeepsRegions,
-        Broken::EscapeElsewherePinned,
-        Broken::EscapeElsewhereUnordered,
     ];
 
     /// Its place in [`Broken::EVERY`].
@@ -272,8 +262,6 @@ impl Broken {
             Broken::AdoptedPlanKept => 39,
             Broken::OomKeepsRegions => 40,
             Broken::StreamKeepsRegions => 41,
-            Broken::EscapeElsewherePinned => 42,
-            Broken::EscapeElsewhereUnordered => 43,
         }
     }
 

@@ -389,7 +389,7 @@ impl<D: Device> Buffer<D> {
             }
         }
         if let Some(tag) = self.scope.take() {
-            tag.on_drop(self, &uses);
+            tag.on_drop(self);
         }
         if planned && late {
             #[cfg(not(loom))]

@@ -26,7 +26,6 @@
 
 use super::adopt::Escape;
 use super::batch::BatchBlock;
-use super::broken::Broken;
 use super::counters::quadrant;
 use super::plan::{Entry, Learned, Region, Script, Step, UNFREED};
 use super::{AllocError, Allocator, Buffer, Origin};
@@ -115,9 +114,8 @@ impl ScopeTag {
     /// Called from `Buffer::drop`, once the buffer's memory is ordered after its uses on other
     /// streams: queues the free while the run is open (the scope may reuse a planned slice at
     /// its next step); after it ended, unpins an escaped planned slice, or hands an escaped pool
-    /// block to the region that adopted its segment. `uses` are the other streams the scope
-    /// saw it used on (taken by the caller).
-    pub(crate) fn on_drop<D: Device>(&self, buf: &mut Buffer<D>, uses: &[StreamId]) {
+    /// block to the region that adopted its segment.
+    pub(crate) fn on_drop<D: Device>(&self, buf: &mut Buffer<D>) {
         let mut run = lock(&self.shared.state);
         if run.open {
             run.freed.push(self.index);
@@ -131,11 +129,9 @@ impl ScopeTag {
                 if !region.is_pinned(buf.ptr.0) {
                     return; // an escape in a segment the region did not adopt
                 }
-                // A block used on other streams joins the region once its stream waits for
-                // that work, as a planned slice's free does; where nothing can order it, it
-                // takes the event path to the pool instead and its range stays pinned, so the
-                // plan never serves it.
-                if !buf.used_elsewhere() || escape_ordered(buf, block, uses) {
+                // A block used on other streams takes the event path to the pool instead; its
+                // range stays pinned, so the plan never serves it.
+                if !buf.used_elsewhere() {
                     let b = BatchBlock {
                         block,
                         quadrant: buf.quadrant as usize,
@@ -158,28 +154,6 @@ impl ScopeTag {
             Origin::None => {}
         }
     }
-}
-
-/// Whether the escaped pool block `block` of `buf`, used on other streams (`uses`, and those
-/// the allocator recorded for the block), is ordered for reuse on its own stream: the stream
-/// waits for that work on the device (or the host waits), and the uses are forgotten, so the
-/// block may join its region with no event. `false` (uses kept) where nothing could order it.
-fn escape_ordered<D: Device>(buf: &Buffer<D>, block: BlockId, uses: &[StreamId]) -> bool {
-    let owner = &buf.owner;
-    if owner.broken(Broken::EscapeElsewherePinned) {
-        return false;
-    }
-    let mut others = owner.block_uses(block);
-    for &s in uses {
-        if !others.contains(&s) {
-            others.push(s);
-        }
-    }
-    if !owner.broken(Broken::EscapeElsewhereUnordered) && !owner.order_after(buf.stream, &others) {
-        return false;
-    }
-    owner.forget_block_uses(block, buf.ptr);
-    true
 }
 
 /// An unbound allocation of the run: its index, block size, offset in the region (or

@@ -523,14 +523,6 @@ impl<D: Device> Shared<D> {
         st.buffer_uses.remove(&ptr.0);
     }
 
-    /// Forgets the other streams pool block `block` (at `ptr`) was used on: its reuse was
-    /// ordered after them some other way (an escape joining its region, `scope.rs`).
-    pub(super) fn forget_block_uses(&self, block: BlockId, ptr: DeviceAddr) {
-        let mut st = self.lock_state();
-        st.stream_uses.remove(&block);
-        st.buffer_uses.remove(&ptr.0);
-    }
-
     /// Flushes every stream cache into the pool; returns how many blocks moved.
     pub(super) fn flush_all(&self, st: &mut State) -> usize {
         let mut n = 0;
