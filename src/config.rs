@@ -75,6 +75,12 @@ pub struct Config {
     /// virtual memory; elsewhere the allocator uses ordinary segments (and says so in
     /// `memory_summary`).
     pub expandable_segments: bool,
+    /// With expandable segments: a large request that no free block holds may be served by a
+    /// *stitched* block, a virtual range of its own onto the free chunks its stream's range
+    /// holds in pieces (GMLake's stitching; `expandable_stitching:true|false`, off by default:
+    /// its bookkeeping doubles the replayed cost per op where it is used).
+    /// Cached and served again with no device call once its chunks are free again.
+    pub stitching: bool,
     /// With expandable segments: the free mapped bytes a transient range may keep; above it its
     /// free pages are unmapped and released, once its stream's work on them is done
     /// (`release_threshold_mb`, after `cudaMemPoolAttrReleaseThreshold`; `none` = never, the
@@ -134,6 +140,7 @@ impl Default for Config {
             fast_cache_bytes: DEFAULT_FAST_CACHE_BYTES,
             global_lock: false,
             expandable_segments: false,
+            stitching: false,
             release_threshold: DEFAULT_RELEASE_THRESHOLD,
             garbage_collection_threshold: None,
             initial_pool_size: 0,
@@ -180,6 +187,11 @@ pub const KEYS: &[(&str, &str)] = &[
     (
         "expandable_segments",
         "one growing virtual range per stream, pool and residency, mapped page by page: true or false",
+    ),
+    (
+        "expandable_stitching",
+        "with expandable segments, serve a large request from free pages in pieces, mapped again \
+         at one address (GMLake's stitching): true or false",
     ),
     (
         "release_threshold_mb",
@@ -443,6 +455,7 @@ impl Config {
             "fast_cache_bytes_mb" => self.fast_cache_bytes = mib(1 << 20)?,
             "global_lock" => self.global_lock = flag()?,
             "expandable_segments" => self.expandable_segments = flag()?,
+            "expandable_stitching" => self.stitching = flag()?,
             "release_threshold_mb" => {
                 let what = "a whole number of MiB in 0..=268435456, or none";
                 self.release_threshold = match value {
@@ -685,7 +698,7 @@ mod tests {
              fast_cache:false,fast_cache_entries:4,fast_cache_bytes_mb:8,global_lock:true,\
              expandable_segments:true,release_threshold_mb:0,garbage_collection_threshold:0.75,\
              initial_pool_size_mb:64,max_pool_size_mb:2048,caching:true,\
-             max_non_split_rounding_mb:30,backend:native",
+             max_non_split_rounding_mb:30,backend:native,expandable_stitching:true",
         )
         .unwrap();
         let z = c.sizing;
@@ -707,6 +720,7 @@ mod tests {
         assert!(c.global_lock);
         assert!(!c.fast_path());
         assert!(c.expandable_segments);
+        assert!(c.stitching);
         assert_eq!(c.release_threshold, 0);
         assert_eq!(c.garbage_collection_threshold, Some(0.75));
         assert_eq!(c.initial_pool_size, 64 * MIB);
@@ -717,7 +731,7 @@ mod tests {
         assert_eq!(c.limit(2048 * MIB), Some(1024 * MIB)); // the fraction
         assert_eq!(c.clone().with_max_pool_size(8192 * MIB).limit(16384 * MIB), Some(4096 * MIB));
         assert_eq!(c.gc_limit(16384 * MIB), Some(1536 * MIB));
-        assert_eq!(KEYS.len(), 23, "a new key needs a line in this test");
+        assert_eq!(KEYS.len(), 24, "a new key needs a line in this test");
     }
 
     #[test]

@@ -160,6 +160,12 @@ pub enum Broken {
     /// `release_stream` does not let go of the idle regions of plans on the stream: an adopted
     /// stream where a named scope ran can never be given back (`StreamInUse`).
     StreamKeepsRegions = 1 << 60,
+    /// A stitched block's chunks stay in their home range's runs while it is live (not lent):
+    /// the home range hands the same physical memory out again.
+    StitchKeepsHome = 1 << 61,
+    /// A release of expandable pages unmaps the cached stitched blocks over its range before
+    /// the stream's work is done: a kernel still running on a stitched block loses its memory.
+    StitchUnmapEarly = 1 << 62,
 }
 
 #[cfg_attr(not(feature = "test-hooks"), allow(dead_code))]
@@ -172,7 +178,7 @@ impl Broken {
 
     /// Every mode, in declaration order. Kept complete by [`Broken::position`], whose match
     /// stops compiling when a mode is added and not listed.
-    pub const EVERY: [Broken; 42] = [
+    pub const EVERY: [Broken; 44] = [
         Broken::ForeignBuffers,
         Broken::ForgottenUses,
         Broken::UnboundFreeOrder,
@@ -215,6 +221,8 @@ impl Broken {
         Broken::AdoptedPlanKept,
         Broken::OomKeepsRegions,
         Broken::StreamKeepsRegions,
+        Broken::StitchKeepsHome,
+        Broken::StitchUnmapEarly,
     ];
 
     /// Its place in [`Broken::EVERY`].
@@ -262,6 +270,8 @@ impl Broken {
             Broken::AdoptedPlanKept => 39,
             Broken::OomKeepsRegions => 40,
             Broken::StreamKeepsRegions => 41,
+            Broken::StitchKeepsHome => 42,
+            Broken::StitchUnmapEarly => 43,
         }
     }
 

@@ -49,17 +49,23 @@ use std::collections::BTreeSet;
 /// One virtual range of one pool key.
 pub(super) struct Range {
     key: PoolKey,
-    base: u64,
-    size: u64,
+    pub(super) base: u64,
+    pub(super) size: u64,
     /// Mapped pages: address → physical allocation.
-    pages: PageTable,
+    pub(super) pages: PageTable,
     /// The pool's segments in this range (one per run of mapped pages), by base address.
-    segs: SortedMap<u64, SegmentId>,
+    pub(super) segs: SortedMap<u64, SegmentId>,
     /// Old addresses of pages moved to another place, still mapped until the donor stream's
     /// work is done: neither usable nor mappable meanwhile.
     retiring: BTreeSet<u64>,
     /// Growths made while the pool had freed no block yet (see [`Shared::with_headroom`]).
     build_up: u64,
+    /// Pages lent to a live stitched block (`stitch.rs`): mapped, in no run of the pool's,
+    /// neither usable nor mappable here until the stitched block is free again.
+    pub(super) lent: BTreeSet<u64>,
+    /// Chunks (by first page) that stitched blocks also map, and how many of them: a page move
+    /// to another stream passes them over, a release first unmaps the stitches over them.
+    pub(super) aliased: HashMap<u64, u32>,
 }
 
 /// Most pages one physical allocation (one `cuMemCreate` + `cuMemMap`) holds: a growth of more
@@ -67,6 +73,13 @@ pub(super) struct Range {
 /// the rest of its chunk is free (a chunk is unmapped and released only as a whole, as CUDA's
 /// `cuMemUnmap` requires).
 pub(super) const MAX_CHUNK_PAGES: u64 = 32;
+
+/// [`MAX_CHUNK_PAGES`] with stitching on (`expandable_stitching:true`): the granule of
+/// stitching (`stitch.rs`: CUDA maps a physical allocation only whole). Measured with
+/// `scripts/expandable_model.py '{"stitch_chunks": 1, "chunk_pages": N}'`: 4 pages (8 MiB)
+/// stitch as well as single pages (`mlp_train` 1.0013 × live), 32 pages only reach 1.0258;
+/// each chunk costs a create and a map.
+pub(super) const STITCH_CHUNK_PAGES: u64 = 4;
 
 /// A growth at the top of a transient range maps at least its mapped pages ÷ this (see
 /// [`Shared::with_headroom`]): the free pages it leaves at the top are under 0.2 % of the
@@ -110,40 +123,47 @@ struct Retiring {
 
 /// Counters of virtual-memory calls.
 #[derive(Default, Clone, Copy)]
-struct VmCounts {
-    maps: u64,
-    unmaps: u64,
+pub(super) struct VmCounts {
+    pub(super) maps: u64,
+    pub(super) unmaps: u64,
     creates: u64,
     releases: u64,
     moves: u64,
+    /// Stitched blocks made, and served again from the cached ones.
+    pub(super) stitches: u64,
+    pub(super) stitch_reuses: u64,
 }
 
 /// The allocator's virtual memory, under the global lock (in [`State`]).
 #[derive(Default)]
 pub(super) struct Vm {
-    ranges: SortedMap<u64, Range>,
+    pub(super) ranges: SortedMap<u64, Range>,
     /// (base, end) of every range, for the address test each slow-path allocation makes (a
     /// few entries: a scan beats the map's search).
     spans: Vec<(u64, u64)>,
-    by_key: SortedMap<PoolKey, u64>,
+    pub(super) by_key: SortedMap<PoolKey, u64>,
     retiring: Vec<Retiring>,
     /// Whether the device has virtual memory management, once asked.
     supported: Option<bool>,
     /// The chunk list of a growth, kept between growths (empty).
     scratch: Vec<(PhysHandle, u64)>,
     /// Page size (the device's granularity), known once a range exists.
-    page: u64,
+    pub(super) page: u64,
     /// `release_threshold` of the configuration last seen by the slow path.
     threshold: u64,
     /// Why expandable segments asked for are not (all) in use.
     note: Option<String>,
+    /// Stitched blocks, live and cached (`stitch.rs`).
+    pub(super) stitches: Vec<super::stitch::Stitch>,
+    /// How many of them are live (hold a pool segment).
+    pub(super) live_stitches: usize,
     /// Free bytes of a stream when a trim last found nothing to release.
     checked: HashMap<StreamId, u64>,
     /// Streams with a named scope's learning run open (how many): their transient ranges keep
     /// no free pages meanwhile (see [`Shared::set_learning`]).
     learning: HashMap<StreamId, usize>,
-    counts: VmCounts,
-    virtual_bytes: u64,
+    pub(super) counts: VmCounts,
+    pub(super) virtual_bytes: u64,
     /// Physical allocations the device refused to release (unmapped, owned by no range): tried
     /// again at every page release and when ranges are freed, so their memory is not lost.
     unreleased: Vec<PhysHandle>,
@@ -185,6 +205,27 @@ pub struct RangeInfo {
     pub runs: Vec<(DeviceAddr, u64)>,
     /// Pages moved away whose old mapping waits for the stream's work.
     pub retiring_pages: usize,
+    /// Bytes of its pages lent to live stitched blocks (mapped, in none of `runs`).
+    pub lent_bytes: u64,
+    /// Stitched blocks over its pages, live and cached.
+    pub stitches: usize,
+}
+
+impl Range {
+    /// Whether a page of `[lo, hi)` retires or is lent to a stitched block: not mappable.
+    #[inline]
+    pub(super) fn blocked(&self, lo: u64, hi: u64) -> bool {
+        !self.retiring.is_empty() && self.retiring.range(lo..hi).next().is_some()
+            || !self.lent.is_empty() && self.lent.range(lo..hi).next().is_some()
+    }
+
+    /// The first page above every run, retiring and lent page: where the range grows at its top.
+    pub(super) fn top_end(&self, pool: &Pool, page: u64) -> u64 {
+        let runs = self.segs.iter().next_back().map(|(&b, &s)| b + pool.segment(s).size);
+        let retiring = self.retiring.last().map(|&p| p + page);
+        let lent = self.lent.last().map(|&p| p + page);
+        runs.max(retiring).max(lent).unwrap_or(self.base)
+    }
 }
 
 impl Vm {
@@ -206,10 +247,12 @@ impl Vm {
         top.is_some_and(|(_, &s)| s == seg)
     }
 
-    /// Does `addr` lie in one of the ranges?
+    /// Does `addr` lie in one of the ranges, or in a stitched block's own range?
     #[inline]
     pub(super) fn contains(&self, addr: u64) -> bool {
-        !self.ranges.is_empty() && self.range_of(addr).is_some()
+        !self.ranges.is_empty()
+            && (self.range_of(addr).is_some()
+                || self.stitches.iter().any(|s| s.base <= addr && addr < s.base + s.bytes))
     }
 
     /// Why expandable segments asked for are not in use, if so.
@@ -254,9 +297,9 @@ fn device_err(e: DeviceError) -> AllocError {
 
 /// Where a growth goes: the pages `[lo, lo + pages × page)` are mapped and join the pool.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-struct Place {
-    lo: u64,
-    pages: u64,
+pub(super) struct Place {
+    pub(super) lo: u64,
+    pub(super) pages: u64,
 }
 
 /// The placement of a block of `rounded` bytes needing the fewest new pages (then the lowest
@@ -267,12 +310,25 @@ fn place(pool: &Pool, r: &Range, rounded: u64, page: u64) -> Option<Place> {
         let b = pool.block(id);
         if b.state == BlockState::Free { b.size } else { 0 }
     };
-    let runs = r.segs.entries();
+    // The walls: the runs, and the pages lent to stitched blocks (mapped, in no run).
+    let mut lent: Vec<(u64, u64)> = Vec::new();
+    for &p in &r.lent {
+        match lent.last_mut() {
+            Some((_, hi)) if *hi == p => *hi += page,
+            _ => lent.push((p, p + page)),
+        }
+    }
+    let mut walls: Vec<(u64, u64, Option<SegmentId>)> = Vec::with_capacity(r.segs.len());
+    walls.extend(r.segs.iter().map(|(&b, &s)| (b, b + pool.segment(s).size, Some(s))));
+    if !lent.is_empty() {
+        walls.extend(lent.iter().map(|&(a, b)| (a, b, None)));
+        walls.sort_unstable_by_key(|w| w.0);
+    }
     let (mut gap_lo, mut prev) = (r.base, None::<SegmentId>);
-    // The gaps: below each run, then above the last one (to the range's end).
-    for i in 0..=runs.len() {
-        let (gap_hi, next) = match runs.get(i) {
-            Some(&(b, s)) => (b, Some(s)),
+    // The gaps: below each wall, then above the last one (to the range's end).
+    for i in 0..=walls.len() {
+        let (gap_hi, next) = match walls.get(i) {
+            Some(&(b, _, s)) => (b, s),
             None => (r.base + r.size, None),
         };
         if gap_hi > gap_lo {
@@ -284,17 +340,17 @@ fn place(pool: &Pool, r: &Range, rounded: u64, page: u64) -> Option<Place> {
             if span_lo + rounded <= span_hi && tail < rounded {
                 window(r, page, rounded, span_lo, gap, &mut best);
             }
-            // ... and, below a run, ending at the span's end.
-            if next.is_some() && span_hi - span_lo >= rounded {
+            // ... and, below a wall, ending at the span's end.
+            if i < walls.len() && span_hi - span_lo >= rounded {
                 let w = span_hi - rounded;
                 if tail < rounded || w != span_lo {
                     window(r, page, rounded, w, gap, &mut best);
                 }
             }
         }
-        if let Some(n) = next {
-            gap_lo = gap_hi + pool.segment(n).size;
-            prev = Some(n);
+        if let Some(&(_, end, s)) = walls.get(i) {
+            gap_lo = end;
+            prev = s;
         }
     }
     best
@@ -313,7 +369,7 @@ fn window(
 ) {
     let lo = r.base + (w.max(gap_lo) - r.base) / page * page;
     let hi = r.base + ((w + rounded).min(gap_hi) - r.base).div_ceil(page) * page;
-    if hi <= lo || !r.retiring.is_empty() && r.retiring.range(lo..hi).next().is_some() {
+    if hi <= lo || r.blocked(lo, hi) {
         return;
     }
     let p = Place { lo, pages: (hi - lo) / page };
@@ -381,6 +437,8 @@ impl<D: Device> Shared<D> {
             segs: SortedMap::default(),
             retiring: BTreeSet::new(),
             build_up: 0,
+            lent: BTreeSet::new(),
+            aliased: HashMap::new(),
         };
         st.vm.ranges.insert(base.0, range);
         st.vm.spans.push((base.0, base.0 + size));
@@ -559,11 +617,16 @@ impl<D: Device> Shared<D> {
         rounded: u64,
     ) -> Result<Option<BlockId>, AllocError> {
         self.poll_retiring(st, false);
+        // Stitched blocks freed into a stream cache and flushed since: their chunks go home.
+        self.unstitch_freed(st);
         let page = st.vm.page;
         let base = st.vm.by_key[&key];
         let Some(exact) = place(&st.pool, &st.vm.ranges[&base], rounded, page) else {
             return Ok(None);
         };
+        if let Some(b) = self.try_stitch(st, config, key, rounded, exact)? {
+            return Ok(Some(b));
+        }
         if st.pool.frees() == 0 {
             st.vm.ranges.get_mut(&base).expect("the key's range").build_up += 1;
         }
@@ -608,7 +671,7 @@ impl<D: Device> Shared<D> {
         let (exact_end, end) = (place.lo + place.pages * page, place.lo + pages * page);
         if end > r.base + r.size
             || r.segs.keys().next_back().is_some_and(|&t| t >= exact_end)
-            || r.retiring.range(place.lo..end).next().is_some()
+            || r.blocked(place.lo, end)
         {
             return place;
         }
@@ -617,7 +680,7 @@ impl<D: Device> Shared<D> {
 
     /// Maps the pages of `place` (unmapped, not retiring) into `key`'s range and joins them to
     /// the pool; returns the free block that holds them. Nothing changes on an error.
-    fn grow_at(
+    pub(super) fn grow_at(
         &self,
         st: &mut State,
         config: &Config,
@@ -659,14 +722,19 @@ impl<D: Device> Shared<D> {
                 true => u64::MAX,
                 false => r.retiring.range(win_end..).next().copied().unwrap_or(u64::MAX),
             };
-            (next_run.min(retiring) - lo) / page
+            let lent = match r.lent.is_empty() {
+                true => u64::MAX,
+                false => r.lent.range(win_end..).next().copied().unwrap_or(u64::MAX),
+            };
+            (next_run.min(retiring).min(lent) - lo) / page
         };
         let retiring_before = st.vm.retiring.len();
         self.take_pages(st, config, key, pages, room, chunks)?;
         let mut have: u64 = chunks.iter().map(|c| c.1).sum();
         let pages = pages.max(have);
         while have < pages {
-            let n = (pages - have).min(MAX_CHUNK_PAGES);
+            let most = if config.stitching { STITCH_CHUNK_PAGES } else { MAX_CHUNK_PAGES };
+            let n = (pages - have).min(most);
             match self.device.vm_create(n * page) {
                 Ok(h) => {
                     st.vm.counts.creates += 1;
@@ -705,6 +773,19 @@ impl<D: Device> Shared<D> {
             range.pages.insert(Chunk { handle: h, lo: va, pages: n });
             va += n * page;
         }
+        debug_assert_eq!(va, end);
+        let blk = self.join_pages(st, base, lo, pages * page);
+        self.publish_vm(&st.vm);
+        Ok(blk)
+    }
+
+    /// Mapped pages `[lo, lo + bytes)` of range `base`, in no run yet (just mapped, or back
+    /// from a stitched block), join the pool: extending or joining the runs they touch.
+    /// Returns the free block that holds them.
+    pub(super) fn join_pages(&self, st: &mut State, base: u64, lo: u64, bytes: u64) -> BlockId {
+        let end = lo + bytes;
+        let range = st.vm.ranges.get_mut(&base).expect("the key's range");
+        let key = range.key;
         let left = range
             .segs
             .range(..lo)
@@ -712,7 +793,7 @@ impl<D: Device> Shared<D> {
             .filter(|&(&b, &s)| b + st.pool.segment(s).size == lo)
             .map(|(_, &s)| s);
         let right = range.segs.get(&end).copied();
-        let (seg, blk) = st.pool.extend(key, lo, pages * page, left, right);
+        let (seg, blk) = st.pool.extend(key, lo, bytes, left, right);
         // The runs table: a left neighbour keeps its base (and its entry); a right one joined
         // to it, or grown down to `lo`, leaves its entry at `end`.
         if right.is_some() {
@@ -722,7 +803,7 @@ impl<D: Device> Shared<D> {
             range.segs.insert(lo, seg);
         }
         debug_assert_eq!(range.segs.get(&st.pool.segment(seg).base), Some(&seg));
-        st.note(Action::SegmentMap, DeviceAddr(lo), pages * page, key.stream);
+        st.note(Action::SegmentMap, DeviceAddr(lo), bytes, key.stream);
         // Segments per stream: the new run counts one, each neighbour it joined one less. A
         // stream with a run here already has its cache.
         match (left.is_some(), right.is_some()) {
@@ -733,8 +814,7 @@ impl<D: Device> Shared<D> {
             (true, true) => Self::forget_segment(st, key.stream),
             _ => {}
         }
-        self.publish_vm(&st.vm);
-        Ok(blk)
+        blk
     }
 
     /// For a plan's region (`adopt.rs`): the span of `key`'s range a region of `need` bytes
@@ -757,8 +837,7 @@ impl<D: Device> Shared<D> {
         })?;
         let top = r.segs.iter().next_back().map_or(lo, |(&b, &s)| b + st.pool.segment(s).size);
         let hi = top.max(lo + need.div_ceil(page) * page);
-        let retiring = r.retiring.range(lo..hi).next().is_some();
-        (!retiring && hi <= r.base + r.size).then_some((lo, hi))
+        (!r.blocked(lo, hi) && hi <= r.base + r.size).then_some((lo, hi))
     }
 
     /// Maps every unmapped page of `key`'s range in `[lo, hi)` (page-aligned, none retiring;
@@ -860,7 +939,7 @@ impl<D: Device> Shared<D> {
             if want == 0 {
                 break;
             }
-            let runs = self.free_page_runs(st, d, want, room - taken, |_| true);
+            let runs = self.free_page_runs(st, d, want, room - taken, true, |_| true);
             if runs.is_empty() {
                 continue;
             }
@@ -929,13 +1008,15 @@ impl<D: Device> Shared<D> {
 
     /// Whole free chunks of range `base` in its runs that satisfy `which`, as runs (free block,
     /// first page, end), the highest first, until they hold `want` pages, at most `cap` pages in
-    /// all (a chunk that would pass `cap` is passed over).
+    /// all (a chunk that would pass `cap` is passed over; with `moving`, so is a chunk a stitched
+    /// block also maps: a page move unmaps it here, and the stitch would keep its memory).
     fn free_page_runs(
         &self,
         st: &State,
         base: u64,
         want: u64,
         cap: u64,
+        moving: bool,
         mut which: impl FnMut(&Segment) -> bool,
     ) -> Vec<(BlockId, u64, u64)> {
         let (page, r) = (st.vm.page, &st.vm.ranges[&base]);
@@ -964,7 +1045,10 @@ impl<D: Device> Shared<D> {
                 let mut run_hi = z;
                 while top > a && left > 0 {
                     let c = r.pages.get(top - page).expect("a run's page is mapped");
-                    let fits = c.lo >= a && c.lo + c.pages * page == top && got + c.pages <= cap;
+                    let fits = c.lo >= a
+                        && c.lo + c.pages * page == top
+                        && got + c.pages <= cap
+                        && !(moving && r.aliased.contains_key(&c.lo));
                     if fits {
                         left = left.saturating_sub(c.pages);
                         got += c.pages;
@@ -990,7 +1074,7 @@ impl<D: Device> Shared<D> {
 
     /// Cuts `[a, b)` out of free block `block` of range `base` in the pool, keeping the range's
     /// segment table and the per-stream segment counts.
-    fn carve_run(&self, st: &mut State, base: u64, block: BlockId, a: u64, b: u64) {
+    pub(super) fn carve_run(&self, st: &mut State, base: u64, block: BlockId, a: u64, b: u64) {
         let seg = st.pool.block(block).segment;
         let old_base = st.pool.segment(seg).base;
         let stream = st.pool.segment(seg).key.stream;
@@ -1021,6 +1105,8 @@ impl<D: Device> Shared<D> {
         // A moved page still mapped at its old place would outlive its release there (the
         // driver frees memory at its last unmapping): old places go first.
         self.poll_retiring(st, true);
+        // Freed stitched blocks (flushed from the stream caches) give their chunks back first.
+        self.unstitch_freed(st);
         let page = st.vm.page;
         let bases: Vec<u64> = st.vm.ranges.keys().copied().collect();
         let mut result = Ok(());
@@ -1034,11 +1120,14 @@ impl<D: Device> Shared<D> {
                 }
                 (free - keep).div_ceil(page)
             };
-            let runs = self.free_page_runs(st, base, max, u64::MAX, &mut which);
+            let runs = self.free_page_runs(st, base, max, u64::MAX, false, &mut which);
             if runs.is_empty() {
                 continue;
             }
             let stream = st.vm.ranges[&base].key.stream;
+            if self.broken(Broken::StitchUnmapEarly) {
+                self.drop_stitches_over(st, base, &runs); // BROKEN: before its work is done
+            }
             // Its work cannot be waited for: its pages stay mapped (the next range).
             if let Err(e) = self.stream_done(st, stream) {
                 if self.broken(Broken::VmEventErrors) {
@@ -1046,6 +1135,9 @@ impl<D: Device> Shared<D> {
                 }
                 continue;
             }
+            // The stream's work is done: the cached stitched blocks over these chunks go first
+            // (the driver frees memory at its last unmapping).
+            self.drop_stitches_over(st, base, &runs);
             for (block, a, b) in runs {
                 // From the top down; stop at the first refusal.
                 let mut done = b;
@@ -1093,7 +1185,7 @@ impl<D: Device> Shared<D> {
 
     /// Returns once `stream`'s work enqueued so far has completed: an event recorded and queried,
     /// waited for (a host sync) if it has not completed. A stream that is gone was drained.
-    fn stream_done(&self, st: &mut State, stream: StreamId) -> Result<(), AllocError> {
+    pub(super) fn stream_done(&self, st: &mut State, stream: StreamId) -> Result<(), AllocError> {
         if self.broken_skip_events.load(Ordering::Relaxed) {
             return Ok(());
         }
@@ -1245,7 +1337,9 @@ impl<D: Device> Shared<D> {
     /// stays as it is.)
     pub(super) fn vm_leftovers(&self, vm: &mut Vm, pool: &Pool) -> Vec<Leftover> {
         let page = vm.page;
-        let mut left: Vec<Leftover> = vm.unreleased.drain(..).map(Leftover::Release).collect();
+        // The stitches' mappings first: a physical allocation is freed at its last unmapping.
+        let mut left = Self::stitch_leftovers(vm);
+        left.extend(vm.unreleased.drain(..).map(Leftover::Release));
         for r in std::mem::take(&mut vm.retiring) {
             left.extend(r.pages.iter().map(|&(_, va, n)| Leftover::Unmap { va, bytes: n * page }));
             left.push(Leftover::Event(r.event));
@@ -1264,7 +1358,7 @@ impl<D: Device> Shared<D> {
     }
 
     /// Copies the counters for lock-free readers.
-    fn publish_vm(&self, vm: &Vm) {
+    pub(super) fn publish_vm(&self, vm: &Vm) {
         let p = &self.vm_published;
         let c = vm.counts;
         p.active.store(!vm.ranges.is_empty(), Ordering::Relaxed);
@@ -1319,6 +1413,8 @@ impl<D: Device> Shared<D> {
                     free_page_bytes: free_pages,
                     runs,
                     retiring_pages: r.retiring.len(),
+                    lent_bytes: r.lent.len() as u64 * page,
+                    stitches: st.vm.stitches.iter().filter(|s| s.home == r.base).count(),
                 }
             })
             .collect()
@@ -1371,6 +1467,12 @@ impl<D: Device> Shared<D> {
                 pages += seg.size / page;
                 prev_end = Some(seg.base + seg.size);
             }
+            pages += r.lent.len() as u64;
+            for &va in &r.lent {
+                if !r.pages.contains(va) {
+                    return Err(format!("lent page at {va:#x} is not mapped"));
+                }
+            }
             if pages != r.pages.len() as u64 {
                 return Err(format!(
                     "range at {:#x}: {} pages mapped, {pages} in its runs",
@@ -1385,6 +1487,8 @@ impl<D: Device> Shared<D> {
             }
             in_ranges += r.segs.len();
         }
+        self.check_stitches(st)?;
+        in_ranges += st.vm.live_stitches;
         let inside = st.pool.segments().filter(|(_, s)| st.vm.contains(s.base)).count();
         if inside != in_ranges {
             return Err(format!("{inside} pool segments in ranges, {in_ranges} listed"));
@@ -1405,6 +1509,7 @@ impl<D: Device> Allocator<D> {
         let sh = &self.shared;
         let mut st = sh.lock_state();
         sh.flush_all(&mut st);
+        sh.unstitch_freed(&mut st);
         sh.range_infos(&st)
     }
 }

@@ -54,6 +54,7 @@ mod seqlock;
 mod slow_path;
 mod state;
 mod stats_layout;
+mod stitch;
 
 pub use buffer::Buffer;
 pub use capture::Graph;

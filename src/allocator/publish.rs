@@ -34,6 +34,7 @@ impl<D: Device> Shared<D> {
     /// (Under `global_lock` nothing is published: `stats()` reads under the lock.)
     pub(super) fn publish(&self, st: &mut State) {
         if !st.vm.is_empty() {
+            self.unstitch_freed(st);
             self.trim(st);
         }
         if self.passthrough.load(Ordering::Relaxed) {

@@ -98,8 +98,10 @@ impl<D: Device> Shared<D> {
         let searches = &self.scope_counters.searches;
         searches.store(searches.load(Ordering::Relaxed) + 1, Ordering::Relaxed);
         if key.kind == crate::stats::PoolKind::Large {
-            // A large block waiting in a stream cache is searched as the pool would hold it.
+            // A large block waiting in a stream cache is searched as the pool would hold it
+            // (a stitched one's chunks back home, where they would be).
             self.flush_large(st);
+            self.unstitch_freed(st);
         }
         let aligned = align > MIN_ALIGN;
         // Any block of `need` bytes holds `rounded` bytes at an aligned address (blocks start

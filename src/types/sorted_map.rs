@@ -119,6 +119,7 @@ impl<K: Ord + Copy, V> SortedMap<K, V> {
 
     /// The entries, in key order.
     #[inline]
+    #[cfg(test)]
     pub(crate) fn entries(&self) -> &[(K, V)] {
         &self.entries
     }

@@ -921,6 +921,7 @@ impl SimDevice {
             let aliases = st.vm.aliases(lo, hi);
             let op = "handout of physical memory also mapped elsewhere";
             found.extend(st.san.check_aliases(stream.0, &aliases, true, op));
+            found.extend(st.san.alias_handed(stream.0, &aliases));
         }
         found.extend(st.san.handout(ptr.0, bytes, stream.0));
         if !st.graphs.is_empty()

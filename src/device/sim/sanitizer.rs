@@ -394,6 +394,22 @@ impl Sanitizer {
         found
     }
 
+    /// `stream` is handed memory whose physical pages are also mapped at `aliases`: any part of
+    /// them still handed out there is the same memory owned twice.
+    pub(super) fn alias_handed(&mut self, stream: u32, aliases: &[(u64, u64)]) -> Vec<Violation> {
+        let mut found = Vec::new();
+        if !self.enabled {
+            return found;
+        }
+        for &(lo, hi) in aliases {
+            if let Some(&(_, h)) = self.handed_overlaps(lo, hi).first() {
+                let op = "handout of physical memory handed out at another address".to_string();
+                self.report(&mut found, lo, hi, stream, Some(h.stream), op);
+            }
+        }
+        found
+    }
+
     /// `[lo, hi)` is unmapped now (a host-side act): any unfinished work on it, of any stream,
     /// and any part of it still handed out, is a violation. What was handed out is forgotten.
     pub(super) fn unmap(&mut self, lo: u64, hi: u64) -> Vec<Violation> {

@@ -1,0 +1,244 @@
+//! Stitched blocks (`expandable_stitching:true`, GMLake's stitching over expandable ranges) on
+//! SimDevice, with exact addresses, chunks and device calls: a large request that no free block
+//! holds is served from the stream's free chunks mapped again at one address of their own; the
+//! chunks are lent (the home range cannot hand them out) while the stitch is live and come back
+//! when it is freed; a cached stitch serves again with no device call; releases unmap the
+//! stitches first, after the stream's work; a map refused midway falls back to a growth; nothing
+//! leaks. Broken modes: `StitchKeepsHome`, `StitchUnmapEarly`.
+//!
+//! With stitching on, ranges are made of chunks of 4 pages (8 MiB). The first range starts at
+//! `SIM_BASE` and is twice the device's capacity; the first stitch's own range follows it.
+
+use std::sync::Arc;
+use std::sync::mpsc;
+use tidepool::device::{Access, AccessKind, Kernel, Launch, SIM_BASE, SimDevice};
+use tidepool::hooks::Broken;
+use tidepool::{Allocator, Buffer, Config, Device, DeviceAddr, MIB, StreamId};
+
+const P: u64 = 2 * MIB;
+const CAP: u64 = 256 * MIB;
+const S0: StreamId = StreamId::DEFAULT;
+
+fn setup(config: &str) -> (Arc<SimDevice>, Allocator<SimDevice>) {
+    let dev = Arc::new(SimDevice::backed(CAP));
+    let config = Config::parse(config).unwrap().with_expandable_segments(true);
+    let alloc = Allocator::new(dev.clone(), config).unwrap();
+    (dev, alloc)
+}
+
+fn at(offset: u64) -> DeviceAddr {
+    DeviceAddr(SIM_BASE + offset)
+}
+
+/// Where the first stitch's own range starts.
+fn stitch_base() -> DeviceAddr {
+    at(2 * CAP)
+}
+
+/// 8, 16, 8, 16, 8 MiB back to back (7 chunks, 28 pages), then the three 8 MiB blocks freed:
+/// three free chunks at 0, 24 and 48 MiB, none of which holds 24 MiB. Returns the 16 MiB ones.
+fn holes(dev: &SimDevice, alloc: &Allocator<SimDevice>) -> Vec<Buffer<SimDevice>> {
+    let sizes = [8, 16, 8, 16, 8].map(|m| m * MIB);
+    let mut bufs: Vec<_> = sizes.iter().map(|&b| alloc.alloc(b, S0).unwrap()).collect();
+    let ptrs: Vec<_> = bufs.iter().map(|b| b.ptr()).collect();
+    assert_eq!(ptrs, [0, 8, 24, 32, 48].map(|m| at(m * MIB)));
+    let v = dev.vm_counters();
+    assert_eq!((v.creates, v.maps), (7, 7));
+    for i in [4, 2, 0] {
+        drop(bufs.remove(i));
+    }
+    alloc.check_invariants().unwrap();
+    bufs
+}
+
+#[test]
+fn a_stitch_serves_a_large_request_from_free_chunks_and_is_served_again_with_no_device_call() {
+    let (dev, alloc) = setup("fast_cache:false,expandable_stitching:true");
+    let kept = holes(&dev, &alloc);
+    // 24 MiB: a growth would map 8 pages over the free end; the three free chunks hold all 12.
+    let s = alloc.alloc(24 * MIB, S0).unwrap();
+    assert_eq!(s.ptr(), stitch_base());
+    let v = dev.vm_counters();
+    assert_eq!((v.creates, v.maps, v.reserves), (7, 10, 2), "three alias maps, nothing created");
+    assert_eq!(alloc.reserved_bytes(), 28 * P, "the chunks count once");
+    assert_eq!(dev.physical_bytes(), 28 * P);
+    let r = &alloc.expandable_ranges()[0];
+    assert_eq!((r.lent_bytes, r.stitches), (24 * MIB, 1));
+    assert_eq!(r.runs, vec![(at(8 * MIB), 16 * MIB), (at(32 * MIB), 16 * MIB)]);
+    alloc.check_invariants().unwrap();
+    // The lent chunks are not the home range's to hand out: an 8 MiB request grows at the top.
+    let c = alloc.alloc(8 * MIB, S0).unwrap();
+    assert_eq!(c.ptr(), at(56 * MIB));
+    // A kernel writes all of the stitched block: its pages are mapped, and nobody else's.
+    let k = Kernel::new(
+        "fill",
+        vec![Access { ptr: s.ptr(), bytes: 24 * MIB, kind: AccessKind::Write }],
+        |_| {},
+    );
+    dev.launch(S0, k).unwrap();
+    dev.synchronize().unwrap();
+    assert_eq!(dev.violations(), vec![]);
+    // Freed: the chunks go home (free there), the stitch stays mapped.
+    drop(s);
+    let r = &alloc.expandable_ranges()[0];
+    assert_eq!((r.lent_bytes, r.stitches, r.free_bytes), (0, 1, 24 * MIB));
+    alloc.check_invariants().unwrap();
+    let d = alloc.alloc(8 * MIB, S0).unwrap();
+    assert_eq!(d.ptr(), at(0), "a chunk back home serves the home range again");
+    drop(d);
+    // Asked again: the cached stitch, whose chunks are all free, with no device call.
+    let maps = dev.vm_counters().maps;
+    let s = alloc.alloc(24 * MIB, S0).unwrap();
+    assert_eq!(s.ptr(), stitch_base());
+    assert_eq!(dev.vm_counters().maps, maps);
+    assert_eq!(dev.vm_counters().reserves, 2);
+    alloc.check_invariants().unwrap();
+    drop((s, c, kept));
+    alloc.empty_cache().unwrap();
+    assert_eq!(dev.live_mappings(), vec![], "the stitch's mappings went with its chunks");
+    assert_eq!(dev.virtual_bytes(), 2 * CAP, "and its range");
+    assert_eq!(alloc.expandable_ranges()[0].stitches, 0);
+    assert_eq!(dev.physical_bytes(), 0);
+    drop(alloc);
+    assert_eq!((dev.live_physical(), dev.virtual_bytes()), (0, 0));
+    assert_eq!(dev.violations(), vec![]);
+}
+
+#[test]
+fn a_stitch_whose_chunks_are_busy_again_is_not_served() {
+    let (dev, alloc) = setup("fast_cache:false,expandable_stitching:true");
+    let kept = holes(&dev, &alloc);
+    drop(alloc.alloc(24 * MIB, S0).unwrap());
+    // A chunk of the cached stitch is taken at home: the next 24 MiB needs a stitch of its own,
+    // of the two chunks still free and one grown at the top.
+    let d = alloc.alloc(8 * MIB, S0).unwrap();
+    assert_eq!(d.ptr(), at(0));
+    let s = alloc.alloc(24 * MIB, S0).unwrap();
+    assert_eq!(s.ptr(), DeviceAddr(stitch_base().0 + 24 * MIB));
+    let v = dev.vm_counters();
+    assert_eq!((v.creates, v.maps, v.reserves), (8, 7 + 3 + 1 + 3, 3));
+    assert_eq!(alloc.reserved_bytes(), 32 * P);
+    assert_eq!(alloc.expandable_ranges()[0].stitches, 2);
+    alloc.check_invariants().unwrap();
+    drop((s, d, kept));
+    alloc.check_invariants().unwrap();
+    drop(alloc);
+    assert_eq!((dev.live_physical(), dev.virtual_bytes()), (0, 0));
+    assert_eq!(dev.violations(), vec![]);
+}
+
+/// An 8 MiB request while a stitch is live: the violations the sanitizer reports.
+fn home_request_under_a_live_stitch(broken: bool) -> Vec<String> {
+    let (dev, alloc) = setup("fast_cache:false,expandable_stitching:true");
+    alloc.set_broken(Broken::StitchKeepsHome, broken);
+    let _kept = holes(&dev, &alloc);
+    let s = alloc.alloc(24 * MIB, S0).unwrap();
+    assert_eq!(s.ptr(), stitch_base());
+    let c = alloc.alloc(8 * MIB, S0).unwrap();
+    assert_eq!(c.ptr() == at(0), broken, "broken: the lent chunk at 0 is handed out again");
+    dev.violations().iter().map(|v| v.op.clone()).collect()
+}
+
+#[test]
+fn lent_chunks_are_not_handed_out_at_home() {
+    assert_eq!(home_request_under_a_live_stitch(false), Vec::<String>::new());
+    let found = home_request_under_a_live_stitch(true);
+    assert!(
+        found.iter().any(|op| op == "handout of physical memory handed out at another address"),
+        "{found:?}"
+    );
+}
+
+/// A kernel still running on a freed stitched block when `empty_cache` releases its chunks.
+fn release_under_a_running_kernel(broken: bool) -> Vec<String> {
+    let (dev, alloc) = setup("fast_cache:false,expandable_stitching:true");
+    alloc.set_broken(Broken::StitchUnmapEarly, broken);
+    let kept = holes(&dev, &alloc);
+    let s = alloc.alloc(24 * MIB, S0).unwrap();
+    let (open, gate) = mpsc::channel::<()>();
+    let k = Kernel::new(
+        "gated_write",
+        vec![Access { ptr: s.ptr(), bytes: 24 * MIB, kind: AccessKind::Write }],
+        move |_| {
+            let _ = gate.recv();
+        },
+    );
+    dev.launch(S0, k).unwrap();
+    drop(s);
+    // The release waits for the stream (a host sync): the kernel finishes then.
+    let before = dev.counters().host_syncs;
+    let watcher = {
+        let dev = dev.clone();
+        std::thread::spawn(move || {
+            while dev.counters().host_syncs == before {
+                std::thread::yield_now();
+            }
+            let _ = open.send(());
+        })
+    };
+    drop(kept);
+    alloc.empty_cache().unwrap();
+    watcher.join().unwrap();
+    dev.synchronize().unwrap();
+    assert_eq!(dev.live_mappings(), vec![]);
+    assert_eq!(dev.physical_bytes(), 0);
+    dev.violations().iter().map(|v| v.op.clone()).collect()
+}
+
+#[test]
+fn stitches_are_unmapped_only_after_the_streams_work() {
+    assert_eq!(release_under_a_running_kernel(false), Vec::<String>::new());
+    let found = release_under_a_running_kernel(true);
+    assert!(found.iter().any(|op| op == "unmap of memory that unfinished work uses"), "{found:?}");
+}
+
+#[test]
+fn a_map_refused_midway_through_a_stitch_falls_back_to_a_growth() {
+    let (dev, alloc) = setup("fast_cache:false,expandable_stitching:true");
+    let kept = holes(&dev, &alloc);
+    dev.fail_nth_vm_map(Some(2));
+    let s = alloc.alloc(24 * MIB, S0).unwrap();
+    assert_eq!(s.ptr(), at(48 * MIB), "the growth over the free end");
+    let v = dev.vm_counters();
+    assert_eq!((v.maps, v.failed_maps, v.unmaps), (7 + 1 + 2, 1, 1));
+    assert_eq!((v.reserves, v.frees), (2, 1), "the stitch's range was given back");
+    assert_eq!(dev.virtual_bytes(), 2 * CAP);
+    assert_eq!(alloc.expandable_ranges()[0].stitches, 0);
+    assert_eq!(alloc.reserved_bytes(), 36 * P);
+    alloc.check_invariants().unwrap();
+    drop((s, kept));
+    drop(alloc);
+    assert_eq!((dev.live_physical(), dev.virtual_bytes()), (0, 0));
+    assert_eq!(dev.violations(), vec![]);
+}
+
+#[test]
+fn without_stitching_the_request_grows_the_range() {
+    let (dev, alloc) = setup("fast_cache:false");
+    let sizes = [8, 16, 8, 16, 8].map(|m| m * MIB);
+    let mut bufs: Vec<_> = sizes.iter().map(|&b| alloc.alloc(b, S0).unwrap()).collect();
+    for i in [4, 2, 0] {
+        drop(bufs.remove(i));
+    }
+    let s = alloc.alloc(24 * MIB, S0).unwrap();
+    assert_eq!(s.ptr(), at(48 * MIB));
+    assert_eq!(alloc.reserved_bytes(), 36 * P);
+    assert_eq!(dev.vm_counters().reserves, 1);
+}
+
+#[test]
+fn with_the_stream_caches_a_freed_stitch_comes_home_at_the_next_search() {
+    let (dev, alloc) = setup("expandable_stitching:true");
+    let kept = holes(&dev, &alloc);
+    let s = alloc.alloc(24 * MIB, S0).unwrap();
+    assert_eq!(s.ptr(), stitch_base());
+    drop(s);
+    // Wherever the freed block waits, the next large search sees the chunks home again.
+    let d = alloc.alloc(8 * MIB, S0).unwrap();
+    assert_eq!(d.ptr(), at(0));
+    alloc.check_invariants().unwrap();
+    drop((d, kept));
+    drop(alloc);
+    assert_eq!((dev.live_physical(), dev.virtual_bytes()), (0, 0));
+    assert_eq!(dev.violations(), vec![]);
+}
