@@ -124,7 +124,9 @@ impl<D: Device> Shared<D> {
             .stitches
             .iter()
             .enumerate()
-            .filter(|(_, s)| mine(s) && s.bytes >= need * page && s.bytes <= (need + need / 4) * page)
+            .filter(|(_, s)| {
+                mine(s) && s.bytes >= need * page && s.bytes <= (need + need / 4) * page
+            })
             .filter(|(_, s)| {
                 s.chunks.iter().all(|c| inside(&spans, c.home, c.home + c.pages * page))
             })
@@ -149,7 +151,12 @@ impl<D: Device> Shared<D> {
                 let c = r.pages.get(va).expect("a run's page is mapped");
                 let end = c.lo + c.pages * page;
                 if c.lo >= a && end <= z && have + c.pages <= need {
-                    chunks.push(StitchChunk { home: c.lo, pages: c.pages, handle: c.handle, at: 0 });
+                    chunks.push(StitchChunk {
+                        home: c.lo,
+                        pages: c.pages,
+                        handle: c.handle,
+                        at: 0,
+                    });
                     have += c.pages;
                 }
                 va = end;
@@ -273,7 +280,11 @@ impl<D: Device> Shared<D> {
             let first = segment.first;
             let s = &st.vm.stitches[i];
             let (base, bytes, key, home) = (s.base, s.bytes, s.key, s.home);
-            debug_assert_eq!(st.pool.block(first).size, bytes, "a wholly free segment is one block");
+            debug_assert_eq!(
+                st.pool.block(first).size,
+                bytes,
+                "a wholly free segment is one block"
+            );
             st.pool.carve(first, base, base + bytes);
             Self::forget_segment(st, key.stream);
             st.note(Action::SegmentUnmap, DeviceAddr(base), bytes, key.stream);
@@ -388,7 +399,9 @@ impl<D: Device> Shared<D> {
             for c in &s.chunks {
                 match r.pages.get(c.home) {
                     Some(h) if h.lo == c.home && h.pages == c.pages && h.handle == c.handle => {}
-                    _ => return Err(format!("stitch at {:#x}: chunk {:#x} drifted", s.base, c.home)),
+                    _ => {
+                        return Err(format!("stitch at {:#x}: chunk {:#x} drifted", s.base, c.home));
+                    }
                 }
                 *aliased.entry((s.home, c.home)).or_default() += 1;
                 if s.seg.is_some() {
@@ -401,10 +414,9 @@ impl<D: Device> Shared<D> {
             }
             if let Some(seg) = s.seg {
                 live += 1;
-                let ok = st
-                    .pool
-                    .segments()
-                    .any(|(id, g)| id == seg && g.base == s.base && g.size == s.bytes && g.key == s.key);
+                let ok = st.pool.segments().any(|(id, g)| {
+                    id == seg && g.base == s.base && g.size == s.bytes && g.key == s.key
+                });
                 if !ok {
                     return Err(format!("live stitch at {:#x} has no segment of its own", s.base));
                 }

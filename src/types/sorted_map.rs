@@ -117,13 +117,6 @@ impl<K: Ord + Copy, V> SortedMap<K, V> {
         self.entries.iter().map(|(_, v)| v)
     }
 
-    /// The entries, in key order.
-    #[inline]
-    #[cfg(test)]
-    pub(crate) fn entries(&self) -> &[(K, V)] {
-        &self.entries
-    }
-
     /// The entry with the largest key.
     #[inline]
     pub(crate) fn last(&self) -> Option<(&K, &V)> {
