@@ -49,8 +49,9 @@ use tidepool::{MemPool, PoolOptions, Scope, ScopedBuffer};
 
 /// Stream slots; slot 0 is the default stream, the others come and go.
 const SLOTS: usize = 4;
-/// Request sizes: small pool, large pool, an own segment.
-const SIZES: [u64; 6] = [256, 4096, 12_000, 65_536, 700_000, 3 << 20];
+/// Request sizes: small pool, large pool, an own segment, one a stitch may serve (at least 8
+/// pages of 2 MiB: `expandable_stitching`).
+const SIZES: [u64; 7] = [256, 4096, 12_000, 65_536, 700_000, 3 << 20, 20 << 20];
 /// Names of the named scopes.
 const NAMES: [&str; 2] = ["step", "eval"];
 /// Bytes a kernel body really touches (it declares the whole buffer).
@@ -76,12 +77,13 @@ enum Op {
 }
 
 /// What `Op::SetConfig` switches an allocator to (with its cross-stream policy kept): the
-/// default, expandable segments (and with pages released at once), caching off, one global
-/// lock, a split bound, rounding divisions, garbage collection.
-const CONFIGS: [&str; 8] = [
+/// default, expandable segments (and with pages released at once, and with stitching), caching
+/// off, one global lock, a split bound, rounding divisions, garbage collection.
+const CONFIGS: [&str; 9] = [
     "",
     "expandable_segments:true",
     "expandable_segments:true,release_threshold_mb:0",
+    "expandable_segments:true,expandable_stitching:true",
     "caching:false",
     "global_lock:true",
     "max_split_size_mb:40",
