@@ -62,7 +62,8 @@ pub(super) struct Range {
     build_up: u64,
     /// Pages lent to a live stitched block (`stitch.rs`): mapped, in no run of the pool's,
     /// neither usable nor mappable here until the stitched block is free again.
-    pub(super) lent: BTreeSet<u64>,
+    /// As chunks: first page → end.
+    pub(super) lent: SortedMap<u64, u64>,
     /// Chunks (by first page) that stitched blocks also map, and how many of them: a page move
     /// to another stream passes them over, a release first unmaps the stitches over them.
     pub(super) aliased: HashMap<u64, u32>,
@@ -157,6 +158,8 @@ pub(super) struct Vm {
     pub(super) stitches: Vec<super::stitch::Stitch>,
     /// How many of them are live (hold a pool segment).
     pub(super) live_stitches: usize,
+    /// The pool's count of frees when live stitches were last looked at.
+    pub(super) frees_seen: u64,
     /// Free bytes of a stream when a trim last found nothing to release.
     checked: HashMap<StreamId, u64>,
     /// Streams with a named scope's learning run open (how many): their transient ranges keep
@@ -216,14 +219,14 @@ impl Range {
     #[inline]
     pub(super) fn blocked(&self, lo: u64, hi: u64) -> bool {
         !self.retiring.is_empty() && self.retiring.range(lo..hi).next().is_some()
-            || !self.lent.is_empty() && self.lent.range(lo..hi).next().is_some()
+            || !self.lent.is_empty() && self.lent.floor(&(hi - 1)).is_some_and(|(_, &e)| e > lo)
     }
 
     /// The first page above every run, retiring and lent page: where the range grows at its top.
     pub(super) fn top_end(&self, pool: &Pool, page: u64) -> u64 {
         let runs = self.segs.iter().next_back().map(|(&b, &s)| b + pool.segment(s).size);
         let retiring = self.retiring.last().map(|&p| p + page);
-        let lent = self.lent.last().map(|&p| p + page);
+        let lent = self.lent.last().map(|(_, &e)| e);
         runs.max(retiring).max(lent).unwrap_or(self.base)
     }
 }
@@ -311,17 +314,11 @@ fn place(pool: &Pool, r: &Range, rounded: u64, page: u64) -> Option<Place> {
         if b.state == BlockState::Free { b.size } else { 0 }
     };
     // The walls: the runs, and the pages lent to stitched blocks (mapped, in no run).
-    let mut lent: Vec<(u64, u64)> = Vec::new();
-    for &p in &r.lent {
-        match lent.last_mut() {
-            Some((_, hi)) if *hi == p => *hi += page,
-            _ => lent.push((p, p + page)),
-        }
-    }
-    let mut walls: Vec<(u64, u64, Option<SegmentId>)> = Vec::with_capacity(r.segs.len());
+    let mut walls: Vec<(u64, u64, Option<SegmentId>)> =
+        Vec::with_capacity(r.segs.len() + r.lent.len());
     walls.extend(r.segs.iter().map(|(&b, &s)| (b, b + pool.segment(s).size, Some(s))));
-    if !lent.is_empty() {
-        walls.extend(lent.iter().map(|&(a, b)| (a, b, None)));
+    if !r.lent.is_empty() {
+        walls.extend(r.lent.iter().map(|(&a, &b)| (a, b, None)));
         walls.sort_unstable_by_key(|w| w.0);
     }
     let (mut gap_lo, mut prev) = (r.base, None::<SegmentId>);
@@ -437,7 +434,7 @@ impl<D: Device> Shared<D> {
             segs: SortedMap::default(),
             retiring: BTreeSet::new(),
             build_up: 0,
-            lent: BTreeSet::new(),
+            lent: SortedMap::default(),
             aliased: HashMap::new(),
         };
         st.vm.ranges.insert(base.0, range);
@@ -724,7 +721,7 @@ impl<D: Device> Shared<D> {
             };
             let lent = match r.lent.is_empty() {
                 true => u64::MAX,
-                false => r.lent.range(win_end..).next().copied().unwrap_or(u64::MAX),
+                false => r.lent.range(win_end..).next().map_or(u64::MAX, |(&a, _)| a),
             };
             (next_run.min(retiring).min(lent) - lo) / page
         };
@@ -1317,6 +1314,7 @@ impl<D: Device> Shared<D> {
             .values()
             .filter(|r| which(&r.key) && r.pages.is_empty() && r.retiring.is_empty())
             .map(|r| r.base)
+            .filter(|&b| !st.vm.stitches.iter().any(|s| s.home == b))
             .collect();
         for base in gone {
             let size = st.vm.ranges[&base].size;
@@ -1413,7 +1411,7 @@ impl<D: Device> Shared<D> {
                     free_page_bytes: free_pages,
                     runs,
                     retiring_pages: r.retiring.len(),
-                    lent_bytes: r.lent.len() as u64 * page,
+                    lent_bytes: r.lent.iter().map(|(&a, &e)| e - a).sum(),
                     stitches: st.vm.stitches.iter().filter(|s| s.home == r.base).count(),
                 }
             })
@@ -1467,10 +1465,12 @@ impl<D: Device> Shared<D> {
                 pages += seg.size / page;
                 prev_end = Some(seg.base + seg.size);
             }
-            pages += r.lent.len() as u64;
-            for &va in &r.lent {
-                if !r.pages.contains(va) {
-                    return Err(format!("lent page at {va:#x} is not mapped"));
+            for (&a, &e) in r.lent.iter() {
+                pages += (e - a) / page;
+                for va in (a..e).step_by(page as usize) {
+                    if !r.pages.contains(va) {
+                        return Err(format!("lent page at {va:#x} is not mapped"));
+                    }
                 }
             }
             if pages != r.pages.len() as u64 {

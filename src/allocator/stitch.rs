@@ -87,6 +87,21 @@ fn free_spans(st: &State, home: u64) -> Vec<(u64, u64)> {
         .collect()
 }
 
+/// The home pages of `chunks` as runs of neighbouring chunks, (first page, end), in address
+/// order (a stitch's chunks are in address order: the free ones lowest first, then those grown
+/// at the top).
+fn runs_of(chunks: &[StitchChunk], page: u64) -> Vec<(u64, u64)> {
+    let mut runs: Vec<(u64, u64)> = Vec::new();
+    for c in chunks {
+        let end = c.home + c.pages * page;
+        match runs.last_mut() {
+            Some((_, e)) if *e == c.home => *e = end,
+            _ => runs.push((c.home, end)),
+        }
+    }
+    runs
+}
+
 /// Whether `[lo, hi)` lies inside one of `spans` (sorted, disjoint).
 fn inside(spans: &[(u64, u64)], lo: u64, hi: u64) -> bool {
     let i = spans.partition_point(|&(a, _)| a <= lo);
@@ -230,15 +245,27 @@ impl<D: Device> Shared<D> {
         let page = st.vm.page;
         let s = &st.vm.stitches[i];
         let (home, key, base, bytes) = (s.home, s.key, s.base, s.bytes);
-        let chunks = s.chunks.clone();
         if !self.broken(Broken::StitchKeepsHome) {
-            for c in chunks {
-                let hi = c.home + c.pages * page;
-                let blk = self.free_block_at(st, home, c.home);
-                self.carve_run(st, home, blk, c.home, hi);
-                st.note(Action::SegmentUnmap, DeviceAddr(c.home), hi - c.home, key.stream);
+            // Neighbouring chunks in one free block leave the runs in one cut.
+            for (lo, hi) in runs_of(&s.chunks, page) {
+                let blk = self.free_block_at(st, home, lo);
+                let b = st.pool.block(blk);
+                if b.addr + b.size >= hi {
+                    self.carve_run(st, home, blk, lo, hi);
+                } else {
+                    // Two free blocks never touch: chunks the block does not hold are in another.
+                    let mut at = lo;
+                    while at < hi {
+                        let blk = self.free_block_at(st, home, at);
+                        let b = st.pool.block(blk);
+                        let end = (b.addr + b.size).min(hi);
+                        self.carve_run(st, home, blk, at, end);
+                        at = end;
+                    }
+                }
+                st.note(Action::SegmentUnmap, DeviceAddr(lo), hi - lo, key.stream);
                 let range = st.vm.ranges.get_mut(&home).expect("its home");
-                range.lent.extend((c.home..hi).step_by(page as usize));
+                range.lent.insert(lo, hi);
             }
         }
         let (seg, blk) = st.pool.extend(key, base, bytes, None, None);
@@ -267,9 +294,11 @@ impl<D: Device> Shared<D> {
     /// uses done): the segment leaves the pool, the chunks join their home runs, the stitch
     /// stays mapped for a later request. Called as the global lock is let go.
     pub(super) fn unstitch_freed(&self, st: &mut State) {
-        if st.vm.live_stitches == 0 {
+        // Only a free into the pool makes a segment wholly free.
+        if st.vm.live_stitches == 0 || st.pool.frees() == st.vm.frees_seen {
             return;
         }
+        st.vm.frees_seen = st.pool.frees();
         let page = st.vm.page;
         for i in 0..st.vm.stitches.len() {
             let Some(seg) = st.vm.stitches[i].seg else { continue };
@@ -293,12 +322,10 @@ impl<D: Device> Shared<D> {
             if self.broken(Broken::StitchKeepsHome) {
                 continue; // BROKEN: the chunks never left the home runs
             }
-            for c in st.vm.stitches[i].chunks.clone() {
+            for (lo, hi) in runs_of(&st.vm.stitches[i].chunks, page) {
                 let range = st.vm.ranges.get_mut(&home).expect("its home");
-                for p in (c.home..c.home + c.pages * page).step_by(page as usize) {
-                    range.lent.remove(&p);
-                }
-                self.join_pages(st, home, c.home, c.pages * page);
+                range.lent.remove(&lo);
+                self.join_pages(st, home, lo, hi - lo);
             }
         }
         self.publish_vm(&st.vm);
@@ -400,7 +427,10 @@ impl<D: Device> Shared<D> {
                 match r.pages.get(c.home) {
                     Some(h) if h.lo == c.home && h.pages == c.pages && h.handle == c.handle => {}
                     _ => {
-                        return Err(format!("stitch at {:#x}: chunk {:#x} drifted", s.base, c.home));
+                        return Err(format!(
+                            "stitch at {:#x}: chunk {:#x} drifted",
+                            s.base, c.home
+                        ));
                     }
                 }
                 *aliased.entry((s.home, c.home)).or_default() += 1;
@@ -426,12 +456,19 @@ impl<D: Device> Shared<D> {
             return Err(format!("{live} live stitches, {} counted", st.vm.live_stitches));
         }
         let keeps = self.broken(Broken::StitchKeepsHome);
-        let marked: usize = st.vm.ranges.values().map(|r| r.lent.len()).sum();
+        let marked: usize = st
+            .vm
+            .ranges
+            .values()
+            .flat_map(|r| r.lent.iter())
+            .map(|(&a, &e)| ((e - a) / page) as usize)
+            .sum();
         if !keeps && marked != lent.len() {
             return Err(format!("{marked} pages marked lent, live stitches hold {}", lent.len()));
         }
         for r in st.vm.ranges.values() {
-            if let Some(p) = r.lent.iter().find(|&&p| !keeps && !lent.contains(&(r.base, p))) {
+            let pages = r.lent.iter().flat_map(|(&a, &e)| (a..e).step_by(page as usize));
+            if let Some(p) = pages.clone().find(|&p| !keeps && !lent.contains(&(r.base, p))) {
                 return Err(format!("page {p:#x} is lent to no live stitch"));
             }
             for (&lo, &n) in &r.aliased {
