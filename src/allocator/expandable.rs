@@ -309,23 +309,39 @@ pub(super) struct Place {
 /// address). See the module docs.
 fn place(pool: &Pool, r: &Range, rounded: u64, page: u64) -> Option<Place> {
     let mut best: Option<Place> = None;
+    // The walls: the runs, and the pages lent to stitched blocks (mapped, in no run).
+    let runs = r.segs.iter().map(|(&b, &s)| (b, b + pool.segment(s).size, Some(s)));
+    if r.lent.is_empty() {
+        gaps(pool, r, rounded, page, runs, &mut best);
+    } else {
+        let mut walls: Vec<(u64, u64, Option<SegmentId>)> = runs.collect();
+        walls.extend(r.lent.iter().map(|(&a, &b)| (a, b, None)));
+        walls.sort_unstable_by_key(|w| w.0);
+        gaps(pool, r, rounded, page, walls.into_iter(), &mut best);
+    }
+    best
+}
+
+/// [`place`] over the gaps between `walls` (address order; a run carries its segment).
+fn gaps(
+    pool: &Pool,
+    r: &Range,
+    rounded: u64,
+    page: u64,
+    walls: impl Iterator<Item = (u64, u64, Option<SegmentId>)>,
+    best: &mut Option<Place>,
+) {
     let free_size = |id: BlockId| {
         let b = pool.block(id);
         if b.state == BlockState::Free { b.size } else { 0 }
     };
-    // The walls: the runs, and the pages lent to stitched blocks (mapped, in no run).
-    let mut walls: Vec<(u64, u64, Option<SegmentId>)> =
-        Vec::with_capacity(r.segs.len() + r.lent.len());
-    walls.extend(r.segs.iter().map(|(&b, &s)| (b, b + pool.segment(s).size, Some(s))));
-    if !r.lent.is_empty() {
-        walls.extend(r.lent.iter().map(|(&a, &b)| (a, b, None)));
-        walls.sort_unstable_by_key(|w| w.0);
-    }
+    let mut walls = walls;
     let (mut gap_lo, mut prev) = (r.base, None::<SegmentId>);
     // The gaps: below each wall, then above the last one (to the range's end).
-    for i in 0..=walls.len() {
-        let (gap_hi, next) = match walls.get(i) {
-            Some(&(b, _, s)) => (b, s),
+    loop {
+        let wall = walls.next();
+        let (gap_hi, next) = match wall {
+            Some((b, _, s)) => (b, s),
             None => (r.base + r.size, None),
         };
         if gap_hi > gap_lo {
@@ -335,22 +351,24 @@ fn place(pool: &Pool, r: &Range, rounded: u64, page: u64) -> Option<Place> {
             let gap = (gap_lo, gap_hi);
             // From the span's start (not where the free tail alone holds the request) ...
             if span_lo + rounded <= span_hi && tail < rounded {
-                window(r, page, rounded, span_lo, gap, &mut best);
+                window(r, page, rounded, span_lo, gap, best);
             }
             // ... and, below a wall, ending at the span's end.
-            if i < walls.len() && span_hi - span_lo >= rounded {
+            if wall.is_some() && span_hi - span_lo >= rounded {
                 let w = span_hi - rounded;
                 if tail < rounded || w != span_lo {
-                    window(r, page, rounded, w, gap, &mut best);
+                    window(r, page, rounded, w, gap, best);
                 }
             }
         }
-        if let Some(&(_, end, s)) = walls.get(i) {
-            gap_lo = end;
-            prev = s;
+        match wall {
+            Some((_, end, s)) => {
+                gap_lo = end;
+                prev = s;
+            }
+            None => break,
         }
     }
-    best
 }
 
 /// The window of `rounded` bytes at `w` in the gap `[gap_lo, gap_hi)` of range `r`: the gap's

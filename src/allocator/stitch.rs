@@ -154,27 +154,30 @@ impl<D: Device> Shared<D> {
         if st.vm.stitches.iter().filter(|s| s.key == key).count() >= MAX_STITCHES_PER_KEY {
             return Ok(None);
         }
-        // Whole free chunks, lowest first, each no larger than what is still missing.
-        let mut chunks: Vec<StitchChunk> = Vec::new();
-        let mut have = 0;
+        // Whole free chunks, lowest first, each no larger than what is still missing. (Measured,
+        // not kept: highest first, or those of the smallest free blocks first; a stitch only
+        // where free chunks hold half its pages or more. See docs/design-notes.md.)
         let r = &st.vm.ranges[&home];
+        let mut cands: Vec<StitchChunk> = Vec::new();
         for &(lo, hi) in &spans {
             let a = r.base + (lo - r.base).div_ceil(page) * page;
             let z = r.base + (hi - r.base) / page * page;
             let mut va = a;
-            while va < z && have < need {
+            while va < z {
                 let c = r.pages.get(va).expect("a run's page is mapped");
                 let end = c.lo + c.pages * page;
-                if c.lo >= a && end <= z && have + c.pages <= need {
-                    chunks.push(StitchChunk {
-                        home: c.lo,
-                        pages: c.pages,
-                        handle: c.handle,
-                        at: 0,
-                    });
-                    have += c.pages;
+                if c.lo >= a && end <= z {
+                    cands.push(StitchChunk { home: c.lo, pages: c.pages, handle: c.handle, at: 0 });
                 }
                 va = end;
+            }
+        }
+        let mut chunks: Vec<StitchChunk> = Vec::new();
+        let mut have = 0;
+        for c in cands {
+            if have + c.pages <= need {
+                chunks.push(c);
+                have += c.pages;
             }
         }
         let lacking = need - have;
@@ -293,11 +296,17 @@ impl<D: Device> Shared<D> {
     /// Live stitches whose segment is wholly free again (their block freed, its stream-ordered
     /// uses done): the segment leaves the pool, the chunks join their home runs, the stitch
     /// stays mapped for a later request. Called as the global lock is let go.
+    #[inline]
     pub(super) fn unstitch_freed(&self, st: &mut State) {
         // Only a free into the pool makes a segment wholly free.
-        if st.vm.live_stitches == 0 || st.pool.frees() == st.vm.frees_seen {
-            return;
+        if st.vm.live_stitches != 0 && st.pool.frees() != st.vm.frees_seen {
+            self.unstitch_freed_now(st);
         }
+    }
+
+    /// [`Shared::unstitch_freed`] where a live stitch's block may have been freed.
+    #[cold]
+    fn unstitch_freed_now(&self, st: &mut State) {
         st.vm.frees_seen = st.pool.frees();
         let page = st.vm.page;
         for i in 0..st.vm.stitches.len() {
