@@ -242,3 +242,69 @@ fn with_the_stream_caches_a_freed_stitch_comes_home_at_the_next_search() {
     assert_eq!((dev.live_physical(), dev.virtual_bytes()), (0, 0));
     assert_eq!(dev.violations(), vec![]);
 }
+
+#[test]
+fn a_stitched_block_used_on_another_stream_lends_its_chunks_until_that_work_is_done() {
+    let (dev, alloc) = setup("fast_cache:false,expandable_stitching:true");
+    let kept = holes(&dev, &alloc);
+    let s1 = dev.create_stream().unwrap();
+    let s = alloc.alloc(24 * MIB, S0).unwrap();
+    assert_eq!(s.ptr(), stitch_base());
+    // A kernel on another stream writes the stitched block, held until the gate opens.
+    let (open, gate) = mpsc::channel::<()>();
+    let k = Kernel::new(
+        "gated_write",
+        vec![Access { ptr: s.ptr(), bytes: 24 * MIB, kind: AccessKind::Write }],
+        move |_| {
+            let _ = gate.recv();
+        },
+    );
+    dev.launch(s1, k).unwrap();
+    s.record_stream(s1).unwrap();
+    drop(s);
+    // Its free waits for that kernel: the chunks stay lent, a home request grows the range.
+    let c = alloc.alloc(8 * MIB, S0).unwrap();
+    assert_eq!(c.ptr(), at(56 * MIB));
+    let r = &alloc.expandable_ranges()[0];
+    assert_eq!((r.lent_bytes, r.stitches), (24 * MIB, 1));
+    alloc.check_invariants().unwrap();
+    open.send(()).unwrap();
+    dev.synchronize().unwrap();
+    // The work done, the next search sees the block free and its chunks home.
+    let d = alloc.alloc(8 * MIB, S0).unwrap();
+    assert_eq!(d.ptr(), at(0));
+    assert_eq!(alloc.expandable_ranges()[0].lent_bytes, 0);
+    alloc.check_invariants().unwrap();
+    drop((c, d, kept));
+    alloc.empty_cache().unwrap();
+    assert_eq!(dev.live_mappings(), vec![]);
+    drop(alloc);
+    assert_eq!((dev.live_physical(), dev.virtual_bytes()), (0, 0));
+    assert_eq!(dev.violations(), vec![]);
+}
+
+#[test]
+fn two_allocators_on_one_device_stitch_apart() {
+    let dev = Arc::new(SimDevice::backed(CAP));
+    let config = Config::parse("fast_cache:false,expandable_stitching:true").unwrap();
+    let config = config.with_expandable_segments(true);
+    let a = Allocator::new(dev.clone(), config.clone()).unwrap();
+    let b = Allocator::new(dev.clone(), config).unwrap();
+    let ka = holes(&dev, &a);
+    let kb: Vec<_> = [8, 16, 8, 16, 8].map(|m| b.alloc(m * MIB, S0).unwrap()).into_iter().collect();
+    let kb: Vec<_> =
+        kb.into_iter().enumerate().filter(|(i, _)| i % 2 == 1).map(|(_, x)| x).collect();
+    let sa = a.alloc(24 * MIB, S0).unwrap();
+    let sb = b.alloc(24 * MIB, S0).unwrap();
+    assert_ne!(sa.ptr(), sb.ptr());
+    assert_eq!(a.reserved_bytes(), 28 * P);
+    assert_eq!(b.reserved_bytes(), 28 * P);
+    assert_eq!(dev.physical_bytes(), 56 * P);
+    a.check_invariants().unwrap();
+    b.check_invariants().unwrap();
+    assert_eq!(dev.violations(), vec![]);
+    drop((sa, sb, ka, kb));
+    drop((a, b));
+    assert_eq!((dev.live_physical(), dev.virtual_bytes()), (0, 0));
+    assert_eq!(dev.violations(), vec![]);
+}

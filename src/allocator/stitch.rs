@@ -26,9 +26,10 @@
 //!   stream passes chunks a stitch maps over. Unmappings the device refuses are tried again at
 //!   each release, and left to the family when the allocator goes.
 //! - **Cost.** Lending and returning chunks is segment surgery in the pool (a carve and a
-//!   join per run of chunks), paid at every use of a stitch: on `mlp_train` the replay's
-//!   instructions per op go from 1083 to 2260 (`caching`: 934), which is why it is not on by
-//!   default yet.
+//!   join per run of chunks), paid at every use of a stitch, and the 4-page chunks cost more
+//!   creates and maps in a first step: on `mlp_train` the replay's instructions per op go from
+//!   1090 to 1696 (`caching`: 934), and the `cs336` snapshot's peak rises (1.008 → 1.018 × live;
+//!   docs/design-notes.md), which is why it is not on by default.
 
 use super::broken::Broken;
 use super::expandable::{Place, STITCH_CHUNK_PAGES, Vm};
