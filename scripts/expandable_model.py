@@ -16,7 +16,9 @@ on the shipped traces in seconds. It reproduces the allocator's `expandable` pea
   stitch_peers   ... borrowing the free pages of the other ranges too (small, and with residency
                  persistent), own pages first; stitch_peers_first: theirs first
   stitch_chunks  ... of whole chunks only (CUDA maps a physical allocation only whole; the model's
-                 chunks are its growths, up to 32 pages each)
+                 chunks are its growths, up to `chunk_pages` (32) pages each; growths of fewer
+                 than `page_chunks_below` pages are made of single pages)
+  stitch_no_grow ... only where free chunks hold all of the request (nothing grown for it)
   threshold      unmap free pages after every free down to this many free bytes (release_threshold)
   high_below     place blocks smaller than this at the high end of their free block
   peer_move      a growth first takes whole free pages the stream's other ranges have mapped
@@ -193,8 +195,9 @@ class Range:
 
     def map(self, lo, hi):
         self._set(lo, hi, FREE)
-        for c in range(lo, hi, 32 * PAGE):
-            self.chunks.append((c, min(hi, c + 32 * PAGE)))
+        cp = 1 if (hi - lo) // PAGE < self.o.get('page_chunks_below', 0) else self.o.get('chunk_pages', 32)
+        for c in range(lo, hi, cp * PAGE):
+            self.chunks.append((c, min(hi, c + cp * PAGE)))
         n = (hi - lo) // PAGE
         self.mapped += n * PAGE
         self.maps += n
@@ -278,6 +281,8 @@ class Range:
                     donors = donors[1:] + donors[:1]
                 pages = [(rg, p) for rg in donors for p in sorted(rg.free_pages())][:need]
             if not pages:
+                return None
+            if len(pages) < need and self.o.get('stitch_no_grow'):
                 return None
             if len(pages) < need:
                 top = self.top_mapped()
