@@ -35,6 +35,25 @@ fn stitch_base() -> DeviceAddr {
     at(2 * CAP)
 }
 
+/// The allocator is gone: no physical memory, no virtual range, no violation left.
+fn assert_nothing_left(dev: &SimDevice) {
+    assert_eq!((dev.live_physical(), dev.virtual_bytes()), (0, 0));
+    assert_eq!(dev.violations(), vec![]);
+}
+
+/// A kernel declaring a write of `[ptr, ptr + bytes)` that runs once the returned gate opens.
+fn gated_write(ptr: DeviceAddr, bytes: u64) -> (Kernel, mpsc::Sender<()>) {
+    let (open, gate) = mpsc::channel::<()>();
+    let k = Kernel::new(
+        "gated_write",
+        vec![Access { ptr, bytes, kind: AccessKind::Write }],
+        move |_| {
+            let _ = gate.recv();
+        },
+    );
+    (k, open)
+}
+
 /// 8, 16, 8, 16, 8 MiB back to back (7 chunks, 28 pages), then the three 8 MiB blocks freed:
 /// three free chunks at 0, 24 and 48 MiB, none of which holds 24 MiB. Returns the 16 MiB ones.
 fn holes(dev: &SimDevice, alloc: &Allocator<SimDevice>) -> Vec<Buffer<SimDevice>> {
@@ -100,8 +119,7 @@ fn a_stitch_serves_a_large_request_from_free_chunks_and_is_served_again_with_no_
     assert_eq!(alloc.expandable_ranges()[0].stitches, 0);
     assert_eq!(dev.physical_bytes(), 0);
     drop(alloc);
-    assert_eq!((dev.live_physical(), dev.virtual_bytes()), (0, 0));
-    assert_eq!(dev.violations(), vec![]);
+    assert_nothing_left(&dev);
 }
 
 #[test]
@@ -123,8 +141,7 @@ fn a_stitch_whose_chunks_are_busy_again_is_not_served() {
     drop((s, d, kept));
     alloc.check_invariants().unwrap();
     drop(alloc);
-    assert_eq!((dev.live_physical(), dev.virtual_bytes()), (0, 0));
-    assert_eq!(dev.violations(), vec![]);
+    assert_nothing_left(&dev);
 }
 
 /// An 8 MiB request while a stitch is live: the violations the sanitizer reports.
@@ -155,14 +172,7 @@ fn release_under_a_running_kernel(broken: bool) -> Vec<String> {
     alloc.set_broken(Broken::StitchUnmapEarly, broken);
     let kept = holes(&dev, &alloc);
     let s = alloc.alloc(24 * MIB, S0).unwrap();
-    let (open, gate) = mpsc::channel::<()>();
-    let k = Kernel::new(
-        "gated_write",
-        vec![Access { ptr: s.ptr(), bytes: 24 * MIB, kind: AccessKind::Write }],
-        move |_| {
-            let _ = gate.recv();
-        },
-    );
+    let (k, open) = gated_write(s.ptr(), 24 * MIB);
     dev.launch(S0, k).unwrap();
     drop(s);
     // The release waits for the stream (a host sync): the kernel finishes then.
@@ -208,8 +218,7 @@ fn a_map_refused_midway_through_a_stitch_falls_back_to_a_growth() {
     alloc.check_invariants().unwrap();
     drop((s, kept));
     drop(alloc);
-    assert_eq!((dev.live_physical(), dev.virtual_bytes()), (0, 0));
-    assert_eq!(dev.violations(), vec![]);
+    assert_nothing_left(&dev);
 }
 
 #[test]
@@ -239,8 +248,7 @@ fn with_the_stream_caches_a_freed_stitch_comes_home_at_the_next_search() {
     alloc.check_invariants().unwrap();
     drop((d, kept));
     drop(alloc);
-    assert_eq!((dev.live_physical(), dev.virtual_bytes()), (0, 0));
-    assert_eq!(dev.violations(), vec![]);
+    assert_nothing_left(&dev);
 }
 
 #[test]
@@ -251,14 +259,7 @@ fn a_stitched_block_used_on_another_stream_lends_its_chunks_until_that_work_is_d
     let s = alloc.alloc(24 * MIB, S0).unwrap();
     assert_eq!(s.ptr(), stitch_base());
     // A kernel on another stream writes the stitched block, held until the gate opens.
-    let (open, gate) = mpsc::channel::<()>();
-    let k = Kernel::new(
-        "gated_write",
-        vec![Access { ptr: s.ptr(), bytes: 24 * MIB, kind: AccessKind::Write }],
-        move |_| {
-            let _ = gate.recv();
-        },
-    );
+    let (k, open) = gated_write(s.ptr(), 24 * MIB);
     dev.launch(s1, k).unwrap();
     s.record_stream(s1).unwrap();
     drop(s);
@@ -279,8 +280,7 @@ fn a_stitched_block_used_on_another_stream_lends_its_chunks_until_that_work_is_d
     alloc.empty_cache().unwrap();
     assert_eq!(dev.live_mappings(), vec![]);
     drop(alloc);
-    assert_eq!((dev.live_physical(), dev.virtual_bytes()), (0, 0));
-    assert_eq!(dev.violations(), vec![]);
+    assert_nothing_left(&dev);
 }
 
 #[test]
@@ -305,6 +305,5 @@ fn two_allocators_on_one_device_stitch_apart() {
     assert_eq!(dev.violations(), vec![]);
     drop((sa, sb, ka, kb));
     drop((a, b));
-    assert_eq!((dev.live_physical(), dev.virtual_bytes()), (0, 0));
-    assert_eq!(dev.violations(), vec![]);
+    assert_nothing_left(&dev);
 }
