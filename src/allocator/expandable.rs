@@ -130,9 +130,6 @@ pub(super) struct VmCounts {
     creates: u64,
     releases: u64,
     moves: u64,
-    /// Stitched blocks made, and served again from the cached ones.
-    pub(super) stitches: u64,
-    pub(super) stitch_reuses: u64,
 }
 
 /// The allocator's virtual memory, under the global lock (in [`State`]).
@@ -265,7 +262,7 @@ impl Vm {
 }
 
 /// Whole pages of `[lo, hi)` relative to a range at `base`: the page-aligned part inside it.
-fn whole_pages(base: u64, page: u64, lo: u64, hi: u64) -> Option<(u64, u64)> {
+pub(super) fn whole_pages(base: u64, page: u64, lo: u64, hi: u64) -> Option<(u64, u64)> {
     let a = base + (lo - base).div_ceil(page) * page;
     let b = base + (hi - base) / page * page;
     (b > a).then_some((a, b))
@@ -273,16 +270,7 @@ fn whole_pages(base: u64, page: u64, lo: u64, hi: u64) -> Option<(u64, u64)> {
 
 /// Bytes of the chunks lying wholly inside the mapped pages `[a, z)`.
 fn whole_chunk_bytes(pages: &PageTable, page: u64, a: u64, z: u64) -> u64 {
-    let (mut va, mut n) = (a, 0);
-    while va < z {
-        let c = pages.get(va).expect("a mapped page");
-        let end = c.lo + c.pages * page;
-        if c.lo >= a && end <= z {
-            n += end - c.lo;
-        }
-        va = end;
-    }
-    n
+    pages.whole_chunks(a, z).map(|c| c.pages * page).sum()
 }
 
 /// A refusal of memory (the device's or the limit's): the out-of-memory ladder takes over.
@@ -328,14 +316,13 @@ fn gaps(
     r: &Range,
     rounded: u64,
     page: u64,
-    walls: impl Iterator<Item = (u64, u64, Option<SegmentId>)>,
+    mut walls: impl Iterator<Item = (u64, u64, Option<SegmentId>)>,
     best: &mut Option<Place>,
 ) {
     let free_size = |id: BlockId| {
         let b = pool.block(id);
         if b.state == BlockState::Free { b.size } else { 0 }
     };
-    let mut walls = walls;
     let (mut gap_lo, mut prev) = (r.base, None::<SegmentId>);
     // The gaps: below each wall, then above the last one (to the range's end).
     loop {

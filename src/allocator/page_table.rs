@@ -110,6 +110,22 @@ impl PageTable {
         }
     }
 
+    /// The chunks lying wholly inside the mapped pages `[a, z)` (page-aligned), in address
+    /// order.
+    pub(super) fn whole_chunks(&self, a: u64, z: u64) -> impl Iterator<Item = Chunk> + '_ {
+        let mut va = a;
+        std::iter::from_fn(move || {
+            while va < z {
+                let c = self.get(va).expect("a mapped page");
+                va = c.lo + c.pages * self.page;
+                if c.lo >= a && va <= z {
+                    return Some(c);
+                }
+            }
+            None
+        })
+    }
+
     /// Whether the page at `va` is mapped.
     pub(super) fn contains(&self, va: u64) -> bool {
         self.get(va).is_some()

@@ -32,8 +32,9 @@
 //!   docs/design-notes.md), which is why it is not on by default.
 
 use super::broken::Broken;
-use super::expandable::{Place, STITCH_CHUNK_PAGES, Vm};
+use super::expandable::{Place, STITCH_CHUNK_PAGES, Vm, whole_pages};
 use super::history::Action;
+use super::page_table::Chunk;
 use super::*;
 use crate::device::PhysHandle;
 
@@ -68,6 +69,13 @@ pub(super) struct Stitch {
     seg: Option<SegmentId>,
     /// An unmapping or the range's free was refused: serves nothing more, tried again.
     dead: bool,
+}
+
+impl StitchChunk {
+    /// Home chunk `c`, not mapped in the stitch yet.
+    fn of(c: Chunk) -> StitchChunk {
+        StitchChunk { home: c.lo, pages: c.pages, handle: c.handle, at: 0 }
+    }
 }
 
 impl Stitch {
@@ -149,7 +157,6 @@ impl<D: Device> Shared<D> {
             .min_by_key(|(_, s)| (s.bytes, s.base))
             .map(|(i, _)| i);
         if let Some(i) = cached {
-            st.vm.counts.stitch_reuses += 1;
             return Ok(Some(self.lend(st, i)));
         }
         if st.vm.stitches.iter().filter(|s| s.key == key).count() >= MAX_STITCHES_PER_KEY {
@@ -159,25 +166,12 @@ impl<D: Device> Shared<D> {
         // not kept: highest first, or those of the smallest free blocks first; a stitch only
         // where free chunks hold half its pages or more. See docs/design-notes.md.)
         let r = &st.vm.ranges[&home];
-        let mut cands: Vec<StitchChunk> = Vec::new();
-        for &(lo, hi) in &spans {
-            let a = r.base + (lo - r.base).div_ceil(page) * page;
-            let z = r.base + (hi - r.base) / page * page;
-            let mut va = a;
-            while va < z {
-                let c = r.pages.get(va).expect("a run's page is mapped");
-                let end = c.lo + c.pages * page;
-                if c.lo >= a && end <= z {
-                    cands.push(StitchChunk { home: c.lo, pages: c.pages, handle: c.handle, at: 0 });
-                }
-                va = end;
-            }
-        }
         let mut chunks: Vec<StitchChunk> = Vec::new();
         let mut have = 0;
-        for c in cands {
+        let whole = spans.iter().filter_map(|&(lo, hi)| whole_pages(r.base, page, lo, hi));
+        for c in whole.flat_map(|(a, z)| r.pages.whole_chunks(a, z)) {
             if have + c.pages <= need {
-                chunks.push(c);
+                chunks.push(StitchChunk::of(c));
                 have += c.pages;
             }
         }
@@ -201,7 +195,7 @@ impl<D: Device> Shared<D> {
             let mut va = lo;
             while have < need {
                 let c = r.pages.get(va).expect("grown");
-                chunks.push(StitchChunk { home: c.lo, pages: c.pages, handle: c.handle, at: 0 });
+                chunks.push(StitchChunk::of(c));
                 have += c.pages;
                 va = c.lo + c.pages * page;
             }
@@ -227,7 +221,6 @@ impl<D: Device> Shared<D> {
             st.vm.counts.maps += 1;
             at += c.pages * page;
         }
-        st.vm.counts.stitches += 1;
         self.register(st, Stitch { base, bytes, home, key, chunks, seg: None, dead: false });
         let last = st.vm.stitches.len() - 1;
         Ok(Some(self.lend(st, last)))
@@ -250,23 +243,11 @@ impl<D: Device> Shared<D> {
         let s = &st.vm.stitches[i];
         let (home, key, base, bytes) = (s.home, s.key, s.base, s.bytes);
         if !self.broken(Broken::StitchKeepsHome) {
-            // Neighbouring chunks in one free block leave the runs in one cut.
+            // Neighbouring chunks leave the runs in one cut: they lie in one free block (free
+            // blocks of a run never touch, nor do two runs).
             for (lo, hi) in runs_of(&s.chunks, page) {
                 let blk = self.free_block_at(st, home, lo);
-                let b = st.pool.block(blk);
-                if b.addr + b.size >= hi {
-                    self.carve_run(st, home, blk, lo, hi);
-                } else {
-                    // Two free blocks never touch: chunks the block does not hold are in another.
-                    let mut at = lo;
-                    while at < hi {
-                        let blk = self.free_block_at(st, home, at);
-                        let b = st.pool.block(blk);
-                        let end = (b.addr + b.size).min(hi);
-                        self.carve_run(st, home, blk, at, end);
-                        at = end;
-                    }
-                }
+                self.carve_run(st, home, blk, lo, hi);
                 st.note(Action::SegmentUnmap, DeviceAddr(lo), hi - lo, key.stream);
                 let range = st.vm.ranges.get_mut(&home).expect("its home");
                 range.lent.insert(lo, hi);
