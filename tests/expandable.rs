@@ -785,3 +785,58 @@ fn a_scope_reusing_a_persistent_block_over_ranges_is_caught() {
     assert_eq!(first, persistent + 3 * MIB);
     assert_eq!(second, first); // the persistent segment's block again
 }
+
+/// A stream destroyed elsewhere (here by the application, on another thread) is forgotten by
+/// the device before its work is done: CUDA's `cuStreamDestroy` returns at once, and SimDevice
+/// refuses the stream while it drains. An unknown stream is then no proof that its work is done:
+/// `empty_cache` waits for the whole device (one host sync) before it unmaps the stream's pages.
+/// (Found by `multi_props` with 20 MiB requests: a scope's learning run ended on a stream that
+/// the other allocator was destroying.) Broken mode `GoneStreamDrained`: the pages are unmapped
+/// under the running kernel, which then faults.
+#[test]
+fn a_stream_destroyed_elsewhere_is_waited_for_before_its_pages_go() {
+    for broken in [false, true] {
+        let (dev, alloc) = setup("", CAP);
+        alloc.set_broken(tidepool::hooks::Broken::GoneStreamDrained, broken);
+        let s = dev.create_stream().unwrap();
+        let b = alloc.alloc(P, s).unwrap();
+        assert_eq!(b.ptr(), DeviceAddr(base()));
+        let (k, open) = gated_write(b.ptr(), P, 7);
+        dev.launch(s, k).unwrap();
+        drop(b);
+        assert_eq!(mapped_pages(&dev, base()), vec![0]);
+        let destroyer = {
+            let dev = dev.clone();
+            std::thread::spawn(move || dev.destroy_stream(s))
+        };
+        while dev.has_stream(s) {
+            std::thread::yield_now();
+        }
+        let syncs = alloc.stats().num_host_syncs;
+        let opener = open_on_next_sync(&dev, open);
+        alloc.empty_cache().unwrap();
+        assert_eq!(mapped_pages(&dev, base()), Vec::<u64>::new(), "broken: {broken}");
+        let v = dev.violations();
+        if broken {
+            assert_eq!(v.len(), 1, "{v:?}");
+            assert_eq!(
+                (v[0].ptr, v[0].stream, v[0].op.as_str()),
+                (DeviceAddr(base()), s, "unmap of memory that unfinished work uses")
+            );
+            assert_eq!(alloc.stats().num_host_syncs, syncs);
+            dev.synchronize().unwrap(); // opens the gate: the kernel faults on the lost page
+            assert_eq!(dev.kernel_failures().len(), 1);
+        } else {
+            assert_eq!(v, vec![]);
+            assert_eq!(alloc.stats().num_host_syncs, syncs + 1);
+            assert_eq!(dev.kernel_failures(), vec![]);
+        }
+        opener.join().unwrap();
+        destroyer.join().unwrap().unwrap();
+        assert_eq!(alloc.release_stream(s), Err(AllocError::UnknownStream(s)));
+        drop(alloc);
+        if !broken {
+            assert_no_leak(&dev);
+        }
+    }
+}

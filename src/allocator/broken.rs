@@ -81,6 +81,10 @@ pub enum Broken {
     /// Recording the memory history leaves the stream-cache lanes open (their room and size
     /// bound as configured): hits and frees then bypass the slow path and go unrecorded.
     HistoryLanesOpen = 1 << 22,
+    /// A stream the device no longer knows is taken as drained wherever expandable pages are
+    /// released or moved, whoever destroyed it: while another thread (another allocator, the
+    /// application) destroys it, its work may still run on the pages being unmapped.
+    GoneStreamDrained = 1 << 20,
     /// A growth whose headroom (expandable segments) does not fit the device fails the request
     /// instead of growing by exactly what the request needs.
     HeadroomOom = 1 << 30,
@@ -178,7 +182,7 @@ impl Broken {
 
     /// Every mode, in declaration order. Kept complete by [`Broken::position`], whose match
     /// stops compiling when a mode is added and not listed.
-    pub const EVERY: [Broken; 44] = [
+    pub const EVERY: [Broken; 45] = [
         Broken::ForeignBuffers,
         Broken::ForgottenUses,
         Broken::UnboundFreeOrder,
@@ -223,6 +227,7 @@ impl Broken {
         Broken::StreamKeepsRegions,
         Broken::StitchKeepsHome,
         Broken::StitchUnmapEarly,
+        Broken::GoneStreamDrained,
     ];
 
     /// Its place in [`Broken::EVERY`].
@@ -272,6 +277,7 @@ impl Broken {
             Broken::StreamKeepsRegions => 41,
             Broken::StitchKeepsHome => 42,
             Broken::StitchUnmapEarly => 43,
+            Broken::GoneStreamDrained => 44,
         }
     }
 

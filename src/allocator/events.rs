@@ -101,8 +101,7 @@ impl<D: Device> Shared<D> {
     pub(super) fn mark(&self, st: &mut State, stream: StreamId) -> Mark {
         let drained = |e: &DeviceError| {
             self.broken(Broken::EventErrors)
-                || (matches!(e, DeviceError::UnknownStream(_))
-                    && self.family.destroyed_for(stream, self.role.id))
+                || (matches!(e, DeviceError::UnknownStream(_)) && self.gone_drained(stream))
         };
         let event = match self.event(st) {
             Ok(event) => event,
@@ -116,6 +115,17 @@ impl<D: Device> Shared<D> {
                 if drained(&e) { Mark::Drained } else { Mark::Failed }
             }
         }
+    }
+
+    /// Whether `stream`, which the device no longer knows, was destroyed through this
+    /// allocator's family, whose `destroy_stream` returned once the device had drained it: then
+    /// nothing of its work is left. A stream the device forgot otherwise (another allocator or
+    /// the application destroying it, maybe on another thread right now: CUDA's
+    /// `cuStreamDestroy` returns before the stream's work completes) may still run work, which
+    /// only a wait for the whole device covers.
+    pub(super) fn gone_drained(&self, stream: StreamId) -> bool {
+        self.broken(Broken::GoneStreamDrained) // BROKEN: any stream the device forgot
+            || self.family.destroyed_for(stream, self.role.id)
     }
 
     /// Blocks the host until every stream is idle: the wait for work no event could mark.

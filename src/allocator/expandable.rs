@@ -949,8 +949,9 @@ impl<D: Device> Shared<D> {
             let event = self.event(st)?;
             let failed = self.broken(Broken::VmEventErrors);
             let done = match self.device.record_event(event, owner) {
-                // The owner is gone, hence drained.
-                Err(DeviceError::UnknownStream(_)) => true,
+                // The owner was destroyed here, hence drained (see `gone_drained`; a stream
+                // forgotten otherwise may still run work on these pages: the next donor).
+                Err(DeviceError::UnknownStream(_)) if self.gone_drained(owner) => true,
                 // Nothing orders a move from this donor: the next one (or new memory).
                 Err(e) => {
                     st.free_events.push(event);
@@ -1186,16 +1187,18 @@ impl<D: Device> Shared<D> {
     }
 
     /// Returns once `stream`'s work enqueued so far has completed: an event recorded and queried,
-    /// waited for (a host sync) if it has not completed. A stream that is gone was drained.
+    /// waited for (a host sync) if it has not completed. A stream destroyed through this family
+    /// was drained; one the device forgot otherwise costs a wait for the whole device.
     pub(super) fn stream_done(&self, st: &mut State, stream: StreamId) -> Result<(), AllocError> {
         if self.broken_skip_events.load(Ordering::Relaxed) {
             return Ok(());
         }
         let event = self.event(st)?;
         let r = match self.device.record_event(event, stream) {
-            Err(DeviceError::UnknownStream(_)) => Ok(()),
+            Err(DeviceError::UnknownStream(_)) if self.gone_drained(stream) => Ok(()),
             Err(e) if self.broken(Broken::VmEventErrors) => Err(e),
-            // No event marks its work: wait for all of the device's.
+            // No event marks its work (a stream destroyed elsewhere, maybe still draining, or
+            // a refused record): wait for all of the device's.
             Err(_) => self.host_wait(st),
             Ok(()) => match self.device.query_event(event) {
                 Ok(true) => Ok(()),
