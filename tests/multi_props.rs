@@ -35,7 +35,9 @@
 //! other on one thread (deterministic, so shrinking works); `MULTI_PROPS_ONLY=Alloc,Kernel,…`
 //! and `MULTI_PROPS_STEPS=Alloc,Free,…` keep only those operations and script steps;
 //! `MULTI_PROPS_PANIC` panics on the first sanitizer violation, with the backtrace of the
-//! thread that caused it; `MULTI_PROPS_STATS` and `MULTI_PROPS_DEBUG` print what each case did.
+//! thread that caused it; `MULTI_PROPS_STATS` and `MULTI_PROPS_DEBUG` print what each case did;
+//! `MULTI_PROPS_LOG` notes each thread's operations, kernel launches, scopes and live ranges
+//! (with addresses) and prints them at the first failing case.
 
 use proptest::prelude::*;
 use proptest::test_runner::{Config as RunnerConfig, TestCaseError, TestRunner};
@@ -50,9 +52,10 @@ use tidepool::{MemPool, PoolOptions, Scope, ScopedBuffer};
 /// Stream slots; slot 0 is the default stream, the others come and go.
 const SLOTS: usize = 4;
 /// Request sizes: small pool, large pool, an own segment. (A 20 MiB size, one a stitch may
-/// serve, found an unmap under unfinished work at a stream's destruction in ~10 000 cases, with
-/// or without stitching: `docs/experiments/multi_props-20mib-destroy-stream-case.txt`; not
-/// fixed yet, so not in CI's cases.)
+/// serve, found an unmap under unfinished work while another thread destroyed the stream, now
+/// fixed (`Broken::GoneStreamDrained`); with it, a second failure, a scope's kernel touching
+/// another allocator's first segment, came once in 30 000 cases and is not found yet:
+/// `docs/experiments/multi_props-20mib-kernel-touch-log.txt`. So it stays out of CI's cases.)
 const SIZES: [u64; 6] = [256, 4096, 12_000, 65_536, 700_000, 3 << 20];
 /// Names of the named scopes.
 const NAMES: [&str; 2] = ["step", "eval"];
@@ -258,6 +261,18 @@ macro_rules! ensure {
     };
 }
 
+static DLOG: Mutex<Vec<String>> = Mutex::new(Vec::new());
+static DLOG_PRINTED: AtomicBool = AtomicBool::new(false);
+
+/// Debugging aid (`MULTI_PROPS_LOG`): notes what each thread does, printed on a failure.
+fn dlog(f: impl FnOnce() -> String) {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    if *ON.get_or_init(|| std::env::var("MULTI_PROPS_LOG").is_ok()) {
+        let line = format!("{:?} {}", std::thread::current().id(), f());
+        lock(&DLOG).push(line);
+    }
+}
+
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
@@ -305,6 +320,7 @@ impl World {
 
     /// One operation and the checks after it, under the gate (a capture holds it alone).
     fn step(&self, op: &Op, scripts: &[Vec<Step>]) -> R {
+        dlog(|| format!("op {op:?}"));
         let captures = match op {
             Op::Capture { .. } => true,
             Op::ScopeRun { script, .. } => {
@@ -334,6 +350,7 @@ impl World {
         }
         let id = self.next_range.fetch_add(1, Ordering::Relaxed);
         let label = format!("{what} {bytes} B on {:?}", std::thread::current().id());
+        dlog(|| format!("range {id} {ptr:x}+{bytes:x}: {label}"));
         lock(&self.labels).insert(id, label);
         lock(&self.ranges).push((ptr, ptr + bytes, id));
         id
@@ -341,6 +358,7 @@ impl World {
 
     fn remove_range(&self, id: u64) {
         if id != 0 {
+            dlog(|| format!("range {id} removed"));
             lock(&self.ranges).retain(|r| r.2 != id);
         }
     }
@@ -431,7 +449,8 @@ impl World {
             }
         });
         k.sleep = Duration::from_micros(u64::from(delay));
-        let _ = self.dev.launch(stream, k); // a stream destroyed meanwhile refuses it
+        let r = self.dev.launch(stream, k); // a stream destroyed meanwhile refuses it
+        dlog(|| format!("launch {stream:?} {:x}+{bytes:x} write {write}: {:?}", ptr.0, r.is_ok()));
     }
 
     /// A kernel on `s` over live buffer `l`, after the user's side of stream order.
@@ -735,6 +754,7 @@ impl World {
     /// the scope's stream (the memory a forgotten or late-ordered slice may come back as).
     fn scope_run(&self, by: usize, name: &str, s: StreamId, script: &[Step]) -> R {
         let scope = self.allocs[by].named_scope(name, s);
+        dlog(|| format!("scope {name} by {by} on {s:?} open"));
         let mut items: Vec<Item<'_>> = Vec::new();
         let mut forgotten = Vec::new();
         let mut helpers = Vec::new();
@@ -753,6 +773,7 @@ impl World {
             self.remove_range(id);
         }
         drop(scope);
+        dlog(|| format!("scope {name} by {by} on {s:?} closed"));
         for h in helpers {
             h.join().map_err(|_| "a freeing thread panicked".to_string())?;
         }
@@ -799,7 +820,7 @@ impl World {
                                 range: self.add_range(
                                     b.ptr().0,
                                     b.len(),
-                                    &format!("unbound planned={}", b.is_planned()),
+                                    &format!("unbound planned={} by {by} on {s:?}", b.is_planned()),
                                 ),
                                 buf: b,
                             },
@@ -817,7 +838,7 @@ impl World {
                                 range: self.add_range(
                                     b.ptr().0,
                                     b.len(),
-                                    &format!("bound planned={}", b.is_planned()),
+                                    &format!("bound planned={} by {by} on {s:?}", b.is_planned()),
                                 ),
                                 buf: b,
                                 users: vec![],
@@ -1000,6 +1021,7 @@ impl Item<'_> {
 
 /// Runs one case; `Err` describes the first failure.
 fn run_case(case: &Case, broken: Option<Broken>) -> R {
+    lock(&DLOG).clear();
     let world = Arc::new(World::new(case.policies, broken));
     let scripts = Arc::new(case.scripts.clone());
     if std::env::var("MULTI_PROPS_SEQ").is_ok() {
@@ -1039,6 +1061,15 @@ fn run_case(case: &Case, broken: Option<Broken>) -> R {
         if result.is_ok() {
             result = r;
         }
+    }
+    if let Err(e) = &result
+        && std::env::var("MULTI_PROPS_LOG").is_ok()
+        && !DLOG_PRINTED.swap(true, Ordering::Relaxed)
+    {
+        for line in lock(&DLOG).iter() {
+            eprintln!("{line}");
+        }
+        eprintln!("FAILED: {e}");
     }
     result?;
     finish(world, case)
