@@ -249,6 +249,8 @@ struct World {
     graph_pools: [MemPool<SimDevice>; 2],
     /// Every operation holds it: shared, a capture alone.
     gate: RwLock<()>,
+    /// Debugging aid (`MULTI_PROPS_LOG`): what each thread did, printed at the first failure.
+    log: Option<Mutex<Vec<String>>>,
 }
 
 type R = Result<(), String>;
@@ -261,17 +263,8 @@ macro_rules! ensure {
     };
 }
 
-static DLOG: Mutex<Vec<String>> = Mutex::new(Vec::new());
-static DLOG_PRINTED: AtomicBool = AtomicBool::new(false);
-
-/// Debugging aid (`MULTI_PROPS_LOG`): notes what each thread does, printed on a failure.
-fn dlog(f: impl FnOnce() -> String) {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    if *ON.get_or_init(|| std::env::var("MULTI_PROPS_LOG").is_ok()) {
-        let line = format!("{:?} {}", std::thread::current().id(), f());
-        lock(&DLOG).push(line);
-    }
-}
+/// Whether a failing case's log was printed (only the first one's is).
+static LOG_PRINTED: AtomicBool = AtomicBool::new(false);
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
@@ -315,12 +308,31 @@ impl World {
             pools,
             graph_pools,
             gate: RwLock::new(()),
+            log: std::env::var("MULTI_PROPS_LOG").is_ok().then(|| Mutex::new(Vec::new())),
+        }
+    }
+
+    /// Notes a line of the log, if there is one (with the thread).
+    fn note(&self, f: impl FnOnce() -> String) {
+        if let Some(log) = &self.log {
+            let line = format!("{:?} {}", std::thread::current().id(), f());
+            lock(log).push(line);
+        }
+    }
+
+    /// Prints the log with the failure `e`, for the first failing case only.
+    fn print_log(&self, e: &str) {
+        if let Some(log) = &self.log
+            && !LOG_PRINTED.swap(true, Ordering::Relaxed)
+        {
+            lock(log).iter().for_each(|line| eprintln!("{line}"));
+            eprintln!("FAILED: {e}");
         }
     }
 
     /// One operation and the checks after it, under the gate (a capture holds it alone).
     fn step(&self, op: &Op, scripts: &[Vec<Step>]) -> R {
-        dlog(|| format!("op {op:?}"));
+        self.note(|| format!("op {op:?}"));
         let captures = match op {
             Op::Capture { .. } => true,
             Op::ScopeRun { script, .. } => {
@@ -350,7 +362,7 @@ impl World {
         }
         let id = self.next_range.fetch_add(1, Ordering::Relaxed);
         let label = format!("{what} {bytes} B on {:?}", std::thread::current().id());
-        dlog(|| format!("range {id} {ptr:x}+{bytes:x}: {label}"));
+        self.note(|| format!("range {id} {ptr:x}+{bytes:x}: {label}"));
         lock(&self.labels).insert(id, label);
         lock(&self.ranges).push((ptr, ptr + bytes, id));
         id
@@ -358,7 +370,7 @@ impl World {
 
     fn remove_range(&self, id: u64) {
         if id != 0 {
-            dlog(|| format!("range {id} removed"));
+            self.note(|| format!("range {id} removed"));
             lock(&self.ranges).retain(|r| r.2 != id);
         }
     }
@@ -450,7 +462,9 @@ impl World {
         });
         k.sleep = Duration::from_micros(u64::from(delay));
         let r = self.dev.launch(stream, k); // a stream destroyed meanwhile refuses it
-        dlog(|| format!("launch {stream:?} {:x}+{bytes:x} write {write}: {:?}", ptr.0, r.is_ok()));
+        self.note(|| {
+            format!("launch {stream:?} {:x}+{bytes:x} write {write}: {:?}", ptr.0, r.is_ok())
+        });
     }
 
     /// A kernel on `s` over live buffer `l`, after the user's side of stream order.
@@ -754,7 +768,7 @@ impl World {
     /// the scope's stream (the memory a forgotten or late-ordered slice may come back as).
     fn scope_run(&self, by: usize, name: &str, s: StreamId, script: &[Step]) -> R {
         let scope = self.allocs[by].named_scope(name, s);
-        dlog(|| format!("scope {name} by {by} on {s:?} open"));
+        self.note(|| format!("scope {name} by {by} on {s:?} open"));
         let mut items: Vec<Item<'_>> = Vec::new();
         let mut forgotten = Vec::new();
         let mut helpers = Vec::new();
@@ -773,7 +787,7 @@ impl World {
             self.remove_range(id);
         }
         drop(scope);
-        dlog(|| format!("scope {name} by {by} on {s:?} closed"));
+        self.note(|| format!("scope {name} by {by} on {s:?} closed"));
         for h in helpers {
             h.join().map_err(|_| "a freeing thread panicked".to_string())?;
         }
@@ -1021,13 +1035,14 @@ impl Item<'_> {
 
 /// Runs one case; `Err` describes the first failure.
 fn run_case(case: &Case, broken: Option<Broken>) -> R {
-    lock(&DLOG).clear();
     let world = Arc::new(World::new(case.policies, broken));
     let scripts = Arc::new(case.scripts.clone());
     if std::env::var("MULTI_PROPS_SEQ").is_ok() {
         // Debugging aid: the threads' programs one after the other, on this thread.
         for op in case.threads.iter().flatten() {
-            world.step(op, &scripts).map_err(|e| format!("{op:?}: {e}"))?;
+            world.step(op, &scripts).map_err(|e| format!("{op:?}: {e}")).inspect_err(|e| {
+                world.print_log(e);
+            })?;
         }
         return finish(world, case);
     }
@@ -1062,14 +1077,8 @@ fn run_case(case: &Case, broken: Option<Broken>) -> R {
             result = r;
         }
     }
-    if let Err(e) = &result
-        && std::env::var("MULTI_PROPS_LOG").is_ok()
-        && !DLOG_PRINTED.swap(true, Ordering::Relaxed)
-    {
-        for line in lock(&DLOG).iter() {
-            eprintln!("{line}");
-        }
-        eprintln!("FAILED: {e}");
+    if let Err(e) = &result {
+        world.print_log(e);
     }
     result?;
     finish(world, case)
