@@ -19,6 +19,10 @@ on the shipped traces in seconds. It reproduces the allocator's `expandable` pea
                  chunks are its growths, up to `chunk_pages` (32) pages each; growths of fewer
                  than `page_chunks_below` pages are made of single pages)
   stitch_no_grow ... only where free chunks hold all of the request (nothing grown for it)
+  stitch_at_peak ... a new stitched block only where the range's live bytes reach a new maximum
+  stitch_min_borrow  ... only where free chunks hold at least this share of its pages (0.5)
+  stitch_vs_grow ... only where the pages it creates plus this price per borrowed page (0.5)
+                 are no more than a growth would create
   threshold      unmap free pages after every free down to this many free bytes (release_threshold)
   high_below     place blocks smaller than this at the high end of their free block
   peer_move      a growth first takes whole free pages the stream's other ranges have mapped
@@ -28,6 +32,7 @@ on the shipped traces in seconds. It reproduces the allocator's `expandable` pea
   residency      `param` blocks in ranges of their own; share_small: small ones stay shared
 
   scripts/expandable_model.py '{"reuse":1}' [trace names or .csv.gz paths]
+  (a PyTorch snapshot first goes through scripts/snapshot_to_csv.py)
   prints x peak live, pages mapped/unmapped per step (the allocator maps a growth in chunks:
   fewer calls than pages)
 """
@@ -269,6 +274,8 @@ class Range:
         if fits:
             i = min(fits, key=lambda i: len(self.stitches[i][0]))
         else:
+            if self.o.get('stitch_at_peak') and self.live + r <= self.max_live:
+                return None
             if self.o.get('stitch_chunks'):
                 pages = []
                 for lo, hi in sorted(self.chunks):
@@ -284,6 +291,13 @@ class Range:
                 return None
             if len(pages) < need and self.o.get('stitch_no_grow'):
                 return None
+            if len(pages) < self.o.get('stitch_min_borrow', 0) * need:
+                return None
+            if self.o.get('stitch_vs_grow') is not None:
+                # the pages a growth would create, against those the stitch creates plus a
+                # price per page it borrows
+                if need - len(pages) + self.o['stitch_vs_grow'] * len(pages) > self.place(r)[0]:
+                    return None
             if len(pages) < need:
                 top = self.top_mapped()
                 self.map(top, top + (need - len(pages)) * PAGE)
