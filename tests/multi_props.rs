@@ -238,6 +238,8 @@ struct World {
     ranges: Mutex<Vec<(u64, u64, u64)>>,
     /// What each live range is, for failure reports.
     labels: Mutex<std::collections::HashMap<u64, String>>,
+    /// The allocator each live range came from (for `check_owners`).
+    owners: Mutex<std::collections::HashMap<u64, usize>>,
     next_range: AtomicU64,
     /// One window of failing event records at a time.
     faults: Mutex<()>,
@@ -302,6 +304,7 @@ impl World {
             live: Mutex::new(Vec::new()),
             ranges: Mutex::new(Vec::new()),
             labels: Mutex::new(std::collections::HashMap::new()),
+            owners: Mutex::new(std::collections::HashMap::new()),
             next_range: AtomicU64::new(1),
             faults: Mutex::new(()),
             failed: AtomicBool::new(false),
@@ -356,7 +359,7 @@ impl World {
     }
 
     /// Registers a live range; returns its id (0 for an empty one).
-    fn add_range(&self, ptr: u64, bytes: u64, what: &str) -> u64 {
+    fn add_range(&self, by: usize, ptr: u64, bytes: u64, what: &str) -> u64 {
         if bytes == 0 {
             return 0;
         }
@@ -364,6 +367,7 @@ impl World {
         let label = format!("{what} {bytes} B on {:?}", std::thread::current().id());
         self.note(|| format!("range {id} {ptr:x}+{bytes:x}: {label}"));
         lock(&self.labels).insert(id, label);
+        lock(&self.owners).insert(id, by);
         lock(&self.ranges).push((ptr, ptr + bytes, id));
         id
     }
@@ -372,6 +376,7 @@ impl World {
         if id != 0 {
             self.note(|| format!("range {id} removed"));
             lock(&self.ranges).retain(|r| r.2 != id);
+            lock(&self.owners).remove(&id);
         }
     }
 
@@ -381,7 +386,7 @@ impl World {
 
     fn register(&self, buf: Buffer<SimDevice>, by: usize, auto: bool) {
         let what = format!("buffer of allocator {by} ({:?})", buf.stream());
-        let range = self.add_range(buf.ptr().0, buf.len(), &what);
+        let range = self.add_range(by, buf.ptr().0, buf.len(), &what);
         lock(&self.live).push(Live { buf, by, auto, users: Vec::new(), range });
     }
 
@@ -418,10 +423,40 @@ impl World {
                 self.label(w[1].2)
             );
         }
+        if self.log.is_some() {
+            self.check_owners()?;
+        }
         let v = self.dev.violations();
         ensure!(v.is_empty(), "sanitizer: {v:?}");
         let f = self.dev.kernel_failures();
         ensure!(f.is_empty(), "kernel failures: {f:?}");
+        Ok(())
+    }
+
+    /// Debugging aid (with `MULTI_PROPS_LOG`, since `snapshot` flushes the stream caches): no
+    /// live range of one allocator lies in a segment of the other or of its pools. The ranges
+    /// stay locked while the segments are read, so no range (and no segment with it) goes
+    /// meanwhile.
+    fn check_owners(&self) -> R {
+        let ranges = lock(&self.ranges);
+        let owners = lock(&self.owners).clone();
+        let segments = [0, 1].map(|i| {
+            let mut all = self.allocs[i].snapshot();
+            all.extend(self.pools[i].snapshot());
+            all.extend(self.graph_pools[i].snapshot());
+            all.iter().map(|s| (s.address.0, s.address.0 + s.size)).collect::<Vec<_>>()
+        });
+        for &(lo, hi, id) in ranges.iter() {
+            let Some(&by) = owners.get(&id) else { continue };
+            if let Some(&(a, b)) = segments[1 - by].iter().find(|&&(a, b)| a < hi && lo < b) {
+                return Err(format!(
+                    "range {lo:x}..{hi:x} ({}) of allocator {by} lies in segment {a:x}..{b:x} \
+                     of allocator {}",
+                    self.label(id),
+                    1 - by
+                ));
+            }
+        }
         Ok(())
     }
 
@@ -751,7 +786,7 @@ impl World {
         }
         if let Some(b) = self.alloc(by, owner, bytes.max(1), Residency::Transient) {
             let mut l = Live {
-                range: self.add_range(b.ptr().0, b.len(), "faulty-free realloc"),
+                range: self.add_range(by, b.ptr().0, b.len(), "faulty-free realloc"),
                 buf: b,
                 by,
                 auto,
@@ -799,7 +834,7 @@ impl World {
         });
         if let Some(b) = first.and_then(|n| self.alloc(by, s, n, Residency::Transient)) {
             let mut l = Live {
-                range: self.add_range(b.ptr().0, b.len(), "post-exit alloc"),
+                range: self.add_range(by, b.ptr().0, b.len(), "post-exit alloc"),
                 buf: b,
                 by,
                 auto: true,
@@ -832,6 +867,7 @@ impl World {
                         true => match scope.alloc_unbound(n) {
                             Ok(b) => Item::Unbound {
                                 range: self.add_range(
+                                    by,
                                     b.ptr().0,
                                     b.len(),
                                     &format!("unbound planned={} by {by} on {s:?}", b.is_planned()),
@@ -850,6 +886,7 @@ impl World {
                         false => match scope.alloc(n) {
                             Ok(b) => Item::Bound {
                                 range: self.add_range(
+                                    by,
                                     b.ptr().0,
                                     b.len(),
                                     &format!("bound planned={} by {by} on {s:?}", b.is_planned()),
