@@ -37,7 +37,8 @@
 //! `MULTI_PROPS_PANIC` panics on the first sanitizer violation, with the backtrace of the
 //! thread that caused it; `MULTI_PROPS_STATS` and `MULTI_PROPS_DEBUG` print what each case did;
 //! `MULTI_PROPS_LOG` notes each thread's operations, kernel launches, scopes and live ranges
-//! (with addresses) and prints them at the first failing case.
+//! (with addresses) and prints them at the first failing case, and checks at every step that
+//! no live range of one allocator lies in a segment of the other (`check_owners`).
 
 use proptest::prelude::*;
 use proptest::test_runner::{Config as RunnerConfig, TestCaseError, TestRunner};
@@ -234,12 +235,10 @@ struct World {
     /// Streams destroyed (by one allocator) and released (by the other).
     dead: Mutex<Vec<StreamId>>,
     live: Mutex<Vec<Live>>,
-    /// Every live range (ptr, end, id): buffers, scoped buffers, forgotten slices.
-    ranges: Mutex<Vec<(u64, u64, u64)>>,
+    /// Every live range (ptr, end, id, allocator): buffers, scoped buffers, forgotten slices.
+    ranges: Mutex<Vec<(u64, u64, u64, usize)>>,
     /// What each live range is, for failure reports.
     labels: Mutex<std::collections::HashMap<u64, String>>,
-    /// The allocator each live range came from (for `check_owners`).
-    owners: Mutex<std::collections::HashMap<u64, usize>>,
     next_range: AtomicU64,
     /// One window of failing event records at a time.
     faults: Mutex<()>,
@@ -304,7 +303,6 @@ impl World {
             live: Mutex::new(Vec::new()),
             ranges: Mutex::new(Vec::new()),
             labels: Mutex::new(std::collections::HashMap::new()),
-            owners: Mutex::new(std::collections::HashMap::new()),
             next_range: AtomicU64::new(1),
             faults: Mutex::new(()),
             failed: AtomicBool::new(false),
@@ -367,8 +365,7 @@ impl World {
         let label = format!("{what} {bytes} B on {:?}", std::thread::current().id());
         self.note(|| format!("range {id} {ptr:x}+{bytes:x}: {label}"));
         lock(&self.labels).insert(id, label);
-        lock(&self.owners).insert(id, by);
-        lock(&self.ranges).push((ptr, ptr + bytes, id));
+        lock(&self.ranges).push((ptr, ptr + bytes, id, by));
         id
     }
 
@@ -376,7 +373,6 @@ impl World {
         if id != 0 {
             self.note(|| format!("range {id} removed"));
             lock(&self.ranges).retain(|r| r.2 != id);
-            lock(&self.owners).remove(&id);
         }
     }
 
@@ -439,15 +435,13 @@ impl World {
     /// meanwhile.
     fn check_owners(&self) -> R {
         let ranges = lock(&self.ranges);
-        let owners = lock(&self.owners).clone();
         let segments = [0, 1].map(|i| {
             let mut all = self.allocs[i].snapshot();
             all.extend(self.pools[i].snapshot());
             all.extend(self.graph_pools[i].snapshot());
             all.iter().map(|s| (s.address.0, s.address.0 + s.size)).collect::<Vec<_>>()
         });
-        for &(lo, hi, id) in ranges.iter() {
-            let Some(&by) = owners.get(&id) else { continue };
+        for &(lo, hi, id, by) in ranges.iter() {
             if let Some(&(a, b)) = segments[1 - by].iter().find(|&&(a, b)| a < hi && lo < b) {
                 return Err(format!(
                     "range {lo:x}..{hi:x} ({}) of allocator {by} lies in segment {a:x}..{b:x} \
