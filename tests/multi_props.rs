@@ -38,7 +38,8 @@
 //! thread that caused it; `MULTI_PROPS_STATS` and `MULTI_PROPS_DEBUG` print what each case did;
 //! `MULTI_PROPS_LOG` notes each thread's operations, kernel launches, scopes and live ranges
 //! (with addresses) and prints them at the first failing case, and checks at every step that
-//! no live range of one allocator lies in a segment of the other (`check_owners`).
+//! no live range of one allocator lies in a segment of the other (`check_owners`);
+//! `MULTI_PROPS_CAPACITY_MB` sets the device's capacity (2 GiB by default).
 
 use proptest::prelude::*;
 use proptest::test_runner::{Config as RunnerConfig, TestCaseError, TestRunner};
@@ -277,7 +278,9 @@ fn access(write: bool) -> AccessKind {
 
 impl World {
     fn new(policies: [CrossStream; 2], broken: Option<Broken>) -> World {
-        let dev = Arc::new(SimDevice::backed(2 << 30));
+        // `MULTI_PROPS_CAPACITY_MB` shrinks the device, so that the out-of-memory ladder runs often.
+        let capacity = std::env::var("MULTI_PROPS_CAPACITY_MB").ok().and_then(|v| v.parse().ok());
+        let dev = Arc::new(SimDevice::backed(capacity.map_or(2 << 30, |mb: u64| mb << 20)));
         dev.panic_on_violation(std::env::var("MULTI_PROPS_PANIC").is_ok());
         let allocs = policies.map(|p| {
             let a = Allocator::new(dev.clone(), Config::default().with_cross_stream(p));
