@@ -472,7 +472,8 @@ impl World {
             self.dev.record_event(e, after).is_err() || self.dev.wait_event(stream, e).is_err()
         }));
         if refused.unwrap_or(true) {
-            let _ = self.dev.synchronize();
+            let r = self.dev.synchronize();
+            self.note(|| format!("order {stream:?} after {after:?}: synchronize {:?}", r.is_ok()));
         }
         let _ = self.dev.destroy_event(e);
     }
@@ -493,6 +494,8 @@ impl World {
             }
         });
         k.sleep = Duration::from_micros(u64::from(delay));
+        // Noted before too: a launch the sanitizer panics on (`MULTI_PROPS_PANIC`) notes nothing after.
+        self.note(|| format!("launching {stream:?} {:x}+{bytes:x} write {write}", ptr.0));
         let r = self.dev.launch(stream, k); // a stream destroyed meanwhile refuses it
         self.note(|| {
             format!("launch {stream:?} {:x}+{bytes:x} write {write}: {:?}", ptr.0, r.is_ok())
