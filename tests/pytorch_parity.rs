@@ -20,7 +20,10 @@ mod common;
 use std::sync::{Arc, mpsc};
 use tidepool::device::{Access, AccessKind, Kernel, Launch, SimDevice};
 use tidepool::hooks::Broken;
-use tidepool::{AllocError, Allocator, Config, Device, DeviceAddr, MIB, StreamId};
+use tidepool::{
+    AllocError, Allocator, Config, Device, DeviceAddr, HistoryOptions, MIB, MemPool, PoolOptions,
+    StreamId,
+};
 
 const S0: StreamId = StreamId::DEFAULT;
 
@@ -39,6 +42,21 @@ fn allocator_backed(capacity: u64, conf: &str) -> (Arc<SimDevice>, Allocator<Sim
 
 fn allocator(conf: &str) -> (Arc<SimDevice>, Allocator<SimDevice>) {
     allocator_on(8 << 30, conf)
+}
+
+/// `conf` as `test_cuda.py` runs it, then again with expandable segments on, as
+/// `test_cuda_expandable_segments.py` runs the same file: `(expandable, configuration)`.
+fn both_modes(conf: &str) -> [(bool, String); 2] {
+    let with = |exp: bool| match conf {
+        "" => format!("expandable_segments:{exp}"),
+        c => format!("{c},expandable_segments:{exp}"),
+    };
+    [(false, with(false)), (true, with(true))]
+}
+
+/// Device memory in use: segments and physical allocations (what expandable ranges map).
+fn device_used(dev: &SimDevice) -> u64 {
+    dev.reserved_bytes() + dev.physical_bytes()
 }
 
 /// `m[key]` of `memory_stats()`, PyTorch's flat dictionary.
@@ -66,14 +84,16 @@ fn off(a: DeviceAddr, base: DeviceAddr) -> u64 {
 /// `allocate(0)` returns a null data pointer without entering `malloc`.)
 #[test]
 fn an_empty_tensor_moves_no_statistic() {
-    let (dev, alloc) = allocator("");
-    let before = alloc.memory_stats();
-    let b = alloc.alloc(0, S0).unwrap();
-    assert_eq!((b.ptr(), b.len()), (DeviceAddr::NULL, 0));
-    assert_eq!(alloc.memory_stats(), before);
-    drop(b);
-    assert_eq!(alloc.memory_stats(), before);
-    assert_eq!(dev.reserved_bytes(), 0);
+    for (_, conf) in both_modes("") {
+        let (dev, alloc) = allocator(&conf);
+        let before = alloc.memory_stats();
+        let b = alloc.alloc(0, S0).unwrap();
+        assert_eq!((b.ptr(), b.len()), (DeviceAddr::NULL, 0));
+        assert_eq!(alloc.memory_stats(), before);
+        drop(b);
+        assert_eq!(alloc.memory_stats(), before);
+        assert_eq!(device_used(&dev), 0);
+    }
 }
 
 /// `test_memory_stats`: `torch.randn(256)` activates exactly 1 KiB (`active_bytes.all.current`
@@ -81,25 +101,30 @@ fn an_empty_tensor_moves_no_statistic() {
 /// brings the peaks back to the figures before the tensor.
 #[test]
 fn a_1kib_tensor_is_1024_active_bytes() {
-    let (_dev, alloc) = allocator("");
-    let keep = alloc.alloc(3 * MIB, S0).unwrap(); // something live before, as in a test run
-    alloc.reset_peak_stats();
-    alloc.reset_accumulated_stats();
-    let prev_active = stat(&alloc, "active_bytes.all.current");
-    let prev_max_alloc = stat(&alloc, "allocated_bytes.all.peak");
-    let prev_max_reserved = stat(&alloc, "reserved_bytes.all.peak");
-    let tmp = alloc.alloc(256 * 4, S0).unwrap();
-    assert_eq!(stat(&alloc, "active_bytes.all.current"), prev_active + 1024);
-    assert_eq!(stat(&alloc, "active_bytes.all.freed"), 0);
-    drop(tmp);
-    assert_eq!(stat(&alloc, "active_bytes.all.current"), prev_active);
-    assert_eq!(stat(&alloc, "active_bytes.all.freed"), 1024);
-    alloc.reset_peak_stats();
-    assert_eq!(stat(&alloc, "allocated_bytes.all.peak"), prev_max_alloc);
-    // The small segment of the 1 KiB tensor is still cached: reserved peak = current.
-    assert_eq!(stat(&alloc, "reserved_bytes.all.peak"), prev_max_reserved + (2 << 20));
-    assert_eq!(stat(&alloc, "reserved_bytes.all.peak"), stat(&alloc, "reserved_bytes.all.current"));
-    drop(keep);
+    for (_, conf) in both_modes("") {
+        let (_dev, alloc) = allocator(&conf);
+        let keep = alloc.alloc(3 * MIB, S0).unwrap(); // something live before, as in a test run
+        alloc.reset_peak_stats();
+        alloc.reset_accumulated_stats();
+        let prev_active = stat(&alloc, "active_bytes.all.current");
+        let prev_max_alloc = stat(&alloc, "allocated_bytes.all.peak");
+        let prev_max_reserved = stat(&alloc, "reserved_bytes.all.peak");
+        let tmp = alloc.alloc(256 * 4, S0).unwrap();
+        assert_eq!(stat(&alloc, "active_bytes.all.current"), prev_active + 1024);
+        assert_eq!(stat(&alloc, "active_bytes.all.freed"), 0);
+        drop(tmp);
+        assert_eq!(stat(&alloc, "active_bytes.all.current"), prev_active);
+        assert_eq!(stat(&alloc, "active_bytes.all.freed"), 1024);
+        alloc.reset_peak_stats();
+        assert_eq!(stat(&alloc, "allocated_bytes.all.peak"), prev_max_alloc);
+        // The small segment of the 1 KiB tensor is still cached: reserved peak = current.
+        assert_eq!(stat(&alloc, "reserved_bytes.all.peak"), prev_max_reserved + (2 << 20));
+        assert_eq!(
+            stat(&alloc, "reserved_bytes.all.peak"),
+            stat(&alloc, "reserved_bytes.all.current")
+        );
+        drop(keep);
+    }
 }
 
 /// `round_size` and `get_allocation_size`: under 512 B a request takes kMinBlockSize (512);
@@ -222,10 +247,19 @@ fn inactive_splits_count_free_blocks_of_split_segments() {
 /// default the freed 1 022 976-byte block waits in the stream's cache for a request of its
 /// class instead of merging at once, so `unused` and x are placed after it (x at 1 531 392);
 /// with `fast_cache:false` every free merges at once and the addresses are PyTorch's.
+///
+/// As `test_cuda_expandable_segments.py` runs it too: with expandable segments the blocks sit
+/// at the same offsets of a small range with one page mapped, and `empty_cache`'s last history
+/// entry is `segment_unmap` instead of `segment_free` (PyTorch's test accepts either).
 #[test]
 fn memory_snapshot_places_x_second_in_its_segment() {
-    for (conf, unused_at, x_at) in [("fast_cache:false", 0, 508_416), ("", 1_022_976, 1_531_392)] {
-        let (_dev, alloc) = allocator(conf);
+    let cases = [("fast_cache:false", 0, 508_416), ("", 1_022_976, 1_531_392)];
+    for ((conf, unused_at, x_at), expandable) in
+        cases.into_iter().flat_map(|c| [(c, false), (c, true)])
+    {
+        let conf = &format!("{conf},expandable_segments:{expandable}")[conf.is_empty() as usize..];
+        let (dev, alloc) = allocator(conf);
+        dev.set_virtual_memory(true);
         drop(alloc.alloc(2 * 311 * 411 * 4, S0).unwrap());
         let unused = alloc.alloc(310 * 410 * 4, S0).unwrap();
         let x = alloc.alloc(311 * 411 * 4, S0).unwrap();
@@ -244,9 +278,13 @@ fn memory_snapshot_places_x_second_in_its_segment() {
             drop(tensors.swap_remove(k));
         }
         drop(alloc.alloc(128 * 5 * 4, S0).unwrap());
+        alloc.record_history(HistoryOptions::new(100));
         drop((unused, x));
         alloc.empty_cache().unwrap();
         assert!(alloc.snapshot().is_empty(), "{conf}");
+        let last = alloc.history().last().map(|e| (e.action.name(), e.addr, e.size));
+        let action = if expandable { "segment_unmap" } else { "segment_free" };
+        assert_eq!(last, Some((action, seg.address, 2 * MIB)), "{conf}");
         alloc.check_invariants().unwrap();
     }
 }
@@ -365,8 +403,10 @@ fn max_split_size_keeps_oversize_blocks_whole() {
 /// `MAX_REQUEST` (2^48 B) as `InvalidSize` before touching the pool, so no statistic moves.
 #[test]
 fn out_of_memory_counts_like_pytorch_and_leaves_the_allocator_usable() {
-    for broken in [false, true] {
-        let (dev, alloc) = allocator_backed(1 << 30, "");
+    for ((_, conf), broken) in
+        both_modes("").into_iter().flat_map(|m| [(m.clone(), false), (m, true)])
+    {
+        let (dev, alloc) = allocator_backed(1 << 30, &conf);
         alloc.set_broken(Broken::LadderUncounted, broken);
         let tensor = alloc.alloc(1024 * 4, S0).unwrap();
         let e = alloc.alloc(8_000_000_000_000_000_000, S0).unwrap_err();
@@ -380,8 +420,8 @@ fn out_of_memory_counts_like_pytorch_and_leaves_the_allocator_usable() {
             stat(&alloc, "num_sync_all_streams"),
         );
         assert_eq!(counted, if broken { (1, 0, 0) } else { (1, 1, 1) });
-        // The tensor's 2 MiB segment survived the ladder (it holds a live block).
-        assert_eq!(dev.reserved_bytes(), 2 * MIB);
+        // The tensor's 2 MiB segment (or page) survived the ladder (it holds a live block).
+        assert_eq!(device_used(&dev), 2 * MIB);
         let (k, open) = common::gated_write(tensor.ptr(), 1);
         dev.launch(S0, k).unwrap();
         open.send(()).unwrap();
@@ -392,24 +432,49 @@ fn out_of_memory_counts_like_pytorch_and_leaves_the_allocator_usable() {
 
 /// `test_out_of_memory_retry`: half the device, then half again fails; once the first is
 /// deleted the second succeeds — from the cached block, at its address, with no new segment.
+///
+/// With expandable segments the 502 MiB are mapped in 8 chunks of at most 64 MiB (one physical
+/// allocation each, so that a range can let go of part of a growth), each map counted in
+/// `num_device_alloc` as PyTorch counts a `map_block` (PyTorch maps the growth in one call).
+/// The failed request's two attempts (before and after the ladder) each create 7 chunks and
+/// release them when the 8th does not fit: the statistics count those 22 creates and 14
+/// releases exactly as the device saw them, although no later growth publishes them
+/// (`Broken::VmCountsUnpublished` misses the second attempt's: 15 and 7).
 #[test]
 fn out_of_memory_retry_succeeds_after_a_free() {
-    let total = 1001 * MIB;
-    let (dev, alloc) = allocator_on(total, "");
-    let size = total / 2;
-    let a = alloc.alloc(size, S0).unwrap();
-    let a_at = a.ptr();
-    assert_eq!(dev.reserved_bytes(), 502 * MIB); // 500.5 MiB rounded to kRoundLarge
-    let e = alloc.alloc(size, S0).unwrap_err();
-    assert!(matches!(e, AllocError::OutOfMemory(_)), "{e}");
-    drop(a);
-    let b = alloc.alloc(size, S0).unwrap();
-    assert_eq!(b.ptr(), a_at);
-    assert_eq!(stat(&alloc, "num_device_alloc"), 1);
-    drop(b);
-    alloc.empty_cache().unwrap();
-    alloc.reset_peak_stats();
-    assert_eq!((dev.reserved_bytes(), stat(&alloc, "reserved_bytes.all.peak")), (0, 0));
+    let [plain, expandable] = both_modes("");
+    let runs = [(plain, false), (expandable.clone(), false), (expandable, true)];
+    for ((expandable, conf), broken) in runs {
+        let total = 1001 * MIB;
+        let (dev, alloc) = allocator_on(total, &conf);
+        alloc.set_broken(Broken::VmCountsUnpublished, broken);
+        let size = total / 2;
+        let a = alloc.alloc(size, S0).unwrap();
+        let a_at = a.ptr();
+        assert_eq!(device_used(&dev), 502 * MIB); // 500.5 MiB rounded to kRoundLarge
+        let e = alloc.alloc(size, S0).unwrap_err();
+        assert!(matches!(e, AllocError::OutOfMemory(_)), "{e}");
+        drop(a);
+        let b = alloc.alloc(size, S0).unwrap();
+        assert_eq!(b.ptr(), a_at);
+        assert_eq!(stat(&alloc, "num_device_alloc"), if expandable { 8 } else { 1 });
+        let s = alloc.stats();
+        let counted = (s.num_physical_create, s.num_physical_release, s.num_device_map);
+        let vm = dev.vm_counters();
+        let want = match (expandable, broken) {
+            (false, _) => (0, 0, 0),
+            (true, false) => (22, 14, 8),
+            (true, true) => (15, 7, 8),
+        };
+        assert_eq!(counted, want, "{conf}");
+        if !broken {
+            assert_eq!(counted, (vm.creates, vm.releases, vm.maps), "{conf}");
+        }
+        drop(b);
+        alloc.empty_cache().unwrap();
+        alloc.reset_peak_stats();
+        assert_eq!((device_used(&dev), stat(&alloc, "reserved_bytes.all.peak")), (0, 0));
+    }
 }
 
 /// `test_set_per_process_memory_fraction`: with a 4 KiB tensor live (its 2 MiB small segment
@@ -418,25 +483,27 @@ fn out_of_memory_retry_succeeds_after_a_free() {
 /// does not; the tensor is still usable.
 #[test]
 fn per_process_memory_fraction_caps_reserved_memory() {
-    let total = 1u64 << 30;
-    let (dev, alloc) = allocator_backed(total, "");
-    let tensor = alloc.alloc(1024 * 4, S0).unwrap();
-    alloc.empty_cache().unwrap();
-    alloc.set_config(Config::parse("per_process_memory_fraction:0.5").unwrap()).unwrap();
-    let max_reserved = stat(&alloc, "reserved_bytes.all.peak") as u64;
-    assert_eq!(max_reserved, 2 * MIB);
-    let application = (total as f64 * 0.499) as u64 - max_reserved;
-    let tmp = alloc.alloc(application, S0).unwrap();
-    assert_eq!(dev.reserved_bytes(), 512 * MIB);
-    drop(tmp);
-    alloc.empty_cache().unwrap();
-    let e = alloc.alloc(total / 2, S0).unwrap_err();
-    assert!(matches!(e, AllocError::OutOfMemory(_)), "{e}");
-    assert_eq!(dev.reserved_bytes(), 2 * MIB);
-    let (k, open) = common::gated_write(tensor.ptr(), 1);
-    dev.launch(S0, k).unwrap();
-    open.send(()).unwrap();
-    assert_eq!(common::device_bytes(&dev, &tensor), vec![1; common::N as usize]);
+    for (_, conf) in both_modes("") {
+        let total = 1u64 << 30;
+        let (dev, alloc) = allocator_backed(total, &conf);
+        let tensor = alloc.alloc(1024 * 4, S0).unwrap();
+        alloc.empty_cache().unwrap();
+        alloc.set_config(Config::parse("per_process_memory_fraction:0.5").unwrap()).unwrap();
+        let max_reserved = stat(&alloc, "reserved_bytes.all.peak") as u64;
+        assert_eq!(max_reserved, 2 * MIB);
+        let application = (total as f64 * 0.499) as u64 - max_reserved;
+        let tmp = alloc.alloc(application, S0).unwrap();
+        assert_eq!(device_used(&dev), 512 * MIB);
+        drop(tmp);
+        alloc.empty_cache().unwrap();
+        let e = alloc.alloc(total / 2, S0).unwrap_err();
+        assert!(matches!(e, AllocError::OutOfMemory(_)), "{e}");
+        assert_eq!(device_used(&dev), 2 * MIB);
+        let (k, open) = common::gated_write(tensor.ptr(), 1);
+        dev.launch(S0, k).unwrap();
+        open.send(()).unwrap();
+        assert_eq!(common::device_bytes(&dev, &tensor), vec![1; common::N as usize]);
+    }
 }
 
 /// `test_record_stream`: a block freed after `record_stream(other)` is not handed out again on
@@ -444,23 +511,25 @@ fn per_process_memory_fraction_caps_reserved_memory() {
 /// once that work completed (`allocation not re-used`).
 #[test]
 fn record_stream_delays_reuse_until_the_use_completed() {
-    let (dev, alloc) = allocator_backed(64 * MIB, "");
-    let side = dev.create_stream().unwrap();
-    let tmp = alloc.alloc(common::N, side).unwrap();
-    let ptr = tmp.ptr();
-    let (k, open) = common::gated_write(ptr, 3);
-    dev.launch(S0, k).unwrap();
-    tmp.record_stream(S0).unwrap();
-    drop(tmp);
-    let tmp2 = alloc.alloc(common::N, side).unwrap();
-    assert_ne!(tmp2.ptr(), ptr, "allocation re-used too soon");
-    open.send(()).unwrap();
-    dev.synchronize().unwrap();
-    let tmp3 = alloc.alloc(common::N, side).unwrap();
-    assert_eq!(tmp3.ptr(), ptr, "allocation not re-used");
-    assert_eq!(common::device_bytes(&dev, &tmp3), vec![3; common::N as usize]);
-    drop((tmp2, tmp3));
-    assert!(dev.violations().is_empty(), "{:?}", dev.violations());
+    for (_, conf) in both_modes("") {
+        let (dev, alloc) = allocator_backed(64 * MIB, &conf);
+        let side = dev.create_stream().unwrap();
+        let tmp = alloc.alloc(common::N, side).unwrap();
+        let ptr = tmp.ptr();
+        let (k, open) = common::gated_write(ptr, 3);
+        dev.launch(S0, k).unwrap();
+        tmp.record_stream(S0).unwrap();
+        drop(tmp);
+        let tmp2 = alloc.alloc(common::N, side).unwrap();
+        assert_ne!(tmp2.ptr(), ptr, "allocation re-used too soon");
+        open.send(()).unwrap();
+        dev.synchronize().unwrap();
+        let tmp3 = alloc.alloc(common::N, side).unwrap();
+        assert_eq!(tmp3.ptr(), ptr, "allocation not re-used");
+        assert_eq!(common::device_bytes(&dev, &tmp3), vec![3; common::N as usize]);
+        drop((tmp2, tmp3));
+        assert!(dev.violations().is_empty(), "{:?}", dev.violations());
+    }
 }
 
 /// `test_memory_stats`' `empty_cache` step (`num_sync_all_streams` + 1 per call) and
@@ -504,24 +573,26 @@ fn empty_cache_waits_for_pending_frees() {
 /// used on a side stream never runs out on a device that holds six of them.
 #[test]
 fn record_stream_frees_are_reclaimed_on_out_of_memory() {
-    let (dev, alloc) = allocator_on(1 << 30, "");
-    let side = dev.create_stream().unwrap();
-    let y = alloc.alloc(160 * MIB, side).unwrap();
-    for _ in 0..100 {
-        let x = alloc.alloc(160 * MIB, S0).unwrap();
-        let (k, open) = gated_use(x.ptr(), 160 * MIB);
-        dev.launch(side, k).unwrap();
-        x.record_stream(side).unwrap();
-        drop(x);
-        open.send(()).unwrap();
+    for (_, conf) in both_modes("") {
+        let (dev, alloc) = allocator_on(1 << 30, &conf);
+        let side = dev.create_stream().unwrap();
+        let y = alloc.alloc(160 * MIB, side).unwrap();
+        for _ in 0..100 {
+            let x = alloc.alloc(160 * MIB, S0).unwrap();
+            let (k, open) = gated_use(x.ptr(), 160 * MIB);
+            dev.launch(side, k).unwrap();
+            x.record_stream(side).unwrap();
+            drop(x);
+            open.send(()).unwrap();
+        }
+        assert_eq!(stat(&alloc, "num_ooms"), 0);
+        assert!(stat(&alloc, "reserved_bytes.all.peak") <= 960 << 20);
+        drop(y);
+        alloc.synchronize().unwrap();
+        alloc.empty_cache().unwrap();
+        assert_eq!(device_used(&dev), 0);
+        assert!(dev.violations().is_empty(), "{:?}", dev.violations());
     }
-    assert_eq!(stat(&alloc, "num_ooms"), 0);
-    assert!(stat(&alloc, "reserved_bytes.all.peak") <= 960 << 20);
-    drop(y);
-    alloc.synchronize().unwrap();
-    alloc.empty_cache().unwrap();
-    assert_eq!(dev.reserved_bytes(), 0);
-    assert!(dev.violations().is_empty(), "{:?}", dev.violations());
 }
 
 /// `reset_peak_memory_stats` and `reset_accumulated_memory_stats` (the statistics generator's
@@ -530,35 +601,57 @@ fn record_stream_frees_are_reclaimed_on_out_of_memory() {
 /// `num_device_free` start again from zero while current figures stay.
 #[test]
 fn resets_follow_pytorch() {
-    let (_dev, alloc) = allocator_on(64 * MIB, "");
-    let a = alloc.alloc(30 * MIB, S0).unwrap();
-    drop(alloc.alloc(20 * MIB, S0).unwrap());
-    assert!(alloc.alloc(40 * MIB, S0).is_err());
-    alloc.empty_cache().unwrap();
-    assert_eq!(stat(&alloc, "allocated_bytes.all.peak"), 50 << 20);
-    assert_eq!(stat(&alloc, "num_ooms"), 1);
-    alloc.reset_peak_stats();
-    assert_eq!(stat(&alloc, "allocated_bytes.all.peak"), 30 << 20);
-    assert_eq!(stat(&alloc, "reserved_bytes.all.peak"), 30 << 20);
-    assert_eq!(stat(&alloc, "allocation.all.peak"), 1);
-    alloc.reset_accumulated_stats();
-    for key in [
-        "allocated_bytes.all.allocated",
-        "allocated_bytes.all.freed",
-        "reserved_bytes.all.freed",
-        "segment.all.allocated",
-        "num_alloc_retries",
-        "num_ooms",
-        "num_sync_all_streams",
-        "num_device_alloc",
-        "num_device_free",
-    ] {
-        assert_eq!(stat(&alloc, key), 0, "{key}");
+    let [plain, expandable] = both_modes("");
+    for (conf, broken) in [(plain.1, false), (expandable.1.clone(), false), (expandable.1, true)] {
+        let (_dev, alloc) = allocator_on(64 * MIB, &conf);
+        alloc.set_broken(Broken::ResetKeepsMaps, broken);
+        let a = alloc.alloc(30 * MIB, S0).unwrap();
+        drop(alloc.alloc(20 * MIB, S0).unwrap());
+        assert!(alloc.alloc(40 * MIB, S0).is_err());
+        alloc.empty_cache().unwrap();
+        assert_eq!(stat(&alloc, "allocated_bytes.all.peak"), 50 << 20);
+        assert_eq!(stat(&alloc, "num_ooms"), 1);
+        alloc.reset_peak_stats();
+        assert_eq!(stat(&alloc, "allocated_bytes.all.peak"), 30 << 20);
+        assert_eq!(stat(&alloc, "reserved_bytes.all.peak"), 30 << 20);
+        assert_eq!(stat(&alloc, "allocation.all.peak"), 1);
+        alloc.reset_accumulated_stats();
+        if broken {
+            // The maps and unmaps before the reset still count in PyTorch's figures.
+            let (allocs, frees) =
+                (stat(&alloc, "num_device_alloc"), stat(&alloc, "num_device_free"));
+            assert!(allocs > 0 && frees > 0, "{allocs} {frees}");
+            continue;
+        }
+        for key in [
+            "allocated_bytes.all.allocated",
+            "allocated_bytes.all.freed",
+            "reserved_bytes.all.freed",
+            "segment.all.allocated",
+            "num_alloc_retries",
+            "num_ooms",
+            "num_sync_all_streams",
+            "num_device_alloc",
+            "num_device_free",
+        ] {
+            assert_eq!(stat(&alloc, key), 0, "{key} ({conf})");
+        }
+        let s = alloc.stats();
+        let vm = [s.num_device_map, s.num_device_unmap, s.num_physical_create];
+        assert_eq!(vm, [0, 0, 0], "{conf}");
+        assert_eq!(s.num_physical_release + s.num_pages_moved, 0, "{conf}");
+        assert_eq!(stat(&alloc, "allocated_bytes.all.current"), 30 << 20);
+        assert_eq!(stat(&alloc, "segment.all.current"), 1);
+        drop(a);
+        assert_eq!(stat(&alloc, "allocated_bytes.all.freed"), 30 << 20);
+        // Counting starts again: a new growth is one map and one physical allocation.
+        let b = alloc.alloc(34 * MIB, S0).unwrap();
+        let s = alloc.stats();
+        let want = if s.expandable_segments { (1, [1, 0, 1]) } else { (1, [0, 0, 0]) };
+        let vm = [s.num_device_map, s.num_device_unmap, s.num_physical_create];
+        assert_eq!((stat(&alloc, "num_device_alloc"), vm), want, "{conf}");
+        drop(b);
     }
-    assert_eq!(stat(&alloc, "allocated_bytes.all.current"), 30 << 20);
-    assert_eq!(stat(&alloc, "segment.all.current"), 1);
-    drop(a);
-    assert_eq!(stat(&alloc, "allocated_bytes.all.freed"), 30 << 20);
 }
 
 /// `CUDACachingAllocator.cpp`'s stream rule: a block freed on one stream is reused by later
@@ -686,4 +779,179 @@ fn garbage_collection_with_an_expandable_range_cached() {
     assert_eq!(stat(&alloc, "num_ooms"), 0);
     drop(c);
     alloc.check_invariants().unwrap();
+}
+
+/// A replayable kernel `dst[i] = src[i] + add` over `n` bytes (a tensor's clone, or `+ 1`).
+fn add_kernel(src: DeviceAddr, dst: DeviceAddr, n: u64, add: u8) -> Kernel {
+    let acc = vec![
+        Access { ptr: src, bytes: n, kind: AccessKind::Read },
+        Access { ptr: dst, bytes: n, kind: AccessKind::Write },
+    ];
+    Kernel::replayable("add", acc, move |m| {
+        let mut v = vec![0u8; n as usize];
+        m.read(src, &mut v).unwrap();
+        v.iter_mut().for_each(|x| *x = x.wrapping_add(add));
+        m.write(dst, &v).unwrap();
+    })
+}
+
+/// The `segment`, `reserved_bytes`, `active` and `active_bytes` figures of `pool_kind`
+/// (`small_pool`, `large_pool`) in a private pool's statistics, PyTorch's names.
+fn pool_figures(pool: &MemPool<SimDevice>, pool_kind: &str) -> [i64; 4] {
+    let m = pool.stats().to_pytorch(u64::MAX);
+    ["segment", "reserved_bytes", "active", "active_bytes"]
+        .map(|k| m[&format!("{k}.{pool_kind}.current")])
+}
+
+/// `test_graph_memory_stats_and_use_result_after_destroy_graph`: `a` (ones) on a side stream,
+/// then a capture of `b = a.clone()` and five times `b = b.clone() + 1` (with the graph's two
+/// 8-byte random-number holders, as PyTorch's capture makes), replayed twice (`b` is 6
+/// everywhere), then the graph deleted while `b` lives on. The capture's deltas of `segment`,
+/// `reserved_bytes`, `active` and `active_bytes` of the request's pool kind are PyTorch's on
+/// ordinary segments: 1 / 2 / 1 / 2 / 3 segments, 2 / 4 / 20 / 40 / 36 MiB, 3 blocks of
+/// `4 × numel + 1024` bytes in the small pool (b and the two holders), 1 of `4 × numel` in the
+/// large one; after the graph goes, `b`'s segment alone (2 / 2 / 20 / 20 / 12 MiB).
+///
+/// Differences, on purpose: tidepool counts a private pool's memory in the pool's statistics
+/// (`MemPool::stats`), not in the allocator's (PyTorch's device-wide `memory_stats` has both, so
+/// its test reads deltas of the whole device; they are the pool's, since nothing else moves).
+/// With expandable segments PyTorch counts no segment for a range and maps the large pool in
+/// 20 MiB steps (reserved after the capture 2 / 4 / 20 / 40 / 40 MiB, after the graph goes
+/// 2 / 2 / 20 / 40 / 20 MiB); tidepool counts each range as one segment and maps 2 MiB pages, in
+/// chunks a growth creates whole (so a chunk stays while any of its pages holds a live block):
+/// 2 / 4 / 4 / 30 / 32 MiB after the capture, 2 / 4 / 2 / 20 / 20 MiB after the graph goes.
+#[test]
+fn graph_memory_statistics_and_the_result_after_the_graph_goes() {
+    // (numel of f32, pool kind, segments, reserved after capture and after the graph went,
+    //  then the same two with expandable segments)
+    #[rustfmt::skip]
+    const CASES: [(u64, &str, i64, i64, i64, i64, i64); 5] = [
+        (128, "small_pool", 1, 2 << 20, 2 << 20, 2 << 20, 2 << 20),
+        (262_144, "small_pool", 2, 4 << 20, 2 << 20, 4 << 20, 4 << 20),
+        (262_272, "large_pool", 1, 20 << 20, 20 << 20, 4 << 20, 2 << 20),
+        (2_621_312, "large_pool", 2, 40 << 20, 20 << 20, 30 << 20, 20 << 20),
+        (2_621_568, "large_pool", 3, 36 << 20, 12 << 20, 32 << 20, 20 << 20),
+    ];
+    for expandable in [false, true] {
+        for (numel, kind, segments, reserved, kept, exp_reserved, exp_kept) in CASES {
+            let case = format!("numel {numel}, expandable {expandable}");
+            let (dev, alloc) =
+                allocator_backed(1 << 30, &format!("expandable_segments:{expandable}"));
+            dev.set_virtual_memory(true);
+            let s = dev.create_stream().unwrap();
+            let n = numel * 4;
+            let a = alloc.alloc(n, s).unwrap();
+            dev.launch(s, add_kernel(a.ptr(), a.ptr(), n, 1)).unwrap(); // zeros + 1: ones
+            let pool = alloc.new_pool(PoolOptions::default()).unwrap();
+            assert_eq!(pool_figures(&pool, kind), [0; 4], "{case}");
+
+            alloc.begin_capture(s, Some(&pool)).unwrap();
+            let rng = [alloc.alloc(8, s).unwrap(), alloc.alloc(8, s).unwrap()];
+            let mut b = alloc.alloc(n, s).unwrap();
+            dev.launch(s, add_kernel(a.ptr(), b.ptr(), n, 0)).unwrap();
+            for _ in 0..5 {
+                let clone = alloc.alloc(n, s).unwrap();
+                dev.launch(s, add_kernel(b.ptr(), clone.ptr(), n, 0)).unwrap();
+                let sum = alloc.alloc(n, s).unwrap();
+                dev.launch(s, add_kernel(clone.ptr(), sum.ptr(), n, 1)).unwrap();
+                drop(clone);
+                drop(std::mem::replace(&mut b, sum));
+            }
+            let graph = alloc.end_capture(s).unwrap();
+
+            let (segments, reserved) = match expandable {
+                false => (segments, reserved),
+                true => (1, exp_reserved),
+            };
+            let active = match kind {
+                "small_pool" => [3, n as i64 + 1024],
+                _ => [1, n as i64],
+            };
+            let after_capture = [segments, reserved, active[0], active[1]];
+            for pass in 0..2 {
+                assert_eq!(pool_figures(&pool, kind), after_capture, "{case}, pass {pass}");
+                graph.launch(s).unwrap();
+                assert_eq!(common::device_bytes(&dev, &b), vec![6; n as usize], "{case}");
+                if pass == 0 {
+                    alloc.empty_cache().unwrap(); // the pool's memory is the graph's
+                    let busy = pool.empty_cache();
+                    assert!(matches!(busy, Err(AllocError::PoolBusy { .. })), "{case}");
+                }
+            }
+
+            drop(rng); // the graph's holders go with it
+            drop(graph);
+            alloc.empty_cache().unwrap();
+            pool.empty_cache().unwrap();
+            assert_eq!(common::device_bytes(&dev, &b), vec![6; n as usize], "{case}");
+            let kept = if expandable { exp_kept } else { kept };
+            assert_eq!(pool_figures(&pool, kind), [1, kept, 1, n as i64], "{case}");
+            drop((a, b, pool));
+            alloc.empty_cache().unwrap();
+            assert!(dev.live_segments().is_empty(), "{case}");
+            assert_eq!((dev.physical_bytes(), dev.live_physical()), (0, 0), "{case}");
+            assert!(dev.violations().is_empty(), "{case}: {:?}", dev.violations());
+            assert!(dev.kernel_failures().is_empty(), "{case}");
+            alloc.check_invariants().unwrap();
+        }
+    }
+}
+
+/// `test_allocate_in_thread_to_pool` (`TestBlockStateAbsorption`; the stream-routed form of
+/// PyTorch's Cambricon port, `beginAllocateCurrentStreamToPool`): a pool holding one small
+/// segment; one thread routes a new stream to the pool and makes ten times three live 20 MiB
+/// tensors (two, then their sum), then three more outside the pool, while another thread makes
+/// ten times two 20 MiB tensors on the default stream. The pool then has PyTorch's 4 segments
+/// (the small one and three large, 62 MiB), and none once it is emptied.
+///
+/// Differences, on purpose: with expandable segments PyTorch's pool has 2 (a small and a large
+/// range), tidepool's 1 of 60 MiB: the routed stream's large range, growing, took the free page
+/// the capture's stream had cached in its small range (a page move between streams) instead of
+/// creating one. And PyTorch routes allocations into a pool a live graph uses (its
+/// cudagraph trees keep track of what the replays overwrite); tidepool refuses that
+/// (`PoolBusy`: the pool's free memory is the graph's), so here the graph made the small segment
+/// and went before the routing.
+#[test]
+fn a_stream_routed_to_a_pool_from_one_thread_while_another_allocates() {
+    for expandable in [false, true] {
+        let (dev, alloc) = allocator(&format!("expandable_segments:{expandable}"));
+        dev.set_virtual_memory(true);
+        let pool = alloc.new_pool(PoolOptions::default()).unwrap();
+        let s = dev.create_stream().unwrap();
+        alloc.begin_capture(s, Some(&pool)).unwrap();
+        let out = alloc.alloc(16, s).unwrap(); // torch.rand([4])
+        let graph = alloc.end_capture(s).unwrap();
+        drop(out);
+        assert_eq!(pool.snapshot().len(), 1);
+        let busy = alloc.use_pool(&pool, s).map(drop);
+        assert!(matches!(busy, Err(AllocError::PoolBusy { .. })), "{busy:?}");
+        drop(graph);
+
+        let routed = dev.create_stream().unwrap();
+        let three = |stream: StreamId| {
+            let x = [0; 3].map(|_| alloc.alloc(20 * MIB, stream).unwrap());
+            x.iter().for_each(|b| assert_eq!(b.len(), 20 * MIB));
+        };
+        std::thread::scope(|sc| {
+            sc.spawn(|| {
+                let guard = alloc.use_pool(&pool, routed).unwrap();
+                (0..10).for_each(|_| three(routed));
+                drop(guard);
+                three(routed);
+            });
+            sc.spawn(|| {
+                for _ in 0..10 {
+                    let x = [0; 2].map(|_| alloc.alloc(20 * MIB, S0).unwrap());
+                    drop(x);
+                }
+            });
+        });
+        let reserved = pool.stats().blocks.reserved_bytes.all.current;
+        let want = if expandable { (1, 60 * MIB) } else { (4, 62 * MIB) };
+        assert_eq!((pool.snapshot().len(), reserved), want, "expandable {expandable}");
+        pool.check_invariants().unwrap();
+        pool.empty_cache().unwrap();
+        assert_eq!(pool.snapshot().len(), 0, "expandable {expandable}");
+        alloc.check_invariants().unwrap();
+    }
 }

@@ -85,6 +85,14 @@ pub enum Broken {
     /// released or moved, whoever destroyed it: while another thread (another allocator, the
     /// application) destroys it, its work may still run on the pages being unmapped.
     GoneStreamDrained = 1 << 20,
+    /// `reset_accumulated_stats` leaves the expandable-segment counters (maps, unmaps, physical
+    /// creates and releases, page moves) as they were, so PyTorch's `num_device_alloc` and
+    /// `num_device_free`, which count the maps and unmaps, do not start again from zero.
+    ResetKeepsMaps = 1 << 21,
+    /// Virtual-memory counters changed by a path that does not publish them itself (a failed
+    /// growth's creates and releases, a retired page's unmap) stay unpublished until some later
+    /// growth: the lock-free statistics report stale figures meanwhile.
+    VmCountsUnpublished = 1 << 23,
     /// A growth whose headroom (expandable segments) does not fit the device fails the request
     /// instead of growing by exactly what the request needs.
     HeadroomOom = 1 << 30,
@@ -182,7 +190,7 @@ impl Broken {
 
     /// Every mode, in declaration order. Kept complete by [`Broken::position`], whose match
     /// stops compiling when a mode is added and not listed.
-    pub const EVERY: [Broken; 45] = [
+    pub const EVERY: [Broken; 47] = [
         Broken::ForeignBuffers,
         Broken::ForgottenUses,
         Broken::UnboundFreeOrder,
@@ -228,6 +236,8 @@ impl Broken {
         Broken::StitchKeepsHome,
         Broken::StitchUnmapEarly,
         Broken::GoneStreamDrained,
+        Broken::ResetKeepsMaps,
+        Broken::VmCountsUnpublished,
     ];
 
     /// Its place in [`Broken::EVERY`].
@@ -278,6 +288,8 @@ impl Broken {
             Broken::StitchKeepsHome => 42,
             Broken::StitchUnmapEarly => 43,
             Broken::GoneStreamDrained => 44,
+            Broken::ResetKeepsMaps => 45,
+            Broken::VmCountsUnpublished => 46,
         }
     }
 

@@ -123,7 +123,7 @@ struct Retiring {
 }
 
 /// Counters of virtual-memory calls.
-#[derive(Default, Clone, Copy)]
+#[derive(Default, Clone, Copy, PartialEq, Eq)]
 pub(super) struct VmCounts {
     pub(super) maps: u64,
     pub(super) unmaps: u64,
@@ -164,6 +164,10 @@ pub(super) struct Vm {
     learning: HashMap<StreamId, usize>,
     pub(super) counts: VmCounts,
     pub(super) virtual_bytes: u64,
+    /// `counts`, `virtual_bytes` and whether ranges exist as last published: every lock
+    /// section that changed them (a failed growth, a retired page's unmap) publishes as it
+    /// ends ([`Shared::publish_vm_changes`]).
+    published: (VmCounts, u64, bool),
     /// Physical allocations the device refused to release (unmapped, owned by no range): tried
     /// again at every page release and when ranges are freed, so their memory is not lost.
     unreleased: Vec<PhysHandle>,
@@ -446,7 +450,7 @@ impl<D: Device> Shared<D> {
         st.vm.spans.push((base.0, base.0 + size));
         st.vm.by_key.insert(key, base.0);
         st.vm.virtual_bytes += size;
-        self.publish_vm(&st.vm);
+        self.publish_vm(&mut st.vm);
         Ok(())
     }
 
@@ -777,7 +781,7 @@ impl<D: Device> Shared<D> {
         }
         debug_assert_eq!(va, end);
         let blk = self.join_pages(st, base, lo, pages * page);
-        self.publish_vm(&st.vm);
+        self.publish_vm(&mut st.vm);
         Ok(blk)
     }
 
@@ -1160,12 +1164,12 @@ impl<D: Device> Shared<D> {
                     st.note(Action::SegmentUnmap, DeviceAddr(done), b - done, stream);
                 }
                 if result.is_err() {
-                    self.publish_vm(&st.vm);
+                    self.publish_vm(&mut st.vm);
                     return result;
                 }
             }
         }
-        self.publish_vm(&st.vm);
+        self.publish_vm(&mut st.vm);
         result
     }
 
@@ -1333,7 +1337,7 @@ impl<D: Device> Shared<D> {
                 st.vm.virtual_bytes -= size;
             }
         }
-        self.publish_vm(&st.vm);
+        self.publish_vm(&mut st.vm);
     }
 
     /// What the ranges still hold on the device as the allocator goes (the calls that would
@@ -1363,8 +1367,20 @@ impl<D: Device> Shared<D> {
         left
     }
 
+    /// Publishes the counters if a path that changed them did not (`publish` calls it as every
+    /// global-lock section ends; `Broken::VmCountsUnpublished` skips it).
+    #[inline]
+    pub(super) fn publish_vm_changes(&self, vm: &mut Vm) {
+        if vm.published != (vm.counts, vm.virtual_bytes, !vm.ranges.is_empty())
+            && !self.broken(Broken::VmCountsUnpublished)
+        {
+            self.publish_vm(vm);
+        }
+    }
+
     /// Copies the counters for lock-free readers.
-    pub(super) fn publish_vm(&self, vm: &Vm) {
+    pub(super) fn publish_vm(&self, vm: &mut Vm) {
+        vm.published = (vm.counts, vm.virtual_bytes, !vm.ranges.is_empty());
         let p = &self.vm_published;
         let c = vm.counts;
         p.active.store(!vm.ranges.is_empty(), Ordering::Relaxed);

@@ -127,9 +127,11 @@ fn stat_pairs<'a>(
 }
 
 /// `m` with the accumulated figures of `base` subtracted: every `Stat`'s allocated and freed,
-/// and the counters PyTorch's `reset_accumulated_memory_stats` resets. (Saturating: a reader
-/// racing a reset may combine a snapshot from before it with the figures saved by it.)
-pub(super) fn since(mut m: MemoryStats, base: &MemoryStats) -> MemoryStats {
+/// the counters PyTorch's `reset_accumulated_memory_stats` resets, and the expandable-segment
+/// counters (maps and unmaps count in PyTorch's `num_device_alloc` and `num_device_free`) unless
+/// `keep_maps` (`Broken::ResetKeepsMaps`). (Saturating: a reader racing a reset may combine a
+/// snapshot from before it with the figures saved by it.)
+pub(super) fn since(mut m: MemoryStats, base: &MemoryStats, keep_maps: bool) -> MemoryStats {
     let sub = |s: &mut Stat, b: &Stat| {
         s.allocated = s.allocated.saturating_sub(b.allocated);
         s.freed = s.freed.saturating_sub(b.freed);
@@ -148,6 +150,17 @@ pub(super) fn since(mut m: MemoryStats, base: &MemoryStats) -> MemoryStats {
         (&mut m.num_sync_all_streams, base.num_sync_all_streams),
     ] {
         *v = v.saturating_sub(b);
+    }
+    if !keep_maps {
+        for (v, b) in [
+            (&mut m.num_device_map, base.num_device_map),
+            (&mut m.num_device_unmap, base.num_device_unmap),
+            (&mut m.num_physical_create, base.num_physical_create),
+            (&mut m.num_physical_release, base.num_physical_release),
+            (&mut m.num_pages_moved, base.num_pages_moved),
+        ] {
+            *v = v.saturating_sub(b);
+        }
     }
     m
 }
@@ -176,7 +189,8 @@ impl<D: Device> Allocator<D> {
     /// Resets the accumulated statistics, PyTorch's `reset_accumulated_memory_stats`: the
     /// `allocated` and `freed` totals of every [`Stat`](crate::Stat) (block figures and oversize
     /// figures), and `num_alloc_retries`, `num_ooms`, `num_device_alloc`, `num_device_free`,
-    /// `num_host_syncs` and `num_sync_all_streams` start again from zero. Current values and
+    /// `num_host_syncs`, `num_sync_all_streams` and the expandable-segment counters (maps,
+    /// unmaps, physical creates and releases, page moves) start again from zero. Current values and
     /// peaks are kept ([`Allocator::reset_peak_stats`] resets those).
     ///
     /// ```
@@ -210,16 +224,21 @@ mod tests {
         m.num_ooms = 4;
         m.num_sync_all_streams = 3;
         m.num_device_alloc = 7;
+        m.num_device_map = 5;
+        m.virtual_reserved_bytes = 8;
         let mut base = m.clone();
         base.blocks.allocated_bytes.large_pool.allocated = 18;
         base.blocks.allocated_bytes.large_pool.freed = 15;
         base.num_device_alloc = 6;
-        let r = since(m, &base);
+        base.num_device_map = 2;
+        assert_eq!(since(m.clone(), &base, true).num_device_map, 5);
+        let r = since(m, &base, false);
         assert_eq!(
             r.blocks.allocated_bytes.large_pool,
             Stat { current: 5, peak: 9, allocated: 2, freed: 0 }
         );
         assert_eq!(r.oversize_segments, Stat { current: 1, peak: 2, allocated: 0, freed: 0 });
         assert_eq!((r.num_ooms, r.num_sync_all_streams, r.num_device_alloc), (0, 0, 1));
+        assert_eq!((r.num_device_map, r.virtual_reserved_bytes), (3, 8));
     }
 }

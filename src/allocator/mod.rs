@@ -871,7 +871,7 @@ impl<D: Device> Allocator<D> {
         } else {
             self.stats_under_lock()
         };
-        extra_stats::since(raw, &sh.accumulated_base.load())
+        extra_stats::since(raw, &sh.accumulated_base.load(), sh.broken(Broken::ResetKeepsMaps))
     }
 
     /// Every statistic read under the lock: exact, whether or not they are being published

@@ -37,6 +37,7 @@ impl<D: Device> Shared<D> {
             self.unstitch_freed(st);
             self.trim(st);
         }
+        self.publish_vm_changes(&mut st.vm);
         if self.passthrough.load(Ordering::Relaxed) {
             self.release_free_segments(st);
         }

@@ -259,7 +259,7 @@ impl<D: Device> Shared<D> {
         *st.segment_streams.entry(key.stream).or_default() += 1;
         st.vm.stitches[i].seg = Some(seg);
         st.vm.live_stitches += 1;
-        self.publish_vm(&st.vm);
+        self.publish_vm(&mut st.vm);
         blk
     }
 
@@ -319,7 +319,7 @@ impl<D: Device> Shared<D> {
                 self.join_pages(st, home, lo, hi - lo);
             }
         }
-        self.publish_vm(&st.vm);
+        self.publish_vm(&mut st.vm);
     }
 
     /// Before chunks of range `home` in `runs` (free block, first page, end) are unmapped and
