@@ -454,6 +454,8 @@ fn out_of_memory_retry_succeeds_after_a_free() {
         assert_eq!(device_used(&dev), 502 * MIB); // 500.5 MiB rounded to kRoundLarge
         let e = alloc.alloc(size, S0).unwrap_err();
         assert!(matches!(e, AllocError::OutOfMemory(_)), "{e}");
+        // The invariant checker finds counters left unpublished.
+        assert_eq!(alloc.check_invariants().is_err(), broken, "{conf}");
         drop(a);
         let b = alloc.alloc(size, S0).unwrap();
         assert_eq!(b.ptr(), a_at);

@@ -23,6 +23,9 @@ impl<D: Device> Allocator<D> {
         let inners: Vec<_> = table.iter().map(|c| c.lock_inner()).collect();
         st.pool.check_invariants()?;
         sh.check_vm(&st)?;
+        if !Shared::<D>::vm_counts_published(&st.vm) {
+            return Err("expandable-segment counters changed and were not published".into());
+        }
         let queued: usize = st.pending.values().map(VecDeque::len).sum();
         let counted: usize = st.pending_count.values().sum();
         if queued != counted {

@@ -122,14 +122,44 @@ struct Retiring {
     pages: Vec<(u64, u64, u64)>,
 }
 
-/// Counters of virtual-memory calls.
-#[derive(Default, Clone, Copy, PartialEq, Eq)]
+/// Counters of virtual-memory calls, changed only through the `add_` methods, which mark them
+/// changed since they were last published.
+#[derive(Default, Clone, Copy)]
 pub(super) struct VmCounts {
     pub(super) maps: u64,
     pub(super) unmaps: u64,
     creates: u64,
     releases: u64,
     moves: u64,
+    /// Changed since [`Shared::publish_vm`] last ran.
+    unpublished: bool,
+}
+
+impl VmCounts {
+    pub(super) fn add_maps(&mut self, n: u64) {
+        self.maps += n;
+        self.unpublished = true;
+    }
+
+    pub(super) fn add_unmaps(&mut self, n: u64) {
+        self.unmaps += n;
+        self.unpublished = true;
+    }
+
+    fn add_creates(&mut self, n: u64) {
+        self.creates += n;
+        self.unpublished = true;
+    }
+
+    fn add_releases(&mut self, n: u64) {
+        self.releases += n;
+        self.unpublished = true;
+    }
+
+    fn add_moves(&mut self, n: u64) {
+        self.moves += n;
+        self.unpublished = true;
+    }
 }
 
 /// The allocator's virtual memory, under the global lock (in [`State`]).
@@ -164,10 +194,6 @@ pub(super) struct Vm {
     learning: HashMap<StreamId, usize>,
     pub(super) counts: VmCounts,
     pub(super) virtual_bytes: u64,
-    /// `counts`, `virtual_bytes` and whether ranges exist as last published: every lock
-    /// section that changed them (a failed growth, a retired page's unmap) publishes as it
-    /// ends ([`Shared::publish_vm_changes`]).
-    published: (VmCounts, u64, bool),
     /// Physical allocations the device refused to release (unmapped, owned by no range): tried
     /// again at every page release and when ranges are freed, so their memory is not lost.
     unreleased: Vec<PhysHandle>,
@@ -743,7 +769,7 @@ impl<D: Device> Shared<D> {
             let n = (pages - have).min(most);
             match self.device.vm_create(n * page) {
                 Ok(h) => {
-                    st.vm.counts.creates += 1;
+                    st.vm.counts.add_creates(1);
                     chunks.push((h, n));
                     have += n;
                 }
@@ -762,7 +788,7 @@ impl<D: Device> Shared<D> {
                 let mut at = lo;
                 for &(_, m) in &chunks[..i] {
                     if self.device.vm_unmap(DeviceAddr(at), m * page).is_ok() {
-                        st.vm.counts.unmaps += 1;
+                        st.vm.counts.add_unmaps(1);
                     }
                     at += m * page;
                 }
@@ -770,7 +796,7 @@ impl<D: Device> Shared<D> {
                 self.drop_handles(st, chunks);
                 return Err(device_err(e));
             }
-            st.vm.counts.maps += 1;
+            st.vm.counts.add_maps(1);
             va += n * page;
         }
         let range = st.vm.ranges.get_mut(&base).expect("the key's range");
@@ -898,11 +924,11 @@ impl<D: Device> Shared<D> {
     fn release_handle(&self, vm: &mut Vm, handle: PhysHandle) {
         if self.broken(Broken::LostReleases) {
             let _ = self.device.vm_release(handle); // BROKEN: a refused release loses the handle
-            vm.counts.releases += 1;
+            vm.counts.add_releases(1);
             return;
         }
         match self.device.vm_release(handle) {
-            Ok(()) => vm.counts.releases += 1,
+            Ok(()) => vm.counts.add_releases(1),
             Err(_) => vm.unreleased.push(handle),
         }
     }
@@ -994,9 +1020,9 @@ impl<D: Device> Shared<D> {
                     let c = range.pages.remove(va).expect("a mapped chunk");
                     got.push((c.handle, c.pages));
                     taken += c.pages;
-                    st.vm.counts.moves += c.pages;
+                    st.vm.counts.add_moves(c.pages);
                     if done && self.device.vm_unmap(DeviceAddr(va), c.pages * page).is_ok() {
-                        st.vm.counts.unmaps += 1;
+                        st.vm.counts.add_unmaps(1);
                     } else {
                         range.retiring.extend((va..va + c.pages * page).step_by(page as usize));
                         retire.push((d, va, c.pages));
@@ -1154,7 +1180,7 @@ impl<D: Device> Shared<D> {
                         result = Err(e.into());
                         break;
                     }
-                    st.vm.counts.unmaps += 1;
+                    st.vm.counts.add_unmaps(1);
                     self.release_handle(&mut st.vm, c.handle);
                     st.vm.ranges.get_mut(&base).expect("range").pages.remove(c.lo);
                     done = c.lo;
@@ -1244,7 +1270,7 @@ impl<D: Device> Shared<D> {
                     if self.device.vm_unmap(DeviceAddr(va), n * page).is_err() {
                         return true;
                     }
-                    st.vm.counts.unmaps += 1;
+                    st.vm.counts.add_unmaps(1);
                     if let Some(range) = st.vm.ranges.get_mut(&base) {
                         for p in (va..va + n * page).step_by(page as usize) {
                             range.retiring.remove(&p);
@@ -1367,20 +1393,26 @@ impl<D: Device> Shared<D> {
         left
     }
 
-    /// Publishes the counters if a path that changed them did not (`publish` calls it as every
-    /// global-lock section ends; `Broken::VmCountsUnpublished` skips it).
+    /// Publishes the counters if a path that changed them did not (a failed growth's creates
+    /// and releases, a retired page's unmap): `publish` calls it as every global-lock section
+    /// ends (`Broken::VmCountsUnpublished` skips it). Ranges come and go only where the
+    /// counters are published.
     #[inline]
     pub(super) fn publish_vm_changes(&self, vm: &mut Vm) {
-        if vm.published != (vm.counts, vm.virtual_bytes, !vm.ranges.is_empty())
-            && !self.broken(Broken::VmCountsUnpublished)
-        {
+        if vm.counts.unpublished && !self.broken(Broken::VmCountsUnpublished) {
             self.publish_vm(vm);
         }
     }
 
+    /// Whether every change of the counters is published (`check_invariants`, between lock
+    /// sections).
+    pub(super) fn vm_counts_published(vm: &Vm) -> bool {
+        !vm.counts.unpublished
+    }
+
     /// Copies the counters for lock-free readers.
     pub(super) fn publish_vm(&self, vm: &mut Vm) {
-        vm.published = (vm.counts, vm.virtual_bytes, !vm.ranges.is_empty());
+        vm.counts.unpublished = false;
         let p = &self.vm_published;
         let c = vm.counts;
         p.active.store(!vm.ranges.is_empty(), Ordering::Relaxed);

@@ -36,8 +36,9 @@ impl<D: Device> Shared<D> {
         if !st.vm.is_empty() {
             self.unstitch_freed(st);
             self.trim(st);
+            // (With no range left, the counters were published as the last range went.)
+            self.publish_vm_changes(&mut st.vm);
         }
-        self.publish_vm_changes(&mut st.vm);
         if self.passthrough.load(Ordering::Relaxed) {
             self.release_free_segments(st);
         }

@@ -218,7 +218,7 @@ impl<D: Device> Shared<D> {
                 self.unmap_stitch(st, last);
                 return Ok(None);
             }
-            st.vm.counts.maps += 1;
+            st.vm.counts.add_maps(1);
             at += c.pages * page;
         }
         self.register(st, Stitch { base, bytes, home, key, chunks, seg: None, dead: false });
@@ -367,7 +367,7 @@ impl<D: Device> Shared<D> {
                 s.dead = true;
                 return;
             }
-            st.vm.counts.unmaps += 1;
+            st.vm.counts.add_unmaps(1);
             s.chunks.pop();
             match range.aliased.get_mut(&c.home) {
                 Some(n) if *n > 1 => *n -= 1,
