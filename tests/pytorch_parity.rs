@@ -21,8 +21,8 @@ use std::sync::{Arc, mpsc};
 use tidepool::device::{Access, AccessKind, Kernel, Launch, SimDevice};
 use tidepool::hooks::Broken;
 use tidepool::{
-    AllocError, Allocator, Config, Device, DeviceAddr, HistoryOptions, MIB, MemPool, PoolOptions,
-    StreamId,
+    AllocError, Allocator, Buffer, Config, Device, DeviceAddr, HistoryOptions, MIB, MemPool,
+    PoolOptions, StreamId,
 };
 
 const S0: StreamId = StreamId::DEFAULT;
@@ -994,6 +994,125 @@ fn nested_pools_route_to_the_innermost() {
             p.empty_cache().unwrap();
             assert!(p.snapshot().is_empty(), "{conf}");
             p.check_invariants().unwrap();
+        }
+    }
+}
+
+/// A replayable kernel over `n` 32-bit words: `dst[i] = x[i] + y[i] + add` (`y` may be absent):
+/// a clone, a clone plus a constant, or a sum of two tensors.
+fn sum_kernel(x: DeviceAddr, y: Option<DeviceAddr>, dst: DeviceAddr, n: u64, add: u32) -> Kernel {
+    let bytes = n * 4;
+    let mut acc = vec![Access { ptr: x, bytes, kind: AccessKind::Read }];
+    acc.extend(y.map(|y| Access { ptr: y, bytes, kind: AccessKind::Read }));
+    acc.push(Access { ptr: dst, bytes, kind: AccessKind::Write });
+    Kernel::replayable("sum", acc, move |m| {
+        let words = |at: DeviceAddr| {
+            let mut v = vec![0u8; bytes as usize];
+            m.read(at, &mut v).unwrap();
+            v.chunks(4).map(|c| u32::from_le_bytes(c.try_into().unwrap())).collect::<Vec<_>>()
+        };
+        let a = words(x);
+        let b = y.map_or_else(|| vec![0; n as usize], words);
+        let out: Vec<u8> =
+            a.iter().zip(&b).flat_map(|(p, q)| (p + q + add).to_le_bytes()).collect();
+        m.write(dst, &out).unwrap();
+    })
+}
+
+/// The words of `buf` (32-bit, little-endian), read on its stream.
+fn words(dev: &SimDevice, buf: &Buffer<SimDevice>) -> Vec<u32> {
+    let bytes = common::device_bytes(dev, buf);
+    bytes.chunks(4).map(|c| u32::from_le_bytes(c.try_into().unwrap())).collect()
+}
+
+/// `test_graph_two_successive`: two graphs captured one after the other on a side stream, each
+/// five times `func_with_temps(b, 1)` (`x = b.clone() + 1`, `y = b.clone() + 1`, `x + y`),
+/// replayed between eager uses of the general pool; `b` ends at 3070 and `c` at 442 everywhere.
+/// The graphs share a private pool either through `g0.pool()` or through a pool made first
+/// (`graph_pool_handle()`), and sharing saves exactly one small segment (2 MiB) of reserved
+/// memory against a pool each — with expandable segments too (a pool's small range maps one page
+/// fewer). Tidepool counts a private pool's memory in the pool, so the figure here is the
+/// allocator's reserved bytes plus each pool's.
+#[test]
+fn two_successive_graphs_share_a_pool_and_save_a_segment() {
+    const N: u64 = 1000;
+    for (_, conf) in both_modes("") {
+        let mut reserved_no_sharing = 0;
+        for share in ["don't share", "via pool()", "via a pool made first"] {
+            let (dev, alloc) = allocator_backed(1 << 30, &conf);
+            let s = dev.create_stream().unwrap();
+            let func_with_temps = |t: &Buffer<SimDevice>, val: u32, on: StreamId| {
+                let half = || {
+                    let clone = alloc.alloc(N * 4, on).unwrap();
+                    dev.launch(on, sum_kernel(t.ptr(), None, clone.ptr(), N, 0)).unwrap();
+                    let plus = alloc.alloc(N * 4, on).unwrap();
+                    dev.launch(on, sum_kernel(clone.ptr(), None, plus.ptr(), N, val)).unwrap();
+                    plus
+                };
+                let (x, y) = (half(), half());
+                let sum = alloc.alloc(N * 4, on).unwrap();
+                dev.launch(on, sum_kernel(x.ptr(), Some(y.ptr()), sum.ptr(), N, 0)).unwrap();
+                sum
+            };
+            let a = alloc.alloc(N * 4, S0).unwrap();
+            dev.launch(S0, sum_kernel(a.ptr(), None, a.ptr(), N, 1)).unwrap(); // ones
+            let made_first = alloc.new_pool(PoolOptions::default()).unwrap();
+            let first = (share == "via a pool made first").then_some(&made_first);
+            dev.synchronize().unwrap(); // s.wait_stream(current_stream())
+            alloc.begin_capture(s, first).unwrap();
+            let mut b = alloc.alloc(N * 4, s).unwrap();
+            dev.launch(s, sum_kernel(a.ptr(), None, b.ptr(), N, 0)).unwrap();
+            for _ in 0..5 {
+                b = func_with_temps(&b, 1, s);
+            }
+            let g0 = alloc.end_capture(s).unwrap();
+            let second = match share {
+                "via pool()" => Some(g0.pool()),
+                _ => first,
+            };
+            alloc.begin_capture(s, second).unwrap();
+            for _ in 0..5 {
+                b = func_with_temps(&b, 1, s);
+            }
+            let g1 = alloc.end_capture(s).unwrap();
+            if share != "don't share" {
+                assert_eq!(g0.pool().id(), g1.pool().id(), "{share}");
+            }
+            dev.synchronize().unwrap(); // current_stream().wait_stream(s)
+
+            let mut c = alloc.alloc(N * 4, S0).unwrap();
+            dev.launch(S0, sum_kernel(a.ptr(), None, c.ptr(), N, 0)).unwrap();
+            let twice = |c: &mut Buffer<SimDevice>| {
+                for _ in 0..2 {
+                    *c = func_with_temps(c, 3, S0);
+                }
+            };
+            twice(&mut c);
+            g0.launch(S0).unwrap();
+            twice(&mut c);
+            g1.launch(S0).unwrap();
+            twice(&mut c);
+            dev.synchronize().unwrap(); // the replays ran on the default stream
+            assert_eq!(words(&dev, &b), vec![3070; N as usize], "{share}, {conf}");
+            assert_eq!(words(&dev, &c), vec![442; N as usize], "{share}, {conf}");
+
+            let mut pools = vec![g0.pool().stats(), g1.pool().stats()];
+            if share != "don't share" {
+                pools.pop(); // one pool, counted once
+            }
+            let reserved = alloc.stats().blocks.reserved_bytes.all.current
+                + pools.iter().map(|p| p.blocks.reserved_bytes.all.current).sum::<u64>();
+            match share {
+                "don't share" => reserved_no_sharing = reserved,
+                _ => assert_eq!(reserved_no_sharing - reserved, 2 * MIB, "{share}, {conf}"),
+            }
+            assert_eq!(reserved, if share == "don't share" { 6 * MIB } else { 4 * MIB });
+            drop((a, b, c, g0, g1, made_first));
+            dev.synchronize().unwrap();
+            alloc.empty_cache().unwrap();
+            assert!(dev.violations().is_empty(), "{share}: {:?}", dev.violations());
+            assert!(dev.kernel_failures().is_empty(), "{share}");
+            alloc.check_invariants().unwrap();
         }
     }
 }
