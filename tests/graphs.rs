@@ -172,8 +172,14 @@ fn graphs_share_a_pool_in_capture_order() {
     let t1_ptr = t1.ptr();
     drop(t1);
     let g1 = alloc.end_capture(s).unwrap();
-    // The second graph's capture reuses what the first freed (PyTorch's `pool=`).
-    alloc.begin_capture(s, Some(g1.pool())).unwrap();
+    // The second graph's capture reuses what the first freed (PyTorch's `pool=`): only through
+    // the unsafe call; the safe one refuses a pool a live graph uses.
+    let refused = alloc.begin_capture(s, Some(g1.pool()));
+    assert!(matches!(refused, Err(AllocError::PoolBusy { .. })), "{refused:?}");
+    // SAFETY: g1 and g2 are replayed in capture order on one stream, and o1 (g1's output, which
+    // g2 reads) is read only before g2's replay could overwrite it — it never does: g2 reuses
+    // only t1, which nothing reads after g1's replay.
+    unsafe { alloc.begin_capture_sharing(s, g1.pool()) }.unwrap();
     let t2 = alloc.alloc(N, s).unwrap();
     assert_eq!(t2.ptr(), t1_ptr);
     let o2 = alloc.alloc(N, s).unwrap();
@@ -369,7 +375,8 @@ fn pool_free_after_family_destroyed_stream(broken: bool) -> (bool, u64, usize) {
     let g1 = alloc.end_capture(s).unwrap();
     alloc.record_stream(&out, s2).unwrap();
     alloc.destroy_stream(s2).unwrap();
-    alloc.begin_capture(s, Some(g1.pool())).unwrap();
+    // SAFETY: neither graph is replayed (the test is about the free's host wait).
+    unsafe { alloc.begin_capture_sharing(s, g1.pool()) }.unwrap();
     let syncs = g1.pool().stats().num_host_syncs;
     let out_ptr = out.ptr();
     drop(out);

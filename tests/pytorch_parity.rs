@@ -1029,7 +1029,9 @@ fn words(dev: &SimDevice, buf: &Buffer<SimDevice>) -> Vec<u32> {
 /// five times `func_with_temps(b, 1)` (`x = b.clone() + 1`, `y = b.clone() + 1`, `x + y`),
 /// replayed between eager uses of the general pool; `b` ends at 3070 and `c` at 442 everywhere.
 /// The graphs share a private pool either through `g0.pool()` or through a pool made first
-/// (`graph_pool_handle()`), and sharing saves exactly one small segment (2 MiB) of reserved
+/// (`graph_pool_handle()`) — through `begin_capture_sharing`, which is `unsafe` (the safe
+/// `begin_capture` refuses a pool a live graph uses; the test keeps PyTorch's contract, capture
+/// order on one stream) — and sharing saves exactly one small segment (2 MiB) of reserved
 /// memory against a pool each — with expandable segments too (a pool's small range maps one page
 /// fewer). Tidepool counts a private pool's memory in the pool, so the figure here is the
 /// allocator's reserved bytes plus each pool's.
@@ -1042,17 +1044,7 @@ fn two_successive_graphs_share_a_pool_and_save_a_segment() {
             let (dev, alloc) = allocator_backed(1 << 30, &conf);
             let s = dev.create_stream().unwrap();
             let func_with_temps = |t: &Buffer<SimDevice>, val: u32, on: StreamId| {
-                let half = || {
-                    let clone = alloc.alloc(N * 4, on).unwrap();
-                    dev.launch(on, sum_kernel(t.ptr(), None, clone.ptr(), N, 0)).unwrap();
-                    let plus = alloc.alloc(N * 4, on).unwrap();
-                    dev.launch(on, sum_kernel(clone.ptr(), None, plus.ptr(), N, val)).unwrap();
-                    plus
-                };
-                let (x, y) = (half(), half());
-                let sum = alloc.alloc(N * 4, on).unwrap();
-                dev.launch(on, sum_kernel(x.ptr(), Some(y.ptr()), sum.ptr(), N, 0)).unwrap();
-                sum
+                func_with_temps(&dev, &alloc, t, val, on)
             };
             let a = alloc.alloc(N * 4, S0).unwrap();
             dev.launch(S0, sum_kernel(a.ptr(), None, a.ptr(), N, 1)).unwrap(); // ones
@@ -1070,7 +1062,14 @@ fn two_successive_graphs_share_a_pool_and_save_a_segment() {
                 "via pool()" => Some(g0.pool()),
                 _ => first,
             };
-            alloc.begin_capture(s, second).unwrap();
+            match second {
+                Some(p) => {
+                    let refused = alloc.begin_capture(s, Some(p));
+                    assert!(matches!(refused, Err(AllocError::PoolBusy { .. })), "{refused:?}");
+                    capture_sharing(&alloc, s, p, true);
+                }
+                None => alloc.begin_capture(s, None).unwrap(),
+            }
             for _ in 0..5 {
                 b = func_with_temps(&b, 1, s);
             }
@@ -1114,5 +1113,187 @@ fn two_successive_graphs_share_a_pool_and_save_a_segment() {
             assert!(dev.kernel_failures().is_empty(), "{share}");
             alloc.check_invariants().unwrap();
         }
+    }
+}
+
+/// The three ways `test_graph_*_successive` and `test_graph_concurrent_replay` give graphs
+/// their pools: one each, the first graph's (`g0.pool()`), or one made first.
+const SHARING: [&str; 3] = ["don't share", "via pool()", "via a pool made first"];
+
+/// `func_with_temps(t, val)` of PyTorch's graph tests on `on`: `x = t.clone() + val`,
+/// `y = t.clone() + val`, `x + y` (the clones and then x and y freed as Python frees them).
+fn func_with_temps(
+    dev: &SimDevice,
+    alloc: &Allocator<SimDevice>,
+    t: &Buffer<SimDevice>,
+    val: u32,
+    on: StreamId,
+) -> Buffer<SimDevice> {
+    let n = t.len() / 4;
+    let half = || {
+        let clone = alloc.alloc(n * 4, on).unwrap();
+        dev.launch(on, sum_kernel(t.ptr(), None, clone.ptr(), n, 0)).unwrap();
+        let plus = alloc.alloc(n * 4, on).unwrap();
+        dev.launch(on, sum_kernel(clone.ptr(), None, plus.ptr(), n, val)).unwrap();
+        plus
+    };
+    let (x, y) = (half(), half());
+    let sum = alloc.alloc(n * 4, on).unwrap();
+    dev.launch(on, sum_kernel(x.ptr(), Some(y.ptr()), sum.ptr(), n, 0)).unwrap();
+    sum
+}
+
+/// Captures into `pool` on `s`, sharing it with live graphs: through the `unsafe`
+/// `begin_capture_sharing` where `contract` (the test replays the graphs in capture order, never
+/// concurrently), else through the safe `begin_capture`, which refuses a pool a live graph uses
+/// unless `Broken::SharedGraphPools` is on.
+fn capture_sharing(
+    alloc: &Allocator<SimDevice>,
+    s: StreamId,
+    pool: &MemPool<SimDevice>,
+    contract: bool,
+) {
+    match contract {
+        // SAFETY: the caller replays the graphs sharing `pool` in capture order, one after the
+        // other on one stream, and reads no buffer after a later graph's replay.
+        true => unsafe { alloc.begin_capture_sharing(s, pool) }.unwrap(),
+        false => alloc.begin_capture(s, Some(pool)).unwrap(),
+    }
+}
+
+/// `test_graph_three_successive`: g0 captures `b = a.clone(); c = b + 1; d = b + 2`, g1
+/// `e = c + 3` and frees c during its capture, g2 `f = d + 4`. Replayed in capture order, e is
+/// 5 and f is 7; replayed as g0, g2, g1, PyTorch's test *expects* e to be 10 where the graphs
+/// share a pool: g2's capture reused c's memory for f, so g1 reads f's values, and g0's replay
+/// writes `b + 1` over f, a buffer the application holds.
+///
+/// Difference, on purpose: the safe `begin_capture` refuses a pool a live graph uses
+/// (`PoolBusy`), so graphs that share memory are made only through the `unsafe`
+/// `begin_capture_sharing`, whose contract is PyTorch's (capture order). Each graph in its own
+/// pool replays correctly in any order. With `Broken::SharedGraphPools` the safe call shares,
+/// and the test sees PyTorch's corruption (e = 10).
+#[test]
+fn three_successive_graphs_share_memory_only_through_the_unsafe_call() {
+    const N: u64 = 1000;
+    for (share, broken) in [(SHARING[0], false), (SHARING[1], true), (SHARING[2], true)] {
+        let (dev, alloc) = allocator_backed(1 << 30, "");
+        alloc.set_broken(Broken::SharedGraphPools, broken);
+        let s = dev.create_stream().unwrap();
+        let a = alloc.alloc(N * 4, S0).unwrap();
+        dev.launch(S0, sum_kernel(a.ptr(), None, a.ptr(), N, 1)).unwrap(); // ones
+        let plus = |x: &Buffer<SimDevice>, v: u32| {
+            let out = alloc.alloc(N * 4, s).unwrap();
+            dev.launch(s, sum_kernel(x.ptr(), None, out.ptr(), N, v)).unwrap();
+            out
+        };
+        let made_first = alloc.new_pool(PoolOptions::default()).unwrap();
+        dev.synchronize().unwrap();
+        match share {
+            "via a pool made first" => alloc.begin_capture(s, Some(&made_first)).unwrap(),
+            _ => alloc.begin_capture(s, None).unwrap(),
+        }
+        let b = plus(&a, 0);
+        let c = plus(&b, 1);
+        let d = plus(&b, 2);
+        let g0 = alloc.end_capture(s).unwrap();
+        let pool = match share {
+            "via pool()" => Some(g0.pool().clone()),
+            "via a pool made first" => Some(made_first.clone()),
+            _ => None,
+        };
+        if let Some(p) = &pool {
+            alloc.set_broken(Broken::SharedGraphPools, false);
+            let refused = alloc.begin_capture(s, Some(p));
+            assert!(matches!(refused, Err(AllocError::PoolBusy { .. })), "{refused:?}");
+            alloc.set_broken(Broken::SharedGraphPools, broken);
+        }
+        let capture = || match &pool {
+            Some(p) => capture_sharing(&alloc, s, p, false),
+            None => alloc.begin_capture(s, None).unwrap(),
+        };
+        capture();
+        let e = plus(&c, 3);
+        let c_at = c.ptr();
+        drop(c);
+        let g1 = alloc.end_capture(s).unwrap();
+        capture();
+        let f = plus(&d, 4);
+        let g2 = alloc.end_capture(s).unwrap();
+        assert_eq!(f.ptr() == c_at, pool.is_some(), "{share}: where f went");
+        dev.synchronize().unwrap();
+
+        for (order, e_is) in [([&g0, &g1, &g2], 5), ([&g0, &g2, &g1], if broken { 10 } else { 5 })]
+        {
+            order.iter().for_each(|g| g.launch(S0).unwrap());
+            dev.synchronize().unwrap();
+            assert!(words(&dev, &e).iter().all(|&x| x == e_is), "{share}: e is not {e_is}");
+            assert!(words(&dev, &f).iter().all(|&x| x == 7), "{share}: f is not 7");
+        }
+        drop((a, b, d, e, f, g0, g1, g2, pool, made_first));
+        dev.synchronize().unwrap();
+        alloc.empty_cache().unwrap();
+        assert!(dev.violations().is_empty(), "{share}: {:?}", dev.violations().first());
+        assert!(dev.kernel_failures().is_empty(), "{share}");
+        alloc.check_invariants().unwrap();
+    }
+}
+
+/// `test_graph_concurrent_replay`: g0 (`b = a.clone()`, five times `func_with_temps(b, 1)`) and
+/// g1 (the same from `c = a.clone()` with 2) captured one after the other, then replayed at once
+/// on two streams. PyTorch's test *expects* corruption where they share a pool (`b` ≠ 94 and
+/// `c` ≠ 156: g1's capture reused g0's temporaries, and the two replays write them at once).
+/// Here the safe API refuses the sharing, each graph keeps its own memory and the replays run
+/// at once correctly (b is 94, c is 156, no unordered access); with `Broken::SharedGraphPools`
+/// the pool is shared and the sanitizer reports the replays' unordered writes.
+#[test]
+fn concurrent_replays_share_no_memory() {
+    const N: u64 = 100_000;
+    for (share, broken) in [(SHARING[0], false), (SHARING[1], true), (SHARING[2], true)] {
+        let (dev, alloc) = allocator_backed(1 << 30, "");
+        alloc.set_broken(Broken::SharedGraphPools, broken);
+        let [s, s0, s1] = [0; 3].map(|_| dev.create_stream().unwrap());
+        let a = alloc.alloc(N * 4, S0).unwrap();
+        dev.launch(S0, sum_kernel(a.ptr(), None, a.ptr(), N, 1)).unwrap(); // ones
+        let made_first = alloc.new_pool(PoolOptions::default()).unwrap();
+        dev.synchronize().unwrap();
+        let capture = |pool: Option<&MemPool<SimDevice>>, val: u32| {
+            match pool {
+                Some(p) => capture_sharing(&alloc, s, p, false),
+                None => alloc.begin_capture(s, None).unwrap(),
+            }
+            let mut out = alloc.alloc(N * 4, s).unwrap();
+            dev.launch(s, sum_kernel(a.ptr(), None, out.ptr(), N, 0)).unwrap();
+            for _ in 0..5 {
+                out = func_with_temps(&dev, &alloc, &out, val, s);
+            }
+            (alloc.end_capture(s).unwrap(), out)
+        };
+        let first = (share == SHARING[2]).then_some(&made_first);
+        let (g0, b) = capture(first, 1);
+        let shared = match share {
+            "via pool()" => Some(g0.pool().clone()),
+            _ => first.cloned(),
+        };
+        let (g1, c) = capture(shared.as_ref(), 2);
+        dev.synchronize().unwrap();
+        g0.launch(s0).unwrap();
+        g1.launch(s1).unwrap();
+        dev.synchronize().unwrap();
+        let (b_ok, c_ok) =
+            (words(&dev, &b).iter().all(|&x| x == 94), words(&dev, &c).iter().all(|&x| x == 156));
+        match broken {
+            false => {
+                assert!(b_ok && c_ok, "{share}: b {b_ok}, c {c_ok}");
+                assert!(dev.violations().is_empty(), "{share}: {:?}", dev.violations().first());
+            }
+            true => {
+                assert!(!dev.violations().is_empty(), "{share}: the shared replays raced unseen")
+            }
+        }
+        drop((a, b, c, g0, g1, shared, made_first));
+        dev.synchronize().unwrap();
+        alloc.empty_cache().unwrap();
+        assert!(dev.kernel_failures().is_empty(), "{share}");
+        alloc.check_invariants().unwrap();
     }
 }

@@ -93,6 +93,9 @@ pub enum Broken {
     /// growth's creates and releases, a retired page's unmap) stay unpublished until some later
     /// growth: the lock-free statistics report stale figures meanwhile.
     VmCountsUnpublished = 1 << 23,
+    /// `begin_capture` shares a pool that live graphs use, as PyTorch's `pool=` does: a later
+    /// capture is handed memory the earlier graphs' replays still write.
+    SharedGraphPools = 1 << 24,
     /// A growth whose headroom (expandable segments) does not fit the device fails the request
     /// instead of growing by exactly what the request needs.
     HeadroomOom = 1 << 30,
@@ -190,7 +193,7 @@ impl Broken {
 
     /// Every mode, in declaration order. Kept complete by [`Broken::position`], whose match
     /// stops compiling when a mode is added and not listed.
-    pub const EVERY: [Broken; 47] = [
+    pub const EVERY: [Broken; 48] = [
         Broken::ForeignBuffers,
         Broken::ForgottenUses,
         Broken::UnboundFreeOrder,
@@ -238,6 +241,7 @@ impl Broken {
         Broken::GoneStreamDrained,
         Broken::ResetKeepsMaps,
         Broken::VmCountsUnpublished,
+        Broken::SharedGraphPools,
     ];
 
     /// Its place in [`Broken::EVERY`].
@@ -290,6 +294,7 @@ impl Broken {
             Broken::GoneStreamDrained => 44,
             Broken::ResetKeepsMaps => 45,
             Broken::VmCountsUnpublished => 46,
+            Broken::SharedGraphPools => 47,
         }
     }
 

@@ -20,8 +20,11 @@
 //! the error), and records no event on the capturing stream (a freed buffer used there is
 //! deferred, not ordered by an event). Frees during capture are ordered by the capture itself:
 //! a block freed on the capturing stream is reused only by later work of the same stream inside
-//! the same graph (or of a later capture sharing the pool, which PyTorch's `pool=` contract
-//! orders: graphs sharing a pool are replayed in capture order, never concurrently).
+//! the same graph — or of a later capture into the same pool once the graph is gone. A second
+//! capture into a pool a live graph uses is refused: the graph's replays write every block its
+//! capture allocated, freed or not. Only the `unsafe` [`Allocator::begin_capture_sharing`]
+//! shares such a pool, under PyTorch's `pool=` contract (graphs sharing a pool are replayed in
+//! capture order, never concurrently).
 //!
 //! A buffer of another stream that was used on the capturing stream (`record_stream`,
 //! `use_on`) and is freed during the capture is held back too: no event can be recorded on a
@@ -252,8 +255,8 @@ impl<D: Capture> Graph<D> {
         Ok(())
     }
 
-    /// The private pool its captured allocations came from (pass it to another capture to share
-    /// it, PyTorch's `pool=`).
+    /// The private pool its captured allocations came from (to share it with another capture
+    /// while this graph lives, PyTorch's `pool=`: [`Allocator::begin_capture_sharing`]).
     pub fn pool(&self) -> &MemPool<D> {
         &self.pool
     }
@@ -303,12 +306,16 @@ impl<D: Capture> Drop for Graph<D> {
 impl<D: Capture> Allocator<D> {
     /// Starts capturing `stream` into a CUDA graph (`cuStreamBeginCapture`): until
     /// [`Allocator::end_capture`], work enqueued on it is recorded, allocations on it come from
-    /// `pool` (a new private pool if `None`; another graph's pool to share it, PyTorch's
-    /// `pool=`), and buffers of any other pool freed on it are held by the graph.
+    /// `pool` (a new private pool if `None`; a pool of earlier graphs, all gone, to use its
+    /// cached memory), and buffers of any other pool freed on it are held by the graph.
     ///
     /// Refused: a stream already capturing, a pool of another allocator
-    /// ([`AllocError::ForeignPool`]), a pool a [`PoolGuard`](super::PoolGuard) routes to now
-    /// ([`AllocError::PoolBusy`]), and whatever the device refuses (the default stream).
+    /// ([`AllocError::ForeignPool`]), a pool a [`PoolGuard`](super::PoolGuard) routes to now or
+    /// that a live graph (or a capture underway) uses ([`AllocError::PoolBusy`]: a graph's
+    /// replays write every block its capture allocated, freed or not, so a later capture
+    /// sharing the pool could be handed memory they overwrite — PyTorch's `pool=` sharing is
+    /// [`Allocator::begin_capture_sharing`], which is `unsafe`), and whatever the device refuses
+    /// (the default stream).
     ///
     /// ```
     /// use std::sync::Arc;
@@ -335,6 +342,37 @@ impl<D: Capture> Allocator<D> {
         stream: StreamId,
         pool: Option<&MemPool<D>>,
     ) -> Result<(), AllocError> {
+        self.begin_capture_in(stream, pool, false)
+    }
+
+    /// [`Allocator::begin_capture`] into `pool` while other graphs (or a capture underway) use
+    /// it too: PyTorch's `graph.capture_begin(pool=…)`, `torch.cuda.graph(pool=…)`. The
+    /// capture may be handed blocks that the earlier graphs' captures allocated and freed (their
+    /// temporaries, outputs since dropped), so the graphs share that memory.
+    ///
+    /// # Safety
+    ///
+    /// PyTorch's contract for sharing a pool, which the allocator cannot check: the graphs
+    /// sharing it are replayed in the order they were captured and never concurrently (each
+    /// launch ordered after the previous one's work), and no buffer of one graph is read after a
+    /// graph captured later has been replayed over its memory. Otherwise replays overwrite each
+    /// other's memory, or buffers the application holds (`tests/pytorch_parity.rs` shows both,
+    /// as PyTorch's `test_graph_three_successive` and `test_graph_concurrent_replay` do).
+    pub unsafe fn begin_capture_sharing(
+        &self,
+        stream: StreamId,
+        pool: &MemPool<D>,
+    ) -> Result<(), AllocError> {
+        self.begin_capture_in(stream, Some(pool), true)
+    }
+
+    /// [`Allocator::begin_capture`]; with `share`, other graphs may use the pool too.
+    fn begin_capture_in(
+        &self,
+        stream: StreamId,
+        pool: Option<&MemPool<D>>,
+        share: bool,
+    ) -> Result<(), AllocError> {
         let sh = &self.shared;
         sh.stream_exists(stream)?;
         let pool = match pool {
@@ -345,8 +383,14 @@ impl<D: Capture> Allocator<D> {
             None => self.new_pool(super::PoolOptions::default())?,
         };
         let role = &pool.alloc.shared.role;
-        if !super::private_pool::PoolRole::claim(&role.graphs, &role.guards) {
-            return Err(AllocError::PoolBusy { reason: "a PoolGuard routes allocations to it" });
+        use super::private_pool::PoolRole;
+        let claimed = match share || sh.broken(Broken::SharedGraphPools) {
+            true if PoolRole::claim(&role.graphs, &role.guards) => Ok(()),
+            true => Err("a PoolGuard routes allocations to it"),
+            false => PoolRole::claim_alone(&role.graphs, &role.guards),
+        };
+        if let Err(reason) = claimed {
+            return Err(AllocError::PoolBusy { reason });
         }
         let route = sh.family.next_id();
         let broken = sh.broken(Broken::CaptureGeneral);

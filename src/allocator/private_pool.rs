@@ -118,15 +118,32 @@ pub(crate) struct PoolRole {
 
 impl PoolRole {
     /// Counts one more holder in `mine` unless `theirs` has any: guards and graphs exclude each
-    /// other (each side counts itself first, then looks, so two racing claims cannot both win).
-    /// The caller gives its count back when done.
+    /// other (each side counts itself first, then looks, so two racing claims cannot both win:
+    /// sequentially consistent, since each stores one location and loads the other). The caller
+    /// gives its count back when done.
     pub(super) fn claim(mine: &AtomicUsize, theirs: &AtomicUsize) -> bool {
-        mine.fetch_add(1, Ordering::AcqRel);
-        if theirs.load(Ordering::Acquire) > 0 {
-            mine.fetch_sub(1, Ordering::AcqRel);
+        mine.fetch_add(1, Ordering::SeqCst);
+        if theirs.load(Ordering::SeqCst) > 0 {
+            mine.fetch_sub(1, Ordering::SeqCst);
             return false;
         }
         true
+    }
+
+    /// As [`PoolRole::claim`] for a graph's capture, which must also be the only graph: counted
+    /// in `graphs` only if no graph (or capture) and no guard holds the pool.
+    pub(super) fn claim_alone(
+        graphs: &AtomicUsize,
+        guards: &AtomicUsize,
+    ) -> Result<(), &'static str> {
+        if graphs.compare_exchange(0, 1, Ordering::SeqCst, Ordering::SeqCst).is_err() {
+            return Err("a live CUDA graph uses the pool (sharing it is begin_capture_sharing)");
+        }
+        if guards.load(Ordering::SeqCst) > 0 {
+            graphs.fetch_sub(1, Ordering::SeqCst);
+            return Err("a PoolGuard routes allocations to it");
+        }
+        Ok(())
     }
 }
 
