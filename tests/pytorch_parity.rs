@@ -1297,3 +1297,38 @@ fn concurrent_replays_share_no_memory() {
         alloc.check_invariants().unwrap();
     }
 }
+
+/// `test_graph_capture_oom`: a request no device can hold, made during a capture, is an
+/// out-of-memory error (the ladder releases nothing and waits for nothing while a capture is
+/// underway: CUDA forbids it); the capture goes on, ends, and its graph replays; the allocator
+/// keeps working. With expandable segments too.
+#[test]
+fn out_of_memory_during_a_capture() {
+    for (expandable, conf) in both_modes("") {
+        let (dev, alloc) = allocator_backed(1 << 30, &conf);
+        let s = dev.create_stream().unwrap();
+        let cached = alloc.alloc(8 * MIB, s).unwrap();
+        drop(cached); // cached memory the ladder may not release during the capture
+        let (syncs, before) = (dev.counters().host_syncs, device_used(&dev));
+        assert_eq!(before, if expandable { 8 * MIB } else { 20 * MIB }, "{conf}");
+        alloc.begin_capture(s, None).unwrap();
+        let e = alloc.alloc(1 << 40, s).unwrap_err();
+        assert!(matches!(e, AllocError::OutOfMemory(_)), "{e}");
+        let out = alloc.alloc(4 * 1000, s).unwrap();
+        dev.launch(s, sum_kernel(out.ptr(), None, out.ptr(), 1000, 1)).unwrap();
+        let graph = alloc.end_capture(s).unwrap();
+        assert_eq!(dev.counters().host_syncs, syncs, "{conf}: a wait during the capture");
+        // Counted where it failed: the graph's pool (PyTorch's device-wide count is 1 too).
+        assert_eq!((stat(&alloc, "num_ooms"), graph.pool().stats().num_ooms), (0, 1), "{conf}");
+        assert_eq!(device_used(&dev), before + 2 * MIB, "{conf}: released during the capture");
+        graph.launch(s).unwrap();
+        graph.launch(s).unwrap();
+        dev.synchronize().unwrap();
+        assert_eq!(words(&dev, &out), vec![2; 1000], "{conf}");
+        drop((graph, out));
+        let after = alloc.alloc(512 * MIB, s).unwrap();
+        drop(after);
+        assert!(dev.violations().is_empty(), "{conf}: {:?}", dev.violations().first());
+        alloc.check_invariants().unwrap();
+    }
+}
