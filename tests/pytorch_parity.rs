@@ -1332,3 +1332,34 @@ fn out_of_memory_during_a_capture() {
         alloc.check_invariants().unwrap();
     }
 }
+
+/// `test_deleted_mempool_not_used_on_oom` (a regression test of PyTorch's `~MemPool`): ten
+/// `use_on_oom` pools each take and free 40 MiB of a 48 MiB device and are deleted; a deleted
+/// pool's memory goes back to the device with it and it serves no later fallback, so a new
+/// pool then takes 40 MiB, and once that is freed and the pool deleted, the general allocator
+/// takes two 20 MiB tensors. Both modes.
+#[test]
+fn deleted_pools_are_not_used_on_oom() {
+    for (_, conf) in both_modes("") {
+        let (dev, alloc) = allocator_on(48 * MIB, &conf);
+        let on_oom = PoolOptions::default().with_use_on_oom(true);
+        for _ in 0..10 {
+            let pool = alloc.new_pool(on_oom.clone()).unwrap();
+            let guard = alloc.use_pool(&pool, S0).unwrap();
+            drop(alloc.alloc(40 * MIB, S0).unwrap());
+            drop(guard);
+            drop(pool);
+            assert_eq!(device_used(&dev), 0, "{conf}: a deleted pool kept its memory");
+        }
+        let pool = alloc.new_pool(PoolOptions::default()).unwrap();
+        let guard = alloc.use_pool(&pool, S0).unwrap();
+        let a = alloc.alloc(40 * MIB, S0).unwrap();
+        drop(guard);
+        drop((a, pool));
+        let two = [0; 2].map(|_| alloc.alloc(20 * MIB, S0).unwrap());
+        assert_eq!(alloc.stats().blocks.allocated_bytes.all.current, 40 * MIB, "{conf}");
+        assert_eq!(stat(&alloc, "num_ooms"), 0, "{conf}");
+        drop(two);
+        alloc.check_invariants().unwrap();
+    }
+}
