@@ -247,8 +247,13 @@ impl<D: Capture> fmt::Debug for Graph<D> {
 }
 
 impl<D: Capture> Graph<D> {
-    /// Enqueues the graph's work on `stream` (`cuGraphLaunch`); returns at once. Launches of
-    /// graphs sharing a pool must be ordered (one stream, capture order), as in PyTorch.
+    /// Enqueues the graph's work on `stream` (`cuGraphLaunch`); returns at once. The replay
+    /// runs the kernels launched during the capture again, on the addresses they were given:
+    /// what the graph's pool and held buffers cover stays the graph's, but a buffer from
+    /// elsewhere that a captured kernel uses (a static input) must outlive the graph, as the
+    /// kernel launch's own contract (`unsafe` on a real device) asks of every buffer it uses.
+    /// Graphs sharing a pool through [`Allocator::begin_capture_sharing`] are launched as its
+    /// contract says (capture order, never concurrently).
     pub fn launch(&self, stream: StreamId) -> Result<(), AllocError> {
         self.device.launch_graph(self.id, stream)?;
         self.launched.store(true, Ordering::Release);
