@@ -96,6 +96,10 @@ pub enum Broken {
     /// `begin_capture` shares a pool that live graphs use, as PyTorch's `pool=` does: a later
     /// capture is handed memory the earlier graphs' replays still write.
     SharedGraphPools = 1 << 24,
+    /// The out-of-memory ladder looks whether a `use_on_oom` pool has graphs before it takes
+    /// the pool's lock: a capture into the pool that begins and ends meanwhile has its freed
+    /// temporaries' segment released under the graph's replays.
+    OomPoolsCheckedUnlocked = 1 << 25,
     /// A growth whose headroom (expandable segments) does not fit the device fails the request
     /// instead of growing by exactly what the request needs.
     HeadroomOom = 1 << 30,
@@ -193,7 +197,7 @@ impl Broken {
 
     /// Every mode, in declaration order. Kept complete by [`Broken::position`], whose match
     /// stops compiling when a mode is added and not listed.
-    pub const EVERY: [Broken; 48] = [
+    pub const EVERY: [Broken; 49] = [
         Broken::ForeignBuffers,
         Broken::ForgottenUses,
         Broken::UnboundFreeOrder,
@@ -242,6 +246,7 @@ impl Broken {
         Broken::ResetKeepsMaps,
         Broken::VmCountsUnpublished,
         Broken::SharedGraphPools,
+        Broken::OomPoolsCheckedUnlocked,
     ];
 
     /// Its place in [`Broken::EVERY`].
@@ -295,6 +300,7 @@ impl Broken {
             Broken::ResetKeepsMaps => 45,
             Broken::VmCountsUnpublished => 46,
             Broken::SharedGraphPools => 47,
+            Broken::OomPoolsCheckedUnlocked => 48,
         }
     }
 

@@ -434,11 +434,26 @@ impl<D: Device> Shared<D> {
         let pools: Vec<Arc<Shared<D>>> =
             lock(&self.family.oom_pools).iter().map(|(_, p)| p.clone()).collect();
         let mut released = false;
+        let broken = self.broken(Broken::OomPoolsCheckedUnlocked);
         for pool in pools {
-            if std::ptr::eq(&*pool, self) || pool.role.graphs.load(Ordering::Acquire) > 0 {
+            if std::ptr::eq(&*pool, self) {
                 continue;
             }
+            if broken {
+                // BROKEN: looks before the pool's lock; the pause stands for the contention that
+                // lets a capture into the pool begin, free a temporary and end meanwhile.
+                if pool.role.graphs.load(Ordering::SeqCst) > 0 {
+                    continue;
+                }
+                std::thread::sleep(std::time::Duration::from_millis(300));
+            }
             let mut st = pool.lock_state();
+            // A pool a graph uses holds the graph's memory: its free blocks are what the
+            // replays write. Looked at under the pool's lock: a capture that begins after this
+            // load allocates from the pool only once the release below is done.
+            if !broken && pool.role.graphs.load(Ordering::SeqCst) > 0 {
+                continue;
+            }
             let before = st.counters.device_free;
             pool.flush_all(&mut st);
             pool.process_events(&mut st);
