@@ -702,3 +702,46 @@ fn a_run_whose_region_a_graph_holds_takes_its_forgotten_slices_back() {
     assert_eq!(seen[1..], [(region, region + 700_416, true), (region, region + 700_416, true)]);
     alloc.check_invariants().unwrap();
 }
+
+/// A capture's temporary (freed during the capture) stays in the graph's pool, and nothing
+/// returns it to the device while the graph lives — not the trim after every free under
+/// `release_threshold_mb:0` (expandable segments), not the release of every free segment with
+/// caching off — although a free of the pool's output, after the capture, runs them. Returns
+/// the replay's violations.
+fn temporary_released_under_its_graph(
+    conf: &str,
+    broken: bool,
+) -> Vec<tidepool::device::Violation> {
+    let dev = Arc::new(SimDevice::backed(256 * MIB));
+    let s = dev.create_stream().unwrap();
+    let alloc = Allocator::new(dev.clone(), Config::parse(conf).unwrap()).unwrap();
+    alloc.set_broken(Broken::GraphPoolReleased, broken);
+    alloc.begin_capture(s, None).unwrap();
+    let out = alloc.alloc(4 * MIB, s).unwrap();
+    let tmp = alloc.alloc(8 * MIB, s).unwrap();
+    let p = tmp.ptr();
+    let acc = vec![Access { ptr: p, bytes: N, kind: AccessKind::Write }];
+    dev.launch(s, Kernel::replayable("tmp", acc, move |m| drop(m.write(p, &[1; N as usize]))))
+        .unwrap();
+    drop(tmp);
+    let graph = alloc.end_capture(s).unwrap();
+    drop(out); // a free in the pool after the capture: the pool's release rules run
+    let busy = graph.pool().empty_cache();
+    assert!(matches!(busy, Err(AllocError::PoolBusy { .. })), "{busy:?}");
+    graph.launch(s).unwrap();
+    dev.synchronize().unwrap();
+    drop(graph);
+    alloc.empty_cache().unwrap();
+    alloc.check_invariants().unwrap();
+    dev.violations()
+}
+
+#[test]
+fn a_pool_a_graph_uses_releases_none_of_its_free_memory() {
+    for conf in ["expandable_segments:true,release_threshold_mb:0", "caching:false"] {
+        let v = temporary_released_under_its_graph(conf, false);
+        assert!(v.is_empty(), "{conf}: {v:?}");
+        let v = temporary_released_under_its_graph(conf, true);
+        assert!(v.iter().any(|v| v.op.contains("unallocated")), "{conf}: {v:?}");
+    }
+}

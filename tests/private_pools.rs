@@ -292,51 +292,44 @@ fn a_routed_stream_destroyed_under_its_guard_is_refused() {
     }
 }
 
-/// A capture into a `use_on_oom` pool that begins, frees a temporary and ends while the
-/// general allocator's out-of-memory ladder, on another thread, returns the pools' free segments:
-/// the violations the graph's replay then meets.
-fn capture_during_an_oom_release(broken: bool) -> Vec<tidepool::device::Violation> {
+/// A graph captured into a `use_on_oom` pool (a temporary freed during the capture), then an
+/// out-of-memory error in the general allocator, whose ladder asks the `use_on_oom` pools for
+/// their free segments: the violations the graph's replay then meets.
+fn oom_ladder_over_a_graph_pool(broken: bool) -> Vec<tidepool::device::Violation> {
     use tidepool::device::{Access, AccessKind, Kernel, Launch};
     let dev = Arc::new(SimDevice::backed(64 * MIB));
     let s = dev.create_stream().unwrap();
     let alloc = Allocator::new(dev.clone(), Config::default()).unwrap();
-    alloc.set_broken(Broken::OomPoolsCheckedUnlocked, broken);
+    alloc.set_broken(Broken::GraphPoolReleased, broken);
     let pool = alloc.new_pool(PoolOptions::default().with_use_on_oom(true)).unwrap();
+    alloc.begin_capture(s, Some(&pool)).unwrap();
+    let t = alloc.alloc(4096, s).unwrap(); // a temporary: the pool's one segment
+    let p = t.ptr();
+    let acc = vec![Access { ptr: p, bytes: 4096, kind: AccessKind::Write }];
+    dev.launch(s, Kernel::replayable("tmp", acc, move |m| drop(m.write(p, &[1; 4096])))).unwrap();
+    drop(t);
+    let graph = alloc.end_capture(s).unwrap();
     let hog = alloc.alloc(60 * MIB, StreamId::DEFAULT).unwrap();
-    std::thread::scope(|sc| {
-        // Out of memory: the ladder asks the `use_on_oom` pools for their free segments.
-        let ladder = sc.spawn(|| alloc.alloc(8 * MIB, StreamId::DEFAULT).map(drop));
-        // The allocator's own ladder has failed (its retry is counted): the pools come next.
-        while alloc.stats().num_alloc_retries == 0 {
-            std::thread::yield_now();
-        }
-        std::thread::sleep(std::time::Duration::from_millis(30));
-        alloc.begin_capture(s, Some(&pool)).unwrap();
-        let t = alloc.alloc(4096, s).unwrap(); // a temporary: the pool's first segment
-        let p = t.ptr();
-        let acc = vec![Access { ptr: p, bytes: 4096, kind: AccessKind::Write }];
-        dev.launch(s, Kernel::replayable("tmp", acc, move |m| m.write(p, &[1; 4096]).unwrap()))
-            .unwrap();
-        drop(t);
-        let graph = alloc.end_capture(s).unwrap();
-        let r = ladder.join().unwrap();
-        assert!(matches!(r, Err(AllocError::OutOfMemory(_))), "{r:?}");
-        graph.launch(s).unwrap();
-        dev.synchronize().unwrap();
-    });
-    drop((hog, pool));
+    let r = alloc.alloc(8 * MIB, StreamId::DEFAULT);
+    assert!(matches!(r, Err(AllocError::OutOfMemory(_))), "{r:?}");
+    let kept = if broken { 0 } else { SEG };
+    assert_eq!(reserved(&pool), kept);
+    graph.launch(s).unwrap();
+    dev.synchronize().unwrap();
+    drop((graph, hog, pool));
     alloc.check_invariants().unwrap();
     dev.violations()
 }
 
-/// The ladder never returns the free segments of a pool a graph uses (the replays write its
-/// free blocks), and it looks under the pool's lock, so a capture that begins meanwhile is
-/// seen or allocates after the release. `Broken::OomPoolsCheckedUnlocked` looks before the lock
-/// (a pause standing for the contention), and the replay writes released memory.
+/// The ladder never returns the free segments of a pool a graph uses: its free blocks are what
+/// the replays write. (Every release looks under the pool's lock, so a capture that begins
+/// while the ladder runs is seen, or allocates only after the release.) With
+/// `Broken::GraphPoolReleased` the ladder releases the temporary's segment and the replay
+/// writes released memory.
 #[test]
 fn the_oom_ladder_never_releases_a_pool_a_graph_uses() {
-    let v = capture_during_an_oom_release(false);
+    let v = oom_ladder_over_a_graph_pool(false);
     assert!(v.is_empty(), "{v:?}");
-    let v = capture_during_an_oom_release(true);
+    let v = oom_ladder_over_a_graph_pool(true);
     assert!(v.iter().any(|v| v.op.contains("unallocated")), "{v:?}");
 }

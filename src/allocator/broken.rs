@@ -96,10 +96,10 @@ pub enum Broken {
     /// `begin_capture` shares a pool that live graphs use, as PyTorch's `pool=` does: a later
     /// capture is handed memory the earlier graphs' replays still write.
     SharedGraphPools = 1 << 24,
-    /// The out-of-memory ladder looks whether a `use_on_oom` pool has graphs before it takes
-    /// the pool's lock: a capture into the pool that begins and ends meanwhile has its freed
-    /// temporaries' segment released under the graph's replays.
-    OomPoolsCheckedUnlocked = 1 << 25,
+    /// A private pool a graph uses releases free memory (a trim after `release_threshold`, a
+    /// release with caching off, its own out-of-memory ladder): the captures' freed temporaries,
+    /// which the replays still write, go back to the device.
+    GraphPoolReleased = 1 << 26,
     /// A growth whose headroom (expandable segments) does not fit the device fails the request
     /// instead of growing by exactly what the request needs.
     HeadroomOom = 1 << 30,
@@ -246,7 +246,7 @@ impl Broken {
         Broken::ResetKeepsMaps,
         Broken::VmCountsUnpublished,
         Broken::SharedGraphPools,
-        Broken::OomPoolsCheckedUnlocked,
+        Broken::GraphPoolReleased,
     ];
 
     /// Its place in [`Broken::EVERY`].
@@ -300,7 +300,7 @@ impl Broken {
             Broken::ResetKeepsMaps => 45,
             Broken::VmCountsUnpublished => 46,
             Broken::SharedGraphPools => 47,
-            Broken::OomPoolsCheckedUnlocked => 48,
+            Broken::GraphPoolReleased => 48,
         }
     }
 

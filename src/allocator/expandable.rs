@@ -1134,6 +1134,9 @@ impl<D: Device> Shared<D> {
         mut which: impl FnMut(&Segment) -> bool,
         keep: u64,
     ) -> Result<(), AllocError> {
+        if self.role.graph_held() && !self.broken(Broken::GraphPoolReleased) {
+            return Ok(()); // a graph's replays write the pool's free pages (`release_segment`)
+        }
         self.retry_releases(&mut st.vm);
         // A moved page still mapped at its old place would outlive its release there (the
         // driver frees memory at its last unmapping): old places go first.

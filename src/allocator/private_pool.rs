@@ -117,6 +117,14 @@ pub(crate) struct PoolRole {
 }
 
 impl PoolRole {
+    /// Whether a graph (or a capture underway) uses the pool: then its free blocks are memory
+    /// the replays write (the captures' freed temporaries), and none of it goes back to the
+    /// device. Read under the pool's lock by every release: a capture that begins later
+    /// allocates only after that release.
+    pub(super) fn graph_held(&self) -> bool {
+        self.graphs.load(Ordering::SeqCst) > 0
+    }
+
     /// Counts one more holder in `mine` unless `theirs` has any: guards and graphs exclude each
     /// other (each side counts itself first, then looks, so two racing claims cannot both win:
     /// sequentially consistent, since each stores one location and loads the other). The caller
@@ -329,9 +337,10 @@ impl<D: Device> MemPool<D> {
     }
 
     /// Returns the pool's free cached segments to the device. Refused (nothing released) while a
-    /// graph uses the pool: its replays read that memory.
+    /// graph uses the pool: its replays read that memory. (A capture that begins meanwhile is
+    /// safe too: every release looks again under the pool's lock.)
     pub fn empty_cache(&self) -> Result<(), AllocError> {
-        if self.alloc.shared.role.graphs.load(Ordering::Acquire) > 0 {
+        if self.alloc.shared.role.graph_held() {
             return Err(AllocError::PoolBusy { reason: "a CUDA graph uses the pool" });
         }
         self.alloc.empty_cache()?;
@@ -434,26 +443,13 @@ impl<D: Device> Shared<D> {
         let pools: Vec<Arc<Shared<D>>> =
             lock(&self.family.oom_pools).iter().map(|(_, p)| p.clone()).collect();
         let mut released = false;
-        let broken = self.broken(Broken::OomPoolsCheckedUnlocked);
         for pool in pools {
             if std::ptr::eq(&*pool, self) {
                 continue;
             }
-            if broken {
-                // BROKEN: looks before the pool's lock; the pause stands for the contention that
-                // lets a capture into the pool begin, free a temporary and end meanwhile.
-                if pool.role.graphs.load(Ordering::SeqCst) > 0 {
-                    continue;
-                }
-                std::thread::sleep(std::time::Duration::from_millis(300));
-            }
+            // (A pool a graph uses releases nothing: `release_segment` and `release_pages` look
+            // under its lock.)
             let mut st = pool.lock_state();
-            // A pool a graph uses holds the graph's memory: its free blocks are what the
-            // replays write. Looked at under the pool's lock: a capture that begins after this
-            // load allocates from the pool only once the release below is done.
-            if !broken && pool.role.graphs.load(Ordering::SeqCst) > 0 {
-                continue;
-            }
             let before = st.counters.device_free;
             pool.flush_all(&mut st);
             pool.process_events(&mut st);

@@ -375,8 +375,13 @@ impl<D: Device> Shared<D> {
         Ok(released >= want)
     }
 
-    /// Returns one ordinary segment with no busy block to the device (a host sync).
+    /// Returns one ordinary segment with no busy block to the device (a host sync). Not in a
+    /// private pool a graph uses: the segment stays cached (its free blocks are memory the
+    /// replays write; broken mode `GraphPoolReleased`).
     pub(super) fn release_segment(&self, st: &mut State, seg: SegmentId) -> Result<(), AllocError> {
+        if self.role.graph_held() && !self.broken(Broken::GraphPoolReleased) {
+            return Ok(());
+        }
         let base = st.pool.segment(seg).base;
         // Release on the device first: if it fails, the segment stays cached and consistent.
         self.device.release(DeviceAddr(base))?;
