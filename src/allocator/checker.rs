@@ -23,7 +23,7 @@ impl<D: Device> Allocator<D> {
         let inners: Vec<_> = table.iter().map(|c| c.lock_inner()).collect();
         st.pool.check_invariants()?;
         sh.check_vm(&st)?;
-        if !Shared::<D>::vm_counts_published(&st.vm) {
+        if !st.vm.counts_published() {
             return Err("expandable-segment counters changed and were not published".into());
         }
         let queued: usize = st.pending.values().map(VecDeque::len).sum();

@@ -126,8 +126,8 @@ struct Retiring {
 /// changed since they were last published.
 #[derive(Default, Clone, Copy)]
 pub(super) struct VmCounts {
-    pub(super) maps: u64,
-    pub(super) unmaps: u64,
+    maps: u64,
+    unmaps: u64,
     creates: u64,
     releases: u64,
     moves: u64,
@@ -259,6 +259,12 @@ impl Range {
 }
 
 impl Vm {
+    /// Whether every change of the counters is published (`check_invariants`, between lock
+    /// sections).
+    pub(super) fn counts_published(&self) -> bool {
+        !self.counts.unpublished
+    }
+
     /// No range exists.
     pub(super) fn is_empty(&self) -> bool {
         self.ranges.is_empty()
@@ -1405,12 +1411,6 @@ impl<D: Device> Shared<D> {
         if vm.counts.unpublished && !self.broken(Broken::VmCountsUnpublished) {
             self.publish_vm(vm);
         }
-    }
-
-    /// Whether every change of the counters is published (`check_invariants`, between lock
-    /// sections).
-    pub(super) fn vm_counts_published(vm: &Vm) -> bool {
-        !vm.counts.unpublished
     }
 
     /// Copies the counters for lock-free readers.
