@@ -55,7 +55,8 @@ pub struct Config {
     /// Never reserve more than this many bytes in all (`memory_limit_mb`).
     pub memory_limit: Option<u64>,
     /// Never reserve more than this share of the device's total memory
-    /// (`per_process_memory_fraction`, in (0, 1]).
+    /// (`per_process_memory_fraction`, in [0, 1] as PyTorch's: at 0 nothing new is reserved
+    /// and only cached memory serves).
     pub memory_fraction: Option<f64>,
     /// Cross-stream reuse policy (`cross_stream:strict|wait_event`).
     pub cross_stream: CrossStream,
@@ -174,7 +175,7 @@ pub const KEYS: &[(&str, &str)] = &[
     ("memory_limit_mb", "never reserve more than this many MiB"),
     (
         "per_process_memory_fraction",
-        "never reserve more than this share of device memory, in (0, 1]",
+        "never reserve more than this share of device memory, in [0, 1]",
     ),
     ("cross_stream", "cross-stream reuse: strict or wait_event"),
     (
@@ -429,9 +430,9 @@ impl Config {
             "round_large_mb" => z.round_large = mib(1024)?,
             "memory_limit_mb" => self.memory_limit = Some(mib(MAX_MIB)?),
             "per_process_memory_fraction" => {
-                let what = "a number in (0, 1]";
+                let what = "a number in [0, 1]";
                 let v: f64 = value.parse().map_err(|_| bad(what))?;
-                if !(v > 0.0 && v <= 1.0) {
+                if !(0.0..=1.0).contains(&v) {
                     return Err(bad(what));
                 }
                 self.memory_fraction = Some(v);
@@ -533,9 +534,9 @@ impl Config {
             return fail(format!("garbage_collection_threshold {t} is not in (0, 1)"));
         }
         if let Some(f) = self.memory_fraction
-            && !(f > 0.0 && f <= 1.0)
+            && !(0.0..=1.0).contains(&f)
         {
-            return fail(format!("per_process_memory_fraction {f} is not in (0, 1]"));
+            return fail(format!("per_process_memory_fraction {f} is not in [0, 1]"));
         }
         for (name, cap) in
             [("max_pool_size_mb", self.max_pool_size), ("memory_limit_mb", self.memory_limit)]
@@ -804,7 +805,7 @@ mod tests {
             ("min_block_size:0", "min_block_size"),
             ("min_block_size:1", "min_block_size"),
             ("min_block_size:128", "min_block_size"),
-            ("per_process_memory_fraction:0", "per_process_memory_fraction"),
+            ("per_process_memory_fraction:-0.1", "per_process_memory_fraction"),
             ("per_process_memory_fraction:1.5", "per_process_memory_fraction"),
             ("per_process_memory_fraction:NaN", "per_process_memory_fraction"),
             ("cross_stream:lazy", "cross_stream"),
@@ -903,7 +904,8 @@ mod tests {
         );
         assert!(Config::default().with_garbage_collection_threshold(0.5).validate().is_ok());
         assert!(Config::default().with_garbage_collection_threshold(1.5).validate().is_err());
-        assert!(Config::default().with_memory_fraction(0.0).validate().is_err());
+        assert!(Config::default().with_memory_fraction(0.0).validate().is_ok());
+        assert!(Config::default().with_memory_fraction(-0.01).validate().is_err());
         let off = Config::default().with_caching(false);
         assert!(!off.fast_path() && off.validate().is_ok());
         assert_eq!(off, Config::parse("caching:false").unwrap());

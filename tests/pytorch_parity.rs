@@ -1350,3 +1350,362 @@ fn deleted_pools_are_not_used_on_oom() {
         alloc.check_invariants().unwrap();
     }
 }
+
+/// Reserved bytes of a private pool.
+fn pool_reserved(pool: &MemPool<SimDevice>) -> u64 {
+    pool.stats().blocks.reserved_bytes.all.current
+}
+
+/// `test_mempool_limited_memory_with_allocator` on a device capped at 80 MiB, with `broken`
+/// on; `Err` names the first step that went otherwise. A pool of 40 MiB
+/// that may not serve others and one that may (`use_on_oom`), each holding a 40 MiB block,
+/// fill the cap: a 40 MiB request of the general allocator is out of memory. With both blocks
+/// freed, 30 MiB fit — out of the `use_on_oom` pool's free memory — and 30 MiB more do not: the
+/// other pool's cached 40 MiB are neither used nor released. A 20 MiB request in the
+/// `use_on_oom` pool then fits once the general allocator's cache is emptied.
+///
+/// Differences, on purpose: PyTorch hands the general request a block of the `use_on_oom`
+/// pool (`c_ptr == b_ptr`, and `e_ptr == c_ptr` in the pool after `c` goes); tidepool gives
+/// the pool's free segment back to the device and reserves a segment of the general
+/// allocator's own (each allocator of the family keeps its own segments, statistics and
+/// snapshot), so `c` is the general allocator's and the pool's request needs a segment of its
+/// own — after `empty_cache`, as PyTorch's ladder releases no default-pool cache while a pool
+/// is in use (`captures_underway` is not empty) either.
+fn limited_memory_with_pools(conf: &str, broken: Option<Broken>) -> Result<(), String> {
+    let (dev, alloc) = allocator_on(1 << 30, &format!("{conf},memory_limit_mb:80"));
+    if let Some(mode) = broken {
+        alloc.set_broken(mode, true);
+    }
+    let do_not_use = alloc.new_pool(PoolOptions::default()).unwrap();
+    let on_oom = alloc.new_pool(PoolOptions::default().with_use_on_oom(true)).unwrap();
+    let in_pool = |pool: &MemPool<SimDevice>, bytes: u64| {
+        let _guard = alloc.use_pool(pool, S0).unwrap();
+        alloc.alloc(bytes, S0)
+    };
+    let a = in_pool(&do_not_use, 40 * MIB).unwrap();
+    let b = in_pool(&on_oom, 40 * MIB).unwrap();
+    assert_eq!(device_used(&dev), 80 * MIB);
+    if let Ok(c) = alloc.alloc(40 * MIB, S0) {
+        return Err(format!("40 MiB more fit under an 80 MiB cap at {:?}", c.ptr()));
+    }
+    drop((a, b));
+    assert_eq!((pool_reserved(&do_not_use), pool_reserved(&on_oom)), (40 * MIB, 40 * MIB));
+    let c = alloc.alloc(30 * MIB, S0).map_err(|e| format!("30 MiB: {e}"))?;
+    assert_eq!((pool_reserved(&do_not_use), pool_reserved(&on_oom)), (40 * MIB, 0));
+    assert_eq!(alloc.stats().blocks.reserved_bytes.all.current, 30 * MIB);
+    if alloc.alloc(30 * MIB, S0).is_ok() {
+        return Err("30 MiB more fit: a live pool's cache was used or released".into());
+    }
+    assert_eq!((pool_reserved(&do_not_use), device_used(&dev)), (40 * MIB, 70 * MIB));
+    drop(c);
+    let e = in_pool(&on_oom, 20 * MIB).unwrap_err();
+    assert!(matches!(e, AllocError::OutOfMemory(_)), "{e}");
+    alloc.empty_cache().unwrap();
+    let e = in_pool(&on_oom, 20 * MIB).map_err(|e| format!("20 MiB in the pool: {e}"))?;
+    assert_eq!(device_used(&dev), 60 * MIB);
+    drop(e);
+    for p in [&do_not_use, &on_oom] {
+        p.check_invariants()?;
+    }
+    alloc.check_invariants()
+}
+
+///
+/// `Broken::LimitPerPool` (each allocator of the family capped alone) lets the general
+/// allocator reserve 40 MiB more; `Broken::OomPoolPagesUncounted` (the ladder retries only
+/// after a released *segment*) fails the 30 MiB request over expandable segments, whose pool
+/// released pages.
+#[test]
+fn pools_share_the_memory_cap_and_live_pools_keep_their_cache() {
+    for (expandable, conf) in both_modes("") {
+        limited_memory_with_pools(&conf, None).unwrap();
+        let e = limited_memory_with_pools(&conf, Some(Broken::LimitPerPool)).unwrap_err();
+        assert!(e.starts_with("40 MiB more fit"), "{conf}: {e}");
+        let r = limited_memory_with_pools(&conf, Some(Broken::OomPoolPagesUncounted));
+        match expandable {
+            true => assert!(r.unwrap_err().starts_with("30 MiB: "), "{conf}"),
+            false => r.unwrap(),
+        }
+    }
+}
+
+/// The cap holds for a family whose allocators reserve at once: four threads, each routing its
+/// own stream to its own pool, and the general allocator on a fifth, all asking for 12 MiB
+/// blocks under a 100 MiB cap, never hold more than 100 MiB together, and get exactly 8 of them
+/// (each a 12 MiB segment, 96 MiB). (`Broken::LimitPerPool`: 8 each, 40 in all.)
+#[test]
+fn the_memory_cap_holds_for_pools_reserving_at_once() {
+    for ((_, conf), broken) in
+        both_modes("memory_limit_mb:100").into_iter().flat_map(|m| [(m.clone(), false), (m, true)])
+    {
+        let (dev, alloc) = allocator_on(1 << 30, &conf);
+        alloc.set_broken(Broken::LimitPerPool, broken);
+        let pools: Vec<_> =
+            (0..4).map(|_| alloc.new_pool(PoolOptions::default()).unwrap()).collect();
+        let streams: Vec<_> = (0..5).map(|_| dev.create_stream().unwrap()).collect();
+        let got = std::sync::Mutex::new(Vec::new());
+        let barrier = std::sync::Barrier::new(5);
+        std::thread::scope(|s| {
+            for (i, &stream) in streams.iter().enumerate() {
+                let (alloc, pools, got, barrier) = (&alloc, &pools, &got, &barrier);
+                s.spawn(move || {
+                    let _guard = pools.get(i).map(|p| alloc.use_pool(p, stream).unwrap());
+                    barrier.wait();
+                    while let Ok(b) = alloc.alloc(12 * MIB, stream) {
+                        got.lock().unwrap().push(b);
+                    }
+                });
+            }
+        });
+        let got = got.into_inner().unwrap();
+        let n = if broken { 40 } else { 8 };
+        assert_eq!(got.len(), n, "{conf}");
+        assert_eq!(device_used(&dev), n as u64 * 12 * MIB, "{conf}");
+        let pooled: u64 = pools.iter().map(pool_reserved).sum();
+        assert_eq!(pooled + alloc.stats().blocks.reserved_bytes.all.current, device_used(&dev));
+        drop(got);
+        for p in &pools {
+            p.check_invariants().unwrap();
+        }
+        alloc.check_invariants().unwrap();
+    }
+}
+
+/// `test_get_per_process_memory_fraction` and `test_allocator_memory_fraction_setting`: the
+/// fraction reads back exactly as set (1.0, 0.0 and others), in [0, 1] both as a call and as
+/// the `per_process_memory_fraction` key (-0.1 and 1.1 refused); at 0.0 no new segment is
+/// reserved, and cached memory still serves.
+#[test]
+fn memory_fraction_reads_back_exactly_and_zero_keeps_only_the_cache() {
+    let (_dev, alloc) = allocator("");
+    let cached = alloc.alloc(4 * MIB, S0).unwrap();
+    drop(cached);
+    for v in [1.0, 0.0, 0.1234567891234, 0.5, 0.999_999_999] {
+        alloc.set_config(Config::default().with_memory_fraction(v)).unwrap();
+        assert_eq!(alloc.config().memory_fraction, Some(v));
+        let parsed = Config::parse(&format!("per_process_memory_fraction:{v}")).unwrap();
+        assert_eq!(parsed.memory_fraction, Some(v));
+    }
+    for bad in ["-0.1", "1.1", "NaN"] {
+        let e = Config::parse(&format!("per_process_memory_fraction:{bad}")).unwrap_err();
+        assert!(e.to_string().contains("per_process_memory_fraction"), "{e}");
+        let e = alloc.set_config(Config::default().with_memory_fraction(bad.parse().unwrap()));
+        assert!(e.is_err(), "{bad}");
+    }
+    alloc.set_config(Config::default().with_memory_fraction(0.0)).unwrap();
+    let from_cache = alloc.alloc(2 * MIB, S0).unwrap(); // the cached 20 MiB segment's block
+    let e = alloc.alloc(1000, S0).unwrap_err(); // a small request needs a new segment
+    assert!(matches!(e, AllocError::OutOfMemory(_)), "{e}");
+    assert_eq!(alloc.stats().blocks.reserved_bytes.all.current, 20 * MIB);
+    drop(from_cache);
+    alloc.check_invariants().unwrap();
+}
+
+/// `test_mempool_empty_cache` and `test_mempool_with_allocator`'s segment counts: in a pool,
+/// 1 MiB requests are small (a 2 MiB segment holds two), the pool's snapshot lists only its
+/// own segments, and dropping the pool gives back its memory alone — the general allocator's
+/// cached 20 MiB segment (of a 4 MiB tensor freed first) stays.
+#[test]
+fn a_dropped_pool_gives_back_its_memory_alone() {
+    for (expandable, conf) in both_modes("") {
+        let (dev, alloc) = allocator(&conf);
+        let pool = alloc.new_pool(PoolOptions::default()).unwrap();
+        let x = alloc.alloc(4 * MIB, S0).unwrap();
+        let out_non_pool = alloc.alloc(MIB, S0).unwrap();
+        let guard = alloc.use_pool(&pool, S0).unwrap();
+        let mut outs = Vec::new();
+        // (With expandable segments the pool's small range grows by a 2 MiB page instead.)
+        for (segments, pages) in [(1, 1), (1, 1), (if expandable { 1 } else { 2 }, 2)] {
+            outs.push(alloc.alloc(MIB, S0).unwrap());
+            assert_eq!(pool.snapshot().len(), segments, "{conf}");
+            assert_eq!(pool_reserved(&pool), pages * 2 * MIB, "{conf}");
+        }
+        assert_eq!((outs[1].ptr().0 - outs[0].ptr().0), MIB, "{conf}");
+        drop(guard);
+        let mine: Vec<_> = pool.snapshot().iter().map(|s| s.address).collect();
+        assert!(!mine.iter().any(|&a| a == x.ptr() || a == out_non_pool.ptr()), "{conf}");
+        drop((outs, x, out_non_pool));
+        // The general allocator's 20 MiB large and 2 MiB small segment (expandable: the
+        // 4 MiB and 2 MiB its ranges mapped).
+        let general = if expandable { 6 * MIB } else { 22 * MIB };
+        assert_eq!(alloc.stats().blocks.reserved_bytes.all.current, general, "{conf}");
+        assert_eq!(device_used(&dev), general + 4 * MIB, "{conf}");
+        drop(pool);
+        assert_eq!(device_used(&dev), general, "{conf}: the general cache went with the pool");
+        assert_eq!(alloc.snapshot().len(), 2, "{conf}");
+        alloc.check_invariants().unwrap();
+    }
+}
+
+/// `test_mempool_emptycache_multithread`: four threads, each routing its own stream to its own
+/// pool, allocate 16 bytes there, free them and call the allocator's `empty_cache` while their
+/// guard lives: every pool keeps its one cached segment (the general `empty_cache` releases
+/// the general allocator's cache, never a live pool's).
+#[test]
+fn empty_cache_spares_the_pools_in_use() {
+    for (_, conf) in both_modes("") {
+        let (dev, alloc) = allocator(&conf);
+        let pools: Vec<_> =
+            (0..4).map(|_| alloc.new_pool(PoolOptions::default()).unwrap()).collect();
+        let spare = alloc.alloc(16, S0).unwrap();
+        drop(spare);
+        std::thread::scope(|s| {
+            for pool in &pools {
+                let (alloc, dev) = (&alloc, &dev);
+                s.spawn(move || {
+                    let stream = dev.create_stream().unwrap();
+                    let _guard = alloc.use_pool(pool, stream).unwrap();
+                    drop(alloc.alloc(16, stream).unwrap());
+                    alloc.empty_cache().unwrap();
+                });
+            }
+        });
+        for p in &pools {
+            assert_eq!(p.snapshot().len(), 1, "{conf}");
+            assert_eq!(pool_reserved(p), 2 * MIB, "{conf}");
+            p.check_invariants().unwrap();
+        }
+        assert_eq!(alloc.stats().blocks.reserved_bytes.all.current, 0, "{conf}");
+        assert_eq!(device_used(&dev), 8 * MIB, "{conf}");
+    }
+}
+
+/// `test_mempool_id` and `test_mempool_multithread`: pool ids — of `new_pool` and of the graph
+/// pools captures make — come from one counter: unique across threads, increasing in each.
+#[test]
+fn pool_ids_are_unique_and_increasing() {
+    let (_dev, alloc) = allocator("");
+    let ids = std::sync::Mutex::new(Vec::new());
+    std::thread::scope(|s| {
+        for _ in 0..4 {
+            let (alloc, ids) = (&alloc, &ids);
+            s.spawn(move || {
+                let mine: Vec<u64> =
+                    (0..25).map(|_| alloc.new_pool(PoolOptions::default()).unwrap().id()).collect();
+                assert!(mine.windows(2).all(|w| w[0] < w[1]), "{mine:?}");
+                ids.lock().unwrap().extend(mine);
+            });
+        }
+    });
+    let mut ids = ids.into_inner().unwrap();
+    ids.sort_unstable();
+    ids.dedup();
+    assert_eq!(ids.len(), 100);
+    assert!(ids[0] > 0);
+    let later = alloc.new_pool(PoolOptions::default()).unwrap().id();
+    assert!(later > ids[99]);
+}
+
+/// `test_raises_oom` (with and without `max_split_size_mb:1024`, after `empty_cache`) and
+/// `test_notifies_oom`: a 4 TiB request is an out-of-memory error (through the whole ladder,
+/// its oversize rung included), every observer hears of it once, and the allocator works on.
+#[test]
+fn a_4_tib_request_raises_and_notifies_out_of_memory() {
+    for split in ["", "max_split_size_mb:1024"] {
+        for (expandable, conf) in both_modes(split) {
+            let (dev, alloc) = allocator(&conf);
+            let heard = Arc::new(std::sync::Mutex::new(Vec::new()));
+            let h = heard.clone();
+            alloc.attach_oom_observer(move |r| h.lock().unwrap().push(r.requested));
+            let keep = alloc.alloc(4 * MIB, S0).unwrap();
+            alloc.empty_cache().unwrap();
+            let e = alloc.alloc(4 << 40, S0).unwrap_err();
+            assert!(matches!(e, AllocError::OutOfMemory(_)), "{conf}: {e}");
+            assert_eq!(*heard.lock().unwrap(), vec![4u64 << 40], "{conf}");
+            assert_eq!(stat(&alloc, "num_ooms"), 1, "{conf}");
+            // (The 4 MiB tensor's segment: 20 MiB, or its two pages of a range.)
+            let kept = if expandable { 4 * MIB } else { 20 * MIB };
+            assert_eq!(device_used(&dev), kept, "{conf}");
+            drop((keep, alloc.alloc(30 * MIB, S0).unwrap()));
+            alloc.check_invariants().unwrap();
+        }
+    }
+}
+
+/// `test_memory_allocation` (`caching_allocator_alloc(1)` / `caching_allocator_delete`): a
+/// 1-byte allocation counts one 512-byte block in `allocated_bytes` (and 1 byte requested), and
+/// its free takes exactly that back.
+#[test]
+fn a_one_byte_allocation_counts_512_bytes_and_its_free_all_of_them() {
+    for (_, conf) in both_modes("") {
+        let (_dev, alloc) = allocator(&conf);
+        let keep = alloc.alloc(3000, S0).unwrap();
+        let prev = stat(&alloc, "allocated_bytes.all.current");
+        let mem = alloc.alloc(1, S0).unwrap();
+        assert_eq!(stat(&alloc, "allocated_bytes.all.current"), prev + 512, "{conf}");
+        assert_eq!(stat(&alloc, "requested_bytes.all.current"), 3000 + 1, "{conf}");
+        drop(mem);
+        assert_eq!(stat(&alloc, "allocated_bytes.all.current"), prev, "{conf}");
+        drop(keep);
+    }
+}
+
+/// `test_allocator_fuzz`: 10 000 steps of a seeded mix — allocate 2 to 20 MiB (weight 1), free
+/// a random live tensor (weight 1, where one lives), `empty_cache` (weight 0.1), freeing first
+/// while 1/10 GiB is live — across the 10 and 20 MiB size rules. Each tensor holds its number
+/// in its first and last word, checked when it is freed; the sanitizer checks that no handout
+/// overlaps a live one.
+#[test]
+fn allocator_fuzz_keeps_every_live_tensor_intact() {
+    fn edges(b: &Buffer<SimDevice>) -> [DeviceAddr; 2] {
+        [b.ptr(), DeviceAddr(b.ptr().0 + b.len() - 4)]
+    }
+    for (_, conf) in both_modes("") {
+        let (dev, alloc) = allocator_backed(1 << 30, &conf);
+        let mut seed = 123u64;
+        let mut below = move |n: u64| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed % n
+        };
+        let (mut live, mut total, mut c) = (Vec::<(u32, Buffer<SimDevice>)>::new(), 0u64, 0u32);
+        let free = |live: &mut Vec<(u32, Buffer<SimDevice>)>, total: &mut u64, i: usize| {
+            let (want, b) = live.swap_remove(i);
+            for at in edges(&b) {
+                let slot = Arc::new(std::sync::Mutex::new(0u32));
+                let out = slot.clone();
+                let acc = vec![Access { ptr: at, bytes: 4, kind: AccessKind::Read }];
+                let k = Kernel::new("check", acc, move |m| {
+                    let mut w = [0u8; 4];
+                    m.read(at, &mut w).unwrap();
+                    *out.lock().unwrap() = u32::from_le_bytes(w);
+                });
+                dev.launch(S0, k).unwrap();
+                dev.synchronize().unwrap();
+                assert_eq!(*slot.lock().unwrap(), want, "{conf}: tensor {want} overwritten");
+            }
+            *total -= b.len();
+        };
+        for _ in 0..10_000 {
+            while total >= (1 << 30) / 10 {
+                let i = below(live.len() as u64) as usize;
+                free(&mut live, &mut total, i);
+            }
+            let frees = if live.is_empty() { 0 } else { 10 };
+            let pick = below(10 + frees + 1);
+            if pick < 10 {
+                let bytes = 4 * (524_288 + below(5_242_880 - 524_288));
+                let b = alloc.alloc(bytes, S0).unwrap();
+                for at in edges(&b) {
+                    let acc = vec![Access { ptr: at, bytes: 4, kind: AccessKind::Write }];
+                    let k = Kernel::new("fill", acc, move |m| {
+                        m.write(at, &c.to_le_bytes()).unwrap();
+                    });
+                    dev.launch(S0, k).unwrap();
+                }
+                total += bytes;
+                live.push((c, b));
+                c += 1;
+            } else if pick < 10 + frees {
+                let i = below(live.len() as u64) as usize;
+                free(&mut live, &mut total, i);
+            } else {
+                alloc.empty_cache().unwrap();
+            }
+        }
+        assert!(c > 4000, "{conf}: {c} allocations");
+        drop(live);
+        settle(&dev, &alloc, &conf, true);
+    }
+}

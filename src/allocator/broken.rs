@@ -100,6 +100,14 @@ pub enum Broken {
     /// release with caching off, its own out-of-memory ladder): the captures' freed temporaries,
     /// which the replays still write, go back to the device.
     GraphPoolReleased = 1 << 26,
+    /// The caps on reserved memory (`memory_limit_mb`, `per_process_memory_fraction`,
+    /// `max_pool_size_mb`) hold for each allocator of a family alone: the general allocator and
+    /// every private pool may each reserve up to the cap.
+    LimitPerPool = 1 << 25,
+    /// The out-of-memory ladder retries after the `use_on_oom` pools' release only if they
+    /// released a segment: pages an expandable range released do not count, and the request
+    /// fails with the memory it needed back on the device.
+    OomPoolPagesUncounted = 1 << 27,
     /// A growth whose headroom (expandable segments) does not fit the device fails the request
     /// instead of growing by exactly what the request needs.
     HeadroomOom = 1 << 30,
@@ -197,7 +205,7 @@ impl Broken {
 
     /// Every mode, in declaration order. Kept complete by [`Broken::position`], whose match
     /// stops compiling when a mode is added and not listed.
-    pub const EVERY: [Broken; 49] = [
+    pub const EVERY: [Broken; 51] = [
         Broken::ForeignBuffers,
         Broken::ForgottenUses,
         Broken::UnboundFreeOrder,
@@ -247,6 +255,8 @@ impl Broken {
         Broken::VmCountsUnpublished,
         Broken::SharedGraphPools,
         Broken::GraphPoolReleased,
+        Broken::LimitPerPool,
+        Broken::OomPoolPagesUncounted,
     ];
 
     /// Its place in [`Broken::EVERY`].
@@ -301,6 +311,8 @@ impl Broken {
             Broken::VmCountsUnpublished => 46,
             Broken::SharedGraphPools => 47,
             Broken::GraphPoolReleased => 48,
+            Broken::LimitPerPool => 49,
+            Broken::OomPoolPagesUncounted => 50,
         }
     }
 

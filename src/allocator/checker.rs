@@ -26,6 +26,16 @@ impl<D: Device> Allocator<D> {
         if !st.vm.counts_published() {
             return Err("expandable-segment counters changed and were not published".into());
         }
+        if st.family_share != st.pool.reserved_bytes() {
+            return Err(format!(
+                "{} B reserved but {} B counted in the family's total (the caps' figure)",
+                st.pool.reserved_bytes(),
+                st.family_share
+            ));
+        }
+        if st.family_share > sh.family.reserved.load(Ordering::Acquire) {
+            return Err("the family's reserved total is below this allocator's share".into());
+        }
         let queued: usize = st.pending.values().map(VecDeque::len).sum();
         let counted: usize = st.pending_count.values().sum();
         if queued != counted {

@@ -745,8 +745,7 @@ impl<D: Device> Shared<D> {
         let page = st.vm.page;
         let base = st.vm.by_key[&key];
         let Place { lo, pages } = place;
-        let reserved = st.pool.reserved_bytes();
-        if config.limit(self.device_total).is_some_and(|limit| reserved + pages * page > limit) {
+        if !self.within_limit(st, config, pages * page) {
             return Err(oom());
         }
         // Whole chunks other streams cached, then new chunks for the rest (one `cuMemCreate`

@@ -9,6 +9,20 @@
 //!  Allocator::new ─▶ reserve(initial) ─▶ pool: [ free ··········· initial ··········· ]
 //!  alloc(4 MiB)   ─▶ best fit          ─▶ pool: [ 4 MiB ][ free ····················· ]
 //! ```
+//!
+//! The caps (`memory_limit_mb`, `per_process_memory_fraction`, `max_pool_size_mb`) hold for
+//! the general allocator and its private pools *together*, as PyTorch's
+//! `allowed_memory_maximum` holds for every pool of a device: each allocator counts its
+//! reserved bytes into the family's total as it lets go of its lock (`count_in_family`), and
+//! a check charges what it is about to reserve with a compare-and-swap on that total
+//! (`within_limit`), so two allocators reserving at once cannot both pass on the same room.
+//!
+//! ```text
+//!  Family::reserved ══ Σ family_share        family_share = reserved bytes last counted in
+//!  within_limit(add): count own change in ─▶ CAS total + add ≤ limit ─▶ family_share += add
+//!  every section's end: total += reserved − family_share  (a refused or rolled-back
+//!                       reservation is taken back here, a growth's real size put in)
+//! ```
 
 use super::*;
 use crate::stats::PoolKind;
@@ -42,6 +56,52 @@ impl<D: Device> Allocator<D> {
                 Err(AllocError::OutOfMemory(Box::new(report)))
             }
             Err(e) => Err(e),
+        }
+    }
+}
+
+impl<D: Device> Shared<D> {
+    /// Whether `add` more reserved bytes keep the family within `config`'s cap (always, with
+    /// none); where they do, they are charged to the family's total at once, so that another
+    /// allocator's check sees them before this one reserves them. The caller holds the lock
+    /// and reserves (or fails and rolls back) before letting go of it.
+    pub(super) fn within_limit(&self, st: &mut State, config: &Config, add: u64) -> bool {
+        let Some(limit) = config.limit(self.device_total) else {
+            return true;
+        };
+        if self.broken(Broken::LimitPerPool) {
+            // BROKEN: each allocator of the family gets the whole cap to itself.
+            return st.pool.reserved_bytes() + add <= limit;
+        }
+        self.count_in_family(st);
+        let total = &self.family.reserved;
+        let mut now = total.load(Ordering::Acquire);
+        loop {
+            if now.saturating_add(add) > limit {
+                return false;
+            }
+            match total.compare_exchange_weak(now, now + add, Ordering::AcqRel, Ordering::Acquire) {
+                Ok(_) => break,
+                Err(seen) => now = seen,
+            }
+        }
+        st.family_share += add;
+        true
+    }
+
+    /// Brings this allocator's share of the family's total to its reserved bytes. The caller
+    /// holds the lock.
+    #[inline]
+    pub(super) fn count_in_family(&self, st: &mut State) {
+        let now = st.pool.reserved_bytes();
+        let share = st.family_share;
+        if now != share {
+            let total = &self.family.reserved;
+            match now > share {
+                true => total.fetch_add(now - share, Ordering::AcqRel),
+                false => total.fetch_sub(share - now, Ordering::AcqRel),
+            };
+            st.family_share = now;
         }
     }
 }

@@ -49,6 +49,9 @@ pub(crate) struct Family<D: Device> {
     /// What dropped graphs held back and could not let go of because the wait for their
     /// launches failed: let go of after a later device synchronisation succeeds.
     pub(super) graph_holds: Mutex<Vec<capture::Held<D>>>,
+    /// Bytes reserved by the allocators of the family together, as each last counted its own
+    /// in (`pool_size.rs`): what the caps on reserved memory are checked against.
+    pub(super) reserved: AtomicU64,
 }
 
 impl<D: Device> Default for Family<D> {
@@ -60,6 +63,7 @@ impl<D: Device> Default for Family<D> {
             next_id: AtomicU64::new(1),
             leftovers: Leftovers::default(),
             graph_holds: Mutex::new(Vec::new()),
+            reserved: AtomicU64::new(0),
         }
     }
 }
@@ -449,12 +453,17 @@ impl<D: Device> Shared<D> {
             }
             // (A pool a graph uses releases nothing: `release_segment` and `release_pages` look
             // under its lock.)
+            // Released: reserved bytes went (segments, or an expandable range's pages).
             let mut st = pool.lock_state();
-            let before = st.counters.device_free;
+            let (before, before_free) = (st.pool.reserved_bytes(), st.counters.device_free);
             pool.flush_all(&mut st);
             pool.process_events(&mut st);
             let _ = pool.release_segments(&mut st, |_| true);
-            released |= st.counters.device_free > before;
+            released |= match self.broken(Broken::OomPoolPagesUncounted) {
+                // BROKEN: only released segments count; released pages leave the request failed.
+                true => st.counters.device_free > before_free,
+                false => st.pool.reserved_bytes() < before,
+            };
         }
         released
     }

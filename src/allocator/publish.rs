@@ -43,6 +43,7 @@ impl<D: Device> Shared<D> {
             self.release_free_segments(st);
         }
         self.publish_extra(st);
+        self.count_in_family(st);
         if self.publish_stats.load(Ordering::Relaxed) {
             self.stats.open();
         }

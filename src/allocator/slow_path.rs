@@ -196,9 +196,8 @@ impl<D: Device> Shared<D> {
         key: PoolKey,
         seg_size: u64,
     ) -> Result<BlockId, AllocError> {
-        let reserved = st.pool.reserved_bytes();
         let refused = || AllocError::OutOfMemory(Box::default());
-        if config.limit(self.device_total).is_some_and(|limit| reserved + seg_size > limit) {
+        if !self.within_limit(st, config, seg_size) {
             return Err(refused());
         }
         match self.device.reserve(seg_size) {

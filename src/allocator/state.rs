@@ -155,6 +155,9 @@ pub(super) struct State {
     /// The allocator's last handle is gone: stream caches made from now on keep no owner
     /// references (`owner.rs`).
     pub(super) stash_closed: bool,
+    /// This allocator's share of `Family::reserved`: its reserved bytes as last counted in,
+    /// plus what a check of the caps charged since (`pool_size.rs`).
+    pub(super) family_share: u64,
 }
 
 /// The streams that touched a buffer, as `Buffer::use_on` tracks them (cudarc's read and write
@@ -228,6 +231,8 @@ impl<D: Device> Drop for Shared<D> {
         let plans = std::mem::take(&mut *lock(&self.plans));
         let mut st = lock(&self.state);
         let mut st = std::mem::take(&mut *st);
+        // Whatever of it the device takes back below, none of it is this allocator's any more.
+        self.family.reserved.fetch_sub(std::mem::take(&mut st.family_share), Ordering::AcqRel);
         self.flush_all(&mut st);
         // No buffer is left (each holds the allocator), so the plans hold the only regions.
         for plan in plans.into_values().flatten().map(|(_, p)| p) {
