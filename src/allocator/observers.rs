@@ -60,7 +60,10 @@ impl<D: Device> Allocator<D> {
     /// Sets the failure callback (replacing any earlier one): called after the observers with
     /// the report and the attempt number (1, 2, …); `true` retries the allocation, `false` lets
     /// the error return. A callback that frees nothing and keeps answering `true` retries for
-    /// ever: count attempts.
+    /// ever: count attempts. Each attempt is a whole allocation (RMM's
+    /// `failure_callback_resource_adaptor` calls its callback the same way): one that fails
+    /// climbs the out-of-memory ladder, counts in `num_ooms` and `num_alloc_retries`, and is
+    /// reported to the observers, so a request retried once and then given up counts 2.
     pub fn set_failure_callback(
         &self,
         callback: impl Fn(&OomReport, u32) -> bool + Send + Sync + 'static,
