@@ -21,8 +21,8 @@ use std::sync::{Arc, mpsc};
 use tidepool::device::{Access, AccessKind, Kernel, Launch, SimDevice};
 use tidepool::hooks::Broken;
 use tidepool::{
-    AllocError, Allocator, Buffer, Config, Device, DeviceAddr, HistoryOptions, MIB, MemPool,
-    PoolOptions, StreamId,
+    Action, AllocError, Allocator, Buffer, Config, Device, DeviceAddr, HistoryOptions, MIB,
+    MemPool, PoolOptions, StreamId,
 };
 
 const S0: StreamId = StreamId::DEFAULT;
@@ -1708,4 +1708,206 @@ fn allocator_fuzz_keeps_every_live_tensor_intact() {
         drop(live);
         settle(&dev, &alloc, &conf, true);
     }
+}
+
+/// `test_cuda_graph_error_options`: while a stream is captured (`fn`: `x = zeros(2000)`,
+/// `y = x + x + x`), another thread makes a stream and allocates and frees 1 KiB on it
+/// (`caching_allocator_alloc` / `_delete`): that goes to the general allocator — a segment of
+/// its own, the block cached there — not to the capture's pool, and the capture ends and
+/// replays as if nothing happened.
+#[test]
+fn another_threads_allocation_during_a_capture_goes_to_the_general_pool() {
+    for (_, conf) in both_modes("") {
+        let (dev, alloc) = allocator_backed(1 << 30, &conf);
+        let s = dev.create_stream().unwrap();
+        let n = 2000;
+        alloc.begin_capture(s, None).unwrap();
+        let x = alloc.alloc(4 * n, s).unwrap();
+        let y = alloc.alloc(4 * n, s).unwrap();
+        dev.launch(s, sum_kernel(x.ptr(), Some(x.ptr()), y.ptr(), n, 1)).unwrap();
+        let elsewhere = std::thread::scope(|t| {
+            t.spawn(|| {
+                let u = dev.create_stream().unwrap();
+                let b = alloc.alloc(1024, u).unwrap();
+                let at = b.ptr();
+                drop(b);
+                (u, at)
+            })
+            .join()
+            .unwrap()
+        });
+        dev.launch(s, sum_kernel(y.ptr(), Some(x.ptr()), y.ptr(), n, 0)).unwrap();
+        let graph = alloc.end_capture(s).unwrap();
+        graph.launch(s).unwrap();
+        assert_eq!(words(&dev, &y), vec![1; n as usize], "{conf}");
+        let (u, at) = elsewhere;
+        let general = alloc.snapshot();
+        assert_eq!(general.len(), 1, "{conf}");
+        assert!(general[0].address.0 <= at.0 && at.0 < general[0].address.0 + general[0].size);
+        assert!(!graph.pool().snapshot().iter().any(|g| g.address == general[0].address));
+        assert_eq!(alloc.alloc(1024, u).unwrap().ptr(), at, "{conf}: the cached block");
+        drop((x, y, graph));
+        settle(&dev, &alloc, &conf, true);
+    }
+}
+
+#[inline(never)]
+fn thealloc(alloc: &Allocator<SimDevice>, bytes: u64) -> Buffer<SimDevice> {
+    alloc.alloc(bytes, S0).unwrap()
+}
+
+#[inline(never)]
+fn thefree(b: Buffer<SimDevice>) {
+    drop(b)
+}
+
+/// Whether the snapshot pickle names `function` (in some frame).
+fn pickle_names(alloc: &Allocator<SimDevice>, function: &str) -> bool {
+    let bytes = alloc.snapshot_pickle();
+    bytes.windows(function.len()).any(|w| w == function.as_bytes())
+}
+
+/// `test_memory_plots_free_stack`, `test_memory_plots_free_segment_stack` and
+/// `test_memory_plots` (`context=None`): which calls keep their stack at each context level —
+/// none at `None`; at `State` only a live block's allocation, shown on the snapshot's block;
+/// at `Alloc` also the history's allocation entries (`alloc`, `segment_alloc`); at `All` also
+/// its frees (`free_requested`, `free_completed`, and `empty_cache`'s `segment_free`).
+#[test]
+fn history_context_levels_keep_the_stacks_pytorchs_do() {
+    use tidepool::HistoryContext::{self, All, Alloc, State};
+    let levels = [HistoryContext::None, State, Alloc, All];
+    for context in levels {
+        let (_dev, alloc) = allocator("");
+        alloc.record_history(HistoryOptions::new(1000).with_context(context));
+        let x = thealloc(&alloc, 48);
+        thefree(x);
+        alloc.empty_cache().unwrap();
+        let h = alloc.history();
+        let actions: Vec<&str> = h.iter().map(|e| e.action.name()).collect();
+        let expected =
+            ["segment_alloc", "alloc", "free_requested", "free_completed", "segment_free"];
+        assert_eq!(actions, expected, "{context:?}");
+        for e in &h {
+            let kept = match e.action {
+                Action::Alloc | Action::SegmentAlloc => context >= Alloc,
+                _ => context == All,
+            };
+            assert_eq!(e.stack.is_some(), kept, "{context:?}: {:?}", e.action);
+        }
+        assert_eq!(pickle_names(&alloc, "thealloc"), context >= Alloc, "{context:?}");
+        assert_eq!(pickle_names(&alloc, "thefree"), context == All, "{context:?}");
+        // A live block keeps its allocation's stack in the snapshot from `State` on.
+        alloc.record_history(
+            HistoryOptions::new(1000).with_context(context).with_clear_history(true),
+        );
+        let y = thealloc(&alloc, 48);
+        assert!(alloc.history().iter().all(|e| e.stack.is_some() == (context >= Alloc)));
+        assert_eq!(pickle_names(&alloc, "thealloc"), context >= State, "{context:?}");
+        thefree(y);
+        assert_eq!(pickle_names(&alloc, "thealloc"), context >= Alloc, "{context:?}: freed");
+    }
+}
+
+#[inline(never)]
+fn should_capture1(alloc: &Allocator<SimDevice>) -> Buffer<SimDevice> {
+    alloc.alloc(64, S0).unwrap()
+}
+
+#[inline(never)]
+fn should_not_capture(alloc: &Allocator<SimDevice>) -> Buffer<SimDevice> {
+    alloc.alloc(48, S0).unwrap()
+}
+
+#[inline(never)]
+fn should_capture2(alloc: &Allocator<SimDevice>) -> Buffer<SimDevice> {
+    alloc.alloc(64, S0).unwrap()
+}
+
+/// `test_memory_plots_history_context`: asking to record again keeps the entries recorded so
+/// far (with their stacks); the new context applies from then on. `clear_history` starts
+/// afresh; stopping forgets them.
+#[test]
+fn recording_again_keeps_the_history() {
+    let (_dev, alloc) = allocator("");
+    let all = HistoryOptions::new(1000).with_context(tidepool::HistoryContext::All);
+    alloc.record_history(all.clone());
+    let x = should_capture1(&alloc);
+    alloc.record_history(HistoryOptions::new(1000));
+    drop(x);
+    let x = should_not_capture(&alloc);
+    alloc.record_history(all.clone());
+    drop(x);
+    let _x = should_capture2(&alloc);
+    assert!(pickle_names(&alloc, "should_capture1"));
+    assert!(pickle_names(&alloc, "should_capture2"));
+    assert!(!pickle_names(&alloc, "should_not_capture"));
+    let sizes: Vec<(&str, u64, bool)> =
+        alloc.history().iter().map(|e| (e.action.name(), e.size, e.stack.is_some())).collect();
+    let expected = [
+        ("segment_alloc", 2 * MIB, true),
+        ("alloc", 64, true),
+        ("free_requested", 64, false),
+        ("free_completed", 64, false),
+        ("alloc", 48, false),
+        ("free_requested", 48, true),
+        ("free_completed", 48, true),
+        ("alloc", 64, true),
+    ];
+    assert_eq!(sizes, expected);
+    // A smaller ring keeps the newest entries.
+    alloc.record_history(HistoryOptions::new(3));
+    assert_eq!(alloc.history().len(), 3);
+    assert_eq!(alloc.history()[2].size, 64);
+    alloc.record_history(HistoryOptions::new(3).with_clear_history(true));
+    assert!(alloc.history().is_empty());
+    drop(alloc.alloc(64, S0).unwrap());
+    let actions: Vec<&str> = alloc.history().iter().map(|e| e.action.name()).collect();
+    assert_eq!(actions, ["alloc", "free_requested", "free_completed"]);
+    alloc.record_history(HistoryOptions::new(0));
+    alloc.record_history(HistoryOptions::new(3));
+    assert!(alloc.history().is_empty(), "stopping forgets the history");
+}
+
+/// `test_memory_snapshot_skip_actions`: the actions named are left out of the history, and
+/// the others kept (skipping `alloc` still records the frees).
+#[test]
+fn skipped_actions_are_left_out_of_the_history() {
+    use Action::*;
+    let cases: [&[Action]; 6] = [
+        &[FreeRequested],
+        &[FreeRequested, FreeCompleted],
+        &[Alloc],
+        &[SegmentAlloc, SegmentFree],
+        &[],
+        &[Alloc, FreeRequested, FreeCompleted, SegmentAlloc, SegmentFree],
+    ];
+    for skip in cases {
+        let (_dev, alloc) = allocator("");
+        alloc.record_history(HistoryOptions::new(1000).with_skip_actions(skip.iter().copied()));
+        drop(alloc.alloc(128 * 128 * 4, S0).unwrap());
+        alloc.empty_cache().unwrap();
+        let seen: Vec<Action> = alloc.history().iter().map(|e| e.action).collect();
+        let all = [SegmentAlloc, Alloc, FreeRequested, FreeCompleted, SegmentFree];
+        let kept: Vec<Action> = all.into_iter().filter(|a| !skip.contains(a)).collect();
+        assert_eq!(seen, kept, "{skip:?}");
+    }
+}
+
+/// `test_memory_plots_metadata`: the user's metadata is stamped on every history entry made
+/// while it is set (segment reserve, allocation, both frees, segment release), and on none
+/// after it is cleared; the dump carries it as `user_metadata`.
+#[test]
+fn user_metadata_is_stamped_on_every_entry_while_set() {
+    let (_dev, alloc) = allocator("");
+    alloc.set_memory_metadata("metadata test");
+    alloc.record_history(HistoryOptions::new(1000).with_context(tidepool::HistoryContext::Alloc));
+    drop(alloc.alloc(3 * 4 * 4, S0).unwrap());
+    alloc.empty_cache().unwrap();
+    alloc.set_memory_metadata("");
+    drop(alloc.alloc(16, S0).unwrap());
+    let h = alloc.history();
+    assert_eq!(h.len(), 5 + 4);
+    assert!(h[..5].iter().all(|e| &*e.user_metadata == "metadata test"));
+    assert!(h[5..].iter().all(|e| e.user_metadata.is_empty()));
+    assert!(pickle_names(&alloc, "metadata test"));
 }

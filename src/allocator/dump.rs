@@ -8,8 +8,9 @@
 //!                    stream, segment_type: 'small'|'large', segment_pool_id, is_expandable,
 //!                    frames: [], blocks: [ { address, size, requested_size,
 //!                                            state: active_allocated|active_pending_free|inactive,
-//!                                            frames: [] } ] } ],
-//!    'device_traces': [ [ { action, addr, size, stream, time_us, frames: [...] } ] ],
+//!                                            frames: [ its allocation's, where kept ] } ] } ],
+//!    'device_traces': [ [ { action, addr, size, stream, time_us, frames: [...],
+//!                           user_metadata } ] ],
 //!    'allocator_settings': { key: value } }
 //! ```
 
@@ -28,13 +29,19 @@ impl<D: Device> Allocator<D> {
         let expandable = |s: &SegmentInfo| {
             ranges.iter().any(|r| r.base <= s.address && s.address.0 < r.base.0 + r.virtual_size)
         };
-        let entries: Vec<TraceEntry> = {
+        let (entries, stacks): (Vec<TraceEntry>, Stacks) = {
             let st = self.shared.lock_state();
-            st.history.as_ref().map(|h| h.entries().cloned().collect()).unwrap_or_default()
+            match st.history.as_ref() {
+                Some(h) => (h.entries().cloned().collect(), h.block_stacks().clone()),
+                None => Default::default(),
+            }
         };
         let config = self.config();
         let value = Py::dict([
-            ("segments", Py::List(segments.iter().map(|s| segment(s, expandable(s))).collect())),
+            (
+                "segments",
+                Py::List(segments.iter().map(|s| segment(s, expandable(s), &stacks)).collect()),
+            ),
             ("device_traces", Py::List(vec![Py::List(entries.iter().map(entry).collect())])),
             ("allocator_settings", settings(&config, self.shared.device.supports_virtual_memory())),
         ]);
@@ -63,8 +70,12 @@ impl<D: Device> Allocator<D> {
     }
 }
 
-/// One segment (with expandable segments: one run of mapped pages of a range).
-fn segment(s: &SegmentInfo, is_expandable: bool) -> Py {
+/// The allocation stacks of live blocks, by address (`History::block_stacks`).
+type Stacks = std::collections::HashMap<u64, std::sync::Arc<std::backtrace::Backtrace>>;
+
+/// One segment (with expandable segments: one run of mapped pages of a range); a block that is
+/// not free shows the stack of its allocation where the history kept it.
+fn segment(s: &SegmentInfo, is_expandable: bool, stacks: &Stacks) -> Py {
     let sum = |pred: fn(BlockState) -> bool| -> u64 {
         s.blocks.iter().filter(|b| pred(b.state)).map(|b| b.size).sum()
     };
@@ -99,7 +110,13 @@ fn segment(s: &SegmentInfo, is_expandable: bool) -> Py {
                             ("size", Py::int(b.size)),
                             ("requested_size", Py::int(b.requested)),
                             ("state", Py::str(state)),
-                            ("frames", Py::List(vec![])),
+                            (
+                                "frames",
+                                Py::List(match (b.state, stacks.get(&b.address.0)) {
+                                    (BlockState::Free, _) | (_, None) => vec![],
+                                    (_, Some(stack)) => frames(stack),
+                                }),
+                            ),
                         ])
                     })
                     .collect(),
@@ -116,6 +133,7 @@ fn entry(e: &TraceEntry) -> Py {
         ("stream", Py::int(e.stream.0)),
         ("time_us", Py::int(e.time_us)),
         ("frames", Py::List(e.stack.as_deref().map(frames).unwrap_or_default())),
+        ("user_metadata", Py::str(&*e.user_metadata)),
     ])
 }
 

@@ -1,11 +1,16 @@
 //! Memory history (PyTorch's `_record_memory_history`): a bounded ring of what the allocator did —
 //! allocations, frees requested and completed, segments reserved and released, out-of-memory
-//! errors — each with its size, address, stream, time and, optionally, the Rust stack of the call.
+//! errors — each with its size, address, stream, time, the user's metadata and, at the context
+//! level asked for, the Rust stack of the call.
 //!
 //! ```text
-//!   record_history(opts) ──▶ State.history = Some(ring of max_entries)
-//!   slow path, under the lock: push(entry) ─▶ [oldest … newest]  (full: the oldest is dropped)
-//!   dump_snapshot() ─▶ device_traces[0] = entries, oldest first   (stacks resolved only here)
+//!   record_history(opts) ──▶ State.history = Some(ring of max_entries)   (again: same ring,
+//!                            new options, unless clear_history)
+//!   slow path, under the lock: push(entry) ─▶ [oldest … newest]  (full: the oldest is dropped;
+//!                                                                  skip_actions: not kept)
+//!   context State+: an allocation's stack kept by block address until its free completes
+//!   dump_snapshot() ─▶ device_traces[0] = entries, oldest first; blocks' frames = their stacks
+//!                      (stacks resolved only here)
 //! ```
 //!
 //! Off by default and free when off: recording routes every operation through the slow path (the
@@ -14,29 +19,86 @@
 
 use crate::types::{DeviceAddr, StreamId};
 use std::backtrace::Backtrace;
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::Instant;
 
+/// Which calls keep their Rust stack: PyTorch's `context` argument of
+/// `_record_memory_history`, level by level (each includes the ones before it).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
+#[non_exhaustive]
+pub enum HistoryContext {
+    /// No stacks (`context=None`).
+    #[default]
+    None,
+    /// The stack of each live block's allocation, in the snapshot's blocks only (`"state"`).
+    State,
+    /// Also on the history's allocation entries: `alloc`, `segment_alloc`, `segment_map`,
+    /// `oom` (`"alloc"`).
+    Alloc,
+    /// Also on its free entries: `free_requested`, `free_completed`, `segment_free`,
+    /// `segment_unmap` (`"all"`).
+    All,
+}
+
 /// How to record memory history ([`crate::Allocator::record_history`]).
+///
+/// ```
+/// use tidepool::{Action, HistoryContext, HistoryOptions};
+/// let opts = HistoryOptions::new(10_000)
+///     .with_context(HistoryContext::Alloc)
+///     .with_skip_actions([Action::FreeRequested]);
+/// assert_eq!(opts.context, HistoryContext::Alloc);
+/// ```
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct HistoryOptions {
-    /// How many entries the ring keeps (the oldest go first); 0 turns recording off.
+    /// How many entries the ring keeps (the oldest go first); 0 turns recording off (and
+    /// forgets the history).
     pub max_entries: usize,
-    /// Capture the Rust stack of each allocation and free (resolved only when dumped).
-    pub stacks: bool,
+    /// Which calls keep their Rust stack (resolved only when dumped).
+    pub context: HistoryContext,
+    /// Actions left out of the history (PyTorch's `skip_actions`).
+    pub skip_actions: Vec<Action>,
+    /// Start from an empty history when recording is already on (PyTorch's `clear_history`);
+    /// otherwise the entries recorded so far stay, under the new options.
+    pub clear_history: bool,
 }
 
 impl HistoryOptions {
     /// Record up to `max_entries` entries, without stacks.
     pub fn new(max_entries: usize) -> HistoryOptions {
-        HistoryOptions { max_entries, stacks: false }
+        HistoryOptions {
+            max_entries,
+            context: HistoryContext::None,
+            skip_actions: Vec::new(),
+            clear_history: false,
+        }
     }
 
-    /// With (or without) the Rust stack of each call.
-    pub fn with_stacks(mut self, on: bool) -> HistoryOptions {
-        self.stacks = on;
+    /// With (or without) the Rust stack of every call: [`HistoryContext::All`] (or `None`).
+    pub fn with_stacks(self, on: bool) -> HistoryOptions {
+        self.with_context(if on { HistoryContext::All } else { HistoryContext::None })
+    }
+
+    /// The calls that keep their Rust stack.
+    pub fn with_context(mut self, context: HistoryContext) -> HistoryOptions {
+        self.context = context;
+        self
+    }
+
+    /// Leaves these actions out of the history.
+    pub fn with_skip_actions(
+        mut self,
+        actions: impl IntoIterator<Item = Action>,
+    ) -> HistoryOptions {
+        self.skip_actions = actions.into_iter().collect();
+        self
+    }
+
+    /// Starts from an empty history even when recording is already on.
+    pub fn with_clear_history(mut self, on: bool) -> HistoryOptions {
+        self.clear_history = on;
         self
     }
 }
@@ -49,7 +111,7 @@ impl Default for HistoryOptions {
 }
 
 /// What happened, with PyTorch's action names.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum Action {
     /// A buffer was handed out (`alloc`).
@@ -84,6 +146,17 @@ impl Action {
             Action::Oom => "oom",
         }
     }
+
+    /// The context level from which its entry keeps a stack: allocations from `Alloc`, frees
+    /// from `All` (PyTorch gathers a free's context only at `"all"`).
+    fn stack_level(self) -> HistoryContext {
+        match self {
+            Action::Alloc | Action::SegmentAlloc | Action::SegmentMap | Action::Oom => {
+                HistoryContext::Alloc
+            }
+            _ => HistoryContext::All,
+        }
+    }
 }
 
 /// One entry of the memory history.
@@ -101,8 +174,12 @@ pub struct TraceEntry {
     pub stream: StreamId,
     /// Microseconds since recording started.
     pub time_us: u64,
-    /// The Rust stack of the call, when stacks are recorded (captured lazily, resolved on dump).
+    /// The Rust stack of the call, where the context level keeps it (captured lazily,
+    /// resolved on dump).
     pub stack: Option<Arc<Backtrace>>,
+    /// The user's metadata when it happened ([`crate::Allocator::set_memory_metadata`]; empty
+    /// when none was set).
+    pub user_metadata: Arc<str>,
 }
 
 /// The ring.
@@ -110,28 +187,82 @@ pub(crate) struct History {
     opts: HistoryOptions,
     start: Instant,
     entries: VecDeque<TraceEntry>,
+    /// The allocation stack of each live block, by address (context `State` and above), until
+    /// its free completes: the snapshot's blocks show it.
+    block_stacks: HashMap<u64, Arc<Backtrace>>,
 }
 
 impl History {
     pub fn new(opts: HistoryOptions) -> History {
-        History { start: Instant::now(), entries: VecDeque::new(), opts }
+        History {
+            start: Instant::now(),
+            entries: VecDeque::new(),
+            opts,
+            block_stacks: HashMap::new(),
+        }
+    }
+
+    /// Recording was asked for again: the entries stay (the oldest beyond the new bound go),
+    /// the new options apply from here on.
+    pub fn rearm(&mut self, opts: HistoryOptions) {
+        while self.entries.len() > opts.max_entries {
+            self.entries.pop_front();
+        }
+        if opts.context < HistoryContext::State {
+            self.block_stacks.clear();
+        }
+        self.opts = opts;
     }
 
     /// Appends an entry, dropping the oldest when full.
-    pub fn push(&mut self, action: Action, addr: DeviceAddr, size: u64, stream: StreamId) {
-        if self.opts.max_entries == 0 {
+    pub fn push(
+        &mut self,
+        action: Action,
+        addr: DeviceAddr,
+        size: u64,
+        stream: StreamId,
+        user_metadata: &Arc<str>,
+    ) {
+        let context = self.opts.context;
+        let block = action == Action::Alloc && context >= HistoryContext::State;
+        let stack = (block || context >= action.stack_level())
+            .then(|| Arc::new(Backtrace::force_capture()));
+        match action {
+            Action::Alloc if block => {
+                self.block_stacks.insert(addr.0, stack.clone().expect("captured"));
+            }
+            Action::FreeCompleted => {
+                self.block_stacks.remove(&addr.0);
+            }
+            _ => {}
+        }
+        if self.opts.max_entries == 0 || self.opts.skip_actions.contains(&action) {
             return;
         }
         if self.entries.len() == self.opts.max_entries {
             self.entries.pop_front();
         }
-        let stack = self.opts.stacks.then(|| Arc::new(Backtrace::force_capture()));
+        let stack = stack.filter(|_| context >= action.stack_level());
         let time_us = self.start.elapsed().as_micros() as u64;
-        self.entries.push_back(TraceEntry { action, addr, size, stream, time_us, stack });
+        let user_metadata = user_metadata.clone();
+        self.entries.push_back(TraceEntry {
+            action,
+            addr,
+            size,
+            stream,
+            time_us,
+            stack,
+            user_metadata,
+        });
     }
 
     pub fn entries(&self) -> impl Iterator<Item = &TraceEntry> {
         self.entries.iter()
+    }
+
+    /// The allocation stacks of the live blocks, by address.
+    pub fn block_stacks(&self) -> &HashMap<u64, Arc<Backtrace>> {
+        &self.block_stacks
     }
 }
 
@@ -143,20 +274,20 @@ mod tests {
     fn the_ring_keeps_the_newest_entries() {
         let mut h = History::new(HistoryOptions::new(3));
         for i in 0..5u64 {
-            h.push(Action::Alloc, DeviceAddr(i * 512), 512, StreamId::DEFAULT);
+            h.push(Action::Alloc, DeviceAddr(i * 512), 512, StreamId::DEFAULT, &Arc::from(""));
         }
         let addrs: Vec<u64> = h.entries().map(|e| e.addr.0).collect();
         assert_eq!(addrs, vec![1024, 1536, 2048]);
         assert!(h.entries().all(|e| e.stack.is_none()));
         let mut off = History::new(HistoryOptions::new(0));
-        off.push(Action::Oom, DeviceAddr(0), 1, StreamId::DEFAULT);
+        off.push(Action::Oom, DeviceAddr(0), 1, StreamId::DEFAULT, &Arc::from(""));
         assert_eq!(off.entries().count(), 0);
     }
 
     #[test]
     fn stacks_are_captured_when_asked() {
         let mut h = History::new(HistoryOptions::new(2).with_stacks(true));
-        h.push(Action::Alloc, DeviceAddr(0), 512, StreamId::DEFAULT);
+        h.push(Action::Alloc, DeviceAddr(0), 512, StreamId::DEFAULT, &Arc::from(""));
         let e = h.entries().next().unwrap();
         assert_eq!(e.action.name(), "alloc");
         assert!(e.stack.is_some());

@@ -60,7 +60,7 @@ pub use buffer::Buffer;
 pub use capture::Graph;
 pub use error::{AllocError, OomReport};
 pub use expandable::RangeInfo;
-pub use history::{Action, HistoryOptions, TraceEntry};
+pub use history::{Action, HistoryContext, HistoryOptions, TraceEntry};
 pub use private_pool::{MemPool, PoolGuard, PoolOptions};
 pub use report::{BlockInfo, SegmentInfo};
 pub use scope::{Scope, ScopedBuffer};
@@ -801,10 +801,13 @@ impl<D: Device> Allocator<D> {
     }
 
     /// Starts (or, with `max_entries` 0, stops) recording the memory history, PyTorch's
-    /// `torch.cuda.memory._record_memory_history(max_entries=…, stacks=…)`: a ring of the last
-    /// `max_entries` allocations, frees (requested and completed), segment reserves and releases
-    /// and out-of-memory errors, each with its size, address, stream, time and optionally the
-    /// Rust stack. Starting again clears the ring. [`Allocator::dump_snapshot`] writes it out.
+    /// `torch.cuda.memory._record_memory_history(max_entries=…, context=…, skip_actions=…,
+    /// clear_history=…)`: a ring of the last `max_entries` allocations, frees (requested and
+    /// completed), segment reserves and releases and out-of-memory errors, each with its size,
+    /// address, stream, time, the user's metadata ([`Allocator::set_memory_metadata`]) and, at
+    /// the [`HistoryContext`](crate::HistoryContext) level asked for, the Rust stack. Starting
+    /// again while recording keeps the entries (unless `clear_history`) and applies the new
+    /// options from then on; stopping forgets them. [`Allocator::dump_snapshot`] writes it out.
     ///
     /// While recording, every allocation and free takes the slow path (the stream caches are
     /// bypassed), so the entries are complete and in order; buffers served from a learned scope
@@ -825,10 +828,30 @@ impl<D: Device> Allocator<D> {
         }
         if on {
             sh.flush_all(&mut st);
-            st.history = Some(history::History::new(options));
+            match &mut st.history {
+                Some(h) if !options.clear_history => h.rearm(options),
+                h => *h = Some(history::History::new(options)),
+            }
         } else {
             st.history = None;
         }
+    }
+
+    /// Stamps `metadata` on every history entry made from now on (PyTorch's
+    /// `torch.cuda.memory._set_memory_metadata`); an empty string stamps nothing. It stays set
+    /// across [`Allocator::record_history`] calls.
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use tidepool::{Allocator, Config, HistoryOptions, SimDevice, StreamId};
+    /// let alloc = Allocator::new(Arc::new(SimDevice::new(1 << 30)), Config::default()).unwrap();
+    /// alloc.record_history(HistoryOptions::new(100));
+    /// alloc.set_memory_metadata("step 3");
+    /// drop(alloc.alloc(4096, StreamId::DEFAULT).unwrap());
+    /// assert!(alloc.history().iter().all(|e| &*e.user_metadata == "step 3"));
+    /// ```
+    pub fn set_memory_metadata(&self, metadata: &str) {
+        self.shared.lock_state().user_metadata = Arc::from(metadata);
     }
 
     /// The recorded memory history, oldest entry first (empty when not recording).

@@ -143,6 +143,9 @@ pub(super) struct State {
     pub(super) vm: expandable::Vm,
     /// The memory history, while it is recorded (`history.rs`).
     pub(super) history: Option<History>,
+    /// The user's metadata, stamped on every history entry made while it is set
+    /// ([`Allocator::set_memory_metadata`]).
+    pub(super) user_metadata: Arc<str>,
     /// Ordinary segments of at least `max_split_size` (PyTorch's `oversize_segments`).
     pub(super) oversize_segments: crate::types::Stat,
     /// Bases of the segments counted in `oversize_segments`.
@@ -172,7 +175,7 @@ impl State {
     #[inline]
     pub(super) fn note(&mut self, action: Action, addr: DeviceAddr, size: u64, stream: StreamId) {
         if let Some(h) = &mut self.history {
-            h.push(action, addr, size, stream);
+            h.push(action, addr, size, stream, &self.user_metadata);
         }
     }
 }
