@@ -34,6 +34,7 @@ variants=(
   "fast_cache:large_hit_against_a_pool_change_and_drain"
   "credit_mark:stats_revocation_sees_credit_granted_before_it"
   "region_idle:idle_region_release_against_a_run_of_its_scope"
+  "cap_check:a_pool_and_the_general_allocator_reserving_at_once_under_a_cap"
 )
 status=0
 for v in "${variants[@]}"; do

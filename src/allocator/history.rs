@@ -214,7 +214,9 @@ impl History {
         self.opts = opts;
     }
 
-    /// Appends an entry, dropping the oldest when full.
+    /// Appends an entry, dropping the oldest when full. (Out of line: recording is rare, and
+    /// inlined into every slow-path caller it would grow their stack frames.)
+    #[inline(never)]
     pub fn push(
         &mut self,
         action: Action,

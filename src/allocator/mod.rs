@@ -851,7 +851,7 @@ impl<D: Device> Allocator<D> {
     /// assert!(alloc.history().iter().all(|e| &*e.user_metadata == "step 3"));
     /// ```
     pub fn set_memory_metadata(&self, metadata: &str) {
-        self.shared.lock_state().user_metadata = Arc::from(metadata);
+        self.shared.lock_state().user_metadata = std::sync::Arc::from(metadata);
     }
 
     /// The recorded memory history, oldest entry first (empty when not recording).

@@ -75,6 +75,17 @@ impl<D: Device> Shared<D> {
         }
         self.count_in_family(st);
         let total = &self.family.reserved;
+        #[cfg(tidepool_broken = "cap_check")]
+        {
+            // BROKEN (loom): check, then add — two allocators can both pass on the same room.
+            if total.load(Ordering::Acquire).saturating_add(add) > limit {
+                return false;
+            }
+            total.fetch_add(add, Ordering::AcqRel);
+            st.family_share += add;
+            return true;
+        }
+        #[allow(unreachable_code)]
         let mut now = total.load(Ordering::Acquire);
         loop {
             if now.saturating_add(add) > limit {

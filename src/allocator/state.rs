@@ -145,7 +145,7 @@ pub(super) struct State {
     pub(super) history: Option<History>,
     /// The user's metadata, stamped on every history entry made while it is set
     /// ([`Allocator::set_memory_metadata`]).
-    pub(super) user_metadata: Arc<str>,
+    pub(super) user_metadata: std::sync::Arc<str>,
     /// Ordinary segments of at least `max_split_size` (PyTorch's `oversize_segments`).
     pub(super) oversize_segments: crate::types::Stat,
     /// Bases of the segments counted in `oversize_segments`.
