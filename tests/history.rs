@@ -204,3 +204,95 @@ fn entries_carry_the_requested_size_as_pytorch_records_it() {
         [(Alloc, 0, 1000, 0), (FreeRequested, 0, 1000, 0), (FreeCompleted, 0, 1000, 0)]
     );
 }
+
+/// Prints `pool_id address total_size` for every segment of the dump, one line each.
+const POOLS_PY: &str = r#"
+import pickle, sys
+d = pickle.load(open(sys.argv[1], 'rb'))
+for s in d['segments']:
+    p = s['segment_pool_id']
+    assert isinstance(p, tuple) and len(p) == 2 and p[0] == 0, p
+    print(p[1], s['address'], s['total_size'])
+"#;
+
+/// The segments of `bytes` as `(pool id, address, size)`, read by Python (`None`: no python3).
+fn pools_in_dump(bytes: &[u8]) -> Option<Vec<(u64, u64, u64)>> {
+    let dir = std::env::temp_dir().join(format!("tidepool-pools-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (path, script) = (dir.join("snapshot.pickle"), dir.join("pools.py"));
+    std::fs::write(&path, bytes).unwrap();
+    std::fs::write(&script, POOLS_PY).unwrap();
+    let out = std::process::Command::new("python3").arg(&script).arg(&path).output();
+    std::fs::remove_dir_all(&dir).unwrap();
+    let out = match out {
+        Ok(out) => out,
+        Err(e) => {
+            println!("skipped the Python check: python3 cannot run here ({e})");
+            return None;
+        }
+    };
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let text = String::from_utf8(out.stdout).unwrap();
+    let field = |w: Option<&str>| w.unwrap().parse::<u64>().unwrap();
+    Some(
+        text.lines()
+            .map(|l| {
+                let mut w = l.split_whitespace();
+                (field(w.next()), field(w.next()), field(w.next()))
+            })
+            .collect(),
+    )
+}
+
+/// PyTorch's snapshot lists every pool of the device, each segment with its
+/// `segment_pool_id`: the general allocator's dump lists its own segments as pool (0, 0) and
+/// those of each private pool (a `MemPool`, a graph's pool) as (0, id) — a pool whose handle is
+/// gone too, while a buffer keeps its segment, and no longer once that buffer is freed. A
+/// pool's segments are in the dump exactly as `MemPool::snapshot` lists them.
+#[test]
+fn the_dump_lists_every_pool_of_the_family() {
+    let dev = Arc::new(SimDevice::new(1 << 30));
+    let alloc = Allocator::new(dev.clone(), Config::default()).unwrap();
+    let s = dev.create_stream().unwrap();
+    let general = alloc.alloc(4096, StreamId::DEFAULT).unwrap();
+    let pool = alloc.new_pool(tidepool::PoolOptions::default()).unwrap();
+    let guard = alloc.use_pool(&pool, s).unwrap();
+    let in_pool = [alloc.alloc(3 * MIB, s).unwrap(), alloc.alloc(1000, s).unwrap()];
+    drop(guard);
+    let gone = alloc.new_pool(tidepool::PoolOptions::default()).unwrap();
+    let guard = alloc.use_pool(&gone, s).unwrap();
+    let orphan = alloc.alloc(12 * MIB, s).unwrap();
+    drop(guard);
+    let gone_id = gone.id();
+    drop(gone);
+    let t = dev.create_stream().unwrap();
+    alloc.begin_capture(t, None).unwrap();
+    let captured = alloc.alloc(2 * MIB, t).unwrap();
+    let graph = alloc.end_capture(t).unwrap();
+    let expect = |pairs: &[(u64, Vec<tidepool::SegmentInfo>)]| {
+        let mut v: Vec<(u64, u64, u64)> = pairs
+            .iter()
+            .flat_map(|(id, segs)| segs.iter().map(move |g| (*id, g.address.0, g.size)))
+            .collect();
+        v.sort_unstable();
+        v
+    };
+    let sorted = |mut v: Vec<(u64, u64, u64)>| {
+        v.sort_unstable();
+        v
+    };
+    let Some(listed) = pools_in_dump(&alloc.snapshot_pickle()) else { return };
+    let mut want = expect(&[
+        (0, alloc.snapshot()),
+        (pool.id(), pool.snapshot()),
+        (graph.pool().id(), graph.pool().snapshot()),
+    ]);
+    want.push((gone_id, orphan.ptr().0, 12 * MIB));
+    assert_eq!(sorted(listed), sorted(want));
+    assert_eq!(pool.snapshot().len(), 2, "a small and a large segment");
+    drop(orphan);
+    let Some(listed) = pools_in_dump(&alloc.snapshot_pickle()) else { return };
+    assert!(!listed.iter().any(|l| l.0 == gone_id), "the orphan pool's memory went");
+    drop((in_pool, captured, graph, general));
+    alloc.check_invariants().unwrap();
+}

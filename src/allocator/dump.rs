@@ -1,11 +1,13 @@
-//! `dump_snapshot`: the allocator's segments, its memory history and its settings, written as the
+//! `dump_snapshot`: the allocator's segments (the general allocator's with those of its private
+//! pools, each with its pool id), its memory history and its settings, written as the
 //! pickle `torch.cuda.memory._dump_snapshot()` writes, so PyTorch's memory viewer
 //! (pytorch.org/memory_viz) and `torch/cuda/_memory_viz.py` draw tidepool's memory, and
 //! `tidepool replay` reads it back.
 //!
 //! ```text
 //!  { 'segments': [ { device, address, total_size, allocated_size, active_size, requested_size,
-//!                    stream, segment_type: 'small'|'large', segment_pool_id, is_expandable,
+//!                    stream, segment_type: 'small'|'large', segment_pool_id: (0, pool id:
+//!                    0 for the general allocator), is_expandable,
 //!                    frames: [], blocks: [ { address, size, requested_size,
 //!                                            state: active_allocated|active_pending_free|inactive,
 //!                                            frames: [ its allocation's, where kept ] } ] } ],
@@ -24,24 +26,24 @@ use std::path::Path;
 impl<D: Device> Allocator<D> {
     /// The snapshot pickle ([`Allocator::dump_snapshot`]) as bytes.
     pub fn snapshot_pickle(&self) -> Vec<u8> {
-        let segments = self.snapshot();
-        let ranges = self.expandable_ranges();
-        let expandable = |s: &SegmentInfo| {
-            ranges.iter().any(|r| r.base <= s.address && s.address.0 < r.base.0 + r.virtual_size)
-        };
-        let (entries, stacks): (Vec<TraceEntry>, Stacks) = {
+        // The general allocator's segments (pool id (0, 0)), then, from the general allocator,
+        // those of every private pool of its family still alive — PyTorch's snapshot shows
+        // every pool of the device, each segment with its `segment_pool_id`.
+        let mut sources = vec![(0, self.shared.clone())];
+        if self.shared.role.id == 0 {
+            sources.extend(self.shared.family.live_pools());
+        }
+        let mut segments = Vec::new();
+        for (id, sh) in &sources {
+            segments.extend(segments_of(sh, *id));
+        }
+        let entries: Vec<TraceEntry> = {
             let st = self.shared.lock_state();
-            match st.history.as_ref() {
-                Some(h) => (h.entries().cloned().collect(), h.block_stacks().clone()),
-                None => Default::default(),
-            }
+            st.history.as_ref().map(|h| h.entries().cloned().collect()).unwrap_or_default()
         };
         let config = self.config();
         let value = Py::dict([
-            (
-                "segments",
-                Py::List(segments.iter().map(|s| segment(s, expandable(s), &stacks)).collect()),
-            ),
+            ("segments", Py::List(segments)),
             ("device_traces", Py::List(vec![Py::List(entries.iter().map(entry).collect())])),
             ("allocator_settings", settings(&config, self.shared.device.supports_virtual_memory())),
         ]);
@@ -73,9 +75,24 @@ impl<D: Device> Allocator<D> {
 /// The allocation stacks of live blocks, by address (`History::block_stacks`).
 type Stacks = std::collections::HashMap<u64, std::sync::Arc<std::backtrace::Backtrace>>;
 
+/// The segments of one allocator of the family (`pool`: its id, 0 for the general allocator),
+/// its live blocks with the allocation stacks its history kept.
+fn segments_of<D: Device>(sh: &Shared<D>, pool: u64) -> Vec<Py> {
+    let segments = sh.snapshot();
+    let ranges = sh.expandable_ranges();
+    let stacks: Stacks = {
+        let st = sh.lock_state();
+        st.history.as_ref().map(|h| h.block_stacks().clone()).unwrap_or_default()
+    };
+    let expandable = |s: &SegmentInfo| {
+        ranges.iter().any(|r| r.base <= s.address && s.address.0 < r.base.0 + r.virtual_size)
+    };
+    segments.iter().map(|s| segment(s, expandable(s), &stacks, pool)).collect()
+}
+
 /// One segment (with expandable segments: one run of mapped pages of a range); a block that is
 /// not free shows the stack of its allocation where the history kept it.
-fn segment(s: &SegmentInfo, is_expandable: bool, stacks: &Stacks) -> Py {
+fn segment(s: &SegmentInfo, is_expandable: bool, stacks: &Stacks, pool: u64) -> Py {
     let sum = |pred: fn(BlockState) -> bool| -> u64 {
         s.blocks.iter().filter(|b| pred(b.state)).map(|b| b.size).sum()
     };
@@ -91,7 +108,7 @@ fn segment(s: &SegmentInfo, is_expandable: bool, stacks: &Stacks) -> Py {
         ("requested_size", Py::int(requested)),
         ("stream", Py::int(s.stream.0)),
         ("segment_type", Py::str(if s.pool == PoolKind::Small { "small" } else { "large" })),
-        ("segment_pool_id", Py::Tuple(vec![Py::int(0), Py::int(0)])),
+        ("segment_pool_id", Py::Tuple(vec![Py::int(0), Py::int(pool)])),
         ("is_expandable", Py::Bool(is_expandable)),
         ("frames", Py::List(vec![])),
         (

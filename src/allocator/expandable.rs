@@ -1564,11 +1564,17 @@ impl<D: Device> Allocator<D> {
     /// The expandable ranges (`expandable_segments:true`), in address order: what each maps and
     /// how much of it is free. The stream caches are flushed first.
     pub fn expandable_ranges(&self) -> Vec<RangeInfo> {
-        let sh = &self.shared;
-        let mut st = sh.lock_state();
-        sh.flush_all(&mut st);
-        sh.unstitch_freed(&mut st);
-        sh.range_infos(&st)
+        self.shared.expandable_ranges()
+    }
+}
+
+impl<D: Device> Shared<D> {
+    /// [`Allocator::expandable_ranges`].
+    pub(super) fn expandable_ranges(&self) -> Vec<RangeInfo> {
+        let mut st = self.lock_state();
+        self.flush_all(&mut st);
+        self.unstitch_freed(&mut st);
+        self.range_infos(&st)
     }
 }
 

@@ -52,6 +52,11 @@ pub(crate) struct Family<D: Device> {
     /// Bytes reserved by the allocators of the family together, as each last counted its own
     /// in (`pool_size.rs`): what the caps on reserved memory are checked against.
     pub(super) reserved: AtomicU64,
+    /// Every private pool made, by id, without keeping it alive: what the general allocator's
+    /// snapshot pickle lists besides its own segments (PyTorch's snapshot shows every pool of
+    /// the device). Not under loom, whose `Arc` has no `Weak` (and which models no dump).
+    #[cfg(not(loom))]
+    pools: Mutex<Vec<(u64, std::sync::Weak<Shared<D>>)>>,
 }
 
 impl<D: Device> Default for Family<D> {
@@ -64,6 +69,8 @@ impl<D: Device> Default for Family<D> {
             leftovers: Leftovers::default(),
             graph_holds: Mutex::new(Vec::new()),
             reserved: AtomicU64::new(0),
+            #[cfg(not(loom))]
+            pools: Mutex::new(Vec::new()),
         }
     }
 }
@@ -98,6 +105,27 @@ impl<D: Device> Family<D> {
             Ok(()) => std::mem::take(&mut *holds),
             Err(_) => Vec::new(),
         }
+    }
+
+    /// The private pools of the family still alive (their handles gone or not: a pool lives
+    /// while a buffer of it does), by id, in the order they were made.
+    pub(super) fn live_pools(&self) -> Vec<(u64, Arc<Shared<D>>)> {
+        #[cfg(not(loom))]
+        return lock(&self.pools).iter().filter_map(|(id, p)| Some((*id, p.upgrade()?))).collect();
+        #[cfg(loom)]
+        Vec::new()
+    }
+
+    /// Notes a pool just made (and forgets those gone).
+    fn register_pool(&self, id: u64, pool: &Arc<Shared<D>>) {
+        #[cfg(not(loom))]
+        {
+            let mut pools = lock(&self.pools);
+            pools.retain(|(_, p)| p.strong_count() > 0);
+            pools.push((id, Arc::downgrade(pool)));
+        }
+        #[cfg(loom)]
+        let _ = (id, pool);
     }
 
     /// A new id for a pool, a route or a capture (never 0).
@@ -399,6 +427,7 @@ impl<D: Device> Allocator<D> {
         if options.use_on_oom {
             lock(&sh.family.oom_pools).push((id, alloc.shared.clone()));
         }
+        sh.family.register_pool(id, &alloc.shared);
         let handle = Arc::new(PoolHandle { family: sh.family.clone(), id });
         Ok(MemPool { alloc, handle })
     }

@@ -1,7 +1,7 @@
 //! Human-readable views of the allocator: `snapshot()` (every segment and block) and
 //! `memory_summary()` (a table in the style of `torch.cuda.memory_summary()`).
 
-use super::Allocator;
+use super::{Allocator, Shared};
 use crate::device::{Device, DeviceAddr, StreamId};
 use crate::pool::BlockState;
 use crate::stats::{Bytes, MemoryStats, PoolKind, Residency, Stat, StatGroup};
@@ -42,8 +42,15 @@ impl<D: Device> Allocator<D> {
     /// Every segment and block, segments in address order. The stream caches are flushed first,
     /// so blocks freed by their users show as free (and coalesced) pool blocks.
     pub fn snapshot(&self) -> Vec<SegmentInfo> {
-        let mut st = self.shared.lock_state();
-        self.shared.flush_all(&mut st);
+        self.shared.snapshot()
+    }
+}
+
+impl<D: Device> Shared<D> {
+    /// [`Allocator::snapshot`].
+    pub(super) fn snapshot(&self) -> Vec<SegmentInfo> {
+        let mut st = self.lock_state();
+        self.flush_all(&mut st);
         let mut out: Vec<SegmentInfo> = st
             .pool
             .segments()
@@ -68,6 +75,9 @@ impl<D: Device> Allocator<D> {
         out.sort_by_key(|s| s.address);
         out
     }
+}
+
+impl<D: Device> Allocator<D> {
 
     /// The controls section of [`Allocator::memory_summary`]: each control's state, and how to
     /// turn it on.
