@@ -78,7 +78,6 @@ impl<D: Device> Shared<D> {
 }
 
 impl<D: Device> Allocator<D> {
-
     /// The controls section of [`Allocator::memory_summary`]: each control's state, and how to
     /// turn it on.
     fn controls_rows(&self, out: &mut String, s: &MemoryStats) {
