@@ -90,6 +90,36 @@ fn gc_broken_modes_are_caught() {
     assert_eq!(live, BTreeSet::from([b, c, big]));
 }
 
+/// The threshold counts what the family's private pools reserve, as PyTorch's counts every
+/// pool of the device (`total_allocated_memory`): with a pool holding 40 MiB, the general
+/// allocator's idle 12 MiB segment goes before it reserves 14 MiB (40 + 12 + 14 > 50 MiB, the
+/// threshold of a 100 MiB cap at 0.5), though its own 12 + 14 MiB are under it; the pool's
+/// memory is never collected by the general allocator. (`Broken::GcPerPool`: the idle segment
+/// stays.)
+fn gc_with_a_pool(broken: bool) -> (u64, u64) {
+    let (dev, alloc) =
+        setup("memory_limit_mb:100,garbage_collection_threshold:0.5,fast_cache:false", 1 << 30);
+    alloc.set_broken(Broken::GcPerPool, broken);
+    let pool = alloc.new_pool(tidepool::PoolOptions::default()).unwrap();
+    let guard = alloc.use_pool(&pool, S).unwrap();
+    let held = alloc.alloc(40 * MIB, S).unwrap();
+    drop(guard);
+    drop(alloc.alloc(12 * MIB, S).unwrap());
+    let b = alloc.alloc(14 * MIB, S).unwrap();
+    let general = alloc.reserved_bytes();
+    let used = dev.reserved_bytes();
+    assert_eq!(pool.stats().blocks.reserved_bytes.all.current, 40 * MIB);
+    drop((b, held));
+    alloc.check_invariants().unwrap();
+    (general, used)
+}
+
+#[test]
+fn gc_counts_the_private_pools_memory() {
+    assert_eq!(gc_with_a_pool(false), (14 * MIB, 54 * MIB));
+    assert_eq!(gc_with_a_pool(true), (26 * MIB, 66 * MIB));
+}
+
 #[test]
 fn gc_never_touches_the_initial_pool_and_stops_when_nothing_is_idle() {
     let (dev, alloc) = setup(

@@ -108,6 +108,10 @@ pub enum Broken {
     /// released a segment: pages an expandable range released do not count, and the request
     /// fails with the memory it needed back on the device.
     OomPoolPagesUncounted = 1 << 27,
+    /// The garbage collection compares the collecting allocator's own reserved bytes with its
+    /// threshold, leaving out what the family's private pools reserve: cached segments stay
+    /// while the device's memory is past the threshold.
+    GcPerPool = 1 << 28,
     /// A growth whose headroom (expandable segments) does not fit the device fails the request
     /// instead of growing by exactly what the request needs.
     HeadroomOom = 1 << 30,
@@ -205,7 +209,7 @@ impl Broken {
 
     /// Every mode, in declaration order. Kept complete by [`Broken::position`], whose match
     /// stops compiling when a mode is added and not listed.
-    pub const EVERY: [Broken; 51] = [
+    pub const EVERY: [Broken; 52] = [
         Broken::ForeignBuffers,
         Broken::ForgottenUses,
         Broken::UnboundFreeOrder,
@@ -257,6 +261,7 @@ impl Broken {
         Broken::GraphPoolReleased,
         Broken::LimitPerPool,
         Broken::OomPoolPagesUncounted,
+        Broken::GcPerPool,
     ];
 
     /// Its place in [`Broken::EVERY`].
@@ -313,6 +318,7 @@ impl Broken {
             Broken::GraphPoolReleased => 48,
             Broken::LimitPerPool => 49,
             Broken::OomPoolPagesUncounted => 50,
+            Broken::GcPerPool => 51,
         }
     }
 

@@ -1,5 +1,6 @@
 //! PyTorch's `garbage_collection_threshold`: before a new segment would take reserved memory
-//! past `threshold × cap` ([`Config::gc_limit`]), cached transient segments that hold no block
+//! past `threshold × cap` ([`Config::gc_limit`]) — reserved by the general allocator and its
+//! private pools together, as the cap counts it — cached transient segments that hold no block
 //! (whole and free) are returned to the device, the longest idle first, until the new segment
 //! fits under the threshold or none is left. Persistent segments and the initial pool are never
 //! collected.
@@ -34,7 +35,16 @@ impl<D: Device> Shared<D> {
         if self.device.capture_underway() {
             return Ok(()); // cuMemFree is illegal during a stream capture: later
         }
-        let mut reserved = st.pool.reserved_bytes();
+        // The family's reserved bytes, as the cap counts them (PyTorch's threshold is against
+        // the device's `total_allocated_memory`, every pool included); only this allocator's
+        // own idle segments are collected.
+        let mut reserved = match self.broken(Broken::GcPerPool) {
+            true => st.pool.reserved_bytes(), // BROKEN: the private pools' memory not counted
+            false => {
+                self.count_in_family(st);
+                self.family.reserved.load(Ordering::Acquire)
+            }
+        };
         if reserved + seg_size <= limit {
             return Ok(());
         }
