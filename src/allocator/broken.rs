@@ -112,6 +112,9 @@ pub enum Broken {
     /// threshold, leaving out what the family's private pools reserve: cached segments stay
     /// while the device's memory is past the threshold.
     GcPerPool = 1 << 28,
+    /// A private pool's request that runs out of memory leaves the general allocator's free
+    /// cached segments where they are: the pool fails while cached memory could serve it.
+    PoolOomKeepsGeneral = 1 << 31,
     /// A growth whose headroom (expandable segments) does not fit the device fails the request
     /// instead of growing by exactly what the request needs.
     HeadroomOom = 1 << 30,
@@ -209,7 +212,7 @@ impl Broken {
 
     /// Every mode, in declaration order. Kept complete by [`Broken::position`], whose match
     /// stops compiling when a mode is added and not listed.
-    pub const EVERY: [Broken; 52] = [
+    pub const EVERY: [Broken; 53] = [
         Broken::ForeignBuffers,
         Broken::ForgottenUses,
         Broken::UnboundFreeOrder,
@@ -262,6 +265,7 @@ impl Broken {
         Broken::LimitPerPool,
         Broken::OomPoolPagesUncounted,
         Broken::GcPerPool,
+        Broken::PoolOomKeepsGeneral,
     ];
 
     /// Its place in [`Broken::EVERY`].
@@ -319,6 +323,7 @@ impl Broken {
             Broken::LimitPerPool => 49,
             Broken::OomPoolPagesUncounted => 50,
             Broken::GcPerPool => 51,
+            Broken::PoolOomKeepsGeneral => 52,
         }
     }
 

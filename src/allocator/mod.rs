@@ -398,7 +398,7 @@ impl<D: Device> Allocator<D> {
         align: u64,
     ) -> Result<Buffer<D>, AllocError> {
         let mut attempt = 0;
-        let mut pools_released = false;
+        let (mut pools_released, mut general_released) = (false, false);
         loop {
             let r = self.alloc_in_once(bytes, stream, residency, align);
             if !matches!(r, Err(AllocError::OutOfMemory(_))) {
@@ -410,6 +410,13 @@ impl<D: Device> Allocator<D> {
                 {
                     // The `use_on_oom` pools gave their free segments back: once more.
                     pools_released = true;
+                }
+                Err(AllocError::OutOfMemory(_))
+                    if !general_released && self.shared.release_for_routed(stream) =>
+                {
+                    // A private pool's request: the general allocator gave its free cached
+                    // segments back (as its own ladder would for its own request): once more.
+                    general_released = true;
                 }
                 Err(AllocError::OutOfMemory(report)) => {
                     attempt += 1;

@@ -467,6 +467,29 @@ impl<D: Device> Allocator<D> {
 }
 
 impl<D: Device> Shared<D> {
+    /// A request on `stream`, routed to a private pool by a guard, ran out of memory: this (the
+    /// general) allocator returns its free cached transient segments to the device, after the
+    /// wait for its pending events (its own ladder's last rung), so that memory it cached serves
+    /// the pool; whether any was released. Nothing for a stream that is not routed, nor while
+    /// a capture is underway (a graph pool's request). (PyTorch's pool contexts skip this rung
+    /// because they share the capture mechanism; a tidepool pool guard does not.)
+    pub(super) fn release_for_routed(&self, stream: StreamId) -> bool {
+        if self.role.id != 0
+            || !self.routes.any()
+            || self.routes.get(stream).is_none()
+            || self.device.capture_underway()
+            || self.broken(Broken::PoolOomKeepsGeneral)
+        {
+            return false;
+        }
+        let mut st = self.lock_state();
+        let before = st.pool.reserved_bytes();
+        self.flush_all(&mut st);
+        let _ = self.ladder_wait(&mut st);
+        let _ = self.release_segments(&mut st, |s| s.key.residency == Residency::Transient);
+        st.pool.reserved_bytes() < before
+    }
+
     /// Returns the free cached segments of the `use_on_oom` pools (other than this one) to the
     /// device; whether any was released. Nothing while a capture is underway.
     pub(super) fn release_oom_pools(&self) -> bool {
