@@ -40,10 +40,7 @@ impl<D: Device> Shared<D> {
         // own idle segments are collected.
         let mut reserved = match self.broken(Broken::GcPerPool) {
             true => st.pool.reserved_bytes(), // BROKEN: the private pools' memory not counted
-            false => {
-                self.count_in_family(st);
-                self.family.reserved.load(Ordering::Acquire)
-            }
+            false => self.family_reserved(st),
         };
         if reserved + seg_size <= limit {
             return Ok(());

@@ -227,8 +227,10 @@ impl History {
     ) {
         let context = self.opts.context;
         let block = action == Action::Alloc && context >= HistoryContext::State;
-        let stack = (block || context >= action.stack_level())
-            .then(|| Arc::new(Backtrace::force_capture()));
+        let kept = self.opts.max_entries != 0 && !self.opts.skip_actions.contains(&action);
+        let entry_stack = kept && context >= action.stack_level();
+        // Captured only where something keeps it: the block's state, or the entry.
+        let stack = (block || entry_stack).then(|| Arc::new(Backtrace::force_capture()));
         match action {
             Action::Alloc if block => {
                 self.block_stacks.insert(addr.0, stack.clone().expect("captured"));
@@ -238,13 +240,13 @@ impl History {
             }
             _ => {}
         }
-        if self.opts.max_entries == 0 || self.opts.skip_actions.contains(&action) {
+        if !kept {
             return;
         }
         if self.entries.len() == self.opts.max_entries {
             self.entries.pop_front();
         }
-        let stack = stack.filter(|_| context >= action.stack_level());
+        let stack = stack.filter(|_| entry_stack);
         let time_us = self.start.elapsed().as_micros() as u64;
         let user_metadata = user_metadata.clone();
         self.entries.push_back(TraceEntry {

@@ -65,6 +65,7 @@ impl<D: Device> Shared<D> {
     /// none); where they do, they are charged to the family's total at once, so that another
     /// allocator's check sees them before this one reserves them. The caller holds the lock
     /// and reserves (or fails and rolls back) before letting go of it.
+    #[cfg_attr(tidepool_broken = "cap_check", allow(unreachable_code, unused_mut))]
     pub(super) fn within_limit(&self, st: &mut State, config: &Config, add: u64) -> bool {
         let Some(limit) = config.limit(self.device_total) else {
             return true;
@@ -73,20 +74,18 @@ impl<D: Device> Shared<D> {
             // BROKEN: each allocator of the family gets the whole cap to itself.
             return st.pool.reserved_bytes() + add <= limit;
         }
-        self.count_in_family(st);
         let total = &self.family.reserved;
+        let mut now = self.family_reserved(st);
         #[cfg(tidepool_broken = "cap_check")]
         {
             // BROKEN (loom): check, then add — two allocators can both pass on the same room.
-            if total.load(Ordering::Acquire).saturating_add(add) > limit {
+            if now.saturating_add(add) > limit {
                 return false;
             }
             total.fetch_add(add, Ordering::AcqRel);
             st.family_share += add;
             return true;
         }
-        #[allow(unreachable_code)]
-        let mut now = total.load(Ordering::Acquire);
         loop {
             if now.saturating_add(add) > limit {
                 return false;
@@ -98,6 +97,13 @@ impl<D: Device> Shared<D> {
         }
         st.family_share += add;
         true
+    }
+
+    /// The family's reserved bytes, this allocator's own counted in first: what the caps and
+    /// the garbage collection's threshold compare with. The caller holds the lock.
+    pub(super) fn family_reserved(&self, st: &mut State) -> u64 {
+        self.count_in_family(st);
+        self.family.reserved.load(Ordering::Acquire)
     }
 
     /// Brings this allocator's share of the family's total to its reserved bytes. The caller

@@ -504,8 +504,8 @@ impl<D: Device> Shared<D> {
                 continue;
             }
             // (A pool a graph uses releases nothing: `release_segment` and `release_pages` look
-            // under its lock.)
-            // Released: reserved bytes went (segments, or an expandable range's pages).
+            // under its lock.) Released means reserved bytes went: segments, or an expandable
+            // range's pages.
             let mut st = pool.lock_state();
             let (before, before_free) = (st.pool.reserved_bytes(), st.counters.device_free);
             pool.flush_all(&mut st);
