@@ -17,7 +17,7 @@
 
 mod common;
 
-use std::sync::{Arc, mpsc};
+use std::sync::Arc;
 use tidepool::device::{Access, AccessKind, Kernel, Launch, SimDevice};
 use tidepool::hooks::Broken;
 use tidepool::{
@@ -62,17 +62,6 @@ fn device_used(dev: &SimDevice) -> u64 {
 /// `m[key]` of `memory_stats()`, PyTorch's flat dictionary.
 fn stat(alloc: &Allocator<SimDevice>, key: &str) -> i64 {
     alloc.memory_stats()[key]
-}
-
-/// A kernel on `[ptr, ptr + bytes)` that ends when the returned gate opens (or is dropped):
-/// unfinished work until the test says so, on memory that need not be backed.
-fn gated_use(ptr: DeviceAddr, bytes: u64) -> (Kernel, mpsc::Sender<()>) {
-    let (open, gate) = mpsc::channel::<()>();
-    let access = vec![Access { ptr, bytes, kind: AccessKind::Read }];
-    let k = Kernel::new("gated_use", access, move |_| {
-        let _ = gate.recv();
-    });
-    (k, open)
 }
 
 fn off(a: DeviceAddr, base: DeviceAddr) -> u64 {
@@ -547,7 +536,7 @@ fn empty_cache_waits_for_pending_frees() {
         alloc.set_broken(Broken::EmptyCacheSkipsEvents, broken);
         let side = dev.create_stream().unwrap();
         let x = alloc.alloc(4096, S0).unwrap();
-        let (k, open) = gated_use(x.ptr(), 4096);
+        let (k, open) = common::gated(x.ptr(), 4096, AccessKind::Read);
         dev.launch(side, k).unwrap();
         x.record_stream(side).unwrap();
         drop(x);
@@ -581,7 +570,7 @@ fn record_stream_frees_are_reclaimed_on_out_of_memory() {
         let y = alloc.alloc(160 * MIB, side).unwrap();
         for _ in 0..100 {
             let x = alloc.alloc(160 * MIB, S0).unwrap();
-            let (k, open) = gated_use(x.ptr(), 160 * MIB);
+            let (k, open) = common::gated(x.ptr(), 160 * MIB, AccessKind::Read);
             dev.launch(side, k).unwrap();
             x.record_stream(side).unwrap();
             drop(x);
@@ -1652,13 +1641,8 @@ fn allocator_fuzz_keeps_every_live_tensor_intact() {
     }
     for (_, conf) in both_modes("") {
         let (dev, alloc) = allocator_backed(1 << 30, &conf);
-        let mut seed = 123u64;
-        let mut below = move |n: u64| {
-            seed ^= seed << 13;
-            seed ^= seed >> 7;
-            seed ^= seed << 17;
-            seed % n
-        };
+        let mut rng = common::Rng(123);
+        let mut below = move |n: u64| rng.below(n);
         let (mut live, mut total, mut c) = (Vec::<(u32, Buffer<SimDevice>)>::new(), 0u64, 0u32);
         let free = |live: &mut Vec<(u32, Buffer<SimDevice>)>, total: &mut u64, i: usize| {
             let (want, b) = live.swap_remove(i);

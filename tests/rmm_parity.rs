@@ -33,6 +33,8 @@
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Barrier, Mutex, mpsc};
+mod common;
+use common::{Rng, gated};
 use tidepool::device::{Access, AccessKind, Kernel, Launch, SimDevice};
 use tidepool::{
     Action, AllocError, Allocator, BlockState, Buffer, Config, Device, DeviceAddr, GIB,
@@ -61,20 +63,8 @@ fn allocator_sanitized(
     (dev, alloc)
 }
 
-/// xorshift64*: RMM seeds `std::default_random_engine` the same in every thread; so do we.
-struct Rng(u64);
-
-impl Rng {
-    fn new() -> Rng {
-        Rng(0x9e37_79b9_7f4a_7c15)
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d) % n
-    }
-}
+/// RMM seeds `std::default_random_engine` the same in every thread; so do we.
+const SEED: u64 = 0x9e37_79b9_7f4a_7c15;
 
 /// RMM's `default_max_size`: random sizes are uniform in `[1, 5 MiB]`.
 const MAX_SIZE: u64 = 5 * MIB;
@@ -108,19 +98,6 @@ impl Live {
     }
 }
 
-/// A kernel on `[ptr, ptr + bytes)` that waits for the returned gate: work that is unfinished
-/// until the test says so.
-fn gated(ptr: DeviceAddr, bytes: u64) -> (Kernel, mpsc::Sender<()>) {
-    let (open, gate) = mpsc::channel::<()>();
-    let access = vec![Access { ptr, bytes, kind: AccessKind::Write }];
-    (
-        Kernel::new("gated", access, move |_| {
-            let _ = gate.recv();
-        }),
-        open,
-    )
-}
-
 /// A kernel writing `buf` on `stream`, ungated.
 fn write_on(dev: &SimDevice, stream: StreamId, buf: &Buffer<SimDevice>) {
     let access = vec![Access { ptr: buf.ptr(), bytes: buf.len(), kind: AccessKind::Write }];
@@ -149,7 +126,7 @@ fn random_allocations(
     s: StreamId,
     live: &Live,
 ) -> Vec<Buffer<SimDevice>> {
-    let mut rng = Rng::new();
+    let mut rng = Rng(SEED);
     (0..100)
         .map(|_| {
             let n = 1 + rng.below(MAX_SIZE);
@@ -165,7 +142,7 @@ fn random_allocations(
 /// with chance 53 % while fewer than 100 were made, else free a random live block. Exactly
 /// 100 allocations and 100 frees, nothing live at the end.
 fn mixed_random_allocation_free(alloc: &Allocator<SimDevice>, s: StreamId, live: &Live) {
-    let mut rng = Rng::new();
+    let mut rng = Rng(SEED);
     let mut mine: Vec<Buffer<SimDevice>> = Vec::new();
     let (mut allocs, mut frees) = (0, 0);
     for _ in 0..200 {
@@ -541,7 +518,7 @@ fn allocated_on_one_thread_and_stream_freed_on_another() {
         let (send, recv) = mpsc::channel::<Buffer<SimDevice>>();
         let gates = std::thread::scope(|t| {
             t.spawn(|| {
-                let mut rng = Rng::new();
+                let mut rng = Rng(SEED);
                 for _ in 0..100 {
                     let buf = alloc.alloc(1 + rng.below(MIB), a).unwrap();
                     write_on(&dev, a, &buf);
@@ -553,7 +530,7 @@ fn allocated_on_one_thread_and_stream_freed_on_another() {
                 let mut gates = Vec::new();
                 for buf in recv {
                     buf.use_on(b, AccessKind::Write).unwrap();
-                    let (k, open) = gated(buf.ptr(), buf.len());
+                    let (k, open) = gated(buf.ptr(), buf.len(), AccessKind::Write);
                     dev.launch(b, k).unwrap();
                     gates.push(open);
                     drop(buf); // on this thread; after `use_on`, held until B's kernel is done
@@ -565,7 +542,7 @@ fn allocated_on_one_thread_and_stream_freed_on_another() {
         assert_eq!(gates.len(), 100);
         // While B's work on every freed block is unfinished, A allocates and writes the same
         // sizes again: only blocks B is done with (none, when B is not A) may come back.
-        let mut rng = Rng::new();
+        let mut rng = Rng(SEED);
         let again: Vec<_> = (0..100)
             .map(|_| {
                 let buf = alloc.alloc(1 + rng.below(MIB), a).unwrap();
@@ -914,7 +891,7 @@ fn blocks_freed_on_two_streams_coalesce_and_are_released() {
     let p2 = alloc.alloc(4096, S0).unwrap();
     drop(p1);
     p2.use_on(b_stream, AccessKind::Write).unwrap();
-    let (k, open) = gated(p2.ptr(), 4096);
+    let (k, open) = gated(p2.ptr(), 4096, AccessKind::Write);
     dev.launch(b_stream, k).unwrap();
     drop(p2);
     alloc.release_stream(S0).unwrap(); // polls events, waits for none
@@ -1066,7 +1043,7 @@ fn stream_reuse_policies() {
     let b_stream = dev.create_stream().unwrap();
     let p1 = alloc.alloc(4096, b_stream).unwrap();
     let at = p1.ptr();
-    let (k, open) = gated(at, 4096);
+    let (k, open) = gated(at, 4096, AccessKind::Write);
     dev.launch(b_stream, k).unwrap();
     drop(p1);
     let again = alloc.alloc(4096, b_stream).unwrap(); // same stream: at once
@@ -1098,7 +1075,7 @@ fn stream_reuse_policies() {
     let b_stream = dev.create_stream().unwrap();
     let p1 = alloc.alloc(4096, b_stream).unwrap();
     let at = p1.ptr();
-    let (k, open) = gated(at, 4096);
+    let (k, open) = gated(at, 4096, AccessKind::Write);
     dev.launch(b_stream, k).unwrap();
     drop(p1);
     let syncs = alloc.stats().num_host_syncs;
@@ -1153,7 +1130,7 @@ fn dropping_the_allocator_releases_its_cache() {
     let mut gates = Vec::new();
     for b in [&small, &large] {
         b.use_on(other, AccessKind::Write).unwrap();
-        let (k, open) = gated(b.ptr(), b.len());
+        let (k, open) = gated(b.ptr(), b.len(), AccessKind::Write);
         dev.launch(other, k).unwrap();
         gates.push(open);
     }
@@ -1665,7 +1642,7 @@ fn frees_keep_memory_cached_until_the_allocator_goes() {
                                 let s = streams[next.fetch_add(1, Ordering::Relaxed) % n_streams];
                                 let b = alloc.alloc(size, s).unwrap();
                                 assert_eq!(b.len(), size);
-                                let (k, open) = gated(b.ptr(), b.len());
+                                let (k, open) = gated(b.ptr(), b.len(), AccessKind::Write);
                                 dev.launch(s, k).unwrap();
                                 gates.lock().unwrap().push(open);
                                 handles.lock().unwrap().push(b);

@@ -11,22 +11,11 @@ use tidepool::MIB;
 use tidepool::device::{Access, AccessKind, Kernel, Launch, SimDevice};
 use tidepool::{Allocator, Buffer, Config, Device, MemoryStats, StreamId};
 
+mod common;
+use common::Rng; // a fixed seed per thread
+
 const THREADS: usize = 4;
 const OPS: usize = 50_000;
-
-/// xorshift64*: a fixed seed per thread.
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-}
 
 fn size(rng: &mut Rng) -> u64 {
     match rng.below(20) {

@@ -24,6 +24,33 @@ pub fn gated_write(ptr: DeviceAddr, byte: u8) -> (Kernel, mpsc::Sender<()>) {
     (k, open)
 }
 
+/// A kernel that accesses `[ptr, ptr + bytes)` as `kind` and ends when the returned gate opens
+/// (or is dropped): unfinished work until the test says so, on memory that need not be backed.
+pub fn gated(ptr: DeviceAddr, bytes: u64, kind: AccessKind) -> (Kernel, mpsc::Sender<()>) {
+    let (open, gate) = mpsc::channel::<()>();
+    let k = Kernel::new("gated", vec![Access { ptr, bytes, kind }], move |_| {
+        let _ = gate.recv();
+    });
+    (k, open)
+}
+
+/// xorshift64*: a seeded generator for test sequences (a seed always gives the same sequence).
+pub struct Rng(pub u64);
+
+impl Rng {
+    pub fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+
+    /// Uniform enough in `[0, n)`.
+    pub fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+}
+
 /// The device bytes of `buf`, read by a kernel on its stream after everything enqueued before.
 pub fn device_bytes(dev: &SimDevice, buf: &Buffer<SimDevice>) -> Vec<u8> {
     let (ptr, n) = (buf.ptr(), buf.len());
