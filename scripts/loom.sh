@@ -35,6 +35,7 @@ variants=(
   "credit_mark:stats_revocation_sees_credit_granted_before_it"
   "region_idle:idle_region_release_against_a_run_of_its_scope"
   "cap_check:a_pool_and_the_general_allocator_reserving_at_once_under_a_cap"
+  "moved_hold:a_block_moved_to_another_lane_against_the_last_handle"
 )
 status=0
 for v in "${variants[@]}"; do

@@ -434,6 +434,62 @@ fn a_cross_thread_free_returns_the_block_to_the_allocating_lane() {
     check(&dev, &alloc);
 }
 
+/// A thread whose own lane of a stream is empty takes a block the stream's other lane caches
+/// (here: freed there by another thread), without the global lock, and its buffer then holds
+/// the thread's own lane: the free caches the block there, so the thread's next pairs are hits
+/// in its own lane. (Broken mode `CrossLaneHitStays`: the buffer holds the other lane, the block
+/// goes back there, and every later pair of the thread misses its lane and pops from the other
+/// one — twice the instructions per pair, measured with `benches/threads.rs`.)
+#[test]
+fn a_block_taken_from_another_lane_moves_to_the_takers_lane() {
+    use tidepool::hooks::Broken;
+    for broken in [false, true] {
+        let (dev, alloc) = setup("", 1 << 30);
+        alloc.set_broken(Broken::CrossLaneHitStays, broken);
+        let p = alloc.alloc(4096, S0).unwrap().ptr(); // freed: cached in this thread's lane
+        let (lanes, mine) = alloc.lanes_cached_bytes(S0);
+        let holding = |lane: usize| {
+            let mut v = vec![0; lanes.len()];
+            v[lane] = 4096;
+            v
+        };
+        assert_eq!(lanes, holding(mine));
+        // A thread on another lane of the stream (threads are spread over the lanes in the
+        // order they first ask, across the whole process: spawn until one lands elsewhere).
+        let (theirs, after) = (0..1000)
+            .find_map(|_| {
+                let alloc = alloc.clone();
+                std::thread::spawn(move || {
+                    let (_, lane) = alloc.lanes_cached_bytes(S0);
+                    if lane == mine {
+                        return None;
+                    }
+                    let n = alloc.global_lock_acquisitions();
+                    let mut seen = Vec::new();
+                    for _ in 0..3 {
+                        let b = alloc.alloc(4096, S0).unwrap();
+                        assert_eq!(b.ptr(), p, "the cached block, from either lane");
+                        drop(b);
+                        seen.push(alloc.lanes_cached_bytes(S0).0);
+                    }
+                    assert_eq!(alloc.global_lock_acquisitions(), n, "no global lock taken");
+                    Some((lane, seen))
+                })
+                .join()
+                .unwrap()
+            })
+            .expect("a thread on another lane");
+        let lane = if broken { mine } else { theirs };
+        assert_eq!(after, vec![holding(lane); 3], "the block waits in the taker's lane");
+        let s = alloc.stats();
+        assert_eq!((s.cached_fast_bytes, s.blocks.allocated_bytes.all.current), (4096, 0));
+        assert_eq!(s.blocks.allocation.all.allocated, 4);
+        check(&dev, &alloc);
+        drop(alloc);
+        assert!(dev.live_segments().is_empty(), "no hold left behind in a lane");
+    }
+}
+
 /// A buffer handed out by a hit is small: the rare parts (a scope's tag) are boxed, so the hit
 /// and the `Result` around it move 88 bytes, not 128.
 #[test]

@@ -21,6 +21,7 @@
 //! | `large_hit_against_a_pool_change_and_drain`  | a checked large block handed out without the global lock vs a section that drains it | `fast_cache` |
 //! | `idle_region_release_against_a_run_of_its_scope` | `empty_cache` takes a plan's region only where the plan's is its one hold (counted under the plans' lock) | `region_idle` |
 //! | `a_pool_and_the_general_allocator_reserving_at_once_under_a_cap` | the family's reserved total is charged with a CAS, so a cap holds for allocators that reserve at once | `cap_check` |
+//! | `a_block_moved_to_another_lane_against_the_last_handle` | a block taken from another lane lets that lane's kept hold go and holds the taker's lane | `moved_hold` |
 //!
 //! The allocator runs with its real configuration (two cache lanes per stream, 64 fast streams):
 //! threads take lanes round-robin as under `std`.
@@ -676,6 +677,34 @@ fn owner_hold_kept_in_a_lane_against_the_last_handle() {
         assert_eq!(dev.live_segments(), 1, "a live buffer keeps the allocator");
         drop(b);
         assert_eq!(dev.live_segments(), 0, "the allocator outlived its last handle and buffer");
+    });
+}
+
+/// A thread on the stream's second lane takes the block the first lane caches (with the hold
+/// its last buffer kept there): its buffer holds the second lane's owner instead, and the kept
+/// hold is let go. Its free (into the second lane) and its handle race the main thread's handle
+/// going (the last one closes every lane's stash and releases what it kept). Whatever the
+/// order, once both handles and the buffer are gone the allocator is dropped and its segment is
+/// back on the device. With the kept hold taken and never let go (broken variant `moved_hold`)
+/// the allocator outlives everything that holds it.
+#[test]
+fn a_block_moved_to_another_lane_against_the_last_handle() {
+    model(2, || {
+        let dev = Arc::new(LoomDevice::new());
+        let alloc = Allocator::new(dev.clone(), Config::default()).unwrap();
+        let a = alloc.alloc(4096, S0).unwrap(); // this thread: the stream's lane 0
+        let p = a.ptr();
+        drop(a); // cached in lane 0, its hold kept there
+        let other = alloc.clone();
+        let user = spawn(move || {
+            let b = other.alloc(4096, S0).unwrap(); // lane 1 is empty: taken from lane 0
+            assert_eq!(b.ptr(), p);
+            drop(other);
+            drop(b);
+        });
+        drop(alloc);
+        user.join().unwrap();
+        assert_eq!(dev.live_segments(), 0, "the allocator outlived its handles and buffer");
     });
 }
 

@@ -115,6 +115,11 @@ pub enum Broken {
     /// A private pool's request that runs out of memory leaves the general allocator's free
     /// cached segments where they are: the pool fails while cached memory could serve it.
     PoolOomKeepsGeneral = 1 << 31,
+    /// A block a thread takes from another lane of its stream (freed on another thread, or
+    /// last handed out there) is handed out holding that lane's owner, so its free caches it
+    /// there again and every later request of the thread misses its own lane (not a soundness
+    /// bug: twice the work per pair).
+    CrossLaneHitStays = 1 << 32,
     /// A growth whose headroom (expandable segments) does not fit the device fails the request
     /// instead of growing by exactly what the request needs.
     HeadroomOom = 1 << 30,
@@ -212,7 +217,7 @@ impl Broken {
 
     /// Every mode, in declaration order. Kept complete by [`Broken::position`], whose match
     /// stops compiling when a mode is added and not listed.
-    pub const EVERY: [Broken; 53] = [
+    pub const EVERY: [Broken; 54] = [
         Broken::ForeignBuffers,
         Broken::ForgottenUses,
         Broken::UnboundFreeOrder,
@@ -266,6 +271,7 @@ impl Broken {
         Broken::OomPoolPagesUncounted,
         Broken::GcPerPool,
         Broken::PoolOomKeepsGeneral,
+        Broken::CrossLaneHitStays,
     ];
 
     /// Its place in [`Broken::EVERY`].
@@ -324,6 +330,7 @@ impl Broken {
             Broken::OomPoolPagesUncounted => 50,
             Broken::GcPerPool => 51,
             Broken::PoolOomKeepsGeneral => 52,
+            Broken::CrossLaneHitStays => 53,
         }
     }
 

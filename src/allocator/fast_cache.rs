@@ -852,6 +852,12 @@ impl StreamCache {
         self.lock_inner().classes.blocks() as u64
     }
 
+    /// Bytes cached now (read under the lane's lock).
+    #[cfg(feature = "test-hooks")]
+    pub fn cached_bytes_now(&self) -> u64 {
+        self.lock_inner().words[CACHED_BYTES]
+    }
+
     /// Publishes the pool's free bytes of this stream. The caller holds the global lock.
     pub fn publish_pool_free(&self, bytes: u64) {
         if self.slow.get(0) != bytes {

@@ -372,6 +372,40 @@ impl<D: Device> Allocator<D> {
         Self::buffer_of_hit(owner, b, bytes, stream, rounded, residency)
     }
 
+    /// [`Allocator::hand_out_hit`] for a small block popped from lane owner `from`'s lane,
+    /// which is not this thread's: the buffer holds this thread's lane owner instead (a new
+    /// hold), and the hold the block's last buffer left in `from`'s lane, if the pop took one,
+    /// is let go. Both lanes are the stream's, so the block may be cached in either; the lanes'
+    /// statistics deltas sum to the stream's whichever lane the free lands in.
+    #[allow(clippy::too_many_arguments)]
+    #[cold]
+    fn hand_out_moved(
+        &self,
+        from: &Arc<owner::Owner<D>>,
+        b: &CachedBlock,
+        bytes: u64,
+        stream: StreamId,
+        rounded: u64,
+        residency: Residency,
+        stashed: bool,
+    ) -> Buffer<D> {
+        if from.cells().observes {
+            self.shared.device.note_handout(b.ptr, b.size, stream);
+        }
+        #[cfg(not(tidepool_broken = "moved_hold"))]
+        if stashed {
+            // The kept hold is `from`'s (a lane keeps its own owner's holds); its slot holds
+            // another, so this is never the last.
+            drop(OwnerTable::hit_owner(from, true));
+        }
+        // BROKEN (`moved_hold`): the kept hold is taken from the lane and never let go, so the
+        // allocator outlives its last handle and buffer.
+        #[cfg(tidepool_broken = "moved_hold")]
+        let _ = stashed;
+        let owner = self.owners.owner(stream);
+        Self::buffer_of_hit(owner, b, bytes, stream, rounded, residency)
+    }
+
     /// The buffer for block `b` popped by a hit that served `bytes` (rounded to `rounded`),
     /// holding `owner`.
     #[inline(always)]
@@ -485,8 +519,20 @@ impl<D: Device> Allocator<D> {
                 }
                 let r = sh.cached_residency(residency);
                 match cache.pop_request(r, bytes) {
-                    (Pop::Hit(b), rounded, stashed) => {
+                    (Pop::Hit(b), rounded, stashed)
+                        if k == 0 || sh.broken(Broken::CrossLaneHitStays) =>
+                    {
                         return Ok(self.hand_out_hit(owner, &b, bytes, stream, rounded, r, stashed));
+                    }
+                    (Pop::Hit(b), rounded, stashed) => {
+                        // A block of another lane (freed there, or handed out there last): its
+                        // buffer holds this thread's lane, so its free caches it here and this
+                        // thread's next request of the class is a hit in its own lane. (Holding
+                        // the other lane's owner, every later pair would miss here and pop there,
+                        // through this path: twice the instructions and three lane locks.)
+                        return Ok(
+                            self.hand_out_moved(owner, &b, bytes, stream, rounded, r, stashed)
+                        );
                     }
                     (Pop::NeedsLock, ..) => {
                         cached = sh.caches.fast_lane_at(stream, lane);
@@ -798,6 +844,16 @@ impl<D: Device> Allocator<D> {
     #[doc(hidden)]
     pub fn stream_cache_closed(&self, stream: StreamId) -> Option<bool> {
         self.shared.caches.get(stream).map(|c| c.is_closed())
+    }
+
+    /// **Test only** (feature `test-hooks`): the bytes each cache lane of `stream` holds, in
+    /// lane order (empty before the stream has caches), and the calling thread's lane, so tests
+    /// can see which lane a free cached its block in.
+    #[cfg(feature = "test-hooks")]
+    #[doc(hidden)]
+    pub fn lanes_cached_bytes(&self, stream: StreamId) -> (Vec<u64>, usize) {
+        let lanes = self.shared.caches.lanes(stream);
+        (lanes.iter().map(|c| c.cached_bytes_now()).collect(), fast_cache::thread_lane())
     }
 
     /// **Test only.** How many times the global lock has been taken so far (tests use it to

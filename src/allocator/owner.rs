@@ -13,9 +13,13 @@
 //! **One lane lookup per operation.** A hit finds this thread's slot of its stream (a
 //! thread-local and an index) and reaches the lane through the owner; the buffer it hands out
 //! holds that owner, so its free goes straight to the same lane with no lookup at all.
-//! Frees therefore return a block to the lane that handed it out (the allocating thread's), as
-//! mimalloc returns a block to its page's owner: a producer thread's lane gets back what a
-//! consumer thread frees, and reuse stays sound because a lane belongs to one stream.
+//! Frees therefore return a block to the allocating thread's lane, as mimalloc returns a block
+//! to its page's owner: a producer thread's lane gets back what a consumer thread frees, and
+//! reuse stays sound because a lane belongs to one stream. A small block a thread takes from
+//! its stream's *other* lane (its own was empty) gets a buffer holding the thread's own lane
+//! owner (`Allocator::hand_out_moved`: the hold the other lane kept is let go, a new one
+//! cloned), so the block moves to the taker's lane; holding the other lane's owner, it would go
+//! back there and every later pair of the thread would miss its own lane.
 //!
 //! Every buffer keeps the allocator alive. Were that one `Arc<Shared>`, each allocation and free
 //! would increment and decrement one reference count shared by all threads, and two threads on
