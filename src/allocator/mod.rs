@@ -372,26 +372,19 @@ impl<D: Device> Allocator<D> {
         Self::buffer_of_hit(owner, b, bytes, stream, rounded, residency)
     }
 
-    /// [`Allocator::hand_out_hit`] for a small block popped from lane owner `from`'s lane,
-    /// which is not this thread's: the buffer holds this thread's lane owner instead (a new
-    /// hold), and the hold the block's last buffer left in `from`'s lane, if the pop took one,
-    /// is let go. Both lanes are the stream's, so the block may be cached in either; the lanes'
-    /// statistics deltas sum to the stream's whichever lane the free lands in.
-    #[allow(clippy::too_many_arguments)]
+    /// The hold on the allocator for a buffer of a small block popped from lane owner `from`'s
+    /// lane, which is not this thread's: this thread's lane owner (a new hold), so that the
+    /// free caches the block in this thread's lane; the hold the block's last buffer left in
+    /// `from`'s lane, if the pop took one, is let go. Both lanes are the stream's, so the block
+    /// may wait in either; the lanes' statistics deltas sum to the stream's whichever lane the
+    /// free lands in.
     #[cold]
-    fn hand_out_moved(
+    fn moved_owner(
         &self,
         from: &Arc<owner::Owner<D>>,
-        b: &CachedBlock,
-        bytes: u64,
         stream: StreamId,
-        rounded: u64,
-        residency: Residency,
         stashed: bool,
-    ) -> Buffer<D> {
-        if from.cells().observes {
-            self.shared.device.note_handout(b.ptr, b.size, stream);
-        }
+    ) -> Arc<owner::Owner<D>> {
         #[cfg(not(tidepool_broken = "moved_hold"))]
         if stashed {
             // The kept hold is `from`'s (a lane keeps its own owner's holds); its slot holds
@@ -401,9 +394,8 @@ impl<D: Device> Allocator<D> {
         // BROKEN (`moved_hold`): the kept hold is taken from the lane and never let go, so the
         // allocator outlives its last handle and buffer.
         #[cfg(tidepool_broken = "moved_hold")]
-        let _ = stashed;
-        let owner = self.owners.owner(stream);
-        Self::buffer_of_hit(owner, b, bytes, stream, rounded, residency)
+        let _ = (from, stashed);
+        self.owners.owner(stream)
     }
 
     /// The buffer for block `b` popped by a hit that served `bytes` (rounded to `rounded`),
@@ -530,9 +522,11 @@ impl<D: Device> Allocator<D> {
                         // thread's next request of the class is a hit in its own lane. (Holding
                         // the other lane's owner, every later pair would miss here and pop there,
                         // through this path: twice the instructions and three lane locks.)
-                        return Ok(
-                            self.hand_out_moved(owner, &b, bytes, stream, rounded, r, stashed)
-                        );
+                        if owner.cells().observes {
+                            sh.device.note_handout(b.ptr, b.size, stream);
+                        }
+                        let held = self.moved_owner(owner, stream, stashed);
+                        return Ok(Self::buffer_of_hit(held, &b, bytes, stream, rounded, r));
                     }
                     (Pop::NeedsLock, ..) => {
                         cached = sh.caches.fast_lane_at(stream, lane);

@@ -17,7 +17,7 @@
 //! to its page's owner: a producer thread's lane gets back what a consumer thread frees, and
 //! reuse stays sound because a lane belongs to one stream. A small block a thread takes from
 //! its stream's *other* lane (its own was empty) gets a buffer holding the thread's own lane
-//! owner (`Allocator::hand_out_moved`: the hold the other lane kept is let go, a new one
+//! owner (`Allocator::moved_owner`: the hold the other lane kept is let go, a new one
 //! cloned), so the block moves to the taker's lane; holding the other lane's owner, it would go
 //! back there and every later pair of the thread would miss its own lane.
 //!
