@@ -1,6 +1,11 @@
 //! Runs policies over a trace: each policy `repeats` times (timeline off), the median
 //! ns/op kept, plus one untimed extra replay with the timeline on when a plot is wanted.
 //! Memory figures come from the first replay (every policy here is deterministic).
+//!
+//! The repeats are interleaved — round `r` replays every policy once, in order — so that the
+//! medians of all policies are taken over the same stretch of time: on a shared machine whose
+//! load drifts, a ratio of two policies' medians then compares like with like (run one policy's
+//! repeats after the other's and a load change between them lands in the ratio).
 
 use super::event::Trace;
 use super::policy::{Policy, PolicyResult, ReplayError, ReplayOptions};
@@ -25,18 +30,20 @@ pub fn run_policies(
     progress: &mut dyn FnMut(&str),
 ) -> Result<Report, ReplayError> {
     let repeats = opts.repeats.max(1);
-    let mut results = Vec::with_capacity(policies.len());
-    for policy in policies {
-        let mut first: Option<PolicyResult> = None;
-        let mut ns = Vec::with_capacity(repeats);
-        for _ in 0..repeats {
+    let mut firsts: Vec<Option<PolicyResult>> = policies.iter().map(|_| None).collect();
+    let mut ns: Vec<Vec<f64>> = policies.iter().map(|_| Vec::with_capacity(repeats)).collect();
+    for _ in 0..repeats {
+        for (i, policy) in policies.iter().enumerate() {
             let r = policy.replay(trace, false)?;
-            ns.push(r.ns_per_op);
-            first.get_or_insert(r);
+            ns[i].push(r.ns_per_op);
+            firsts[i].get_or_insert(r);
             progress(policy.name());
         }
+    }
+    let mut results = Vec::with_capacity(policies.len());
+    for ((policy, first), ns) in policies.iter().zip(firsts).zip(&mut ns) {
         let mut result = first.unwrap_or_else(|| unreachable_result(policy.name()));
-        result.ns_per_op = median(&mut ns);
+        result.ns_per_op = median(ns);
         if opts.timeline {
             result.reserved_timeline = policy.replay(trace, true)?.reserved_timeline;
             progress(policy.name());
@@ -65,7 +72,68 @@ fn unreachable_result(name: &str) -> PolicyResult {
 
 #[cfg(test)]
 mod tests {
-    use super::median;
+    use super::{median, run_policies};
+    use crate::event::Trace;
+    use crate::policy::{Policy, PolicyResult, ReplayError, ReplayOptions};
+    use std::cell::RefCell;
+    use std::rc::Rc;
+
+    type Log = Rc<RefCell<Vec<(&'static str, bool)>>>;
+
+    /// A policy that notes each replay in a shared log and reports a fixed ns/op.
+    struct Noting {
+        name: &'static str,
+        log: Log,
+        ns: f64,
+    }
+
+    impl Policy for Noting {
+        fn name(&self) -> &'static str {
+            self.name
+        }
+        fn replay(&self, _: &Trace, timeline: bool) -> Result<PolicyResult, ReplayError> {
+            self.log.borrow_mut().push((self.name, timeline));
+            let n = self.log.borrow().len() as f64;
+            Ok(PolicyResult {
+                name: self.name.to_string(),
+                peak_reserved_bytes: n as u64,
+                peak_allocated_bytes: 0,
+                device_mallocs: 0,
+                device_frees: 0,
+                device_maps: 0,
+                device_unmaps: 0,
+                host_syncs: 0,
+                ns_per_op: self.ns * n,
+                reserved_timeline: None,
+                extra: Vec::new(),
+            })
+        }
+    }
+
+    /// Rounds of every policy once, then the timeline replays; each policy's median is over
+    /// its own replays, and its memory figures are its first replay's.
+    #[test]
+    fn repeats_are_interleaved_across_policies() {
+        let log: Log = Rc::default();
+        let a: Box<dyn Policy> = Box::new(Noting { name: "a", log: log.clone(), ns: 1.0 });
+        let b: Box<dyn Policy> = Box::new(Noting { name: "b", log: log.clone(), ns: 10.0 });
+        let opts = ReplayOptions { repeats: 3, timeline: true, ..ReplayOptions::default() };
+        let mut calls = Vec::new();
+        let report =
+            run_policies(&Trace::default(), &[a, b], &opts, &mut |n| calls.push(n.to_string()))
+                .unwrap();
+        let order: Vec<_> = log.borrow().clone();
+        let r = |n| (n, false);
+        assert_eq!(
+            order,
+            [r("a"), r("b"), r("a"), r("b"), r("a"), r("b"), ("a", true), ("b", true)]
+        );
+        assert_eq!(calls, ["a", "b", "a", "b", "a", "b", "a", "b"]);
+        let p = &report.policies;
+        // a's replays were the 1st, 3rd and 5th: median 3 × 1.0; b's the 2nd, 4th, 6th.
+        assert_eq!((p[0].ns_per_op, p[0].peak_reserved_bytes), (3.0, 1));
+        assert_eq!((p[1].ns_per_op, p[1].peak_reserved_bytes), (40.0, 2));
+    }
 
     #[test]
     fn medians() {
