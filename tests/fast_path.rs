@@ -435,9 +435,9 @@ fn a_cross_thread_free_returns_the_block_to_the_allocating_lane() {
 }
 
 /// A thread whose own lane of a stream is empty takes a block the stream's other lane caches
-/// (here: freed there by another thread), without the global lock, and its buffer then holds
-/// the thread's own lane: the free caches the block there, so the thread's next pairs are hits
-/// in its own lane. (Broken mode `CrossLaneHitStays`: the buffer holds the other lane, the block
+/// (here: the main thread's, which freed it there), without the global lock, and its buffer
+/// then holds the thread's own lane: the free caches the block there, so the thread's next
+/// pairs are hits in its own lane. (Broken mode `CrossLaneHitStays`: the buffer holds the other lane, the block
 /// goes back there, and every later pair of the thread misses its lane and pops from the other
 /// one — twice the instructions per pair, measured with `benches/threads.rs`.)
 #[test]
