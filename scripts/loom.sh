@@ -36,6 +36,8 @@ variants=(
   "region_idle:idle_region_release_against_a_run_of_its_scope"
   "cap_check:a_pool_and_the_general_allocator_reserving_at_once_under_a_cap"
   "moved_hold:a_block_moved_to_another_lane_against_the_last_handle"
+  "retag_free:a_lane_retagged_for_a_new_stream_against_a_stale_free_and_hits"
+  "retag_hit:a_lane_retagged_for_a_new_stream_against_a_stale_free_and_hits"
 )
 status=0
 for v in "${variants[@]}"; do

@@ -355,7 +355,8 @@ fn dropping_everything_leaves_no_segment() {
 
 #[test]
 fn buffers_on_streams_without_a_fast_path_keep_the_allocator_alive_too() {
-    // Streams past the fast-path table share one owner handle; it must keep the allocator up.
+    // Stream 70 sits in slot 6 of the fast-path table (`id mod 64`), stream 1 in slot 1: the
+    // buffers of both hold their slots' owner handles, which must keep the allocator up.
     let dev = Arc::new(SimDevice::new(1 << 30));
     let streams: Vec<StreamId> = (0..70).map(|_| dev.create_stream().unwrap()).collect();
     let alloc = Allocator::new(dev.clone(), Config::default()).unwrap();

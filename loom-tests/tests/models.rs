@@ -22,6 +22,7 @@
 //! | `idle_region_release_against_a_run_of_its_scope` | `empty_cache` takes a plan's region only where the plan's is its one hold (counted under the plans' lock) | `region_idle` |
 //! | `a_pool_and_the_general_allocator_reserving_at_once_under_a_cap` | the family's reserved total is charged with a CAS, so a cap holds for allocators that reserve at once | `cap_check` |
 //! | `a_block_moved_to_another_lane_against_the_last_handle` | a block taken from another lane lets that lane's kept hold go and holds the taker's lane | `moved_hold` |
+//! | `a_lane_retagged_for_a_new_stream_against_a_stale_free_and_hits` | a lane re-tagged for a new stream takes no block of the old one and serves no hit for it | `retag_free`, `retag_hit` |
 //!
 //! The allocator runs with its real configuration (two cache lanes per stream, 64 fast streams):
 //! threads take lanes round-robin as under `std`.
@@ -597,7 +598,7 @@ fn large_hit_against_a_pool_change_and_drain() {
 
         let user = {
             let (cache, epoch) = (cache.clone(), epoch.clone());
-            spawn(move || match cache.pop_large(class.residency, 4 * MIB, &epoch, false) {
+            spawn(move || match cache.pop_large(class.residency, 4 * MIB, S0, &epoch, false) {
                 (Pop::Hit(x), rounded, _) => {
                     assert_eq!(rounded, 4 * MIB);
                     Some(x)
@@ -767,5 +768,59 @@ fn a_pool_and_the_general_allocator_reserving_at_once_under_a_cap() {
         drop((mine, theirs, guard));
         alloc.check_invariants().unwrap();
         pool.check_invariants().unwrap();
+    });
+}
+
+/// A lane whose stream (`T`) was destroyed (closed and flushed, under the global lock) is
+/// re-tagged for a new stream `S` of its slot on the global-lock side, which then frees `new`
+/// into it. Meanwhile a user frees `old`, a buffer of `T` that outlived it and still holds the
+/// lane (`push_stash` for `T`), then asks for memory on `T` (a stale hit), and another asks on
+/// `S`, each under the lane's lock only. Every block ends in exactly one place; the lane never
+/// holds a block of `T` once it serves `S`, and no hit serves `T` from it.
+#[test]
+fn a_lane_retagged_for_a_new_stream_against_a_stale_free_and_hits() {
+    const T: StreamId = StreamId(6);
+    const S: StreamId = StreamId(70);
+    model(3, || {
+        let (pool, blocks) = pool_with_blocks(2);
+        let (old, new) = (cached(&pool, blocks[0]), cached(&pool, blocks[1]));
+        let cache = Arc::new(StreamCache::new(T, LIMITS));
+        cache.close(); // `T` was destroyed
+        let stale = {
+            let cache = cache.clone();
+            spawn(move || {
+                let refused = cache.push_stash(CLASS, old, T, false).is_err();
+                let hit = match cache.pop_request(Residency::Transient, 4096, T) {
+                    (Pop::Hit(x), ..) => Some(x),
+                    _ => None,
+                };
+                (refused, hit)
+            })
+        };
+        let user = {
+            let cache = cache.clone();
+            spawn(move || match cache.pop_request(Residency::Transient, 4096, S) {
+                (Pop::Hit(x), ..) => Some(x),
+                _ => None,
+            })
+        };
+        let left = cache.retag(S, LIMITS, Sizing::default());
+        let pushed = cache.push_stash(CLASS, new, S, false).is_ok();
+        let (refused, stale_hit) = stale.join().unwrap();
+        let got = user.join().unwrap();
+
+        assert_eq!(stale_hit, None, "a hit for the destroyed stream was served");
+        assert_ne!(got, Some(old), "stream S was handed a block of stream T");
+        assert_eq!(cache.stream(), S);
+        let still: Vec<CachedBlock> = cache.peek().into_iter().map(|(_, x)| x).collect();
+        let places = usize::from(refused) + usize::from(left.contains(&old));
+        assert_eq!(
+            places, 1,
+            "old: refused {refused}, left at the re-tag {left:?}, cached {still:?}"
+        );
+        assert!(!still.contains(&old), "the lane serving S holds a block of T");
+        assert!(pushed, "the free on S is cached");
+        let new_places = usize::from(got == Some(new)) + usize::from(still.contains(&new));
+        assert_eq!(new_places, 1, "new: handed out {got:?}, cached {still:?}");
     });
 }

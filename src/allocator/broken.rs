@@ -120,6 +120,19 @@ pub enum Broken {
     /// there again and every later request of the thread misses its own lane (not a soundness
     /// bug: twice the work per pair).
     CrossLaneHitStays = 1 << 32,
+    /// A stream whose fast-path slot (its id modulo `FAST_STREAMS`) served a destroyed stream
+    /// gets lanes of its own outside the slots, as every stream past the 64th did: no fast
+    /// path for any stream created after the 64th (not a soundness bug: the slow path every
+    /// time).
+    NoLaneRetag = 1 << 33,
+    /// A free into a lane does not check that the lane still serves the buffer's stream: a
+    /// buffer that outlived its stream, freed after the lane was re-tagged for a new stream,
+    /// is cached there, and the new stream hands out a block of the old stream's segments.
+    RetaggedLaneTakesStaleFrees = 1 << 34,
+    /// A hit does not check that the lane it found serves the requested stream: a request on
+    /// a destroyed stream, whose lane was re-tagged meanwhile, takes a block cached for the new
+    /// stream instead of failing.
+    RetaggedLaneServesAnyStream = 1 << 35,
     /// A growth whose headroom (expandable segments) does not fit the device fails the request
     /// instead of growing by exactly what the request needs.
     HeadroomOom = 1 << 30,
@@ -217,7 +230,7 @@ impl Broken {
 
     /// Every mode, in declaration order. Kept complete by [`Broken::position`], whose match
     /// stops compiling when a mode is added and not listed.
-    pub const EVERY: [Broken; 54] = [
+    pub const EVERY: [Broken; 57] = [
         Broken::ForeignBuffers,
         Broken::ForgottenUses,
         Broken::UnboundFreeOrder,
@@ -272,6 +285,9 @@ impl Broken {
         Broken::GcPerPool,
         Broken::PoolOomKeepsGeneral,
         Broken::CrossLaneHitStays,
+        Broken::NoLaneRetag,
+        Broken::RetaggedLaneTakesStaleFrees,
+        Broken::RetaggedLaneServesAnyStream,
     ];
 
     /// Its place in [`Broken::EVERY`].
@@ -331,6 +347,9 @@ impl Broken {
             Broken::GcPerPool => 51,
             Broken::PoolOomKeepsGeneral => 52,
             Broken::CrossLaneHitStays => 53,
+            Broken::NoLaneRetag => 54,
+            Broken::RetaggedLaneTakesStaleFrees => 55,
+            Broken::RetaggedLaneServesAnyStream => 56,
         }
     }
 

@@ -239,7 +239,7 @@ impl<D: Device> Drop for Buffer<D> {
             && !self.owner.cells().family.captures.any()
             && let Some(lane) = self.owner.quiet_lane()
         {
-            if lane.push_small(self.class(), self.cached(block)) {
+            if lane.push_small(self.class(), self.cached(block), self.stream) {
                 return; // `owner` now belongs to the lane (nothing to forget)
             }
             state = Freeing::Refused;
@@ -326,14 +326,15 @@ impl<D: Device> Buffer<D> {
         {
             let (class, b) = (self.class(), self.cached(block));
             if is_small(q) {
-                if let Ok(stashed) = lane.push_stash(class, b, true) {
+                if let Ok(stashed) = lane.push_stash(class, b, self.stream, true) {
                     return stashed;
                 }
             } else if let Some(first) = owner.lane_for_free(q, self.size, self.stream) {
                 // (A reference under std, a clone under loom.)
                 #[allow(clippy::needless_borrow)]
                 let first: &StreamCache = &first;
-                if let Ok(stashed) = first.push_stash(class, b, std::ptr::eq(lane, first)) {
+                let stash = std::ptr::eq(lane, first);
+                if let Ok(stashed) = first.push_stash(class, b, self.stream, stash) {
                     return stashed;
                 }
             }

@@ -488,6 +488,9 @@ pub struct Snapshot<const N: usize = BASE_WORDS> {
     pub fast: Vec<[u64; FAST_WORDS]>,
     /// Each stream cache's pool free bytes, in table order.
     pub pool_free: Vec<u64>,
+    /// The stream each cache served at the copy, in table order (a re-tag changes it, and
+    /// makes the collect fail, see `Shared::ensure_cache`).
+    pub streams: Vec<crate::device::StreamId>,
 }
 
 /// One double collect over the base and every stream cache of the list `tables()` returns
@@ -513,6 +516,7 @@ pub fn collect<const N: usize, C: CacheList>(
             base: base.copy(),
             fast: list.iter().map(|c| c.fast_block().copy()).collect(),
             pool_free: list.iter().map(|c| c.slow_block().copy()[0]).collect(),
+            streams: list.iter().map(|c| c.stream()).collect(),
         };
         #[cfg(tidepool_broken = "stats_reader")]
         return Some((held, snap)); // BROKEN: trusts the copies without checking the versions.

@@ -104,6 +104,9 @@ pub enum Pop {
 
 /// Everything under a stream cache's lock.
 pub struct CacheInner {
+    /// The stream the lane serves now (its *tag*; see [`CacheTable`]): a hit or a free for
+    /// another stream is refused here, under this lock.
+    stream: StreamId,
     classes: ClassTable,
     /// Large-pool blocks among `blocks`: 0 or 1 (see [`StreamCache::push`]).
     large: u64,
@@ -154,7 +157,19 @@ pub struct CacheInner {
     /// the lane.
     #[cfg(feature = "test-hooks")]
     unmarked: bool,
+    /// Deliberately broken tag checks ([`TAG_FREES`]: `Broken::RetaggedLaneTakesStaleFrees`,
+    /// [`TAG_HITS`]: `Broken::RetaggedLaneServesAnyStream`): the check passes whatever the
+    /// stream.
+    #[cfg(feature = "test-hooks")]
+    broken_tags: u8,
 }
+
+/// [`CacheInner::broken_tags`]: frees of any stream are taken.
+#[cfg(feature = "test-hooks")]
+pub const TAG_FREES: u8 = 1;
+/// [`CacheInner::broken_tags`]: hits for any stream are served.
+#[cfg(feature = "test-hooks")]
+pub const TAG_HITS: u8 = 2;
 
 /// A large block found, under the global lock, to be exactly what freeing it and taking the
 /// pool's best fit would give for `requested` (`Shared::reuse_fits`), at global-lock section
@@ -175,6 +190,41 @@ pub struct LargeVerdict {
 }
 
 impl CacheInner {
+    /// Whether a block freed on `stream` may be cached here: the lane serves that stream now.
+    /// A buffer keeps its lane's owner for life, and the lane may be re-tagged for a new
+    /// stream once its old one is destroyed ([`CacheTable`]); a block of the old stream cached
+    /// here would be handed out on the new one, and it belongs to the old stream's segments.
+    #[inline(always)]
+    fn serves(&self, stream: StreamId) -> bool {
+        #[cfg(feature = "test-hooks")]
+        if self.broken_tags & TAG_FREES != 0 {
+            return true; // BROKEN (`Broken::RetaggedLaneTakesStaleFrees`)
+        }
+        #[cfg(tidepool_broken = "retag_free")]
+        return true; // BROKEN: a free of any stream is cached.
+        #[allow(unreachable_code)]
+        {
+            self.stream == stream
+        }
+    }
+
+    /// Whether a hit for `stream` may take a block here: the lane serves that stream now (a
+    /// thread may look the lane up for a stream destroyed meanwhile, whose lane now serves
+    /// another stream: its blocks are that stream's).
+    #[inline(always)]
+    fn takes_for(&self, stream: StreamId) -> bool {
+        #[cfg(feature = "test-hooks")]
+        if self.broken_tags & TAG_HITS != 0 {
+            return true; // BROKEN (`Broken::RetaggedLaneServesAnyStream`)
+        }
+        #[cfg(tidepool_broken = "retag_hit")]
+        return true; // BROKEN: a hit for any stream is served.
+        #[allow(unreachable_code)]
+        {
+            self.stream == stream
+        }
+    }
+
     /// Takes all of the lane's credit back (a revocation, see `counters.rs`): its ceiling
     /// becomes its `Δcur`. The hot block moves into its list, so that a hot block's credit is
     /// always held (it was granted by its own free, and nothing else spent it since: the block
@@ -204,7 +254,9 @@ pub struct StreamCache(CachePadded<CacheCells>);
 
 /// What a [`StreamCache`] holds.
 pub struct CacheCells {
-    stream: StreamId,
+    /// `inner.stream`, stored under `inner`'s lock and the global lock (a re-tag), read without
+    /// `inner`'s lock on the global-lock side and by statistics readers (within their collect).
+    tag: AtomicU64,
     inner: LaneLock<CacheInner>,
     fast: SeqBlock<FAST_WORDS>,
     slow: SeqBlock<1>,
@@ -232,8 +284,9 @@ impl StreamCache {
     /// An empty cache for `stream`.
     pub fn new(stream: StreamId, limits: Limits) -> StreamCache {
         StreamCache(CachePadded::new(CacheCells {
-            stream,
+            tag: AtomicU64::new(u64::from(stream.0)),
             inner: LaneLock::new(CacheInner {
+                stream,
                 classes: ClassTable::default(),
                 large: 0,
                 large_class: ClassKey { residency: Residency::Transient, rounded: 0 },
@@ -254,6 +307,8 @@ impl StreamCache {
                 keep_hot: false,
                 #[cfg(feature = "test-hooks")]
                 unmarked: false,
+                #[cfg(feature = "test-hooks")]
+                broken_tags: 0,
             }),
             fast: SeqBlock::new(),
             slow: SeqBlock::new(),
@@ -263,9 +318,10 @@ impl StreamCache {
         }))
     }
 
-    /// The stream it caches for.
+    /// The stream it caches for now (a relaxed read: exact under the global lock, which every
+    /// re-tag holds, or under this lane's lock).
     pub fn stream(&self) -> StreamId {
-        self.stream
+        StreamId(self.tag.load(Ordering::Relaxed) as u32)
     }
 
     #[inline(always)]
@@ -290,24 +346,30 @@ impl StreamCache {
     /// checked against the pool with no other large block of the stream held back from it).
     #[cfg_attr(not(any(test, feature = "test-hooks")), allow(dead_code))]
     pub fn push(&self, class: ClassKey, b: CachedBlock) -> Result<(), CachedBlock> {
-        self.push_stash(class, b, false).map(|_| ())
+        self.push_stash(class, b, self.stream(), false).map(|_| ())
     }
 
-    /// [`StreamCache::push`] from a buffer's drop: with `stash`, the buffer's strong reference
-    /// to the stream's owner handle stays here (returns `Ok(true)`: the caller forgets it) unless
-    /// the stash is closed ([`StreamCache::close_stash`]) or full.
+    /// [`StreamCache::push`] of a block freed on `stream` (refused unless the lane serves it
+    /// now: a buffer may outlive its stream and the lane's re-tag), from a buffer's drop: with
+    /// `stash`, the buffer's strong reference to the stream's owner handle stays here (returns
+    /// `Ok(true)`: the caller forgets it) unless the stash is closed
+    /// ([`StreamCache::close_stash`]) or full.
     #[inline(always)]
     pub fn push_stash(
         &self,
         class: ClassKey,
         b: CachedBlock,
+        stream: StreamId,
         stash: bool,
     ) -> Result<bool, CachedBlock> {
         let mut g = self.lock_inner();
         let inner = &mut *g;
         let large = !is_small(b.quadrant);
         // Disabled, closed or full: one compare (`room` is 0 in the first two cases).
-        if inner.words[CACHED_BYTES] + b.size > inner.room || large && inner.large > 0 {
+        if inner.words[CACHED_BYTES] + b.size > inner.room
+            || large && inner.large > 0
+            || !inner.serves(stream)
+        {
             return Err(b);
         }
         let entries = inner.limits.entries;
@@ -346,14 +408,14 @@ impl StreamCache {
     /// common free: `true`, the buffer's hold on the allocator stays here; `false` when the lane
     /// refuses the block (the caller frees it into the pool).
     #[inline(always)]
-    pub fn push_small(&self, class: ClassKey, b: CachedBlock) -> bool {
+    pub fn push_small(&self, class: ClassKey, b: CachedBlock, stream: StreamId) -> bool {
         debug_assert!(is_small(b.quadrant));
         let mut g = self.lock_inner();
         let inner = &mut *g;
         let cached = inner.words[CACHED_BYTES];
         // Disabled, closed or full: one compare (`room` is 0 in the first two cases, and with
-        // no entries allowed).
-        if cached + b.size > inner.room {
+        // no entries allowed); and a block of a stream the lane no longer serves.
+        if cached + b.size > inner.room || !inner.serves(stream) {
             return false;
         }
         // The lane's only block: the hot entry, no list (`class_table.rs`). A class of one
@@ -397,9 +459,17 @@ impl StreamCache {
     /// The third value says whether the hit took over a stashed reference to the stream's owner
     /// handle ([`StreamCache::push_stash`]); the caller must then adopt it (`owner.rs`).
     #[inline(always)]
-    pub fn pop_request(&self, residency: Residency, bytes: u64) -> (Pop, u64, bool) {
+    pub fn pop_request(
+        &self,
+        residency: Residency,
+        bytes: u64,
+        stream: StreamId,
+    ) -> (Pop, u64, bool) {
         debug_assert!(bytes > 0);
         let g = self.lock_inner();
+        if !g.takes_for(stream) {
+            return (Pop::Miss, 0, false);
+        }
         let mask = g.round_mask;
         let rounded = match mask {
             u64::MAX => match round_cold(&g.sizing, bytes) {
@@ -438,6 +508,7 @@ impl StreamCache {
         &self,
         residency: Residency,
         bytes: u64,
+        stream: StreamId,
         epoch: &AtomicU64,
         broken_stale: bool,
     ) -> (Pop, u64, bool) {
@@ -445,6 +516,9 @@ impl StreamCache {
             return (Pop::Miss, 0, false);
         }
         let g = self.lock_inner();
+        if !g.takes_for(stream) {
+            return (Pop::Miss, 0, false);
+        }
         let Some(v) = g.verdict else { return (Pop::Miss, 0, false) };
         let current = v.epoch == epoch.load(Ordering::Acquire) || broken_stale;
         // `limits.enabled`: pushes stop when caching is turned off, but blocks cached before
@@ -626,9 +700,12 @@ impl StreamCache {
 
     /// Takes a block of `class` whatever its request and the credit; the caller holds the global
     /// lock and accounts the hand-out there (it is a live block again, and no longer cached).
-    pub fn pop_locked(&self, class: ClassKey) -> Option<CachedBlock> {
+    pub fn pop_locked(&self, class: ClassKey, stream: StreamId) -> Option<CachedBlock> {
         let mut g = self.lock_inner();
         let inner = &mut *g;
+        if inner.stream != stream {
+            return None;
+        }
         let b = inner.classes.pop(class)?;
         if !is_small(b.quadrant) {
             self.set_large(inner, 0);
@@ -828,6 +905,14 @@ impl StreamCache {
         self.lock_inner().unmarked = on;
     }
 
+    /// Turns the deliberate tag-check bugs `bits` ([`TAG_FREES`], [`TAG_HITS`]) on or off for
+    /// this lane.
+    #[cfg(feature = "test-hooks")]
+    pub fn set_broken_tags(&self, bits: u8, on: bool) {
+        let mut g = self.lock_inner();
+        g.broken_tags = if on { g.broken_tags | bits } else { g.broken_tags & !bits };
+    }
+
     /// Turns the deliberate bug `Broken::HotCreditKept` on or off for this lane.
     #[cfg(feature = "test-hooks")]
     pub fn set_keep_hot(&self, on: bool) {
@@ -841,8 +926,23 @@ impl StreamCache {
         g.room = 0;
     }
 
+    /// Serves `stream` from now on (a *re-tag*, see [`CacheTable`]): the lane of a destroyed
+    /// stream, closed then, opens again for a new one under `limits` and `sizing`. Returns
+    /// what it still cached, for the caller to free into the pool (nothing, after the flush
+    /// that closed it: a closed lane takes no block). The caller holds the global lock, has
+    /// made statistics readers retry, and then re-sorts the table (the lock order).
+    pub fn retag(&self, stream: StreamId, limits: Limits, sizing: Sizing) -> Vec<CachedBlock> {
+        let left = self.drain();
+        let mut g = self.lock_inner();
+        g.stream = stream;
+        g.closed = false;
+        self.tag.store(u64::from(stream.0), Ordering::Relaxed);
+        drop(g);
+        self.configure(limits, sizing);
+        left
+    }
+
     /// Whether [`StreamCache::close`] was called.
-    #[cfg_attr(not(feature = "test-hooks"), allow(dead_code))]
     pub fn is_closed(&self) -> bool {
         self.lock_inner().closed
     }
@@ -966,11 +1066,28 @@ pub(crate) fn thread_lane() -> usize {
     LANE.with(|l| *l)
 }
 
-/// Every stream cache, `LANES` per stream. Streams with an id below [`FAST_STREAMS`] sit in
-/// once-set slots read with one `Acquire` load on the fast path; every cache (those too) is also
-/// in `all`, a list in stream order (lanes in order) replaced as a whole under the global lock,
-/// for flushes, credit revocation and statistics. Caches are never removed while the allocator
-/// lives.
+/// Every stream cache, `LANES` per stream.
+///
+/// ```text
+///  slots: [ slot 0: lane 0, lane 1 ][ slot 1 ] … [ slot 63 ]    stream s → slot s mod 64
+///           once set, never removed; each lane tagged with the stream it serves now
+///  all:   every lane, slotted or not, in stream (tag) order, lanes in order; replaced whole
+/// ```
+///
+/// Stream ids are never reused (the devices count them up), so a table indexed by id would
+/// give no fast path to a program that creates and destroys streams, once its 64th is made.
+/// Instead a stream's lanes are slot `id mod FAST_STREAMS`'s: the slot's own when it has none
+/// yet, or *re-tagged* when the stream they served was destroyed (its lanes were closed and
+/// flushed then; see `Shared::ensure_cache`). A stream whose slot still serves a live stream
+/// gets unslotted lanes (in `all` only, closed to blocks: they carry its pool statistics), so
+/// it takes the slow path, as does any stream looked up before it has lanes. Slotted lookups
+/// (one `Acquire` load) compare the tag and answer `None` for a lane serving another stream;
+/// the tag is compared again under the lane's lock by every hit and free
+/// ([`CacheInner::serves`], [`CacheInner::takes_for`]), since a lane found for a stream may be
+/// re-tagged before its lock is taken, and a buffer keeps its lane for life.
+///
+/// `all` is the lanes' lock order and the statistics readers' list: it is re-sorted as a whole
+/// after a re-tag, under the global lock (which every holder of two lane locks holds).
 pub struct CacheTable {
     slots: Box<[OnceSlot<Arc<StreamCache>>]>,
     all: ArcCell<Vec<Arc<StreamCache>>>,
@@ -985,35 +1102,61 @@ impl Default for CacheTable {
     }
 }
 
+/// The index in the slots of lane `lane` of `stream`'s slot.
+#[inline(always)]
+pub(crate) fn slot_index(stream: StreamId, lane: usize) -> usize {
+    (stream.0 as usize % FAST_STREAMS) * LANES + (lane & (LANES - 1))
+}
+
 impl CacheTable {
-    /// The cache of `stream` for the fast path: `None` if it has none yet, or if its id is not
-    /// below [`FAST_STREAMS`] (such streams always take the slow path).
+    /// This thread's lane of `stream` for the fast path: `None` if the stream has no slotted
+    /// lanes (none yet, or its slot serves another stream).
     #[inline]
     pub fn fast(&self, stream: StreamId) -> Option<SlotRef<'_, Arc<StreamCache>>> {
         self.fast_lane(stream, 0)
     }
 
-    /// Lane 0 of `stream` from the fast slots (`None` past [`FAST_STREAMS`] or before it has
-    /// caches).
+    /// Lane 0 of `stream` from the slots (`None` as for [`CacheTable::fast`]).
     #[inline]
     pub fn first_lane(&self, stream: StreamId) -> Option<SlotRef<'_, Arc<StreamCache>>> {
-        self.slots.get((stream.0 as usize).checked_mul(LANES)?)?.get()
+        self.fast_lane_at(stream, 0)
     }
 
     /// Like [`CacheTable::fast`], for the `k`-th lane counted from this thread's own.
     #[inline]
     pub fn fast_lane(&self, stream: StreamId, k: usize) -> Option<SlotRef<'_, Arc<StreamCache>>> {
-        let lane = (thread_lane() + k) % LANES;
-        self.slots.get((stream.0 as usize).checked_mul(LANES)? + lane)?.get()
+        self.fast_lane_at(stream, (thread_lane() + k) % LANES)
     }
 
-    /// Lane `lane` (counted from 0, not from this thread's) of `stream` from the fast slots.
+    /// Lane `lane` (counted from 0, not from this thread's) of `stream` from the slots.
+    #[inline]
     pub fn fast_lane_at(
         &self,
         stream: StreamId,
         lane: usize,
     ) -> Option<SlotRef<'_, Arc<StreamCache>>> {
-        self.slots.get((stream.0 as usize).checked_mul(LANES)? + lane)?.get()
+        self.slots[slot_index(stream, lane)].get().filter(|c| c.stream() == stream)
+    }
+
+    /// The lanes of `stream`'s slot, whatever stream they serve (none before the slot's first
+    /// stream). For the global-lock side.
+    pub fn slot_lanes(&self, stream: StreamId) -> Vec<Arc<StreamCache>> {
+        // (`get` yields a reference under std, a clone under loom.)
+        #[allow(clippy::needless_borrow)]
+        let lane = |l| self.slots[slot_index(stream, l)].get().map(|c| Arc::clone(&c));
+        (0..LANES).filter_map(lane).collect()
+    }
+
+    /// Whether `cache` is a slotted lane (one that a buffer's owner may hold).
+    pub fn is_slotted(&self, cache: &StreamCache) -> bool {
+        (0..LANES).any(|l| {
+            self.slots[slot_index(cache.stream(), l)].get().is_some_and(|c| {
+                // (A reference under std, a clone under loom.)
+                #[allow(clippy::needless_borrow)]
+                let c: &StreamCache = &c;
+                std::ptr::eq(c, cache)
+            })
+        })
     }
 
     /// Every cache, in stream order (the lock order).
@@ -1035,20 +1178,29 @@ impl CacheTable {
         all[i..].iter().take_while(|c| c.stream() == stream).cloned().collect()
     }
 
-    /// Adds the lanes of a stream that has none, lane 0 first. The caller holds the global lock,
-    /// and must then make statistics readers retry (they may hold the old list).
-    pub fn add(&self, lanes: Vec<Arc<StreamCache>>) {
+    /// Adds the lanes of a stream that has none, lane 0 first, into its slot if that is empty
+    /// (`slotted`; else they are unslotted). The caller holds the global lock, and must then
+    /// make statistics readers retry (they may hold the old list).
+    pub fn add(&self, lanes: Vec<Arc<StreamCache>>, slotted: bool) {
         let Some(stream) = lanes.first().map(|c| c.stream()) else { return };
         let mut all: Vec<_> = self.all.load().iter().cloned().collect();
         let at = all.partition_point(|c| c.stream() < stream);
         for (lane, cache) in lanes.into_iter().enumerate() {
             all.insert(at + lane, cache.clone());
-            if let Some(slot) =
-                (stream.0 as usize).checked_mul(LANES).and_then(|i| self.slots.get(i + lane))
-            {
-                slot.set(cache);
+            if slotted {
+                self.slots[slot_index(stream, lane)].set(cache);
             }
         }
+        self.all.store(Arc::new(all));
+    }
+
+    /// Rebuilds the list after re-tags, in stream order (lanes of a stream keep their order),
+    /// without the lanes `drop` names. The caller holds the global lock, and made statistics
+    /// readers retry before the first re-tag.
+    pub fn resort(&self, mut drop: impl FnMut(&StreamCache) -> bool) {
+        let mut all: Vec<_> = self.all.load().iter().filter(|c| !drop(c)).cloned().collect();
+        // Stable: a re-tagged slot's lanes were adjacent in lane order, and stay so.
+        all.sort_by_key(|c| c.stream());
         self.all.store(Arc::new(all));
     }
 

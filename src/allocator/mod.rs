@@ -320,7 +320,7 @@ impl<D: Device> Allocator<D> {
             return None; // a large request: `alloc_missed` asks the stream's first lane
         }
         let residency = sh.cached_residency(residency);
-        match cache.pop_request(residency, bytes) {
+        match cache.pop_request(residency, bytes, stream) {
             (Pop::Hit(b), rounded, stashed) => {
                 let owner = OwnerTable::hit_owner(owner, stashed);
                 Some(Self::buffer_of_hit(owner, &b, bytes, stream, rounded, residency))
@@ -343,7 +343,7 @@ impl<D: Device> Allocator<D> {
         let owner: &Arc<owner::Owner<D>> = &slot;
         let cache = owner.lane()?;
         let stale = sh.broken(Broken::StaleLargeVerdict);
-        match cache.pop_large(residency, bytes, &sh.epoch, stale) {
+        match cache.pop_large(residency, bytes, stream, &sh.epoch, stale) {
             (Pop::Hit(b), rounded, stashed) => {
                 Some(self.hand_out_hit(owner, &b, bytes, stream, rounded, residency, stashed))
             }
@@ -510,7 +510,7 @@ impl<D: Device> Allocator<D> {
                     break; // a large request: no lane serves it
                 }
                 let r = sh.cached_residency(residency);
-                match cache.pop_request(r, bytes) {
+                match cache.pop_request(r, bytes, stream) {
                     (Pop::Hit(b), rounded, stashed)
                         if k == 0 || sh.broken(Broken::CrossLaneHitStays) =>
                     {
@@ -549,7 +549,7 @@ impl<D: Device> Allocator<D> {
         let residency = sh.placed_residency(config, plan.kind, residency);
         let class = ClassKey { residency, rounded: plan.rounded };
         sh.check_stream(&mut st, stream)?;
-        if let Some(b) = cached.and_then(|c| c.pop_locked(class)) {
+        if let Some(b) = cached.and_then(|c| c.pop_locked(class, stream)) {
             // A cached block for another request size, or beyond the stream's credit: account
             // it here, where the peak can be raised exactly.
             if b.requested != bytes {
@@ -826,6 +826,15 @@ impl<D: Device> Allocator<D> {
         if mode == Broken::DevicePanicsUnwind {
             self.shared.device.set_unwind(on);
         }
+        let tags = match mode {
+            Broken::RetaggedLaneTakesStaleFrees => fast_cache::TAG_FREES,
+            Broken::RetaggedLaneServesAnyStream => fast_cache::TAG_HITS,
+            _ => 0,
+        };
+        if tags != 0 {
+            // The lanes check their tags under their own locks, with no `Shared` in sight.
+            self.shared.caches.all().iter().for_each(|c| c.set_broken_tags(tags, on));
+        }
         if mode == Broken::UnmarkedCredit {
             // The lanes' frees grant credit under their own locks, with no `Shared` in sight.
             self.shared.caches.all().iter().for_each(|c| c.set_unmarked(on));
@@ -848,6 +857,20 @@ impl<D: Device> Allocator<D> {
     pub fn lanes_cached_bytes(&self, stream: StreamId) -> (Vec<u64>, usize) {
         let lanes = self.shared.caches.lanes(stream);
         (lanes.iter().map(|c| c.cached_bytes_now()).collect(), fast_cache::thread_lane())
+    }
+
+    /// **Test only.** The stream each cache lane serves, in table order (lanes of a stream are
+    /// adjacent): what the table holds, slotted lanes and unslotted ones alike.
+    #[cfg(feature = "test-hooks")]
+    pub fn lane_streams(&self) -> Vec<StreamId> {
+        self.shared.caches.all().iter().map(|c| c.stream()).collect()
+    }
+
+    /// **Test only.** How many times a fast-path slot's lanes were re-tagged for a new stream
+    /// (its old stream destroyed), so far.
+    #[cfg(feature = "test-hooks")]
+    pub fn lane_retags(&self) -> u64 {
+        lock(&self.shared.state).counters.lane_retags
     }
 
     /// **Test only.** How many times the global lock has been taken so far (tests use it to
@@ -941,13 +964,9 @@ impl<D: Device> Allocator<D> {
             sh.publish_now(&mut st);
         }
         let raw = if lock_free
-            && let Some((table, snap)) =
-                counters::collect(&sh.stats, || sh.caches.all(), STATS_TRIES)
+            && let Some((_, snap)) = counters::collect(&sh.stats, || sh.caches.all(), STATS_TRIES)
         {
-            sh.with_extra_stats(
-                sh.with_vm_stats(sh.with_scope_stats(stats_from(&table, snap))),
-                None,
-            )
+            sh.with_extra_stats(sh.with_vm_stats(sh.with_scope_stats(stats_from(snap))), None)
         } else {
             self.stats_under_lock()
         };
@@ -976,9 +995,10 @@ impl<D: Device> Allocator<D> {
                     false => 0,
                 })
                 .collect(),
+            streams: all.iter().map(|c| c.stream()).collect(),
         };
         drop(inners);
-        let m = sh.with_vm_stats(sh.with_scope_stats(stats_from(&all, snap)));
+        let m = sh.with_vm_stats(sh.with_scope_stats(stats_from(snap)));
         sh.with_extra_stats(m, Some(&*st))
     }
 

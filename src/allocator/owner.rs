@@ -33,8 +33,9 @@
 //! lane counts them, `owner_refs`, under its lock) and a hit takes one over ([`OwnerTable::
 //! hit_owner`]) instead of cloning: a hit and its free touch no reference count. That is sound
 //! because every buffer freed into a lane with its reference holds that lane's `Arc<Owner>` (its
-//! slot's, set once; a free stashes only into its owner's own lane), and only the streams below
-//! [`FAST_STREAMS`] have such owners. The references kept in lanes would
+//! slot's, set once, and kept when the lane is re-tagged for another stream of the slot; a free
+//! stashes only into its owner's own lane), and only slotted lanes have such owners (one slot
+//! per stream id modulo [`FAST_STREAMS`], see `CacheTable`). The references kept in lanes would
 //! keep `Shared` alive for ever, so when the last handle goes the table, under the global lock,
 //! closes every lane's stash and releases what it held; a buffer freed later (or into a lane
 //! made later) keeps its reference and lets go of it as before.
@@ -47,7 +48,7 @@
 //! ```
 
 use super::Shared;
-use super::fast_cache::{FAST_STREAMS, LANES, StreamCache, thread_lane};
+use super::fast_cache::{FAST_STREAMS, LANES, StreamCache, slot_index, thread_lane};
 use super::private_pool::Family;
 use crate::device::{Device, StreamId};
 use crate::sync::{Arc, OnceSlot, SlotRef};
@@ -119,8 +120,9 @@ const _: () = assert!(LANES.is_power_of_two());
 /// One owner per lane of every stream with a fast path, and one for every other stream.
 pub(crate) struct OwnerTable<D: Device> {
     shared: Arc<Shared<D>>,
-    /// `FAST_STREAMS × LANES` slots, lane `l` of stream `s` at `s · LANES + l` (as the caches'):
-    /// a fixed size, so a lookup checks the stream alone (no bounds check).
+    /// `FAST_STREAMS × LANES` slots, lane `l` of stream `s` at `(s mod FAST_STREAMS) · LANES + l`
+    /// (as the caches', [`slot_index`]): a fixed size, so a lookup needs no bounds check. A
+    /// slot's owner stays with its lane when the lane is re-tagged for another stream.
     slots: Box<[OnceSlot<Arc<Owner<D>>>; SLOTS]>,
     other: Arc<Owner<D>>,
 }
@@ -137,10 +139,10 @@ impl<D: Device> Drop for OwnerTable<D> {
             if n == 0 {
                 continue;
             }
-            // The owner whose lane it is: one of its stream's slots.
-            let base = cache.stream().0 as usize * LANES;
-            let owner = (base..base + LANES)
-                .filter_map(|i| self.slots.get(i).and_then(|s| s.get()))
+            // The owner whose lane it is: one of its stream's slot's (a lane keeps its slot
+            // when it is re-tagged, for a stream of the same slot).
+            let owner = (0..LANES)
+                .filter_map(|l| self.slots[slot_index(cache.stream(), l)].get())
                 .find(|o| o.lane().is_some_and(|l| std::ptr::eq(l, &**cache)));
             // (`get` yields a reference under std, a clone under loom.)
             #[allow(clippy::needless_borrow)]
@@ -168,8 +170,9 @@ impl<D: Device> OwnerTable<D> {
         }
     }
 
-    /// The owner of this thread's lane of `stream` (the hit path's one lookup), once a buffer
-    /// of it was handed out (`None` before, or past [`FAST_STREAMS`]).
+    /// The owner of this thread's lane of `stream`'s slot (the hit path's one lookup), once a
+    /// buffer of it was handed out (`None` before). Its lane may serve another stream: the
+    /// hit's pop compares under the lane's lock.
     #[inline(always)]
     pub fn lane_owner(&self, stream: StreamId) -> Option<SlotRef<'_, Arc<Owner<D>>>> {
         self.owner_slot(stream, thread_lane())
@@ -178,15 +181,13 @@ impl<D: Device> OwnerTable<D> {
     /// The owner of lane `lane` of `stream`, if made.
     #[inline(always)]
     pub fn owner_slot(&self, stream: StreamId, lane: usize) -> Option<SlotRef<'_, Arc<Owner<D>>>> {
-        self.slot(stream, lane)?.get()
+        self.slot(stream, lane).get()
     }
 
-    /// The slot of lane `lane` of `stream` (`None` past [`FAST_STREAMS`]).
+    /// The slot of lane `lane` of `stream`'s slot.
     #[inline(always)]
-    fn slot(&self, stream: StreamId, lane: usize) -> Option<&OnceSlot<Arc<Owner<D>>>> {
-        let s = stream.0 as usize;
-        // (`lane` < LANES, a power of two: the mask only tells the compiler.)
-        (s < FAST_STREAMS).then(|| &self.slots[s * LANES + (lane & (LANES - 1))])
+    fn slot(&self, stream: StreamId, lane: usize) -> &OnceSlot<Arc<Owner<D>>> {
+        &self.slots[slot_index(stream, lane)]
     }
 
     /// The hold on the allocator for a buffer a hit through `slot` handed out: the reference
@@ -203,7 +204,9 @@ impl<D: Device> OwnerTable<D> {
     }
 
     /// A new hold on the allocator for a buffer of `stream` handed out by this thread: its lane's
-    /// owner (made here the first time, once the stream has caches), else the `other` one.
+    /// owner (made here the first time, once the stream has slotted lanes), else the `other`
+    /// one. (A slot's owner made for an earlier stream of the slot serves too: a free to a lane
+    /// that serves another stream is refused there, and goes to the pool.)
     pub fn owner(&self, stream: StreamId) -> Arc<Owner<D>> {
         self.owner_of_lane(stream, thread_lane())
     }
@@ -211,7 +214,7 @@ impl<D: Device> OwnerTable<D> {
     /// [`OwnerTable::owner`] of lane `lane` of `stream` (a stream's first lane holds its large
     /// block, so a large buffer belongs to it).
     pub fn owner_of_lane(&self, stream: StreamId, lane: usize) -> Arc<Owner<D>> {
-        let Some(slot) = self.slot(stream, lane) else { return self.other.clone() };
+        let slot = self.slot(stream, lane);
         // `get` yields a reference under std and a clone under loom; `clone` serves both.
         if let Some(o) = slot.get() {
             return o.clone();

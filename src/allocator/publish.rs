@@ -102,18 +102,18 @@ pub(super) fn limits(config: &Config, recording: bool) -> Limits {
 }
 
 /// Builds [`MemoryStats`] from one consistent copy.
-pub(super) fn stats_from(caches: &[Arc<StreamCache>], snap: counters::Snapshot) -> MemoryStats {
-    let counters::Snapshot { base, fast, pool_free: slow } = snap;
+pub(super) fn stats_from(snap: counters::Snapshot) -> MemoryStats {
+    let counters::Snapshot { base, fast, pool_free: slow, streams } = snap;
     let [retries, ooms, device_alloc, device_free, host_syncs] = counters::counters(&base);
     let mut per_stream = Vec::new();
     let mut cached_fast_bytes = 0;
-    for ((c, f), pool_free) in caches.iter().zip(&fast).zip(&slow) {
+    for ((s, f), pool_free) in streams.iter().zip(&fast).zip(&slow) {
         let cached = f[counters::CACHED_BYTES];
         cached_fast_bytes += cached;
         // The lanes of a stream are adjacent: one entry per stream.
         match per_stream.last_mut() {
-            Some((s, bytes)) if *s == c.stream().0 => *bytes += cached + pool_free,
-            _ => per_stream.push((c.stream().0, cached + pool_free)),
+            Some((last, bytes)) if *last == s.0 => *bytes += cached + pool_free,
+            _ => per_stream.push((s.0, cached + pool_free)),
         }
     }
     per_stream.retain(|&(_, bytes)| bytes > 0);

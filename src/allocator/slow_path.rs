@@ -421,7 +421,7 @@ impl<D: Device> Shared<D> {
                 requested: f.requested,
                 quadrant: f.quadrant,
             };
-            if let Ok(stashed) = cache.push_stash(class, b, stash) {
+            if let Ok(stashed) = cache.push_stash(class, b, f.stream, stash) {
                 return stashed;
             }
         }
@@ -581,7 +581,7 @@ impl<D: Device> Shared<D> {
             Pop::NeedsLock => {
                 // Accepted, but another request size or too little credit: account it here.
                 // Large blocks are popped under the global lock only, so it is the same block.
-                let b = cache.pop_locked(class)?;
+                let b = cache.pop_locked(class, stream)?;
                 if b.requested != bytes {
                     st.pool.set_requested(b.block, bytes);
                 }
@@ -630,7 +630,8 @@ impl<D: Device> Shared<D> {
         }
     }
 
-    /// Gives `stream` a cache if it has none (it is about to own memory).
+    /// Gives `stream` a cache if it has none (it is about to own memory): its slot's lanes (see
+    /// `CacheTable`), made now or re-tagged from a destroyed stream, else unslotted lanes.
     pub(super) fn ensure_cache(&self, st: &mut State, stream: StreamId) {
         if self.caches.get(stream).is_some() {
             return;
@@ -638,25 +639,80 @@ impl<D: Device> Shared<D> {
         let config = self.config.load();
         let recording = self.recording.load(Ordering::Relaxed);
         let limits = limits(&config, recording && !self.broken(Broken::HistoryLanesOpen));
-        let lanes: Vec<_> = (0..fast_cache::LANES)
-            .map(|_| {
-                let cache = StreamCache::new(stream, limits);
-                cache.configure(limits, config.sizing);
-                Arc::new(cache)
-            })
-            .collect();
-        lanes[0].publish_pool_free(st.pool.free_bytes_of(stream));
-        if !st.streams.contains_key(&stream) && !self.broken(Broken::UnknownStreams) {
-            // Destroyed (or forgotten) since it was checked: its caches never take a block.
-            lanes.iter().for_each(|c| c.close());
-        }
-        if st.stash_closed {
-            lanes.iter().for_each(|c| debug_assert_eq!(c.close_stash(), 0));
-        }
-        self.caches.add(lanes);
-        st.lanes = Arc::new(self.caches.all().iter().cloned().collect());
-        // Readers that loaded the old table must retry.
+        // Readers that loaded the old table must retry; opened before any lane is re-tagged,
+        // so that a reader that sees a new tag fails its collect.
         st.base.touch(&self.stats);
+        let known = st.streams.contains_key(&stream) || self.broken(Broken::UnknownStreams);
+        let slot = self.caches.slot_lanes(stream);
+        // The slot's stream was destroyed (or never known): its lanes were closed and flushed.
+        let retired = !slot.is_empty() && slot.iter().all(|c| c.is_closed());
+        if known && retired && !self.broken(Broken::NoLaneRetag) {
+            self.retag_slot(st, stream, &slot, limits, config.sizing);
+        } else {
+            let lanes: Vec<_> = (0..fast_cache::LANES)
+                .map(|_| {
+                    let cache = StreamCache::new(stream, limits);
+                    cache.configure(limits, config.sizing);
+                    Arc::new(cache)
+                })
+                .collect();
+            lanes[0].publish_pool_free(st.pool.free_bytes_of(stream));
+            if !known {
+                // Destroyed (or forgotten) since it was checked: its caches never take a block.
+                lanes.iter().for_each(|c| c.close());
+            }
+            if st.stash_closed {
+                lanes.iter().for_each(|c| debug_assert_eq!(c.close_stash(), 0));
+            }
+            // Unslotted where the slot serves another stream: no fast path, only its figures.
+            self.caches.add(lanes, slot.is_empty());
+        }
+        st.lanes = Arc::new(self.caches.all().iter().cloned().collect());
+    }
+
+    /// Re-tags the lanes of `stream`'s slot, whose stream is gone (`slot`, all closed), for
+    /// `stream`: they open again under `limits` and `sizing` and publish its pool figures.
+    /// The old stream keeps a carrier for its own figures (new unslotted lanes, closed) while
+    /// it has segments (its live buffers may outlive it); unslotted lanes of gone streams with
+    /// no segment left are dropped from the table. The caller holds the global lock and made
+    /// statistics readers retry.
+    fn retag_slot(
+        &self,
+        st: &mut State,
+        stream: StreamId,
+        slot: &[Arc<StreamCache>],
+        limits: Limits,
+        sizing: crate::pool::Sizing,
+    ) {
+        let old = slot[0].stream();
+        for lane in slot {
+            // (Nothing, after the flush that closed it: a closed lane takes no block.)
+            for b in lane.retag(stream, limits, sizing) {
+                st.pool.free(b.block);
+            }
+        }
+        slot[0].publish_pool_free(st.pool.free_bytes_of(stream));
+        st.counters.lane_retags += 1;
+        self.caches.resort(|c| {
+            c.stream() != old
+                && !self.caches.is_slotted(c)
+                && c.is_closed()
+                && !st.segment_streams.contains_key(&c.stream())
+        });
+        if st.segment_streams.contains_key(&old) {
+            let carrier: Vec<_> = (0..fast_cache::LANES)
+                .map(|_| {
+                    let c = StreamCache::new(old, limits);
+                    c.close();
+                    Arc::new(c)
+                })
+                .collect();
+            carrier[0].publish_pool_free(st.pool.free_bytes_of(old));
+            if st.stash_closed {
+                carrier.iter().for_each(|c| debug_assert_eq!(c.close_stash(), 0));
+            }
+            self.caches.add(carrier, false);
+        }
     }
 
     /// Bytes of `stream`'s segments in blocks that are not free in the pool: allocated, or freed

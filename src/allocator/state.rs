@@ -101,6 +101,8 @@ pub(super) struct Counters {
     pub(super) host_syncs: u64,
     /// Waits for every pending event (PyTorch's `num_sync_all_streams`).
     pub(super) sync_all: u64,
+    /// Slots whose lanes were re-tagged for a new stream (`CacheTable`).
+    pub(super) lane_retags: u64,
 }
 
 #[derive(Default)]

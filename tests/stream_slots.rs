@@ -1,0 +1,231 @@
+//! Fast-path slots for streams past the 64th. Stream ids are never reused (the devices count
+//! them up), so the lanes of the fast path sit in 64 slots by `id mod 64`, and a new stream
+//! takes its slot's lanes over (*re-tags* them) once the stream they served was destroyed.
+//! Exact addresses, lock counts and lane tables; each deliberate bug the design guards
+//! against (`Broken::NoLaneRetag`, `RetaggedLaneTakesStaleFrees`, `RetaggedLaneServesAnyStream`)
+//! is shown to be caught.
+
+use std::sync::Arc;
+use tidepool::device::{Access, AccessKind, Kernel, Launch, SimDevice};
+use tidepool::hooks::Broken;
+use tidepool::{AllocError, Allocator, BlockState, Config, Device, DeviceAddr, MIB, StreamId};
+
+const S0: StreamId = StreamId::DEFAULT;
+
+fn setup() -> (Arc<SimDevice>, Allocator<SimDevice>) {
+    let dev = Arc::new(SimDevice::backed(1 << 30));
+    let alloc = Allocator::new(dev.clone(), Config::default()).unwrap();
+    (dev, alloc)
+}
+
+fn check(dev: &SimDevice, alloc: &Allocator<SimDevice>) {
+    alloc.check_invariants().unwrap();
+    assert_eq!(dev.violations(), vec![]);
+}
+
+/// Creates streams up to id `last` (none may exist past it yet).
+fn streams_up_to(dev: &SimDevice, last: u32) -> StreamId {
+    loop {
+        let s = dev.create_stream().unwrap();
+        assert!(s.0 <= last, "stream {} made past {last}", s.0);
+        if s.0 == last {
+            return s;
+        }
+    }
+}
+
+/// Each of `n` lanes' streams, twice (a stream's two lanes).
+fn twice(streams: impl IntoIterator<Item = u32>) -> Vec<StreamId> {
+    streams.into_iter().flat_map(|s| [StreamId(s), StreamId(s)]).collect()
+}
+
+/// A stream made after 69 others were made, used once and destroyed takes slot 6's lanes
+/// (stream 6's, destroyed) and its pairs never take the global lock, as a low stream's. Stream
+/// 64, whose slot serves the live default stream, has lanes outside the slots (the slow path),
+/// dropped from the table once the stream is destroyed and its segments are gone. Broken mode
+/// `NoLaneRetag` (every stream past the 64th without a fast path) takes the lock twice a pair.
+#[test]
+fn a_stream_past_the_64th_takes_over_the_lanes_of_a_destroyed_stream_of_its_slot() {
+    for broken in [false, true] {
+        let (dev, alloc) = setup();
+        alloc.set_broken(Broken::NoLaneRetag, broken);
+        // Live, so that no stream takes the default stream's segment over (cross-stream reuse).
+        let b0 = alloc.alloc(4096, S0).unwrap();
+        for i in 1..=69 {
+            let s = streams_up_to(&dev, i);
+            drop(alloc.alloc(4096, s).unwrap());
+            alloc.destroy_stream(s).unwrap();
+            check(&dev, &alloc);
+        }
+        let s = streams_up_to(&dev, 70);
+        let p = alloc.alloc(4096, s).unwrap().ptr();
+        let n = alloc.global_lock_acquisitions();
+        for _ in 0..100 {
+            assert_eq!(alloc.alloc(4096, s).unwrap().ptr(), p);
+        }
+        let pairs_locked = alloc.global_lock_acquisitions() - n;
+        check(&dev, &alloc);
+        let st = alloc.stats();
+        assert_eq!(st.cached_free_bytes_per_stream, vec![(0, 2 * MIB - 4096), (70, 2 * MIB)]);
+        assert_eq!(st.blocks.allocation.all.allocated, 1 + 69 + 101);
+        // (The slow path frees into the pool: nothing cached.)
+        assert_eq!(st.cached_fast_bytes, if broken { 0 } else { 4096 });
+        if broken {
+            assert_eq!((pairs_locked, alloc.lane_retags()), (200, 0), "the slow path");
+            continue;
+        }
+        assert_eq!(pairs_locked, 0, "no global lock taken");
+        // Streams 65…70 took slots 1…6 over; 64's own lanes went once it was gone.
+        assert_eq!(alloc.lane_retags(), 6);
+        let table: Vec<u32> = [0].into_iter().chain(7..=63).chain(65..=70).collect();
+        assert_eq!(alloc.lane_streams(), twice(table));
+        // The default stream's lanes serve it as before.
+        let p0 = b0.ptr();
+        drop(b0);
+        let n = alloc.global_lock_acquisitions();
+        assert_eq!(alloc.alloc(4096, S0).unwrap().ptr(), p0);
+        assert_eq!(alloc.global_lock_acquisitions(), n);
+        check(&dev, &alloc);
+        drop(alloc);
+        assert!(dev.live_segments().is_empty(), "nothing kept: {:?}", dev.live_segments());
+    }
+}
+
+/// A buffer that outlives its stream (6) keeps its lane's owner, and the lane is re-tagged
+/// for stream 70 meanwhile: its free goes to the pool (stream 6's segment), not into stream
+/// 70's lane, and stream 6 keeps lanes outside the slots for its figures while it has
+/// segments. Broken mode `RetaggedLaneTakesStaleFrees` caches it for stream 70, which would
+/// hand out a block of stream 6's segment: the invariant check sees it.
+#[test]
+fn a_buffer_that_outlives_its_stream_is_not_cached_for_the_next_stream_of_its_slot() {
+    for broken in [false, true] {
+        let (dev, alloc) = setup();
+        let t = streams_up_to(&dev, 6);
+        let kept = alloc.alloc(4096, t).unwrap();
+        let forgotten = alloc.alloc(8192, t).unwrap();
+        let (pk, pf) = (kept.ptr(), forgotten.ptr());
+        std::mem::forget(forgotten);
+        alloc.destroy_stream(t).unwrap();
+        let s = streams_up_to(&dev, 70);
+        let p = alloc.alloc(4096, s).unwrap().ptr();
+        assert_eq!(alloc.lane_retags(), 1);
+        assert_eq!(alloc.lane_streams(), twice([6, 70]), "stream 6 keeps a figures carrier");
+        alloc.set_broken(Broken::RetaggedLaneTakesStaleFrees, broken);
+        drop(kept);
+        if broken {
+            let err = alloc.check_invariants().unwrap_err();
+            assert!(err.contains("does not match the pool"), "{err}");
+            continue;
+        }
+        check(&dev, &alloc);
+        let (lanes, _) = alloc.lanes_cached_bytes(s);
+        assert_eq!(lanes.iter().sum::<u64>(), 4096, "only stream 70's own block");
+        assert_eq!(alloc.alloc(4096, s).unwrap().ptr(), p);
+        let st = alloc.stats();
+        assert_eq!(st.cached_free_bytes_per_stream, vec![(6, 2 * MIB - 8192), (70, 2 * MIB)]);
+        assert_eq!(st.blocks.allocated_bytes.all.current, 8192, "the forgotten buffer");
+        // Stream 6's segment holds the forgotten buffer, and the kept one's block free.
+        let seg = alloc.snapshot().into_iter().find(|g| g.stream == t).expect("stream 6's");
+        let live: Vec<DeviceAddr> = seg
+            .blocks
+            .iter()
+            .filter(|b| b.state == BlockState::Allocated)
+            .map(|b| b.address)
+            .collect();
+        assert_eq!((seg.address, live), (pk, vec![pf]));
+        assert_eq!(pf, DeviceAddr(pk.0 + 4096));
+    }
+}
+
+/// A thread that asks for memory on a destroyed stream (6) finds the owner of its slot, whose
+/// lane now serves stream 70 and caches its block: the hit refuses the lane, and the request
+/// fails as one on an unknown stream. Broken mode `RetaggedLaneServesAnyStream` hands stream
+/// 70's block out on the dead stream.
+#[test]
+fn a_request_on_a_destroyed_stream_takes_no_block_of_its_slots_new_stream() {
+    for broken in [false, true] {
+        let (dev, alloc) = setup();
+        let t = streams_up_to(&dev, 6);
+        drop(alloc.alloc(4096, t).unwrap());
+        alloc.destroy_stream(t).unwrap();
+        let s = streams_up_to(&dev, 70);
+        let p = alloc.alloc(4096, s).unwrap().ptr();
+        alloc.set_broken(Broken::RetaggedLaneServesAnyStream, broken);
+        let r = alloc.alloc(4096, t);
+        if broken {
+            assert_eq!(r.unwrap().ptr(), p, "stream 70's block, on a dead stream");
+            continue;
+        }
+        assert!(matches!(r, Err(AllocError::UnknownStream(x)) if x == t), "{r:?}");
+        assert_eq!(alloc.alloc(4096, s).unwrap().ptr(), p, "still cached for stream 70");
+        check(&dev, &alloc);
+    }
+}
+
+/// Threads that each make a stream, write buffers on it with kernels, free them and destroy
+/// the stream, 160 streams in all (the slots taken over twice and more), while one buffer of
+/// every fourth stream outlives it and is freed later on another thread: the sanitizer sees
+/// no premature reuse, the invariants hold, the table stays within the 64 slots' lanes and
+/// the carriers of streams with segments, and nothing is left once the allocator goes.
+#[test]
+fn threads_making_and_destroying_streams_share_the_slots_soundly() {
+    let (dev, alloc) = setup();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let workers: Vec<_> = (0..4)
+        .map(|w| {
+            let (dev, alloc, tx) = (dev.clone(), alloc.clone(), tx.clone());
+            std::thread::spawn(move || {
+                for i in 0..40 {
+                    let s = dev.create_stream().unwrap();
+                    let bufs: Vec<_> = (0..3).map(|k| alloc.alloc(4096 << k, s).unwrap()).collect();
+                    for b in &bufs {
+                        let access = Access { ptr: b.ptr(), bytes: 4096, kind: AccessKind::Write };
+                        dev.launch(s, Kernel::new("write", vec![access], |_| {})).unwrap();
+                    }
+                    let mut bufs = bufs.into_iter();
+                    if (w + i) % 4 == 0 {
+                        tx.send(bufs.next().unwrap()).unwrap(); // outlives its stream
+                    }
+                    drop(bufs);
+                    alloc.destroy_stream(s).unwrap();
+                }
+            })
+        })
+        .collect();
+    drop(tx);
+    let late: Vec<_> = rx.iter().collect();
+    workers.into_iter().for_each(|w| w.join().unwrap());
+    check(&dev, &alloc);
+    assert_eq!(late.len(), 40);
+    assert!(alloc.lane_retags() > 64, "slots taken over: {}", alloc.lane_retags());
+    drop(late);
+    check(&dev, &alloc);
+    alloc.empty_cache().unwrap();
+    let st = alloc.stats();
+    assert_eq!(st.blocks.allocated_bytes.all.current, 0);
+    assert_eq!(st.cached_free_bytes_per_stream, vec![]);
+    assert!(alloc.lane_streams().len() <= 2 * 64 + 2 * 40, "{:?}", alloc.lane_streams());
+    drop(alloc);
+    assert!(dev.live_segments().is_empty());
+    assert_eq!(dev.counters().mallocs, dev.counters().frees);
+}
+
+/// A stream whose slot serves a live stream (64 and the default stream) has no fast path but
+/// works as any other: exact addresses, its own segment, exact statistics.
+#[test]
+fn a_stream_whose_slot_serves_a_live_stream_takes_the_slow_path() {
+    let (dev, alloc) = setup();
+    let b0 = alloc.alloc(4096, S0).unwrap(); // live: its segment stays the default stream's
+    let p0 = b0.ptr();
+    let s = streams_up_to(&dev, 64);
+    let a = alloc.alloc(4096, s).unwrap();
+    assert_eq!(a.ptr(), DeviceAddr(p0.0 + 2 * MIB), "a segment of its own");
+    drop(a);
+    let n = alloc.global_lock_acquisitions();
+    assert_eq!(alloc.alloc(4096, s).unwrap().ptr(), DeviceAddr(p0.0 + 2 * MIB));
+    assert_eq!(alloc.global_lock_acquisitions(), n + 2, "the slow path: alloc and free");
+    assert_eq!(alloc.lane_streams(), twice([0, 64]));
+    let st = alloc.stats();
+    assert_eq!(st.cached_free_bytes_per_stream, vec![(0, 2 * MIB - 4096), (64, 2 * MIB)]);
+    check(&dev, &alloc);
+}
