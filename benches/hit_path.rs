@@ -1,7 +1,10 @@
 //! The cache hit: alloc + free of the same size on the same stream (issue goal ≤ 50 ns a pair).
 //! `sanitized/…` runs with the SimDevice's stream-order sanitizer on (its hooks take the device
 //! lock on every hand-out and free); `allocator/…` with it off, measuring the allocator alone;
-//! `global_lock/…` is the same under `global_lock:true` (no fast path).
+//! `global_lock/…` is the same under `global_lock:true` (no fast path). `late_stream/…` runs
+//! the pairs on a stream made after 140 others were made, used and destroyed (a stream per
+//! request): its lanes are a destroyed stream's, re-tagged (before they were, every stream past
+//! the 64th took the global lock).
 //!
 //! `history/…` is the cost of the memory history (issue 18): `history_off` is the default hit
 //! path (the hook is one relaxed load), `history_on` records every allocation and free (which
@@ -9,7 +12,7 @@
 use criterion::{Criterion, criterion_group, criterion_main};
 use std::hint::black_box;
 use std::sync::Arc;
-use tidepool::{Allocator, Config, HistoryOptions, SimConfig, SimDevice, StreamId};
+use tidepool::{Allocator, Config, Device, HistoryOptions, SimConfig, SimDevice, StreamId};
 
 /// An allocator on a 1 GiB SimDevice (sanitizer on or off) configured by `config`.
 fn allocator(sanitize: bool, config: &str) -> Allocator<SimDevice> {
@@ -18,17 +21,27 @@ fn allocator(sanitize: bool, config: &str) -> Allocator<SimDevice> {
     Allocator::new(Arc::new(dev), Config::parse(config).unwrap()).unwrap()
 }
 
-/// `{prefix}/small_4KiB` and `{prefix}/large_4MiB`: alloc + free pairs of one size on one
-/// stream, after one warm-up pair (the block is cached from then on).
+/// `{prefix}/small_4KiB` and `{prefix}/large_4MiB`: alloc + free pairs of one size on the
+/// default stream, after one warm-up pair (the block is cached from then on).
 fn bench_pairs(
     g: &mut criterion::BenchmarkGroup<'_, criterion::measurement::WallTime>,
     prefix: &str,
     alloc: &Allocator<SimDevice>,
 ) {
+    bench_pairs_on(g, prefix, alloc, StreamId::DEFAULT);
+}
+
+/// [`bench_pairs`] on `stream`.
+fn bench_pairs_on(
+    g: &mut criterion::BenchmarkGroup<'_, criterion::measurement::WallTime>,
+    prefix: &str,
+    alloc: &Allocator<SimDevice>,
+    stream: StreamId,
+) {
     for (name, bytes) in [("small_4KiB", 4096u64), ("large_4MiB", 4 << 20)] {
-        drop(alloc.alloc(bytes, StreamId::DEFAULT).unwrap());
+        drop(alloc.alloc(bytes, stream).unwrap());
         g.bench_function(format!("{prefix}/{name}"), |b| {
-            b.iter(|| drop(black_box(alloc.alloc(black_box(bytes), StreamId::DEFAULT).unwrap())))
+            b.iter(|| drop(black_box(alloc.alloc(black_box(bytes), stream).unwrap())))
         });
     }
 }
@@ -42,6 +55,18 @@ fn hit_path(c: &mut Criterion) {
     ] {
         bench_pairs(&mut g, prefix, &allocator(sanitize, config));
     }
+    let dev = Arc::new(SimDevice::with_config(SimConfig {
+        capacity: 1 << 30,
+        sanitize: false,
+        ..SimConfig::default()
+    }));
+    let alloc = Allocator::new(dev.clone(), Config::default()).unwrap();
+    for _ in 0..140 {
+        let s = dev.create_stream().unwrap();
+        drop(alloc.alloc(4096, s).unwrap());
+        alloc.destroy_stream(s).unwrap();
+    }
+    bench_pairs_on(&mut g, "late_stream", &alloc, dev.create_stream().unwrap());
     g.finish();
 }
 
