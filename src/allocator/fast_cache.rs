@@ -164,11 +164,9 @@ pub struct CacheInner {
     broken_tags: u8,
 }
 
-/// [`CacheInner::broken_tags`]: frees of any stream are taken.
-#[cfg(feature = "test-hooks")]
+/// A deliberately broken tag check (`CacheInner::broken_tags`): frees of any stream are taken.
 pub const TAG_FREES: u8 = 1;
-/// [`CacheInner::broken_tags`]: hits for any stream are served.
-#[cfg(feature = "test-hooks")]
+/// A deliberately broken tag check (`CacheInner::broken_tags`): hits for any stream are served.
 pub const TAG_HITS: u8 = 2;
 
 /// A large block found, under the global lock, to be exactly what freeing it and taking the
@@ -196,16 +194,7 @@ impl CacheInner {
     /// here would be handed out on the new one, and it belongs to the old stream's segments.
     #[inline(always)]
     fn serves(&self, stream: StreamId) -> bool {
-        #[cfg(feature = "test-hooks")]
-        if self.broken_tags & TAG_FREES != 0 {
-            return true; // BROKEN (`Broken::RetaggedLaneTakesStaleFrees`)
-        }
-        #[cfg(tidepool_broken = "retag_free")]
-        return true; // BROKEN: a free of any stream is cached.
-        #[allow(unreachable_code)]
-        {
-            self.stream == stream
-        }
+        self.stream == stream || self.broken_tag_check(TAG_FREES)
     }
 
     /// Whether a hit for `stream` may take a block here: the lane serves that stream now (a
@@ -213,15 +202,29 @@ impl CacheInner {
     /// another stream: its blocks are that stream's).
     #[inline(always)]
     fn takes_for(&self, stream: StreamId) -> bool {
-        #[cfg(feature = "test-hooks")]
-        if self.broken_tags & TAG_HITS != 0 {
-            return true; // BROKEN (`Broken::RetaggedLaneServesAnyStream`)
+        self.stream == stream || self.broken_tag_check(TAG_HITS)
+    }
+
+    /// Whether a tag check that failed passes anyway (a deliberate bug, `which` of
+    /// [`TAG_FREES`] and [`TAG_HITS`]; out of line, so the checks cost one compare).
+    #[cold]
+    #[inline(never)]
+    fn broken_tag_check(&self, which: u8) -> bool {
+        #[cfg(tidepool_broken = "retag_free")]
+        if which == TAG_FREES {
+            return true; // BROKEN: a free of any stream is cached.
         }
         #[cfg(tidepool_broken = "retag_hit")]
-        return true; // BROKEN: a hit for any stream is served.
-        #[allow(unreachable_code)]
+        if which == TAG_HITS {
+            return true; // BROKEN: a hit for any stream is served.
+        }
+        // BROKEN (`Broken::RetaggedLaneTakesStaleFrees`, `Broken::RetaggedLaneServesAnyStream`)
+        #[cfg(feature = "test-hooks")]
+        return self.broken_tags & which != 0;
+        #[cfg(not(feature = "test-hooks"))]
         {
-            self.stream == stream
+            let _ = which;
+            false
         }
     }
 
