@@ -53,6 +53,9 @@ use tidepool::{MemPool, PoolOptions, Scope, ScopedBuffer};
 
 /// Stream slots; slot 0 is the default stream, the others come and go.
 const SLOTS: usize = 4;
+/// Streams destroyed before a quarter of the cases (`World::new`; ~30 ms), so that the case's
+/// streams have ids past the allocator's 64 fast-path slots.
+const BURNED: usize = 63;
 /// Request sizes: small pool, large pool, an own segment. (A 20 MiB size, one a stitch may
 /// serve, found an unmap under unfinished work while another thread destroyed the stream, now
 /// fixed (`Broken::GoneStreamDrained`); with it, a second failure, a scope's kernel touching
@@ -141,6 +144,8 @@ enum Step {
 #[derive(Clone, Debug)]
 struct Case {
     policies: [CrossStream; 2],
+    /// Destroy [`BURNED`] streams before the case (`World::new`).
+    burn: bool,
     threads: Vec<Vec<Op>>,
     scripts: Vec<Vec<Step>>,
 }
@@ -207,6 +212,7 @@ fn case() -> impl Strategy<Value = Case> {
     let policy = prop_oneof![Just(CrossStream::Strict), Just(CrossStream::WaitEvent)];
     (
         [policy.clone(), policy],
+        prop::bool::weighted(0.25),
         prop::collection::vec(
             prop::collection::vec(op().prop_filter("only", allowed), 10..30),
             2..=4,
@@ -216,7 +222,12 @@ fn case() -> impl Strategy<Value = Case> {
             2,
         ),
     )
-        .prop_map(|(policies, threads, scripts)| Case { policies, threads, scripts })
+        .prop_map(|(policies, burn, threads, scripts)| Case {
+            policies,
+            burn,
+            threads,
+            scripts,
+        })
 }
 
 /// A live buffer of the world: which allocator made it, how its uses are ordered (`auto`:
@@ -277,19 +288,13 @@ fn access(write: bool) -> AccessKind {
 }
 
 impl World {
-    fn new(policies: [CrossStream; 2], broken: Option<Broken>) -> World {
+    fn new(policies: [CrossStream; 2], burn: bool, broken: Option<Broken>) -> World {
         // `MULTI_PROPS_CAPACITY_MB` shrinks the device, so that the out-of-memory ladder runs often.
         let capacity = std::env::var("MULTI_PROPS_CAPACITY_MB").ok().and_then(|v| v.parse().ok());
         let dev = Arc::new(SimDevice::backed(capacity.map_or(2 << 30, |mb: u64| mb << 20)));
         dev.panic_on_violation(std::env::var("MULTI_PROPS_PANIC").is_ok());
-        let allocs = policies.map(|p| {
-            let a = Allocator::new(dev.clone(), Config::default().with_cross_stream(p));
-            let a = a.unwrap();
-            if let Some(mode) = broken {
-                a.set_broken(mode, true);
-            }
-            a
-        });
+        let allocs = policies
+            .map(|p| Allocator::new(dev.clone(), Config::default().with_cross_stream(p)).unwrap());
         let pools = [0, 1]
             .map(|i| allocs[i].new_pool(PoolOptions::default().with_use_on_oom(i == 0)).unwrap());
         let graph_pools = [0, 1].map(|i| allocs[i].new_pool(PoolOptions::default()).unwrap());
@@ -298,11 +303,26 @@ impl World {
         for s in slots.iter_mut().skip(1) {
             *s = Some(dev.create_stream().unwrap());
         }
+        // Streams made, used by both allocators and destroyed before the case (ids SLOTS…66):
+        // the streams the case makes (ids past 66) take their fast-path slots over (the lanes
+        // are re-tagged, see `CacheTable`), and the case's dead streams start with them, so
+        // requests on dead streams meet lanes that serve new ones.
+        let mut dead = Vec::new();
+        while burn && dead.len() < BURNED {
+            let s = dev.create_stream().unwrap();
+            allocs.iter().for_each(|a| drop(a.alloc(4096, s).unwrap()));
+            allocs[0].destroy_stream(s).unwrap();
+            allocs[1].release_stream(s).unwrap();
+            dead.push(s);
+        }
+        if let Some(mode) = broken {
+            allocs.iter().for_each(|a| a.set_broken(mode, true));
+        }
         World {
             dev,
             allocs,
             slots: Mutex::new(slots),
-            dead: Mutex::new(Vec::new()),
+            dead: Mutex::new(dead),
             live: Mutex::new(Vec::new()),
             ranges: Mutex::new(Vec::new()),
             labels: Mutex::new(std::collections::HashMap::new()),
@@ -1072,7 +1092,7 @@ impl Item<'_> {
 
 /// Runs one case; `Err` describes the first failure.
 fn run_case(case: &Case, broken: Option<Broken>) -> R {
-    let world = Arc::new(World::new(case.policies, broken));
+    let world = Arc::new(World::new(case.policies, case.burn, broken));
     let scripts = Arc::new(case.scripts.clone());
     if std::env::var("MULTI_PROPS_SEQ").is_ok() {
         // Debugging aid: the threads' programs one after the other, on this thread.
