@@ -229,3 +229,69 @@ fn a_stream_whose_slot_serves_a_live_stream_takes_the_slow_path() {
     assert_eq!(st.cached_free_bytes_per_stream, vec![(0, 2 * MIB - 4096), (64, 2 * MIB)]);
     check(&dev, &alloc);
 }
+
+/// A stream per request, 300 times over (small and large blocks, one large buffer of every
+/// tenth stream outliving it until the next), on one thread: what the allocator keeps per
+/// stream does not grow — the cache table stays at its 64 slots' lanes plus a carrier for the
+/// one stream with a live buffer, and the pool keeps free indexes only for keys with segments.
+/// (Before, each stream added two lanes and its keys' indexes for good, and every new stream
+/// copied the whole lane list: time per stream grew with the streams made.)
+#[test]
+fn making_and_destroying_streams_keeps_the_tables_bounded() {
+    let (dev, alloc) = setup();
+    let b0 = alloc.alloc(4096, S0).unwrap();
+    let mut kept = None;
+    for i in 0..300 {
+        let s = dev.create_stream().unwrap();
+        let bufs: Vec<_> =
+            [4096, 65_536, 3 << 20].iter().map(|&n| alloc.alloc(n, s).unwrap()).collect();
+        for _ in 0..3 {
+            drop(alloc.alloc(4096, s).unwrap());
+        }
+        let mut bufs = bufs.into_iter();
+        if i % 10 == 0 {
+            kept = bufs.nth(2); // the large one outlives its stream
+        }
+        drop(bufs);
+        alloc.destroy_stream(s).unwrap();
+        if i % 10 == 9 {
+            drop(kept.take());
+        }
+        assert!(alloc.lane_streams().len() <= 2 * 64 + 2, "{i}: {:?}", alloc.lane_streams());
+        assert!(alloc.pool_index_slots() <= 4, "{i}: {} index slots", alloc.pool_index_slots());
+    }
+    check(&dev, &alloc);
+    assert!(alloc.lane_retags() >= 300 - 64 - 5, "{} re-tags", alloc.lane_retags());
+    drop(b0);
+    alloc.empty_cache().unwrap();
+    assert_eq!(alloc.stats().cached_free_bytes_per_stream, vec![]);
+    drop(alloc);
+    assert!(dev.live_segments().is_empty());
+}
+
+/// A stream destroyed on the device behind the allocator's back (not through
+/// `destroy_stream`) still gives its slot up: the next stream of the slot lets go of it as
+/// `release_stream` would (its cached block goes to the pool, under its own stream) and takes
+/// the lanes over. Requests on the forgotten stream are refused from then on.
+#[test]
+fn a_stream_destroyed_on_the_device_alone_gives_its_slot_up() {
+    let (dev, alloc) = setup();
+    let t = streams_up_to(&dev, 6);
+    let p = alloc.alloc(4096, t).unwrap().ptr(); // cached in its lane
+    dev.destroy_stream(t).unwrap();
+    let s = streams_up_to(&dev, 70);
+    let q = alloc.alloc(4096, s).unwrap().ptr();
+    assert_ne!(p, q, "stream 6's block stays its own");
+    assert_eq!(alloc.lane_retags(), 1);
+    assert_eq!(alloc.lane_streams(), twice([6, 70]), "stream 6 keeps a figures carrier");
+    let n = alloc.global_lock_acquisitions();
+    assert_eq!(alloc.alloc(4096, s).unwrap().ptr(), q);
+    assert_eq!(alloc.global_lock_acquisitions(), n, "stream 70's pairs are hits");
+    assert!(matches!(alloc.alloc(4096, t), Err(AllocError::UnknownStream(x)) if x == t));
+    let st = alloc.stats();
+    assert_eq!(st.cached_free_bytes_per_stream, vec![(6, 2 * MIB), (70, 2 * MIB)]);
+    check(&dev, &alloc);
+    alloc.release_stream(t).unwrap();
+    assert_eq!(alloc.stats().cached_free_bytes_per_stream, vec![(70, 2 * MIB)]);
+    check(&dev, &alloc);
+}

@@ -866,6 +866,13 @@ impl<D: Device> Allocator<D> {
         self.shared.caches.all().iter().map(|c| c.stream()).collect()
     }
 
+    /// **Test only.** The pool's free-index slots (one per pool key with segments, and retired
+    /// ones waiting for a new key).
+    #[cfg(feature = "test-hooks")]
+    pub fn pool_index_slots(&self) -> usize {
+        lock(&self.shared.state).pool.index_slots()
+    }
+
     /// **Test only.** How many times a fast-path slot's lanes were re-tagged for a new stream
     /// (its old stream destroyed), so far.
     #[cfg(feature = "test-hooks")]

@@ -59,6 +59,10 @@ struct Keyed {
     index: FreeIndex,
     /// Its free bytes changed since the last [`Pool::take_dirty_streams`].
     dirty: bool,
+    /// Segments of the key. When the last goes, the slot is retired (`Pool::segment_gone`):
+    /// a program that makes and destroys streams would otherwise keep an index (and its
+    /// octaves' bins) per key of every stream it ever used.
+    segments: u32,
 }
 
 /// Segments and blocks of every pool of one device. See the module docs.
@@ -66,13 +70,18 @@ struct Keyed {
 pub struct Pool {
     blocks: Slab<Block>,
     segments: Slab<Segment>,
-    /// Every key that ever had a segment, sorted, with the slot of its index in `free`.
+    /// Every key that has a segment, sorted, with the slot of its index in `free`.
     keys: Vec<(PoolKey, usize)>,
     /// The same for streams below [`DIRECT_STREAMS`], by stream and quadrant
     /// ([`Pool::quadrant`]; `NO_SLOT`: none): a key's slot without the binary search.
     direct: Vec<[u32; 4]>,
-    /// Free index per slot (slots are never removed).
+    /// Free index per slot; a retired slot (its key's last segment gone) waits in `vacant`
+    /// for the next new key.
     free: Vec<Keyed>,
+    /// Retired slots of `free` (not dirty: their streams moved to `dirty_gone`).
+    vacant: Vec<usize>,
+    /// Streams of retired slots that were dirty, for [`Pool::take_dirty_streams`] (each once).
+    dirty_gone: Vec<StreamId>,
     stats: BlockStats,
     /// Current of each live group ([`Live`]) per quadrant ([`Pool::quadrant`]).
     live: [[u64; LIVE_GROUPS]; 4],
@@ -299,7 +308,13 @@ impl Pool {
         largest.is_some_and(|e| e.size > size)
     }
 
-    /// Whether `key` ever had a segment (so it may have free blocks).
+    /// Free-index slots held (in use or retired, waiting for a new key).
+    #[cfg(feature = "test-hooks")]
+    pub fn index_slots(&self) -> usize {
+        self.free.len()
+    }
+
+    /// Whether `key` has a segment (so it may have free blocks).
     #[inline]
     pub fn has_key(&self, key: PoolKey) -> bool {
         self.slot_of(key).is_some()
@@ -312,7 +327,7 @@ impl Pool {
         index.into_iter().flat_map(|i| i.iter().map(|e| BlockId(e.id)))
     }
 
-    /// The slot of `key`'s free index, if it ever had one.
+    /// The slot of `key`'s free index, if it has one (while it has segments).
     #[inline]
     fn slot_of(&self, key: PoolKey) -> Option<usize> {
         if let Some(row) = self.direct.get(key.stream.0 as usize) {
@@ -323,13 +338,22 @@ impl Pool {
         Some(self.keys[i].1)
     }
 
-    /// The slot of `key`'s free index, made on first use.
+    /// The slot of `key`'s free index, made on first use (a retired slot if there is one).
     fn slot_for(&mut self, key: PoolKey) -> usize {
         match self.keys.binary_search_by_key(&key, |k| k.0) {
             Ok(i) => self.keys[i].1,
             Err(i) => {
-                let slot = self.free.len();
-                self.free.push(Keyed { key, index: FreeIndex::default(), dirty: false });
+                let keyed = Keyed { key, index: FreeIndex::default(), dirty: false, segments: 0 };
+                let slot = match self.vacant.pop() {
+                    Some(slot) => {
+                        self.free[slot] = keyed;
+                        slot
+                    }
+                    None => {
+                        self.free.push(keyed);
+                        self.free.len() - 1
+                    }
+                };
                 self.keys.insert(i, (key, slot));
                 let s = key.stream.0 as usize;
                 if s < DIRECT_STREAMS {
@@ -343,10 +367,39 @@ impl Pool {
         }
     }
 
+    /// One segment of slot `slot`'s key went (removed, merged or moved to another key); the
+    /// last retires the slot: its key leaves `keys` (and `direct`), its index is dropped, and
+    /// the slot waits in `vacant` for the next new key. A dirty slot's stream moves to
+    /// `dirty_gone`, so its free bytes (now none) are still published.
+    fn segment_gone(&mut self, slot: usize) {
+        let k = &mut self.free[slot];
+        k.segments -= 1;
+        if k.segments > 0 {
+            return;
+        }
+        debug_assert_eq!(k.index.len(), 0, "a key with no segment has free blocks");
+        let key = k.key;
+        k.index = FreeIndex::default();
+        if std::mem::take(&mut k.dirty) {
+            self.dirty.retain(|&s| s != slot);
+            if !self.dirty_gone.contains(&key.stream) {
+                self.dirty_gone.push(key.stream);
+            }
+        }
+        if let Ok(i) = self.keys.binary_search_by_key(&key, |k| k.0) {
+            self.keys.remove(i);
+        }
+        if let Some(row) = self.direct.get_mut(key.stream.0 as usize) {
+            row[Self::quadrant(key.kind, key.residency)] = NO_SLOT;
+        }
+        self.vacant.push(slot);
+    }
+
     /// Adds a segment of `size` bytes at `base` for `key`, as one free block; returns that block.
     pub fn add_segment(&mut self, key: PoolKey, base: u64, size: u64) -> BlockId {
         let seg = SegmentId(self.segments.vacant_key());
         let slot = self.slot_for(key);
+        self.free[slot].segments += 1;
         let block = BlockId(self.blocks.insert(Block {
             segment: seg,
             addr: base,
@@ -617,6 +670,7 @@ impl Pool {
         self.index_remove(seg.slot, &entry);
         self.blocks.remove(entry.id);
         let seg = self.segments.remove(id.0);
+        self.segment_gone(seg.slot);
         self.count_segment(seg.key, seg.size, false);
         (seg.base, seg.size)
     }
@@ -629,7 +683,9 @@ impl Pool {
         let entry = Entry { size: b.size, addr: b.addr, id: seg.first.0 };
         let (key, old) = (PoolKey { stream, ..seg.key }, seg.slot);
         self.index_remove(old, &entry);
+        self.segment_gone(old);
         let slot = self.slot_for(key);
+        self.free[slot].segments += 1;
         let seg = &mut self.segments[id.0];
         (seg.key, seg.slot) = (key, slot);
         self.index_insert(slot, entry);
@@ -643,6 +699,7 @@ impl Pool {
     /// Streams whose free bytes changed since the last call (each once), for publishing.
     pub fn take_dirty_streams(&mut self, out: &mut Vec<StreamId>) {
         out.clear();
+        out.append(&mut self.dirty_gone);
         for slot in self.dirty.drain(..) {
             let k = &mut self.free[slot];
             k.dirty = false;
@@ -805,10 +862,27 @@ impl Pool {
                 ));
             }
         }
-        for k in &self.free {
-            k.index.check()?;
+        let mut segments = vec![0u32; self.free.len()];
+        for (_, seg) in self.segments.iter() {
+            segments[seg.slot] += 1;
+            if self.free[seg.slot].key != seg.key || self.vacant.contains(&seg.slot) {
+                return Err(format!("segment at {:#x} has the slot of another key", seg.base));
+            }
         }
-        let slots: Vec<_> = self.free.iter().enumerate().map(|(s, k)| (k.key, s)).collect();
+        for (s, k) in self.free.iter().enumerate() {
+            k.index.check()?;
+            let vacant = self.vacant.contains(&s);
+            if k.segments != segments[s] || vacant != (k.segments == 0) {
+                return Err(format!("free index {s}: {} segments counted", k.segments));
+            }
+            if vacant && (k.dirty || k.index.len() > 0) {
+                return Err(format!("retired free index {s} is dirty or holds blocks"));
+            }
+        }
+        let slots: Vec<_> = (self.free.iter().enumerate())
+            .filter(|(s, _)| !self.vacant.contains(s))
+            .map(|(s, k)| (k.key, s))
+            .collect();
         if !self.keys.is_sorted_by(|a, b| a.0 < b.0) || {
             let mut sorted = slots;
             sorted.sort_unstable();

@@ -25,6 +25,7 @@ impl Pool {
     /// Streams whose free bytes changed since the last [`Pool::take_dirty_streams`] (each once).
     pub fn dirty_streams(&self) -> Vec<crate::types::StreamId> {
         let mut out: Vec<_> = self.dirty.iter().map(|&slot| self.free[slot].key.stream).collect();
+        out.extend_from_slice(&self.dirty_gone);
         out.sort_unstable();
         out.dedup();
         out
@@ -170,7 +171,8 @@ impl Pool {
             seg.busy_blocks += rbusy;
             // The joined run ends where the right one did (at `blk` where its only block merged).
             seg.last = if self.blocks[blk.0].next.is_none() { blk } else { rlast };
-            self.segments.remove(r.0);
+            let gone = self.segments.remove(r.0);
+            self.segment_gone(gone.slot);
             self.stats.segment.decrease(kind, res, 1);
             self.changed |= 1 << Self::quadrant(kind, res);
         }
@@ -242,6 +244,7 @@ impl Pool {
                 let upper = SegmentId(self.segments.vacant_key());
                 let busy = self.relabel(Some(first), upper);
                 let slot = self.segments[seg.0].slot;
+                self.free[slot].segments += 1;
                 self.segments.insert(Segment {
                     base: hi,
                     size: se - hi,
@@ -277,6 +280,8 @@ impl Pool {
             (None, None) => {
                 let s = self.segments.remove(seg.0);
                 debug_assert_eq!(s.busy_blocks, 0);
+                // (Wholly carved: nothing of it is relisted below.)
+                self.segment_gone(s.slot);
                 self.stats.segment.decrease(kind, res, 1);
                 self.changed |= 1 << Self::quadrant(kind, res);
                 None

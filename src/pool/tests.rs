@@ -442,3 +442,51 @@ fn inactive_split_totals_are_exact() {
     assert_eq!(s(&pool), ((0, 16 * MIB, 48 * MIB, 48 * MIB), (0, 1, 4, 4)));
     pool.check_invariants().unwrap();
 }
+
+/// A key's free index goes with its last segment (removed, moved to another stream, or carved
+/// away whole) and its slot is reused by the next new key, so a program that makes and
+/// destroys streams keeps a bounded table, not an index per stream it ever used; a retired
+/// key's stream is still reported as changed, once, so its published free bytes drop to 0.
+#[test]
+fn a_keys_index_goes_with_its_last_segment_and_its_slot_is_reused() {
+    let mut pool = Pool::new();
+    let on = |s: u32| PoolKey {
+        residency: Residency::Transient,
+        stream: StreamId(s),
+        kind: PoolKind::Small,
+    };
+    let mut dirty = Vec::new();
+    for s in 1..=200u32 {
+        let base = BASE + u64::from(s) * 2 * MIB;
+        let b = pool.add_segment(on(s), base, 2 * MIB);
+        let seg = pool.block(b).segment;
+        assert!(pool.has_key(on(s)));
+        assert_eq!(pool.free_bytes_of(StreamId(s)), 2 * MIB);
+        pool.take_dirty_streams(&mut dirty);
+        assert_eq!(dirty, vec![StreamId(s)]);
+        assert_eq!(pool.remove_segment(seg), (base, 2 * MIB));
+        assert!(!pool.has_key(on(s)), "stream {s}'s key outlives its segments");
+        assert_eq!((pool.free.len(), pool.keys.len(), pool.vacant.clone()), (1, 0, vec![0]));
+        assert_eq!(pool.dirty_streams(), vec![StreamId(s)], "its free bytes changed to 0");
+        pool.take_dirty_streams(&mut dirty);
+        assert_eq!((dirty.clone(), pool.free_bytes_of(StreamId(s))), (vec![StreamId(s)], 0));
+        pool.check_invariants().unwrap();
+    }
+    // Two segments of one key: the index stays until the second goes; a move to another
+    // stream retires the old key and takes the vacant slot for the new one.
+    let a = pool.add_segment(on(7), BASE, 2 * MIB);
+    let b = pool.add_segment(on(7), BASE + 2 * MIB, 2 * MIB);
+    let (sa, sb) = (pool.block(a).segment, pool.block(b).segment);
+    pool.remove_segment(sa);
+    assert!(pool.has_key(on(7)));
+    pool.rekey_segment(sb, StreamId(8));
+    assert!(!pool.has_key(on(7)) && pool.has_key(on(8)));
+    assert_eq!((pool.free.len(), pool.keys.clone()), (1, vec![(on(8), 0)]));
+    assert_eq!(pool.free_bytes_of(StreamId(8)), 2 * MIB);
+    pool.check_invariants().unwrap();
+    // Carved away whole (expandable pages released): the key goes too.
+    let first = pool.segment(sb).first;
+    assert_eq!(pool.carve(first, BASE + 2 * MIB, BASE + 4 * MIB), (None, None));
+    assert!(!pool.has_key(on(8)));
+    pool.check_invariants().unwrap();
+}
