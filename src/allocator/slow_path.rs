@@ -661,21 +661,8 @@ impl<D: Device> Shared<D> {
         if known && retired && !self.broken(Broken::NoLaneRetag) {
             self.retag_slot(st, stream, &slot, limits, config.sizing);
         } else {
-            let lanes: Vec<_> = (0..fast_cache::LANES)
-                .map(|_| {
-                    let cache = StreamCache::new(stream, limits);
-                    cache.configure(limits, config.sizing);
-                    Arc::new(cache)
-                })
-                .collect();
-            lanes[0].publish_pool_free(st.pool.free_bytes_of(stream));
-            if !known {
-                // Destroyed (or forgotten) since it was checked: its caches never take a block.
-                lanes.iter().for_each(|c| c.close());
-            }
-            if st.stash_closed {
-                lanes.iter().for_each(|c| debug_assert_eq!(c.close_stash(), 0));
-            }
+            // Destroyed (or forgotten) since it was checked: its caches never take a block.
+            let lanes = Self::new_lanes(st, stream, limits, config.sizing, !known);
             // Unslotted where the slot serves another stream: no fast path, only its figures.
             self.caches.add(lanes, slot.is_empty());
         }
@@ -712,19 +699,35 @@ impl<D: Device> Shared<D> {
                 && !st.segment_streams.contains_key(&c.stream())
         });
         if st.segment_streams.contains_key(&old) {
-            let carrier: Vec<_> = (0..fast_cache::LANES)
-                .map(|_| {
-                    let c = StreamCache::new(old, limits);
-                    c.close();
-                    Arc::new(c)
-                })
-                .collect();
-            carrier[0].publish_pool_free(st.pool.free_bytes_of(old));
-            if st.stash_closed {
-                carrier.iter().for_each(|c| debug_assert_eq!(c.close_stash(), 0));
-            }
-            self.caches.add(carrier, false);
+            self.caches.add(Self::new_lanes(st, old, limits, sizing, true), false);
         }
+    }
+
+    /// New lanes for `stream` under `limits` and `sizing`, the first publishing its pool free
+    /// bytes; `closed`, they take no block (a stream gone, or a carrier of its figures). The
+    /// caller holds the global lock and adds them to the table.
+    fn new_lanes(
+        st: &State,
+        stream: StreamId,
+        limits: Limits,
+        sizing: crate::pool::Sizing,
+        closed: bool,
+    ) -> Vec<Arc<StreamCache>> {
+        let lanes: Vec<_> = (0..fast_cache::LANES)
+            .map(|_| {
+                let cache = StreamCache::new(stream, limits);
+                cache.configure(limits, sizing);
+                if closed {
+                    cache.close();
+                }
+                if st.stash_closed {
+                    debug_assert_eq!(cache.close_stash(), 0);
+                }
+                Arc::new(cache)
+            })
+            .collect();
+        lanes[0].publish_pool_free(st.pool.free_bytes_of(stream));
+        lanes
     }
 
     /// Bytes of `stream`'s segments in blocks that are not free in the pool: allocated, or freed
