@@ -334,7 +334,7 @@ fn stats_snapshot_is_never_torn() {
                 cache.close_stats();
             })
         };
-        if let Some((_, snap)) = collect(&*base, || caches.clone(), 1) {
+        if let Some(snap) = collect(&*base, || caches.clone(), 1) {
             let w = &snap.fast[0];
             let live_bytes = w[fast_cur(BYTES, q)] as i64; // 0 before the free, -4096 after
             let live_count = w[fast_cur(COUNT, q)] as i64;
@@ -377,7 +377,7 @@ fn stats_published_on_read_are_never_stale() {
             let k = kept.lock().unwrap();
             base.write(|w| w.set(0, *k));
         }
-        if let Some((_, snap)) = collect(&*base, || caches.clone(), 1) {
+        if let Some(snap) = collect(&*base, || caches.clone(), 1) {
             let live = snap.base[0].wrapping_add(snap.fast[0][fast_cur(BYTES, q)]) as i64;
             let cached = snap.fast[0][CACHED_BYTES] as i64;
             assert!(live >= 0, "stale base with a newer free: live bytes {live}");

@@ -496,11 +496,12 @@ pub struct Snapshot<const N: usize = BASE_WORDS> {
 /// One double collect over the base and every stream cache of the list `tables()` returns
 /// (loaded *after* the base's sequence number is read, so a list replaced meanwhile — which
 /// touches the base — fails the collect). `None` if writers interfered `tries` times in a row.
+/// (The snapshot carries each lane's stream, so the list itself is not returned.)
 pub fn collect<const N: usize, C: CacheList>(
     base: &SeqBlock<N>,
     tables: impl Fn() -> C,
     tries: usize,
-) -> Option<(C, Snapshot<N>)> {
+) -> Option<Snapshot<N>> {
     for _ in 0..tries {
         let mut col = Collect::new();
         col.begin(base);
@@ -519,10 +520,10 @@ pub fn collect<const N: usize, C: CacheList>(
             streams: list.iter().map(|c| c.stream()).collect(),
         };
         #[cfg(tidepool_broken = "stats_reader")]
-        return Some((held, snap)); // BROKEN: trusts the copies without checking the versions.
+        return Some(snap); // BROKEN: trusts the copies without checking the versions.
         #[cfg(not(tidepool_broken = "stats_reader"))]
         if col.finish() {
-            return Some((held, snap));
+            return Some(snap);
         }
         crate::sync::thread::yield_now();
     }

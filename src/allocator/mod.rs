@@ -971,7 +971,7 @@ impl<D: Device> Allocator<D> {
             sh.publish_now(&mut st);
         }
         let raw = if lock_free
-            && let Some((_, snap)) = counters::collect(&sh.stats, || sh.caches.all(), STATS_TRIES)
+            && let Some(snap) = counters::collect(&sh.stats, || sh.caches.all(), STATS_TRIES)
         {
             sh.with_extra_stats(sh.with_vm_stats(sh.with_scope_stats(stats_from(snap))), None)
         } else {
