@@ -644,20 +644,22 @@ impl<D: Device> Shared<D> {
         st.base.touch(&self.stats);
         let known = st.streams.contains_key(&stream) || self.broken(Broken::UnknownStreams);
         let slot = self.caches.slot_lanes(stream);
+        // The slot's stream was destroyed (or never known): its lanes were closed and flushed.
+        let mut retired = !slot.is_empty() && slot.iter().all(|c| c.is_closed());
         if let Some(old) = slot.first().map(|c| c.stream())
             && known
-            && !slot.iter().all(|c| c.is_closed())
+            && !retired
             && !self.broken(Broken::UnknownStreams)
             && !self.device.has_stream(old)
         {
             // The slot's stream was destroyed on the device behind the allocator's back: it is
             // let go of as `release_stream` would (its cached blocks go to the pool, under its
             // own key: no other stream takes them without an event on it, which now fails).
+            // That closes its lanes.
             st.streams.remove(&old);
             self.flush_stream(st, old, true);
+            retired = true;
         }
-        // The slot's stream was destroyed (or never known): its lanes were closed and flushed.
-        let retired = !slot.is_empty() && slot.iter().all(|c| c.is_closed());
         if known && retired && !self.broken(Broken::NoLaneRetag) {
             self.retag_slot(st, stream, &slot, limits, config.sizing);
         } else {
