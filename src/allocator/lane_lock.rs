@@ -6,30 +6,30 @@
 //! rare side (`sync/asym.rs`); every other thread takes the CAS lock.
 //!
 //! ```text
-//!   locked (a CAS holder is inside)    owner    busy (the owner is inside)
+//!   state = owner << 1 | locked        busy (the owner is inside)
 //!
 //!   owner      the owner's entry                    everyone else (the CAS path)
 //!   ─────────  ───────────────────────────────────  ─────────────────────────────────────────
-//!   NONE       (none)                               CAS locked; a hit or free claims the
-//!                                                   lane: owner = me (membarrier only)
-//!   thread t   busy = true, light fence, then       CAS locked, heavy fence, wait for !busy;
-//!              !locked and owner = t enters,        a hit or free (a second user) then makes
-//!              else busy = false and the CAS path   the lane SHARED, or its own if thread t
-//!                                                   has exited
-//!   SHARED     (none: never biased again)           CAS locked (nobody enters light)
+//!   NONE       (none)                               CAS the lock bit; a hit or free claims
+//!                                                   the lane: owner = me (membarrier only)
+//!   thread t   busy = true, light fence, then       CAS the lock bit, heavy fence, wait for
+//!              state = t << 1 (one load) enters,    !busy; a hit or free (a second user)
+//!              else busy = false and the CAS path   then makes the lane SHARED, or its own
+//!                                                   if thread t has exited
+//!   SHARED     (none: never biased again)           CAS the lock bit (nobody enters light)
 //!
 //!   also SHARED: a lane whose bias costs the other side > 16 membarriers in a second
 //!
-//!   let go:    the owner: busy = false (Release)    a CAS holder: locked = false (Release)
+//!   let go:    the owner: busy = false (Release)    a CAS holder: lock bit cleared (Release)
 //! ```
 //!
-//! The owner's entry is a store, a compiler fence and three loads where the process has
+//! The owner's entry is a store, a compiler fence and two loads where the process has
 //! membarrier (Linux), in place of a locked CAS (a full fence on x86): the fast path's two lane
 //! locks (a hit and its free) were the largest remaining cost of a hit. The rare side pays a
 //! membarrier instead, only where the lane is biased to another thread. The owner changes only
-//! with `locked` held, and from one thread to `SHARED` only after the heavy fence and the
-//! wait; an owner's entry reads `locked` (Acquire) and then the owner again after its fence, so
-//! a stale owner either finished before the change (the changer waited for it) or sees it.
+//! with the lock bit held, and from one thread to `SHARED` only after the heavy fence and the
+//! wait; an owner's entry reads the owner and the bit in one load after its fence, so a stale
+//! owner either finished before the change (the changer waited for it) or sees it.
 //!
 //! `std::sync::Mutex` pays a second RMW to let go (a `swap`, to learn whether a waiter sleeps on
 //! the futex). Nothing here sleeps: holders never block while holding a lane (the fast path holds
@@ -51,6 +51,8 @@ use std::ops::{Deref, DerefMut};
 #[cfg(not(loom))]
 const SPINS: u32 = 64;
 
+/// `state`'s lock bit: a thread holds the lane by the CAS.
+const LOCKED: u64 = 1;
 /// Owner: no thread used the lane yet.
 const NONE: u64 = 0;
 /// Owner: two threads used the lane; it is never biased again.
@@ -65,15 +67,14 @@ const HEAVY_PER_SECOND: u32 = 16;
 
 /// A lock around `T`; see the module docs.
 pub struct LaneLock<T> {
-    /// Held by a CAS holder.
-    locked: AtomicBool,
-    /// [`NONE`], a thread's token ([`thread_token`]) or [`SHARED`]; stored only with `locked`
-    /// held. (A word of its own, written rarely: the owner's first check reads it alone.)
-    owner: AtomicU64,
+    /// `owner << 1 | locked`, where the owner is [`NONE`], a thread's token ([`thread_token`])
+    /// or [`SHARED`], stored only with the lock bit held. One word, so that the owner's entry
+    /// checks both with one load.
+    state: AtomicU64,
     /// The owner is inside (set and cleared by the owner alone).
     busy: AtomicBool,
     /// Heavy fences paid for the lane: `second << 32 | count` (`heavy_budget_spent`), stored
-    /// only with `locked` held. (Not under loom, which has no clock.)
+    /// only with the lock bit held. (Not under loom, which has no clock.)
     #[cfg(not(loom))]
     heavy: AtomicU64,
     #[cfg(not(loom))]
@@ -82,10 +83,10 @@ pub struct LaneLock<T> {
     data: loom::cell::UnsafeCell<T>,
 }
 
-// SAFETY: the data is reached only through a guard, and a guard exists only where `locked` is
-// held by its thread (the CAS that sets it is Acquire, the store that clears it Release) or
+// SAFETY: the data is reached only through a guard, and a guard exists only where the lock bit
+// is held by its thread (the CAS that sets it is Acquire, the store that clears it Release) or
 // where the owner is inside by the handshake (its `busy` store, the fence pair, its Acquire
-// load of `locked` finding it clear, then itself the owner; a CAS holder waits, after its
+// load of `state` finding the bit clear and itself the owner; a CAS holder waits, after its
 // heavy fence, for `busy` clear with an Acquire load that reads the owner's Release store), so
 // one guard exists at a time and each holder sees the previous holder's writes. `T: Send`
 // because the holder may be any thread.
@@ -99,8 +100,7 @@ impl<T> LaneLock<T> {
         #[cfg(loom)]
         let data = loom::cell::UnsafeCell::new(value);
         LaneLock {
-            locked: AtomicBool::new(false),
-            owner: AtomicU64::new(NONE),
+            state: AtomicU64::new(NONE << 1),
             busy: AtomicBool::new(false),
             #[cfg(not(loom))]
             heavy: AtomicU64::new(0),
@@ -138,10 +138,7 @@ impl<T> LaneLock<T> {
         if self.enter_light(me) {
             return Some(self.guard(true));
         }
-        if !self.try_acquire() {
-            return None;
-        }
-        let owner = self.owner.load(Ordering::Relaxed);
+        let owner = self.try_acquire()?;
         if is_other(owner, me) {
             heavy_fence();
             if self.busy.load(Ordering::Acquire) && !cfg!(tidepool_broken = "asym_wait") {
@@ -158,13 +155,13 @@ impl<T> LaneLock<T> {
     /// Whether the lane is biased to this thread (for tests).
     #[cfg_attr(not(any(test, feature = "test-hooks")), allow(dead_code))]
     pub fn owned_by_this_thread(&self) -> bool {
-        self.owner.load(Ordering::Relaxed) == thread_token()
+        self.state.load(Ordering::Relaxed) >> 1 == thread_token()
     }
 
     /// Whether two threads used the lane, so that it is no longer biased (for tests).
     #[cfg_attr(not(any(test, feature = "test-hooks")), allow(dead_code))]
     pub fn is_shared(&self) -> bool {
-        self.owner.load(Ordering::Relaxed) == SHARED
+        self.state.load(Ordering::Relaxed) >> 1 == SHARED
     }
 
     #[inline(always)]
@@ -178,33 +175,32 @@ impl<T> LaneLock<T> {
     }
 
     /// The owner's entry: announce, fence, then check that no CAS holder is inside and that
-    /// the lane is still biased to `me`; else withdraw.
+    /// the lane is still biased to `me` (one load of `state`); else withdraw.
     #[inline(always)]
     fn enter_light(&self, me: u64) -> bool {
-        if self.owner.load(Ordering::Relaxed) != me {
+        let mine = me << 1;
+        if self.state.load(Ordering::Relaxed) != mine {
             return false;
         }
         self.busy.store(true, Ordering::Relaxed);
         light_fence();
-        // `locked` first, Acquire: a clear bit read from a holder's release shows that
-        // holder's change of owner to the second load.
-        if !self.locked.load(Ordering::Acquire) && self.owner.load(Ordering::Relaxed) == me {
+        if self.state.load(Ordering::Acquire) == mine {
             return true;
         }
         self.busy.store(false, Ordering::Release);
         false
     }
 
-    /// The CAS path: takes `locked`, then waits for a light owner that may be inside;
+    /// The CAS path: takes the lock bit, then waits for a light owner that may be inside;
     /// with `claim` (a hit or free), takes a lane nobody used and un-biases one used by
     /// another thread.
     #[cold]
     #[inline(never)]
     fn lock_cas(&self, me: u64, claim: bool) -> LaneGuard<'_, T> {
-        if !self.try_acquire() {
-            self.lock_contended();
-        }
-        let owner = self.owner.load(Ordering::Relaxed);
+        let owner = match self.try_acquire() {
+            Some(owner) => owner,
+            None => self.lock_contended(),
+        };
         if is_other(owner, me) {
             // BROKEN (`asym_wait`): enters while the owner may be inside.
             if !cfg!(tidepool_broken = "asym_wait") {
@@ -230,7 +226,7 @@ impl<T> LaneLock<T> {
     /// Counts a heavy fence paid for this lane; `true` once more than [`HEAVY_PER_SECOND`] were
     /// paid within one second (a thread whose allocations keep reaching new peaks revokes
     /// another thread's lane credit each time, for instance): the lane then gives its bias up,
-    /// so the membarriers it costs the other side stay bounded. The caller holds `locked`.
+    /// so the membarriers it costs the other side stay bounded. The caller holds the lock bit.
     fn heavy_budget_spent(&self) -> bool {
         #[cfg(loom)]
         return false;
@@ -244,79 +240,72 @@ impl<T> LaneLock<T> {
         }
     }
 
-    /// Makes `owner` the lane's owner; the caller holds `locked`.
+    /// Makes `owner` the lane's owner; the caller holds the lock bit.
     fn set_owner(&self, owner: u64) {
-        self.owner.store(owner, Ordering::Relaxed);
+        self.state.store(owner << 1 | LOCKED, Ordering::Relaxed);
     }
 
-    /// Lets `locked` go (a CAS holder).
+    /// Lets the lock bit go (a CAS holder), keeping the owner.
     #[inline(always)]
     fn unlock(&self) {
-        self.locked.store(false, Ordering::Release);
+        let s = self.state.load(Ordering::Relaxed);
+        self.state.store(s & !LOCKED, Ordering::Release);
     }
 
-    /// Waits for the owner to leave (or to withdraw, having seen `locked`): loads, as
+    /// Waits for the owner to leave (or to withdraw, having seen the lock bit): loads, as
     /// under loom (where a read-modify-write here would add a store of its own to `busy`,
     /// which loom mis-orders against the owner's next announcement).
     fn wait_owner_out(&self) {
-        let mut backoff = Backoff::default();
+        #[cfg(not(loom))]
+        let mut spins = 0;
         while self.busy.load(Ordering::Acquire) {
-            backoff.snooze();
+            #[cfg(not(loom))]
+            if spins < SPINS {
+                spins += 1;
+                std::hint::spin_loop();
+                continue;
+            }
+            crate::sync::thread::yield_now();
         }
     }
 
-    /// Takes `locked` if it is clear now.
+    /// Takes the lock bit if it is clear now; returns the owner then.
     #[inline(always)]
-    fn try_acquire(&self) -> bool {
+    fn try_acquire(&self) -> Option<u64> {
+        let s = self.state.load(Ordering::Relaxed);
+        if s & LOCKED != 0 {
+            return None;
+        }
         #[cfg(tidepool_broken = "lane_lock")]
         {
             // BROKEN: looks, then takes: two threads can both see it free and both take it.
-            if self.locked.load(Ordering::Acquire) {
-                return false;
-            }
             crate::sync::thread::yield_now();
-            self.locked.store(true, Ordering::Relaxed);
-            true
+            self.state.store(s | LOCKED, Ordering::Relaxed);
+            return Some(s >> 1);
         }
         #[cfg(not(tidepool_broken = "lane_lock"))]
-        self.locked.compare_exchange(false, true, Ordering::Acquire, Ordering::Relaxed).is_ok()
+        self.state
+            .compare_exchange(s, s | LOCKED, Ordering::Acquire, Ordering::Relaxed)
+            .ok()
+            .map(|_| s >> 1)
     }
 
-    /// Waits for `locked` and takes it: on plain loads between tries (waiters do not bounce
-    /// the line); under loom by retrying the CAS itself (an RMW reads the latest value, where a
-    /// plain load may go on reading a stale `true`, a path loom would explore without end).
-    fn lock_contended(&self) {
-        let mut backoff = Backoff::default();
-        loop {
-            #[cfg(not(loom))]
-            while self.locked.load(Ordering::Relaxed) {
-                backoff.snooze();
-            }
-            if self.try_acquire() {
-                return;
-            }
-            backoff.snooze();
-        }
-    }
-}
-
-/// A waiter's pause: [`SPINS`] spins, then yields of the core to the holder (yields alone under
-/// loom, which explores other threads at each).
-#[derive(Default)]
-struct Backoff {
-    #[cfg(not(loom))]
-    spins: u32,
-}
-
-impl Backoff {
-    fn snooze(&mut self) {
+    /// Waits for the lock bit and takes it; returns the owner then.
+    fn lock_contended(&self) -> u64 {
         #[cfg(not(loom))]
-        if self.spins < SPINS {
-            self.spins += 1;
-            std::hint::spin_loop();
-            return;
+        let mut spins = 0;
+        loop {
+            if let Some(owner) = self.try_acquire() {
+                return owner;
+            }
+            #[cfg(not(loom))]
+            if spins < SPINS {
+                spins += 1;
+                std::hint::spin_loop();
+                continue;
+            }
+            crate::sync::thread::yield_now();
         }
-        crate::sync::thread::yield_now();
     }
 }
 
@@ -367,7 +356,7 @@ impl<T> Drop for LaneGuard<'_, T> {
     }
 }
 
-/// Whether `owner` (read as `locked` was taken: only holders store it) is a thread other
+/// Whether `owner` (read as the lock bit was taken: only holders store it) is a thread other
 /// than `me`, which may be inside by the handshake.
 #[inline]
 fn is_other(owner: u64, me: u64) -> bool {
