@@ -18,8 +18,6 @@
 //!                                                   if thread t has exited
 //!   SHARED     (none: never biased again)           CAS the lock bit (nobody enters light)
 //!
-//!   also SHARED: a lane whose bias costs the other side > 16 membarriers in a second
-//!
 //!   let go:    the owner: busy = false (Release)    a CAS holder: lock bit cleared (Release)
 //! ```
 //!
@@ -57,13 +55,6 @@ const LOCKED: u64 = 1;
 const NONE: u64 = 0;
 /// Owner: two threads used the lane; it is never biased again.
 const SHARED: u64 = u64::MAX >> 1;
-/// The token of a thread whose thread-locals are being torn down: it never claims a lane (see
-/// `live`), so no lane is biased to a thread that may not count as live.
-const DYING: u64 = SHARED - 1;
-/// Heavy fences a biased lane may cost the other side per second before it stops being
-/// biased (see [`LaneLock::heavy_budget_spent`]).
-#[cfg(not(loom))]
-const HEAVY_PER_SECOND: u32 = 16;
 
 /// A lock around `T`; see the module docs.
 pub struct LaneLock<T> {
@@ -73,10 +64,6 @@ pub struct LaneLock<T> {
     state: AtomicU64,
     /// The owner is inside (set and cleared by the owner alone).
     busy: AtomicBool,
-    /// Heavy fences paid for the lane: `second << 32 | count` (`heavy_budget_spent`), stored
-    /// only with the lock bit held. (Not under loom, which has no clock.)
-    #[cfg(not(loom))]
-    heavy: AtomicU64,
     #[cfg(not(loom))]
     data: std::cell::UnsafeCell<T>,
     #[cfg(loom)]
@@ -99,13 +86,7 @@ impl<T> LaneLock<T> {
         let data = std::cell::UnsafeCell::new(value);
         #[cfg(loom)]
         let data = loom::cell::UnsafeCell::new(value);
-        LaneLock {
-            state: AtomicU64::new(NONE << 1),
-            busy: AtomicBool::new(false),
-            #[cfg(not(loom))]
-            heavy: AtomicU64::new(0),
-            data,
-        }
+        LaneLock { state: AtomicU64::new(NONE << 1), busy: AtomicBool::new(false), data }
     }
 
     /// Takes the lock for a hit or a free of this lane (the fast path): the owner enters
@@ -144,9 +125,6 @@ impl<T> LaneLock<T> {
             if self.busy.load(Ordering::Acquire) && !cfg!(tidepool_broken = "asym_wait") {
                 self.unlock();
                 return None;
-            }
-            if self.heavy_budget_spent() {
-                self.set_owner(SHARED);
             }
         }
         Some(self.guard(false))
@@ -207,37 +185,16 @@ impl<T> LaneLock<T> {
                 heavy_fence();
                 self.wait_owner_out();
             }
-            if claim && !is_live(owner) && me != DYING {
-                // The owner thread has exited (it gave its token up first, see `live`): this
-                // one takes the lane over (a thread pool's new worker, threads made per batch).
-                self.set_owner(me);
-            } else if claim || self.heavy_budget_spent() {
-                // Two live threads use the lane, or the other side keeps paying membarriers
-                // for it: never biased again.
-                self.set_owner(SHARED);
+            if claim {
+                // The owner thread has exited: this one takes the lane over (a thread pool's
+                // new worker, or threads made per batch); else two live threads share it.
+                self.set_owner(if is_live(owner) { SHARED } else { me });
             }
-        } else if owner == NONE && claim && me != DYING && biasing() {
+        } else if owner == NONE && claim && biasing() {
             // Nobody can be inside: only an owner enters light.
             self.set_owner(me);
         }
         self.guard(false)
-    }
-
-    /// Counts a heavy fence paid for this lane; `true` once more than [`HEAVY_PER_SECOND`] were
-    /// paid within one second (a thread whose allocations keep reaching new peaks revokes
-    /// another thread's lane credit each time, for instance): the lane then gives its bias up,
-    /// so the membarriers it costs the other side stay bounded. The caller holds the lock bit.
-    fn heavy_budget_spent(&self) -> bool {
-        #[cfg(loom)]
-        return false;
-        #[cfg(not(loom))]
-        {
-            let now = live::seconds();
-            let w = self.heavy.load(Ordering::Relaxed);
-            let n = if w >> 32 == now { (w as u32).saturating_add(1) } else { 1 };
-            self.heavy.store(now << 32 | u64::from(n), Ordering::Relaxed);
-            n > HEAVY_PER_SECOND
-        }
     }
 
     /// Makes `owner` the lane's owner; the caller holds the lock bit.
@@ -364,12 +321,17 @@ fn is_other(owner: u64, me: u64) -> bool {
 }
 
 /// This thread's token: a number no other thread of the process has had, never [`NONE`] or
-/// [`SHARED`] ([`DYING`] once its thread-locals are being torn down). A lane biased to a thread
-/// that has exited is taken over by the next thread whose hit uses it ([`is_live`]).
+/// [`SHARED`]. A lane biased to a thread that has exited is taken over by the next thread whose
+/// hit uses it ([`is_live`]).
 #[cfg(not(loom))]
 #[inline(always)]
 pub(crate) fn thread_token() -> u64 {
-    live::TOKEN.with(|t| match t.get() {
+    use std::cell::Cell;
+    thread_local! {
+        // A constant initialiser: reading it is one thread-local load, no lazy-init check.
+        static TOKEN: Cell<u64> = const { Cell::new(NONE) };
+    }
+    TOKEN.with(|t| match t.get() {
         NONE => {
             let token = live::register();
             t.set(token);
@@ -406,69 +368,47 @@ fn is_live(_token: u64) -> bool {
 
 /// The tokens of running threads: a token is added when its thread first takes one, and
 /// removed by a thread-local destructor when the thread exits (so the set holds live threads
-/// only, however many come and go). Before it removes the token, the destructor switches the
-/// thread to [`DYING`] (other thread-locals' destructors may still free buffers into lanes):
-/// once another thread sees the token gone (through the set's mutex), the thread that had it
-/// can no longer enter a lane by it, so taking its lanes over is as safe as from a dead thread.
-/// (Taking a lane from a thread that may still enter would not be: a late entry of the old
-/// owner, begun before the change, withdraws by clearing `busy`, which is the new owner's
-/// flag then.)
+/// only, however many come and go).
 #[cfg(not(loom))]
 mod live {
-    use super::{DYING, NONE};
-    use std::cell::{Cell, RefCell};
+    use std::cell::RefCell;
     use std::collections::BTreeSet;
+    use std::sync::Mutex;
     use std::sync::atomic::{AtomicU64, Ordering};
-    use std::sync::{Mutex, OnceLock};
-    use std::time::Instant;
-
-    thread_local! {
-        // A constant initialiser and no destructor: readable while other thread-locals are
-        // torn down, one thread-local load otherwise.
-        pub(super) static TOKEN: Cell<u64> = const { Cell::new(NONE) };
-        static EXIT: RefCell<Option<Exit>> = const { RefCell::new(None) };
-    }
 
     static NEXT: AtomicU64 = AtomicU64::new(1);
     static LIVE: Mutex<BTreeSet<u64>> = Mutex::new(BTreeSet::new());
 
-    /// Gives its thread's token up when the thread exits.
+    /// Removes its token from [`LIVE`] when its thread exits.
     struct Exit(u64);
 
     impl Drop for Exit {
         fn drop(&mut self) {
-            // First the identity (this thread's later frees never enter a lane by the old
-            // token), then the set (the mutex orders the two for a thread that looks).
-            TOKEN.with(|t| t.set(DYING));
             lock().remove(&self.0);
         }
+    }
+
+    thread_local! {
+        static EXIT: RefCell<Option<Exit>> = const { RefCell::new(None) };
     }
 
     fn lock() -> std::sync::MutexGuard<'static, BTreeSet<u64>> {
         LIVE.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
-    /// A new token for this thread, counted live until the thread exits; [`DYING`] for a
-    /// thread already tearing its thread-locals down.
+    /// A new token for this thread, counted live until the thread exits. (A thread already
+    /// tearing its thread-locals down gets a token that counts as exited at once.)
     pub(super) fn register() -> u64 {
         let token = NEXT.fetch_add(1, Ordering::Relaxed);
-        match EXIT.try_with(|e| *e.borrow_mut() = Some(Exit(token))) {
-            Ok(()) => {
-                lock().insert(token);
-                token
-            }
-            Err(_) => DYING,
+        let armed = EXIT.try_with(|e| *e.borrow_mut() = Some(Exit(token))).is_ok();
+        if armed {
+            lock().insert(token);
         }
+        token
     }
 
     pub(super) fn is_live(token: u64) -> bool {
         lock().contains(&token)
-    }
-
-    /// Whole seconds since the first call (the heavy-fence budget's clock).
-    pub(super) fn seconds() -> u64 {
-        static START: OnceLock<Instant> = OnceLock::new();
-        START.get_or_init(Instant::now).elapsed().as_secs()
     }
 }
 
@@ -554,44 +494,9 @@ mod tests {
         assert_eq!(*lock.lock(), 7);
     }
 
-    /// A lane whose live owner keeps costing the other side membarriers (here 500 locks by
-    /// another thread, within a second or two) gives its bias up; a few leave it biased.
-    #[test]
-    fn a_lane_that_costs_too_many_membarriers_stops_being_biased() {
-        use std::sync::mpsc::channel;
-        if !crate::sync::asym::biasing() {
-            eprintln!("skipped: no membarrier in this process, no lane is biased");
-            return;
-        }
-        let lock = Arc::new(LaneLock::new(0u64));
-        let (claimed_tx, claimed_rx) = channel();
-        let (done_tx, done_rx) = channel::<()>();
-        let owner = {
-            let lock = lock.clone();
-            std::thread::spawn(move || {
-                *lock.lock_hot() += 1;
-                claimed_tx.send(lock.owned_by_this_thread()).unwrap();
-                done_rx.recv().unwrap(); // stays alive (and the owner) meanwhile
-            })
-        };
-        assert!(claimed_rx.recv().unwrap());
-        for _ in 0..10 {
-            *lock.lock() += 1;
-        }
-        assert!(!lock.is_shared(), "ten heavy locks gave the bias up");
-        for _ in 0..500 {
-            *lock.lock() += 1;
-        }
-        assert!(lock.is_shared(), "500 heavy locks in a second or two kept the bias");
-        done_tx.send(()).unwrap();
-        owner.join().unwrap();
-        assert_eq!(*lock.lock(), 511);
-    }
-
     /// The owner enters without the CAS while two other threads take the lock the global-lock
-    /// side's way (which leaves the bias alone; 14 times in all, spread out: within the
-    /// heavy-fence budget): every increment survives, and the owner still owns the lane at the end, so its
-    /// entries were the light ones. (Broken orderings are
+    /// side's way (which leaves the bias alone): every increment survives, and the owner still
+    /// owns the lane at the end, so its entries were the light ones. (Broken orderings are
     /// caught by the loom model `a_lane_owner_entering_without_a_cas_against_other_threads`;
     /// this checks the real fences on real cores.)
     #[test]
@@ -608,7 +513,7 @@ mod tests {
         let owner = {
             let lock = lock.clone();
             std::thread::spawn(move || {
-                for _ in 0..200_000 {
+                for _ in 0..20_000 {
                     bump(&mut lock.lock_hot());
                 }
                 lock.owned_by_this_thread()
@@ -618,8 +523,7 @@ mod tests {
             .map(|_| {
                 let lock = lock.clone();
                 std::thread::spawn(move || {
-                    for i in 0..7 {
-                        std::thread::sleep(std::time::Duration::from_micros(50));
+                    for i in 0..2_000 {
                         match i % 2 {
                             0 => bump(&mut lock.lock()),
                             _ => {
@@ -639,7 +543,7 @@ mod tests {
         for t in others {
             t.join().unwrap();
         }
-        assert_eq!(lock.lock().0, 200_014);
+        assert_eq!(lock.lock().0, 24_000);
     }
 
     /// While the owner is inside, another thread's `try_lock` fails and its `lock` waits; once
