@@ -14,8 +14,7 @@
 //!                                                   the lane: owner = me (membarrier only)
 //!   thread t   busy = true, light fence, then       CAS the lock bit, heavy fence, wait for
 //!              state = t << 1 (one load) enters,    !busy; a hit or free (a second user)
-//!              else busy = false and the CAS path   then makes the lane SHARED, or its own
-//!                                                   if thread t has exited
+//!              else busy = false and the CAS path   then makes the lane SHARED
 //!   SHARED     (none: never biased again)           CAS the lock bit (nobody enters light)
 //!
 //!   let go:    the owner: busy = false (Release)    a CAS holder: lock bit cleared (Release)
@@ -186,9 +185,7 @@ impl<T> LaneLock<T> {
                 self.wait_owner_out();
             }
             if claim {
-                // The owner thread has exited: this one takes the lane over (a thread pool's
-                // new worker, or threads made per batch); else two live threads share it.
-                self.set_owner(if is_live(owner) { SHARED } else { me });
+                self.set_owner(SHARED);
             }
         } else if owner == NONE && claim && biasing() {
             // Nobody can be inside: only an owner enters light.
@@ -321,19 +318,20 @@ fn is_other(owner: u64, me: u64) -> bool {
 }
 
 /// This thread's token: a number no other thread of the process has had, never [`NONE`] or
-/// [`SHARED`]. A lane biased to a thread that has exited is taken over by the next thread whose
-/// hit uses it ([`is_live`]).
+/// [`SHARED`] (a lane biased to a thread that has exited stays biased to a token nobody holds,
+/// until another thread's hit makes it shared).
 #[cfg(not(loom))]
 #[inline(always)]
 pub(crate) fn thread_token() -> u64 {
     use std::cell::Cell;
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
     thread_local! {
         // A constant initialiser: reading it is one thread-local load, no lazy-init check.
         static TOKEN: Cell<u64> = const { Cell::new(NONE) };
     }
     TOKEN.with(|t| match t.get() {
         NONE => {
-            let token = live::register();
+            let token = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             t.set(token);
             token
         }
@@ -351,65 +349,6 @@ pub(crate) fn thread_token() -> u64 {
         static TOKEN: u64 = NEXT.fetch_add(1, Ordering::Relaxed);
     }
     TOKEN.with(|t| *t)
-}
-
-/// Whether the thread of `token` is still running (a policy question only: taking a lane over
-/// from a live owner is as sound as from a dead one, both after the heavy fence and the wait).
-#[cfg(not(loom))]
-fn is_live(token: u64) -> bool {
-    live::is_live(token)
-}
-
-/// Under loom every owner counts as live (the models run a handful of threads).
-#[cfg(loom)]
-fn is_live(_token: u64) -> bool {
-    true
-}
-
-/// The tokens of running threads: a token is added when its thread first takes one, and
-/// removed by a thread-local destructor when the thread exits (so the set holds live threads
-/// only, however many come and go).
-#[cfg(not(loom))]
-mod live {
-    use std::cell::RefCell;
-    use std::collections::BTreeSet;
-    use std::sync::Mutex;
-    use std::sync::atomic::{AtomicU64, Ordering};
-
-    static NEXT: AtomicU64 = AtomicU64::new(1);
-    static LIVE: Mutex<BTreeSet<u64>> = Mutex::new(BTreeSet::new());
-
-    /// Removes its token from [`LIVE`] when its thread exits.
-    struct Exit(u64);
-
-    impl Drop for Exit {
-        fn drop(&mut self) {
-            lock().remove(&self.0);
-        }
-    }
-
-    thread_local! {
-        static EXIT: RefCell<Option<Exit>> = const { RefCell::new(None) };
-    }
-
-    fn lock() -> std::sync::MutexGuard<'static, BTreeSet<u64>> {
-        LIVE.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
-    }
-
-    /// A new token for this thread, counted live until the thread exits. (A thread already
-    /// tearing its thread-locals down gets a token that counts as exited at once.)
-    pub(super) fn register() -> u64 {
-        let token = NEXT.fetch_add(1, Ordering::Relaxed);
-        let armed = EXIT.try_with(|e| *e.borrow_mut() = Some(Exit(token))).is_ok();
-        if armed {
-            lock().insert(token);
-        }
-        token
-    }
-
-    pub(super) fn is_live(token: u64) -> bool {
-        lock().contains(&token)
-    }
 }
 
 #[cfg(all(test, not(loom)))]
@@ -469,29 +408,6 @@ mod tests {
         assert_eq!(lock.is_shared(), biased);
         assert!(!lock.owned_by_this_thread());
         assert_eq!(*lock.lock(), 5);
-    }
-
-    /// A lane whose owner thread exited is taken over by the next thread's hit (threads made
-    /// per batch, a pool's new worker), not made shared.
-    #[test]
-    fn a_lane_left_by_an_exited_owner_goes_to_the_next_hot_user() {
-        let biased = crate::sync::asym::biasing();
-        let lock = Arc::new(LaneLock::new(0u64));
-        for round in 0..3 {
-            let l2 = lock.clone();
-            let owned = std::thread::spawn(move || {
-                *l2.lock_hot() += 1;
-                *l2.lock_hot() += 1;
-                l2.owned_by_this_thread()
-            })
-            .join()
-            .unwrap();
-            assert_eq!(owned, biased, "round {round}");
-            assert!(!lock.is_shared(), "round {round}: shared after its owner exited");
-        }
-        *lock.lock_hot() += 1;
-        assert_eq!(lock.owned_by_this_thread(), biased);
-        assert_eq!(*lock.lock(), 7);
     }
 
     /// The owner enters without the CAS while two other threads take the lock the global-lock
