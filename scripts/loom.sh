@@ -38,8 +38,6 @@ variants=(
   "moved_hold:a_block_moved_to_another_lane_against_the_last_handle"
   "retag_free:a_lane_retagged_for_a_new_stream_against_a_stale_free_and_hits"
   "retag_hit:a_lane_retagged_for_a_new_stream_against_a_stale_free_and_hits"
-  "asym_fence:a_lane_owner_entering_without_a_cas_against_other_threads"
-  "asym_wait:a_lane_owner_entering_without_a_cas_against_other_threads"
 )
 status=0
 for v in "${variants[@]}"; do

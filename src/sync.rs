@@ -8,8 +8,6 @@
 //! `arc-swap` cannot be modelled by loom (it uses its own std atomics and thread-locals), so
 //! [`ArcCell`] is `ArcSwap` under `std` and a `Mutex<Arc<T>>` under loom, behind one interface.
 
-pub(crate) mod asym;
-
 #[cfg(not(loom))]
 #[allow(unused_imports)]
 pub(crate) use std::sync::{Arc, Condvar, Mutex, MutexGuard};

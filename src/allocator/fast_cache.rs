@@ -51,9 +51,8 @@ use crossbeam_utils::CachePadded;
 /// pool.
 pub const MAX_CLASSES: usize = 128;
 
-/// Fast-path slots: stream `s` takes the lanes of slot `s mod FAST_STREAMS` where that slot is
-/// free or its stream was destroyed ([`CacheTable`]); a stream whose slot serves a live stream
-/// takes the slow path. (The same under loom: the models run the real configuration.)
+/// Streams with an id below this have a fast path; others always take the slow path. (The
+/// same under loom: the models run the real configuration.)
 pub const FAST_STREAMS: usize = 64;
 
 /// What a stream may cache.
@@ -333,19 +332,6 @@ impl StreamCache {
         self.inner.lock()
     }
 
-    /// The lane's lock for a hit or a free: the first thread to use the lane so becomes its
-    /// owner, which then enters with no atomic read-modify-write (`lane_lock.rs`).
-    #[inline(always)]
-    fn lock_hot(&self) -> LaneGuard<'_, CacheInner> {
-        self.inner.lock_hot()
-    }
-
-    /// Whether this thread owns the lane, and whether the lane went shared (for tests).
-    #[cfg(feature = "test-hooks")]
-    pub fn lane_bias(&self) -> (bool, bool) {
-        (self.inner.owned_by_this_thread(), self.inner.is_shared())
-    }
-
     /// The published statistics deltas (see `counters.rs` for the layout).
     pub fn fast_block(&self) -> &SeqBlock<FAST_WORDS> {
         &self.fast
@@ -379,7 +365,7 @@ impl StreamCache {
         stream: StreamId,
         stash: bool,
     ) -> Result<bool, CachedBlock> {
-        let mut g = self.lock_hot();
+        let mut g = self.lock_inner();
         let inner = &mut *g;
         let large = !is_small(b.quadrant);
         // Disabled, closed or full: one compare (`room` is 0 in the first two cases).
@@ -427,7 +413,7 @@ impl StreamCache {
     #[inline(always)]
     pub fn push_small(&self, class: ClassKey, b: CachedBlock, stream: StreamId) -> bool {
         debug_assert!(is_small(b.quadrant));
-        let mut g = self.lock_hot();
+        let mut g = self.lock_inner();
         let inner = &mut *g;
         let cached = inner.words[CACHED_BYTES];
         // Disabled, closed or full: one compare (`room` is 0 in the first two cases, and with
@@ -483,7 +469,7 @@ impl StreamCache {
         stream: StreamId,
     ) -> (Pop, u64, bool) {
         debug_assert!(bytes > 0);
-        let g = self.lock_hot();
+        let g = self.lock_inner();
         if !g.takes_for(stream) {
             return (Pop::Miss, 0, false);
         }
@@ -532,7 +518,7 @@ impl StreamCache {
         if self.large.load(Ordering::Relaxed) == 0 {
             return (Pop::Miss, 0, false);
         }
-        let g = self.lock_hot();
+        let g = self.lock_inner();
         if !g.takes_for(stream) {
             return (Pop::Miss, 0, false);
         }
