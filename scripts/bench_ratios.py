@@ -23,3 +23,7 @@ print(f"fast / global_lock at 2 threads, same stream      = "
       f"{thr[('fast', '2_threads_same_stream')] / thr[('global_lock', '2_threads_same_stream')]:.2f}x")
 print(f"fast / global_lock at 1 thread                    = "
       f"{f1 / thr[('global_lock', '1_thread')]:.2f}x")
+ref = root / "reference_2_threads_2_allocators" / "new" / "estimates.json"
+if ref.exists():
+    ns = json.loads(ref.read_text())["mean"]["point_estimate"]
+    print(f"machine ceiling: 2 threads on 2 allocators / 1 thread = {2 / ns * 1e3 / f1:.2f}x")
