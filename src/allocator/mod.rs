@@ -819,26 +819,12 @@ impl<D: Device> Allocator<D> {
             true => self.shared.broken.fetch_or(mode.bit(), Ordering::Relaxed),
             false => self.shared.broken.fetch_and(!mode.bit(), Ordering::Relaxed),
         };
-        if mode == Broken::HotCreditKept {
-            // The lanes keep it under their own locks: a revocation sees no `Shared`.
-            self.shared.caches.all().iter().for_each(|c| c.set_keep_hot(on));
-        }
         if mode == Broken::DevicePanicsUnwind {
             self.shared.device.set_unwind(on);
         }
-        let tags = match mode {
-            Broken::RetaggedLaneTakesStaleFrees => fast_cache::TAG_FREES,
-            Broken::RetaggedLaneServesAnyStream => fast_cache::TAG_HITS,
-            _ => 0,
-        };
-        if tags != 0 {
-            // The lanes check their tags under their own locks, with no `Shared` in sight.
-            self.shared.caches.all().iter().for_each(|c| c.set_broken_tags(tags, on));
-        }
-        if mode == Broken::UnmarkedCredit {
-            // The lanes' frees grant credit under their own locks, with no `Shared` in sight.
-            self.shared.caches.all().iter().for_each(|c| c.set_unmarked(on));
-        }
+        // The lanes check these under their own locks, with no `Shared` in sight: each lane
+        // holds its own copy (lanes made later copy them when made: `Shared::break_lane`).
+        self.shared.caches.all().iter().for_each(|c| self.shared.break_lane(c));
     }
 
     /// **Test only** (feature `test-hooks`): whether `stream`'s cache is closed (`None`: it

@@ -664,7 +664,7 @@ impl<D: Device> Shared<D> {
             self.retag_slot(st, stream, &slot, limits, config.sizing);
         } else {
             // Destroyed (or forgotten) since it was checked: its caches never take a block.
-            let lanes = Self::new_lanes(st, stream, limits, config.sizing, !known);
+            let lanes = self.new_lanes(st, stream, limits, config.sizing, !known);
             // Unslotted where the slot serves another stream: no fast path, only its figures.
             self.caches.add(lanes, slot.is_empty());
         }
@@ -701,7 +701,7 @@ impl<D: Device> Shared<D> {
                 && !st.segment_streams.contains_key(&c.stream())
         });
         if st.segment_streams.contains_key(&old) {
-            self.caches.add(Self::new_lanes(st, old, limits, sizing, true), false);
+            self.caches.add(self.new_lanes(st, old, limits, sizing, true), false);
         }
     }
 
@@ -709,6 +709,7 @@ impl<D: Device> Shared<D> {
     /// bytes; `closed`, they take no block (a stream gone, or a carrier of its figures). The
     /// caller holds the global lock and adds them to the table.
     fn new_lanes(
+        &self,
         st: &State,
         stream: StreamId,
         limits: Limits,
@@ -725,6 +726,8 @@ impl<D: Device> Shared<D> {
                 if st.stash_closed {
                     debug_assert_eq!(cache.close_stash(), 0);
                 }
+                #[cfg(feature = "test-hooks")]
+                self.break_lane(&cache);
                 Arc::new(cache)
             })
             .collect();

@@ -208,6 +208,19 @@ impl<D: Device> Drop for Locked<'_, D> {
 }
 
 impl<D: Device> Shared<D> {
+    /// Gives lane `c` the deliberate bugs that lanes keep under their own locks, as they are
+    /// on now: `HotCreditKept`, `UnmarkedCredit` and the tag checks. Called for every lane at
+    /// `Allocator::set_broken` and for each lane made later, so that a mode turned on before a
+    /// stream had lanes (as the fuzz harness does, from the start) reaches them too.
+    #[cfg(feature = "test-hooks")]
+    pub(super) fn break_lane(&self, c: &super::fast_cache::StreamCache) {
+        use super::fast_cache::{TAG_FREES, TAG_HITS};
+        c.set_keep_hot(self.broken(Broken::HotCreditKept));
+        c.set_unmarked(self.broken(Broken::UnmarkedCredit));
+        c.set_broken_tags(TAG_FREES, self.broken(Broken::RetaggedLaneTakesStaleFrees));
+        c.set_broken_tags(TAG_HITS, self.broken(Broken::RetaggedLaneServesAnyStream));
+    }
+
     /// Whether the deliberate bug `mode` is on (never without feature `test-hooks`).
     #[inline(always)]
     pub(super) fn broken(&self, mode: Broken) -> bool {

@@ -95,7 +95,7 @@ fn seq(runs: Vec<Vec<Op>>) -> Vec<Op> {
 }
 
 fn scenario(capacity: u8, config: u8, ops: Vec<Op>) -> Vec<u8> {
-    encode(&Program { capacity, config, explicit_teardown: false, ops })
+    encode(&Program { capacity, config, explicit_teardown: false, late_streams: false, ops })
 }
 
 /// Encodes a program whose operands are all in range (it decodes back to itself).
@@ -470,9 +470,37 @@ fn allocator_seeds() -> Vec<(String, Vec<u8>)> {
             capacity: 1,
             config: 1,
             explicit_teardown: true,
+            late_streams: false,
             ops: vec![keep(3 * MIB, 1), alloc(12 * MIB, 2), alloc(100, 0)],
         }),
     ));
+    // Streams past the 64 fast-path slots (the harness's head start): the slots re-tagged for
+    // the program's streams, buffers that outlived their streams freed after the re-tag, a
+    // destroyed stream's slot taken again, the default stream's slot shared.
+    for (name, config, teardown) in
+        [("late-streams", 0, false), ("late-streams-expandable", 9, true)]
+    {
+        let ops = vec![
+            alloc(4096, 1),
+            alloc(4096, 2),
+            Free { index: 2 },
+            alloc(4096, 1),
+            Free { index: 0 },
+            launch(0, 2),
+            Free { index: 0 },
+            DestroyStream { stream: 1 },
+            alloc(4096, 1),
+            alloc(3 * MIB, 1),
+            DestroyStream { stream: 2 },
+            alloc(4096, 2),
+            alloc(4096, 0),
+            Free { index: 1 },
+            alloc(8192, 2),
+        ];
+        let p =
+            Program { capacity: 1, config, explicit_teardown: teardown, late_streams: true, ops };
+        seeds.push((name.into(), encode(&p)));
+    }
     // Pseudo-random programs over every capacity × config, mixing every operation.
     let mut rng = 0x9e37_79b9_7f4a_7c15u64;
     let mut next = move || {
@@ -534,7 +562,13 @@ fn allocator_seeds() -> Vec<(String, Vec<u8>)> {
                     }
                 })
                 .collect();
-            let p = Program { capacity, config, explicit_teardown: next() & 1 == 1, ops };
+            let p = Program {
+                capacity,
+                config,
+                explicit_teardown: next() & 1 == 1,
+                late_streams: false,
+                ops,
+            };
             seeds.push((format!("random-cap{capacity}-config{config}"), encode(&p)));
         }
     }
@@ -567,7 +601,13 @@ fn allocator_seeds() -> Vec<(String, Vec<u8>)> {
                 }
             }
             ops.truncate(MAX_OPS);
-            let p = Program { capacity, config: variant, explicit_teardown: next() & 1 == 1, ops };
+            let p = Program {
+                capacity,
+                config: variant,
+                explicit_teardown: next() & 1 == 1,
+                late_streams: false,
+                ops,
+            };
             seeds.push((format!("random-scoped-cap{capacity}-{variant}"), encode(&p)));
         }
     }
@@ -776,6 +816,7 @@ fn scope_seeds() -> Vec<(&'static str, Vec<u8>)> {
                 capacity: 2,
                 config: 0,
                 explicit_teardown: true,
+                late_streams: false,
                 ops: vec![
                     ScopeEnter { stream: 2, named: true },
                     ScopeAlloc { bytes: 0 },

@@ -148,6 +148,9 @@ pub fn run(program: &Program, options: Options) -> Result<(), String> {
         other.set_broken(mode, true);
     }
     let mut h = Harness::new(&alloc, &other, base);
+    if program.late_streams {
+        h.head_start().map_err(|e| format!("head start: {e}"))?;
+    }
     h.check().map_err(|e| format!("before the first step: {e}"))?;
     for (i, op) in program.ops.iter().enumerate() {
         h.step(op).map_err(|e| format!("step {i} {op:?}: {e}"))?;
@@ -221,6 +224,9 @@ struct Live {
     run: Option<u64>,
 }
 
+/// The allocator's fast-path slots: a stream's lanes are slot `id % FAST_SLOTS`'s.
+const FAST_SLOTS: u32 = 64;
+
 /// The name of every named scope of a program (`Op::ScopeEnter { named: true }`).
 const SCOPE_NAME: &str = "f";
 
@@ -249,6 +255,9 @@ struct Harness<'a> {
     runs: u64,
     /// Stream of each slot (slot 0: the default stream); `None` until first use or after destroy.
     slots: [Option<StreamId>; STREAM_SLOTS as usize],
+    /// Streams destroyed through the first allocator: a request on one must fail, even once its
+    /// fast-path slot serves a newer stream.
+    gone: Vec<StreamId>,
     live: Vec<Live>,
     /// The device reserve call (counted from 1) at which an armed `fail_nth_malloc` fires.
     nth_fires_at: Option<u64>,
@@ -346,6 +355,7 @@ impl<'a> Harness<'a> {
             scope: None,
             runs: 0,
             slots,
+            gone: Vec::new(),
             live: Vec::new(),
             nth_fires_at: None,
             fail_above: None,
@@ -367,6 +377,64 @@ impl<'a> Harness<'a> {
                 Ok(s)
             }
         }
+    }
+
+    /// [`Program::late_streams`]: the device's next streams go past the 64 fast-path slots
+    /// (`id % 64`) onto slots whose lanes served streams that are gone. Skipped ids (streams
+    /// made and destroyed elsewhere) first bring the next id to 61 modulo 64; then three
+    /// streams leave: one through the allocator, one on the device behind the allocator's
+    /// back, each after two 4 KiB requests of which one was freed (cached in the stream's lane)
+    /// and one stays live (a buffer that outlives its stream, for the program to use and free
+    /// later), and one used through the second allocator only (the first never had lanes for
+    /// it). Skipped ids fill the lap: the program's streams are numbered 61, 62, 63 and 0
+    /// modulo 64 in creation order, the three slots to re-tag and then the live default
+    /// stream's.
+    fn head_start(&mut self) -> Result<(), String> {
+        const SLOTS: u64 = FAST_SLOTS as u64;
+        let dev = self.dev.clone();
+        // A reused device's streams (a program before this one's) go: the program's streams
+        // are made below the head start.
+        for slot in &mut self.slots[1..] {
+            if let Some(s) = slot.take() {
+                dev.destroy_stream(s).map_err(|e| dev_err("destroy_stream", e))?;
+            }
+        }
+        // Streams made and destroyed elsewhere: ids only.
+        let next = dev.create_stream().map_err(|e| dev_err("create_stream", e))?;
+        dev.destroy_stream(next).map_err(|e| dev_err("destroy_stream", e))?;
+        let next = u64::from(next.0) + 1;
+        dev.skip_stream_ids(((61 + SLOTS - next % SLOTS) % SLOTS) as u32);
+        for k in 0..3 {
+            let s = dev.create_stream().map_err(|e| dev_err("create_stream", e))?;
+            let slot = u64::from(s.0) % SLOTS;
+            ensure!(slot == 61 + k, "{s} is on slot {slot}, not {}", 61 + k);
+            if k == 2 {
+                match self.other.alloc(4096, s) {
+                    Ok(b) => drop(b),
+                    Err(AllocError::OutOfMemory(_)) => {}
+                    Err(e) => return Err(format!("second alloc on {s}: {e}")),
+                }
+                self.other.destroy_stream(s).map_err(|e| format!("second destroy {s}: {e}"))?;
+                continue;
+            }
+            let live = self.live.len();
+            self.alloc_op(4096, s, Residency::Transient)?;
+            self.alloc_op(4096, s, Residency::Transient)?;
+            if self.live.len() > live {
+                drop(self.live.remove(live)); // cached in the lane
+            }
+            if k == 0 {
+                self.alloc.destroy_stream(s).map_err(|e| format!("destroy {s}: {e}"))?;
+                self.gone.push(s);
+            } else {
+                // Requests on it may still succeed until the allocator learns it is gone
+                // (`release_stream`, or the re-tag of its slot): not in `gone`.
+                dev.destroy_stream(s).map_err(|e| dev_err("destroy_stream", e))?;
+            }
+            self.check()?;
+        }
+        dev.skip_stream_ids(FAST_SLOTS - 3);
+        Ok(())
     }
 
     /// Device reserve calls so far (each one advances an armed `fail_nth_malloc`).
@@ -491,6 +559,7 @@ impl<'a> Harness<'a> {
                 }
                 if let Some(s) = self.slots[usize::from(stream)].take() {
                     self.alloc.destroy_stream(s).map_err(|e| format!("destroy_stream: {e}"))?;
+                    self.gone.push(s);
                     ensure!(!self.dev.live_streams().contains(&s), "{s} still exists");
                     // The second allocator learns of it (and returns what it cached for it).
                     match self.other.release_stream(s) {
@@ -992,6 +1061,17 @@ impl<'a> Harness<'a> {
     /// Everything that must hold between any two steps.
     fn check(&self) -> Result<(), String> {
         self.alloc.check_invariants()?;
+        // A gone stream whose fast-path slot (`id % 64`) now serves a live stream of the
+        // program: a request on it is refused, not served from the newer stream's lane.
+        for &g in &self.gone {
+            if self.slots.iter().flatten().any(|s| s.0 % FAST_SLOTS == g.0 % FAST_SLOTS) {
+                let r = self.alloc.alloc(4096, g);
+                ensure!(
+                    matches!(r, Err(AllocError::UnknownStream(x)) if x == g),
+                    "a request on {g}, which is gone, got {r:?}"
+                );
+            }
+        }
         self.other.check_invariants().map_err(|e| format!("second allocator: {e}"))?;
         let snap = self.alloc.snapshot();
         let other_snap = self.other.snapshot();
@@ -1295,9 +1375,78 @@ fn cells(g: &StatGroup) -> [&Stat; 5] {
 mod tests {
     use super::*;
     use tidepool::MIB;
+    use tidepool::hooks::Broken;
 
     fn program(config: u8, ops: Vec<Op>) -> Program {
-        Program { capacity: 1, config, explicit_teardown: false, ops }
+        Program { capacity: 1, config, explicit_teardown: false, late_streams: false, ops }
+    }
+
+    /// Streams past the 64 fast-path slots: the head start leaves two 4 KiB buffers whose
+    /// streams are gone (live indexes 0 and 1). Slot 1's first stream re-tags the slot of the
+    /// stream destroyed through the allocator, slot 2's the slot of the one destroyed behind
+    /// its back (its lane still caching a block); after a destroy, slot 1's next stream takes
+    /// the slot only the second allocator used, and slot 2's next one the live default stream's.
+    fn late_stream_ops() -> Vec<Op> {
+        let small = |stream| Op::Alloc { bytes: 4096, stream, persistent: false };
+        vec![
+            small(1),
+            small(2),
+            Op::Free { index: 2 },
+            Op::Free { index: 2 },
+            small(1),
+            small(2),
+            Op::Launch { index: 1, stream: 2, write: true, sleep_us: 5 },
+            Op::Free { index: 0 },
+            small(1),
+            small(1),
+            Op::Free { index: 0 },
+            small(2),
+            small(2),
+            Op::DestroyStream { stream: 1 },
+            small(1),
+            Op::Free { index: 3 },
+            small(1),
+            Op::DestroyStream { stream: 2 },
+            small(2),
+            small(0),
+            Op::Free { index: 0 },
+            small(2),
+            Op::Free { index: 1 },
+            small(0),
+            Op::EmptyCache,
+            small(2),
+            small(1),
+        ]
+    }
+
+    #[test]
+    fn programs_on_streams_past_the_fast_slots_pass() {
+        // Every configuration (plain, expandable, caching off, limits), both teardowns.
+        for config in 0..CONFIGS.len() as u8 {
+            for explicit_teardown in [false, true] {
+                let p = Program {
+                    explicit_teardown,
+                    late_streams: true,
+                    ..program(config, late_stream_ops())
+                };
+                run(&p, Options::default()).unwrap_or_else(|e| panic!("config {config}: {e}"));
+            }
+        }
+        // The flag rides in bit 1 of the teardown byte: encoded and decoded unchanged.
+        let p = Program { late_streams: true, ..program(3, late_stream_ops()) };
+        assert_eq!(Program::decode(&p.encode()), p);
+    }
+
+    #[test]
+    fn late_streams_reach_the_lane_re_tags() {
+        // The re-tag fixes, reverted one at a time, fail the same program: a stale buffer's
+        // free cached in a re-tagged lane, or a hit that does not check the lane's stream.
+        let p = Program { late_streams: true, ..program(0, late_stream_ops()) };
+        run(&p, Options::default()).unwrap();
+        for mode in [Broken::RetaggedLaneTakesStaleFrees, Broken::RetaggedLaneServesAnyStream] {
+            let r = run(&p, Options { broken: Some(mode), ..Options::default() });
+            assert!(r.is_err(), "{mode:?} not caught");
+        }
     }
 
     #[test]
@@ -1435,7 +1584,6 @@ mod tests {
     /// another stream is ordered at its scope's exit (a broken exit is caught).
     #[test]
     fn foreign_buffers_and_forgotten_scoped_buffers() {
-        use tidepool::hooks::Broken;
         let mut ops = vec![
             Op::Alloc { bytes: 4096, stream: 1, persistent: false },
             Op::Other { index: 1 + 8, action: 0 }, // 1000 B on slot 1

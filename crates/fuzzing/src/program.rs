@@ -2,7 +2,7 @@
 //!
 //! ```text
 //!   input = header  op op op …            (at most MAX_OPS ops; the rest is ignored)
-//!   header = capacity:choice  config:choice  teardown:bool
+//!   header = capacity:choice  config:choice  flags:u8 (bit 0 teardown, bit 1 late streams)
 //!   op     = tag:choice(TAGS) operands…   (TAGS weights the kinds: 10/64 of tags are allocs,
 //!                                          10/64 are scope operations, 2/64 the second
 //!                                          allocator and foreign buffers)
@@ -258,6 +258,13 @@ pub struct Program {
     /// At the end, release every cached segment explicitly (and check that it empties the
     /// allocator) before dropping it, instead of leaving it all to the allocator's `Drop`.
     pub explicit_teardown: bool,
+    /// Start the program's streams past the allocator's 64 fast-path slots: before the first
+    /// step, streams whose slots the program's streams then share are used and destroyed
+    /// through the allocator, behind its back on the device, and through the second
+    /// allocator, so the program's streams re-tag those slots' lanes (and the fourth one's slot
+    /// is the live default stream's). Bit 1 of the teardown byte: inputs written before it
+    /// existed decode as before.
+    pub late_streams: bool,
     /// The steps, in order.
     pub ops: Vec<Op>,
 }
@@ -336,7 +343,8 @@ impl Program {
         let mut input = Input::new(data);
         let capacity = input.below(CAPACITIES.len()) as u8;
         let config = input.below(CONFIGS.len()) as u8;
-        let explicit_teardown = input.bool();
+        let flags = input.u8();
+        let (explicit_teardown, late_streams) = (flags & 1 == 1, flags & 2 == 2);
         let mut ops = Vec::new();
         while !input.is_empty() && ops.len() < MAX_OPS {
             let i = &mut input;
@@ -375,7 +383,7 @@ impl Program {
                 }
             });
         }
-        Program { capacity, config, explicit_teardown, ops }
+        Program { capacity, config, explicit_teardown, late_streams, ops }
     }
 
     /// The bytes that decode to this program. Operands must be in range (slots below
@@ -385,7 +393,7 @@ impl Program {
         let mut o = Output::new();
         o.choice(usize::from(self.capacity));
         o.choice(usize::from(self.config));
-        o.bool(self.explicit_teardown);
+        o.u8(u8::from(self.explicit_teardown) | u8::from(self.late_streams) << 1);
         let tag = |o: &mut Output, k: Kind| o.choice(index_of(&TAGS, &k));
         let sleep = |o: &mut Output, us: u8| o.choice(index_of(&SLEEPS_US, &us));
         for op in &self.ops {
@@ -495,6 +503,7 @@ mod tests {
             capacity: 2,
             config: 5,
             explicit_teardown: true,
+            late_streams: true,
             ops: vec![
                 Op::Alloc { bytes: 0, stream: 0, persistent: false },
                 Op::Alloc { bytes: u64::MAX, stream: 2, persistent: true },
@@ -542,7 +551,13 @@ mod tests {
         let empty = Program::decode(&[]);
         assert_eq!(
             empty,
-            Program { capacity: 0, config: 0, explicit_teardown: false, ops: vec![] }
+            Program {
+                capacity: 0,
+                config: 0,
+                explicit_teardown: false,
+                late_streams: false,
+                ops: vec![]
+            }
         );
         let long = Program::decode(&[0xab; 10_000]);
         assert_eq!(long.ops.len(), MAX_OPS);

@@ -284,6 +284,24 @@ impl SimDevice {
         self.state().streams.iter().filter(|(_, s)| !s.closing).map(|(&i, _)| StreamId(i)).collect()
     }
 
+    /// Numbers the next stream `n` ids later, as if `n` streams had been made and destroyed
+    /// elsewhere meanwhile (ids are never reused), so tests reach high stream ids without
+    /// starting and joining a worker thread for each.
+    ///
+    /// ```
+    /// use tidepool::{Device, SimDevice};
+    /// let dev = SimDevice::new(1 << 20);
+    /// let a = dev.create_stream().unwrap();
+    /// dev.skip_stream_ids(62);
+    /// let b = dev.create_stream().unwrap();
+    /// assert_eq!(b.0, a.0 + 63);
+    /// assert!(!dev.has_stream(tidepool::StreamId(a.0 + 1)));
+    /// ```
+    pub fn skip_stream_ids(&self, n: u32) {
+        let mut st = self.state();
+        st.next_stream = st.next_stream.saturating_add(n);
+    }
+
     /// Makes the `n`th malloc from now fail (`n` = 1: the next one). `None` clears it.
     pub fn fail_nth_malloc(&self, n: Option<u64>) {
         self.state().faults.fail_nth_malloc = n.filter(|&n| n > 0);
