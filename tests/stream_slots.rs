@@ -2,7 +2,8 @@
 //! them up), so the lanes of the fast path sit in 64 slots by `id mod 64`, and a new stream
 //! takes its slot's lanes over (*re-tags* them) once the stream they served was destroyed.
 //! Exact addresses, lock counts and lane tables; each deliberate bug the design guards
-//! against (`Broken::NoLaneRetag`, `RetaggedLaneTakesStaleFrees`, `RetaggedLaneServesAnyStream`)
+//! against (`Broken::NoLaneRetag`, `RetaggedLaneTakesStaleFrees`, `RetaggedLaneServesAnyStream`,
+//! `NoSecondSlot`)
 //! is shown to be caught.
 
 use std::sync::Arc;
@@ -41,8 +42,8 @@ fn twice(streams: impl IntoIterator<Item = u32>) -> Vec<StreamId> {
 
 /// A stream made after 69 others were made, used once and destroyed takes slot 6's lanes
 /// (stream 6's, destroyed) and its pairs never take the global lock, as a low stream's. Stream
-/// 64, whose slot serves the live default stream, has lanes outside the slots (the slow path),
-/// dropped from the table once the stream is destroyed and its segments are gone. Broken mode
+/// 64, whose first slot serves the live default stream, took its second (slot 2, stream 2's,
+/// destroyed), which stream 66 then took over in turn. Broken mode
 /// `NoLaneRetag` (every stream past the 64th without a fast path) takes the lock twice a pair.
 #[test]
 fn a_stream_past_the_64th_takes_over_the_lanes_of_a_destroyed_stream_of_its_slot() {
@@ -75,8 +76,8 @@ fn a_stream_past_the_64th_takes_over_the_lanes_of_a_destroyed_stream_of_its_slot
             continue;
         }
         assert_eq!(pairs_locked, 0, "no global lock taken");
-        // Streams 65…70 took slots 1…6 over; 64's own lanes went once it was gone.
-        assert_eq!(alloc.lane_retags(), 6);
+        // Stream 64 took slot 2 over (its second choice), then streams 65…70 slots 1…6.
+        assert_eq!(alloc.lane_retags(), 7);
         let table: Vec<u32> = [0].into_iter().chain(7..=63).chain(65..=70).collect();
         assert_eq!(alloc.lane_streams(), twice(table));
         // The default stream's lanes serve it as before.
@@ -210,24 +211,68 @@ fn threads_making_and_destroying_streams_share_the_slots_soundly() {
     assert_eq!(dev.counters().mallocs, dev.counters().frees);
 }
 
-/// A stream whose slot serves a live stream (64 and the default stream) has no fast path but
-/// works as any other: exact addresses, its own segment, exact statistics.
+/// A stream whose first slot serves a live stream (64, and the default stream in slot 0) takes
+/// its second (slot 2): a fast path like any other stream's, exact addresses, its own segment,
+/// exact statistics. A stream both of whose slots serve live streams (128: slot 0, and slot 3,
+/// stream 3's) has lanes outside the slots and takes the slow path, as does stream 64 under
+/// broken mode `NoSecondSlot`.
 #[test]
-fn a_stream_whose_slot_serves_a_live_stream_takes_the_slow_path() {
-    let (dev, alloc) = setup();
-    let b0 = alloc.alloc(4096, S0).unwrap(); // live: its segment stays the default stream's
-    let p0 = b0.ptr();
-    let s = streams_up_to(&dev, 64);
-    let a = alloc.alloc(4096, s).unwrap();
-    assert_eq!(a.ptr(), DeviceAddr(p0.0 + 2 * MIB), "a segment of its own");
-    drop(a);
-    let n = alloc.global_lock_acquisitions();
-    assert_eq!(alloc.alloc(4096, s).unwrap().ptr(), DeviceAddr(p0.0 + 2 * MIB));
-    assert_eq!(alloc.global_lock_acquisitions(), n + 2, "the slow path: alloc and free");
-    assert_eq!(alloc.lane_streams(), twice([0, 64]));
-    let st = alloc.stats();
-    assert_eq!(st.cached_free_bytes_per_stream, vec![(0, 2 * MIB - 4096), (64, 2 * MIB)]);
-    check(&dev, &alloc);
+fn a_stream_whose_first_slot_serves_a_live_stream_takes_its_second() {
+    for broken in [false, true] {
+        let (dev, alloc) = setup();
+        alloc.set_broken(Broken::NoSecondSlot, broken);
+        let b0 = alloc.alloc(4096, S0).unwrap(); // live: its segment stays the default stream's
+        let p0 = b0.ptr();
+        let s3 = streams_up_to(&dev, 3);
+        let b3 = alloc.alloc(4096, s3).unwrap(); // slot 3's lanes serve live stream 3
+        assert_eq!(b3.ptr(), DeviceAddr(p0.0 + 2 * MIB));
+        let s = streams_up_to(&dev, 64);
+        let a = alloc.alloc(4096, s).unwrap();
+        assert_eq!(a.ptr(), DeviceAddr(p0.0 + 4 * MIB), "a segment of its own");
+        drop(a);
+        let n = alloc.global_lock_acquisitions();
+        for _ in 0..10 {
+            assert_eq!(alloc.alloc(4096, s).unwrap().ptr(), DeviceAddr(p0.0 + 4 * MIB));
+        }
+        let locked = alloc.global_lock_acquisitions() - n;
+        check(&dev, &alloc);
+        if broken {
+            assert_eq!(locked, 20, "the slow path: every alloc and free");
+            assert_eq!(alloc.lane_streams(), twice([0, 3, 64]));
+            continue;
+        }
+        assert_eq!(locked, 0, "the fast path: no global lock");
+        assert_eq!(alloc.lane_streams(), twice([0, 3, 64]));
+        let (lanes, _) = alloc.lanes_cached_bytes(s);
+        assert_eq!(lanes.iter().sum::<u64>(), 4096, "its block waits in its own lane");
+        // (Held, so that stream 128 does not take 64's whole free segment over.)
+        let held = alloc.alloc(4096, s).unwrap();
+        // 128: slot 0 serves the default stream, slot 3 stream 3: no slot for it.
+        let t = streams_up_to(&dev, 128);
+        let c = alloc.alloc(4096, t).unwrap();
+        assert_eq!(c.ptr(), DeviceAddr(p0.0 + 6 * MIB));
+        drop(c);
+        let n = alloc.global_lock_acquisitions();
+        assert_eq!(alloc.alloc(4096, t).unwrap().ptr(), DeviceAddr(p0.0 + 6 * MIB));
+        assert_eq!(alloc.global_lock_acquisitions(), n + 2, "the slow path: alloc and free");
+        let st = alloc.stats();
+        assert_eq!(
+            st.cached_free_bytes_per_stream,
+            vec![(0, 2 * MIB - 4096), (3, 2 * MIB - 4096), (64, 2 * MIB - 4096), (128, 2 * MIB)]
+        );
+        drop(held);
+        // The default stream and stream 3 keep their own fast paths.
+        for (b, stream) in [(b0, S0), (b3, s3)] {
+            let p = b.ptr();
+            drop(b);
+            let n = alloc.global_lock_acquisitions();
+            assert_eq!(alloc.alloc(4096, stream).unwrap().ptr(), p);
+            assert_eq!(alloc.global_lock_acquisitions(), n);
+        }
+        check(&dev, &alloc);
+        drop(alloc);
+        assert!(dev.live_segments().is_empty());
+    }
 }
 
 /// A stream per request, 300 times over (small and large blocks, one large buffer of every

@@ -133,6 +133,10 @@ pub enum Broken {
     /// a destroyed stream, whose lane was re-tagged meanwhile, takes a block cached for the new
     /// stream instead of failing.
     RetaggedLaneServesAnyStream = 1 << 35,
+    /// A stream whose first fast-path slot serves a live stream (the default stream 64 ids
+    /// below it, say) gets unslotted lanes instead of its second choice's: no fast path for
+    /// it, as for every such stream before (not a soundness bug: the slow path every time).
+    NoSecondSlot = 1 << 36,
     /// A growth whose headroom (expandable segments) does not fit the device fails the request
     /// instead of growing by exactly what the request needs.
     HeadroomOom = 1 << 30,
@@ -230,7 +234,7 @@ impl Broken {
 
     /// Every mode, in declaration order. Kept complete by [`Broken::position`], whose match
     /// stops compiling when a mode is added and not listed.
-    pub const EVERY: [Broken; 57] = [
+    pub const EVERY: [Broken; 58] = [
         Broken::ForeignBuffers,
         Broken::ForgottenUses,
         Broken::UnboundFreeOrder,
@@ -288,6 +292,7 @@ impl Broken {
         Broken::NoLaneRetag,
         Broken::RetaggedLaneTakesStaleFrees,
         Broken::RetaggedLaneServesAnyStream,
+        Broken::NoSecondSlot,
     ];
 
     /// Its place in [`Broken::EVERY`].
@@ -350,6 +355,7 @@ impl Broken {
             Broken::NoLaneRetag => 54,
             Broken::RetaggedLaneTakesStaleFrees => 55,
             Broken::RetaggedLaneServesAnyStream => 56,
+            Broken::NoSecondSlot => 57,
         }
     }
 

@@ -323,6 +323,7 @@ impl StreamCache {
 
     /// The stream it caches for now (a relaxed read: exact under the global lock, which every
     /// re-tag holds, or under this lane's lock).
+    #[inline(always)]
     pub fn stream(&self) -> StreamId {
         StreamId(self.tag.load(Ordering::Relaxed) as u32)
     }
@@ -1072,22 +1073,27 @@ pub(crate) fn thread_lane() -> usize {
 /// Every stream cache, `LANES` per stream.
 ///
 /// ```text
-///  slots: [ slot 0: lane 0, lane 1 ][ slot 1 ] … [ slot 63 ]    stream s → slot s mod 64
+///  slots: [ slot 0: lane 0, lane 1 ][ slot 1 ] … [ slot 63 ]
 ///           once set, never removed; each lane tagged with the stream it serves now
+///  stream s → its first choice, slot s mod 64, else its second, slot (s + 1 + (s / 64) mod 63)
+///             mod 64 (never the first; streams 64 apart get different second choices)
 ///  all:   every lane, slotted or not, in stream (tag) order, lanes in order; replaced whole
 /// ```
 ///
 /// Stream ids are never reused (the devices count them up), so a table indexed by id would
 /// give no fast path to a program that creates and destroys streams, once its 64th is made.
-/// Instead a stream's lanes are slot `id mod FAST_STREAMS`'s: the slot's own when it has none
-/// yet, or *re-tagged* when the stream they served was destroyed (its lanes were closed and
-/// flushed then; see `Shared::ensure_cache`). A stream whose slot still serves a live stream
-/// gets unslotted lanes (in `all` only, closed to blocks: they carry its pool statistics), so
-/// it takes the slow path, as does any stream looked up before it has lanes. Slotted lookups
-/// (one `Acquire` load) compare the tag and answer `None` for a lane serving another stream;
-/// the tag is compared again under the lane's lock by every hit and free
-/// ([`CacheInner::serves`], [`CacheInner::takes_for`]), since a lane found for a stream may be
-/// re-tagged before its lock is taken, and a buffer keeps its lane for life.
+/// Instead a stream's lanes are one of its two slots' ([`slot_choices`]): the first choice's
+/// own when it has none yet, or *re-tagged* when the stream they served was destroyed (its
+/// lanes were closed and flushed then; see `Shared::ensure_cache`); else the same for the
+/// second choice — so a stream 64 ids from a live one (the default stream, or a stream a
+/// program keeps while it makes others) still has a fast path. A stream both of whose slots
+/// serve live streams gets unslotted lanes (in `all` only, closed to blocks: they carry its
+/// pool statistics), so it takes the slow path, as does any stream looked up before it has
+/// lanes. Slotted lookups (one `Acquire` load and a tag load per choice tried) answer the
+/// first choice whose lane serves the stream, and the second choice's lane, whatever it
+/// serves, where the first's does not; the tag is compared again under the lane's lock by
+/// every hit and free ([`CacheInner::serves`], [`CacheInner::takes_for`]), since a lane found
+/// for a stream may be re-tagged before its lock is taken, and a buffer keeps its lane for life.
 ///
 /// `all` is the lanes' lock order and the statistics readers' list: it is re-sorted as a whole
 /// after a re-tag, under the global lock (which every holder of two lane locks holds).
@@ -1105,10 +1111,18 @@ impl Default for CacheTable {
     }
 }
 
-/// The index in the slots of lane `lane` of `stream`'s slot.
+/// The index in the slots of lane `lane` of slot `slot`.
 #[inline(always)]
-pub(crate) fn slot_index(stream: StreamId, lane: usize) -> usize {
-    (stream.0 as usize % FAST_STREAMS) * LANES + (lane & (LANES - 1))
+pub(crate) fn slot_index(slot: usize, lane: usize) -> usize {
+    (slot % FAST_STREAMS) * LANES + (lane & (LANES - 1))
+}
+
+/// The two slots `stream`'s lanes may take, first choice first (see [`CacheTable`]).
+#[inline(always)]
+pub(crate) fn slot_choices(stream: StreamId) -> [usize; 2] {
+    let id = stream.0 as usize;
+    let first = id % FAST_STREAMS;
+    [first, (first + 1 + (id / FAST_STREAMS) % (FAST_STREAMS - 1)) % FAST_STREAMS]
 }
 
 impl CacheTable {
@@ -1138,26 +1152,37 @@ impl CacheTable {
         stream: StreamId,
         lane: usize,
     ) -> Option<SlotRef<'_, Arc<StreamCache>>> {
-        self.slots[slot_index(stream, lane)].get().filter(|c| c.stream() == stream)
+        let slot = self.slot_of(stream)?;
+        self.slots[slot_index(slot, lane)].get().filter(|c| c.stream() == stream)
     }
 
-    /// The lanes of `stream`'s slot, whatever stream they serve (none before the slot's first
+    /// The slot whose lanes serve `stream` (its lane 0's tag), if either of its choices' does.
+    #[inline]
+    pub fn slot_of(&self, stream: StreamId) -> Option<usize> {
+        slot_choices(stream).into_iter().find(|&slot| {
+            self.slots[slot_index(slot, 0)].get().is_some_and(|c| c.stream() == stream)
+        })
+    }
+
+    /// The lanes of slot `slot`, whatever stream they serve (none before the slot's first
     /// stream). For the global-lock side.
-    pub fn slot_lanes(&self, stream: StreamId) -> Vec<Arc<StreamCache>> {
+    pub fn slot_lanes(&self, slot: usize) -> Vec<Arc<StreamCache>> {
         // (`get` yields a reference under std, a clone under loom.)
         #[allow(clippy::needless_borrow)]
-        let lane = |l| self.slots[slot_index(stream, l)].get().map(|c| Arc::clone(&c));
+        let lane = |l| self.slots[slot_index(slot, l)].get().map(|c| Arc::clone(&c));
         (0..LANES).filter_map(lane).collect()
     }
 
     /// Whether `cache` is a slotted lane (one that a buffer's owner may hold).
     pub fn is_slotted(&self, cache: &StreamCache) -> bool {
-        (0..LANES).any(|l| {
-            self.slots[slot_index(cache.stream(), l)].get().is_some_and(|c| {
-                // (A reference under std, a clone under loom.)
-                #[allow(clippy::needless_borrow)]
-                let c: &StreamCache = &c;
-                std::ptr::eq(c, cache)
+        slot_choices(cache.stream()).into_iter().any(|slot| {
+            (0..LANES).any(|l| {
+                self.slots[slot_index(slot, l)].get().is_some_and(|c| {
+                    // (A reference under std, a clone under loom.)
+                    #[allow(clippy::needless_borrow)]
+                    let c: &StreamCache = &c;
+                    std::ptr::eq(c, cache)
+                })
             })
         })
     }
@@ -1181,17 +1206,17 @@ impl CacheTable {
         all[i..].iter().take_while(|c| c.stream() == stream).cloned().collect()
     }
 
-    /// Adds the lanes of a stream that has none, lane 0 first, into its slot if that is empty
-    /// (`slotted`; else they are unslotted). The caller holds the global lock, and must then
+    /// Adds the lanes of a stream that has none, lane 0 first, into slot `slot`, which must be
+    /// empty (`None`: they are unslotted). The caller holds the global lock, and must then
     /// make statistics readers retry (they may hold the old list).
-    pub fn add(&self, lanes: Vec<Arc<StreamCache>>, slotted: bool) {
+    pub fn add(&self, lanes: Vec<Arc<StreamCache>>, slot: Option<usize>) {
         let Some(stream) = lanes.first().map(|c| c.stream()) else { return };
         let mut all: Vec<_> = self.all.load().iter().cloned().collect();
         let at = all.partition_point(|c| c.stream() < stream);
         for (lane, cache) in lanes.into_iter().enumerate() {
             all.insert(at + lane, cache.clone());
-            if slotted {
-                self.slots[slot_index(stream, lane)].set(cache);
+            if let Some(slot) = slot {
+                self.slots[slot_index(slot, lane)].set(cache);
             }
         }
         self.all.store(Arc::new(all));

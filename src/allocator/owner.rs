@@ -48,7 +48,7 @@
 //! ```
 
 use super::Shared;
-use super::fast_cache::{FAST_STREAMS, LANES, StreamCache, slot_index, thread_lane};
+use super::fast_cache::{FAST_STREAMS, LANES, StreamCache, slot_choices, slot_index, thread_lane};
 use super::private_pool::Family;
 use crate::device::{Device, StreamId};
 use crate::sync::{Arc, OnceSlot, SlotRef};
@@ -139,10 +139,13 @@ impl<D: Device> Drop for OwnerTable<D> {
             if n == 0 {
                 continue;
             }
-            // The owner whose lane it is: one of its stream's slot's (a lane keeps its slot
-            // when it is re-tagged, for a stream of the same slot).
-            let owner = (0..LANES)
-                .filter_map(|l| self.slots[slot_index(cache.stream(), l)].get())
+            // The owner whose lane it is: one of its stream's slots' (a lane keeps its slot
+            // when it is re-tagged, for a stream with that slot among its choices).
+            let slots = &self.slots;
+            let owner = slot_choices(cache.stream())
+                .into_iter()
+                .flat_map(|slot| (0..LANES).map(move |l| slot_index(slot, l)))
+                .filter_map(|i| slots[i].get())
                 .find(|o| o.lane().is_some_and(|l| std::ptr::eq(l, &**cache)));
             // (`get` yields a reference under std, a clone under loom.)
             #[allow(clippy::needless_borrow)]
@@ -178,16 +181,28 @@ impl<D: Device> OwnerTable<D> {
         self.owner_slot(stream, thread_lane())
     }
 
-    /// The owner of lane `lane` of `stream`, if made.
+    /// The owner of lane `lane` of `stream`, if made: its first choice's where that lane
+    /// serves `stream`, else its second choice's (whose lane may serve another stream: the
+    /// hit's pop compares under the lane's lock).
     #[inline(always)]
     pub fn owner_slot(&self, stream: StreamId, lane: usize) -> Option<SlotRef<'_, Arc<Owner<D>>>> {
-        self.slot(stream, lane).get()
+        if let Some(o) = self.slots[slot_index(stream.0 as usize, lane)].get()
+            && o.lane().is_some_and(|c| c.stream() == stream)
+        {
+            return Some(o);
+        }
+        self.owner_slot_second(stream, lane)
     }
 
-    /// The slot of lane `lane` of `stream`'s slot.
-    #[inline(always)]
-    fn slot(&self, stream: StreamId, lane: usize) -> &OnceSlot<Arc<Owner<D>>> {
-        &self.slots[slot_index(stream, lane)]
+    /// [`OwnerTable::owner_slot`]'s second choice, out of line (a stream only takes it where
+    /// its first choice serves another live stream).
+    #[inline(never)]
+    fn owner_slot_second(
+        &self,
+        stream: StreamId,
+        lane: usize,
+    ) -> Option<SlotRef<'_, Arc<Owner<D>>>> {
+        self.slots[slot_index(slot_choices(stream)[1], lane)].get()
     }
 
     /// The hold on the allocator for a buffer a hit through `slot` handed out: the reference
@@ -214,17 +229,23 @@ impl<D: Device> OwnerTable<D> {
     /// [`OwnerTable::owner`] of lane `lane` of `stream` (a stream's first lane holds its large
     /// block, so a large buffer belongs to it).
     pub fn owner_of_lane(&self, stream: StreamId, lane: usize) -> Arc<Owner<D>> {
-        let slot = self.slot(stream, lane);
+        let Some(slot) = self.shared.caches.slot_of(stream) else {
+            // No slotted lanes: the first choice's owner, made for another stream, serves as
+            // well as any (a free to its lane is refused there, and goes to the pool).
+            let first = &self.slots[slot_index(slot_choices(stream)[0], lane)];
+            return first.get().map_or_else(|| self.other.clone(), |o| o.clone());
+        };
+        let owners = &self.slots[slot_index(slot, lane)];
         // `get` yields a reference under std and a clone under loom; `clone` serves both.
-        if let Some(o) = slot.get() {
+        if let Some(o) = owners.get() {
             return o.clone();
         }
         let Some(cache) = self.shared.caches.fast_lane_at(stream, lane) else {
-            return self.other.clone(); // no caches yet: a buffer of it takes the slow free
+            return self.other.clone(); // re-tagged meanwhile: a buffer of it takes the slow free
         };
         #[allow(clippy::needless_borrow)]
         let cache: &Arc<StreamCache> = &cache;
-        slot.set(Owner::new(&self.shared, Some(cache.clone())));
-        slot.get().expect("just set").clone()
+        owners.set(Owner::new(&self.shared, Some(cache.clone())));
+        owners.get().expect("just set").clone()
     }
 }

@@ -630,8 +630,9 @@ impl<D: Device> Shared<D> {
         }
     }
 
-    /// Gives `stream` a cache if it has none (it is about to own memory): its slot's lanes (see
-    /// `CacheTable`), made now or re-tagged from a destroyed stream, else unslotted lanes.
+    /// Gives `stream` a cache if it has none (it is about to own memory): the lanes of the first
+    /// of its two slots that has none or whose stream is gone (see `CacheTable`), made now or
+    /// re-tagged from the destroyed stream, else unslotted lanes.
     pub(super) fn ensure_cache(&self, st: &mut State, stream: StreamId) {
         if self.caches.get(stream).is_some() {
             return;
@@ -643,30 +644,50 @@ impl<D: Device> Shared<D> {
         // so that a reader that sees a new tag fails its collect.
         st.base.touch(&self.stats);
         let known = st.streams.contains_key(&stream) || self.broken(Broken::UnknownStreams);
-        let slot = self.caches.slot_lanes(stream);
-        // The slot's stream was destroyed (or never known): its lanes were closed and flushed.
-        let mut retired = !slot.is_empty() && slot.iter().all(|c| c.is_closed());
-        if let Some(old) = slot.first().map(|c| c.stream())
-            && known
-            && !retired
-            && !self.broken(Broken::UnknownStreams)
-            && !self.device.has_stream(old)
-        {
-            // The slot's stream was destroyed on the device behind the allocator's back: it is
-            // let go of as `release_stream` would (its cached blocks go to the pool, under its
-            // own key: no other stream takes them without an event on it, which now fails).
-            // That closes its lanes.
-            st.streams.remove(&old);
-            self.flush_stream(st, old, true);
-            retired = true;
+        // The first of its two slots with no lanes yet, or whose stream is gone.
+        let mut chosen = None;
+        for slot in fast_cache::slot_choices(stream) {
+            let lanes = self.caches.slot_lanes(slot);
+            if lanes.is_empty() {
+                chosen = Some((slot, lanes));
+                break;
+            }
+            // The slot's stream was destroyed (or never known): its lanes were closed and
+            // flushed.
+            let mut retired = lanes.iter().all(|c| c.is_closed());
+            if let Some(old) = lanes.first().map(|c| c.stream())
+                && known
+                && !retired
+                && !self.broken(Broken::UnknownStreams)
+                && !self.device.has_stream(old)
+            {
+                // The slot's stream was destroyed on the device behind the allocator's back:
+                // it is let go of as `release_stream` would (its cached blocks go to the pool,
+                // under its own key: no other stream takes them without an event on it, which
+                // now fails). That closes its lanes.
+                st.streams.remove(&old);
+                self.flush_stream(st, old, true);
+                retired = true;
+            }
+            if known && retired && !self.broken(Broken::NoLaneRetag) {
+                chosen = Some((slot, lanes));
+                break;
+            }
+            if self.broken(Broken::NoSecondSlot) {
+                break;
+            }
         }
-        if known && retired && !self.broken(Broken::NoLaneRetag) {
-            self.retag_slot(st, stream, &slot, limits, config.sizing);
-        } else {
-            // Destroyed (or forgotten) since it was checked: its caches never take a block.
-            let lanes = self.new_lanes(st, stream, limits, config.sizing, !known);
-            // Unslotted where the slot serves another stream: no fast path, only its figures.
-            self.caches.add(lanes, slot.is_empty());
+        match chosen {
+            Some((_, lanes)) if !lanes.is_empty() => {
+                self.retag_slot(st, stream, &lanes, limits, config.sizing);
+            }
+            chosen => {
+                // Destroyed (or forgotten) since it was checked: its caches never take a block.
+                let lanes = self.new_lanes(st, stream, limits, config.sizing, !known);
+                // Unslotted where both its slots serve other streams: no fast path, only its
+                // figures.
+                self.caches.add(lanes, chosen.map(|(slot, _)| slot));
+            }
         }
         st.lanes = Arc::new(self.caches.all().iter().cloned().collect());
     }
@@ -701,7 +722,7 @@ impl<D: Device> Shared<D> {
                 && !st.segment_streams.contains_key(&c.stream())
         });
         if st.segment_streams.contains_key(&old) {
-            self.caches.add(self.new_lanes(st, old, limits, sizing, true), false);
+            self.caches.add(self.new_lanes(st, old, limits, sizing, true), None);
         }
     }
 

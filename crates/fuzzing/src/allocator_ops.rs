@@ -388,7 +388,7 @@ impl<'a> Harness<'a> {
     /// later), and one used through the second allocator only (the first never had lanes for
     /// it). Skipped ids fill the lap: the program's streams are numbered 61, 62, 63 and 0
     /// modulo 64 in creation order, the three slots to re-tag and then the live default
-    /// stream's.
+    /// stream's (where the default stream has lanes, that stream takes its second choice).
     fn head_start(&mut self) -> Result<(), String> {
         const SLOTS: u64 = FAST_SLOTS as u64;
         let dev = self.dev.clone();

@@ -261,8 +261,8 @@ pub struct Program {
     /// Start the program's streams past the allocator's 64 fast-path slots: before the first
     /// step, streams whose slots the program's streams then share are used and destroyed
     /// through the allocator, behind its back on the device, and through the second
-    /// allocator, so the program's streams re-tag those slots' lanes (and the fourth one's slot
-    /// is the live default stream's). Bit 1 of the teardown byte: what [`Program::encode`]
+    /// allocator, so the program's streams re-tag those slots' lanes (and the fourth one's
+    /// first slot is the live default stream's). Bit 1 of the teardown byte: what [`Program::encode`]
     /// wrote before the flag existed decodes as before (raw fuzzer inputs with the bit set
     /// now take the head start).
     pub late_streams: bool,
