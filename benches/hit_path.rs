@@ -4,7 +4,10 @@
 //! `global_lock/…` is the same under `global_lock:true` (no fast path). `late_stream/…` runs
 //! the pairs on a stream made after 140 others were made, used and destroyed (a stream per
 //! request): its lanes are a destroyed stream's, re-tagged (before they were, every stream past
-//! the 64th took the global lock).
+//! the 64th took the global lock). `beside_live_stream/…` runs them on stream 64, made after
+//! 63 streams were made, used and destroyed while the default stream kept its lanes: its first
+//! slot serves the live default stream, so its lanes are its second choice's (before, such a
+//! stream took the global lock).
 //!
 //! `history/…` is the cost of the memory history (issue 18): `history_off` is the default hit
 //! path (the hook is one relaxed load), `history_on` records every allocation and free (which
@@ -67,6 +70,20 @@ fn hit_path(c: &mut Criterion) {
         alloc.destroy_stream(s).unwrap();
     }
     bench_pairs_on(&mut g, "late_stream", &alloc, dev.create_stream().unwrap());
+    let dev = Arc::new(SimDevice::with_config(SimConfig {
+        capacity: 1 << 30,
+        sanitize: false,
+        ..SimConfig::default()
+    }));
+    let alloc = Allocator::new(dev.clone(), Config::default()).unwrap();
+    drop(alloc.alloc(4096, StreamId::DEFAULT).unwrap()); // the default stream's lanes, in slot 0
+    let mut s = dev.create_stream().unwrap();
+    while s.0 < 64 {
+        drop(alloc.alloc(4096, s).unwrap());
+        alloc.destroy_stream(s).unwrap();
+        s = dev.create_stream().unwrap();
+    }
+    bench_pairs_on(&mut g, "beside_live_stream", &alloc, s);
     g.finish();
 }
 
