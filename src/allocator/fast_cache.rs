@@ -1152,7 +1152,17 @@ impl CacheTable {
         stream: StreamId,
         lane: usize,
     ) -> Option<SlotRef<'_, Arc<StreamCache>>> {
-        let slot = self.slot_of(stream)?;
+        self.lane_in(self.slot_of(stream)?, lane, stream)
+    }
+
+    /// Lane `lane` of slot `slot`, if it serves `stream`.
+    #[inline]
+    pub fn lane_in(
+        &self,
+        slot: usize,
+        lane: usize,
+        stream: StreamId,
+    ) -> Option<SlotRef<'_, Arc<StreamCache>>> {
         self.slots[slot_index(slot, lane)].get().filter(|c| c.stream() == stream)
     }
 

@@ -240,7 +240,8 @@ impl<D: Device> OwnerTable<D> {
         if let Some(o) = owners.get() {
             return o.clone();
         }
-        let Some(cache) = self.shared.caches.fast_lane_at(stream, lane) else {
+        // (The lane of that very slot: an owner holds its own slot's lane for life.)
+        let Some(cache) = self.shared.caches.lane_in(slot, lane, stream) else {
             return self.other.clone(); // re-tagged meanwhile: a buffer of it takes the slow free
         };
         #[allow(clippy::needless_borrow)]
