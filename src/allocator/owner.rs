@@ -34,8 +34,9 @@
 //! hit_owner`]) instead of cloning: a hit and its free touch no reference count. That is sound
 //! because every buffer freed into a lane with its reference holds that lane's `Arc<Owner>` (its
 //! slot's, set once, and kept when the lane is re-tagged for another stream of the slot; a free
-//! stashes only into its owner's own lane), and only slotted lanes have such owners (one slot
-//! per stream id modulo [`FAST_STREAMS`], see `CacheTable`). The references kept in lanes would
+//! stashes only into its owner's own lane), and only slotted lanes have such owners
+//! ([`FAST_STREAMS`] slots; a stream's lanes take the first or the second of its two choices,
+//! see `CacheTable`). The references kept in lanes would
 //! keep `Shared` alive for ever, so when the last handle goes the table, under the global lock,
 //! closes every lane's stash and releases what it held; a buffer freed later (or into a lane
 //! made later) keeps its reference and lets go of it as before.
@@ -120,9 +121,10 @@ const _: () = assert!(LANES.is_power_of_two());
 /// One owner per lane of every stream with a fast path, and one for every other stream.
 pub(crate) struct OwnerTable<D: Device> {
     shared: Arc<Shared<D>>,
-    /// `FAST_STREAMS × LANES` slots, lane `l` of stream `s` at `(s mod FAST_STREAMS) · LANES + l`
-    /// (as the caches', [`slot_index`]): a fixed size, so a lookup needs no bounds check. A
-    /// slot's owner stays with its lane when the lane is re-tagged for another stream.
+    /// `FAST_STREAMS × LANES` slots, lane `l` of slot `k` at `k · LANES + l` (as the caches',
+    /// [`slot_index`]; a stream's owners sit in the slot its lanes took): a fixed size, so a
+    /// lookup needs no bounds check. A slot's owner stays with its lane when the lane is
+    /// re-tagged for another stream.
     slots: Box<[OnceSlot<Arc<Owner<D>>>; SLOTS]>,
     other: Arc<Owner<D>>,
 }
@@ -186,6 +188,7 @@ impl<D: Device> OwnerTable<D> {
     /// hit's pop compares under the lane's lock).
     #[inline(always)]
     pub fn owner_slot(&self, stream: StreamId, lane: usize) -> Option<SlotRef<'_, Arc<Owner<D>>>> {
+        // (Its first choice: `slot_index` takes the id modulo the slots.)
         if let Some(o) = self.slots[slot_index(stream.0 as usize, lane)].get()
             && o.lane().is_some_and(|c| c.stream() == stream)
         {
