@@ -3,8 +3,7 @@
 //! takes its slot's lanes over (*re-tags* them) once the stream they served was destroyed.
 //! Exact addresses, lock counts and lane tables; each deliberate bug the design guards
 //! against (`Broken::NoLaneRetag`, `RetaggedLaneTakesStaleFrees`, `RetaggedLaneServesAnyStream`,
-//! `NoSecondSlot`)
-//! is shown to be caught.
+//! `NoSecondSlot`, `DestroyedStreamsPerId`) is shown to be caught.
 
 use std::sync::{Arc, Barrier};
 use tidepool::device::{Access, AccessKind, Kernel, Launch, SimDevice};
@@ -312,6 +311,74 @@ fn making_and_destroying_streams_keeps_the_tables_bounded() {
     assert_eq!(alloc.stats().cached_free_bytes_per_stream, vec![]);
     drop(alloc);
     assert!(dev.live_segments().is_empty());
+}
+
+/// The family's record of destroyed streams (which `gone_drained` needs for as long as
+/// anything of a stream may be asked about) is kept as runs of consecutive ids: a program that
+/// goes through streams, destroying them through the allocator in any order, keeps one run,
+/// plus one for each stream alive (or destroyed elsewhere) between them. Broken mode
+/// `DestroyedStreamsPerId` (an entry per id, as the map of ids was) grows with every stream.
+/// What the record answers is unchanged: buffers that outlived their streams are freed with no
+/// wait for the whole device, and a stream destroyed on the device alone (maybe still
+/// draining) is not taken as drained.
+#[test]
+fn the_record_of_destroyed_streams_stays_runs_of_ids() {
+    for broken in [false, true] {
+        let (dev, alloc) = setup();
+        alloc.set_broken(Broken::DestroyedStreamsPerId, broken);
+        let mut destroyed = 0;
+        let mut outlived = Vec::new();
+        for round in 0..50 {
+            // Four streams alive at once, destroyed out of order.
+            let streams: Vec<_> = (0..4).map(|_| dev.create_stream().unwrap()).collect();
+            for &s in &streams {
+                drop(alloc.alloc(4096, s).unwrap());
+                if round % 10 == 0 {
+                    // A buffer of the default stream used on `s`, freed after `s` is gone.
+                    let b = alloc.alloc(65_536, S0).unwrap();
+                    b.record_stream(s).unwrap();
+                    outlived.push(b);
+                }
+            }
+            for k in [1, 3, 0, 2] {
+                alloc.destroy_stream(streams[k]).unwrap();
+                destroyed += 1;
+            }
+            let want = if broken { destroyed } else { 1 };
+            assert_eq!(alloc.destroyed_stream_runs(), want, "round {round}");
+        }
+        let runs = |destroyed: usize, unbroken: usize| if broken { destroyed } else { unbroken };
+        // A stream kept alive splits the run in two; its destruction joins them again.
+        let kept = dev.create_stream().unwrap();
+        alloc.destroy_stream(dev.create_stream().unwrap()).unwrap();
+        destroyed += 1;
+        assert_eq!(alloc.destroyed_stream_runs(), runs(destroyed, 2));
+        alloc.destroy_stream(kept).unwrap();
+        destroyed += 1;
+        assert_eq!(alloc.destroyed_stream_runs(), runs(destroyed, 1));
+        // Every buffer used on a stream destroyed since is freed without a wait for the whole
+        // device (the other host syncs counted are the segments' releases, `cudaFree`'s).
+        let waits = || {
+            let st = alloc.stats();
+            st.num_host_syncs - st.num_device_free
+        };
+        let syncs = waits();
+        drop(outlived);
+        alloc.empty_cache().unwrap();
+        assert_eq!(waits(), syncs);
+        // A stream destroyed on the device alone is no part of the record (a gap).
+        let elsewhere = dev.create_stream().unwrap();
+        let b = alloc.alloc(65_536, S0).unwrap();
+        b.record_stream(elsewhere).unwrap();
+        dev.destroy_stream(elsewhere).unwrap();
+        alloc.destroy_stream(dev.create_stream().unwrap()).unwrap();
+        destroyed += 1;
+        assert_eq!(alloc.destroyed_stream_runs(), runs(destroyed, 2));
+        drop(b);
+        alloc.empty_cache().unwrap();
+        assert_eq!(waits(), syncs + 1, "its free waits for the whole device");
+        check(&dev, &alloc);
+    }
 }
 
 /// A stream destroyed on the device behind the allocator's back (not through

@@ -137,6 +137,9 @@ pub enum Broken {
     /// below it, say) gets unslotted lanes instead of its second choice's: no fast path for
     /// it, as for every such stream before (not a soundness bug: the slow path every time).
     NoSecondSlot = 1 << 36,
+    /// The family's record of destroyed streams keeps an entry per stream id instead of runs
+    /// of consecutive ids: it grows with every stream a program makes and destroys.
+    DestroyedStreamsPerId = 1 << 37,
     /// A growth whose headroom (expandable segments) does not fit the device fails the request
     /// instead of growing by exactly what the request needs.
     HeadroomOom = 1 << 30,
@@ -234,7 +237,7 @@ impl Broken {
 
     /// Every mode, in declaration order. Kept complete by [`Broken::position`], whose match
     /// stops compiling when a mode is added and not listed.
-    pub const EVERY: [Broken; 58] = [
+    pub const EVERY: [Broken; 59] = [
         Broken::ForeignBuffers,
         Broken::ForgottenUses,
         Broken::UnboundFreeOrder,
@@ -293,6 +296,7 @@ impl Broken {
         Broken::RetaggedLaneTakesStaleFrees,
         Broken::RetaggedLaneServesAnyStream,
         Broken::NoSecondSlot,
+        Broken::DestroyedStreamsPerId,
     ];
 
     /// Its place in [`Broken::EVERY`].
@@ -356,6 +360,7 @@ impl Broken {
             Broken::RetaggedLaneTakesStaleFrees => 55,
             Broken::RetaggedLaneServesAnyStream => 56,
             Broken::NoSecondSlot => 57,
+            Broken::DestroyedStreamsPerId => 58,
         }
     }
 

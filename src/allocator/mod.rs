@@ -26,6 +26,7 @@ mod capture;
 mod checker;
 mod class_table;
 mod counters;
+mod destroyed;
 mod dump;
 mod error;
 mod events;
@@ -822,6 +823,9 @@ impl<D: Device> Allocator<D> {
         if mode == Broken::DevicePanicsUnwind {
             self.shared.device.set_unwind(on);
         }
+        if mode == Broken::DestroyedStreamsPerId {
+            self.shared.family.destroyed_per_id(on);
+        }
         // The lanes check these under their own locks, with no `Shared` in sight: each lane
         // holds its own copy (lanes made later copy them when made: `Shared::break_lane`).
         self.shared.caches.all().iter().for_each(|c| self.shared.break_lane(c));
@@ -857,6 +861,13 @@ impl<D: Device> Allocator<D> {
     #[cfg(feature = "test-hooks")]
     pub fn pool_index_slots(&self) -> usize {
         lock(&self.shared.state).pool.index_slots()
+    }
+
+    /// **Test only.** Runs of consecutive stream ids the allocator's family keeps as destroyed
+    /// through it (the record's size; see `destroyed.rs`).
+    #[cfg(feature = "test-hooks")]
+    pub fn destroyed_stream_runs(&self) -> usize {
+        self.shared.family.destroyed_runs()
     }
 
     /// **Test only.** How many times a fast-path slot's lanes were re-tagged for a new stream

@@ -28,6 +28,7 @@
 //! eviction, which is a key of one pool (`PoolKey::residency`); a private pool separates all of
 //! that, so making residency two private pools would split what callers read as one allocator.
 
+use super::destroyed::DestroyedStreams;
 use super::*;
 use crate::sync::atomic::{AtomicU64, AtomicUsize};
 
@@ -41,8 +42,8 @@ pub(crate) struct Family<D: Device> {
     /// Streams destroyed through an allocator of the family (the device drained them), with
     /// the pool id of the one that destroyed each: an event that cannot be recorded on one
     /// has nothing to wait for, in every pool of the family (a graph pool's buffer used on a
-    /// stream the general allocator destroyed).
-    destroyed: Mutex<BTreeMap<StreamId, u64>>,
+    /// stream the general allocator destroyed). Runs of ids (`destroyed.rs`).
+    destroyed: Mutex<DestroyedStreams>,
     next_id: AtomicU64,
     /// What an allocator of the family could not give back to the device as it went.
     pub(super) leftovers: Leftovers,
@@ -64,7 +65,7 @@ impl<D: Device> Default for Family<D> {
         Family {
             captures: capture::CaptureTable::default(),
             oom_pools: Mutex::new(Vec::new()),
-            destroyed: Mutex::new(BTreeMap::new()),
+            destroyed: Mutex::new(DestroyedStreams::default()),
             next_id: AtomicU64::new(1),
             leftovers: Leftovers::default(),
             graph_holds: Mutex::new(Vec::new()),
@@ -84,7 +85,19 @@ impl<D: Device> Family<D> {
     /// Whether `stream` was destroyed through the family, as pool `me` sees it: any pool's
     /// destruction counts (with [`Broken::PoolDestroyedStreams`] only the destroyer's own).
     pub(super) fn destroyed_for(&self, stream: StreamId, me: u64) -> bool {
-        lock(&self.destroyed).get(&stream).is_some_and(|&by| by == FAMILY_WIDE || by == me)
+        lock(&self.destroyed).by(stream).is_some_and(|by| by == FAMILY_WIDE || by == me)
+    }
+
+    /// Runs of destroyed stream ids the family keeps (`destroyed.rs`).
+    #[cfg(feature = "test-hooks")]
+    pub(super) fn destroyed_runs(&self) -> usize {
+        lock(&self.destroyed).runs()
+    }
+
+    /// Keeps a run per destroyed id ([`Broken::DestroyedStreamsPerId`]).
+    #[cfg(feature = "test-hooks")]
+    pub(super) fn destroyed_per_id(&self, on: bool) {
+        lock(&self.destroyed).set_per_id(on);
     }
 
     /// Lets go of what dropped graphs could not (`graph_holds`) once a device synchronisation
