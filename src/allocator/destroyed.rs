@@ -73,6 +73,7 @@ impl DestroyedStreams {
     }
 
     /// Runs kept (the record's size).
+    #[cfg(any(test, feature = "test-hooks"))]
     pub(super) fn runs(&self) -> usize {
         self.runs.len()
     }
