@@ -115,6 +115,28 @@ impl<D: Device> Shared<D> {
         if let Some(b) = find(self, st) {
             return Ok(at(st, b));
         }
+        self.find_or_reserve_cold(st, config, key, (bytes, rounded, need), align)
+    }
+
+    /// [`Shared::find_or_reserve_aligned`] past a miss of the first search (out of line: a
+    /// request rarely gets here, and its code kept inline spread the common path over three
+    /// times the instruction-cache lines).
+    #[cold]
+    #[inline(never)]
+    fn find_or_reserve_cold(
+        &self,
+        st: &mut State,
+        config: &Config,
+        key: PoolKey,
+        (bytes, rounded, need): (u64, u64, u64),
+        align: u64,
+    ) -> Result<BlockId, AllocError> {
+        let aligned = align > MIN_ALIGN;
+        let find = |sh: &Self, st: &mut State| sh.find_placed(st, config, key, rounded, align);
+        let at = |st: &mut State, b: BlockId| match aligned {
+            true => st.pool.split_front(b, align),
+            false => b,
+        };
         // Before going further afield, return what the stream caches hold: they never make the
         // allocator reserve more than it would without them.
         if self.flush_all(st) > 0
