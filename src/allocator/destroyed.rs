@@ -148,6 +148,43 @@ mod tests {
         assert_eq!(d.by(StreamId(u32::MAX - 1)), Some(W));
     }
 
+    /// Against a map of ids (what the record was): the same answer for every id after every
+    /// note, runs that never overlap nor touch with the same pool, and no more runs than the
+    /// maximal blocks of consecutive ids with one pool.
+    fn agrees_with_a_map_of_ids(notes: &[(u32, u64)]) {
+        let mut d = DestroyedStreams::default();
+        let mut map = BTreeMap::new();
+        for &(id, by) in notes {
+            d.insert(StreamId(id), by);
+            map.insert(id, by);
+            for probe in 0..=24 {
+                assert_eq!(d.by(StreamId(probe)), map.get(&probe).copied(), "id {probe}");
+            }
+            let runs = runs(&d);
+            for w in runs.windows(2) {
+                assert!(w[0].1 < w[1].0, "overlap: {w:?}");
+                assert!(w[0].1 + 1 < w[1].0 || w[0].2 != w[1].2, "unmerged: {w:?}");
+            }
+            let blocks = map
+                .iter()
+                .zip(map.iter().skip(1))
+                .filter(|((a, x), (b, y))| **a + 1 != **b || x != y)
+                .count()
+                + 1;
+            assert_eq!(runs.len(), blocks, "{runs:?} against {map:?}");
+        }
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(500))]
+        #[test]
+        fn the_runs_answer_as_a_map_of_ids_would(
+            notes in proptest::collection::vec((0u32..24, 0u64..3), 1..60),
+        ) {
+            agrees_with_a_map_of_ids(&notes);
+        }
+    }
+
     #[test]
     fn per_id_keeps_a_run_each() {
         let mut d = DestroyedStreams { per_id: true, ..Default::default() };
