@@ -7,7 +7,9 @@
 //! the 64th took the global lock). `beside_live_stream/…` runs them on stream 64, made after
 //! 63 streams were made, used and destroyed while the default stream kept its lanes: its first
 //! slot serves the live default stream, so its lanes are its second choice's (before, such a
-//! stream took the global lock).
+//! stream took the global lock). `third_choice/…` runs them on stream 128, whose first two
+//! slots (0 and 3) serve the live default stream and stream 3: its lanes are its third
+//! choice's (slot 6), found out of line after the first choice's tag compare.
 //!
 //! `history/…` is the cost of the memory history (issue 18): `history_off` is the default hit
 //! path (the hook is one relaxed load), `history_on` records every allocation and free (which
@@ -84,6 +86,21 @@ fn hit_path(c: &mut Criterion) {
         s = dev.create_stream().unwrap();
     }
     bench_pairs_on(&mut g, "beside_live_stream", &alloc, s);
+    let dev = Arc::new(SimDevice::with_config(SimConfig {
+        capacity: 1 << 30,
+        sanitize: false,
+        ..SimConfig::default()
+    }));
+    let alloc = Allocator::new(dev.clone(), Config::default()).unwrap();
+    drop(alloc.alloc(4096, StreamId::DEFAULT).unwrap()); // the default stream's lanes, in slot 0
+    let mut s = dev.create_stream().unwrap();
+    while s.0 < 128 {
+        if s.0 == 3 {
+            drop(alloc.alloc(4096, s).unwrap()); // stream 3's lanes, in slot 3
+        }
+        s = dev.create_stream().unwrap();
+    }
+    bench_pairs_on(&mut g, "third_choice", &alloc, s);
     g.finish();
 }
 

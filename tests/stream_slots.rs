@@ -212,9 +212,10 @@ fn threads_making_and_destroying_streams_share_the_slots_soundly() {
 
 /// A stream whose first slot serves a live stream (64, and the default stream in slot 0) takes
 /// its second (slot 2): a fast path like any other stream's, exact addresses, its own segment,
-/// exact statistics. A stream both of whose slots serve live streams (128: slot 0, and slot 3,
-/// stream 3's) has lanes outside the slots and takes the slow path, as does stream 64 under
-/// broken mode `NoSecondSlot`.
+/// exact statistics. A stream whose first two slots serve live streams (128: slot 0, and slot
+/// 3, stream 3's) takes its third (slot 6). A stream all four of whose slots serve live
+/// streams (192: slots 0, 4, 8 and 12) has lanes outside the slots and takes the slow path, as
+/// does stream 64 under broken mode `NoSecondSlot`.
 #[test]
 fn a_stream_whose_first_slot_serves_a_live_stream_takes_its_second() {
     for broken in [false, true] {
@@ -244,22 +245,41 @@ fn a_stream_whose_first_slot_serves_a_live_stream_takes_its_second() {
         assert_eq!(alloc.lane_streams(), twice([0, 3, 64]));
         let (lanes, _) = alloc.lanes_cached_bytes(s);
         assert_eq!(lanes.iter().sum::<u64>(), 4096, "its block waits in its own lane");
-        // (Held, so that stream 128 does not take 64's whole free segment over.)
+        // (Held, so that later streams do not take 64's whole free segment over.)
         let held = alloc.alloc(4096, s).unwrap();
-        // 128: slot 0 serves the default stream, slot 3 stream 3: no slot for it.
+        // 128: slots 0, 3, 6, 9 (a step of 3); 0 serves the default stream, 3 stream 3.
         let t = streams_up_to(&dev, 128);
         let c = alloc.alloc(4096, t).unwrap();
         assert_eq!(c.ptr(), DeviceAddr(p0.0 + 6 * MIB));
         drop(c);
         let n = alloc.global_lock_acquisitions();
-        assert_eq!(alloc.alloc(4096, t).unwrap().ptr(), DeviceAddr(p0.0 + 6 * MIB));
+        let c = alloc.alloc(4096, t).unwrap();
+        assert_eq!(c.ptr(), DeviceAddr(p0.0 + 6 * MIB));
+        assert_eq!(alloc.global_lock_acquisitions(), n, "its third choice's fast path");
+        assert_eq!(alloc.lane_streams(), twice([0, 3, 64, 128]));
+        // 192: slots 0, 4, 8, 12 (a step of 4), with streams 4, 8 and 12 made live.
+        let live: Vec<_> = [4, 8, 12].map(|i| alloc.alloc(4096, StreamId(i)).unwrap()).into();
+        for (k, b) in live.iter().enumerate() {
+            assert_eq!(b.ptr(), DeviceAddr(p0.0 + (8 + 2 * k as u64) * MIB));
+        }
+        let u = streams_up_to(&dev, 192);
+        let e = alloc.alloc(4096, u).unwrap();
+        assert_eq!(e.ptr(), DeviceAddr(p0.0 + 14 * MIB));
+        drop(e);
+        let n = alloc.global_lock_acquisitions();
+        assert_eq!(alloc.alloc(4096, u).unwrap().ptr(), DeviceAddr(p0.0 + 14 * MIB));
         assert_eq!(alloc.global_lock_acquisitions(), n + 2, "the slow path: alloc and free");
+        assert_eq!(alloc.lane_streams(), twice([0, 3, 4, 8, 12, 64, 128, 192]));
         let st = alloc.stats();
+        let rest = 2 * MIB - 4096;
         assert_eq!(
             st.cached_free_bytes_per_stream,
-            vec![(0, 2 * MIB - 4096), (3, 2 * MIB - 4096), (64, 2 * MIB - 4096), (128, 2 * MIB)]
+            vec![(0, rest), (3, rest), (4, rest), (8, rest), (12, rest), (64, rest), (128, rest)]
+                .into_iter()
+                .chain([(192, 2 * MIB)])
+                .collect::<Vec<_>>()
         );
-        drop(held);
+        drop((held, c, live));
         // The default stream and stream 3 keep their own fast paths.
         for (b, stream) in [(b0, S0), (b3, s3)] {
             let p = b.ptr();

@@ -1075,23 +1075,25 @@ pub(crate) fn thread_lane() -> usize {
 /// ```text
 ///  slots: [ slot 0: lane 0, lane 1 ][ slot 1 ] … [ slot 63 ]
 ///           once set, never removed; each lane tagged with the stream it serves now
-///  stream s → its first choice, slot s mod 64, else its second, slot (s + 1 + (s / 64) mod 63)
-///             mod 64 (never the first; streams 64 apart get different second choices)
+///  stream s → its choices, slot (s + k·d) mod 64 for k = 0, 1, 2, 3, d = 1 + (s / 64) mod 63
+///             (the first is s mod 64; streams 64 apart step differently; d = 32 shifts the
+///             third and fourth by one, so that the four differ): the first that is free
 ///  all:   every lane, slotted or not, in stream (tag) order, lanes in order; replaced whole
 /// ```
 ///
 /// Stream ids are never reused (the devices count them up), so a table indexed by id would
 /// give no fast path to a program that creates and destroys streams, once its 64th is made.
-/// Instead a stream's lanes are one of its two slots' ([`slot_choices`]): the first choice's
-/// own when it has none yet, or *re-tagged* when the stream they served was destroyed (its
-/// lanes were closed and flushed then; see `Shared::ensure_cache`); else the same for the
-/// second choice — so a stream 64 ids from a live one (the default stream, or a stream a
-/// program keeps while it makes others) still has a fast path. A stream both of whose slots
-/// serve live streams gets unslotted lanes (in `all` only, closed to blocks: they carry its
-/// pool statistics), so it takes the slow path, as does any stream looked up before it has
-/// lanes. Slotted lookups (one `Acquire` load and a tag load per choice tried) answer the
-/// first choice whose lane serves the stream, and the second choice's lane, whatever it
-/// serves, where the first's does not; the tag is compared again under the lane's lock by
+/// Instead a stream's lanes are one of its [`CHOICES`] slots' ([`slot_choices`]): the first
+/// choice's own when it has none yet, or *re-tagged* when the stream they served was destroyed
+/// (its lanes were closed and flushed then; see `Shared::ensure_cache`); else the same for
+/// the next choice — so a stream 64 ids from a live one (the default stream, or a stream a
+/// program keeps while it makes others) still has a fast path, and with `L` streams alive a
+/// new one finds all its slots taken about `(L/64)⁴` of the time (`(L/64)²` with two). A
+/// stream all of whose slots serve live streams gets unslotted lanes (in `all` only, closed
+/// to blocks: they carry its pool statistics), so it takes the slow path, as does any stream
+/// looked up before it has lanes. Slotted lookups (one `Acquire` load and a tag load per
+/// choice tried) answer the first choice whose lane serves the stream, and the second
+/// choice's lane, whatever it serves, where none does; the tag is compared again under the lane's lock by
 /// every hit and free ([`CacheInner::serves`], [`CacheInner::takes_for`]), since a lane found
 /// for a stream may be re-tagged before its lock is taken, and a buffer keeps its lane for life.
 ///
@@ -1117,12 +1119,20 @@ pub(crate) fn slot_index(slot: usize, lane: usize) -> usize {
     (slot % FAST_STREAMS) * LANES + (lane & (LANES - 1))
 }
 
-/// The two slots `stream`'s lanes may take, first choice first (see [`CacheTable`]).
+/// How many slots a stream may take its lanes from.
+pub(crate) const CHOICES: usize = 4;
+
+/// The slots `stream`'s lanes may take, first choice first, all different (see
+/// [`CacheTable`]).
 #[inline(always)]
-pub(crate) fn slot_choices(stream: StreamId) -> [usize; 2] {
+pub(crate) fn slot_choices(stream: StreamId) -> [usize; CHOICES] {
     let id = stream.0 as usize;
     let first = id % FAST_STREAMS;
-    [first, (first + 1 + (id / FAST_STREAMS) % (FAST_STREAMS - 1)) % FAST_STREAMS]
+    // A step of 1..=63: k·d for k = 1, 2, 3 is never a multiple of 64 but for 2·32, which the
+    // shift of the third and fourth choices by one moves off the first and second.
+    let d = 1 + (id / FAST_STREAMS) % (FAST_STREAMS - 1);
+    let shift = usize::from(d == FAST_STREAMS / 2);
+    std::array::from_fn(|k| (first + k * d + (k / 2) * shift) % FAST_STREAMS)
 }
 
 impl CacheTable {
@@ -1166,7 +1176,7 @@ impl CacheTable {
         self.slots[slot_index(slot, lane)].get().filter(|c| c.stream() == stream)
     }
 
-    /// The slot whose lanes serve `stream` (its lane 0's tag), if either of its choices' does.
+    /// The slot whose lanes serve `stream` (its lane 0's tag), if one of its choices' does.
     #[inline]
     pub fn slot_of(&self, stream: StreamId) -> Option<usize> {
         slot_choices(stream).into_iter().find(|&slot| {
@@ -1245,5 +1255,34 @@ impl CacheTable {
     /// Whether `i` in [`CacheTable::all`] is a stream's lane 0.
     pub fn is_first_lane(all: &[Arc<StreamCache>], i: usize) -> bool {
         i == 0 || all[i - 1].stream() != all[i].stream()
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+
+    /// Every stream's choices are four different slots, the first `id mod 64`; streams 64 ids
+    /// apart (the same first slot) step differently up to the 63rd of them, so a live stream
+    /// blocks another's later choices only by chance.
+    #[test]
+    fn a_streams_choices_are_four_different_slots() {
+        for id in 0..64 * 70 {
+            let c = slot_choices(StreamId(id));
+            assert_eq!(c[0], id as usize % FAST_STREAMS, "{id}");
+            for i in 0..CHOICES {
+                assert!(c[i] < FAST_STREAMS);
+                for j in 0..i {
+                    assert_ne!(c[i], c[j], "stream {id}: {c:?}");
+                }
+            }
+        }
+        for first in 0..64 {
+            let seconds: std::collections::BTreeSet<_> =
+                (0..63).map(|k| slot_choices(StreamId(first + 64 * k))[1]).collect();
+            assert_eq!(seconds.len(), 63, "slot {first}'s streams share second choices");
+        }
+        // The step of 32 (streams 31·64…31·64+63): the shift keeps the four apart.
+        assert_eq!(slot_choices(StreamId(31 * 64 + 5)), [5, 37, 6, 38]);
     }
 }

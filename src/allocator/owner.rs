@@ -35,7 +35,7 @@
 //! because every buffer freed into a lane with its reference holds that lane's `Arc<Owner>` (its
 //! slot's, set once, and kept when the lane is re-tagged for another stream of the slot; a free
 //! stashes only into its owner's own lane), and only slotted lanes have such owners
-//! ([`FAST_STREAMS`] slots; a stream's lanes take the first or the second of its two choices,
+//! ([`FAST_STREAMS`] slots; a stream's lanes take the first free of its four choices,
 //! see `CacheTable`). The references kept in lanes would
 //! keep `Shared` alive for ever, so when the last handle goes the table, under the global lock,
 //! closes every lane's stash and releases what it held; a buffer freed later (or into a lane
@@ -184,8 +184,9 @@ impl<D: Device> OwnerTable<D> {
     }
 
     /// The owner of lane `lane` of `stream`, if made: its first choice's where that lane
-    /// serves `stream`, else its second choice's (whose lane may serve another stream: the
-    /// hit's pop compares under the lane's lock).
+    /// serves `stream`, else the first later choice's whose lane does, else its second
+    /// choice's (whose lane serves another stream: the hit's pop compares under the lane's
+    /// lock).
     #[inline(always)]
     pub fn owner_slot(&self, stream: StreamId, lane: usize) -> Option<SlotRef<'_, Arc<Owner<D>>>> {
         // (Its first choice: `slot_index` takes the id modulo the slots.)
@@ -197,7 +198,7 @@ impl<D: Device> OwnerTable<D> {
         self.owner_slot_second(stream, lane)
     }
 
-    /// [`OwnerTable::owner_slot`]'s second choice, out of line (a stream only takes it where
+    /// [`OwnerTable::owner_slot`]'s later choices, out of line (a stream only takes one where
     /// its first choice serves another live stream).
     #[inline(never)]
     fn owner_slot_second(
@@ -205,7 +206,15 @@ impl<D: Device> OwnerTable<D> {
         stream: StreamId,
         lane: usize,
     ) -> Option<SlotRef<'_, Arc<Owner<D>>>> {
-        self.slots[slot_index(slot_choices(stream)[1], lane)].get()
+        let choices = slot_choices(stream);
+        for &slot in &choices[1..] {
+            if let Some(o) = self.slots[slot_index(slot, lane)].get()
+                && o.lane().is_some_and(|c| c.stream() == stream)
+            {
+                return Some(o);
+            }
+        }
+        self.slots[slot_index(choices[1], lane)].get()
     }
 
     /// The hold on the allocator for a buffer a hit through `slot` handed out: the reference

@@ -653,7 +653,7 @@ impl<D: Device> Shared<D> {
     }
 
     /// Gives `stream` a cache if it has none (it is about to own memory): the lanes of the first
-    /// of its two slots that has none or whose stream is gone (see `CacheTable`), made now or
+    /// of its slots that has none or whose stream is gone (see `CacheTable`), made now or
     /// re-tagged from the destroyed stream, else unslotted lanes.
     pub(super) fn ensure_cache(&self, st: &mut State, stream: StreamId) {
         if self.caches.get(stream).is_some() {
@@ -666,7 +666,7 @@ impl<D: Device> Shared<D> {
         // so that a reader that sees a new tag fails its collect.
         st.base.touch(&self.stats);
         let known = st.streams.contains_key(&stream) || self.broken(Broken::UnknownStreams);
-        // The first of its two slots with no lanes yet, or whose stream is gone.
+        // The first of its slots with no lanes yet, or whose stream is gone.
         let mut chosen = None;
         for slot in fast_cache::slot_choices(stream) {
             let lanes = self.caches.slot_lanes(slot);
@@ -706,7 +706,7 @@ impl<D: Device> Shared<D> {
             chosen => {
                 // Destroyed (or forgotten) since it was checked: its caches never take a block.
                 let lanes = self.new_lanes(st, stream, limits, config.sizing, !known);
-                // Unslotted where both its slots serve other streams: no fast path, only its
+                // Unslotted where all its slots serve other streams: no fast path, only its
                 // figures.
                 self.caches.add(lanes, chosen.map(|(slot, _)| slot));
             }
