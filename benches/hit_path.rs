@@ -60,48 +60,53 @@ fn hit_path(c: &mut Criterion) {
     ] {
         bench_pairs(&mut g, prefix, &allocator(sanitize, config));
     }
-    let dev = Arc::new(SimDevice::with_config(SimConfig {
-        capacity: 1 << 30,
-        sanitize: false,
-        ..SimConfig::default()
-    }));
-    let alloc = Allocator::new(dev.clone(), Config::default()).unwrap();
-    for _ in 0..140 {
-        let s = dev.create_stream().unwrap();
+    // The 141st stream, after 140 made, used and destroyed.
+    let (dev, alloc) = sim_allocator();
+    let late = streams_until(&dev, 141, |s| {
         drop(alloc.alloc(4096, s).unwrap());
         alloc.destroy_stream(s).unwrap();
-    }
-    bench_pairs_on(&mut g, "late_stream", &alloc, dev.create_stream().unwrap());
-    let dev = Arc::new(SimDevice::with_config(SimConfig {
-        capacity: 1 << 30,
-        sanitize: false,
-        ..SimConfig::default()
-    }));
-    let alloc = Allocator::new(dev.clone(), Config::default()).unwrap();
+    });
+    bench_pairs_on(&mut g, "late_stream", &alloc, late);
+    // Stream 64, its first slot the live default stream's, after 63 made, used and destroyed.
+    let (dev, alloc) = sim_allocator();
     drop(alloc.alloc(4096, StreamId::DEFAULT).unwrap()); // the default stream's lanes, in slot 0
-    let mut s = dev.create_stream().unwrap();
-    while s.0 < 64 {
+    let beside = streams_until(&dev, 64, |s| {
         drop(alloc.alloc(4096, s).unwrap());
         alloc.destroy_stream(s).unwrap();
-        s = dev.create_stream().unwrap();
-    }
-    bench_pairs_on(&mut g, "beside_live_stream", &alloc, s);
-    let dev = Arc::new(SimDevice::with_config(SimConfig {
-        capacity: 1 << 30,
-        sanitize: false,
-        ..SimConfig::default()
-    }));
-    let alloc = Allocator::new(dev.clone(), Config::default()).unwrap();
-    drop(alloc.alloc(4096, StreamId::DEFAULT).unwrap()); // the default stream's lanes, in slot 0
-    let mut s = dev.create_stream().unwrap();
-    while s.0 < 128 {
+    });
+    bench_pairs_on(&mut g, "beside_live_stream", &alloc, beside);
+    // Stream 128, its slots 0 and 3 the live default stream's and stream 3's.
+    let (dev, alloc) = sim_allocator();
+    drop(alloc.alloc(4096, StreamId::DEFAULT).unwrap());
+    let third = streams_until(&dev, 128, |s| {
         if s.0 == 3 {
             drop(alloc.alloc(4096, s).unwrap()); // stream 3's lanes, in slot 3
         }
-        s = dev.create_stream().unwrap();
-    }
-    bench_pairs_on(&mut g, "third_choice", &alloc, s);
+    });
+    bench_pairs_on(&mut g, "third_choice", &alloc, third);
     g.finish();
+}
+
+/// A SimDevice of 1 GiB without the sanitizer, and a default allocator over it.
+fn sim_allocator() -> (Arc<SimDevice>, Allocator<SimDevice>) {
+    let dev = Arc::new(SimDevice::with_config(SimConfig {
+        capacity: 1 << 30,
+        sanitize: false,
+        ..SimConfig::default()
+    }));
+    let alloc = Allocator::new(dev.clone(), Config::default()).unwrap();
+    (dev, alloc)
+}
+
+/// Makes streams, passing each to `each`, up to the one with id `last`, which it returns.
+fn streams_until(dev: &SimDevice, last: u32, mut each: impl FnMut(StreamId)) -> StreamId {
+    loop {
+        let s = dev.create_stream().unwrap();
+        if s.0 >= last {
+            return s;
+        }
+        each(s);
+    }
 }
 
 fn history(c: &mut Criterion) {
