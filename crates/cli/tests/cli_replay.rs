@@ -46,6 +46,7 @@ fn json_on_the_mlp_trace() {
     assert_eq!(v["trace"], "mlp_train");
     assert_eq!(v["events"].as_u64(), Some(484));
     assert_eq!(v["peak_live_bytes"].as_u64(), Some(1367670784));
+    assert_eq!(v["step_peak_live_bytes"], serde_json::json!(vec![1367670784u64; 6]));
     let p = v["policies"].as_array().unwrap();
     assert_eq!(p.len(), 2);
     assert_eq!(p[0]["name"], "planned");
@@ -63,7 +64,11 @@ fn table_and_svg() {
     let o = tidepool(&["replay", &mlp(), "--repeats=1", "--svg", svg.to_str().unwrap()]);
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
     let table = String::from_utf8(o.stdout).unwrap();
-    assert!(table.starts_with("trace mlp_train: 484 events, peak live 1.27 GiB (1367670784 B)\n"));
+    assert!(table.starts_with(
+        "trace mlp_train: 484 events, peak live 1.27 GiB (1367670784 B)\n  peak live per step \
+         (the windows of the calls per step): 1.27 GiB, 1.27 GiB, 1.27 GiB, 1.27 GiB, 1.27 GiB, \
+         1.27 GiB\n"
+    ));
     for name in ["expandable", "offset-allocator", "range-alloc", "planned", "lower bound"] {
         assert!(table.contains(name), "{table}");
     }

@@ -179,6 +179,33 @@ impl Trace {
             .collect()
     }
 
+    /// The peak of live requested bytes in each step: from the start, or the previous
+    /// `ScopeExit`, up to and including the next `ScopeExit` — the windows in which the
+    /// replayer counts device calls per step (events after the last exit belong to none).
+    /// Empty for a trace without scopes. Where a step's peak is no higher than the steps'
+    /// before it, memory that fitted those steps could fit it: a map or malloc there is
+    /// placement's, not the workload's.
+    pub fn step_peak_live_bytes(&self) -> Vec<u64> {
+        let mut live: u128 = 0;
+        let mut peak: u128 = 0;
+        let mut out = Vec::new();
+        for e in &self.events {
+            match e.op {
+                Op::Alloc => {
+                    live += u128::from(e.bytes);
+                    peak = peak.max(live);
+                }
+                Op::Free => live = live.saturating_sub(u128::from(e.bytes)),
+                Op::ScopeExit => {
+                    out.push(u64::try_from(peak).unwrap_or(u64::MAX));
+                    peak = live;
+                }
+                _ => {}
+            }
+        }
+        out
+    }
+
     /// The highest sum of live requested bytes at any point: the lower bound on the memory
     /// any allocator needs (saturating at `u64::MAX`).
     pub fn peak_live_bytes(&self) -> u64 {

@@ -7,7 +7,7 @@
 //!
 //! ```text
 //! {"trace": str, "device": int | null, "events": int, "peak_live_bytes": int,
-//!  "history": bool, "skipped": {kind: int, ...},
+//!  "step_peak_live_bytes": [int, ...], "history": bool, "skipped": {kind: int, ...},
 //!  "pre_window": {"freed_blocks": int, "freed_bytes": int, "live_blocks": int, "live_bytes": int},
 //!  "pytorch_recorded": null | {"peak_reserved_bytes": int, "reserved_at_start_bytes": int,
 //!                              "reserved_at_snapshot_bytes": int, "segment_events": int,
@@ -46,6 +46,8 @@ pub struct Report {
     pub peak_live_bytes: u64,
     /// Live requested bytes after each event.
     pub live_timeline: Vec<u64>,
+    /// Peak live requested bytes per step ([`Trace::step_peak_live_bytes`]).
+    pub step_peak_live_bytes: Vec<u64>,
     /// One result per policy, in run order.
     pub policies: Vec<PolicyResult>,
     /// Input records skipped, by kind.
@@ -64,6 +66,7 @@ struct JsonReport<'a> {
     device: Option<u32>,
     events: usize,
     peak_live_bytes: u64,
+    step_peak_live_bytes: &'a [u64],
     history: bool,
     skipped: &'a BTreeMap<String, u64>,
     pre_window: JsonPreWindow,
@@ -130,6 +133,7 @@ impl Report {
             events: trace.events.len(),
             peak_live_bytes: trace.peak_live_bytes(),
             live_timeline: trace.live_bytes_timeline(),
+            step_peak_live_bytes: trace.step_peak_live_bytes(),
             policies,
             skipped: trace.skipped.clone(),
             pre_window: trace.pre_window,
@@ -153,6 +157,14 @@ impl Report {
     /// the reader's and caller's notes.
     pub fn header_lines(&self) -> Vec<String> {
         let mut out = Vec::new();
+        if !self.step_peak_live_bytes.is_empty() {
+            let peaks: Vec<String> =
+                self.step_peak_live_bytes.iter().map(|&b| Bytes(b).to_string()).collect();
+            out.push(format!(
+                "peak live per step (the windows of the calls per step): {}",
+                peaks.join(", ")
+            ));
+        }
         let w = &self.pre_window;
         if w.live_blocks > 0 || w.freed_blocks > 0 {
             out.push(format!(
@@ -201,6 +213,7 @@ impl Report {
             device: self.device(),
             events: self.events,
             peak_live_bytes: live,
+            step_peak_live_bytes: &self.step_peak_live_bytes,
             history: self.snapshot.as_ref().is_none_or(|s| s.history),
             skipped: &self.skipped,
             pre_window: JsonPreWindow {

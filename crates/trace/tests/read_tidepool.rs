@@ -266,3 +266,49 @@ fn shipped_gpt2_trace() {
 fn shipped_mlp_trace() {
     check_shipped("mlp_train.csv.gz", 484, 6, 1367670784, (48, 1611005952));
 }
+
+/// Peak live bytes per step: a window runs from the start (or the previous scope exit) to the
+/// next scope exit, inclusive, as the replayer's calls per step do; what is live across an
+/// exit counts in the next window from its start; events after the last exit are in none.
+#[test]
+fn step_peaks_follow_the_windows_of_the_calls_per_step() {
+    let t = read_trace_bytes(
+        format!(
+            "{HEADER}0,alloc,0,100,0,param\n1,scope_enter,0,0,0,step0\n2,alloc,1,50,0,act\n\
+             3,free,1,50,0,act\n4,alloc,2,30,0,act\n5,scope_exit,0,0,0,step0\n\
+             6,scope_enter,1,0,0,step1\n7,free,2,30,0,act\n8,alloc,3,10,0,act\n\
+             9,scope_exit,1,0,0,step1\n10,alloc,4,500,0,act\n11,free,4,500,0,act\n\
+             12,free,3,10,0,act\n13,free,0,100,0,param\n"
+        )
+        .as_bytes(),
+    )
+    .unwrap();
+    // Step 0: 100 + 50 at its highest. Step 1 starts with 130 live (the 30 outlive step 0),
+    // then 110. The 600 after the last exit belong to no step.
+    assert_eq!(t.step_peak_live_bytes(), vec![150, 130]);
+    assert_eq!(t.peak_live_bytes(), 610);
+    let none =
+        read_trace_bytes(format!("{HEADER}0,alloc,0,100,0,act\n1,free,0,100,0,act\n").as_bytes());
+    assert_eq!(none.unwrap().step_peak_live_bytes(), Vec::<u64>::new());
+}
+
+/// The shipped traces' steps: the training traces whose second step holds more live bytes
+/// than their first (AdamW's state and the first step's gradients), and those flat from the
+/// first step on.
+#[test]
+fn step_peaks_of_the_shipped_traces() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../data/traces");
+    let cases: [(&str, &[u64]); 6] = [
+        ("gpt2_train", &[2916269064, 3911787528, 3911787528, 3911787528]),
+        ("llama_decode", &[635808056; 3]),
+        ("mlp_train", &[1367670784; 6]),
+        ("mobilenetv2_train", &[1278644072, 1292663560, 1292663560, 1292663560]),
+        ("t5_train", &[1278048260, 1653325832, 1653325832, 1653325832]),
+        ("vit_train", &[1733761604; 4]),
+    ];
+    for (name, peaks) in cases {
+        let t = read_trace(&dir.join(format!("{name}.csv.gz"))).unwrap();
+        assert_eq!(t.step_peak_live_bytes(), peaks, "{name}");
+        assert_eq!(t.step_peak_live_bytes().iter().max(), Some(&t.peak_live_bytes()), "{name}");
+    }
+}

@@ -165,6 +165,7 @@ fn json_report_has_exactly_the_documented_shape() {
             "pre_window",
             "pytorch_recorded",
             "skipped",
+            "step_peak_live_bytes",
             "trace"
         ]
     );
@@ -181,6 +182,8 @@ fn json_report_has_exactly_the_documented_shape() {
     );
     assert_eq!(obj["events"].as_u64(), Some(8));
     assert_eq!(obj["peak_live_bytes"].as_u64(), Some(1736));
+    // No scope: no steps.
+    assert_eq!(obj["step_peak_live_bytes"], serde_json::json!([]));
     let policies = obj["policies"].as_array().unwrap();
     let names: Vec<_> = policies.iter().map(|p| p["name"].as_str().unwrap()).collect();
     assert_eq!(
