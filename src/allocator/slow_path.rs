@@ -66,6 +66,16 @@ impl<D: Device> Allocator<D> {
     }
 }
 
+/// Free block `b`, found for a request aligned to `align`, cut to start at the alignment (its
+/// padding split off as a free block of its own; `pool/align.rs`). Unchanged for `align` up
+/// to [`MIN_ALIGN`], which every block starts at.
+fn aligned_start(st: &mut State, b: BlockId, align: u64) -> BlockId {
+    match align > MIN_ALIGN {
+        true => st.pool.split_front(b, align),
+        false => b,
+    }
+}
+
 impl<D: Device> Shared<D> {
     /// Finds a free block for `key` or makes one, climbing the out-of-memory ladder.
     pub(super) fn find_or_reserve(
@@ -103,17 +113,11 @@ impl<D: Device> Shared<D> {
             self.flush_large(st);
             self.unstitch_freed(st);
         }
-        let aligned = align > MIN_ALIGN;
         // Any block of `need` bytes holds `rounded` bytes at an aligned address (blocks start
         // at multiples of MIN_ALIGN).
-        let need = if aligned { rounded + align - MIN_ALIGN } else { rounded };
-        let find = |sh: &Self, st: &mut State| sh.find_placed(st, config, key, rounded, align);
-        let at = |st: &mut State, b: BlockId| match aligned {
-            true => st.pool.split_front(b, align),
-            false => b,
-        };
-        if let Some(b) = find(self, st) {
-            return Ok(at(st, b));
+        let need = if align > MIN_ALIGN { rounded + align - MIN_ALIGN } else { rounded };
+        if let Some(b) = self.find_placed(st, config, key, rounded, align) {
+            return Ok(aligned_start(st, b, align));
         }
         self.find_or_reserve_cold(st, config, key, (bytes, rounded, need), align)
     }
@@ -133,10 +137,7 @@ impl<D: Device> Shared<D> {
     ) -> Result<BlockId, AllocError> {
         let aligned = align > MIN_ALIGN;
         let find = |sh: &Self, st: &mut State| sh.find_placed(st, config, key, rounded, align);
-        let at = |st: &mut State, b: BlockId| match aligned {
-            true => st.pool.split_front(b, align),
-            false => b,
-        };
+        let at = |st: &mut State, b: BlockId| aligned_start(st, b, align);
         // Before going further afield, return what the stream caches hold: they never make the
         // allocator reserve more than it would without them.
         if self.flush_all(st) > 0

@@ -186,21 +186,13 @@ impl Trace {
     /// before it, memory that fitted those steps could fit it: a map or malloc there is
     /// placement's, not the workload's.
     pub fn step_peak_live_bytes(&self) -> Vec<u64> {
-        let mut live: u128 = 0;
-        let mut peak: u128 = 0;
+        let mut peak = 0;
         let mut out = Vec::new();
-        for e in &self.events {
-            match e.op {
-                Op::Alloc => {
-                    live += u128::from(e.bytes);
-                    peak = peak.max(live);
-                }
-                Op::Free => live = live.saturating_sub(u128::from(e.bytes)),
-                Op::ScopeExit => {
-                    out.push(u64::try_from(peak).unwrap_or(u64::MAX));
-                    peak = live;
-                }
-                _ => {}
+        for (e, live) in self.events.iter().zip(self.live_bytes_timeline()) {
+            peak = peak.max(live);
+            if e.op == Op::ScopeExit {
+                out.push(peak);
+                peak = live;
             }
         }
         out
