@@ -140,6 +140,14 @@ pub enum Broken {
     /// The family's record of destroyed streams keeps an entry per stream id instead of runs
     /// of consecutive ids: it grows with every stream a program makes and destroys.
     DestroyedStreamsPerId = 1 << 37,
+    /// The allocator records its events on a stream that joined a capture (or began one) as on
+    /// any other: the record is a node of the graph, a stream waiting on it is pulled into the
+    /// capture, and the block's reuse waits on an event no query may ask about.
+    CaptureForks = 1 << 38,
+    /// A stream that joined a capture by waiting on an event recorded inside it is treated as
+    /// outside it: its allocations come from the general pool and what it frees is reused at
+    /// once, although the graph's replays use it.
+    JoinedStreamsOutside = 1 << 39,
     /// A growth whose headroom (expandable segments) does not fit the device fails the request
     /// instead of growing by exactly what the request needs.
     HeadroomOom = 1 << 30,
@@ -237,7 +245,7 @@ impl Broken {
 
     /// Every mode, in declaration order. Kept complete by [`Broken::position`], whose match
     /// stops compiling when a mode is added and not listed.
-    pub const EVERY: [Broken; 59] = [
+    pub const EVERY: [Broken; 61] = [
         Broken::ForeignBuffers,
         Broken::ForgottenUses,
         Broken::UnboundFreeOrder,
@@ -297,6 +305,8 @@ impl Broken {
         Broken::RetaggedLaneServesAnyStream,
         Broken::NoSecondSlot,
         Broken::DestroyedStreamsPerId,
+        Broken::CaptureForks,
+        Broken::JoinedStreamsOutside,
     ];
 
     /// Its place in [`Broken::EVERY`].
@@ -361,6 +371,8 @@ impl Broken {
             Broken::RetaggedLaneServesAnyStream => 56,
             Broken::NoSecondSlot => 57,
             Broken::DestroyedStreamsPerId => 58,
+            Broken::CaptureForks => 59,
+            Broken::JoinedStreamsOutside => 60,
         }
     }
 

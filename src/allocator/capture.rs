@@ -127,9 +127,48 @@ impl<D: Device> CaptureTable<D> {
         self.active.load(Ordering::Relaxed) != 0
     }
 
-    /// Whether `stream` is being captured.
-    pub(super) fn capturing(&self, stream: StreamId) -> bool {
+    /// Whether a capture began on `stream` (through this family).
+    pub(super) fn began_on(&self, stream: StreamId) -> bool {
         self.any() && lock(&self.inner).contains_key(&stream)
+    }
+
+    /// Whether `stream` is being captured: a capture of this family began on it, or it joined
+    /// one (see [`CaptureTable::origin`]).
+    pub(super) fn capturing(&self, sh: &Shared<D>, stream: StreamId) -> bool {
+        self.any() && Self::origin(&lock(&self.inner), sh, stream).is_some()
+    }
+
+    /// The capture of this family that `stream` belongs to, by the stream it began on: `stream`
+    /// itself, or, for a stream that joined a capture by waiting on an event recorded inside
+    /// it (CUDA's fork, which the allocator does not see), the origin the device names.
+    fn origin(
+        t: &HashMap<StreamId, Entry<D>>,
+        sh: &Shared<D>,
+        stream: StreamId,
+    ) -> Option<StreamId> {
+        if t.contains_key(&stream) {
+            return Some(stream);
+        }
+        if sh.broken(Broken::JoinedStreamsOutside) {
+            return None; // BROKEN: a joined stream counts as outside the capture
+        }
+        sh.device.capture_of(stream).filter(|o| *o != stream && t.contains_key(o))
+    }
+
+    /// Whether `stream` joined a capture of this family (one that began on another stream).
+    pub(super) fn joined(&self, sh: &Shared<D>, stream: StreamId) -> bool {
+        self.any() && Self::origin(&lock(&self.inner), sh, stream).is_some_and(|o| o != stream)
+    }
+
+    /// The private pool a stream that joined a capture allocates from: its capture's (`None`
+    /// for a stream that is not a joined one, or whose capture is not routed).
+    pub(super) fn joined_pool(&self, sh: &Shared<D>, stream: StreamId) -> Option<Allocator<D>> {
+        if !self.any() {
+            return None;
+        }
+        let t = lock(&self.inner);
+        let origin = Self::origin(&t, sh, stream).filter(|o| *o != stream)?;
+        t.get(&origin).filter(|e| !e.broken).map(|e| e.pool.alloc.clone())
     }
 
     /// A buffer is being freed: `Some(f)` to free it now; `None` when a capture holds it back:
@@ -210,14 +249,16 @@ impl<D: Device> CaptureTable<D> {
         stream: StreamId,
         uses: &[StreamId],
     ) -> Option<StreamId> {
-        let own_stream =
-            t.get(&stream).map(|e| (e.broken, std::ptr::eq(mine, &*e.pool.alloc.shared)));
-        match own_stream {
-            Some((true, _)) => None,
-            Some((false, false)) => Some(stream),
+        // The captures of the streams involved (a stream that joined one counts as its
+        // origin's), for those whose capture does not run as if there were no private pool.
+        let capture = |s: StreamId| Self::origin(t, mine, s).filter(|o| !t[o].broken);
+        let own = Self::origin(t, mine, stream);
+        match own.map(|o| (o, t[&o].broken, std::ptr::eq(mine, &*t[&o].pool.alloc.shared))) {
+            Some((_, true, _)) => None,
+            Some((o, false, false)) => Some(o),
             // Of the capture's own pool (or its stream is not captured): held back only if a
             // captured stream used it.
-            _ => uses.iter().find(|u| t.get(u).is_some_and(|e| !e.broken)).copied(),
+            _ => uses.iter().find_map(|&u| capture(u)),
         }
     }
 }
@@ -435,8 +476,12 @@ impl<D: Capture> Allocator<D> {
     pub fn end_capture(&self, stream: StreamId) -> Result<Graph<D>, AllocError> {
         let sh = &self.shared;
         let table = &sh.family.captures;
-        if !table.capturing(stream) {
-            return Err(AllocError::Capture { stream, reason: "the stream is not capturing" });
+        if !table.began_on(stream) {
+            let reason = match table.capturing(sh, stream) {
+                true => "the capture began on another stream (this one joined it)",
+                false => "the stream is not capturing",
+            };
+            return Err(AllocError::Capture { stream, reason });
         }
         let made = sh.device.end_capture(stream);
         let Some(entry) = lock(&table.inner).remove(&stream) else {
@@ -460,8 +505,10 @@ impl<D: Capture> Allocator<D> {
         }
     }
 
-    /// Whether `stream` is being captured through this allocator (or another of its family).
+    /// Whether `stream` is being captured through this allocator (or another of its family):
+    /// the capture began on it, or it joined one by waiting on an event recorded on a
+    /// capturing stream (PyTorch's `is_current_stream_capturing` on a side stream).
     pub fn is_capturing(&self, stream: StreamId) -> bool {
-        self.shared.family.captures.capturing(stream)
+        self.shared.family.captures.capturing(&self.shared, stream)
     }
 }

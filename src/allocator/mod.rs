@@ -477,6 +477,15 @@ impl<D: Device> Allocator<D> {
             }
             return pool.alloc_in_once(bytes, stream, residency, align);
         }
+        // A stream that joined a capture (it waited on an event recorded on a capturing
+        // stream: CUDA's fork) allocates from the capture's pool, as the stream it began on.
+        if sh.family.captures.any()
+            && let Some(pool) = sh.family.captures.joined_pool(sh, stream)
+            && !Arc::ptr_eq(&pool.shared, &self.shared)
+        {
+            sh.stream_exists(stream)?;
+            return pool.alloc_in_once(bytes, stream, residency, align);
+        }
         if bytes == 0 {
             sh.stream_exists(stream)?;
             return Ok(self.hand_out(DeviceAddr::NULL, 0, 0, stream, None, 0, residency, 0));
@@ -613,7 +622,7 @@ impl<D: Device> Allocator<D> {
             if buf.scope_tag().is_some() {
                 continue; // its scope records the free: the ordinary path
             }
-            if sh.family.captures.capturing(buf.stream) {
+            if sh.family.captures.capturing(sh, buf.stream) {
                 continue; // the capture may hold it back: the ordinary path
             }
             let Some(block) = buf.take_block() else { continue };
@@ -822,6 +831,9 @@ impl<D: Device> Allocator<D> {
         };
         if mode == Broken::DevicePanicsUnwind {
             self.shared.device.set_unwind(on);
+        }
+        if mode == Broken::CaptureForks {
+            self.shared.device.set_records_in_captures(on);
         }
         if mode == Broken::DestroyedStreamsPerId {
             self.shared.family.destroyed_per_id(on);

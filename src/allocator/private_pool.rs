@@ -436,7 +436,12 @@ impl<D: Device> Allocator<D> {
         let alloc = Allocator::build(sh.device.arc().clone(), config, sh.family.clone(), id)?;
         // A pool has its allocator's deliberate bugs (feature `test-hooks`).
         #[cfg(feature = "test-hooks")]
-        alloc.shared.broken.store(sh.broken.load(Ordering::Relaxed), Ordering::Relaxed);
+        {
+            alloc.shared.broken.store(sh.broken.load(Ordering::Relaxed), Ordering::Relaxed);
+            alloc.shared.device.set_unwind(sh.broken(super::Broken::DevicePanicsUnwind));
+            let forks = sh.broken(super::Broken::CaptureForks);
+            alloc.shared.device.set_records_in_captures(forks);
+        }
         if options.use_on_oom {
             lock(&sh.family.oom_pools).push((id, alloc.shared.clone()));
         }

@@ -849,7 +849,8 @@ impl<'a, D: Device> Scope<'a, D> {
     /// far.)
     #[inline]
     fn check_stream(&self) -> Result<(), AllocError> {
-        if self.alloc.shared.routes.routed(self.stream) {
+        let sh = &self.alloc.shared;
+        if sh.routes.routed(self.stream) || sh.family.captures.joined(sh, self.stream) {
             return Err(AllocError::StreamRouted(self.stream));
         }
         match self.stream_ok {
@@ -1107,7 +1108,7 @@ impl<'a, D: Device> Scope<'a, D> {
         };
         // Nor while its stream is captured: the graph's replays may read it, so its drop
         // hands it to the graph (`capture.rs`) instead.
-        let captured = self.alloc.shared.family.captures.capturing(self.stream)
+        let captured = self.alloc.shared.family.captures.capturing(&self.alloc.shared, self.stream)
             && !self.alloc.shared.broken(super::Broken::CaptureScopeFrees);
         if ours
             && !captured

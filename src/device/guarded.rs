@@ -38,6 +38,10 @@ pub(crate) struct Guarded<D> {
     /// The deliberate bug `Broken::DevicePanicsUnwind` (feature `test-hooks`): panics unwind.
     #[cfg(feature = "test-hooks")]
     unwind: std::sync::atomic::AtomicBool,
+    /// The deliberate bug `Broken::CaptureForks` (feature `test-hooks`): events are recorded
+    /// on capturing streams too.
+    #[cfg(feature = "test-hooks")]
+    records_in_captures: std::sync::atomic::AtomicBool,
 }
 
 /// The text of a panic's payload (`panic!` with a literal or a formatted message).
@@ -86,6 +90,12 @@ impl<D> Guarded<D> {
     pub(crate) fn set_unwind(&self, on: bool) {
         self.unwind.store(on, std::sync::atomic::Ordering::Relaxed);
     }
+
+    /// Turns the deliberate bug `Broken::CaptureForks` on or off.
+    #[cfg(feature = "test-hooks")]
+    pub(crate) fn set_records_in_captures(&self, on: bool) {
+        self.records_in_captures.store(on, std::sync::atomic::Ordering::Relaxed);
+    }
 }
 
 /// `Guarded` methods of the same names and signatures as [`Device`]'s fallible ones.
@@ -109,7 +119,6 @@ guarded! {
     mem_info() -> MemInfo;
     create_event() -> EventId;
     destroy_event(event: EventId) -> ();
-    record_event(event: EventId, stream: StreamId) -> ();
     query_event(event: EventId) -> bool;
     wait_event(stream: StreamId, event: EventId) -> ();
     synchronize_event(event: EventId) -> ();
@@ -156,6 +165,8 @@ impl<D: Device> Guarded<D> {
             observes,
             #[cfg(feature = "test-hooks")]
             unwind: std::sync::atomic::AtomicBool::new(false),
+            #[cfg(feature = "test-hooks")]
+            records_in_captures: std::sync::atomic::AtomicBool::new(false),
         }
     }
 
@@ -184,6 +195,31 @@ impl<D: Device> Guarded<D> {
     /// makes no call a capture forbids (no sync, no query, no release).
     pub(crate) fn capture_underway(&self) -> bool {
         self.guard_or(true, || self.device.capture_underway())
+    }
+
+    /// [`Device::capture_of`]; a panic answers the stream itself (captured: nothing CUDA
+    /// forbids in a capture is done there).
+    pub(crate) fn capture_of(&self, stream: StreamId) -> Option<StreamId> {
+        self.guard_or(Some(stream), || self.device.capture_of(stream))
+    }
+
+    /// [`Device::record_event`], guarded, and refused on a capturing stream
+    /// (`CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED`, as before CUDA 11's fork and join): there the
+    /// record would be a node of the graph and a wait on it would pull the waiting stream into
+    /// the capture. The allocator records events only to order memory reuse, which a capture
+    /// orders by itself (its frees are held back until the graph goes).
+    pub(crate) fn record_event(&self, event: EventId, stream: StreamId) -> Result<(), DeviceError> {
+        #[cfg(feature = "test-hooks")]
+        let forks = self.records_in_captures.load(std::sync::atomic::Ordering::Relaxed);
+        #[cfg(not(feature = "test-hooks"))]
+        let forks = false;
+        if !forks && self.capture_of(stream).is_some() {
+            return Err(DeviceError::Driver {
+                op: "cuEventRecord",
+                code: DeviceError::CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED,
+            });
+        }
+        self.guard("record_event", || self.device.record_event(event, stream))
     }
 
     /// [`Device::supports_virtual_memory`]; a panic answers no (ordinary segments).

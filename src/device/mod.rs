@@ -230,6 +230,9 @@ impl DeviceError {
     /// `CUDA_ERROR_STREAM_CAPTURE_ISOLATION`: captured work would depend on work outside the
     /// capture (a wait on an event recorded outside it).
     pub const CUDA_ERROR_STREAM_CAPTURE_ISOLATION: u32 = 905;
+    /// `CUDA_ERROR_STREAM_CAPTURE_UNJOINED`: a capture ended while a stream that joined it (a
+    /// fork) was not joined back into the stream it began on.
+    pub const CUDA_ERROR_STREAM_CAPTURE_UNJOINED: u32 = 904;
 
     /// The name of a CUDA error code, where it is one of the common ones.
     pub fn code_name(code: u32) -> Option<&'static str> {
@@ -250,6 +253,7 @@ impl DeviceError {
             801 => "CUDA_ERROR_NOT_SUPPORTED",
             900 => "CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED",
             901 => "CUDA_ERROR_STREAM_CAPTURE_INVALIDATED",
+            904 => "CUDA_ERROR_STREAM_CAPTURE_UNJOINED",
             905 => "CUDA_ERROR_STREAM_CAPTURE_ISOLATION",
             999 => "CUDA_ERROR_UNKNOWN",
             _ => return None,
@@ -481,6 +485,16 @@ pub trait Device: Send + Sync + 'static {
     /// `captures_underway`). The default: never.
     fn capture_underway(&self) -> bool {
         false
+    }
+
+    /// The capture `stream` belongs to, named by the stream it began on: `stream` itself while
+    /// [`Capture::begin_capture`] captures it, or the origin of the capture it joined by waiting
+    /// on an event recorded inside it (CUDA's fork: `cuStreamGetCaptureInfo` says active);
+    /// `None` when it is not capturing. The allocator routes a joined stream's allocations to
+    /// the capture's pool, holds back what it frees there, and never records an event on it.
+    /// The default: never.
+    fn capture_of(&self, _stream: StreamId) -> Option<StreamId> {
+        None
     }
 }
 

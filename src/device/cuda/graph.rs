@@ -2,25 +2,29 @@
 //! method, through `result.rs`.
 //!
 //! ```text
-//!   begin_capture(s)  ─▶ cuStreamBeginCapture(s, GLOBAL)            capturing += s
+//!   begin_capture(s)  ─▶ cuStreamBeginCapture(s, GLOBAL)            capturing[s] = s
+//!   wait_event(t, e)  ─▶ (e recorded in s's capture) t joins it     capturing[t] = s
 //!   end_capture(s)    ─▶ cuStreamEndCapture + cuGraphInstantiate    live[g] = (CUgraph, CUgraphExec)
+//!                        (the driver refuses a fork not joined back) capturing -= s and its joiners
 //!   launch_graph(g,t) ─▶ cuGraphLaunch(exec, t)
 //!   destroy_graph(g)  ─▶ cuGraphExecDestroy + cuGraphDestroy        (the device's drop: all left)
 //! ```
 //!
 //! The default stream is the legacy null stream, which CUDA cannot capture: refused.
-//! `capture_underway` answers from the set of capturing streams (no driver call), so the
-//! allocator can ask it on every slow-path step.
+//! `capture_underway` and `capture_of` answer from the table of capturing streams (no driver
+//! call), so the allocator can ask them on every slow-path step: a stream joins a capture only
+//! through a wait on an event recorded inside it, which [`CudaDevice`]'s `wait_event` sees.
 
 use super::result::{self, RawGraph};
 use super::{CudaDevice, lock};
 use crate::device::{Capture, DeviceError, GraphId, StreamId};
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 
 /// Captures underway and live graphs.
 #[derive(Default)]
 pub(super) struct CudaGraphs {
-    capturing: HashSet<u32>,
+    /// Every capturing stream → the stream its capture began on.
+    capturing: HashMap<u32, u32>,
     next: u64,
     live: HashMap<u64, RawGraph>,
 }
@@ -31,9 +35,14 @@ impl CudaDevice {
         !lock(&self.graphs).capturing.is_empty()
     }
 
-    /// Whether `stream` is being captured (no driver call).
-    pub(super) fn is_capturing(&self, stream: StreamId) -> bool {
-        lock(&self.graphs).capturing.contains(&stream.0)
+    /// The stream the capture `stream` belongs to began on, if it is capturing (no driver call).
+    pub(super) fn capture_origin(&self, stream: StreamId) -> Option<StreamId> {
+        lock(&self.graphs).capturing.get(&stream.0).map(|&o| StreamId(o))
+    }
+
+    /// `stream` joined the capture begun on `origin` (it waited on an event recorded inside).
+    pub(super) fn join_capture(&self, stream: StreamId, origin: StreamId) {
+        lock(&self.graphs).capturing.insert(stream.0, origin.0);
     }
 
     /// Destroys every graph left (the device's drop).
@@ -53,7 +62,7 @@ impl Capture for CudaDevice {
         }
         let s = self.stream(stream)?;
         let mut graphs = lock(&self.graphs);
-        if graphs.capturing.contains(&stream.0) {
+        if graphs.capturing.contains_key(&stream.0) {
             return Err(DeviceError::Driver {
                 op: "cuStreamBeginCapture",
                 code: DeviceError::CUDA_ERROR_ILLEGAL_STATE,
@@ -62,22 +71,25 @@ impl Capture for CudaDevice {
         self.bind()?;
         // SAFETY: `s` is a live non-null stream of this context, kept alive by the `Arc`.
         unsafe { result::stream_begin_capture(s.cu_stream()) }?;
-        graphs.capturing.insert(stream.0);
+        graphs.capturing.insert(stream.0, stream.0);
         Ok(())
     }
 
     fn end_capture(&self, stream: StreamId) -> Result<GraphId, DeviceError> {
         let s = self.stream(stream)?;
         let mut graphs = lock(&self.graphs);
-        if !graphs.capturing.remove(&stream.0) {
+        if graphs.capturing.get(&stream.0) != Some(&stream.0) {
             return Err(DeviceError::Driver {
                 op: "cuStreamEndCapture",
                 code: DeviceError::CUDA_ERROR_ILLEGAL_STATE,
             });
         }
+        // The capture ends whatever the outcome (the driver invalidates one whose forks were
+        // not joined back, `CUDA_ERROR_STREAM_CAPTURE_UNJOINED`): its streams leave it.
+        graphs.capturing.retain(|_, o| *o != stream.0);
         self.bind()?;
         // SAFETY: `s` is a live stream of this context being captured (begun above, not ended:
-        // the set said so). The capture ends whatever the outcome.
+        // the table said so).
         let g = unsafe { result::stream_end_capture(s.cu_stream()) }?;
         graphs.next += 1;
         let id = graphs.next;

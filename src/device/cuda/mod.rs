@@ -107,8 +107,11 @@ struct Events {
 
 struct EventSlot {
     raw: RawEvent,
-    /// Recorded since it was created; a never-recorded event is complete.
+    /// Recorded (outside a capture) since it was created; a never-recorded event is complete.
     recorded: bool,
+    /// Last recorded on a capturing stream: a node of the capture begun on this stream, which
+    /// a wait on it joins (fork); complete once that capture is over.
+    captured: Option<u32>,
 }
 
 const _: () = {
@@ -376,6 +379,12 @@ impl Device for CudaDevice {
         self.capturing_any()
     }
 
+    /// From the streams `begin_capture` started capturing and those that joined them through
+    /// [`Device::wait_event`] here (no driver call).
+    fn capture_of(&self, stream: StreamId) -> Option<StreamId> {
+        self.capture_origin(stream)
+    }
+
     /// `cuMemAlloc`; the driver's out-of-memory answer is [`DeviceError::OutOfMemory`].
     fn reserve(&self, bytes: u64) -> Result<DeviceAddr, DeviceError> {
         if bytes == 0 {
@@ -460,7 +469,7 @@ impl Device for CudaDevice {
         };
         let id = events.next;
         events.next += 1;
-        events.live.insert(id, EventSlot { raw, recorded: false });
+        events.live.insert(id, EventSlot { raw, recorded: false, captured: None });
         Ok(EventId(id))
     }
 
@@ -472,16 +481,10 @@ impl Device for CudaDevice {
         Ok(())
     }
 
-    /// Refused on a stream being captured (`Capture::begin_capture`), as SimDevice refuses it:
-    /// there `cuEventRecord` would add a node to the graph, and a wait on that event would pull
-    /// the waiting stream into the capture; the allocator never means either.
+    /// `cuEventRecord`. On a capturing stream the record is a node of the capture (CUDA's
+    /// fork): a stream outside any capture that waits on the event joins it.
     fn record_event(&self, event: EventId, stream: StreamId) -> Result<(), DeviceError> {
-        if self.is_capturing(stream) {
-            return Err(DeviceError::Driver {
-                op: "cuEventRecord",
-                code: DeviceError::CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED,
-            });
-        }
+        let origin = self.capture_origin(stream);
         let s = self.stream(stream)?;
         let mut events = lock(&self.events);
         let slot = events.live.get_mut(&event.0).ok_or(DeviceError::UnknownEvent(event))?;
@@ -489,14 +492,24 @@ impl Device for CudaDevice {
         // SAFETY: the event handle is live (pooled handles live as long as the device) and `s`
         // is a live stream of this context, kept alive by the `Arc` we hold.
         unsafe { result::event_record(slot.raw, s.cu_stream()) }?;
-        slot.recorded = true;
+        slot.recorded = origin.is_none();
+        slot.captured = origin.map(|o| o.0);
         Ok(())
     }
 
-    /// `cuEventQuery`: `CUDA_ERROR_NOT_READY` is `Ok(false)`; a never-recorded event is complete.
+    /// `cuEventQuery`: `CUDA_ERROR_NOT_READY` is `Ok(false)`; a never-recorded event is
+    /// complete, and so is one recorded in a capture that is over (refused while it is not).
     fn query_event(&self, event: EventId) -> Result<bool, DeviceError> {
         let events = lock(&self.events);
         let slot = events.live.get(&event.0).ok_or(DeviceError::UnknownEvent(event))?;
+        if let Some(o) = slot.captured
+            && self.capture_origin(StreamId(o)) == Some(StreamId(o))
+        {
+            return Err(DeviceError::Driver {
+                op: "cuEventQuery",
+                code: DeviceError::CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED,
+            });
+        }
         if !slot.recorded {
             return Ok(true);
         }
@@ -505,25 +518,41 @@ impl Device for CudaDevice {
         unsafe { result::event_query(slot.raw) }
     }
 
-    /// `cuStreamWaitEvent`; nothing to wait for when the event was never recorded.
-    /// Refused on a stream being captured: a captured wait on an event recorded outside the
-    /// capture is CUDA's `CUDA_ERROR_STREAM_CAPTURE_ISOLATION`.
+    /// `cuStreamWaitEvent`; nothing to wait for when the event was never recorded (or in a
+    /// capture that is over). On an event recorded in a capture underway, a stream outside any
+    /// capture joins it (CUDA's fork) and one inside it orders its branch; a capturing stream
+    /// waiting on any other event is CUDA's `CUDA_ERROR_STREAM_CAPTURE_ISOLATION`.
     fn wait_event(&self, stream: StreamId, event: EventId) -> Result<(), DeviceError> {
-        if self.is_capturing(stream) {
-            return Err(DeviceError::Driver {
-                op: "cuStreamWaitEvent",
-                code: DeviceError::CUDA_ERROR_STREAM_CAPTURE_ISOLATION,
-            });
-        }
+        let isolation = DeviceError::Driver {
+            op: "cuStreamWaitEvent",
+            code: DeviceError::CUDA_ERROR_STREAM_CAPTURE_ISOLATION,
+        };
         let s = self.stream(stream)?;
-        let events = lock(&self.events);
-        let slot = events.live.get(&event.0).ok_or(DeviceError::UnknownEvent(event))?;
-        if !slot.recorded {
-            return Ok(());
-        }
+        let (raw, recorded, captured) = {
+            let events = lock(&self.events);
+            let slot = events.live.get(&event.0).ok_or(DeviceError::UnknownEvent(event))?;
+            (slot.raw, slot.recorded, slot.captured)
+        };
+        let live = captured.filter(|&o| self.capture_origin(StreamId(o)) == Some(StreamId(o)));
+        let joins = match (live, self.capture_origin(stream)) {
+            (Some(o), Some(mine)) if mine.0 != o => return Err(isolation),
+            (Some(_), Some(_)) => None,
+            (Some(_), None) if stream == StreamId::DEFAULT => {
+                return Err(DeviceError::Unsupported("capturing the default (legacy null) stream"));
+            }
+            (Some(o), None) => Some(o),
+            (None, Some(_)) => return Err(isolation),
+            (None, None) if !recorded => return Ok(()),
+            (None, None) => None,
+        };
         self.bind()?;
-        // SAFETY: both handles are live: the event as long as the device, `s` through its `Arc`.
-        unsafe { result::stream_wait_event(s.cu_stream(), slot.raw) }
+        // SAFETY: both handles are live: the event as long as the device (pooled handles are
+        // never destroyed before it), `s` through its `Arc`.
+        unsafe { result::stream_wait_event(s.cu_stream(), raw) }?;
+        if let Some(o) = joins {
+            self.join_capture(stream, StreamId(o));
+        }
+        Ok(())
     }
 
     /// `cuEventSynchronize`, without holding the event table's lock while blocked.

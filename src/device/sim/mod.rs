@@ -657,13 +657,16 @@ impl super::Device for SimDevice {
         if st.faults.fail_event_record {
             return Self::event_fault(st, "record_event");
         }
-        if st.graphs.capturing(stream.0) {
-            return Err(graph::capture_error("cuEventRecord"));
-        }
         let pos = st.open_stream(stream)?.enqueued;
+        st.counters.event_records += 1;
+        if st.graphs.record_event(event.0, stream.0) {
+            // A node of the capture: nothing in the stream's queue to wait for or query.
+            st.events.insert(event.0, None);
+            st.san.forget_event(event.0);
+            return Ok(());
+        }
         st.events.insert(event.0, Some((stream.0, pos)));
         st.san.record(event.0, stream.0, pos);
-        st.counters.event_records += 1;
         Ok(())
     }
 
@@ -683,14 +686,13 @@ impl super::Device for SimDevice {
         let mut st = self.state();
         let target = st.event(event)?;
         st.open_stream(stream)?;
-        if st.graphs.capturing(stream.0) {
-            return Err(DeviceError::Driver {
-                op: "cuStreamWaitEvent",
-                code: DeviceError::CUDA_ERROR_STREAM_CAPTURE_ISOLATION,
-            });
-        }
         if st.faults.fail_event_wait {
             return Self::event_fault(st, "wait_event");
+        }
+        if st.graphs.wait_event(stream, event.0)? {
+            // Inside a capture (the stream joined it, or orders its branch): nothing to enqueue.
+            st.counters.event_waits += 1;
+            return Ok(());
         }
         st.counters.event_waits += 1;
         if let Some((a, p)) = target
@@ -851,6 +853,10 @@ impl super::Device for SimDevice {
     fn capture_underway(&self) -> bool {
         !self.state().graphs.active.is_empty()
     }
+
+    fn capture_of(&self, stream: StreamId) -> Option<StreamId> {
+        self.state().graphs.origin_of(stream.0).map(StreamId)
+    }
 }
 
 impl super::Capture for SimDevice {
@@ -885,8 +891,17 @@ impl super::Launch for SimDevice {
     fn launch(&self, stream: StreamId, kernel: Kernel) -> Result<(), DeviceError> {
         let mut st = self.state();
         st.open_stream(stream)?;
-        let Some(kernel) = st.graphs.record(stream.0, kernel)? else { return Ok(()) };
-        let found = st.enqueue_kernel(stream, kernel, &[])?;
+        let found = match st.graphs.record(stream.0, kernel)? {
+            graph::Recorded::No(kernel) => st.enqueue_kernel(stream, kernel, &[])?,
+            graph::Recorded::Yes(races) => {
+                let op = "kernel touch (branches of a captured graph not ordered)";
+                let mut found = Vec::new();
+                for (lo, hi, other) in races {
+                    found.extend(st.san.flag(lo, hi, stream.0, Some(other), op));
+                }
+                found
+            }
+        };
         let panic = st.panic_on_violation;
         drop(st);
         self.shared.progress.notify_all();
@@ -942,6 +957,12 @@ impl SimDevice {
             found.extend(st.san.alias_handed(stream.0, &aliases));
         }
         found.extend(st.san.handout(ptr.0, bytes, stream.0));
+        if !st.graphs.active.is_empty() && bytes > 0 {
+            let op = "handout of memory an unordered branch of a captured graph uses";
+            for (a, b, other) in st.graphs.unordered_handout(stream.0, lo, hi) {
+                found.extend(st.san.flag(a, b, stream.0, Some(other), op));
+            }
+        }
         if !st.graphs.is_empty()
             && bytes > 0
             && !st.graphs.note(stream.0, lo, hi)
