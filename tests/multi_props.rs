@@ -69,21 +69,80 @@ const TOUCH: u64 = 4096;
 
 #[derive(Clone, Debug)]
 enum Op {
-    Alloc { by: usize, slot: usize, size: usize, persistent: bool, auto: bool },
-    Free { pick: usize },
-    FreeBatch { by: usize, picks: Vec<usize> },
-    Kernel { pick: usize, slot: usize, write: bool, delay: u16, via: usize },
-    RecordStream { pick: usize, slot: usize, via: usize },
-    ScopeRun { by: usize, name: usize, slot: usize, script: usize, runs: usize },
-    FaultyFree { pick: usize, slot: usize },
-    CreateStream { slot: usize },
-    DestroyStream { slot: usize, by: usize },
-    DestroyDefault { by: usize },
-    UnknownStream { by: usize, pick: usize },
-    EmptyCache { by: usize },
-    PoolAlloc { by: usize, slot: usize, size: usize, n: usize, auto: bool },
-    Capture { by: usize, slot: usize, size: usize, shared: bool, launches: usize, pick: usize },
-    SetConfig { by: usize, which: usize },
+    Alloc {
+        by: usize,
+        slot: usize,
+        size: usize,
+        persistent: bool,
+        auto: bool,
+    },
+    Free {
+        pick: usize,
+    },
+    FreeBatch {
+        by: usize,
+        picks: Vec<usize>,
+    },
+    Kernel {
+        pick: usize,
+        slot: usize,
+        write: bool,
+        delay: u16,
+        via: usize,
+    },
+    RecordStream {
+        pick: usize,
+        slot: usize,
+        via: usize,
+    },
+    ScopeRun {
+        by: usize,
+        name: usize,
+        slot: usize,
+        script: usize,
+        runs: usize,
+    },
+    FaultyFree {
+        pick: usize,
+        slot: usize,
+    },
+    CreateStream {
+        slot: usize,
+    },
+    DestroyStream {
+        slot: usize,
+        by: usize,
+    },
+    DestroyDefault {
+        by: usize,
+    },
+    UnknownStream {
+        by: usize,
+        pick: usize,
+    },
+    EmptyCache {
+        by: usize,
+    },
+    PoolAlloc {
+        by: usize,
+        slot: usize,
+        size: usize,
+        n: usize,
+        auto: bool,
+    },
+    Capture {
+        by: usize,
+        slot: usize,
+        size: usize,
+        shared: bool,
+        launches: usize,
+        pick: usize,
+        fork: Option<usize>,
+    },
+    SetConfig {
+        by: usize,
+        which: usize,
+    },
 }
 
 /// What `Op::SetConfig` switches an allocator to (with its cross-stream policy kept): the
@@ -172,8 +231,8 @@ fn op() -> impl Strategy<Value = Op> {
         1 => (0..2usize, 0..CONFIGS.len()).prop_map(|(by, which)| Op::SetConfig { by, which }),
         2 => (0..2usize, 0..SLOTS, 0..SIZES.len(), 1..=3usize, any::<bool>())
             .prop_map(|(by, slot, size, n, auto)| Op::PoolAlloc { by, slot, size, n, auto }),
-        2 => (0..2usize, 1..SLOTS, 0..3usize, any::<bool>(), 1..=3usize, idx())
-            .prop_map(|(by, slot, size, shared, launches, pick)| Op::Capture { by, slot, size, shared, launches, pick }),
+        2 => (0..2usize, 1..SLOTS, 0..3usize, any::<bool>(), 1..=3usize, idx(), prop::option::of(1..SLOTS))
+            .prop_map(|(by, slot, size, shared, launches, pick, fork)| Op::Capture { by, slot, size, shared, launches, pick, fork }),
     ]
 }
 
@@ -695,8 +754,8 @@ impl World {
                 }
                 drop(guard);
             }
-            Op::Capture { by, slot, size, shared, launches, pick } => {
-                self.capture(by, slot, SIZES[size], shared, launches, pick)?;
+            Op::Capture { by, slot, size, shared, launches, pick, fork } => {
+                self.capture(by, slot, SIZES[size], shared, launches, pick, fork)?;
             }
             Op::SetConfig { by, which } => {
                 let a = &self.allocs[by];
@@ -711,7 +770,11 @@ impl World {
     /// A CUDA-graph capture on `slot`'s stream through allocator `by` (the caller holds the
     /// gate alone): a live buffer of the stream freed during the capture (the graph holds it), a
     /// captured block freed during the capture, then the same size allocated outside the graph
-    /// and written, and the graph replayed.
+    /// and written, and the graph replayed. With `fork`, that slot's stream joins the capture
+    /// (a wait on an event recorded on the capturing stream), allocates there, reads the last
+    /// captured block (recorded on it, and freed before the join when `pick` is odd) and frees
+    /// one of its own, and is joined back before the capture ends.
+    #[allow(clippy::too_many_arguments)]
     fn capture(
         &self,
         by: usize,
@@ -720,6 +783,7 @@ impl World {
         shared: bool,
         launches: usize,
         pick: usize,
+        fork: Option<usize>,
     ) -> R {
         let Some(s) = self.stream(slot).filter(|&s| s != StreamId::DEFAULT) else { return Ok(()) };
         let a = &self.allocs[by];
@@ -766,6 +830,11 @@ impl World {
             self.dev.launch(s, kernel(prev, b)).map_err(|e| format!("captured launch: {e}"))?;
             prev = Some(b);
         }
+        let side = fork.and_then(|f| self.stream(f)).filter(|&t| t != s && t != StreamId::DEFAULT);
+        let forked = match side {
+            Some(t) => self.fork_join(by, s, t, n, &mut bufs, pick, &kernel)?,
+            None => Vec::new(),
+        };
         let freed = (!bufs.is_empty()).then(|| bufs.remove(0));
         drop(freed);
         let graph = a.end_capture(s).map_err(|e| format!("end_capture: {e}"))?;
@@ -778,10 +847,61 @@ impl World {
             graph.launch(s).map_err(|e| format!("graph launch: {e}"))?;
         }
         drop(graph);
-        for b in bufs {
+        for b in bufs.into_iter().chain(forked) {
             self.register(b, by, true);
         }
         Ok(())
+    }
+
+    /// `to` waits for the work enqueued on `from` so far, inside a capture (a fork, or a join
+    /// back): both must succeed.
+    fn captured_wait(&self, to: StreamId, from: StreamId) -> R {
+        let e = self.dev.create_event().map_err(|e| e.to_string())?;
+        let r = self.dev.record_event(e, from).and_then(|()| self.dev.wait_event(to, e));
+        let _ = self.dev.destroy_event(e);
+        r.map_err(|e| format!("fork or join of {to:?} and {from:?}: {e}"))
+    }
+
+    /// The forked part of [`World::capture`]: `t` joins the capture of `s`, allocates two blocks
+    /// of `n` bytes there (the graph's pool), reads the last captured block of `s` into the
+    /// first and the first into the second, frees the first, and is joined back. Returns the
+    /// second, which outlives the graph.
+    #[allow(clippy::too_many_arguments)]
+    fn fork_join(
+        &self,
+        by: usize,
+        s: StreamId,
+        t: StreamId,
+        n: u64,
+        bufs: &mut Vec<Buffer<SimDevice>>,
+        pick: usize,
+        kernel: &CapturedKernel<'_>,
+    ) -> Result<Vec<Buffer<SimDevice>>, String> {
+        let a = &self.allocs[by];
+        self.captured_wait(t, s)?;
+        ensure!(a.is_capturing(t), "{t:?} joined the capture of {s:?} but is not capturing");
+        let mut made = Vec::new();
+        for _ in 0..2 {
+            match a.alloc(n, t) {
+                Ok(b) => made.push(b),
+                Err(AllocError::OutOfMemory(_)) => break,
+                Err(e) => return Err(format!("alloc on a joined stream: {e}")),
+            }
+        }
+        if let (Some(first), Some(last)) = (made.first(), bufs.last()) {
+            self.dev.launch(t, kernel(Some(last), first)).map_err(|e| format!("forked: {e}"))?;
+            a.record_stream(last, t)
+                .map_err(|e| format!("record_stream on a joined stream: {e}"))?;
+            if pick % 2 == 1 {
+                drop(bufs.pop()); // used on `t`, not joined back yet: the graph holds it
+            }
+        }
+        if made.len() == 2 {
+            self.dev.launch(t, kernel(Some(&made[0]), &made[1])).map_err(|e| e.to_string())?;
+            drop(made.remove(0)); // back into the graph's pool, on `t`
+        }
+        self.captured_wait(s, t)?;
+        Ok(made)
     }
 
     /// A buffer used on another stream (a slow read, still running) is freed while the device
@@ -1076,6 +1196,9 @@ impl World {
     }
 }
 
+/// Makes a captured kernel writing its second buffer (after reading the first, if any).
+type CapturedKernel<'a> = dyn Fn(Option<&Buffer<SimDevice>>, &Buffer<SimDevice>) -> Kernel + 'a;
+
 /// What a scope script holds.
 enum Item<'s> {
     Bound { buf: ScopedBuffer<'s, SimDevice>, range: u64, users: Vec<StreamId> },
@@ -1147,9 +1270,10 @@ fn finish(world: Arc<World>, case: &Case) -> R {
     if std::env::var("MULTI_PROPS_STATS").is_ok() {
         let st: Vec<_> = world.allocs.iter().map(|a| a.stats()).collect();
         eprintln!(
-            "threads {} launches {} hits {:?} misses {:?} fallbacks {:?} syncs {:?} dead {}",
+            "threads {} launches {} joined {} hits {:?} misses {:?} fallbacks {:?} syncs {:?} dead {}",
             case.threads.len(),
             world.dev.counters().launches,
+            world.dev.graph_counters().joined_streams,
             st.iter().map(|s| s.plan_hits).collect::<Vec<_>>(),
             st.iter().map(|s| s.plan_misses).collect::<Vec<_>>(),
             st.iter().map(|s| s.plan_fallbacks).collect::<Vec<_>>(),

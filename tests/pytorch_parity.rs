@@ -1274,6 +1274,96 @@ fn concurrent_replays_share_no_memory() {
     }
 }
 
+/// `to` waits for the work enqueued on `from` so far (`to.wait_stream(from)`): inside a
+/// capture, a stream outside it joins it (CUDA's fork), and the origin waiting on a joined
+/// stream joins it back.
+fn wait_stream(dev: &SimDevice, to: StreamId, from: StreamId) {
+    let e = dev.create_event().unwrap();
+    dev.record_event(e, from).unwrap();
+    dev.wait_event(to, e).unwrap();
+    dev.destroy_event(e).unwrap();
+}
+
+/// `test_cuda_graph_allocator_propagates_stream`: a capture begun on `s0` forks `s1`
+/// (`s1.wait_stream(s0)`) and joins it back (`s0.wait_stream(s1)`); `z = x + y` captured on `s0`
+/// and `w = z + y` on `s1` both come from the graph's pool: two new segments, both of that pool
+/// (PyTorch: two new segments with one `segment_pool_id`), one per stream. With expandable
+/// segments the same: a range per stream, each mapping the 40 MiB it holds.
+#[test]
+fn a_stream_joined_to_a_capture_allocates_from_its_pool() {
+    const N: u64 = 10_240_000; // floats; the kernels compute over the first 1000
+    for (_, conf) in both_modes("") {
+        let (dev, alloc) = allocator_backed(1 << 30, &conf);
+        let x = alloc.alloc(4 * N, S0).unwrap();
+        let y = alloc.alloc(4 * N, S0).unwrap();
+        dev.launch(S0, sum_kernel(x.ptr(), None, x.ptr(), 1000, 1)).unwrap();
+        dev.launch(S0, sum_kernel(y.ptr(), None, y.ptr(), 1000, 2)).unwrap();
+        let existing = alloc.snapshot();
+        let (s0, s1) = (dev.create_stream().unwrap(), dev.create_stream().unwrap());
+        wait_stream(&dev, s0, S0);
+        alloc.begin_capture(s0, None).unwrap();
+        let z = alloc.alloc(4 * N, s0).unwrap();
+        dev.launch(s0, sum_kernel(x.ptr(), Some(y.ptr()), z.ptr(), 1000, 0)).unwrap();
+        wait_stream(&dev, s1, s0);
+        assert!(alloc.is_capturing(s1), "{conf}");
+        let w = alloc.alloc(4 * N, s1).unwrap();
+        dev.launch(s1, sum_kernel(z.ptr(), Some(y.ptr()), w.ptr(), 1000, 0)).unwrap();
+        wait_stream(&dev, s0, s1);
+        let graph = alloc.end_capture(s0).unwrap();
+        assert_eq!(alloc.snapshot(), existing, "{conf}: the general allocator got nothing");
+        let mut new: Vec<_> = graph.pool().snapshot().iter().map(|g| (g.stream, g.size)).collect();
+        new.sort();
+        assert_eq!(new, [(s0, 40 * MIB), (s1, 40 * MIB)], "{conf}");
+        graph.launch(s0).unwrap();
+        dev.synchronize().unwrap();
+        assert_eq!(words(&dev, &w)[..1000], [5; 1000], "{conf}");
+        drop((graph, z, w, x, y));
+        settle(&dev, &alloc, &conf, true);
+    }
+}
+
+/// `test_graph_record_stream`: a capture on `s1` forks `s2`, where the captured `b` is used
+/// (`b.record_stream(s2)`) and freed; `s1` joins `s2` back and the capture ends. Nothing may
+/// poll the events of frees made before the capture (`potential_problem`, freed on `s0` while
+/// its slow kernel runs) or record one on a capturing stream: `b` is held by the graph instead,
+/// and the first allocation after the capture processes the events without error.
+#[test]
+fn a_buffer_used_on_a_forked_stream_during_a_capture_is_held_by_the_graph() {
+    for (_, conf) in both_modes("") {
+        let (dev, alloc) = allocator_backed(1 << 30, &conf);
+        let (s0, s1, s2) = (
+            dev.create_stream().unwrap(),
+            dev.create_stream().unwrap(),
+            dev.create_stream().unwrap(),
+        );
+        let a = alloc.alloc(12, S0).unwrap();
+        let potential_problem = alloc.alloc(12, S0).unwrap();
+        dev.synchronize().unwrap();
+        potential_problem.record_stream(s0).unwrap();
+        let (slow, go) = common::gated(potential_problem.ptr(), 12, AccessKind::Write);
+        dev.launch(s0, slow).unwrap();
+        drop(potential_problem); // its free waits on s0's unfinished kernel
+        let queries = dev.counters().event_queries;
+        alloc.begin_capture(s1, None).unwrap();
+        let b = alloc.alloc(12, s1).unwrap(); // `a.clone()`
+        dev.launch(s1, sum_kernel(a.ptr(), None, b.ptr(), 3, 0)).unwrap();
+        wait_stream(&dev, s2, s1);
+        dev.launch(s2, sum_kernel(b.ptr(), None, b.ptr(), 3, 1)).unwrap(); // `b.fill_(1.0)`
+        b.record_stream(s2).unwrap();
+        drop(b);
+        wait_stream(&dev, s1, s2);
+        let graph = alloc.end_capture(s1).unwrap();
+        assert_eq!(dev.counters().event_queries, queries, "{conf}: polled during the capture");
+        assert_eq!(graph.held_buffers(), 1, "{conf}");
+        go.send(()).unwrap();
+        dev.synchronize().unwrap();
+        let c = alloc.alloc(12, S0).unwrap(); // processes the pending free
+        graph.launch(s1).unwrap();
+        drop((graph, a, c));
+        settle(&dev, &alloc, &conf, true);
+    }
+}
+
 /// `test_graph_capture_oom`: a request no device can hold, made during a capture, is an
 /// out-of-memory error (the ladder releases nothing and waits for nothing while a capture is
 /// underway: CUDA forbids it); the capture goes on, ends, and its graph replays; the allocator

@@ -39,8 +39,24 @@
 //!   more slices in the run and no later run claims it until the graph is gone (the inlined
 //!   planned free takes the slow path while any stream is routed, as a capture's is).
 //!
-//! Limits: a capture covers one stream (no fork/join into other captured streams); scopes refuse
-//! to allocate on a capturing stream.
+//! Other streams join a capture as in CUDA (fork and join): a stream that waits on an event
+//! recorded on a capturing stream is captured too until the capture ends, and the allocator
+//! treats it as the stream the capture began on — its allocations come from the graph's pool
+//! (PyTorch's `test_cuda_graph_allocator_propagates_stream`), what it frees that the graph uses
+//! is held back, and what was used on it is held back when freed anywhere. The allocator does
+//! not see the join (the application waits on the event through the device); it asks the device
+//! ([`Device::capture_of`], CUDA's `cuStreamGetCaptureInfo`) wherever a capture is underway and
+//! a stream is not one a capture began on. It never records an event of its own on a capturing
+//! stream ([`Guarded::record_event`](crate::device::Guarded) refuses): that would fork the
+//! waiting stream into the graph.
+//!
+//! ```text
+//!   begin_capture(s)            s ── e ──────────────── wait(e') ── end_capture(s)
+//!   (the application) record e,      ╲                  ╱
+//!   t waits on e: t joins             t: alloc → graph's pool, frees held back, record e'
+//! ```
+//!
+//! Limits: scopes refuse to allocate on a capturing stream, joined or not.
 
 use super::buffer::Freed;
 use super::owner::Owner;
