@@ -655,6 +655,47 @@ fn private_pool_routes_a_stream_and_frees_as_a_whole() {
     assert!(dev.live_segments().is_empty(), "leaked: {:?}", dev.live_segments());
 }
 
+/// A capture that forks a side stream on the GPU (CUDA's fork and join through events): the
+/// side stream joins (`capture_of`), allocates from the graph's pool, fills its buffer, and is
+/// joined back; the graph then writes both buffers at each replay.
+#[test]
+fn graph_capture_forks_a_side_stream() {
+    let Some((_gpu, dev)) = gpu() else { return };
+    let k = kernels(&dev);
+    let alloc = Allocator::new(dev.clone(), Config::default()).unwrap();
+    let (s, t) = (dev.create_stream().unwrap(), dev.create_stream().unwrap());
+    let (cs, ct) = (dev.stream(s).unwrap(), dev.stream(t).unwrap());
+    let fork = |to: StreamId, from: StreamId| {
+        let e = dev.create_event().unwrap();
+        dev.record_event(e, from).unwrap();
+        dev.wait_event(to, e).unwrap();
+        dev.destroy_event(e).unwrap();
+    };
+    alloc.begin_capture(s, None).unwrap();
+    // SAFETY: f32 has no invalid bit patterns; the captured fills write them before any read.
+    let mut a = unsafe { CudaBuffer::<f32>::alloc(&alloc, N, s) }.unwrap();
+    launch_fill(&k, &cs, &mut a, 1.0);
+    fork(t, s);
+    assert_eq!(dev.capture_of(t), Some(s));
+    assert!(alloc.is_capturing(t));
+    // SAFETY: as above.
+    let mut b = unsafe { CudaBuffer::<f32>::alloc(&alloc, N, t) }.unwrap();
+    launch_fill(&k, &ct, &mut b, 2.0);
+    fork(s, t); // the join
+    let graph = alloc.end_capture(s).unwrap();
+    assert_eq!(dev.capture_of(t), None);
+    assert_eq!(graph.pool().stats().blocks.allocated_bytes.all.current, (2 * N * 4) as u64);
+    graph.launch(s).unwrap();
+    assert!(cs.clone_dtoh(&a).unwrap().iter().all(|&v| v == 1.0));
+    assert!(cs.clone_dtoh(&b).unwrap().iter().all(|&v| v == 2.0));
+    drop((graph, a, b));
+    alloc.empty_cache().unwrap();
+    drop(alloc);
+    dev.destroy_stream(s).unwrap();
+    dev.destroy_stream(t).unwrap();
+    assert!(dev.live_segments().is_empty(), "leaked: {:?}", dev.live_segments());
+}
+
 /// CUDA graphs on the GPU: a capture whose allocations come from the graph's private pool (one
 /// of them freed and reused during the capture), instantiated and replayed 100 times with the
 /// general pool used in between; the output is overwritten by each replay.
