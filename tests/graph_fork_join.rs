@@ -76,6 +76,8 @@ fn a_stream_that_waits_on_a_captured_event_joins_the_capture_until_it_ends() {
     dev.record_event(outside, u).unwrap();
     assert_eq!(code(dev.wait_event(t, outside)), DeviceError::CUDA_ERROR_STREAM_CAPTURE_ISOLATION);
     assert_eq!(code(dev.destroy_stream(t)), DeviceError::CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);
+    assert!(matches!(alloc.destroy_stream(t), Err(AllocError::Device(_))));
+    assert!(dev.has_stream(t), "refused: the stream is still there");
     assert!(matches!(alloc.begin_capture(t, None), Err(AllocError::Device(_))));
     assert!(matches!(
         alloc.end_capture(t),
