@@ -448,6 +448,25 @@ fn allocator_seeds() -> Vec<(String, Vec<u8>)> {
             ),
         ),
         (
+            "graph-capture-forked",
+            // A live buffer used on the side stream first; then captures with and without a
+            // forked stream, under ordinary and expandable segments, replayed.
+            scenario(
+                1,
+                0,
+                vec![
+                    alloc(4096, 1),
+                    launch(0, 2),
+                    Capture { stream: 1, fork: 2, bytes: 4096, launches: 2 },
+                    Capture { stream: 2, fork: 0, bytes: 3 << 20, launches: 1 },
+                    SetConfig { config: 9 },
+                    Capture { stream: 2, fork: 1, bytes: 700_000, launches: 2 },
+                    Free { index: 0 },
+                    EmptyCache,
+                ],
+            ),
+        ),
+        (
             "huge-device",
             scenario(
                 3,

@@ -57,6 +57,13 @@
 //! stream (`Scope::record_stream`), and `mem::forget`s it: the scope takes it back at its exit,
 //! after that read.
 //!
+//! Graph captures (`Op::Capture`) run whole in one step: allocations from the graph's pool with
+//! captured kernels over them (checked by the sanitizer as they are captured and at each replay),
+//! a block freed during the capture, and, forked, a second stream that joins the capture, uses
+//! and frees there, and is joined back; the graph is replayed and dropped, and its pool, emptied,
+//! must hold nothing (its device calls join the counts the device's must match). Injected faults
+//! and every configuration apply to them as to any step.
+//!
 //! Scopes (`ScopeEnter` / `ScopeAlloc` / `ScopeBurst` / `ScopeExit`): unbound scoped buffers
 //! join the live list like any other buffer (so `Free`, `Launch` and `RecordStream` reach them,
 //! before or after their scope exits); bound ones live inside one `ScopeBurst` step. Scopes
@@ -274,6 +281,9 @@ struct Harness<'a> {
     /// The initial pool segments (`initial_pool_size_mb`) of the two allocators, kept until
     /// they are dropped: no release is expected to return them.
     initial: [Option<(DeviceAddr, u64)>; 2],
+    /// Device allocations and releases made by the private pools of graphs ([`Op::Capture`]),
+    /// all gone: the device's counts are the allocators' and these.
+    pool_calls: (u64, u64),
 }
 
 /// The initial pool segment of an allocator just made (its only segment), if it has one.
@@ -359,6 +369,7 @@ impl<'a> Harness<'a> {
             live: Vec::new(),
             nth_fires_at: None,
             fail_above: None,
+            pool_calls: (0, 0),
             base,
             granularity,
             vm_fail_mark: std::cell::Cell::new(0),
@@ -607,7 +618,83 @@ impl<'a> Harness<'a> {
             Op::ScopeExit => self.exit_scope()?,
             Op::Other { index, action } => self.other_op(index, action)?,
             Op::ScopeForget { bytes, used, stream } => self.scope_forget(bytes, used, stream)?,
+            Op::Capture { stream, fork, bytes, launches } => {
+                self.capture(stream, fork, bytes, launches)?;
+            }
         }
+        Ok(())
+    }
+
+    /// [`Op::Capture`]: a capture whole in one step, forked into a second stream or not.
+    fn capture(&mut self, stream: u8, fork: u8, bytes: u64, launches: u8) -> Result<(), String> {
+        let slot = stream.max(1);
+        let s = self.stream(slot)?;
+        let t = match fork {
+            f if f != 0 && f != slot => Some(self.stream(f)?),
+            _ => None,
+        };
+        let a = self.alloc;
+        a.begin_capture(s, None).map_err(|e| format!("begin_capture on {s}: {e}"))?;
+        let alloc = |on: StreamId| match a.alloc(bytes, on) {
+            Ok(b) => Ok(Some(b)),
+            // The request is absurd, or the device (or an injected fault) refuses it.
+            Err(AllocError::OutOfMemory(_) | AllocError::InvalidSize { .. }) => Ok(None),
+            Err(e) => Err(format!("alloc of {bytes} during a capture on {on}: {e}")),
+        };
+        // A captured kernel writing `dst` (after reading `src`): replayable, with no body (the
+        // device is unbacked); the sanitizer checks its accesses at capture and at each replay.
+        let kernel = |src: Option<&Buffer<SimDevice>>, dst: &Buffer<SimDevice>| {
+            let mut acc =
+                vec![Access { ptr: dst.ptr(), bytes: dst.len(), kind: AccessKind::Write }];
+            acc.extend(src.map(|b| Access {
+                ptr: b.ptr(),
+                bytes: b.len(),
+                kind: AccessKind::Read,
+            }));
+            Kernel::replayable("captured", acc, |_| {})
+        };
+        let mut bufs = Vec::new();
+        for _ in 0..2 {
+            let Some(b) = alloc(s)? else { break };
+            self.dev
+                .launch(s, kernel(bufs.last(), &b))
+                .map_err(|e| dev_err("captured launch", e))?;
+            bufs.push(b);
+        }
+        if let Some(t) = t {
+            self.order_after(t, s)?; // the fork
+            ensure!(
+                a.is_capturing(t),
+                "{t} waited on an event of {s}'s capture but is not capturing"
+            );
+            if let Some(b) = alloc(t)? {
+                if let Some(last) = bufs.last() {
+                    self.dev.launch(t, kernel(Some(last), &b)).map_err(|e| dev_err("forked", e))?;
+                    a.record_stream(last, t).map_err(|e| format!("record_stream on {t}: {e}"))?;
+                }
+                drop(b); // back into the graph's pool, on `t`
+            }
+            self.order_after(s, t)?; // the join
+        }
+        if !bufs.is_empty() {
+            drop(bufs.remove(0)); // freed during the capture: reused by the capture only
+        }
+        let graph = a.end_capture(s).map_err(|e| format!("end_capture on {s}: {e}"))?;
+        ensure!(t.is_none_or(|t| !a.is_capturing(t)), "a joined stream outlived its capture");
+        for _ in 0..launches {
+            graph.launch(s).map_err(|e| format!("graph launch: {e}"))?;
+        }
+        drop(bufs);
+        let pool = graph.pool().clone();
+        drop(graph); // waits for its launches, then lets go of what it held
+        // The graph's pool serves nothing more: emptied, it holds nothing, and its device calls
+        // join the count the device's must match.
+        pool.empty_cache().map_err(|e| format!("empty_cache of a graph's pool: {e}"))?;
+        let left = pool.snapshot();
+        ensure!(left.is_empty(), "the graph's pool kept {left:?} once the graph was gone");
+        let st = pool.stats();
+        self.pool_calls.0 += st.num_device_alloc;
+        self.pool_calls.1 += st.num_device_free;
         Ok(())
     }
 
@@ -1164,8 +1251,8 @@ impl<'a> Harness<'a> {
         let c = self.dev.counters();
         let (mallocs, frees) = (c.mallocs - self.base.mallocs, c.frees - self.base.frees);
         let counted = (
-            stats.num_device_alloc + other_stats.num_device_alloc,
-            stats.num_device_free + other_stats.num_device_free,
+            stats.num_device_alloc + other_stats.num_device_alloc + self.pool_calls.0,
+            stats.num_device_free + other_stats.num_device_free + self.pool_calls.1,
         );
         ensure!(
             (mallocs, frees) == counted,

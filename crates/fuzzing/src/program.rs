@@ -5,7 +5,7 @@
 //!   header = capacity:choice  config:choice  flags:u8 (bit 0 teardown, bit 1 late streams)
 //!   op     = tag:choice(TAGS) operands…   (TAGS weights the kinds: 10/64 of tags are allocs,
 //!                                          10/64 are scope operations, 2/64 the second
-//!                                          allocator and foreign buffers)
+//!                                          allocator and foreign buffers, 1/64 graph captures)
 //! ```
 //!
 //! Operands name *slots*, not raw values: a stream is one of [`STREAM_SLOTS`] slots (slot 0 is
@@ -128,6 +128,14 @@ pub enum Op {
     /// `used`, announced with `Scope::record_stream`), then `mem::forget`ten: the scope takes it
     /// back at its exit, after the read.
     ScopeForget { bytes: u64, used: bool, stream: u8 },
+    /// A CUDA-graph capture on `stream` (slot 0, the default stream, cannot be captured: slot 1
+    /// instead), whole in this step: two allocations of `bytes` from the graph's pool, a
+    /// captured kernel over each (the second reading the first), the first freed during the
+    /// capture; with `fork` naming another slot, that stream joins the capture (a wait on an
+    /// event recorded on the capturing stream), allocates `bytes` there, reads the last captured
+    /// block (a use recorded on the joined stream) and frees its block, and is joined back. The
+    /// graph is launched `launches` times (0 to 2) and dropped with what it kept.
+    Capture { stream: u8, fork: u8, bytes: u64, launches: u8 },
 }
 
 /// Most bound allocations of one [`Op::ScopeBurst`].
@@ -164,6 +172,7 @@ enum Kind {
     ScopeExit,
     Other,
     ScopeForget,
+    Capture,
 }
 
 /// The tag table: how often each kind is decoded (64 entries, so each gets 4 of 256 bytes).
@@ -207,8 +216,8 @@ const TAGS: [Kind; 64] = {
         FailMallocsAbove,
         FailEventQueries,
         Inspect,
-        // 32..64: the same, with 9 slots taken by scope operations, and 3 by the second
-        // allocator and forgotten scoped buffers.
+        // 32..64: the same, with 9 slots taken by scope operations, 3 by the second
+        // allocator and forgotten scoped buffers, and 1 by graph captures.
         Alloc,
         Alloc,
         Other,
@@ -224,7 +233,7 @@ const TAGS: [Kind; 64] = {
         Other,
         Launch,
         Launch,
-        Launch,
+        Capture,
         ScopeForget,
         RecordStream,
         RecordStream,
@@ -379,6 +388,12 @@ impl Program {
                 Kind::ScopeBurst => Op::ScopeBurst { n: 1 + i.u8() % MAX_BURST, seed: i.u32() },
                 Kind::ScopeExit => Op::ScopeExit,
                 Kind::Other => Op::Other { index: i.u8(), action: i.u8() % 5 },
+                Kind::Capture => Op::Capture {
+                    stream: slot(i),
+                    fork: slot(i),
+                    bytes: size(i),
+                    launches: i.u8() % 3,
+                },
                 Kind::ScopeForget => {
                     Op::ScopeForget { bytes: size(i), used: i.bool(), stream: slot(i) }
                 }
@@ -489,6 +504,13 @@ impl Program {
                     o.bool(used);
                     o.u8(stream);
                 }
+                Op::Capture { stream, fork, bytes, launches } => {
+                    tag(&mut o, Kind::Capture);
+                    o.u8(stream);
+                    o.u8(fork);
+                    compact_size(&mut o, bytes);
+                    o.u8(launches);
+                }
             }
         }
         o.into_bytes()
@@ -537,6 +559,8 @@ mod tests {
                 Op::Other { index: 200, action: 4 },
                 Op::ScopeForget { bytes: 4096, used: true, stream: 2 },
                 Op::ScopeForget { bytes: 5 * MIB, used: false, stream: 0 },
+                Op::Capture { stream: 1, fork: 2, bytes: 4096, launches: 2 },
+                Op::Capture { stream: 0, fork: 0, bytes: u64::MAX, launches: 0 },
             ],
         }
     }
@@ -583,7 +607,7 @@ mod tests {
     #[test]
     fn the_second_half_of_the_tags_mirrors_the_first_but_for_scopes() {
         use Kind::*;
-        let scoped = [ScopeEnter, ScopeAlloc, ScopeBurst, ScopeExit, Other, ScopeForget];
+        let scoped = [ScopeEnter, ScopeAlloc, ScopeBurst, ScopeExit, Other, ScopeForget, Capture];
         let (old, new) = TAGS.split_at(32);
         for (i, (o, n)) in old.iter().zip(new).enumerate() {
             assert!(!scoped.contains(o), "slot {i}");
