@@ -182,6 +182,10 @@ pub(super) struct Shared {
     state: Mutex<State>,
     /// Notified whenever work is enqueued or completes, or a stream closes.
     progress: Condvar,
+    /// Captures underway (`graph::Graphs::active`'s length, stored under the lock as it
+    /// changes): `capture_underway` and `capture_of` answer without the lock while it is 0,
+    /// which is what the allocator asks before each of its event records.
+    captures: crate::sync::atomic::AtomicUsize,
 }
 
 /// A simulated asynchronous device. See the module docs.
@@ -204,6 +208,7 @@ impl SimDevice {
     /// A device from a full configuration. Starts the default stream's worker.
     pub fn with_config(config: SimConfig) -> SimDevice {
         let shared = Arc::new(Shared {
+            captures: crate::sync::atomic::AtomicUsize::new(0),
             state: Mutex::new(State {
                 mem: Memory::new(),
                 vm: Vmm::new(config.capacity),
@@ -851,11 +856,23 @@ impl super::Device for SimDevice {
     }
 
     fn capture_underway(&self) -> bool {
-        !self.state().graphs.active.is_empty()
+        self.shared.captures.load(crate::sync::atomic::Ordering::Acquire) != 0
     }
 
     fn capture_of(&self, stream: StreamId) -> Option<StreamId> {
+        if !self.capture_underway() {
+            return None;
+        }
         self.state().graphs.origin_of(stream.0).map(StreamId)
+    }
+}
+
+impl SimDevice {
+    /// Stores the number of captures underway where the lock-free questions read it (under the
+    /// lock, as it changes).
+    fn count_captures(&self, st: &State) {
+        let n = st.graphs.active.len();
+        self.shared.captures.store(n, crate::sync::atomic::Ordering::Release);
     }
 }
 
@@ -863,11 +880,16 @@ impl super::Capture for SimDevice {
     fn begin_capture(&self, stream: StreamId) -> Result<(), DeviceError> {
         let mut st = self.state();
         st.open_stream(stream)?;
-        st.graphs.begin(stream)
+        let r = st.graphs.begin(stream);
+        self.count_captures(&st);
+        r
     }
 
     fn end_capture(&self, stream: StreamId) -> Result<super::GraphId, DeviceError> {
-        self.state().graphs.end(stream).map(super::GraphId)
+        let mut st = self.state();
+        let r = st.graphs.end(stream).map(super::GraphId);
+        self.count_captures(&st);
+        r
     }
 
     fn launch_graph(&self, graph: super::GraphId, stream: StreamId) -> Result<(), DeviceError> {
