@@ -23,8 +23,9 @@
 //! a panic in the device) for a while around a free. Private pools take allocations while a guard routes a stream to them; CUDA-graph
 //! captures (alone: the other threads wait, since CUDA refuses every synchronisation while one is
 //! underway) allocate from a private pool, sometimes shared between graphs, free a live buffer of
-//! the capturing stream and a captured block during the capture, then allocate the same size
-//! outside the graph and replay it. At the end, with everything dropped: no live segment and no
+//! the capturing stream and a captured block during the capture, fork a side stream into the
+//! capture (it allocates, uses a captured block and frees there, and is joined back), then
+//! allocate the same size outside the graph and replay it. At the end, with everything dropped: no live segment and no
 //! live event.
 //!
 //! Every soundness fix has a `Broken` mode that reverts it (`tidepool::hooks::Broken`);
