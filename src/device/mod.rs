@@ -492,7 +492,9 @@ pub trait Device: Send + Sync + 'static {
     /// on an event recorded inside it (CUDA's fork: `cuStreamGetCaptureInfo` says active);
     /// `None` when it is not capturing. The allocator routes a joined stream's allocations to
     /// the capture's pool, holds back what it frees there, and never records an event on it.
-    /// The default: never.
+    /// The default: never, which is right only for a device whose captures no other stream can
+    /// join (one that refuses event records on a capturing stream, as tidepool's devices did
+    /// before fork and join); a device that lets streams join must answer it.
     fn capture_of(&self, _stream: StreamId) -> Option<StreamId> {
         None
     }
