@@ -39,7 +39,9 @@
 //! thread that caused it; `MULTI_PROPS_STATS` and `MULTI_PROPS_DEBUG` print what each case did;
 //! `MULTI_PROPS_LOG` notes each thread's operations, kernel launches, scopes and live ranges
 //! (with addresses) and prints them at the first failing case, and checks at every step that
-//! no live range of one allocator lies in a segment of the other (`check_owners`);
+//! no live range of one allocator lies in a segment of the other (`check_owners`); neither
+//! aid applies to the deliberately broken worlds of `every_broken_mode_is_caught`, whose
+//! failures are expected (run with `two_allocators` as the filter to leave that test out);
 //! `MULTI_PROPS_CAPACITY_MB` sets the device's capacity (2 GiB by default).
 
 use proptest::prelude::*;
@@ -57,12 +59,13 @@ const SLOTS: usize = 4;
 /// Streams destroyed before a quarter of the cases (`World::new`; ~30 ms), so that the case's
 /// streams have ids past the allocator's 64 fast-path slots.
 const BURNED: usize = 63;
-/// Request sizes: small pool, large pool, an own segment. (A 20 MiB size, one a stitch may
-/// serve, found an unmap under unfinished work while another thread destroyed the stream, now
-/// fixed (`Broken::GoneStreamDrained`); with it, a second failure, a scope's kernel touching
-/// another allocator's first segment, came once in 30 000 cases and is not found yet:
-/// `docs/experiments/multi_props-20mib-kernel-touch-log.txt`. So it stays out of CI's cases.)
-const SIZES: [u64; 6] = [256, 4096, 12_000, 65_536, 700_000, 3 << 20];
+/// Request sizes: small pool, large pool, an own segment, and 20 MiB, which a stitch may
+/// serve. (The 20 MiB size found an unmap under unfinished work while another thread destroyed
+/// the stream, fixed with `Broken::GoneStreamDrained`. The second "failure" seen with it,
+/// `docs/experiments/multi_props-20mib-kernel-touch-log.txt`, was no failure of this property:
+/// `MULTI_PROPS_LOG` printed the first failing case of the whole process, and that was a case
+/// of `every_broken_mode_is_caught`, which fails on purpose. Broken worlds keep no log now.)
+const SIZES: [u64; 7] = [256, 4096, 12_000, 65_536, 700_000, 3 << 20, 20 << 20];
 /// Names of the named scopes.
 const NAMES: [&str; 2] = ["step", "eval"];
 /// Bytes a kernel body really touches (it declares the whole buffer).
@@ -352,7 +355,7 @@ impl World {
         // `MULTI_PROPS_CAPACITY_MB` shrinks the device, so that the out-of-memory ladder runs often.
         let capacity = std::env::var("MULTI_PROPS_CAPACITY_MB").ok().and_then(|v| v.parse().ok());
         let dev = Arc::new(SimDevice::backed(capacity.map_or(2 << 30, |mb: u64| mb << 20)));
-        dev.panic_on_violation(std::env::var("MULTI_PROPS_PANIC").is_ok());
+        dev.panic_on_violation(std::env::var("MULTI_PROPS_PANIC").is_ok() && broken.is_none());
         let allocs = policies
             .map(|p| Allocator::new(dev.clone(), Config::default().with_cross_stream(p)).unwrap());
         let pools = [0, 1]
@@ -392,7 +395,11 @@ impl World {
             pools,
             graph_pools,
             gate: RwLock::new(()),
-            log: std::env::var("MULTI_PROPS_LOG").is_ok().then(|| Mutex::new(Vec::new())),
+            // Not for a deliberately broken allocator: `every_broken_mode_is_caught` fails on
+            // purpose, and its first failure (which comes within milliseconds, beside the
+            // property's cases) took the one print of the process.
+            log: (std::env::var("MULTI_PROPS_LOG").is_ok() && broken.is_none())
+                .then(|| Mutex::new(Vec::new())),
         }
     }
 
