@@ -694,12 +694,12 @@ impl super::Device for SimDevice {
         if st.faults.fail_event_wait {
             return Self::event_fault(st, "wait_event");
         }
-        if st.graphs.wait_event(stream, event.0)? {
+        let captured = st.graphs.wait_event(stream, event.0)?;
+        st.counters.event_waits += 1;
+        if captured {
             // Inside a capture (the stream joined it, or orders its branch): nothing to enqueue.
-            st.counters.event_waits += 1;
             return Ok(());
         }
-        st.counters.event_waits += 1;
         if let Some((a, p)) = target
             && a != stream.0
             && !st.reached(a, p)
