@@ -292,3 +292,53 @@ fn the_sanitizer_sees_branches_of_a_graph_that_are_not_ordered() {
     let graph = alloc.end_capture(s).unwrap();
     drop((a, graph));
 }
+
+/// A capture forked into a second stream on one thread while another thread allocates and
+/// frees on a third stream outside the capture: the other thread's memory is the general pool's
+/// and is reused at once (nothing held by the graph); the capture's two streams get only the
+/// graph's pool; nothing the graph uses is handed out elsewhere.
+#[test]
+fn a_forked_capture_beside_a_thread_working_outside_it() {
+    let Setup { dev, s, t, alloc } = setup();
+    let u = dev.create_stream().unwrap();
+    let warm = alloc.alloc(N, u).unwrap(); // the general pool's segment of `u`
+    let general = warm.ptr();
+    drop(warm);
+    alloc.begin_capture(s, None).unwrap();
+    let (go, ready) = std::sync::mpsc::channel::<()>();
+    let outside = std::thread::scope(|sc| {
+        let (alloc, ready) = (&alloc, ready);
+        let worker = sc.spawn(move || {
+            ready.recv().unwrap(); // once `t` has joined
+            let mut seen = Vec::new();
+            for _ in 0..50 {
+                let b = alloc.alloc(N, u).unwrap();
+                assert!(!alloc.is_capturing(u));
+                seen.push(b.ptr());
+                drop(b); // reused at once: nothing holds it
+            }
+            seen
+        });
+        wait(&dev, t, s);
+        go.send(()).unwrap();
+        let a = alloc.alloc(N, s).unwrap();
+        let b = alloc.alloc(N, t).unwrap();
+        dev.launch(s, write(&a, 1)).unwrap();
+        dev.launch(t, write(&b, 2)).unwrap();
+        let seen = worker.join().unwrap();
+        wait(&dev, s, t);
+        let graph = alloc.end_capture(s).unwrap();
+        let mut mine = graph.pool().snapshot().iter().map(|g| g.stream).collect::<Vec<_>>();
+        mine.sort();
+        assert_eq!(mine, [s, t]);
+        assert_eq!(graph.held_buffers(), 0);
+        graph.launch(s).unwrap();
+        drop((a, b, graph));
+        seen
+    });
+    assert!(outside.iter().all(|&p| p == general), "{outside:?}");
+    dev.synchronize().unwrap();
+    alloc.empty_cache().unwrap();
+    assert!(dev.live_segments().is_empty());
+    assert!(dev.violations().is_empty(), "{:?}", dev.violations());
+}
