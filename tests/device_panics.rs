@@ -144,6 +144,9 @@ impl Device for PanicDev {
     fn capture_underway(&self) -> bool {
         self.sim.capture_underway()
     }
+    fn capture_of(&self, stream: StreamId) -> Option<StreamId> {
+        self.sim.capture_of(stream)
+    }
     fn observes_handouts(&self) -> bool {
         self.sim.observes_handouts()
     }
