@@ -343,6 +343,8 @@ pub trait Device: Send + Sync + 'static {
     fn destroy_event(&self, event: EventId) -> Result<(), DeviceError>;
 
     /// Records `event` on `stream`: it completes once the stream's earlier work has finished.
+    /// On a capturing stream the record is a node of the capture instead: a stream that waits on
+    /// the event joins the capture ([`Capture`]).
     fn record_event(&self, event: EventId, stream: StreamId) -> Result<(), DeviceError>;
 
     /// Has `event` completed? Never blocks (`cuEventQuery`). An event never recorded is complete.
@@ -506,7 +508,11 @@ pub struct GraphId(pub u64);
 
 /// Stream capture (CUDA graphs): work enqueued on a capturing stream is recorded instead of run,
 /// and the graph it makes replays it at each launch. [`crate::Allocator::begin_capture`] is the
-/// allocator-aware way to use it: it routes the capture's allocations to a private pool.
+/// allocator-aware way to use it: it routes the capture's allocations to a private pool. Other
+/// streams join a capture through events, as on CUDA: an event recorded on a capturing stream is
+/// a node of the capture, a stream that waits on it is captured too ([`Device::capture_of`]),
+/// and the capture ends only once every such stream has been joined back (the stream it began on
+/// waited on an event recorded on it), else `CUDA_ERROR_STREAM_CAPTURE_UNJOINED`.
 ///
 /// | operation                   | CUDA driver                                  | [`SimDevice`]                         |
 /// |-----------------------------|----------------------------------------------|---------------------------------------|
