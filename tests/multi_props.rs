@@ -812,14 +812,7 @@ impl World {
             self.remove_range(l.range);
             drop(l);
         }
-        let mut bufs = Vec::new();
-        for _ in 0..3 {
-            match a.alloc(n, s) {
-                Ok(b) => bufs.push(b),
-                Err(AllocError::OutOfMemory(_)) => break,
-                Err(e) => return Err(format!("alloc during capture: {e}")),
-            }
-        }
+        let mut bufs = captured_allocs(a, n, s, 3)?;
         let touch = n.min(TOUCH) as usize;
         let kernel = |src: Option<&Buffer<SimDevice>>, dst: &Buffer<SimDevice>| {
             let (d, sp) = (dst.ptr(), src.map(|b| b.ptr()));
@@ -888,14 +881,7 @@ impl World {
         let a = &self.allocs[by];
         self.captured_wait(t, s)?;
         ensure!(a.is_capturing(t), "{t:?} joined the capture of {s:?} but is not capturing");
-        let mut made = Vec::new();
-        for _ in 0..2 {
-            match a.alloc(n, t) {
-                Ok(b) => made.push(b),
-                Err(AllocError::OutOfMemory(_)) => break,
-                Err(e) => return Err(format!("alloc on a joined stream: {e}")),
-            }
-        }
+        let mut made = captured_allocs(a, n, t, 2)?;
         if let (Some(first), Some(last)) = (made.first(), bufs.last()) {
             self.dev.launch(t, kernel(Some(last), first)).map_err(|e| format!("forked: {e}"))?;
             a.record_stream(last, t)
@@ -1202,6 +1188,25 @@ impl World {
         }
         Ok(())
     }
+}
+
+/// Up to `count` allocations of `n` bytes on `s` during a capture (of `s`, or one `s` joined):
+/// fewer where the device runs out, an error for anything else.
+fn captured_allocs(
+    a: &Allocator<SimDevice>,
+    n: u64,
+    s: StreamId,
+    count: usize,
+) -> Result<Vec<Buffer<SimDevice>>, String> {
+    let mut made = Vec::new();
+    for _ in 0..count {
+        match a.alloc(n, s) {
+            Ok(b) => made.push(b),
+            Err(AllocError::OutOfMemory(_)) => break,
+            Err(e) => return Err(format!("alloc on {s:?} during a capture: {e}")),
+        }
+    }
+    Ok(made)
 }
 
 /// Makes a captured kernel writing its second buffer (after reading the first, if any).
