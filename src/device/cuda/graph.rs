@@ -40,6 +40,12 @@ impl CudaDevice {
         lock(&self.graphs).capturing.get(&stream.0).map(|&o| StreamId(o))
     }
 
+    /// Whether the capture begun on stream `origin` is still underway (an event recorded in it
+    /// is a node of a live capture, not a completed one).
+    pub(super) fn capture_live(&self, origin: u32) -> bool {
+        lock(&self.graphs).capturing.get(&origin) == Some(&origin)
+    }
+
     /// `stream` joined the capture begun on `origin` (it waited on an event recorded inside).
     pub(super) fn join_capture(&self, stream: StreamId, origin: StreamId) {
         lock(&self.graphs).capturing.insert(stream.0, origin.0);

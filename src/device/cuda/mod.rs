@@ -502,9 +502,7 @@ impl Device for CudaDevice {
     fn query_event(&self, event: EventId) -> Result<bool, DeviceError> {
         let events = lock(&self.events);
         let slot = events.live.get(&event.0).ok_or(DeviceError::UnknownEvent(event))?;
-        if let Some(o) = slot.captured
-            && self.capture_origin(StreamId(o)) == Some(StreamId(o))
-        {
+        if slot.captured.is_some_and(|o| self.capture_live(o)) {
             return Err(DeviceError::Driver {
                 op: "cuEventQuery",
                 code: DeviceError::CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED,
@@ -533,7 +531,7 @@ impl Device for CudaDevice {
             let slot = events.live.get(&event.0).ok_or(DeviceError::UnknownEvent(event))?;
             (slot.raw, slot.recorded, slot.captured)
         };
-        let live = captured.filter(|&o| self.capture_origin(StreamId(o)) == Some(StreamId(o)));
+        let live = captured.filter(|&o| self.capture_live(o));
         let joins = match (live, self.capture_origin(stream)) {
             (Some(o), Some(mine)) if mine.0 != o => return Err(isolation),
             (Some(_), Some(_)) => None,
