@@ -108,6 +108,13 @@ pub struct Config {
     /// stream-ordered uses completed), so the device's memory checkers see every bad access.
     /// The mode to debug with, not to run with.
     pub caching: bool,
+    /// PyTorch's `graph_capture_record_stream_reuse` (off by default, as there): a block of a
+    /// capture's pool freed during the capture after `record_stream`/`use_on` on another
+    /// captured stream is reused within the capture once the device shows that its stream's
+    /// later captured work is ordered after each of those uses (the side stream was joined
+    /// back: [`Device::capture_ordered_after`](crate::Device::capture_ordered_after)); off, or
+    /// where the device cannot tell, the graph holds it until it goes.
+    pub graph_capture_record_stream_reuse: bool,
     /// PyTorch keys accepted so that a `PYTORCH_CUDA_ALLOC_CONF` string works unchanged, but
     /// with no effect on device memory here, as `key:value` in the order given (see
     /// `tidepool::CONFIG_NO_EFFECT_KEYS`); `memory_summary` lists them.
@@ -147,6 +154,7 @@ impl Default for Config {
             initial_pool_size: 0,
             max_pool_size: None,
             caching: true,
+            graph_capture_record_stream_reuse: false,
             no_effect: Vec::new(),
         }
     }
@@ -205,6 +213,11 @@ pub const KEYS: &[(&str, &str)] = &[
     ("initial_pool_size_mb", "MiB reserved up front and kept (0: none)"),
     ("max_pool_size_mb", "never reserve more than this many MiB (like memory_limit_mb)"),
     (
+        "graph_capture_record_stream_reuse",
+        "reuse, within a CUDA graph capture, a block used on a side stream once that stream was \
+         joined back (PyTorch's key): true or false",
+    ),
+    (
         "caching",
         "false: every allocation is its own device allocation, every free returns it (debugging)",
     ),
@@ -220,7 +233,6 @@ pub const NO_EFFECT_KEYS: &[(&str, &str)] = &[
     ("pinned_use_device_host_register", "pinned host memory"),
     ("pinned_num_register_threads", "pinned host memory"),
     ("pinned_use_background_threads", "pinned host memory"),
-    ("graph_capture_record_stream_reuse", "CUDA graph capture, reuse of recorded streams"),
 ];
 
 /// A configuration string that could not be applied.
@@ -457,6 +469,7 @@ impl Config {
             "global_lock" => self.global_lock = flag()?,
             "expandable_segments" => self.expandable_segments = flag()?,
             "expandable_stitching" => self.stitching = flag()?,
+            "graph_capture_record_stream_reuse" => self.graph_capture_record_stream_reuse = flag()?,
             "release_threshold_mb" => {
                 let what = "a whole number of MiB in 0..=268435456, or none";
                 self.release_threshold = match value {
@@ -699,7 +712,8 @@ mod tests {
              fast_cache:false,fast_cache_entries:4,fast_cache_bytes_mb:8,global_lock:true,\
              expandable_segments:true,release_threshold_mb:0,garbage_collection_threshold:0.75,\
              initial_pool_size_mb:64,max_pool_size_mb:2048,caching:true,\
-             max_non_split_rounding_mb:30,backend:native,expandable_stitching:true",
+             max_non_split_rounding_mb:30,backend:native,expandable_stitching:true,\
+             graph_capture_record_stream_reuse:True",
         )
         .unwrap();
         let z = c.sizing;
@@ -722,6 +736,7 @@ mod tests {
         assert!(!c.fast_path());
         assert!(c.expandable_segments);
         assert!(c.stitching);
+        assert!(c.graph_capture_record_stream_reuse);
         assert_eq!(c.release_threshold, 0);
         assert_eq!(c.garbage_collection_threshold, Some(0.75));
         assert_eq!(c.initial_pool_size, 64 * MIB);
@@ -732,7 +747,7 @@ mod tests {
         assert_eq!(c.limit(2048 * MIB), Some(1024 * MIB)); // the fraction
         assert_eq!(c.clone().with_max_pool_size(8192 * MIB).limit(16384 * MIB), Some(4096 * MIB));
         assert_eq!(c.gc_limit(16384 * MIB), Some(1536 * MIB));
-        assert_eq!(KEYS.len(), 24, "a new key needs a line in this test");
+        assert_eq!(KEYS.len(), 25, "a new key needs a line in this test");
     }
 
     #[test]

@@ -49,7 +49,7 @@ pub use config::{
     Config, ConfigError, CrossStream, ENV_VAR, KEYS as CONFIG_KEYS, NO_CACHING_ENV_VAR,
     NO_EFFECT_KEYS as CONFIG_NO_EFFECT_KEYS,
 };
-pub use device::{Capture, Device, DeviceError, GraphId, SimConfig, SimDevice};
+pub use device::{Capture, CaptureMark, Device, DeviceError, GraphId, SimConfig, SimDevice};
 pub use host::{HostAllocError, HostAllocator, HostStats, MIN_HOST_BLOCK, PinnedBuffer};
 pub use pool::{RoundupDivisions, Sizing};
 pub use registry::Allocators;

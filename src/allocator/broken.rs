@@ -148,6 +148,11 @@ pub enum Broken {
     /// outside it: its allocations come from the general pool and what it frees is reused at
     /// once, although the graph's replays use it.
     JoinedStreamsOutside = 1 << 39,
+    /// With `graph_capture_record_stream_reuse`, a block used on a side stream of a capture and
+    /// freed during it is reused within the capture without asking the device whether its
+    /// stream is ordered after those uses: the side stream's captured work and the new owner's
+    /// race at every replay.
+    CaptureReuseUnordered = 1 << 47,
     /// A growth whose headroom (expandable segments) does not fit the device fails the request
     /// instead of growing by exactly what the request needs.
     HeadroomOom = 1 << 30,
@@ -245,7 +250,7 @@ impl Broken {
 
     /// Every mode, in declaration order. Kept complete by [`Broken::position`], whose match
     /// stops compiling when a mode is added and not listed.
-    pub const EVERY: [Broken; 61] = [
+    pub const EVERY: [Broken; 62] = [
         Broken::ForeignBuffers,
         Broken::ForgottenUses,
         Broken::UnboundFreeOrder,
@@ -307,6 +312,7 @@ impl Broken {
         Broken::DestroyedStreamsPerId,
         Broken::CaptureForks,
         Broken::JoinedStreamsOutside,
+        Broken::CaptureReuseUnordered,
     ];
 
     /// Its place in [`Broken::EVERY`].
@@ -373,6 +379,7 @@ impl Broken {
             Broken::DestroyedStreamsPerId => 58,
             Broken::CaptureForks => 59,
             Broken::JoinedStreamsOutside => 60,
+            Broken::CaptureReuseUnordered => 61,
         }
     }
 

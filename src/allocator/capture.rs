@@ -63,7 +63,7 @@ use super::owner::Owner;
 use super::plan::Region;
 use super::private_pool::MemPool;
 use super::*;
-use crate::device::{Capture, GraphId, Guarded};
+use crate::device::{Capture, CaptureMark, GraphId, Guarded};
 use crate::sync::atomic::AtomicUsize;
 
 /// What a graph holds back until it is dropped.
@@ -115,12 +115,18 @@ type Deferred<D> = Vec<Held<D>>;
 /// The captures underway in an allocator family, by stream.
 pub(crate) struct CaptureTable<D: Device> {
     active: AtomicUsize,
+    /// Blocks waiting in all captures' `waits` (one load tells an allocation there are none).
+    waiting: AtomicUsize,
     inner: Mutex<HashMap<StreamId, Entry<D>>>,
 }
 
 impl<D: Device> Default for CaptureTable<D> {
     fn default() -> Self {
-        CaptureTable { active: AtomicUsize::new(0), inner: Mutex::new(HashMap::new()) }
+        CaptureTable {
+            active: AtomicUsize::new(0),
+            waiting: AtomicUsize::new(0),
+            inner: Mutex::new(HashMap::new()),
+        }
     }
 }
 
@@ -128,8 +134,31 @@ struct Entry<D: Device> {
     route: u64,
     pool: MemPool<D>,
     deferred: Deferred<D>,
+    /// Blocks of the capture's pool freed during it after uses on its other streams, waiting
+    /// to be reused within it (`graph_capture_record_stream_reuse`); held like `deferred` if
+    /// the capture ends first.
+    waits: Vec<Wait<D>>,
     /// Test-only: the capture runs as if there were no private pool (`Broken::CaptureGeneral`).
     broken: bool,
+}
+
+/// A block of a capture's pool, freed during the capture after uses on other streams of it
+/// (`record_stream`, `use_on`): it goes back to the pool, within the capture, once the device
+/// shows that the work captured on the block's stream from then on is ordered after each of
+/// those uses (the side streams were joined back). PyTorch's `graph_capture_record_stream_reuse`
+/// inserts an empty node per use stream and searches the graph from the stream's frontier;
+/// tidepool asks the device ([`Device::capture_mark`], [`Device::capture_ordered_after`]).
+///
+/// ```text
+///   s: alloc x ── fork ──────────── join ── free x ── alloc y  (x's block once s is ordered
+///   t:              └─ use x ── record ┘               after t's mark: at the join)
+///   free x: Wait { x, marks: [t at its last captured work] }   alloc on s: ordered? ⇒ free
+/// ```
+pub(super) struct Wait<D: Device> {
+    owner: Arc<Owner<D>>,
+    freed: Freed,
+    /// Where each other stream it was used on stood when it was freed.
+    marks: Vec<CaptureMark>,
 }
 
 impl<D: Device> CaptureTable<D> {
@@ -202,10 +231,74 @@ impl<D: Device> CaptureTable<D> {
             false => Vec::new(),
         };
         let stream = f.stream;
+        if !uses.is_empty() && owner.config.load().graph_capture_record_stream_reuse {
+            let mut t = lock(&self.inner);
+            if let Some((origin, marks)) = Self::marks_for_reuse(&t, owner, stream, &uses) {
+                let e = t.get_mut(&origin).expect("found by marks_for_reuse");
+                e.waits.push(Wait { owner: owner.clone(), freed: f, marks });
+                self.waiting.fetch_add(1, Ordering::Relaxed);
+                return None;
+            }
+        }
         let mut f = Some(f);
         let held =
             self.hold(owner, stream, &uses, || Held::Block(owner.clone(), f.take().expect("once")));
         if held { None } else { f }
+    }
+
+    /// For a block of `mine` freed on `stream` after uses on `uses`: its capture (by origin)
+    /// and a mark of each of those other streams, when it may wait to be reused within the
+    /// capture — the block is of the capture's own pool and every use stream is a stream of
+    /// the same capture that the device can mark. `None`: it is held as without the key.
+    fn marks_for_reuse(
+        t: &HashMap<StreamId, Entry<D>>,
+        mine: &Shared<D>,
+        stream: StreamId,
+        uses: &[StreamId],
+    ) -> Option<(StreamId, Vec<CaptureMark>)> {
+        let origin = Self::origin(t, mine, stream)?;
+        let e = &t[&origin];
+        if e.broken || !std::ptr::eq(mine, &*e.pool.alloc.shared) {
+            return None;
+        }
+        let mut marks = Vec::new();
+        for &u in uses.iter().filter(|&&u| u != stream) {
+            if Self::origin(t, mine, u) != Some(origin) {
+                return None;
+            }
+            marks.push(mine.device.capture_mark(u)?);
+        }
+        (!marks.is_empty()).then_some((origin, marks))
+    }
+
+    /// Whether blocks wait to be reused within a capture (one load).
+    #[inline(always)]
+    pub(super) fn waiting(&self) -> bool {
+        self.waiting.load(Ordering::Relaxed) != 0
+    }
+
+    /// An allocation on `stream` (of a capture): frees into the capture's pool each block
+    /// waiting there whose stream the device now shows ordered after every use it waits on
+    /// (PyTorch's `free_safe_blocks_in_capture`); returns how many.
+    pub(super) fn reclaim(&self, sh: &Shared<D>, stream: StreamId) -> usize {
+        let ready: Vec<Wait<D>> = {
+            let mut t = lock(&self.inner);
+            let Some(origin) = Self::origin(&t, sh, stream) else { return 0 };
+            let Some(e) = t.get_mut(&origin) else { return 0 };
+            let (ready, waits) = std::mem::take(&mut e.waits).into_iter().partition(|w| {
+                // BROKEN: reused without the device's word that the uses come first.
+                w.owner.broken(Broken::CaptureReuseUnordered)
+                    || w.marks.iter().all(|&m| sh.device.capture_ordered_after(w.freed.stream, m))
+            });
+            e.waits = waits;
+            self.waiting.fetch_sub(ready.len(), Ordering::Relaxed);
+            ready
+        };
+        let n = ready.len();
+        for w in ready {
+            w.owner.free_ordered(w.freed);
+        }
+        n
     }
 
     /// [`CaptureTable::defer`] for a scope's unbound buffer of `owner` on `stream`, used on
@@ -468,7 +561,10 @@ impl<D: Capture> Allocator<D> {
                 });
             }
             let pool = pool.clone();
-            t.insert(stream, Entry { route, pool, deferred: Vec::new(), broken });
+            t.insert(
+                stream,
+                Entry { route, pool, deferred: Vec::new(), waits: Vec::new(), broken },
+            );
             table.active.fetch_add(1, Ordering::AcqRel);
         }
         if let Err(e) = sh.device.begin_capture(stream) {
@@ -500,10 +596,15 @@ impl<D: Capture> Allocator<D> {
             return Err(AllocError::Capture { stream, reason });
         }
         let made = sh.device.end_capture(stream);
-        let Some(entry) = lock(&table.inner).remove(&stream) else {
+        let Some(mut entry) = lock(&table.inner).remove(&stream) else {
             return Err(AllocError::Capture { stream, reason: "the stream is not capturing" });
         };
         table.active.fetch_sub(1, Ordering::AcqRel);
+        // Blocks still waiting for their uses to be ordered: held by the graph, as without the
+        // reuse (its replays run those uses).
+        table.waiting.fetch_sub(entry.waits.len(), Ordering::Relaxed);
+        let waits = std::mem::take(&mut entry.waits);
+        entry.deferred.extend(waits.into_iter().map(|w| Held::Block(w.owner, w.freed)));
         drop(sh.routes.remove(entry.route));
         match made {
             Ok(id) => Ok(Graph {

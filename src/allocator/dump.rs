@@ -210,6 +210,7 @@ fn settings(c: &Config, virtual_memory: bool) -> Py {
         ("fast_cache", Py::Bool(c.fast_cache)),
         ("global_lock", Py::Bool(c.global_lock)),
         ("expandable_segments", Py::Bool(c.expandable_segments && virtual_memory)),
+        ("graph_capture_record_stream_reuse", Py::Bool(c.graph_capture_record_stream_reuse)),
     ];
     v.push(("memory_limit", c.memory_limit.map_or(Py::None, Py::int)));
     v.push(("per_process_memory_fraction", c.memory_fraction.map_or(Py::None, Py::Float)));

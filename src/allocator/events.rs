@@ -211,7 +211,7 @@ impl<D: Device> Shared<D> {
     }
 
     /// A pending block's stream-ordered uses are complete: it joins the free pool.
-    fn pending_block_done(st: &mut State, block: BlockId) {
+    pub(super) fn pending_block_done(st: &mut State, block: BlockId) {
         let b = st.pool.block(block);
         let (addr, size, requested) = (DeviceAddr(b.addr), b.size, b.requested);
         let key = st.pool.segment(b.segment).key;

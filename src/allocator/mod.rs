@@ -475,6 +475,9 @@ impl<D: Device> Allocator<D> {
             if !sh.broken(Broken::RoutedDeadStreams) {
                 sh.stream_exists(stream)?;
             }
+            if sh.family.captures.waiting() {
+                sh.family.captures.reclaim(sh, stream);
+            }
             return pool.alloc_in_once(bytes, stream, residency, align);
         }
         // A stream that joined a capture (it waited on an event recorded on a capturing
@@ -484,6 +487,9 @@ impl<D: Device> Allocator<D> {
             && !Arc::ptr_eq(&pool.shared, &self.shared)
         {
             sh.stream_exists(stream)?;
+            if sh.family.captures.waiting() {
+                sh.family.captures.reclaim(sh, stream);
+            }
             return pool.alloc_in_once(bytes, stream, residency, align);
         }
         if bytes == 0 {

@@ -475,6 +475,15 @@ impl<D: Device> Shared<D> {
         }
     }
 
+    /// Frees a block whose uses on other streams are known to come first (a capture showed its
+    /// stream ordered after them, `capture.rs`): into the pool, its recorded uses forgotten.
+    #[cold]
+    pub(super) fn free_ordered(&self, f: buffer::Freed) {
+        self.device.note_reclaim(f.ptr, f.size, f.stream);
+        self.lock_state().stream_uses.remove(&f.block);
+        self.free_into_pool(f);
+    }
+
     /// The part of [`Shared::free`] under the global lock: into the pool, or behind events.
     #[cold]
     pub(super) fn free_into_pool(&self, f: buffer::Freed) {

@@ -203,6 +203,16 @@ impl<D: Device> Guarded<D> {
         self.guard_or(Some(stream), || self.device.capture_of(stream))
     }
 
+    /// [`Device::capture_mark`]; a panic answers `None` (no mark: nothing is reused early).
+    pub(crate) fn capture_mark(&self, stream: StreamId) -> Option<super::CaptureMark> {
+        self.guard_or(None, || self.device.capture_mark(stream))
+    }
+
+    /// [`Device::capture_ordered_after`]; a panic answers no (the block stays held).
+    pub(crate) fn capture_ordered_after(&self, stream: StreamId, mark: super::CaptureMark) -> bool {
+        self.guard_or(false, || self.device.capture_ordered_after(stream, mark))
+    }
+
     /// [`Device::record_event`], guarded, and refused on a capturing stream
     /// (`CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED`, as before CUDA 11's fork and join): there the
     /// record would be a node of the graph and a wait on it would pull the waiting stream into

@@ -500,6 +500,38 @@ pub trait Device: Send + Sync + 'static {
     fn capture_of(&self, _stream: StreamId) -> Option<StreamId> {
         None
     }
+
+    /// Where `stream`'s captured work stands now, as a mark that later captured work can be
+    /// ordered after (PyTorch's `graph_capture_record_stream_reuse` inserts an empty graph node
+    /// for it): everything captured on `stream` so far comes before the mark. `None` when
+    /// `stream` is not capturing, or when the device cannot tell (the default). With
+    /// [`Device::capture_ordered_after`] it lets the allocator reuse, within a capture, a block
+    /// used on a side stream that was joined back since it was freed.
+    fn capture_mark(&self, _stream: StreamId) -> Option<CaptureMark> {
+        None
+    }
+
+    /// Whether the work captured on `stream` from now on is ordered after `mark`, in every
+    /// replay of the graph: `stream` is in the capture the mark was taken in, and it is the
+    /// mark's stream or it waited (directly or through other streams) on an event recorded on
+    /// the mark's stream after the mark. Only ordering the device has seen counts, so `false`
+    /// is always safe; the default. A mark of a capture that has ended orders nothing.
+    fn capture_ordered_after(&self, _stream: StreamId, _mark: CaptureMark) -> bool {
+        false
+    }
+}
+
+/// A point in a capture underway: the work captured on one stream up to a moment
+/// ([`Device::capture_mark`]). Compared only by the device that made it.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
+pub struct CaptureMark {
+    /// The capture, as the device numbers them (a new number for every capture begun).
+    pub capture: u64,
+    /// The stream whose work it marks.
+    pub stream: StreamId,
+    /// Its position on that stream, in the device's own count (work after it is numbered
+    /// higher).
+    pub position: u64,
 }
 
 /// A graph made by stream capture: on a GPU a `CUgraph` and its instantiation (`CUgraphExec`).

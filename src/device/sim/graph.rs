@@ -39,7 +39,7 @@
 
 use super::sanitizer::Clock;
 use super::{Shared, State};
-use crate::device::{Access, AccessKind, DeviceError, Kernel, ReplayFn, StreamId};
+use crate::device::{Access, AccessKind, CaptureMark, DeviceError, Kernel, ReplayFn, StreamId};
 use std::collections::HashMap;
 use std::time::Duration;
 
@@ -73,6 +73,8 @@ pub(super) struct Recording {
     held: Vec<(u64, u64)>,
     /// The branches of a capture underway, by stream (the origin's included).
     branches: HashMap<u32, Branch>,
+    /// The capture's number (`SimGraphCounters::captures` when it began): what its marks carry.
+    id: u64,
 }
 
 impl Recording {
@@ -239,12 +241,35 @@ impl Graphs {
                 code: DeviceError::CUDA_ERROR_ILLEGAL_STATE,
             });
         }
-        let mut rec = Recording::default();
+        self.counters.captures += 1;
+        let mut rec = Recording { id: self.counters.captures, ..Recording::default() };
         rec.branches.insert(stream.0, Branch::default());
         self.active.insert(stream.0, rec);
         self.members.insert(stream.0, stream.0);
-        self.counters.captures += 1;
         Ok(())
+    }
+
+    /// Where capturing `stream`'s branch stands: its position, in its capture.
+    pub(super) fn mark(&self, stream: u32) -> Option<CaptureMark> {
+        let rec = self.active.get(&self.origin_of(stream)?)?;
+        let position = rec.branches.get(&stream).map_or(0, |b| b.pos);
+        Some(CaptureMark { capture: rec.id, stream: StreamId(stream), position })
+    }
+
+    /// Whether `stream`'s later captured work is ordered after `mark`: same capture, and the
+    /// mark's stream itself or a branch whose clock covers the mark's position.
+    pub(super) fn ordered_after(&self, stream: u32, mark: CaptureMark) -> bool {
+        let Some(rec) = self.origin_of(stream).and_then(|o| self.active.get(&o)) else {
+            return false;
+        };
+        if rec.id != mark.capture {
+            return false;
+        }
+        stream == mark.stream.0
+            || rec
+                .branches
+                .get(&stream)
+                .is_some_and(|b| b.clock.get(mark.stream.0) >= mark.position)
     }
 
     /// `event` is recorded on capturing `stream` (a node of the capture): `true`; `false` if the

@@ -865,6 +865,17 @@ impl super::Device for SimDevice {
         }
         self.state().graphs.origin_of(stream.0).map(StreamId)
     }
+
+    fn capture_mark(&self, stream: StreamId) -> Option<super::CaptureMark> {
+        if !self.capture_underway() {
+            return None;
+        }
+        self.state().graphs.mark(stream.0)
+    }
+
+    fn capture_ordered_after(&self, stream: StreamId, mark: super::CaptureMark) -> bool {
+        self.capture_underway() && self.state().graphs.ordered_after(stream.0, mark)
+    }
 }
 
 impl SimDevice {

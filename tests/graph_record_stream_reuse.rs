@@ -1,0 +1,362 @@
+//! `graph_capture_record_stream_reuse` (PyTorch's key): within a CUDA-graph capture, a block of
+//! the capture's pool that was used on a side stream (`record_stream`, `use_on`) and freed is
+//! reused as soon as the device shows the block's stream ordered after those uses — the side
+//! stream was joined back — instead of being held until the graph goes. Off (the default, as in
+//! PyTorch), or where the device cannot tell, the graph holds it.
+
+use std::sync::Arc;
+use tidepool::device::{Access, AccessKind, EventId, Kernel, Launch};
+use tidepool::hooks::Broken;
+use tidepool::{Allocator, Buffer, Config, Device, MIB, MemPool, PoolOptions, SimDevice, StreamId};
+
+const GIB: u64 = 1 << 30;
+const N: u64 = 64 * 1024;
+
+/// `to` waits for the work enqueued on `from` so far (`to.wait_stream(from)`): inside a capture
+/// a stream outside it joins it, and a captured stream is ordered after the other's work.
+fn wait_stream(dev: &SimDevice, to: StreamId, from: StreamId) -> EventId {
+    let e = dev.create_event().unwrap();
+    dev.record_event(e, from).unwrap();
+    dev.wait_event(to, e).unwrap();
+    e
+}
+
+/// A replayable kernel that declares `kind` over the whole of `b` (its body touches nothing: on
+/// an unbacked device the sanitizer checks the declared accesses alone).
+fn touch(b: &Buffer<SimDevice>, kind: AccessKind) -> Kernel {
+    let acc = vec![Access { ptr: b.ptr(), bytes: b.len(), kind }];
+    Kernel::replayable("touch", acc, |_| {})
+}
+
+/// A replayable kernel writing `byte` over the first N bytes of `b`.
+fn write(b: &Buffer<SimDevice>, byte: u8) -> Kernel {
+    let p = b.ptr();
+    let acc = vec![Access { ptr: p, bytes: N, kind: AccessKind::Write }];
+    Kernel::replayable("write", acc, move |m| m.write(p, &[byte; N as usize]).unwrap())
+}
+
+/// A replayable kernel reading the first N bytes of `b`.
+fn read(b: &Buffer<SimDevice>) -> Kernel {
+    let p = b.ptr();
+    let acc = vec![Access { ptr: p, bytes: N, kind: AccessKind::Read }];
+    Kernel::replayable("read", acc, move |m| m.read(p, &mut [0u8; N as usize]).unwrap())
+}
+
+/// Large-pool (allocated, active, inactive split, reserved) bytes of the allocator and its pool
+/// together: PyTorch's figures are device-wide, a graph's private pool included.
+fn large(alloc: &Allocator<SimDevice>, pool: &MemPool<SimDevice>) -> [u64; 4] {
+    let row = |s: tidepool::MemoryStats| {
+        let b = s.blocks;
+        [
+            b.allocated_bytes.large_pool.current,
+            b.active_bytes.large_pool.current,
+            b.inactive_split_bytes.large_pool.current,
+            b.reserved_bytes.large_pool.current,
+        ]
+    };
+    let (a, p) = (row(alloc.stats()), row(pool.stats()));
+    std::array::from_fn(|i| a[i] + p[i])
+}
+
+#[derive(Clone, Copy, PartialEq, Debug)]
+enum Mode {
+    /// `torch.cuda.stream(stream)`: no capture.
+    Eager,
+    /// `torch.cuda.graph(graph)`, the key off.
+    Captured,
+    /// `torch.cuda.graph(graph)` with `graph_capture_record_stream_reuse:True`.
+    CapturedReuse,
+}
+
+/// The "deferred memory recycling" example of PyTorch's CUDA-graph troubleshooting guide: in a
+/// capture (or not), `x1` (4 GB) is used on a side stream with `record_stream` and deleted once
+/// the side stream is joined back; a 1-byte `t1`, a 4 GB `x2`, and after the capture a 1-byte
+/// `t2` follow. Returns the large-pool (allocated, active, inactive split, reserved) GiB after
+/// each of the five steps.
+fn deferred_recycling(mode: Mode, expandable: bool) -> [[u64; 4]; 5] {
+    let conf = format!(
+        "expandable_segments:{expandable},graph_capture_record_stream_reuse:{}",
+        mode == Mode::CapturedReuse
+    );
+    let dev = Arc::new(SimDevice::new(16 * GIB));
+    let alloc = Allocator::new(dev.clone(), Config::parse(&conf).unwrap()).unwrap();
+    let pool = alloc.new_pool(PoolOptions::default()).unwrap();
+    let stream = dev.create_stream().unwrap();
+    let captured = mode != Mode::Eager;
+    if captured {
+        alloc.begin_capture(stream, Some(&pool)).unwrap();
+    }
+    let side = dev.create_stream().unwrap();
+    let gib = |r: [u64; 4]| r.map(|b| b / GIB * 1000 + (b % GIB) * 1000 / GIB);
+    let mut rows = Vec::new();
+    let x1 = alloc.alloc(4 * GIB, stream).unwrap();
+    rows.push(gib(large(&alloc, &pool)));
+    wait_stream(&dev, side, stream);
+    x1.record_stream(side).unwrap();
+    dev.launch(side, touch(&x1, AccessKind::Write)).unwrap(); // `x1.fill_(1)`
+    wait_stream(&dev, stream, side);
+    drop(x1);
+    rows.push(gib(large(&alloc, &pool)));
+    if !captured {
+        // The fill had finished by `t1` in PyTorch's run (its event query found it complete).
+        dev.synchronize().unwrap();
+    }
+    drop(alloc.alloc(1, stream).unwrap());
+    rows.push(gib(large(&alloc, &pool)));
+    let x2 = alloc.alloc(4 * GIB, stream).unwrap();
+    rows.push(gib(large(&alloc, &pool)));
+    let graph = captured.then(|| alloc.end_capture(stream).unwrap());
+    drop(alloc.alloc(1, StreamId::DEFAULT).unwrap());
+    rows.push(gib(large(&alloc, &pool)));
+    if let Some(g) = &graph {
+        g.launch(stream).unwrap();
+    }
+    dev.synchronize().unwrap();
+    assert!(dev.violations().is_empty(), "{mode:?}: {:?}", dev.violations().first());
+    drop((x2, graph));
+    alloc.check_invariants().unwrap();
+    rows.try_into().unwrap()
+}
+
+/// The guide's three tables, in thousandths of a GiB. `allocated` differs from PyTorch's where
+/// tidepool holds a freed block allocated (PyTorch counts it as active only): while it waits in
+/// the capture, and, with the key off, until the graph goes (PyTorch frees it into the graph's
+/// pool once its events complete after the capture: active 4 GB after `t2`, 8 GB here).
+#[test]
+fn pytorch_guide_deferred_memory_recycling() {
+    const G4: u64 = 4000;
+    for expandable in [false, true] {
+        assert_eq!(
+            deferred_recycling(Mode::Eager, expandable),
+            [[G4, G4, 0, G4], [0, G4, 0, G4], [0, 0, 0, G4], [G4, G4, 0, G4], [G4, G4, 0, G4]],
+            "no capture (PyTorch's figures), expandable {expandable}"
+        );
+        assert_eq!(
+            deferred_recycling(Mode::Captured, expandable),
+            [
+                [G4, G4, 0, G4],
+                [G4, G4, 0, G4],
+                [G4, G4, 0, G4],
+                [2 * G4, 2 * G4, 0, 2 * G4],
+                [2 * G4, 2 * G4, 0, 2 * G4]
+            ],
+            "capture, key off: reserved doubles as in PyTorch, expandable {expandable}"
+        );
+        assert_eq!(
+            deferred_recycling(Mode::CapturedReuse, expandable),
+            [[G4, G4, 0, G4], [G4, G4, 0, G4], [0, 0, 0, G4], [G4, G4, 0, G4], [G4, G4, 0, G4]],
+            "capture with the key: x1 reused at t1, reserved stays 4 GB (PyTorch's figures), \
+             expandable {expandable}"
+        );
+    }
+}
+
+struct Setup {
+    dev: Arc<SimDevice>,
+    s: StreamId,
+    t: StreamId,
+    alloc: Allocator<SimDevice>,
+}
+
+fn setup(reuse: bool) -> Setup {
+    let dev = Arc::new(SimDevice::backed(256 * MIB));
+    let (s, t) = (dev.create_stream().unwrap(), dev.create_stream().unwrap());
+    let conf = format!("graph_capture_record_stream_reuse:{reuse}");
+    let alloc = Allocator::new(dev.clone(), Config::parse(&conf).unwrap()).unwrap();
+    Setup { dev, s, t, alloc }
+}
+
+/// What one capture did with `x`, a 1 MiB block of the capture's pool written on `s`, read on
+/// side stream `t` (`record_stream`) and freed: the addresses of `y`, allocated on `s` before
+/// `s` waits for `t`, and of `z`, allocated after; how many buffers the graph held; and the
+/// sanitizer's reports over the capture and three replays.
+struct Outcome {
+    x: u64,
+    y: u64,
+    z: u64,
+    held: usize,
+    violations: Vec<String>,
+}
+
+fn side_stream_use(reuse: bool, broken: bool) -> Outcome {
+    let Setup { dev, s, t, alloc } = setup(reuse);
+    alloc.set_broken(Broken::CaptureReuseUnordered, broken);
+    alloc.begin_capture(s, None).unwrap();
+    let x = alloc.alloc(MIB, s).unwrap();
+    dev.launch(s, write(&x, 3)).unwrap();
+    wait_stream(&dev, t, s); // t joins the capture
+    dev.launch(t, read(&x)).unwrap();
+    x.record_stream(t).unwrap();
+    let x_addr = x.ptr().0;
+    drop(x); // t's read is unordered with s's later work: x waits
+    let y = alloc.alloc(MIB, s).unwrap();
+    dev.launch(s, write(&y, 4)).unwrap();
+    wait_stream(&dev, s, t); // joined back: s's later work comes after t's read
+    let z = alloc.alloc(MIB, s).unwrap();
+    dev.launch(s, write(&z, 5)).unwrap();
+    let (y_addr, z_addr) = (y.ptr().0, z.ptr().0);
+    drop((y, z));
+    let graph = alloc.end_capture(s).unwrap();
+    let held = graph.held_buffers();
+    for _ in 0..3 {
+        graph.launch(s).unwrap();
+    }
+    dev.synchronize().unwrap();
+    drop(graph);
+    let violations = dev.violations().iter().map(|v| v.op.to_string()).collect();
+    alloc.empty_cache().unwrap();
+    alloc.check_invariants().unwrap();
+    Outcome { x: x_addr, y: y_addr, z: z_addr, held, violations }
+}
+
+#[test]
+fn a_block_used_on_a_side_stream_is_reused_once_the_stream_is_joined_back() {
+    let o = side_stream_use(true, false);
+    assert_eq!(o.y, o.x + MIB, "before the join: x's block still waits, y takes the next MiB");
+    assert_eq!(o.z, o.x, "after the join: z gets x's block");
+    assert_eq!(o.held, 0, "nothing left for the graph to hold");
+    assert!(o.violations.is_empty(), "{:?}", o.violations);
+}
+
+#[test]
+fn without_the_key_the_graph_holds_the_block() {
+    let o = side_stream_use(false, false);
+    assert_eq!((o.y, o.z), (o.x + MIB, o.x + 2 * MIB), "x's block is never reused in the capture");
+    assert_eq!(o.held, 1);
+    assert!(o.violations.is_empty(), "{:?}", o.violations);
+}
+
+/// The broken mode reuses x's block before the join: `y`, handed out on `s` over memory `t`'s
+/// unordered captured read touches, is caught when it is handed out and when its kernel is
+/// captured (at every replay the two branches run concurrently on a GPU).
+#[test]
+fn reuse_without_the_devices_word_is_caught_by_the_sanitizer() {
+    let o = side_stream_use(true, true);
+    assert_eq!(o.y, o.x, "the broken mode handed x's block out before the join");
+    assert!(
+        o.violations.iter().any(|v| v.contains("unordered branch") || v.contains("not ordered")),
+        "{:?}",
+        o.violations
+    );
+}
+
+/// An event recorded on the side stream *before* its last use of the block does not order that
+/// use: the block keeps waiting, and the graph holds it when the capture ends.
+#[test]
+fn a_join_before_the_last_use_does_not_free_the_block() {
+    let Setup { dev, s, t, alloc } = setup(true);
+    alloc.begin_capture(s, None).unwrap();
+    let x = alloc.alloc(MIB, s).unwrap();
+    dev.launch(s, write(&x, 1)).unwrap();
+    wait_stream(&dev, t, s);
+    let early = dev.create_event().unwrap();
+    dev.record_event(early, t).unwrap(); // before t's read
+    dev.launch(t, read(&x)).unwrap();
+    x.record_stream(t).unwrap();
+    let x_addr = x.ptr().0;
+    drop(x);
+    dev.wait_event(s, early).unwrap();
+    let y = alloc.alloc(MIB, s).unwrap();
+    assert_eq!(y.ptr().0, x_addr + MIB, "t's read is not ordered before s's later work");
+    dev.launch(s, write(&y, 2)).unwrap();
+    wait_stream(&dev, s, t);
+    drop(y); // freed on s, no other use: back in the pool at once
+    let graph = alloc.end_capture(s).unwrap();
+    assert_eq!(graph.held_buffers(), 1, "x waited to the end: the graph holds it");
+    graph.launch(s).unwrap();
+    dev.synchronize().unwrap();
+    assert!(dev.violations().is_empty(), "{:?}", dev.violations().first());
+    drop(graph);
+    alloc.empty_cache().unwrap();
+    assert_eq!(dev.reserved_bytes(), 0, "everything went back");
+    alloc.check_invariants().unwrap();
+}
+
+/// Ordering through a third stream counts: `t` used the block, `u` waited on `t` after that use,
+/// and `s` waited on `u`.
+#[test]
+fn ordering_through_another_stream_frees_the_block() {
+    let Setup { dev, s, t, alloc } = setup(true);
+    let u = dev.create_stream().unwrap();
+    alloc.begin_capture(s, None).unwrap();
+    let x = alloc.alloc(MIB, s).unwrap();
+    dev.launch(s, write(&x, 1)).unwrap();
+    wait_stream(&dev, t, s);
+    dev.launch(t, read(&x)).unwrap();
+    x.record_stream(t).unwrap();
+    x.record_stream(u).unwrap(); // u joins below and never touches x: its mark is its start
+    let x_addr = x.ptr().0;
+    wait_stream(&dev, u, t);
+    drop(x);
+    wait_stream(&dev, s, u);
+    let y = alloc.alloc(MIB, s).unwrap();
+    assert_eq!(y.ptr().0, x_addr, "s is ordered after t's read through u");
+    dev.launch(s, write(&y, 2)).unwrap();
+    drop(y);
+    let graph = alloc.end_capture(s).unwrap();
+    assert_eq!(graph.held_buffers(), 0);
+    graph.launch(s).unwrap();
+    dev.synchronize().unwrap();
+    assert!(dev.violations().is_empty(), "{:?}", dev.violations().first());
+}
+
+/// A capture that fails to end (its side stream never joined back) lets go of the block that
+/// was waiting; the allocator keeps working and gives everything back.
+#[test]
+fn a_failed_capture_lets_go_of_waiting_blocks() {
+    let Setup { dev, s, t, alloc } = setup(true);
+    alloc.begin_capture(s, None).unwrap();
+    let x = alloc.alloc(MIB, s).unwrap();
+    wait_stream(&dev, t, s);
+    dev.launch(t, read(&x)).unwrap();
+    x.record_stream(t).unwrap();
+    drop(x);
+    assert!(alloc.end_capture(s).is_err(), "t was never joined back");
+    let again = alloc.alloc(MIB, s).unwrap();
+    drop(again);
+    dev.synchronize().unwrap();
+    alloc.empty_cache().unwrap();
+    assert_eq!(dev.reserved_bytes(), 0);
+    alloc.check_invariants().unwrap();
+}
+
+/// The device's marks: a position per stream of a capture, ordered after through events
+/// recorded after it (directly or through other streams); a mark orders nothing in another
+/// capture or once its capture ended.
+#[test]
+fn the_simulators_capture_marks() {
+    let dev = SimDevice::backed(16 * MIB);
+    let (s, t, u) =
+        (dev.create_stream().unwrap(), dev.create_stream().unwrap(), dev.create_stream().unwrap());
+    assert_eq!(dev.capture_mark(s), None, "not capturing");
+    tidepool::Capture::begin_capture(&dev, s).unwrap();
+    let m0 = dev.capture_mark(s).unwrap();
+    assert_eq!((m0.stream, m0.position), (s, 0));
+    assert_eq!(dev.capture_mark(t), None, "t has not joined");
+    wait_stream(&dev, t, s); // s: record (1)
+    let mt = dev.capture_mark(t).unwrap();
+    assert_eq!((mt.capture, mt.stream, mt.position), (m0.capture, t, 0));
+    let k = || Kernel::replayable("k", vec![], |_| {});
+    dev.launch(t, k()).unwrap(); // t: 1
+    let mt1 = dev.capture_mark(t).unwrap();
+    assert_eq!(mt1.position, 1);
+    assert!(dev.capture_ordered_after(t, mt1), "a stream is ordered after its own marks");
+    assert!(!dev.capture_ordered_after(s, mt1), "s never waited on t");
+    assert!(dev.capture_ordered_after(t, m0), "t joined after s's position 0");
+    wait_stream(&dev, u, t); // t: record (2); u joins
+    assert!(dev.capture_ordered_after(u, mt1));
+    wait_stream(&dev, s, u); // u: record (1)
+    assert!(dev.capture_ordered_after(s, mt1), "through u");
+    dev.launch(t, k()).unwrap(); // t: 3
+    let mt3 = dev.capture_mark(t).unwrap();
+    assert!(!dev.capture_ordered_after(s, mt3), "t's later work is not ordered before s");
+    wait_stream(&dev, s, t);
+    assert!(dev.capture_ordered_after(s, mt3));
+    let g = tidepool::Capture::end_capture(&dev, s).unwrap();
+    assert!(!dev.capture_ordered_after(s, mt1), "the capture ended");
+    tidepool::Capture::begin_capture(&dev, s).unwrap();
+    assert_ne!(dev.capture_mark(s).unwrap().capture, m0.capture, "a new capture, a new number");
+    assert!(!dev.capture_ordered_after(s, m0), "a mark of another capture");
+    tidepool::Capture::end_capture(&dev, s).map(drop).unwrap();
+    tidepool::Capture::destroy_graph(&dev, g).unwrap();
+}
