@@ -9,7 +9,8 @@
 #   graphs the private-pool and CUDA-graph tests of tests/cuda_device.rs: a guard routing a
 #          stream to a MemPool, then a capture (cuStreamBeginCapture/cuStreamEndCapture/
 #          cuGraphInstantiate) from the graph's private pool replayed 100 times (cuGraphLaunch),
-#          and a capture that forks a side stream into the graph and joins it back (events)
+#          a capture that forks a side stream into the graph and joins it back (events), and
+#          graph_capture_record_stream_reuse: a side stream's block reused after the join
 #   interop examples/cudarc_interop (NVRTC + cuBLAS through tidepool buffers, checked numerically)
 #   bench  examples/gpu_bench: alloc+free latency (tidepool hit / cuMemAlloc / cuMemAllocAsync)
 #          and the gpt2 trace replayed on device memory, with ordinary and expandable segments

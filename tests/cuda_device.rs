@@ -696,6 +696,55 @@ fn graph_capture_forks_a_side_stream() {
     assert!(dev.live_segments().is_empty(), "leaked: {:?}", dev.live_segments());
 }
 
+/// `graph_capture_record_stream_reuse` on the GPU: a buffer of the capture's pool filled on a
+/// joined side stream (`record_stream`) and freed waits until the side stream is joined back;
+/// the next allocation after the join gets its block, and each replay leaves the new value.
+#[test]
+fn graph_capture_reuses_a_side_streams_block_after_the_join() {
+    let Some((_gpu, dev)) = gpu() else { return };
+    let k = kernels(&dev);
+    let config = Config::parse("graph_capture_record_stream_reuse:true").unwrap();
+    let alloc = Allocator::new(dev.clone(), config).unwrap();
+    let (s, t) = (dev.create_stream().unwrap(), dev.create_stream().unwrap());
+    let (cs, ct) = (dev.stream(s).unwrap(), dev.stream(t).unwrap());
+    let wait = |to: StreamId, from: StreamId| {
+        let e = dev.create_event().unwrap();
+        dev.record_event(e, from).unwrap();
+        dev.wait_event(to, e).unwrap();
+        dev.destroy_event(e).unwrap();
+    };
+    alloc.begin_capture(s, None).unwrap();
+    // SAFETY: f32 has no invalid bit patterns; the captured fills write them before any read.
+    let mut x = unsafe { CudaBuffer::<f32>::alloc(&alloc, N, s) }.unwrap();
+    let x_ptr = x.buffer().ptr();
+    wait(t, s); // t joins
+    launch_fill(&k, &ct, &mut x, 1.0);
+    alloc.record_stream(x.buffer(), t).unwrap();
+    drop(x);
+    // SAFETY: as above.
+    let mut y = unsafe { CudaBuffer::<f32>::alloc(&alloc, N, s) }.unwrap();
+    assert_ne!(y.buffer().ptr(), x_ptr, "t's fill is not ordered before s's later work yet");
+    launch_fill(&k, &cs, &mut y, 2.0);
+    wait(s, t); // joined back
+    // SAFETY: as above.
+    let mut z = unsafe { CudaBuffer::<f32>::alloc(&alloc, N, s) }.unwrap();
+    assert_eq!(z.buffer().ptr(), x_ptr, "after the join, x's block is reused");
+    launch_fill(&k, &cs, &mut z, 3.0);
+    let graph = alloc.end_capture(s).unwrap();
+    assert_eq!(graph.held_buffers(), 0);
+    for _ in 0..10 {
+        graph.launch(s).unwrap();
+        assert!(cs.clone_dtoh(&z).unwrap().iter().all(|&v| v == 3.0));
+        assert!(cs.clone_dtoh(&y).unwrap().iter().all(|&v| v == 2.0));
+    }
+    drop((graph, y, z));
+    alloc.empty_cache().unwrap();
+    drop(alloc);
+    dev.destroy_stream(s).unwrap();
+    dev.destroy_stream(t).unwrap();
+    assert!(dev.live_segments().is_empty(), "leaked: {:?}", dev.live_segments());
+}
+
 /// CUDA graphs on the GPU: a capture whose allocations come from the graph's private pool (one
 /// of them freed and reused during the capture), instantiated and replayed 100 times with the
 /// general pool used in between; the output is overwritten by each replay.

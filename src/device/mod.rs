@@ -25,6 +25,7 @@
 //! The `note_*` hooks let a device with a stream-order sanitizer see what the allocator hands
 //! out and takes back; devices without one ignore them.
 
+pub(crate) mod clock;
 #[cfg(feature = "cuda")]
 pub(crate) mod cuda;
 mod guarded;

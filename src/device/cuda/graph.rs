@@ -2,29 +2,32 @@
 //! method, through `result.rs`.
 //!
 //! ```text
-//!   begin_capture(s)  ─▶ cuStreamBeginCapture(s, GLOBAL)            capturing[s] = s
-//!   wait_event(t, e)  ─▶ (e recorded in s's capture) t joins it     capturing[t] = s
+//!   begin_capture(s)  ─▶ cuStreamBeginCapture(s, GLOBAL)            order.begin(s)
+//!   wait_event(t, e)  ─▶ (e recorded in s's capture) t joins it     order.wait(t, e)
 //!   end_capture(s)    ─▶ cuStreamEndCapture + cuGraphInstantiate    live[g] = (CUgraph, CUgraphExec)
-//!                        (the driver refuses a fork not joined back) capturing -= s and its joiners
+//!                        (the driver refuses a fork not joined back) order.end(s): s and its joiners leave
 //!   launch_graph(g,t) ─▶ cuGraphLaunch(exec, t)
 //!   destroy_graph(g)  ─▶ cuGraphExecDestroy + cuGraphDestroy        (the device's drop: all left)
 //! ```
 //!
 //! The default stream is the legacy null stream, which CUDA cannot capture: refused.
-//! `capture_underway` and `capture_of` answer from the table of capturing streams (no driver
-//! call), so the allocator can ask them on every slow-path step: a stream joins a capture only
-//! through a wait on an event recorded inside it, which [`CudaDevice`]'s `wait_event` sees.
+//! `capture_underway`, `capture_of`, `capture_mark` and `capture_ordered_after` answer from the
+//! capture order (`capture_order.rs`: capturing streams, and what each one's captured work is
+//! ordered after), with no driver call, so the allocator can ask them on every slow-path step: a
+//! stream joins a capture only through a wait on an event recorded inside it, which
+//! [`CudaDevice`]'s `wait_event` sees.
 
+use super::capture_order::{CaptureOrder, CapturedEvent};
 use super::result::{self, RawGraph};
 use super::{CudaDevice, lock};
-use crate::device::{Capture, DeviceError, GraphId, StreamId};
+use crate::device::{Capture, CaptureMark, DeviceError, GraphId, StreamId};
 use std::collections::HashMap;
 
 /// Captures underway and live graphs.
 #[derive(Default)]
 pub(super) struct CudaGraphs {
-    /// Every capturing stream → the stream its capture began on.
-    capturing: HashMap<u32, u32>,
+    /// The capturing streams, and what their captured work is ordered after.
+    order: CaptureOrder,
     next: u64,
     live: HashMap<u64, RawGraph>,
 }
@@ -32,23 +35,40 @@ pub(super) struct CudaGraphs {
 impl CudaDevice {
     /// Whether a capture is underway on this device (no driver call).
     pub(super) fn capturing_any(&self) -> bool {
-        !lock(&self.graphs).capturing.is_empty()
+        lock(&self.graphs).order.any()
     }
 
     /// The stream the capture `stream` belongs to began on, if it is capturing (no driver call).
     pub(super) fn capture_origin(&self, stream: StreamId) -> Option<StreamId> {
-        lock(&self.graphs).capturing.get(&stream.0).map(|&o| StreamId(o))
+        lock(&self.graphs).order.origin_of(stream.0).map(StreamId)
     }
 
-    /// Whether the capture begun on stream `origin` is still underway (an event recorded in it
-    /// is a node of a live capture, not a completed one).
-    pub(super) fn capture_live(&self, origin: u32) -> bool {
-        lock(&self.graphs).capturing.get(&origin) == Some(&origin)
+    /// Whether the capture an event was recorded in is still underway (the event is a node of
+    /// a live capture, not a completed one).
+    pub(super) fn capture_live(&self, event: &CapturedEvent) -> bool {
+        lock(&self.graphs).order.live(event)
     }
 
-    /// `stream` joined the capture begun on `origin` (it waited on an event recorded inside).
-    pub(super) fn join_capture(&self, stream: StreamId, origin: StreamId) {
-        lock(&self.graphs).capturing.insert(stream.0, origin.0);
+    /// An event is being recorded on `stream`: the capture node it is, if `stream` is capturing.
+    pub(super) fn capture_record(&self, stream: StreamId) -> Option<CapturedEvent> {
+        lock(&self.graphs).order.record(stream.0)
+    }
+
+    /// `stream` waited on `event`, recorded in a live capture: it joins it or is ordered after
+    /// the event.
+    pub(super) fn capture_wait(&self, stream: StreamId, event: &CapturedEvent) {
+        lock(&self.graphs).order.wait(stream.0, event);
+    }
+
+    /// [`Device::capture_mark`](crate::Device::capture_mark), from the capture order.
+    pub(super) fn mark_of(&self, stream: StreamId) -> Option<CaptureMark> {
+        lock(&self.graphs).order.mark(stream.0)
+    }
+
+    /// [`Device::capture_ordered_after`](crate::Device::capture_ordered_after), from the
+    /// capture order.
+    pub(super) fn ordered_after(&self, stream: StreamId, mark: CaptureMark) -> bool {
+        lock(&self.graphs).order.ordered_after(stream.0, mark)
     }
 
     /// Destroys every graph left (the device's drop).
@@ -68,7 +88,7 @@ impl Capture for CudaDevice {
         }
         let s = self.stream(stream)?;
         let mut graphs = lock(&self.graphs);
-        if graphs.capturing.contains_key(&stream.0) {
+        if graphs.order.origin_of(stream.0).is_some() {
             return Err(DeviceError::Driver {
                 op: "cuStreamBeginCapture",
                 code: DeviceError::CUDA_ERROR_ILLEGAL_STATE,
@@ -77,14 +97,14 @@ impl Capture for CudaDevice {
         self.bind()?;
         // SAFETY: `s` is a live non-null stream of this context, kept alive by the `Arc`.
         unsafe { result::stream_begin_capture(s.cu_stream()) }?;
-        graphs.capturing.insert(stream.0, stream.0);
+        graphs.order.begin(stream.0);
         Ok(())
     }
 
     fn end_capture(&self, stream: StreamId) -> Result<GraphId, DeviceError> {
         let s = self.stream(stream)?;
         let mut graphs = lock(&self.graphs);
-        if graphs.capturing.get(&stream.0) != Some(&stream.0) {
+        if !graphs.order.began_on(stream.0) {
             return Err(DeviceError::Driver {
                 op: "cuStreamEndCapture",
                 code: DeviceError::CUDA_ERROR_ILLEGAL_STATE,
@@ -92,7 +112,7 @@ impl Capture for CudaDevice {
         }
         // The capture ends whatever the outcome (the driver invalidates one whose forks were
         // not joined back, `CUDA_ERROR_STREAM_CAPTURE_UNJOINED`): its streams leave it.
-        graphs.capturing.retain(|_, o| *o != stream.0);
+        graphs.order.end(stream.0);
         self.bind()?;
         // SAFETY: `s` is a live stream of this context being captured (begun above, not ended:
         // the table said so).

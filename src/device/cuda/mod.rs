@@ -38,6 +38,7 @@
 //! - Locks are `std::sync`, not the `crate::sync` shim: driver calls cannot run under loom, so this
 //!   device is never modelled (and the `cuda` feature is not combined with `--cfg loom`).
 
+mod capture_order;
 mod graph;
 pub(crate) mod result;
 
@@ -109,9 +110,9 @@ struct EventSlot {
     raw: RawEvent,
     /// Recorded (outside a capture) since it was created; a never-recorded event is complete.
     recorded: bool,
-    /// Last recorded on a capturing stream: a node of the capture begun on this stream, which
-    /// a wait on it joins (fork); complete once that capture is over.
-    captured: Option<u32>,
+    /// Last recorded on a capturing stream: a node of that capture, which a wait on it joins
+    /// (fork); complete once that capture is over.
+    captured: Option<capture_order::CapturedEvent>,
 }
 
 const _: () = {
@@ -385,6 +386,18 @@ impl Device for CudaDevice {
         self.capture_origin(stream)
     }
 
+    /// From the capture order: the next event recorded on `stream` covers the mark (no driver
+    /// call). Work launched through cudarc on a captured stream is covered too: the mark stands
+    /// for everything enqueued on the stream before it.
+    fn capture_mark(&self, stream: StreamId) -> Option<crate::device::CaptureMark> {
+        self.mark_of(stream)
+    }
+
+    /// From the capture order (the waits made through [`Device::wait_event`] here).
+    fn capture_ordered_after(&self, stream: StreamId, mark: crate::device::CaptureMark) -> bool {
+        self.ordered_after(stream, mark)
+    }
+
     /// `cuMemAlloc`; the driver's out-of-memory answer is [`DeviceError::OutOfMemory`].
     fn reserve(&self, bytes: u64) -> Result<DeviceAddr, DeviceError> {
         if bytes == 0 {
@@ -484,7 +497,6 @@ impl Device for CudaDevice {
     /// `cuEventRecord`. On a capturing stream the record is a node of the capture (CUDA's
     /// fork): a stream outside any capture that waits on the event joins it.
     fn record_event(&self, event: EventId, stream: StreamId) -> Result<(), DeviceError> {
-        let origin = self.capture_origin(stream);
         let s = self.stream(stream)?;
         let mut events = lock(&self.events);
         let slot = events.live.get_mut(&event.0).ok_or(DeviceError::UnknownEvent(event))?;
@@ -492,8 +504,10 @@ impl Device for CudaDevice {
         // SAFETY: the event handle is live (pooled handles live as long as the device) and `s`
         // is a live stream of this context, kept alive by the `Arc` we hold.
         unsafe { result::event_record(slot.raw, s.cu_stream()) }?;
-        slot.recorded = origin.is_none();
-        slot.captured = origin.map(|o| o.0);
+        // Numbered after the driver took it (a failed record orders nothing).
+        let captured = self.capture_record(stream);
+        slot.recorded = captured.is_none();
+        slot.captured = captured;
         Ok(())
     }
 
@@ -502,7 +516,7 @@ impl Device for CudaDevice {
     fn query_event(&self, event: EventId) -> Result<bool, DeviceError> {
         let events = lock(&self.events);
         let slot = events.live.get(&event.0).ok_or(DeviceError::UnknownEvent(event))?;
-        if slot.captured.is_some_and(|o| self.capture_live(o)) {
+        if slot.captured.as_ref().is_some_and(|c| self.capture_live(c)) {
             return Err(DeviceError::Driver {
                 op: "cuEventQuery",
                 code: DeviceError::CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED,
@@ -529,26 +543,25 @@ impl Device for CudaDevice {
         let (raw, recorded, captured) = {
             let events = lock(&self.events);
             let slot = events.live.get(&event.0).ok_or(DeviceError::UnknownEvent(event))?;
-            (slot.raw, slot.recorded, slot.captured)
+            (slot.raw, slot.recorded, slot.captured.clone())
         };
-        let live = captured.filter(|&o| self.capture_live(o));
-        let joins = match (live, self.capture_origin(stream)) {
-            (Some(o), Some(mine)) if mine.0 != o => return Err(isolation),
-            (Some(_), Some(_)) => None,
+        let live = captured.filter(|c| self.capture_live(c));
+        match (&live, self.capture_origin(stream)) {
+            (Some(c), Some(mine)) if mine.0 != c.origin => return Err(isolation),
             (Some(_), None) if stream == StreamId::DEFAULT => {
                 return Err(DeviceError::Unsupported("capturing the default (legacy null) stream"));
             }
-            (Some(o), None) => Some(o),
             (None, Some(_)) => return Err(isolation),
             (None, None) if !recorded => return Ok(()),
-            (None, None) => None,
-        };
+            _ => {}
+        }
         self.bind()?;
         // SAFETY: both handles are live: the event as long as the device (pooled handles are
         // never destroyed before it), `s` through its `Arc`.
         unsafe { result::stream_wait_event(s.cu_stream(), raw) }?;
-        if let Some(o) = joins {
-            self.join_capture(stream, StreamId(o));
+        // A stream outside the capture joins it; one inside is ordered after the event.
+        if let Some(c) = &live {
+            self.capture_wait(stream, c);
         }
         Ok(())
     }

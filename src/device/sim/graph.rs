@@ -37,8 +37,8 @@
 //! releases (`cuMemFree`), destroying a capturing stream; and on a capturing stream itself,
 //! waiting on an event recorded outside the capture, and pinned-host copies.
 
-use super::sanitizer::Clock;
 use super::{Shared, State};
+use crate::device::clock::Clock;
 use crate::device::{Access, AccessKind, CaptureMark, DeviceError, Kernel, ReplayFn, StreamId};
 use std::collections::HashMap;
 use std::time::Duration;

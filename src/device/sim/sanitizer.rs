@@ -22,43 +22,9 @@
 //! and `handed` only what is handed out now, so memory stays bounded.
 
 use super::Violation;
+use crate::device::clock::Clock;
 use crate::device::{Access, AccessKind, DeviceAddr, StreamId};
 use std::collections::{BTreeMap, HashMap};
-
-/// A vector clock: for each stream, the last position this clock is ordered after.
-/// A small vector sorted by stream id (few streams, cheap to clone into events).
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub(super) struct Clock(Vec<(u32, u64)>);
-
-impl Clock {
-    /// The position of `stream` this clock is ordered after (0: none).
-    pub(super) fn get(&self, stream: u32) -> u64 {
-        match self.0.binary_search_by_key(&stream, |&(s, _)| s) {
-            Ok(i) => self.0[i].1,
-            Err(_) => 0,
-        }
-    }
-
-    /// Raises the entry of `stream` to at least `pos`.
-    pub(super) fn raise(&mut self, stream: u32, pos: u64) {
-        match self.0.binary_search_by_key(&stream, |&(s, _)| s) {
-            Ok(i) => self.0[i].1 = self.0[i].1.max(pos),
-            Err(i) => self.0.insert(i, (stream, pos)),
-        }
-    }
-
-    /// Element-wise maximum with `other`.
-    pub(super) fn join(&mut self, other: &Clock) {
-        for &(s, p) in &other.0 {
-            self.raise(s, p);
-        }
-    }
-
-    /// Drops the entry of `stream` (a destroyed stream has no unfinished work left).
-    fn forget(&mut self, stream: u32) {
-        self.0.retain(|&(s, _)| s != stream);
-    }
-}
 
 /// One unfinished kernel access.
 #[derive(Clone, Copy, Debug)]
@@ -466,21 +432,6 @@ mod tests {
 
     fn acc(ptr: u64, bytes: u64, kind: AccessKind) -> Access {
         Access { ptr: DeviceAddr(ptr), bytes, kind }
-    }
-
-    #[test]
-    fn clock_join_takes_maximum() {
-        let mut a = Clock::default();
-        a.raise(3, 5);
-        a.raise(1, 2);
-        let mut b = Clock::default();
-        b.raise(1, 7);
-        b.raise(2, 1);
-        a.join(&b);
-        assert_eq!(a, Clock(vec![(1, 7), (2, 1), (3, 5)]));
-        assert_eq!(a.get(4), 0);
-        a.forget(2);
-        assert_eq!(a, Clock(vec![(1, 7), (3, 5)]));
     }
 
     #[test]
