@@ -113,7 +113,8 @@ pub struct Config {
     /// captured stream is reused within the capture once the device shows that its stream's
     /// later captured work is ordered after each of those uses (the side stream was joined
     /// back: [`Device::capture_ordered_after`](crate::Device::capture_ordered_after)); off, or
-    /// where the device cannot tell, the graph holds it until it goes.
+    /// where the device cannot tell, the graph holds it until it goes. The allocator that
+    /// begins a capture decides, as its configuration is then (its pools' own do not count).
     pub graph_capture_record_stream_reuse: bool,
     /// PyTorch keys accepted so that a `PYTORCH_CUDA_ALLOC_CONF` string works unchanged, but
     /// with no effect on device memory here, as `key:value` in the order given (see

@@ -240,6 +240,46 @@ fn reuse_without_the_devices_word_is_caught_by_the_sanitizer() {
     );
 }
 
+/// The allocator that begins the capture decides, as its configuration is then: a pool made
+/// before the key was turned on (its own configuration a copy without it) reuses all the same.
+#[test]
+fn the_capturing_allocators_setting_decides() {
+    let Setup { dev, s, t, alloc } = setup(false);
+    let pool = alloc.new_pool(PoolOptions::default()).unwrap();
+    alloc.set_config(Config::parse("graph_capture_record_stream_reuse:true").unwrap()).unwrap();
+    assert!(alloc.config().graph_capture_record_stream_reuse);
+    alloc.begin_capture(s, Some(&pool)).unwrap();
+    let x = alloc.alloc(MIB, s).unwrap();
+    dev.launch(s, write(&x, 1)).unwrap();
+    wait_stream(&dev, t, s);
+    dev.launch(t, read(&x)).unwrap();
+    x.record_stream(t).unwrap();
+    let x_addr = x.ptr().0;
+    drop(x);
+    wait_stream(&dev, s, t);
+    let y = alloc.alloc(MIB, s).unwrap();
+    assert_eq!(y.ptr().0, x_addr);
+    drop(y);
+    let graph = alloc.end_capture(s).unwrap();
+    assert_eq!(graph.held_buffers(), 0);
+    drop(graph);
+    alloc.set_config(Config::default()).unwrap();
+    alloc.begin_capture(s, Some(&pool)).unwrap();
+    let x = alloc.alloc(MIB, s).unwrap();
+    wait_stream(&dev, t, s);
+    dev.launch(t, read(&x)).unwrap();
+    x.record_stream(t).unwrap();
+    drop(x);
+    wait_stream(&dev, s, t);
+    let y = alloc.alloc(MIB, s).unwrap();
+    assert_eq!(y.ptr().0, x_addr + MIB, "off again: held by the graph");
+    drop(y);
+    let graph = alloc.end_capture(s).unwrap();
+    assert_eq!(graph.held_buffers(), 1);
+    dev.synchronize().unwrap();
+    assert!(dev.violations().is_empty(), "{:?}", dev.violations().first());
+}
+
 /// An event recorded on the side stream *before* its last use of the block does not order that
 /// use: the block keeps waiting, and the graph holds it when the capture ends.
 #[test]

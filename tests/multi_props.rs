@@ -151,8 +151,9 @@ enum Op {
 
 /// What `Op::SetConfig` switches an allocator to (with its cross-stream policy kept): the
 /// default, expandable segments (and with pages released at once, and with stitching), caching
-/// off, one global lock, a split bound, rounding divisions, garbage collection.
-const CONFIGS: [&str; 9] = [
+/// off, one global lock, a split bound, rounding divisions, garbage collection, reuse within a
+/// capture after a side stream's join.
+const CONFIGS: [&str; 10] = [
     "",
     "expandable_segments:true",
     "expandable_segments:true,release_threshold_mb:0",
@@ -162,6 +163,7 @@ const CONFIGS: [&str; 9] = [
     "max_split_size_mb:40",
     "roundup_power2_divisions:4",
     "garbage_collection_threshold:0.5",
+    "graph_capture_record_stream_reuse:true",
 ];
 
 /// One step of a scope script (bound buffers are `ScopedBuffer`s; unbound ones `Buffer`s).
@@ -356,8 +358,14 @@ impl World {
         let capacity = std::env::var("MULTI_PROPS_CAPACITY_MB").ok().and_then(|v| v.parse().ok());
         let dev = Arc::new(SimDevice::backed(capacity.map_or(2 << 30, |mb: u64| mb << 20)));
         dev.panic_on_violation(std::env::var("MULTI_PROPS_PANIC").is_ok() && broken.is_none());
-        let allocs = policies
-            .map(|p| Allocator::new(dev.clone(), Config::default().with_cross_stream(p)).unwrap());
+        // The second allocator reuses, within a capture, blocks its side streams used once they
+        // are joined back (`graph_capture_record_stream_reuse`); the first holds them.
+        let mut reuse = [false, true].into_iter();
+        let allocs = policies.map(|p| {
+            let mut config = Config::default().with_cross_stream(p);
+            config.graph_capture_record_stream_reuse = reuse.next().unwrap_or(false);
+            Allocator::new(dev.clone(), config).unwrap()
+        });
         let pools = [0, 1]
             .map(|i| allocs[i].new_pool(PoolOptions::default().with_use_on_oom(i == 0)).unwrap());
         let graph_pools = [0, 1].map(|i| allocs[i].new_pool(PoolOptions::default()).unwrap());
@@ -895,6 +903,14 @@ impl World {
             drop(made.remove(0)); // back into the graph's pool, on `t`
         }
         self.captured_wait(s, t)?;
+        // After the join: with `graph_capture_record_stream_reuse`, the block read on `t` and
+        // freed may be handed out again here (the sanitizer checks that `t`'s read is ordered
+        // before this write, at capture and at every replay).
+        let after = captured_allocs(a, n, s, 1)?;
+        for b in &after {
+            self.dev.launch(s, kernel(None, b)).map_err(|e| format!("after the join: {e}"))?;
+        }
+        bufs.extend(after);
         Ok(made)
     }
 

@@ -138,6 +138,9 @@ struct Entry<D: Device> {
     /// to be reused within it (`graph_capture_record_stream_reuse`); held like `deferred` if
     /// the capture ends first.
     waits: Vec<Wait<D>>,
+    /// `graph_capture_record_stream_reuse` of the allocator that began the capture, as it was
+    /// then.
+    reuse: bool,
     /// Test-only: the capture runs as if there were no private pool (`Broken::CaptureGeneral`).
     broken: bool,
 }
@@ -231,7 +234,7 @@ impl<D: Device> CaptureTable<D> {
             false => Vec::new(),
         };
         let stream = f.stream;
-        if !uses.is_empty() && owner.config.load().graph_capture_record_stream_reuse {
+        if !uses.is_empty() {
             let mut t = lock(&self.inner);
             if let Some((origin, marks)) = Self::marks_for_reuse(&t, owner, stream, &uses) {
                 let e = t.get_mut(&origin).expect("found by marks_for_reuse");
@@ -258,7 +261,7 @@ impl<D: Device> CaptureTable<D> {
     ) -> Option<(StreamId, Vec<CaptureMark>)> {
         let origin = Self::origin(t, mine, stream)?;
         let e = &t[&origin];
-        if e.broken || !std::ptr::eq(mine, &*e.pool.alloc.shared) {
+        if !e.reuse || e.broken || !std::ptr::eq(mine, &*e.pool.alloc.shared) {
             return None;
         }
         let mut marks = Vec::new();
@@ -561,10 +564,9 @@ impl<D: Capture> Allocator<D> {
                 });
             }
             let pool = pool.clone();
-            t.insert(
-                stream,
-                Entry { route, pool, deferred: Vec::new(), waits: Vec::new(), broken },
-            );
+            let reuse = self.config().graph_capture_record_stream_reuse;
+            let (deferred, waits) = (Vec::new(), Vec::new());
+            t.insert(stream, Entry { route, pool, deferred, waits, reuse, broken });
             table.active.fetch_add(1, Ordering::AcqRel);
         }
         if let Err(e) = sh.device.begin_capture(stream) {

@@ -60,7 +60,9 @@
 //! Graph captures (`Op::Capture`) run whole in one step: allocations from the graph's pool with
 //! captured kernels over them (checked by the sanitizer as they are captured and at each replay),
 //! a block freed during the capture, and, forked, a second stream that joins the capture, uses
-//! and frees there, and is joined back; the graph is replayed and dropped, and its pool, emptied,
+//! and frees there, and is joined back (every other forked capture with
+//! `graph_capture_record_stream_reuse`: the block the side stream used is freed before the join
+//! and may serve the allocation after it); the graph is replayed and dropped, and its pool, emptied,
 //! must hold nothing (its device calls join the counts the device's must match). Injected faults
 //! and every configuration apply to them as to any step.
 //!
@@ -634,6 +636,14 @@ impl<'a> Harness<'a> {
             _ => None,
         };
         let a = self.alloc;
+        // Every other forked capture reuses, after the join, the block the side stream used
+        // (`graph_capture_record_stream_reuse`); the others hold it until the graph goes.
+        let reuse = t.is_some() && (stream ^ fork) & 1 == 1;
+        if a.config().graph_capture_record_stream_reuse != reuse {
+            let mut c = (*a.config()).clone();
+            c.graph_capture_record_stream_reuse = reuse;
+            a.set_config(c).map_err(|e| format!("set_config: {e}"))?;
+        }
         a.begin_capture(s, None).map_err(|e| format!("begin_capture on {s}: {e}"))?;
         let alloc = |on: StreamId| match a.alloc(bytes, on) {
             Ok(b) => Ok(Some(b)),
@@ -674,7 +684,15 @@ impl<'a> Harness<'a> {
                 }
                 drop(b); // back into the graph's pool, on `t`
             }
+            if reuse && bufs.len() == 2 {
+                drop(bufs.pop()); // used on `t`: waits for the join
+            }
             self.order_after(s, t)?; // the join
+            if let Some(b) = alloc(s)? {
+                // With the reuse, maybe the block `t` used: ordered after its read now.
+                self.dev.launch(s, kernel(None, &b)).map_err(|e| dev_err("after the join", e))?;
+                bufs.push(b);
+            }
         }
         if !bufs.is_empty() {
             drop(bufs.remove(0)); // freed during the capture: reused by the capture only
