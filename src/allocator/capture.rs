@@ -56,6 +56,11 @@
 //!   t waits on e: t joins             t: alloc → graph's pool, frees held back, record e'
 //! ```
 //!
+//! With `graph_capture_record_stream_reuse:true` (PyTorch's key), a block of the capture's own
+//! pool freed after uses on its other streams waits instead of being held (see [`Wait`]): the
+//! next allocation of the capture after the device shows the block's stream ordered after those
+//! uses (the side streams were joined back) frees it into the pool.
+//!
 //! Limits: scopes refuse to allocate on a capturing stream, joined or not.
 
 use super::buffer::Freed;
