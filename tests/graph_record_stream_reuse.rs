@@ -7,7 +7,9 @@
 use std::sync::Arc;
 use tidepool::device::{Access, AccessKind, EventId, Kernel, Launch};
 use tidepool::hooks::Broken;
-use tidepool::{Allocator, Buffer, Config, Device, MIB, MemPool, PoolOptions, SimDevice, StreamId};
+use tidepool::{
+    Allocator, BlockState, Buffer, Config, Device, MIB, MemPool, PoolOptions, SimDevice, StreamId,
+};
 
 const GIB: u64 = 1 << 30;
 const N: u64 = 64 * 1024;
@@ -74,12 +76,17 @@ enum Mode {
 /// `t2` follow. Returns the large-pool (allocated, active, inactive split, reserved) GiB after
 /// each of the five steps.
 fn deferred_recycling(mode: Mode, expandable: bool) -> [[u64; 4]; 5] {
+    deferred_recycling_in(mode, expandable, false)
+}
+
+fn deferred_recycling_in(mode: Mode, expandable: bool, broken: bool) -> [[u64; 4]; 5] {
     let conf = format!(
         "expandable_segments:{expandable},graph_capture_record_stream_reuse:{}",
         mode == Mode::CapturedReuse
     );
     let dev = Arc::new(SimDevice::new(16 * GIB));
     let alloc = Allocator::new(dev.clone(), Config::parse(&conf).unwrap()).unwrap();
+    alloc.set_broken(Broken::HeldBlocksAllocated, broken);
     let pool = alloc.new_pool(PoolOptions::default()).unwrap();
     let stream = dev.create_stream().unwrap();
     let captured = mode != Mode::Eager;
@@ -118,10 +125,10 @@ fn deferred_recycling(mode: Mode, expandable: bool) -> [[u64; 4]; 5] {
     rows.try_into().unwrap()
 }
 
-/// The guide's three tables, in thousandths of a GiB. `allocated` differs from PyTorch's where
-/// tidepool holds a freed block allocated (PyTorch counts it as active only): while it waits in
-/// the capture, and, with the key off, until the graph goes (PyTorch frees it into the graph's
-/// pool once its events complete after the capture: active 4 GB after `t2`, 8 GB here).
+/// The guide's three tables, in thousandths of a GiB: PyTorch's figures, but for one: with the
+/// key off, tidepool's graph holds `x1` (active, not allocated) until it goes, where PyTorch
+/// frees it into the graph's pool once its events complete after the capture (active 4 GB
+/// after `t2`; 8 GB here).
 #[test]
 fn pytorch_guide_deferred_memory_recycling() {
     const G4: u64 = 4000;
@@ -135,20 +142,39 @@ fn pytorch_guide_deferred_memory_recycling() {
             deferred_recycling(Mode::Captured, expandable),
             [
                 [G4, G4, 0, G4],
-                [G4, G4, 0, G4],
-                [G4, G4, 0, G4],
-                [2 * G4, 2 * G4, 0, 2 * G4],
-                [2 * G4, 2 * G4, 0, 2 * G4]
+                [0, G4, 0, G4],
+                [0, G4, 0, G4],
+                [G4, 2 * G4, 0, 2 * G4],
+                [G4, 2 * G4, 0, 2 * G4]
             ],
             "capture, key off: reserved doubles as in PyTorch, expandable {expandable}"
         );
         assert_eq!(
             deferred_recycling(Mode::CapturedReuse, expandable),
-            [[G4, G4, 0, G4], [G4, G4, 0, G4], [0, 0, 0, G4], [G4, G4, 0, G4], [G4, G4, 0, G4]],
+            [[G4, G4, 0, G4], [0, G4, 0, G4], [0, 0, 0, G4], [G4, G4, 0, G4], [G4, G4, 0, G4]],
             "capture with the key: x1 reused at t1, reserved stays 4 GB (PyTorch's figures), \
              expandable {expandable}"
         );
     }
+}
+
+/// The state of the block at `addr` in `pool`.
+fn block_state(pool: &MemPool<SimDevice>, addr: u64) -> Option<BlockState> {
+    let segs = pool.snapshot();
+    let mut blocks = segs.iter().flat_map(|g| g.blocks.iter());
+    blocks.find(|b| b.address.0 == addr).map(|b| b.state)
+}
+
+/// Broken mode `HeldBlocksAllocated` (tidepool's figures before): `x1`, held by the capture,
+/// stays allocated where PyTorch counts it active only.
+#[test]
+fn a_held_block_counted_as_allocated_disagrees_with_pytorch() {
+    const G4: u64 = 4000;
+    let rows = deferred_recycling_in(Mode::Captured, false, true);
+    assert_eq!(rows[1], [G4, G4, 0, G4], "after `del x1`: PyTorch says 0 allocated");
+    let rows = deferred_recycling_in(Mode::CapturedReuse, false, true);
+    assert_eq!(rows[1], [G4, G4, 0, G4]);
+    assert_eq!(rows[2], [0, 0, 0, G4], "reused at t1 all the same");
 }
 
 struct Setup {
@@ -181,7 +207,8 @@ struct Outcome {
 fn side_stream_use(reuse: bool, broken: bool) -> Outcome {
     let Setup { dev, s, t, alloc } = setup(reuse);
     alloc.set_broken(Broken::CaptureReuseUnordered, broken);
-    alloc.begin_capture(s, None).unwrap();
+    let pool = alloc.new_pool(PoolOptions::default()).unwrap();
+    alloc.begin_capture(s, Some(&pool)).unwrap();
     let x = alloc.alloc(MIB, s).unwrap();
     dev.launch(s, write(&x, 3)).unwrap();
     wait_stream(&dev, t, s); // t joins the capture
@@ -189,6 +216,8 @@ fn side_stream_use(reuse: bool, broken: bool) -> Outcome {
     x.record_stream(t).unwrap();
     let x_addr = x.ptr().0;
     drop(x); // t's read is unordered with s's later work: x waits
+    // Freed, not yet reusable: pending (PyTorch's `active_pending_free`), with or without the key.
+    assert_eq!(block_state(&pool, x_addr), Some(BlockState::Pending));
     let y = alloc.alloc(MIB, s).unwrap();
     dev.launch(s, write(&y, 4)).unwrap();
     wait_stream(&dev, s, t); // joined back: s's later work comes after t's read
@@ -202,7 +231,7 @@ fn side_stream_use(reuse: bool, broken: bool) -> Outcome {
         graph.launch(s).unwrap();
     }
     dev.synchronize().unwrap();
-    drop(graph);
+    drop((graph, pool));
     let violations = dev.violations().iter().map(|v| v.op.to_string()).collect();
     alloc.empty_cache().unwrap();
     alloc.check_invariants().unwrap();

@@ -153,6 +153,10 @@ pub enum Broken {
     /// stream is ordered after those uses: the side stream's captured work and the new owner's
     /// race at every replay.
     CaptureReuseUnordered = 1 << 47,
+    /// A block a capture holds back stays counted as allocated until the graph lets go of it
+    /// (tidepool's figures before): PyTorch counts a freed block whose reuse waits as active
+    /// only, and `memory_allocated()` during a capture disagreed with it.
+    HeldBlocksAllocated = 1 << 48,
     /// A growth whose headroom (expandable segments) does not fit the device fails the request
     /// instead of growing by exactly what the request needs.
     HeadroomOom = 1 << 30,
@@ -250,7 +254,7 @@ impl Broken {
 
     /// Every mode, in declaration order. Kept complete by [`Broken::position`], whose match
     /// stops compiling when a mode is added and not listed.
-    pub const EVERY: [Broken; 62] = [
+    pub const EVERY: [Broken; 63] = [
         Broken::ForeignBuffers,
         Broken::ForgottenUses,
         Broken::UnboundFreeOrder,
@@ -313,6 +317,7 @@ impl Broken {
         Broken::CaptureForks,
         Broken::JoinedStreamsOutside,
         Broken::CaptureReuseUnordered,
+        Broken::HeldBlocksAllocated,
     ];
 
     /// Its place in [`Broken::EVERY`].
@@ -380,6 +385,7 @@ impl Broken {
             Broken::CaptureForks => 59,
             Broken::JoinedStreamsOutside => 60,
             Broken::CaptureReuseUnordered => 61,
+            Broken::HeldBlocksAllocated => 62,
         }
     }
 

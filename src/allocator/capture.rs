@@ -73,7 +73,8 @@ use crate::sync::atomic::AtomicUsize;
 
 /// What a graph holds back until it is dropped.
 pub(super) enum Held<D: Device> {
-    /// A pool block freed during the capture, with its allocator: freed when the graph goes.
+    /// A pool block freed during the capture, with its allocator: pending (no longer allocated,
+    /// still active) until the graph goes, then freed.
     Block(Arc<Owner<D>>, Freed),
     /// A scope's unbound buffer freed during the capture, kept whole: its scope run and region
     /// hear of the free only when the graph goes (a planned slice or a block a region would
@@ -89,7 +90,7 @@ impl<D: Device> Held<D> {
     /// Lets go of it: the block is freed, the buffer dropped.
     pub(super) fn release(self) {
         match self {
-            Held::Block(owner, f) => owner.free(f),
+            Held::Block(owner, f) => owner.free_held(f, false),
             Held::Buffer(b) => drop(b),
             Held::Region { shared, region, stream, uses } => {
                 // Nothing could order it (the stream is gone and no host wait is allowed):
@@ -232,8 +233,10 @@ impl<D: Device> CaptureTable<D> {
         if !self.any() {
             return Some(f);
         }
-        // The streams it was used on, read before this table is locked (lock order: the
-        // table is never held while the allocator's state is locked elsewhere).
+        // The streams it was used on, read before this table is locked. Lock order: this
+        // table, then an allocator's state (a held block is pended under the table's lock, so
+        // that the end of the capture sees it held or not at all); never the other way round:
+        // nothing asks this table while it holds an allocator's state.
         let uses = match f.used_elsewhere {
             true => owner.block_uses(f.block),
             false => Vec::new(),
@@ -243,14 +246,18 @@ impl<D: Device> CaptureTable<D> {
             let mut t = lock(&self.inner);
             if let Some((origin, marks)) = Self::marks_for_reuse(&t, owner, stream, &uses) {
                 let e = t.get_mut(&origin).expect("found by marks_for_reuse");
+                owner.pend_held(&f); // under the table's lock: atomic with the capture's end
                 e.waits.push(Wait { owner: owner.clone(), freed: f, marks });
                 self.waiting.fetch_add(1, Ordering::Relaxed);
                 return None;
             }
         }
         let mut f = Some(f);
-        let held =
-            self.hold(owner, stream, &uses, || Held::Block(owner.clone(), f.take().expect("once")));
+        let held = self.hold(owner, stream, &uses, || {
+            let f = f.take().expect("once");
+            owner.pend_held(&f); // under the table's lock: the graph cannot let go of it before
+            Held::Block(owner.clone(), f)
+        });
         if held { None } else { f }
     }
 
@@ -304,7 +311,7 @@ impl<D: Device> CaptureTable<D> {
         };
         let n = ready.len();
         for w in ready {
-            w.owner.free_ordered(w.freed);
+            w.owner.free_held(w.freed, true);
         }
         n
     }

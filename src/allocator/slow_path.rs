@@ -475,33 +475,57 @@ impl<D: Device> Shared<D> {
         }
     }
 
-    /// Frees a block whose uses on other streams are known to come first (a capture showed its
-    /// stream ordered after them, `capture.rs`): into the pool, its recorded uses forgotten.
+    /// A capture holds back the freed block `f` (`capture.rs`, under the capture table's lock):
+    /// it is no longer allocated, still active (pending), until [`Shared::free_held`], as a
+    /// block whose free waits on events is (PyTorch's figures for a block freed in a capture
+    /// after `record_stream`).
     #[cold]
-    pub(super) fn free_ordered(&self, f: buffer::Freed) {
+    pub(super) fn pend_held(&self, f: &buffer::Freed) {
+        if self.broken(Broken::HeldBlocksAllocated) {
+            return; // BROKEN: counted as allocated until the graph lets go of it
+        }
+        let mut st = self.lock_state();
+        st.note(Action::FreeRequested, f.ptr, f.requested, f.stream);
+        st.pool.mark_pending(f.block);
+        st.base.move_to_pending(f.quadrant, f.size);
+    }
+
+    /// Lets go of a block [`Shared::pend_held`] pended: freed as a dropped buffer's would be
+    /// (behind events on the streams it was used on), or, with `ordered` (a capture showed its
+    /// stream ordered after those uses), into the pool with its uses forgotten.
+    #[cold]
+    pub(super) fn free_held(&self, f: buffer::Freed, ordered: bool) {
         self.device.note_reclaim(f.ptr, f.size, f.stream);
-        self.lock_state().stream_uses.remove(&f.block);
-        self.free_into_pool(f);
+        if ordered {
+            self.lock_state().stream_uses.remove(&f.block);
+        }
+        self.free_from(f, !self.broken(Broken::HeldBlocksAllocated));
     }
 
     /// The part of [`Shared::free`] under the global lock: into the pool, or behind events.
     #[cold]
     pub(super) fn free_into_pool(&self, f: buffer::Freed) {
+        self.free_from(f, false);
+    }
+
+    /// [`Shared::free_into_pool`] of an allocated block, or (`pended`) of one already moved to
+    /// pending ([`Shared::pend_held`]).
+    fn free_from(&self, f: buffer::Freed, pended: bool) {
         let block = f.block;
         let mut st = self.lock_state();
         if f.used_elsewhere && !st.buffer_uses.is_empty() {
             st.buffer_uses.remove(&f.ptr.0);
         }
-        st.note(Action::FreeRequested, f.ptr, f.requested, f.stream);
+        if !pended {
+            st.note(Action::FreeRequested, f.ptr, f.requested, f.stream);
+        }
         let uses = if st.stream_uses.is_empty() {
             Vec::new()
         } else {
             st.stream_uses.remove(&block).unwrap_or_default()
         };
         if uses.is_empty() || self.broken_skip_events.load(Ordering::Relaxed) {
-            st.pool.free(block);
-            st.base.live_down(f.quadrant, f.size, f.requested);
-            st.note(Action::FreeCompleted, f.ptr, f.requested, f.stream);
+            Self::free_now(&mut st, &f, pended);
             return;
         }
         let mut events = Vec::new();
@@ -531,8 +555,10 @@ impl<D: Device> Shared<D> {
                 if self.device.capture_underway() && !self.broken(Broken::RefusedWaitLeaks) {
                     // The capture refused the wait, not the device: the block waits for the
                     // host wait made once no capture is underway (`release_parked`).
-                    st.pool.mark_pending(block);
-                    st.base.move_to_pending(f.quadrant, f.size);
+                    if !pended {
+                        st.pool.mark_pending(block);
+                        st.base.move_to_pending(f.quadrant, f.size);
+                    }
                     st.parked.push(block);
                     return;
                 }
@@ -542,17 +568,27 @@ impl<D: Device> Shared<D> {
             }
         }
         if events.is_empty() {
-            st.pool.free(block);
-            st.base.live_down(f.quadrant, f.size, f.requested);
-            st.note(Action::FreeCompleted, f.ptr, f.requested, f.stream);
+            Self::free_now(&mut st, &f, pended);
             return;
         }
-        st.pool.mark_pending(block);
-        st.base.move_to_pending(f.quadrant, f.size);
+        if !pended {
+            st.pool.mark_pending(block);
+            st.base.move_to_pending(f.quadrant, f.size);
+        }
         st.pending_count.insert(block, events.len());
         for (s, p) in events {
             st.pending.entry(s).or_default().push_back(p);
         }
+    }
+
+    /// Frees the block of `f` into the pool now: allocated, or (`pended`) pending.
+    fn free_now(st: &mut State, f: &buffer::Freed, pended: bool) {
+        st.pool.free(f.block);
+        match pended {
+            true => st.base.pending_done(f.quadrant, f.size, f.requested),
+            false => st.base.live_down(f.quadrant, f.size, f.requested),
+        }
+        st.note(Action::FreeCompleted, f.ptr, f.requested, f.stream);
     }
 
     /// Forgets what `use_on` tracked for the buffer at `ptr` (being freed).
