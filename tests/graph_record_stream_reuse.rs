@@ -429,3 +429,79 @@ fn the_simulators_capture_marks() {
     tidepool::Capture::end_capture(&dev, s).map(drop).unwrap();
     tidepool::Capture::destroy_graph(&dev, g).unwrap();
 }
+
+/// Two captures underway at once, each with a side stream: each reuses its own block once its
+/// own side stream is joined back, and the other capture's join frees nothing of it. Then the
+/// same on two threads, each running one capture, many times over.
+#[test]
+fn two_captures_at_once_reuse_only_their_own_blocks() {
+    let Setup { dev, s, t, alloc } = setup(true);
+    let (s2, t2) = (dev.create_stream().unwrap(), dev.create_stream().unwrap());
+    alloc.begin_capture(s, None).unwrap();
+    alloc.begin_capture(s2, None).unwrap();
+    let (x, x2) = (alloc.alloc(MIB, s).unwrap(), alloc.alloc(MIB, s2).unwrap());
+    dev.launch(s, write(&x, 1)).unwrap();
+    dev.launch(s2, write(&x2, 2)).unwrap();
+    wait_stream(&dev, t, s);
+    wait_stream(&dev, t2, s2);
+    dev.launch(t, read(&x)).unwrap();
+    dev.launch(t2, read(&x2)).unwrap();
+    x.record_stream(t).unwrap();
+    x2.record_stream(t2).unwrap();
+    let (xa, x2a) = (x.ptr().0, x2.ptr().0);
+    drop((x, x2));
+    wait_stream(&dev, s, t); // the first capture's join only
+    let y2 = alloc.alloc(MIB, s2).unwrap();
+    assert_ne!(y2.ptr().0, x2a, "the second capture's side stream is not joined back yet");
+    dev.launch(s2, write(&y2, 3)).unwrap();
+    let y = alloc.alloc(MIB, s).unwrap();
+    assert_eq!(y.ptr().0, xa);
+    dev.launch(s, write(&y, 4)).unwrap();
+    wait_stream(&dev, s2, t2);
+    let z2 = alloc.alloc(MIB, s2).unwrap();
+    assert_eq!(z2.ptr().0, x2a);
+    dev.launch(s2, write(&z2, 5)).unwrap();
+    drop((y, y2, z2));
+    let (g, g2) = (alloc.end_capture(s).unwrap(), alloc.end_capture(s2).unwrap());
+    assert_eq!((g.held_buffers(), g2.held_buffers()), (0, 0));
+    g.launch(s).unwrap();
+    g2.launch(s2).unwrap();
+    dev.synchronize().unwrap();
+    assert!(dev.violations().is_empty(), "{:?}", dev.violations().first());
+    drop((g, g2));
+
+    let threads: Vec<_> = [(s, t), (s2, t2)]
+        .into_iter()
+        .map(|(s, t)| {
+            let (dev, alloc) = (dev.clone(), alloc.clone());
+            std::thread::spawn(move || {
+                for i in 0..50u8 {
+                    alloc.begin_capture(s, None).unwrap();
+                    let x = alloc.alloc(MIB, s).unwrap();
+                    dev.launch(s, write(&x, i)).unwrap();
+                    wait_stream(&dev, t, s);
+                    dev.launch(t, read(&x)).unwrap();
+                    x.record_stream(t).unwrap();
+                    let xa = x.ptr().0;
+                    drop(x);
+                    wait_stream(&dev, s, t);
+                    let y = alloc.alloc(MIB, s).unwrap();
+                    assert_eq!(y.ptr().0, xa, "round {i}");
+                    dev.launch(s, write(&y, i)).unwrap();
+                    drop(y);
+                    let g = alloc.end_capture(s).unwrap();
+                    assert_eq!(g.held_buffers(), 0);
+                    g.launch(s).unwrap();
+                }
+            })
+        })
+        .collect();
+    for th in threads {
+        th.join().unwrap();
+    }
+    dev.synchronize().unwrap();
+    assert!(dev.violations().is_empty(), "{:?}", dev.violations().first());
+    alloc.empty_cache().unwrap();
+    assert_eq!(dev.reserved_bytes(), 0);
+    alloc.check_invariants().unwrap();
+}
