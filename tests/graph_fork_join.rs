@@ -6,7 +6,7 @@
 
 mod common;
 
-use common::N;
+use common::{N, replayable_read as read, replayable_write as write};
 use std::sync::Arc;
 use tidepool::device::{Access, AccessKind, DeviceError, EventId, Kernel, Launch};
 use tidepool::hooks::Broken;
@@ -24,20 +24,6 @@ fn setup() -> Setup {
     let (s, t) = (dev.create_stream().unwrap(), dev.create_stream().unwrap());
     let alloc = Allocator::new(dev.clone(), Config::default()).unwrap();
     Setup { dev, s, t, alloc }
-}
-
-/// A replayable kernel writing `byte` over N bytes of `b`.
-fn write(b: &Buffer<SimDevice>, byte: u8) -> Kernel {
-    let p = b.ptr();
-    let acc = vec![Access { ptr: p, bytes: N, kind: AccessKind::Write }];
-    Kernel::replayable("write", acc, move |m| m.write(p, &[byte; N as usize]).unwrap())
-}
-
-/// A replayable kernel reading N bytes of `b`.
-fn read(b: &Buffer<SimDevice>) -> Kernel {
-    let p = b.ptr();
-    let acc = vec![Access { ptr: p, bytes: N, kind: AccessKind::Read }];
-    Kernel::replayable("read", acc, move |m| m.read(p, &mut [0u8; N as usize]).unwrap())
 }
 
 /// `to` waits for the work enqueued on `from` so far, through a new event (inside a capture:

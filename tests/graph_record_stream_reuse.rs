@@ -4,6 +4,9 @@
 //! stream was joined back — instead of being held until the graph goes. Off (the default, as in
 //! PyTorch), or where the device cannot tell, the graph holds it.
 
+mod common;
+
+use common::{replayable_read as read, replayable_write as write};
 use std::sync::Arc;
 use tidepool::device::{Access, AccessKind, EventId, Kernel, Launch};
 use tidepool::hooks::Broken;
@@ -12,7 +15,6 @@ use tidepool::{
 };
 
 const GIB: u64 = 1 << 30;
-const N: u64 = 64 * 1024;
 
 /// `to` waits for the work enqueued on `from` so far (`to.wait_stream(from)`): inside a capture
 /// a stream outside it joins it, and a captured stream is ordered after the other's work.
@@ -28,20 +30,6 @@ fn wait_stream(dev: &SimDevice, to: StreamId, from: StreamId) -> EventId {
 fn touch(b: &Buffer<SimDevice>, kind: AccessKind) -> Kernel {
     let acc = vec![Access { ptr: b.ptr(), bytes: b.len(), kind }];
     Kernel::replayable("touch", acc, |_| {})
-}
-
-/// A replayable kernel writing `byte` over the first N bytes of `b`.
-fn write(b: &Buffer<SimDevice>, byte: u8) -> Kernel {
-    let p = b.ptr();
-    let acc = vec![Access { ptr: p, bytes: N, kind: AccessKind::Write }];
-    Kernel::replayable("write", acc, move |m| m.write(p, &[byte; N as usize]).unwrap())
-}
-
-/// A replayable kernel reading the first N bytes of `b`.
-fn read(b: &Buffer<SimDevice>) -> Kernel {
-    let p = b.ptr();
-    let acc = vec![Access { ptr: p, bytes: N, kind: AccessKind::Read }];
-    Kernel::replayable("read", acc, move |m| m.read(p, &mut [0u8; N as usize]).unwrap())
 }
 
 /// Large-pool (allocated, active, inactive split, reserved) bytes of the allocator and its pool

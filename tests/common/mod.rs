@@ -66,3 +66,18 @@ pub fn device_bytes(dev: &SimDevice, buf: &Buffer<SimDevice>) -> Vec<u8> {
     dev.synchronize().unwrap();
     slot.lock().unwrap().clone()
 }
+
+/// A replayable kernel (one a CUDA graph may capture) writing `byte` over the first N bytes of
+/// `b`.
+pub fn replayable_write(b: &Buffer<SimDevice>, byte: u8) -> Kernel {
+    let p = b.ptr();
+    let acc = vec![Access { ptr: p, bytes: N, kind: AccessKind::Write }];
+    Kernel::replayable("write", acc, move |m| m.write(p, &[byte; N as usize]).unwrap())
+}
+
+/// A replayable kernel reading the first N bytes of `b`.
+pub fn replayable_read(b: &Buffer<SimDevice>) -> Kernel {
+    let p = b.ptr();
+    let acc = vec![Access { ptr: p, bytes: N, kind: AccessKind::Read }];
+    Kernel::replayable("read", acc, move |m| m.read(p, &mut [0u8; N as usize]).unwrap())
+}
