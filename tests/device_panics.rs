@@ -147,6 +147,12 @@ impl Device for PanicDev {
     fn capture_of(&self, stream: StreamId) -> Option<StreamId> {
         self.sim.capture_of(stream)
     }
+    fn capture_mark(&self, stream: StreamId) -> Option<tidepool::CaptureMark> {
+        self.sim.capture_mark(stream)
+    }
+    fn capture_ordered_after(&self, stream: StreamId, mark: tidepool::CaptureMark) -> bool {
+        self.sim.capture_ordered_after(stream, mark)
+    }
     fn observes_handouts(&self) -> bool {
         self.sim.observes_handouts()
     }
