@@ -745,6 +745,41 @@ fn graph_capture_reuses_a_side_streams_block_after_the_join() {
     assert!(dev.live_segments().is_empty(), "leaked: {:?}", dev.live_segments());
 }
 
+/// A cudarc copy on a side stream joined to a capture (`memcpy_dtod` through `CudaBuffer`'s
+/// `DevicePtr`, which asks the allocator to order the use): ordered inside the capture by an
+/// event edge, with no context synchronisation (which a capture forbids); each replay copies.
+#[test]
+fn graph_capture_orders_a_cudarc_copy_on_a_joined_stream() {
+    let Some((_gpu, dev)) = gpu() else { return };
+    let k = kernels(&dev);
+    let alloc = Allocator::new(dev.clone(), Config::default()).unwrap();
+    let (s, t) = (dev.create_stream().unwrap(), dev.create_stream().unwrap());
+    let (cs, ct) = (dev.stream(s).unwrap(), dev.stream(t).unwrap());
+    let fork = |to: StreamId, from: StreamId| {
+        let e = dev.create_event().unwrap();
+        dev.record_event(e, from).unwrap();
+        dev.wait_event(to, e).unwrap();
+        dev.destroy_event(e).unwrap();
+    };
+    alloc.begin_capture(s, None).unwrap();
+    // SAFETY: f32 has no invalid bit patterns; the captured fill and copy write them first.
+    let mut a = unsafe { CudaBuffer::<f32>::alloc(&alloc, N, s) }.unwrap();
+    let mut b = unsafe { CudaBuffer::<f32>::alloc(&alloc, N, s) }.unwrap();
+    fork(t, s);
+    launch_fill(&k, &cs, &mut a, 7.0); // after the fork: the copy must wait for it
+    ct.memcpy_dtod(&a, &mut b).unwrap();
+    fork(s, t); // joined back
+    let graph = alloc.end_capture(s).unwrap();
+    graph.launch(s).unwrap();
+    assert!(cs.clone_dtoh(&b).unwrap().iter().all(|&v| v == 7.0));
+    drop((graph, a, b));
+    alloc.empty_cache().unwrap();
+    drop(alloc);
+    dev.destroy_stream(s).unwrap();
+    dev.destroy_stream(t).unwrap();
+    assert!(dev.live_segments().is_empty(), "leaked: {:?}", dev.live_segments());
+}
+
 /// CUDA graphs on the GPU: a capture whose allocations come from the graph's private pool (one
 /// of them freed and reused during the capture), instantiated and replayed 100 times with the
 /// general pool used in between; the output is overwritten by each replay.

@@ -328,3 +328,43 @@ fn a_forked_capture_beside_a_thread_working_outside_it() {
     assert!(dev.live_segments().is_empty());
     assert!(dev.violations().is_empty(), "{:?}", dev.violations());
 }
+
+/// `use_on` of a captured buffer for a stream joined to the same capture (what cudarc's
+/// `DevicePtr` asks of a `CudaBuffer` on a side stream): the allocator orders the use inside the
+/// capture, with an event recorded on the writer's stream and waited on by the joined one (an
+/// edge of the graph; no stream joins). Returns what `use_on` answered, the streams that joined,
+/// and the sanitizer's reports over the capture and a replay.
+fn use_on_a_joined_stream(broken: bool) -> (Result<(), AllocError>, u64, Vec<String>) {
+    let Setup { dev, s, t, alloc } = setup();
+    alloc.set_broken(Broken::CaptureUseOnUnordered, broken);
+    alloc.begin_capture(s, None).unwrap();
+    let b = alloc.alloc(N, s).unwrap();
+    dev.launch(s, write(&b, 1)).unwrap();
+    wait(&dev, t, s); // t joins
+    dev.launch(s, write(&b, 2)).unwrap(); // after the fork: t's read must come after it
+    let r = b.use_on(t, AccessKind::Read);
+    dev.launch(t, read(&b)).unwrap();
+    wait(&dev, s, t); // joined back
+    let graph = alloc.end_capture(s).unwrap();
+    graph.launch(s).unwrap();
+    dev.synchronize().unwrap();
+    let joined = dev.graph_counters().joined_streams;
+    drop((graph, b));
+    alloc.empty_cache().unwrap();
+    (r, joined, dev.violations().iter().map(|v| v.op.to_string()).collect())
+}
+
+#[test]
+fn use_on_a_joined_stream_is_ordered_inside_the_capture() {
+    let (r, joined, v) = use_on_a_joined_stream(false);
+    assert_eq!(r, Ok(()));
+    assert_eq!(joined, 1, "only t, by the application's fork");
+    assert!(v.is_empty(), "{v:?}");
+}
+
+#[test]
+fn use_on_recorded_without_its_order_inside_a_capture_is_caught() {
+    let (r, _, v) = use_on_a_joined_stream(true);
+    assert_eq!(r, Ok(()));
+    assert!(v.iter().any(|x| x.contains("not ordered")), "{v:?}");
+}

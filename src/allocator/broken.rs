@@ -157,6 +157,10 @@ pub enum Broken {
     /// (tidepool's figures before): PyTorch counts a freed block whose reuse waits as active
     /// only, and `memory_allocated()` during a capture disagreed with it.
     HeldBlocksAllocated = 1 << 48,
+    /// `use_on` of a buffer for a stream of the same capture as the buffer's last writer records
+    /// the use without ordering it: the captured kernels of the two branches race at every
+    /// replay.
+    CaptureUseOnUnordered = 1 << 63,
     /// A growth whose headroom (expandable segments) does not fit the device fails the request
     /// instead of growing by exactly what the request needs.
     HeadroomOom = 1 << 30,
@@ -254,7 +258,7 @@ impl Broken {
 
     /// Every mode, in declaration order. Kept complete by [`Broken::position`], whose match
     /// stops compiling when a mode is added and not listed.
-    pub const EVERY: [Broken; 63] = [
+    pub const EVERY: [Broken; 64] = [
         Broken::ForeignBuffers,
         Broken::ForgottenUses,
         Broken::UnboundFreeOrder,
@@ -318,6 +322,7 @@ impl Broken {
         Broken::JoinedStreamsOutside,
         Broken::CaptureReuseUnordered,
         Broken::HeldBlocksAllocated,
+        Broken::CaptureUseOnUnordered,
     ];
 
     /// Its place in [`Broken::EVERY`].
@@ -386,6 +391,7 @@ impl Broken {
             Broken::JoinedStreamsOutside => 60,
             Broken::CaptureReuseUnordered => 61,
             Broken::HeldBlocksAllocated => 62,
+            Broken::CaptureUseOnUnordered => 63,
         }
     }
 

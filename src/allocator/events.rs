@@ -67,15 +67,18 @@ impl<D: Device> Shared<D> {
             after.extend(readers.iter().filter(|&&r| r != stream && r != writer));
         }
         for other in after {
-            let waited = match self.mark(&mut st, other) {
-                Mark::Event(event) => {
-                    let ok = self.device.wait_event(stream, event).is_ok()
-                        || self.device.synchronize_event(event).is_ok();
-                    st.free_events.push(event);
-                    ok
-                }
-                Mark::Drained => true,
-                Mark::Failed => false,
+            let waited = match self.same_capture(other, stream) {
+                true => self.order_in_capture(&mut st, other, stream),
+                false => match self.mark(&mut st, other) {
+                    Mark::Event(event) => {
+                        let ok = self.device.wait_event(stream, event).is_ok()
+                            || self.device.synchronize_event(event).is_ok();
+                        st.free_events.push(event);
+                        ok
+                    }
+                    Mark::Drained => true,
+                    Mark::Failed => false,
+                },
             };
             if !waited {
                 self.host_wait(&mut st)?;
@@ -95,6 +98,28 @@ impl<D: Device> Shared<D> {
         }
         drop(st);
         self.record_use(buffer, stream)
+    }
+
+    /// Whether `a` and `b` are streams of one capture underway (one began it, or both joined
+    /// it): ordering one after the other is then an edge of the graph, which no host wait and
+    /// no stream outside the capture takes part in.
+    fn same_capture(&self, a: StreamId, b: StreamId) -> bool {
+        self.device.capture_underway()
+            && self.device.capture_of(a).is_some_and(|o| self.device.capture_of(b) == Some(o))
+    }
+
+    /// Orders `stream`'s later work after `other`'s so far, both in one capture: an event
+    /// recorded on `other` (a node of the capture) that `stream` waits on. `false` if the device
+    /// refused either.
+    fn order_in_capture(&self, st: &mut State, other: StreamId, stream: StreamId) -> bool {
+        if self.broken(Broken::CaptureUseOnUnordered) {
+            return true; // BROKEN: the use is recorded, never ordered
+        }
+        let Ok(event) = self.event(st) else { return false };
+        let ok = self.device.record_event_in_capture(event, other).is_ok()
+            && self.device.wait_event(stream, event).is_ok();
+        st.free_events.push(event);
+        ok
     }
 
     /// Records an event on `stream` now, marking the work enqueued on it so far. See [`Mark`].

@@ -232,6 +232,17 @@ impl<D: Device> Guarded<D> {
         self.guard("record_event", || self.device.record_event(event, stream))
     }
 
+    /// [`Device::record_event`] on a capturing stream, for a wait by another stream of the
+    /// same capture only (an edge within the graph: no stream outside it waits on the event,
+    /// so none is pulled into the capture). [`Guarded::record_event`] refuses the rest.
+    pub(crate) fn record_event_in_capture(
+        &self,
+        event: EventId,
+        stream: StreamId,
+    ) -> Result<(), DeviceError> {
+        self.guard("record_event", || self.device.record_event(event, stream))
+    }
+
     /// [`Device::supports_virtual_memory`]; a panic answers no (ordinary segments).
     pub(crate) fn supports_virtual_memory(&self) -> bool {
         self.guard_or(false, || self.device.supports_virtual_memory())
