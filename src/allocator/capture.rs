@@ -47,8 +47,10 @@
 //! not see the join (the application waits on the event through the device); it asks the device
 //! ([`Device::capture_of`], CUDA's `cuStreamGetCaptureInfo`) wherever a capture is underway and
 //! a stream is not one a capture began on. It never records an event of its own on a capturing
-//! stream ([`Guarded::record_event`](crate::device::Guarded) refuses): that would fork the
-//! waiting stream into the graph.
+//! stream for a stream outside the capture to wait on ([`Guarded::record_event`](crate::device::Guarded)
+//! refuses): that would fork the waiting stream into the graph. The one event it records inside
+//! a capture orders `use_on` between two streams of that capture (the buffer's last writer and
+//! the user): an edge of the graph, waited on by the other member only.
 //!
 //! ```text
 //!   begin_capture(s)            s ── e ──────────────── wait(e') ── end_capture(s)
