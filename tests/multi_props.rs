@@ -891,9 +891,14 @@ impl World {
         ensure!(a.is_capturing(t), "{t:?} joined the capture of {s:?} but is not capturing");
         let mut made = captured_allocs(a, n, t, 2)?;
         if let (Some(first), Some(last)) = (made.first(), bufs.last()) {
+            // The use announced either way: `use_on` orders it inside the capture (an event
+            // edge from `s`), `record_stream` only records it (the fork ordered it already).
+            let announced = match pick % 4 >= 2 {
+                true => last.use_on(t, AccessKind::Read),
+                false => a.record_stream(last, t),
+            };
+            announced.map_err(|e| format!("use on a joined stream: {e}"))?;
             self.dev.launch(t, kernel(Some(last), first)).map_err(|e| format!("forked: {e}"))?;
-            a.record_stream(last, t)
-                .map_err(|e| format!("record_stream on a joined stream: {e}"))?;
             if pick % 2 == 1 {
                 drop(bufs.pop()); // used on `t`, not joined back yet: the graph holds it
             }

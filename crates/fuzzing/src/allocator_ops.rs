@@ -679,8 +679,14 @@ impl<'a> Harness<'a> {
             );
             if let Some(b) = alloc(t)? {
                 if let Some(last) = bufs.last() {
+                    // Announced with `use_on` (ordered inside the capture by an event edge)
+                    // or `record_stream` (recorded only: the fork ordered it).
+                    let announced = match (stream ^ fork) & 2 != 0 {
+                        true => last.use_on(t, AccessKind::Read),
+                        false => a.record_stream(last, t),
+                    };
+                    announced.map_err(|e| format!("use of a captured block on {t}: {e}"))?;
                     self.dev.launch(t, kernel(Some(last), &b)).map_err(|e| dev_err("forked", e))?;
-                    a.record_stream(last, t).map_err(|e| format!("record_stream on {t}: {e}"))?;
                 }
                 drop(b); // back into the graph's pool, on `t`
             }
