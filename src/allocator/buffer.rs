@@ -198,6 +198,9 @@ impl<D: Device> Buffer<D> {
     /// since; and the use is recorded ([`Buffer::record_stream`]), so the block is not reused
     /// before that work completed. On its own stream, with no other stream involved, it does
     /// nothing (stream order suffices). `CudaBuffer` (feature `cuda`) calls it for every cudarc use.
+    /// Inside a CUDA-graph capture it orders streams of that capture (a side stream joined to it)
+    /// with an event edge of the graph; it fails for a stream outside the capture, which no
+    /// captured work can wait for.
     ///
     /// ```
     /// use std::sync::Arc;
