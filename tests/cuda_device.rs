@@ -655,33 +655,64 @@ fn private_pool_routes_a_stream_and_frees_as_a_whole() {
     assert!(dev.live_segments().is_empty(), "leaked: {:?}", dev.live_segments());
 }
 
+/// Two streams of a GPU and an allocator over it, for captures that fork the second stream.
+struct TwoStreams {
+    dev: Arc<CudaDevice>,
+    k: Kernels,
+    alloc: Allocator<CudaDevice>,
+    s: StreamId,
+    t: StreamId,
+    cs: Arc<CudaStream>,
+    ct: Arc<CudaStream>,
+}
+
+impl TwoStreams {
+    fn new(dev: Arc<CudaDevice>, config: Config) -> TwoStreams {
+        let k = kernels(&dev);
+        let alloc = Allocator::new(dev.clone(), config).unwrap();
+        let (s, t) = (dev.create_stream().unwrap(), dev.create_stream().unwrap());
+        let (cs, ct) = (dev.stream(s).unwrap(), dev.stream(t).unwrap());
+        TwoStreams { dev, k, alloc, s, t, cs, ct }
+    }
+
+    /// `to` waits for the work enqueued on `from` so far (inside a capture: a fork or a join).
+    fn wait(&self, to: StreamId, from: StreamId) {
+        let e = self.dev.create_event().unwrap();
+        self.dev.record_event(e, from).unwrap();
+        self.dev.wait_event(to, e).unwrap();
+        self.dev.destroy_event(e).unwrap();
+    }
+
+    /// Gives everything back and checks that nothing is left on the device.
+    fn finish(self) {
+        self.alloc.empty_cache().unwrap();
+        drop(self.alloc);
+        self.dev.destroy_stream(self.s).unwrap();
+        self.dev.destroy_stream(self.t).unwrap();
+        assert!(self.dev.live_segments().is_empty(), "leaked: {:?}", self.dev.live_segments());
+    }
+}
+
 /// A capture that forks a side stream on the GPU (CUDA's fork and join through events): the
 /// side stream joins (`capture_of`), allocates from the graph's pool, fills its buffer, and is
 /// joined back; the graph then writes both buffers at each replay.
 #[test]
 fn graph_capture_forks_a_side_stream() {
     let Some((_gpu, dev)) = gpu() else { return };
-    let k = kernels(&dev);
-    let alloc = Allocator::new(dev.clone(), Config::default()).unwrap();
-    let (s, t) = (dev.create_stream().unwrap(), dev.create_stream().unwrap());
-    let (cs, ct) = (dev.stream(s).unwrap(), dev.stream(t).unwrap());
-    let fork = |to: StreamId, from: StreamId| {
-        let e = dev.create_event().unwrap();
-        dev.record_event(e, from).unwrap();
-        dev.wait_event(to, e).unwrap();
-        dev.destroy_event(e).unwrap();
-    };
+    let two = TwoStreams::new(dev, Config::default());
+    let TwoStreams { dev, k, alloc, s, t, cs, ct } = &two;
+    let (s, t) = (*s, *t);
     alloc.begin_capture(s, None).unwrap();
     // SAFETY: f32 has no invalid bit patterns; the captured fills write them before any read.
-    let mut a = unsafe { CudaBuffer::<f32>::alloc(&alloc, N, s) }.unwrap();
-    launch_fill(&k, &cs, &mut a, 1.0);
-    fork(t, s);
+    let mut a = unsafe { CudaBuffer::<f32>::alloc(alloc, N, s) }.unwrap();
+    launch_fill(k, cs, &mut a, 1.0);
+    two.wait(t, s); // the fork
     assert_eq!(dev.capture_of(t), Some(s));
     assert!(alloc.is_capturing(t));
     // SAFETY: as above.
-    let mut b = unsafe { CudaBuffer::<f32>::alloc(&alloc, N, t) }.unwrap();
-    launch_fill(&k, &ct, &mut b, 2.0);
-    fork(s, t); // the join
+    let mut b = unsafe { CudaBuffer::<f32>::alloc(alloc, N, t) }.unwrap();
+    launch_fill(k, ct, &mut b, 2.0);
+    two.wait(s, t); // the join
     let graph = alloc.end_capture(s).unwrap();
     assert_eq!(dev.capture_of(t), None);
     assert_eq!(graph.pool().stats().blocks.allocated_bytes.all.current, (2 * N * 4) as u64);
@@ -689,11 +720,7 @@ fn graph_capture_forks_a_side_stream() {
     assert!(cs.clone_dtoh(&a).unwrap().iter().all(|&v| v == 1.0));
     assert!(cs.clone_dtoh(&b).unwrap().iter().all(|&v| v == 2.0));
     drop((graph, a, b));
-    alloc.empty_cache().unwrap();
-    drop(alloc);
-    dev.destroy_stream(s).unwrap();
-    dev.destroy_stream(t).unwrap();
-    assert!(dev.live_segments().is_empty(), "leaked: {:?}", dev.live_segments());
+    two.finish();
 }
 
 /// `graph_capture_record_stream_reuse` on the GPU: a buffer of the capture's pool filled on a
@@ -702,34 +729,27 @@ fn graph_capture_forks_a_side_stream() {
 #[test]
 fn graph_capture_reuses_a_side_streams_block_after_the_join() {
     let Some((_gpu, dev)) = gpu() else { return };
-    let k = kernels(&dev);
     let config = Config::parse("graph_capture_record_stream_reuse:true").unwrap();
-    let alloc = Allocator::new(dev.clone(), config).unwrap();
-    let (s, t) = (dev.create_stream().unwrap(), dev.create_stream().unwrap());
-    let (cs, ct) = (dev.stream(s).unwrap(), dev.stream(t).unwrap());
-    let wait = |to: StreamId, from: StreamId| {
-        let e = dev.create_event().unwrap();
-        dev.record_event(e, from).unwrap();
-        dev.wait_event(to, e).unwrap();
-        dev.destroy_event(e).unwrap();
-    };
+    let two = TwoStreams::new(dev, config);
+    let TwoStreams { k, alloc, s, t, cs, ct, .. } = &two;
+    let (s, t) = (*s, *t);
     alloc.begin_capture(s, None).unwrap();
     // SAFETY: f32 has no invalid bit patterns; the captured fills write them before any read.
-    let mut x = unsafe { CudaBuffer::<f32>::alloc(&alloc, N, s) }.unwrap();
+    let mut x = unsafe { CudaBuffer::<f32>::alloc(alloc, N, s) }.unwrap();
     let x_ptr = x.buffer().ptr();
-    wait(t, s); // t joins
-    launch_fill(&k, &ct, &mut x, 1.0);
+    two.wait(t, s); // t joins
+    launch_fill(k, ct, &mut x, 1.0);
     alloc.record_stream(x.buffer(), t).unwrap();
     drop(x);
     // SAFETY: as above.
-    let mut y = unsafe { CudaBuffer::<f32>::alloc(&alloc, N, s) }.unwrap();
+    let mut y = unsafe { CudaBuffer::<f32>::alloc(alloc, N, s) }.unwrap();
     assert_ne!(y.buffer().ptr(), x_ptr, "t's fill is not ordered before s's later work yet");
-    launch_fill(&k, &cs, &mut y, 2.0);
-    wait(s, t); // joined back
+    launch_fill(k, cs, &mut y, 2.0);
+    two.wait(s, t); // joined back
     // SAFETY: as above.
-    let mut z = unsafe { CudaBuffer::<f32>::alloc(&alloc, N, s) }.unwrap();
+    let mut z = unsafe { CudaBuffer::<f32>::alloc(alloc, N, s) }.unwrap();
     assert_eq!(z.buffer().ptr(), x_ptr, "after the join, x's block is reused");
-    launch_fill(&k, &cs, &mut z, 3.0);
+    launch_fill(k, cs, &mut z, 3.0);
     let graph = alloc.end_capture(s).unwrap();
     assert_eq!(graph.held_buffers(), 0);
     for _ in 0..10 {
@@ -738,11 +758,7 @@ fn graph_capture_reuses_a_side_streams_block_after_the_join() {
         assert!(cs.clone_dtoh(&y).unwrap().iter().all(|&v| v == 2.0));
     }
     drop((graph, y, z));
-    alloc.empty_cache().unwrap();
-    drop(alloc);
-    dev.destroy_stream(s).unwrap();
-    dev.destroy_stream(t).unwrap();
-    assert!(dev.live_segments().is_empty(), "leaked: {:?}", dev.live_segments());
+    two.finish();
 }
 
 /// A cudarc copy on a side stream joined to a capture (`memcpy_dtod` through `CudaBuffer`'s
@@ -751,33 +767,23 @@ fn graph_capture_reuses_a_side_streams_block_after_the_join() {
 #[test]
 fn graph_capture_orders_a_cudarc_copy_on_a_joined_stream() {
     let Some((_gpu, dev)) = gpu() else { return };
-    let k = kernels(&dev);
-    let alloc = Allocator::new(dev.clone(), Config::default()).unwrap();
-    let (s, t) = (dev.create_stream().unwrap(), dev.create_stream().unwrap());
-    let (cs, ct) = (dev.stream(s).unwrap(), dev.stream(t).unwrap());
-    let fork = |to: StreamId, from: StreamId| {
-        let e = dev.create_event().unwrap();
-        dev.record_event(e, from).unwrap();
-        dev.wait_event(to, e).unwrap();
-        dev.destroy_event(e).unwrap();
-    };
+    let two = TwoStreams::new(dev, Config::default());
+    let TwoStreams { k, alloc, s, t, cs, ct, .. } = &two;
+    let (s, t) = (*s, *t);
     alloc.begin_capture(s, None).unwrap();
     // SAFETY: f32 has no invalid bit patterns; the captured fill and copy write them first.
-    let mut a = unsafe { CudaBuffer::<f32>::alloc(&alloc, N, s) }.unwrap();
-    let mut b = unsafe { CudaBuffer::<f32>::alloc(&alloc, N, s) }.unwrap();
-    fork(t, s);
-    launch_fill(&k, &cs, &mut a, 7.0); // after the fork: the copy must wait for it
+    let mut a = unsafe { CudaBuffer::<f32>::alloc(alloc, N, s) }.unwrap();
+    // SAFETY: as above.
+    let mut b = unsafe { CudaBuffer::<f32>::alloc(alloc, N, s) }.unwrap();
+    two.wait(t, s);
+    launch_fill(k, cs, &mut a, 7.0); // after the fork: the copy must wait for it
     ct.memcpy_dtod(&a, &mut b).unwrap();
-    fork(s, t); // joined back
+    two.wait(s, t); // joined back
     let graph = alloc.end_capture(s).unwrap();
     graph.launch(s).unwrap();
     assert!(cs.clone_dtoh(&b).unwrap().iter().all(|&v| v == 7.0));
     drop((graph, a, b));
-    alloc.empty_cache().unwrap();
-    drop(alloc);
-    dev.destroy_stream(s).unwrap();
-    dev.destroy_stream(t).unwrap();
-    assert!(dev.live_segments().is_empty(), "leaked: {:?}", dev.live_segments());
+    two.finish();
 }
 
 /// CUDA graphs on the GPU: a capture whose allocations come from the graph's private pool (one
