@@ -6,9 +6,9 @@
 
 mod common;
 
-use common::{N, replayable_read as read, replayable_write as write};
+use common::{N, replayable_read as read, replayable_write as write, wait_stream as wait};
 use std::sync::Arc;
-use tidepool::device::{Access, AccessKind, DeviceError, EventId, Kernel, Launch};
+use tidepool::device::{Access, AccessKind, DeviceError, Kernel, Launch};
 use tidepool::hooks::Broken;
 use tidepool::{AllocError, Allocator, Buffer, Config, Device, MIB, SimDevice, StreamId};
 
@@ -24,15 +24,6 @@ fn setup() -> Setup {
     let (s, t) = (dev.create_stream().unwrap(), dev.create_stream().unwrap());
     let alloc = Allocator::new(dev.clone(), Config::default()).unwrap();
     Setup { dev, s, t, alloc }
-}
-
-/// `to` waits for the work enqueued on `from` so far, through a new event (inside a capture:
-/// `to` joins it, or is ordered after `from`'s captured work).
-fn wait(dev: &SimDevice, to: StreamId, from: StreamId) -> EventId {
-    let e = dev.create_event().unwrap();
-    dev.record_event(e, from).unwrap();
-    dev.wait_event(to, e).unwrap();
-    e
 }
 
 fn code<T: std::fmt::Debug>(r: Result<T, DeviceError>) -> u32 {

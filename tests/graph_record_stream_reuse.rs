@@ -6,24 +6,15 @@
 
 mod common;
 
-use common::{replayable_read as read, replayable_write as write};
+use common::{replayable_read as read, replayable_write as write, wait_stream};
 use std::sync::Arc;
-use tidepool::device::{Access, AccessKind, EventId, Kernel, Launch};
+use tidepool::device::{Access, AccessKind, Kernel, Launch};
 use tidepool::hooks::Broken;
 use tidepool::{
     Allocator, BlockState, Buffer, Config, Device, MIB, MemPool, PoolOptions, SimDevice, StreamId,
 };
 
 const GIB: u64 = 1 << 30;
-
-/// `to` waits for the work enqueued on `from` so far (`to.wait_stream(from)`): inside a capture
-/// a stream outside it joins it, and a captured stream is ordered after the other's work.
-fn wait_stream(dev: &SimDevice, to: StreamId, from: StreamId) -> EventId {
-    let e = dev.create_event().unwrap();
-    dev.record_event(e, from).unwrap();
-    dev.wait_event(to, e).unwrap();
-    e
-}
 
 /// A replayable kernel that declares `kind` over the whole of `b` (its body touches nothing: on
 /// an unbacked device the sanitizer checks the declared accesses alone).

@@ -244,20 +244,22 @@ impl<D: Device> CaptureTable<D> {
             false => Vec::new(),
         };
         let stream = f.stream;
-        if !uses.is_empty() {
-            let mut t = lock(&self.inner);
-            if let Some((origin, marks)) = Self::marks_for_reuse(&t, owner, stream, &uses) {
-                let e = t.get_mut(&origin).expect("found by marks_for_reuse");
-                owner.pend_held(&f); // under the table's lock: atomic with the capture's end
-                e.waits.push(Wait { owner: owner.clone(), freed: f, marks });
-                self.waiting.fetch_add(1, Ordering::Relaxed);
-                return None;
-            }
+        // Pended under the table's lock: atomic with the capture's end (the graph cannot let go
+        // of it before, nor the capture end without it).
+        let mut t = lock(&self.inner);
+        if !uses.is_empty()
+            && let Some((origin, marks)) = Self::marks_for_reuse(&t, owner, stream, &uses)
+        {
+            let e = t.get_mut(&origin).expect("found by marks_for_reuse");
+            owner.pend_held(&f);
+            e.waits.push(Wait { owner: owner.clone(), freed: f, marks });
+            self.waiting.fetch_add(1, Ordering::Relaxed);
+            return None;
         }
         let mut f = Some(f);
-        let held = self.hold(owner, stream, &uses, || {
+        let held = Self::hold_in(&mut t, owner, stream, &uses, || {
             let f = f.take().expect("once");
-            owner.pend_held(&f); // under the table's lock: the graph cannot let go of it before
+            owner.pend_held(&f);
             Held::Block(owner.clone(), f)
         });
         if held { None } else { f }
@@ -359,8 +361,18 @@ impl<D: Device> CaptureTable<D> {
         uses: &[StreamId],
         make: impl FnOnce() -> Held<D>,
     ) -> bool {
-        let mut t = lock(&self.inner);
-        let Some(key) = Self::holder(&t, mine, stream, uses) else { return false };
+        Self::hold_in(&mut lock(&self.inner), mine, stream, uses, make)
+    }
+
+    /// [`CaptureTable::hold`] with the table locked.
+    fn hold_in(
+        t: &mut HashMap<StreamId, Entry<D>>,
+        mine: &Shared<D>,
+        stream: StreamId,
+        uses: &[StreamId],
+        make: impl FnOnce() -> Held<D>,
+    ) -> bool {
+        let Some(key) = Self::holder(t, mine, stream, uses) else { return false };
         let e = t.get_mut(&key).expect("found by holder");
         e.deferred.push(make());
         true

@@ -496,21 +496,19 @@ impl<D: Device> Shared<D> {
     #[cold]
     pub(super) fn free_held(&self, f: buffer::Freed, ordered: bool) {
         self.device.note_reclaim(f.ptr, f.size, f.stream);
-        if ordered {
-            self.lock_state().stream_uses.remove(&f.block);
-        }
-        self.free_from(f, !self.broken(Broken::HeldBlocksAllocated));
+        self.free_from(f, !self.broken(Broken::HeldBlocksAllocated), ordered);
     }
 
     /// The part of [`Shared::free`] under the global lock: into the pool, or behind events.
     #[cold]
     pub(super) fn free_into_pool(&self, f: buffer::Freed) {
-        self.free_from(f, false);
+        self.free_from(f, false, false);
     }
 
     /// [`Shared::free_into_pool`] of an allocated block, or (`pended`) of one already moved to
-    /// pending ([`Shared::pend_held`]).
-    fn free_from(&self, f: buffer::Freed, pended: bool) {
+    /// pending ([`Shared::pend_held`]); with `ordered`, its recorded uses are forgotten (known
+    /// to come first).
+    fn free_from(&self, f: buffer::Freed, pended: bool, ordered: bool) {
         let block = f.block;
         let mut st = self.lock_state();
         if f.used_elsewhere && !st.buffer_uses.is_empty() {
@@ -524,7 +522,7 @@ impl<D: Device> Shared<D> {
         } else {
             st.stream_uses.remove(&block).unwrap_or_default()
         };
-        if uses.is_empty() || self.broken_skip_events.load(Ordering::Relaxed) {
+        if uses.is_empty() || ordered || self.broken_skip_events.load(Ordering::Relaxed) {
             Self::free_now(&mut st, &f, pended);
             return;
         }

@@ -4,7 +4,7 @@
 
 use std::sync::{Arc, Mutex, mpsc};
 use tidepool::device::{Access, AccessKind, Kernel, Launch, SimDevice};
-use tidepool::{Buffer, Device, DeviceAddr};
+use tidepool::{Buffer, Device, DeviceAddr, StreamId};
 
 /// Bytes the shared kernels touch.
 pub const N: u64 = 4096;
@@ -80,4 +80,14 @@ pub fn replayable_read(b: &Buffer<SimDevice>) -> Kernel {
     let p = b.ptr();
     let acc = vec![Access { ptr: p, bytes: N, kind: AccessKind::Read }];
     Kernel::replayable("read", acc, move |m| m.read(p, &mut [0u8; N as usize]).unwrap())
+}
+
+/// `to` waits for the work enqueued on `from` so far (`to.wait_stream(from)`), through a new
+/// event, returned: inside a capture a stream outside it joins it, and a captured stream is
+/// ordered after the other's captured work.
+pub fn wait_stream(dev: &SimDevice, to: StreamId, from: StreamId) -> tidepool::device::EventId {
+    let e = dev.create_event().unwrap();
+    dev.record_event(e, from).unwrap();
+    dev.wait_event(to, e).unwrap();
+    e
 }
