@@ -3,7 +3,7 @@
 //!
 //! ```text
 //! cargo bench --bench hit_cycles --no-run
-//! perf stat -e cycles:u,instructions:u target/release/deps/hit_cycles-* small   # or large, small_gl
+//! perf stat -e cycles:u,instructions:u target/release/deps/hit_cycles-* small   # or large, small_gl, small_cas
 //! ```
 //!
 //! cycles:u ÷ the pairs printed is the cost of a pair in the allocator's own cycles (the cycles
@@ -20,6 +20,8 @@ fn main() {
         "small" => (4096u64, ""),
         "large" => (4 << 20, ""),
         "small_gl" => (4096, "global_lock:true"),
+        "small_cas" => (4096, "biased_lanes:false"),
+        "large_cas" => (4 << 20, "biased_lanes:false"),
         "large_gl" => (4 << 20, "global_lock:true"),
         // `cargo bench` runs every bench with `--bench`: nothing to do then.
         _ => return,

@@ -1,7 +1,9 @@
 //! The cache hit: alloc + free of the same size on the same stream (issue goal ≤ 50 ns a pair).
 //! `sanitized/…` runs with the SimDevice's stream-order sanitizer on (its hooks take the device
 //! lock on every hand-out and free); `allocator/…` with it off, measuring the allocator alone;
-//! `global_lock/…` is the same under `global_lock:true` (no fast path). `late_stream/…` runs
+//! `unbiased/…` with `biased_lanes:false` (every lane take a compare-and-swap: the lane lock
+//! before its bias, `lane_lock.rs`); `global_lock/…` is the same under `global_lock:true` (no
+//! fast path). `late_stream/…` runs
 //! the pairs on a stream made after 140 others were made, used and destroyed (a stream per
 //! request): its lanes are a destroyed stream's, re-tagged (before they were, every stream past
 //! the 64th took the global lock). `beside_live_stream/…` runs them on stream 64, made after
@@ -56,6 +58,7 @@ fn hit_path(c: &mut Criterion) {
     for (prefix, sanitize, config) in [
         ("sanitized", true, ""),
         ("allocator", false, ""),
+        ("unbiased", false, "biased_lanes:false"),
         ("global_lock", false, "global_lock:true"),
     ] {
         bench_pairs(&mut g, prefix, &allocator(sanitize, config));

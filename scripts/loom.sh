@@ -38,6 +38,7 @@ variants=(
   "moved_hold:a_block_moved_to_another_lane_against_the_last_handle"
   "retag_free:a_lane_retagged_for_a_new_stream_against_a_stale_free_and_hits"
   "retag_hit:a_lane_retagged_for_a_new_stream_against_a_stale_free_and_hits"
+  "lane_bias:a_biased_lane_against_another_threads_take"
 )
 status=0
 for v in "${variants[@]}"; do

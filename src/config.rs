@@ -70,6 +70,14 @@ pub struct Config {
     /// Route every operation through one mutex, with no fast cache and statistics read under
     /// it (`global_lock:true`): PyTorch's design, kept as a comparison point.
     pub global_lock: bool,
+    /// Per-stream caches whose locks are *biased* towards the thread that uses them
+    /// (`biased_lanes:true|false`, on by default): that thread takes its cache with no atomic
+    /// read-modify-write, and another thread's take (a buffer dropped on another thread, a
+    /// flush) first revokes the bias with one `membarrier(2)` system call, which makes every
+    /// running thread of the process pass a memory barrier. Off: every take is a
+    /// compare-and-swap (for processes that want no such interrupts). Linux only: elsewhere,
+    /// or where the system call is refused, the caches behave as with `false`.
+    pub biased_lanes: bool,
     /// Expandable segments (`expandable_segments:true`, PyTorch's key): one virtual address range
     /// per (stream, pool kind, residency), grown at its end by mapping physical pages and shrunk
     /// page by page, so free memory is never stranded in a half-used segment. Needs a device with
@@ -148,6 +156,7 @@ impl Default for Config {
             fast_cache_entries: DEFAULT_FAST_CACHE_ENTRIES,
             fast_cache_bytes: DEFAULT_FAST_CACHE_BYTES,
             global_lock: false,
+            biased_lanes: true,
             expandable_segments: false,
             stitching: false,
             release_threshold: DEFAULT_RELEASE_THRESHOLD,
@@ -194,6 +203,11 @@ pub const KEYS: &[(&str, &str)] = &[
     ("fast_cache_entries", "blocks a stream caches per size class, 1..=65536"),
     ("fast_cache_bytes_mb", "MiB a stream caches in all, 1..=1048576"),
     ("global_lock", "route everything through one mutex (no fast cache): true or false"),
+    (
+        "biased_lanes",
+        "per-stream caches taken with no atomic read-modify-write by the thread that uses them \
+         (Linux membarrier): true or false",
+    ),
     (
         "expandable_segments",
         "one growing virtual range per stream, pool and residency, mapped page by page: true or false",
@@ -468,6 +482,7 @@ impl Config {
             }
             "fast_cache_bytes_mb" => self.fast_cache_bytes = mib(1 << 20)?,
             "global_lock" => self.global_lock = flag()?,
+            "biased_lanes" => self.biased_lanes = flag()?,
             "expandable_segments" => self.expandable_segments = flag()?,
             "expandable_stitching" => self.stitching = flag()?,
             "graph_capture_record_stream_reuse" => self.graph_capture_record_stream_reuse = flag()?,
@@ -641,6 +656,13 @@ impl Config {
         self
     }
 
+    /// Per-stream cache locks biased towards their thread, or always a compare-and-swap
+    /// (`biased_lanes`).
+    pub fn with_biased_lanes(mut self, on: bool) -> Config {
+        self.biased_lanes = on;
+        self
+    }
+
     /// Expandable segments on or off (`expandable_segments`).
     pub fn with_expandable_segments(mut self, on: bool) -> Config {
         self.expandable_segments = on;
@@ -714,7 +736,7 @@ mod tests {
              expandable_segments:true,release_threshold_mb:0,garbage_collection_threshold:0.75,\
              initial_pool_size_mb:64,max_pool_size_mb:2048,caching:true,\
              max_non_split_rounding_mb:30,backend:native,expandable_stitching:true,\
-             graph_capture_record_stream_reuse:True",
+             graph_capture_record_stream_reuse:True,biased_lanes:false",
         )
         .unwrap();
         let z = c.sizing;
@@ -734,6 +756,8 @@ mod tests {
         assert_eq!(c.fast_cache_entries, 4);
         assert_eq!(c.fast_cache_bytes, 8 * MIB);
         assert!(c.global_lock);
+        assert!(!c.biased_lanes);
+        assert!(Config::default().biased_lanes);
         assert!(!c.fast_path());
         assert!(c.expandable_segments);
         assert!(c.stitching);
@@ -748,7 +772,7 @@ mod tests {
         assert_eq!(c.limit(2048 * MIB), Some(1024 * MIB)); // the fraction
         assert_eq!(c.clone().with_max_pool_size(8192 * MIB).limit(16384 * MIB), Some(4096 * MIB));
         assert_eq!(c.gc_limit(16384 * MIB), Some(1536 * MIB));
-        assert_eq!(KEYS.len(), 25, "a new key needs a line in this test");
+        assert_eq!(KEYS.len(), 26, "a new key needs a line in this test");
     }
 
     #[test]

@@ -32,6 +32,7 @@ mod config;
 pub mod device;
 mod host;
 mod interop;
+mod membarrier;
 pub mod packing;
 mod pickle;
 mod pool;

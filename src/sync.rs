@@ -15,7 +15,7 @@ pub(crate) use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 #[allow(unused_imports)]
 pub(crate) mod atomic {
     pub(crate) use std::sync::atomic::{
-        AtomicBool, AtomicU8, AtomicU64, AtomicUsize, Ordering, fence,
+        AtomicBool, AtomicU8, AtomicU32, AtomicU64, AtomicUsize, Ordering, fence,
     };
 }
 #[cfg(not(loom))]
@@ -29,7 +29,7 @@ pub(crate) use loom::sync::{Arc, Condvar, Mutex, MutexGuard};
 #[allow(unused_imports)]
 pub(crate) mod atomic {
     pub(crate) use loom::sync::atomic::{
-        AtomicBool, AtomicU8, AtomicU64, AtomicUsize, Ordering, fence,
+        AtomicBool, AtomicU8, AtomicU32, AtomicU64, AtomicUsize, Ordering, fence,
     };
 }
 #[cfg(loom)]

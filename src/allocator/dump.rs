@@ -209,6 +209,7 @@ fn settings(c: &Config, virtual_memory: bool) -> Py {
         ),
         ("fast_cache", Py::Bool(c.fast_cache)),
         ("global_lock", Py::Bool(c.global_lock)),
+        ("biased_lanes", Py::Bool(c.biased_lanes)),
         ("expandable_segments", Py::Bool(c.expandable_segments && virtual_memory)),
         ("graph_capture_record_stream_reuse", Py::Bool(c.graph_capture_record_stream_reuse)),
     ];

@@ -64,6 +64,8 @@ pub struct Limits {
     pub entries: usize,
     /// Bytes per stream.
     pub bytes: u64,
+    /// The lane's lock may be biased towards its owner thread (`biased_lanes`, `lane_lock.rs`).
+    pub biased: bool,
 }
 
 /// The key of a class: blocks of one residency handed out for one rounded size.
@@ -288,31 +290,34 @@ impl StreamCache {
     pub fn new(stream: StreamId, limits: Limits) -> StreamCache {
         StreamCache(CachePadded::new(CacheCells {
             tag: AtomicU64::new(u64::from(stream.0)),
-            inner: LaneLock::new(CacheInner {
-                stream,
-                classes: ClassTable::default(),
-                large: 0,
-                large_class: ClassKey { residency: Residency::Transient, rounded: 0 },
-                ceiling: [[0; 3]; QUADRANTS],
-                words: [0; FAST_WORDS],
-                published: [0; FAST_WORDS],
-                limits,
-                sizing: Sizing::default(),
-                closed: false,
-                room: Self::room_of(limits, false),
-                owner_refs: 0,
-                stash_closed: false,
-                small_max: Self::small_max_of(limits, &Sizing::default()),
-                round_mask: Self::round_mask_of(&Sizing::default()),
-                verdict: None,
-                credited: false,
-                #[cfg(feature = "test-hooks")]
-                keep_hot: false,
-                #[cfg(feature = "test-hooks")]
-                unmarked: false,
-                #[cfg(feature = "test-hooks")]
-                broken_tags: 0,
-            }),
+            inner: LaneLock::new(
+                limits.biased,
+                CacheInner {
+                    stream,
+                    classes: ClassTable::default(),
+                    large: 0,
+                    large_class: ClassKey { residency: Residency::Transient, rounded: 0 },
+                    ceiling: [[0; 3]; QUADRANTS],
+                    words: [0; FAST_WORDS],
+                    published: [0; FAST_WORDS],
+                    limits,
+                    sizing: Sizing::default(),
+                    closed: false,
+                    room: Self::room_of(limits, false),
+                    owner_refs: 0,
+                    stash_closed: false,
+                    small_max: Self::small_max_of(limits, &Sizing::default()),
+                    round_mask: Self::round_mask_of(&Sizing::default()),
+                    verdict: None,
+                    credited: false,
+                    #[cfg(feature = "test-hooks")]
+                    keep_hot: false,
+                    #[cfg(feature = "test-hooks")]
+                    unmarked: false,
+                    #[cfg(feature = "test-hooks")]
+                    broken_tags: 0,
+                },
+            ),
             fast: SeqBlock::new(),
             slow: SeqBlock::new(),
             large: AtomicU64::new(0),
@@ -331,6 +336,20 @@ impl StreamCache {
     #[inline(always)]
     pub(crate) fn lock_inner(&self) -> LaneGuard<'_, CacheInner> {
         self.inner.lock()
+    }
+
+    /// [`StreamCache::lock_inner`] by a user of the lane (a hit or a cached free): the first
+    /// thread to take it so becomes its owner, which takes it with no atomic read-modify-write
+    /// while no other thread does (`lane_lock.rs`).
+    #[inline(always)]
+    fn lock_claiming(&self) -> LaneGuard<'_, CacheInner> {
+        self.inner.lock_claiming()
+    }
+
+    /// Whether the lane's lock is biased towards its owner thread now (tests).
+    #[cfg(any(test, feature = "test-hooks"))]
+    pub fn is_biased(&self) -> bool {
+        self.inner.is_biased()
     }
 
     /// The published statistics deltas (see `counters.rs` for the layout).
@@ -414,7 +433,7 @@ impl StreamCache {
     #[inline(always)]
     pub fn push_small(&self, class: ClassKey, b: CachedBlock, stream: StreamId) -> bool {
         debug_assert!(is_small(b.quadrant));
-        let mut g = self.lock_inner();
+        let mut g = self.lock_claiming();
         let inner = &mut *g;
         let cached = inner.words[CACHED_BYTES];
         // Disabled, closed or full: one compare (`room` is 0 in the first two cases, and with
@@ -470,7 +489,7 @@ impl StreamCache {
         stream: StreamId,
     ) -> (Pop, u64, bool) {
         debug_assert!(bytes > 0);
-        let g = self.lock_inner();
+        let g = self.lock_claiming();
         if !g.takes_for(stream) {
             return (Pop::Miss, 0, false);
         }
@@ -519,7 +538,7 @@ impl StreamCache {
         if self.large.load(Ordering::Relaxed) == 0 {
             return (Pop::Miss, 0, false);
         }
-        let g = self.lock_inner();
+        let g = self.lock_claiming();
         if !g.takes_for(stream) {
             return (Pop::Miss, 0, false);
         }
@@ -835,6 +854,8 @@ impl StreamCache {
     /// Changes what the stream may cache and the size rules its hits round with (blocks already
     /// cached stay until the next flush).
     pub fn configure(&self, limits: Limits, sizing: Sizing) {
+        // (Outside the lock: turning the bias off revokes it, which takes the lock.)
+        self.inner.set_biasing(limits.biased);
         let mut g = self.lock_inner();
         g.limits = limits;
         g.room = Self::room_of(limits, g.closed || g.stash_closed);

@@ -1,73 +1,293 @@
-//! `LaneLock`: the lock of one stream-cache lane, built for an owner that takes it on every hit
-//! and a reclaimer (the global-lock side) that takes it rarely.
+//! `LaneLock`: the lock of one stream-cache lane, *biased* towards the thread that uses the
+//! lane (its owner), which takes it on every hit and every free, where every other thread (the
+//! global-lock side: flushes, credit revocations, statistics; a buffer dropped on another
+//! thread) takes it rarely.
 //!
 //! ```text
-//!   lock:    CAS locked false → true (Acquire)      one atomic RMW, on a line only this lane's
-//!            └─ taken: spin on a load, then yield    threads touch (the cache is padded)
-//!   unlock:  store locked = false (Release)          a plain store: no RMW, no waiter to wake
+//!  owner, biased:    owner_in = 1; light fence; biased? ──yes──▶ held        no atomic RMW
+//!                                                  └─no──▶ owner_in = 0, then as unbiased
+//!                    let go: owner_in = 0 (Release)
+//!  anyone else:      CAS locked false → true (Acquire)
+//!                    if biased: biased = 0; heavy fence; wait while owner_in ──▶ held
+//!                    let go: locked = false (Release)
+//!  owner, unbiased:  CAS locked, as anyone else; after REBIAS such takes with no other
+//!                    thread's between them, biased = 1 again
 //! ```
 //!
-//! `std::sync::Mutex` pays a second RMW to let go (a `swap`, to learn whether a waiter sleeps on
-//! the futex). Nothing here sleeps: holders never block while holding a lane (the fast path holds
-//! it for a few dozen instructions, the global-lock side for a flush, a credit revocation or a
+//! The light and heavy fences are `membarrier.rs`'s asymmetric pair: the owner's is a compiler
+//! fence, the other thread's a `membarrier` system call that makes every running thread of the
+//! process pass a full barrier. So of the owner's check (`owner_in` stored, `biased` loaded) and
+//! the other thread's (`biased` cleared, `owner_in` loaded) at least one sees the other's store:
+//! either the owner backs off, or the other thread waits until the owner lets go. A hit and its
+//! free then cost no atomic read-modify-write (an uncontended CAS is ~10 ns on the 2-core
+//! machine the benchmarks run on: half of a hit-and-free pair), and another thread's take costs
+//! one system call (~0.1 µs with one thread, a few µs with many) the first time after the
+//! owner's last biased stretch. A lane taken by other threads often stays unbiased: the owner
+//! re-biases only after `REBIAS` takes in a row with no other thread's.
+//!
+//! `biased` changes only under `locked`: the first user's claim and the owner's re-bias set it,
+//! another thread's take clears it. Once it is clear, the owner's next take goes through
+//! `locked` (synchronising with whoever held the lane), so every biased stretch begins after
+//! the last other holder let go. Where the heavy fence does not exist (not Linux, or the
+//! command refused), `biased` is never set and every take is the compare-and-swap.
+//!
+//! The owner is the first thread that takes the lane to serve a hit or cache a free
+//! ([`LaneLock::lock_claiming`]); other takes ([`LaneLock::lock`]) never claim, so a lane is
+//! not claimed by the global-lock side that flushes every lane. An owner is never replaced:
+//! after its thread ends, the lane is simply never biased again (every take is the CAS).
+//!
+//! Nothing here sleeps: holders never block while holding a lane (the fast path holds it for a
+//! few dozen instructions, the global-lock side for a flush, a credit revocation or a
 //! statistics copy, and takes no other lock under it), so a waiter spins briefly and then yields
-//! its core. A hit and its free therefore cost one uncontended RMW each.
+//! its core.
 //!
 //! Under loom the data sits in loom's `UnsafeCell` and each guard holds a tracked pointer, so a
 //! lock that fails to exclude shows up as a concurrent access in every model that drives a
-//! stream cache (broken variant `lane_lock`: a load, then a store, instead of the CAS).
+//! stream cache (broken variants `lane_lock`: a load, then a store, instead of the CAS;
+//! `lane_bias`: another thread's take without the heavy fence).
 
-use crate::sync::atomic::{AtomicBool, Ordering};
+use crate::membarrier;
+use crate::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::ops::{Deref, DerefMut};
 
 /// Spins on a taken lock before yielding the core to its holder.
 #[cfg(not(loom))]
 const SPINS: u32 = 64;
 
+/// The owner's takes through `locked`, with no other thread's between them, after which the
+/// lane is biased again (one loom step in the models, so that they explore re-biasing).
+#[cfg(not(loom))]
+const REBIAS: u32 = 1024;
+#[cfg(loom)]
+const REBIAS: u32 = 1;
+
 /// A lock around `T`; see the module docs.
 pub struct LaneLock<T> {
+    /// The compare-and-swap lock: every take but the owner's biased one.
     locked: AtomicBool,
+    /// The owner may take the lane with the light fence alone. Changed only under `locked`.
+    biased: AtomicBool,
+    /// The owner holds the lane through the bias.
+    owner_in: AtomicBool,
+    /// The owner's thread token (0: none yet); set once, under `locked`.
+    owner: AtomicU64,
+    /// The owner's takes through `locked` since another thread's; read and written under it.
+    calm: AtomicU32,
+    /// Whether the lane may be biased at all (`LaneLock::set_biasing`); read under `locked`.
+    may_bias: AtomicBool,
     #[cfg(not(loom))]
     data: std::cell::UnsafeCell<T>,
     #[cfg(loom)]
     data: loom::cell::UnsafeCell<T>,
 }
 
-// SAFETY: the data is reached only through a guard, and `locked` admits one guard at a time
-// (the CAS that sets it is Acquire, the store that clears it Release, so each holder sees the
-// previous holder's writes). `T: Send` because the holder may be any thread.
+// SAFETY: the data is reached only through a guard, and one guard exists at a time: guards of
+// the compare-and-swap path exclude each other through `locked` (set by an Acquire CAS, cleared
+// by a Release store); a biased guard excludes them through the fence pair on `owner_in` and
+// `biased` (module docs), and only the owner's thread can hold one. `T: Send` because the
+// holder may be any thread.
 unsafe impl<T: Send> Sync for LaneLock<T> {}
 
 impl<T> LaneLock<T> {
-    /// An unlocked lock around `value`.
-    pub fn new(value: T) -> LaneLock<T> {
+    /// An unlocked lock around `value`, with no owner yet; `may_bias`: see
+    /// [`LaneLock::set_biasing`].
+    pub fn new(may_bias: bool, value: T) -> LaneLock<T> {
         #[cfg(not(loom))]
         let data = std::cell::UnsafeCell::new(value);
         #[cfg(loom)]
         let data = loom::cell::UnsafeCell::new(value);
-        LaneLock { locked: AtomicBool::new(false), data }
+        LaneLock {
+            locked: AtomicBool::new(false),
+            biased: AtomicBool::new(false),
+            owner_in: AtomicBool::new(false),
+            owner: AtomicU64::new(0),
+            calm: AtomicU32::new(0),
+            may_bias: AtomicBool::new(may_bias),
+            data,
+        }
     }
 
-    /// Takes the lock, waiting (spinning, then yielding) while another thread holds it.
+    /// Takes the lock, waiting (spinning, then yielding) while another thread holds it. Never
+    /// claims the lane for this thread (the global-lock side's takes).
     #[inline(always)]
     pub fn lock(&self) -> LaneGuard<'_, T> {
+        self.lock_as(false)
+    }
+
+    /// [`LaneLock::lock`] by a user of the lane (a hit, a free cached here): the first such
+    /// thread becomes the lane's owner.
+    #[inline(always)]
+    pub fn lock_claiming(&self) -> LaneGuard<'_, T> {
+        self.lock_as(true)
+    }
+
+    #[inline(always)]
+    fn lock_as(&self, claim: bool) -> LaneGuard<'_, T> {
+        let me = thread_token();
+        // Only this thread ever stores its own token here, so reading it means this thread
+        // is the owner (a stale read of another value sends an owner down the CAS path, which
+        // is correct too).
+        if self.owner.load(Ordering::Relaxed) == me {
+            if self.enter_biased() {
+                return self.guard(Hold::Biased);
+            }
+            return self.lock_owner_unbiased();
+        }
+        self.lock_other(me, claim)
+    }
+
+    /// The owner's side of the fence pair: `true` when it holds the lane through the bias.
+    #[inline(always)]
+    fn enter_biased(&self) -> bool {
+        debug_assert!(!self.owner_in.load(Ordering::Relaxed), "a lane taken twice by its owner");
+        self.owner_in.store(true, Ordering::Relaxed);
+        membarrier::light();
+        if self.biased.load(Ordering::Acquire) {
+            return true;
+        }
+        self.owner_in.store(false, Ordering::Release);
+        false
+    }
+
+    /// The owner's take through `locked` while the lane is not biased; biases it again after
+    /// `REBIAS` such takes in a row.
+    #[inline(always)]
+    fn lock_owner_unbiased(&self) -> LaneGuard<'_, T> {
+        self.acquire();
+        let calm = self.calm.load(Ordering::Relaxed) + 1;
+        if calm >= REBIAS {
+            return self.guard(self.rebias());
+        }
+        self.calm.store(calm, Ordering::Relaxed);
+        self.guard(Hold::Locked)
+    }
+
+    /// Under `locked`, by the owner: how to let go, biasing the lane as the guard goes (if
+    /// biasing may be on here at all). Not at once: the owner holds the lane through `locked`
+    /// until then, and a bias set now would let it take a second guard (`try_lock`).
+    #[cold]
+    fn rebias(&self) -> Hold {
+        self.calm.store(0, Ordering::Relaxed);
+        match self.may_bias.load(Ordering::Relaxed) && membarrier::supported() {
+            true => Hold::LockedThenBias,
+            false => Hold::Locked,
+        }
+    }
+
+    /// Another thread's take (or the first user's, which claims the lane).
+    #[inline(never)]
+    fn lock_other(&self, me: u64, claim: bool) -> LaneGuard<'_, T> {
+        self.acquire();
+        if claim && self.owner.load(Ordering::Relaxed) == 0 {
+            // No owner yet, so no one can hold the lane through a bias: biased from the moment
+            // this first take lets go.
+            self.owner.store(me, Ordering::Relaxed);
+            return self.guard(self.rebias());
+        }
+        self.revoke_bias();
+        self.guard(Hold::Locked)
+    }
+
+    /// Under `locked`: clears the bias and waits until the owner is out (the heavy side of the
+    /// fence pair), and restarts the owner's count towards a re-bias.
+    #[inline]
+    fn revoke_bias(&self) {
+        self.calm.store(0, Ordering::Relaxed);
+        if !self.biased.load(Ordering::Relaxed) {
+            return;
+        }
+        self.biased.store(false, Ordering::Relaxed);
+        #[cfg(not(tidepool_broken = "lane_bias"))]
+        membarrier::heavy();
+        #[cfg(tidepool_broken = "lane_bias")]
+        // BROKEN: no heavy fence, so the owner's check may still read the bias.
+        crate::sync::thread::yield_now();
+        self.wait_owner_out();
+    }
+
+    /// Waits until the owner lets go of a biased hold.
+    fn wait_owner_out(&self) {
+        #[cfg(not(loom))]
+        let mut spins = 0;
+        while self.owner_in.load(Ordering::Acquire) {
+            #[cfg(not(loom))]
+            if spins < SPINS {
+                spins += 1;
+                std::hint::spin_loop();
+                continue;
+            }
+            crate::sync::thread::yield_now();
+        }
+    }
+
+    /// Takes the lock if that needs no wait (`None`: another thread holds it, or the owner
+    /// does through the bias). Never claims the lane.
+    pub fn try_lock(&self) -> Option<LaneGuard<'_, T>> {
+        let me = thread_token();
+        if self.owner.load(Ordering::Relaxed) == me {
+            // Held by this very thread already (only the owner sets `owner_in`): as `locked`
+            // held, no second guard.
+            if self.owner_in.load(Ordering::Relaxed) {
+                return None;
+            }
+            if self.enter_biased() {
+                return Some(self.guard(Hold::Biased));
+            }
+            return self.try_acquire().then(|| self.guard(Hold::Locked));
+        }
+        if !self.try_acquire() {
+            return None;
+        }
+        self.calm.store(0, Ordering::Relaxed);
+        if self.biased.load(Ordering::Relaxed) {
+            self.biased.store(false, Ordering::Relaxed);
+            membarrier::heavy();
+            if self.owner_in.load(Ordering::Acquire) {
+                // The owner is in (or backing off): give the bias back untouched and let go.
+                // Nothing was read or written, so its hold, if any, goes on undisturbed.
+                self.biased.store(true, Ordering::Relaxed);
+                self.locked.store(false, Ordering::Release);
+                return None;
+            }
+        }
+        Some(self.guard(Hold::Locked))
+    }
+
+    /// Turns biasing on or off for this lane (off: every take is the compare-and-swap).
+    /// Takes the lock as another thread would, so a bias in force is revoked first.
+    pub fn set_biasing(&self, on: bool) {
+        // Only this changes it: no change, nothing to revoke.
+        if self.may_bias.load(Ordering::Relaxed) == on {
+            return;
+        }
+        self.acquire();
+        self.revoke_bias();
+        self.may_bias.store(on, Ordering::Relaxed);
+        self.locked.store(false, Ordering::Release);
+    }
+
+    /// Whether the owner holds the lane through the bias now, or may from its next take.
+    #[cfg(any(test, feature = "test-hooks"))]
+    pub fn is_biased(&self) -> bool {
+        self.biased.load(Ordering::Relaxed)
+    }
+
+    #[inline(always)]
+    fn guard(&self, hold: Hold) -> LaneGuard<'_, T> {
+        LaneGuard {
+            lock: self,
+            hold,
+            #[cfg(loom)]
+            ptr: Some(self.data.get_mut()),
+        }
+    }
+
+    /// The compare-and-swap, waiting while another thread holds `locked`.
+    #[inline(always)]
+    fn acquire(&self) {
         if !self.try_acquire() {
             self.lock_contended();
         }
-        LaneGuard {
-            lock: self,
-            #[cfg(loom)]
-            ptr: Some(self.data.get_mut()),
-        }
-    }
-
-    /// Takes the lock if it is free now (`None`: another thread holds it).
-    pub fn try_lock(&self) -> Option<LaneGuard<'_, T>> {
-        self.try_acquire().then(|| LaneGuard {
-            lock: self,
-            #[cfg(loom)]
-            ptr: Some(self.data.get_mut()),
-        })
     }
 
     #[inline(always)]
@@ -118,9 +338,53 @@ impl<T> LaneLock<T> {
     }
 }
 
+/// This thread's token: unique for the process's life, never 0 (no owner).
+#[cfg(not(loom))]
+#[inline(always)]
+fn thread_token() -> u64 {
+    use std::cell::Cell;
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+    thread_local! {
+        // A constant initialiser and no destructor: one thread-local load, usable at any time.
+        static TOKEN: Cell<u64> = const { Cell::new(0) };
+    }
+    TOKEN.with(|t| match t.get() {
+        0 => {
+            let token = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            t.set(token);
+            token
+        }
+        token => token,
+    })
+}
+
+/// This thread's token, from loom's thread-locals (reset for every execution of a model).
+#[cfg(loom)]
+fn thread_token() -> u64 {
+    loom::lazy_static! {
+        static ref NEXT: AtomicU64 = AtomicU64::new(1);
+    }
+    loom::thread_local! {
+        static TOKEN: u64 = NEXT.fetch_add(1, Ordering::Relaxed);
+    }
+    TOKEN.with(|t| *t)
+}
+
+/// How a guard holds its lane, so how it lets go.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Hold {
+    /// The owner, through the bias: `owner_in` cleared.
+    Biased,
+    /// Through `locked`: cleared.
+    Locked,
+    /// The owner through `locked`, biasing the lane as it lets go.
+    LockedThenBias,
+}
+
 /// The lock held; the data reachable through it. Letting it go is one `Release` store.
 pub struct LaneGuard<'a, T> {
     lock: &'a LaneLock<T>,
+    hold: Hold,
     /// Loom's tracked access, ended before the lock is let go.
     #[cfg(loom)]
     ptr: Option<loom::cell::MutPtr<T>>,
@@ -156,7 +420,15 @@ impl<T> Drop for LaneGuard<'_, T> {
     fn drop(&mut self) {
         #[cfg(loom)]
         drop(self.ptr.take());
-        self.lock.locked.store(false, Ordering::Release);
+        match self.hold {
+            Hold::Biased => self.lock.owner_in.store(false, Ordering::Release),
+            Hold::Locked => self.lock.locked.store(false, Ordering::Release),
+            Hold::LockedThenBias => {
+                // Still under `locked`: another thread's next take sees the bias and revokes it.
+                self.lock.biased.store(true, Ordering::Relaxed);
+                self.lock.locked.store(false, Ordering::Release);
+            }
+        }
     }
 }
 
@@ -168,7 +440,7 @@ mod tests {
     /// Four threads add to one counter under the lock: no increment is lost.
     #[test]
     fn excludes_across_threads() {
-        let lock = Arc::new(LaneLock::new(0u64));
+        let lock = Arc::new(LaneLock::new(true, 0u64));
         let threads: Vec<_> = (0..4)
             .map(|_| {
                 let lock = lock.clone();
@@ -188,10 +460,143 @@ mod tests {
         assert_eq!(*lock.lock(), 40_000);
     }
 
+    /// Whether this machine has the heavy fence (the bias is never set without it).
+    fn bias_here() -> bool {
+        let on = crate::membarrier::supported();
+        if !on {
+            eprintln!("membarrier is refused here: checking that no lane is ever biased");
+        }
+        on
+    }
+
+    /// The first user becomes the owner, biased at once; another thread's take revokes the
+    /// bias; the owner biases the lane again after exactly `REBIAS` takes through the CAS.
+    #[test]
+    fn the_owner_is_biased_until_another_thread_takes_the_lane() {
+        let on = bias_here();
+        let lock = Arc::new(LaneLock::new(true, 0u64));
+        assert!(!lock.is_biased(), "no owner yet");
+        // A take that does not claim (the global-lock side's) leaves it unowned.
+        *lock.lock() += 1;
+        assert!(!lock.is_biased());
+        *lock.lock_claiming() += 1;
+        assert_eq!(lock.is_biased(), on);
+        let l2 = lock.clone();
+        std::thread::spawn(move || *l2.lock() += 10).join().unwrap();
+        assert!(!lock.is_biased(), "another thread's take revokes the bias");
+        for _ in 0..super::REBIAS - 1 {
+            *lock.lock() += 1;
+        }
+        assert!(!lock.is_biased(), "one take short of REBIAS");
+        *lock.lock() += 1;
+        assert_eq!(lock.is_biased(), on);
+        // Only the owner's takes count: another thread's claim does not take the lane over.
+        let l2 = lock.clone();
+        std::thread::spawn(move || *l2.lock_claiming() += 10).join().unwrap();
+        assert!(!lock.is_biased());
+        assert_eq!(*lock.lock(), 1 + 1 + 10 + u64::from(super::REBIAS) + 10);
+    }
+
+    /// The owner takes the lane through the bias while other threads take it with `lock` and
+    /// `try_lock` (each take revoking the bias the owner set again): no increment is lost.
+    #[test]
+    fn a_biased_owner_and_other_threads_exclude_each_other() {
+        bias_here();
+        let lock = Arc::new(LaneLock::new(true, 0u64));
+        let tried = Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let owner = {
+            let lock = lock.clone();
+            std::thread::spawn(move || {
+                for _ in 0..40_000 {
+                    let mut g = lock.lock_claiming();
+                    let v = *g;
+                    std::hint::black_box(&v);
+                    *g = v + 1;
+                }
+            })
+        };
+        let others: Vec<_> = (0..2)
+            .map(|_| {
+                let (lock, tried) = (lock.clone(), tried.clone());
+                std::thread::spawn(move || {
+                    for i in 0..3_000 {
+                        if i % 2 == 0 {
+                            let mut g = lock.lock();
+                            let v = *g;
+                            std::hint::black_box(&v);
+                            *g = v + 1;
+                        } else if let Some(mut g) = lock.try_lock() {
+                            let v = *g;
+                            std::hint::black_box(&v);
+                            *g = v + 1;
+                            tried.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        }
+                    }
+                })
+            })
+            .collect();
+        owner.join().unwrap();
+        for t in others {
+            t.join().unwrap();
+        }
+        let extra = tried.load(std::sync::atomic::Ordering::Relaxed);
+        assert_eq!(*lock.lock(), 40_000 + 2 * 1_500 + extra);
+    }
+
+    /// Biasing turned off revokes a bias in force, and the owner's takes never set it again;
+    /// turned on, the owner's takes do.
+    #[test]
+    fn biasing_turned_off_revokes_and_stays_off() {
+        let on = bias_here();
+        let lock = LaneLock::new(true, 0u64);
+        *lock.lock_claiming() += 1;
+        assert_eq!(lock.is_biased(), on);
+        lock.set_biasing(false);
+        assert!(!lock.is_biased());
+        for _ in 0..2 * super::REBIAS {
+            *lock.lock_claiming() += 1;
+        }
+        assert!(!lock.is_biased());
+        lock.set_biasing(true);
+        for _ in 0..super::REBIAS {
+            *lock.lock() += 1;
+        }
+        assert_eq!(lock.is_biased(), on);
+        assert_eq!(*lock.lock(), 1 + 3 * u64::from(super::REBIAS));
+    }
+
+    /// The owner holding the lane through the bias is refused a second guard by `try_lock`
+    /// (as a CAS holder is), so no two guards alias the data.
+    #[test]
+    fn the_owner_gets_no_second_guard() {
+        bias_here();
+        let lock = LaneLock::new(true, 0u64);
+        let g = lock.lock_claiming();
+        assert!(lock.try_lock().is_none());
+        drop(g);
+        assert!(lock.try_lock().is_some());
+    }
+
+    /// A biased guard dropped during a panic lets the lane go: another thread then takes it.
+    #[test]
+    fn a_biased_guard_is_released_on_unwind() {
+        bias_here();
+        let lock = Arc::new(LaneLock::new(true, 1u32));
+        let l2 = lock.clone();
+        let r = std::thread::spawn(move || {
+            drop(l2.lock_claiming());
+            let _g = l2.lock_claiming();
+            panic!("the owner panics while holding the lane");
+        })
+        .join();
+        assert!(r.is_err());
+        assert_eq!(*lock.lock(), 1);
+    }
+
     /// A guard dropped during a panic lets the lock go.
     #[test]
     fn released_on_unwind() {
-        let lock = Arc::new(LaneLock::new(1u32));
+        let lock = Arc::new(LaneLock::new(true, 1u32));
         let l2 = lock.clone();
         let r = std::thread::spawn(move || {
             let _g = l2.lock();

@@ -78,6 +78,7 @@ pub(crate) mod internals {
     pub use super::fast_cache::{
         CacheTable, CachedBlock, ClassKey, FAST_STREAMS, Limits, Pop, StreamCache, flush_into,
     };
+    pub use super::lane_lock::{LaneGuard, LaneLock};
     pub use super::request::RequestPlan;
     pub use super::seqlock::{Collect, SeqBlock, SeqWriter, Versioned};
     pub use crate::sync::{ArcCell, ArcRef};

@@ -98,6 +98,7 @@ pub(super) fn limits(config: &Config, recording: bool) -> Limits {
         enabled: config.fast_path() && !recording,
         entries: config.fast_cache_entries,
         bytes: config.fast_cache_bytes,
+        biased: config.biased_lanes,
     }
 }
 

@@ -85,7 +85,7 @@ impl<D: Device> Allocator<D> {
         let total = self.shared.device_total;
         let mib = |b: u64| Bytes(b).to_string();
         let history = self.shared.recording.load(Ordering::Relaxed);
-        let rows: [(String, &str); 9] = [
+        let rows: [(String, &str); 10] = [
             (
                 match (c.garbage_collection_threshold, c.gc_limit(total)) {
                     (Some(t), Some(at)) => format!("garbage collection: {t} ({})", mib(at)),
@@ -117,6 +117,17 @@ impl<D: Device> Allocator<D> {
             (
                 format!("caching: {}", if c.caching { "on" } else { "off (pass-through)" }),
                 "caching:false (TIDEPOOL_NO_MEMORY_CACHING=1)",
+            ),
+            (
+                format!(
+                    "biased lanes: {}",
+                    match (c.biased_lanes, crate::membarrier::supported()) {
+                        (false, _) => "off",
+                        (true, true) => "on",
+                        (true, false) => "off (no membarrier here)",
+                    }
+                ),
+                "biased_lanes:false",
             ),
             (
                 format!(
