@@ -385,7 +385,7 @@ impl StreamCache {
         stream: StreamId,
         stash: bool,
     ) -> Result<bool, CachedBlock> {
-        let mut g = self.lock_inner();
+        let mut g = self.lock_claiming();
         let inner = &mut *g;
         let large = !is_small(b.quadrant);
         // Disabled, closed or full: one compare (`room` is 0 in the first two cases).

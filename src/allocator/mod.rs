@@ -868,6 +868,14 @@ impl<D: Device> Allocator<D> {
         (lanes.iter().map(|c| c.cached_bytes_now()).collect(), fast_cache::thread_lane())
     }
 
+    /// **Test only** (feature `test-hooks`): whether each cache lane of `stream`, in lane
+    /// order, is biased towards its owner thread now (`biased_lanes`, `lane_lock.rs`).
+    #[cfg(feature = "test-hooks")]
+    #[doc(hidden)]
+    pub fn lanes_biased(&self, stream: StreamId) -> Vec<bool> {
+        self.shared.caches.lanes(stream).iter().map(|c| c.is_biased()).collect()
+    }
+
     /// **Test only.** The stream each cache lane serves, in table order (lanes of a stream are
     /// adjacent): what the table holds, slotted lanes and unslotted ones alike.
     #[cfg(feature = "test-hooks")]
