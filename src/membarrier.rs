@@ -59,12 +59,18 @@ mod imp {
 
     pub fn heavy() {
         debug_assert_eq!(STATE.load(Ordering::Relaxed), 1, "heavy fence before `supported`");
-        if membarrier(CMD_PRIVATE_EXPEDITED) != 0 {
-            // The command was registered (`supported`), after which the kernel does not refuse
-            // it. Going on would break exclusion silently, so this is fatal.
-            eprintln!("tidepool: membarrier(PRIVATE_EXPEDITED) failed after registration");
-            std::process::abort();
+        if membarrier(CMD_PRIVATE_EXPEDITED) == 0 {
+            return;
         }
+        // Registered (`supported`), so refused only where the registration did not carry over
+        // (a child after `fork` may start unregistered): register again, once, and retry.
+        if membarrier(CMD_REGISTER_PRIVATE_EXPEDITED) == 0 && membarrier(CMD_PRIVATE_EXPEDITED) == 0
+        {
+            return;
+        }
+        // Going on would break the lane locks' exclusion silently, so this is fatal.
+        eprintln!("tidepool: membarrier(PRIVATE_EXPEDITED) refused after it was registered");
+        std::process::abort();
     }
 }
 

@@ -153,7 +153,7 @@ enum Op {
 /// default, expandable segments (and with pages released at once, and with stitching), caching
 /// off, one global lock, a split bound, rounding divisions, garbage collection, reuse within a
 /// capture after a side stream's join.
-const CONFIGS: [&str; 10] = [
+const CONFIGS: [&str; 11] = [
     "",
     "expandable_segments:true",
     "expandable_segments:true,release_threshold_mb:0",
@@ -164,6 +164,9 @@ const CONFIGS: [&str; 10] = [
     "roundup_power2_divisions:4",
     "garbage_collection_threshold:0.5",
     "graph_capture_record_stream_reuse:true",
+    // Lane locks without the bias: a switch to or from it revokes every lane's bias while the
+    // other thread hits its lanes.
+    "biased_lanes:false",
 ];
 
 /// One step of a scope script (bound buffers are `ScopedBuffer`s; unbound ones `Buffer`s).

@@ -28,11 +28,12 @@ pub const STREAM_SLOTS: u8 = 3;
 pub const CAPACITIES: [u64; 4] = [64 * MIB, 256 * MIB, 1 << 30, 64 << 30];
 
 /// Configurations a program may start with or switch to. All valid. (The expandable ones were
-/// added after the first nine, the controls of issue 18 after those, stitching last. A choice
+/// added after the first nine, the controls of issue 18 after those, stitching, then lanes
+/// without the bias. A choice
 /// byte is read modulo the table's length, so an input written with choices below the old
 /// length decodes as before: the seeds are, and the committed crash artifacts were re-encoded
 /// with [`Program::encode`] when the stitching entries came.)
-pub const CONFIGS: [&str; 18] = [
+pub const CONFIGS: [&str; 19] = [
     "",
     "cross_stream:wait_event",
     "max_split_size_mb:40",
@@ -51,6 +52,7 @@ pub const CONFIGS: [&str; 18] = [
     "caching:false,cross_stream:wait_event,max_pool_size_mb:96",
     "expandable_segments:true,expandable_stitching:true",
     "expandable_segments:true,expandable_stitching:true,cross_stream:wait_event,release_threshold_mb:0",
+    "biased_lanes:false,cross_stream:wait_event",
 ];
 
 /// Kernel and sleep durations in µs (mostly zero: a zero sleep costs nothing).
