@@ -176,7 +176,7 @@ fn timed_loop(
                     {
                         s.alloc_unbound(bytes).map_err(err)?
                     }
-                    _ => alloc.alloc_in(bytes, streams[stream], residency).map_err(err)?,
+                    _ => acquire(alloc, bytes, streams[stream], residency).map_err(err)?,
                 };
                 // A slot is filled once (slots are per allocation): storing into the empty
                 // slot skips the drop glue an assignment would call for its old value, as the
@@ -289,6 +289,19 @@ pub fn replay_device(
     }
     let alloc = Allocator::new(dev.clone(), config.clone()).map_err(|e| err(&e))?;
     Ok(ReplayDevice { device: dev, alloc, streams })
+}
+
+/// `Allocator::alloc_in`, never inlined, for `scripts/replay-instructions --calls` as
+/// [`release`] is: the hit path is inlined into its caller, so no function of the allocator's
+/// own covers every allocation.
+#[inline(never)]
+fn acquire(
+    alloc: &Allocator<SimDevice>,
+    bytes: u64,
+    stream: tidepool::StreamId,
+    residency: Residency,
+) -> Result<Buffer<SimDevice>, AllocError> {
+    alloc.alloc_in(bytes, stream, residency)
 }
 
 /// Frees the buffer in `slot`. Never inlined, so that `scripts/replay-instructions` can count
