@@ -332,6 +332,14 @@ impl<D: Device> Buffer<D> {
                 if let Ok(stashed) = lane.push_stash(class, b, self.stream, true) {
                     return stashed;
                 }
+            } else if lane.is_first_of(self.stream) {
+                // A large hit's buffer holds its stream's first lane already: no lookup.
+                if owner.may_cache_large(self.size)
+                    && lane.large_blocks() == 0
+                    && let Ok(stashed) = lane.push_stash(class, b, self.stream, true)
+                {
+                    return stashed;
+                }
             } else if let Some(first) = owner.lane_for_free(q, self.size, self.stream) {
                 // (A reference under std, a clone under loom.)
                 #[allow(clippy::needless_borrow)]

@@ -276,6 +276,8 @@ pub struct CacheCells {
     /// revocations clear it, so when every lane reads clear, none held credit at the first read
     /// and the revocation locks none.
     credited: AtomicBool,
+    /// Its stream's first lane (lane 0 of its slot, the one that holds a large block).
+    first: bool,
 }
 
 impl std::ops::Deref for StreamCache {
@@ -286,8 +288,15 @@ impl std::ops::Deref for StreamCache {
 }
 
 impl StreamCache {
-    /// An empty cache for `stream`.
+    /// An empty cache for `stream`, its first lane. (The allocator makes its lanes with
+    /// [`StreamCache::new_lane`]; the loom models drive this one.)
+    #[cfg_attr(not(any(test, feature = "test-hooks")), allow(dead_code))]
     pub fn new(stream: StreamId, limits: Limits) -> StreamCache {
+        Self::new_lane(stream, limits, 0)
+    }
+
+    /// An empty cache for `stream`, its lane `lane`.
+    pub fn new_lane(stream: StreamId, limits: Limits, lane: usize) -> StreamCache {
         StreamCache(CachePadded::new(CacheCells {
             tag: AtomicU64::new(u64::from(stream.0)),
             inner: LaneLock::new(
@@ -323,7 +332,15 @@ impl StreamCache {
             large: AtomicU64::new(0),
             fast_max: AtomicU64::new(Self::fast_max_of(limits, &Sizing::default())),
             credited: AtomicBool::new(false),
+            first: lane == 0,
         }))
+    }
+
+    /// Whether it is its stream's first lane (the one a large block waits in) while it serves
+    /// `stream` (a relaxed read of its tag: a hint, the push compares it under the lock).
+    #[inline(always)]
+    pub fn is_first_of(&self, stream: StreamId) -> bool {
+        self.first && self.stream() == stream
     }
 
     /// The stream it caches for now (a relaxed read: exact under the global lock, which every

@@ -84,6 +84,12 @@ pub(crate) mod internals {
     pub use crate::sync::{ArcCell, ArcRef};
 }
 
+/// [`Shared::small_hint`] for a configuration whose lanes are open (`open`) or not: the lanes'
+/// own bound (`StreamCache::may_serve`).
+fn small_hint(open: bool, sizing: &crate::pool::Sizing) -> u64 {
+    if open { sizing.small_size } else { 0 }
+}
+
 use crate::config::{Config, CrossStream};
 use crate::device::AccessKind;
 use crate::device::{Device, DeviceAddr, DeviceError, EventId, Guarded, StreamId};
@@ -175,6 +181,7 @@ impl<D: Device> Allocator<D> {
         // run is open yet).
         let cache_large = !config.expandable_segments || config.release_threshold == u64::MAX;
         let (config_caching, oversize_at) = (config.caching, config.sizing.max_split_size);
+        let hint = small_hint(fast, &config.sizing);
         let config = Arc::new(config);
         let shared = Arc::new(Shared {
             device,
@@ -183,6 +190,7 @@ impl<D: Device> Allocator<D> {
             state: Mutex::new(State { config, ..State::default() }),
             caches: CacheTable::default(),
             fast_path: AtomicBool::new(fast),
+            small_hint: AtomicU64::new(hint),
             cache_large: AtomicBool::new(cache_large),
             publish_stats: AtomicBool::new(!global_lock),
             stats: SeqBlock::new(),
@@ -230,6 +238,8 @@ impl<D: Device> Allocator<D> {
         let recording = sh.recording.load(Ordering::Relaxed);
         let limits = limits(&config, recording);
         sh.fast_path.store(config.fast_path() && !recording, Ordering::Relaxed);
+        let hint = small_hint(config.fast_path() && !recording, &config.sizing);
+        sh.small_hint.store(hint, Ordering::Relaxed);
         sh.cache_large.store(Shared::<D>::large_cacheable(&st, &config), Ordering::Relaxed);
         sh.publish_stats.store(!config.global_lock, Ordering::Relaxed);
         sh.passthrough.store(!config.caching, Ordering::Relaxed);
@@ -308,8 +318,9 @@ impl<D: Device> Allocator<D> {
     #[inline(always)]
     fn hit(&self, bytes: u64, stream: StreamId, residency: Residency) -> Option<Buffer<D>> {
         let sh = &*self.shared;
-        // (Recording the history closes every lane: `Limits::enabled`.)
-        if sh.routes.any() {
+        // (Recording the history closes every lane: `Limits::enabled`.) A request above the
+        // small bound goes on to the large hit with no lane looked up.
+        if sh.routes.any() || bytes.wrapping_sub(1) >= sh.small_hint.load(Ordering::Relaxed) {
             return None;
         }
         // The one lookup: this thread's lane owner of the stream, which holds the lane.
@@ -931,6 +942,8 @@ impl<D: Device> Allocator<D> {
         sh.recording.store(on, Ordering::Relaxed);
         let config = st.config.clone();
         sh.fast_path.store(config.fast_path() && !on, Ordering::Relaxed);
+        sh.small_hint
+            .store(small_hint(config.fast_path() && !on, &config.sizing), Ordering::Relaxed);
         // The lanes close to hits and frees alike (room and size bound 0), so every operation
         // takes the slow path, which records it.
         let closed = on && !sh.broken(Broken::HistoryLanesOpen);

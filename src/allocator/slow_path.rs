@@ -465,14 +465,18 @@ impl<D: Device> Shared<D> {
     ) -> Option<crate::sync::SlotRef<'_, Arc<StreamCache>>> {
         match counters::is_small(q) {
             true => self.caches.fast(stream),
-            false
-                if self.cache_large.load(Ordering::Relaxed)
-                    && size < self.oversize_at.load(Ordering::Relaxed) =>
-            {
+            false if self.may_cache_large(size) => {
                 self.caches.first_lane(stream).filter(|c| c.large_blocks() == 0)
             }
             false => None,
         }
+    }
+
+    /// Whether a freed large block of `size` bytes may wait in its stream's first lane (not
+    /// over expandable segments that release pages, nor at `max_split_size` or above).
+    #[inline(always)]
+    pub(super) fn may_cache_large(&self, size: u64) -> bool {
+        self.cache_large.load(Ordering::Relaxed) && size < self.oversize_at.load(Ordering::Relaxed)
     }
 
     /// A capture holds back the freed block `f` (`capture.rs`, under the capture table's lock):
@@ -804,8 +808,8 @@ impl<D: Device> Shared<D> {
         closed: bool,
     ) -> Vec<Arc<StreamCache>> {
         let lanes: Vec<_> = (0..fast_cache::LANES)
-            .map(|_| {
-                let cache = StreamCache::new(stream, limits);
+            .map(|k| {
+                let cache = StreamCache::new_lane(stream, limits, k);
                 cache.configure(limits, sizing);
                 if closed {
                     cache.close();
