@@ -892,7 +892,7 @@ impl StreamCache {
     }
 
     /// The largest request a hit may serve under `limits` and `sizing`.
-    fn fast_max_of(limits: Limits, sizing: &Sizing) -> u64 {
+    pub(crate) fn fast_max_of(limits: Limits, sizing: &Sizing) -> u64 {
         if limits.enabled { sizing.small_size } else { 0 }
     }
 

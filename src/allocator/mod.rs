@@ -84,12 +84,6 @@ pub(crate) mod internals {
     pub use crate::sync::{ArcCell, ArcRef};
 }
 
-/// [`Shared::small_hint`] for a configuration whose lanes are open (`open`) or not: the lanes'
-/// own bound (`StreamCache::may_serve`).
-fn small_hint(open: bool, sizing: &crate::pool::Sizing) -> u64 {
-    if open { sizing.small_size } else { 0 }
-}
-
 use crate::config::{Config, CrossStream};
 use crate::device::AccessKind;
 use crate::device::{Device, DeviceAddr, DeviceError, EventId, Guarded, StreamId};
@@ -181,7 +175,7 @@ impl<D: Device> Allocator<D> {
         // run is open yet).
         let cache_large = !config.expandable_segments || config.release_threshold == u64::MAX;
         let (config_caching, oversize_at) = (config.caching, config.sizing.max_split_size);
-        let hint = small_hint(fast, &config.sizing);
+        let hint = StreamCache::fast_max_of(limits(&config, false), &config.sizing);
         let config = Arc::new(config);
         let shared = Arc::new(Shared {
             device,
@@ -238,7 +232,7 @@ impl<D: Device> Allocator<D> {
         let recording = sh.recording.load(Ordering::Relaxed);
         let limits = limits(&config, recording);
         sh.fast_path.store(config.fast_path() && !recording, Ordering::Relaxed);
-        let hint = small_hint(config.fast_path() && !recording, &config.sizing);
+        let hint = StreamCache::fast_max_of(limits, &config.sizing);
         sh.small_hint.store(hint, Ordering::Relaxed);
         sh.cache_large.store(Shared::<D>::large_cacheable(&st, &config), Ordering::Relaxed);
         sh.publish_stats.store(!config.global_lock, Ordering::Relaxed);
@@ -942,13 +936,14 @@ impl<D: Device> Allocator<D> {
         sh.recording.store(on, Ordering::Relaxed);
         let config = st.config.clone();
         sh.fast_path.store(config.fast_path() && !on, Ordering::Relaxed);
-        sh.small_hint
-            .store(small_hint(config.fast_path() && !on, &config.sizing), Ordering::Relaxed);
         // The lanes close to hits and frees alike (room and size bound 0), so every operation
         // takes the slow path, which records it.
         let closed = on && !sh.broken(Broken::HistoryLanesOpen);
+        let lane_limits = limits(&config, closed);
+        let hint = StreamCache::fast_max_of(lane_limits, &config.sizing);
+        sh.small_hint.store(hint, Ordering::Relaxed);
         for c in sh.caches.all().iter() {
-            c.configure(limits(&config, closed), config.sizing);
+            c.configure(lane_limits, config.sizing);
         }
         if on {
             sh.flush_all(&mut st);

@@ -22,9 +22,9 @@ pub(crate) struct Shared<D: Device> {
     pub(super) caches: CacheTable,
     /// Whether frees may use the stream caches (`Config::fast_path`), set with the config.
     pub(super) fast_path: AtomicBool,
-    /// The largest request the lanes' small hits may serve (0: none), set with the config as the
-    /// lanes' own bound is (`StreamCache::may_serve`): a hint that sends a larger request to the
-    /// large hit without looking its lane up.
+    /// The largest request the lanes' small hits may serve (0: none): the lanes' own bound
+    /// (`StreamCache::fast_max_of` of the limits they are configured with, set beside them), a
+    /// hint that sends a larger request to the large hit without looking its lane up.
     pub(super) small_hint: AtomicU64,
     /// Whether statistics are published for lock-free readers (off under `global_lock`, where
     /// `stats()` reads them under the lock), set with the config.
