@@ -75,8 +75,10 @@ pub struct Config {
     /// read-modify-write, and another thread's take (a buffer dropped on another thread, a
     /// flush) first revokes the bias with one `membarrier(2)` system call, which makes every
     /// running thread of the process pass a memory barrier. Off: every take is a
-    /// compare-and-swap (for processes that want no such interrupts). Linux only: elsewhere,
-    /// or where the system call is refused, the caches behave as with `false`.
+    /// compare-and-swap (for processes that want no such interrupts), and `membarrier` is
+    /// never called, not even to ask whether it exists (for sandboxes that kill a process on
+    /// a system call they do not allow). Linux only: elsewhere, or where the system call is
+    /// refused, the caches behave as with `false`.
     pub biased_lanes: bool,
     /// Expandable segments (`expandable_segments:true`, PyTorch's key): one virtual address range
     /// per (stream, pool kind, residency), grown at its end by mapping physical pages and shrunk
