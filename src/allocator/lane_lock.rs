@@ -25,8 +25,9 @@
 //! owner's last biased stretch. A lane taken by other threads often stays unbiased: the owner
 //! re-biases only after `REBIAS` takes in a row with no other thread's.
 //!
-//! `biased` changes only under `locked`: the first user's claim and the owner's re-bias set it,
-//! another thread's take clears it. Once it is clear, the owner's next take goes through
+//! `biased` changes only under `locked`: the first user's claim and the owner's re-bias set it
+//! as their guard lets go (never while the owner still holds `locked`, which would let it take
+//! a second, biased guard), another thread's take clears it. Once it is clear, the owner's next take goes through
 //! `locked` (synchronising with whoever held the lane), so every biased stretch begins after
 //! the last other holder let go. Where the heavy fence does not exist (not Linux, or the
 //! command refused), `biased` is never set and every take is the compare-and-swap.
@@ -34,7 +35,8 @@
 //! The owner is the first thread that takes the lane to serve a hit or cache a free
 //! ([`LaneLock::lock_claiming`]); other takes ([`LaneLock::lock`]) never claim, so a lane is
 //! not claimed by the global-lock side that flushes every lane. An owner is never replaced:
-//! after its thread ends, the lane is simply never biased again (every take is the CAS).
+//! after its thread ends, the first other thread's take revokes the bias for good (every take
+//! is the CAS from then on).
 //!
 //! Nothing here sleeps: holders never block while holding a lane (the fast path holds it for a
 //! few dozen instructions, the global-lock side for a flush, a credit revocation or a
