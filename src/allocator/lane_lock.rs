@@ -190,13 +190,24 @@ impl<T> LaneLock<T> {
         self.guard(Hold::Locked)
     }
 
-    /// Under `locked`: clears the bias and waits until the owner is out (the heavy side of the
-    /// fence pair), and restarts the owner's count towards a re-bias.
+    /// Under `locked`: clears the bias and waits until the owner is out, and restarts the
+    /// owner's count towards a re-bias.
     #[inline]
     fn revoke_bias(&self) {
+        if self.clear_bias() {
+            self.wait_owner_out();
+        }
+    }
+
+    /// Under `locked`, another thread's side of the fence pair: restarts the owner's count
+    /// towards a re-bias and, if the lane was biased, clears the bias and passes the heavy
+    /// fence (`true`): from then on the owner's check backs off, and `owner_in` says whether
+    /// it is inside.
+    #[inline]
+    fn clear_bias(&self) -> bool {
         self.calm.store(0, Ordering::Relaxed);
         if !self.biased.load(Ordering::Relaxed) {
-            return;
+            return false;
         }
         self.biased.store(false, Ordering::Relaxed);
         #[cfg(not(tidepool_broken = "lane_bias"))]
@@ -204,7 +215,7 @@ impl<T> LaneLock<T> {
         #[cfg(tidepool_broken = "lane_bias")]
         // BROKEN: no heavy fence, so the owner's check may still read the bias.
         crate::sync::thread::yield_now();
-        self.wait_owner_out();
+        true
     }
 
     /// Waits until the owner lets go of a biased hold.
@@ -240,17 +251,12 @@ impl<T> LaneLock<T> {
         if !self.try_acquire() {
             return None;
         }
-        self.calm.store(0, Ordering::Relaxed);
-        if self.biased.load(Ordering::Relaxed) {
-            self.biased.store(false, Ordering::Relaxed);
-            membarrier::heavy();
-            if self.owner_in.load(Ordering::Acquire) {
-                // The owner is in (or backing off): give the bias back untouched and let go.
-                // Nothing was read or written, so its hold, if any, goes on undisturbed.
-                self.biased.store(true, Ordering::Relaxed);
-                self.locked.store(false, Ordering::Release);
-                return None;
-            }
+        if self.clear_bias() && self.owner_in.load(Ordering::Acquire) {
+            // The owner is in (or backing off): give the bias back untouched and let go.
+            // Nothing was read or written, so its hold, if any, goes on undisturbed.
+            self.biased.store(true, Ordering::Relaxed);
+            self.locked.store(false, Ordering::Release);
+            return None;
         }
         Some(self.guard(Hold::Locked))
     }
@@ -439,6 +445,13 @@ mod tests {
     use super::LaneLock;
     use std::sync::Arc;
 
+    /// Adds one under `g` as a read, then a write (a lost update shows if two holders overlap).
+    fn add_one(mut g: super::LaneGuard<'_, u64>) {
+        let v = *g;
+        std::hint::black_box(&v);
+        *g = v + 1;
+    }
+
     /// Four threads add to one counter under the lock: no increment is lost.
     #[test]
     fn excludes_across_threads() {
@@ -448,10 +461,7 @@ mod tests {
                 let lock = lock.clone();
                 std::thread::spawn(move || {
                     for _ in 0..10_000 {
-                        let mut g = lock.lock();
-                        let v = *g;
-                        std::hint::black_box(&v);
-                        *g = v + 1;
+                        add_one(lock.lock());
                     }
                 })
             })
@@ -510,10 +520,7 @@ mod tests {
             let lock = lock.clone();
             std::thread::spawn(move || {
                 for _ in 0..40_000 {
-                    let mut g = lock.lock_claiming();
-                    let v = *g;
-                    std::hint::black_box(&v);
-                    *g = v + 1;
+                    add_one(lock.lock_claiming());
                 }
             })
         };
@@ -523,14 +530,9 @@ mod tests {
                 std::thread::spawn(move || {
                     for i in 0..3_000 {
                         if i % 2 == 0 {
-                            let mut g = lock.lock();
-                            let v = *g;
-                            std::hint::black_box(&v);
-                            *g = v + 1;
-                        } else if let Some(mut g) = lock.try_lock() {
-                            let v = *g;
-                            std::hint::black_box(&v);
-                            *g = v + 1;
+                            add_one(lock.lock());
+                        } else if let Some(g) = lock.try_lock() {
+                            add_one(g);
                             tried.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                         }
                     }

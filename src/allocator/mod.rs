@@ -323,8 +323,10 @@ impl<D: Device> Allocator<D> {
         let owner: &Arc<owner::Owner<D>> = &slot; // a reference under std, a clone under loom
         // (With the sanitizer on, the whole path serves it, and tells the sanitizer.)
         let cache = owner.quiet_lane()?;
+        // The lane's own bound: `small_hint` but for a moment after a configuration change.
+        // (Redundant otherwise; left in, the pair's code is laid out faster: design notes.)
         if !cache.may_serve(bytes) {
-            return None; // a large request: `alloc_missed` asks the stream's first lane
+            return None;
         }
         let residency = sh.cached_residency(residency);
         match cache.pop_request(residency, bytes, stream) {
