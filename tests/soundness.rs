@@ -561,3 +561,21 @@ fn a_region_is_made_only_for_the_plan_in_force() {
     drop(alloc);
     assert!(dev.live_segments().is_empty());
 }
+
+/// A stream-cache lane's guard stays on the thread that took it, as `std`'s `MutexGuard`
+/// does: a biased guard is its owner thread's (`lane_lock.rs`), and one let go on another
+/// thread would let the owner take a second guard while the first is held. A compile-time
+/// check: the path below names exactly one impl (so compiles) only where the guard is not
+/// `Send`; were it `Send`, both impls would apply and the build would fail as ambiguous.
+#[test]
+fn a_lane_guard_is_not_send() {
+    trait AmbiguousIfSend<A> {
+        fn check() {}
+    }
+    impl<T: ?Sized> AmbiguousIfSend<()> for T {}
+    impl<T: ?Sized + Send> AmbiguousIfSend<u8> for T {}
+    <tidepool::hooks::LaneGuard<'static, u64> as AmbiguousIfSend<_>>::check();
+    // The lock itself is shared between threads (its data only through a guard).
+    fn sync<T: Sync + Send>() {}
+    sync::<tidepool::hooks::LaneLock<u64>>();
+}

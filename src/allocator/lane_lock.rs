@@ -285,6 +285,7 @@ impl<T> LaneLock<T> {
         LaneGuard {
             lock: self,
             hold,
+            _thread: std::marker::PhantomData,
             #[cfg(loom)]
             ptr: Some(self.data.get_mut()),
         }
@@ -390,9 +391,15 @@ enum Hold {
 }
 
 /// The lock held; the data reachable through it. Letting it go is one `Release` store.
+///
+/// Not `Send`, as `std`'s `MutexGuard`: a biased guard is the owner thread's (its `owner_in`),
+/// and a guard let go on another thread would let the owner take a second one while it is
+/// held. (`tests/soundness.rs::a_lane_guard_is_not_send` checks it at compile time.)
 pub struct LaneGuard<'a, T> {
     lock: &'a LaneLock<T>,
     hold: Hold,
+    /// `!Send` (and `!Sync`): see the type's docs.
+    _thread: std::marker::PhantomData<*const ()>,
     /// Loom's tracked access, ended before the lock is let go.
     #[cfg(loom)]
     ptr: Option<loom::cell::MutPtr<T>>,
