@@ -241,6 +241,20 @@ impl<D: Device> OwnerTable<D> {
     /// [`OwnerTable::owner`] of lane `lane` of `stream` (a stream's first lane holds its large
     /// block, so a large buffer belongs to it).
     pub fn owner_of_lane(&self, stream: StreamId, lane: usize) -> Arc<Owner<D>> {
+        // The common case first, as `owner_slot` takes it: the stream's first choice holds
+        // the owner, whose lane serves the stream (no choices computed, no division).
+        if let Some(o) = self.slots[slot_index(stream.0 as usize, lane)].get()
+            && o.lane().is_some_and(|c| c.stream() == stream)
+        {
+            return o.clone();
+        }
+        self.owner_of_lane_made(stream, lane)
+    }
+
+    /// [`OwnerTable::owner_of_lane`] past its first choice: a later choice's owner, made here
+    /// the first time.
+    #[inline(never)]
+    fn owner_of_lane_made(&self, stream: StreamId, lane: usize) -> Arc<Owner<D>> {
         let Some(slot) = self.shared.caches.slot_of(stream) else {
             // No slotted lanes: the first choice's owner, made for another stream, serves as
             // well as any (a free to its lane is refused there, and goes to the pool).
