@@ -621,12 +621,19 @@ fn lane_statistics_are_published_when_read() {
 /// gradient and the activation's segment is never given back.)
 #[test]
 fn a_scope_tagged_buffer_is_freed_through_its_scope() {
+    // Small blocks (the drop's small case) and large ones (its large case) alike.
+    for (act_bytes, grad_bytes) in [(64 * 1024, 16 * 1024), (8 * MIB, 4 * MIB)] {
+        a_scope_tagged_buffer_of(act_bytes, grad_bytes);
+    }
+}
+
+fn a_scope_tagged_buffer_of(act_bytes: u64, grad_bytes: u64) {
     use tidepool::SimConfig;
     use tidepool::hooks::Broken;
     let step = |alloc: &Allocator<SimDevice>| {
         let scope = alloc.named_scope("step", S0);
-        let act = scope.alloc_unbound(64 * 1024).unwrap();
-        let grad = scope.alloc_unbound(16 * 1024).unwrap();
+        let act = scope.alloc_unbound(act_bytes).unwrap();
+        let grad = scope.alloc_unbound(grad_bytes).unwrap();
         let planned = (act.ptr(), act.is_planned(), grad.ptr(), grad.is_planned());
         drop(act);
         (grad, planned)
@@ -637,11 +644,11 @@ fn a_scope_tagged_buffer_is_freed_through_its_scope() {
         let alloc = Allocator::new(dev.clone(), Config::default()).unwrap();
         alloc.set_broken(Broken::UnflaggedScopeTag, broken);
         let (grad, _) = step(&alloc);
-        assert_eq!(grad.ptr(), DeviceAddr(SIM_BASE + 64 * 1024));
+        assert_eq!(grad.ptr(), DeviceAddr(SIM_BASE + act_bytes));
         drop(grad);
         let (grad, planned) = step(&alloc);
         let s = alloc.stats();
-        let whole = (DeviceAddr(SIM_BASE), true, DeviceAddr(SIM_BASE + 64 * 1024), true);
+        let whole = (DeviceAddr(SIM_BASE), true, DeviceAddr(SIM_BASE + act_bytes), true);
         assert_eq!(planned == whole && (s.plan_hits, s.plan_fallbacks) == (2, 0), !broken);
         assert_eq!(dev.counters().mallocs, 1);
         alloc.check_invariants().unwrap();
@@ -912,4 +919,55 @@ fn cross_thread_frees_against_a_biased_owner_keep_every_block_once() {
     assert_eq!(s.blocks.allocated_bytes.all.current, 0);
     assert_eq!(s.blocks.allocation.all.current, 0);
     check(&dev, &alloc);
+}
+
+/// A large block's free takes its inlined case (into its stream's first lane, no global lock)
+/// only where nothing else is owed: with the sanitizer's hooks off (as on a real device), a
+/// plain large buffer is cached and handed out again in place, but one used on another stream
+/// waits for that stream's event in the pool (a scope's unbound large buffer:
+/// `a_scope_tagged_buffer_is_freed_through_its_scope`). (The deliberately broken build `--cfg tidepool_broken="large_drop"`, which sends
+/// every large block down the inlined case, fails here: the buffer used on another stream is
+/// cached at once, with no event, and handed out again while that stream may still use it.)
+#[test]
+fn a_large_free_takes_the_lane_only_when_nothing_else_is_owed() {
+    let (dev, alloc) = quiet("");
+    let s1 = dev.create_stream().unwrap();
+    let a = alloc.alloc(4 * MIB, S0).unwrap();
+    let base = a.ptr();
+    let n = alloc.global_lock_acquisitions();
+    drop(a);
+    assert_eq!(alloc.global_lock_acquisitions(), n, "the free takes no global lock");
+    let s = alloc.stats();
+    assert_eq!((s.cached_fast_bytes, s.blocks.allocated_bytes.all.current), (4 * MIB, 0));
+    let b = alloc.alloc(4 * MIB, S0).unwrap();
+    assert_eq!(b.ptr(), base, "handed out again in place");
+    assert_eq!(alloc.stats().cached_fast_bytes, 0);
+
+    // Used on s1, whose work is not done (a kernel waits for a gate): the free records an
+    // event there and the block waits for it in the pool (active, not allocated, not cached),
+    // so the next request of its size takes another.
+    use tidepool::device::{Kernel, Launch};
+    let (open, gate) = std::sync::mpsc::channel::<()>();
+    dev.launch(
+        s1,
+        Kernel::new("gate", vec![], move |_| {
+            let _ = gate.recv();
+        }),
+    )
+    .unwrap();
+    alloc.record_stream(&b, s1).unwrap();
+    drop(b);
+    let s = alloc.stats();
+    assert_eq!(s.cached_fast_bytes, 0, "a block owed to s1's event is not cached");
+    assert_eq!(s.blocks.allocated_bytes.all.current, 0);
+    assert_eq!(s.blocks.active_bytes.all.current, 4 * MIB, "pending on s1's event");
+    let c = alloc.alloc(4 * MIB, S0).unwrap();
+    assert_ne!(c.ptr(), base, "a pending block is not handed out");
+    drop(c);
+    open.send(()).unwrap();
+    alloc.synchronize().unwrap();
+    alloc.check_invariants().unwrap();
+    alloc.check_invariants().unwrap();
+    drop(alloc);
+    assert!(dev.live_segments().is_empty(), "everything given back");
 }
