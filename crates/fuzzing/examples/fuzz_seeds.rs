@@ -95,7 +95,14 @@ fn seq(runs: Vec<Vec<Op>>) -> Vec<Op> {
 }
 
 fn scenario(capacity: u8, config: u8, ops: Vec<Op>) -> Vec<u8> {
-    encode(&Program { capacity, config, explicit_teardown: false, late_streams: false, ops })
+    encode(&Program {
+        capacity,
+        config,
+        explicit_teardown: false,
+        late_streams: false,
+        quiet: false,
+        ops,
+    })
 }
 
 /// Encodes a program whose operands are all in range (it decodes back to itself).
@@ -490,6 +497,7 @@ fn allocator_seeds() -> Vec<(String, Vec<u8>)> {
             config: 1,
             explicit_teardown: true,
             late_streams: false,
+            quiet: false,
             ops: vec![keep(3 * MIB, 1), alloc(12 * MIB, 2), alloc(100, 0)],
         }),
     ));
@@ -516,8 +524,14 @@ fn allocator_seeds() -> Vec<(String, Vec<u8>)> {
             Free { index: 1 },
             alloc(8192, 2),
         ];
-        let p =
-            Program { capacity: 1, config, explicit_teardown: teardown, late_streams: true, ops };
+        let p = Program {
+            capacity: 1,
+            config,
+            explicit_teardown: teardown,
+            late_streams: true,
+            quiet: false,
+            ops,
+        };
         seeds.push((name.into(), encode(&p)));
     }
     // Pseudo-random programs over every capacity × config, mixing every operation.
@@ -586,6 +600,7 @@ fn allocator_seeds() -> Vec<(String, Vec<u8>)> {
                 config,
                 explicit_teardown: next() & 1 == 1,
                 late_streams: false,
+                quiet: false,
                 ops,
             };
             seeds.push((format!("random-cap{capacity}-config{config}"), encode(&p)));
@@ -625,6 +640,7 @@ fn allocator_seeds() -> Vec<(String, Vec<u8>)> {
                 config: variant,
                 explicit_teardown: next() & 1 == 1,
                 late_streams: false,
+                quiet: false,
                 ops,
             };
             seeds.push((format!("random-scoped-cap{capacity}-{variant}"), encode(&p)));
@@ -836,6 +852,7 @@ fn scope_seeds() -> Vec<(&'static str, Vec<u8>)> {
                 config: 0,
                 explicit_teardown: true,
                 late_streams: false,
+                quiet: false,
                 ops: vec![
                     ScopeEnter { stream: 2, named: true },
                     ScopeAlloc { bytes: 0 },

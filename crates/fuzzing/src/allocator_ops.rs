@@ -1,6 +1,8 @@
 //! The `allocator_ops` harness: runs a [`Program`] against an [`Allocator`] on an unbacked,
-//! sanitized [`SimDevice`], and checks after every step that the allocator agrees with a simple
-//! reference model and with the device.
+//! sanitized [`SimDevice`] (or, for a `quiet` program, one with its sanitizer off, as on a real
+//! GPU: only there do hits and frees take the inlined paths that the sanitizer's hooks
+//! bypass), and checks after every step that the allocator agrees with a simple reference
+//! model and with the device.
 //!
 //! ```text
 //!   Program ──▶ Harness::step(op) ──▶ Harness::check() ──▶ … ──▶ Harness::teardown()
@@ -8,7 +10,8 @@
 //!                  │        streams that used it, the scope run that made it), stream slots,
 //!                  │        armed device faults, the open scope (at most one)
 //!                  ▼
-//!   Allocator<SimDevice> ×2 (capacity from the program; sanitizer on; kernels without bodies)
+//!   Allocator<SimDevice> ×2 (capacity from the program; sanitizer on unless quiet; kernels
+//!                            without bodies)
 //! ```
 //!
 //! The allocator is a local of [`run`], and the harness borrows it, so the open [`Scope`] (which
@@ -97,14 +100,17 @@ static DEVICES: Mutex<Vec<Arc<SimDevice>>> = Mutex::new(Vec::new());
 /// Most devices kept in [`DEVICES`].
 const KEEP_DEVICES: usize = 8;
 
-/// A clean device of `capacity` bytes: from the pool, or new.
-fn take_device(capacity: u64) -> Arc<SimDevice> {
+/// A clean device of `capacity` bytes, its sanitizer off where `quiet`: from the pool, or new.
+fn take_device(capacity: u64, quiet: bool) -> Arc<SimDevice> {
     let mut pool = DEVICES.lock().unwrap_or_else(PoisonError::into_inner);
-    match pool.iter().position(|d| d.config().capacity == capacity) {
+    let fits = |d: &Arc<SimDevice>| d.config().capacity == capacity && d.config().sanitize != quiet;
+    match pool.iter().position(fits) {
         Some(i) => pool.swap_remove(i),
-        None => {
-            Arc::new(SimDevice::with_config(SimConfig { capacity, backed: false, sanitize: true }))
-        }
+        None => Arc::new(SimDevice::with_config(SimConfig {
+            capacity,
+            backed: false,
+            sanitize: !quiet,
+        })),
     }
 }
 
@@ -181,7 +187,7 @@ fn second(alloc: &Allocator<SimDevice>, program: &Program) -> Result<Allocator<S
 /// A clean device for `program` and an allocator over it, with the device's counters as the
 /// program starts.
 fn start(program: &Program) -> Result<(Allocator<SimDevice>, SimCounters), String> {
-    let dev = take_device(CAPACITIES[usize::from(program.capacity)]);
+    let dev = take_device(CAPACITIES[usize::from(program.capacity)], program.quiet);
     dev.fail_nth_vm_create(None);
     dev.fail_nth_vm_map(None);
     dev.fail_nth_malloc(None);
@@ -1489,7 +1495,14 @@ mod tests {
     use tidepool::hooks::Broken;
 
     fn program(config: u8, ops: Vec<Op>) -> Program {
-        Program { capacity: 1, config, explicit_teardown: false, late_streams: false, ops }
+        Program {
+            capacity: 1,
+            config,
+            explicit_teardown: false,
+            late_streams: false,
+            quiet: false,
+            ops,
+        }
     }
 
     /// Streams past the 64 fast-path slots: the head start leaves two 4 KiB buffers whose
@@ -1538,6 +1551,7 @@ mod tests {
                 let p = Program {
                     explicit_teardown,
                     late_streams: true,
+                    quiet: false,
                     ..program(config, late_stream_ops())
                 };
                 run(&p, Options::default()).unwrap_or_else(|e| panic!("config {config}: {e}"));

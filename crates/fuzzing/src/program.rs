@@ -277,6 +277,10 @@ pub struct Program {
     /// wrote before the flag existed decodes as before (raw fuzzer inputs with the bit set
     /// now take the head start).
     pub late_streams: bool,
+    /// Run on a device with its sanitizer off, as on a real GPU: hits and frees then take the
+    /// inlined paths that the sanitizer's hooks bypass (every check but the sanitizer's still
+    /// applies). Bit 2 of the teardown byte, so what was encoded before decodes as before.
+    pub quiet: bool,
     /// The steps, in order.
     pub ops: Vec<Op>,
 }
@@ -357,6 +361,7 @@ impl Program {
         let config = input.below(CONFIGS.len()) as u8;
         let flags = input.u8();
         let (explicit_teardown, late_streams) = (flags & 1 == 1, flags & 2 == 2);
+        let quiet = flags & 4 == 4;
         let mut ops = Vec::new();
         while !input.is_empty() && ops.len() < MAX_OPS {
             let i = &mut input;
@@ -401,7 +406,7 @@ impl Program {
                 }
             });
         }
-        Program { capacity, config, explicit_teardown, late_streams, ops }
+        Program { capacity, config, explicit_teardown, late_streams, quiet, ops }
     }
 
     /// The bytes that decode to this program. Operands must be in range (slots below
@@ -411,7 +416,9 @@ impl Program {
         let mut o = Output::new();
         o.choice(usize::from(self.capacity));
         o.choice(usize::from(self.config));
-        o.u8(u8::from(self.explicit_teardown) | u8::from(self.late_streams) << 1);
+        o.u8(u8::from(self.explicit_teardown)
+            | u8::from(self.late_streams) << 1
+            | u8::from(self.quiet) << 2);
         let tag = |o: &mut Output, k: Kind| o.choice(index_of(&TAGS, &k));
         let sleep = |o: &mut Output, us: u8| o.choice(index_of(&SLEEPS_US, &us));
         for op in &self.ops {
@@ -529,6 +536,7 @@ mod tests {
             config: 5,
             explicit_teardown: true,
             late_streams: true,
+            quiet: true,
             ops: vec![
                 Op::Alloc { bytes: 0, stream: 0, persistent: false },
                 Op::Alloc { bytes: u64::MAX, stream: 2, persistent: true },
@@ -583,6 +591,7 @@ mod tests {
                 config: 0,
                 explicit_teardown: false,
                 late_streams: false,
+                quiet: false,
                 ops: vec![]
             }
         );

@@ -47,6 +47,22 @@ fn allocator_ops_corpus_and_artifacts() {
     replay("allocator_ops", tidepool_fuzzing::allocator_ops);
 }
 
+/// The same inputs on a device with its sanitizer off, as on a real GPU
+/// (`Program::quiet`): hits and frees then take the inlined paths that the sanitizer's hooks
+/// bypass, and the reference model checks them after every step all the same.
+#[test]
+fn allocator_ops_corpus_and_artifacts_without_the_sanitizer() {
+    use tidepool_fuzzing::program::Program;
+    replay("allocator_ops", |data| {
+        let program = Program { quiet: true, ..Program::decode(data) };
+        if let Err(e) =
+            tidepool_fuzzing::run_program(&program, tidepool_fuzzing::Options::default())
+        {
+            panic!("allocator_ops without the sanitizer: {e}");
+        }
+    });
+}
+
 #[test]
 fn config_parse_corpus_and_artifacts() {
     replay("config_parse", tidepool_fuzzing::config_parse);
