@@ -283,8 +283,7 @@ impl<D: Device> Buffer<D> {
             && !self.owner.cells().family.captures.any()
             && let Some(lane) = self.owner.quiet_lane()
             && lane.is_first_of(self.stream)
-            && self.owner.may_cache_large(self.size)
-            && lane.large_blocks() == 0
+            && self.owner.takes_large(lane, self.size)
         {
             if lane.push_stash(self.class(), self.cached(block), self.stream, true).is_ok() {
                 return; // `owner` now belongs to the lane (nothing to forget)
@@ -374,14 +373,6 @@ impl<D: Device> Buffer<D> {
             let (class, b) = (self.class(), self.cached(block));
             if is_small(q) {
                 if let Ok(stashed) = lane.push_stash(class, b, self.stream, true) {
-                    return stashed;
-                }
-            } else if lane.is_first_of(self.stream) {
-                // A large hit's buffer holds its stream's first lane already: no lookup.
-                if owner.may_cache_large(self.size)
-                    && lane.large_blocks() == 0
-                    && let Ok(stashed) = lane.push_stash(class, b, self.stream, true)
-                {
                     return stashed;
                 }
             } else if let Some(first) = owner.lane_for_free(q, self.size, self.stream) {

@@ -468,18 +468,19 @@ impl<D: Device> Shared<D> {
     ) -> Option<crate::sync::SlotRef<'_, Arc<StreamCache>>> {
         match counters::is_small(q) {
             true => self.caches.fast(stream),
-            false if self.may_cache_large(size) => {
-                self.caches.first_lane(stream).filter(|c| c.large_blocks() == 0)
-            }
-            false => None,
+            false => self.caches.first_lane(stream).filter(|c| self.takes_large(c, size)),
         }
     }
 
-    /// Whether a freed large block of `size` bytes may wait in its stream's first lane (not
-    /// over expandable segments that release pages, nor at `max_split_size` or above).
+    /// Whether a freed large block of `size` bytes may wait in `first`, its stream's first
+    /// lane: large blocks are cached at all (not over expandable segments that release pages),
+    /// it is below `max_split_size`, and the lane holds no large block yet (a relaxed hint;
+    /// the push checks again under the lane's lock).
     #[inline(always)]
-    pub(super) fn may_cache_large(&self, size: u64) -> bool {
-        self.cache_large.load(Ordering::Relaxed) && size < self.oversize_at.load(Ordering::Relaxed)
+    pub(super) fn takes_large(&self, first: &StreamCache, size: u64) -> bool {
+        self.cache_large.load(Ordering::Relaxed)
+            && size < self.oversize_at.load(Ordering::Relaxed)
+            && first.large_blocks() == 0
     }
 
     /// A capture holds back the freed block `f` (`capture.rs`, under the capture table's lock):
