@@ -221,6 +221,39 @@ fn a_map_refused_midway_through_a_stitch_falls_back_to_a_growth() {
     assert_nothing_left(&dev);
 }
 
+/// A stitch that grew the range at its top for the pages its free chunks lacked, then had a
+/// map of its own range refused, falls back to a growth placed again: over the pages it grew
+/// (free at the top now), not over the place planned before it (found by `allocator_ops`
+/// fuzzing: the growth mapped those pages a second time, and the device refused the request
+/// with `CUDA_ERROR_INVALID_VALUE`; the broken build `cfg(tidepool_broken = "stale_place")`
+/// does that again and fails here).
+#[test]
+fn a_map_refused_after_a_stitch_grew_the_range_falls_back_to_a_growth_over_the_new_pages() {
+    let (dev, alloc) = setup("fast_cache:false,expandable_stitching:true");
+    // 8, 16, 8, 16, 8 MiB back to back, the first two 8 MiB blocks freed: the free chunks at 0
+    // and 24 MiB hold 8 of a 24 MiB request's 12 pages, and the stitch grows one chunk
+    // (4 pages) at the top for the rest, where a growth would map all 12.
+    let sizes = [8, 16, 8, 16, 8].map(|m| m * MIB);
+    let mut kept: Vec<_> = sizes.iter().map(|&b| alloc.alloc(b, S0).unwrap()).collect();
+    for i in [2, 0] {
+        drop(kept.remove(i));
+    }
+    let v0 = dev.vm_counters();
+    dev.fail_nth_vm_map(Some(2)); // the top chunk maps, the stitch's first alias does not
+    let s = alloc.alloc(24 * MIB, S0).unwrap();
+    assert_eq!(s.ptr(), at(56 * MIB), "the growth over the chunk the stitch grew");
+    let v = dev.vm_counters();
+    assert_eq!(v.maps - v0.maps, 1 + 2, "the stitch's top chunk, then the growth's 8 pages");
+    assert_eq!((v.failed_maps - v0.failed_maps, v.unmaps - v0.unmaps), (1, 0));
+    assert_eq!((v.reserves - v0.reserves, v.frees - v0.frees), (1, 1), "its range given back");
+    assert_eq!(alloc.expandable_ranges()[0].stitches, 0);
+    assert_eq!(alloc.reserved_bytes(), 40 * P);
+    alloc.check_invariants().unwrap();
+    drop((s, kept));
+    drop(alloc);
+    assert_nothing_left(&dev);
+}
+
 #[test]
 fn without_stitching_the_request_grows_the_range() {
     let (dev, alloc) = setup("fast_cache:false");

@@ -662,9 +662,33 @@ impl<D: Device> Shared<D> {
         let Some(exact) = place(&st.pool, &st.vm.ranges[&base], rounded, page) else {
             return Ok(None);
         };
+        let mapped = st.vm.ranges[&base].pages.len();
         if let Some(b) = self.try_stitch(st, config, key, rounded, exact)? {
             return Ok(Some(b));
         }
+        // A stitch that grew the range at its top for what its free chunks lacked, and then
+        // failed (a map of its own range refused), left those pages free at the top: the place
+        // found before it is stale (a growth there would map them again). Search and place
+        // anew. (The broken build `cfg(tidepool_broken = "stale_place")` grows the stale place.)
+        #[cfg(not(tidepool_broken = "stale_place"))]
+        let unchanged = st.vm.ranges[&base].pages.len() == mapped;
+        #[cfg(tidepool_broken = "stale_place")]
+        let unchanged = {
+            let _ = mapped;
+            true
+        };
+        let exact = match unchanged {
+            true => exact,
+            false => {
+                if let Some(b) = self.find_free(st, config, key, rounded) {
+                    return Ok(Some(b));
+                }
+                let Some(again) = place(&st.pool, &st.vm.ranges[&base], rounded, page) else {
+                    return Ok(None);
+                };
+                again
+            }
+        };
         if st.pool.frees() == 0 {
             st.vm.ranges.get_mut(&base).expect("the key's range").build_up += 1;
         }
