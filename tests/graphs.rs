@@ -584,11 +584,15 @@ fn scope_memory_freed_during_a_capture_is_held_by_the_graph() {
 
 /// A planned bound slice used on another stream (`record_stream`) and freed while its stream is
 /// captured: no event can be waited on by the captured stream then, so its reuse is ordered as
-/// the graph goes, and the region returns to the pool with the allocator (broken mode
-/// `CaptureScopeFrees`: ordered during the capture, which fails, so the region is poisoned and
-/// its segment never returned). Returns the sanitizer's findings, whether the slice was
-/// handed out again while the graph lived, and the segments left once all is gone.
-fn planned_slice_used_elsewhere(broken: bool) -> (Vec<tidepool::device::Violation>, bool, usize) {
+/// the graph goes, and the region returns to the pool when its stream goes (broken mode
+/// `CaptureScopeFrees`: ordered during the capture, which fails, so the region is poisoned:
+/// its memory stays allocated while the allocator lives, and goes back to the device only
+/// with it, after a device-wide synchronisation). Returns the sanitizer's findings, whether
+/// the slice was handed out again while the graph lived, the bytes still allocated once the
+/// stream went, and the segments left once all is gone.
+fn planned_slice_used_elsewhere(
+    broken: bool,
+) -> (Vec<tidepool::device::Violation>, bool, u64, usize) {
     let Setup { dev, s, alloc } = setup();
     alloc.set_broken(Broken::CaptureScopeFrees, broken);
     let t = dev.create_stream().unwrap();
@@ -630,9 +634,10 @@ fn planned_slice_used_elsewhere(broken: bool) -> (Vec<tidepool::device::Violatio
     // allocator, and every segment with it.
     alloc.destroy_stream(s).unwrap();
     alloc.check_invariants().unwrap();
+    let allocated = alloc.stats().blocks.allocated_bytes.all.current;
     drop(alloc);
     let left = dev.live_segments().len();
-    (dev.violations(), handed.contains(&v_ptr.unwrap()), left)
+    (dev.violations(), handed.contains(&v_ptr.unwrap()), allocated, left)
 }
 
 /// Kernels over N bytes at an address: a one-shot fill, a one-shot read, and a replayable copy.
@@ -660,13 +665,19 @@ fn map_at(src: tidepool::DeviceAddr, dst: tidepool::DeviceAddr) -> Kernel {
 
 #[test]
 fn a_planned_slice_used_elsewhere_and_freed_in_a_capture_is_ordered_when_the_graph_goes() {
-    let (v, reused, left) = planned_slice_used_elsewhere(false);
+    let (v, reused, allocated, left) = planned_slice_used_elsewhere(false);
     assert!(v.is_empty(), "{v:?}");
     assert!(!reused);
+    assert_eq!(allocated, 0, "the region went back to the pool with its stream");
     assert_eq!(left, 0, "every segment went back with the allocator");
-    // Broken: ordered during the capture, which fails: the region is poisoned for good.
-    let (_, _, left) = planned_slice_used_elsewhere(true);
-    assert_eq!(left, 1, "the poisoned region's segment stays");
+    // Broken: ordered during the capture, which fails: the region is poisoned, its memory
+    // allocated while the allocator lives; the allocator's drop synchronises the device and
+    // gives it back (the broken build `cfg(tidepool_broken = "poison_kept")` leaves its
+    // segment on the device).
+    let (v, _, allocated, left) = planned_slice_used_elsewhere(true);
+    assert!(v.is_empty(), "{v:?}");
+    assert!(allocated > 0, "the poisoned region's memory stays allocated");
+    assert_eq!(left, 0, "and goes back with the allocator");
 }
 
 /// A run whose region a graph holds (a planned slice freed during a capture) still takes back,

@@ -234,14 +234,34 @@ impl<D: Device> Shared<D> {
         }
     }
 
-    /// Drops one hold on a region; the last one returns its block to the pool.
+    /// Drops one hold on a region; the last one returns its block to the pool. A poisoned one
+    /// (nothing ordered a slice's reuse) keeps its blocks allocated until
+    /// [`Shared::return_poisoned`].
     pub(super) fn release_region(&self, region: Arc<Region>) {
         if let Some(r) = crate::sync::arc_into_inner(region) {
-            if r.is_poisoned() {
-                return; // its blocks stay allocated for good: nothing ordered their reuse
-            }
             let mut st = self.lock_state();
-            self.return_region(&mut st, r);
+            match r.is_poisoned() {
+                true => st.poisoned.push(r),
+                false => self.return_region(&mut st, r),
+            }
+        }
+    }
+
+    /// Returns the poisoned regions let go of so far to the pool, once a device-wide
+    /// synchronisation succeeds: every use of their memory, ordered or not, is done then. Not
+    /// during a capture (CUDA refuses the synchronisation, and a graph may use the memory).
+    /// Called by `empty_cache` and the allocator's drop; the caller holds the global lock.
+    /// (Before, their blocks stayed allocated for good, and their segments outlived the
+    /// allocator. The broken build `cfg(tidepool_broken = "poison_kept")` keeps them so.)
+    pub(super) fn return_poisoned(&self, st: &mut State) {
+        if st.poisoned.is_empty() || cfg!(tidepool_broken = "poison_kept") {
+            return;
+        }
+        if self.device.capture_underway() || self.host_wait(st).is_err() {
+            return;
+        }
+        for r in std::mem::take(&mut st.poisoned) {
+            self.return_region(st, r);
         }
     }
 

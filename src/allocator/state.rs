@@ -128,6 +128,10 @@ pub(super) struct State {
     /// Freed blocks whose free needed a host wait that a stream capture refused: pending until
     /// a host wait made once no capture is underway (`Shared::release_parked`).
     pub(super) parked: Vec<BlockId>,
+    /// Regions let go of while poisoned (a slice's reuse could be ordered by nothing): their
+    /// blocks stay allocated until a device-wide synchronisation shows every use done
+    /// (`Shared::return_poisoned`: `empty_cache`, and the allocator's drop).
+    pub(super) poisoned: Vec<super::plan::Region>,
     /// Recorded-and-completed events ready for reuse.
     pub(super) free_events: Vec<EventId>,
     /// Streams that own segments, with how many (cross-stream search is skipped with one).
@@ -265,6 +269,7 @@ impl<D: Device> Drop for Shared<D> {
             }
         }
         let _ = self.sync_events(&mut st);
+        self.return_poisoned(&mut st);
         st.initial = None; // the initial pool goes too
         self.poll_retiring(&mut st, true);
         let _ = self.release_segments(&mut st, |_| true);
