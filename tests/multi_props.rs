@@ -1422,3 +1422,44 @@ fn every_broken_mode_is_caught() {
         eprintln!("{mode:?} caught in case {n}: {}", r.unwrap_err());
     }
 }
+
+/// Found once in 27 600 cases under load (`docs/experiments/multi_props-capture-fork-kernel-captured-case.txt`,
+/// shrunk): a block the first capture's forked stream allocated outlives its graph, is written
+/// on that stream and freed there, and the second capture into the same pool forks the same
+/// stream, which is handed the block: the replay (on the capturing stream) must be ordered
+/// after that write (`tests/graph_pool_reuse.rs`).
+#[test]
+fn a_second_capture_into_a_pool_forks_a_stream_whose_earlier_work_used_its_block() {
+    let case = Case {
+        policies: [CrossStream::Strict, CrossStream::Strict],
+        burn: false,
+        quiet: false,
+        threads: vec![
+            vec![
+                Op::Capture {
+                    by: 0,
+                    slot: 1,
+                    size: 0,
+                    shared: true,
+                    launches: 1,
+                    pick: 3622,
+                    fork: Some(3),
+                },
+                Op::Kernel { pick: 30714, slot: 3, write: true, delay: 1379, via: 0 },
+                Op::FreeBatch { by: 0, picks: vec![11093, 34371, 7745] },
+                Op::Capture {
+                    by: 0,
+                    slot: 2,
+                    size: 0,
+                    shared: true,
+                    launches: 1,
+                    pick: 13912,
+                    fork: Some(3),
+                },
+            ],
+            vec![],
+        ],
+        scripts: vec![vec![], vec![]],
+    };
+    run_case(&case, None).unwrap();
+}

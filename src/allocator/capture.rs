@@ -26,6 +26,14 @@
 //! shares such a pool, under PyTorch's `pool=` contract (graphs sharing a pool are replayed in
 //! capture order, never concurrently).
 //!
+//! A pool's cached memory may have been used last by ordinary work (outputs of an earlier
+//! graph, freed since; blocks a `PoolGuard` routed). A replay is ordered after the work of the
+//! stream it is launched on only, and a stream joining the capture brings none of its earlier
+//! work along, so a capture begins after the capturing stream waits for every stream the pool
+//! has memory on, and records a *start* event that a replay launched on another stream waits
+//! on; a block of the pool freed outside the capture while it is underway goes back only when
+//! it ends (its stream may join it later).
+//!
 //! A buffer of another stream that was used on the capturing stream (`record_stream`,
 //! `use_on`) and is freed during the capture is held back too: no event can be recorded on a
 //! capturing stream, and the graph's replays may use it.
@@ -146,11 +154,30 @@ struct Entry<D: Device> {
     /// to be reused within it (`graph_capture_record_stream_reuse`); held like `deferred` if
     /// the capture ends first.
     waits: Vec<Wait<D>>,
+    /// Blocks of the capture's pool freed during it on a stream outside it: back into the pool
+    /// when the capture ends, not before — a stream that joins the capture later would be
+    /// handed them, and its captured work is not ordered after its earlier, ordinary work.
+    outside: Deferred<D>,
+    /// An event recorded on the capturing stream just before the capture began, after the work
+    /// that last used the pool's cached memory (`None`: the pool had none): a replay launched
+    /// on another stream waits on it ([`Graph::launch`]).
+    start: Option<EventId>,
     /// `graph_capture_record_stream_reuse` of the allocator that began the capture, as it was
     /// then.
     reuse: bool,
     /// Test-only: the capture runs as if there were no private pool (`Broken::CaptureGeneral`).
     broken: bool,
+}
+
+impl<D: Device> Entry<D> {
+    /// The capture is abandoned (it failed to begin or to make a graph): what it held goes
+    /// back, its start event too.
+    fn abandon(self, device: &Guarded<D>) {
+        self.deferred.into_iter().chain(self.outside).for_each(Held::release);
+        if let Some(e) = self.start {
+            let _ = device.destroy_event(e);
+        }
+    }
 }
 
 /// A block of a capture's pool, freed during the capture after uses on other streams of it
@@ -262,7 +289,35 @@ impl<D: Device> CaptureTable<D> {
             owner.pend_held(&f);
             Held::Block(owner.clone(), f)
         });
-        if held { None } else { f }
+        if held {
+            return None;
+        }
+        let f = f.expect("not held");
+        match Self::outside_of(&t, owner, stream) {
+            Some(key) => {
+                owner.pend_held(&f);
+                let e = t.get_mut(&key).expect("found by outside_of");
+                e.outside.push(Held::Block(owner.clone(), f));
+                None
+            }
+            None => Some(f),
+        }
+    }
+
+    /// The capture whose pool `mine` is, when a block of it is freed on `stream` outside every
+    /// capture: that capture keeps it until it ends (see `Entry::outside`).
+    fn outside_of(
+        t: &HashMap<StreamId, Entry<D>>,
+        mine: &Shared<D>,
+        stream: StreamId,
+    ) -> Option<StreamId> {
+        // BROKEN: back into the pool at once, where a stream joining later is handed it.
+        if cfg!(tidepool_broken = "outside_free") || Self::origin(t, mine, stream).is_some() {
+            return None;
+        }
+        t.iter()
+            .find(|(_, e)| !e.broken && std::ptr::eq(mine, &*e.pool.alloc.shared))
+            .map(|(k, _)| *k)
     }
 
     /// For a block of `mine` freed on `stream` after uses on `uses`: its capture (by origin)
@@ -410,6 +465,10 @@ impl<D: Device> CaptureTable<D> {
 pub struct Graph<D: Capture> {
     device: Guarded<D>,
     id: GraphId,
+    /// The stream the capture began on.
+    origin: StreamId,
+    /// Recorded on `origin` just before the capture began (see `Entry::start`).
+    start: Option<EventId>,
     pool: MemPool<D>,
     deferred: Deferred<D>,
     launched: AtomicBool,
@@ -433,7 +492,18 @@ impl<D: Capture> Graph<D> {
     /// kernel launch's own contract (`unsafe` on a real device) asks of every buffer it uses.
     /// Graphs sharing a pool through [`Allocator::begin_capture_sharing`] are launched as its
     /// contract says (capture order, never concurrently).
+    ///
+    /// On a stream other than the one the capture began on, the replay first waits for the
+    /// work that last used the pool's memory before the capture (an event wait, no host
+    /// sync): the capture began after it on its own stream, a replay elsewhere does not.
     pub fn launch(&self, stream: StreamId) -> Result<(), AllocError> {
+        // BROKEN: a replay on another stream runs beside the pool's earlier work.
+        if let Some(e) = self.start
+            && stream != self.origin
+            && !cfg!(tidepool_broken = "replay_elsewhere")
+        {
+            self.device.wait_event(stream, e)?;
+        }
         self.device.launch_graph(self.id, stream)?;
         self.launched.store(true, Ordering::Release);
         Ok(())
@@ -464,6 +534,10 @@ impl<D: Capture> Drop for Graph<D> {
             || self.pool.alloc.shared.broken(Broken::UndestroyedGraphFreed);
         if !destroyed {
             std::mem::forget(self.pool.clone());
+        }
+        if let Some(e) = self.start.take() {
+            // (CUDA lets an event go while work waits on it.)
+            let _ = self.device.destroy_event(e);
         }
         // Its launches may still read the held buffers and the pool: done before either is
         // reused. If the device cannot wait now (a capture is underway), the held buffers stay
@@ -591,23 +665,77 @@ impl<D: Capture> Allocator<D> {
             }
             let pool = pool.clone();
             let reuse = self.config().graph_capture_record_stream_reuse;
-            let (deferred, waits) = (Vec::new(), Vec::new());
-            t.insert(stream, Entry { route, pool, deferred, waits, reuse, broken });
+            let (deferred, waits, outside) = (Vec::new(), Vec::new(), Vec::new());
+            let start = None;
+            t.insert(stream, Entry { route, pool, deferred, waits, outside, start, reuse, broken });
             table.active.fetch_add(1, Ordering::AcqRel);
         }
-        if let Err(e) = sh.device.begin_capture(stream) {
+        // From here the pool's blocks freed outside the capture stay out of it (`outside`);
+        // those freed before are ordered before it.
+        let begun = self.order_before_capture(stream, &pool).and_then(|start| {
+            if let Some(e) = lock(&table.inner).get_mut(&stream) {
+                e.start = start;
+            }
+            sh.device.begin_capture(stream).map_err(AllocError::from)
+        });
+        if let Err(e) = begun {
             let entry = lock(&table.inner).remove(&stream);
             table.active.fetch_sub(1, Ordering::AcqRel);
             role.graphs.fetch_sub(1, Ordering::AcqRel);
             if let Some(entry) = entry {
-                entry.deferred.into_iter().for_each(Held::release);
+                entry.abandon(&sh.device);
             }
-            return Err(e.into());
+            return Err(e);
         }
         if !broken {
             sh.routes.add(route, stream, pool.alloc.clone());
         }
         Ok(())
+    }
+
+    /// Orders a capture of `stream` into `pool` after the ordinary work that last used the
+    /// pool's cached memory: `stream` waits for each stream the pool has memory on, and an
+    /// event recorded on `stream` then (returned) lets a replay launched on another stream wait
+    /// for the same. A graph's replays are ordered after the work of the stream they are
+    /// launched on, nothing else: a block cached on a stream that joins the capture later, or
+    /// on `stream` for a replay launched elsewhere, would otherwise be written by a replay
+    /// while that work may still use it (PyTorch's `torch.cuda.graph` synchronises the device
+    /// before every capture instead). Where an event cannot be recorded or waited on, a
+    /// device-wide synchronisation stands in (no capture may be underway then); `None` for an
+    /// empty pool, or when that synchronisation made every earlier use complete.
+    fn order_before_capture(
+        &self,
+        stream: StreamId,
+        pool: &MemPool<D>,
+    ) -> Result<Option<EventId>, AllocError> {
+        let ps = &pool.alloc.shared;
+        let streams: Vec<StreamId> = {
+            let st = ps.lock_state();
+            if st.segment_streams.is_empty() {
+                return Ok(None);
+            }
+            st.segment_streams.keys().copied().filter(|&u| u != stream).collect()
+        };
+        // BROKEN: the capture is not ordered after the pool's earlier work.
+        if cfg!(tidepool_broken = "capture_unordered") {
+            return Ok(None);
+        }
+        let refused = || AllocError::Capture {
+            stream,
+            reason: "the work that last used the pool's memory could not be ordered before it",
+        };
+        if !ps.order_after(stream, &streams) {
+            return Err(refused());
+        }
+        let dev = &self.shared.device;
+        let event = dev.create_event().map_err(AllocError::from)?;
+        if dev.record_event(event, stream).is_ok() {
+            return Ok(Some(event));
+        }
+        let _ = dev.destroy_event(event);
+        let mut st = ps.lock_state();
+        ps.host_wait(&mut st).map_err(|_| refused())?;
+        Ok(None)
     }
 
     /// Ends the capture of `stream` (`cuStreamEndCapture` + `cuGraphInstantiate`) and returns
@@ -634,17 +762,21 @@ impl<D: Capture> Allocator<D> {
         let waits = std::mem::take(&mut entry.waits);
         entry.deferred.extend(waits.into_iter().map(|w| Held::Block(w.owner, w.freed)));
         drop(sh.routes.remove(entry.route));
+        // The capture is over: no stream joins it any more.
+        std::mem::take(&mut entry.outside).into_iter().for_each(Held::release);
         match made {
             Ok(id) => Ok(Graph {
                 device: Guarded::new(sh.device.arc().clone()),
                 id,
+                origin: stream,
+                start: entry.start,
                 pool: entry.pool,
                 deferred: entry.deferred,
                 launched: AtomicBool::new(false),
             }),
             Err(e) => {
                 entry.pool.alloc.shared.role.graphs.fetch_sub(1, Ordering::AcqRel);
-                entry.deferred.into_iter().for_each(Held::release);
+                entry.abandon(&sh.device);
                 Err(e.into())
             }
         }

@@ -1,0 +1,167 @@
+//! A private pool reused by a later capture: its cached memory was last used by ordinary
+//! (uncaptured) work, on the capturing stream or on others, which a graph's replays are not
+//! ordered after by themselves — a replay runs after the work of the stream it is launched on,
+//! and a stream that joins the capture brings none of its earlier work into the graph.
+
+mod common;
+
+use common::{N, gated_write, replayable_write as write, wait_stream as wait};
+use std::sync::Arc;
+use tidepool::device::Launch;
+use tidepool::{Allocator, Config, Device, MIB, MemPool, PoolOptions, SimDevice, StreamId};
+
+struct Setup {
+    dev: Arc<SimDevice>,
+    s: StreamId,
+    t: StreamId,
+    alloc: Allocator<SimDevice>,
+    pool: MemPool<SimDevice>,
+}
+
+fn setup() -> Setup {
+    let dev = Arc::new(SimDevice::backed(256 * MIB));
+    let (s, t) = (dev.create_stream().unwrap(), dev.create_stream().unwrap());
+    let alloc = Allocator::new(dev.clone(), Config::default()).unwrap();
+    let pool = alloc.new_pool(PoolOptions::default()).unwrap();
+    Setup { dev, s, t, alloc, pool }
+}
+
+/// A block of the pool on `on`, written by unfinished ordinary work there and freed: returns
+/// its address and the gate that lets the write finish.
+fn cached_busy_block(
+    Setup { dev, alloc, pool, .. }: &Setup,
+    on: StreamId,
+) -> (u64, std::sync::mpsc::Sender<()>) {
+    let guard = alloc.use_pool(pool, on).unwrap();
+    let b = alloc.alloc(N, on).unwrap();
+    drop(guard);
+    let (k, gate) = gated_write(b.ptr(), 1);
+    dev.launch(on, k).unwrap();
+    let ptr = b.ptr().0;
+    drop(b); // on its own stream: cached in the pool at once (stream order)
+    (ptr, gate)
+}
+
+#[test]
+fn a_joined_stream_reusing_the_pools_cached_block_is_ordered_after_its_earlier_work() {
+    let st = setup();
+    let (ptr, gate) = cached_busy_block(&st, st.t);
+    let Setup { dev, s, t, alloc, pool } = &st;
+    alloc.begin_capture(*s, Some(pool)).unwrap();
+    wait(dev, *t, *s); // t joins
+    let b = alloc.alloc(N, *t).unwrap();
+    assert_eq!(b.ptr().0, ptr, "the pool's cached block of t");
+    assert_eq!(pool.stats().num_host_syncs, 0, "ordered by an event");
+    dev.launch(*t, write(&b, 2)).unwrap();
+    wait(dev, *s, *t);
+    let graph = alloc.end_capture(*s).unwrap();
+    graph.launch(*s).unwrap();
+    gate.send(()).unwrap();
+    dev.synchronize().unwrap();
+    assert_eq!(common::device_bytes(dev, &b), vec![2; N as usize], "the replay wrote last");
+    assert!(dev.violations().is_empty(), "{:?}", dev.violations());
+}
+
+#[test]
+fn a_graph_launched_on_another_stream_is_ordered_after_the_pools_earlier_work() {
+    let st = setup();
+    let (ptr, gate) = cached_busy_block(&st, st.s);
+    let Setup { dev, s, t, alloc, pool } = &st;
+    alloc.begin_capture(*s, Some(pool)).unwrap();
+    let b = alloc.alloc(N, *s).unwrap();
+    assert_eq!(b.ptr().0, ptr, "the pool's cached block of s");
+    dev.launch(*s, write(&b, 2)).unwrap();
+    let graph = alloc.end_capture(*s).unwrap();
+    graph.launch(*t).unwrap();
+    gate.send(()).unwrap();
+    dev.synchronize().unwrap();
+    assert!(dev.violations().is_empty(), "{:?}", dev.violations());
+}
+
+#[test]
+fn a_pool_block_freed_outside_the_capture_is_not_handed_to_a_stream_that_joins_later() {
+    let st = setup();
+    let Setup { dev, s, t, alloc, pool } = &st;
+    let guard = alloc.use_pool(pool, *t).unwrap();
+    let out = alloc.alloc(N, *t).unwrap();
+    drop(guard);
+    alloc.begin_capture(*s, Some(pool)).unwrap();
+    // t is outside the capture: ordinary work, unfinished, then the free.
+    let (k, gate) = gated_write(out.ptr(), 1);
+    dev.launch(*t, k).unwrap();
+    let ptr = out.ptr().0;
+    drop(out);
+    wait(dev, *t, *s); // t joins now
+    let b = alloc.alloc(N, *t).unwrap();
+    assert_ne!(b.ptr().0, ptr, "kept out of the capture");
+    assert_eq!(
+        pool.stats().blocks.active_bytes.all.current,
+        2 * N,
+        "pending until the capture ends"
+    );
+    dev.launch(*t, write(&b, 2)).unwrap();
+    wait(dev, *s, *t);
+    let graph = alloc.end_capture(*s).unwrap();
+    assert_eq!(pool.stats().blocks.active_bytes.all.current, N, "back in the pool");
+    graph.launch(*s).unwrap();
+    gate.send(()).unwrap();
+    dev.synchronize().unwrap();
+    let v = dev.violations();
+    assert!(v.is_empty(), "{:?} (block {:#x}, first at {ptr:#x})", v, b.ptr().0);
+}
+
+#[test]
+fn where_the_device_refuses_events_a_device_wide_wait_orders_the_capture() {
+    let st = setup();
+    let (ptr, gate) = cached_busy_block(&st, st.t);
+    gate.send(()).unwrap(); // (the wait below would otherwise wait for good)
+    let Setup { dev, s, t, alloc, pool } = &st;
+    dev.fail_event_records(true);
+    alloc.begin_capture(*s, Some(pool)).unwrap();
+    dev.fail_event_records(false);
+    // One wait for t's work (no event could mark it), one for the start event's.
+    assert_eq!(pool.stats().num_host_syncs, 2);
+    wait(dev, *t, *s);
+    let b = alloc.alloc(N, *t).unwrap();
+    assert_eq!(b.ptr().0, ptr);
+    dev.launch(*t, write(&b, 2)).unwrap();
+    wait(dev, *s, *t);
+    let graph = alloc.end_capture(*s).unwrap();
+    graph.launch(*t).unwrap(); // elsewhere: nothing left to wait for
+    dev.synchronize().unwrap();
+    assert!(dev.violations().is_empty(), "{:?}", dev.violations());
+}
+
+#[test]
+fn a_capture_that_nothing_can_order_is_refused_and_leaves_the_pool_usable() {
+    let st = setup();
+    let (ptr, gate) = cached_busy_block(&st, st.t);
+    gate.send(()).unwrap();
+    let Setup { dev, s, t, alloc, pool } = &st;
+    let u = dev.create_stream().unwrap();
+    alloc.begin_capture(u, None).unwrap(); // another capture: no host wait allowed
+    dev.fail_event_records(true);
+    let r = alloc.begin_capture(*s, Some(pool));
+    dev.fail_event_records(false);
+    assert!(
+        matches!(r, Err(tidepool::AllocError::Capture { stream, .. }) if stream == *s),
+        "{r:?}"
+    );
+    assert!(!alloc.is_capturing(*s));
+    assert_eq!(pool.graphs(), 0, "the pool was let go of");
+    drop(alloc.end_capture(u).unwrap());
+    pool.check_invariants().unwrap();
+    // The same capture once the device can order it.
+    alloc.begin_capture(*s, Some(pool)).unwrap();
+    wait(dev, *t, *s);
+    let b = alloc.alloc(N, *t).unwrap();
+    assert_eq!(b.ptr().0, ptr);
+    dev.launch(*t, write(&b, 2)).unwrap();
+    wait(dev, *s, *t);
+    let graph = alloc.end_capture(*s).unwrap();
+    graph.launch(*s).unwrap();
+    dev.synchronize().unwrap();
+    drop((b, graph));
+    pool.check_invariants().unwrap();
+    assert!(dev.violations().is_empty(), "{:?}", dev.violations());
+}
