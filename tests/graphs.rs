@@ -762,3 +762,25 @@ fn a_pool_a_graph_uses_releases_none_of_its_free_memory() {
         assert!(v.iter().any(|v| v.op.contains("unallocated")), "{conf}: {v:?}");
     }
 }
+
+/// CUDA orders each launch of a graph after its previous launches, on whichever streams they
+/// ran (`cuGraphLaunch`); the simulator did not, and `multi_props` flagged a graph replayed on
+/// two streams (this test failed with its violations then).
+#[test]
+fn launches_of_one_graph_on_several_streams_run_one_after_another() {
+    let Setup { dev, s, alloc } = setup();
+    let t = dev.create_stream().unwrap();
+    let x = alloc.alloc(N, s).unwrap();
+    dev.launch(s, fill(&x, 0)).unwrap();
+    dev.synchronize().unwrap();
+    alloc.begin_capture(s, None).unwrap();
+    dev.launch(s, map(&x, &x, |v| v + 1)).unwrap();
+    let graph = alloc.end_capture(s).unwrap();
+    for i in 0..12 {
+        graph.launch(if i % 3 == 0 { s } else { t }).unwrap();
+    }
+    dev.synchronize().unwrap();
+    assert_eq!(device_bytes(&dev, &x), vec![12; N as usize]);
+    assert!(dev.violations().is_empty(), "{:?}", dev.violations());
+    drop(graph);
+}

@@ -870,8 +870,15 @@ impl World {
             self.launch(s, b.ptr().0, b.len(), true, 0);
             self.register(b, by, true);
         }
-        for _ in 0..launches {
-            graph.launch(s).map_err(|e| format!("graph launch: {e}"))?;
+        // The second replay of a forked capture runs on the side stream (it waits for the
+        // pool's earlier work on its own), and `s` waits for it: the outputs are `s`'s.
+        let elsewhere = side.filter(|_| launches >= 2);
+        for i in 0..launches {
+            let on = elsewhere.filter(|_| i == 1).unwrap_or(s);
+            graph.launch(on).map_err(|e| format!("graph launch on {on:?}: {e}"))?;
+        }
+        if let Some(t) = elsewhere {
+            self.captured_wait(s, t)?;
         }
         drop(graph);
         for b in bufs.into_iter().chain(forked) {
@@ -880,7 +887,7 @@ impl World {
         Ok(())
     }
 
-    /// `to` waits for the work enqueued on `from` so far, inside a capture (a fork, or a join
+    /// `to` waits for the work enqueued on `from` so far (inside a capture: a fork, or a join
     /// back): both must succeed.
     fn captured_wait(&self, to: StreamId, from: StreamId) -> R {
         let e = self.dev.create_event().map_err(|e| e.to_string())?;

@@ -75,6 +75,10 @@ pub(super) struct Recording {
     branches: HashMap<u32, Branch>,
     /// The capture's number (`SimGraphCounters::captures` when it began): what its marks carry.
     id: u64,
+    /// A finished graph's last launch: the sanitizer's event recorded after it (an id no
+    /// application event has), its stream and that stream's queue position then. CUDA orders
+    /// each launch of a graph after the previous ones (`cuGraphLaunch`), on any stream.
+    last_launch: Option<(u64, u32, u64)>,
 }
 
 impl Recording {
@@ -344,13 +348,14 @@ impl Graphs {
         Ok(self.next)
     }
 
-    pub(super) fn destroy(&mut self, graph: u64) -> Result<(), DeviceError> {
-        self.graphs.remove(&graph).ok_or(DeviceError::Driver {
+    /// Destroys `graph`; returns the sanitizer event of its last launch, to forget.
+    pub(super) fn destroy(&mut self, graph: u64) -> Result<Option<u64>, DeviceError> {
+        let rec = self.graphs.remove(&graph).ok_or(DeviceError::Driver {
             op: "cuGraphExecDestroy",
             code: DeviceError::CUDA_ERROR_INVALID_HANDLE,
         })?;
         self.counters.live_graphs -= 1;
-        Ok(())
+        Ok(rec.last_launch.map(|(e, ..)| e))
     }
 }
 
@@ -380,12 +385,31 @@ impl State {
                 replay: op.body.clone(),
             })
             .collect();
-        let held = rec.held.clone();
+        let (held, last) = (rec.held.clone(), rec.last_launch);
+        // After the graph's previous launch, wherever it ran.
+        let event = match last {
+            Some((event, a, p)) => {
+                if a != stream.0 && !self.reached(a, p) {
+                    self.open_stream(stream)?.push(super::stream::Op::Wait { stream: a, pos: p });
+                }
+                self.san.wait(stream.0, event);
+                event
+            }
+            None => {
+                self.next_event += 1;
+                self.next_event - 1
+            }
+        };
         self.graphs.counters.graph_launches += 1;
         self.graphs.counters.replayed_kernels += kernels.len() as u64;
         let mut found = Vec::new();
         for kernel in kernels {
             found.extend(self.enqueue_kernel(stream, kernel, &held)?);
+        }
+        let pos = self.open_stream(stream)?.enqueued;
+        self.san.record(event, stream.0, pos);
+        if let Some(rec) = self.graphs.graphs.get_mut(&graph) {
+            rec.last_launch = Some((event, stream.0, pos));
         }
         Ok(found)
     }

@@ -914,7 +914,11 @@ impl super::Capture for SimDevice {
     }
 
     fn destroy_graph(&self, graph: super::GraphId) -> Result<(), DeviceError> {
-        self.state().graphs.destroy(graph.0)
+        let mut st = self.state();
+        if let Some(event) = st.graphs.destroy(graph.0)? {
+            st.san.forget_event(event);
+        }
+        Ok(())
     }
 }
 
