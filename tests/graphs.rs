@@ -586,8 +586,8 @@ fn scope_memory_freed_during_a_capture_is_held_by_the_graph() {
 /// captured: no event can be waited on by the captured stream then, so its reuse is ordered as
 /// the graph goes, and the region returns to the pool when its stream goes (broken mode
 /// `CaptureScopeFrees`: ordered during the capture, which fails, so the region is poisoned:
-/// its memory stays allocated while the allocator lives, and goes back to the device only
-/// with it, after a device-wide synchronisation). Returns the sanitizer's findings, whether
+/// its memory stays allocated until a device-wide synchronisation that no capture refuses
+/// — here the allocator's drop). Returns the sanitizer's findings, whether
 /// the slice was handed out again while the graph lived, the bytes still allocated once the
 /// stream went, and the segments left once all is gone.
 fn planned_slice_used_elsewhere(
@@ -671,7 +671,8 @@ fn a_planned_slice_used_elsewhere_and_freed_in_a_capture_is_ordered_when_the_gra
     assert_eq!(allocated, 0, "the region went back to the pool with its stream");
     assert_eq!(left, 0, "every segment went back with the allocator");
     // Broken: ordered during the capture, which fails: the region is poisoned, its memory
-    // allocated while the allocator lives; the allocator's drop synchronises the device and
+    // allocated until a host wait (no allocation polls events here); the allocator's drop
+    // synchronises the device and
     // gives it back (the broken build `cfg(tidepool_broken = "poison_kept")` leaves its
     // segment on the device).
     let (v, _, allocated, left) = planned_slice_used_elsewhere(true);

@@ -170,13 +170,13 @@ impl<D: Device> Shared<D> {
     /// Polls pending events without blocking, oldest first per stream; frees blocks whose
     /// events all completed. A failing query counts as "not yet".
     pub(super) fn process_events(&self, st: &mut State) {
-        if st.pending.is_empty() && st.parked.is_empty() {
+        if st.pending.is_empty() && !Self::awaits_host_wait(st) {
             return; // nothing to poll (and no device call to ask about captures)
         }
         if self.device.capture_underway() {
             return; // CUDA refuses event queries during a capture: later
         }
-        if !st.parked.is_empty() {
+        if Self::awaits_host_wait(st) {
             self.release_parked(st);
         }
         let streams: Vec<StreamId> = st.pending.keys().copied().collect();
@@ -208,20 +208,34 @@ impl<D: Device> Shared<D> {
             }
             st.pending.remove(&s);
         }
-        if !st.parked.is_empty() && !self.device.capture_underway() {
+        if Self::awaits_host_wait(st) && !self.device.capture_underway() {
             self.release_parked(st);
         }
         Ok(())
     }
 
-    /// Frees the parked blocks (their free's host wait was refused during a capture) after a
-    /// host wait, which no capture refuses now. If the device fails it, they stay parked.
+    /// Whether memory waits for a host wait: parked blocks, poisoned regions let go of.
+    fn awaits_host_wait(st: &State) -> bool {
+        // (The broken build `cfg(tidepool_broken = "poison_kept")` keeps poisoned regions for
+        // good, as before stop 46: their segments outlived the allocator.)
+        !st.parked.is_empty() || (!st.poisoned.is_empty() && !cfg!(tidepool_broken = "poison_kept"))
+    }
+
+    /// Frees the parked blocks (their free's host wait was refused during a capture) and
+    /// returns the poisoned regions let go of (a slice's reuse that nothing could order) after
+    /// a host wait, which no capture refuses now: every use of that memory, ordered or not, is
+    /// done then. If the device fails it, they stay where they are.
     pub(super) fn release_parked(&self, st: &mut State) {
         if self.host_wait(st).is_err() {
             return;
         }
         for block in std::mem::take(&mut st.parked) {
             Self::pending_block_done(st, block);
+        }
+        if !cfg!(tidepool_broken = "poison_kept") {
+            for r in std::mem::take(&mut st.poisoned) {
+                self.return_region(st, r);
+            }
         }
     }
 

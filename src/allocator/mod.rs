@@ -709,7 +709,6 @@ impl<D: Device> Allocator<D> {
             sh.process_events(&mut st);
         } else {
             sh.sync_events(&mut st)?;
-            sh.return_poisoned(&mut st);
         }
         let holds = sh.family.take_graph_holds(&sh.device, &mut st);
         if !holds.is_empty() {

@@ -235,8 +235,8 @@ impl<D: Device> Shared<D> {
     }
 
     /// Drops one hold on a region; the last one returns its block to the pool. A poisoned one
-    /// (nothing ordered a slice's reuse) keeps its blocks allocated until
-    /// [`Shared::return_poisoned`].
+    /// (nothing ordered a slice's reuse) keeps its blocks allocated until a host wait
+    /// ([`Shared::release_parked`]).
     pub(super) fn release_region(&self, region: Arc<Region>) {
         if let Some(r) = crate::sync::arc_into_inner(region) {
             let mut st = self.lock_state();
@@ -247,26 +247,8 @@ impl<D: Device> Shared<D> {
         }
     }
 
-    /// Returns the poisoned regions let go of so far to the pool, once a device-wide
-    /// synchronisation succeeds: every use of their memory, ordered or not, is done then. Not
-    /// during a capture (CUDA refuses the synchronisation, and a graph may use the memory).
-    /// Called by `empty_cache` and the allocator's drop; the caller holds the global lock.
-    /// (Before, their blocks stayed allocated for good, and their segments outlived the
-    /// allocator. The broken build `cfg(tidepool_broken = "poison_kept")` keeps them so.)
-    pub(super) fn return_poisoned(&self, st: &mut State) {
-        if st.poisoned.is_empty() || cfg!(tidepool_broken = "poison_kept") {
-            return;
-        }
-        if self.device.capture_underway() || self.host_wait(st).is_err() {
-            return;
-        }
-        for r in std::mem::take(&mut st.poisoned) {
-            self.return_region(st, r);
-        }
-    }
-
     /// Returns a region no one holds to the pool. The caller holds the global lock.
-    fn return_region(&self, st: &mut State, r: Region) {
+    pub(super) fn return_region(&self, st: &mut State, r: Region) {
         let size = r.size;
         let blocks = r.into_blocks();
         batch::return_batch(&mut st.pool, &mut st.base, None, &blocks);

@@ -130,7 +130,7 @@ pub(super) struct State {
     pub(super) parked: Vec<BlockId>,
     /// Regions let go of while poisoned (a slice's reuse could be ordered by nothing): their
     /// blocks stay allocated until a device-wide synchronisation shows every use done
-    /// (`Shared::return_poisoned`: `empty_cache`, and the allocator's drop).
+    /// (`Shared::release_parked`: the next event poll or sync with no capture underway).
     pub(super) poisoned: Vec<super::plan::Region>,
     /// Recorded-and-completed events ready for reuse.
     pub(super) free_events: Vec<EventId>,
@@ -269,7 +269,6 @@ impl<D: Device> Drop for Shared<D> {
             }
         }
         let _ = self.sync_events(&mut st);
-        self.return_poisoned(&mut st);
         st.initial = None; // the initial pool goes too
         self.poll_retiring(&mut st, true);
         let _ = self.release_segments(&mut st, |_| true);
