@@ -91,7 +91,7 @@ use tidepool::device::{
     SimDevice, StreamId,
 };
 use tidepool::{AllocError, OomReport, Scope, ScopedBuffer, SegmentInfo};
-use tidepool::{Allocator, Buffer, Config};
+use tidepool::{Allocator, Buffer, Config, MemPool, PoolOptions};
 use tidepool::{BlockStats, PoolKind, Residency, Stat, StatGroup};
 
 /// Devices that ended a program clean, ready for the next one.
@@ -633,7 +633,11 @@ impl<'a> Harness<'a> {
         Ok(())
     }
 
-    /// [`Op::Capture`]: a capture whole in one step, forked into a second stream or not.
+    /// [`Op::Capture`]: a capture whole in one step, forked into a second stream or not. A
+    /// forked capture replayed twice keeps the side stream's block past its graph, writes it
+    /// there outside any capture and frees it, then captures again into the same pool, forked
+    /// into the same stream (which may be handed that block), and replays on both streams: the
+    /// sanitizer checks that the second graph's replays are ordered after that write.
     fn capture(&mut self, stream: u8, fork: u8, bytes: u64, launches: u8) -> Result<(), String> {
         let slot = stream.max(1);
         let s = self.stream(slot)?;
@@ -650,7 +654,10 @@ impl<'a> Harness<'a> {
             c.graph_capture_record_stream_reuse = reuse;
             a.set_config(c).map_err(|e| format!("set_config: {e}"))?;
         }
-        a.begin_capture(s, None).map_err(|e| format!("begin_capture on {s}: {e}"))?;
+        let pool = a.new_pool(PoolOptions::default()).map_err(|e| format!("new_pool: {e}"))?;
+        a.begin_capture(s, Some(&pool)).map_err(|e| format!("begin_capture on {s}: {e}"))?;
+        let second = t.is_some() && launches == 2;
+        let mut kept = None;
         let alloc = |on: StreamId| match a.alloc(bytes, on) {
             Ok(b) => Ok(Some(b)),
             // The request is absurd, or the device (or an injected fault) refuses it.
@@ -694,7 +701,10 @@ impl<'a> Harness<'a> {
                     announced.map_err(|e| format!("use of a captured block on {t}: {e}"))?;
                     self.dev.launch(t, kernel(Some(last), &b)).map_err(|e| dev_err("forked", e))?;
                 }
-                drop(b); // back into the graph's pool, on `t`
+                match second {
+                    true => kept = Some(b), // outlives the graph
+                    false => drop(b),       // back into the graph's pool, on `t`
+                }
             }
             if reuse && bufs.len() == 2 {
                 drop(bufs.pop()); // used on `t`: waits for the join
@@ -715,8 +725,10 @@ impl<'a> Harness<'a> {
             graph.launch(s).map_err(|e| format!("graph launch: {e}"))?;
         }
         drop(bufs);
-        let pool = graph.pool().clone();
         drop(graph); // waits for its launches, then lets go of what it held
+        if let (Some(t), Some(b)) = (t, kept) {
+            self.capture_again(&pool, s, t, b, &kernel)?;
+        }
         // The graph's pool serves nothing more: emptied, it holds nothing, and its device calls
         // join the count the device's must match.
         pool.empty_cache().map_err(|e| format!("empty_cache of a graph's pool: {e}"))?;
@@ -1096,6 +1108,49 @@ impl<'a> Harness<'a> {
             nth_fired || above || device_full || limited,
             "unexplained out-of-memory (no injected fault, device not full, under the limit): {r:?}"
         );
+        Ok(())
+    }
+
+    /// The second capture of [`Harness::capture`]'s forked case: `b` (of `pool`, on `t`) is
+    /// written on `t` outside any capture, by a kernel that takes a while, and freed; then `s`
+    /// is captured into `pool` again, forked into `t`, which allocates `b`'s size and writes
+    /// it, and the graph is replayed on `s` and then on `t`.
+    fn capture_again(
+        &mut self,
+        pool: &MemPool<SimDevice>,
+        s: StreamId,
+        t: StreamId,
+        b: Buffer<SimDevice>,
+        kernel: &dyn Fn(Option<&Buffer<SimDevice>>, &Buffer<SimDevice>) -> Kernel,
+    ) -> Result<(), String> {
+        let a = self.alloc;
+        let write = Kernel {
+            name: "after the graph",
+            accesses: vec![Access { ptr: b.ptr(), bytes: b.len(), kind: AccessKind::Write }],
+            sleep: Duration::from_micros(200),
+            body: None,
+            replay: None,
+        };
+        self.dev.launch(t, write).map_err(|e| dev_err("launch", e))?;
+        let bytes = b.len();
+        drop(b); // on its own stream: cached in the pool at once
+        a.begin_capture(s, Some(pool)).map_err(|e| format!("second begin_capture on {s}: {e}"))?;
+        self.order_after(t, s)?; // the fork
+        let made = match a.alloc(bytes.max(1), t) {
+            Ok(c) => {
+                self.dev.launch(t, kernel(None, &c)).map_err(|e| dev_err("forked again", e))?;
+                Some(c)
+            }
+            Err(AllocError::OutOfMemory(_)) => None,
+            Err(e) => return Err(format!("alloc of {bytes} in the second capture: {e}")),
+        };
+        self.order_after(s, t)?; // the join
+        let graph = a.end_capture(s).map_err(|e| format!("second end_capture on {s}: {e}"))?;
+        for on in [s, t] {
+            graph.launch(on).map_err(|e| format!("second graph's launch on {on}: {e}"))?;
+        }
+        drop(made);
+        drop(graph);
         Ok(())
     }
 
