@@ -190,12 +190,23 @@ impl<D: Device> OwnerTable<D> {
     #[inline(always)]
     pub fn owner_slot(&self, stream: StreamId, lane: usize) -> Option<SlotRef<'_, Arc<Owner<D>>>> {
         // (Its first choice: `slot_index` takes the id modulo the slots.)
-        if let Some(o) = self.slots[slot_index(stream.0 as usize, lane)].get()
-            && o.lane().is_some_and(|c| c.stream() == stream)
-        {
+        if let Some(o) = self.serving(stream.0 as usize, stream, lane) {
             return Some(o);
         }
         self.owner_slot_second(stream, lane)
+    }
+
+    /// The owner of `slot`'s `lane`, if that lane serves `stream` now.
+    #[inline(always)]
+    fn serving(
+        &self,
+        slot: usize,
+        stream: StreamId,
+        lane: usize,
+    ) -> Option<SlotRef<'_, Arc<Owner<D>>>> {
+        self.slots[slot_index(slot, lane)]
+            .get()
+            .filter(|o| o.lane().is_some_and(|c| c.stream() == stream))
     }
 
     /// [`OwnerTable::owner_slot`]'s later choices, out of line (a stream only takes one where
@@ -208,9 +219,7 @@ impl<D: Device> OwnerTable<D> {
     ) -> Option<SlotRef<'_, Arc<Owner<D>>>> {
         let choices = slot_choices(stream);
         for &slot in &choices[1..] {
-            if let Some(o) = self.slots[slot_index(slot, lane)].get()
-                && o.lane().is_some_and(|c| c.stream() == stream)
-            {
+            if let Some(o) = self.serving(slot, stream, lane) {
                 return Some(o);
             }
         }
@@ -243,9 +252,7 @@ impl<D: Device> OwnerTable<D> {
     pub fn owner_of_lane(&self, stream: StreamId, lane: usize) -> Arc<Owner<D>> {
         // The common case first, as `owner_slot` takes it: the stream's first choice holds
         // the owner, whose lane serves the stream (no choices computed, no division).
-        if let Some(o) = self.slots[slot_index(stream.0 as usize, lane)].get()
-            && o.lane().is_some_and(|c| c.stream() == stream)
-        {
+        if let Some(o) = self.serving(stream.0 as usize, stream, lane) {
             return o.clone();
         }
         self.owner_of_lane_made(stream, lane)
