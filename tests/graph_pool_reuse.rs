@@ -165,3 +165,28 @@ fn a_capture_that_nothing_can_order_is_refused_and_leaves_the_pool_usable() {
     pool.check_invariants().unwrap();
     assert!(dev.violations().is_empty(), "{:?}", dev.violations());
 }
+
+/// Two captures underway into one pool (`begin_capture_sharing`): the first's stream cannot be
+/// waited on (it is capturing), and the sharing contract orders its graph's work, so the second
+/// capture begins without ordering after it.
+#[test]
+fn a_capture_sharing_a_pool_with_one_underway_begins() {
+    let Setup { dev, s, t, alloc, pool } = setup();
+    alloc.begin_capture(s, Some(&pool)).unwrap();
+    let a = alloc.alloc(N, s).unwrap(); // the pool now has memory on s
+    dev.launch(s, write(&a, 1)).unwrap();
+    // SAFETY: the graphs are replayed in capture order, never concurrently.
+    unsafe { alloc.begin_capture_sharing(t, &pool) }.unwrap();
+    let b = alloc.alloc(N, t).unwrap();
+    assert_ne!(a.ptr(), b.ptr());
+    dev.launch(t, write(&b, 2)).unwrap();
+    let g2 = alloc.end_capture(t).unwrap();
+    let g1 = alloc.end_capture(s).unwrap();
+    g1.launch(s).unwrap();
+    wait(&dev, t, s);
+    g2.launch(t).unwrap();
+    dev.synchronize().unwrap();
+    assert_eq!(pool.stats().num_host_syncs, 0);
+    drop((a, b, g1, g2));
+    assert!(dev.violations().is_empty(), "{:?}", dev.violations());
+}

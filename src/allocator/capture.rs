@@ -345,6 +345,14 @@ impl<D: Device> CaptureTable<D> {
         (!marks.is_empty()).then_some((origin, marks))
     }
 
+    /// Whether `stream` belongs to a capture underway (of this family) into the pool `pool`:
+    /// one sharing it with the capture about to begin, whose work there the graphs' order
+    /// covers (`begin_capture_sharing`'s contract).
+    fn captures_into(&self, sh: &Shared<D>, stream: StreamId, pool: &Shared<D>) -> bool {
+        let t = lock(&self.inner);
+        Self::origin(&t, sh, stream).is_some_and(|o| std::ptr::eq(pool, &*t[&o].pool.alloc.shared))
+    }
+
     /// Whether blocks wait to be reused within a capture (one load).
     #[inline(always)]
     pub(super) fn waiting(&self) -> bool {
@@ -716,6 +724,9 @@ impl<D: Capture> Allocator<D> {
             }
             st.segment_streams.keys().copied().filter(|&u| u != stream).collect()
         };
+        let table = &self.shared.family.captures;
+        let streams: Vec<StreamId> =
+            streams.into_iter().filter(|&u| !table.captures_into(&self.shared, u, ps)).collect();
         // BROKEN: the capture is not ordered after the pool's earlier work.
         if cfg!(tidepool_broken = "capture_unordered") {
             return Ok(None);
