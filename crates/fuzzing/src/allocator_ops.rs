@@ -66,8 +66,11 @@
 //! and frees there, and is joined back (every other forked capture with
 //! `graph_capture_record_stream_reuse`: the block the side stream used is freed before the join
 //! and may serve the allocation after it); the graph is replayed and dropped, and its pool, emptied,
-//! must hold nothing (its device calls join the counts the device's must match). Injected faults
-//! and every configuration apply to them as to any step.
+//! must hold nothing (its device calls join the counts the device's must match). A forked capture
+//! replayed twice keeps the side stream's block past its graph, writes and frees it there, and
+//! captures again into the same pool, forked into the same stream, replaying on both streams
+//! (the pool's earlier work must be ordered before that graph). Injected faults and every
+//! configuration apply to them as to any step.
 //!
 //! Scopes (`ScopeEnter` / `ScopeAlloc` / `ScopeBurst` / `ScopeExit`): unbound scoped buffers
 //! join the live list like any other buffer (so `Free`, `Launch` and `RecordStream` reach them,
@@ -1615,6 +1618,21 @@ mod tests {
         // The flag rides in bit 1 of the teardown byte: encoded and decoded unchanged.
         let p = Program { late_streams: true, ..program(3, late_stream_ops()) };
         assert_eq!(Program::decode(&p.encode()), p);
+    }
+
+    /// A forked capture replayed twice captures again into its pool (see `Harness::capture`),
+    /// in every configuration; the broken build `cfg(tidepool_broken = "capture_unordered")`
+    /// (the second capture not ordered after the side stream's write) fails it.
+    #[test]
+    fn a_pool_captured_again_after_ordinary_work_on_its_side_stream() {
+        let ops = vec![
+            Op::Capture { stream: 1, fork: 2, bytes: 4096, launches: 2 },
+            Op::Capture { stream: 2, fork: 1, bytes: 3 * MIB, launches: 2 },
+        ];
+        for config in 0..CONFIGS.len() as u8 {
+            run(&program(config, ops.clone()), Options::default())
+                .unwrap_or_else(|e| panic!("config {config}: {e}"));
+        }
     }
 
     #[test]
