@@ -227,6 +227,9 @@ fn finish(dev: Arc<SimDevice>) -> Result<(), String> {
     Ok(())
 }
 
+/// A captured kernel writing its second buffer after reading its first.
+type CapturedKernel = dyn Fn(Option<&Buffer<SimDevice>>, &Buffer<SimDevice>) -> Kernel;
+
 /// A live buffer of the model.
 struct Live {
     buf: Buffer<SimDevice>,
@@ -1124,7 +1127,7 @@ impl<'a> Harness<'a> {
         s: StreamId,
         t: StreamId,
         b: Buffer<SimDevice>,
-        kernel: &dyn Fn(Option<&Buffer<SimDevice>>, &Buffer<SimDevice>) -> Kernel,
+        kernel: &CapturedKernel,
     ) -> Result<(), String> {
         let a = self.alloc;
         let write = Kernel {
