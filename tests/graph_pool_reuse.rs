@@ -190,3 +190,22 @@ fn a_capture_sharing_a_pool_with_one_underway_begins() {
     drop((a, b, g1, g2));
     assert!(dev.violations().is_empty(), "{:?}", dev.violations());
 }
+
+/// The stream a capture began on is destroyed; its graph, launched elsewhere, still waits on
+/// the start event recorded there (CUDA keeps an event of a destroyed stream).
+#[test]
+fn a_graph_whose_origin_stream_is_gone_launches_elsewhere() {
+    let st = setup();
+    let (_, gate) = cached_busy_block(&st, st.s);
+    let Setup { dev, s, t, alloc, pool } = &st;
+    alloc.begin_capture(*s, Some(pool)).unwrap();
+    let b = alloc.alloc(N, *s).unwrap();
+    dev.launch(*s, write(&b, 2)).unwrap();
+    let graph = alloc.end_capture(*s).unwrap();
+    gate.send(()).unwrap();
+    alloc.destroy_stream(*s).unwrap();
+    graph.launch(*t).unwrap();
+    dev.synchronize().unwrap();
+    drop((b, graph));
+    assert!(dev.violations().is_empty(), "{:?}", dev.violations());
+}
