@@ -209,3 +209,42 @@ fn a_graph_whose_origin_stream_is_gone_launches_elsewhere() {
     drop((b, graph));
     assert!(dev.violations().is_empty(), "{:?}", dev.violations());
 }
+
+/// Two captures share a pool; a block of it is freed outside both, by unfinished ordinary work
+/// on `u`; one capture ends (either one: the block was kept out by one of them, whichever the
+/// table found: the rounds cover both with odds of 1 − 2⁻¹⁶), and `u` joins the other, which
+/// must not hand it out either.
+#[test]
+fn a_block_kept_out_of_a_shared_pool_stays_out_until_the_last_capture_into_it_ends() {
+    for round in 0..16 {
+        let first_ends = round % 2;
+        let Setup { dev, s, t, alloc, pool } = setup();
+        let u = dev.create_stream().unwrap();
+        let guard = alloc.use_pool(&pool, u).unwrap();
+        let out = alloc.alloc(N, u).unwrap();
+        drop(guard);
+        alloc.begin_capture(s, Some(&pool)).unwrap();
+        // SAFETY: the graphs are replayed in capture order, never concurrently.
+        unsafe { alloc.begin_capture_sharing(t, &pool) }.unwrap();
+        let (k, gate) = gated_write(out.ptr(), 1);
+        dev.launch(u, k).unwrap();
+        let ptr = out.ptr().0;
+        drop(out);
+        let (ends, goes_on) = if first_ends == 0 { (s, t) } else { (t, s) };
+        let ended = alloc.end_capture(ends).unwrap();
+        wait(&dev, u, goes_on); // u joins the capture still underway
+        let b = alloc.alloc(N, u).unwrap();
+        assert_ne!(b.ptr().0, ptr, "kept out while a capture into the pool is underway");
+        dev.launch(u, write(&b, 2)).unwrap();
+        wait(&dev, goes_on, u);
+        let graph = alloc.end_capture(goes_on).unwrap();
+        ended.launch(ends).unwrap();
+        wait(&dev, goes_on, ends);
+        graph.launch(goes_on).unwrap();
+        gate.send(()).unwrap();
+        dev.synchronize().unwrap();
+        drop((b, ended, graph));
+        pool.check_invariants().unwrap();
+        assert!(dev.violations().is_empty(), "{:?}", dev.violations());
+    }
+}

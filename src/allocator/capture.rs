@@ -353,6 +353,23 @@ impl<D: Device> CaptureTable<D> {
         Self::origin(&t, sh, stream).is_some_and(|o| std::ptr::eq(pool, &*t[&o].pool.alloc.shared))
     }
 
+    /// Takes the entry of the capture begun on `stream` out of the table. The blocks kept out
+    /// of its pool (`Entry::outside`) pass to another capture underway into the same pool
+    /// (`begin_capture_sharing`), whose joined streams must not be handed them either.
+    fn remove(&self, stream: &StreamId) -> Option<Entry<D>> {
+        let mut t = lock(&self.inner);
+        let mut entry = t.remove(stream)?;
+        let same = |e: &&mut Entry<D>| {
+            !e.broken && std::ptr::eq(&*e.pool.alloc.shared, &*entry.pool.alloc.shared)
+        };
+        if !entry.outside.is_empty()
+            && let Some(other) = t.values_mut().find(same)
+        {
+            other.outside.append(&mut entry.outside);
+        }
+        Some(entry)
+    }
+
     /// Whether blocks wait to be reused within a capture (one load).
     #[inline(always)]
     pub(super) fn waiting(&self) -> bool {
@@ -687,7 +704,7 @@ impl<D: Capture> Allocator<D> {
             sh.device.begin_capture(stream).map_err(AllocError::from)
         });
         if let Err(e) = begun {
-            let entry = lock(&table.inner).remove(&stream);
+            let entry = table.remove(&stream);
             table.active.fetch_sub(1, Ordering::AcqRel);
             role.graphs.fetch_sub(1, Ordering::AcqRel);
             if let Some(entry) = entry {
@@ -763,7 +780,7 @@ impl<D: Capture> Allocator<D> {
             return Err(AllocError::Capture { stream, reason });
         }
         let made = sh.device.end_capture(stream);
-        let Some(mut entry) = lock(&table.inner).remove(&stream) else {
+        let Some(mut entry) = table.remove(&stream) else {
             return Err(AllocError::Capture { stream, reason: "the stream is not capturing" });
         };
         table.active.fetch_sub(1, Ordering::AcqRel);
@@ -773,7 +790,8 @@ impl<D: Capture> Allocator<D> {
         let waits = std::mem::take(&mut entry.waits);
         entry.deferred.extend(waits.into_iter().map(|w| Held::Block(w.owner, w.freed)));
         drop(sh.routes.remove(entry.route));
-        // The capture is over: no stream joins it any more.
+        // The capture is over: no stream joins it any more (`remove` passed them on to
+        // another capture into the pool, if any).
         std::mem::take(&mut entry.outside).into_iter().for_each(Held::release);
         match made {
             Ok(id) => Ok(Graph {
