@@ -8,7 +8,9 @@ mod common;
 use common::{N, gated_write, replayable_write as write, wait_stream as wait};
 use std::sync::Arc;
 use tidepool::device::Launch;
-use tidepool::{Allocator, Config, Device, MIB, MemPool, PoolOptions, SimDevice, StreamId};
+use tidepool::{
+    Allocator, Buffer, Config, Device, Graph, MIB, MemPool, PoolOptions, SimDevice, StreamId,
+};
 
 struct Setup {
     dev: Arc<SimDevice>,
@@ -42,19 +44,33 @@ fn cached_busy_block(
     (ptr, gate)
 }
 
+/// The rest of a capture begun on `s`: with `fork`, `t` joins it, allocates N bytes and writes
+/// them, and is joined back; else `s` does. Returns the buffer and the graph.
+fn capture_a_write(
+    Setup { dev, s, t, alloc, .. }: &Setup,
+    fork: bool,
+) -> (Buffer<SimDevice>, Graph<SimDevice>) {
+    let on = if fork { *t } else { *s };
+    if fork {
+        wait(dev, *t, *s); // t joins
+    }
+    let b = alloc.alloc(N, on).unwrap();
+    dev.launch(on, write(&b, 2)).unwrap();
+    if fork {
+        wait(dev, *s, *t);
+    }
+    (b, alloc.end_capture(*s).unwrap())
+}
+
 #[test]
 fn a_joined_stream_reusing_the_pools_cached_block_is_ordered_after_its_earlier_work() {
     let st = setup();
     let (ptr, gate) = cached_busy_block(&st, st.t);
-    let Setup { dev, s, t, alloc, pool } = &st;
+    let Setup { dev, s, alloc, pool, .. } = &st;
     alloc.begin_capture(*s, Some(pool)).unwrap();
-    wait(dev, *t, *s); // t joins
-    let b = alloc.alloc(N, *t).unwrap();
+    let (b, graph) = capture_a_write(&st, true);
     assert_eq!(b.ptr().0, ptr, "the pool's cached block of t");
     assert_eq!(pool.stats().num_host_syncs, 0, "ordered by an event");
-    dev.launch(*t, write(&b, 2)).unwrap();
-    wait(dev, *s, *t);
-    let graph = alloc.end_capture(*s).unwrap();
     graph.launch(*s).unwrap();
     gate.send(()).unwrap();
     dev.synchronize().unwrap();
@@ -68,10 +84,8 @@ fn a_graph_launched_on_another_stream_is_ordered_after_the_pools_earlier_work() 
     let (ptr, gate) = cached_busy_block(&st, st.s);
     let Setup { dev, s, t, alloc, pool } = &st;
     alloc.begin_capture(*s, Some(pool)).unwrap();
-    let b = alloc.alloc(N, *s).unwrap();
+    let (b, graph) = capture_a_write(&st, false);
     assert_eq!(b.ptr().0, ptr, "the pool's cached block of s");
-    dev.launch(*s, write(&b, 2)).unwrap();
-    let graph = alloc.end_capture(*s).unwrap();
     graph.launch(*t).unwrap();
     gate.send(()).unwrap();
     dev.synchronize().unwrap();
@@ -121,12 +135,8 @@ fn where_the_device_refuses_events_a_device_wide_wait_orders_the_capture() {
     dev.fail_event_records(false);
     // One wait for t's work (no event could mark it), one for the start event's.
     assert_eq!(pool.stats().num_host_syncs, 2);
-    wait(dev, *t, *s);
-    let b = alloc.alloc(N, *t).unwrap();
+    let (b, graph) = capture_a_write(&st, true);
     assert_eq!(b.ptr().0, ptr);
-    dev.launch(*t, write(&b, 2)).unwrap();
-    wait(dev, *s, *t);
-    let graph = alloc.end_capture(*s).unwrap();
     graph.launch(*t).unwrap(); // elsewhere: nothing left to wait for
     dev.synchronize().unwrap();
     assert!(dev.violations().is_empty(), "{:?}", dev.violations());
@@ -137,7 +147,7 @@ fn a_capture_that_nothing_can_order_is_refused_and_leaves_the_pool_usable() {
     let st = setup();
     let (ptr, gate) = cached_busy_block(&st, st.t);
     gate.send(()).unwrap();
-    let Setup { dev, s, t, alloc, pool } = &st;
+    let Setup { dev, s, alloc, pool, .. } = &st;
     let u = dev.create_stream().unwrap();
     alloc.begin_capture(u, None).unwrap(); // another capture: no host wait allowed
     dev.fail_event_records(true);
@@ -153,12 +163,8 @@ fn a_capture_that_nothing_can_order_is_refused_and_leaves_the_pool_usable() {
     pool.check_invariants().unwrap();
     // The same capture once the device can order it.
     alloc.begin_capture(*s, Some(pool)).unwrap();
-    wait(dev, *t, *s);
-    let b = alloc.alloc(N, *t).unwrap();
+    let (b, graph) = capture_a_write(&st, true);
     assert_eq!(b.ptr().0, ptr);
-    dev.launch(*t, write(&b, 2)).unwrap();
-    wait(dev, *s, *t);
-    let graph = alloc.end_capture(*s).unwrap();
     graph.launch(*s).unwrap();
     dev.synchronize().unwrap();
     drop((b, graph));
@@ -199,9 +205,7 @@ fn a_graph_whose_origin_stream_is_gone_launches_elsewhere() {
     let (_, gate) = cached_busy_block(&st, st.s);
     let Setup { dev, s, t, alloc, pool } = &st;
     alloc.begin_capture(*s, Some(pool)).unwrap();
-    let b = alloc.alloc(N, *s).unwrap();
-    dev.launch(*s, write(&b, 2)).unwrap();
-    let graph = alloc.end_capture(*s).unwrap();
+    let (b, graph) = capture_a_write(&st, false);
     gate.send(()).unwrap();
     alloc.destroy_stream(*s).unwrap();
     graph.launch(*t).unwrap();
