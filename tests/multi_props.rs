@@ -776,9 +776,14 @@ impl World {
             }
             Op::PoolAlloc { by, slot, size, n, auto } => {
                 let Some(s) = self.stream(slot) else { return Ok(()) };
-                let guard = match self.allocs[by].use_pool(&self.pools[by], s) {
+                // Three at once come from the pool the captures share: ordinary work then uses
+                // memory a later capture is handed (ordered before it by `begin_capture`).
+                let pool = if n == 3 { &self.graph_pools[by] } else { &self.pools[by] };
+                let guard = match self.allocs[by].use_pool(pool, s) {
                     Ok(g) => g,
-                    Err(AllocError::UnknownStream(_)) => return Ok(()),
+                    Err(AllocError::UnknownStream(_) | AllocError::PoolBusy { .. }) => {
+                        return Ok(());
+                    }
                     Err(e) => return Err(format!("use_pool: {e}")),
                 };
                 for _ in 0..n {
