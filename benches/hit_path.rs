@@ -12,6 +12,9 @@
 //! stream took the global lock). `third_choice/…` runs them on stream 128, whose first two
 //! slots (0 and 3) serve the live default stream and stream 3: its lanes are its third
 //! choice's (slot 6), found out of line after the first choice's tag compare.
+//! `owner_ended/…` runs them on the default stream of an allocator whose lanes threads that
+//! have ended used first: the lane passes to the bench's thread at its first take, so the pairs
+//! should cost what `allocator/…`'s do (before the hand-over, `unbiased/…`'s).
 //!
 //! `history/…` is the cost of the memory history (issue 18): `history_off` is the default hit
 //! path (the hook is one relaxed load), `history_on` records every allocation and free (which
@@ -87,6 +90,16 @@ fn hit_path(c: &mut Criterion) {
         }
     });
     bench_pairs_on(&mut g, "third_choice", &alloc, third);
+    // The default stream's lanes, each first used by a thread that has ended since: this
+    // thread's lane passes to it at its first take (before, it stayed on the CAS for good).
+    let (_dev, alloc) = sim_allocator();
+    std::thread::scope(|s| {
+        // Threads take lanes round-robin: of 2 × LANES threads, some had each lane first.
+        for _ in 0..4 {
+            s.spawn(|| drop(alloc.alloc(4096, StreamId::DEFAULT).unwrap())).join().unwrap();
+        }
+    });
+    bench_pairs(&mut g, "owner_ended", &alloc);
     g.finish();
 }
 

@@ -39,6 +39,7 @@ variants=(
   "retag_free:a_lane_retagged_for_a_new_stream_against_a_stale_free_and_hits"
   "retag_hit:a_lane_retagged_for_a_new_stream_against_a_stale_free_and_hits"
   "lane_bias:a_biased_lane_against_another_threads_take"
+  "token_ends_early:a_lane_whose_owner_ended_against_the_next_users_claim"
 )
 status=0
 for v in "${variants[@]}"; do

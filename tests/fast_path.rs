@@ -853,6 +853,63 @@ fn the_hitting_thread_owns_its_lane_and_another_threads_free_revokes_the_bias() 
     }
 }
 
+/// A lane whose owner thread has ended passes to the next thread that uses it: that thread's
+/// first take (a hit) makes it the owner and biases the lane for it, so a pool of worker
+/// threads that come and go does not leave its lanes on the compare-and-swap for good. The
+/// ended owner's bias is revoked first (`thread_token.rs`: it never reads its token again).
+/// The broken build `cfg(tidepool_broken = "owner_kept")` keeps the ended owner: the lane
+/// stays unbiased, take after take.
+#[test]
+fn a_lane_whose_owner_thread_ended_passes_to_the_next_thread_that_uses_it() {
+    let (dev, alloc) = setup("", 1 << 30);
+    let biased = lanes_bias_here(&alloc);
+    let (p, lane) = std::thread::scope(|s| {
+        s.spawn(|| {
+            let a = alloc.alloc(4096, S0).unwrap();
+            let lane = alloc.lanes_cached_bytes(S0).1;
+            let p = a.ptr();
+            drop(a); // cached: this thread owns the lane
+            assert_eq!(alloc.lanes_biased(S0)[lane], biased);
+            (p, lane)
+        })
+        .join()
+        .unwrap()
+    });
+    assert_eq!(alloc.lanes_biased(S0)[lane], biased, "the ended owner's bias stays until a take");
+    let n = alloc.global_lock_acquisitions();
+    // Threads take lanes round-robin (other tests' threads too): one of the next few does.
+    let mut tries = 0;
+    loop {
+        tries += 1;
+        assert!(tries <= 64, "no thread of 64 took lane {lane}");
+        let took = std::thread::scope(|s| {
+            s.spawn(|| {
+                if tidepool::hooks::thread_lane() != lane {
+                    return false;
+                }
+                for i in 0..600 {
+                    let b = alloc.alloc(4096, S0).unwrap();
+                    assert_eq!(b.ptr(), p, "pair {i}: a hit in the lane");
+                    drop(b);
+                    assert_eq!(alloc.lanes_biased(S0)[lane], biased, "pair {i}: biased for it");
+                }
+                true
+            })
+            .join()
+            .unwrap()
+        });
+        if took {
+            break;
+        }
+    }
+    assert_eq!(alloc.global_lock_acquisitions(), n, "every pair a hit");
+    let s = alloc.stats();
+    assert_eq!(s.blocks.allocated_bytes.all.current, 0);
+    assert_eq!(s.blocks.allocation.all.allocated, 601);
+    assert_eq!(s.cached_fast_bytes, 4096);
+    check(&dev, &alloc);
+}
+
 /// `biased_lanes` switched at run time: off revokes every bias at once (the lanes' owners then
 /// take them with a CAS); on again, an owner's lane is biased after its next 1024 takes.
 #[test]

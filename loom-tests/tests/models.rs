@@ -35,7 +35,7 @@ use loom::thread;
 use tidepool::Sizing;
 use tidepool::hooks::{
     ArcCell, BYTES, CACHED_BYTES, COUNT, CachedBlock, ClassKey, LaneLock, Limits, Pop, REQ,
-    RequestPlan, SeqBlock, StreamCache, collect, fast_cur, flush_into, quadrant,
+    RequestPlan, SeqBlock, StreamCache, collect, fast_cur, flush_into, quadrant, retire,
 };
 use tidepool::hooks::{BlockId, Pool, PoolKey};
 use tidepool::{Allocator, Config, DeviceAddr, StreamId};
@@ -818,6 +818,43 @@ fn a_lane_retagged_for_a_new_stream_against_a_stale_free_and_hits() {
         assert!(!still.contains(&old), "the lane serving S holds a block of T");
         assert!(pushed, "the free on S is cached");
         assert_eq!(got, Some(new), "the hit on S takes the block freed on S");
+    });
+}
+
+/// A lane whose owner thread ended passes to the next user (`thread_token.rs`, `lane_lock.rs`):
+/// the owner claims the lane and takes it biased, ends its token (`retire`, what its
+/// thread-local destructor does at thread exit) and takes the lane once more, as a later
+/// destructor of that thread freeing a buffer would; another thread's claiming takes meanwhile
+/// find the owner alive (the CAS, revoking the bias) or ended (the bias revoked, the lane theirs
+/// and biased for them). Loom's cell tracking fails the model on two holders at once, the sum
+/// on a lost update. Broken variant `token_ends_early`: the ended thread goes on using its old
+/// token, and takes the lane through a bias that now belongs to the next user.
+#[test]
+fn a_lane_whose_owner_ended_against_the_next_users_claim() {
+    model(3, || {
+        let lock = Arc::new(LaneLock::new(true, 0u64));
+        *lock.lock_claiming() += 1; // the owner: the first user
+        let l2 = lock.clone();
+        let next = spawn(move || {
+            for _ in 0..2 {
+                let mut g = l2.lock_claiming();
+                let v = *g;
+                *g = v + 10;
+            }
+        });
+        {
+            let mut g = lock.lock_claiming();
+            let v = *g;
+            *g = v + 1;
+        }
+        retire();
+        {
+            let mut g = lock.lock_claiming();
+            let v = *g;
+            *g = v + 1;
+        }
+        next.join().unwrap();
+        assert_eq!(*lock.lock(), 23);
     });
 }
 

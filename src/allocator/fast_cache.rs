@@ -1078,7 +1078,7 @@ pub const LANES: usize = 2;
 /// This thread's lane.
 #[cfg(not(loom))]
 #[inline(always)]
-pub(crate) fn thread_lane() -> usize {
+pub fn thread_lane() -> usize {
     use std::cell::Cell;
     use std::sync::atomic::{AtomicUsize, Ordering};
     static NEXT: AtomicUsize = AtomicUsize::new(0);
@@ -1099,7 +1099,7 @@ pub(crate) fn thread_lane() -> usize {
 /// This thread's lane: round-robin in the order threads first ask, as under `std`, with the
 /// counter and the thread-locals loom's (reset for every execution of a model).
 #[cfg(loom)]
-pub(crate) fn thread_lane() -> usize {
+pub fn thread_lane() -> usize {
     use crate::sync::atomic::{AtomicUsize, Ordering};
     loom::lazy_static! {
         static ref NEXT: AtomicUsize = AtomicUsize::new(0);

@@ -34,9 +34,10 @@
 //!
 //! The owner is the first thread that takes the lane to serve a hit or cache a free
 //! ([`LaneLock::lock_claiming`]); other takes ([`LaneLock::lock`]) never claim, so a lane is
-//! not claimed by the global-lock side that flushes every lane. An owner is never replaced:
-//! after its thread ends, the first other thread's take revokes the bias for good (every take
-//! is the CAS from then on).
+//! not claimed by the global-lock side that flushes every lane. An owner is replaced only once
+//! its thread has ended (`thread_token.rs`: an ended thread never reads its token again): the
+//! next user's claiming take revokes the bias, becomes the owner and biases the lane for
+//! itself, so a pool of threads that come and go does not leave its lanes on the CAS.
 //!
 //! Nothing here sleeps: holders never block while holding a lane (the fast path holds it for a
 //! few dozen instructions, the global-lock side for a flush, a credit revocation or a
@@ -48,6 +49,7 @@
 //! stream cache (broken variants `lane_lock`: a load, then a store, instead of the CAS;
 //! `lane_bias`: another thread's take without the heavy fence).
 
+use super::thread_token::{self, RETIRED, thread_token};
 use crate::membarrier;
 use crate::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::ops::{Deref, DerefMut};
@@ -180,11 +182,22 @@ impl<T> LaneLock<T> {
     #[inline(never)]
     fn lock_other(&self, me: u64, claim: bool) -> LaneGuard<'_, T> {
         self.acquire();
-        if claim && self.owner.load(Ordering::Relaxed) == 0 {
-            // No owner yet, so no one can hold the lane through a bias: biased from the moment
-            // this first take lets go.
-            self.owner.store(me, Ordering::Relaxed);
-            return self.guard(self.rebias());
+        if claim && me != RETIRED {
+            let owner = self.owner.load(Ordering::Relaxed);
+            if owner == 0 {
+                // No owner yet, so no one can hold the lane through a bias: biased from the
+                // moment this first take lets go.
+                self.owner.store(me, Ordering::Relaxed);
+                return self.guard(self.rebias());
+            }
+            // BROKEN: a lane whose owner thread ended stays on the CAS for good.
+            if !cfg!(tidepool_broken = "owner_kept") && thread_token::ended(owner) {
+                // The owner thread is gone and never reads its token again (`thread_token.rs`):
+                // once its bias is revoked (it holds nothing), the lane is this thread's.
+                self.revoke_bias();
+                self.owner.store(me, Ordering::Relaxed);
+                return self.guard(self.rebias());
+            }
         }
         self.revoke_bias();
         self.guard(Hold::Locked)
@@ -345,38 +358,6 @@ impl<T> LaneLock<T> {
             crate::sync::thread::yield_now();
         }
     }
-}
-
-/// This thread's token: unique for the process's life, never 0 (no owner).
-#[cfg(not(loom))]
-#[inline(always)]
-fn thread_token() -> u64 {
-    use std::cell::Cell;
-    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
-    thread_local! {
-        // A constant initialiser and no destructor: one thread-local load, usable at any time.
-        static TOKEN: Cell<u64> = const { Cell::new(0) };
-    }
-    TOKEN.with(|t| match t.get() {
-        0 => {
-            let token = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            t.set(token);
-            token
-        }
-        token => token,
-    })
-}
-
-/// This thread's token, from loom's thread-locals (reset for every execution of a model).
-#[cfg(loom)]
-fn thread_token() -> u64 {
-    loom::lazy_static! {
-        static ref NEXT: AtomicU64 = AtomicU64::new(1);
-    }
-    loom::thread_local! {
-        static TOKEN: u64 = NEXT.fetch_add(1, Ordering::Relaxed);
-    }
-    TOKEN.with(|t| *t)
 }
 
 /// How a guard holds its lane, so how it lets go.

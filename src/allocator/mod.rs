@@ -56,6 +56,7 @@ mod slow_path;
 mod state;
 mod stats_layout;
 mod stitch;
+mod thread_token;
 
 pub use buffer::Buffer;
 pub use capture::Graph;
@@ -75,12 +76,15 @@ pub(crate) mod internals {
         BASE_WORDS, BYTES, BaseStats, CACHED_BYTES, COUNT, CacheList, FAST_WORDS, REQ, Snapshot,
         assemble, collect, fast_cur, fast_tot, quadrant,
     };
+    pub use super::fast_cache::thread_lane;
     pub use super::fast_cache::{
         CacheTable, CachedBlock, ClassKey, FAST_STREAMS, Limits, Pop, StreamCache, flush_into,
     };
     pub use super::lane_lock::{LaneGuard, LaneLock};
     pub use super::request::RequestPlan;
     pub use super::seqlock::{Collect, SeqBlock, SeqWriter, Versioned};
+    #[cfg(loom)]
+    pub use super::thread_token::retire;
     pub use crate::sync::{ArcCell, ArcRef};
 }
 
