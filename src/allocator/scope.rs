@@ -730,7 +730,7 @@ impl<'a, D: Device> Scope<'a, D> {
             self.unstep();
             return Err(AllocError::TooManyScopeAllocations { limit: u64::from(NO_SLOT) });
         }
-        let buf = self.pool_block(bytes, rounded).inspect_err(|_| self.unstep())?;
+        let buf = self.pool_block_or_unstep(bytes, rounded)?;
         let ptr = buf.ptr;
         let mut run = self.run.borrow_mut();
         if missed {
@@ -809,7 +809,7 @@ impl<'a, D: Device> Scope<'a, D> {
                 b.set_origin(Origin::Region(region.clone(), offset));
                 (b, offset)
             }
-            None => (self.pool_block(bytes, rounded).inspect_err(|_| self.unstep())?, NO_OFFSET),
+            None => (self.pool_block_or_unstep(bytes, rounded)?, NO_OFFSET),
         };
         let mut run = self.run.borrow_mut();
         if missed {
@@ -1005,6 +1005,28 @@ impl<'a, D: Device> Scope<'a, D> {
         self.run.borrow_mut().region = slot;
         self.set_fast();
         true
+    }
+
+    /// [`Scope::pool_block`] for the allocation just stepped: the step is taken back if it
+    /// fails, and also if it unwinds. The allocator runs user code on the way (out-of-memory
+    /// observers, the failure callback), and a panic there that the caller catches must leave
+    /// the run as an error would; else the run records an allocation that never happened, and
+    /// the next run learns a plan with it.
+    fn pool_block_or_unstep(&self, bytes: u64, rounded: u64) -> Result<Buffer<D>, AllocError> {
+        /// Takes the step back as it goes, unless disarmed.
+        struct Unstep<'s, 'a, D: Device>(&'s Scope<'a, D>, bool);
+        impl<D: Device> Drop for Unstep<'_, '_, D> {
+            fn drop(&mut self) {
+                if self.1 {
+                    self.0.unstep();
+                }
+            }
+        }
+        // BROKEN: a panic in the allocator's user code leaves the step taken.
+        let mut guard = Unstep(self, !cfg!(tidepool_broken = "unwind_step"));
+        let r = self.pool_block(bytes, rounded);
+        guard.1 = r.is_err();
+        r
     }
 
     /// A pool block for the run: from the local cache when one of the size was freed in this
