@@ -785,3 +785,57 @@ fn launches_of_one_graph_on_several_streams_run_one_after_another() {
     assert!(dev.violations().is_empty(), "{:?}", dev.violations());
     drop(graph);
 }
+
+/// `Allocator::capture` (PyTorch's `with torch.cuda.graph(g):`): the body's work becomes the
+/// graph, and its value comes back with it. A body that panics halfway (a buffer of the graph's
+/// pool allocated and written, one of the general pool freed on the stream, held by the capture)
+/// ends the capture before the panic goes on: the stream is no longer capturing, device-wide
+/// waits work again, the panicking capture's pool and the held buffer go back (nothing leaked
+/// when the allocator goes), and the next capture on the stream runs and replays with no
+/// sanitizer violation. The broken build `cfg(tidepool_broken = "capture_left")` leaves the
+/// capture underway: `synchronize` is refused.
+#[test]
+fn a_capture_whose_body_panics_is_ended_before_the_panic_goes_on() {
+    let Setup { dev, s, alloc } = setup();
+    let input = alloc.alloc(N, s).unwrap();
+    let scratch = alloc.alloc(N, s).unwrap();
+    dev.launch(s, fill(&input, 5)).unwrap();
+    let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        alloc.capture(s, None, || {
+            let tmp = alloc.alloc(N, s).unwrap();
+            assert_eq!(tmp.ptr().0, SIM_BASE + SEG, "the capture's pool: a segment of its own");
+            dev.launch(s, map(&input, &tmp, |x| x + 1)).unwrap();
+            drop(scratch); // held by the capture
+            panic!("the body panics");
+        })
+    }));
+    assert!(panicked.is_err());
+    assert!(!alloc.is_capturing(s), "the capture was ended");
+    alloc.synchronize().unwrap();
+    alloc.empty_cache().unwrap();
+    // The general pool keeps `input` alone; the panicking capture's pool and the held
+    // `scratch` went back.
+    let general = alloc.stats().blocks;
+    assert_eq!((general.allocated_bytes.all.current, general.active_bytes.all.current), (N, N));
+    assert_eq!(dev.live_segments().len(), 1, "{:?}", dev.live_segments());
+    assert_eq!(dev.graph_counters().captured_kernels, 1);
+
+    let (graph, out) = alloc
+        .capture(s, None, || {
+            let out = alloc.alloc(N, s).unwrap();
+            dev.launch(s, map(&input, &out, |x| x * 3)).unwrap();
+            out
+        })
+        .unwrap();
+    assert!(!alloc.is_capturing(s));
+    for i in 0..3u8 {
+        dev.launch(s, fill(&input, i)).unwrap();
+        graph.launch(s).unwrap();
+        assert_eq!(device_bytes(&dev, &out), vec![i * 3; N as usize], "replay {i}");
+    }
+    alloc.check_invariants().unwrap();
+    assert_eq!(dev.violations(), vec![]);
+    drop((graph, out, input));
+    drop(alloc);
+    assert!(dev.live_segments().is_empty(), "{:?}", dev.live_segments());
+}

@@ -628,6 +628,60 @@ impl<D: Capture> Allocator<D> {
         self.begin_capture_in(stream, pool, false)
     }
 
+    /// Captures what `body` enqueues on `stream` into a graph: [`Allocator::begin_capture`],
+    /// `body`, [`Allocator::end_capture`], as PyTorch's `with torch.cuda.graph(g, pool=…):`.
+    /// Returns the graph and what `body` returned. If `body` panics, the capture is ended and
+    /// its graph discarded before the panic goes on: a capture left underway would keep the
+    /// stream capturing and refuse every device-wide synchronisation (`synchronize`,
+    /// `empty_cache`'s waits) for the rest of the process.
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use tidepool::device::{Access, AccessKind, Kernel, Launch};
+    /// use tidepool::{Allocator, Config, Device, SimDevice};
+    ///
+    /// let device = Arc::new(SimDevice::backed(1 << 30));
+    /// let s = device.create_stream().unwrap();
+    /// let alloc = Allocator::new(device.clone(), Config::default()).unwrap();
+    /// let (graph, out) = alloc
+    ///     .capture(s, None, || {
+    ///         let out = alloc.alloc(4096, s).unwrap(); // from the graph's pool
+    ///         let (ptr, n) = (out.ptr(), out.len());
+    ///         let acc = vec![Access { ptr, bytes: n, kind: AccessKind::Write }];
+    ///         let fill = Kernel::replayable("fill", acc, move |m| m.write(ptr, &[7; 4096]).unwrap());
+    ///         device.launch(s, fill).unwrap();
+    ///         out
+    ///     })
+    ///     .unwrap();
+    /// graph.launch(s).unwrap();
+    /// device.synchronize().unwrap();
+    /// assert!(device.violations().is_empty());
+    /// # drop(out);
+    /// ```
+    pub fn capture<R>(
+        &self,
+        stream: StreamId,
+        pool: Option<&MemPool<D>>,
+        body: impl FnOnce() -> R,
+    ) -> Result<(Graph<D>, R), AllocError> {
+        /// Ends the capture as it goes (an unwind out of the body), unless disarmed.
+        struct EndOnUnwind<'a, D: Capture>(&'a Allocator<D>, StreamId, bool);
+        impl<D: Capture> Drop for EndOnUnwind<'_, D> {
+            fn drop(&mut self) {
+                if self.2 {
+                    // The graph, if the device made one, goes at once: nothing launched it.
+                    drop(self.0.end_capture(self.1));
+                }
+            }
+        }
+        self.begin_capture(stream, pool)?;
+        // BROKEN: a panic in the body leaves the capture underway.
+        let mut guard = EndOnUnwind(self, stream, !cfg!(tidepool_broken = "capture_left"));
+        let out = body();
+        guard.2 = false;
+        Ok((self.end_capture(stream)?, out))
+    }
+
     /// [`Allocator::begin_capture`] into `pool` while other graphs (or a capture underway) use
     /// it too: PyTorch's `graph.capture_begin(pool=…)`, `torch.cuda.graph(pool=…)`. The
     /// capture may be handed blocks that the earlier graphs' captures allocated and freed (their
