@@ -839,3 +839,37 @@ fn a_capture_whose_body_panics_is_ended_before_the_panic_goes_on() {
     drop(alloc);
     assert!(dev.live_segments().is_empty(), "{:?}", dev.live_segments());
 }
+
+/// As above, with a side stream forked into the capture and not joined back when the body
+/// panics: `end_capture` fails (`CUDA_ERROR_STREAM_CAPTURE_UNJOINED`) and the capture is over
+/// all the same, for the side stream too. Its block, allocated from the capture's pool, and the
+/// pool go back; the side stream allocates from the general pool again.
+#[test]
+fn a_capture_whose_body_panics_with_a_side_stream_still_joined_is_ended_too() {
+    let Setup { dev, s, alloc } = setup();
+    let t = dev.create_stream().unwrap();
+    let kept = alloc.alloc(N, t).unwrap();
+    assert_eq!(kept.ptr().0, SIM_BASE);
+    let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        alloc.capture(s, None, || {
+            let e = dev.create_event().unwrap();
+            dev.record_event(e, s).unwrap();
+            dev.wait_event(t, e).unwrap(); // t joins the capture
+            assert!(alloc.is_capturing(t));
+            let side = alloc.alloc(N, t).unwrap();
+            assert_eq!(side.ptr().0, SIM_BASE + SEG, "the capture's pool");
+            panic!("the body panics before joining t back");
+        })
+    }));
+    assert!(panicked.is_err());
+    assert!(!alloc.is_capturing(s) && !alloc.is_capturing(t));
+    alloc.synchronize().unwrap();
+    alloc.empty_cache().unwrap();
+    let again = alloc.alloc(N, t).unwrap();
+    assert_eq!(again.ptr().0, SIM_BASE + N, "the general pool, beside `kept`");
+    assert_eq!(dev.live_segments().len(), 1, "{:?}", dev.live_segments());
+    alloc.check_invariants().unwrap();
+    assert_eq!(dev.violations(), vec![]);
+    drop((kept, again, alloc));
+    assert!(dev.live_segments().is_empty(), "{:?}", dev.live_segments());
+}
