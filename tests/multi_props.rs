@@ -25,7 +25,8 @@
 //! underway) allocate from a private pool, sometimes shared between graphs, free a live buffer of
 //! the capturing stream and a captured block during the capture, fork a side stream into the
 //! capture (it allocates, uses a captured block and frees there, and is joined back), then
-//! allocate the same size outside the graph and replay it. At the end, with everything dropped: no live segment and no
+//! allocate the same size outside the graph and replay it; one capture in five runs through
+//! `Allocator::capture` with a body that panics halfway (caught), which must end the capture. At the end, with everything dropped: no live segment and no
 //! live event. Three cases in ten run on a device with its sanitizer off (`Case::quiet`), as on
 //! a real GPU, where hits and frees take the inlined paths that the sanitizer's hooks bypass;
 //! every check but the sanitizer's applies there.
@@ -812,7 +813,8 @@ impl World {
     /// and written, and the graph replayed. With `fork`, that slot's stream joins the capture
     /// (a wait on an event recorded on the capturing stream), allocates there, reads the last
     /// captured block (recorded on it, and freed before the join when `pick` is odd) and frees
-    /// one of its own, and is joined back before the capture ends.
+    /// one of its own, and is joined back before the capture ends. One capture in five runs
+    /// through `Allocator::capture` with a body that panics halfway ([`World::capture_panicking`]).
     #[allow(clippy::too_many_arguments)]
     fn capture(
         &self,
@@ -827,11 +829,55 @@ impl World {
         let Some(s) = self.stream(slot).filter(|&s| s != StreamId::DEFAULT) else { return Ok(()) };
         let a = &self.allocs[by];
         let pool = shared.then_some(&self.graph_pools[by]);
+        let side = fork.and_then(|f| self.stream(f)).filter(|&t| t != s && t != StreamId::DEFAULT);
+        if pick % 5 == 4 {
+            return self.capture_panicking(by, s, n, pool, pick, side);
+        }
         match a.begin_capture(s, pool) {
             Ok(()) => {}
             Err(AllocError::UnknownStream(_)) => return Ok(()),
             Err(e) => return Err(format!("begin_capture: {e}")),
         }
+        let (mut bufs, forked) = self.captured_body(by, s, n, pick, side, true)?;
+        let freed = (!bufs.is_empty()).then(|| bufs.remove(0));
+        drop(freed);
+        let graph = a.end_capture(s).map_err(|e| format!("end_capture: {e}"))?;
+        // Outside the graph now: never a block its capture freed.
+        if let Some(b) = self.alloc(by, s, n, Residency::Transient) {
+            self.launch(s, b.ptr().0, b.len(), true, 0);
+            self.register(b, by, true);
+        }
+        // The second replay of a forked capture runs on the side stream (it waits for the
+        // pool's earlier work on its own), and `s` waits for it: the outputs are `s`'s.
+        let elsewhere = side.filter(|_| launches >= 2);
+        for i in 0..launches {
+            let on = elsewhere.filter(|_| i == 1).unwrap_or(s);
+            graph.launch(on).map_err(|e| format!("graph launch on {on:?}: {e}"))?;
+        }
+        if let Some(t) = elsewhere {
+            self.captured_wait(s, t)?;
+        }
+        drop(graph);
+        for b in bufs.into_iter().chain(forked) {
+            self.register(b, by, true);
+        }
+        Ok(())
+    }
+
+    /// The work of a capture of `s` underway: a live buffer of the stream freed (the graph holds
+    /// it), three blocks allocated and written by captured kernels, and with `side` a fork into
+    /// that stream ([`World::fork_join`], joined back when `join`, else only forked). The
+    /// captured blocks, and the side stream's.
+    fn captured_body(
+        &self,
+        by: usize,
+        s: StreamId,
+        n: u64,
+        pick: usize,
+        side: Option<StreamId>,
+        join: bool,
+    ) -> Result<(Bufs, Bufs), String> {
+        let a = &self.allocs[by];
         let victim = {
             let mut live = lock(&self.live);
             let mine: Vec<usize> = (0..live.len())
@@ -862,32 +908,48 @@ impl World {
             self.dev.launch(s, kernel(prev, b)).map_err(|e| format!("captured launch: {e}"))?;
             prev = Some(b);
         }
-        let side = fork.and_then(|f| self.stream(f)).filter(|&t| t != s && t != StreamId::DEFAULT);
         let forked = match side {
-            Some(t) => self.fork_join(by, s, t, n, &mut bufs, pick, &kernel)?,
+            Some(t) if join => self.fork_join(by, s, t, n, &mut bufs, pick, &kernel)?,
+            Some(t) => {
+                self.captured_wait(t, s)?;
+                captured_allocs(a, n, t, 1)?
+            }
             None => Vec::new(),
         };
-        let freed = (!bufs.is_empty()).then(|| bufs.remove(0));
-        drop(freed);
-        let graph = a.end_capture(s).map_err(|e| format!("end_capture: {e}"))?;
-        // Outside the graph now: never a block its capture freed.
-        if let Some(b) = self.alloc(by, s, n, Residency::Transient) {
-            self.launch(s, b.ptr().0, b.len(), true, 0);
-            self.register(b, by, true);
+        Ok((bufs, forked))
+    }
+
+    /// A capture through `Allocator::capture` whose body does what [`World::capture`]'s does
+    /// (a side stream forked in and, when `pick` is even, left joined) and then panics; the
+    /// caller catches it. The capture must be over afterwards (for the side stream too) and
+    /// what its body allocated or freed must go back where it belongs, which the end of the case
+    /// checks (nothing leaked, no overlap, no violation).
+    fn capture_panicking(
+        &self,
+        by: usize,
+        s: StreamId,
+        n: u64,
+        pool: Option<&MemPool<SimDevice>>,
+        pick: usize,
+        side: Option<StreamId>,
+    ) -> R {
+        let a = &self.allocs[by];
+        let join = pick % 2 == 1;
+        let body = || -> R {
+            let made = self.captured_body(by, s, n, pick, side, join)?;
+            drop(made);
+            std::panic::panic_any(BodyPanic)
+        };
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| a.capture(s, pool, body)));
+        match r {
+            Err(p) if p.is::<BodyPanic>() => {}
+            Err(p) => std::panic::resume_unwind(p),
+            Ok(Err(AllocError::UnknownStream(_))) => return Ok(()),
+            Ok(Err(e)) => return Err(format!("capture: {e}")),
+            Ok(Ok((_, r))) => r?, // the body failed before its panic
         }
-        // The second replay of a forked capture runs on the side stream (it waits for the
-        // pool's earlier work on its own), and `s` waits for it: the outputs are `s`'s.
-        let elsewhere = side.filter(|_| launches >= 2);
-        for i in 0..launches {
-            let on = elsewhere.filter(|_| i == 1).unwrap_or(s);
-            graph.launch(on).map_err(|e| format!("graph launch on {on:?}: {e}"))?;
-        }
-        if let Some(t) = elsewhere {
-            self.captured_wait(s, t)?;
-        }
-        drop(graph);
-        for b in bufs.into_iter().chain(forked) {
-            self.register(b, by, true);
+        for t in std::iter::once(s).chain(side) {
+            ensure!(!a.is_capturing(t), "{t:?} still captures after the body of {s:?}'s panicked");
         }
         Ok(())
     }
@@ -1259,6 +1321,12 @@ fn captured_allocs(
     }
     Ok(made)
 }
+
+/// Buffers of one allocator of the world.
+type Bufs = Vec<Buffer<SimDevice>>;
+
+/// The payload of a capture body's deliberate panic ([`World::capture_panicking`]).
+struct BodyPanic;
 
 /// Makes a captured kernel writing its second buffer (after reading the first, if any).
 type CapturedKernel<'a> = dyn Fn(Option<&Buffer<SimDevice>>, &Buffer<SimDevice>) -> Kernel + 'a;
