@@ -252,3 +252,60 @@ fn a_block_kept_out_of_a_shared_pool_stays_out_until_the_last_capture_into_it_en
         assert!(dev.violations().is_empty(), "{:?}", dev.violations());
     }
 }
+
+/// The pool's memory was last used on `u` (`t`), which now captures into another graph: nothing can
+/// order that work before a new capture into the pool. An event recorded on `u` would be a
+/// node of `u`'s capture, and `s` waiting on it would join that capture (CUDA's fork), and no
+/// device-wide wait is allowed while a capture is underway. So `begin_capture(s, pool)` is
+/// refused with a clear error, and `u`'s capture is left alone: it ends, and its graph
+/// replays. Once it is over, the same capture into the pool begins, forks `u` in, which is
+/// handed the block, and replays with no violation. The runtime broken mode `CaptureForks` lets the allocator record
+/// its events in a capture: `s` then joins `u`'s capture, and the device refuses the capture
+/// of `s` (`cuStreamBeginCapture`, 401) instead of the allocator's clear refusal.
+#[test]
+fn a_pool_a_capturing_stream_used_last_refuses_a_new_capture_and_leaves_that_capture_alone() {
+    capturing_stream_used_the_pool_last(false).unwrap();
+    let broken = capturing_stream_used_the_pool_last(true);
+    assert!(broken.is_err(), "the broken mode was not caught: {broken:?}");
+}
+
+fn capturing_stream_used_the_pool_last(broken: bool) -> Result<(), String> {
+    let dev = Arc::new(SimDevice::backed(256 * MIB));
+    let (s, t) = (dev.create_stream().unwrap(), dev.create_stream().unwrap());
+    let alloc = Allocator::new(dev.clone(), Config::default()).unwrap();
+    alloc.set_broken(tidepool::hooks::Broken::CaptureForks, broken);
+    let pool = alloc.new_pool(PoolOptions::default()).unwrap(); // a pool has its allocator's
+    let st = Setup { dev, s, t, alloc, pool };
+    let (ptr, gate) = cached_busy_block(&st, t);
+    let Setup { dev, s, t: u, alloc, pool } = &st;
+    let u = *u;
+    alloc.begin_capture(u, None).unwrap();
+    let other = alloc.alloc(N, u).unwrap();
+    dev.launch(u, write(&other, 3)).unwrap();
+    let r = alloc.begin_capture(*s, Some(pool));
+    let refused = "the work that last used the pool's memory could not be ordered before it";
+    if !matches!(&r, Err(tidepool::AllocError::Capture { stream, reason })
+        if stream == s && *reason == refused)
+    {
+        return Err(format!("begin_capture(s, pool): {r:?}"));
+    }
+    if alloc.is_capturing(*s) || pool.graphs() != 0 {
+        return Err("the refused capture left s capturing or the pool claimed".into());
+    }
+    let graph = alloc.end_capture(u).map_err(|e| format!("u's capture: {e}"))?;
+    graph.launch(u).map_err(|e| e.to_string())?;
+    gate.send(()).unwrap();
+    alloc.begin_capture(*s, Some(pool)).map_err(|e| format!("after u's capture: {e}"))?;
+    let (b, g) = capture_a_write(&st, true);
+    assert_eq!(b.ptr().0, ptr, "the pool's block, once ordered");
+    g.launch(*s).unwrap();
+    dev.synchronize().unwrap();
+    assert_eq!(common::device_bytes(dev, &other), vec![3; N as usize]);
+    drop((b, g, graph, other));
+    pool.check_invariants()?;
+    alloc.check_invariants()?;
+    match dev.violations() {
+        v if v.is_empty() => Ok(()),
+        v => Err(format!("{v:?}")),
+    }
+}
