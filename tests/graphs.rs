@@ -873,3 +873,46 @@ fn a_capture_whose_body_panics_with_a_side_stream_still_joined_is_ended_too() {
     drop((kept, again, alloc));
     assert!(dev.live_segments().is_empty(), "{:?}", dev.live_segments());
 }
+
+/// The application drops its last handle of the allocator in the middle of a capture (it never
+/// called `end_capture`). The capture holds its pool, and through the general buffer freed into
+/// it the allocator itself, so before, nothing ever went back to the device, which stayed
+/// capturing. Now the last handle ends the capture and drops its graph: the device is no longer
+/// capturing, the capture's pool goes back, and the held block returns to the general pool,
+/// which a buffer the application still holds keeps alive (with its cache) until it is dropped. The broken build
+/// `cfg(tidepool_broken = "orphan_capture")` leaves the capture underway.
+#[test]
+fn the_last_handle_of_an_allocator_ends_its_capture_underway() {
+    let dev = Arc::new(SimDevice::backed(256 * MIB));
+    let (s, t) = (dev.create_stream().unwrap(), dev.create_stream().unwrap());
+    let alloc = Allocator::new(dev.clone(), Config::default()).unwrap();
+    let kept = alloc.alloc(N, t).unwrap(); // the application keeps it past the allocator
+    let freed = alloc.alloc(3 * MIB, s).unwrap(); // a 20 MiB segment, freed in the capture
+    assert_eq!((kept.ptr().0, freed.ptr().0), (SIM_BASE, SIM_BASE + SEG));
+    let spare = alloc.clone();
+    alloc.begin_capture(s, None).unwrap();
+    let tmp = alloc.alloc(N, s).unwrap();
+    assert_eq!(tmp.ptr().0, SIM_BASE + SEG + 20 * MIB, "the capture's pool");
+    let p = tmp.ptr();
+    let acc = vec![Access { ptr: p, bytes: N, kind: AccessKind::Write }];
+    let write = Kernel::replayable("w", acc, move |m| m.write(p, &[1; N as usize]).unwrap());
+    dev.launch(s, write).unwrap();
+    drop(freed); // held by the capture
+    drop(tmp);
+    drop(alloc);
+    assert!(dev.capture_underway(), "another handle lives: the capture goes on");
+    assert_eq!(dev.live_segments().len(), 3);
+    drop(spare); // the last handle
+    assert!(!dev.capture_underway(), "the last handle ended the capture");
+    // The capture's pool went back; the general allocator lives on in `kept` (a buffer holds
+    // its allocator), with the freed block cached in its 20 MiB segment.
+    let left = vec![
+        (tidepool::DeviceAddr(SIM_BASE), SEG),
+        (tidepool::DeviceAddr(SIM_BASE + SEG), 20 * MIB),
+    ];
+    assert_eq!(dev.live_segments(), left);
+    dev.synchronize().unwrap();
+    drop(kept);
+    assert!(dev.live_segments().is_empty(), "{:?}", dev.live_segments());
+    assert_eq!(dev.violations(), vec![]);
+}

@@ -586,6 +586,21 @@ impl<D: Capture> Drop for Graph<D> {
     }
 }
 
+/// Ends every capture still underway in `alloc`'s family and drops its graph: the general
+/// allocator's last handle is going (`Allocator`'s drop), so no one can end them any more, and
+/// each holds its pool and the blocks freed into it, which would never go back to the device
+/// (and the device would refuse every synchronisation). Where the device refuses to end one
+/// (CUDA's global capture mode ends a capture only on the thread that began it), `end_capture`
+/// takes it as over all the same, as for any refusal: no graph was made, so none of its
+/// captured work ever runs.
+fn end_orphaned<D: Capture>(alloc: &Allocator<D>) {
+    let streams: Vec<StreamId> =
+        lock(&alloc.shared.family.captures.inner).keys().copied().collect();
+    for stream in streams {
+        drop(alloc.end_capture(stream));
+    }
+}
+
 impl<D: Capture> Allocator<D> {
     /// Starts capturing `stream` into a CUDA graph (`cuStreamBeginCapture`): until
     /// [`Allocator::end_capture`], work enqueued on it is recorded, allocations on it come from
@@ -729,6 +744,8 @@ impl<D: Capture> Allocator<D> {
         if let Err(reason) = claimed {
             return Err(AllocError::PoolBusy { reason });
         }
+        // The general allocator's last handle ends what is still underway then.
+        sh.end_captures.get_or_init(|| end_orphaned::<D>);
         let route = sh.family.next_id();
         let broken = sh.broken(Broken::CaptureGeneral);
         let table = &sh.family.captures;

@@ -69,6 +69,14 @@ pub(crate) struct Shared<D: Device> {
     pub(super) extra: extra_stats::ExtraPublished,
     /// The accumulated figures at the last `reset_accumulated_stats` (subtracted on read).
     pub(super) accumulated_base: ArcCell<MemoryStats>,
+    /// The `Allocator` values of this allocator (the application's handles; a private pool's
+    /// are its `MemPool`s'): when the general allocator's last one goes, the captures still
+    /// underway are ended (`capture::end_orphaned`).
+    pub(super) handles: AtomicUsize,
+    /// Set by the first `begin_capture` (whose device captures): ends every capture of the
+    /// family still underway. A function, so that `Allocator`'s drop, which knows only
+    /// `D: Device`, can call what needs `D: Capture`.
+    pub(super) end_captures: std::sync::OnceLock<fn(&super::Allocator<D>)>,
 }
 
 /// What a named scope learned, and the region its plan lives in.
