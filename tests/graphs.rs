@@ -916,3 +916,58 @@ fn the_last_handle_of_an_allocator_ends_its_capture_underway() {
     assert!(dev.live_segments().is_empty(), "{:?}", dev.live_segments());
     assert_eq!(dev.violations(), vec![]);
 }
+
+/// `capture_sharing` (PyTorch's `with torch.cuda.graph(g, pool=…):`): a second graph captured
+/// into the pool of a live first one, replayed after it in capture order (the sharing
+/// contract). A third capture into the pool whose body panics is ended and lets go of the pool
+/// (two graphs use it after, not three), and the two graphs replay with exact results and no
+/// violation.
+#[test]
+fn capture_sharing_shares_a_live_graphs_pool_and_ends_a_body_that_panics() {
+    let Setup { dev, s, alloc } = setup();
+    let input = alloc.alloc(N, s).unwrap();
+    let (g1, out1) = alloc
+        .capture(s, None, || {
+            let out = alloc.alloc(N, s).unwrap();
+            dev.launch(s, map(&input, &out, |x| x + 1)).unwrap();
+            out
+        })
+        .unwrap();
+    let pool = g1.pool().clone();
+    assert!(alloc.capture(s, Some(&pool), || ()).is_err(), "the safe call refuses a live pool");
+    // SAFETY: g1 and g2 are replayed in capture order, one after the other on `s`, and out1 is
+    // read only by g2's replay that follows g1's.
+    let (g2, out2) = unsafe {
+        alloc.capture_sharing(s, &pool, || {
+            let out = alloc.alloc(N, s).unwrap();
+            dev.launch(s, map(&out1, &out, |x| x * 2)).unwrap();
+            out
+        })
+    }
+    .unwrap();
+    assert_eq!(pool.graphs(), 2);
+    let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        // SAFETY: the graph is never made (the body panics).
+        unsafe {
+            alloc.capture_sharing(s, &pool, || {
+                let tmp = alloc.alloc(N, s).unwrap();
+                dev.launch(s, map(&out2, &tmp, |x| x)).unwrap();
+                panic!("the body panics");
+            })
+        }
+    }));
+    assert!(panicked.is_err());
+    assert!(!alloc.is_capturing(s));
+    assert_eq!(pool.graphs(), 2, "the panicking capture let go of the pool");
+    for i in 0..4u8 {
+        dev.launch(s, fill(&input, i)).unwrap();
+        g1.launch(s).unwrap();
+        g2.launch(s).unwrap();
+        assert_eq!(device_bytes(&dev, &out2), vec![(i + 1) * 2; N as usize], "replay {i}");
+    }
+    alloc.check_invariants().unwrap();
+    pool.check_invariants().unwrap();
+    assert_eq!(dev.violations(), vec![]);
+    drop((g2, g1, out2, out1, input, pool, alloc));
+    assert!(dev.live_segments().is_empty(), "{:?}", dev.live_segments());
+}

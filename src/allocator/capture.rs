@@ -679,6 +679,36 @@ impl<D: Capture> Allocator<D> {
         pool: Option<&MemPool<D>>,
         body: impl FnOnce() -> R,
     ) -> Result<(Graph<D>, R), AllocError> {
+        self.begin_capture(stream, pool)?;
+        self.capture_body(stream, body)
+    }
+
+    /// [`Allocator::capture`] into `pool` while other graphs (or a capture underway) use it
+    /// too: PyTorch's `with torch.cuda.graph(g, pool=…):`.
+    ///
+    /// # Safety
+    ///
+    /// The contract of [`Allocator::begin_capture_sharing`]: the graphs sharing the pool are
+    /// replayed in the order they were captured and never concurrently, and no buffer of one
+    /// graph is read after a graph captured later has been replayed over its memory.
+    pub unsafe fn capture_sharing<R>(
+        &self,
+        stream: StreamId,
+        pool: &MemPool<D>,
+        body: impl FnOnce() -> R,
+    ) -> Result<(Graph<D>, R), AllocError> {
+        // SAFETY: the caller keeps the sharing contract (this function's own).
+        unsafe { self.begin_capture_sharing(stream, pool)? };
+        self.capture_body(stream, body)
+    }
+
+    /// The rest of [`Allocator::capture`] once the capture has begun: `body`, then the end,
+    /// which also runs if `body` unwinds.
+    fn capture_body<R>(
+        &self,
+        stream: StreamId,
+        body: impl FnOnce() -> R,
+    ) -> Result<(Graph<D>, R), AllocError> {
         /// Ends the capture as it goes (an unwind out of the body), unless disarmed.
         struct EndOnUnwind<'a, D: Capture>(&'a Allocator<D>, StreamId, bool);
         impl<D: Capture> Drop for EndOnUnwind<'_, D> {
@@ -689,7 +719,6 @@ impl<D: Capture> Allocator<D> {
                 }
             }
         }
-        self.begin_capture(stream, pool)?;
         // BROKEN: a panic in the body leaves the capture underway.
         let mut guard = EndOnUnwind(self, stream, !cfg!(tidepool_broken = "capture_left"));
         let out = body();
