@@ -971,3 +971,41 @@ fn capture_sharing_shares_a_live_graphs_pool_and_ends_a_body_that_panics() {
     drop((g2, g1, out2, out1, input, pool, alloc));
     assert!(dev.live_segments().is_empty(), "{:?}", dev.live_segments());
 }
+
+/// CUDA's global capture mode (the one `CudaDevice` uses) ends a capture only on the thread that
+/// began it; SimDevice refuses another thread's end the same way
+/// (`CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD`) and the capture goes on. The allocator keeps it
+/// too: the stream is still capturing into the graph's pool, and the thread that began it then
+/// ends it and replays the graph. The broken build `cfg(tidepool_broken = "wrong_thread_ends")`
+/// takes the refusal as the end (as for any other refusal): the stream is then no longer
+/// capturing for the allocator while it still is on the device, and the right thread's end is
+/// refused.
+#[test]
+fn a_capture_ended_on_another_thread_goes_on_until_its_own_thread_ends_it() {
+    let Setup { dev, s, alloc } = setup();
+    let input = alloc.alloc(N, s).unwrap();
+    dev.launch(s, fill(&input, 4)).unwrap();
+    alloc.begin_capture(s, None).unwrap();
+    let out = alloc.alloc(N, s).unwrap();
+    dev.launch(s, map(&input, &out, |x| x + 1)).unwrap();
+    let refused =
+        std::thread::scope(|t| t.spawn(|| alloc.end_capture(s).map(drop)).join().unwrap());
+    let wrong = tidepool::device::DeviceError::CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD;
+    assert!(
+        matches!(refused, Err(AllocError::Device(DeviceError::Driver { code, .. })) if code == wrong),
+        "{refused:?}"
+    );
+    assert!(alloc.is_capturing(s) && dev.capture_underway());
+    let more = alloc.alloc(N, s).unwrap(); // still from the graph's pool
+    assert_eq!(more.ptr().0, out.ptr().0 + N);
+    dev.launch(s, map(&out, &more, |x| x * 2)).unwrap();
+    let graph = alloc.end_capture(s).unwrap();
+    assert!(!dev.capture_underway());
+    for i in 0..3u8 {
+        dev.launch(s, fill(&input, i)).unwrap();
+        graph.launch(s).unwrap();
+        assert_eq!(device_bytes(&dev, &more), vec![(i + 1) * 2; N as usize], "replay {i}");
+    }
+    alloc.check_invariants().unwrap();
+    assert_eq!(dev.violations(), vec![]);
+}

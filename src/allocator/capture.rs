@@ -589,10 +589,9 @@ impl<D: Capture> Drop for Graph<D> {
 /// Ends every capture still underway in `alloc`'s family and drops its graph: the general
 /// allocator's last handle is going (`Allocator`'s drop), so no one can end them any more, and
 /// each holds its pool and the blocks freed into it, which would never go back to the device
-/// (and the device would refuse every synchronisation). Where the device refuses to end one
-/// (CUDA's global capture mode ends a capture only on the thread that began it), `end_capture`
-/// takes it as over all the same, as for any refusal: no graph was made, so none of its
-/// captured work ever runs.
+/// (and the device would refuse every synchronisation). A capture begun on another thread
+/// than this drop's cannot be ended here (CUDA's global capture mode ends a capture only on
+/// the thread that began it): it goes on, and what it holds stays allocated, as before.
 fn end_orphaned<D: Capture>(alloc: &Allocator<D>) {
     let streams: Vec<StreamId> =
         lock(&alloc.shared.family.captures.inner).keys().copied().collect();
@@ -868,7 +867,10 @@ impl<D: Capture> Allocator<D> {
 
     /// Ends the capture of `stream` (`cuStreamEndCapture` + `cuGraphInstantiate`) and returns
     /// the graph. Its pool serves no other allocation until a later capture is given it. If the
-    /// device fails to make the graph, the capture is over all the same and the error returned.
+    /// device fails to make the graph, the capture is over all the same and the error returned,
+    /// except where the device refuses because this is not the thread that began the capture
+    /// (`CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD`, CUDA's global capture mode): then the capture
+    /// goes on, and the thread that began it ends it.
     pub fn end_capture(&self, stream: StreamId) -> Result<Graph<D>, AllocError> {
         let sh = &self.shared;
         let table = &sh.family.captures;
@@ -880,6 +882,14 @@ impl<D: Capture> Allocator<D> {
             return Err(AllocError::Capture { stream, reason });
         }
         let made = sh.device.end_capture(stream);
+        if let Err(DeviceError::Driver { code, .. }) = made
+            && code == DeviceError::CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD
+            && !cfg!(tidepool_broken = "wrong_thread_ends")
+        // BROKEN: taken as over
+        {
+            // Not this thread's capture to end (CUDA's global mode): it goes on, as it was.
+            return Err(AllocError::Device(DeviceError::Driver { op: "cuStreamEndCapture", code }));
+        }
         let Some(mut entry) = table.remove(&stream) else {
             return Err(AllocError::Capture { stream, reason: "the stream is not capturing" });
         };

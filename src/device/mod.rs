@@ -234,6 +234,9 @@ impl DeviceError {
     /// `CUDA_ERROR_STREAM_CAPTURE_UNJOINED`: a capture ended while a stream that joined it (a
     /// fork) was not joined back into the stream it began on.
     pub const CUDA_ERROR_STREAM_CAPTURE_UNJOINED: u32 = 904;
+    /// `CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD`: a capture of the global (or thread-local)
+    /// mode ended on another thread than the one that began it; it goes on.
+    pub const CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD: u32 = 908;
 
     /// The name of a CUDA error code, where it is one of the common ones.
     pub fn code_name(code: u32) -> Option<&'static str> {
@@ -256,6 +259,7 @@ impl DeviceError {
             901 => "CUDA_ERROR_STREAM_CAPTURE_INVALIDATED",
             904 => "CUDA_ERROR_STREAM_CAPTURE_UNJOINED",
             905 => "CUDA_ERROR_STREAM_CAPTURE_ISOLATION",
+            908 => "CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD",
             999 => "CUDA_ERROR_UNKNOWN",
             _ => return None,
         })

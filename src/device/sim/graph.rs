@@ -79,6 +79,9 @@ pub(super) struct Recording {
     /// application event has), its stream and that stream's queue position then. CUDA orders
     /// each launch of a graph after the previous ones (`cuGraphLaunch`), on any stream.
     last_launch: Option<(u64, u32, u64)>,
+    /// The thread that began the capture: in CUDA's global capture mode (`CudaDevice`'s) only
+    /// it may end it.
+    thread: Option<std::thread::ThreadId>,
 }
 
 impl Recording {
@@ -246,7 +249,8 @@ impl Graphs {
             });
         }
         self.counters.captures += 1;
-        let mut rec = Recording { id: self.counters.captures, ..Recording::default() };
+        let thread = Some(std::thread::current().id());
+        let mut rec = Recording { id: self.counters.captures, thread, ..Recording::default() };
         rec.branches.insert(stream.0, Branch::default());
         self.active.insert(stream.0, rec);
         self.members.insert(stream.0, stream.0);
@@ -325,6 +329,14 @@ impl Graphs {
     /// joined back (the origin ordered after its last captured operation), else the capture is
     /// dropped with `CUDA_ERROR_STREAM_CAPTURE_UNJOINED`; either way its streams leave it.
     pub(super) fn end(&mut self, stream: StreamId) -> Result<u64, DeviceError> {
+        // Another thread's end is refused, and the capture goes on (global capture mode).
+        let began = self.active.get(&stream.0).and_then(|r| r.thread);
+        if began.is_some_and(|t| t != std::thread::current().id()) {
+            return Err(DeviceError::Driver {
+                op: "cuStreamEndCapture",
+                code: DeviceError::CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD,
+            });
+        }
         let rec = self.active.remove(&stream.0).ok_or(DeviceError::Driver {
             op: "cuStreamEndCapture",
             code: DeviceError::CUDA_ERROR_ILLEGAL_STATE,
