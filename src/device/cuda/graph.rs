@@ -110,13 +110,18 @@ impl Capture for CudaDevice {
                 code: DeviceError::CUDA_ERROR_ILLEGAL_STATE,
             });
         }
-        // The capture ends whatever the outcome (the driver invalidates one whose forks were
-        // not joined back, `CUDA_ERROR_STREAM_CAPTURE_UNJOINED`): its streams leave it.
-        graphs.order.end(stream.0);
         self.bind()?;
         // SAFETY: `s` is a live stream of this context being captured (begun above, not ended:
         // the table said so).
-        let g = unsafe { result::stream_end_capture(s.cu_stream()) }?;
+        let made = unsafe { result::stream_end_capture(s.cu_stream()) };
+        // The capture ends whatever the outcome (the driver invalidates one whose forks were
+        // not joined back, `CUDA_ERROR_STREAM_CAPTURE_UNJOINED`): its streams leave it. Except
+        // on another thread than the one that began it (global mode): refused, it goes on.
+        let wrong_thread = DeviceError::CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD;
+        if !matches!(made, Err(DeviceError::Driver { code, .. }) if code == wrong_thread) {
+            graphs.order.end(stream.0);
+        }
+        let g = made?;
         graphs.next += 1;
         let id = graphs.next;
         graphs.live.insert(id, g);
