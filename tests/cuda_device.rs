@@ -723,6 +723,35 @@ fn graph_capture_forks_a_side_stream() {
     two.finish();
 }
 
+/// CUDA's global capture mode on the GPU: `end_capture` on another thread than the one that
+/// began the capture is refused with `CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD` and the capture
+/// goes on (what SimDevice models and `end_capture` relies on); the beginning thread then ends
+/// it and the graph replays.
+#[test]
+fn graph_capture_ended_on_another_thread_goes_on() {
+    let Some((_gpu, dev)) = gpu() else { return };
+    let two = TwoStreams::new(dev, Config::default());
+    let TwoStreams { dev, k, alloc, s, cs, .. } = &two;
+    let s = *s;
+    alloc.begin_capture(s, None).unwrap();
+    // SAFETY: f32 has no invalid bit patterns; the captured fill writes them before any read.
+    let mut a = unsafe { CudaBuffer::<f32>::alloc(alloc, N, s) }.unwrap();
+    launch_fill(k, cs, &mut a, 5.0);
+    let refused =
+        std::thread::scope(|t| t.spawn(|| alloc.end_capture(s).map(drop)).join().unwrap());
+    let wrong = tidepool::device::DeviceError::CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD;
+    assert!(
+        matches!(refused, Err(AllocError::Device(DeviceError::Driver { code, .. })) if code == wrong),
+        "{refused:?}"
+    );
+    assert!(alloc.is_capturing(s) && dev.capture_underway());
+    let graph = alloc.end_capture(s).unwrap();
+    graph.launch(s).unwrap();
+    assert!(cs.clone_dtoh(&a).unwrap().iter().all(|&v| v == 5.0));
+    drop((graph, a));
+    two.finish();
+}
+
 /// `graph_capture_record_stream_reuse` on the GPU: a buffer of the capture's pool filled on a
 /// joined side stream (`record_stream`) and freed waits until the side stream is joined back;
 /// the next allocation after the join gets its block, and each replay leaves the new value.
