@@ -184,16 +184,10 @@ impl<T> LaneLock<T> {
         self.acquire();
         if claim && me != RETIRED {
             let owner = self.owner.load(Ordering::Relaxed);
-            if owner == 0 {
-                // No owner yet, so no one can hold the lane through a bias: biased from the
-                // moment this first take lets go.
-                self.owner.store(me, Ordering::Relaxed);
-                return self.guard(self.rebias());
-            }
-            // BROKEN: a lane whose owner thread ended stays on the CAS for good.
-            if !cfg!(tidepool_broken = "owner_kept") && thread_token::ended(owner) {
-                // The owner thread is gone and never reads its token again (`thread_token.rs`):
-                // once its bias is revoked (it holds nothing), the lane is this thread's.
+            // No owner yet, or one whose thread has ended and never reads its token again
+            // (`thread_token.rs`; BROKEN: such a lane stays on the CAS for good): once any bias
+            // is revoked, the lane is this thread's, biased from the moment this take lets go.
+            if owner == 0 || (!cfg!(tidepool_broken = "owner_kept") && thread_token::ended(owner)) {
                 self.revoke_bias();
                 self.owner.store(me, Ordering::Relaxed);
                 return self.guard(self.rebias());

@@ -184,7 +184,8 @@ loom::thread_local! {
 #[cfg(loom)]
 pub(crate) fn thread_token() -> u64 {
     use loom::sync::atomic::Ordering;
-    if let Some(token) = TOKEN.with(|t| (t.get() != 0).then(|| t.get())) {
+    let token = TOKEN.with(std::cell::Cell::get);
+    if token != 0 {
         return token;
     }
     let slot = FREE.lock().unwrap().take().expect("loom models run at most SLOTS threads");
