@@ -882,13 +882,13 @@ impl<D: Capture> Allocator<D> {
             return Err(AllocError::Capture { stream, reason });
         }
         let made = sh.device.end_capture(stream);
-        if let Err(DeviceError::Driver { code, .. }) = made
-            && code == DeviceError::CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD
+        // Not this thread's capture to end (CUDA's global mode): it goes on, as it was.
+        // BROKEN (`wrong_thread_ends`): the refusal is taken as the end, as any other is.
+        if let Err(e) = &made
+            && e.is_capture_wrong_thread()
             && !cfg!(tidepool_broken = "wrong_thread_ends")
-        // BROKEN: taken as over
         {
-            // Not this thread's capture to end (CUDA's global mode): it goes on, as it was.
-            return Err(AllocError::Device(DeviceError::Driver { op: "cuStreamEndCapture", code }));
+            return Err(e.clone().into());
         }
         let Some(mut entry) = table.remove(&stream) else {
             return Err(AllocError::Capture { stream, reason: "the stream is not capturing" });

@@ -238,6 +238,13 @@ impl DeviceError {
     /// mode ended on another thread than the one that began it; it goes on.
     pub const CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD: u32 = 908;
 
+    /// Whether this is the driver's refusal to end a capture on another thread than the one
+    /// that began it (`CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD`): the capture goes on.
+    pub fn is_capture_wrong_thread(&self) -> bool {
+        matches!(self, DeviceError::Driver { code, .. }
+            if *code == DeviceError::CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD)
+    }
+
     /// The name of a CUDA error code, where it is one of the common ones.
     pub fn code_name(code: u32) -> Option<&'static str> {
         Some(match code {

@@ -117,8 +117,7 @@ impl Capture for CudaDevice {
         // The capture ends whatever the outcome (the driver invalidates one whose forks were
         // not joined back, `CUDA_ERROR_STREAM_CAPTURE_UNJOINED`): its streams leave it. Except
         // on another thread than the one that began it (global mode): refused, it goes on.
-        let wrong_thread = DeviceError::CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD;
-        if !matches!(made, Err(DeviceError::Driver { code, .. }) if code == wrong_thread) {
+        if !made.as_ref().is_err_and(DeviceError::is_capture_wrong_thread) {
             graphs.order.end(stream.0);
         }
         let g = made?;
