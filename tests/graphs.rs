@@ -1009,3 +1009,44 @@ fn a_capture_ended_on_another_thread_goes_on_until_its_own_thread_ends_it() {
     alloc.check_invariants().unwrap();
     assert_eq!(dev.violations(), vec![]);
 }
+
+/// A graph launched on a stream that is capturing (the capture's own stream, or a side stream
+/// joined to it) is refused with a clear error and no device call: the capturing graph would
+/// otherwise use the launched graph's pool untracked (CUDA either refuses, invalidating the
+/// capture, or embeds the graph). The capture goes on and ends, and the graph replays where no
+/// capture is. The broken build `cfg(tidepool_broken = "launch_in_capture")` leaves it to the
+/// device, whose refusal is not the allocator's error.
+#[test]
+fn a_graph_launched_into_a_capture_underway_is_refused() {
+    let Setup { dev, s, alloc } = setup();
+    let input = alloc.alloc(N, s).unwrap();
+    dev.launch(s, fill(&input, 1)).unwrap();
+    let (graph, out) = alloc
+        .capture(s, None, || {
+            let out = alloc.alloc(N, s).unwrap();
+            dev.launch(s, map(&input, &out, |x| x + 1)).unwrap();
+            out
+        })
+        .unwrap();
+    let (t, u) = (dev.create_stream().unwrap(), dev.create_stream().unwrap());
+    alloc.begin_capture(t, None).unwrap();
+    let e = dev.create_event().unwrap();
+    dev.record_event(e, t).unwrap();
+    dev.wait_event(u, e).unwrap(); // u joins t's capture
+    let launches = dev.graph_counters().graph_launches;
+    for on in [t, u] {
+        let r = graph.launch(on);
+        assert!(
+            matches!(r, Err(AllocError::Capture { stream, .. }) if stream == on),
+            "{on:?}: {r:?}"
+        );
+    }
+    assert_eq!(dev.graph_counters().graph_launches, launches, "no device call");
+    dev.record_event(e, u).unwrap();
+    dev.wait_event(t, e).unwrap(); // joined back
+    drop(alloc.end_capture(t).unwrap());
+    graph.launch(s).unwrap();
+    assert_eq!(device_bytes(&dev, &out), vec![2; N as usize]);
+    alloc.check_invariants().unwrap();
+    assert_eq!(dev.violations(), vec![]);
+}

@@ -521,7 +521,23 @@ impl<D: Capture> Graph<D> {
     /// On a stream other than the one the capture began on, the replay first waits for the
     /// work that last used the pool's memory before the capture (an event wait, no host
     /// sync): the capture began after it on its own stream, a replay elsewhere does not.
+    /// Refused on a stream that is capturing ([`AllocError::Capture`]), with no device call.
     pub fn launch(&self, stream: StreamId) -> Result<(), AllocError> {
+        // Inside a capture, the launch would make this graph's work, and so its pool's memory,
+        // part of the capturing graph, which the allocator does not track; CUDA either refuses
+        // (and invalidates that capture) or embeds it. Refused here first. BROKEN
+        // (`launch_in_capture`): left to the device.
+        let ps = &self.pool.alloc.shared;
+        if !cfg!(tidepool_broken = "launch_in_capture")
+            && (ps.family.captures.capturing(ps, stream)
+                || self.device.capture_of(stream).is_some())
+        {
+            return Err(AllocError::Capture {
+                stream,
+                reason: "a graph cannot be launched into a capture underway (the capturing graph \
+                         would use its pool's memory, which the allocator does not track)",
+            });
+        }
         // BROKEN: a replay on another stream runs beside the pool's earlier work.
         if let Some(e) = self.start
             && stream != self.origin
