@@ -990,9 +990,8 @@ fn a_capture_ended_on_another_thread_goes_on_until_its_own_thread_ends_it() {
     dev.launch(s, map(&input, &out, |x| x + 1)).unwrap();
     let refused =
         std::thread::scope(|t| t.spawn(|| alloc.end_capture(s).map(drop)).join().unwrap());
-    let wrong = tidepool::device::DeviceError::CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD;
     assert!(
-        matches!(refused, Err(AllocError::Device(DeviceError::Driver { code, .. })) if code == wrong),
+        matches!(&refused, Err(AllocError::Device(e)) if e.is_capture_wrong_thread()),
         "{refused:?}"
     );
     assert!(alloc.is_capturing(s) && dev.capture_underway());
