@@ -25,6 +25,12 @@ pub struct MemoryStats {
     pub num_host_syncs: u64,
     /// Best-fit searches of the pool (allocations not served by a scope's cache or plan).
     pub best_fit_searches: u64,
+    /// Allocation attempts that took the allocator's global lock (its whole path): every
+    /// non-empty request that no stream cache served lock-free, each attempt of the
+    /// out-of-memory ladder counted again. `blocks.allocation.all.allocated` less this is about
+    /// how many allocations were lock-free hits, the share that sets the allocator's speed on a
+    /// workload (`tidepool replay` prints it).
+    pub locked_allocations: u64,
     /// Allocations of named scopes served from their learned plan.
     pub plan_hits: u64,
     /// Planned allocations served from the pool instead, because an escaped buffer of an
@@ -81,6 +87,7 @@ impl MemoryStats {
         self.num_device_free += other.num_device_free;
         self.num_host_syncs += other.num_host_syncs;
         self.best_fit_searches += other.best_fit_searches;
+        self.locked_allocations += other.locked_allocations;
         self.plan_hits += other.plan_hits;
         self.plan_misses += other.plan_misses;
         self.plan_fallbacks += other.plan_fallbacks;

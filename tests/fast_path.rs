@@ -131,6 +131,74 @@ fn the_caches_are_bounded_per_class_and_in_bytes() {
     check(&dev, &alloc);
 }
 
+/// (`locked_allocations`, `blocks.allocation.all.allocated`) now.
+fn locked_and_all(alloc: &Allocator<SimDevice>) -> (u64, u64) {
+    let s = alloc.stats();
+    (s.locked_allocations, s.blocks.allocation.all.allocated)
+}
+
+#[test]
+fn locked_allocations_count_the_requests_no_stream_cache_served() {
+    let (dev, alloc) = setup("", 1 << 30);
+    assert_eq!(locked_and_all(&alloc), (0, 0));
+    drop(alloc.alloc(0, S0).unwrap()); // empty: neither an allocation nor the lock
+    assert_eq!(locked_and_all(&alloc), (0, 0));
+    drop(alloc.alloc(4096, S0).unwrap()); // the first of its class: the whole path
+    assert_eq!(locked_and_all(&alloc), (1, 1));
+    for _ in 0..10 {
+        drop(alloc.alloc(4096, S0).unwrap()); // lock-free hits
+    }
+    assert_eq!(locked_and_all(&alloc), (1, 11));
+    // The same class for another request: served under the lock (its requested bytes change),
+    // and so is the next 4096, whose cached block last served 4000.
+    drop(alloc.alloc(4000, S0).unwrap());
+    assert_eq!(locked_and_all(&alloc), (2, 12));
+    drop(alloc.alloc(4096, S0).unwrap());
+    assert_eq!(locked_and_all(&alloc), (3, 13));
+    drop(alloc.alloc(4096, S0).unwrap());
+    assert_eq!(locked_and_all(&alloc), (3, 14));
+    // A large block and its same-stream reuse: the whole path, then the large hit only where
+    // the lock's check of it still stands (it does: nothing took the lock between).
+    drop(alloc.alloc(8 * MIB, S0).unwrap());
+    assert_eq!(locked_and_all(&alloc), (4, 15));
+    drop(alloc.alloc(8 * MIB, S0).unwrap());
+    assert_eq!(locked_and_all(&alloc), (5, 16));
+    drop(alloc.alloc(8 * MIB, S0).unwrap());
+    assert_eq!(locked_and_all(&alloc), (5, 17));
+    // Refused attempts count (they took the lock), allocations do not: an unknown stream, and
+    // a request beyond the device (the ladder's release and retry run inside one attempt).
+    assert!(alloc.alloc(4096, StreamId(99)).is_err());
+    assert_eq!(locked_and_all(&alloc), (6, 17));
+    assert!(alloc.alloc(2 << 30, S0).is_err());
+    assert_eq!(locked_and_all(&alloc), (7, 17));
+    // A failure callback that asks for another attempt makes one more.
+    let asked = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let seen = asked.clone();
+    alloc.set_failure_callback(move |_, _| {
+        seen.fetch_add(1, std::sync::atomic::Ordering::Relaxed) == 0
+    });
+    assert!(alloc.alloc(2 << 30, S0).is_err());
+    assert_eq!(asked.load(std::sync::atomic::Ordering::Relaxed), 2);
+    assert_eq!(locked_and_all(&alloc), (9, 17));
+    // A reset of the accumulated figures restarts both counts together. (The ladder emptied
+    // the lanes: the next 4096 locks, the one after hits.)
+    alloc.reset_accumulated_stats();
+    assert_eq!(locked_and_all(&alloc), (0, 0));
+    drop(alloc.alloc(4096, S0).unwrap());
+    drop(alloc.alloc(4096, S0).unwrap());
+    assert_eq!(locked_and_all(&alloc), (1, 2));
+    check(&dev, &alloc);
+    // Without lanes, or under the global lock, every allocation counts.
+    for config in ["fast_cache:false", "global_lock:true"] {
+        let (dev, alloc) = setup(config, 1 << 30);
+        for _ in 0..10 {
+            drop(alloc.alloc(4096, S0).unwrap());
+        }
+        assert_eq!(locked_and_all(&alloc), (10, 10), "{config}");
+        check(&dev, &alloc);
+    }
+}
+
 #[test]
 fn without_the_fast_cache_or_under_the_global_lock_every_operation_locks() {
     // Either way the read locks once: to publish (fast_cache:false) or to read (global_lock).
@@ -260,12 +328,16 @@ fn free_batch_returns_blocks_to_the_pool_under_one_lock() {
 }
 
 #[test]
-fn memory_summary_has_a_fast_cache_row() {
+fn memory_summary_has_a_fast_cache_row_and_a_hits_row() {
     let (_dev, alloc) = setup("", 1 << 30);
+    drop(alloc.alloc(4096, S0).unwrap());
+    drop(alloc.alloc(4096, S0).unwrap());
     drop(alloc.alloc(4096, S0).unwrap());
     let text = alloc.memory_summary();
     let line = text.lines().find(|l| l.starts_with("| Fast-cached memory")).unwrap();
     assert!(line.contains("4.00 KiB"), "{line}");
+    let line = text.lines().find(|l| l.starts_with("| Lock-free hits")).unwrap();
+    assert!(line.contains("|            2 |") && line.contains("(of 3 allocations;"), "{line}");
     assert!(text.lines().all(|l| l.chars().count() == 89), "{text}");
 }
 

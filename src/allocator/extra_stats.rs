@@ -127,7 +127,8 @@ fn stat_pairs<'a>(
 }
 
 /// `m` with the accumulated figures of `base` subtracted: every `Stat`'s allocated and freed,
-/// the counters PyTorch's `reset_accumulated_memory_stats` resets, and the expandable-segment
+/// the counters PyTorch's `reset_accumulated_memory_stats` resets (and `locked_allocations`,
+/// which must restart with the count of allocations), and the expandable-segment
 /// counters (maps and unmaps count in PyTorch's `num_device_alloc` and `num_device_free`) unless
 /// `keep_maps` (`Broken::ResetKeepsMaps`). (Saturating: a reader racing a reset may combine a
 /// snapshot from before it with the figures saved by it.)
@@ -148,6 +149,8 @@ pub(super) fn since(mut m: MemoryStats, base: &MemoryStats, keep_maps: bool) -> 
         (&mut m.num_device_free, base.num_device_free),
         (&mut m.num_host_syncs, base.num_host_syncs),
         (&mut m.num_sync_all_streams, base.num_sync_all_streams),
+        // Restarts with `allocation`'s total, which counts the same allocations.
+        (&mut m.locked_allocations, base.locked_allocations),
     ] {
         *v = v.saturating_sub(b);
     }
@@ -223,6 +226,7 @@ mod tests {
         m.oversize_segments = Stat { current: 1, peak: 2, allocated: 3, freed: 2 };
         m.num_ooms = 4;
         m.num_sync_all_streams = 3;
+        m.locked_allocations = 6;
         m.num_device_alloc = 7;
         m.num_device_map = 5;
         m.virtual_reserved_bytes = 8;
@@ -239,6 +243,7 @@ mod tests {
         );
         assert_eq!(r.oversize_segments, Stat { current: 1, peak: 2, allocated: 0, freed: 0 });
         assert_eq!((r.num_ooms, r.num_sync_all_streams, r.num_device_alloc), (0, 0, 1));
+        assert_eq!(r.locked_allocations, 0);
         assert_eq!((r.num_device_map, r.virtual_reserved_bytes), (3, 8));
     }
 }

@@ -585,6 +585,9 @@ impl<D: Device> Allocator<D> {
             }
         }
         let mut st = sh.lock_state();
+        // Only holders of the global lock count these: a load and a store, no shared RMW.
+        let locked = &sh.scope_counters.locked;
+        locked.store(locked.load(Ordering::Relaxed) + 1, Ordering::Relaxed);
         // The configuration as the global lock holds it: `set_config` replaces it under this
         // lock, so it is the cell's too (no load of the cell on the slow path). The plan holds
         // the state's spare handle of it, given back before the lock is let go: no reference

@@ -81,6 +81,7 @@ impl<D: Device> Shared<D> {
     pub(super) fn with_scope_stats(&self, mut m: MemoryStats) -> MemoryStats {
         let c = &self.scope_counters;
         m.best_fit_searches = sh_load(&c.searches);
+        m.locked_allocations = sh_load(&c.locked);
         m.plan_hits = sh_load(&c.plan_hits);
         m.plan_misses = sh_load(&c.plan_misses);
         m.plan_fallbacks = sh_load(&c.plan_fallbacks);

@@ -86,7 +86,8 @@ pub(super) struct PlanState {
     pub(super) region: Option<Arc<Region>>,
 }
 
-/// Scope and plan counters, updated without the allocator's lock.
+/// Scope and plan counters, updated without the allocator's lock, and the two counters of the
+/// whole path that only its lock's holders write (readers load them without it).
 #[derive(Default)]
 pub(super) struct ScopeCounters {
     pub(super) plan_hits: AtomicU64,
@@ -96,6 +97,9 @@ pub(super) struct ScopeCounters {
     pub(super) region_bytes: AtomicU64,
     /// Best-fit searches: written only under the global lock (a load and a store).
     pub(super) searches: AtomicU64,
+    /// Allocation attempts that took the global lock (`MemoryStats::locked_allocations`):
+    /// written only under it, as `searches`.
+    pub(super) locked: AtomicU64,
 }
 
 /// A block freed by its user while other streams may still use it.

@@ -367,8 +367,16 @@ impl AllocatorPolicy {
         runs: &[(u64, u64)],
         step_vm: &[(u64, u64, u64)],
     ) -> Vec<(String, String)> {
+        // Allocations no stream cache served lock-free took the whole path: the share of
+        // lock-free hits is what sets a replay's ns/op.
+        let all = s.blocks.allocation.all.allocated;
+        let lock_free = all.saturating_sub(s.locked_allocations);
         let mut extra = vec![
             ("alloc retries".into(), s.num_alloc_retries.to_string()),
+            (
+                "lock-free hits".into(),
+                format!("{lock_free} of {all} allocations ({:.1} %)", percent(lock_free, all)),
+            ),
             (
                 "peak reserved persistent / transient".into(),
                 format!(
@@ -411,5 +419,13 @@ impl AllocatorPolicy {
             ]);
         }
         extra
+    }
+}
+
+/// `part` as a percentage of `whole` (0 for an empty whole).
+fn percent(part: u64, whole: u64) -> f64 {
+    match whole {
+        0 => 0.0,
+        _ => part as f64 * 100.0 / whole as f64,
     }
 }
