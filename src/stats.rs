@@ -26,10 +26,10 @@ pub struct MemoryStats {
     /// Best-fit searches of the pool (allocations not served by a scope's cache or plan).
     pub best_fit_searches: u64,
     /// Allocation attempts that took the allocator's global lock (its whole path): every
-    /// non-empty request that no stream cache served lock-free, each attempt of the
-    /// out-of-memory ladder counted again. `blocks.allocation.all.allocated` less this is about
-    /// how many allocations were lock-free hits, the share that sets the allocator's speed on a
-    /// workload (`tidepool replay` prints it).
+    /// non-empty request that no stream cache served lock-free, refused ones included, and
+    /// each retry after an out-of-memory (a failure callback's, or one after private pools gave
+    /// memory back) counted again. [`MemoryStats::lock_free_allocations`] is what it leaves:
+    /// the share that sets the allocator's speed on a workload (`tidepool replay` prints it).
     pub locked_allocations: u64,
     /// Allocations of named scopes served from their learned plan.
     pub plan_hits: u64,
@@ -76,6 +76,24 @@ pub struct MemoryStats {
 }
 
 impl MemoryStats {
+    /// Allocations the stream caches served with no lock: `blocks.allocation.all.allocated`
+    /// less [`MemoryStats::locked_allocations`] (0 where refused attempts outnumber them).
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use tidepool::{Allocator, Config, SimDevice, StreamId};
+    /// let alloc = Allocator::new(Arc::new(SimDevice::new(1 << 30)), Config::default()).unwrap();
+    /// for _ in 0..3 {
+    ///     drop(alloc.alloc(4096, StreamId::DEFAULT).unwrap());
+    /// }
+    /// let s = alloc.stats();
+    /// // The first took the lock; the other two were hits of the stream's cache.
+    /// assert_eq!((s.locked_allocations, s.lock_free_allocations()), (1, 2));
+    /// ```
+    pub fn lock_free_allocations(&self) -> u64 {
+        self.blocks.allocation.all.allocated.saturating_sub(self.locked_allocations)
+    }
+
     /// Adds another allocator's statistics (several devices' totals, say): block figures as in
     /// [`crate::Stat::accumulate`] (peaks are the sum of the peaks), counters summed, per-stream
     /// cached bytes listed one after the other.

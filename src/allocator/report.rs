@@ -244,13 +244,12 @@ impl<D: Device> Allocator<D> {
         line(&mut out, "Fast-cached memory", s.cached_fast_bytes, "(freed, in per-stream caches)");
         // How many allocations the stream caches served with no lock: the rest took the whole
         // path (`MemoryStats::locked_allocations`).
-        let all = s.blocks.allocation.all.allocated;
         let _ = writeln!(
             out,
             "| {:<26}| {:>12} | {:>42} |",
             "Lock-free hits",
-            all.saturating_sub(s.locked_allocations),
-            format!("(of {all} allocations; the rest locked)")
+            s.lock_free_allocations(),
+            format!("(of {} allocations; the rest locked)", s.blocks.allocation.all.allocated)
         );
         if s.plan_region_bytes > 0 {
             // Counted as allocated above; `empty_cache` releases the idle ones.

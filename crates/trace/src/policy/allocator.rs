@@ -369,8 +369,7 @@ impl AllocatorPolicy {
     ) -> Vec<(String, String)> {
         // Allocations no stream cache served lock-free took the whole path: the share of
         // lock-free hits is what sets a replay's ns/op.
-        let all = s.blocks.allocation.all.allocated;
-        let lock_free = all.saturating_sub(s.locked_allocations);
+        let (all, lock_free) = (s.blocks.allocation.all.allocated, s.lock_free_allocations());
         let mut extra = vec![
             ("alloc retries".into(), s.num_alloc_retries.to_string()),
             (
