@@ -464,10 +464,10 @@ fn allocator_seeds() -> Vec<(String, Vec<u8>)> {
                 vec![
                     alloc(4096, 1),
                     launch(0, 2),
-                    Capture { stream: 1, fork: 2, bytes: 4096, launches: 2 },
-                    Capture { stream: 2, fork: 0, bytes: 3 << 20, launches: 1 },
+                    Capture { stream: 1, fork: 2, bytes: 4096, launches: 2, panics: false },
+                    Capture { stream: 2, fork: 0, bytes: 3 << 20, launches: 1, panics: false },
                     SetConfig { config: 9 },
-                    Capture { stream: 2, fork: 1, bytes: 700_000, launches: 2 },
+                    Capture { stream: 2, fork: 1, bytes: 700_000, launches: 2, panics: false },
                     Free { index: 0 },
                     EmptyCache,
                 ],

@@ -69,8 +69,12 @@
 //! must hold nothing (its device calls join the counts the device's must match). A forked capture
 //! replayed twice keeps the side stream's block past its graph, writes and frees it there, and
 //! captures again into the same pool, forked into the same stream, replaying on both streams
-//! (the pool's earlier work must be ordered before that graph). Injected faults and every
-//! configuration apply to them as to any step.
+//! (the pool's earlier work must be ordered before that graph). One capture in seven runs its
+//! work as the body of `Allocator::capture`, which panics at its end, joined back or left
+//! forked: the harness catches the panic (silencing libFuzzer's aborting panic hook meanwhile,
+//! and letting any other panic go on), and the capture must be over for both streams with the
+//! pool empty once emptied. Injected faults and every configuration apply to them as to any
+//! step.
 //!
 //! Scopes (`ScopeEnter` / `ScopeAlloc` / `ScopeBurst` / `ScopeExit`): unbound scoped buffers
 //! join the live list like any other buffer (so `Free`, `Launch` and `RecordStream` reach them,
@@ -229,6 +233,9 @@ fn finish(dev: Arc<SimDevice>) -> Result<(), String> {
 
 /// A captured kernel writing its second buffer after reading its first.
 type CapturedKernel = dyn Fn(Option<&Buffer<SimDevice>>, &Buffer<SimDevice>) -> Kernel;
+
+/// The payload of the deliberate panic of [`Harness::capture_panicking`]'s capture body.
+struct BodyPanic;
 
 /// A live buffer of the model.
 struct Live {
@@ -632,8 +639,8 @@ impl<'a> Harness<'a> {
             Op::ScopeExit => self.exit_scope()?,
             Op::Other { index, action } => self.other_op(index, action)?,
             Op::ScopeForget { bytes, used, stream } => self.scope_forget(bytes, used, stream)?,
-            Op::Capture { stream, fork, bytes, launches } => {
-                self.capture(stream, fork, bytes, launches)?;
+            Op::Capture { stream, fork, bytes, launches, panics } => {
+                self.capture(stream, fork, bytes, launches, panics)?;
             }
         }
         Ok(())
@@ -643,8 +650,16 @@ impl<'a> Harness<'a> {
     /// forked capture replayed twice keeps the side stream's block past its graph, writes it
     /// there outside any capture and frees it, then captures again into the same pool, forked
     /// into the same stream (which may be handed that block), and replays on both streams: the
-    /// sanitizer checks that the second graph's replays are ordered after that write.
-    fn capture(&mut self, stream: u8, fork: u8, bytes: u64, launches: u8) -> Result<(), String> {
+    /// sanitizer checks that the second graph's replays are ordered after that write. With
+    /// `panics`, the capture's body panics instead ([`Harness::capture_panicking`]).
+    fn capture(
+        &mut self,
+        stream: u8,
+        fork: u8,
+        bytes: u64,
+        launches: u8,
+        panics: bool,
+    ) -> Result<(), String> {
         let slot = stream.max(1);
         let s = self.stream(slot)?;
         let t = match fork {
@@ -661,6 +676,10 @@ impl<'a> Harness<'a> {
             a.set_config(c).map_err(|e| format!("set_config: {e}"))?;
         }
         let pool = a.new_pool(PoolOptions::default()).map_err(|e| format!("new_pool: {e}"))?;
+        if panics {
+            self.capture_panicking(s, t, &pool, bytes, launches % 2 == 1)?;
+            return self.graph_pool_gone(pool);
+        }
         a.begin_capture(s, Some(&pool)).map_err(|e| format!("begin_capture on {s}: {e}"))?;
         let second = t.is_some() && launches == 2;
         let mut kept = None;
@@ -735,8 +754,76 @@ impl<'a> Harness<'a> {
         if let (Some(t), Some(b)) = (t, kept) {
             self.capture_again(&pool, s, t, b, &kernel)?;
         }
-        // The graph's pool serves nothing more: emptied, it holds nothing, and its device calls
-        // join the count the device's must match.
+        self.graph_pool_gone(pool)
+    }
+
+    /// [`Op::Capture`] with `panics`: the capture's work (two allocations from the graph's
+    /// pool with captured kernels, the first freed; `t` forked in, allocating and reading,
+    /// joined back when `join`) as the body of `Allocator::capture`, which then panics. The
+    /// panic is caught here, with the panic hook silenced meanwhile (libFuzzer's aborts): a
+    /// panic of anything else goes on. The capture must be over for both streams.
+    fn capture_panicking(
+        &mut self,
+        s: StreamId,
+        t: Option<StreamId>,
+        pool: &MemPool<SimDevice>,
+        bytes: u64,
+        join: bool,
+    ) -> Result<(), String> {
+        let a = self.alloc;
+        let this = &*self;
+        let alloc = |on: StreamId| match a.alloc(bytes, on) {
+            Ok(b) => Ok(Some(b)),
+            Err(AllocError::OutOfMemory(_) | AllocError::InvalidSize { .. }) => Ok(None),
+            Err(e) => Err(format!("alloc of {bytes} in a panicking capture on {on}: {e}")),
+        };
+        let write = |b: &Buffer<SimDevice>, on: StreamId| {
+            let acc = vec![Access { ptr: b.ptr(), bytes: b.len(), kind: AccessKind::Write }];
+            this.dev.launch(on, Kernel::replayable("captured", acc, |_| {}))
+        };
+        let body = || -> Result<(), String> {
+            let mut bufs = Vec::new();
+            for _ in 0..2 {
+                let Some(b) = alloc(s)? else { break };
+                write(&b, s).map_err(|e| dev_err("captured launch", e))?;
+                bufs.push(b);
+            }
+            if let Some(t) = t {
+                this.order_after(t, s)?; // the fork
+                if let Some(b) = alloc(t)? {
+                    write(&b, t).map_err(|e| dev_err("forked launch", e))?;
+                    bufs.push(b);
+                }
+                if join {
+                    this.order_after(s, t)?;
+                }
+            }
+            if !bufs.is_empty() {
+                drop(bufs.remove(0)); // freed in the body; the rest as the panic unwinds
+            }
+            std::panic::panic_any(BodyPanic)
+        };
+        let hook = std::panic::take_hook();
+        std::panic::set_hook(Box::new(|_| {}));
+        let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            a.capture(s, Some(pool), body)
+        }));
+        std::panic::set_hook(hook);
+        match caught {
+            Err(p) if p.is::<BodyPanic>() => {}
+            Err(p) => std::panic::resume_unwind(p),
+            Ok(Err(e)) => return Err(format!("capture on {s}: {e}")),
+            Ok(Ok((_, r))) => r?, // the body failed before its panic
+        }
+        for u in std::iter::once(s).chain(t) {
+            ensure!(!a.is_capturing(u), "{u} still captures after the body on {s} panicked");
+        }
+        Ok(())
+    }
+
+    /// The end of [`Op::Capture`]: the graph's pool serves nothing more. Emptied, it holds
+    /// nothing, and its device calls join the count the device's must match.
+    fn graph_pool_gone(&mut self, pool: MemPool<SimDevice>) -> Result<(), String> {
         pool.empty_cache().map_err(|e| format!("empty_cache of a graph's pool: {e}"))?;
         let left = pool.snapshot();
         ensure!(left.is_empty(), "the graph's pool kept {left:?} once the graph was gone");
@@ -1629,8 +1716,26 @@ mod tests {
     #[test]
     fn a_pool_captured_again_after_ordinary_work_on_its_side_stream() {
         let ops = vec![
-            Op::Capture { stream: 1, fork: 2, bytes: 4096, launches: 2 },
-            Op::Capture { stream: 2, fork: 1, bytes: 3 * MIB, launches: 2 },
+            Op::Capture { stream: 1, fork: 2, bytes: 4096, launches: 2, panics: false },
+            Op::Capture { stream: 2, fork: 1, bytes: 3 * MIB, launches: 2, panics: false },
+        ];
+        for config in 0..CONFIGS.len() as u8 {
+            run(&program(config, ops.clone()), Options::default())
+                .unwrap_or_else(|e| panic!("config {config}: {e}"));
+        }
+    }
+
+    /// Captures whose bodies panic (`Allocator::capture`), forked and joined back, left forked,
+    /// or not forked, then an ordinary capture, in every configuration: each is over for both
+    /// streams and its pool empties. The broken build `cfg(tidepool_broken = "capture_left")`
+    /// (a panicking body leaves the capture underway) fails it.
+    #[test]
+    fn captures_whose_bodies_panic_end_and_give_their_pools_back() {
+        let ops = vec![
+            Op::Capture { stream: 1, fork: 2, bytes: 4096, launches: 1, panics: true },
+            Op::Capture { stream: 2, fork: 1, bytes: 3 * MIB, launches: 0, panics: true },
+            Op::Capture { stream: 2, fork: 0, bytes: 700_000, launches: 2, panics: true },
+            Op::Capture { stream: 1, fork: 2, bytes: 4096, launches: 2, panics: false },
         ];
         for config in 0..CONFIGS.len() as u8 {
             run(&program(config, ops.clone()), Options::default())

@@ -137,7 +137,12 @@ pub enum Op {
     /// event recorded on the capturing stream), allocates `bytes` there, reads the last captured
     /// block (a use recorded on the joined stream) and frees its block, and is joined back. The
     /// graph is launched `launches` times (0 to 2) and dropped with what it kept.
-    Capture { stream: u8, fork: u8, bytes: u64, launches: u8 },
+    ///
+    /// With `panics`, the same work runs as the body of `Allocator::capture`, which panics at
+    /// its end (the side stream joined back when `launches` is odd, left forked otherwise); the
+    /// harness catches the panic, and the capture must be over for both streams with nothing of
+    /// the graph's pool left once it is emptied.
+    Capture { stream: u8, fork: u8, bytes: u64, launches: u8, panics: bool },
 }
 
 /// Most bound allocations of one [`Op::ScopeBurst`].
@@ -395,12 +400,11 @@ impl Program {
                 Kind::ScopeBurst => Op::ScopeBurst { n: 1 + i.u8() % MAX_BURST, seed: i.u32() },
                 Kind::ScopeExit => Op::ScopeExit,
                 Kind::Other => Op::Other { index: i.u8(), action: i.u8() % 5 },
-                Kind::Capture => Op::Capture {
-                    stream: slot(i),
-                    fork: slot(i),
-                    bytes: size(i),
-                    launches: i.u8() % 3,
-                },
+                Kind::Capture => {
+                    let (stream, fork, bytes, l) = (slot(i), slot(i), size(i), i.u8());
+                    // One byte for both: `launches` as before, and one in seven panics.
+                    Op::Capture { stream, fork, bytes, launches: l % 3, panics: l % 7 == 6 }
+                }
                 Kind::ScopeForget => {
                     Op::ScopeForget { bytes: size(i), used: i.bool(), stream: slot(i) }
                 }
@@ -513,12 +517,14 @@ impl Program {
                     o.bool(used);
                     o.u8(stream);
                 }
-                Op::Capture { stream, fork, bytes, launches } => {
+                Op::Capture { stream, fork, bytes, launches, panics } => {
                     tag(&mut o, Kind::Capture);
                     o.u8(stream);
                     o.u8(fork);
                     compact_size(&mut o, bytes);
-                    o.u8(launches);
+                    // The byte ≡ launches (mod 3), and ≡ 6 (mod 7) exactly when it panics.
+                    let l = launches % 3;
+                    o.u8(if panics { [6, 13, 20][usize::from(l)] } else { l });
                 }
             }
         }
@@ -569,8 +575,10 @@ mod tests {
                 Op::Other { index: 200, action: 4 },
                 Op::ScopeForget { bytes: 4096, used: true, stream: 2 },
                 Op::ScopeForget { bytes: 5 * MIB, used: false, stream: 0 },
-                Op::Capture { stream: 1, fork: 2, bytes: 4096, launches: 2 },
-                Op::Capture { stream: 0, fork: 0, bytes: u64::MAX, launches: 0 },
+                Op::Capture { stream: 1, fork: 2, bytes: 4096, launches: 2, panics: false },
+                Op::Capture { stream: 0, fork: 0, bytes: u64::MAX, launches: 0, panics: false },
+                Op::Capture { stream: 2, fork: 1, bytes: 4096, launches: 1, panics: true },
+                Op::Capture { stream: 1, fork: 0, bytes: 3 * MIB, launches: 2, panics: true },
             ],
         }
     }
