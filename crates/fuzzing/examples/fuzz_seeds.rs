@@ -474,6 +474,27 @@ fn allocator_seeds() -> Vec<(String, Vec<u8>)> {
             ),
         ),
         (
+            "graph-capture-panics",
+            // Capture bodies that panic (`Allocator::capture`): forked and joined back, left
+            // forked, not forked; then an ordinary capture on the same streams, and a live
+            // buffer used on both.
+            scenario(
+                1,
+                0,
+                vec![
+                    alloc(4096, 1),
+                    Capture { stream: 1, fork: 2, bytes: 4096, launches: 1, panics: true },
+                    Capture { stream: 2, fork: 1, bytes: 3 << 20, launches: 0, panics: true },
+                    SetConfig { config: 9 },
+                    Capture { stream: 2, fork: 0, bytes: 700_000, launches: 2, panics: true },
+                    Capture { stream: 1, fork: 2, bytes: 4096, launches: 2, panics: false },
+                    launch(0, 2),
+                    Free { index: 0 },
+                    EmptyCache,
+                ],
+            ),
+        ),
+        (
             "huge-device",
             scenario(
                 3,
