@@ -803,12 +803,17 @@ impl<'a> Harness<'a> {
             }
             std::panic::panic_any(BodyPanic)
         };
+        // One swap at a time in the process (tests run harnesses on several threads), so each
+        // puts back the hook it found.
+        static HOOK_SWAP: Mutex<()> = Mutex::new(());
+        let swap = HOOK_SWAP.lock().unwrap_or_else(PoisonError::into_inner);
         let hook = std::panic::take_hook();
         std::panic::set_hook(Box::new(|_| {}));
         let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             a.capture(s, Some(pool), body)
         }));
         std::panic::set_hook(hook);
+        drop(swap);
         match caught {
             Err(p) if p.is::<BodyPanic>() => {}
             Err(p) => std::panic::resume_unwind(p),
