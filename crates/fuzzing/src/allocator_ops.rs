@@ -234,6 +234,20 @@ fn finish(dev: Arc<SimDevice>) -> Result<(), String> {
 /// A captured kernel writing its second buffer after reading its first.
 type CapturedKernel = dyn Fn(Option<&Buffer<SimDevice>>, &Buffer<SimDevice>) -> Kernel;
 
+/// An allocation of `bytes` on `on` during a capture: `None` where the request is absurd, or
+/// the device (or an injected fault) refuses it.
+fn captured_alloc(
+    a: &Allocator<SimDevice>,
+    bytes: u64,
+    on: StreamId,
+) -> Result<Option<Buffer<SimDevice>>, String> {
+    match a.alloc(bytes, on) {
+        Ok(b) => Ok(Some(b)),
+        Err(AllocError::OutOfMemory(_) | AllocError::InvalidSize { .. }) => Ok(None),
+        Err(e) => Err(format!("alloc of {bytes} during a capture on {on}: {e}")),
+    }
+}
+
 /// The payload of the deliberate panic of [`Harness::capture_panicking`]'s capture body.
 struct BodyPanic;
 
@@ -683,12 +697,7 @@ impl<'a> Harness<'a> {
         a.begin_capture(s, Some(&pool)).map_err(|e| format!("begin_capture on {s}: {e}"))?;
         let second = t.is_some() && launches == 2;
         let mut kept = None;
-        let alloc = |on: StreamId| match a.alloc(bytes, on) {
-            Ok(b) => Ok(Some(b)),
-            // The request is absurd, or the device (or an injected fault) refuses it.
-            Err(AllocError::OutOfMemory(_) | AllocError::InvalidSize { .. }) => Ok(None),
-            Err(e) => Err(format!("alloc of {bytes} during a capture on {on}: {e}")),
-        };
+        let alloc = |on: StreamId| captured_alloc(a, bytes, on);
         // A captured kernel writing `dst` (after reading `src`): replayable, with no body (the
         // device is unbacked); the sanitizer checks its accesses at capture and at each replay.
         let kernel = |src: Option<&Buffer<SimDevice>>, dst: &Buffer<SimDevice>| {
@@ -772,11 +781,7 @@ impl<'a> Harness<'a> {
     ) -> Result<(), String> {
         let a = self.alloc;
         let this = &*self;
-        let alloc = |on: StreamId| match a.alloc(bytes, on) {
-            Ok(b) => Ok(Some(b)),
-            Err(AllocError::OutOfMemory(_) | AllocError::InvalidSize { .. }) => Ok(None),
-            Err(e) => Err(format!("alloc of {bytes} in a panicking capture on {on}: {e}")),
-        };
+        let alloc = |on: StreamId| captured_alloc(a, bytes, on);
         let write = |b: &Buffer<SimDevice>, on: StreamId| {
             let acc = vec![Access { ptr: b.ptr(), bytes: b.len(), kind: AccessKind::Write }];
             this.dev.launch(on, Kernel::replayable("captured", acc, |_| {}))
