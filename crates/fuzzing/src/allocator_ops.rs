@@ -767,12 +767,12 @@ impl<'a> Harness<'a> {
     }
 
     /// [`Op::Capture`] with `panics`: the capture's work (two allocations from the graph's
-    /// pool with captured kernels, the first freed; `t` forked in, allocating and reading,
+    /// pool with captured kernels, the first freed; `t` forked in, allocating and writing,
     /// joined back when `join`) as the body of `Allocator::capture`, which then panics. The
     /// panic is caught here, with the panic hook silenced meanwhile (libFuzzer's aborts): a
     /// panic of anything else goes on. The capture must be over for both streams.
     fn capture_panicking(
-        &mut self,
+        &self,
         s: StreamId,
         t: Option<StreamId>,
         pool: &MemPool<SimDevice>,
@@ -780,11 +780,10 @@ impl<'a> Harness<'a> {
         join: bool,
     ) -> Result<(), String> {
         let a = self.alloc;
-        let this = &*self;
         let alloc = |on: StreamId| captured_alloc(a, bytes, on);
         let write = |b: &Buffer<SimDevice>, on: StreamId| {
             let acc = vec![Access { ptr: b.ptr(), bytes: b.len(), kind: AccessKind::Write }];
-            this.dev.launch(on, Kernel::replayable("captured", acc, |_| {}))
+            self.dev.launch(on, Kernel::replayable("captured", acc, |_| {}))
         };
         let body = || -> Result<(), String> {
             let mut bufs = Vec::new();
@@ -794,13 +793,13 @@ impl<'a> Harness<'a> {
                 bufs.push(b);
             }
             if let Some(t) = t {
-                this.order_after(t, s)?; // the fork
+                self.order_after(t, s)?; // the fork
                 if let Some(b) = alloc(t)? {
                     write(&b, t).map_err(|e| dev_err("forked launch", e))?;
                     bufs.push(b);
                 }
                 if join {
-                    this.order_after(s, t)?;
+                    self.order_after(s, t)?;
                 }
             }
             if !bufs.is_empty() {
