@@ -15,6 +15,8 @@
 //! ends the spin anyway (and reports it in `gate[1]`), so a test can fail but never hang.
 #![cfg(feature = "cuda")]
 
+mod common;
+
 use std::sync::{Arc, Mutex, MutexGuard};
 use tidepool::cudarc::driver::{CudaFunction, CudaStream, LaunchConfig, PushKernelArg, result};
 use tidepool::cudarc::nvrtc::Ptx;
@@ -731,19 +733,13 @@ fn graph_capture_forks_a_side_stream() {
 fn graph_capture_ended_on_another_thread_goes_on() {
     let Some((_gpu, dev)) = gpu() else { return };
     let two = TwoStreams::new(dev, Config::default());
-    let TwoStreams { dev, k, alloc, s, cs, .. } = &two;
+    let TwoStreams { k, alloc, s, cs, .. } = &two;
     let s = *s;
     alloc.begin_capture(s, None).unwrap();
     // SAFETY: f32 has no invalid bit patterns; the captured fill writes them before any read.
     let mut a = unsafe { CudaBuffer::<f32>::alloc(alloc, N, s) }.unwrap();
     launch_fill(k, cs, &mut a, 5.0);
-    let refused =
-        std::thread::scope(|t| t.spawn(|| alloc.end_capture(s).map(drop)).join().unwrap());
-    assert!(
-        matches!(&refused, Err(AllocError::Device(e)) if e.is_capture_wrong_thread()),
-        "{refused:?}"
-    );
-    assert!(alloc.is_capturing(s) && dev.capture_underway());
+    common::end_capture_elsewhere(alloc, s);
     let graph = alloc.end_capture(s).unwrap();
     graph.launch(s).unwrap();
     assert!(cs.clone_dtoh(&a).unwrap().iter().all(|&v| v == 5.0));

@@ -1,10 +1,10 @@
-//! Kernels shared by the whole-allocator tests (a module, not a test target).
+//! Kernels and checks shared by the whole-allocator tests (a module, not a test target).
 
 #![allow(dead_code)] // each test target uses part of it
 
 use std::sync::{Arc, Mutex, mpsc};
-use tidepool::device::{Access, AccessKind, Kernel, Launch, SimDevice};
-use tidepool::{Buffer, Device, DeviceAddr, StreamId};
+use tidepool::device::{Access, AccessKind, Capture, Kernel, Launch, SimDevice};
+use tidepool::{AllocError, Allocator, Buffer, Device, DeviceAddr, StreamId};
 
 /// Bytes the shared kernels touch.
 pub const N: u64 = 4096;
@@ -90,4 +90,17 @@ pub fn wait_stream(dev: &SimDevice, to: StreamId, from: StreamId) -> tidepool::d
     dev.record_event(e, from).unwrap();
     dev.wait_event(to, e).unwrap();
     e
+}
+
+/// Ends `stream`'s capture from another thread, which CUDA's global capture mode refuses
+/// (`CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD`, SimDevice alike): asserts that refusal, and that
+/// the capture goes on, for the allocator and for the device.
+pub fn end_capture_elsewhere<D: Capture>(alloc: &Allocator<D>, stream: StreamId) {
+    let refused =
+        std::thread::scope(|t| t.spawn(|| alloc.end_capture(stream).map(drop)).join().unwrap());
+    assert!(
+        matches!(&refused, Err(AllocError::Device(e)) if e.is_capture_wrong_thread()),
+        "{refused:?}"
+    );
+    assert!(alloc.is_capturing(stream) && alloc.device().capture_underway());
 }
