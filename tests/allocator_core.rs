@@ -365,7 +365,9 @@ fn buffers_on_streams_without_a_fast_path_keep_the_allocator_alive_too() {
     assert_eq!(streams[69].0, 70);
     drop(alloc);
     drop(near);
-    assert_eq!(dev.live_segments().len(), 2, "a segment per stream, one still in use");
+    // The allocator is closed (no handle left): `near`'s segment went back as it was freed,
+    // `far`'s stays while `far` uses it.
+    assert_eq!(dev.live_segments().len(), 1, "the segment of the buffer still in use");
     drop(far);
     assert!(dev.live_segments().is_empty());
     assert_eq!(dev.counters().mallocs, 2);

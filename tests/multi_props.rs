@@ -1354,9 +1354,13 @@ fn run_case(case: &Case, broken: Option<Broken>) -> R {
     if std::env::var("MULTI_PROPS_SEQ").is_ok() {
         // Debugging aid: the threads' programs one after the other, on this thread.
         for op in case.threads.iter().flatten() {
-            world.step(op, &scripts).map_err(|e| format!("{op:?}: {e}")).inspect_err(|e| {
-                world.print_log(e);
-            })?;
+            if let Err(e) = world.step(op, &scripts) {
+                let e = format!("{op:?}: {e}");
+                world.print_log(&e);
+                drop(scripts);
+                let_world_go(world, broken.is_some());
+                return Err(e);
+            }
         }
         return finish(world, case, broken.is_some());
     }
@@ -1393,9 +1397,9 @@ fn run_case(case: &Case, broken: Option<Broken>) -> R {
     }
     if let Err(e) = &result {
         world.print_log(e);
-        let_go(std::mem::take(&mut *lock(&world.live)), broken.is_some());
+        let_world_go(world, broken.is_some());
+        return result;
     }
-    result?;
     finish(world, case, broken.is_some())
 }
 
@@ -1412,10 +1416,32 @@ fn let_go(live: Vec<Live>, broken: bool) {
     }
 }
 
+/// Drops `world`: its buffers ([`let_go`]), then its pools and allocators. Where the
+/// allocators are deliberately `broken`, each goes on its own too, its panic caught: an
+/// allocator that closes (its last handle gone) flushes its stream caches into its pool and
+/// returns its free memory, which corrupt tables refuse with a panic, and two such panics, one
+/// while the other unwinds, abort the process.
+fn let_world_go(world: Arc<World>, broken: bool) {
+    let_go(std::mem::take(&mut *lock(&world.live)), broken);
+    if !broken {
+        return drop(world);
+    }
+    let Some(world) = Arc::into_inner(world) else {
+        return; // (every thread was joined: the case holds the only reference)
+    };
+    let World { allocs, pools, graph_pools, .. } = world;
+    for p in pools.into_iter().chain(graph_pools) {
+        let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| drop(p)));
+    }
+    for a in allocs {
+        let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| drop(a)));
+    }
+}
+
 /// The checks at the end, with everything dropped.
 fn finish(world: Arc<World>, case: &Case, broken: bool) -> R {
     if let Err(e) = world.check() {
-        let_go(std::mem::take(&mut *lock(&world.live)), broken);
+        let_world_go(world, broken);
         return Err(e);
     }
     if std::env::var("MULTI_PROPS_STATS").is_ok() {
@@ -1437,14 +1463,15 @@ fn finish(world: Arc<World>, case: &Case, broken: bool) -> R {
         world.remove_range(l.range);
     }
     let_go(live, broken);
-    for (i, a) in world.allocs.iter().enumerate() {
+    let regions = world.allocs.iter().enumerate().try_for_each(|(i, a)| {
         let s = a.stats();
         let (allocated, region) = (s.blocks.allocated_bytes.all.current, s.plan_region_bytes);
         ensure!(
             allocated <= region, // an adopted escape used elsewhere stays out of its region
             "allocator {i}: {allocated} B allocated, {region} B in regions"
         );
-    }
+        Ok(())
+    });
     if std::env::var("MULTI_PROPS_DEBUG").is_ok() {
         for (i, a) in world.allocs.iter().enumerate() {
             let s = a.stats();
@@ -1460,9 +1487,10 @@ fn finish(world: Arc<World>, case: &Case, broken: bool) -> R {
             );
         }
     }
-    let world = Arc::into_inner(world).expect("every thread let go of the world");
+    assert_eq!(Arc::strong_count(&world), 1, "every thread let go of the world");
     let dev = world.dev.clone();
-    drop(world);
+    let_world_go(world, broken);
+    regions?;
     dev.synchronize().map_err(|e| e.to_string())?;
     ensure!(dev.live_segments().is_empty(), "leaked segments: {:?}", dev.live_segments());
     ensure!(dev.live_events() == 0, "leaked events: {}", dev.live_events());
@@ -1525,7 +1553,9 @@ fn every_broken_mode_is_caught() {
 /// blocks of its own, or none), so the frees of the world's buffers that follow panic (a double
 /// free, an unknown block). They go one at a time, each panic caught (`let_go`). Dropped
 /// together, one panic left the case, and a second one during its unwinding aborted the process
-/// (seen in CI, 2026-12-05, in `every_broken_mode_is_caught`).
+/// (seen in CI, 2026-12-05, in `every_broken_mode_is_caught`). Its allocators go one at a time
+/// too (`let_world_go`): closing, each flushes its stream caches into its corrupt pool, which
+/// panics (dropped as part of the world, that panic left the case).
 #[test]
 fn a_failed_broken_world_is_let_go_one_buffer_at_a_time() {
     // Four 3 MiB blocks per allocator, carved alike, so the second's block ids name live blocks

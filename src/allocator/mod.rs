@@ -25,6 +25,7 @@ mod buffer;
 mod capture;
 mod checker;
 mod class_table;
+mod closed;
 mod counters;
 mod destroyed;
 mod dump;
@@ -131,6 +132,25 @@ const STATS_TRIES: usize = 64;
 /// assert_eq!(alloc.stats().num_device_alloc, 1);  // served from the cache
 /// drop(b);
 /// alloc.empty_cache().unwrap();
+/// assert!(device.live_segments().is_empty());
+/// ```
+///
+/// A buffer keeps its allocator alive. Dropping the last handle *closes* the allocator: nothing
+/// can allocate from it again, so its cached memory goes back to the device at once (stream
+/// caches flushed, frees pending on other streams' events waited for), and each buffer still
+/// alive returns its memory as it is freed (after its uses on other streams, waited for on the
+/// host, as with `caching:false`). A `mem::forget`ten buffer keeps its own segment only.
+///
+/// ```
+/// # use std::sync::Arc;
+/// # use tidepool::{Allocator, Config, SimDevice, StreamId};
+/// let device = Arc::new(SimDevice::new(1 << 30));
+/// let alloc = Allocator::new(device.clone(), Config::default()).unwrap();
+/// drop(alloc.alloc(64 << 20, StreamId::DEFAULT).unwrap()); // cached
+/// let kept = alloc.alloc(4096, StreamId::DEFAULT).unwrap();
+/// drop(alloc);                                             // closed: the 64 MiB go back
+/// assert_eq!(device.live_segments().len(), 1);             // `kept`'s 2 MiB segment
+/// drop(kept);
 /// assert!(device.live_segments().is_empty());
 /// ```
 pub struct Allocator<D: Device> {

@@ -39,7 +39,8 @@
 //! see `CacheTable`). The references kept in lanes would
 //! keep `Shared` alive for ever, so when the last handle goes the table, under the global lock,
 //! closes every lane's stash and releases what it held; a buffer freed later (or into a lane
-//! made later) keeps its reference and lets go of it as before.
+//! made later) keeps its reference and lets go of it as before. The allocator is then closed
+//! (`closed.rs`): its cached memory goes back to the device, and each buffer's as it goes.
 //!
 //! ```text
 //!  free (lane lock): push block (an open lane has an open stash); refs += 1, forget the Arc
@@ -131,9 +132,15 @@ pub(crate) struct OwnerTable<D: Device> {
 
 impl<D: Device> Drop for OwnerTable<D> {
     /// The last handle is gone: the references stream caches keep are released (see the
-    /// module docs), so the last buffer lets go of the allocator.
+    /// module docs), so the last buffer lets go of the allocator; and the allocator closes:
+    /// nothing can allocate from it again, so its cached memory goes back to the device now,
+    /// and a buffer freed later returns its memory as it goes (`Shared::release_closed`).
     fn drop(&mut self) {
         let sh = &self.shared;
+        // The plans' lock comes before the global lock: idle regions first.
+        if !cfg!(tidepool_broken = "closed_keeps_cache") {
+            let _ = sh.release_idle_regions();
+        }
         let mut st = sh.lock_state();
         st.stash_closed = true;
         for cache in sh.caches.all().iter() {
@@ -159,6 +166,7 @@ impl<D: Device> Drop for OwnerTable<D> {
                 unsafe { Arc::decrement_strong_count(Arc::as_ptr(owner)) };
             }
         }
+        sh.close(&mut st);
     }
 }
 

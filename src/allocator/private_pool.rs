@@ -300,8 +300,8 @@ impl PoolOptions {
 
 /// A private memory pool: its own segments, statistics and snapshot. Allocations are routed to
 /// it by [`Allocator::use_pool`] (or by a stream capture, [`Allocator::begin_capture`]). Cheap to
-/// clone (a handle); its memory goes back to the device when every handle and every buffer of it
-/// is gone.
+/// clone (a handle); when every handle is gone, its cached memory goes back to the device (unless
+/// a live graph replays into it: then when the graph goes), and the rest as its buffers go.
 ///
 /// ```
 /// use std::sync::Arc;

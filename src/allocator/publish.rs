@@ -33,6 +33,9 @@ impl<D: Device> Shared<D> {
     /// path pays one store for its statistics, not a copy of every changed figure.
     /// (Under `global_lock` nothing is published: `stats()` reads under the lock.)
     pub(super) fn publish(&self, st: &mut State) {
+        if st.stash_closed {
+            self.release_closed(st);
+        }
         if !st.vm.is_empty() {
             self.unstitch_freed(st);
             self.trim(st);

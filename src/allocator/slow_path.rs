@@ -543,9 +543,9 @@ impl<D: Device> Shared<D> {
                 Mark::Failed => wait_on_host = true,
             }
         }
-        if self.passthrough.load(Ordering::Relaxed) && !events.is_empty() {
-            // caching:false: the block goes back to the device now, once the other streams'
-            // work on it completed (a counted host sync per event).
+        if (self.passthrough.load(Ordering::Relaxed) || st.stash_closed) && !events.is_empty() {
+            // caching:false, or the allocator closed: the block goes back to the device now,
+            // once the other streams' work on it completed (a counted host sync per event).
             for (_, p) in events.drain(..) {
                 st.counters.host_syncs += 1;
                 wait_on_host |= self.device.synchronize_event(p.event).is_err();

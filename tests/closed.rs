@@ -1,0 +1,167 @@
+//! An allocator whose last handle is gone is *closed* (`src/allocator/closed.rs`): nothing can
+//! allocate from it again, so its cached memory goes back to the device at once and each
+//! buffer's memory as it is freed. A `mem::forget`ten buffer keeps its own segment (or pages)
+//! only, where it used to keep every cached segment of the allocator for the rest of the
+//! process. The broken build `cfg(tidepool_broken = "closed_keeps_cache")` keeps the cache
+//! until the last buffer goes, and fails these tests.
+
+mod common;
+
+use common::{N, gated};
+use std::sync::Arc;
+use tidepool::device::{Access, AccessKind, Kernel, Launch, SimDevice};
+use tidepool::{Allocator, Config, Device, DeviceAddr, MIB, PoolOptions, Residency, StreamId};
+
+/// SimDevice's first segment address.
+const BASE: u64 = 0x7f00_0000_0000;
+
+fn setup(conf: &str) -> (Arc<SimDevice>, StreamId, Allocator<SimDevice>) {
+    let dev = Arc::new(SimDevice::backed(512 * MIB));
+    let s = dev.create_stream().unwrap();
+    let alloc = Allocator::new(dev.clone(), Config::parse(conf).unwrap()).unwrap();
+    (dev, s, alloc)
+}
+
+/// A kernel on `stream` that writes `buf` (so the sanitizer sees any early release).
+fn write(dev: &SimDevice, stream: StreamId, ptr: DeviceAddr, bytes: u64) {
+    let acc = vec![Access { ptr, bytes, kind: AccessKind::Write }];
+    dev.launch(stream, Kernel::new("write", acc, |_| {})).unwrap();
+}
+
+/// Six 30 MiB segments cached (persistent and transient), one 4 KiB buffer forgotten: when the
+/// last handle goes, every segment but the forgotten buffer's small one goes back.
+#[test]
+fn a_forgotten_buffer_keeps_only_its_own_segment() {
+    let (dev, s, alloc) = setup("");
+    let big: Vec<_> = (0..6)
+        .map(|i| {
+            let r = if i < 2 { Residency::Persistent } else { Residency::Transient };
+            let b = alloc.alloc_in(30 * MIB, s, r).unwrap();
+            write(&dev, s, b.ptr(), b.len());
+            b
+        })
+        .collect();
+    drop(big);
+    let leak = alloc.alloc(N, s).unwrap();
+    assert_eq!(leak.ptr().0, BASE + 6 * 30 * MIB, "a small segment after the six");
+    std::mem::forget(leak);
+    assert_eq!(dev.reserved_bytes(), 6 * 30 * MIB + 2 * MIB, "all of it cached");
+    drop(alloc);
+    assert_eq!(dev.live_segments(), vec![(DeviceAddr(BASE + 6 * 30 * MIB), 2 * MIB)]);
+    assert_eq!(dev.counters().frees, 6);
+    dev.synchronize().unwrap();
+    assert_eq!(dev.violations(), vec![]);
+}
+
+/// The same over expandable segments: the ranges' free pages go back, the forgotten buffer's
+/// page stays mapped.
+#[test]
+fn a_forgotten_buffer_keeps_only_its_own_pages() {
+    let (dev, s, alloc) = setup("expandable_segments:true");
+    let big: Vec<_> = (0..3).map(|_| alloc.alloc(30 * MIB, s).unwrap()).collect();
+    for b in &big {
+        write(&dev, s, b.ptr(), b.len());
+    }
+    drop(big);
+    std::mem::forget(alloc.alloc(N, s).unwrap());
+    let mapped = alloc.stats().blocks.reserved_bytes.all.current;
+    assert!(mapped >= 90 * MIB + 2 * MIB, "{mapped}");
+    assert_eq!(dev.physical_bytes(), mapped);
+    drop(alloc);
+    assert_eq!(dev.physical_bytes(), 2 * MIB, "the small range's one page");
+    assert_eq!(dev.live_physical(), 1);
+    let vm = dev.vm_counters();
+    assert_eq!((vm.maps - vm.unmaps, vm.creates - vm.releases), (1, 1));
+    dev.synchronize().unwrap();
+    assert_eq!(dev.violations(), vec![]);
+}
+
+/// A closed allocator returns each segment as its last buffer goes, on any thread; the
+/// buffers still work (a kernel writes them after the last handle is gone).
+#[test]
+fn a_closed_allocator_returns_each_segment_as_its_last_buffer_goes() {
+    let (dev, s, alloc) = setup("");
+    let t = dev.create_stream().unwrap();
+    let a = alloc.alloc(3 * MIB, s).unwrap(); // a 20 MiB segment
+    let b = alloc.alloc(25 * MIB, t).unwrap(); // a 26 MiB segment of stream t's
+    let c = alloc.alloc(N, s).unwrap(); // a 2 MiB segment
+    let d = alloc.alloc(N, s).unwrap(); // the same one
+    drop(alloc.alloc(40 * MIB, s).unwrap()); // cached: goes back as the handle does
+    assert_eq!(dev.live_segments().len(), 4);
+    drop(alloc);
+    assert_eq!(
+        dev.live_segments(),
+        vec![
+            (DeviceAddr(BASE), 20 * MIB),
+            (DeviceAddr(BASE + 20 * MIB), 26 * MIB),
+            (DeviceAddr(BASE + 46 * MIB), 2 * MIB),
+        ]
+    );
+    write(&dev, s, a.ptr(), a.len());
+    write(&dev, t, b.ptr(), b.len());
+    drop(c);
+    assert_eq!(dev.live_segments().len(), 3, "`d` still uses the small segment");
+    std::thread::spawn(move || drop(d)).join().unwrap();
+    assert_eq!(dev.live_segments().len(), 2);
+    drop(b);
+    assert_eq!(dev.live_segments(), vec![(DeviceAddr(BASE), 20 * MIB)]);
+    drop(a); // the last buffer: the allocator itself goes
+    assert!(dev.live_segments().is_empty());
+    assert_eq!(dev.counters().mallocs, dev.counters().frees);
+    dev.synchronize().unwrap();
+    assert_eq!(dev.violations(), vec![]);
+}
+
+/// A buffer used on another stream (`record_stream`) and freed after the last handle went: its
+/// segment goes back only once that stream's work on it completed (a host wait, as
+/// `caching:false` makes), so the gated kernel still reading it sees no release under it.
+#[test]
+fn a_closed_allocator_waits_for_other_streams_before_a_release() {
+    let (dev, s, alloc) = setup("");
+    let t = dev.create_stream().unwrap();
+    let x = alloc.alloc(N, s).unwrap();
+    let keep = alloc.alloc(25 * MIB, s).unwrap(); // keeps the allocator up
+    let (k, open) = gated(x.ptr(), N, AccessKind::Read);
+    dev.launch(t, k).unwrap();
+    x.record_stream(t).unwrap();
+    drop(alloc);
+    let opener = std::thread::spawn(move || {
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        open.send(()).unwrap();
+    });
+    drop(x); // waits for `t`'s read, then the small segment goes back
+    assert_eq!(dev.live_segments(), vec![(DeviceAddr(BASE + 2 * MIB), 26 * MIB)]);
+    opener.join().unwrap();
+    drop(keep);
+    assert!(dev.live_segments().is_empty());
+    dev.synchronize().unwrap();
+    assert_eq!(dev.violations(), vec![], "released under `t`'s read");
+}
+
+/// A private pool whose handles are all gone while a graph captured into it lives: the graph's
+/// replays write the pool's free memory (its capture freed those blocks), so the pool keeps it
+/// until the graph goes, and then returns it.
+#[test]
+fn a_closed_pool_keeps_what_a_live_graph_replays_into() {
+    let (dev, s, alloc) = setup("");
+    let pool = alloc.new_pool(PoolOptions::default()).unwrap();
+    alloc.begin_capture(s, Some(&pool)).unwrap();
+    let tmp = alloc.alloc(N, s).unwrap();
+    let p = tmp.ptr();
+    let acc = vec![Access { ptr: p, bytes: N, kind: AccessKind::Write }];
+    dev.launch(s, Kernel::replayable("w", acc, move |m| m.write(p, &[3; N as usize]).unwrap()))
+        .unwrap();
+    drop(tmp); // free in the pool, written by every replay
+    let graph = alloc.end_capture(s).unwrap();
+    drop(pool);
+    assert_eq!(dev.live_segments(), vec![(p, 2 * MIB)], "the pool's segment stays");
+    for _ in 0..3 {
+        graph.launch(s).unwrap();
+    }
+    dev.synchronize().unwrap();
+    assert_eq!(dev.violations(), vec![]);
+    drop(graph);
+    assert!(dev.live_segments().is_empty(), "{:?}", dev.live_segments());
+    drop(alloc);
+    assert_eq!(dev.counters().mallocs, dev.counters().frees);
+}
