@@ -1,6 +1,6 @@
-//! An allocator whose last handle is gone is *closed* (`src/allocator/closed.rs`): nothing can
-//! allocate from it again, so its cached memory goes back to the device at once and each
-//! buffer's memory as it is freed. A `mem::forget`ten buffer keeps its own segment (or pages)
+//! An allocator whose last handle is gone is *closed* (`src/allocator/closed.rs`; the pinned
+//! host allocator's `Inner::close`): nothing can allocate from it again, so its cached memory
+//! goes back to the device at once and each buffer's memory as it is freed. A `mem::forget`ten buffer keeps its own segment (or pages)
 //! only, where it used to keep every cached segment of the allocator for the rest of the
 //! process. The broken build `cfg(tidepool_broken = "closed_keeps_cache")` keeps the cache
 //! until the last buffer goes, and fails these tests.
@@ -10,7 +10,9 @@ mod common;
 use common::{N, gated};
 use std::sync::Arc;
 use tidepool::device::{Access, AccessKind, Kernel, Launch, SimDevice};
-use tidepool::{Allocator, Config, Device, DeviceAddr, MIB, PoolOptions, Residency, StreamId};
+use tidepool::{
+    Allocator, Config, Device, DeviceAddr, HostAllocator, MIB, PoolOptions, Residency, StreamId,
+};
 
 /// SimDevice's first segment address.
 const BASE: u64 = 0x7f00_0000_0000;
@@ -164,4 +166,68 @@ fn a_closed_pool_keeps_what_a_live_graph_replays_into() {
     assert!(dev.live_segments().is_empty(), "{:?}", dev.live_segments());
     drop(alloc);
     assert_eq!(dev.counters().mallocs, dev.counters().frees);
+}
+
+/// The pinned host allocator: three cached blocks and a forgotten one; when the last handle
+/// goes, the cached ones are freed (`cuMemFreeHost`) and the forgotten one alone stays
+/// page-locked. A buffer freed later goes back to the device at once.
+#[test]
+fn a_forgotten_pinned_buffer_keeps_only_its_own_block() {
+    let dev = Arc::new(SimDevice::backed(64 * MIB));
+    let pinned = HostAllocator::new(dev.clone());
+    drop([pinned.alloc(MIB).unwrap(), pinned.alloc(MIB).unwrap(), pinned.alloc(4096).unwrap()]);
+    let kept = pinned.alloc(8192).unwrap();
+    let leak = pinned.alloc(512).unwrap();
+    let leaked = leak.host_ptr();
+    std::mem::forget(leak);
+    assert_eq!(dev.host_reserved_bytes(), 2 * MIB + 4096 + 8192 + 512);
+    drop(pinned);
+    assert_eq!(dev.host_reserved_bytes(), 8192 + 512, "the cached blocks went back");
+    drop(kept);
+    assert_eq!(dev.live_host_allocations(), vec![(leaked, 512)]);
+}
+
+/// A closed pinned allocator waits for a buffer's copy before it frees the block: the upload
+/// reads the host memory until the gated stream runs it.
+#[test]
+fn a_closed_pinned_allocator_frees_a_block_after_its_copy() {
+    let (dev, s, alloc) = setup("");
+    let pinned = HostAllocator::new(dev.clone());
+    let dst = alloc.alloc(N, s).unwrap();
+    let (k, open) = gated(dst.ptr(), N, AccessKind::Read);
+    dev.launch(s, k).unwrap(); // the upload waits behind it
+    let mut src = pinned.alloc(N).unwrap();
+    src.as_mut_slice().unwrap().fill(9);
+    src.upload(&dst).unwrap();
+    let keep = pinned.alloc(512).unwrap(); // keeps the allocator up past `src`
+    drop(pinned);
+    let opener = std::thread::spawn(move || {
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        open.send(()).unwrap();
+    });
+    drop(src); // waits for the copy, then frees the block
+    assert_eq!(dev.host_reserved_bytes(), 512, "`src`'s block went back");
+    opener.join().unwrap();
+    drop(keep);
+    assert_eq!(dev.host_reserved_bytes(), 0);
+    assert_eq!(common::device_bytes(&dev, &dst), vec![9; N as usize]);
+    dev.synchronize().unwrap();
+    assert_eq!(dev.violations(), vec![]);
+}
+
+/// A handle cloned from a buffer's ([`tidepool::PinnedBuffer::allocator`]) reopens a closed
+/// pinned allocator: it caches again.
+#[test]
+fn a_pinned_handle_cloned_from_a_buffer_reopens_the_cache() {
+    let dev = Arc::new(SimDevice::backed(64 * MIB));
+    let pinned = HostAllocator::new(dev.clone());
+    let a = pinned.alloc(4096).unwrap();
+    drop(pinned);
+    let again = a.allocator().clone();
+    drop(a);
+    assert_eq!(dev.host_reserved_bytes(), 4096, "cached: a handle is alive");
+    let b = again.alloc(4096).unwrap();
+    assert_eq!(again.stats().num_host_alloc, 1, "reused");
+    drop((b, again));
+    assert_eq!(dev.host_reserved_bytes(), 0);
 }

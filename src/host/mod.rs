@@ -14,6 +14,8 @@
 //!      └─ drop: back to the allocator ─▶ free[class] at once if no copy is recorded on it,
 //!                                        else pending until every event completed
 //!   empty_cache ── frees every free block (cuMemFreeHost); pending blocks stay until completed
+//!   last handle ── closed: pending blocks waited for, every free block freed; a buffer
+//!                  dropped later is freed as it goes (a forgotten one keeps its own block)
 //! ```
 //!
 //! **The rule.** Host memory that a copy may still read or write is never given out as a safe
@@ -236,11 +238,17 @@ struct State {
     /// The highest ticket of a completed device synchronisation.
     synced: u64,
     stats: HostStats,
+    /// No handle is left (only buffers hold the allocator): a freed block goes back to the
+    /// device once its copies completed, instead of into the cache (see [`Inner::close`]).
+    closed: bool,
 }
 
 pub(crate) struct Inner<D: Device> {
     device: Guarded<D>,
     state: Mutex<State>,
+    /// The [`HostAllocator`] values of the application (those buffers hold do not count):
+    /// when the last one goes, the allocator closes.
+    handles: crate::sync::atomic::AtomicUsize,
     #[cfg(feature = "test-hooks")]
     broken_skip_events: crate::sync::atomic::AtomicBool,
     #[cfg(feature = "test-hooks")]
@@ -248,7 +256,8 @@ pub(crate) struct Inner<D: Device> {
 }
 
 /// A caching allocator of pinned host memory on one device; see the module docs. `Send + Sync`,
-/// cheap to clone (clones share the cache); buffers keep it alive.
+/// cheap to clone (clones share the cache); buffers keep it alive, but when the last handle
+/// goes the cache goes back to the device and each buffer's block as the buffer is dropped.
 ///
 /// ```
 /// use std::sync::Arc;
@@ -266,11 +275,29 @@ pub(crate) struct Inner<D: Device> {
 /// ```
 pub struct HostAllocator<D: Device> {
     inner: Arc<Inner<D>>,
+    /// An application's handle (counted in `Inner::handles`), or a buffer's (not counted).
+    counted: bool,
 }
 
 impl<D: Device> Clone for HostAllocator<D> {
+    /// A new handle, counted whichever it is cloned from: a clone of a buffer's
+    /// ([`PinnedBuffer::allocator`]) reopens a closed allocator.
     fn clone(&self) -> Self {
-        HostAllocator { inner: self.inner.clone() }
+        use crate::sync::atomic::Ordering;
+        if self.inner.handles.fetch_add(1, Ordering::AcqRel) == 0 {
+            self.inner.lock().closed = false;
+        }
+        HostAllocator { inner: self.inner.clone(), counted: true }
+    }
+}
+
+impl<D: Device> Drop for HostAllocator<D> {
+    /// The last handle closes the allocator ([`Inner::close`]).
+    fn drop(&mut self) {
+        use crate::sync::atomic::Ordering;
+        if self.counted && self.inner.handles.fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.inner.close();
+        }
     }
 }
 
@@ -308,12 +335,15 @@ impl<D: Device> HostAllocator<D> {
                     next_sync: 1,
                     synced: 0,
                     stats: HostStats::default(),
+                    closed: false,
                 }),
+                handles: crate::sync::atomic::AtomicUsize::new(1),
                 #[cfg(feature = "test-hooks")]
                 broken_skip_events: crate::sync::atomic::AtomicBool::new(false),
                 #[cfg(feature = "test-hooks")]
                 broken_drop_waits: crate::sync::atomic::AtomicBool::new(false),
             }),
+            counted: true,
         }
     }
 
@@ -366,7 +396,9 @@ impl<D: Device> HostAllocator<D> {
         s.active_bytes.increase(size);
         drop(guard);
         self.inner.device.note_host_access(ptr, size, AccessKind::Write);
-        Ok(PinnedBuffer::new(self.clone(), ptr, bytes, size))
+        // The buffer's handle is not counted: a buffer alone leaves the allocator closed.
+        let handle = HostAllocator { inner: self.inner.clone(), counted: false };
+        Ok(PinnedBuffer::new(handle, ptr, bytes, size))
     }
 
     /// Makes every freed block whose copies completed reusable (`alloc` does this first).
@@ -711,6 +743,58 @@ impl<D: Device> Inner<D> {
             s.pending_bytes += size;
             st.pending.push_back(Pending { ptr, size, uses });
         }
+        if st.closed {
+            drop(guard);
+            self.drain_closed();
+        }
+    }
+
+    /// The last handle is gone (only buffers hold the allocator): nothing is cached any more.
+    /// The freed blocks waiting on copies are waited for (host syncs, counted) and every free
+    /// block goes back to the device; a buffer freed later goes back the same way
+    /// ([`Inner::give_back`]). Without it one `mem::forget`ten buffer kept the whole pinned
+    /// cache, page-locked, until the process ended.
+    fn close(&self) {
+        if cfg!(tidepool_broken = "closed_keeps_cache") {
+            return; // BROKEN: the cache stays until the last buffer goes
+        }
+        {
+            // (Under the lock, as a clone's reopening: a handle cloned from a buffer since the
+            // count reached 0 keeps the allocator open.)
+            let mut st = self.lock();
+            if self.handles.load(crate::sync::atomic::Ordering::Acquire) != 0 {
+                return;
+            }
+            st.closed = true;
+        }
+        self.drain_closed();
+    }
+
+    /// Waits for the pending blocks' copies and frees every free block (a closed allocator).
+    fn drain_closed(&self) {
+        let pending = std::mem::take(&mut self.lock().pending);
+        for p in pending {
+            self.settle(p);
+        }
+        let mut st = self.lock();
+        if st.closed {
+            let _ = self.release_free(&mut st);
+        }
+    }
+
+    /// Waits for every copy recorded on a freed block, then makes it free. A block whose
+    /// copies cannot be waited for (a device error) is waited for by a device synchronisation,
+    /// and leaked rather than freed under a copy only if that fails too.
+    fn settle(&self, p: Pending) {
+        let waited = p.uses.iter().all(|u| self.wait_use(u).is_ok())
+            || !self.broken_drop_waits() && self.synchronize().is_ok();
+        let mut st = self.lock();
+        st.events.extend(p.uses.iter().filter_map(|u| u.event));
+        if waited {
+            st.stats.pending_bytes -= p.size;
+            st.stats.cached_bytes += p.size;
+            st.free.entry(p.size).or_default().push(p.ptr);
+        }
     }
 }
 
@@ -720,19 +804,9 @@ impl<D: Device> Drop for Inner<D> {
     /// error) is waited for by a device synchronisation, and leaked rather than freed under a
     /// copy only if that fails too.
     fn drop(&mut self) {
-        let mut st = self.lock();
-        let pending = std::mem::take(&mut st.pending);
-        drop(st);
+        let pending = std::mem::take(&mut self.lock().pending);
         for p in pending {
-            let waited = p.uses.iter().all(|u| self.wait_use(u).is_ok())
-                || !self.broken_drop_waits() && self.synchronize().is_ok();
-            let mut st = self.lock();
-            st.events.extend(p.uses.iter().filter_map(|u| u.event));
-            if waited {
-                st.stats.pending_bytes -= p.size;
-                st.stats.cached_bytes += p.size;
-                st.free.entry(p.size).or_default().push(p.ptr);
-            }
+            self.settle(p);
         }
         let mut st = self.lock();
         let _ = self.release_free(&mut st);
