@@ -168,6 +168,38 @@ fn a_closed_pool_keeps_what_a_live_graph_replays_into() {
     assert_eq!(dev.counters().mallocs, dev.counters().frees);
 }
 
+/// A named scope's planned unbound buffer outlives the scope and the last handle: it holds its
+/// plan's region, which goes back (with its segment) when the buffer does, not at some later
+/// free (found by the fuzz harness's handles-first teardown: `release_region` took no lock
+/// section while the plan still held the region).
+#[test]
+fn a_closed_allocator_returns_a_region_when_its_last_buffer_goes() {
+    let (dev, s, alloc) = setup("");
+    let t = dev.create_stream().unwrap();
+    let keep = alloc.alloc(25 * MIB, t).unwrap(); // keeps the allocator up
+    for _ in 0..2 {
+        let scope = alloc.named_scope("step", s);
+        drop(scope.alloc_unbound(2 * MIB).unwrap());
+    }
+    let scope = alloc.named_scope("step", s);
+    let x = scope.alloc_unbound(2 * MIB).unwrap();
+    assert!(x.is_planned());
+    drop(scope); // `x` escapes: the region stays pinned
+    let region = alloc.stats().plan_region_bytes;
+    assert_eq!(region, 2 * MIB);
+    let seg = (DeviceAddr(BASE + 46 * MIB), 20 * MIB); // (the learning runs' went back)
+    assert_eq!(dev.live_segments(), vec![(DeviceAddr(BASE), 26 * MIB), seg]);
+    drop(alloc);
+    assert_eq!(dev.live_segments().len(), 2, "the region's segment holds `x`");
+    write(&dev, s, x.ptr(), x.len());
+    drop(x);
+    assert_eq!(dev.live_segments(), vec![(DeviceAddr(BASE), 26 * MIB)]);
+    drop(keep);
+    assert!(dev.live_segments().is_empty());
+    dev.synchronize().unwrap();
+    assert_eq!(dev.violations(), vec![]);
+}
+
 /// The pinned host allocator: three cached blocks and a forgotten one; when the last handle
 /// goes, the cached ones are freed (`cuMemFreeHost`) and the forgotten one alone stays
 /// page-locked. A buffer freed later goes back to the device at once.

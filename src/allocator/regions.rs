@@ -238,12 +238,23 @@ impl<D: Device> Shared<D> {
     /// (nothing ordered a slice's reuse) keeps its blocks allocated until a host wait
     /// ([`Shared::release_parked`]).
     pub(super) fn release_region(&self, region: Arc<Region>) {
-        if let Some(r) = crate::sync::arc_into_inner(region) {
-            let mut st = self.lock_state();
-            match r.is_poisoned() {
-                true => st.poisoned.push(r),
-                false => self.return_region(&mut st, r),
+        match crate::sync::arc_into_inner(region) {
+            Some(r) => {
+                let mut st = self.lock_state();
+                match r.is_poisoned() {
+                    true => st.poisoned.push(r),
+                    false => self.return_region(&mut st, r),
+                }
             }
+            // A closed allocator (no handle left; the count goes to 0 before it closes): the
+            // plan's region may be idle now, which a lock section's end returns to the device
+            // (`Shared::release_closed`). Without it, the region stayed until another free.
+            None if self.handles.load(Ordering::Acquire) == 0
+                && !cfg!(tidepool_broken = "closed_keeps_cache") =>
+            {
+                drop(self.lock_state());
+            }
+            None => {}
         }
     }
 

@@ -101,6 +101,7 @@ fn scenario(capacity: u8, config: u8, ops: Vec<Op>) -> Vec<u8> {
         explicit_teardown: false,
         late_streams: false,
         quiet: false,
+        handles_first: false,
         ops,
     })
 }
@@ -495,6 +496,34 @@ fn allocator_seeds() -> Vec<(String, Vec<u8>)> {
             ),
         ),
         (
+            "handles-first",
+            // Buffers of both allocators, used on other streams, an escaped unbound scope
+            // buffer and a capture's pool gone before: the handles go first, and the closed
+            // allocators must return each segment or page as its last buffer goes.
+            encode(&Program {
+                capacity: 1,
+                config: 1,
+                explicit_teardown: false,
+                late_streams: false,
+                quiet: false,
+                handles_first: true,
+                ops: vec![
+                    alloc(4096, 0),
+                    alloc(3 << 20, 1),
+                    alloc(12 << 20, 2),
+                    RecordStream { index: 1, stream: 2 },
+                    launch(1, 2),
+                    ScopeEnter { stream: 1, named: true },
+                    ScopeAlloc { bytes: 2 << 20 },
+                    ScopeExit,
+                    Other { index: 9, action: 0 },
+                    Capture { stream: 1, fork: 2, bytes: 4096, launches: 1, panics: false },
+                    alloc(6 << 20, 2),
+                    Free { index: 0 },
+                ],
+            }),
+        ),
+        (
             "huge-device",
             scenario(
                 3,
@@ -519,6 +548,7 @@ fn allocator_seeds() -> Vec<(String, Vec<u8>)> {
             explicit_teardown: true,
             late_streams: false,
             quiet: false,
+            handles_first: false,
             ops: vec![keep(3 * MIB, 1), alloc(12 * MIB, 2), alloc(100, 0)],
         }),
     ));
@@ -551,6 +581,7 @@ fn allocator_seeds() -> Vec<(String, Vec<u8>)> {
             explicit_teardown: teardown,
             late_streams: true,
             quiet: false,
+            handles_first: false,
             ops,
         };
         seeds.push((name.into(), encode(&p)));
@@ -622,6 +653,7 @@ fn allocator_seeds() -> Vec<(String, Vec<u8>)> {
                 explicit_teardown: next() & 1 == 1,
                 late_streams: false,
                 quiet: false,
+                handles_first: false,
                 ops,
             };
             seeds.push((format!("random-cap{capacity}-config{config}"), encode(&p)));
@@ -662,6 +694,7 @@ fn allocator_seeds() -> Vec<(String, Vec<u8>)> {
                 explicit_teardown: next() & 1 == 1,
                 late_streams: false,
                 quiet: false,
+                handles_first: false,
                 ops,
             };
             seeds.push((format!("random-scoped-cap{capacity}-{variant}"), encode(&p)));
@@ -874,6 +907,7 @@ fn scope_seeds() -> Vec<(&'static str, Vec<u8>)> {
                 explicit_teardown: true,
                 late_streams: false,
                 quiet: false,
+                handles_first: false,
                 ops: vec![
                     ScopeEnter { stream: 2, named: true },
                     ScopeAlloc { bytes: 0 },

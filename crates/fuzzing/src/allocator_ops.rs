@@ -179,10 +179,55 @@ pub fn run(program: &Program, options: Options) -> Result<(), String> {
         let checked = if op.calls_allocator() { h.check() } else { h.check_device() };
         checked.map_err(|e| format!("after step {i} {op:?}: {e}"))?;
     }
+    if program.handles_first {
+        let (dev, buffers) = h.hand_over().map_err(|e| format!("teardown: {e}"))?;
+        drop(other);
+        drop(alloc);
+        closed_teardown(&dev, buffers).map_err(|e| format!("closed teardown: {e}"))?;
+        return finish(dev).map_err(|e| format!("teardown: {e}"));
+    }
     let dev = h.teardown(program.explicit_teardown).map_err(|e| format!("teardown: {e}"))?;
     drop(other);
     drop(alloc);
     finish(dev).map_err(|e| format!("teardown: {e}"))
+}
+
+/// A live buffer at a handles-first teardown, and whether it is an unbound scope buffer.
+type HandedOver = (Buffer<SimDevice>, bool);
+
+/// [`Program::handles_first`]'s teardown, once both allocators' handles are gone (they are
+/// closed): the buffers go one at a time, and after each (and before the first) every device
+/// segment and mapping must hold a live buffer — a closed allocator keeps nothing else — and
+/// the sanitizer must have seen nothing. (Unbound scope buffers' plan regions stay until all of
+/// them are gone: the rule waits for that.)
+fn closed_teardown(dev: &SimDevice, mut buffers: Vec<HandedOver>) -> Result<(), String> {
+    loop {
+        let v = dev.violations();
+        ensure!(v.is_empty(), "stream-order violations: {v:?}");
+        let k = dev.kernel_failures();
+        ensure!(k.is_empty(), "kernel failures: {k:?}");
+        if !buffers.iter().any(|&(_, scoped)| scoped) {
+            let held = |(a, n): (DeviceAddr, u64)| {
+                buffers.iter().any(|(b, _)| {
+                    b.block_size() > 0 && b.ptr().0 < a.0 + n && a.0 < b.ptr().0 + b.block_size()
+                })
+            };
+            let segs = dev.live_segments();
+            let idle: Vec<_> = segs.iter().copied().filter(|&s| !held(s)).collect();
+            let live: Vec<_> = buffers.iter().map(|(b, _)| (b.ptr(), b.block_size())).collect();
+            ensure!(
+                idle.is_empty(),
+                "segments of closed allocators hold no buffer: {idle:x?} (buffers {live:x?})"
+            );
+            let maps = dev.live_mappings();
+            let idle: Vec<_> = maps.iter().copied().filter(|&m| !held(m)).collect();
+            ensure!(idle.is_empty(), "mappings of closed allocators hold no buffer: {idle:x?}");
+        }
+        if buffers.is_empty() {
+            return Ok(());
+        }
+        drop(buffers.remove(0));
+    }
 }
 
 /// The second allocator of a program: on the same device, with the next configuration.
@@ -1576,6 +1621,23 @@ impl<'a> Harness<'a> {
         Ok(())
     }
 
+    /// Ends the open scope and lets go of the faults armed; returns the device and every live
+    /// buffer of both allocators (with whether it is an unbound scope buffer), for
+    /// [`closed_teardown`] once the caller dropped the allocators.
+    fn hand_over(mut self) -> Result<(Arc<SimDevice>, Vec<HandedOver>), String> {
+        self.exit_scope()?;
+        self.check()?;
+        self.dev.fail_nth_malloc(None);
+        self.dev.fail_mallocs_above(None);
+        self.dev.fail_event_queries(false);
+        self.dev.fail_nth_vm_create(None);
+        self.dev.fail_nth_vm_map(None);
+        let mut buffers: Vec<_> =
+            std::mem::take(&mut self.live).into_iter().map(|l| (l.buf, l.run.is_some())).collect();
+        buffers.extend(std::mem::take(&mut self.others).into_iter().map(|b| (b, false)));
+        Ok((self.dev.clone(), buffers))
+    }
+
     /// Ends the open scope and drops every buffer, checking after each; returns the device for
     /// [`finish`] once the caller dropped the allocator. Only plan regions may stay allocated.
     fn teardown(mut self, explicit: bool) -> Result<Arc<SimDevice>, String> {
@@ -1658,6 +1720,7 @@ mod tests {
             explicit_teardown: false,
             late_streams: false,
             quiet: false,
+            handles_first: false,
             ops,
         }
     }
@@ -1709,6 +1772,7 @@ mod tests {
                     explicit_teardown,
                     late_streams: true,
                     quiet: false,
+                    handles_first: false,
                     ..program(config, late_stream_ops())
                 };
                 run(&p, Options::default()).unwrap_or_else(|e| panic!("config {config}: {e}"));
@@ -1717,6 +1781,45 @@ mod tests {
         // The flag rides in bit 1 of the teardown byte: encoded and decoded unchanged.
         let p = Program { late_streams: true, ..program(3, late_stream_ops()) };
         assert_eq!(Program::decode(&p.encode()), p);
+    }
+
+    /// Buffers of every kind outlive both allocators' handles ([`Program::handles_first`]):
+    /// small and large, persistent, used on other streams (`record_stream`, a kernel still
+    /// sleeping), an unbound scope buffer, the second allocator's, a capture's pool gone before.
+    /// The allocators close, and after each buffer goes every device segment and mapping must
+    /// hold a live one, in every configuration; the broken build
+    /// `cfg(tidepool_broken = "closed_keeps_cache")` fails it (the cache stays).
+    #[test]
+    fn programs_torn_down_handles_first_pass() {
+        let alloc = |bytes, stream, persistent| Op::Alloc { bytes, stream, persistent };
+        let ops = vec![
+            alloc(4096, 0, false),
+            alloc(3 * MIB, 1, false),
+            alloc(30 * MIB, 2, true),
+            alloc(1000, 1, true),
+            alloc(25 * MIB, 0, false),
+            Op::Free { index: 4 },
+            alloc(12 * MIB, 1, false),
+            Op::RecordStream { index: 1, stream: 2 },
+            Op::Launch { index: 1, stream: 2, write: false, sleep_us: 5 },
+            Op::ScopeEnter { stream: 1, named: true },
+            Op::ScopeAlloc { bytes: 2 * MIB },
+            Op::ScopeExit,
+            Op::Other { index: 1 + 8, action: 0 },
+            Op::Other { index: 3 * MIB as u8, action: 0 },
+            Op::Capture { stream: 1, fork: 2, bytes: 4096, launches: 1, panics: false },
+            alloc(6 * MIB, 2, false),
+            Op::Free { index: 0 },
+            Op::Launch { index: 2, stream: 1, write: true, sleep_us: 1 },
+        ];
+        for config in 0..CONFIGS.len() as u8 {
+            for quiet in [false, true] {
+                let p = Program { handles_first: true, quiet, ..program(config, ops.clone()) };
+                run(&p, Options::default()).unwrap_or_else(|e| panic!("config {config}: {e}"));
+            }
+        }
+        let p = Program { handles_first: true, ..program(2, ops) };
+        assert_eq!(Program::decode(&p.encode()), p, "bit 3 of the teardown byte");
     }
 
     /// A forked capture replayed twice captures again into its pool (see `Harness::capture`),

@@ -286,6 +286,10 @@ pub struct Program {
     /// inlined paths that the sanitizer's hooks bypass (every check but the sanitizer's still
     /// applies). Bit 2 of the teardown byte, so what was encoded before decodes as before.
     pub quiet: bool,
+    /// At the end, drop the allocators' handles first and then the buffers one by one: the
+    /// allocators close (`closed.rs`) and each buffer's segment or pages must go back as it goes.
+    /// Bit 3 of the teardown byte, so what was encoded before decodes as before.
+    pub handles_first: bool,
     /// The steps, in order.
     pub ops: Vec<Op>,
 }
@@ -366,7 +370,7 @@ impl Program {
         let config = input.below(CONFIGS.len()) as u8;
         let flags = input.u8();
         let (explicit_teardown, late_streams) = (flags & 1 == 1, flags & 2 == 2);
-        let quiet = flags & 4 == 4;
+        let (quiet, handles_first) = (flags & 4 == 4, flags & 8 == 8);
         let mut ops = Vec::new();
         while !input.is_empty() && ops.len() < MAX_OPS {
             let i = &mut input;
@@ -410,7 +414,7 @@ impl Program {
                 }
             });
         }
-        Program { capacity, config, explicit_teardown, late_streams, quiet, ops }
+        Program { capacity, config, explicit_teardown, late_streams, quiet, handles_first, ops }
     }
 
     /// The bytes that decode to this program. Operands must be in range (slots below
@@ -422,7 +426,8 @@ impl Program {
         o.choice(usize::from(self.config));
         o.u8(u8::from(self.explicit_teardown)
             | u8::from(self.late_streams) << 1
-            | u8::from(self.quiet) << 2);
+            | u8::from(self.quiet) << 2
+            | u8::from(self.handles_first) << 3);
         let tag = |o: &mut Output, k: Kind| o.choice(index_of(&TAGS, &k));
         let sleep = |o: &mut Output, us: u8| o.choice(index_of(&SLEEPS_US, &us));
         for op in &self.ops {
@@ -543,6 +548,7 @@ mod tests {
             explicit_teardown: true,
             late_streams: true,
             quiet: true,
+            handles_first: true,
             ops: vec![
                 Op::Alloc { bytes: 0, stream: 0, persistent: false },
                 Op::Alloc { bytes: u64::MAX, stream: 2, persistent: true },
@@ -600,6 +606,7 @@ mod tests {
                 explicit_teardown: false,
                 late_streams: false,
                 quiet: false,
+                handles_first: false,
                 ops: vec![]
             }
         );
