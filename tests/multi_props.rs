@@ -223,6 +223,9 @@ struct Case {
     /// stream-order check then, but every other one: invariants, no overlap of live ranges,
     /// exact figures, nothing leaked.
     quiet: bool,
+    /// At the end, drop the allocators (and pools) before the buffers: both close
+    /// (`closed.rs`), and each buffer's memory goes back as it goes, under the sanitizer.
+    handles_first: bool,
     threads: Vec<Vec<Op>>,
     scripts: Vec<Vec<Step>>,
 }
@@ -291,6 +294,7 @@ fn case() -> impl Strategy<Value = Case> {
         [policy.clone(), policy],
         prop::bool::weighted(0.25),
         prop::bool::weighted(0.3),
+        prop::bool::weighted(0.3),
         prop::collection::vec(
             prop::collection::vec(op().prop_filter("only", allowed), 10..30),
             2..=4,
@@ -300,10 +304,11 @@ fn case() -> impl Strategy<Value = Case> {
             2,
         ),
     )
-        .prop_map(|(policies, burn, quiet, threads, scripts)| Case {
+        .prop_map(|(policies, burn, quiet, handles_first, threads, scripts)| Case {
             policies,
             burn,
             quiet,
+            handles_first,
             threads,
             scripts,
         })
@@ -1458,6 +1463,9 @@ fn finish(world: Arc<World>, case: &Case, broken: bool) -> R {
             lock(&world.dead).len(),
         );
     }
+    if case.handles_first && !broken {
+        return finish_handles_first(world);
+    }
     let live = std::mem::take(&mut *lock(&world.live));
     for l in &live {
         world.remove_range(l.range);
@@ -1491,6 +1499,35 @@ fn finish(world: Arc<World>, case: &Case, broken: bool) -> R {
     let dev = world.dev.clone();
     let_world_go(world, broken);
     regions?;
+    dev.synchronize().map_err(|e| e.to_string())?;
+    ensure!(dev.live_segments().is_empty(), "leaked segments: {:?}", dev.live_segments());
+    ensure!(dev.live_events() == 0, "leaked events: {}", dev.live_events());
+    let v = dev.violations();
+    ensure!(v.is_empty(), "sanitizer at the end: {v:?}");
+    Ok(())
+}
+
+/// [`Case::handles_first`]'s end: the pools and allocators go first (they close, returning
+/// their caches), then the buffers one at a time, the sanitizer checked after each; then
+/// nothing may be left on the device.
+fn finish_handles_first(world: Arc<World>) -> R {
+    let world = Arc::into_inner(world).expect("every thread let go of the world");
+    let World { dev, allocs, pools, graph_pools, live, .. } = world;
+    let mut live = live.into_inner().unwrap_or_else(|p| p.into_inner());
+    drop((pools, graph_pools));
+    drop(allocs);
+    loop {
+        let v = dev.violations();
+        ensure!(
+            v.is_empty(),
+            "sanitizer with the allocators closed ({} buffers left): {v:?}",
+            live.len()
+        );
+        if live.is_empty() {
+            break;
+        }
+        drop(live.remove(0));
+    }
     dev.synchronize().map_err(|e| e.to_string())?;
     ensure!(dev.live_segments().is_empty(), "leaked segments: {:?}", dev.live_segments());
     ensure!(dev.live_events() == 0, "leaked events: {}", dev.live_events());
@@ -1568,6 +1605,7 @@ fn a_failed_broken_world_is_let_go_one_buffer_at_a_time() {
         policies: [CrossStream::Strict, CrossStream::Strict],
         burn: false,
         quiet: false,
+        handles_first: false,
         threads: vec![ops],
         scripts: vec![vec![], vec![]],
     };
@@ -1589,6 +1627,7 @@ fn a_second_capture_into_a_pool_forks_a_stream_whose_earlier_work_used_its_block
         policies: [CrossStream::Strict, CrossStream::Strict],
         burn: false,
         quiet: false,
+        handles_first: true,
         threads: vec![
             vec![
                 Op::Capture {
