@@ -142,8 +142,8 @@ impl fmt::Display for OomReport {
             f,
             ". tidepool has reserved {} ({} persistent, {} transient), of which {} is allocated to live buffers; \
              of the rest, the largest free block is {}, {} sits in inactive splits, {} is cached for other streams \
-             and {} waits on events. Freeing tensors, lowering max_split_size_mb to reduce fragmentation, or \
-             calling empty_cache on other allocators may help.",
+             and {} waits on events (other allocators of this device were asked for their free cached memory first). \
+             Freeing tensors, or lowering max_split_size_mb to reduce fragmentation, may help.",
             Bytes(self.reserved),
             Bytes(self.persistent_reserved),
             Bytes(self.transient_reserved),

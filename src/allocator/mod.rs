@@ -43,6 +43,8 @@ mod oom;
 mod owner;
 mod page_table;
 mod passthrough;
+#[cfg(not(loom))]
+mod peers;
 mod plan;
 mod pool_size;
 mod private_pool;
@@ -251,6 +253,11 @@ impl<D: Device> Allocator<D> {
             end_captures: std::sync::OnceLock::new(),
         });
         lock(&shared.state).pool.set_oversize_size(oversize_at);
+        #[cfg(not(loom))]
+        if pool == 0 {
+            let peer: Arc<dyn peers::Peer> = shared.clone();
+            peers::register(peers::key_of(shared.device.arc()), Arc::downgrade(&peer));
+        }
         let alloc = Allocator { owners: Arc::new(OwnerTable::new(&shared)), shared };
         alloc.reserve_initial_pool()?;
         Ok(alloc)
@@ -466,6 +473,19 @@ impl<D: Device> Allocator<D> {
         Buffer::new(b.ptr, bytes, b.size, stream, origin, owner, rounded, residency, b.quadrant)
     }
 
+    /// Asks the other allocators of this device to return their free cached transient memory
+    /// (`peers.rs`); whether any did.
+    #[cold]
+    fn release_peers(&self) -> bool {
+        #[cfg(not(loom))]
+        return peers::release_peers(
+            peers::key_of(self.shared.device.arc()),
+            Arc::as_ptr(&self.shared) as *const (),
+        );
+        #[cfg(loom)]
+        false
+    }
+
     /// [`Allocator::alloc_in`], the block starting at a multiple of `align` (0: no more than
     /// every block's [`MIN_ALIGN`](crate::config::MIN_ALIGN)), with the out-of-memory
     /// observers' retries.
@@ -478,6 +498,7 @@ impl<D: Device> Allocator<D> {
     ) -> Result<Buffer<D>, AllocError> {
         let mut attempt = 0;
         let (mut pools_released, mut general_released) = (false, false);
+        let mut peers_released = false;
         loop {
             let r = self.alloc_in_once(bytes, stream, residency, align);
             if !matches!(r, Err(AllocError::OutOfMemory(_))) {
@@ -496,6 +517,11 @@ impl<D: Device> Allocator<D> {
                     // A private pool's request: the general allocator gave its free cached
                     // segments back (as its own ladder would for its own request): once more.
                     general_released = true;
+                }
+                Err(AllocError::OutOfMemory(_)) if !peers_released && self.release_peers() => {
+                    // Other allocators of the device returned their free cached transient
+                    // memory (`peers.rs`): once more.
+                    peers_released = true;
                 }
                 Err(AllocError::OutOfMemory(report)) => {
                     attempt += 1;

@@ -292,7 +292,7 @@ impl<D: Device> Clone for HostAllocator<D> {
 }
 
 impl<D: Device> Drop for HostAllocator<D> {
-    /// The last handle closes the allocator ([`Inner::close`]).
+    /// The last handle closes the allocator (see the module docs).
     fn drop(&mut self) {
         use crate::sync::atomic::Ordering;
         if self.counted && self.inner.handles.fetch_sub(1, Ordering::AcqRel) == 1 {

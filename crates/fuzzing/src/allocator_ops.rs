@@ -219,8 +219,13 @@ fn closed_teardown(dev: &SimDevice, mut buffers: Vec<HandedOver>) -> Result<(), 
                 idle.is_empty(),
                 "segments of closed allocators hold no buffer: {idle:x?} (buffers {live:x?})"
             );
-            let maps = dev.live_mappings();
-            let idle: Vec<_> = maps.iter().copied().filter(|&m| !held(m)).collect();
+            // A mapping is held where it, or another mapping of its physical allocation (a
+            // stitched block's chunk in its home range), holds a live buffer.
+            let maps = dev.live_mappings_with_handles();
+            let idle: Vec<_> = maps
+                .iter()
+                .filter(|&&(_, _, h)| !maps.iter().any(|&(a, n, g)| g == h && held((a, n))))
+                .collect();
             ensure!(idle.is_empty(), "mappings of closed allocators hold no buffer: {idle:x?}");
         }
         if buffers.is_empty() {

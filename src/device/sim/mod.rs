@@ -426,6 +426,13 @@ impl SimDevice {
         self.state().vm.mappings()
     }
 
+    /// Live mappings with the physical allocation each maps, as (address, bytes, handle), in
+    /// address order: two mappings of one handle are one piece of memory at two addresses (a
+    /// stitched block and its home range).
+    pub fn live_mappings_with_handles(&self) -> Vec<(DeviceAddr, u64, u64)> {
+        self.state().vm.mappings_with_handles()
+    }
+
     /// Counters of stream captures and graph launches.
     pub fn graph_counters(&self) -> SimGraphCounters {
         self.shared.graph_counters()

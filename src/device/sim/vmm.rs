@@ -508,6 +508,12 @@ impl Vmm {
         all.map(|(&a, m)| (DeviceAddr(a), m.bytes)).collect()
     }
 
+    /// Live mappings as (address, bytes, physical allocation), in address order.
+    pub(super) fn mappings_with_handles(&self) -> Vec<(DeviceAddr, u64, u64)> {
+        let all = self.ranges.values().flat_map(|r| r.mappings.iter());
+        all.map(|(&a, m)| (DeviceAddr(a), m.bytes, m.handle)).collect()
+    }
+
     /// Reserved ranges as (base, bytes), in address order.
     pub(super) fn ranges(&self) -> Vec<(DeviceAddr, u64)> {
         self.ranges.iter().map(|(&a, r)| (DeviceAddr(a), r.bytes)).collect()

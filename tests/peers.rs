@@ -1,0 +1,113 @@
+//! Several allocators over one device (`src/allocator/peers.rs`): before an allocation gives up
+//! with out-of-memory, the other allocators of the device return their free cached transient
+//! memory, as their own `empty_cache` would, and it is tried once more. Persistent memory and
+//! live buffers are never touched. The broken build `cfg(tidepool_broken = "peers_kept")`
+//! keeps the peers' caches and fails these tests.
+
+mod common;
+
+use common::{N, device_bytes};
+use std::sync::Arc;
+use tidepool::device::{Access, AccessKind, Kernel, Launch, SimDevice};
+use tidepool::{AllocError, Allocator, Config, Device, DeviceAddr, MIB, Residency, StreamId};
+
+/// SimDevice's first segment address.
+const BASE: u64 = 0x7f00_0000_0000;
+
+fn fill(dev: &SimDevice, stream: StreamId, ptr: DeviceAddr, byte: u8) {
+    let acc = vec![Access { ptr, bytes: N, kind: AccessKind::Write }];
+    let k = Kernel::new("fill", acc, move |m| m.write(ptr, &[byte; N as usize]).unwrap());
+    dev.launch(stream, k).unwrap();
+}
+
+/// `a` caches 150 MiB of free transient memory and 40 MiB of free persistent memory and holds
+/// a live 20 MiB buffer; `b`'s 150 MiB request on the full 256 MiB device takes the transient
+/// segment's place. `a`'s persistent cache and live buffer stay; both go on working.
+#[test]
+fn an_allocator_out_of_memory_takes_back_what_another_caches() {
+    let dev = Arc::new(SimDevice::backed(256 * MIB));
+    let s = dev.create_stream().unwrap();
+    let a = Allocator::new(dev.clone(), Config::default()).unwrap();
+    let b = Allocator::new(dev.clone(), Config::default()).unwrap();
+    let live = a.alloc(20 * MIB, s).unwrap();
+    fill(&dev, s, live.ptr(), 0x5a);
+    drop(a.alloc_in(40 * MIB, s, Residency::Persistent).unwrap());
+    drop(a.alloc(150 * MIB, s).unwrap());
+    assert_eq!(
+        dev.live_segments(),
+        vec![
+            (DeviceAddr(BASE), 20 * MIB),
+            (DeviceAddr(BASE + 20 * MIB), 40 * MIB),
+            (DeviceAddr(BASE + 60 * MIB), 150 * MIB),
+        ]
+    );
+    let got = b.alloc(150 * MIB, s).unwrap();
+    assert_eq!(dev.live_segments().len(), 3, "`a`'s transient segment went back");
+    assert_eq!(dev.reserved_bytes(), 210 * MIB);
+    let (sa, sb) = (a.stats(), b.stats());
+    assert_eq!(sa.blocks.reserved_bytes.all.current, 60 * MIB, "persistent and live kept");
+    assert_eq!(sa.blocks.reserved_bytes.persistent.current, 40 * MIB);
+    assert_eq!((sa.num_device_free, sb.num_ooms, sb.num_alloc_retries), (1, 1, 1));
+    assert!(device_bytes(&dev, &live)[..N as usize].iter().all(|&b| b == 0x5a), "`live` kept");
+    // Both go on: `a` reserves anew where there is room, and refuses what cannot fit.
+    let more = a.alloc(30 * MIB, s).unwrap();
+    assert_eq!(dev.reserved_bytes(), 210 * MIB, "in `a`'s cached persistent segment");
+    assert_eq!(more.ptr().0, BASE + 20 * MIB);
+    assert!(matches!(a.alloc(200 * MIB, s), Err(AllocError::OutOfMemory(_))));
+    drop((got, more, live));
+    a.check_invariants().unwrap();
+    b.check_invariants().unwrap();
+    drop((a, b));
+    assert!(dev.live_segments().is_empty());
+    dev.synchronize().unwrap();
+    assert_eq!(dev.violations(), vec![]);
+}
+
+/// Only allocators of the same device object help: `a`'s cache on another device stays.
+#[test]
+fn allocators_of_other_devices_keep_their_caches() {
+    let (one, two) = (Arc::new(SimDevice::new(256 * MIB)), Arc::new(SimDevice::new(256 * MIB)));
+    let a = Allocator::new(one.clone(), Config::default()).unwrap();
+    let b = Allocator::new(two.clone(), Config::default()).unwrap();
+    drop(a.alloc(200 * MIB, StreamId::DEFAULT).unwrap());
+    let _full = b.alloc(200 * MIB, StreamId::DEFAULT).unwrap();
+    assert!(matches!(b.alloc(100 * MIB, StreamId::DEFAULT), Err(AllocError::OutOfMemory(_))));
+    assert_eq!(a.stats().blocks.reserved_bytes.all.current, 200 * MIB);
+}
+
+/// Two threads, each with its own allocator over one device, each caching most of the device
+/// in turn and asking for more than is left: both ask each other at once, often, and neither
+/// may deadlock (no allocator lock is held while a peer releases) or end unsound. A request
+/// may still fail (the other may reserve again between the release and the retry), so the
+/// rounds only count the successes. Liveness: the threads must end within a minute.
+#[test]
+fn two_allocators_out_of_memory_at_once_help_each_other() {
+    let dev = Arc::new(SimDevice::new(256 * MIB));
+    let allocs: Vec<_> =
+        (0..2).map(|_| Allocator::new(dev.clone(), Config::default()).unwrap()).collect();
+    let (done, ended) = std::sync::mpsc::channel();
+    let mut threads = Vec::new();
+    for (i, a) in allocs.iter().enumerate() {
+        let (a, dev, done) = (a.clone(), dev.clone(), done.clone());
+        threads.push(std::thread::spawn(move || {
+            let s = dev.create_stream().unwrap();
+            let mut served = 0;
+            for round in 0..200u64 {
+                // 90 MiB, then 100, …, 120: two live always fit, two caches never do.
+                let size = (90 + (round + i as u64) % 4 * 10) * MIB;
+                served += u32::from(a.alloc(size, s).is_ok());
+            }
+            done.send(served).unwrap();
+        }));
+    }
+    let minute = std::time::Duration::from_secs(60);
+    let served: Vec<u32> = (0..2).map(|_| ended.recv_timeout(minute).expect("deadlock")).collect();
+    threads.into_iter().for_each(|t| t.join().unwrap()); // their handles go
+    assert!(served.iter().all(|&n| n > 0), "{served:?}");
+    for a in &allocs {
+        a.check_invariants().unwrap();
+        assert_eq!(a.stats().blocks.allocated_bytes.all.current, 0);
+    }
+    drop(allocs);
+    assert!(dev.live_segments().is_empty());
+}
