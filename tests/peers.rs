@@ -63,6 +63,24 @@ fn an_allocator_out_of_memory_takes_back_what_another_caches() {
     assert_eq!(dev.violations(), vec![]);
 }
 
+/// A request refused by its allocator's own limit (`memory_limit_mb`), not by the device, asks
+/// no peer: `a`'s cache would not help, and stays.
+#[test]
+fn a_request_over_its_own_limit_leaves_the_peers_alone() {
+    let dev = Arc::new(SimDevice::new(256 * MIB));
+    let a = Allocator::new(dev.clone(), Config::default()).unwrap();
+    let b = Allocator::new(dev.clone(), Config::parse("memory_limit_mb:100").unwrap()).unwrap();
+    let _c = a.alloc_in(60 * MIB, StreamId::DEFAULT, Residency::Persistent).unwrap();
+    drop(a.alloc(120 * MIB, StreamId::DEFAULT).unwrap());
+    let e = b.alloc(110 * MIB, StreamId::DEFAULT).unwrap_err();
+    assert!(matches!(&e, AllocError::OutOfMemory(r) if r.over_limit()), "{e:?}");
+    assert_eq!(a.stats().blocks.reserved_bytes.all.current, 180 * MIB, "`a` kept its cache");
+    // Within its limit but short of device memory (76 MiB free), it does ask.
+    let got = b.alloc(90 * MIB, StreamId::DEFAULT).unwrap();
+    assert_eq!(a.stats().blocks.reserved_bytes.all.current, 60 * MIB);
+    drop(got);
+}
+
 /// Only allocators of the same device object help: `a`'s cache on another device stays.
 #[test]
 fn allocators_of_other_devices_keep_their_caches() {

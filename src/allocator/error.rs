@@ -122,6 +122,15 @@ pub struct OomReport {
     pub mapped_free_persistent: u64,
 }
 
+impl OomReport {
+    /// Whether the configured limit on reserved bytes (`memory_limit_mb`,
+    /// `per_process_memory_fraction`, `max_pool_size_mb`), not the device, refused the segment:
+    /// then memory returned elsewhere on the device cannot help.
+    pub fn over_limit(&self) -> bool {
+        self.limit.is_some_and(|l| self.reserved.saturating_add(self.segment) > l)
+    }
+}
+
 impl fmt::Display for OomReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(

@@ -518,7 +518,9 @@ impl<D: Device> Allocator<D> {
                     // segments back (as its own ladder would for its own request): once more.
                     general_released = true;
                 }
-                Err(AllocError::OutOfMemory(_)) if !peers_released && self.release_peers() => {
+                Err(AllocError::OutOfMemory(ref report))
+                    if !peers_released && !report.over_limit() && self.release_peers() =>
+                {
                     // Other allocators of the device returned their free cached transient
                     // memory (`peers.rs`): once more.
                     peers_released = true;
