@@ -263,3 +263,48 @@ fn a_pinned_handle_cloned_from_a_buffer_reopens_the_cache() {
     drop((b, again));
     assert_eq!(dev.host_reserved_bytes(), 0);
 }
+
+/// The last handle goes while two threads drop buffers: whatever the interleaving (a free
+/// racing the stash's close, the flush, the release), once they are done the only memory left
+/// on the device is the segment or pages of the one buffer kept, and nothing once it goes.
+/// Plain, expandable and unbiased lanes, 200 rounds each.
+#[test]
+fn a_last_handle_dropped_while_other_threads_free_leaves_only_live_memory() {
+    for conf in ["", "expandable_segments:true", "biased_lanes:false"] {
+        for round in 0..200 {
+            let dev = Arc::new(SimDevice::new(1 << 30));
+            let s = dev.create_stream().unwrap();
+            let alloc = Allocator::new(dev.clone(), Config::parse(conf).unwrap()).unwrap();
+            let mut bufs: Vec<_> = (0..64u64)
+                .map(|i| {
+                    let size = if i % 3 == 0 { 3 * MIB } else { 4096 * (1 + i % 5) };
+                    alloc.alloc(size, s).unwrap()
+                })
+                .collect();
+            for _ in 0..8 {
+                drop(alloc.alloc(4096, s).unwrap()); // cached in the stream's lane
+                drop(alloc.alloc(5 * MIB, s).unwrap()); // in its large slot
+            }
+            let kept = alloc.alloc(512, s).unwrap();
+            let half = bufs.split_off(32);
+            let start = Arc::new(std::sync::Barrier::new(3));
+            let threads = [bufs, half].map(|v| {
+                let start = start.clone();
+                std::thread::spawn(move || {
+                    start.wait();
+                    v.into_iter().for_each(drop);
+                })
+            });
+            start.wait();
+            drop(alloc);
+            threads.into_iter().for_each(|t| t.join().unwrap());
+            let p = kept.ptr().0;
+            let holds = |&(a, n): &(DeviceAddr, u64)| a.0 <= p && p < a.0 + n;
+            let (segs, maps) = (dev.live_segments(), dev.live_mappings());
+            assert!(segs.iter().all(holds), "{conf:?} round {round}: {segs:x?}");
+            assert!(maps.iter().all(holds), "{conf:?} round {round}: {maps:x?}");
+            drop(kept);
+            assert!(dev.live_segments().is_empty() && dev.live_mappings().is_empty());
+        }
+    }
+}
