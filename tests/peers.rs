@@ -63,6 +63,37 @@ fn an_allocator_out_of_memory_takes_back_what_another_caches() {
     assert_eq!(dev.violations(), vec![]);
 }
 
+/// The same over expandable segments: `a`'s free transient pages are unmapped and released
+/// (after its stream's work) for `b`'s request; its persistent range keeps its free pages.
+#[test]
+fn an_expandable_peer_returns_its_free_transient_pages() {
+    let dev = Arc::new(SimDevice::backed(256 * MIB));
+    let s = dev.create_stream().unwrap();
+    let a =
+        Allocator::new(dev.clone(), Config::parse("expandable_segments:true").unwrap()).unwrap();
+    let b = Allocator::new(dev.clone(), Config::default()).unwrap();
+    let live = a.alloc(20 * MIB, s).unwrap();
+    fill(&dev, s, live.ptr(), 0x33);
+    drop(a.alloc_in(40 * MIB, s, Residency::Persistent).unwrap());
+    let gone = a.alloc(150 * MIB, s).unwrap();
+    fill(&dev, s, gone.ptr(), 0x44); // unfinished work the release must wait for
+    drop(gone);
+    let mapped = a.stats().blocks.reserved_bytes.all.current;
+    assert!(mapped >= 210 * MIB, "{mapped}");
+    let got = b.alloc(150 * MIB, s).unwrap();
+    let left = a.stats().blocks.reserved_bytes;
+    assert_eq!(left.persistent.current, 40 * MIB, "the persistent range keeps its pages");
+    assert!(left.transient.current < 22 * MIB, "{}", left.transient.current);
+    assert_eq!(dev.physical_bytes(), left.all.current);
+    assert!(device_bytes(&dev, &live)[..N as usize].iter().all(|&b| b == 0x33), "`live` kept");
+    drop((got, live));
+    a.check_invariants().unwrap();
+    drop((a, b));
+    assert_eq!((dev.physical_bytes(), dev.reserved_bytes()), (0, 0));
+    dev.synchronize().unwrap();
+    assert_eq!(dev.violations(), vec![]);
+}
+
 /// A request refused by its allocator's own limit (`memory_limit_mb`), not by the device, asks
 /// no peer: `a`'s cache would not help, and stays.
 #[test]
