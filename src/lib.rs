@@ -34,6 +34,8 @@ mod host;
 mod interop;
 mod membarrier;
 pub mod packing;
+#[cfg(not(loom))]
+mod peers;
 mod pickle;
 mod pool;
 mod registry;

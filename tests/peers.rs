@@ -9,7 +9,10 @@ mod common;
 use common::{N, device_bytes};
 use std::sync::Arc;
 use tidepool::device::{Access, AccessKind, Kernel, Launch, SimDevice};
-use tidepool::{AllocError, Allocator, Config, Device, DeviceAddr, MIB, Residency, StreamId};
+use tidepool::{
+    AllocError, Allocator, Config, Device, DeviceAddr, HostAllocError, HostAllocator, MIB,
+    Residency, StreamId,
+};
 
 /// SimDevice's first segment address.
 const BASE: u64 = 0x7f00_0000_0000;
@@ -159,4 +162,31 @@ fn two_allocators_out_of_memory_at_once_help_each_other() {
     }
     drop(allocs);
     assert!(dev.live_segments().is_empty());
+}
+
+/// Pinned host memory: two pinned allocators over one device with 8 MiB of pinned memory. `a`
+/// caches two free 4 MiB blocks; `b`'s 4 MiB request frees them (its own cache is empty) and is
+/// served; a device allocator's cache is not touched for pinned memory, nor `a`'s pinned cache
+/// for device memory.
+#[test]
+fn a_pinned_allocator_out_of_memory_takes_back_what_another_caches() {
+    let dev = Arc::new(SimDevice::backed(256 * MIB));
+    dev.set_host_capacity(8 * MIB);
+    let (a, b) = (HostAllocator::new(dev.clone()), HostAllocator::new(dev.clone()));
+    let device = Allocator::new(dev.clone(), Config::default()).unwrap();
+    drop(device.alloc(200 * MIB, StreamId::DEFAULT).unwrap()); // device memory, cached
+    drop([a.alloc(4 * MIB).unwrap(), a.alloc(4 * MIB).unwrap()]);
+    assert_eq!(dev.host_reserved_bytes(), 8 * MIB);
+    let got = b.alloc(4 * MIB).unwrap();
+    assert_eq!((a.stats().reserved_bytes.current, a.stats().num_host_free), (0, 2));
+    assert_eq!(b.stats().num_ooms, 1, "its first attempt");
+    assert_eq!(device.stats().blocks.reserved_bytes.all.current, 200 * MIB, "device cache kept");
+    // Pinned memory full of a live buffer: nothing to free, the request fails.
+    let _more = b.alloc(4 * MIB).unwrap();
+    assert!(matches!(a.alloc(MIB), Err(HostAllocError::OutOfMemory { .. })));
+    // And device requests do not ask pinned allocators.
+    let other = Allocator::new(dev.clone(), Config::default()).unwrap();
+    let _d = other.alloc(100 * MIB, StreamId::DEFAULT).unwrap();
+    assert_eq!(b.stats().reserved_bytes.current, 8 * MIB, "pinned memory untouched");
+    drop(got);
 }

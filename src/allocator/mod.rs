@@ -43,8 +43,6 @@ mod oom;
 mod owner;
 mod page_table;
 mod passthrough;
-#[cfg(not(loom))]
-mod peers;
 mod plan;
 mod pool_size;
 mod private_pool;
@@ -255,8 +253,13 @@ impl<D: Device> Allocator<D> {
         lock(&shared.state).pool.set_oversize_size(oversize_at);
         #[cfg(not(loom))]
         if pool == 0 {
-            let peer: Arc<dyn peers::Peer> = shared.clone();
-            peers::register(peers::key_of(shared.device.arc()), Arc::downgrade(&peer));
+            use crate::peers::{self, Kind, Peer};
+            let peer: Arc<dyn Peer> = shared.clone();
+            peers::register(
+                Kind::Device,
+                peers::key_of(shared.device.arc()),
+                Arc::downgrade(&peer),
+            );
         }
         let alloc = Allocator { owners: Arc::new(OwnerTable::new(&shared)), shared };
         alloc.reserve_initial_pool()?;
@@ -474,12 +477,13 @@ impl<D: Device> Allocator<D> {
     }
 
     /// Asks the other allocators of this device to return their free cached transient memory
-    /// (`peers.rs`); whether any did.
+    /// (`src/peers.rs`); whether any did.
     #[cold]
     fn release_peers(&self) -> bool {
         #[cfg(not(loom))]
-        return peers::release_peers(
-            peers::key_of(self.shared.device.arc()),
+        return crate::peers::release_peers(
+            crate::peers::Kind::Device,
+            crate::peers::key_of(self.shared.device.arc()),
             Arc::as_ptr(&self.shared) as *const (),
         );
         #[cfg(loom)]
@@ -1147,3 +1151,21 @@ fn assert_thread_safety<D: Device>() {
     send_sync::<Buffer<D>>();
 }
 const _: fn() = assert_thread_safety::<crate::device::SimDevice>;
+
+/// What a general allocator does for another of its device that ran out of memory
+/// (`src/peers.rs`): what its `empty_cache` does for transient memory.
+#[cfg(not(loom))]
+impl<D: Device> crate::peers::Peer for Shared<D> {
+    fn release_for_peer(&self) -> bool {
+        if cfg!(tidepool_broken = "peers_kept") || self.device.capture_underway() {
+            return false; // BROKEN (the first): the peers keep their caches
+        }
+        let _ = self.release_idle_regions();
+        let mut st = self.lock_state();
+        let before = st.pool.reserved_bytes();
+        self.flush_all(&mut st);
+        let _ = self.sync_events(&mut st);
+        let _ = self.release_segments(&mut st, |s| s.key.residency == Residency::Transient);
+        st.pool.reserved_bytes() < before
+    }
+}

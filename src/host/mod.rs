@@ -324,7 +324,7 @@ fn is_oom(e: &DeviceError) -> bool {
 impl<D: Device> HostAllocator<D> {
     /// An empty cache over `device`'s pinned memory. Makes no device call.
     pub fn new(device: Arc<D>) -> HostAllocator<D> {
-        HostAllocator {
+        let h = HostAllocator {
             inner: Arc::new(Inner {
                 device: Guarded::new(device),
                 state: Mutex::new(State {
@@ -344,7 +344,14 @@ impl<D: Device> HostAllocator<D> {
                 broken_drop_waits: crate::sync::atomic::AtomicBool::new(false),
             }),
             counted: true,
+        };
+        #[cfg(not(loom))]
+        {
+            use crate::peers::{self, Kind, Peer};
+            let peer: Arc<dyn Peer> = h.inner.clone();
+            peers::register(Kind::PinnedHost, peers::key_of(h.device()), Arc::downgrade(&peer));
         }
+        h
     }
 
     /// The size class of a request: the next power of two, at least [`MIN_HOST_BLOCK`].
@@ -373,8 +380,33 @@ impl<D: Device> HostAllocator<D> {
     /// A pinned buffer of `bytes` bytes (its block is the size class, [`Self::size_class`]):
     /// a cached block of the class whose copies all completed, or a new pinned allocation
     /// (zeroed). Errors: [`HostAllocError::ZeroSize`], [`HostAllocError::TooLarge`],
-    /// [`HostAllocError::OutOfMemory`] (after freeing the cache and retrying once).
+    /// [`HostAllocError::OutOfMemory`] (after freeing the cache and retrying once, then after
+    /// the other pinned allocators of the device freed theirs, once more).
     pub fn alloc(&self, bytes: u64) -> Result<PinnedBuffer<D>, HostAllocError> {
+        match self.alloc_once(bytes) {
+            Err(HostAllocError::OutOfMemory { .. }) if self.release_peers() => {
+                self.alloc_once(bytes)
+            }
+            r => r,
+        }
+    }
+
+    /// Asks the other pinned allocators of this device to free their free blocks
+    /// (`src/peers.rs`), with no lock of this one held; whether any did.
+    #[cold]
+    fn release_peers(&self) -> bool {
+        #[cfg(not(loom))]
+        return crate::peers::release_peers(
+            crate::peers::Kind::PinnedHost,
+            crate::peers::key_of(self.device()),
+            Arc::as_ptr(&self.inner) as *const (),
+        );
+        #[cfg(loom)]
+        false
+    }
+
+    /// One attempt of [`HostAllocator::alloc`].
+    fn alloc_once(&self, bytes: u64) -> Result<PinnedBuffer<D>, HostAllocError> {
         let size = Self::size_class(bytes)?;
         let mut guard = lock(&self.inner.state);
         let st = &mut *guard;
@@ -795,6 +827,22 @@ impl<D: Device> Inner<D> {
             st.stats.cached_bytes += p.size;
             st.free.entry(p.size).or_default().push(p.ptr);
         }
+    }
+}
+
+/// What a pinned allocator does for another of its device that ran out of pinned memory
+/// (`src/peers.rs`): frees its free blocks whose copies completed (no wait).
+#[cfg(not(loom))]
+impl<D: Device> crate::peers::Peer for Inner<D> {
+    fn release_for_peer(&self) -> bool {
+        if cfg!(tidepool_broken = "peers_kept") {
+            return false; // BROKEN: the peers keep their caches
+        }
+        let mut st = self.lock();
+        let before = st.stats.reserved_bytes.current;
+        let _ = self.process_events(&mut st);
+        let _ = self.release_free(&mut st);
+        st.stats.reserved_bytes.current < before
     }
 }
 

@@ -1,0 +1,79 @@
+//! Allocators over one device help each other out of memory. Two libraries that each make an
+//! allocator over the same `Arc<D>` (or an application that keeps one per subsystem) share the
+//! device's memory but not their caches: one failed with out-of-memory while the other held
+//! hundreds of MiB of free cached segments it would never use again. Before an allocation gives
+//! up, the other allocators of the same kind over the same device return their free cached
+//! memory — device allocators their *transient* memory, as their own `empty_cache` would
+//! (persistent memory is never evicted); pinned host allocators their free blocks — and the
+//! allocation is tried once more.
+//!
+//! ```text
+//!  PEERS: [(kind, device, Weak<allocator>), …]   process-wide, dead entries pruned on insert
+//!  B's request ─▶ out of memory ─▶ each other live allocator of B's kind and device:
+//!                                    release its free cache ─▶ B tries once more
+//! ```
+//!
+//! A device is its `Arc` (the allocators share the device object). No lock of the asking
+//! allocator is held while a peer releases, and a peer takes only its own locks, so two
+//! allocators out of memory at once, each asking the other, cannot deadlock.
+
+use crate::device::Device;
+use std::sync::{Arc, Weak};
+
+/// What an allocator does for a peer that ran out of memory.
+pub(crate) trait Peer: Send + Sync {
+    /// Returns its free cached memory (a device allocator: transient only); whether any went.
+    fn release_for_peer(&self) -> bool;
+}
+
+/// Which memory an allocator caches: only allocators of one kind help each other.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(crate) enum Kind {
+    /// Device memory (general allocators; private pools are their family's).
+    Device,
+    /// Pinned host memory.
+    PinnedHost,
+}
+
+/// An allocator of a device, by the device's address.
+struct Entry {
+    kind: Kind,
+    device: usize,
+    peer: Weak<dyn Peer>,
+}
+
+static PEERS: std::sync::Mutex<Vec<Entry>> = std::sync::Mutex::new(Vec::new());
+
+fn peers() -> std::sync::MutexGuard<'static, Vec<Entry>> {
+    PEERS.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// The key of `device`: the address of the object the `Arc` holds.
+pub(crate) fn key_of<D: Device>(device: &Arc<D>) -> usize {
+    Arc::as_ptr(device) as *const () as usize
+}
+
+/// Notes an allocator of `kind` over `device` (and forgets the dead ones).
+pub(crate) fn register(kind: Kind, device: usize, peer: Weak<dyn Peer>) {
+    let mut list = peers();
+    list.retain(|e| e.peer.strong_count() > 0);
+    list.push(Entry { kind, device, peer });
+}
+
+/// Asks every other live allocator of `kind` over `device` (all but `me`) to return its free
+/// cached memory; whether any did. Called with no allocator lock held.
+pub(crate) fn release_peers(kind: Kind, device: usize, me: *const ()) -> bool {
+    let others: Vec<Arc<dyn Peer>> = peers()
+        .iter()
+        .filter(|e| e.kind == kind && e.device == device)
+        .filter(|e| !std::ptr::addr_eq(e.peer.as_ptr(), me))
+        .filter_map(|e| e.peer.upgrade())
+        .collect();
+    // (Outside the registry's lock: a peer's release may drop the last hold of something that
+    // registers or looks up again.)
+    let mut any = false;
+    for p in &others {
+        any |= p.release_for_peer(); // every peer, not only until the first that had some
+    }
+    any
+}
