@@ -115,6 +115,22 @@ fn a_request_over_its_own_limit_leaves_the_peers_alone() {
     drop(got);
 }
 
+/// A request the peers' caches do not rescue is still one failed allocation (`num_ooms` + 1),
+/// and one the device could never hold asks no peer at all.
+#[test]
+fn a_request_the_peers_cannot_rescue_counts_one_oom() {
+    let dev = Arc::new(SimDevice::new(256 * MIB));
+    let a = Allocator::new(dev.clone(), Config::default()).unwrap();
+    let b = Allocator::new(dev.clone(), Config::default()).unwrap();
+    let _full = b.alloc(150 * MIB, StreamId::DEFAULT).unwrap();
+    drop(a.alloc(60 * MIB, StreamId::DEFAULT).unwrap());
+    assert!(matches!(b.alloc(1 << 40, StreamId::DEFAULT), Err(AllocError::OutOfMemory(_))));
+    assert_eq!(a.stats().blocks.reserved_bytes.all.current, 60 * MIB, "never fits: not asked");
+    assert!(matches!(b.alloc(200 * MIB, StreamId::DEFAULT), Err(AllocError::OutOfMemory(_))));
+    assert_eq!(a.stats().blocks.reserved_bytes.all.current, 0, "asked, and gave its cache");
+    assert_eq!(b.stats().num_ooms, 2, "two failed requests");
+}
+
 /// Only allocators of the same device object help: `a`'s cache on another device stays.
 #[test]
 fn allocators_of_other_devices_keep_their_caches() {
@@ -181,7 +197,7 @@ fn a_pinned_allocator_out_of_memory_takes_back_what_another_caches() {
     assert_eq!((a.stats().reserved_bytes.current, a.stats().num_host_free), (0, 2));
     assert_eq!(b.stats().num_ooms, 1, "its first attempt");
     assert_eq!(device.stats().blocks.reserved_bytes.all.current, 200 * MIB, "device cache kept");
-    // Pinned memory full of a live buffer: nothing to free, the request fails.
+    // Pinned memory full of live buffers: nothing to free, the request fails.
     let _more = b.alloc(4 * MIB).unwrap();
     assert!(matches!(a.alloc(MIB), Err(HostAllocError::OutOfMemory { .. })));
     // And device requests do not ask pinned allocators.

@@ -502,11 +502,15 @@ impl<D: Device> Allocator<D> {
     ) -> Result<Buffer<D>, AllocError> {
         let mut attempt = 0;
         let (mut pools_released, mut general_released) = (false, false);
-        let mut peers_released = false;
+        let (mut peers_released, mut after_peers) = (false, false);
         loop {
             let r = self.alloc_in_once(bytes, stream, residency, align);
             if !matches!(r, Err(AllocError::OutOfMemory(_))) {
                 return r; // the common case: a buffer, or an error no retry helps
+            }
+            if std::mem::take(&mut after_peers) {
+                // The request failed again after the peers' release: still one failed request.
+                self.shared.uncount_oom();
             }
             match r {
                 Err(AllocError::OutOfMemory(_))
@@ -523,11 +527,15 @@ impl<D: Device> Allocator<D> {
                     general_released = true;
                 }
                 Err(AllocError::OutOfMemory(ref report))
-                    if !peers_released && !report.over_limit() && self.release_peers() =>
+                    if !peers_released
+                        && !report.over_limit()
+                        && report.segment <= report.device_total
+                        && self.release_peers() =>
                 {
                     // Other allocators of the device returned their free cached transient
-                    // memory (`peers.rs`): once more.
-                    peers_released = true;
+                    // memory (`src/peers.rs`): once more. (Not for what the device could never
+                    // hold, nor what this allocator's own limit refused.)
+                    (peers_released, after_peers) = (true, true);
                 }
                 Err(AllocError::OutOfMemory(report)) => {
                     attempt += 1;

@@ -3,6 +3,15 @@
 use super::*;
 
 impl<D: Device> Shared<D> {
+    /// Takes back one count of `num_ooms`: a request retried inside one allocation (after the
+    /// device's other allocators released their caches) failed again, and is still one
+    /// allocation that failed with out-of-memory.
+    #[cold]
+    pub(super) fn uncount_oom(&self) {
+        let mut st = self.lock_state();
+        st.counters.ooms = st.counters.ooms.saturating_sub(1);
+    }
+
     pub(super) fn oom_report(
         &self,
         st: &State,
