@@ -172,6 +172,23 @@ fn use_on_oom_pools_give_their_free_segments_back() {
     }
 }
 
+/// A request that the `use_on_oom` pool's release does not rescue is one failed allocation:
+/// `num_ooms` counts it once, not once per attempt inside it (it counted 2 before).
+#[test]
+fn a_request_a_use_on_oom_pool_cannot_rescue_counts_one_oom() {
+    let dev = Arc::new(SimDevice::new(64 * MIB));
+    let s = dev.create_stream().unwrap();
+    let alloc = Allocator::new(dev.clone(), Config::default()).unwrap();
+    let pool = alloc.new_pool(PoolOptions::default().with_use_on_oom(true)).unwrap();
+    let g = alloc.use_pool(&pool, s).unwrap();
+    drop(alloc.alloc(30 * MIB, s).unwrap()); // cached in the pool
+    drop(g);
+    assert!(matches!(alloc.alloc(80 * MIB, s), Err(AllocError::OutOfMemory(_))));
+    assert_eq!(reserved(&pool), 0, "the pool gave its segment back");
+    assert_eq!(alloc.stats().num_ooms, 1);
+    check(&alloc, &[&pool]);
+}
+
 #[test]
 fn a_pool_reserves_no_initial_pool_of_its_own() {
     let dev = Arc::new(SimDevice::new(1 << 30));

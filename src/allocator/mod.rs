@@ -502,14 +502,16 @@ impl<D: Device> Allocator<D> {
     ) -> Result<Buffer<D>, AllocError> {
         let mut attempt = 0;
         let (mut pools_released, mut general_released) = (false, false);
-        let (mut peers_released, mut after_peers) = (false, false);
+        // Whether the last attempt was the retry of an inner rung (pools, general, peers).
+        let (mut peers_released, mut retried) = (false, false);
         loop {
             let r = self.alloc_in_once(bytes, stream, residency, align);
             if !matches!(r, Err(AllocError::OutOfMemory(_))) {
                 return r; // the common case: a buffer, or an error no retry helps
             }
-            if std::mem::take(&mut after_peers) {
-                // The request failed again after the peers' release: still one failed request.
+            if std::mem::take(&mut retried) {
+                // The request failed again after an inner rung's release: still one failed
+                // allocation (the observers' and the failure callback's rounds count apart).
                 self.shared.uncount_oom();
             }
             match r {
@@ -517,14 +519,14 @@ impl<D: Device> Allocator<D> {
                     if !pools_released && self.shared.release_oom_pools() =>
                 {
                     // The `use_on_oom` pools gave their free segments back: once more.
-                    pools_released = true;
+                    (pools_released, retried) = (true, true);
                 }
                 Err(AllocError::OutOfMemory(_))
                     if !general_released && self.shared.release_for_routed(stream) =>
                 {
                     // A private pool's request: the general allocator gave its free cached
                     // segments back (as its own ladder would for its own request): once more.
-                    general_released = true;
+                    (general_released, retried) = (true, true);
                 }
                 Err(AllocError::OutOfMemory(ref report))
                     if !peers_released
@@ -535,7 +537,7 @@ impl<D: Device> Allocator<D> {
                     // Other allocators of the device returned their free cached transient
                     // memory (`src/peers.rs`): once more. (Not for what the device could never
                     // hold, nor what this allocator's own limit refused.)
-                    (peers_released, after_peers) = (true, true);
+                    (peers_released, retried) = (true, true);
                 }
                 Err(AllocError::OutOfMemory(report)) => {
                     attempt += 1;

@@ -385,7 +385,13 @@ impl<D: Device> HostAllocator<D> {
     pub fn alloc(&self, bytes: u64) -> Result<PinnedBuffer<D>, HostAllocError> {
         match self.alloc_once(bytes) {
             Err(HostAllocError::OutOfMemory { .. }) if self.release_peers() => {
-                self.alloc_once(bytes)
+                let r = self.alloc_once(bytes);
+                if matches!(r, Err(HostAllocError::OutOfMemory { .. })) {
+                    // Still one allocation that failed.
+                    let mut st = self.inner.lock();
+                    st.stats.num_ooms = st.stats.num_ooms.saturating_sub(1);
+                }
+                r
             }
             r => r,
         }
