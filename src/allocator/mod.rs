@@ -1171,11 +1171,6 @@ impl<D: Device> crate::peers::Peer for Shared<D> {
             return false; // BROKEN (the first): the peers keep their caches
         }
         let _ = self.release_idle_regions();
-        let mut st = self.lock_state();
-        let before = st.pool.reserved_bytes();
-        self.flush_all(&mut st);
-        let _ = self.sync_events(&mut st);
-        let _ = self.release_segments(&mut st, |s| s.key.residency == Residency::Transient);
-        st.pool.reserved_bytes() < before
+        self.give_back_transient()
     }
 }

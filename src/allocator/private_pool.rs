@@ -500,6 +500,14 @@ impl<D: Device> Shared<D> {
         {
             return false;
         }
+        self.give_back_transient()
+    }
+
+    /// Flushes the stream caches, waits for the pending frees (the ladder's wait, idle plan
+    /// regions included) and returns the free transient segments and pages to the device;
+    /// whether reserved bytes went down. What a routed request asks of the general allocator,
+    /// and another allocator of the device of this one (`src/peers.rs`).
+    pub(super) fn give_back_transient(&self) -> bool {
         let mut st = self.lock_state();
         let before = st.pool.reserved_bytes();
         self.flush_all(&mut st);
