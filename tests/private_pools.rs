@@ -189,6 +189,26 @@ fn a_request_a_use_on_oom_pool_cannot_rescue_counts_one_oom() {
     check(&alloc, &[&pool]);
 }
 
+/// The same for a request a guard routes to a pool, where the general allocator's release does
+/// not rescue it: the pool, which counted the failure, counts it once; the general allocator
+/// counts nothing.
+#[test]
+fn a_routed_request_the_general_allocator_cannot_rescue_counts_one_oom_in_its_pool() {
+    let dev = Arc::new(SimDevice::new(64 * MIB));
+    let s = dev.create_stream().unwrap();
+    let alloc = Allocator::new(dev.clone(), Config::default()).unwrap();
+    let pool = alloc.new_pool(PoolOptions::default()).unwrap();
+    let live = alloc.alloc(20 * MIB, s).unwrap();
+    drop(alloc.alloc(30 * MIB, s).unwrap()); // cached in the general allocator
+    let g = alloc.use_pool(&pool, s).unwrap();
+    assert!(matches!(alloc.alloc(50 * MIB, s), Err(AllocError::OutOfMemory(_))));
+    drop(g);
+    assert_eq!(alloc.reserved_bytes(), 20 * MIB, "the general allocator gave its cache back");
+    assert_eq!((pool.stats().num_ooms, alloc.stats().num_ooms), (1, 0));
+    drop(live);
+    check(&alloc, &[&pool]);
+}
+
 #[test]
 fn a_pool_reserves_no_initial_pool_of_its_own() {
     let dev = Arc::new(SimDevice::new(1 << 30));

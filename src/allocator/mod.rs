@@ -476,6 +476,25 @@ impl<D: Device> Allocator<D> {
         Buffer::new(b.ptr, bytes, b.size, stream, origin, owner, rounded, residency, b.quadrant)
     }
 
+    /// Takes back the `num_ooms` count of the last failed attempt on `stream` (see
+    /// [`Shared::uncount_oom`]) where it was counted: in the private pool a guard or a capture
+    /// routes the stream to, as [`Allocator::alloc_in_once`] routes it, else here.
+    #[cold]
+    fn uncount_oom(&self, stream: StreamId) {
+        let sh = &self.shared;
+        if sh.routes.any()
+            && let Some(pool) = sh.routes.get(stream)
+        {
+            return pool.shared.uncount_oom();
+        }
+        if sh.family.captures.any()
+            && let Some(pool) = sh.family.captures.joined_pool(sh, stream)
+        {
+            return pool.shared.uncount_oom();
+        }
+        sh.uncount_oom();
+    }
+
     /// Asks the other allocators of this device to return their free cached transient memory
     /// (`src/peers.rs`); whether any did.
     #[cold]
@@ -512,7 +531,7 @@ impl<D: Device> Allocator<D> {
             if std::mem::take(&mut retried) {
                 // The request failed again after an inner rung's release: still one failed
                 // allocation (the observers' and the failure callback's rounds count apart).
-                self.shared.uncount_oom();
+                self.uncount_oom(stream);
             }
             match r {
                 Err(AllocError::OutOfMemory(_))
