@@ -13,11 +13,12 @@
 //!                                    release its free cache ─▶ B tries once more
 //! ```
 //!
-//! A device is its `Arc` (the allocators share the device object). No lock of the asking
+//! A device is its memory: the device's `memory_domain` (CUDA: its context, so two
+//! `CudaDevice::new(0)` are one), else the object its `Arc` holds. No lock of the asking
 //! allocator is held while a peer releases, and a peer takes only its own locks, so two
 //! allocators out of memory at once, each asking the other, cannot deadlock.
 
-use crate::device::Device;
+use crate::device::{Device, Guarded};
 use std::sync::{Arc, Weak};
 
 /// What an allocator does for a peer that ran out of memory.
@@ -38,7 +39,7 @@ pub(crate) enum Kind {
 /// An allocator of a device, by the device's address.
 struct Entry {
     kind: Kind,
-    device: usize,
+    device: Key,
     peer: Weak<dyn Peer>,
 }
 
@@ -48,13 +49,26 @@ fn peers() -> std::sync::MutexGuard<'static, Vec<Entry>> {
     PEERS.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-/// The key of `device`: the address of the object the `Arc` holds.
-pub(crate) fn key_of<D: Device>(device: &Arc<D>) -> usize {
-    Arc::as_ptr(device) as *const () as usize
+/// The key of `device`'s memory: its [`Device::memory_domain`] (CUDA: the context), else the
+/// address of the object the `Arc` holds.
+pub(crate) fn key_of<D: Device>(device: &Guarded<D>) -> Key {
+    match device.memory_domain() {
+        Some(domain) => Key::Domain(domain),
+        None => Key::Object(Arc::as_ptr(device.arc()) as *const () as usize),
+    }
+}
+
+/// Which memory a device object allocates from (see [`key_of`]).
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(crate) enum Key {
+    /// A memory several objects may share ([`Device::memory_domain`]).
+    Domain(u64),
+    /// The object's own (its address).
+    Object(usize),
 }
 
 /// Notes an allocator of `kind` over `device` (and forgets the dead ones).
-pub(crate) fn register(kind: Kind, device: usize, peer: Weak<dyn Peer>) {
+pub(crate) fn register(kind: Kind, device: Key, peer: Weak<dyn Peer>) {
     let mut list = peers();
     list.retain(|e| e.peer.strong_count() > 0);
     list.push(Entry { kind, device, peer });
@@ -62,7 +76,7 @@ pub(crate) fn register(kind: Kind, device: usize, peer: Weak<dyn Peer>) {
 
 /// Asks every other live allocator of `kind` over `device` (all but `me`) to return its free
 /// cached memory; whether any did. Called with no allocator lock held.
-pub(crate) fn release_peers(kind: Kind, device: usize, me: *const ()) -> bool {
+pub(crate) fn release_peers(kind: Kind, device: Key, me: *const ()) -> bool {
     let others: Vec<Arc<dyn Peer>> = peers()
         .iter()
         .filter(|e| e.kind == kind && e.device == device)

@@ -7,7 +7,8 @@
 //!   with ordinary and expandable segments; the allocator over CudaDevice with no leaks, across
 //!   threads; expandable segments (virtual memory) with data across pages, growth, release after
 //!   a running kernel, and no leak; private pools (a guard routing a stream, teardown with a live
-//!   buffer) and CUDA-graph capture from the graph's private pool, replayed 100 times.
+//!   buffer) and CUDA-graph capture from the graph's private pool, replayed 100 times; two
+//!   allocators over two `CudaDevice::new(0)` returning their caches to each other.
 //!
 //! Kernels come as PTX (below), so these tests need only the driver, not NVRTC. "Gated" kernels
 //! spin until a flag in device memory is set by a memset on another stream, so "not finished
@@ -848,4 +849,25 @@ fn graph_capture_replays_from_its_private_pool() {
     drop(alloc);
     dev.destroy_stream(s).unwrap();
     assert!(dev.live_segments().is_empty(), "leaked: {:?}", dev.live_segments());
+}
+
+/// Two `CudaDevice::new(0)` share the device's primary context (`Device::memory_domain`): an
+/// allocator over one returns its free cache when an allocator over the other runs out of
+/// memory (`src/peers.rs`); without that, the second request would not fit beside the cache.
+#[test]
+fn allocators_over_two_device_objects_of_one_gpu_help_each_other() {
+    let Some((_guard, one)) = gpu() else { return };
+    let two = CudaDevice::new(0).expect("a second CudaDevice over GPU 0");
+    assert_eq!(one.memory_domain(), two.memory_domain());
+    assert!(one.memory_domain().is_some());
+    let a = Allocator::new(one.clone(), Config::default()).unwrap();
+    let b = Allocator::new(two.clone(), Config::default()).unwrap();
+    let free = one.mem_info().unwrap().free;
+    let big = (free / 10 * 6) & !((2 << 20) - 1); // 60 % of what is free, in 2 MiB pages
+    drop(a.alloc(big, StreamId::DEFAULT).unwrap()); // cached by `a`
+    let got = b.alloc(big, StreamId::DEFAULT).unwrap();
+    assert_eq!(a.stats().blocks.reserved_bytes.all.current, 0, "`a` returned its cache");
+    assert_eq!(b.stats().num_ooms, 1, "its first attempt");
+    drop(got);
+    drop((a, b));
 }

@@ -255,11 +255,7 @@ impl<D: Device> Allocator<D> {
         if pool == 0 {
             use crate::peers::{self, Kind, Peer};
             let peer: Arc<dyn Peer> = shared.clone();
-            peers::register(
-                Kind::Device,
-                peers::key_of(shared.device.arc()),
-                Arc::downgrade(&peer),
-            );
+            peers::register(Kind::Device, peers::key_of(&shared.device), Arc::downgrade(&peer));
         }
         let alloc = Allocator { owners: Arc::new(OwnerTable::new(&shared)), shared };
         alloc.reserve_initial_pool()?;
@@ -502,7 +498,7 @@ impl<D: Device> Allocator<D> {
         #[cfg(not(loom))]
         return crate::peers::release_peers(
             crate::peers::Kind::Device,
-            crate::peers::key_of(self.shared.device.arc()),
+            crate::peers::key_of(&self.shared.device),
             Arc::as_ptr(&self.shared) as *const (),
         );
         #[cfg(loom)]

@@ -243,6 +243,11 @@ impl<D: Device> Guarded<D> {
         self.guard("record_event", || self.device.record_event(event, stream))
     }
 
+    /// [`Device::memory_domain`]; a panic answers `None` (the object is its own memory).
+    pub(crate) fn memory_domain(&self) -> Option<u64> {
+        self.guard_or(None, || self.device.memory_domain())
+    }
+
     /// [`Device::supports_virtual_memory`]; a panic answers no (ordinary segments).
     pub(crate) fn supports_virtual_memory(&self) -> bool {
         self.guard_or(false, || self.device.supports_virtual_memory())

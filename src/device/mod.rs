@@ -383,6 +383,15 @@ pub trait Device: Send + Sync + 'static {
         false
     }
 
+    /// The memory this device object allocates from, where several objects may share it
+    /// (CUDA: the context, as two `CudaDevice::new(0)` share the primary context). Allocators
+    /// over objects of one memory help each other out of memory (they return their free caches
+    /// before a request gives up); `None` (the default): the object is its own memory, and only
+    /// allocators sharing its `Arc` help each other.
+    fn memory_domain(&self) -> Option<u64> {
+        None
+    }
+
     /// Whether the `vm_*` calls work (CUDA: the device attribute
     /// `VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED`). The defaults say no, and every `vm_*` default
     /// answers [`NO_VIRTUAL_MEMORY`]; an allocator asked for expandable segments then falls back

@@ -349,7 +349,11 @@ impl<D: Device> HostAllocator<D> {
         {
             use crate::peers::{self, Kind, Peer};
             let peer: Arc<dyn Peer> = h.inner.clone();
-            peers::register(Kind::PinnedHost, peers::key_of(h.device()), Arc::downgrade(&peer));
+            peers::register(
+                Kind::PinnedHost,
+                peers::key_of(&h.inner.device),
+                Arc::downgrade(&peer),
+            );
         }
         h
     }
@@ -404,7 +408,7 @@ impl<D: Device> HostAllocator<D> {
         #[cfg(not(loom))]
         return crate::peers::release_peers(
             crate::peers::Kind::PinnedHost,
-            crate::peers::key_of(self.device()),
+            crate::peers::key_of(&self.inner.device),
             Arc::as_ptr(&self.inner) as *const (),
         );
         #[cfg(loom)]

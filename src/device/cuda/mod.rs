@@ -590,6 +590,12 @@ impl Device for CudaDevice {
 
     /// The device attribute `VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED` (and a granularity query that
     /// works).
+    /// The context: two `CudaDevice::new(0)` share the device's primary context, so
+    /// allocators over either help each other out of memory.
+    fn memory_domain(&self) -> Option<u64> {
+        Some(self.ctx.cu_ctx() as usize as u64)
+    }
+
     fn supports_virtual_memory(&self) -> bool {
         self.vm_page().is_some()
     }
