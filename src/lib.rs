@@ -34,7 +34,6 @@ mod host;
 mod interop;
 mod membarrier;
 pub mod packing;
-#[cfg(not(loom))]
 mod peers;
 mod pickle;
 mod pool;

@@ -19,11 +19,13 @@
 //! allocators out of memory at once, each asking the other, cannot deadlock.
 
 use crate::device::{Device, Guarded};
+#[cfg(not(loom))]
 use std::sync::{Arc, Weak};
 
 /// What an allocator does for a peer that ran out of memory.
 pub(crate) trait Peer: Send + Sync {
     /// Returns its free cached memory (a device allocator: transient only); whether any went.
+    #[cfg_attr(loom, allow(dead_code))] // (no list under loom: nobody asks)
     fn release_for_peer(&self) -> bool;
 }
 
@@ -37,21 +39,25 @@ pub(crate) enum Kind {
 }
 
 /// An allocator of a device, by the device's address.
+#[cfg(not(loom))]
 struct Entry {
     kind: Kind,
     device: Key,
     peer: Weak<dyn Peer>,
 }
 
+#[cfg(not(loom))]
 static PEERS: std::sync::Mutex<Vec<Entry>> = std::sync::Mutex::new(Vec::new());
 
+#[cfg(not(loom))]
 fn peers() -> std::sync::MutexGuard<'static, Vec<Entry>> {
     PEERS.lock().unwrap_or_else(|p| p.into_inner())
 }
 
+#[cfg(not(loom))]
 /// The key of `device`'s memory: its [`Device::memory_domain`] (CUDA: the context), else the
 /// address of the object the `Arc` holds.
-pub(crate) fn key_of<D: Device>(device: &Guarded<D>) -> Key {
+fn key_of<D: Device>(device: &Guarded<D>) -> Key {
     match device.memory_domain() {
         Some(domain) => Key::Domain(domain),
         None => Key::Object(Arc::as_ptr(device.arc()) as *const () as usize),
@@ -59,6 +65,7 @@ pub(crate) fn key_of<D: Device>(device: &Guarded<D>) -> Key {
 }
 
 /// Which memory a device object allocates from (see [`key_of`]).
+#[cfg(not(loom))]
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub(crate) enum Key {
     /// A memory several objects may share ([`Device::memory_domain`]).
@@ -67,16 +74,45 @@ pub(crate) enum Key {
     Object(usize),
 }
 
+/// Notes `peer`, an allocator of `kind` over `device`, in the process-wide list (nothing under
+/// loom, which has no weak references).
+pub(crate) fn join<D: Device, P: Peer + 'static>(
+    kind: Kind,
+    device: &Guarded<D>,
+    peer: &crate::sync::Arc<P>,
+) {
+    #[cfg(not(loom))]
+    {
+        let p: Arc<dyn Peer> = peer.clone();
+        register(kind, key_of(device), Arc::downgrade(&p));
+    }
+    #[cfg(loom)]
+    let _ = (kind, device, peer);
+}
+
+/// Asks the other allocators of `kind` over `device` (all but `me`) to return their free cached
+/// memory; whether any did (never under loom). Called with no allocator lock held.
+pub(crate) fn ask<D: Device>(kind: Kind, device: &Guarded<D>, me: *const ()) -> bool {
+    #[cfg(not(loom))]
+    return release_peers(kind, key_of(device), me);
+    #[cfg(loom)]
+    {
+        let _ = (kind, device, me);
+        false
+    }
+}
+
 /// Notes an allocator of `kind` over `device` (and forgets the dead ones).
-pub(crate) fn register(kind: Kind, device: Key, peer: Weak<dyn Peer>) {
+#[cfg(not(loom))]
+fn register(kind: Kind, device: Key, peer: Weak<dyn Peer>) {
     let mut list = peers();
     list.retain(|e| e.peer.strong_count() > 0);
     list.push(Entry { kind, device, peer });
 }
 
-/// Asks every other live allocator of `kind` over `device` (all but `me`) to return its free
-/// cached memory; whether any did. Called with no allocator lock held.
-pub(crate) fn release_peers(kind: Kind, device: Key, me: *const ()) -> bool {
+/// [`ask`], by key.
+#[cfg(not(loom))]
+fn release_peers(kind: Kind, device: Key, me: *const ()) -> bool {
     let others: Vec<Arc<dyn Peer>> = peers()
         .iter()
         .filter(|e| e.kind == kind && e.device == device)

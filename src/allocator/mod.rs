@@ -251,11 +251,8 @@ impl<D: Device> Allocator<D> {
             end_captures: std::sync::OnceLock::new(),
         });
         lock(&shared.state).pool.set_oversize_size(oversize_at);
-        #[cfg(not(loom))]
         if pool == 0 {
-            use crate::peers::{self, Kind, Peer};
-            let peer: Arc<dyn Peer> = shared.clone();
-            peers::register(Kind::Device, peers::key_of(&shared.device), Arc::downgrade(&peer));
+            crate::peers::join(crate::peers::Kind::Device, &shared.device, &shared);
         }
         let alloc = Allocator { owners: Arc::new(OwnerTable::new(&shared)), shared };
         alloc.reserve_initial_pool()?;
@@ -495,14 +492,8 @@ impl<D: Device> Allocator<D> {
     /// (`src/peers.rs`); whether any did.
     #[cold]
     fn release_peers(&self) -> bool {
-        #[cfg(not(loom))]
-        return crate::peers::release_peers(
-            crate::peers::Kind::Device,
-            crate::peers::key_of(&self.shared.device),
-            Arc::as_ptr(&self.shared) as *const (),
-        );
-        #[cfg(loom)]
-        false
+        let me = Arc::as_ptr(&self.shared) as *const ();
+        crate::peers::ask(crate::peers::Kind::Device, &self.shared.device, me)
     }
 
     /// [`Allocator::alloc_in`], the block starting at a multiple of `align` (0: no more than
@@ -1179,7 +1170,6 @@ const _: fn() = assert_thread_safety::<crate::device::SimDevice>;
 
 /// What a general allocator does for another of its device that ran out of memory
 /// (`src/peers.rs`): what its `empty_cache` does for transient memory.
-#[cfg(not(loom))]
 impl<D: Device> crate::peers::Peer for Shared<D> {
     fn release_for_peer(&self) -> bool {
         if cfg!(tidepool_broken = "peers_kept") || self.device.capture_underway() {

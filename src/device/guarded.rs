@@ -244,6 +244,7 @@ impl<D: Device> Guarded<D> {
     }
 
     /// [`Device::memory_domain`]; a panic answers `None` (the object is its own memory).
+    #[cfg_attr(loom, allow(dead_code))] // (no peers list under loom)
     pub(crate) fn memory_domain(&self) -> Option<u64> {
         self.guard_or(None, || self.device.memory_domain())
     }

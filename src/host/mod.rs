@@ -345,16 +345,7 @@ impl<D: Device> HostAllocator<D> {
             }),
             counted: true,
         };
-        #[cfg(not(loom))]
-        {
-            use crate::peers::{self, Kind, Peer};
-            let peer: Arc<dyn Peer> = h.inner.clone();
-            peers::register(
-                Kind::PinnedHost,
-                peers::key_of(&h.inner.device),
-                Arc::downgrade(&peer),
-            );
-        }
+        crate::peers::join(crate::peers::Kind::PinnedHost, &h.inner.device, &h.inner);
         h
     }
 
@@ -405,14 +396,8 @@ impl<D: Device> HostAllocator<D> {
     /// (`src/peers.rs`), with no lock of this one held; whether any did.
     #[cold]
     fn release_peers(&self) -> bool {
-        #[cfg(not(loom))]
-        return crate::peers::release_peers(
-            crate::peers::Kind::PinnedHost,
-            crate::peers::key_of(&self.inner.device),
-            Arc::as_ptr(&self.inner) as *const (),
-        );
-        #[cfg(loom)]
-        false
+        let me = Arc::as_ptr(&self.inner) as *const ();
+        crate::peers::ask(crate::peers::Kind::PinnedHost, &self.inner.device, me)
     }
 
     /// One attempt of [`HostAllocator::alloc`].
@@ -842,7 +827,6 @@ impl<D: Device> Inner<D> {
 
 /// What a pinned allocator does for another of its device that ran out of pinned memory
 /// (`src/peers.rs`): frees its free blocks whose copies completed (no wait).
-#[cfg(not(loom))]
 impl<D: Device> crate::peers::Peer for Inner<D> {
     fn release_for_peer(&self) -> bool {
         if cfg!(tidepool_broken = "peers_kept") {
