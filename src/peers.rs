@@ -38,7 +38,7 @@ pub(crate) enum Kind {
     PinnedHost,
 }
 
-/// An allocator of a device, by the device's address.
+/// An allocator of `kind`, by the memory its device allocates from ([`Key`]).
 #[cfg(not(loom))]
 struct Entry {
     kind: Kind,
