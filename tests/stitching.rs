@@ -340,3 +340,45 @@ fn two_allocators_on_one_device_stitch_apart() {
     drop((a, b));
     assert_nothing_left(&dev);
 }
+
+/// A 22.5 MiB request stitched (12 pages: the three free chunks of [`holes`]) and a 1.5 MiB
+/// one after it: the stitched block and the small one, and the physical bytes the cache is
+/// left with once the stitched block is freed and `release` ran.
+fn small_request_after_a_stitch(release: impl FnOnce(Allocator<SimDevice>)) -> Vec<u64> {
+    let (dev, alloc) = setup("fast_cache:false,expandable_stitching:true");
+    let kept = holes(&dev, &alloc);
+    let s = alloc.alloc(45 * MIB / 2, S0).unwrap();
+    let t = alloc.alloc(3 * MIB / 2, S0).unwrap();
+    let figures = vec![s.ptr().0, s.block_size(), t.ptr().0];
+    alloc.check_invariants().unwrap();
+    drop(s);
+    release(alloc);
+    let left = dev.physical_bytes();
+    drop((t, kept));
+    assert_nothing_left(&dev);
+    figures.into_iter().chain([left]).collect()
+}
+
+/// The tail a split leaves in a stitched block's segment served the small request, which then
+/// kept the segment busy, so its chunks stayed lent and mapped after the stitched block went:
+/// `empty_cache` could not return 24 MiB that held nothing. Taken whole, the block leaves no
+/// tail (the broken build `cfg(tidepool_broken = "stitch_split")` splits it).
+#[test]
+fn a_stitched_block_is_taken_whole_so_no_small_block_pins_its_chunks() {
+    let got = small_request_after_a_stitch(|alloc| {
+        alloc.empty_cache().unwrap();
+        assert_eq!(alloc.expandable_ranges()[0].stitches, 0, "the stitch is unmapped");
+        alloc.check_invariants().unwrap();
+    });
+    // The small block grows the range at its top by a page; the cache keeps the two 16 MiB
+    // blocks' chunks and that page.
+    assert_eq!(got, [stitch_base().0, 24 * MIB, at(56 * MIB).0, 34 * MIB]);
+}
+
+/// The same with the allocator's last handle dropped instead of `empty_cache`: a closed
+/// allocator returns the stitched block's chunks as it goes.
+#[test]
+fn a_closed_allocator_returns_a_freed_stitch_while_a_small_block_lives() {
+    let got = small_request_after_a_stitch(drop);
+    assert_eq!(got, [stitch_base().0, 24 * MIB, at(56 * MIB).0, 34 * MIB]);
+}

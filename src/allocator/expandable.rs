@@ -580,10 +580,17 @@ impl<D: Device> Shared<D> {
     }
 
     /// The block size an allocation from `block` takes: in an expandable range a large block is
-    /// split whenever anything is left (an unsplit tail would only pin pages), elsewhere the
-    /// configured rules.
+    /// split whenever anything is left (an unsplit tail would only pin pages); a stitched block
+    /// is taken whole (a block in its tail would keep every chunk lent: `stitch.rs`);
+    /// elsewhere the configured rules.
     pub(super) fn alloc_sizing(&self, st: &State, block: BlockId, sizing: &Sizing) -> Sizing {
-        if !st.vm.is_empty() && st.vm.contains(st.pool.block(block).addr) {
+        if st.vm.is_empty() {
+            return *sizing;
+        }
+        let b = st.pool.block(block);
+        if Self::stitched(&st.vm, b.segment) {
+            Sizing { max_split_size: 0, ..*sizing }
+        } else if st.vm.contains(b.addr) {
             Sizing { small_size: 0, ..*sizing }
         } else {
             *sizing

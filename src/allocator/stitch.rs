@@ -18,6 +18,9 @@
 //!   of chunks of [`STITCH_CHUNK_PAGES`] pages, the granule a stitch can borrow. A cached stitch of the key whose
 //!   chunks are all free again serves first: no device call, so a training step that repeats
 //!   its pattern makes none (`mlp_train`: 1.032 → 1.001 × peak live, model and allocator).
+//! - **Taken whole.** A stitched block is never split: a block in its tail would keep the
+//!   segment busy after the stitched block went, and with it every chunk lent, out of reach
+//!   of `empty_cache` and of a closed allocator (a 1.5 MiB block pinned 24 MiB that way).
 //! - **Counted once.** The stitch's pool segment counts its bytes while it is live, and its
 //!   chunks are out of the home runs meanwhile: `reserved_bytes` stays the mapped physical bytes.
 //! - **Released with its chunks.** A release of home chunks (`empty_cache`, the out-of-memory
@@ -224,6 +227,17 @@ impl<D: Device> Shared<D> {
         self.register(st, Stitch { base, bytes, home, key, chunks, seg: None, dead: false });
         let last = st.vm.stitches.len() - 1;
         Ok(Some(self.lend(st, last)))
+    }
+
+    /// Whether `seg` is a live stitch's segment, whose block is handed out whole: a block split
+    /// off its tail would keep the segment busy once the stitched block is freed, and with it
+    /// every chunk lent, out of reach of `empty_cache` and of a closed allocator's release.
+    /// (The broken build `cfg(tidepool_broken = "stitch_split")` splits it.)
+    #[inline]
+    pub(super) fn stitched(vm: &Vm, seg: SegmentId) -> bool {
+        !cfg!(tidepool_broken = "stitch_split")
+            && vm.live_stitches != 0
+            && vm.stitches.iter().any(|s| s.seg == Some(seg))
     }
 
     /// Lists a stitch whose range is reserved and whose `chunks` are mapped.

@@ -231,7 +231,10 @@ fn closed_teardown(
                 .iter()
                 .filter(|&&(_, _, h)| !maps.iter().any(|&(a, n, g)| g == h && held((a, n))))
                 .collect();
-            ensure!(idle.is_empty(), "mappings of closed allocators hold no buffer: {idle:x?}");
+            ensure!(
+                idle.is_empty(),
+                "mappings of closed allocators hold no buffer: {idle:x?} (buffers {live:x?})"
+            );
         }
         if buffers.is_empty() {
             return Ok(());
