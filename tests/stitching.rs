@@ -382,3 +382,46 @@ fn a_closed_allocator_returns_a_freed_stitch_while_a_small_block_lives() {
     let got = small_request_after_a_stitch(drop);
     assert_eq!(got, [stitch_base().0, 24 * MIB, at(56 * MIB).0, 34 * MIB]);
 }
+
+/// An aligned request is never stitched: a stitch's own range need not start at the alignment,
+/// and the padding split off its front would be a free block in the stitch's segment, which a
+/// small request then takes, pinning every chunk the stitch borrowed (as a split tail did).
+/// The broken build `cfg(tidepool_broken = "stitch_aligned")` stitches it.
+#[test]
+fn an_aligned_request_is_not_stitched() {
+    let (dev, alloc) = setup("fast_cache:false,expandable_stitching:true");
+    let kept = holes(&dev, &alloc);
+    let s = alloc.alloc(24 * MIB, S0).unwrap();
+    assert_eq!(s.ptr(), stitch_base());
+    // The same holes again above: three more free 8 MiB chunks, at 56, 80 and 104 MiB.
+    let more = holes_above(&alloc, 56);
+    // 10 MiB at 16 MiB alignment (no free chunk holds it): a stitch of 13 pages would start
+    // 24 MiB past the first one's, 8 MiB short of the alignment.
+    let a = alloc.alloc_aligned(10 * MIB, 16 * MIB, S0).unwrap();
+    assert_eq!(a.ptr().0 % (16 * MIB), 0);
+    assert_eq!(alloc.expandable_ranges()[0].stitches, 1, "no second stitch");
+    let small = alloc.alloc(8 * MIB, S0).unwrap();
+    drop(a);
+    drop(s);
+    alloc.empty_cache().unwrap();
+    alloc.check_invariants().unwrap();
+    assert_eq!(alloc.expandable_ranges()[0].stitches, 0);
+    // What is left mapped: the four 16 MiB blocks and the small one's pages.
+    let held: u64 = kept.iter().chain(&more).chain([&small]).map(|b| b.block_size()).sum();
+    assert_eq!(dev.physical_bytes(), held);
+    drop((kept, more, small));
+    drop(alloc);
+    assert_nothing_left(&dev);
+}
+
+/// [`holes`] again at `at_mib` MiB (the range's top): returns the two 16 MiB blocks.
+fn holes_above(alloc: &Allocator<SimDevice>, at_mib: u64) -> Vec<Buffer<SimDevice>> {
+    let sizes = [8, 16, 8, 16, 8].map(|m| m * MIB);
+    let mut bufs: Vec<_> = sizes.iter().map(|&b| alloc.alloc(b, S0).unwrap()).collect();
+    let ptrs: Vec<_> = bufs.iter().map(|b| b.ptr()).collect();
+    assert_eq!(ptrs, [0, 8, 24, 32, 48].map(|m| at((at_mib + m) * MIB)));
+    for i in [4, 2, 0] {
+        drop(bufs.remove(i));
+    }
+    bufs
+}

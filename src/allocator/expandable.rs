@@ -612,7 +612,12 @@ impl<D: Device> Shared<D> {
     ) -> Result<Option<BlockId>, AllocError> {
         let mut retried = false;
         loop {
-            match self.grow(st, config, key, need) {
+            // An aligned request (`need` above `rounded`) is never stitched: a stitch's own
+            // range need not start at the alignment, and the padding split off its front would
+            // be a free block in its segment that a small request takes, pinning every chunk
+            // the stitch borrowed. (`cfg(tidepool_broken = "stitch_aligned")` stitches it.)
+            let stitchable = need == rounded || cfg!(tidepool_broken = "stitch_aligned");
+            match self.grow(st, config, key, need, stitchable) {
                 Ok(None) => return Ok(None),
                 Ok(Some(b)) => {
                     if retried {
@@ -651,15 +656,16 @@ impl<D: Device> Shared<D> {
         }
     }
 
-    /// Maps pages into `key`'s range where a block of `rounded` fits with the fewest new ones;
-    /// returns the free block that holds them, or `None` where the range has no room for it.
-    /// Nothing changes on an error.
+    /// Maps pages into `key`'s range where a block of `rounded` fits with the fewest new ones
+    /// (or a stitched block serves it, if `stitchable`); returns the free block that holds
+    /// them, or `None` where the range has no room for it. Nothing changes on an error.
     fn grow(
         &self,
         st: &mut State,
         config: &Config,
         key: PoolKey,
         rounded: u64,
+        stitchable: bool,
     ) -> Result<Option<BlockId>, AllocError> {
         self.poll_retiring(st, false);
         // Stitched blocks freed into a stream cache and flushed since: their chunks go home.
@@ -670,7 +676,7 @@ impl<D: Device> Shared<D> {
             return Ok(None);
         };
         let mapped = st.vm.ranges[&base].pages.len();
-        if let Some(b) = self.try_stitch(st, config, key, rounded, exact)? {
+        if stitchable && let Some(b) = self.try_stitch(st, config, key, rounded, exact)? {
             return Ok(Some(b));
         }
         // A stitch that grew the range at its top for what its free chunks lacked, and then

@@ -20,7 +20,9 @@
 //!   its pattern makes none (`mlp_train`: 1.032 → 1.001 × peak live, model and allocator).
 //! - **Taken whole.** A stitched block is never split: a block in its tail would keep the
 //!   segment busy after the stitched block went, and with it every chunk lent, out of reach
-//!   of `empty_cache` and of a closed allocator (a 1.5 MiB block pinned 24 MiB that way).
+//!   of `empty_cache` and of a closed allocator (a 1.5 MiB block pinned 24 MiB that way). For
+//!   the same reason an aligned request is never stitched: the padding split off its front
+//!   would be such a block.
 //! - **Counted once.** The stitch's pool segment counts its bytes while it is live, and its
 //!   chunks are out of the home runs meanwhile: `reserved_bytes` stays the mapped physical bytes.
 //! - **Released with its chunks.** A release of home chunks (`empty_cache`, the out-of-memory
