@@ -572,7 +572,7 @@ fn the_first_plan_adopts_the_segment_of_its_escapes_so_the_second_run_calls_noth
 }
 
 #[test]
-fn an_escape_still_live_or_used_on_another_stream_keeps_its_range_out_of_the_plan() {
+fn an_escape_still_live_keeps_its_range_out_of_the_plan_and_one_used_elsewhere_joins_later() {
     let (dev, alloc) = setup(1 << 30);
     let other = dev.create_stream().unwrap();
     let g1 = adopt_step(&alloc);
@@ -583,12 +583,15 @@ fn an_escape_still_live_or_used_on_another_stream_keeps_its_range_out_of_the_pla
     assert!(!g2.is_planned());
     assert_ne!(g2.ptr(), g1.ptr());
     assert_eq!(alloc.stats().plan_misses, 1);
-    // g1 was used on another stream: it is not absorbed (its block goes back through events)
-    // and its range stays pinned.
+    // g1 was used on another stream: its block joins the region once an event recorded there
+    // completes (at once: `other` has no work), and run 3 is planned at its address. (Before,
+    // its range stayed pinned for good; `cfg(tidepool_broken = "escape_pinned")`.)
+    let escape = g1.ptr();
     drop(g1);
     drop(g2);
     let g3 = adopt_step(&alloc);
-    assert!(!g3.is_planned(), "still pinned");
+    assert!(g3.is_planned());
+    assert_eq!(g3.ptr(), escape);
     drop(g3);
     alloc.synchronize().unwrap();
     alloc.check_invariants().unwrap();
@@ -1018,4 +1021,101 @@ fn an_allocation_out_of_memory_releases_idle_plan_regions_first() {
 fn the_checks_catch_an_oom_that_keeps_idle_regions() {
     let (ok, region, after, ooms) = oom_with_an_idle_region(true);
     assert_eq!((ok, after, ooms), (false, region, 1), "the region held the memory");
+}
+
+/// What [`escape_used_elsewhere`] saw of each run after the first.
+#[derive(Debug, PartialEq)]
+struct ElsewhereRun {
+    /// Whether run 2 (the other stream still writing the escape) and run 3 (that work done)
+    /// placed their gradient at the escape's address, planned.
+    planned_at_escape: [bool; 2],
+    /// Plan hits and misses of runs 2 and 3.
+    hits_misses: [(u64, u64); 2],
+    /// Region bytes after `empty_cache`, with nothing live.
+    region_after_empty_cache: u64,
+}
+
+/// A learning run's escape (the gradient) is written by a kernel on another stream, still
+/// running when the escape is freed (a gradient the communication stream reads, in data
+/// parallel training). Run 2 comes while that kernel runs, run 3 after it; last, `empty_cache`
+/// with nothing live. Every kernel writes its buffer, so the sanitizer sees any premature reuse.
+fn escape_used_elsewhere() -> ElsewhereRun {
+    let (dev, alloc) = setup(1 << 30);
+    let other = dev.create_stream().unwrap();
+    let write = |ptr: DeviceAddr| {
+        Kernel::new("w", vec![Access { ptr, bytes: 4096, kind: AccessKind::Write }], |_| {})
+    };
+    let g1 = adopt_step(&alloc);
+    let escape = g1.ptr();
+    g1.use_on(other, AccessKind::Write).unwrap();
+    let (k, open) = gated_write(escape, 4096);
+    dev.launch(other, k).unwrap();
+    drop(g1); // `other` still writes it
+    let mut planned_at_escape = [false; 2];
+    let mut hits_misses = [(0, 0); 2];
+    for run in 0..2 {
+        if run == 1 {
+            open.send(()).unwrap();
+            dev.synchronize().unwrap();
+        }
+        let before = alloc.stats();
+        let g = adopt_step(&alloc);
+        let after = alloc.stats();
+        planned_at_escape[run] = g.is_planned() && g.ptr() == escape;
+        hits_misses[run] =
+            (after.plan_hits - before.plan_hits, after.plan_misses - before.plan_misses);
+        dev.launch(S0, write(g.ptr())).unwrap();
+        drop(g);
+        alloc.check_invariants().unwrap();
+    }
+    dev.synchronize().unwrap();
+    alloc.empty_cache().unwrap();
+    let region_after_empty_cache = alloc.stats().plan_region_bytes;
+    alloc.check_invariants().unwrap();
+    assert_eq!(dev.violations(), vec![]);
+    drop(alloc);
+    assert!(dev.live_segments().is_empty(), "nothing leaked");
+    ElsewhereRun { planned_at_escape, hits_misses, region_after_empty_cache }
+}
+
+/// An escape used on another stream joins the region that adopted its segment once that
+/// stream's work on it is done: run 2, while the work runs, misses the plan there (the slice
+/// stays pinned); run 3 is planned throughout, at the escape's address; and the region is idle
+/// once nothing is live, so `empty_cache` lets go of it. Before, the slice stayed pinned for
+/// good: every later run missed there and no `empty_cache` ever let go of the region (the
+/// broken build `cfg(tidepool_broken = "escape_pinned")`).
+#[test]
+fn an_escape_used_on_another_stream_joins_its_region_after_that_streams_work() {
+    let r = escape_used_elsewhere();
+    assert_eq!(
+        r,
+        ElsewhereRun {
+            planned_at_escape: [false, true],
+            hits_misses: [(1, 1), (2, 0)],
+            region_after_empty_cache: 0,
+        }
+    );
+}
+
+/// The allocator goes (its last handle dropped, on another thread) while an escape still
+/// settles into its region: the region's memory goes back to the device only after the other
+/// stream's work on the escape is done.
+#[test]
+fn an_allocator_dropped_while_an_escape_settles_waits_for_the_other_streams_work() {
+    let (dev, alloc) = setup(1 << 30);
+    let other = dev.create_stream().unwrap();
+    let g1 = adopt_step(&alloc);
+    g1.use_on(other, AccessKind::Write).unwrap();
+    let (k, open) = gated_write(g1.ptr(), 4096);
+    dev.launch(other, k).unwrap();
+    drop(g1);
+    assert_eq!(alloc.stats().plan_region_bytes, 2 * MIB, "the region waits for the escape");
+    let dropper = std::thread::spawn(move || drop(alloc));
+    std::thread::sleep(std::time::Duration::from_millis(50));
+    assert!(!dropper.is_finished(), "the drop waits for the other stream");
+    assert_eq!(dev.live_segments().len(), 1);
+    open.send(()).unwrap();
+    dropper.join().unwrap();
+    assert_eq!(dev.violations(), vec![]);
+    assert!(dev.live_segments().is_empty(), "nothing leaked");
 }

@@ -13,6 +13,7 @@
 //! pool instead (a plan miss), so a late free is never overwritten.
 
 use super::batch::BatchBlock;
+use crate::device::{EventId, StreamId};
 use crate::packing::pack_greedy_by_size;
 use crate::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use crate::sync::{Mutex, lock};
@@ -206,6 +207,17 @@ impl Learned {
     }
 }
 
+/// An escape's pool block freed while other streams' work on it may still run: the events
+/// recorded on those streams, which must complete before it joins its region.
+#[derive(Debug)]
+pub(crate) struct Settling {
+    /// Its address (the pinned slice's offset).
+    pub offset: u64,
+    pub block: BatchBlock,
+    /// The events, and the streams they were recorded on.
+    pub events: Vec<(StreamId, EventId)>,
+}
+
 /// The memory of a plan: allocated pool blocks shared by the buffers served from it, returned
 /// to the pool when the last holder (the plan, a scope run, an escaped buffer, a run whose
 /// escapes it adopts) lets go.
@@ -224,6 +236,10 @@ pub(crate) struct Region {
     pub size: u64,
     /// Slices (offset, size) still used by buffers that escaped an earlier run.
     pinned: Mutex<Vec<(u64, u64)>>,
+    /// Escapes freed with work on other streams still to complete: pinned until it has.
+    settling: Mutex<Vec<Settling>>,
+    /// Number of them, read without the lock.
+    settling_count: AtomicUsize,
     /// Number of pinned slices, read without the lock on the planned fast path.
     pinned_count: AtomicUsize,
     /// Held by the one scope run serving slices from the region.
@@ -245,15 +261,64 @@ impl Region {
             size,
             pinned: Mutex::new(Vec::new()),
             pinned_count: AtomicUsize::new(0),
+            settling: Mutex::new(Vec::new()),
+            settling_count: AtomicUsize::new(0),
             in_use: AtomicBool::new(false),
             poisoned: AtomicBool::new(false),
             graphs: AtomicUsize::new(0),
         }
     }
 
-    /// Its blocks, for the pool, once the last holder let go.
-    pub fn into_blocks(self) -> Vec<BatchBlock> {
-        self.blocks.into_inner().unwrap_or_else(|p| p.into_inner())
+    /// Its blocks, for the pool, once the last holder let go, and the escapes' blocks still
+    /// settling (for the pool once their events complete).
+    pub fn into_parts(self) -> (Vec<BatchBlock>, Vec<Settling>) {
+        let blocks = self.blocks.into_inner().unwrap_or_else(|p| p.into_inner());
+        (blocks, self.settling.into_inner().unwrap_or_else(|p| p.into_inner()))
+    }
+
+    /// An escape pinned at `offset` was freed with work on other streams still to complete
+    /// (`settling.events`): its block joins the region once that work is done
+    /// ([`Region::settle`]); until then the slice stays pinned. `false` if nothing is pinned
+    /// there.
+    pub fn absorb_later(&self, settling: Settling) -> bool {
+        if !self.is_pinned(settling.offset) {
+            return false;
+        }
+        let mut s = lock(&self.settling);
+        s.push(settling);
+        self.settling_count.store(s.len(), Ordering::Release);
+        true
+    }
+
+    /// Whether escapes' blocks wait on other streams' work to join it.
+    pub fn is_settling(&self) -> bool {
+        self.settling_count.load(Ordering::Acquire) != 0
+    }
+
+    /// The settling escapes whose events `done` says completed join the region (their slices
+    /// unpinned); the completed events go to `spent`.
+    pub fn settle(&self, mut done: impl FnMut(EventId) -> bool, spent: &mut Vec<EventId>) {
+        let mut s = lock(&self.settling);
+        let mut joined = Vec::new();
+        s.retain_mut(|e| {
+            e.events.retain(|&(_, ev)| match done(ev) {
+                true => {
+                    spent.push(ev);
+                    false
+                }
+                false => true,
+            });
+            let finished = e.events.is_empty();
+            if finished {
+                joined.push((e.offset, e.block));
+            }
+            !finished
+        });
+        self.settling_count.store(s.len(), Ordering::Release);
+        drop(s);
+        for (offset, block) in joined {
+            let _ = self.absorb(block, offset);
+        }
     }
 
     /// Whether a slice is pinned at `offset`.

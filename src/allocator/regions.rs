@@ -1,6 +1,7 @@
 //! Learned plans and their regions: the memory a named scope's planned run hands out, made
 //! and adopted as a learning run ends, and returned to the pool in one stream-ordered batch.
 
+use super::plan::Settling;
 use super::state::PlanState;
 use super::*;
 
@@ -151,7 +152,10 @@ impl<D: Device> Shared<D> {
         if self.device.capture_underway() {
             return false;
         }
-        let idle = self.take_idle_regions(&mut lock(&self.plans), which);
+        let idle = {
+            let mut plans = lock(&self.plans);
+            self.take_idle_regions(&mut plans, &mut self.lock_state(), which)
+        };
         let any = !idle.is_empty();
         for region in idle {
             self.release_region(region);
@@ -168,7 +172,7 @@ impl<D: Device> Shared<D> {
             return false;
         }
         let idle = match crate::sync::try_lock(&self.plans) {
-            Some(mut plans) => self.take_idle_regions(&mut plans, |_| true),
+            Some(mut plans) => self.take_idle_regions(&mut plans, st, |_| true),
             None => return false,
         };
         let any = !idle.is_empty();
@@ -186,11 +190,16 @@ impl<D: Device> Shared<D> {
     fn take_idle_regions(
         &self,
         plans: &mut Plans,
+        st: &mut State,
         which: impl Fn(StreamId) -> bool,
     ) -> Vec<Arc<Region>> {
         let mut idle = Vec::new();
         let entries = plans.values_mut().flat_map(|streams| streams.iter_mut());
         for (_, p) in entries.filter(|(s, _)| which(*s)) {
+            // Escapes whose other streams' work completed join it: it may be idle now.
+            if let Some(r) = &p.region {
+                self.settle_region(st, r);
+            }
             // A holder clones the plan's `Arc` under the plans' lock only (`plan_for`,
             // `make_region`, `adopt_region`): a count of one here stays one while it is held.
             #[cfg(not(tidepool_broken = "region_idle"))]
@@ -258,12 +267,81 @@ impl<D: Device> Shared<D> {
         }
     }
 
-    /// Returns a region no one holds to the pool. The caller holds the global lock.
+    /// Returns a region no one holds to the pool. The caller holds the global lock. Escapes'
+    /// blocks still settling go to the pool as a freed buffer's would: behind their events.
     pub(super) fn return_region(&self, st: &mut State, r: Region) {
         let size = r.size;
-        let blocks = r.into_blocks();
+        let (blocks, settling) = r.into_parts();
         batch::return_batch(&mut st.pool, &mut st.base, None, &blocks);
+        for s in settling {
+            Self::pend_settling(st, s);
+        }
         self.scope_counters.region_bytes.fetch_sub(size, Ordering::Relaxed);
+    }
+
+    /// An escape's block still settling, out of a region no one holds: pending on its events,
+    /// as a freed buffer's block with uses on other streams is.
+    pub(super) fn pend_settling(st: &mut State, s: Settling) {
+        let b = s.block;
+        st.pool.mark_pending(b.block);
+        st.base.move_to_pending(b.quadrant, b.size);
+        st.pending_count.insert(b.block, s.events.len());
+        for (stream, event) in s.events {
+            st.pending.entry(stream).or_default().push_back(PendingEvent { event, block: b.block });
+        }
+    }
+
+    /// An escape of a learning run, pinned in `region` (which adopted its segment), is freed
+    /// with uses on other streams recorded for its pool block: an event is recorded on each
+    /// and the block joins the region once they complete ([`Region::settle`]; its slice stays
+    /// pinned meanwhile), as the block would otherwise join the pool. Whether it was taken:
+    /// `false` where a stream's work cannot be marked (the caller frees it as before: behind
+    /// events into the pool, its slice pinned for good).
+    ///
+    /// Before, every such escape (a gradient the communication stream reads, say) took the
+    /// event path to the pool and left its slice pinned for good: each later run missed the
+    /// plan there, and the region never became idle, so `empty_cache`, the out-of-memory
+    /// ladder and `release_stream` never let go of it. (`cfg(tidepool_broken =
+    /// "escape_pinned")` does that again.)
+    pub(super) fn absorb_later(&self, region: &Region, block: BatchBlock, ptr: DeviceAddr) -> bool {
+        if cfg!(tidepool_broken = "escape_pinned") {
+            return false;
+        }
+        let mut st = self.lock_state();
+        let uses = st.stream_uses.get(&block.block).cloned().unwrap_or_default();
+        let mut events = Vec::new();
+        for s in uses {
+            match self.mark(&mut st, s) {
+                Mark::Event(e) => events.push((s, e)),
+                Mark::Drained => {}
+                Mark::Failed => {
+                    st.free_events.extend(events.into_iter().map(|(_, e)| e));
+                    return false;
+                }
+            }
+        }
+        let settling = Settling { offset: ptr.0, block, events };
+        if !region.absorb_later(settling) {
+            return false;
+        }
+        st.stream_uses.remove(&block.block);
+        st.buffer_uses.remove(&ptr.0);
+        true
+    }
+
+    /// [`Shared::settle_region`] for a run that just claimed `region`, under the global lock.
+    pub(super) fn settle_claimed(&self, region: &Region) {
+        let mut st = self.lock_state();
+        self.settle_region(&mut st, region);
+    }
+
+    /// Lets the escapes settling into `region` whose events completed join it (queried, no
+    /// wait; nothing during a capture, whose stream refuses queries). The caller holds the
+    /// global lock.
+    pub(super) fn settle_region(&self, st: &mut State, region: &Region) {
+        if region.is_settling() && !self.device.capture_underway() {
+            region.settle(|e| self.device.query_event(e).unwrap_or(false), &mut st.free_events);
+        }
     }
 
     /// Returns a scope's locally cached blocks of `stream` to the pool under one lock, and

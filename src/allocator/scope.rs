@@ -125,31 +125,37 @@ impl ScopeTag {
         match buf.origin() {
             Origin::Region(region, offset) => region.unpin(*offset),
             &Origin::Pool(block) => {
-                let Some(region) = &run.adopt else { return };
+                let Some(region) = run.adopt.clone() else { return };
                 if !region.is_pinned(buf.ptr.0) {
                     return; // an escape in a segment the region did not adopt
                 }
-                // A block used on other streams takes the event path to the pool instead; its
-                // range stays pinned, so the plan never serves it.
+                // (Not under the run's lock: a block used on other streams takes the global one.)
+                drop(run);
+                let b = BatchBlock {
+                    block,
+                    quadrant: buf.quadrant as usize,
+                    size: buf.size,
+                    requested: buf.accounted,
+                };
                 if !buf.used_elsewhere() {
-                    let b = BatchBlock {
-                        block,
-                        quadrant: buf.quadrant as usize,
-                        size: buf.size,
-                        requested: buf.accounted,
-                    };
                     // Taken back before the region can serve the range again.
                     buf.owner.device.note_reclaim(buf.ptr, buf.size, buf.stream);
                     region.absorb(b, buf.ptr.0);
                     buf.take_block();
+                } else if buf.owner.absorb_later(&region, b, buf.ptr) {
+                    // Joins once the other streams' work on it is done (`Region::settle`).
+                    buf.owner.device.note_reclaim(buf.ptr, buf.size, buf.stream);
+                    buf.take_block();
                 }
+                // (Otherwise the block takes the event path to the pool, its range pinned.)
+                let mut run = lock(&self.shared.state);
                 run.to_absorb = run.to_absorb.saturating_sub(1);
-                if run.to_absorb == 0
-                    && let Some(region) = run.adopt.take()
-                {
-                    drop(run);
-                    buf.owner.release_region(region);
+                let last = if run.to_absorb == 0 { run.adopt.take() } else { None };
+                drop(run);
+                if let Some(last) = last {
+                    buf.owner.release_region(last);
                 }
+                buf.owner.release_region(region);
             }
             Origin::None => {}
         }
@@ -394,6 +400,10 @@ enum Kind {
 /// hold returns its blocks) while another run holds it or once it is poisoned.
 fn claim_slot<D: Device>(shared: &super::state::Shared<D>, region: Arc<Region>) -> RegionSlot {
     if region.try_claim() {
+        // Escapes whose other streams' work is done join it first: their slices are planned.
+        if region.is_settling() {
+            shared.settle_claimed(&region);
+        }
         return RegionSlot::Claimed(region);
     }
     shared.release_region(region);

@@ -275,8 +275,13 @@ impl<D: Device> Drop for Shared<D> {
         // No buffer is left (each holds the allocator), so the plans hold the only regions.
         for plan in plans.into_values().flatten().map(|(_, p)| p) {
             if let Some(r) = plan.region.and_then(|r| Arc::try_unwrap(r).ok()) {
-                for b in r.into_blocks() {
+                let (blocks, settling) = r.into_parts();
+                for b in blocks {
                     st.pool.free(b.block);
+                }
+                // (Waited for below, with the other pending blocks.)
+                for s in settling {
+                    Self::pend_settling(&mut st, s);
                 }
             }
         }
