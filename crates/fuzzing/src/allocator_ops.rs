@@ -1648,9 +1648,10 @@ impl<'a> Harness<'a> {
         let mut buffers: Vec<_> =
             std::mem::take(&mut self.live).into_iter().map(|l| (l.buf, l.run.is_some())).collect();
         buffers.extend(std::mem::take(&mut self.others).into_iter().map(|b| (b, false)));
-        // An escape used on another stream pins its range of an adopted plan region for good
-        // (design notes, "Escapes used on another stream joining their region"): such a region
-        // stays until the allocator goes, closed or not, so the strict rule does not apply.
+        // An escape used on another stream pins its range of an adopted plan region until
+        // that work completes, and for good where no event could be recorded (design notes,
+        // "An escape used on another stream joins its region"): such a region may stay until
+        // the allocator goes, closed or not, so the strict rule does not apply.
         let escaped = self.alloc.stats().scope_escapes > 0;
         Ok((self.dev.clone(), buffers, escaped))
     }
