@@ -1119,3 +1119,28 @@ fn an_allocator_dropped_while_an_escape_settles_waits_for_the_other_streams_work
     assert_eq!(dev.violations(), vec![]);
     assert!(dev.live_segments().is_empty(), "nothing leaked");
 }
+
+/// An escape used on a stream that the allocator then destroyed (drained: nothing of its work
+/// is left) joins its region as it is freed, with no event to wait for.
+#[test]
+fn an_escape_used_on_a_destroyed_stream_joins_its_region_at_once() {
+    let (dev, alloc) = setup(1 << 30);
+    let other = dev.create_stream().unwrap();
+    let g1 = adopt_step(&alloc);
+    let escape = g1.ptr();
+    g1.use_on(other, AccessKind::Write).unwrap();
+    alloc.destroy_stream(other).unwrap();
+    let events = dev.counters().event_records;
+    drop(g1);
+    assert_eq!(dev.counters().event_records, events, "no event on a destroyed stream");
+    let g2 = adopt_step(&alloc);
+    assert!(g2.is_planned());
+    assert_eq!(g2.ptr(), escape);
+    drop(g2);
+    alloc.empty_cache().unwrap();
+    assert_eq!(alloc.stats().plan_region_bytes, 0);
+    alloc.check_invariants().unwrap();
+    assert_eq!(dev.violations(), vec![]);
+    drop(alloc);
+    assert!(dev.live_segments().is_empty(), "nothing leaked");
+}

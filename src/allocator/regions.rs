@@ -304,7 +304,7 @@ impl<D: Device> Shared<D> {
     /// ladder and `release_stream` never let go of it. (`cfg(tidepool_broken =
     /// "escape_pinned")` does that again.)
     pub(super) fn absorb_later(&self, region: &Region, block: BatchBlock, ptr: DeviceAddr) -> bool {
-        if cfg!(tidepool_broken = "escape_pinned") {
+        if cfg!(tidepool_broken = "escape_pinned") || !region.is_pinned(ptr.0) {
             return false;
         }
         let mut st = self.lock_state();
@@ -320,10 +320,12 @@ impl<D: Device> Shared<D> {
                 }
             }
         }
-        let settling = Settling { offset: ptr.0, block, events };
-        if !region.absorb_later(settling) {
-            return false;
-        }
+        // Pinned (checked above), and only this escape's free unpins its slice: taken.
+        // (Streams destroyed through the family were drained: nothing to wait for.)
+        let _ = match events.is_empty() {
+            true => region.absorb(block, ptr.0),
+            false => region.absorb_later(Settling { offset: ptr.0, block, events }),
+        };
         st.stream_uses.remove(&block.block);
         st.buffer_uses.remove(&ptr.0);
         true
