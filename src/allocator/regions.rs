@@ -283,6 +283,11 @@ impl<D: Device> Shared<D> {
     /// as a freed buffer's block with uses on other streams is.
     pub(super) fn pend_settling(st: &mut State, s: Settling) {
         let b = s.block;
+        if s.events.is_empty() {
+            // (Not kept settling: `settle` lets it join. A count of 0 would pend it for good.)
+            batch::return_batch(&mut st.pool, &mut st.base, None, &[b]);
+            return;
+        }
         st.pool.mark_pending(b.block);
         st.base.move_to_pending(b.quadrant, b.size);
         st.pending_count.insert(b.block, s.events.len());
