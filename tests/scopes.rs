@@ -1160,3 +1160,30 @@ fn an_allocator_dropped_after_an_escape_used_on_a_destroyed_stream_leaks_nothing
     assert_eq!(dev.violations(), vec![]);
     assert!(dev.live_segments().is_empty(), "nothing leaked");
 }
+
+/// An escape used on a stream destroyed through the allocator, then the scope's own stream
+/// destroyed (its plans forgotten, their region let go of): the escape's block goes back with
+/// the region, and nothing is left on the device once the allocator goes.
+#[test]
+fn a_region_let_go_of_after_an_escape_used_on_a_destroyed_stream_leaks_nothing() {
+    let (dev, alloc) = setup(1 << 30);
+    let s = dev.create_stream().unwrap();
+    let other = dev.create_stream().unwrap();
+    let step = || {
+        let scope = alloc.named_scope("adopt", s);
+        let act = scope.alloc_unbound(64 * 1024).unwrap();
+        let grad = scope.alloc_unbound(16 * 1024).unwrap();
+        drop(act);
+        grad
+    };
+    let g1 = step();
+    g1.use_on(other, AccessKind::Write).unwrap();
+    alloc.destroy_stream(other).unwrap();
+    drop(g1);
+    alloc.destroy_stream(s).unwrap();
+    alloc.check_invariants().unwrap();
+    assert_eq!(alloc.stats().blocks.allocated_bytes.all.current, 0);
+    drop(alloc);
+    assert_eq!(dev.violations(), vec![]);
+    assert!(dev.live_segments().is_empty(), "nothing leaked");
+}
