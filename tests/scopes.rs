@@ -1187,3 +1187,54 @@ fn a_region_let_go_of_after_an_escape_used_on_a_destroyed_stream_leaks_nothing()
     assert_eq!(dev.violations(), vec![]);
     assert!(dev.live_segments().is_empty(), "nothing leaked");
 }
+
+/// Frees `open` after 50 ms on another thread (a kernel gate), for a call that waits for it.
+fn open_later(open: mpsc::Sender<()>) -> std::thread::JoinHandle<()> {
+    std::thread::spawn(move || {
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        open.send(()).unwrap();
+    })
+}
+
+/// An escape freed while another stream still writes it, on a device of `capacity`: the
+/// allocator, and the gate of that stream's kernel.
+fn settling_escape(capacity: u64) -> (Arc<SimDevice>, Allocator<SimDevice>, mpsc::Sender<()>) {
+    let (dev, alloc) = setup(capacity);
+    let other = dev.create_stream().unwrap();
+    let g1 = adopt_step(&alloc);
+    g1.use_on(other, AccessKind::Write).unwrap();
+    let (k, open) = gated_write(g1.ptr(), 4096);
+    dev.launch(other, k).unwrap();
+    drop(g1);
+    assert_eq!(alloc.stats().plan_region_bytes, 2 * MIB);
+    (dev, alloc, open)
+}
+
+/// `empty_cache` waits for the other stream's work on an escape settling into its region (as
+/// it waits for pending frees), so the region, idle then, goes back to the device. (The broken
+/// build `cfg(tidepool_broken = "settling_polled")` only polls: this test and the next fail.)
+#[test]
+fn empty_cache_waits_for_an_escape_settling_into_its_region() {
+    let (dev, alloc, open) = settling_escape(1 << 30);
+    let syncs = alloc.stats().num_host_syncs;
+    let opener = open_later(open);
+    alloc.empty_cache().unwrap();
+    opener.join().unwrap();
+    assert_eq!(alloc.stats().plan_region_bytes, 0);
+    assert!(alloc.stats().num_host_syncs > syncs, "the wait is counted");
+    assert_eq!(dev.live_segments(), vec![]);
+    assert_eq!(dev.violations(), vec![]);
+}
+
+/// The out-of-memory ladder waits for it too: a request that fits only once the region's
+/// segment is released succeeds.
+#[test]
+fn the_out_of_memory_ladder_waits_for_an_escape_settling_into_its_region() {
+    let (dev, alloc, open) = settling_escape(20 * MIB);
+    let opener = open_later(open);
+    let big = alloc.alloc(5 * MIB, S0).unwrap();
+    opener.join().unwrap();
+    assert_eq!(alloc.stats().plan_region_bytes, 0);
+    assert_eq!(dev.live_segments(), vec![(big.ptr(), 20 * MIB)]);
+    assert_eq!(dev.violations(), vec![]);
+}

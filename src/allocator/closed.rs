@@ -44,7 +44,7 @@ impl<D: Device> Shared<D> {
         if cfg!(tidepool_broken = "closed_keeps_cache") || self.device.capture_underway() {
             return; // BROKEN (the first): the cache stays until the last buffer goes
         }
-        self.release_idle_regions_locked(st);
+        self.release_idle_regions_locked(st, false);
         self.process_events(st);
         let _ = self.release_segments(st, |_| true);
         if !st.vm.is_empty() {

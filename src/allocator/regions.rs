@@ -146,15 +146,16 @@ impl<D: Device> Shared<D> {
         self.release_idle_regions_of(|_| true)
     }
 
-    /// [`Shared::release_idle_regions`] for the plans of the streams `which` picks. Nothing
-    /// during a capture (its memory may not be freed then).
+    /// [`Shared::release_idle_regions`] for the plans of the streams `which` picks. Escapes
+    /// settling into a region are waited for (counted host syncs). Nothing during a capture
+    /// (its memory may not be freed then).
     pub(super) fn release_idle_regions_of(&self, which: impl Fn(StreamId) -> bool) -> bool {
         if self.device.capture_underway() {
             return false;
         }
         let idle = {
             let mut plans = lock(&self.plans);
-            self.take_idle_regions(&mut plans, &mut self.lock_state(), which)
+            self.take_idle_regions(&mut plans, &mut self.lock_state(), true, which)
         };
         let any = !idle.is_empty();
         for region in idle {
@@ -163,16 +164,18 @@ impl<D: Device> Shared<D> {
         any
     }
 
-    /// [`Shared::release_idle_regions`] for the out-of-memory ladder, which holds the global
-    /// lock: the plans' lock comes first in the lock order, so it is only tried (held by another
-    /// thread, nothing is let go this time), and the regions' blocks go straight to the pool.
-    /// Nothing during a capture. Whether it let go of any.
-    pub(super) fn release_idle_regions_locked(&self, st: &mut State) -> bool {
+    /// [`Shared::release_idle_regions`] for the out-of-memory ladder (`wait`: escapes settling
+    /// into a region are waited for, as the ladder waits for pending frees) and a closed
+    /// allocator's lock sections (only polled), which hold the global lock: the plans' lock
+    /// comes first in the lock order, so it is only tried (held by another thread, nothing is
+    /// let go this time), and the regions' blocks go straight to the pool. Nothing during a
+    /// capture. Whether it let go of any.
+    pub(super) fn release_idle_regions_locked(&self, st: &mut State, wait: bool) -> bool {
         if self.broken(Broken::OomKeepsRegions) || self.device.capture_underway() {
             return false;
         }
         let idle = match crate::sync::try_lock(&self.plans) {
-            Some(mut plans) => self.take_idle_regions(&mut plans, st, |_| true),
+            Some(mut plans) => self.take_idle_regions(&mut plans, st, wait, |_| true),
             None => return false,
         };
         let any = !idle.is_empty();
@@ -191,14 +194,16 @@ impl<D: Device> Shared<D> {
         &self,
         plans: &mut Plans,
         st: &mut State,
+        wait: bool,
         which: impl Fn(StreamId) -> bool,
     ) -> Vec<Arc<Region>> {
         let mut idle = Vec::new();
         let entries = plans.values_mut().flat_map(|streams| streams.iter_mut());
         for (_, p) in entries.filter(|(s, _)| which(*s)) {
-            // Escapes whose other streams' work completed join it: it may be idle now.
+            // Escapes whose other streams' work completed (`wait`: is waited for) join it: it
+            // may be idle now.
             if let Some(r) = &p.region {
-                self.settle_region(st, r);
+                self.settle_region(st, r, wait);
             }
             // A holder clones the plan's `Arc` under the plans' lock only (`plan_for`,
             // `make_region`, `adopt_region`): a count of one here stays one while it is held.
@@ -339,15 +344,29 @@ impl<D: Device> Shared<D> {
     /// [`Shared::settle_region`] for a run that just claimed `region`, under the global lock.
     pub(super) fn settle_claimed(&self, region: &Region) {
         let mut st = self.lock_state();
-        self.settle_region(&mut st, region);
+        self.settle_region(&mut st, region, false);
     }
 
-    /// Lets the escapes settling into `region` whose events completed join it (queried, no
-    /// wait; nothing during a capture, whose stream refuses queries). The caller holds the
-    /// global lock.
-    pub(super) fn settle_region(&self, st: &mut State, region: &Region) {
-        if region.is_settling() && !self.device.capture_underway() {
-            region.settle(|e| self.device.query_event(e).unwrap_or(false), &mut st.free_events);
+    /// Lets the escapes settling into `region` whose events completed join it: queried, or
+    /// with `wait` waited for (a counted host sync each, as `empty_cache` waits for pending
+    /// frees). Nothing during a capture, whose streams refuse both. The caller holds the global
+    /// lock.
+    pub(super) fn settle_region(&self, st: &mut State, region: &Region, wait: bool) {
+        if !region.is_settling() || self.device.capture_underway() {
+            return;
+        }
+        let dev = &self.device;
+        // BROKEN (`settling_polled`): only polled, so `empty_cache` and the ladder keep it.
+        match wait && !cfg!(tidepool_broken = "settling_polled") {
+            true => {
+                let syncs = &mut st.counters.host_syncs;
+                let done = |e| {
+                    *syncs += 1;
+                    dev.synchronize_event(e).is_ok()
+                };
+                region.settle(done, &mut st.free_events);
+            }
+            false => region.settle(|e| dev.query_event(e).unwrap_or(false), &mut st.free_events),
         }
     }
 

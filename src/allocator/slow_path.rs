@@ -345,7 +345,7 @@ impl<D: Device> Shared<D> {
     /// region went back or an event was pending (only then may a search of the pool find more
     /// than it did).
     pub(super) fn ladder_wait(&self, st: &mut State) -> Result<bool, AllocError> {
-        let regions = self.release_idle_regions_locked(st);
+        let regions = self.release_idle_regions_locked(st, true);
         let had_pending = !st.pending.is_empty();
         if had_pending || !self.broken(Broken::LadderUncounted) {
             self.sync_events(st)?;
