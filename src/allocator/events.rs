@@ -249,6 +249,16 @@ impl<D: Device> Shared<D> {
         }
     }
 
+    /// Pending block `block` (marked so in the pool) waits for `events`, each recorded on its
+    /// stream: the last to complete frees it (`event_done`). `events` is not empty.
+    pub(super) fn pend_on(st: &mut State, block: BlockId, events: Vec<(StreamId, EventId)>) {
+        debug_assert!(!events.is_empty(), "a count of 0 would pend the block for good");
+        st.pending_count.insert(block, events.len());
+        for (s, event) in events {
+            st.pending.entry(s).or_default().push_back(PendingEvent { event, block });
+        }
+    }
+
     /// A pending block's stream-ordered uses are complete: it joins the free pool.
     pub(super) fn pending_block_done(st: &mut State, block: BlockId) {
         let b = st.pool.block(block);

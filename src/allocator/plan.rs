@@ -276,18 +276,13 @@ impl Region {
         (blocks, self.settling.into_inner().unwrap_or_else(|p| p.into_inner()))
     }
 
-    /// An escape pinned at `offset` was freed with work on other streams still to complete
-    /// (`settling.events`): its block joins the region once that work is done
-    /// ([`Region::settle`]); until then the slice stays pinned. `false` if nothing is pinned
-    /// there.
-    pub fn absorb_later(&self, settling: Settling) -> bool {
-        if !self.is_pinned(settling.offset) {
-            return false;
-        }
+    /// An escape pinned at `offset` (the caller checked) was freed with work on other streams
+    /// still to complete (`settling.events`): its block joins the region once that work is
+    /// done ([`Region::settle`]); until then the slice stays pinned.
+    pub fn absorb_later(&self, settling: Settling) {
         let mut s = lock(&self.settling);
         s.push(settling);
         self.settling_count.store(s.len(), Ordering::Release);
-        true
     }
 
     /// Whether escapes' blocks wait on other streams' work to join it.

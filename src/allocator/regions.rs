@@ -295,10 +295,7 @@ impl<D: Device> Shared<D> {
         }
         st.pool.mark_pending(b.block);
         st.base.move_to_pending(b.quadrant, b.size);
-        st.pending_count.insert(b.block, s.events.len());
-        for (stream, event) in s.events {
-            st.pending.entry(stream).or_default().push_back(PendingEvent { event, block: b.block });
-        }
+        Self::pend_on(st, b.block, s.events);
     }
 
     /// An escape of a learning run, pinned in `region` (which adopted its segment), is freed
@@ -332,10 +329,11 @@ impl<D: Device> Shared<D> {
         }
         // Pinned (checked above), and only this escape's free unpins its slice: taken.
         // (Streams destroyed through the family were drained: nothing to wait for.)
-        let _ = match events.is_empty() {
-            true => region.absorb(block, ptr.0),
-            false => region.absorb_later(Settling { offset: ptr.0, block, events }),
-        };
+        if events.is_empty() {
+            region.absorb(block, ptr.0);
+        } else {
+            region.absorb_later(Settling { offset: ptr.0, block, events });
+        }
         st.stream_uses.remove(&block.block);
         st.buffer_uses.remove(&ptr.0);
         true

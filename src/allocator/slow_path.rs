@@ -538,7 +538,7 @@ impl<D: Device> Shared<D> {
         let mut wait_on_host = false;
         for s in uses {
             match self.mark(&mut st, s) {
-                Mark::Event(event) => events.push((s, PendingEvent { event, block })),
+                Mark::Event(event) => events.push((s, event)),
                 Mark::Drained => {}
                 Mark::Failed => wait_on_host = true,
             }
@@ -546,17 +546,17 @@ impl<D: Device> Shared<D> {
         if (self.passthrough.load(Ordering::Relaxed) || st.stash_closed) && !events.is_empty() {
             // caching:false, or the allocator closed: the block goes back to the device now,
             // once the other streams' work on it completed (a counted host sync per event).
-            for (_, p) in events.drain(..) {
+            for (_, event) in events.drain(..) {
                 st.counters.host_syncs += 1;
-                wait_on_host |= self.device.synchronize_event(p.event).is_err();
-                st.free_events.push(p.event);
+                wait_on_host |= self.device.synchronize_event(event).is_err();
+                st.free_events.push(event);
             }
         }
         if wait_on_host {
             // No event marks that stream's work: wait for all of it on the host instead (after
             // which every event just recorded has completed too).
             let done = self.host_wait(&mut st).is_ok();
-            st.free_events.extend(events.drain(..).map(|(_, p)| p.event));
+            st.free_events.extend(events.drain(..).map(|(_, event)| event));
             if !done {
                 if self.device.capture_underway() && !self.broken(Broken::RefusedWaitLeaks) {
                     // The capture refused the wait, not the device: the block waits for the
@@ -581,10 +581,7 @@ impl<D: Device> Shared<D> {
             st.pool.mark_pending(block);
             st.base.move_to_pending(f.quadrant, f.size);
         }
-        st.pending_count.insert(block, events.len());
-        for (s, p) in events {
-            st.pending.entry(s).or_default().push_back(p);
-        }
+        Self::pend_on(&mut st, block, events);
     }
 
     /// Frees the block of `f` into the pool now: allocated, or (`pended`) pending.
