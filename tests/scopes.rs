@@ -1177,6 +1177,73 @@ fn a_region_let_go_of_after_an_escape_used_on_a_destroyed_stream_leaks_nothing()
     assert_clean_end(&dev, alloc);
 }
 
+/// An escape used on another stream whose event the device refuses to record: its free waits
+/// on the host for every stream's work (one counted sync; the other stream's kernel is still
+/// writing the escape until its gate opens 50 ms later), then the escape joins its region at
+/// once. The next run is planned throughout at the escape's address, and `empty_cache` lets go
+/// of the region. (The broken build `cfg(tidepool_broken = "escape_unmarked_pinned")` frees the
+/// block into the pool without the wait, as before: its slice stays pinned for good.)
+#[test]
+fn an_escape_whose_event_cannot_be_recorded_joins_its_region_after_a_host_wait() {
+    let (dev, alloc) = setup(1 << 30);
+    let other = dev.create_stream().unwrap();
+    let g1 = adopt_step(&alloc);
+    let escape = g1.ptr();
+    g1.use_on(other, AccessKind::Write).unwrap();
+    let (k, open) = gated_write(escape, 4096);
+    dev.launch(other, k).unwrap();
+    let syncs = alloc.stats().num_host_syncs;
+    dev.fail_event_records(true);
+    let opener = open_later(open);
+    drop(g1); // waits for `other`'s kernel
+    opener.join().unwrap();
+    dev.fail_event_records(false);
+    assert_eq!(alloc.stats().num_host_syncs, syncs + 1, "one counted host wait");
+    let before = alloc.stats();
+    let g2 = adopt_step(&alloc);
+    let after = alloc.stats();
+    assert_eq!((g2.is_planned(), g2.ptr()), (true, escape));
+    assert_eq!(
+        (after.plan_hits - before.plan_hits, after.plan_misses - before.plan_misses),
+        (2, 0)
+    );
+    let w = vec![Access { ptr: g2.ptr(), bytes: 4096, kind: AccessKind::Write }];
+    dev.launch(S0, Kernel::new("w", w, |_| {})).unwrap();
+    drop(g2);
+    dev.synchronize().unwrap();
+    alloc.empty_cache().unwrap();
+    assert_eq!(alloc.stats().plan_region_bytes, 0);
+    assert_clean_end(&dev, alloc);
+}
+
+/// An escape used on another stream, freed after the allocator's last handle went (closed),
+/// while that stream's kernel still writes it: the free waits on the host for that work, as a
+/// freed buffer's block does in a closed allocator, and the region, idle then, goes back to the
+/// device at once. Only the segment of the buffer still live on the other stream is left.
+/// (The broken build `cfg(tidepool_broken = "closed_settling")` lets the escape settle, as in
+/// an open allocator: no later lock section lets it join, and the region's 2 MiB segment stays
+/// until the last buffer goes. Fuzzing found it once the closed-teardown rule held programs
+/// with escapes too.)
+#[test]
+fn an_escape_freed_into_a_closed_allocator_waits_for_the_other_stream_and_its_region_goes() {
+    let (dev, alloc) = setup(1 << 30);
+    let other = dev.create_stream().unwrap();
+    let g1 = adopt_step(&alloc);
+    g1.use_on(other, AccessKind::Write).unwrap();
+    let (k, open) = gated_write(g1.ptr(), 4096);
+    dev.launch(other, k).unwrap();
+    let keep = alloc.alloc(4096, other).unwrap();
+    drop(alloc); // closed: `g1` and `keep` still hold it
+    assert_eq!(dev.live_segments().len(), 2, "the region's segment and keep's");
+    let opener = open_later(open);
+    drop(g1); // waits for `other`'s kernel
+    opener.join().unwrap();
+    assert_eq!(dev.live_segments(), vec![(keep.ptr(), 2 * MIB)]);
+    drop(keep);
+    assert_eq!(dev.violations(), vec![]);
+    assert!(dev.live_segments().is_empty(), "nothing leaked");
+}
+
 /// Frees `open` after 50 ms on another thread (a kernel gate), for a call that waits for it.
 fn open_later(open: mpsc::Sender<()>) -> std::thread::JoinHandle<()> {
     std::thread::spawn(move || {

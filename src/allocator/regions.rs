@@ -302,8 +302,8 @@ impl<D: Device> Shared<D> {
     /// with uses on other streams recorded for its pool block: an event is recorded on each
     /// and the block joins the region once they complete ([`Region::settle`]; its slice stays
     /// pinned meanwhile), as the block would otherwise join the pool. Whether it was taken:
-    /// `false` where a stream's work cannot be marked (the caller frees it as before: behind
-    /// events into the pool, its slice pinned for good).
+    /// `false` where a stream's work can be neither marked nor waited for on the host (the
+    /// caller frees it as before: into the pool, its slice pinned for good).
     ///
     /// Before, every such escape (a gradient the communication stream reads, say) took the
     /// event path to the pool and left its slice pinned for good: each later run missed the
@@ -317,14 +317,45 @@ impl<D: Device> Shared<D> {
         let mut st = self.lock_state();
         let uses = st.stream_uses.get(&block.block).cloned().unwrap_or_default();
         let mut events = Vec::new();
+        let mut waited = false;
         for s in uses {
             match self.mark(&mut st, s) {
+                // After a host wait every stream's work so far is done: no event is needed.
+                Mark::Event(e) if waited => st.free_events.push(e),
                 Mark::Event(e) => events.push((s, e)),
                 Mark::Drained => {}
+                // No event marks that stream's work: the host waits for all of it (a counted
+                // sync, as a freed buffer's block waits), after which nothing is left to wait
+                // for. Where even that fails (a capture refuses it, or the device failed), the
+                // caller frees the block as before, its slice pinned for good. (BROKEN,
+                // `escape_unmarked_pinned`: that, without trying the wait.)
+                Mark::Failed
+                    if !cfg!(tidepool_broken = "escape_unmarked_pinned")
+                        && self.host_wait(&mut st).is_ok() =>
+                {
+                    st.free_events.extend(events.drain(..).map(|(_, e)| e));
+                    waited = true;
+                }
                 Mark::Failed => {
                     st.free_events.extend(events.into_iter().map(|(_, e)| e));
                     return false;
                 }
+            }
+        }
+        if st.stash_closed && !events.is_empty() && !cfg!(tidepool_broken = "closed_settling") {
+            // A closed allocator has no later lock section to let the block join once its
+            // events complete, nor a run to claim the region: the host waits now (a counted
+            // sync per event), as for a freed buffer's block, and the region, idle, goes back
+            // as the lock is let go. (BROKEN, `closed_settling`: it settles, and the region
+            // stays until the last buffer goes.)
+            let mut failed = false;
+            for (_, e) in events.drain(..) {
+                st.counters.host_syncs += 1;
+                failed |= self.device.synchronize_event(e).is_err();
+                st.free_events.push(e);
+            }
+            if failed && self.host_wait(&mut st).is_err() {
+                return false;
             }
         }
         // Pinned (checked above), and only this escape's free unpins its slice: taken.
