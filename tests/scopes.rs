@@ -543,6 +543,13 @@ fn adopt_step_on(alloc: &Allocator<SimDevice>, stream: StreamId) -> Buffer<SimDe
     grad
 }
 
+/// [`assert_clean_end`] after `empty_cache` has let go of every plan region (nothing is live).
+fn empty_cache_clean_end(dev: &SimDevice, alloc: Allocator<SimDevice>) {
+    alloc.empty_cache().unwrap();
+    assert_eq!(alloc.stats().plan_region_bytes, 0);
+    assert_clean_end(dev, alloc);
+}
+
 /// The end of a test: the invariants hold, the sanitizer saw nothing, and once the allocator
 /// goes nothing is left on the device.
 fn assert_clean_end(dev: &SimDevice, alloc: Allocator<SimDevice>) {
@@ -1141,9 +1148,7 @@ fn an_escape_used_on_a_destroyed_stream_joins_its_region_at_once() {
     assert!(g2.is_planned());
     assert_eq!(g2.ptr(), escape);
     drop(g2);
-    alloc.empty_cache().unwrap();
-    assert_eq!(alloc.stats().plan_region_bytes, 0);
-    assert_clean_end(&dev, alloc);
+    empty_cache_clean_end(&dev, alloc);
 }
 
 /// The allocator dropped right after an escape used on a destroyed stream is freed: nothing is
@@ -1186,12 +1191,8 @@ fn a_region_let_go_of_after_an_escape_used_on_a_destroyed_stream_leaks_nothing()
 #[test]
 fn an_escape_whose_event_cannot_be_recorded_joins_its_region_after_a_host_wait() {
     let (dev, alloc) = setup(1 << 30);
-    let other = dev.create_stream().unwrap();
-    let g1 = adopt_step(&alloc);
+    let (g1, _, open) = escape_written_elsewhere(&dev, &alloc);
     let escape = g1.ptr();
-    g1.use_on(other, AccessKind::Write).unwrap();
-    let (k, open) = gated_write(escape, 4096);
-    dev.launch(other, k).unwrap();
     let syncs = alloc.stats().num_host_syncs;
     dev.fail_event_records(true);
     let opener = open_later(open);
@@ -1211,9 +1212,7 @@ fn an_escape_whose_event_cannot_be_recorded_joins_its_region_after_a_host_wait()
     dev.launch(S0, Kernel::new("w", w, |_| {})).unwrap();
     drop(g2);
     dev.synchronize().unwrap();
-    alloc.empty_cache().unwrap();
-    assert_eq!(alloc.stats().plan_region_bytes, 0);
-    assert_clean_end(&dev, alloc);
+    empty_cache_clean_end(&dev, alloc);
 }
 
 /// An escape used on another stream, freed after the allocator's last handle went (closed),
@@ -1227,11 +1226,7 @@ fn an_escape_whose_event_cannot_be_recorded_joins_its_region_after_a_host_wait()
 #[test]
 fn an_escape_freed_into_a_closed_allocator_waits_for_the_other_stream_and_its_region_goes() {
     let (dev, alloc) = setup(1 << 30);
-    let other = dev.create_stream().unwrap();
-    let g1 = adopt_step(&alloc);
-    g1.use_on(other, AccessKind::Write).unwrap();
-    let (k, open) = gated_write(g1.ptr(), 4096);
-    dev.launch(other, k).unwrap();
+    let (g1, other, open) = escape_written_elsewhere(&dev, &alloc);
     let keep = alloc.alloc(4096, other).unwrap();
     drop(alloc); // closed: `g1` and `keep` still hold it
     assert_eq!(dev.live_segments().len(), 2, "the region's segment and keep's");
@@ -1252,15 +1247,25 @@ fn open_later(open: mpsc::Sender<()>) -> std::thread::JoinHandle<()> {
     })
 }
 
+/// A learning run's escape that a gated kernel on a new stream writes: the escape, that stream,
+/// and the kernel's gate.
+fn escape_written_elsewhere(
+    dev: &SimDevice,
+    alloc: &Allocator<SimDevice>,
+) -> (Buffer<SimDevice>, StreamId, mpsc::Sender<()>) {
+    let other = dev.create_stream().unwrap();
+    let g1 = adopt_step(alloc);
+    g1.use_on(other, AccessKind::Write).unwrap();
+    let (k, open) = gated_write(g1.ptr(), 4096);
+    dev.launch(other, k).unwrap();
+    (g1, other, open)
+}
+
 /// An escape freed while another stream still writes it, on a device of `capacity`: the
 /// allocator, and the gate of that stream's kernel.
 fn settling_escape(capacity: u64) -> (Arc<SimDevice>, Allocator<SimDevice>, mpsc::Sender<()>) {
     let (dev, alloc) = setup(capacity);
-    let other = dev.create_stream().unwrap();
-    let g1 = adopt_step(&alloc);
-    g1.use_on(other, AccessKind::Write).unwrap();
-    let (k, open) = gated_write(g1.ptr(), 4096);
-    dev.launch(other, k).unwrap();
+    let (g1, _, open) = escape_written_elsewhere(&dev, &alloc);
     drop(g1);
     assert_eq!(alloc.stats().plan_region_bytes, 2 * MIB);
     (dev, alloc, open)
