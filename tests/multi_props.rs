@@ -320,6 +320,8 @@ struct Live {
     buf: Buffer<SimDevice>,
     by: usize,
     auto: bool,
+    /// An unbound scope buffer that escaped its run (its plan's region stays while it lives).
+    escape: bool,
     users: Vec<StreamId>,
     range: u64,
 }
@@ -505,7 +507,7 @@ impl World {
     fn register(&self, buf: Buffer<SimDevice>, by: usize, auto: bool) {
         let what = format!("buffer of allocator {by} ({:?})", buf.stream());
         let range = self.add_range(by, buf.ptr().0, buf.len(), &what);
-        lock(&self.live).push(Live { buf, by, auto, users: Vec::new(), range });
+        lock(&self.live).push(Live { buf, by, auto, escape: false, users: Vec::new(), range });
     }
 
     fn take(&self, pick: usize) -> Option<Live> {
@@ -1042,6 +1044,7 @@ impl World {
                 buf: b,
                 by,
                 auto,
+                escape: false,
                 users: Vec::new(),
             };
             let r = self.use_live(&mut l, owner, true, 0, by);
@@ -1090,6 +1093,7 @@ impl World {
                 buf: b,
                 by,
                 auto: true,
+                escape: false,
                 users: Vec::new(),
             };
             let r = self.use_live(&mut l, s, true, 0, by);
@@ -1211,6 +1215,7 @@ impl World {
                             buf,
                             by,
                             auto: true,
+                            escape: true,
                             users: Vec::new(),
                             range,
                         });
@@ -1530,8 +1535,10 @@ fn device_left_clean(dev: &SimDevice) -> R {
 /// nothing may be left on the device.
 fn finish_handles_first(world: Arc<World>) -> R {
     let world = Arc::into_inner(world).expect("every thread let go of the world");
-    let World { dev, allocs, pools, graph_pools, live, .. } = world;
+    let World { dev, allocs, pools, graph_pools, live, ranges, labels, .. } = world;
     let mut live = live.into_inner().unwrap_or_else(|p| p.into_inner());
+    let ranges = ranges.into_inner().unwrap_or_else(|p| p.into_inner());
+    let labels = labels.into_inner().unwrap_or_else(|p| p.into_inner());
     drop((pools, graph_pools));
     drop(allocs);
     loop {
@@ -1541,12 +1548,50 @@ fn finish_handles_first(world: Arc<World>) -> R {
             "sanitizer with the allocators closed ({} buffers left): {v:?}",
             live.len()
         );
+        // A closed allocator keeps nothing that no buffer holds: every segment and mapping
+        // left holds a live buffer, or a slice a scope forgot (its memory is never reused).
+        // (Plan regions stay while an escape of their run lives.)
+        if !live.iter().any(|l| l.escape) {
+            closed_holds_only_buffers(&dev, &live, &ranges, &labels)?;
+        }
         if live.is_empty() {
             break;
         }
         drop(live.remove(0));
     }
     device_left_clean(&dev)
+}
+
+/// With the allocators closed: every device segment and mapping (or another mapping of its
+/// physical allocation) overlaps a live buffer or a forgotten range (one of `ranges` that no
+/// live buffer has).
+fn closed_holds_only_buffers(
+    dev: &SimDevice,
+    live: &[Live],
+    ranges: &[(u64, u64, u64, usize)],
+    labels: &std::collections::HashMap<u64, String>,
+) -> R {
+    let held = |(a, n): (tidepool::DeviceAddr, u64)| {
+        let overlaps = |p: u64, e: u64| p < a.0 + n && a.0 < e;
+        live.iter().any(|l| {
+            l.buf.block_size() > 0 && overlaps(l.buf.ptr().0, l.buf.ptr().0 + l.buf.block_size())
+        }) || ranges
+            .iter()
+            .any(|&(p, e, id, _)| !live.iter().any(|l| l.range == id) && overlaps(p, e))
+    };
+    let idle: Vec<_> = dev.live_segments().into_iter().filter(|&s| !held(s)).collect();
+    let maps = dev.live_mappings_with_handles();
+    let idle_maps: Vec<_> = maps
+        .iter()
+        .filter(|&&(_, _, h)| !maps.iter().any(|&(a, n, g)| g == h && held((a, n))))
+        .collect();
+    let what: Vec<_> = live.iter().map(|l| labels.get(&l.range)).collect();
+    ensure!(
+        idle.is_empty() && idle_maps.is_empty(),
+        "closed allocators keep segments {idle:x?} and mappings {idle_maps:x?} that hold no \
+         buffer (live: {what:?})"
+    );
+    Ok(())
 }
 
 fn panic_message(p: &Box<dyn std::any::Any + Send>) -> String {

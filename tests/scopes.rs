@@ -1,8 +1,8 @@
 //! Scopes, learned plans and residency, on the asynchronous SimDevice with its sanitizer.
 
 use proptest::prelude::*;
-use std::sync::Arc;
 use std::sync::mpsc;
+use std::sync::{Arc, Mutex};
 use tidepool::MIB;
 use tidepool::device::{Access, AccessKind, Kernel, Launch, SimDevice};
 use tidepool::hooks::Broken;
@@ -1212,6 +1212,55 @@ fn an_escape_whose_event_cannot_be_recorded_joins_its_region_after_a_host_wait()
     dev.launch(S0, Kernel::new("w", w, |_| {})).unwrap();
     drop(g2);
     dev.synchronize().unwrap();
+    empty_cache_clean_end(&dev, alloc);
+}
+
+/// An escape that joins its region at once as it is freed (used on another stream, no event
+/// recordable, so the host waited) must be taken back from the sanitizer's view *before* its
+/// slice is unpinned: a run holding the region on another thread may plan a slice over it as
+/// soon as it is. The device stops the free inside that `note_reclaim` while the other thread's
+/// run asks for the escape's slice. Now the slice is still pinned then: the run misses the plan
+/// there and waits for the lock, and the sanitizer sees nothing. (The broken build
+/// `cfg(tidepool_broken = "escape_reclaimed_late")` reclaims after the unpin, as before: the run
+/// is handed the slice while the sanitizer still counts the escape live — "handout of memory
+/// already handed out". `multi_props` found it, as a run's planned slice and a pool block over
+/// one range, with the host-waiting free of the last commit making such escapes common.)
+#[test]
+fn an_escape_joining_its_region_at_once_is_reclaimed_before_a_run_can_plan_over_it() {
+    let (dev, alloc) = setup(1 << 30);
+    let (g1, _, open) = escape_written_elsewhere(&dev, &alloc);
+    open.send(()).unwrap();
+    let escape = g1.ptr();
+    let (go, go_rx) = mpsc::channel::<()>();
+    let (done, done_rx) = mpsc::channel::<()>();
+    let (ready, ready_rx) = mpsc::channel::<()>();
+    std::thread::scope(|s| {
+        let alloc = &alloc;
+        s.spawn(move || {
+            let scope = alloc.named_scope("adopt", S0); // run 2: claims the region
+            let act = scope.alloc_unbound(64 * 1024).unwrap();
+            ready.send(()).unwrap();
+            go_rx.recv().unwrap();
+            let grad = scope.alloc_unbound(16 * 1024).unwrap(); // the escape's slice in the plan
+            let _ = done.send(()); // (fixed: the free stopped waiting already)
+            drop((grad, act));
+        });
+        ready_rx.recv().unwrap();
+        let once = Mutex::new(Some((go, done_rx)));
+        dev.before_reclaim(Some(Arc::new(move |ptr, _| {
+            let Some((go, done_rx)) = once.lock().unwrap().take_if(|_| ptr == escape) else {
+                return;
+            };
+            go.send(()).unwrap();
+            // Fixed: the run waits for the lock this free holds, so this times out.
+            let _ = done_rx.recv_timeout(std::time::Duration::from_millis(100));
+        })));
+        dev.fail_event_records(true);
+        drop(g1);
+        dev.fail_event_records(false);
+    });
+    dev.before_reclaim(None);
+    assert_eq!(dev.violations(), vec![]);
     empty_cache_clean_end(&dev, alloc);
 }
 

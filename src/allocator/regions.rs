@@ -310,7 +310,13 @@ impl<D: Device> Shared<D> {
     /// plan there, and the region never became idle, so `empty_cache`, the out-of-memory
     /// ladder and `release_stream` never let go of it. (`cfg(tidepool_broken =
     /// "escape_pinned")` does that again.)
-    pub(super) fn absorb_later(&self, region: &Region, block: BatchBlock, ptr: DeviceAddr) -> bool {
+    pub(super) fn absorb_later(
+        &self,
+        region: &Region,
+        block: BatchBlock,
+        ptr: DeviceAddr,
+        stream: StreamId,
+    ) -> bool {
         if cfg!(tidepool_broken = "escape_pinned") || !region.is_pinned(ptr.0) {
             return false;
         }
@@ -357,6 +363,12 @@ impl<D: Device> Shared<D> {
             if failed && self.host_wait(&mut st).is_err() {
                 return false;
             }
+        }
+        // Taken back (for the sanitizer) before the slice can be unpinned: a run holding the
+        // region may plan a slice over it as soon as it is. (BROKEN, `escape_reclaimed_late`:
+        // the caller did it after, and such a hand-out read as one over a live buffer.)
+        if !cfg!(tidepool_broken = "escape_reclaimed_late") {
+            self.device.note_reclaim(ptr, block.size, stream);
         }
         // Pinned (checked above), and only this escape's free unpins its slice: taken.
         // (Streams destroyed through the family were drained: nothing to wait for.)

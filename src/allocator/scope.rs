@@ -142,9 +142,12 @@ impl ScopeTag {
                     buf.owner.device.note_reclaim(buf.ptr, buf.size, buf.stream);
                     region.absorb(b, buf.ptr.0);
                     buf.take_block();
-                } else if buf.owner.absorb_later(&region, b, buf.ptr) {
-                    // Joins once the other streams' work on it is done (`Region::settle`).
-                    buf.owner.device.note_reclaim(buf.ptr, buf.size, buf.stream);
+                } else if buf.owner.absorb_later(&region, b, buf.ptr, buf.stream) {
+                    // Joins once the other streams' work on it is done (`Region::settle`), or
+                    // at once; `absorb_later` told the sanitizer.
+                    if cfg!(tidepool_broken = "escape_reclaimed_late") {
+                        buf.owner.device.note_reclaim(buf.ptr, buf.size, buf.stream);
+                    }
                     buf.take_block();
                 }
                 // (Otherwise the block takes the event path to the pool, its range pinned.)

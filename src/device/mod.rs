@@ -38,8 +38,8 @@ pub(crate) use guarded::Guarded;
 pub use cuda::{CudaDevice, NO_DRIVER};
 pub use host_ptr::HostPtr;
 pub use sim::{
-    AppStream, KernelFailure, SIM_ALIGN, SIM_BASE, SIM_VM_GRANULARITY, SimConfig, SimCounters,
-    SimDevice, SimGraphCounters, SimHostCounters, Violation, VmCounters,
+    AppStream, KernelFailure, ReclaimHook, SIM_ALIGN, SIM_BASE, SIM_VM_GRANULARITY, SimConfig,
+    SimCounters, SimDevice, SimGraphCounters, SimHostCounters, Violation, VmCounters,
 };
 
 pub use crate::types::{DeviceAddr, StreamId};

@@ -186,7 +186,13 @@ pub(super) struct Shared {
     /// changes): `capture_underway` and `capture_of` answer without the lock while it is 0,
     /// which is what the allocator asks before each of its event records.
     captures: crate::sync::atomic::AtomicUsize,
+    /// [`SimDevice::before_reclaim`]'s hook.
+    reclaim_hook: Mutex<Option<ReclaimHook>>,
 }
+
+/// A function [`SimDevice::before_reclaim`] runs as the allocator tells the device it took
+/// memory back: the address and bytes.
+pub type ReclaimHook = Arc<dyn Fn(DeviceAddr, u64) + Send + Sync>;
 
 /// A simulated asynchronous device. See the module docs.
 pub struct SimDevice {
@@ -226,6 +232,7 @@ impl SimDevice {
                 graphs: graph::Graphs::default(),
             }),
             progress: Condvar::new(),
+            reclaim_hook: Mutex::new(None),
         });
         let dev = SimDevice { config, shared };
         {
@@ -320,6 +327,14 @@ impl SimDevice {
     /// Makes every event query fail while `on`.
     pub fn fail_event_queries(&self, on: bool) {
         self.state().faults.fail_event_query = on;
+    }
+
+    /// Runs `hook` (or none) at the start of every `note_reclaim`, before the sanitizer takes
+    /// the memory back, on the thread that calls it: a test stops the allocator there to see
+    /// what another thread can do meanwhile (the order of a reclaim and what makes the memory
+    /// reusable).
+    pub fn before_reclaim(&self, hook: Option<ReclaimHook>) {
+        *lock(&self.shared.reclaim_hook) = hook;
     }
 
     /// Makes every `record_event` fail while `on` (an injected driver error).
@@ -752,6 +767,10 @@ impl super::Device for SimDevice {
 
     #[inline]
     fn note_reclaim(&self, ptr: DeviceAddr, bytes: u64, stream: StreamId) {
+        let hook = lock(&self.shared.reclaim_hook).clone();
+        if let Some(hook) = hook {
+            hook(ptr, bytes);
+        }
         if self.config.sanitize {
             self.sanitize_reclaim(ptr, bytes, stream);
         }
