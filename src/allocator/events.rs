@@ -159,6 +159,19 @@ impl<D: Device> Shared<D> {
         self.device.synchronize()
     }
 
+    /// Waits on the host for each of `events` (a counted sync each), which go back to the
+    /// free list; whether any wait failed (then only a [`Shared::host_wait`] shows the work
+    /// done).
+    pub(super) fn wait_now(&self, st: &mut State, events: &mut Vec<(StreamId, EventId)>) -> bool {
+        let mut failed = false;
+        for (_, event) in events.drain(..) {
+            st.counters.host_syncs += 1;
+            failed |= self.device.synchronize_event(event).is_err();
+            st.free_events.push(event);
+        }
+        failed
+    }
+
     /// An event from the pool, or a new one.
     pub(super) fn event(&self, st: &mut State) -> Result<EventId, AllocError> {
         match st.free_events.pop() {

@@ -354,13 +354,7 @@ impl<D: Device> Shared<D> {
             // sync per event), as for a freed buffer's block, and the region, idle, goes back
             // as the lock is let go. (BROKEN, `closed_settling`: it settles, and the region
             // stays until the last buffer goes.)
-            let mut failed = false;
-            for (_, e) in events.drain(..) {
-                st.counters.host_syncs += 1;
-                failed |= self.device.synchronize_event(e).is_err();
-                st.free_events.push(e);
-            }
-            if failed && self.host_wait(&mut st).is_err() {
+            if self.wait_now(&mut st, &mut events) && self.host_wait(&mut st).is_err() {
                 return false;
             }
         }

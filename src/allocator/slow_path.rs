@@ -543,14 +543,10 @@ impl<D: Device> Shared<D> {
                 Mark::Failed => wait_on_host = true,
             }
         }
-        if (self.passthrough.load(Ordering::Relaxed) || st.stash_closed) && !events.is_empty() {
+        if self.passthrough.load(Ordering::Relaxed) || st.stash_closed {
             // caching:false, or the allocator closed: the block goes back to the device now,
-            // once the other streams' work on it completed (a counted host sync per event).
-            for (_, event) in events.drain(..) {
-                st.counters.host_syncs += 1;
-                wait_on_host |= self.device.synchronize_event(event).is_err();
-                st.free_events.push(event);
-            }
+            // once the other streams' work on it completed.
+            wait_on_host |= self.wait_now(&mut st, &mut events);
         }
         if wait_on_host {
             // No event marks that stream's work: wait for all of it on the host instead (after
