@@ -1484,7 +1484,8 @@ fn finish(world: Arc<World>, case: &Case, broken: bool) -> R {
             "allocator {i}: {allocated} B allocated, {region} B in regions"
         );
         // With nothing live every region is idle, and `empty_cache` lets go of it (waiting for
-        // escapes that settle): nothing may stay allocated. (The broken build `escape_pinned`
+        // escapes that settle): nothing may stay allocated, or reserved once persistent memory
+        // is released too. (The broken build `escape_pinned`
         // fails here within a few hundred cases: an escape used on another stream keeps its
         // slice, so its region is never idle.)
         if !broken {
@@ -1494,6 +1495,15 @@ fn finish(world: Arc<World>, case: &Case, broken: bool) -> R {
             ensure!(
                 allocated == 0 && region == 0,
                 "allocator {i} after empty_cache: {allocated} B allocated, {region} B in regions"
+            );
+            // And with persistent memory released too, an idle allocator reserves nothing (no
+            // configuration here keeps an initial pool).
+            a.release_persistent()
+                .map_err(|e| format!("allocator {i}: release_persistent: {e}"))?;
+            let r = a.reserved_bytes();
+            ensure!(
+                r == 0,
+                "allocator {i}, idle, reserves {r} B after empty_cache and release_persistent"
             );
         }
         Ok(())
