@@ -474,18 +474,31 @@ impl<D: Device> Allocator<D> {
     /// routes the stream to, as [`Allocator::alloc_in_once`] routes it, else here.
     #[cold]
     fn uncount_oom(&self, stream: StreamId) {
+        match self.routed_pool(stream) {
+            Some((pool, _)) => pool.shared.uncount_oom(),
+            None => self.shared.uncount_oom(),
+        }
+    }
+
+    /// The private pool `stream`'s requests go to instead of this allocator, if any: the one a
+    /// guard or a capture routes it to (`true`), or the pool of a capture it joined (`false`).
+    #[inline]
+    fn routed_pool(&self, stream: StreamId) -> Option<(Allocator<D>, bool)> {
         let sh = &self.shared;
         if sh.routes.any()
             && let Some(pool) = sh.routes.get(stream)
         {
-            return pool.shared.uncount_oom();
+            return Some((pool, true));
         }
+        // A stream that joined a capture (it waited on an event recorded on a capturing
+        // stream: CUDA's fork) allocates from the capture's pool, as the stream it began on.
         if sh.family.captures.any()
             && let Some(pool) = sh.family.captures.joined_pool(sh, stream)
+            && !Arc::ptr_eq(&pool.shared, &self.shared)
         {
-            return pool.shared.uncount_oom();
+            return Some((pool, false));
         }
-        sh.uncount_oom();
+        None
     }
 
     /// Asks the other allocators of this device to return their free cached transient memory
@@ -565,28 +578,13 @@ impl<D: Device> Allocator<D> {
         align: u64,
     ) -> Result<Buffer<D>, AllocError> {
         let sh = &self.shared;
-        if sh.routes.any()
-            && let Some(pool) = sh.routes.get(stream)
-        {
-            // A guard or a capture routes this stream to a private pool. The stream may have
-            // been destroyed under the route (here, or elsewhere and released here): the pool's
-            // lanes and its known streams never heard of it, so the device is asked here (one
-            // lookup; routed allocations already take the route table's lock).
-            if !sh.broken(Broken::RoutedDeadStreams) {
+        if let Some((pool, routed)) = self.routed_pool(stream) {
+            // The stream may have been destroyed under a route (here, or elsewhere and released
+            // here): the pool's lanes and its known streams never heard of it, so the device is
+            // asked here (one lookup; routed allocations already take the route table's lock).
+            if !routed || !sh.broken(Broken::RoutedDeadStreams) {
                 sh.stream_exists(stream)?;
             }
-            if sh.family.captures.waiting() {
-                sh.family.captures.reclaim(sh, stream);
-            }
-            return pool.alloc_in_once(bytes, stream, residency, align);
-        }
-        // A stream that joined a capture (it waited on an event recorded on a capturing
-        // stream: CUDA's fork) allocates from the capture's pool, as the stream it began on.
-        if sh.family.captures.any()
-            && let Some(pool) = sh.family.captures.joined_pool(sh, stream)
-            && !Arc::ptr_eq(&pool.shared, &self.shared)
-        {
-            sh.stream_exists(stream)?;
             if sh.family.captures.waiting() {
                 sh.family.captures.reclaim(sh, stream);
             }
