@@ -1288,6 +1288,48 @@ fn an_escape_freed_into_a_closed_allocator_waits_for_the_other_stream_and_its_re
     assert!(dev.live_segments().is_empty(), "nothing leaked");
 }
 
+/// A closed allocator's region let go of with an escape still settling into it: run 1 leaves
+/// two escapes in its region; the first is freed while another stream still writes it
+/// (settling); run 2 diverges, so the scope learns anew and the plan lets go of the region
+/// (only the second escape's run holds it now); the allocator closes (its last handle goes);
+/// then the second escape is freed, and the region, held by nothing, hands the settling block
+/// to the pool *pending* on its event. In a closed allocator no later lock section may come to
+/// poll that event, so the free waits for it on the host (the gate opens 50 ms later) and the
+/// region's segment goes back: only `keep`'s is left. (The broken build
+/// `cfg(tidepool_broken = "closed_pending_polled")` only polls: the region's 2 MiB segment stays
+/// after the free. Fuzzing found it, once the closed-teardown rule held programs with escapes.)
+#[test]
+fn a_closed_allocator_waits_for_a_block_pending_from_a_region_let_go_of() {
+    let (dev, alloc) = setup(1 << 30);
+    let other = dev.create_stream().unwrap();
+    let (g1, g2) = {
+        let scope = alloc.named_scope("adopt", S0);
+        let act = scope.alloc_unbound(64 * 1024).unwrap();
+        let g1 = scope.alloc_unbound(16 * 1024).unwrap();
+        let g2 = scope.alloc_unbound(16 * 1024).unwrap();
+        drop(act);
+        (g1, g2)
+    };
+    g1.use_on(other, AccessKind::Write).unwrap();
+    let (k, open) = gated_write(g1.ptr(), 4096);
+    dev.launch(other, k).unwrap();
+    drop(g1); // settles into the region
+    {
+        let scope = alloc.named_scope("adopt", S0); // run 2 diverges: the scope learns anew
+        drop(scope.alloc_unbound(128 * 1024).unwrap());
+    }
+    let keep = alloc.alloc(4096, other).unwrap();
+    drop(alloc); // closed
+    let opener = open_later(open);
+    drop(g2); // the region goes: its settling block is waited for
+    let segments = dev.live_segments();
+    opener.join().unwrap();
+    assert_eq!(segments, vec![(keep.ptr(), 2 * MIB)]);
+    drop(keep);
+    assert_eq!(dev.violations(), vec![]);
+    assert!(dev.live_segments().is_empty(), "nothing leaked");
+}
+
 /// Frees `open` after 50 ms on another thread (a kernel gate), for a call that waits for it.
 fn open_later(open: mpsc::Sender<()>) -> std::thread::JoinHandle<()> {
     std::thread::spawn(move || {

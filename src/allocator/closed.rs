@@ -4,7 +4,8 @@
 //! ```text
 //!  last handle ─▶ idle plan regions, stream caches, events waited for, initial pool:
 //!                 every cached segment and free page goes back to the device now
-//!  later free  ─▶ (uses on other streams: waited for on the host, as caching:false does)
+//!  later free  ─▶ (uses on other streams: waited for on the host, as caching:false does;
+//!                  so is a block left pending by a region let go of since the close)
 //!              ─▶ pool ─▶ the lock is let go: its segment or pages go back if free
 //!  last buffer ─▶ `Shared`'s drop: whatever is left
 //! ```
@@ -45,6 +46,13 @@ impl<D: Device> Shared<D> {
             return; // BROKEN (the first): the cache stays until the last buffer goes
         }
         self.release_idle_regions_locked(st, false);
+        // A block pending on events now (an escape still settling into a region let go of
+        // since the close, say) is waited for on the host, as a closed allocator's frees are:
+        // no later section may come to poll it. (BROKEN, `closed_pending_polled`: only polled,
+        // and its memory stays until some later free.)
+        if !st.pending.is_empty() && !cfg!(tidepool_broken = "closed_pending_polled") {
+            let _ = self.sync_events(st);
+        }
         self.process_events(st);
         let _ = self.release_segments(st, |_| true);
         if !st.vm.is_empty() {
