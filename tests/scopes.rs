@@ -550,6 +550,13 @@ fn empty_cache_clean_end(dev: &SimDevice, alloc: Allocator<SimDevice>) {
     assert_clean_end(dev, alloc);
 }
 
+/// With every allocator and buffer gone: the sanitizer saw nothing and nothing is left on the
+/// device.
+fn assert_device_clean(dev: &SimDevice) {
+    assert_eq!(dev.violations(), vec![]);
+    assert!(dev.live_segments().is_empty(), "nothing leaked");
+}
+
 /// The end of a test: the invariants hold, the sanitizer saw nothing, and once the allocator
 /// goes nothing is left on the device.
 fn assert_clean_end(dev: &SimDevice, alloc: Allocator<SimDevice>) {
@@ -1127,8 +1134,7 @@ fn an_allocator_dropped_while_an_escape_settles_waits_for_the_other_streams_work
     assert_eq!(dev.live_segments().len(), 1);
     open.send(()).unwrap();
     dropper.join().unwrap();
-    assert_eq!(dev.violations(), vec![]);
-    assert!(dev.live_segments().is_empty(), "nothing leaked");
+    assert_device_clean(&dev);
 }
 
 /// An escape used on a stream that the allocator then destroyed (drained: nothing of its work
@@ -1284,8 +1290,7 @@ fn an_escape_freed_into_a_closed_allocator_waits_for_the_other_stream_and_its_re
     opener.join().unwrap();
     assert_eq!(dev.live_segments(), vec![(keep.ptr(), 2 * MIB)]);
     drop(keep);
-    assert_eq!(dev.violations(), vec![]);
-    assert!(dev.live_segments().is_empty(), "nothing leaked");
+    assert_device_clean(&dev);
 }
 
 /// A closed allocator's region let go of with an escape still settling into it: run 1 leaves
@@ -1326,8 +1331,7 @@ fn a_closed_allocator_waits_for_a_block_pending_from_a_region_let_go_of() {
     opener.join().unwrap();
     assert_eq!(segments, vec![(keep.ptr(), 2 * MIB)]);
     drop(keep);
-    assert_eq!(dev.violations(), vec![]);
-    assert!(dev.live_segments().is_empty(), "nothing leaked");
+    assert_device_clean(&dev);
 }
 
 /// Frees `open` after 50 ms on another thread (a kernel gate), for a call that waits for it.
