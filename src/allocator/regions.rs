@@ -323,24 +323,21 @@ impl<D: Device> Shared<D> {
         let mut st = self.lock_state();
         let uses = st.stream_uses.get(&block.block).cloned().unwrap_or_default();
         let mut events = Vec::new();
-        let mut waited = false;
         for s in uses {
             match self.mark(&mut st, s) {
-                // After a host wait every stream's work so far is done: no event is needed.
-                Mark::Event(e) if waited => st.free_events.push(e),
                 Mark::Event(e) => events.push((s, e)),
                 Mark::Drained => {}
                 // No event marks that stream's work: the host waits for all of it (a counted
-                // sync, as a freed buffer's block waits), after which nothing is left to wait
-                // for. Where even that fails (a capture refuses it, or the device failed), the
-                // caller frees the block as before, its slice pinned for good. (BROKEN,
-                // `escape_unmarked_pinned`: that, without trying the wait.)
+                // sync, as a freed buffer's block waits), after which no stream's work is left
+                // to wait for, or to mark. Where even that fails (a capture refuses it, or the
+                // device failed), the caller frees the block as before, its slice pinned for
+                // good. (BROKEN, `escape_unmarked_pinned`: that, without trying the wait.)
                 Mark::Failed
                     if !cfg!(tidepool_broken = "escape_unmarked_pinned")
                         && self.host_wait(&mut st).is_ok() =>
                 {
                     st.free_events.extend(events.drain(..).map(|(_, e)| e));
-                    waited = true;
+                    break;
                 }
                 Mark::Failed => {
                     st.free_events.extend(events.into_iter().map(|(_, e)| e));
