@@ -840,3 +840,29 @@ fn a_stream_destroyed_elsewhere_is_waited_for_before_its_pages_go() {
         }
     }
 }
+
+/// A view reads the state its own lock section leaves: a block the stream cache held, flushed
+/// into the pool for the view, is trimmed as the lock is let go, so the view must not show the
+/// pages that trim unmaps. Here the range was made with `release_threshold_mb:0`, and the
+/// configuration then turned expandable segments off (so the stream cache holds large blocks):
+/// the 20 MiB block freed into the cache leaves nothing mapped once it is flushed.
+/// (Broken mode `view_unsettled` lists the flushed run of mapped pages the device no longer has.)
+#[test]
+fn a_view_does_not_show_pages_its_flush_lets_go_of() {
+    let (dev, alloc) = setup("release_threshold_mb:0", CAP);
+    let s = dev.create_stream().unwrap();
+    let buf = alloc.alloc(20 * MIB, s).unwrap();
+    assert_eq!(buf.ptr().0, base());
+    assert_eq!(mapped_pages(&dev, base()), (0..10).collect::<Vec<_>>());
+    alloc.set_config(Config::parse("").unwrap()).unwrap();
+    drop(buf);
+    // The stream cache holds the block: nothing went back yet.
+    assert_eq!(mapped_pages(&dev, base()), (0..10).collect::<Vec<_>>());
+    let snap = alloc.snapshot();
+    assert_eq!(dev.live_mappings(), vec![], "the flush's free was trimmed at once");
+    assert_eq!(snap, vec![], "the snapshot shows a run the device no longer maps");
+    assert_eq!(alloc.reserved_bytes(), 0);
+    assert_eq!(alloc.expandable_ranges()[0].mapped_bytes, 0);
+    drop(alloc);
+    assert_no_leak(&dev);
+}

@@ -1609,8 +1609,7 @@ impl<D: Device> Shared<D> {
     /// [`Allocator::expandable_ranges`].
     pub(super) fn expandable_ranges(&self) -> Vec<RangeInfo> {
         let mut st = self.lock_state();
-        self.flush_all(&mut st);
-        self.unstitch_freed(&mut st);
+        self.flush_for_view(&mut st);
         self.range_infos(&st)
     }
 }

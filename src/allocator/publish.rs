@@ -33,6 +33,20 @@ impl<D: Device> Shared<D> {
     /// path pays one store for its statistics, not a copy of every changed figure.
     /// (Under `global_lock` nothing is published: `stats()` reads under the lock.)
     pub(super) fn publish(&self, st: &mut State) {
+        self.settle(st);
+        self.publish_extra(st);
+        self.count_in_family(st);
+        if self.publish_stats.load(Ordering::Relaxed) {
+            self.stats.open();
+        }
+    }
+
+    /// What every lock section ends with before its statistics go out: a closed allocator lets
+    /// go of what it may, freed stitched blocks give their chunks back, expandable ranges are
+    /// trimmed, and with caching off free segments go back to the device. A view that flushes
+    /// the stream caches (`snapshot`, `expandable_ranges`, the summary) calls it before it
+    /// reads, so that it shows what the lock section leaves, not pages or segments about to go.
+    pub(super) fn settle(&self, st: &mut State) {
         if st.stash_closed {
             self.release_closed(st);
         }
@@ -45,10 +59,14 @@ impl<D: Device> Shared<D> {
         if self.passthrough.load(Ordering::Relaxed) {
             self.release_free_segments(st);
         }
-        self.publish_extra(st);
-        self.count_in_family(st);
-        if self.publish_stats.load(Ordering::Relaxed) {
-            self.stats.open();
+    }
+
+    /// Flushes the stream caches into the pool and settles what that freed ([`Shared::settle`]):
+    /// the state a view reads.
+    pub(super) fn flush_for_view(&self, st: &mut State) {
+        self.flush_all(st);
+        if !cfg!(tidepool_broken = "view_unsettled") {
+            self.settle(st);
         }
     }
 

@@ -50,7 +50,7 @@ impl<D: Device> Shared<D> {
     /// [`Allocator::snapshot`].
     pub(super) fn snapshot(&self) -> Vec<SegmentInfo> {
         let mut st = self.lock_state();
-        self.flush_all(&mut st);
+        self.flush_for_view(&mut st);
         let mut out: Vec<SegmentInfo> = st
             .pool
             .segments()
@@ -263,7 +263,7 @@ impl<D: Device> Allocator<D> {
         out += &rule;
         let (ranges, note) = {
             let mut st = self.shared.lock_state();
-            self.shared.flush_all(&mut st);
+            self.shared.flush_for_view(&mut st);
             (self.shared.range_infos(&st), st.vm.note().map(str::to_string))
         };
         if s.expandable_segments || note.is_some() {
