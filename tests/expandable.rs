@@ -841,14 +841,9 @@ fn a_stream_destroyed_elsewhere_is_waited_for_before_its_pages_go() {
     }
 }
 
-/// A view reads the state its own lock section leaves: a block the stream cache held, flushed
-/// into the pool for the view, is trimmed as the lock is let go, so the view must not show the
-/// pages that trim unmaps. Here the range was made with `release_threshold_mb:0`, and the
-/// configuration then turned expandable segments off (so the stream cache holds large blocks):
-/// the 20 MiB block freed into the cache leaves nothing mapped once it is flushed.
-/// (Broken mode `view_unsettled` lists the flushed run of mapped pages the device no longer has.)
-#[test]
-fn a_view_does_not_show_pages_its_flush_lets_go_of() {
+/// A range made with `release_threshold_mb:0` holding a 20 MiB block, freed after the
+/// configuration turned expandable segments off: the stream cache holds it (nothing unmapped).
+fn freed_into_the_cache_over_a_trimmed_range() -> (Arc<SimDevice>, Allocator<SimDevice>) {
     let (dev, alloc) = setup("release_threshold_mb:0", CAP);
     let s = dev.create_stream().unwrap();
     let buf = alloc.alloc(20 * MIB, s).unwrap();
@@ -856,13 +851,40 @@ fn a_view_does_not_show_pages_its_flush_lets_go_of() {
     assert_eq!(mapped_pages(&dev, base()), (0..10).collect::<Vec<_>>());
     alloc.set_config(Config::parse("").unwrap()).unwrap();
     drop(buf);
-    // The stream cache holds the block: nothing went back yet.
     assert_eq!(mapped_pages(&dev, base()), (0..10).collect::<Vec<_>>());
+    assert_eq!(alloc.stats().num_device_unmap, 0);
+    (dev, alloc)
+}
+
+/// A view reads the state its own lock section leaves: a block the stream cache held, flushed
+/// into the pool for the view, is trimmed as the lock is let go, so the view must not show the
+/// pages that trim unmaps. (Broken mode `view_unsettled`: the snapshot lists the flushed run
+/// of mapped pages the device no longer has.)
+#[test]
+fn a_view_does_not_show_pages_its_flush_lets_go_of() {
+    let (dev, alloc) = freed_into_the_cache_over_a_trimmed_range();
     let snap = alloc.snapshot();
     assert_eq!(dev.live_mappings(), vec![], "the flush's free was trimmed at once");
     assert_eq!(snap, vec![], "the snapshot shows a run the device no longer maps");
     assert_eq!(alloc.reserved_bytes(), 0);
     assert_eq!(alloc.expandable_ranges()[0].mapped_bytes, 0);
+    drop(alloc);
+    assert_no_leak(&dev);
+}
+
+/// The summary's statistics include what its own flush set off: the unmaps it counts are those
+/// that left its ranges with nothing mapped. (Reading the statistics before the flush, it
+/// showed ranges with nothing mapped and no unmap.)
+#[test]
+fn the_summary_counts_what_its_flush_lets_go_of() {
+    let (dev, alloc) = freed_into_the_cache_over_a_trimmed_range();
+    let summary = alloc.memory_summary();
+    let unmaps = alloc.stats().num_device_unmap;
+    assert!(unmaps > 0);
+    assert_eq!(dev.live_mappings(), vec![]);
+    assert!(summary.contains(&format!(" {unmaps} unmaps,")), "{summary}");
+    let range = summary.lines().find(|l| l.contains("Range ")).expect("a range line");
+    assert!(range.contains(" 0 B "), "{range}");
     drop(alloc);
     assert_no_leak(&dev);
 }

@@ -160,6 +160,12 @@ impl<D: Device> Allocator<D> {
 
     /// A text table of the statistics, like `torch.cuda.memory_summary()`.
     pub fn memory_summary(&self) -> String {
+        // The ranges first: their flush and what it settles are in the statistics below.
+        let (ranges, note) = {
+            let mut st = self.shared.lock_state();
+            self.shared.flush_for_view(&mut st);
+            (self.shared.range_infos(&st), st.vm.note().map(str::to_string))
+        };
         let s = self.stats();
         let b = &s.blocks;
         let rule = format!("|{}|\n", "=".repeat(87));
@@ -261,11 +267,6 @@ impl<D: Device> Allocator<D> {
             );
         }
         out += &rule;
-        let (ranges, note) = {
-            let mut st = self.shared.lock_state();
-            self.shared.flush_for_view(&mut st);
-            (self.shared.range_infos(&st), st.vm.note().map(str::to_string))
-        };
         if s.expandable_segments || note.is_some() {
             let _ = writeln!(
                 out,
