@@ -32,8 +32,9 @@
 //! device must hold no segment, no violation, and no other handle.
 //!
 //! Expandable segments (the `expandable_segments:true` configurations): the allocator's segments
-//! inside the device's virtual ranges are runs of mapped pages, so the segment check compares
-//! only the others with the device's segments; reserved = Σ device segments + the device's
+//! inside the device's virtual ranges are runs of mapped pages (each wholly covered by the
+//! device's mappings, checked), so the segment check compares only the others with the device's
+//! segments; reserved = Σ device segments + the device's
 //! physical bytes; small blocks of either residency sit in transient small runs; a release
 //! leaves no wholly free run behind; `FailNthMalloc`
 //! also arms the nth physical creation and the nth mapping (faults midway through a growth),
@@ -1412,6 +1413,18 @@ impl<'a> Harness<'a> {
             .map(|s| (s.address, s.size))
             .collect();
         alloc_segs.sort_unstable();
+        // A segment in a virtual range is a run of pages the device maps (no view lists pages
+        // its own lock section unmaps: `view_unsettled`).
+        let maps = self.dev.live_mappings();
+        for s in snap.iter().chain(&other_snap).filter(|s| in_range(s.address)) {
+            ensure!(
+                mapped(&maps, s.address.0, s.address.0 + s.size),
+                "segment at {} ({} bytes, {}) of an expandable range is not wholly mapped",
+                s.address,
+                s.size,
+                s.stream
+            );
+        }
         ensure!(
             alloc_segs == device_segs,
             "allocator segments {alloc_segs:?} != device live segments {device_segs:?}"
@@ -1703,6 +1716,21 @@ impl<'a> Harness<'a> {
         self.dev.synchronize().map_err(|e| dev_err("device synchronize", e))?;
         Ok(self.dev)
     }
+}
+
+/// Whether `maps` (address, bytes; disjoint) cover `[lo, hi)` wholly.
+fn mapped(maps: &[(DeviceAddr, u64)], lo: u64, hi: u64) -> bool {
+    let mut parts: Vec<(u64, u64)> =
+        maps.iter().map(|&(a, n)| (a.0, a.0 + n)).filter(|&(a, e)| a < hi && lo < e).collect();
+    parts.sort_unstable();
+    let mut at = lo;
+    for (a, e) in parts {
+        if a > at {
+            return false;
+        }
+        at = at.max(e);
+    }
+    at >= hi
 }
 
 fn stat_groups(b: &BlockStats) -> [&StatGroup; 9] {
