@@ -419,3 +419,66 @@ fn holes_above(alloc: &Allocator<SimDevice>, at_mib: u64) -> Vec<Buffer<SimDevic
     }
     bufs
 }
+
+/// A live stitched block outlives the configuration that made it: turned to `config` (no
+/// expandable segments), its free still sends the chunks home and leaves the stitch cached;
+/// every view agrees with the device at each step; `empty_cache` lets go of all of it; and
+/// turned on again, stitching serves the same request anew. (With the stream caches on, the
+/// freed block waits in one until a view flushes it: broken build `view_unsettled` lists the
+/// stitch's segment that the view's own lock section takes away.)
+fn a_stitch_outlives_its_configuration(config: &str) {
+    let (dev, alloc) = setup("fast_cache:false,expandable_stitching:true");
+    let kept = holes(&dev, &alloc);
+    let s = alloc.alloc(24 * MIB, S0).unwrap();
+    assert_eq!(s.ptr(), stitch_base());
+    alloc.set_config(Config::parse(config).unwrap()).unwrap();
+    // An ordinary request: a segment of its own, not the range.
+    let o = alloc.alloc(4 * MIB, S0).unwrap();
+    let seg = alloc.snapshot().iter().find(|g| g.address == o.ptr()).map(|g| g.size);
+    assert_eq!(dev.live_segments(), vec![(o.ptr(), seg.unwrap())]);
+    drop(s);
+    // Every view settles first: the stitch's segment is gone from the pool, its chunks are home.
+    let snap = alloc.snapshot();
+    assert!(snap.iter().all(|g| g.address != stitch_base()), "{snap:?}");
+    let r = &alloc.expandable_ranges()[0];
+    assert_eq!((r.lent_bytes, r.stitches, r.free_bytes), (0, 1, 24 * MIB));
+    assert_eq!(
+        alloc.reserved_bytes(),
+        28 * P + dev.live_segments().iter().map(|s| s.1).sum::<u64>()
+    );
+    alloc.check_invariants().unwrap();
+    drop((o, kept));
+    alloc.empty_cache().unwrap();
+    assert_eq!(dev.live_mappings(), vec![]);
+    assert_eq!(dev.live_segments(), vec![]);
+    assert_eq!((dev.physical_bytes(), alloc.reserved_bytes()), (0, 0));
+    assert_eq!(alloc.expandable_ranges()[0].stitches, 0, "the stitch went with its chunks");
+    assert_eq!(alloc.snapshot(), vec![]);
+    alloc.check_invariants().unwrap();
+    // On again: the range grows anew and stitches over its holes again.
+    let on = Config::parse("fast_cache:false,expandable_stitching:true").unwrap();
+    alloc.set_config(on.with_expandable_segments(true)).unwrap();
+    let kept = holes_above(&alloc, 0);
+    let s = alloc.alloc(24 * MIB, S0).unwrap();
+    assert_eq!(alloc.expandable_ranges()[0].stitches, 1);
+    assert_eq!(s.block_size(), 24 * MIB);
+    alloc.check_invariants().unwrap();
+    drop((s, kept));
+    drop(alloc);
+    assert_nothing_left(&dev);
+}
+
+#[test]
+fn a_stitch_outlives_expandable_segments_turned_off() {
+    a_stitch_outlives_its_configuration("fast_cache:false");
+}
+
+#[test]
+fn a_stitch_freed_into_a_stream_cache_outlives_expandable_segments_turned_off() {
+    a_stitch_outlives_its_configuration("");
+}
+
+#[test]
+fn a_stitch_outlives_caching_turned_off() {
+    a_stitch_outlives_its_configuration("caching:false");
+}
