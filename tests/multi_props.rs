@@ -150,6 +150,10 @@ enum Op {
         by: usize,
         which: usize,
     },
+    View {
+        by: usize,
+        which: usize,
+    },
 }
 
 /// What `Op::SetConfig` switches an allocator to (with its cross-stream policy kept): the
@@ -250,6 +254,7 @@ fn op() -> impl Strategy<Value = Op> {
         1 => (0..2usize, idx()).prop_map(|(by, pick)| Op::UnknownStream { by, pick }),
         1 => (0..2usize).prop_map(|by| Op::EmptyCache { by }),
         1 => (0..2usize, 0..CONFIGS.len()).prop_map(|(by, which)| Op::SetConfig { by, which }),
+        1 => (0..2usize, 0..4usize).prop_map(|(by, which)| Op::View { by, which }),
         2 => (0..2usize, 0..SLOTS, 0..SIZES.len(), 1..=3usize, any::<bool>())
             .prop_map(|(by, slot, size, n, auto)| Op::PoolAlloc { by, slot, size, n, auto }),
         2 => (0..2usize, 1..SLOTS, 0..3usize, any::<bool>(), 1..=3usize, idx(), prop::option::of(1..SLOTS))
@@ -810,6 +815,34 @@ impl World {
                 let config = config.with_cross_stream(a.config().cross_stream);
                 a.set_config(config).map_err(|e| format!("set_config: {e}"))?;
             }
+            Op::View { by, which } => self.view(by, which)?,
+        }
+        Ok(())
+    }
+
+    /// A view of allocator `by` while the other thread works: it flushes every stream cache
+    /// (the other thread's lanes too) and settles what that freed. Each segment the snapshot
+    /// lists is whole (its blocks tile it), and the summary and the pickle are written.
+    fn view(&self, by: usize, which: usize) -> R {
+        let a = &self.allocs[by];
+        match which {
+            0 => {
+                for seg in a.snapshot().iter().chain(&self.pools[by].snapshot()) {
+                    let mut at = seg.address.0;
+                    for b in &seg.blocks {
+                        ensure!(b.address.0 == at, "a gap in {seg:?}");
+                        at += b.size;
+                    }
+                    ensure!(at == seg.address.0 + seg.size, "blocks do not tile {seg:?}");
+                }
+            }
+            1 => ensure!(a.memory_summary().contains("Reserved memory"), "no summary"),
+            2 => {
+                for r in a.expandable_ranges() {
+                    ensure!(r.mapped_bytes <= r.virtual_size, "{r:?}");
+                }
+            }
+            _ => ensure!(a.snapshot_pickle().len() > 2, "an empty pickle"),
         }
         Ok(())
     }
