@@ -37,18 +37,22 @@
 //!
 //! `reserved_bytes` is the mapped physical bytes (the pool segments and the reserves); the
 //! virtual bytes, map/unmap and create/release calls and moved pages are counted apart.
+//!
+//! This file holds the ranges' types, placement and growth; the release of pages is in
+//! `page_release.rs`, page moves in `page_moves.rs`, counters, range reports and invariants in
+//! `vm_report.rs`, the chunk table in `page_table.rs` and stitched blocks in `stitch.rs`.
 
 use super::history::Action;
 use super::*;
 use crate::device::PhysHandle;
-use crate::pool::{Segment, Sizing};
+use crate::pool::Sizing;
 use crate::types::SortedMap;
 use page_table::{Chunk, PageTable};
 use std::collections::BTreeSet;
 
 /// One virtual range of one pool key.
 pub(super) struct Range {
-    key: PoolKey,
+    pub(super) key: PoolKey,
     pub(super) base: u64,
     pub(super) size: u64,
     /// Mapped pages: address → physical allocation.
@@ -57,9 +61,9 @@ pub(super) struct Range {
     pub(super) segs: SortedMap<u64, SegmentId>,
     /// Old addresses of pages moved to another place, still mapped until the donor stream's
     /// work is done: neither usable nor mappable meanwhile.
-    retiring: BTreeSet<u64>,
+    pub(super) retiring: BTreeSet<u64>,
     /// Growths made while the pool had freed no block yet (see [`Shared::with_headroom`]).
-    build_up: u64,
+    pub(super) build_up: u64,
     /// Pages lent to a live stitched block (`stitch.rs`): mapped, in no run of the pool's,
     /// neither usable nor mappable here until the stitched block is free again.
     /// As chunks: first page → end.
@@ -116,23 +120,23 @@ const BUILD_UP_EXACT_GROWTHS: u64 = 8;
 const HEADROOM_MAX_PAGES: u64 = 10;
 
 /// Chunks moved away under `wait_event`, whose old mappings wait for `event`.
-struct Retiring {
-    event: EventId,
+pub(super) struct Retiring {
+    pub(super) event: EventId,
     /// (range base, old address, pages).
-    pages: Vec<(u64, u64, u64)>,
+    pub(super) pages: Vec<(u64, u64, u64)>,
 }
 
 /// Counters of virtual-memory calls, changed only through the `add_` methods, which mark them
 /// changed since they were last published.
 #[derive(Default, Clone, Copy)]
 pub(super) struct VmCounts {
-    maps: u64,
-    unmaps: u64,
-    creates: u64,
-    releases: u64,
-    moves: u64,
+    pub(super) maps: u64,
+    pub(super) unmaps: u64,
+    pub(super) creates: u64,
+    pub(super) releases: u64,
+    pub(super) moves: u64,
     /// Changed since [`Shared::publish_vm`] last ran.
-    unpublished: bool,
+    pub(super) unpublished: bool,
 }
 
 impl VmCounts {
@@ -146,17 +150,17 @@ impl VmCounts {
         self.unpublished = true;
     }
 
-    fn add_creates(&mut self, n: u64) {
+    pub(super) fn add_creates(&mut self, n: u64) {
         self.creates += n;
         self.unpublished = true;
     }
 
-    fn add_releases(&mut self, n: u64) {
+    pub(super) fn add_releases(&mut self, n: u64) {
         self.releases += n;
         self.unpublished = true;
     }
 
-    fn add_moves(&mut self, n: u64) {
+    pub(super) fn add_moves(&mut self, n: u64) {
         self.moves += n;
         self.unpublished = true;
     }
@@ -168,19 +172,19 @@ pub(super) struct Vm {
     pub(super) ranges: SortedMap<u64, Range>,
     /// (base, end) of every range, for the address test each slow-path allocation makes (a
     /// few entries: a scan beats the map's search).
-    spans: Vec<(u64, u64)>,
+    pub(super) spans: Vec<(u64, u64)>,
     pub(super) by_key: SortedMap<PoolKey, u64>,
-    retiring: Vec<Retiring>,
+    pub(super) retiring: Vec<Retiring>,
     /// Whether the device has virtual memory management, once asked.
-    supported: Option<bool>,
+    pub(super) supported: Option<bool>,
     /// The chunk list of a growth, kept between growths (empty).
-    scratch: Vec<(PhysHandle, u64)>,
+    pub(super) scratch: Vec<(PhysHandle, u64)>,
     /// Page size (the device's granularity), known once a range exists.
     pub(super) page: u64,
     /// `release_threshold` of the configuration last seen by the slow path.
-    threshold: u64,
+    pub(super) threshold: u64,
     /// Why expandable segments asked for are not (all) in use.
-    note: Option<String>,
+    pub(super) note: Option<String>,
     /// Stitched blocks, live and cached (`stitch.rs`).
     pub(super) stitches: Vec<super::stitch::Stitch>,
     /// How many of them are live (hold a pool segment).
@@ -188,27 +192,27 @@ pub(super) struct Vm {
     /// The pool's count of frees when live stitches were last looked at.
     pub(super) frees_seen: u64,
     /// Free bytes of a stream when a trim last found nothing to release.
-    checked: HashMap<StreamId, u64>,
+    pub(super) checked: HashMap<StreamId, u64>,
     /// Streams with a named scope's learning run open (how many): their transient ranges keep
     /// no free pages meanwhile (see [`Shared::set_learning`]).
-    learning: HashMap<StreamId, usize>,
+    pub(super) learning: HashMap<StreamId, usize>,
     pub(super) counts: VmCounts,
     pub(super) virtual_bytes: u64,
     /// Physical allocations the device refused to release (unmapped, owned by no range): tried
     /// again at every page release and when ranges are freed, so their memory is not lost.
-    unreleased: Vec<PhysHandle>,
+    pub(super) unreleased: Vec<PhysHandle>,
 }
 
 /// What the lock-free statistics read of expandable segments.
 #[derive(Default)]
 pub(super) struct VmPublished {
-    active: AtomicBool,
-    virtual_bytes: AtomicU64,
-    maps: AtomicU64,
-    unmaps: AtomicU64,
-    creates: AtomicU64,
-    releases: AtomicU64,
-    moves: AtomicU64,
+    pub(super) active: AtomicBool,
+    pub(super) virtual_bytes: AtomicU64,
+    pub(super) maps: AtomicU64,
+    pub(super) unmaps: AtomicU64,
+    pub(super) creates: AtomicU64,
+    pub(super) releases: AtomicU64,
+    pub(super) moves: AtomicU64,
 }
 
 /// One expandable range, as [`Allocator::expandable_ranges`] lists it.
@@ -302,11 +306,6 @@ pub(super) fn whole_pages(base: u64, page: u64, lo: u64, hi: u64) -> Option<(u64
     let a = base + (lo - base).div_ceil(page) * page;
     let b = base + (hi - base) / page * page;
     (b > a).then_some((a, b))
-}
-
-/// Bytes of the chunks lying wholly inside the mapped pages `[a, z)`.
-fn whole_chunk_bytes(pages: &PageTable, page: u64, a: u64, z: u64) -> u64 {
-    pages.whole_chunks(a, z).map(|c| c.pages * page).sum()
 }
 
 /// A refusal of memory (the device's or the limit's): the out-of-memory ladder takes over.
@@ -937,680 +936,6 @@ impl<D: Device> Shared<D> {
             self.grow_at(st, config, key, Place { lo: a, pages: (b - a) / page })?;
         }
         Ok(())
-    }
-
-    /// A growth failed after taking chunks whose old mappings still retire (`wait_event`: the
-    /// donor's work may be unfinished): waits for those events on the host (counted), so that the
-    /// old mappings go now and releasing the chunks frees their memory. Otherwise no range would
-    /// count memory the device still holds until the next poll. `from`: the retiring entries
-    /// before the growth. (A wait refused during a capture leaves them to the next poll.)
-    fn settle_taken(&self, st: &mut State, from: usize) {
-        if st.vm.retiring.len() <= from || self.broken(Broken::UnsettledMoves) {
-            return;
-        }
-        let taken = st.vm.retiring.split_off(from);
-        let older = std::mem::replace(&mut st.vm.retiring, taken);
-        self.poll_retiring(st, !self.device.capture_underway());
-        st.vm.retiring.splice(0..0, older);
-    }
-
-    /// Releases physical allocations a failed growth had in hand.
-    fn drop_handles(&self, st: &mut State, handles: &[(PhysHandle, u64)]) {
-        for &(h, _) in handles {
-            self.release_handle(&mut st.vm, h);
-        }
-    }
-
-    /// Releases an unmapped physical allocation; one the device refuses (an error, a panic)
-    /// waits in `unreleased` for [`Shared::retry_releases`].
-    fn release_handle(&self, vm: &mut Vm, handle: PhysHandle) {
-        if self.broken(Broken::LostReleases) {
-            let _ = self.device.vm_release(handle); // BROKEN: a refused release loses the handle
-            vm.counts.add_releases(1);
-            return;
-        }
-        match self.device.vm_release(handle) {
-            Ok(()) => vm.counts.add_releases(1),
-            Err(_) => vm.unreleased.push(handle),
-        }
-    }
-
-    /// Tries again to release the allocations the device refused before.
-    fn retry_releases(&self, vm: &mut Vm) {
-        for h in std::mem::take(&mut vm.unreleased) {
-            self.release_handle(vm, h);
-        }
-    }
-
-    /// Takes up to `n` pages, in whole free chunks, cached by other streams' transient ranges for
-    /// a growth of `key`: under `strict` only from a stream whose work has completed, under `wait_event`
-    /// from any (the growing stream waits for it on the device; the old mapping is kept until
-    /// the event completes).
-    fn take_pages(
-        &self,
-        st: &mut State,
-        config: &Config,
-        key: PoolKey,
-        n: u64,
-        room: u64,
-        got: &mut Vec<(PhysHandle, u64)>,
-    ) -> Result<(), AllocError> {
-        let donor =
-            |r: &Range| r.key.stream != key.stream && r.key.residency == Residency::Transient;
-        if n == 0 || !st.vm.ranges.values().any(donor) {
-            return Ok(());
-        }
-        let donors: Vec<u64> = st
-            .vm
-            .ranges
-            .values()
-            .filter(|r| r.key.stream != key.stream && r.key.residency == Residency::Transient)
-            .map(|r| r.base)
-            .collect();
-        let mut taken = 0;
-        for d in donors {
-            let want = n.saturating_sub(taken);
-            if want == 0 {
-                break;
-            }
-            let runs = self.free_page_runs(st, d, want, room - taken, true, |_| true);
-            if runs.is_empty() {
-                continue;
-            }
-            let owner = st.vm.ranges[&d].key.stream;
-            let event = self.event(st)?;
-            let failed = self.broken(Broken::VmEventErrors);
-            let done = match self.device.record_event(event, owner) {
-                // The owner was destroyed here, hence drained (see `gone_drained`; a stream
-                // forgotten otherwise may still run work on these pages: the next donor).
-                Err(DeviceError::UnknownStream(_)) if self.gone_drained(owner) => true,
-                // Nothing orders a move from this donor: the next one (or new memory).
-                Err(e) => {
-                    st.free_events.push(event);
-                    if failed {
-                        return Err(e.into()); // BROKEN: the allocation fails
-                    }
-                    continue;
-                }
-                Ok(()) if self.broken_skip_events.load(Ordering::Relaxed) => true,
-                Ok(()) => match config.cross_stream {
-                    CrossStream::Strict => self.device.query_event(event).unwrap_or(false),
-                    CrossStream::WaitEvent => {
-                        if let Err(e) = self.device.wait_event(key.stream, event) {
-                            st.free_events.push(event);
-                            if failed {
-                                return Err(e.into()); // BROKEN: the allocation fails
-                            }
-                            continue;
-                        }
-                        self.device.query_event(event).unwrap_or(false)
-                    }
-                },
-            };
-            if !done && config.cross_stream == CrossStream::Strict {
-                st.free_events.push(event);
-                continue;
-            }
-            let mut retire = Vec::new();
-            let page = st.vm.page;
-            for (block, a, b) in runs {
-                self.carve_run(st, d, block, a, b);
-                st.note(Action::SegmentUnmap, DeviceAddr(a), b - a, owner);
-                let range = st.vm.ranges.get_mut(&d).expect("donor");
-                let mut va = a;
-                while va < b {
-                    let c = range.pages.remove(va).expect("a mapped chunk");
-                    got.push((c.handle, c.pages));
-                    taken += c.pages;
-                    st.vm.counts.add_moves(c.pages);
-                    if done && self.device.vm_unmap(DeviceAddr(va), c.pages * page).is_ok() {
-                        st.vm.counts.add_unmaps(1);
-                    } else {
-                        range.retiring.extend((va..va + c.pages * page).step_by(page as usize));
-                        retire.push((d, va, c.pages));
-                    }
-                    va += c.pages * page;
-                }
-            }
-            if retire.is_empty() {
-                st.free_events.push(event);
-            } else {
-                st.vm.retiring.push(Retiring { event, pages: retire });
-            }
-        }
-        Ok(())
-    }
-
-    /// Whole free chunks of range `base` in its runs that satisfy `which`, as runs (free block,
-    /// first page, end), the highest first, until they hold `want` pages, at most `cap` pages in
-    /// all (a chunk that would pass `cap` is passed over; with `moving`, so is a chunk a stitched
-    /// block also maps: a page move unmaps it here, and the stitch would keep its memory).
-    fn free_page_runs(
-        &self,
-        st: &State,
-        base: u64,
-        want: u64,
-        cap: u64,
-        moving: bool,
-        mut which: impl FnMut(&Segment) -> bool,
-    ) -> Vec<(BlockId, u64, u64)> {
-        let (page, r) = (st.vm.page, &st.vm.ranges[&base]);
-        let mut out = Vec::new();
-        let (mut left, mut got) = (want, 0u64);
-        for (_, &seg) in r.segs.iter().rev() {
-            if left == 0 {
-                break;
-            }
-            if !which(st.pool.segment(seg)) {
-                continue;
-            }
-            let mut runs: Vec<_> = st
-                .pool
-                .segment_blocks(seg)
-                .filter(|(_, b)| b.state == BlockState::Free)
-                .filter_map(|(id, b)| {
-                    whole_pages(r.base, page, b.addr, b.addr + b.size).map(|(a, z)| (id, a, z))
-                })
-                .collect();
-            runs.reverse();
-            for (id, a, z) in runs {
-                // The whole chunks inside [a, z), from the top down, each no larger than what is
-                // left to find; neighbouring ones form one run.
-                let mut top = z;
-                let mut run_hi = z;
-                while top > a && left > 0 {
-                    let c = r.pages.get(top - page).expect("a run's page is mapped");
-                    let fits = c.lo >= a
-                        && c.lo + c.pages * page == top
-                        && got + c.pages <= cap
-                        && !(moving && r.aliased.contains_key(&c.lo));
-                    if fits {
-                        left = left.saturating_sub(c.pages);
-                        got += c.pages;
-                    } else if top < run_hi {
-                        out.push((id, top, run_hi));
-                    }
-                    let next = c.lo.max(a);
-                    if !fits {
-                        run_hi = next;
-                    }
-                    top = next;
-                }
-                if top < run_hi {
-                    out.push((id, top, run_hi));
-                }
-                if left == 0 {
-                    break;
-                }
-            }
-        }
-        out
-    }
-
-    /// Cuts `[a, b)` out of free block `block` of range `base` in the pool, keeping the range's
-    /// segment table and the per-stream segment counts.
-    pub(super) fn carve_run(&self, st: &mut State, base: u64, block: BlockId, a: u64, b: u64) {
-        let seg = st.pool.block(block).segment;
-        let old_base = st.pool.segment(seg).base;
-        let stream = st.pool.segment(seg).key.stream;
-        let (below, above) = st.pool.carve(block, a, b);
-        let range = st.vm.ranges.get_mut(&base).expect("range");
-        range.segs.remove(&old_base);
-        for s in [below, above].into_iter().flatten() {
-            range.segs.insert(st.pool.segment(s).base, s);
-        }
-        match (below, above) {
-            (Some(_), Some(_)) => *st.segment_streams.entry(stream).or_default() += 1,
-            (None, None) => Self::forget_segment(st, stream),
-            _ => {}
-        }
-    }
-
-    /// Unmaps and releases wholly free chunks of the ranges' runs that satisfy `which`, the
-    /// highest first, until at most `keep` free mapped bytes are left per range (a chunk is
-    /// released whole, so a range may end below `keep`; 0: release all), each range only after
-    /// its stream's work so far has completed (an event; a host sync where it has not).
-    pub(super) fn release_pages(
-        &self,
-        st: &mut State,
-        mut which: impl FnMut(&Segment) -> bool,
-        keep: u64,
-    ) -> Result<(), AllocError> {
-        if self.role.graph_held() && !self.broken(Broken::GraphPoolReleased) {
-            return Ok(()); // a graph's replays write the pool's free pages (`release_segment`)
-        }
-        self.retry_releases(&mut st.vm);
-        // A moved page still mapped at its old place would outlive its release there (the
-        // driver frees memory at its last unmapping): old places go first.
-        self.poll_retiring(st, true);
-        // Freed stitched blocks (flushed from the stream caches) give their chunks back first.
-        self.unstitch_freed(st);
-        let page = st.vm.page;
-        let bases: Vec<u64> = st.vm.ranges.keys().copied().collect();
-        let mut result = Ok(());
-        for base in bases {
-            let max = if keep == 0 {
-                u64::MAX
-            } else {
-                let free = self.range_free_bytes(st, base, &mut which);
-                if free <= keep {
-                    continue;
-                }
-                (free - keep).div_ceil(page)
-            };
-            let runs = self.free_page_runs(st, base, max, u64::MAX, false, &mut which);
-            if runs.is_empty() {
-                continue;
-            }
-            let stream = st.vm.ranges[&base].key.stream;
-            if self.broken(Broken::StitchUnmapEarly) {
-                self.drop_stitches_over(st, base, &runs); // BROKEN: before its work is done
-            }
-            // Its work cannot be waited for: its pages stay mapped (the next range).
-            if let Err(e) = self.stream_done(st, stream) {
-                if self.broken(Broken::VmEventErrors) {
-                    return Err(e); // BROKEN: the release (and the allocation under it) fails
-                }
-                continue;
-            }
-            // The stream's work is done: the cached stitched blocks over these chunks go first
-            // (the driver frees memory at its last unmapping).
-            self.drop_stitches_over(st, base, &runs);
-            for (block, a, b) in runs {
-                // From the top down; stop at the first refusal.
-                let mut done = b;
-                while done > a {
-                    let c = st.vm.ranges[&base].pages.get(done - page).expect("a mapped chunk");
-                    if let Err(e) = self.device.vm_unmap(DeviceAddr(c.lo), c.pages * page) {
-                        result = Err(e.into());
-                        break;
-                    }
-                    st.vm.counts.add_unmaps(1);
-                    self.release_handle(&mut st.vm, c.handle);
-                    st.vm.ranges.get_mut(&base).expect("range").pages.remove(c.lo);
-                    done = c.lo;
-                }
-                if done < b {
-                    self.carve_run(st, base, block, done, b);
-                    st.note(Action::SegmentUnmap, DeviceAddr(done), b - done, stream);
-                }
-                if result.is_err() {
-                    self.publish_vm(&mut st.vm);
-                    return result;
-                }
-            }
-        }
-        self.publish_vm(&mut st.vm);
-        result
-    }
-
-    /// Free mapped bytes of range `base` (free blocks of its runs) where they satisfy `which`.
-    fn range_free_bytes(
-        &self,
-        st: &State,
-        base: u64,
-        which: &mut impl FnMut(&Segment) -> bool,
-    ) -> u64 {
-        let r = &st.vm.ranges[&base];
-        r.segs
-            .values()
-            .filter(|&&s| which(st.pool.segment(s)))
-            .flat_map(|&s| st.pool.segment_blocks(s))
-            .filter(|(_, b)| b.state == BlockState::Free)
-            .map(|(_, b)| b.size)
-            .sum()
-    }
-
-    /// Returns once `stream`'s work enqueued so far has completed: an event recorded and queried,
-    /// waited for (a host sync) if it has not completed. A stream destroyed through this family
-    /// was drained; one the device forgot otherwise costs a wait for the whole device.
-    pub(super) fn stream_done(&self, st: &mut State, stream: StreamId) -> Result<(), AllocError> {
-        if self.broken_skip_events.load(Ordering::Relaxed) {
-            return Ok(());
-        }
-        let event = self.event(st)?;
-        let r = match self.device.record_event(event, stream) {
-            Err(DeviceError::UnknownStream(_)) if self.gone_drained(stream) => Ok(()),
-            Err(e) if self.broken(Broken::VmEventErrors) => Err(e),
-            // No event marks its work (a stream destroyed elsewhere, maybe still draining, or
-            // a refused record): wait for all of the device's.
-            Err(_) => self.host_wait(st),
-            Ok(()) => match self.device.query_event(event) {
-                Ok(true) => Ok(()),
-                _ => {
-                    st.counters.host_syncs += 1;
-                    self.device.synchronize_event(event)
-                }
-            },
-        };
-        st.free_events.push(event);
-        Ok(r?)
-    }
-
-    /// Unmaps the old mappings of moved pages whose donor's event has completed (with `block`:
-    /// waits for them, a host sync each).
-    #[inline]
-    pub(super) fn poll_retiring(&self, st: &mut State, block: bool) {
-        if !st.vm.retiring.is_empty() {
-            self.poll_retiring_now(st, block);
-        }
-    }
-
-    /// [`Shared::poll_retiring`] where pages retire.
-    #[cold]
-    fn poll_retiring_now(&self, st: &mut State, block: bool) {
-        let page = st.vm.page;
-        let mut keep = Vec::new();
-        for mut r in std::mem::take(&mut st.vm.retiring) {
-            let done = match self.device.query_event(r.event) {
-                Ok(true) => true,
-                _ if block => {
-                    st.counters.host_syncs += 1;
-                    self.device.synchronize_event(r.event).is_ok()
-                }
-                _ => false,
-            };
-            if done {
-                r.pages.retain(|&(base, va, n)| {
-                    if self.device.vm_unmap(DeviceAddr(va), n * page).is_err() {
-                        return true;
-                    }
-                    st.vm.counts.add_unmaps(1);
-                    if let Some(range) = st.vm.ranges.get_mut(&base) {
-                        for p in (va..va + n * page).step_by(page as usize) {
-                            range.retiring.remove(&p);
-                        }
-                    }
-                    false
-                });
-            }
-            if r.pages.is_empty() {
-                st.free_events.push(r.event);
-            } else {
-                keep.push(r);
-            }
-        }
-        st.vm.retiring = keep;
-    }
-
-    /// After frees: a transient range whose free mapped bytes exceed `release_threshold` gives
-    /// pages back down to it. Checked for the streams whose free bytes changed, and only when
-    /// they grew by a page since a check that released nothing. Errors leave pages mapped.
-    pub(super) fn trim(&self, st: &mut State) {
-        let threshold = st.vm.threshold;
-        if threshold == u64::MAX && st.vm.learning.is_empty() || st.vm.ranges.is_empty() {
-            return;
-        }
-        let streams: Vec<StreamId> = st.pool.dirty_streams();
-        for s in streams {
-            let t = if st.vm.learning.contains_key(&s) { 0 } else { threshold };
-            if t == u64::MAX {
-                continue;
-            }
-            let free = st.pool.free_bytes_of(s);
-            if free <= t {
-                st.vm.checked.remove(&s);
-                continue;
-            }
-            if st.vm.checked.get(&s).is_some_and(|&c| free < c.saturating_add(st.vm.page)) {
-                continue;
-            }
-            let which =
-                |seg: &Segment| seg.key.stream == s && seg.key.residency == Residency::Transient;
-            let _ = self.release_pages(st, which, t);
-            let after = st.pool.free_bytes_of(s);
-            st.vm.checked.insert(s, after);
-        }
-    }
-
-    /// A named scope's learning run opened (`open`) or ended on `stream`. While one is open,
-    /// frees on the stream give its transient range's whole free pages back at once (as
-    /// `release_threshold_mb:0` would, for that stream only): the learning run's peak is then its
-    /// live bytes, not the pages its freed blocks left mapped, and since the runs after it are
-    /// served from the plan's region, the maps and unmaps this costs are paid in that run only.
-    /// (`mlp_train`: the first step's peak 1.033 × the plan without it, 1.003 with it.)
-    pub(super) fn set_learning(&self, st: &mut State, stream: StreamId, open: bool) {
-        let n = st.vm.learning.entry(stream).or_default();
-        match open {
-            true => *n += 1,
-            false => *n = n.saturating_sub(1),
-        }
-        if *n == 0 {
-            st.vm.learning.remove(&stream);
-        }
-        let cacheable = Self::large_cacheable(st, &self.config.load());
-        self.cache_large.store(cacheable, Ordering::Relaxed);
-        if !cacheable {
-            // Blocks cached before the run opened are free from now on, as they would have
-            // been without the cache: the run's trims see them.
-            self.flush_large(st);
-        }
-    }
-
-    /// Frees the virtual ranges of keys satisfying `which` that have nothing mapped (a destroyed
-    /// or released stream's, or all of them when the allocator goes).
-    pub(super) fn free_ranges(&self, st: &mut State, mut which: impl FnMut(&PoolKey) -> bool) {
-        self.retry_releases(&mut st.vm);
-        let gone: Vec<u64> = st
-            .vm
-            .ranges
-            .values()
-            .filter(|r| which(&r.key) && r.pages.is_empty() && r.retiring.is_empty())
-            .map(|r| r.base)
-            .filter(|&b| !st.vm.stitches.iter().any(|s| s.home == b))
-            .collect();
-        for base in gone {
-            let size = st.vm.ranges[&base].size;
-            if self.device.vm_free(DeviceAddr(base), size).is_ok() {
-                let r = st.vm.ranges.remove(&base).expect("listed");
-                st.vm.spans.retain(|&(b, _)| b != base);
-                st.vm.by_key.remove(&r.key);
-                st.vm.virtual_bytes -= size;
-            }
-        }
-        self.publish_vm(&mut st.vm);
-    }
-
-    /// What the ranges still hold on the device as the allocator goes (the calls that would
-    /// have given it back were refused), for the family to try again (`leftovers.rs`): every
-    /// mapping, old places of moved pages included, every physical allocation and every range.
-    /// (A range holding a block still counted as allocated, which only a bug leaves by now,
-    /// stays as it is.)
-    pub(super) fn vm_leftovers(&self, vm: &mut Vm, pool: &Pool) -> Vec<Leftover> {
-        let page = vm.page;
-        // The stitches' mappings first: a physical allocation is freed at its last unmapping.
-        let mut left = Self::stitch_leftovers(vm);
-        left.extend(vm.unreleased.drain(..).map(Leftover::Release));
-        for r in std::mem::take(&mut vm.retiring) {
-            left.extend(r.pages.iter().map(|&(_, va, n)| Leftover::Unmap { va, bytes: n * page }));
-            left.push(Leftover::Event(r.event));
-        }
-        for range in vm.ranges.values() {
-            if range.segs.values().any(|&id| pool.segment(id).busy_blocks != 0) {
-                continue;
-            }
-            for c in range.pages.chunks() {
-                left.push(Leftover::Unmap { va: c.lo, bytes: c.pages * page });
-                left.push(Leftover::Release(c.handle));
-            }
-            left.push(Leftover::Free { base: range.base, size: range.size });
-        }
-        left
-    }
-
-    /// Publishes the counters if a path that changed them did not (a failed growth's creates
-    /// and releases, a retired page's unmap): `publish` calls it as every global-lock section
-    /// ends (`Broken::VmCountsUnpublished` skips it). Ranges come and go only where the
-    /// counters are published.
-    #[inline]
-    pub(super) fn publish_vm_changes(&self, vm: &mut Vm) {
-        if vm.counts.unpublished && !self.broken(Broken::VmCountsUnpublished) {
-            self.publish_vm(vm);
-        }
-    }
-
-    /// Copies the counters for lock-free readers.
-    pub(super) fn publish_vm(&self, vm: &mut Vm) {
-        vm.counts.unpublished = false;
-        let p = &self.vm_published;
-        let c = vm.counts;
-        p.active.store(!vm.ranges.is_empty(), Ordering::Relaxed);
-        p.virtual_bytes.store(vm.virtual_bytes, Ordering::Relaxed);
-        p.maps.store(c.maps, Ordering::Relaxed);
-        p.unmaps.store(c.unmaps, Ordering::Relaxed);
-        p.creates.store(c.creates, Ordering::Relaxed);
-        p.releases.store(c.releases, Ordering::Relaxed);
-        p.moves.store(c.moves, Ordering::Relaxed);
-    }
-
-    /// Adds the expandable-segment figures to statistics read elsewhere.
-    pub(super) fn with_vm_stats(&self, mut m: MemoryStats) -> MemoryStats {
-        let p = &self.vm_published;
-        m.expandable_segments = p.active.load(Ordering::Relaxed);
-        m.virtual_reserved_bytes = p.virtual_bytes.load(Ordering::Relaxed);
-        m.num_device_map = p.maps.load(Ordering::Relaxed);
-        m.num_device_unmap = p.unmaps.load(Ordering::Relaxed);
-        m.num_physical_create = p.creates.load(Ordering::Relaxed);
-        m.num_physical_release = p.releases.load(Ordering::Relaxed);
-        m.num_pages_moved = p.moves.load(Ordering::Relaxed);
-        m
-    }
-
-    /// Every range, as [`RangeInfo`], in address order.
-    pub(super) fn range_infos(&self, st: &State) -> Vec<RangeInfo> {
-        let page = st.vm.page;
-        st.vm
-            .ranges
-            .values()
-            .map(|r| {
-                let (mut free, mut free_pages) = (0, 0);
-                let mut runs = Vec::new();
-                for &s in r.segs.values() {
-                    let seg = st.pool.segment(s);
-                    runs.push((DeviceAddr(seg.base), seg.size));
-                    let blocks = st.pool.segment_blocks(s);
-                    for (_, b) in blocks.filter(|(_, b)| b.state == BlockState::Free) {
-                        free += b.size;
-                        free_pages += whole_pages(r.base, page, b.addr, b.addr + b.size)
-                            .map_or(0, |(a, z)| whole_chunk_bytes(&r.pages, page, a, z));
-                    }
-                }
-                RangeInfo {
-                    base: DeviceAddr(r.base),
-                    virtual_size: r.size,
-                    stream: r.key.stream,
-                    pool: r.key.kind,
-                    residency: r.key.residency,
-                    mapped_bytes: r.pages.len() as u64 * page,
-                    free_bytes: free,
-                    free_page_bytes: free_pages,
-                    runs,
-                    retiring_pages: r.retiring.len(),
-                    lent_bytes: r.lent.iter().map(|(&a, &e)| e - a).sum(),
-                    stitches: st.vm.stitches.iter().filter(|s| s.home == r.base).count(),
-                }
-            })
-            .collect()
-    }
-
-    /// The ranges' invariants: each pool segment of a range is a run of its mapped pages (page
-    /// aligned, its key, no two runs touching), every mapped page is in a run, the segment table
-    /// lists exactly the pool segments inside the range, retiring pages are in none.
-    pub(super) fn check_vm(&self, st: &State) -> Result<(), String> {
-        let page = st.vm.page;
-        let mut in_ranges = 0usize;
-        let live: HashMap<SegmentId, &Segment> = st.pool.segments().collect();
-        let mut spans = st.vm.spans.clone();
-        spans.sort_unstable();
-        let expect: Vec<(u64, u64)> =
-            st.vm.ranges.values().map(|r| (r.base, r.base + r.size)).collect();
-        if spans != expect {
-            return Err(format!("range spans {spans:x?} drifted from the ranges {expect:x?}"));
-        }
-        for r in st.vm.ranges.values() {
-            if st.vm.by_key.get(&r.key) != Some(&r.base) {
-                return Err(format!("range at {:#x} is not its key's", r.base));
-            }
-            let mut prev_end: Option<u64> = None;
-            let mut pages = 0u64;
-            for (&b, &s) in r.segs.iter() {
-                let Some(seg) = live.get(&s) else {
-                    return Err(format!("range at {:#x} lists a dead segment", r.base));
-                };
-                if seg.base != b || seg.key != r.key {
-                    return Err(format!("range at {:#x}: segment at {b:#x} drifted", r.base));
-                }
-                if (seg.base - r.base) % page != 0 || seg.size % page != 0 {
-                    return Err(format!("segment at {b:#x} is not page aligned"));
-                }
-                if seg.base + seg.size > r.base + r.size || prev_end.is_some_and(|e| e >= seg.base)
-                {
-                    return Err(format!(
-                        "segment at {b:#x} touches another run or leaves its range"
-                    ));
-                }
-                for va in (seg.base..seg.base + seg.size).step_by(page as usize) {
-                    let Some(c) = r.pages.get(va) else {
-                        return Err(format!("page at {va:#x} of a segment is not mapped"));
-                    };
-                    if c.lo < seg.base || c.lo + c.pages * page > seg.base + seg.size {
-                        return Err(format!("the chunk at {:#x} crosses a run's edge", c.lo));
-                    }
-                }
-                pages += seg.size / page;
-                prev_end = Some(seg.base + seg.size);
-            }
-            for (&a, &e) in r.lent.iter() {
-                pages += (e - a) / page;
-                for va in (a..e).step_by(page as usize) {
-                    if !r.pages.contains(va) {
-                        return Err(format!("lent page at {va:#x} is not mapped"));
-                    }
-                }
-            }
-            if pages != r.pages.len() as u64 {
-                return Err(format!(
-                    "range at {:#x}: {} pages mapped, {pages} in its runs",
-                    r.base,
-                    r.pages.len()
-                ));
-            }
-            for &va in &r.retiring {
-                if r.pages.contains(va) {
-                    return Err(format!("retiring page at {va:#x} is also in use"));
-                }
-            }
-            in_ranges += r.segs.len();
-        }
-        self.check_stitches(st)?;
-        in_ranges += st.vm.live_stitches;
-        let inside = st.pool.segments().filter(|(_, s)| st.vm.contains(s.base)).count();
-        if inside != in_ranges {
-            return Err(format!("{inside} pool segments in ranges, {in_ranges} listed"));
-        }
-        let queued: u64 = st.vm.retiring.iter().flat_map(|r| &r.pages).map(|p| p.2).sum();
-        let marked: u64 = st.vm.ranges.values().map(|r| r.retiring.len() as u64).sum();
-        if queued != marked {
-            return Err(format!("{queued} retiring pages queued, {marked} marked"));
-        }
-        Ok(())
-    }
-}
-
-impl<D: Device> Allocator<D> {
-    /// The expandable ranges (`expandable_segments:true`), in address order: what each maps and
-    /// how much of it is free. The stream caches are flushed first.
-    pub fn expandable_ranges(&self) -> Vec<RangeInfo> {
-        self.shared.expandable_ranges()
-    }
-}
-
-impl<D: Device> Shared<D> {
-    /// [`Allocator::expandable_ranges`].
-    pub(super) fn expandable_ranges(&self) -> Vec<RangeInfo> {
-        let mut st = self.lock_state();
-        self.flush_for_view(&mut st);
-        self.range_infos(&st)
     }
 }
 

@@ -41,6 +41,8 @@ mod leftovers;
 mod observers;
 mod oom;
 mod owner;
+mod page_moves;
+mod page_release;
 mod page_table;
 mod passthrough;
 mod plan;
@@ -58,6 +60,7 @@ mod state;
 mod stats_layout;
 mod stitch;
 mod thread_token;
+mod vm_report;
 
 pub use buffer::Buffer;
 pub use capture::Graph;

@@ -1,0 +1,134 @@
+//! Page moves between streams (expandable segments): a growth that would create pages first
+//! takes whole free chunks other streams' transient ranges have cached.
+//!
+//! ```text
+//!  donor range   [ busy ][ free chunk ][ busy ]          taker range  [ busy ]·····
+//!                         │ strict: after the donor's work    ▲
+//!                         │ wait_event: at once, the taker    │ mapped at its new place first
+//!                         │ waits for the donor's event       │
+//!                         └──────── unmapped here once the event completes (retiring)
+//! ```
+//!
+//! The old mapping retires (`Vm::retiring`) until the donor's event completes, so the donor's
+//! unfinished work never loses its memory; a growth that fails after taking chunks waits for
+//! those events on the host (`settle_taken`).
+
+use super::expandable::*;
+use super::*;
+use crate::device::PhysHandle;
+
+impl<D: Device> Shared<D> {
+    /// A growth failed after taking chunks whose old mappings still retire (`wait_event`: the
+    /// donor's work may be unfinished): waits for those events on the host (counted), so that the
+    /// old mappings go now and releasing the chunks frees their memory. Otherwise no range would
+    /// count memory the device still holds until the next poll. `from`: the retiring entries
+    /// before the growth. (A wait refused during a capture leaves them to the next poll.)
+    pub(super) fn settle_taken(&self, st: &mut State, from: usize) {
+        if st.vm.retiring.len() <= from || self.broken(Broken::UnsettledMoves) {
+            return;
+        }
+        let taken = st.vm.retiring.split_off(from);
+        let older = std::mem::replace(&mut st.vm.retiring, taken);
+        self.poll_retiring(st, !self.device.capture_underway());
+        st.vm.retiring.splice(0..0, older);
+    }
+
+    /// Takes up to `n` pages, in whole free chunks, cached by other streams' transient ranges for
+    /// a growth of `key`: under `strict` only from a stream whose work has completed, under `wait_event`
+    /// from any (the growing stream waits for it on the device; the old mapping is kept until
+    /// the event completes).
+    pub(super) fn take_pages(
+        &self,
+        st: &mut State,
+        config: &Config,
+        key: PoolKey,
+        n: u64,
+        room: u64,
+        got: &mut Vec<(PhysHandle, u64)>,
+    ) -> Result<(), AllocError> {
+        let donor =
+            |r: &Range| r.key.stream != key.stream && r.key.residency == Residency::Transient;
+        if n == 0 || !st.vm.ranges.values().any(donor) {
+            return Ok(());
+        }
+        let donors: Vec<u64> = st
+            .vm
+            .ranges
+            .values()
+            .filter(|r| r.key.stream != key.stream && r.key.residency == Residency::Transient)
+            .map(|r| r.base)
+            .collect();
+        let mut taken = 0;
+        for d in donors {
+            let want = n.saturating_sub(taken);
+            if want == 0 {
+                break;
+            }
+            let runs = self.free_page_runs(st, d, want, room - taken, true, |_| true);
+            if runs.is_empty() {
+                continue;
+            }
+            let owner = st.vm.ranges[&d].key.stream;
+            let event = self.event(st)?;
+            let failed = self.broken(Broken::VmEventErrors);
+            let done = match self.device.record_event(event, owner) {
+                // The owner was destroyed here, hence drained (see `gone_drained`; a stream
+                // forgotten otherwise may still run work on these pages: the next donor).
+                Err(DeviceError::UnknownStream(_)) if self.gone_drained(owner) => true,
+                // Nothing orders a move from this donor: the next one (or new memory).
+                Err(e) => {
+                    st.free_events.push(event);
+                    if failed {
+                        return Err(e.into()); // BROKEN: the allocation fails
+                    }
+                    continue;
+                }
+                Ok(()) if self.broken_skip_events.load(Ordering::Relaxed) => true,
+                Ok(()) => match config.cross_stream {
+                    CrossStream::Strict => self.device.query_event(event).unwrap_or(false),
+                    CrossStream::WaitEvent => {
+                        if let Err(e) = self.device.wait_event(key.stream, event) {
+                            st.free_events.push(event);
+                            if failed {
+                                return Err(e.into()); // BROKEN: the allocation fails
+                            }
+                            continue;
+                        }
+                        self.device.query_event(event).unwrap_or(false)
+                    }
+                },
+            };
+            if !done && config.cross_stream == CrossStream::Strict {
+                st.free_events.push(event);
+                continue;
+            }
+            let mut retire = Vec::new();
+            let page = st.vm.page;
+            for (block, a, b) in runs {
+                self.carve_run(st, d, block, a, b);
+                st.note(Action::SegmentUnmap, DeviceAddr(a), b - a, owner);
+                let range = st.vm.ranges.get_mut(&d).expect("donor");
+                let mut va = a;
+                while va < b {
+                    let c = range.pages.remove(va).expect("a mapped chunk");
+                    got.push((c.handle, c.pages));
+                    taken += c.pages;
+                    st.vm.counts.add_moves(c.pages);
+                    if done && self.device.vm_unmap(DeviceAddr(va), c.pages * page).is_ok() {
+                        st.vm.counts.add_unmaps(1);
+                    } else {
+                        range.retiring.extend((va..va + c.pages * page).step_by(page as usize));
+                        retire.push((d, va, c.pages));
+                    }
+                    va += c.pages * page;
+                }
+            }
+            if retire.is_empty() {
+                st.free_events.push(event);
+            } else {
+                st.vm.retiring.push(Retiring { event, pages: retire });
+            }
+        }
+        Ok(())
+    }
+}

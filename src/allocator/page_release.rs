@@ -1,0 +1,407 @@
+//! Giving pages back (expandable segments): wholly free chunks are unmapped and their physical
+//! memory released once the range's stream has finished the work enqueued so far.
+//!
+//! ```text
+//!  run  [ busy ][ free chunk ][ free chunk ][ busy ][ free ]   (a chunk goes only whole)
+//!                └─ event on the stream ─┘
+//!                   done? ─▶ unmap, release, the segment is cut around them (Pool::carve)
+//!                   not yet ─▶ queried again, or waited for (a counted host sync)
+//! ```
+//!
+//! Who releases: `empty_cache` and the out-of-memory ladder (transient ranges),
+//! `release_persistent` (persistent ones), `trim` after frees (a transient range's free mapped
+//! bytes above `release_threshold`), a stream's release or destruction (`stream_done`), and the
+//! allocator's end (`vm_leftovers`: what the device refused, left to the family). Physical
+//! allocations the device refuses to release wait in `Vm::unreleased` for another try.
+
+use super::expandable::*;
+use super::*;
+use crate::device::PhysHandle;
+use crate::pool::Segment;
+
+impl<D: Device> Shared<D> {
+    /// Releases physical allocations a failed growth had in hand.
+    pub(super) fn drop_handles(&self, st: &mut State, handles: &[(PhysHandle, u64)]) {
+        for &(h, _) in handles {
+            self.release_handle(&mut st.vm, h);
+        }
+    }
+
+    /// Releases an unmapped physical allocation; one the device refuses (an error, a panic)
+    /// waits in `unreleased` for [`Shared::retry_releases`].
+    fn release_handle(&self, vm: &mut Vm, handle: PhysHandle) {
+        if self.broken(Broken::LostReleases) {
+            let _ = self.device.vm_release(handle); // BROKEN: a refused release loses the handle
+            vm.counts.add_releases(1);
+            return;
+        }
+        match self.device.vm_release(handle) {
+            Ok(()) => vm.counts.add_releases(1),
+            Err(_) => vm.unreleased.push(handle),
+        }
+    }
+
+    /// Tries again to release the allocations the device refused before.
+    fn retry_releases(&self, vm: &mut Vm) {
+        for h in std::mem::take(&mut vm.unreleased) {
+            self.release_handle(vm, h);
+        }
+    }
+
+    /// Whole free chunks of range `base` in its runs that satisfy `which`, as runs (free block,
+    /// first page, end), the highest first, until they hold `want` pages, at most `cap` pages in
+    /// all (a chunk that would pass `cap` is passed over; with `moving`, so is a chunk a stitched
+    /// block also maps: a page move unmaps it here, and the stitch would keep its memory).
+    pub(super) fn free_page_runs(
+        &self,
+        st: &State,
+        base: u64,
+        want: u64,
+        cap: u64,
+        moving: bool,
+        mut which: impl FnMut(&Segment) -> bool,
+    ) -> Vec<(BlockId, u64, u64)> {
+        let (page, r) = (st.vm.page, &st.vm.ranges[&base]);
+        let mut out = Vec::new();
+        let (mut left, mut got) = (want, 0u64);
+        for (_, &seg) in r.segs.iter().rev() {
+            if left == 0 {
+                break;
+            }
+            if !which(st.pool.segment(seg)) {
+                continue;
+            }
+            let mut runs: Vec<_> = st
+                .pool
+                .segment_blocks(seg)
+                .filter(|(_, b)| b.state == BlockState::Free)
+                .filter_map(|(id, b)| {
+                    whole_pages(r.base, page, b.addr, b.addr + b.size).map(|(a, z)| (id, a, z))
+                })
+                .collect();
+            runs.reverse();
+            for (id, a, z) in runs {
+                // The whole chunks inside [a, z), from the top down, each no larger than what is
+                // left to find; neighbouring ones form one run.
+                let mut top = z;
+                let mut run_hi = z;
+                while top > a && left > 0 {
+                    let c = r.pages.get(top - page).expect("a run's page is mapped");
+                    let fits = c.lo >= a
+                        && c.lo + c.pages * page == top
+                        && got + c.pages <= cap
+                        && !(moving && r.aliased.contains_key(&c.lo));
+                    if fits {
+                        left = left.saturating_sub(c.pages);
+                        got += c.pages;
+                    } else if top < run_hi {
+                        out.push((id, top, run_hi));
+                    }
+                    let next = c.lo.max(a);
+                    if !fits {
+                        run_hi = next;
+                    }
+                    top = next;
+                }
+                if top < run_hi {
+                    out.push((id, top, run_hi));
+                }
+                if left == 0 {
+                    break;
+                }
+            }
+        }
+        out
+    }
+
+    /// Cuts `[a, b)` out of free block `block` of range `base` in the pool, keeping the range's
+    /// segment table and the per-stream segment counts.
+    pub(super) fn carve_run(&self, st: &mut State, base: u64, block: BlockId, a: u64, b: u64) {
+        let seg = st.pool.block(block).segment;
+        let old_base = st.pool.segment(seg).base;
+        let stream = st.pool.segment(seg).key.stream;
+        let (below, above) = st.pool.carve(block, a, b);
+        let range = st.vm.ranges.get_mut(&base).expect("range");
+        range.segs.remove(&old_base);
+        for s in [below, above].into_iter().flatten() {
+            range.segs.insert(st.pool.segment(s).base, s);
+        }
+        match (below, above) {
+            (Some(_), Some(_)) => *st.segment_streams.entry(stream).or_default() += 1,
+            (None, None) => Self::forget_segment(st, stream),
+            _ => {}
+        }
+    }
+
+    /// Unmaps and releases wholly free chunks of the ranges' runs that satisfy `which`, the
+    /// highest first, until at most `keep` free mapped bytes are left per range (a chunk is
+    /// released whole, so a range may end below `keep`; 0: release all), each range only after
+    /// its stream's work so far has completed (an event; a host sync where it has not).
+    pub(super) fn release_pages(
+        &self,
+        st: &mut State,
+        mut which: impl FnMut(&Segment) -> bool,
+        keep: u64,
+    ) -> Result<(), AllocError> {
+        if self.role.graph_held() && !self.broken(Broken::GraphPoolReleased) {
+            return Ok(()); // a graph's replays write the pool's free pages (`release_segment`)
+        }
+        self.retry_releases(&mut st.vm);
+        // A moved page still mapped at its old place would outlive its release there (the
+        // driver frees memory at its last unmapping): old places go first.
+        self.poll_retiring(st, true);
+        // Freed stitched blocks (flushed from the stream caches) give their chunks back first.
+        self.unstitch_freed(st);
+        let page = st.vm.page;
+        let bases: Vec<u64> = st.vm.ranges.keys().copied().collect();
+        let mut result = Ok(());
+        for base in bases {
+            let max = if keep == 0 {
+                u64::MAX
+            } else {
+                let free = self.range_free_bytes(st, base, &mut which);
+                if free <= keep {
+                    continue;
+                }
+                (free - keep).div_ceil(page)
+            };
+            let runs = self.free_page_runs(st, base, max, u64::MAX, false, &mut which);
+            if runs.is_empty() {
+                continue;
+            }
+            let stream = st.vm.ranges[&base].key.stream;
+            if self.broken(Broken::StitchUnmapEarly) {
+                self.drop_stitches_over(st, base, &runs); // BROKEN: before its work is done
+            }
+            // Its work cannot be waited for: its pages stay mapped (the next range).
+            if let Err(e) = self.stream_done(st, stream) {
+                if self.broken(Broken::VmEventErrors) {
+                    return Err(e); // BROKEN: the release (and the allocation under it) fails
+                }
+                continue;
+            }
+            // The stream's work is done: the cached stitched blocks over these chunks go first
+            // (the driver frees memory at its last unmapping).
+            self.drop_stitches_over(st, base, &runs);
+            for (block, a, b) in runs {
+                // From the top down; stop at the first refusal.
+                let mut done = b;
+                while done > a {
+                    let c = st.vm.ranges[&base].pages.get(done - page).expect("a mapped chunk");
+                    if let Err(e) = self.device.vm_unmap(DeviceAddr(c.lo), c.pages * page) {
+                        result = Err(e.into());
+                        break;
+                    }
+                    st.vm.counts.add_unmaps(1);
+                    self.release_handle(&mut st.vm, c.handle);
+                    st.vm.ranges.get_mut(&base).expect("range").pages.remove(c.lo);
+                    done = c.lo;
+                }
+                if done < b {
+                    self.carve_run(st, base, block, done, b);
+                    st.note(Action::SegmentUnmap, DeviceAddr(done), b - done, stream);
+                }
+                if result.is_err() {
+                    self.publish_vm(&mut st.vm);
+                    return result;
+                }
+            }
+        }
+        self.publish_vm(&mut st.vm);
+        result
+    }
+
+    /// Free mapped bytes of range `base` (free blocks of its runs) where they satisfy `which`.
+    fn range_free_bytes(
+        &self,
+        st: &State,
+        base: u64,
+        which: &mut impl FnMut(&Segment) -> bool,
+    ) -> u64 {
+        let r = &st.vm.ranges[&base];
+        r.segs
+            .values()
+            .filter(|&&s| which(st.pool.segment(s)))
+            .flat_map(|&s| st.pool.segment_blocks(s))
+            .filter(|(_, b)| b.state == BlockState::Free)
+            .map(|(_, b)| b.size)
+            .sum()
+    }
+
+    /// Returns once `stream`'s work enqueued so far has completed: an event recorded and queried,
+    /// waited for (a host sync) if it has not completed. A stream destroyed through this family
+    /// was drained; one the device forgot otherwise costs a wait for the whole device.
+    pub(super) fn stream_done(&self, st: &mut State, stream: StreamId) -> Result<(), AllocError> {
+        if self.broken_skip_events.load(Ordering::Relaxed) {
+            return Ok(());
+        }
+        let event = self.event(st)?;
+        let r = match self.device.record_event(event, stream) {
+            Err(DeviceError::UnknownStream(_)) if self.gone_drained(stream) => Ok(()),
+            Err(e) if self.broken(Broken::VmEventErrors) => Err(e),
+            // No event marks its work (a stream destroyed elsewhere, maybe still draining, or
+            // a refused record): wait for all of the device's.
+            Err(_) => self.host_wait(st),
+            Ok(()) => match self.device.query_event(event) {
+                Ok(true) => Ok(()),
+                _ => {
+                    st.counters.host_syncs += 1;
+                    self.device.synchronize_event(event)
+                }
+            },
+        };
+        st.free_events.push(event);
+        Ok(r?)
+    }
+
+    /// Unmaps the old mappings of moved pages whose donor's event has completed (with `block`:
+    /// waits for them, a host sync each).
+    #[inline]
+    pub(super) fn poll_retiring(&self, st: &mut State, block: bool) {
+        if !st.vm.retiring.is_empty() {
+            self.poll_retiring_now(st, block);
+        }
+    }
+
+    /// [`Shared::poll_retiring`] where pages retire.
+    #[cold]
+    fn poll_retiring_now(&self, st: &mut State, block: bool) {
+        let page = st.vm.page;
+        let mut keep = Vec::new();
+        for mut r in std::mem::take(&mut st.vm.retiring) {
+            let done = match self.device.query_event(r.event) {
+                Ok(true) => true,
+                _ if block => {
+                    st.counters.host_syncs += 1;
+                    self.device.synchronize_event(r.event).is_ok()
+                }
+                _ => false,
+            };
+            if done {
+                r.pages.retain(|&(base, va, n)| {
+                    if self.device.vm_unmap(DeviceAddr(va), n * page).is_err() {
+                        return true;
+                    }
+                    st.vm.counts.add_unmaps(1);
+                    if let Some(range) = st.vm.ranges.get_mut(&base) {
+                        for p in (va..va + n * page).step_by(page as usize) {
+                            range.retiring.remove(&p);
+                        }
+                    }
+                    false
+                });
+            }
+            if r.pages.is_empty() {
+                st.free_events.push(r.event);
+            } else {
+                keep.push(r);
+            }
+        }
+        st.vm.retiring = keep;
+    }
+
+    /// After frees: a transient range whose free mapped bytes exceed `release_threshold` gives
+    /// pages back down to it. Checked for the streams whose free bytes changed, and only when
+    /// they grew by a page since a check that released nothing. Errors leave pages mapped.
+    pub(super) fn trim(&self, st: &mut State) {
+        let threshold = st.vm.threshold;
+        if threshold == u64::MAX && st.vm.learning.is_empty() || st.vm.ranges.is_empty() {
+            return;
+        }
+        let streams: Vec<StreamId> = st.pool.dirty_streams();
+        for s in streams {
+            let t = if st.vm.learning.contains_key(&s) { 0 } else { threshold };
+            if t == u64::MAX {
+                continue;
+            }
+            let free = st.pool.free_bytes_of(s);
+            if free <= t {
+                st.vm.checked.remove(&s);
+                continue;
+            }
+            if st.vm.checked.get(&s).is_some_and(|&c| free < c.saturating_add(st.vm.page)) {
+                continue;
+            }
+            let which =
+                |seg: &Segment| seg.key.stream == s && seg.key.residency == Residency::Transient;
+            let _ = self.release_pages(st, which, t);
+            let after = st.pool.free_bytes_of(s);
+            st.vm.checked.insert(s, after);
+        }
+    }
+
+    /// A named scope's learning run opened (`open`) or ended on `stream`. While one is open,
+    /// frees on the stream give its transient range's whole free pages back at once (as
+    /// `release_threshold_mb:0` would, for that stream only): the learning run's peak is then its
+    /// live bytes, not the pages its freed blocks left mapped, and since the runs after it are
+    /// served from the plan's region, the maps and unmaps this costs are paid in that run only.
+    /// (`mlp_train`: the first step's peak 1.033 × the plan without it, 1.003 with it.)
+    pub(super) fn set_learning(&self, st: &mut State, stream: StreamId, open: bool) {
+        let n = st.vm.learning.entry(stream).or_default();
+        match open {
+            true => *n += 1,
+            false => *n = n.saturating_sub(1),
+        }
+        if *n == 0 {
+            st.vm.learning.remove(&stream);
+        }
+        let cacheable = Self::large_cacheable(st, &self.config.load());
+        self.cache_large.store(cacheable, Ordering::Relaxed);
+        if !cacheable {
+            // Blocks cached before the run opened are free from now on, as they would have
+            // been without the cache: the run's trims see them.
+            self.flush_large(st);
+        }
+    }
+
+    /// Frees the virtual ranges of keys satisfying `which` that have nothing mapped (a destroyed
+    /// or released stream's, or all of them when the allocator goes).
+    pub(super) fn free_ranges(&self, st: &mut State, mut which: impl FnMut(&PoolKey) -> bool) {
+        self.retry_releases(&mut st.vm);
+        let gone: Vec<u64> = st
+            .vm
+            .ranges
+            .values()
+            .filter(|r| which(&r.key) && r.pages.is_empty() && r.retiring.is_empty())
+            .map(|r| r.base)
+            .filter(|&b| !st.vm.stitches.iter().any(|s| s.home == b))
+            .collect();
+        for base in gone {
+            let size = st.vm.ranges[&base].size;
+            if self.device.vm_free(DeviceAddr(base), size).is_ok() {
+                let r = st.vm.ranges.remove(&base).expect("listed");
+                st.vm.spans.retain(|&(b, _)| b != base);
+                st.vm.by_key.remove(&r.key);
+                st.vm.virtual_bytes -= size;
+            }
+        }
+        self.publish_vm(&mut st.vm);
+    }
+
+    /// What the ranges still hold on the device as the allocator goes (the calls that would
+    /// have given it back were refused), for the family to try again (`leftovers.rs`): every
+    /// mapping, old places of moved pages included, every physical allocation and every range.
+    /// (A range holding a block still counted as allocated, which only a bug leaves by now,
+    /// stays as it is.)
+    pub(super) fn vm_leftovers(&self, vm: &mut Vm, pool: &Pool) -> Vec<Leftover> {
+        let page = vm.page;
+        // The stitches' mappings first: a physical allocation is freed at its last unmapping.
+        let mut left = Self::stitch_leftovers(vm);
+        left.extend(vm.unreleased.drain(..).map(Leftover::Release));
+        for r in std::mem::take(&mut vm.retiring) {
+            left.extend(r.pages.iter().map(|&(_, va, n)| Leftover::Unmap { va, bytes: n * page }));
+            left.push(Leftover::Event(r.event));
+        }
+        for range in vm.ranges.values() {
+            if range.segs.values().any(|&id| pool.segment(id).busy_blocks != 0) {
+                continue;
+            }
+            for c in range.pages.chunks() {
+                left.push(Leftover::Unmap { va: c.lo, bytes: c.pages * page });
+                left.push(Leftover::Release(c.handle));
+            }
+            left.push(Leftover::Free { base: range.base, size: range.size });
+        }
+        left
+    }
+}
