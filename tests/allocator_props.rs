@@ -124,7 +124,11 @@ fn check(
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 200, ..ProptestConfig::default() })]
+    // `PROPTEST_CASES` raises the count for a long hunt.
+    #![proptest_config(ProptestConfig {
+        cases: std::env::var("PROPTEST_CASES").ok().and_then(|c| c.parse().ok()).unwrap_or(200),
+        ..ProptestConfig::default()
+    })]
 
     #[test]
     fn random_programs_keep_every_invariant(

@@ -163,7 +163,11 @@ fn run(ops: Vec<Op>, broken: bool) -> Result<(), TestCaseError> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+    // `PROPTEST_CASES` raises the count for a long hunt.
+    #![proptest_config(ProptestConfig {
+        cases: std::env::var("PROPTEST_CASES").ok().and_then(|c| c.parse().ok()).unwrap_or(64),
+        ..ProptestConfig::default()
+    })]
 
     #[test]
     fn random_pinned_programs_keep_bytes_and_stream_order(ops in prop::collection::vec(op(), 1..60)) {

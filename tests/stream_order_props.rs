@@ -125,7 +125,11 @@ fn run(policy: &str, ops: Vec<Op>) -> Result<(), TestCaseError> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
+    // `PROPTEST_CASES` raises the count for a long hunt.
+    #![proptest_config(ProptestConfig {
+        cases: std::env::var("PROPTEST_CASES").ok().and_then(|c| c.parse().ok()).unwrap_or(48),
+        ..ProptestConfig::default()
+    })]
 
     #[test]
     fn strict_programs_are_stream_ordered(ops in prop::collection::vec(op(), 1..80)) {

@@ -281,7 +281,11 @@ fn program() -> impl Strategy<Value = Vec<RunSpec>> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+    // `PROPTEST_CASES` raises the count for a long hunt.
+    #![proptest_config(ProptestConfig {
+        cases: std::env::var("PROPTEST_CASES").ok().and_then(|c| c.parse().ok()).unwrap_or(64),
+        ..ProptestConfig::default()
+    })]
 
     #[test]
     fn named_scope_runs_never_overlap_and_repeats_follow_the_plan(runs in program()) {
