@@ -37,6 +37,7 @@ mod fast_cache;
 mod gc;
 mod history;
 mod lane_lock;
+mod lane_table;
 mod leftovers;
 mod observers;
 mod oom;
@@ -80,11 +81,11 @@ pub(crate) mod internals {
         BASE_WORDS, BYTES, BaseStats, CACHED_BYTES, COUNT, CacheList, FAST_WORDS, REQ, Snapshot,
         assemble, collect, fast_cur, fast_tot, quadrant,
     };
-    pub use super::fast_cache::thread_lane;
     pub use super::fast_cache::{
-        CacheTable, CachedBlock, ClassKey, FAST_STREAMS, Limits, Pop, StreamCache, flush_into,
+        CachedBlock, ClassKey, FAST_STREAMS, Limits, Pop, StreamCache, flush_into,
     };
     pub use super::lane_lock::{LaneGuard, LaneLock};
+    pub use super::lane_table::{CacheTable, thread_lane};
     pub use super::request::RequestPlan;
     pub use super::seqlock::{Collect, SeqBlock, SeqWriter, Versioned};
     #[cfg(loom)]
@@ -104,7 +105,8 @@ use broken::Broken;
 use buffer::Origin;
 use counters::{BASE_WORDS, BaseStats, quadrant};
 use events::Mark;
-use fast_cache::{CacheTable, CachedBlock, ClassKey, Limits, Pop, StreamCache, flush_into};
+use fast_cache::{CachedBlock, ClassKey, Limits, Pop, StreamCache, flush_into};
+use lane_table::CacheTable;
 use leftovers::{Leftover, Leftovers};
 use owner::OwnerTable;
 use plan::{Learned, Region};
@@ -605,11 +607,11 @@ impl<D: Device> Allocator<D> {
             // This thread's lane first, then the stream's other lanes (a block freed on another
             // thread), each under its own lock only. Each lane rounds the request by the size
             // rules it was configured with, so a hit loads no configuration.
-            for k in 0..fast_cache::LANES {
+            for k in 0..lane_table::LANES {
                 // Through the lane's owner (made here the first time), whose hold a hit takes;
                 // borrowed once made (no reference count touched: a large request leaves at the
                 // first lane, and a miss looks at every lane).
-                let lane = (fast_cache::thread_lane() + k) % fast_cache::LANES;
+                let lane = (lane_table::thread_lane() + k) % lane_table::LANES;
                 let (held, made);
                 let owner: &Arc<owner::Owner<D>> = match self.owners.owner_slot(stream, lane) {
                     Some(slot) => {
@@ -968,7 +970,7 @@ impl<D: Device> Allocator<D> {
     #[doc(hidden)]
     pub fn lanes_cached_bytes(&self, stream: StreamId) -> (Vec<u64>, usize) {
         let lanes = self.shared.caches.lanes(stream);
-        (lanes.iter().map(|c| c.cached_bytes_now()).collect(), fast_cache::thread_lane())
+        (lanes.iter().map(|c| c.cached_bytes_now()).collect(), lane_table::thread_lane())
     }
 
     /// **Test only** (feature `test-hooks`): whether each cache lane of `stream`, in lane

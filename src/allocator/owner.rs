@@ -50,7 +50,8 @@
 //! ```
 
 use super::Shared;
-use super::fast_cache::{FAST_STREAMS, LANES, StreamCache, slot_choices, slot_index, thread_lane};
+use super::fast_cache::{FAST_STREAMS, StreamCache};
+use super::lane_table::{LANES, slot_choices, slot_index, thread_lane};
 use super::private_pool::Family;
 use crate::device::{Device, StreamId};
 use crate::sync::{Arc, OnceSlot, SlotRef};

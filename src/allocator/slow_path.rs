@@ -713,7 +713,7 @@ impl<D: Device> Shared<D> {
         let known = st.streams.contains_key(&stream) || self.broken(Broken::UnknownStreams);
         // The first of its slots with no lanes yet, or whose stream is gone.
         let mut chosen = None;
-        for slot in fast_cache::slot_choices(stream) {
+        for slot in lane_table::slot_choices(stream) {
             let lanes = self.caches.slot_lanes(slot);
             if lanes.is_empty() {
                 chosen = Some((slot, lanes));
@@ -804,7 +804,7 @@ impl<D: Device> Shared<D> {
         sizing: crate::pool::Sizing,
         closed: bool,
     ) -> Vec<Arc<StreamCache>> {
-        let lanes: Vec<_> = (0..fast_cache::LANES)
+        let lanes: Vec<_> = (0..lane_table::LANES)
             .map(|k| {
                 let cache = StreamCache::new_lane(stream, limits, k);
                 cache.configure(limits, sizing);
