@@ -159,11 +159,12 @@ impl<D: Device> Allocator<D> {
     }
 
     /// A text table of the statistics, like `torch.cuda.memory_summary()`.
+    ///
+    /// A read: unlike [`Allocator::snapshot`] it flushes no stream cache, so the blocks they
+    /// hold show in the fast-cached row, and the ranges as the last lock section left them.
     pub fn memory_summary(&self) -> String {
-        // The ranges first: their flush and what it settles are in the statistics below.
         let (ranges, note) = {
-            let mut st = self.shared.lock_state();
-            self.shared.flush_for_view(&mut st);
+            let st = self.shared.lock_state();
             (self.shared.range_infos(&st), st.vm.note().map(str::to_string))
         };
         let s = self.stats();
