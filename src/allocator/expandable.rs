@@ -63,7 +63,7 @@ pub(super) struct Range {
     /// work is done: neither usable nor mappable meanwhile.
     pub(super) retiring: BTreeSet<u64>,
     /// Growths made while the pool had freed no block yet (see [`Shared::with_headroom`]).
-    pub(super) build_up: u64,
+    build_up: u64,
     /// Pages lent to a live stitched block (`stitch.rs`): mapped, in no run of the pool's,
     /// neither usable nor mappable here until the stitched block is free again.
     /// As chunks: first page → end.
@@ -150,7 +150,7 @@ impl VmCounts {
         self.unpublished = true;
     }
 
-    pub(super) fn add_creates(&mut self, n: u64) {
+    fn add_creates(&mut self, n: u64) {
         self.creates += n;
         self.unpublished = true;
     }
@@ -176,15 +176,15 @@ pub(super) struct Vm {
     pub(super) by_key: SortedMap<PoolKey, u64>,
     pub(super) retiring: Vec<Retiring>,
     /// Whether the device has virtual memory management, once asked.
-    pub(super) supported: Option<bool>,
+    supported: Option<bool>,
     /// The chunk list of a growth, kept between growths (empty).
-    pub(super) scratch: Vec<(PhysHandle, u64)>,
+    scratch: Vec<(PhysHandle, u64)>,
     /// Page size (the device's granularity), known once a range exists.
     pub(super) page: u64,
     /// `release_threshold` of the configuration last seen by the slow path.
     pub(super) threshold: u64,
     /// Why expandable segments asked for are not (all) in use.
-    pub(super) note: Option<String>,
+    note: Option<String>,
     /// Stitched blocks, live and cached (`stitch.rs`).
     pub(super) stitches: Vec<super::stitch::Stitch>,
     /// How many of them are live (hold a pool segment).
