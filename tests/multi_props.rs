@@ -820,9 +820,10 @@ impl World {
         Ok(())
     }
 
-    /// A view of allocator `by` while the other thread works: it flushes every stream cache
-    /// (the other thread's lanes too) and settles what that freed. Each segment the snapshot
-    /// lists is whole (its blocks tile it), and the summary and the pickle are written.
+    /// A view of allocator `by` while the other thread works: a snapshot or the range list
+    /// flushes every stream cache (the other thread's lanes too) and settles what that freed.
+    /// Each segment the snapshot lists is whole (its blocks tile it), and the summary and the
+    /// pickle are written.
     fn view(&self, by: usize, which: usize) -> R {
         let a = &self.allocs[by];
         match which {

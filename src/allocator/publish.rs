@@ -44,8 +44,8 @@ impl<D: Device> Shared<D> {
     /// What every lock section ends with before its statistics go out: a closed allocator lets
     /// go of what it may, freed stitched blocks give their chunks back, expandable ranges are
     /// trimmed, and with caching off free segments go back to the device. A view that flushes
-    /// the stream caches (`snapshot`, `expandable_ranges`, the summary) calls it before it
-    /// reads, so that it shows what the lock section leaves, not pages or segments about to go.
+    /// the stream caches (`snapshot`, `expandable_ranges`) calls it before it reads, so that it
+    /// shows what the lock section leaves, not pages or segments about to go.
     pub(super) fn settle(&self, st: &mut State) {
         if st.stash_closed {
             self.release_closed(st);
