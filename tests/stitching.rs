@@ -434,8 +434,10 @@ fn a_stitch_outlives_its_configuration(config: &str) {
     alloc.set_config(Config::parse(config).unwrap()).unwrap();
     // An ordinary request: a segment of its own, not the range.
     let o = alloc.alloc(4 * MIB, S0).unwrap();
-    let seg = alloc.snapshot().iter().find(|g| g.address == o.ptr()).map(|g| g.size);
-    assert_eq!(dev.live_segments(), vec![(o.ptr(), seg.unwrap())]);
+    let seg = alloc.snapshot().iter().find(|g| g.address == o.ptr()).map(|g| g.size).unwrap();
+    assert_eq!(o.ptr().0, stitch_base().0 + 24 * MIB, "the device's next addresses");
+    assert_eq!(dev.live_segments(), vec![(o.ptr(), seg)]);
+    let next = o.ptr().0 + seg;
     drop(s);
     // Every view settles first: the stitch's segment is gone from the pool, its chunks are home.
     let snap = alloc.snapshot();
@@ -462,6 +464,8 @@ fn a_stitch_outlives_its_configuration(config: &str) {
     let s = alloc.alloc(24 * MIB, S0).unwrap();
     assert_eq!(alloc.expandable_ranges()[0].stitches, 1);
     assert_eq!(s.block_size(), 24 * MIB);
+    // A range of its own again, at the device's next addresses (the segment's came before).
+    assert_eq!(s.ptr().0, next);
     alloc.check_invariants().unwrap();
     drop((s, kept));
     drop(alloc);
