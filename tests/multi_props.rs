@@ -159,8 +159,9 @@ enum Op {
 /// What `Op::SetConfig` switches an allocator to (with its cross-stream policy kept): the
 /// default, expandable segments (and with pages released at once, and with stitching), caching
 /// off, one global lock, a split bound, rounding divisions, garbage collection, reuse within a
-/// capture after a side stream's join.
-const CONFIGS: [&str; 11] = [
+/// capture after a side stream's join, and expandable segments with those size rules and
+/// garbage collection.
+const CONFIGS: [&str; 13] = [
     "",
     "expandable_segments:true",
     "expandable_segments:true,release_threshold_mb:0",
@@ -174,6 +175,8 @@ const CONFIGS: [&str; 11] = [
     // Lane locks without the bias: a switch to or from it revokes every lane's bias while the
     // other thread hits its lanes.
     "biased_lanes:false",
+    "expandable_segments:true,max_split_size_mb:40,roundup_power2_divisions:4",
+    "expandable_segments:true,garbage_collection_threshold:0.5,release_threshold_mb:4",
 ];
 
 /// One step of a scope script (bound buffers are `ScopedBuffer`s; unbound ones `Buffer`s).
