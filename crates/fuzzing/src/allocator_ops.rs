@@ -543,19 +543,6 @@ impl<'a> Harness<'a> {
         c.mallocs + c.failed_mallocs
     }
 
-    /// Does `[lo, hi)` lie in mapped virtual memory of the device?
-    fn mapped(&self, lo: u64, hi: u64) -> bool {
-        let maps = self.dev.live_mappings();
-        let mut cur = lo;
-        while cur < hi {
-            match maps.iter().find(|&&(a, n)| a.0 <= cur && cur < a.0 + n) {
-                Some(&(a, n)) => cur = a.0 + n,
-                None => return false,
-            }
-        }
-        true
-    }
-
     /// Physical creations and mappings refused so far (injected, or the device full).
     fn vm_failures(&self) -> u64 {
         let v = self.dev.vm_counters();
@@ -1134,7 +1121,7 @@ impl<'a> Harness<'a> {
                     let segs = self.dev.live_segments();
                     ensure!(
                         segs.iter().any(|&(p, len)| p.0 <= lo && hi <= p.0 + len)
-                            || self.mapped(lo, hi),
+                            || mapped(&self.dev.live_mappings(), lo, hi),
                         "bound {b:?} is in no live device segment or mapping: {segs:x?}"
                     );
                     let spans = outside
@@ -1718,19 +1705,16 @@ impl<'a> Harness<'a> {
     }
 }
 
-/// Whether `maps` (address, bytes; disjoint) cover `[lo, hi)` wholly.
+/// Does `[lo, hi)` lie wholly in the device's mappings `maps` (address, bytes; disjoint)?
 fn mapped(maps: &[(DeviceAddr, u64)], lo: u64, hi: u64) -> bool {
-    let mut parts: Vec<(u64, u64)> =
-        maps.iter().map(|&(a, n)| (a.0, a.0 + n)).filter(|&(a, e)| a < hi && lo < e).collect();
-    parts.sort_unstable();
-    let mut at = lo;
-    for (a, e) in parts {
-        if a > at {
-            return false;
+    let mut cur = lo;
+    while cur < hi {
+        match maps.iter().find(|&&(a, n)| a.0 <= cur && cur < a.0 + n) {
+            Some(&(a, n)) => cur = a.0 + n,
+            None => return false,
         }
-        at = at.max(e);
     }
-    at >= hi
+    true
 }
 
 fn stat_groups(b: &BlockStats) -> [&StatGroup; 9] {
