@@ -358,6 +358,125 @@ fn statistics_use_the_device_allocators_names_exactly() {
     pinned.check_invariants().unwrap();
 }
 
+/// PyTorch's `test_host_memory_stats` (`test/test_cuda.py`), key for key: two pinned tensors of
+/// 10 Ki and 20 Ki floats (40 and 80 KiB: blocks of 64 and 128 KiB), then `_host_emptyCache`
+/// with both live (nothing changes), then the two resets. Then what the upstream test does not
+/// reach: a block that waits on its copy stays an active request after its buffer is dropped,
+/// and `empty_cache` counts its frees and their times.
+#[test]
+fn host_memory_stats_has_pytorchs_keys_and_counts() {
+    let (dev, alloc, pinned) = setup();
+    let keys = |stats: &std::collections::BTreeMap<String, i64>| -> Vec<String> {
+        stats.keys().cloned().collect()
+    };
+    let mut expected: std::collections::BTreeMap<String, i64> = std::collections::BTreeMap::new();
+    for stat in ["allocations", "allocated_bytes", "active_requests", "active_bytes"] {
+        for field in ["current", "peak", "allocated", "freed"] {
+            expected.insert(format!("{stat}.{field}"), 0);
+        }
+    }
+    for t in ["host_alloc_time", "host_free_time"] {
+        for field in ["total", "max", "min", "count", "avg"] {
+            expected.insert(format!("{t}.{field}"), 0);
+        }
+    }
+    expected.insert("num_host_alloc".into(), 0);
+    expected.insert("num_host_free".into(), 0);
+    // The times are real microseconds, whatever SimDevice's calls take: compared apart.
+    let timed =
+        |k: &str| k.starts_with("host_") && !k.ends_with(".count") && (k.contains("_time."));
+    let check = |expected: &std::collections::BTreeMap<String, i64>, what: &str| {
+        let stats = pinned.stats().to_pytorch();
+        assert_eq!(keys(&stats), keys(expected), "{what}: the key set");
+        for (k, v) in expected {
+            if !timed(k) {
+                assert_eq!(stats[k], *v, "{what}: {k}");
+            }
+        }
+        pinned.check_invariants().unwrap();
+        stats
+    };
+    let bump = |expected: &mut std::collections::BTreeMap<String, i64>, bytes: i64| {
+        for stat in ["active_requests", "allocations"] {
+            for field in ["allocated", "current", "peak"] {
+                *expected.get_mut(&format!("{stat}.{field}")).unwrap() += 1;
+            }
+        }
+        for stat in ["allocated_bytes", "active_bytes"] {
+            for field in ["allocated", "current", "peak"] {
+                *expected.get_mut(&format!("{stat}.{field}")).unwrap() += bytes;
+            }
+        }
+        *expected.get_mut("num_host_alloc").unwrap() += 1;
+        *expected.get_mut("host_alloc_time.count").unwrap() += 1;
+    };
+    pinned.empty_cache().unwrap();
+    check(&expected, "empty");
+
+    let t1 = pinned.alloc(10 * 1024 * 4).unwrap();
+    bump(&mut expected, 16 * 1024 * 4);
+    check(&expected, "after t1");
+    let t2 = pinned.alloc(20 * 1024 * 4).unwrap();
+    bump(&mut expected, 32 * 1024 * 4);
+    let stats = check(&expected, "after t2");
+    assert!(stats["host_alloc_time.min"] <= stats["host_alloc_time.max"]);
+    assert!(stats["host_alloc_time.max"] <= stats["host_alloc_time.total"]);
+    assert_eq!(stats["host_alloc_time.avg"], stats["host_alloc_time.total"] / 2);
+
+    pinned.empty_cache().unwrap();
+    check(&expected, "empty_cache with both live");
+
+    pinned.reset_peak_stats();
+    pinned.reset_accumulated_stats();
+    for (k, v) in expected.iter_mut() {
+        if k.ends_with(".allocated")
+            || k.ends_with(".freed")
+            || k.starts_with("num_")
+            || timed(k)
+            || k.ends_with(".count")
+        {
+            *v = 0;
+        }
+    }
+    let stats = check(&expected, "after both resets");
+    for t in ["host_alloc_time", "host_free_time"] {
+        for field in ["total", "max", "min", "avg"] {
+            assert_eq!(stats[&format!("{t}.{field}")], 0, "{t}.{field} after both resets");
+        }
+    }
+    assert_eq!((stats["allocations.current"], stats["allocations.peak"]), (2, 2));
+    assert_eq!(stats["allocated_bytes.peak"], (16 + 32) * 1024 * 4);
+
+    // t2 is read by an upload that cannot run yet: dropped, its block is still an active
+    // request; t1, unused, is free at once. `empty_cache` frees t1's block only.
+    let gpu = alloc.alloc(128 << 10, S).unwrap();
+    let open = gate(&dev, S);
+    let mut t2 = t2;
+    t2.upload(&gpu).unwrap();
+    drop(t2);
+    drop(t1);
+    pinned.empty_cache().unwrap();
+    let stats = pinned.stats().to_pytorch();
+    assert_eq!((stats["active_requests.current"], stats["active_requests.freed"]), (1, 1));
+    assert_eq!((stats["active_bytes.current"], stats["active_bytes.freed"]), (128 << 10, 64 << 10));
+    assert_eq!((stats["allocations.current"], stats["allocations.freed"]), (1, 1));
+    assert_eq!(
+        (stats["allocated_bytes.current"], stats["allocated_bytes.freed"]),
+        (128 << 10, 64 << 10)
+    );
+    assert_eq!((stats["num_host_free"], stats["host_free_time.count"]), (1, 1));
+    assert_eq!((stats["num_host_alloc"], stats["host_alloc_time.count"]), (0, 0));
+
+    open.send(()).unwrap();
+    dev.synchronize().unwrap();
+    pinned.empty_cache().unwrap();
+    let stats = pinned.stats().to_pytorch();
+    assert_eq!((stats["active_requests.current"], stats["allocations.current"]), (0, 0));
+    assert_eq!((stats["num_host_free"], stats["host_free_time.count"]), (2, 2));
+    assert_eq!((stats["allocations.peak"], stats["active_requests.peak"]), (2, 2));
+    pinned.check_invariants().unwrap();
+}
+
 #[test]
 fn bad_sizes_are_errors_that_leave_the_allocator_working() {
     let (dev, _alloc, pinned) = setup();

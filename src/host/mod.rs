@@ -34,7 +34,10 @@
 //! Statistics use the device allocator's names ([`HostStats`]: `allocated_bytes`,
 //! `reserved_bytes`, `active_bytes`, `requested_bytes`, `allocation`, `segment`, `active`, each
 //! a [`Stat`]; `num_host_alloc`, `num_host_free`, `num_alloc_retries`, `num_ooms`,
-//! `num_host_syncs`).
+//! `num_host_syncs`; the device calls' times, `host_alloc_time` and `host_free_time`).
+//! [`HostStats::to_pytorch`] gives the keys of `torch.cuda.host_memory_stats()`, whose names
+//! count differently; [`HostAllocator::reset_peak_stats`] and
+//! [`HostAllocator::reset_accumulated_stats`] are PyTorch's two resets.
 //!
 //! ```
 //! use std::sync::Arc;
@@ -63,7 +66,7 @@ pub use buffer::PinnedBuffer;
 
 use crate::device::{AccessKind, Device, DeviceError, EventId, Guarded, HostPtr, StreamId};
 use crate::sync::{Arc, Mutex, MutexGuard, lock};
-use crate::types::{Bytes, MAX_REQUEST, Stat};
+use crate::types::{Bytes, DurationStat, MAX_REQUEST, Stat};
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::fmt;
 
@@ -185,6 +188,10 @@ pub struct HostStats {
     pub cached_bytes: u64,
     /// Bytes of freed blocks still waiting on their copies' events (now).
     pub pending_bytes: u64,
+    /// Time in successful `cuMemHostAlloc` calls (one per `num_host_alloc`).
+    pub host_alloc_time: DurationStat,
+    /// Time in successful `cuMemFreeHost` calls (one per `num_host_free`).
+    pub host_free_time: DurationStat,
 }
 
 impl HostStats {
@@ -201,6 +208,101 @@ impl HostStats {
         ] {
             s.reset_peak();
         }
+        self.host_alloc_time.reset_peak();
+        self.host_free_time.reset_peak();
+    }
+
+    /// Zeroes every cumulative figure (PyTorch's `reset_accumulated_host_memory_stats`): each
+    /// [`Stat`]'s `allocated` and `freed`, the call counters and the timings' totals and counts.
+    /// Current values, peaks, `cached_bytes` and `pending_bytes` stay.
+    pub fn reset_accumulated(&mut self) {
+        for s in [
+            &mut self.allocated_bytes,
+            &mut self.reserved_bytes,
+            &mut self.active_bytes,
+            &mut self.requested_bytes,
+            &mut self.allocation,
+            &mut self.segment,
+            &mut self.active,
+        ] {
+            s.reset_accumulated();
+        }
+        self.num_host_alloc = 0;
+        self.num_host_free = 0;
+        self.num_alloc_retries = 0;
+        self.num_ooms = 0;
+        self.num_host_syncs = 0;
+        self.host_alloc_time.reset_accumulated();
+        self.host_free_time.reset_accumulated();
+    }
+
+    /// The flat dictionary `torch.cuda.host_memory_stats()` returns (PyTorch 2.9's keys, sorted).
+    /// PyTorch's names count differently from this struct's, so the mapping is:
+    ///
+    /// | PyTorch key              | from                        | what it counts                       |
+    /// |--------------------------|-----------------------------|--------------------------------------|
+    /// | `allocations.*`          | [`Self::segment`]           | pinned blocks held (live, waiting, free) |
+    /// | `allocated_bytes.*`      | [`Self::reserved_bytes`]    | their bytes (size classes)           |
+    /// | `active_requests.*`      | [`Self::active`]            | blocks live or waiting on their copies |
+    /// | `active_bytes.*`         | [`Self::active_bytes`]      | their bytes                          |
+    /// | `num_host_alloc`, `num_host_free` | the same fields    | successful device calls              |
+    /// | `host_alloc_time.*`, `host_free_time.*` | the same fields | `total`, `max`, `min`, `count`, `avg` in µs |
+    ///
+    /// Each `*` above is `current`, `peak`, `allocated` and `freed`. PyTorch sums per-size-class
+    /// peaks (its docs call them "a best-effort approximation of the true peak"); these peaks
+    /// are exact. (PyTorch before 2.9 named them `allocation`, `segment`, `allocated_bytes` and
+    /// `reserved_bytes`, with `allocated_bytes` then meaning the bytes handed out.)
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use tidepool::{HostAllocator, SimDevice};
+    ///
+    /// let pinned = HostAllocator::new(Arc::new(SimDevice::new(1 << 20)));
+    /// let buf = pinned.alloc(40 << 10).unwrap(); // 40 KiB: a 64 KiB block
+    /// let stats = pinned.stats().to_pytorch();
+    /// assert_eq!(stats["allocations.current"], 1);
+    /// assert_eq!(stats["allocated_bytes.current"], 64 << 10);
+    /// assert_eq!(stats["active_requests.current"], 1);
+    /// assert_eq!(stats["num_host_alloc"], 1);
+    /// assert_eq!(stats["host_alloc_time.count"], 1);
+    /// drop(buf); // no copy used it: free at once, still held
+    /// let stats = pinned.stats().to_pytorch();
+    /// assert_eq!((stats["allocations.current"], stats["active_requests.current"]), (1, 0));
+    /// ```
+    pub fn to_pytorch(&self) -> BTreeMap<String, i64> {
+        let n = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
+        let mut out = BTreeMap::new();
+        for (name, s) in [
+            ("allocations", &self.segment),
+            ("allocated_bytes", &self.reserved_bytes),
+            ("active_requests", &self.active),
+            ("active_bytes", &self.active_bytes),
+        ] {
+            for (field, v) in [
+                ("current", s.current),
+                ("peak", s.peak),
+                ("allocated", s.allocated),
+                ("freed", s.freed),
+            ] {
+                out.insert(format!("{name}.{field}"), n(v));
+            }
+        }
+        for (name, t) in
+            [("host_alloc_time", &self.host_alloc_time), ("host_free_time", &self.host_free_time)]
+        {
+            for (field, v) in [
+                ("total", t.total_us),
+                ("max", t.max_us),
+                ("min", t.min_us),
+                ("count", t.count),
+                ("avg", t.avg_us()),
+            ] {
+                out.insert(format!("{name}.{field}"), n(v));
+            }
+        }
+        out.insert("num_host_alloc".to_string(), n(self.num_host_alloc));
+        out.insert("num_host_free".to_string(), n(self.num_host_free));
+        out
     }
 }
 
@@ -311,6 +413,11 @@ impl<D: Device> fmt::Debug for HostAllocator<D> {
             .field("reserved", &Bytes(st.stats.reserved_bytes.current))
             .finish()
     }
+}
+
+/// Whole microseconds since `start`.
+fn micros(start: std::time::Instant) -> u64 {
+    u64::try_from(start.elapsed().as_micros()).unwrap_or(u64::MAX)
 }
 
 fn is_oom(e: &DeviceError) -> bool {
@@ -464,9 +571,15 @@ impl<D: Device> HostAllocator<D> {
         lock(&self.inner.state).stats.clone()
     }
 
-    /// Resets every peak to its current value.
+    /// Resets every peak to its current value (PyTorch's `reset_peak_host_memory_stats`).
     pub fn reset_peak_stats(&self) {
         lock(&self.inner.state).stats.reset_peak();
+    }
+
+    /// Zeroes the cumulative figures ([`HostStats::reset_accumulated`]; PyTorch's
+    /// `reset_accumulated_host_memory_stats`).
+    pub fn reset_accumulated_stats(&self) {
+        lock(&self.inner.state).stats.reset_accumulated();
     }
 
     /// Recomputes every figure from the blocks and compares: an error naming the first figure
@@ -607,7 +720,7 @@ impl<D: Device> Inner<D> {
         requested: u64,
         size: u64,
     ) -> Result<HostPtr, HostAllocError> {
-        let mut result = self.device.host_alloc(size);
+        let mut result = self.timed_host_alloc(st, size);
         if let Err(e) = &result
             && is_oom(e)
             && st.stats.cached_bytes > 0
@@ -615,7 +728,7 @@ impl<D: Device> Inner<D> {
             st.stats.num_alloc_retries += 1;
             // Errors freeing leave those blocks cached; the retry says whether it was enough.
             let _ = self.release_free(st);
-            result = self.device.host_alloc(size);
+            result = self.timed_host_alloc(st, size);
         }
         let ptr = match result {
             Ok(ptr) => ptr,
@@ -641,6 +754,16 @@ impl<D: Device> Inner<D> {
         Ok(ptr)
     }
 
+    /// `Device::host_alloc`, its time counted in `host_alloc_time` when it succeeds.
+    fn timed_host_alloc(&self, st: &mut State, size: u64) -> Result<HostPtr, DeviceError> {
+        let start = std::time::Instant::now();
+        let result = self.device.host_alloc(size);
+        if result.is_ok() {
+            st.stats.host_alloc_time.record(micros(start));
+        }
+        result
+    }
+
     /// Frees every free block; the first error is returned, the failed block stays cached.
     fn release_free(&self, st: &mut State) -> Result<(), DeviceError> {
         let mut first_err = None;
@@ -649,11 +772,13 @@ impl<D: Device> Inner<D> {
             let blocks = st.free.remove(&size).unwrap_or_default();
             let mut kept = Vec::new();
             for ptr in blocks {
+                let start = std::time::Instant::now();
                 // SAFETY: a free block belongs to no buffer (no slice into it exists) and every
                 // use recorded on it completed (it left `pending` only then); it came from this
                 // device's `host_alloc` and leaves the allocator's tables just below.
                 match unsafe { self.device.host_free(ptr) } {
                     Ok(()) => {
+                        st.stats.host_free_time.record(micros(start));
                         st.blocks.remove(&ptr.addr());
                         st.stats.cached_bytes -= size;
                         st.stats.num_host_free += 1;

@@ -8,7 +8,7 @@ mod stat;
 
 pub(crate) use sorted_map::SortedMap;
 
-pub use stat::{BlockStats, Stat, StatGroup};
+pub use stat::{BlockStats, DurationStat, Stat, StatGroup};
 
 use std::fmt;
 

@@ -38,6 +38,13 @@ impl Stat {
         self.peak = self.current;
     }
 
+    /// Zeroes the cumulative increases and decreases (PyTorch's `reset_accumulated`); the
+    /// current value and the peak stay.
+    pub fn reset_accumulated(&mut self) {
+        self.allocated = 0;
+        self.freed = 0;
+    }
+
     /// Adds another allocator's figure: currents and totals add; the peak becomes the sum of
     /// the peaks (an upper bound of the peak of the sum: the two peaks may not coincide).
     pub fn accumulate(&mut self, other: &Stat) {
@@ -45,6 +52,68 @@ impl Stat {
         self.peak += other.peak;
         self.allocated += other.allocated;
         self.freed += other.freed;
+    }
+}
+
+/// Time spent in one kind of device call, in whole microseconds (PyTorch's `DurationStat`, as
+/// `torch.cuda.host_memory_stats()` reports `host_alloc_time` and `host_free_time`).
+///
+/// ```
+/// use tidepool::DurationStat;
+///
+/// let mut t = DurationStat::default();
+/// t.record(30);
+/// t.record(10);
+/// assert_eq!((t.total_us, t.max_us, t.min_us, t.count, t.avg_us()), (40, 30, 10, 2, 20));
+/// t.reset_peak(); // max and min start again with the next call; total and count stay
+/// assert_eq!((t.max_us, t.min_us, t.count), (0, 0, 2));
+/// t.record(20);
+/// assert_eq!((t.max_us, t.min_us), (20, 20));
+/// t.reset_accumulated(); // total and count start again
+/// assert_eq!((t.total_us, t.count, t.avg_us()), (0, 0, 0));
+/// ```
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct DurationStat {
+    /// Microseconds of every call since creation or [`DurationStat::reset_accumulated`].
+    pub total_us: u64,
+    /// The longest call since creation or [`DurationStat::reset_peak`] (0: none since).
+    pub max_us: u64,
+    /// The shortest call since creation or [`DurationStat::reset_peak`] (0: none since).
+    pub min_us: u64,
+    /// Calls since creation or [`DurationStat::reset_accumulated`].
+    pub count: u64,
+    /// Calls since creation or the last [`DurationStat::reset_peak`] (so a call of 0 µs is a
+    /// minimum, not "none").
+    calls_since_peak: u64,
+}
+
+impl DurationStat {
+    /// Counts one call that took `us` microseconds.
+    pub fn record(&mut self, us: u64) {
+        self.total_us = self.total_us.saturating_add(us);
+        self.count += 1;
+        self.max_us = self.max_us.max(us);
+        self.min_us = if self.calls_since_peak == 0 { us } else { self.min_us.min(us) };
+        self.calls_since_peak += 1;
+    }
+
+    /// The mean call, in whole microseconds (0 before any call).
+    pub fn avg_us(&self) -> u64 {
+        self.total_us.checked_div(self.count).unwrap_or(0)
+    }
+
+    /// Forgets the longest and the shortest call (PyTorch's `reset_peak`).
+    pub fn reset_peak(&mut self) {
+        self.max_us = 0;
+        self.min_us = 0;
+        self.calls_since_peak = 0;
+    }
+
+    /// Zeroes the total and the count (PyTorch's `reset_accumulated`).
+    pub fn reset_accumulated(&mut self) {
+        self.total_us = 0;
+        self.count = 0;
     }
 }
 
