@@ -613,6 +613,8 @@ impl<D: Device> HostAllocator<D> {
             ("allocation", s.allocation.current, live as u64),
             ("active_bytes", s.active_bytes.current, reserved - cached),
             ("active", s.active.current, (live + pending.len()) as u64),
+            ("host_alloc_time.count", s.host_alloc_time.count, s.num_host_alloc),
+            ("host_free_time.count", s.host_free_time.count, s.num_host_free),
         ];
         for (name, got, want) in checks {
             if got != want {
