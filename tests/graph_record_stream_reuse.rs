@@ -289,11 +289,13 @@ fn the_capturing_allocators_setting_decides() {
 }
 
 /// An event recorded on the side stream *before* its last use of the block does not order that
-/// use: the block keeps waiting, and the graph holds it when the capture ends.
+/// use: the block keeps waiting through the capture. Its end (every stream joined back by then)
+/// frees it into the graph's pool.
 #[test]
 fn a_join_before_the_last_use_does_not_free_the_block() {
     let Setup { dev, s, t, alloc } = setup(true);
-    alloc.begin_capture(s, None).unwrap();
+    let pool = alloc.new_pool(PoolOptions::default()).unwrap();
+    alloc.begin_capture(s, Some(&pool)).unwrap();
     let x = alloc.alloc(MIB, s).unwrap();
     dev.launch(s, write(&x, 1)).unwrap();
     wait_stream(&dev, t, s);
@@ -309,12 +311,14 @@ fn a_join_before_the_last_use_does_not_free_the_block() {
     dev.launch(s, write(&y, 2)).unwrap();
     wait_stream(&dev, s, t);
     drop(y); // freed on s, no other use: back in the pool at once
+    assert_eq!(block_state(&pool, x_addr), Some(BlockState::Pending));
     let graph = alloc.end_capture(s).unwrap();
-    assert_eq!(graph.held_buffers(), 1, "x waited to the end: the graph holds it");
+    assert_eq!(graph.held_buffers(), 0, "x waited to the end, and the end ordered it");
+    assert_eq!(block_state(&pool, x_addr), Some(BlockState::Free));
     graph.launch(s).unwrap();
     dev.synchronize().unwrap();
     assert!(dev.violations().is_empty(), "{:?}", dev.violations().first());
-    drop(graph);
+    drop((graph, pool));
     alloc.empty_cache().unwrap();
     assert_eq!(dev.reserved_bytes(), 0, "everything went back");
     alloc.check_invariants().unwrap();
@@ -480,6 +484,167 @@ fn two_captures_at_once_reuse_only_their_own_blocks() {
     }
     dev.synchronize().unwrap();
     assert!(dev.violations().is_empty(), "{:?}", dev.violations().first());
+    alloc.empty_cache().unwrap();
+    assert_eq!(dev.reserved_bytes(), 0);
+    alloc.check_invariants().unwrap();
+}
+
+/// PyTorch's `test_graph_capture_reclaim_4_streams` (`test/test_cuda.py`, `TestMemPool`):
+/// `data1` (8 floats) is read on three side streams, each with `record_stream`, and freed; s1
+/// joins s2 and s3 joins s4, but s1 is not yet ordered after s3's and s4's reads: `data2` must
+/// not get `data1`'s block. Once s1 joins s3, `data3` gets it. Returns (data1, data2, data3) and
+/// the sanitizer's reports over the capture and three replays.
+fn reclaim_4_streams(broken: bool) -> ([u64; 3], Vec<String>) {
+    let Setup { dev, s: s1, t: s2, alloc } = setup(true);
+    alloc.set_broken(Broken::CaptureReuseUnordered, broken);
+    let (s3, s4) = (dev.create_stream().unwrap(), dev.create_stream().unwrap());
+    alloc.begin_capture(s1, None).unwrap();
+    let data1 = alloc.alloc(32, s1).unwrap();
+    dev.launch(s1, touch(&data1, AccessKind::Write)).unwrap(); // torch.ones
+    let sink1 = alloc.alloc(32, s1).unwrap();
+    let sink3 = alloc.alloc(32, s1).unwrap();
+    let mut side_bufs = Vec::new();
+    for side in [s2, s3, s4] {
+        wait_stream(&dev, side, s1);
+        let buf = alloc.alloc(32, side).unwrap();
+        dev.launch(side, touch(&data1, AccessKind::Read)).unwrap(); // torch.add(data1, k, out=buf)
+        dev.launch(side, touch(&buf, AccessKind::Write)).unwrap();
+        data1.record_stream(side).unwrap();
+        side_bufs.push(buf);
+    }
+    let data1_ptr = data1.ptr().0;
+    drop(data1);
+    wait_stream(&dev, s1, s2); // partial joins
+    dev.launch(s1, touch(&sink1, AccessKind::Write)).unwrap();
+    wait_stream(&dev, s3, s4);
+    dev.launch(s3, touch(&sink3, AccessKind::Write)).unwrap();
+    sink3.record_stream(s3).unwrap();
+    let data2 = alloc.alloc(32, s1).unwrap();
+    dev.launch(s1, touch(&data2, AccessKind::Write)).unwrap();
+    wait_stream(&dev, s1, s3); // the final join
+    dev.launch(s1, touch(&sink3, AccessKind::Read)).unwrap(); // sink1.add_(sink3)
+    dev.launch(s1, touch(&sink1, AccessKind::Write)).unwrap();
+    let data3 = alloc.alloc(32, s1).unwrap();
+    dev.launch(s1, touch(&data3, AccessKind::Write)).unwrap();
+    let ptrs = [data1_ptr, data2.ptr().0, data3.ptr().0];
+    let graph = alloc.end_capture(s1).unwrap();
+    for _ in 0..3 {
+        graph.launch(s1).unwrap();
+    }
+    dev.synchronize().unwrap();
+    let violations = dev.violations().iter().map(|v| v.op.to_string()).collect();
+    drop((graph, sink1, sink3, side_bufs, data2, data3));
+    alloc.empty_cache().unwrap();
+    assert_eq!(dev.reserved_bytes(), 0, "everything went back");
+    alloc.check_invariants().unwrap();
+    (ptrs, violations)
+}
+
+#[test]
+fn pytorch_reclaim_4_streams_reuses_only_after_every_branch_is_joined() {
+    let ([data1, data2, data3], violations) = reclaim_4_streams(false);
+    // The small pool's 2 MiB segment of s1 in the capture's pool: data1, sink1, sink3 (512-byte
+    // blocks), data2 after them; the side streams' buffers are in segments of their own.
+    assert_eq!(data2, data1 + 3 * 512, "s3's and s4's reads are not ordered before s1's work");
+    assert_eq!(data3, data1, "after the final join data3 gets data1's block");
+    assert!(violations.is_empty(), "{violations:?}");
+}
+
+/// Broken mode `CaptureReuseUnordered`: data2 takes data1's block after the partial joins, and
+/// the sanitizer sees s1's write race s3's and s4's captured reads.
+#[test]
+fn pytorch_reclaim_4_streams_broken_reuse_is_caught() {
+    let ([data1, data2, _], violations) = reclaim_4_streams(true);
+    assert_eq!(data2, data1);
+    assert!(!violations.is_empty(), "the unordered reuse went unseen");
+}
+
+/// PyTorch's `test_graph_capture_reclaim_shared_pool`: g1, capturing into a shared pool, writes
+/// an 8 MiB `data` on a side stream (`record_stream`), joins it back and frees `data`; g2,
+/// captured next into the same pool, gets `data`'s block. (Sharing a pool between live graphs
+/// is the `unsafe` `begin_capture_sharing` here; its contract, replays in capture order, holds.)
+#[test]
+fn pytorch_reclaim_shared_pool_hands_a_joined_block_to_the_next_capture() {
+    let Setup { dev, s: cap, t: side, alloc } = setup(true);
+    let shared = alloc.new_pool(PoolOptions::default()).unwrap();
+    alloc.begin_capture(cap, Some(&shared)).unwrap();
+    let data = alloc.alloc(8 * MIB, cap).unwrap();
+    let data_ptr = data.ptr().0;
+    wait_stream(&dev, side, cap);
+    dev.launch(side, touch(&data, AccessKind::Write)).unwrap(); // data.add_(1.0)
+    data.record_stream(side).unwrap();
+    wait_stream(&dev, cap, side);
+    drop(data);
+    let g1 = alloc.end_capture(cap).unwrap();
+    assert_eq!(g1.held_buffers(), 0, "the join ordered the side stream's use before the free");
+    dev.synchronize().unwrap();
+    // SAFETY: g1 and g2 are replayed below in capture order, one after the other on one stream.
+    unsafe { alloc.begin_capture_sharing(cap, &shared) }.unwrap();
+    let data2 = alloc.alloc(8 * MIB, cap).unwrap();
+    dev.launch(cap, touch(&data2, AccessKind::Write)).unwrap(); // data2.fill_(42.0)
+    let g2 = alloc.end_capture(cap).unwrap();
+    assert_eq!(data2.ptr().0, data_ptr);
+    for _ in 0..2 {
+        g1.launch(cap).unwrap();
+        g2.launch(cap).unwrap();
+    }
+    dev.synchronize().unwrap();
+    assert!(dev.violations().is_empty(), "{:?}", dev.violations().first());
+    drop((data2, g1, g2, shared));
+    alloc.empty_cache().unwrap();
+    assert_eq!(dev.reserved_bytes(), 0);
+    alloc.check_invariants().unwrap();
+}
+
+/// PyTorch's `test_graph_capture_pre_capture_stream_use`: `data`, allocated in g1's capture
+/// into a shared pool, is used on a side stream *between* captures (a kernel held by a gate:
+/// PyTorch's spin-wait on a pinned flag) and freed in g2's capture. While that kernel runs the
+/// block is not reused (g3 gets other memory); once it ran, an allocation outside any capture
+/// makes the block free and g4 gets it.
+#[test]
+fn pytorch_pre_capture_stream_use_waits_for_the_side_streams_work() {
+    let Setup { dev, s: cap, t: side, alloc } = setup(true);
+    let shared = alloc.new_pool(PoolOptions::default()).unwrap();
+    alloc.begin_capture(cap, Some(&shared)).unwrap();
+    let data = alloc.alloc(8 * MIB, cap).unwrap();
+    let data_ptr = data.ptr().0;
+    let g1 = alloc.end_capture(cap).unwrap();
+    dev.synchronize().unwrap();
+
+    let (spin, flag) = common::gated(data.ptr(), data.len(), AccessKind::Write);
+    dev.launch(side, spin).unwrap();
+    data.record_stream(side).unwrap();
+
+    let capture_sharing = || {
+        // SAFETY: no graph sharing `shared` is replayed in this test; nothing reads a buffer
+        // after another graph's replay.
+        unsafe { alloc.begin_capture_sharing(cap, &shared) }.unwrap();
+    };
+    capture_sharing();
+    drop(data);
+    let g2 = alloc.end_capture(cap).unwrap();
+    let one = alloc.alloc(4, StreamId::DEFAULT).unwrap(); // torch.empty(1): events are polled
+    capture_sharing();
+    let not_reused = alloc.alloc(8 * MIB, cap).unwrap();
+    let g3 = alloc.end_capture(cap).unwrap();
+    assert_ne!(not_reused.ptr().0, data_ptr, "the side stream's kernel still runs");
+    assert_eq!(not_reused.ptr().0, data_ptr + 8 * MIB, "the next 8 MiB of the pool's segment");
+
+    flag.send(()).unwrap();
+    dev.synchronize().unwrap();
+    let two = alloc.alloc(4, StreamId::DEFAULT).unwrap();
+    capture_sharing();
+    let reused = alloc.alloc(8 * MIB, cap).unwrap();
+    let g4 = alloc.end_capture(cap).unwrap();
+    assert_eq!(reused.ptr().0, data_ptr);
+    assert_eq!(
+        [&g1, &g2, &g3, &g4].map(|g| g.held_buffers()),
+        [0; 4],
+        "no graph holds a buffer: data's only use outside g1's capture was waited for by event"
+    );
+    dev.synchronize().unwrap();
+    assert!(dev.violations().is_empty(), "{:?}", dev.violations().first());
+    drop((one, two, not_reused, reused, g1, g2, g3, g4, shared));
     alloc.empty_cache().unwrap();
     assert_eq!(dev.reserved_bytes(), 0);
     alloc.check_invariants().unwrap();

@@ -69,7 +69,11 @@
 //! With `graph_capture_record_stream_reuse:true` (PyTorch's key), a block of the capture's own
 //! pool freed after uses on its other streams waits instead of being held (see [`Wait`]): the
 //! next allocation of the capture after the device shows the block's stream ordered after those
-//! uses (the side streams were joined back) frees it into the pool.
+//! uses (the side streams were joined back) frees it into the pool, and so does the capture's
+//! end (every stream was joined back by then), for a later capture sharing the pool.
+//!
+//! A capture begins by polling its pool's events (blocks of it freed after ordinary work on
+//! other streams), so it is handed the blocks whose work completed; none is polled during it.
 //!
 //! Limits: scopes refuse to allocate on a capturing stream, joined or not.
 
@@ -790,6 +794,18 @@ impl<D: Capture> Allocator<D> {
         }
         // The general allocator's last handle ends what is still underway then.
         sh.end_captures.get_or_init(|| end_orphaned::<D>);
+        // The pool's blocks that wait on events of ordinary work (its buffers freed after uses
+        // on other streams) are polled now, so the capture is handed those that completed:
+        // PyTorch polls every pool's events at any allocation outside a capture
+        // (`test_graph_capture_pre_capture_stream_use`); here a pool is polled by its own
+        // allocations, and a capture's are made where no event may be polled. (Nothing is
+        // polled while any capture is underway on the device: `process_events` says so.)
+        // BROKEN (`capture_start_unpolled`): the capture is handed none of them.
+        if !cfg!(tidepool_broken = "capture_start_unpolled") {
+            let ps = &pool.alloc.shared;
+            let mut st = ps.lock_state();
+            ps.process_events(&mut st);
+        }
         let route = sh.family.next_id();
         let broken = sh.broken(Broken::CaptureGeneral);
         let table = &sh.family.captures;
@@ -910,15 +926,31 @@ impl<D: Capture> Allocator<D> {
             return Err(AllocError::Capture { stream, reason: "the stream is not capturing" });
         };
         table.active.fetch_sub(1, Ordering::AcqRel);
-        // Blocks still waiting for their uses to be ordered: held by the graph, as without the
-        // reuse (its replays run those uses).
+        // Blocks still waiting for their uses to be ordered. The uses are captured work of
+        // this capture's streams, and a capture ends only once every stream that joined it was
+        // joined back (CUDA refuses the end otherwise, `CUDA_ERROR_STREAM_CAPTURE_UNJOINED`):
+        // so those uses come before the graph's end, and the blocks go into the graph's pool as
+        // a block freed on the capturing stream does (PyTorch's
+        // `test_graph_capture_reclaim_shared_pool`: a later capture sharing the pool gets
+        // them). If the device made no graph, they go with the capture's other holds.
+        // BROKEN (`waits_held_at_end`): the graph holds them until it goes.
         table.waiting.fetch_sub(entry.waits.len(), Ordering::Relaxed);
         let waits = std::mem::take(&mut entry.waits);
-        entry.deferred.extend(waits.into_iter().map(|w| Held::Block(w.owner, w.freed)));
+        let ended = made.is_ok() && !cfg!(tidepool_broken = "waits_held_at_end");
+        let ordered: Vec<Wait<D>> = match ended {
+            true => waits,
+            false => {
+                entry.deferred.extend(waits.into_iter().map(|w| Held::Block(w.owner, w.freed)));
+                Vec::new()
+            }
+        };
         drop(sh.routes.remove(entry.route));
         // The capture is over: no stream joins it any more (`remove` passed them on to
         // another capture into the pool, if any).
         std::mem::take(&mut entry.outside).into_iter().for_each(Held::release);
+        for w in ordered {
+            w.owner.free_held(w.freed, true);
+        }
         match made {
             Ok(id) => Ok(Graph {
                 device: Guarded::new(sh.device.arc().clone()),
