@@ -146,12 +146,7 @@ impl MemoryStats {
         let n = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
         let mut out = BTreeMap::new();
         let mut stat = |name: &str, s: &Stat| {
-            for (field, v) in [
-                ("current", s.current),
-                ("peak", s.peak),
-                ("allocated", s.allocated),
-                ("freed", s.freed),
-            ] {
+            for (field, v) in s.fields() {
                 out.insert(format!("{name}.{field}"), n(v));
             }
         };

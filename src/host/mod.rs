@@ -195,9 +195,9 @@ pub struct HostStats {
 }
 
 impl HostStats {
-    /// Sets every peak to its current value.
-    pub fn reset_peak(&mut self) {
-        for s in [
+    /// Every [`Stat`] of the struct.
+    fn stats_mut(&mut self) -> [&mut Stat; 7] {
+        [
             &mut self.allocated_bytes,
             &mut self.reserved_bytes,
             &mut self.active_bytes,
@@ -205,9 +205,12 @@ impl HostStats {
             &mut self.allocation,
             &mut self.segment,
             &mut self.active,
-        ] {
-            s.reset_peak();
-        }
+        ]
+    }
+
+    /// Sets every peak to its current value.
+    pub fn reset_peak(&mut self) {
+        self.stats_mut().into_iter().for_each(Stat::reset_peak);
         self.host_alloc_time.reset_peak();
         self.host_free_time.reset_peak();
     }
@@ -216,17 +219,7 @@ impl HostStats {
     /// [`Stat`]'s `allocated` and `freed`, the call counters and the timings' totals and counts.
     /// Current values, peaks, `cached_bytes` and `pending_bytes` stay.
     pub fn reset_accumulated(&mut self) {
-        for s in [
-            &mut self.allocated_bytes,
-            &mut self.reserved_bytes,
-            &mut self.active_bytes,
-            &mut self.requested_bytes,
-            &mut self.allocation,
-            &mut self.segment,
-            &mut self.active,
-        ] {
-            s.reset_accumulated();
-        }
+        self.stats_mut().into_iter().for_each(Stat::reset_accumulated);
         self.num_host_alloc = 0;
         self.num_host_free = 0;
         self.num_alloc_retries = 0;
@@ -278,12 +271,7 @@ impl HostStats {
             ("active_requests", &self.active),
             ("active_bytes", &self.active_bytes),
         ] {
-            for (field, v) in [
-                ("current", s.current),
-                ("peak", s.peak),
-                ("allocated", s.allocated),
-                ("freed", s.freed),
-            ] {
+            for (field, v) in s.fields() {
                 out.insert(format!("{name}.{field}"), n(v));
             }
         }

@@ -38,6 +38,16 @@ impl Stat {
         self.peak = self.current;
     }
 
+    /// The four figures under PyTorch's names: `current`, `peak`, `allocated`, `freed`.
+    pub fn fields(&self) -> [(&'static str, u64); 4] {
+        [
+            ("current", self.current),
+            ("peak", self.peak),
+            ("allocated", self.allocated),
+            ("freed", self.freed),
+        ]
+    }
+
     /// Zeroes the cumulative increases and decreases (PyTorch's `reset_accumulated`); the
     /// current value and the peak stay.
     pub fn reset_accumulated(&mut self) {
