@@ -164,10 +164,13 @@ struct Setup {
 }
 
 fn setup(reuse: bool) -> Setup {
+    setup_with(&format!("graph_capture_record_stream_reuse:{reuse}"))
+}
+
+fn setup_with(conf: &str) -> Setup {
     let dev = Arc::new(SimDevice::backed(256 * MIB));
     let (s, t) = (dev.create_stream().unwrap(), dev.create_stream().unwrap());
-    let conf = format!("graph_capture_record_stream_reuse:{reuse}");
-    let alloc = Allocator::new(dev.clone(), Config::parse(&conf).unwrap()).unwrap();
+    let alloc = Allocator::new(dev.clone(), Config::parse(conf).unwrap()).unwrap();
     Setup { dev, s, t, alloc }
 }
 
@@ -494,8 +497,10 @@ fn two_captures_at_once_reuse_only_their_own_blocks() {
 /// joins s2 and s3 joins s4, but s1 is not yet ordered after s3's and s4's reads: `data2` must
 /// not get `data1`'s block. Once s1 joins s3, `data3` gets it. Returns (data1, data2, data3) and
 /// the sanitizer's reports over the capture and three replays.
-fn reclaim_4_streams(broken: bool) -> ([u64; 3], Vec<String>) {
-    let Setup { dev, s: s1, t: s2, alloc } = setup(true);
+fn reclaim_4_streams(broken: bool, expandable: bool) -> ([u64; 3], Vec<String>) {
+    let conf = "graph_capture_record_stream_reuse:true";
+    let Setup { dev, s: s1, t: s2, alloc } =
+        setup_with(&format!("{conf},expandable_segments:{expandable}"));
     alloc.set_broken(Broken::CaptureReuseUnordered, broken);
     let (s3, s4) = (dev.create_stream().unwrap(), dev.create_stream().unwrap());
     alloc.begin_capture(s1, None).unwrap();
@@ -542,19 +547,22 @@ fn reclaim_4_streams(broken: bool) -> ([u64; 3], Vec<String>) {
 
 #[test]
 fn pytorch_reclaim_4_streams_reuses_only_after_every_branch_is_joined() {
-    let ([data1, data2, data3], violations) = reclaim_4_streams(false);
-    // The small pool's 2 MiB segment of s1 in the capture's pool: data1, sink1, sink3 (512-byte
-    // blocks), data2 after them; the side streams' buffers are in segments of their own.
-    assert_eq!(data2, data1 + 3 * 512, "s3's and s4's reads are not ordered before s1's work");
-    assert_eq!(data3, data1, "after the final join data3 gets data1's block");
-    assert!(violations.is_empty(), "{violations:?}");
+    // As `test_cuda_expandable_segments.py` runs it again, with expandable segments.
+    for expandable in [false, true] {
+        let ([data1, data2, data3], violations) = reclaim_4_streams(false, expandable);
+        // s1's small segment (or range) of the capture's pool: data1, sink1, sink3 (512-byte
+        // blocks), data2 after them; the side streams' buffers are in segments of their own.
+        assert_eq!(data2, data1 + 3 * 512, "s3's and s4's reads are not ordered before s1's");
+        assert_eq!(data3, data1, "after the final join data3 gets data1's block");
+        assert!(violations.is_empty(), "expandable {expandable}: {violations:?}");
+    }
 }
 
 /// Broken mode `CaptureReuseUnordered`: data2 takes data1's block after the partial joins, and
 /// the sanitizer sees s1's write race s3's and s4's captured reads.
 #[test]
 fn pytorch_reclaim_4_streams_broken_reuse_is_caught() {
-    let ([data1, data2, _], violations) = reclaim_4_streams(true);
+    let ([data1, data2, _], violations) = reclaim_4_streams(true, false);
     assert_eq!(data2, data1);
     assert!(!violations.is_empty(), "the unordered reuse went unseen");
 }
@@ -563,9 +571,16 @@ fn pytorch_reclaim_4_streams_broken_reuse_is_caught() {
 /// an 8 MiB `data` on a side stream (`record_stream`), joins it back and frees `data`; g2,
 /// captured next into the same pool, gets `data`'s block. (Sharing a pool between live graphs
 /// is the `unsafe` `begin_capture_sharing` here; its contract, replays in capture order, holds.)
+/// With and without expandable segments, as `test_cuda_expandable_segments.py` runs it again.
 #[test]
 fn pytorch_reclaim_shared_pool_hands_a_joined_block_to_the_next_capture() {
-    let Setup { dev, s: cap, t: side, alloc } = setup(true);
+    reclaim_shared_pool(false);
+    reclaim_shared_pool(true);
+}
+
+fn reclaim_shared_pool(expandable: bool) {
+    let conf = format!("graph_capture_record_stream_reuse:true,expandable_segments:{expandable}");
+    let Setup { dev, s: cap, t: side, alloc } = setup_with(&conf);
     let shared = alloc.new_pool(PoolOptions::default()).unwrap();
     alloc.begin_capture(cap, Some(&shared)).unwrap();
     let data = alloc.alloc(8 * MIB, cap).unwrap();
@@ -600,10 +615,16 @@ fn pytorch_reclaim_shared_pool_hands_a_joined_block_to_the_next_capture() {
 /// into a shared pool, is used on a side stream *between* captures (a kernel held by a gate:
 /// PyTorch's spin-wait on a pinned flag) and freed in g2's capture. While that kernel runs the
 /// block is not reused (g3 gets other memory); once it ran, an allocation outside any capture
-/// makes the block free and g4 gets it.
+/// makes the block free and g4 gets it. With and without expandable segments.
 #[test]
 fn pytorch_pre_capture_stream_use_waits_for_the_side_streams_work() {
-    let Setup { dev, s: cap, t: side, alloc } = setup(true);
+    pre_capture_stream_use(false);
+    pre_capture_stream_use(true);
+}
+
+fn pre_capture_stream_use(expandable: bool) {
+    let conf = format!("graph_capture_record_stream_reuse:true,expandable_segments:{expandable}");
+    let Setup { dev, s: cap, t: side, alloc } = setup_with(&conf);
     let shared = alloc.new_pool(PoolOptions::default()).unwrap();
     alloc.begin_capture(cap, Some(&shared)).unwrap();
     let data = alloc.alloc(8 * MIB, cap).unwrap();
@@ -645,6 +666,41 @@ fn pytorch_pre_capture_stream_use_waits_for_the_side_streams_work() {
     dev.synchronize().unwrap();
     assert!(dev.violations().is_empty(), "{:?}", dev.violations().first());
     drop((one, two, not_reused, reused, g1, g2, g3, g4, shared));
+    alloc.empty_cache().unwrap();
+    assert_eq!(dev.reserved_bytes(), 0);
+    alloc.check_invariants().unwrap();
+}
+
+/// PyTorch's `test_graph_capture_reclaim_2_streams`: in one capture on s1, `sink1` and then
+/// `data1` (8 floats); s2 forks, allocates `buf2`, reads `data1` into it and records its use;
+/// `data1` is freed. Before s1 joins s2, `data2` must not get `data1`'s block; after the join
+/// (and a kernel on s1), `data3` does.
+#[test]
+fn pytorch_reclaim_2_streams() {
+    let Setup { dev, s: s1, t: s2, alloc } = setup(true);
+    alloc.begin_capture(s1, None).unwrap();
+    let sink1 = alloc.alloc(32, s1).unwrap();
+    let data1 = alloc.alloc(32, s1).unwrap();
+    let data1_ptr = data1.ptr().0;
+    wait_stream(&dev, s2, s1);
+    let buf2 = alloc.alloc(32, s2).unwrap();
+    dev.launch(s2, touch(&data1, AccessKind::Read)).unwrap(); // torch.add(data1, 2.0, out=buf2)
+    dev.launch(s2, touch(&buf2, AccessKind::Write)).unwrap();
+    data1.record_stream(s2).unwrap();
+    drop(data1);
+    let data2 = alloc.alloc(32, s1).unwrap();
+    assert_eq!(data2.ptr().0, data1_ptr + 512, "before the join: the next small block");
+    wait_stream(&dev, s1, s2);
+    dev.launch(s1, touch(&sink1, AccessKind::Write)).unwrap(); // sink1.fill_(1.0)
+    let data3 = alloc.alloc(32, s1).unwrap();
+    assert_eq!(data3.ptr().0, data1_ptr, "after the join: data1's block");
+    dev.launch(s1, touch(&data3, AccessKind::Write)).unwrap();
+    let graph = alloc.end_capture(s1).unwrap();
+    assert_eq!(graph.held_buffers(), 0);
+    graph.launch(s1).unwrap();
+    dev.synchronize().unwrap();
+    assert!(dev.violations().is_empty(), "{:?}", dev.violations().first());
+    drop((graph, sink1, buf2, data2, data3));
     alloc.empty_cache().unwrap();
     assert_eq!(dev.reserved_bytes(), 0);
     alloc.check_invariants().unwrap();

@@ -155,6 +155,10 @@ fn reuse_scenario(broken: bool) -> (HostPtr, HostPtr, Vec<u8>, usize) {
     (second, first, got, violations)
 }
 
+/// PyTorch's `test_caching_pinned_memory`: a pinned block whose copy has not run yet (PyTorch
+/// delays it with `_sleep`, here a gate) is not handed out again, and the copy still gets the
+/// first buffer's bytes. (Its first half, a freed unused block reused at once, is
+/// `requests_round_up_to_power_of_two_classes_and_reuse_within_a_class`.)
 #[test]
 fn a_block_is_not_reused_while_its_copy_is_pending() {
     let (second, first, got, violations) = reuse_scenario(false);

@@ -1985,3 +1985,140 @@ fn user_metadata_is_stamped_on_every_entry_while_set() {
     assert!(h[5..].iter().all(|e| e.user_metadata.is_empty()));
     assert!(pickle_names(&alloc, "metadata test"));
 }
+
+/// PyTorch's `test_multi_threads_alloc_in_same_order`: four threads take sizes from one list
+/// under a lock (4 × 8, 6, 4 and 2 MiB, the largest first) and allocate each on the default
+/// stream; everything is freed; a second round gets the same address for every allocation in
+/// the same order. PyTorch's placement, exactly: requests of 1–10 MiB get 20 MiB segments, best
+/// fit (the smallest free block that fits, the lowest address among equals), so the sixteen
+/// requests fill four segments A–D:
+/// 8, 8 → A; 8, 8 → B; 6, 6, 6 → C; 6 → D; 4 → A's tail, 4 → B's tail, 4, 4 → D;
+/// 2 → C's tail, 2, 2, 2 → D.
+#[test]
+fn multi_threads_alloc_in_same_order() {
+    let (dev, alloc) = allocator_on(1 << 30, "");
+    let first = alloc_in_same_order(&alloc, || dev.counters().mallocs);
+    let seg = |i: u64| first[0].0 + i * 20 * MIB; // A's base; segments come in order on SimDevice
+    let want: Vec<(u64, u64)> = [
+        (seg(0), 8),
+        (seg(0) + 8 * MIB, 8),
+        (seg(1), 8),
+        (seg(1) + 8 * MIB, 8),
+        (seg(2), 6),
+        (seg(2) + 6 * MIB, 6),
+        (seg(2) + 12 * MIB, 6),
+        (seg(3), 6),
+        (seg(0) + 16 * MIB, 4),
+        (seg(1) + 16 * MIB, 4),
+        (seg(3) + 6 * MIB, 4),
+        (seg(3) + 10 * MIB, 4),
+        (seg(2) + 18 * MIB, 2),
+        (seg(3) + 14 * MIB, 2),
+        (seg(3) + 16 * MIB, 2),
+        (seg(3) + 18 * MIB, 2),
+    ]
+    .into_iter()
+    .map(|(a, m)| (a, m * MIB))
+    .collect();
+    assert_eq!(first, want);
+    assert_eq!(alloc.stats().blocks.reserved_bytes.all.current, 80 * MIB);
+    assert_eq!(dev.counters().mallocs, 4, "four segments, none made in the second round");
+    alloc.check_invariants().unwrap();
+}
+
+/// The same under `expandable_segments:true`, as `test_cuda_expandable_segments.py` runs
+/// `TestMemPool` again: one range, the sixteen requests back to back, and the second round maps
+/// nothing and places everything as the first.
+#[test]
+fn multi_threads_alloc_in_same_order_expandable() {
+    let (dev, alloc) = allocator_on(1 << 30, "expandable_segments:true");
+    let first = alloc_in_same_order(&alloc, || alloc.stats().num_device_map);
+    let mut sorted = first.clone();
+    sorted.sort();
+    let base = sorted[0].0;
+    let mut at = base;
+    for &(addr, len) in &sorted {
+        assert_eq!(addr, at, "back to back in one range");
+        at += len;
+    }
+    assert_eq!(at - base, 80 * MIB);
+    // The first round is a build-up (no free yet): its growths map ahead, 4 pages past the 40
+    // the requests use (see `a_build_up_ramps_the_headroom_until_the_first_free`).
+    assert_eq!(alloc.stats().blocks.reserved_bytes.all.current, 88 * MIB);
+    assert_eq!(alloc.stats().num_device_unmap, 0);
+    assert_eq!(dev.counters().mallocs, 0);
+    alloc.check_invariants().unwrap();
+}
+
+/// Two rounds of `test_multi_threads_alloc_in_same_order` on `alloc`: asserts the second
+/// places every allocation where the first did, with no device call (`device_calls` counts
+/// them), and returns the first's (address, bytes) in allocation order.
+fn alloc_in_same_order(
+    alloc: &Allocator<SimDevice>,
+    device_calls: impl Fn() -> u64,
+) -> Vec<(u64, u64)> {
+    let sizes: Vec<u64> = (1..=4u64).flat_map(|s| [s * 2 * MIB; 4]).collect();
+    let round = || -> Vec<(u64, u64)> {
+        let queue = std::sync::Mutex::new((sizes.clone(), Vec::new()));
+        std::thread::scope(|scope| {
+            for _ in 0..4 {
+                scope.spawn(|| {
+                    loop {
+                        let mut q = queue.lock().unwrap();
+                        let Some(size) = q.0.pop() else { return };
+                        let buf = alloc.alloc(size, S0).unwrap();
+                        q.1.push(buf);
+                    }
+                });
+            }
+        });
+        let bufs = queue.into_inner().unwrap().1;
+        let placed = bufs.iter().map(|b| (b.ptr().0, b.len())).collect();
+        bufs.into_iter().rev().for_each(drop); // as Python drops a list: last item first
+        placed
+    };
+    let first = round();
+    let calls = device_calls();
+    assert_eq!(first, round(), "the second round's addresses, in order");
+    assert_eq!(device_calls(), calls, "the second round made no device call");
+    first
+}
+
+/// PyTorch's `test_repeat_graph_capture_cublas_workspace_memory`, the allocator's half: a
+/// hundred times, a new graph captures `c = a + b` into a private pool of its own and is
+/// replayed; the graph before it (and its output) goes as the variable is rebound. Device
+/// memory in use must not grow (PyTorch allows 0.1 GB over the hundred; here not a byte after
+/// the first cycle), and every replay computes the sum.
+#[test]
+fn repeat_graph_capture_does_not_grow_memory() {
+    const N: u64 = 64 * 1024;
+    let (dev, alloc) = allocator_backed(1 << 30, "");
+    let s = dev.create_stream().unwrap();
+    let a = alloc.alloc(N * 4, S0).unwrap();
+    let b = alloc.alloc(N * 4, S0).unwrap();
+    dev.launch(S0, sum_kernel(a.ptr(), None, a.ptr(), N, 1)).unwrap(); // ones
+    dev.launch(S0, sum_kernel(b.ptr(), None, b.ptr(), N, 2)).unwrap(); // twos
+    dev.synchronize().unwrap();
+    let mut held: Option<(tidepool::Graph<SimDevice>, Buffer<SimDevice>)> = None;
+    let mut used_after_first = None;
+    for i in 0..100 {
+        let (graph, c) = alloc
+            .capture(s, None, || {
+                let c = alloc.alloc(N * 4, s).unwrap();
+                dev.launch(s, sum_kernel(a.ptr(), Some(b.ptr()), c.ptr(), N, 0)).unwrap();
+                c
+            })
+            .unwrap();
+        graph.launch(s).unwrap();
+        dev.synchronize().unwrap();
+        assert!(words(&dev, &c).iter().all(|&x| x == 3), "cycle {i}: c is not 3");
+        held = Some((graph, c)); // the previous graph and its output go here
+        let used = dev.reserved_bytes();
+        match used_after_first {
+            None => used_after_first = Some(used),
+            Some(first) => assert_eq!(used, first, "cycle {i}: device memory grew"),
+        }
+    }
+    drop((held, a, b));
+    settle(&dev, &alloc, "repeat capture", true);
+}
