@@ -226,19 +226,16 @@ fn a_capture_makes_no_call_cuda_forbids_and_refuses_what_it_cannot_do() {
     assert!(matches!(alloc.alloc(200 * MIB, s), Err(AllocError::OutOfMemory(_))));
     alloc.empty_cache().unwrap(); // releases nothing now
     assert_eq!((dev.counters().host_syncs, dev.counters().frees), (syncs, frees));
-    // The device refuses what CUDA refuses during a capture.
     let code = |r: Result<(), DeviceError>| match r {
         Err(DeviceError::Driver { code, .. }) => code,
         r => panic!("{r:?}"),
     };
-    assert_eq!(code(dev.synchronize()), DeviceError::CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);
     let e = dev.create_event().unwrap();
     // An event recorded on the capturing stream is a node of the capture (a wait on it would
     // fork another stream into it); recorded again outside, a captured stream cannot wait on it.
     dev.record_event(e, s).unwrap();
     dev.record_event(e, t).unwrap();
     assert_eq!(code(dev.wait_event(s, e)), DeviceError::CUDA_ERROR_STREAM_CAPTURE_ISOLATION);
-    assert!(dev.query_event(e).is_err());
     let b = alloc.alloc(N, s).unwrap();
     assert!(matches!(dev.launch(s, fill(&b, 1)), Err(DeviceError::Unsupported(_))));
     let scope = alloc.scope(s);
@@ -247,7 +244,6 @@ fn a_capture_makes_no_call_cuda_forbids_and_refuses_what_it_cannot_do() {
     drop(b);
     let graph = alloc.end_capture(s).unwrap();
     assert!(matches!(alloc.end_capture(s), Err(AllocError::Capture { .. })));
-    dev.destroy_event(e).unwrap();
     dev.synchronize().unwrap();
     drop(graph);
     alloc.synchronize().unwrap();
@@ -256,6 +252,31 @@ fn a_capture_makes_no_call_cuda_forbids_and_refuses_what_it_cannot_do() {
     assert!(dev.violations().is_empty(), "{:?}", dev.violations());
     // A graph launched on a capturing stream, and an unknown graph, are refused by the device.
     assert!(dev.launch_graph(tidepool::GraphId(999), s).is_err());
+    assert_eq!(dev.graph_counters().refused_in_capture, 0, "the allocator made no such call");
+
+    // The device refuses what CUDA refuses during a capture, and (global mode) that refusal
+    // invalidates the capture: its end makes no graph. The allocator works on.
+    alloc.begin_capture(s, None).unwrap();
+    assert_eq!(code(dev.synchronize()), DeviceError::CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);
+    assert!(dev.query_event(e).is_err());
+    assert_eq!(dev.graph_counters().refused_in_capture, 2);
+    let ended = alloc.end_capture(s).map(drop);
+    assert!(
+        matches!(
+            ended,
+            Err(AllocError::Device(DeviceError::Driver {
+                code: DeviceError::CUDA_ERROR_STREAM_CAPTURE_INVALIDATED,
+                ..
+            }))
+        ),
+        "{ended:?}"
+    );
+    assert!(!alloc.is_capturing(s));
+    drop(alloc.alloc(N, s).unwrap());
+    dev.destroy_event(e).unwrap();
+    alloc.synchronize().unwrap();
+    alloc.empty_cache().unwrap();
+    assert!(dev.live_segments().is_empty());
 }
 
 #[test]

@@ -741,3 +741,40 @@ fn threads_share_one_cache_without_losing_a_block() {
     assert!(dev.violations().is_empty());
     assert!(dev.kernel_failures().is_empty());
 }
+
+/// Pinned allocations, `process_events` and `empty_cache` while a CUDA graph is being captured:
+/// the pinned allocator makes none of the calls CUDA's global capture mode forbids (an event
+/// query or a synchronisation there would invalidate the application's capture), and the
+/// capture ends with its graph. A block still waiting on its copy stays waiting; after the
+/// capture, the next allocation reuses it.
+#[test]
+fn pinned_allocations_during_a_capture_leave_it_valid() {
+    let (dev, alloc, pinned) = setup();
+    let s = dev.create_stream().unwrap();
+    let gpu = alloc.alloc(4096, S).unwrap();
+    let open = gate(&dev, S);
+    let mut staged = pinned.alloc(4096).unwrap();
+    staged.upload(&gpu).unwrap();
+    let first = staged.host_ptr();
+    drop(staged); // waits on its upload's event
+    drop(pinned.alloc(1024).unwrap()); // a free block, cached
+
+    alloc.begin_capture(s, None).unwrap();
+    let during = pinned.alloc(4096).unwrap(); // would poll the pending block's event
+    assert_ne!(during.host_ptr(), first, "the first block still waits");
+    pinned.process_events().unwrap(); // polls nothing during a capture
+    pinned.empty_cache().unwrap(); // releases nothing during a capture
+    assert_eq!((pinned.stats().pending_bytes, pinned.stats().cached_bytes), (4096, 1024));
+    assert_eq!(pinned.stats().num_host_free, 0);
+    let graph = alloc.end_capture(s).unwrap();
+    assert_eq!(dev.graph_counters().refused_in_capture, 0, "no forbidden call reached the device");
+
+    open.send(()).unwrap();
+    dev.synchronize().unwrap();
+    let after = pinned.alloc(4096).unwrap();
+    assert_eq!(after.host_ptr(), first, "the copy ran: its block is reused");
+    drop((during, after, graph, gpu));
+    pinned.empty_cache().unwrap();
+    assert_eq!(pinned.stats().reserved_bytes.current, 0);
+    pinned.check_invariants().unwrap();
+}

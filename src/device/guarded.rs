@@ -115,14 +115,10 @@ macro_rules! guarded {
 
 guarded! {
     reserve(bytes: u64) -> DeviceAddr;
-    release(ptr: DeviceAddr) -> ();
     mem_info() -> MemInfo;
     create_event() -> EventId;
     destroy_event(event: EventId) -> ();
-    query_event(event: EventId) -> bool;
     wait_event(stream: StreamId, event: EventId) -> ();
-    synchronize_event(event: EventId) -> ();
-    synchronize() -> ();
     vm_granularity() -> u64;
     vm_reserve(bytes: u64) -> DeviceAddr;
     vm_free(base: DeviceAddr, bytes: u64) -> ();
@@ -131,6 +127,50 @@ guarded! {
     vm_map(va: DeviceAddr, bytes: u64, handle: PhysHandle) -> ();
     vm_unmap(va: DeviceAddr, bytes: u64) -> ();
     destroy_stream(stream: StreamId) -> ();
+}
+
+/// `Guarded` methods for the calls CUDA's global capture mode forbids while any capture is
+/// underway on the device: refused here, before the device sees them, with the error CUDA
+/// gives (`CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED`). A forbidden call that reaches the driver
+/// also *invalidates* every capture underway (the application's capture then fails to end,
+/// `CUDA_ERROR_STREAM_CAPTURE_INVALIDATED`), so the allocator must never make one, on any
+/// path: an error path that "only tries" a host wait would break the capture.
+macro_rules! refused_in_captures {
+    ($($name:ident($($arg:ident: $ty:ty),*) -> $ret:ty, $op:literal;)*) => {
+        impl<D: Device> Guarded<D> {
+            $(
+                #[doc = concat!("[`Device::", stringify!($name), "`], guarded, and refused while a capture is underway (`", $op, "`).")]
+                #[inline]
+                pub(crate) fn $name(&self, $($arg: $ty),*) -> Result<$ret, DeviceError> {
+                    self.refuse_in_capture($op)?;
+                    self.guard(stringify!($name), || self.device.$name($($arg),*))
+                }
+            )*
+        }
+    };
+}
+
+refused_in_captures! {
+    release(ptr: DeviceAddr) -> (), "cuMemFree";
+    query_event(event: EventId) -> bool, "cuEventQuery";
+    synchronize_event(event: EventId) -> (), "cuEventSynchronize";
+    synchronize() -> (), "cuCtxSynchronize";
+}
+
+impl<D: Device> Guarded<D> {
+    /// `Err` for `op` while a capture is underway on the device (see `refused_in_captures!`).
+    /// BROKEN (`capture_calls_unguarded`): the call goes to the device, which invalidates the
+    /// captures underway.
+    #[inline]
+    fn refuse_in_capture(&self, op: &'static str) -> Result<(), DeviceError> {
+        if !cfg!(tidepool_broken = "capture_calls_unguarded") && self.capture_underway() {
+            return Err(DeviceError::Driver {
+                op,
+                code: DeviceError::CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED,
+            });
+        }
+        Ok(())
+    }
 }
 
 impl<D: Capture> Guarded<D> {

@@ -228,6 +228,9 @@ impl DeviceError {
     /// `CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED`: an operation not permitted while a stream capture
     /// is underway (a synchronisation, an event query, `cuMemFree`).
     pub const CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED: u32 = 900;
+    /// `CUDA_ERROR_STREAM_CAPTURE_INVALIDATED`: the capture was invalidated by an earlier error
+    /// (an operation refused while it was underway, CUDA's global mode): its end makes no graph.
+    pub const CUDA_ERROR_STREAM_CAPTURE_INVALIDATED: u32 = 901;
     /// `CUDA_ERROR_STREAM_CAPTURE_ISOLATION`: captured work would depend on work outside the
     /// capture (a wait on an event recorded outside it).
     pub const CUDA_ERROR_STREAM_CAPTURE_ISOLATION: u32 = 905;

@@ -524,7 +524,8 @@ impl<D: Device> HostAllocator<D> {
     }
 
     /// Makes every freed block whose copies completed reusable (`alloc` does this first).
-    /// Never blocks. An error when an event query failed (the block stays waiting).
+    /// Never blocks. An error when an event query failed (the block stays waiting). Polls
+    /// nothing while a CUDA graph is being captured on the device (CUDA forbids the queries).
     pub fn process_events(&self) -> Result<(), HostAllocError> {
         let mut st = lock(&self.inner.state);
         Ok(self.inner.process_events(&mut st)?)
@@ -533,8 +534,17 @@ impl<D: Device> HostAllocator<D> {
     /// Returns every free pinned block to the device (`cuMemFreeHost`). Blocks of live buffers
     /// stay; freed blocks whose copies have not completed stay until they have (a block whose
     /// event could not be recorded is released after a device synchronisation). On an error the
-    /// blocks not freed stay cached and the first error is returned.
+    /// blocks not freed stay cached and the first error is returned. While a CUDA graph is
+    /// being captured on the device it releases nothing (CUDA forbids the calls).
     pub fn empty_cache(&self) -> Result<(), HostAllocError> {
+        // CUDA forbids the waits and `cuMemFreeHost` (it synchronises) while a capture is
+        // underway: a forbidden call would invalidate it. Nothing is released now.
+        // BROKEN (`capture_calls_unguarded`): released all the same.
+        if !cfg!(tidepool_broken = "capture_calls_unguarded")
+            && self.inner.device.capture_underway()
+        {
+            return Ok(());
+        }
         let needs_sync = {
             let mut st = lock(&self.inner.state);
             let _ = self.inner.process_events(&mut st);
@@ -679,6 +689,13 @@ impl<D: Device> Inner<D> {
 
     /// Moves pending blocks whose uses all completed to the free lists.
     fn process_events(&self, st: &mut State) -> Result<(), DeviceError> {
+        // BROKEN (`capture_calls_unguarded`, with `Guarded`'s check): polled all the same.
+        if !st.pending.is_empty()
+            && !cfg!(tidepool_broken = "capture_calls_unguarded")
+            && self.device.capture_underway()
+        {
+            return Ok(()); // no event may be polled during a capture: later
+        }
         let mut i = 0;
         while i < st.pending.len() {
             let mut done = true;
@@ -714,6 +731,7 @@ impl<D: Device> Inner<D> {
         if let Err(e) = &result
             && is_oom(e)
             && st.stats.cached_bytes > 0
+            && !self.device.capture_underway()
         {
             st.stats.num_alloc_retries += 1;
             // Errors freeing leave those blocks cached; the retry says whether it was enough.

@@ -35,7 +35,10 @@
 //! Like CUDA's global capture mode, the device refuses while any capture is underway what
 //! would synchronise or look into captured work: event queries and synchronisations, segment
 //! releases (`cuMemFree`), destroying a capturing stream; and on a capturing stream itself,
-//! waiting on an event recorded outside the capture, and pinned-host copies.
+//! waiting on an event recorded outside the capture, and pinned-host copies. As in CUDA, the
+//! first four also *invalidate* every capture underway: its end makes no graph
+//! (`CUDA_ERROR_STREAM_CAPTURE_INVALIDATED`), so a library that makes such a call during an
+//! application's capture breaks it (counted in `SimGraphCounters::refused_in_capture`).
 
 use super::{Shared, State};
 use crate::device::clock::Clock;
@@ -82,6 +85,9 @@ pub(super) struct Recording {
     /// The thread that began the capture: in CUDA's global capture mode (`CudaDevice`'s) only
     /// it may end it.
     thread: Option<std::thread::ThreadId>,
+    /// The first operation refused while the capture was underway: CUDA's global mode then
+    /// invalidates it, and its end makes no graph (`CUDA_ERROR_STREAM_CAPTURE_INVALIDATED`).
+    invalidated_by: Option<&'static str>,
 }
 
 impl Recording {
@@ -142,6 +148,9 @@ pub struct SimGraphCounters {
     pub live_graphs: u64,
     /// Streams that joined a capture underway (a wait on an event recorded inside it).
     pub joined_streams: u64,
+    /// Operations refused because a capture was underway (each invalidated the captures then
+    /// underway).
+    pub refused_in_capture: u64,
 }
 
 /// The error of an operation CUDA refuses while a capture is underway.
@@ -170,8 +179,17 @@ impl Graphs {
     }
 
     /// Fails with `CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED` while any capture is underway.
-    pub(super) fn refuse_during_capture(&self, op: &'static str) -> Result<(), DeviceError> {
-        if self.active.is_empty() { Ok(()) } else { Err(capture_error(op)) }
+    /// Refuses `op` while any capture is underway, and invalidates every capture underway (as
+    /// CUDA's global mode does: the application's capture fails to end).
+    pub(super) fn refuse_during_capture(&mut self, op: &'static str) -> Result<(), DeviceError> {
+        if self.active.is_empty() {
+            return Ok(());
+        }
+        for rec in self.active.values_mut() {
+            rec.invalidated_by.get_or_insert(op);
+        }
+        self.counters.refused_in_capture += 1;
+        Err(capture_error(op))
     }
 
     /// The capture `stream` belongs to, and its branch there.
@@ -352,6 +370,12 @@ impl Graphs {
             return Err(DeviceError::Driver {
                 op: "cuStreamEndCapture",
                 code: DeviceError::CUDA_ERROR_STREAM_CAPTURE_UNJOINED,
+            });
+        }
+        if rec.invalidated_by.is_some() {
+            return Err(DeviceError::Driver {
+                op: "cuStreamEndCapture",
+                code: DeviceError::CUDA_ERROR_STREAM_CAPTURE_INVALIDATED,
             });
         }
         self.next += 1;

@@ -588,7 +588,7 @@ impl super::Device for SimDevice {
 
     /// Synchronises the device (a host sync, as `cuMemFree` does), then frees the segment.
     fn release(&self, ptr: DeviceAddr) -> Result<(), DeviceError> {
-        let st = self.state();
+        let mut st = self.state();
         if !st.mem.segments.contains_key(&ptr.0) {
             return Err(DeviceError::UnknownSegment(ptr));
         }
