@@ -627,6 +627,44 @@ fn pinned_host_blocks_wait_for_their_copies_before_reuse() {
     assert!(dev.live_host_allocations().is_empty());
 }
 
+/// A pinned upload captured into a CUDA graph (`cuMemcpyHtoDAsync` on a capturing stream is a
+/// node of the graph): each replay copies the staging buffer again, so the buffer gives no
+/// slice afterwards and, dropped, its block is never handed out again nor freed
+/// (`captured_bytes`), as PyTorch keeps pinned memory used in a capture.
+#[test]
+fn a_captured_pinned_upload_keeps_its_block_for_good() {
+    let Some((_gpu, dev)) = gpu() else { return };
+    let alloc = Allocator::new(dev.clone(), Config::default()).unwrap();
+    let pinned = tidepool::HostAllocator::new(dev.clone());
+    let s = dev.create_stream().unwrap();
+    let ss = dev.stream(s).unwrap();
+    // SAFETY: f32 has no invalid bit patterns; the upload writes every element before a read.
+    let out = unsafe { CudaBuffer::<f32>::alloc(&alloc, N, s) }.unwrap();
+    let bytes = (N * 4) as u64;
+    let mut staging = pinned.alloc(bytes).unwrap();
+    for chunk in staging.as_mut_slice().unwrap().chunks_exact_mut(4) {
+        chunk.copy_from_slice(&5.0f32.to_le_bytes());
+    }
+    alloc.begin_capture(s, None).unwrap();
+    staging.upload(out.buffer()).unwrap();
+    assert!(matches!(staging.as_slice(), Err(tidepool::HostAllocError::Captured { .. })));
+    let first = staging.host_ptr();
+    drop(staging);
+    let graph = alloc.end_capture(s).unwrap();
+    for _ in 0..3 {
+        graph.launch(s).unwrap();
+        assert!(ss.clone_dtoh(&out).unwrap().iter().all(|&v| v == 5.0));
+    }
+    dev.synchronize().unwrap();
+    let next = pinned.alloc(bytes).unwrap();
+    assert_ne!(next.host_ptr(), first, "the graph's staging block is not handed out again");
+    assert_eq!(pinned.stats().captured_bytes, bytes);
+    drop((next, graph, out));
+    pinned.empty_cache().unwrap();
+    assert_eq!(pinned.stats().reserved_bytes.current, bytes, "kept for good");
+    pinned.check_invariants().unwrap();
+}
+
 /// Private pools on the GPU: a guard routes a stream's allocations (cudarc-visible buffers
 /// included) to the pool's own segments, with the pool's own statistics; the pool's memory goes
 /// back with its last buffer.

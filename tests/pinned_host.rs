@@ -778,3 +778,79 @@ fn pinned_allocations_during_a_capture_leave_it_valid() {
     assert_eq!(pinned.stats().reserved_bytes.current, 0);
     pinned.check_invariants().unwrap();
 }
+
+/// What [`captured_staging`] saw.
+struct CapturedRun {
+    staged: HostPtr,
+    next: HostPtr,
+    captured_bytes: u64,
+    reserved_after_empty_cache: u64,
+}
+
+/// A pinned buffer used by work captured into a CUDA graph — a copy made through `host_ptr`
+/// and recorded with `record_use` on the capturing stream, as a cudarc copy would be — is the
+/// graph's: each replay copies from it again. PyTorch's rule ("as soon as pinned host memory
+/// ... is used during stream capture, it can never be recycled",
+/// `TestCachingHostAllocatorCudaGraph::test_pin_memory_use`): its block is never reused nor
+/// freed, and here it also gives no slice and takes no copy outside the capture.
+fn captured_staging() -> CapturedRun {
+    let (dev, alloc, pinned) = setup();
+    let s = dev.create_stream().unwrap();
+    let gpu = alloc.alloc(4096, S).unwrap();
+    let mut staging = pinned.alloc(4096).unwrap();
+    staging.as_mut_slice().unwrap().fill(7);
+    alloc.begin_capture(s, None).unwrap();
+    staging.record_use(s, AccessKind::Read).unwrap(); // the captured copy's node
+    assert_eq!(staging.pending_streams(), Vec::<StreamId>::new(), "no event in a capture");
+    let captured =
+        |r: Result<(), HostAllocError>| matches!(r, Err(HostAllocError::Captured { .. }));
+    assert!(captured(staging.as_slice().map(drop)));
+    assert!(captured(staging.as_mut_slice().map(drop)));
+    assert!(captured(staging.synchronize()));
+    assert!(!staging.is_ready().unwrap());
+    assert!(captured(staging.upload(&gpu)), "no copy outside the capture");
+    let staged = staging.host_ptr();
+    drop(staging);
+    let graph = alloc.end_capture(s).unwrap();
+    graph.launch(s).unwrap();
+    dev.synchronize().unwrap();
+    let next = pinned.alloc(4096).unwrap(); // after the capture, after a sync
+    let captured_bytes = pinned.stats().captured_bytes;
+    pinned.check_invariants().unwrap();
+    let next_ptr = next.host_ptr();
+    drop((next, graph));
+    pinned.empty_cache().unwrap();
+    pinned.check_invariants().unwrap();
+    let reserved_after_empty_cache = pinned.stats().reserved_bytes.current;
+    CapturedRun { staged, next: next_ptr, captured_bytes, reserved_after_empty_cache }
+}
+
+/// Broken build `captured_recycled` gives the block back to the cache: `next` gets it.
+#[test]
+fn a_buffer_captured_work_uses_is_never_recycled() {
+    let run = captured_staging();
+    assert_ne!(run.next, run.staged, "the graph's staging block is not handed out again");
+    assert_eq!(run.captured_bytes, 4096);
+    assert_eq!(run.reserved_after_empty_cache, 4096, "nor freed by empty_cache");
+}
+
+/// PyTorch's `test_pin_memory_no_use2`: a pinned buffer allocated and freed during a capture
+/// that no copy used is reused at once, in the same capture.
+#[test]
+fn a_buffer_no_captured_work_used_is_reused_during_the_capture() {
+    let (dev, _alloc, pinned) = setup();
+    let s = dev.create_stream().unwrap();
+    tidepool::Capture::begin_capture(&*dev, s).unwrap();
+    let data = pinned.alloc(8 * 4).unwrap();
+    let first = data.host_ptr();
+    drop(data);
+    let data2 = pinned.alloc(8 * 4).unwrap();
+    assert_eq!(data2.host_ptr(), first);
+    let also = pinned.alloc(8 * 4).unwrap();
+    assert_ne!(also.host_ptr(), first, "two live blocks differ (`test_pin_memory_no_use`)");
+    let graph = tidepool::Capture::end_capture(&*dev, s).unwrap();
+    tidepool::Capture::destroy_graph(&*dev, graph).unwrap();
+    drop((data2, also));
+    assert_eq!(pinned.stats().captured_bytes, 0);
+    pinned.check_invariants().unwrap();
+}

@@ -13,7 +13,8 @@ use std::fmt;
 ///
 /// Safe access: a copy needs `&mut self`, so no slice of the buffer is alive while one is
 /// enqueued; [`PinnedBuffer::as_slice`] first waits for the copies that write the buffer,
-/// [`PinnedBuffer::as_mut_slice`] for every copy. `Send + Sync`.
+/// [`PinnedBuffer::as_mut_slice`] for every copy. A buffer that work captured into a CUDA graph
+/// copies to or from gives no slice at all (see [`PinnedBuffer::record_use`]). `Send + Sync`.
 ///
 /// ```
 /// use std::sync::Arc;
@@ -40,7 +41,16 @@ pub struct PinnedBuffer<D: Device> {
     /// Copies recorded on the block and not known complete: at most one per stream (a later
     /// copy's event on the same stream completes after an earlier one's).
     uses: Vec<Use>,
+    /// Work captured into a CUDA graph copies to or from the buffer: the graph's replays use
+    /// it whenever they run (see [`PinnedBuffer::record_use`]).
+    captured: bool,
 }
+
+/// What a buffer that captured work uses refuses ([`HostAllocError::Captured`]).
+const CAPTURED: HostAllocError = HostAllocError::Captured {
+    reason: "work captured into a CUDA graph copies to or from it: its replays may use it at \
+             any time (write it through `host_ptr`, unsafe, between replays)",
+};
 
 impl<D: Device> fmt::Debug for PinnedBuffer<D> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -55,7 +65,7 @@ impl<D: Device> fmt::Debug for PinnedBuffer<D> {
 
 impl<D: Device> PinnedBuffer<D> {
     pub(super) fn new(alloc: HostAllocator<D>, ptr: HostPtr, len: u64, size: u64) -> Self {
-        PinnedBuffer { alloc, ptr, len, size, uses: Vec::new() }
+        PinnedBuffer { alloc, ptr, len, size, uses: Vec::new(), captured: false }
     }
 
     /// Bytes asked for.
@@ -91,8 +101,12 @@ impl<D: Device> PinnedBuffer<D> {
         self.uses.iter().map(|u| u.stream).collect()
     }
 
-    /// Whether every copy recorded on the buffer has completed. Never blocks.
+    /// Whether every copy recorded on the buffer has completed. Never blocks. Never, for a
+    /// buffer that captured work uses.
     pub fn is_ready(&self) -> Result<bool, HostAllocError> {
+        if self.captured {
+            return Ok(false);
+        }
         let inner = self.alloc.inner();
         for u in &self.uses {
             if !inner.use_complete(u)? {
@@ -105,6 +119,9 @@ impl<D: Device> PinnedBuffer<D> {
     /// Blocks until every copy recorded on the buffer has completed (a host sync when one has
     /// not), and forgets them.
     pub fn synchronize(&mut self) -> Result<(), HostAllocError> {
+        if self.captured {
+            return Err(CAPTURED);
+        }
         let inner = self.alloc.inner();
         for u in &self.uses {
             inner.wait_use(u)?;
@@ -116,6 +133,9 @@ impl<D: Device> PinnedBuffer<D> {
     /// The bytes, once every copy that writes them (device to host) has completed: waits for
     /// those first. Copies that only read the buffer may still run (reads do not conflict).
     pub fn as_slice(&self) -> Result<&[u8], HostAllocError> {
+        if self.captured {
+            return Err(CAPTURED);
+        }
         let inner = self.alloc.inner();
         for u in self.uses.iter().filter(|u| u.writes_host) {
             inner.wait_use(u)?;
@@ -207,7 +227,18 @@ impl<D: Device> PinnedBuffer<D> {
     /// (host to device), `Write` for work that writes it. The block then waits for it like for
     /// tidepool's own copies. On an error the use still counts, as complete only after a later
     /// device synchronisation.
+    ///
+    /// On a stream being captured into a CUDA graph the work is a node of the graph, run again
+    /// at every replay, so the buffer becomes the graph's staging memory: from then on it gives
+    /// no slice and takes no copy outside the capture ([`HostAllocError::Captured`]), and once
+    /// dropped its block is never reused nor freed (`HostStats::captured_bytes`; PyTorch keeps
+    /// pinned memory used in a capture the same way). The same holds for the copies below when
+    /// their stream is capturing (where the device captures them: SimDevice refuses).
     pub fn record_use(&mut self, stream: StreamId, kind: AccessKind) -> Result<(), HostAllocError> {
+        if self.alloc.inner().device().capture_of(stream).is_some() {
+            self.captured = true;
+            return Ok(());
+        }
         let (u, recorded) = self.alloc.inner().record_use(stream, kind == AccessKind::Write);
         self.add_use(u);
         Ok(recorded?)
@@ -256,6 +287,16 @@ impl<D: Device> PinnedBuffer<D> {
         }
         let writes_host = !to_device;
         let inner = self.alloc.inner();
+        let capturing = inner.device().capture_of(stream).is_some();
+        if capturing && !self.uses.is_empty() {
+            return Err(HostAllocError::Captured {
+                reason: "a copy on a capturing stream of a buffer with copies not known \
+                         complete (synchronize it before the capture)",
+            });
+        }
+        if self.captured && !capturing {
+            return Err(CAPTURED);
+        }
         // Two copies on different streams never touch the same host bytes unordered when one
         // of them writes them.
         for u in self.uses.iter().filter(|u| u.stream != stream && (writes_host || u.writes_host)) {
@@ -277,6 +318,11 @@ impl<D: Device> PinnedBuffer<D> {
             }
         };
         enqueued?;
+        if capturing {
+            // A node of the graph: each replay copies again; no event can be recorded.
+            self.captured = true;
+            return Ok(());
+        }
         let (u, recorded) = inner.record_use(stream, writes_host);
         self.add_use(u);
         Ok(recorded?)
@@ -288,6 +334,9 @@ impl<D: Device> Drop for PinnedBuffer<D> {
     /// recorded copy completed.
     fn drop(&mut self) {
         let uses = std::mem::take(&mut self.uses);
-        self.alloc.inner().give_back(self.ptr, self.len, self.size, uses);
+        match self.captured {
+            true => self.alloc.inner().retire(self.ptr, self.len, self.size, uses),
+            false => self.alloc.inner().give_back(self.ptr, self.len, self.size, uses),
+        }
     }
 }

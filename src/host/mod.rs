@@ -11,8 +11,11 @@
 //!   PinnedBuffer ── copy_to_device / copy_from_device / upload / download: the copy is enqueued
 //!      │            on a stream and an event recorded after it (one per stream, the latest)
 //!      │  as_slice / as_mut_slice: wait for the copies first (a host sync when one still runs)
-//!      └─ drop: back to the allocator ─▶ free[class] at once if no copy is recorded on it,
-//!                                        else pending until every event completed
+//!      ├─ drop: back to the allocator ─▶ free[class] at once if no copy is recorded on it,
+//!      │                                 else pending until every event completed
+//!      └─ a copy (or recorded use) on a stream being captured into a CUDA graph: the buffer is
+//!         the graph's (replays copy at any time): no slice, no copy outside the capture, and
+//!         on drop its block is kept for good (captured_bytes), never reused nor freed
 //!   empty_cache ── frees every free block (cuMemFreeHost); pending blocks stay until completed
 //!   last handle ── closed: pending blocks waited for, every free block freed; a buffer
 //!                  dropped later is freed as it goes (a forgotten one keeps its own block)
@@ -109,6 +112,14 @@ pub enum HostAllocError {
     },
     /// The device buffer belongs to another device than the pinned allocator's.
     WrongDevice,
+    /// The buffer and a CUDA-graph capture: work captured into a graph copies to or from the
+    /// buffer (its replays do, whenever they run), so it gives no slice and takes no copy
+    /// outside the capture; or a copy on a capturing stream was asked of a buffer with copies
+    /// not known complete (the capture cannot be ordered after them).
+    Captured {
+        /// Which of the two.
+        reason: &'static str,
+    },
 }
 
 impl fmt::Display for HostAllocError {
@@ -133,6 +144,9 @@ impl fmt::Display for HostAllocError {
             ),
             HostAllocError::WrongDevice => {
                 write!(f, "the device buffer is on another device than the pinned allocator")
+            }
+            HostAllocError::Captured { reason } => {
+                write!(f, "pinned buffer and CUDA-graph capture: {reason}")
             }
         }
     }
@@ -188,6 +202,9 @@ pub struct HostStats {
     pub cached_bytes: u64,
     /// Bytes of freed blocks still waiting on their copies' events (now).
     pub pending_bytes: u64,
+    /// Bytes of freed blocks that work captured into a CUDA graph copies to or from: never
+    /// reused nor freed (a replay may run at any time), counted as active (now).
+    pub captured_bytes: u64,
     /// Time in successful `cuMemHostAlloc` calls (one per `num_host_alloc`).
     pub host_alloc_time: DurationStat,
     /// Time in successful `cuMemFreeHost` calls (one per `num_host_free`).
@@ -319,6 +336,8 @@ struct State {
     blocks: HashMap<usize, u64>,
     /// Reusable blocks per size class (last freed first).
     free: BTreeMap<u64, Vec<HostPtr>>,
+    /// Freed blocks that captured work uses (`captured_bytes`): kept for good.
+    retired: Vec<(HostPtr, u64)>,
     /// Freed blocks waiting on events, oldest first.
     pending: VecDeque<Pending>,
     /// Events not in use, for the next copies.
@@ -425,6 +444,7 @@ impl<D: Device> HostAllocator<D> {
                 state: Mutex::new(State {
                     blocks: HashMap::new(),
                     free: BTreeMap::new(),
+                    retired: Vec::new(),
                     pending: VecDeque::new(),
                     events: Vec::new(),
                     next_sync: 1,
@@ -589,8 +609,10 @@ impl<D: Device> HostAllocator<D> {
             st.free.iter().flat_map(|(&size, v)| v.iter().map(move |p| (size, p.addr()))).collect();
         let pending: Vec<(u64, usize)> =
             st.pending.iter().map(|p| (p.size, p.ptr.addr())).collect();
+        let retired: Vec<(u64, usize)> =
+            st.retired.iter().map(|&(p, size)| (size, p.addr())).collect();
         let mut seen = std::collections::HashSet::new();
-        for &(size, addr) in free.iter().chain(&pending) {
+        for &(size, addr) in free.iter().chain(&pending).chain(&retired) {
             if st.blocks.get(&addr) != Some(&size) {
                 return Err(format!("block {addr:#x} of class {size} is not held as such"));
             }
@@ -601,16 +623,18 @@ impl<D: Device> HostAllocator<D> {
         let reserved: u64 = st.blocks.values().sum();
         let cached: u64 = free.iter().map(|b| b.0).sum();
         let waiting: u64 = pending.iter().map(|b| b.0).sum();
-        let live = st.blocks.len() - free.len() - pending.len();
+        let kept: u64 = retired.iter().map(|b| b.0).sum();
+        let live = st.blocks.len() - free.len() - pending.len() - retired.len();
         let checks = [
             ("reserved_bytes", s.reserved_bytes.current, reserved),
             ("segment", s.segment.current, st.blocks.len() as u64),
             ("cached_bytes", s.cached_bytes, cached),
             ("pending_bytes", s.pending_bytes, waiting),
-            ("allocated_bytes", s.allocated_bytes.current, reserved - cached - waiting),
+            ("captured_bytes", s.captured_bytes, kept),
+            ("allocated_bytes", s.allocated_bytes.current, reserved - cached - waiting - kept),
             ("allocation", s.allocation.current, live as u64),
             ("active_bytes", s.active_bytes.current, reserved - cached),
-            ("active", s.active.current, (live + pending.len()) as u64),
+            ("active", s.active.current, (live + pending.len() + retired.len()) as u64),
             ("host_alloc_time.count", s.host_alloc_time.count, s.num_host_alloc),
             ("host_free_time.count", s.host_free_time.count, s.num_host_free),
         ];
@@ -907,6 +931,26 @@ impl<D: Device> Inner<D> {
             drop(guard);
             self.drain_closed();
         }
+    }
+
+    /// A dropped buffer that work captured into a CUDA graph copies to or from: its block is
+    /// kept for good, neither reused nor freed (a replay may copy at any time, and nothing can
+    /// tell when the graph's last one ran), as PyTorch keeps pinned memory used in a capture.
+    /// Its other uses' events go back to the pool.
+    pub(crate) fn retire(&self, ptr: HostPtr, requested: u64, size: u64, uses: Vec<Use>) {
+        if cfg!(tidepool_broken = "captured_recycled") {
+            // BROKEN: the block goes back to the cache, reusable at once.
+            self.recycle(uses);
+            return self.give_back(ptr, requested, size, Vec::new());
+        }
+        self.recycle(uses);
+        let mut st = self.lock();
+        let s = &mut st.stats;
+        s.allocation.decrease(1);
+        s.allocated_bytes.decrease(size);
+        s.requested_bytes.decrease(requested);
+        s.captured_bytes += size;
+        st.retired.push((ptr, size));
     }
 
     /// The last handle is gone (only buffers hold the allocator): nothing is cached any more.
