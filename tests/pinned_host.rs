@@ -785,22 +785,31 @@ struct CapturedRun {
     next: HostPtr,
     captured_bytes: u64,
     reserved_after_empty_cache: u64,
+    /// The device buffer's bytes after each of three replays (an upload captured).
+    replayed: Vec<Vec<u8>>,
+    violations: Vec<String>,
 }
 
-/// A pinned buffer used by work captured into a CUDA graph — a copy made through `host_ptr`
-/// and recorded with `record_use` on the capturing stream, as a cudarc copy would be — is the
-/// graph's: each replay copies from it again. PyTorch's rule ("as soon as pinned host memory
-/// ... is used during stream capture, it can never be recycled",
-/// `TestCachingHostAllocatorCudaGraph::test_pin_memory_use`): its block is never reused nor
-/// freed, and here it also gives no slice and takes no copy outside the capture.
-fn captured_staging() -> CapturedRun {
+/// A pinned buffer used by work captured into a CUDA graph — its `upload` on the capturing
+/// stream, or (`via_record_use`) a copy made through `host_ptr` and declared with `record_use`
+/// there, as a cudarc copy would be — is the graph's: each replay copies from it again.
+/// PyTorch's rule ("as soon as pinned host memory ... is used during stream capture, it can
+/// never be recycled", `TestCachingHostAllocatorCudaGraph::test_pin_memory_use`): its block is
+/// never reused nor freed, and here it also gives no slice and takes no copy outside the
+/// capture.
+fn captured_staging(via_record_use: bool) -> CapturedRun {
     let (dev, alloc, pinned) = setup();
     let s = dev.create_stream().unwrap();
     let gpu = alloc.alloc(4096, S).unwrap();
+    let out = alloc.alloc(4096, s).unwrap(); // the graph's copy target, on the capture's stream
     let mut staging = pinned.alloc(4096).unwrap();
     staging.as_mut_slice().unwrap().fill(7);
+    dev.synchronize().unwrap();
     alloc.begin_capture(s, None).unwrap();
-    staging.record_use(s, AccessKind::Read).unwrap(); // the captured copy's node
+    match via_record_use {
+        true => staging.record_use(s, AccessKind::Read).unwrap(), // the captured copy's node
+        false => staging.upload(&out).unwrap(),
+    }
     assert_eq!(staging.pending_streams(), Vec::<StreamId>::new(), "no event in a capture");
     let captured =
         |r: Result<(), HostAllocError>| matches!(r, Err(HostAllocError::Captured { .. }));
@@ -814,24 +823,47 @@ fn captured_staging() -> CapturedRun {
     let graph = alloc.end_capture(s).unwrap();
     graph.launch(s).unwrap();
     dev.synchronize().unwrap();
-    let next = pinned.alloc(4096).unwrap(); // after the capture, after a sync
+    let mut next = pinned.alloc(4096).unwrap(); // after the capture, after a sync
     let captured_bytes = pinned.stats().captured_bytes;
     pinned.check_invariants().unwrap();
+    // Whoever holds `next` writes it; then the graph is replayed.
+    next.as_mut_slice().unwrap().fill(9);
+    let mut replayed = Vec::new();
+    for _ in 0..3 {
+        graph.launch(s).unwrap();
+        dev.synchronize().unwrap();
+        replayed.push(device_bytes(&dev, &out));
+    }
     let next_ptr = next.host_ptr();
-    drop((next, graph));
+    drop((next, graph, gpu, out));
     pinned.empty_cache().unwrap();
     pinned.check_invariants().unwrap();
     let reserved_after_empty_cache = pinned.stats().reserved_bytes.current;
-    CapturedRun { staged, next: next_ptr, captured_bytes, reserved_after_empty_cache }
+    let violations = dev.violations().iter().map(|v| v.op.to_string()).collect();
+    CapturedRun {
+        staged,
+        next: next_ptr,
+        captured_bytes,
+        reserved_after_empty_cache,
+        replayed,
+        violations,
+    }
 }
 
-/// Broken build `captured_recycled` gives the block back to the cache: `next` gets it.
+/// Broken build `captured_recycled` gives the block back to the cache: `next` gets it, the
+/// sanitizer reports the hand-out, and the replays upload `next`'s nines.
 #[test]
 fn a_buffer_captured_work_uses_is_never_recycled() {
-    let run = captured_staging();
-    assert_ne!(run.next, run.staged, "the graph's staging block is not handed out again");
-    assert_eq!(run.captured_bytes, 4096);
-    assert_eq!(run.reserved_after_empty_cache, 4096, "nor freed by empty_cache");
+    for via_record_use in [false, true] {
+        let run = captured_staging(via_record_use);
+        assert_ne!(run.next, run.staged, "the graph's staging block is not handed out again");
+        assert_eq!(run.captured_bytes, 4096);
+        assert_eq!(run.reserved_after_empty_cache, 4096, "nor freed by empty_cache");
+        assert!(run.violations.is_empty(), "{:?}", run.violations);
+        if !via_record_use {
+            assert!(run.replayed.iter().all(|b| b == &vec![7u8; 4096]), "each replay uploads");
+        }
+    }
 }
 
 /// PyTorch's `test_pin_memory_no_use2`: a pinned buffer allocated and freed during a capture

@@ -233,7 +233,7 @@ impl<D: Device> PinnedBuffer<D> {
     /// no slice and takes no copy outside the capture ([`HostAllocError::Captured`]), and once
     /// dropped its block is never reused nor freed (`HostStats::captured_bytes`; PyTorch keeps
     /// pinned memory used in a capture the same way). The same holds for the copies below when
-    /// their stream is capturing (where the device captures them: SimDevice refuses).
+    /// their stream is capturing (a copy is then a node of the graph).
     pub fn record_use(&mut self, stream: StreamId, kind: AccessKind) -> Result<(), HostAllocError> {
         if self.alloc.inner().device().capture_of(stream).is_some() {
             self.captured = true;

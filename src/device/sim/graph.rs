@@ -23,6 +23,8 @@
 //!   launch_graph(g, t) ─▶ every op enqueued on t, in capture order; accesses count as
 //!                         allocated if held by g
 //!   handout on a stream not capturing of memory any graph holds ─▶ Violation
+//!   pinned copy on a captured stream ─▶ recorded (replayable), host range noted; a host free
+//!                         or hand-out of that range while the graph exists ─▶ Violation
 //! ```
 //!
 //! A graph's replay runs its kernels one after another on the launch stream, so the sanitizer
@@ -35,7 +37,7 @@
 //! Like CUDA's global capture mode, the device refuses while any capture is underway what
 //! would synchronise or look into captured work: event queries and synchronisations, segment
 //! releases (`cuMemFree`), destroying a capturing stream; and on a capturing stream itself,
-//! waiting on an event recorded outside the capture, and pinned-host copies. As in CUDA, the
+//! waiting on an event recorded outside the capture. As in CUDA, the
 //! first four also *invalidate* every capture underway: its end makes no graph
 //! (`CUDA_ERROR_STREAM_CAPTURE_INVALIDATED`), so a library that makes such a call during an
 //! application's capture breaks it (counted in `SimGraphCounters::refused_in_capture`).
@@ -88,6 +90,9 @@ pub(super) struct Recording {
     /// The first operation refused while the capture was underway: CUDA's global mode then
     /// invalidates it, and its end makes no graph (`CUDA_ERROR_STREAM_CAPTURE_INVALIDATED`).
     invalidated_by: Option<&'static str>,
+    /// Pinned host memory its captured copies read or write, as `[lo, hi)`: every replay
+    /// copies again, so it must stay allocated and unreused while the graph exists.
+    host: Vec<(usize, usize)>,
 }
 
 impl Recording {
@@ -171,6 +176,22 @@ impl Graphs {
     /// Whether `stream` is being captured (it began a capture, or joined one).
     pub(super) fn capturing(&self, stream: u32) -> bool {
         !self.members.is_empty() && self.members.contains_key(&stream)
+    }
+
+    /// Notes that the capture `stream` belongs to copies to or from host `[lo, hi)`.
+    pub(super) fn record_host(&mut self, stream: u32, lo: usize, hi: usize) {
+        if let Some((rec, _)) = self.branch(stream) {
+            rec.host.push((lo, hi));
+        }
+    }
+
+    /// Whether a capture underway or a graph that exists copies to or from host memory that
+    /// overlaps `[lo, hi)`.
+    pub(super) fn uses_host(&self, lo: usize, hi: usize) -> bool {
+        self.active
+            .values()
+            .chain(self.graphs.values())
+            .any(|r| r.host.iter().any(|&(a, b)| a < hi && lo < b))
     }
 
     /// The origin of the capture `stream` belongs to, if it is capturing.

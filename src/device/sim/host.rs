@@ -7,7 +7,8 @@
 //!   memcpy_htod_async(dst, src, n, s) ─▶ Kernel "copy_htod" at position p of s (device access
 //!                                        declared, checked by the sanitizer) + copies: (src range, s, p)
 //!   note_host_access / host_free ─▶ a copy in `copies` overlapping the range that s has not
-//!                                   passed yet is a violation ("host write", "host free")
+//!                                   passed yet is a violation ("host write", "host free"),
+//!                                   and so is a range a graph's captured copy uses
 //! ```
 //!
 //! The event rules are the device's: a copy is one operation of its stream, so an event recorded
@@ -62,6 +63,9 @@ pub(super) struct HostMem {
     capacity: u64,
     reserved: u64,
     allocations: BTreeMap<usize, Allocation>,
+    /// Allocations freed while a graph's captured copies still use them (a violation): kept
+    /// until the device goes, so a replay never touches freed memory.
+    kept: Vec<Allocation>,
     /// Copies enqueued, dropped once their stream passed them.
     copies: Vec<HostCopy>,
     counters: SimHostCounters,
@@ -75,6 +79,7 @@ impl HostMem {
             capacity,
             reserved: 0,
             allocations: BTreeMap::new(),
+            kept: Vec::new(),
             copies: Vec::new(),
             counters: SimHostCounters::default(),
             fail_nth_alloc: None,
@@ -94,7 +99,8 @@ impl Drop for HostMem {
     /// Frees what is still allocated. The device drops its state only after every stream's
     /// worker has been joined, so no copy runs any more.
     fn drop(&mut self) {
-        for (_, a) in std::mem::take(&mut self.allocations) {
+        let kept = std::mem::take(&mut self.kept);
+        for a in std::mem::take(&mut self.allocations).into_values().chain(kept) {
             // SAFETY: allocated by `alloc_zeroed` with this layout and freed once (taken out of
             // the table); no worker is left to copy from or to it.
             unsafe { dealloc(a.ptr.as_ptr(), a.layout) };
@@ -120,6 +126,11 @@ struct SendPtr(*mut u8);
 // SAFETY: the pointer is only dereferenced by the copy kernel, under the rules stated where it
 // does so; moving the address to the worker thread is harmless.
 unsafe impl Send for SendPtr {}
+
+// SAFETY: a captured copy's kernel (shared by the graph's replays) dereferences it only while a
+// replay runs, and the device orders each launch of a graph after the previous one, so no two
+// replays of one copy run at once; sharing the address between them is harmless.
+unsafe impl Sync for SendPtr {}
 
 impl SendPtr {
     /// The pointer (a method, so closures capture the whole `SendPtr`, not its field).
@@ -231,6 +242,17 @@ impl SimDevice {
         let a = st.host.allocations.remove(&lo).ok_or(unknown)?;
         st.host.reserved -= size as u64;
         st.host.counters.frees += 1;
+        if st.graphs.uses_host(lo, hi) {
+            // A graph's replays would copy from or into freed memory: reported, and the memory
+            // is kept until the device goes.
+            let op = "host free of memory a CUDA graph's captured copy uses";
+            found.extend(st.san.flag(lo as u64, hi as u64, 0, None, op));
+            st.host.kept.push(a);
+            let panic = st.panic_on_violation;
+            drop(st);
+            Self::after_check(found, panic);
+            return Ok(());
+        }
         let panic = st.panic_on_violation;
         drop(st);
         // SAFETY: allocated by `alloc_zeroed` with this layout and freed once (just taken out of
@@ -253,9 +275,6 @@ impl SimDevice {
         let mut guard = self.state();
         let st = &mut *guard;
         st.open_stream(stream)?;
-        if st.graphs.capturing(stream.0) {
-            return Err(DeviceError::Unsupported("pinned-host copies on a captured stream"));
-        }
         if bytes == 0 {
             return Ok(());
         }
@@ -275,6 +294,9 @@ impl SimDevice {
         let kind = if to_device { AccessKind::Write } else { AccessKind::Read };
         let accesses = vec![Access { ptr: dev, bytes, kind }];
         let raw = SendPtr(host.as_ptr());
+        if st.graphs.capturing(stream.0) {
+            return self.capture_copy(guard, raw, n, dev, accesses, stream, to_device);
+        }
         let kernel = if to_device {
             Kernel::new("copy_htod", accesses, move |mem: &dyn KernelMemory| {
                 // SAFETY: `[raw, raw + n)` lies in a live pinned allocation of this device
@@ -319,6 +341,60 @@ impl SimDevice {
         Ok(())
     }
 
+    /// A pinned copy on a captured stream: recorded into the capture as a replayable kernel
+    /// (each replay copies again, as CUDA's memcpy node does), its host range noted for the
+    /// graph's life.
+    #[allow(clippy::too_many_arguments)]
+    fn capture_copy(
+        &self,
+        mut guard: crate::sync::MutexGuard<'_, State>,
+        raw: SendPtr,
+        n: usize,
+        dev: DeviceAddr,
+        accesses: Vec<Access>,
+        stream: StreamId,
+        to_device: bool,
+    ) -> Result<(), DeviceError> {
+        let st = &mut *guard;
+        let lo = raw.get() as usize;
+        let kernel = if to_device {
+            Kernel::replayable("copy_htod", accesses, move |mem: &dyn KernelMemory| {
+                // SAFETY: `[raw, raw + n)` lay in a live pinned allocation when captured, and the
+                // device keeps it allocated while the graph exists (a free then is a violation
+                // and the memory is kept); replays of one graph never run at once.
+                let data = unsafe { std::slice::from_raw_parts(raw.get(), n) };
+                mem.write(dev, data).expect("copy_htod: device range checked when captured");
+            })
+        } else {
+            Kernel::replayable("copy_dtoh", accesses, move |mem: &dyn KernelMemory| {
+                let mut data = vec![0u8; n];
+                mem.read(dev, &mut data).expect("copy_dtoh: device range checked when captured");
+                // SAFETY: as for `copy_htod`; the host side's users order their accesses
+                // around the replays (the allocator gives no slice of such a buffer).
+                unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), raw.get(), n) };
+            })
+        };
+        let races = match st.graphs.record(stream.0, kernel)? {
+            super::graph::Recorded::Yes(races) => races,
+            super::graph::Recorded::No(_) => unreachable!("the stream is captured"),
+        };
+        st.graphs.record_host(stream.0, lo, lo + n);
+        let op = "kernel touch (branches of a captured graph not ordered)";
+        let mut found = Vec::new();
+        for (a, b, other) in races {
+            found.extend(st.san.flag(a, b, stream.0, Some(other), op));
+        }
+        if to_device {
+            st.host.counters.copies_to_device += 1;
+        } else {
+            st.host.counters.copies_to_host += 1;
+        }
+        let panic = st.panic_on_violation;
+        drop(guard);
+        Self::after_check(found, panic);
+        Ok(())
+    }
+
     /// The host is about to touch `[ptr, ptr + bytes)`: a copy still running on it is a
     /// violation (any copy for a write, a copy to the host for a read).
     pub(super) fn sim_note_host_access(&self, ptr: HostPtr, bytes: u64, kind: AccessKind) {
@@ -333,6 +409,10 @@ impl SimDevice {
         let mut found = Vec::new();
         for (s, _) in busy {
             st.san.report(&mut found, lo as u64, hi as u64, s, Some(s), op.into());
+        }
+        if write && st.graphs.uses_host(lo, hi) {
+            let op = "host write of memory a CUDA graph's captured copy uses";
+            found.extend(st.san.flag(lo as u64, hi as u64, 0, None, op));
         }
         let panic = st.panic_on_violation;
         drop(st);
