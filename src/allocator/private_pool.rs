@@ -398,6 +398,41 @@ impl<D: Device> MemPool<D> {
         self.alloc.check_invariants()
     }
 
+    /// Whether the buffers handed out from the pool and not yet freed start exactly at the
+    /// addresses in `live` (PyTorch's `checkPoolLiveAllocations`, which CUDA-graph trees use to
+    /// check that a graph's outputs are all that is left of its pool). Freed blocks that still
+    /// wait on events, and buffers a graph holds back, are not live.
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use tidepool::{Allocator, Config, Device, PoolOptions, SimDevice};
+    ///
+    /// let dev = Arc::new(SimDevice::new(1 << 30));
+    /// let s = dev.create_stream().unwrap();
+    /// let alloc = Allocator::new(dev, Config::default()).unwrap();
+    /// let pool = alloc.new_pool(PoolOptions::default()).unwrap();
+    /// let (graph, out) = alloc.capture(s, Some(&pool), || alloc.alloc(16, s).unwrap()).unwrap();
+    /// assert!(pool.check_live_allocations(&[out.ptr()]));
+    /// assert!(!pool.check_live_allocations(&[]));
+    /// drop(out);
+    /// assert!(pool.check_live_allocations(&[]));
+    /// # drop(graph);
+    /// ```
+    pub fn check_live_allocations(&self, live: &[DeviceAddr]) -> bool {
+        let mut allocated: Vec<DeviceAddr> = self
+            .snapshot()
+            .iter()
+            .flat_map(|seg| &seg.blocks)
+            .filter(|b| b.state == BlockState::Allocated)
+            .map(|b| b.address)
+            .collect();
+        let mut want = live.to_vec();
+        allocated.sort_unstable();
+        want.sort_unstable();
+        want.dedup();
+        allocated == want
+    }
+
     /// Whether graphs (or captures underway) use the pool.
     pub fn graphs(&self) -> usize {
         self.alloc.shared.role.graphs.load(Ordering::Acquire)
