@@ -1061,3 +1061,79 @@ fn a_graph_launched_into_a_capture_underway_is_refused() {
     alloc.check_invariants().unwrap();
     assert_eq!(dev.violations(), vec![]);
 }
+
+/// The capture gate. A capture that begins while a call CUDA forbids during captures is
+/// already inside the device (here a host wait for a kernel that waits on the test) waits for
+/// that call to end; meanwhile new forbidden calls on the device are refused at once (as during
+/// the capture), not queued, so the thread that will end the wait is not held up; and a capture
+/// on another device does not wait at all. Broken build `capture_gate_open` lets the capture
+/// begin under the call inside (on CUDA, that call then invalidates it).
+#[test]
+fn a_capture_begins_after_the_forbidden_calls_inside_and_refuses_new_ones() {
+    use std::sync::atomic::{AtomicBool, Ordering::SeqCst};
+    use std::sync::mpsc;
+    let Setup { dev, s, alloc } = setup();
+    let pinned = tidepool::HostAllocator::new(dev.clone());
+    let gpu = alloc.alloc(N, StreamId::DEFAULT).unwrap();
+    // A kernel that runs only once the test opens its gate, and says it ran.
+    let (open, gate) = mpsc::channel::<()>();
+    let ran = Arc::new(AtomicBool::new(false));
+    let flag = ran.clone();
+    let acc = vec![Access { ptr: gpu.ptr(), bytes: N, kind: AccessKind::Read }];
+    dev.launch(
+        StreamId::DEFAULT,
+        Kernel::new("gated", acc, move |_| {
+            let _ = gate.recv();
+            flag.store(true, SeqCst);
+        }),
+    )
+    .unwrap();
+    let mut inside = pinned.alloc(N).unwrap();
+    inside.upload(&gpu).unwrap(); // behind the gated kernel
+    let mut probe = pinned.alloc(N).unwrap();
+    probe.upload(&gpu).unwrap();
+    let ran_when_begun = AtomicBool::new(false);
+    let (other_dev, other_alloc) = {
+        let d = Arc::new(SimDevice::backed(64 * MIB));
+        let a = Allocator::new(d.clone(), Config::default()).unwrap();
+        (d, a)
+    };
+    std::thread::scope(|scope| {
+        let syncs = dev.counters().host_syncs;
+        scope.spawn(|| inside.synchronize().unwrap()); // inside the device until the gate opens
+        while dev.counters().host_syncs == syncs {
+            std::thread::yield_now();
+        }
+        // Another device's capture begins and ends at once.
+        let t = other_dev.create_stream().unwrap();
+        other_alloc.begin_capture(t, None).unwrap();
+        drop(other_alloc.end_capture(t).unwrap());
+        let (began_tx, began_rx) = mpsc::channel();
+        let (alloc, ran, ran_when_begun) = (&alloc, &ran, &ran_when_begun);
+        scope.spawn(move || {
+            alloc.begin_capture(s, None).unwrap();
+            ran_when_begun.store(ran.load(SeqCst), SeqCst);
+            let _ = began_tx.send(()); // (the test may have stopped listening)
+            end_here(alloc, s);
+        });
+        // Give the capture time to reach the gate (it waits there for the call inside).
+        let early = began_rx.recv_timeout(std::time::Duration::from_millis(500));
+        if early.is_err() {
+            // A new forbidden call is refused at once while the capture waits to begin.
+            assert!(probe.is_ready().is_err(), "refused, not queued behind the capture");
+        }
+        open.send(()).unwrap();
+    });
+    assert!(
+        ran_when_begun.load(SeqCst),
+        "the capture began while the host wait for the gated kernel was inside the device"
+    );
+    drop((inside, probe, gpu));
+    alloc.synchronize().unwrap();
+    assert_eq!(dev.graph_counters().refused_in_capture, 0);
+}
+
+/// Ends the capture begun on `s` by this thread (CUDA's global mode: the thread that began it).
+fn end_here(alloc: &Allocator<SimDevice>, s: StreamId) {
+    drop(alloc.end_capture(s).unwrap());
+}

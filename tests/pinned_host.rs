@@ -886,3 +886,109 @@ fn a_buffer_no_captured_work_used_is_reused_during_the_capture() {
     assert_eq!(pinned.stats().captured_bytes, 0);
     pinned.check_invariants().unwrap();
 }
+
+/// The pinned allocator closed (its last handle dropped) while a capture is underway, with a
+/// block waiting on its copy and a free one cached: nothing is waited for nor freed during the
+/// capture (CUDA forbids it), the waiting block stays waiting instead of being lost, and once
+/// the capture is over the closed allocator gives everything back as its last buffer goes.
+/// Broken build `settle_drops_pending` loses the waiting block (the statistics then disagree
+/// with the blocks, and its memory is never freed).
+#[test]
+fn closing_during_a_capture_frees_nothing_then_everything() {
+    let (dev, alloc, pinned) = setup();
+    let s = dev.create_stream().unwrap();
+    let gpu = alloc.alloc(4096, S).unwrap();
+    let open = gate(&dev, S);
+    let mut staged = pinned.alloc(4096).unwrap();
+    staged.upload(&gpu).unwrap();
+    drop(staged); // waits on its upload
+    drop(pinned.alloc(2048).unwrap()); // free, cached
+    let keep = pinned.alloc(1024).unwrap(); // a buffer outlives the last handle
+    alloc.begin_capture(s, None).unwrap();
+    let frees = dev.host_counters().frees;
+    drop(pinned); // closed during the capture
+    assert_eq!(dev.host_counters().frees, frees, "no cuMemFreeHost during the capture");
+    let handle = keep.allocator().clone(); // (reopens it: a handle again)
+    assert_eq!(handle.stats().pending_bytes, 4096, "the waiting block is still waiting");
+    handle.check_invariants().unwrap();
+    drop(handle); // closed again, still during the capture
+    let graph = alloc.end_capture(s).unwrap();
+    open.send(()).unwrap();
+    dev.synchronize().unwrap();
+    drop(keep); // the last buffer: the closed allocator drains and frees
+    drop((graph, gpu));
+    assert_eq!(dev.host_reserved_bytes(), 0, "every pinned block went back");
+}
+
+/// A pinned allocator that runs out during a capture asks its peers to free their caches; a
+/// peer frees nothing while the capture is underway (`cuMemFreeHost` would invalidate it), and
+/// the allocation fails cleanly instead.
+#[test]
+fn peers_free_nothing_during_a_capture() {
+    let (dev, alloc, a) = setup();
+    let b = HostAllocator::new(dev.clone());
+    drop(a.alloc(MIB).unwrap()); // cached in a
+    dev.set_host_capacity(MIB + 4096);
+    let s = dev.create_stream().unwrap();
+    alloc.begin_capture(s, None).unwrap();
+    let frees = dev.host_counters().frees;
+    let got = b.alloc(MIB);
+    assert!(matches!(got, Err(HostAllocError::OutOfMemory { .. })), "{got:?}");
+    assert_eq!((dev.host_counters().frees, a.stats().num_host_free), (frees, 0));
+    drop(alloc.end_capture(s).unwrap());
+    let got = b.alloc(MIB).unwrap(); // after the capture, a's cache goes to make room
+    assert_eq!(a.stats().num_host_free, 1);
+    drop(got);
+    a.check_invariants().unwrap();
+    b.check_invariants().unwrap();
+}
+
+/// A buffer one capture's copy uses takes no copy in another capture: the two graphs' replays
+/// could copy to or from it at once, unordered (and, downloads, write the same host bytes from
+/// two streams). Broken build `captured_elsewhere` lets the second capture copy.
+#[test]
+fn a_buffer_one_capture_copies_takes_no_copy_in_another() {
+    let (dev, alloc, pinned) = setup();
+    let (s1, s2) = (dev.create_stream().unwrap(), dev.create_stream().unwrap());
+    let a = alloc.alloc(4096, s1).unwrap();
+    let b = alloc.alloc(4096, s2).unwrap();
+    let mut buf = pinned.alloc(4096).unwrap();
+    alloc.begin_capture(s1, None).unwrap();
+    buf.download(&a).unwrap();
+    buf.download(&a).unwrap(); // the same capture again: fine
+    let g1 = alloc.end_capture(s1).unwrap();
+    alloc.begin_capture(s2, None).unwrap();
+    let refused = buf.download(&b);
+    assert!(matches!(refused, Err(HostAllocError::Captured { .. })), "{refused:?}");
+    let g2 = alloc.end_capture(s2).unwrap();
+    drop((g1, g2, buf, a, b));
+    assert_eq!(pinned.stats().captured_bytes, 4096);
+    pinned.check_invariants().unwrap();
+}
+
+/// SimDevice: a graph whose captured copy reads pinned memory is launched behind a gate and
+/// destroyed, then that memory is freed (by a caller breaking `host_free`'s contract). The
+/// free is reported, as any free under a copy that has not run, and waits for the queued
+/// replay's copy, so the replay never reads freed memory.
+#[test]
+fn sim_host_free_waits_for_a_queued_replays_copy() {
+    let dev = Arc::new(SimDevice::backed(64 * MIB));
+    let (s, l) = (dev.create_stream().unwrap(), dev.create_stream().unwrap());
+    let host = dev.host_alloc(4096).unwrap();
+    let d = dev.reserve(4096).unwrap();
+    tidepool::Capture::begin_capture(&*dev, s).unwrap();
+    // SAFETY: both ranges are live allocations of this device, 4096 bytes each; the host range
+    // is not touched while the copy may run (the test only frees it, which the device waits on).
+    unsafe { dev.memcpy_htod_async(d, host, 4096, s) }.unwrap();
+    let graph = tidepool::Capture::end_capture(&*dev, s).unwrap();
+    let open = gate(&dev, l);
+    tidepool::Capture::launch_graph(&*dev, graph, l).unwrap();
+    tidepool::Capture::destroy_graph(&*dev, graph).unwrap();
+    // SAFETY: (deliberately not kept: the copy queued above still reads it; the device waits.)
+    let (freed, waited) = open_when_blocked(&dev, open, || unsafe { dev.host_free(host) });
+    freed.unwrap();
+    assert!(waited, "the free waited for the replay's copy");
+    assert!(dev.violations().iter().any(|v| v.op.contains("host free")), "{:?}", dev.violations());
+    dev.synchronize().unwrap();
+    dev.release(d).unwrap();
+}

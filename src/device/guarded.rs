@@ -42,6 +42,8 @@ pub(crate) struct Guarded<D> {
     /// on capturing streams too.
     #[cfg(feature = "test-hooks")]
     records_in_captures: std::sync::atomic::AtomicBool,
+    /// The device's capture gate (see `capture_gate`).
+    gate: std::sync::Arc<capture_gate::Gate>,
 }
 
 /// The text of a panic's payload (`panic!` with a literal or a formatted message).
@@ -142,7 +144,8 @@ macro_rules! refused_in_captures {
                 #[doc = concat!("[`Device::", stringify!($name), "`], guarded, and refused while a capture is underway (`", $op, "`).")]
                 #[inline]
                 pub(crate) fn $name(&self, $($arg: $ty),*) -> Result<$ret, DeviceError> {
-                    let _gate = capture_gate::call();
+                    // A capture beginning counts as underway.
+                    let Some(_inside) = self.gate.enter() else { return Err(refused($op)) };
                     self.refuse_in_capture($op)?;
                     self.guard(stringify!($name), || self.device.$name($($arg),*))
                 }
@@ -158,38 +161,113 @@ refused_in_captures! {
     synchronize() -> (), "cuCtxSynchronize";
 }
 
-/// Closes the race between a forbidden call and a capture that begins meanwhile: the check
-/// (`capture_underway`, no capture yet) and the call form one read section, and a capture
-/// begins (through `Guarded::begin_capture`) under the write side, so a forbidden call either
-/// ends before the capture begins or sees it. Without it, one thread's event query that passed
-/// the check reached the device just after another thread began a capture, which CUDA's global
+/// Closes the race between a forbidden call and a capture that begins meanwhile, per device:
+/// a forbidden call enters the device's gate before its check (`capture_underway`) and leaves
+/// it after the call; a capture begins (through `Guarded::begin_capture`) only once no call is
+/// inside, and while one is beginning, new forbidden calls are refused at once, as during the
+/// capture (they never wait, so a thread that would let the calls inside finish, opening a
+/// kernel's gate say, is not held up). Without it, one thread's event query that passed the
+/// check reached the device just after another thread began a capture, which CUDA's global
 /// mode answers by invalidating that capture (`two_captures_at_once_reuse_only_their_own_blocks`
-/// failed in 16 of 60 release runs without the gate, none of 60 with it). Process-wide (a
-/// capture on any device of the process holds back the others' forbidden calls for the instant
-/// it begins); not under loom, whose models make no such call. A capture the application begins
-/// on the device directly, not through an allocator, is not covered: nothing tells the
-/// allocator it is about to begin.
+/// failed in 16 of 60 release runs without a gate). A first, process-wide `RwLock` made every
+/// device's calls wait behind a capture beginning on any device, and a call waiting there
+/// could hold up the thread that was to end the wait it was in. Not under loom, whose models
+/// make no such call. A capture the application begins on the device directly, not through an
+/// allocator, is not covered: nothing tells the allocator it is about to begin.
 mod capture_gate {
     #[cfg(not(loom))]
-    static GATE: std::sync::RwLock<()> = std::sync::RwLock::new(());
+    use std::sync::{Arc, Condvar, Mutex, PoisonError, Weak};
 
-    /// Held across a forbidden call's check and the call.
+    /// One device's gate.
     #[cfg(not(loom))]
-    pub(super) fn call() -> std::sync::RwLockReadGuard<'static, ()> {
-        GATE.read().unwrap_or_else(std::sync::PoisonError::into_inner)
+    #[derive(Default)]
+    pub(super) struct Gate {
+        /// (forbidden calls inside, captures beginning)
+        state: Mutex<(usize, usize)>,
+        left: Condvar,
     }
 
-    /// Held across a capture's beginning.
     #[cfg(not(loom))]
-    pub(super) fn begin() -> std::sync::RwLockWriteGuard<'static, ()> {
-        GATE.write().unwrap_or_else(std::sync::PoisonError::into_inner)
+    impl Gate {
+        /// The gate of the device at `addr` (one per live device, shared by every `Guarded`
+        /// of it).
+        pub(super) fn of(addr: usize) -> Arc<Gate> {
+            static GATES: Mutex<Vec<(usize, Weak<Gate>)>> = Mutex::new(Vec::new());
+            let mut gates = GATES.lock().unwrap_or_else(PoisonError::into_inner);
+            gates.retain(|(_, g)| g.strong_count() > 0);
+            if let Some(g) = gates.iter().find(|(a, _)| *a == addr).and_then(|(_, g)| g.upgrade()) {
+                return g;
+            }
+            let g = Arc::new(Gate::default());
+            gates.push((addr, Arc::downgrade(&g)));
+            g
+        }
+
+        /// A forbidden call enters: `None` while a capture is beginning (refuse the call).
+        pub(super) fn enter(&self) -> Option<Inside<'_>> {
+            let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+            // BROKEN (`capture_gate_open`): calls go in whatever begins.
+            if st.1 > 0 && !cfg!(tidepool_broken = "capture_gate_open") {
+                return None;
+            }
+            st.0 += 1;
+            Some(Inside(self))
+        }
+
+        /// A capture begins once no forbidden call is inside (new ones are refused meanwhile).
+        pub(super) fn begin(&self) -> Beginning<'_> {
+            let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+            st.1 += 1;
+            // BROKEN (`capture_gate_open`): the capture begins at once.
+            while st.0 > 0 && !cfg!(tidepool_broken = "capture_gate_open") {
+                st = self.left.wait(st).unwrap_or_else(PoisonError::into_inner);
+            }
+            Beginning(self)
+        }
+    }
+
+    /// A forbidden call inside the gate.
+    #[cfg(not(loom))]
+    pub(super) struct Inside<'a>(&'a Gate);
+
+    #[cfg(not(loom))]
+    impl Drop for Inside<'_> {
+        fn drop(&mut self) {
+            let mut st = self.0.state.lock().unwrap_or_else(PoisonError::into_inner);
+            st.0 -= 1;
+            if st.0 == 0 {
+                self.0.left.notify_all();
+            }
+        }
+    }
+
+    /// A capture beginning.
+    #[cfg(not(loom))]
+    pub(super) struct Beginning<'a>(&'a Gate);
+
+    #[cfg(not(loom))]
+    impl Drop for Beginning<'_> {
+        fn drop(&mut self) {
+            self.0.state.lock().unwrap_or_else(PoisonError::into_inner).1 -= 1;
+        }
     }
 
     #[cfg(loom)]
-    pub(super) fn call() {}
+    #[derive(Default)]
+    pub(super) struct Gate;
 
     #[cfg(loom)]
-    pub(super) fn begin() {}
+    impl Gate {
+        pub(super) fn of(_addr: usize) -> std::sync::Arc<Gate> {
+            std::sync::Arc::new(Gate)
+        }
+
+        pub(super) fn enter(&self) -> Option<()> {
+            Some(())
+        }
+
+        pub(super) fn begin(&self) {}
+    }
 }
 
 impl<D: Device> Guarded<D> {
@@ -199,19 +277,21 @@ impl<D: Device> Guarded<D> {
     #[inline]
     fn refuse_in_capture(&self, op: &'static str) -> Result<(), DeviceError> {
         if !cfg!(tidepool_broken = "capture_calls_unguarded") && self.capture_underway() {
-            return Err(DeviceError::Driver {
-                op,
-                code: DeviceError::CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED,
-            });
+            return Err(refused(op));
         }
         Ok(())
     }
 }
 
+/// The error of a call refused because a capture is underway (or beginning).
+fn refused(op: &'static str) -> DeviceError {
+    DeviceError::Driver { op, code: DeviceError::CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED }
+}
+
 impl<D: Capture> Guarded<D> {
     /// [`Capture::begin_capture`], guarded.
     pub(crate) fn begin_capture(&self, stream: StreamId) -> Result<(), DeviceError> {
-        let _gate = capture_gate::begin();
+        let _beginning = self.gate.begin();
         self.guard("begin_capture", || self.device.begin_capture(stream))
     }
 
@@ -236,9 +316,11 @@ impl<D: Device> Guarded<D> {
     pub(crate) fn new(device: Arc<D>) -> Self {
         let observes =
             catch_unwind(AssertUnwindSafe(|| device.observes_handouts())).unwrap_or(true);
+        let gate = capture_gate::Gate::of(Arc::as_ptr(&device) as *const () as usize);
         Guarded {
             device,
             observes,
+            gate,
             #[cfg(feature = "test-hooks")]
             unwind: std::sync::atomic::AtomicBool::new(false),
             #[cfg(feature = "test-hooks")]

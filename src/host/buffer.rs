@@ -42,9 +42,17 @@ pub struct PinnedBuffer<D: Device> {
     /// copy's event on the same stream completes after an earlier one's).
     uses: Vec<Use>,
     /// Work captured into a CUDA graph copies to or from the buffer: the graph's replays use
-    /// it whenever they run (see [`PinnedBuffer::record_use`]).
-    captured: bool,
+    /// it whenever they run (see [`PinnedBuffer::record_use`]). The capture, by the stream it
+    /// began on.
+    captured: Option<StreamId>,
 }
+
+/// What a buffer that one capture's copies use refuses in another: two graphs' replays could
+/// copy at once, unordered.
+const CAPTURED_ELSEWHERE: HostAllocError = HostAllocError::Captured {
+    reason: "another capture's copies already use it: two graphs' replays could copy to or \
+             from it at once",
+};
 
 /// What a buffer that captured work uses refuses ([`HostAllocError::Captured`]).
 const CAPTURED: HostAllocError = HostAllocError::Captured {
@@ -65,7 +73,7 @@ impl<D: Device> fmt::Debug for PinnedBuffer<D> {
 
 impl<D: Device> PinnedBuffer<D> {
     pub(super) fn new(alloc: HostAllocator<D>, ptr: HostPtr, len: u64, size: u64) -> Self {
-        PinnedBuffer { alloc, ptr, len, size, uses: Vec::new(), captured: false }
+        PinnedBuffer { alloc, ptr, len, size, uses: Vec::new(), captured: None }
     }
 
     /// Bytes asked for.
@@ -104,7 +112,7 @@ impl<D: Device> PinnedBuffer<D> {
     /// Whether every copy recorded on the buffer has completed. Never blocks. Never, for a
     /// buffer that captured work uses.
     pub fn is_ready(&self) -> Result<bool, HostAllocError> {
-        if self.captured {
+        if self.captured.is_some() {
             return Ok(false);
         }
         let inner = self.alloc.inner();
@@ -119,7 +127,7 @@ impl<D: Device> PinnedBuffer<D> {
     /// Blocks until every copy recorded on the buffer has completed (a host sync when one has
     /// not), and forgets them.
     pub fn synchronize(&mut self) -> Result<(), HostAllocError> {
-        if self.captured {
+        if self.captured.is_some() {
             return Err(CAPTURED);
         }
         let inner = self.alloc.inner();
@@ -133,7 +141,7 @@ impl<D: Device> PinnedBuffer<D> {
     /// The bytes, once every copy that writes them (device to host) has completed: waits for
     /// those first. Copies that only read the buffer may still run (reads do not conflict).
     pub fn as_slice(&self) -> Result<&[u8], HostAllocError> {
-        if self.captured {
+        if self.captured.is_some() {
             return Err(CAPTURED);
         }
         let inner = self.alloc.inner();
@@ -235,9 +243,10 @@ impl<D: Device> PinnedBuffer<D> {
     /// pinned memory used in a capture the same way). The same holds for the copies below when
     /// their stream is capturing (a copy is then a node of the graph).
     pub fn record_use(&mut self, stream: StreamId, kind: AccessKind) -> Result<(), HostAllocError> {
-        if self.alloc.inner().device().capture_of(stream).is_some() {
-            self.captured = true;
-            return Ok(());
+        if let Some(origin) = self.alloc.inner().device().capture_of(stream) {
+            // The work is enqueued already: the buffer is the graph's whatever the answer.
+            let first = *self.captured.get_or_insert(origin);
+            return if first == origin { Ok(()) } else { Err(CAPTURED_ELSEWHERE) };
         }
         let (u, recorded) = self.alloc.inner().record_use(stream, kind == AccessKind::Write);
         self.add_use(u);
@@ -287,14 +296,22 @@ impl<D: Device> PinnedBuffer<D> {
         }
         let writes_host = !to_device;
         let inner = self.alloc.inner();
-        let capturing = inner.device().capture_of(stream).is_some();
+        let origin = inner.device().capture_of(stream);
+        let capturing = origin.is_some();
+        // BROKEN (`captured_elsewhere`): a second capture copies it too.
+        if capturing
+            && self.captured.is_some_and(|c| Some(c) != origin)
+            && !cfg!(tidepool_broken = "captured_elsewhere")
+        {
+            return Err(CAPTURED_ELSEWHERE);
+        }
         if capturing && !self.uses.is_empty() {
             return Err(HostAllocError::Captured {
                 reason: "a copy on a capturing stream of a buffer with copies not known \
                          complete (synchronize it before the capture)",
             });
         }
-        if self.captured && !capturing {
+        if self.captured.is_some() && !capturing {
             return Err(CAPTURED);
         }
         // Two copies on different streams never touch the same host bytes unordered when one
@@ -320,7 +337,7 @@ impl<D: Device> PinnedBuffer<D> {
         enqueued?;
         if capturing {
             // A node of the graph: each replay copies again; no event can be recorded.
-            self.captured = true;
+            self.captured = origin;
             return Ok(());
         }
         let (u, recorded) = inner.record_use(stream, writes_host);
@@ -335,8 +352,8 @@ impl<D: Device> Drop for PinnedBuffer<D> {
     fn drop(&mut self) {
         let uses = std::mem::take(&mut self.uses);
         match self.captured {
-            true => self.alloc.inner().retire(self.ptr, self.len, self.size, uses),
-            false => self.alloc.inner().give_back(self.ptr, self.len, self.size, uses),
+            Some(_) => self.alloc.inner().retire(self.ptr, self.len, self.size, uses),
+            None => self.alloc.inner().give_back(self.ptr, self.len, self.size, uses),
         }
     }
 }

@@ -560,9 +560,7 @@ impl<D: Device> HostAllocator<D> {
         // CUDA forbids the waits and `cuMemFreeHost` (it synchronises) while a capture is
         // underway: a forbidden call would invalidate it. Nothing is released now.
         // BROKEN (`capture_calls_unguarded`): released all the same.
-        if !cfg!(tidepool_broken = "capture_calls_unguarded")
-            && self.inner.device.capture_underway()
-        {
+        if self.inner.capture_forbids_frees() {
             return Ok(());
         }
         let needs_sync = {
@@ -714,10 +712,7 @@ impl<D: Device> Inner<D> {
     /// Moves pending blocks whose uses all completed to the free lists.
     fn process_events(&self, st: &mut State) -> Result<(), DeviceError> {
         // BROKEN (`capture_calls_unguarded`, with `Guarded`'s check): polled all the same.
-        if !st.pending.is_empty()
-            && !cfg!(tidepool_broken = "capture_calls_unguarded")
-            && self.device.capture_underway()
-        {
+        if !st.pending.is_empty() && self.capture_forbids_frees() {
             return Ok(()); // no event may be polled during a capture: later
         }
         let mut i = 0;
@@ -755,7 +750,7 @@ impl<D: Device> Inner<D> {
         if let Err(e) = &result
             && is_oom(e)
             && st.stats.cached_bytes > 0
-            && !self.device.capture_underway()
+            && !self.capture_forbids_frees()
         {
             st.stats.num_alloc_retries += 1;
             // Errors freeing leave those blocks cached; the retry says whether it was enough.
@@ -981,24 +976,36 @@ impl<D: Device> Inner<D> {
             self.settle(p);
         }
         let mut st = self.lock();
-        if st.closed {
+        if st.closed && !self.capture_forbids_frees() {
             let _ = self.release_free(&mut st);
         }
     }
 
     /// Waits for every copy recorded on a freed block, then makes it free. A block whose
-    /// copies cannot be waited for (a device error) is waited for by a device synchronisation,
-    /// and leaked rather than freed under a copy only if that fails too.
+    /// copies cannot be waited for (a device error, or a capture underway) is waited for by a
+    /// device synchronisation; if that fails too it stays pending, for a later drain (or, when
+    /// the allocator goes, leaked rather than freed under a copy).
     fn settle(&self, p: Pending) {
         let waited = p.uses.iter().all(|u| self.wait_use(u).is_ok())
             || !self.broken_drop_waits() && self.synchronize().is_ok();
         let mut st = self.lock();
-        st.events.extend(p.uses.iter().filter_map(|u| u.event));
         if waited {
+            st.events.extend(p.uses.iter().filter_map(|u| u.event));
             st.stats.pending_bytes -= p.size;
             st.stats.cached_bytes += p.size;
             st.free.entry(p.size).or_default().push(p.ptr);
+        } else if cfg!(tidepool_broken = "settle_drops_pending") {
+            // BROKEN: the block leaves the pending list and is never freed.
+            st.events.extend(p.uses.iter().filter_map(|u| u.event));
+        } else {
+            st.pending.push_back(p);
         }
+    }
+
+    /// Whether a capture is underway, so no event may be polled nor waited for, and no pinned
+    /// memory freed (`cuMemFreeHost` synchronises). BROKEN (`capture_calls_unguarded`): never.
+    fn capture_forbids_frees(&self) -> bool {
+        !cfg!(tidepool_broken = "capture_calls_unguarded") && self.device.capture_underway()
     }
 }
 
@@ -1008,6 +1015,9 @@ impl<D: Device> crate::peers::Peer for Inner<D> {
     fn release_for_peer(&self) -> bool {
         if cfg!(tidepool_broken = "peers_kept") {
             return false; // BROKEN: the peers keep their caches
+        }
+        if self.capture_forbids_frees() {
+            return false; // nothing is freed while a capture is underway
         }
         let mut st = self.lock();
         let before = st.stats.reserved_bytes.current;
@@ -1021,13 +1031,17 @@ impl<D: Device> Drop for Inner<D> {
     /// Runs when the last handle and the last buffer are gone: waits for pending blocks, frees
     /// every block and destroys the events. A block whose copies cannot be waited for (a device
     /// error) is waited for by a device synchronisation, and leaked rather than freed under a
-    /// copy only if that fails too.
+    /// copy only if that fails too. While a capture is underway nothing can be waited for nor
+    /// freed (CUDA forbids it): the blocks are leaked, the one case where pinned memory is.
     fn drop(&mut self) {
         let pending = std::mem::take(&mut self.lock().pending);
         for p in pending {
             self.settle(p);
         }
         let mut st = self.lock();
+        if self.capture_forbids_frees() {
+            return;
+        }
         let _ = self.release_free(&mut st);
         for e in std::mem::take(&mut st.events) {
             let _ = self.device.destroy_event(e);

@@ -90,9 +90,10 @@ pub(super) struct Recording {
     /// The first operation refused while the capture was underway: CUDA's global mode then
     /// invalidates it, and its end makes no graph (`CUDA_ERROR_STREAM_CAPTURE_INVALIDATED`).
     invalidated_by: Option<&'static str>,
-    /// Pinned host memory its captured copies read or write, as `[lo, hi)`: every replay
-    /// copies again, so it must stay allocated and unreused while the graph exists.
-    host: Vec<(usize, usize)>,
+    /// Pinned host memory its captured copies read or write, as `[lo, hi)` and whether the copy
+    /// writes it: every replay copies again, so it must stay allocated and unreused while the
+    /// graph exists (and while a replay of it is queued).
+    host: Vec<(usize, usize, bool)>,
 }
 
 impl Recording {
@@ -179,9 +180,9 @@ impl Graphs {
     }
 
     /// Notes that the capture `stream` belongs to copies to or from host `[lo, hi)`.
-    pub(super) fn record_host(&mut self, stream: u32, lo: usize, hi: usize) {
+    pub(super) fn record_host(&mut self, stream: u32, lo: usize, hi: usize, writes_host: bool) {
         if let Some((rec, _)) = self.branch(stream) {
-            rec.host.push((lo, hi));
+            rec.host.push((lo, hi, writes_host));
         }
     }
 
@@ -191,7 +192,7 @@ impl Graphs {
         self.active
             .values()
             .chain(self.graphs.values())
-            .any(|r| r.host.iter().any(|&(a, b)| a < hi && lo < b))
+            .any(|r| r.host.iter().any(|&(a, b, _)| a < hi && lo < b))
     }
 
     /// The origin of the capture `stream` belongs to, if it is capturing.
@@ -442,7 +443,7 @@ impl State {
                 replay: op.body.clone(),
             })
             .collect();
-        let (held, last) = (rec.held.clone(), rec.last_launch);
+        let (held, last, host) = (rec.held.clone(), rec.last_launch, rec.host.clone());
         // After the graph's previous launch, wherever it ran.
         let event = match last {
             Some((event, a, p)) => {
@@ -464,6 +465,8 @@ impl State {
             found.extend(self.enqueue_kernel(stream, kernel, &held)?);
         }
         let pos = self.open_stream(stream)?.enqueued;
+        // The replay's copies use their host memory until the launch has run.
+        self.note_replayed_copies(&host, stream.0, pos);
         self.san.record(event, stream.0, pos);
         if let Some(rec) = self.graphs.graphs.get_mut(&graph) {
             rec.last_launch = Some((event, stream.0, pos));

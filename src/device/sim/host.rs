@@ -129,13 +129,31 @@ unsafe impl Send for SendPtr {}
 
 // SAFETY: a captured copy's kernel (shared by the graph's replays) dereferences it only while a
 // replay runs, and the device orders each launch of a graph after the previous one, so no two
-// replays of one copy run at once; sharing the address between them is harmless.
+// replays of one copy run at once; copies of two graphs over the same host bytes are what the
+// caller of `memcpy_*_async` promised not to race (the pinned allocator refuses a second
+// capture's copy of a captured buffer). Sharing the address between replays is harmless.
 unsafe impl Sync for SendPtr {}
 
 impl SendPtr {
     /// The pointer (a method, so closures capture the whole `SendPtr`, not its field).
     fn get(&self) -> *mut u8 {
         self.0
+    }
+}
+
+impl State {
+    /// A graph launch enqueued on `stream` up to `pos`, whose captured copies use the host
+    /// `ranges`: they count as copies of that stream until it passes `pos` (a host free waits
+    /// for them, a host access while they run is reported).
+    pub(super) fn note_replayed_copies(
+        &mut self,
+        ranges: &[(usize, usize, bool)],
+        stream: u32,
+        pos: u64,
+    ) {
+        for &(lo, hi, writes_host) in ranges {
+            self.host.copies.push(HostCopy { lo, hi, stream, pos, writes_host });
+        }
     }
 }
 
@@ -378,7 +396,7 @@ impl SimDevice {
             super::graph::Recorded::Yes(races) => races,
             super::graph::Recorded::No(_) => unreachable!("the stream is captured"),
         };
-        st.graphs.record_host(stream.0, lo, lo + n);
+        st.graphs.record_host(stream.0, lo, lo + n, !to_device);
         let op = "kernel touch (branches of a captured graph not ordered)";
         let mut found = Vec::new();
         for (a, b, other) in races {
