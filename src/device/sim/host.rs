@@ -86,6 +86,14 @@ impl HostMem {
         }
     }
 
+    /// Counts a copy enqueued or captured.
+    fn count_copy(&mut self, to_device: bool) {
+        match to_device {
+            true => self.counters.copies_to_device += 1,
+            false => self.counters.copies_to_host += 1,
+        }
+    }
+
     /// Does `[lo, hi)` lie inside one live allocation?
     fn contains(&self, lo: usize, hi: usize) -> bool {
         self.allocations
@@ -138,6 +146,40 @@ impl SendPtr {
     /// The pointer (a method, so closures capture the whole `SendPtr`, not its field).
     fn get(&self) -> *mut u8 {
         self.0
+    }
+}
+
+/// The name of a copy's kernel.
+fn copy_name(to_device: bool) -> &'static str {
+    if to_device { "copy_htod" } else { "copy_dtoh" }
+}
+
+/// The body of a copy's kernel between host `[raw, raw + n)` and device `[dev, dev + n)`: run
+/// once for an ordinary copy, at every replay for a captured one.
+fn copy_body(
+    raw: SendPtr,
+    n: usize,
+    dev: DeviceAddr,
+    to_device: bool,
+) -> impl Fn(&dyn KernelMemory) + Send + Sync + 'static {
+    move |mem: &dyn KernelMemory| {
+        // (Both directions:) `[raw, raw + n)` lies in a live pinned allocation of this
+        // device, checked when the copy was enqueued or captured. `host_free` does not release
+        // it before an enqueued copy, or a queued replay of a captured one, has run (it waits
+        // for them), and keeps it allocated for good while a graph that captured the copy
+        // exists. The caller of `memcpy_*_async` promised the host leaves the range alone
+        // while a copy runs (the pinned allocator gives no slice of a buffer a graph copies),
+        // and replays of one graph never run at once, so no access races this one.
+        if to_device {
+            // SAFETY: as above.
+            let data = unsafe { std::slice::from_raw_parts(raw.get(), n) };
+            mem.write(dev, data).expect("copy_htod: device range checked when enqueued");
+        } else {
+            let mut data = vec![0u8; n];
+            mem.read(dev, &mut data).expect("copy_dtoh: device range checked when enqueued");
+            // SAFETY: as above.
+            unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), raw.get(), n) };
+        }
     }
 }
 
@@ -315,24 +357,7 @@ impl SimDevice {
         if st.graphs.capturing(stream.0) {
             return self.capture_copy(guard, raw, n, dev, accesses, stream, to_device);
         }
-        let kernel = if to_device {
-            Kernel::new("copy_htod", accesses, move |mem: &dyn KernelMemory| {
-                // SAFETY: `[raw, raw + n)` lies in a live pinned allocation of this device
-                // (checked when enqueued), which `host_free` does not release before this copy
-                // has run (it waits for unfinished copies); the caller of `memcpy_htod_async`
-                // promised the host does not write it until then, so reading it is race-free.
-                let data = unsafe { std::slice::from_raw_parts(raw.get(), n) };
-                mem.write(dev, data).expect("copy_htod: device range checked when enqueued");
-            })
-        } else {
-            Kernel::new("copy_dtoh", accesses, move |mem: &dyn KernelMemory| {
-                let mut data = vec![0u8; n];
-                mem.read(dev, &mut data).expect("copy_dtoh: device range checked when enqueued");
-                // SAFETY: as for `copy_htod`, and the caller of `memcpy_dtoh_async` promised the
-                // host neither reads nor writes the range until this copy has run.
-                unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), raw.get(), n) };
-            })
-        };
+        let kernel = Kernel::new(copy_name(to_device), accesses, copy_body(raw, n, dev, to_device));
         let pos = st.open_stream(stream)?.next_pos();
         let found = st.san.launch(stream.0, pos, kernel.name, &kernel.accesses, &[], |a, b| {
             st.mem.contains(a, b)
@@ -347,11 +372,7 @@ impl SimDevice {
             pos,
             writes_host: !to_device,
         });
-        if to_device {
-            st.host.counters.copies_to_device += 1;
-        } else {
-            st.host.counters.copies_to_host += 1;
-        }
+        st.host.count_copy(to_device);
         let panic = st.panic_on_violation;
         drop(guard);
         self.shared.progress.notify_all();
@@ -375,23 +396,8 @@ impl SimDevice {
     ) -> Result<(), DeviceError> {
         let st = &mut *guard;
         let lo = raw.get() as usize;
-        let kernel = if to_device {
-            Kernel::replayable("copy_htod", accesses, move |mem: &dyn KernelMemory| {
-                // SAFETY: `[raw, raw + n)` lay in a live pinned allocation when captured, and the
-                // device keeps it allocated while the graph exists (a free then is a violation
-                // and the memory is kept); replays of one graph never run at once.
-                let data = unsafe { std::slice::from_raw_parts(raw.get(), n) };
-                mem.write(dev, data).expect("copy_htod: device range checked when captured");
-            })
-        } else {
-            Kernel::replayable("copy_dtoh", accesses, move |mem: &dyn KernelMemory| {
-                let mut data = vec![0u8; n];
-                mem.read(dev, &mut data).expect("copy_dtoh: device range checked when captured");
-                // SAFETY: as for `copy_htod`; the host side's users order their accesses
-                // around the replays (the allocator gives no slice of such a buffer).
-                unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), raw.get(), n) };
-            })
-        };
+        let body = copy_body(raw, n, dev, to_device);
+        let kernel = Kernel::replayable(copy_name(to_device), accesses, body);
         let races = match st.graphs.record(stream.0, kernel)? {
             super::graph::Recorded::Yes(races) => races,
             super::graph::Recorded::No(_) => unreachable!("the stream is captured"),
@@ -402,11 +408,7 @@ impl SimDevice {
         for (a, b, other) in races {
             found.extend(st.san.flag(a, b, stream.0, Some(other), op));
         }
-        if to_device {
-            st.host.counters.copies_to_device += 1;
-        } else {
-            st.host.counters.copies_to_host += 1;
-        }
+        st.host.count_copy(to_device);
         let panic = st.panic_on_violation;
         drop(guard);
         Self::after_check(found, panic);
