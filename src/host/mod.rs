@@ -246,7 +246,8 @@ impl HostStats {
         self.host_free_time.reset_accumulated();
     }
 
-    /// The flat dictionary `torch.cuda.host_memory_stats()` returns (PyTorch 2.9's keys, sorted).
+    /// The flat dictionary `torch.cuda.host_memory_stats()` returns, with the keys of
+    /// PyTorch's current `test_host_memory_stats`, sorted.
     /// PyTorch's names count differently from this struct's, so the mapping is:
     ///
     /// | PyTorch key              | from                        | what it counts                       |
@@ -260,7 +261,7 @@ impl HostStats {
     ///
     /// Each `*` above is `current`, `peak`, `allocated` and `freed`. PyTorch sums per-size-class
     /// peaks (its docs call them "a best-effort approximation of the true peak"); these peaks
-    /// are exact. (PyTorch before 2.9 named them `allocation`, `segment`, `allocated_bytes` and
+    /// are exact. (Earlier PyTorch named them `allocation`, `segment`, `allocated_bytes` and
     /// `reserved_bytes`, with `allocated_bytes` then meaning the bytes handed out.)
     ///
     /// ```
@@ -560,7 +561,7 @@ impl<D: Device> HostAllocator<D> {
         // CUDA forbids the waits and `cuMemFreeHost` (it synchronises) while a capture is
         // underway: a forbidden call would invalidate it. Nothing is released now.
         // BROKEN (`capture_calls_unguarded`): released all the same.
-        if self.inner.capture_forbids_frees() {
+        if self.inner.capture_forbids_waits_and_frees() {
             return Ok(());
         }
         let needs_sync = {
@@ -712,7 +713,7 @@ impl<D: Device> Inner<D> {
     /// Moves pending blocks whose uses all completed to the free lists.
     fn process_events(&self, st: &mut State) -> Result<(), DeviceError> {
         // BROKEN (`capture_calls_unguarded`, with `Guarded`'s check): polled all the same.
-        if !st.pending.is_empty() && self.capture_forbids_frees() {
+        if !st.pending.is_empty() && self.capture_forbids_waits_and_frees() {
             return Ok(()); // no event may be polled during a capture: later
         }
         let mut i = 0;
@@ -750,7 +751,7 @@ impl<D: Device> Inner<D> {
         if let Err(e) = &result
             && is_oom(e)
             && st.stats.cached_bytes > 0
-            && !self.capture_forbids_frees()
+            && !self.capture_forbids_waits_and_frees()
         {
             st.stats.num_alloc_retries += 1;
             // Errors freeing leave those blocks cached; the retry says whether it was enough.
@@ -976,7 +977,7 @@ impl<D: Device> Inner<D> {
             self.settle(p);
         }
         let mut st = self.lock();
-        if st.closed && !self.capture_forbids_frees() {
+        if st.closed && !self.capture_forbids_waits_and_frees() {
             let _ = self.release_free(&mut st);
         }
     }
@@ -1004,7 +1005,7 @@ impl<D: Device> Inner<D> {
 
     /// Whether a capture is underway, so no event may be polled nor waited for, and no pinned
     /// memory freed (`cuMemFreeHost` synchronises). BROKEN (`capture_calls_unguarded`): never.
-    fn capture_forbids_frees(&self) -> bool {
+    fn capture_forbids_waits_and_frees(&self) -> bool {
         !cfg!(tidepool_broken = "capture_calls_unguarded") && self.device.capture_underway()
     }
 }
@@ -1016,7 +1017,7 @@ impl<D: Device> crate::peers::Peer for Inner<D> {
         if cfg!(tidepool_broken = "peers_kept") {
             return false; // BROKEN: the peers keep their caches
         }
-        if self.capture_forbids_frees() {
+        if self.capture_forbids_waits_and_frees() {
             return false; // nothing is freed while a capture is underway
         }
         let mut st = self.lock();
@@ -1039,7 +1040,7 @@ impl<D: Device> Drop for Inner<D> {
             self.settle(p);
         }
         let mut st = self.lock();
-        if self.capture_forbids_frees() {
+        if self.capture_forbids_waits_and_frees() {
             return;
         }
         let _ = self.release_free(&mut st);
