@@ -296,3 +296,39 @@ fn the_dump_lists_every_pool_of_the_family() {
     drop((in_pool, captured, graph, general));
     alloc.check_invariants().unwrap();
 }
+
+/// PyTorch's `test_allocation_traceback` and `test_allocation_traceback_no_recording`: with
+/// history recorded with stacks, a live buffer's allocation stack names the code that
+/// allocated it; a buffer read on another stream keeps it while its free waits on the event,
+/// and loses it once the free completed (`empty_cache` waits); without recording there is none.
+#[test]
+fn allocation_traceback_names_the_allocating_code() {
+    let (dev, alloc) = setup();
+    let t = dev.create_stream().unwrap();
+    let unrecorded = alloc.alloc(4096, StreamId::DEFAULT).unwrap();
+    assert!(alloc.allocation_traceback(unrecorded.ptr()).is_none(), "not recording");
+    alloc.record_history(HistoryOptions::new(100).with_context(tidepool::HistoryContext::State));
+    let buf = alloc.alloc(4096, StreamId::DEFAULT).unwrap();
+    let stack = alloc.allocation_traceback(buf.ptr()).expect("recorded").to_string();
+    assert!(stack.contains("allocation_traceback_names_the_allocating_code"), "{stack}");
+    assert!(alloc.allocation_traceback(buf.ptr().offset(512)).is_none(), "a buffer's start only");
+    assert!(alloc.allocation_traceback(unrecorded.ptr()).is_none(), "allocated unrecorded");
+    let (gated, open) = gated_read(&buf);
+    dev.launch(t, gated).unwrap();
+    buf.record_stream(t).unwrap();
+    let ptr = buf.ptr();
+    drop(buf); // waits on t's read
+    assert!(alloc.allocation_traceback(ptr).is_some(), "its free has not completed");
+    open.send(()).unwrap();
+    alloc.empty_cache().unwrap();
+    assert!(alloc.allocation_traceback(ptr).is_none(), "freed");
+    alloc.record_history(HistoryOptions::new(0));
+    drop(unrecorded);
+}
+
+/// A kernel reading `buf` that ends when the returned sender is used or dropped.
+fn gated_read(buf: &tidepool::Buffer<SimDevice>) -> (Kernel, mpsc::Sender<()>) {
+    let (open, gate) = mpsc::channel::<()>();
+    let acc = vec![Access { ptr: buf.ptr(), bytes: buf.len(), kind: AccessKind::Read }];
+    (Kernel::new("gated", acc, move |_| drop(gate.recv())), open)
+}

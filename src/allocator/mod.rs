@@ -1079,6 +1079,29 @@ impl<D: Device> Allocator<D> {
         st.history.as_ref().map(|h| h.entries().cloned().collect()).unwrap_or_default()
     }
 
+    /// The Rust stack that allocated the live buffer at `ptr` (PyTorch's
+    /// `torch.cuda.memory._allocation_traceback`): kept while history is recorded with
+    /// [`HistoryContext::State`] or more, until the buffer's free completes. `None` for an
+    /// address no live recorded buffer starts at, or when not recording.
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use tidepool::{Allocator, Config, HistoryContext, HistoryOptions, SimDevice, StreamId};
+    /// let alloc = Allocator::new(Arc::new(SimDevice::new(1 << 30)), Config::default()).unwrap();
+    /// let before = alloc.alloc(4096, StreamId::DEFAULT).unwrap();
+    /// alloc.record_history(HistoryOptions::new(100).with_context(HistoryContext::State));
+    /// let buf = alloc.alloc(4096, StreamId::DEFAULT).unwrap();
+    /// assert!(alloc.allocation_traceback(buf.ptr()).is_some());
+    /// assert!(alloc.allocation_traceback(before.ptr()).is_none(), "allocated unrecorded");
+    /// let ptr = buf.ptr();
+    /// drop(buf);
+    /// assert!(alloc.allocation_traceback(ptr).is_none());
+    /// ```
+    pub fn allocation_traceback(&self, ptr: DeviceAddr) -> Option<Arc<std::backtrace::Backtrace>> {
+        let st = self.shared.lock_state();
+        st.history.as_ref()?.block_stacks().get(&ptr.0).cloned()
+    }
+
     /// Waits for every pending event and returns those blocks to the pool (a host sync per
     /// event).
     pub fn synchronize(&self) -> Result<(), AllocError> {
