@@ -1097,7 +1097,10 @@ impl<D: Device> Allocator<D> {
     /// drop(buf);
     /// assert!(alloc.allocation_traceback(ptr).is_none());
     /// ```
-    pub fn allocation_traceback(&self, ptr: DeviceAddr) -> Option<Arc<std::backtrace::Backtrace>> {
+    pub fn allocation_traceback(
+        &self,
+        ptr: DeviceAddr,
+    ) -> Option<std::sync::Arc<std::backtrace::Backtrace>> {
         let st = self.shared.lock_state();
         st.history.as_ref()?.block_stacks().get(&ptr.0).cloned()
     }
