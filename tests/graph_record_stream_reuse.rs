@@ -567,6 +567,17 @@ fn pytorch_reclaim_4_streams_broken_reuse_is_caught() {
     assert!(!violations.is_empty(), "the unordered reuse went unseen");
 }
 
+/// The start of PyTorch's shared-pool tests: the key on (and expandable segments or not), a
+/// pool made first, and a capture into it begun on `s` that has allocated an 8 MiB `data`.
+fn data_in_a_shared_pool(expandable: bool) -> (Setup, MemPool<SimDevice>, Buffer<SimDevice>) {
+    let conf = format!("graph_capture_record_stream_reuse:true,expandable_segments:{expandable}");
+    let setup = setup_with(&conf);
+    let shared = setup.alloc.new_pool(PoolOptions::default()).unwrap();
+    setup.alloc.begin_capture(setup.s, Some(&shared)).unwrap();
+    let data = setup.alloc.alloc(8 * MIB, setup.s).unwrap();
+    (setup, shared, data)
+}
+
 /// PyTorch's `test_graph_capture_reclaim_shared_pool`: g1, capturing into a shared pool, writes
 /// an 8 MiB `data` on a side stream (`record_stream`), joins it back and frees `data`; g2,
 /// captured next into the same pool, gets `data`'s block. (Sharing a pool between live graphs
@@ -579,11 +590,7 @@ fn pytorch_reclaim_shared_pool_hands_a_joined_block_to_the_next_capture() {
 }
 
 fn reclaim_shared_pool(expandable: bool) {
-    let conf = format!("graph_capture_record_stream_reuse:true,expandable_segments:{expandable}");
-    let Setup { dev, s: cap, t: side, alloc } = setup_with(&conf);
-    let shared = alloc.new_pool(PoolOptions::default()).unwrap();
-    alloc.begin_capture(cap, Some(&shared)).unwrap();
-    let data = alloc.alloc(8 * MIB, cap).unwrap();
+    let (Setup { dev, s: cap, t: side, alloc }, shared, data) = data_in_a_shared_pool(expandable);
     let data_ptr = data.ptr().0;
     wait_stream(&dev, side, cap);
     dev.launch(side, touch(&data, AccessKind::Write)).unwrap(); // data.add_(1.0)
@@ -623,11 +630,7 @@ fn pytorch_pre_capture_stream_use_waits_for_the_side_streams_work() {
 }
 
 fn pre_capture_stream_use(expandable: bool) {
-    let conf = format!("graph_capture_record_stream_reuse:true,expandable_segments:{expandable}");
-    let Setup { dev, s: cap, t: side, alloc } = setup_with(&conf);
-    let shared = alloc.new_pool(PoolOptions::default()).unwrap();
-    alloc.begin_capture(cap, Some(&shared)).unwrap();
-    let data = alloc.alloc(8 * MIB, cap).unwrap();
+    let (Setup { dev, s: cap, t: side, alloc }, shared, data) = data_in_a_shared_pool(expandable);
     let data_ptr = data.ptr().0;
     let g1 = alloc.end_capture(cap).unwrap();
     dev.synchronize().unwrap();

@@ -41,6 +41,21 @@ fn gate(dev: &SimDevice, stream: StreamId) -> mpsc::Sender<()> {
     open
 }
 
+/// A 4 KiB pinned buffer uploaded to `gpu` behind a gate on `S`, then dropped: its block waits
+/// on the upload until the returned sender opens the gate. Returns the block's address.
+fn freed_behind_gate(
+    dev: &SimDevice,
+    pinned: &HostAllocator<SimDevice>,
+    gpu: &tidepool::Buffer<SimDevice>,
+) -> (HostPtr, mpsc::Sender<()>) {
+    let open = gate(dev, S);
+    let mut staged = pinned.alloc(4096).unwrap();
+    staged.upload(gpu).unwrap();
+    let ptr = staged.host_ptr();
+    drop(staged); // waits on its upload's event
+    (ptr, open)
+}
+
 /// Runs `blocking` on this thread while a helper opens `open` only once the device counted a
 /// new host sync (the call is then blocked waiting). Returns whether the helper saw that sync.
 fn open_when_blocked<R>(
@@ -752,11 +767,7 @@ fn pinned_allocations_during_a_capture_leave_it_valid() {
     let (dev, alloc, pinned) = setup();
     let s = dev.create_stream().unwrap();
     let gpu = alloc.alloc(4096, S).unwrap();
-    let open = gate(&dev, S);
-    let mut staged = pinned.alloc(4096).unwrap();
-    staged.upload(&gpu).unwrap();
-    let first = staged.host_ptr();
-    drop(staged); // waits on its upload's event
+    let (first, open) = freed_behind_gate(&dev, &pinned, &gpu);
     drop(pinned.alloc(1024).unwrap()); // a free block, cached
 
     alloc.begin_capture(s, None).unwrap();
@@ -898,10 +909,7 @@ fn closing_during_a_capture_frees_nothing_then_everything() {
     let (dev, alloc, pinned) = setup();
     let s = dev.create_stream().unwrap();
     let gpu = alloc.alloc(4096, S).unwrap();
-    let open = gate(&dev, S);
-    let mut staged = pinned.alloc(4096).unwrap();
-    staged.upload(&gpu).unwrap();
-    drop(staged); // waits on its upload
+    let (_, open) = freed_behind_gate(&dev, &pinned, &gpu);
     drop(pinned.alloc(2048).unwrap()); // free, cached
     let keep = pinned.alloc(1024).unwrap(); // a buffer outlives the last handle
     alloc.begin_capture(s, None).unwrap();
