@@ -145,7 +145,7 @@ macro_rules! refused_in_captures {
                 #[inline]
                 pub(crate) fn $name(&self, $($arg: $ty),*) -> Result<$ret, DeviceError> {
                     // A capture beginning counts as underway.
-                    let Some(_inside) = self.gate.enter() else { return Err(refused($op)) };
+                    let Some(_inside) = self.gate.enter() else { return Err(DeviceError::capture_unsupported($op)) };
                     self.refuse_in_capture($op)?;
                     self.guard(stringify!($name), || self.device.$name($($arg),*))
                 }
@@ -277,15 +277,10 @@ impl<D: Device> Guarded<D> {
     #[inline]
     fn refuse_in_capture(&self, op: &'static str) -> Result<(), DeviceError> {
         if !cfg!(tidepool_broken = "capture_calls_unguarded") && self.capture_underway() {
-            return Err(refused(op));
+            return Err(DeviceError::capture_unsupported(op));
         }
         Ok(())
     }
-}
-
-/// The error of a call refused because a capture is underway (or beginning).
-fn refused(op: &'static str) -> DeviceError {
-    DeviceError::Driver { op, code: DeviceError::CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED }
 }
 
 impl<D: Capture> Guarded<D> {
@@ -382,10 +377,7 @@ impl<D: Device> Guarded<D> {
         #[cfg(not(feature = "test-hooks"))]
         let forks = false;
         if !forks && self.capture_of(stream).is_some() {
-            return Err(DeviceError::Driver {
-                op: "cuEventRecord",
-                code: DeviceError::CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED,
-            });
+            return Err(DeviceError::capture_unsupported("cuEventRecord"));
         }
         self.guard("record_event", || self.device.record_event(event, stream))
     }

@@ -241,6 +241,13 @@ impl DeviceError {
     /// mode ended on another thread than the one that began it; it goes on.
     pub const CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD: u32 = 908;
 
+    /// The error of an operation CUDA refuses while a stream capture is underway
+    /// (`CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED`), as the driver, the simulator and the
+    /// allocator's own refusals give it.
+    pub(crate) fn capture_unsupported(op: &'static str) -> DeviceError {
+        DeviceError::Driver { op, code: DeviceError::CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED }
+    }
+
     /// Whether this is the driver's refusal to end a capture on another thread than the one
     /// that began it (`CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD`): the capture goes on.
     pub fn is_capture_wrong_thread(&self) -> bool {

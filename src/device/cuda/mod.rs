@@ -517,10 +517,7 @@ impl Device for CudaDevice {
         let events = lock(&self.events);
         let slot = events.live.get(&event.0).ok_or(DeviceError::UnknownEvent(event))?;
         if slot.captured.as_ref().is_some_and(|c| self.capture_live(c)) {
-            return Err(DeviceError::Driver {
-                op: "cuEventQuery",
-                code: DeviceError::CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED,
-            });
+            return Err(DeviceError::capture_unsupported("cuEventQuery"));
         }
         if !slot.recorded {
             return Ok(true);

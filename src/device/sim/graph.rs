@@ -159,11 +159,6 @@ pub struct SimGraphCounters {
     pub refused_in_capture: u64,
 }
 
-/// The error of an operation CUDA refuses while a capture is underway.
-pub(super) fn capture_error(op: &'static str) -> DeviceError {
-    DeviceError::Driver { op, code: DeviceError::CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED }
-}
-
 /// What [`Graphs::record`] did with a kernel.
 pub(super) enum Recorded {
     /// Its stream is not capturing: enqueue it.
@@ -211,7 +206,7 @@ impl Graphs {
             rec.invalidated_by.get_or_insert(op);
         }
         self.counters.refused_in_capture += 1;
-        Err(capture_error(op))
+        Err(DeviceError::capture_unsupported(op))
     }
 
     /// The capture `stream` belongs to, and its branch there.
@@ -425,7 +420,7 @@ impl State {
         stream: StreamId,
     ) -> Result<Vec<super::Violation>, DeviceError> {
         if self.graphs.capturing(stream.0) {
-            return Err(capture_error("cuGraphLaunch"));
+            return Err(DeviceError::capture_unsupported("cuGraphLaunch"));
         }
         self.open_stream(stream)?;
         let rec = self.graphs.graphs.get(&graph).ok_or(DeviceError::Driver {

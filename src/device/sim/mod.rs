@@ -637,7 +637,7 @@ impl super::Device for SimDevice {
         let handle = {
             let mut st = self.state();
             if st.graphs.capturing(stream.0) {
-                return Err(graph::capture_error("cuStreamDestroy"));
+                return Err(DeviceError::capture_unsupported("cuStreamDestroy"));
             }
             let s = st.open_stream(stream)?;
             s.closing = true;
