@@ -337,3 +337,117 @@ fn gated_read(buf: &tidepool::Buffer<SimDevice>) -> (Kernel, mpsc::Sender<()>) {
         open,
     )
 }
+
+/// `(action, pool id, size)` of every entry.
+fn pool_entries(alloc: &Allocator<SimDevice>) -> Vec<(Action, u64, u64)> {
+    alloc.history().iter().map(|e| (e.action, e.pool_id, e.size)).collect()
+}
+
+/// The `pool_id` of every `device_traces` entry of the dump, as `(action, id)`, where it is the
+/// tuple `(0, id)` PyTorch writes, and whether each `oom` entry has `device_free` (PyTorch's key)
+/// in place of `addr`.
+fn pool_ids_in_dump(bytes: &[u8]) -> Vec<(String, u64)> {
+    use serde_pickle::{HashableValue as H, Value as V};
+    let v = serde_pickle::value_from_slice(bytes, serde_pickle::DeOptions::new()).unwrap();
+    let get = |d: &V, k: &str| match d {
+        V::Dict(m) => m.get(&H::String(k.into())).cloned(),
+        _ => panic!("not a dict: {d:?}"),
+    };
+    let Some(V::List(traces)) = get(&v, "device_traces") else { panic!("no device_traces") };
+    let Some(V::List(trace)) = traces.into_iter().next() else { panic!("no device trace") };
+    trace
+        .iter()
+        .map(|e| {
+            let Some(V::String(action)) = get(e, "action") else { panic!("{e:?}") };
+            let (addr, free) = (get(e, "addr").is_some(), get(e, "device_free").is_some());
+            assert_eq!((addr, free), (action != "oom", action == "oom"), "{e:?}");
+            match get(e, "pool_id") {
+                Some(V::Tuple(t)) if t.len() == 2 && t[0] == V::I64(0) => match t[1] {
+                    V::I64(id) => (action, id as u64),
+                    _ => panic!("{t:?}"),
+                },
+                other => panic!("pool_id {other:?} in {e:?}"),
+            }
+        })
+        .collect()
+}
+
+/// PyTorch's `test_pool_id_in_snapshot`: the history is the device's, so what a private pool
+/// does is in it — a `MemPool` made before recording began, one made while recording (its
+/// stream caches closed from the start, so a same-size reuse is recorded), a CUDA graph's pool,
+/// and a pool whose handle is gone (its entries stay) — each entry tagged with its pool's id,
+/// written in the dump as PyTorch's `pool_id` tuple beside each segment's `segment_pool_id`.
+/// Stopping stops every pool; starting again records them again. The broken build
+/// `pools_unrecorded` (the general allocator alone records) fails it.
+#[test]
+fn the_history_is_the_familys_each_entry_with_its_pool() {
+    use Action::*;
+    let dev = Arc::new(SimDevice::new(1 << 30));
+    let alloc = Allocator::new(dev.clone(), Config::default()).unwrap();
+    let s = dev.create_stream().unwrap();
+    let before = alloc.new_pool(tidepool::PoolOptions::default()).unwrap();
+    alloc.record_history(HistoryOptions::new(100));
+    let later = alloc.new_pool(tidepool::PoolOptions::default()).unwrap();
+    let (b, l) = (before.id(), later.id());
+    let general = alloc.alloc(4096, StreamId::DEFAULT).unwrap();
+    {
+        let _guard = alloc.use_pool(&before, s).unwrap();
+        drop(alloc.alloc(1000, s).unwrap());
+    }
+    let kept = {
+        let _guard = alloc.use_pool(&later, s).unwrap();
+        drop(alloc.alloc(3 * MIB, s).unwrap());
+        let kept = alloc.alloc(3 * MIB, s).unwrap(); // a same-size reuse: recorded too
+        assert!(alloc.alloc(1 << 40, s).is_err(), "more than the device");
+        kept
+    };
+    drop(later); // the handle: its entries stay, its buffer keeps its memory
+    let t = dev.create_stream().unwrap();
+    let (graph, out) = alloc.capture(t, None, || alloc.alloc(512, t).unwrap()).unwrap();
+    let g = graph.pool().id();
+    assert!(![0, b, l].contains(&g));
+    let seg = |id| (SegmentAlloc, id, 2 * MIB);
+    let (small, large) = (|id| (Alloc, id, 1000), |id| (Alloc, id, 3 * MIB));
+    let want = vec![
+        (Alloc, 0, 4096),
+        seg(b),
+        small(b),
+        (FreeRequested, b, 1000),
+        (FreeCompleted, b, 1000),
+        (SegmentAlloc, l, 20 * MIB),
+        large(l),
+        (FreeRequested, l, 3 * MIB),
+        (FreeCompleted, l, 3 * MIB),
+        large(l),
+        (Oom, l, 1 << 40),
+        seg(g),
+        (Alloc, g, 512),
+    ];
+    // The general allocator's 4 KiB came from its own new segment: its entry is first.
+    let mut got = pool_entries(&alloc);
+    assert_eq!(got.remove(0), seg(0));
+    assert_eq!(got, want);
+    let in_dump = pool_ids_in_dump(&alloc.snapshot_pickle());
+    let names: Vec<(String, u64)> = std::iter::once(seg(0))
+        .chain(want.iter().copied())
+        .map(|(a, id, _)| (a.name().to_string(), id))
+        .collect();
+    assert_eq!(in_dump, names);
+    // Stopped: no pool records; started again: every pool does, the new ring from empty.
+    alloc.record_history(HistoryOptions::new(0));
+    drop(kept);
+    assert!(alloc.history().is_empty());
+    alloc.record_history(HistoryOptions::new(100));
+    {
+        let _guard = alloc.use_pool(&before, s).unwrap();
+        drop(alloc.alloc(1000, s).unwrap());
+    }
+    drop(out);
+    let want = vec![small(b), (FreeRequested, b, 1000), (FreeCompleted, b, 1000)];
+    let mut want = want;
+    want.extend([(FreeRequested, g, 512), (FreeCompleted, g, 512)]);
+    assert_eq!(pool_entries(&alloc), want);
+    drop((graph, general));
+    alloc.check_invariants().unwrap();
+    before.check_invariants().unwrap();
+}

@@ -11,8 +11,8 @@
 //!                    frames: [], blocks: [ { address, size, requested_size,
 //!                                            state: active_allocated|active_pending_free|inactive,
 //!                                            frames: [ its allocation's, where kept ] } ] } ],
-//!    'device_traces': [ [ { action, addr, size, stream, time_us, frames: [...],
-//!                           user_metadata } ] ],
+//!    'device_traces': [ [ { action, addr (an oom's: device_free), size, stream, time_us,
+//!                           frames: [...], user_metadata, pool_id: (0, pool id) } ] ],
 //!    'allocator_settings': { key: value } }
 //! ```
 
@@ -37,10 +37,7 @@ impl<D: Device> Allocator<D> {
         for (id, sh) in &sources {
             segments.extend(segments_of(sh, *id));
         }
-        let entries: Vec<TraceEntry> = {
-            let st = self.shared.lock_state();
-            st.history.as_ref().map(|h| h.entries().cloned().collect()).unwrap_or_default()
-        };
+        let entries: Vec<TraceEntry> = self.history();
         let config = self.config();
         let value = Py::dict([
             ("segments", Py::List(segments)),
@@ -80,9 +77,9 @@ type Stacks = std::collections::HashMap<u64, std::sync::Arc<std::backtrace::Back
 fn segments_of<D: Device>(sh: &Shared<D>, pool: u64) -> Vec<Py> {
     let segments = sh.snapshot();
     let ranges = sh.expandable_ranges();
-    let stacks: Stacks = {
-        let st = sh.lock_state();
-        st.history.as_ref().map(|h| h.block_stacks().clone()).unwrap_or_default()
+    let stacks: Stacks = match sh.history_ring() {
+        Some(ring) => lock(&ring).block_stacks().clone(),
+        None => Stacks::default(),
     };
     let expandable = |s: &SegmentInfo| {
         ranges.iter().any(|r| r.base <= s.address && s.address.0 < r.base.0 + r.virtual_size)
@@ -142,15 +139,19 @@ fn segment(s: &SegmentInfo, is_expandable: bool, stacks: &Stacks, pool: u64) -> 
     ])
 }
 
+/// One history entry, with PyTorch's keys (an `oom` entry's address field is the device's free
+/// bytes, under PyTorch's name for it).
 fn entry(e: &TraceEntry) -> Py {
+    let addr_key = if e.action == Action::Oom { "device_free" } else { "addr" };
     Py::dict([
         ("action", Py::str(e.action.name())),
-        ("addr", Py::int(e.addr.0)),
+        (addr_key, Py::int(e.addr.0)),
         ("size", Py::int(e.size)),
         ("stream", Py::int(e.stream.0)),
         ("time_us", Py::int(e.time_us)),
         ("frames", Py::List(e.stack.as_deref().map(frames).unwrap_or_default())),
         ("user_metadata", Py::str(&*e.user_metadata)),
+        ("pool_id", Py::Tuple(vec![Py::int(0), Py::int(e.pool_id)])),
     ])
 }
 

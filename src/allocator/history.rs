@@ -3,11 +3,16 @@
 //! errors — each with its size, address, stream, time, the user's metadata and, at the context
 //! level asked for, the Rust stack of the call.
 //!
+//! One ring per allocator *family* — the general allocator and its private pools share it, as
+//! PyTorch's one trace per device holds the allocations of every `MemPool` — each entry
+//! tagged with the pool it was made in (`pool_id`, 0 for the general allocator).
+//!
 //! ```text
-//!   record_history(opts) ──▶ State.history = Some(ring of max_entries)   (again: same ring,
-//!                            new options, unless clear_history)
-//!   slow path, under the lock: push(entry) ─▶ [oldest … newest]  (full: the oldest is dropped;
-//!                                                                  skip_actions: not kept)
+//!   record_history(opts) ──▶ Family.history.ring = Some(Arc<Mutex<ring of max_entries>>)
+//!        (again: same ring, new options, unless clear_history)   and every allocator of the
+//!        family (and each pool made later) gets a tap: State.history = (ring, its pool id)
+//!   slow path, under the allocator's lock: tap ─▶ ring lock (a leaf) ─▶ push(entry)
+//!        ─▶ [oldest … newest]  (full: the oldest is dropped; skip_actions: not kept)
 //!   context State+: an allocation's stack kept by block address until its free completes
 //!   dump_snapshot() ─▶ device_traces[0] = entries, oldest first; blocks' frames = their stacks
 //!                      (stacks resolved only here)
@@ -17,10 +22,10 @@
 //! stream caches and learned plans are bypassed while it is on, so every event is seen in order
 //! under the one lock), and nothing on the hot path looks at it when it is off.
 
+use crate::sync::{Arc, Mutex, lock};
 use crate::types::{DeviceAddr, StreamId};
 use std::backtrace::Backtrace;
 use std::collections::{HashMap, VecDeque};
-use std::sync::Arc;
 use std::time::Instant;
 
 /// Which calls keep their Rust stack: PyTorch's `context` argument of
@@ -176,10 +181,46 @@ pub struct TraceEntry {
     pub time_us: u64,
     /// The Rust stack of the call, where the context level keeps it (captured lazily,
     /// resolved on dump).
-    pub stack: Option<Arc<Backtrace>>,
+    pub stack: Option<std::sync::Arc<Backtrace>>,
     /// The user's metadata when it happened ([`crate::Allocator::set_memory_metadata`]; empty
     /// when none was set).
-    pub user_metadata: Arc<str>,
+    pub user_metadata: std::sync::Arc<str>,
+    /// The pool it happened in: 0 for the general allocator, else the [`crate::MemPool::id`]
+    /// of a private pool (a CUDA graph's included) — PyTorch's `pool_id`.
+    pub pool_id: u64,
+}
+
+/// The ring of a family, shared by its allocators' taps.
+pub(crate) type Ring = Arc<Mutex<History>>;
+
+/// What an allocator of the family records into: the family's ring and its own pool id.
+pub(crate) struct Tap {
+    ring: Ring,
+    pool: u64,
+}
+
+impl Tap {
+    pub fn new(ring: Ring, pool: u64) -> Tap {
+        Tap { ring, pool }
+    }
+
+    /// Appends an entry made by this allocator (the ring's lock is a leaf: taken under the
+    /// allocator's own, never the other way round).
+    pub fn push(&self, action: Action, addr: DeviceAddr, size: u64, stream: StreamId) {
+        lock(&self.ring).push(action, addr, size, stream, self.pool);
+    }
+
+    pub fn ring(&self) -> &Ring {
+        &self.ring
+    }
+}
+
+/// The family's recording: its ring while recording, and the user's metadata (kept across
+/// recordings, as PyTorch keeps it).
+#[derive(Default)]
+pub(crate) struct FamilyHistory {
+    pub ring: Option<Ring>,
+    pub user_metadata: std::sync::Arc<str>,
 }
 
 /// The ring.
@@ -188,18 +229,27 @@ pub(crate) struct History {
     start: Instant,
     entries: VecDeque<TraceEntry>,
     /// The allocation stack of each live block, by address (context `State` and above), until
-    /// its free completes: the snapshot's blocks show it.
-    block_stacks: HashMap<u64, Arc<Backtrace>>,
+    /// its free completes: the snapshot's blocks show it. (Addresses are device memory, so
+    /// the blocks of every pool of the family have distinct ones while live.)
+    block_stacks: HashMap<u64, std::sync::Arc<Backtrace>>,
+    /// Stamped on every entry ([`crate::Allocator::set_memory_metadata`]).
+    user_metadata: std::sync::Arc<str>,
 }
 
 impl History {
-    pub fn new(opts: HistoryOptions) -> History {
+    pub fn new(opts: HistoryOptions, user_metadata: std::sync::Arc<str>) -> History {
         History {
             start: Instant::now(),
             entries: VecDeque::new(),
             opts,
             block_stacks: HashMap::new(),
+            user_metadata,
         }
+    }
+
+    /// Sets the metadata stamped on the entries made from now on.
+    pub fn set_user_metadata(&mut self, metadata: std::sync::Arc<str>) {
+        self.user_metadata = metadata;
     }
 
     /// Recording was asked for again: the entries stay (the oldest beyond the new bound go),
@@ -223,14 +273,14 @@ impl History {
         addr: DeviceAddr,
         size: u64,
         stream: StreamId,
-        user_metadata: &Arc<str>,
+        pool_id: u64,
     ) {
         let context = self.opts.context;
         let block = action == Action::Alloc && context >= HistoryContext::State;
         let kept = self.opts.max_entries != 0 && !self.opts.skip_actions.contains(&action);
         let entry_stack = kept && context >= action.stack_level();
         // Captured only where something keeps it: the block's state, or the entry.
-        let stack = (block || entry_stack).then(|| Arc::new(Backtrace::force_capture()));
+        let stack = (block || entry_stack).then(|| std::sync::Arc::new(Backtrace::force_capture()));
         match action {
             Action::Alloc if block => {
                 self.block_stacks.insert(addr.0, stack.clone().expect("captured"));
@@ -248,7 +298,7 @@ impl History {
         }
         let stack = stack.filter(|_| entry_stack);
         let time_us = self.start.elapsed().as_micros() as u64;
-        let user_metadata = user_metadata.clone();
+        let user_metadata = self.user_metadata.clone();
         self.entries.push_back(TraceEntry {
             action,
             addr,
@@ -257,6 +307,7 @@ impl History {
             time_us,
             stack,
             user_metadata,
+            pool_id,
         });
     }
 
@@ -265,7 +316,7 @@ impl History {
     }
 
     /// The allocation stacks of the live blocks, by address.
-    pub fn block_stacks(&self) -> &HashMap<u64, Arc<Backtrace>> {
+    pub fn block_stacks(&self) -> &HashMap<u64, std::sync::Arc<Backtrace>> {
         &self.block_stacks
     }
 }
@@ -276,22 +327,24 @@ mod tests {
 
     #[test]
     fn the_ring_keeps_the_newest_entries() {
-        let mut h = History::new(HistoryOptions::new(3));
+        let mut h = History::new(HistoryOptions::new(3), "".into());
         for i in 0..5u64 {
-            h.push(Action::Alloc, DeviceAddr(i * 512), 512, StreamId::DEFAULT, &Arc::from(""));
+            h.push(Action::Alloc, DeviceAddr(i * 512), 512, StreamId::DEFAULT, i);
         }
         let addrs: Vec<u64> = h.entries().map(|e| e.addr.0).collect();
         assert_eq!(addrs, vec![1024, 1536, 2048]);
+        let pools: Vec<u64> = h.entries().map(|e| e.pool_id).collect();
+        assert_eq!(pools, vec![2, 3, 4]);
         assert!(h.entries().all(|e| e.stack.is_none()));
-        let mut off = History::new(HistoryOptions::new(0));
-        off.push(Action::Oom, DeviceAddr(0), 1, StreamId::DEFAULT, &Arc::from(""));
+        let mut off = History::new(HistoryOptions::new(0), "".into());
+        off.push(Action::Oom, DeviceAddr(0), 1, StreamId::DEFAULT, 0);
         assert_eq!(off.entries().count(), 0);
     }
 
     #[test]
     fn stacks_are_captured_when_asked() {
-        let mut h = History::new(HistoryOptions::new(2).with_stacks(true));
-        h.push(Action::Alloc, DeviceAddr(0), 512, StreamId::DEFAULT, &Arc::from(""));
+        let mut h = History::new(HistoryOptions::new(2).with_stacks(true), "".into());
+        h.push(Action::Alloc, DeviceAddr(0), 512, StreamId::DEFAULT, 0);
         let e = h.entries().next().unwrap();
         assert_eq!(e.action.name(), "alloc");
         assert!(e.stack.is_some());

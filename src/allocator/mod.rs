@@ -1025,37 +1025,43 @@ impl<D: Device> Allocator<D> {
     /// again while recording keeps the entries (unless `clear_history`) and applies the new
     /// options from then on; stopping forgets them. [`Allocator::dump_snapshot`] writes it out.
     ///
+    /// The history is the family's, as PyTorch's is the device's: the allocator's private pools
+    /// ([`MemPool`], CUDA graphs' pools), those made later included, record into the same
+    /// ring, each entry tagged with its [`TraceEntry::pool_id`].
+    ///
     /// While recording, every allocation and free takes the slow path (the stream caches are
     /// bypassed), so the entries are complete and in order; buffers served from a learned scope
     /// plan are not recorded one by one (the plan's region shows as one block). Off (the
     /// default), recording costs the hot path one relaxed load.
     pub fn record_history(&self, options: HistoryOptions) {
-        let sh = &self.shared;
-        let on = options.max_entries > 0;
-        let mut st = sh.lock_state();
-        sh.recording.store(on, Ordering::Relaxed);
-        let config = st.config.clone();
-        sh.fast_path.store(config.fast_path() && !on, Ordering::Relaxed);
-        // The lanes close to hits and frees alike (room and size bound 0), so every operation
-        // takes the slow path, which records it.
-        let closed = on && !sh.broken(Broken::HistoryLanesOpen);
-        let lane_limits = limits(&config, closed);
-        let hint = StreamCache::fast_max_of(lane_limits, &config.sizing);
-        sh.small_hint.store(hint, Ordering::Relaxed);
-        for c in sh.caches.all().iter() {
-            c.configure(lane_limits, config.sizing);
-        }
-        if on {
-            sh.flush_all(&mut st);
-            match &mut st.history {
-                Some(h) if !options.clear_history => h.rearm(options),
-                h => *h = Some(history::History::new(options)),
+        let family = &self.shared.family;
+        // The family's slot is held throughout, so that a pool made meanwhile (`new_pool`,
+        // which taps the ring under the same slot) records exactly when the others do.
+        let mut slot = lock(&family.history);
+        let ring = match (options.max_entries > 0, slot.ring.take()) {
+            (false, _) => None,
+            (true, Some(ring)) if !options.clear_history => {
+                lock(&ring).rearm(options);
+                Some(ring)
             }
+            (true, _) => Some(Arc::new(Mutex::new(history::History::new(
+                options,
+                slot.user_metadata.clone(),
+            )))),
+        };
+        slot.ring = ring.clone();
+        let general = (self.shared.role.id == 0).then(|| self.shared.clone());
+        // BROKEN (`pools_unrecorded`): the general allocator alone records, as before the
+        // history was the family's; a pool's allocations are missing from the trace.
+        let pools = if cfg!(tidepool_broken = "pools_unrecorded") {
+            Vec::new()
         } else {
-            st.history = None;
+            family.live_pools()
+        };
+        for sh in general.into_iter().chain(pools.into_iter().map(|(_, p)| p)) {
+            sh.tap_history(ring.clone());
         }
     }
-
     /// Stamps `metadata` on every history entry made from now on (PyTorch's
     /// `torch.cuda.memory._set_memory_metadata`); an empty string stamps nothing. It stays set
     /// across [`Allocator::record_history`] calls.
@@ -1070,13 +1076,21 @@ impl<D: Device> Allocator<D> {
     /// assert!(alloc.history().iter().all(|e| &*e.user_metadata == "step 3"));
     /// ```
     pub fn set_memory_metadata(&self, metadata: &str) {
-        self.shared.lock_state().user_metadata = std::sync::Arc::from(metadata);
+        let mut slot = lock(&self.shared.family.history);
+        slot.user_metadata = std::sync::Arc::from(metadata);
+        if let Some(ring) = &slot.ring {
+            lock(ring).set_user_metadata(slot.user_metadata.clone());
+        }
     }
 
-    /// The recorded memory history, oldest entry first (empty when not recording).
+    /// The recorded memory history, oldest entry first (empty when not recording): the
+    /// entries of the general allocator and of its private pools together, each with its
+    /// [`TraceEntry::pool_id`].
     pub fn history(&self) -> Vec<TraceEntry> {
-        let st = self.shared.lock_state();
-        st.history.as_ref().map(|h| h.entries().cloned().collect()).unwrap_or_default()
+        self.shared
+            .history_ring()
+            .map(|r| lock(&r).entries().cloned().collect())
+            .unwrap_or_default()
     }
 
     /// The Rust stack that allocated the live buffer at `ptr` (PyTorch's
@@ -1101,8 +1115,8 @@ impl<D: Device> Allocator<D> {
         &self,
         ptr: DeviceAddr,
     ) -> Option<std::sync::Arc<std::backtrace::Backtrace>> {
-        let st = self.shared.lock_state();
-        st.history.as_ref()?.block_stacks().get(&ptr.0).cloned()
+        let ring = self.shared.history_ring()?;
+        lock(&ring).block_stacks().get(&ptr.0).cloned()
     }
 
     /// Waits for every pending event and returns those blocks to the pool (a host sync per

@@ -53,6 +53,9 @@ pub(crate) struct Family<D: Device> {
     /// Bytes reserved by the allocators of the family together, as each last counted its own
     /// in (`pool_size.rs`): what the caps on reserved memory are checked against.
     pub(super) reserved: AtomicU64,
+    /// The memory history the family records while it does, and the user's metadata
+    /// (`history.rs`; [`Allocator::record_history`]).
+    pub(super) history: Mutex<history::FamilyHistory>,
     /// Every private pool made, by id, without keeping it alive: what the general allocator's
     /// snapshot pickle lists besides its own segments (PyTorch's snapshot shows every pool of
     /// the device). Not under loom, whose `Arc` has no `Weak` (and which models no dump).
@@ -70,6 +73,7 @@ impl<D: Device> Default for Family<D> {
             leftovers: Leftovers::default(),
             graph_holds: Mutex::new(Vec::new()),
             reserved: AtomicU64::new(0),
+            history: Mutex::new(history::FamilyHistory::default()),
             #[cfg(not(loom))]
             pools: Mutex::new(Vec::new()),
         }
@@ -481,6 +485,14 @@ impl<D: Device> Allocator<D> {
             lock(&sh.family.oom_pools).push((id, alloc.shared.clone()));
         }
         sh.family.register_pool(id, &alloc.shared);
+        // Recording the family's history: the pool records too (under the slot, so a
+        // `record_history` call meanwhile either sees the pool registered or is seen here).
+        if !cfg!(tidepool_broken = "pools_unrecorded") {
+            let slot = lock(&sh.family.history);
+            if let Some(ring) = &slot.ring {
+                alloc.shared.tap_history(Some(ring.clone()));
+            }
+        }
         let handle = Arc::new(PoolHandle { family: sh.family.clone(), id });
         Ok(MemPool { alloc, handle })
     }

@@ -9,7 +9,7 @@
 //!          └─ plans: Mutex<name → stream → learned plan + region>
 //! ```
 
-use super::history::{Action, History};
+use super::history::{Action, Ring, Tap};
 use super::observers::Observers;
 use super::*;
 
@@ -163,11 +163,8 @@ pub(super) struct State {
     pub(super) buffer_uses: HashMap<u64, UseState>,
     /// Expandable segments: virtual ranges and their pages (`expandable.rs`).
     pub(super) vm: expandable::Vm,
-    /// The memory history, while it is recorded (`history.rs`).
-    pub(super) history: Option<History>,
-    /// The user's metadata, stamped on every history entry made while it is set
-    /// ([`Allocator::set_memory_metadata`]).
-    pub(super) user_metadata: std::sync::Arc<str>,
+    /// Where the memory history is recorded while it is: the family's ring (`history.rs`).
+    pub(super) history: Option<Tap>,
     /// Ordinary segments of at least `max_split_size` (PyTorch's `oversize_segments`).
     pub(super) oversize_segments: crate::types::Stat,
     /// Bases of the segments counted in `oversize_segments`.
@@ -196,8 +193,8 @@ impl State {
     /// Adds an entry to the memory history, if it is recorded.
     #[inline]
     pub(super) fn note(&mut self, action: Action, addr: DeviceAddr, size: u64, stream: StreamId) {
-        if let Some(h) = &mut self.history {
-            h.push(action, addr, size, stream, &self.user_metadata);
+        if let Some(tap) = &self.history {
+            tap.push(action, addr, size, stream);
         }
     }
 }
@@ -224,6 +221,35 @@ impl<D: Device> DerefMut for Locked<'_, D> {
 impl<D: Device> Drop for Locked<'_, D> {
     fn drop(&mut self) {
         self.sh.publish(&mut self.st);
+    }
+}
+
+impl<D: Device> Shared<D> {
+    /// Records into `ring` from now on (`None`: stops recording): the stream caches close (or
+    /// open again), so that every operation takes the slow path, which records it.
+    pub(super) fn tap_history(&self, ring: Option<Ring>) {
+        let on = ring.is_some();
+        let mut st = self.lock_state();
+        self.recording.store(on, Ordering::Relaxed);
+        let config = st.config.clone();
+        self.fast_path.store(config.fast_path() && !on, Ordering::Relaxed);
+        // The lanes close to hits and frees alike (room and size bound 0).
+        let closed = on && !self.broken(Broken::HistoryLanesOpen);
+        let lane_limits = limits(&config, closed);
+        let hint = StreamCache::fast_max_of(lane_limits, &config.sizing);
+        self.small_hint.store(hint, Ordering::Relaxed);
+        for c in self.caches.all().iter() {
+            c.configure(lane_limits, config.sizing);
+        }
+        if on {
+            self.flush_all(&mut st);
+        }
+        st.history = ring.map(|r| Tap::new(r, self.role.id));
+    }
+
+    /// The family's history ring, while this allocator records into it.
+    pub(super) fn history_ring(&self) -> Option<Ring> {
+        self.lock_state().history.as_ref().map(|t| t.ring().clone())
     }
 }
 
