@@ -126,6 +126,16 @@ pub struct Config {
     /// where the device cannot tell, the graph holds it until it goes. The allocator that
     /// begins a capture decides, as its configuration is then (its pools' own do not count).
     pub graph_capture_record_stream_reuse: bool,
+    /// PyTorch's `throw_on_cudamalloc_oom` (off by default, as there): a new segment or page
+    /// growth that would take the reserved memory of the allocator and its private pools past
+    /// the cap ([`Config::limit`]; the device's total memory where none is set) is refused at
+    /// once, before the device is asked: no cached memory is released and nothing is retried
+    /// (no out-of-memory observer, failure callback or other allocator is asked either), the
+    /// error is [`AllocError::OutOfMemory`](crate::AllocError) with
+    /// [`OomReport::rejected`](crate::OomReport) set, and it counts in
+    /// `num_oom_rejections`, not in `num_ooms`. For a process that would rather fail fast
+    /// than flush its cache near its share of the device.
+    pub throw_on_oom: bool,
     /// PyTorch keys accepted so that a `PYTORCH_CUDA_ALLOC_CONF` string works unchanged, but
     /// with no effect on device memory here, as `key:value` in the order given (see
     /// `tidepool::CONFIG_NO_EFFECT_KEYS`); `memory_summary` lists them.
@@ -167,6 +177,7 @@ impl Default for Config {
             max_pool_size: None,
             caching: true,
             graph_capture_record_stream_reuse: false,
+            throw_on_oom: false,
             no_effect: Vec::new(),
         }
     }
@@ -238,6 +249,16 @@ pub const KEYS: &[(&str, &str)] = &[
         "caching",
         "false: every allocation is its own device allocation, every free returns it (debugging)",
     ),
+    (
+        "throw_on_cudamalloc_oom",
+        "refuse at once, with no cache release or retry, a reservation past the cap (or the \
+         device's total): true or false (PyTorch's key)",
+    ),
+    (
+        "large_segment_size_mb",
+        "PyTorch's spelling of large_segment_mb (> 10); also raises max_non_split_rounding_mb \
+         to it",
+    ),
 ];
 
 /// PyTorch keys accepted with no effect on device memory (their values checked as PyTorch
@@ -250,6 +271,8 @@ pub const NO_EFFECT_KEYS: &[(&str, &str)] = &[
     ("pinned_use_device_host_register", "pinned host memory"),
     ("pinned_num_register_threads", "pinned host memory"),
     ("pinned_use_background_threads", "pinned host memory"),
+    ("release_lock_on_hipmalloc", "locking only (ROCm's spelling)"),
+    ("pinned_use_hip_host_register", "pinned host memory (ROCm's spelling)"),
 ];
 
 /// A configuration string that could not be applied.
@@ -455,6 +478,14 @@ impl Config {
             "small_size_mb" => z.small_size = mib(1024)?,
             "small_segment_mb" => z.small_segment = mib(1024)?,
             "large_segment_mb" => z.large_segment = mib(1 << 16)?,
+            "large_segment_size_mb" => {
+                let v = mib(1 << 16)?;
+                if v <= 10 * MIB {
+                    return Err(bad("a whole number of MiB above 10 (as PyTorch)"));
+                }
+                z.large_segment = v;
+                z.max_non_split_rounding = z.max_non_split_rounding.max(v);
+            }
             "min_large_alloc_mb" => z.min_large_alloc = mib(1 << 16)?,
             "round_large_mb" => z.round_large = mib(1024)?,
             "memory_limit_mb" => self.memory_limit = Some(mib(MAX_MIB)?),
@@ -515,6 +546,7 @@ impl Config {
             }
             "max_pool_size_mb" => self.max_pool_size = Some(mib(MAX_MIB)?),
             "caching" => self.caching = flag()?,
+            "throw_on_cudamalloc_oom" => self.throw_on_oom = flag()?,
             _ => return Err(ConfigError::UnknownKey(key.to_string())),
         }
         Ok(())
@@ -703,6 +735,13 @@ impl Config {
         self
     }
 
+    /// Refuse reservations past the cap at once (`throw_on_cudamalloc_oom`, see
+    /// [`Config::throw_on_oom`]).
+    pub fn with_throw_on_oom(mut self, on: bool) -> Config {
+        self.throw_on_oom = on;
+        self
+    }
+
     /// Whether allocations and frees may use the per-stream caches.
     pub fn fast_path(&self) -> bool {
         self.fast_cache && !self.global_lock && self.caching
@@ -738,7 +777,8 @@ mod tests {
              expandable_segments:true,release_threshold_mb:0,garbage_collection_threshold:0.75,\
              initial_pool_size_mb:64,max_pool_size_mb:2048,caching:true,\
              max_non_split_rounding_mb:30,backend:native,expandable_stitching:true,\
-             graph_capture_record_stream_reuse:True,biased_lanes:false",
+             graph_capture_record_stream_reuse:True,biased_lanes:false,\
+             throw_on_cudamalloc_oom:True",
         )
         .unwrap();
         let z = c.sizing;
@@ -769,12 +809,32 @@ mod tests {
         assert_eq!(c.initial_pool_size, 64 * MIB);
         assert_eq!(c.max_pool_size, Some(2048 * MIB));
         assert!(c.caching);
+        assert!(c.throw_on_oom && !Config::default().throw_on_oom);
         // The cap is the smallest of the three limits; the collection starts at 3/4 of it.
         assert_eq!(c.limit(16384 * MIB), Some(2048 * MIB)); // max_pool_size
         assert_eq!(c.limit(2048 * MIB), Some(1024 * MIB)); // the fraction
         assert_eq!(c.clone().with_max_pool_size(8192 * MIB).limit(16384 * MIB), Some(4096 * MIB));
         assert_eq!(c.gc_limit(16384 * MIB), Some(1536 * MIB));
-        assert_eq!(KEYS.len(), 26, "a new key needs a line in this test");
+        assert_eq!(KEYS.len(), 28, "a new key needs a line in this test");
+    }
+
+    #[test]
+    fn large_segment_size_mb_is_pytorchs_spelling() {
+        let c = Config::parse("large_segment_size_mb:64").unwrap();
+        assert_eq!((c.sizing.large_segment, c.sizing.max_non_split_rounding), (64 * MIB, 64 * MIB));
+        // A larger rounding stays; PyTorch's floor of 10 MiB is exclusive.
+        let c = Config::parse("max_non_split_rounding_mb:100,large_segment_size_mb:32").unwrap();
+        assert_eq!(
+            (c.sizing.large_segment, c.sizing.max_non_split_rounding),
+            (32 * MIB, 100 * MIB)
+        );
+        let e = Config::parse("large_segment_size_mb:10").unwrap_err();
+        assert!(e.to_string().contains("above 10"), "{e}");
+        // max_split_size must still exceed the large segment.
+        assert!(Config::parse("large_segment_size_mb:64,max_split_size_mb:40").is_err());
+        let c = Config::parse("release_lock_on_hipmalloc:True,pinned_use_hip_host_register:False");
+        assert_eq!(c.unwrap().no_effect.len(), 2);
+        assert!(Config::parse("throw_on_cudamalloc_oom:maybe").is_err());
     }
 
     #[test]

@@ -68,6 +68,9 @@ pub struct MemoryStats {
     /// out-of-memory ladder's, [`crate::Allocator::empty_cache`]'s,
     /// [`crate::Allocator::synchronize`]'s and `destroy_stream`'s.
     pub num_sync_all_streams: u64,
+    /// Reservations refused before the device was asked, with no cache released and no retry
+    /// (`throw_on_cudamalloc_oom`, PyTorch's `num_oom_rejections`); not in `num_ooms`.
+    pub num_oom_rejections: u64,
     /// Live allocations of blocks of at least `max_split_size` (PyTorch's
     /// `oversize_allocations`; none while `max_split_size_mb` is unset).
     pub oversize_allocations: Stat,
@@ -121,6 +124,7 @@ impl MemoryStats {
         self.num_physical_release += other.num_physical_release;
         self.num_pages_moved += other.num_pages_moved;
         self.num_sync_all_streams += other.num_sync_all_streams;
+        self.num_oom_rejections += other.num_oom_rejections;
         self.oversize_allocations.accumulate(&other.oversize_allocations);
         self.oversize_segments.accumulate(&other.oversize_segments);
     }
@@ -138,7 +142,8 @@ impl MemoryStats {
     /// The flat dictionary `torch.cuda.memory_stats()` returns, key for key, sorted:
     /// `"{stat}.{all|small_pool|large_pool}.{current|peak|allocated|freed}"` for PyTorch's nine
     /// block figures, `oversize_allocations.*` and `oversize_segments.*`, `num_alloc_retries`,
-    /// `num_ooms`, `num_sync_all_streams`, `num_device_alloc` and `num_device_free` (as in
+    /// `num_ooms`, `num_oom_rejections`, `num_sync_all_streams`, `num_device_alloc` and
+    /// `num_device_free` (as in
     /// PyTorch, device calls of both kinds: segment allocations and page maps, segment frees
     /// and page unmaps), and `max_split_size` (`-1`: unlimited). tidepool's residency groups
     /// follow PyTorch's pattern as `"{stat}.{persistent|transient}.*"`.
@@ -180,6 +185,7 @@ impl MemoryStats {
             ("num_alloc_retries", n(self.num_alloc_retries)),
             ("num_ooms", n(self.num_ooms)),
             ("num_sync_all_streams", n(self.num_sync_all_streams)),
+            ("num_oom_rejections", n(self.num_oom_rejections)),
             ("num_device_alloc", n(device_alloc)),
             ("num_device_free", n(device_free)),
             ("max_split_size", if max_split_size == u64::MAX { -1 } else { n(max_split_size) }),

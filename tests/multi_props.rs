@@ -159,9 +159,10 @@ enum Op {
 /// What `Op::SetConfig` switches an allocator to (with its cross-stream policy kept): the
 /// default, expandable segments (and with pages released at once, and with stitching), caching
 /// off, one global lock, a split bound, rounding divisions, garbage collection, reuse within a
-/// capture after a side stream's join, and expandable segments with those size rules and
-/// garbage collection.
-const CONFIGS: [&str; 13] = [
+/// capture after a side stream's join, expandable segments with those size rules and
+/// garbage collection, and reservations past the device refused at once (with expandable
+/// segments and without).
+const CONFIGS: [&str; 15] = [
     "",
     "expandable_segments:true",
     "expandable_segments:true,release_threshold_mb:0",
@@ -177,6 +178,8 @@ const CONFIGS: [&str; 13] = [
     "biased_lanes:false",
     "expandable_segments:true,max_split_size_mb:40,roundup_power2_divisions:4",
     "expandable_segments:true,garbage_collection_threshold:0.5,release_threshold_mb:4",
+    "throw_on_cudamalloc_oom:true",
+    "throw_on_cudamalloc_oom:true,expandable_segments:true,release_threshold_mb:0",
 ];
 
 /// One step of a scope script (bound buffers are `ScopedBuffer`s; unbound ones `Buffer`s).

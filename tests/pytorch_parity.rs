@@ -2160,3 +2160,82 @@ fn check_pool_live_allocations() {
     drop((graph, general, pool));
     settle(&dev, &alloc, "check_pool_live_allocations", true);
 }
+
+/// PyTorch's `test_throw_on_cudamalloc_oom`, and what the rejection leaves alone. Off, a
+/// request past the cap climbs the ladder (the cached segment is released, `num_ooms` counts
+/// it). On (set at run time, as the test does with a fraction of 0.005), the same request is
+/// refused before the device is asked: the cached segment stays, no event wait, no retry, no
+/// observer or failure callback, no `oom` history entry, and `num_oom_rejections` counts it;
+/// a request within the cap is still served, and with no cap set the device's total is the
+/// cap. The broken build `rejection_ignored` (the flag read nowhere) fails it.
+#[test]
+fn throw_on_cudamalloc_oom_refuses_past_the_cap_and_keeps_the_cache() {
+    for expandable in [false, true] {
+        let total = 80 << 30;
+        let dev = Arc::new(SimDevice::new(total));
+        dev.set_virtual_memory(expandable);
+        let conf = format!("expandable_segments:{expandable}");
+        let alloc = Allocator::new(dev.clone(), Config::parse(&conf).unwrap()).unwrap();
+        let observed = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let seen = observed.clone();
+        alloc.attach_oom_observer(move |_| {
+            seen.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        });
+        alloc.record_history(HistoryOptions::new(100));
+        // Flag off: 10 MiB is served; its 20 MiB segment (or pages) stays cached.
+        drop(alloc.alloc(10 * MIB, S0).unwrap());
+        let cached = alloc.stats().blocks.reserved_bytes.all.current;
+        assert!(cached >= 10 * MIB, "{cached}");
+        let on = format!("{conf},throw_on_cudamalloc_oom:True,per_process_memory_fraction:0.005");
+        alloc.set_config(Config::parse(&on).unwrap()).unwrap();
+        let request = (total as f64 * 0.005) as u64 + MIB;
+        let syncs = alloc.stats().num_sync_all_streams;
+        let Err(AllocError::OutOfMemory(report)) = alloc.alloc(request, S0) else {
+            panic!("past the cap")
+        };
+        assert!(report.rejected, "{report}");
+        assert!(report.to_string().contains("preemptively rejected"), "{report}");
+        assert_eq!(
+            (report.requested, report.limit),
+            (request, Some((total as f64 * 0.005) as u64))
+        );
+        let s = alloc.stats();
+        assert_eq!((s.num_oom_rejections, s.num_ooms, s.num_alloc_retries), (1, 0, 0));
+        assert_eq!(s.num_sync_all_streams, syncs, "no wait for pending frees");
+        assert_eq!(s.blocks.reserved_bytes.all.current, cached, "the cache is kept");
+        assert_eq!(observed.load(std::sync::atomic::Ordering::Relaxed), 0, "no observer");
+        assert!(!alloc.history().iter().any(|e| e.action == Action::Oom));
+        assert_eq!(alloc.memory_stats()["num_oom_rejections"], 1);
+        assert!(alloc.memory_summary().contains("reservations past the cap refused: 1"));
+        // Within the cap: served from the cached segment as usual.
+        drop(alloc.alloc(2 * MIB, S0).unwrap());
+        assert_eq!(alloc.stats().blocks.reserved_bytes.all.current, cached);
+        // No cap: the device's total is one (a request of the whole device would fit an
+        // expandable range, whose cached pages it would reuse).
+        alloc
+            .set_config(Config::parse(&format!("{conf},throw_on_cudamalloc_oom:True")).unwrap())
+            .unwrap();
+        let Err(AllocError::OutOfMemory(report)) = alloc.alloc(total + 2 * MIB, S0) else {
+            panic!("past the device")
+        };
+        assert!(report.rejected && report.limit.is_none(), "{report}");
+        assert_eq!(alloc.stats().num_oom_rejections, 2);
+        assert_eq!(alloc.stats().blocks.reserved_bytes.all.current, cached);
+        // Flag off again: the same request climbs the ladder, which releases the cache.
+        alloc
+            .set_config(
+                Config::parse(&format!("{conf},per_process_memory_fraction:0.005")).unwrap(),
+            )
+            .unwrap();
+        let Err(AllocError::OutOfMemory(report)) = alloc.alloc(request, S0) else { panic!() };
+        assert!(!report.rejected, "{report}");
+        let s = alloc.stats();
+        assert_eq!((s.num_oom_rejections, s.num_ooms), (2, 1));
+        assert_eq!(s.blocks.reserved_bytes.all.current, 0, "the ladder released the cache");
+        assert_eq!(observed.load(std::sync::atomic::Ordering::Relaxed), 1);
+        assert_eq!(alloc.history().iter().filter(|e| e.action == Action::Oom).count(), 1);
+        alloc.reset_accumulated_stats();
+        assert_eq!(alloc.stats().num_oom_rejections, 0);
+        alloc.check_invariants().unwrap();
+    }
+}

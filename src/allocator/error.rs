@@ -120,6 +120,10 @@ pub struct OomReport {
     /// Of those, bytes in whole free pages of persistent ranges (only `release_persistent`
     /// releases them).
     pub mapped_free_persistent: u64,
+    /// Refused before the device was asked, with no cache released and no retry, because
+    /// the reservation would pass the cap (`throw_on_cudamalloc_oom`,
+    /// [`Config::throw_on_oom`](crate::Config)); counted in `num_oom_rejections`.
+    pub rejected: bool,
 }
 
 impl OomReport {
@@ -133,6 +137,19 @@ impl OomReport {
 
 impl fmt::Display for OomReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.rejected {
+            // PyTorch's wording for the same refusal, with the figures it weighed.
+            return write!(
+                f,
+                "tidepool ran out of device memory: the allocation of {} was preemptively \
+                 rejected (throw_on_cudamalloc_oom) because its new segment of {} would take \
+                 the {} reserved past the cap of {}; no cached memory was released",
+                Bytes(self.requested),
+                Bytes(self.segment),
+                Bytes(self.reserved),
+                Bytes(self.limit.unwrap_or(self.device_total)),
+            );
+        }
         write!(
             f,
             "tidepool ran out of device memory allocating {} (rounded to {}, needing a new segment of {}) on {}. \

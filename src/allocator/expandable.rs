@@ -616,7 +616,13 @@ impl<D: Device> Shared<D> {
             // be a free block in its segment that a small request takes, pinning every chunk
             // the stitch borrowed. (`cfg(tidepool_broken = "stitch_aligned")` stitches it.)
             let stitchable = need == rounded || cfg!(tidepool_broken = "stitch_aligned");
-            match self.grow(st, config, key, need, stitchable) {
+            let grown = self.grow(st, config, key, need, stitchable);
+            if super::oom::is_rejected(&grown) {
+                let page = st.vm.page;
+                let pages = need.div_ceil(page) * page;
+                return Err(self.rejection(st, config, key, (bytes, rounded, pages)));
+            }
+            match grown {
                 Ok(None) => return Ok(None),
                 Ok(Some(b)) => {
                     if retried {
@@ -781,6 +787,9 @@ impl<D: Device> Shared<D> {
         let page = st.vm.page;
         let base = st.vm.by_key[&key];
         let Place { lo, pages } = place;
+        if self.rejects(st, config, pages * page) {
+            return Err(super::oom::rejected());
+        }
         if !self.within_limit(st, config, pages * page) {
             return Err(oom());
         }

@@ -1,10 +1,11 @@
 //! PyTorch's remaining statistics: `oversize_allocations` and `oversize_segments` (blocks and
-//! ordinary segments of at least `max_split_size`), `num_sync_all_streams`, and
+//! ordinary segments of at least `max_split_size`), `num_sync_all_streams`,
+//! `num_oom_rejections`, and
 //! `reset_accumulated_stats` (`torch.cuda.reset_accumulated_memory_stats`).
 //!
 //! ```text
-//!  State (global lock): pool.oversize, oversize_segments, counters.sync_all
-//!      └─ publish (when the lock is let go, only if its version grew) ─▶ ExtraPublished: SeqBlock<9>
+//!  State (global lock): pool.oversize, oversize_segments, counters.sync_all, .oom_rejections
+//!      └─ publish (when the lock is let go, only if its version grew) ─▶ ExtraPublished: SeqBlock<10>
 //!  stats(): base + caches (counters.rs) + extras ─▶ minus the accumulated figures saved by
 //!           reset_accumulated_stats (ArcCell<MemoryStats>, swapped whole)
 //! ```
@@ -15,8 +16,9 @@
 use super::*;
 use crate::types::{BlockStats, Stat};
 
-/// Words published: two `Stat`s (current, peak, allocated, freed) and the sync-all count.
-pub(super) const EXTRA_WORDS: usize = 9;
+/// Words published: two `Stat`s (current, peak, allocated, freed), the sync-all count and the
+/// rejection count.
+pub(super) const EXTRA_WORDS: usize = 10;
 
 /// The extra figures for lock-free readers.
 #[derive(Default)]
@@ -36,13 +38,15 @@ fn words(st: &State) -> [u64; EXTRA_WORDS] {
         s.allocated,
         s.freed,
         st.counters.sync_all,
+        st.counters.oom_rejections,
     ]
 }
 
 /// A figure that grows whenever any extra figure changes (see [`Shared::publish_extra`]).
 fn version(st: &State) -> u64 {
     let (a, s) = (st.pool.oversize_allocations(), &st.oversize_segments);
-    [a.allocated, a.freed, s.allocated, s.freed, st.counters.sync_all]
+    let c = &st.counters;
+    [a.allocated, a.freed, s.allocated, s.freed, c.sync_all, c.oom_rejections]
         .iter()
         .fold(0u64, |v, &x| v.wrapping_add(x))
 }
@@ -53,8 +57,8 @@ fn stat(w: &[u64]) -> Stat {
 
 impl<D: Device> Shared<D> {
     /// Publishes the extra figures if they changed. The caller holds the global lock. This runs
-    /// on every release of the lock, so it compares one sum, not the nine words: the counts
-    /// of what was allocated and freed and of sync-alls only grow (a reset subtracts a saved
+    /// on every release of the lock, so it compares one sum, not the ten words: the counts
+    /// of what was allocated and freed, of sync-alls and of rejections only grow (a reset subtracts a saved
     /// copy instead), and any change of a current or peak figure comes with one of them —
     /// but for `reset_peak_stats`, which clears the version.
     pub(super) fn publish_extra(&self, st: &mut State) {
@@ -83,6 +87,7 @@ impl<D: Device> Shared<D> {
         m.oversize_allocations = stat(&w[0..4]);
         m.oversize_segments = stat(&w[4..8]);
         m.num_sync_all_streams = w[8];
+        m.num_oom_rejections = w[9];
         m
     }
 
@@ -149,6 +154,7 @@ pub(super) fn since(mut m: MemoryStats, base: &MemoryStats, keep_maps: bool) -> 
         (&mut m.num_device_free, base.num_device_free),
         (&mut m.num_host_syncs, base.num_host_syncs),
         (&mut m.num_sync_all_streams, base.num_sync_all_streams),
+        (&mut m.num_oom_rejections, base.num_oom_rejections),
         // Restarts with `allocation`'s total, which counts the same allocations.
         (&mut m.locked_allocations, base.locked_allocations),
     ] {
@@ -192,7 +198,8 @@ impl<D: Device> Allocator<D> {
     /// Resets the accumulated statistics, PyTorch's `reset_accumulated_memory_stats`: the
     /// `allocated` and `freed` totals of every [`Stat`](crate::Stat) (block figures and oversize
     /// figures), and `num_alloc_retries`, `num_ooms`, `num_device_alloc`, `num_device_free`,
-    /// `num_host_syncs`, `num_sync_all_streams` and the expandable-segment counters (maps,
+    /// `num_host_syncs`, `num_sync_all_streams`, `num_oom_rejections` and the
+    /// expandable-segment counters (maps,
     /// unmaps, physical creates and releases, page moves) start again from zero. Current values and
     /// peaks are kept ([`Allocator::reset_peak_stats`] resets those).
     ///

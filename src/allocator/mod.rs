@@ -530,8 +530,10 @@ impl<D: Device> Allocator<D> {
         let (mut peers_released, mut retried) = (false, false);
         loop {
             let r = self.alloc_in_once(bytes, stream, residency, align);
-            if !matches!(r, Err(AllocError::OutOfMemory(_))) {
-                return r; // the common case: a buffer, or an error no retry helps
+            if !matches!(r, Err(AllocError::OutOfMemory(_))) || oom::is_rejected(&r) {
+                // The common case: a buffer, or an error no retry helps (a rejection by
+                // `throw_on_cudamalloc_oom` asks nothing of anyone).
+                return r;
             }
             if std::mem::take(&mut retried) {
                 // The request failed again after an inner rung's release: still one failed

@@ -53,6 +53,44 @@ impl<D: Device> Shared<D> {
             mapped_free,
             mapped_free_in_used_pages: in_used_pages,
             mapped_free_persistent: persistent,
+            rejected: false,
         }
     }
+
+    /// `throw_on_cudamalloc_oom`: whether reserving `add` more bytes would take the family's
+    /// reserved memory past the cap (the device's total where none is set). Such a
+    /// reservation is refused before the device is asked, and the ladder is not climbed.
+    pub(super) fn rejects(&self, st: &mut State, config: &Config, add: u64) -> bool {
+        config.throw_on_oom
+            && !cfg!(tidepool_broken = "rejection_ignored")
+            && self.family_reserved(st).saturating_add(add)
+                > config.limit(self.device_total).unwrap_or(self.device_total)
+    }
+
+    /// The error of a rejected reservation (see [`Shared::rejects`]), counted in
+    /// `num_oom_rejections`; as in PyTorch, not in `num_ooms` and with no `oom` history entry.
+    #[cold]
+    pub(super) fn rejection(
+        &self,
+        st: &mut State,
+        config: &Config,
+        key: PoolKey,
+        (bytes, rounded, seg_size): (u64, u64, u64),
+    ) -> AllocError {
+        st.counters.oom_rejections += 1;
+        let mut report = self.oom_report(st, config, key, bytes, rounded, seg_size);
+        report.rejected = true;
+        AllocError::OutOfMemory(Box::new(report))
+    }
+}
+
+/// What a reservation refused by [`Shared::rejects`] returns to the ladder that asked for it
+/// (which then returns [`Shared::rejection`] instead of climbing).
+pub(super) fn rejected() -> AllocError {
+    AllocError::OutOfMemory(Box::new(OomReport { rejected: true, ..OomReport::default() }))
+}
+
+/// Whether `r` is the refusal [`rejected`] makes.
+pub(super) fn is_rejected<T>(r: &Result<T, AllocError>) -> bool {
+    matches!(r, Err(AllocError::OutOfMemory(report)) if report.rejected)
 }

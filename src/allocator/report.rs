@@ -187,6 +187,16 @@ impl<D: Device> Allocator<D> {
                 s.num_ooms, s.num_alloc_retries, s.num_host_syncs
             )
         );
+        if self.config().throw_on_oom {
+            let _ = writeln!(
+                out,
+                "|{:^87}|",
+                format!(
+                    "throw_on_cudamalloc_oom: on, reservations past the cap refused: {}",
+                    s.num_oom_rejections
+                )
+            );
+        }
         let _ = writeln!(
             out,
             "|{:^87}|",

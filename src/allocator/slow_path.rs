@@ -169,7 +169,11 @@ impl<D: Device> Shared<D> {
         }
         let (mut retried, mut oversize_released) = (false, false);
         loop {
-            match self.reserve(st, config, key, seg_size) {
+            let reserved = self.reserve(st, config, key, seg_size);
+            if oom::is_rejected(&reserved) {
+                return Err(self.rejection(st, config, key, (bytes, rounded, seg_size)));
+            }
+            match reserved {
                 Ok(b) => {
                     if retried {
                         st.counters.retries += 1;
@@ -223,6 +227,9 @@ impl<D: Device> Shared<D> {
         seg_size: u64,
     ) -> Result<BlockId, AllocError> {
         let refused = || AllocError::OutOfMemory(Box::default());
+        if self.rejects(st, config, seg_size) {
+            return Err(oom::rejected());
+        }
         if !self.within_limit(st, config, seg_size) {
             return Err(refused());
         }

@@ -117,6 +117,9 @@ pub(super) struct Counters {
     pub(super) host_syncs: u64,
     /// Waits for every pending event (PyTorch's `num_sync_all_streams`).
     pub(super) sync_all: u64,
+    /// Reservations refused before the device was asked (`throw_on_cudamalloc_oom`,
+    /// PyTorch's `num_oom_rejections`).
+    pub(super) oom_rejections: u64,
     /// Slots whose lanes were re-tagged for a new stream (`CacheTable`).
     pub(super) lane_retags: u64,
 }

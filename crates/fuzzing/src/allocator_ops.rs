@@ -1081,7 +1081,10 @@ impl<'a> Harness<'a> {
             AllocError::OutOfMemory(report) => {
                 // (Making a plan's region may fail first, and count an OOM of its own.)
                 let ooms = self.alloc.stats().num_ooms;
-                ensure!(ooms > ooms_before, "num_ooms went {ooms_before} -> {ooms}");
+                ensure!(
+                    ooms > ooms_before || report.rejected,
+                    "num_ooms went {ooms_before} -> {ooms}"
+                );
                 ensure!(
                     report.requested == bytes && report.stream == s,
                     "OOM report does not describe the scoped request ({bytes} on {s}): {report:?}"
@@ -1220,8 +1223,10 @@ impl<'a> Harness<'a> {
                 );
             }
             Err(AllocError::OutOfMemory(report)) => {
+                // A rejection (`throw_on_cudamalloc_oom`) is not counted as an out-of-memory.
                 let ooms = self.alloc.stats().num_ooms;
-                ensure!(ooms == ooms_before + 1, "num_ooms went {ooms_before} -> {ooms}");
+                let counted = ooms_before + u64::from(!report.rejected);
+                ensure!(ooms == counted, "num_ooms went {ooms_before} -> {ooms}: {report:?}");
                 ensure!(
                     report.requested == bytes
                         && Some(report.rounded) == rounded
@@ -1237,6 +1242,15 @@ impl<'a> Harness<'a> {
 
     /// An out-of-memory error must have a cause the harness can see.
     fn explain_oom(&self, r: &OomReport, calls_before: u64) -> Result<(), String> {
+        if r.rejected {
+            // Refused before the device was asked: only past the cap, and only when asked to.
+            let cap = r.limit.unwrap_or(r.device_total);
+            ensure!(
+                self.alloc.config().throw_on_oom && r.reserved + r.segment > cap,
+                "a rejection that throw_on_cudamalloc_oom does not explain: {r:?}"
+            );
+            return Ok(());
+        }
         if self.vm_failures() > self.vm_fail_mark.get() {
             // A physical creation or a mapping was refused in this step (an injected fault, or
             // the device full: for expandable segments the device refuses page by page).
