@@ -136,10 +136,77 @@ pub struct Config {
     /// `num_oom_rejections`, not in `num_ooms`. For a process that would rather fail fast
     /// than flush its cache near its share of the device.
     pub throw_on_oom: bool,
+    /// The pinned host allocator's rules (`pinned_max_round_threshold_mb`,
+    /// `pinned_max_cached_size_mb`), for a [`HostAllocator`](crate::HostAllocator) made with
+    /// [`HostAllocator::with_config`](crate::HostAllocator::with_config); the device allocator
+    /// does not read them.
+    pub pinned: HostConfig,
     /// PyTorch keys accepted so that a `PYTORCH_CUDA_ALLOC_CONF` string works unchanged, but
     /// with no effect on device memory here, as `key:value` in the order given (see
     /// `tidepool::CONFIG_NO_EFFECT_KEYS`); `memory_summary` lists them.
     pub no_effect: Vec<String>,
+}
+
+/// The pinned host allocator's rules ([`HostAllocator::with_config`](crate::HostAllocator::with_config)),
+/// PyTorch's `pinned_max_round_threshold_mb` and `pinned_max_cached_size_mb`: a request of at
+/// most both thresholds gets the next power of two (at least
+/// [`MIN_HOST_BLOCK`](crate::MIN_HOST_BLOCK)) as its block, a larger one a block of its own
+/// size (what rounding would waste on a large staging buffer: up to half); a freed block larger
+/// than `max_cached_size` goes back to the device once its copies completed instead of into
+/// the cache.
+///
+/// ```
+/// use std::sync::Arc;
+/// use tidepool::{Config, HostAllocator, MIB, SimDevice};
+///
+/// let conf = Config::parse("pinned_max_round_threshold_mb:1,pinned_max_cached_size_mb:8")?;
+/// let pinned = HostAllocator::with_config(Arc::new(SimDevice::backed(64 * MIB)), conf.pinned);
+/// let big = pinned.alloc(3 * MIB)?;
+/// assert_eq!(big.block_size(), 3 * MIB); // not 4 MiB
+/// drop(big); // cached: 3 MiB is within max_cached_size
+/// let huge = pinned.alloc(9 * MIB)?;
+/// drop(huge); // above max_cached_size: back to the device
+/// assert_eq!(pinned.stats().reserved_bytes.current, 3 * MIB);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct HostConfig {
+    /// Requests above it are not rounded to a power of two (bytes; no limit by default).
+    pub max_round_threshold: u64,
+    /// Freed blocks above it are not cached, and requests above it not rounded (bytes; no limit
+    /// by default).
+    pub max_cached_size: u64,
+}
+
+impl Default for HostConfig {
+    fn default() -> Self {
+        HostConfig { max_round_threshold: u64::MAX, max_cached_size: u64::MAX }
+    }
+}
+
+impl HostConfig {
+    /// Sets [`HostConfig::max_round_threshold`] (bytes).
+    pub fn with_max_round_threshold(mut self, bytes: u64) -> HostConfig {
+        self.max_round_threshold = bytes;
+        self
+    }
+
+    /// Sets [`HostConfig::max_cached_size`] (bytes).
+    pub fn with_max_cached_size(mut self, bytes: u64) -> HostConfig {
+        self.max_cached_size = bytes;
+        self
+    }
+
+    /// Whether a request of `bytes` is rounded to its power-of-two size class.
+    pub fn rounds(&self, bytes: u64) -> bool {
+        bytes <= self.max_round_threshold && bytes <= self.max_cached_size
+    }
+
+    /// Whether a freed block of `size` bytes is cached (else freed once its copies completed).
+    pub fn caches(&self, size: u64) -> bool {
+        size <= self.max_cached_size
+    }
 }
 
 /// The alignment of every pointer handed out (CUDA's `cudaMalloc` and RMM guarantee 256 bytes):
@@ -178,6 +245,7 @@ impl Default for Config {
             caching: true,
             graph_capture_record_stream_reuse: false,
             throw_on_oom: false,
+            pinned: HostConfig::default(),
             no_effect: Vec::new(),
         }
     }
@@ -255,6 +323,16 @@ pub const KEYS: &[(&str, &str)] = &[
          device's total): true or false (PyTorch's key)",
     ),
     (
+        "pinned_max_round_threshold_mb",
+        "pinned host memory: requests above this many MiB get a block of their own size, not \
+         the next power of two (0..; PyTorch's key; HostAllocator::with_config)",
+    ),
+    (
+        "pinned_max_cached_size_mb",
+        "pinned host memory: freed blocks above this many MiB go back to the device instead of \
+         the cache, and requests above it are not rounded (0..; PyTorch's key)",
+    ),
+    (
         "large_segment_size_mb",
         "PyTorch's spelling of large_segment_mb (> 10); also raises max_non_split_rounding_mb \
          to it",
@@ -273,6 +351,12 @@ pub const NO_EFFECT_KEYS: &[(&str, &str)] = &[
     ("pinned_use_background_threads", "pinned host memory"),
     ("release_lock_on_hipmalloc", "locking only (ROCm's spelling)"),
     ("pinned_use_hip_host_register", "pinned host memory (ROCm's spelling)"),
+    (
+        "pinned_reserve_segment_size_mb",
+        "pinned host memory (a segment carved by a bump pointer; every tidepool pinned block is \
+         its own host allocation, cached)",
+    ),
+    ("pinned_free_catch_all", "pinned host memory (tidepool's frees report errors as values)"),
 ];
 
 /// A configuration string that could not be applied.
@@ -460,6 +544,8 @@ impl Config {
                     if !value.parse::<u64>().is_ok_and(|n| n.is_power_of_two() && n <= 128) {
                         return Err(bad("a power of two ≤ 128"));
                     }
+                } else if k == "pinned_reserve_segment_size_mb" {
+                    mib(MAX_MIB)?; // PyTorch: greater than 0
                 } else {
                     flag()?;
                 }
@@ -547,6 +633,18 @@ impl Config {
             "max_pool_size_mb" => self.max_pool_size = Some(mib(MAX_MIB)?),
             "caching" => self.caching = flag()?,
             "throw_on_cudamalloc_oom" => self.throw_on_oom = flag()?,
+            "pinned_max_round_threshold_mb" | "pinned_max_cached_size_mb" => {
+                // PyTorch takes any size, 0 included (nothing rounded, nothing cached).
+                let what = "a whole number of MiB in 0..=268435456";
+                let v = match value.parse::<u64>() {
+                    Ok(v) if v <= MAX_MIB => v * MIB,
+                    _ => return Err(bad(what)),
+                };
+                match key {
+                    "pinned_max_round_threshold_mb" => self.pinned.max_round_threshold = v,
+                    _ => self.pinned.max_cached_size = v,
+                }
+            }
             _ => return Err(ConfigError::UnknownKey(key.to_string())),
         }
         Ok(())
@@ -815,7 +913,7 @@ mod tests {
         assert_eq!(c.limit(2048 * MIB), Some(1024 * MIB)); // the fraction
         assert_eq!(c.clone().with_max_pool_size(8192 * MIB).limit(16384 * MIB), Some(4096 * MIB));
         assert_eq!(c.gc_limit(16384 * MIB), Some(1536 * MIB));
-        assert_eq!(KEYS.len(), 28, "a new key needs a line in this test");
+        assert_eq!(KEYS.len(), 30, "a new key needs a line in this test");
     }
 
     #[test]
@@ -835,6 +933,28 @@ mod tests {
         let c = Config::parse("release_lock_on_hipmalloc:True,pinned_use_hip_host_register:False");
         assert_eq!(c.unwrap().no_effect.len(), 2);
         assert!(Config::parse("throw_on_cudamalloc_oom:maybe").is_err());
+    }
+
+    #[test]
+    fn pinned_keys_set_the_host_config() {
+        let d = Config::default().pinned;
+        assert_eq!((d.max_round_threshold, d.max_cached_size), (u64::MAX, u64::MAX));
+        assert!(d.rounds(u64::MAX) && d.caches(u64::MAX));
+        let c = Config::parse("pinned_max_round_threshold_mb:64,pinned_max_cached_size_mb:128");
+        let p = c.unwrap().pinned;
+        assert_eq!((p.max_round_threshold, p.max_cached_size), (64 * MIB, 128 * MIB));
+        assert!(p.rounds(64 * MIB) && !p.rounds(64 * MIB + 1));
+        assert!(p.caches(128 * MIB) && !p.caches(128 * MIB + 1));
+        // 0 is PyTorch's "never": nothing rounded, nothing cached.
+        let z = Config::parse("pinned_max_cached_size_mb:0").unwrap().pinned;
+        assert!(!z.rounds(1) && !z.caches(1) && z.caches(0));
+        for bad in ["pinned_max_cached_size_mb:-1", "pinned_max_round_threshold_mb:1.5"] {
+            assert!(Config::parse(bad).is_err(), "{bad}");
+        }
+        // Accepted with no effect, PyTorch's check kept (greater than 0).
+        let r = Config::parse("pinned_reserve_segment_size_mb:64,pinned_free_catch_all:True");
+        assert_eq!(r.unwrap().no_effect.len(), 2);
+        assert!(Config::parse("pinned_reserve_segment_size_mb:0").is_err());
     }
 
     #[test]

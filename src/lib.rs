@@ -48,7 +48,7 @@ pub use allocator::{
     TraceEntry,
 };
 pub use config::{
-    Config, ConfigError, CrossStream, ENV_VAR, KEYS as CONFIG_KEYS, NO_CACHING_ENV_VAR,
+    Config, ConfigError, CrossStream, ENV_VAR, HostConfig, KEYS as CONFIG_KEYS, NO_CACHING_ENV_VAR,
     NO_EFFECT_KEYS as CONFIG_NO_EFFECT_KEYS,
 };
 pub use device::{Capture, CaptureMark, Device, DeviceError, GraphId, SimConfig, SimDevice};

@@ -1000,3 +1000,82 @@ fn sim_host_free_waits_for_a_queued_replays_copy() {
     dev.synchronize().unwrap();
     dev.release(d).unwrap();
 }
+
+/// PyTorch's `pinned_max_round_threshold_mb`: a request above the threshold gets a block of its
+/// own size (3 MiB, not 4), one below it its power-of-two class. An unrounded request reuses
+/// the smallest cached block between its size and its class (2.5 MiB takes the cached 3 MiB
+/// block; 1.4 MiB, whose class is 2 MiB, does not; 3.5 MiB, more than the block, does not).
+/// The broken build `pinned_reuse_unchecked` (PyTorch's free lists, which pop a block of the
+/// request's power-of-two bucket whatever its size) hands the 3.5 MiB request the 3 MiB block.
+#[test]
+fn requests_above_the_round_threshold_get_blocks_of_their_own_size() {
+    let dev = Arc::new(SimDevice::backed(64 * MIB));
+    let conf = Config::parse("pinned_max_round_threshold_mb:1").unwrap();
+    let pinned = HostAllocator::with_config(dev.clone(), conf.pinned);
+    assert_eq!(pinned.config().max_round_threshold, MIB);
+    let small = pinned.alloc(3000).unwrap();
+    let big = pinned.alloc(3 * MIB).unwrap();
+    assert_eq!((small.block_size(), big.block_size()), (4096, 3 * MIB));
+    assert_eq!(pinned.stats().reserved_bytes.current, 3 * MIB + 4096);
+    let at = big.host_ptr();
+    drop(big);
+    let bigger = pinned.alloc(3 * MIB + MIB / 2).unwrap();
+    assert!(bigger.block_size() >= bigger.len(), "a block smaller than the request");
+    assert_ne!(bigger.host_ptr(), at, "3.5 MiB does not fit the 3 MiB block");
+    assert_eq!(bigger.block_size(), 3 * MIB + MIB / 2);
+    let lower = pinned.alloc(MIB + 400 * 1024).unwrap(); // class 2 MiB: the block would waste
+    assert_eq!((lower.block_size(), pinned.stats().num_host_alloc), (MIB + 400 * 1024, 4));
+    let again = pinned.alloc(5 * MIB / 2).unwrap();
+    assert_eq!((again.host_ptr(), again.block_size(), again.len()), (at, 3 * MIB, 5 * MIB / 2));
+    let s = pinned.stats();
+    assert_eq!(
+        (s.num_host_alloc, s.allocated_bytes.current),
+        (4, 4096 + 7 * MIB + MIB / 2 + 400 * 1024)
+    );
+    assert_eq!(
+        s.requested_bytes.current,
+        3000 + 3 * MIB + MIB / 2 + MIB + 400 * 1024 + 5 * MIB / 2
+    );
+    drop((small, bigger, lower, again));
+    pinned.check_invariants().unwrap();
+    pinned.empty_cache().unwrap();
+    assert_eq!(pinned.stats().reserved_bytes.current, 0);
+    assert!(dev.violations().is_empty());
+}
+
+/// PyTorch's `pinned_max_cached_size_mb`: a freed block above it goes back to the device, not
+/// into the cache — at once when no copy used it, and only once its copy completed otherwise
+/// (the upload behind a gate still reads it: freeing it then would be a sanitizer violation);
+/// blocks within it are cached as usual, and a request above it is not rounded. The broken
+/// build `pinned_cache_unbounded` caches them all.
+#[test]
+fn freed_blocks_above_the_cached_size_go_back_to_the_device() {
+    let dev = Arc::new(SimDevice::backed(64 * MIB));
+    let alloc = Allocator::new(dev.clone(), Config::default()).unwrap();
+    let conf = Config::parse("pinned_max_cached_size_mb:2").unwrap();
+    let pinned = HostAllocator::with_config(dev.clone(), conf.pinned);
+    let kept = pinned.alloc(2 * MIB).unwrap();
+    let large = pinned.alloc(3 * MIB).unwrap();
+    assert_eq!(large.block_size(), 3 * MIB, "above the cached size: not rounded either");
+    drop((kept, large));
+    let s = pinned.stats();
+    assert_eq!((s.num_host_free, s.reserved_bytes.current, s.cached_bytes), (1, 2 * MIB, 2 * MIB));
+    // A 3 MiB buffer whose upload waits behind a gate: kept while the copy may read it.
+    let gpu = alloc.alloc(3 * MIB, S).unwrap();
+    let open = gate(&dev, S);
+    let mut staged = pinned.alloc(3 * MIB).unwrap();
+    staged.upload(&gpu).unwrap();
+    drop(staged);
+    pinned.process_events().unwrap();
+    let s = pinned.stats();
+    assert_eq!((s.num_host_free, s.reserved_bytes.current, s.pending_bytes), (1, 5 * MIB, 3 * MIB));
+    open.send(()).unwrap();
+    dev.synchronize().unwrap();
+    pinned.process_events().unwrap();
+    let s = pinned.stats();
+    assert_eq!((s.num_host_free, s.reserved_bytes.current, s.pending_bytes), (2, 2 * MIB, 0));
+    assert_eq!((s.host_free_time.count, s.segment.current), (2, 1));
+    pinned.check_invariants().unwrap();
+    assert!(dev.violations().is_empty(), "{:?}", dev.violations());
+    drop(gpu);
+}

@@ -112,8 +112,10 @@ fn memory_stats_has_pytorchs_keys_and_figures() {
     let large = alloc.alloc(3 * MIB, S0).unwrap();
     drop(small);
     let m = alloc.memory_stats();
-    // Nine block figures × five groups × four fields, two oversize figures, six counters.
-    assert_eq!(m.len(), 9 * 5 * 4 + 2 * 4 + 6);
+    // Nine block figures × five groups × four fields, two oversize figures, seven counters
+    // (`num_oom_rejections` among them).
+    assert_eq!(m.len(), 9 * 5 * 4 + 2 * 4 + 7);
+    assert_eq!(m["num_oom_rejections"], 0);
     let want: [(&str, i64); 22] = [
         ("allocation.all.current", 1),
         ("allocation.all.peak", 2),

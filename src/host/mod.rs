@@ -3,16 +3,18 @@
 //! [`PinnedBuffer`]s.
 //!
 //! ```text
-//!   alloc(n) ── class = max(512, n.next_power_of_two())
+//!   alloc(n) ── class = max(512, n.next_power_of_two())   (n above a HostConfig threshold: n)
 //!      │  poll the freed blocks' events (oldest first): completed → free lists
-//!      ├─ free[class] has a block ─▶ reuse it
+//!      ├─ free[class] has a block ─▶ reuse it   (unrounded n: the smallest free block in
+//!      │                                         [n, n.next_power_of_two()])
 //!      └─ Device::host_alloc(class) (cuMemHostAlloc; on failure: free the cache, retry once),
 //!         zeroed once
 //!   PinnedBuffer ── copy_to_device / copy_from_device / upload / download: the copy is enqueued
 //!      │            on a stream and an event recorded after it (one per stream, the latest)
 //!      │  as_slice / as_mut_slice: wait for the copies first (a host sync when one still runs)
 //!      ├─ drop: back to the allocator ─▶ free[class] at once if no copy is recorded on it,
-//!      │                                 else pending until every event completed
+//!      │                                 else pending until every event completed (a block
+//!      │                                 above max_cached_size: freed then, not cached)
 //!      └─ a copy (or recorded use) on a stream being captured into a CUDA graph: the buffer is
 //!         the graph's (replays copy at any time): no slice, no copy outside the capture, and
 //!         on drop its block is kept for good (captured_bytes), never reused nor freed
@@ -67,6 +69,7 @@ mod buffer;
 
 pub use buffer::PinnedBuffer;
 
+use crate::config::HostConfig;
 use crate::device::{AccessKind, Device, DeviceError, EventId, Guarded, HostPtr, StreamId};
 use crate::sync::{Arc, Mutex, MutexGuard, lock};
 use crate::types::{Bytes, DurationStat, MAX_REQUEST, Stat};
@@ -169,8 +172,9 @@ impl From<DeviceError> for HostAllocError {
     }
 }
 
-/// What [`HostAllocator::stats`] reports, with the device allocator's names. Bytes are
-/// size-class bytes except `requested_bytes`.
+/// What [`HostAllocator::stats`] reports, with the device allocator's names. Bytes are block
+/// bytes (the size class, or the request where [`HostConfig`] leaves it unrounded) except
+/// `requested_bytes`.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct HostStats {
@@ -355,6 +359,8 @@ struct State {
 
 pub(crate) struct Inner<D: Device> {
     device: Guarded<D>,
+    /// Rounding and caching thresholds, fixed when the allocator is made.
+    config: HostConfig,
     state: Mutex<State>,
     /// The [`HostAllocator`] values of the application (those buffers hold do not count):
     /// when the last one goes, the allocator closes.
@@ -436,12 +442,48 @@ fn is_oom(e: &DeviceError) -> bool {
     )
 }
 
+/// Takes a free block for a request of `bytes` (size class `class`): one of exactly the class
+/// where the request is `rounded`, else the smallest of `bytes` to `class` bytes (never more
+/// than rounding would have used, never less than asked). Returns it with its size.
+fn take_free(
+    free: &mut BTreeMap<u64, Vec<HostPtr>>,
+    bytes: u64,
+    class: u64,
+    rounded: bool,
+) -> Option<(HostPtr, u64)> {
+    let size = match rounded {
+        true => class,
+        // BROKEN (`pinned_reuse_unchecked`): any block of the request's power-of-two bucket,
+        // its size unchecked, as PyTorch's free lists hand out (a smaller one included).
+        false if cfg!(tidepool_broken = "pinned_reuse_unchecked") => {
+            let bucket = (class / 2 + 1)..=class;
+            free.range(bucket).rev().find(|(_, v)| !v.is_empty()).map(|(&s, _)| s)?
+        }
+        false => free.range(bytes..=class).find(|(_, v)| !v.is_empty()).map(|(&s, _)| s)?,
+    };
+    let list = free.get_mut(&size)?;
+    let ptr = list.pop()?;
+    if list.is_empty() {
+        free.remove(&size);
+    }
+    Some((ptr, size))
+}
+
 impl<D: Device> HostAllocator<D> {
-    /// An empty cache over `device`'s pinned memory. Makes no device call.
+    /// An empty cache over `device`'s pinned memory, every request rounded to its size
+    /// class and every freed block cached. Makes no device call.
     pub fn new(device: Arc<D>) -> HostAllocator<D> {
+        Self::with_config(device, HostConfig::default())
+    }
+
+    /// An empty cache over `device`'s pinned memory with `config`'s thresholds (PyTorch's
+    /// `pinned_max_round_threshold_mb` and `pinned_max_cached_size_mb`; see [`HostConfig`]:
+    /// `Config::from_env()?.pinned` reads them from `TIDEPOOL_ALLOC_CONF`). Makes no device call.
+    pub fn with_config(device: Arc<D>, config: HostConfig) -> HostAllocator<D> {
         let h = HostAllocator {
             inner: Arc::new(Inner {
                 device: Guarded::new(device),
+                config,
                 state: Mutex::new(State {
                     blocks: HashMap::new(),
                     free: BTreeMap::new(),
@@ -488,9 +530,15 @@ impl<D: Device> HostAllocator<D> {
         self.inner.device.arc()
     }
 
-    /// A pinned buffer of `bytes` bytes (its block is the size class, [`Self::size_class`]):
-    /// a cached block of the class whose copies all completed, or a new pinned allocation
-    /// (zeroed). Errors: [`HostAllocError::ZeroSize`], [`HostAllocError::TooLarge`],
+    /// The thresholds it was made with.
+    pub fn config(&self) -> HostConfig {
+        self.inner.config
+    }
+
+    /// A pinned buffer of `bytes` bytes (its block is the size class, [`Self::size_class`], or,
+    /// above the thresholds of [`HostConfig`], `bytes` itself): a cached block of the class
+    /// whose copies all completed (for an unrounded request, the smallest cached block from
+    /// `bytes` to its size class), or a new pinned allocation (zeroed). Errors: [`HostAllocError::ZeroSize`], [`HostAllocError::TooLarge`],
     /// [`HostAllocError::OutOfMemory`] (after freeing the cache and retrying once, then after
     /// the other pinned allocators of the device freed theirs, once more).
     pub fn alloc(&self, bytes: u64) -> Result<PinnedBuffer<D>, HostAllocError> {
@@ -518,18 +566,21 @@ impl<D: Device> HostAllocator<D> {
 
     /// One attempt of [`HostAllocator::alloc`].
     fn alloc_once(&self, bytes: u64) -> Result<PinnedBuffer<D>, HostAllocError> {
-        let size = Self::size_class(bytes)?;
+        let class = Self::size_class(bytes)?;
+        let rounded = self.inner.config.rounds(bytes);
         let mut guard = lock(&self.inner.state);
         let st = &mut *guard;
         // A failed query leaves its block waiting; the allocation goes on without it.
         let _ = self.inner.process_events(st);
-        let reused = st.free.get_mut(&size).and_then(Vec::pop);
-        let ptr = match reused {
-            Some(ptr) => {
+        let (ptr, size) = match take_free(&mut st.free, bytes, class, rounded) {
+            Some((ptr, size)) => {
                 st.stats.cached_bytes -= size;
-                ptr
+                (ptr, size)
             }
-            None => self.inner.new_block(st, bytes, size)?,
+            None => {
+                let size = if rounded { class } else { bytes };
+                (self.inner.new_block(st, bytes, size)?, size)
+            }
         };
         let s = &mut st.stats;
         s.allocation.increase(1);
@@ -732,12 +783,51 @@ impl<D: Device> Inner<D> {
             let p = st.pending.remove(i).expect("index checked");
             st.events.extend(p.uses.iter().filter_map(|u| u.event));
             st.stats.pending_bytes -= p.size;
-            st.stats.cached_bytes += p.size;
             st.stats.active.decrease(1);
             st.stats.active_bytes.decrease(p.size);
-            st.free.entry(p.size).or_default().push(p.ptr);
+            self.cache_or_free(st, p.ptr, p.size);
         }
         Ok(())
+    }
+
+    /// A block no buffer holds and no copy uses any more: into the free lists, or, above the
+    /// configured `max_cached_size`, back to the device (kept cached where that fails, or while
+    /// a capture forbids the free; `empty_cache` tries again).
+    fn cache_or_free(&self, st: &mut State, ptr: HostPtr, size: u64) {
+        st.stats.cached_bytes += size;
+        // BROKEN (`pinned_cache_unbounded`): every block is cached, whatever its size.
+        if self.config.caches(size)
+            || cfg!(tidepool_broken = "pinned_cache_unbounded")
+            || self.capture_forbids_waits_and_frees()
+        {
+            st.free.entry(size).or_default().push(ptr);
+            return;
+        }
+        let _ = self.release_block(st, ptr, size);
+    }
+
+    /// Returns a free block (out of the free lists, counted in `cached_bytes`) to the device;
+    /// on an error it goes back to the free lists.
+    fn release_block(&self, st: &mut State, ptr: HostPtr, size: u64) -> Result<(), DeviceError> {
+        let start = std::time::Instant::now();
+        // SAFETY: a free block belongs to no buffer (no slice into it exists) and every use
+        // recorded on it completed (it left `pending` only then); it came from this device's
+        // `host_alloc` and leaves the allocator's tables just below.
+        match unsafe { self.device.host_free(ptr) } {
+            Ok(()) => {
+                st.stats.host_free_time.record(micros(start));
+                st.blocks.remove(&ptr.addr());
+                st.stats.cached_bytes -= size;
+                st.stats.num_host_free += 1;
+                st.stats.segment.decrease(1);
+                st.stats.reserved_bytes.decrease(size);
+                Ok(())
+            }
+            Err(e) => {
+                st.free.entry(size).or_default().push(ptr);
+                Err(e)
+            }
+        }
     }
 
     /// A new zeroed pinned block of `size` bytes; on failure frees the cache and retries once.
@@ -795,32 +885,11 @@ impl<D: Device> Inner<D> {
     /// Frees every free block; the first error is returned, the failed block stays cached.
     fn release_free(&self, st: &mut State) -> Result<(), DeviceError> {
         let mut first_err = None;
-        let classes: Vec<u64> = st.free.keys().copied().collect();
-        for size in classes {
-            let blocks = st.free.remove(&size).unwrap_or_default();
-            let mut kept = Vec::new();
+        for (size, blocks) in std::mem::take(&mut st.free) {
             for ptr in blocks {
-                let start = std::time::Instant::now();
-                // SAFETY: a free block belongs to no buffer (no slice into it exists) and every
-                // use recorded on it completed (it left `pending` only then); it came from this
-                // device's `host_alloc` and leaves the allocator's tables just below.
-                match unsafe { self.device.host_free(ptr) } {
-                    Ok(()) => {
-                        st.stats.host_free_time.record(micros(start));
-                        st.blocks.remove(&ptr.addr());
-                        st.stats.cached_bytes -= size;
-                        st.stats.num_host_free += 1;
-                        st.stats.segment.decrease(1);
-                        st.stats.reserved_bytes.decrease(size);
-                    }
-                    Err(e) => {
-                        first_err.get_or_insert(e);
-                        kept.push(ptr);
-                    }
+                if let Err(e) = self.release_block(st, ptr, size) {
+                    first_err.get_or_insert(e);
                 }
-            }
-            if !kept.is_empty() {
-                st.free.insert(size, kept);
             }
         }
         first_err.map_or(Ok(()), Err)
@@ -917,8 +986,7 @@ impl<D: Device> Inner<D> {
         if uses.is_empty() {
             s.active.decrease(1);
             s.active_bytes.decrease(size);
-            s.cached_bytes += size;
-            st.free.entry(size).or_default().push(ptr);
+            self.cache_or_free(st, ptr, size);
         } else {
             s.pending_bytes += size;
             st.pending.push_back(Pending { ptr, size, uses });
@@ -993,8 +1061,7 @@ impl<D: Device> Inner<D> {
         if waited {
             st.events.extend(p.uses.iter().filter_map(|u| u.event));
             st.stats.pending_bytes -= p.size;
-            st.stats.cached_bytes += p.size;
-            st.free.entry(p.size).or_default().push(p.ptr);
+            self.cache_or_free(&mut st, p.ptr, p.size);
         } else if cfg!(tidepool_broken = "settle_drops_pending") {
             // BROKEN: the block leaves the pending list and is never freed.
             st.events.extend(p.uses.iter().filter_map(|u| u.event));
