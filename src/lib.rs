@@ -43,9 +43,9 @@ pub(crate) mod sync;
 mod types;
 
 pub use allocator::{
-    Action, AllocError, Allocator, BlockInfo, Buffer, Graph, HistoryContext, HistoryOptions,
-    MemPool, OomReport, PoolGuard, PoolOptions, RangeInfo, Scope, ScopedBuffer, SegmentInfo,
-    TraceEntry,
+    Action, AllocError, Allocator, Annotation, BlockInfo, Buffer, Graph, HistoryContext,
+    HistoryOptions, MemPool, OomReport, PoolGuard, PoolOptions, RangeInfo, Scope, ScopedBuffer,
+    SegmentInfo, TraceEntry,
 };
 pub use config::{
     Config, ConfigError, CrossStream, ENV_VAR, HostConfig, KEYS as CONFIG_KEYS, NO_CACHING_ENV_VAR,

@@ -137,7 +137,8 @@ fn an_out_of_memory_error_is_recorded_with_the_request() {
 const CHECK_PY: &str = r#"
 import pickle, sys
 d = pickle.load(open(sys.argv[1], 'rb'))
-assert set(d) == {'segments', 'device_traces', 'allocator_settings'}, d.keys()
+assert set(d) == {'segments', 'device_traces', 'allocator_settings', 'external_annotations'}, d.keys()
+assert isinstance(d['external_annotations'], list)
 for s in d['segments']:
     for k, t in [('device', int), ('address', int), ('total_size', int), ('allocated_size', int),
                  ('active_size', int), ('requested_size', int), ('stream', int),
@@ -152,6 +153,7 @@ assert isinstance(d['device_traces'], list) and len(d['device_traces']) == 1
 for e in d['device_traces'][0]:
     for k, t in [('action', str), ('addr', int), ('size', int), ('stream', int), ('time_us', int), ('frames', list)]:
         assert isinstance(e[k], t), (k, e)
+    assert e['pool_id'] == (0, 0), e
     for f in e['frames']:
         assert isinstance(f['filename'], str) and isinstance(f['line'], int) and isinstance(f['name'], str)
 assert isinstance(d['allocator_settings'], dict)
@@ -450,4 +452,62 @@ fn the_history_is_the_familys_each_entry_with_its_pool() {
     drop((graph, general));
     alloc.check_invariants().unwrap();
     before.check_invariants().unwrap();
+}
+
+/// Range marks (PyTorch's `external_annotations`): `record_annotation` and every named scope's
+/// open and close while recording, in order on the entries' clock, bounded as the entries are,
+/// none while not recording; the dump writes them as PyTorch does (`stage`, `name`, `device`,
+/// `time_us`).
+#[test]
+fn named_scopes_and_annotations_mark_ranges_of_the_history() {
+    use serde_pickle::{HashableValue as H, Value as V};
+    let (_dev, alloc) = setup();
+    alloc.record_annotation("unrecorded", true);
+    drop(alloc.named_scope("unrecorded", StreamId::DEFAULT));
+    assert!(alloc.annotations().is_empty());
+    alloc.record_history(HistoryOptions::new(100));
+    alloc.record_annotation("step", true);
+    {
+        let fwd = alloc.named_scope("fwd", StreamId::DEFAULT);
+        drop(fwd.alloc(4096).unwrap());
+        drop(alloc.scope(StreamId::DEFAULT)); // anonymous: no mark
+    }
+    alloc.record_annotation("step", false);
+    let marks: Vec<(String, bool)> =
+        alloc.annotations().iter().map(|a| (a.name.to_string(), a.start)).collect();
+    let want = [("step", true), ("fwd", true), ("fwd", false), ("step", false)];
+    assert_eq!(marks, want.map(|(n, s)| (n.to_string(), s)));
+    let times: Vec<u64> = alloc.annotations().iter().map(|a| a.time_us).collect();
+    assert!(times.windows(2).all(|w| w[0] <= w[1]), "{times:?}");
+    let entries = alloc.history();
+    let (first, last) = (entries.first().unwrap().time_us, entries.last().unwrap().time_us);
+    assert!(times[1] <= first && last <= times[2], "the run's entries inside its range");
+    // The dump.
+    let v =
+        serde_pickle::value_from_slice(&alloc.snapshot_pickle(), serde_pickle::DeOptions::new())
+            .unwrap();
+    let V::Dict(top) = v else { panic!() };
+    let Some(V::List(list)) = top.get(&H::String("external_annotations".into())) else { panic!() };
+    let dumped: Vec<(String, String)> = list
+        .iter()
+        .map(|a| {
+            let V::Dict(d) = a else { panic!("{a:?}") };
+            let text = |k: &str| match d.get(&H::String(k.into())) {
+                Some(V::String(s)) => s.clone(),
+                other => panic!("{k}: {other:?}"),
+            };
+            assert_eq!(d.get(&H::String("device".into())), Some(&V::I64(0)));
+            (text("stage"), text("name"))
+        })
+        .collect();
+    let want: Vec<(String, String)> =
+        [("START", "step"), ("START", "fwd"), ("END", "fwd"), ("END", "step")]
+            .map(|(s, n)| (s.to_string(), n.to_string()))
+            .into();
+    assert_eq!(dumped, want);
+    // Bounded as the entries; forgotten when recording stops.
+    alloc.record_history(HistoryOptions::new(3));
+    assert_eq!(alloc.annotations().len(), 3);
+    alloc.record_history(HistoryOptions::new(0));
+    assert!(alloc.annotations().is_empty());
 }

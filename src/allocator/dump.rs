@@ -13,7 +13,8 @@
 //!                                            frames: [ its allocation's, where kept ] } ] } ],
 //!    'device_traces': [ [ { action, addr (an oom's: device_free), size, stream, time_us,
 //!                           frames: [...], user_metadata, pool_id: (0, pool id) } ] ],
-//!    'allocator_settings': { key: value } }
+//!    'allocator_settings': { key: value },
+//!    'external_annotations': [ { stage: 'START'|'END', name, device, time_us } ] }
 //! ```
 
 use super::history::TraceEntry;
@@ -38,11 +39,13 @@ impl<D: Device> Allocator<D> {
             segments.extend(segments_of(sh, *id));
         }
         let entries: Vec<TraceEntry> = self.history();
+        let marks: Vec<Py> = self.annotations().iter().map(annotation).collect();
         let config = self.config();
         let value = Py::dict([
             ("segments", Py::List(segments)),
             ("device_traces", Py::List(vec![Py::List(entries.iter().map(entry).collect())])),
             ("allocator_settings", settings(&config, self.shared.device.supports_virtual_memory())),
+            ("external_annotations", Py::List(marks)),
         ]);
         to_pickle(&value)
     }
@@ -152,6 +155,16 @@ fn entry(e: &TraceEntry) -> Py {
         ("frames", Py::List(e.stack.as_deref().map(frames).unwrap_or_default())),
         ("user_metadata", Py::str(&*e.user_metadata)),
         ("pool_id", Py::Tuple(vec![Py::int(0), Py::int(e.pool_id)])),
+    ])
+}
+
+/// One range mark, as PyTorch writes `external_annotations` entries.
+fn annotation(a: &super::Annotation) -> Py {
+    Py::dict([
+        ("stage", Py::str(if a.start { "START" } else { "END" })),
+        ("name", Py::str(&*a.name)),
+        ("device", Py::int(0)),
+        ("time_us", Py::int(a.time_us)),
     ])
 }
 

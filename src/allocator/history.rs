@@ -14,8 +14,10 @@
 //!   slow path, under the allocator's lock: tap ─▶ ring lock (a leaf) ─▶ push(entry)
 //!        ─▶ [oldest … newest]  (full: the oldest is dropped; skip_actions: not kept)
 //!   context State+: an allocation's stack kept by block address until its free completes
+//!   record_annotation / a named scope's open and close ─▶ [START name, …, END name]
+//!                      (as many as entries are kept, the oldest dropped first)
 //!   dump_snapshot() ─▶ device_traces[0] = entries, oldest first; blocks' frames = their stacks
-//!                      (stacks resolved only here)
+//!                      (stacks resolved only here); external_annotations = the marks
 //! ```
 //!
 //! Off by default and free when off: recording routes every operation through the slow path (the
@@ -190,6 +192,21 @@ pub struct TraceEntry {
     pub pool_id: u64,
 }
 
+/// One end of a named range of the program in the memory history (PyTorch's
+/// `external_annotations` entries, which `torch.profiler.record_function` ranges make):
+/// [`crate::Allocator::record_annotation`], and every named scope's open and close while
+/// recording. `tidepool replay` reads the outermost ranges of a dump as scopes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Annotation {
+    /// The range's name.
+    pub name: std::sync::Arc<str>,
+    /// Its start (`START`) or its end (`END`).
+    pub start: bool,
+    /// Microseconds since recording started (the entries' clock).
+    pub time_us: u64,
+}
+
 /// The ring of a family, shared by its allocators' taps.
 pub(crate) type Ring = Arc<Mutex<History>>;
 
@@ -234,6 +251,8 @@ pub(crate) struct History {
     block_stacks: HashMap<u64, std::sync::Arc<Backtrace>>,
     /// Stamped on every entry ([`crate::Allocator::set_memory_metadata`]).
     user_metadata: std::sync::Arc<str>,
+    /// Range marks, oldest first, as many as entries are kept.
+    annotations: VecDeque<Annotation>,
 }
 
 impl History {
@@ -244,7 +263,24 @@ impl History {
             opts,
             block_stacks: HashMap::new(),
             user_metadata,
+            annotations: VecDeque::new(),
         }
+    }
+
+    /// Marks the start or the end of the range `name`, dropping the oldest mark when full.
+    pub fn annotate(&mut self, name: std::sync::Arc<str>, start: bool) {
+        if self.opts.max_entries == 0 {
+            return;
+        }
+        if self.annotations.len() == self.opts.max_entries {
+            self.annotations.pop_front();
+        }
+        let time_us = self.start.elapsed().as_micros() as u64;
+        self.annotations.push_back(Annotation { name, start, time_us });
+    }
+
+    pub fn annotations(&self) -> impl Iterator<Item = &Annotation> {
+        self.annotations.iter()
     }
 
     /// Sets the metadata stamped on the entries made from now on.
@@ -257,6 +293,9 @@ impl History {
     pub fn rearm(&mut self, opts: HistoryOptions) {
         while self.entries.len() > opts.max_entries {
             self.entries.pop_front();
+        }
+        while self.annotations.len() > opts.max_entries {
+            self.annotations.pop_front();
         }
         if opts.context < HistoryContext::State {
             self.block_stacks.clear();

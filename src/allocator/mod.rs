@@ -67,7 +67,7 @@ pub use buffer::Buffer;
 pub use capture::Graph;
 pub use error::{AllocError, OomReport};
 pub use expandable::RangeInfo;
-pub use history::{Action, HistoryContext, HistoryOptions, TraceEntry};
+pub use history::{Action, Annotation, HistoryContext, HistoryOptions, TraceEntry};
 pub use private_pool::{MemPool, PoolGuard, PoolOptions};
 pub use report::{BlockInfo, SegmentInfo};
 pub use scope::{Scope, ScopedBuffer};
@@ -1032,9 +1032,11 @@ impl<D: Device> Allocator<D> {
     /// ring, each entry tagged with its [`TraceEntry::pool_id`].
     ///
     /// While recording, every allocation and free takes the slow path (the stream caches are
-    /// bypassed), so the entries are complete and in order; buffers served from a learned scope
-    /// plan are not recorded one by one (the plan's region shows as one block). Off (the
-    /// default), recording costs the hot path one relaxed load.
+    /// bypassed), so the entries are complete and in order; scopes opened while recording
+    /// neither follow nor learn plans and keep no local cache, so their allocations and frees
+    /// are recorded too, and a named scope's run is a range of the history
+    /// ([`Allocator::annotations`]). Off (the default), recording costs the hot path one
+    /// relaxed load.
     pub fn record_history(&self, options: HistoryOptions) {
         let family = &self.shared.family;
         // The family's slot is held throughout, so that a pool made meanwhile (`new_pool`,
@@ -1083,6 +1085,35 @@ impl<D: Device> Allocator<D> {
         if let Some(ring) = &slot.ring {
             lock(ring).set_user_metadata(slot.user_metadata.clone());
         }
+    }
+
+    /// Marks the start (`start`) or the end of a named range of the program in the memory
+    /// history, as PyTorch's `torch.profiler.record_function` ranges are marked in its
+    /// snapshot's `external_annotations`; [`Allocator::dump_snapshot`] writes them there, and
+    /// `tidepool replay` reads the outermost ranges as scopes. Named scopes mark their runs
+    /// themselves. Nothing while not recording.
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use tidepool::{Allocator, Config, HistoryOptions, SimDevice, StreamId};
+    /// let alloc = Allocator::new(Arc::new(SimDevice::new(1 << 30)), Config::default()).unwrap();
+    /// alloc.record_history(HistoryOptions::new(100));
+    /// alloc.record_annotation("forward", true);
+    /// let x = alloc.alloc(4096, StreamId::DEFAULT).unwrap();
+    /// alloc.record_annotation("forward", false);
+    /// let marks = alloc.annotations();
+    /// assert_eq!((&*marks[0].name, marks[0].start, marks[1].start), ("forward", true, false));
+    /// # drop(x);
+    /// ```
+    pub fn record_annotation(&self, name: &str, start: bool) {
+        self.shared.annotate(std::sync::Arc::from(name), start);
+    }
+
+    /// The range marks of the memory history, oldest first (empty when not recording): those
+    /// of [`Allocator::record_annotation`] and of named scopes.
+    pub fn annotations(&self) -> Vec<Annotation> {
+        let ring = self.shared.history_ring();
+        ring.map(|r| lock(&r).annotations().cloned().collect()).unwrap_or_default()
     }
 
     /// The recorded memory history, oldest entry first (empty when not recording): the

@@ -335,6 +335,12 @@ pub struct Scope<'a, D: Device> {
     fast_ok: bool,
     stream: StreamId,
     name: Option<std::sync::Arc<str>>,
+    /// The name this run marked the start of in the memory history (recorded when it opened):
+    /// its end is marked when it closes.
+    annotation: Option<std::sync::Arc<str>>,
+    /// Whether the run keeps freed pool blocks for its own reuse (caching on, and the history
+    /// not recorded when it opened).
+    local: bool,
     /// The configuration as of opening: every request of the run is rounded the same way.
     config: Arc<Config>,
     /// Whether the device had the stream when the scope opened (if not, every allocation is
@@ -532,9 +538,23 @@ impl<D: Device> Allocator<D> {
 impl<'a, D: Device> Scope<'a, D> {
     fn open(alloc: &'a Allocator<D>, stream: StreamId, name: Option<&str>) -> Scope<'a, D> {
         let config = alloc.shared.config.load_full();
+        // While the history is recorded, a named run is a range of it (`record_annotation`).
+        let recording = alloc.shared.recording.load(Ordering::Relaxed);
+        let annotation = match name {
+            Some(n) if recording => {
+                let n: std::sync::Arc<str> = std::sync::Arc::from(n);
+                alloc.shared.annotate(n.clone(), true).then_some(n)
+            }
+            _ => None,
+        };
         // With caching off (`caching:false`) a scope neither learns plans nor reuses blocks
-        // locally: every allocation and free reaches the device.
-        let (name, plan, region) = match name.filter(|_| config.caching) {
+        // locally: every allocation and free reaches the device. Nor while the history is
+        // recorded: every allocation and free then goes through the allocator, which records
+        // it (a plan's slices and the local cache's reuses would not be, and a learned run's
+        // adopted segments would show as segments freed and reserved).
+        // BROKEN (`scopes_unrecorded`): plans and the local cache while recording.
+        let local = config.caching && (!recording || cfg!(tidepool_broken = "scopes_unrecorded"));
+        let (name, plan, region) = match name.filter(|_| local) {
             Some(n) => {
                 let (name, plan, region) = alloc.shared.plan_for(n, stream);
                 (Some(name), plan, region)
@@ -576,6 +596,8 @@ impl<'a, D: Device> Scope<'a, D> {
             fast_ok,
             stream,
             name,
+            annotation,
+            local,
             config,
             stream_ok,
             cursor: Cursor {
@@ -1148,7 +1170,7 @@ impl<'a, D: Device> Scope<'a, D> {
         if ours
             && !captured
             && !buf.used_elsewhere()
-            && self.config.caching
+            && self.local
             && let Some(block) = buf.block()
         {
             self.device.note_reclaim(buf.ptr, buf.size, self.stream);
@@ -1397,6 +1419,9 @@ impl<D: Device> Drop for Scope<'_, D> {
         drop(st);
         for r in region.into_iter().chain(adopted_release) {
             sh.release_region(r);
+        }
+        if let Some(name) = self.annotation.take() {
+            sh.annotate(name, false);
         }
     }
 }

@@ -250,6 +250,14 @@ impl<D: Device> Shared<D> {
         st.history = ring.map(|r| Tap::new(r, self.role.id));
     }
 
+    /// Marks a range's start or end in the history, if it is recorded (`history.rs`); whether
+    /// it was. Not under the allocator's lock: the ring's lock alone.
+    pub(super) fn annotate(&self, name: std::sync::Arc<str>, start: bool) -> bool {
+        let Some(ring) = self.history_ring() else { return false };
+        lock(&ring).annotate(name, start);
+        true
+    }
+
     /// The family's history ring, while this allocator records into it.
     pub(super) fn history_ring(&self) -> Option<Ring> {
         self.lock_state().history.as_ref().map(|t| t.ring().clone())
