@@ -149,9 +149,9 @@ pub struct Config {
 
 /// The pinned host allocator's rules ([`HostAllocator::with_config`](crate::HostAllocator::with_config)),
 /// PyTorch's `pinned_max_round_threshold_mb` and `pinned_max_cached_size_mb`: a request of at
-/// most both thresholds gets the next power of two (at least
-/// [`MIN_HOST_BLOCK`](crate::MIN_HOST_BLOCK)) as its block, a larger one a block of its own
-/// size (what rounding would waste on a large staging buffer: up to half); a freed block larger
+/// most `max_round_threshold` whose class is at most `max_cached_size` gets the next power of
+/// two (at least [`MIN_HOST_BLOCK`](crate::MIN_HOST_BLOCK)) as its block, another one a block of
+/// its own size (what rounding would waste on a large staging buffer: up to half); a freed block larger
 /// than `max_cached_size` goes back to the device once its copies completed instead of into
 /// the cache.
 ///
@@ -198,9 +198,16 @@ impl HostConfig {
         self
     }
 
-    /// Whether a request of `bytes` is rounded to its power-of-two size class.
+    /// Whether a request of `bytes` is rounded to its power-of-two size class: at most
+    /// `max_round_threshold`, and its class at most `max_cached_size`. (PyTorch compares the
+    /// request with both, so a request whose class passes the cached size is rounded and then
+    /// freed at every drop; here it gets a block of its own size, which is cached.)
     pub fn rounds(&self, bytes: u64) -> bool {
-        bytes <= self.max_round_threshold && bytes <= self.max_cached_size
+        let class = bytes.checked_next_power_of_two().unwrap_or(u64::MAX);
+        let class = class.max(crate::types::MIN_HOST_BLOCK);
+        // BROKEN (`round_past_cached`): the request compared, as PyTorch does.
+        let past = if cfg!(tidepool_broken = "round_past_cached") { bytes } else { class };
+        bytes <= self.max_round_threshold && past <= self.max_cached_size
     }
 
     /// Whether a freed block of `size` bytes is cached (else freed once its copies completed).
@@ -944,6 +951,9 @@ mod tests {
         let p = c.unwrap().pinned;
         assert_eq!((p.max_round_threshold, p.max_cached_size), (64 * MIB, 128 * MIB));
         assert!(p.rounds(64 * MIB) && !p.rounds(64 * MIB + 1));
+        // A class past the cached size is not rounded (it would never be cached).
+        let c = Config::parse("pinned_max_cached_size_mb:3").unwrap().pinned;
+        assert!(c.rounds(2 * MIB) && !c.rounds(2 * MIB + 1) && c.caches(3 * MIB));
         assert!(p.caches(128 * MIB) && !p.caches(128 * MIB + 1));
         // 0 is PyTorch's "never": nothing rounded, nothing cached.
         let z = Config::parse("pinned_max_cached_size_mb:0").unwrap().pinned;

@@ -123,10 +123,21 @@ fn the_ring_keeps_the_newest_entries_and_stops_when_asked() {
 fn an_out_of_memory_error_is_recorded_with_the_request() {
     let (_dev, alloc) = setup();
     alloc.record_history(HistoryOptions::new(10).with_stacks(true));
-    assert!(alloc.alloc(1 << 40, StreamId::DEFAULT).is_err());
+    let Err(tidepool::AllocError::OutOfMemory(report)) = alloc.alloc(1 << 40, StreamId::DEFAULT)
+    else {
+        panic!("more than the device")
+    };
     let h = alloc.history();
     assert_eq!(h.len(), 1);
-    assert_eq!((h[0].action, h[0].addr, h[0].size), (Action::Oom, DeviceAddr::NULL, 1 << 40));
+    // PyTorch's `oom` entry holds the device's free bytes where others hold an address.
+    assert_eq!(report.device_free, 64 * MIB);
+    assert_eq!((h[0].action, h[0].addr, h[0].size), (Action::Oom, DeviceAddr(64 * MIB), 1 << 40));
+    let pickle = alloc.snapshot_pickle();
+    assert_eq!(pool_ids_in_dump(&pickle), vec![("oom".to_string(), 0)]); // `device_free`, no `addr`
+    let v = serde_pickle::value_from_slice(&pickle, serde_pickle::DeOptions::new()).unwrap();
+    let text = format!("{v:?}");
+    let want = format!("String(\"device_free\"): I64({})", 64 * MIB);
+    assert!(text.contains(&want), "{want} not in the dump");
     assert!(h[0].stack.is_some(), "stacks were asked for");
     // The allocator works on.
     drop(alloc.alloc(4096, StreamId::DEFAULT).unwrap());

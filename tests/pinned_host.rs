@@ -1079,3 +1079,43 @@ fn freed_blocks_above_the_cached_size_go_back_to_the_device() {
     assert!(dev.violations().is_empty(), "{:?}", dev.violations());
     drop(gpu);
 }
+
+/// A buffer whose copy completed, dropped after the allocator's last handle went: its block
+/// is waited for (`settle`) and freed, and is no longer active — the recount agrees (found in
+/// review: the figures kept it active; the broken build `settle_keeps_active` still does).
+#[test]
+fn a_block_settled_after_the_allocator_closed_is_no_longer_active() {
+    let (dev, alloc, pinned) = setup();
+    let gpu = alloc.alloc(4096, S).unwrap();
+    let (mut a, b) = (pinned.alloc(4096).unwrap(), pinned.alloc(4096).unwrap());
+    a.upload(&gpu).unwrap();
+    dev.synchronize().unwrap();
+    drop(pinned);
+    drop(a);
+    let handle = b.allocator().clone();
+    let s = handle.stats();
+    assert_eq!((s.active.current, s.active_bytes.current), (1, 4096));
+    handle.check_invariants().unwrap();
+    drop((b, handle, gpu));
+    assert!(dev.violations().is_empty());
+}
+
+/// With a cached size that is no power of two, a request whose class would pass it gets a
+/// block of its own size, which is cached and reused (found in review: it was rounded past
+/// the cached size, so every drop freed it and every allocation made it again).
+#[test]
+fn a_class_past_the_cached_size_is_not_rounded_so_its_block_is_cached() {
+    let dev = Arc::new(SimDevice::backed(64 * MIB));
+    let conf = Config::parse("pinned_max_cached_size_mb:3").unwrap();
+    let pinned = HostAllocator::with_config(dev.clone(), conf.pinned);
+    for _ in 0..3 {
+        let b = pinned.alloc(5 * MIB / 2).unwrap();
+        assert_eq!(b.block_size(), 5 * MIB / 2);
+    }
+    let two = pinned.alloc(2 * MIB).unwrap(); // its class is within: rounded as ever
+    assert_eq!(two.block_size(), 2 * MIB);
+    drop(two);
+    let s = pinned.stats();
+    assert_eq!((s.num_host_alloc, s.num_host_free, s.cached_bytes), (2, 0, 9 * MIB / 2));
+    pinned.check_invariants().unwrap();
+}

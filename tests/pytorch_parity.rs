@@ -2239,3 +2239,30 @@ fn throw_on_cudamalloc_oom_refuses_past_the_cap_and_keeps_the_cache() {
         alloc.check_invariants().unwrap();
     }
 }
+
+/// `throw_on_cudamalloc_oom` refuses only memory to be created: an expandable growth that
+/// another stream's cached chunks serve whole creates none and is served (found in review:
+/// it was refused, the 48 MiB reserved plus the 32 MiB growth weighed against the device's
+/// 64 MiB before the chunks were taken), with the flag on as with it off.
+#[test]
+fn throw_on_cudamalloc_oom_serves_a_growth_other_streams_cached_chunks_cover() {
+    for on in [false, true] {
+        let dev = Arc::new(SimDevice::new(64 * MIB));
+        dev.set_virtual_memory(true);
+        let conf = format!("expandable_segments:true,throw_on_cudamalloc_oom:{on}");
+        let alloc = Allocator::new(dev.clone(), Config::parse(&conf).unwrap()).unwrap();
+        let s1 = dev.create_stream().unwrap();
+        drop(alloc.alloc(48 * MIB, S0).unwrap());
+        let before = alloc.stats();
+        let b = alloc.alloc(32 * MIB, s1).unwrap();
+        let s = alloc.stats();
+        assert_eq!((s.num_oom_rejections, s.num_ooms), (0, 0), "on={on}");
+        assert_eq!(s.num_physical_create, before.num_physical_create, "no new memory: on={on}");
+        assert_eq!(s.blocks.reserved_bytes.all.current, 48 * MIB, "on={on}");
+        // Past the device: refused (on) or out of memory after the ladder (off).
+        let Err(AllocError::OutOfMemory(r)) = alloc.alloc(40 * MIB, s1) else { panic!() };
+        assert_eq!(r.rejected, on);
+        drop(b);
+        alloc.check_invariants().unwrap();
+    }
+}

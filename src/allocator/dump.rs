@@ -226,6 +226,7 @@ fn settings(c: &Config, virtual_memory: bool) -> Py {
         ("biased_lanes", Py::Bool(c.biased_lanes)),
         ("expandable_segments", Py::Bool(c.expandable_segments && virtual_memory)),
         ("graph_capture_record_stream_reuse", Py::Bool(c.graph_capture_record_stream_reuse)),
+        ("throw_on_cudamalloc_oom", Py::Bool(c.throw_on_oom)),
     ];
     v.push(("memory_limit", c.memory_limit.map_or(Py::None, Py::int)));
     v.push(("per_process_memory_fraction", c.memory_fraction.map_or(Py::None, Py::Float)));

@@ -646,15 +646,14 @@ impl<D: Device> Shared<D> {
                         st.counters.retries += 1;
                     }
                     st.counters.ooms += 1;
-                    st.note(Action::Oom, DeviceAddr::NULL, bytes, key.stream);
                     let page = st.vm.page;
                     let placed = st.vm.by_key.get(&key).and_then(|b| {
                         place(&st.pool, &st.vm.ranges[b], need, page).map(|p| p.pages * page)
                     });
                     let grow = placed.unwrap_or_else(|| need.div_ceil(page) * page);
-                    return Err(AllocError::OutOfMemory(Box::new(
-                        self.oom_report(st, config, key, bytes, rounded, grow),
-                    )));
+                    let report = self.oom_report(st, config, key, bytes, rounded, grow);
+                    st.note(Action::Oom, DeviceAddr(report.device_free), bytes, key.stream);
+                    return Err(AllocError::OutOfMemory(Box::new(report)));
                 }
                 Err(e) => return Err(e),
             }
@@ -787,11 +786,19 @@ impl<D: Device> Shared<D> {
         let page = st.vm.page;
         let base = st.vm.by_key[&key];
         let Place { lo, pages } = place;
-        if self.rejects(st, config, pages * page) {
-            return Err(super::oom::rejected());
-        }
-        if !self.within_limit(st, config, pages * page) {
+        // With `throw_on_cudamalloc_oom` the caps are checked below, against the pages this
+        // growth must create once other streams' cached chunks are taken: a growth those
+        // chunks serve creates no memory and is never refused.
+        let throw = config.throw_on_oom;
+        if !throw && !self.within_limit(st, config, pages * page) {
             return Err(oom());
+        }
+        // BROKEN (`reject_before_taking`): the whole growth weighed, chunks to take included.
+        if throw
+            && cfg!(tidepool_broken = "reject_before_taking")
+            && self.rejects(st, config, pages * page)
+        {
+            return Err(super::oom::rejected());
         }
         // Whole chunks other streams cached, then new chunks for the rest (one `cuMemCreate`
         // and one `cuMemMap` per chunk, not per page). A moved chunk may bring more pages than
@@ -814,6 +821,22 @@ impl<D: Device> Shared<D> {
         self.take_pages(st, config, key, pages, room, chunks)?;
         let mut have: u64 = chunks.iter().map(|c| c.1).sum();
         let pages = pages.max(have);
+        let create = (pages - have) * page;
+        if throw && create > 0 {
+            let refused = if self.rejects(st, config, create) {
+                Some(super::oom::rejected())
+            } else if !self.within_limit(st, config, create) {
+                Some(oom())
+            } else {
+                None
+            };
+            if let Some(e) = refused {
+                // As a refused creation: the chunks taken go back to the device.
+                self.settle_taken(st, retiring_before);
+                self.drop_handles(st, chunks);
+                return Err(e);
+            }
+        }
         while have < pages {
             let most = if config.stitching { STITCH_CHUNK_PAGES } else { MAX_CHUNK_PAGES };
             let n = (pages - have).min(most);

@@ -208,10 +208,10 @@ impl<D: Device> Shared<D> {
                         st.counters.retries += 1;
                     }
                     st.counters.ooms += 1;
-                    st.note(Action::Oom, DeviceAddr::NULL, bytes, key.stream);
-                    return Err(AllocError::OutOfMemory(Box::new(
-                        self.oom_report(st, config, key, bytes, rounded, seg_size),
-                    )));
+                    let report = self.oom_report(st, config, key, bytes, rounded, seg_size);
+                    // PyTorch's `oom` entry: the device's free bytes in place of an address.
+                    st.note(Action::Oom, DeviceAddr(report.device_free), bytes, key.stream);
+                    return Err(AllocError::OutOfMemory(Box::new(report)));
                 }
                 Err(e) => return Err(e),
             }

@@ -76,8 +76,7 @@ use crate::types::{Bytes, DurationStat, MAX_REQUEST, Stat};
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::fmt;
 
-/// The smallest size class of [`HostAllocator`] (smaller requests round up to it).
-pub const MIN_HOST_BLOCK: u64 = 512;
+pub use crate::types::MIN_HOST_BLOCK;
 
 /// Why a pinned host allocation or copy failed. The allocator stays usable after any of them.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -1061,6 +1060,12 @@ impl<D: Device> Inner<D> {
         if waited {
             st.events.extend(p.uses.iter().filter_map(|u| u.event));
             st.stats.pending_bytes -= p.size;
+            // No longer active, as `process_events` has it. (BROKEN `settle_keeps_active`:
+            // counted active for good.)
+            if !cfg!(tidepool_broken = "settle_keeps_active") {
+                st.stats.active.decrease(1);
+                st.stats.active_bytes.decrease(p.size);
+            }
             self.cache_or_free(&mut st, p.ptr, p.size);
         } else if cfg!(tidepool_broken = "settle_drops_pending") {
             // BROKEN: the block leaves the pending list and is never freed.

@@ -20,6 +20,9 @@ pub const MIB: u64 = 1 << 20;
 pub const GIB: u64 = 1 << 30;
 /// The largest request tidepool accepts at all (256 TiB); larger ones are an error, not an OOM.
 pub const MAX_REQUEST: u64 = 1 << 48;
+/// The smallest size class of [`HostAllocator`](crate::HostAllocator) (smaller requests round
+/// up to it).
+pub const MIN_HOST_BLOCK: u64 = 512;
 
 /// A device address. `DeviceAddr::NULL` is what a zero-byte buffer points to.
 #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
