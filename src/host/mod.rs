@@ -354,6 +354,9 @@ struct State {
     /// No handle is left (only buffers hold the allocator): a freed block goes back to the
     /// device once its copies completed, instead of into the cache (see [`Inner::close`]).
     closed: bool,
+    /// Blocks above the cached size were cached because a capture forbade their free: the
+    /// next poll outside a capture frees them.
+    over_cached: bool,
 }
 
 pub(crate) struct Inner<D: Device> {
@@ -493,6 +496,7 @@ impl<D: Device> HostAllocator<D> {
                     synced: 0,
                     stats: HostStats::default(),
                     closed: false,
+                    over_cached: false,
                 }),
                 handles: crate::sync::atomic::AtomicUsize::new(1),
                 #[cfg(feature = "test-hooks")]
@@ -786,7 +790,29 @@ impl<D: Device> Inner<D> {
             st.stats.active_bytes.decrease(p.size);
             self.cache_or_free(st, p.ptr, p.size);
         }
+        if st.over_cached && !cfg!(tidepool_broken = "over_cached_kept") {
+            // (Not during a capture: returned above, or nothing was pending.)
+            self.free_over_cached(st);
+        }
         Ok(())
+    }
+
+    /// Frees the cached blocks above the cached size, kept while a capture forbade their
+    /// free; once no capture is underway.
+    #[cold]
+    fn free_over_cached(&self, st: &mut State) {
+        if self.capture_forbids_waits_and_frees() {
+            return;
+        }
+        st.over_cached = false;
+        let above = self.config.max_cached_size.saturating_add(1);
+        let sizes: Vec<u64> = st.free.range(above..).map(|(&s, _)| s).collect();
+        for size in sizes {
+            for ptr in st.free.remove(&size).unwrap_or_default() {
+                // A refused free leaves the block cached; `empty_cache` tries again.
+                let _ = self.release_block(st, ptr, size);
+            }
+        }
     }
 
     /// A block no buffer holds and no copy uses any more: into the free lists, or, above the
@@ -795,10 +821,9 @@ impl<D: Device> Inner<D> {
     fn cache_or_free(&self, st: &mut State, ptr: HostPtr, size: u64) {
         st.stats.cached_bytes += size;
         // BROKEN (`pinned_cache_unbounded`): every block is cached, whatever its size.
-        if self.config.caches(size)
-            || cfg!(tidepool_broken = "pinned_cache_unbounded")
-            || self.capture_forbids_waits_and_frees()
-        {
+        let fits = self.config.caches(size) || cfg!(tidepool_broken = "pinned_cache_unbounded");
+        if fits || self.capture_forbids_waits_and_frees() {
+            st.over_cached |= !fits;
             st.free.entry(size).or_default().push(ptr);
             return;
         }
