@@ -847,6 +847,13 @@ impl Config {
         self
     }
 
+    /// This configuration for a private pool of an allocator configured with it: the same,
+    /// with no initial pool (the general allocator's is the only one).
+    pub(crate) fn for_pool(mut self) -> Config {
+        self.initial_pool_size = 0;
+        self
+    }
+
     /// Whether allocations and frees may use the per-stream caches.
     pub fn fast_path(&self) -> bool {
         self.fast_cache && !self.global_lock && self.caching

@@ -522,3 +522,72 @@ fn named_scopes_and_annotations_mark_ranges_of_the_history() {
     alloc.record_history(HistoryOptions::new(0));
     assert!(alloc.annotations().is_empty());
 }
+
+/// Recording switched on, off and on again (cleared), with metadata and dumps, while one thread
+/// makes pools and allocates in them and another allocates in the general allocator: no
+/// deadlock (the family's slot, the allocators' locks and the ring's are taken in one order),
+/// every entry names a pool that exists, the invariants hold, and once the threads are done
+/// the family records exactly what follows.
+#[test]
+fn recording_switched_while_threads_allocate_in_pools() {
+    use std::sync::{Barrier, Mutex};
+    let dev = Arc::new(SimDevice::new(1 << 30));
+    let alloc = Allocator::new(dev.clone(), Config::default()).unwrap();
+    let (s1, s2) = (dev.create_stream().unwrap(), dev.create_stream().unwrap());
+    let ids = Mutex::new(vec![0u64]);
+    let pools = Mutex::new(Vec::new());
+    let start = Barrier::new(3);
+    std::thread::scope(|t| {
+        t.spawn(|| {
+            start.wait();
+            for i in 0..300u64 {
+                let opts = HistoryOptions::new(if i % 3 == 2 { 0 } else { 64 });
+                alloc.record_history(opts.with_clear_history(i % 5 == 0));
+                alloc.set_memory_metadata(&format!("round {i}"));
+                if i % 7 == 0 {
+                    assert!(alloc.snapshot_pickle().len() > 2);
+                }
+                for e in alloc.history() {
+                    assert!(ids.lock().unwrap().contains(&e.pool_id), "{e:?}");
+                }
+            }
+        });
+        t.spawn(|| {
+            start.wait();
+            for i in 0..300u64 {
+                let pool = alloc.new_pool(tidepool::PoolOptions::default()).unwrap();
+                ids.lock().unwrap().push(pool.id());
+                let guard = alloc.use_pool(&pool, s1).unwrap();
+                drop(alloc.alloc(1000 + i, s1).unwrap());
+                let kept = alloc.alloc(3 * MIB, s1).unwrap();
+                drop(guard);
+                let mut held = pools.lock().unwrap();
+                held.push((pool, kept));
+                if held.len() > 8 {
+                    drop(held.remove(0)); // a pool and its buffer go
+                }
+            }
+        });
+        t.spawn(|| {
+            start.wait();
+            for i in 0..600u64 {
+                drop(alloc.alloc(512 + i, s2).unwrap());
+            }
+        });
+    });
+    alloc.check_invariants().unwrap();
+    let (pool, _kept) = pools.lock().unwrap().pop().unwrap();
+    alloc.record_history(HistoryOptions::new(64).with_clear_history(true));
+    let guard = alloc.use_pool(&pool, s1).unwrap();
+    drop(alloc.alloc(1000, s1).unwrap());
+    drop(guard);
+    drop(alloc.alloc(1000, s2).unwrap());
+    use Action::*;
+    let got: Vec<(Action, u64)> = alloc.history().iter().map(|e| (e.action, e.pool_id)).collect();
+    let (p, g) = (pool.id(), 0);
+    let want = [Alloc, FreeRequested, FreeCompleted];
+    let want: Vec<(Action, u64)> =
+        want.iter().map(|&a| (a, p)).chain(want.iter().map(|&a| (a, g))).collect();
+    assert_eq!(got, want);
+    pool.check_invariants().unwrap();
+}

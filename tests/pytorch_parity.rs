@@ -2266,3 +2266,30 @@ fn throw_on_cudamalloc_oom_serves_a_growth_other_streams_cached_chunks_cover() {
         alloc.check_invariants().unwrap();
     }
 }
+
+/// `set_config` reaches the private pools, as PyTorch's `_set_allocator_settings` reaches every
+/// pool of the device: after `throw_on_cudamalloc_oom` and a fraction are set on the general
+/// allocator, a request routed to a pool made before is refused by the pool at once, its cache
+/// kept (the broken build `pools_keep_config` leaves the pool on its old configuration: the
+/// request climbs the ladder, which releases the pool's cache and the general allocator's).
+#[test]
+fn set_config_reaches_the_private_pools() {
+    let dev = Arc::new(SimDevice::new(80 << 30));
+    let alloc =
+        Allocator::new(dev.clone(), Config::parse("initial_pool_size_mb:4").unwrap()).unwrap();
+    let s = dev.create_stream().unwrap();
+    let pool = alloc.new_pool(PoolOptions::default()).unwrap();
+    let guard = alloc.use_pool(&pool, s).unwrap();
+    drop(alloc.alloc(10 * MIB, s).unwrap()); // cached in the pool
+    let conf = "initial_pool_size_mb:4,throw_on_cudamalloc_oom:True,\
+                per_process_memory_fraction:0.005";
+    alloc.set_config(Config::parse(conf).unwrap()).unwrap();
+    let Err(AllocError::OutOfMemory(r)) = alloc.alloc(500 * MIB, s) else { panic!() };
+    assert!(r.rejected, "{r}");
+    let (p, g) = (pool.stats(), alloc.stats());
+    assert_eq!((p.num_oom_rejections, p.num_ooms, g.num_ooms), (1, 0, 0));
+    assert_eq!(p.blocks.reserved_bytes.all.current, 10 * MIB, "the pool's cache kept");
+    drop(guard);
+    assert_eq!(alloc.config().initial_pool_size, 4 * MIB);
+    pool.check_invariants().unwrap();
+}

@@ -276,10 +276,27 @@ impl<D: Device> Allocator<D> {
 
     /// Replaces the configuration; allocations already under way finish with the old one (each
     /// allocation loads the configuration once). The stream caches are flushed and take the new
-    /// limits.
+    /// limits. As PyTorch's `_set_allocator_settings` does for every pool of the device, the
+    /// allocator's private pools ([`MemPool`], CUDA graphs' pools) take it too (with no initial
+    /// pool of their own).
     pub fn set_config(&self, config: Config) -> Result<(), crate::config::ConfigError> {
         config.validate()?;
-        let sh = &self.shared;
+        self.shared.apply_config(config.clone());
+        // After the general allocator's: a pool made meanwhile either is listed here or
+        // reads the new configuration once registered (`new_pool`).
+        if self.shared.role.id == 0 && !cfg!(tidepool_broken = "pools_keep_config") {
+            for (_, pool) in self.shared.family.live_pools() {
+                pool.apply_config(config.clone().for_pool());
+            }
+        }
+        Ok(())
+    }
+}
+
+impl<D: Device> Shared<D> {
+    /// [`Allocator::set_config`] for this allocator alone (`config` validated).
+    pub(super) fn apply_config(&self, config: Config) {
+        let sh = self;
         let mut st = sh.lock_state();
         let recording = sh.recording.load(Ordering::Relaxed);
         let limits = limits(&config, recording);
@@ -301,9 +318,10 @@ impl<D: Device> Allocator<D> {
         st.config = config.clone();
         st.config_spare = Some(config.clone());
         sh.config.store(config);
-        Ok(())
     }
+}
 
+impl<D: Device> Allocator<D> {
     /// Allocates `bytes` of transient memory on `stream`.
     ///
     /// A zero-byte request returns an empty buffer at [`DeviceAddr::NULL`] that holds no memory.

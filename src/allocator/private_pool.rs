@@ -470,8 +470,8 @@ impl<D: Device> Allocator<D> {
     pub fn new_pool(&self, options: PoolOptions) -> Result<MemPool<D>, AllocError> {
         let sh = &self.shared;
         let id = sh.family.next_id();
-        let mut config = (*self.config()).clone();
-        config.initial_pool_size = 0; // the initial pool is the general allocator's
+        let made_with = self.config();
+        let config = (*made_with).clone().for_pool();
         let alloc = Allocator::build(sh.device.arc().clone(), config, sh.family.clone(), id)?;
         // A pool has its allocator's deliberate bugs (feature `test-hooks`).
         #[cfg(feature = "test-hooks")]
@@ -485,6 +485,12 @@ impl<D: Device> Allocator<D> {
             lock(&sh.family.oom_pools).push((id, alloc.shared.clone()));
         }
         sh.family.register_pool(id, &alloc.shared);
+        // A `set_config` since the configuration was read: the pool takes the new one (one
+        // made after this registration lists the pool and gives it the same).
+        let now = self.config();
+        if !Arc::ptr_eq(&now, &made_with) {
+            alloc.shared.apply_config((*now).clone().for_pool());
+        }
         // Recording the family's history: the pool records too (under the slot, so a
         // `record_history` call meanwhile either sees the pool registered or is seen here).
         if !cfg!(tidepool_broken = "pools_unrecorded") {
