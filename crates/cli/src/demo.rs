@@ -1,10 +1,12 @@
 //! `tidepool demo`: trains the eager layer's MLP on the best device available — a GPU through
 //! `CudaBackend` when the binary is built with feature `cuda` and one is present, else a
 //! SimDevice with host kernels — and prints, per step, the loss, memory, plan hits and device
-//! calls, then the allocator's `memory_summary()`.
+//! calls, then the allocator's `memory_summary()`. With `--snapshot FILE` it records the
+//! memory history and writes it as PyTorch's snapshot pickle, which `tidepool replay FILE`
+//! replays with each training step as a scope (and PyTorch's memory viewer draws).
 //!
 //! ```text
-//! tidepool demo [--steps N] [--two-streams] [--sim]
+//! tidepool demo [--steps N] [--two-streams] [--sim] [--snapshot FILE]
 //! ```
 
 use clap::Args;
@@ -27,6 +29,10 @@ pub struct DemoArgs {
     /// Use the simulated device even where a GPU is present.
     #[arg(long)]
     pub sim: bool,
+    /// Record the memory history and write it to FILE as a snapshot pickle (for `tidepool
+    /// replay FILE` and PyTorch's memory viewer). While recording, named scopes take no plan.
+    #[arg(long, value_name = "FILE")]
+    pub snapshot: Option<std::path::PathBuf>,
 }
 
 /// Runs the demo; returns the exit code (1: runtime error).
@@ -36,7 +42,7 @@ pub fn run(args: &DemoArgs, out: &mut dyn Write, err: &mut dyn Write) -> i32 {
         two_streams: args.two_streams,
         ..TrainConfig::default()
     };
-    match best_device(&cfg, args.sim, out) {
+    match best_device(&cfg, args, out) {
         Ok(()) => 0,
         Err(msg) => {
             let _ = writeln!(err, "tidepool: {msg}");
@@ -46,10 +52,10 @@ pub fn run(args: &DemoArgs, out: &mut dyn Write, err: &mut dyn Write) -> i32 {
 }
 
 /// Runs on CUDA where possible, else on the simulated device.
-fn best_device(cfg: &TrainConfig, sim: bool, out: &mut dyn Write) -> Result<(), String> {
-    let _ = sim; // only consulted with feature `cuda`
+fn best_device(cfg: &TrainConfig, args: &DemoArgs, out: &mut dyn Write) -> Result<(), String> {
+    let snapshot = args.snapshot.as_deref();
     #[cfg(feature = "cuda")]
-    if !sim {
+    if !args.sim {
         use tidepool::CudaDevice;
         use tidepool_eager::CudaBackend;
         match CudaDevice::unavailable_reason() {
@@ -59,7 +65,7 @@ fn best_device(cfg: &TrainConfig, sim: bool, out: &mut dyn Write) -> Result<(), 
                     Ok(backend) => {
                         let eager = Eager::new(backend, tidepool::Config::default())
                             .map_err(|e| e.to_string())?;
-                        return train(&eager, cfg, out);
+                        return train(&eager, cfg, snapshot, out);
                     }
                     Err(e) => {
                         let _ = writeln!(out, "CUDA back end unavailable ({e}); using SimDevice");
@@ -72,7 +78,7 @@ fn best_device(cfg: &TrainConfig, sim: bool, out: &mut dyn Write) -> Result<(), 
         }
     }
     let eager = Eager::sim(SIM_CAPACITY).map_err(|e| e.to_string())?;
-    train(&eager, cfg, out)?;
+    train(&eager, cfg, snapshot, out)?;
     let violations = eager.device().violations();
     if !violations.is_empty() {
         return Err(format!("stream-order sanitizer: {violations:?}"));
@@ -83,8 +89,12 @@ fn best_device(cfg: &TrainConfig, sim: bool, out: &mut dyn Write) -> Result<(), 
 fn train<B: Backend>(
     eager: &Eager<B>,
     cfg: &TrainConfig,
+    snapshot: Option<&std::path::Path>,
     out: &mut dyn Write,
 ) -> Result<(), String> {
+    if snapshot.is_some() {
+        eager.allocator().record_history(tidepool::HistoryOptions::default());
+    }
     let _ = writeln!(
         out,
         "MLP {:?}, batch {}, {:?}, {}, on {}",
@@ -117,6 +127,13 @@ fn train<B: Backend>(
         );
     };
     let reports = train_mlp(eager, cfg, &mut line).map_err(|e| e.to_string())?;
+    if let Some(path) = snapshot {
+        eager
+            .allocator()
+            .dump_snapshot(path)
+            .map_err(|e| format!("cannot write {}: {e}", path.display()))?;
+        let _ = writeln!(out, "memory history written to {}", path.display());
+    }
     let _ = writeln!(out, "{}", eager.allocator().memory_summary());
     if let (Some(a), Some(b)) = (reports.first(), reports.last()) {
         let _ = writeln!(out, "loss {:.4} → {:.4} over {} steps", a.loss, b.loss, reports.len());
@@ -131,7 +148,7 @@ mod tests {
     #[test]
     fn runs_on_the_simulated_device() {
         let (mut out, mut err) = (Vec::new(), Vec::new());
-        let args = DemoArgs { steps: 3, two_streams: true, sim: true };
+        let args = DemoArgs { steps: 3, two_streams: true, sim: true, snapshot: None };
         assert_eq!(run(&args, &mut out, &mut err), 0, "{}", String::from_utf8_lossy(&err));
         let out = String::from_utf8(out).unwrap();
         assert!(out.contains("on host kernels on SimDevice"), "{out}");

@@ -3,7 +3,7 @@
 //! ```text
 //! tidepool replay TRACE [--policy NAME]... [--json] [--svg FILE] [--repeats N]
 //!                 [--config KEY:VAL,...|from-snapshot] [--device N] [--max-input-size SIZE]
-//! tidepool demo [--steps N] [--two-streams] [--sim]
+//! tidepool demo [--steps N] [--two-streams] [--sim] [--snapshot FILE]
 //! ```
 //!
 //! Exit codes: 0 success (and `--help`, `--version`), 1 runtime error (unreadable trace, failed
@@ -99,5 +99,27 @@ mod tests {
         let (code, _, err) = run_str("tidepool frobnicate");
         assert_eq!(code, USAGE_ERROR);
         assert!(err.contains("unrecognized subcommand 'frobnicate'"), "{err}");
+    }
+
+    /// `demo --snapshot FILE` writes the memory history, which `replay FILE` replays with each
+    /// training step as a scope; an unwritable file is a runtime error.
+    #[test]
+    fn the_demos_snapshot_replays_with_its_steps_as_scopes() {
+        let dir = std::env::temp_dir().join(format!("tidepool-demo-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("demo.pickle");
+        let (code, out, err) =
+            run_str(&format!("tidepool demo --steps 3 --sim --snapshot {}", file.display()));
+        assert_eq!(code, 0, "{err}");
+        assert!(out.contains("memory history written to"), "{out}");
+        let (code, out, err) = run_str(&format!("tidepool replay {} --repeats 1", file.display()));
+        assert_eq!(code, 0, "{err}");
+        assert!(out.contains("scopes: 3 from external_annotations"), "{out}");
+        let bad = dir.join("no-such-dir").join("x.pickle");
+        let (code, _, err) =
+            run_str(&format!("tidepool demo --steps 1 --sim --snapshot {}", bad.display()));
+        assert_eq!(code, 1);
+        assert!(err.contains("cannot write"), "{err}");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }
