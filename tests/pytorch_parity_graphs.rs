@@ -1,0 +1,213 @@
+//! Ports of PyTorch's `test_cuda.py` tests about graphs, pools and pinned memory across
+//! captures that the other parity files do not hold: `test_two_graphs`
+//! (`TestCachingHostAllocatorCudaGraph`), `test_mempool_ctx_multithread` (in stream form:
+//! tidepool routes per stream, PyTorch per thread), `test_graph_capture_reset_recapture`,
+//! the allocator half of `test_graph_rng_after_failed_capture`,
+//! `test_snapshot_include_traces_correctness` and `test_device_memory_used`.
+
+mod common;
+use common::{N, device_bytes, replayable_write};
+use std::sync::{Arc, Barrier};
+use tidepool::device::{Launch, SimDevice};
+use tidepool::{Allocator, Config, Device, HistoryOptions, HostAllocator, MIB, PoolOptions};
+
+fn setup() -> (Arc<SimDevice>, Allocator<SimDevice>) {
+    let dev = Arc::new(SimDevice::backed(256 * MIB));
+    let alloc = Allocator::new(dev.clone(), Config::default()).unwrap();
+    (dev, alloc)
+}
+
+/// `test_two_graphs`: two graphs captured into one shared pool, each allocating a pinned
+/// buffer; the first's is uploaded inside the capture (`use_memory`) or not, and dropped inside
+/// it (`delete_memory`) or kept. The second capture's buffer reuses the first's block exactly
+/// when the first was dropped and no captured work used it: a block a capture copies from is
+/// the graph's for good, and a live one is nobody else's.
+#[test]
+fn two_graphs_reuse_a_pinned_block_only_if_it_was_freed_unused() {
+    for (use_memory, delete_memory) in [(false, false), (false, true), (true, false), (true, true)]
+    {
+        let (dev, alloc) = setup();
+        let pinned = HostAllocator::new(dev.clone());
+        let s = dev.create_stream().unwrap();
+        let pool = alloc.new_pool(PoolOptions::default()).unwrap();
+        alloc.begin_capture(s, Some(&pool)).unwrap();
+        let mut data = pinned.alloc(32).unwrap();
+        let gpu = alloc.alloc(32, s).unwrap();
+        if use_memory {
+            data.upload(&gpu).unwrap(); // a captured copy
+        }
+        let old = data.host_ptr();
+        let kept = if delete_memory {
+            drop(data);
+            None
+        } else {
+            Some(data)
+        };
+        let graph = alloc.end_capture(s).unwrap();
+        // SAFETY: the graphs are replayed in capture order only (here: never concurrently, and
+        // no buffer of the first is read after the second ran).
+        unsafe { alloc.begin_capture_sharing(s, &pool) }.unwrap();
+        let data2 = pinned.alloc(32).unwrap();
+        let new = data2.host_ptr();
+        let graph2 = alloc.end_capture(s).unwrap();
+        let reused = old == new;
+        assert_eq!(
+            reused,
+            !use_memory && delete_memory,
+            "use {use_memory}, delete {delete_memory}"
+        );
+        assert_eq!(
+            pinned.stats().captured_bytes,
+            if use_memory && delete_memory { 512 } else { 0 },
+            "a dropped block captured work copies from is kept for good"
+        );
+        drop((kept, data2, gpu, graph, graph2));
+        pinned.check_invariants().unwrap();
+        assert!(dev.violations().is_empty(), "{:?}", dev.violations());
+    }
+}
+
+/// `test_mempool_ctx_multithread`, in stream form: while one thread routes its stream to a pool
+/// and allocates and frees 1 MiB there, another thread's 1 MiB on its own stream comes from the
+/// general allocator. Two segments in all, one per allocator; the general allocator holds the
+/// other thread's live 1 MiB, the pool nothing live.
+#[test]
+fn a_pool_routes_one_threads_stream_and_not_anothers() {
+    let (dev, alloc) = setup();
+    let (s1, s2) = (dev.create_stream().unwrap(), dev.create_stream().unwrap());
+    let pool = alloc.new_pool(PoolOptions::default()).unwrap();
+    let (routed, done) = (Barrier::new(2), Barrier::new(2));
+    let other = std::thread::scope(|t| {
+        t.spawn(|| {
+            let guard = alloc.use_pool(&pool, s1).unwrap();
+            drop(alloc.alloc(MIB, s1).unwrap());
+            routed.wait(); // the other thread allocates while the route stands
+            done.wait();
+            drop(guard);
+        });
+        let other = t.spawn(|| {
+            routed.wait();
+            let b = alloc.alloc(MIB, s2).unwrap();
+            done.wait();
+            b
+        });
+        other.join().unwrap()
+    });
+    let (general, in_pool) = (alloc.snapshot(), pool.snapshot());
+    assert_eq!((general.len(), in_pool.len()), (1, 1));
+    assert_eq!(general[0].stream, s2);
+    assert_eq!(in_pool[0].stream, s1);
+    assert_eq!(alloc.stats().blocks.active_bytes.all.current, MIB);
+    assert_eq!(pool.stats().blocks.active_bytes.all.current, 0);
+    drop(other);
+    alloc.check_invariants().unwrap();
+    pool.check_invariants().unwrap();
+}
+
+/// `test_graph_capture_reset_recapture`: a graph dropped while its output lives, then a new
+/// capture on the same stream, launched: the first output keeps its bytes, and the second
+/// capture's buffers do not overlap it.
+#[test]
+fn a_recapture_after_a_graph_goes_leaves_its_output_alone() {
+    let (dev, alloc) = setup();
+    let s = dev.create_stream().unwrap();
+    let (graph, out) = alloc
+        .capture(s, None, || {
+            let out = alloc.alloc(N, s).unwrap();
+            dev.launch(s, replayable_write(&out, 1)).unwrap();
+            out
+        })
+        .unwrap();
+    graph.launch(s).unwrap();
+    dev.synchronize().unwrap();
+    drop(graph); // its output lives on
+    let (graph2, out2) = alloc
+        .capture(s, None, || {
+            let tmp = alloc.alloc(N, s).unwrap(); // freed inside: the graph's temporary
+            dev.launch(s, replayable_write(&tmp, 2)).unwrap();
+            drop(tmp);
+            let out2 = alloc.alloc(N, s).unwrap();
+            dev.launch(s, replayable_write(&out2, 3)).unwrap();
+            out2
+        })
+        .unwrap();
+    let overlaps = |a: &tidepool::Buffer<SimDevice>, b: &tidepool::Buffer<SimDevice>| {
+        a.ptr().0 < b.ptr().0 + b.block_size() && b.ptr().0 < a.ptr().0 + a.block_size()
+    };
+    assert!(!overlaps(&out, &out2));
+    for _ in 0..2 {
+        graph2.launch(s).unwrap();
+    }
+    dev.synchronize().unwrap();
+    assert_eq!(device_bytes(&dev, &out)[..N as usize], [1u8; N as usize][..]);
+    assert_eq!(device_bytes(&dev, &out2)[..N as usize], [3u8; N as usize][..]);
+    assert!(dev.violations().is_empty(), "{:?}", dev.violations());
+    drop((out, out2, graph2));
+    alloc.check_invariants().unwrap();
+}
+
+/// The allocator half of `test_graph_rng_after_failed_capture`: a capture that a forbidden call
+/// invalidated ends with an error; then eager allocation works, and a new capture on the same
+/// stream succeeds and replays.
+#[test]
+fn a_capture_after_a_failed_one_succeeds() {
+    let (dev, alloc) = setup();
+    let s = dev.create_stream().unwrap();
+    alloc.begin_capture(s, None).unwrap();
+    let during = alloc.alloc(N, s).unwrap();
+    assert!(dev.synchronize().is_err(), "refused during a capture, which it invalidates");
+    assert!(alloc.end_capture(s).is_err(), "the invalidated capture fails");
+    drop(during);
+    let eager = alloc.alloc(N, s).unwrap();
+    let (graph, out) = alloc
+        .capture(s, None, || {
+            let out = alloc.alloc(N, s).unwrap();
+            dev.launch(s, replayable_write(&out, 9)).unwrap();
+            out
+        })
+        .unwrap();
+    graph.launch(s).unwrap();
+    dev.synchronize().unwrap();
+    assert_eq!(device_bytes(&dev, &out)[..N as usize], [9u8; N as usize][..]);
+    assert!(dev.violations().is_empty(), "{:?}", dev.violations());
+    drop((eager, out, graph));
+    alloc.check_invariants().unwrap();
+}
+
+/// `test_snapshot_include_traces_correctness`: the snapshot's active allocated bytes are the
+/// same with the history recorded and without, and the same in `snapshot()` as in the dump.
+#[test]
+fn snapshots_with_and_without_traces_count_the_same_bytes() {
+    let active = |segs: &[tidepool::SegmentInfo]| -> u64 {
+        let allocated = |b: &&tidepool::BlockInfo| b.state == tidepool::BlockState::Allocated;
+        segs.iter().flat_map(|s| &s.blocks).filter(allocated).map(|b| b.size).sum()
+    };
+    let (_dev, alloc) = setup();
+    let a = alloc.alloc(3 * MIB, tidepool::StreamId::DEFAULT).unwrap();
+    let without = active(&alloc.snapshot());
+    alloc.record_history(HistoryOptions::new(100));
+    let b = alloc.alloc(1000, tidepool::StreamId::DEFAULT).unwrap();
+    drop(b);
+    let with = active(&alloc.snapshot());
+    assert_eq!((without, with), (3 * MIB, 3 * MIB));
+    assert_eq!(alloc.stats().blocks.allocated_bytes.all.current, 3 * MIB);
+    drop(a);
+}
+
+/// `test_device_memory_used`: the device's used memory rises by the buffer's segment while it
+/// lives, `empty_cache` leaves it, and it falls once the buffer is gone and the cache emptied.
+#[test]
+fn device_memory_used_follows_a_live_buffer_through_empty_cache() {
+    let (dev, alloc) = setup();
+    let used = |d: &SimDevice| {
+        let m = d.mem_info().unwrap();
+        m.total - m.free
+    };
+    let before = used(&dev);
+    let a = alloc.alloc(128 * MIB, tidepool::StreamId::DEFAULT).unwrap();
+    alloc.empty_cache().unwrap();
+    assert_eq!(used(&dev) - before, 128 * MIB);
+    drop(a);
+    alloc.empty_cache().unwrap();
+    assert_eq!(used(&dev), before);
+}
