@@ -6,9 +6,11 @@
 //!  Allocators ── [0] Allocator<D> over device 0
 //!              ├ [1] Allocator<D> over device 1        for_device(n) → &Allocator<D>
 //!              └ …                                      stats() per device, total_stats() summed
+//!  record_history / dump_snapshot: every device's, in one pickle (segments' `device` = n,
+//!                                  device_traces[n] = device n's history), as PyTorch's
 //! ```
 
-use crate::allocator::{AllocError, Allocator};
+use crate::allocator::{AllocError, Allocator, HistoryOptions};
 use crate::config::Config;
 use crate::device::{Device, SimConfig, SimDevice};
 use crate::stats::MemoryStats;
@@ -83,6 +85,42 @@ impl<D: Device> Allocators<D> {
     /// Returns every device's unused cached memory ([`Allocator::empty_cache`]).
     pub fn empty_cache(&self) -> Result<(), AllocError> {
         self.allocators.iter().try_for_each(Allocator::empty_cache)
+    }
+
+    /// Starts (or stops) recording every device's memory history
+    /// ([`Allocator::record_history`]), as PyTorch's `_record_memory_history` does for every
+    /// device.
+    pub fn record_history(&self, options: HistoryOptions) {
+        for a in &self.allocators {
+            a.record_history(options.clone());
+        }
+    }
+
+    /// Every device's snapshot in one pickle, as PyTorch's `torch.cuda.memory._snapshot()`
+    /// holds every device: each segment and range mark with its device's index,
+    /// `device_traces[n]` device `n`'s history, and device 0's settings (as `allocator_settings`;
+    /// the allocators share their configuration). `tidepool replay` replays each device apart.
+    ///
+    /// ```
+    /// use tidepool::{Allocators, Config, HistoryOptions, StreamId};
+    ///
+    /// let all = Allocators::sim(2, 1 << 30, Config::default()).unwrap();
+    /// all.record_history(HistoryOptions::new(1000));
+    /// drop(all.for_device(1).unwrap().alloc(4 << 20, StreamId::DEFAULT).unwrap());
+    /// let path = std::env::temp_dir().join("tidepool-doc-devices.pickle");
+    /// all.dump_snapshot(&path).unwrap();
+    /// # std::fs::remove_file(path).unwrap();
+    /// ```
+    pub fn snapshot_pickle(&self) -> Vec<u8> {
+        let parts = self.allocators.iter().enumerate().map(|(n, a)| a.snapshot_part(n as u64));
+        let settings = self.allocators.first().map(Allocator::snapshot_settings);
+        let settings = settings.unwrap_or_else(|| crate::pickle::Py::dict([]));
+        crate::allocator::dump::pickle_of(parts.collect(), settings)
+    }
+
+    /// Writes [`Allocators::snapshot_pickle`] to `path`.
+    pub fn dump_snapshot(&self, path: impl AsRef<std::path::Path>) -> std::io::Result<()> {
+        std::fs::write(path, self.snapshot_pickle())
     }
 }
 

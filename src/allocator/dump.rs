@@ -24,9 +24,43 @@ use crate::pickle::{Py, to_pickle};
 use crate::types::{BlockState, PoolKind};
 use std::path::Path;
 
+/// One device's part of a snapshot, each item stamped with the device's index.
+pub(crate) struct DevicePart {
+    segments: Vec<Py>,
+    trace: Vec<Py>,
+    marks: Vec<Py>,
+}
+
+/// The snapshot of devices `parts` (device `i` is `parts[i]`, its trace `device_traces[i]`),
+/// with `settings` as `allocator_settings`.
+pub(crate) fn pickle_of(parts: Vec<DevicePart>, settings: Py) -> Vec<u8> {
+    let (mut segments, mut traces, mut marks) = (Vec::new(), Vec::new(), Vec::new());
+    for p in parts {
+        segments.extend(p.segments);
+        traces.push(Py::List(p.trace));
+        marks.extend(p.marks);
+    }
+    to_pickle(&Py::dict([
+        ("segments", Py::List(segments)),
+        ("device_traces", Py::List(traces)),
+        ("allocator_settings", settings),
+        ("external_annotations", Py::List(marks)),
+    ]))
+}
+
 impl<D: Device> Allocator<D> {
     /// The snapshot pickle ([`Allocator::dump_snapshot`]) as bytes.
     pub fn snapshot_pickle(&self) -> Vec<u8> {
+        pickle_of(vec![self.snapshot_part(0)], self.snapshot_settings())
+    }
+
+    /// `allocator_settings` of the snapshot: the configuration in force.
+    pub(crate) fn snapshot_settings(&self) -> Py {
+        settings(&self.config(), self.shared.device.supports_virtual_memory())
+    }
+
+    /// This allocator's part of a snapshot, as device `device`.
+    pub(crate) fn snapshot_part(&self, device: u64) -> DevicePart {
         // The general allocator's segments (pool id (0, 0)), then, from the general allocator,
         // those of every private pool of its family still alive — PyTorch's snapshot shows
         // every pool of the device, each segment with its `segment_pool_id`.
@@ -36,18 +70,14 @@ impl<D: Device> Allocator<D> {
         }
         let mut segments = Vec::new();
         for (id, sh) in &sources {
-            segments.extend(segments_of(sh, *id));
+            segments.extend(segments_of(sh, *id, device));
         }
         let entries: Vec<TraceEntry> = self.history();
-        let marks: Vec<Py> = self.annotations().iter().map(annotation).collect();
-        let config = self.config();
-        let value = Py::dict([
-            ("segments", Py::List(segments)),
-            ("device_traces", Py::List(vec![Py::List(entries.iter().map(entry).collect())])),
-            ("allocator_settings", settings(&config, self.shared.device.supports_virtual_memory())),
-            ("external_annotations", Py::List(marks)),
-        ]);
-        to_pickle(&value)
+        DevicePart {
+            segments,
+            trace: entries.iter().map(entry).collect(),
+            marks: self.annotations().iter().map(|a| annotation(a, device)).collect(),
+        }
     }
 
     /// Writes the allocator's segments and blocks, its memory history (when
@@ -77,7 +107,7 @@ type Stacks = std::collections::HashMap<u64, std::sync::Arc<std::backtrace::Back
 
 /// The segments of one allocator of the family (`pool`: its id, 0 for the general allocator),
 /// its live blocks with the allocation stacks its history kept.
-fn segments_of<D: Device>(sh: &Shared<D>, pool: u64) -> Vec<Py> {
+fn segments_of<D: Device>(sh: &Shared<D>, pool: u64, device: u64) -> Vec<Py> {
     let segments = sh.snapshot();
     let ranges = sh.expandable_ranges();
     let stacks: Stacks = match sh.history_ring() {
@@ -87,12 +117,12 @@ fn segments_of<D: Device>(sh: &Shared<D>, pool: u64) -> Vec<Py> {
     let expandable = |s: &SegmentInfo| {
         ranges.iter().any(|r| r.base <= s.address && s.address.0 < r.base.0 + r.virtual_size)
     };
-    segments.iter().map(|s| segment(s, expandable(s), &stacks, pool)).collect()
+    segments.iter().map(|s| segment(s, expandable(s), &stacks, pool, device)).collect()
 }
 
 /// One segment (with expandable segments: one run of mapped pages of a range); a block that is
 /// not free shows the stack of its allocation where the history kept it.
-fn segment(s: &SegmentInfo, is_expandable: bool, stacks: &Stacks, pool: u64) -> Py {
+fn segment(s: &SegmentInfo, is_expandable: bool, stacks: &Stacks, pool: u64, device: u64) -> Py {
     let sum = |pred: fn(BlockState) -> bool| -> u64 {
         s.blocks.iter().filter(|b| pred(b.state)).map(|b| b.size).sum()
     };
@@ -100,7 +130,7 @@ fn segment(s: &SegmentInfo, is_expandable: bool, stacks: &Stacks, pool: u64) -> 
     let active = sum(|st| st != BlockState::Free);
     let requested: u64 = s.blocks.iter().map(|b| b.requested).sum();
     Py::dict([
-        ("device", Py::int(0)),
+        ("device", Py::int(device)),
         ("address", Py::int(s.address.0)),
         ("total_size", Py::int(s.size)),
         ("allocated_size", Py::int(allocated)),
@@ -159,11 +189,11 @@ fn entry(e: &TraceEntry) -> Py {
 }
 
 /// One range mark, as PyTorch writes `external_annotations` entries.
-fn annotation(a: &super::Annotation) -> Py {
+fn annotation(a: &super::Annotation, device: u64) -> Py {
     Py::dict([
         ("stage", Py::str(if a.start { "START" } else { "END" })),
         ("name", Py::str(&*a.name)),
-        ("device", Py::int(0)),
+        ("device", Py::int(device)),
         ("time_us", Py::int(a.time_us)),
     ])
 }

@@ -28,7 +28,7 @@ mod class_table;
 mod closed;
 mod counters;
 mod destroyed;
-mod dump;
+pub(crate) mod dump;
 mod error;
 mod events;
 mod expandable;

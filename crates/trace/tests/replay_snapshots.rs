@@ -270,3 +270,38 @@ fn tidepool_dump_scopes_read_back_as_scopes() {
     assert_eq!(ops, [run, run].concat());
     assert_eq!(alloc.stats().plan_hits, 0, "no plan while recording");
 }
+
+/// `Allocators::dump_snapshot` writes every device's history in one pickle, as PyTorch's
+/// snapshot holds every device: read back, it is one trace per device, each with its own
+/// allocations, scopes and reserved bytes, and nothing of the other device.
+#[test]
+fn a_snapshot_of_several_devices_reads_back_one_trace_per_device() {
+    use tidepool::{Allocators, Config, HistoryOptions, StreamId};
+    use tidepool_trace::Op;
+
+    let all = Allocators::sim(2, 1 << 30, Config::default()).unwrap();
+    all.record_history(HistoryOptions::new(1000));
+    let (d0, d1) = (all.for_device(0).unwrap(), all.for_device(1).unwrap());
+    let keep = d0.alloc(5 * MIB, StreamId::DEFAULT).unwrap();
+    {
+        let step = d1.named_scope("step", StreamId::DEFAULT);
+        drop(step.alloc(3 * MIB).unwrap());
+        drop(step.alloc(MIB).unwrap());
+    }
+    let traces = read_traces_bytes(&all.snapshot_pickle(), &ReadOptions::default()).unwrap();
+    assert_eq!(traces.len(), 2);
+    let ops = |t: &Trace| t.events.iter().map(|e| e.op).collect::<Vec<Op>>();
+    use Op::{Alloc as A, Free as F, ScopeEnter as In, ScopeExit as Out};
+    assert_eq!(ops(&traces[0]), vec![A]);
+    assert_eq!(ops(&traces[1]), vec![In, A, F, A, F, Out]);
+    assert_eq!((traces[0].peak_live_bytes(), traces[1].peak_live_bytes()), (5 * MIB, 3 * MIB));
+    assert!(traces[0].scope_names.is_empty());
+    for (n, t) in traces.iter().enumerate() {
+        t.validate().unwrap();
+        let info = t.snapshot.as_ref().unwrap();
+        let reserved = all.for_device(n).unwrap().reserved_bytes();
+        assert_eq!(info.reserved.at_snapshot, reserved, "device {n}");
+        assert_eq!(replay(t, None).device(), Some(n as u32));
+    }
+    drop(keep);
+}
