@@ -260,7 +260,7 @@ fn op() -> impl Strategy<Value = Op> {
         1 => (0..2usize, idx()).prop_map(|(by, pick)| Op::UnknownStream { by, pick }),
         1 => (0..2usize).prop_map(|by| Op::EmptyCache { by }),
         1 => (0..2usize, 0..CONFIGS.len()).prop_map(|(by, which)| Op::SetConfig { by, which }),
-        1 => (0..2usize, 0..4usize).prop_map(|(by, which)| Op::View { by, which }),
+        1 => (0..2usize, 0..6usize).prop_map(|(by, which)| Op::View { by, which }),
         2 => (0..2usize, 0..SLOTS, 0..SIZES.len(), 1..=3usize, any::<bool>())
             .prop_map(|(by, slot, size, n, auto)| Op::PoolAlloc { by, slot, size, n, auto }),
         2 => (0..2usize, 1..SLOTS, 0..3usize, any::<bool>(), 1..=3usize, idx(), prop::option::of(1..SLOTS))
@@ -829,7 +829,8 @@ impl World {
     /// A view of allocator `by` while the other thread works: a snapshot or the range list
     /// flushes every stream cache (the other thread's lanes too) and settles what that freed.
     /// Each segment the snapshot lists is whole (its blocks tile it), and the summary and the
-    /// pickle are written.
+    /// pickle are written. Or the memory history switched on (its pools' too, its scopes then
+    /// planless and its lanes closed while the other thread allocates) or off.
     fn view(&self, by: usize, which: usize) -> R {
         let a = &self.allocs[by];
         match which {
@@ -849,7 +850,19 @@ impl World {
                     ensure!(r.mapped_bytes <= r.virtual_size, "{r:?}");
                 }
             }
-            _ => ensure!(a.snapshot_pickle().len() > 2, "an empty pickle"),
+            3 => ensure!(a.snapshot_pickle().len() > 2, "an empty pickle"),
+            4 => {
+                a.record_history(tidepool::HistoryOptions::new(256).with_clear_history(by == 0));
+                let h = a.history();
+                ensure!(h.len() <= 256, "{} entries kept of 256", h.len());
+                let ours = [0, self.pools[by].id()];
+                for e in h.iter().filter(|e| e.action != tidepool::Action::Oom) {
+                    // (A graph's pool has an id of its own.)
+                    ensure!(e.size > 0, "an entry of 0 bytes: {e:?}");
+                    ensure!(ours.contains(&e.pool_id) || e.pool_id > ours[1], "{e:?}");
+                }
+            }
+            _ => a.record_history(tidepool::HistoryOptions::new(0)),
         }
         Ok(())
     }
