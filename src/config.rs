@@ -97,6 +97,11 @@ pub struct Config {
     /// (`release_threshold_mb`, after `cudaMemPoolAttrReleaseThreshold`; `none` = never, the
     /// default: every finite threshold measured costs map/unmap calls in every training step).
     pub release_threshold: u64,
+    /// The virtual addresses each expandable range reserves (`expandable_segments_reserve`,
+    /// PyTorch's key): a share of the device's memory, or GiB with a `G` suffix. `None` (the
+    /// default): twice the device's memory. A request no range of its stream has room for is
+    /// served by an ordinary segment.
+    pub expandable_reserve: Option<ExpandableReserve>,
     /// PyTorch's `garbage_collection_threshold`, in (0, 1): when reserving a new segment would
     /// take reserved memory past this share of the cap ([`Config::limit`]: `memory_limit_mb`,
     /// `per_process_memory_fraction` or `max_pool_size_mb`, one of which must be set), cached
@@ -145,6 +150,35 @@ pub struct Config {
     /// with no effect on device memory here, as `key:value` in the order given (see
     /// `tidepool::CONFIG_NO_EFFECT_KEYS`); `memory_summary` lists them.
     pub no_effect: Vec<String>,
+}
+
+/// The virtual address space of each expandable range ([`Config::expandable_reserve`],
+/// PyTorch's `expandable_segments_reserve`).
+///
+/// ```
+/// use tidepool::{Config, ExpandableReserve, GIB};
+/// let c = Config::parse("expandable_segments:true,expandable_segments_reserve:16G").unwrap();
+/// assert_eq!(c.expandable_reserve, Some(ExpandableReserve::Bytes(16 * GIB)));
+/// assert_eq!(ExpandableReserve::Fraction(0.25).bytes(4 * GIB), GIB);
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum ExpandableReserve {
+    /// A share of the device's total memory (more than 1 allowed).
+    Fraction(f64),
+    /// Bytes.
+    Bytes(u64),
+}
+
+impl ExpandableReserve {
+    /// The bytes it stands for on a device of `total` bytes, at most
+    /// [`MAX_REQUEST`](crate::MAX_REQUEST) (256 TiB).
+    pub fn bytes(&self, total: u64) -> u64 {
+        let b = match *self {
+            ExpandableReserve::Fraction(f) => (total as f64 * f) as u64,
+            ExpandableReserve::Bytes(b) => b,
+        };
+        b.min(crate::types::MAX_REQUEST)
+    }
 }
 
 /// The pinned host allocator's rules ([`HostAllocator::with_config`](crate::HostAllocator::with_config)),
@@ -246,6 +280,7 @@ impl Default for Config {
             expandable_segments: false,
             stitching: false,
             release_threshold: DEFAULT_RELEASE_THRESHOLD,
+            expandable_reserve: None,
             garbage_collection_threshold: None,
             initial_pool_size: 0,
             max_pool_size: None,
@@ -304,6 +339,11 @@ pub const KEYS: &[(&str, &str)] = &[
         "expandable_stitching",
         "with expandable segments, serve a large request from free pages in pieces, mapped again \
          at one address (GMLake's stitching): true or false",
+    ),
+    (
+        "expandable_segments_reserve",
+        "with expandable segments, virtual addresses per range: a share of the device's memory \
+         (0.25; above 1 allowed) or GiB with a G suffix (16G); default twice the device",
     ),
     (
         "release_threshold_mb",
@@ -612,6 +652,22 @@ impl Config {
             "expandable_segments" => self.expandable_segments = flag()?,
             "expandable_stitching" => self.stitching = flag()?,
             "graph_capture_record_stream_reuse" => self.graph_capture_record_stream_reuse = flag()?,
+            "expandable_segments_reserve" => {
+                let what = "a positive share of the device's memory (0.25), or GiB with a G \
+                            suffix (16G)";
+                let (number, gib) = match value.strip_suffix(['G', 'g']) {
+                    Some(n) => (n, true),
+                    None => (value, false),
+                };
+                let v: f64 = number.parse().map_err(|_| bad(what))?;
+                if !(v.is_finite() && v > 0.0) {
+                    return Err(bad(what));
+                }
+                self.expandable_reserve = Some(match gib {
+                    true => ExpandableReserve::Bytes((v * (1u64 << 30) as f64) as u64),
+                    false => ExpandableReserve::Fraction(v),
+                });
+            }
             "release_threshold_mb" => {
                 let what = "a whole number of MiB in 0..=268435456, or none";
                 self.release_threshold = match value {
@@ -927,7 +983,7 @@ mod tests {
         assert_eq!(c.limit(2048 * MIB), Some(1024 * MIB)); // the fraction
         assert_eq!(c.clone().with_max_pool_size(8192 * MIB).limit(16384 * MIB), Some(4096 * MIB));
         assert_eq!(c.gc_limit(16384 * MIB), Some(1536 * MIB));
-        assert_eq!(KEYS.len(), 30, "a new key needs a line in this test");
+        assert_eq!(KEYS.len(), 31, "a new key needs a line in this test");
     }
 
     #[test]
@@ -947,6 +1003,21 @@ mod tests {
         let c = Config::parse("release_lock_on_hipmalloc:True,pinned_use_hip_host_register:False");
         assert_eq!(c.unwrap().no_effect.len(), 2);
         assert!(Config::parse("throw_on_cudamalloc_oom:maybe").is_err());
+    }
+
+    #[test]
+    fn expandable_segments_reserve_is_a_share_or_gib() {
+        let r = |v: &str| Config::parse(&format!("expandable_segments_reserve:{v}"));
+        assert_eq!(r("0.25").unwrap().expandable_reserve, Some(ExpandableReserve::Fraction(0.25)));
+        assert_eq!(r("1.5").unwrap().expandable_reserve, Some(ExpandableReserve::Fraction(1.5)));
+        assert_eq!(r("2g").unwrap().expandable_reserve, Some(ExpandableReserve::Bytes(2 << 30)));
+        assert_eq!(r("0.5G").unwrap().expandable_reserve, Some(ExpandableReserve::Bytes(1 << 29)));
+        for bad in ["0", "-1", "nan", "inf", "G", "1T", "", "1e400"] {
+            assert!(r(bad).is_err(), "{bad}");
+        }
+        assert_eq!(Config::default().expandable_reserve, None);
+        assert_eq!(ExpandableReserve::Bytes(u64::MAX).bytes(1), crate::types::MAX_REQUEST);
+        assert_eq!(ExpandableReserve::Fraction(1e300).bytes(1 << 30), crate::types::MAX_REQUEST);
     }
 
     #[test]

@@ -48,8 +48,8 @@ pub use allocator::{
     SegmentInfo, TraceEntry,
 };
 pub use config::{
-    Config, ConfigError, CrossStream, ENV_VAR, HostConfig, KEYS as CONFIG_KEYS, NO_CACHING_ENV_VAR,
-    NO_EFFECT_KEYS as CONFIG_NO_EFFECT_KEYS,
+    Config, ConfigError, CrossStream, ENV_VAR, ExpandableReserve, HostConfig, KEYS as CONFIG_KEYS,
+    NO_CACHING_ENV_VAR, NO_EFFECT_KEYS as CONFIG_NO_EFFECT_KEYS,
 };
 pub use device::{Capture, CaptureMark, Device, DeviceError, GraphId, SimConfig, SimDevice};
 pub use host::{HostAllocError, HostAllocator, HostStats, MIN_HOST_BLOCK, PinnedBuffer};

@@ -891,3 +891,30 @@ fn the_summary_reads_without_flushing() {
     drop(alloc);
     assert_no_leak(&dev);
 }
+
+/// PyTorch's `expandable_segments_reserve`: each range reserves that share of the device (or
+/// that many GiB) instead of twice the device. A request its stream's range has no room for is
+/// served by an ordinary segment (PyTorch fails it); one that fits grows the range as ever.
+#[test]
+fn expandable_segments_reserve_sizes_the_ranges() {
+    let (dev, alloc) = setup("expandable_segments_reserve:0.25", CAP);
+    let a = alloc.alloc(8 * MIB, StreamId::DEFAULT).unwrap(); // in the range
+    let ranges = alloc.expandable_ranges();
+    assert_eq!(ranges.len(), 1);
+    assert_eq!((ranges[0].base.0, ranges[0].virtual_size), (base(), CAP / 4));
+    assert_eq!(a.ptr().0, base());
+    let b = alloc.alloc(12 * MIB, StreamId::DEFAULT).unwrap(); // 8 + 12 > 16: no room
+    assert!(!(base()..base() + CAP / 4).contains(&b.ptr().0), "an ordinary segment");
+    let seg = alloc.snapshot().into_iter().find(|s| s.address == b.ptr()).unwrap();
+    assert_eq!(seg.size, 12 * MIB);
+    assert_eq!(alloc.stats().virtual_reserved_bytes, CAP / 4);
+    drop((a, b));
+    alloc.empty_cache().unwrap();
+    assert_eq!(alloc.stats().blocks.reserved_bytes.all.current, 0);
+    alloc.check_invariants().unwrap();
+    assert!(dev.violations().is_empty());
+    // In GiB: 1 GiB per range on this 64 MiB device.
+    let (_dev, alloc) = setup("expandable_segments_reserve:1G", CAP);
+    drop(alloc.alloc(8 * MIB, StreamId::DEFAULT).unwrap());
+    assert_eq!(alloc.expandable_ranges()[0].virtual_size, 1 << 30);
+}

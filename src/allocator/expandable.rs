@@ -427,7 +427,7 @@ impl<D: Device> Shared<D> {
         if st.vm.by_key.contains_key(&key) {
             return true;
         }
-        match self.make_range(st, key) {
+        match self.make_range(st, config, key) {
             Ok(()) => true,
             Err(why) => {
                 st.vm.note = Some(why);
@@ -442,7 +442,7 @@ impl<D: Device> Shared<D> {
         *st.vm.supported.get_or_insert_with(|| self.device.supports_virtual_memory())
     }
 
-    fn make_range(&self, st: &mut State, key: PoolKey) -> Result<(), String> {
+    fn make_range(&self, st: &mut State, config: &Config, key: PoolKey) -> Result<(), String> {
         if !self.vm_supported(st) {
             let name = self.device.name();
             return Err(format!(
@@ -456,9 +456,15 @@ impl<D: Device> Shared<D> {
             st.vm.page = g;
         }
         let page = st.vm.page;
-        // Twice the device: pages released in the middle of a range leave it split, and any
-        // request the device can hold must still find room on one side.
-        let size = self.device_total.saturating_mul(2).div_ceil(page).max(1) * page;
+        // Twice the device by default: pages released in the middle of a range leave it split,
+        // and any request the device can hold must still find room on one side. Or what
+        // `expandable_segments_reserve` asks (a request with no room goes to an ordinary
+        // segment).
+        let want = match config.expandable_reserve {
+            Some(r) => r.bytes(self.device_total),
+            None => self.device_total.saturating_mul(2),
+        };
+        let size = want.div_ceil(page).max(1) * page;
         let base = self.device.vm_reserve(size).map_err(|e| {
             format!(
                 "reserving {} of virtual addresses for {} failed ({e}): ordinary segments for it",
