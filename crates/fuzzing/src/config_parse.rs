@@ -126,6 +126,17 @@ mod tests {
         config_parse(&[0xff, 0xfe, b':', 0x80]);
     }
 
+    /// The fuzzer's dictionary names every key the parser knows (it had fallen behind by
+    /// thirty keys).
+    #[test]
+    fn the_dictionary_lists_every_key() {
+        let dict = include_str!("../../../fuzz/dicts/config_parse.dict");
+        let known = tidepool::CONFIG_KEYS.iter().chain(tidepool::CONFIG_NO_EFFECT_KEYS);
+        for (key, _) in known {
+            assert!(dict.contains(&format!("=\"{key}\"")), "{key} is not in the dictionary");
+        }
+    }
+
     #[test]
     fn a_bad_size_rule_is_caught() {
         let mut c = Config::default();
