@@ -17,6 +17,28 @@ fn setup() -> (Arc<SimDevice>, Allocator<SimDevice>) {
     (dev, alloc)
 }
 
+/// A graph captured on `s` that writes `byte` over its output, and the output.
+fn capture_writing(
+    dev: &SimDevice,
+    alloc: &Allocator<SimDevice>,
+    s: tidepool::StreamId,
+    byte: u8,
+) -> (tidepool::Graph<SimDevice>, tidepool::Buffer<SimDevice>) {
+    alloc
+        .capture(s, None, || {
+            let out = alloc.alloc(N, s).unwrap();
+            dev.launch(s, replayable_write(&out, byte)).unwrap();
+            out
+        })
+        .unwrap()
+}
+
+/// `out` holds `byte` over its first N bytes, and the sanitizer saw nothing.
+fn holds(dev: &SimDevice, out: &tidepool::Buffer<SimDevice>, byte: u8) {
+    assert_eq!(device_bytes(dev, out)[..N as usize], [byte; N as usize][..]);
+    assert!(dev.violations().is_empty(), "{:?}", dev.violations());
+}
+
 /// `test_two_graphs`: two graphs captured into one shared pool, each allocating a pinned
 /// buffer; the first's is uploaded inside the capture (`use_memory`) or not, and dropped inside
 /// it (`delete_memory`) or kept. The second capture's buffer reuses the first's block exactly
@@ -111,13 +133,7 @@ fn a_pool_routes_one_threads_stream_and_not_anothers() {
 fn a_recapture_after_a_graph_goes_leaves_its_output_alone() {
     let (dev, alloc) = setup();
     let s = dev.create_stream().unwrap();
-    let (graph, out) = alloc
-        .capture(s, None, || {
-            let out = alloc.alloc(N, s).unwrap();
-            dev.launch(s, replayable_write(&out, 1)).unwrap();
-            out
-        })
-        .unwrap();
+    let (graph, out) = capture_writing(&dev, &alloc, s, 1);
     graph.launch(s).unwrap();
     dev.synchronize().unwrap();
     drop(graph); // its output lives on
@@ -139,9 +155,8 @@ fn a_recapture_after_a_graph_goes_leaves_its_output_alone() {
         graph2.launch(s).unwrap();
     }
     dev.synchronize().unwrap();
-    assert_eq!(device_bytes(&dev, &out)[..N as usize], [1u8; N as usize][..]);
-    assert_eq!(device_bytes(&dev, &out2)[..N as usize], [3u8; N as usize][..]);
-    assert!(dev.violations().is_empty(), "{:?}", dev.violations());
+    holds(&dev, &out, 1);
+    holds(&dev, &out2, 3);
     drop((out, out2, graph2));
     alloc.check_invariants().unwrap();
 }
@@ -159,17 +174,10 @@ fn a_capture_after_a_failed_one_succeeds() {
     assert!(alloc.end_capture(s).is_err(), "the invalidated capture fails");
     drop(during);
     let eager = alloc.alloc(N, s).unwrap();
-    let (graph, out) = alloc
-        .capture(s, None, || {
-            let out = alloc.alloc(N, s).unwrap();
-            dev.launch(s, replayable_write(&out, 9)).unwrap();
-            out
-        })
-        .unwrap();
+    let (graph, out) = capture_writing(&dev, &alloc, s, 9);
     graph.launch(s).unwrap();
     dev.synchronize().unwrap();
-    assert_eq!(device_bytes(&dev, &out)[..N as usize], [9u8; N as usize][..]);
-    assert!(dev.violations().is_empty(), "{:?}", dev.violations());
+    holds(&dev, &out, 9);
     drop((eager, out, graph));
     alloc.check_invariants().unwrap();
 }
