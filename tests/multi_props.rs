@@ -403,9 +403,12 @@ impl World {
             config.graph_capture_record_stream_reuse = reuse.next().unwrap_or(false);
             Allocator::new(dev.clone(), config).unwrap()
         });
-        let pools = [0, 1]
-            .map(|i| allocs[i].new_pool(PoolOptions::default().with_use_on_oom(i == 0)).unwrap());
-        let graph_pools = [0, 1].map(|i| allocs[i].new_pool(PoolOptions::default()).unwrap());
+        // Allocator 0's pool lends on out-of-memory, allocator 1's never splits a block; so
+        // does allocator 0's graph pool.
+        let options = |i: usize| PoolOptions::default().with_use_on_oom(i == 0);
+        let pools = [0, 1].map(|i| allocs[i].new_pool(options(i).with_no_split(i == 1)).unwrap());
+        let graph_pools = [0, 1]
+            .map(|i| allocs[i].new_pool(PoolOptions::default().with_no_split(i == 0)).unwrap());
         let mut slots = [None; SLOTS];
         slots[0] = Some(StreamId::DEFAULT);
         for s in slots.iter_mut().skip(1) {

@@ -219,3 +219,75 @@ fn device_memory_used_follows_a_live_buffer_through_empty_cache() {
     alloc.empty_cache().unwrap();
     assert_eq!(used(&dev), before);
 }
+
+/// `test_mempool_no_split`: two 4 MiB allocations in a default pool share one 20 MiB segment
+/// (the second split off the first's remainder), in a `no_split` pool each takes a 20 MiB
+/// segment whole: more segments, one block each. Freed and asked again, a whole block serves
+/// the request as it is; the pool's invariants hold. The broken build `no_split_splits` splits.
+#[test]
+fn a_no_split_pool_gives_each_allocation_a_whole_segment() {
+    let (dev, alloc) = setup();
+    let s = dev.create_stream().unwrap();
+    let split = alloc.new_pool(PoolOptions::default()).unwrap();
+    let whole = alloc.new_pool(PoolOptions::default().with_no_split(true)).unwrap();
+    let mut live = Vec::new();
+    for _ in 0..2 {
+        for pool in [&split, &whole] {
+            let guard = alloc.use_pool(pool, s).unwrap();
+            live.push(alloc.alloc(4 * MIB, s).unwrap());
+            drop(guard);
+        }
+    }
+    let shape = |p: &tidepool::MemPool<SimDevice>| -> Vec<(u64, Vec<u64>)> {
+        let segs = p.snapshot();
+        segs.iter().map(|g| (g.size, g.blocks.iter().map(|b| b.size).collect())).collect()
+    };
+    assert_eq!(shape(&split), vec![(20 * MIB, vec![4 * MIB, 4 * MIB, 12 * MIB])]);
+    assert_eq!(shape(&whole), vec![(20 * MIB, vec![20 * MIB]); 2]);
+    assert_eq!(live[1].block_size(), 20 * MIB);
+    assert_eq!(live[1].len(), 4 * MIB);
+    let s_whole = whole.stats();
+    assert_eq!(s_whole.blocks.allocated_bytes.all.current, 40 * MIB);
+    assert_eq!(s_whole.blocks.requested_bytes.all.current, 8 * MIB);
+    // Freed, then asked again (a smaller request too): served by a whole block, no new segment.
+    let at = live[3].ptr();
+    drop(live.remove(3));
+    let guard = alloc.use_pool(&whole, s).unwrap();
+    let again = alloc.alloc(MIB + 1, s).unwrap();
+    drop(guard);
+    assert_eq!((again.ptr(), again.block_size()), (at, 20 * MIB));
+    assert_eq!(whole.snapshot().len(), 2);
+    drop((live, again));
+    split.check_invariants().unwrap();
+    whole.check_invariants().unwrap();
+    assert!(dev.violations().is_empty());
+}
+
+/// A `no_split` pool over expandable segments: each request takes the free block its growth
+/// made whole (a run of pages may hold several), blocks never overlap, and everything goes
+/// back to the device.
+#[test]
+fn a_no_split_pool_over_expandable_segments_stays_sound() {
+    let dev = Arc::new(SimDevice::backed(256 * MIB));
+    dev.set_virtual_memory(true);
+    let alloc =
+        Allocator::new(dev.clone(), Config::parse("expandable_segments:true").unwrap()).unwrap();
+    let s = dev.create_stream().unwrap();
+    let pool = alloc.new_pool(PoolOptions::default().with_no_split(true)).unwrap();
+    let guard = alloc.use_pool(&pool, s).unwrap();
+    let mut live: Vec<_> =
+        [4 * MIB, 3 * MIB, 10 * MIB, 5 * MIB].iter().map(|&n| alloc.alloc(n, s).unwrap()).collect();
+    drop(live.remove(1));
+    live.push(alloc.alloc(2 * MIB, s).unwrap());
+    drop(guard);
+    let mut spans: Vec<(u64, u64)> =
+        live.iter().map(|b| (b.ptr().0, b.ptr().0 + b.block_size())).collect();
+    spans.sort_unstable();
+    assert!(spans.windows(2).all(|w| w[0].1 <= w[1].0), "{spans:?}");
+    assert!(live.iter().all(|b| b.block_size() >= b.len()));
+    pool.check_invariants().unwrap();
+    drop((live, pool));
+    alloc.empty_cache().unwrap();
+    assert!(dev.live_mappings().is_empty());
+    assert!(dev.violations().is_empty());
+}

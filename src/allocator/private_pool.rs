@@ -292,12 +292,24 @@ pub struct PoolOptions {
     /// the pool's free cached segments are returned to the device and the allocation retried
     /// (PyTorch's `MemPool(use_on_oom=True)`, which lends the free blocks themselves).
     pub use_on_oom: bool,
+    /// The pool never splits a block (PyTorch's `MemPool(no_split=True)`): each allocation
+    /// takes a free block whole, so a new segment (sized as usual: 20 MiB for a 4 MiB
+    /// request) holds one allocation — what code that registers each allocation's memory as a
+    /// whole (NCCL) needs. An aligned request
+    /// ([`Allocator::alloc_aligned`]) still splits its padding off.
+    pub no_split: bool,
 }
 
 impl PoolOptions {
     /// Sets [`PoolOptions::use_on_oom`].
     pub fn with_use_on_oom(mut self, on: bool) -> PoolOptions {
         self.use_on_oom = on;
+        self
+    }
+
+    /// Sets [`PoolOptions::no_split`].
+    pub fn with_no_split(mut self, on: bool) -> PoolOptions {
+        self.no_split = on;
         self
     }
 }
@@ -480,6 +492,9 @@ impl<D: Device> Allocator<D> {
             alloc.shared.device.set_unwind(sh.broken(super::Broken::DevicePanicsUnwind));
             let forks = sh.broken(super::Broken::CaptureForks);
             alloc.shared.device.set_records_in_captures(forks);
+        }
+        if options.no_split {
+            alloc.shared.lock_state().pool.set_no_split(true);
         }
         if options.use_on_oom {
             lock(&sh.family.oom_pools).push((id, alloc.shared.clone()));

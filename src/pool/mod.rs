@@ -97,6 +97,8 @@ pub struct Pool {
     oversize_at: u64,
     /// Live oversize allocations (PyTorch's `oversize_allocations`).
     oversize: Stat,
+    /// Blocks are never split (a `no_split` private pool): a request takes a free block whole.
+    no_split: bool,
 }
 
 impl Pool {
@@ -170,6 +172,27 @@ impl Pool {
     /// `oversize_allocations`: blocks never split, of `max_split_size` or more).
     pub fn oversize_allocations(&self) -> &Stat {
         &self.oversize
+    }
+
+    /// Never split a block from now on (PyTorch's `MemPool(no_split=True)`): each allocation
+    /// takes a free block whole, so a new segment holds one block.
+    pub fn set_no_split(&mut self, on: bool) {
+        self.no_split = on;
+    }
+
+    /// Whether a free block of `block` bytes serving `rounded` bytes is split
+    /// ([`Sizing::should_split`], never in a `no_split` pool).
+    #[inline]
+    fn splits(
+        &self,
+        sizing: &Sizing,
+        kind: crate::types::PoolKind,
+        block: u64,
+        rounded: u64,
+    ) -> bool {
+        // BROKEN (`no_split_splits`): the pool's rule ignored.
+        (!self.no_split || cfg!(tidepool_broken = "no_split_splits"))
+            && sizing.should_split(kind, block, rounded)
     }
 
     /// Blocks of at least `bytes` count as oversize allocations from now on (`u64::MAX`: none).
@@ -449,7 +472,7 @@ impl Pool {
         let (key, slot) = (s.key, s.slot);
         let (kind, res) = (key.kind, key.residency);
         let taken = Entry { size: whole, addr, id: id.0 };
-        let (size, next) = match sizing.should_split(kind, whole, rounded) {
+        let (size, next) = match self.splits(sizing, kind, whole, rounded) {
             true => {
                 let rest = Block {
                     segment: seg,
@@ -529,9 +552,9 @@ impl Pool {
         let merged = b.size + right.map_or(0, |r| self.blocks[r.0].size);
         let same_split = match right {
             // Freed, the block alone would be split again only where it was not before.
-            None => !sizing.should_split(seg.key.kind, b.size, rounded),
+            None => !self.splits(sizing, seg.key.kind, b.size, rounded),
             // Freed, it merges with R: the allocation must split exactly R off again.
-            Some(_) => b.size == rounded && sizing.should_split(seg.key.kind, merged, rounded),
+            Some(_) => b.size == rounded && self.splits(sizing, seg.key.kind, merged, rounded),
         };
         if !same_split || !sizing.may_serve(merged, rounded) {
             return false;
