@@ -730,7 +730,10 @@ impl<'a> Harness<'a> {
             c.graph_capture_record_stream_reuse = reuse;
             a.set_config(c).map_err(|e| format!("set_config: {e}"))?;
         }
-        let pool = a.new_pool(PoolOptions::default()).map_err(|e| format!("new_pool: {e}"))?;
+        // One graph pool in three never splits a block (`PoolOptions::no_split`).
+        let no_split = bytes.wrapping_add(u64::from(stream)) % 3 == 0;
+        let options = PoolOptions::default().with_no_split(no_split);
+        let pool = a.new_pool(options).map_err(|e| format!("new_pool: {e}"))?;
         if panics {
             self.capture_panicking(s, t, &pool, bytes, launches % 2 == 1)?;
             return self.graph_pool_gone(pool);
