@@ -591,3 +591,41 @@ fn recording_switched_while_threads_allocate_in_pools() {
     assert_eq!(got, want);
     pool.check_invariants().unwrap();
 }
+
+/// Scopes across a switch of the recording (found in review): a scope opened before recording
+/// started keeps nothing from the history once it records — its frees go through the allocator
+/// (recorded), not into its local cache, and its later allocations are not served from that
+/// cache unseen — so every recorded allocation has its recorded free; and a named scope whose
+/// start went into a ring ends in that ring, never as an end without a start in a ring
+/// recording began again since. Broken builds `local_while_recording` and `end_in_new_ring`.
+#[test]
+fn scopes_across_a_recording_switch_keep_the_history_whole() {
+    use Action::*;
+    let (_dev, alloc) = setup();
+    for named in [false, true] {
+        let s = match named {
+            true => alloc.named_scope("first", StreamId::DEFAULT),
+            false => alloc.scope(StreamId::DEFAULT),
+        };
+        drop(s.alloc(4096).unwrap()); // into the scope's local cache: before recording
+        alloc.record_history(HistoryOptions::new(100).with_clear_history(true));
+        drop(s.alloc(4096).unwrap());
+        drop(s.alloc(4096).unwrap());
+        drop(s);
+        let h = alloc.history();
+        let count = |a: Action| h.iter().filter(|e| e.action == a).count();
+        assert_eq!((count(Alloc), count(FreeCompleted)), (2, 2), "named {named}: {h:?}");
+        assert_eq!(count(SegmentFree), 0, "named {named}: no plan adopted while recording");
+        alloc.record_history(HistoryOptions::new(0));
+    }
+    alloc.record_history(HistoryOptions::new(100));
+    let s = alloc.named_scope("fwd", StreamId::DEFAULT);
+    alloc.record_history(HistoryOptions::new(100).with_clear_history(true));
+    drop(s);
+    let t = alloc.named_scope("bwd", StreamId::DEFAULT);
+    alloc.record_history(HistoryOptions::new(0));
+    alloc.record_history(HistoryOptions::new(100));
+    drop(t);
+    assert!(alloc.annotations().is_empty(), "{:?}", alloc.annotations());
+    alloc.check_invariants().unwrap();
+}

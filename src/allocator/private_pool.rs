@@ -56,6 +56,10 @@ pub(crate) struct Family<D: Device> {
     /// The memory history the family records while it does, and the user's metadata
     /// (`history.rs`; [`Allocator::record_history`]).
     pub(super) history: Mutex<history::FamilyHistory>,
+    /// Held by `set_config` across the general allocator's and its pools' configuration, and
+    /// by `new_pool` while it reads it: two `set_config` calls at once leave every allocator of
+    /// the family on the same one.
+    pub(super) configuring: Mutex<()>,
     /// Every private pool made, by id, without keeping it alive: what the general allocator's
     /// snapshot pickle lists besides its own segments (PyTorch's snapshot shows every pool of
     /// the device). Not under loom, whose `Arc` has no `Weak` (and which models no dump).
@@ -74,6 +78,7 @@ impl<D: Device> Default for Family<D> {
             graph_holds: Mutex::new(Vec::new()),
             reserved: AtomicU64::new(0),
             history: Mutex::new(history::FamilyHistory::default()),
+            configuring: Mutex::new(()),
             #[cfg(not(loom))]
             pools: Mutex::new(Vec::new()),
         }
@@ -382,6 +387,12 @@ impl<D: Device> MemPool<D> {
         self.alloc.shared.role.id
     }
 
+    /// The configuration the pool runs with: its allocator's (`set_config` reaches it), with
+    /// no initial pool.
+    pub fn config(&self) -> Arc<Config> {
+        self.alloc.config()
+    }
+
     /// The pool's own statistics (the general allocator's exclude it).
     pub fn stats(&self) -> MemoryStats {
         self.alloc.stats()
@@ -502,9 +513,12 @@ impl<D: Device> Allocator<D> {
         sh.family.register_pool(id, &alloc.shared);
         // A `set_config` since the configuration was read: the pool takes the new one (one
         // made after this registration lists the pool and gives it the same).
-        let now = self.config();
-        if !Arc::ptr_eq(&now, &made_with) {
-            alloc.shared.apply_config((*now).clone().for_pool());
+        {
+            let _configuring = lock(&sh.family.configuring);
+            let now = self.config();
+            if !Arc::ptr_eq(&now, &made_with) {
+                alloc.shared.apply_config((*now).clone().for_pool());
+            }
         }
         // Recording the family's history: the pool records too (under the slot, so a
         // `record_history` call meanwhile either sees the pool registered or is seen here).

@@ -335,9 +335,10 @@ pub struct Scope<'a, D: Device> {
     fast_ok: bool,
     stream: StreamId,
     name: Option<std::sync::Arc<str>>,
-    /// The name this run marked the start of in the memory history (recorded when it opened):
-    /// its end is marked when it closes.
-    annotation: Option<std::sync::Arc<str>>,
+    /// The name this run marked the start of in the memory history (recorded when it opened),
+    /// and the ring it marked: its end is marked there when it closes (not in a ring recording
+    /// started again since, where it would be an end without a start).
+    annotation: Option<(std::sync::Arc<str>, super::history::Ring)>,
     /// Whether the run keeps freed pool blocks for its own reuse (caching on, and the history
     /// not recorded when it opened).
     local: bool,
@@ -543,7 +544,7 @@ impl<'a, D: Device> Scope<'a, D> {
         let annotation = match name {
             Some(n) if recording => {
                 let n: std::sync::Arc<str> = std::sync::Arc::from(n);
-                alloc.shared.annotate(n.clone(), true).then_some(n)
+                alloc.shared.annotate(n.clone(), true).map(|ring| (n, ring))
             }
             _ => None,
         };
@@ -1067,7 +1068,10 @@ impl<'a, D: Device> Scope<'a, D> {
     /// A pool block for the run: from the local cache when one of the size was freed in this
     /// run, else from the allocator.
     fn pool_block(&self, bytes: u64, rounded: u64) -> Result<Buffer<D>, AllocError> {
-        let cached = {
+        // (While the history is recorded, the allocator hands out and records every block.)
+        let cached = if self.recording_now() {
+            None
+        } else {
             let mut run = self.run.borrow_mut();
             let list = run.local.get_mut(&rounded);
             list.and_then(|v| v.pop_if(|(b, _)| self.may_reuse(b)))
@@ -1091,6 +1095,14 @@ impl<'a, D: Device> Scope<'a, D> {
         // The statistics still account the block with the request it was first made for.
         reused.accounted = b.requested;
         Ok(reused)
+    }
+
+    /// Whether the memory history is recorded now, though it was not when the run opened (then
+    /// `local` is false anyway): the local cache neither takes nor serves blocks meanwhile, and
+    /// the run learns no plan, so that what the history sees stays whole.
+    fn recording_now(&self) -> bool {
+        !cfg!(tidepool_broken = "local_while_recording")
+            && self.alloc.shared.recording.load(Ordering::Relaxed)
     }
 
     /// Whether a block the run freed into its local cache may serve a transient request now:
@@ -1171,6 +1183,7 @@ impl<'a, D: Device> Scope<'a, D> {
             && !captured
             && !buf.used_elsewhere()
             && self.local
+            && !self.recording_now()
             && let Some(block) = buf.block()
         {
             self.device.note_reclaim(buf.ptr, buf.size, self.stream);
@@ -1348,6 +1361,7 @@ impl<D: Device> Drop for Scope<'_, D> {
         // streams they were used on, before the region can serve or return them.
         self.reclaim_forgotten(&steps, followed);
         let hits = self.plan_hits();
+        let recording = self.recording_now();
         let run = self.run.get_mut();
         // Pool buffers of forgotten scoped buffers: freed now, before the pool is looked at.
         run.held.clear();
@@ -1381,7 +1395,7 @@ impl<D: Device> Drop for Scope<'_, D> {
         if self.plan.is_some() && !followed {
             c.plan_fallbacks.fetch_add(1, Ordering::Relaxed);
         }
-        let learner = if followed { None } else { self.name.as_deref() };
+        let learner = if followed || recording { None } else { self.name.as_deref() };
         #[cfg(tidepool_broken = "adopt")]
         drop(st); // BROKEN: an escape freed now finds the run closed and no region yet.
         let adopted = match (learner, &self.plan) {
@@ -1420,8 +1434,12 @@ impl<D: Device> Drop for Scope<'_, D> {
         for r in region.into_iter().chain(adopted_release) {
             sh.release_region(r);
         }
-        if let Some(name) = self.annotation.take() {
-            sh.annotate(name, false);
+        if let Some((name, ring)) = self.annotation.take() {
+            // BROKEN (`end_in_new_ring`): into whatever ring records now.
+            match cfg!(tidepool_broken = "end_in_new_ring") {
+                true => drop(sh.annotate(name, false)),
+                false => lock(&ring).annotate(name, false),
+            }
         }
     }
 }

@@ -250,12 +250,13 @@ impl<D: Device> Shared<D> {
         st.history = ring.map(|r| Tap::new(r, self.role.id));
     }
 
-    /// Marks a range's start or end in the history, if it is recorded (`history.rs`); whether
-    /// it was. Not under the allocator's lock: the ring's lock alone.
-    pub(super) fn annotate(&self, name: std::sync::Arc<str>, start: bool) -> bool {
-        let Some(ring) = self.history_ring() else { return false };
+    /// Marks a range's start or end in the history, if it is recorded (`history.rs`); the
+    /// ring it went to. (The allocator's lock is taken to find the ring, and let go before the
+    /// ring's is taken.)
+    pub(super) fn annotate(&self, name: std::sync::Arc<str>, start: bool) -> Option<Ring> {
+        let ring = self.history_ring()?;
         lock(&ring).annotate(name, start);
-        true
+        Some(ring)
     }
 
     /// The family's history ring, while this allocator records into it.
