@@ -254,6 +254,9 @@ impl<D: Device> Shared<D> {
     /// ring it went to. (The allocator's lock is taken to find the ring, and let go before the
     /// ring's is taken.)
     pub(super) fn annotate(&self, name: std::sync::Arc<str>, start: bool) -> Option<Ring> {
+        if !self.recording.load(Ordering::Relaxed) {
+            return None; // (no lock taken when nothing records)
+        }
         let ring = self.history_ring()?;
         lock(&ring).annotate(name, start);
         Some(ring)
