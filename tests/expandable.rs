@@ -918,3 +918,27 @@ fn expandable_segments_reserve_sizes_the_ranges() {
     drop(alloc.alloc(8 * MIB, StreamId::DEFAULT).unwrap());
     assert_eq!(alloc.expandable_ranges()[0].virtual_size, 1 << 30);
 }
+
+/// A range the device cannot reserve (no room in its virtual address space) is asked for once:
+/// the requests (12 MiB: a new segment each) go to ordinary segments without a reservation
+/// attempt each (found in review:
+/// one device call at every large-pool slow-path allocation; the broken build
+/// `refused_ranges_retried` does so still), and asked for again after `set_config` or
+/// `empty_cache`.
+#[test]
+fn a_range_the_device_refuses_is_not_asked_for_at_every_allocation() {
+    let (dev, alloc) = setup("expandable_segments_reserve:1000000", CAP);
+    let refused = |d: &SimDevice| d.vm_counters().failed_reserves;
+    let live: Vec<_> = (0..3).map(|_| alloc.alloc(12 * MIB, StreamId::DEFAULT).unwrap()).collect();
+    assert_eq!((refused(&dev), dev.vm_counters().reserves), (1, 0));
+    assert!(alloc.expandable_ranges().is_empty());
+    assert!(alloc.memory_summary().contains("failed"), "{}", alloc.memory_summary());
+    alloc.set_config(alloc.config().as_ref().clone()).unwrap();
+    drop(alloc.alloc(12 * MIB, StreamId::DEFAULT).unwrap());
+    assert_eq!(refused(&dev), 2, "asked again under the new configuration");
+    alloc.empty_cache().unwrap();
+    drop(alloc.alloc(12 * MIB, StreamId::DEFAULT).unwrap());
+    assert_eq!(refused(&dev), 3, "asked again after empty_cache");
+    drop(live);
+    alloc.check_invariants().unwrap();
+}

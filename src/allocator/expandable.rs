@@ -185,6 +185,9 @@ pub(super) struct Vm {
     pub(super) threshold: u64,
     /// Why expandable segments asked for are not (all) in use.
     note: Option<String>,
+    /// Keys whose range could not be reserved: not asked again (a device call at every
+    /// large-pool slow-path allocation) until the configuration changes or `empty_cache`.
+    pub(super) refused: Vec<PoolKey>,
     /// Stitched blocks, live and cached (`stitch.rs`).
     pub(super) stitches: Vec<super::stitch::Stitch>,
     /// How many of them are live (hold a pool segment).
@@ -427,10 +430,15 @@ impl<D: Device> Shared<D> {
         if st.vm.by_key.contains_key(&key) {
             return true;
         }
+        // BROKEN (`refused_ranges_retried`): asked again at every allocation.
+        if st.vm.refused.contains(&key) && !cfg!(tidepool_broken = "refused_ranges_retried") {
+            return false;
+        }
         match self.make_range(st, config, key) {
             Ok(()) => true,
             Err(why) => {
                 st.vm.note = Some(why);
+                st.vm.refused.push(key);
                 false
             }
         }

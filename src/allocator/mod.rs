@@ -317,6 +317,7 @@ impl<D: Device> Shared<D> {
         sh.flush_all(&mut st);
         // Published statistics are current before a lock-free reader can see the new config.
         sh.publish_now(&mut st);
+        st.vm.refused.clear(); // the new configuration may ask for other ranges
         let config = Arc::new(config);
         st.config = config.clone();
         st.config_spare = Some(config.clone());
@@ -825,6 +826,7 @@ impl<D: Device> Allocator<D> {
         let sh = &self.shared;
         let _ = sh.release_idle_regions();
         let mut st = sh.lock_state();
+        st.vm.refused.clear(); // ranges refused are asked for again
         sh.flush_all(&mut st);
         if sh.device.capture_underway() || sh.broken(Broken::EmptyCacheSkipsEvents) {
             sh.process_events(&mut st);

@@ -791,11 +791,13 @@ impl super::Device for SimDevice {
         if !st.vm.supported {
             return Err(super::NO_VIRTUAL_MEMORY);
         }
-        st.vm.check_reserve(bytes)?;
-        let addr = st.mem.take_addresses(bytes, st.vm.granularity).ok_or(DeviceError::Driver {
-            op: "cuMemAddressReserve",
-            code: DeviceError::CUDA_ERROR_OUT_OF_MEMORY,
-        })?;
+        let taken = st.vm.check_reserve(bytes).and_then(|()| {
+            st.mem.take_addresses(bytes, st.vm.granularity).ok_or(DeviceError::Driver {
+                op: "cuMemAddressReserve",
+                code: DeviceError::CUDA_ERROR_OUT_OF_MEMORY,
+            })
+        });
+        let addr = taken.inspect_err(|_| st.vm.counters.failed_reserves += 1)?;
         st.vm.add_range(addr, bytes);
         Ok(DeviceAddr(addr))
     }

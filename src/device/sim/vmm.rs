@@ -37,6 +37,8 @@ pub const SIM_VM_GRANULARITY: u64 = 2 << 20;
 pub struct VmCounters {
     /// Address ranges reserved (`cuMemAddressReserve`).
     pub reserves: u64,
+    /// Address reservations refused (no room left in the virtual address space).
+    pub failed_reserves: u64,
     /// Address ranges freed (`cuMemAddressFree`).
     pub frees: u64,
     /// Physical allocations made (`cuMemCreate`).
