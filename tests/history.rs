@@ -46,6 +46,13 @@ fn a_scripted_program_is_recorded_exactly() {
     assert_eq!(tail, vec![(SegmentFree, 0, 2 * MIB, 0), (SegmentFree, 2 * MIB, 20 * MIB, 0)]);
     let times: Vec<u64> = alloc.history().iter().map(|e| e.time_us).collect();
     assert!(times.windows(2).all(|w| w[0] <= w[1]), "times never go back: {times:?}");
+    // PyTorch's clock: microseconds since the Unix epoch, within this test's run.
+    let now_us = || {
+        let d = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap();
+        d.as_micros() as u64
+    };
+    let (first, last) = (times[0], *times.last().unwrap());
+    assert!(now_us() - 60_000_000 < first && last <= now_us(), "{first}..{last}");
     alloc.check_invariants().unwrap();
 }
 

@@ -179,7 +179,9 @@ pub struct TraceEntry {
     pub size: u64,
     /// The stream of the block or segment.
     pub stream: StreamId,
-    /// Microseconds since recording started.
+    /// Microseconds since the Unix epoch, as PyTorch's `time_us` (the system clock read when
+    /// recording started, advanced by a monotonic clock: never going back within a history),
+    /// so the histories of several devices and processes share one time line.
     pub time_us: u64,
     /// The Rust stack of the call, where the context level keeps it (captured lazily,
     /// resolved on dump).
@@ -203,7 +205,7 @@ pub struct Annotation {
     pub name: std::sync::Arc<str>,
     /// Its start (`START`) or its end (`END`).
     pub start: bool,
-    /// Microseconds since recording started (the entries' clock).
+    /// Microseconds since the Unix epoch, on the entries' clock.
     pub time_us: u64,
 }
 
@@ -244,6 +246,8 @@ pub(crate) struct FamilyHistory {
 pub(crate) struct History {
     opts: HistoryOptions,
     start: Instant,
+    /// The system clock when recording started, in microseconds since the Unix epoch.
+    epoch_us: u64,
     entries: VecDeque<TraceEntry>,
     /// The allocation stack of each live block, by address (context `State` and above), until
     /// its free completes: the snapshot's blocks show it. (Addresses are device memory, so
@@ -259,6 +263,9 @@ impl History {
     pub fn new(opts: HistoryOptions, user_metadata: std::sync::Arc<str>) -> History {
         History {
             start: Instant::now(),
+            epoch_us: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_micros() as u64),
             entries: VecDeque::new(),
             opts,
             block_stacks: HashMap::new(),
@@ -275,8 +282,13 @@ impl History {
         if self.annotations.len() == self.opts.max_entries {
             self.annotations.pop_front();
         }
-        let time_us = self.start.elapsed().as_micros() as u64;
+        let time_us = self.now_us();
         self.annotations.push_back(Annotation { name, start, time_us });
+    }
+
+    /// Microseconds since the Unix epoch on the history's clock (see [`TraceEntry::time_us`]).
+    fn now_us(&self) -> u64 {
+        self.epoch_us.saturating_add(self.start.elapsed().as_micros() as u64)
     }
 
     pub fn annotations(&self) -> impl Iterator<Item = &Annotation> {
@@ -336,7 +348,7 @@ impl History {
             self.entries.pop_front();
         }
         let stack = stack.filter(|_| entry_stack);
-        let time_us = self.start.elapsed().as_micros() as u64;
+        let time_us = self.now_us();
         let user_metadata = self.user_metadata.clone();
         self.entries.push_back(TraceEntry {
             action,
