@@ -475,6 +475,30 @@ fn allocator_seeds() -> Vec<(String, Vec<u8>)> {
             ),
         ),
         (
+            "throw-on-oom-and-no-split",
+            // `throw_on_cudamalloc_oom` under a 96 MiB cap: a third 40 MiB request is refused
+            // at once, the cache kept, and served once a buffer went; then with expandable
+            // segments under half the device; then captures into graph pools that never split
+            // (4 MiB + stream 2 ≡ 0 mod 3) and that do.
+            scenario(
+                0,
+                19,
+                vec![
+                    alloc(40 << 20, 0),
+                    alloc(40 << 20, 1),
+                    alloc(40 << 20, 0),
+                    Free { index: 0 },
+                    alloc(40 << 20, 0),
+                    SetConfig { config: 20 },
+                    alloc(20 << 20, 2),
+                    alloc(20 << 20, 2),
+                    Capture { stream: 2, fork: 0, bytes: 4 << 20, launches: 2, panics: false },
+                    Capture { stream: 1, fork: 2, bytes: 4 << 20, launches: 1, panics: false },
+                    EmptyCache,
+                ],
+            ),
+        ),
+        (
             "graph-capture-panics",
             // Capture bodies that panic (`Allocator::capture`): forked and joined back, left
             // forked, not forked; then an ordinary capture on the same streams, and a live
