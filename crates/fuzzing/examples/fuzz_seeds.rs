@@ -476,12 +476,13 @@ fn allocator_seeds() -> Vec<(String, Vec<u8>)> {
         ),
         (
             "throw-on-oom-and-no-split",
-            // `throw_on_cudamalloc_oom` under a 96 MiB cap: a third 40 MiB request is refused
-            // at once, the cache kept, and served once a buffer went; then with expandable
-            // segments under half the device; then captures into graph pools that never split
-            // (4 MiB + stream 2 ≡ 0 mod 3) and that do.
+            // `throw_on_cudamalloc_oom` under a 96 MiB cap on a 1 GiB device: a third 40 MiB
+            // request is refused at once, the cache kept, and served once a buffer went; then
+            // with expandable segments under half the device, a third 200 MiB growth refused;
+            // then captures into graph pools that never split (4 MiB + stream 2 ≡ 0 mod 3) and
+            // that do.
             scenario(
-                0,
+                2,
                 19,
                 vec![
                     alloc(40 << 20, 0),
@@ -490,8 +491,9 @@ fn allocator_seeds() -> Vec<(String, Vec<u8>)> {
                     Free { index: 0 },
                     alloc(40 << 20, 0),
                     SetConfig { config: 20 },
-                    alloc(20 << 20, 2),
-                    alloc(20 << 20, 2),
+                    alloc(200 << 20, 2),
+                    alloc(200 << 20, 2),
+                    alloc(200 << 20, 2),
                     Capture { stream: 2, fork: 0, bytes: 4 << 20, launches: 2, panics: false },
                     Capture { stream: 1, fork: 2, bytes: 4 << 20, launches: 1, panics: false },
                     EmptyCache,
