@@ -339,9 +339,6 @@ pub struct Scope<'a, D: Device> {
     /// and the ring it marked: its end is marked there when it closes (not in a ring recording
     /// started again since, where it would be an end without a start).
     annotation: Option<(std::sync::Arc<str>, super::history::Ring)>,
-    /// Whether the run keeps freed pool blocks for its own reuse (caching on, and the history
-    /// not recorded when it opened).
-    local: bool,
     /// The configuration as of opening: every request of the run is rounded the same way.
     config: Arc<Config>,
     /// Whether the device had the stream when the scope opened (if not, every allocation is
@@ -598,7 +595,6 @@ impl<'a, D: Device> Scope<'a, D> {
             stream,
             name,
             annotation,
-            local,
             config,
             stream_ok,
             cursor: Cursor {
@@ -1097,11 +1093,13 @@ impl<'a, D: Device> Scope<'a, D> {
         Ok(reused)
     }
 
-    /// Whether the memory history is recorded now, though it was not when the run opened (then
-    /// `local` is false anyway): the local cache neither takes nor serves blocks meanwhile, and
-    /// the run learns no plan, so that what the history sees stays whole.
+    /// Whether the memory history is recorded now (whenever the run opened): the local cache
+    /// neither takes nor serves blocks meanwhile, and the run learns no plan, so that what the
+    /// history sees stays whole.
     fn recording_now(&self) -> bool {
+        // BROKEN (`local_while_recording`, `scopes_unrecorded`): never.
         !cfg!(tidepool_broken = "local_while_recording")
+            && !cfg!(tidepool_broken = "scopes_unrecorded")
             && self.alloc.shared.recording.load(Ordering::Relaxed)
     }
 
@@ -1182,7 +1180,7 @@ impl<'a, D: Device> Scope<'a, D> {
         if ours
             && !captured
             && !buf.used_elsewhere()
-            && self.local
+            && self.config.caching
             && !self.recording_now()
             && let Some(block) = buf.block()
         {
