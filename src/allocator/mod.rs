@@ -301,19 +301,12 @@ impl<D: Device> Shared<D> {
     pub(super) fn apply_config(&self, config: Config) {
         let sh = self;
         let mut st = sh.lock_state();
-        let recording = sh.recording.load(Ordering::Relaxed);
-        let limits = limits(&config, recording);
-        sh.fast_path.store(config.fast_path() && !recording, Ordering::Relaxed);
-        let hint = StreamCache::fast_max_of(limits, &config.sizing);
-        sh.small_hint.store(hint, Ordering::Relaxed);
         sh.cache_large.store(Shared::<D>::large_cacheable(&st, &config), Ordering::Relaxed);
         sh.publish_stats.store(!config.global_lock, Ordering::Relaxed);
         sh.passthrough.store(!config.caching, Ordering::Relaxed);
         sh.oversize_at.store(config.sizing.max_split_size, Ordering::Relaxed);
         st.pool.set_oversize_size(config.sizing.max_split_size);
-        for c in sh.caches.all().iter() {
-            c.configure(limits, config.sizing);
-        }
+        sh.configure_lanes(&config, sh.recording.load(Ordering::Relaxed));
         sh.flush_all(&mut st);
         // Published statistics are current before a lock-free reader can see the new config.
         sh.publish_now(&mut st);

@@ -235,19 +235,26 @@ impl<D: Device> Shared<D> {
         let mut st = self.lock_state();
         self.recording.store(on, Ordering::Relaxed);
         let config = st.config.clone();
-        self.fast_path.store(config.fast_path() && !on, Ordering::Relaxed);
-        // The lanes close to hits and frees alike (room and size bound 0).
-        let closed = on && !self.broken(Broken::HistoryLanesOpen);
-        let lane_limits = limits(&config, closed);
+        self.configure_lanes(&config, on);
+        if on {
+            self.flush_all(&mut st);
+        }
+        st.history = ring.map(|r| Tap::new(r, self.role.id));
+    }
+
+    /// Sets the stream caches' bounds, the fast path's switch and its size hint from `config`,
+    /// the lanes closed to hits and frees alike (room and size bound 0) while the history is
+    /// `recording`. The caller holds the global lock (and flushes what the new bounds leave
+    /// out).
+    pub(super) fn configure_lanes(&self, config: &Config, recording: bool) {
+        self.fast_path.store(config.fast_path() && !recording, Ordering::Relaxed);
+        let closed = recording && !self.broken(Broken::HistoryLanesOpen);
+        let lane_limits = limits(config, closed);
         let hint = StreamCache::fast_max_of(lane_limits, &config.sizing);
         self.small_hint.store(hint, Ordering::Relaxed);
         for c in self.caches.all().iter() {
             c.configure(lane_limits, config.sizing);
         }
-        if on {
-            self.flush_all(&mut st);
-        }
-        st.history = ring.map(|r| Tap::new(r, self.role.id));
     }
 
     /// Marks a range's start or end in the history, if it is recorded (`history.rs`); the
