@@ -636,3 +636,66 @@ fn scopes_across_a_recording_switch_keep_the_history_whole() {
     assert!(alloc.annotations().is_empty(), "{:?}", alloc.annotations());
     alloc.check_invariants().unwrap();
 }
+
+/// A named scope that follows its plan when recording starts: from then on its allocations go
+/// through the allocator, which records them (alloc, free_requested, free_completed, none of
+/// them in the plan's region), both where the planned path is inlined (no sanitizer) and
+/// where every allocation takes the general path (a backed device); once recording stops, the
+/// next run follows the plan again at the plan's addresses. Broken build
+/// `planned_while_recording`: the plan serves on, unrecorded.
+#[test]
+fn a_planned_run_records_its_allocations_once_the_history_records() {
+    use Action::*;
+    for backed in [false, true] {
+        let dev = Arc::new(match backed {
+            true => SimDevice::backed(64 * MIB),
+            false => SimDevice::new(64 * MIB),
+        });
+        let alloc = Allocator::new(dev.clone(), Config::default()).unwrap();
+        let run = |record_after_first: bool| {
+            let s = alloc.named_scope("step", StreamId::DEFAULT);
+            let a = s.alloc(MIB).unwrap();
+            if record_after_first {
+                alloc.record_history(HistoryOptions::new(100).with_clear_history(true));
+            }
+            let b = s.alloc(MIB).unwrap();
+            let (pb, planned_b) = (b.ptr(), b.is_planned());
+            drop(b);
+            let c = s.alloc(MIB).unwrap();
+            let (pc, planned_c) = (c.ptr(), c.is_planned());
+            drop(c);
+            let out = ([a.ptr(), pb, pc], [a.is_planned(), planned_b, planned_c]);
+            drop(a);
+            out
+        };
+        run(false); // learns
+        let (plan, planned) = run(false);
+        assert_eq!(planned, [true; 3], "backed {backed}");
+        let region = alloc.stats().plan_region_bytes;
+        let (ptrs, planned) = run(true);
+        assert_eq!(planned, [true, false, false], "backed {backed}: the pool serves b and c");
+        assert_eq!(ptrs[0], plan[0]);
+        let got: Vec<(Action, u64, u64)> =
+            alloc.history().iter().map(|e| (e.action, e.addr.0, e.size)).collect();
+        let (b, c) = (ptrs[1].0, ptrs[2].0);
+        // (The learning run's segment became the plan's region: the pool makes one.)
+        let want = [
+            (SegmentAlloc, b, 2 * MIB),
+            (Alloc, b, MIB),
+            (FreeRequested, b, MIB),
+            (FreeCompleted, b, MIB),
+            (Alloc, c, MIB),
+            (FreeRequested, c, MIB),
+            (FreeCompleted, c, MIB),
+        ];
+        assert_eq!(got, want, "backed {backed}");
+        for p in [b, c] {
+            assert!(!(plan[0].0..plan[0].0 + region).contains(&p), "backed {backed}: {p:#x}");
+        }
+        alloc.record_history(HistoryOptions::new(0));
+        assert_eq!(run(false), (plan, [true; 3]), "backed {backed}: the plan serves again");
+        assert_eq!(alloc.stats().plan_region_bytes, region);
+        alloc.check_invariants().unwrap();
+        assert_eq!(dev.violations(), vec![]);
+    }
+}

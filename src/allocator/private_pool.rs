@@ -211,20 +211,25 @@ impl PoolRole {
 
 /// The streams routed to a private pool, in the general allocator.
 pub(crate) struct Routes<D: Device> {
-    /// All ones while any route exists, else 0 (checked before the table, with one load; the
-    /// planned path of a scope ORs it into its size check, see [`Routes::mask_word`]).
+    /// All ones while any route exists, else 0 (checked before the table, with one load).
     active: AtomicU64,
-    /// Always 0: what a scope reads instead of `active` in broken mode `PlannedStaleRoutes`.
+    /// All ones while any route exists or the memory history records, else 0: what a scope's
+    /// planned path ORs into its size check ([`Routes::mask_word`]), so that it stands aside
+    /// for the general path then (which routes, or records, each allocation).
+    aside: AtomicU64,
+    /// Always 0: what a scope reads instead of `aside` in broken mode `PlannedStaleRoutes`.
     never: AtomicU64,
-    table: Mutex<Vec<Route<D>>>,
+    /// The routes, and whether the history records (both set under this lock).
+    table: Mutex<(Vec<Route<D>>, bool)>,
 }
 
 impl<D: Device> Default for Routes<D> {
     fn default() -> Self {
         Routes {
             active: AtomicU64::new(0),
+            aside: AtomicU64::new(0),
             never: AtomicU64::new(0),
-            table: Mutex::new(Vec::new()),
+            table: Mutex::new((Vec::new(), false)),
         }
     }
 }
@@ -246,18 +251,31 @@ impl<D: Device> Routes<D> {
         self.active.load(Ordering::Relaxed) != 0
     }
 
-    /// The word [`Routes::any`] reads (all ones while any stream is routed, else 0), for a
-    /// scope's planned path to read it with no pointer to the table in between; with `stale` (broken mode `PlannedStaleRoutes`) a word that
-    /// stays 0, as if the routes were read once when the scope opened and no route existed.
+    /// The word a scope's planned path reads (all ones while any stream is routed or the
+    /// history records, else 0), with no pointer to the table in between; with `stale` (broken
+    /// mode `PlannedStaleRoutes`) a word that stays 0, as if the routes were read once when the
+    /// scope opened and no route existed.
     pub(super) fn mask_word(&self, stale: bool) -> &AtomicU64 {
         match stale {
-            false => &self.active,
+            false => &self.aside,
             true => &self.never,
         }
     }
 
-    fn set_active(&self, routes: usize) {
-        self.active.store(if routes == 0 { 0 } else { u64::MAX }, Ordering::Release);
+    fn set_active(&self, table: &(Vec<Route<D>>, bool)) {
+        let word = |on: bool| if on { u64::MAX } else { 0 };
+        let (routes, recording) = (!table.0.is_empty(), table.1);
+        self.active.store(word(routes), Ordering::Release);
+        // BROKEN (`planned_while_recording`): the planned path serves while the history records.
+        let recording = recording && !cfg!(tidepool_broken = "planned_while_recording");
+        self.aside.store(word(routes || recording), Ordering::Release);
+    }
+
+    /// Whether the memory history records: scopes' planned paths stand aside meanwhile.
+    pub(super) fn set_recording(&self, on: bool) {
+        let mut t = lock(&self.table);
+        t.1 = on;
+        self.set_active(&t);
     }
 
     /// The pool allocations on `stream` go to: the latest route of the stream.
@@ -265,26 +283,26 @@ impl<D: Device> Routes<D> {
         if !self.any() {
             return None;
         }
-        lock(&self.table).iter().rev().find(|r| r.stream == stream).map(|r| r.pool.clone())
+        lock(&self.table).0.iter().rev().find(|r| r.stream == stream).map(|r| r.pool.clone())
     }
 
     /// Whether `stream` is routed to a pool.
     pub(super) fn routed(&self, stream: StreamId) -> bool {
-        self.any() && lock(&self.table).iter().any(|r| r.stream == stream)
+        self.any() && lock(&self.table).0.iter().any(|r| r.stream == stream)
     }
 
     pub(super) fn add(&self, id: u64, stream: StreamId, pool: Allocator<D>) {
         let mut t = lock(&self.table);
-        t.push(Route { id, stream, pool });
-        self.set_active(t.len());
+        t.0.push(Route { id, stream, pool });
+        self.set_active(&t);
     }
 
     /// Removes route `id`; returns its pool (dropped by the caller, outside the lock).
     pub(super) fn remove(&self, id: u64) -> Option<Allocator<D>> {
         let mut t = lock(&self.table);
-        let i = t.iter().position(|r| r.id == id)?;
-        let r = t.remove(i);
-        self.set_active(t.len());
+        let i = t.0.iter().position(|r| r.id == id)?;
+        let r = t.0.remove(i);
+        self.set_active(&t);
         Some(r.pool)
     }
 }

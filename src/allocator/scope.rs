@@ -321,9 +321,10 @@ impl<D: Device> Run<D> {
 pub struct Scope<'a, D: Device> {
     alloc: &'a Allocator<D>,
     device: &'a Guarded<D>,
-    /// The private-pool routes' mask (all ones while any stream is routed, see
-    /// `Routes::mask_word`), ORed into the planned path's size check at every allocation: a
-    /// guard or a capture may begin on the stream, on any thread, while the scope is open.
+    /// The planned path's stand-aside mask (all ones while any stream is routed or the history
+    /// records, see `Routes::mask_word`), ORed into its size check at every allocation: a
+    /// guard or a capture may begin on the stream, or recording start, on any thread, while
+    /// the scope is open.
     route_mask: &'a AtomicU64,
     /// The rounding granule when this run's size rules round every request up to a multiple
     /// of it and nothing else (the default rules): the planned path then checks a request
@@ -967,7 +968,11 @@ impl<'a, D: Device> Scope<'a, D> {
     #[inline]
     fn planned(&self, offset: u64, size: u64) -> Option<DeviceAddr> {
         let c = &self.cursor;
-        if c.held.get() {
+        // While the history records (whenever the run opened), the allocator serves and
+        // records every allocation: a planned slice would be in no entry.
+        // BROKEN (`planned_while_recording`): the plan serves on.
+        let recording = self.recording_now() && !cfg!(tidepool_broken = "planned_while_recording");
+        if c.held.get() || recording {
             return None;
         }
         let base = c.base.get();

@@ -234,6 +234,7 @@ impl<D: Device> Shared<D> {
         let on = ring.is_some();
         let mut st = self.lock_state();
         self.recording.store(on, Ordering::Relaxed);
+        self.routes.set_recording(on);
         let config = st.config.clone();
         self.configure_lanes(&config, on);
         if on {
