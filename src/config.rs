@@ -742,9 +742,11 @@ impl Config {
         if !z.round_large.is_multiple_of(z.min_block_size) {
             return fail("round_large_mb must be a multiple of min_block_size".into());
         }
-        if z.max_split_size != u64::MAX && z.max_split_size <= z.large_segment {
+        // PyTorch's `parseMaxSplitSize`: at least the large segment size (older releases
+        // wanted more than it).
+        if z.max_split_size != u64::MAX && z.max_split_size < z.large_segment {
             return fail(format!(
-                "max_split_size_mb ({} MiB) must exceed large_segment_mb ({} MiB)",
+                "max_split_size_mb ({} MiB) must be at least large_segment_mb ({} MiB)",
                 z.max_split_size / MIB,
                 z.large_segment / MIB
             ));
@@ -1157,9 +1159,9 @@ mod tests {
             Config::parse("max_split_size_mb").unwrap_err(),
             ConfigError::Malformed("max_split_size_mb".into())
         );
-        let e = Config::parse("max_split_size_mb:20").unwrap_err();
+        let e = Config::parse("max_split_size_mb:19").unwrap_err();
         assert!(
-            matches!(e, ConfigError::Inconsistent(ref m) if m.contains("must exceed large_segment_mb")),
+            matches!(e, ConfigError::Inconsistent(ref m) if m.contains("must be at least large_segment_mb")),
             "{e}"
         );
         assert!(matches!(Config::parse("small_size_mb:16"), Err(ConfigError::Inconsistent(_))));

@@ -322,7 +322,7 @@ fn settings_pytorch_refuses_are_refused() {
         "foo:1,bar:2",
         "garbage_collection_threshold:1.2",
         "max_split_size_mb:2",
-        "max_split_size_mb:20",
+        "max_split_size_mb:19",
         "release_lock_on_cudamalloc:none",
         "pinned_use_cuda_host_register:none",
         "pinned_num_register_threads:none",
@@ -335,8 +335,9 @@ fn settings_pytorch_refuses_are_refused() {
         let key = bad.split(':').next().unwrap();
         assert!(e.to_string().contains(key), "{bad}: {e}");
     }
-    // The smallest max_split_size PyTorch takes is 21 MiB.
-    assert_eq!(Config::parse("max_split_size_mb:21").unwrap().sizing.max_split_size, 21 * MIB);
+    // The smallest max_split_size PyTorch takes is the large segment size, 20 MiB
+    // (`parseMaxSplitSize`; releases before 2.8 wanted 21).
+    assert_eq!(Config::parse("max_split_size_mb:20").unwrap().sizing.max_split_size, 20 * MIB);
 }
 
 /// `max_split_size_mb` (`get_free_block`, `should_split`): a block of at least max_split_size

@@ -54,10 +54,10 @@ impl Pool {
         }
         assert!(pad < b.size, "split_front: no aligned address in the block");
         let (seg, addr, size, was_split) = (b.segment, b.addr, b.size, b.is_split());
-        let (key, slot) = (self.segments[seg.0].key, self.segments[seg.0].slot);
+        let slot = self.segments[seg.0].slot;
         self.index_remove(slot, &Entry { size, addr, id: id.0 });
         if was_split {
-            self.count_split(key, size, false);
+            self.count_split(seg, size, false);
         }
         let next = self.blocks[id.0].next;
         let rest = BlockId(self.blocks.insert(Block {
@@ -80,9 +80,9 @@ impl Pool {
         // Both halves are free blocks of a split segment now. (Two adjacent free blocks exist
         // only until the caller allocates `rest`, under the same lock.)
         self.index_insert(slot, Entry { size: pad, addr, id: id.0 });
-        self.count_split(key, pad, true);
+        self.count_split(seg, pad, true);
         self.index_insert(slot, Entry { size: size - pad, addr: addr + pad, id: rest.0 });
-        self.count_split(key, size - pad, true);
+        self.count_split(seg, size - pad, true);
         rest
     }
 }

@@ -228,9 +228,15 @@ impl Pool {
         self.changed |= 1 << Self::quadrant(k, r);
     }
 
-    /// Counts a free block of a split segment, of `size` bytes, in (`up`) or out.
-    fn count_split(&mut self, key: PoolKey, size: u64, up: bool) {
-        let (k, r, st) = (key.kind, key.residency, &mut self.stats);
+    /// Counts a free block of split segment `seg`, of `size` bytes, in (`up`) or out; nothing
+    /// for a run of an expandable range ([`Segment::expandable`]).
+    fn count_split(&mut self, seg: SegmentId, size: u64, up: bool) {
+        let s = &self.segments[seg.0];
+        // BROKEN (`expandable_inactive_split`): runs count as device segments do.
+        if s.expandable && !cfg!(tidepool_broken = "expandable_inactive_split") {
+            return;
+        }
+        let (k, r, st) = (s.key.kind, s.key.residency, &mut self.stats);
         if up {
             st.inactive_split_bytes.increase(k, r, size);
             st.inactive_split.increase(k, r, 1);
@@ -244,9 +250,13 @@ impl Pool {
     /// Counts a free block of a split segment, of `old` bytes, out and its remainder of `new`
     /// bytes (≤ `old`) in: [`Pool::count_split`] down then up, in one pass over the cells. (The
     /// current falls or stays, so no peak moves.)
-    fn count_split_shrunk(&mut self, key: PoolKey, old: u64, new: u64) {
+    fn count_split_shrunk(&mut self, seg: SegmentId, old: u64, new: u64) {
         debug_assert!(new <= old);
-        let (k, r) = (key.kind, key.residency);
+        let s = &self.segments[seg.0];
+        if s.expandable && !cfg!(tidepool_broken = "expandable_inactive_split") {
+            return;
+        }
+        let (k, r) = (s.key.kind, s.key.residency);
         let shrink = |g: &mut crate::types::StatGroup, old: u64, new: u64| {
             let cell = |s: &mut Stat| {
                 s.current = s.current - old + new;
@@ -444,6 +454,7 @@ impl Pool {
             busy_blocks: 0,
             slot,
             last_use,
+            expandable: false,
         });
         self.index_insert(slot, Entry { size, addr: base, id: block.0 });
         self.count_segment(key, size, true);
@@ -494,15 +505,15 @@ impl Pool {
                 self.index_replace(slot, &taken, e);
                 // The free block leaves the inactive splits and its remainder enters them.
                 match split {
-                    true => self.count_split_shrunk(key, whole, whole - rounded),
-                    false => self.count_split(key, whole - rounded, true),
+                    true => self.count_split_shrunk(seg, whole, whole - rounded),
+                    false => self.count_split(seg, whole - rounded, true),
                 }
                 (rounded, Some(BlockId(rest_id)))
             }
             false => {
                 self.index_remove(slot, &taken);
                 if split {
-                    self.count_split(key, whole, false);
+                    self.count_split(seg, whole, false);
                 }
                 (whole, next)
             }
@@ -628,7 +639,7 @@ impl Pool {
             let m = Entry { size, addr, id: id.0 };
             self.index_insert(slot, m);
             if prev.is_some() || next.is_some() {
-                self.count_split(key, size, true);
+                self.count_split(seg, size, true);
             }
             return id;
         }
@@ -656,7 +667,7 @@ impl Pool {
         let taken = match (left, right) {
             (Some(l), Some(r)) => {
                 if self.index_remove(slot, &r) {
-                    self.count_split(key, r.size, false);
+                    self.count_split(seg, r.size, false);
                 }
                 l
             }
@@ -664,12 +675,12 @@ impl Pool {
             (None, None) => unreachable!("a free neighbour: see above"),
         };
         if self.index_replace(slot, &taken, m) {
-            self.count_split(key, taken.size, false);
+            self.count_split(seg, taken.size, false);
         } else {
             self.index_insert(slot, m);
         }
         if split {
-            self.count_split(key, m.size, true);
+            self.count_split(seg, m.size, true);
         }
         merged
     }
@@ -841,7 +852,7 @@ impl Pool {
                                 b.addr
                             ));
                         }
-                        if b.is_split() {
+                        if b.is_split() && !seg.expandable {
                             expect.inactive_split_bytes.increase(kind, res, b.size);
                             expect.inactive_split.increase(kind, res, 1);
                         }

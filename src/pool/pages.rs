@@ -34,26 +34,26 @@ impl Pool {
     /// A free block leaves the index (and the inactive-split figures, if it is split).
     fn unlist(&mut self, id: BlockId, key: PoolKey) {
         let b = &self.blocks[id.0];
-        let (size, addr, split) = (b.size, b.addr, b.is_split());
+        let (size, addr, split, seg) = (b.size, b.addr, b.is_split(), b.segment);
         let slot = self.slot_of(key).expect("a listed block's key has an index");
         let removed = self.index_remove(slot, &Entry { size, addr, id: id.0 });
         debug_assert!(removed, "unlist of a block not in the free index");
         if split {
-            self.count_split(key, size, false);
+            self.count_split(seg, size, false);
         }
     }
 
     /// A free block enters the index (and the inactive-split figures, if it is split).
     fn relist(&mut self, id: BlockId, key: PoolKey) {
         let b = &self.blocks[id.0];
-        let (size, addr, split) = (b.size, b.addr, b.is_split());
+        let (size, addr, split, seg) = (b.size, b.addr, b.is_split(), b.segment);
         let slot = match self.slot_of(key) {
             Some(slot) => slot,
             None => self.slot_for(key),
         };
         self.index_insert(slot, Entry { size, addr, id: id.0 });
         if split {
-            self.count_split(key, size, true);
+            self.count_split(seg, size, true);
         }
     }
 
@@ -87,7 +87,9 @@ impl Pool {
         let Some(l) = left else {
             let Some(r) = right else {
                 let b = self.add_segment(key, addr, bytes);
-                return (self.blocks[b.0].segment, b);
+                let seg = self.blocks[b.0].segment;
+                self.segments[seg.0].expandable = true;
+                return (seg, b);
             };
             let seg = &self.segments[r.0];
             assert!(seg.key == key && seg.base == addr + bytes, "extend: right does not touch");
@@ -254,6 +256,7 @@ impl Pool {
                     busy_blocks: busy,
                     slot,
                     last_use: self.segments[seg.0].last_use,
+                    expandable: self.segments[seg.0].expandable,
                 });
                 let s = &mut self.segments[seg.0];
                 s.size = lo - sb;
@@ -345,7 +348,8 @@ mod tests {
         let st = pool.stats();
         assert_eq!(st.segment.all.current, 1);
         assert_eq!(st.reserved_bytes.all.current, 4 * P);
-        assert_eq!(st.inactive_split_bytes.all.current, 3 * P);
+        // A run's free blocks are in no inactive-split figure (as PyTorch's expandable segments).
+        assert_eq!(st.inactive_split_bytes.all.current, 0);
         assert_eq!(pool.free_bytes_of(StreamId(0)), 3 * P);
         pool.check_invariants().unwrap();
     }
@@ -432,10 +436,10 @@ mod tests {
         assert_eq!(pool.carve(first, BASE, BASE + P), (None, Some(seg)));
         assert_eq!(pool.segment(seg).base, BASE + P);
         assert_eq!(layout(&pool), vec![vec![(P, P, A), (2 * P, P, F)]]);
-        assert_eq!(pool.stats().inactive_split_bytes.all.current, P);
+        assert_eq!(pool.stats().inactive_split_bytes.all.current, 0, "a run's free block");
+        assert_eq!(pool.segment(seg).size, 2 * P);
         pool.check_invariants().unwrap();
         pool.free(m);
-        assert_eq!(pool.stats().inactive_split_bytes.all.current, 0);
         pool.check_invariants().unwrap();
     }
 }
