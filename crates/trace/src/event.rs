@@ -47,7 +47,8 @@ pub struct Event {
     pub op: Op,
     /// Buffer id for alloc/free; for scope markers, the scope id written in the input.
     pub id: u64,
-    /// Requested bytes (on a free: the bytes of the buffer being freed; 0 on markers).
+    /// Requested bytes (on a free: the bytes of the buffer being freed, or 0 where the input
+    /// did not write them; 0 on markers).
     pub bytes: u64,
     /// Stream (dense small ids; 0 is the default stream).
     pub stream: u32,
@@ -165,18 +166,28 @@ impl Trace {
 
     /// Live requested bytes after each event (saturating at `u64::MAX`).
     pub fn live_bytes_timeline(&self) -> Vec<u64> {
+        self.live_after_each().map(|live| u64::try_from(live).unwrap_or(u64::MAX)).collect()
+    }
+
+    /// Live requested bytes after each event. A free takes away its allocation's bytes, which
+    /// a free written with 0 bytes (which [`crate::Validator`] accepts) does not carry.
+    fn live_after_each(&self) -> impl Iterator<Item = u128> + '_ {
         let mut live: u128 = 0;
-        self.events
-            .iter()
-            .map(|e| {
-                match e.op {
-                    Op::Alloc => live += u128::from(e.bytes),
-                    Op::Free => live = live.saturating_sub(u128::from(e.bytes)),
-                    _ => {}
+        let mut bytes_of: HashMap<u64, u64> = HashMap::new();
+        self.events.iter().map(move |e| {
+            match e.op {
+                Op::Alloc => {
+                    bytes_of.insert(e.id, e.bytes);
+                    live += u128::from(e.bytes);
                 }
-                u64::try_from(live).unwrap_or(u64::MAX)
-            })
-            .collect()
+                Op::Free => {
+                    let bytes = bytes_of.remove(&e.id).unwrap_or(e.bytes);
+                    live = live.saturating_sub(u128::from(bytes));
+                }
+                _ => {}
+            }
+            live
+        })
     }
 
     /// The peak of live requested bytes in each step: from the start, or the previous
@@ -201,18 +212,7 @@ impl Trace {
     /// The highest sum of live requested bytes at any point: the lower bound on the memory
     /// any allocator needs (saturating at `u64::MAX`).
     pub fn peak_live_bytes(&self) -> u64 {
-        let mut live: u128 = 0;
-        let mut peak: u128 = 0;
-        for e in &self.events {
-            match e.op {
-                Op::Alloc => {
-                    live += u128::from(e.bytes);
-                    peak = peak.max(live);
-                }
-                Op::Free => live = live.saturating_sub(u128::from(e.bytes)),
-                _ => {}
-            }
-        }
+        let peak = self.live_after_each().max().unwrap_or(0);
         u64::try_from(peak).unwrap_or(u64::MAX)
     }
 

@@ -834,3 +834,75 @@ fn a_long_snapshot_sharing_its_tracebacks_reads() {
     let e = read_trace_bytes(&shared_traceback_snapshot(1, 1_500_000)).unwrap_err();
     assert!(e.to_string().contains("expands to more than"), "{e}");
 }
+
+/// serde-pickle parses the decimal text of `INT`/`LONG` in time quadratic in its length (4
+/// million digits took 32 s, and a 15 KB gzip file of 16 million many minutes): refused at
+/// once, before decoding (found in review).
+#[test]
+fn long_decimal_integers_are_refused_before_decoding() {
+    let mut p = b"\x80\x02(L".to_vec();
+    p.extend(std::iter::repeat_n(b'7', 2_000_000));
+    p.extend(b"L\nl.");
+    let e = read_trace_bytes(&p).unwrap_err();
+    assert!(e.to_string().contains("decimal integer longer than 1024 digits"), "{e}");
+    // 1000 digits pass the guard (and the reader then finds no snapshot in a list).
+    let mut p = b"\x80\x02(L".to_vec();
+    p.extend(std::iter::repeat_n(b'7', 1000));
+    p.extend(b"L\nl.");
+    let e = read_trace_bytes(&p).unwrap_err();
+    assert!(!e.to_string().contains("decimal integer"), "{e}");
+}
+
+/// serde-pickle allocates a 128-value stack per open `MARK`: `(` × n then `1` × n (nothing
+/// nested for the guard's graph) cost ~4 KB of memory per input byte, and a 9.7 KB gzip file
+/// aborted the process under a 4 GB limit. Open marks nest as containers do: refused past
+/// `MAX_DEPTH` (found in review).
+#[test]
+fn runs_of_marks_are_refused() {
+    let mut p = b"\x80\x04".to_vec();
+    p.extend(std::iter::repeat_n(b'(', 300_000));
+    p.extend(std::iter::repeat_n(b'1', 300_000));
+    p.extend(b"N.");
+    let e = read_trace_bytes(&p).unwrap_err();
+    assert!(e.to_string().contains("nests deeper than 128 levels"), "{e}");
+}
+
+/// PyTorch appends entries in list order under its allocator lock; a clock that steps back
+/// between a free and the alloc that reuses its address made time order allocate a live
+/// address, and the whole snapshot was refused. Such a device is read in list order, with a
+/// note (found in review).
+#[test]
+fn a_clock_stepping_back_falls_back_to_the_lists_order() {
+    let a = 0x7f00_0000_0000;
+    let t = read(vec![vec![
+        timed("alloc", a, 1 << 20, 1),
+        timed("free_requested", a, 1 << 20, 10),
+        timed("free_completed", a, 1 << 20, 10),
+        timed("alloc", a, 1 << 20, 9),
+        timed("free_completed", a, 1 << 20, 11),
+    ]])
+    .unwrap();
+    assert_eq!(t.peak_live_bytes(), 1 << 20);
+    let ops: Vec<Op> = t.events.iter().map(|e| e.op).collect();
+    assert_eq!(ops, [Op::Alloc, Op::Free, Op::Alloc, Op::Free]);
+    let info = t.snapshot.unwrap();
+    assert_eq!(info.reordered, 0);
+    assert!(info.notes.iter().any(|n| n.contains("in the order of the list")), "{:?}", info.notes);
+    // A real double alloc is still refused (named as time order found it).
+    let e = read(vec![vec![timed("alloc", a, 1, 2), timed("alloc", a, 1, 1)]]).unwrap_err();
+    assert_eq!(e, at(0, 0, ErrorKind::AllocOfLiveAddress(a as u64)));
+}
+
+/// torch_npu (Ascend) writes the same snapshot with a `workspace_snapshot` action: a marker,
+/// skipped and counted, not an unknown action that refuses the file (found in review).
+#[test]
+fn workspace_snapshot_entries_are_markers() {
+    let t = read(vec![vec![
+        entry("alloc", 0x1000, 512),
+        entry("workspace_snapshot", 0, 0),
+        entry("free_completed", 0x1000, 512),
+    ]])
+    .unwrap();
+    assert_eq!(t.skipped.get("workspace_snapshot"), Some(&1));
+    assert_eq!(t.events.len(), 2);
+}

@@ -312,3 +312,19 @@ fn step_peaks_of_the_shipped_traces() {
         assert_eq!(t.step_peak_live_bytes().iter().max(), Some(&t.peak_live_bytes()), "{name}");
     }
 }
+
+/// A free written with 0 bytes (accepted: the size is the allocation's) still frees its
+/// allocation's bytes in peak live and the live timeline: ten 1 MiB blocks, never two live at
+/// once, gave a peak live (the lower bound) of 10 MiB (found in review).
+#[test]
+fn a_free_with_zero_bytes_frees_its_allocations_bytes() {
+    let mut csv = String::from("seq,op,id,bytes,stream,tag\n");
+    for i in 0..10 {
+        csv += &format!("{},alloc,{i},1048576,0,act\n{},free,{i},0,0,act\n", 2 * i, 2 * i + 1);
+    }
+    let t = read_trace_bytes(csv.as_bytes()).unwrap();
+    assert_eq!(t.peak_live_bytes(), 1 << 20);
+    let timeline = t.live_bytes_timeline();
+    assert_eq!(&timeline[..4], &[1 << 20, 0, 1 << 20, 0]);
+    assert_eq!(*timeline.last().unwrap(), 0);
+}

@@ -13,7 +13,11 @@
 //! while it reads, before `STOP`: the item under `DUP`, the arguments of `REDUCE`, `NEWOBJ`…
 //! Those copies count towards the same bound, whether or not they end up in the result, and
 //! an opcode the scan does not know is refused at once (the decoder would refuse it too, but
-//! only after doing all the work before it).
+//! only after doing all the work before it). What the decoder holds while it reads counts as
+//! well: every value it creates and every memo entry, whether or not it ends up in the result
+//! (at most [`MAX_CREATED`]), open `MARK`s (serde-pickle gives each a stack of its own: at most
+//! [`MAX_DEPTH`] at once), and the text of `INT`/`LONG` opcodes, which it parses in quadratic
+//! time (at most [`MAX_TEXT_INT`] bytes).
 //!
 //! [`prepare`] turns every memo reference (`GET`) to a *container* into `None`. Python's pickler
 //! writes a `GET` wherever one object is reached again, and serde-pickle rebuilds no sharing:
@@ -56,6 +60,13 @@ pub const MAX_DEPTH: u32 = 128;
 /// seconds, whatever the input claims (2·10^8 unweighted values, the bound before, let a 1.5 KB
 /// pickle of duplicated tuples take 12 GB, and a duplicated string could take any amount).
 pub const MAX_EXPANDED: u64 = 10_000_000;
+/// Most values the decoder may create while it reads, whether or not they end up in the
+/// result (values left on the stack, memo entries): a real pickle creates each value of its
+/// result once and memoizes at most as many, so twice [`MAX_EXPANDED`].
+pub const MAX_CREATED: u64 = 2 * MAX_EXPANDED;
+/// Longest decimal text of an `INT` or `LONG` opcode accepted (serde-pickle parses it in time
+/// quadratic in its length; no field of a snapshot needs more than 20 digits).
+pub const MAX_TEXT_INT: usize = 1024;
 /// Longest string opcode (opcode, length and text) copied in place of a memo reference.
 pub const MAX_INLINE: usize = 256;
 /// Most bytes added to a pickle by copying strings in place of memo references.
@@ -115,19 +126,24 @@ struct Scan<'a> {
     inline: Vec<Rewrite>,
     /// Bytes `inline` adds.
     inline_bytes: usize,
+    /// Values the decoder creates, whether or not they end up in the result (a value left on
+    /// the stack or popped costs as much memory while decoding), memo entries included.
+    created: u64,
+    /// The most `created` may reach: [`MAX_CREATED`] (a smaller one in tests).
+    max_created: u64,
 }
 
 /// Checks `data`; `Err` carries the reason. Opcodes the scan does not know are left to the
 /// decoder (which rejects them).
 #[cfg(test)]
 pub fn check(data: &[u8]) -> Result<(), String> {
-    scan(data).map(|_| ())
+    scan(data, MAX_CREATED).map(|_| ())
 }
 
 /// Checks `data` as described above, then sets every float in it to `0.0` and copies short
 /// shared strings in place of their memo references (see the module docs).
 pub fn prepare(data: &mut Vec<u8>) -> Result<(), String> {
-    let (floats, inline, added) = scan(data)?;
+    let (floats, inline, added) = scan(data, MAX_CREATED)?;
     for float in floats {
         match float {
             Float::Binary(r) => data[r].fill(0),
@@ -156,9 +172,10 @@ pub fn prepare(data: &mut Vec<u8>) -> Result<(), String> {
     Ok(())
 }
 
-/// Checks `data`; where its floats are, the strings to copy in place of memo references, and
-/// the bytes that adds.
-fn scan(data: &[u8]) -> Result<(Vec<Float>, Vec<Rewrite>, usize), String> {
+/// Checks `data`, refusing it where the decoder would create more than `max_created` values;
+/// where its floats are, the strings to copy in place of memo references, and the bytes that
+/// adds.
+fn scan(data: &[u8], max_created: u64) -> Result<(Vec<Float>, Vec<Rewrite>, usize), String> {
     let mut s = Scan {
         data,
         pos: 0,
@@ -172,6 +189,8 @@ fn scan(data: &[u8]) -> Result<(Vec<Float>, Vec<Rewrite>, usize), String> {
         memo_text: HashMap::new(),
         inline: Vec::new(),
         inline_bytes: 0,
+        created: 0,
+        max_created,
     };
     let result = s.run()?;
     let mut measured = std::mem::take(&mut s.copied);
@@ -214,7 +233,17 @@ impl Scan<'_> {
         Ok(self.stack.split_off(mark.min(self.stack.len())))
     }
 
+    /// Counts one more value created by the decoder.
+    fn create(&mut self) -> Result<(), String> {
+        self.created += 1;
+        if self.created > self.max_created {
+            return Err(format!("pickle creates more than {} values", self.max_created));
+        }
+        Ok(())
+    }
+
     fn new_node(&mut self, items: &[Item]) -> Result<Item, String> {
+        self.create()?;
         let id = u32::try_from(self.nodes.len()).map_err(|_| "pickle too large")?;
         self.nodes.push(Node::default());
         self.add(id, items);
@@ -273,7 +302,14 @@ impl Scan<'_> {
                     }
                 }
                 0x95 => _ = self.take(8)?,
-                b'I' | b'L' | b'S' | b'V' => weight += self.line()?.len() as u64 / 64,
+                b'I' | b'L' => {
+                    if self.line()?.len() > MAX_TEXT_INT {
+                        return Err(format!(
+                            "pickle has a decimal integer longer than {MAX_TEXT_INT} digits"
+                        ));
+                    }
+                }
+                b'S' | b'V' => weight += self.line()?.len() as u64 / 64,
                 b'U' | b'C' | 0x8c | 0x8a | b'T' | b'B' | b'X' | 0x8b | 0x8d | 0x8e | 0x96 => {
                     let width = match op {
                         b'U' | b'C' | 0x8c | 0x8a => 1,
@@ -286,6 +322,12 @@ impl Scan<'_> {
                 }
                 b'N' | 0x88 | 0x89 => {}
                 b'(' => {
+                    // serde-pickle allocates a 128-value stack per open mark: a run of marks
+                    // would cost kilobytes per input byte. Marks open at once nest like the
+                    // containers they build.
+                    if self.marks.len() >= MAX_DEPTH as usize {
+                        return Err(format!("pickle nests deeper than {MAX_DEPTH} levels"));
+                    }
                     self.marks.push(self.stack.len());
                     continue;
                 }
@@ -401,6 +443,8 @@ impl Scan<'_> {
                         _ => self.memo.len() as u64,
                     };
                     let t = self.top()?;
+                    // A memo entry costs the decoder about as much as a value.
+                    self.create()?;
                     self.memo.insert(id, t);
                     match &self.last_string {
                         Some((text, depth))
@@ -448,6 +492,7 @@ impl Scan<'_> {
             }
             // Every arm that falls through here, except PROTO and FRAME, yields one scalar.
             if !matches!(op, 0x80 | 0x95) {
+                self.create()?;
                 self.stack.push(Item::Leaf(weight));
                 let short_text =
                     matches!(op, 0x8c | b'X' | 0x8d) && self.pos - op_start <= MAX_INLINE;
@@ -464,7 +509,9 @@ impl Scan<'_> {
         const DONE: u8 = 2;
         let too_big = || {
             Err(format!(
-                "pickle expands to more than {MAX_EXPANDED} values through shared references"
+                "pickle expands to more than {MAX_EXPANDED} values (a snapshot of more than \
+                 about 600 000 trace entries, or values copied through shared references); \
+                 record fewer entries (max_entries)"
             ))
         };
         let n = self.nodes.len();
@@ -543,6 +590,26 @@ mod tests {
         let p =
             b"\x80\x04\x95\x10\x00\x00\x00\x00\x00\x00\x00}\x94\x8c\x01x\x94]\x94(K\x01K\x02es.";
         assert_eq!(check(p), Ok(()));
+    }
+
+    /// Values the decoder creates count, whether or not they end up in the result: `]` × n
+    /// then `None` (the lists stay on the stack; the result is `None`) cost ~48 bytes of memory
+    /// per input byte, `None` then `MEMOIZE` × n ~87 (a memo entry each): refused past the bound
+    /// (found in review; the bound is smaller here, so the test stays small).
+    #[test]
+    fn values_left_on_the_stack_or_in_the_memo_count() {
+        for op in [b']', 0x94] {
+            let pickle = |n: usize| {
+                let mut p = b"\x80\x04N".to_vec();
+                p.extend(std::iter::repeat_n(op, n));
+                p.extend(b"N.");
+                p
+            };
+            // `N`, n values or memo entries, `N`: n + 2 created.
+            assert_eq!(scan(&pickle(998), 1000).map(|_| ()), Ok(()), "{op:#x}");
+            let e = scan(&pickle(999), 1000).map(|_| ());
+            assert_eq!(e, Err("pickle creates more than 1000 values".into()), "{op:#x}");
+        }
     }
 
     #[test]

@@ -439,7 +439,8 @@ fn parse_entry(device: usize, index: usize, entry: &Value) -> Result<Entry<'_>, 
         "free_requested" => Action::FreeRequested,
         "segment_alloc" | "segment_map" => Action::SegmentUp,
         "segment_free" | "segment_unmap" => Action::SegmentDown,
-        "oom" | "snapshot" | "user_defined" => Action::Marker,
+        // `workspace_snapshot`: torch_npu (Ascend) writes the same snapshot format with it.
+        "oom" | "snapshot" | "user_defined" | "workspace_snapshot" => Action::Marker,
         other => {
             return Err(TraceError::new(
                 Location::Entry { device, index },
@@ -568,11 +569,36 @@ fn clamp_u64(x: i128) -> u64 {
     u64::try_from(x.max(0)).unwrap_or(u64::MAX)
 }
 
-/// Builds the trace of one device.
+/// Builds the trace of one device: in time order when the entries have times, else (or when
+/// time order is not a consistent history: a clock that stepped back between two entries
+/// can put an alloc before the free of the block it reuses) in the list's order, the order
+/// PyTorch recorded them in under its allocator lock.
 fn device_trace(
     input: &DeviceInput<'_>,
     settings: Option<&AllocatorSettings>,
     name: &str,
+) -> Result<Trace, TraceError> {
+    match device_trace_in(input, settings, name, true) {
+        Err(e) if matches!(e.kind, ErrorKind::AllocOfLiveAddress(_)) => {
+            let mut trace = device_trace_in(input, settings, name, false).map_err(|_| e)?;
+            if let Some(info) = trace.snapshot.as_mut() {
+                info.notes.push(
+                    "in time_us order the entries allocate a live address; they were read in \
+                     the order of the list"
+                        .into(),
+                );
+            }
+            Ok(trace)
+        }
+        other => other,
+    }
+}
+
+fn device_trace_in(
+    input: &DeviceInput<'_>,
+    settings: Option<&AllocatorSettings>,
+    name: &str,
+    time_order: bool,
 ) -> Result<Trace, TraceError> {
     let device = input.device as usize;
     let mut entries = input
@@ -590,7 +616,8 @@ fn device_trace(
     };
     let timed = !entries.is_empty() && entries.iter().all(|e| e.time.is_some());
     if timed {
-        info.reordered = entries.windows(2).filter(|w| w[1].time < w[0].time).count() as u64;
+        let out_of_order = entries.windows(2).filter(|w| w[1].time < w[0].time).count() as u64;
+        info.reordered = if time_order { out_of_order } else { 0 };
         if info.reordered > 0 {
             entries.sort_by_key(|e| e.time);
             info.notes.push(match info.reordered {
