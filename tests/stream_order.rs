@@ -263,3 +263,36 @@ fn destroying_a_stream_returns_its_stranded_memory() {
     assert!(dev.live_segments().is_empty());
     alloc.check_invariants().unwrap();
 }
+
+/// What `CudaBuffer::order_for` on the buffer's own stream does (a kernel argument is no
+/// `DevicePtr` call, so a launch is announced): after a write announced on another stream (a
+/// cudarc copy there), a use announced on the owner stream makes it wait for that write, as
+/// cudarc's `CudaSlice` argument waits for its write event. Unannounced, the owner's kernel
+/// reads while the other stream still writes, and the sanitizer says so (found in review:
+/// the docs had said the own stream needed nothing).
+#[test]
+fn a_use_announced_on_the_owner_stream_waits_for_a_write_announced_elsewhere() {
+    for announce in [true, false] {
+        let dev = Arc::new(SimDevice::backed(64 * MIB));
+        let alloc = Allocator::new(dev.clone(), Config::default()).unwrap();
+        let other = dev.create_stream().unwrap();
+        let buf = alloc.alloc(4096, StreamId::DEFAULT).unwrap();
+        buf.use_on(other, AccessKind::Write).unwrap(); // the copy on `other` writes it
+        let (k, open) = common::gated(buf.ptr(), 4096, AccessKind::Write);
+        dev.launch(other, k).unwrap();
+        if announce {
+            buf.use_on(StreamId::DEFAULT, AccessKind::Read).unwrap();
+        }
+        let read = vec![Access { ptr: buf.ptr(), bytes: 4096, kind: AccessKind::Read }];
+        dev.launch(StreamId::DEFAULT, Kernel::new("read", read, |_| {})).unwrap();
+        open.send(()).unwrap();
+        dev.synchronize().unwrap();
+        let seen: Vec<_> =
+            dev.violations().iter().map(|v| (v.stream, v.other, v.op.clone())).collect();
+        match announce {
+            true => assert_eq!(seen, vec![]),
+            false => assert_eq!(seen, vec![(StreamId::DEFAULT, Some(other), "kernel read".into())]),
+        }
+        drop(buf);
+    }
+}

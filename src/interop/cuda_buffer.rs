@@ -15,8 +15,9 @@
 //! asks its allocator instead ([`Buffer::use_on`], tested on the SimDevice): the using stream
 //! waits, on the device, for the owner stream's work (or the last write announced on another
 //! stream), and the use is recorded like [`crate::Allocator::record_stream`], so the block is not
-//! reused before that stream's work is done. On the buffer's own stream nothing is needed. A
-//! cudarc stream this device does not know (one it did not create), or a device error, falls back
+//! reused before that stream's work is done (on the buffer's own stream too, after a write
+//! announced on another one). A kernel argument is not a `DevicePtr` call: announce each launch
+//! with [`CudaBuffer::order_for`]. A cudarc stream this device does not know (one it did not create), or a device error, falls back
 //! to host synchronisation: the context is synchronised before the use and the using stream after
 //! it (when cudarc drops the returned [`SyncOnDrop`]), so nothing is left in flight on memory the
 //! allocator may reuse.
@@ -200,8 +201,13 @@ impl<T> DeviceSlice<T> for CudaBuffer<T> {
 impl<T> CudaBuffer<T> {
     /// Announces that work about to be enqueued on `stream` will `access` the buffer (see
     /// [`Buffer::use_on`]): what cudarc's copies do through [`DevicePtr`] on their own. A kernel
-    /// launch does not (cudarc keeps a launch builder's stream private), so before launching
-    /// on a stream other than the buffer's own, call this, as one of the launch's preconditions.
+    /// launch does not (cudarc keeps a launch builder's stream private), so before a launch
+    /// that takes the buffer, call this, as one of the launch's preconditions: on another
+    /// stream always, and on the buffer's own stream once the buffer was used on another one
+    /// (a cudarc copy there wrote it: the launch must wait for it, as cudarc's `CudaSlice`
+    /// argument waits for its write event). While the buffer was never used elsewhere, the
+    /// call on its own stream does nothing, so calling it before every launch is the simple
+    /// rule.
     /// A cudarc stream this device did not create is [`AllocError::UnknownStream`] (the
     /// null stream's id stands for it).
     pub fn order_for(&self, stream: &CudaStream, access: AccessKind) -> Result<(), AllocError> {
@@ -252,9 +258,9 @@ impl<T> DevicePtrMut<T> for CudaBuffer<T> {
 // SAFETY: the argument pushed is a reference to the buffer's `CUdeviceptr` field, which lives as
 // long as the borrow `'b` of the buffer, itself at least as long as the launch builder `'a`; a
 // `CUdeviceptr` is how CUDA passes a `T*` kernel parameter (cudarc does the same for `CudaSlice`).
-// The builder does not tell which stream the launch goes to, so stream order across streams is
-// the launching code's to announce (`CudaBuffer::order_for`), with the launch's other unsafe
-// preconditions.
+// The builder does not tell which stream the launch goes to, so stream order is the launching
+// code's to announce (`CudaBuffer::order_for`: on another stream, and on the buffer's own once
+// it was used elsewhere), with the launch's other unsafe preconditions.
 unsafe impl<'a, 'b: 'a, T> PushKernelArg<&'b CudaBuffer<T>> for LaunchArgs<'a> {
     #[inline(always)]
     fn arg(&mut self, arg: &'b CudaBuffer<T>) -> &mut Self {

@@ -267,7 +267,12 @@ impl CudaDevice {
     }
 
     /// The tidepool id of a cudarc stream this device created or adopted (or of the null stream).
+    /// A stream of another context is none of them, whatever its handle (every context's
+    /// legacy default stream is the null handle).
     pub fn stream_id(&self, stream: &CudaStream) -> Option<StreamId> {
+        if stream.context().cu_ctx() != self.ctx.cu_ctx() {
+            return None;
+        }
         let streams = lock(&self.streams);
         streams
             .live
