@@ -309,3 +309,48 @@ fn capturing_stream_used_the_pool_last(broken: bool) -> Result<(), String> {
         v => Err(format!("{v:?}")),
     }
 }
+
+/// A graph dropped while another capture is underway cannot wait for its launches (the device
+/// refuses to synchronise then): its pool stays busy — no guard nor capture is given it — until
+/// a later `empty_cache` has synchronised, since a replay still queued may write the pool's free
+/// memory. Then the pool serves again, and nothing overlapped (found in review: the pool was
+/// claimable at once, and a new owner's bytes were overwritten by the queued replay; broken
+/// build `graph_drop_frees_pool`).
+#[test]
+fn a_graph_dropped_during_another_capture_keeps_its_pool_until_a_synchronisation() {
+    let Setup { dev, s, t, alloc, pool } = setup();
+    let u = dev.create_stream().unwrap();
+    // The graph: a temporary of its pool, written by a captured kernel, freed in the capture.
+    alloc.begin_capture(s, Some(&pool)).unwrap();
+    let tmp = alloc.alloc(N, s).unwrap();
+    let wrote = tmp.ptr();
+    dev.launch(s, write(&tmp, 1)).unwrap();
+    drop(tmp);
+    let g = alloc.end_capture(s).unwrap();
+    // A replay queued on `t` behind unfinished work.
+    let other = alloc.alloc(N, t).unwrap();
+    let (k, gate) = gated_write(other.ptr(), 9);
+    dev.launch(t, k).unwrap();
+    g.launch(t).unwrap();
+    alloc.begin_capture(u, None).unwrap();
+    drop(g); // cannot synchronise: a capture is underway
+    drop(alloc.end_capture(u).unwrap());
+    assert_eq!(pool.graphs(), 1, "the dropped graph's hold stays");
+    assert!(matches!(alloc.use_pool(&pool, s), Err(tidepool::AllocError::PoolBusy { .. })));
+    assert!(matches!(
+        alloc.begin_capture(s, Some(&pool)),
+        Err(tidepool::AllocError::PoolBusy { .. })
+    ));
+    gate.send(()).unwrap();
+    alloc.empty_cache().unwrap();
+    assert_eq!(pool.graphs(), 0, "let go once the device synchronised");
+    let guard = alloc.use_pool(&pool, s).unwrap();
+    let reuse = alloc.alloc(N, s).unwrap();
+    assert_eq!(reuse.ptr(), wrote, "the pool's block, now that no replay can write it");
+    dev.launch(s, write(&reuse, 2)).unwrap();
+    dev.synchronize().unwrap();
+    assert_eq!(common::device_bytes(&dev, &reuse)[0], 2);
+    drop((reuse, guard, other));
+    assert_eq!(dev.violations(), vec![]);
+    pool.check_invariants().unwrap();
+}

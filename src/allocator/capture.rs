@@ -98,6 +98,9 @@ pub(super) enum Held<D: Device> {
     /// freed during the capture: claimed by no run while held; when the graph goes, the
     /// slice's reuse is ordered after `uses` and the hold let go through its allocator.
     Region { shared: Arc<Shared<D>>, region: Arc<Region>, stream: StreamId, uses: Vec<StreamId> },
+    /// A dropped graph's hold on its pool (its `graphs` count), kept while nothing has shown
+    /// that the graph's launches completed: the pool's free memory is the replays' until then.
+    Pool(MemPool<D>),
 }
 
 impl<D: Device> Held<D> {
@@ -115,6 +118,9 @@ impl<D: Device> Held<D> {
                 region.graph_gone();
                 shared.release_region(region);
             }
+            Held::Pool(pool) => {
+                pool.alloc.shared.role.graphs.fetch_sub(1, Ordering::AcqRel);
+            }
         }
     }
 
@@ -125,6 +131,8 @@ impl<D: Device> Held<D> {
             Held::Buffer(b) => std::mem::forget(b),
             // Never claimed again, never back in the pool.
             Held::Region { region, .. } => std::mem::forget(region),
+            // Busy for good: no capture nor guard is given it again.
+            Held::Pool(pool) => std::mem::forget(pool),
         }
     }
 }
@@ -589,12 +597,20 @@ impl<D: Capture> Drop for Graph<D> {
         // allocated for good: sound, if wasteful.
         let done = destroyed
             && (!self.launched.load(Ordering::Acquire) || self.device.synchronize().is_ok());
-        self.pool.alloc.shared.role.graphs.fetch_sub(1, Ordering::AcqRel);
         let deferred = std::mem::take(&mut self.deferred);
+        // BROKEN (`graph_drop_frees_pool`): the pool is claimable at once, waited for or not.
+        if done || cfg!(tidepool_broken = "graph_drop_frees_pool") {
+            self.pool.alloc.shared.role.graphs.fetch_sub(1, Ordering::AcqRel);
+        }
         if !done && destroyed && !self.pool.alloc.shared.broken(Broken::GraphHoldsLeaked) {
-            // The wait failed: the family lets go of them after a later device
+            // The wait failed: the family lets go of them, and of the graph's hold on its
+            // pool (whose free memory the launches may still write), after a later device
             // synchronisation succeeds (`Family::take_graph_holds`, from `empty_cache`).
-            lock(&self.pool.alloc.shared.family.graph_holds).extend(deferred);
+            let mut holds = lock(&self.pool.alloc.shared.family.graph_holds);
+            holds.extend(deferred);
+            if !cfg!(tidepool_broken = "graph_drop_frees_pool") {
+                holds.push(Held::Pool(self.pool.clone()));
+            }
             return;
         }
         for held in deferred {
