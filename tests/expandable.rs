@@ -842,14 +842,15 @@ fn a_stream_destroyed_elsewhere_is_waited_for_before_its_pages_go() {
 }
 
 /// A range made with `release_threshold_mb:0` holding a 20 MiB block, freed after the
-/// configuration turned expandable segments off: the stream cache holds it (nothing unmapped).
+/// configuration turned expandable segments off (the threshold kept): the stream cache holds it
+/// (nothing unmapped).
 fn freed_into_the_cache_over_a_trimmed_range() -> (Arc<SimDevice>, Allocator<SimDevice>) {
     let (dev, alloc) = setup("release_threshold_mb:0", CAP);
     let s = dev.create_stream().unwrap();
     let buf = alloc.alloc(20 * MIB, s).unwrap();
     assert_eq!(buf.ptr().0, base());
     assert_eq!(mapped_pages(&dev, base()), (0..10).collect::<Vec<_>>());
-    alloc.set_config(Config::parse("").unwrap()).unwrap();
+    alloc.set_config(Config::parse("release_threshold_mb:0").unwrap()).unwrap();
     drop(buf);
     assert_eq!(mapped_pages(&dev, base()), (0..10).collect::<Vec<_>>());
     assert_eq!(alloc.stats().num_device_unmap, 0);
@@ -941,4 +942,30 @@ fn a_range_the_device_refuses_is_not_asked_for_at_every_allocation() {
     assert_eq!(refused(&dev), 3, "asked again after empty_cache");
     drop(live);
     alloc.check_invariants().unwrap();
+}
+
+/// `set_config` changes the ranges' `release_threshold` at once, not at the next growth: a
+/// block freed after the threshold went from 0 to none stays mapped through a snapshot's flush,
+/// and one freed after it went from none to 0 is unmapped (found in review; broken build
+/// `stale_release_threshold`).
+#[test]
+fn set_config_changes_the_release_threshold_at_once() {
+    for (before, after, mapped) in
+        [("release_threshold_mb:0", "", 14 * MIB), ("", "release_threshold_mb:0", 0)]
+    {
+        let (dev, alloc) = setup(before, CAP);
+        let s = dev.create_stream().unwrap();
+        let b = alloc.alloc(14 * MIB, s).unwrap();
+        let conf = match after {
+            "" => "expandable_segments:true".to_string(),
+            a => format!("expandable_segments:true,{a}"),
+        };
+        alloc.set_config(Config::parse(&conf).unwrap()).unwrap();
+        drop(b);
+        let _ = alloc.snapshot(); // flushes the stream cache into the range
+        let reserved = alloc.stats().blocks.reserved_bytes.all.current;
+        assert_eq!((reserved, dev.physical_bytes()), (mapped, mapped), "{before} → {after}");
+        drop(alloc);
+        assert_no_leak(&dev);
+    }
 }

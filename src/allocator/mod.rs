@@ -311,6 +311,11 @@ impl<D: Device> Shared<D> {
         // Published statistics are current before a lock-free reader can see the new config.
         sh.publish_now(&mut st);
         st.vm.refused.clear(); // the new configuration may ask for other ranges
+        // The ranges trim by the new threshold from now on, not from the next growth.
+        // BROKEN (`stale_release_threshold`): until then, by the old one.
+        if !cfg!(tidepool_broken = "stale_release_threshold") {
+            st.vm.threshold = config.release_threshold;
+        }
         let config = Arc::new(config);
         st.config = config.clone();
         st.config_spare = Some(config.clone());
