@@ -137,10 +137,20 @@ impl<B: Backend> Optimizer<B> for AdamW<B> {
     ) -> Result<()> {
         check(params, grads)?;
         if self.state.is_empty() {
+            // All or nothing: moments made before a failure (out of memory) are freed with
+            // `state`, so the next step makes them all again.
+            let mut state = Vec::with_capacity(params.len());
             for p in params.iter() {
                 let m = Tensor::persistent_zeros(p.eager(), p.shape(), p.stream())?;
                 let v = Tensor::persistent_zeros(p.eager(), p.shape(), p.stream())?;
-                self.state.push((m, v));
+                // BROKEN (`adamw_partial`): what was made before a failure stays.
+                match cfg!(tidepool_broken = "adamw_partial") {
+                    true => self.state.push((m, v)),
+                    false => state.push((m, v)),
+                }
+            }
+            if !state.is_empty() {
+                self.state = state;
             }
         }
         if self.state.len() != params.len() {

@@ -25,6 +25,17 @@ impl Shape {
         if dims.len() > MAX_RANK {
             return shape_err(format!("rank {} is above the maximum {MAX_RANK}", dims.len()));
         }
+        // Every element count an op derives from the shape (numel, rows, a prefix once the last
+        // dimension is dropped) and its bytes must fit: the product of the dimensions, zeros
+        // counted as ones, times the element size.
+        let fits = dims
+            .iter()
+            .try_fold(crate::backend::ELEM as usize, |n, &d| n.checked_mul(d.max(1)))
+            .is_some_and(|b| u64::try_from(b).is_ok());
+        // BROKEN (`shape_unchecked`): overflowing shapes accepted.
+        if !fits && !cfg!(tidepool_broken = "shape_unchecked") {
+            return shape_err(format!("{dims:?}: the element count overflows"));
+        }
         let mut d = [0; MAX_RANK];
         d[..dims.len()].copy_from_slice(dims);
         Ok(Shape { dims: d, rank: dims.len() as u8 })
@@ -111,6 +122,9 @@ mod tests {
         assert_eq!(s.with_last(7).dims(), &[2, 3, 7]);
         assert_eq!(s.transposed().unwrap().dims(), &[2, 4, 3]);
         assert!(Shape::new(&[1; 5]).is_err());
+        assert!(Shape::new(&[1 << 32, 1 << 32]).is_err());
+        assert!(Shape::new(&[usize::MAX / 2]).is_err(), "elements fit, bytes do not");
+        assert!(Shape::new(&[1 << 40, 1 << 40, 0]).is_err(), "its rows would overflow");
         let scalar = Shape::new(&[]).unwrap();
         assert_eq!((scalar.numel(), scalar.rows(), scalar.last()), (1, 1, 1));
         assert!(scalar.transposed().is_err());

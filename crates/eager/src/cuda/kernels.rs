@@ -206,7 +206,11 @@ extern "C" __global__ void embedding_backward(const float *ids, const float *dy,
     unsigned int v = i / dim, c = i % dim;
     float s = 0.0f;
     for (unsigned int r = 0; r < n_ids; r++) {
-        if ((unsigned int)ids[r] == v) s += dy[(size_t)r * dim + c];
+        float id = ids[r];
+        // An id out of range (negative, NaN, past the vocabulary) makes the gradient NaN, as
+        // the host kernel's (a negative float converted to unsigned is undefined in C).
+        if (!(id >= 0.0f && id < (float)vocab)) { s = NAN; break; }
+        if ((unsigned int)id == v) s += dy[(size_t)r * dim + c];
     }
     out[i] = s;
 }

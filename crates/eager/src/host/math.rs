@@ -65,6 +65,24 @@ fn row_stats(x: &[f32], eps: f32) -> (f32, f32) {
     (mean, 1.0 / (var + eps).sqrt())
 }
 
+/// The row or class an id names, `None` when out of range (negative, NaN, `≥ n`): as the CUDA
+/// kernels, the outputs it feeds are written NaN; the kernel then fails (see `fail_on`).
+fn index(id: f32, n: usize) -> Option<usize> {
+    // BROKEN (`ids_unchecked`): a negative or NaN id is 0, one past the end panics unwritten.
+    if cfg!(tidepool_broken = "ids_unchecked") {
+        return Some(id as usize);
+    }
+    (id >= 0.0 && id < n as f32 && (id as usize) < n).then_some(id as usize)
+}
+
+/// Panics (the device records the kernel as failed) after the outputs were written, NaN where
+/// an id was out of range, so a later read sees NaN rather than stale memory.
+fn fail_on(bad: Option<f32>, what: &str, n: usize) {
+    if let Some(id) = bad {
+        panic!("{what} {id} out of range ({n})");
+    }
+}
+
 /// Element (r, c) of a row-major `rows×cols` matrix, or of its transpose when `t`.
 fn at(m: &[f32], t: bool, r: usize, c: usize, rows: usize, cols: usize) -> f32 {
     if t { m[c * rows + r] } else { m[r * cols + c] }
@@ -225,52 +243,79 @@ pub(super) fn execute(op: &KernelOp, mem: &dyn KernelMemory) {
         KernelOp::Embedding { table, ids, out, n_ids, vocab, dim } => {
             let (t, ids) = (read(mem, table, vocab * dim), read(mem, ids, n_ids));
             let mut y = vec![0.0f32; n_ids * dim];
+            let mut bad = None;
             for (i, &id) in ids.iter().enumerate() {
-                let v = id as usize;
-                assert!(v < vocab, "embedding id {id} out of range (vocab {vocab})");
-                y[i * dim..(i + 1) * dim].copy_from_slice(&t[v * dim..(v + 1) * dim]);
+                match index(id, vocab) {
+                    Some(v) => {
+                        y[i * dim..(i + 1) * dim].copy_from_slice(&t[v * dim..(v + 1) * dim])
+                    }
+                    None => {
+                        y[i * dim..(i + 1) * dim].fill(f32::NAN);
+                        bad = Some(id);
+                    }
+                }
             }
             write(mem, out, &y);
+            fail_on(bad, "embedding id", vocab);
         }
         KernelOp::EmbeddingBackward { ids, dy, out, n_ids, vocab, dim } => {
             let (ids, dy) = (read(mem, ids, n_ids), read(mem, dy, n_ids * dim));
             let mut y = vec![0.0f32; vocab * dim];
+            let mut bad = None;
             for (i, &id) in ids.iter().enumerate() {
-                let v = id as usize;
-                assert!(v < vocab, "embedding id {id} out of range (vocab {vocab})");
+                let Some(v) = index(id, vocab) else {
+                    bad = Some(id);
+                    continue;
+                };
                 for c in 0..dim {
                     y[v * dim + c] += dy[i * dim + c];
                 }
             }
+            if bad.is_some() {
+                y.fill(f32::NAN);
+            }
             write(mem, out, &y);
+            fail_on(bad, "embedding id", vocab);
         }
         KernelOp::CrossEntropy { logits, targets, out, rows, cols } => {
             let (l, t) = (read(mem, logits, rows * cols), read(mem, targets, rows));
             let mut total = 0.0f32;
+            let mut bad = None;
             for r in 0..rows {
                 let row = &l[r * cols..(r + 1) * cols];
-                let target = t[r] as usize;
-                assert!(target < cols, "class {target} out of range ({cols} classes)");
+                let Some(target) = index(t[r], cols) else {
+                    bad = Some(t[r]);
+                    break;
+                };
                 let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
                 let lse = max + row.iter().map(|&v| (v - max).exp()).sum::<f32>().ln();
                 total += lse - row[target];
             }
-            write(mem, out, &[total / rows as f32]);
+            // The mean over no rows is NaN (0/0), as the CUDA kernel's.
+            let loss = if bad.is_some() { f32::NAN } else { total / rows as f32 };
+            write(mem, out, &[loss]);
+            fail_on(bad, "class", cols);
         }
         KernelOp::CrossEntropyBackward { logits, targets, out, rows, cols, scale } => {
             let (l, t) = (read(mem, logits, rows * cols), read(mem, targets, rows));
             let mut y = vec![0.0f32; rows * cols];
+            let mut bad = None;
             for r in 0..rows {
                 let yr = &mut y[r * cols..(r + 1) * cols];
                 softmax_row(&l[r * cols..(r + 1) * cols], yr);
-                let target = t[r] as usize;
-                assert!(target < cols, "class {target} out of range ({cols} classes)");
-                yr[target] -= 1.0;
+                match index(t[r], cols) {
+                    Some(target) => yr[target] -= 1.0,
+                    None => {
+                        yr.fill(f32::NAN);
+                        bad = Some(t[r]);
+                    }
+                }
                 for v in yr.iter_mut() {
                     *v *= scale;
                 }
             }
             write(mem, out, &y);
+            fail_on(bad, "class", cols);
         }
         KernelOp::Sgd { param, grad, n, lr, weight_decay } => {
             let (mut p, g) = (read(mem, param, n), read(mem, grad, n));

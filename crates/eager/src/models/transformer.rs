@@ -4,7 +4,7 @@
 //!
 //! ```text
 //!   ids ─emb─▶ x0 ─ln1─▶ h1 ─▶ q,k,v = h1·Wq, h1·Wk, h1·Wv          [N=B·T, D] → [B, T, D]
-//!              │          p = softmax(q·kᵀ/√D) (kᵀ by transpose)     [B, T, T]
+//!              │          p = softmax(q·kᵀ/√D + causal mask)         [B, T, T]
 //!              │          o = (p·v)·Wo
 //!              └──(+)──▶ x1 ─ln2─▶ h2 ─▶ gelu(h2·W1 + b1)·W2 + b2 ─(+ x1)─▶ x2 ─▶ x2·Wout
 //!                                                                    ─▶ cross_entropy(·, targets)
@@ -72,6 +72,10 @@ pub struct TransformerBlock<B: Backend> {
     pub b2: Tensor<'static, B>,
     /// Output projection to the vocabulary `[D, V]`.
     pub wout: Tensor<'static, B>,
+    /// Causal mask `[T, T]` added to the attention scores: 0 on and below the diagonal, a large
+    /// negative number above it, so position `t` attends to positions `≤ t` only (not a
+    /// parameter).
+    pub mask: Tensor<'static, B>,
 }
 
 /// The loss of a pass (an activation of the step) and the gradients (unscoped), in
@@ -107,6 +111,8 @@ impl<B: Backend> TransformerBlock<B> {
         let ones = vec![1.0; d];
         let zeros = vec![0.0; d];
         let par = |data: &[f32], n: usize| Tensor::parameter(eager, data, &[n], stream);
+        let t = cfg.seq;
+        let mask: Vec<f32> = (0..t * t).map(|i| if i % t > i / t { -1e9 } else { 0.0 }).collect();
         Ok(TransformerBlock {
             cfg,
             emb,
@@ -123,6 +129,7 @@ impl<B: Backend> TransformerBlock<B> {
             w2,
             b2: par(&zeros, d)?,
             wout,
+            mask: Tensor::parameter(eager, &mask, &[t, t], stream)?,
         })
     }
 
@@ -185,7 +192,13 @@ impl<B: Backend> TransformerBlock<B> {
         let v = cx.matmul(&h1, &self.wv)?.reshape(&[bt, t, d])?;
         let kt = cx.transpose(&k)?;
         drop(k);
+        // Causal: the target of position t is the token at t + 1, which must not be seen.
         let s = cx.scale(&cx.matmul(&q, &kt)?, att_scale)?;
+        // BROKEN (`acausal`): every position sees every other.
+        let s = match cfg!(tidepool_broken = "acausal") {
+            false => cx.add(&s, &self.mask)?,
+            true => s,
+        };
         let p = cx.softmax(&s)?;
         drop(s);
         let a = cx.matmul(&p, &v)?.reshape(&[n, d])?;

@@ -77,13 +77,30 @@ impl<'t, B: Backend> Ctx<'t, B> {
         Ok(out)
     }
 
-    /// Gradient of the left operand of `matmul(a, b)` (no transposes): `dy · bᵀ`, shaped as `a`.
+    /// Gradient of the left operand of `matmul(a, b)` (no transposes): `dy · bᵀ`, shaped as `a`
+    /// when `a` was not repeated over `b`'s batch; where it was (`a` 2-D, `b` batched), this is
+    /// the per-batch gradient `[.., m, k]`: use [`Ctx::matmul_backward_lhs_of`].
     pub fn matmul_backward_lhs(
         &self,
         b: &Tensor<'_, B>,
         dy: &Tensor<'_, B>,
     ) -> Result<Tensor<'t, B>> {
         self.matmul_t(dy, b, false, true)
+    }
+
+    /// Gradient of the left operand `a` of `matmul(a, b)` (no transposes), shaped as `a`: when
+    /// `a` was repeated over `b`'s batch, the per-batch gradients are summed.
+    pub fn matmul_backward_lhs_of(
+        &self,
+        a: &Tensor<'_, B>,
+        b: &Tensor<'_, B>,
+        dy: &Tensor<'_, B>,
+    ) -> Result<Tensor<'t, B>> {
+        let per_batch = self.matmul_t(dy, b, false, true)?;
+        if per_batch.dims() == a.dims() {
+            return Ok(per_batch);
+        }
+        self.sum_to(a, &per_batch)
     }
 
     /// Gradient of the right operand `b` of `matmul(a, b)` (no transposes): `aᵀ · dy`, shaped as

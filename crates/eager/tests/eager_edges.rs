@@ -1,0 +1,159 @@
+//! Edges of the eager layer a user reaches (found in review): shapes whose sizes overflow, ops
+//! over zero rows, class and token ids out of range, a left operand repeated over a batch, an
+//! optimiser whose first step runs out of memory, and attention that must not see the future.
+//! Each fails on the code before its fix (and under its broken build, `cfg(tidepool_broken)`).
+
+use tidepool::StreamId;
+use tidepool_eager::models::data::Rng;
+use tidepool_eager::models::transformer::{BlockConfig, TransformerBlock};
+use tidepool_eager::{AdamW, Eager, Optimizer, SimEager, Tensor};
+
+const S: StreamId = StreamId::DEFAULT;
+
+fn eager() -> SimEager {
+    Eager::sim(64 << 20).unwrap()
+}
+
+/// A shape whose element count, bytes or rows overflow is an error, not a panic (debug) or a
+/// wrapped size (release).
+#[test]
+fn shapes_whose_sizes_overflow_are_errors() {
+    let e = eager();
+    let cx = e.ctx(S);
+    for dims in [&[1usize << 32, 1 << 32][..], &[1 << 62], &[1 << 40, 1 << 40, 0]] {
+        let r = cx.zeros(dims);
+        let e = r.err().unwrap_or_else(|| panic!("{dims:?} accepted"));
+        assert!(e.to_string().contains("the element count overflows"), "{dims:?}: {e}");
+    }
+    // Two empty operands whose product would be 2^80 elements.
+    let a = cx.tensor(&[], &[1 << 40, 0]).unwrap();
+    let b = cx.tensor(&[], &[0, 1 << 40]).unwrap();
+    assert!(cx.matmul(&a, &b).is_err());
+}
+
+/// Over zero rows the outputs are still written: the loss is NaN (the mean of nothing), the
+/// layer norm's parameter gradients zeros — not whatever the memory held before.
+#[test]
+fn ops_over_zero_rows_write_their_outputs() {
+    let e = eager();
+    let cx = e.ctx(S);
+    drop(cx.full(&[1], 7.0).unwrap().to_host().unwrap()); // leaves 7.0 in a freed block
+    let logits = cx.tensor(&[], &[0, 3]).unwrap();
+    let targets = cx.tensor(&[], &[0]).unwrap();
+    let loss = cx.cross_entropy(&logits, &targets).unwrap().to_host().unwrap();
+    assert!(loss[0].is_nan(), "{loss:?}");
+    drop((cx.full(&[4], 7.0).unwrap(), cx.full(&[4], 9.0).unwrap()));
+    let x = cx.tensor(&[], &[0, 4]).unwrap();
+    let g = cx.tensor(&[1.0; 4], &[4]).unwrap();
+    let (_dx, dg, db) = cx.layer_norm_backward(&cx, &x, &g, &x, 1e-5).unwrap();
+    assert_eq!((dg.to_host().unwrap(), db.to_host().unwrap()), (vec![0.0; 4], vec![0.0; 4]));
+    assert_eq!(e.device().violations(), vec![]);
+}
+
+/// A class or token id out of range (negative: a common "ignore" id; past the end; NaN) gives
+/// NaN where it is used and a failed kernel, as the CUDA kernels do — never class 0 or row 0,
+/// and never the stale bytes of a kernel that stopped before writing.
+#[test]
+fn ids_out_of_range_give_nan_and_a_failed_kernel() {
+    for bad in [-1.0f32, 3.0, f32::NAN] {
+        let e = eager();
+        let cx = e.ctx(S);
+        drop(cx.full(&[1], 3.25).unwrap().to_host().unwrap());
+        let logits = cx.tensor(&[5.0, 0.0, 0.0, 0.0, 5.0, 0.0], &[2, 3]).unwrap();
+        let targets = cx.tensor(&[0.0, bad], &[2]).unwrap();
+        let loss = cx.cross_entropy(&logits, &targets).unwrap().to_host().unwrap();
+        assert!(loss[0].is_nan(), "target {bad}: {loss:?}");
+        let dl = cx.cross_entropy_backward(&logits, &targets).unwrap().to_host().unwrap();
+        assert!(dl[3..].iter().all(|v| v.is_nan()), "target {bad}: {dl:?}");
+        let table = cx.tensor(&[1.0, 2.0, 3.0, 4.0, 5.0, 6.0], &[3, 2]).unwrap();
+        let ids = cx.tensor(&[bad], &[1]).unwrap();
+        let row = cx.embedding(&table, &ids).unwrap().to_host().unwrap();
+        assert!(row.iter().all(|v| v.is_nan()), "id {bad}: {row:?}");
+        e.synchronize().unwrap();
+        assert_eq!(e.device().kernel_failures().len(), 3, "id {bad}");
+        assert_eq!(e.device().violations(), vec![]);
+    }
+}
+
+/// The gradient of a left operand repeated over the right operand's batch is shaped as that
+/// operand: the batches' gradients summed (`matmul_backward_lhs_of`).
+#[test]
+fn the_gradient_of_a_repeated_left_operand_sums_its_batches() {
+    let e = eager();
+    let cx = e.ctx(S);
+    let a = cx.tensor(&[1.0; 12], &[3, 4]).unwrap();
+    let b = cx.tensor(&[1.0; 16], &[2, 4, 2]).unwrap();
+    assert_eq!(cx.matmul(&a, &b).unwrap().shape(), &[2, 3, 2]);
+    let dy = cx.full(&[2, 3, 2], 1.0).unwrap();
+    let da = cx.matmul_backward_lhs_of(&a, &b, &dy).unwrap();
+    assert_eq!(da.shape(), a.shape());
+    assert_eq!(da.to_host().unwrap(), vec![4.0; 12], "2 batches × 2 columns of ones");
+    // Not repeated: the plain gradient.
+    let a3 = cx.tensor(&[1.0; 24], &[2, 3, 4]).unwrap();
+    let da3 = cx.matmul_backward_lhs_of(&a3, &b, &dy).unwrap();
+    assert_eq!((da3.shape(), da3.to_host().unwrap()), (a3.shape(), vec![2.0; 24]));
+}
+
+/// AdamW's first step making its moments runs out of memory: nothing half made stays, and the
+/// next step, with memory back, makes them all and succeeds.
+#[test]
+fn adamw_retries_its_first_step_after_running_out_of_memory() {
+    let e: SimEager = Eager::sim(16 << 20).unwrap();
+    let n = 1 << 18; // 1 MiB of f32
+    let mut ps: Vec<Tensor<'static, _>> =
+        (0..2).map(|_| Tensor::persistent_zeros(&e, &[n], S).unwrap()).collect();
+    let gs: Vec<Tensor<'static, _>> = (0..2).map(|_| e.ctx(S).zeros(&[n]).unwrap()).collect();
+    let mut hogs = Vec::new();
+    while let Ok(t) = e.ctx(S).zeros(&[n]) {
+        hogs.push(t);
+    }
+    hogs.truncate(hogs.len() - 2); // room for two of the four moments
+    let mut opt = AdamW::new(0.01);
+    let mut step = |opt: &mut AdamW<_>| {
+        let mut refs: Vec<&mut Tensor<'static, _>> = ps.iter_mut().collect();
+        opt.step(&mut refs, &gs.iter().collect::<Vec<_>>())
+    };
+    assert!(step(&mut opt).is_err());
+    drop(hogs);
+    step(&mut opt).unwrap();
+    assert_eq!(opt.steps(), 1);
+}
+
+/// Next-token prediction on independent random tokens: nothing can beat ln V, so a block whose
+/// attention saw the target (the next position) would learn to; with the causal mask its
+/// held-out loss stays at ln V.
+#[test]
+fn attention_does_not_see_the_next_token() {
+    let e = eager();
+    let cfg = BlockConfig { vocab: 8, dim: 16, hidden: 32, batch: 4, seq: 8, eps: 1e-5 };
+    let mut block = TransformerBlock::new(&e, cfg, 7, S).unwrap();
+    let mut opt = AdamW::new(0.01);
+    let mut rng = Rng::new(1);
+    let n = cfg.batch * cfg.seq;
+    let batch = |rng: &mut Rng| {
+        let (mut ids, mut targets) = (Vec::new(), Vec::new());
+        for _ in 0..cfg.batch {
+            let seq: Vec<f32> = (0..=cfg.seq).map(|_| rng.below(cfg.vocab) as f32).collect();
+            ids.extend_from_slice(&seq[..cfg.seq]);
+            targets.extend_from_slice(&seq[1..]);
+        }
+        let cx = e.ctx(S);
+        (cx.tensor(&ids, &[n]).unwrap(), cx.tensor(&targets, &[n]).unwrap())
+    };
+    for _ in 0..300 {
+        let (ids, targets) = batch(&mut rng);
+        let grads = {
+            let step = e.step("step", S);
+            block.forward_backward(&step.ctx(), &step.unscoped(), &ids, &targets).unwrap().grads
+        };
+        let refs: Vec<&Tensor<'static, _>> = grads.iter().collect();
+        opt.step(&mut block.params_mut(), &refs).unwrap();
+    }
+    let mut total = 0.0;
+    for _ in 0..20 {
+        let (ids, targets) = batch(&mut rng);
+        total += block.loss(&e.ctx(S), &ids, &targets).unwrap().to_host().unwrap()[0];
+    }
+    let (held_out, floor) = (total / 20.0, (cfg.vocab as f32).ln());
+    assert!(held_out > 0.98 * floor, "held-out loss {held_out} below ln V = {floor}");
+}
