@@ -20,6 +20,7 @@
 //! several).
 
 mod lines;
+pub mod pickle;
 mod pickle_guard;
 mod pytorch_snapshot;
 mod rmm_log;
