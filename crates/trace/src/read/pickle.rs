@@ -27,10 +27,12 @@
 //! Bounds, whatever the input claims:
 //! - every opcode creates at most one container, stack slot or memo slot, and a length read
 //!   from the input is checked against the bytes that remain before anything is sliced: the
-//!   values held are at most one per input byte. The worst case, `N` followed by `TUPLE1`
-//!   repeated (each byte a new one-item tuple: 24 bytes of arena, a 32-byte allocation, the
-//!   arena's doubling), is about 100 bytes of memory per input byte; a real snapshot takes
-//!   about 8 (a trace entry is a dict of 8 keys, ~50 bytes of pickle, ~350 bytes decoded).
+//!   values held are at most one per input byte. The worst case is `EMPTY_LIST` repeated,
+//!   each byte a new list (24 bytes of arena, a height byte, a 16-byte stack slot, and the
+//!   vectors' doubling): about 40 bytes of memory per input byte (20 MB of it peak at 825 MB
+//!   of RSS; `N` + `TUPLE1` pairs at 37 bytes per byte, `DUP`, `MEMOIZE` or `NONE` at 17).
+//!   A real snapshot takes about 7 (a trace entry is a dict of 8 keys, ~50 bytes of pickle,
+//!   ~340 bytes decoded with its memo and list slots).
 //! - decoded copies (`extra`) are at most [`EXTRA_PER_BYTE`] bytes per input byte;
 //! - nesting is at most [`MAX_DEPTH`] levels (a container's height is recorded when items are
 //!   added to it; one changed after it was itself added elsewhere is not re-measured, so the
