@@ -13,11 +13,11 @@
 //!
 //! A pickle (first byte `0x80`) is decoded once: `read_traces_bytes` already hands it to
 //! `read_pytorch_snapshot` (one trace per device), and it is not gzipped again. Decoding a
-//! pickle is the slow part (up to seconds for one that expands to the guard's limit). Inputs
+//! pickle is linear in its size (shared objects are not copied). Inputs
 //! are read with the default cap on decompressed bytes, so a gzip bomb ends at the cap.
 //!
 //! No reader may panic. Memory is bounded by the readers' own limits (line length, pickle
-//! nesting and expansion); the fuzz script runs libFuzzer with `-rss_limit_mb` and
+//! nesting, at most one decoded value per input byte); the fuzz script runs libFuzzer with `-rss_limit_mb` and
 //! `-malloc_limit_mb` so that a reader allocating what an input *claims* is caught.
 
 use flate2::Compression;

@@ -63,8 +63,9 @@ pub struct SnapshotInfo {
 
 /// A snapshot's `allocator_settings`: every key as text, and the ones that map onto tidepool.
 ///
-/// Floats in a pickle are zeroed before decoding (see `read::pickle_guard`), so
-/// `garbage_collection_threshold` is taken from the `PYTORCH_CUDA_ALLOC_CONF` string.
+/// Float settings are not shown (the reader once zeroed floats before decoding; the text stays
+/// as it was), so `garbage_collection_threshold` is taken from the `PYTORCH_CUDA_ALLOC_CONF`
+/// string.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct AllocatorSettings {
     /// Every key with its value as text, in the pickle's (sorted) key order.

@@ -20,7 +20,7 @@
 //! several).
 
 mod lines;
-mod pickle_guard;
+pub mod pickle;
 mod pytorch_snapshot;
 mod rmm_log;
 mod tidepool_csv;
@@ -34,7 +34,7 @@ use std::rc::Rc;
 use flate2::bufread::MultiGzDecoder;
 
 pub use lines::MAX_LINE;
-pub use pickle_guard::{MAX_DEPTH as MAX_PICKLE_DEPTH, MAX_EXPANDED as MAX_PICKLE_VALUES};
+pub use pickle::MAX_DEPTH as MAX_PICKLE_DEPTH;
 pub use pytorch_snapshot::{
     HOW_TO_RECORD, from_value as pytorch_snapshot_from_value, read_pytorch_snapshot,
 };

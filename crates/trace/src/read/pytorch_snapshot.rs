@@ -45,21 +45,17 @@
 //! pairs become scopes (tidepool's scopes do not nest); the others are counted as skipped.
 //! `user_defined` entries carry no range and do not delimit scopes.
 //!
-//! PyTorch shares traceback objects (frame lists and dicts) between entries; serde-pickle
-//! would copy one at every reference, so the guard ([`super::pickle_guard`]) makes every
-//! reference to a shared container after the first `None`, and frames are not read.
-//!
-//! Safety of decoding: the pickle is read into memory (at most the cap of
-//! [`super::ReadOptions`]) and scanned first ([`super::pickle_guard`]), which rejects nesting
-//! deeper than 128 levels and `DUP` copies that would expand past 10^7 values (serde-pickle
-//! recurses per level and copies a duplicated object), and cuts memo references to
-//! containers (so no cycle and no copy through the memo reach the decoder). Nothing is
-//! pre-allocated from a number found in the input.
+//! Decoding: the pickle is read into memory (at most the cap of [`super::ReadOptions`]) and
+//! decoded by [`super::pickle`], which shares what the pickle shares (PyTorch shares each
+//! traceback, its frame list and dicts, between the entries that recorded it) instead of
+//! copying it, holds at most one value per input byte, and refuses nesting deeper than 128
+//! levels and anything but plain data. Frames are not read. Nothing is pre-allocated from a
+//! number found in the input.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::io::Read;
 
-use serde_pickle::{DeOptions, HashableValue, Value};
+use super::pickle::{self, Obj, Seq};
 
 use super::rmm_log::StreamIds;
 use crate::error::{ErrorKind, Location, TraceError, echo};
@@ -83,10 +79,6 @@ pub(super) fn read_capped<R: Read>(
     name: &str,
     cap: u64,
 ) -> Result<Vec<Trace>, TraceError> {
-    // Real snapshots share tracebacks (frame lists and dicts) between entries: the guard turns
-    // every later reference to a shared container into None (serde-pickle would copy it at
-    // each), and `replace_recursive_structures` stays as a second line for what it misses.
-    // Frames are never read here.
     let mut data = Vec::new();
     input
         .take(cap.saturating_add(1))
@@ -95,61 +87,55 @@ pub(super) fn read_capped<R: Read>(
     if data.len() as u64 > cap {
         return Err(TraceError::input(ErrorKind::InputTooLarge { cap, decompressed: false }));
     }
-    super::pickle_guard::prepare(&mut data)
-        .map_err(|e| TraceError::input(ErrorKind::BadPickle(e)))?;
-    let options = DeOptions::new().replace_recursive_structures();
-    let value = serde_pickle::value_from_slice(&data, options)
-        .map_err(|e| TraceError::input(ErrorKind::BadPickle(echo(&e.to_string()))))?;
-    drop(data);
-    from_value(&value, name)
+    // The decoder's messages are short (it cuts what it quotes from the input).
+    let decoded = pickle::decode(data).map_err(|e| TraceError::input(ErrorKind::BadPickle(e)))?;
+    from_value(decoded.root(), name)
 }
 
 fn bad(kind: String) -> TraceError {
     TraceError::input(ErrorKind::BadStructure(kind))
 }
 
-fn key<'a>(dict: &'a Value, name: &str) -> Option<&'a Value> {
+fn key<'a>(dict: Obj<'a>, name: &str) -> Option<Obj<'a>> {
     match dict {
-        Value::Dict(map) => map.get(&HashableValue::String(name.to_string())),
+        Obj::Dict(map) => map.get(name),
         _ => None,
     }
 }
 
-fn as_u64(v: &Value) -> Option<u64> {
+fn as_u64(v: Obj<'_>) -> Option<u64> {
     match v {
-        Value::I64(i) => u64::try_from(*i).ok(),
-        Value::Int(big) => u64::try_from(big).ok(),
-        Value::Bool(b) => Some(u64::from(*b)),
+        Obj::Int(i) => u64::try_from(i).ok(),
+        Obj::Bool(b) => Some(u64::from(b)),
         _ => None,
     }
 }
 
-fn as_i128(v: &Value) -> Option<i128> {
+fn as_i128(v: Obj<'_>) -> Option<i128> {
     match v {
-        Value::I64(i) => Some(i128::from(*i)),
-        Value::Int(big) => i128::try_from(big).ok(),
-        Value::Bool(b) => Some(i128::from(*b)),
+        Obj::Int(i) => Some(i),
+        Obj::Bool(b) => Some(i128::from(b)),
         _ => None,
     }
 }
 
 /// A required non-negative integer field; `what` names the record in the message.
-fn field(dict: &Value, k: &str, what: &dyn Fn(String) -> TraceError) -> Result<u64, TraceError> {
+fn field(dict: Obj<'_>, k: &str, what: &dyn Fn(String) -> TraceError) -> Result<u64, TraceError> {
     let v = key(dict, k).ok_or_else(|| what(format!("missing key `{k}`")))?;
     as_u64(v).ok_or_else(|| what(format!("`{k}` is not a non-negative integer below 2^64")))
 }
 
 /// An optional stream handle (`None` or absent: the default stream).
-fn stream_field(dict: &Value, what: &dyn Fn(String) -> TraceError) -> Result<u64, TraceError> {
+fn stream_field(dict: Obj<'_>, what: &dyn Fn(String) -> TraceError) -> Result<u64, TraceError> {
     match key(dict, "stream") {
-        None | Some(Value::None) => Ok(0),
+        None | Some(Obj::None) => Ok(0),
         Some(_) => field(dict, "stream", what),
     }
 }
 
 /// Why a list is not a snapshot, and what to record instead.
-fn list_message(items: &[Value]) -> String {
-    let segment_like = |v: &Value| key(v, "total_size").is_some() || key(v, "blocks").is_some();
+fn list_message(items: Seq<'_>) -> String {
+    let segment_like = |v: Obj<'_>| key(v, "total_size").is_some() || key(v, "blocks").is_some();
     if !items.is_empty() && items.iter().all(segment_like) {
         format!(
             "the pickle is a list of {}, as torch.cuda.memory_snapshot() returns: the caching \
@@ -185,16 +171,16 @@ struct Segment {
     blocks: Vec<Block>,
 }
 
-fn parse_segments(v: Option<&Value>) -> Result<BTreeMap<u32, Vec<Segment>>, TraceError> {
+fn parse_segments(v: Option<Obj<'_>>) -> Result<BTreeMap<u32, Vec<Segment>>, TraceError> {
     let mut out: BTreeMap<u32, Vec<Segment>> = BTreeMap::new();
     let list = match v {
-        None | Some(Value::None) => return Ok(out),
-        Some(Value::List(l)) => l,
+        None | Some(Obj::None) => return Ok(out),
+        Some(Obj::List(l)) => l,
         Some(_) => return Err(bad("`segments` is not a list".into())),
     };
     for (i, seg) in list.iter().enumerate() {
         let what = |m: String| bad(format!("segments[{i}]: {m}"));
-        if !matches!(seg, Value::Dict(_)) {
+        if !matches!(seg, Obj::Dict(_)) {
             return Err(what("not a dict".into()));
         }
         let device = u32::try_from(field(seg, "device", &what)?)
@@ -203,7 +189,7 @@ fn parse_segments(v: Option<&Value>) -> Result<BTreeMap<u32, Vec<Segment>>, Trac
         let total_size = field(seg, "total_size", &what)?;
         let stream = stream_field(seg, &what)?;
         let blocks = match key(seg, "blocks") {
-            Some(Value::List(b)) => b,
+            Some(Obj::List(b)) => b,
             Some(_) => return Err(what("`blocks` is not a list".into())),
             None => return Err(what("missing key `blocks`".into())),
         };
@@ -211,7 +197,7 @@ fn parse_segments(v: Option<&Value>) -> Result<BTreeMap<u32, Vec<Segment>>, Trac
         let mut kept = Vec::new();
         for (j, b) in blocks.iter().enumerate() {
             let what = |m: String| bad(format!("segments[{i}].blocks[{j}]: {m}"));
-            if !matches!(b, Value::Dict(_)) {
+            if !matches!(b, Obj::Dict(_)) {
                 return Err(what("not a dict".into()));
             }
             let size = field(b, "size", &what)?;
@@ -223,7 +209,7 @@ fn parse_segments(v: Option<&Value>) -> Result<BTreeMap<u32, Vec<Segment>>, Trac
             };
             at = addr.checked_add(size).ok_or_else(|| what("block ends past 2^64".into()))?;
             let state = match key(b, "state") {
-                Some(Value::String(s)) => s.as_str(),
+                Some(Obj::Str(s)) => s,
                 _ => return Err(what("missing or non-string `state`".into())),
             };
             if state == "active_allocated" {
@@ -248,33 +234,48 @@ fn cut(text: &str, max: usize) -> String {
     out
 }
 
-fn parse_settings(v: Option<&Value>) -> Result<Option<AllocatorSettings>, TraceError> {
+fn parse_settings(v: Option<Obj<'_>>) -> Result<Option<AllocatorSettings>, TraceError> {
     let map = match v {
-        None | Some(Value::None) => return Ok(None),
-        Some(Value::Dict(m)) => m,
+        None | Some(Obj::None) => return Ok(None),
+        Some(Obj::Dict(m)) => m,
         Some(_) => return Err(bad("`allocator_settings` is not a dict".into())),
     };
+    // String keys in order, each once with its last value (as Python's dict holds them).
+    let map: BTreeMap<&str, Obj<'_>> = map
+        .iter()
+        .filter_map(|(k, v)| match k {
+            Obj::Str(k) => Some((k, v)),
+            _ => None,
+        })
+        .collect();
     let mut s = AllocatorSettings::default();
     for (k, val) in map {
-        let HashableValue::String(k) = k else { continue };
         let text = match val {
-            Value::String(t) => format!("{t:?}"),
-            Value::Bool(b) => if *b { "True" } else { "False" }.to_string(),
-            Value::Dict(_) => "{…}".to_string(),
+            Obj::Str(t) => format!("{t:?}"),
+            Obj::Bool(b) => if b { "True" } else { "False" }.to_string(),
+            Obj::Dict(_) => "{…}".to_string(),
             other => as_i128(other).map(|i| i.to_string()).unwrap_or_else(|| "…".into()),
         };
-        match (k.as_str(), val) {
-            ("PYTORCH_CUDA_ALLOC_CONF", Value::String(t)) => s.conf = t.clone(),
+        match (k, val) {
+            ("PYTORCH_CUDA_ALLOC_CONF", Obj::Str(t)) => s.conf = t.to_string(),
             ("max_split_size", v) => s.max_split_size = as_i128(v),
-            ("expandable_segments", Value::Bool(b)) => s.expandable_segments = Some(*b),
-            ("roundup_power2_divisions", Value::Dict(d)) => {
-                let mut r: Vec<(u64, String, u64)> = d
+            ("expandable_segments", Obj::Bool(b)) => s.expandable_segments = Some(b),
+            ("roundup_power2_divisions", Obj::Dict(d)) => {
+                // Keys `"1024"` or `1024`, each once with its last value.
+                let unique: BTreeMap<Result<i64, &str>, Obj<'_>> = d
                     .iter()
+                    .filter_map(|(k, v)| match k {
+                        Obj::Str(s) => Some((Err(s), v)),
+                        Obj::Int(i) => Some((Ok(i64::try_from(i).ok()?), v)),
+                        _ => None,
+                    })
+                    .collect();
+                let mut r: Vec<(u64, String, u64)> = unique
+                    .into_iter()
                     .filter_map(|(k, v)| {
                         let name = match k {
-                            HashableValue::String(s) => s.clone(),
-                            HashableValue::I64(i) => i.to_string(),
-                            _ => return None,
+                            Err(s) => s.to_string(),
+                            Ok(i) => i.to_string(),
                         };
                         Some((name.parse().unwrap_or(u64::MAX), name, as_u64(v)?))
                     })
@@ -291,8 +292,8 @@ fn parse_settings(v: Option<&Value>) -> Result<Option<AllocatorSettings>, TraceE
         }
         s.entries.push((cut(k, 64), cut(&text, 256)));
     }
-    // Floats were zeroed before decoding, and dicts have no short text: write those from what
-    // was read.
+    // Floats are not shown (as before this decoder, which zeroed them: the figures stay the
+    // same), and dicts have no short text: write those from what was read.
     let gc = s.conf_value("garbage_collection_threshold").map(|v| cut(v, 64));
     let roundup = s.roundup_summary();
     for (k, v) in &mut s.entries {
@@ -313,25 +314,25 @@ struct Annotation {
     time: i128,
 }
 
-fn parse_annotations(v: Option<&Value>) -> Result<Vec<Annotation>, TraceError> {
+fn parse_annotations(v: Option<Obj<'_>>) -> Result<Vec<Annotation>, TraceError> {
     let list = match v {
-        None | Some(Value::None) => return Ok(Vec::new()),
-        Some(Value::List(l)) => l,
+        None | Some(Obj::None) => return Ok(Vec::new()),
+        Some(Obj::List(l)) => l,
         Some(_) => return Err(bad("`external_annotations` is not a list".into())),
     };
     let mut out = Vec::new();
     for (i, a) in list.iter().enumerate() {
         let what = |m: String| bad(format!("external_annotations[{i}]: {m}"));
-        if !matches!(a, Value::Dict(_)) {
+        if !matches!(a, Obj::Dict(_)) {
             return Err(what("not a dict".into()));
         }
         let start = match key(a, "stage") {
-            Some(Value::String(s)) if s == "START" => true,
-            Some(Value::String(s)) if s == "END" => false,
+            Some(Obj::Str("START")) => true,
+            Some(Obj::Str("END")) => false,
             _ => return Err(what("`stage` is not START or END".into())),
         };
         let name = match key(a, "name") {
-            Some(Value::String(s)) => echo(s),
+            Some(Obj::Str(s)) => echo(s),
             _ => return Err(what("missing or non-string `name`".into())),
         };
         let device = field(a, "device", &what)?;
@@ -344,14 +345,18 @@ fn parse_annotations(v: Option<&Value>) -> Result<Vec<Annotation>, TraceError> {
 }
 
 /// Builds one trace per device from an already decoded snapshot (see the module docs).
-pub fn from_value(value: &Value, name: &str) -> Result<Vec<Trace>, TraceError> {
+///
+/// `value` is the root of a decoded pickle ([`super::pickle::decode`], [`Pickle::root`]).
+///
+/// [`Pickle::root`]: super::pickle::Pickle::root
+pub fn from_value(value: Obj<'_>, name: &str) -> Result<Vec<Trace>, TraceError> {
     match value {
-        Value::Dict(_) => {}
-        Value::List(items) => return Err(bad(list_message(items))),
+        Obj::Dict(_) => {}
+        Obj::List(items) => return Err(bad(list_message(items))),
         _ => return Err(bad("the pickle is not a dict".into())),
     }
     let devices = match key(value, "device_traces") {
-        Some(Value::List(d)) => d,
+        Some(Obj::List(d)) => d,
         Some(_) => return Err(bad("`device_traces` is not a list".into())),
         None => {
             return Err(bad(format!(
@@ -372,13 +377,13 @@ pub fn from_value(value: &Value, name: &str) -> Result<Vec<Trace>, TraceError> {
     }
     let mut traces = Vec::new();
     for d in indices {
-        let entries: &[Value] = match devices.get(d as usize) {
-            Some(Value::List(e)) => e,
+        let entries = match devices.get(d as usize) {
+            Some(Obj::List(e)) => Some(e),
             Some(_) => return Err(bad(format!("device_traces[{d}] is not a list"))),
-            None => &[],
+            None => None,
         };
         let segs = segments.get(&d).map(Vec::as_slice).unwrap_or(&[]);
-        if entries.is_empty() && segs.is_empty() {
+        if entries.is_none_or(|e| e.is_empty()) && segs.is_empty() {
             continue;
         }
         let anns = by_device.get(&u64::from(d)).map(Vec::as_slice).unwrap_or(&[]);
@@ -422,14 +427,14 @@ struct Entry<'a> {
     time: Option<i128>,
 }
 
-fn parse_entry(device: usize, index: usize, entry: &Value) -> Result<Entry<'_>, TraceError> {
+fn parse_entry(device: usize, index: usize, entry: Obj<'_>) -> Result<Entry<'_>, TraceError> {
     let structure =
         |s: String| TraceError::new(Location::Entry { device, index }, ErrorKind::BadStructure(s));
-    if !matches!(entry, Value::Dict(_)) {
+    if !matches!(entry, Obj::Dict(_)) {
         return Err(structure("entry is not a dict".into()));
     }
     let name = match key(entry, "action") {
-        Some(Value::String(s)) => s.as_str(),
+        Some(Obj::Str(s)) => s,
         Some(_) => return Err(structure("`action` is not a string".into())),
         None => return Err(structure("missing key `action`".into())),
     };
@@ -449,7 +454,7 @@ fn parse_entry(device: usize, index: usize, entry: &Value) -> Result<Entry<'_>, 
         }
     };
     let time = match key(entry, "time_us") {
-        None | Some(Value::None) => None,
+        None | Some(Obj::None) => None,
         Some(v) => Some(as_i128(v).ok_or_else(|| structure("`time_us` is not an integer".into()))?),
     };
     let (addr, size, stream) = if action == Action::Marker {
@@ -467,7 +472,8 @@ fn parse_entry(device: usize, index: usize, entry: &Value) -> Result<Entry<'_>, 
 /// One device's part of the snapshot.
 struct DeviceInput<'a> {
     device: u32,
-    entries: &'a [Value],
+    /// The device's list of entries (`None`: none).
+    entries: Option<Seq<'a>>,
     segments: &'a [Segment],
     annotations: &'a [&'a Annotation],
 }
@@ -604,6 +610,7 @@ fn device_trace_in(
     let mut entries = input
         .entries
         .iter()
+        .flat_map(|e| e.iter())
         .enumerate()
         .map(|(i, e)| parse_entry(device, i, e))
         .collect::<Result<Vec<_>, _>>()?;
