@@ -182,6 +182,9 @@ impl Trace {
                 }
                 Op::Free => {
                     let bytes = bytes_of.remove(&e.id).unwrap_or(e.bytes);
+                    // BROKEN (`zero_free_kept`): the free's own bytes, 0 or not.
+                    let bytes =
+                        if cfg!(tidepool_broken = "zero_free_kept") { e.bytes } else { bytes };
                     live = live.saturating_sub(u128::from(bytes));
                 }
                 _ => {}

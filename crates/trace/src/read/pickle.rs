@@ -502,7 +502,8 @@ impl Decoder {
     fn height_of(&self, items: &[Value], at_least: u8) -> Result<u8, String> {
         let tallest = items.iter().map(|&v| self.height(v)).max().unwrap_or(0);
         let h = at_least.max(tallest + 1);
-        if u32::from(h) > MAX_DEPTH {
+        // BROKEN (`depth_unbounded`).
+        if u32::from(h) > MAX_DEPTH && !cfg!(tidepool_broken = "depth_unbounded") {
             return Err(too_deep());
         }
         Ok(h)
@@ -612,7 +613,8 @@ impl Decoder {
     /// A decimal integer written as text (`INT`, `LONG`), with its limit on digits.
     fn text_int(&mut self, long: bool) -> Result<V, String> {
         let r = self.line()?;
-        if r.len() > MAX_TEXT_INT {
+        // BROKEN (`text_int_unbounded`).
+        if r.len() > MAX_TEXT_INT && !cfg!(tidepool_broken = "text_int_unbounded") {
             return Err(format!("pickle has a decimal integer longer than {MAX_TEXT_INT} digits"));
         }
         let mut text = &self.p.data[r];
@@ -814,7 +816,10 @@ impl Decoder {
             let op = self.byte()?;
             let v = match op {
                 b'(' => {
-                    if self.marks.len() >= MAX_DEPTH as usize {
+                    // BROKEN (`marks_unbounded`).
+                    if self.marks.len() >= MAX_DEPTH as usize
+                        && !cfg!(tidepool_broken = "marks_unbounded")
+                    {
                         return Err(too_deep());
                     }
                     self.marks.push(self.stack.len());
