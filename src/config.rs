@@ -540,8 +540,17 @@ impl Config {
     /// unchanged.
     pub fn apply(&mut self, s: &str) -> Result<(), ConfigError> {
         let mut next = self.clone();
-        for (key, value) in Config::entries(s)? {
+        let entries = Config::entries(s)?;
+        // PyTorch reads `large_segment_size_mb` first (two passes), sets
+        // `max_non_split_rounding` to it, and then wants an explicit `max_non_split_rounding_mb`
+        // at least as large, wherever the keys stand in the string.
+        let large = |k: &&str| *k == "large_segment_size_mb";
+        let large_given = entries.iter().any(|(k, _)| large(k));
+        for (key, value) in entries.iter().filter(|(k, _)| large(k)) {
             next.set(key, value)?;
+        }
+        for (key, value) in entries.iter().filter(|(k, _)| !large(k)) {
+            next.set_with(key, value, large_given)?;
         }
         next.validate()?;
         *self = next;
@@ -549,6 +558,12 @@ impl Config {
     }
 
     fn set(&mut self, key: &str, value: &str) -> Result<(), ConfigError> {
+        self.set_with(key, value, false)
+    }
+
+    /// `large_given`: the string sets `large_segment_size_mb`, the floor of
+    /// `max_non_split_rounding_mb` (PyTorch's `parseMaxNonSplitRoundingSize`).
+    fn set_with(&mut self, key: &str, value: &str, large_given: bool) -> Result<(), ConfigError> {
         let bad = |expected: &str| ConfigError::BadValue {
             key: key.to_string(),
             value: value.to_string(),
@@ -566,16 +581,29 @@ impl Config {
             _ => Err(bad("true or false")),
         };
         const MAX_MIB: u64 = 1 << 28; // 256 TiB
+        let clamped = || -> Result<u64, ConfigError> {
+            let what = "a whole number of MiB, at least 1";
+            match value.parse::<u64>() {
+                Ok(0) | Err(_) => Err(bad(what)),
+                Ok(v) => Ok(v.min(MAX_MIB) * MIB),
+            }
+        };
         let z = &mut self.sizing;
         match key {
-            "max_split_size_mb" => z.max_split_size = mib(MAX_MIB)?,
+            // PyTorch clamps a larger value (`std::min(val_env, SIZE_MAX / kMB)`): never split.
+            "max_split_size_mb" => z.max_split_size = clamped()?,
             "roundup_power2_divisions" => {
                 z.roundup_power2_divisions = RoundupDivisions::parse(value).map_err(|e| bad(&e))?
             }
             "max_non_split_rounding_mb" => {
-                let v = mib(MAX_MIB)?;
-                if v < DEFAULT_MAX_NON_SPLIT_ROUNDING {
-                    return Err(bad("a whole number of MiB, at least 20 (as PyTorch)"));
+                let v = clamped()?;
+                let floor =
+                    if large_given { z.large_segment } else { DEFAULT_MAX_NON_SPLIT_ROUNDING };
+                if v < floor {
+                    return Err(bad(&format!(
+                        "a whole number of MiB, at least {} (large_segment_size_mb, as PyTorch)",
+                        floor / MIB
+                    )));
                 }
                 z.max_non_split_rounding = v;
             }
@@ -616,8 +644,10 @@ impl Config {
                 if v <= 10 * MIB {
                     return Err(bad("a whole number of MiB above 10 (as PyTorch)"));
                 }
+                // PyTorch: `max_non_split_rounding_size_ = large_segment_size_` before the
+                // other keys are read (an explicit max_non_split_rounding_mb then overrides it).
                 z.large_segment = v;
-                z.max_non_split_rounding = z.max_non_split_rounding.max(v);
+                z.max_non_split_rounding = v;
             }
             "min_large_alloc_mb" => z.min_large_alloc = mib(1 << 16)?,
             "round_large_mb" => z.round_large = mib(1024)?,
@@ -998,9 +1028,21 @@ mod tests {
             (c.sizing.large_segment, c.sizing.max_non_split_rounding),
             (32 * MIB, 100 * MIB)
         );
+        // As PyTorch: the rounding follows a smaller large segment too, an explicit one must
+        // reach it wherever the keys stand, and a huge max_split_size_mb is clamped.
+        let c = Config::parse("large_segment_size_mb:12,max_split_size_mb:12").unwrap();
+        assert_eq!(c.sizing.max_non_split_rounding, 12 * MIB);
+        for s in [
+            "max_non_split_rounding_mb:32,large_segment_size_mb:64",
+            "large_segment_size_mb:64,max_non_split_rounding_mb:32",
+        ] {
+            assert!(Config::parse(s).is_err(), "{s}");
+        }
+        let c = Config::parse("max_split_size_mb:1000000000").unwrap();
+        assert_eq!(c.sizing.max_split_size, (1 << 28) * MIB);
         let e = Config::parse("large_segment_size_mb:10").unwrap_err();
         assert!(e.to_string().contains("above 10"), "{e}");
-        // max_split_size must still exceed the large segment.
+        // max_split_size must still be at least the large segment.
         assert!(Config::parse("large_segment_size_mb:64,max_split_size_mb:40").is_err());
         let c = Config::parse("release_lock_on_hipmalloc:True,pinned_use_hip_host_register:False");
         assert_eq!(c.unwrap().no_effect.len(), 2);

@@ -95,7 +95,9 @@ impl RoundupDivisions {
                 return Err(format!("entry `{entry}` after `>`: `>` must come last"));
             }
             if key.trim() == ">" {
-                let from = last.map_or(0, |i| i + 1);
+                // PyTorch's `last_index` starts at 0, so a `>` with no key before it fills
+                // from interval 1: sizes below 2 MiB keep 0 (`[>:4]`).
+                let from = last.map_or(1, |i| i + 1);
                 log[from..].fill(v);
                 rest_seen = true;
                 continue;
@@ -196,6 +198,9 @@ mod tests {
         assert_eq!(d.for_size(31 * MIB), 16);
         assert_eq!(d.for_size(32 * MIB), 32);
         assert_eq!(d.max(), 32);
+        // A `>` with no key before it leaves interval 0 (PyTorch's `last_index + 1`).
+        let d = RoundupDivisions::parse("[>:4]").unwrap();
+        assert_eq!([d.for_size(MIB), d.for_size(2 * MIB), d.for_size(u64::MAX)], [0, 4, 4]);
         // Keys above 32 GiB land in the last interval.
         let d = RoundupDivisions::parse("[65536:4]").unwrap();
         assert_eq!(d.for_size(u64::MAX), 4);
