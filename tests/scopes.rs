@@ -1394,3 +1394,69 @@ fn the_out_of_memory_ladder_waits_for_an_escape_settling_into_its_region() {
     assert_eq!(dev.live_segments(), vec![(big.ptr(), 20 * MIB)]);
     assert_eq!(dev.violations(), vec![]);
 }
+
+/// Memory a run holds and no longer uses is the out-of-memory ladder's first rung (found in
+/// review: a request the allocator alone serves failed inside a scope). A 14 MiB block freed
+/// into the run's local cache goes back to the pool for a 16 MiB request on a 24 MiB device,
+/// and a run that left its plan at its first allocation lets go of the plan's 20 MiB region
+/// for a 24 MiB request on a 32 MiB device. As after the other rungs (peers, `use_on_oom`
+/// pools), `num_ooms` counts the first attempt, once; the region's plan is learned again.
+/// Broken build `scope_idle_kept`: both fail.
+#[test]
+fn a_runs_idle_memory_goes_back_when_its_request_runs_out() {
+    let (dev, alloc) = setup(24 * MIB);
+    let scope = alloc.scope(S0);
+    drop(scope.alloc(14 * MIB).unwrap()); // into the run's local cache
+    let b = scope.alloc(16 * MIB).unwrap();
+    assert_eq!(alloc.stats().num_ooms, 1);
+    drop(b);
+    drop(scope);
+    alloc.check_invariants().unwrap();
+
+    let (dev2, alloc2) = setup(32 * MIB);
+    for _ in 0..2 {
+        let s = alloc2.named_scope("step", S0);
+        drop(s.alloc(20 * MIB).unwrap());
+    }
+    assert_eq!(alloc2.stats().plan_region_bytes, 20 * MIB);
+    let s = alloc2.named_scope("step", S0); // claims the region
+    let big = s.alloc(24 * MIB).unwrap(); // diverges at once: the region is idle
+    let st = alloc2.stats();
+    assert_eq!((st.num_ooms, st.plan_region_bytes), (1, 0));
+    assert_eq!(dev2.reserved_bytes() + dev2.physical_bytes(), 24 * MIB);
+    drop(big);
+    drop(s);
+    alloc2.check_invariants().unwrap();
+    // The plan is learned again, its region made for the next run.
+    for _ in 0..2 {
+        let s = alloc2.named_scope("step", S0);
+        drop(s.alloc(24 * MIB).unwrap());
+    }
+    alloc2.empty_cache().unwrap();
+    alloc2.check_invariants().unwrap();
+    drop((alloc, alloc2));
+    assert_eq!((dev.live_segments(), dev2.live_segments()), (vec![], vec![]));
+}
+
+/// The region stays claimed while a planned slice the run was served is live (a buffer still
+/// held), and the request fails with the out-of-memory report, counted once.
+#[test]
+fn a_left_plans_region_stays_while_one_of_its_slices_is_live() {
+    let (_dev, alloc) = setup(32 * MIB);
+    for _ in 0..2 {
+        let s = alloc.named_scope("step", S0);
+        let a = s.alloc(8 * MIB).unwrap();
+        drop(s.alloc(8 * MIB).unwrap());
+        drop(a);
+    }
+    let s = alloc.named_scope("step", S0);
+    let a = s.alloc(8 * MIB).unwrap(); // planned, live
+    assert!(a.ptr() != DeviceAddr::NULL);
+    let r = s.alloc(24 * MIB).map(|b| b.ptr()); // leaves the plan; the region holds `a`
+    assert!(matches!(r, Err(AllocError::OutOfMemory(_))), "{r:?}");
+    assert_eq!(alloc.stats().num_ooms, 1);
+    assert_eq!(alloc.stats().plan_region_bytes, 16 * MIB);
+    drop(a);
+    drop(s);
+    alloc.check_invariants().unwrap();
+}

@@ -544,7 +544,39 @@ impl<D: Device> Allocator<D> {
         residency: Residency,
         align: u64,
     ) -> Result<Buffer<D>, AllocError> {
+        self.alloc_with_retries_after(bytes, stream, residency, align, &mut || false)
+    }
+
+    /// [`Allocator::alloc_in`] for a caller that holds idle memory of its own the allocator
+    /// cannot see (a scope's run: its local cache, the region of a run that left its plan):
+    /// the out-of-memory ladder's first rung asks `give_back` to return it (whether it did).
+    pub(super) fn alloc_in_giving_back(
+        &self,
+        bytes: u64,
+        stream: StreamId,
+        residency: Residency,
+        give_back: &mut dyn FnMut() -> bool,
+    ) -> Result<Buffer<D>, AllocError> {
+        if let Some(buffer) = self.hit(bytes, stream, residency) {
+            return Ok(buffer);
+        }
+        if let Some(buffer) = self.hit_large(bytes, stream, residency) {
+            return Ok(buffer);
+        }
+        self.alloc_with_retries_after(bytes, stream, residency, 0, give_back)
+    }
+
+    /// [`Allocator::alloc_with_retries`], `give_back` the ladder's first rung.
+    fn alloc_with_retries_after(
+        &self,
+        bytes: u64,
+        stream: StreamId,
+        residency: Residency,
+        align: u64,
+        give_back: &mut dyn FnMut() -> bool,
+    ) -> Result<Buffer<D>, AllocError> {
         let mut attempt = 0;
+        let mut own_released = false;
         let (mut pools_released, mut general_released) = (false, false);
         // Whether the last attempt was the retry of an inner rung (pools, general, peers).
         let (mut peers_released, mut retried) = (false, false);
@@ -561,6 +593,10 @@ impl<D: Device> Allocator<D> {
                 self.uncount_oom(stream);
             }
             match r {
+                Err(AllocError::OutOfMemory(_)) if !own_released && give_back() => {
+                    // The caller returned idle memory of its own: once more.
+                    (own_released, retried) = (true, true);
+                }
                 Err(AllocError::OutOfMemory(_))
                     if !pools_released && self.shared.release_oom_pools() =>
                 {

@@ -1078,7 +1078,11 @@ impl<'a, D: Device> Scope<'a, D> {
             list.and_then(|v| v.pop_if(|(b, _)| self.may_reuse(b)))
         };
         let Some((b, ptr)) = cached else {
-            return self.alloc.alloc_in(bytes, self.stream, TRANSIENT);
+            // Out of memory, the run's own idle memory goes back first (`give_back_idle`).
+            // BROKEN (`scope_idle_kept`): it stays out of the ladder's reach.
+            let give_back =
+                &mut || !cfg!(tidepool_broken = "scope_idle_kept") && self.give_back_idle();
+            return self.alloc.alloc_in_giving_back(bytes, self.stream, TRANSIENT, give_back);
         };
         // A transient request may have been placed in a persistent segment's free space
         // (`residency.rs`): the block keeps its segment's residency, as when it was handed out.
@@ -1096,6 +1100,59 @@ impl<'a, D: Device> Scope<'a, D> {
         // The statistics still account the block with the request it was first made for.
         reused.accounted = b.requested;
         Ok(reused)
+    }
+
+    /// The out-of-memory ladder's first rung for the run's requests (found in review: a request
+    /// the allocator alone would serve failed inside a scope): returns the run's locally cached
+    /// blocks to the pool (as its end would), and lets go of the region of a run that left its
+    /// plan once none of the planned slices it was served is live (it serves no more). Whether
+    /// anything was given back.
+    #[cold]
+    fn give_back_idle(&self) -> bool {
+        let blocks: Vec<BatchBlock> = {
+            let mut run = self.run.borrow_mut();
+            run.local.drain().flat_map(|(_, v)| v.into_iter().map(|(b, _)| b)).collect()
+        };
+        let any = !blocks.is_empty();
+        if any {
+            self.alloc.shared.free_blocks(self.stream, &blocks);
+        }
+        let c = &self.cursor;
+        if c.following.get() || c.held.get() || c.base.get() == NO_BASE {
+            return any;
+        }
+        let mut run = self.run.borrow_mut();
+        if !matches!(run.region, RegionSlot::Claimed(_)) || !run.uses.is_empty() {
+            return any;
+        }
+        // The planned allocations are the ones before the divergence that did not miss; one
+        // not freed in the run's steps (a live buffer, an escape, a forgotten one) may still be
+        // in use.
+        let freed: std::collections::HashSet<u32> = run
+            .steps
+            .iter()
+            .filter_map(|s| match s {
+                Step::Free(i) => Some(*i),
+                _ => None,
+            })
+            .collect();
+        let missed: std::collections::HashSet<u32> = run.missed.iter().copied().collect();
+        let before = &run.steps[..c.diverged_at.get().min(run.steps.len())];
+        let allocs = before.iter().filter(|s| matches!(s, Step::Alloc(_)));
+        let live = (0u32..).zip(allocs).any(|(i, _)| !missed.contains(&i) && !freed.contains(&i));
+        if live {
+            return any;
+        }
+        let RegionSlot::Claimed(region) = std::mem::replace(&mut run.region, RegionSlot::Denied)
+        else {
+            unreachable!("checked above")
+        };
+        drop(run);
+        region.unclaim();
+        c.base.set(NO_BASE);
+        self.set_fast();
+        self.alloc.shared.release_region(region);
+        true
     }
 
     /// Whether the memory history is recorded now (whenever the run opened): the local cache
