@@ -969,3 +969,26 @@ fn set_config_changes_the_release_threshold_at_once() {
         assert_no_leak(&dev);
     }
 }
+
+/// A learning run (a named scope's first) gives its stream's pages back as they are freed; its
+/// end stops that even when a `set_config` turned expandable segments off meanwhile (found in
+/// review: the count stayed raised, so once they were on again every free on the stream
+/// unmapped its pages). Broken build `learning_count_kept`.
+#[test]
+fn a_learning_run_ended_after_set_config_leaves_no_trimming_behind() {
+    let (dev, alloc) = setup("", CAP);
+    let s = dev.create_stream().unwrap();
+    let run = alloc.named_scope("step", s);
+    drop(run.alloc(4 * MIB).unwrap());
+    alloc.set_config(Config::parse("expandable_segments:false").unwrap()).unwrap();
+    drop(run);
+    alloc.set_config(Config::parse("expandable_segments:true").unwrap()).unwrap();
+    let unmaps = alloc.stats().num_device_unmap;
+    for _ in 0..3 {
+        drop(alloc.alloc(30 * MIB, s).unwrap()); // in the range (the run left 20 MiB cached)
+    }
+    alloc.check_invariants().unwrap();
+    assert_eq!(alloc.stats().num_device_unmap, unmaps, "frees kept their pages mapped");
+    drop(alloc);
+    assert_no_leak(&dev);
+}
