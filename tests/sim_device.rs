@@ -693,3 +693,31 @@ fn injected_event_faults_panic_when_asked_and_the_device_works_on() {
     assert!(dev.query_event(e).unwrap());
     dev.destroy_event(e).unwrap();
 }
+
+/// Injected refusals of `create_event` and `vm_unmap`: the `n`th call from now fails with the
+/// driver's error and changes nothing (the unmap's mapping stays, to be unmapped later); the
+/// calls around it succeed.
+#[test]
+fn the_nth_event_creation_and_unmap_can_be_refused() {
+    use tidepool::DeviceError;
+    let dev = SimDevice::new(64 << 20);
+    dev.fail_nth_event_create(Some(2));
+    let e1 = dev.create_event().unwrap();
+    let refused = DeviceError::Driver { op: "cuEventCreate", code: 2 };
+    assert_eq!(dev.create_event(), Err(refused));
+    let e3 = dev.create_event().unwrap();
+    assert_ne!(e1, e3);
+    let base = dev.vm_reserve(8 << 20).unwrap();
+    let h = dev.vm_create(2 << 20).unwrap();
+    dev.vm_map(base, 2 << 20, h).unwrap();
+    dev.fail_nth_vm_unmap(Some(1));
+    let refused = DeviceError::Driver { op: "cuMemUnmap", code: DeviceError::CUDA_ERROR_UNKNOWN };
+    assert_eq!(dev.vm_unmap(base, 2 << 20), Err(refused));
+    assert_eq!(dev.live_mappings(), vec![(base, 2 << 20)]);
+    let unmaps = dev.vm_counters().unmaps;
+    dev.vm_unmap(base, 2 << 20).unwrap();
+    assert_eq!(dev.vm_counters().unmaps, unmaps + 1);
+    dev.vm_release(h).unwrap();
+    dev.vm_free(base, 8 << 20).unwrap();
+    assert_eq!((dev.live_physical(), dev.virtual_bytes()), (0, 0));
+}

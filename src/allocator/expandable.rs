@@ -832,7 +832,14 @@ impl<D: Device> Shared<D> {
             (next_run.min(retiring).min(lent) - lo) / page
         };
         let retiring_before = st.vm.retiring.len();
-        self.take_pages(st, config, key, pages, room, chunks)?;
+        if let Err(e) = self.take_pages(st, config, key, pages, room, chunks) {
+            // Chunks taken before the error are in no range: they go back to the device.
+            if !cfg!(tidepool_broken = "taken_chunks_lost") {
+                self.settle_taken(st, retiring_before);
+                self.drop_handles(st, chunks);
+            }
+            return Err(e);
+        }
         let mut have: u64 = chunks.iter().map(|c| c.1).sum();
         let pages = pages.max(have);
         let create = (pages - have) * page;
@@ -871,16 +878,36 @@ impl<D: Device> Shared<D> {
         let mut va = lo;
         for (i, &(h, n)) in chunks.iter().enumerate() {
             if let Err(e) = self.device.vm_map(DeviceAddr(va), n * page, h) {
-                // Unmap what this growth mapped (the chunks before this one, from `lo` up).
-                let mut at = lo;
-                for &(_, m) in &chunks[..i] {
-                    if self.device.vm_unmap(DeviceAddr(at), m * page).is_ok() {
-                        st.vm.counts.add_unmaps(1);
+                // Unmap what this growth mapped (the chunks before this one), from the top
+                // down; where the device refuses, the chunks still mapped (from `lo` up to the
+                // refused one) stay: they join the pool as free pages, released later like
+                // any (a refused unmap forgotten here kept its mapping, and its address, for
+                // good: every later growth over it failed).
+                let mut kept = i;
+                let mut at = va;
+                while kept > 0 {
+                    let m = chunks[kept - 1].1;
+                    let unmapped = self.device.vm_unmap(DeviceAddr(at - m * page), m * page);
+                    // BROKEN (`rollback_unmap_forgotten`): a refused unmap is let go of.
+                    if unmapped.is_err() && !cfg!(tidepool_broken = "rollback_unmap_forgotten") {
+                        break;
                     }
-                    at += m * page;
+                    st.vm.counts.add_unmaps(1);
+                    at -= m * page;
+                    kept -= 1;
                 }
                 self.settle_taken(st, retiring_before);
-                self.drop_handles(st, chunks);
+                if kept > 0 {
+                    let range = st.vm.ranges.get_mut(&base).expect("the key's range");
+                    let mut a = lo;
+                    for &(h, m) in &chunks[..kept] {
+                        range.pages.insert(Chunk { handle: h, lo: a, pages: m });
+                        a += m * page;
+                    }
+                    self.join_pages(st, base, lo, a - lo);
+                }
+                self.drop_handles(st, &chunks[kept..]);
+                self.publish_vm(&mut st.vm);
                 return Err(device_err(e));
             }
             st.vm.counts.add_maps(1);

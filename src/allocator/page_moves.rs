@@ -69,8 +69,16 @@ impl<D: Device> Shared<D> {
                 continue;
             }
             let owner = st.vm.ranges[&d].key.stream;
-            let event = self.event(st)?;
             let failed = self.broken(Broken::VmEventErrors);
+            // No event for this donor (`cuEventCreate` refused): nothing orders a move from it,
+            // as for a refused record. Returning the error here would lose the chunks already
+            // taken from earlier donors (in `got`, out of every range).
+            let event = match self.event(st) {
+                Ok(e) => e,
+                // BROKEN (`VmEventErrors`, `taken_chunks_lost`): the allocation fails.
+                Err(e) if failed || cfg!(tidepool_broken = "taken_chunks_lost") => return Err(e),
+                Err(_) => break,
+            };
             let done = match self.device.record_event(event, owner) {
                 // The owner was destroyed here, hence drained (see `gone_drained`; a stream
                 // forgotten otherwise may still run work on these pages: the next donor).

@@ -111,6 +111,8 @@ struct Faults {
     fail_nth_malloc: Option<u64>,
     /// Fail every malloc of more than this many bytes.
     fail_above: Option<u64>,
+    /// Fail the Nth `create_event` from now.
+    fail_nth_event_create: Option<u64>,
     /// Fail every event query.
     fail_event_query: bool,
     /// Fail every event record.
@@ -411,6 +413,18 @@ impl SimDevice {
         self.state().vm.faults.fail_nth_create = n.filter(|&n| n > 0);
     }
 
+    /// Makes the `n`th `create_event` from now fail with `CUDA_ERROR_OUT_OF_MEMORY` (the driver
+    /// has no room for another event). `None` clears it.
+    pub fn fail_nth_event_create(&self, n: Option<u64>) {
+        self.state().faults.fail_nth_event_create = n.filter(|&n| n > 0);
+    }
+
+    /// Makes the `n`th `vm_unmap` from now fail with `CUDA_ERROR_UNKNOWN` (the mapping stays).
+    /// `None` clears it.
+    pub fn fail_nth_vm_unmap(&self, n: Option<u64>) {
+        self.state().vm.faults.fail_nth_unmap = n.filter(|&n| n > 0);
+    }
+
     /// Makes the `n`th `vm_map` from now fail with `CUDA_ERROR_OUT_OF_MEMORY`. `None` clears it.
     pub fn fail_nth_vm_map(&self, n: Option<u64>) {
         self.state().vm.faults.fail_nth_map = n.filter(|&n| n > 0);
@@ -664,6 +678,10 @@ impl super::Device for SimDevice {
 
     fn create_event(&self) -> Result<EventId, DeviceError> {
         let mut st = self.state();
+        if vmm::countdown(&mut st.faults.fail_nth_event_create) {
+            let code = DeviceError::CUDA_ERROR_OUT_OF_MEMORY;
+            return Err(DeviceError::Driver { op: "cuEventCreate", code });
+        }
         let id = st.next_event;
         st.next_event += 1;
         st.events.insert(id, None);

@@ -222,6 +222,8 @@ pub(super) struct VmFaults {
     pub(super) fail_nth_create: Option<u64>,
     /// Fail the Nth `vm_map` from now.
     pub(super) fail_nth_map: Option<u64>,
+    /// Fail the Nth `vm_unmap` from now (the mapping stays).
+    pub(super) fail_nth_unmap: Option<u64>,
 }
 
 /// Counts down an injected fault; true when this call is the one to fail.
@@ -447,6 +449,11 @@ impl Vmm {
             Some(m) if m.bytes == bytes => {}
             _ => return Err(invalid("cuMemUnmap")),
         }
+        if countdown(&mut self.faults.fail_nth_unmap) {
+            let code = DeviceError::CUDA_ERROR_UNKNOWN;
+            return Err(DeviceError::Driver { op: "cuMemUnmap", code });
+        }
+        let range = self.range_of_mut(va).expect("checked").1;
         let m = range.mappings.remove(&va).expect("checked");
         self.mapping_count -= 1;
         let p = self.physical.get_mut(&m.handle).expect("a mapping's allocation is live");
