@@ -354,7 +354,7 @@ impl<D: Device> Allocator<D> {
     ) -> Result<Buffer<D>, AllocError> {
         match self.hit(bytes, stream, residency) {
             Some(buffer) => Ok(buffer),
-            None => self.alloc_missed(bytes, stream, residency),
+            None => self.alloc_missed(bytes, stream, residency, &mut || false),
         }
     }
 
@@ -367,11 +367,12 @@ impl<D: Device> Allocator<D> {
         bytes: u64,
         stream: StreamId,
         residency: Residency,
+        give_back: &mut dyn FnMut() -> bool,
     ) -> Result<Buffer<D>, AllocError> {
         if let Some(buffer) = self.hit_large(bytes, stream, residency) {
             return Ok(buffer);
         }
-        self.alloc_with_retries(bytes, stream, residency, 0)
+        self.alloc_with_retries_after(bytes, stream, residency, 0, give_back)
     }
 
     /// The hit path: a block of the request's class from this thread's lane of `stream`, with
@@ -557,13 +558,10 @@ impl<D: Device> Allocator<D> {
         residency: Residency,
         give_back: &mut dyn FnMut() -> bool,
     ) -> Result<Buffer<D>, AllocError> {
-        if let Some(buffer) = self.hit(bytes, stream, residency) {
-            return Ok(buffer);
+        match self.hit(bytes, stream, residency) {
+            Some(buffer) => Ok(buffer),
+            None => self.alloc_missed(bytes, stream, residency, give_back),
         }
-        if let Some(buffer) = self.hit_large(bytes, stream, residency) {
-            return Ok(buffer);
-        }
-        self.alloc_with_retries_after(bytes, stream, residency, 0, give_back)
     }
 
     /// [`Allocator::alloc_with_retries`], `give_back` the ladder's first rung.
