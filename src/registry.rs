@@ -82,9 +82,21 @@ impl<D: Device> Allocators<D> {
         total
     }
 
-    /// Returns every device's unused cached memory ([`Allocator::empty_cache`]).
+    /// Returns every device's unused cached memory ([`Allocator::empty_cache`]). A device whose
+    /// release fails does not keep the others' caches: every device is emptied and the first
+    /// error is returned.
     pub fn empty_cache(&self) -> Result<(), AllocError> {
-        self.allocators.iter().try_for_each(Allocator::empty_cache)
+        let mut first = Ok(());
+        for a in &self.allocators {
+            if let Err(e) = a.empty_cache() {
+                first = first.and(Err(e));
+                // BROKEN (`registry_stops_at_error`): the devices after it keep their caches.
+                if cfg!(tidepool_broken = "registry_stops_at_error") {
+                    break;
+                }
+            }
+        }
+        first
     }
 
     /// Starts (or stops) recording every device's memory history

@@ -206,3 +206,26 @@ fn a_pinned_allocator_out_of_memory_takes_back_what_another_caches() {
     assert_eq!(b.stats().reserved_bytes.current, 8 * MIB, "pinned memory untouched");
     drop(got);
 }
+
+/// A peer's `use_on_oom` pool lends its free cached segments to another allocator of the device
+/// that runs out, as it does for its own allocator's requests (found in review: only the
+/// peer's general cache was asked). Broken build `peers_skip_pools`.
+#[test]
+fn a_peers_use_on_oom_pool_gives_its_cache_to_another_allocator() {
+    let dev = Arc::new(SimDevice::new(128 * MIB));
+    let a = Allocator::new(dev.clone(), Config::default()).unwrap();
+    let pool = a.new_pool(tidepool::PoolOptions::default().with_use_on_oom(true)).unwrap();
+    let ps = dev.create_stream().unwrap();
+    {
+        let _g = a.use_pool(&pool, ps).unwrap();
+        drop(a.alloc(80 * MIB, ps).unwrap()); // cached in a's pool
+    }
+    assert_eq!(pool.stats().blocks.reserved_bytes.all.current, 80 * MIB);
+    let b = Allocator::new(dev.clone(), Config::default()).unwrap();
+    let got = b.alloc(80 * MIB, StreamId::DEFAULT).unwrap();
+    assert_eq!(pool.stats().blocks.reserved_bytes.all.current, 0);
+    assert_eq!(dev.reserved_bytes(), 80 * MIB);
+    drop(got);
+    pool.check_invariants().unwrap();
+    b.check_invariants().unwrap();
+}

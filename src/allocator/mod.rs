@@ -1307,6 +1307,10 @@ impl<D: Device> crate::peers::Peer for Shared<D> {
             return false; // BROKEN (the first): the peers keep their caches
         }
         let _ = self.release_idle_regions();
-        self.give_back_transient()
+        // The family's `use_on_oom` pools lend their free segments to any request of the
+        // device that ran out, as they do for this allocator's own.
+        // BROKEN (`peers_skip_pools`): only the general allocator's cache.
+        let pools = !cfg!(tidepool_broken = "peers_skip_pools") && self.release_oom_pools();
+        self.give_back_transient() | pools
     }
 }
