@@ -228,15 +228,20 @@ impl Pool {
         self.changed |= 1 << Self::quadrant(k, r);
     }
 
+    /// The key whose inactive-split figures count the free blocks of segment `seg`: none for a
+    /// run of an expandable range ([`Segment::expandable`]).
+    fn split_counted(&self, seg: SegmentId) -> Option<PoolKey> {
+        let s = &self.segments[seg.0];
+        // BROKEN (`expandable_inactive_split`): runs count as device segments do.
+        let skip = s.expandable && !cfg!(tidepool_broken = "expandable_inactive_split");
+        (!skip).then_some(s.key)
+    }
+
     /// Counts a free block of split segment `seg`, of `size` bytes, in (`up`) or out; nothing
     /// for a run of an expandable range ([`Segment::expandable`]).
     fn count_split(&mut self, seg: SegmentId, size: u64, up: bool) {
-        let s = &self.segments[seg.0];
-        // BROKEN (`expandable_inactive_split`): runs count as device segments do.
-        if s.expandable && !cfg!(tidepool_broken = "expandable_inactive_split") {
-            return;
-        }
-        let (k, r, st) = (s.key.kind, s.key.residency, &mut self.stats);
+        let Some(key) = self.split_counted(seg) else { return };
+        let (k, r, st) = (key.kind, key.residency, &mut self.stats);
         if up {
             st.inactive_split_bytes.increase(k, r, size);
             st.inactive_split.increase(k, r, 1);
@@ -252,11 +257,8 @@ impl Pool {
     /// current falls or stays, so no peak moves.)
     fn count_split_shrunk(&mut self, seg: SegmentId, old: u64, new: u64) {
         debug_assert!(new <= old);
-        let s = &self.segments[seg.0];
-        if s.expandable && !cfg!(tidepool_broken = "expandable_inactive_split") {
-            return;
-        }
-        let (k, r) = (s.key.kind, s.key.residency);
+        let Some(key) = self.split_counted(seg) else { return };
+        let (k, r) = (key.kind, key.residency);
         let shrink = |g: &mut crate::types::StatGroup, old: u64, new: u64| {
             let cell = |s: &mut Stat| {
                 s.current = s.current - old + new;

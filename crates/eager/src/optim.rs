@@ -139,18 +139,17 @@ impl<B: Backend> Optimizer<B> for AdamW<B> {
         if self.state.is_empty() {
             // All or nothing: moments made before a failure (out of memory) are freed with
             // `state`, so the next step makes them all again.
-            let mut state = Vec::with_capacity(params.len());
+            // BROKEN (`adamw_partial`): made in place, what was made before a failure stays.
+            let partial = cfg!(tidepool_broken = "adamw_partial");
+            let mut fresh = Vec::with_capacity(params.len());
+            let state = if partial { &mut self.state } else { &mut fresh };
             for p in params.iter() {
                 let m = Tensor::persistent_zeros(p.eager(), p.shape(), p.stream())?;
                 let v = Tensor::persistent_zeros(p.eager(), p.shape(), p.stream())?;
-                // BROKEN (`adamw_partial`): what was made before a failure stays.
-                match cfg!(tidepool_broken = "adamw_partial") {
-                    true => self.state.push((m, v)),
-                    false => state.push((m, v)),
-                }
+                state.push((m, v));
             }
-            if !state.is_empty() {
-                self.state = state;
+            if !partial {
+                self.state = fresh;
             }
         }
         if self.state.len() != params.len() {
