@@ -186,8 +186,8 @@ fn the_dump_is_a_pickle_python_reads_with_pytorchs_structure() {
     alloc.record_history(HistoryOptions::new(100).with_stacks(true));
     let keep = alloc.alloc(4096, StreamId::DEFAULT).unwrap();
     drop(alloc.alloc(3 * MIB, StreamId::DEFAULT).unwrap());
-    let dir = std::env::temp_dir().join(format!("tidepool-history-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let scratch = tempfile::Builder::new().prefix("tidepool-history-").tempdir().unwrap();
+    let dir = scratch.path();
     let path = dir.join("snapshot.pickle");
     alloc.dump_snapshot(&path).unwrap();
     let bytes = std::fs::read(&path).unwrap();
@@ -208,7 +208,6 @@ fn the_dump_is_a_pickle_python_reads_with_pytorchs_structure() {
         "2 4096 ['segment_alloc', 'alloc', 'segment_alloc', 'alloc', 'free_requested', 'free_completed'] True"
     );
     drop(keep);
-    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 #[test]
@@ -237,13 +236,13 @@ for s in d['segments']:
 
 /// The segments of `bytes` as `(pool id, address, size)`, read by Python (`None`: no python3).
 fn pools_in_dump(bytes: &[u8]) -> Option<Vec<(u64, u64, u64)>> {
-    let dir = std::env::temp_dir().join(format!("tidepool-pools-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let scratch = tempfile::Builder::new().prefix("tidepool-pools-").tempdir().unwrap();
+    let dir = scratch.path();
     let (path, script) = (dir.join("snapshot.pickle"), dir.join("pools.py"));
     std::fs::write(&path, bytes).unwrap();
     std::fs::write(&script, POOLS_PY).unwrap();
     let out = std::process::Command::new("python3").arg(&script).arg(&path).output();
-    std::fs::remove_dir_all(&dir).unwrap();
+    drop(scratch);
     let out = match out {
         Ok(out) => out,
         Err(e) => {

@@ -105,8 +105,8 @@ mod tests {
     /// training step as a scope; an unwritable file is a runtime error.
     #[test]
     fn the_demos_snapshot_replays_with_its_steps_as_scopes() {
-        let dir = std::env::temp_dir().join(format!("tidepool-demo-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
+        let scratch = tempfile::Builder::new().prefix("tidepool-demo-").tempdir().unwrap();
+        let dir = scratch.path();
         let file = dir.join("demo.pickle");
         let (code, out, err) =
             run_str(&format!("tidepool demo --steps 3 --sim --snapshot {}", file.display()));
@@ -120,6 +120,5 @@ mod tests {
             run_str(&format!("tidepool demo --steps 1 --sim --snapshot {}", bad.display()));
         assert_eq!(code, 1);
         assert!(err.contains("cannot write"), "{err}");
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

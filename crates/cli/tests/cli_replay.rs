@@ -1,7 +1,7 @@
 //! The `tidepool` binary: JSON output on the shipped MLP trace, the SVG, and exit codes and
 //! messages for usage and input errors.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Output};
 
 fn tidepool(args: &[&str]) -> Output {
@@ -15,10 +15,9 @@ fn mlp() -> String {
         .to_string()
 }
 
-fn tmp(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("tidepool-cli-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    dir.join(name)
+/// A scratch directory of the test's own, removed when it is dropped (pass or fail).
+fn scratch() -> tempfile::TempDir {
+    tempfile::Builder::new().prefix("tidepool-cli-").tempdir().unwrap()
 }
 
 fn stderr(o: &Output) -> String {
@@ -60,7 +59,8 @@ fn json_on_the_mlp_trace() {
 
 #[test]
 fn table_and_svg() {
-    let svg = tmp("mlp.svg");
+    let dir = scratch();
+    let svg = dir.path().join("mlp.svg");
     let o = tidepool(&["replay", &mlp(), "--repeats=1", "--svg", svg.to_str().unwrap()]);
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
     let table = String::from_utf8(o.stdout).unwrap();
@@ -145,6 +145,7 @@ fn usage_errors_exit_2() {
 
 #[test]
 fn input_errors_exit_1() {
+    let dir = scratch();
     let o = tidepool(&["replay", "/nonexistent/t.csv"]);
     assert_eq!(o.status.code(), Some(1));
     assert!(
@@ -155,14 +156,14 @@ fn input_errors_exit_1() {
         stderr(&o)
     );
 
-    let bad = tmp("bad.csv");
+    let bad = dir.path().join("bad.csv");
     std::fs::write(&bad, "seq,op,id,bytes,stream,tag\n0,alloc,1,10,0,act\n1,free,2,10,0,act\n")
         .unwrap();
     let o = tidepool(&["replay", bad.to_str().unwrap()]);
     assert_eq!(o.status.code(), Some(1));
     assert_eq!(stderr(&o), format!("tidepool: {}: line 3: free of unknown id 2\n", bad.display()));
 
-    let huge = tmp("huge.csv");
+    let huge = dir.path().join("huge.csv");
     std::fs::write(&huge, "seq,op,id,bytes,stream,tag\n0,alloc,1,9223372036854775808,0,act\n")
         .unwrap();
     let o = tidepool(&["replay", huge.to_str().unwrap(), "--policy", "range-alloc"]);
@@ -242,6 +243,7 @@ fn real_snapshots() {
 /// Every device reported on its own, `--device` picks one, skipped kinds in text and JSON.
 #[test]
 fn devices_of_a_snapshot() {
+    let dir = scratch();
     let o = tidepool(&["replay", &multi_device(), "--policy", "caching", "--repeats=1", "--json"]);
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
     let v = json_lines(&o);
@@ -283,7 +285,7 @@ fn devices_of_a_snapshot() {
     assert!(stderr(&o).contains("--device applies to PyTorch snapshots"), "{}", stderr(&o));
 
     // One SVG per device, with PyTorch's reserved line.
-    let svg = tmp("multi.svg");
+    let svg = dir.path().join("multi.svg");
     let o = tidepool(&[
         "replay",
         &multi_device(),
@@ -295,7 +297,8 @@ fn devices_of_a_snapshot() {
     ]);
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
     for d in [0, 1] {
-        let text = std::fs::read_to_string(tmp(&format!("multi.device{d}.svg"))).unwrap();
+        let text =
+            std::fs::read_to_string(dir.path().join(format!("multi.device{d}.svg"))).unwrap();
         assert!(text.contains(&format!("memory timeline: multi_device_snapshot, device {d}")));
         assert!(text.contains("reserved: pytorch (recorded)"));
     }
@@ -348,6 +351,7 @@ fn config_from_snapshot() {
 
 #[test]
 fn input_errors_of_snapshots() {
+    let dir = scratch();
     let o = tidepool(&["replay", &multi_device(), "--max-input-size", "1KiB"]);
     assert_eq!(o.status.code(), Some(1));
     assert!(
@@ -363,7 +367,7 @@ fn input_errors_of_snapshots() {
     assert!(stderr(&o).contains("is not a byte count"), "{}", stderr(&o));
 
     // What pickle.dump(torch.cuda.memory_snapshot(), f) writes: a list of segments.
-    let list = tmp("segments.pickle");
+    let list = dir.path().join("segments.pickle");
     std::fs::write(
         &list,
         b"\x80\x04]\x94}\x94(\x8c\x0atotal_size\x94K\x10\x8c\x06blocks\x94]\x94ua.",
