@@ -124,7 +124,7 @@ impl<D: Device> Allocators<D> {
     /// # std::fs::remove_file(path).unwrap();
     /// ```
     pub fn snapshot_pickle(&self) -> Vec<u8> {
-        let parts = self.allocators.iter().enumerate().map(|(n, a)| a.snapshot_part(n as u64));
+        let parts = self.allocators.iter().enumerate().map(|(n, a)| a.snapshot_part(n));
         let settings = self.allocators.first().map(Allocator::snapshot_settings);
         let settings = settings.unwrap_or_else(|| crate::pickle::Py::dict([]));
         crate::allocator::dump::pickle_of(parts.collect(), settings)
@@ -144,8 +144,9 @@ impl Allocators<SimDevice> {
         capacity: u64,
         config: Config,
     ) -> Result<Allocators<SimDevice>, AllocError> {
-        let devices = (0..n).map(|_| {
-            Arc::new(SimDevice::with_config(SimConfig { capacity, ..SimConfig::default() }))
+        let devices = (0..n).map(|ordinal| {
+            let config = SimConfig { capacity, ..SimConfig::default() };
+            Arc::new(SimDevice::with_config(config).with_ordinal(ordinal))
         });
         Allocators::new(devices, config)
     }

@@ -96,3 +96,68 @@ fn empty_cache_empties_every_device_past_one_that_fails() {
     all.empty_cache().unwrap();
     assert_eq!(devices[0].physical_bytes(), 0);
 }
+
+/// The devices' part of a snapshot pickle: `device_traces` as each device's list of entry
+/// actions, and the `device` of every segment and range mark.
+fn devices_in_dump(bytes: &[u8]) -> (Vec<Vec<String>>, Vec<i64>, Vec<i64>) {
+    use serde_pickle::{HashableValue as H, Value as V};
+    let v = serde_pickle::value_from_slice(bytes, serde_pickle::DeOptions::new()).unwrap();
+    let get = |d: &V, k: &str| match d {
+        V::Dict(m) => m.get(&H::String(k.into())).cloned().unwrap_or_else(|| panic!("no {k}")),
+        _ => panic!("not a dict: {d:?}"),
+    };
+    let list = |v: V| match v {
+        V::List(l) => l,
+        other => panic!("not a list: {other:?}"),
+    };
+    let int = |v: V| match v {
+        V::I64(n) => n,
+        other => panic!("not an int: {other:?}"),
+    };
+    let string = |v: V| match v {
+        V::String(s) => s,
+        other => panic!("not a str: {other:?}"),
+    };
+    let traces = list(get(&v, "device_traces"))
+        .into_iter()
+        .map(|t| list(t).iter().map(|e| string(get(e, "action"))).collect())
+        .collect();
+    let segments = list(get(&v, "segments")).iter().map(|s| int(get(s, "device"))).collect();
+    let marks =
+        list(get(&v, "external_annotations")).iter().map(|a| int(get(a, "device"))).collect();
+    (traces, segments, marks)
+}
+
+/// An allocator's snapshot is its device's: one allocator on device 2 stamps its segments and
+/// range marks with device 2 and writes its history as `device_traces[2]` (devices 0 and 1
+/// empty, as PyTorch lists every device of the machine), so PyTorch's viewer and
+/// `tidepool replay --device 2` find it where the program ran. The devices of
+/// `Allocators::sim` are numbered as they are placed, so a device's allocator dumps alone what
+/// the registry dumps for it. (It was always device 0.)
+#[test]
+fn a_snapshot_is_stamped_with_its_devices_ordinal() {
+    let dev = Arc::new(SimDevice::new(64 * MIB).with_ordinal(2));
+    assert_eq!(dev.ordinal(), 2);
+    let alloc = tidepool::Allocator::new(dev, Config::default()).unwrap();
+    alloc.record_history(tidepool::HistoryOptions::new(100));
+    alloc.record_annotation("step", true);
+    let kept = alloc.alloc(4 * MIB, StreamId::DEFAULT).unwrap();
+    let (traces, segments, marks) = devices_in_dump(&alloc.snapshot_pickle());
+    let want = vec![vec![], vec![], vec!["segment_alloc".to_string(), "alloc".to_string()]];
+    assert_eq!(traces, want);
+    assert_eq!(segments, vec![2]);
+    assert_eq!(marks, vec![2]);
+    drop(kept);
+
+    let all = Allocators::sim(2, 64 * MIB, Config::default()).unwrap();
+    all.record_history(tidepool::HistoryOptions::new(100));
+    let b = all.for_device(1).unwrap().alloc(4 * MIB, StreamId::DEFAULT).unwrap();
+    assert_eq!(all.for_device(0).unwrap().device().ordinal(), 0);
+    assert_eq!(all.for_device(1).unwrap().device().ordinal(), 1);
+    let whole = devices_in_dump(&all.snapshot_pickle());
+    let alone = devices_in_dump(&all.for_device(1).unwrap().snapshot_pickle());
+    assert_eq!(whole.0, vec![vec![], vec!["segment_alloc".to_string(), "alloc".to_string()]]);
+    assert_eq!((&whole.0, &whole.1), (&alone.0, &alone.1));
+    assert_eq!(alone.1, vec![1]);
+    drop(b);
+}

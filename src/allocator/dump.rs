@@ -26,18 +26,25 @@ use std::path::Path;
 
 /// One device's part of a snapshot, each item stamped with the device's index.
 pub(crate) struct DevicePart {
+    /// The device's index: its segments' `device` and its place in `device_traces`.
+    device: usize,
     segments: Vec<Py>,
     trace: Vec<Py>,
     marks: Vec<Py>,
 }
 
-/// The snapshot of devices `parts` (device `i` is `parts[i]`, its trace `device_traces[i]`),
-/// with `settings` as `allocator_settings`.
+/// The snapshot of devices `parts` (of distinct indices), with `settings` as
+/// `allocator_settings`: device `n`'s trace is `device_traces[n]`, and the devices no part
+/// stands for have an empty one, as PyTorch lists every device of the machine.
 pub(crate) fn pickle_of(parts: Vec<DevicePart>, settings: Py) -> Vec<u8> {
     let (mut segments, mut traces, mut marks) = (Vec::new(), Vec::new(), Vec::new());
     for p in parts {
         segments.extend(p.segments);
-        traces.push(Py::List(p.trace));
+        let n = p.device;
+        if traces.len() <= n {
+            traces.resize_with(n + 1, || Py::List(Vec::new()));
+        }
+        traces[n] = Py::List(p.trace);
         marks.extend(p.marks);
     }
     to_pickle(&Py::dict([
@@ -49,9 +56,14 @@ pub(crate) fn pickle_of(parts: Vec<DevicePart>, settings: Py) -> Vec<u8> {
 }
 
 impl<D: Device> Allocator<D> {
-    /// The snapshot pickle ([`Allocator::dump_snapshot`]) as bytes.
+    /// The snapshot pickle ([`Allocator::dump_snapshot`]) as bytes, as device
+    /// [`Device::ordinal`] (its segments' `device`, its history `device_traces[ordinal]`).
     pub fn snapshot_pickle(&self) -> Vec<u8> {
-        pickle_of(vec![self.snapshot_part(0)], self.snapshot_settings())
+        let ordinal = self.shared.device.ordinal();
+        // BROKEN (`ordinal_ignored`): every allocator dumped itself as device 0.
+        let ordinal = if cfg!(tidepool_broken = "ordinal_ignored") { 0 } else { ordinal };
+        let part = self.snapshot_part(ordinal);
+        pickle_of(vec![part], self.snapshot_settings())
     }
 
     /// `allocator_settings` of the snapshot: the configuration in force.
@@ -60,7 +72,8 @@ impl<D: Device> Allocator<D> {
     }
 
     /// This allocator's part of a snapshot, as device `device`.
-    pub(crate) fn snapshot_part(&self, device: u64) -> DevicePart {
+    pub(crate) fn snapshot_part(&self, index: usize) -> DevicePart {
+        let device = index as u64;
         // The general allocator's segments (pool id (0, 0)), then, from the general allocator,
         // those of every private pool of its family still alive — PyTorch's snapshot shows
         // every pool of the device, each segment with its `segment_pool_id`.
@@ -74,6 +87,7 @@ impl<D: Device> Allocator<D> {
         }
         let entries: Vec<TraceEntry> = self.history();
         DevicePart {
+            device: index,
             segments,
             trace: entries.iter().map(entry).collect(),
             marks: self.annotations().iter().map(|a| annotation(a, device)).collect(),

@@ -35,6 +35,8 @@ pub(crate) struct Guarded<D> {
     /// [`Device::observes_handouts`], fixed for the device's life: the hooks are not called
     /// (nor guarded, which costs a few instructions per hand-out) where it is off.
     observes: bool,
+    /// [`Device::ordinal`], fixed for the device's life (0 where it panicked).
+    ordinal: usize,
     /// The deliberate bug `Broken::DevicePanicsUnwind` (feature `test-hooks`): panics unwind.
     #[cfg(feature = "test-hooks")]
     unwind: std::sync::atomic::AtomicBool,
@@ -311,10 +313,12 @@ impl<D: Device> Guarded<D> {
     pub(crate) fn new(device: Arc<D>) -> Self {
         let observes =
             catch_unwind(AssertUnwindSafe(|| device.observes_handouts())).unwrap_or(true);
+        let ordinal = catch_unwind(AssertUnwindSafe(|| device.ordinal())).unwrap_or(0);
         let gate = capture_gate::Gate::of(Arc::as_ptr(&device) as *const () as usize);
         Guarded {
             device,
             observes,
+            ordinal,
             gate,
             #[cfg(feature = "test-hooks")]
             unwind: std::sync::atomic::AtomicBool::new(false),
@@ -327,6 +331,11 @@ impl<D: Device> Guarded<D> {
     /// the allocator makes outside any operation of its own.
     pub(crate) fn arc(&self) -> &Arc<D> {
         &self.device
+    }
+
+    /// [`Device::ordinal`], as read when the allocator was made.
+    pub(crate) fn ordinal(&self) -> usize {
+        self.ordinal
     }
 
     /// [`Device::name`]; a panic names it so.

@@ -324,6 +324,13 @@ pub trait Device: Send + Sync + 'static {
     /// A short description ("SimDevice 8 GiB", "NVIDIA H200").
     fn name(&self) -> String;
 
+    /// The device's ordinal (CUDA's device index): the `device` a snapshot stamps on the
+    /// allocator's segments and the index of its `device_traces` list. 0 unless the device
+    /// says otherwise.
+    fn ordinal(&self) -> usize {
+        0
+    }
+
     /// Reserves a segment of `bytes` bytes (`cuMemAlloc`). Addresses are 512-byte aligned.
     fn reserve(&self, bytes: u64) -> Result<DeviceAddr, DeviceError>;
 

@@ -380,6 +380,10 @@ impl Device for CudaDevice {
         self.name.clone()
     }
 
+    fn ordinal(&self) -> usize {
+        CudaDevice::ordinal(self)
+    }
+
     /// From the set of streams `begin_capture` started capturing (no driver call).
     fn capture_underway(&self) -> bool {
         self.capturing_any()

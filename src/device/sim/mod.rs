@@ -199,6 +199,8 @@ pub type ReclaimHook = Arc<dyn Fn(DeviceAddr, u64) + Send + Sync>;
 /// A simulated asynchronous device. See the module docs.
 pub struct SimDevice {
     config: SimConfig,
+    /// [`Device::ordinal`](super::Device::ordinal) ([`SimDevice::with_ordinal`]).
+    ordinal: usize,
     shared: Arc<Shared>,
 }
 
@@ -236,7 +238,7 @@ impl SimDevice {
             progress: Condvar::new(),
             reclaim_hook: Mutex::new(None),
         });
-        let dev = SimDevice { config, shared };
+        let dev = SimDevice { config, ordinal: 0, shared };
         {
             let mut st = dev.state();
             dev.start_stream(&mut st, StreamId::DEFAULT.0);
@@ -271,6 +273,19 @@ impl SimDevice {
         if panic && let Some(v) = found.first() {
             panic!("stream-order violation: {v:?}");
         }
+    }
+
+    /// The device as device `ordinal` of its machine ([`Device::ordinal`](super::Device::ordinal):
+    /// the `device` of the snapshots of an allocator on it; 0 unless set here).
+    ///
+    /// ```
+    /// use tidepool::{Device, SimDevice};
+    ///
+    /// assert_eq!(SimDevice::new(1 << 30).with_ordinal(3).ordinal(), 3);
+    /// ```
+    pub fn with_ordinal(mut self, ordinal: usize) -> SimDevice {
+        self.ordinal = ordinal;
+        self
     }
 
     /// The device's configuration.
@@ -569,6 +584,10 @@ impl Drop for SimDevice {
 impl super::Device for SimDevice {
     fn name(&self) -> String {
         format!("SimDevice {} MiB", self.config.capacity >> 20)
+    }
+
+    fn ordinal(&self) -> usize {
+        self.ordinal
     }
 
     fn reserve(&self, bytes: u64) -> Result<DeviceAddr, DeviceError> {
