@@ -184,6 +184,46 @@ fn blocks_split_by_pytorchs_remainder_rules() {
     alloc.check_invariants().unwrap();
 }
 
+/// `get_free_block` over what `free_block` coalesced: a freed block merges at once with its
+/// free neighbours, and a request takes the smallest free block that fits, the lowest address
+/// among equals (the `(stream, size, address)` order of PyTorch's free set). Five 512-byte blocks
+/// of a fresh small segment (requests of 8, 8, 8, 1 and 1 bytes, at 0 … 2048); the last two
+/// freed, the second merging with the first and with the segment's free tail; two 1-byte
+/// requests split the merged block from its start: 1536, then 2048. Both freed (all merged
+/// again), a 1536-byte request takes 1536. (The pattern on which `llama_decode` first leaves
+/// PyTorch's placement, at its events 102–117.)
+///
+/// Difference (deliberate: the stream caches, docs/ARCHITECTURE.md "Allocator front"): by
+/// default the freed blocks wait in the stream's cache, uncoalesced, which hands a block of the
+/// request's class out last freed first (2048, then 1536), and a request of another class
+/// searches the pool without them: the 1536-byte block goes to the free tail at 2560. With
+/// `fast_cache:false` the addresses are PyTorch's, as `scripts/pytorch_model.py` gives them
+/// (`tidepool replay --policy pytorch` replays so).
+#[test]
+fn best_fit_takes_the_coalesced_block_as_pytorch() {
+    for (conf, p_at, q_at, r_at) in [("fast_cache:false", 1536, 2048, 1536), ("", 2048, 1536, 2560)]
+    {
+        let (_dev, alloc) = allocator(conf);
+        let a = alloc.alloc(8, S0).unwrap();
+        let rest = [8, 8, 1, 1].map(|n| alloc.alloc(n, S0).unwrap());
+        assert_eq!(rest.each_ref().map(|t| off(t.ptr(), a.ptr())), [512, 1024, 1536, 2048]);
+        let [b, c, x, y] = rest;
+        drop(x);
+        drop(y);
+        let p = alloc.alloc(1, S0).unwrap();
+        let q = alloc.alloc(1, S0).unwrap();
+        assert_eq!((off(p.ptr(), a.ptr()), off(q.ptr(), a.ptr())), (p_at, q_at), "{conf}");
+        drop(p);
+        drop(q);
+        let r = alloc.alloc(1536, S0).unwrap();
+        assert_eq!((off(r.ptr(), a.ptr()), r.block_size()), (r_at, 1536), "{conf}");
+        assert_eq!(stat(&alloc, "segment.small_pool.current"), 1);
+        assert_eq!(stat(&alloc, "allocated_bytes.small_pool.current"), 3 * 512 + 1536);
+        drop((a, b, c, r));
+        alloc.check_invariants().unwrap();
+    }
+}
+
 /// `inactive_split` / `inactive_split_bytes`: the free blocks of split segments. 3 MiB and then
 /// 3 MiB more out of one 20 MiB segment, the first freed (two inactive splits, 17 MiB), then
 /// the second (everything merges: the segment is whole again, no inactive split).

@@ -14,7 +14,7 @@ use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 use tidepool_trace::Trace;
 use tidepool_trace::plot::write_svg;
-use tidepool_trace::policy::{Policy, ReplayOptions, registry};
+use tidepool_trace::policy::{Policy, ReplayOptions, named_only, registry};
 use tidepool_trace::read::{DEFAULT_MAX_INPUT, ReadOptions, read_traces};
 use tidepool_trace::report::Report;
 use tidepool_trace::runner::run_policies;
@@ -27,7 +27,7 @@ pub const FROM_SNAPSHOT: &str = "from-snapshot";
 pub struct ReplayArgs {
     /// The trace file.
     pub trace: PathBuf,
-    /// Run only this policy (repeatable; default: all).
+    /// Run only this policy (repeatable; default: all but `pytorch`, which runs when named).
     #[arg(long = "policy", value_name = "NAME")]
     pub policies: Vec<String>,
     /// Print one JSON object per device (one line each) instead of the table.
@@ -70,7 +70,7 @@ impl ReplayArgs {
 pub fn run(cmd: &ReplayArgs, out: &mut dyn Write, err: &mut dyn Write) -> i32 {
     // Usage errors (unknown policy, bad configuration) before reading anything.
     let config = if cmd.config_from_snapshot() { None } else { cmd.config.clone() };
-    let all = match registry(&cmd.options(config)) {
+    let all = match policies(&cmd.options(config)) {
         Ok(all) => all,
         Err(e) => return usage_error(err, &e.to_string()),
     };
@@ -92,11 +92,19 @@ fn usage_error(err: &mut dyn Write, msg: &str) -> i32 {
     2
 }
 
-/// Keeps the policies named in `names` (all when empty), in the order asked.
-fn select(all: Vec<Box<dyn Policy>>, names: &[String]) -> Result<Vec<Box<dyn Policy>>, String> {
+/// The default policies, then those run only when named.
+type Policies = (Vec<Box<dyn Policy>>, Vec<Box<dyn Policy>>);
+
+fn policies(options: &ReplayOptions) -> Result<Policies, tidepool_trace::ReplayError> {
+    Ok((registry(options)?, named_only(options)?))
+}
+
+/// Keeps the policies named in `names` (the default ones when empty), in the order asked.
+fn select((defaults, named): Policies, names: &[String]) -> Result<Vec<Box<dyn Policy>>, String> {
     if names.is_empty() {
-        return Ok(all);
+        return Ok(defaults);
     }
+    let all: Vec<Box<dyn Policy>> = defaults.into_iter().chain(named).collect();
     let known: Vec<&'static str> = all.iter().map(|p| p.name()).collect();
     for n in names {
         if !known.contains(&n.as_str()) {
@@ -225,7 +233,7 @@ fn replay(cmd: &ReplayArgs, n_policies: usize, out: &mut dyn Write) -> Result<()
     for trace in &traces {
         let (config, notes) = config_for(cmd, trace)?;
         let options = cmd.options(config);
-        let policies = registry(&options)
+        let policies = policies(&options)
             .map_err(|e| e.to_string())
             .and_then(|all| select(all, &cmd.policies))?;
         let device = trace.snapshot.as_ref().map(|s| s.device);

@@ -57,6 +57,24 @@ fn json_on_the_mlp_trace() {
     assert_eq!(p[1]["host_syncs"].as_u64(), Some(0));
 }
 
+/// `pytorch` (PyTorch's placement: `caching` without the stream caches) runs when named, in
+/// the order asked; on the MLP trace it and `caching` agree with `scripts/pytorch_model.py`.
+#[test]
+fn pytorch_policy_when_named() {
+    let o = tidepool(&["replay", &mlp(), "--policy", "pytorch", "--policy", "caching", "--json"]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let p = v["policies"].as_array().unwrap();
+    let names: Vec<_> = p.iter().map(|p| p["name"].as_str().unwrap()).collect();
+    assert_eq!(names, ["pytorch", "caching"]);
+    for p in p {
+        assert_eq!(p["peak_reserved_bytes"].as_u64(), Some(1428160512), "{p}");
+        assert_eq!(p["peak_allocated_bytes"].as_u64(), Some(1367670784), "{p}");
+        assert_eq!(p["device_mallocs"].as_u64(), Some(25), "{p}");
+    }
+    assert_eq!(p[0]["notes"]["lock-free hits"], "0 of 236 allocations (0.0 %)");
+}
+
 #[test]
 fn table_and_svg() {
     let dir = scratch();
@@ -72,6 +90,7 @@ fn table_and_svg() {
     for name in ["expandable", "offset-allocator", "range-alloc", "planned", "lower bound"] {
         assert!(table.contains(name), "{table}");
     }
+    assert!(!table.contains("pytorch"), "named-only policies run only when named: {table}");
     let svg = std::fs::read_to_string(&svg).unwrap();
     assert!(svg.starts_with("<svg"));
     for label in [
@@ -99,7 +118,7 @@ fn usage_errors_exit_2() {
     let o = tidepool(&["replay", &mlp(), "--policy", "magic"]);
     assert_eq!(o.status.code(), Some(2));
     assert!(stderr(&o).starts_with(
-        "tidepool: unknown policy `magic` (known: caching, residency, scoped, expandable, offset-allocator, range-alloc, planned)\n"
+        "tidepool: unknown policy `magic` (known: caching, residency, scoped, expandable, offset-allocator, range-alloc, planned, pytorch)\n"
     ));
 
     let o = tidepool(&["replay", &mlp(), "--config", "max_split_size_mb:1"]);

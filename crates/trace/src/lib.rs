@@ -23,7 +23,7 @@ mod validate;
 
 pub use error::{ErrorKind, Location, TraceError};
 pub use event::{Event, Lifetime, Op, PreWindow, Tag, Trace};
-pub use policy::{Policy, PolicyResult, ReplayError, ReplayOptions, registry};
+pub use policy::{Policy, PolicyResult, ReplayError, ReplayOptions, named_only, registry};
 pub use read::{
     ReadOptions, read_trace, read_trace_bytes, read_trace_from, read_traces, read_traces_bytes,
     read_traces_from,

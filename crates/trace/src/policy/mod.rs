@@ -1,7 +1,8 @@
 //! Replay policies: anything that can run a [`Trace`] and say how much memory it needed.
 //!
-//! A policy is a value implementing [`Policy`]; [`registry`] lists the policies the CLI
-//! knows, by name. The baselines here need no allocator:
+//! A policy is a value implementing [`Policy`]; [`registry`] lists the policies the CLI runs
+//! by default, [`named_only`] those it runs only when named. The baselines here need no
+//! allocator:
 //!
 //! | name               | what it is                                                        |
 //! |--------------------|-------------------------------------------------------------------|
@@ -9,6 +10,7 @@
 //! | `residency`        | tidepool's allocator, `param` persistent and `act` transient      |
 //! | `scoped`           | `residency` plus a named scope per trace scope, with learned plans |
 //! | `expandable`       | `caching` with expandable segments (`expandable_segments:true`)    |
+//! | `pytorch`          | `caching` without the stream caches: PyTorch's placement (named only) |
 //! | `offset-allocator` | the offset-allocator crate as a fixed-heap sub-allocator          |
 //! | `range-alloc`      | the range-alloc crate (best fit over a free list), fixed heap      |
 //! | `planned`          | offline greedy-by-size packing with every lifetime known           |
@@ -128,4 +130,11 @@ pub fn registry(opts: &ReplayOptions) -> Result<Vec<Box<dyn Policy>>, ReplayErro
         Box::new(PlannedPolicy),
     ];
     Ok(policies)
+}
+
+/// Policies run only when named (`--policy NAME`), not by default: `pytorch` (PyTorch's
+/// placement: `caching` without the stream caches; see `policy/allocator.rs`).
+pub fn named_only(opts: &ReplayOptions) -> Result<Vec<Box<dyn Policy>>, ReplayError> {
+    let config = opts.config.as_deref();
+    Ok(vec![Box::new(AllocatorPolicy::from_config(Mode::PyTorch, config)?)])
 }
