@@ -1,6 +1,6 @@
 //! The `tidepool` binary on hostile input (found in review): a repeat count that reserved
-//! memory for every sample before the first replay, and inputs that must end in a one-line
-//! error, never a panic, an abort or an unbounded read. Each test keeps its files in a folder
+//! memory for every sample before the first replay, inputs that must end in a one-line error
+//! (never a panic, an abort or an unbounded read), and an output that cannot be written. Each test keeps its files in a folder
 //! of its own, removed at its end.
 
 use std::io::Write;
@@ -94,4 +94,32 @@ fn hostile_inputs_are_one_line_errors() {
     let o = tidepool(&["replay", &bomb, "--max-input-size", "1MiB"]);
     let err = runtime_error(&o);
     assert!(err.starts_with(&format!("tidepool: {bomb}: input: decompressed input is larger")));
+}
+
+/// An output that cannot be written is a runtime error for `demo` too: it wrote its lines
+/// with the errors ignored and exited 0 (`replay` already said "cannot write output").
+#[cfg(target_os = "linux")]
+#[test]
+fn an_unwritable_output_is_an_error() {
+    let full = || std::fs::OpenOptions::new().write(true).open("/dev/full").unwrap();
+    let o = Command::new(env!("CARGO_BIN_EXE_tidepool"))
+        .args(["demo", "--sim", "--steps", "2"])
+        .stdout(full())
+        .output()
+        .expect("run tidepool");
+    assert_eq!(
+        runtime_error(&o),
+        "tidepool: cannot write output: No space left on device (os error 28)\n"
+    );
+    let dir = Dir::new("output");
+    let trace = dir.file("t.csv", b"seq,op,id,bytes,stream,tag\n0,alloc,0,1024,0,act\n");
+    let o = Command::new(env!("CARGO_BIN_EXE_tidepool"))
+        .args(["replay", &trace, "--repeats", "1"])
+        .stdout(full())
+        .output()
+        .expect("run tidepool");
+    assert_eq!(
+        runtime_error(&o),
+        "tidepool: cannot write output: No space left on device (os error 28)\n"
+    );
 }
