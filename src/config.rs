@@ -99,8 +99,9 @@ pub struct Config {
     pub release_threshold: u64,
     /// The virtual addresses each expandable range reserves (`expandable_segments_reserve`,
     /// PyTorch's key): a share of the device's memory, or GiB with a `G` suffix. `None` (the
-    /// default): twice the device's memory. A request no range of its stream has room for is
-    /// served by an ordinary segment.
+    /// default): twice the device's memory. Either is capped at
+    /// [`MAX_REQUEST`](crate::MAX_REQUEST) (256 TiB). A request no range of its stream has room
+    /// for is served by an ordinary segment.
     pub expandable_reserve: Option<ExpandableReserve>,
     /// PyTorch's `garbage_collection_threshold`, in (0, 1): when reserving a new segment would
     /// take reserved memory past this share of the cap ([`Config::limit`]: `memory_limit_mb`,
@@ -769,6 +770,11 @@ impl Config {
         if z.large_segment < z.min_large_alloc {
             return fail("large_segment_mb must be at least min_large_alloc_mb".into());
         }
+        // 0 is a multiple of everything: the own segments' rounding would divide by it.
+        // BROKEN (`round_large_zero`): a zero rounding accepted (a large request panics).
+        if z.round_large == 0 && !cfg!(tidepool_broken = "round_large_zero") {
+            return fail("round_large_mb must be at least 1 MiB (got 0 bytes)".into());
+        }
         if !z.round_large.is_multiple_of(z.min_block_size) {
             return fail("round_large_mb must be a multiple of min_block_size".into());
         }
@@ -793,6 +799,18 @@ impl Config {
             && !(0.0..=1.0).contains(&f)
         {
             return fail(format!("per_process_memory_fraction {f} is not in [0, 1]"));
+        }
+        // What the string form caps (`initial_pool_size_mb` ≤ 256 TiB): the reservation is
+        // rounded up to a block, which must not overflow.
+        // BROKEN (`initial_pool_unbounded`): any size accepted (`u64::MAX` overflows).
+        if self.initial_pool_size > crate::MAX_REQUEST
+            && !cfg!(tidepool_broken = "initial_pool_unbounded")
+        {
+            return fail(format!(
+                "initial_pool_size_mb ({} bytes) exceeds the largest request ({} bytes)",
+                self.initial_pool_size,
+                crate::MAX_REQUEST
+            ));
         }
         for (name, cap) in
             [("max_pool_size_mb", self.max_pool_size), ("memory_limit_mb", self.memory_limit)]

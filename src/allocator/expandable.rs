@@ -470,7 +470,13 @@ impl<D: Device> Shared<D> {
         // segment).
         let want = match config.expandable_reserve {
             Some(r) => r.bytes(self.device_total),
-            None => self.device_total.saturating_mul(2),
+            // At most the largest request, as an explicit reserve is: twice a device of more
+            // than 2^63 bytes rounded up to a page overflowed.
+            // BROKEN (`reserve_overflows`): uncapped.
+            None if cfg!(tidepool_broken = "reserve_overflows") => {
+                self.device_total.saturating_mul(2)
+            }
+            None => self.device_total.saturating_mul(2).min(crate::types::MAX_REQUEST),
         };
         let size = want.div_ceil(page).max(1) * page;
         let base = self.device.vm_reserve(size).map_err(|e| {

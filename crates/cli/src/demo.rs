@@ -35,19 +35,53 @@ pub struct DemoArgs {
     pub snapshot: Option<std::path::PathBuf>,
 }
 
-/// Runs the demo; returns the exit code (1: runtime error).
+/// Runs the demo; returns the exit code (1: runtime error, an output that could not be written
+/// among them, as `replay`'s).
 pub fn run(args: &DemoArgs, out: &mut dyn Write, err: &mut dyn Write) -> i32 {
     let cfg = TrainConfig {
         steps: args.steps as usize,
         two_streams: args.two_streams,
         ..TrainConfig::default()
     };
-    match best_device(&cfg, args, out) {
+    let mut checked = Checked { out, error: None };
+    let mut result = best_device(&cfg, args, &mut checked);
+    let _ = checked.flush();
+    if let (Ok(()), Some(e)) = (&result, checked.error) {
+        result = Err(format!("cannot write output: {e}"));
+    }
+    match result {
         Ok(()) => 0,
         Err(msg) => {
             let _ = writeln!(err, "tidepool: {msg}");
             1
         }
+    }
+}
+
+/// The output, keeping its first write error (the lines are written as training goes, where an
+/// error cannot stop it; the run fails with it at the end) and writing nothing after it.
+struct Checked<'a> {
+    out: &'a mut dyn Write,
+    error: Option<std::io::Error>,
+}
+
+impl Write for Checked<'_> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        if self.error.is_none()
+            && let Err(e) = self.out.write_all(buf)
+        {
+            self.error = Some(e);
+        }
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        if self.error.is_none()
+            && let Err(e) = self.out.flush()
+        {
+            self.error = Some(e);
+        }
+        Ok(())
     }
 }
 

@@ -13,10 +13,12 @@
 
 use super::backend::{Backend, ELEM, KernelOp};
 use super::engine::Eager;
-use super::error::{Result, shape_err};
+use super::error::{EagerError, Result, shape_err};
 use super::record::TraceTag;
 use super::shape::Shape;
 use super::tensor::{Mem, Tensor};
+use std::sync::Arc;
+use tidepool::DeviceAddr;
 use tidepool::Residency;
 use tidepool::Scope;
 use tidepool::device::StreamId;
@@ -83,11 +85,21 @@ impl<'t, B: Backend> Ctx<'t, B> {
     /// used here, so it is not reused before this stream's work on it completes (PyTorch's
     /// `wait_stream` + `record_stream`). Nothing to do on the same stream.
     pub fn wait_for(&self, t: &Tensor<'_, B>) -> Result<()> {
+        same_device(&self.eager, t)?;
         if t.stream() == self.stream {
             return Ok(());
         }
         self.eager.wait_stream(self.stream, t.stream())?;
         t.record_stream(self.stream)
+    }
+
+    /// The address of `t`, an operand of an op of this context: a tensor of another device
+    /// (another engine's, over a device of its own) is refused with
+    /// [`AllocError::ForeignBuffer`](tidepool::AllocError::ForeignBuffer) — its address means
+    /// nothing here, and a kernel reading it would read whatever this device holds there.
+    pub(crate) fn input(&self, t: &Tensor<'_, B>) -> Result<DeviceAddr> {
+        same_device(&self.eager, t)?;
+        Ok(t.ptr())
     }
 
     /// Allocates an uninitialised output of `shape` (through the scope, or the allocator).
@@ -138,4 +150,15 @@ impl<B: Backend> Eager<B> {
     pub fn ctx(&self, stream: StreamId) -> Ctx<'static, B> {
         Ctx::unscoped(self.clone(), stream)
     }
+}
+
+/// Refuses `t` when it lives on another device than `eager`'s ([`Ctx::input`]).
+pub(crate) fn same_device<B: Backend>(eager: &Eager<B>, t: &Tensor<'_, B>) -> Result<()> {
+    // BROKEN (`foreign_tensors`): any tensor's address taken as this device's.
+    if !Arc::ptr_eq(eager.device(), t.eager().device())
+        && !cfg!(tidepool_broken = "foreign_tensors")
+    {
+        return Err(EagerError::Alloc(tidepool::AllocError::ForeignBuffer));
+    }
+    Ok(())
 }

@@ -29,6 +29,8 @@ fn check<B: Backend>(params: &[&mut Tensor<'static, B>], grads: &[&Tensor<'_, B>
         return shape_err(format!("{} parameters but {} gradients", params.len(), grads.len()));
     }
     for (i, (p, g)) in params.iter().zip(grads).enumerate() {
+        // A gradient of another device: its address means nothing to the parameter's.
+        crate::ctx::same_device(p.eager(), g)?;
         if p.dims() != g.dims() {
             return shape_err(format!(
                 "parameter {i} is {:?} but its gradient is {:?}",

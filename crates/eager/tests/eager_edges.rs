@@ -157,3 +157,62 @@ fn attention_does_not_see_the_next_token() {
     let (held_out, floor) = (total / 20.0, (cfg.vocab as f32).ln());
     assert!(held_out > 0.98 * floor, "held-out loss {held_out} below ln V = {floor}");
 }
+
+/// A tensor of another device (another engine, over a device of its own) given to an op is
+/// refused with `AllocError::ForeignBuffer` — it was read at whatever this device held at its
+/// address (`add` of 1s and 2s gave 2s: this device's own 1s twice). The engine works on
+/// afterwards, and nothing leaks.
+#[test]
+fn tensors_of_another_device_are_refused() {
+    use tidepool::AllocError;
+    use tidepool_eager::{EagerError, Sgd};
+    let foreign = |r: Result<(), EagerError>| {
+        assert!(matches!(r, Err(EagerError::Alloc(AllocError::ForeignBuffer))), "{r:?}");
+    };
+    let (e1, e2) = (eager(), eager());
+    let (c1, c2) = (e1.ctx(S), e2.ctx(S));
+    let ones = c1.full(&[2, 2], 1.0).unwrap();
+    let twos = c2.full(&[2, 2], 2.0).unwrap();
+    foreign(c1.add(&ones, &twos).map(drop));
+    foreign(c1.add(&twos, &ones).map(drop));
+    foreign(c1.relu(&twos).map(drop));
+    foreign(c1.matmul(&ones, &twos).map(drop));
+    foreign(c1.cross_entropy(&twos, &c2.full(&[2], 0.0).unwrap()).map(drop));
+    foreign(c1.wait_for(&twos));
+    let mut p = Tensor::parameter(&e1, &[1.0; 4], &[2, 2], S).unwrap();
+    foreign(Sgd::new(0.1).step(&mut [&mut p], &[&twos]));
+    assert_eq!(p.to_host().unwrap(), vec![1.0; 4], "the parameter was updated");
+    // This engine works on: its own operands are taken.
+    assert_eq!(c1.add(&ones, &ones).unwrap().to_host().unwrap(), vec![2.0; 4]);
+    drop((ones, p));
+    e1.synchronize().unwrap();
+    let alloc = e1.allocator();
+    alloc.check_invariants().unwrap();
+    assert_eq!(alloc.allocated_bytes(), 0);
+    alloc.empty_cache().unwrap();
+    assert_eq!(e1.device().live_segments(), vec![]);
+}
+
+/// A step count is not reserved up front: `usize::MAX` steps overflowed the reports' capacity
+/// (a panic; `tidepool demo --steps 4294967295` aborted asking for 480 GiB). The steps run —
+/// here the first runs out of memory (its batch does not fit the device) and says so — and
+/// the engine holds nothing but the model it made.
+#[test]
+fn a_huge_step_count_reserves_nothing_up_front() {
+    use tidepool::AllocError;
+    use tidepool_eager::EagerError;
+    use tidepool_eager::models::train::{TrainConfig, train_mlp};
+    let e = Eager::sim(3 << 20).unwrap();
+    let cfg = TrainConfig { steps: usize::MAX, batch: 1 << 16, ..TrainConfig::default() };
+    let mut steps = 0;
+    let r = train_mlp(&e, &cfg, |_| steps += 1);
+    assert!(matches!(r, Err(EagerError::Alloc(AllocError::OutOfMemory(_)))), "{r:?}");
+    assert_eq!(steps, 0);
+    e.synchronize().unwrap();
+    let alloc = e.allocator();
+    alloc.check_invariants().unwrap();
+    assert_eq!(alloc.allocated_bytes(), 0);
+    alloc.empty_cache().unwrap();
+    alloc.release_persistent().unwrap();
+    assert_eq!(e.device().live_segments(), vec![]);
+}

@@ -11,6 +11,9 @@ use super::event::Trace;
 use super::policy::{Policy, PolicyResult, ReplayError, ReplayOptions};
 use super::report::Report;
 
+/// The most ns/op samples reserved per policy before the replays run (more grow as needed).
+const MAX_RESERVED_SAMPLES: usize = 1024;
+
 /// Median of a non-empty slice (mean of the middle two for even lengths); 0 when empty.
 pub fn median(values: &mut [f64]) -> f64 {
     if values.is_empty() {
@@ -31,7 +34,15 @@ pub fn run_policies(
 ) -> Result<Report, ReplayError> {
     let repeats = opts.repeats.max(1);
     let mut firsts: Vec<Option<PolicyResult>> = policies.iter().map(|_| None).collect();
-    let mut ns: Vec<Vec<f64>> = policies.iter().map(|_| Vec::with_capacity(repeats)).collect();
+    // The samples grow with the replays actually run: a count from the command line is no
+    // size to reserve up front (`--repeats 4294967295` asked for 32 GiB before the first
+    // replay, and `usize::MAX` overflows the capacity).
+    // BROKEN (`repeats_preallocated`): reserved up front.
+    let reserve = match cfg!(tidepool_broken = "repeats_preallocated") {
+        true => repeats,
+        false => repeats.min(MAX_RESERVED_SAMPLES),
+    };
+    let mut ns: Vec<Vec<f64>> = policies.iter().map(|_| Vec::with_capacity(reserve)).collect();
     for _ in 0..repeats {
         for (i, policy) in policies.iter().enumerate() {
             let r = policy.replay(trace, false)?;
@@ -124,6 +135,47 @@ mod tests {
         // a's replays were the 1st, 3rd and 5th: median 3 × 1.0; b's the 2nd, 4th, 6th.
         assert_eq!((p[0].ns_per_op, p[0].peak_reserved_bytes), (3.0, 1));
         assert_eq!((p[1].ns_per_op, p[1].peak_reserved_bytes), (40.0, 2));
+    }
+
+    /// A policy whose `fail_at`-th replay fails.
+    struct Failing {
+        done: RefCell<usize>,
+        fail_at: usize,
+    }
+
+    impl Policy for Failing {
+        fn name(&self) -> &'static str {
+            "failing"
+        }
+        fn replay(&self, _: &Trace, _: bool) -> Result<PolicyResult, ReplayError> {
+            *self.done.borrow_mut() += 1;
+            if *self.done.borrow() == self.fail_at {
+                return Err(ReplayError::new("failing", "replay 3 failed"));
+            }
+            Ok(unreachable_result("failing"))
+        }
+    }
+
+    /// A huge repeat count reserves nothing up front (`usize::MAX` samples overflowed the
+    /// capacity, `u32::MAX` from the command line asked for 32 GiB): the replays run, here
+    /// until the third fails, and its error comes back.
+    #[test]
+    fn huge_repeats_reserve_nothing_up_front() {
+        let failing = Failing { done: RefCell::new(0), fail_at: 3 };
+        let policies: [Box<dyn Policy>; 1] = [Box::new(failing)];
+        let opts = ReplayOptions { repeats: usize::MAX, ..ReplayOptions::default() };
+        let mut calls = 0;
+        let err = run_policies(&Trace::default(), &policies, &opts, &mut |_| calls += 1)
+            .map(|_| ())
+            .unwrap_err();
+        assert_eq!(err, ReplayError::new("failing", "replay 3 failed"));
+        assert_eq!(calls, 2);
+        // The runner works on afterwards.
+        let opts = ReplayOptions { repeats: 3, ..ReplayOptions::default() };
+        let ok: [Box<dyn Policy>; 1] =
+            [Box::new(Failing { done: RefCell::new(0), fail_at: usize::MAX })];
+        let report = run_policies(&Trace::default(), &ok, &opts, &mut |_| {}).unwrap();
+        assert_eq!(report.policies.len(), 1);
     }
 
     #[test]

@@ -40,14 +40,18 @@ impl Memory {
         Memory { next_addr: SIM_BASE, reserved: 0, segments: BTreeMap::new() }
     }
 
-    /// Places a segment of `bytes` (the caller checked capacity) and returns its address.
-    pub(super) fn reserve(&mut self, bytes: u64, backed: bool) -> u64 {
+    /// Places a segment of `bytes` (the caller checked capacity) and returns its address;
+    /// `None` (nothing placed) when the host cannot back it.
+    pub(super) fn reserve(&mut self, bytes: u64, backed: bool) -> Option<u64> {
+        let data = match backed {
+            true => Some(zeroed(bytes)?),
+            false => None,
+        };
         let addr = self.next_addr;
         self.next_addr += bytes.div_ceil(SIM_ALIGN) * SIM_ALIGN;
         self.reserved += bytes;
-        let data = backed.then(|| vec![0u8; bytes as usize]);
         self.segments.insert(addr, Segment { bytes, data });
-        addr
+        Some(addr)
     }
 
     /// Takes `bytes` of fresh addresses aligned to `align` (a power of two) for a virtual range:
@@ -150,4 +154,24 @@ impl KernelMemory for SimMemory<'_> {
         }
         self.with_range(ptr, data.len() as u64, true, |dst| dst.copy_from_slice(data))
     }
+}
+
+/// `bytes` zeroed host bytes backing device memory, or `None` where the host cannot hold them
+/// (a backed device larger than the host's memory): the device call fails as out of memory
+/// rather than aborting the process, as `vec![0; n]` does.
+pub(super) fn zeroed(bytes: u64) -> Option<Vec<u8>> {
+    let n = usize::try_from(bytes).ok()?;
+    // BROKEN (`backing_aborts`): the infallible allocation (the process aborts).
+    if n == 0 || cfg!(tidepool_broken = "backing_aborts") {
+        return Some(vec![0u8; n]);
+    }
+    let layout = std::alloc::Layout::array::<u8>(n).ok()?;
+    // SAFETY: `layout` has a non-zero size (n > 0).
+    let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
+    if ptr.is_null() {
+        return None;
+    }
+    // SAFETY: `ptr` was allocated by the global allocator with the layout of `[u8; n]` (the
+    // layout a `Vec<u8>` of capacity `n` frees with), and its `n` bytes are initialised (zero).
+    Some(unsafe { Vec::from_raw_parts(ptr, n, n) })
 }

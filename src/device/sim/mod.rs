@@ -614,7 +614,11 @@ impl super::Device for SimDevice {
             st.counters.failed_mallocs += 1;
             return Err(DeviceError::OutOfMemory { requested: bytes });
         }
-        let addr = st.mem.reserve(bytes, self.config.backed);
+        let Some(addr) = st.mem.reserve(bytes, self.config.backed) else {
+            // A backed device whose host cannot hold the segment: out of memory, as CUDA's.
+            st.counters.failed_mallocs += 1;
+            return Err(DeviceError::OutOfMemory { requested: bytes });
+        };
         st.counters.mallocs += 1;
         Ok(DeviceAddr(addr))
     }

@@ -372,7 +372,17 @@ impl Vmm {
                 code: DeviceError::CUDA_ERROR_OUT_OF_MEMORY,
             });
         }
-        let data = backed.then(|| vec![0u8; bytes as usize].into_boxed_slice());
+        let data = match backed.then(|| super::memory::zeroed(bytes)) {
+            Some(None) => {
+                // The host cannot back it: out of memory, as CUDA's.
+                self.counters.failed_creates += 1;
+                return Err(DeviceError::Driver {
+                    op: "cuMemCreate",
+                    code: DeviceError::CUDA_ERROR_OUT_OF_MEMORY,
+                });
+            }
+            data => data.flatten().map(Vec::into_boxed_slice),
+        };
         let p = Physical { bytes, data, at: None, more: None, released: false };
         let h = self.physical.insert(p);
         self.physical_bytes += bytes;

@@ -173,7 +173,14 @@ pub fn train_mlp<B: Backend>(
         Some(_) if cfg.steps > 0 => Some(load(0)?),
         _ => None,
     };
-    let mut reports = Vec::with_capacity(cfg.steps);
+    // Grown as the steps run: a step count is no size to reserve up front (`tidepool demo
+    // --steps 4294967295` asked for 480 GiB before the first step; `usize::MAX` overflows).
+    // BROKEN (`steps_preallocated`): reserved up front.
+    let reserve = match cfg!(tidepool_broken = "steps_preallocated") {
+        true => cfg.steps,
+        false => cfg.steps.min(1024),
+    };
+    let mut reports = Vec::with_capacity(reserve);
     for step in 0..cfg.steps {
         eager.allocator().reset_peak_stats();
         let before = snapshot(eager);

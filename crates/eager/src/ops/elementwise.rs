@@ -20,7 +20,17 @@ impl<'t, B: Backend> Ctx<'t, B> {
         if b_len == 0 && n > 0 {
             return shape_err(format!("{op:?}: empty right operand"));
         }
-        self.launch(&KernelOp::Binary { op, a: a.ptr(), b: b.ptr(), out: out.ptr(), n, b_len }, n)?;
+        self.launch(
+            &KernelOp::Binary {
+                op,
+                a: self.input(a)?,
+                b: self.input(b)?,
+                out: out.ptr(),
+                n,
+                b_len,
+            },
+            n,
+        )?;
         Ok(out)
     }
 
@@ -38,14 +48,14 @@ impl<'t, B: Backend> Ctx<'t, B> {
     pub fn scale(&self, x: &Tensor<'_, B>, alpha: f32) -> Result<Tensor<'t, B>> {
         let out = self.output(x.dims())?;
         let n = x.numel();
-        self.launch(&KernelOp::Scale { x: x.ptr(), out: out.ptr(), n, alpha }, n)?;
+        self.launch(&KernelOp::Scale { x: self.input(x)?, out: out.ptr(), n, alpha }, n)?;
         Ok(out)
     }
 
     fn unary(&self, op: UnaryOp, x: &Tensor<'_, B>) -> Result<Tensor<'t, B>> {
         let out = self.output(x.dims())?;
         let n = x.numel();
-        self.launch(&KernelOp::Unary { op, x: x.ptr(), out: out.ptr(), n }, n)?;
+        self.launch(&KernelOp::Unary { op, x: self.input(x)?, out: out.ptr(), n }, n)?;
         Ok(out)
     }
 
@@ -58,7 +68,13 @@ impl<'t, B: Backend> Ctx<'t, B> {
         same_shape("unary backward", x, dy)?;
         let out = self.output(x.dims())?;
         let n = x.numel();
-        let k = KernelOp::UnaryBackward { op, x: x.ptr(), dy: dy.ptr(), out: out.ptr(), n };
+        let k = KernelOp::UnaryBackward {
+            op,
+            x: self.input(x)?,
+            dy: self.input(dy)?,
+            out: out.ptr(),
+            n,
+        };
         self.launch(&k, n)?;
         Ok(out)
     }

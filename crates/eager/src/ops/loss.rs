@@ -20,8 +20,8 @@ impl<'t, B: Backend> Ctx<'t, B> {
         let out = self.output(Shape::new(&dims)?)?;
         let n_ids = ids.numel();
         let op = KernelOp::Embedding {
-            table: table.ptr(),
-            ids: ids.ptr(),
+            table: self.input(table)?,
+            ids: self.input(ids)?,
             out: out.ptr(),
             n_ids,
             vocab,
@@ -50,8 +50,8 @@ impl<'t, B: Backend> Ctx<'t, B> {
         let (vocab, dim) = (ts.dims()[0], ts.dims()[1]);
         let out = self.output(ts)?;
         let op = KernelOp::EmbeddingBackward {
-            ids: ids.ptr(),
-            dy: dy.ptr(),
+            ids: self.input(ids)?,
+            dy: self.input(dy)?,
             out: out.ptr(),
             n_ids: ids.numel(),
             vocab,
@@ -81,8 +81,8 @@ impl<'t, B: Backend> Ctx<'t, B> {
         let (rows, cols) = Self::check_ce(logits, targets)?;
         let out = self.output(Shape::new(&[1])?)?;
         let op = KernelOp::CrossEntropy {
-            logits: logits.ptr(),
-            targets: targets.ptr(),
+            logits: self.input(logits)?,
+            targets: self.input(targets)?,
             out: out.ptr(),
             rows,
             cols,
@@ -103,8 +103,8 @@ impl<'t, B: Backend> Ctx<'t, B> {
         let (rows, cols) = Self::check_ce(logits, targets)?;
         let out = self.output(logits.dims())?;
         let op = KernelOp::CrossEntropyBackward {
-            logits: logits.ptr(),
-            targets: targets.ptr(),
+            logits: self.input(logits)?,
+            targets: self.input(targets)?,
             out: out.ptr(),
             rows,
             cols,

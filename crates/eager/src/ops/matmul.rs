@@ -61,8 +61,8 @@ impl<'t, B: Backend> Ctx<'t, B> {
         dims.extend([m, n]);
         let out = self.output(Shape::new(&dims)?)?;
         let op = KernelOp::Matmul {
-            a: a.ptr(),
-            b: b.ptr(),
+            a: self.input(a)?,
+            b: self.input(b)?,
             out: out.ptr(),
             batch,
             m,
@@ -126,8 +126,8 @@ impl<'t, B: Backend> Ctx<'t, B> {
             }
             let out = self.output(b.dims())?;
             let op = KernelOp::Matmul {
-                a: a.ptr(),
-                b: dy.ptr(),
+                a: self.input(a)?,
+                b: self.input(dy)?,
                 out: out.ptr(),
                 batch: 1,
                 m: k,
@@ -150,7 +150,7 @@ impl<'t, B: Backend> Ctx<'t, B> {
         let out = self.output(s.transposed()?)?;
         let (_, rows, cols) = split(&s);
         let batch = s.numel() / (rows * cols).max(1);
-        let op = KernelOp::Transpose { x: x.ptr(), out: out.ptr(), batch, rows, cols };
+        let op = KernelOp::Transpose { x: self.input(x)?, out: out.ptr(), batch, rows, cols };
         self.launch(&op, out.numel())?;
         Ok(out)
     }

@@ -10,7 +10,8 @@ impl<'t, B: Backend> Ctx<'t, B> {
     pub fn softmax(&self, x: &Tensor<'_, B>) -> Result<Tensor<'t, B>> {
         let s = x.dims();
         let out = self.output(s)?;
-        let op = KernelOp::Softmax { x: x.ptr(), out: out.ptr(), rows: s.rows(), cols: s.last() };
+        let op =
+            KernelOp::Softmax { x: self.input(x)?, out: out.ptr(), rows: s.rows(), cols: s.last() };
         self.launch(&op, out.numel())?;
         Ok(out)
     }
@@ -21,8 +22,8 @@ impl<'t, B: Backend> Ctx<'t, B> {
         let s = y.dims();
         let out = self.output(s)?;
         let op = KernelOp::SoftmaxBackward {
-            y: y.ptr(),
-            dy: dy.ptr(),
+            y: self.input(y)?,
+            dy: self.input(dy)?,
             out: out.ptr(),
             rows: s.rows(),
             cols: s.last(),
@@ -50,9 +51,9 @@ impl<'t, B: Backend> Ctx<'t, B> {
         }
         let out = self.output(s)?;
         let op = KernelOp::LayerNorm {
-            x: x.ptr(),
-            gamma: gamma.ptr(),
-            beta: beta.ptr(),
+            x: self.input(x)?,
+            gamma: self.input(gamma)?,
+            beta: self.input(beta)?,
             out: out.ptr(),
             rows: s.rows(),
             cols: c,
@@ -85,9 +86,9 @@ impl<'t, B: Backend> Ctx<'t, B> {
         let dgamma = grads.output(gamma.dims())?;
         let dbeta = grads.output(gamma.dims())?;
         let op = KernelOp::LayerNormBackward {
-            x: x.ptr(),
-            gamma: gamma.ptr(),
-            dy: dy.ptr(),
+            x: self.input(x)?,
+            gamma: self.input(gamma)?,
+            dy: self.input(dy)?,
             dx: dx.ptr(),
             dgamma: dgamma.ptr(),
             dbeta: dbeta.ptr(),

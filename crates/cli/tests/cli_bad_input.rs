@@ -1,0 +1,116 @@
+//! The `tidepool` binary on hostile input (found in review): a repeat count that reserved
+//! memory for every sample before the first replay, inputs that must end in a one-line error
+//! (never a panic, an abort or an unbounded read), and an output that cannot be written. Each test keeps its files in a folder
+//! of its own, removed at its end.
+
+use std::io::Write;
+use std::process::{Command, Output};
+
+fn tidepool(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_tidepool")).args(args).output().expect("run tidepool")
+}
+
+/// A fresh folder for one test, removed when dropped.
+struct Dir(tempfile::TempDir);
+
+impl Dir {
+    fn new(test: &str) -> Dir {
+        let prefix = format!("tidepool-cli-bad-input-{test}-");
+        Dir(tempfile::Builder::new().prefix(&prefix).tempdir().unwrap())
+    }
+
+    fn file(&self, name: &str, contents: &[u8]) -> String {
+        let path = self.0.path().join(name);
+        std::fs::write(&path, contents).unwrap();
+        path.display().to_string()
+    }
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+/// One line of error on stderr, exit 1, no panic or abort text.
+fn runtime_error(o: &Output) -> String {
+    let err = stderr(o);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    for bad in ["panicked", "unwrap()", "memory allocation of", "RUST_BACKTRACE"] {
+        assert!(!err.contains(bad), "{err}");
+    }
+    assert_eq!(err.lines().count(), 1, "{err}");
+    err
+}
+
+/// `--repeats 4294967295` reserved 8 bytes per repeat and policy before the first replay
+/// (32 GiB: "memory allocation of 34359738360 bytes failed", an abort, exit 134). Now the
+/// replays start at once: here the first fails (a request past the largest) and says so.
+#[test]
+fn the_largest_repeat_count_reserves_nothing_up_front() {
+    let dir = Dir::new("repeats");
+    let trace =
+        dir.file("past_max.csv", b"seq,op,id,bytes,stream,tag\n0,alloc,0,562949953421312,0,act\n");
+    let o = tidepool(&["replay", &trace, "--policy", "caching", "--repeats", "4294967295"]);
+    let err = runtime_error(&o);
+    assert_eq!(
+        err,
+        "tidepool: policy caching: invalid allocation size 562949953421312 bytes: larger than \
+         the largest supported request (281474976710656 bytes)\n"
+    );
+    // The same trace with a small request replays.
+    let fine = dir.file("fine.csv", b"seq,op,id,bytes,stream,tag\n0,alloc,0,1024,0,act\n");
+    let o = tidepool(&["replay", &fine, "--policy", "caching", "--repeats", "2"]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+}
+
+/// A directory, an empty file, a header alone with a blank gzip body past the cap (a small
+/// file expanding to more than `--max-input-size`): each one line of error, memory bounded by
+/// the cap.
+#[test]
+fn hostile_inputs_are_one_line_errors() {
+    let dir = Dir::new("inputs");
+    let folder = dir.0.path().display().to_string();
+    let o = tidepool(&["replay", &folder]);
+    assert_eq!(
+        runtime_error(&o),
+        format!("tidepool: {folder}: input: I/O error: Is a directory (os error 21)\n")
+    );
+    let empty = dir.file("empty.csv", b"");
+    let o = tidepool(&["replay", &empty]);
+    assert_eq!(runtime_error(&o), format!("tidepool: {empty}: input: empty trace (no header)\n"));
+    // 4 MiB of newlines after the header, gzipped to a few KiB, against a 1 MiB cap.
+    let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::best());
+    gz.write_all(b"seq,op,id,bytes,stream,tag\n").unwrap();
+    gz.write_all(&vec![b'\n'; 4 << 20]).unwrap();
+    let bomb = dir.file("bomb.csv.gz", &gz.finish().unwrap());
+    let o = tidepool(&["replay", &bomb, "--max-input-size", "1MiB"]);
+    let err = runtime_error(&o);
+    assert!(err.starts_with(&format!("tidepool: {bomb}: input: decompressed input is larger")));
+}
+
+/// An output that cannot be written is a runtime error for `demo` too: it wrote its lines
+/// with the errors ignored and exited 0 (`replay` already said "cannot write output").
+#[cfg(target_os = "linux")]
+#[test]
+fn an_unwritable_output_is_an_error() {
+    let full = || std::fs::OpenOptions::new().write(true).open("/dev/full").unwrap();
+    let o = Command::new(env!("CARGO_BIN_EXE_tidepool"))
+        .args(["demo", "--sim", "--steps", "2"])
+        .stdout(full())
+        .output()
+        .expect("run tidepool");
+    assert_eq!(
+        runtime_error(&o),
+        "tidepool: cannot write output: No space left on device (os error 28)\n"
+    );
+    let dir = Dir::new("output");
+    let trace = dir.file("t.csv", b"seq,op,id,bytes,stream,tag\n0,alloc,0,1024,0,act\n");
+    let o = Command::new(env!("CARGO_BIN_EXE_tidepool"))
+        .args(["replay", &trace, "--repeats", "1"])
+        .stdout(full())
+        .output()
+        .expect("run tidepool");
+    assert_eq!(
+        runtime_error(&o),
+        "tidepool: cannot write output: No space left on device (os error 28)\n"
+    );
+}

@@ -1,0 +1,129 @@
+//! Bad configuration values given through the builder API (not the string form, which has
+//! its own checks) are refused with a clear error by `Allocator::new` and `set_config`, and the
+//! allocator refusing them keeps working and leaks nothing.
+
+use std::sync::Arc;
+use tidepool::{
+    AllocError, Allocator, Config, ConfigError, MAX_REQUEST, SimDevice, Sizing, StreamId,
+};
+
+/// A large (own-segment) request and a small one succeed, and once freed and the cache
+/// emptied the device holds nothing.
+fn still_works(dev: &SimDevice, alloc: &Allocator<SimDevice>) {
+    let large = alloc.alloc(30 << 20, StreamId::DEFAULT).unwrap();
+    let small = alloc.alloc(4 << 10, StreamId::DEFAULT).unwrap();
+    assert_eq!(large.len(), 30 << 20);
+    drop((large, small));
+    alloc.check_invariants().unwrap();
+    alloc.synchronize().unwrap();
+    alloc.empty_cache().unwrap();
+    assert_eq!(dev.live_segments(), vec![]);
+    assert_eq!(alloc.reserved_bytes(), 0);
+}
+
+fn inconsistent(r: Result<Allocator<SimDevice>, AllocError>) -> String {
+    match r {
+        Err(AllocError::Config(ConfigError::Inconsistent(why))) => why,
+        Err(e) => panic!("expected an inconsistent configuration, got {e}"),
+        Ok(_) => panic!("expected an inconsistent configuration, got an allocator"),
+    }
+}
+
+/// `round_large` 0 (the own segments' rounding) was accepted — 0 is a multiple of every
+/// block size — and the first large request divided by it (a panic).
+#[test]
+fn a_zero_round_large_is_refused() {
+    let mut sizing = Sizing::default();
+    sizing.round_large = 0;
+    let bad = Config::default().with_sizing(sizing);
+    let dev = Arc::new(SimDevice::new(1 << 30));
+    let why = inconsistent(Allocator::new(dev.clone(), bad.clone()));
+    assert_eq!(why, "round_large_mb must be at least 1 MiB (got 0 bytes)");
+    assert_eq!(bad.validate(), Err(ConfigError::Inconsistent(why.clone())));
+    assert_eq!(dev.live_segments(), vec![]);
+    // Refused by a working allocator too, which keeps its configuration.
+    let alloc = Allocator::new(dev.clone(), Config::default()).unwrap();
+    let held = alloc.alloc(1 << 20, StreamId::DEFAULT).unwrap();
+    assert_eq!(alloc.set_config(bad), Err(ConfigError::Inconsistent(why)));
+    assert_eq!(alloc.config().sizing.round_large, Sizing::default().round_large);
+    drop(held);
+    still_works(&dev, &alloc);
+}
+
+/// An initial pool beyond the largest request (`u64::MAX`) overflowed rounding it up to a
+/// block (a panic in `Allocator::new`); the string form caps it at 256 TiB already.
+#[test]
+fn an_initial_pool_past_the_largest_request_is_refused() {
+    let dev = Arc::new(SimDevice::new(1 << 30));
+    for bytes in [MAX_REQUEST + 1, u64::MAX - 1, u64::MAX] {
+        let bad = Config::default().with_initial_pool_size(bytes);
+        let why = inconsistent(Allocator::new(dev.clone(), bad.clone()));
+        assert_eq!(
+            why,
+            format!(
+                "initial_pool_size_mb ({bytes} bytes) exceeds the largest request \
+                 ({MAX_REQUEST} bytes)"
+            )
+        );
+        assert_eq!(dev.live_segments(), vec![]);
+        let alloc = Allocator::new(dev.clone(), Config::default()).unwrap();
+        assert_eq!(alloc.set_config(bad), Err(ConfigError::Inconsistent(why)));
+        still_works(&dev, &alloc);
+    }
+    // At the largest request itself: an out-of-memory error on this device, nothing held.
+    let r = Allocator::new(dev.clone(), Config::default().with_initial_pool_size(MAX_REQUEST));
+    assert!(matches!(r, Err(AllocError::OutOfMemory(_))), "{:?}", r.map(|_| ()));
+    assert_eq!(dev.live_segments(), vec![]);
+}
+
+/// A backed simulated device (kernels read and write host memory) larger than the host: a
+/// segment the host cannot hold aborted the process (`vec![0; n]`: "memory allocation of …
+/// bytes failed"); now the device refuses it as out of memory, and the allocator's error says
+/// so. 256 TiB is past any host's address space, so the host refuses it everywhere.
+#[test]
+fn a_backed_segment_the_host_cannot_hold_is_out_of_memory() {
+    use tidepool::Device;
+    use tidepool::device::DeviceError;
+    let dev = Arc::new(SimDevice::backed(u64::MAX));
+    assert_eq!(dev.reserve(MAX_REQUEST), Err(DeviceError::OutOfMemory { requested: MAX_REQUEST }));
+    assert_eq!(dev.counters().failed_mallocs, 1);
+    assert_eq!(dev.live_segments(), vec![]);
+    let alloc = Allocator::new(dev.clone(), Config::default()).unwrap();
+    match alloc.alloc(MAX_REQUEST, StreamId::DEFAULT) {
+        Err(AllocError::OutOfMemory(report)) => assert_eq!(report.requested, MAX_REQUEST),
+        other => panic!("expected out of memory, got {:?}", other.map(|b| b.len())),
+    }
+    still_works(&dev, &alloc);
+    // Expandable segments: a physical page the host cannot hold (pages of 128 TiB here).
+    let dev = Arc::new(SimDevice::backed(1 << 60));
+    dev.set_virtual_memory(true);
+    dev.set_vm_granularity(1 << 47);
+    let config = Config::default().with_expandable_segments(true);
+    let alloc = Allocator::new(dev.clone(), config).unwrap();
+    let r = alloc.alloc(1 << 20, StreamId::DEFAULT);
+    assert!(matches!(r, Err(AllocError::OutOfMemory(_))), "{:?}", r.map(|b| b.len()));
+    assert!(dev.vm_counters().failed_creates > 0);
+    alloc.check_invariants().unwrap();
+    alloc.empty_cache().unwrap();
+    assert_eq!((dev.live_physical(), dev.physical_bytes(), dev.live_mappings()), (0, 0, vec![]));
+}
+
+/// Expandable segments over a device of more than 2^63 bytes: the default virtual range (twice
+/// the device, rounded up to a page) overflowed (a panic at the first allocation). It is capped
+/// at the largest request now, as `expandable_segments_reserve` already was.
+#[test]
+fn expandable_segments_over_a_huge_device_reserve_at_most_the_largest_request() {
+    let dev = Arc::new(SimDevice::new(u64::MAX));
+    dev.set_virtual_memory(true);
+    let alloc =
+        Allocator::new(dev.clone(), Config::default().with_expandable_segments(true)).unwrap();
+    let buf = alloc.alloc(30 << 20, StreamId::DEFAULT).unwrap();
+    assert_eq!(dev.live_segments(), vec![], "an ordinary segment instead of a range");
+    let ranges = alloc.expandable_ranges();
+    assert_eq!(ranges.len(), 1);
+    assert_eq!(ranges[0].virtual_size, MAX_REQUEST);
+    drop(buf);
+    still_works(&dev, &alloc);
+    alloc.release_persistent().unwrap();
+    assert_eq!((dev.live_physical(), dev.physical_bytes()), (0, 0));
+}
