@@ -76,7 +76,7 @@ fn a_guard_begun_during_a_capture_does_not_take_its_allocations() {
     assert_eq!(pool2_during, 0);
     assert_eq!((allocated(graph.pool()), reserved(graph.pool())), (0, SEG));
     assert_eq!((allocated(&pool2), reserved(&pool2)), (N, SEG));
-    assert!(matches!(alloc.use_pool(&pool2, s), Ok(_)), "the capture is over");
+    assert!(alloc.use_pool(&pool2, s).is_ok(), "the capture is over");
     // The refusal itself (a fresh capture: the guard above was refused, not given).
     alloc.begin_capture(s, None).unwrap();
     let refused = alloc.use_pool(&pool2, s).map(|_| ());
@@ -126,4 +126,102 @@ fn a_guard_begun_before_a_capture_yields_to_it_on_captured_streams() {
     assert!(dev.violations().is_empty(), "{:?}", dev.violations());
     assert_eq!(device_bytes(&dev, &d), vec![3u8; N as usize]);
     drop((c, d, graph));
+}
+
+/// A kernel on `stream`'s queue that writes `[p, p + N)` once `gate` opens: a use that is
+/// still running until the test says so.
+fn gated_write_at(p: tidepool::DeviceAddr) -> (Kernel, std::sync::mpsc::Sender<()>) {
+    common::gated_write(p, 5)
+}
+
+/// A private pool whose last holder is a buffer used on another stream and freed during a
+/// capture (of another stream, into another pool). Its last handle went before, so the free
+/// drops the pool: its block waits on an event of the other stream, which no one may wait for
+/// while the capture is underway. Before the fix the pool's drop left the block pending and
+/// listed only free segments for its family to give back: the segment outlived the capture,
+/// every `empty_cache`, the other allocators and the device's synchronisations, for good
+/// (with expandable segments, its pages). Now what no wait showed complete is taken as done
+/// and given back by the family after a device-wide synchronisation succeeds: here, the
+/// graph's drop, which gives back its own pool too.
+#[test]
+fn a_pool_dropped_during_a_capture_with_a_block_in_use_elsewhere_gives_its_memory_back() {
+    for conf in ["expandable_segments:false", "expandable_segments:true"] {
+        let dev = Arc::new(SimDevice::backed(256 * MIB));
+        let (s, t, u) = (
+            dev.create_stream().unwrap(),
+            dev.create_stream().unwrap(),
+            dev.create_stream().unwrap(),
+        );
+        let alloc = Allocator::new(dev.clone(), Config::parse(conf).unwrap()).unwrap();
+        let pool = alloc.new_pool(PoolOptions::default()).unwrap();
+        let guard = alloc.use_pool(&pool, t).unwrap();
+        let b = alloc.alloc(3 * N, t).unwrap();
+        drop(guard);
+        assert_eq!((allocated(&pool), reserved(&pool)), (3 * N, SEG), "{conf}");
+        drop(pool); // b holds the pool now
+        let used = dev.physical_bytes() + dev.reserved_bytes();
+        assert_eq!(used, SEG, "{conf}");
+        b.use_on(u, AccessKind::Write).unwrap();
+        let (k, gate) = gated_write_at(b.ptr());
+        dev.launch(u, k).unwrap();
+
+        alloc.begin_capture(s, None).unwrap();
+        drop(b); // the pool goes: its block waits on u's work, which no one may wait for now
+        let out = alloc.alloc(N, s).unwrap();
+        dev.launch(s, write_at(out.ptr(), 1)).unwrap();
+        let graph = alloc.end_capture(s).unwrap();
+        let graph_pool = graph.pool().clone();
+        assert_eq!((allocated(&graph_pool), reserved(&graph_pool)), (N, SEG), "{conf}");
+        // The dropped pool's memory is still there (u's kernel writes it) ...
+        assert_eq!(dev.physical_bytes() + dev.reserved_bytes(), 2 * SEG, "{conf}");
+        gate.send(()).unwrap();
+        graph.launch(s).unwrap();
+        // ... and goes back at the next `empty_cache`, after a device synchronisation (which
+        // waits for u's kernel).
+        let syncs = dev.counters().host_syncs;
+        alloc.empty_cache().unwrap();
+        assert!(dev.counters().host_syncs > syncs, "{conf}");
+        assert_eq!(dev.physical_bytes() + dev.reserved_bytes(), SEG, "{conf}: the pool's segment");
+        drop((graph, graph_pool, out));
+        assert_eq!(dev.physical_bytes() + dev.reserved_bytes(), 0, "{conf}");
+        assert!(dev.live_segments().is_empty() && dev.physical_bytes() == 0, "{conf}");
+        assert!(dev.violations().is_empty(), "{conf}: {:?}", dev.violations());
+        alloc.check_invariants().unwrap();
+    }
+}
+
+/// A private pool whose last handle goes during a capture while the work of its own stream
+/// still uses its free memory (no event involved: a block freed on its stream is free at
+/// once, ordered by the stream). The drop cannot release during the capture, so its family
+/// keeps what it held; with expandable segments that list held unmaps, which the device
+/// allows during a capture, and which the family tried at once: the pages were unmapped under
+/// the running kernel. Now, whatever an allocator leaves during a capture is given back only
+/// after a device-wide synchronisation.
+#[test]
+fn a_pool_dropped_during_a_capture_gives_nothing_back_under_running_work() {
+    for conf in ["expandable_segments:false", "expandable_segments:true"] {
+        let dev = Arc::new(SimDevice::backed(256 * MIB));
+        let (s, t) = (dev.create_stream().unwrap(), dev.create_stream().unwrap());
+        let alloc = Allocator::new(dev.clone(), Config::parse(conf).unwrap()).unwrap();
+        let pool = alloc.new_pool(PoolOptions::default()).unwrap();
+        let guard = alloc.use_pool(&pool, t).unwrap();
+        let b = alloc.alloc(3 * N, t).unwrap();
+        drop(guard);
+        let (k, gate) = common::gated_write(b.ptr(), 5);
+        dev.launch(t, k).unwrap(); // t's work uses b until the gate opens
+        drop(b); // free at once (its own stream)
+        alloc.begin_capture(s, None).unwrap();
+        drop(pool); // the pool goes during the capture
+        assert_eq!(dev.violations(), vec![], "{conf}: released under t's kernel");
+        assert_eq!(dev.physical_bytes() + dev.reserved_bytes(), SEG, "{conf}");
+        let graph = alloc.end_capture(s).unwrap();
+        gate.send(()).unwrap();
+        let syncs = dev.counters().host_syncs;
+        alloc.empty_cache().unwrap(); // a device synchronisation, then the pool's memory
+        assert!(dev.counters().host_syncs > syncs, "{conf}");
+        assert_eq!(dev.physical_bytes() + dev.reserved_bytes(), 0, "{conf}");
+        drop(graph);
+        assert!(dev.violations().is_empty(), "{conf}: {:?}", dev.violations());
+        alloc.check_invariants().unwrap();
+    }
 }
