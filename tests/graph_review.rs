@@ -225,3 +225,117 @@ fn a_pool_dropped_during_a_capture_gives_nothing_back_under_running_work() {
         alloc.check_invariants().unwrap();
     }
 }
+
+/// The pool's count of graphs, as PyTorch's `PrivatePool::use_count` counts the captures
+/// that share a pool (`beginAllocateToPool` adds one, the graph's reset gives it back through
+/// `releasePool`; when it reaches zero the pool's memory is freeable, and `empty_cache` frees
+/// it). tidepool counts graphs only (a `MemPool` handle is counted apart, where PyTorch's
+/// `MemPool` object holds one use): 0 → 1 while the capture is underway and while its graph
+/// lives → 2 with a second graph sharing the pool → back to 0 as they go; a refused or failed
+/// capture leaves it as it was. The pool's memory stays until the last graph is gone, then
+/// its `empty_cache` gives it back.
+#[test]
+fn a_pools_graph_count_follows_its_captures_and_graphs() {
+    let Setup { dev, s, t, alloc } = setup();
+    let pool = alloc.new_pool(PoolOptions::default()).unwrap();
+    assert_eq!(pool.graphs(), 0);
+    alloc.begin_capture(s, Some(&pool)).unwrap();
+    assert_eq!(pool.graphs(), 1);
+    // Refused: the stream is capturing, and the pool is busy (the safe call shares nothing).
+    assert!(matches!(alloc.begin_capture(s, None), Err(AllocError::Capture { .. })));
+    let busy = alloc.begin_capture(t, Some(&pool));
+    assert!(matches!(busy, Err(AllocError::PoolBusy { .. })), "{busy:?}");
+    assert_eq!(pool.graphs(), 1);
+    let a = alloc.alloc(N, s).unwrap();
+    assert_eq!(a.ptr().0, SIM_BASE);
+    dev.launch(s, write_at(a.ptr(), 1)).unwrap();
+    let g1 = alloc.end_capture(s).unwrap();
+    assert_eq!(pool.graphs(), 1);
+    assert!(matches!(alloc.use_pool(&pool, t), Err(AllocError::PoolBusy { .. })));
+    assert!(matches!(pool.empty_cache(), Err(AllocError::PoolBusy { .. })));
+    // Shared (PyTorch's `pool=`): two graphs, replayed in capture order only.
+    // SAFETY: g1 and g2 are launched in the order they were captured, on one stream.
+    let (g2, b) = unsafe {
+        alloc.capture_sharing(s, &pool, || {
+            let b = alloc.alloc(N, s).unwrap();
+            dev.launch(s, write_at(b.ptr(), 2)).unwrap();
+            b
+        })
+    }
+    .unwrap();
+    assert_eq!(b.ptr().0, SIM_BASE + N, "next to g1's live output");
+    assert_eq!(pool.graphs(), 2);
+    // A capture the device fails (a forbidden call invalidates it) gives its count back.
+    // SAFETY: nothing of the failed capture is ever launched.
+    unsafe { alloc.begin_capture_sharing(t, &pool).unwrap() };
+    assert_eq!(pool.graphs(), 3);
+    assert!(dev.synchronize().is_err()); // refused during a capture, which it invalidates
+    assert!(alloc.end_capture(t).is_err());
+    assert_eq!(pool.graphs(), 2);
+    g1.launch(s).unwrap();
+    g2.launch(s).unwrap();
+    dev.synchronize().unwrap();
+    assert_eq!(common::device_bytes(&dev, &a), vec![1u8; N as usize]);
+    assert_eq!(common::device_bytes(&dev, &b), vec![2u8; N as usize]);
+    drop(g1);
+    assert_eq!(pool.graphs(), 1);
+    drop(g2);
+    assert_eq!(pool.graphs(), 0);
+    drop((a, b));
+    assert_eq!((allocated(&pool), reserved(&pool)), (0, SEG), "kept until emptied");
+    pool.empty_cache().unwrap();
+    assert_eq!((allocated(&pool), reserved(&pool)), (0, 0));
+    // Free again: a new capture (or a guard) may have it.
+    alloc.begin_capture(s, Some(&pool)).unwrap();
+    assert_eq!(pool.graphs(), 1);
+    drop(alloc.end_capture(s).unwrap());
+    assert_eq!(pool.graphs(), 0);
+    assert!(dev.violations().is_empty(), "{:?}", dev.violations());
+    alloc.check_invariants().unwrap();
+}
+
+/// `mem::forget` of a graph: its pool stays the graph's for good (no guard, no capture, no
+/// `empty_cache` is given it, its memory never goes back), and the general blocks the graph
+/// held stay pending: leaked, never reused (PyTorch's graph never reset: `releasePool` is
+/// never called and the pool never becomes freeable). The rest of the allocator works on.
+#[test]
+fn a_forgotten_graph_keeps_its_pool_and_holds_for_good() {
+    let Setup { dev, s, t, alloc } = setup();
+    let input = alloc.alloc(N, s).unwrap(); // general, freed during the capture
+    assert_eq!(input.ptr().0, SIM_BASE);
+    alloc.begin_capture(s, None).unwrap();
+    let x = alloc.alloc(N, s).unwrap();
+    assert_eq!(x.ptr().0, SIM_BASE + SEG);
+    dev.launch(s, write_at(x.ptr(), 1)).unwrap();
+    drop(input); // held by the graph
+    let graph = alloc.end_capture(s).unwrap();
+    assert_eq!(graph.held_buffers(), 1);
+    let pool = graph.pool().clone();
+    graph.launch(s).unwrap();
+    std::mem::forget(graph);
+    drop(x);
+    assert_eq!(pool.graphs(), 1);
+    assert!(matches!(alloc.use_pool(&pool, t), Err(AllocError::PoolBusy { .. })));
+    assert!(matches!(pool.empty_cache(), Err(AllocError::PoolBusy { .. })));
+    let busy = alloc.begin_capture(t, Some(&pool));
+    assert!(matches!(busy, Err(AllocError::PoolBusy { .. })), "{busy:?}");
+    alloc.empty_cache().unwrap();
+    let st = alloc.stats();
+    // The held block: no longer allocated, still active (pending), its segment kept.
+    assert_eq!(st.blocks.allocated_bytes.all.current, 0);
+    assert_eq!(st.blocks.active_bytes.all.current, N);
+    assert_eq!(st.blocks.reserved_bytes.all.current, SEG);
+    let y = alloc.alloc(N, s).unwrap(); // never the held block
+    assert_eq!(y.ptr().0, SIM_BASE + N);
+    dev.launch(s, write_at(y.ptr(), 2)).unwrap();
+    dev.synchronize().unwrap();
+    assert!(dev.violations().is_empty(), "{:?}", dev.violations());
+    drop((y, pool));
+    alloc.empty_cache().unwrap();
+    // Both segments stay: the general one (its held block) and the graph's pool.
+    assert_eq!(
+        dev.live_segments(),
+        vec![(tidepool::DeviceAddr(SIM_BASE), SEG), (tidepool::DeviceAddr(SIM_BASE + SEG), SEG)]
+    );
+    alloc.check_invariants().unwrap();
+}
