@@ -255,15 +255,26 @@ impl<D: Device> CaptureTable<D> {
         self.any() && Self::origin(&lock(&self.inner), sh, stream).is_some_and(|o| o != stream)
     }
 
-    /// The private pool a stream that joined a capture allocates from: its capture's (`None`
-    /// for a stream that is not a joined one, or whose capture is not routed).
-    pub(super) fn joined_pool(&self, sh: &Shared<D>, stream: StreamId) -> Option<Allocator<D>> {
+    /// The private pool a stream that is being captured allocates from: its capture's, with
+    /// whether the capture began on it (`true`) or it joined one (`false`); `None` for a
+    /// stream no capture of this family has, or whose capture is not routed.
+    ///
+    /// It wins over any [`PoolGuard`](super::PoolGuard) of the stream: whatever the captured
+    /// work writes is the graph's to replay, so it must come from the pool the graph holds.
+    /// With `joined_only`, a stream a capture began on gets `None` (its capture's route, the
+    /// stream's latest, decides: the broken build `guard_in_capture`).
+    pub(super) fn capture_pool(
+        &self,
+        sh: &Shared<D>,
+        stream: StreamId,
+        joined_only: bool,
+    ) -> Option<(Allocator<D>, bool)> {
         if !self.any() {
             return None;
         }
         let t = lock(&self.inner);
-        let origin = Self::origin(&t, sh, stream).filter(|o| *o != stream)?;
-        t.get(&origin).filter(|e| !e.broken).map(|e| e.pool.alloc.clone())
+        let origin = Self::origin(&t, sh, stream).filter(|o| !joined_only || *o != stream)?;
+        t.get(&origin).filter(|e| !e.broken).map(|e| (e.pool.alloc.clone(), origin == stream))
     }
 
     /// A buffer is being freed: `Some(f)` to free it now; `None` when a capture holds it back:

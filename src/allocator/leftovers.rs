@@ -14,6 +14,11 @@
 //!      unmap mappings ─▶ release physical allocations ─▶ free ranges ─▶ release segments
 //!      ─▶ destroy events      (what is refused again stays)
 //! ```
+//!
+//! What an allocator let go of before the work that used it was known complete (a block still
+//! pending on events of other streams, or parked for a host wait, when the allocator went
+//! during a capture, which refuses every wait) waits apart (`after_sync`): it is tried only
+//! after a device-wide synchronisation succeeds, then joins the rest.
 
 use super::*;
 use crate::device::PhysHandle;
@@ -36,22 +41,46 @@ pub(super) enum Leftover {
 /// A family's leftovers, kept in the order they must go (the derived order: mappings before
 /// their physical allocations and ranges).
 #[derive(Default)]
-pub(super) struct Leftovers(Mutex<Vec<Leftover>>);
+pub(super) struct Leftovers(Mutex<Kept>);
+
+/// The leftovers: those to try at once, and those to try after a device synchronisation.
+#[derive(Default)]
+struct Kept {
+    now: Vec<Leftover>,
+    after_sync: Vec<Leftover>,
+}
 
 impl Leftovers {
     /// Adds `items`, then tries every leftover again.
     pub(super) fn add_and_retry<D: Device>(&self, items: Vec<Leftover>, device: &Guarded<D>) {
         let mut all = lock(&self.0);
-        all.extend(items);
-        Self::retry_locked(&mut all, device);
+        all.now.extend(items);
+        Self::retry_all(&mut all, device);
+    }
+
+    /// Adds `items`, whose memory may still be used by work no event was waited for: they are
+    /// tried only after a device-wide synchronisation succeeds (none while a capture is
+    /// underway). Then tries every leftover again.
+    pub(super) fn add_after_sync<D: Device>(&self, items: Vec<Leftover>, device: &Guarded<D>) {
+        let mut all = lock(&self.0);
+        all.after_sync.extend(items);
+        Self::retry_all(&mut all, device);
     }
 
     /// Tries every leftover again, if there is any.
     pub(super) fn retry<D: Device>(&self, device: &Guarded<D>) {
         let mut all = lock(&self.0);
-        if !all.is_empty() {
-            Self::retry_locked(&mut all, device);
+        if !all.now.is_empty() || !all.after_sync.is_empty() {
+            Self::retry_all(&mut all, device);
         }
+    }
+
+    fn retry_all<D: Device>(all: &mut Kept, device: &Guarded<D>) {
+        if !all.after_sync.is_empty() && device.synchronize().is_ok() {
+            let synced = std::mem::take(&mut all.after_sync);
+            all.now.extend(synced);
+        }
+        Self::retry_locked(&mut all.now, device);
     }
 
     fn retry_locked<D: Device>(all: &mut Vec<Leftover>, device: &Guarded<D>) {

@@ -507,22 +507,28 @@ impl<D: Device> Allocator<D> {
     }
 
     /// The private pool `stream`'s requests go to instead of this allocator, if any: the one a
-    /// guard or a capture routes it to (`true`), or the pool of a capture it joined (`false`).
+    /// capture or a guard routes it to (`true`), or the pool of a capture it joined (`false`).
     #[inline]
     fn routed_pool(&self, stream: StreamId) -> Option<(Allocator<D>, bool)> {
         let sh = &self.shared;
+        // A stream being captured allocates from its capture's pool, whatever guard routes it
+        // (one begun during the capture, on another thread maybe): the graph's replays write
+        // what its captured work was handed, so that must be memory the graph holds. A stream
+        // that joined a capture (it waited on an event recorded on a capturing stream: CUDA's
+        // fork) allocates from the capture's pool, as the stream it began on.
+        // BROKEN (`guard_in_capture`): a guard begun on the capturing stream during the
+        // capture routes it to the guard's pool (the stream's latest route).
+        let joined_only = cfg!(tidepool_broken = "guard_in_capture");
+        if sh.family.captures.any()
+            && let Some((pool, began)) = sh.family.captures.capture_pool(sh, stream, joined_only)
+            && !Arc::ptr_eq(&pool.shared, &self.shared)
+        {
+            return Some((pool, began));
+        }
         if sh.routes.any()
             && let Some(pool) = sh.routes.get(stream)
         {
             return Some((pool, true));
-        }
-        // A stream that joined a capture (it waited on an event recorded on a capturing
-        // stream: CUDA's fork) allocates from the capture's pool, as the stream it began on.
-        if sh.family.captures.any()
-            && let Some(pool) = sh.family.captures.joined_pool(sh, stream)
-            && !Arc::ptr_eq(&pool.shared, &self.shared)
-        {
-            return Some((pool, false));
         }
         None
     }

@@ -554,7 +554,9 @@ impl<D: Device> Allocator<D> {
     /// alive; scopes on the stream refuse to allocate meanwhile ([`AllocError::StreamRouted`]).
     /// Guards nest: the latest one of a stream wins. A pool of another allocator is refused
     /// ([`AllocError::ForeignPool`]), and so is one a CUDA graph uses (its free memory is the
-    /// graph's: [`AllocError::PoolBusy`]).
+    /// graph's: [`AllocError::PoolBusy`]), and a stream being captured ([`AllocError::Capture`]:
+    /// its allocations come from the graph's pool until the capture ends, whatever guard routes
+    /// it, since the graph's replays write them).
     pub fn use_pool(
         &self,
         pool: &MemPool<D>,
@@ -565,6 +567,17 @@ impl<D: Device> Allocator<D> {
             return Err(AllocError::ForeignPool);
         }
         sh.stream_exists(stream)?;
+        // A stream being captured allocates from its graph's pool until the capture ends
+        // (`Allocator::routed_pool`): a guard would not route it, so it is refused, not left
+        // to do nothing. (PyTorch's `use_mem_pool` inside a capture routes the captured
+        // allocations to the pool, whose memory the graph's replays then write while nothing
+        // keeps it from being handed out again.) BROKEN (`guard_in_capture`): given.
+        if !cfg!(tidepool_broken = "guard_in_capture") && sh.family.captures.capturing(sh, stream) {
+            return Err(AllocError::Capture {
+                stream,
+                reason: "the stream is being captured: its allocations come from the graph's pool",
+            });
+        }
         let role = &pool.alloc.shared.role;
         if !PoolRole::claim(&role.guards, &role.graphs) {
             return Err(AllocError::PoolBusy { reason: "a CUDA graph uses the pool" });

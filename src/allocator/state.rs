@@ -335,10 +335,38 @@ impl<D: Device> Drop for Shared<D> {
             }
         }
         let _ = self.sync_events(&mut st);
+        // What no wait showed complete (a capture underway refuses every host wait, or the
+        // device failed one): blocks still pending on events of other streams, or parked for a
+        // host wait. Nothing will poll this allocator again, so they are taken as done and
+        // what that frees goes to the family to be given back after a device-wide
+        // synchronisation (`Leftovers::add_after_sync`). BROKEN (`unsettled_drop_lost`): they
+        // stay pending, and their segments or pages outlive every allocator of the family.
+        let unsettled = (!st.pending.is_empty() || !st.parked.is_empty())
+            && !cfg!(tidepool_broken = "unsettled_drop_lost");
+        // During a capture nothing is released here (`release_segments` waits for each
+        // segment's stream first, which a capture refuses), and what is left may still be used
+        // by work of its own stream: given back after that synchronisation too, not at once
+        // (an unmap, which a capture allows, would pull pages from under a running kernel).
+        // BROKEN (`captured_drop_unmaps`): tried at once.
+        let in_capture =
+            self.device.capture_underway() && !cfg!(tidepool_broken = "captured_drop_unmaps");
+        if unsettled {
+            for (_, events) in std::mem::take(&mut st.pending) {
+                for done in events {
+                    Self::event_done(&mut st, done);
+                }
+            }
+            for block in std::mem::take(&mut st.parked) {
+                Self::pending_block_done(&mut st, block);
+            }
+        }
         st.initial = None; // the initial pool goes too
         self.poll_retiring(&mut st, true);
-        let _ = self.release_segments(&mut st, |_| true);
-        self.free_ranges(&mut st, |_| true);
+        // (Unsettled or in a capture: nothing goes back before that synchronisation.)
+        if !unsettled && !in_capture {
+            let _ = self.release_segments(&mut st, |_| true);
+            self.free_ranges(&mut st, |_| true);
+        }
         let mut left: Vec<Leftover> = Vec::new();
         for e in st.free_events.drain(..) {
             if self.device.destroy_event(e).is_err() {
@@ -357,6 +385,9 @@ impl<D: Device> Drop for Shared<D> {
             left.push(Leftover::Segment(DeviceAddr(st.pool.segment(id).base)));
         }
         left.extend(st.pending.values().flatten().map(|p| Leftover::Event(p.event)));
-        self.family.leftovers.add_and_retry(left, &self.device);
+        match unsettled || in_capture {
+            true => self.family.leftovers.add_after_sync(left, &self.device),
+            false => self.family.leftovers.add_and_retry(left, &self.device),
+        }
     }
 }
