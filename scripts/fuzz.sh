@@ -21,7 +21,8 @@
 # Refreshing a committed corpus after long runs: copy fuzz/corpus/<target>/ and the scratch
 # corpus into one folder, `cargo fuzz cmin -s none <target> FOLDER` (allocator_ops: add
 # `--no-trace-compares --target-dir fuzz/target/no-cmp`), then put the result back next to the
-# named seeds (`cargo run --example fuzz_seeds -- fuzz/corpus` rewrites those). Keep the whole
+# named seeds (`cargo run -p tidepool-fuzzing --example fuzz_seeds -- fuzz/corpus` rewrites
+# those). Keep the whole
 # committed corpus small (trace_parse: inputs of at most 2 KB).
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -712,7 +712,7 @@ impl Pool {
     }
 
     /// Moves a segment with no busy block to another stream's free lists.
-    pub fn rekey_segment(&mut self, id: SegmentId, stream: crate::device::StreamId) {
+    pub fn rekey_segment(&mut self, id: SegmentId, stream: StreamId) {
         let seg = &self.segments[id.0];
         assert_eq!(seg.busy_blocks, 0, "rekey_segment of a segment in use");
         let b = &self.blocks[seg.first.0];

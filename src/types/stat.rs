@@ -20,14 +20,14 @@ pub struct Stat {
 
 impl Stat {
     /// Adds `n` to the current value.
-    pub fn increase(&mut self, n: u64) {
+    pub(crate) fn increase(&mut self, n: u64) {
         self.current += n;
         self.allocated += n;
         self.peak = self.peak.max(self.current);
     }
 
     /// Subtracts `n` from the current value.
-    pub fn decrease(&mut self, n: u64) {
+    pub(crate) fn decrease(&mut self, n: u64) {
         debug_assert!(self.current >= n, "stat underflow: {} - {n}", self.current);
         self.current -= n;
         self.freed += n;
@@ -153,14 +153,14 @@ impl StatGroup {
     }
 
     /// Adds `n` to `all` and to the cells of `kind` and `residency`.
-    pub fn increase(&mut self, kind: PoolKind, residency: Residency, n: u64) {
+    pub(crate) fn increase(&mut self, kind: PoolKind, residency: Residency, n: u64) {
         self.all.increase(n);
         self.pool_mut(kind).increase(n);
         self.residency_mut(residency).increase(n);
     }
 
     /// Subtracts `n` from `all` and from the cells of `kind` and `residency`.
-    pub fn decrease(&mut self, kind: PoolKind, residency: Residency, n: u64) {
+    pub(crate) fn decrease(&mut self, kind: PoolKind, residency: Residency, n: u64) {
         self.all.decrease(n);
         self.pool_mut(kind).decrease(n);
         self.residency_mut(residency).decrease(n);

@@ -1,4 +1,5 @@
-//! Writes the seed corpora of the fuzz targets: `cargo run --example fuzz_seeds -- fuzz/corpus`.
+//! Writes the seed corpora of the fuzz targets: `cargo run -p tidepool-fuzzing --example fuzz_seeds --
+//! fuzz/corpus` (from the repository root).
 //!
 //! ```text
 //!   fuzz/corpus/allocator_ops/seed-*  hand-written scenarios (cross-stream reuse, OOM ladder,

@@ -1,5 +1,6 @@
-//! Fuzz harnesses, shared by the cargo-fuzz targets in `fuzz/` and by `tests/fuzz_corpus.rs`,
-//! which replays every committed corpus input and crash artifact under plain `cargo test`.
+//! Fuzz harnesses, shared by the cargo-fuzz targets in `fuzz/` and by this crate's
+//! `tests/fuzz_corpus.rs`, which replays every committed corpus input and crash artifact under
+//! `cargo test --workspace` (or `cargo test -p tidepool-fuzzing`).
 //!
 //! ```text
 //!   fuzz/fuzz_targets/<target>.rs ──┐

@@ -15,7 +15,7 @@
 //!                     the input itself (or `extra`)       arena: Vec<Vec<Value>>
 //! ```
 //!
-//! A [`Value`] is a 16-byte `Copy` handle. Containers live in an arena (`Vec<Vec<Value>>`,
+//! A `Value` is a 16-byte `Copy` handle. Containers live in an arena (`Vec<Vec<Value>>`,
 //! a dict as its keys and values in turn) and are named by index, so a memo reference or a
 //! `DUP` shares the object as Python does (PyTorch shares every traceback between the entries
 //! that recorded it) and costs 16 bytes whatever the object's size: "billion laughs" is
@@ -151,20 +151,29 @@ impl fmt::Debug for Pickle {
 /// A view of a value, borrowed from its [`Pickle`].
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Obj<'a> {
+    /// Python's `None`.
     None,
+    /// `True` or `False`.
     Bool(bool),
     /// An integer (any of `INT`, `BININT*`, `LONG*`) that fits in `i128`.
     Int(i128),
     /// An integer outside `i128`.
     BigInt,
+    /// A float (`BINFLOAT`, or protocol 0's `FLOAT`).
     Float(f64),
+    /// A `str`, borrowed from the input (or from the copies the decoder had to make).
     Str(&'a str),
     /// `bytes`, `bytearray`, or a protocol 0–2 `str` of Python 2 (`STRING`, `BINSTRING`).
     Bytes(&'a [u8]),
+    /// A `list`.
     List(Seq<'a>),
+    /// A `tuple`.
     Tuple(Seq<'a>),
+    /// A `set`.
     Set(Seq<'a>),
+    /// A `frozenset`.
     FrozenSet(Seq<'a>),
+    /// A `dict`.
     Dict(Dict<'a>),
     /// A global left unapplied (`builtins.set`…).
     Global(&'static str),
@@ -215,18 +224,22 @@ impl fmt::Debug for Dict<'_> {
 }
 
 impl<'a> Seq<'a> {
+    /// The number of items.
     pub fn len(&self) -> usize {
         self.items.len()
     }
 
+    /// Whether there are no items.
     pub fn is_empty(&self) -> bool {
         self.items.is_empty()
     }
 
+    /// The item at index `i`, if there is one.
     pub fn get(&self, i: usize) -> Option<Obj<'a>> {
         self.items.get(i).map(|&v| self.pickle.obj(v))
     }
 
+    /// The items in order.
     pub fn iter(&self) -> impl ExactSizeIterator<Item = Obj<'a>> + 'a {
         let pickle = self.pickle;
         self.items.iter().map(move |&v| pickle.obj(v))
@@ -239,6 +252,7 @@ impl<'a> Dict<'a> {
         self.items.len() / 2
     }
 
+    /// Whether there are no items.
     pub fn is_empty(&self) -> bool {
         self.items.is_empty()
     }
