@@ -883,9 +883,12 @@ impl<D: Device> Allocator<D> {
             // Kept, they held the address space until the allocator went, and once it ran
             // out every new stream fell back to ordinary segments.
             // BROKEN (`empty_cache_keeps_ranges`): kept until the stream or allocator goes.
-            if !cfg!(tidepool_broken = "empty_cache_keeps_ranges") && !st.vm.is_empty() {
-                let dev = &sh.device;
-                sh.free_ranges(&mut st, |k| !dev.has_stream(k.stream));
+            let dev = &sh.device;
+            let gone = |k: &PoolKey| !dev.has_stream(k.stream);
+            if !cfg!(tidepool_broken = "empty_cache_keeps_ranges")
+                && st.vm.ranges.values().any(|r| r.pages.is_empty() && gone(&r.key))
+            {
+                sh.free_ranges(&mut st, gone);
             }
             // What gone allocators of the family could not give back (`leftovers.rs`).
             sh.family.leftovers.retry(&sh.device);
