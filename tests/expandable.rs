@@ -1045,3 +1045,37 @@ fn an_unmap_refused_while_a_failed_growth_is_undone_keeps_the_pages_in_the_range
     drop(alloc);
     assert_no_leak(&dev);
 }
+
+/// PyTorch's `release_cached_blocks` gives a wholly unmapped expandable segment's addresses
+/// back (`release_expandable_segment`). Here a range whose stream the device no longer knows
+/// (destroyed on the device, not through the allocator) does so at `empty_cache` once nothing
+/// is mapped there; a live stream's range stays for its next growth. Kept (broken build
+/// `empty_cache_keeps_ranges`), three such ranges filled this device's virtual space for good,
+/// and every later stream fell back to ordinary segments.
+#[test]
+fn empty_cache_frees_the_ranges_of_streams_destroyed_elsewhere() {
+    let (dev, alloc) = setup("", CAP);
+    dev.set_virtual_capacity(6 * CAP); // room for three ranges
+    drop(alloc.alloc(4 * MIB, StreamId::DEFAULT).unwrap());
+    alloc.empty_cache().unwrap();
+    assert_eq!(dev.virtual_bytes(), 2 * CAP, "a live stream's range stays");
+    for _ in 0..4 {
+        let s = dev.create_stream().unwrap();
+        drop(alloc.alloc(4 * MIB, s).unwrap());
+        assert!(dev.live_segments().is_empty(), "served by a range, no ordinary segment");
+        assert_eq!(dev.virtual_bytes(), 4 * CAP);
+        dev.destroy_stream(s).unwrap();
+        alloc.empty_cache().unwrap();
+        assert_eq!(dev.virtual_bytes(), 2 * CAP);
+        assert_eq!(alloc.stats().virtual_reserved_bytes, 2 * CAP);
+        assert_eq!(alloc.expandable_ranges().len(), 1);
+        alloc.check_invariants().unwrap();
+    }
+    let s = dev.create_stream().unwrap();
+    let b = alloc.alloc(4 * MIB, s).unwrap();
+    assert!(dev.live_segments().is_empty(), "no ordinary segment");
+    assert_eq!(alloc.expandable_ranges().len(), 2);
+    drop(b);
+    drop(alloc);
+    assert_no_leak(&dev);
+}

@@ -486,3 +486,78 @@ fn a_stitch_freed_into_a_stream_cache_outlives_expandable_segments_turned_off() 
 fn a_stitch_outlives_caching_turned_off() {
     a_stitch_outlives_its_configuration("caching:false");
 }
+
+/// Each segment of the snapshot pickle as (address, total_size, is_expandable).
+fn dumped_segments(alloc: &Allocator<SimDevice>) -> Vec<(u64, u64, bool)> {
+    use serde_pickle::{HashableValue as H, Value as V};
+    let bytes = alloc.snapshot_pickle();
+    let v = serde_pickle::value_from_slice(&bytes, serde_pickle::DeOptions::new()).unwrap();
+    let get = |d: &V, k: &str| match d {
+        V::Dict(m) => m.get(&H::String(k.into())).cloned(),
+        _ => panic!("not a dict: {d:?}"),
+    };
+    let Some(V::List(segments)) = get(&v, "segments") else { panic!("no segments") };
+    segments
+        .iter()
+        .map(|s| match (get(s, "address"), get(s, "total_size"), get(s, "is_expandable")) {
+            (Some(V::I64(a)), Some(V::I64(n)), Some(V::Bool(e))) => (a as u64, n as u64, e),
+            other => panic!("{other:?}"),
+        })
+        .collect()
+}
+
+/// PyTorch's snapshot marks every segment its expandable segments map `is_expandable`; a live
+/// stitched block's segment is mapped the same way (`cuMemMap` onto the home range's physical
+/// chunks, in a virtual range of its own) and is marked so too, beside the home range's runs.
+#[test]
+fn a_stitched_segment_is_expandable_in_the_snapshot() {
+    let (dev, alloc) = setup("fast_cache:false,expandable_stitching:true");
+    let kept = holes(&dev, &alloc);
+    let s = alloc.alloc(24 * MIB, S0).unwrap();
+    assert_eq!(s.ptr(), stitch_base());
+    let segs = dumped_segments(&alloc);
+    assert_eq!(
+        segs,
+        vec![
+            (at(8 * MIB).0, 16 * MIB, true),
+            (at(32 * MIB).0, 16 * MIB, true),
+            (stitch_base().0, 24 * MIB, true),
+        ]
+    );
+    drop((s, kept));
+    alloc.empty_cache().unwrap();
+    drop(alloc);
+    assert_nothing_left(&dev);
+}
+
+/// `empty_cache` over a cached stitch whose unmapping the device refuses: the stitch stays
+/// (dead, tried again at the next release), so the home chunks it still maps stay mapped and
+/// in the home range too. Releasing them anyway (broken build `stitch_refused_released`) left
+/// the stitch mapping physical allocations its range no longer had (`check_invariants`: the
+/// chunk "drifted"), counted released while the device still held them.
+#[test]
+fn a_refused_stitch_unmapping_keeps_its_home_chunks() {
+    let (dev, alloc) = setup("fast_cache:false,expandable_stitching:true");
+    let kept = holes(&dev, &alloc);
+    let s = alloc.alloc(24 * MIB, S0).unwrap();
+    assert_eq!(s.ptr(), stitch_base());
+    drop(s); // the stitch is cached, its chunks (0, 24 and 48 MiB) back home, free
+    // The stitch's first unmapping (its top chunk) is refused: it stays whole, and so do the
+    // three chunks it maps at home, the only free ones.
+    dev.fail_nth_vm_unmap(Some(1));
+    alloc.empty_cache().unwrap();
+    alloc.check_invariants().unwrap();
+    assert_eq!(dev.live_mappings().len(), 7 + 3);
+    assert_eq!((alloc.reserved_bytes(), dev.physical_bytes()), (28 * P, 28 * P));
+    let r = &alloc.expandable_ranges()[0];
+    assert_eq!((r.stitches, r.free_bytes, r.mapped_bytes), (1, 24 * MIB, 28 * P));
+    assert_eq!(alloc.stats().num_physical_release, 0);
+    // Tried again at the next release, with the rest.
+    drop(kept);
+    alloc.empty_cache().unwrap();
+    alloc.check_invariants().unwrap();
+    assert_eq!(dev.live_mappings(), vec![]);
+    assert_eq!(dev.physical_bytes(), 0);
+    drop(alloc);
+    assert_nothing_left(&dev);
+}

@@ -122,16 +122,24 @@ type Stacks = std::collections::HashMap<u64, std::sync::Arc<std::backtrace::Back
 /// The segments of one allocator of the family (`pool`: its id, 0 for the general allocator),
 /// its live blocks with the allocation stacks its history kept.
 fn segments_of<D: Device>(sh: &Shared<D>, pool: u64, device: u64) -> Vec<Py> {
-    let segments = sh.snapshot();
-    let ranges = sh.expandable_ranges();
+    // Whether each segment is mapped through virtual memory (PyTorch's `is_expandable`): a run
+    // of a range or a stitched block's own range, asked in the snapshot's lock section.
+    // BROKEN (`stitch_not_expandable`): asked of the ranges alone, in a second lock section,
+    // so a live stitched block's segment showed as an ordinary one.
+    let mut segments = sh.snapshot_marked();
+    if cfg!(tidepool_broken = "stitch_not_expandable") {
+        let ranges = sh.expandable_ranges();
+        for (s, e) in &mut segments {
+            *e = ranges
+                .iter()
+                .any(|r| r.base <= s.address && s.address.0 < r.base.0 + r.virtual_size);
+        }
+    }
     let stacks: Stacks = match sh.history_ring() {
         Some(ring) => lock(&ring).block_stacks().clone(),
         None => Stacks::default(),
     };
-    let expandable = |s: &SegmentInfo| {
-        ranges.iter().any(|r| r.base <= s.address && s.address.0 < r.base.0 + r.virtual_size)
-    };
-    segments.iter().map(|s| segment(s, expandable(s), &stacks, pool, device)).collect()
+    segments.iter().map(|(s, e)| segment(s, *e, &stacks, pool, device)).collect()
 }
 
 /// One segment (with expandable segments: one run of mapped pages of a range); a block that is

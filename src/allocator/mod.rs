@@ -881,6 +881,21 @@ impl<D: Device> Allocator<D> {
         }
         let released = sh.release_segments(&mut st, |s| s.key.residency == Residency::Transient);
         if !sh.device.capture_underway() {
+            // The ranges of streams the device no longer knows (destroyed on the device or
+            // by another allocator, not through `destroy_stream` / `release_stream`) give
+            // their virtual addresses back once nothing is mapped there, as PyTorch's
+            // `release_cached_blocks` releases a wholly unmapped expandable segment
+            // (`release_expandable_segment`). A live stream's range stays for its next growth.
+            // Kept, they held the address space until the allocator went, and once it ran
+            // out every new stream fell back to ordinary segments.
+            // BROKEN (`empty_cache_keeps_ranges`): kept until the stream or allocator goes.
+            let dev = &sh.device;
+            let gone = |k: &PoolKey| !dev.has_stream(k.stream);
+            if !cfg!(tidepool_broken = "empty_cache_keeps_ranges")
+                && st.vm.ranges.values().any(|r| r.pages.is_empty() && gone(&r.key))
+            {
+                sh.free_ranges(&mut st, gone);
+            }
             // What gone allocators of the family could not give back (`leftovers.rs`).
             sh.family.leftovers.retry(&sh.device);
         }

@@ -183,6 +183,17 @@ impl<D: Device> Shared<D> {
             // The stream's work is done: the cached stitched blocks over these chunks go first
             // (the driver frees memory at its last unmapping).
             self.drop_stitches_over(st, base, &runs);
+            // A stitch whose unmapping the device refused still maps its chunks (dead, tried
+            // again at the next release): they stay, mapped and in the home range, as a page
+            // move passes them over. Released, the stitch mapped allocations the range no
+            // longer had, counted released while the device still held them.
+            // BROKEN (`stitch_refused_released`): released all the same.
+            let still_aliased = !st.vm.ranges[&base].aliased.is_empty()
+                && !cfg!(tidepool_broken = "stitch_refused_released");
+            let runs = match still_aliased {
+                true => self.free_page_runs(st, base, max, u64::MAX, true, &mut which),
+                false => runs,
+            };
             for (block, a, b) in runs {
                 // From the top down; stop at the first refusal.
                 let mut done = b;

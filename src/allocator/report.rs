@@ -49,30 +49,43 @@ impl<D: Device> Allocator<D> {
 impl<D: Device> Shared<D> {
     /// [`Allocator::snapshot`].
     pub(super) fn snapshot(&self) -> Vec<SegmentInfo> {
+        self.snapshot_marked().into_iter().map(|(s, _)| s).collect()
+    }
+
+    /// [`Allocator::snapshot`], each segment with whether it is mapped through virtual memory
+    /// management (a run of an expandable range, or a stitched block's own range: PyTorch's
+    /// `is_expandable`), read in the same lock section.
+    pub(super) fn snapshot_marked(&self) -> Vec<(SegmentInfo, bool)> {
         let mut st = self.lock_state();
         self.flush_for_view(&mut st);
-        let mut out: Vec<SegmentInfo> = st
+        let vm = &st.vm;
+        let mut out: Vec<(SegmentInfo, bool)> = st
             .pool
             .segments()
-            .map(|(id, seg)| SegmentInfo {
-                address: DeviceAddr(seg.base),
-                size: seg.size,
-                stream: seg.key.stream,
-                pool: seg.key.kind,
-                residency: seg.key.residency,
-                blocks: st
-                    .pool
-                    .segment_blocks(id)
-                    .map(|(_, b)| BlockInfo {
-                        address: DeviceAddr(b.addr),
-                        size: b.size,
-                        requested: b.requested,
-                        state: b.state,
-                    })
-                    .collect(),
+            .map(|(id, seg)| {
+                (
+                    SegmentInfo {
+                        address: DeviceAddr(seg.base),
+                        size: seg.size,
+                        stream: seg.key.stream,
+                        pool: seg.key.kind,
+                        residency: seg.key.residency,
+                        blocks: st
+                            .pool
+                            .segment_blocks(id)
+                            .map(|(_, b)| BlockInfo {
+                                address: DeviceAddr(b.addr),
+                                size: b.size,
+                                requested: b.requested,
+                                state: b.state,
+                            })
+                            .collect(),
+                    },
+                    vm.contains(seg.base),
+                )
             })
             .collect();
-        out.sort_by_key(|s| s.address);
+        out.sort_by_key(|s| s.0.address);
         out
     }
 }
