@@ -474,6 +474,11 @@ struct Harness<'a> {
     event_faults: std::cell::Cell<[bool; 4]>,
     /// Refused unmaps at the start of the current step.
     unmaps_refused: u64,
+    /// An injected refusal of an event creation is armed ([`NthFault::EventCreate`], maybe
+    /// already fired).
+    event_create_armed: bool,
+    /// Calls the device refused because a capture was underway, at the start of the step.
+    refused_in_capture: u64,
 }
 
 /// The initial pool segment of an allocator just made (its only segment), if it has one.
@@ -568,6 +573,8 @@ impl<'a> Harness<'a> {
             event,
             event_faults: std::cell::Cell::new([false; 4]),
             unmaps_refused: 0,
+            event_create_armed: false,
+            refused_in_capture: 0,
         }
     }
 
@@ -660,6 +667,7 @@ impl<'a> Harness<'a> {
 
     fn step(&mut self, op: &Op) -> Result<(), String> {
         self.unmaps_refused = self.unmaps_refused();
+        self.refused_in_capture = self.dev.graph_counters().refused_in_capture;
         match *op {
             Op::Alloc { bytes, stream, persistent } => {
                 let residency =
@@ -816,7 +824,10 @@ impl<'a> Harness<'a> {
                     NthFault::VmCreate => self.dev.fail_nth_vm_create(n),
                     NthFault::VmMap => self.dev.fail_nth_vm_map(n),
                     NthFault::VmUnmap => self.dev.fail_nth_vm_unmap(n),
-                    NthFault::EventCreate => self.dev.fail_nth_event_create(n),
+                    NthFault::EventCreate => {
+                        self.dev.fail_nth_event_create(n);
+                        self.event_create_armed = n.is_some();
+                    }
                 }
             }
             Op::VirtualRoom { room } => {
@@ -944,7 +955,7 @@ impl<'a> Harness<'a> {
                         true => last.use_on(t, AccessKind::Read),
                         false => a.record_stream(last, t),
                     };
-                    if self.tolerate(announced, "use of a captured block")? {
+                    if self.tolerate_in_capture(announced, "use of a captured block")? {
                         let k = kernel(Some(last), &b);
                         self.dev.launch(t, k).map_err(|e| dev_err("forked", e))?;
                     }
@@ -967,7 +978,19 @@ impl<'a> Harness<'a> {
         if !bufs.is_empty() {
             drop(bufs.remove(0)); // freed during the capture: reused by the capture only
         }
-        let graph = a.end_capture(s).map_err(|e| format!("end_capture on {s}: {e}"))?;
+        let graph = match a.end_capture(s) {
+            Ok(graph) => graph,
+            Err(_) if self.capture_broken_by_fault() => {
+                // Invalidated: no graph. The capture is over all the same.
+                self.note_excused();
+                for u in std::iter::once(s).chain(t) {
+                    ensure!(!a.is_capturing(u), "{u} still captures after a failed end");
+                }
+                drop((bufs, kept));
+                return self.graph_pool_gone(pool);
+            }
+            Err(e) => return Err(format!("end_capture on {s}: {e}")),
+        };
         ensure!(t.is_none_or(|t| !a.is_capturing(t)), "a joined stream outlived its capture");
         for _ in 0..launches {
             graph.launch(s).map_err(|e| format!("graph launch: {e}"))?;
@@ -1035,6 +1058,7 @@ impl<'a> Harness<'a> {
         match caught {
             Err(p) if p.is::<BodyPanic>() => {}
             Err(p) => std::panic::resume_unwind(p),
+            Ok(Err(_)) if self.capture_broken_by_fault() => self.note_excused(),
             Ok(Err(e)) => return Err(format!("capture on {s}: {e}")),
             Ok(Ok((_, r))) => r?, // the body failed before its panic
         }
@@ -1047,7 +1071,11 @@ impl<'a> Harness<'a> {
     /// The end of [`Op::Capture`]: the graph's pool serves nothing more. Emptied, it holds
     /// nothing, and its device calls join the count the device's must match.
     fn graph_pool_gone(&mut self, pool: MemPool<SimDevice>) -> Result<(), String> {
-        pool.empty_cache().map_err(|e| format!("empty_cache of a graph's pool: {e}"))?;
+        if !self.tolerate(pool.empty_cache(), "empty_cache of a graph's pool")? {
+            // A refused unmap (each fault refuses one call): the pages stay in its range,
+            // and the next try gives them back.
+            pool.empty_cache().map_err(|e| format!("empty_cache of a graph's pool again: {e}"))?;
+        }
         let left = pool.snapshot();
         ensure!(left.is_empty(), "the graph's pool kept {left:?} once the graph was gone");
         let st = pool.stats();
@@ -1480,7 +1508,17 @@ impl<'a> Harness<'a> {
             Err(e) => return Err(format!("alloc of {bytes} in the second capture: {e}")),
         };
         self.order_after(s, t)?; // the join
-        let graph = a.end_capture(s).map_err(|e| format!("second end_capture on {s}: {e}"))?;
+        let graph = match a.end_capture(s) {
+            Ok(graph) => graph,
+            Err(_) if self.capture_broken_by_fault() => {
+                self.note_excused();
+                for u in [s, t] {
+                    ensure!(!a.is_capturing(u), "{u} still captures after a failed end");
+                }
+                return Ok(());
+            }
+            Err(e) => return Err(format!("second end_capture on {s}: {e}")),
+        };
         for on in [s, t] {
             graph.launch(on).map_err(|e| format!("second graph's launch on {on}: {e}"))?;
         }
@@ -1519,6 +1557,34 @@ impl<'a> Harness<'a> {
     /// checks).
     fn note_excused(&self) {
         EXCUSED.with(|c| c.set(c.get() + 1));
+    }
+
+    /// Whether a capture of this step may have been broken by an injected fault: an event
+    /// creation refusal is armed, and the device refused a call because a capture was
+    /// underway (the allocator, left with no event to order a use by, waited for the whole
+    /// device instead, which CUDA refuses during a capture and which invalidates it).
+    fn capture_broken_by_fault(&self) -> bool {
+        self.event_create_armed
+            && self.dev.graph_counters().refused_in_capture > self.refused_in_capture
+    }
+
+    /// [`Harness::tolerate`] in a capture: also a failure of a capture a fault broke, and the
+    /// refusal of a device-wide wait that stood in for a refused event creation.
+    fn tolerate_in_capture(&self, r: Result<(), AllocError>, what: &str) -> Result<bool, String> {
+        // The allocator refuses a device-wide wait during a capture itself (`Guarded`).
+        let unsupported = |e: &AllocError| {
+            matches!(e, AllocError::Device(DeviceError::Driver { code, .. })
+                if *code == DeviceError::CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED)
+        };
+        match r {
+            Err(e)
+                if self.capture_broken_by_fault() || self.event_create_armed && unsupported(&e) =>
+            {
+                self.note_excused();
+                Ok(false)
+            }
+            r => self.tolerate(r, what),
+        }
     }
 
     /// Unmaps the device refused so far (only injected).
