@@ -917,7 +917,11 @@ impl<'a> Harness<'a> {
             self.capture_panicking(s, t, &pool, bytes, launches % 2 == 1)?;
             return self.graph_pool_gone(pool);
         }
-        a.begin_capture(s, Some(&pool)).map_err(|e| format!("begin_capture on {s}: {e}"))?;
+        if !self.tolerate(a.begin_capture(s, Some(&pool)), &format!("begin_capture on {s}"))? {
+            // Refused by an injected fault: no capture, and the pool serves nothing.
+            ensure!(!a.is_capturing(s), "{s} captures after a refused begin_capture");
+            return self.graph_pool_gone(pool);
+        }
         let second = t.is_some() && launches == 2;
         let mut kept = None;
         let alloc = |on: StreamId| captured_alloc(a, bytes, on);
@@ -1497,7 +1501,12 @@ impl<'a> Harness<'a> {
         self.dev.launch(t, write).map_err(|e| dev_err("launch", e))?;
         let bytes = b.len();
         drop(b); // on its own stream: cached in the pool at once
-        a.begin_capture(s, Some(pool)).map_err(|e| format!("second begin_capture on {s}: {e}"))?;
+        if !self
+            .tolerate(a.begin_capture(s, Some(pool)), &format!("second begin_capture on {s}"))?
+        {
+            ensure!(!a.is_capturing(s), "{s} captures after a refused begin_capture");
+            return Ok(());
+        }
         self.order_after(t, s)?; // the fork
         let made = match a.alloc(bytes.max(1), t) {
             Ok(c) => {
