@@ -1021,6 +1021,32 @@ fn an_event_refused_in_the_middle_of_a_page_move_loses_no_chunk() {
     assert_no_leak(&dev);
 }
 
+/// `empty_cache` waits for a range's stream before it unmaps the range's free pages; when the
+/// device refuses to create the event that wait needs, it waits for the whole device instead (as
+/// for a refused record) and unmaps them. It used to skip the range and return `Ok` with 4 MiB
+/// of free pages still mapped and cached (found by the fuzz harness once it injected refused
+/// event creations).
+#[test]
+fn empty_cache_unmaps_a_ranges_free_pages_when_the_event_for_its_stream_is_refused() {
+    let (dev, alloc) = setup("", CAP);
+    let s = dev.create_stream().unwrap();
+    drop(alloc.alloc(4 * MIB, s).unwrap()); // freed on its own stream: no event
+    assert_eq!((alloc.reserved_bytes(), dev.physical_bytes()), (4 * MIB, 4 * MIB));
+    let events = dev.live_events();
+    dev.fail_nth_event_create(Some(1));
+    alloc.empty_cache().unwrap();
+    assert_eq!(dev.live_events(), events, "the refused creation made no event");
+    alloc.check_invariants().unwrap();
+    assert_eq!(
+        (alloc.reserved_bytes(), dev.physical_bytes(), dev.live_mappings()),
+        (0, 0, vec![]),
+        "empty_cache left free pages mapped"
+    );
+    drop(alloc.alloc(4 * MIB, s).unwrap()); // and the allocator serves on
+    drop(alloc);
+    assert_no_leak(&dev);
+}
+
 /// A growth whose second chunk's map is refused undoes the first chunk's map, and that unmap is
 /// refused too: the mapping stays, as a run of free pages of the range (counted, released later
 /// like any), not forgotten with its handle released (its address then failed every later

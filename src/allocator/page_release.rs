@@ -246,7 +246,15 @@ impl<D: Device> Shared<D> {
         if self.broken_skip_events.load(Ordering::Relaxed) {
             return Ok(());
         }
-        let event = self.event(st)?;
+        let event = match self.event(st) {
+            Ok(event) => event,
+            // BROKEN (`release_event_refused`): the release keeps the stream's pages mapped
+            // (`empty_cache` returned `Ok` with its free pages still cached).
+            Err(e) if cfg!(tidepool_broken = "release_event_refused") => return Err(e),
+            // No event to mark its work (the device refused to create one): as for a refused
+            // record, wait for all of the device's.
+            Err(_) => return Ok(self.host_wait(st)?),
+        };
         let r = match self.device.record_event(event, stream) {
             Err(DeviceError::UnknownStream(_)) if self.gone_drained(stream) => Ok(()),
             Err(e) if self.broken(Broken::VmEventErrors) => Err(e),

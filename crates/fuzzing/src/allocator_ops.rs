@@ -41,6 +41,25 @@
 //! and an injected page fault explains an out-of-memory error; at the end nothing is mapped,
 //! created or reserved on the device.
 //!
+//! Fault injection: every fault SimDevice offers is armed by the program at points it chooses
+//! ([`Op::FailNthMalloc`] arms the nth malloc, physical creation and mapping together;
+//! [`Op::FailNth`] one of malloc, physical creation, mapping, unmap or event creation alone;
+//! [`Op::FailMallocsAbove`]; [`Op::VirtualRoom`] bounds the virtual address space;
+//! [`Op::FailEventQueries`] and [`Op::FailEvents`] refuse every event query, record or wait, or
+//! make those refusals panics in the device). The pinned host allocator's fault
+//! (`fail_nth_host_alloc`) is the only one left out: no step reaches pinned host memory. An
+//! allocator may answer an injected fault with an error only where SimDevice returns that
+//! error for nothing but an injected fault (`injected`: a refused event record, wait, query,
+//! unmap or creation, or a panic of `panic_on_faults`): the step then goes on, the usual checks
+//! follow, and a release whose unmap was refused may keep free pages mapped. Any other error,
+//! any panic, and any leak is a bug. The harness's own device calls never meet a fault: its
+//! event (for its device-side waits) is made before the first step, and its record and wait
+//! run with the event faults off; captures run with the event faults off (the counted-down
+//! faults stay armed). At the end every buffer is dropped with the faults still armed; then
+//! all are cleared, both allocators must serve a request, and once they are dropped the device
+//! must hold no segment, mapping, physical allocation, virtual range or event, and no stream
+//! past the program's slots.
+//!
 //! Devices are reused: starting a SimDevice and its stream workers costs more than a whole
 //! program, so a device that ended a program clean (no segment, no violation, every stream idle)
 //! goes back to a small pool, with its streams, for the next program of the same capacity. Fault
@@ -89,14 +108,16 @@
 //! else (invariants, no overlap of live buffers, planned ones included, the device's segments,
 //! no sanitizer violation, an empty device at the end) holds as before.
 
-use super::program::{BURST_SIZES, CAPACITIES, CONFIGS, Op, Program, SLEEPS_US, STREAM_SLOTS};
+use super::program::{
+    BURST_SIZES, CAPACITIES, CONFIGS, EventFault, NthFault, Op, Program, SLEEPS_US, STREAM_SLOTS,
+};
 use std::collections::HashSet;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 use tidepool::BlockState;
 use tidepool::device::{
-    Access, AccessKind, Device, DeviceAddr, DeviceError, Kernel, Launch, SimConfig, SimCounters,
-    SimDevice, StreamId,
+    Access, AccessKind, Device, DeviceAddr, DeviceError, EventId, Kernel, Launch, SimConfig,
+    SimCounters, SimDevice, StreamId,
 };
 use tidepool::{AllocError, OomReport, Scope, ScopedBuffer, SegmentInfo};
 use tidepool::{Allocator, Buffer, Config, MemPool, PoolOptions};
@@ -122,13 +143,77 @@ fn take_device(capacity: u64, quiet: bool) -> Arc<SimDevice> {
     }
 }
 
-/// Returns a device that ended a program clean to the pool.
-fn give_back(dev: Arc<SimDevice>) {
+/// Clears every fault SimDevice can inject (and gives back the whole virtual address space).
+fn clear_faults(dev: &SimDevice) {
     dev.fail_nth_vm_create(None);
     dev.fail_nth_vm_map(None);
+    dev.fail_nth_vm_unmap(None);
+    dev.fail_nth_event_create(None);
     dev.fail_nth_malloc(None);
     dev.fail_mallocs_above(None);
     dev.fail_event_queries(false);
+    dev.fail_event_records(false);
+    dev.fail_event_waits(false);
+    dev.panic_on_faults(false);
+    dev.set_virtual_capacity(default_virtual_capacity(dev));
+}
+
+/// SimDevice's own virtual capacity for its capacity (`vmm.rs`).
+fn default_virtual_capacity(dev: &SimDevice) -> u64 {
+    dev.config().capacity.saturating_mul(1024).clamp(1 << 40, 1 << 60)
+}
+
+/// The message SimDevice panics with for an injected fault (`panic_on_faults`).
+const INJECTED_PANIC: &str = "SimDevice: injected";
+
+/// Keeps the panic hook (libFuzzer's aborts the process) away from the panics SimDevice
+/// injects (`panic_on_faults`), which the allocator catches at the device call; every other
+/// panic reaches it. Installed once per process.
+fn quiet_injected_panics() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        let hook = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            let p = info.payload();
+            let msg = p.downcast_ref::<String>().map(String::as_str).or(p.downcast_ref().copied());
+            if !msg.is_some_and(|m: &str| m.starts_with(INJECTED_PANIC)) {
+                hook(info);
+            }
+        }));
+    });
+}
+
+/// Whether `e` is what SimDevice answers only when a fault is injected: an allocator may
+/// return it for the call the fault refused (an event call, an event creation, an unmap), and
+/// must then go on working. Any other device error is a bug.
+fn injected(e: &DeviceError) -> bool {
+    match e {
+        DeviceError::Driver { op, code } => match *op {
+            "record_event" | "wait_event" | "query_event" | "cuMemUnmap" => {
+                *code == DeviceError::CUDA_ERROR_UNKNOWN
+            }
+            "cuEventCreate" => *code == DeviceError::CUDA_ERROR_OUT_OF_MEMORY,
+            _ => false,
+        },
+        DeviceError::Panicked { message, .. } => message.starts_with(INJECTED_PANIC),
+        _ => false,
+    }
+}
+
+/// [`injected`] for an allocator's error.
+fn excused(e: &AllocError) -> bool {
+    matches!(e, AllocError::Device(d) if injected(d))
+}
+
+thread_local! {
+    /// Errors of injected faults the allocators returned on this thread, all programs together
+    /// (for tests: proof that the faults were met).
+    static EXCUSED: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+/// Returns a device that ended a program clean to the pool.
+fn give_back(dev: Arc<SimDevice>) {
+    clear_faults(&dev);
     let mut pool = DEVICES.lock().unwrap_or_else(PoisonError::into_inner);
     if pool.len() < KEEP_DEVICES {
         pool.push(dev);
@@ -163,6 +248,7 @@ pub struct Options {
 
 /// Runs `program`; the first failed check, with the step it failed at.
 pub fn run(program: &Program, options: Options) -> Result<(), String> {
+    quiet_injected_panics();
     let (alloc, base) = start(program)?;
     alloc.set_broken_skip_events(options.broken_skip_events);
     let other = second(&alloc, program)?;
@@ -249,11 +335,7 @@ fn second(alloc: &Allocator<SimDevice>, program: &Program) -> Result<Allocator<S
 /// program starts.
 fn start(program: &Program) -> Result<(Allocator<SimDevice>, SimCounters), String> {
     let dev = take_device(CAPACITIES[usize::from(program.capacity)], program.quiet);
-    dev.fail_nth_vm_create(None);
-    dev.fail_nth_vm_map(None);
-    dev.fail_nth_malloc(None);
-    dev.fail_mallocs_above(None);
-    dev.fail_event_queries(false);
+    clear_faults(&dev);
     let base = dev.counters();
     let v = dev.violations();
     ensure!(v.is_empty() && dev.live_segments().is_empty(), "a dirty device: {v:?}");
@@ -277,6 +359,16 @@ fn finish(dev: Arc<SimDevice>) -> Result<(), String> {
         dev.virtual_bytes()
     );
     ensure!(Arc::strong_count(&dev) == 1, "something still holds the device");
+    ensure!(
+        dev.live_events() == 0,
+        "{} events leaked past the allocator's drop",
+        dev.live_events()
+    );
+    let streams = dev.live_streams();
+    ensure!(
+        streams.len() <= usize::from(STREAM_SLOTS) && streams.contains(&StreamId::DEFAULT),
+        "streams past the program's slots outlived the allocator: {streams:?}"
+    );
     let v = dev.violations();
     ensure!(v.is_empty(), "stream-order violations: {v:?}");
     let k = dev.kernel_failures();
@@ -298,6 +390,7 @@ fn captured_alloc(
     match a.alloc(bytes, on) {
         Ok(b) => Ok(Some(b)),
         Err(AllocError::OutOfMemory(_) | AllocError::InvalidSize { .. }) => Ok(None),
+        Err(e) if excused(&e) => Ok(None),
         Err(e) => Err(format!("alloc of {bytes} during a capture on {on}: {e}")),
     }
 }
@@ -373,6 +466,19 @@ struct Harness<'a> {
     /// Device allocations and releases made by the private pools of graphs ([`Op::Capture`]),
     /// all gone: the device's counts are the allocators' and these.
     pool_calls: (u64, u64),
+    /// The harness's own event ([`Harness::order_after`]), made before any fault is armed, so
+    /// that injected event creations refuse only the allocators'.
+    event: EventId,
+    /// The armed event faults: queries, records, waits, panics (the harness's own event calls
+    /// run with them off).
+    event_faults: std::cell::Cell<[bool; 4]>,
+    /// Refused unmaps at the start of the current step.
+    unmaps_refused: u64,
+    /// An injected refusal of an event creation is armed ([`NthFault::EventCreate`], maybe
+    /// already fired).
+    event_create_armed: bool,
+    /// Calls the device refused because a capture was underway, at the start of the step.
+    refused_in_capture: u64,
 }
 
 /// The initial pool segment of an allocator just made (its only segment), if it has one.
@@ -437,6 +543,7 @@ impl<'a> Harness<'a> {
         base: SimCounters,
     ) -> Harness<'a> {
         let dev = alloc.device().clone();
+        let event = dev.create_event().expect("no fault is armed before the first step");
         let granularity = alloc.config().sizing.min_block_size.min(512);
         let initial = [initial_segment(alloc), initial_segment(other)];
         // Slot 0 is the default stream; a reused device brings its other streams along.
@@ -463,6 +570,11 @@ impl<'a> Harness<'a> {
             granularity,
             vm_fail_mark: std::cell::Cell::new(0),
             initial,
+            event,
+            event_faults: std::cell::Cell::new([false; 4]),
+            unmaps_refused: 0,
+            event_create_armed: false,
+            refused_in_capture: 0,
         }
     }
 
@@ -546,7 +658,7 @@ impl<'a> Harness<'a> {
     /// Physical creations and mappings refused so far (injected, or the device full).
     fn vm_failures(&self) -> u64 {
         let v = self.dev.vm_counters();
-        v.failed_creates + v.failed_maps
+        v.failed_creates + v.failed_maps + v.failed_reserves
     }
 
     fn live_index(&self, index: u8) -> Option<usize> {
@@ -554,6 +666,8 @@ impl<'a> Harness<'a> {
     }
 
     fn step(&mut self, op: &Op) -> Result<(), String> {
+        self.unmaps_refused = self.unmaps_refused();
+        self.refused_in_capture = self.dev.graph_counters().refused_in_capture;
         match *op {
             Op::Alloc { bytes, stream, persistent } => {
                 let residency =
@@ -569,10 +683,13 @@ impl<'a> Harness<'a> {
             Op::RecordStream { index, stream } => {
                 if let Some(i) = self.live_index(index) {
                     let s = self.stream(stream)?;
+                    let l = &self.live[i];
+                    if !self.tolerate(self.alloc.record_stream(&l.buf, s), "record_stream")? {
+                        // Refused: the use is not announced, so there is none (the kernel of
+                        // a `Launch` is not launched either).
+                        return Ok(());
+                    }
                     let l = &mut self.live[i];
-                    self.alloc
-                        .record_stream(&l.buf, s)
-                        .map_err(|e| format!("record_stream: {e}"))?;
                     if !l.users.contains(&s) {
                         l.users.push(s);
                     }
@@ -594,7 +711,9 @@ impl<'a> Harness<'a> {
                 self.order_after(to, from)?;
             }
             Op::Synchronize => {
-                self.alloc.synchronize().map_err(|e| format!("synchronize: {e}"))?;
+                if !self.tolerate(self.alloc.synchronize(), "synchronize")? {
+                    return Ok(());
+                }
                 let b = self.alloc.stats().blocks;
                 let (allocated, active) =
                     (b.allocated_bytes.all.current, b.active_bytes.all.current);
@@ -615,20 +734,30 @@ impl<'a> Harness<'a> {
                 self.dev.synchronize().map_err(|e| dev_err("device synchronize", e))?
             }
             Op::EmptyCache => {
-                self.alloc.empty_cache().map_err(|e| format!("empty_cache: {e}"))?;
-                self.nothing_releasable(|s| s.residency == Residency::Transient, "empty_cache")?;
+                if self.tolerate(self.alloc.empty_cache(), "empty_cache")?
+                    && !self.unmap_refused_in_step()
+                {
+                    let transient = |s: &SegmentInfo| s.residency == Residency::Transient;
+                    self.nothing_releasable(transient, "empty_cache")?;
+                }
             }
             Op::ReleasePersistent => {
-                self.alloc.release_persistent().map_err(|e| format!("release_persistent: {e}"))?;
-                self.nothing_releasable(
-                    |s| s.residency == Residency::Persistent,
-                    "release_persistent",
-                )?;
+                if self.tolerate(self.alloc.release_persistent(), "release_persistent")?
+                    && !self.unmap_refused_in_step()
+                {
+                    self.nothing_releasable(
+                        |s| s.residency == Residency::Persistent,
+                        "release_persistent",
+                    )?;
+                }
             }
             Op::ReleaseStream { stream } => {
                 let s = self.stream(stream)?;
-                self.alloc.release_stream(s).map_err(|e| format!("release_stream: {e}"))?;
-                self.nothing_releasable(|seg| seg.stream == s, "release_stream")?;
+                if self.tolerate(self.alloc.release_stream(s), "release_stream")?
+                    && !self.unmap_refused_in_step()
+                {
+                    self.nothing_releasable(|seg| seg.stream == s, "release_stream")?;
+                }
             }
             Op::DestroyStream { stream: 0 } => {
                 let r = self.alloc.destroy_stream(StreamId::DEFAULT);
@@ -645,7 +774,12 @@ impl<'a> Harness<'a> {
                     self.exit_scope()?;
                 }
                 if let Some(s) = self.slots[usize::from(stream)].take() {
-                    self.alloc.destroy_stream(s).map_err(|e| format!("destroy_stream: {e}"))?;
+                    let r = self.alloc.destroy_stream(s);
+                    if !self.tolerate(r, "destroy_stream")? && self.dev.has_stream(s) {
+                        // Refused before the stream went: it stays the slot's.
+                        self.slots[usize::from(stream)] = Some(s);
+                        return Ok(());
+                    }
                     self.gone.push(s);
                     ensure!(!self.dev.live_streams().contains(&s), "{s} still exists");
                     // The second allocator learns of it (and returns what it cached for it).
@@ -658,7 +792,9 @@ impl<'a> Harness<'a> {
                         matches!(r, Err(AllocError::UnknownStream(_))),
                         "the second allocator allocated on destroyed {s}: {r:?}"
                     );
-                    self.nothing_releasable(|seg| seg.stream == s, "destroy_stream")?;
+                    if !self.unmap_refused_in_step() {
+                        self.nothing_releasable(|seg| seg.stream == s, "destroy_stream")?;
+                    }
                 }
             }
             Op::SetConfig { config: i } => {
@@ -678,7 +814,44 @@ impl<'a> Harness<'a> {
                 self.dev.fail_mallocs_above(limit);
                 self.fail_above = limit;
             }
-            Op::FailEventQueries { on } => self.dev.fail_event_queries(on),
+            Op::FailNth { fault, n } => {
+                let n = (n > 0).then_some(u64::from(n));
+                match fault {
+                    NthFault::Malloc => {
+                        self.dev.fail_nth_malloc(n);
+                        self.nth_fires_at = n.map(|n| self.reserve_calls() + n);
+                    }
+                    NthFault::VmCreate => self.dev.fail_nth_vm_create(n),
+                    NthFault::VmMap => self.dev.fail_nth_vm_map(n),
+                    NthFault::VmUnmap => self.dev.fail_nth_vm_unmap(n),
+                    NthFault::EventCreate => {
+                        self.dev.fail_nth_event_create(n);
+                        self.event_create_armed = n.is_some();
+                    }
+                }
+            }
+            Op::VirtualRoom { room } => {
+                let room = match room {
+                    Some(room) => self.dev.virtual_bytes().saturating_add(room),
+                    None => default_virtual_capacity(&self.dev),
+                };
+                self.dev.set_virtual_capacity(room);
+            }
+            Op::FailEventQueries { on } => {
+                let mut f = self.event_faults.get();
+                f[0] = on;
+                self.set_event_faults(f);
+            }
+            Op::FailEvents { fault, on } => {
+                let mut f = self.event_faults.get();
+                let i = match fault {
+                    EventFault::Records => 1,
+                    EventFault::Waits => 2,
+                    EventFault::Panic => 3,
+                };
+                f[i] = on;
+                self.set_event_faults(f);
+            }
             Op::Inspect { summary } => self.inspect(summary)?,
             Op::ScopeEnter { stream, named } => {
                 self.exit_scope()?;
@@ -695,7 +868,13 @@ impl<'a> Harness<'a> {
             Op::Other { index, action } => self.other_op(index, action)?,
             Op::ScopeForget { bytes, used, stream } => self.scope_forget(bytes, used, stream)?,
             Op::Capture { stream, fork, bytes, launches, panics } => {
-                self.capture(stream, fork, bytes, launches, panics)?;
+                // The event faults are off during a capture (the refused calls' errors would
+                // end it halfway); the faults counted down stay armed.
+                let armed = self.event_faults.get();
+                self.set_event_faults([false; 4]);
+                let r = self.capture(stream, fork, bytes, launches, panics);
+                self.set_event_faults(armed);
+                r?;
             }
         }
         Ok(())
@@ -738,7 +917,11 @@ impl<'a> Harness<'a> {
             self.capture_panicking(s, t, &pool, bytes, launches % 2 == 1)?;
             return self.graph_pool_gone(pool);
         }
-        a.begin_capture(s, Some(&pool)).map_err(|e| format!("begin_capture on {s}: {e}"))?;
+        if !self.tolerate(a.begin_capture(s, Some(&pool)), &format!("begin_capture on {s}"))? {
+            // Refused by an injected fault: no capture, and the pool serves nothing.
+            ensure!(!a.is_capturing(s), "{s} captures after a refused begin_capture");
+            return self.graph_pool_gone(pool);
+        }
         let second = t.is_some() && launches == 2;
         let mut kept = None;
         let alloc = |on: StreamId| captured_alloc(a, bytes, on);
@@ -776,8 +959,10 @@ impl<'a> Harness<'a> {
                         true => last.use_on(t, AccessKind::Read),
                         false => a.record_stream(last, t),
                     };
-                    announced.map_err(|e| format!("use of a captured block on {t}: {e}"))?;
-                    self.dev.launch(t, kernel(Some(last), &b)).map_err(|e| dev_err("forked", e))?;
+                    if self.tolerate_in_capture(announced, "use of a captured block")? {
+                        let k = kernel(Some(last), &b);
+                        self.dev.launch(t, k).map_err(|e| dev_err("forked", e))?;
+                    }
                 }
                 match second {
                     true => kept = Some(b), // outlives the graph
@@ -797,7 +982,19 @@ impl<'a> Harness<'a> {
         if !bufs.is_empty() {
             drop(bufs.remove(0)); // freed during the capture: reused by the capture only
         }
-        let graph = a.end_capture(s).map_err(|e| format!("end_capture on {s}: {e}"))?;
+        let graph = match a.end_capture(s) {
+            Ok(graph) => graph,
+            Err(_) if self.capture_broken_by_fault() => {
+                // Invalidated: no graph. The capture is over all the same.
+                self.note_excused();
+                for u in std::iter::once(s).chain(t) {
+                    ensure!(!a.is_capturing(u), "{u} still captures after a failed end");
+                }
+                drop((bufs, kept));
+                return self.graph_pool_gone(pool);
+            }
+            Err(e) => return Err(format!("end_capture on {s}: {e}")),
+        };
         ensure!(t.is_none_or(|t| !a.is_capturing(t)), "a joined stream outlived its capture");
         for _ in 0..launches {
             graph.launch(s).map_err(|e| format!("graph launch: {e}"))?;
@@ -865,6 +1062,7 @@ impl<'a> Harness<'a> {
         match caught {
             Err(p) if p.is::<BodyPanic>() => {}
             Err(p) => std::panic::resume_unwind(p),
+            Ok(Err(_)) if self.capture_broken_by_fault() => self.note_excused(),
             Ok(Err(e)) => return Err(format!("capture on {s}: {e}")),
             Ok(Ok((_, r))) => r?, // the body failed before its panic
         }
@@ -877,7 +1075,11 @@ impl<'a> Harness<'a> {
     /// The end of [`Op::Capture`]: the graph's pool serves nothing more. Emptied, it holds
     /// nothing, and its device calls join the count the device's must match.
     fn graph_pool_gone(&mut self, pool: MemPool<SimDevice>) -> Result<(), String> {
-        pool.empty_cache().map_err(|e| format!("empty_cache of a graph's pool: {e}"))?;
+        if !self.tolerate(pool.empty_cache(), "empty_cache of a graph's pool")? {
+            // A refused unmap (each fault refuses one call): the pages stay in its range,
+            // and the next try gives them back.
+            pool.empty_cache().map_err(|e| format!("empty_cache of a graph's pool again: {e}"))?;
+        }
         let left = pool.snapshot();
         ensure!(left.is_empty(), "the graph's pool kept {left:?} once the graph was gone");
         let st = pool.stats();
@@ -896,6 +1098,7 @@ impl<'a> Harness<'a> {
                 match self.other.alloc(bytes, s) {
                     Ok(b) => self.others.push(b),
                     Err(AllocError::OutOfMemory(_)) => {} // the device is shared
+                    Err(e) if excused(&e) => self.note_excused(),
                     Err(e) => return Err(format!("second alloc of {bytes} on {s}: {e}")),
                 }
             }
@@ -909,7 +1112,9 @@ impl<'a> Harness<'a> {
                 let s = self.stream(index % STREAM_SLOTS)?;
                 let b = &self.others[i];
                 let kind = if index & 8 == 0 { AccessKind::Read } else { AccessKind::Write };
-                b.use_on(s, kind).map_err(|e| format!("use_on: {e}"))?;
+                if !self.tolerate(b.use_on(s, kind), "use_on")? {
+                    return Ok(()); // not ordered: no kernel
+                }
                 let kernel = Kernel {
                     name: "touch-other",
                     accesses: vec![Access { ptr: b.ptr(), bytes: b.len(), kind }],
@@ -1094,6 +1299,7 @@ impl<'a> Harness<'a> {
                 );
                 self.explain_oom(&report, calls_before)?;
             }
+            e if excused(&e) => self.note_excused(),
             e => return Err(format!("scoped alloc of {bytes} bytes on {s}: unexpected error {e}")),
         }
         Ok(())
@@ -1238,6 +1444,7 @@ impl<'a> Harness<'a> {
                 );
                 self.explain_oom(&report, calls_before)?;
             }
+            Err(e) if excused(&e) => self.note_excused(),
             Err(e) => return Err(format!("alloc of {bytes} bytes on {s}: unexpected error {e}")),
         }
         Ok(())
@@ -1294,7 +1501,12 @@ impl<'a> Harness<'a> {
         self.dev.launch(t, write).map_err(|e| dev_err("launch", e))?;
         let bytes = b.len();
         drop(b); // on its own stream: cached in the pool at once
-        a.begin_capture(s, Some(pool)).map_err(|e| format!("second begin_capture on {s}: {e}"))?;
+        if !self
+            .tolerate(a.begin_capture(s, Some(pool)), &format!("second begin_capture on {s}"))?
+        {
+            ensure!(!a.is_capturing(s), "{s} captures after a refused begin_capture");
+            return Ok(());
+        }
         self.order_after(t, s)?; // the fork
         let made = match a.alloc(bytes.max(1), t) {
             Ok(c) => {
@@ -1305,7 +1517,17 @@ impl<'a> Harness<'a> {
             Err(e) => return Err(format!("alloc of {bytes} in the second capture: {e}")),
         };
         self.order_after(s, t)?; // the join
-        let graph = a.end_capture(s).map_err(|e| format!("second end_capture on {s}: {e}"))?;
+        let graph = match a.end_capture(s) {
+            Ok(graph) => graph,
+            Err(_) if self.capture_broken_by_fault() => {
+                self.note_excused();
+                for u in [s, t] {
+                    ensure!(!a.is_capturing(u), "{u} still captures after a failed end");
+                }
+                return Ok(());
+            }
+            Err(e) => return Err(format!("second end_capture on {s}: {e}")),
+        };
         for on in [s, t] {
             graph.launch(on).map_err(|e| format!("second graph's launch on {on}: {e}"))?;
         }
@@ -1315,15 +1537,88 @@ impl<'a> Harness<'a> {
     }
 
     /// Orders `to`'s later work after `from`'s work so far (event + device-side wait).
+    /// The harness's own event (made before any fault was armed) is recorded and waited on
+    /// with the event faults off: they refuse only the allocators' calls.
     fn order_after(&self, to: StreamId, from: StreamId) -> Result<(), String> {
-        let e = self.dev.create_event().map_err(|e| dev_err("create_event", e))?;
-        match self.dev.record_event(e, from) {
-            Ok(()) => self.dev.wait_event(to, e).map_err(|e| dev_err("wait_event", e))?,
+        let e = self.event;
+        let armed = self.event_faults.get();
+        self.set_event_faults([false; 4]);
+        let r = match self.dev.record_event(e, from) {
+            Ok(()) => self.dev.wait_event(to, e).map_err(|e| dev_err("wait_event", e)),
             // A destroyed stream was drained: there is nothing to wait for.
-            Err(DeviceError::UnknownStream(_)) => {}
-            Err(err) => return Err(dev_err("record_event", err)),
+            Err(DeviceError::UnknownStream(_)) => Ok(()),
+            Err(err) => Err(dev_err("record_event", err)),
+        };
+        self.set_event_faults(armed);
+        r
+    }
+
+    /// Arms the event faults `[queries, records, waits, panics]` on the device.
+    fn set_event_faults(&self, f: [bool; 4]) {
+        self.dev.fail_event_queries(f[0]);
+        self.dev.fail_event_records(f[1]);
+        self.dev.fail_event_waits(f[2]);
+        self.dev.panic_on_faults(f[3]);
+        self.event_faults.set(f);
+    }
+
+    /// Counts an allocator's error for an injected fault (each is followed by the usual
+    /// checks).
+    fn note_excused(&self) {
+        EXCUSED.with(|c| c.set(c.get() + 1));
+    }
+
+    /// Whether a capture of this step may have been broken by an injected fault: an event
+    /// creation refusal is armed, and the device refused a call because a capture was
+    /// underway (the allocator, left with no event to order a use by, waited for the whole
+    /// device instead, which CUDA refuses during a capture and which invalidates it).
+    fn capture_broken_by_fault(&self) -> bool {
+        self.event_create_armed
+            && self.dev.graph_counters().refused_in_capture > self.refused_in_capture
+    }
+
+    /// [`Harness::tolerate`] in a capture: also a failure of a capture a fault broke, and the
+    /// refusal of a device-wide wait that stood in for a refused event creation.
+    fn tolerate_in_capture(&self, r: Result<(), AllocError>, what: &str) -> Result<bool, String> {
+        // The allocator refuses a device-wide wait during a capture itself (`Guarded`).
+        let unsupported = |e: &AllocError| {
+            matches!(e, AllocError::Device(DeviceError::Driver { code, .. })
+                if *code == DeviceError::CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED)
+        };
+        match r {
+            Err(e)
+                if self.capture_broken_by_fault() || self.event_create_armed && unsupported(&e) =>
+            {
+                self.note_excused();
+                Ok(false)
+            }
+            r => self.tolerate(r, what),
         }
-        self.dev.destroy_event(e).map_err(|e| dev_err("destroy_event", e))
+    }
+
+    /// Unmaps the device refused so far (only injected).
+    fn unmaps_refused(&self) -> u64 {
+        self.dev.vm_counters().failed_unmaps
+    }
+
+    /// The outcome of an allocator call that changes no model state of its own: `Ok(true)` if
+    /// it succeeded, `Ok(false)` if it returned the error of an injected fault (counted), the
+    /// failure otherwise.
+    fn tolerate(&self, r: Result<(), AllocError>, what: &str) -> Result<bool, String> {
+        match r {
+            Ok(()) => Ok(true),
+            Err(e) if excused(&e) => {
+                self.note_excused();
+                Ok(false)
+            }
+            Err(e) => Err(format!("{what}: {e}")),
+        }
+    }
+
+    /// Whether a fault refused an unmap in this step (a release may then keep what it could
+    /// not unmap: pages stay mapped in their range, free, until a later release).
+    fn unmap_refused_in_step(&self) -> bool {
+        self.unmaps_refused() > self.unmaps_refused
     }
 
     /// A kernel over live buffer `i` on `s`, after the user-side stream-order protocol.
@@ -1336,10 +1631,13 @@ impl<'a> Harness<'a> {
         for u in others {
             self.order_after(s, u)?;
         }
-        let l = &mut self.live[i];
-        if s != l.buf.stream() {
-            self.alloc.record_stream(&l.buf, s).map_err(|e| format!("record_stream: {e}"))?;
+        if s != self.live[i].buf.stream()
+            && !self.tolerate(self.alloc.record_stream(&self.live[i].buf, s), "record_stream")?
+        {
+            // Refused: the use cannot be announced, so the kernel is not launched.
+            return Ok(());
         }
+        let l = &mut self.live[i];
         if !l.users.contains(&s) {
             l.users.push(s);
         }
@@ -1646,17 +1944,32 @@ impl<'a> Harness<'a> {
         Ok(())
     }
 
+    /// Clears every armed fault and lets go of the harness's event: from now on no device call
+    /// is refused, and the allocators must keep working (a small request on the default
+    /// stream is served and freed) and give everything back.
+    fn clear_faults(&mut self) -> Result<(), String> {
+        clear_faults(&self.dev);
+        self.event_faults.set([false; 4]);
+        self.nth_fires_at = None;
+        self.fail_above = None;
+        self.dev.destroy_event(self.event).map_err(|e| dev_err("destroy_event", e))?;
+        for a in [self.alloc, self.other] {
+            match a.alloc(4096, StreamId::DEFAULT) {
+                Ok(b) => drop(b),
+                Err(AllocError::OutOfMemory(_)) => {}
+                Err(e) => return Err(format!("a request with no fault armed: {e}")),
+            }
+        }
+        self.check()
+    }
+
     /// Ends the open scope and lets go of the faults armed; returns the device and every live
     /// buffer of both allocators (with whether it is an unbound scope buffer), for
     /// [`closed_teardown`] once the caller dropped the allocators.
     fn hand_over(mut self) -> Result<(Arc<SimDevice>, Vec<HandedOver>), String> {
         self.exit_scope()?;
         self.check()?;
-        self.dev.fail_nth_malloc(None);
-        self.dev.fail_mallocs_above(None);
-        self.dev.fail_event_queries(false);
-        self.dev.fail_nth_vm_create(None);
-        self.dev.fail_nth_vm_map(None);
+        self.clear_faults()?;
         let mut buffers: Vec<_> =
             std::mem::take(&mut self.live).into_iter().map(|l| (l.buf, l.run.is_some())).collect();
         buffers.extend(std::mem::take(&mut self.others).into_iter().map(|b| (b, false)));
@@ -1680,6 +1993,9 @@ impl<'a> Harness<'a> {
             drop(self.others.remove(0));
             self.check()?;
         }
+        // Every buffer went with the faults still armed; from here the allocators must give
+        // everything back.
+        self.clear_faults()?;
         self.other.synchronize().map_err(|e| format!("second synchronize: {e}"))?;
         let a = self.other.stats().blocks.allocated_bytes.all.current;
         ensure!(a == 0, "the second allocator holds {a} bytes with no buffer left");
@@ -1962,6 +2278,62 @@ mod tests {
         for explicit_teardown in [false, true] {
             let p = Program { explicit_teardown, ..program(0, ops.clone()) };
             run(&p, Options::default()).unwrap();
+        }
+    }
+
+    /// Every fault SimDevice injects, armed at points where the allocator calls what it
+    /// refuses, over ordinary and expandable segments: the allocators' errors for them are
+    /// excused, every check holds after each step, and nothing is left on the device.
+    #[test]
+    fn a_program_arming_every_fault_passes() {
+        use crate::program::{EventFault, NthFault};
+        let ops = vec![
+            Op::Alloc { bytes: 3 * MIB, stream: 1, persistent: false },
+            Op::Launch { index: 0, stream: 2, write: true, sleep_us: 5 },
+            Op::FailEvents { fault: EventFault::Records, on: true },
+            Op::Free { index: 0 },
+            Op::Alloc { bytes: 3 * MIB, stream: 2, persistent: false },
+            Op::RecordStream { index: 0, stream: 1 },
+            Op::FailEvents { fault: EventFault::Panic, on: true },
+            Op::Launch { index: 0, stream: 0, write: false, sleep_us: 1 },
+            Op::Free { index: 0 },
+            Op::FailEvents { fault: EventFault::Waits, on: true },
+            Op::Alloc { bytes: 5 * MIB, stream: 1, persistent: false },
+            Op::Synchronize,
+            Op::FailEvents { fault: EventFault::Records, on: false },
+            Op::FailEvents { fault: EventFault::Panic, on: false },
+            Op::FailEvents { fault: EventFault::Waits, on: false },
+            Op::FailNth { fault: NthFault::EventCreate, n: 1 },
+            Op::Alloc { bytes: 2 * MIB, stream: 2, persistent: false },
+            Op::Launch { index: 1, stream: 1, write: true, sleep_us: 1 },
+            Op::Free { index: 1 },
+            Op::FailNth { fault: NthFault::VmUnmap, n: 1 },
+            Op::EmptyCache,
+            Op::FailNth { fault: NthFault::VmMap, n: 2 },
+            Op::Alloc { bytes: 9 * MIB, stream: 1, persistent: true },
+            Op::FailNth { fault: NthFault::VmCreate, n: 1 },
+            Op::Alloc { bytes: 9 * MIB, stream: 0, persistent: false },
+            Op::FailNth { fault: NthFault::Malloc, n: 1 },
+            Op::Alloc { bytes: 30 * MIB, stream: 0, persistent: false },
+            Op::VirtualRoom { room: Some(0) },
+            Op::SetConfig { config: 16 },
+            Op::Alloc { bytes: 7 * MIB, stream: 2, persistent: false },
+            Op::VirtualRoom { room: None },
+            Op::FailNth { fault: NthFault::VmUnmap, n: 2 },
+            Op::ReleaseStream { stream: 1 },
+            Op::DestroyStream { stream: 2 },
+            Op::ReleasePersistent,
+        ];
+        // (Ordinary segments meet these faults with no error; expandable ones return some.)
+        for config in [0, 1, 9, 10, 17] {
+            let before = EXCUSED.with(|c| c.get());
+            for explicit_teardown in [false, true] {
+                let p = Program { explicit_teardown, ..program(config, ops.clone()) };
+                run(&p, Options::default()).unwrap_or_else(|e| panic!("config {config}: {e}"));
+            }
+            let excused = EXCUSED.with(|c| c.get()) - before;
+            let expandable = config >= 9;
+            assert!(excused > 0 || !expandable, "config {config}: no error of an injected fault");
         }
     }
 

@@ -18,6 +18,11 @@
 use super::input::{Input, Output};
 use tidepool::{MAX_REQUEST, MIB};
 
+// Fault injection shares three tags with what came first (`Kind::FailNthMalloc`,
+// `Kind::FailMallocsAbove`, `Kind::FailEventQueries`): the operand byte picks the fault too, and
+// the bytes [`Program::encode`] wrote before (`n < 5`, a table index below 6, 0 or 1) pick the
+// old operation, so the committed seeds and artifacts decode as before.
+
 /// Most operations decoded from one input (keeps one execution well under a millisecond).
 pub const MAX_OPS: usize = 64;
 
@@ -99,12 +104,28 @@ pub enum Op {
     DestroyStream { stream: u8 },
     /// `Allocator::set_config(CONFIGS[config])`.
     SetConfig { config: u8 },
-    /// `SimDevice::fail_nth_malloc` (0 clears).
+    /// `SimDevice::fail_nth_malloc`, `fail_nth_vm_create` and `fail_nth_vm_map`, all three
+    /// with the same `n` (0 clears).
     FailNthMalloc { n: u8 },
+    /// One device call of `fault`'s kind, the `n`th from now, is refused (0 clears that one).
+    /// Decoded from the byte of [`Op::FailNthMalloc`]: `n = byte % 5`, and `byte / 5 % 6`
+    /// picks [`Op::FailNthMalloc`] (0) or one of [`NTH_FAULTS`], so what was encoded before
+    /// (bytes below 5) decodes as before.
+    FailNth { fault: NthFault, n: u8 },
     /// `SimDevice::fail_mallocs_above`.
     FailMallocsAbove { limit: Option<u64> },
+    /// `SimDevice::set_virtual_capacity`: no more than `room` bytes of virtual addresses
+    /// reserved from now on besides those reserved now (`None`: the device's default).
+    /// Decoded from the byte of [`Op::FailMallocsAbove`] (`byte / 6` odd), `room` from the
+    /// same table.
+    VirtualRoom { room: Option<u64> },
     /// `SimDevice::fail_event_queries`.
     FailEventQueries { on: bool },
+    /// Every event call of `fault`'s kind is refused while `on` (or, for
+    /// [`EventFault::Panic`], the refusals panic in the device instead). Decoded from the byte
+    /// of [`Op::FailEventQueries`]: bit 0 is `on`, `byte >> 1 & 3` picks
+    /// [`Op::FailEventQueries`] (0) or one of [`EVENT_FAULTS`].
+    FailEvents { fault: EventFault, on: bool },
     /// Read-only views (`stats`, and `memory_summary` when `summary`: it is slow to format, so
     /// one Inspect in eight asks for it); then `reset_peak_stats`.
     Inspect { summary: bool },
@@ -146,6 +167,45 @@ pub enum Op {
     /// the graph's pool left once it is emptied.
     Capture { stream: u8, fork: u8, bytes: u64, launches: u8, panics: bool },
 }
+
+/// The device calls [`Op::FailNth`] refuses once.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum NthFault {
+    /// `SimDevice::fail_nth_malloc` alone.
+    Malloc,
+    /// `SimDevice::fail_nth_vm_create` alone (a physical allocation).
+    VmCreate,
+    /// `SimDevice::fail_nth_vm_map` alone.
+    VmMap,
+    /// `SimDevice::fail_nth_vm_unmap` (the mapping stays).
+    VmUnmap,
+    /// `SimDevice::fail_nth_event_create`.
+    EventCreate,
+}
+
+/// [`Op::FailNth`]'s faults, by the selector `byte / 5 % 6` less one.
+pub const NTH_FAULTS: [NthFault; 5] = [
+    NthFault::Malloc,
+    NthFault::VmCreate,
+    NthFault::VmMap,
+    NthFault::VmUnmap,
+    NthFault::EventCreate,
+];
+
+/// The event calls [`Op::FailEvents`] refuses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EventFault {
+    /// `SimDevice::fail_event_records`.
+    Records,
+    /// `SimDevice::fail_event_waits`.
+    Waits,
+    /// `SimDevice::panic_on_faults`: the injected event faults panic in the device.
+    Panic,
+}
+
+/// [`Op::FailEvents`]'s faults, by the selector `byte >> 1 & 3` less one.
+pub const EVENT_FAULTS: [EventFault; 3] =
+    [EventFault::Records, EventFault::Waits, EventFault::Panic];
 
 /// Most bound allocations of one [`Op::ScopeBurst`].
 pub const MAX_BURST: u8 = 8;
@@ -360,6 +420,9 @@ impl Op {
                 | Op::FailNthMalloc { .. }
                 | Op::FailMallocsAbove { .. }
                 | Op::FailEventQueries { .. }
+                | Op::FailNth { .. }
+                | Op::VirtualRoom { .. }
+                | Op::FailEvents { .. }
         )
     }
 }
@@ -395,11 +458,29 @@ impl Program {
                 Kind::ReleaseStream => Op::ReleaseStream { stream: slot(i) },
                 Kind::DestroyStream => Op::DestroyStream { stream: slot(i) },
                 Kind::SetConfig => Op::SetConfig { config: i.below(CONFIGS.len()) as u8 },
-                Kind::FailNthMalloc => Op::FailNthMalloc { n: i.u8() % 5 },
-                Kind::FailMallocsAbove => {
-                    Op::FailMallocsAbove { limit: FAIL_ABOVE[i.below(FAIL_ABOVE.len())] }
+                Kind::FailNthMalloc => {
+                    let b = i.u8();
+                    match usize::from(b / 5 % 6) {
+                        0 => Op::FailNthMalloc { n: b % 5 },
+                        k => Op::FailNth { fault: NTH_FAULTS[k - 1], n: b % 5 },
+                    }
                 }
-                Kind::FailEventQueries => Op::FailEventQueries { on: i.bool() },
+                Kind::FailMallocsAbove => {
+                    let b = usize::from(i.u8());
+                    let limit = FAIL_ABOVE[b % FAIL_ABOVE.len()];
+                    match b / FAIL_ABOVE.len() % 2 {
+                        0 => Op::FailMallocsAbove { limit },
+                        _ => Op::VirtualRoom { room: limit },
+                    }
+                }
+                Kind::FailEventQueries => {
+                    let b = i.u8();
+                    let on = b & 1 == 1;
+                    match usize::from(b >> 1 & 3) {
+                        0 => Op::FailEventQueries { on },
+                        k => Op::FailEvents { fault: EVENT_FAULTS[k - 1], on },
+                    }
+                }
                 Kind::Inspect => Op::Inspect { summary: i.u8().is_multiple_of(8) },
                 Kind::ScopeEnter => Op::ScopeEnter { stream: slot(i), named: i.bool() },
                 Kind::ScopeAlloc => Op::ScopeAlloc { bytes: size(i) },
@@ -486,13 +567,25 @@ impl Program {
                     tag(&mut o, Kind::FailNthMalloc);
                     o.u8(n);
                 }
+                Op::FailNth { fault, n } => {
+                    tag(&mut o, Kind::FailNthMalloc);
+                    o.u8(n + 5 * (1 + index_of(&NTH_FAULTS, &fault) as u8));
+                }
                 Op::FailMallocsAbove { limit } => {
                     tag(&mut o, Kind::FailMallocsAbove);
                     o.choice(index_of(&FAIL_ABOVE, &limit));
                 }
+                Op::VirtualRoom { room } => {
+                    tag(&mut o, Kind::FailMallocsAbove);
+                    o.choice(FAIL_ABOVE.len() + index_of(&FAIL_ABOVE, &room));
+                }
                 Op::FailEventQueries { on } => {
                     tag(&mut o, Kind::FailEventQueries);
                     o.bool(on);
+                }
+                Op::FailEvents { fault, on } => {
+                    tag(&mut o, Kind::FailEventQueries);
+                    o.u8((1 + index_of(&EVENT_FAULTS, &fault) as u8) << 1 | u8::from(on));
                 }
                 Op::Inspect { summary } => {
                     tag(&mut o, Kind::Inspect);
@@ -571,6 +664,16 @@ mod tests {
                 Op::FailMallocsAbove { limit: Some(MIB) },
                 Op::FailMallocsAbove { limit: None },
                 Op::FailEventQueries { on: true },
+                Op::FailNth { fault: NthFault::VmUnmap, n: 2 },
+                Op::FailNth { fault: NthFault::EventCreate, n: 4 },
+                Op::FailNth { fault: NthFault::Malloc, n: 0 },
+                Op::FailNth { fault: NthFault::VmCreate, n: 1 },
+                Op::FailNth { fault: NthFault::VmMap, n: 3 },
+                Op::VirtualRoom { room: Some(MIB) },
+                Op::VirtualRoom { room: None },
+                Op::FailEvents { fault: EventFault::Records, on: true },
+                Op::FailEvents { fault: EventFault::Waits, on: false },
+                Op::FailEvents { fault: EventFault::Panic, on: true },
                 Op::Inspect { summary: true },
                 Op::Inspect { summary: false },
                 Op::ScopeEnter { stream: 1, named: true },

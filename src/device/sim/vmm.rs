@@ -53,6 +53,8 @@ pub struct VmCounters {
     pub failed_maps: u64,
     /// Mappings removed (`cuMemUnmap`).
     pub unmaps: u64,
+    /// Unmaps refused (injected: `SimDevice::fail_nth_vm_unmap`).
+    pub failed_unmaps: u64,
 }
 
 /// A copy to or from mapped memory.
@@ -460,6 +462,7 @@ impl Vmm {
             _ => return Err(invalid("cuMemUnmap")),
         }
         if countdown(&mut self.faults.fail_nth_unmap) {
+            self.counters.failed_unmaps += 1;
             let code = DeviceError::CUDA_ERROR_UNKNOWN;
             return Err(DeviceError::Driver { op: "cuMemUnmap", code });
         }
