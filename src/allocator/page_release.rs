@@ -155,6 +155,7 @@ impl<D: Device> Shared<D> {
         let page = st.vm.page;
         let bases: Vec<u64> = st.vm.ranges.keys().copied().collect();
         let mut result = Ok(());
+        let mut refused = None; // a stitch's unmapping refused
         for base in bases {
             let max = if keep == 0 {
                 u64::MAX
@@ -171,7 +172,7 @@ impl<D: Device> Shared<D> {
             }
             let stream = st.vm.ranges[&base].key.stream;
             if self.broken(Broken::StitchUnmapEarly) {
-                self.drop_stitches_over(st, base, &runs); // BROKEN: before its work is done
+                let _ = self.drop_stitches_over(st, base, &runs); // BROKEN: before its work is done
             }
             // Its work cannot be waited for: its pages stay mapped (the next range).
             if let Err(e) = self.stream_done(st, stream) {
@@ -181,8 +182,14 @@ impl<D: Device> Shared<D> {
                 continue;
             }
             // The stream's work is done: the cached stitched blocks over these chunks go first
-            // (the driver frees memory at its last unmapping).
-            self.drop_stitches_over(st, base, &runs);
+            // (the driver frees memory at its last unmapping). A refusal is the release's
+            // answer once the rest is done.
+            // BROKEN (`stitch_refusal_unreported`): `Ok` with the stitch and its chunks mapped.
+            if let Err(e) = self.drop_stitches_over(st, base, &runs)
+                && !cfg!(tidepool_broken = "stitch_refusal_unreported")
+            {
+                refused.get_or_insert(AllocError::from(e));
+            }
             // A stitch whose unmapping the device refused still maps its chunks (dead, tried
             // again at the next release): they stay, mapped and in the home range, as a page
             // move passes them over. Released, the stitch mapped allocations the range no
@@ -219,7 +226,7 @@ impl<D: Device> Shared<D> {
             }
         }
         self.publish_vm(&mut st.vm);
-        result
+        result.and(refused.map_or(Ok(()), Err))
     }
 
     /// Free mapped bytes of range `base` (free blocks of its runs) where they satisfy `which`.

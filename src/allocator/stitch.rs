@@ -220,7 +220,9 @@ impl<D: Device> Shared<D> {
                 chunks.truncate(i);
                 self.register(st, Stitch { base, bytes, home, key, chunks, seg: None, dead: true });
                 let last = st.vm.stitches.len() - 1;
-                self.unmap_stitch(st, last);
+                // (A refusal here leaves a dead stitch for the next release, which reports it;
+                // this request grows the range instead.)
+                let _ = self.unmap_stitch(st, last);
                 return Ok(None);
             }
             st.vm.counts.add_maps(1);
@@ -340,15 +342,16 @@ impl<D: Device> Shared<D> {
 
     /// Before chunks of range `home` in `runs` (free block, first page, end) are unmapped and
     /// released: unmaps the cached stitches that map any of them (the stream's work is done),
-    /// and tries again the stitches whose unmapping was refused before.
+    /// and tries again the stitches whose unmapping was refused before. The first refusal is
+    /// the answer (each refused stitch stays, dead, for the next release).
     pub(super) fn drop_stitches_over(
         &self,
         st: &mut State,
         home: u64,
         runs: &[(BlockId, u64, u64)],
-    ) {
+    ) -> Result<(), DeviceError> {
         if st.vm.stitches.is_empty() {
-            return;
+            return Ok(());
         }
         let page = st.vm.page;
         let r = &st.vm.ranges[&home];
@@ -361,27 +364,29 @@ impl<D: Device> Shared<D> {
                 va = c.lo + c.pages * page;
             }
         }
+        let mut first = Ok(());
         for i in (0..st.vm.stitches.len()).rev() {
             let s = &st.vm.stitches[i];
             let over = s.home == home
                 && s.seg.is_none()
                 && (s.dead || s.chunks.iter().any(|c| going.contains(&c.home)));
-            if over {
-                self.unmap_stitch(st, i);
+            if over && let Err(e) = self.unmap_stitch(st, i) {
+                first = first.and(Err(e));
             }
         }
+        first
     }
 
     /// Unmaps cached stitch `i` and frees its range; what the device refuses leaves it dead
-    /// (listed, serving nothing) for another try.
-    fn unmap_stitch(&self, st: &mut State, i: usize) {
+    /// (listed, serving nothing) for another try, and is the answer.
+    fn unmap_stitch(&self, st: &mut State, i: usize) -> Result<(), DeviceError> {
         let page = st.vm.page;
         let s = &mut st.vm.stitches[i];
         let range = st.vm.ranges.get_mut(&s.home).expect("its home");
         while let Some(&c) = s.chunks.last() {
-            if self.device.vm_unmap(DeviceAddr(c.at), c.pages * page).is_err() {
+            if let Err(e) = self.device.vm_unmap(DeviceAddr(c.at), c.pages * page) {
                 s.dead = true;
-                return;
+                return Err(e);
             }
             st.vm.counts.add_unmaps(1);
             s.chunks.pop();
@@ -392,12 +397,13 @@ impl<D: Device> Shared<D> {
                 }
             }
         }
-        if self.device.vm_free(DeviceAddr(s.base), s.bytes).is_err() {
+        if let Err(e) = self.device.vm_free(DeviceAddr(s.base), s.bytes) {
             s.dead = true;
-            return;
+            return Err(e);
         }
         st.vm.virtual_bytes -= s.bytes;
         st.vm.stitches.remove(i);
+        Ok(())
     }
 
     /// What the stitches still hold as the allocator goes: their mappings and ranges
