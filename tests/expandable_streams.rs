@@ -109,6 +109,35 @@ fn write(ptr: DeviceAddr, bytes: u64, byte: u8) -> Kernel {
 /// PyTorch's `record_stream` then `empty_cache` (`test_record_stream`'s pattern, over
 /// expandable segments): a buffer of stream 1 used on stream 2 and freed is unmapped only once
 /// stream 2's work is done (the sanitizer sees no unmap under it); then nothing is mapped.
+/// Every fault the workloads arm, cleared.
+fn clear_faults(dev: &SimDevice) {
+    dev.fail_nth_vm_map(None);
+    dev.fail_nth_vm_create(None);
+    dev.fail_nth_vm_unmap(None);
+    dev.fail_nth_event_create(None);
+    dev.fail_event_records(false);
+    dev.fail_event_waits(false);
+    dev.fail_event_queries(false);
+}
+
+/// Drops `alloc`; then the device saw no violation nor failed kernel, and holds no mapping,
+/// physical memory or virtual range.
+fn gone_cleanly(dev: &SimDevice, alloc: Allocator<SimDevice>) -> Result<(), String> {
+    drop(alloc);
+    if !dev.violations().is_empty() || !dev.kernel_failures().is_empty() {
+        return Err(format!("{:?} {:?}", dev.violations(), dev.kernel_failures()));
+    }
+    if dev.live_mappings() != vec![] || dev.live_physical() != 0 || dev.virtual_bytes() != 0 {
+        return Err(format!(
+            "leak: maps {:?} phys {} virt {}",
+            dev.live_mappings(),
+            dev.live_physical(),
+            dev.virtual_bytes()
+        ));
+    }
+    Ok(())
+}
+
 #[test]
 fn a_buffer_used_on_another_stream_is_unmapped_after_that_streams_work() {
     let (dev, alloc) = setup("", CAP);
@@ -504,13 +533,7 @@ fn faulty_workload(cfg: &str, fault: &dyn Fn(&SimDevice)) -> Result<(), String> 
         }
         trace_matches(&alloc).map_err(|e| format!("round {round} trace: {e}"))?;
     }
-    dev.fail_nth_vm_map(None);
-    dev.fail_nth_vm_create(None);
-    dev.fail_nth_vm_unmap(None);
-    dev.fail_nth_event_create(None);
-    dev.fail_event_records(false);
-    dev.fail_event_waits(false);
-    dev.fail_event_queries(false);
+    clear_faults(&dev);
     drop(live);
     alloc.empty_cache().map_err(|e| format!("final empty: {e}"))?;
     alloc.check_invariants()?;
@@ -527,19 +550,7 @@ fn faulty_workload(cfg: &str, fault: &dyn Fn(&SimDevice)) -> Result<(), String> 
     if ours != (d.maps, d.unmaps, d.creates, d.releases) {
         return Err(format!("counted {ours:?}, the device {d:?}"));
     }
-    drop(alloc);
-    if !dev.violations().is_empty() || !dev.kernel_failures().is_empty() {
-        return Err(format!("{:?} {:?}", dev.violations(), dev.kernel_failures()));
-    }
-    if dev.live_mappings() != vec![] || dev.live_physical() != 0 || dev.virtual_bytes() != 0 {
-        return Err(format!(
-            "leak: maps {:?} phys {} virt {}",
-            dev.live_mappings(),
-            dev.live_physical(),
-            dev.virtual_bytes()
-        ));
-    }
-    Ok(())
+    gone_cleanly(&dev, alloc)
 }
 
 #[test]
@@ -623,10 +634,7 @@ fn stitch_workload(cfg: &str, fault: &dyn Fn(&SimDevice)) -> Result<(), String> 
             chk(&alloc, "empty")?;
         }
     }
-    dev.fail_nth_vm_map(None);
-    dev.fail_nth_vm_create(None);
-    dev.fail_nth_vm_unmap(None);
-    dev.fail_nth_event_create(None);
+    clear_faults(&dev);
     alloc.empty_cache().map_err(|e| format!("final empty: {e}"))?;
     chk(&alloc, "final")?;
     opener.finish();
@@ -634,19 +642,7 @@ fn stitch_workload(cfg: &str, fault: &dyn Fn(&SimDevice)) -> Result<(), String> 
     if alloc.reserved_bytes() != 0 {
         return Err(format!("reserved {} after empty_cache", alloc.reserved_bytes()));
     }
-    drop(alloc);
-    if !dev.violations().is_empty() || !dev.kernel_failures().is_empty() {
-        return Err(format!("{:?} {:?}", dev.violations(), dev.kernel_failures()));
-    }
-    if dev.live_mappings() != vec![] || dev.live_physical() != 0 || dev.virtual_bytes() != 0 {
-        return Err(format!(
-            "leak: maps {:?} phys {} virt {}",
-            dev.live_mappings(),
-            dev.live_physical(),
-            dev.virtual_bytes()
-        ));
-    }
-    Ok(())
+    gone_cleanly(&dev, alloc)
 }
 
 #[test]

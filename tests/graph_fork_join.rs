@@ -6,25 +6,12 @@
 
 mod common;
 
-use common::{N, replayable_read as read, replayable_write as write, wait_stream as wait};
-use std::sync::Arc;
+use common::{
+    N, Setup, replayable_read as read, replayable_write as write, setup, wait_stream as wait,
+};
 use tidepool::device::{Access, AccessKind, DeviceError, Kernel, Launch};
 use tidepool::hooks::Broken;
-use tidepool::{AllocError, Allocator, Buffer, Config, Device, MIB, SimDevice, StreamId};
-
-struct Setup {
-    dev: Arc<SimDevice>,
-    s: StreamId,
-    t: StreamId,
-    alloc: Allocator<SimDevice>,
-}
-
-fn setup() -> Setup {
-    let dev = Arc::new(SimDevice::backed(256 * MIB));
-    let (s, t) = (dev.create_stream().unwrap(), dev.create_stream().unwrap());
-    let alloc = Allocator::new(dev.clone(), Config::default()).unwrap();
-    Setup { dev, s, t, alloc }
-}
+use tidepool::{AllocError, Buffer, Device, SimDevice, StreamId};
 
 fn code<T: std::fmt::Debug>(r: Result<T, DeviceError>) -> u32 {
     match r {

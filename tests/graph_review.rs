@@ -5,12 +5,10 @@
 
 mod common;
 
-use common::{N, device_bytes};
+use common::{N, Setup, device_bytes, setup};
 use std::sync::Arc;
 use tidepool::device::{Access, AccessKind, Kernel, Launch, SIM_BASE};
-use tidepool::{
-    AllocError, Allocator, Config, Device, MIB, MemPool, PoolOptions, SimDevice, StreamId,
-};
+use tidepool::{AllocError, Allocator, Config, Device, MIB, MemPool, PoolOptions, SimDevice};
 
 const SEG: u64 = 2 * MIB; // a small-pool segment
 
@@ -26,21 +24,6 @@ fn allocated(p: &MemPool<SimDevice>) -> u64 {
 
 fn reserved(p: &MemPool<SimDevice>) -> u64 {
     p.stats().blocks.reserved_bytes.all.current
-}
-
-struct Setup {
-    dev: Arc<SimDevice>,
-    s: StreamId,
-    t: StreamId,
-    alloc: Allocator<SimDevice>,
-}
-
-fn setup() -> Setup {
-    let dev = Arc::new(SimDevice::backed(256 * MIB));
-    let s = dev.create_stream().unwrap();
-    let t = dev.create_stream().unwrap();
-    let alloc = Allocator::new(dev.clone(), Config::default()).unwrap();
-    Setup { dev, s, t, alloc }
 }
 
 /// A guard begun on the capturing stream during the capture (PyTorch's

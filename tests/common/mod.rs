@@ -6,6 +6,23 @@ use std::sync::{Arc, Mutex, mpsc};
 use tidepool::device::{Access, AccessKind, Capture, Kernel, Launch, SimDevice};
 use tidepool::{AllocError, Allocator, Buffer, Device, DeviceAddr, StreamId};
 
+/// A backed 256 MiB device with two streams made on it, `s` and `t`, and an allocator of the
+/// default configuration.
+pub struct Setup {
+    pub dev: Arc<SimDevice>,
+    pub s: StreamId,
+    pub t: StreamId,
+    pub alloc: Allocator<SimDevice>,
+}
+
+/// [`Setup`].
+pub fn setup() -> Setup {
+    let dev = Arc::new(SimDevice::backed(256 * tidepool::MIB));
+    let (s, t) = (dev.create_stream().unwrap(), dev.create_stream().unwrap());
+    let alloc = Allocator::new(dev.clone(), tidepool::Config::default()).unwrap();
+    Setup { dev, s, t, alloc }
+}
+
 /// Bytes the shared kernels touch.
 pub const N: u64 = 4096;
 

@@ -92,25 +92,19 @@ fn hostile_inputs_are_one_line_errors() {
 #[cfg(target_os = "linux")]
 #[test]
 fn an_unwritable_output_is_an_error() {
-    let full = || std::fs::OpenOptions::new().write(true).open("/dev/full").unwrap();
-    let o = Command::new(env!("CARGO_BIN_EXE_tidepool"))
-        .args(["demo", "--sim", "--steps", "2"])
-        .stdout(full())
-        .output()
-        .expect("run tidepool");
-    assert_eq!(
-        runtime_error(&o),
-        "tidepool: cannot write output: No space left on device (os error 28)\n"
-    );
     let dir = Dir::new("output");
     let trace = dir.file("t.csv", b"seq,op,id,bytes,stream,tag\n0,alloc,0,1024,0,act\n");
-    let o = Command::new(env!("CARGO_BIN_EXE_tidepool"))
-        .args(["replay", &trace, "--repeats", "1"])
-        .stdout(full())
-        .output()
-        .expect("run tidepool");
-    assert_eq!(
-        runtime_error(&o),
-        "tidepool: cannot write output: No space left on device (os error 28)\n"
-    );
+    for args in [&["demo", "--sim", "--steps", "2"][..], &["replay", &trace, "--repeats", "1"]] {
+        let full = std::fs::OpenOptions::new().write(true).open("/dev/full").unwrap();
+        let o = Command::new(env!("CARGO_BIN_EXE_tidepool"))
+            .args(args)
+            .stdout(full)
+            .output()
+            .expect("run tidepool");
+        assert_eq!(
+            runtime_error(&o),
+            "tidepool: cannot write output: No space left on device (os error 28)\n",
+            "{args:?}"
+        );
+    }
 }
