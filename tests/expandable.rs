@@ -9,6 +9,8 @@
 //! capacity: the first one a test makes starts at `SIM_BASE`, the next one `2 × capacity` bytes
 //! above it. Pages are 2 MiB.
 
+mod common;
+
 use std::sync::Arc;
 use std::sync::mpsc;
 use tidepool::MIB;
@@ -51,19 +53,6 @@ fn assert_no_leak(dev: &SimDevice) {
     assert_eq!(dev.live_virtual_ranges(), vec![]);
     assert!(dev.live_segments().is_empty());
     assert_eq!(dev.violations(), vec![]);
-}
-
-/// Opens `gate` once the device has counted a host synchronisation beyond those it has now: the
-/// moment the allocator (or the test) starts waiting for the gated kernel. No timing involved.
-fn open_on_next_sync(dev: &Arc<SimDevice>, gate: mpsc::Sender<()>) -> std::thread::JoinHandle<()> {
-    let dev = dev.clone();
-    let before = dev.counters().host_syncs;
-    std::thread::spawn(move || {
-        while dev.counters().host_syncs == before {
-            std::thread::yield_now();
-        }
-        let _ = gate.send(());
-    })
 }
 
 /// A kernel writing `byte` over `[ptr, ptr + bytes)` after the returned gate opens.
@@ -344,7 +333,7 @@ fn release_waits_for_the_streams_work_and_counts_the_sync() {
     let (k, open) = gated_write(a.ptr(), 4 * MIB, 0x5A);
     dev.launch(s, k).unwrap();
     drop(a); // free on its own stream: reusable at once there, but its pages are still in use
-    let waiter = open_on_next_sync(&dev, open);
+    let waiter = common::open_on_next_sync(&dev, open);
     alloc.empty_cache().unwrap(); // must wait for the kernel before unmapping
     waiter.join().unwrap();
     assert_eq!(dev.violations(), vec![], "no unmap under unfinished work");
@@ -371,7 +360,7 @@ fn page_move(config: &str, done_first: bool) -> (Arc<SimDevice>, Allocator<SimDe
         dev.synchronize().unwrap();
         None
     } else {
-        Some(open_on_next_sync(&dev, open))
+        Some(common::open_on_next_sync(&dev, open))
     };
     let b = alloc.alloc(4 * MIB, s2).unwrap();
     let ptr = b.ptr();
@@ -813,7 +802,7 @@ fn a_stream_destroyed_elsewhere_is_waited_for_before_its_pages_go() {
             std::thread::yield_now();
         }
         let syncs = alloc.stats().num_host_syncs;
-        let opener = open_on_next_sync(&dev, open);
+        let opener = common::open_on_next_sync(&dev, open);
         alloc.empty_cache().unwrap();
         assert_eq!(mapped_pages(&dev, base()), Vec::<u64>::new(), "broken: {broken}");
         let v = dev.violations();
@@ -1009,7 +998,7 @@ fn an_event_refused_in_the_middle_of_a_page_move_loses_no_chunk() {
     drop((a, b));
     assert_eq!(dev.physical_bytes(), 40 * MIB);
     dev.fail_nth_event_create(Some(2));
-    let opener = open_on_next_sync(&dev, gate);
+    let opener = common::open_on_next_sync(&dev, gate);
     let got = alloc.alloc(40 * MIB, StreamId::DEFAULT).unwrap();
     dev.synchronize().unwrap();
     opener.join().unwrap();

@@ -149,14 +149,7 @@ fn a_buffer_used_on_another_stream_is_unmapped_after_that_streams_work() {
     drop(a);
     // s2 still runs on it: empty_cache must not unmap (it syncs events first, so open the gate
     // on a thread once a sync starts).
-    let d2 = dev.clone();
-    let before = dev.counters().host_syncs;
-    let h = std::thread::spawn(move || {
-        while d2.counters().host_syncs == before {
-            std::thread::yield_now();
-        }
-        let _ = open.send(());
-    });
+    let h = common::open_on_next_sync(&dev, open);
     alloc.empty_cache().unwrap();
     h.join().unwrap();
     assert_eq!(dev.violations(), vec![]);
@@ -178,14 +171,7 @@ fn a_buffer_used_on_another_stream_moves_to_it_after_its_work() {
         dev.launch(s2, k).unwrap();
         a.record_stream(s2).unwrap();
         drop(a);
-        let d2 = dev.clone();
-        let before = dev.counters().host_syncs;
-        let h = std::thread::spawn(move || {
-            while d2.counters().host_syncs == before {
-                std::thread::yield_now();
-            }
-            let _ = open.send(());
-        });
+        let h = common::open_on_next_sync(&dev, open);
         let b = alloc.alloc(8 * MIB, s2).unwrap();
         dev.launch(s2, write(b.ptr(), 8 * MIB, 2)).unwrap();
         dev.synchronize().unwrap();

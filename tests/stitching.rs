@@ -9,6 +9,8 @@
 //! With stitching on, ranges are made of chunks of 4 pages (8 MiB). The first range starts at
 //! `SIM_BASE` and is twice the device's capacity; the first stitch's own range follows it.
 
+mod common;
+
 use std::sync::Arc;
 use std::sync::mpsc;
 use tidepool::device::{Access, AccessKind, Kernel, Launch, SIM_BASE, SimDevice};
@@ -170,16 +172,7 @@ fn release_under_a_running_kernel(broken: bool) -> Vec<String> {
     dev.launch(S0, k).unwrap();
     drop(s);
     // The release waits for the stream (a host sync): the kernel finishes then.
-    let before = dev.counters().host_syncs;
-    let watcher = {
-        let dev = dev.clone();
-        std::thread::spawn(move || {
-            while dev.counters().host_syncs == before {
-                std::thread::yield_now();
-            }
-            let _ = open.send(());
-        })
-    };
+    let watcher = common::open_on_next_sync(&dev, open);
     drop(kept);
     alloc.empty_cache().unwrap();
     watcher.join().unwrap();

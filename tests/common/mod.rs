@@ -23,6 +23,22 @@ pub fn setup() -> Setup {
     Setup { dev, s, t, alloc }
 }
 
+/// Opens `gate` once the device has counted a host synchronisation beyond those it has now: the
+/// moment the allocator (or the test) starts waiting for the gated kernel. No timing involved.
+pub fn open_on_next_sync(
+    dev: &Arc<SimDevice>,
+    gate: mpsc::Sender<()>,
+) -> std::thread::JoinHandle<()> {
+    let dev = dev.clone();
+    let before = dev.counters().host_syncs;
+    std::thread::spawn(move || {
+        while dev.counters().host_syncs == before {
+            std::thread::yield_now();
+        }
+        let _ = gate.send(());
+    })
+}
+
 /// Bytes the shared kernels touch.
 pub const N: u64 = 4096;
 
