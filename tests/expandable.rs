@@ -11,8 +11,8 @@
 
 mod common;
 
+use common::{assert_no_leak, gated_write_bytes as gated_write};
 use std::sync::Arc;
-use std::sync::mpsc;
 use tidepool::MIB;
 use tidepool::device::{Access, AccessKind, Kernel, Launch, SIM_BASE, SimDevice};
 use tidepool::{AllocError, Allocator, Config, Device, DeviceAddr, Residency, StreamId};
@@ -42,31 +42,6 @@ fn mapped_chunks(dev: &SimDevice, base: u64) -> Vec<(u64, u64)> {
         .iter()
         .map(|&(a, n)| (assert_eq!(n % P, 0), ((a.0 - base) / P, n / P)).1)
         .collect()
-}
-
-/// Nothing is left on the device once the allocator is gone.
-fn assert_no_leak(dev: &SimDevice) {
-    assert_eq!(dev.live_mappings(), vec![]);
-    assert_eq!(dev.live_physical(), 0);
-    assert_eq!(dev.physical_bytes(), 0);
-    assert_eq!(dev.virtual_bytes(), 0);
-    assert_eq!(dev.live_virtual_ranges(), vec![]);
-    assert!(dev.live_segments().is_empty());
-    assert_eq!(dev.violations(), vec![]);
-}
-
-/// A kernel writing `byte` over `[ptr, ptr + bytes)` after the returned gate opens.
-fn gated_write(ptr: DeviceAddr, bytes: u64, byte: u8) -> (Kernel, mpsc::Sender<()>) {
-    let (open, gate) = mpsc::channel::<()>();
-    let k = Kernel::new(
-        "gated_write",
-        vec![Access { ptr, bytes, kind: AccessKind::Write }],
-        move |m| {
-            let _ = gate.recv();
-            m.write(ptr, &vec![byte; bytes as usize]).unwrap();
-        },
-    );
-    (k, open)
 }
 
 #[test]

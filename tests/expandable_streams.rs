@@ -9,6 +9,7 @@
 
 mod common;
 
+use common::{assert_no_leak, gated_write_bytes as gated_write};
 use std::sync::Arc;
 use std::sync::mpsc;
 use tidepool::MIB;
@@ -23,29 +24,6 @@ fn setup(config: &str, capacity: u64) -> (Arc<SimDevice>, Allocator<SimDevice>) 
     let config = Config::parse(config).unwrap().with_expandable_segments(true);
     let alloc = Allocator::new(dev.clone(), config).unwrap();
     (dev, alloc)
-}
-
-fn assert_no_leak(dev: &SimDevice) {
-    assert_eq!(dev.live_mappings(), vec![]);
-    assert_eq!(dev.live_physical(), 0);
-    assert_eq!(dev.physical_bytes(), 0);
-    assert_eq!(dev.virtual_bytes(), 0);
-    assert_eq!(dev.live_virtual_ranges(), vec![]);
-    assert!(dev.live_segments().is_empty());
-    assert_eq!(dev.violations(), vec![]);
-}
-
-fn gated_write(ptr: DeviceAddr, bytes: u64, byte: u8) -> (Kernel, mpsc::Sender<()>) {
-    let (open, gate) = mpsc::channel::<()>();
-    let k = Kernel::new(
-        "gated_write",
-        vec![Access { ptr, bytes, kind: AccessKind::Write }],
-        move |m| {
-            let _ = gate.recv();
-            m.write(ptr, &vec![byte; bytes as usize]).unwrap();
-        },
-    );
-    (k, open)
 }
 
 /// Opens every gate handed to it whenever the device counts a new host sync.

@@ -39,6 +39,32 @@ pub fn open_on_next_sync(
     })
 }
 
+/// Nothing is left on the device once the allocator is gone: no mapping, physical memory,
+/// virtual range or segment, and no stream-order violation.
+pub fn assert_no_leak(dev: &SimDevice) {
+    assert_eq!(dev.live_mappings(), vec![]);
+    assert_eq!(dev.live_physical(), 0);
+    assert_eq!(dev.physical_bytes(), 0);
+    assert_eq!(dev.virtual_bytes(), 0);
+    assert_eq!(dev.live_virtual_ranges(), vec![]);
+    assert!(dev.live_segments().is_empty());
+    assert_eq!(dev.violations(), vec![]);
+}
+
+/// A kernel that waits for the returned gate, then writes `byte` over `[ptr, ptr + bytes)`.
+pub fn gated_write_bytes(ptr: DeviceAddr, bytes: u64, byte: u8) -> (Kernel, mpsc::Sender<()>) {
+    let (open, gate) = mpsc::channel::<()>();
+    let k = Kernel::new(
+        "gated_write",
+        vec![Access { ptr, bytes, kind: AccessKind::Write }],
+        move |m| {
+            let _ = gate.recv();
+            m.write(ptr, &vec![byte; bytes as usize]).unwrap();
+        },
+    );
+    (k, open)
+}
+
 /// Bytes the shared kernels touch.
 pub const N: u64 = 4096;
 
