@@ -158,7 +158,9 @@ impl KernelMemory for SimMemory<'_> {
 
 /// `bytes` zeroed host bytes backing device memory, or `None` where the host cannot hold them
 /// (a backed device larger than the host's memory): the device call fails as out of memory
-/// rather than aborting the process, as `vec![0; n]` does.
+/// rather than aborting the process, as `vec![0; n]` does. Hand-written because stable Rust has
+/// no fallible zeroed allocation, and `try_reserve_exact` + `resize` would write (and so touch)
+/// every page where `alloc_zeroed` leaves the host's zero pages untouched until used.
 pub(super) fn zeroed(bytes: u64) -> Option<Vec<u8>> {
     let n = usize::try_from(bytes).ok()?;
     // BROKEN (`backing_aborts`): the infallible allocation (the process aborts).
