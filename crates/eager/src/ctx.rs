@@ -155,9 +155,16 @@ impl<B: Backend> Eager<B> {
 /// Refuses `t` when it lives on another device than `eager`'s ([`Ctx::input`]).
 pub(crate) fn same_device<B: Backend>(eager: &Eager<B>, t: &Tensor<'_, B>) -> Result<()> {
     // BROKEN (`foreign_tensors`): any tensor's address taken as this device's.
-    if !Arc::ptr_eq(eager.device(), t.eager().device())
-        && !cfg!(tidepool_broken = "foreign_tensors")
-    {
+    if !cfg!(tidepool_broken = "foreign_tensors") {
+        same_device_ctx(eager, t.eager())?;
+    }
+    Ok(())
+}
+
+/// Refuses `other` (the engine of a tensor or of a context whose outputs an op writes) when
+/// its device is not `eager`'s, with [`AllocError::ForeignBuffer`](tidepool::AllocError).
+pub(crate) fn same_device_ctx<B: Backend>(eager: &Eager<B>, other: &Eager<B>) -> Result<()> {
+    if !Arc::ptr_eq(eager.device(), other.device()) {
         return Err(EagerError::Alloc(tidepool::AllocError::ForeignBuffer));
     }
     Ok(())

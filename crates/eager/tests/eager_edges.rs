@@ -216,3 +216,40 @@ fn a_huge_step_count_reserves_nothing_up_front() {
     alloc.release_persistent().unwrap();
     assert_eq!(e.device().live_segments(), vec![]);
 }
+
+/// `layer_norm_backward` with a gradient context of another engine (over a device of its own)
+/// is refused with `AllocError::ForeignBuffer`: its `dgamma` and `dbeta` are that device's
+/// addresses, which this device's kernel wrote as its own (memory it never handed out, or a
+/// live tensor of its own at the same address). Nothing is written, nothing leaks.
+#[test]
+fn layer_norm_gradients_of_another_engine_are_refused() {
+    use tidepool::AllocError;
+    use tidepool_eager::EagerError;
+    let (e1, e2) = (eager(), eager());
+    let (c1, c2) = (e1.ctx(S), e2.ctx(S));
+    let x = c1.tensor(&[1.0, 2.0, 3.0, 4.0], &[1, 4]).unwrap();
+    let g = c1.full(&[4], 1.0).unwrap();
+    let dy = c1.full(&[1, 4], 1.0).unwrap();
+    // Both devices hand out the same addresses: e2's first blocks (the foreign dgamma and
+    // dbeta) are where e1 keeps `x` and `g`, whose values must survive.
+    let r = c1.layer_norm_backward(&c2, &x, &g, &dy, 1e-5);
+    assert!(matches!(r, Err(EagerError::Alloc(AllocError::ForeignBuffer))), "{:?}", r.err());
+    e1.synchronize().unwrap();
+    e2.synchronize().unwrap();
+    assert_eq!(x.to_host().unwrap(), vec![1.0, 2.0, 3.0, 4.0]);
+    assert_eq!(g.to_host().unwrap(), vec![1.0; 4]);
+    assert_eq!(e1.device().violations(), vec![]);
+    assert_eq!(e1.device().kernel_failures(), vec![]);
+    // The same call with this engine's own gradient context works.
+    let (dx, dg, db) = c1.layer_norm_backward(&c1, &x, &g, &dy, 1e-5).unwrap();
+    assert_eq!(db.to_host().unwrap(), vec![1.0; 4]);
+    drop((dx, dg, db, x, g, dy));
+    for e in [&e1, &e2] {
+        e.synchronize().unwrap();
+        let alloc = e.allocator();
+        alloc.check_invariants().unwrap();
+        assert_eq!(alloc.allocated_bytes(), 0);
+        alloc.empty_cache().unwrap();
+        assert_eq!(e.device().live_segments(), vec![]);
+    }
+}

@@ -77,6 +77,12 @@ impl<'t, B: Backend> Ctx<'t, B> {
         if grads.stream() != self.stream() {
             return shape_err("layer norm backward: the gradient context is on another stream");
         }
+        // `dgamma` and `dbeta` are `grads`' outputs, written by this device's kernel: a context
+        // of another device (another engine's) gives addresses that mean nothing here.
+        // BROKEN (`foreign_grads`): its outputs written as this device's memory.
+        if !cfg!(tidepool_broken = "foreign_grads") {
+            crate::ctx::same_device_ctx(&self.eager, &grads.eager)?;
+        }
         let s = x.dims();
         let c = s.last();
         if gamma.shape() != [c] {
