@@ -253,3 +253,20 @@ fn layer_norm_gradients_of_another_engine_are_refused() {
         assert_eq!(e.device().live_segments(), vec![]);
     }
 }
+
+/// `embedding_backward` whose gradient size (ids × the table's width) overflows is a shape
+/// error, not an overflow panic (debug) or a wrapped size that matches an empty gradient
+/// (release).
+#[test]
+fn an_embedding_gradient_whose_size_overflows_is_an_error() {
+    let e = eager();
+    let cx = e.ctx(S);
+    let table = cx.tensor(&[], &[0, 1 << 42]).unwrap(); // no rows: nothing allocated
+    let ids = cx.zeros(&[1 << 22]).unwrap(); // 2^22 · 2^42 = 2^64 gradient elements
+    let dy = cx.tensor(&[], &[0]).unwrap();
+    let r = cx.embedding_backward(&table, &ids, &dy);
+    let err = r.expect_err("an overflowing gradient size was accepted");
+    assert!(err.to_string().contains("embedding backward"), "{err}");
+    e.synchronize().unwrap();
+    assert_eq!(e.device().violations(), vec![]);
+}

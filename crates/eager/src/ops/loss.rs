@@ -40,7 +40,14 @@ impl<'t, B: Backend> Ctx<'t, B> {
         dy: &Tensor<'_, B>,
     ) -> Result<Tensor<'t, B>> {
         let ts = table.dims();
-        if ts.rank() != 2 || dy.numel() != ids.numel() * ts.last() {
+        // Checked: a table of no rows may be as wide as a shape allows, times many ids.
+        // BROKEN (`embedding_overflow`): the product unchecked (a panic in debug builds).
+        let expected = if cfg!(tidepool_broken = "embedding_overflow") {
+            Some(ids.numel() * ts.last())
+        } else {
+            ids.numel().checked_mul(ts.last())
+        };
+        if ts.rank() != 2 || expected != Some(dy.numel()) {
             return shape_err(format!(
                 "embedding backward: {:?} for ids {:?} and table {ts}",
                 dy.shape(),
