@@ -161,11 +161,26 @@ impl<B: Backend> Optimizer<B> for AdamW<B> {
                 params.len()
             ));
         }
+        // Every pair is checked before any update: a mismatch found half way left the
+        // parameters before it updated (and the step counted) and those after it not.
+        // BROKEN (`adamw_checks_late`): checked as each parameter is updated.
+        let late = cfg!(tidepool_broken = "adamw_checks_late");
+        if !late {
+            for (i, (p, (m, _))) in params.iter().zip(&self.state).enumerate() {
+                if m.dims() != p.dims() {
+                    return shape_err(format!(
+                        "AdamW: parameter {i} is {:?}, its moments {:?}",
+                        p.shape(),
+                        m.shape()
+                    ));
+                }
+            }
+        }
         self.t += 1;
         let bc1 = 1.0 - self.beta1.powi(self.t as i32);
         let bc2 = 1.0 - self.beta2.powi(self.t as i32);
         for ((p, g), (m, v)) in params.iter_mut().zip(grads).zip(&self.state) {
-            if m.dims() != p.dims() {
+            if late && m.dims() != p.dims() {
                 return shape_err("AdamW: a parameter changed shape between steps");
             }
             let op = KernelOp::AdamW {

@@ -270,3 +270,31 @@ fn an_embedding_gradient_whose_size_overflows_is_an_error() {
     e.synchronize().unwrap();
     assert_eq!(e.device().violations(), vec![]);
 }
+
+/// AdamW given a parameter whose shape is not its moments' (another model's, say) refuses the
+/// step before updating anything: the parameters before the mismatch were updated and the step
+/// counted, those after it not — half a step, with no way to tell from the error.
+#[test]
+fn adamw_refuses_a_mismatched_parameter_before_updating_any() {
+    let e = eager();
+    let mut p1 = Tensor::parameter(&e, &[1.0; 4], &[4], S).unwrap();
+    let mut p2 = Tensor::parameter(&e, &[1.0; 2], &[2], S).unwrap();
+    let g1 = e.ctx(S).full(&[4], 1.0).unwrap();
+    let g2 = e.ctx(S).full(&[2], 1.0).unwrap();
+    let mut opt = AdamW::new(0.1);
+    opt.step(&mut [&mut p1, &mut p2], &[&g1, &g2]).unwrap();
+    let after_one = p1.to_host().unwrap();
+    assert_ne!(after_one, vec![1.0; 4]);
+    let mut p3 = Tensor::parameter(&e, &[1.0; 3], &[3], S).unwrap();
+    let g3 = e.ctx(S).full(&[3], 1.0).unwrap();
+    let err = opt.step(&mut [&mut p1, &mut p3], &[&g1, &g3]).unwrap_err();
+    assert_eq!(p1.to_host().unwrap(), after_one, "parameter 0 was updated");
+    assert_eq!(opt.steps(), 1);
+    assert_eq!(p3.to_host().unwrap(), vec![1.0; 3]);
+    assert!(err.to_string().contains("parameter 1 is [3], its moments [2]"), "{err}");
+    // The model it was set up for steps on.
+    opt.step(&mut [&mut p1, &mut p2], &[&g1, &g2]).unwrap();
+    assert_eq!(opt.steps(), 2);
+    e.synchronize().unwrap();
+    assert_eq!(e.device().violations(), vec![]);
+}
