@@ -298,3 +298,31 @@ fn adamw_refuses_a_mismatched_parameter_before_updating_any() {
     e.synchronize().unwrap();
     assert_eq!(e.device().violations(), vec![]);
 }
+
+/// `train_mlp` with a copy stream that fails (out of memory loading the first batch, or in the
+/// first step's forward pass) destroys the stream it made before returning the error: it was
+/// left on the device, with the allocator's cache for it, until the device went.
+#[test]
+fn training_that_fails_destroys_its_copy_stream() {
+    use tidepool::AllocError;
+    use tidepool_eager::EagerError;
+    use tidepool_eager::models::train::{TrainConfig, train_mlp};
+    // A batch too big to load; one that loads but whose activations do not fit.
+    for batch in [1 << 16, 1 << 13] {
+        let e = Eager::sim(3 << 20).unwrap();
+        let cfg = TrainConfig { steps: 3, batch, two_streams: true, ..TrainConfig::default() };
+        let mut steps = 0;
+        let r = train_mlp(&e, &cfg, |_| steps += 1);
+        assert!(matches!(r, Err(EagerError::Alloc(AllocError::OutOfMemory(_)))), "{r:?}");
+        assert_eq!(steps, 0);
+        assert_eq!(e.device().live_streams(), vec![S], "batch {batch}: the copy stream was left");
+        e.synchronize().unwrap();
+        let alloc = e.allocator();
+        alloc.check_invariants().unwrap();
+        assert_eq!(alloc.allocated_bytes(), 0);
+        alloc.empty_cache().unwrap();
+        alloc.release_persistent().unwrap();
+        assert_eq!(e.device().live_segments(), vec![], "batch {batch}");
+        assert_eq!(e.device().violations(), vec![]);
+    }
+}

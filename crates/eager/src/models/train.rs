@@ -148,10 +148,35 @@ fn pass<'s, B: Backend>(
 }
 
 /// Trains an MLP on a [`Clusters`] data set as `cfg` says; calls `on_step` after every step.
-/// With `two_streams`, a stream is created for the loads and destroyed at the end.
+/// With `two_streams`, a stream is created for the loads and destroyed at the end — after an
+/// error too (the error is returned, not the cleanup's).
 pub fn train_mlp<B: Backend>(
     eager: &Eager<B>,
     cfg: &TrainConfig,
+    on_step: impl FnMut(&StepReport),
+) -> Result<Vec<StepReport>> {
+    let copy = if cfg.two_streams { Some(eager.device().create_stream()?) } else { None };
+    // Every tensor of the run (model, optimizer state, batches) is gone when `train` returns,
+    // so the stream has no live buffer left to refuse its destruction.
+    let trained = train(eager, cfg, copy, on_step);
+    // BROKEN (`copy_stream_leaks`): the stream is destroyed only after a run that succeeded.
+    let leak = cfg!(tidepool_broken = "copy_stream_leaks") && trained.is_err();
+    if let Some(s) = copy.filter(|_| !leak) {
+        // Batches freed after a use on the compute stream wait for it: settle them first.
+        let alloc = eager.allocator();
+        let destroyed = alloc.synchronize().and_then(|()| alloc.destroy_stream(s));
+        if trained.is_ok() {
+            destroyed?;
+        }
+    }
+    trained
+}
+
+/// [`train_mlp`]'s steps, loading batches on `copy` when given.
+fn train<B: Backend>(
+    eager: &Eager<B>,
+    cfg: &TrainConfig,
+    copy: Option<StreamId>,
     mut on_step: impl FnMut(&StepReport),
 ) -> Result<Vec<StepReport>> {
     let compute = StreamId::DEFAULT;
@@ -163,7 +188,6 @@ pub fn train_mlp<B: Backend>(
         OptimizerKind::Sgd(lr) => Box::new(Sgd::new(lr)),
         OptimizerKind::AdamW(lr) => Box::new(AdamW::new(lr)),
     };
-    let copy = if cfg.two_streams { Some(eager.device().create_stream()?) } else { None };
     let load = |i: usize| -> Result<Batch<B>> {
         let (x, y) = data.batch(i, cfg.batch);
         let lx = eager.ctx(copy.unwrap_or(compute));
@@ -209,14 +233,6 @@ pub fn train_mlp<B: Backend>(
         let r = report(step, loss, &before, &snapshot(eager));
         on_step(&r);
         reports.push(r);
-    }
-    drop(next);
-    drop(opt);
-    drop(model);
-    if let Some(s) = copy {
-        // Batches freed after a use on the compute stream wait for it: settle them first.
-        eager.allocator().synchronize()?;
-        eager.allocator().destroy_stream(s)?;
     }
     Ok(reports)
 }
