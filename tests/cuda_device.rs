@@ -452,6 +452,50 @@ fn cudarc_copies_on_another_stream_wait_for_the_owner_and_hold_the_block() {
     }
 }
 
+/// A cudarc copy on a stream of another GPU's context (peer to peer) takes the host-wait
+/// fallback (this device knows no such stream): it waits for the buffer's pending write on its
+/// own GPU. The fallback synchronised the using stream's context, the other GPU's, which has
+/// none of the buffer's work: the copy read the buffer before the gated kernel wrote it. Needs
+/// two GPUs (skips with fewer).
+#[test]
+fn a_copy_on_another_gpus_stream_waits_for_the_buffers_write() {
+    let Some((_gpu, dev)) = gpu() else { return };
+    if !CudaDevice::device_count().is_ok_and(|n| n >= 2) {
+        println!("skipping: fewer than two GPUs");
+        return;
+    }
+    let peer = CudaDevice::new(1).expect("a second GPU is present");
+    let k = kernels(&dev);
+    let alloc = Allocator::new(dev.clone(), Config::default()).unwrap();
+    let (a, c) = (dev.create_stream().unwrap(), dev.create_stream().unwrap());
+    let (sa, sc) = (dev.stream(a).unwrap(), dev.stream(c).unwrap());
+    let gate = closed_gate(&alloc, c);
+    let x = CudaBuffer::<f32>::alloc_zeros(&alloc, N, a).unwrap();
+    launch_gated(&k, &sa, &x, 1.0, &gate); // A writes 1.0 once the gate opens
+    let s1 = peer.context().new_stream().unwrap();
+    let mut y = s1.alloc_zeros::<f32>(N).unwrap();
+    // The gate opens from another thread after the copy was asked for: a copy that does not
+    // wait for A's write reads x's zeros (the waiting one blocks until the gate opens).
+    std::thread::scope(|scope| {
+        scope.spawn(|| {
+            std::thread::sleep(std::time::Duration::from_millis(200));
+            open_gate(&gate, &sc);
+        });
+        s1.memcpy_dtod(&x, &mut y).unwrap();
+    });
+    dev.synchronize().unwrap();
+    assert_no_timeout(&gate);
+    let host = s1.clone_dtoh(&y).unwrap();
+    assert!(host.iter().all(|&v| v == 1.0), "the copy on GPU 1 read x before A's write");
+    peer.context().check_err().unwrap();
+    drop((y, x, gate));
+    alloc.empty_cache().unwrap();
+    for s in [a, c] {
+        dev.destroy_stream(s).unwrap();
+    }
+    assert!(dev.live_segments().is_empty(), "leaked: {:?}", dev.live_segments());
+}
+
 #[test]
 fn allocator_over_cuda_device_alloc_free_empty_cache_without_leaks() {
     let Some((_gpu, dev)) = gpu() else { return };

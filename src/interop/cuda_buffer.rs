@@ -17,10 +17,11 @@
 //! stream), and the use is recorded like [`crate::Allocator::record_stream`], so the block is not
 //! reused before that stream's work is done (on the buffer's own stream too, after a write
 //! announced on another one). A kernel argument is not a `DevicePtr` call: announce each launch
-//! with [`CudaBuffer::order_for`]. A cudarc stream this device does not know (one it did not create), or a device error, falls back
-//! to host synchronisation: the context is synchronised before the use and the using stream after
-//! it (when cudarc drops the returned [`SyncOnDrop`]), so nothing is left in flight on memory the
-//! allocator may reuse.
+//! with [`CudaBuffer::order_for`]. A cudarc stream this device does not know (one it did not create,
+//! or one of another GPU's context), or a device error, falls back to host synchronisation: the
+//! buffer's context is synchronised before the use and the using stream after it (when cudarc
+//! drops the returned [`SyncOnDrop`]), so nothing is left in flight on memory the allocator may
+//! reuse.
 
 use crate::allocator::{AllocError, Allocator, Buffer};
 use crate::device::cuda::result;
@@ -229,9 +230,17 @@ impl<T> CudaBuffer<T> {
             return SyncOnDrop::Sync(None);
         }
         // Nothing orders this stream in the allocator's terms: every earlier write is done
-        // before the use, and the use itself before the guard is dropped.
-        let ctx = stream.context();
-        ctx.record_err(ctx.synchronize());
+        // before the use, and the use itself before the guard is dropped. The writes are in
+        // the buffer's context, which a stream of another context (another GPU's, copying
+        // peer to peer) is not: synchronising that stream's context waited for nothing of
+        // the buffer's. An error goes where cudarc keeps the using stream's errors.
+        // BROKEN (`fallback_syncs_user_context`): the using stream's context synchronised.
+        let owner = if cfg!(tidepool_broken = "fallback_syncs_user_context") {
+            stream.context()
+        } else {
+            self.buffer.device().context()
+        };
+        stream.context().record_err(owner.synchronize());
         SyncOnDrop::sync_stream(stream)
     }
 }
