@@ -326,3 +326,39 @@ fn training_that_fails_destroys_its_copy_stream() {
         assert_eq!(e.device().violations(), vec![]);
     }
 }
+
+/// A product over an empty inner dimension (`[m, 0] · [0, n]`, each operand possibly stored
+/// transposed) is `m × n` zeros on every back end. On CUDA, cuBLAS refused it
+/// (`CUBLAS_STATUS_INVALID_VALUE`): a leading dimension of `k = 0` is below the `max(1, ·)` it
+/// requires, though it is never used when `k` is 0.
+#[test]
+fn a_product_over_an_empty_inner_dimension_is_zeros() {
+    fn check<B: tidepool_eager::Backend>(e: &Eager<B>) {
+        let cx = e.ctx(S);
+        drop(cx.full(&[6], 7.0).unwrap().to_host().unwrap()); // stale 7s in a freed block
+        for (ta, tb) in [(false, false), (true, false), (false, true), (true, true)] {
+            let a = cx.tensor(&[], if ta { &[0, 2] } else { &[2, 0] }).unwrap();
+            let b = cx.tensor(&[], if tb { &[3, 0] } else { &[0, 3] }).unwrap();
+            let y = cx.matmul_t(&a, &b, ta, tb).unwrap();
+            assert_eq!(y.shape(), &[2, 3]);
+            assert_eq!(y.to_host().unwrap(), vec![0.0; 6], "transposed: {ta}, {tb}");
+        }
+    }
+    let e = eager();
+    check(&e);
+    assert_eq!(e.device().violations(), vec![]);
+    assert_eq!(e.device().kernel_failures(), vec![]);
+    #[cfg(feature = "cuda")]
+    {
+        use tidepool::{Config, CudaDevice};
+        use tidepool_eager::CudaBackend;
+        if let Some(reason) = CudaDevice::unavailable_reason() {
+            println!("skipping the CUDA half: {reason}");
+            return;
+        }
+        match CudaBackend::new(CudaDevice::new(0).unwrap()) {
+            Ok(backend) => check(&Eager::new(backend, Config::default()).unwrap()),
+            Err(err) => println!("skipping the CUDA half: {err}"),
+        }
+    }
+}

@@ -170,6 +170,13 @@ impl CudaBackend {
         // Row-major C (m×n) is column-major Cᵀ (n×m) = op(B)ᵀ·op(A)ᵀ: B first, then A.
         let ldb = if trans_b { k } else { n };
         let lda = if trans_a { m } else { k };
+        // cuBLAS wants every leading dimension ≥ 1: an empty inner dimension (k = 0, where the
+        // operands are never read and C is β·C = zeros) gave k = 0 and was refused.
+        // BROKEN (`blas_ld_zero`): passed as they are.
+        let (ldb, lda) = match cfg!(tidepool_broken = "blas_ld_zero") {
+            true => (ldb, lda),
+            false => (ldb.max(1), lda.max(1)),
+        };
         let (alpha, beta) = (1.0f32, 0.0f32);
         let blas = self.blas(id)?;
         self.device.context().bind_to_thread().map_err(|e| backend_err("bind", e))?;
