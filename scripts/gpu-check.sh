@@ -12,18 +12,23 @@
 #          a capture that forks a side stream into the graph and joins it back (events), and
 #          graph_capture_record_stream_reuse: a side stream's block reused after the join
 #   interop examples/cudarc_interop (NVRTC + cuBLAS through tidepool buffers, checked numerically)
+#   eager, eager_pinned  (before bench) the eager layer's CUDA back end (crates/eager, NVRTC kernels + cuBLAS):
+#          the CUDA tests of crates/eager/tests/eager_edges.rs and pinned_upload.rs (their
+#          SimDevice tests run too, in seconds)
 #   bench  examples/gpu_bench: alloc+free latency (tidepool hit / cuMemAlloc / cuMemAllocAsync)
 #          and the gpt2 trace replayed on device memory, with ordinary and expandable segments
 #          → $RESULTS_DIR/gpu_bench.json
 #
-# The four run steps share a budget of RUN_BUDGET_S seconds (default 300). Every step's output
+# The six run steps share a budget of RUN_BUDGET_S seconds (default 300). Every step's output
 # is in $RESULTS_DIR/<step>.log (default target/gpu-check/), the verdicts in summary.txt.
 # A step that could not run for want of a GPU/driver/library is SKIP (exit 0 unless
-# REQUIRE_GPU=1); any FAIL makes the script exit 1.
+# REQUIRE_GPU=1); any FAIL makes the script exit 1. A step that ran but some of whose tests
+# skipped for want of something else (a second GPU, virtual memory management) is PASS, with
+# those reasons in its verdict.
 #
 # For a GPU machine without cargo or network: build here with small binaries,
 #   CARGO_PROFILE_RELEASE_DEBUG=0 CARGO_PROFILE_RELEASE_STRIP=symbols bash scripts/gpu-check.sh
-# (about 3 MB in all; the run steps SKIP here), bring the three paths it prints after
+# (the run steps SKIP here), bring the paths it prints after
 # "binaries:" along, and run `SKIP_BUILD=1 bash scripts/gpu-check.sh` there.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -45,7 +50,10 @@ if [[ "${SKIP_BUILD:-0}" != 1 ]]; then
     if timeout "${BUILD_BUDGET_S:-900}" cargo build "${flags[@]}" --release --features cuda \
         --example cudarc_interop --example gpu_bench >"$RESULTS_DIR/build.log" 2>&1 &&
         timeout "${BUILD_BUDGET_S:-900}" cargo test "${flags[@]}" --release --features cuda \
-            --test cuda_device --no-run >>"$RESULTS_DIR/build.log" 2>&1; then
+            --test cuda_device --no-run >>"$RESULTS_DIR/build.log" 2>&1 &&
+        timeout "${BUILD_BUDGET_S:-900}" cargo test "${flags[@]}" --release -p tidepool-eager \
+            --features cuda-12080 --test eager_edges --test pinned_upload --no-run \
+            >>"$RESULTS_DIR/build.log" 2>&1; then
         verdict build PASS
     else
         tail -30 "$RESULTS_DIR/build.log"
@@ -54,8 +62,11 @@ if [[ "${SKIP_BUILD:-0}" != 1 ]]; then
     fi
 fi
 
-test_bin=$(ls -t target/release/deps/cuda_device-* 2>/dev/null | grep -v '\.d$' | head -1)
-echo "binaries: $test_bin target/release/examples/cudarc_interop target/release/examples/gpu_bench"
+newest() { ls -t target/release/deps/"$1"-* 2>/dev/null | grep -v '\.d$' | head -1; }
+test_bin=$(newest cuda_device)
+eager_bins=($(newest eager_edges) $(newest pinned_upload))
+echo "binaries: $test_bin ${eager_bins[*]} target/release/examples/cudarc_interop" \
+    "target/release/examples/gpu_bench"
 deadline=$((SECONDS + ${RUN_BUDGET_S:-300}))
 
 run_step() { # name skip-pattern command...
@@ -76,19 +87,36 @@ run_step() { # name skip-pattern command...
     elif grep -q -- "$skip_pattern" "$RESULTS_DIR/$name.log"; then
         verdict "$name" SKIP "$(grep -m1 -o -- "$skip_pattern.*" "$RESULTS_DIR/$name.log")"
     else
-        verdict "$name" PASS
+        # Tests that skipped for want of something other than a GPU (a second GPU, virtual
+        # memory management) while the rest ran: a pass, saying what did not run.
+        local partial
+        partial=$(grep -o -- "skipping[^:]*: .*" "$RESULTS_DIR/$name.log" | sort -u | paste -sd ';' -)
+        verdict "$name" PASS "${partial:+not run: $partial}"
     fi
+}
+
+run_tests() { # name binary args...: the tests of a binary; SKIP only where there is no GPU
+    local name=$1
+    shift
+    # The GPU tier prints `skipping: <CudaDevice::unavailable_reason>` (no driver, no usable
+    # device, no device) in each test; other skips ("skipping: fewer than two GPUs") are partial.
+    run_step "$name" "skipping[^:]*: no " "$@"
 }
 
 if [[ -z "$test_bin" ]]; then
     verdict tests FAIL "no test binary target/release/deps/cuda_device-*"
 else
-    run_step tests "skipping:" "$test_bin" --test-threads=1 --nocapture \
+    run_tests tests "$test_bin" --test-threads=1 --nocapture \
         --skip private_pool_ --skip graph_capture_
-    run_step graphs "skipping:" "$test_bin" --test-threads=1 --nocapture \
-        private_pool_ graph_capture_
+    run_tests graphs "$test_bin" --test-threads=1 --nocapture private_pool_ graph_capture_
 fi
 run_step interop "cannot run here" target/release/examples/cudarc_interop
+if ((${#eager_bins[@]} != 2)); then
+    verdict eager FAIL "no test binaries target/release/deps/{eager_edges,pinned_upload}-*"
+else
+    run_tests eager "${eager_bins[0]}" --test-threads=1 --nocapture
+    run_tests eager_pinned "${eager_bins[1]}" --test-threads=1 --nocapture
+fi
 run_step bench "cannot run here" target/release/examples/gpu_bench
 
 echo "== summary ($summary)"
