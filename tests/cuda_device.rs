@@ -933,6 +933,48 @@ fn graph_capture_replays_from_its_private_pool() {
     assert!(dev.live_segments().is_empty(), "leaked: {:?}", dev.live_segments());
 }
 
+/// New device memory during a capture (CUDA's global mode): the capture's own pool grows
+/// (`cuMemAlloc`, or `cuMemCreate` + `cuMemMap` with expandable segments) and another thread
+/// allocates a segment of its own meanwhile. CUDA refuses those calls as potentially unsafe
+/// in the global mode, from any thread, and invalidates the capture
+/// (`CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED`), unless the calling thread's mode is relaxed for
+/// them (what PyTorch's `cudaMallocMaybeCapturing` does).
+#[test]
+fn graph_capture_survives_new_device_memory_on_any_thread() {
+    let Some((_gpu, dev)) = gpu() else { return };
+    let k = kernels(&dev);
+    for expandable in [false, true] {
+        if expandable && !dev.supports_virtual_memory() {
+            println!("skipping: the device has no virtual memory management");
+            continue;
+        }
+        let config = Config::default().with_expandable_segments(expandable);
+        let alloc = Allocator::new(dev.clone(), config).unwrap();
+        let s = dev.create_stream().unwrap();
+        let cs = dev.stream(s).unwrap();
+        let before = alloc.stats().num_device_alloc;
+        alloc.begin_capture(s, None).unwrap();
+        // SAFETY: f32 has no invalid bit patterns; the captured fill writes it before any read.
+        let mut out = unsafe { CudaBuffer::<f32>::alloc(&alloc, N, s) }.unwrap();
+        launch_fill(&k, &cs, &mut out, 2.0);
+        let beside = alloc.clone();
+        let other = std::thread::spawn(move || beside.alloc(32 << 20, StreamId::DEFAULT).map(drop));
+        other.join().unwrap().expect("an allocation beside the capture");
+        let graph = alloc.end_capture(s).expect("the capture survived its allocations");
+        assert!(alloc.stats().num_device_alloc > before, "{expandable}: no new device memory");
+        cs.context().bind_to_thread().unwrap();
+        // SAFETY: `out`'s own live memory, on its stream.
+        unsafe { result::memset_d8_async(out.cu_device_ptr(), 0, N * 4, cs.cu_stream()) }.unwrap();
+        graph.launch(s).unwrap();
+        assert!(cs.clone_dtoh(&out).unwrap().iter().all(|&v| v == 2.0), "{expandable}");
+        drop((graph, out));
+        alloc.empty_cache().unwrap();
+        drop(alloc);
+        dev.destroy_stream(s).unwrap();
+        assert!(dev.live_segments().is_empty(), "leaked: {:?}", dev.live_segments());
+    }
+}
+
 /// Two `CudaDevice::new(0)` share the device's primary context (`Device::memory_domain`): an
 /// allocator over one returns its free cache when an allocator over the other runs out of
 /// memory (`src/peers.rs`); without that, the second request would not fit beside the cache.

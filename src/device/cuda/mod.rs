@@ -25,6 +25,12 @@
 //!   destroyed when the device is dropped.
 //! - [`Device::release`] synchronises the context before `cuMemFree`, so a segment is never freed
 //!   under unfinished work (the trait promises the synchronisation `cuMemFree` may do anyway).
+//! - Captures begin in CUDA's global mode, which refuses `cuMemAlloc` (and the virtual-memory
+//!   calls that grow an expandable segment) from every thread while they last: those run with
+//!   the thread's capture mode relaxed (`result::relaxed_capture_mode`, PyTorch's
+//!   `cudaMallocMaybeCapturing`), so a graph's private pool can grow during its capture and
+//!   other threads can allocate beside it. Frees, unmaps and synchronisations stay refused; the
+//!   allocator makes none during a capture.
 //! - It implements [`Device`] only, not [`super::Launch`] (host kernel closures): real kernels are
 //!   launched through cudarc on [`CudaDevice::stream`], with `CudaBuffer` arguments.
 //! - `cuMemAlloc` guarantees 256-byte alignment; the trait promises 512. Segments the allocator
@@ -413,7 +419,7 @@ impl Device for CudaDevice {
             return Err(DeviceError::Unsupported("reserving a segment of 0 bytes"));
         }
         self.bind()?;
-        let ptr = result::mem_alloc(bytes)?;
+        let ptr = result::relaxed_capture_mode(|| result::mem_alloc(bytes))?;
         if !ptr.is_multiple_of(SEGMENT_ALIGN) {
             // SAFETY: just allocated in the current context; never handed out.
             unsafe { result::mem_free(ptr) }?;
@@ -614,7 +620,7 @@ impl Device for CudaDevice {
     fn vm_reserve(&self, bytes: u64) -> Result<DeviceAddr, DeviceError> {
         let page = self.vm_granularity()?;
         self.bind()?;
-        let ptr = result::mem_address_reserve(bytes, page)?;
+        let ptr = result::relaxed_capture_mode(|| result::mem_address_reserve(bytes, page))?;
         lock(&self.vm).ranges.insert(ptr, bytes);
         Ok(DeviceAddr(ptr))
     }
@@ -638,7 +644,7 @@ impl Device for CudaDevice {
     fn vm_create(&self, bytes: u64) -> Result<PhysHandle, DeviceError> {
         self.vm_granularity()?;
         self.bind()?;
-        let h = result::mem_create(bytes, self.ordinal_c())?;
+        let h = result::relaxed_capture_mode(|| result::mem_create(bytes, self.ordinal_c()))?;
         lock(&self.vm).handles.insert(h, bytes);
         Ok(PhysHandle(h))
     }
@@ -667,10 +673,12 @@ impl Device for CudaDevice {
             return Err(DeviceError::Driver { op: "cuMemMap", code: 1 });
         }
         self.bind()?;
-        // SAFETY: `[va, va + bytes)` lies in a live reservation of this context with nothing
-        // mapped there (both checked above, under the table's lock), and `handle` is a live
-        // allocation of exactly `bytes` (checked in `handles`).
-        unsafe { result::mem_map(va.0, bytes, handle.0, self.ordinal_c()) }?;
+        result::relaxed_capture_mode(|| {
+            // SAFETY: `[va, va + bytes)` lies in a live reservation of this context with nothing
+            // mapped there (both checked above, under the table's lock), and `handle` is a live
+            // allocation of exactly `bytes` (checked in `handles`).
+            unsafe { result::mem_map(va.0, bytes, handle.0, self.ordinal_c()) }
+        })?;
         vm.mappings.insert(va.0, (bytes, handle.0));
         Ok(())
     }

@@ -45,6 +45,32 @@ pub(super) fn mem_alloc(bytes: u64) -> Result<sys::CUdeviceptr, DeviceError> {
     Ok(ptr)
 }
 
+/// Runs `f` (allocation calls: `cuMemAlloc`, `cuMemAddressReserve`, `cuMemCreate`, `cuMemMap`)
+/// with the calling thread's stream-capture interaction mode relaxed, then restores it
+/// (`cuThreadExchangeStreamCaptureMode`, push-pop as CUDA recommends). While any capture begun
+/// in the global mode (`stream_begin_capture`) is underway, CUDA refuses such calls from every
+/// thread as potentially unsafe (`CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED`) and invalidates the
+/// capture; they are safe here because a capture's memory is never freed or unmapped before its
+/// graph is gone (the allocator's rule). PyTorch relaxes `cudaMalloc` during captures the same
+/// way (`cudaMallocMaybeCapturing`). A failure to restore the mode is ignored: what `f` made
+/// must reach its caller, not leak.
+pub(super) fn relaxed_capture_mode<T>(
+    f: impl FnOnce() -> Result<T, DeviceError>,
+) -> Result<T, DeviceError> {
+    // BROKEN (`capture_mode_global`): called in the thread's mode (global: refused in a capture).
+    if cfg!(tidepool_broken = "capture_mode_global") {
+        return f();
+    }
+    let mut mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED;
+    // SAFETY: `mode` is a valid place to read the new mode from and write the old one to.
+    let code = unsafe { sys::cuThreadExchangeStreamCaptureMode(&mut mode) };
+    check("cuThreadExchangeStreamCaptureMode", code)?;
+    let out = f();
+    // SAFETY: as above; `mode` now holds the thread's previous mode, which goes back.
+    let _ = unsafe { sys::cuThreadExchangeStreamCaptureMode(&mut mode) };
+    out
+}
+
 /// `cuMemFree`.
 ///
 /// # Safety
