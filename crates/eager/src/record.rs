@@ -52,6 +52,14 @@ impl State {
     fn row(&mut self, op: &str, id: u64, bytes: u64, stream: StreamId, tag: &str) {
         let seq = self.seq;
         self.seq += 1;
+        // The format has no quoting: a comma or a line break in a tag (a step's name) made a
+        // row the reader refuses, and with it the whole trace. They become `_`.
+        // BROKEN (`trace_tags_raw`): written as given.
+        let is_separator = |c: char| matches!(c, ',' | '\n' | '\r');
+        let tag = match tag.contains(is_separator) && !cfg!(tidepool_broken = "trace_tags_raw") {
+            true => std::borrow::Cow::Owned(tag.replace(is_separator, "_")),
+            false => std::borrow::Cow::Borrowed(tag),
+        };
         let _ = writeln!(self.rows, "{seq},{op},{id},{bytes},{},{tag}", stream.0);
     }
 }
@@ -87,7 +95,8 @@ impl Recorder {
         lock(&self.state).row("free", id, bytes, stream, tag.as_str());
     }
 
-    /// Records entering a scope named `name` (no commas or newlines); returns its id.
+    /// Records entering a scope named `name` (a comma or line break in it is written as `_`:
+    /// the format has no quoting); returns its id.
     pub fn scope_enter(&self, name: &str, stream: StreamId) -> u64 {
         let mut st = lock(&self.state);
         let id = st.next_scope;

@@ -242,3 +242,23 @@ fn transformer_block_steps_are_planned_and_clean() {
     assert!(scoped_per_step.iter().all(|&n| n == scoped_per_step[0]));
     clean(&e);
 }
+
+/// A step name holding the trace's separators (a comma, a line break) is recorded with them
+/// replaced by `_`: written as given, the row had an extra column (or was cut in two), and
+/// `tidepool replay` refused the whole trace. Names without them are kept as they are.
+#[test]
+fn step_names_with_commas_or_line_breaks_keep_the_trace_readable() {
+    let e = eager();
+    e.start_trace();
+    for name in ["fwd,bwd", "two\nlines", "cr\r", "plain"] {
+        let step = e.step(name, StreamId::DEFAULT);
+        let cx = step.ctx();
+        drop(cx.full(&[4], 1.0).unwrap());
+    }
+    clean(&e);
+    let csv = e.recorder().unwrap().to_csv();
+    let trace = read_trace_bytes(csv.as_bytes()).unwrap_or_else(|err| panic!("{err}\n{csv}"));
+    assert_eq!(trace.scope_names, vec!["fwd_bwd0", "two_lines1", "cr_2", "plain3"]);
+    assert_eq!(trace.events.len(), 4 * 4, "enter, alloc, free, exit per step");
+    assert_eq!(csv.lines().count(), 1 + 4 * 4, "one line per row");
+}
