@@ -209,8 +209,10 @@ impl<T> CudaBuffer<T> {
     /// argument waits for its write event). While the buffer was never used elsewhere, the
     /// call on its own stream does nothing, so calling it before every launch is the simple
     /// rule.
-    /// A cudarc stream this device did not create is [`AllocError::UnknownStream`] (the
-    /// null stream's id stands for it).
+    /// A cudarc stream this device does not know (neither created nor adopted by it, nor its
+    /// null stream; a stream of another GPU's context) is
+    /// [`AllocError::UnknownStream`]`(StreamId(u32::MAX))`: it has no id here, and no stream
+    /// has that one.
     pub fn order_for(&self, stream: &CudaStream, access: AccessKind) -> Result<(), AllocError> {
         let id = self.buffer.device().stream_id(stream);
         let id = id.ok_or(AllocError::UnknownStream(StreamId(u32::MAX)))?;
