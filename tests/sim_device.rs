@@ -721,3 +721,25 @@ fn the_nth_event_creation_and_unmap_can_be_refused() {
     dev.vm_free(base, 8 << 20).unwrap();
     assert_eq!((dev.live_physical(), dev.virtual_bytes()), (0, 0));
 }
+
+/// A mapping asked for at an address whose end is past the address space (a bogus address
+/// from a caller of the `Device` trait) is `cuMemMap`'s invalid-value error, as any address
+/// outside a reservation: the end was computed unchecked, a panic in debug builds. Nothing is
+/// mapped, and the handle maps where it belongs afterwards.
+#[test]
+fn a_mapping_whose_end_overflows_is_an_error() {
+    let dev = SimDevice::backed(64 << 20);
+    let page = dev.vm_granularity().unwrap();
+    let base = dev.vm_reserve(4 * page).unwrap();
+    let h = dev.vm_create(page).unwrap();
+    let invalid = DeviceError::Driver { op: "cuMemMap", code: 1 };
+    for va in [u64::MAX - (page - 1), u64::MAX - (2 * page - 1)] {
+        assert_eq!(dev.vm_map(DeviceAddr(va), page, h), Err(invalid.clone()), "{va:#x}");
+    }
+    assert_eq!(dev.vm_counters().maps, 0);
+    dev.vm_map(base, page, h).unwrap();
+    dev.vm_unmap(base, page).unwrap();
+    dev.vm_release(h).unwrap();
+    dev.vm_free(base, 4 * page).unwrap();
+    assert_eq!((dev.live_physical(), dev.virtual_bytes()), (0, 0));
+}

@@ -628,7 +628,9 @@ impl Device for CudaDevice {
     /// `cuMemAddressFree` of a whole range with nothing mapped in it.
     fn vm_free(&self, base: DeviceAddr, bytes: u64) -> Result<(), DeviceError> {
         let mut vm = lock(&self.vm);
-        let mapped = vm.mappings.keys().any(|&va| base.0 <= va && va < base.0 + bytes);
+        // Saturating: a range whose end is past the address space is no reservation anyway.
+        let end = base.0.saturating_add(bytes);
+        let mapped = vm.mappings.keys().any(|&va| base.0 <= va && va < end);
         if vm.ranges.get(&base.0) != Some(&bytes) || mapped {
             return Err(DeviceError::Driver { op: "cuMemAddressFree", code: 1 });
         }
@@ -666,8 +668,12 @@ impl Device for CudaDevice {
     /// `cuMemMap` + `cuMemSetAccess` (read/write from this device).
     fn vm_map(&self, va: DeviceAddr, bytes: u64, handle: PhysHandle) -> Result<(), DeviceError> {
         let mut vm = lock(&self.vm);
-        let in_range = vm.ranges.iter().any(|(&b, &n)| b <= va.0 && va.0 + bytes <= b + n);
-        let overlaps = vm.mappings.iter().any(|(&a, &(n, _))| a < va.0 + bytes && va.0 < a + n);
+        // An end past the address space lies in no reservation: an error, not an overflow.
+        let end = va.0.checked_add(bytes);
+        let end_in = |b: u64, n: u64| end.is_some_and(|e| e <= b + n);
+        let in_range = vm.ranges.iter().any(|(&b, &n)| b <= va.0 && end_in(b, n));
+        let e = end.unwrap_or(u64::MAX);
+        let overlaps = vm.mappings.iter().any(|(&a, &(n, _))| a < e && va.0 < a + n);
         let sized = vm.handles.get(&handle.0) == Some(&bytes);
         if !in_range || overlaps || !sized {
             return Err(DeviceError::Driver { op: "cuMemMap", code: 1 });

@@ -426,12 +426,19 @@ impl Vmm {
         if p.bytes != bytes || !self.aligned(va) {
             return Err(invalid("cuMemMap"));
         }
+        // An address whose end is past the address space lies in no range (an error, not an
+        // overflow). BROKEN (`vm_map_overflows`): the end computed unchecked.
+        let end = match cfg!(tidepool_broken = "vm_map_overflows") {
+            true => Some(va + bytes),
+            false => va.checked_add(bytes),
+        };
+        let end = end.ok_or(invalid("cuMemMap"))?;
         // Mappings lie inside their ranges: only this range's can overlap the new one.
         let range = match self.ranges.floor_mut(&va) {
-            Some((&b, r)) if va + bytes <= b + r.bytes => r,
+            Some((&b, r)) if end <= b + r.bytes => r,
             _ => return Err(invalid("cuMemMap")),
         };
-        let below = range.mappings.floor(&(va + bytes - 1));
+        let below = range.mappings.floor(&(end - 1));
         if below.is_some_and(|(&a, m)| a + m.bytes > va) {
             return Err(invalid("cuMemMap"));
         }
