@@ -102,6 +102,28 @@ impl<'t, B: Backend> Ctx<'t, B> {
         Ok(t.ptr())
     }
 
+    /// [`Ctx::output`] for an op reading `inputs`: they are checked first ([`Ctx::input`]), so
+    /// an op refused for an operand allocates nothing. Allocated and dropped, a refused op's
+    /// output took a slot of a step's learned plan, and the step's later runs fell back and
+    /// learned again (two extra device segments for one refused op).
+    pub(crate) fn output_of(
+        &self,
+        shape: Shape,
+        inputs: &[&Tensor<'_, B>],
+    ) -> Result<Tensor<'t, B>> {
+        // BROKEN (`refused_ops_allocate`): the output is allocated before the operands are
+        // checked.
+        let late = cfg!(tidepool_broken = "refused_ops_allocate");
+        if !late {
+            inputs.iter().try_for_each(|t| same_device(&self.eager, t))?;
+        }
+        let out = self.output(shape)?;
+        if late {
+            inputs.iter().try_for_each(|t| same_device(&self.eager, t))?;
+        }
+        Ok(out)
+    }
+
     /// Allocates an uninitialised output of `shape` (through the scope, or the allocator).
     pub(crate) fn output(&self, shape: Shape) -> Result<Tensor<'t, B>> {
         let bytes = shape.numel() as u64 * ELEM;

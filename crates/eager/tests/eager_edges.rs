@@ -362,3 +362,61 @@ fn a_product_over_an_empty_inner_dimension_is_zeros() {
         }
     }
 }
+
+/// An op refused for an operand of another device allocates nothing: its output was allocated
+/// first and dropped, which in a step took a slot of the learned plan, so the step's next runs
+/// fell back and learned again (two new device segments for one refused `add`). The step's plan
+/// serves every later run as before, with no fallback and no device malloc.
+#[test]
+fn a_refused_op_allocates_nothing() {
+    use tidepool::AllocError;
+    use tidepool_eager::EagerError;
+    let e = eager();
+    let other = eager();
+    let f = other.ctx(S).full(&[4, 4], 1.0).unwrap(); // another device's tensor
+    let fc = other.ctx(S).full(&[4], 1.0).unwrap();
+    let mut learned = None;
+    for i in 0..8 {
+        let step = e.step("step", S);
+        let cx = step.ctx();
+        let x = cx.full(&[4, 4], 1.0).unwrap();
+        let g = cx.full(&[4], 1.0).unwrap();
+        if i == 3 {
+            let plan = |e: &SimEager| {
+                let s = e.allocator().stats();
+                (e.stats().scoped_allocs, s.plan_hits, s.plan_misses, s.plan_fallbacks)
+            };
+            let before = plan(&e);
+            let refused = [
+                cx.add(&x, &f).map(drop),
+                cx.relu(&f).map(drop),
+                cx.matmul(&x, &f).map(drop),
+                cx.transpose(&f).map(drop),
+                cx.softmax(&f).map(drop),
+                cx.sum(&f).map(drop),
+                cx.layer_norm(&x, &fc, &g, 1e-5).map(drop),
+                cx.embedding(&x, &fc).map(drop),
+                cx.cross_entropy(&x, &fc).map(drop),
+            ];
+            for (k, r) in refused.into_iter().enumerate() {
+                assert!(matches!(r, Err(EagerError::Alloc(AllocError::ForeignBuffer))), "{k}");
+            }
+            assert_eq!(plan(&e), before, "a refused op allocated");
+        }
+        let y = cx.relu(&x).unwrap();
+        let z = cx.add(&x, &y).unwrap();
+        assert_eq!(z.to_host().unwrap(), vec![2.0; 16]);
+        drop((x, g, y, z));
+        drop(step);
+        let s = e.allocator().stats();
+        if i == 2 {
+            learned = Some(s.num_device_alloc);
+        }
+        if i >= 2 {
+            assert_eq!(s.plan_fallbacks, 0, "step {i}");
+            assert_eq!(Some(s.num_device_alloc), learned, "step {i}");
+        }
+    }
+    e.synchronize().unwrap();
+    assert_eq!(e.device().violations(), vec![]);
+}

@@ -14,12 +14,12 @@ impl<'t, B: Backend> Ctx<'t, B> {
                 "{op:?}: {bd:?} is neither {ad:?} nor its trailing dimensions"
             ));
         }
-        let out = self.output(a.dims())?;
         let n = a.numel();
         let b_len = b.numel();
         if b_len == 0 && n > 0 {
             return shape_err(format!("{op:?}: empty right operand"));
         }
+        let out = self.output_of(a.dims(), &[a, b])?;
         self.launch(
             &KernelOp::Binary {
                 op,
@@ -46,14 +46,14 @@ impl<'t, B: Backend> Ctx<'t, B> {
 
     /// `alpha · x`.
     pub fn scale(&self, x: &Tensor<'_, B>, alpha: f32) -> Result<Tensor<'t, B>> {
-        let out = self.output(x.dims())?;
+        let out = self.output_of(x.dims(), &[x])?;
         let n = x.numel();
         self.launch(&KernelOp::Scale { x: self.input(x)?, out: out.ptr(), n, alpha }, n)?;
         Ok(out)
     }
 
     fn unary(&self, op: UnaryOp, x: &Tensor<'_, B>) -> Result<Tensor<'t, B>> {
-        let out = self.output(x.dims())?;
+        let out = self.output_of(x.dims(), &[x])?;
         let n = x.numel();
         self.launch(&KernelOp::Unary { op, x: self.input(x)?, out: out.ptr(), n }, n)?;
         Ok(out)
@@ -66,7 +66,7 @@ impl<'t, B: Backend> Ctx<'t, B> {
         dy: &Tensor<'_, B>,
     ) -> Result<Tensor<'t, B>> {
         same_shape("unary backward", x, dy)?;
-        let out = self.output(x.dims())?;
+        let out = self.output_of(x.dims(), &[x, dy])?;
         let n = x.numel();
         let k = KernelOp::UnaryBackward {
             op,

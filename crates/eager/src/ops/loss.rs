@@ -17,7 +17,7 @@ impl<'t, B: Backend> Ctx<'t, B> {
         let (vocab, dim) = (ts.dims()[0], ts.dims()[1]);
         let mut dims = ids.shape().to_vec();
         dims.push(dim);
-        let out = self.output(Shape::new(&dims)?)?;
+        let out = self.output_of(Shape::new(&dims)?, &[table, ids])?;
         let n_ids = ids.numel();
         let op = KernelOp::Embedding {
             table: self.input(table)?,
@@ -55,7 +55,7 @@ impl<'t, B: Backend> Ctx<'t, B> {
             ));
         }
         let (vocab, dim) = (ts.dims()[0], ts.dims()[1]);
-        let out = self.output(ts)?;
+        let out = self.output_of(ts, &[ids, dy])?;
         let op = KernelOp::EmbeddingBackward {
             ids: self.input(ids)?,
             dy: self.input(dy)?,
@@ -86,7 +86,7 @@ impl<'t, B: Backend> Ctx<'t, B> {
         targets: &Tensor<'_, B>,
     ) -> Result<Tensor<'t, B>> {
         let (rows, cols) = Self::check_ce(logits, targets)?;
-        let out = self.output(Shape::new(&[1])?)?;
+        let out = self.output_of(Shape::new(&[1])?, &[logits, targets])?;
         let op = KernelOp::CrossEntropy {
             logits: self.input(logits)?,
             targets: self.input(targets)?,
@@ -108,7 +108,7 @@ impl<'t, B: Backend> Ctx<'t, B> {
         targets: &Tensor<'_, B>,
     ) -> Result<Tensor<'t, B>> {
         let (rows, cols) = Self::check_ce(logits, targets)?;
-        let out = self.output(logits.dims())?;
+        let out = self.output_of(logits.dims(), &[logits, targets])?;
         let op = KernelOp::CrossEntropyBackward {
             logits: self.input(logits)?,
             targets: self.input(targets)?,

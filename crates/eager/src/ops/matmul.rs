@@ -59,7 +59,7 @@ impl<'t, B: Backend> Ctx<'t, B> {
         let batch: usize = batch_dims.iter().product();
         let mut dims = batch_dims.to_vec();
         dims.extend([m, n]);
-        let out = self.output(Shape::new(&dims)?)?;
+        let out = self.output_of(Shape::new(&dims)?, &[a, b])?;
         let op = KernelOp::Matmul {
             a: self.input(a)?,
             b: self.input(b)?,
@@ -124,7 +124,7 @@ impl<'t, B: Backend> Ctx<'t, B> {
                     b.shape()
                 ));
             }
-            let out = self.output(b.dims())?;
+            let out = self.output_of(b.dims(), &[a, dy])?;
             let op = KernelOp::Matmul {
                 a: self.input(a)?,
                 b: self.input(dy)?,
@@ -147,7 +147,7 @@ impl<'t, B: Backend> Ctx<'t, B> {
     /// Swaps the last two dimensions (a copy). Its backward is the transpose of the gradient.
     pub fn transpose(&self, x: &Tensor<'_, B>) -> Result<Tensor<'t, B>> {
         let s = x.dims();
-        let out = self.output(s.transposed()?)?;
+        let out = self.output_of(s.transposed()?, &[x])?;
         let (_, rows, cols) = split(&s);
         let batch = s.numel() / (rows * cols).max(1);
         let op = KernelOp::Transpose { x: self.input(x)?, out: out.ptr(), batch, rows, cols };

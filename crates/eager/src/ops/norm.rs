@@ -9,7 +9,7 @@ impl<'t, B: Backend> Ctx<'t, B> {
     /// Softmax over the last dimension.
     pub fn softmax(&self, x: &Tensor<'_, B>) -> Result<Tensor<'t, B>> {
         let s = x.dims();
-        let out = self.output(s)?;
+        let out = self.output_of(s, &[x])?;
         let op =
             KernelOp::Softmax { x: self.input(x)?, out: out.ptr(), rows: s.rows(), cols: s.last() };
         self.launch(&op, out.numel())?;
@@ -20,7 +20,7 @@ impl<'t, B: Backend> Ctx<'t, B> {
     pub fn softmax_backward(&self, y: &Tensor<'_, B>, dy: &Tensor<'_, B>) -> Result<Tensor<'t, B>> {
         same_shape("softmax backward", y, dy)?;
         let s = y.dims();
-        let out = self.output(s)?;
+        let out = self.output_of(s, &[y, dy])?;
         let op = KernelOp::SoftmaxBackward {
             y: self.input(y)?,
             dy: self.input(dy)?,
@@ -49,7 +49,7 @@ impl<'t, B: Backend> Ctx<'t, B> {
                 beta.shape()
             ));
         }
-        let out = self.output(s)?;
+        let out = self.output_of(s, &[x, gamma, beta])?;
         let op = KernelOp::LayerNorm {
             x: self.input(x)?,
             gamma: self.input(gamma)?,
@@ -88,7 +88,7 @@ impl<'t, B: Backend> Ctx<'t, B> {
         if gamma.shape() != [c] {
             return shape_err(format!("layer norm of {s} needs gamma of [{c}]"));
         }
-        let dx = self.output(s)?;
+        let dx = self.output_of(s, &[x, gamma, dy])?;
         let dgamma = grads.output(gamma.dims())?;
         let dbeta = grads.output(gamma.dims())?;
         let op = KernelOp::LayerNormBackward {

@@ -14,7 +14,7 @@ impl<'t, B: Backend> Ctx<'t, B> {
         }
         let (rows, cols) = (s.rows(), s.last());
         let scale = if mean { 1.0 / cols.max(1) as f32 } else { 1.0 };
-        let out = self.output(s.drop_last())?;
+        let out = self.output_of(s.drop_last(), &[x])?;
         let op = KernelOp::SumLast { x: self.input(x)?, out: out.ptr(), rows, cols, scale };
         self.launch(&op, rows)?;
         Ok(out)
@@ -32,7 +32,7 @@ impl<'t, B: Backend> Ctx<'t, B> {
         }
         let (rows, cols) = (s.rows(), s.last());
         let scale = if mean { 1.0 / cols.max(1) as f32 } else { 1.0 };
-        let out = self.output(s)?;
+        let out = self.output_of(s, &[dy])?;
         let op = KernelOp::BroadcastLast { dy: self.input(dy)?, out: out.ptr(), rows, cols, scale };
         self.launch(&op, out.numel())?;
         Ok(out)
@@ -67,7 +67,7 @@ impl<'t, B: Backend> Ctx<'t, B> {
         }
         let cols = like.numel();
         let rows = dy.numel().checked_div(cols).unwrap_or(0);
-        let out = self.output(like.dims())?;
+        let out = self.output_of(like.dims(), &[dy])?;
         let op = KernelOp::SumRows { x: self.input(dy)?, out: out.ptr(), rows, cols };
         self.launch(&op, cols)?;
         Ok(out)
