@@ -452,11 +452,12 @@ fn cudarc_copies_on_another_stream_wait_for_the_owner_and_hold_the_block() {
     }
 }
 
-/// A cudarc copy on a stream of another GPU's context (peer to peer) takes the host-wait
-/// fallback (this device knows no such stream): it waits for the buffer's pending write on its
-/// own GPU. The fallback synchronised the using stream's context, the other GPU's, which has
-/// none of the buffer's work: the copy read the buffer before the gated kernel wrote it. Needs
-/// two GPUs (skips with fewer).
+/// A cudarc read on a stream of another GPU's context (`clone_dtoh` on GPU 1 of a buffer on
+/// GPU 0) takes the host-wait fallback (this device knows no such stream): it waits for the
+/// buffer's pending write on its own GPU. The fallback synchronised the using stream's context,
+/// the other GPU's, which has none of the buffer's work: the copy read the buffer before the
+/// gated kernel wrote it. (`memcpy_dtod` across contexts does not come here: cudarc asks for
+/// the source on its own stream and orders the copy itself.) Needs two GPUs (skips with fewer).
 #[test]
 fn a_copy_on_another_gpus_stream_waits_for_the_buffers_write() {
     let Some((_gpu, dev)) = gpu() else { return };
@@ -473,22 +474,20 @@ fn a_copy_on_another_gpus_stream_waits_for_the_buffers_write() {
     let x = CudaBuffer::<f32>::alloc_zeros(&alloc, N, a).unwrap();
     launch_gated(&k, &sa, &x, 1.0, &gate); // A writes 1.0 once the gate opens
     let s1 = peer.context().new_stream().unwrap();
-    let mut y = s1.alloc_zeros::<f32>(N).unwrap();
     // The gate opens from another thread after the copy was asked for: a copy that does not
     // wait for A's write reads x's zeros (the waiting one blocks until the gate opens).
-    std::thread::scope(|scope| {
+    let host = std::thread::scope(|scope| {
         scope.spawn(|| {
             std::thread::sleep(std::time::Duration::from_millis(200));
             open_gate(&gate, &sc);
         });
-        s1.memcpy_dtod(&x, &mut y).unwrap();
+        s1.clone_dtoh(&x).unwrap()
     });
     dev.synchronize().unwrap();
     assert_no_timeout(&gate);
-    let host = s1.clone_dtoh(&y).unwrap();
     assert!(host.iter().all(|&v| v == 1.0), "the copy on GPU 1 read x before A's write");
     peer.context().check_err().unwrap();
-    drop((y, x, gate));
+    drop((x, gate));
     alloc.empty_cache().unwrap();
     for s in [a, c] {
         dev.destroy_stream(s).unwrap();

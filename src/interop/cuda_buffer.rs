@@ -242,7 +242,11 @@ impl<T> CudaBuffer<T> {
         } else {
             self.buffer.device().context()
         };
-        stream.context().record_err(owner.synchronize());
+        let ctx = stream.context();
+        ctx.record_err(owner.synchronize());
+        // The synchronisation made the buffer's context current on this thread; the cudarc
+        // call goes on with the using stream, whose context must be current again.
+        ctx.record_err(ctx.bind_to_thread());
         SyncOnDrop::sync_stream(stream)
     }
 }
