@@ -103,11 +103,13 @@ pub struct Config {
     /// [`MAX_REQUEST`](crate::MAX_REQUEST) (256 TiB). A request no range of its stream has room
     /// for is served by an ordinary segment.
     pub expandable_reserve: Option<ExpandableReserve>,
-    /// PyTorch's `garbage_collection_threshold`, in (0, 1): when reserving a new segment would
-    /// take reserved memory past this share of the cap ([`Config::limit`]: `memory_limit_mb`,
-    /// `per_process_memory_fraction` or `max_pool_size_mb`, one of which must be set), cached
-    /// transient segments (whole, free) are released first, the longest idle first, until it
-    /// fits. Persistent segments are never released by it.
+    /// PyTorch's `garbage_collection_threshold`, in (0, 1): when a new segment is about to be
+    /// reserved while reserved memory is past this share of the cap ([`Config::limit`]:
+    /// `memory_limit_mb`, `per_process_memory_fraction` or `max_pool_size_mb`; without one, the
+    /// device's memory), cached large-pool transient segments (whole, free) are released first,
+    /// in passes of those idle at least as long as the average, until the excess is released
+    /// (PyTorch's `garbage_collect_cached_blocks`). Small-pool and persistent segments, and
+    /// private pools' memory, are never released by it.
     pub garbage_collection_threshold: Option<f64>,
     /// Bytes reserved up front when the allocator is made (`initial_pool_size_mb`, RMM's
     /// `initial_pool_size`; 0: none): one transient large-pool segment of the default stream,
@@ -352,7 +354,7 @@ pub const KEYS: &[(&str, &str)] = &[
     ),
     (
         "garbage_collection_threshold",
-        "release idle cached segments, oldest first, before reserved passes this share of the cap, in (0, 1)",
+        "once reserved is past this share of the cap, release idle cached large segments, oldest first, in (0, 1)",
     ),
     ("initial_pool_size_mb", "MiB reserved up front and kept (0: none)"),
     ("max_pool_size_mb", "never reserve more than this many MiB (like memory_limit_mb)"),
