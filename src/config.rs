@@ -1166,7 +1166,6 @@ mod tests {
             ("roundup_power2_divisions:8589934592", "roundup_power2_divisions"),
             ("roundup_power2_divisions:[64:3]", "roundup_power2_divisions"),
             ("roundup_power2_divisions:[65:8]", "roundup_power2_divisions"),
-            ("roundup_power2_divisions:[>:8,64:2]", "roundup_power2_divisions"),
             ("max_non_split_rounding_mb:19", "max_non_split_rounding_mb"),
             ("max_non_split_rounding_mb:x", "max_non_split_rounding_mb"),
             ("backend:cudaMallocAsync", "backend"),
@@ -1208,6 +1207,14 @@ mod tests {
                 other => panic!("{s}: expected BadValue, got {other:?}"),
             }
         }
+        // A key after `>` is PyTorch's too (`parseRoundUpPower2Divisions` reads the list in one
+        // loop): `>` fills from interval 1, then 64 fills the intervals below it and its own.
+        let d = Config::parse("roundup_power2_divisions:[>:8,64:2]").unwrap();
+        let d = d.sizing.roundup_power2_divisions;
+        assert_eq!(
+            (0..16).map(|i| d.interval(i)).collect::<Vec<_>>(),
+            [2, 2, 2, 2, 2, 2, 2, 8, 8, 8, 8, 8, 8, 8, 8, 8]
+        );
         let msg = Config::parse("cross_stream:lazy").unwrap_err().to_string();
         assert_eq!(
             msg,

@@ -9,7 +9,9 @@
 //!   new segment fitted; PyTorch's `garbage_collect_cached_blocks` runs once reserved memory is
 //!   past `threshold × cap`, walks the general allocator's large pool only (never a private
 //!   pool's), and releases in passes every segment at least as idle as the average: broken
-//!   build `gc_before_threshold`.
+//!   build `gc_before_threshold`;
+//! - `roundup_power2_divisions` refused a key after `>` (`[64:8,>:1,256:4]`), which PyTorch's
+//!   parser reads: broken build `divisions_gt_last`.
 
 use std::sync::Arc;
 use tidepool::device::SimDevice;
@@ -127,5 +129,58 @@ fn garbage_collect_cached_blocks_leaves_private_pools() {
     assert_eq!(pool.stats().num_device_free, 0);
     drop((held, b));
     pool.check_invariants().unwrap();
+    alloc.check_invariants().unwrap();
+}
+
+// -------------------------------------------------------------------- roundup_power2_divisions
+
+/// The bytes a request of `bytes` takes (`active_bytes.all.allocated`'s delta, as
+/// `test_allocator_settings` measures it).
+fn taken(alloc: &Allocator<SimDevice>, bytes: u64) -> u64 {
+    let before = stat(alloc, "active_bytes.all.allocated");
+    drop(alloc.alloc(bytes, S0).unwrap());
+    (stat(alloc, "active_bytes.all.allocated") - before) as u64
+}
+
+/// `test_allocator_settings`, the list half: under
+/// `garbage_collection_threshold:0.5,roundup_power2_divisions:[64:8,128:2,256:2,512:2,1024:1,>:1]`
+/// an 84 MiB tensor takes `power2_div(84 MiB, 8)` = 88 MiB and a 400 MiB one
+/// `power2_div(400 MiB, 2)` = 512 MiB; and PyTorch's parser (`parseRoundUpPower2Divisions`)
+/// reads keys after `>` too, each setting its own interval (`>` fills from the key before it;
+/// the first key fills every interval below it, even after a `>`): under `[64:8,>:1,256:4]`
+/// 100 MiB → 104, 150 MiB stays (1 division), 300 MiB → 320, 600 MiB stays; under
+/// `[>:2,64:8]` 3 MiB + 1 → 3.25 MiB, 100 MiB → 104, 150 MiB → 192.
+/// (`tidepool_broken = "divisions_gt_last"` refuses both strings.)
+#[test]
+fn test_allocator_settings_roundup_power2_divisions_lists() {
+    let (_dev, alloc) = allocator(4 << 30, "");
+    let list = "garbage_collection_threshold:0.5,\
+                roundup_power2_divisions:[64:8,128:2,256:2,512:2,1024:1,>:1]";
+    alloc.set_config(Config::parse(list).unwrap()).unwrap();
+    assert_eq!(taken(&alloc, 84 * MIB), 88 * MIB);
+    alloc.empty_cache().unwrap();
+    assert_eq!(taken(&alloc, 400 * MIB), 512 * MIB);
+    alloc.empty_cache().unwrap();
+    for (conf, cases) in [
+        (
+            "roundup_power2_divisions:[64:8,>:1,256:4]",
+            &[
+                (100 * MIB, 104 * MIB),
+                (150 * MIB, 150 * MIB),
+                (300 * MIB, 320 * MIB),
+                (600 * MIB, 600 * MIB),
+            ][..],
+        ),
+        (
+            "roundup_power2_divisions:[>:2,64:8]",
+            &[(3 * MIB + 1, 3 * MIB + MIB / 4), (100 * MIB, 104 * MIB), (150 * MIB, 192 * MIB)][..],
+        ),
+    ] {
+        alloc.set_config(Config::parse(conf).unwrap()).unwrap();
+        for &(bytes, expected) in cases {
+            assert_eq!(taken(&alloc, bytes), expected, "{conf}: {bytes}");
+            alloc.empty_cache().unwrap();
+        }
+    }
     alloc.check_invariants().unwrap();
 }
