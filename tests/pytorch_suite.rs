@@ -11,7 +11,12 @@
 //!   pool's), and releases in passes every segment at least as idle as the average: broken
 //!   build `gc_before_threshold`;
 //! - `roundup_power2_divisions` refused a key after `>` (`[64:8,>:1,256:4]`), which PyTorch's
-//!   parser reads: broken build `divisions_gt_last`.
+//!   parser reads: broken build `divisions_gt_last`;
+//! - with expandable segments and `max_split_size_mb`, a free block at the end of a range's
+//!   mapped pages that the size rules refused was passed over for new pages elsewhere (a second
+//!   range: 110 MiB reserved where 60 MiB hold it), and an oversize block was never split;
+//!   PyTorch's `try_allocate_expandable_block` takes the block and splits it: broken build
+//!   `expandable_tail_refused`.
 
 use std::sync::Arc;
 use tidepool::device::SimDevice;
@@ -182,5 +187,43 @@ fn test_allocator_settings_roundup_power2_divisions_lists() {
             alloc.empty_cache().unwrap();
         }
     }
+    alloc.check_invariants().unwrap();
+}
+
+// ------------------------------------------------------------------- expandable segments
+
+/// `try_allocate_expandable_block` (CUDACachingAllocator.cpp) under `max_split_size_mb:40`, as
+/// `test_cuda_expandable_segments.py` runs `test_cuda.py`: `get_free_block` refuses a free
+/// oversize block for a smaller request, but the expandable path then takes the free block
+/// that ends the segment's mapped pages, and `should_split` (expandable segments: whatever is
+/// left, ≥ 512 B) splits it. A 50 MiB tensor freed; 30 MiB comes from its start with no page
+/// mapped (50 MiB reserved); another 30 MiB maps 10 MiB more after it (60 MiB); both freed, a
+/// 45 MiB request (≥ 40, within 20 MiB of the 60 MiB block) splits the block, and 15 MiB
+/// more comes from the rest. (PyTorch maps the large pool in 20 MiB granules, so it has 60 MiB
+/// mapped from the first tensor on; tidepool's pages are 2 MiB, a documented difference.)
+/// (`tidepool_broken = "expandable_tail_refused"`: the first 30 MiB went to a second range,
+/// 80 MiB, then 110 MiB; the 45 MiB request took 60 MiB.)
+#[test]
+fn try_allocate_expandable_block_takes_a_refused_end_block() {
+    let (dev, alloc) = allocator(1 << 30, "expandable_segments:True,max_split_size_mb:40");
+    dev.set_virtual_memory(true);
+    let a = alloc.alloc(50 * MIB, S0).unwrap();
+    let base = a.ptr();
+    assert_eq!(stat(&alloc, "oversize_allocations.current"), 1);
+    drop(a);
+    let b = alloc.alloc(30 * MIB, S0).unwrap();
+    assert_eq!((b.ptr(), alloc.reserved_bytes()), (base, 50 * MIB));
+    assert_eq!(stat(&alloc, "oversize_allocations.current"), 0);
+    let c = alloc.alloc(30 * MIB, S0).unwrap();
+    assert_eq!((c.ptr().0, alloc.reserved_bytes()), (base.0 + 30 * MIB, 60 * MIB));
+    assert_eq!(alloc.expandable_ranges().len(), 1);
+    drop((b, c));
+    let d = alloc.alloc(45 * MIB, S0).unwrap();
+    assert_eq!(d.ptr(), base);
+    assert_eq!(stat(&alloc, "allocated_bytes.all.current"), (45 * MIB) as i64);
+    assert_eq!(stat(&alloc, "oversize_allocations.current"), 1);
+    let e = alloc.alloc(15 * MIB, S0).unwrap();
+    assert_eq!((e.ptr().0, alloc.reserved_bytes()), (base.0 + 45 * MIB, 60 * MIB));
+    drop((d, e));
     alloc.check_invariants().unwrap();
 }
