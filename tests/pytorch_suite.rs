@@ -17,6 +17,9 @@
 //!   range: 110 MiB reserved where 60 MiB hold it), and an oversize block was never split;
 //!   PyTorch's `try_allocate_expandable_block` takes the block and splits it: broken build
 //!   `expandable_tail_refused`.
+//!
+//! `test_memory_stats_multigpu` is ported in `tests/pytorch_parity_stats.rs`, beside the
+//! statistics generator it interleaves.
 
 use std::sync::Arc;
 use tidepool::device::SimDevice;
