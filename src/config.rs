@@ -103,11 +103,13 @@ pub struct Config {
     /// [`MAX_REQUEST`](crate::MAX_REQUEST) (256 TiB). A request no range of its stream has room
     /// for is served by an ordinary segment.
     pub expandable_reserve: Option<ExpandableReserve>,
-    /// PyTorch's `garbage_collection_threshold`, in (0, 1): when reserving a new segment would
-    /// take reserved memory past this share of the cap ([`Config::limit`]: `memory_limit_mb`,
-    /// `per_process_memory_fraction` or `max_pool_size_mb`, one of which must be set), cached
-    /// transient segments (whole, free) are released first, the longest idle first, until it
-    /// fits. Persistent segments are never released by it.
+    /// PyTorch's `garbage_collection_threshold`, in (0, 1): when a new segment is about to be
+    /// reserved while reserved memory is past this share of the cap ([`Config::limit`]:
+    /// `memory_limit_mb`, `per_process_memory_fraction` or `max_pool_size_mb`; without one, the
+    /// device's memory), cached large-pool transient segments (whole, free) are released first,
+    /// in passes of those idle at least as long as the average, until the excess is released
+    /// (PyTorch's `garbage_collect_cached_blocks`). Small-pool and persistent segments, and
+    /// private pools' memory, are never released by it.
     pub garbage_collection_threshold: Option<f64>,
     /// Bytes reserved up front when the allocator is made (`initial_pool_size_mb`, RMM's
     /// `initial_pool_size`; 0: none): one transient large-pool segment of the default stream,
@@ -352,7 +354,7 @@ pub const KEYS: &[(&str, &str)] = &[
     ),
     (
         "garbage_collection_threshold",
-        "release idle cached segments, oldest first, before reserved passes this share of the cap, in (0, 1)",
+        "once reserved is past this share of the cap, release idle cached large segments, oldest first, in (0, 1)",
     ),
     ("initial_pool_size_mb", "MiB reserved up front and kept (0: none)"),
     ("max_pool_size_mb", "never reserve more than this many MiB (like memory_limit_mb)"),
@@ -1164,7 +1166,6 @@ mod tests {
             ("roundup_power2_divisions:8589934592", "roundup_power2_divisions"),
             ("roundup_power2_divisions:[64:3]", "roundup_power2_divisions"),
             ("roundup_power2_divisions:[65:8]", "roundup_power2_divisions"),
-            ("roundup_power2_divisions:[>:8,64:2]", "roundup_power2_divisions"),
             ("max_non_split_rounding_mb:19", "max_non_split_rounding_mb"),
             ("max_non_split_rounding_mb:x", "max_non_split_rounding_mb"),
             ("backend:cudaMallocAsync", "backend"),
@@ -1206,6 +1207,14 @@ mod tests {
                 other => panic!("{s}: expected BadValue, got {other:?}"),
             }
         }
+        // A key after `>` is PyTorch's too (`parseRoundUpPower2Divisions` reads the list in one
+        // loop): `>` fills from interval 1, then 64 fills the intervals below it and its own.
+        let d = Config::parse("roundup_power2_divisions:[>:8,64:2]").unwrap();
+        let d = d.sizing.roundup_power2_divisions;
+        assert_eq!(
+            (0..16).map(|i| d.interval(i)).collect::<Vec<_>>(),
+            [2, 2, 2, 2, 2, 2, 2, 8, 8, 8, 8, 8, 8, 8, 8, 8]
+        );
         let msg = Config::parse("cross_stream:lazy").unwrap_err().to_string();
         assert_eq!(
             msg,

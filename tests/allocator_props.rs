@@ -57,6 +57,8 @@ fn config() -> impl Strategy<Value = Config> {
         Just(Config::parse("expandable_segments:true").unwrap()),
         Just(Config::parse("expandable_segments:true,cross_stream:wait_event").unwrap()),
         Just(Config::parse("expandable_segments:true,release_threshold_mb:4").unwrap()),
+        // Oversize free blocks at a run's end serve smaller requests, and range blocks split.
+        Just(Config::parse("expandable_segments:true,max_split_size_mb:32").unwrap()),
     ]
 }
 

@@ -29,65 +29,90 @@ fn live_bases(dev: &SimDevice) -> BTreeSet<u64> {
 
 // ---------------------------------------------------------------- garbage_collection_threshold
 
-/// Four 10 MiB segments (own-segment requests): P persistent, then B, A, C transient, freed in
-/// that order, then B reused and freed again: idle longest first, P, A, C, B. A 22 MiB request
-/// under a 50 MiB threshold (0.5 × 100 MiB) must first release A and C, the two transient
-/// segments idle longest, and nothing else.
-/// Returns (bases of P, B, A, C, the new block's base), the device's live bases after, and the
-/// reserved bytes after.
-fn gc_scenario(broken: Option<Broken>) -> ([u64; 5], BTreeSet<u64>, u64) {
+/// Five 12 MiB segments (own-segment requests): P persistent, then B, A, C, D transient, freed
+/// in that order, then B reused and freed again: idle ages (pool clock − last use) A 4, C 3,
+/// D 2, B 0 (P never). 60 MiB reserved is past the 50 MiB threshold (0.5 × 100 MiB), so a
+/// 22 MiB request that no free block holds first runs PyTorch's collection: 10 MiB to reclaim,
+/// the average age 9/4, so A and C (at least that old) go in one pass, and D stays though the
+/// new segment then passes the threshold.
+/// Returns (bases of P, B, A, C, D, the new block's base), the device's live bases after, and
+/// the reserved bytes after.
+fn gc_scenario(broken: Option<Broken>) -> ([u64; 6], BTreeSet<u64>, u64) {
     let (dev, alloc) =
         setup("memory_limit_mb:100,garbage_collection_threshold:0.5,fast_cache:false", 1 << 30);
     if let Some(mode) = broken {
         alloc.set_broken(mode, true);
     }
-    let p = alloc.alloc_in(10 * MIB, S, Residency::Persistent).unwrap();
-    let b = alloc.alloc(10 * MIB, S).unwrap();
-    let a = alloc.alloc(10 * MIB, S).unwrap();
-    let c = alloc.alloc(10 * MIB, S).unwrap();
-    let bases = [p.ptr().0, b.ptr().0, a.ptr().0, c.ptr().0];
-    assert_eq!(alloc.reserved_bytes(), 40 * MIB);
-    for buf in [p, b, a, c] {
+    let p = alloc.alloc_in(12 * MIB, S, Residency::Persistent).unwrap();
+    let b = alloc.alloc(12 * MIB, S).unwrap();
+    let a = alloc.alloc(12 * MIB, S).unwrap();
+    let c = alloc.alloc(12 * MIB, S).unwrap();
+    let d = alloc.alloc(12 * MIB, S).unwrap();
+    let bases = [p.ptr().0, b.ptr().0, a.ptr().0, c.ptr().0, d.ptr().0];
+    assert_eq!(alloc.reserved_bytes(), 60 * MIB);
+    for buf in [p, b, a, c, d] {
         drop(buf);
         alloc.check_invariants().unwrap();
     }
-    // Nothing is collected below the threshold: 40 + 10 ≤ 50 (and the 10 MiB request reuses B).
-    let reuse = alloc.alloc(10 * MIB, S).unwrap();
+    // A request a free block holds collects nothing, past the threshold or not.
+    let reuse = alloc.alloc(12 * MIB, S).unwrap();
     assert_eq!(reuse.ptr().0, bases[1], "best fit: the lowest of the equal free segments");
     drop(reuse);
     assert_eq!(alloc.stats().num_device_free, 0);
-    // B was reused last now: the idle order is P, A, C, B.
+    // B was reused last now: the idle order is P, A, C, D, B.
     let big = alloc.alloc(22 * MIB, S).unwrap();
     alloc.check_invariants().unwrap();
     assert_eq!(dev.counters().failed_mallocs, 0, "collected before asking the device");
     assert_eq!(alloc.stats().num_alloc_retries, 0);
-    let out = ([bases[0], bases[1], bases[2], bases[3], big.ptr().0], live_bases(&dev), {
-        alloc.reserved_bytes()
-    });
+    let out = (
+        [bases[0], bases[1], bases[2], bases[3], bases[4], big.ptr().0],
+        live_bases(&dev),
+        alloc.reserved_bytes(),
+    );
     drop(big);
     out
 }
 
 #[test]
 fn gc_releases_idle_transient_segments_oldest_first_before_reserving() {
-    let ([p, b, a, c, big], live, reserved) = gc_scenario(None);
-    // Idle order P (persistent: never), A, C, B: A and C go (40 → 20 MiB, and 20 + 22 ≤ 50).
-    assert_eq!(live, BTreeSet::from([p, b, big]));
+    let ([p, b, a, c, d, big], live, reserved) = gc_scenario(None);
+    // A and C go (24 MiB ≥ the 10 MiB excess); D, younger than the average, stays.
+    // (`tidepool_broken = "gc_before_threshold"` releases D too, to fit the new segment.)
+    assert_eq!(live, BTreeSet::from([p, b, d, big]));
     assert!(!live.contains(&a) && !live.contains(&c));
-    assert_eq!(reserved, 20 * MIB + 22 * MIB);
+    assert_eq!(reserved, 36 * MIB + 22 * MIB);
+}
+
+/// Reserved memory at the threshold is not past it: PyTorch's `total_allocated_memory <=
+/// gc_threshold` collects nothing, though the new segment then goes past it.
+#[test]
+fn gc_waits_until_reserved_memory_is_past_the_threshold() {
+    let (dev, alloc) =
+        setup("memory_limit_mb:100,garbage_collection_threshold:0.5,fast_cache:false", 1 << 30);
+    let held = alloc.alloc(38 * MIB, S).unwrap();
+    drop(alloc.alloc(12 * MIB, S).unwrap());
+    assert_eq!(alloc.reserved_bytes(), 50 * MIB);
+    let b = alloc.alloc(14 * MIB, S).unwrap();
+    assert_eq!((alloc.reserved_bytes(), alloc.stats().num_device_free), (64 * MIB, 0));
+    // Now 64 > 50: the idle 12 MiB segment goes before the next reservation.
+    let c = alloc.alloc(16 * MIB, S).unwrap();
+    assert_eq!((alloc.reserved_bytes(), alloc.stats().num_device_free), (68 * MIB, 1));
+    assert_eq!(dev.counters().failed_mallocs, 0);
+    drop((held, b, c));
+    alloc.check_invariants().unwrap();
 }
 
 #[test]
 fn gc_broken_modes_are_caught() {
-    // Youngest first: B (just reused) and C go instead of A and C.
-    let ([p, b, a, c, big], live, _) = gc_scenario(Some(Broken::GcYoungestFirst));
-    assert_eq!(live, BTreeSet::from([p, a, big]), "youngest first releases B and C");
-    assert_ne!(live, BTreeSet::from([p, b, big]));
-    assert!(!live.contains(&c));
-    // Persistent too: P, idle longest, goes first.
-    let ([p, b, _a, c, big], live, _) = gc_scenario(Some(Broken::GcPersistent));
+    // Youngest first: B (just reused) and D go instead of A and C.
+    let ([p, b, a, c, d, big], live, _) = gc_scenario(Some(Broken::GcYoungestFirst));
+    assert_eq!(live, BTreeSet::from([p, a, c, big]), "youngest first releases B and D");
+    assert!(!live.contains(&b) && !live.contains(&d));
+    // Persistent too: P, idle longest, goes with A and C (ages 6, 4, 3 ≥ 15/5).
+    let ([p, b, _a, c, d, big], live, _) = gc_scenario(Some(Broken::GcPersistent));
     assert!(!live.contains(&p), "the broken collection released the persistent segment");
-    assert_eq!(live, BTreeSet::from([b, c, big]));
+    assert!(!live.contains(&c));
+    assert_eq!(live, BTreeSet::from([b, d, big]));
 }
 
 /// The threshold counts what the family's private pools reserve, as PyTorch's counts every

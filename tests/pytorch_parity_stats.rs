@@ -15,9 +15,11 @@
 mod common;
 
 use std::collections::BTreeMap;
-use std::sync::Arc;
+use std::sync::{Arc, mpsc};
 use tidepool::device::{AccessKind, Launch, SimDevice};
-use tidepool::{Allocator, BlockState, Buffer, Config, Device, MIB, PoolKind, StreamId};
+use tidepool::{
+    Allocator, Allocators, BlockState, Buffer, Config, Device, MIB, PoolKind, StreamId,
+};
 
 const S0: StreamId = StreamId::DEFAULT;
 
@@ -115,19 +117,26 @@ fn consistency(alloc: &Allocator<SimDevice>, skip: &[&str]) -> Vec<String> {
     bad
 }
 
-/// The statistics generator's `assert_change` (test_cuda_multigpu.py).
-struct Tracker {
+/// The statistics generator's `assert_change` (test_cuda_multigpu.py). `empty` is
+/// `torch.cuda.empty_cache()`: the allocator's own, or every device's (`Allocators`).
+struct Tracker<'a> {
     skip: &'static [&'static str],
+    empty: &'a dyn Fn(),
     last_m: i64,
     max_m: i64,
     last_r: i64,
     max_r: i64,
 }
 
-impl Tracker {
-    fn new(alloc: &Allocator<SimDevice>, skip: &'static [&'static str]) -> Tracker {
+impl<'a> Tracker<'a> {
+    fn new(
+        alloc: &Allocator<SimDevice>,
+        skip: &'static [&'static str],
+        empty: &'a dyn Fn(),
+    ) -> Tracker<'a> {
         Tracker {
             skip,
+            empty,
             last_m: stat(alloc, "allocated_bytes.all.current"),
             max_m: stat(alloc, "allocated_bytes.all.peak"),
             last_r: stat(alloc, "reserved_bytes.all.current"),
@@ -165,7 +174,7 @@ impl Tracker {
             let alloc1 = stat(alloc, "num_device_alloc");
             assert!(alloc1 >= if new_m == 0 { 0 } else { 1 }, "{at}");
             let free1 = stat(alloc, "num_device_free");
-            alloc.empty_cache().unwrap();
+            (self.empty)();
             assert_eq!(stat(alloc, "num_sync_all_streams"), sync1 + 1, "{at}");
             assert!(stat(alloc, "num_device_alloc") >= alloc1, "{at}");
             assert!(stat(alloc, "num_device_free") >= free1, "{at}");
@@ -195,53 +204,74 @@ impl Tracker {
 /// (4 bytes a float).
 fn memory_stats_generator(conf: &str, skip: &'static [&'static str]) {
     let (_dev, alloc) = allocator_on(8 << 30, conf);
+    let empty = || alloc.empty_cache().unwrap();
+    memory_stats_steps(&alloc, skip, &empty, &|| {});
+}
+
+/// The generator's body on `alloc`, calling `pause` where the Python generator yields (so two
+/// of them can be interleaved: `test_memory_stats_multigpu`).
+fn memory_stats_steps(
+    alloc: &Allocator<SimDevice>,
+    skip: &'static [&'static str],
+    empty: &dyn Fn(),
+    pause: &dyn Fn(),
+) {
     let a = |dims: &[u64]| -> Buffer<SimDevice> {
         alloc.alloc(4 * dims.iter().product::<u64>(), S0).unwrap()
     };
     let n = 35u64;
-    let m0 = stat(&alloc, "allocated_bytes.all.current");
-    let mut t = Tracker::new(&alloc, skip);
-    t.change(&alloc, 0, false, false, "start");
-    t.change(&alloc, 0, false, true, "start reset");
-    t.change(&alloc, 0, true, false, "start empty");
-    t.change(&alloc, 0, false, true, "start reset 2");
-    t.change(&alloc, 0, false, false, "start 2");
+    let m0 = stat(alloc, "allocated_bytes.all.current");
+    let mut t = Tracker::new(alloc, skip, empty);
+    t.change(alloc, 0, false, false, "start");
+    t.change(alloc, 0, false, true, "start reset");
+    t.change(alloc, 0, true, false, "start empty");
+    t.change(alloc, 0, false, true, "start reset 2");
+    t.change(alloc, 0, false, false, "start 2");
+    pause();
 
     let tensors1 = vec![a(&[1]), a(&[10, 20]), a(&[200, 300, 2000])];
-    let m1 = stat(&alloc, "allocated_bytes.all.current");
-    t.change(&alloc, 1, false, false, "tensors1");
+    let m1 = stat(alloc, "allocated_bytes.all.current");
+    t.change(alloc, 1, false, false, "tensors1");
+    pause();
 
     let mut tensors2: Vec<Buffer<SimDevice>> = Vec::new();
     for i in 1..=n / 2 {
         tensors2.push(a(&[i, i * 4]));
-        t.change(&alloc, 1, false, false, &format!("small {i}"));
+        t.change(alloc, 1, false, false, &format!("small {i}"));
+        pause();
     }
     for i in 5..n / 2 + 5 {
         tensors2.push(a(&[i, i * 7, i * 9, i * 11]));
-        t.change(&alloc, 1, false, i % 2 == 0, &format!("large {i}"));
+        t.change(alloc, 1, false, i % 2 == 0, &format!("large {i}"));
+        pause();
     }
     tensors2.push(a(&[0, 0, 0]));
-    t.change(&alloc, 0, false, false, "empty tensor");
+    t.change(alloc, 0, false, false, "empty tensor");
+    pause();
     // (the permutation only reorders references: nothing moves)
-    t.change(&alloc, 0, false, true, "permute");
+    t.change(alloc, 0, false, true, "permute");
+    pause();
     for i in 0..(n / 2) as usize {
         let x = tensors2[i].len() as i64;
         drop(tensors2.remove(i));
-        t.change(&alloc, -x, false, false, &format!("del {i}"));
+        t.change(alloc, -x, false, false, &format!("del {i}"));
+        pause();
     }
     for i in 2..(2 * n / 3) + 2 {
         tensors2.push(a(&[i, i * 3, i * 8]));
-        t.change(&alloc, 1, false, false, &format!("more {i}"));
+        t.change(alloc, 1, false, false, &format!("more {i}"));
+        pause();
     }
     drop(tensors2);
-    t.change(&alloc, -1, false, true, "del tensors2");
-    t.change(&alloc, 0, false, false, "after del tensors2");
-    assert_eq!(stat(&alloc, "allocated_bytes.all.current"), m1);
+    t.change(alloc, -1, false, true, "del tensors2");
+    t.change(alloc, 0, false, false, "after del tensors2");
+    assert_eq!(stat(alloc, "allocated_bytes.all.current"), m1);
+    pause();
     drop(tensors1);
-    t.change(&alloc, -1, false, true, "del tensors1");
-    assert_eq!(stat(&alloc, "allocated_bytes.all.current"), m0);
-    t.change(&alloc, 0, true, false, "end empty");
-    t.change(&alloc, 0, false, true, "end reset");
+    t.change(alloc, -1, false, true, "del tensors1");
+    assert_eq!(stat(alloc, "allocated_bytes.all.current"), m0);
+    t.change(alloc, 0, true, false, "end empty");
+    t.change(alloc, 0, false, true, "end reset");
 }
 
 #[test]
@@ -261,6 +291,92 @@ fn memory_stats_generator_with_consistency_ordinary_no_fast_cache() {
 #[test]
 fn memory_stats_generator_with_consistency_expandable() {
     memory_stats_generator(&both_modes("")[1].1, &["segment"]);
+}
+
+/// One generator per device, each on a thread of its own that runs only between a `go` and its
+/// next pause (the Python generator's `yield`), so the driver interleaves them exactly.
+struct Stepper {
+    go: mpsc::Sender<()>,
+    paused: mpsc::Receiver<()>,
+    ended: bool,
+    /// Pauses reached (the Python generator's `yield`s: 79 of them).
+    steps: usize,
+}
+
+impl Stepper {
+    /// Runs the generator to its next pause; `false` once it has ended. (A generator that
+    /// panicked ends too: the scope's join raises its panic.)
+    fn advance(&mut self) -> bool {
+        if !self.ended {
+            self.ended = self.go.send(()).is_err() || self.paused.recv().is_err();
+            self.steps += usize::from(!self.ended);
+        }
+        !self.ended
+    }
+}
+
+/// `test_memory_stats_multigpu` (test_cuda_multigpu.py): the statistics generator on two
+/// devices at once (`Allocators::sim`), first interlaced step for step, then in a semi-random
+/// order (device 1 advanced 0 to 2 times per step of device 0, from a fixed seed, to its end
+/// once device 0's is done). Every `assert_change` and consistency check holds per device: no
+/// figure of one device moves for the other's allocations, frees or peak resets, and
+/// `empty_cache` is `torch.cuda.empty_cache()`'s, every device's (each device's
+/// `num_sync_all_streams` counts one per call, as its own generator asserts).
+#[test]
+fn test_memory_stats_multigpu() {
+    let all = Allocators::sim(2, 8 << 30, Config::default()).unwrap();
+    let empty = || all.empty_cache().unwrap();
+    let run = |order: &mut dyn FnMut(&mut [Stepper; 2])| {
+        all.empty_cache().unwrap();
+        std::thread::scope(|s| {
+            let mut steppers = [0usize, 1].map(|d| {
+                let (go, wait) = mpsc::channel::<()>();
+                let (paused, done) = mpsc::channel::<()>();
+                let (all, empty) = (&all, &empty);
+                s.spawn(move || {
+                    if wait.recv().is_err() {
+                        return;
+                    }
+                    let pause = || {
+                        paused.send(()).unwrap();
+                        wait.recv().unwrap();
+                    };
+                    let alloc = all.for_device(d).unwrap();
+                    memory_stats_steps(alloc, &[], empty, &pause);
+                });
+                Stepper { go, paused: done, ended: false, steps: 0 }
+            });
+            order(&mut steppers);
+            assert!(steppers.iter().all(|s| s.ended));
+            assert_eq!(steppers.each_ref().map(|s| s.steps), [79, 79]);
+        });
+    };
+    // Interlace.
+    run(&mut |g: &mut [Stepper; 2]| {
+        while !(g[0].ended && g[1].ended) {
+            g[0].advance();
+            g[1].advance();
+        }
+    });
+    // Semi-random order.
+    let mut seed = 0x2545_f491_4f6c_dd1du64;
+    run(&mut |g: &mut [Stepper; 2]| {
+        while !(g[0].ended && g[1].ended) {
+            g[0].advance();
+            seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            let times = if g[0].ended { u64::MAX } else { (seed >> 33) % 3 };
+            for _ in 0..times {
+                if !g[1].advance() {
+                    break;
+                }
+            }
+        }
+    });
+    for d in 0..2 {
+        let alloc = all.for_device(d).unwrap();
+        assert_eq!(stat(alloc, "allocated_bytes.all.current"), 0);
+        alloc.check_invariants().unwrap();
+    }
 }
 
 /// `test_record_stream_on_shifted_view` (issue #27366): a block allocated on `stream_alloc`,

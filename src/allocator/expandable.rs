@@ -348,6 +348,17 @@ fn place(pool: &Pool, r: &Range, rounded: u64, page: u64) -> Option<Place> {
     best
 }
 
+/// The lowest free block of `r` that ends a run of mapped pages and holds `need` bytes. Only a
+/// block the free-block search refused can be one (`max_split_size`'s rules), since the search
+/// runs first: PyTorch serves it from the expandable segment all the same.
+#[cfg(not(tidepool_broken = "expandable_tail_refused"))]
+fn free_run_end_holding(pool: &Pool, r: &Range, need: u64) -> Option<BlockId> {
+    r.segs.iter().map(|(_, &s)| pool.last_block(s)).find(|&b| {
+        let blk = pool.block(b);
+        blk.state == BlockState::Free && blk.size >= need
+    })
+}
+
 /// [`place`] over the gaps between `walls` (address order; a run carries its segment).
 fn gaps(
     pool: &Pool,
@@ -599,9 +610,10 @@ impl<D: Device> Shared<D> {
     }
 
     /// The block size an allocation from `block` takes: in an expandable range a large block is
-    /// split whenever anything is left (an unsplit tail would only pin pages); a stitched block
-    /// is taken whole (a block in its tail would keep every chunk lent: `stitch.rs`);
-    /// elsewhere the configured rules.
+    /// split whenever anything is left (an unsplit tail would only pin pages), `max_split_size`
+    /// or not (PyTorch's `should_split` with expandable segments: what remains is at least
+    /// `kMinBlockSize`); a stitched block is taken whole (a block in its tail would keep every
+    /// chunk lent: `stitch.rs`); elsewhere the configured rules.
     pub(super) fn alloc_sizing(&self, st: &State, block: BlockId, sizing: &Sizing) -> Sizing {
         if st.vm.is_empty() {
             return *sizing;
@@ -610,7 +622,11 @@ impl<D: Device> Shared<D> {
         if Self::stitched(&st.vm, b.segment) {
             Sizing { max_split_size: 0, ..*sizing }
         } else if st.vm.contains(b.addr) {
-            Sizing { small_size: 0, ..*sizing }
+            #[cfg(not(tidepool_broken = "expandable_tail_refused"))]
+            let max_split_size = u64::MAX;
+            #[cfg(tidepool_broken = "expandable_tail_refused")]
+            let max_split_size = sizing.max_split_size; // BROKEN: an oversize block kept whole
+            Sizing { small_size: 0, max_split_size, ..*sizing }
         } else {
             *sizing
         }
@@ -696,6 +712,16 @@ impl<D: Device> Shared<D> {
         self.unstitch_freed(st);
         let page = st.vm.page;
         let base = st.vm.by_key[&key];
+        // PyTorch's `find_expandable_block`: the free block ending a run of mapped pages serves
+        // a request it holds, whatever `max_split_size` says (`get_free_block` refused it as
+        // oversize; `try_allocate_expandable_block` takes it anyway, and `should_split` splits
+        // it), before any page is mapped: the lowest such block, as PyTorch walks the unmapped
+        // blocks in address order. (`cfg(tidepool_broken = "expandable_tail_refused")`: the
+        // block is passed over and pages are mapped elsewhere, or an ordinary segment taken.)
+        #[cfg(not(tidepool_broken = "expandable_tail_refused"))]
+        if let Some(b) = free_run_end_holding(&st.pool, &st.vm.ranges[&base], rounded) {
+            return Ok(Some(b));
+        }
         let Some(exact) = place(&st.pool, &st.vm.ranges[&base], rounded, page) else {
             return Ok(None);
         };

@@ -10,7 +10,8 @@
 //!  "[64:8,256:4,>:1]"          64 → interval 6 (64 MiB..128 MiB) = 8, and every interval
 //!                              below the first key too; 256 → interval 8 = 4; intervals not
 //!                              named stay 0 (7: 128 MiB..256 MiB); ">" sets every interval
-//!                              after the last key (9..=15) = 1
+//!                              after the key before it (9..=15) = 1; a key after ">" sets
+//!                              its own interval again, as in PyTorch
 //! ```
 //!
 //! The text forms are PyTorch's `PYTORCH_CUDA_ALLOC_CONF` ones (keys in MiB, powers of two;
@@ -86,20 +87,28 @@ impl RoundupDivisions {
             .ok_or_else(|| "a list `[KEY:N,...]` must end with `]`".to_string())?;
         let mut log = [0u8; INTERVALS];
         let mut last: Option<usize> = None;
+        #[cfg(tidepool_broken = "divisions_gt_last")]
         let mut rest_seen = false;
         for entry in list.split(',').map(str::trim).filter(|e| !e.is_empty()) {
             let (key, value) =
                 entry.split_once(':').ok_or_else(|| format!("entry `{entry}`: expected KEY:N"))?;
             let v = count(value)?;
+            #[cfg(tidepool_broken = "divisions_gt_last")]
             if rest_seen {
+                // BROKEN: a key after `>` refused, where PyTorch reads it
                 return Err(format!("entry `{entry}` after `>`: `>` must come last"));
             }
             if key.trim() == ">" {
                 // PyTorch's `last_index` starts at 0, so a `>` with no key before it fills
-                // from interval 1: sizes below 2 MiB keep 0 (`[>:4]`).
+                // from interval 1: sizes below 2 MiB keep 0 (`[>:4]`). Keys may follow it,
+                // as in PyTorch's loop: each sets its own interval (`[64:8,>:1,256:4]`), and
+                // the first of them still fills the intervals below it (`[>:2,64:8]`).
                 let from = last.map_or(1, |i| i + 1);
                 log[from..].fill(v);
-                rest_seen = true;
+                #[cfg(tidepool_broken = "divisions_gt_last")]
+                {
+                    rest_seen = true;
+                }
                 continue;
             }
             let mib = key.trim().parse::<u64>().ok().filter(|m| m.is_power_of_two()).ok_or_else(
@@ -217,7 +226,6 @@ mod tests {
             ("[0:8]", "interval `0`"),
             ("[64:3]", "divisions `3`"),
             ("[64]", "expected KEY:N"),
-            ("[>:2,64:8]", "`>` must come last"),
             ("8589934592", "divisions"),
             ("", "divisions"),
         ] {

@@ -151,6 +151,12 @@ impl Pool {
         s
     }
 
+    /// The pool's clock now: it ticks at every allocation and free, and a segment's
+    /// `last_use` is its reading then (the garbage collection's idle age is the difference).
+    pub fn clock(&self) -> u64 {
+        self.clock
+    }
+
     /// How many times a block was freed ([`Pool::free`]) since the pool was made.
     pub fn frees(&self) -> u64 {
         self.frees
