@@ -3,7 +3,7 @@
 //! ```text
 //! Thread,Time,Action,Pointer,Size,Stream
 //! 1979932,14:21:19.998533,allocate,0x30a000000,256,0x2
-//! 1979932,14:21:19.998601,allocate failure,0x0,1073741824,0x2   <- skipped, counted
+//! 1979932,14:21:19.998601,allocate failure,(nil),1073741824,0x2 <- skipped, counted
 //! 1980043,14:21:32.661875,free,0x30a000000,256,0x2
 //! ```
 //!
@@ -12,6 +12,12 @@
 //! handles) become dense ids in order of first appearance, with handle 0 (the default
 //! stream) always id 0. `Thread` and `Time` are ignored; all buffers are tagged
 //! [`Tag::Act`] (the log has no residency). `deallocate` is accepted as a synonym of `free`.
+//!
+//! A row with a null pointer (`(nil)`, as glibc's `%p` writes it, or `0x0`) is skipped and
+//! counted (`allocate (null pointer)`, `free (null pointer)`): RMM's resources return a null
+//! pointer for a zero-byte allocation and ignore its free, so such a row holds no memory, and
+//! any number of them may be live at once. (Like a failed allocation's row, such a row gives
+//! its stream no id.)
 //!
 //! A free of an address the log never allocated (the allocation precedes the log) is read as
 //! the PyTorch reader reads one: a synthetic alloc of the free's `Size` at the start of the
@@ -50,6 +56,15 @@ impl StreamIds {
     }
 }
 
+/// Parses a `Pointer` field: hex with `0x` or decimal, and glibc's `(nil)` (what RMM's
+/// `%p` writes for a null pointer) as 0.
+fn parse_pointer(text: &str) -> Result<u64, ErrorKind> {
+    if text == "(nil)" && !cfg!(tidepool_broken = "rmm_null_ptr_live") {
+        return Ok(0);
+    }
+    parse_u64_hex_or_dec(text, "Pointer")
+}
+
 /// Reads the rows after the header.
 pub(super) fn read_body<R: BufRead>(
     lines: &mut LineReader<R>,
@@ -72,9 +87,14 @@ pub(super) fn read_body<R: BufRead>(
                 continue;
             }
             "allocate" => {
-                let ptr = parse_u64_hex_or_dec(ptr, "Pointer").map_err(at)?;
+                let ptr = parse_pointer(ptr).map_err(at)?;
                 let bytes = parse_u64(size, "Size").map_err(at)?;
-                let stream = streams.id(parse_u64_hex_or_dec(stream, "Stream").map_err(at)?);
+                let handle = parse_u64_hex_or_dec(stream, "Stream").map_err(at)?;
+                if ptr == 0 && !cfg!(tidepool_broken = "rmm_null_ptr_live") {
+                    trace.skip("allocate (null pointer)");
+                    continue;
+                }
+                let stream = streams.id(handle);
                 if live.contains_key(&ptr) {
                     return Err(at(ErrorKind::AllocOfLiveAddress(ptr)));
                 }
@@ -84,9 +104,14 @@ pub(super) fn read_body<R: BufRead>(
                 Event::alloc(id, bytes, stream, Tag::Act)
             }
             "free" | "deallocate" => {
-                let ptr = parse_u64_hex_or_dec(ptr, "Pointer").map_err(at)?;
+                let ptr = parse_pointer(ptr).map_err(at)?;
                 let size = parse_u64(size, "Size").map_err(at)?;
-                let stream = streams.id(parse_u64_hex_or_dec(stream, "Stream").map_err(at)?);
+                let handle = parse_u64_hex_or_dec(stream, "Stream").map_err(at)?;
+                if ptr == 0 && !cfg!(tidepool_broken = "rmm_null_ptr_live") {
+                    trace.skip("free (null pointer)");
+                    continue;
+                }
+                let stream = streams.id(handle);
                 let (id, bytes) = match live.remove(&ptr) {
                     Some(x) => x,
                     None => {
