@@ -186,3 +186,46 @@ fn reads_the_rows_rapids_logger_writes() {
         ]
     );
 }
+
+/// A second free of an address with no allocation of it in between is a double free (the
+/// logging adaptor logs a free before it passes it on, so a program's double free is in the
+/// log), not a block allocated before the log: such a block could not have shared the address
+/// with the log's own. Reported at its line, whether the first free was of the log's block or
+/// of one from before the log; an address allocated again may be freed again.
+#[test]
+fn a_second_free_of_an_address_is_a_double_free_not_a_block_from_before_the_log() {
+    assert_eq!(
+        err("1,t,allocate,0x10,8,0\n1,t,free,0x10,8,0\n1,t,free,0x10,8,0\n"),
+        at(4, ErrorKind::FreeOfUnknownAddress(0x10))
+    );
+    assert_eq!(
+        err("1,t,free,0x20,100,0x7\n1,t,allocate,0x30,8,0\n1,t,free,0x20,100,0x7\n"),
+        at(4, ErrorKind::FreeOfUnknownAddress(0x20))
+    );
+    assert_eq!(
+        at(4, ErrorKind::FreeOfUnknownAddress(0x20)).to_string(),
+        "line 4: free of address 0x20, which was freed already and not allocated since"
+    );
+    let log = format!(
+        "{HEADER}\
+1,t,free,0x20,100,0x7
+1,t,allocate,0x20,64,0x7
+1,t,free,0x20,64,0x7
+"
+    );
+    let t = read_trace_bytes(log.as_bytes()).unwrap();
+    assert_eq!(
+        t.events,
+        vec![
+            Event::alloc(0, 100, 1, Tag::Act),
+            Event::free(0, 100, 1, Tag::Act),
+            Event::alloc(1, 64, 1, Tag::Act),
+            Event::free(1, 64, 1, Tag::Act),
+        ]
+    );
+    assert_eq!(
+        t.pre_window,
+        PreWindow { freed_blocks: 1, freed_bytes: 100, live_blocks: 0, live_bytes: 0 }
+    );
+    assert_eq!(t.peak_live_bytes(), 100);
+}

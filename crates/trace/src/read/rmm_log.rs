@@ -21,9 +21,11 @@
 //!
 //! A free of an address the log never allocated (the allocation precedes the log) is read as
 //! the PyTorch reader reads one: a synthetic alloc of the free's `Size` at the start of the
-//! trace, counted in [`Trace::pre_window`].
+//! trace, counted in [`Trace::pre_window`]. A second free of an address, with no allocation
+//! of it in between, is no such block (the log's own block was there) but a double free:
+//! [`ErrorKind::FreeOfUnknownAddress`].
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::io::BufRead;
 
 use super::lines::{LineReader, parse_u64, parse_u64_hex_or_dec, split_fields};
@@ -73,6 +75,7 @@ pub(super) fn read_body<R: BufRead>(
     let mut trace = Trace { name: name.to_string(), ..Trace::default() };
     let mut validator = Validator::new();
     let mut live: HashMap<u64, (u64, u64)> = HashMap::new(); // address -> (id, bytes)
+    let mut freed: HashSet<u64> = HashSet::new(); // addresses freed and not allocated since
     let mut streams = StreamIds::default();
     let mut next_id = 0u64;
     // Synthetic allocs of blocks allocated before the log.
@@ -98,6 +101,7 @@ pub(super) fn read_body<R: BufRead>(
                 if live.contains_key(&ptr) {
                     return Err(at(ErrorKind::AllocOfLiveAddress(ptr)));
                 }
+                freed.remove(&ptr);
                 let id = next_id;
                 next_id += 1;
                 live.insert(ptr, (id, bytes));
@@ -113,8 +117,19 @@ pub(super) fn read_body<R: BufRead>(
                 }
                 let stream = streams.id(handle);
                 let (id, bytes) = match live.remove(&ptr) {
-                    Some(x) => x,
+                    Some(x) => {
+                        freed.insert(ptr);
+                        x
+                    }
+                    // Freed already and not allocated since: no block from before the log
+                    // can be there (it would have overlapped the log's own block).
+                    None if freed.contains(&ptr)
+                        && !cfg!(tidepool_broken = "rmm_double_free_prewindow") =>
+                    {
+                        return Err(at(ErrorKind::FreeOfUnknownAddress(ptr)));
+                    }
                     None => {
+                        freed.insert(ptr);
                         // Allocated before the log started: live from its start.
                         let early = Event::alloc(next_id, size, stream, Tag::Act);
                         validator.check(&early).map_err(at)?;
