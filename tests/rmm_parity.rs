@@ -240,6 +240,43 @@ fn initial_pool_equal_to_the_maximum() {
     drop(small);
 }
 
+/// `pool_mr_tests.cpp` `NonAlignedPoolSize`, with the pool sizes in bytes
+/// (`Config::with_initial_pool_size`, `with_max_pool_size`): an initial pool of 1000031 B under
+/// a 1000192 B maximum, and one of 1000192 B under 1000200 B, are refused when the allocator
+/// is made, with a configuration error naming both sizes, and nothing is reserved. The check
+/// holds the pool as reserved, rounded up to whole 512 B blocks (1000448 B), so an initial
+/// pool that fits its maximum only before rounding is refused there too, not reported as
+/// "out of memory" on an empty device; one of exactly 1000448 B reserves exactly that.
+///
+/// Difference (deliberate: the initial pool is a pool block, and blocks are whole
+/// `min_block_size` units, 512 B): RMM refuses sizes that are not multiples of 256 B, so it
+/// accepts 1000192 B for both; tidepool refuses that pair, since its pool would be 1000448 B.
+#[test]
+fn non_aligned_pool_sizes_are_refused_when_the_pool_is_made() {
+    for (initial, max) in [(1_000_031, 1_000_192), (1_000_192, 1_000_200), (1_000_192, 1_000_192)] {
+        let dev = Arc::new(SimDevice::new(GIB));
+        let config = Config::default().with_initial_pool_size(initial).with_max_pool_size(max);
+        let e = Allocator::new(dev.clone(), config).map(|_| ()).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            format!(
+                "configuration error: inconsistent TIDEPOOL_ALLOC_CONF: initial_pool_size_mb \
+                 ({initial} bytes, \
+                 reserved as 1000448 bytes: whole blocks of 512 bytes) exceeds max_pool_size_mb \
+                 ({max} bytes)"
+            )
+        );
+        assert_eq!((dev.reserved_bytes(), dev.counters().mallocs), (0, 0));
+    }
+    let dev = Arc::new(SimDevice::new(GIB));
+    let config = Config::default().with_initial_pool_size(1_000_448).with_max_pool_size(1_000_448);
+    let alloc = Allocator::new(dev.clone(), config).unwrap();
+    assert_eq!(dev.reserved_bytes(), 1_000_448);
+    let big = alloc.alloc(MIB + 1, S0);
+    assert!(matches!(big, Err(AllocError::OutOfMemory(_))), "a 20 MiB segment would pass the cap");
+    alloc.check_invariants().unwrap();
+}
+
 /// `pool_mr_tests.cpp` `ForceGrowth` (with a maximum pool size): the pool grows by new
 /// segments until the maximum, then refuses with out-of-memory, and grows again after a free.
 #[test]
