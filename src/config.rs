@@ -814,17 +814,38 @@ impl Config {
                 crate::MAX_REQUEST
             ));
         }
+        // The initial pool is reserved rounded up to a block (`reserve_initial_pool`): that is
+        // what a cap must hold, or a pool the check let through fails `Allocator::new` as "out
+        // of memory" on an empty device. Sizes not in whole MiB (the builders take bytes) are
+        // named in bytes.
+        // BROKEN (`initial_pool_unrounded_check`): the size as asked is checked.
+        let initial = if cfg!(tidepool_broken = "initial_pool_unrounded_check") {
+            self.initial_pool_size
+        } else {
+            self.initial_pool_size.next_multiple_of(z.min_block_size)
+        };
         for (name, cap) in
             [("max_pool_size_mb", self.max_pool_size), ("memory_limit_mb", self.memory_limit)]
         {
             if let Some(cap) = cap
-                && self.initial_pool_size > cap
+                && initial > cap
             {
-                return fail(format!(
-                    "initial_pool_size_mb ({} MiB) exceeds {name} ({} MiB)",
-                    self.initial_pool_size / MIB,
-                    cap / MIB
-                ));
+                let asked = self.initial_pool_size;
+                let whole_mib = initial == asked && asked.is_multiple_of(MIB);
+                let why = if whole_mib && cap.is_multiple_of(MIB) {
+                    format!(
+                        "initial_pool_size_mb ({} MiB) exceeds {name} ({} MiB)",
+                        asked / MIB,
+                        cap / MIB
+                    )
+                } else {
+                    let block = z.min_block_size;
+                    format!(
+                        "initial_pool_size_mb ({asked} bytes, reserved as {initial} bytes: whole \
+                         blocks of {block} bytes) exceeds {name} ({cap} bytes)"
+                    )
+                };
+                return fail(why);
             }
         }
         if !self.caching {

@@ -9,8 +9,8 @@
 //!   allocation and free (one stream, the default or a created one), the same on four threads
 //!   sharing one stream, a buffer allocated on one thread and stream and freed on another;
 //! - `pool_mr_tests.cpp` and `test_rmm.py`: the maximum and initial pool (too large, equal,
-//!   growth, reuse after growth, a huge initial pool, the cap being inclusive), a deleted
-//!   stream, multi-stream reuse with a device wait;
+//!   growth, reuse after growth, a huge initial pool, the cap being inclusive, sizes in bytes
+//!   that are not whole blocks), a deleted stream, multi-stream reuse with a device wait;
 //! - `caching_mr_tests.cpp` (RMM's PyTorch-style caching resource, which maps one to one):
 //!   segment sizes, small reuse, the out-of-memory ladder (release the cache and retry; oversize
 //!   blocks first), separate pools, releasing only whole free segments, coalescing blocks freed
@@ -18,9 +18,10 @@
 //!   policies, release at destruction;
 //! - `statistics_mr_tests.cpp`, `tracking_mr_tests.cpp`, `limiting_mr_tests.cpp`,
 //!   `failure_callback_mr_tests.cpp` (and their Python tests): current, peak and total counters,
-//!   concurrent free and re-allocation, outstanding allocations with and without stacks, the
-//!   limit's inclusive arithmetic and a failed request changing nothing, the failure callback's
-//!   attempts, the errors it never sees, alignment through a retry, a callback that panics;
+//!   concurrent free and re-allocation, outstanding allocations with and without stacks, a
+//!   free of a block allocated before tracking started, the limit's inclusive arithmetic and a
+//!   failed request changing nothing, the failure callback's attempts, the errors it never
+//!   sees, alignment through a retry, a callback that panics;
 //! - `arena_mr_tests.cpp`, `fixed_size_mr_test.cpp`, `aligned_mr_tests.cpp`: other streams'
 //!   idle memory released for a request at the cap, the three pool regimes live together,
 //!   buffers outliving their stream's release, frees keeping memory cached until the allocator
@@ -238,6 +239,43 @@ fn initial_pool_equal_to_the_maximum() {
     let small = alloc.alloc(1000, S0).unwrap();
     assert_eq!(dev.reserved_bytes(), 22 * MIB);
     drop(small);
+}
+
+/// `pool_mr_tests.cpp` `NonAlignedPoolSize`, with the pool sizes in bytes
+/// (`Config::with_initial_pool_size`, `with_max_pool_size`): an initial pool of 1000031 B under
+/// a 1000192 B maximum, and one of 1000192 B under 1000200 B, are refused when the allocator
+/// is made, with a configuration error naming both sizes, and nothing is reserved. The check
+/// holds the pool as reserved, rounded up to whole 512 B blocks (1000448 B), so an initial
+/// pool that fits its maximum only before rounding is refused there too, not reported as
+/// "out of memory" on an empty device; one of exactly 1000448 B reserves exactly that.
+///
+/// Difference (deliberate: the initial pool is a pool block, and blocks are whole
+/// `min_block_size` units, 512 B): RMM refuses sizes that are not multiples of 256 B, so it
+/// accepts 1000192 B for both; tidepool refuses that pair, since its pool would be 1000448 B.
+#[test]
+fn non_aligned_pool_sizes_are_refused_when_the_pool_is_made() {
+    for (initial, max) in [(1_000_031, 1_000_192), (1_000_192, 1_000_200), (1_000_192, 1_000_192)] {
+        let dev = Arc::new(SimDevice::new(GIB));
+        let config = Config::default().with_initial_pool_size(initial).with_max_pool_size(max);
+        let e = Allocator::new(dev.clone(), config).map(|_| ()).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            format!(
+                "configuration error: inconsistent TIDEPOOL_ALLOC_CONF: initial_pool_size_mb \
+                 ({initial} bytes, \
+                 reserved as 1000448 bytes: whole blocks of 512 bytes) exceeds max_pool_size_mb \
+                 ({max} bytes)"
+            )
+        );
+        assert_eq!((dev.reserved_bytes(), dev.counters().mallocs), (0, 0));
+    }
+    let dev = Arc::new(SimDevice::new(GIB));
+    let config = Config::default().with_initial_pool_size(1_000_448).with_max_pool_size(1_000_448);
+    let alloc = Allocator::new(dev.clone(), config).unwrap();
+    assert_eq!(dev.reserved_bytes(), 1_000_448);
+    let big = alloc.alloc(MIB + 1, S0);
+    assert!(matches!(big, Err(AllocError::OutOfMemory(_))), "a 20 MiB segment would pass the cap");
+    alloc.check_invariants().unwrap();
 }
 
 /// `pool_mr_tests.cpp` `ForceGrowth` (with a maximum pool size): the pool grows by new
@@ -1325,6 +1363,53 @@ fn outstanding_allocations_with_and_without_stacks() {
         drop(bufs);
         alloc.check_invariants().unwrap();
     }
+}
+
+/// `tracking_mr_tests.cpp` `UntrackedDeallocationDoesNotUnderflowAllocatedBytes`: a 10 MiB
+/// block allocated before tracking starts (here: before `record_history` and
+/// `reset_accumulated_stats`) and freed after. The history holds its free (requested and
+/// completed, 10 MiB at its address) and no allocation, so the outstanding allocations, the
+/// allocations with no free after them, stay empty; the current figures go to 0, not below,
+/// and the accumulated ones count the free alone (freed 10 MiB, allocated 0), as PyTorch's
+/// do after `reset_accumulated_memory_stats`. Nothing is outstanding in the snapshot either.
+#[test]
+fn a_free_of_a_block_allocated_before_tracking_underflows_nothing() {
+    let (_dev, alloc) = allocator(GIB, "");
+    let early = alloc.alloc(10 * MIB, S0).unwrap();
+    let at = early.ptr();
+    alloc.record_history(HistoryOptions::new(100));
+    alloc.reset_accumulated_stats();
+    drop(early);
+    let seen: Vec<_> = alloc.history().iter().map(|e| (e.action, e.addr, e.size)).collect();
+    assert_eq!(
+        seen,
+        [(Action::FreeRequested, at, 10 * MIB), (Action::FreeCompleted, at, 10 * MIB)]
+    );
+    let mut outstanding = BTreeMap::new();
+    for e in alloc.history() {
+        match e.action {
+            Action::Alloc => _ = outstanding.insert(e.addr, e.size),
+            Action::FreeRequested => _ = outstanding.remove(&e.addr),
+            _ => {}
+        }
+    }
+    assert!(outstanding.is_empty());
+    let s = alloc.stats().blocks;
+    assert_eq!(
+        (
+            s.allocated_bytes.all.current,
+            s.allocated_bytes.all.allocated,
+            s.allocated_bytes.all.freed
+        ),
+        (0, 0, 10 * MIB)
+    );
+    assert_eq!(
+        (s.allocation.all.current, s.allocation.all.allocated, s.allocation.all.freed),
+        (0, 0, 1)
+    );
+    let snapshot = alloc.snapshot();
+    assert!(snapshot.iter().flat_map(|g| &g.blocks).all(|b| b.state != BlockState::Allocated));
+    alloc.check_invariants().unwrap();
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -743,3 +743,37 @@ fn a_mapping_whose_end_overflows_is_an_error() {
     dev.vm_free(base, 4 * page).unwrap();
     assert_eq!((dev.live_physical(), dev.virtual_bytes()), (0, 0));
 }
+
+/// A stream whose worker thread the system refuses (a replayed trace with tens of thousands of
+/// streams reaches the thread limit) is `cuStreamCreate`'s out-of-memory error, not a panic:
+/// the stream is not made (its id is unknown), and the streams made before and after work.
+/// Injected with `fail_nth_stream_create`, for `create_stream` and `create_app_stream` alike.
+#[test]
+fn a_refused_stream_thread_is_an_error_and_the_device_works_on() {
+    let dev = SimDevice::backed(1 << 20);
+    let refused = Err(DeviceError::Driver {
+        op: "cuStreamCreate",
+        code: DeviceError::CUDA_ERROR_OUT_OF_MEMORY,
+    });
+    dev.fail_nth_stream_create(Some(2));
+    let a = dev.create_stream().unwrap();
+    assert_eq!(dev.create_stream(), refused);
+    let lost = StreamId(a.0 + 1);
+    let k = Kernel::new("noop", Vec::new(), |_| {});
+    assert_eq!(dev.launch(lost, k).unwrap_err(), DeviceError::UnknownStream(lost));
+    let c = dev.create_stream().unwrap();
+    assert_eq!(c, StreamId(a.0 + 2));
+    dev.fail_nth_stream_create(Some(1));
+    assert_eq!(dev.create_app_stream().map(|s| s.id()), refused);
+    let ran = Arc::new(Mutex::new(Vec::new()));
+    for s in [StreamId::DEFAULT, a, c] {
+        let ran = Arc::clone(&ran);
+        dev.launch(s, Kernel::new("log", Vec::new(), move |_| ran.lock().unwrap().push(s)))
+            .unwrap();
+    }
+    dev.synchronize().unwrap();
+    assert_eq!(ran.lock().unwrap().len(), 3);
+    dev.destroy_stream(a).unwrap();
+    dev.destroy_stream(c).unwrap();
+    assert!(dev.violations().is_empty());
+}

@@ -60,7 +60,8 @@ pub enum ErrorKind {
     FreeOfUnknownId(u64),
     /// An allocation at an address that is live (pointer-based formats).
     AllocOfLiveAddress(u64),
-    /// A free of an address that is not live (pointer-based formats).
+    /// A free of an address that is not live and cannot be a block from before the input
+    /// began, because the input freed it already (pointer-based formats: a double free).
     FreeOfUnknownAddress(u64),
     /// A free of an id that was already freed.
     DoubleFree(u64),
@@ -159,7 +160,9 @@ impl fmt::Display for ErrorKind {
             ErrorKind::DoubleAlloc(id) => write!(f, "double alloc of id {id}"),
             ErrorKind::FreeOfUnknownId(id) => write!(f, "free of unknown id {id}"),
             ErrorKind::AllocOfLiveAddress(a) => write!(f, "allocate at live address {a:#x}"),
-            ErrorKind::FreeOfUnknownAddress(a) => write!(f, "free of unknown address {a:#x}"),
+            ErrorKind::FreeOfUnknownAddress(a) => {
+                write!(f, "free of address {a:#x}, which was freed already and not allocated since")
+            }
             ErrorKind::DoubleFree(id) => write!(f, "double free of id {id}"),
             ErrorKind::FreeSizeMismatch { id, allocated, freed } => write!(
                 f,

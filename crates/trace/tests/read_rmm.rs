@@ -108,3 +108,124 @@ fn frees_of_blocks_allocated_before_the_log_are_live_from_the_start() {
     assert_eq!(t.peak_live_bytes(), 1108);
     t.validate().unwrap();
 }
+
+/// A zero-byte allocation gets a null pointer from every RMM resource
+/// (`stream_ordered_memory_resource`, `cuda_async`, `arena`, ...: `if (bytes == 0) return
+/// nullptr`), and the logging adaptor logs it and its free like any other: RMM today writes
+/// the pointer with `%p` (glibc: `(nil)`) and the stream with `std::hex` (`0` for the default
+/// stream), RMM before rapids-logger with fmt (`0x0`). Such rows hold no memory and are
+/// skipped and counted, however many are live at once, and give their stream no id (the
+/// 256 B block's stream is the first after the default's); a log of RMM's own zero-byte
+/// harness test reads.
+#[test]
+fn zero_byte_allocations_with_null_pointers_are_skipped_and_counted() {
+    for null in ["(nil)", "0x0"] {
+        let log = format!(
+            "{HEADER}\
+140573312345856,14:21:19.998533,allocate,{null},0,0x99
+140573312345856,14:21:19.998540,allocate,0x7f8a40000000,1024,0
+140573312345856,14:21:19.998601,allocate,{null},0,0x55d0c0ffee00
+140573312345856,14:21:19.998700,allocate failure,{null},1125899906842624,0x55d0c0ffee00
+140573312345856,14:21:19.998800,free,{null},0,0x99
+140573312345856,14:21:19.998900,allocate,0x7f8a40000400,256,0x55d0c0ffee00
+140573312345856,14:21:19.999000,free,{null},0,0x55d0c0ffee00
+140573312345856,14:21:19.999100,free,0x7f8a40000000,1024,0
+140573312345856,14:21:19.999200,free,0x7f8a40000400,256,0x55d0c0ffee00
+"
+        );
+        let t = read_trace_bytes(log.as_bytes()).unwrap_or_else(|e| panic!("{null}: {e}"));
+        assert_eq!(
+            t.skipped,
+            BTreeMap::from([
+                ("allocate (null pointer)".to_string(), 2),
+                ("allocate failure".to_string(), 1),
+                ("free (null pointer)".to_string(), 2),
+            ]),
+            "{null}"
+        );
+        assert_eq!(
+            t.events,
+            vec![
+                Event::alloc(0, 1024, 0, Tag::Act),
+                Event::alloc(1, 256, 1, Tag::Act),
+                Event::free(0, 1024, 0, Tag::Act),
+                Event::free(1, 256, 1, Tag::Act),
+            ],
+            "{null}"
+        );
+        assert_eq!(t.pre_window, PreWindow::default(), "{null}");
+        assert_eq!(t.peak_live_bytes(), 1280, "{null}");
+        t.validate().unwrap();
+    }
+}
+
+/// The header as RMM writes it, then rows as `logging_resource_adaptor` writes them with
+/// rapids-logger (`%t,%H:%M:%S.%f,` then `allocate,%p,%zu,<stream in hex>`): a non-null
+/// pointer is `0x`-prefixed lowercase hex, the default stream `0`, `cudaStreamPerThread`
+/// `0x2`; a failed allocation's pointer is `(nil)`. Every stream handle gets its own id.
+#[test]
+fn reads_the_rows_rapids_logger_writes() {
+    let log = format!(
+        "{HEADER}\
+2731614,09:05:01.000001,allocate,0x7f3c1e000000,4096,0x2
+2731614,09:05:01.000002,allocate failure,(nil),1125899906842624,0x2
+2731615,09:05:01.000003,allocate,0x7f3c1e001000,100,0
+2731615,09:05:01.000004,free,0x7f3c1e000000,4096,0x2
+2731614,09:05:01.000005,free,0x7f3c1e001000,100,0
+"
+    );
+    let t = read_trace_bytes(log.as_bytes()).unwrap();
+    assert_eq!(t.skipped, BTreeMap::from([("allocate failure".to_string(), 1)]));
+    assert_eq!(
+        t.events,
+        vec![
+            Event::alloc(0, 4096, 1, Tag::Act),
+            Event::alloc(1, 100, 0, Tag::Act),
+            Event::free(0, 4096, 1, Tag::Act),
+            Event::free(1, 100, 0, Tag::Act),
+        ]
+    );
+}
+
+/// A second free of an address with no allocation of it in between is a double free (the
+/// logging adaptor logs a free before it passes it on, so a program's double free is in the
+/// log), not a block allocated before the log: such a block could not have shared the address
+/// with the log's own. Reported at its line, whether the first free was of the log's block or
+/// of one from before the log; an address allocated again may be freed again.
+#[test]
+fn a_second_free_of_an_address_is_a_double_free_not_a_block_from_before_the_log() {
+    assert_eq!(
+        err("1,t,allocate,0x10,8,0\n1,t,free,0x10,8,0\n1,t,free,0x10,8,0\n"),
+        at(4, ErrorKind::FreeOfUnknownAddress(0x10))
+    );
+    assert_eq!(
+        err("1,t,free,0x20,100,0x7\n1,t,allocate,0x30,8,0\n1,t,free,0x20,100,0x7\n"),
+        at(4, ErrorKind::FreeOfUnknownAddress(0x20))
+    );
+    assert_eq!(
+        at(4, ErrorKind::FreeOfUnknownAddress(0x20)).to_string(),
+        "line 4: free of address 0x20, which was freed already and not allocated since"
+    );
+    let log = format!(
+        "{HEADER}\
+1,t,free,0x20,100,0x7
+1,t,allocate,0x20,64,0x7
+1,t,free,0x20,64,0x7
+"
+    );
+    let t = read_trace_bytes(log.as_bytes()).unwrap();
+    assert_eq!(
+        t.events,
+        vec![
+            Event::alloc(0, 100, 1, Tag::Act),
+            Event::free(0, 100, 1, Tag::Act),
+            Event::alloc(1, 64, 1, Tag::Act),
+            Event::free(1, 64, 1, Tag::Act),
+        ]
+    );
+    assert_eq!(
+        t.pre_window,
+        PreWindow { freed_blocks: 1, freed_bytes: 100, live_blocks: 0, live_bytes: 0 }
+    );
+    assert_eq!(t.peak_live_bytes(), 100);
+}

@@ -269,3 +269,46 @@ fn shipped_traces_exact_figures() {
         assert_eq!((r.peak_reserved_bytes, r.peak_allocated_bytes), (planned, allocated), "{file}");
     }
 }
+
+/// A trace with more streams than an allocator replay takes (here an RMM log, one 256 B block
+/// on each of 1025 stream handles: the default stream and 1024 others) is refused by every
+/// allocator policy with an error naming the count, before any simulated stream (an OS thread)
+/// is made; with tens of thousands the process ran into the system's limits and aborted. The
+/// policies that make no device streams replay it, and 1024 trace streams are taken.
+#[test]
+fn a_trace_with_too_many_streams_is_refused_by_the_allocator_policies() {
+    use tidepool_trace::policy::{MAX_REPLAY_STREAMS, replay_device};
+    let n = MAX_REPLAY_STREAMS as u64 + 1;
+    let mut log = String::from("Thread,Time,Action,Pointer,Size,Stream\n");
+    for i in 0..n {
+        log.push_str(&format!("1,t,allocate,{:#x},256,{i:#x}\n", 0x1000 + i * 512));
+    }
+    for i in 0..n {
+        log.push_str(&format!("1,t,free,{:#x},256,{i:#x}\n", 0x1000 + i * 512));
+    }
+    let t = read_trace_bytes(log.as_bytes()).unwrap();
+    assert_eq!(t.events.iter().map(|e| e.stream).max(), Some(1024));
+    let mut refused = Vec::new();
+    for p in registry(&ReplayOptions::default()).unwrap() {
+        match p.replay(&t, false) {
+            Ok(r) => assert!(
+                ["offset-allocator", "range-alloc", "planned"].contains(&p.name()),
+                "{}: {:?}",
+                p.name(),
+                r.peak_reserved_bytes
+            ),
+            Err(e) => {
+                assert_eq!(
+                    e.message,
+                    "the trace has 1025 streams; an allocator replay makes one simulated stream \
+                     (a thread) per trace stream and takes at most 1024"
+                );
+                refused.push(p.name());
+            }
+        }
+    }
+    assert_eq!(refused, ["caching", "residency", "scoped", "expandable"]);
+    let config = tidepool::Config::default();
+    let taken = replay_device(&config, MAX_REPLAY_STREAMS, "caching").unwrap();
+    assert_eq!(taken.streams.len(), MAX_REPLAY_STREAMS);
+}

@@ -113,6 +113,8 @@ struct Faults {
     fail_above: Option<u64>,
     /// Fail the Nth `create_event` from now.
     fail_nth_event_create: Option<u64>,
+    /// Refuse the worker thread of the Nth stream made from now.
+    fail_nth_stream_create: Option<u64>,
     /// Fail every event query.
     fail_event_query: bool,
     /// Fail every event record.
@@ -241,7 +243,10 @@ impl SimDevice {
         let dev = SimDevice { config, ordinal: 0, shared };
         {
             let mut st = dev.state();
-            dev.start_stream(&mut st, StreamId::DEFAULT.0);
+            // No device without its default stream; nothing to refuse yet.
+            if let Err(e) = dev.start_stream(&mut st, StreamId::DEFAULT.0) {
+                panic!("SimDevice::new: cannot start the default stream's worker thread: {e}");
+            }
         }
         dev
     }
@@ -250,10 +255,23 @@ impl SimDevice {
         lock(&self.shared.state)
     }
 
-    fn start_stream(&self, st: &mut State, id: u32) {
+    /// Starts stream `id`'s worker. A refused thread is `cuStreamCreate`'s
+    /// `CUDA_ERROR_OUT_OF_MEMORY` (the driver's answer when it has no room for a stream), and
+    /// the stream is not made.
+    fn start_stream(&self, st: &mut State, id: u32) -> Result<(), DeviceError> {
+        let refuse = vmm::countdown(&mut st.faults.fail_nth_stream_create);
         st.streams.insert(id, Stream::new());
-        let handle = stream::spawn(Arc::clone(&self.shared), id);
-        st.streams.get_mut(&id).expect("just inserted").handle = Some(handle);
+        match stream::spawn(Arc::clone(&self.shared), id, refuse) {
+            Ok(handle) => {
+                st.streams.get_mut(&id).expect("just inserted").handle = Some(handle);
+                Ok(())
+            }
+            Err(_) => {
+                st.streams.remove(&id);
+                let code = DeviceError::CUDA_ERROR_OUT_OF_MEMORY;
+                Err(DeviceError::Driver { op: "cuStreamCreate", code })
+            }
+        }
     }
 
     /// Waits (releasing the lock) until `done` holds.
@@ -434,6 +452,13 @@ impl SimDevice {
         self.state().faults.fail_nth_event_create = n.filter(|&n| n > 0);
     }
 
+    /// Makes the `n`th stream made from now ([`Device::create_stream`],
+    /// [`SimDevice::create_app_stream`]) fail with `CUDA_ERROR_OUT_OF_MEMORY`, as it does when
+    /// the system refuses the stream's worker thread. `None` clears it.
+    pub fn fail_nth_stream_create(&self, n: Option<u64>) {
+        self.state().faults.fail_nth_stream_create = n.filter(|&n| n > 0);
+    }
+
     /// Makes the `n`th `vm_unmap` from now fail with `CUDA_ERROR_UNKNOWN` (the mapping stays).
     /// `None` clears it.
     pub fn fail_nth_vm_unmap(&self, n: Option<u64>) {
@@ -512,7 +537,7 @@ impl SimDevice {
         let mut st = self.state();
         let id = st.next_stream;
         st.next_stream += 1;
-        self.start_stream(&mut st, id);
+        self.start_stream(&mut st, id)?;
         st.app_streams.insert(id, false);
         Ok(AppStream { id: StreamId(id) })
     }
@@ -654,7 +679,7 @@ impl super::Device for SimDevice {
         let mut st = self.state();
         let id = st.next_stream;
         st.next_stream += 1;
-        self.start_stream(&mut st, id);
+        self.start_stream(&mut st, id)?;
         Ok(StreamId(id))
     }
 

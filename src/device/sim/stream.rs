@@ -65,9 +65,23 @@ impl Stream {
     }
 }
 
-/// Starts the worker of stream `id` (whose entry must be in the state before it runs).
-pub(super) fn spawn(shared: Arc<Shared>, id: u32) -> thread::JoinHandle<()> {
-    thread::spawn(move || worker(&shared, id))
+/// Starts the worker of stream `id` (whose entry must be in the state before it runs). The
+/// system may refuse another thread (a trace with tens of thousands of streams reaches its
+/// limit): an error, not a panic. With `refuse`, the thread is refused without being asked
+/// for (an injected fault).
+pub(super) fn spawn(
+    shared: Arc<Shared>,
+    id: u32,
+    refuse: bool,
+) -> std::io::Result<thread::JoinHandle<()>> {
+    // BROKEN (`stream_spawn_panics`): `thread::spawn`, which panics when refused.
+    if cfg!(tidepool_broken = "stream_spawn_panics") {
+        return Ok(thread::spawn(move || worker(&shared, id)));
+    }
+    if refuse {
+        return Err(std::io::Error::from(std::io::ErrorKind::WouldBlock));
+    }
+    thread::Builder::new().spawn(move || worker(&shared, id))
 }
 
 /// What the worker does next.

@@ -45,6 +45,13 @@ use tidepool::{AllocError, Allocator, Buffer, Config};
 /// Capacity of the simulated device: far above any trace, so replays never run out.
 const SIM_CAPACITY: u64 = 1 << 46;
 
+/// The most trace streams an allocator replay takes. Each is a simulated stream, whose worker
+/// is an OS thread: a trace naming tens of thousands of streams (an RMM log is a line per
+/// stream handle away from one) would run the process into the system's thread and mapping
+/// limits, where a thread that cannot set up its stack aborts the whole process. Real traces
+/// use a handful.
+pub const MAX_REPLAY_STREAMS: usize = 1024;
+
 /// Which residency rule a replay applies.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Mode {
@@ -287,13 +294,21 @@ pub struct ReplayDevice {
 }
 
 /// A fresh simulated device and allocator for one replay, with one device stream per trace
-/// stream (trace stream 0 on the default stream).
+/// stream (trace stream 0 on the default stream). More than [`MAX_REPLAY_STREAMS`] trace
+/// streams are refused before anything is made.
 pub fn replay_device(
     config: &Config,
     trace_streams: usize,
     name: &str,
 ) -> Result<ReplayDevice, ReplayError> {
     let err = |e: &dyn std::fmt::Display| ReplayError::new(name, e.to_string());
+    // BROKEN (`streams_unbounded`): one thread per trace stream, however many.
+    if trace_streams > MAX_REPLAY_STREAMS && !cfg!(tidepool_broken = "streams_unbounded") {
+        return Err(err(&format!(
+            "the trace has {trace_streams} streams; an allocator replay makes one simulated \
+             stream (a thread) per trace stream and takes at most {MAX_REPLAY_STREAMS}"
+        )));
+    }
     let dev = Arc::new(SimDevice::with_config(SimConfig {
         capacity: SIM_CAPACITY,
         backed: false,

@@ -28,7 +28,8 @@ mod slots;
 use std::fmt;
 
 pub use allocator::{
-    AllocStep, AllocatorPolicy, Mode, ReplayDevice, alloc_steps, replay_device, scope_family,
+    AllocStep, AllocatorPolicy, MAX_REPLAY_STREAMS, Mode, ReplayDevice, alloc_steps, replay_device,
+    scope_family,
 };
 pub use fixed_heap::GRANULE;
 pub use offset_allocator::OffsetAllocatorPolicy;

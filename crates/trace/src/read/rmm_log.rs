@@ -3,7 +3,7 @@
 //! ```text
 //! Thread,Time,Action,Pointer,Size,Stream
 //! 1979932,14:21:19.998533,allocate,0x30a000000,256,0x2
-//! 1979932,14:21:19.998601,allocate failure,0x0,1073741824,0x2   <- skipped, counted
+//! 1979932,14:21:19.998601,allocate failure,(nil),1073741824,0x2 <- skipped, counted
 //! 1980043,14:21:32.661875,free,0x30a000000,256,0x2
 //! ```
 //!
@@ -13,11 +13,19 @@
 //! stream) always id 0. `Thread` and `Time` are ignored; all buffers are tagged
 //! [`Tag::Act`] (the log has no residency). `deallocate` is accepted as a synonym of `free`.
 //!
+//! A row with a null pointer (`(nil)`, as glibc's `%p` writes it, or `0x0`) is skipped and
+//! counted (`allocate (null pointer)`, `free (null pointer)`): RMM's resources return a null
+//! pointer for a zero-byte allocation and ignore its free, so such a row holds no memory, and
+//! any number of them may be live at once. (Like a failed allocation's row, such a row gives
+//! its stream no id.)
+//!
 //! A free of an address the log never allocated (the allocation precedes the log) is read as
 //! the PyTorch reader reads one: a synthetic alloc of the free's `Size` at the start of the
-//! trace, counted in [`Trace::pre_window`].
+//! trace, counted in [`Trace::pre_window`]. A second free of an address, with no allocation
+//! of it in between, is no such block (the log's own block was there) but a double free:
+//! [`ErrorKind::FreeOfUnknownAddress`].
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::io::BufRead;
 
 use super::lines::{LineReader, parse_u64, parse_u64_hex_or_dec, split_fields};
@@ -50,6 +58,15 @@ impl StreamIds {
     }
 }
 
+/// Parses a `Pointer` field: hex with `0x` or decimal, and glibc's `(nil)` (what RMM's
+/// `%p` writes for a null pointer) as 0.
+fn parse_pointer(text: &str) -> Result<u64, ErrorKind> {
+    if text == "(nil)" && !cfg!(tidepool_broken = "rmm_null_ptr_live") {
+        return Ok(0);
+    }
+    parse_u64_hex_or_dec(text, "Pointer")
+}
+
 /// Reads the rows after the header.
 pub(super) fn read_body<R: BufRead>(
     lines: &mut LineReader<R>,
@@ -58,6 +75,7 @@ pub(super) fn read_body<R: BufRead>(
     let mut trace = Trace { name: name.to_string(), ..Trace::default() };
     let mut validator = Validator::new();
     let mut live: HashMap<u64, (u64, u64)> = HashMap::new(); // address -> (id, bytes)
+    let mut freed: HashSet<u64> = HashSet::new(); // addresses freed and not allocated since
     let mut streams = StreamIds::default();
     let mut next_id = 0u64;
     // Synthetic allocs of blocks allocated before the log.
@@ -72,24 +90,46 @@ pub(super) fn read_body<R: BufRead>(
                 continue;
             }
             "allocate" => {
-                let ptr = parse_u64_hex_or_dec(ptr, "Pointer").map_err(at)?;
+                let ptr = parse_pointer(ptr).map_err(at)?;
                 let bytes = parse_u64(size, "Size").map_err(at)?;
-                let stream = streams.id(parse_u64_hex_or_dec(stream, "Stream").map_err(at)?);
+                let handle = parse_u64_hex_or_dec(stream, "Stream").map_err(at)?;
+                if ptr == 0 && !cfg!(tidepool_broken = "rmm_null_ptr_live") {
+                    trace.skip("allocate (null pointer)");
+                    continue;
+                }
+                let stream = streams.id(handle);
                 if live.contains_key(&ptr) {
                     return Err(at(ErrorKind::AllocOfLiveAddress(ptr)));
                 }
+                freed.remove(&ptr);
                 let id = next_id;
                 next_id += 1;
                 live.insert(ptr, (id, bytes));
                 Event::alloc(id, bytes, stream, Tag::Act)
             }
             "free" | "deallocate" => {
-                let ptr = parse_u64_hex_or_dec(ptr, "Pointer").map_err(at)?;
+                let ptr = parse_pointer(ptr).map_err(at)?;
                 let size = parse_u64(size, "Size").map_err(at)?;
-                let stream = streams.id(parse_u64_hex_or_dec(stream, "Stream").map_err(at)?);
+                let handle = parse_u64_hex_or_dec(stream, "Stream").map_err(at)?;
+                if ptr == 0 && !cfg!(tidepool_broken = "rmm_null_ptr_live") {
+                    trace.skip("free (null pointer)");
+                    continue;
+                }
+                let stream = streams.id(handle);
                 let (id, bytes) = match live.remove(&ptr) {
-                    Some(x) => x,
+                    Some(x) => {
+                        freed.insert(ptr);
+                        x
+                    }
+                    // Freed already and not allocated since: no block from before the log
+                    // can be there (it would have overlapped the log's own block).
+                    None if freed.contains(&ptr)
+                        && !cfg!(tidepool_broken = "rmm_double_free_prewindow") =>
+                    {
+                        return Err(at(ErrorKind::FreeOfUnknownAddress(ptr)));
+                    }
                     None => {
+                        freed.insert(ptr);
                         // Allocated before the log started: live from its start.
                         let early = Event::alloc(next_id, size, stream, Tag::Act);
                         validator.check(&early).map_err(at)?;
