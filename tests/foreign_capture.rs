@@ -184,8 +184,9 @@ fn a_capture_begun_on_the_device_is_every_allocators_foreign_capture() {
 
 /// The same with the sanitizer off, where the lock-free paths run: a block B cached on `s`
 /// (small and large) is not handed out by the hits while A captures `s`, and B's buffers freed
-/// on `s` during the capture do not go to the stream caches (the hits would hand them out after
-/// the capture, while the graph lives). Exact addresses before, during and after.
+/// on `s` during the capture (dropped, or through `free_batch`) go neither to the stream caches
+/// nor straight into the pool (the hits would hand them out after the capture, while the graph
+/// lives). Exact addresses before, during and after.
 #[test]
 fn the_lock_free_paths_see_another_allocators_capture() {
     let dev = Arc::new(SimDevice::with_config(SimConfig {
@@ -196,21 +197,22 @@ fn the_lock_free_paths_see_another_allocators_capture() {
     let s = dev.create_stream().unwrap();
     let a = Allocator::new(dev.clone(), Config::default()).unwrap();
     let b = Allocator::new(dev.clone(), Config::default()).unwrap();
-    let (x, z) = (b.alloc(N, s).unwrap(), b.alloc(N, s).unwrap());
+    let (x, z, v) = (b.alloc(N, s).unwrap(), b.alloc(N, s).unwrap(), b.alloc(N, s).unwrap());
     let (big, w) = (b.alloc(LARGE, s).unwrap(), b.alloc(LARGE, s).unwrap());
     let (xa, biga) = (x.ptr().0, big.ptr().0);
-    assert_eq!((xa, z.ptr().0), (SIM_BASE, SIM_BASE + N));
+    assert_eq!([xa, z.ptr().0, v.ptr().0], [SIM_BASE, SIM_BASE + N, SIM_BASE + 2 * N]);
     assert_eq!((biga, w.ptr().0), (SIM_BASE + SEG, SIM_BASE + SEG + LARGE));
     drop((x, big)); // cached in `s`'s lanes: the hits' blocks
     a.begin_capture(s, None).unwrap();
     assert_eq!(b.alloc(N, s).unwrap_err(), foreign(s, s), "the small hit");
     assert_eq!(b.alloc(LARGE, s).unwrap_err(), foreign(s, s), "the large hit");
     drop((z, w)); // held for good
+    b.free_batch(vec![v]).unwrap(); // likewise
     assert_eq!(b.allocated_bytes(), 0);
     let graph = a.end_capture(s).unwrap();
     let smalls = [b.alloc(N, s).unwrap(), b.alloc(N, s).unwrap()];
     let larges = [b.alloc(LARGE, s).unwrap(), b.alloc(LARGE, s).unwrap()];
-    assert_eq!(smalls.each_ref().map(|b| b.ptr().0), [xa, xa + 2 * N], "never z's block");
+    assert_eq!(smalls.each_ref().map(|b| b.ptr().0), [xa, xa + 3 * N], "never z's nor v's");
     assert_eq!(larges.each_ref().map(|b| b.ptr().0), [biga, biga + 2 * LARGE], "never w's");
     assert_eq!(b.allocated_bytes(), 2 * N + 2 * LARGE);
     assert_eq!(b.reserved_bytes(), SEG + LARGE_SEG);

@@ -824,9 +824,13 @@ impl<D: Device> Allocator<D> {
             if buf.scope_tag().is_some() {
                 continue; // its scope records the free: the ordinary path
             }
-            if sh.family.captures.capturing(sh, buf.stream) || sh.device.capture_underway() {
-                // The capture may hold it back, or one of another family (`hold_for_foreign`):
-                // the ordinary path.
+            // BROKEN (`foreign_capture_lane`): straight into the pool during a foreign capture.
+            if sh.family.captures.capturing(sh, buf.stream)
+                || (!cfg!(tidepool_broken = "foreign_capture_lane")
+                    && sh.foreign_capture(buf.stream).is_some())
+            {
+                // The capture may hold it back, or one of another family holds it for good
+                // (`hold_for_foreign`): the ordinary path.
                 continue;
             }
             let Some(block) = buf.take_block() else { continue };
