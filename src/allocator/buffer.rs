@@ -260,7 +260,7 @@ impl<D: Device> Drop for Buffer<D> {
         }
         if flags == 0
             && let Origin::Pool(block) = *self.origin
-            && !self.owner.cells().family.captures.any()
+            && self.no_capture()
             && let Some(lane) = self.owner.quiet_lane()
         {
             if lane.push_small(self.class(), self.cached(block), self.stream) {
@@ -280,7 +280,7 @@ impl<D: Device> Buffer<D> {
     fn drop_large(&mut self) {
         let mut state = Freeing::NotTried;
         if let Origin::Pool(block) = *self.origin
-            && !self.owner.cells().family.captures.any()
+            && self.no_capture()
             && let Some(lane) = self.owner.quiet_lane()
             && lane.is_first_of(self.stream)
             && self.owner.takes_large(lane, self.size)
@@ -304,6 +304,19 @@ enum Freeing {
 }
 
 impl<D: Device> Buffer<D> {
+    /// Whether no capture may hold its free back: none of its family is underway, nor any on
+    /// the device (one of another family, or begun on the device itself:
+    /// `Shared::hold_for_foreign`). Two loads.
+    #[inline(always)]
+    fn no_capture(&self) -> bool {
+        // BROKEN (`foreign_capture_freed`, and `foreign_capture_lane` alone): a free during a
+        // foreign capture goes to the lane, which hands it out again.
+        !self.owner.cells().family.captures.any()
+            && (cfg!(tidepool_broken = "foreign_capture_freed")
+                || cfg!(tidepool_broken = "foreign_capture_lane")
+                || !self.owner.device.capture_underway())
+    }
+
     /// Its class in a stream cache.
     #[inline(always)]
     fn class(&self) -> ClassKey {
@@ -332,9 +345,7 @@ impl<D: Device> Buffer<D> {
                 self.owner.free_into_pool(self.freed(block));
                 false
             }
-            (_, &Origin::Pool(block))
-                if self.scope.is_none() && !self.owner.cells().family.captures.any() =>
-            {
+            (_, &Origin::Pool(block)) if self.scope.is_none() && self.no_capture() => {
                 self.free_fast(block)
             }
             _ => {
@@ -450,8 +461,11 @@ impl<D: Device> Buffer<D> {
         match std::mem::replace(&mut *self.origin, Origin::None) {
             Origin::Pool(block) => {
                 let freed = self.freed(block);
-                // A capture of its stream may hold it back (`capture.rs`).
-                if let Some(freed) = self.owner.family.captures.defer(&self.owner, freed) {
+                // A capture of its stream may hold it back (`capture.rs`), or one of another
+                // family that captures it (`Shared::hold_for_foreign`).
+                if let Some(freed) = self.owner.family.captures.defer(&self.owner, freed)
+                    && let Some(freed) = self.owner.hold_for_foreign(freed)
+                {
                     self.owner.free(freed);
                 }
             }

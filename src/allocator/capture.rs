@@ -76,6 +76,30 @@
 //! other streams), so it is handed the blocks whose work completed; none is polled during it.
 //!
 //! Limits: scopes refuse to allocate on a capturing stream, joined or not.
+//!
+//! **Captures of another family.** The table above is the family's: a capture that another
+//! allocator began on the same device, or one begun on the device itself
+//! ([`Capture::begin_capture`], a safe call), routes nothing here. The device tells
+//! ([`Device::capture_underway`], one load; [`Device::capture_of`]), and the allocator asks it:
+//!
+//! ```text
+//!   hits (small, large, a scope's planned slice) ─▶ capture_underway()? the whole path
+//!   whole path on s: capture_of(s) = Some(o), o not this family's ─▶ Err(ForeignCapture { s, o })
+//!   free of a pool block on s (or used on s) while capture_of(s) is foreign ─▶ pending for good
+//! ```
+//!
+//! A request on such a stream is refused ([`AllocError::ForeignCapture`]): the captured work
+//! would be handed memory that no graph of this family holds, which the foreign graph replays
+//! after it has gone back here. A block freed on such a stream (or used there) may be used by
+//! the foreign graph's replays for as long as that graph lives, and this allocator cannot see
+//! the graph go: it is never handed out again. It stays pending (no longer allocated, still
+//! reserved) for the allocator's life and goes back to the device with the allocator's
+//! segments (`Shared::hold_for_foreign`). A capture of the family holds the same block only
+//! until its graph goes; holding it "until the capture ends" instead would hand it out while
+//! the replays still write it. The cost is what a program frees on another allocator's
+//! captured streams during the capture, held for good: free such buffers before the capture
+//! or after it. (Not covered: a scope's buffers freed then go back to its run and region as
+//! usual; the scope refuses the stream only while the capture is underway.)
 
 use super::buffer::Freed;
 use super::owner::Owner;
@@ -209,6 +233,52 @@ pub(super) struct Wait<D: Device> {
     freed: Freed,
     /// Where each other stream it was used on stood when it was freed.
     marks: Vec<CaptureMark>,
+}
+
+impl<D: Device> Shared<D> {
+    /// The origin of the capture that captures `stream`, when the device says one does and it
+    /// is not of this allocator's family (another allocator's on the same device, or one begun
+    /// on the device itself): this allocator hands out nothing there and holds back what is
+    /// freed there ([`Shared::hold_for_foreign`]). One load while no capture is underway.
+    #[inline]
+    pub(super) fn foreign_capture(&self, stream: StreamId) -> Option<StreamId> {
+        if !self.device.capture_underway() {
+            return None;
+        }
+        self.foreign_origin(stream)
+    }
+
+    /// [`Shared::foreign_capture`] past its first load.
+    #[cold]
+    fn foreign_origin(&self, stream: StreamId) -> Option<StreamId> {
+        let origin = self.device.capture_of(stream)?;
+        (!self.family.captures.began_on(origin)).then_some(origin)
+    }
+
+    /// A pool block of this allocator is being freed (no capture of its family held it back):
+    /// `None` when a foreign capture (see [`Shared::foreign_capture`]) captures its stream or a
+    /// stream it was used on. Then its captured work may have used it, and that graph's replays
+    /// use it for as long as the graph lives, which this allocator cannot see: the block stays
+    /// pending (no longer allocated, still active) for the allocator's life, never handed out
+    /// again, and goes back with the allocator's segments when the allocator goes. A capture of
+    /// the family instead holds such a block until its graph goes (`CaptureTable::defer`).
+    pub(super) fn hold_for_foreign(&self, f: Freed) -> Option<Freed> {
+        // BROKEN (`foreign_capture_freed`): freed as usual, handed out again at once.
+        if cfg!(tidepool_broken = "foreign_capture_freed") || !self.device.capture_underway() {
+            return Some(f);
+        }
+        let captured = self.foreign_origin(f.stream).is_some()
+            || (f.used_elsewhere
+                && self.block_uses(f.block).into_iter().any(|u| self.foreign_origin(u).is_some()));
+        if !captured {
+            return Some(f);
+        }
+        // Taken back on its stream as the capture sees it (SimDevice: the graph holds it).
+        self.device.note_reclaim(f.ptr, f.size, f.stream);
+        self.pend_held(&f);
+        self.lock_state().foreign_held.push(f);
+        None
+    }
 }
 
 impl<D: Device> CaptureTable<D> {

@@ -77,6 +77,19 @@ pub enum AllocError {
         /// Why.
         reason: &'static str,
     },
+    /// The stream is being captured by a capture this allocator's family did not begin: one of
+    /// another allocator on the same device, or one begun on the device itself
+    /// ([`Capture::begin_capture`](crate::device::Capture::begin_capture)). Whatever the
+    /// captured work writes is replayed by that graph for as long as it lives, which this
+    /// allocator cannot see, so it hands out no memory there: allocate on a stream outside the
+    /// capture, or through the allocator that captures (its graph's private pool). Nothing was
+    /// reserved or recorded.
+    ForeignCapture {
+        /// The stream asked for.
+        stream: StreamId,
+        /// The stream the capture began on (the device's [`Device::capture_of`](crate::Device::capture_of)).
+        origin: StreamId,
+    },
 }
 
 /// Where memory was when an allocation ran out of it.
@@ -243,6 +256,13 @@ impl fmt::Display for AllocError {
             AllocError::Capture { stream, reason } => {
                 write!(f, "stream capture on {stream}: {reason}")
             }
+            AllocError::ForeignCapture { stream, origin } => write!(
+                f,
+                "{stream} is being captured by a capture begun on {origin} outside this \
+                 allocator's family (another allocator's, or the device's own): no graph of this \
+                 allocator would hold the memory; allocate through the capturing allocator or on \
+                 another stream"
+            ),
             AllocError::InvalidAlignment { align, max } => write!(
                 f,
                 "invalid alignment {align}: expected a power of two no larger than {max} bytes \
@@ -268,7 +288,8 @@ impl std::error::Error for AllocError {
             | AllocError::ForeignPool
             | AllocError::PoolBusy { .. }
             | AllocError::StreamRouted(_)
-            | AllocError::Capture { .. } => None,
+            | AllocError::Capture { .. }
+            | AllocError::ForeignCapture { .. } => None,
         }
     }
 }

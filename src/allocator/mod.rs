@@ -386,8 +386,12 @@ impl<D: Device> Allocator<D> {
     fn hit(&self, bytes: u64, stream: StreamId, residency: Residency) -> Option<Buffer<D>> {
         let sh = &*self.shared;
         // (Recording the history closes every lane: `Limits::enabled`.) A request above the
-        // small bound goes on to the large hit with no lane looked up.
-        if sh.routes.any() || bytes.wrapping_sub(1) >= sh.small_hint.load(Ordering::Relaxed) {
+        // small bound goes on to the large hit with no lane looked up. While a capture is
+        // underway on the device, the whole path asks whose it is (`alloc_in_once`).
+        if sh.routes.any()
+            || Self::capture_on_device(sh)
+            || bytes.wrapping_sub(1) >= sh.small_hint.load(Ordering::Relaxed)
+        {
             return None;
         }
         // The one lookup: this thread's lane owner of the stream, which holds the lane.
@@ -415,8 +419,9 @@ impl<D: Device> Allocator<D> {
     #[inline(always)]
     fn hit_large(&self, bytes: u64, stream: StreamId, residency: Residency) -> Option<Buffer<D>> {
         let sh = &*self.shared;
-        // A routed stream allocates from its private pool (`alloc_in_once`).
-        if sh.routes.any() {
+        // A routed stream allocates from its private pool (`alloc_in_once`), and the whole path
+        // asks whose a capture underway on the device is.
+        if sh.routes.any() || Self::capture_on_device(sh) {
             return None;
         }
         // A stream's large block waits in its first lane, whose owner large buffers hold.
@@ -431,6 +436,20 @@ impl<D: Device> Allocator<D> {
             }
             _ => None,
         }
+    }
+
+    /// Whether a stream capture is underway on the device (one load): the hit paths then leave
+    /// the request to the whole path, which refuses a stream a foreign capture captures
+    /// ([`Shared::foreign_capture`]). A capture of this allocator's own family routes its
+    /// streams, which the hits leave to the whole path anyway; but a capture of another
+    /// allocator on the device, or one begun on the device itself, is seen only here.
+    #[inline(always)]
+    fn capture_on_device(sh: &Shared<D>) -> bool {
+        // BROKEN (`foreign_capture_served`, and `foreign_capture_hit` alone): the hits serve a
+        // foreign capture's streams.
+        !cfg!(tidepool_broken = "foreign_capture_served")
+            && !cfg!(tidepool_broken = "foreign_capture_hit")
+            && sh.device.capture_underway()
     }
 
     /// A buffer for block `b` popped by a hit through lane owner `slot` that served `bytes`
@@ -645,6 +664,15 @@ impl<D: Device> Allocator<D> {
         align: u64,
     ) -> Result<Buffer<D>, AllocError> {
         let sh = &self.shared;
+        // A stream a capture of another family (or of the device itself) captures: whatever the
+        // captured work is handed, that graph replays, and no graph of this family would hold
+        // it. Refused, whatever guard routes the stream (a private pool is no graph's either).
+        // BROKEN (`foreign_capture_served`): served from the general pool (or a guard's).
+        if !cfg!(tidepool_broken = "foreign_capture_served")
+            && let Some(origin) = sh.foreign_capture(stream)
+        {
+            return Err(AllocError::ForeignCapture { stream, origin });
+        }
         if let Some((pool, routed)) = self.routed_pool(stream) {
             // The stream may have been destroyed under a route (here, or elsewhere and released
             // here): the pool's lanes and its known streams never heard of it, so the device is
@@ -796,8 +824,14 @@ impl<D: Device> Allocator<D> {
             if buf.scope_tag().is_some() {
                 continue; // its scope records the free: the ordinary path
             }
-            if sh.family.captures.capturing(sh, buf.stream) {
-                continue; // the capture may hold it back: the ordinary path
+            // BROKEN (`foreign_capture_lane`): straight into the pool during a foreign capture.
+            if sh.family.captures.capturing(sh, buf.stream)
+                || (!cfg!(tidepool_broken = "foreign_capture_lane")
+                    && sh.foreign_capture(buf.stream).is_some())
+            {
+                // The capture may hold it back, or one of another family holds it for good
+                // (`hold_for_foreign`): the ordinary path.
+                continue;
             }
             let Some(block) = buf.take_block() else { continue };
             sh.device.note_reclaim(buf.ptr, buf.size, buf.stream);

@@ -718,7 +718,13 @@ impl<'a, D: Device> Scope<'a, D> {
         // The plan's next step is an allocation that `bytes` rounds to (see `Entry`; the plan's
         // granule is the run's, `fast_ok`), and no stream is routed (the mask is then all ones,
         // above any span). A zero-byte request never matches.
-        if size.wrapping_sub(bytes) | self.route_mask.load(Ordering::Relaxed) >= span {
+        // While a capture is underway on the device, the general path asks whose it is.
+        // BROKEN (`foreign_capture_served`, and `foreign_capture_hit` alone): not asked.
+        if size.wrapping_sub(bytes) | self.route_mask.load(Ordering::Relaxed) >= span
+            || (!cfg!(tidepool_broken = "foreign_capture_served")
+                && !cfg!(tidepool_broken = "foreign_capture_hit")
+                && self.alloc.shared.device.capture_underway())
+        {
             return None;
         }
         c.pos.set(pos + 1);
@@ -885,6 +891,14 @@ impl<'a, D: Device> Scope<'a, D> {
         let sh = &self.alloc.shared;
         if sh.routes.routed(self.stream) || sh.family.captures.joined(sh, self.stream) {
             return Err(AllocError::StreamRouted(self.stream));
+        }
+        // A capture of another family (or of the device itself) captures the stream: its
+        // replays would write the run's memory, which the scope hands out again.
+        // BROKEN (`foreign_capture_served`): served as usual.
+        if !cfg!(tidepool_broken = "foreign_capture_served")
+            && let Some(origin) = sh.foreign_capture(self.stream)
+        {
+            return Err(AllocError::ForeignCapture { stream: self.stream, origin });
         }
         match self.stream_ok {
             true => Ok(()),

@@ -588,7 +588,7 @@ impl<D: Device> Shared<D> {
     }
 
     /// Frees the block of `f` into the pool now: allocated, or (`pended`) pending.
-    fn free_now(st: &mut State, f: &buffer::Freed, pended: bool) {
+    pub(super) fn free_now(st: &mut State, f: &buffer::Freed, pended: bool) {
         st.pool.free(f.block);
         match pended {
             true => st.base.pending_done(f.quadrant, f.size, f.requested),

@@ -143,6 +143,11 @@ pub(super) struct State {
     /// Freed blocks whose free needed a host wait that a stream capture refused: pending until
     /// a host wait made once no capture is underway (`Shared::release_parked`).
     pub(super) parked: Vec<BlockId>,
+    /// Blocks freed while a capture of another family (or of the device itself) captured their
+    /// stream or a stream they were used on: pending for the allocator's life, since the
+    /// foreign graph's replays may write them for as long as it lives, which nothing here sees
+    /// (`Shared::hold_for_foreign`); freed with the rest when the allocator goes.
+    pub(super) foreign_held: Vec<super::buffer::Freed>,
     /// Regions let go of while poisoned (a slice's reuse could be ordered by nothing): their
     /// blocks stay allocated until a device-wide synchronisation shows every use done
     /// (`Shared::release_parked`: the next event poll or sync with no capture underway).
@@ -359,6 +364,12 @@ impl<D: Device> Drop for Shared<D> {
             for block in std::mem::take(&mut st.parked) {
                 Self::pending_block_done(&mut st, block);
             }
+        }
+        // Blocks held for a foreign capture's graph: nothing of this allocator is left to hand
+        // them out, so they go back with its segments (releasing memory a live graph still
+        // uses is the application's doing: it let go of the graph's allocator first).
+        for f in std::mem::take(&mut st.foreign_held) {
+            Self::free_now(&mut st, &f, true);
         }
         st.initial = None; // the initial pool goes too
         self.poll_retiring(&mut st, true);

@@ -33,9 +33,12 @@ pub(super) struct CudaGraphs {
 }
 
 impl CudaDevice {
-    /// Whether a capture is underway on this device (no driver call).
+    /// Whether a capture is underway on this device (no driver call, one relaxed load: stored
+    /// under the graphs' lock as captures begin and end; what a capture's state holds is read
+    /// under that lock, as `SimDevice::capture_underway` explains).
+    #[inline]
     pub(super) fn capturing_any(&self) -> bool {
-        lock(&self.graphs).order.any()
+        self.capturing.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// The stream the capture `stream` belongs to began on, if it is capturing (no driver call).
@@ -98,6 +101,7 @@ impl Capture for CudaDevice {
         // SAFETY: `s` is a live non-null stream of this context, kept alive by the `Arc`.
         unsafe { result::stream_begin_capture(s.cu_stream()) }?;
         graphs.order.begin(stream.0);
+        self.capturing.store(graphs.order.any(), std::sync::atomic::Ordering::Release);
         Ok(())
     }
 
@@ -119,6 +123,7 @@ impl Capture for CudaDevice {
         // on another thread than the one that began it (global mode): refused, it goes on.
         if !made.as_ref().is_err_and(DeviceError::is_capture_wrong_thread) {
             graphs.order.end(stream.0);
+            self.capturing.store(graphs.order.any(), std::sync::atomic::Ordering::Release);
         }
         let g = made?;
         graphs.next += 1;

@@ -85,6 +85,9 @@ pub struct CudaDevice {
     vm: Mutex<CudaVm>,
     /// Stream captures underway and live graphs (`graph.rs`).
     graphs: Mutex<graph::CudaGraphs>,
+    /// Whether `graphs` has a capture underway, stored under its lock as captures begin and
+    /// end: [`Device::capture_underway`] is one load (every allocator's hit path asks it).
+    capturing: std::sync::atomic::AtomicBool,
 }
 
 /// What the virtual-memory calls made and have not undone.
@@ -198,6 +201,7 @@ impl CudaDevice {
             vm_support: OnceLock::new(),
             vm: Mutex::new(CudaVm::default()),
             graphs: Mutex::new(graph::CudaGraphs::default()),
+            capturing: std::sync::atomic::AtomicBool::new(false),
         }))
     }
 
@@ -390,7 +394,8 @@ impl Device for CudaDevice {
         CudaDevice::ordinal(self)
     }
 
-    /// From the set of streams `begin_capture` started capturing (no driver call).
+    /// Whether a capture `begin_capture` started has not ended (no driver call, no lock).
+    #[inline]
     fn capture_underway(&self) -> bool {
         self.capturing_any()
     }
