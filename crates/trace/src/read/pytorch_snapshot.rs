@@ -27,7 +27,7 @@
 //! | `free_completed`, `free`                 | the free                                         |
 //! | `free_requested`                         | the free when the device has neither of the two above, else skipped |
 //! | `segment_alloc`/`_free`/`_map`/`_unmap`  | skipped; PyTorch's reserved bytes ([`RecordedReserved`](crate::snapshot::RecordedReserved)) |
-//! | `oom`, `snapshot`, `user_defined`        | skipped (markers)                                |
+//! | `oom`, `snapshot`, `user_defined`, `annotate` | skipped (markers)                          |
 //!
 //! Skipped entries are counted by action in [`Trace::skipped`]. Blocks allocated before the
 //! recorded window (PyTorch records history in a ring buffer) are live from its start: a free
@@ -411,7 +411,7 @@ enum Action {
     SegmentUp,
     /// `segment_free`, `segment_unmap`: reserved shrinks.
     SegmentDown,
-    /// `oom`, `snapshot`, `user_defined`.
+    /// `oom`, `snapshot`, `user_defined`, `annotate`.
     Marker,
 }
 
@@ -446,6 +446,12 @@ fn parse_entry(device: usize, index: usize, entry: Obj<'_>) -> Result<Entry<'_>,
         "segment_free" | "segment_unmap" => Action::SegmentDown,
         // `workspace_snapshot`: torch_npu (Ascend) writes the same snapshot format with it.
         "oom" | "snapshot" | "user_defined" | "workspace_snapshot" => Action::Marker,
+        // `annotate` (`torch.cuda.memory._annotate_memory`, PyTorch's main branch): metadata
+        // attached to a live allocation, its `addr` that allocation's: nothing is allocated or
+        // freed.
+        // BROKEN (`annotate_refused`): an unknown action that refused the whole snapshot.
+        #[cfg(not(tidepool_broken = "annotate_refused"))]
+        "annotate" => Action::Marker,
         other => {
             return Err(TraceError::new(
                 Location::Entry { device, index },
