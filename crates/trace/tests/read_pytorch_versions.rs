@@ -5,7 +5,7 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use tidepool_trace::{Event, Tag, Trace, read_trace};
+use tidepool_trace::{Event, PreWindow, Tag, Trace, read_trace};
 
 const MB: u64 = 1 << 20;
 
@@ -43,4 +43,77 @@ fn annotate_entries_are_markers_and_host_traces_are_not_read() {
         (7, 0, 2 * MB, 0)
     );
     assert_eq!(s.reserved.timeline, vec![2 * MB, 2 * MB]);
+}
+
+/// A block freed while another stream used it stays `active_pending_free` until its
+/// `free_completed`, after the snapshot: its memory is held through the window. One allocated
+/// before the window (only its `free_requested` in it) was dropped, so the 8 MiB it held were
+/// missing from every figure; one allocated in the window stayed live, as now both do.
+#[test]
+fn a_block_pending_its_free_is_live_to_the_end_of_the_window() {
+    let t = read("pending_free_snapshot.pickle");
+    let p = 8 * MB - 512;
+    assert_eq!(
+        t.events,
+        vec![
+            Event::alloc(3, p, 0, Tag::Param), // P: allocated before the window, pending
+            Event::alloc(0, 2 * MB, 0, Tag::Act), // A
+            Event::alloc(1, 4 * MB, 0, Tag::Act), // Q: freed in the window, pending
+            Event::alloc(2, MB, 0, Tag::Act),
+            Event::free(2, MB, 0, Tag::Act),
+        ]
+    );
+    assert_eq!(t.peak_live_bytes(), p + 7 * MB);
+    assert_eq!(
+        t.pre_window,
+        PreWindow { freed_blocks: 0, freed_bytes: 0, live_blocks: 1, live_bytes: p }
+    );
+    assert_eq!(t.skipped, counts(&[("free_requested", 3)]));
+    let s = t.snapshot.as_ref().unwrap();
+    assert_eq!((s.history, s.entries, s.reserved.at_snapshot), (true, 7, 20 * MB));
+    assert!(s.notes.is_empty(), "{:?}", s.notes);
+}
+
+/// Recorded with `skip_actions=["free_completed"]`, `free_requested` is the free: both pending
+/// blocks were freed in the window (P from its start), and neither is live again at its end.
+#[test]
+fn a_pending_block_freed_by_its_free_requested_is_not_counted_twice() {
+    let t = read("pending_free_requested_snapshot.pickle");
+    let p = 8 * MB - 512;
+    assert_eq!(
+        t.events,
+        vec![
+            Event::alloc(1, p, 0, Tag::Act),
+            Event::alloc(0, 2 * MB, 0, Tag::Act),
+            Event::free(1, p, 0, Tag::Act),
+            Event::alloc(2, 4 * MB, 0, Tag::Act),
+            Event::free(2, 4 * MB, 0, Tag::Act),
+        ]
+    );
+    assert_eq!(t.peak_live_bytes(), p + 2 * MB);
+    assert_eq!(
+        t.pre_window,
+        PreWindow { freed_blocks: 1, freed_bytes: p, live_blocks: 0, live_bytes: 0 }
+    );
+}
+
+/// With no history, the static picture holds the pending blocks' memory too.
+#[test]
+fn the_static_picture_holds_pending_blocks() {
+    let t = read("pending_free_static_snapshot.pickle");
+    let p = 8 * MB - 512;
+    assert_eq!(
+        t.events,
+        vec![
+            Event::alloc(0, 2 * MB, 0, Tag::Param),
+            Event::alloc(1, p, 0, Tag::Param),
+            Event::alloc(2, 4 * MB, 0, Tag::Param),
+        ]
+    );
+    assert_eq!(t.peak_live_bytes(), p + 6 * MB);
+    assert_eq!(
+        t.pre_window,
+        PreWindow { freed_blocks: 0, freed_bytes: 0, live_blocks: 3, live_bytes: p + 6 * MB }
+    );
+    assert!(!t.snapshot.as_ref().unwrap().history);
 }

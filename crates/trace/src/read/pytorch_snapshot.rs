@@ -32,10 +32,11 @@
 //! Skipped entries are counted by action in [`Trace::skipped`]. Blocks allocated before the
 //! recorded window (PyTorch records history in a ring buffer) are live from its start: a free
 //! of an address the window never allocated gets a synthetic alloc at the start of the trace,
-//! and so does every `active_allocated` block of `segments` that is not live at the end of the
-//! window (its `requested_size`); the latter are live at the start and at the end of the window
-//! and are tagged [`Tag::Param`] (persistent: weights, optimizer state), everything else
-//! [`Tag::Act`]. A device with segments but no entries (snapshot taken without
+//! and so does every block of `segments` that holds memory and is not live at the end of the
+//! window: `active_allocated` (its `requested_size`), and `active_pending_free` where
+//! `free_completed` is the free (its memory is not reusable until that entry, after the
+//! snapshot). Those are live at the start and at the end of the window and are tagged
+//! [`Tag::Param`] (persistent: weights, optimizer state), everything else [`Tag::Act`]. A device with segments but no entries (snapshot taken without
 //! `_record_memory_history()`) becomes the static picture: those persistent blocks and nothing
 //! else, with [`SnapshotInfo::history`] false.
 //!
@@ -158,13 +159,16 @@ fn count(n: u64, thing: &str) -> String {
     if n == 1 { format!("1 {thing}") } else { format!("{n} {thing}s") }
 }
 
-/// An `active_allocated` block of a segment.
+/// A block of a segment that holds memory: `active_allocated`, or `active_pending_free` (freed,
+/// its memory not reusable until the streams that used it are done: its `free_completed`).
 struct Block {
     address: u64,
     requested: u64,
+    /// `active_pending_free`.
+    pending: bool,
 }
 
-/// A segment of `segments`, with its `active_allocated` blocks.
+/// A segment of `segments`, with its blocks that hold memory.
 struct Segment {
     total_size: u64,
     stream: u64,
@@ -212,12 +216,15 @@ fn parse_segments(v: Option<Obj<'_>>) -> Result<BTreeMap<u32, Vec<Segment>>, Tra
                 Some(Obj::Str(s)) => s,
                 _ => return Err(what("missing or non-string `state`".into())),
             };
-            if state == "active_allocated" {
+            // BROKEN (`pending_dropped`): an `active_pending_free` block was dropped.
+            let pending =
+                state == "active_pending_free" && !cfg!(tidepool_broken = "pending_dropped");
+            if state == "active_allocated" || pending {
                 let requested = match key(b, "requested_size") {
                     Some(_) => field(b, "requested_size", &what)?,
                     None => size,
                 };
-                kept.push(Block { address: addr, requested });
+                kept.push(Block { address: addr, requested, pending });
             }
         }
         out.entry(device).or_default().push(Segment { total_size, stream, blocks: kept });
@@ -719,13 +726,18 @@ fn device_trace_in(
     }
     info.annotation_scopes = scopes.instances;
 
-    // Blocks live at the snapshot that the window never allocated: live throughout.
+    // Blocks live at the snapshot that the window never allocated: live throughout. A block
+    // pending its free holds its memory until its `free_completed`, after the snapshot, so it is
+    // live too where `free_completed` is the free; where `free_requested` is (no entry completes
+    // a free), its free was requested in the window (and read there) or before it.
+    let pending_live =
+        free_action == Action::Free || !entries.iter().any(|e| e.action == Action::FreeRequested);
     let mut persistent: Vec<Event> = Vec::new();
     let mut at_snapshot: u128 = 0;
     for seg in input.segments {
         at_snapshot += u128::from(seg.total_size);
         for b in &seg.blocks {
-            if live.contains_key(&b.address) {
+            if live.contains_key(&b.address) || (b.pending && !pending_live) {
                 continue;
             }
             let stream = streams.id(seg.stream);
