@@ -117,3 +117,31 @@ fn the_static_picture_holds_pending_blocks() {
     );
     assert!(!t.snapshot.as_ref().unwrap().history);
 }
+
+/// PyTorch 1.13's blocks have no `requested_size`: the block allocated before the window holds
+/// its history's newest `real_size` (1000 B, as `_memory_viz.py` reads it), not its rounded
+/// 1024 B. Addresses follow from the segment's; the window opens with a free of a block it
+/// never saw allocated; no entry has a time.
+#[test]
+fn a_pytorch_1_13_snapshot_reads_its_blocks_requested_sizes_from_their_history() {
+    let t = read("pytorch_1_13_snapshot.pickle");
+    assert_eq!(
+        t.events,
+        vec![
+            Event::alloc(3, 1000, 0, Tag::Param),
+            Event::alloc(0, 4096, 0, Tag::Act),
+            Event::free(0, 4096, 0, Tag::Act),
+            Event::alloc(1, 512, 0, Tag::Act),
+            Event::alloc(2, 3000, 0, Tag::Act),
+            Event::free(2, 3000, 0, Tag::Act),
+        ]
+    );
+    assert_eq!(t.peak_live_bytes(), 1000 + 4096);
+    assert_eq!(
+        t.pre_window,
+        PreWindow { freed_blocks: 1, freed_bytes: 4096, live_blocks: 1, live_bytes: 1000 }
+    );
+    assert_eq!(t.skipped, counts(&[("free_requested", 2)]));
+    let s = t.snapshot.as_ref().unwrap();
+    assert_eq!((s.entries, s.reordered, s.reserved.at_snapshot), (6, 0, 2 * MB));
+}

@@ -33,10 +33,12 @@
 //! recorded window (PyTorch records history in a ring buffer) are live from its start: a free
 //! of an address the window never allocated gets a synthetic alloc at the start of the trace,
 //! and so does every block of `segments` that holds memory and is not live at the end of the
-//! window: `active_allocated` (its `requested_size`), and `active_pending_free` where
-//! `free_completed` is the free (its memory is not reusable until that entry, after the
-//! snapshot). Those are live at the start and at the end of the window and are tagged
-//! [`Tag::Param`] (persistent: weights, optimizer state), everything else [`Tag::Act`]. A device with segments but no entries (snapshot taken without
+//! window: `active_allocated` (its `requested_size`; PyTorch 1.13's blocks have none: the
+//! first `history` record's `real_size`, as `_memory_viz.py` reads it), and
+//! `active_pending_free` where `free_completed` is the free (its memory is not reusable until
+//! that entry, after the snapshot). Those are live at the start and at the end of the window
+//! and are tagged [`Tag::Param`] (persistent: weights, optimizer state), everything else
+//! [`Tag::Act`]. A device with segments but no entries (snapshot taken without
 //! `_record_memory_history()`) becomes the static picture: those persistent blocks and nothing
 //! else, with [`SnapshotInfo::history`] false.
 //!
@@ -222,7 +224,7 @@ fn parse_segments(v: Option<Obj<'_>>) -> Result<BTreeMap<u32, Vec<Segment>>, Tra
             if state == "active_allocated" || pending {
                 let requested = match key(b, "requested_size") {
                     Some(_) => field(b, "requested_size", &what)?,
-                    None => size,
+                    None => legacy_requested(b, size, &what)?,
                 };
                 kept.push(Block { address: addr, requested, pending });
             }
@@ -230,6 +232,29 @@ fn parse_segments(v: Option<Obj<'_>>) -> Result<BTreeMap<u32, Vec<Segment>>, Tra
         out.entry(device).or_default().push(Segment { total_size, stream, blocks: kept });
     }
     Ok(out)
+}
+
+/// The requested bytes of a block with no `requested_size` (PyTorch 1.13): its `history`'s first
+/// record's `real_size` (the current allocation's, newest first), as `_memory_viz.py` reads it,
+/// else the block's size.
+fn legacy_requested(
+    b: Obj<'_>,
+    size: u64,
+    what: &dyn Fn(String) -> TraceError,
+) -> Result<u64, TraceError> {
+    // BROKEN (`history_size_ignored`): the block's rounded size, with the history there.
+    if cfg!(tidepool_broken = "history_size_ignored") {
+        return Ok(size);
+    }
+    match key(b, "history") {
+        Some(Obj::List(h)) if !h.is_empty() => match h.get(0) {
+            Some(first @ Obj::Dict(_)) if key(first, "real_size").is_some() => {
+                field(first, "real_size", &|m| what(format!("history[0]: {m}")))
+            }
+            _ => Ok(size),
+        },
+        _ => Ok(size),
+    }
 }
 
 /// `text` cut to `max` characters (settings are shown in full unless absurdly long).
