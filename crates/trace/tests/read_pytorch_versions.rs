@@ -145,3 +145,32 @@ fn a_pytorch_1_13_snapshot_reads_its_blocks_requested_sizes_from_their_history()
     let s = t.snapshot.as_ref().unwrap();
     assert_eq!((s.entries, s.reordered, s.reserved.at_snapshot), (6, 0, 2 * MB));
 }
+
+/// A snapshot pickled in protocol 0 or 1 has no `PROTO` opcode to sniff: it was read as a CSV
+/// file and refused for its header. It reads as the same snapshot in protocol 2.
+#[test]
+fn snapshots_pickled_in_protocols_0_and_1_read_as_in_protocol_2() {
+    let want = read("pytorch_1_13_snapshot.pickle");
+    for (file, name) in [
+        ("protocol_0_snapshot.pickle", "protocol_0_snapshot"),
+        ("protocol_1_snapshot.pickle", "protocol_1_snapshot"),
+    ] {
+        let mut t = read(file);
+        assert_eq!(t.name, name);
+        t.name.clone_from(&want.name);
+        assert_eq!(t, want, "{file}");
+    }
+}
+
+/// `torch.save(snapshot, f)` writes a zip archive around the pickle: said so, with what to do
+/// (it was "line 1: line is not valid UTF-8").
+#[test]
+fn a_torch_save_archive_is_named_with_what_to_replay_instead() {
+    let e = read_trace(&fixture("torch_save_snapshot.pt")).unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "input: not a PyTorch memory snapshot: the file is a zip archive, as torch.save() \
+         writes: replay the pickle inside it (`unzip FILE '*/data.pkl'`), or save the snapshot \
+         with pickle.dump() as torch.cuda.memory._dump_snapshot() does"
+    );
+}
