@@ -101,8 +101,9 @@ pub struct PreWindow {
     pub freed_blocks: u64,
     /// Their requested bytes.
     pub freed_bytes: u64,
-    /// Blocks live at the end of the recording (a snapshot's `active_allocated` blocks) that it
-    /// never saw allocated: live throughout, tagged [`Tag::Param`] (persistent).
+    /// Blocks live at the end of the recording (a snapshot's `active_allocated` blocks, and its
+    /// `active_pending_free` ones where `free_completed` is the free) that it never saw
+    /// allocated: live throughout, tagged [`Tag::Param`] (persistent).
     pub live_blocks: u64,
     /// Their requested bytes.
     pub live_bytes: u64,

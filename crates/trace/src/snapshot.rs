@@ -43,7 +43,8 @@ pub struct SnapshotInfo {
     pub device: u32,
     /// Whether the snapshot holds a history for this device. Without one (taken without
     /// `torch.cuda.memory._record_memory_history()`), the trace is the static picture at the
-    /// snapshot: one persistent allocation per `active_allocated` block, nothing freed.
+    /// snapshot: one persistent allocation per `active_allocated` or `active_pending_free`
+    /// block, nothing freed.
     pub history: bool,
     /// Entries of `device_traces[device]`.
     pub entries: u64,

@@ -4,6 +4,12 @@
 //!  bytes ──► 1f 8b? ──yes──► gzip decoder ──┐
 //!              │no                         ▼
 //!              └──────────────────────► 0x80? ──yes──► PyTorch snapshot (pickle)
+//!                                          │no         ▲
+//!                                          ▼           │ yes (protocols 0 and 1)
+//!                                     ( } ] ? ─────────┘
+//!                                          │no
+//!                                          ▼
+//!                                     PK\3\4? ──yes──► error: a zip (torch.save)
 //!                                          │no
 //!                                          ▼
 //!                             first line = header ──► tidepool CSV | RMM log | error
@@ -49,6 +55,11 @@ use lines::LineReader;
 const GZIP_MAGIC: [u8; 2] = [0x1f, 0x8b];
 /// First byte of a pickle of protocol 2 or later (the `PROTO` opcode).
 const PICKLE_PROTO: u8 = 0x80;
+/// First bytes of a dict or list pickled in protocol 0 or 1, which have no `PROTO` opcode:
+/// `MARK` (`(dp0`, `(lp0`), `EMPTY_DICT`, `EMPTY_LIST`. No CSV header starts with them.
+const PICKLE_OLD_STARTS: [u8; 3] = [b'(', b'}', b']'];
+/// Zip magic: `torch.save()` writes a zip archive around its pickle (`*/data.pkl`).
+const ZIP_MAGIC: [u8; 4] = *b"PK\x03\x04";
 
 /// The default cap on decompressed gzip input and on a pickle read into memory: 1 GiB.
 pub const DEFAULT_MAX_INPUT: u64 = 1 << 30;
@@ -160,10 +171,23 @@ impl<R: Read> Read for Capped<R> {
 
 /// Reads a non-gzipped input of any supported format.
 fn read_plain<R: BufRead>(input: R, name: &str, cap: u64) -> Result<Vec<Trace>, TraceError> {
-    let (first, input) = peek(input, 1)?;
+    let (first, input) = peek(input, ZIP_MAGIC.len())?;
+    // BROKEN (`pickle_proto2_only`): only a `PROTO` opcode said "pickle"; a protocol 0 or 1
+    // snapshot was read as CSV (a wrong header), a zip as text (not UTF-8).
+    let old_pickle =
+        |b: &u8| PICKLE_OLD_STARTS.contains(b) && !cfg!(tidepool_broken = "pickle_proto2_only");
     match first.first() {
         None => Err(TraceError::input(ErrorKind::Empty)),
         Some(&PICKLE_PROTO) => pytorch_snapshot::read_capped(input, name, cap),
+        Some(b) if old_pickle(b) => pytorch_snapshot::read_capped(input, name, cap),
+        Some(_) if first == ZIP_MAGIC && !cfg!(tidepool_broken = "pickle_proto2_only") => {
+            Err(TraceError::input(ErrorKind::BadStructure(
+                "the file is a zip archive, as torch.save() writes: replay the pickle inside it \
+                 (`unzip FILE '*/data.pkl'`), or save the snapshot with pickle.dump() as \
+                 torch.cuda.memory._dump_snapshot() does"
+                    .into(),
+            )))
+        }
         Some(_) => {
             let mut lines = LineReader::new(input);
             let (n, header) =

@@ -27,13 +27,16 @@
 //! | `free_completed`, `free`                 | the free                                         |
 //! | `free_requested`                         | the free when the device has neither of the two above, else skipped |
 //! | `segment_alloc`/`_free`/`_map`/`_unmap`  | skipped; PyTorch's reserved bytes ([`RecordedReserved`](crate::snapshot::RecordedReserved)) |
-//! | `oom`, `snapshot`, `user_defined`        | skipped (markers)                                |
+//! | `oom`, `snapshot`, `user_defined`, `annotate` | skipped (markers)                          |
 //!
 //! Skipped entries are counted by action in [`Trace::skipped`]. Blocks allocated before the
 //! recorded window (PyTorch records history in a ring buffer) are live from its start: a free
 //! of an address the window never allocated gets a synthetic alloc at the start of the trace,
-//! and so does every `active_allocated` block of `segments` that is not live at the end of the
-//! window (its `requested_size`); the latter are live at the start and at the end of the window
+//! and so does every block of `segments` that holds memory and is not live at the end of the
+//! window: `active_allocated` (its `requested_size`; PyTorch 1.13's blocks have none: the
+//! first `history` record's `real_size`, as `_memory_viz.py` reads it), and
+//! `active_pending_free` where `free_completed` is the free (its memory is not reusable until
+//! that entry, after the snapshot). Those are live at the start and at the end of the window
 //! and are tagged [`Tag::Param`] (persistent: weights, optimizer state), everything else
 //! [`Tag::Act`]. A device with segments but no entries (snapshot taken without
 //! `_record_memory_history()`) becomes the static picture: those persistent blocks and nothing
@@ -158,13 +161,16 @@ fn count(n: u64, thing: &str) -> String {
     if n == 1 { format!("1 {thing}") } else { format!("{n} {thing}s") }
 }
 
-/// An `active_allocated` block of a segment.
+/// A block of a segment that holds memory: `active_allocated`, or `active_pending_free` (freed,
+/// its memory not reusable until the streams that used it are done: its `free_completed`).
 struct Block {
     address: u64,
     requested: u64,
+    /// `active_pending_free`.
+    pending: bool,
 }
 
-/// A segment of `segments`, with its `active_allocated` blocks.
+/// A segment of `segments`, with its blocks that hold memory.
 struct Segment {
     total_size: u64,
     stream: u64,
@@ -212,17 +218,43 @@ fn parse_segments(v: Option<Obj<'_>>) -> Result<BTreeMap<u32, Vec<Segment>>, Tra
                 Some(Obj::Str(s)) => s,
                 _ => return Err(what("missing or non-string `state`".into())),
             };
-            if state == "active_allocated" {
+            // BROKEN (`pending_dropped`): an `active_pending_free` block was dropped.
+            let pending =
+                state == "active_pending_free" && !cfg!(tidepool_broken = "pending_dropped");
+            if state == "active_allocated" || pending {
                 let requested = match key(b, "requested_size") {
                     Some(_) => field(b, "requested_size", &what)?,
-                    None => size,
+                    None => legacy_requested(b, size, &what)?,
                 };
-                kept.push(Block { address: addr, requested });
+                kept.push(Block { address: addr, requested, pending });
             }
         }
         out.entry(device).or_default().push(Segment { total_size, stream, blocks: kept });
     }
     Ok(out)
+}
+
+/// The requested bytes of a block with no `requested_size` (PyTorch 1.13): its `history`'s first
+/// record's `real_size` (the current allocation's, newest first), as `_memory_viz.py` reads it,
+/// else the block's size.
+fn legacy_requested(
+    b: Obj<'_>,
+    size: u64,
+    what: &dyn Fn(String) -> TraceError,
+) -> Result<u64, TraceError> {
+    // BROKEN (`history_size_ignored`): the block's rounded size, with the history there.
+    if cfg!(tidepool_broken = "history_size_ignored") {
+        return Ok(size);
+    }
+    match key(b, "history") {
+        Some(Obj::List(h)) if !h.is_empty() => match h.get(0) {
+            Some(first @ Obj::Dict(_)) if key(first, "real_size").is_some() => {
+                field(first, "real_size", &|m| what(format!("history[0]: {m}")))
+            }
+            _ => Ok(size),
+        },
+        _ => Ok(size),
+    }
 }
 
 /// `text` cut to `max` characters (settings are shown in full unless absurdly long).
@@ -411,7 +443,7 @@ enum Action {
     SegmentUp,
     /// `segment_free`, `segment_unmap`: reserved shrinks.
     SegmentDown,
-    /// `oom`, `snapshot`, `user_defined`.
+    /// `oom`, `snapshot`, `user_defined`, `annotate`.
     Marker,
 }
 
@@ -446,6 +478,12 @@ fn parse_entry(device: usize, index: usize, entry: Obj<'_>) -> Result<Entry<'_>,
         "segment_free" | "segment_unmap" => Action::SegmentDown,
         // `workspace_snapshot`: torch_npu (Ascend) writes the same snapshot format with it.
         "oom" | "snapshot" | "user_defined" | "workspace_snapshot" => Action::Marker,
+        // `annotate` (`torch.cuda.memory._annotate_memory`, PyTorch's main branch): metadata
+        // attached to a live allocation, its `addr` that allocation's: nothing is allocated or
+        // freed.
+        // BROKEN (`annotate_refused`): an unknown action that refused the whole snapshot.
+        #[cfg(not(tidepool_broken = "annotate_refused"))]
+        "annotate" => Action::Marker,
         other => {
             return Err(TraceError::new(
                 Location::Entry { device, index },
@@ -713,13 +751,18 @@ fn device_trace_in(
     }
     info.annotation_scopes = scopes.instances;
 
-    // Blocks live at the snapshot that the window never allocated: live throughout.
+    // Blocks live at the snapshot that the window never allocated: live throughout. A block
+    // pending its free holds its memory until its `free_completed`, after the snapshot, so it is
+    // live too where `free_completed` is the free; where `free_requested` is (no entry completes
+    // a free), its free was requested in the window (and read there) or before it.
+    let pending_live =
+        free_action == Action::Free || !entries.iter().any(|e| e.action == Action::FreeRequested);
     let mut persistent: Vec<Event> = Vec::new();
     let mut at_snapshot: u128 = 0;
     for seg in input.segments {
         at_snapshot += u128::from(seg.total_size);
         for b in &seg.blocks {
-            if live.contains_key(&b.address) {
+            if live.contains_key(&b.address) || (b.pending && !pending_live) {
                 continue;
             }
             let stream = streams.id(seg.stream);
