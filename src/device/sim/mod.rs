@@ -453,7 +453,7 @@ impl SimDevice {
         self.state().faults.fail_nth_event_create = n.filter(|&n| n > 0);
     }
 
-    /// Makes the `n`th stream made from now ([`Device::create_stream`],
+    /// Makes the `n`th stream made from now ([`Device::create_stream`](super::Device::create_stream),
     /// [`SimDevice::create_app_stream`]) fail with `CUDA_ERROR_OUT_OF_MEMORY`, as it does when
     /// the system refuses the stream's worker thread. `None` clears it.
     pub fn fail_nth_stream_create(&self, n: Option<u64>) {
