@@ -1253,3 +1253,81 @@ fn a_slow_pinned_allocation_holds_up_no_other_thread() {
     pinned.empty_cache().unwrap();
     assert_eq!((pinned.stats().reserved_bytes.current, dev.sim.host_reserved_bytes()), (0, 0));
 }
+
+/// A kernel on `stream` that waits for the returned sender, then reads `n` bytes at `ptr` into
+/// the returned slot (declared as a read, so the sanitizer checks it).
+fn gated_read(
+    dev: &SimDevice,
+    stream: StreamId,
+    ptr: DeviceAddr,
+    n: u64,
+) -> (mpsc::Sender<()>, Arc<std::sync::Mutex<Vec<u8>>>) {
+    let (open, gate) = mpsc::channel::<()>();
+    let slot = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let out = slot.clone();
+    let access = vec![tidepool::device::Access { ptr, bytes: n, kind: AccessKind::Read }];
+    let k = Kernel::new("read", access, move |m| {
+        let _ = gate.recv();
+        let mut v = vec![0u8; n as usize];
+        m.read(ptr, &mut v).unwrap();
+        *out.lock().unwrap() = v;
+    });
+    dev.launch(stream, k).unwrap();
+    (open, slot)
+}
+
+/// `upload` and `download` are uses of the device buffer like any other: ordered after the
+/// uses announced on other streams with `Buffer::use_on` (a write there before a download, any
+/// use there before an upload), and later uses on other streams ordered after them. They took
+/// no part: a download read the buffer while a kernel on another stream still wrote it (the
+/// bytes read were the old ones), an upload wrote it under a kernel still reading it, and a
+/// reader on the other stream afterwards did not wait for the upload. Broken build
+/// `pinned_copy_unannounced`: the sanitizer reports the three races and the bytes are wrong.
+#[test]
+fn uploads_and_downloads_are_ordered_with_the_buffers_uses_on_other_streams() {
+    const N: u64 = 4096;
+    let (dev, alloc, pinned) = setup();
+    let side = dev.create_stream().unwrap();
+    let gpu = alloc.alloc(N, S).unwrap();
+    let ptr = gpu.ptr();
+    // 1. A kernel on `side` writes 7s (held by a gate); a download on `S` must wait for it.
+    gpu.use_on(side, AccessKind::Write).unwrap();
+    let (open, write) = mpsc::channel::<()>();
+    let access = vec![tidepool::device::Access { ptr, bytes: N, kind: AccessKind::Write }];
+    let k = Kernel::new("write", access, move |m| {
+        let _ = write.recv();
+        m.write(ptr, &[7; N as usize]).unwrap();
+    });
+    dev.launch(side, k).unwrap();
+    let mut host = pinned.alloc(N).unwrap();
+    host.download(&gpu).unwrap();
+    open.send(()).unwrap();
+    let bytes = host.as_slice().unwrap();
+    assert!(bytes.iter().all(|&b| b == 7), "downloaded {:?}…", &bytes[..8]);
+    assert_eq!(dev.violations(), vec![], "the download raced the write on `side`");
+    // 2. A kernel on `side` reads the 7s (held); an upload of 9s on `S` must wait for it.
+    gpu.use_on(side, AccessKind::Read).unwrap();
+    let (open, read) = gated_read(&dev, side, ptr, N);
+    host.as_mut_slice().unwrap().fill(9);
+    host.upload(&gpu).unwrap();
+    open.send(()).unwrap();
+    dev.synchronize().unwrap();
+    let bytes = read.lock().unwrap().clone();
+    assert!(bytes.len() == N as usize && bytes.iter().all(|&b| b == 7), "read {:?}…", &bytes[..8]);
+    assert_eq!(dev.violations(), vec![], "the upload raced the read on `side`");
+    // 3. An upload of 5s behind a gate on `S`, then a read on `side`: it waits for the upload.
+    host.as_mut_slice().unwrap().fill(5);
+    let held = gate(&dev, S);
+    host.upload(&gpu).unwrap();
+    gpu.use_on(side, AccessKind::Read).unwrap();
+    let (open, read) = gated_read(&dev, side, ptr, N);
+    open.send(()).unwrap();
+    held.send(()).unwrap();
+    dev.synchronize().unwrap();
+    let bytes = read.lock().unwrap().clone();
+    assert!(bytes.len() == N as usize && bytes.iter().all(|&b| b == 5), "read {:?}…", &bytes[..8]);
+    assert_eq!(dev.violations(), vec![], "the read on `side` raced the upload");
+    assert_eq!(dev.kernel_failures(), vec![]);
+    drop(host);
+    pinned.check_invariants().unwrap();
+}
