@@ -1143,3 +1143,191 @@ fn a_block_above_the_cached_size_freed_during_a_capture_goes_after_it() {
     pinned.check_invariants().unwrap();
     drop(graph);
 }
+
+/// A SimDevice whose next `host_alloc` (once armed) says it has begun, then blocks until told
+/// to go on: a slow `cuMemHostAlloc` (page-locking a large block takes milliseconds per MiB).
+struct SlowHostAlloc {
+    sim: SimDevice,
+    armed: std::sync::Mutex<Option<(mpsc::Sender<()>, mpsc::Receiver<()>)>>,
+}
+
+impl Device for SlowHostAlloc {
+    fn name(&self) -> String {
+        "slow host alloc".into()
+    }
+    fn reserve(&self, b: u64) -> Result<DeviceAddr, DeviceError> {
+        self.sim.reserve(b)
+    }
+    fn release(&self, p: DeviceAddr) -> Result<(), DeviceError> {
+        self.sim.release(p)
+    }
+    fn mem_info(&self) -> Result<tidepool::device::MemInfo, DeviceError> {
+        self.sim.mem_info()
+    }
+    fn create_stream(&self) -> Result<StreamId, DeviceError> {
+        self.sim.create_stream()
+    }
+    fn destroy_stream(&self, s: StreamId) -> Result<(), DeviceError> {
+        self.sim.destroy_stream(s)
+    }
+    fn create_event(&self) -> Result<tidepool::device::EventId, DeviceError> {
+        self.sim.create_event()
+    }
+    fn destroy_event(&self, e: tidepool::device::EventId) -> Result<(), DeviceError> {
+        self.sim.destroy_event(e)
+    }
+    fn record_event(&self, e: tidepool::device::EventId, s: StreamId) -> Result<(), DeviceError> {
+        self.sim.record_event(e, s)
+    }
+    fn query_event(&self, e: tidepool::device::EventId) -> Result<bool, DeviceError> {
+        self.sim.query_event(e)
+    }
+    fn wait_event(&self, s: StreamId, e: tidepool::device::EventId) -> Result<(), DeviceError> {
+        self.sim.wait_event(s, e)
+    }
+    fn synchronize_event(&self, e: tidepool::device::EventId) -> Result<(), DeviceError> {
+        self.sim.synchronize_event(e)
+    }
+    fn synchronize(&self) -> Result<(), DeviceError> {
+        self.sim.synchronize()
+    }
+    fn host_alloc(&self, bytes: u64) -> Result<HostPtr, DeviceError> {
+        let armed = self.armed.lock().unwrap().take();
+        if let Some((begun, go_on)) = armed {
+            begun.send(()).unwrap();
+            go_on.recv().unwrap();
+        }
+        self.sim.host_alloc(bytes)
+    }
+    unsafe fn host_free(&self, ptr: HostPtr) -> Result<(), DeviceError> {
+        // SAFETY: the caller's promise, passed on to the device that allocated `ptr`.
+        unsafe { self.sim.host_free(ptr) }
+    }
+}
+
+/// While one thread's allocation is inside a slow `cuMemHostAlloc`, another thread's
+/// allocation served from the cache, and its buffer's drop, go through: the allocator's lock
+/// was held through the device call and the block's zeroing, so every pinned allocation and
+/// every buffer's drop, on any thread, waited for them (PyTorch's allocator holds no lock
+/// there). Broken build `pinned_alloc_locked`: the cache hit waits for the device call (the
+/// watchdog lets it go after 10 s and the test fails).
+#[test]
+fn a_slow_pinned_allocation_holds_up_no_other_thread() {
+    let dev =
+        Arc::new(SlowHostAlloc { sim: SimDevice::backed(64 * MIB), armed: Default::default() });
+    let pinned = HostAllocator::new(dev.clone());
+    let cached = pinned.alloc(1000).unwrap();
+    let cached_at = cached.host_ptr();
+    drop(cached);
+    let (begun_tx, begun) = mpsc::channel();
+    let (go_on, go_on_rx) = mpsc::channel();
+    *dev.armed.lock().unwrap() = Some((begun_tx, go_on_rx));
+    let slow = {
+        let pinned = pinned.clone();
+        thread::spawn(move || pinned.alloc(3 * MIB).map(|b| (b.host_ptr(), b.block_size())))
+    };
+    begun.recv().unwrap(); // the slow allocation is inside `host_alloc` now
+    // A watchdog lets the device call go on if this thread stays blocked (the broken build).
+    let (done, done_rx) = mpsc::channel::<()>();
+    let watchdog = thread::spawn(move || {
+        let fired = done_rx.recv_timeout(std::time::Duration::from_secs(10)).is_err();
+        go_on.send(()).unwrap();
+        fired
+    });
+    let hit = pinned.alloc(700).unwrap(); // the cached 1 KiB block: no device call
+    assert_eq!((hit.host_ptr(), hit.block_size()), (cached_at, 1024));
+    drop(hit);
+    let s = pinned.stats();
+    assert_eq!((s.num_host_alloc, s.reserved_bytes.current, s.cached_bytes), (1, 1024, 1024));
+    done.send(()).unwrap();
+    assert!(!watchdog.join().unwrap(), "the cache hit waited for another thread's host_alloc");
+    let (ptr, block) = slow.join().unwrap().unwrap();
+    assert_eq!(block, 4 * MIB);
+    assert_ne!(ptr, cached_at);
+    let s = pinned.stats();
+    assert_eq!((s.num_host_alloc, s.segment.current), (2, 2));
+    assert_eq!((s.reserved_bytes.current, s.cached_bytes), (4 * MIB + 1024, 4 * MIB + 1024));
+    assert_eq!((s.allocation.current, s.allocation.allocated, s.active.current), (0, 3, 0));
+    assert_eq!(s.host_alloc_time.count, 2);
+    pinned.check_invariants().unwrap();
+    pinned.empty_cache().unwrap();
+    assert_eq!((pinned.stats().reserved_bytes.current, dev.sim.host_reserved_bytes()), (0, 0));
+}
+
+/// A kernel on `stream` that waits for the returned sender, then reads `n` bytes at `ptr` into
+/// the returned slot (declared as a read, so the sanitizer checks it).
+fn gated_read(
+    dev: &SimDevice,
+    stream: StreamId,
+    ptr: DeviceAddr,
+    n: u64,
+) -> (mpsc::Sender<()>, Arc<std::sync::Mutex<Vec<u8>>>) {
+    let (open, gate) = mpsc::channel::<()>();
+    let slot = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let out = slot.clone();
+    let access = vec![tidepool::device::Access { ptr, bytes: n, kind: AccessKind::Read }];
+    let k = Kernel::new("read", access, move |m| {
+        let _ = gate.recv();
+        let mut v = vec![0u8; n as usize];
+        m.read(ptr, &mut v).unwrap();
+        *out.lock().unwrap() = v;
+    });
+    dev.launch(stream, k).unwrap();
+    (open, slot)
+}
+
+/// `upload` and `download` are uses of the device buffer like any other: ordered after the
+/// uses announced on other streams with `Buffer::use_on` (a write there before a download, any
+/// use there before an upload), and later uses on other streams ordered after them. They took
+/// no part: a download read the buffer while a kernel on another stream still wrote it (the
+/// bytes read were the old ones), an upload wrote it under a kernel still reading it, and a
+/// reader on the other stream afterwards did not wait for the upload. Broken build
+/// `pinned_copy_unannounced`: the sanitizer reports the three races and the bytes are wrong.
+#[test]
+fn uploads_and_downloads_are_ordered_with_the_buffers_uses_on_other_streams() {
+    const N: u64 = 4096;
+    let (dev, alloc, pinned) = setup();
+    let side = dev.create_stream().unwrap();
+    let gpu = alloc.alloc(N, S).unwrap();
+    let ptr = gpu.ptr();
+    // 1. A kernel on `side` writes 7s (held by a gate); a download on `S` must wait for it.
+    gpu.use_on(side, AccessKind::Write).unwrap();
+    let (open, write) = mpsc::channel::<()>();
+    let access = vec![tidepool::device::Access { ptr, bytes: N, kind: AccessKind::Write }];
+    let k = Kernel::new("write", access, move |m| {
+        let _ = write.recv();
+        m.write(ptr, &[7; N as usize]).unwrap();
+    });
+    dev.launch(side, k).unwrap();
+    let mut host = pinned.alloc(N).unwrap();
+    host.download(&gpu).unwrap();
+    open.send(()).unwrap();
+    let bytes = host.as_slice().unwrap();
+    assert!(bytes.iter().all(|&b| b == 7), "downloaded {:?}…", &bytes[..8]);
+    assert_eq!(dev.violations(), vec![], "the download raced the write on `side`");
+    // 2. A kernel on `side` reads the 7s (held); an upload of 9s on `S` must wait for it.
+    gpu.use_on(side, AccessKind::Read).unwrap();
+    let (open, read) = gated_read(&dev, side, ptr, N);
+    host.as_mut_slice().unwrap().fill(9);
+    host.upload(&gpu).unwrap();
+    open.send(()).unwrap();
+    dev.synchronize().unwrap();
+    let bytes = read.lock().unwrap().clone();
+    assert!(bytes.len() == N as usize && bytes.iter().all(|&b| b == 7), "read {:?}…", &bytes[..8]);
+    assert_eq!(dev.violations(), vec![], "the upload raced the read on `side`");
+    // 3. An upload of 5s behind a gate on `S`, then a read on `side`: it waits for the upload.
+    host.as_mut_slice().unwrap().fill(5);
+    let held = gate(&dev, S);
+    host.upload(&gpu).unwrap();
+    gpu.use_on(side, AccessKind::Read).unwrap();
+    let (open, read) = gated_read(&dev, side, ptr, N);
+    open.send(()).unwrap();
+    held.send(()).unwrap();
+    dev.synchronize().unwrap();
+    let bytes = read.lock().unwrap().clone();
+    assert!(bytes.len() == N as usize && bytes.iter().all(|&b| b == 5), "read {:?}…", &bytes[..8]);
+    assert_eq!(dev.violations(), vec![], "the read on `side` raced the upload");
+    assert_eq!(dev.kernel_failures(), vec![]);
+    drop(host);
+    pinned.check_invariants().unwrap();
+}

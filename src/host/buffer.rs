@@ -211,10 +211,13 @@ impl<D: Device> PinnedBuffer<D> {
     }
 
     /// Copies the whole buffer to the start of `dst`, on `dst`'s stream (so the copy runs before
-    /// `dst`'s memory is reused by anyone), and records it. An error, copying nothing, when
-    /// `dst` is shorter than this buffer or on another device.
+    /// `dst`'s memory is reused by anyone), and records it. The copy is a write of `dst` as
+    /// [`Buffer::use_on`] has it: after the uses of `dst` announced on other streams (their
+    /// kernels may still read or write it). An error, copying nothing, when `dst` is shorter
+    /// than this buffer or on another device.
     pub fn upload(&mut self, dst: &Buffer<D>) -> Result<(), HostAllocError> {
         self.check_buffer(dst)?;
+        device_use(dst, AccessKind::Write)?;
         // SAFETY: `dst` is a live buffer of this device (checked) holding at least `len` bytes;
         // its memory is reused only in its stream's order (or after events on other streams),
         // and the copy is enqueued on its stream, so the memory stays allocated until it ran.
@@ -222,10 +225,12 @@ impl<D: Device> PinnedBuffer<D> {
     }
 
     /// Copies the first [`PinnedBuffer::len`] bytes of `src` into this buffer, on `src`'s
-    /// stream, and records it. An error, copying nothing, when `src` is shorter or on another
-    /// device.
+    /// stream, and records it. The copy is a read of `src` as [`Buffer::use_on`] has it: after
+    /// the last write of `src` announced on another stream. An error, copying nothing, when
+    /// `src` is shorter or on another device.
     pub fn download(&mut self, src: &Buffer<D>) -> Result<(), HostAllocError> {
         self.check_buffer(src)?;
+        device_use(src, AccessKind::Read)?;
         // SAFETY: as in `upload`.
         unsafe { self.copy(0, src.ptr(), self.len, src.stream(), false) }
     }
@@ -344,6 +349,24 @@ impl<D: Device> PinnedBuffer<D> {
         self.add_use(u);
         Ok(recorded?)
     }
+}
+
+/// Announces the copy's use of `buf` on its own stream ([`Buffer::use_on`]): the stream waits
+/// for the uses announced on other streams that the copy conflicts with, and later uses on
+/// other streams wait for the copy. Nothing when no other stream used `buf`. Before, `upload`
+/// and `download` skipped it: a download read a buffer while a kernel announced on another
+/// stream still wrote it, and an upload wrote it under a kernel still reading it.
+fn device_use<D: Device>(buf: &Buffer<D>, access: AccessKind) -> Result<(), HostAllocError> {
+    if cfg!(tidepool_broken = "pinned_copy_unannounced") {
+        return Ok(()); // BROKEN: the copy takes no part in the buffer's cross-stream order
+    }
+    buf.use_on(buf.stream(), access).map_err(|e| match e {
+        crate::AllocError::Device(e) => HostAllocError::Device(e),
+        crate::AllocError::UnknownStream(s) => {
+            HostAllocError::Device(crate::DeviceError::UnknownStream(s))
+        }
+        other => HostAllocError::Device(crate::DeviceError::Unavailable(other.to_string())),
+    })
 }
 
 impl<D: Device> Drop for PinnedBuffer<D> {

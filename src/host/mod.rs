@@ -8,7 +8,7 @@
 //!      ├─ free[class] has a block ─▶ reuse it   (unrounded n: the smallest free block in
 //!      │                                         [n, n.next_power_of_two()])
 //!      └─ Device::host_alloc(class) (cuMemHostAlloc; on failure: free the cache, retry once),
-//!         zeroed once
+//!         zeroed once; both with the lock let go (other threads allocate and free meanwhile)
 //!   PinnedBuffer ── copy_to_device / copy_from_device / upload / download: the copy is enqueued
 //!      │            on a stream and an event recorded after it (one per stream, the latest)
 //!      │  as_slice / as_mut_slice: wait for the copies first (a host sync when one still runs)
@@ -580,11 +580,24 @@ impl<D: Device> HostAllocator<D> {
                 st.stats.cached_bytes -= size;
                 (ptr, size)
             }
-            None => {
+            // BROKEN (`pinned_alloc_locked`): the lock held through `cuMemHostAlloc` and the
+            // zeroing, so every other thread's allocation and free waited for them.
+            None if cfg!(tidepool_broken = "pinned_alloc_locked") => {
                 let size = if rounded { class } else { bytes };
-                (self.inner.new_block(st, bytes, size)?, size)
+                (self.inner.new_block(Some(st), bytes, size)?, size)
+            }
+            None => {
+                // `cuMemHostAlloc` page-locks the whole block (milliseconds per MiB on CUDA)
+                // and the block is zeroed: neither under the lock, which every allocation and
+                // every buffer's drop takes (PyTorch holds no lock there either).
+                drop(guard);
+                let size = if rounded { class } else { bytes };
+                let ptr = self.inner.new_block(None, bytes, size)?;
+                guard = lock(&self.inner.state);
+                (ptr, size)
             }
         };
+        let st = &mut *guard;
         let s = &mut st.stats;
         s.allocation.increase(1);
         s.allocated_bytes.increase(size);
@@ -855,55 +868,72 @@ impl<D: Device> Inner<D> {
     }
 
     /// A new zeroed pinned block of `size` bytes; on failure frees the cache and retries once.
+    /// Made with no lock held when `held` is `None` (the state is locked only to free the cache
+    /// and to count the block), else under the lock the caller holds.
     fn new_block(
         &self,
-        st: &mut State,
+        mut held: Option<&mut State>,
         requested: u64,
         size: u64,
     ) -> Result<HostPtr, HostAllocError> {
-        let mut result = self.timed_host_alloc(st, size);
+        let mut with_state = |f: &mut dyn FnMut(&mut State)| match held.as_deref_mut() {
+            Some(st) => f(st),
+            None => f(&mut self.lock()),
+        };
+        let mut result = self.timed_host_alloc(size);
         if let Err(e) = &result
             && is_oom(e)
-            && st.stats.cached_bytes > 0
             && !self.capture_forbids_waits_and_frees()
         {
-            st.stats.num_alloc_retries += 1;
-            // Errors freeing leave those blocks cached; the retry says whether it was enough.
-            let _ = self.release_free(st);
-            result = self.timed_host_alloc(st, size);
+            let mut freed = false;
+            with_state(&mut |st| {
+                if st.stats.cached_bytes > 0 {
+                    st.stats.num_alloc_retries += 1;
+                    // Errors freeing leave those blocks cached; the retry says whether it was
+                    // enough.
+                    let _ = self.release_free(st);
+                    freed = true;
+                }
+            });
+            if freed {
+                result = self.timed_host_alloc(size);
+            }
         }
-        let ptr = match result {
-            Ok(ptr) => ptr,
+        let (ptr, micros) = match result {
+            Ok(done) => done,
             Err(error) if is_oom(&error) => {
-                st.stats.num_ooms += 1;
+                let mut reserved = 0;
+                with_state(&mut |st| {
+                    st.stats.num_ooms += 1;
+                    reserved = st.stats.reserved_bytes.current;
+                });
                 return Err(HostAllocError::OutOfMemory {
                     requested,
                     class: size,
-                    reserved: st.stats.reserved_bytes.current,
+                    reserved,
                     error,
                 });
             }
             Err(e) => return Err(HostAllocError::Device(e)),
         };
         // SAFETY: `ptr` is a fresh pinned allocation of `size` bytes (what `host_alloc` returns),
-        // not yet handed to anyone and not used by any copy; zeroing initialises it, so slices
-        // of it are valid `u8`s from now on.
+        // not yet handed to anyone (not even in the allocator's tables) and not used by any
+        // copy; zeroing initialises it, so slices of it are valid `u8`s from now on.
         unsafe { std::ptr::write_bytes(ptr.as_ptr(), 0, size as usize) };
-        st.blocks.insert(ptr.addr(), size);
-        st.stats.num_host_alloc += 1;
-        st.stats.segment.increase(1);
-        st.stats.reserved_bytes.increase(size);
+        with_state(&mut |st| {
+            st.stats.host_alloc_time.record(micros);
+            st.blocks.insert(ptr.addr(), size);
+            st.stats.num_host_alloc += 1;
+            st.stats.segment.increase(1);
+            st.stats.reserved_bytes.increase(size);
+        });
         Ok(ptr)
     }
 
-    /// `Device::host_alloc`, its time counted in `host_alloc_time` when it succeeds.
-    fn timed_host_alloc(&self, st: &mut State, size: u64) -> Result<HostPtr, DeviceError> {
+    /// `Device::host_alloc`, with the microseconds it took when it succeeded.
+    fn timed_host_alloc(&self, size: u64) -> Result<(HostPtr, u64), DeviceError> {
         let start = std::time::Instant::now();
-        let result = self.device.host_alloc(size);
-        if result.is_ok() {
-            st.stats.host_alloc_time.record(micros(start));
-        }
-        result
+        self.device.host_alloc(size).map(|ptr| (ptr, micros(start)))
     }
 
     /// Frees every free block; the first error is returned, the failed block stays cached.

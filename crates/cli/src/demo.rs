@@ -43,6 +43,10 @@ pub fn run(args: &DemoArgs, out: &mut dyn Write, err: &mut dyn Write) -> i32 {
         two_streams: args.two_streams,
         ..TrainConfig::default()
     };
+    if let Some(Err(msg)) = args.snapshot.as_deref().map(crate::check_output) {
+        let _ = writeln!(err, "tidepool: {msg}");
+        return 1;
+    }
     let mut checked = Checked { out, error: None };
     let mut result = best_device(&cfg, args, &mut checked);
     let _ = checked.flush();

@@ -7,8 +7,9 @@
 //! ```
 //!
 //! Exit codes: 0 success (and `--help`, `--version`), 1 runtime error (unreadable trace, failed
-//! replay, unwritable SVG), 2 usage error (unknown flag or policy, bad value). Errors print
-//! `tidepool: <message>` (or clap's usage error) on stderr.
+//! replay, an SVG or snapshot file that cannot be written: checked before any work), 2 usage
+//! error (unknown flag or policy, bad value). Errors print `tidepool: <message>` (or clap's
+//! usage error) on stderr.
 
 mod demo;
 mod replay;
@@ -57,6 +58,34 @@ where
     match cli.command {
         Command::Replay(args) => replay::run(&args, out, err),
         Command::Demo(args) => demo::run(&args, out, err),
+    }
+}
+
+/// Checks, before any work, that the run's output file (`replay --svg`, `demo --snapshot`) can
+/// be written: it was found unwritable only once every replay (or the training) had run, and
+/// the report was lost to the error. An existing file is opened for writing, not truncated; a
+/// new one is created and removed again. The error is the one the write would have met.
+pub(crate) fn check_output(path: &std::path::Path) -> Result<(), String> {
+    let cannot = |e: std::io::Error| format!("cannot write {}: {e}", path.display());
+    // BROKEN (`cli_output_checked_late`, CLI only): nothing checked before the work.
+    if cfg!(tidepool_broken = "cli_output_checked_late") {
+        return Ok(());
+    }
+    match std::fs::OpenOptions::new().write(true).open(path) {
+        Ok(_) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            match std::fs::File::create_new(path) {
+                Ok(_) => {
+                    let _ = std::fs::remove_file(path);
+                    Ok(())
+                }
+                // A dangling link (the write creates its target) or a file made meanwhile: the
+                // write will say.
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => Ok(()),
+                Err(e) => Err(cannot(e)),
+            }
+        }
+        Err(e) => Err(cannot(e)),
     }
 }
 

@@ -219,6 +219,15 @@ fn replay(cmd: &ReplayArgs, n_policies: usize, out: &mut dyn Write) -> Result<()
         read_traces(&cmd.trace, &read).map_err(|e| format!("{}: {e}", cmd.trace.display()))?;
     let traces = pick_device(cmd, traces)?;
     let several = traces.len() > 1;
+    if let Some(svg) = &cmd.svg {
+        for trace in &traces {
+            crate::check_output(&svg_path(
+                svg,
+                trace.snapshot.as_ref().map(|s| s.device),
+                several,
+            ))?;
+        }
+    }
     let per_policy = cmd.repeats.max(1) as usize + usize::from(cmd.svg.is_some());
     let bar = if std::io::stderr().is_terminal() {
         let bar = ProgressBar::new((traces.len() * n_policies * per_policy) as u64);

@@ -4,6 +4,7 @@
 //! of its own, removed at its end.
 
 use std::io::Write;
+use std::path::Path;
 use std::process::{Command, Output};
 
 fn tidepool(args: &[&str]) -> Output {
@@ -107,4 +108,70 @@ fn an_unwritable_output_is_an_error() {
             "{args:?}"
         );
     }
+}
+
+/// An output file that cannot be written (`replay --svg`, `demo --snapshot`: a folder, or a
+/// file in a folder that does not exist) is refused before any work, with the write's own
+/// error. It was found only once every replay (or the training) had run, and the report was
+/// lost to the error; with several devices, device 0's SVG was written before device 1's
+/// failed. A new file the check creates is removed again. Broken build
+/// `cli_output_checked_late`.
+#[cfg(target_os = "linux")]
+#[test]
+fn an_unwritable_output_file_is_refused_before_any_work() {
+    let dir = Dir::new("output-file");
+    let root = dir.0.path();
+    // A trace whose replay fails: the error said is the output's, so it came first.
+    let fails =
+        dir.file("past_max.csv", b"seq,op,id,bytes,stream,tag\n0,alloc,0,562949953421312,0,act\n");
+    let missing = root.join("no-such-dir").join("t.svg").display().to_string();
+    let o =
+        tidepool(&["replay", &fails, "--policy", "caching", "--repeats", "1", "--svg", &missing]);
+    assert_eq!(
+        runtime_error(&o),
+        format!("tidepool: cannot write {missing}: No such file or directory (os error 2)\n")
+    );
+    let folder = root.display().to_string();
+    let o = tidepool(&["replay", &fails, "--policy", "caching", "--svg", &folder]);
+    assert_eq!(
+        runtime_error(&o),
+        format!("tidepool: cannot write {folder}: Is a directory (os error 21)\n")
+    );
+    // A writable new file: the check leaves nothing behind when the replay then fails.
+    let fresh = root.join("fresh.svg");
+    let o = tidepool(&["replay", &fails, "--policy", "caching", "--svg", fresh.to_str().unwrap()]);
+    assert!(runtime_error(&o).contains("invalid allocation size 562949953421312"));
+    assert!(!fresh.exists());
+    // Two devices, the second's SVG a folder: refused before device 0's is drawn.
+    let snapshot = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../trace/tests/fixtures/multi_device_snapshot.pickle")
+        .display()
+        .to_string();
+    std::fs::create_dir(root.join("out.device1.svg")).unwrap();
+    let out = root.join("out.svg").display().to_string();
+    let o =
+        tidepool(&["replay", &snapshot, "--policy", "caching", "--repeats", "1", "--svg", &out]);
+    let device1 = root.join("out.device1.svg").display().to_string();
+    assert_eq!(
+        runtime_error(&o),
+        format!("tidepool: cannot write {device1}: Is a directory (os error 21)\n")
+    );
+    assert!(!root.join("out.device0.svg").exists());
+    assert!(o.stdout.is_empty());
+    // The demo trains only when its snapshot can be written.
+    let o = tidepool(&["demo", "--sim", "--steps", "1", "--snapshot", &folder]);
+    assert_eq!(
+        runtime_error(&o),
+        format!("tidepool: cannot write {folder}: Is a directory (os error 21)\n")
+    );
+    assert_eq!(String::from_utf8_lossy(&o.stdout), "", "the demo trained first");
+    // An existing file is checked without being truncated, then drawn over.
+    let trace = dir.file("t.csv", b"seq,op,id,bytes,stream,tag\n0,alloc,0,1024,0,act\n");
+    let kept = dir.file("kept.svg", b"old");
+    let o = tidepool(&["replay", &fails, "--policy", "caching", "--svg", &kept]);
+    assert!(runtime_error(&o).contains("invalid allocation size 562949953421312"));
+    assert_eq!(std::fs::read(&kept).unwrap(), b"old");
+    let o = tidepool(&["replay", &trace, "--policy", "caching", "--repeats", "1", "--svg", &kept]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert!(std::fs::read_to_string(&kept).unwrap().starts_with("<svg"));
 }
