@@ -999,3 +999,96 @@ fn annotations_of_another_stage_are_skipped_and_counted() {
         ))
     );
 }
+
+/// PyTorch frees a block once (its `free` of an unknown pointer is an error), and its history
+/// is a window of consecutive entries: a free of an address the window freed already, with no
+/// alloc of it in between, is no block from before the window (it would have overlapped the
+/// window's own) but a double free, refused as the RMM reader refuses one. Frees of unseen
+/// blocks at the start of a window, `free_requested` then `free_completed` of one block, and
+/// segment entries of the address still read (found in review).
+#[test]
+fn a_second_free_of_an_address_is_a_double_free_not_a_block_from_before_the_window() {
+    let a = 0x7f00_0000_0000i64;
+    let e = read(vec![vec![
+        entry("alloc", a, 512),
+        entry("free_requested", a, 512),
+        entry("free_completed", a, 512),
+        entry("free_completed", a, 512),
+    ]])
+    .unwrap_err();
+    assert_eq!(e, at(0, 3, ErrorKind::FreeOfUnknownAddress(a as u64)));
+    assert_eq!(
+        e.to_string(),
+        "device 0 entry 3: free of address 0x7f0000000000, which was freed already and not \
+         allocated since"
+    );
+    // The first free of a block from before the window, then a second.
+    assert_eq!(
+        read(vec![vec![
+            entry("free_completed", a, 512),
+            entry("alloc", a + 4096, 8),
+            entry("free_completed", a, 512),
+        ]])
+        .unwrap_err(),
+        at(0, 2, ErrorKind::FreeOfUnknownAddress(a as u64))
+    );
+    // Where `free_requested` is the free, the same.
+    assert_eq!(
+        read(vec![vec![
+            entry("alloc", a, 512),
+            entry("free_requested", a, 512),
+            entry("free_requested", a, 512),
+        ]])
+        .unwrap_err(),
+        at(0, 2, ErrorKind::FreeOfUnknownAddress(a as u64))
+    );
+    // A valid window: a block from before it freed, its segment freed and mapped again, the
+    // address allocated and freed again.
+    let t = read(vec![vec![
+        entry("free_requested", a, 512),
+        entry("free_completed", a, 512),
+        entry("segment_free", a, 2 << 20),
+        entry("segment_alloc", a, 2 << 20),
+        entry("alloc", a, 256),
+        entry("free_requested", a, 256),
+        entry("free_completed", a, 256),
+    ]])
+    .unwrap();
+    assert_eq!(
+        t.events,
+        vec![
+            Event::alloc(0, 512, 0, Tag::Act),
+            Event::free(0, 512, 0, Tag::Act),
+            Event::alloc(1, 256, 0, Tag::Act),
+            Event::free(1, 256, 0, Tag::Act),
+        ]
+    );
+    assert_eq!(t.pre_window.freed_blocks, 1);
+    assert_eq!(t.pre_window.freed_bytes, 512);
+    // No `alloc` recorded at all (`skip_actions=["alloc"]`): every free is of an unseen block.
+    let t =
+        read(vec![vec![entry("free_completed", a, 512), entry("free_completed", a, 512)]]).unwrap();
+    assert_eq!(t.pre_window.freed_blocks, 2);
+    assert_eq!(t.pre_window.freed_bytes, 1024);
+    // Nor where an action the reader does not know may have allocated the address again.
+    let t = read(vec![vec![
+        entry("alloc", a, 512),
+        entry("free_completed", a, 512),
+        entry("alloc_from_the_future", a, 512),
+        entry("free_completed", a, 512),
+    ]])
+    .unwrap();
+    assert_eq!(t.pre_window.freed_blocks, 1);
+    assert_eq!(t.skipped, counts(&[("alloc_from_the_future (unknown action)", 1)]));
+    // A clock stepping back that makes time order free an address twice falls back to the
+    // list's order.
+    let t = read(vec![vec![
+        timed("free_completed", a, 512, 10),
+        timed("alloc", a, 256, 11),
+        timed("free_completed", a, 256, 2),
+    ]])
+    .unwrap();
+    assert_eq!(t.pre_window.freed_blocks, 1);
+    assert_eq!(t.peak_live_bytes(), 512);
+    assert!(t.snapshot.unwrap().notes.iter().any(|n| n.contains("in the order of the list")));
+}

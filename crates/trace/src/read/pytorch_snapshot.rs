@@ -46,6 +46,12 @@
 //! `_record_memory_history()`) becomes the static picture: those persistent blocks and nothing
 //! else, with [`SnapshotInfo::history`] false.
 //!
+//! A free of an address the window freed already and has not allocated since is no such block
+//! (it would have overlapped the window's own; PyTorch frees a block once) but a double free,
+//! [`ErrorKind::FreeOfUnknownAddress`] — unless the device has no `alloc` entry at all
+//! (`skip_actions`), where every free is of an unseen block, or has an action this reader does
+//! not know, which may have allocated it.
+//!
 //! `external_annotations` START/END pairs (PyTorch 2.5+, e.g. `Optimizer.step#AdamW.step`) of a
 //! device whose entries have `time_us` become scope markers: the scope is entered before the
 //! first entry at or after START and left before the first entry after END. Only outermost
@@ -60,7 +66,7 @@
 //! levels and anything but plain data. Frames are not read. Nothing is pre-allocated from a
 //! number found in the input.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::io::Read;
 
 use super::pickle::{self, Obj, Seq};
@@ -694,14 +700,16 @@ fn device_trace(
     match device_trace_in(input, settings, name, true) {
         // BROKEN (`time_order_only`): no second reading in list order.
         Err(e)
-            if matches!(e.kind, ErrorKind::AllocOfLiveAddress(_))
-                && !cfg!(tidepool_broken = "time_order_only") =>
+            if matches!(
+                e.kind,
+                ErrorKind::AllocOfLiveAddress(_) | ErrorKind::FreeOfUnknownAddress(_)
+            ) && !cfg!(tidepool_broken = "time_order_only") =>
         {
             let mut trace = device_trace_in(input, settings, name, false).map_err(|_| e)?;
             if let Some(info) = trace.snapshot.as_mut() {
                 info.notes.push(
-                    "in time_us order the entries allocate a live address; they were read in \
-                     the order of the list"
+                    "in time_us order the entries allocate a live address or free one twice; \
+                     they were read in the order of the list"
                         .into(),
                 );
             }
@@ -753,6 +761,12 @@ fn device_trace_in(
     let mut trace = Trace { name: name.to_string(), ..Trace::default() };
     let mut streams = StreamIds::default();
     let mut live: HashMap<u64, (u64, u64)> = HashMap::new(); // addr -> (id, bytes)
+    // Addresses freed in the window and not allocated since.
+    let mut freed: HashSet<u64> = HashSet::new();
+    // Where no `alloc` is recorded (`skip_actions`), or an action this reader does not know
+    // may have allocated, a second free may be of a block the reader did not see allocated.
+    let double_free_known = entries.iter().any(|e| e.action == Action::Alloc)
+        && !entries.iter().any(|e| e.action == Action::Unknown);
     let mut next_id = 0u64;
     let mut freed_before: Vec<Event> = Vec::new();
     // Body events with the change of reserved bytes since the start of the window.
@@ -782,6 +796,7 @@ fn device_trace_in(
                 if live.contains_key(&e.addr) {
                     return Err(at(ErrorKind::AllocOfLiveAddress(e.addr)));
                 }
+                freed.remove(&e.addr);
                 let stream = streams.id(e.stream);
                 live.insert(e.addr, (next_id, e.size));
                 body.push((Event::alloc(next_id, e.size, stream, Tag::Act), delta));
@@ -790,8 +805,22 @@ fn device_trace_in(
             a if a == free_action => {
                 let stream = streams.id(e.stream);
                 let (id, bytes) = match live.remove(&e.addr) {
-                    Some(x) => x,
+                    Some(x) => {
+                        freed.insert(e.addr);
+                        x
+                    }
+                    // Freed in the window and not allocated since: a block from before the
+                    // window cannot be there (it would have overlapped the window's own), and
+                    // PyTorch frees a block once.
+                    // BROKEN (`snapshot_double_free_prewindow`): read as a block from before.
+                    None if freed.contains(&e.addr)
+                        && double_free_known
+                        && !cfg!(tidepool_broken = "snapshot_double_free_prewindow") =>
+                    {
+                        return Err(at(ErrorKind::FreeOfUnknownAddress(e.addr)));
+                    }
                     None => {
+                        freed.insert(e.addr);
                         // Allocated before the recorded window: live from its start.
                         freed_before.push(Event::alloc(next_id, e.size, stream, Tag::Act));
                         trace.pre_window.freed_blocks += 1;
