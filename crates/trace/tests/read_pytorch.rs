@@ -1092,3 +1092,38 @@ fn a_second_free_of_an_address_is_a_double_free_not_a_block_from_before_the_wind
     assert_eq!(t.peak_live_bytes(), 512);
     assert!(t.snapshot.unwrap().notes.iter().any(|n| n.contains("in the order of the list")));
 }
+
+/// A `time_us` beyond ±2^127 was "not an integer"; it is an integer out of range, and so said
+/// (entries and annotations; found in review).
+#[test]
+fn a_huge_time_us_is_named_out_of_range() {
+    let mut huge = entry("alloc", 1, 1);
+    if let Value::Dict(m) = &mut huge {
+        m.insert(HashableValue::String("time_us".into()), Value::Int(u128::MAX.into()));
+    }
+    assert_eq!(
+        read(vec![vec![huge]]).unwrap_err(),
+        at(
+            0,
+            0,
+            ErrorKind::BadStructure("`time_us` is an integer outside ±2^127 microseconds".into())
+        )
+    );
+    let ann = dict(vec![
+        ("stage", s("START")),
+        ("name", s("x")),
+        ("device", Value::I64(0)),
+        ("time_us", Value::Int(u128::MAX.into())),
+    ]);
+    let e = read_trace_bytes(&pickle(&dict(vec![
+        ("device_traces", Value::List(vec![Value::List(vec![entry("alloc", 1, 1)])])),
+        ("external_annotations", Value::List(vec![ann])),
+    ])))
+    .unwrap_err();
+    assert_eq!(
+        e,
+        TraceError::input(ErrorKind::BadStructure(
+            "external_annotations[0]: `time_us` is an integer outside ±2^127 microseconds".into()
+        ))
+    );
+}

@@ -133,6 +133,17 @@ fn as_i128(v: Obj<'_>) -> Option<i128> {
     }
 }
 
+/// A `time_us` value: an integer, in microseconds.
+fn time_us(v: Obj<'_>) -> Result<i128, String> {
+    match v {
+        // BROKEN (`time_us_big_unnamed`): a huge integer was said not to be one.
+        Obj::BigInt if !cfg!(tidepool_broken = "time_us_big_unnamed") => {
+            Err("`time_us` is an integer outside ±2^127 microseconds".into())
+        }
+        v => as_i128(v).ok_or_else(|| "`time_us` is not an integer".into()),
+    }
+}
+
 /// A required non-negative integer field; `what` names the record in the message.
 fn field(dict: Obj<'_>, k: &str, what: &dyn Fn(String) -> TraceError) -> Result<u64, TraceError> {
     let v = key(dict, k).ok_or_else(|| what(format!("missing key `{k}`")))?;
@@ -392,9 +403,10 @@ fn parse_annotations(v: Option<Obj<'_>>) -> Result<Vec<Annotation>, TraceError> 
             _ => return Err(what("missing or non-string `name`".into())),
         };
         let device = field(a, "device", &what)?;
-        let time = key(a, "time_us")
-            .and_then(as_i128)
-            .ok_or_else(|| what("missing or non-integer `time_us`".into()))?;
+        let time = match key(a, "time_us") {
+            Some(v) => time_us(v).map_err(what)?,
+            None => return Err(what("missing key `time_us`".into())),
+        };
         out.push(Annotation { device, stage: Some(start), name, time });
     }
     Ok(out)
@@ -568,7 +580,7 @@ fn parse_entry(device: usize, index: usize, entry: Obj<'_>) -> Result<Entry<'_>,
     };
     let time = match key(entry, "time_us") {
         None | Some(Obj::None) => None,
-        Some(v) => Some(as_i128(v).ok_or_else(|| structure("`time_us` is not an integer".into()))?),
+        Some(v) => Some(time_us(v).map_err(structure)?),
     };
     let (addr, size, stream) = if matches!(action, Action::Marker | Action::Unknown) {
         (0, 0, 0)
