@@ -229,3 +229,25 @@ fn a_second_free_of_an_address_is_a_double_free_not_a_block_from_before_the_log(
     );
     assert_eq!(t.peak_live_bytes(), 100);
 }
+
+/// A byte-order mark before the header (a log saved by a Windows editor) was accepted when the
+/// format was sniffed but refused by `read_rmm_log` called directly (found in review).
+#[test]
+fn a_byte_order_mark_reads_directly_as_when_sniffed() {
+    let log = format!("\u{feff}{HEADER}1,t,allocate,0x10,8,0\n1,t,free,0x10,8,0\n");
+    let direct = read_rmm_log(log.as_bytes(), "trace").unwrap();
+    let sniffed = read_trace_bytes(log.as_bytes()).unwrap();
+    assert_eq!(
+        direct.events,
+        vec![Event::alloc(0, 8, 0, Tag::Act), Event::free(0, 8, 0, Tag::Act)]
+    );
+    assert_eq!(direct.events, sniffed.events);
+    // Only before the first line: inside a later one it is part of the field.
+    let later = format!("{HEADER}\u{feff}1,t,allocate,0x10,8,0\n");
+    assert!(read_rmm_log(later.as_bytes(), "trace").is_ok());
+    let in_field = format!("{HEADER}1,t,allocate,\u{feff}0x10,8,0\n");
+    assert_eq!(
+        read_rmm_log(in_field.as_bytes(), "trace").unwrap_err(),
+        at(2, ErrorKind::BadNumber { column: "Pointer", text: "\u{feff}0x10".into() })
+    );
+}
