@@ -589,14 +589,6 @@ fn annotations_become_scopes_only_when_they_pair_up() {
     assert_eq!(t.skipped, counts(&[("external_annotations (END without START)", 1)]));
     assert!(t.snapshot.as_ref().unwrap().notes[0].contains("has no END"));
     t.validate().unwrap();
-    // Malformed annotations are errors.
-    let e = read_trace_bytes(&snap(vec![ann("MIDDLE", "x", 5)])).unwrap_err();
-    assert_eq!(
-        e,
-        TraceError::input(ErrorKind::BadStructure(
-            "external_annotations[0]: `stage` is not START or END".into()
-        ))
-    );
 }
 
 #[test]
@@ -702,10 +694,6 @@ fn malformed_snapshots() {
     assert_eq!(
         read(vec![vec![dict(vec![("action", Value::I64(1))])]]).unwrap_err(),
         at(0, 0, structure("`action` is not a string"))
-    );
-    assert_eq!(
-        read_all(vec![vec![], vec![entry("teleport", 1, 1)]]).unwrap_err(),
-        at(1, 0, ErrorKind::UnknownOp("teleport".into()))
     );
     assert_eq!(
         read(vec![vec![dict(vec![("action", s("alloc")), ("addr", Value::I64(1))])]]).unwrap_err(),
@@ -910,4 +898,232 @@ fn workspace_snapshot_entries_are_markers() {
     .unwrap();
     assert_eq!(t.skipped.get("workspace_snapshot"), Some(&1));
     assert_eq!(t.events.len(), 2);
+}
+
+/// PyTorch keeps adding trace actions (`annotate` came late); `MemoryViz.js` ignores any it does
+/// not know (`default: break`). An unknown action refused the whole snapshot; it is now skipped,
+/// counted by name (at most 8 names, then together) and said in a note that the replay shows,
+/// while the known memory actions around it stay exact (found in review).
+#[test]
+fn unknown_actions_are_skipped_counted_and_noted() {
+    let bare = |action: &str| dict(vec![("action", s(action))]);
+    let t = read(vec![vec![
+        entry("alloc", 0x100, 10),
+        bare("future_marker"),
+        entry("future_marker", 0x100, 10),
+        entry("alloc", 0x200, 30),
+        entry("free_completed", 0x100, 10),
+        entry("free_completed", 0x200, 30),
+    ]])
+    .unwrap();
+    assert_eq!(
+        t.events,
+        vec![
+            Event::alloc(0, 10, 0, Tag::Act),
+            Event::alloc(1, 30, 0, Tag::Act),
+            Event::free(0, 10, 0, Tag::Act),
+            Event::free(1, 30, 0, Tag::Act),
+        ]
+    );
+    assert_eq!(t.peak_live_bytes(), 40);
+    assert_eq!(t.skipped, counts(&[("future_marker (unknown action)", 2)]));
+    let note = "2 entries of action `future_marker` unknown to this reader were skipped (as \
+                PyTorch's viewer skips them); if such an entry allocates or frees memory, the \
+                replay misses it";
+    assert_eq!(t.snapshot.as_ref().unwrap().notes, vec![note.to_string()]);
+    let lines = tidepool_trace::Report::new(&t, vec![]).header_lines();
+    assert!(lines.contains(&"skipped: future_marker (unknown action) 2".to_string()), "{lines:?}");
+    assert!(lines.contains(&format!("note: {note}")), "{lines:?}");
+
+    // Ten names: eight counted by name, the others together.
+    let mut entries = vec![entry("alloc", 0x100, 10)];
+    entries.extend((0..10).map(|i| bare(&format!("new{i}"))));
+    entries.push(bare("new9"));
+    let t = read(vec![entries]).unwrap();
+    let mut want: Vec<(String, u64)> =
+        (0..8).map(|i| (format!("new{i} (unknown action)"), 1)).collect();
+    want.push(("other unknown actions".into(), 3));
+    assert_eq!(t.skipped, want.into_iter().collect::<BTreeMap<_, _>>());
+    assert_eq!(
+        t.snapshot.as_ref().unwrap().notes,
+        vec![
+            "11 entries of actions `new0`, `new1`, `new2`, `new3`, `new4`, `new5`, `new6`, \
+             `new7` and others unknown to this reader were skipped (as PyTorch's viewer skips \
+             them); if such an entry allocates or frees memory, the replay misses it"
+                .to_string()
+        ]
+    );
+    assert_eq!(t.events, vec![Event::alloc(0, 10, 0, Tag::Act)]);
+}
+
+/// An `external_annotations` record of a stage other than START or END (one PyTorch may add)
+/// refused the whole snapshot; it is skipped and counted on its device. A missing or
+/// non-string stage is still malformed (found in review).
+#[test]
+fn annotations_of_another_stage_are_skipped_and_counted() {
+    let ann = |stage: Value, name: &str, time: i64| {
+        dict(vec![
+            ("stage", stage),
+            ("name", s(name)),
+            ("device", Value::I64(0)),
+            ("time_us", Value::I64(time)),
+        ])
+    };
+    let snap = |anns: Vec<Value>| {
+        pickle(&dict(vec![
+            (
+                "device_traces",
+                Value::List(vec![Value::List(vec![
+                    timed("alloc", 0x100, 10, 10),
+                    timed("alloc", 0x200, 10, 20),
+                    timed("free_completed", 0x200, 10, 30),
+                ])]),
+            ),
+            ("external_annotations", Value::List(anns)),
+        ]))
+    };
+    let t = read_trace_bytes(&snap(vec![
+        ann(s("START"), "step", 15),
+        dict(vec![("stage", s("MIDDLE")), ("device", Value::I64(0))]),
+        ann(s("END"), "step", 30),
+    ]))
+    .unwrap();
+    let ops: Vec<Op> = t.events.iter().map(|e| e.op).collect();
+    assert_eq!(ops, [Op::Alloc, Op::ScopeEnter, Op::Alloc, Op::Free, Op::ScopeExit]);
+    assert_eq!(t.skipped, counts(&[("external_annotations (stage neither START nor END)", 1)]));
+    assert_eq!(t.snapshot.as_ref().unwrap().annotation_scopes, 1);
+    assert_eq!(
+        read_trace_bytes(&snap(vec![ann(Value::I64(1), "x", 5)])).unwrap_err(),
+        TraceError::input(ErrorKind::BadStructure(
+            "external_annotations[0]: missing or non-string `stage`".into()
+        ))
+    );
+}
+
+/// PyTorch frees a block once (its `free` of an unknown pointer is an error), and its history
+/// is a window of consecutive entries: a free of an address the window freed already, with no
+/// alloc of it in between, is no block from before the window (it would have overlapped the
+/// window's own) but a double free, refused as the RMM reader refuses one. Frees of unseen
+/// blocks at the start of a window, `free_requested` then `free_completed` of one block, and
+/// segment entries of the address still read (found in review).
+#[test]
+fn a_second_free_of_an_address_is_a_double_free_not_a_block_from_before_the_window() {
+    let a = 0x7f00_0000_0000i64;
+    let e = read(vec![vec![
+        entry("alloc", a, 512),
+        entry("free_requested", a, 512),
+        entry("free_completed", a, 512),
+        entry("free_completed", a, 512),
+    ]])
+    .unwrap_err();
+    assert_eq!(e, at(0, 3, ErrorKind::FreeOfUnknownAddress(a as u64)));
+    assert_eq!(
+        e.to_string(),
+        "device 0 entry 3: free of address 0x7f0000000000, which was freed already and not \
+         allocated since"
+    );
+    // The first free of a block from before the window, then a second.
+    assert_eq!(
+        read(vec![vec![
+            entry("free_completed", a, 512),
+            entry("alloc", a + 4096, 8),
+            entry("free_completed", a, 512),
+        ]])
+        .unwrap_err(),
+        at(0, 2, ErrorKind::FreeOfUnknownAddress(a as u64))
+    );
+    // Where `free_requested` is the free, the same.
+    assert_eq!(
+        read(vec![vec![
+            entry("alloc", a, 512),
+            entry("free_requested", a, 512),
+            entry("free_requested", a, 512),
+        ]])
+        .unwrap_err(),
+        at(0, 2, ErrorKind::FreeOfUnknownAddress(a as u64))
+    );
+    // A valid window: a block from before it freed, its segment freed and mapped again, the
+    // address allocated and freed again.
+    let t = read(vec![vec![
+        entry("free_requested", a, 512),
+        entry("free_completed", a, 512),
+        entry("segment_free", a, 2 << 20),
+        entry("segment_alloc", a, 2 << 20),
+        entry("alloc", a, 256),
+        entry("free_requested", a, 256),
+        entry("free_completed", a, 256),
+    ]])
+    .unwrap();
+    assert_eq!(
+        t.events,
+        vec![
+            Event::alloc(0, 512, 0, Tag::Act),
+            Event::free(0, 512, 0, Tag::Act),
+            Event::alloc(1, 256, 0, Tag::Act),
+            Event::free(1, 256, 0, Tag::Act),
+        ]
+    );
+    assert_eq!(t.pre_window.freed_blocks, 1);
+    assert_eq!(t.pre_window.freed_bytes, 512);
+    // No `alloc` recorded at all (`skip_actions=["alloc"]`): every free is of an unseen block.
+    let t =
+        read(vec![vec![entry("free_completed", a, 512), entry("free_completed", a, 512)]]).unwrap();
+    assert_eq!(t.pre_window.freed_blocks, 2);
+    assert_eq!(t.pre_window.freed_bytes, 1024);
+    // Nor where an action the reader does not know may have allocated the address again.
+    let t = read(vec![vec![
+        entry("alloc", a, 512),
+        entry("free_completed", a, 512),
+        entry("alloc_from_the_future", a, 512),
+        entry("free_completed", a, 512),
+    ]])
+    .unwrap();
+    assert_eq!(t.pre_window.freed_blocks, 1);
+    assert_eq!(t.skipped, counts(&[("alloc_from_the_future (unknown action)", 1)]));
+    // A clock stepping back that makes time order free an address twice falls back to the
+    // list's order.
+    let t = read(vec![vec![
+        timed("free_completed", a, 512, 10),
+        timed("alloc", a, 256, 11),
+        timed("free_completed", a, 256, 2),
+    ]])
+    .unwrap();
+    assert_eq!(t.pre_window.freed_blocks, 1);
+    assert_eq!(t.peak_live_bytes(), 512);
+    assert!(t.snapshot.unwrap().notes.iter().any(|n| n.contains("in the order of the list")));
+}
+
+/// A `time_us` beyond ±2^127 was "not an integer"; it is an integer out of range, and so said
+/// (entries and annotations; found in review).
+#[test]
+fn a_huge_time_us_is_named_out_of_range() {
+    let mut huge = entry("alloc", 1, 1);
+    if let Value::Dict(m) = &mut huge {
+        m.insert(HashableValue::String("time_us".into()), Value::Int(u128::MAX.into()));
+    }
+    assert_eq!(
+        read(vec![vec![huge]]).unwrap_err(),
+        at(
+            0,
+            0,
+            ErrorKind::BadStructure("`time_us` is an integer outside ±2^127 microseconds".into())
+        )
+    );
+    let ann = dict(vec![
+        ("stage", s("START")),
+        ("name", s("x")),
+        ("device", Value::I64(0)),
+        ("time_us", Value::Int(u128::MAX.into())),
+    ]);
+    let e = read_trace_bytes(&pickle(&dict(vec![
+        ("device_traces", Value::List(vec![Value::List(vec![entry("alloc", 1, 1)])])),
+        ("external_annotations", Value::List(vec![ann])),
+    ])))
+    .unwrap_err();
+    assert_eq!(
+        e,
+        TraceError::input(ErrorKind::BadStructure(
+            "external_annotations[0]: `time_us` is an integer outside ±2^127 microseconds".into()
+        ))
+    );
 }

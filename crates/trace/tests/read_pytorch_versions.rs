@@ -5,7 +5,7 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use tidepool_trace::{Event, PreWindow, Tag, Trace, read_trace};
+use tidepool_trace::{Event, Op, PreWindow, Tag, Trace, read_trace};
 
 const MB: u64 = 1 << 20;
 
@@ -172,5 +172,74 @@ fn a_torch_save_archive_is_named_with_what_to_replay_instead() {
         "input: not a PyTorch memory snapshot: the file is a zip archive, as torch.save() \
          writes: replay the pickle inside it (`unzip FILE '*/data.pkl'`), or save the snapshot \
          with pickle.dump() as torch.cuda.memory._dump_snapshot() does"
+    );
+}
+
+/// PyTorch 2.6+ with `expandable_segments:True` (make_newer_snapshots.py): the segment grows
+/// and shrinks by `segment_map`/`segment_unmap`, entries carry `compile_context` and
+/// `user_metadata`, annotations and settings carry newer keys. Every figure exact.
+#[test]
+fn an_expandable_segments_snapshot_of_newer_pytorch_reads() {
+    let t = read("expandable_snapshot.pickle");
+    let scope = |op| Event { op, id: 0, bytes: 0, stream: 0, tag: Tag::Act, scope: Some(0) };
+    assert_eq!(
+        t.events,
+        vec![
+            scope(Op::ScopeEnter),
+            Event::alloc(0, MB, 0, Tag::Act),
+            Event::alloc(1, MB, 0, Tag::Act),
+            Event::alloc(2, 2 * MB - 100, 0, Tag::Act),
+            Event::free(0, MB, 0, Tag::Act),
+            Event::free(1, MB, 0, Tag::Act),
+            scope(Op::ScopeExit),
+        ]
+    );
+    assert_eq!(t.scope_names, vec!["## forward ##".to_string()]);
+    assert_eq!(t.peak_live_bytes(), 4 * MB - 100);
+    assert_eq!(t.pre_window, PreWindow::default());
+    assert_eq!(
+        t.skipped,
+        counts(&[("free_requested", 2), ("segment_map", 2), ("segment_unmap", 1)])
+    );
+    let s = t.snapshot.as_ref().unwrap();
+    assert_eq!(
+        (s.entries, s.reserved.at_start, s.reserved.peak, s.reserved.at_snapshot),
+        (10, 0, 4 * MB, 2 * MB)
+    );
+    assert_eq!(s.reserved.segment_events, 3);
+    assert_eq!(s.reserved.timeline, [2, 2, 2, 4, 4, 4, 4].map(|m| m * MB).to_vec());
+    assert_eq!(s.annotation_scopes, 1);
+    assert_eq!(s.settings.as_ref().unwrap().expandable_segments, Some(true));
+    assert!(s.notes.is_empty(), "{:?}", s.notes);
+}
+
+/// A window cut by `max_entries` (make_newer_snapshots.py) opens with frees of blocks
+/// allocated before it, one of whose addresses it allocates again: those are from before the
+/// window, not double frees, and a block live throughout is persistent.
+#[test]
+fn a_window_cut_by_the_ring_reads_its_earlier_blocks() {
+    let t = read("ring_snapshot.pickle");
+    assert_eq!(
+        t.events,
+        vec![
+            Event::alloc(3, 8 * MB, 0, Tag::Param), // L: live throughout
+            Event::alloc(0, 4 * MB, 0, Tag::Act),   // P: freed first
+            Event::alloc(1, MB, 0, Tag::Act),       // Q: freed first
+            Event::free(0, 4 * MB, 0, Tag::Act),
+            Event::free(1, MB, 0, Tag::Act),
+            Event::alloc(2, MB / 2, 0, Tag::Act), // R at Q's address
+            Event::free(2, MB / 2, 0, Tag::Act),
+        ]
+    );
+    assert_eq!(t.peak_live_bytes(), 13 * MB);
+    assert_eq!(
+        t.pre_window,
+        PreWindow { live_blocks: 1, live_bytes: 8 * MB, freed_blocks: 2, freed_bytes: 5 * MB }
+    );
+    assert_eq!(t.skipped, counts(&[("free_requested", 2), ("snapshot", 1)]));
+    let s = t.snapshot.as_ref().unwrap();
+    assert_eq!(
+        (s.entries, s.reserved.at_start, s.reserved.peak, s.reserved.at_snapshot),
+        (7, 20 * MB, 20 * MB, 20 * MB)
     );
 }

@@ -229,3 +229,57 @@ fn a_second_free_of_an_address_is_a_double_free_not_a_block_from_before_the_log(
     );
     assert_eq!(t.peak_live_bytes(), 100);
 }
+
+/// `0x1` is `cudaStreamLegacy` (`rmm::cuda_stream_legacy`): the legacy default stream named
+/// explicitly, the stream handle 0 names in a program built with CUDA's default (legacy)
+/// default stream, where RMM's `cuda_stream_view::is_default()` holds for both. It was a
+/// stream of its own, so a block freed on one and reused on the other crossed streams in the
+/// replay; it is now stream 0. `0x2` (`cudaStreamPerThread`, one stream per thread) keeps an id
+/// of its own (found in review).
+#[test]
+fn the_legacy_default_stream_is_the_default_stream() {
+    let log = format!(
+        "{HEADER}\
+1,t,allocate,0x10,8,0x1
+1,t,allocate,0x20,8,0
+1,t,allocate,0x30,8,0x2
+1,t,free,0x10,8,0
+1,t,free,0x20,8,0x1
+1,t,free,0x30,8,0x2
+"
+    );
+    let t = read_trace_bytes(log.as_bytes()).unwrap();
+    assert_eq!(
+        t.events,
+        vec![
+            Event::alloc(0, 8, 0, Tag::Act),
+            Event::alloc(1, 8, 0, Tag::Act),
+            Event::alloc(2, 8, 1, Tag::Act),
+            Event::free(0, 8, 0, Tag::Act),
+            Event::free(1, 8, 0, Tag::Act),
+            Event::free(2, 8, 1, Tag::Act),
+        ]
+    );
+}
+
+/// A byte-order mark before the header (a log saved by a Windows editor) was accepted when the
+/// format was sniffed but refused by `read_rmm_log` called directly (found in review).
+#[test]
+fn a_byte_order_mark_reads_directly_as_when_sniffed() {
+    let log = format!("\u{feff}{HEADER}1,t,allocate,0x10,8,0\n1,t,free,0x10,8,0\n");
+    let direct = read_rmm_log(log.as_bytes(), "trace").unwrap();
+    let sniffed = read_trace_bytes(log.as_bytes()).unwrap();
+    assert_eq!(
+        direct.events,
+        vec![Event::alloc(0, 8, 0, Tag::Act), Event::free(0, 8, 0, Tag::Act)]
+    );
+    assert_eq!(direct.events, sniffed.events);
+    // Only before the first line: inside a later one it is part of the field.
+    let later = format!("{HEADER}\u{feff}1,t,allocate,0x10,8,0\n");
+    assert!(read_rmm_log(later.as_bytes(), "trace").is_ok());
+    let in_field = format!("{HEADER}1,t,allocate,\u{feff}0x10,8,0\n");
+    assert_eq!(
+        read_rmm_log(in_field.as_bytes(), "trace").unwrap_err(),
+        at(2, ErrorKind::BadNumber { column: "Pointer", text: "\u{feff}0x10".into() })
+    );
+}

@@ -328,3 +328,22 @@ fn a_free_with_zero_bytes_frees_its_allocations_bytes() {
     assert_eq!(&timeline[..4], &[1 << 20, 0, 1 << 20, 0]);
     assert_eq!(*timeline.last().unwrap(), 0);
 }
+
+/// A byte-order mark before the header reads through `read_tidepool_csv` as through the
+/// format sniffing (it was refused as a wrong header; found in review).
+#[test]
+fn a_byte_order_mark_reads_directly_as_when_sniffed() {
+    let csv = format!("\u{feff}{HEADER}0,alloc,0,8,0,act\n1,free,0,8,0,act\n");
+    let direct = read_tidepool_csv(csv.as_bytes(), "trace").unwrap();
+    assert_eq!(
+        direct.events,
+        vec![Event::alloc(0, 8, 0, Tag::Act), Event::free(0, 8, 0, Tag::Act)]
+    );
+    assert_eq!(read_trace_bytes(csv.as_bytes()).unwrap().events, direct.events);
+    // After blank lines the header is not the first line: no mark is taken off there.
+    let late = format!("\n\u{feff}{HEADER}");
+    assert!(matches!(
+        read_tidepool_csv(late.as_bytes(), "trace").unwrap_err().kind,
+        ErrorKind::WrongHeader { .. }
+    ));
+}

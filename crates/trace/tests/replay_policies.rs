@@ -271,7 +271,8 @@ fn shipped_traces_exact_figures() {
 }
 
 /// A trace with more streams than an allocator replay takes (here an RMM log, one 256 B block
-/// on each of 1025 stream handles: the default stream and 1024 others) is refused by every
+/// on each of 1025 streams: the default stream and 1024 others, `0x2` up, since `0x1` is the
+/// default stream too) is refused by every
 /// allocator policy with an error naming the count, before any simulated stream (an OS thread)
 /// is made; with tens of thousands the process ran into the system's limits and aborted. The
 /// policies that make no device streams replay it, and 1024 trace streams are taken.
@@ -281,10 +282,12 @@ fn a_trace_with_too_many_streams_is_refused_by_the_allocator_policies() {
     let n = MAX_REPLAY_STREAMS as u64 + 1;
     let mut log = String::from("Thread,Time,Action,Pointer,Size,Stream\n");
     for i in 0..n {
-        log.push_str(&format!("1,t,allocate,{:#x},256,{i:#x}\n", 0x1000 + i * 512));
+        let stream = if i == 0 { 0 } else { i + 1 };
+        log.push_str(&format!("1,t,allocate,{:#x},256,{stream:#x}\n", 0x1000 + i * 512));
     }
     for i in 0..n {
-        log.push_str(&format!("1,t,free,{:#x},256,{i:#x}\n", 0x1000 + i * 512));
+        let stream = if i == 0 { 0 } else { i + 1 };
+        log.push_str(&format!("1,t,free,{:#x},256,{stream:#x}\n", 0x1000 + i * 512));
     }
     let t = read_trace_bytes(log.as_bytes()).unwrap();
     assert_eq!(t.events.iter().map(|e| e.stream).max(), Some(1024));

@@ -28,8 +28,12 @@
 //! | `free_requested`                         | the free when the device has neither of the two above, else skipped |
 //! | `segment_alloc`/`_free`/`_map`/`_unmap`  | skipped; PyTorch's reserved bytes ([`RecordedReserved`](crate::snapshot::RecordedReserved)) |
 //! | `oom`, `snapshot`, `user_defined`, `annotate` | skipped (markers)                          |
+//! | any other                                | skipped, and said in a note                      |
 //!
-//! Skipped entries are counted by action in [`Trace::skipped`]. Blocks allocated before the
+//! Skipped entries are counted by action in [`Trace::skipped`]; an action this reader does not
+//! know (PyTorch keeps adding them) is skipped as `MemoryViz.js` skips it, counted as
+//! `NAME (unknown action)` (eight names at most, then `other unknown actions`) and named in a
+//! note of [`SnapshotInfo::notes`], which the replay prints. Blocks allocated before the
 //! recorded window (PyTorch records history in a ring buffer) are live from its start: a free
 //! of an address the window never allocated gets a synthetic alloc at the start of the trace,
 //! and so does every block of `segments` that holds memory and is not live at the end of the
@@ -42,10 +46,17 @@
 //! `_record_memory_history()`) becomes the static picture: those persistent blocks and nothing
 //! else, with [`SnapshotInfo::history`] false.
 //!
+//! A free of an address the window freed already and has not allocated since is no such block
+//! (it would have overlapped the window's own; PyTorch frees a block once) but a double free,
+//! [`ErrorKind::FreeOfUnknownAddress`] — unless the device has no `alloc` entry at all
+//! (`skip_actions`), where every free is of an unseen block, or has an action this reader does
+//! not know, which may have allocated it.
+//!
 //! `external_annotations` START/END pairs (PyTorch 2.5+, e.g. `Optimizer.step#AdamW.step`) of a
 //! device whose entries have `time_us` become scope markers: the scope is entered before the
 //! first entry at or after START and left before the first entry after END. Only outermost
-//! pairs become scopes (tidepool's scopes do not nest); the others are counted as skipped.
+//! pairs become scopes (tidepool's scopes do not nest); the others are counted as skipped, and
+//! so are records of any other stage.
 //! `user_defined` entries carry no range and do not delimit scopes.
 //!
 //! Decoding: the pickle is read into memory (at most the cap of [`super::ReadOptions`]) and
@@ -55,7 +66,7 @@
 //! levels and anything but plain data. Frames are not read. Nothing is pre-allocated from a
 //! number found in the input.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::io::Read;
 
 use super::pickle::{self, Obj, Seq};
@@ -119,6 +130,17 @@ fn as_i128(v: Obj<'_>) -> Option<i128> {
         Obj::Int(i) => Some(i),
         Obj::Bool(b) => Some(i128::from(b)),
         _ => None,
+    }
+}
+
+/// A `time_us` value: an integer, in microseconds.
+fn time_us(v: Obj<'_>) -> Result<i128, String> {
+    match v {
+        // BROKEN (`time_us_big_unnamed`): a huge integer was said not to be one.
+        Obj::BigInt if !cfg!(tidepool_broken = "time_us_big_unnamed") => {
+            Err("`time_us` is an integer outside ±2^127 microseconds".into())
+        }
+        v => as_i128(v).ok_or_else(|| "`time_us` is not an integer".into()),
     }
 }
 
@@ -341,7 +363,8 @@ fn parse_settings(v: Option<Obj<'_>>) -> Result<Option<AllocatorSettings>, Trace
 /// One `external_annotations` record.
 struct Annotation {
     device: u64,
-    start: bool,
+    /// START (`true`) or END; `None`: another stage (skipped).
+    stage: Option<bool>,
     name: String,
     time: i128,
 }
@@ -361,17 +384,30 @@ fn parse_annotations(v: Option<Obj<'_>>) -> Result<Vec<Annotation>, TraceError> 
         let start = match key(a, "stage") {
             Some(Obj::Str("START")) => true,
             Some(Obj::Str("END")) => false,
-            _ => return Err(what("`stage` is not START or END".into())),
+            // A stage PyTorch may add: no scope, skipped and counted on its device.
+            // BROKEN (`annotation_stage_refused`): it refused the whole snapshot.
+            Some(Obj::Str(_)) if !cfg!(tidepool_broken = "annotation_stage_refused") => {
+                out.push(Annotation {
+                    device: field(a, "device", &what)?,
+                    stage: None,
+                    name: String::new(),
+                    time: 0,
+                });
+                continue;
+            }
+            Some(Obj::Str(_)) => return Err(what("`stage` is not START or END".into())),
+            _ => return Err(what("missing or non-string `stage`".into())),
         };
         let name = match key(a, "name") {
             Some(Obj::Str(s)) => echo(s),
             _ => return Err(what("missing or non-string `name`".into())),
         };
         let device = field(a, "device", &what)?;
-        let time = key(a, "time_us")
-            .and_then(as_i128)
-            .ok_or_else(|| what("missing or non-integer `time_us`".into()))?;
-        out.push(Annotation { device, start, name, time });
+        let time = match key(a, "time_us") {
+            Some(v) => time_us(v).map_err(what)?,
+            None => return Err(what("missing key `time_us`".into())),
+        };
+        out.push(Annotation { device, stage: Some(start), name, time });
     }
     Ok(out)
 }
@@ -445,6 +481,51 @@ enum Action {
     SegmentDown,
     /// `oom`, `snapshot`, `user_defined`, `annotate`.
     Marker,
+    /// An action this reader does not know: skipped, counted and noted.
+    Unknown,
+}
+
+/// Distinct unknown actions counted under their own names; more are counted together (the
+/// names come from the input, so their number is bounded here, not by it).
+const MAX_UNKNOWN_NAMES: usize = 8;
+
+/// The unknown actions of one device, for the skipped counts and the note.
+#[derive(Default)]
+struct Unknown {
+    /// Distinct names seen (at most [`MAX_UNKNOWN_NAMES`]), each cut by `echo`.
+    names: Vec<String>,
+    entries: u64,
+}
+
+impl Unknown {
+    fn skip(&mut self, name: &str, trace: &mut Trace) {
+        self.entries += 1;
+        let name = echo(name);
+        if !self.names.contains(&name) {
+            if self.names.len() == MAX_UNKNOWN_NAMES {
+                trace.skip("other unknown actions");
+                return;
+            }
+            self.names.push(name.clone());
+        }
+        trace.skip(&format!("{name} (unknown action)"));
+    }
+
+    fn note(&self) -> Option<String> {
+        if self.entries == 0 {
+            return None;
+        }
+        let names: Vec<String> = self.names.iter().map(|n| format!("`{n}`")).collect();
+        let more = if self.names.len() == MAX_UNKNOWN_NAMES { " and others" } else { "" };
+        Some(format!(
+            "{} of action{} {}{more} unknown to this reader {} skipped (as PyTorch's viewer \
+             skips them); if such an entry allocates or frees memory, the replay misses it",
+            if self.entries == 1 { "1 entry".into() } else { format!("{} entries", self.entries) },
+            if self.names.len() == 1 && more.is_empty() { "" } else { "s" },
+            names.join(", "),
+            if self.entries == 1 { "was" } else { "were" },
+        ))
+    }
 }
 
 /// One trace entry with what the reader uses.
@@ -484,6 +565,12 @@ fn parse_entry(device: usize, index: usize, entry: Obj<'_>) -> Result<Entry<'_>,
         // BROKEN (`annotate_refused`): an unknown action that refused the whole snapshot.
         #[cfg(not(tidepool_broken = "annotate_refused"))]
         "annotate" => Action::Marker,
+        // Any other action is one this reader does not know (PyTorch keeps adding them):
+        // skipped and counted, as `MemoryViz.js` ignores it, with a note (see `Unknown`).
+        // BROKEN (`unknown_action_refused`): it refused the whole snapshot.
+        #[cfg(not(tidepool_broken = "unknown_action_refused"))]
+        _ => Action::Unknown,
+        #[cfg(tidepool_broken = "unknown_action_refused")]
         other => {
             return Err(TraceError::new(
                 Location::Entry { device, index },
@@ -493,9 +580,9 @@ fn parse_entry(device: usize, index: usize, entry: Obj<'_>) -> Result<Entry<'_>,
     };
     let time = match key(entry, "time_us") {
         None | Some(Obj::None) => None,
-        Some(v) => Some(as_i128(v).ok_or_else(|| structure("`time_us` is not an integer".into()))?),
+        Some(v) => Some(time_us(v).map_err(structure)?),
     };
-    let (addr, size, stream) = if action == Action::Marker {
+    let (addr, size, stream) = if matches!(action, Action::Marker | Action::Unknown) {
         (0, 0, 0)
     } else {
         (
@@ -533,7 +620,7 @@ struct Scopes<'a> {
 impl<'a> Scopes<'a> {
     fn new(annotations: &[&'a Annotation]) -> Self {
         let mut pending: Vec<(i128, bool, &str)> =
-            annotations.iter().map(|a| (a.time, a.start, a.name.as_str())).collect();
+            annotations.iter().filter_map(|a| Some((a.time, a.stage?, a.name.as_str()))).collect();
         pending.sort_by_key(|&(t, _, _)| t);
         Scopes {
             pending,
@@ -625,14 +712,16 @@ fn device_trace(
     match device_trace_in(input, settings, name, true) {
         // BROKEN (`time_order_only`): no second reading in list order.
         Err(e)
-            if matches!(e.kind, ErrorKind::AllocOfLiveAddress(_))
-                && !cfg!(tidepool_broken = "time_order_only") =>
+            if matches!(
+                e.kind,
+                ErrorKind::AllocOfLiveAddress(_) | ErrorKind::FreeOfUnknownAddress(_)
+            ) && !cfg!(tidepool_broken = "time_order_only") =>
         {
             let mut trace = device_trace_in(input, settings, name, false).map_err(|_| e)?;
             if let Some(info) = trace.snapshot.as_mut() {
                 info.notes.push(
-                    "in time_us order the entries allocate a live address; they were read in \
-                     the order of the list"
+                    "in time_us order the entries allocate a live address or free one twice; \
+                     they were read in the order of the list"
                         .into(),
                 );
             }
@@ -684,14 +773,26 @@ fn device_trace_in(
     let mut trace = Trace { name: name.to_string(), ..Trace::default() };
     let mut streams = StreamIds::default();
     let mut live: HashMap<u64, (u64, u64)> = HashMap::new(); // addr -> (id, bytes)
+    // Addresses freed in the window and not allocated since.
+    let mut freed: HashSet<u64> = HashSet::new();
+    // Where no `alloc` is recorded (`skip_actions`), or an action this reader does not know
+    // may have allocated, a second free may be of a block the reader did not see allocated.
+    let double_free_known = entries.iter().any(|e| e.action == Action::Alloc)
+        && !entries.iter().any(|e| e.action == Action::Unknown);
     let mut next_id = 0u64;
     let mut freed_before: Vec<Event> = Vec::new();
     // Body events with the change of reserved bytes since the start of the window.
     let mut body: Vec<(Event, i128)> = Vec::new();
     let (mut delta, mut max_delta, mut min_delta) = (0i128, 0i128, 0i128);
+    let mut unknown = Unknown::default();
     let mut scopes = Scopes::new(input.annotations);
-    if !timed && !input.annotations.is_empty() {
-        for _ in input.annotations {
+    for a in input.annotations {
+        if a.stage.is_none() {
+            trace.skip("external_annotations (stage neither START nor END)");
+        }
+    }
+    if !timed && !scopes.pending.is_empty() {
+        for _ in &scopes.pending {
             trace.skip("external_annotations (no time_us in the trace)");
         }
         scopes.pending.clear();
@@ -707,6 +808,7 @@ fn device_trace_in(
                 if live.contains_key(&e.addr) {
                     return Err(at(ErrorKind::AllocOfLiveAddress(e.addr)));
                 }
+                freed.remove(&e.addr);
                 let stream = streams.id(e.stream);
                 live.insert(e.addr, (next_id, e.size));
                 body.push((Event::alloc(next_id, e.size, stream, Tag::Act), delta));
@@ -715,8 +817,22 @@ fn device_trace_in(
             a if a == free_action => {
                 let stream = streams.id(e.stream);
                 let (id, bytes) = match live.remove(&e.addr) {
-                    Some(x) => x,
+                    Some(x) => {
+                        freed.insert(e.addr);
+                        x
+                    }
+                    // Freed in the window and not allocated since: a block from before the
+                    // window cannot be there (it would have overlapped the window's own), and
+                    // PyTorch frees a block once.
+                    // BROKEN (`snapshot_double_free_prewindow`): read as a block from before.
+                    None if freed.contains(&e.addr)
+                        && double_free_known
+                        && !cfg!(tidepool_broken = "snapshot_double_free_prewindow") =>
+                    {
+                        return Err(at(ErrorKind::FreeOfUnknownAddress(e.addr)));
+                    }
                     None => {
+                        freed.insert(e.addr);
                         // Allocated before the recorded window: live from its start.
                         freed_before.push(Event::alloc(next_id, e.size, stream, Tag::Act));
                         trace.pre_window.freed_blocks += 1;
@@ -739,8 +855,10 @@ fn device_trace_in(
             Action::Free | Action::FreeRequested | Action::Marker => {
                 trace.skip(e.name);
             }
+            Action::Unknown => unknown.skip(e.name, &mut trace),
         }
     }
+    info.notes.extend(unknown.note());
     if timed {
         scopes.emit(None, &mut trace, &mut body, delta);
         if let Some(open) = scopes.close(&mut body, delta) {

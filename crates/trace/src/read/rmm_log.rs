@@ -10,7 +10,11 @@
 //! Pointers become ids: a hash map from live address to id; an address freed and allocated
 //! again gets a fresh id (ids count up from 0 in allocation order). Streams (hex or decimal
 //! handles) become dense ids in order of first appearance, with handle 0 (the default
-//! stream) always id 0. `Thread` and `Time` are ignored; all buffers are tagged
+//! stream) always id 0, and so is `0x1`, `cudaStreamLegacy`, which names the same stream
+//! in a program built with CUDA's legacy default stream (the default build; RMM's
+//! `is_default()` holds for both). `0x2`, `cudaStreamPerThread`, keeps an id of its own: it
+//! is handle 0's stream only in a program built with `--default-stream per-thread`, and each
+//! thread's is another stream. `Thread` and `Time` are ignored; all buffers are tagged
 //! [`Tag::Act`] (the log has no residency). `deallocate` is accepted as a synonym of `free`.
 //!
 //! A row with a null pointer (`(nil)`, as glibc's `%p` writes it, or `0x0`) is skipped and
@@ -58,6 +62,20 @@ impl StreamIds {
     }
 }
 
+/// CUDA's `cudaStreamLegacy`: the legacy default stream, named explicitly.
+const STREAM_LEGACY: u64 = 0x1;
+
+/// Parses a `Stream` field: `0x1` (`cudaStreamLegacy`, `rmm::cuda_stream_legacy`) is the
+/// default stream, as handle 0 is in a program built with the legacy default stream (CUDA's
+/// default, and RMM's `cuda_stream_view::is_default()` says so of both); see the module docs.
+fn parse_stream(text: &str) -> Result<u64, ErrorKind> {
+    match parse_u64_hex_or_dec(text, "Stream")? {
+        // BROKEN (`rmm_legacy_stream_apart`): `0x1` was a stream of its own.
+        STREAM_LEGACY if !cfg!(tidepool_broken = "rmm_legacy_stream_apart") => Ok(0),
+        h => Ok(h),
+    }
+}
+
 /// Parses a `Pointer` field: hex with `0x` or decimal, and glibc's `(nil)` (what RMM's
 /// `%p` writes for a null pointer) as 0.
 fn parse_pointer(text: &str) -> Result<u64, ErrorKind> {
@@ -92,7 +110,7 @@ pub(super) fn read_body<R: BufRead>(
             "allocate" => {
                 let ptr = parse_pointer(ptr).map_err(at)?;
                 let bytes = parse_u64(size, "Size").map_err(at)?;
-                let handle = parse_u64_hex_or_dec(stream, "Stream").map_err(at)?;
+                let handle = parse_stream(stream).map_err(at)?;
                 if ptr == 0 && !cfg!(tidepool_broken = "rmm_null_ptr_live") {
                     trace.skip("allocate (null pointer)");
                     continue;
@@ -110,7 +128,7 @@ pub(super) fn read_body<R: BufRead>(
             "free" | "deallocate" => {
                 let ptr = parse_pointer(ptr).map_err(at)?;
                 let size = parse_u64(size, "Size").map_err(at)?;
-                let handle = parse_u64_hex_or_dec(stream, "Stream").map_err(at)?;
+                let handle = parse_stream(stream).map_err(at)?;
                 if ptr == 0 && !cfg!(tidepool_broken = "rmm_null_ptr_live") {
                     trace.skip("free (null pointer)");
                     continue;
