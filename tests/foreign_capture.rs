@@ -450,3 +450,52 @@ fn the_planned_free_sees_another_allocators_capture() {
     drop((a, b));
     assert_no_leak(&dev);
 }
+
+/// A planned scoped buffer forgotten (`mem::forget`) and its scope ended while A captures `s`,
+/// the captured work writing it: the run's end frees its slice during the capture, so the
+/// region is held for good, and the next runs are planned elsewhere (sanitizer on, the graph
+/// replaying behind gated work while they allocate).
+#[test]
+fn a_forgotten_planned_buffer_freed_at_a_scopes_end_during_another_allocators_capture() {
+    let (dev, [s, _, _], a, b) = two();
+    let run = |capture: bool| {
+        let scope = b.named_scope("step", s);
+        let x = scope.alloc(N).unwrap();
+        let got = (x.ptr().0, x.is_planned());
+        if capture {
+            a.begin_capture(s, None).unwrap();
+            dev.launch(s, write_at(x.ptr(), 7)).unwrap();
+            std::mem::forget(x);
+            drop(scope);
+            return (got, Some(a.end_capture(s).unwrap()));
+        }
+        drop(x);
+        (got, None)
+    };
+    assert_eq!(run(false).0, (SIM_BASE, false));
+    let (got, graph) = run(true);
+    let graph = graph.unwrap();
+    let r = SIM_BASE + SEG; // a fresh block (the learning run's segment released)
+    assert_eq!(got, (r, true));
+    // The run (x never freed) was learned, and the old plan's region let go of: held for
+    // good. The new plan makes its region anew, next to it; never at x.
+    assert_eq!(run(false).0, (r + N, true));
+    assert_eq!(run(false).0, (r + N, true));
+    assert_eq!((b.allocated_bytes(), b.reserved_bytes()), (2 * N, SEG));
+    assert_eq!(b.stats().plan_region_bytes, 2 * N);
+    // Once more while the graph replays behind gated work.
+    let g = a.alloc(N, s).unwrap();
+    let (gate, open) = gated_write(g.ptr(), 1);
+    dev.launch(s, gate).unwrap();
+    graph.launch(s).unwrap();
+    assert_eq!(run(false).0, (r + N, true));
+    open.send(()).unwrap();
+    dev.synchronize().unwrap();
+    assert_eq!(dev.violations(), vec![], "memory a live graph uses handed out again");
+    b.check_invariants().unwrap();
+    drop((g, graph, a));
+    b.empty_cache().unwrap();
+    assert_eq!((b.allocated_bytes(), b.reserved_bytes()), (N, SEG), "the first region, for good");
+    drop(b);
+    assert_no_leak(&dev);
+}

@@ -1270,10 +1270,12 @@ impl<'a, D: Device> Scope<'a, D> {
                 || self.alloc.shared.broken(super::Broken::ScopeKeepsRouted)
         };
         // Nor while its stream is captured: the graph's replays may read it, so its drop
-        // hands it to the graph (`capture.rs`) instead.
-        let captured = (self.alloc.shared.family.captures.capturing(&self.alloc.shared, self.stream)
-            && !self.alloc.shared.broken(super::Broken::CaptureScopeFrees))
-            || self.alloc.shared.scope_free_foreign(self.stream, &[]);
+        // hands it to the graph (`capture.rs`) instead, or, for a capture of another family,
+        // holds it for good (`Shared::hold_for_foreign`).
+        let sh = &self.alloc.shared;
+        let captured = (sh.family.captures.capturing(sh, self.stream)
+            && !sh.broken(super::Broken::CaptureScopeFrees))
+            || sh.scope_free_foreign(self.stream, &[]);
         if ours
             && !captured
             && !buf.used_elsewhere()
@@ -1370,6 +1372,7 @@ impl<'a, D: Device> Scope<'a, D> {
                 }
             };
             let run = self.run.get_mut();
+            let mut forgotten = false;
             for &(pos, index) in unfreed {
                 if pos as usize >= prefix
                     || run.missed.contains(&index)
@@ -1380,7 +1383,18 @@ impl<'a, D: Device> Scope<'a, D> {
                 let e = plan.script[pos as usize];
                 if let Step::Alloc(size) = e.step() {
                     self.device.note_reclaim(DeviceAddr(base + e.offset), size, self.stream);
+                    forgotten = true;
                 }
+            }
+            // The run's end frees them: during a foreign capture of the stream (or of one a
+            // planned buffer was used on), that graph may use them for good, and the region
+            // serves and returns nothing more (as for a planned slice freed then).
+            let uses: Vec<StreamId> = run.uses.iter().map(|&(_, s)| s).collect();
+            if forgotten
+                && self.alloc.shared.scope_free_foreign(self.stream, &uses)
+                && let RegionSlot::Claimed(region) = &run.region
+            {
+                region.mark_foreign();
             }
         }
         let run = self.run.get_mut();
