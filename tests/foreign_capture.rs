@@ -259,3 +259,243 @@ fn a_planned_scope_stops_while_another_allocator_captures_its_stream() {
     drop((a, b));
     assert_no_leak(&dev);
 }
+
+/// A named scope of B whose buffers are freed while A captures their stream, the captured work
+/// writing each: a bound pool block of the learning run (not reused by the run's local cache),
+/// a bound planned slice and an unbound planned slice of runs following the plan (the run's
+/// region serves no more slices, and the next run does not claim it: its plan lets go of it and
+/// the scope learns again, the region's memory held for good). The graphs' replays, queued
+/// behind gated work, write that memory while every later run allocates: the sanitizer sees
+/// no hand-out of it, and nothing of it is handed out again until B goes.
+#[test]
+fn a_scopes_frees_during_another_allocators_capture_are_never_handed_out_again() {
+    let (dev, [s, t, _], a, b) = two();
+    let mut graphs = Vec::new();
+    // One run: x (bound or unbound), freed during A's capture of `s` after a captured write,
+    // then y. Returns (x's address, whether planned; y's address, whether planned).
+    let mut run = |capture: bool, unbound: bool| {
+        let scope = b.named_scope("step", s);
+        let (x, xb) = match unbound {
+            false => {
+                let x = scope.alloc(N).unwrap();
+                ((x.ptr(), x.is_planned()), Some(x))
+            }
+            true => {
+                let x = scope.alloc_unbound(N).unwrap();
+                let got = (x.ptr(), x.is_planned());
+                if capture {
+                    a.begin_capture(s, None).unwrap();
+                    dev.launch(s, write_at(got.0, 7)).unwrap();
+                }
+                drop(x);
+                (got, None)
+            }
+        };
+        if let Some(xb) = xb {
+            if capture {
+                a.begin_capture(s, None).unwrap();
+                dev.launch(s, write_at(x.0, 7)).unwrap();
+            }
+            drop(xb);
+        }
+        if capture {
+            graphs.push(a.end_capture(s).unwrap());
+        }
+        let y = scope.alloc(N).unwrap();
+        let got = (x, (y.ptr(), y.is_planned()));
+        drop(y);
+        got
+    };
+    let at = |k: u64| DeviceAddr(SIM_BASE + k * N);
+    // The learning run: x, a pool block, is held for good (not reused by the run's y).
+    assert_eq!(run(true, false), ((at(0), false), (at(1), false)));
+    // The plan's region adopted y's block: x planned there and freed during the capture; y,
+    // planned at x's slice, comes from the pool.
+    assert_eq!(run(true, false), ((at(1), true), (at(2), false)));
+    // The plan went with its adopted region: the scope learns again (y reuses x's block
+    // locally), then follows, x unbound.
+    assert_eq!(run(false, false), ((at(2), false), (at(2), false)));
+    assert_eq!(run(true, true), ((at(2), true), (at(3), false)));
+    assert_eq!(run(false, false), ((at(3), false), (at(3), false)));
+    assert_eq!(run(false, false), ((at(3), true), (at(3), true)));
+    // The two regions held for good and the current one are allocated; x's pool block pending;
+    // the two ys served by the pool are plan misses.
+    let st = b.stats();
+    assert_eq!((b.allocated_bytes(), b.reserved_bytes()), (3 * N, SEG));
+    assert_eq!((st.plan_region_bytes, st.plan_hits, st.plan_misses), (3 * N, 4, 2));
+    // Every graph replayed behind gated work on `s`, while B allocates on `s` and `t`.
+    let z = b.alloc(N, s).unwrap();
+    let zt = b.alloc(N, t).unwrap();
+    assert_eq!((z.ptr(), zt.ptr().0), (at(4), SIM_BASE + SEG));
+    let (gate, open) = gated_write(z.ptr(), 1);
+    dev.launch(s, gate).unwrap();
+    for g in &graphs {
+        g.launch(s).unwrap();
+    }
+    dev.launch(t, write_at(zt.ptr(), 2)).unwrap();
+    {
+        // Another run while the replays wait: the current region, nothing held.
+        let scope = b.named_scope("step", s);
+        let x = scope.alloc(N).unwrap();
+        assert_eq!((x.ptr(), x.is_planned()), (at(3), true));
+    }
+    open.send(()).unwrap();
+    dev.synchronize().unwrap();
+    assert_eq!(dev.violations(), vec![], "memory a live graph uses handed out again");
+    b.check_invariants().unwrap();
+    // Still held once the graphs are gone (B cannot see them go): only the idle region and
+    // the segment on `t` go back.
+    drop((z, zt, graphs));
+    b.empty_cache().unwrap();
+    assert_eq!((b.allocated_bytes(), b.reserved_bytes()), (2 * N, SEG));
+    assert_eq!(b.stats().plan_region_bytes, 2 * N);
+    b.check_invariants().unwrap();
+    drop((a, b));
+    assert_no_leak(&dev);
+}
+
+/// An escape of a named scope's learning run (its block pinned in the region that adopted its
+/// segment) freed while A captures its stream, after a captured write: its block does not join
+/// the region (held for good, its slice pinned), so the next runs miss the plan there and are
+/// served elsewhere while the graph replays.
+#[test]
+fn an_escape_freed_during_another_allocators_capture_never_joins_its_region() {
+    let (dev, [s, _, _], a, b) = two();
+    let run = || {
+        let scope = b.named_scope("step", s);
+        let e = scope.alloc_unbound(N).unwrap();
+        let x = scope.alloc(2 * N).unwrap();
+        let got = [(e.ptr(), e.is_planned()), (x.ptr(), x.is_planned())];
+        drop(x);
+        (got, e)
+    };
+    let (got, e) = run();
+    assert_eq!(got, [(DeviceAddr(SIM_BASE), false), (DeviceAddr(SIM_BASE + N), false)]);
+    a.begin_capture(s, None).unwrap();
+    dev.launch(s, write_at(e.ptr(), 7)).unwrap();
+    drop(e); // held for good, its slice pinned in the region for good
+    let graph = a.end_capture(s).unwrap();
+    // The replay waits behind gated work on `s` while B's runs allocate.
+    let g = a.alloc(N, s).unwrap();
+    let (gate, open) = gated_write(g.ptr(), 1);
+    dev.launch(s, gate).unwrap();
+    graph.launch(s).unwrap();
+    for _ in 0..2 {
+        // The region is the rest of the segment: e planned above it; x, planned over the
+        // pinned block, misses and comes from a new segment (after the one A made for g).
+        let (got, e) = run();
+        let want = [(DeviceAddr(SIM_BASE + 2 * N), true), (DeviceAddr(SIM_BASE + 2 * SEG), false)];
+        assert_eq!(got, want);
+        assert_eq!((b.allocated_bytes(), b.reserved_bytes()), (SEG - N, 2 * SEG));
+        drop(e);
+    }
+    let st = b.stats();
+    assert_eq!((st.plan_hits, st.plan_misses, st.plan_region_bytes), (2, 2, SEG));
+    open.send(()).unwrap();
+    dev.synchronize().unwrap();
+    assert_eq!(dev.violations(), vec![], "memory a live graph uses handed out again");
+    b.check_invariants().unwrap();
+    drop((g, graph, a));
+    // Held still: the idle second segment goes, the region (its pin) and the block stay.
+    b.empty_cache().unwrap();
+    assert_eq!((b.allocated_bytes(), b.reserved_bytes()), (SEG - N, SEG));
+    b.check_invariants().unwrap();
+    drop(b);
+    assert_no_leak(&dev);
+}
+
+/// The same for the planned path's own free (sanitizer off, so it runs): a planned slice of a
+/// run following its plan, freed while A captures `s`, takes the whole path and is held with its
+/// region; the run's next allocation, planned at the same slice, comes from the pool, and the
+/// next run learns again (the plan held the adopted region's addresses) and then follows it in
+/// a new region.
+#[test]
+fn the_planned_free_sees_another_allocators_capture() {
+    let dev = Arc::new(SimDevice::with_config(SimConfig {
+        capacity: 256 * MIB,
+        sanitize: false,
+        ..SimConfig::default()
+    }));
+    let s = dev.create_stream().unwrap();
+    let a = Allocator::new(dev.clone(), Config::default()).unwrap();
+    let b = Allocator::new(dev.clone(), Config::default()).unwrap();
+    let mut graphs = Vec::new();
+    let mut run = |capture: bool| {
+        let scope = b.named_scope("step", s);
+        let x = scope.alloc(N).unwrap();
+        let got = (x.ptr().0, x.is_planned());
+        if capture {
+            a.begin_capture(s, None).unwrap();
+        }
+        drop(x);
+        if capture {
+            graphs.push(a.end_capture(s).unwrap());
+        }
+        let y = scope.alloc(N).unwrap();
+        [got, (y.ptr().0, y.is_planned())]
+    };
+    assert_eq!(run(false), [(SIM_BASE, false), (SIM_BASE, false)]);
+    let r = SIM_BASE + SEG; // the first region: a fresh block (the run's segment released)
+    assert_eq!(run(true), [(r, true), (r + N, false)]);
+    // Relearned in y's block, adopted as the new region (the held one is a wall).
+    assert_eq!(run(false), [(r + N, false), (r + N, false)]);
+    assert_eq!(run(false), [(r + N, true), (r + N, true)]);
+    assert_eq!((b.allocated_bytes(), b.reserved_bytes()), (2 * N, SEG));
+    let st = b.stats();
+    assert_eq!((st.plan_hits, st.plan_misses, st.plan_region_bytes), (3, 1, 2 * N));
+    drop(graphs);
+    b.empty_cache().unwrap();
+    assert_eq!((b.allocated_bytes(), b.reserved_bytes()), (N, SEG), "the first region, for good");
+    b.check_invariants().unwrap();
+    drop((a, b));
+    assert_no_leak(&dev);
+}
+
+/// A planned scoped buffer forgotten (`mem::forget`) and its scope ended while A captures `s`,
+/// the captured work writing it: the run's end frees its slice during the capture, so the
+/// region is held for good, and the next runs are planned elsewhere (sanitizer on, the graph
+/// replaying behind gated work while they allocate).
+#[test]
+fn a_forgotten_planned_buffer_freed_at_a_scopes_end_during_another_allocators_capture() {
+    let (dev, [s, _, _], a, b) = two();
+    let run = |capture: bool| {
+        let scope = b.named_scope("step", s);
+        let x = scope.alloc(N).unwrap();
+        let got = (x.ptr().0, x.is_planned());
+        if capture {
+            a.begin_capture(s, None).unwrap();
+            dev.launch(s, write_at(x.ptr(), 7)).unwrap();
+            std::mem::forget(x);
+            drop(scope);
+            return (got, Some(a.end_capture(s).unwrap()));
+        }
+        drop(x);
+        (got, None)
+    };
+    assert_eq!(run(false).0, (SIM_BASE, false));
+    let (got, graph) = run(true);
+    let graph = graph.unwrap();
+    let r = SIM_BASE + SEG; // a fresh block (the learning run's segment released)
+    assert_eq!(got, (r, true));
+    // The run (x never freed) was learned, and the old plan's region let go of: held for
+    // good. The new plan makes its region anew, next to it; never at x.
+    assert_eq!(run(false).0, (r + N, true));
+    assert_eq!(run(false).0, (r + N, true));
+    assert_eq!((b.allocated_bytes(), b.reserved_bytes()), (2 * N, SEG));
+    assert_eq!(b.stats().plan_region_bytes, 2 * N);
+    // Once more while the graph replays behind gated work.
+    let g = a.alloc(N, s).unwrap();
+    let (gate, open) = gated_write(g.ptr(), 1);
+    dev.launch(s, gate).unwrap();
+    graph.launch(s).unwrap();
+    assert_eq!(run(false).0, (r + N, true));
+    open.send(()).unwrap();
+    dev.synchronize().unwrap();
+    assert_eq!(dev.violations(), vec![], "memory a live graph uses handed out again");
+    b.check_invariants().unwrap();
+    drop((g, graph, a));
+    b.empty_cache().unwrap();
+    assert_eq!((b.allocated_bytes(), b.reserved_bytes()), (N, SEG), "the first region, for good");
+    drop(b);
+    assert_no_leak(&dev);
+}

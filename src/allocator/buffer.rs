@@ -434,6 +434,13 @@ impl<D: Device> Buffer<D> {
                 return;
             }
         }
+        // A planned slice freed during a foreign capture: its region is never served nor
+        // returned again (marked before the scope can see the free, `Shared::scope_free_foreign`).
+        if let Origin::Region(region, _) = &*self.origin
+            && self.owner.scope_free_foreign(self.stream, &self.uses_for_capture())
+        {
+            region.mark_foreign();
+        }
         let uses = self.scope.as_ref().map(|t| t.take_uses()).unwrap_or_default();
         // BROKEN (finding 4): the free is visible to the scope before the ordering is in place.
         let late = cfg!(tidepool_broken = "unbound_free")

@@ -98,8 +98,10 @@
 //! until its graph goes; holding it "until the capture ends" instead would hand it out while
 //! the replays still write it. The cost is what a program frees on another allocator's
 //! captured streams during the capture, held for good: free such buffers before the capture
-//! or after it. (Not covered: a scope's buffers freed then go back to its run and region as
-//! usual; the scope refuses the stream only while the capture is underway.)
+//! or after it. A scope's buffers freed then are held the same way
+//! ([`Shared::scope_free_foreign`]): a pool block goes to neither the run's local cache nor the
+//! region that adopted its segment, and a planned slice's region serves no more slices, is let
+//! go of by its plan and kept allocated for the allocator's life.
 
 use super::buffer::Freed;
 use super::owner::Owner;
@@ -253,6 +255,20 @@ impl<D: Device> Shared<D> {
     fn foreign_origin(&self, stream: StreamId) -> Option<StreamId> {
         let origin = self.device.capture_of(stream)?;
         (!self.family.captures.began_on(origin)).then_some(origin)
+    }
+
+    /// Whether memory of a scope freed now on `stream`, after uses on `uses`, may be used by a
+    /// foreign capture's graph (see [`Shared::hold_for_foreign`]): such a capture captures
+    /// `stream` or one of `uses`. Then a planned slice's region is never served or returned
+    /// again (`Region::mark_foreign`), and a pool block neither goes to the run's local cache
+    /// nor joins a region (the buffer's drop holds it for good). One load while no capture is
+    /// underway.
+    pub(super) fn scope_free_foreign(&self, stream: StreamId, uses: &[StreamId]) -> bool {
+        // BROKEN (`foreign_scope_reused`): back to the run and its region as usual.
+        if cfg!(tidepool_broken = "foreign_scope_reused") || !self.device.capture_underway() {
+            return false;
+        }
+        std::iter::once(&stream).chain(uses).any(|&s| self.foreign_origin(s).is_some())
     }
 
     /// A pool block of this allocator is being freed (no capture of its family held it back):

@@ -251,6 +251,11 @@ pub(crate) struct Region {
     /// CUDA graphs holding it (a slice was freed while its stream was captured: the graph's
     /// replays may read it): no run claims it until they are gone.
     graphs: AtomicUsize,
+    /// A slice was freed while a capture of another family (or of the device itself) captured
+    /// its stream or a stream it was used on: that graph may use the slice for as long as it
+    /// lives, which nothing here sees. The region serves no more slices, is never claimed
+    /// again, and its blocks stay allocated for the allocator's life (`State::foreign_regions`).
+    foreign: AtomicBool,
 }
 
 impl Region {
@@ -266,6 +271,7 @@ impl Region {
             in_use: AtomicBool::new(false),
             poisoned: AtomicBool::new(false),
             graphs: AtomicUsize::new(0),
+            foreign: AtomicBool::new(false),
         }
     }
 
@@ -336,6 +342,7 @@ impl Region {
     /// it is poisoned.
     pub fn try_claim(&self) -> bool {
         !self.is_poisoned()
+            && !self.is_foreign()
             && self.graphs.load(Ordering::Acquire) == 0
             && self
                 .in_use
@@ -356,6 +363,17 @@ impl Region {
     /// A graph that held the region is gone (its launches done).
     pub fn graph_gone(&self) {
         self.graphs.fetch_sub(1, Ordering::AcqRel);
+    }
+
+    /// A slice was freed during a foreign capture (see `foreign`): never serve, claim or return
+    /// this region's memory again.
+    pub fn mark_foreign(&self) {
+        self.foreign.store(true, Ordering::Release);
+    }
+
+    /// Whether [`Region::mark_foreign`] was called.
+    pub fn is_foreign(&self) -> bool {
+        self.foreign.load(Ordering::Acquire)
     }
 
     /// Whether [`Region::poison`] was called.
@@ -397,6 +415,7 @@ impl Region {
             && self.graphs.load(Ordering::Acquire) == 0
             && !self.has_pins()
             && !self.is_poisoned()
+            && !self.is_foreign()
     }
 
     /// Whether any slice is pinned.
@@ -408,8 +427,13 @@ impl Region {
     pub fn overlaps_pinned(&self, offset: u64, size: u64) -> bool {
         // Pins are added at the exit of the run that held the claim, before it releases the
         // claim (Release) that this run acquired, so a zero count seen here is current; frees
-        // may only lower it.
-        if self.pinned_count.load(Ordering::Acquire) == 0 {
+        // may only lower it. A region a foreign capture's graph may use (marked before the
+        // escape's free unpins its slice) serves nothing more.
+        let pins = self.pinned_count.load(Ordering::Acquire);
+        if self.is_foreign() {
+            return true;
+        }
+        if pins == 0 {
             return false;
         }
         let p = lock(&self.pinned);

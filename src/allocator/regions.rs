@@ -60,14 +60,28 @@ impl<D: Device> Shared<D> {
         name: &str,
         stream: StreamId,
     ) -> (std::sync::Arc<str>, Option<Arc<Learned>>, Option<Arc<Region>>) {
-        let plans = lock(&self.plans);
+        let mut plans = lock(&self.plans);
         let Some((key, streams)) = plans.get_key_value(name) else {
             return (name.into(), None, None);
         };
-        match streams.iter().find(|(s, _)| *s == stream) {
-            Some((_, p)) => (key.clone(), p.learned.clone(), p.region.clone()),
-            None => (key.clone(), None, None),
+        let key = key.clone();
+        let Some(p) = streams.iter().position(|(s, _)| *s == stream) else {
+            return (key, None, None);
+        };
+        let p = &mut plans.get_mut(name).expect("found above")[p].1;
+        // A region one of whose slices was freed during a foreign capture serves no run again:
+        // the plan lets go of it (a later run makes a new one, or learns again where the
+        // region held the plan's addresses).
+        let foreign = p.region.take_if(|r| r.is_foreign());
+        if foreign.as_ref().is_some_and(|r| r.is_adopted()) {
+            p.learned = None;
         }
+        let found = (key, p.learned.clone(), p.region.clone());
+        drop(plans);
+        if let Some(r) = foreign {
+            self.release_region(r);
+        }
+        found
     }
 
     /// Stores what a named scope learned on `stream`; the old plan's region is let go (it
@@ -260,6 +274,12 @@ impl<D: Device> Shared<D> {
         match crate::sync::arc_into_inner(region) {
             Some(r) => {
                 let mut st = self.lock_state();
+                // (A region a foreign capture's graph may use is kept for good: nothing shows
+                // that graph gone.)
+                if r.is_foreign() {
+                    st.foreign_regions.push(r);
+                    return;
+                }
                 match r.is_poisoned() {
                     true => st.poisoned.push(r),
                     false => self.return_region(&mut st, r),

@@ -129,6 +129,13 @@ impl ScopeTag {
                 if !region.is_pinned(buf.ptr.0) {
                     return; // an escape in a segment the region did not adopt
                 }
+                // Freed during a foreign capture of its stream (or of one it was used on): its
+                // block is held for good (the buffer's drop), its slice pinned for good.
+                let uses = match buf.used_elsewhere() {
+                    true => buf.owner.block_uses(block),
+                    false => Vec::new(),
+                };
+                let foreign = buf.owner.scope_free_foreign(buf.stream, &uses);
                 // (Not under the run's lock: a block used on other streams takes the global one.)
                 drop(run);
                 let b = BatchBlock {
@@ -137,7 +144,9 @@ impl ScopeTag {
                     size: buf.size,
                     requested: buf.accounted,
                 };
-                if !buf.used_elsewhere() {
+                if foreign {
+                    // (Kept pinned: the region never serves the range again.)
+                } else if !buf.used_elsewhere() {
                     // Taken back before the region can serve the range again.
                     buf.owner.device.note_reclaim(buf.ptr, buf.size, buf.stream);
                     region.absorb(b, buf.ptr.0);
@@ -1202,7 +1211,13 @@ impl<'a, D: Device> Scope<'a, D> {
         let pos = c.pos.get();
         // (While a stream is routed — a guard, or a capture that may hold the slice back — the
         // mask is all ones and the free takes the slow path.)
-        if (pos as u64 ^ id) | self.route_mask.load(Ordering::Relaxed) == 0 {
+        // (Nor while a capture is underway on the device: one of another family may capture the
+        // stream, and its graph may use the slice for as long as it lives.)
+        // BROKEN (`foreign_scope_reused`): not asked.
+        if (pos as u64 ^ id) | self.route_mask.load(Ordering::Relaxed) == 0
+            && (cfg!(tidepool_broken = "foreign_scope_reused")
+                || !self.alloc.shared.device.capture_underway())
+        {
             c.pos.set(pos + 1);
             return;
         }
@@ -1234,6 +1249,11 @@ impl<'a, D: Device> Scope<'a, D> {
             if self.alloc.shared.family.captures.any() && self.hold_region(&uses) {
                 return;
             }
+            // A foreign capture's graph may use the slice for good: its region serves no more.
+            if self.alloc.shared.scope_free_foreign(self.stream, &uses) {
+                self.foreign_region();
+                return;
+            }
             if !uses.is_empty() && !self.alloc.shared.order_after(self.stream, &uses) {
                 self.poison_region();
             }
@@ -1250,9 +1270,12 @@ impl<'a, D: Device> Scope<'a, D> {
                 || self.alloc.shared.broken(super::Broken::ScopeKeepsRouted)
         };
         // Nor while its stream is captured: the graph's replays may read it, so its drop
-        // hands it to the graph (`capture.rs`) instead.
-        let captured = self.alloc.shared.family.captures.capturing(&self.alloc.shared, self.stream)
-            && !self.alloc.shared.broken(super::Broken::CaptureScopeFrees);
+        // hands it to the graph (`capture.rs`) instead, or, for a capture of another family,
+        // holds it for good (`Shared::hold_for_foreign`).
+        let sh = &self.alloc.shared;
+        let captured = (sh.family.captures.capturing(sh, self.stream)
+            && !sh.broken(super::Broken::CaptureScopeFrees))
+            || sh.scope_free_foreign(self.stream, &[]);
         if ours
             && !captured
             && !buf.used_elsewhere()
@@ -1319,6 +1342,18 @@ impl<'a, D: Device> Scope<'a, D> {
         self.set_fast();
     }
 
+    /// A planned slice was freed during a foreign capture (`Shared::scope_free_foreign`): the
+    /// claimed region serves no more slices in this run, and is never claimed or returned to
+    /// the pool again (its plan lets go of it as the next run opens).
+    #[cold]
+    fn foreign_region(&self) {
+        if let RegionSlot::Claimed(region) = &self.run.borrow().region {
+            region.mark_foreign();
+        }
+        self.cursor.held.set(true);
+        self.set_fast();
+    }
+
     /// At exit: the planned slices of bound buffers that were never freed (`mem::forget`) go
     /// back to the sanitizer, and the stream is ordered after every use recorded on a planned
     /// buffer that was never freed, so neither the next run nor the pool reuses the memory
@@ -1337,6 +1372,7 @@ impl<'a, D: Device> Scope<'a, D> {
                 }
             };
             let run = self.run.get_mut();
+            let mut forgotten = false;
             for &(pos, index) in unfreed {
                 if pos as usize >= prefix
                     || run.missed.contains(&index)
@@ -1347,7 +1383,18 @@ impl<'a, D: Device> Scope<'a, D> {
                 let e = plan.script[pos as usize];
                 if let Step::Alloc(size) = e.step() {
                     self.device.note_reclaim(DeviceAddr(base + e.offset), size, self.stream);
+                    forgotten = true;
                 }
+            }
+            // The run's end frees them: during a foreign capture of the stream (or of one a
+            // planned buffer was used on), that graph may use them for good, and the region
+            // serves and returns nothing more (as for a planned slice freed then).
+            let uses: Vec<StreamId> = run.uses.iter().map(|&(_, s)| s).collect();
+            if forgotten
+                && self.alloc.shared.scope_free_foreign(self.stream, &uses)
+                && let RegionSlot::Claimed(region) = &run.region
+            {
+                region.mark_foreign();
             }
         }
         let run = self.run.get_mut();
@@ -1397,6 +1444,14 @@ impl<'a, D: Device> Scope<'a, D> {
         };
         for i in freed {
             self.unbound_freed(i);
+        }
+        // An unbound planned slice freed during a foreign capture marked the region (before its
+        // free was queued): the run serves no more slices from it.
+        if let RegionSlot::Claimed(region) = &self.run.borrow().region
+            && region.is_foreign()
+        {
+            self.cursor.held.set(true);
+            self.set_fast();
         }
     }
 

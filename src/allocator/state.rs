@@ -148,6 +148,10 @@ pub(super) struct State {
     /// foreign graph's replays may write them for as long as it lives, which nothing here sees
     /// (`Shared::hold_for_foreign`); freed with the rest when the allocator goes.
     pub(super) foreign_held: Vec<super::buffer::Freed>,
+    /// Regions let go of after one of their slices was freed during such a capture
+    /// (`Region::mark_foreign`): their blocks stay allocated for the allocator's life, as
+    /// `foreign_held`'s do, and go back with its segments.
+    pub(super) foreign_regions: Vec<super::plan::Region>,
     /// Regions let go of while poisoned (a slice's reuse could be ordered by nothing): their
     /// blocks stay allocated until a device-wide synchronisation shows every use done
     /// (`Shared::release_parked`: the next event poll or sync with no capture underway).
@@ -370,6 +374,9 @@ impl<D: Device> Drop for Shared<D> {
         // uses is the application's doing: it let go of the graph's allocator first).
         for f in std::mem::take(&mut st.foreign_held) {
             Self::free_now(&mut st, &f, true);
+        }
+        for r in std::mem::take(&mut st.foreign_regions) {
+            self.return_region(&mut st, r);
         }
         st.initial = None; // the initial pool goes too
         self.poll_retiring(&mut st, true);
