@@ -34,6 +34,17 @@ fn two() -> (Arc<SimDevice>, [StreamId; 3], Allocator<SimDevice>, Allocator<SimD
     (dev, streams, a, b)
 }
 
+/// A quiet device (sanitizer off: the lock-free paths run) with a stream `s`, and allocators
+/// `a` and `b` over it, each of its own family.
+fn quiet_two() -> (Arc<SimDevice>, StreamId, Allocator<SimDevice>, Allocator<SimDevice>) {
+    let config = SimConfig { capacity: 256 * MIB, sanitize: false, ..SimConfig::default() };
+    let dev = Arc::new(SimDevice::with_config(config));
+    let s = dev.create_stream().unwrap();
+    let a = Allocator::new(dev.clone(), Config::default()).unwrap();
+    let b = Allocator::new(dev.clone(), Config::default()).unwrap();
+    (dev, s, a, b)
+}
+
 fn foreign(stream: StreamId, origin: StreamId) -> AllocError {
     AllocError::ForeignCapture { stream, origin }
 }
@@ -189,14 +200,7 @@ fn a_capture_begun_on_the_device_is_every_allocators_foreign_capture() {
 /// lives). Exact addresses before, during and after.
 #[test]
 fn the_lock_free_paths_see_another_allocators_capture() {
-    let dev = Arc::new(SimDevice::with_config(SimConfig {
-        capacity: 256 * MIB,
-        sanitize: false,
-        ..SimConfig::default()
-    }));
-    let s = dev.create_stream().unwrap();
-    let a = Allocator::new(dev.clone(), Config::default()).unwrap();
-    let b = Allocator::new(dev.clone(), Config::default()).unwrap();
+    let (dev, s, a, b) = quiet_two();
     let (x, z, v) = (b.alloc(N, s).unwrap(), b.alloc(N, s).unwrap(), b.alloc(N, s).unwrap());
     let (big, w) = (b.alloc(LARGE, s).unwrap(), b.alloc(LARGE, s).unwrap());
     let (xa, biga) = (x.ptr().0, big.ptr().0);
@@ -227,14 +231,7 @@ fn the_lock_free_paths_see_another_allocators_capture() {
 /// again once the capture is over, at the plan's addresses.
 #[test]
 fn a_planned_scope_stops_while_another_allocator_captures_its_stream() {
-    let dev = Arc::new(SimDevice::with_config(SimConfig {
-        capacity: 256 * MIB,
-        sanitize: false,
-        ..SimConfig::default()
-    }));
-    let s = dev.create_stream().unwrap();
-    let a = Allocator::new(dev.clone(), Config::default()).unwrap();
-    let b = Allocator::new(dev.clone(), Config::default()).unwrap();
+    let (dev, s, a, b) = quiet_two();
     let run = |capture: bool| {
         let scope = b.named_scope("step", s);
         let x = scope.alloc(N).unwrap();
@@ -411,14 +408,7 @@ fn an_escape_freed_during_another_allocators_capture_never_joins_its_region() {
 /// a new region.
 #[test]
 fn the_planned_free_sees_another_allocators_capture() {
-    let dev = Arc::new(SimDevice::with_config(SimConfig {
-        capacity: 256 * MIB,
-        sanitize: false,
-        ..SimConfig::default()
-    }));
-    let s = dev.create_stream().unwrap();
-    let a = Allocator::new(dev.clone(), Config::default()).unwrap();
-    let b = Allocator::new(dev.clone(), Config::default()).unwrap();
+    let (dev, s, a, b) = quiet_two();
     let mut graphs = Vec::new();
     let mut run = |capture: bool| {
         let scope = b.named_scope("step", s);
