@@ -14,6 +14,21 @@ fn eager() -> SimEager {
     Eager::sim(64 << 20).unwrap()
 }
 
+/// After a synchronisation the engine's allocator holds no buffer and keeps its invariants,
+/// and once its cache is emptied (its persistent memory too, with `persistent`) the device
+/// holds no segment.
+fn assert_holds_nothing(e: &SimEager, persistent: bool) {
+    e.synchronize().unwrap();
+    let alloc = e.allocator();
+    alloc.check_invariants().unwrap();
+    assert_eq!(alloc.allocated_bytes(), 0);
+    alloc.empty_cache().unwrap();
+    if persistent {
+        alloc.release_persistent().unwrap();
+    }
+    assert_eq!(e.device().live_segments(), vec![]);
+}
+
 /// A shape whose element count, bytes or rows overflow is an error, not a panic (debug) or a
 /// wrapped size (release).
 #[test]
@@ -185,12 +200,7 @@ fn tensors_of_another_device_are_refused() {
     // This engine works on: its own operands are taken.
     assert_eq!(c1.add(&ones, &ones).unwrap().to_host().unwrap(), vec![2.0; 4]);
     drop((ones, p));
-    e1.synchronize().unwrap();
-    let alloc = e1.allocator();
-    alloc.check_invariants().unwrap();
-    assert_eq!(alloc.allocated_bytes(), 0);
-    alloc.empty_cache().unwrap();
-    assert_eq!(e1.device().live_segments(), vec![]);
+    assert_holds_nothing(&e1, false);
 }
 
 /// A step count is not reserved up front: `usize::MAX` steps overflowed the reports' capacity
@@ -208,13 +218,7 @@ fn a_huge_step_count_reserves_nothing_up_front() {
     let r = train_mlp(&e, &cfg, |_| steps += 1);
     assert!(matches!(r, Err(EagerError::Alloc(AllocError::OutOfMemory(_)))), "{r:?}");
     assert_eq!(steps, 0);
-    e.synchronize().unwrap();
-    let alloc = e.allocator();
-    alloc.check_invariants().unwrap();
-    assert_eq!(alloc.allocated_bytes(), 0);
-    alloc.empty_cache().unwrap();
-    alloc.release_persistent().unwrap();
-    assert_eq!(e.device().live_segments(), vec![]);
+    assert_holds_nothing(&e, true);
 }
 
 /// `layer_norm_backward` with a gradient context of another engine (over a device of its own)
@@ -245,12 +249,7 @@ fn layer_norm_gradients_of_another_engine_are_refused() {
     assert_eq!(db.to_host().unwrap(), vec![1.0; 4]);
     drop((dx, dg, db, x, g, dy));
     for e in [&e1, &e2] {
-        e.synchronize().unwrap();
-        let alloc = e.allocator();
-        alloc.check_invariants().unwrap();
-        assert_eq!(alloc.allocated_bytes(), 0);
-        alloc.empty_cache().unwrap();
-        assert_eq!(e.device().live_segments(), vec![]);
+        assert_holds_nothing(&e, false);
     }
 }
 
@@ -316,13 +315,7 @@ fn training_that_fails_destroys_its_copy_stream() {
         assert!(matches!(r, Err(EagerError::Alloc(AllocError::OutOfMemory(_)))), "{r:?}");
         assert_eq!(steps, 0);
         assert_eq!(e.device().live_streams(), vec![S], "batch {batch}: the copy stream was left");
-        e.synchronize().unwrap();
-        let alloc = e.allocator();
-        alloc.check_invariants().unwrap();
-        assert_eq!(alloc.allocated_bytes(), 0);
-        alloc.empty_cache().unwrap();
-        alloc.release_persistent().unwrap();
-        assert_eq!(e.device().live_segments(), vec![], "batch {batch}");
+        assert_holds_nothing(&e, true);
         assert_eq!(e.device().violations(), vec![]);
     }
 }
