@@ -249,7 +249,7 @@ fn layer_norm_gradients_of_another_engine_are_refused() {
     assert_eq!(db.to_host().unwrap(), vec![1.0; 4]);
     drop((dx, dg, db, x, g, dy));
     for e in [&e1, &e2] {
-        assert_holds_nothing(&e, false);
+        assert_holds_nothing(e, false);
     }
 }
 
