@@ -56,8 +56,9 @@ impl Pool {
         let (seg, addr, size, was_split) = (b.segment, b.addr, b.size, b.is_split());
         let slot = self.segments[seg.0].slot;
         self.index_remove(slot, &Entry { size, addr, id: id.0 });
+        let mut net = (0, 0);
         if was_split {
-            self.count_split(seg, size, false);
+            self.split_change(seg, &mut net, size, false);
         }
         let next = self.blocks[id.0].next;
         let rest = BlockId(self.blocks.insert(Block {
@@ -80,9 +81,10 @@ impl Pool {
         // Both halves are free blocks of a split segment now. (Two adjacent free blocks exist
         // only until the caller allocates `rest`, under the same lock.)
         self.index_insert(slot, Entry { size: pad, addr, id: id.0 });
-        self.count_split(seg, pad, true);
+        self.split_change(seg, &mut net, pad, true);
         self.index_insert(slot, Entry { size: size - pad, addr: addr + pad, id: rest.0 });
-        self.count_split(seg, size - pad, true);
+        self.split_change(seg, &mut net, size - pad, true);
+        self.count_split_net(seg, net);
         rest
     }
 }

@@ -258,18 +258,61 @@ impl Pool {
         self.changed |= 0x10 << Self::quadrant(k, r);
     }
 
-    /// Counts a free block of a split segment, of `old` bytes, out and its remainder of `new`
-    /// bytes (≤ `old`) in: [`Pool::count_split`] down then up, in one pass over the cells. (The
+    /// Counts the net change of the inactive splits of segment `seg`, as PyTorch's `free_block`
+    /// does: `blocks` free blocks and `bytes` bytes in (positive) or out (negative), so that a
+    /// block that left the figures and came back in the same operation (a merged neighbour, the
+    /// block it merged into) counts in no total. Nothing for a run of an expandable range.
+    fn count_split_net(&mut self, seg: SegmentId, (blocks, bytes): (i64, i64)) {
+        if blocks == 0 && bytes == 0 {
+            return;
+        }
+        let Some(key) = self.split_counted(seg) else { return };
+        let (k, r, st) = (key.kind, key.residency, &mut self.stats);
+        for (g, n) in [(&mut st.inactive_split, blocks), (&mut st.inactive_split_bytes, bytes)] {
+            match n.signum() {
+                1 => g.increase(k, r, n.unsigned_abs()),
+                -1 => g.decrease(k, r, n.unsigned_abs()),
+                _ => {}
+            }
+        }
+        self.changed |= 0x10 << Self::quadrant(k, r);
+    }
+
+    /// A free block of `size` bytes of split segment `seg` leaves the inactive splits (`up`:
+    /// enters them) as part of an operation whose net change `net` (blocks, bytes) collects, for
+    /// [`Pool::count_split_net`] to count once the operation is done.
+    #[inline]
+    fn split_change(&mut self, seg: SegmentId, net: &mut (i64, i64), size: u64, up: bool) {
+        // BROKEN (`inactive_split_gross`): every block counted out and in on its own, so the
+        // totals count a merged neighbour out and the merged block in (PyTorch: the net change).
+        if cfg!(tidepool_broken = "inactive_split_gross") {
+            return self.count_split(seg, size, up);
+        }
+        let sign = if up { 1 } else { -1 };
+        net.0 += sign;
+        net.1 += sign * size as i64;
+    }
+
+    /// Counts a free block of a split segment, of `old` bytes, shrunk to its remainder of `new`
+    /// bytes (≤ `old`): PyTorch's split of an already-split block, which lowers the inactive
+    /// split bytes by what is handed out (`old − new` freed) and leaves the count as it is. (The
     /// current falls or stays, so no peak moves.)
     fn count_split_shrunk(&mut self, seg: SegmentId, old: u64, new: u64) {
         debug_assert!(new <= old);
         let Some(key) = self.split_counted(seg) else { return };
         let (k, r) = (key.kind, key.residency);
         let shrink = |g: &mut crate::types::StatGroup, old: u64, new: u64| {
+            // BROKEN (`inactive_split_gross`): the block counted out and its remainder in.
+            #[cfg(tidepool_broken = "inactive_split_gross")]
             let cell = |s: &mut Stat| {
                 s.current = s.current - old + new;
                 s.freed += old;
                 s.allocated += new;
+            };
+            #[cfg(not(tidepool_broken = "inactive_split_gross"))]
+            let cell = |s: &mut Stat| {
+                s.current -= old - new;
+                s.freed += old - new;
             };
             cell(&mut g.all);
             cell(match k {
@@ -671,11 +714,13 @@ impl Pool {
         let (m, split) = (Entry { size: m.size, addr: m.addr, id: merged.0 }, m.is_split());
         // The merged block takes the left neighbour's entry (else the right's), in place where
         // it keeps its rank; with both free, the right one leaves the index. (A free neighbour
-        // of another block is always part of a split segment.)
+        // of another block is always part of a split segment.) The inactive splits move by the
+        // net change (PyTorch's `free_block`).
+        let mut net = (0, 0);
         let taken = match (left, right) {
             (Some(l), Some(r)) => {
                 if self.index_remove(slot, &r) {
-                    self.count_split(seg, r.size, false);
+                    self.split_change(seg, &mut net, r.size, false);
                 }
                 l
             }
@@ -683,13 +728,14 @@ impl Pool {
             (None, None) => unreachable!("a free neighbour: see above"),
         };
         if self.index_replace(slot, &taken, m) {
-            self.count_split(seg, taken.size, false);
+            self.split_change(seg, &mut net, taken.size, false);
         } else {
             self.index_insert(slot, m);
         }
         if split {
-            self.count_split(seg, m.size, true);
+            self.split_change(seg, &mut net, m.size, true);
         }
+        self.count_split_net(seg, net);
         merged
     }
 
