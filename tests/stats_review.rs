@@ -50,6 +50,11 @@ impl Py {
         Py { m }
     }
 
+    /// The figures of `alloc` as they are now, taken as PyTorch's (the steps after are checked).
+    fn new_after(alloc: &Allocator<SimDevice>) -> Py {
+        Py { m: alloc.memory_stats() }
+    }
+
     fn cells(stat: &str, p: Option<P>) -> Vec<String> {
         match p {
             Some(p) => {
@@ -502,7 +507,9 @@ fn threads_on_streams_of_their_own_leave_exact_totals() {
     let streams: Vec<StreamId> = (0..T).map(|_| dev.create_stream().unwrap()).collect();
     let barrier = Barrier::new(T as usize + 1);
     let done = AtomicBool::new(false);
-    std::thread::scope(|sc| {
+    // The main thread's reads are checked once every thread has ended (a failed check in
+    // the middle would leave the workers waiting at a barrier).
+    let (s1, s2, reads) = std::thread::scope(|sc| {
         let mut workers = Vec::new();
         for &s in &streams {
             let (alloc, barrier) = (&alloc, &barrier);
@@ -523,21 +530,10 @@ fn threads_on_streams_of_their_own_leave_exact_totals() {
         }
         barrier.wait();
         let s1 = alloc.stats();
-        assert_eq!(s1.blocks.allocation.all.allocated, T * N);
-        assert_eq!(s1.blocks.allocated_bytes.all.current, 0);
-        assert_eq!(s1.blocks.segment.all.current, T, "a small segment per stream");
         alloc.reset_peak_stats();
         barrier.wait();
         barrier.wait();
         let s2 = alloc.stats();
-        let b = &s2.blocks;
-        assert_eq!(b.allocated_bytes.all.current, T * H * 4096);
-        assert_eq!(b.allocated_bytes.all.peak, T * H * 4096);
-        assert_eq!(b.allocation.small_pool.peak, T * H);
-        assert_eq!(b.active_bytes.transient.peak, T * H * 4096);
-        assert_eq!(b.requested_bytes.all.current, T * H * 4096);
-        assert_eq!(b.requested_bytes.all.peak, T * H * 4096);
-        assert_eq!(b.reserved_bytes.all.current, T * 2 * MIB);
         barrier.wait();
         let reader = sc.spawn(|| {
             let mut reads = 0u64;
@@ -559,8 +555,26 @@ fn threads_on_streams_of_their_own_leave_exact_totals() {
             w.join().unwrap();
         }
         done.store(true, Ordering::Relaxed);
-        assert!(reader.join().unwrap() > 0);
+        (s1, s2, reader.join().unwrap())
     });
+    assert!(reads > 0);
+    assert_eq!(s1.blocks.allocation.all.allocated, T * N);
+    assert_eq!(s1.blocks.allocated_bytes.all.current, 0);
+    // (`cross_stream:strict` may hand a stream's whole free segment to another stream: at
+    // most a segment per stream, each 2 MiB.)
+    let segs = s1.blocks.segment.all.current;
+    assert!((1..=T).contains(&segs), "{segs}");
+    assert_eq!(s1.blocks.reserved_bytes.all.current, segs * 2 * MIB);
+    let b = &s2.blocks;
+    assert_eq!(b.allocated_bytes.all.current, T * H * 4096);
+    assert_eq!(b.allocated_bytes.all.peak, T * H * 4096);
+    assert_eq!(b.allocation.small_pool.peak, T * H);
+    assert_eq!(b.active_bytes.transient.peak, T * H * 4096);
+    assert_eq!(b.requested_bytes.all.current, T * H * 4096);
+    assert_eq!(b.requested_bytes.all.peak, T * H * 4096);
+    let segs = b.segment.all.current;
+    assert!(segs >= T, "each stream holds live blocks: {segs}");
+    assert_eq!(b.reserved_bytes.all.current, segs * 2 * MIB);
     let s = alloc.stats();
     let b = &s.blocks;
     let count = T * (2 * N + H);
@@ -575,4 +589,179 @@ fn threads_on_streams_of_their_own_leave_exact_totals() {
     assert_eq!((b.allocated_bytes.all.current, b.active_bytes.all.current), (0, 0));
     assert_eq!(s.lock_free_allocations() + s.locked_allocations, count);
     alloc.check_invariants().unwrap();
+}
+
+/// What the device says the allocator holds, against what its statistics say: reserved bytes
+/// (segments plus mapped pages of distinct physical memory), device calls, and allocated bytes
+/// against the live buffers.
+#[track_caller]
+fn device_agrees(
+    dev: &SimDevice,
+    alloc: &Allocator<SimDevice>,
+    live: &[tidepool::Buffer<SimDevice>],
+    at: &str,
+) {
+    let s = alloc.stats();
+    let b = &s.blocks;
+    // A stitched chunk is mapped twice (its home and the stitched block): counted once.
+    let mapped: u64 = {
+        let mut seen = std::collections::BTreeMap::new();
+        for (_, bytes, h) in dev.live_mappings_with_handles() {
+            seen.entry(h).or_insert(bytes);
+        }
+        seen.values().sum()
+    };
+    assert_eq!(b.reserved_bytes.all.current, dev.reserved_bytes() + mapped, "{at}: reserved");
+    assert_eq!(dev.physical_bytes(), mapped, "{at}: every physical chunk mapped");
+    let (c, vm) = (dev.counters(), dev.vm_counters());
+    assert_eq!((s.num_device_alloc, s.num_device_free), (c.mallocs, c.frees), "{at}: segments");
+    assert_eq!((s.num_device_map, s.num_device_unmap), (vm.maps, vm.unmaps), "{at}: maps");
+    assert_eq!(
+        (s.num_physical_create, s.num_physical_release),
+        (vm.creates, vm.releases),
+        "{at}: physical"
+    );
+    let m = alloc.memory_stats();
+    assert_eq!(m["num_device_alloc"] as u64, c.mallocs + vm.maps, "{at}");
+    assert_eq!(m["num_device_free"] as u64, c.frees + vm.unmaps, "{at}");
+    let rounded: u64 = live.iter().map(|x| x.len().div_ceil(512) * 512).sum();
+    let live_bytes: u64 = live.iter().map(|x| x.len()).sum();
+    assert!(b.allocated_bytes.all.current >= rounded, "{at}: allocated");
+    assert_eq!(b.requested_bytes.all.current, live_bytes, "{at}: requested");
+    assert_eq!(b.allocation.all.current, live.len() as u64, "{at}: allocations");
+    alloc.check_invariants().unwrap();
+}
+
+/// A device call that fails in the middle of an operation (a segment reservation, a physical
+/// allocation, a mapping, an unmapping) leaves statistics that agree with the device to the
+/// byte and with the live buffers, after every step: a program of allocations, frees and
+/// `empty_cache`, run once per fault point of every kind, with and without expandable segments.
+#[test]
+fn injected_device_faults_leave_no_drift_in_the_statistics() {
+    type Fault = fn(&SimDevice, u64);
+    let faults: [(&str, Fault); 4] = [
+        ("malloc", |d, n| d.fail_nth_malloc(Some(n))),
+        ("vm_create", |d, n| d.fail_nth_vm_create(Some(n))),
+        ("vm_map", |d, n| d.fail_nth_vm_map(Some(n))),
+        ("vm_unmap", |d, n| d.fail_nth_vm_unmap(Some(n))),
+    ];
+    for conf in ["expandable_segments:true", "", "expandable_segments:true,fast_cache:false"] {
+        for (name, fault) in faults {
+            for n in 1..=8 {
+                let (dev, alloc) = allocator_on(256 * MIB, conf);
+                let t = dev.create_stream().unwrap();
+                fault(&dev, n);
+                let at = |i: usize| format!("{conf} {name} #{n}, step {i}");
+                let mut live: Vec<tidepool::Buffer<SimDevice>> = Vec::new();
+                let sizes = [3 * MIB, 700 << 10, 25 * MIB, 5 * MIB, 1000, 12 * MIB, 40 * MIB];
+                for (i, &size) in sizes.iter().enumerate() {
+                    let stream = if i % 3 == 2 { t } else { S0 };
+                    if let Ok(x) = alloc.alloc(size, stream) {
+                        live.push(x);
+                    }
+                    device_agrees(&dev, &alloc, &live, &at(i));
+                    if i % 2 == 1 {
+                        drop(live.remove(0));
+                        device_agrees(&dev, &alloc, &live, &at(i));
+                    }
+                    if i == 4 {
+                        let _ = alloc.empty_cache();
+                        device_agrees(&dev, &alloc, &live, &at(i));
+                    }
+                }
+                live.clear();
+                let _ = alloc.empty_cache();
+                device_agrees(&dev, &alloc, &live, &format!("{conf} {name} #{n}: all freed"));
+                let _ = alloc.empty_cache();
+                let s = alloc.stats();
+                assert_eq!(s.blocks.allocated_bytes.all.current, 0);
+                assert_eq!(s.blocks.active_bytes.all.current, 0);
+            }
+        }
+    }
+}
+
+/// PyTorch's `reset_peak_memory_stats` and `reset_accumulated_memory_stats` reset the device's
+/// figures, every pool's memory included (private pools count in the same `DeviceStats`):
+/// the general allocator's resets reach its private pools' figures (a `MemPool`'s, a CUDA
+/// graph's pool's), and a pool's own resets reach the pool alone.
+#[test]
+fn the_general_allocators_resets_reach_its_private_pools() {
+    let (dev, alloc) = allocator_on(1 << 30, "");
+    let s = dev.create_stream().unwrap();
+    let pool = alloc.new_pool(tidepool::PoolOptions::default()).unwrap();
+    let (a, b) = {
+        let _guard = alloc.use_pool(&pool, s).unwrap();
+        (alloc.alloc(8 * MIB, s).unwrap(), alloc.alloc(4096, s).unwrap())
+    };
+    let (graph, out) = alloc.capture(s, None, || alloc.alloc(3 * MIB, s).unwrap()).unwrap();
+    let general = alloc.alloc(4096, S0).unwrap();
+    drop(a);
+    let peak = |m: &BTreeMap<String, i64>| m["allocated_bytes.all.peak"];
+    let (p, g) = (pool.memory_stats(), graph.pool().memory_stats());
+    assert_eq!((p["allocated_bytes.all.current"], peak(&p)), (4096, 8 * MIB as i64 + 4096));
+    assert_eq!((g["allocated_bytes.all.current"], peak(&g)), (3 * MIB as i64, 3 * MIB as i64));
+    assert_eq!(p["allocation.all.allocated"], 2);
+
+    // A pool's own reset: that pool alone.
+    pool.reset_peak_stats();
+    assert_eq!(peak(&pool.memory_stats()), 4096);
+    pool.reset_accumulated_stats();
+    assert_eq!(pool.memory_stats()["allocation.all.allocated"], 0);
+    let g = graph.pool().memory_stats();
+    assert_eq!((peak(&g), g["allocation.all.allocated"]), (3 * MIB as i64, 1));
+    assert_eq!(alloc.memory_stats()["allocation.all.allocated"], 1);
+
+    // The general allocator's: every pool of the family with it.
+    let more = {
+        let _guard = alloc.use_pool(&pool, s).unwrap();
+        alloc.alloc(MIB, s).unwrap()
+    };
+    drop((more, out));
+    alloc.reset_peak_stats();
+    alloc.reset_accumulated_stats();
+    for (who, m) in [
+        ("general", alloc.memory_stats()),
+        ("pool", pool.memory_stats()),
+        ("graph pool", graph.pool().memory_stats()),
+    ] {
+        for (k, v) in &m {
+            if k.ends_with(".peak") {
+                let cur = m[&k.replace(".peak", ".current")];
+                assert_eq!(*v, cur, "{who}: {k} after the general allocator's reset");
+            }
+            if k.ends_with(".allocated") || k.ends_with(".freed") || k.starts_with("num_") {
+                assert_eq!(*v, 0, "{who}: {k} after the general allocator's reset");
+            }
+        }
+    }
+    assert_eq!(peak(&pool.memory_stats()), 4096);
+    assert_eq!(peak(&graph.pool().memory_stats()), 0);
+    drop((b, general, graph, pool));
+    alloc.empty_cache().unwrap();
+    assert_eq!(alloc.stats().blocks.reserved_bytes.all.current, 0);
+}
+
+/// Requests PyTorch counts nowhere: a zero-byte request (an empty buffer, no block), one
+/// above the largest request (`InvalidSize`, not out of memory), a bad alignment, a stream the
+/// device does not have. No figure of `memory_stats()` moves.
+#[test]
+fn refused_and_empty_requests_count_nowhere() {
+    let (dev, alloc) = allocator_on(1 << 30, "");
+    let keep = alloc.alloc(4096, S0).unwrap();
+    let py = Py::new_after(&alloc);
+    let empty = alloc.alloc(0, S0).unwrap();
+    assert_eq!(empty.len(), 0);
+    py.check(&alloc, "a zero-byte request");
+    drop(empty);
+    py.check(&alloc, "its free");
+    assert!(alloc.alloc(1 << 60, S0).is_err());
+    py.check(&alloc, "a request above the largest");
+    assert!(alloc.alloc_aligned(4096, 3000, S0).is_err());
+    py.check(&alloc, "a bad alignment");
+    assert!(alloc.alloc(4096, StreamId(4242)).is_err());
+    py.check(&alloc, "an unknown stream");
+    drop(keep);
+    drop(alloc);
+    common::assert_no_leak(&dev);
 }

@@ -201,7 +201,10 @@ impl<D: Device> Allocator<D> {
     /// `num_host_syncs`, `num_sync_all_streams`, `num_oom_rejections` and the
     /// expandable-segment counters (maps,
     /// unmaps, physical creates and releases, page moves) start again from zero. Current values and
-    /// peaks are kept ([`Allocator::reset_peak_stats`] resets those).
+    /// peaks are kept ([`Allocator::reset_peak_stats`] resets those). Called on the general
+    /// allocator, it resets its private pools' figures too ([`crate::MemPool`]s, CUDA graphs'
+    /// pools), as PyTorch's covers every pool of the device
+    /// ([`crate::MemPool::reset_accumulated_stats`] resets one pool's alone).
     ///
     /// ```
     /// use std::sync::Arc;
@@ -216,8 +219,10 @@ impl<D: Device> Allocator<D> {
     /// drop(keep);
     /// ```
     pub fn reset_accumulated_stats(&self) {
-        let now = self.stats_under_lock();
-        self.shared.accumulated_base.store(Arc::new(now));
+        self.shared.reset_accumulated();
+        for pool in self.shared.family_pools() {
+            pool.reset_accumulated();
+        }
     }
 }
 

@@ -1298,7 +1298,62 @@ impl<D: Device> Allocator<D> {
     /// Every statistic read under the lock: exact, whether or not they are being published
     /// (accumulated figures since the allocator was made).
     fn stats_under_lock(&self) -> MemoryStats {
-        let sh = &self.shared;
+        self.shared.stats_under_lock()
+    }
+
+    /// Bytes currently reserved from the device.
+    pub fn reserved_bytes(&self) -> u64 {
+        self.stats().blocks.reserved_bytes.all.current
+    }
+
+    /// Bytes currently allocated to live buffers.
+    pub fn allocated_bytes(&self) -> u64 {
+        self.stats().blocks.allocated_bytes.all.current
+    }
+
+    /// Resets every peak statistic to its current value, PyTorch's `reset_peak_memory_stats`:
+    /// this allocator's and, called on the general allocator, those of its private pools
+    /// ([`MemPool`]s, CUDA graphs' pools) too, as PyTorch's reset covers every pool of the
+    /// device. ([`MemPool::reset_peak_stats`] resets one pool's alone.)
+    pub fn reset_peak_stats(&self) {
+        self.shared.reset_peaks();
+        for pool in self.shared.family_pools() {
+            pool.reset_peaks();
+        }
+    }
+}
+
+impl<D: Device> Shared<D> {
+    /// The private pools that the general allocator's statistics resets reach (none from a
+    /// pool's own allocator).
+    pub(super) fn family_pools(&self) -> Vec<Arc<Shared<D>>> {
+        // BROKEN (`pool_stats_kept`): the general allocator's resets leave its pools' figures.
+        if self.role.id != 0 || cfg!(tidepool_broken = "pool_stats_kept") {
+            return Vec::new();
+        }
+        self.family.live_pools().into_iter().map(|(_, pool)| pool).collect()
+    }
+
+    /// [`Allocator::reset_peak_stats`] of this allocator alone.
+    pub(super) fn reset_peaks(&self) {
+        let sh = self;
+        let mut st = sh.lock_state();
+        st.pool.reset_peak_stats();
+        st.oversize_segments.reset_peak();
+        st.extra_published = None; // peaks fell: publish the extra figures again
+        st.base.reset_peaks(&sh.caches.all());
+    }
+
+    /// [`Allocator::reset_accumulated_stats`] of this allocator alone.
+    pub(super) fn reset_accumulated(&self) {
+        let now = self.stats_under_lock();
+        self.accumulated_base.store(Arc::new(now));
+    }
+
+    /// Every statistic read under the lock: exact, whether or not they are being published
+    /// (accumulated figures since the allocator was made).
+    pub(super) fn stats_under_lock(&self) -> MemoryStats {
+        let sh = self;
         let mut st = sh.lock_state();
         let all = sh.caches.all();
         let inners: Vec<_> = all.iter().map(|c| c.lock_inner()).collect();
@@ -1322,26 +1377,6 @@ impl<D: Device> Allocator<D> {
         drop(inners);
         let m = sh.with_vm_stats(sh.with_scope_stats(stats_from(snap)));
         sh.with_extra_stats(m, Some(&*st))
-    }
-
-    /// Bytes currently reserved from the device.
-    pub fn reserved_bytes(&self) -> u64 {
-        self.stats().blocks.reserved_bytes.all.current
-    }
-
-    /// Bytes currently allocated to live buffers.
-    pub fn allocated_bytes(&self) -> u64 {
-        self.stats().blocks.allocated_bytes.all.current
-    }
-
-    /// Resets every peak statistic to its current value.
-    pub fn reset_peak_stats(&self) {
-        let sh = &self.shared;
-        let mut st = sh.lock_state();
-        st.pool.reset_peak_stats();
-        st.oversize_segments.reset_peak();
-        st.extra_published = None; // peaks fell: publish the extra figures again
-        st.base.reset_peaks(&sh.caches.all());
     }
 }
 

@@ -416,6 +416,24 @@ impl<D: Device> MemPool<D> {
         self.alloc.stats()
     }
 
+    /// The pool's own statistics as `torch.cuda.memory_stats()`'s flat dictionary (see
+    /// [`Allocator::memory_stats`]).
+    pub fn memory_stats(&self) -> std::collections::BTreeMap<String, i64> {
+        self.alloc.memory_stats()
+    }
+
+    /// Resets the pool's peak statistics to their current values (the general allocator's
+    /// [`Allocator::reset_peak_stats`] resets them with its own).
+    pub fn reset_peak_stats(&self) {
+        self.alloc.shared.reset_peaks();
+    }
+
+    /// Resets the pool's accumulated statistics (the general allocator's
+    /// [`Allocator::reset_accumulated_stats`] resets them with its own).
+    pub fn reset_accumulated_stats(&self) {
+        self.alloc.shared.reset_accumulated();
+    }
+
     /// The pool's segments and blocks.
     pub fn snapshot(&self) -> Vec<SegmentInfo> {
         self.alloc.snapshot()
