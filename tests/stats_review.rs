@@ -742,6 +742,57 @@ fn the_general_allocators_resets_reach_its_private_pools() {
     assert_eq!(alloc.stats().blocks.reserved_bytes.all.current, 0);
 }
 
+/// `memory_summary()` ends its table with PyTorch's last two rows, "Oversize allocations" and
+/// "Oversize GPU segments", with all four figures (current, peak, total allocated, total freed)
+/// as `memory_stats()` has them.
+#[test]
+fn memory_summary_shows_the_oversize_rows_with_all_four_figures() {
+    let (_dev, alloc) = allocator_on(1 << 30, "max_split_size_mb:40");
+    let a = alloc.alloc(50 * MIB, S0).unwrap();
+    let b = alloc.alloc(60 * MIB, S0).unwrap();
+    drop(a);
+    let m = alloc.memory_stats();
+    let row = |name: &str, key: &str| {
+        let f = |field: &str| m[&format!("{key}.{field}")];
+        format!(
+            "| {:<26}| {:>12} | {:>12} | {:>12} | {:>12} |",
+            name,
+            f("current"),
+            f("peak"),
+            f("allocated"),
+            f("freed")
+        )
+    };
+    let (allocs, segs) = (
+        row("Oversize allocations", "oversize_allocations"),
+        row("Oversize GPU segments", "oversize_segments"),
+    );
+    assert_eq!(
+        allocs,
+        format!(
+            "| {:<26}| {:>12} | {:>12} | {:>12} | {:>12} |",
+            "Oversize allocations", 1, 2, 2, 1
+        )
+    );
+    assert_eq!(
+        segs,
+        format!(
+            "| {:<26}| {:>12} | {:>12} | {:>12} | {:>12} |",
+            "Oversize GPU segments", 2, 2, 2, 0
+        )
+    );
+    let summary = alloc.memory_summary();
+    let lines: Vec<&str> = summary.lines().collect();
+    let at = |r: &str| {
+        lines.iter().position(|l| *l == r).unwrap_or_else(|| panic!("no row {r:?} in\n{summary}"))
+    };
+    assert_eq!(at(&segs), at(&allocs) + 2, "one rule between them:\n{summary}");
+    assert!(
+        at(&allocs) > lines.iter().position(|l| l.starts_with("| Non-releasable allocs")).unwrap()
+    );
+    drop(b);
+}
+
 /// Requests PyTorch counts nowhere: a zero-byte request (an empty buffer, no block), one
 /// above the largest request (`InvalidSize`, not out of memory), a bad alignment, a stream the
 /// device does not have. No figure of `memory_stats()` moves.

@@ -265,6 +265,17 @@ impl<D: Device> Allocator<D> {
                 row(&mut out, "      transient", &g.transient, bytes);
             }
         }
+        // PyTorch's last two rows (`memory_summary` ends its table with them), all four figures.
+        // BROKEN (`summary_oversize_current`): the current counts only, in the controls' rows.
+        if !cfg!(tidepool_broken = "summary_oversize_current") {
+            for (name, st) in [
+                ("Oversize allocations", &s.oversize_allocations),
+                ("Oversize GPU segments", &s.oversize_segments),
+            ] {
+                out += &thin;
+                row(&mut out, name, st, false);
+            }
+        }
         out += &rule;
         // A row of one figure in bytes: its name, the bytes, what they are.
         let line = |out: &mut String, name: &str, bytes: u64, what: &str| {
