@@ -284,12 +284,12 @@ fn a_free_between_two_free_neighbours_counts_one_inactive_split_less() {
     py.check(&alloc, "reset_peak_stats");
 }
 
-/// A block freed after `record_stream` on a busy stream: PyTorch's `free` takes it out of
+/// A block freed after `record_stream` (or `use_on`) on a busy stream: PyTorch's `free` takes it out of
 /// `allocation` and `allocated_bytes` at once; it stays active (and requested) until its event
 /// completed and `free_block` returned it (here: the next allocation's `process_events`).
 #[test]
 fn a_recorded_free_is_active_not_allocated_until_its_event_completes() {
-    for conf in ["fast_cache:false", ""] {
+    for (conf, use_on) in [("fast_cache:false", false), ("", false), ("", true)] {
         let (dev, alloc) = allocator_on(1 << 30, conf);
         let t = dev.create_stream().unwrap();
         let mut py = Py::new(&alloc);
@@ -301,7 +301,10 @@ fn a_recorded_free_is_active_not_allocated_until_its_event_completes() {
         py.check(&alloc, &format!("{conf}: x"));
         let (k, open) = common::gated(x.ptr(), 1024, AccessKind::Read);
         dev.launch(t, k).unwrap();
-        x.record_stream(t).unwrap();
+        match use_on {
+            true => x.use_on(t, AccessKind::Read).unwrap(),
+            false => x.record_stream(t).unwrap(),
+        }
         drop(x);
         py.free_requested(s, 1024);
         py.check(&alloc, &format!("{conf}: x freed, its event pending"));
@@ -815,4 +818,69 @@ fn refused_and_empty_requests_count_nowhere() {
     drop(keep);
     drop(alloc);
     common::assert_no_leak(&dev);
+}
+
+/// A stream cache's hit for more requested bytes than the block it reuses was freed with
+/// (the same 3 KiB size class, 3000 B freed, 3072 B asked): `requested_bytes` passes its peak
+/// by the difference, which the lane holds no credit for; the peak must follow exactly.
+#[test]
+fn a_hit_asking_more_than_the_freed_request_raises_the_requested_peak() {
+    let (_dev, alloc) = allocator_on(1 << 30, "");
+    let mut py = Py::new(&alloc);
+    let (s, seg) = (P::Small, 2 * MIB as i64);
+    let y = alloc.alloc(4096, S0).unwrap();
+    py.segment_up(s, seg);
+    py.split_net(s, 1, seg - 4096);
+    py.hand_out(s, 4096, 4096);
+    let x = alloc.alloc(3000, S0).unwrap();
+    py.split_net(s, 0, -3072);
+    py.hand_out(s, 3072, 3000);
+    py.check(&alloc, "y and x");
+    let xp = x.ptr();
+    drop(x);
+    py.free_requested(s, 3072);
+    py.free_completed(s, 3072, 3000);
+    for (i, asked) in [3072, 2600, 3071, 3072].into_iter().enumerate() {
+        let again = alloc.alloc(asked, S0).unwrap();
+        assert_eq!(again.ptr(), xp, "a hit of the stream's cache");
+        py.hand_out(s, 3072, asked as i64);
+        py.check(&alloc, &format!("hit {i}: {asked} B asked"));
+        drop(again);
+        py.free_requested(s, 3072);
+        py.free_completed(s, 3072, asked as i64);
+        py.check(&alloc, &format!("hit {i} freed"));
+    }
+    drop(y);
+}
+
+/// The same through a stream's large block (lane 0 keeps one freed large block and hands it
+/// back lock-free once checked): 4 MiB blocks of a 20 MiB segment reused for requests of
+/// 4 MiB − 400 B and 4 MiB, back and forth; requested bytes and their peak follow exactly.
+/// (The cached block stays out of the pool, so the inactive splits do not move: the
+/// documented difference.)
+#[test]
+fn a_large_hit_asking_more_than_the_freed_request_raises_the_requested_peak() {
+    let (_dev, alloc) = allocator_on(1 << 30, "");
+    let mut py = Py::new(&alloc);
+    let (l, mib) = (P::Large, MIB as i64);
+    let x = alloc.alloc(4 * MIB - 400, S0).unwrap();
+    py.segment_up(l, 20 * mib);
+    py.split_net(l, 1, 16 * mib);
+    py.hand_out(l, 4 * mib, 4 * mib - 400);
+    py.check(&alloc, "x");
+    let (xp, mut asked) = (x.ptr(), 4 * MIB - 400);
+    drop(x);
+    py.free_requested(l, 4 * mib);
+    py.free_completed(l, 4 * mib, asked as i64);
+    for (i, next) in [4 * MIB, 4 * MIB - 400, 4 * MIB, 4 * MIB].into_iter().enumerate() {
+        let again = alloc.alloc(next, S0).unwrap();
+        assert_eq!(again.ptr(), xp);
+        py.hand_out(l, 4 * mib, next as i64);
+        py.check(&alloc, &format!("large hit {i}: {next} B asked after {asked} B"));
+        asked = next;
+        drop(again);
+        py.free_requested(l, 4 * mib);
+        py.free_completed(l, 4 * mib, asked as i64);
+        py.check(&alloc, &format!("large hit {i} freed"));
+    }
 }
