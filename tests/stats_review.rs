@@ -884,3 +884,102 @@ fn a_large_hit_asking_more_than_the_freed_request_raises_the_requested_peak() {
         py.check(&alloc, &format!("large hit {i} freed"));
     }
 }
+
+/// Streams made and destroyed without end, each leaving freed blocks in its stream caches
+/// (whose lanes the next streams take over): after every `destroy_stream` the statistics agree
+/// with the device and the live buffers, no figure keeps a gone stream's blocks, and the
+/// per-stream cached bytes name only streams that exist.
+#[test]
+fn destroyed_streams_leave_no_figures_behind() {
+    let (dev, alloc) = allocator_on(1 << 30, "");
+    let keep = alloc.alloc(4096, S0).unwrap();
+    let live = vec![keep];
+    for round in 0..80u64 {
+        let s = dev.create_stream().unwrap();
+        let small = alloc.alloc(4096 + 512 * (round % 4), s).unwrap();
+        let large = alloc.alloc(3 * MIB, s).unwrap();
+        drop((small, large)); // into the stream's caches
+        let st = alloc.stats();
+        assert!(st.cached_free_bytes_per_stream.iter().any(|&(id, _)| id == s.0), "{round}");
+        alloc.destroy_stream(s).unwrap();
+        device_agrees(&dev, &alloc, &live, &format!("round {round}"));
+        let st = alloc.stats();
+        for &(id, bytes) in &st.cached_free_bytes_per_stream {
+            assert!(id == S0.0, "round {round}: stream {id} is gone, {bytes} B cached for it");
+        }
+        let b = &st.blocks;
+        assert_eq!((b.allocation.all.current, b.active.all.current), (1, 1), "round {round}");
+        assert_eq!(b.allocated_bytes.all.current, 4096, "round {round}");
+    }
+    alloc.empty_cache().unwrap();
+    let m = alloc.memory_stats();
+    assert_eq!(m["segment.all.current"], 1);
+    assert_eq!(m["reserved_bytes.all.current"], 2 * MIB as i64);
+    assert_eq!(m["allocation.all.allocated"], 1 + 2 * 80);
+    drop(live);
+}
+
+/// Four threads on one stream (sharing its lanes) each hold at most one 4 KiB block at a time,
+/// while another thread resets the peaks and reads the statistics without pause: no peak may
+/// ever show more than was live at once (four blocks), none may fall below its current, and
+/// once quiet the totals are exact.
+#[test]
+fn peaks_never_pass_what_was_live_under_concurrent_resets() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    const T: u64 = 4;
+    const N: u64 = 2000;
+    let (dev, alloc) = allocator_on(1 << 30, "");
+    let s = dev.create_stream().unwrap();
+    let done = AtomicBool::new(false);
+    let reads = std::thread::scope(|sc| {
+        let workers: Vec<_> = (0..T)
+            .map(|k| {
+                let alloc = &alloc;
+                sc.spawn(move || {
+                    for i in 0..N {
+                        // Requests of 3585..=4096 B: one size class, requests that differ.
+                        drop(alloc.alloc(4096 - (i * 7 + k * 131) % 512, s).unwrap());
+                    }
+                })
+            })
+            .collect();
+        let reader = sc.spawn(|| {
+            let mut reads = 0u64;
+            let mut bad = Vec::new();
+            while !done.load(Ordering::Relaxed) || reads == 0 {
+                if reads % 3 == 0 {
+                    alloc.reset_peak_stats();
+                }
+                let b = alloc.stats().blocks;
+                for (name, g, most) in [
+                    ("allocated_bytes", b.allocated_bytes, T * 4096),
+                    ("active_bytes", b.active_bytes, T * 4096),
+                    ("requested_bytes", b.requested_bytes, T * 4096),
+                    ("allocation", b.allocation, T),
+                    ("active", b.active, T),
+                ] {
+                    for c in [g.all, g.small_pool, g.transient] {
+                        if c.current > c.peak || c.peak > most {
+                            bad.push(format!("read {reads}: {name} {c:?} (at most {most})"));
+                        }
+                    }
+                }
+                reads += 1;
+            }
+            (reads, bad)
+        });
+        for w in workers {
+            w.join().unwrap();
+        }
+        done.store(true, Ordering::Relaxed);
+        reader.join().unwrap()
+    });
+    assert!(reads.1.is_empty(), "{:#?}", &reads.1[..reads.1.len().min(10)]);
+    let b = alloc.stats().blocks;
+    assert_eq!(b.allocation.all.allocated, T * N);
+    assert_eq!((b.allocated_bytes.all.current, b.requested_bytes.all.current), (0, 0));
+    let asked: u64 = (0..T).flat_map(|k| (0..N).map(move |i| 4096 - (i * 7 + k * 131) % 512)).sum();
+    assert_eq!(b.requested_bytes.all.allocated, asked);
+    assert_eq!(b.allocated_bytes.all.allocated, T * N * 4096);
+    alloc.check_invariants().unwrap();
+}
