@@ -947,7 +947,7 @@ fn peaks_never_pass_what_was_live_under_concurrent_resets() {
             let mut reads = 0u64;
             let mut bad = Vec::new();
             while !done.load(Ordering::Relaxed) || reads == 0 {
-                if reads % 3 == 0 {
+                if reads.is_multiple_of(3) {
                     alloc.reset_peak_stats();
                 }
                 let b = alloc.stats().blocks;
