@@ -199,7 +199,13 @@ impl Py {
 /// and then with the rest of the segment, and `empty_cache`.
 #[test]
 fn inactive_splits_move_by_the_net_change_of_each_operation() {
-    let (_dev, alloc) = allocator_on(1 << 30, "fast_cache:false");
+    for conf in ["fast_cache:false", "global_lock:true,fast_cache:false", "global_lock:true"] {
+        inactive_splits_under(conf);
+    }
+}
+
+fn inactive_splits_under(conf: &str) {
+    let (_dev, alloc) = allocator_on(1 << 30, conf);
     let mut py = Py::new(&alloc);
     let (l, mib) = (P::Large, MIB as i64);
 
