@@ -2,7 +2,7 @@
 //! wrong, read as the user reads it (its `Display`), and which way it points them.
 
 use std::sync::Arc;
-use tidepool::{Allocator, Config, SimDevice};
+use tidepool::{AllocError, Allocator, Config, HostAllocator, SimDevice, StreamId};
 
 /// A configuration built with the setters (no environment variable involved) that contradicts
 /// itself is refused naming the keys, not `TIDEPOOL_ALLOC_CONF`, which the user never set (and
@@ -26,3 +26,40 @@ fn a_configuration_error_blames_no_variable_the_user_did_not_set() {
     assert_eq!((dev.reserved_bytes(), dev.counters().mallocs), (0, 0));
 }
 
+/// The README's first device is `SimDevice::new` (unbacked); its pinned-memory example copies to
+/// it. The copy is refused, and the error says how to get a device that copies, rather than
+/// only that the memory is unbacked. The staging buffer and the allocators stay usable.
+#[test]
+fn a_copy_to_an_unbacked_simulated_device_says_to_make_a_backed_one() {
+    let dev = Arc::new(SimDevice::new(1 << 30));
+    let alloc = Allocator::new(dev.clone(), Config::default()).unwrap();
+    let pinned = HostAllocator::new(dev.clone());
+    let buf = alloc.alloc(4096, StreamId::DEFAULT).unwrap();
+    let mut staging = pinned.alloc(4096).unwrap();
+    staging.as_mut_slice().unwrap().fill(7);
+    let e = staging.upload(&buf).unwrap_err().to_string();
+    assert!(e.contains("copies to or from unbacked device memory"), "{e}");
+    assert!(e.contains("SimDevice::backed(capacity)"), "the way out is named: {e}");
+    let e = staging.download(&buf).unwrap_err().to_string();
+    assert!(e.contains("SimDevice::backed(capacity)"), "{e}");
+    // Nothing was enqueued: the buffer is still the host's, with its bytes.
+    assert!(staging.pending_streams().is_empty());
+    assert_eq!(staging.as_slice().unwrap(), &[7u8; 4096][..]);
+    drop((staging, buf));
+    pinned.check_invariants().unwrap();
+    alloc.check_invariants().unwrap();
+
+    // The same program on a backed device copies.
+    let dev = Arc::new(SimDevice::backed(1 << 30));
+    let alloc = Allocator::new(dev.clone(), Config::default()).unwrap();
+    let pinned = HostAllocator::new(dev.clone());
+    let buf = alloc.alloc(4096, StreamId::DEFAULT).unwrap();
+    let mut staging = pinned.alloc(4096).unwrap();
+    staging.as_mut_slice().unwrap().fill(7);
+    staging.upload(&buf).unwrap();
+    let mut back = pinned.alloc(4096).unwrap();
+    back.download(&buf).unwrap();
+    assert_eq!(back.as_slice().unwrap(), &[7u8; 4096][..]);
+    assert!(matches!(alloc.alloc(10, StreamId(99)), Err(AllocError::UnknownStream(_))));
+    assert_eq!(dev.violations(), vec![]);
+}

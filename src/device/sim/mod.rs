@@ -208,7 +208,9 @@ pub struct SimDevice {
 }
 
 impl SimDevice {
-    /// A device with `capacity` bytes, unbacked.
+    /// A device with `capacity` bytes, unbacked: nothing stands behind its memory, so it costs
+    /// nothing (multi-GiB traces replay on a laptop), but kernels cannot touch it and pinned
+    /// copies to or from it are refused ([`SimDevice::backed`] makes one that can).
     pub fn new(capacity: u64) -> SimDevice {
         SimDevice::with_config(SimConfig { capacity, ..SimConfig::default() })
     }
