@@ -357,11 +357,13 @@ impl SimDevice {
         }
         if !self.config.backed {
             // BROKEN (`unbacked_copy_terse`): the error did not say how to get a backed device.
-            return Err(DeviceError::Unsupported(if cfg!(tidepool_broken = "unbacked_copy_terse") {
-                "copies to or from unbacked device memory"
-            } else {
-                UNBACKED_COPY
-            }));
+            return Err(DeviceError::Unsupported(
+                if cfg!(tidepool_broken = "unbacked_copy_terse") {
+                    "copies to or from unbacked device memory"
+                } else {
+                    UNBACKED_COPY
+                },
+            ));
         }
         let kind = if to_device { AccessKind::Write } else { AccessKind::Read };
         let accesses = vec![Access { ptr: dev, bytes, kind }];
