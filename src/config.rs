@@ -1276,10 +1276,7 @@ mod tests {
             [2, 2, 2, 2, 2, 2, 2, 8, 8, 8, 8, 8, 8, 8, 8, 8]
         );
         let msg = Config::parse("cross_stream:lazy").unwrap_err().to_string();
-        assert_eq!(
-            msg,
-            "bad value `lazy` for `cross_stream`: expected strict or wait_event"
-        );
+        assert_eq!(msg, "bad value `lazy` for `cross_stream`: expected strict or wait_event");
     }
 
     #[test]
