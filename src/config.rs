@@ -298,7 +298,7 @@ impl Default for Config {
 
 /// Every key `Config::parse` accepts, with what it sets.
 pub const KEYS: &[(&str, &str)] = &[
-    ("max_split_size_mb", "blocks of at least this many MiB are never split (> large_segment_mb)"),
+    ("max_split_size_mb", "blocks of at least this many MiB are never split (≥ large_segment_mb)"),
     (
         "roundup_power2_divisions",
         "round sizes to this many steps between powers of two: 0 or a power of two, or PyTorch's \
