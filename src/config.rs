@@ -1023,7 +1023,7 @@ impl Config {
     }
 
     /// Whether allocations and frees may use the per-stream caches.
-    pub fn fast_path(&self) -> bool {
+    pub(crate) fn fast_path(&self) -> bool {
         self.fast_cache && !self.global_lock && self.caching
     }
 
