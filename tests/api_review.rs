@@ -63,3 +63,44 @@ fn a_copy_to_an_unbacked_simulated_device_says_to_make_a_backed_one() {
     assert!(matches!(alloc.alloc(10, StreamId(99)), Err(AllocError::UnknownStream(_))));
     assert_eq!(dev.violations(), vec![]);
 }
+
+/// A cap smaller than the segment a request needs (a 2 MiB small segment under
+/// `max_pool_size_mb:1`, or `per_process_memory_fraction:0`) refuses every such request however
+/// much is freed; the report's only advice was to free tensors or lower `max_split_size_mb`.
+/// It now says the cap must be raised, and only where that is so.
+#[test]
+fn an_oom_under_a_cap_smaller_than_the_segment_says_to_raise_the_cap() {
+    let raise = "no freeing can make room: raise the cap.";
+    let dev = Arc::new(SimDevice::new(1 << 30));
+    for (conf, cap) in
+        [("max_pool_size_mb:1", "1.00 MiB"), ("per_process_memory_fraction:0", "0 B")]
+    {
+        let alloc = Allocator::new(dev.clone(), Config::parse(conf).unwrap()).unwrap();
+        let e = alloc.alloc(4096, StreamId::DEFAULT).unwrap_err();
+        let AllocError::OutOfMemory(report) = &e else { panic!("{conf}: {e}") };
+        assert_eq!((report.segment, report.reserved), (2 << 20, 0), "{conf}");
+        let msg = e.to_string();
+        assert!(
+            msg.ends_with(&format!(
+                " The new segment alone (2.00 MiB) exceeds the cap ({cap}: the smallest of \
+                 memory_limit_mb, max_pool_size_mb and per_process_memory_fraction × the \
+                 device, of those set), so {raise}"
+            )),
+            "{conf}: {msg}"
+        );
+        assert_eq!(alloc.stats().num_ooms, 1);
+        assert_eq!(dev.reserved_bytes(), 0);
+    }
+    // A cap that fits the segment but is full: freeing helps, the old advice stands alone.
+    let alloc = Allocator::new(dev.clone(), Config::parse("max_pool_size_mb:4").unwrap()).unwrap();
+    let full: Vec<_> = (0..4).map(|_| alloc.alloc(1 << 20, StreamId::DEFAULT).unwrap()).collect();
+    assert_eq!(dev.reserved_bytes(), 4 << 20); // two 2 MiB segments of two blocks each: the cap
+    let msg = alloc.alloc(1 << 20, StreamId::DEFAULT).unwrap_err().to_string();
+    assert!(
+        msg.ends_with("lowering max_split_size_mb to reduce fragmentation, may help."),
+        "{msg}"
+    );
+    assert!(!msg.contains(raise), "{msg}");
+    drop(full);
+    assert_eq!(alloc.alloc(1 << 20, StreamId::DEFAULT).unwrap().len(), 1 << 20);
+}

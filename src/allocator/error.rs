@@ -206,6 +206,22 @@ impl fmt::Display for OomReport {
                 ),
             )?;
         }
+        // A cap smaller than the segment the request needs refuses it whatever is freed: the
+        // advice above cannot help, the cap must be raised.
+        // BROKEN (`oom_cap_unexplained`): only the general advice.
+        if let Some(limit) = self.limit
+            && self.segment > limit
+            && !cfg!(tidepool_broken = "oom_cap_unexplained")
+        {
+            write!(
+                f,
+                " The new segment alone ({}) exceeds the cap ({}: the smallest of memory_limit_mb, \
+                 max_pool_size_mb and per_process_memory_fraction × the device, of those set), so \
+                 no freeing can make room: raise the cap.",
+                Bytes(self.segment),
+                Bytes(limit),
+            )?;
+        }
         Ok(())
     }
 }
