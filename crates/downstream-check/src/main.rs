@@ -5,12 +5,13 @@
 use std::error::Error;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
-use tidepool::device::{Access, AccessKind, AppStream, Kernel, Launch};
+use tidepool::device::{Access, AppStream, Kernel, Launch};
 use tidepool::{
-    Action, AllocError, Allocator, Allocators, BlockState, Buffer, Bytes, Config, ConfigError,
-    CrossStream, Device, DeviceAddr, DeviceError, Graph, HistoryOptions, HostAllocator, HostStats,
-    MIB, MemPool, MemoryStats, OomReport, PinnedBuffer, PoolGuard, PoolOptions, Residency, Scope,
-    ScopedBuffer, SegmentInfo, SimConfig, SimDevice, StreamId, TraceEntry,
+    AccessKind, Action, AllocError, Allocator, Allocators, BlockState, Buffer, Bytes, Config,
+    ConfigError, CrossStream, Device, DeviceAddr, DeviceError, Graph, HistoryOptions,
+    HostAllocator, HostStats, MIB, MemPool, MemoryStats, OomReport, PinnedBuffer, PoolGuard,
+    PoolOptions, Residency, Scope, ScopedBuffer, SegmentInfo, SimConfig, SimDevice, StreamId,
+    TraceEntry,
 };
 
 fn check(cond: bool, what: &str) -> Result<(), Box<dyn Error>> {
