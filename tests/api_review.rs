@@ -2,7 +2,9 @@
 //! wrong, read as the user reads it (its `Display`), and which way it points them.
 
 use std::sync::Arc;
-use tidepool::{AllocError, Allocator, Config, HostAllocator, SimDevice, StreamId};
+use tidepool::{
+    AllocError, Allocator, Config, Device, HostAllocError, HostAllocator, SimDevice, StreamId,
+};
 
 /// A configuration built with the setters (no environment variable involved) that contradicts
 /// itself is refused naming the keys, not `TIDEPOOL_ALLOC_CONF`, which the user never set (and
@@ -103,4 +105,49 @@ fn an_oom_under_a_cap_smaller_than_the_segment_says_to_raise_the_cap() {
     assert!(!msg.contains(raise), "{msg}");
     drop(full);
     assert_eq!(alloc.alloc(1 << 20, StreamId::DEFAULT).unwrap().len(), 1 << 20);
+}
+
+/// The README puts a step's activations in a scope, and stages host data through pinned memory;
+/// but `PinnedBuffer::upload` and `download` took only a `Buffer`, so a scope's buffer could be
+/// filled from pinned memory only through `unsafe copy_to_device` (what the eager layer does).
+/// `upload_scoped` / `download_scoped` are the checked forms: across three runs of a named
+/// scope on a side stream (the last two served from its learned plan) the bytes go in and
+/// come back, on the scope's stream, with no sanitizer violation; a shorter buffer or one of
+/// another device is refused, copying nothing.
+#[test]
+fn a_scopes_buffer_is_filled_and_read_through_pinned_memory() {
+    let dev = Arc::new(SimDevice::backed(64 << 20));
+    let alloc = Allocator::new(dev.clone(), Config::default()).unwrap();
+    let pinned = HostAllocator::new(dev.clone());
+    let side = dev.create_stream().unwrap();
+    for run in 0..3u8 {
+        let scope = alloc.named_scope("step", side);
+        let x = scope.alloc(4096).unwrap();
+        let y = scope.alloc(8192).unwrap();
+        let mut up = pinned.alloc(4096).unwrap();
+        up.as_mut_slice().unwrap().fill(run + 1);
+        up.upload_scoped(&x).unwrap();
+        assert_eq!(up.pending_streams(), [side]); // on the scope's stream
+        up.upload_scoped(&y).unwrap(); // the first 4096 bytes of the larger buffer
+        let mut down = pinned.alloc(4096).unwrap();
+        down.download_scoped(&y).unwrap();
+        assert_eq!(down.as_slice().unwrap(), &[run + 1; 4096][..], "run {run}");
+        // Too short, and another device's: refused, nothing enqueued.
+        let mut big = pinned.alloc(8192 + 512).unwrap();
+        let e = big.upload_scoped(&y).unwrap_err();
+        assert_eq!(e, HostAllocError::OutOfRange { offset: 0, bytes: 8192 + 512, len: 8192 });
+        assert!(big.pending_streams().is_empty());
+        let other = Arc::new(SimDevice::backed(16 << 20));
+        let other_pinned = HostAllocator::new(other.clone());
+        let mut foreign = other_pinned.alloc(4096).unwrap();
+        assert_eq!(foreign.download_scoped(&x), Err(HostAllocError::WrongDevice));
+        assert_eq!(other.counters().launches, 0);
+        drop((up, down, big, x, y));
+    }
+    let s = alloc.stats();
+    assert_eq!((s.plan_hits, s.plan_misses), (4, 0)); // runs 2 and 3 followed the plan
+    dev.synchronize().unwrap();
+    assert_eq!(dev.violations(), vec![]);
+    alloc.check_invariants().unwrap();
+    pinned.check_invariants().unwrap();
 }
