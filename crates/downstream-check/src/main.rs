@@ -167,6 +167,13 @@ fn more_paths() -> Result<(), Box<dyn Error>> {
     let mut down = pinned.alloc(1000)?;
     down.download(&buf)?;
     check(down.as_slice()? == [7u8; 1000].as_slice(), "bytes round-trip through the device")?;
+    {
+        let scope = alloc.named_scope("staging", StreamId::DEFAULT);
+        let act = scope.alloc(1000)?;
+        up.upload_scoped(&act)?; // a scope's buffer: the checked copy too
+        down.download_scoped(&act)?;
+        check(down.as_slice()? == [7u8; 1000].as_slice(), "bytes through a scope's buffer")?;
+    }
     drop((up, down));
     let again = pinned.alloc(1000)?; // a cached block: its copies are done
     let host: HostStats = pinned.stats();
