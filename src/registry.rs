@@ -34,6 +34,12 @@ pub struct Allocators<D: Device> {
 
 impl<D: Device> Allocators<D> {
     /// An allocator with `config` over each device, in order: device `n` is `for_device(n)`.
+    ///
+    /// Positions are the registry's device numbers ([`Allocators::for_device`], the snapshot's
+    /// `device_traces[n]`), whatever each device's own [`Device::ordinal`] (which an allocator's
+    /// own [`Allocator::dump_snapshot`] stamps): give the devices in ordinal order from 0, as
+    /// [`Allocators::sim`] and `Allocators::cuda` do, or the two disagree (a registry of GPU 1
+    /// alone calls it device 0).
     pub fn new(
         devices: impl IntoIterator<Item = Arc<D>>,
         config: Config,
