@@ -151,3 +151,28 @@ fn a_scopes_buffer_is_filled_and_read_through_pinned_memory() {
     alloc.check_invariants().unwrap();
     pinned.check_invariants().unwrap();
 }
+
+/// An unknown stream id is refused; the message said only "never created, or destroyed". The
+/// two ways a user gets there that it did not name — another device's stream id (ids are per
+/// device), an application's stream not adopted (what `CudaBuffer::order_for` reports as
+/// `StreamId(u32::MAX)`) — are named now, with the way to a usable stream.
+#[test]
+fn an_unknown_stream_error_names_the_ways_to_a_usable_stream() {
+    let all = tidepool::Allocators::sim(2, 1 << 30, Config::default()).unwrap();
+    let s = all.for_device(0).unwrap().device().create_stream().unwrap();
+    let e = all.for_device(1).unwrap().alloc(4096, s).unwrap_err();
+    assert_eq!(e, AllocError::UnknownStream(s));
+    assert_eq!(
+        e.to_string(),
+        "stream 1 does not exist on the allocator's device (never created there, destroyed, or \
+         another device's: a stream id is its device's own): refused, nothing changed; use a \
+         stream the device made (Device::create_stream) or adopted (adopt_stream)"
+    );
+    assert_eq!(
+        AllocError::UnknownStream(StreamId(u32::MAX)).to_string(),
+        "the stream is not one of the allocator's device (another context's, or an \
+         application's stream not adopted): refused, nothing changed; adopt it first \
+         (CudaDevice::adopt_stream)"
+    );
+    assert_eq!(all.for_device(1).unwrap().device().counters().mallocs, 0);
+}

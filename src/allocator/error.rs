@@ -246,10 +246,29 @@ impl fmt::Display for AllocError {
                 "a scope run made {limit} allocations, the most one run can index: end the \
                  scope and open a new one"
             ),
+            // BROKEN (`unknown_stream_unexplained`): the two ways to a stream unsaid.
+            AllocError::UnknownStream(s)
+                if cfg!(tidepool_broken = "unknown_stream_unexplained") =>
+            {
+                write!(
+                    f,
+                    "{s} does not exist on the allocator's device (never created, or destroyed): \
+                     refused, nothing changed"
+                )
+            }
+            // `CudaBuffer::order_for` names a cudarc stream the device does not know so.
+            AllocError::UnknownStream(StreamId(u32::MAX)) => write!(
+                f,
+                "the stream is not one of the allocator's device (another context's, or an \
+                 application's stream not adopted): refused, nothing changed; adopt it first \
+                 (CudaDevice::adopt_stream)"
+            ),
             AllocError::UnknownStream(s) => write!(
                 f,
-                "{s} does not exist on the allocator's device (never created, or destroyed): \
-                 refused, nothing changed"
+                "{s} does not exist on the allocator's device (never created there, destroyed, \
+                 or another device's: a stream id is its device's own): refused, nothing \
+                 changed; use a stream the device made (Device::create_stream) or adopted \
+                 (adopt_stream)"
             ),
             AllocError::Config(e) => write!(f, "configuration error: {e}"),
             AllocError::UnknownDevice { ordinal, count } => {
