@@ -26,7 +26,8 @@ pub enum AllocError {
     /// A buffer (or scoped buffer) made by another allocator (or scope) was given to this one.
     /// It was not looked up in this allocator's tables, and nothing was changed for it.
     ForeignBuffer,
-    /// The stream does not exist on the allocator's device (never created, or destroyed).
+    /// The stream does not exist on the allocator's device (never created there, destroyed, or
+    /// another device's: a [`StreamId`] is its device's own).
     /// Nothing was reserved or recorded for it.
     UnknownStream(StreamId),
     /// A scope run made as many allocations as one run can index (2³² − 1): end the scope and
