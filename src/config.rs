@@ -298,7 +298,7 @@ impl Default for Config {
 
 /// Every key `Config::parse` accepts, with what it sets.
 pub const KEYS: &[(&str, &str)] = &[
-    ("max_split_size_mb", "blocks of at least this many MiB are never split (> large_segment_mb)"),
+    ("max_split_size_mb", "blocks of at least this many MiB are never split (≥ large_segment_mb)"),
     (
         "roundup_power2_divisions",
         "round sizes to this many steps between powers of two: 0 or a power of two, or PyTorch's \
@@ -428,27 +428,55 @@ pub enum ConfigError {
     Malformed(String),
     /// Values that are fine alone but contradict each other.
     Inconsistent(String),
+    /// [`Config::from_env`]: the environment variable `var` holds a configuration that `error`
+    /// refuses. The other variants do not name where the string came from ([`Config::parse`],
+    /// the setters, a command line), so they name no variable.
+    Env {
+        /// The variable ([`ENV_VAR`]).
+        var: &'static str,
+        /// What is wrong with its value.
+        error: Box<ConfigError>,
+    },
 }
 
 impl fmt::Display for ConfigError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // Where the string came from is the caller's to say (`Env` for `Config::from_env`).
+        // BROKEN (`config_errors_blame_env`): every error said `in TIDEPOOL_ALLOC_CONF`, also
+        // for `Config::parse`, a `--config` flag and the setters.
+        let at = if cfg!(tidepool_broken = "config_errors_blame_env") {
+            format!(" in {ENV_VAR}")
+        } else {
+            String::new()
+        };
         match self {
             ConfigError::UnknownKey(k) => {
                 let keys: Vec<&str> = KEYS.iter().map(|(k, _)| *k).collect();
-                write!(f, "unknown key `{k}` in {ENV_VAR}; valid keys: {}", keys.join(", "))
+                write!(f, "unknown key `{k}`{at}; valid keys: {}", keys.join(", "))
             }
             ConfigError::BadValue { key, value, expected } => {
-                write!(f, "bad value `{value}` for `{key}` in {ENV_VAR}: expected {expected}")
+                write!(f, "bad value `{value}` for `{key}`{at}: expected {expected}")
             }
             ConfigError::Malformed(entry) => {
-                write!(f, "malformed entry `{entry}` in {ENV_VAR}: expected key:value")
+                write!(f, "malformed entry `{entry}`{at}: expected key:value")
+            }
+            ConfigError::Inconsistent(why) if at.is_empty() => {
+                write!(f, "inconsistent configuration: {why}")
             }
             ConfigError::Inconsistent(why) => write!(f, "inconsistent {ENV_VAR}: {why}"),
+            ConfigError::Env { var, error } => write!(f, "{var}: {error}"),
         }
     }
 }
 
-impl std::error::Error for ConfigError {}
+impl std::error::Error for ConfigError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            ConfigError::Env { error, .. } => Some(&**error),
+            _ => None,
+        }
+    }
+}
 
 impl Config {
     /// The `(key, value)` entries of a `key:value,...` string, trimmed, empty ones skipped: split
@@ -512,21 +540,32 @@ impl Config {
         let var = |name: &str| match std::env::var(name) {
             Ok(s) => Ok(Some(s)),
             Err(std::env::VarError::NotPresent) => Ok(None),
-            Err(std::env::VarError::NotUnicode(_)) => {
-                Err(ConfigError::Malformed(format!("{name} is not valid UTF-8")))
-            }
+            Err(std::env::VarError::NotUnicode(v)) => Err(ConfigError::BadValue {
+                key: name.into(),
+                value: v.to_string_lossy().into_owned(),
+                expected: "valid UTF-8".into(),
+            }),
         };
         Config::from_vars(var(ENV_VAR)?.as_deref(), var(NO_CACHING_ENV_VAR)?.as_deref())
     }
 
     /// [`Config::from_env`] over given values of its two variables.
     fn from_vars(conf: Option<&str>, no_caching: Option<&str>) -> Result<Config, ConfigError> {
-        let mut c = Config::parse(conf.unwrap_or(""))?;
+        let in_var = |error| match cfg!(tidepool_broken = "config_errors_blame_env") {
+            true => error,
+            false => ConfigError::Env { var: ENV_VAR, error: Box::new(error) },
+        };
+        let mut c = Config::parse(conf.unwrap_or("")).map_err(in_var)?;
         match no_caching.map(str::trim) {
             None | Some("" | "0") => {}
             Some("1") => {
                 c.caching = false;
-                c.validate()?;
+                c.validate().map_err(|e| match e {
+                    ConfigError::Inconsistent(why) => ConfigError::Inconsistent(format!(
+                        "{why} ({ENV_VAR} with {NO_CACHING_ENV_VAR}=1)"
+                    )),
+                    e => e,
+                })?;
             }
             Some(v) => {
                 return Err(ConfigError::BadValue {
@@ -984,7 +1023,7 @@ impl Config {
     }
 
     /// Whether allocations and frees may use the per-stream caches.
-    pub fn fast_path(&self) -> bool {
+    pub(crate) fn fast_path(&self) -> bool {
         self.fast_cache && !self.global_lock && self.caching
     }
 
@@ -1237,10 +1276,7 @@ mod tests {
             [2, 2, 2, 2, 2, 2, 2, 8, 8, 8, 8, 8, 8, 8, 8, 8]
         );
         let msg = Config::parse("cross_stream:lazy").unwrap_err().to_string();
-        assert_eq!(
-            msg,
-            "bad value `lazy` for `cross_stream` in TIDEPOOL_ALLOC_CONF: expected strict or wait_event"
-        );
+        assert_eq!(msg, "bad value `lazy` for `cross_stream`: expected strict or wait_event");
     }
 
     #[test]
@@ -1383,6 +1419,52 @@ mod tests {
             Config::from_vars(Some("expandable_segments:true"), Some("1")),
             Err(ConfigError::Inconsistent(_))
         ));
+    }
+
+    /// The variable is named where the string came from it, and only there: an error of
+    /// `Config::parse` (a `--config` flag, a string in code) or of the setters named
+    /// `TIDEPOOL_ALLOC_CONF`, which the user never set, and the caching variable's bad value
+    /// was said to be *in* `TIDEPOOL_ALLOC_CONF`.
+    #[test]
+    fn errors_name_the_variable_they_came_from() {
+        let e = Config::from_vars(Some("warp_speed:9"), None).unwrap_err();
+        let inner = ConfigError::UnknownKey("warp_speed".into());
+        assert_eq!(e, ConfigError::Env { var: ENV_VAR, error: Box::new(inner.clone()) });
+        assert_eq!(e.to_string(), format!("TIDEPOOL_ALLOC_CONF: {inner}"));
+        assert!(inner.to_string().starts_with("unknown key `warp_speed`; valid keys: "));
+        assert_eq!(std::error::Error::source(&e).unwrap().to_string(), inner.to_string());
+        let e = Config::from_vars(Some("max_split_size_mb:5"), None).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "TIDEPOOL_ALLOC_CONF: inconsistent configuration: max_split_size_mb (5 MiB) must be \
+             at least large_segment_mb (20 MiB)"
+        );
+        let e = Config::from_vars(None, Some("yes")).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "bad value `yes` for `TIDEPOOL_NO_MEMORY_CACHING`: expected 1 or 0"
+        );
+        let e = Config::from_vars(Some("expandable_segments:true"), Some("1")).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "inconsistent configuration: caching:false (every free returns its memory to the \
+             device) cannot be combined with expandable_segments (TIDEPOOL_ALLOC_CONF with \
+             TIDEPOOL_NO_MEMORY_CACHING=1)"
+        );
+        // Not from the variable: no variable named.
+        for e in [
+            Config::parse("warp_speed:9").unwrap_err(),
+            Config::parse("max_split_size_mb").unwrap_err(),
+            Config::parse("cross_stream:lazy").unwrap_err(),
+            Config::default().with_max_split_size_mb(5).validate().unwrap_err(),
+        ] {
+            assert!(!e.to_string().contains(ENV_VAR), "{e}");
+            assert!(std::error::Error::source(&e).is_none());
+        }
+        assert_eq!(
+            Config::parse("max_split_size_mb").unwrap_err().to_string(),
+            "malformed entry `max_split_size_mb`: expected key:value"
+        );
     }
 
     #[test]

@@ -51,7 +51,9 @@ pub use config::{
     Config, ConfigError, CrossStream, ENV_VAR, ExpandableReserve, HostConfig, KEYS as CONFIG_KEYS,
     NO_CACHING_ENV_VAR, NO_EFFECT_KEYS as CONFIG_NO_EFFECT_KEYS,
 };
-pub use device::{Capture, CaptureMark, Device, DeviceError, GraphId, SimConfig, SimDevice};
+pub use device::{
+    AccessKind, Capture, CaptureMark, Device, DeviceError, GraphId, SimConfig, SimDevice,
+};
 pub use host::{HostAllocError, HostAllocator, HostStats, MIN_HOST_BLOCK, PinnedBuffer};
 pub use pool::{RoundupDivisions, Sizing};
 pub use registry::Allocators;

@@ -34,6 +34,12 @@ pub struct Allocators<D: Device> {
 
 impl<D: Device> Allocators<D> {
     /// An allocator with `config` over each device, in order: device `n` is `for_device(n)`.
+    ///
+    /// Positions are the registry's device numbers ([`Allocators::for_device`], the snapshot's
+    /// `device_traces[n]`), whatever each device's own [`Device::ordinal`] (which an allocator's
+    /// own [`Allocator::dump_snapshot`] stamps): give the devices in ordinal order from 0, as
+    /// [`Allocators::sim`] and `Allocators::cuda` do, or the two disagree (a registry of GPU 1
+    /// alone calls it device 0).
     pub fn new(
         devices: impl IntoIterator<Item = Arc<D>>,
         config: Config,
@@ -119,8 +125,13 @@ impl<D: Device> Allocators<D> {
     /// let all = Allocators::sim(2, 1 << 30, Config::default()).unwrap();
     /// all.record_history(HistoryOptions::new(1000));
     /// drop(all.for_device(1).unwrap().alloc(4 << 20, StreamId::DEFAULT).unwrap());
-    /// let path = std::env::temp_dir().join("tidepool-doc-devices.pickle");
+    /// assert_eq!(all.for_device(0).unwrap().history().len(), 0); // device 1's work only
+    /// assert_eq!(all.for_device(1).unwrap().history().len(), 4);
+    /// let path = std::env::temp_dir().join(format!("tidepool-doc-{}.pickle", std::process::id()));
     /// all.dump_snapshot(&path).unwrap();
+    /// let bytes = std::fs::read(&path).unwrap();
+    /// assert_eq!(bytes, all.snapshot_pickle());
+    /// assert!(bytes.starts_with(&[0x80, 2]) && bytes.ends_with(b".")); // a protocol-2 pickle
     /// # std::fs::remove_file(path).unwrap();
     /// ```
     pub fn snapshot_pickle(&self) -> Vec<u8> {

@@ -261,7 +261,7 @@ fn non_aligned_pool_sizes_are_refused_when_the_pool_is_made() {
         assert_eq!(
             e.to_string(),
             format!(
-                "configuration error: inconsistent TIDEPOOL_ALLOC_CONF: initial_pool_size_mb \
+                "configuration error: inconsistent configuration: initial_pool_size_mb \
                  ({initial} bytes, \
                  reserved as 1000448 bytes: whole blocks of 512 bytes) exceeds max_pool_size_mb \
                  ({max} bytes)"

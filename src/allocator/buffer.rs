@@ -212,16 +212,33 @@ impl<D: Device> Buffer<D> {
     /// captured work can wait for.
     ///
     /// ```
-    /// use std::sync::Arc;
-    /// use tidepool::device::AccessKind;
+    /// use std::sync::{Arc, mpsc};
+    /// use std::time::Duration;
+    /// use tidepool::device::{Access, AccessKind, Kernel, Launch};
     /// use tidepool::{Allocator, Config, Device, SimDevice, StreamId};
     ///
-    /// let device = Arc::new(SimDevice::new(1 << 30));
+    /// let device = Arc::new(SimDevice::backed(1 << 30));
     /// let other = device.create_stream().unwrap();
     /// let alloc = Allocator::new(device.clone(), Config::default()).unwrap();
     /// let buf = alloc.alloc(4096, StreamId::DEFAULT).unwrap();
-    /// buf.use_on(other, AccessKind::Read).unwrap(); // `other` waits for the default stream
-    /// // ... enqueue the read on `other`; dropping `buf` now waits for it before reuse.
+    /// let (p, n) = (buf.ptr(), buf.len());
+    /// // A slow write on the buffer's own stream...
+    /// let write = vec![Access { ptr: p, bytes: n, kind: AccessKind::Write }];
+    /// let fill = Kernel::new("fill", write, move |m| m.write(p, &[42; 4096]).unwrap());
+    /// device.launch(StreamId::DEFAULT, Kernel { sleep: Duration::from_millis(20), ..fill }).unwrap();
+    /// // ...announced before `other` reads it: `other` waits for it on the device.
+    /// buf.use_on(other, AccessKind::Read).unwrap();
+    /// let (tx, rx) = mpsc::channel();
+    /// let read = vec![Access { ptr: p, bytes: n, kind: AccessKind::Read }];
+    /// device.launch(other, Kernel::new("read", read, move |m| {
+    ///     let mut b = [0u8; 1];
+    ///     m.read(p, &mut b).unwrap();
+    ///     tx.send(b[0]).unwrap();
+    /// })).unwrap();
+    /// assert_eq!(rx.recv().unwrap(), 42); // the read ran after the write
+    /// assert_eq!(device.counters().event_waits, 1);
+    /// drop(buf); // its block waits for `other`'s read before any reuse
+    /// assert!(device.violations().is_empty());
     /// ```
     pub fn use_on(&self, stream: StreamId, access: AccessKind) -> Result<(), super::AllocError> {
         self.owner.use_on(self, stream, access)

@@ -107,8 +107,14 @@ impl<D: Device> Allocator<D> {
     /// alloc.record_history(HistoryOptions::new(10_000));
     /// let a = alloc.alloc(4 << 20, StreamId::DEFAULT).unwrap();
     /// drop(a);
-    /// let path = std::env::temp_dir().join("tidepool-doc-snapshot.pickle");
+    /// // The history: the segment reserved, the block handed out, freed, reusable.
+    /// let actions: Vec<_> = alloc.history().iter().map(|e| e.action.name()).collect();
+    /// assert_eq!(actions, ["segment_alloc", "alloc", "free_requested", "free_completed"]);
+    /// let path = std::env::temp_dir().join(format!("tidepool-doc-{}.pickle", std::process::id()));
     /// alloc.dump_snapshot(&path).unwrap();
+    /// let bytes = std::fs::read(&path).unwrap();
+    /// assert_eq!(bytes, alloc.snapshot_pickle());
+    /// assert!(bytes.starts_with(&[0x80, 2]) && bytes.ends_with(b".")); // a protocol-2 pickle
     /// # std::fs::remove_file(path).unwrap();
     /// ```
     pub fn dump_snapshot(&self, path: impl AsRef<Path>) -> std::io::Result<()> {

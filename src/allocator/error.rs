@@ -26,7 +26,8 @@ pub enum AllocError {
     /// A buffer (or scoped buffer) made by another allocator (or scope) was given to this one.
     /// It was not looked up in this allocator's tables, and nothing was changed for it.
     ForeignBuffer,
-    /// The stream does not exist on the allocator's device (never created, or destroyed).
+    /// The stream does not exist on the allocator's device (never created there, destroyed, or
+    /// another device's: a [`StreamId`] is its device's own).
     /// Nothing was reserved or recorded for it.
     UnknownStream(StreamId),
     /// A scope run made as many allocations as one run can index (2³² − 1): end the scope and
@@ -206,6 +207,22 @@ impl fmt::Display for OomReport {
                 ),
             )?;
         }
+        // A cap smaller than the segment the request needs refuses it whatever is freed: the
+        // advice above cannot help, the cap must be raised.
+        // BROKEN (`oom_cap_unexplained`): only the general advice.
+        if let Some(limit) = self.limit
+            && self.segment > limit
+            && !cfg!(tidepool_broken = "oom_cap_unexplained")
+        {
+            write!(
+                f,
+                " The new segment alone ({}) exceeds the cap ({}: the smallest of memory_limit_mb, \
+                 max_pool_size_mb and per_process_memory_fraction × the device, of those set), so \
+                 no freeing can make room: raise the cap.",
+                Bytes(self.segment),
+                Bytes(limit),
+            )?;
+        }
         Ok(())
     }
 }
@@ -230,10 +247,29 @@ impl fmt::Display for AllocError {
                 "a scope run made {limit} allocations, the most one run can index: end the \
                  scope and open a new one"
             ),
+            // BROKEN (`unknown_stream_unexplained`): the two ways to a stream unsaid.
+            AllocError::UnknownStream(s)
+                if cfg!(tidepool_broken = "unknown_stream_unexplained") =>
+            {
+                write!(
+                    f,
+                    "{s} does not exist on the allocator's device (never created, or destroyed): \
+                     refused, nothing changed"
+                )
+            }
+            // `CudaBuffer::order_for` names a cudarc stream the device does not know so.
+            AllocError::UnknownStream(StreamId(u32::MAX)) => write!(
+                f,
+                "the stream is not one of the allocator's device (another context's, or an \
+                 application's stream not adopted): refused, nothing changed; adopt it first \
+                 (CudaDevice::adopt_stream)"
+            ),
             AllocError::UnknownStream(s) => write!(
                 f,
-                "{s} does not exist on the allocator's device (never created, or destroyed): \
-                 refused, nothing changed"
+                "{s} does not exist on the allocator's device (never created there, destroyed, \
+                 or another device's: a stream id is its device's own): refused, nothing \
+                 changed; use a stream the device made (Device::create_stream) or adopted \
+                 (adopt_stream)"
             ),
             AllocError::Config(e) => write!(f, "configuration error: {e}"),
             AllocError::UnknownDevice { ordinal, count } => {

@@ -1263,7 +1263,34 @@ impl<D: Device> Allocator<D> {
     }
 
     /// Waits for every pending event and returns those blocks to the pool (a host sync per
-    /// event).
+    /// event): the blocks freed after a use on another stream ([`Buffer::record_stream`],
+    /// [`Buffer::use_on`]) become reusable now rather than when their events are next polled.
+    ///
+    /// It waits for those events only, not for the device: with nothing pending it returns at
+    /// once, whatever the streams still run. To wait for all work (before reading results on
+    /// the host, say), synchronise the device ([`Device::synchronize`], `torch.cuda.synchronize`).
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use std::time::Duration;
+    /// use tidepool::device::{Kernel, Launch};
+    /// use tidepool::{Allocator, Config, Device, SimDevice, StreamId};
+    ///
+    /// let device = Arc::new(SimDevice::new(1 << 30));
+    /// let other = device.create_stream().unwrap();
+    /// let alloc = Allocator::new(device.clone(), Config::default()).unwrap();
+    /// device.launch(other, Kernel::sleep(Duration::from_millis(200))).unwrap();
+    /// alloc.synchronize().unwrap(); // nothing pending: no wait, `other` still runs
+    /// assert_eq!(device.counters().host_syncs, 0);
+    ///
+    /// let buf = alloc.alloc(4096, StreamId::DEFAULT).unwrap();
+    /// let ptr = buf.ptr();
+    /// buf.record_stream(other).unwrap();
+    /// drop(buf); // pending on an event recorded on `other`, behind the sleep
+    /// alloc.synchronize().unwrap(); // waits for that event: one host sync
+    /// assert_eq!(device.counters().host_syncs, 1);
+    /// assert_eq!(alloc.alloc(4096, StreamId::DEFAULT).unwrap().ptr(), ptr); // reusable
+    /// ```
     pub fn synchronize(&self) -> Result<(), AllocError> {
         let sh = &self.shared;
         let mut st = sh.lock_state();

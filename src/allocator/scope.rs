@@ -479,6 +479,11 @@ impl<D: Device> ScopedBuffer<'_, D> {
         self.scope.stream
     }
 
+    /// The device its memory lives on (the scope's allocator's).
+    pub(crate) fn device(&self) -> &Arc<D> {
+        self.scope.alloc.device()
+    }
+
     /// Whether it was served from the learned plan's region.
     pub fn is_planned(&self) -> bool {
         matches!(self.kind(), Kind::Planned(_))

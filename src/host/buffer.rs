@@ -2,7 +2,7 @@
 //! recorded on it.
 
 use super::{HostAllocError, HostAllocator, Use};
-use crate::allocator::Buffer;
+use crate::allocator::{Buffer, ScopedBuffer};
 use crate::device::{AccessKind, Device, DeviceAddr, HostPtr, StreamId};
 use crate::sync::Arc;
 use std::fmt;
@@ -233,6 +233,74 @@ impl<D: Device> PinnedBuffer<D> {
         device_use(src, AccessKind::Read)?;
         // SAFETY: as in `upload`.
         unsafe { self.copy(0, src.ptr(), self.len, src.stream(), false) }
+    }
+
+    /// [`PinnedBuffer::upload`] into a buffer of a [`Scope`](crate::Scope) (an activation of a
+    /// step, say): the whole buffer to the start of `dst`, on the scope's stream, recorded. A
+    /// scope's memory is reused in its stream's order, so the copy runs before anyone else gets
+    /// it. A scope's buffer keeps no cross-stream order of its own ([`ScopedBuffer::record_stream`]
+    /// is PyTorch's: the use is held, not ordered), so work on other streams that uses `dst`
+    /// must be ordered around the copy by the caller, as around a kernel on the scope's stream.
+    /// An error, copying nothing, when `dst` is shorter or on another device, or while its stream
+    /// is being captured into a CUDA graph (scopes take no part in captures).
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use tidepool::{Allocator, Config, HostAllocator, SimDevice, StreamId};
+    ///
+    /// let dev = Arc::new(SimDevice::backed(16 << 20));
+    /// let alloc = Allocator::new(dev.clone(), Config::default()).unwrap();
+    /// let pinned = HostAllocator::new(dev.clone());
+    /// let scope = alloc.named_scope("step", StreamId::DEFAULT);
+    /// let x = scope.alloc(8).unwrap();
+    /// let mut host = pinned.alloc(8).unwrap();
+    /// host.as_mut_slice().unwrap().copy_from_slice(&[1, 2, 3, 4, 5, 6, 7, 8]);
+    /// host.upload_scoped(&x).unwrap();
+    /// let mut back = pinned.alloc(8).unwrap();
+    /// back.download_scoped(&x).unwrap();
+    /// assert_eq!(back.as_slice().unwrap(), &[1, 2, 3, 4, 5, 6, 7, 8]); // waits for the copy
+    /// ```
+    pub fn upload_scoped(&mut self, dst: &ScopedBuffer<'_, D>) -> Result<(), HostAllocError> {
+        self.check_scoped(dst)?;
+        // SAFETY: `dst` is a live buffer of a scope of this device (checked) holding at least
+        // `len` bytes; a scope's memory is reused only in its stream's order (its next
+        // allocation, or the pool's after the scope's exit, which waits for the other streams
+        // it was recorded on), and the copy is enqueued on that stream, so the memory stays
+        // allocated until it ran.
+        unsafe { self.copy(0, dst.ptr(), self.len, dst.stream(), true) }
+    }
+
+    /// [`PinnedBuffer::download`] from a buffer of a [`Scope`](crate::Scope): its first
+    /// [`PinnedBuffer::len`] bytes into this buffer, on the scope's stream, recorded (see
+    /// [`PinnedBuffer::upload_scoped`] for the order with other streams and the errors).
+    pub fn download_scoped(&mut self, src: &ScopedBuffer<'_, D>) -> Result<(), HostAllocError> {
+        self.check_scoped(src)?;
+        // SAFETY: as in `upload_scoped`.
+        unsafe { self.copy(0, src.ptr(), self.len, src.stream(), false) }
+    }
+
+    /// What `upload_scoped` / `download_scoped` check before copying.
+    fn check_scoped(&self, buf: &ScopedBuffer<'_, D>) -> Result<(), HostAllocError> {
+        // BROKEN (`scoped_copies_refused`): as before there was a safe copy for a scope's
+        // buffer (the only way was `unsafe copy_to_device`).
+        if cfg!(tidepool_broken = "scoped_copies_refused") {
+            return Err(HostAllocError::Device(crate::DeviceError::Unsupported(
+                "copies to or from a scope's buffer",
+            )));
+        }
+        if !Arc::ptr_eq(buf.device(), self.alloc.device()) {
+            return Err(HostAllocError::WrongDevice);
+        }
+        if buf.len() < self.len {
+            return Err(HostAllocError::OutOfRange { offset: 0, bytes: self.len, len: buf.len() });
+        }
+        if self.alloc.inner().device().capture_of(buf.stream()).is_some() {
+            return Err(HostAllocError::Captured {
+                reason: "a copy to or from a scope's buffer on a capturing stream (scopes take \
+                         no part in captures)",
+            });
+        }
+        Ok(())
     }
 
     /// Records a use of the buffer by work the caller enqueued on `stream` through

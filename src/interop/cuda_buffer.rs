@@ -124,7 +124,9 @@ impl<T: DeviceRepr> CudaBuffer<T> {
     }
 
     /// Views an untyped buffer as elements of `T`. Its length in bytes must be a multiple of
-    /// `size_of::<T>()` (and `T` not zero-sized).
+    /// `size_of::<T>()` (and `T` not zero-sized), and its stream one the device still knows.
+    /// On an error the buffer is consumed: dropped, so its memory is freed in its stream's
+    /// order (check `buffer.len() % size_of::<T>()` first to keep it).
     ///
     /// # Safety
     /// As for [`CudaBuffer::alloc`]: the bytes are not known to be valid `T`s.

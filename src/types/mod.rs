@@ -51,6 +51,21 @@ impl fmt::Display for DeviceAddr {
 }
 
 /// A stream: an in-order queue of device work. Stream 0 is the default stream.
+///
+/// An id is a number in one device's namespace (each device, each `CudaDevice` handle, numbers
+/// its own streams from 1), not a handle: the same number on another device's allocator is
+/// that device's stream of that number, or an [`UnknownStream`](crate::AllocError::UnknownStream)
+/// error. Keep a stream id with the device (or [`Allocators::for_device`](crate::Allocators))
+/// that made it.
+///
+/// ```
+/// use tidepool::{Allocators, Config, Device};
+/// let all = Allocators::sim(2, 1 << 30, Config::default()).unwrap();
+/// let (d0, d1) = (all.for_device(0).unwrap().device(), all.for_device(1).unwrap().device());
+/// let s = d0.create_stream().unwrap();
+/// assert!(all.for_device(1).unwrap().alloc(10, s).is_err()); // device 1 has no such stream
+/// assert_eq!(d1.create_stream().unwrap(), s); // now it has: its own first stream, same number
+/// ```
 #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Debug, Default)]
 pub struct StreamId(pub u32);
 

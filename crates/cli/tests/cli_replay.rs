@@ -124,7 +124,11 @@ fn usage_errors_exit_2() {
     let o = tidepool(&["replay", &mlp(), "--config", "max_split_size_mb:1"]);
     assert_eq!(o.status.code(), Some(2));
     let e = stderr(&o);
-    assert!(e.starts_with("tidepool: policy caching: inconsistent TIDEPOOL_ALLOC_CONF"), "{e}");
+    assert!(
+        e.starts_with("tidepool: policy caching: inconsistent configuration: max_split_size_mb"),
+        "{e}"
+    );
+    assert!(!e.contains("TIDEPOOL_ALLOC_CONF"), "the flag, not the variable: {e}");
     let o = tidepool(&["replay", &mlp(), "--config", "warp_speed:9"]);
     assert_eq!(o.status.code(), Some(2));
     assert!(stderr(&o).contains("unknown key `warp_speed`"), "{}", stderr(&o));

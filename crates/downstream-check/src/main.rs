@@ -4,11 +4,14 @@
 
 use std::error::Error;
 use std::sync::Arc;
-use tidepool::device::{Access, AccessKind, AppStream, Kernel, Launch};
+use std::sync::atomic::{AtomicU32, Ordering};
+use tidepool::device::{Access, AppStream, Kernel, Launch};
 use tidepool::{
-    AllocError, Allocator, Buffer, Bytes, Config, ConfigError, CrossStream, Device, DeviceAddr,
-    DeviceError, Graph, MIB, MemPool, MemoryStats, OomReport, PoolGuard, PoolOptions, Residency,
-    Scope, ScopedBuffer, SimConfig, SimDevice, StreamId,
+    AccessKind, Action, AllocError, Allocator, Allocators, BlockState, Buffer, Bytes, Config,
+    ConfigError, CrossStream, Device, DeviceAddr, DeviceError, Graph, HistoryOptions,
+    HostAllocator, HostStats, MIB, MemPool, MemoryStats, OomReport, PinnedBuffer, PoolGuard,
+    PoolOptions, Residency, Scope, ScopedBuffer, SegmentInfo, SimConfig, SimDevice, StreamId,
+    TraceEntry,
 };
 
 fn check(cond: bool, what: &str) -> Result<(), Box<dyn Error>> {
@@ -105,6 +108,87 @@ fn main() -> Result<(), Box<dyn Error>> {
     drop(alloc); // learned plans keep their regions until the allocator goes
     check(device.live_segments().is_empty(), "every segment returned")?;
     check(device.violations().is_empty(), "no stream-order violation")?;
+    more_paths()?;
     println!("downstream check: ok");
+    Ok(())
+}
+
+/// The other paths a user takes: the environment's configuration, PyTorch's flat statistics,
+/// snapshots and the memory history, cross-stream use, aligned allocations, the closure form
+/// of a capture, out-of-memory observers, pinned host memory and one allocator per device.
+fn more_paths() -> Result<(), Box<dyn Error>> {
+    let _from_env: Config = Config::from_env()?; // TIDEPOOL_ALLOC_CONF (unset in CI: defaults)
+    let device = Arc::new(SimDevice::backed(256 * MIB));
+    let alloc = Allocator::new(device.clone(), Config::default())?;
+    alloc.set_config(Config::default().with_fast_cache(false))?;
+
+    // History and snapshots.
+    alloc.record_history(HistoryOptions::new(1000));
+    let buf = alloc.alloc(1000, StreamId::DEFAULT)?;
+    let m = alloc.memory_stats();
+    check(m["allocated_bytes.all.current"] == 1024, "PyTorch's flat statistics")?;
+    let segments: Vec<SegmentInfo> = alloc.snapshot();
+    check(segments.len() == 1 && segments[0].size == 2 * MIB, "one small segment")?;
+    check(segments[0].blocks[0].state == BlockState::Allocated, "the block is live")?;
+    let history: Vec<TraceEntry> = alloc.history();
+    let actions: Vec<Action> = history.iter().map(|e| e.action).collect();
+    check(actions == [Action::SegmentAlloc, Action::Alloc], "the history's entries")?;
+    check(alloc.snapshot_pickle().starts_with(&[0x80, 2]), "a protocol-2 pickle")?;
+
+    // A use on another stream: ordered after the buffer's stream, and held until it is done.
+    let side = device.create_stream()?;
+    buf.use_on(side, AccessKind::Read)?;
+    let aligned = alloc.alloc_aligned(1000, 64 * 1024, StreamId::DEFAULT)?;
+    check(aligned.ptr().0 % (64 * 1024) == 0, "an aligned allocation")?;
+
+    // The closure form of a capture.
+    let (graph, bytes) = alloc.capture(side, None, || alloc.alloc(4096, side).map(|b| b.len()))?;
+    check(
+        bytes? == 4096 && graph.pool().stats().blocks.segment.all.current == 1,
+        "a graph's own pool",
+    )?;
+    drop(graph);
+
+    // Out of memory: observers, then the failure callback, then the error.
+    let seen = Arc::new(AtomicU32::new(0));
+    let s = seen.clone();
+    alloc.attach_oom_observer(move |r: &OomReport| {
+        s.fetch_add(u32::from(r.requested == 1 << 40), Ordering::Relaxed);
+    });
+    alloc.set_failure_callback(|_, attempt| attempt < 2);
+    check(alloc.alloc(1 << 40, StreamId::DEFAULT).is_err(), "1 TiB refused")?;
+    check(seen.load(Ordering::Relaxed) >= 1, "the observer saw the request")?;
+
+    // Pinned host memory: staged uploads and downloads (a backed device copies bytes).
+    let pinned: HostAllocator<SimDevice> = HostAllocator::new(device.clone());
+    let mut up: PinnedBuffer<SimDevice> = pinned.alloc(1000)?;
+    up.as_mut_slice()?.fill(7);
+    up.upload(&buf)?;
+    let mut down = pinned.alloc(1000)?;
+    down.download(&buf)?;
+    check(down.as_slice()? == [7u8; 1000].as_slice(), "bytes round-trip through the device")?;
+    {
+        let scope = alloc.named_scope("staging", StreamId::DEFAULT);
+        let act = scope.alloc(1000)?;
+        up.upload_scoped(&act)?; // a scope's buffer: the checked copy too
+        down.download_scoped(&act)?;
+        check(down.as_slice()? == [7u8; 1000].as_slice(), "bytes through a scope's buffer")?;
+    }
+    drop((up, down));
+    let again = pinned.alloc(1000)?; // a cached block: its copies are done
+    let host: HostStats = pinned.stats();
+    check(host.num_host_alloc == 2, "two blocks made, the third request served from cache")?;
+    drop(again);
+    drop((buf, aligned));
+    alloc.synchronize()?;
+    alloc.destroy_stream(side)?;
+
+    // One allocator per device.
+    let all = Allocators::sim(2, 64 * MIB, Config::default())?;
+    let on1 = all.for_device(1)?.alloc(4096, StreamId::DEFAULT)?;
+    check(all.total_stats().blocks.allocated_bytes.all.current == 4096, "total statistics")?;
+    check(matches!(all.for_device(2), Err(AllocError::UnknownDevice { .. })), "device 2")?;
+    drop(on1);
+    check(device.violations().is_empty(), "no stream-order violation")?;
     Ok(())
 }

@@ -27,6 +27,13 @@ use std::collections::BTreeMap;
 /// Alignment of SimDevice's pinned host allocations (a page, as `cuMemHostAlloc` gives).
 const HOST_ALIGN: usize = 4096;
 
+/// What a copy between pinned host memory and an unbacked device answers: the device has no
+/// bytes to copy (`SimDevice::new` makes one, for replays that touch no memory), and a user
+/// following the README's first example has one, so the error says how to get a backed one.
+const UNBACKED_COPY: &str = "copies to or from unbacked device memory: this SimDevice has no \
+    bytes behind its memory; make it with SimDevice::backed(capacity) (or SimConfig { backed: \
+    true, .. }) to copy and run kernels";
+
 /// Counters of SimDevice's pinned host memory calls, for tests.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct SimHostCounters {
@@ -349,7 +356,14 @@ impl SimDevice {
             return Err(DeviceError::BadAccess { ptr: dev, bytes });
         }
         if !self.config.backed {
-            return Err(DeviceError::Unsupported("copies to or from unbacked device memory"));
+            // BROKEN (`unbacked_copy_terse`): the error did not say how to get a backed device.
+            return Err(DeviceError::Unsupported(
+                if cfg!(tidepool_broken = "unbacked_copy_terse") {
+                    "copies to or from unbacked device memory"
+                } else {
+                    UNBACKED_COPY
+                },
+            ));
         }
         let kind = if to_device { AccessKind::Write } else { AccessKind::Read };
         let accesses = vec![Access { ptr: dev, bytes, kind }];

@@ -85,8 +85,7 @@ impl Memory {
         if off.saturating_add(bytes) > seg.bytes {
             return Err(bad);
         }
-        let data =
-            seg.data.as_mut().ok_or(DeviceError::Unsupported("kernel on unbacked memory"))?;
+        let data = seg.data.as_mut().ok_or(DeviceError::Unsupported(super::UNBACKED_KERNEL))?;
         Ok(&mut data[off as usize..(off + bytes) as usize])
     }
 }

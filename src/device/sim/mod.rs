@@ -41,6 +41,16 @@ use std::collections::{BTreeMap, HashMap};
 use stream::{Op, Stream};
 use vmm::Vmm;
 
+/// What a kernel's access to an unbacked device's memory answers ([`SimDevice::new`]: nothing
+/// stands behind it), saying how to get a device whose kernels can touch memory.
+// BROKEN (`unbacked_kernel_terse`): only that the memory is unbacked.
+pub(crate) const UNBACKED_KERNEL: &str = if cfg!(tidepool_broken = "unbacked_kernel_terse") {
+    "kernel on unbacked memory"
+} else {
+    "kernel on unbacked memory: this SimDevice has no bytes behind its memory; make it with \
+     SimDevice::backed(capacity) (or SimConfig { backed: true, .. }) to run kernels"
+};
+
 /// How a [`SimDevice`] behaves.
 #[derive(Clone, Debug)]
 pub struct SimConfig {
@@ -208,7 +218,9 @@ pub struct SimDevice {
 }
 
 impl SimDevice {
-    /// A device with `capacity` bytes, unbacked.
+    /// A device with `capacity` bytes, unbacked: nothing stands behind its memory, so it costs
+    /// nothing (multi-GiB traces replay on a laptop), but kernels cannot touch it and pinned
+    /// copies to or from it are refused ([`SimDevice::backed`] makes one that can).
     pub fn new(capacity: u64) -> SimDevice {
         SimDevice::with_config(SimConfig { capacity, ..SimConfig::default() })
     }

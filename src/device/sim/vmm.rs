@@ -520,7 +520,7 @@ impl Vmm {
             let off = (at - va) as usize;
             let n = ((va + m.bytes - at).min(len - done)) as usize;
             let data = self.physical.get_mut(&m.handle).expect("live").data.as_mut();
-            let data = data.ok_or(DeviceError::Unsupported("kernel on unbacked memory"))?;
+            let data = data.ok_or(DeviceError::Unsupported(super::UNBACKED_KERNEL))?;
             let d = done as usize;
             match &mut buf {
                 Buf::Read(out) => out[d..d + n].copy_from_slice(&data[off..off + n]),

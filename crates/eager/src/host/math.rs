@@ -7,21 +7,30 @@
 //! ```
 
 use crate::backend::{BinaryOp, KernelOp, UnaryOp};
-use tidepool::device::{DeviceAddr, KernelMemory};
+use tidepool::device::{DeviceAddr, DeviceError, KernelMemory};
 
 /// √(2/π), of the tanh approximation of GELU.
 const GELU_C: f32 = 0.797_884_6;
 /// The cubic coefficient of the tanh approximation of GELU.
 const GELU_A: f32 = 0.044_715;
 
-/// Reads `n` floats at `ptr`. A failed read (an undeclared range) panics: the device records
-/// the kernel as failed.
+/// Reads `n` floats at `ptr`. A failed read (an undeclared range, an unbacked device) panics
+/// with the device's reason: the device records the kernel as failed.
 pub(super) fn read(mem: &dyn KernelMemory, ptr: DeviceAddr, n: usize) -> Vec<f32> {
+    try_read(mem, ptr, n).unwrap_or_else(|e| panic!("host kernel read failed: {e}"))
+}
+
+/// [`read`], answering the device's error instead of panicking.
+pub(super) fn try_read(
+    mem: &dyn KernelMemory,
+    ptr: DeviceAddr,
+    n: usize,
+) -> Result<Vec<f32>, DeviceError> {
     let mut bytes = vec![0u8; n * 4];
     if n > 0 {
-        mem.read(ptr, &mut bytes).expect("host kernel read outside its declared memory");
+        mem.read(ptr, &mut bytes).map_err(|e| unbacked_terse(e, "read"))?;
     }
-    bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+    Ok(bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
 }
 
 /// Writes `data` at `ptr` (panics like [`read`]).
@@ -30,7 +39,21 @@ pub(super) fn write(mem: &dyn KernelMemory, ptr: DeviceAddr, data: &[f32]) {
         return;
     }
     let bytes: Vec<u8> = data.iter().flat_map(|x| x.to_le_bytes()).collect();
-    mem.write(ptr, &bytes).expect("host kernel write outside its declared memory");
+    if let Err(e) = mem.write(ptr, &bytes) {
+        panic!("host kernel write failed: {}", unbacked_terse(e, "write"));
+    }
+}
+
+/// The device's error as it is. BROKEN (`unbacked_kernel_terse`): replaced by the old message,
+/// which blamed an undeclared range whatever the cause (an unbacked device, say).
+fn unbacked_terse(e: DeviceError, what: &'static str) -> DeviceError {
+    match cfg!(tidepool_broken = "unbacked_kernel_terse") {
+        true => DeviceError::Unsupported(match what {
+            "read" => "host kernel read outside its declared memory",
+            _ => "host kernel write outside its declared memory",
+        }),
+        false => e,
+    }
 }
 
 /// GELU (tanh approximation).

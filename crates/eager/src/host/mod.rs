@@ -84,11 +84,14 @@ impl<D: Launch> Backend for HostBackend<D> {
         if len == 0 {
             return Ok(Vec::new());
         }
-        let slot: Arc<Mutex<Option<Vec<f32>>>> = Arc::new(Mutex::new(None));
+        type Slot = Arc<Mutex<Option<std::result::Result<Vec<f32>, tidepool::DeviceError>>>>;
+        let slot: Slot = Arc::new(Mutex::new(None));
         let out = slot.clone();
         let access = Access { ptr: src, bytes: len as u64 * ELEM, kind: AccessKind::Read };
+        // The read's error comes back to the caller (an unbacked device says how to get a
+        // backed one), not only to the device's record of failed kernels.
         let kernel = Kernel::new("download", vec![access], move |mem| {
-            let data = math::read(mem, src, len);
+            let data = math::try_read(mem, src, len);
             *out.lock().unwrap_or_else(|p| p.into_inner()) = Some(data);
         });
         self.device.launch(stream, kernel)?;
@@ -100,7 +103,14 @@ impl<D: Launch> Backend for HostBackend<D> {
         let _ = self.device.destroy_event(event);
         waited?;
         let data = slot.lock().unwrap_or_else(|p| p.into_inner()).take();
-        data.ok_or_else(|| EagerError::Backend(format!("download of {len} floats at {src} failed")))
+        let failed = |why: String| {
+            EagerError::Backend(format!("download of {len} floats at {src} failed{why}"))
+        };
+        match data {
+            Some(Ok(data)) => Ok(data),
+            Some(Err(e)) => Err(failed(format!(": {e}"))),
+            None => Err(failed(String::new())),
+        }
     }
 
     fn launch(&self, stream: StreamId, op: &KernelOp) -> Result<()> {
