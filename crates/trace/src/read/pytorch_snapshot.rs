@@ -72,7 +72,7 @@ use std::io::Read;
 use super::pickle::{self, Obj, Seq};
 
 use super::rmm_log::StreamIds;
-use crate::error::{ErrorKind, Location, TraceError, echo};
+use crate::error::{ErrorKind, Location, TraceError, echo, echo_cut};
 use crate::event::{Event, Op, Tag, Trace};
 use crate::snapshot::{AllocatorSettings, SnapshotInfo};
 use crate::validate::Validator;
@@ -279,13 +279,10 @@ fn legacy_requested(
     }
 }
 
-/// `text` cut to `max` characters (settings are shown in full unless absurdly long).
+/// `text` cut to `max` characters (settings are shown in full unless absurdly long), control
+/// characters escaped ([`echo_cut`]).
 fn cut(text: &str, max: usize) -> String {
-    let mut out: String = text.chars().take(max).collect();
-    if text.chars().nth(max).is_some() {
-        out.push('…');
-    }
-    out
+    echo_cut(text, max)
 }
 
 fn parse_settings(v: Option<Obj<'_>>) -> Result<Option<AllocatorSettings>, TraceError> {
@@ -328,7 +325,7 @@ fn parse_settings(v: Option<Obj<'_>>) -> Result<Option<AllocatorSettings>, Trace
                     .into_iter()
                     .filter_map(|(k, v)| {
                         let name = match k {
-                            Err(s) => s.to_string(),
+                            Err(s) => cut(s, 64),
                             Ok(i) => i.to_string(),
                         };
                         Some((name.parse().unwrap_or(u64::MAX), name, as_u64(v)?))

@@ -1,0 +1,130 @@
+//! The readers, the replayer's figures and its errors, reviewed by breaking them (2026-12-06):
+//! input text echoed into a terminal, nested scopes, and replay errors that did not say where.
+
+use std::collections::BTreeMap;
+
+use serde_pickle::{HashableValue, SerOptions, Value};
+use tidepool_trace::{ReadOptions, Report, read_trace_bytes, read_traces_bytes};
+
+fn s(x: &str) -> Value {
+    Value::String(x.into())
+}
+
+fn dict(items: Vec<(&str, Value)>) -> Value {
+    Value::Dict(
+        items
+            .into_iter()
+            .map(|(k, v)| (HashableValue::String(k.into()), v))
+            .collect::<BTreeMap<_, _>>(),
+    )
+}
+
+fn timed(action: &str, addr: i64, size: i64, time: i64) -> Value {
+    dict(vec![
+        ("action", s(action)),
+        ("addr", Value::I64(addr)),
+        ("size", Value::I64(size)),
+        ("stream", Value::I64(0)),
+        ("time_us", Value::I64(time)),
+    ])
+}
+
+fn pickle(v: &Value) -> Vec<u8> {
+    serde_pickle::value_to_vec(v, SerOptions::new()).unwrap()
+}
+
+/// Characters that drive a terminal or reorder text: none may reach one from the input.
+fn drives_a_terminal(c: char) -> bool {
+    (c.is_control() && c != '\n')
+        || matches!(c, '\u{200e}' | '\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}')
+}
+
+fn assert_inert(text: &str) {
+    let bad: Vec<char> = text.chars().filter(|&c| drives_a_terminal(c)).collect();
+    assert!(bad.is_empty(), "{bad:?} in {text:?}");
+}
+
+/// Text from the input is echoed into error messages and the text report, which go to a
+/// terminal. Escape sequences in it (ESC, BEL, a bidirectional override) reached it raw: a CSV
+/// op of `ESC[2J` cleared the user's screen, an unknown snapshot action of `ESC]0;…BEL`
+/// retitled the terminal, an annotation or settings key could hide the report's lines. They
+/// are now written as escapes (`\u{1b}`), cut as before. Broken build `echo_control_raw`.
+#[test]
+fn input_text_reaches_the_terminal_escaped() {
+    // CSV: an unknown op, a bad number, a wrong header.
+    let csv = b"seq,op,id,bytes,stream,tag\n0,\x1b[2Jx,0,1,0,act\n";
+    let e = read_trace_bytes(csv).unwrap_err().to_string();
+    assert_eq!(e, "line 2: unknown op `\\u{1b}[2Jx`");
+    let csv = b"seq,op,id,bytes,stream,tag\n0,alloc,0,1\x07,0,act\n";
+    let e = read_trace_bytes(csv).unwrap_err().to_string();
+    assert_eq!(e, "line 2: bad number `1\\u{7}` in column `bytes`");
+    let e = read_trace_bytes("\u{202e}seq,op\n".as_bytes()).unwrap_err().to_string();
+    assert!(e.starts_with("line 1: wrong header `\\u{202e}seq,op` (expected "), "{e}");
+    // Cut after 48 characters as before, escapes counted as one.
+    let long = format!("seq,op,id,bytes,stream,tag\n0,{}yz,0,1,0,act\n", "\x1b".repeat(47));
+    let e = read_trace_bytes(long.as_bytes()).unwrap_err().to_string();
+    assert_eq!(e, format!("line 2: unknown op `{}y…`", "\\u{1b}".repeat(47)));
+
+    // A snapshot: an unknown action, an annotation's name, a settings key and the backend.
+    let snap = dict(vec![
+        (
+            "device_traces",
+            Value::List(vec![Value::List(vec![
+                timed("\x1b]0;pwned\x07", 0, 0, 1),
+                timed("alloc", 0x1000, 512, 2),
+                timed("free_completed", 0x1000, 512, 3),
+            ])]),
+        ),
+        (
+            "external_annotations",
+            Value::List(vec![dict(vec![
+                ("stage", s("START")),
+                ("name", s("\x1b[8mstep")),
+                ("device", Value::I64(0)),
+                ("time_us", Value::I64(1)),
+            ])]),
+        ),
+        (
+            "allocator_settings",
+            dict(vec![
+                ("\x1b[2Jkey", s("v")),
+                ("PYTORCH_CUDA_ALLOC_CONF", s("backend:\x07\u{202e}native")),
+            ]),
+        ),
+    ]);
+    let traces = read_traces_bytes(&pickle(&snap), &ReadOptions::default()).unwrap();
+    let t = &traces[0];
+    let info = t.snapshot.as_ref().unwrap();
+    assert_eq!(
+        t.skipped.get("\\u{1b}]0;pwned\\u{7} (unknown action)"),
+        Some(&1),
+        "{:?}",
+        t.skipped
+    );
+    assert!(
+        info.notes.contains(
+            &"annotation `\\u{1b}[8mstep` has no END: its scope runs to the end of the window"
+                .to_string()
+        ),
+        "{:?}",
+        info.notes
+    );
+    let settings = info.settings.as_ref().unwrap();
+    assert!(settings.summary().starts_with("\\u{1b}[2Jkey \"v\""), "{}", settings.summary());
+    let mapping = settings.to_config();
+    assert!(
+        mapping.notes.iter().any(|n| n.starts_with("backend \\u{7}\\u{202e}native: ")),
+        "{:?}",
+        mapping.notes
+    );
+    let mut report = Report::new(t, vec![]);
+    report.notes = mapping.notes.clone();
+    assert_inert(&report.to_table());
+
+    // A pickle naming a global with an escape in it.
+    let mut p = b"\x80\x02cos\x1b[2J\nsystem\n".to_vec();
+    p.extend_from_slice(b"X\x01\x00\x00\x00a\x85R.");
+    let e = read_trace_bytes(&p).unwrap_err().to_string();
+    assert!(e.contains("`os\\u{1b}[2J.system`"), "{e}");
+    assert_inert(&e);
+}
