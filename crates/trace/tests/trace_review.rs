@@ -128,3 +128,77 @@ fn input_text_reaches_the_terminal_escaped() {
     assert!(e.contains("`os\\u{1b}[2J.system`"), "{e}");
     assert_inert(&e);
 }
+
+/// The nested trace: per step, a `step` scope on stream 0 with a `fwd` scope nested in it on
+/// stream 1; 4 MiB blocks, one 8 MiB after `fwd`. `flat` leaves out the `fwd` markers.
+fn nested_steps(flat: bool) -> String {
+    const M: u64 = 1 << 20;
+    let mut rows = vec!["seq,op,id,bytes,stream,tag".to_string()];
+    let mut row = |op: &str, id: u64, bytes: u64, stream: u32, tag: &str| {
+        let n = rows.len() - 1;
+        rows.push(format!("{n},{op},{id},{bytes},{stream},{tag}"));
+    };
+    let mut id = 0;
+    for step in 0..4u64 {
+        let (a, b, c, d) = (id, id + 1, id + 2, id + 3);
+        id += 4;
+        row("scope_enter", 2 * step, 0, 0, &format!("step{step}"));
+        row("alloc", a, 4 * M, 0, "act");
+        if !flat {
+            row("scope_enter", 2 * step + 1, 0, 1, &format!("fwd{step}"));
+        }
+        row("alloc", b, 4 * M, 1, "act");
+        row("alloc", c, 4 * M, 0, "act");
+        row("free", b, 0, 1, "act");
+        if !flat {
+            row("scope_exit", 2 * step + 1, 0, 1, &format!("fwd{step}"));
+        }
+        row("free", c, 0, 0, "act");
+        row("alloc", d, 8 * M, 0, "act");
+        row("free", d, 0, 0, "act");
+        row("free", a, 0, 0, "act");
+        row("scope_exit", 2 * step, 0, 0, &format!("step{step}"));
+    }
+    rows.join("\n") + "\n"
+}
+
+/// A CSV trace may nest scopes (the reader checks the nesting), but `scoped` held one scope:
+/// entering `fwd` dropped the open `step`, whose run ended after one allocation and was never
+/// counted, and the rest of each step ran with no scope; every nested exit also ended a
+/// "step" of the per-step figures (8 windows for 4 steps). Now only outermost scopes are runs
+/// and end steps, as the snapshot reader makes scopes of outermost annotations only: the
+/// nested trace replays exactly as the same trace without its `fwd` markers. Broken build
+/// `scoped_nested_drops_outer`.
+#[test]
+fn nested_scopes_are_part_of_the_outer_run() {
+    use tidepool_trace::policy::{AllocatorPolicy, Mode};
+    use tidepool_trace::{Op, Policy};
+    const M: u64 = 1 << 20;
+    let nested = read_trace_bytes(nested_steps(false).as_bytes()).unwrap();
+    let flat = read_trace_bytes(nested_steps(true).as_bytes()).unwrap();
+    assert_eq!(nested.events.len(), flat.events.len() + 8);
+    assert_eq!(flat.step_peak_live_bytes(), vec![12 * M; 4]);
+    // One window per step; each step holds 12 MiB at its peak (a, b and c).
+    assert_eq!(nested.step_peak_live_bytes(), vec![12 * M; 4]);
+    let ends: Vec<usize> = (0..nested.events.len()).filter(|&i| nested.step_ends()[i]).collect();
+    assert_eq!(ends, [11, 23, 35, 47]);
+    assert!(ends.iter().all(|&i| nested.events[i].op == Op::ScopeExit));
+    for mode in [Mode::Scoped, Mode::Caching, Mode::Expandable] {
+        let policy = AllocatorPolicy::from_config(mode, None).unwrap();
+        let mut with = policy.replay(&nested, false).unwrap();
+        let mut without = policy.replay(&flat, false).unwrap();
+        (with.ns_per_op, without.ns_per_op) = (0.0, 0.0);
+        assert_eq!(with, without, "{mode:?}");
+        let notes: BTreeMap<_, _> = with.extra.iter().cloned().collect();
+        let per_step = match mode {
+            Mode::Expandable => &notes["maps/unmaps per step"],
+            _ => &notes["device mallocs per step"],
+        };
+        assert_eq!(per_step.matches(", ").count(), 3, "{mode:?}: {per_step}");
+        if mode == Mode::Scoped {
+            // Four runs of `step`; the first, learning, makes a 20 MiB segment per stream.
+            let runs = &notes["device mallocs per scope run"];
+            assert!(runs.starts_with("[2, ") && runs.matches(", ").count() == 3, "{runs}");
+        }
+    }
+}

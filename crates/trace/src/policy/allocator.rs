@@ -20,10 +20,11 @@
 //!
 //! (`residency` and `scoped` run over expandable segments with `--config expandable_segments:true`.)
 //! With expandable segments the notes give the map and unmap calls made in each step (between
-//! two `scope_exit`s), so a steady state with none shows.
+//! two exits of an outermost scope, [`Trace::step_ends`]), so a steady state with none shows.
 //!
 //! Scope names have their trailing digits removed (`step0`, `step1` → `step`), so the steps
-//! of a training loop are runs of one named scope. An `act` block allocated in a scope and
+//! of a training loop are runs of one named scope. Only outermost scopes are runs: a scope
+//! nested in another (`fwd` inside `step`) is part of the outer run. An `act` block allocated in a scope and
 //! freed after its exit is an *escape*: it stays correct (it is an ordinary buffer that keeps
 //! its memory) and is counted.
 //!
@@ -117,11 +118,26 @@ pub fn alloc_steps(trace: &Trace, mode: Mode) -> (Vec<AllocStep>, usize, Vec<u32
             streams.len() - 1
         }
     };
+    // Only outermost scopes are runs of a named scope (as the snapshot reader makes scopes of
+    // outermost annotations only): the markers of a scope nested in another are no-ops, so
+    // the outer run goes on through them. Opening the inner scope dropped the outer one, whose
+    // run ended there, was never counted, and left the rest of the step with no scope.
+    // BROKEN (`scoped_nested_drops_outer`): every marker entered or left a scope.
+    let nested = !cfg!(tidepool_broken = "scoped_nested_drops_outer");
+    let mut depth = 0usize;
     let steps = trace
         .events
         .iter()
         .zip(&slotted.steps)
         .map(|(e, step)| match (*step, e.op) {
+            (Step::Marker, Op::ScopeEnter) if nested && mode == Mode::Scoped && depth > 0 => {
+                depth += 1;
+                AllocStep::Marker
+            }
+            (Step::Marker, Op::ScopeExit) if nested && mode == Mode::Scoped && depth > 1 => {
+                depth -= 1;
+                AllocStep::Marker
+            }
             (Step::Alloc { slot, bytes }, _) => {
                 let residency = match (mode, e.tag) {
                     (Mode::Residency | Mode::Scoped, Tag::Param) => Residency::Persistent,
@@ -130,11 +146,17 @@ pub fn alloc_steps(trace: &Trace, mode: Mode) -> (Vec<AllocStep>, usize, Vec<u32
                 AllocStep::Alloc { slot, bytes, stream: stream_index(e.stream), residency }
             }
             (Step::Free { slot }, _) => AllocStep::Free { slot },
-            (Step::Marker, Op::ScopeEnter) if mode == Mode::Scoped => AllocStep::Enter {
-                name: e.scope.unwrap_or(0) as usize,
-                stream: stream_index(e.stream),
-            },
-            (Step::Marker, Op::ScopeExit) if mode == Mode::Scoped => AllocStep::Exit,
+            (Step::Marker, Op::ScopeEnter) if mode == Mode::Scoped => {
+                depth += 1;
+                AllocStep::Enter {
+                    name: e.scope.unwrap_or(0) as usize,
+                    stream: stream_index(e.stream),
+                }
+            }
+            (Step::Marker, Op::ScopeExit) if mode == Mode::Scoped => {
+                depth = depth.saturating_sub(1);
+                AllocStep::Exit
+            }
             (Step::Marker, _) => AllocStep::Marker,
         })
         .collect();
@@ -145,7 +167,7 @@ pub fn alloc_steps(trace: &Trace, mode: Mode) -> (Vec<AllocStep>, usize, Vec<u32
 struct Loop<'a> {
     name: &'static str,
     steps: &'a [AllocStep],
-    /// Whether each event is a `scope_exit` (a step ends there).
+    /// Whether each event ends a step ([`Trace::step_ends`]).
     exits: &'a [bool],
     /// Scope families by scope name index.
     families: &'a [&'a str],
@@ -162,7 +184,7 @@ struct LoopOut {
     runs: Vec<(u64, u64)>,
     /// Peaks (reserved, allocated) at the end of the first scope run.
     first_peaks: (u64, u64),
-    /// Map, unmap and malloc calls made in each step (between two scope exits).
+    /// Map, unmap and malloc calls made in each step (between two step ends).
     step_vm: Vec<(u64, u64, u64)>,
     /// Reserved bytes after each event, when asked for.
     timeline: Option<Vec<u64>>,
@@ -356,7 +378,7 @@ impl Policy for AllocatorPolicy {
         let ReplayDevice { device, alloc, streams } =
             replay_device(&self.config, trace_streams.len(), name)?;
         let families: Vec<&str> = trace.scope_names.iter().map(|n| scope_family(n)).collect();
-        let exits: Vec<bool> = trace.events.iter().map(|e| e.op == Op::ScopeExit).collect();
+        let exits = trace.step_ends();
         let mut live: Vec<Option<Buffer<SimDevice>>> = (0..slots).map(|_| None).collect();
         let mut out = LoopOut {
             timeline: timeline.then(|| Vec::with_capacity(steps.len())),
