@@ -202,3 +202,43 @@ fn nested_scopes_are_part_of_the_outer_run() {
         }
     }
 }
+
+/// An allocation the allocator refuses ends the replay with its error, which did not say which
+/// of the trace's records it was: on a trace of 10^5 events, `--config memory_limit_mb:…` (to
+/// see where a trace runs out) or a hostile size left the user to search. The error now names
+/// the event's index, id, bytes and stream, in every allocator policy and inside a scope run.
+/// Broken build `replay_error_unplaced`.
+#[test]
+fn a_failed_allocation_names_its_event() {
+    use tidepool_trace::Policy;
+    use tidepool_trace::policy::{AllocatorPolicy, Mode};
+    const M: u64 = 1 << 20;
+    let csv = format!(
+        "seq,op,id,bytes,stream,tag\n0,alloc,5,{M},0,param\n1,scope_enter,0,0,0,step0\n\
+         2,alloc,6,{},0,act\n3,alloc,7,{},2,act\n4,free,6,0,0,act\n5,scope_exit,0,0,0,step0\n",
+        12 * M,
+        30 * M
+    );
+    let t = read_trace_bytes(csv.as_bytes()).unwrap();
+    // Under a 32 MiB cap: 2 MiB (small) + 12 MiB, then 30 MiB on stream 2 does not fit.
+    for mode in [Mode::Caching, Mode::Residency, Mode::Scoped, Mode::Expandable, Mode::PyTorch] {
+        let policy = AllocatorPolicy::from_config(mode, Some("memory_limit_mb:32")).unwrap();
+        let e = policy.replay(&t, false).unwrap_err();
+        assert_eq!(e.policy, policy.name());
+        let want = format!("event 3 (alloc of id 7, {} B on trace stream 2): ", 30 * M);
+        assert!(e.message.starts_with(&want), "{mode:?}: {e}");
+        assert!(e.message.contains("out of device memory"), "{mode:?}: {e}");
+    }
+    // Inside a scope run (`scoped` allocates id 6 through the run's scope): a request past the
+    // largest.
+    let csv = "seq,op,id,bytes,stream,tag\n0,scope_enter,0,0,0,step0\n\
+               1,alloc,6,562949953421312,0,act\n2,scope_exit,0,0,0,step0\n";
+    let t = read_trace_bytes(csv.as_bytes()).unwrap();
+    let e = AllocatorPolicy::from_config(Mode::Scoped, None).unwrap().replay(&t, false);
+    assert_eq!(
+        e.unwrap_err().to_string(),
+        "policy scoped: event 1 (alloc of id 6, 562949953421312 B on trace stream 0): invalid \
+         allocation size 562949953421312 bytes: larger than the largest supported request \
+         (281474976710656 bytes)"
+    );
+}

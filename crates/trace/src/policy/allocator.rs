@@ -165,7 +165,6 @@ pub fn alloc_steps(trace: &Trace, mode: Mode) -> (Vec<AllocStep>, usize, Vec<u32
 
 /// What the timed loop reads.
 struct Loop<'a> {
-    name: &'static str,
     steps: &'a [AllocStep],
     /// Whether each event ends a step ([`Trace::step_ends`]).
     exits: &'a [bool],
@@ -192,6 +191,7 @@ struct LoopOut {
 
 /// The timed part of a replay: every step through the allocator. A function of its own so that
 /// instruction counts (`scripts/replay-instructions`) cover exactly what `ns_per_op` times.
+/// An allocation that fails ends it with the event's index and the allocator's error.
 #[inline(never)]
 fn timed_loop(
     lp: &Loop<'_>,
@@ -199,12 +199,11 @@ fn timed_loop(
     alloc: &Allocator<SimDevice>,
     live: &mut [Option<Buffer<SimDevice>>],
     out: &mut LoopOut,
-) -> Result<(), ReplayError> {
-    let Loop { name, steps, exits, families, streams } = *lp;
+) -> Result<(), (usize, AllocError)> {
+    let Loop { steps, exits, families, streams } = *lp;
     let mut scope = None;
     let mut run_start = (0, 0);
     let mut vm_mark = (0, 0, 0);
-    let err = |e: AllocError| ReplayError::new(name, e.to_string());
     let start = Stopwatch::start();
     for (i, step) in steps.iter().enumerate() {
         match *step {
@@ -214,9 +213,9 @@ fn timed_loop(
                         if residency == Residency::Transient
                             && streams[stream] == Scope::stream(s) =>
                     {
-                        s.alloc_unbound(bytes).map_err(err)?
+                        s.alloc_unbound(bytes).map_err(|e| (i, e))?
                     }
-                    _ => acquire(alloc, bytes, streams[stream], residency).map_err(err)?,
+                    _ => acquire(alloc, bytes, streams[stream], residency).map_err(|e| (i, e))?,
                 };
                 // A slot is filled once (slots are per allocation): storing into the empty
                 // slot skips the drop glue an assignment would call for its old value, as the
@@ -263,6 +262,20 @@ fn timed_loop(
     drop(scope);
     out.elapsed = start.elapsed_ns();
     Ok(())
+}
+
+/// Why a replay stopped: the allocation that failed (its event's index, id, bytes and stream,
+/// so that the record can be found in the input), then the allocator's error.
+#[cold]
+fn failed_at(trace: &Trace, i: usize, e: &AllocError) -> String {
+    // BROKEN (`replay_error_unplaced`): the allocator's error alone.
+    match trace.events.get(i) {
+        Some(ev) if !cfg!(tidepool_broken = "replay_error_unplaced") => format!(
+            "event {i} (alloc of id {}, {} B on trace stream {}): {e}",
+            ev.id, ev.bytes, ev.stream
+        ),
+        _ => e.to_string(),
+    }
 }
 
 /// Map, unmap and malloc calls the device has answered so far.
@@ -384,9 +397,9 @@ impl Policy for AllocatorPolicy {
             timeline: timeline.then(|| Vec::with_capacity(steps.len())),
             ..LoopOut::default()
         };
-        let lp =
-            Loop { name, steps: &steps, exits: &exits, families: &families, streams: &streams };
-        timed_loop(&lp, &device, &alloc, &mut live, &mut out)?;
+        let lp = Loop { steps: &steps, exits: &exits, families: &families, streams: &streams };
+        timed_loop(&lp, &device, &alloc, &mut live, &mut out)
+            .map_err(|(i, e)| ReplayError::new(name, failed_at(trace, i, &e)))?;
         let LoopOut { elapsed, runs, first_peaks, step_vm, timeline: tl } = out;
         let s = alloc.stats();
         drop(live);
