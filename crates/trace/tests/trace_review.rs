@@ -242,3 +242,38 @@ fn a_failed_allocation_names_its_event() {
          (281474976710656 bytes)"
     );
 }
+
+/// `scoped` resets the allocator's peaks at the end of its first scope run (the steady state's
+/// are noted apart) and reports the whole replay's peak reserved and allocated as the higher of
+/// the two; its note `peak reserved persistent / transient` was the peaks after the reset only.
+/// On llama_decode with every block transient, the note said 666894336 B transient against a
+/// peak reserved of 683671552 B, all of it transient. Now both are the whole replay's: with
+/// every block transient, the transient peak is the peak reserved and the highest reserved
+/// figure of the timeline, and with the real tags persistent + transient covers the peak.
+/// Broken build `scoped_split_peaks_reset`.
+#[test]
+fn scoped_notes_the_whole_replays_persistent_and_transient_peaks() {
+    use std::path::Path;
+    use tidepool_trace::policy::{AllocatorPolicy, Mode};
+    use tidepool_trace::{Policy, Tag, read_trace};
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../data/traces");
+    let split = |r: &tidepool_trace::PolicyResult| -> (u64, u64) {
+        let note = &r.extra.iter().find(|(k, _)| k == "peak reserved persistent / transient");
+        let (p, t) = note.unwrap().1.split_once(" / ").unwrap();
+        (p.parse().unwrap(), t.parse().unwrap())
+    };
+    let scoped = AllocatorPolicy::from_config(Mode::Scoped, None).unwrap();
+    let mut t = read_trace(&dir.join("llama_decode.csv.gz")).unwrap();
+    let r = scoped.replay(&t, false).unwrap();
+    let (p, tr) = split(&r);
+    assert_eq!(r.peak_reserved_bytes, 683671552);
+    assert_eq!((p, tr), (633339904, 50331648));
+    assert!(p + tr >= r.peak_reserved_bytes);
+    for e in &mut t.events {
+        e.tag = Tag::Act;
+    }
+    let r = scoped.replay(&t, true).unwrap();
+    let top = r.reserved_timeline.as_ref().unwrap().iter().copied().max();
+    assert_eq!((r.peak_reserved_bytes, top), (683671552, Some(683671552)));
+    assert_eq!(split(&r), (0, 683671552));
+}
