@@ -277,3 +277,44 @@ fn scoped_notes_the_whole_replays_persistent_and_transient_peaks() {
     assert_eq!((r.peak_reserved_bytes, top), (683671552, Some(683671552)));
     assert_eq!(split(&r), (0, 683671552));
 }
+
+/// Runs `f` on a thread of its own and fails if it takes more than `secs` seconds (the thread
+/// is left to finish on its own: a quadratic pass would hold the test for hours).
+fn within<T: Send + 'static>(secs: u64, what: &str, f: impl FnOnce() -> T + Send + 'static) -> T {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(f());
+    });
+    match rx.recv_timeout(std::time::Duration::from_secs(secs)) {
+        Ok(v) => v,
+        Err(_) => panic!("{what} took more than {secs} s"),
+    }
+}
+
+/// Input-controlled quadratic time. An allocator replay looked each event's stream up in the
+/// list of streams met so far, so a trace with a stream per row spent O(rows²) before the
+/// error that refuses more than `MAX_REPLAY_STREAMS` streams (200 000 rows, a 6.6 MB CSV:
+/// 3 minutes of a debug build; linear now, under a second). Broken build
+/// `stream_index_quadratic`.
+#[test]
+fn a_stream_per_event_is_refused_in_linear_time() {
+    use tidepool_trace::policy::{AllocatorPolicy, MAX_REPLAY_STREAMS, Mode};
+    use tidepool_trace::{Event, Policy, Tag, Trace};
+    const N: u32 = 400_000;
+    let t = Trace {
+        events: (0..N).map(|i| Event::alloc(u64::from(i), 512, i, Tag::Act)).collect(),
+        ..Trace::default()
+    };
+    t.validate().unwrap();
+    let e = within(60, "refusing 400 000 streams", move || {
+        AllocatorPolicy::from_config(Mode::Caching, None).unwrap().replay(&t, false)
+    })
+    .unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        format!(
+            "policy caching: the trace has {N} streams; an allocator replay makes one simulated \
+             stream (a thread) per trace stream and takes at most {MAX_REPLAY_STREAMS}"
+        )
+    );
+}

@@ -32,6 +32,7 @@
 //! the timed loop only calls the allocator. Device calls and host syncs come from the
 //! allocator's own counters; peaks from its statistics.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 
 use super::slots::{Slotted, Step};
@@ -111,12 +112,22 @@ pub fn scope_family(name: &str) -> &str {
 pub fn alloc_steps(trace: &Trace, mode: Mode) -> (Vec<AllocStep>, usize, Vec<u32>) {
     let slotted = Slotted::new(trace);
     let mut streams: Vec<u32> = vec![0];
-    let mut stream_index = |s: u32| match streams.iter().position(|&x| x == s) {
-        Some(i) => i,
-        None => {
-            streams.push(s);
-            streams.len() - 1
+    // Trace streams to device streams through a map: a search of the list per event took
+    // time quadratic in the number of streams, which the input sets (a trace with a stream per
+    // row took minutes to reach the error that refuses more than `MAX_REPLAY_STREAMS`).
+    // BROKEN (`stream_index_quadratic`): the list searched for every event.
+    let mut index: HashMap<u32, usize> = HashMap::from([(0, 0)]);
+    let mut stream_index = |s: u32| {
+        if cfg!(tidepool_broken = "stream_index_quadratic") {
+            if let Some(i) = streams.iter().position(|&x| x == s) {
+                return i;
+            }
+        } else if let Some(&i) = index.get(&s) {
+            return i;
         }
+        streams.push(s);
+        index.insert(s, streams.len() - 1);
+        streams.len() - 1
     };
     // Only outermost scopes are runs of a named scope (as the snapshot reader makes scopes of
     // outermost annotations only): the markers of a scope nested in another are no-ops, so
