@@ -349,3 +349,66 @@ fn deeply_nested_scopes_read_in_linear_time() {
     let e = read_trace_bytes(csv.as_bytes()).unwrap_err().to_string();
     assert_eq!(e, "line 1002: unbalanced scope: scope 3 entered while already open");
 }
+
+fn block(address: i64, size: i64, requested: i64) -> Value {
+    dict(vec![
+        ("address", Value::I64(address)),
+        ("size", Value::I64(size)),
+        ("requested_size", Value::I64(requested)),
+        ("state", s("active_allocated")),
+    ])
+}
+
+fn static_snapshot(segments: Vec<(i64, i64, Vec<Value>)>) -> Vec<u8> {
+    let segments = segments
+        .into_iter()
+        .map(|(address, total, blocks)| {
+            dict(vec![
+                ("device", Value::I64(0)),
+                ("address", Value::I64(address)),
+                ("total_size", Value::I64(total)),
+                ("stream", Value::I64(0)),
+                ("blocks", Value::List(blocks)),
+            ])
+        })
+        .collect();
+    pickle(&dict(vec![
+        ("segments", Value::List(segments)),
+        ("device_traces", Value::List(vec![Value::List(vec![])])),
+    ]))
+}
+
+/// A snapshot's blocks that hold memory become blocks live from the window's start, taken as
+/// written: two at one address (or overlapping, within a segment or across two) were both
+/// live, their bytes counted twice in peak live and in every replay, and a `requested_size`
+/// past the block's `size` (1 TiB in a 1 MiB block) was live as asked. PyTorch's blocks tile
+/// their segments and hold their request rounded up, so either is a corrupt snapshot: a clear
+/// error now, naming the block. Broken build `segment_blocks_unchecked`.
+#[test]
+fn a_snapshots_blocks_must_fit_what_they_hold() {
+    const M: i64 = 1 << 20;
+    let read = |segs| read_trace_bytes(&static_snapshot(segs)).map(|t| t.peak_live_bytes());
+    // Two blocks tiling a segment, another segment beside it: 3 MiB - 512 B live.
+    let ok = vec![
+        (0, 2 * M, vec![block(0, M, M), block(M, M, M - 512)]),
+        (2 * M, 2 * M, vec![block(2 * M, M, M)]),
+    ];
+    assert_eq!(read(ok), Ok((3 * M - 512) as u64));
+    let err = |segs| read(segs).unwrap_err().to_string();
+    assert_eq!(
+        err(vec![(0, 2 * M, vec![block(0, M, M), block(0, M, M)])]),
+        "input: not a PyTorch memory snapshot: segments: two blocks that hold memory on device \
+         0 overlap: 1048576 B at 0x0 and a block at 0x0"
+    );
+    // Across segments: the second segment's block starts inside the first's.
+    assert_eq!(
+        err(vec![(0, 2 * M, vec![block(0, 2 * M, 2 * M)]), (M, M, vec![block(M, M, M)])]),
+        "input: not a PyTorch memory snapshot: segments: two blocks that hold memory on device \
+         0 overlap: 2097152 B at 0x0 and a block at 0x100000"
+    );
+    assert_eq!(
+        err(vec![(0, M, vec![block(0, M, 1 << 40)])]),
+        "input: not a PyTorch memory snapshot: segments[0].blocks[0]: `requested_size` \
+         1099511627776 is larger than the block's `size` 1048576"
+    );
+}
