@@ -412,3 +412,84 @@ fn a_snapshots_blocks_must_fit_what_they_hold() {
          1099511627776 is larger than the block's `size` 1048576"
     );
 }
+
+/// A trace of `n` events over `streams` streams from a fixed pseudo-random sequence: sizes
+/// around the small/large boundary, past the 10 MiB own-segment size and tiny ones, and frees
+/// of random live blocks on their own streams.
+fn multi_stream_trace(seed: u64, n: usize, streams: u64) -> String {
+    const M: u64 = 1 << 20;
+    let mut x = seed;
+    let mut next = move |below: u64| {
+        x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        (x >> 33) % below
+    };
+    let mut rows = vec!["seq,op,id,bytes,stream,tag".to_string()];
+    let mut live: Vec<(u64, u64)> = Vec::new();
+    let mut id = 0;
+    for seq in 0..n {
+        if !live.is_empty() && next(100) < 45 {
+            let (i, s) = live.swap_remove(next(live.len() as u64) as usize);
+            rows.push(format!("{seq},free,{i},0,{s},act"));
+        } else {
+            let bytes = match next(5) {
+                0 => 1 + next(4096),
+                1 => [M - 1, M, M + 1, M + 512][next(4) as usize],
+                2 => M + next(9 * M),
+                3 => 10 * M + next(30 * M),
+                _ => [512, 2 * M, 20 * M, 12 * M][next(4) as usize],
+            };
+            let s = next(streams);
+            rows.push(format!("{seq},alloc,{id},{bytes},{s},act"));
+            live.push((id, s));
+            id += 1;
+        }
+    }
+    rows.join("\n") + "\n"
+}
+
+/// `pytorch` claims PyTorch's placement, but PyTorch reuses a cached block only on the stream
+/// that freed it (`get_free_block` looks up `(stream, size)`; another stream reserves anew, and
+/// only an out-of-memory retry frees the others' cache), while `pytorch` kept the allocator's
+/// default `cross_stream:strict`, which hands another stream's idle segment (or, with
+/// expandable segments, its free pages) to a stream that needs memory. On a trace of more than
+/// one stream its figures were not PyTorch's: one 3 MiB block freed on stream 0 and one
+/// requested on stream 1 took one 20 MiB segment where PyTorch takes two. `pytorch` now runs
+/// under `cross_stream:never` (new: no cross-stream reuse at all), and its figures are those
+/// of `scripts/pytorch_model.py` (an independent model of `CUDACachingAllocator.cpp`) on
+/// multi-stream traces too: the expected figures below are the model's. `caching` keeps its
+/// reuse. Broken build `pytorch_cross_stream`.
+#[test]
+fn pytorch_never_reuses_another_streams_cache() {
+    use tidepool_trace::Policy;
+    use tidepool_trace::policy::{AllocatorPolicy, Mode};
+    const M: u64 = 1 << 20;
+    let figures = |csv: &str, mode, config| {
+        let t = read_trace_bytes(csv.as_bytes()).unwrap();
+        let r = AllocatorPolicy::from_config(mode, config).unwrap().replay(&t, false).unwrap();
+        (r.peak_reserved_bytes, r.peak_allocated_bytes, r.device_mallocs, r.device_maps)
+    };
+    // 3 MiB freed on stream 0, then asked on stream 1; the same with 1 KiB (small pool).
+    let csv = format!(
+        "seq,op,id,bytes,stream,tag\n0,alloc,0,{},0,act\n1,free,0,0,0,act\n\
+         2,alloc,1,{},1,act\n3,alloc,2,1024,0,act\n4,free,2,0,0,act\n5,alloc,3,1024,1,act\n",
+        3 * M,
+        3 * M
+    );
+    // PyTorch: a 20 MiB and a 2 MiB segment per stream; 3 MiB + 1 KiB allocated at most.
+    assert_eq!(figures(&csv, Mode::PyTorch, None), (44 * M, 3 * M + 1024, 4, 0));
+    assert_eq!(figures(&csv, Mode::Caching, None), (22 * M, 3 * M + 1024, 2, 0));
+    // Expandable: each stream grows its own ranges (2 pages for 3 MiB, 1 small), none moves.
+    let expandable = Some("expandable_segments:true");
+    assert_eq!(figures(&csv, Mode::PyTorch, expandable), (12 * M, 3 * M + 1024, 0, 4));
+    // Longer traces of 2, 3 and 4 streams: the model's peak reserved, peak allocated, mallocs.
+    let cases = [
+        (1, 2, (937426944, 777804288, 42)),
+        (2, 3, (664797184, 429272064, 30)),
+        (3, 4, (713031680, 462577152, 39)),
+    ];
+    for (seed, streams, (reserved, allocated, mallocs)) in cases {
+        let csv = multi_stream_trace(seed, 400, streams);
+        let got = figures(&csv, Mode::PyTorch, None);
+        assert_eq!(got, (reserved, allocated, mallocs, 0), "seed {seed}, {streams} streams");
+    }
+}

@@ -8,7 +8,8 @@
 //! | `scoped`    | as `residency`, plus a named scope per `scope_enter`/`scope_exit` pair,   |
 //! |             | with learned plans; `act` blocks inside a scope are allocated through it  |
 //! | `expandable`| as `caching`, with `expandable_segments:true` on top of the configuration |
-//! | `pytorch`   | as `caching`, with `fast_cache:false` on top: PyTorch's algorithm exactly   |
+//! | `pytorch`   | as `caching`, with `fast_cache:false,cross_stream:never` on top: PyTorch's |
+//! |             | algorithm exactly                                                        |
 //!
 //! `pytorch` runs only when named (`--policy pytorch`, [`super::named_only`]). `caching` runs
 //! the default configuration, whose stream caches hold freed small blocks back from
@@ -42,7 +43,7 @@ use crate::event::{Op, Tag, Trace};
 use tidepool::Residency;
 use tidepool::Scope;
 use tidepool::device::{Device, SimConfig, SimDevice, StreamId};
-use tidepool::{AllocError, Allocator, Buffer, Config};
+use tidepool::{AllocError, Allocator, Buffer, Config, CrossStream};
 
 /// Capacity of the simulated device: far above any trace, so replays never run out.
 const SIM_CAPACITY: u64 = 1 << 46;
@@ -344,6 +345,12 @@ impl AllocatorPolicy {
         // BROKEN (`pytorch_lanes`): the stream caches left on, as `caching` has them.
         if mode == Mode::PyTorch && !cfg!(tidepool_broken = "pytorch_lanes") {
             config = config.with_fast_cache(false);
+        }
+        // PyTorch reuses a cached block on its own stream only: another stream reserves anew
+        // (`caching`'s `strict` takes the other stream's idle segment).
+        // BROKEN (`pytorch_cross_stream`): the configuration's cross-stream reuse kept.
+        if mode == Mode::PyTorch && !cfg!(tidepool_broken = "pytorch_cross_stream") {
+            config = config.with_cross_stream(CrossStream::Never);
         }
         Ok(AllocatorPolicy { mode, config })
     }
