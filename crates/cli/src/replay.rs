@@ -224,6 +224,23 @@ pub fn parse_bytes(text: &str) -> Result<u64, String> {
     n.checked_mul(1u64 << shift).ok_or_else(|| format!("`{text}` is more than 2^64 bytes"))
 }
 
+/// Whether `a` and `b` name one existing file, by another spelling or another link too.
+fn same_file(a: &Path, b: &Path) -> bool {
+    let (Ok(x), Ok(y)) = (std::fs::metadata(a), std::fs::metadata(b)) else {
+        return false;
+    };
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::MetadataExt;
+        x.dev() == y.dev() && x.ino() == y.ino()
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = (x, y);
+        std::fs::canonicalize(a).ok().is_some_and(|p| std::fs::canonicalize(b).ok() == Some(p))
+    }
+}
+
 /// `path` for one device of several: `out.svg` → `out.device1.svg`.
 fn svg_path(path: &Path, device: Option<u32>, several: bool) -> PathBuf {
     match device {
@@ -249,11 +266,15 @@ fn replay(cmd: &ReplayArgs, n_policies: usize, out: &mut dyn Write) -> Result<()
     let several = traces.len() > 1;
     if let Some(svg) = &cmd.svg {
         for trace in &traces {
-            crate::check_output(&svg_path(
-                svg,
-                trace.snapshot.as_ref().map(|s| s.device),
-                several,
-            ))?;
+            let path = svg_path(svg, trace.snapshot.as_ref().map(|s| s.device), several);
+            // BROKEN (`cli_svg_over_trace`, CLI only): the trace drawn over itself.
+            if same_file(&path, &cmd.trace) && !cfg!(tidepool_broken = "cli_svg_over_trace") {
+                return Err(format!(
+                    "--svg {} is the trace being replayed; the plot would be written over it",
+                    path.display()
+                ));
+            }
+            crate::check_output(&path)?;
         }
     }
     let per_policy = cmd.repeats.max(1) as usize + usize::from(cmd.svg.is_some());

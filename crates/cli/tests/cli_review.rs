@@ -82,3 +82,49 @@ fn input_escapes_reach_no_terminal() {
     assert!(out.contains("  skipped: \\u{1b}[2J (unknown action) 1\n"), "{out}");
     assert!(!out.contains('\x1b'), "{out:?}");
 }
+
+/// `replay t.csv --svg t.csv` (a slip of the shell's completion) wrote the plot over the
+/// trace, which was lost. The same file under any spelling or link is now refused before any
+/// replay, and the trace is left as it was. Broken build (CLI only) `cli_svg_over_trace`.
+#[test]
+fn the_svg_is_never_the_trace() {
+    let dir = scratch("svg-over-trace");
+    let text = "seq,op,id,bytes,stream,tag\n0,alloc,0,1024,0,act\n";
+    let trace = dir.path().join("t.csv");
+    std::fs::write(&trace, text).unwrap();
+    let link = dir.path().join("link.csv");
+    std::fs::hard_link(&trace, &link).unwrap();
+    let dotted = dir.path().join(".").join("t.csv");
+    for svg in [&trace, &link, &dotted] {
+        let o = tidepool(&[
+            "replay",
+            trace.to_str().unwrap(),
+            "--repeats",
+            "1",
+            "--svg",
+            svg.to_str().unwrap(),
+        ]);
+        assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+        assert_eq!(
+            stderr(&o),
+            format!(
+                "tidepool: --svg {} is the trace being replayed; the plot would be written over it\n",
+                svg.display()
+            )
+        );
+        assert!(o.stdout.is_empty());
+        assert_eq!(std::fs::read_to_string(&trace).unwrap(), text);
+    }
+    // Another file is drawn as before.
+    let plot = dir.path().join("t.svg");
+    let o = tidepool(&[
+        "replay",
+        trace.to_str().unwrap(),
+        "--repeats",
+        "1",
+        "--svg",
+        plot.to_str().unwrap(),
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert!(std::fs::read_to_string(&plot).unwrap().starts_with("<svg"));
+}
