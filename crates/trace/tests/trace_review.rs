@@ -493,3 +493,44 @@ fn pytorch_never_reuses_another_streams_cache() {
         assert_eq!(got, (reserved, allocated, mallocs, 0), "seed {seed}, {streams} streams");
     }
 }
+
+/// PyTorch's reserved memory held every live block at every point, so a `pytorch (recorded)`
+/// row below the peak of live bytes is not what PyTorch reserved: the snapshot's `segments`
+/// (and segment entries) do not account for its blocks, as in a snapshot with its segments cut
+/// or a hand-made one. The row said `0 B`, `x live 0.000`, as PyTorch's figure, with nothing
+/// to tell it apart; a note in the text and the JSON now says so. Broken build
+/// `recorded_below_live_unsaid`.
+#[test]
+fn a_recorded_row_below_live_is_said_to_be_no_figure() {
+    const M: i64 = 1 << 20;
+    let alloc = timed("alloc", 0x10_0000, M, 1);
+    let without =
+        pickle(&dict(vec![("device_traces", Value::List(vec![Value::List(vec![alloc.clone()])]))]));
+    let segment = dict(vec![
+        ("device", Value::I64(0)),
+        ("address", Value::I64(0x10_0000)),
+        ("total_size", Value::I64(2 * M)),
+        ("stream", Value::I64(0)),
+        ("blocks", Value::List(vec![block(0x10_0000, M, M)])),
+    ]);
+    let with = pickle(&dict(vec![
+        ("segments", Value::List(vec![segment])),
+        ("device_traces", Value::List(vec![Value::List(vec![alloc])])),
+    ]));
+    let note = "pytorch (recorded) peaks at 0 B, below the 1048576 B live at the peak: the \
+                snapshot's segments and segment entries do not account for its blocks, so the \
+                row is not what PyTorch reserved";
+    let t = read_trace_bytes(&without).unwrap();
+    let r = Report::new(&t, vec![]);
+    assert_eq!((r.recorded_peak_reserved(), r.peak_live_bytes), (Some(0), M as u64));
+    assert!(r.header_lines().contains(&format!("note: {note}")), "{:?}", r.header_lines());
+    let json: serde_json::Value = serde_json::from_str(&r.to_json()).unwrap();
+    assert_eq!(json["notes"], serde_json::json!([note]));
+    // Segments that hold the block: 2 MiB recorded, no note.
+    let t = read_trace_bytes(&with).unwrap();
+    let r = Report::new(&t, vec![]);
+    assert_eq!((r.recorded_peak_reserved(), r.peak_live_bytes), (Some(2 * M as u64), M as u64));
+    assert!(!r.header_lines().iter().any(|l| l.contains("is not what PyTorch")));
+    let json: serde_json::Value = serde_json::from_str(&r.to_json()).unwrap();
+    assert_eq!(json["notes"], serde_json::json!([]));
+}
