@@ -481,6 +481,18 @@ fn pytorch_never_reuses_another_streams_cache() {
     // Expandable: each stream grows its own ranges (2 pages for 3 MiB, 1 small), none moves.
     let expandable = Some("expandable_segments:true");
     assert_eq!(figures(&csv, Mode::PyTorch, expandable), (12 * M, 3 * M + 1024, 0, 4));
+    // Under a cap the other stream's cache still goes back to the device when memory runs out
+    // (PyTorch's `release_cached_blocks`: a synchronisation, a free, a second malloc).
+    let one = format!(
+        "seq,op,id,bytes,stream,tag\n0,alloc,0,{},0,act\n1,free,0,0,0,act\n2,alloc,1,{},1,act\n",
+        3 * M,
+        3 * M
+    );
+    let t = read_trace_bytes(one.as_bytes()).unwrap();
+    let capped = AllocatorPolicy::from_config(Mode::PyTorch, Some("memory_limit_mb:30")).unwrap();
+    let r = capped.replay(&t, false).unwrap();
+    let got = (r.peak_reserved_bytes, r.device_mallocs, r.device_frees, r.host_syncs);
+    assert_eq!(got, (20 * M, 2, 1, 1));
     // Longer traces of 2, 3 and 4 streams: the model's peak reserved, peak allocated, mallocs.
     let cases = [
         (1, 2, (937426944, 777804288, 42)),
