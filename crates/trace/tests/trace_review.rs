@@ -546,3 +546,73 @@ fn a_recorded_row_below_live_is_said_to_be_no_figure() {
     let json: serde_json::Value = serde_json::from_str(&r.to_json()).unwrap();
     assert_eq!(json["notes"], serde_json::json!([]));
 }
+
+/// Hand-made traces whose figures follow from PyTorch's rules alone (512 B rounding; requests
+/// up to 1 MiB from 2 MiB small segments, up to 10 MiB from 20 MiB segments, larger ones from
+/// their own segment rounded to 2 MiB; a large block split only when more than 1 MiB remains;
+/// with `max_split_size_mb`, a block that large is never split and serves only a request
+/// within `max_non_split_rounding_mb` (20 MiB) of it): `pytorch` and `caching` give exactly
+/// these, and `planned` its packing of the blocks aligned to 256 B. Checked in review; nothing
+/// was wrong.
+#[test]
+fn hand_made_traces_have_pytorchs_figures() {
+    use tidepool_trace::Policy;
+    use tidepool_trace::policy::{AllocatorPolicy, Mode, PlannedPolicy};
+    const M: u64 = 1 << 20;
+    let csv = |rows: &[(&str, u64, u64)]| {
+        let mut s = String::from("seq,op,id,bytes,stream,tag\n");
+        for (i, (op, id, bytes)) in rows.iter().enumerate() {
+            s.push_str(&format!("{i},{op},{id},{bytes},0,act\n"));
+        }
+        read_trace_bytes(s.as_bytes()).unwrap()
+    };
+    // (rows, config, peak live, planned, (peak reserved, peak allocated, mallocs))
+    type Case<'a> = (Vec<(&'a str, u64, u64)>, Option<&'a str>, u64, u64, (u64, u64, u64));
+    let cases: Vec<Case> = vec![
+        // Two 1 MiB blocks fill one small segment; freed and asked again, they reuse it.
+        (
+            vec![("alloc", 0, M), ("alloc", 1, M), ("free", 0, 0), ("free", 1, 0)]
+                .into_iter()
+                .chain([("alloc", 2, M), ("alloc", 3, M)])
+                .collect(),
+            None,
+            2 * M,
+            2 * M,
+            (2 * M, 2 * M, 1),
+        ),
+        // 3 MiB: a 20 MiB segment; 12 MiB fits in its 17 MiB remainder.
+        (
+            vec![("alloc", 0, 3 * M), ("alloc", 1, 12 * M)],
+            None,
+            15 * M,
+            15 * M,
+            (20 * M, 15 * M, 1),
+        ),
+        // 1 MiB + 1 B is large (20 MiB segment), 1 B small (512 B of a 2 MiB segment).
+        (vec![("alloc", 0, M + 1), ("alloc", 1, 1)], None, M + 2, M + 512, (22 * M, M + 1024, 2)),
+        // 10 MiB + 1 B: its own segment, rounded to 12 MiB; 2 MiB remains, so it is split.
+        (vec![("alloc", 0, 10 * M + 1)], None, 10 * M + 1, 10 * M + 256, (12 * M, 10 * M + 512, 1)),
+        // 19.5 MiB: a 20 MiB segment whose 0.5 MiB remainder is not split off.
+        (vec![("alloc", 0, 39 * M / 2)], None, 39 * M / 2, 39 * M / 2, (20 * M, 20 * M, 1)),
+        // max_split_size_mb:20: the freed 30 MiB block does not serve 8 MiB (a new 20 MiB
+        // segment) but serves 25 MiB whole (5 MiB over, less than 20 MiB).
+        (
+            vec![("alloc", 0, 30 * M), ("free", 0, 0), ("alloc", 1, 8 * M), ("alloc", 2, 25 * M)],
+            Some("max_split_size_mb:20"),
+            33 * M,
+            33 * M,
+            (50 * M, 38 * M, 2),
+        ),
+    ];
+    for (i, (rows, config, live, planned, want)) in cases.into_iter().enumerate() {
+        let t = csv(&rows);
+        assert_eq!(t.peak_live_bytes(), live, "case {i}");
+        for mode in [Mode::PyTorch, Mode::Caching] {
+            let r = AllocatorPolicy::from_config(mode, config).unwrap().replay(&t, false).unwrap();
+            let got = (r.peak_reserved_bytes, r.peak_allocated_bytes, r.device_mallocs);
+            assert_eq!(got, want, "case {i} {mode:?}");
+        }
+        let r = PlannedPolicy.replay(&t, false).unwrap();
+        assert_eq!(r.peak_reserved_bytes, planned, "case {i}");
+    }
+}
