@@ -1,6 +1,6 @@
 //! The slow path, under the global lock: best fit in the stream's own pool, a free segment of
-//! another stream (strict or wait_event), a new segment; freeing back into the pool; flushing the
-//! stream caches; returning segments to the device.
+//! another stream (strict or wait_event; none under never), a new segment; freeing back into
+//! the pool; flushing the stream caches; returning segments to the device.
 
 use super::history::Action;
 use super::owner::Owner;
