@@ -616,3 +616,30 @@ fn hand_made_traces_have_pytorchs_figures() {
         assert_eq!(r.peak_reserved_bytes, planned, "case {i}");
     }
 }
+
+/// `scoped`'s note `lock-free hits` said "2 of 8 allocations" on a trace of 16: plan hits are
+/// served from their region and are no pool allocation (and a region is one), so the count was
+/// the pool's, not the trace's, and the rest had not all taken the allocator's whole path. The
+/// plan hits are named beside it now (8 pool allocations, one of them the region, and 9 plan
+/// hits are the trace's 16); policies without plans read as before. Broken build
+/// `lock_free_of_unqualified`.
+#[test]
+fn scoped_lock_free_hits_name_the_plan_hits() {
+    use tidepool_trace::Policy;
+    use tidepool_trace::policy::{AllocatorPolicy, Mode};
+    let t = read_trace_bytes(nested_steps(true).as_bytes()).unwrap();
+    assert_eq!(t.num_allocs(), 16);
+    let note = |mode| {
+        let r = AllocatorPolicy::from_config(mode, None).unwrap().replay(&t, false).unwrap();
+        let notes: BTreeMap<_, _> = r.extra.into_iter().collect();
+        (notes["lock-free hits"].clone(), notes.get("plan hits / misses / fallbacks").cloned())
+    };
+    assert_eq!(
+        note(Mode::Scoped),
+        (
+            "2 of 8 pool allocations, 9 plan hits besides (25.0 %)".to_string(),
+            Some("9 / 0 / 0".to_string())
+        )
+    );
+    assert_eq!(note(Mode::Caching), ("0 of 16 allocations (0.0 %)".to_string(), None));
+}
