@@ -17,12 +17,19 @@ pub const NO_CACHING_ENV_VAR: &str = "TIDEPOOL_NO_MEMORY_CACHING";
 /// How a block freed on one stream may be reused by another.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum CrossStream {
-    /// PyTorch: another stream gets a block only after its events completed.
+    /// Another stream takes a whole cached segment once the owner's work on it has completed
+    /// (an event query, no host sync). PyTorch's caching allocator has no such reuse
+    /// ([`CrossStream::Never`]); its `record_stream` events hold a block the same way.
     #[default]
     Strict,
     /// RMM: another stream may take a cached block at once by waiting on the owner's event on the
     /// device (`cuStreamWaitEvent`), with no host sync.
     WaitEvent,
+    /// PyTorch's caching allocator exactly: a stream never takes memory another stream cached
+    /// (whole segments under `Strict`, pages of expandable ranges under both); that memory
+    /// goes back to the device only when an allocation runs out of memory, and a stream that
+    /// needs more reserves it (`cross_stream:never`).
+    Never,
 }
 
 /// Everything the allocator can be told: from a `TIDEPOOL_ALLOC_CONF` string ([`Config::parse`],
@@ -321,7 +328,7 @@ pub const KEYS: &[(&str, &str)] = &[
         "per_process_memory_fraction",
         "never reserve more than this share of device memory, in [0, 1]",
     ),
-    ("cross_stream", "cross-stream reuse: strict or wait_event"),
+    ("cross_stream", "cross-stream reuse: strict, wait_event or never"),
     (
         "fast_cache",
         "per-stream caches that skip the global lock on a same-size reuse: true or false",
@@ -706,7 +713,8 @@ impl Config {
                 self.cross_stream = match value {
                     "strict" => CrossStream::Strict,
                     "wait_event" => CrossStream::WaitEvent,
-                    _ => return Err(bad("strict or wait_event")),
+                    "never" => CrossStream::Never,
+                    _ => return Err(bad("strict, wait_event or never")),
                 }
             }
             "fast_cache" => self.fast_cache = flag()?,
@@ -1200,6 +1208,8 @@ mod tests {
     #[test]
     fn empty_string_is_the_default() {
         assert_eq!(Config::parse("").unwrap(), Config::default());
+        assert_eq!(Config::default().cross_stream, CrossStream::Strict);
+        assert_eq!(Config::parse("cross_stream:never").unwrap().cross_stream, CrossStream::Never);
         assert_eq!(Config::parse(" , ,").unwrap(), Config::default());
         assert_eq!(Config::default().limit(1 << 30), None);
     }
@@ -1276,7 +1286,10 @@ mod tests {
             [2, 2, 2, 2, 2, 2, 2, 8, 8, 8, 8, 8, 8, 8, 8, 8]
         );
         let msg = Config::parse("cross_stream:lazy").unwrap_err().to_string();
-        assert_eq!(msg, "bad value `lazy` for `cross_stream`: expected strict or wait_event");
+        assert_eq!(
+            msg,
+            "bad value `lazy` for `cross_stream`: expected strict, wait_event or never"
+        );
     }
 
     #[test]

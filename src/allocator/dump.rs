@@ -277,6 +277,7 @@ fn settings(c: &Config, virtual_memory: bool) -> Py {
             Py::str(match c.cross_stream {
                 crate::config::CrossStream::Strict => "strict",
                 crate::config::CrossStream::WaitEvent => "wait_event",
+                crate::config::CrossStream::Never => "never",
             }),
         ),
         ("fast_cache", Py::Bool(c.fast_cache)),

@@ -48,7 +48,8 @@ impl<D: Device> Shared<D> {
     ) -> Result<(), AllocError> {
         let donor =
             |r: &Range| r.key.stream != key.stream && r.key.residency == Residency::Transient;
-        if n == 0 || !st.vm.ranges.values().any(donor) {
+        if n == 0 || config.cross_stream == CrossStream::Never || !st.vm.ranges.values().any(donor)
+        {
             return Ok(());
         }
         let donors: Vec<u64> = st
@@ -93,7 +94,9 @@ impl<D: Device> Shared<D> {
                 }
                 Ok(()) if self.broken_skip_events.load(Ordering::Relaxed) => true,
                 Ok(()) => match config.cross_stream {
-                    CrossStream::Strict => self.device.query_event(event).unwrap_or(false),
+                    CrossStream::Strict | CrossStream::Never => {
+                        self.device.query_event(event).unwrap_or(false)
+                    }
                     CrossStream::WaitEvent => {
                         if let Err(e) = self.device.wait_event(key.stream, event) {
                             st.free_events.push(event);
@@ -106,7 +109,7 @@ impl<D: Device> Shared<D> {
                     }
                 },
             };
-            if !done && config.cross_stream == CrossStream::Strict {
+            if !done && config.cross_stream != CrossStream::WaitEvent {
                 st.free_events.push(event);
                 continue;
             }

@@ -1,6 +1,6 @@
 //! The slow path, under the global lock: best fit in the stream's own pool, a free segment of
-//! another stream (strict or wait_event), a new segment; freeing back into the pool; flushing the
-//! stream caches; returning segments to the device.
+//! another stream (strict or wait_event; none under never), a new segment; freeing back into
+//! the pool; flushing the stream caches; returning segments to the device.
 
 use super::history::Action;
 use super::owner::Owner;
@@ -263,7 +263,9 @@ impl<D: Device> Shared<D> {
         key: PoolKey,
         rounded: u64,
     ) -> Result<Option<BlockId>, AllocError> {
-        if !st.segment_streams.keys().any(|&s| s != key.stream) {
+        if config.cross_stream == CrossStream::Never
+            || !st.segment_streams.keys().any(|&s| s != key.stream)
+        {
             return Ok(None);
         }
         let vm = &st.vm;
@@ -294,6 +296,7 @@ impl<D: Device> Shared<D> {
                 // A wait the device refuses orders nothing: leave the segment.
                 CrossStream::WaitEvent => self.device.wait_event(key.stream, event).is_ok(),
                 CrossStream::Strict => self.device.query_event(event).unwrap_or(false),
+                CrossStream::Never => false,
             };
             st.free_events.push(event);
             if ready {

@@ -54,7 +54,8 @@ fn the_largest_repeat_count_reserves_nothing_up_front() {
     let err = runtime_error(&o);
     assert_eq!(
         err,
-        "tidepool: policy caching: invalid allocation size 562949953421312 bytes: larger than \
+        "tidepool: policy caching: event 0 (alloc of id 0, 562949953421312 B on trace stream 0): \
+         invalid allocation size 562949953421312 bytes: larger than \
          the largest supported request (281474976710656 bytes)\n"
     );
     // The same trace with a small request replays.

@@ -124,10 +124,7 @@ fn usage_errors_exit_2() {
     let o = tidepool(&["replay", &mlp(), "--config", "max_split_size_mb:1"]);
     assert_eq!(o.status.code(), Some(2));
     let e = stderr(&o);
-    assert!(
-        e.starts_with("tidepool: policy caching: inconsistent configuration: max_split_size_mb"),
-        "{e}"
-    );
+    assert!(e.starts_with("tidepool: --config max_split_size_mb:1: inconsistent values: "), "{e}");
     assert!(!e.contains("TIDEPOOL_ALLOC_CONF"), "the flag, not the variable: {e}");
     let o = tidepool(&["replay", &mlp(), "--config", "warp_speed:9"]);
     assert_eq!(o.status.code(), Some(2));

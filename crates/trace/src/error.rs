@@ -125,9 +125,28 @@ impl TraceError {
 
 /// `text` cut to [`MAX_ECHO`] characters, for echoing input back in messages.
 pub(crate) fn echo(text: &str) -> String {
-    let mut out: String = text.chars().take(MAX_ECHO).collect();
-    if text.chars().nth(MAX_ECHO).is_some() {
-        out.push('…');
+    echo_cut(text, MAX_ECHO)
+}
+
+/// `text` cut to `max` characters (then `…`), with control characters and the bidirectional
+/// overrides written as escapes (`\u{1b}`): text from the input reaches a terminal through
+/// error messages and the report, and an escape sequence in it must not drive the terminal
+/// (clear it, retitle it, hide the text after it) or reorder what the user reads.
+pub(crate) fn echo_cut(text: &str, max: usize) -> String {
+    let mut out = String::new();
+    for (i, c) in text.chars().enumerate() {
+        if i == max {
+            out.push('…');
+            break;
+        }
+        // BROKEN (`echo_control_raw`): input characters echoed as they are.
+        let unsafe_char = c.is_control()
+            || matches!(c, '\u{200e}' | '\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}');
+        if unsafe_char && !cfg!(tidepool_broken = "echo_control_raw") {
+            out.extend(c.escape_default());
+        } else {
+            out.push(c);
+        }
     }
     out
 }

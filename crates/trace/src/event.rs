@@ -194,23 +194,46 @@ impl Trace {
         })
     }
 
-    /// The peak of live requested bytes in each step: from the start, or the previous
-    /// `ScopeExit`, up to and including the next `ScopeExit` — the windows in which the
-    /// replayer counts device calls per step (events after the last exit belong to none).
-    /// Empty for a trace without scopes. Where a step's peak is no higher than the steps'
-    /// before it, memory that fitted those steps could fit it: a map or malloc there is
-    /// placement's, not the workload's.
+    /// The peak of live requested bytes in each step: from the start, or the previous exit of
+    /// an outermost scope, up to and including the next — the windows in which the replayer
+    /// counts device calls per step (events after the last exit belong to none). A scope
+    /// nested in another (`fwd` inside `step`) is part of its step. Empty for a trace without
+    /// scopes. Where a step's peak is no higher than the steps' before it, memory that fitted
+    /// those steps could fit it: a map or malloc there is placement's, not the workload's.
     pub fn step_peak_live_bytes(&self) -> Vec<u64> {
         let mut peak = 0;
         let mut out = Vec::new();
-        for (e, live) in self.events.iter().zip(self.live_bytes_timeline()) {
+        let ends = self.step_ends();
+        for ((live, end), _) in self.live_bytes_timeline().into_iter().zip(ends).zip(&self.events) {
             peak = peak.max(live);
-            if e.op == Op::ScopeExit {
+            if end {
                 out.push(peak);
                 peak = live;
             }
         }
         out
+    }
+
+    /// For each event, whether it ends a step: a `ScopeExit` that closes an outermost scope
+    /// (one entered while no other was open). The replayer's per-step figures and
+    /// [`Trace::step_peak_live_bytes`] share these windows.
+    pub fn step_ends(&self) -> Vec<bool> {
+        let mut depth = 0usize;
+        self.events
+            .iter()
+            .map(|e| match e.op {
+                Op::ScopeEnter => {
+                    depth += 1;
+                    false
+                }
+                Op::ScopeExit => {
+                    depth = depth.saturating_sub(1);
+                    // BROKEN (`scoped_nested_drops_outer`): every exit ended a step.
+                    depth == 0 || cfg!(tidepool_broken = "scoped_nested_drops_outer")
+                }
+                Op::Alloc | Op::Free => false,
+            })
+            .collect()
     }
 
     /// The highest sum of live requested bytes at any point: the lower bound on the memory

@@ -165,8 +165,9 @@ impl AllocatorSettings {
             && backend != "native"
         {
             notes.push(format!(
-                "backend {backend}: PyTorch did not use its caching allocator; the recorded row \
-                 is that backend's"
+                "backend {}: PyTorch did not use its caching allocator; the recorded row is \
+                 that backend's",
+                crate::error::echo(backend)
             ));
         }
         let known = [

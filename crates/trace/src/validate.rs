@@ -5,7 +5,7 @@
 //! open scopes. Ids are never reused within a trace; readers of pointer-based formats turn a
 //! reused address into a fresh id before the event reaches the validator.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 use super::error::ErrorKind;
 use super::event::{Event, Op};
@@ -22,6 +22,9 @@ enum IdState {
 pub struct Validator {
     ids: HashMap<u64, IdState>,
     open_scopes: Vec<u32>,
+    /// The scopes of `open_scopes`, for the check that an entered scope is not open: a
+    /// search of the stack took time quadratic in the nesting depth, which the input sets.
+    open_set: HashSet<u32>,
 }
 
 impl Validator {
@@ -59,13 +62,19 @@ impl Validator {
                 let s = e.scope.ok_or_else(|| {
                     ErrorKind::UnbalancedScope("scope_enter without a scope".into())
                 })?;
-                if self.open_scopes.contains(&s) {
+                // BROKEN (`scope_check_quadratic`): the stack searched at every enter.
+                let open = match cfg!(tidepool_broken = "scope_check_quadratic") {
+                    true => self.open_scopes.contains(&s),
+                    false => self.open_set.contains(&s),
+                };
+                if open {
                     return Err(ErrorKind::UnbalancedScope(format!(
                         "scope {} entered while already open",
                         e.id
                     )));
                 }
                 self.open_scopes.push(s);
+                self.open_set.insert(s);
                 Ok(())
             }
             Op::ScopeExit => {
@@ -78,7 +87,7 @@ impl Validator {
                         e.id
                     ))),
                     Some(&top) if top != s => {
-                        Err(ErrorKind::UnbalancedScope(if self.open_scopes.contains(&s) {
+                        Err(ErrorKind::UnbalancedScope(if self.open_set.contains(&s) {
                             format!("scope_exit of scope {} while an inner scope is open", e.id)
                         } else {
                             format!("scope_exit of scope {} that is not open", e.id)
@@ -86,6 +95,7 @@ impl Validator {
                     }
                     Some(_) => {
                         self.open_scopes.pop();
+                        self.open_set.remove(&s);
                         Ok(())
                     }
                 }

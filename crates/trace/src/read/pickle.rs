@@ -766,14 +766,7 @@ impl Decoder {
             (b"_codecs", b"encode") => Global::Encode,
             (b"collections", b"OrderedDict") => Global::OrderedDict,
             _ => {
-                let text = |b: &[u8]| {
-                    let t = String::from_utf8_lossy(b);
-                    let mut cut: String = t.chars().take(64).collect();
-                    if t.chars().nth(64).is_some() {
-                        cut.push('…');
-                    }
-                    cut
-                };
+                let text = |b: &[u8]| crate::error::echo_cut(&String::from_utf8_lossy(b), 64);
                 return Err(format!(
                     "pickle refers to `{}.{}`, which is not plain data (only dicts, lists, \
                      tuples, sets, strings, bytes, numbers, booleans and None are read)",
