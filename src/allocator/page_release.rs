@@ -328,7 +328,8 @@ impl<D: Device> Shared<D> {
 
     /// After frees: a transient range whose free mapped bytes exceed `release_threshold` gives
     /// pages back down to it. Checked for the streams whose free bytes changed, and only when
-    /// they grew by a page since a check that released nothing. Errors leave pages mapped.
+    /// they grew by a page since the last check (from their lowest since). Errors leave pages
+    /// mapped.
     pub(super) fn trim(&self, st: &mut State) {
         let threshold = st.vm.threshold;
         if threshold == u64::MAX && st.vm.learning.is_empty() || st.vm.ranges.is_empty() {
@@ -345,8 +346,19 @@ impl<D: Device> Shared<D> {
                 st.vm.checked.remove(&s);
                 continue;
             }
-            if st.vm.checked.get(&s).is_some_and(|&c| free < c.saturating_add(st.vm.page)) {
-                continue;
+            if let Some(c) = st.vm.checked.get_mut(&s) {
+                // The memo follows the stream's free bytes down: what the stream spent since
+                // (of any key: persistent or ordinary segments, its small range) and its
+                // transient ranges then freed again is growth all the same. Kept at its old
+                // height, a stream that reused free persistent memory hid that many bytes of
+                // later transient frees from the threshold.
+                // BROKEN (`trim_memo_stale`): the memo stays where the last check left it.
+                if free < *c && !cfg!(tidepool_broken = "trim_memo_stale") {
+                    *c = free;
+                }
+                if free < c.saturating_add(st.vm.page) {
+                    continue;
+                }
             }
             let which =
                 |seg: &Segment| seg.key.stream == s && seg.key.residency == Residency::Transient;
