@@ -11,7 +11,7 @@ use common::assert_no_leak;
 use std::sync::Arc;
 use tidepool::MIB;
 use tidepool::device::{SIM_BASE, SimDevice};
-use tidepool::{Allocator, Config, DeviceAddr, Residency, StreamId};
+use tidepool::{AllocError, Allocator, Config, DeviceAddr, Residency, StreamId};
 
 const P: u64 = 2 * MIB;
 const CAP: u64 = 64 * MIB;
@@ -66,6 +66,47 @@ fn reused_persistent_memory_does_not_hide_frees_from_the_release_threshold() {
     assert_eq!(alloc.expandable_ranges()[1].mapped_bytes, 0);
     consistent(&dev, &alloc);
     drop(w2);
+    drop(alloc);
+    assert_no_leak(&dev);
+}
+
+/// A growth maps its pages as one physical allocation (a chunk, up to 32 pages), released only
+/// whole: a live 2 MiB block at the bottom of a 64 MiB chunk keeps all of it mapped. The out-of-
+/// memory report and the summary say so in chunks; they said "pages that live blocks share" and
+/// "whole pages", where 31 whole pages were free (and PyTorch, which maps page by page, would
+/// have unmapped them).
+#[test]
+fn the_oom_report_and_the_summary_count_free_chunks_not_pages() {
+    let (dev, alloc) = setup("", 64 * MIB);
+    let s0 = StreamId::DEFAULT;
+    let whole = alloc.alloc(64 * MIB, s0).unwrap();
+    assert_eq!(dev.live_mappings(), vec![(DeviceAddr(SIM_BASE), 64 * MIB)]);
+    drop(whole);
+    let live = alloc.alloc(2 * MIB, s0).unwrap();
+    assert_eq!(live.ptr(), DeviceAddr(SIM_BASE));
+    let r = alloc.expandable_ranges()[0].clone();
+    assert_eq!((r.mapped_bytes, r.free_bytes, r.free_page_bytes), (64 * MIB, 62 * MIB, 0));
+    // 70 MiB: the free 62 MiB at the end of the run and 4 new pages, which the device cannot
+    // hold; the ladder's release finds no wholly free chunk.
+    match alloc.alloc(70 * MIB, s0) {
+        Err(AllocError::OutOfMemory(r)) => {
+            assert_eq!((r.reserved, r.mapped_free), (64 * MIB, 62 * MIB));
+            assert_eq!((r.mapped_free_in_used_pages, r.mapped_free_persistent), (62 * MIB, 0));
+            let msg = r.to_string();
+            let want = "Expandable segments hold 62.00 MiB mapped but free: 62.00 MiB in chunks \
+                        that live blocks share (a chunk, the physical allocation of up to 32 \
+                        pages a growth maps, is unmapped only whole), 0 B in wholly free chunks \
+                        of persistent ranges (only release_persistent releases them), 0 B in \
+                        wholly free chunks that could not be released.";
+            assert!(msg.ends_with(want), "{msg}");
+        }
+        other => panic!("expected out of memory, got {other:?}"),
+    }
+    assert_eq!(alloc.stats().num_device_unmap, 0);
+    let summary = alloc.memory_summary();
+    assert!(summary.contains("mapped; 62.00 MiB free (0 B in free chunks), 1 runs"), "{summary}");
+    consistent(&dev, &alloc);
+    drop(live);
     drop(alloc);
     assert_no_leak(&dev);
 }
