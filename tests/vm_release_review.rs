@@ -11,7 +11,7 @@ use common::assert_no_leak;
 use std::sync::Arc;
 use tidepool::MIB;
 use tidepool::device::{SIM_BASE, SimDevice};
-use tidepool::{AllocError, Allocator, Config, DeviceAddr, Residency, StreamId};
+use tidepool::{AllocError, Allocator, Config, Device, DeviceAddr, Residency, StreamId};
 
 const P: u64 = 2 * MIB;
 const CAP: u64 = 64 * MIB;
@@ -107,6 +107,37 @@ fn the_oom_report_and_the_summary_count_free_chunks_not_pages() {
     assert!(summary.contains("mapped; 62.00 MiB free (0 B in free chunks), 1 runs"), "{summary}");
     consistent(&dev, &alloc);
     drop(live);
+    drop(alloc);
+    assert_no_leak(&dev);
+}
+
+/// `release_threshold_mb:0` and a capture on another stream: a free on a stream outside the
+/// capture cannot be waited for while it lasts (a capture refuses host waits), so its pages
+/// stay; once the capture is over, the stream's next free gives them back, however small (the
+/// trim, run during the capture, remembered the stream's free bytes as checked and skipped it
+/// until they grew a page past them).
+#[test]
+fn pages_freed_during_a_capture_go_back_at_the_next_free_after_it() {
+    let (dev, alloc) = setup("release_threshold_mb:0", CAP);
+    let (s, t) = (dev.create_stream().unwrap(), dev.create_stream().unwrap());
+    let a = alloc.alloc(8 * MIB, t).unwrap();
+    let c = alloc.alloc(3 * MIB / 2, t).unwrap();
+    assert_eq!(c.ptr().0, a.ptr().0 + 8 * MIB);
+    // a's four pages, then c's one (no headroom under a threshold of 0).
+    assert_eq!(dev.live_mappings(), vec![(a.ptr(), 8 * MIB), (c.ptr(), 2 * MIB)]);
+    alloc.begin_capture(s, None).unwrap();
+    let unmaps = dev.vm_counters().unmaps;
+    drop(a);
+    assert_eq!(dev.vm_counters().unmaps, unmaps, "nothing unmapped during the capture");
+    drop(alloc.end_capture(s).unwrap());
+    assert_eq!(alloc.stats().blocks.reserved_bytes.large_pool.current, 10 * MIB);
+    // After the capture, 1.5 MiB freed on t: both chunks go.
+    drop(c);
+    let st = alloc.stats();
+    assert_eq!(st.blocks.reserved_bytes.large_pool.current, 0);
+    assert_eq!((st.num_device_unmap, st.num_physical_release), (unmaps + 2, 2));
+    assert_eq!(dev.live_mappings(), vec![]);
+    consistent(&dev, &alloc);
     drop(alloc);
     assert_no_leak(&dev);
 }

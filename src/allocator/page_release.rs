@@ -360,6 +360,14 @@ impl<D: Device> Shared<D> {
                     continue;
                 }
             }
+            // A capture refuses the host waits a release may need (and the driver calls that
+            // conflict with it): nothing now, and nothing remembered, so the stream's first
+            // change after the capture checks again. (Remembered, a trim that released nothing
+            // under the capture kept its pages mapped until a page more was freed.)
+            // BROKEN (`trim_in_capture`): tried, and its free bytes remembered as checked.
+            if !cfg!(tidepool_broken = "trim_in_capture") && self.device.capture_underway() {
+                return;
+            }
             let which =
                 |seg: &Segment| seg.key.stream == s && seg.key.residency == Residency::Transient;
             let _ = self.release_pages(st, which, t);
