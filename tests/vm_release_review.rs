@@ -141,3 +141,35 @@ fn pages_freed_during_a_capture_go_back_at_the_next_free_after_it() {
     drop(alloc);
     assert_no_leak(&dev);
 }
+
+/// A `set_config` lowering `release_threshold_mb` applies to the next free, however small: the
+/// trim's memory of what it checked under the old threshold went with it (kept, the stream was
+/// skipped until a page more was freed, and 6 MiB stayed mapped under a threshold of 0).
+#[test]
+fn a_lowered_release_threshold_applies_to_the_next_free() {
+    let (dev, alloc) = setup("release_threshold_mb:8", CAP);
+    let s0 = StreamId::DEFAULT;
+    let w = alloc.alloc_in(10 * MIB, s0, Residency::Persistent).unwrap();
+    let a = alloc.alloc(6 * MIB, s0).unwrap();
+    let b = alloc.alloc(3 * MIB / 2, s0).unwrap();
+    assert_eq!(
+        (a.ptr(), b.ptr()),
+        (DeviceAddr(SIM_BASE + 2 * CAP), DeviceAddr(SIM_BASE + 2 * CAP + 6 * MIB))
+    );
+    // 16 MiB free on the stream, 6 MiB of them transient: under 8 MiB, nothing goes.
+    drop(w);
+    drop(a);
+    assert_eq!(alloc.stats().blocks.reserved_bytes.transient.current, 4 * P);
+    alloc
+        .set_config(Config::parse("expandable_segments:true,release_threshold_mb:0").unwrap())
+        .unwrap();
+    // 1.5 MiB more: every wholly free transient chunk goes (a's three pages, then b's page).
+    drop(b);
+    let s = alloc.stats();
+    assert_eq!(s.blocks.reserved_bytes.transient.current, 0);
+    assert_eq!(s.blocks.reserved_bytes.persistent.current, 5 * P);
+    assert_eq!((s.num_device_unmap, s.num_physical_release), (2, 2));
+    consistent(&dev, &alloc);
+    drop(alloc);
+    assert_no_leak(&dev);
+}

@@ -316,6 +316,12 @@ impl<D: Device> Shared<D> {
         if !cfg!(tidepool_broken = "stale_release_threshold") {
             st.vm.threshold = config.release_threshold;
         }
+        // What the trims remembered as checked was checked against the old threshold: under a
+        // lower one, a stream's next free checks again, however small.
+        // BROKEN (`threshold_memo_kept`): kept, a stream skipped until a page more was freed.
+        if !cfg!(tidepool_broken = "threshold_memo_kept") {
+            st.vm.checked.clear();
+        }
         let config = Arc::new(config);
         st.config = config.clone();
         st.config_spare = Some(config.clone());
