@@ -173,3 +173,35 @@ fn a_lowered_release_threshold_applies_to_the_next_free() {
     drop(alloc);
     assert_no_leak(&dev);
 }
+
+/// A named scope's learning run gives its stream's freed transient pages back at once (as
+/// `release_threshold_mb:0` would), from its opening on, whatever an earlier run left the trim
+/// remembering: here the free persistent bytes of a first run, spent since with no threshold to
+/// follow them down. The block freed into the stream's cache before the run, which its opening
+/// frees into the pool, was kept mapped.
+#[test]
+fn a_second_learning_run_gives_its_freed_pages_back_from_its_opening() {
+    let (dev, alloc) = setup("", CAP);
+    let s = dev.create_stream().unwrap();
+    let w = alloc.alloc_in(10 * MIB, s, Residency::Persistent).unwrap();
+    assert_eq!(w.ptr(), DeviceAddr(SIM_BASE));
+    let first = alloc.named_scope("load", s);
+    drop(w); // 10 MiB free on s, persistent: the run's trim releases none of it
+    drop(first);
+    let w2 = alloc.alloc_in(8 * MIB, s, Residency::Persistent).unwrap();
+    assert_eq!(w2.ptr(), DeviceAddr(SIM_BASE));
+    let x = alloc.alloc(4 * MIB, s).unwrap();
+    assert_eq!(x.ptr(), DeviceAddr(SIM_BASE + 2 * CAP));
+    drop(x); // into the stream's cache: no learning run, no threshold
+    assert_eq!(alloc.stats().blocks.reserved_bytes.transient.current, 2 * P);
+    let run = alloc.named_scope("step", s);
+    let st = alloc.stats();
+    assert_eq!(st.blocks.reserved_bytes.transient.current, 0);
+    assert_eq!(st.blocks.reserved_bytes.persistent.current, 5 * P);
+    assert_eq!((st.num_device_unmap, st.num_physical_release), (1, 1));
+    consistent(&dev, &alloc);
+    drop(run);
+    drop(w2);
+    drop(alloc);
+    assert_no_leak(&dev);
+}

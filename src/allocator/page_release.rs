@@ -388,6 +388,14 @@ impl<D: Device> Shared<D> {
             true => *n += 1,
             false => *n = n.saturating_sub(1),
         }
+        // The stream's trims now keep nothing: what they remembered as checked, under the
+        // configured threshold or at an earlier run's end (not followed down since, with no
+        // threshold), does not hold the run's frees back.
+        // BROKEN (`learning_memo_kept`): kept, the run's frees were not given back until the
+        // stream's free bytes passed that figure by a page.
+        if open && !cfg!(tidepool_broken = "learning_memo_kept") {
+            st.vm.checked.remove(&stream);
+        }
         if *n == 0 {
             st.vm.learning.remove(&stream);
         }
