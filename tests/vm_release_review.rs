@@ -205,3 +205,33 @@ fn a_second_learning_run_gives_its_freed_pages_back_from_its_opening() {
     drop(alloc);
     assert_no_leak(&dev);
 }
+
+/// `destroy_stream` whose release of the stream's pages the device refuses: the error comes
+/// after the stream is gone (as the documentation says), the pages stay counted and mapped,
+/// and `release_stream` on the gone stream gives them and its range back.
+#[test]
+fn a_refused_unmap_at_destroy_stream_leaves_the_pages_to_release_stream() {
+    let (dev, alloc) = setup("", CAP);
+    let s = dev.create_stream().unwrap();
+    let a = alloc.alloc(8 * MIB, s).unwrap();
+    let b = alloc.alloc(70 * MIB / 2, s).unwrap();
+    assert_eq!(dev.live_mappings(), vec![(a.ptr(), 8 * MIB), (b.ptr(), 36 * MIB)]);
+    drop((a, b));
+    dev.fail_nth_vm_unmap(Some(2));
+    let refused = alloc.destroy_stream(s);
+    assert!(matches!(&refused, Err(AllocError::Device(_))), "{refused:?}");
+    assert!(!dev.live_streams().contains(&s));
+    // The top chunk went, the other stays, counted.
+    assert_eq!(dev.live_mappings(), vec![(DeviceAddr(SIM_BASE), 8 * MIB)]);
+    assert_eq!(alloc.reserved_bytes(), 8 * MIB);
+    consistent(&dev, &alloc);
+    alloc.release_stream(s).unwrap();
+    assert_eq!(alloc.reserved_bytes(), 0);
+    assert_eq!(alloc.expandable_ranges(), vec![]);
+    assert_eq!((dev.live_mappings(), dev.virtual_bytes()), (vec![], 0));
+    let st = alloc.stats();
+    assert_eq!((st.num_device_unmap, st.num_physical_release), (2, 2));
+    consistent(&dev, &alloc);
+    drop(alloc);
+    assert_no_leak(&dev);
+}

@@ -1009,7 +1009,10 @@ impl<D: Device> Allocator<D> {
     /// Destroys the stream on the device (which drains its work), then returns the stream's
     /// cached segments to the device and forgets the plans of scopes on it. Its pending events
     /// are waited for first. The stream is checked first: one the device refuses (the default
-    /// stream, an unknown one) is an error and changes nothing here.
+    /// stream, an unknown one) is an error and changes nothing here. An error from giving its
+    /// memory back (the device refused an unmap or a free) comes after the stream is
+    /// destroyed: that memory stays cached, and [`Allocator::release_stream`] or
+    /// [`Allocator::empty_cache`] gives it back later.
     pub fn destroy_stream(&self, stream: StreamId) -> Result<(), AllocError> {
         let sh = &self.shared;
         if sh.broken(Broken::DestroyStream) {
