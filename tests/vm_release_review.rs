@@ -35,6 +35,7 @@ fn consistent(dev: &SimDevice, alloc: &Allocator<SimDevice>) {
 /// A stream's free persistent memory, reused in part, must not hide its transient range's
 /// frees from `release_threshold`: the trim remembered the stream's free bytes at its last
 /// check (persistent ones included) and skipped every check until they grew past that figure.
+/// Broken build `trim_memo_stale`.
 #[test]
 fn reused_persistent_memory_does_not_hide_frees_from_the_release_threshold() {
     let (dev, alloc) = setup("release_threshold_mb:4", CAP);
@@ -74,7 +75,7 @@ fn reused_persistent_memory_does_not_hide_frees_from_the_release_threshold() {
 /// whole: a live 2 MiB block at the bottom of a 64 MiB chunk keeps all of it mapped. The out-of-
 /// memory report and the summary say so in chunks; they said "pages that live blocks share" and
 /// "whole pages", where 31 whole pages were free (and PyTorch, which maps page by page, would
-/// have unmapped them).
+/// have unmapped them). Broken build `chunk_figures_as_pages`.
 #[test]
 fn the_oom_report_and_the_summary_count_free_chunks_not_pages() {
     let (dev, alloc) = setup("", 64 * MIB);
@@ -115,7 +116,7 @@ fn the_oom_report_and_the_summary_count_free_chunks_not_pages() {
 /// capture cannot be waited for while it lasts (a capture refuses host waits), so its pages
 /// stay; once the capture is over, the stream's next free gives them back, however small (the
 /// trim, run during the capture, remembered the stream's free bytes as checked and skipped it
-/// until they grew a page past them).
+/// until they grew a page past them). Broken build `trim_in_capture`.
 #[test]
 fn pages_freed_during_a_capture_go_back_at_the_next_free_after_it() {
     let (dev, alloc) = setup("release_threshold_mb:0", CAP);
@@ -145,6 +146,7 @@ fn pages_freed_during_a_capture_go_back_at_the_next_free_after_it() {
 /// A `set_config` lowering `release_threshold_mb` applies to the next free, however small: the
 /// trim's memory of what it checked under the old threshold went with it (kept, the stream was
 /// skipped until a page more was freed, and 6 MiB stayed mapped under a threshold of 0).
+/// Broken build `threshold_memo_kept`.
 #[test]
 fn a_lowered_release_threshold_applies_to_the_next_free() {
     let (dev, alloc) = setup("release_threshold_mb:8", CAP);
@@ -178,7 +180,7 @@ fn a_lowered_release_threshold_applies_to_the_next_free() {
 /// `release_threshold_mb:0` would), from its opening on, whatever an earlier run left the trim
 /// remembering: here the free persistent bytes of a first run, spent since with no threshold to
 /// follow them down. The block freed into the stream's cache before the run, which its opening
-/// frees into the pool, was kept mapped.
+/// frees into the pool, was kept mapped. Broken build `learning_memo_kept`.
 #[test]
 fn a_second_learning_run_gives_its_freed_pages_back_from_its_opening() {
     let (dev, alloc) = setup("", CAP);
