@@ -131,7 +131,7 @@ pub struct OomReport {
     pub mapped_free: u64,
     /// Of those, bytes in chunks that live blocks share (a chunk is unmapped only whole).
     pub mapped_free_in_used_pages: u64,
-    /// Of those, bytes in whole free pages of persistent ranges (only `release_persistent`
+    /// Of those, bytes in wholly free chunks of persistent ranges (only `release_persistent`
     /// releases them).
     pub mapped_free_persistent: u64,
     /// Refused before the device was asked, with no cache released and no retry, because
@@ -194,17 +194,30 @@ impl fmt::Display for OomReport {
             Bytes(self.waiting_on_events),
         )?;
         if self.mapped_free > 0 {
+            let (used, persistent) = (self.mapped_free_in_used_pages, self.mapped_free_persistent);
+            let figures =
+                [self.mapped_free, used, persistent, self.mapped_free - used - persistent]
+                    .map(Bytes);
+            // The figures are of chunks (a growth's physical allocations, up to 32 pages each),
+            // not of pages: a chunk that holds one live byte keeps all its pages mapped.
+            // BROKEN (`chunk_figures_as_pages`): worded as pages, which they are not.
+            #[cfg(tidepool_broken = "chunk_figures_as_pages")]
             write!(
                 f,
                 " Expandable segments hold {} mapped but free: {} in pages that live blocks share \
                  (a page is unmapped only whole), {} in whole pages of persistent ranges (only \
                  release_persistent releases them), {} in whole pages that could not be released.",
-                Bytes(self.mapped_free),
-                Bytes(self.mapped_free_in_used_pages),
-                Bytes(self.mapped_free_persistent),
-                Bytes(
-                    self.mapped_free - self.mapped_free_in_used_pages - self.mapped_free_persistent
-                ),
+                figures[0], figures[1], figures[2], figures[3],
+            )?;
+            #[cfg(not(tidepool_broken = "chunk_figures_as_pages"))]
+            write!(
+                f,
+                " Expandable segments hold {} mapped but free: {} in chunks that live blocks share \
+                 (a chunk, the physical allocation of up to 32 pages a growth maps, is unmapped \
+                 only whole), {} in wholly free chunks of persistent ranges (only \
+                 release_persistent releases them), {} in wholly free chunks that could not be \
+                 released.",
+                figures[0], figures[1], figures[2], figures[3],
             )?;
         }
         // A cap smaller than the segment the request needs refuses it whatever is freed: the

@@ -194,7 +194,7 @@ pub(super) struct Vm {
     pub(super) live_stitches: usize,
     /// The pool's count of frees when live stitches were last looked at.
     pub(super) frees_seen: u64,
-    /// Free bytes of a stream when a trim last found nothing to release.
+    /// Free bytes of a stream after a trim last checked it, lowered as they fall since.
     pub(super) checked: HashMap<StreamId, u64>,
     /// Streams with a named scope's learning run open (how many): their transient ranges keep
     /// no free pages meanwhile (see [`Shared::set_learning`]).

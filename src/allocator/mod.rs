@@ -316,6 +316,12 @@ impl<D: Device> Shared<D> {
         if !cfg!(tidepool_broken = "stale_release_threshold") {
             st.vm.threshold = config.release_threshold;
         }
+        // What the trims remembered as checked was checked against the old threshold: under a
+        // lower one, a stream's next free checks again, however small.
+        // BROKEN (`threshold_memo_kept`): kept, a stream skipped until a page more was freed.
+        if !cfg!(tidepool_broken = "threshold_memo_kept") {
+            st.vm.checked.clear();
+        }
         let config = Arc::new(config);
         st.config = config.clone();
         st.config_spare = Some(config.clone());
@@ -1003,7 +1009,10 @@ impl<D: Device> Allocator<D> {
     /// Destroys the stream on the device (which drains its work), then returns the stream's
     /// cached segments to the device and forgets the plans of scopes on it. Its pending events
     /// are waited for first. The stream is checked first: one the device refuses (the default
-    /// stream, an unknown one) is an error and changes nothing here.
+    /// stream, an unknown one) is an error and changes nothing here. An error from giving its
+    /// memory back (the device refused an unmap or a free) comes after the stream is
+    /// destroyed: that memory stays cached, and [`Allocator::release_stream`] or
+    /// [`Allocator::empty_cache`] gives it back later.
     pub fn destroy_stream(&self, stream: StreamId) -> Result<(), AllocError> {
         let sh = &self.shared;
         if sh.broken(Broken::DestroyStream) {

@@ -328,7 +328,8 @@ impl<D: Device> Shared<D> {
 
     /// After frees: a transient range whose free mapped bytes exceed `release_threshold` gives
     /// pages back down to it. Checked for the streams whose free bytes changed, and only when
-    /// they grew by a page since a check that released nothing. Errors leave pages mapped.
+    /// they grew by a page since the last check (from their lowest since). Errors leave pages
+    /// mapped.
     pub(super) fn trim(&self, st: &mut State) {
         let threshold = st.vm.threshold;
         if threshold == u64::MAX && st.vm.learning.is_empty() || st.vm.ranges.is_empty() {
@@ -345,8 +346,32 @@ impl<D: Device> Shared<D> {
                 st.vm.checked.remove(&s);
                 continue;
             }
-            if st.vm.checked.get(&s).is_some_and(|&c| free < c.saturating_add(st.vm.page)) {
-                continue;
+            let by_learning = t != threshold; // a learning run's own threshold of 0
+            if let Some(c) = st.vm.checked.get_mut(&s) {
+                // Under `release_threshold`, the memo follows the stream's free bytes down: what
+                // the stream spent since (of any key: persistent or ordinary segments, its small
+                // range) and its transient ranges then freed again is growth all the same. Kept
+                // at its old height, a stream that reused free persistent memory hid that many
+                // bytes of later transient frees from the threshold. (A learning run keeps the
+                // high mark it was measured with: followed down there, its trims unmapped and
+                // mapped again far more — gpt2_train's first step 729/487 maps/unmaps against
+                // 635/390, t5_train's 617/398 against 412/203 — and vit_train's first run
+                // peaked a page higher.)
+                // BROKEN (`trim_memo_stale`): the memo stays where the last check left it.
+                if free < *c && !by_learning && !cfg!(tidepool_broken = "trim_memo_stale") {
+                    *c = free;
+                }
+                if free < c.saturating_add(st.vm.page) {
+                    continue;
+                }
+            }
+            // A capture refuses the host waits a release may need (and the driver calls that
+            // conflict with it): nothing now, and nothing remembered, so the stream's first
+            // change after the capture checks again. (Remembered, a trim that released nothing
+            // under the capture kept its pages mapped until a page more was freed.)
+            // BROKEN (`trim_in_capture`): tried, and its free bytes remembered as checked.
+            if !cfg!(tidepool_broken = "trim_in_capture") && self.device.capture_underway() {
+                return;
             }
             let which =
                 |seg: &Segment| seg.key.stream == s && seg.key.residency == Residency::Transient;
@@ -367,6 +392,14 @@ impl<D: Device> Shared<D> {
         match open {
             true => *n += 1,
             false => *n = n.saturating_sub(1),
+        }
+        // The stream's trims now keep nothing: what they remembered as checked, under the
+        // configured threshold or at an earlier run's end (not followed down since, with no
+        // threshold), does not hold the run's frees back.
+        // BROKEN (`learning_memo_kept`): kept, the run's frees were not given back until the
+        // stream's free bytes passed that figure by a page.
+        if open && !cfg!(tidepool_broken = "learning_memo_kept") {
+            st.vm.checked.remove(&stream);
         }
         if *n == 0 {
             st.vm.learning.remove(&stream);

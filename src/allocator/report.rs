@@ -333,10 +333,15 @@ impl<D: Device> Allocator<D> {
                         }
                     ),
                     Bytes(r.mapped_bytes).to_string(),
+                    // BROKEN (`chunk_figures_as_pages`): "in whole pages", which it is not.
                     format!(
-                        "mapped; {} free ({} in whole pages), {} runs",
+                        "mapped; {} free ({} in {}), {} runs",
                         Bytes(r.free_bytes),
                         Bytes(r.free_page_bytes),
+                        match cfg!(tidepool_broken = "chunk_figures_as_pages") {
+                            true => "whole pages",
+                            false => "free chunks",
+                        },
                         r.runs.len()
                     )
                 );

@@ -1,0 +1,239 @@
+//! Expandable segments: the paths that unmap and release pages, reviewed as users break them
+//! (release thresholds crossed by mixed residencies, faults in the middle of releases, kernels
+//! still running on other streams), with exact device figures after every step.
+//!
+//! Ranges are reserved from the simulated address space in order, each twice the device's
+//! capacity: the first one a test makes starts at `SIM_BASE`. Pages are 2 MiB.
+
+mod common;
+
+use common::assert_no_leak;
+use std::sync::Arc;
+use tidepool::MIB;
+use tidepool::device::{SIM_BASE, SimDevice};
+use tidepool::{AllocError, Allocator, Config, Device, DeviceAddr, Residency, StreamId};
+
+const P: u64 = 2 * MIB;
+const CAP: u64 = 64 * MIB;
+
+fn setup(config: &str, capacity: u64) -> (Arc<SimDevice>, Allocator<SimDevice>) {
+    let dev = Arc::new(SimDevice::backed(capacity));
+    let config = Config::parse(config).unwrap().with_expandable_segments(true);
+    let alloc = Allocator::new(dev.clone(), config).unwrap();
+    (dev, alloc)
+}
+
+/// `reserved_bytes` is what the device has mapped, and the invariants hold.
+fn consistent(dev: &SimDevice, alloc: &Allocator<SimDevice>) {
+    let mapped: u64 = dev.live_mappings().iter().map(|&(_, n)| n).sum();
+    assert_eq!(alloc.reserved_bytes(), mapped);
+    assert_eq!(dev.physical_bytes(), mapped);
+    alloc.check_invariants().unwrap();
+    assert_eq!(dev.violations(), vec![]);
+}
+
+/// A stream's free persistent memory, reused in part, must not hide its transient range's
+/// frees from `release_threshold`: the trim remembered the stream's free bytes at its last
+/// check (persistent ones included) and skipped every check until they grew past that figure.
+/// Broken build `trim_memo_stale`.
+#[test]
+fn reused_persistent_memory_does_not_hide_frees_from_the_release_threshold() {
+    let (dev, alloc) = setup("release_threshold_mb:4", CAP);
+    let s0 = StreamId::DEFAULT;
+    // The persistent range is made first (at SIM_BASE), the transient one above it.
+    let w = alloc.alloc_in(16 * MIB, s0, Residency::Persistent).unwrap();
+    assert_eq!(w.ptr(), DeviceAddr(SIM_BASE));
+    let x = alloc.alloc(10 * MIB, s0).unwrap();
+    assert_eq!(x.ptr(), DeviceAddr(SIM_BASE + 2 * CAP));
+    assert_eq!(alloc.reserved_bytes(), 13 * P);
+    // Weights unloaded: 16 MiB free on the stream, all persistent (never trimmed).
+    drop(w);
+    assert_eq!(alloc.reserved_bytes(), 13 * P);
+    consistent(&dev, &alloc);
+    // New weights take 10 MiB of them; 6 MiB stay free.
+    let w2 = alloc.alloc_in(10 * MIB, s0, Residency::Persistent).unwrap();
+    assert_eq!(w2.ptr(), DeviceAddr(SIM_BASE));
+    let s = alloc.stats();
+    assert_eq!(s.blocks.reserved_bytes.persistent.current, 8 * P);
+    assert_eq!(s.blocks.reserved_bytes.transient.current, 5 * P);
+    // The activation goes: its range holds 10 MiB free, above the 4 MiB threshold, in one
+    // 5-page chunk, which goes whole.
+    let unmaps = alloc.stats().num_device_unmap;
+    drop(x);
+    let s = alloc.stats();
+    assert_eq!(s.blocks.reserved_bytes.transient.current, 0);
+    assert_eq!(s.blocks.reserved_bytes.persistent.current, 8 * P);
+    assert_eq!((s.num_device_unmap, s.num_physical_release), (unmaps + 1, 1));
+    assert_eq!(alloc.expandable_ranges()[1].mapped_bytes, 0);
+    consistent(&dev, &alloc);
+    drop(w2);
+    drop(alloc);
+    assert_no_leak(&dev);
+}
+
+/// A growth maps its pages as one physical allocation (a chunk, up to 32 pages), released only
+/// whole: a live 2 MiB block at the bottom of a 64 MiB chunk keeps all of it mapped. The out-of-
+/// memory report and the summary say so in chunks; they said "pages that live blocks share" and
+/// "whole pages", where 31 whole pages were free (and PyTorch, which maps page by page, would
+/// have unmapped them). Broken build `chunk_figures_as_pages`.
+#[test]
+fn the_oom_report_and_the_summary_count_free_chunks_not_pages() {
+    let (dev, alloc) = setup("", 64 * MIB);
+    let s0 = StreamId::DEFAULT;
+    let whole = alloc.alloc(64 * MIB, s0).unwrap();
+    assert_eq!(dev.live_mappings(), vec![(DeviceAddr(SIM_BASE), 64 * MIB)]);
+    drop(whole);
+    let live = alloc.alloc(2 * MIB, s0).unwrap();
+    assert_eq!(live.ptr(), DeviceAddr(SIM_BASE));
+    let r = alloc.expandable_ranges()[0].clone();
+    assert_eq!((r.mapped_bytes, r.free_bytes, r.free_page_bytes), (64 * MIB, 62 * MIB, 0));
+    // 70 MiB: the free 62 MiB at the end of the run and 4 new pages, which the device cannot
+    // hold; the ladder's release finds no wholly free chunk.
+    match alloc.alloc(70 * MIB, s0) {
+        Err(AllocError::OutOfMemory(r)) => {
+            assert_eq!((r.reserved, r.mapped_free), (64 * MIB, 62 * MIB));
+            assert_eq!((r.mapped_free_in_used_pages, r.mapped_free_persistent), (62 * MIB, 0));
+            let msg = r.to_string();
+            let want = "Expandable segments hold 62.00 MiB mapped but free: 62.00 MiB in chunks \
+                        that live blocks share (a chunk, the physical allocation of up to 32 \
+                        pages a growth maps, is unmapped only whole), 0 B in wholly free chunks \
+                        of persistent ranges (only release_persistent releases them), 0 B in \
+                        wholly free chunks that could not be released.";
+            assert!(msg.ends_with(want), "{msg}");
+        }
+        other => panic!("expected out of memory, got {other:?}"),
+    }
+    assert_eq!(alloc.stats().num_device_unmap, 0);
+    let summary = alloc.memory_summary();
+    assert!(summary.contains("mapped; 62.00 MiB free (0 B in free chunks), 1 runs"), "{summary}");
+    consistent(&dev, &alloc);
+    drop(live);
+    drop(alloc);
+    assert_no_leak(&dev);
+}
+
+/// `release_threshold_mb:0` and a capture on another stream: a free on a stream outside the
+/// capture cannot be waited for while it lasts (a capture refuses host waits), so its pages
+/// stay; once the capture is over, the stream's next free gives them back, however small (the
+/// trim, run during the capture, remembered the stream's free bytes as checked and skipped it
+/// until they grew a page past them). Broken build `trim_in_capture`.
+#[test]
+fn pages_freed_during_a_capture_go_back_at_the_next_free_after_it() {
+    let (dev, alloc) = setup("release_threshold_mb:0", CAP);
+    let (s, t) = (dev.create_stream().unwrap(), dev.create_stream().unwrap());
+    let a = alloc.alloc(8 * MIB, t).unwrap();
+    let c = alloc.alloc(3 * MIB / 2, t).unwrap();
+    assert_eq!(c.ptr().0, a.ptr().0 + 8 * MIB);
+    // a's four pages, then c's one (no headroom under a threshold of 0).
+    assert_eq!(dev.live_mappings(), vec![(a.ptr(), 8 * MIB), (c.ptr(), 2 * MIB)]);
+    alloc.begin_capture(s, None).unwrap();
+    let unmaps = dev.vm_counters().unmaps;
+    drop(a);
+    assert_eq!(dev.vm_counters().unmaps, unmaps, "nothing unmapped during the capture");
+    drop(alloc.end_capture(s).unwrap());
+    assert_eq!(alloc.stats().blocks.reserved_bytes.large_pool.current, 10 * MIB);
+    // After the capture, 1.5 MiB freed on t: both chunks go.
+    drop(c);
+    let st = alloc.stats();
+    assert_eq!(st.blocks.reserved_bytes.large_pool.current, 0);
+    assert_eq!((st.num_device_unmap, st.num_physical_release), (unmaps + 2, 2));
+    assert_eq!(dev.live_mappings(), vec![]);
+    consistent(&dev, &alloc);
+    drop(alloc);
+    assert_no_leak(&dev);
+}
+
+/// A `set_config` lowering `release_threshold_mb` applies to the next free, however small: the
+/// trim's memory of what it checked under the old threshold went with it (kept, the stream was
+/// skipped until a page more was freed, and 6 MiB stayed mapped under a threshold of 0).
+/// Broken build `threshold_memo_kept`.
+#[test]
+fn a_lowered_release_threshold_applies_to_the_next_free() {
+    let (dev, alloc) = setup("release_threshold_mb:8", CAP);
+    let s0 = StreamId::DEFAULT;
+    let w = alloc.alloc_in(10 * MIB, s0, Residency::Persistent).unwrap();
+    let a = alloc.alloc(6 * MIB, s0).unwrap();
+    let b = alloc.alloc(3 * MIB / 2, s0).unwrap();
+    assert_eq!(
+        (a.ptr(), b.ptr()),
+        (DeviceAddr(SIM_BASE + 2 * CAP), DeviceAddr(SIM_BASE + 2 * CAP + 6 * MIB))
+    );
+    // 16 MiB free on the stream, 6 MiB of them transient: under 8 MiB, nothing goes.
+    drop(w);
+    drop(a);
+    assert_eq!(alloc.stats().blocks.reserved_bytes.transient.current, 4 * P);
+    alloc
+        .set_config(Config::parse("expandable_segments:true,release_threshold_mb:0").unwrap())
+        .unwrap();
+    // 1.5 MiB more: every wholly free transient chunk goes (a's three pages, then b's page).
+    drop(b);
+    let s = alloc.stats();
+    assert_eq!(s.blocks.reserved_bytes.transient.current, 0);
+    assert_eq!(s.blocks.reserved_bytes.persistent.current, 5 * P);
+    assert_eq!((s.num_device_unmap, s.num_physical_release), (2, 2));
+    consistent(&dev, &alloc);
+    drop(alloc);
+    assert_no_leak(&dev);
+}
+
+/// A named scope's learning run gives its stream's freed transient pages back at once (as
+/// `release_threshold_mb:0` would), from its opening on, whatever an earlier run left the trim
+/// remembering: here the free persistent bytes of a first run, spent since with no threshold to
+/// follow them down. The block freed into the stream's cache before the run, which its opening
+/// frees into the pool, was kept mapped. Broken build `learning_memo_kept`.
+#[test]
+fn a_second_learning_run_gives_its_freed_pages_back_from_its_opening() {
+    let (dev, alloc) = setup("", CAP);
+    let s = dev.create_stream().unwrap();
+    let w = alloc.alloc_in(10 * MIB, s, Residency::Persistent).unwrap();
+    assert_eq!(w.ptr(), DeviceAddr(SIM_BASE));
+    let first = alloc.named_scope("load", s);
+    drop(w); // 10 MiB free on s, persistent: the run's trim releases none of it
+    drop(first);
+    let w2 = alloc.alloc_in(8 * MIB, s, Residency::Persistent).unwrap();
+    assert_eq!(w2.ptr(), DeviceAddr(SIM_BASE));
+    let x = alloc.alloc(4 * MIB, s).unwrap();
+    assert_eq!(x.ptr(), DeviceAddr(SIM_BASE + 2 * CAP));
+    drop(x); // into the stream's cache: no learning run, no threshold
+    assert_eq!(alloc.stats().blocks.reserved_bytes.transient.current, 2 * P);
+    let run = alloc.named_scope("step", s);
+    let st = alloc.stats();
+    assert_eq!(st.blocks.reserved_bytes.transient.current, 0);
+    assert_eq!(st.blocks.reserved_bytes.persistent.current, 5 * P);
+    assert_eq!((st.num_device_unmap, st.num_physical_release), (1, 1));
+    consistent(&dev, &alloc);
+    drop(run);
+    drop(w2);
+    drop(alloc);
+    assert_no_leak(&dev);
+}
+
+/// `destroy_stream` whose release of the stream's pages the device refuses: the error comes
+/// after the stream is gone (as the documentation says), the pages stay counted and mapped,
+/// and `release_stream` on the gone stream gives them and its range back.
+#[test]
+fn a_refused_unmap_at_destroy_stream_leaves_the_pages_to_release_stream() {
+    let (dev, alloc) = setup("", CAP);
+    let s = dev.create_stream().unwrap();
+    let a = alloc.alloc(8 * MIB, s).unwrap();
+    let b = alloc.alloc(70 * MIB / 2, s).unwrap();
+    assert_eq!(dev.live_mappings(), vec![(a.ptr(), 8 * MIB), (b.ptr(), 36 * MIB)]);
+    drop((a, b));
+    dev.fail_nth_vm_unmap(Some(2));
+    let refused = alloc.destroy_stream(s);
+    assert!(matches!(&refused, Err(AllocError::Device(_))), "{refused:?}");
+    assert!(!dev.live_streams().contains(&s));
+    // The top chunk went, the other stays, counted.
+    assert_eq!(dev.live_mappings(), vec![(DeviceAddr(SIM_BASE), 8 * MIB)]);
+    assert_eq!(alloc.reserved_bytes(), 8 * MIB);
+    consistent(&dev, &alloc);
+    alloc.release_stream(s).unwrap();
+    assert_eq!(alloc.reserved_bytes(), 0);
+    assert_eq!(alloc.expandable_ranges(), vec![]);
+    assert_eq!((dev.live_mappings(), dev.virtual_bytes()), (vec![], 0));
+    let st = alloc.stats();
+    assert_eq!((st.num_device_unmap, st.num_physical_release), (2, 2));
+    consistent(&dev, &alloc);
+    drop(alloc);
+    assert_no_leak(&dev);
+}
