@@ -273,6 +273,7 @@ impl Vm {
     }
 
     /// No range exists.
+    #[inline]
     pub(super) fn is_empty(&self) -> bool {
         self.ranges.is_empty()
     }

@@ -163,6 +163,7 @@ impl Pool {
     }
 
     /// Bytes of segments reserved (`stats().reserved_bytes.all.current`, without the copy).
+    #[inline]
     pub fn reserved_bytes(&self) -> u64 {
         self.stats.reserved_bytes.all.current
     }
@@ -176,6 +177,7 @@ impl Pool {
 
     /// Live allocations of blocks of at least the oversize size (PyTorch's
     /// `oversize_allocations`: blocks never split, of `max_split_size` or more).
+    #[inline]
     pub fn oversize_allocations(&self) -> &Stat {
         &self.oversize
     }
