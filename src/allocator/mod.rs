@@ -785,8 +785,9 @@ impl<D: Device> Allocator<D> {
         }
         let key = PoolKey { residency, stream, kind: plan.kind };
         let block = sh.find_or_reserve_aligned(&mut st, config, key, bytes, plan.rounded, align)?;
-        let sizing = sh.alloc_sizing(&st, block, &config.sizing);
-        let block = st.pool.allocate(block, plan.rounded, bytes, &sizing);
+        let mut own = None;
+        let sizing = sh.alloc_sizing(&st, block, &config.sizing, &mut own);
+        let block = st.pool.allocate(block, plan.rounded, bytes, sizing);
         let b = st.pool.block(block);
         let (ptr, size) = (DeviceAddr(b.addr), b.size);
         // Accounted, and cached once freed, by its segment's residency (a block may sit in free
