@@ -187,21 +187,25 @@ fn timed_loop(
     for (i, step) in steps.iter().enumerate() {
         match *step {
             AllocStep::Alloc { slot, bytes, stream, residency } => {
-                let buf = match &scope {
+                let got = match &scope {
                     Some(s)
                         if residency == Residency::Transient
                             && streams[stream] == Scope::stream(s) =>
                     {
-                        s.alloc_unbound(bytes).map_err(err)?
+                        s.alloc_unbound(bytes)
                     }
-                    _ => acquire(alloc, bytes, streams[stream], residency).map_err(err)?,
+                    _ => acquire(alloc, bytes, streams[stream], residency),
                 };
                 // A slot is filled once (slots are per allocation): storing into the empty
                 // slot skips the drop glue an assignment would call for its old value, as the
-                // baselines' plain handles do.
-                match &mut live[slot] {
-                    s @ None => *s = Some(buf),
-                    Some(_) => unreachable!("slot {slot} filled twice"),
+                // baselines' plain handles do. The result is matched where it is stored, so
+                // the buffer is moved once, into its slot (`?` with `map_err` moved it through
+                // two temporaries first: ~35 instructions per allocation).
+                let s = &mut live[slot];
+                assert!(s.is_none(), "slot {slot} filled twice");
+                match got {
+                    Ok(buf) => std::mem::forget(s.replace(buf)), // (the old value is `None`)
+                    Err(e) => return Err(err(e)),
                 }
             }
             AllocStep::Free { slot } => release(&mut live[slot]),
