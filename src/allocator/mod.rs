@@ -598,16 +598,38 @@ impl<D: Device> Allocator<D> {
         align: u64,
         give_back: &mut dyn FnMut() -> bool,
     ) -> Result<Buffer<D>, AllocError> {
+        // The common case: a buffer, or an error no retry helps (a rejection by
+        // `throw_on_cudamalloc_oom` asks nothing of anyone). Matched where it is returned, so
+        // that the first attempt builds its result in the caller's place (no copy of it).
+        match self.alloc_in_once(bytes, stream, residency, align) {
+            Err(AllocError::OutOfMemory(report)) if !report.rejected => {
+                self.alloc_after_oom(bytes, stream, residency, align, give_back, report)
+            }
+            r => r,
+        }
+    }
+
+    /// [`Allocator::alloc_with_retries_after`] past a first attempt that ran out of memory
+    /// (`report`): the out-of-memory ladder.
+    #[cold]
+    #[inline(never)]
+    fn alloc_after_oom(
+        &self,
+        bytes: u64,
+        stream: StreamId,
+        residency: Residency,
+        align: u64,
+        give_back: &mut dyn FnMut() -> bool,
+        report: Box<OomReport>,
+    ) -> Result<Buffer<D>, AllocError> {
         let mut attempt = 0;
         let mut own_released = false;
         let (mut pools_released, mut general_released) = (false, false);
         // Whether the last attempt was the retry of an inner rung (pools, general, peers).
         let (mut peers_released, mut retried) = (false, false);
+        let mut r = Err(AllocError::OutOfMemory(report));
         loop {
-            let r = self.alloc_in_once(bytes, stream, residency, align);
             if !matches!(r, Err(AllocError::OutOfMemory(_))) || oom::is_rejected(&r) {
-                // The common case: a buffer, or an error no retry helps (a rejection by
-                // `throw_on_cudamalloc_oom` asks nothing of anyone).
                 return r;
             }
             if std::mem::take(&mut retried) {
@@ -652,6 +674,7 @@ impl<D: Device> Allocator<D> {
                 }
                 other => return other,
             }
+            r = self.alloc_in_once(bytes, stream, residency, align);
         }
     }
 
