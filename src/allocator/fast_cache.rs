@@ -754,7 +754,8 @@ impl StreamCache {
         }
         let w = &mut inner.words;
         w[CACHED_BYTES] -= b.size;
-        self.publish(inner);
+        // Left stale for the next reader to publish, as a hit leaves it (`close_stats`).
+        self.fast.open();
         Some(b)
     }
 
@@ -818,7 +819,9 @@ impl StreamCache {
         debug_assert!(!is_small(b.quadrant));
         self.set_large(inner, 0);
         inner.words[CACHED_BYTES] -= b.size;
-        self.publish(inner);
+        // Left stale for the next reader to publish, as a hit leaves it (`close_stats`): a
+        // publish here compared all the lane's words on every large search that drained it.
+        self.fast.open();
         Some(b)
     }
 
