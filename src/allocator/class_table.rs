@@ -224,6 +224,15 @@ impl ClassTable {
     }
 
     /// Every class's blocks (the hot block moved into its list first).
+    #[cfg_attr(
+        not(any(
+            test,
+            tidepool_broken = "large_drain",
+            tidepool_broken = "coalesce",
+            tidepool_broken = "scope_batch"
+        )),
+        allow(dead_code)
+    )]
     pub fn lists_mut(&mut self) -> impl Iterator<Item = &mut Vec<CachedBlock>> {
         self.spill();
         self.slots.iter_mut().flat_map(|s| s.iter_mut()).filter(|s| s.key != 0).map(|s| &mut s.list)
@@ -240,7 +249,30 @@ impl ClassTable {
             .chain(hot)
     }
 
+    /// Moves every block into `out` and forgets every class, keeping the slots' memory: what
+    /// [`ClassTable::lists_mut`] then [`ClassTable::clear`] do, in one pass over the slots that
+    /// stops at the last class (a slot is given a class only by `add`, which counts it, and
+    /// loses it only here or in `clear`, so a slot with no class holds no block).
+    pub fn take_all(&mut self, out: &mut Vec<CachedBlock>) {
+        self.spill();
+        let mut left = self.classes;
+        for s in self.slots.iter_mut().flat_map(|s| s.iter_mut()) {
+            if left == 0 {
+                break;
+            }
+            if s.key != 0 {
+                out.append(&mut s.list);
+                s.key = 0;
+                left -= 1;
+            }
+        }
+        debug_assert!(left == 0, "{left} classes counted but not found");
+        self.classes = 0;
+        self.hot_key = 0;
+    }
+
     /// Forgets every class (and block); keeps the slots' memory.
+    #[cfg_attr(not(any(test, tidepool_broken = "scope_batch")), allow(dead_code))]
     pub fn clear(&mut self) {
         for s in self.slots.iter_mut().flat_map(|s| s.iter_mut()) {
             s.key = 0;
@@ -330,5 +362,39 @@ mod tests {
         }
         assert!(!t.set_hot(a, block(6)), "no room for its class");
         assert_eq!(t.blocks(), 0);
+    }
+
+    /// `take_all` hands out every block in the order `lists_mut` gives them (a hot block, the
+    /// table's only one, included), appended to what `out` holds, and leaves the table as
+    /// `clear` does; classes can be added again after it.
+    #[test]
+    fn take_all_is_a_listing_then_a_clear() {
+        let fill = |t: &mut ClassTable| {
+            for i in 1..=5u64 {
+                let list = t.get_or_add(class(i * 4096, i % 2 == 0)).unwrap();
+                list.extend((0..i as usize).map(|k| block(10 * i as usize + k)));
+            }
+        };
+        let (mut a, mut b) = (ClassTable::default(), ClassTable::default());
+        fill(&mut a);
+        fill(&mut b);
+        let listed: Vec<CachedBlock> = a.lists_mut().flat_map(|l| l.drain(..)).collect();
+        a.clear();
+        let mut taken = vec![block(1)];
+        b.take_all(&mut taken);
+        assert_eq!(taken[0], block(1), "appended to what `out` held");
+        assert_eq!(taken[1..], listed[..]);
+        assert_eq!(taken.len(), 1 + 15);
+        for t in [&a, &b] {
+            assert_eq!((t.len(), t.blocks(), t.iter().count()), (0, 0, 0));
+        }
+        b.take_all(&mut taken);
+        assert_eq!(taken.len(), 16, "an empty table adds nothing");
+        assert!(b.set_hot(class(64 * 4096, false), block(99)));
+        b.take_all(&mut taken);
+        assert_eq!((taken.len(), taken[16], b.blocks()), (17, block(99), 0), "the hot block");
+        b.get_or_add(class(4096, true)).unwrap().push(block(7));
+        assert_eq!(b.iter().collect::<Vec<_>>(), vec![(class(4096, true), block(7))]);
+        assert_eq!(b.len(), 1);
     }
 }

@@ -768,11 +768,8 @@ impl StreamCache {
             return Vec::new();
         }
         let inner = &mut *g;
-        let mut out = Vec::with_capacity(inner.classes.blocks());
-        for list in inner.classes.lists_mut() {
-            out.append(list);
-        }
-        inner.classes.clear();
+        let mut out = Vec::new();
+        inner.classes.take_all(&mut out);
         inner.verdict = None;
         self.set_large(inner, 0);
         inner.words[CACHED_BYTES] = 0;
@@ -992,11 +989,6 @@ impl StreamCache {
     /// Whether [`StreamCache::close`] was called.
     pub fn is_closed(&self) -> bool {
         self.lock_inner().closed
-    }
-
-    /// Blocks cached now (read under the lane's lock: the hit path keeps no copy outside it).
-    pub fn cached_blocks(&self) -> u64 {
-        self.lock_inner().classes.blocks() as u64
     }
 
     /// Bytes cached now (read under the lane's lock).
