@@ -26,6 +26,7 @@ use crate::stats::Residency;
 
 /// Slots: a power of two, twice [`MAX_CLASSES`], so a probe stops within a few slots.
 const SLOTS: usize = 2 * MAX_CLASSES;
+const _: () = assert!(SLOTS.is_multiple_of(64));
 
 /// One slot: a key (0: empty) and its class's blocks.
 #[derive(Default)]
@@ -39,6 +40,8 @@ pub struct ClassTable {
     /// `SLOTS` slots once the first class is added (a fixed size: a probe indexes it with no
     /// bounds check).
     slots: Option<Box<[Slot; SLOTS]>>,
+    /// Bit `i` set ⇔ slot `i` holds a class: a drain visits those slots alone, in slot order.
+    occupied: [u64; SLOTS / 64],
     classes: usize,
     /// The slot last found: looked at first (a lane serves one class many times in a row, and
     /// then the probe is one compare with no hash).
@@ -53,6 +56,7 @@ impl Default for ClassTable {
     fn default() -> Self {
         ClassTable {
             slots: None,
+            occupied: [0; SLOTS / 64],
             classes: 0,
             last: 0,
             hot_key: 0,
@@ -212,6 +216,7 @@ impl ClassTable {
                 return None;
             }
             self.classes += 1;
+            self.occupied[i / 64] |= 1 << (i % 64);
             slots[i].key = key;
         }
         Some(&mut slots[i].list)
@@ -250,23 +255,24 @@ impl ClassTable {
     }
 
     /// Moves every block into `out` and forgets every class, keeping the slots' memory: what
-    /// [`ClassTable::lists_mut`] then [`ClassTable::clear`] do, in one pass over the slots that
-    /// stops at the last class (a slot is given a class only by `add`, which counts it, and
-    /// loses it only here or in `clear`, so a slot with no class holds no block).
+    /// [`ClassTable::lists_mut`] then [`ClassTable::clear`] do, visiting only the slots that
+    /// hold a class (`occupied`), in slot order. (A slot is given a class only by `add` and
+    /// loses it only here or in `clear`, so a slot with no class holds no block.)
     pub fn take_all(&mut self, out: &mut Vec<CachedBlock>) {
         self.spill();
-        let mut left = self.classes;
-        for s in self.slots.iter_mut().flat_map(|s| s.iter_mut()) {
-            if left == 0 {
-                break;
-            }
-            if s.key != 0 {
-                out.append(&mut s.list);
-                s.key = 0;
-                left -= 1;
+        if let Some(slots) = self.slots.as_deref_mut() {
+            for (w, bits) in self.occupied.iter_mut().enumerate() {
+                while *bits != 0 {
+                    let i = w * 64 + bits.trailing_zeros() as usize;
+                    *bits &= *bits - 1;
+                    let s = &mut slots[i];
+                    out.append(&mut s.list);
+                    s.key = 0;
+                }
             }
         }
-        debug_assert!(left == 0, "{left} classes counted but not found");
+        debug_assert!(self.slots.iter().flat_map(|s| s.iter()).all(|s| s.key == 0));
+        self.occupied = [0; SLOTS / 64];
         self.classes = 0;
         self.hot_key = 0;
     }
@@ -278,6 +284,7 @@ impl ClassTable {
             s.key = 0;
             s.list.clear();
         }
+        self.occupied = [0; SLOTS / 64];
         self.classes = 0;
         self.hot_key = 0;
     }
