@@ -824,6 +824,7 @@ impl StreamCache {
 
     /// Large-pool blocks cached now, 0 or 1 (a relaxed read: exact under this cache's lock, a
     /// hint without it).
+    #[inline]
     pub fn large_blocks(&self) -> u64 {
         self.large.load(Ordering::Relaxed)
     }

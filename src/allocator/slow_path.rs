@@ -69,6 +69,7 @@ impl<D: Device> Allocator<D> {
 /// Free block `b`, found for a request aligned to `align`, cut to start at the alignment (its
 /// padding split off as a free block of its own; `pool/align.rs`). Unchanged for `align` up
 /// to [`MIN_ALIGN`], which every block starts at.
+#[inline]
 fn aligned_start(st: &mut State, b: BlockId, align: u64) -> BlockId {
     match align > MIN_ALIGN {
         true => st.pool.split_front(b, align),
