@@ -238,6 +238,7 @@ impl Pool {
 
     /// The key whose inactive-split figures count the free blocks of segment `seg`: none for a
     /// run of an expandable range ([`Segment::expandable`]).
+    #[inline]
     fn split_counted(&self, seg: SegmentId) -> Option<PoolKey> {
         let s = &self.segments[seg.0];
         // BROKEN (`expandable_inactive_split`): runs count as device segments do.
@@ -247,6 +248,7 @@ impl Pool {
 
     /// Counts a free block of split segment `seg`, of `size` bytes, in (`up`) or out; nothing
     /// for a run of an expandable range ([`Segment::expandable`]).
+    #[inline]
     fn count_split(&mut self, seg: SegmentId, size: u64, up: bool) {
         let Some(key) = self.split_counted(seg) else { return };
         let (k, r, st) = (key.kind, key.residency, &mut self.stats);
