@@ -599,8 +599,9 @@ impl<D: Device> Allocator<D> {
         give_back: &mut dyn FnMut() -> bool,
     ) -> Result<Buffer<D>, AllocError> {
         // The common case: a buffer, or an error no retry helps (a rejection by
-        // `throw_on_cudamalloc_oom` asks nothing of anyone). Matched where it is returned, so
-        // that the first attempt builds its result in the caller's place (no copy of it).
+        // `throw_on_cudamalloc_oom` asks nothing of anyone). The ladder's state and loop live
+        // in `alloc_after_oom`, out of line. (The result is still copied once into the
+        // caller's place: matching it where it is returned did not remove that copy.)
         match self.alloc_in_once(bytes, stream, residency, align) {
             Err(AllocError::OutOfMemory(report)) if !report.rejected => {
                 self.alloc_after_oom(bytes, stream, residency, align, give_back, report)
