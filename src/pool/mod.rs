@@ -768,7 +768,7 @@ impl Pool {
         self.live(q, Live::RequestedBytes, requested, true);
     }
 
-    #[inline]
+    #[inline(always)]
     fn index_insert(&mut self, slot: usize, e: Entry) {
         let k = &mut self.free[slot];
         k.index.insert(e);
@@ -792,7 +792,7 @@ impl Pool {
         true
     }
 
-    #[inline]
+    #[inline(always)]
     fn index_remove(&mut self, slot: usize, e: &Entry) -> bool {
         let k = &mut self.free[slot];
         if !k.index.remove(e) {
