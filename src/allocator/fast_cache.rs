@@ -605,6 +605,7 @@ impl StreamCache {
     /// `accept` takes is remembered as checked ([`LargeVerdict`]), so that while no other
     /// global-lock section begins, a hit ([`StreamCache::pop_large`]) may hand it out again
     /// for the same request without the global lock.
+    #[inline]
     pub fn pop_checked_at(
         &self,
         class: ClassKey,
