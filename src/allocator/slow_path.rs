@@ -589,6 +589,7 @@ impl<D: Device> Shared<D> {
     }
 
     /// Frees the block of `f` into the pool now: allocated, or (`pended`) pending.
+    #[inline(always)]
     pub(super) fn free_now(st: &mut State, f: &buffer::Freed, pended: bool) {
         st.pool.free(f.block);
         match pended {
