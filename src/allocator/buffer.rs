@@ -291,8 +291,10 @@ impl<D: Device> Drop for Buffer<D> {
 
 impl<D: Device> Buffer<D> {
     /// [`Buffer`]'s drop for a large-pool block with no scope tag: into its stream's first
-    /// lane, whose owner this buffer holds, with none of `drop_cold`'s questions; anything else
-    /// (the lane holds a large block, or is not the stream's first) is left to `drop_cold`.
+    /// lane, whose owner this buffer holds, with none of `drop_cold`'s questions. Where the lane
+    /// holds a large block already, `drop_cold` sends it straight to the pool (`Refused`: it
+    /// asked `lane_for_free`'s question again before, 2026-12-06); anything else (a capture,
+    /// the sanitizer, a lane that is not the stream's first) is left to `drop_cold` whole.
     #[inline(never)]
     fn drop_large(&mut self) {
         let mut state = Freeing::NotTried;
@@ -300,12 +302,18 @@ impl<D: Device> Buffer<D> {
             && self.no_capture()
             && let Some(lane) = self.owner.quiet_lane()
             && lane.is_first_of(self.stream)
-            && self.owner.takes_large(lane, self.size)
         {
-            if lane.push_stash(self.class(), self.cached(block), self.stream, true).is_ok() {
-                return; // `owner` now belongs to the lane (nothing to forget)
+            if self.owner.takes_large(lane, self.size) {
+                if lane.push_stash(self.class(), self.cached(block), self.stream, true).is_ok() {
+                    return; // `owner` now belongs to the lane (nothing to forget)
+                }
+                state = Freeing::Refused;
+            } else if !cfg!(tidepool_broken = "large_drop") {
+                // The lane holds a large block already (its hint): straight to the pool, where
+                // `free_fast` would send it too after asking `lane_for_free` the same again.
+                // (Not in the broken build, whose large case may carry a scope tag.)
+                state = Freeing::Refused;
             }
-            state = Freeing::Refused;
         }
         self.drop_cold(state);
     }

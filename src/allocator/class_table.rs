@@ -26,6 +26,7 @@ use crate::stats::Residency;
 
 /// Slots: a power of two, twice [`MAX_CLASSES`], so a probe stops within a few slots.
 const SLOTS: usize = 2 * MAX_CLASSES;
+const _: () = assert!(SLOTS.is_multiple_of(64));
 
 /// One slot: a key (0: empty) and its class's blocks.
 #[derive(Default)]
@@ -39,6 +40,8 @@ pub struct ClassTable {
     /// `SLOTS` slots once the first class is added (a fixed size: a probe indexes it with no
     /// bounds check).
     slots: Option<Box<[Slot; SLOTS]>>,
+    /// Bit `i` set ⇔ slot `i` holds a class: a drain visits those slots alone, in slot order.
+    occupied: [u64; SLOTS / 64],
     classes: usize,
     /// The slot last found: looked at first (a lane serves one class many times in a row, and
     /// then the probe is one compare with no hash).
@@ -53,6 +56,7 @@ impl Default for ClassTable {
     fn default() -> Self {
         ClassTable {
             slots: None,
+            occupied: [0; SLOTS / 64],
             classes: 0,
             last: 0,
             hot_key: 0,
@@ -212,6 +216,7 @@ impl ClassTable {
                 return None;
             }
             self.classes += 1;
+            self.occupied[i / 64] |= 1 << (i % 64);
             slots[i].key = key;
         }
         Some(&mut slots[i].list)
@@ -224,6 +229,15 @@ impl ClassTable {
     }
 
     /// Every class's blocks (the hot block moved into its list first).
+    #[cfg_attr(
+        not(any(
+            test,
+            tidepool_broken = "large_drain",
+            tidepool_broken = "coalesce",
+            tidepool_broken = "scope_batch"
+        )),
+        allow(dead_code)
+    )]
     pub fn lists_mut(&mut self) -> impl Iterator<Item = &mut Vec<CachedBlock>> {
         self.spill();
         self.slots.iter_mut().flat_map(|s| s.iter_mut()).filter(|s| s.key != 0).map(|s| &mut s.list)
@@ -240,12 +254,37 @@ impl ClassTable {
             .chain(hot)
     }
 
+    /// Moves every block into `out` and forgets every class, keeping the slots' memory: what
+    /// [`ClassTable::lists_mut`] then [`ClassTable::clear`] do, visiting only the slots that
+    /// hold a class (`occupied`), in slot order. (A slot is given a class only by `add` and
+    /// loses it only here or in `clear`, so a slot with no class holds no block.)
+    pub fn take_all(&mut self, out: &mut Vec<CachedBlock>) {
+        self.spill();
+        if let Some(slots) = self.slots.as_deref_mut() {
+            for (w, bits) in self.occupied.iter_mut().enumerate() {
+                while *bits != 0 {
+                    let i = w * 64 + bits.trailing_zeros() as usize;
+                    *bits &= *bits - 1;
+                    let s = &mut slots[i];
+                    out.append(&mut s.list);
+                    s.key = 0;
+                }
+            }
+        }
+        debug_assert!(self.slots.iter().flat_map(|s| s.iter()).all(|s| s.key == 0));
+        self.occupied = [0; SLOTS / 64];
+        self.classes = 0;
+        self.hot_key = 0;
+    }
+
     /// Forgets every class (and block); keeps the slots' memory.
+    #[cfg_attr(not(any(test, tidepool_broken = "scope_batch")), allow(dead_code))]
     pub fn clear(&mut self) {
         for s in self.slots.iter_mut().flat_map(|s| s.iter_mut()) {
             s.key = 0;
             s.list.clear();
         }
+        self.occupied = [0; SLOTS / 64];
         self.classes = 0;
         self.hot_key = 0;
     }
@@ -330,5 +369,39 @@ mod tests {
         }
         assert!(!t.set_hot(a, block(6)), "no room for its class");
         assert_eq!(t.blocks(), 0);
+    }
+
+    /// `take_all` hands out every block in the order `lists_mut` gives them (a hot block, the
+    /// table's only one, included), appended to what `out` holds, and leaves the table as
+    /// `clear` does; classes can be added again after it.
+    #[test]
+    fn take_all_is_a_listing_then_a_clear() {
+        let fill = |t: &mut ClassTable| {
+            for i in 1..=5u64 {
+                let list = t.get_or_add(class(i * 4096, i % 2 == 0)).unwrap();
+                list.extend((0..i as usize).map(|k| block(10 * i as usize + k)));
+            }
+        };
+        let (mut a, mut b) = (ClassTable::default(), ClassTable::default());
+        fill(&mut a);
+        fill(&mut b);
+        let listed: Vec<CachedBlock> = a.lists_mut().flat_map(|l| l.drain(..)).collect();
+        a.clear();
+        let mut taken = vec![block(1)];
+        b.take_all(&mut taken);
+        assert_eq!(taken[0], block(1), "appended to what `out` held");
+        assert_eq!(taken[1..], listed[..]);
+        assert_eq!(taken.len(), 1 + 15);
+        for t in [&a, &b] {
+            assert_eq!((t.len(), t.blocks(), t.iter().count()), (0, 0, 0));
+        }
+        b.take_all(&mut taken);
+        assert_eq!(taken.len(), 16, "an empty table adds nothing");
+        assert!(b.set_hot(class(64 * 4096, false), block(99)));
+        b.take_all(&mut taken);
+        assert_eq!((taken.len(), taken[16], b.blocks()), (17, block(99), 0), "the hot block");
+        b.get_or_add(class(4096, true)).unwrap().push(block(7));
+        assert_eq!(b.iter().collect::<Vec<_>>(), vec![(class(4096, true), block(7))]);
+        assert_eq!(b.len(), 1);
     }
 }

@@ -273,6 +273,7 @@ impl Vm {
     }
 
     /// No range exists.
+    #[inline]
     pub(super) fn is_empty(&self) -> bool {
         self.ranges.is_empty()
     }
@@ -571,8 +572,9 @@ impl<D: Device> Shared<D> {
         rounded: u64,
         sizing: &Sizing,
     ) -> bool {
-        let own = self.alloc_sizing(st, block, sizing);
-        if !st.pool.reuse_is_best_fit(block, rounded, &own) {
+        let mut own = None;
+        let own = self.alloc_sizing(st, block, sizing, &mut own);
+        if !st.pool.reuse_is_best_fit(block, rounded, own) {
             return false;
         }
         if self.broken(Broken::ReuseGrowthEnd) {
@@ -614,10 +616,26 @@ impl<D: Device> Shared<D> {
     /// or not (PyTorch's `should_split` with expandable segments: what remains is at least
     /// `kMinBlockSize`); a stitched block is taken whole (a block in its tail would keep every
     /// chunk lent: `stitch.rs`); elsewhere the configured rules.
-    pub(super) fn alloc_sizing(&self, st: &State, block: BlockId, sizing: &Sizing) -> Sizing {
+    ///
+    /// Borrowed: `sizing` itself with no range (inline: no copy of the rules), else the rules
+    /// made for the block, stored in `own`.
+    #[inline(always)]
+    pub(super) fn alloc_sizing<'s>(
+        &self,
+        st: &State,
+        block: BlockId,
+        sizing: &'s Sizing,
+        own: &'s mut Option<Sizing>,
+    ) -> &'s Sizing {
         if st.vm.is_empty() {
-            return *sizing;
+            return sizing;
         }
+        own.insert(self.alloc_sizing_vm(st, block, sizing))
+    }
+
+    /// [`Shared::alloc_sizing`] where ranges exist.
+    #[inline(never)]
+    fn alloc_sizing_vm(&self, st: &State, block: BlockId, sizing: &Sizing) -> Sizing {
         let b = st.pool.block(block);
         if Self::stitched(&st.vm, b.segment) {
             Sizing { max_split_size: 0, ..*sizing }

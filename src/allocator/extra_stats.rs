@@ -43,6 +43,7 @@ fn words(st: &State) -> [u64; EXTRA_WORDS] {
 }
 
 /// A figure that grows whenever any extra figure changes (see [`Shared::publish_extra`]).
+#[inline(always)]
 fn version(st: &State) -> u64 {
     let (a, s) = (st.pool.oversize_allocations(), &st.oversize_segments);
     let c = &st.counters;
@@ -61,17 +62,25 @@ impl<D: Device> Shared<D> {
     /// of what was allocated and freed, of sync-alls and of rejections only grow (a reset subtracts a saved
     /// copy instead), and any change of a current or peak figure comes with one of them —
     /// but for `reset_peak_stats`, which clears the version.
+    #[inline(always)]
     pub(super) fn publish_extra(&self, st: &mut State) {
         let version = version(st);
         if st.extra_published != Some(version) {
-            st.extra_published = Some(version);
-            let now = words(st);
-            self.extra.block.write(|w| {
-                for (i, &v) in now.iter().enumerate() {
-                    w.set(i, v);
-                }
-            });
+            self.publish_extra_now(st, version);
         }
+    }
+
+    /// [`Shared::publish_extra`] of figures that changed (out of line).
+    #[cold]
+    #[inline(never)]
+    fn publish_extra_now(&self, st: &mut State, version: u64) {
+        st.extra_published = Some(version);
+        let now = words(st);
+        self.extra.block.write(|w| {
+            for (i, &v) in now.iter().enumerate() {
+                w.set(i, v);
+            }
+        });
     }
 
     /// Adds the extra figures to statistics read elsewhere: from `st` when the caller holds

@@ -605,6 +605,7 @@ impl StreamCache {
     /// `accept` takes is remembered as checked ([`LargeVerdict`]), so that while no other
     /// global-lock section begins, a hit ([`StreamCache::pop_large`]) may hand it out again
     /// for the same request without the global lock.
+    #[inline]
     pub fn pop_checked_at(
         &self,
         class: ClassKey,
@@ -754,7 +755,8 @@ impl StreamCache {
         }
         let w = &mut inner.words;
         w[CACHED_BYTES] -= b.size;
-        self.publish(inner);
+        // Left stale for the next reader to publish, as a hit leaves it (`close_stats`).
+        self.fast.open();
         Some(b)
     }
 
@@ -767,11 +769,8 @@ impl StreamCache {
             return Vec::new();
         }
         let inner = &mut *g;
-        let mut out = Vec::with_capacity(inner.classes.blocks());
-        for list in inner.classes.lists_mut() {
-            out.append(list);
-        }
-        inner.classes.clear();
+        let mut out = Vec::new();
+        inner.classes.take_all(&mut out);
         inner.verdict = None;
         self.set_large(inner, 0);
         inner.words[CACHED_BYTES] = 0;
@@ -818,12 +817,15 @@ impl StreamCache {
         debug_assert!(!is_small(b.quadrant));
         self.set_large(inner, 0);
         inner.words[CACHED_BYTES] -= b.size;
-        self.publish(inner);
+        // Left stale for the next reader to publish, as a hit leaves it (`close_stats`): a
+        // publish here compared all the lane's words on every large search that drained it.
+        self.fast.open();
         Some(b)
     }
 
     /// Large-pool blocks cached now, 0 or 1 (a relaxed read: exact under this cache's lock, a
     /// hint without it).
+    #[inline]
     pub fn large_blocks(&self) -> u64 {
         self.large.load(Ordering::Relaxed)
     }
@@ -989,11 +991,6 @@ impl StreamCache {
     /// Whether [`StreamCache::close`] was called.
     pub fn is_closed(&self) -> bool {
         self.lock_inner().closed
-    }
-
-    /// Blocks cached now (read under the lane's lock: the hit path keeps no copy outside it).
-    pub fn cached_blocks(&self) -> u64 {
-        self.lock_inner().classes.blocks() as u64
     }
 
     /// Bytes cached now (read under the lane's lock).

@@ -604,16 +604,39 @@ impl<D: Device> Allocator<D> {
         align: u64,
         give_back: &mut dyn FnMut() -> bool,
     ) -> Result<Buffer<D>, AllocError> {
+        // The common case: a buffer, or an error no retry helps (a rejection by
+        // `throw_on_cudamalloc_oom` asks nothing of anyone). The ladder's state and loop live
+        // in `alloc_after_oom`, out of line. (The result is still copied once into the
+        // caller's place: matching it where it is returned did not remove that copy.)
+        match self.alloc_in_once(bytes, stream, residency, align) {
+            Err(AllocError::OutOfMemory(report)) if !report.rejected => {
+                self.alloc_after_oom(bytes, stream, residency, align, give_back, report)
+            }
+            r => r,
+        }
+    }
+
+    /// [`Allocator::alloc_with_retries_after`] past a first attempt that ran out of memory
+    /// (`report`): the out-of-memory ladder.
+    #[cold]
+    #[inline(never)]
+    fn alloc_after_oom(
+        &self,
+        bytes: u64,
+        stream: StreamId,
+        residency: Residency,
+        align: u64,
+        give_back: &mut dyn FnMut() -> bool,
+        report: Box<OomReport>,
+    ) -> Result<Buffer<D>, AllocError> {
         let mut attempt = 0;
         let mut own_released = false;
         let (mut pools_released, mut general_released) = (false, false);
         // Whether the last attempt was the retry of an inner rung (pools, general, peers).
         let (mut peers_released, mut retried) = (false, false);
+        let mut r = Err(AllocError::OutOfMemory(report));
         loop {
-            let r = self.alloc_in_once(bytes, stream, residency, align);
             if !matches!(r, Err(AllocError::OutOfMemory(_))) || oom::is_rejected(&r) {
-                // The common case: a buffer, or an error no retry helps (a rejection by
-                // `throw_on_cudamalloc_oom` asks nothing of anyone).
                 return r;
             }
             if std::mem::take(&mut retried) {
@@ -658,6 +681,7 @@ impl<D: Device> Allocator<D> {
                 }
                 other => return other,
             }
+            r = self.alloc_in_once(bytes, stream, residency, align);
         }
     }
 
@@ -791,8 +815,9 @@ impl<D: Device> Allocator<D> {
         }
         let key = PoolKey { residency, stream, kind: plan.kind };
         let block = sh.find_or_reserve_aligned(&mut st, config, key, bytes, plan.rounded, align)?;
-        let sizing = sh.alloc_sizing(&st, block, &config.sizing);
-        let block = st.pool.allocate(block, plan.rounded, bytes, &sizing);
+        let mut own = None;
+        let sizing = sh.alloc_sizing(&st, block, &config.sizing, &mut own);
+        let block = st.pool.allocate(block, plan.rounded, bytes, sizing);
         let b = st.pool.block(block);
         let (ptr, size) = (DeviceAddr(b.addr), b.size);
         // Accounted, and cached once freed, by its segment's residency (a block may sit in free

@@ -108,17 +108,24 @@ impl<D: Device> Shared<D> {
 
     /// Brings this allocator's share of the family's total to its reserved bytes. The caller
     /// holds the lock.
-    #[inline]
+    #[inline(always)]
     pub(super) fn count_in_family(&self, st: &mut State) {
         let now = st.pool.reserved_bytes();
-        let share = st.family_share;
-        if now != share {
-            let total = &self.family.reserved;
-            match now > share {
-                true => total.fetch_add(now - share, Ordering::AcqRel),
-                false => total.fetch_sub(share - now, Ordering::AcqRel),
-            };
-            st.family_share = now;
+        if now != st.family_share {
+            self.count_in_family_now(st, now);
         }
+    }
+
+    /// [`Shared::count_in_family`] where the reserved bytes moved (out of line).
+    #[cold]
+    #[inline(never)]
+    fn count_in_family_now(&self, st: &mut State, now: u64) {
+        let share = st.family_share;
+        let total = &self.family.reserved;
+        match now > share {
+            true => total.fetch_add(now - share, Ordering::AcqRel),
+            false => total.fetch_sub(share - now, Ordering::AcqRel),
+        };
+        st.family_share = now;
     }
 }

@@ -32,13 +32,27 @@ impl<D: Device> Shared<D> {
     /// publishing them: the next reader publishes them ([`Shared::publish_now`]), so the slow
     /// path pays one store for its statistics, not a copy of every changed figure.
     /// (Under `global_lock` nothing is published: `stats()` reads under the lock.)
+    ///
+    /// Inlined into every lock section's end (`Locked`'s drop): the common case is a few loads
+    /// and compares — nothing to settle, the extra figures' version unchanged, the family share
+    /// unchanged, the base block's write already open — with each rarer step out of line.
+    #[inline(always)]
     pub(super) fn publish(&self, st: &mut State) {
-        self.settle(st);
+        if st.stash_closed || !st.vm.is_empty() || self.passthrough.load(Ordering::Relaxed) {
+            self.settle_cold(st);
+        }
         self.publish_extra(st);
         self.count_in_family(st);
         if self.publish_stats.load(Ordering::Relaxed) {
             self.stats.open();
         }
+    }
+
+    /// [`Shared::settle`] where there may be something to settle (out of line).
+    #[cold]
+    #[inline(never)]
+    fn settle_cold(&self, st: &mut State) {
+        self.settle(st);
     }
 
     /// What every lock section ends with before its statistics go out: a closed allocator lets

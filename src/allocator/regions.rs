@@ -464,8 +464,9 @@ impl<D: Device> Shared<D> {
         let key =
             PoolKey { residency: Residency::Transient, stream, kind: config.sizing.kind(rounded) };
         let block = self.find_or_reserve(st, config, key, bytes, rounded)?;
-        let sizing = self.alloc_sizing(st, block, &config.sizing);
-        let block = st.pool.allocate(block, rounded, bytes, &sizing);
+        let mut own = None;
+        let sizing = self.alloc_sizing(st, block, &config.sizing, &mut own);
+        let block = st.pool.allocate(block, rounded, bytes, sizing);
         let (addr, size) = (st.pool.block(block).addr, st.pool.block(block).size);
         let held = st.pool.segment(st.pool.block(block).segment).key.residency;
         let q = quadrant(key.kind, held);

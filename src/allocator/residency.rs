@@ -71,7 +71,7 @@ impl<D: Device> Shared<D> {
     /// one that holds `rounded` bytes at an aligned address), if any: the best fit of `key`,
     /// or of the other residency's blocks of the same stream and pool where those are shared
     /// and offer a smaller block. See the module docs.
-    #[inline]
+    #[inline(always)]
     pub(super) fn find_placed(
         &self,
         st: &mut State,

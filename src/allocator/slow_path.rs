@@ -69,6 +69,7 @@ impl<D: Device> Allocator<D> {
 /// Free block `b`, found for a request aligned to `align`, cut to start at the alignment (its
 /// padding split off as a free block of its own; `pool/align.rs`). Unchanged for `align` up
 /// to [`MIN_ALIGN`], which every block starts at.
+#[inline]
 fn aligned_start(st: &mut State, b: BlockId, align: u64) -> BlockId {
     match align > MIN_ALIGN {
         true => st.pool.split_front(b, align),
@@ -591,6 +592,7 @@ impl<D: Device> Shared<D> {
     }
 
     /// Frees the block of `f` into the pool now: allocated, or (`pended`) pending.
+    #[inline(always)]
     pub(super) fn free_now(st: &mut State, f: &buffer::Freed, pended: bool) {
         st.pool.free(f.block);
         match pended {
@@ -609,10 +611,10 @@ impl<D: Device> Shared<D> {
     /// Flushes every stream cache into the pool; returns how many blocks moved.
     pub(super) fn flush_all(&self, st: &mut State) -> usize {
         let mut n = 0;
+        // (An empty lane's drain returns at its cached-bytes word: no block is empty. Asking
+        // `cached_blocks` first scanned its class table and took its lock once more.)
         for c in st.lanes.iter() {
-            if c.cached_blocks() > 0 {
-                n += flush_into(c, &mut st.pool).len();
-            }
+            n += flush_into(c, &mut st.pool).len();
         }
         n
     }

@@ -231,6 +231,7 @@ impl<D: Device> DerefMut for Locked<'_, D> {
 }
 
 impl<D: Device> Drop for Locked<'_, D> {
+    #[inline]
     fn drop(&mut self) {
         self.sh.publish(&mut self.st);
     }

@@ -55,6 +55,7 @@ fn encode(divisions: u64) -> Option<u8> {
 }
 
 /// The interval of a MiB key or a byte size: `log2` of its MiB count, clamped to the table.
+#[inline]
 fn interval_of_mib(mib: u64) -> usize {
     (63 - mib.max(1).leading_zeros() as usize).min(INTERVALS - 1)
 }

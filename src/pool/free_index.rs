@@ -134,12 +134,23 @@ impl FreeIndex {
         self.octaves[fl].as_ref().map_or(&[], |o| &o[sl])
     }
 
-    /// Bin (fl, sl), its octave made if need be.
-    #[inline]
+    /// Bin (fl, sl), its octave made if need be (out of line: once per octave).
+    #[inline(always)]
     fn bin_mut(&mut self, fl: usize, sl: usize) -> &mut Vec<Entry> {
-        let octave =
-            self.octaves[fl].get_or_insert_with(|| Box::new(std::array::from_fn(|_| Vec::new())));
-        &mut octave[sl]
+        if self.octaves[fl].is_none() {
+            self.make_octave(fl);
+        }
+        match self.octaves[fl].as_mut() {
+            Some(octave) => &mut octave[sl],
+            None => unreachable!("octave {fl} made above"),
+        }
+    }
+
+    /// Makes octave `fl`'s bins, empty.
+    #[cold]
+    #[inline(never)]
+    fn make_octave(&mut self, fl: usize) {
+        self.octaves[fl] = Some(Box::new(std::array::from_fn(|_| Vec::new())));
     }
 
     /// Number of free blocks.

@@ -163,6 +163,7 @@ impl Pool {
     }
 
     /// Bytes of segments reserved (`stats().reserved_bytes.all.current`, without the copy).
+    #[inline]
     pub fn reserved_bytes(&self) -> u64 {
         self.stats.reserved_bytes.all.current
     }
@@ -176,6 +177,7 @@ impl Pool {
 
     /// Live allocations of blocks of at least the oversize size (PyTorch's
     /// `oversize_allocations`: blocks never split, of `max_split_size` or more).
+    #[inline]
     pub fn oversize_allocations(&self) -> &Stat {
         &self.oversize
     }
@@ -236,6 +238,7 @@ impl Pool {
 
     /// The key whose inactive-split figures count the free blocks of segment `seg`: none for a
     /// run of an expandable range ([`Segment::expandable`]).
+    #[inline]
     fn split_counted(&self, seg: SegmentId) -> Option<PoolKey> {
         let s = &self.segments[seg.0];
         // BROKEN (`expandable_inactive_split`): runs count as device segments do.
@@ -245,6 +248,7 @@ impl Pool {
 
     /// Counts a free block of split segment `seg`, of `size` bytes, in (`up`) or out; nothing
     /// for a run of an expandable range ([`Segment::expandable`]).
+    #[inline]
     fn count_split(&mut self, seg: SegmentId, size: u64, up: bool) {
         let Some(key) = self.split_counted(seg) else { return };
         let (k, r, st) = (key.kind, key.residency, &mut self.stats);
@@ -810,7 +814,7 @@ impl Pool {
         self.live(q, Live::RequestedBytes, requested, true);
     }
 
-    #[inline]
+    #[inline(always)]
     fn index_insert(&mut self, slot: usize, e: Entry) {
         let k = &mut self.free[slot];
         k.index.insert(e);
@@ -834,7 +838,7 @@ impl Pool {
         true
     }
 
-    #[inline]
+    #[inline(always)]
     fn index_remove(&mut self, slot: usize, e: &Entry) -> bool {
         let k = &mut self.free[slot];
         if !k.index.remove(e) {
