@@ -1,0 +1,81 @@
+//! Stream-ordered frees, events and stream lifetimes, broken the way users break them: kernels
+//! that really read and write on several streams (gated, so nothing depends on timing), the
+//! sanitizer on, injected event faults, streams destroyed while frees wait on them, and the
+//! exact addresses, byte counts and host waits that follow.
+
+use std::sync::Arc;
+use tidepool::device::{AccessKind, Launch, SIM_BASE, SimDevice};
+use tidepool::{Allocator, Config, Device, DeviceAddr, StreamId};
+
+mod common;
+use common::{N, gated, open_on_next_sync};
+
+/// A backed 256 MiB device with streams `s`, `t` and an allocator of `config`.
+fn setup(config: &str) -> (Arc<SimDevice>, Allocator<SimDevice>, StreamId, StreamId) {
+    let dev = Arc::new(SimDevice::backed(256 * tidepool::MIB));
+    let s = dev.create_stream().unwrap();
+    let t = dev.create_stream().unwrap();
+    let alloc = Allocator::new(dev.clone(), Config::parse(config).unwrap()).unwrap();
+    (dev, alloc, s, t)
+}
+
+/// The address `k` small blocks of N bytes into the first small segment.
+fn at(k: u64) -> DeviceAddr {
+    DeviceAddr(SIM_BASE + k * N)
+}
+
+/// Everything is back on the device once the allocator goes, no event is left, and the
+/// sanitizer saw no premature reuse.
+fn assert_all_returned(dev: &SimDevice, alloc: Allocator<SimDevice>) {
+    alloc.check_invariants().unwrap();
+    drop(alloc);
+    assert_eq!(dev.live_segments(), vec![]);
+    assert_eq!(dev.live_events(), 0, "the allocator leaked events");
+    assert_eq!(dev.violations(), vec![]);
+}
+
+/// `destroy_stream(s)` frees the blocks whose free waited on `s` (the device drained it) and
+/// leaves those waiting on another stream's unfinished work pending: it neither blocks the host
+/// on that other stream (a gated read here, which would have hung it) nor frees its block.
+/// Before, an event pending on `s` made it wait on the host for every pending event of every
+/// stream (`sync_events`).
+#[test]
+fn destroying_a_stream_waits_for_no_other_streams_work() {
+    let (dev, alloc, s, t) = setup("");
+    let z = alloc.alloc(N, StreamId::DEFAULT).unwrap();
+    let x = alloc.alloc(N, StreamId::DEFAULT).unwrap();
+    assert_eq!((z.ptr(), x.ptr()), (at(0), at(1)));
+    // `t` reads `x` until the gate opens; `x` is freed behind `t`'s event.
+    let (k, open) = gated(x.ptr(), N, AccessKind::Read);
+    dev.launch(t, k).unwrap();
+    x.record_stream(t).unwrap();
+    drop(x);
+    // `s` reads `z` (done at once); `z` is freed behind `s`'s event, not polled yet.
+    let (k, gate) = gated(z.ptr(), N, AccessKind::Read);
+    drop(gate);
+    dev.launch(s, k).unwrap();
+    z.record_stream(s).unwrap();
+    drop(z);
+    let syncs = dev.counters().host_syncs;
+    // (Were the host to wait for `t`, this opens the gate, so the test fails instead of hanging.)
+    let opener = open_on_next_sync(&dev, open);
+    alloc.destroy_stream(s).unwrap();
+    let st = alloc.stats();
+    assert_eq!((st.num_sync_all_streams, st.num_host_syncs), (0, 0), "waited on the host");
+    assert_eq!(dev.counters().host_syncs, syncs);
+    // `z`'s block is free; `x`'s still waits for `t`'s read.
+    assert_eq!(st.blocks.active_bytes.all.current, N, "x pending");
+    assert_eq!(st.blocks.allocated_bytes.all.current, 0);
+    let a = alloc.alloc(N, StreamId::DEFAULT).unwrap();
+    let b = alloc.alloc(N, StreamId::DEFAULT).unwrap();
+    assert_eq!((a.ptr(), b.ptr()), (at(0), at(2)), "x's block handed out while `t` reads it");
+    alloc.check_invariants().unwrap();
+    // The gate opens at the test's own host sync; then `x`'s block is free again.
+    dev.synchronize().unwrap();
+    opener.join().unwrap();
+    let c = alloc.alloc(N, StreamId::DEFAULT).unwrap();
+    assert_eq!(c.ptr(), at(1));
+    drop((a, b, c));
+    assert_all_returned(&dev, alloc);
+}
+
