@@ -79,3 +79,37 @@ fn destroying_a_stream_waits_for_no_other_streams_work() {
     assert_all_returned(&dev, alloc);
 }
 
+/// A closed allocator (its last handle gone) keeps no pooled event: a forgotten buffer keeps
+/// its own segment and nothing else, and a buffer freed after the close, used on another
+/// stream, gets an event for its free that goes back to the device with it. Before, the
+/// events stayed until the last buffer went: for good with a forgotten one.
+#[test]
+fn a_forgotten_buffer_keeps_no_event_of_its_closed_allocator() {
+    let (dev, alloc, s, t) = setup("");
+    let forgotten = alloc.alloc(N, s).unwrap();
+    // Eight frees behind events on `t` at once: eight events made and pooled.
+    let used: Vec<_> = (0..8).map(|_| alloc.alloc(N, s).unwrap()).collect();
+    used.iter().for_each(|b| b.record_stream(t).unwrap());
+    drop(used);
+    alloc.synchronize().unwrap();
+    assert_eq!(dev.live_events(), 8);
+    // A buffer that outlives the allocator's last handle, used on `t`.
+    let late = alloc.alloc(2 << 20, s).unwrap();
+    let late_ptr = late.ptr();
+    let (k, open) = gated(late_ptr, N, AccessKind::Read);
+    dev.launch(t, k).unwrap();
+    late.record_stream(t).unwrap();
+    std::mem::forget(forgotten);
+    drop(alloc);
+    assert_eq!(dev.live_events(), 0, "the closed allocator kept its pooled events");
+    let small = (DeviceAddr(SIM_BASE), 2 << 20);
+    assert_eq!(dev.live_segments(), vec![small, (late_ptr, 20 << 20)], "a 20 MiB large segment");
+    // Its free waits for `t` on the host (the gate opens as it starts to), with an event that
+    // goes back at once; then its segment goes too.
+    let opener = open_on_next_sync(&dev, open);
+    drop(late);
+    opener.join().unwrap();
+    assert_eq!(dev.live_events(), 0);
+    assert_eq!(dev.live_segments(), vec![small], "only the forgotten buffer's segment is left");
+    assert_eq!(dev.violations(), vec![]);
+}
