@@ -113,3 +113,32 @@ fn a_forgotten_buffer_keeps_no_event_of_its_closed_allocator() {
     assert_eq!(dev.live_segments(), vec![small], "only the forgotten buffer's segment is left");
     assert_eq!(dev.violations(), vec![]);
 }
+
+/// `destroy_stream(s)` while another stream captures a graph: the device destroys `s` (it is
+/// not capturing), and the free that waited on `s`'s work is done with no host wait, which the
+/// capture would refuse. Before, that wait failed (`cuEventSynchronize` during a capture) and
+/// the call returned the error after `s` was already destroyed, its segments still cached.
+#[test]
+fn destroying_a_stream_during_another_streams_capture_succeeds() {
+    let (dev, alloc, s, t) = setup("");
+    let z = alloc.alloc(N, StreamId::DEFAULT).unwrap();
+    let on_s = alloc.alloc(N, s).unwrap();
+    assert_eq!((z.ptr(), on_s.ptr()), (at(0), DeviceAddr(SIM_BASE + (2 << 20))));
+    drop(on_s); // cached for `s`: its segment goes with it
+    let (k, gate) = gated(z.ptr(), N, AccessKind::Read);
+    drop(gate);
+    dev.launch(s, k).unwrap();
+    z.record_stream(s).unwrap();
+    drop(z);
+    alloc.begin_capture(t, None).unwrap();
+    alloc.destroy_stream(s).unwrap();
+    assert!(!dev.has_stream(s));
+    let st = alloc.stats();
+    assert_eq!((st.blocks.active_bytes.all.current, st.num_host_syncs), (0, 0));
+    let graph = alloc.end_capture(t).unwrap();
+    drop(graph);
+    // `s`'s segment (released during the capture: no `cuMemFree` then) goes with `empty_cache`.
+    alloc.empty_cache().unwrap();
+    assert_eq!(dev.live_segments(), vec![]);
+    assert_all_returned(&dev, alloc);
+}
