@@ -142,3 +142,43 @@ fn destroying_a_stream_during_another_streams_capture_succeeds() {
     assert_eq!(dev.live_segments(), vec![]);
     assert_all_returned(&dev, alloc);
 }
+
+/// A free whose other stream's work nothing can mark (the event record fails) waits on the
+/// host; when the device fails that wait too, the block waits, never handed out, for the next
+/// host wait that succeeds (an event poll, the out-of-memory ladder, `empty_cache` here, the
+/// allocator's drop): not lost. Before, it stayed allocated for good (counted in
+/// `allocated_bytes`, its segment never released, not even as the allocator went).
+#[test]
+fn a_free_whose_host_wait_fails_waits_for_the_next_one() {
+    let (dev, alloc, s, t) = setup("");
+    let x = alloc.alloc(N, s).unwrap();
+    assert_eq!(x.ptr(), at(0));
+    let (k, open) = gated(x.ptr(), N, AccessKind::Read);
+    dev.launch(t, k).unwrap();
+    x.record_stream(t).unwrap();
+    dev.fail_event_records(true);
+    dev.fail_host_syncs(true);
+    drop(x); // no event on `t`, no host wait: nothing shows `t` done with it
+    let st = alloc.stats();
+    assert_eq!(st.blocks.allocated_bytes.all.current, 0, "the free was lost: still allocated");
+    assert_eq!(st.blocks.active_bytes.all.current, N, "pending");
+    let y = alloc.alloc(N, s).unwrap();
+    assert_eq!(y.ptr(), at(1), "handed out while `t` reads it");
+    alloc.check_invariants().unwrap();
+    dev.fail_event_records(false);
+    dev.fail_host_syncs(false);
+    let z = alloc.alloc(N, s).unwrap(); // (no event is pending: nothing polled)
+    assert_eq!(z.ptr(), at(2), "handed out while `t` reads it");
+    // `empty_cache` waits on the host (the gate opens as it starts to): then it is free.
+    let opener = open_on_next_sync(&dev, open.clone());
+    alloc.empty_cache().unwrap();
+    let _ = open.send(()); // (were nothing waited for, `t` still runs: end it)
+    let w = alloc.alloc(N, s).unwrap();
+    let st = alloc.stats();
+    dev.synchronize().unwrap();
+    opener.join().unwrap();
+    assert_eq!(w.ptr(), at(0), "the block was lost");
+    assert_eq!((st.blocks.active_bytes.all.current, st.num_host_syncs), (3 * N, 2));
+    drop((y, z, w));
+    assert_all_returned(&dev, alloc);
+}

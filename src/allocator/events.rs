@@ -234,7 +234,8 @@ impl<D: Device> Shared<D> {
         !st.parked.is_empty() || (!st.poisoned.is_empty() && !cfg!(tidepool_broken = "poison_kept"))
     }
 
-    /// Frees the parked blocks (their free's host wait was refused during a capture) and
+    /// Frees the parked blocks (their free's host wait was refused during a capture, or
+    /// failed) and
     /// returns the poisoned regions let go of (a slice's reuse that nothing could order) after
     /// a host wait, which no capture refuses now: every use of that memory, ordered or not, is
     /// done then. If the device fails it, they stay where they are.
