@@ -182,3 +182,49 @@ fn a_free_whose_host_wait_fails_waits_for_the_next_one() {
     drop((y, z, w));
     assert_all_returned(&dev, alloc);
 }
+
+/// `use_on` where the device refuses the device-side wait: the host waits for the owner's
+/// write instead (so the other stream reads the written bytes), and that wait is counted in
+/// `num_host_syncs` as the device counts it. Where the host wait fails too, `use_on` is a clear
+/// error that records nothing (the free takes no event). Before, the fallback's host wait was
+/// not counted.
+#[test]
+fn use_on_falls_back_to_a_counted_host_wait() {
+    let (dev, alloc, s, t) = setup("");
+    let x = alloc.alloc(N, s).unwrap();
+    let (k, open) = common::gated_write(x.ptr(), 0xAB);
+    dev.launch(s, k).unwrap();
+    dev.fail_event_waits(true);
+    let opener = open_on_next_sync(&dev, open);
+    x.use_on(t, AccessKind::Read).unwrap();
+    opener.join().unwrap();
+    dev.fail_event_waits(false);
+    assert_eq!(dev.counters().host_syncs, 1);
+    assert_eq!(alloc.stats().num_host_syncs, 1, "the host wait went uncounted");
+    // `t` reads what `s` wrote.
+    let got = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let (p, out) = (x.ptr(), got.clone());
+    let acc = vec![tidepool::device::Access { ptr: p, bytes: N, kind: AccessKind::Read }];
+    let read = tidepool::device::Kernel::new("read", acc, move |m| {
+        let mut v = vec![0u8; N as usize];
+        m.read(p, &mut v).unwrap();
+        *out.lock().unwrap() = v;
+    });
+    dev.launch(t, read).unwrap();
+    dev.synchronize().unwrap();
+    assert_eq!(*got.lock().unwrap(), vec![0xAB; N as usize]);
+    // No wait at all: an error, and nothing recorded.
+    let y = alloc.alloc(N, s).unwrap();
+    dev.fail_event_waits(true);
+    dev.fail_host_syncs(true);
+    assert!(matches!(y.use_on(t, AccessKind::Write), Err(tidepool::AllocError::Device(_))));
+    dev.fail_event_waits(false);
+    dev.fail_host_syncs(false);
+    let (records, py) = (dev.counters().event_records, y.ptr());
+    drop(y);
+    assert_eq!(dev.counters().event_records, records, "the refused use was recorded");
+    assert_eq!(alloc.alloc(N, s).unwrap().ptr(), py);
+    drop(x);
+    assert_all_returned(&dev, alloc);
+}
+

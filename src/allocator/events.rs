@@ -71,8 +71,16 @@ impl<D: Device> Shared<D> {
                 true => self.order_in_capture(&mut st, other, stream),
                 false => match self.mark(&mut st, other) {
                     Mark::Event(event) => {
-                        let ok = self.device.wait_event(stream, event).is_ok()
-                            || self.device.synchronize_event(event).is_ok();
+                        let mut ok = self.device.wait_event(stream, event).is_ok();
+                        if !ok {
+                            // The device refused the wait: the host waits for `other`'s work
+                            // instead, a host sync counted as every other. (BROKEN,
+                            // `use_on_sync_uncounted`: not counted in `num_host_syncs`.)
+                            if !cfg!(tidepool_broken = "use_on_sync_uncounted") {
+                                st.counters.host_syncs += 1;
+                            }
+                            ok = self.device.synchronize_event(event).is_ok();
+                        }
                         st.free_events.push(event);
                         ok
                     }
