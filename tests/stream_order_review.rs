@@ -228,3 +228,120 @@ fn use_on_falls_back_to_a_counted_host_wait() {
     assert_all_returned(&dev, alloc);
 }
 
+/// What one [`cross_thread_frees`] run saw: the sanitizer's violations, the reads that saw
+/// another owner's bytes, and the reads made.
+struct Relay {
+    violations: Vec<tidepool::device::Violation>,
+    torn: usize,
+    reads: usize,
+}
+
+/// Three threads, each with a stream of its own that it destroys and makes anew every 40
+/// rounds. Each round a thread allocates (a small and a large size in turn) on its stream,
+/// fills the buffer on it, and hands it to the next thread, which announces a read on its own
+/// stream (`use_on`), enqueues the read gated (opened a few rounds later), and frees it: frees
+/// on threads that did not allocate, of blocks that another stream still reads, some of them of
+/// streams destroyed since. With `broken` the allocator skips the events those frees need.
+/// (Each thread sends, then waits for the one buffer the thread before sent; the threads meet
+/// around the destroys, their gates open: nothing waits in a cycle.)
+fn cross_thread_frees(config: &str, broken: bool) -> Relay {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::mpsc;
+    use tidepool::device::{Access, Kernel};
+    const THREADS: usize = 3;
+    let dev = Arc::new(SimDevice::backed(tidepool::GIB));
+    let alloc = Allocator::new(dev.clone(), Config::parse(config).unwrap()).unwrap();
+    alloc.set_broken_skip_events(broken);
+    let (torn, reads) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+    let (txs, rxs): (Vec<_>, Vec<_>) =
+        (0..THREADS).map(|_| mpsc::channel::<(tidepool::Buffer<SimDevice>, u8)>()).unzip();
+    let barrier = std::sync::Barrier::new(THREADS);
+    std::thread::scope(|scope| {
+        for (i, rx) in rxs.into_iter().enumerate() {
+            let tx = txs[(i + 1) % THREADS].clone();
+            let (dev, alloc, torn, reads) = (&dev, &alloc, torn.clone(), reads.clone());
+            let barrier = &barrier;
+            scope.spawn(move || {
+                let mut me = dev.create_stream().unwrap();
+                let mut gates: Vec<mpsc::Sender<()>> = Vec::new();
+                for round in 0..160u32 {
+                    let bytes = if round % 2 == 0 { N } else { 3 << 20 };
+                    let b = alloc.alloc(bytes, me).unwrap();
+                    let (p, byte) = (b.ptr(), (round as u8) ^ (i as u8 * 85));
+                    let acc = vec![Access { ptr: p, bytes: N, kind: AccessKind::Write }];
+                    let fill = Kernel::new("fill", acc, move |m| {
+                        m.write(p, &[byte; N as usize]).unwrap();
+                    });
+                    dev.launch(me, fill).unwrap();
+                    tx.send((b, byte)).unwrap();
+                    // (One from the thread before, each round: every buffer is read once.)
+                    if let Ok((other, byte)) = rx.recv() {
+                        other.use_on(me, AccessKind::Read).unwrap();
+                        let (p, (open, gate)) = (other.ptr(), mpsc::channel::<()>());
+                        let acc = vec![Access { ptr: p, bytes: N, kind: AccessKind::Read }];
+                        let (torn, reads) = (torn.clone(), reads.clone());
+                        let read = Kernel::new("read", acc, move |m| {
+                            let _ = gate.recv();
+                            let mut v = vec![0u8; N as usize];
+                            m.read(p, &mut v).unwrap();
+                            if v.iter().any(|&x| x != byte) {
+                                torn.fetch_add(1, Ordering::Relaxed);
+                            }
+                            reads.fetch_add(1, Ordering::Relaxed);
+                        });
+                        dev.launch(me, read).unwrap();
+                        gates.push(open);
+                        drop(other); // another thread's buffer, still read on `me`
+                    }
+                    if gates.len() > 6 {
+                        gates.drain(..3).for_each(|g| _ = g.send(()));
+                    }
+                    if round % 40 == 39 {
+                        // Every thread's reads are let go before any stream drains, and none
+                        // is gated again until every destroy is done: the drain waits for the
+                        // other streams `me` waited on, and a segment's release for the device.
+                        gates.drain(..).for_each(|g| _ = g.send(()));
+                        barrier.wait();
+                        alloc.destroy_stream(me).unwrap();
+                        me = dev.create_stream().unwrap();
+                        barrier.wait();
+                    }
+                }
+                gates.drain(..).for_each(|g| _ = g.send(()));
+            });
+        }
+        drop(txs);
+    });
+    dev.synchronize().unwrap();
+    let relay = Relay {
+        violations: dev.violations(),
+        torn: torn.load(Ordering::Relaxed),
+        reads: reads.load(Ordering::Relaxed),
+    };
+    alloc.set_broken_skip_events(false);
+    alloc.check_invariants().unwrap();
+    drop(alloc);
+    assert_eq!(dev.live_segments(), vec![]);
+    assert_eq!(dev.live_events(), 0);
+    relay
+}
+
+/// [`cross_thread_frees`] under both cross-stream policies: no block is handed out while
+/// another stream still reads it, every read sees its own owner's bytes, nothing is left.
+#[test]
+fn frees_on_other_threads_of_blocks_other_streams_read_wait_for_them() {
+    for config in ["", "cross_stream:wait_event"] {
+        let r = cross_thread_frees(config, false);
+        assert_eq!(r.violations, vec![], "{config}");
+        assert_eq!(r.torn, 0, "{config}");
+        assert_eq!(r.reads, 3 * 160, "{config}");
+    }
+}
+
+/// The same with the frees' events skipped (`set_broken_skip_events`): the sanitizer sees
+/// blocks handed out under the gated reads.
+#[test]
+fn the_relay_catches_frees_that_skip_their_events() {
+    let r = cross_thread_frees("", true);
+    assert!(r.violations.iter().any(|v| v.op == "handout"), "not caught: {:?}", r.violations);
+}
