@@ -3,7 +3,8 @@
 //!
 //! ```text
 //!  last handle ─▶ idle plan regions, stream caches, events waited for, initial pool:
-//!                 every cached segment and free page goes back to the device now
+//!                 every cached segment and free page, and every pooled event, goes back to
+//!                 the device now
 //!  later free  ─▶ (uses on other streams: waited for on the host, as caching:false does;
 //!                  so is a block left pending by a region let go of since the close)
 //!              ─▶ pool ─▶ the lock is let go: its segment or pages go back if free
@@ -36,7 +37,7 @@ impl<D: Device> Shared<D> {
 
     /// What a closed allocator does as its global lock is let go: every segment and expandable
     /// page that holds no busy block goes back to the device (after its stream's work, as
-    /// `empty_cache` does), and plan regions let go of since. Nothing during a capture (the
+    /// `empty_cache` does), and plan regions let go of since, and the pooled events. Nothing during a capture (the
     /// next section tries again) or in a pool a graph still uses (its replays write the pool's
     /// free memory: released once the graph is gone).
     #[cold]
@@ -57,6 +58,20 @@ impl<D: Device> Shared<D> {
         let _ = self.release_segments(st, |_| true);
         if !st.vm.is_empty() {
             self.free_ranges(st, |_| true);
+        }
+        // The pooled events go too: a later free that needs one makes one, and it comes back
+        // here. (BROKEN, `closed_keeps_events`: kept until the last buffer goes, so a forgotten
+        // buffer kept every event the allocator ever pooled.)
+        if !cfg!(tidepool_broken = "closed_keeps_events") && !st.free_events.is_empty() {
+            let refused: Vec<Leftover> = std::mem::take(&mut st.free_events)
+                .into_iter()
+                .filter(|&e| self.device.destroy_event(e).is_err())
+                .map(Leftover::Event)
+                .collect();
+            if !refused.is_empty() {
+                // What the device refused: the family tries again (`leftovers.rs`).
+                self.family.leftovers.add_and_retry(refused, &self.device);
+            }
         }
     }
 }

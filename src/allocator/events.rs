@@ -71,8 +71,16 @@ impl<D: Device> Shared<D> {
                 true => self.order_in_capture(&mut st, other, stream),
                 false => match self.mark(&mut st, other) {
                     Mark::Event(event) => {
-                        let ok = self.device.wait_event(stream, event).is_ok()
-                            || self.device.synchronize_event(event).is_ok();
+                        let mut ok = self.device.wait_event(stream, event).is_ok();
+                        if !ok {
+                            // The device refused the wait: the host waits for `other`'s work
+                            // instead, a host sync counted as every other. (BROKEN,
+                            // `use_on_sync_uncounted`: not counted in `num_host_syncs`.)
+                            if !cfg!(tidepool_broken = "use_on_sync_uncounted") {
+                                st.counters.host_syncs += 1;
+                            }
+                            ok = self.device.synchronize_event(event).is_ok();
+                        }
                         st.free_events.push(event);
                         ok
                     }
@@ -234,7 +242,8 @@ impl<D: Device> Shared<D> {
         !st.parked.is_empty() || (!st.poisoned.is_empty() && !cfg!(tidepool_broken = "poison_kept"))
     }
 
-    /// Frees the parked blocks (their free's host wait was refused during a capture) and
+    /// Frees the parked blocks (their free's host wait was refused during a capture, or
+    /// failed) and
     /// returns the poisoned regions let go of (a slice's reuse that nothing could order) after
     /// a host wait, which no capture refuses now: every use of that memory, ordered or not, is
     /// done then. If the device fails it, they stay where they are.

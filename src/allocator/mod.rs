@@ -1032,12 +1032,15 @@ impl<D: Device> Allocator<D> {
     }
 
     /// Destroys the stream on the device (which drains its work), then returns the stream's
-    /// cached segments to the device and forgets the plans of scopes on it. Its pending events
-    /// are waited for first. The stream is checked first: one the device refuses (the default
-    /// stream, an unknown one) is an error and changes nothing here. An error from giving its
-    /// memory back (the device refused an unmap or a free) comes after the stream is
-    /// destroyed: that memory stays cached, and [`Allocator::release_stream`] or
-    /// [`Allocator::empty_cache`] gives it back later.
+    /// cached segments to the device and forgets the plans of scopes on it. Blocks whose free
+    /// waited for its work (`record_stream`, `use_on`) are free then (the device drained it),
+    /// with no host wait; those waiting for other streams' work stay pending as any free does
+    /// (`release_stream` or `empty_cache` returns their segment once they are free). The
+    /// stream is checked first: one the device refuses (the default stream, an unknown one) is
+    /// an error and changes nothing here. An error from giving its memory back (the device
+    /// refused an unmap or a free) comes after the stream is destroyed: that memory stays
+    /// cached, and [`Allocator::release_stream`] or [`Allocator::empty_cache`] gives it back
+    /// later.
     pub fn destroy_stream(&self, stream: StreamId) -> Result<(), AllocError> {
         let sh = &self.shared;
         if sh.broken(Broken::DestroyStream) {
@@ -1062,8 +1065,19 @@ impl<D: Device> Allocator<D> {
         };
         sh.family.note_destroyed(stream, by);
         sh.flush_stream(&mut st, stream, true);
+        // BROKEN (`destroy_waits_all`): a wait on the host for every pending event of every
+        // stream — the host blocked on unrelated streams' work, and an error (a capture
+        // underway elsewhere refuses the wait) after the stream was destroyed.
+        #[cfg(tidepool_broken = "destroy_waits_all")]
         if st.pending.contains_key(&stream) {
             sh.sync_events(&mut st)?;
+        }
+        // The device drained the stream before destroying it: every event recorded on it has
+        // completed, so the blocks that waited on them are done with it (as `Mark::Drained`
+        // takes it). Events recorded on other streams are left to their own polls.
+        #[cfg(not(tidepool_broken = "destroy_waits_all"))]
+        if let Some(done) = st.pending.remove(&stream) {
+            done.into_iter().for_each(|e| Shared::<D>::event_done(&mut st, e));
         }
         sh.release_segments(&mut st, |s| s.key.stream == stream)?;
         sh.free_ranges(&mut st, |k| k.stream == stream);

@@ -565,18 +565,23 @@ impl<D: Device> Shared<D> {
             let done = self.host_wait(&mut st).is_ok();
             st.free_events.extend(events.drain(..).map(|(_, event)| event));
             if !done {
-                if self.device.capture_underway() && !self.broken(Broken::RefusedWaitLeaks) {
-                    // The capture refused the wait, not the device: the block waits for the
-                    // host wait made once no capture is underway (`release_parked`).
-                    if !pended {
-                        st.pool.mark_pending(block);
-                        st.base.move_to_pending(f.quadrant, f.size);
-                    }
-                    st.parked.push(block);
+                // BROKEN (`failed_wait_lost`): a wait the device failed (not a capture) lost
+                // the block for good: it stayed allocated, its segment never released.
+                if cfg!(tidepool_broken = "failed_wait_lost") && !self.device.capture_underway() {
                     return;
                 }
-                // Nothing proves the other streams are done with the block: it is never reused
-                // (it stays allocated, and its segment is never released).
+                if self.device.capture_underway() && self.broken(Broken::RefusedWaitLeaks) {
+                    return; // BROKEN: as above, for a wait the capture refused
+                }
+                // Nothing proves the other streams are done with the block: it waits for the
+                // next host wait that succeeds (`release_parked`: the next event poll once no
+                // capture is underway, `empty_cache`, the allocator's drop), never reused
+                // before. A capture refused the wait, or the device failed it.
+                if !pended {
+                    st.pool.mark_pending(block);
+                    st.base.move_to_pending(f.quadrant, f.size);
+                }
+                st.parked.push(block);
                 return;
             }
         }

@@ -140,8 +140,9 @@ pub(super) struct State {
     pub(super) pending: BTreeMap<StreamId, VecDeque<PendingEvent>>,
     /// Outstanding events per pending block.
     pub(super) pending_count: HashMap<BlockId, usize>,
-    /// Freed blocks whose free needed a host wait that a stream capture refused: pending until
-    /// a host wait made once no capture is underway (`Shared::release_parked`).
+    /// Freed blocks whose free needed a host wait that a stream capture refused or the device
+    /// failed: pending until a host wait that succeeds, made once no capture is underway
+    /// (`Shared::release_parked`).
     pub(super) parked: Vec<BlockId>,
     /// Blocks freed while a capture of another family (or of the device itself) captured their
     /// stream or a stream they were used on: pending for the allocator's life, since the

@@ -131,6 +131,8 @@ struct Faults {
     fail_event_record: bool,
     /// Fail every device-side wait on an event.
     fail_event_wait: bool,
+    /// Fail every host wait (`synchronize`, `synchronize_event`).
+    fail_host_sync: bool,
     /// The event faults above panic instead of returning their error.
     panic: bool,
 }
@@ -395,9 +397,16 @@ impl SimDevice {
         self.state().faults.fail_event_wait = on;
     }
 
+    /// Makes every host wait (`synchronize`, `synchronize_event`) fail while `on`, without
+    /// waiting (an injected driver error, as a device in trouble answers).
+    pub fn fail_host_syncs(&self, on: bool) {
+        self.state().faults.fail_host_sync = on;
+    }
+
     /// While `on`, the injected event faults (`fail_event_records`, `fail_event_queries`,
-    /// `fail_event_waits`) panic instead of returning their error, as a [`Device`](crate::Device) that panics
-    /// would (the allocators handle it as that call's failure: [`DeviceError::Panicked`]).
+    /// `fail_event_waits`, `fail_host_syncs`) panic instead of returning their error, as a
+    /// [`Device`](crate::Device) that panics would (the allocators handle it as that call's
+    /// failure: [`DeviceError::Panicked`]).
     pub fn panic_on_faults(&self, on: bool) {
         self.state().faults.panic = on;
     }
@@ -816,6 +825,9 @@ impl super::Device for SimDevice {
         let mut st = self.state();
         let target = st.event(event)?;
         st.graphs.refuse_during_capture("cuEventSynchronize")?;
+        if st.faults.fail_host_sync {
+            return Self::event_fault(st, "synchronize_event");
+        }
         st.counters.host_syncs += 1;
         drop(self.wait_until(st, |st| st.target_reached(target)));
         Ok(())
@@ -824,6 +836,9 @@ impl super::Device for SimDevice {
     fn synchronize(&self) -> Result<(), DeviceError> {
         let mut st = self.state();
         st.graphs.refuse_during_capture("cuCtxSynchronize")?;
+        if st.faults.fail_host_sync {
+            return Self::event_fault(st, "synchronize");
+        }
         st.counters.host_syncs += 1;
         drop(self.wait_until(st, State::idle));
         Ok(())
