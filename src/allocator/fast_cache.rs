@@ -993,6 +993,13 @@ impl StreamCache {
         self.lock_inner().closed
     }
 
+    /// Blocks cached now (read under the lane's lock: the hit path keeps no copy outside it).
+    /// Tests only: the allocator's flush no longer asks first (see `Shared::flush_all`).
+    #[cfg(feature = "test-hooks")]
+    pub fn cached_blocks(&self) -> u64 {
+        self.lock_inner().classes.blocks() as u64
+    }
+
     /// Bytes cached now (read under the lane's lock).
     #[cfg(feature = "test-hooks")]
     pub fn cached_bytes_now(&self) -> u64 {
