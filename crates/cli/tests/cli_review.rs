@@ -95,15 +95,18 @@ fn the_svg_is_never_the_trace() {
     let link = dir.path().join("link.csv");
     std::fs::hard_link(&trace, &link).unwrap();
     let dotted = dir.path().join(".").join("t.csv");
-    for svg in [&trace, &link, &dotted] {
-        let o = tidepool(&[
+    let replay_to = |svg: &std::path::Path| {
+        tidepool(&[
             "replay",
             trace.to_str().unwrap(),
             "--repeats",
             "1",
             "--svg",
             svg.to_str().unwrap(),
-        ]);
+        ])
+    };
+    for svg in [&trace, &link, &dotted] {
+        let o = replay_to(svg);
         assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
         assert_eq!(
             stderr(&o),
@@ -117,14 +120,7 @@ fn the_svg_is_never_the_trace() {
     }
     // Another file is drawn as before.
     let plot = dir.path().join("t.svg");
-    let o = tidepool(&[
-        "replay",
-        trace.to_str().unwrap(),
-        "--repeats",
-        "1",
-        "--svg",
-        plot.to_str().unwrap(),
-    ]);
+    let o = replay_to(&plot);
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
     assert!(std::fs::read_to_string(&plot).unwrap().starts_with("<svg"));
 }
