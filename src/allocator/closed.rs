@@ -37,9 +37,9 @@ impl<D: Device> Shared<D> {
 
     /// What a closed allocator does as its global lock is let go: every segment and expandable
     /// page that holds no busy block goes back to the device (after its stream's work, as
-    /// `empty_cache` does), and plan regions let go of since, and the pooled events. Nothing during a capture (the
-    /// next section tries again) or in a pool a graph still uses (its replays write the pool's
-    /// free memory: released once the graph is gone).
+    /// `empty_cache` does), as do plan regions let go of since and the pooled events. Nothing
+    /// during a capture (the next section tries again) or in a pool a graph still uses (its
+    /// replays write the pool's free memory: released once the graph is gone).
     #[cold]
     #[inline(never)]
     pub(super) fn release_closed(&self, st: &mut State) {

@@ -243,10 +243,9 @@ impl<D: Device> Shared<D> {
     }
 
     /// Frees the parked blocks (their free's host wait was refused during a capture, or
-    /// failed) and
-    /// returns the poisoned regions let go of (a slice's reuse that nothing could order) after
-    /// a host wait, which no capture refuses now: every use of that memory, ordered or not, is
-    /// done then. If the device fails it, they stay where they are.
+    /// failed) and returns the poisoned regions let go of (a slice's reuse that nothing could
+    /// order) after a host wait, which no capture refuses now: every use of that memory,
+    /// ordered or not, is done then. If the device fails it, they stay where they are.
     pub(super) fn release_parked(&self, st: &mut State) {
         if self.host_wait(st).is_err() {
             return;
