@@ -20,12 +20,7 @@ use tidepool::{AllocError, Allocator, Config, Device, DeviceAddr, Residency, Str
 const P: u64 = 2 * MIB;
 const CAP: u64 = 64 * MIB;
 
-fn setup(config: &str, capacity: u64) -> (Arc<SimDevice>, Allocator<SimDevice>) {
-    let dev = Arc::new(SimDevice::backed(capacity));
-    let config = Config::parse(config).unwrap().with_expandable_segments(true);
-    let alloc = Allocator::new(dev.clone(), config).unwrap();
-    (dev, alloc)
-}
+use common::expandable_setup as setup;
 
 fn base() -> u64 {
     SIM_BASE

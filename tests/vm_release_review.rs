@@ -8,7 +8,6 @@
 mod common;
 
 use common::assert_no_leak;
-use std::sync::Arc;
 use tidepool::MIB;
 use tidepool::device::{SIM_BASE, SimDevice};
 use tidepool::{AllocError, Allocator, Config, Device, DeviceAddr, Residency, StreamId};
@@ -16,12 +15,7 @@ use tidepool::{AllocError, Allocator, Config, Device, DeviceAddr, Residency, Str
 const P: u64 = 2 * MIB;
 const CAP: u64 = 64 * MIB;
 
-fn setup(config: &str, capacity: u64) -> (Arc<SimDevice>, Allocator<SimDevice>) {
-    let dev = Arc::new(SimDevice::backed(capacity));
-    let config = Config::parse(config).unwrap().with_expandable_segments(true);
-    let alloc = Allocator::new(dev.clone(), config).unwrap();
-    (dev, alloc)
-}
+use common::expandable_setup as setup;
 
 /// `reserved_bytes` is what the device has mapped, and the invariants hold.
 fn consistent(dev: &SimDevice, alloc: &Allocator<SimDevice>) {

@@ -23,6 +23,15 @@ pub fn setup() -> Setup {
     Setup { dev, s, t, alloc }
 }
 
+/// A backed device of `capacity` bytes and an allocator with expandable segments on over
+/// `config` (a `TIDEPOOL_ALLOC_CONF`-style string).
+pub fn expandable_setup(config: &str, capacity: u64) -> (Arc<SimDevice>, Allocator<SimDevice>) {
+    let dev = Arc::new(SimDevice::backed(capacity));
+    let config = tidepool::Config::parse(config).unwrap().with_expandable_segments(true);
+    let alloc = Allocator::new(dev.clone(), config).unwrap();
+    (dev, alloc)
+}
+
 /// Opens `gate` once the device has counted a host synchronisation beyond those it has now: the
 /// moment the allocator (or the test) starts waiting for the gated kernel. No timing involved.
 pub fn open_on_next_sync(
