@@ -41,6 +41,10 @@ pub(super) struct PageTable {
 /// Pages the table makes room for at its first insert (a 2 KiB table).
 const FIRST_SLOTS: usize = 512;
 
+/// Chunks the table makes room for at its first insert (mlp_train's large range holds 27: one
+/// allocation instead of five as the list doubles).
+const FIRST_CHUNKS: usize = 32;
+
 impl PageTable {
     pub(super) fn new(base: u64, page: u64) -> PageTable {
         PageTable { base, page, slots: Vec::new(), chunks: Vec::new(), free: Vec::new(), len: 0 }
@@ -60,6 +64,9 @@ impl PageTable {
                 k
             }
             None => {
+                if self.chunks.capacity() == 0 {
+                    self.chunks.reserve(FIRST_CHUNKS);
+                }
                 self.chunks.push(c);
                 (self.chunks.len() - 1) as u32
             }

@@ -38,7 +38,7 @@ impl<D: Device> Shared<D> {
     /// unchanged, the base block's write already open — with each rarer step out of line.
     #[inline(always)]
     pub(super) fn publish(&self, st: &mut State) {
-        if st.stash_closed || !st.vm.is_empty() || self.passthrough.load(Ordering::Relaxed) {
+        if st.stash_closed || st.vm.settle_due() || self.passthrough.load(Ordering::Relaxed) {
             self.settle_cold(st);
         }
         self.publish_extra(st);
