@@ -74,6 +74,17 @@ pub enum ErrorKind {
         /// Bytes on the free row.
         freed: u64,
     },
+    /// A free whose byte count differs from the allocation's, at an address (pointer-based
+    /// formats that name both sizes: RMM's log, where `deallocate` must be given the bytes
+    /// `allocate` was).
+    FreeSizeMismatchAt {
+        /// The address.
+        addr: u64,
+        /// Bytes at allocation.
+        allocated: u64,
+        /// Bytes on the free row.
+        freed: u64,
+    },
     /// Scope markers do not nest: an exit without a matching enter, an enter of a scope that
     /// is open, a scope left open at the end, or a scope id reused under another name.
     UnbalancedScope(String),
@@ -186,6 +197,10 @@ impl fmt::Display for ErrorKind {
             ErrorKind::FreeSizeMismatch { id, allocated, freed } => write!(
                 f,
                 "free of id {id} with {freed} bytes, but it was allocated with {allocated}"
+            ),
+            ErrorKind::FreeSizeMismatchAt { addr, allocated, freed } => write!(
+                f,
+                "free of address {addr:#x} with {freed} bytes, but it was allocated with {allocated}"
             ),
             ErrorKind::UnbalancedScope(why) => write!(f, "unbalanced scope: {why}"),
             ErrorKind::LineTooLong(max) => write!(f, "line longer than {max} bytes"),

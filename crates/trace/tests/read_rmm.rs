@@ -283,3 +283,35 @@ fn a_byte_order_mark_reads_directly_as_when_sniffed() {
         at(2, ErrorKind::BadNumber { column: "Pointer", text: "\u{feff}0x10".into() })
     );
 }
+
+/// A free of a live address must name the allocation's size: RMM's resources trust the size
+/// given to `deallocate` (a pool returns that many bytes), so a row with another size is a
+/// broken log or program. Reported at its line with both sizes; the replay does not go on as
+/// if the allocation's size had been freed. (A free of an address from before the log has no
+/// allocation to compare with: its own size is read, as before.)
+#[test]
+fn a_free_with_another_size_than_its_allocation_is_an_error() {
+    assert_eq!(
+        err("1,t,allocate,0x10,4096,0\n1,t,free,0x10,1024,0\n"),
+        at(3, ErrorKind::FreeSizeMismatchAt { addr: 0x10, allocated: 4096, freed: 1024 })
+    );
+    assert_eq!(
+        err("1,t,allocate,0x10,8,0\n1,t,free,0x10,0,0\n").to_string(),
+        "line 3: free of address 0x10 with 0 bytes, but it was allocated with 8"
+    );
+    // The same sizes (and an address from before the log) read as before.
+    let t = read_trace_bytes(
+        format!("{HEADER}1,t,allocate,0x10,8,0\n1,t,free,0x10,8,0\n1,t,free,0x40,16,0\n")
+            .as_bytes(),
+    )
+    .unwrap();
+    assert_eq!(
+        t.events,
+        vec![
+            Event::alloc(1, 16, 0, Tag::Act),
+            Event::alloc(0, 8, 0, Tag::Act),
+            Event::free(0, 8, 0, Tag::Act),
+            Event::free(1, 16, 0, Tag::Act),
+        ]
+    );
+}

@@ -27,7 +27,9 @@
 //! the PyTorch reader reads one: a synthetic alloc of the free's `Size` at the start of the
 //! trace, counted in [`Trace::pre_window`]. A second free of an address, with no allocation
 //! of it in between, is no such block (the log's own block was there) but a double free:
-//! [`ErrorKind::FreeOfUnknownAddress`].
+//! [`ErrorKind::FreeOfUnknownAddress`]. A free of a live address whose `Size` is not the
+//! allocation's is [`ErrorKind::FreeSizeMismatchAt`] (RMM's resources take the size from the
+//! free, so the log or the program is broken there).
 
 use std::collections::{HashMap, HashSet};
 use std::io::BufRead;
@@ -135,6 +137,19 @@ pub(super) fn read_body<R: BufRead>(
                 }
                 let stream = streams.id(handle);
                 let (id, bytes) = match live.remove(&ptr) {
+                    // RMM's resources take the size from `deallocate` (a pool returns that
+                    // many bytes): a row with another size than the allocation's is a broken
+                    // log or program, not a free to replay as the allocation's size.
+                    // BROKEN (`rmm_free_size_unchecked`): read as a free of the allocation.
+                    Some((_, bytes))
+                        if size != bytes && !cfg!(tidepool_broken = "rmm_free_size_unchecked") =>
+                    {
+                        return Err(at(ErrorKind::FreeSizeMismatchAt {
+                            addr: ptr,
+                            allocated: bytes,
+                            freed: size,
+                        }));
+                    }
                     Some(x) => {
                         freed.insert(ptr);
                         x
