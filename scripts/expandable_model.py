@@ -30,6 +30,19 @@ on the shipped traces in seconds. It reproduces the allocator's `expandable` pea
                  stream's live bytes reach a new maximum
   split_small    false: one range for small and large blocks
   residency      `param` blocks in ranges of their own; share_small: small ones stay shared
+  Placement-driven maps after the first step (2026-12-06; design notes), large ranges only:
+  tie_high       best fit takes the highest of the equal-size free blocks (not the lowest)
+  near           first fit (lowest address) among free blocks up to (1 + near) x the request
+  sliver         best fit skipping blocks that would leave a remainder in (0, sliver) bytes,
+                 up to sliver_max x the request (else plain best fit)
+  prev_addr      a request takes the address one of the last N freed blocks of its size had,
+                 where a free block starts there and holds it
+  step_addr      the k-th request of a size takes the address the k-th of that size had in the
+                 previous step, where a free block starts there and holds it
+  extra_large    a growth at the top of a transient large range maps this many pages more
+  align_large    ... and ends at a multiple of this many pages (PyTorch's 20 MiB granule: 10)
+  premap         this many pages mapped at the top of the large range as the second step begins
+  show_grows     print each growth after the first step (request, free bytes and pieces) to stderr
 
   scripts/expandable_model.py '{"reuse":1}' [trace names or .csv.gz paths]
   (a PyTorch snapshot first goes through scripts/snapshot_to_csv.py)
@@ -60,6 +73,9 @@ class Range:
         self.stitches = []  # [pages, live] of each stitched block
         self.peers = []  # the stream's other ranges (stitch_peers)
         self.shared = None  # what the ranges share (peer_move_at_peak), set by run()
+        self.kind = ''  # 'S', 'L', 'Sp', 'Lp', set by run()
+        self.freed_at = {}  # size -> addresses of freed blocks of that size (prev_addr)
+        self.step_addrs = ({}, {}, {}, -1)  # previous step's, this step's, counts, step
 
     def end_of(self, a):
         i = self.m.index(a)
@@ -135,6 +151,8 @@ class Range:
         if j >= len(self.fidx):
             return None
         sz, a = self.fidx[j]
+        if self.kind.startswith('L'):
+            sz, a = self.large_fit(r, j, sz, a)
         if self.o.get('end_last', True):
             t = self.top_free()
             if t and t[0] == a:
@@ -142,6 +160,49 @@ class Range:
                 if j2 < len(self.fidx):
                     return self.fidx[j2][1]
         return a
+
+    def large_fit(self, r, j, sz, a):
+        """The placement rules tried on the large range (tie_high, near, sliver)."""
+        t = self.top_free()
+        at_end = lambda x: t is not None and t[0] == x
+        if self.o.get('tie_high'):
+            k = self.fidx.bisect_left((sz + 1, -1)) - 1
+            if at_end(self.fidx[k][1]) and k > j:
+                k -= 1
+            sz, a = self.fidx[k]
+        if self.o.get('near') is not None:
+            lim = max(r * (1 + self.o['near']), sz)
+            cands = [(a2, s2) for s2, a2 in self.fidx.irange((r, -1), (lim, 1 << 62)) if not at_end(a2)]
+            if cands:
+                a, sz = min(cands)
+        if self.o.get('sliver'):
+            for s2, a2 in self.fidx.islice(j):
+                if (s2 == r or s2 - r >= self.o['sliver']) and not at_end(a2):
+                    if s2 <= self.o.get('sliver_max', 1e30) * r:
+                        sz, a = s2, a2
+                    break
+        return sz, a
+
+    def remembered(self, r):
+        """An address remembered for a request of `r` bytes (prev_addr, step_addr) where a free
+        block starts and holds it."""
+        def fits(a):
+            b0, e, st = self.interval_at(a)
+            return st == FREE and b0 == a and a + r <= e
+        if self.o.get('prev_addr'):
+            for a in reversed(self.freed_at.get(r, [])[-self.o['prev_addr']:]):
+                if fits(a):
+                    return a
+        if self.o.get('step_addr'):
+            prev, cur, counts, step = self.step_addrs
+            if step != STEP['step']:
+                self.step_addrs = prev, cur, counts, step = cur, {}, {}, STEP['step']
+            k = counts.get(r, 0)
+            counts[r] = k + 1
+            lst = prev.get(r, [])
+            if k < len(lst) and fits(lst[k]):
+                return lst[k]
+        return None
 
     def alloc_at(self, a, r, bid):
         self._set(a, a + r, ('L', bid))
@@ -155,6 +216,11 @@ class Range:
             st[1] = False
             return
         self._set(a, a + r, FREE)
+        if self.o.get('prev_addr'):
+            h = self.freed_at.setdefault(r, [])
+            if a in h:
+                h.remove(a)
+            h.append(a)
 
     def place(self, r):
         best = None
@@ -215,6 +281,12 @@ class Range:
     def grow(self, r):
         pages, lo = self.place(r)
         hi = lo + pages * PAGE
+        if self.kind == 'L' and hi >= self.top_mapped():
+            hi += self.o.get('extra_large', 0) * PAGE
+            al = self.o.get('align_large', 0) * PAGE
+            if al:
+                hi = -(-hi // al) * al
+            pages = (hi - lo) // PAGE
         if self.o.get('reuse') and (not self.o.get('reuse_at_peak') or self.live + r > self.max_live):
             # move own whole free pages (outside the window) here instead of creating
             fp = self.free_pages()
@@ -311,7 +383,20 @@ class Range:
         return i
 
     def alloc(self, r, bid):
+        a = self.remembered(r) if self.kind.startswith('L') else None
+        if a is not None:
+            self.alloc_at(a, r, bid)
+            self.live += r
+            self.max_live = max(self.max_live, self.live)
+            self.note_step_addr(r, a)
+            return a
         a = self.find_free(r)
+        if a is None and self.o.get('show_grows') and STEP['step'] >= 1:
+            fr = sorted((sz for sz, _ in self.fidx), reverse=True)
+            print('grow: step %d seq %s range %s request %d live %d (max %d) free %d in %d pieces, '
+                  'largest %s; pages %s' % (STEP['step'] + 1, STEP['seq'], self.kind, r, self.live,
+                                            self.max_live, sum(fr), len(fr), fr[:4], self.place(r)),
+                  file=sys.stderr)
         if a is None and (self.o.get('stitch') or self.o.get('stitch_chunks')):
             i = self.stitch(r)
             if i is not None:
@@ -327,7 +412,12 @@ class Range:
         self.alloc_at(a, r, bid)
         self.live += r
         self.max_live = max(self.max_live, self.live)
+        self.note_step_addr(r, a)
         return a
+
+    def note_step_addr(self, r, a):
+        if self.o.get('step_addr') and self.kind.startswith('L') and not isinstance(a, tuple):
+            self.step_addrs[1].setdefault(r, []).append(a)
 
     def release_free(self, keep=0):
         fp = self.free_pages()
@@ -338,6 +428,9 @@ class Range:
 
     def free_bytes(self):
         return sum(s for s, _ in self.fidx)
+
+
+STEP = {'step': 0, 'seq': ''}  # the step under way (0: the first) and the event, for the rules
 
 
 def round512(b):
@@ -354,8 +447,10 @@ def run(path, opts):
     peak_mapped = 0
     steps = []
     mark = (0, 0)
+    STEP.update(step=0, seq='')
     for seq, op, id_, b, stream, tag in rows:
         b = int(b)
+        STEP['seq'] = seq
         if op == 'alloc':
             r = round512(b)
             kind = 'S' if r <= MIB and opts.get('split_small', True) else 'L'
@@ -365,6 +460,7 @@ def run(path, opts):
                 kind += 'p'
             if kind not in ranges:
                 ranges[kind] = Range(1 << 44, opts)
+                ranges[kind].kind = kind
                 ranges[kind].shared = shared
                 for k, x in ranges.items():
                     x.peers = [y for j, y in ranges.items() if j != k]
@@ -381,7 +477,11 @@ def run(path, opts):
             live -= b
             if opts.get('threshold') is not None:
                 ranges[kind].release_free(opts['threshold'])
+        elif op == 'scope_enter' and opts.get('premap') and len(steps) == 1 and 'L' in ranges:
+            top = ranges['L'].top_mapped()
+            ranges['L'].map(top, top + opts['premap'] * PAGE)
         elif op == 'scope_exit':
+            STEP['step'] += 1
             m = sum(x.maps for x in ranges.values()), sum(x.unmaps for x in ranges.values())
             steps.append('%d/%d' % (m[0] - mark[0], m[1] - mark[1]))
             mark = m

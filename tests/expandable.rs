@@ -1064,3 +1064,51 @@ fn empty_cache_frees_the_ranges_of_streams_destroyed_elsewhere() {
     drop(alloc);
     assert_no_leak(&dev);
 }
+
+/// The stream caches hand out blocks of the small pool's largest class (1 MiB, half a page)
+/// lowest address first over expandable segments, as the pool's best fit picks among blocks of
+/// one size (LIFO, t5_train's small range grew by a page in its third step; design notes,
+/// "Placement-driven maps after the first step"). Smaller classes, and the largest over
+/// ordinary segments, stay last freed first. Hits all: no global lock.
+/// (`cfg(tidepool_broken = "lanes_lifo_largest_small")`: LIFO for every class.)
+#[test]
+fn the_largest_small_class_leaves_the_stream_cache_lowest_address_first() {
+    let s = StreamId::DEFAULT;
+    let (dev, alloc) = setup("", CAP);
+    let mib: Vec<_> = (0..3).map(|_| alloc.alloc(MIB, s).unwrap()).collect();
+    let half: Vec<_> = (0..2).map(|_| alloc.alloc(MIB / 2, s).unwrap()).collect();
+    let at = |off: u64| DeviceAddr(base() + off);
+    // The small range: [1 MiB ×3][512 KiB ×2], its two pages full.
+    assert_eq!(mib.iter().map(|b| b.ptr()).collect::<Vec<_>>(), [at(0), at(MIB), at(2 * MIB)]);
+    assert_eq!(half.iter().map(|b| b.ptr()).collect::<Vec<_>>(), [at(3 * MIB), at(7 * MIB / 2)]);
+    assert_eq!(mapped_pages(&dev, base()), vec![0, 1]);
+    // Freed as 0, 2, 1 MiB (LIFO would hand out 1, then 2, then 0) and 3, 3.5 MiB.
+    let [a, b, c]: [_; 3] = mib.try_into().unwrap();
+    let [d, e]: [_; 2] = half.try_into().unwrap();
+    drop((a, c, b, d, e));
+    assert_eq!(alloc.stats().cached_fast_bytes, 4 * MIB);
+    let n = alloc.global_lock_acquisitions();
+    let mib: Vec<_> = (0..3).map(|_| alloc.alloc(MIB, s).unwrap()).collect();
+    let half = alloc.alloc(MIB / 2, s).unwrap();
+    assert_eq!(alloc.global_lock_acquisitions(), n, "four hits, no lock");
+    assert_eq!(mib.iter().map(|b| b.ptr()).collect::<Vec<_>>(), [at(0), at(MIB), at(2 * MIB)]);
+    assert_eq!(half.ptr(), at(7 * MIB / 2), "a smaller class: the last freed");
+    assert_eq!(alloc.stats().cached_fast_bytes, MIB / 2);
+    assert_eq!(mapped_pages(&dev, base()), vec![0, 1]);
+    alloc.check_invariants().unwrap();
+    assert_eq!(dev.violations(), vec![]);
+    drop((mib, half, alloc));
+    assert_no_leak(&dev);
+
+    // Ordinary segments: LIFO as before (the caching allocator's placement is unchanged).
+    let dev = Arc::new(SimDevice::backed(CAP));
+    let alloc = Allocator::new(dev.clone(), Config::default()).unwrap();
+    let mib: Vec<_> = (0..3).map(|_| alloc.alloc(MIB, s).unwrap()).collect();
+    let ptrs: Vec<_> = mib.iter().map(|b| b.ptr()).collect();
+    let [a, b, c]: [_; 3] = mib.try_into().unwrap();
+    drop((a, c, b));
+    let n = alloc.global_lock_acquisitions();
+    let again: Vec<_> = (0..3).map(|_| alloc.alloc(MIB, s).unwrap()).collect();
+    assert_eq!(alloc.global_lock_acquisitions(), n, "three hits, no lock");
+    assert_eq!(again.iter().map(|b| b.ptr()).collect::<Vec<_>>(), [ptrs[1], ptrs[2], ptrs[0]]);
+}

@@ -45,7 +45,8 @@ use tidepool_loom_tests::LoomDevice;
 
 const S0: StreamId = StreamId::DEFAULT;
 const BASE: u64 = 0x1000_0000;
-const LIMITS: Limits = Limits { enabled: true, entries: 8, bytes: 1 << 20, biased: true };
+const LIMITS: Limits =
+    Limits { enabled: true, entries: 8, bytes: 1 << 20, biased: true, lowest_first: 0 };
 const CLASS: ClassKey = ClassKey { residency: Residency::Transient, rounded: 4096 };
 
 fn model(bound: usize, f: impl Fn() + Sync + Send + 'static) {
@@ -519,7 +520,8 @@ fn large_free_against_flush_of_the_large_block() {
         let (pool, blocks) = large_pool_with_blocks(2);
         let (a, b) = (blocks[0], blocks[1]);
         let class = ClassKey { residency: Residency::Transient, rounded: 4 * MIB };
-        let limits = Limits { enabled: true, entries: 8, bytes: 64 * MIB, biased: true };
+        let limits =
+            Limits { enabled: true, entries: 8, bytes: 64 * MIB, biased: true, lowest_first: 0 };
         let cache = Arc::new(StreamCache::new(S0, limits));
         cache.push(class, a).unwrap();
         assert_eq!(cache.large_blocks(), 1);
@@ -585,7 +587,8 @@ fn large_hit_against_a_pool_change_and_drain() {
         let (pool, blocks) = large_pool_with_blocks(2);
         let (a, b) = (blocks[0], blocks[1]);
         let class = ClassKey { residency: Residency::Transient, rounded: 4 * MIB };
-        let limits = Limits { enabled: true, entries: 8, bytes: 64 * MIB, biased: true };
+        let limits =
+            Limits { enabled: true, entries: 8, bytes: 64 * MIB, biased: true, lowest_first: 0 };
         let cache = Arc::new(StreamCache::new(S0, limits));
         let epoch = Arc::new(AtomicU64::new(1));
         cache.push(class, a).unwrap();

@@ -66,6 +66,10 @@ pub struct Limits {
     pub bytes: u64,
     /// The lane's lock may be biased towards its owner thread (`biased_lanes`, `lane_lock.rs`).
     pub biased: bool,
+    /// The rounded size of the class whose blocks a lane hands out lowest address first, not
+    /// last freed first (0: none): the small pool's largest class over expandable segments
+    /// (see `lowest_last`).
+    pub lowest_first: u64,
 }
 
 /// The key of a class: blocks of one residency handed out for one rounded size.
@@ -418,6 +422,9 @@ impl StreamCache {
             return Err(b);
         }
         list.push(b);
+        if class.rounded == inner.limits.lowest_first {
+            lowest_last(list);
+        }
         if large {
             self.set_large(inner, 1);
             inner.large_class = class;
@@ -467,6 +474,9 @@ impl StreamCache {
                 return false;
             }
             list.push(b);
+            if class.rounded == inner.limits.lowest_first {
+                lowest_last(list);
+            }
         }
         self.grant(inner, &b);
         self.fast.open();
@@ -1039,6 +1049,30 @@ impl StreamCache {
             // are found by comparing with a copy, on the reader's side).
             self.publish(&mut g);
         }
+    }
+}
+
+/// Keeps `list`, whose last entry was just pushed, in falling address order, so that the next
+/// pop (its last entry) takes the lowest address: the lanes hand out the last freed block first
+/// (LIFO), but the class `Limits::lowest_first` names lowest address first, as the pool's best
+/// fit picks among blocks of one size. Over expandable segments that is the small pool's
+/// largest class (blocks of half a page): handed out LIFO, t5_train's exactly-1 MiB blocks left
+/// the small range's free space in pieces, the largest 16 896 B short of 1 MiB, and it grew by
+/// a page in the third step; lowest first, no map after the second (design notes,
+/// "Placement-driven maps after the first step"). The smaller classes stay LIFO (lowest first
+/// there gave mobilenetv2_train a map in its third step). Swaps in place, no call: a call on
+/// the free path cost every free a few instructions in saved registers.
+/// (`cfg(tidepool_broken = "lanes_lifo_largest_small")`: LIFO.)
+#[inline(always)]
+fn lowest_last(list: &mut [CachedBlock]) {
+    #[cfg(tidepool_broken = "lanes_lifo_largest_small")]
+    if !list.is_empty() {
+        return; // BROKEN: the largest small class handed out last freed first
+    }
+    let mut i = list.len().saturating_sub(1);
+    while i > 0 && list[i - 1].ptr.0 < list[i].ptr.0 {
+        list.swap(i - 1, i);
+        i -= 1;
     }
 }
 
