@@ -29,7 +29,9 @@ on the shipped traces in seconds. It reproduces the allocator's `expandable` pea
                  (unmapped there) instead of creating new ones; peer_move_at_peak: only where the
                  stream's live bytes reach a new maximum
   split_small    false: one range for small and large blocks
-  residency      `param` blocks in ranges of their own; share_small: small ones stay shared
+  residency      `param` blocks in ranges of their own; share_small: small ones stay shared;
+                 res_cross: a request its own range cannot serve without growing takes a free
+                 block of the other residency's range of its pool where one fits
   Placement-driven maps after the first step (2026-12-06; design notes), large ranges only:
   tie_high       best fit takes the highest of the equal-size free blocks (not the lowest)
   near           first fit (lowest address) among free blocks up to (1 + near) x the request
@@ -465,6 +467,12 @@ def run(path, opts):
                 for k, x in ranges.items():
                     x.peers = [y for j, y in ranges.items() if j != k]
             rg = ranges[kind]
+            if opts.get('res_cross') and rg.find_free(r) is None:
+                # The other residency's range of the same pool, where it has a free block that
+                # fits: taken there instead of growing this one.
+                other = ranges.get(kind[:-1] if kind.endswith('p') else kind + 'p')
+                if other is not None and other.find_free(r) is not None:
+                    rg, kind = other, other.kind
             a = rg.alloc(r, id_)
             if opts.get('peer_move_at_peak'):
                 shared['max_live'] = max(shared['max_live'], sum(x.live for x in ranges.values()))
