@@ -151,19 +151,19 @@ fn iterates_in_size_then_address_order() {
 #[test]
 fn replace_in_place_and_across_bins() {
     let mut ix = FreeIndex::default();
-    // One bin, (17, 0): 2 MiB up to 2 MiB + 64 KiB. 2 MiB + 40 KiB at 0x100, + 8 KiB at 0x200.
+    // One bin, (18, 0): 2 MiB up to 2 MiB + 128 KiB. 2 MiB + 40 KiB at 0x100, + 8 KiB at 0x200.
     let (a, b) = (e(2 * MIB + 40 * KIB, 0x100, 1), e(2 * MIB + 8 * KIB, 0x200, 2));
     ix.insert(a);
     ix.insert(b);
     // The last entry split: the remainder stays last in the same bin.
     let b2 = e(2 * MIB + 4 * KIB, 0x200 + 4 * KIB, 2);
     assert!(ix.replace(&b, b2));
-    assert_eq!(ix.bin(bin_of(b2.size).0, bin_of(b2.size).1), &[a, b2]);
+    assert_eq!(ix.entries(bin_of(b2.size).0, bin_of(b2.size).1), [a, b2]);
     assert_eq!((ix.len(), ix.bytes()), (2, a.size + b2.size));
     // Grown past `a`: it moves to the front of the bin.
     let b3 = e(2 * MIB + 60 * KIB, 0x200, 2);
     assert!(ix.replace(&b2, b3));
-    assert_eq!(ix.bin(bin_of(b3.size).0, bin_of(b3.size).1), &[b3, a]);
+    assert_eq!(ix.entries(bin_of(b3.size).0, bin_of(b3.size).1), [b3, a]);
     assert_eq!(fit(&ix, 2 * MIB), Some((a.size, 0x100)));
     // Split below the bin: it leaves it (and the bitmaps follow).
     let small = e(64 * KIB, 0x300, 2);
@@ -182,15 +182,49 @@ fn replace_in_place_and_across_bins() {
 fn check_catches_corruption() {
     let mut ix = FreeIndex::default();
     ix.insert(e(1024, 0, 0));
-    ix.sl_map[7] = 0;
+    ix.sl_map[7] = 0; // the octave's bit still set
     assert!(ix.check().unwrap_err().contains("bit disagrees"));
     ix.sl_map[7] = 1;
     ix.check().unwrap();
-    ix.bin_mut(7, 0).insert(0, e(1024, 0x10, 1)); // in order (descending), uncounted
+    ix.bin_mut(7, 0).rest.push(e(1024, 0x10, 1)); // in order (descending), uncounted
     assert!(ix.check().unwrap_err().contains("counts"));
-    ix.bin_mut(7, 0).clear();
-    ix.bin_mut(7, 0).push(e(2048, 0, 0));
+    (ix.sl_map[7], ix.fl_map) = (0, 0); // an empty bin holding entries
+    assert!(ix.check().unwrap_err().contains("bin (7, 0) bit disagrees"));
+    (ix.sl_map[7], ix.fl_map) = (1, 1 << 7);
+    ix.bin_mut(7, 0).rest.clear();
+    ix.bin_mut(7, 0).last = e(2048, 0, 0);
     assert!(ix.check().unwrap_err().contains("in bin"));
+    ix.bin_mut(7, 0).last = e(1024, 0, 0);
+    ix.bin_mut(7, 0).rest.push(e(1024, 0, 1)); // not above the smallest
+    assert!(ix.check().unwrap_err().contains("out of order"));
+}
+
+/// A bin holds its smallest entry in place: its vector is allocated by its first second entry,
+/// and an entry smaller than the one held pushes that one into the vector.
+#[test]
+fn a_bins_smallest_entry_is_held_in_place() {
+    let mut ix = FreeIndex::default();
+    let (fl, sl) = bin_of(4 * KIB);
+    ix.insert(e(4 * KIB, 0x2000, 1));
+    assert_eq!(ix.octaves[fl].as_ref().unwrap()[sl].rest.capacity(), 0, "one entry: no vector");
+    assert_eq!(ix.entries(fl, sl), [e(4 * KIB, 0x2000, 1)]);
+    ix.insert(e(4 * KIB, 0x1000, 2)); // the new smallest
+    ix.insert(e(4 * KIB, 0x3000, 3)); // the new largest
+    assert_eq!(
+        ix.entries(fl, sl),
+        [e(4 * KIB, 0x3000, 3), e(4 * KIB, 0x2000, 1), e(4 * KIB, 0x1000, 2)]
+    );
+    assert_eq!(fit(&ix, 4 * KIB), Some((4 * KIB, 0x1000)));
+    assert!(ix.remove(&e(4 * KIB, 0x1000, 2))); // the smallest: the next one takes its place
+    assert_eq!(ix.entries(fl, sl), [e(4 * KIB, 0x3000, 3), e(4 * KIB, 0x2000, 1)]);
+    assert!(ix.remove(&e(4 * KIB, 0x3000, 3))); // from the vector
+    assert!(!ix.remove(&e(4 * KIB, 0x3000, 3)));
+    assert!(ix.remove(&e(4 * KIB, 0x2000, 1))); // the last: the bin is empty
+    assert_eq!((ix.sl_map[fl], ix.fl_map, ix.len(), ix.bytes()), (0, 0, 0, 0));
+    assert!(!ix.remove(&e(4 * KIB, 0x2000, 1)), "a stale smallest is not an entry");
+    assert!(!ix.contains(&e(4 * KIB, 0x2000, 1)));
+    assert_eq!((fit(&ix, 1), ix.largest()), (None, None));
+    ix.check().unwrap();
 }
 
 /// A deterministic random walk of inserts, removes and queries, against a sorted set.
