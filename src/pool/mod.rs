@@ -65,15 +65,15 @@ struct Keyed {
     segments: u32,
 }
 
-/// Block records [`Pool::default`] makes room for up front (~80 KiB): the real traces reach
-/// 200–1000 blocks at once, and a slab growing to that took 8 reallocations (the last copies
-/// tens of KiB) on every fresh allocator's first step.
+/// Block records a device's own pool ([`Pool::with_room`]) has room for from the start (~80 KiB):
+/// the real traces reach 200–1000 blocks at once, and a slab growing to that took 8
+/// reallocations (the last ones copying tens of KiB) during a fresh allocator's first step.
 const BLOCKS_AHEAD: usize = 1024;
-/// Segment records [`Pool::default`] makes room for up front.
+/// Segment records a device's own pool has room for from the start.
 const SEGMENTS_AHEAD: usize = 64;
 
 /// Segments and blocks of every pool of one device. See the module docs.
-#[derive(Clone)]
+#[derive(Clone, Default)]
 pub struct Pool {
     blocks: Slab<Block>,
     segments: Slab<Segment>,
@@ -108,29 +108,6 @@ pub struct Pool {
     no_split: bool,
 }
 
-impl Default for Pool {
-    fn default() -> Pool {
-        Pool {
-            blocks: Slab::with_capacity(BLOCKS_AHEAD),
-            segments: Slab::with_capacity(SEGMENTS_AHEAD),
-            keys: Vec::new(),
-            direct: Vec::new(),
-            free: Vec::new(),
-            vacant: Vec::new(),
-            dirty_gone: Vec::new(),
-            stats: BlockStats::default(),
-            live: [[0; LIVE_GROUPS]; 4],
-            dirty: Vec::new(),
-            changed: 0,
-            clock: 0,
-            frees: 0,
-            oversize_at: 0,
-            oversize: Stat::default(),
-            no_split: false,
-        }
-    }
-}
-
 impl Pool {
     /// [`Pool::take_changed`]: reserved bytes and segment counts changed, one bit per
     /// quadrant (see [`Pool::quadrant`]).
@@ -151,6 +128,16 @@ impl Pool {
     #[cfg_attr(not(any(test, feature = "test-hooks")), allow(dead_code))]
     pub fn new() -> Pool {
         Pool::default()
+    }
+
+    /// An empty pool with room for [`BLOCKS_AHEAD`] blocks and [`SEGMENTS_AHEAD`] segments: a
+    /// device's own allocator's (private pools start empty: a program may make many).
+    pub fn with_room() -> Pool {
+        Pool {
+            blocks: Slab::with_capacity(BLOCKS_AHEAD),
+            segments: Slab::with_capacity(SEGMENTS_AHEAD),
+            ..Pool::default()
+        }
     }
 
     /// The exact block statistics. The live groups (allocated, active and requested bytes,
