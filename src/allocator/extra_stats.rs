@@ -42,14 +42,14 @@ fn words(st: &State) -> [u64; EXTRA_WORDS] {
     ]
 }
 
-/// A figure that grows whenever any extra figure changes (see [`Shared::publish_extra`]).
+/// A figure that grows whenever any extra figure changes (see [`Shared::publish_extra`]): the
+/// pool's oversize totals and the count of the other figures' changes (`extra_changes`, bumped
+/// where they change: cold paths; it replaced their four totals and counts in the sum, three
+/// loads and ~9 instructions less on every lock section).
 #[inline(always)]
 fn version(st: &State) -> u64 {
-    let (a, s) = (st.pool.oversize_allocations(), &st.oversize_segments);
-    let c = &st.counters;
-    [a.allocated, a.freed, s.allocated, s.freed, c.sync_all, c.oom_rejections]
-        .iter()
-        .fold(0u64, |v, &x| v.wrapping_add(x))
+    let a = st.pool.oversize_allocations();
+    a.allocated.wrapping_add(a.freed).wrapping_add(st.counters.extra_changes)
 }
 
 fn stat(w: &[u64]) -> Stat {
@@ -107,8 +107,10 @@ impl<D: Device> Shared<D> {
         if up && size >= self.oversize_at.load(Ordering::Relaxed) {
             st.oversize_bases.insert(base);
             st.oversize_segments.increase(1);
+            st.counters.extra_changes += 1;
         } else if !up && st.oversize_bases.remove(&base) {
             st.oversize_segments.decrease(1);
+            st.counters.extra_changes += 1;
         }
     }
 }

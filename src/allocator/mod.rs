@@ -228,7 +228,12 @@ impl<D: Device> Allocator<D> {
             device,
             config: ArcCell::from_arc(config.clone()),
             device_total: total,
-            state: Mutex::new(State { config, ..State::default() }),
+            // The device's own pool has room for a training step's blocks from the start.
+            state: Mutex::new(State {
+                config,
+                pool: if pool == 0 { Pool::with_room() } else { Pool::default() },
+                ..State::default()
+            }),
             caches: CacheTable::default(),
             fast_path: AtomicBool::new(fast),
             small_hint: AtomicU64::new(hint),

@@ -120,6 +120,10 @@ pub(super) struct Counters {
     /// Reservations refused before the device was asked (`throw_on_cudamalloc_oom`,
     /// PyTorch's `num_oom_rejections`).
     pub(super) oom_rejections: u64,
+    /// Changes of `sync_all`, `oom_rejections` and `State::oversize_segments` (each bumps it):
+    /// with the pool's oversize totals, the version of the extra figures (`extra_stats.rs`),
+    /// which every lock section compares.
+    pub(super) extra_changes: u64,
     /// Slots whose lanes were re-tagged for a new stream (`CacheTable`).
     pub(super) lane_retags: u64,
 }

@@ -65,6 +65,13 @@ struct Keyed {
     segments: u32,
 }
 
+/// Block records a device's own pool ([`Pool::with_room`]) has room for from the start (~80 KiB):
+/// the real traces reach 200–1000 blocks at once, and a slab growing to that took 8
+/// reallocations (the last ones copying tens of KiB) during a fresh allocator's first step.
+const BLOCKS_AHEAD: usize = 1024;
+/// Segment records a device's own pool has room for from the start.
+const SEGMENTS_AHEAD: usize = 64;
+
 /// Segments and blocks of every pool of one device. See the module docs.
 #[derive(Clone, Default)]
 pub struct Pool {
@@ -121,6 +128,16 @@ impl Pool {
     #[cfg_attr(not(any(test, feature = "test-hooks")), allow(dead_code))]
     pub fn new() -> Pool {
         Pool::default()
+    }
+
+    /// An empty pool with room for [`BLOCKS_AHEAD`] blocks and [`SEGMENTS_AHEAD`] segments: a
+    /// device's own allocator's (private pools start empty: a program may make many).
+    pub fn with_room() -> Pool {
+        Pool {
+            blocks: Slab::with_capacity(BLOCKS_AHEAD),
+            segments: Slab::with_capacity(SEGMENTS_AHEAD),
+            ..Pool::default()
+        }
     }
 
     /// The exact block statistics. The live groups (allocated, active and requested bytes,
@@ -518,7 +535,9 @@ impl Pool {
 
     /// Hands out the free block `id` for a request of `requested` bytes rounded to `rounded`,
     /// splitting off the remainder when `sizing` says so. Returns the allocated block (at the
-    /// same address as `id`).
+    /// same address as `id`). Inline (three callers: the slow path's, a scope's region and an
+    /// adopted block's): a call fewer per slow-path allocation (2026-12-06, −0.3 %).
+    #[inline(always)]
     pub fn allocate(
         &mut self,
         id: BlockId,

@@ -20,25 +20,26 @@ fn fit(index: &FreeIndex, size: u64) -> Option<(u64, u64)> {
 #[test]
 fn bins_by_hand() {
     assert_eq!(bin_of(0), (0, 0));
-    assert_eq!(bin_of(31), (0, 31));
-    assert_eq!(bin_of(32), (1, 0));
-    assert_eq!(bin_of(63), (1, 31));
-    assert_eq!(bin_of(64), (2, 0));
-    assert_eq!(bin_of(65), (2, 0));
-    assert_eq!(bin_of(66), (2, 1));
-    // 512 B granules: one size per bin below 32 KiB.
-    assert_eq!(bin_of(512), (5, 0));
-    assert_eq!(bin_of(1024), (6, 0));
-    assert_eq!(bin_of(1536), (6, 16));
-    assert_eq!(bin_of(16 * KIB - 512), (9, 30));
-    assert_eq!(bin_of(32 * KIB - 512), (10, 31));
-    assert_eq!(bin_of(16 * KIB), (10, 0));
-    // From 32 KiB a bin spans 1/32 of its octave: 32 KiB and 32 KiB + 512 share one.
-    assert_eq!(bin_of(32 * KIB), (11, 0));
-    assert_eq!(bin_of(32 * KIB + 512), (11, 0));
-    assert_eq!(bin_of(33 * KIB), (11, 1));
-    assert_eq!(bin_of(2 * MIB), (17, 0));
-    assert_eq!(bin_of(20 * MIB), (20, 8));
+    assert_eq!(bin_of(15), (0, 15));
+    assert_eq!(bin_of(16), (1, 0));
+    assert_eq!(bin_of(31), (1, 15));
+    assert_eq!(bin_of(32), (2, 0));
+    assert_eq!(bin_of(33), (2, 0));
+    assert_eq!(bin_of(34), (2, 1));
+    // 512 B granules: one size per bin below 16 KiB.
+    assert_eq!(bin_of(512), (6, 0));
+    assert_eq!(bin_of(1024), (7, 0));
+    assert_eq!(bin_of(1536), (7, 8));
+    assert_eq!(bin_of(8 * KIB - 512), (9, 14));
+    assert_eq!(bin_of(8 * KIB), (10, 0));
+    assert_eq!(bin_of(16 * KIB - 512), (10, 15));
+    // From 16 KiB a bin spans 1/16 of its octave: 16 KiB and 16 KiB + 512 share one.
+    assert_eq!(bin_of(16 * KIB), (11, 0));
+    assert_eq!(bin_of(16 * KIB + 512), (11, 0));
+    assert_eq!(bin_of(17 * KIB), (11, 1));
+    assert_eq!(bin_of(32 * KIB), (12, 0));
+    assert_eq!(bin_of(2 * MIB), (18, 0));
+    assert_eq!(bin_of(20 * MIB), (21, 4));
     assert_eq!(bin_of(u64::MAX), (FL - 1, SL - 1));
 }
 
@@ -82,7 +83,7 @@ fn exact_size_then_lowest_address() {
 #[test]
 fn shared_bin_skips_smaller_blocks() {
     let mut ix = FreeIndex::default();
-    // Both in bin (11, 0); the smaller one at the lower address.
+    // Both in bin (12, 0); the smaller one at the lower address.
     ix.insert(e(32 * KIB, 0x0, 0));
     ix.insert(e(32 * KIB + 512, 0x10_0000, 1));
     ix.insert(e(40 * KIB, 0x20_0000, 2));
@@ -120,14 +121,14 @@ fn bitmaps_follow_the_bins() {
     let mut ix = FreeIndex::default();
     assert_eq!((ix.fl_map, ix.largest()), (0, None));
     ix.insert(e(2 * MIB, 0x0, 0));
-    ix.insert(e(2 * MIB + 64 * KIB, 0x40_0000, 1));
-    assert_eq!(ix.fl_map, 1 << 17);
-    assert_eq!(ix.sl_map[17], 0b11);
+    ix.insert(e(2 * MIB + 128 * KIB, 0x40_0000, 1));
+    assert_eq!(ix.fl_map, 1 << 18);
+    assert_eq!(ix.sl_map[18], 0b11);
     assert!(!ix.remove(&e(2 * MIB, 0x40_0000, 0)), "absent entry (wrong address)");
     assert!(ix.remove(&e(2 * MIB, 0x0, 0)));
-    assert_eq!(ix.sl_map[17], 0b10);
-    assert!(ix.remove(&e(2 * MIB + 64 * KIB, 0x40_0000, 1)));
-    assert_eq!((ix.fl_map, ix.sl_map[17], ix.len(), ix.bytes()), (0, 0, 0, 0));
+    assert_eq!(ix.sl_map[18], 0b10);
+    assert!(ix.remove(&e(2 * MIB + 128 * KIB, 0x40_0000, 1)));
+    assert_eq!((ix.fl_map, ix.sl_map[18], ix.len(), ix.bytes()), (0, 0, 0, 0));
     assert_eq!(fit(&ix, 1), None);
     ix.check().unwrap();
 }
@@ -150,19 +151,19 @@ fn iterates_in_size_then_address_order() {
 #[test]
 fn replace_in_place_and_across_bins() {
     let mut ix = FreeIndex::default();
-    // One bin, (17, 0): 2 MiB up to 2 MiB + 64 KiB. 2 MiB + 40 KiB at 0x100, + 8 KiB at 0x200.
+    // One bin, (18, 0): 2 MiB up to 2 MiB + 128 KiB. 2 MiB + 40 KiB at 0x100, + 8 KiB at 0x200.
     let (a, b) = (e(2 * MIB + 40 * KIB, 0x100, 1), e(2 * MIB + 8 * KIB, 0x200, 2));
     ix.insert(a);
     ix.insert(b);
     // The last entry split: the remainder stays last in the same bin.
     let b2 = e(2 * MIB + 4 * KIB, 0x200 + 4 * KIB, 2);
     assert!(ix.replace(&b, b2));
-    assert_eq!(ix.bin(bin_of(b2.size).0, bin_of(b2.size).1), &[a, b2]);
+    assert_eq!(ix.entries(bin_of(b2.size).0, bin_of(b2.size).1), [a, b2]);
     assert_eq!((ix.len(), ix.bytes()), (2, a.size + b2.size));
     // Grown past `a`: it moves to the front of the bin.
     let b3 = e(2 * MIB + 60 * KIB, 0x200, 2);
     assert!(ix.replace(&b2, b3));
-    assert_eq!(ix.bin(bin_of(b3.size).0, bin_of(b3.size).1), &[b3, a]);
+    assert_eq!(ix.entries(bin_of(b3.size).0, bin_of(b3.size).1), [b3, a]);
     assert_eq!(fit(&ix, 2 * MIB), Some((a.size, 0x100)));
     // Split below the bin: it leaves it (and the bitmaps follow).
     let small = e(64 * KIB, 0x300, 2);
@@ -181,15 +182,49 @@ fn replace_in_place_and_across_bins() {
 fn check_catches_corruption() {
     let mut ix = FreeIndex::default();
     ix.insert(e(1024, 0, 0));
-    ix.sl_map[6] = 0;
+    ix.sl_map[7] = 0; // the octave's bit still set
     assert!(ix.check().unwrap_err().contains("bit disagrees"));
-    ix.sl_map[6] = 1;
+    ix.sl_map[7] = 1;
     ix.check().unwrap();
-    ix.bin_mut(6, 0).insert(0, e(1024, 0x10, 1)); // in order (descending), uncounted
+    ix.bin_mut(7, 0).rest.push(e(1024, 0x10, 1)); // in order (descending), uncounted
     assert!(ix.check().unwrap_err().contains("counts"));
-    ix.bin_mut(6, 0).clear();
-    ix.bin_mut(6, 0).push(e(2048, 0, 0));
+    (ix.sl_map[7], ix.fl_map) = (0, 0); // an empty bin holding entries
+    assert!(ix.check().unwrap_err().contains("bin (7, 0) bit disagrees"));
+    (ix.sl_map[7], ix.fl_map) = (1, 1 << 7);
+    ix.bin_mut(7, 0).rest.clear();
+    ix.bin_mut(7, 0).last = e(2048, 0, 0);
     assert!(ix.check().unwrap_err().contains("in bin"));
+    ix.bin_mut(7, 0).last = e(1024, 0, 0);
+    ix.bin_mut(7, 0).rest.push(e(1024, 0, 1)); // not above the smallest
+    assert!(ix.check().unwrap_err().contains("out of order"));
+}
+
+/// A bin holds its smallest entry in place: its vector is allocated by its first second entry,
+/// and an entry smaller than the one held pushes that one into the vector.
+#[test]
+fn a_bins_smallest_entry_is_held_in_place() {
+    let mut ix = FreeIndex::default();
+    let (fl, sl) = bin_of(4 * KIB);
+    ix.insert(e(4 * KIB, 0x2000, 1));
+    assert_eq!(ix.octaves[fl].as_ref().unwrap()[sl].rest.capacity(), 0, "one entry: no vector");
+    assert_eq!(ix.entries(fl, sl), [e(4 * KIB, 0x2000, 1)]);
+    ix.insert(e(4 * KIB, 0x1000, 2)); // the new smallest
+    ix.insert(e(4 * KIB, 0x3000, 3)); // the new largest
+    assert_eq!(
+        ix.entries(fl, sl),
+        [e(4 * KIB, 0x3000, 3), e(4 * KIB, 0x2000, 1), e(4 * KIB, 0x1000, 2)]
+    );
+    assert_eq!(fit(&ix, 4 * KIB), Some((4 * KIB, 0x1000)));
+    assert!(ix.remove(&e(4 * KIB, 0x1000, 2))); // the smallest: the next one takes its place
+    assert_eq!(ix.entries(fl, sl), [e(4 * KIB, 0x3000, 3), e(4 * KIB, 0x2000, 1)]);
+    assert!(ix.remove(&e(4 * KIB, 0x3000, 3))); // from the vector
+    assert!(!ix.remove(&e(4 * KIB, 0x3000, 3)));
+    assert!(ix.remove(&e(4 * KIB, 0x2000, 1))); // the last: the bin is empty
+    assert_eq!((ix.sl_map[fl], ix.fl_map, ix.len(), ix.bytes()), (0, 0, 0, 0));
+    assert!(!ix.remove(&e(4 * KIB, 0x2000, 1)), "a stale smallest is not an entry");
+    assert!(!ix.contains(&e(4 * KIB, 0x2000, 1)));
+    assert_eq!((fit(&ix, 1), ix.largest()), (None, None));
+    ix.check().unwrap();
 }
 
 /// A deterministic random walk of inserts, removes and queries, against a sorted set.
