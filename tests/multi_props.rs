@@ -300,7 +300,11 @@ fn step() -> impl Strategy<Value = Step> {
 }
 
 fn case() -> impl Strategy<Value = Case> {
-    let policy = prop_oneof![Just(CrossStream::Strict), Just(CrossStream::WaitEvent)];
+    let policy = prop_oneof![
+        Just(CrossStream::Strict),
+        Just(CrossStream::WaitEvent),
+        Just(CrossStream::Never)
+    ];
     (
         [policy.clone(), policy],
         prop::bool::weighted(0.25),

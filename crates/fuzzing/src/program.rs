@@ -34,11 +34,11 @@ pub const CAPACITIES: [u64; 4] = [64 * MIB, 256 * MIB, 1 << 30, 64 << 30];
 
 /// Configurations a program may start with or switch to. All valid. (The expandable ones were
 /// added after the first nine, the controls of issue 18 after those, stitching, then lanes
-/// without the bias, then `throw_on_cudamalloc_oom`. A choice
+/// without the bias, then `throw_on_cudamalloc_oom`, then `cross_stream:never`. A choice
 /// byte is read modulo the table's length, so an input written with choices below the old
 /// length decodes as before: the seeds are, and the committed crash artifacts were re-encoded
 /// with [`Program::encode`] when the stitching entries came.)
-pub const CONFIGS: [&str; 21] = [
+pub const CONFIGS: [&str; 23] = [
     "",
     "cross_stream:wait_event",
     "max_split_size_mb:40",
@@ -60,6 +60,8 @@ pub const CONFIGS: [&str; 21] = [
     "biased_lanes:false,cross_stream:wait_event",
     "throw_on_cudamalloc_oom:true,memory_limit_mb:96,max_split_size_mb:40",
     "throw_on_cudamalloc_oom:true,expandable_segments:true,per_process_memory_fraction:0.5",
+    "cross_stream:never,memory_limit_mb:96",
+    "cross_stream:never,expandable_segments:true",
 ];
 
 /// Kernel and sleep durations in µs (mostly zero: a zero sleep costs nothing).
