@@ -285,11 +285,15 @@ impl Vm {
     /// lock sections, ~25 instructions each).
     #[inline]
     pub(super) fn settle_due(&self) -> bool {
-        !self.ranges.is_empty()
-            && (self.live_stitches != 0
-                || self.threshold != u64::MAX
-                || !self.learning.is_empty()
-                || self.counts.unpublished)
+        !self.ranges.is_empty() && (self.live_stitches != 0 || self.counts.unpublished)
+            || self.trim_due()
+    }
+
+    /// Whether a trim may release anything ([`Shared::trim`]): a range exists, and a
+    /// `release_threshold` or a learning run's threshold of 0 applies.
+    #[inline]
+    pub(super) fn trim_due(&self) -> bool {
+        !self.ranges.is_empty() && (self.threshold != u64::MAX || !self.learning.is_empty())
     }
 
     /// The base of the range holding `addr`.

@@ -194,6 +194,23 @@ pub struct LargeVerdict {
 }
 
 impl CacheInner {
+    /// Adds `b` to its class's list, kept lowest address last for the class
+    /// `Limits::lowest_first` names ([`lowest_last`]); false where the class table has no room
+    /// for a new class or the class holds `limits.entries` blocks already.
+    #[inline(always)]
+    fn push_to_class(&mut self, class: ClassKey, b: CachedBlock) -> bool {
+        let (entries, lowest_first) = (self.limits.entries, self.limits.lowest_first);
+        let Some(list) = self.classes.get_or_add(class) else { return false };
+        if list.len() >= entries {
+            return false;
+        }
+        list.push(b);
+        if class.rounded == lowest_first {
+            lowest_last(list);
+        }
+        true
+    }
+
     /// Whether a block freed on `stream` may be cached here: the lane serves that stream now.
     /// A buffer keeps its lane's owner for life, and the lane may be re-tagged for a new
     /// stream once its old one is destroyed ([`CacheTable`]); a block of the old stream cached
@@ -416,14 +433,8 @@ impl StreamCache {
         {
             return Err(b);
         }
-        let entries = inner.limits.entries;
-        let Some(list) = inner.classes.get_or_add(class) else { return Err(b) };
-        if list.len() >= entries {
+        if !inner.push_to_class(class, b) {
             return Err(b);
-        }
-        list.push(b);
-        if class.rounded == inner.limits.lowest_first {
-            lowest_last(list);
         }
         if large {
             self.set_large(inner, 1);
@@ -467,16 +478,9 @@ impl StreamCache {
         }
         // The lane's only block: the hot entry, no list (`class_table.rs`). A class of one
         // block is within every `entries` bound (`room` is 0 where none is allowed).
-        if !(cached == 0 && inner.classes.set_hot(class, b)) {
-            let entries = inner.limits.entries;
-            let Some(list) = inner.classes.get_or_add(class) else { return false };
-            if list.len() >= entries {
-                return false;
-            }
-            list.push(b);
-            if class.rounded == inner.limits.lowest_first {
-                lowest_last(list);
-            }
+        let kept = cached == 0 && inner.classes.set_hot(class, b) || inner.push_to_class(class, b);
+        if !kept {
+            return false;
         }
         self.grant(inner, &b);
         self.fast.open();

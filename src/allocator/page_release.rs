@@ -331,10 +331,10 @@ impl<D: Device> Shared<D> {
     /// they grew by a page since the last check (from their lowest since). Errors leave pages
     /// mapped.
     pub(super) fn trim(&self, st: &mut State) {
-        let threshold = st.vm.threshold;
-        if threshold == u64::MAX && st.vm.learning.is_empty() || st.vm.ranges.is_empty() {
+        if !st.vm.trim_due() {
             return;
         }
+        let threshold = st.vm.threshold;
         let streams: Vec<StreamId> = st.pool.dirty_streams();
         for s in streams {
             let t = if st.vm.learning.contains_key(&s) { 0 } else { threshold };
