@@ -437,7 +437,9 @@ pub enum ConfigError {
     Inconsistent(String),
     /// [`Config::from_env`]: the environment variable `var` holds a configuration that `error`
     /// refuses. The other variants do not name where the string came from ([`Config::parse`],
-    /// the setters, a command line), so they name no variable.
+    /// the setters, a command line), so they name no variable. Its `Display` names the
+    /// variable only; `error` is its [`source`](std::error::Error::source), printed after it by
+    /// whatever prints the chain.
     Env {
         /// The variable ([`ENV_VAR`]).
         var: &'static str,
@@ -471,7 +473,12 @@ impl fmt::Display for ConfigError {
                 write!(f, "inconsistent configuration: {why}")
             }
             ConfigError::Inconsistent(why) => write!(f, "inconsistent {ENV_VAR}: {why}"),
-            ConfigError::Env { var, error } => write!(f, "{var}: {error}"),
+            // The variable only: what is wrong with its value is `source()`'s to say, once.
+            // BROKEN (`error_text_doubled`): the inner message again.
+            ConfigError::Env { var, error } if cfg!(tidepool_broken = "error_text_doubled") => {
+                write!(f, "{var} holds an invalid configuration: {error}")
+            }
+            ConfigError::Env { var, .. } => write!(f, "{var} holds an invalid configuration"),
         }
     }
 }
@@ -1443,14 +1450,17 @@ mod tests {
         let e = Config::from_vars(Some("warp_speed:9"), None).unwrap_err();
         let inner = ConfigError::UnknownKey("warp_speed".into());
         assert_eq!(e, ConfigError::Env { var: ENV_VAR, error: Box::new(inner.clone()) });
-        assert_eq!(e.to_string(), format!("TIDEPOOL_ALLOC_CONF: {inner}"));
+        // The variable here, what is wrong with it in the source: each said once down the chain.
+        assert_eq!(e.to_string(), "TIDEPOOL_ALLOC_CONF holds an invalid configuration");
         assert!(inner.to_string().starts_with("unknown key `warp_speed`; valid keys: "));
-        assert_eq!(std::error::Error::source(&e).unwrap().to_string(), inner.to_string());
+        let source = std::error::Error::source(&e).unwrap();
+        assert_eq!(source.downcast_ref::<ConfigError>(), Some(&inner));
+        assert!(source.source().is_none());
         let e = Config::from_vars(Some("max_split_size_mb:5"), None).unwrap_err();
         assert_eq!(
-            e.to_string(),
-            "TIDEPOOL_ALLOC_CONF: inconsistent configuration: max_split_size_mb (5 MiB) must be \
-             at least large_segment_mb (20 MiB)"
+            chain(&e),
+            "TIDEPOOL_ALLOC_CONF holds an invalid configuration: inconsistent configuration: \
+             max_split_size_mb (5 MiB) must be at least large_segment_mb (20 MiB)"
         );
         let e = Config::from_vars(None, Some("yes")).unwrap_err();
         assert_eq!(
@@ -1478,6 +1488,38 @@ mod tests {
             Config::parse("max_split_size_mb").unwrap_err().to_string(),
             "malformed entry `max_split_size_mb`: expected key:value"
         );
+    }
+
+    /// `e`'s message, then each source's, joined by `: ` (as anyhow's `{:#}` prints them).
+    fn chain(e: &dyn std::error::Error) -> String {
+        let mut text = e.to_string();
+        let mut next = e.source();
+        while let Some(inner) = next {
+            text = format!("{text}: {inner}");
+            next = inner.source();
+        }
+        text
+    }
+
+    /// `ConfigError::Env`, the one wrapper: its message names the variable and not the inner
+    /// error, which is its source, so a reader of the chain prints each once.
+    #[test]
+    fn the_variables_error_leaves_the_inner_message_to_its_source() {
+        for (conf, inner) in [
+            ("warp_speed:9", Config::parse("warp_speed:9").unwrap_err()),
+            ("max_split_size_mb", Config::parse("max_split_size_mb").unwrap_err()),
+            ("max_split_size_mb:5", Config::parse("max_split_size_mb:5").unwrap_err()),
+        ] {
+            let e = Config::from_vars(Some(conf), None).unwrap_err();
+            let text = e.to_string();
+            assert!(!text.contains(&inner.to_string()), "{conf}: {text}");
+            assert_eq!(text, "TIDEPOOL_ALLOC_CONF holds an invalid configuration");
+            let source = std::error::Error::source(&e).expect("the inner error is the source");
+            assert_eq!(source.downcast_ref::<ConfigError>(), Some(&inner), "{conf}");
+            let whole = chain(&e);
+            assert_eq!(whole, format!("{text}: {inner}"));
+            assert_eq!(whole.matches(&inner.to_string()).count(), 1, "{whole}");
+        }
     }
 
     #[test]

@@ -1,10 +1,23 @@
 //! The public API as a downstream user meets it: what an error says when a user gets something
-//! wrong, read as the user reads it (its `Display`), and which way it points them.
+//! wrong, read as the user reads it (its `Display`, down the `source()` chain for the errors that
+//! wrap another), and which way it points them.
 
 use std::sync::Arc;
 use tidepool::{
     AllocError, Allocator, Config, Device, HostAllocError, HostAllocator, SimDevice, StreamId,
 };
+
+/// `e`'s message, then each source's, joined by `: `: what a program that prints the whole
+/// chain (anyhow's `{:#}`) shows its user.
+fn chain(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut next = e.source();
+    while let Some(inner) = next {
+        text = format!("{text}: {inner}");
+        next = inner.source();
+    }
+    text
+}
 
 /// A configuration built with the setters (no environment variable involved) that contradicts
 /// itself is refused naming the keys, not `TIDEPOOL_ALLOC_CONF`, which the user never set (and
@@ -14,10 +27,13 @@ fn a_configuration_error_blames_no_variable_the_user_did_not_set() {
     let dev = Arc::new(SimDevice::new(1 << 30));
     let config = Config::default().with_max_split_size_mb(5);
     let e = Allocator::new(dev.clone(), config).map(|_| ()).unwrap_err();
+    // The allocator's layer, then the configuration's (its source), each once.
+    assert_eq!(e.to_string(), "the allocator refused its configuration");
+    let source = std::error::Error::source(&e).expect("the configuration's error").to_string();
     assert_eq!(
-        e.to_string(),
-        "configuration error: inconsistent configuration: max_split_size_mb (5 MiB) must be at \
-         least large_segment_mb (20 MiB)"
+        source,
+        "inconsistent configuration: max_split_size_mb (5 MiB) must be at least large_segment_mb \
+         (20 MiB)"
     );
     let e = Config::parse("expandable_segments:yes").unwrap_err();
     assert_eq!(e.to_string(), "bad value `yes` for `expandable_segments`: expected true or false");
@@ -39,10 +55,12 @@ fn a_copy_to_an_unbacked_simulated_device_says_to_make_a_backed_one() {
     let buf = alloc.alloc(4096, StreamId::DEFAULT).unwrap();
     let mut staging = pinned.alloc(4096).unwrap();
     staging.as_mut_slice().unwrap().fill(7);
-    let e = staging.upload(&buf).unwrap_err().to_string();
+    // As a user reads it: the whole chain (the pinned allocator's layer, then the device's).
+    let e = chain(&staging.upload(&buf).unwrap_err());
+    assert!(e.starts_with("a device call on pinned host memory failed: "), "{e}");
     assert!(e.contains("copies to or from unbacked device memory"), "{e}");
     assert!(e.contains("SimDevice::backed(capacity)"), "the way out is named: {e}");
-    let e = staging.download(&buf).unwrap_err().to_string();
+    let e = chain(&staging.download(&buf).unwrap_err());
     assert!(e.contains("SimDevice::backed(capacity)"), "{e}");
     // Nothing was enqueued: the buffer is still the host's, with its bytes.
     assert!(staging.pending_streams().is_empty());

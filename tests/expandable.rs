@@ -673,15 +673,17 @@ fn growth_while_event_records_fail(broken: bool) -> Result<(), String> {
     drop(a); // four pages cached by s1's range: the device is full
     dev.fail_event_records(true);
     let syncs = alloc.stats().num_host_syncs;
-    let b = alloc.alloc(4 * MIB, s2).map_err(|e| format!("alloc while records fail: {e}"))?;
+    let b = alloc
+        .alloc(4 * MIB, s2)
+        .map_err(|e| format!("alloc while records fail: {}", common::chain(&e)))?;
     assert_eq!(alloc.stats().num_host_syncs, syncs + 1, "one host wait for s1's work");
     assert_eq!(alloc.stats().blocks.reserved_bytes.all.current, 4 * MIB);
     dev.fail_event_records(false);
     alloc.check_invariants()?;
     drop(b);
-    let c = alloc.alloc(8 * MIB, s1).map_err(|e| format!("alloc after: {e}"))?;
+    let c = alloc.alloc(8 * MIB, s1).map_err(|e| format!("alloc after: {}", common::chain(&e)))?;
     drop(c);
-    alloc.empty_cache().map_err(|e| e.to_string())?;
+    alloc.empty_cache().map_err(|e| common::chain(&e))?;
     alloc.check_invariants()?;
     assert_eq!(dev.violations(), vec![]);
     Ok(())
@@ -691,6 +693,11 @@ fn growth_while_event_records_fail(broken: bool) -> Result<(), String> {
 fn a_growth_works_on_while_event_records_fail() {
     growth_while_event_records_fail(false).unwrap();
     let e = growth_while_event_records_fail(true).unwrap_err();
+    // The allocator's layer, then the device's (its source).
+    assert!(
+        e.starts_with("alloc while records fail: a device call of the allocator failed: "),
+        "{e}"
+    );
     assert!(e.contains("record_event failed"), "{e}");
 }
 

@@ -8,7 +8,10 @@ use std::fmt;
 
 /// Why an allocation failed. The allocator stays usable after any of them.
 ///
-/// [`std::error::Error::source`] gives the device's or the configuration's error where there is one.
+/// [`std::error::Error::source`] gives the device's or the configuration's error where there is one
+/// ([`AllocError::Device`], [`AllocError::Config`]); their `Display` says only what failed at
+/// this layer, not the inner error again, so print the whole chain for a user (each
+/// `source()` in turn, as anyhow's `{:#}` does), not `to_string()` alone.
 #[derive(Clone, Debug, PartialEq)]
 #[non_exhaustive]
 pub enum AllocError {
@@ -249,7 +252,13 @@ impl fmt::Display for AllocError {
                 crate::types::MAX_REQUEST
             ),
             AllocError::OutOfMemory(report) => report.fmt(f),
-            AllocError::Device(e) => write!(f, "device error: {e}"),
+            // Each wrapper says its own layer only: the inner error is `source()`'s, and a
+            // reader of the chain (`{:#}` of anyhow, a "caused by" list) prints it once.
+            // BROKEN (`error_text_doubled`): the inner message again, printed twice down a chain.
+            AllocError::Device(e) if cfg!(tidepool_broken = "error_text_doubled") => {
+                write!(f, "a device call of the allocator failed: {e}")
+            }
+            AllocError::Device(_) => write!(f, "a device call of the allocator failed"),
             AllocError::ForeignBuffer => write!(
                 f,
                 "the buffer was made by another allocator (or scope): refused, nothing changed; \
@@ -284,7 +293,10 @@ impl fmt::Display for AllocError {
                  changed; use a stream the device made (Device::create_stream) or adopted \
                  (adopt_stream)"
             ),
-            AllocError::Config(e) => write!(f, "configuration error: {e}"),
+            AllocError::Config(e) if cfg!(tidepool_broken = "error_text_doubled") => {
+                write!(f, "the allocator refused its configuration: {e}")
+            }
+            AllocError::Config(_) => write!(f, "the allocator refused its configuration"),
             AllocError::UnknownDevice { ordinal, count } => {
                 write!(f, "no device {ordinal}: there are {count} device(s)")
             }

@@ -79,6 +79,10 @@ use std::fmt;
 pub use crate::types::MIN_HOST_BLOCK;
 
 /// Why a pinned host allocation or copy failed. The allocator stays usable after any of them.
+///
+/// [`std::error::Error::source`] gives the device's error where there is one
+/// ([`HostAllocError::OutOfMemory`], [`HostAllocError::Device`]); their `Display` does not
+/// repeat it, so print the whole chain for a user.
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum HostAllocError {
@@ -132,14 +136,25 @@ impl fmt::Display for HostAllocError {
                 f,
                 "pinned host allocation of {requested} bytes exceeds the limit of {MAX_REQUEST}"
             ),
-            HostAllocError::OutOfMemory { requested, class, reserved, error } => write!(
-                f,
-                "out of pinned host memory allocating {} (class {}; {} held): {error}",
-                Bytes(*requested),
-                Bytes(*class),
-                Bytes(*reserved)
-            ),
-            HostAllocError::Device(e) => write!(f, "device error on pinned host memory: {e}"),
+            // The device's answer is `source()`'s to say, once down the chain.
+            // BROKEN (`error_text_doubled`): said here too.
+            HostAllocError::OutOfMemory { requested, class, reserved, error } => {
+                write!(
+                    f,
+                    "out of pinned host memory allocating {} (class {}; {} held)",
+                    Bytes(*requested),
+                    Bytes(*class),
+                    Bytes(*reserved)
+                )?;
+                match cfg!(tidepool_broken = "error_text_doubled") {
+                    true => write!(f, ": {error}"),
+                    false => Ok(()),
+                }
+            }
+            HostAllocError::Device(e) if cfg!(tidepool_broken = "error_text_doubled") => {
+                write!(f, "a device call on pinned host memory failed: {e}")
+            }
+            HostAllocError::Device(_) => write!(f, "a device call on pinned host memory failed"),
             HostAllocError::OutOfRange { offset, bytes, len } => write!(
                 f,
                 "copy of {bytes} bytes at offset {offset} is outside a buffer of {len} bytes"

@@ -98,14 +98,15 @@ fn best_device(cfg: &TrainConfig, args: &DemoArgs, out: &mut dyn Write) -> Resul
         use tidepool_eager::CudaBackend;
         match CudaDevice::unavailable_reason() {
             None => {
-                let device = CudaDevice::new(0).map_err(|e| e.to_string())?;
+                let device = CudaDevice::new(0).map_err(|e| crate::chain(&e))?;
                 match CudaBackend::new(device) {
                     Ok(backend) => {
                         let eager = Eager::new(backend, tidepool::Config::default())
-                            .map_err(|e| e.to_string())?;
+                            .map_err(|e| crate::chain(&e))?;
                         return train(&eager, cfg, snapshot, out);
                     }
                     Err(e) => {
+                        let e = crate::chain(&e);
                         let _ = writeln!(out, "CUDA back end unavailable ({e}); using SimDevice");
                     }
                 }
@@ -115,7 +116,7 @@ fn best_device(cfg: &TrainConfig, args: &DemoArgs, out: &mut dyn Write) -> Resul
             }
         }
     }
-    let eager = Eager::sim(SIM_CAPACITY).map_err(|e| e.to_string())?;
+    let eager = Eager::sim(SIM_CAPACITY).map_err(|e| crate::chain(&e))?;
     train(&eager, cfg, snapshot, out)?;
     let violations = eager.device().violations();
     if !violations.is_empty() {
@@ -164,7 +165,7 @@ fn train<B: Backend>(
             r.alloc_host_syncs
         );
     };
-    let reports = train_mlp(eager, cfg, &mut line).map_err(|e| e.to_string())?;
+    let reports = train_mlp(eager, cfg, &mut line).map_err(|e| crate::chain(&e))?;
     if let Some(path) = snapshot {
         eager
             .allocator()

@@ -9,7 +9,8 @@
 //! Exit codes: 0 success (and `--help`, `--version`), 1 runtime error (unreadable trace, failed
 //! replay, an SVG or snapshot file that cannot be written: checked before any work), 2 usage
 //! error (unknown flag or policy, bad value). Errors print `tidepool: <message>` (or clap's
-//! usage error) on stderr.
+//! usage error) on stderr, the message being the error's whole chain (`outer: inner: …`, each
+//! `source()` once: [`chain`]).
 
 mod demo;
 mod replay;
@@ -87,6 +88,20 @@ pub(crate) fn check_output(path: &std::path::Path) -> Result<(), String> {
         }
         Err(e) => Err(cannot(e)),
     }
+}
+
+/// `e`'s message, then each [`source`](std::error::Error::source)'s in turn, joined by `: `:
+/// what the CLI prints after `tidepool: `. The core's wrapper errors (`AllocError::Device`,
+/// `AllocError::Config`, `ConfigError::Env`, ...) say their own layer only and leave the inner
+/// error to `source()`, so `to_string()` alone would drop it, and printing both would repeat it.
+pub(crate) fn chain(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut next = e.source();
+    while let Some(inner) = next {
+        text = format!("{text}: {inner}");
+        next = inner.source();
+    }
+    text
 }
 
 fn main() {

@@ -124,3 +124,37 @@ fn the_svg_is_never_the_trace() {
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
     assert!(std::fs::read_to_string(&plot).unwrap().starts_with("<svg"));
 }
+
+/// An error that wraps another prints every layer once: the policy, the allocator's refusal
+/// (`AllocError::Config`) and the configuration's reason (its `source()`). The allocator's
+/// message used to hold the reason too, so a reader of the chain printed it twice; the CLI
+/// printed `to_string()` alone, which now says the allocator's layer only, so it prints the
+/// chain. Here `caching:false` is a valid `--config`, but the expandable policy turns
+/// expandable segments on over it, which `Allocator::new` refuses. Broken build
+/// `error_text_doubled` (the wrappers' messages repeat their source).
+#[test]
+fn a_wrapped_error_prints_each_layer_once() {
+    let dir = scratch("chain");
+    let trace = dir.path().join("t.csv");
+    std::fs::write(&trace, "seq,op,id,bytes,stream,tag\n0,alloc,0,1024,0,act\n").unwrap();
+    let args = ["replay", trace.to_str().unwrap(), "--config", "caching:false", "--repeats", "1"];
+    let o = tidepool(&[&args[..], &["--policy", "expandable"]].concat());
+    assert_eq!(o.status.code(), Some(1));
+    assert!(o.stdout.is_empty());
+    let layers = [
+        "policy expandable",
+        "the allocator refused its configuration",
+        "inconsistent configuration: caching:false (every free returns its memory to the device) \
+         cannot be combined with expandable_segments",
+    ];
+    let e = stderr(&o);
+    assert_eq!(e, format!("tidepool: {}\n", layers.join(": ")));
+    for layer in layers {
+        assert_eq!(e.matches(layer).count(), 1, "{layer:?} in {e}");
+    }
+    // The caching policy takes the same configuration; with the default policies the run
+    // stops at the expandable one, with the same one-line chain.
+    let o = tidepool(&args);
+    assert_eq!(o.status.code(), Some(1));
+    assert_eq!(stderr(&o), format!("tidepool: {}\n", layers.join(": ")));
+}

@@ -90,8 +90,16 @@ fn main() -> Result<(), Box<dyn Error>> {
         other => return Err(format!("1 TiB: {other:?}").into()),
     }
     let device_err: DeviceError = device.destroy_stream(StreamId::DEFAULT).unwrap_err();
-    let wrapped = AllocError::from(device_err);
+    let wrapped = AllocError::from(device_err.clone());
     check(wrapped.source().is_some(), "AllocError::Device has a source")?;
+    check(
+        wrapped.source().and_then(|s| s.downcast_ref::<DeviceError>()) == Some(&device_err),
+        "AllocError::Device's source is the device's error",
+    )?;
+    check(
+        !wrapped.to_string().contains(&device_err.to_string()),
+        "AllocError::Device's message leaves the device's error to its source",
+    )?;
 
     // Statistics with PyTorch's names, and the summary.
     let stats: MemoryStats = alloc.stats();

@@ -10,7 +10,29 @@ use std::process::ExitCode;
 use tidepool_eager::Eager;
 use tidepool_eager::models::train::{OptimizerKind, TrainConfig, train_mlp};
 
-fn main() -> Result<ExitCode, Box<dyn std::error::Error>> {
+fn main() -> ExitCode {
+    match run() {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("mlp_train: error: {}", chain(&*e));
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// `e`'s message, then each source's in turn, joined by `: `: every layer of the error once (an
+/// allocator error's `Display` leaves the device's error to its `source()`).
+fn chain(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut next = e.source();
+    while let Some(inner) = next {
+        text = format!("{text}: {inner}");
+        next = inner.source();
+    }
+    text
+}
+
+fn run() -> Result<ExitCode, Box<dyn std::error::Error>> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let mut cfg = TrainConfig::default();
     let mut trace = None;

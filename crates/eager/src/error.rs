@@ -21,11 +21,18 @@ pub enum EagerError {
 /// Result of an eager operation.
 pub type Result<T> = std::result::Result<T, EagerError>;
 
+/// `Alloc` and `Device` say their own layer only: the allocator's or the device's error is
+/// their [`source`](std::error::Error::source), so whatever prints the chain (each `source()`
+/// in turn, as anyhow's `{:#}` does) prints it once. `to_string()` alone leaves it out.
 impl fmt::Display for EagerError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // BROKEN (`error_text_doubled`): the inner error's message again.
+        let doubled = cfg!(tidepool_broken = "error_text_doubled");
         match self {
-            EagerError::Alloc(e) => write!(f, "allocation failed: {e}"),
-            EagerError::Device(e) => write!(f, "device error: {e}"),
+            EagerError::Alloc(e) if doubled => write!(f, "the allocator failed: {e}"),
+            EagerError::Alloc(_) => write!(f, "the allocator failed"),
+            EagerError::Device(e) if doubled => write!(f, "the device refused the work: {e}"),
+            EagerError::Device(_) => write!(f, "the device refused the work"),
             EagerError::Shape(msg) => write!(f, "shape error: {msg}"),
             EagerError::Backend(msg) => write!(f, "back end error: {msg}"),
         }
@@ -55,17 +62,99 @@ impl From<DeviceError> for EagerError {
 }
 
 /// A pinned host memory failure: the device's error as [`EagerError::Device`], the rest (out of
-/// pinned memory, say) as [`EagerError::Backend`].
+/// pinned memory, say) as [`EagerError::Backend`], whose text is the whole chain (out of pinned
+/// memory, then the device's answer).
 impl From<HostAllocError> for EagerError {
     fn from(e: HostAllocError) -> Self {
         match e {
             HostAllocError::Device(d) => EagerError::Device(d),
-            other => EagerError::Backend(other.to_string()),
+            other => EagerError::Backend(chain(&other)),
         }
     }
+}
+
+/// `e`'s message, then each source's in turn, joined by `: ` (as anyhow's `{:#}` prints them):
+/// each layer once.
+pub(crate) fn chain(e: &(dyn std::error::Error + '_)) -> String {
+    let mut text = e.to_string();
+    let mut next = e.source();
+    while let Some(inner) = next {
+        text = format!("{text}: {inner}");
+        next = inner.source();
+    }
+    text
 }
 
 /// A shape error with a formatted message.
 pub(crate) fn shape_err<T>(msg: impl Into<String>) -> Result<T> {
     Err(EagerError::Shape(msg.into()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::error::Error;
+    use tidepool::StreamId;
+
+    /// `outer` says `own` and nothing of `inner`, which its `source()` is; the chain holds each
+    /// once.
+    fn says_its_layer_only<I: Error + PartialEq + 'static>(
+        outer: &EagerError,
+        inner: &I,
+        own: &str,
+    ) {
+        let (text, inner_text) = (outer.to_string(), inner.to_string());
+        assert_eq!(text, own);
+        assert!(!text.contains(&inner_text), "the wrapper repeats its source: {text}");
+        let source = outer.source().expect("the inner error is the source");
+        assert_eq!(source.downcast_ref::<I>(), Some(inner));
+        let whole = chain(outer);
+        assert_eq!(whole, format!("{own}: {}", chain(inner)));
+        assert_eq!(whole.matches(&inner_text).count(), 1, "{whole}");
+    }
+
+    /// Each wrapper variant says its own layer only (the error-handling working group's rule:
+    /// the inner error is the source, or in the message, never both): whatever prints the chain
+    /// printed the inner message twice (found in review). Broken build `error_text_doubled`.
+    #[test]
+    fn wrappers_leave_the_inner_message_to_their_source() {
+        let device = DeviceError::UnknownStream(StreamId(7));
+        says_its_layer_only(
+            &EagerError::Device(device.clone()),
+            &device,
+            "the device refused the work",
+        );
+        let alloc = AllocError::UnknownStream(StreamId(7));
+        says_its_layer_only(&EagerError::Alloc(alloc.clone()), &alloc, "the allocator failed");
+        // Three layers: the device's error inside the allocator's.
+        let alloc = AllocError::Device(device.clone());
+        let e = EagerError::from(alloc.clone());
+        says_its_layer_only(&e, &alloc, "the allocator failed");
+        assert_eq!(
+            chain(&e),
+            format!("the allocator failed: a device call of the allocator failed: {device}")
+        );
+        for e in [EagerError::Shape("x".into()), EagerError::Backend("y".into())] {
+            assert!(e.source().is_none());
+            assert_eq!(chain(&e), e.to_string());
+        }
+    }
+
+    /// A pinned allocation's out-of-memory becomes a back-end error whose text is the whole
+    /// chain: the pinned allocator's layer, then the device's answer, each once.
+    #[test]
+    fn a_pinned_out_of_memory_keeps_the_devices_answer_once() {
+        let device = DeviceError::OutOfMemory { requested: 1 << 20 };
+        let host = HostAllocError::OutOfMemory {
+            requested: 1000,
+            class: 1024,
+            reserved: 0,
+            error: device.clone(),
+        };
+        let EagerError::Backend(text) = EagerError::from(host.clone()) else {
+            panic!("expected a back end error")
+        };
+        assert_eq!(text, format!("{host}: {device}"));
+        assert_eq!(text.matches(&device.to_string()).count(), 1, "{text}");
+    }
 }

@@ -314,14 +314,28 @@ fn timed_loop(
 /// so that the record can be found in the input), then the allocator's error.
 #[cold]
 fn failed_at(trace: &Trace, i: usize, e: &AllocError) -> String {
+    let e = chain(e);
     // BROKEN (`replay_error_unplaced`): the allocator's error alone.
     match trace.events.get(i) {
         Some(ev) if !cfg!(tidepool_broken = "replay_error_unplaced") => format!(
             "event {i} (alloc of id {}, {} B on trace stream {}): {e}",
             ev.id, ev.bytes, ev.stream
         ),
-        _ => e.to_string(),
+        _ => e,
     }
+}
+
+/// `e`'s message, then each source's in turn, joined by `: `: a [`ReplayError`]'s text holds
+/// every layer once (an [`AllocError::Device`] or [`AllocError::Config`] says its own layer
+/// only and leaves the inner error to `source()`).
+fn chain(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut next = e.source();
+    while let Some(inner) = next {
+        text = format!("{text}: {inner}");
+        next = inner.source();
+    }
+    text
 }
 
 /// Map, unmap and malloc calls the device has answered so far.
@@ -341,8 +355,8 @@ impl AllocatorPolicy {
     /// A policy of `mode` with the allocator configured by `config` (`key:value,...`).
     pub fn from_config(mode: Mode, config: Option<&str>) -> Result<Self, ReplayError> {
         let name = Self::name_of(mode);
-        let mut config = Config::parse(config.unwrap_or(""))
-            .map_err(|e| ReplayError::new(name, e.to_string()))?;
+        let mut config =
+            Config::parse(config.unwrap_or("")).map_err(|e| ReplayError::new(name, chain(&e)))?;
         if mode == Mode::Expandable {
             config = config.with_expandable_segments(true);
         }
@@ -388,13 +402,16 @@ pub fn replay_device(
     trace_streams: usize,
     name: &str,
 ) -> Result<ReplayDevice, ReplayError> {
-    let err = |e: &dyn std::fmt::Display| ReplayError::new(name, e.to_string());
+    let err = |e: &dyn std::error::Error| ReplayError::new(name, chain(e));
     // BROKEN (`streams_unbounded`): one thread per trace stream, however many.
     if trace_streams > MAX_REPLAY_STREAMS && !cfg!(tidepool_broken = "streams_unbounded") {
-        return Err(err(&format!(
-            "the trace has {trace_streams} streams; an allocator replay makes one simulated \
-             stream (a thread) per trace stream and takes at most {MAX_REPLAY_STREAMS}"
-        )));
+        return Err(ReplayError::new(
+            name,
+            format!(
+                "the trace has {trace_streams} streams; an allocator replay makes one simulated \
+                 stream (a thread) per trace stream and takes at most {MAX_REPLAY_STREAMS}"
+            ),
+        ));
     }
     let dev = Arc::new(SimDevice::with_config(SimConfig {
         capacity: SIM_CAPACITY,
