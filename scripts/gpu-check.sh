@@ -5,7 +5,8 @@
 #          (skipped with SKIP_BUILD=1: then the binaries already in target/release are run,
 #          so the GPU machine needs no cargo and no crates: build here, carry `target/release`)
 #   tests  tests/cuda_device.rs, one at a time (expandable segments included: virtual memory
-#          management through cuMemCreate/cuMemMap, where the device supports it)
+#          management through cuMemCreate/cuMemMap, where the device supports it; and
+#          from_buffer_gives_a_refused_buffer_back_whole, CudaBuffer::from_buffer's refusal)
 #   graphs the private-pool and CUDA-graph tests of tests/cuda_device.rs: a guard routing a
 #          stream to a MemPool, then a capture (cuStreamBeginCapture/cuStreamEndCapture/
 #          cuGraphInstantiate) from the graph's private pool replayed 100 times (cuGraphLaunch),

@@ -69,7 +69,7 @@ pub use cudarc;
 #[cfg(feature = "cuda")]
 pub use device::CudaDevice;
 #[cfg(feature = "cuda")]
-pub use interop::CudaBuffer;
+pub use interop::{CudaBuffer, FromBufferError};
 
 /// Test-only internals (feature `test-hooks`): the pool, the lock-free pieces the loom models
 /// drive, deliberately broken modes and lock counters. Not a stable API; never enable it in an

@@ -8,7 +8,8 @@
 //!   threads; expandable segments (virtual memory) with data across pages, growth, release after
 //!   a running kernel, and no leak; private pools (a guard routing a stream, teardown with a live
 //!   buffer) and CUDA-graph capture from the graph's private pool, replayed 100 times; two
-//!   allocators over two `CudaDevice::new(0)` returning their caches to each other.
+//!   allocators over two `CudaDevice::new(0)` returning their caches to each other;
+//!   `CudaBuffer::from_buffer` giving a refused buffer back whole.
 //!
 //! Kernels come as PTX (below), so these tests need only the driver, not NVRTC. "Gated" kernels
 //! spin until a flag in device memory is set by a memset on another stream, so "not finished
@@ -993,4 +994,66 @@ fn allocators_over_two_device_objects_of_one_gpu_help_each_other() {
     assert_eq!(b.stats().num_ooms, 1, "its first attempt");
     drop(got);
     drop((a, b));
+}
+
+/// A zero-sized element type, which `CudaBuffer::from_buffer` refuses.
+#[derive(Clone, Copy)]
+struct Nothing;
+// SAFETY: no bytes, so any (none) are a valid `Nothing`.
+unsafe impl tidepool::cudarc::driver::DeviceRepr for Nothing {}
+
+/// `CudaBuffer::from_buffer` refuses a buffer of 10 bytes as `f32`s, and as a zero-sized type,
+/// and gives it back whole each time: the same address, length and stream, still a live
+/// allocation, which then views as 10 `u8`s, takes a copy there and back, and is freed by its
+/// drop. It used to drop the buffer with the error, so a caller who got the element type wrong
+/// lost the allocation. Broken build `from_buffer_drops` (caught here on a GPU; the SimDevice
+/// catches it in `interop::elements`'s unit test everywhere).
+#[test]
+fn from_buffer_gives_a_refused_buffer_back_whole() {
+    let Some((_gpu, dev)) = gpu() else { return };
+    let alloc = Allocator::new(dev.clone(), Config::default()).unwrap();
+    let s = dev.create_stream().unwrap();
+    let live = |alloc: &Allocator<CudaDevice>| alloc.stats().blocks.allocated_bytes.all.current;
+    let buf = alloc.alloc(10, s).unwrap();
+    let (ptr, held) = (buf.ptr(), live(&alloc));
+    assert!(held > 0);
+
+    // SAFETY: refused before any element is read.
+    let refused = unsafe { CudaBuffer::<f32>::from_buffer(buf) }.unwrap_err();
+    assert_eq!(
+        *refused.error(),
+        DeviceError::Unsupported("a buffer whose length is not a whole number of elements")
+    );
+    let source = std::error::Error::source(&refused).expect("the reason is the source");
+    assert_eq!(source.downcast_ref::<DeviceError>(), Some(refused.error()));
+    let text = refused.to_string();
+    assert!(text.contains("10 bytes") && text.contains("`f32` (4 bytes each)"), "{text}");
+    assert!(!text.contains(&refused.error().to_string()), "the reason is the source's: {text}");
+    assert_eq!((refused.buffer().ptr(), refused.buffer().len()), (ptr, 10));
+    let buf = refused.into_buffer();
+    assert_eq!((buf.ptr(), buf.len(), buf.stream()), (ptr, 10, s), "given back whole");
+    assert_eq!(live(&alloc), held, "still live");
+
+    // SAFETY: refused before any element is read.
+    let refused = unsafe { CudaBuffer::<Nothing>::from_buffer(buf) }.unwrap_err();
+    assert_eq!(*refused.error(), DeviceError::Unsupported("a buffer of zero-sized elements"));
+    let (_, buf) = refused.into_parts();
+    assert_eq!((buf.ptr(), buf.len(), buf.stream()), (ptr, 10, s));
+
+    // The buffer given back is usable: as bytes, a copy there and back on its stream.
+    // SAFETY: u8 has no invalid bit patterns (and it is written before it is read).
+    let mut bytes = unsafe { CudaBuffer::<u8>::from_buffer(buf) }.unwrap();
+    assert_eq!((bytes.len(), bytes.cu_device_ptr(), bytes.stream_id()), (10, ptr.0, s));
+    let stream = bytes.cuda_stream().clone();
+    let data: Vec<u8> = (1..=10).collect();
+    stream.memcpy_htod(&data, &mut bytes).unwrap();
+    assert_eq!(stream.clone_dtoh(&bytes).unwrap(), data);
+    drop(bytes);
+    assert_eq!(live(&alloc), 0, "freed by its drop");
+    alloc.check_invariants().unwrap();
+    alloc.empty_cache().unwrap();
+    assert_eq!(alloc.reserved_bytes(), 0);
+    drop(alloc);
+    dev.destroy_stream(s).unwrap();
+    assert!(dev.live_segments().is_empty(), "leaked: {:?}", dev.live_segments());
 }

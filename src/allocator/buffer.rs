@@ -568,6 +568,29 @@ impl<D: Device> Buffer<D> {
     }
 }
 
+#[cfg(tidepool_broken = "from_buffer_drops")]
+impl<D: Device> Buffer<D> {
+    /// BROKEN (`from_buffer_drops`): frees this buffer and returns an empty one (no memory, at
+    /// [`DeviceAddr::NULL`]) of its allocator and stream: all a caller of
+    /// `CudaBuffer::from_buffer` had left after a refusal, before the refusal gave it back.
+    pub(crate) fn dropped(self) -> Buffer<D> {
+        let owner = Arc::clone(&self.owner);
+        let empty = Buffer::new(
+            DeviceAddr::NULL,
+            0,
+            0,
+            self.stream,
+            Origin::None,
+            owner,
+            0,
+            self.residency,
+            0,
+        );
+        drop(self);
+        empty
+    }
+}
+
 /// What the allocator needs to know about a buffer being freed.
 pub(super) struct Freed {
     pub(super) block: BlockId,

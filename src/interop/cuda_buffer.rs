@@ -125,22 +125,39 @@ impl<T: DeviceRepr> CudaBuffer<T> {
 
     /// Views an untyped buffer as elements of `T`. Its length in bytes must be a multiple of
     /// `size_of::<T>()` (and `T` not zero-sized), and its stream one the device still knows.
-    /// On an error the buffer is consumed: dropped, so its memory is freed in its stream's
-    /// order (check `buffer.len() % size_of::<T>()` first to keep it).
+    /// A refusal gives the buffer back, untouched, as `String::from_utf8` gives its bytes back:
+    /// [`FromBufferError::into_buffer`], with the reason in [`FromBufferError::error`].
+    ///
+    /// ```no_run
+    /// use tidepool::{Allocator, Config, CudaBuffer, CudaDevice, StreamId};
+    ///
+    /// let device = CudaDevice::new(0)?;
+    /// let alloc = Allocator::new(device.clone(), Config::default())?;
+    /// let buf = alloc.alloc(10, StreamId::DEFAULT)?;
+    /// // 10 bytes are not whole f32s: refused, and the buffer comes back.
+    /// let refused = unsafe { CudaBuffer::<f32>::from_buffer(buf) }.unwrap_err();
+    /// let buf = refused.into_buffer();
+    /// let bytes = unsafe { CudaBuffer::<u8>::from_buffer(buf) }?;
+    /// assert_eq!(bytes.len(), 10);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     ///
     /// # Safety
     /// As for [`CudaBuffer::alloc`]: the bytes are not known to be valid `T`s.
-    pub unsafe fn from_buffer(buffer: Buffer<CudaDevice>) -> Result<CudaBuffer<T>, DeviceError> {
-        let elem = size_of::<T>() as u64;
-        if elem == 0 || !buffer.len().is_multiple_of(elem) {
-            return Err(DeviceError::Unsupported(
-                "a buffer whose length is not a whole number of elements",
-            ));
+    pub unsafe fn from_buffer(
+        buffer: Buffer<CudaDevice>,
+    ) -> Result<CudaBuffer<T>, FromBufferError> {
+        let stream = |b: &Buffer<CudaDevice>| b.device().stream(b.stream());
+        match super::elements::elements(buffer, size_of::<T>(), stream) {
+            Ok((buffer, len, stream)) => {
+                Ok(CudaBuffer { ptr: buffer.ptr().0, len, stream, buffer, _elem: PhantomData })
+            }
+            Err(refusal) => Err(FromBufferError {
+                refusal,
+                elem: std::any::type_name::<T>(),
+                elem_size: size_of::<T>(),
+            }),
         }
-        let len = usize::try_from(buffer.len() / elem)
-            .map_err(|_| DeviceError::Unsupported("a buffer longer than usize::MAX elements"))?;
-        let stream = buffer.device().stream(buffer.stream())?;
-        Ok(CudaBuffer { ptr: buffer.ptr().0, len, stream, buffer, _elem: PhantomData })
     }
 }
 
@@ -178,6 +195,75 @@ impl<T> CudaBuffer<T> {
     /// Gives the untyped buffer back.
     pub fn into_buffer(self) -> Buffer<CudaDevice> {
         self.buffer
+    }
+}
+
+/// Why [`CudaBuffer::from_buffer`] refused a buffer, holding the buffer, untouched: a caller
+/// who got the element type wrong keeps the allocation ([`FromBufferError::into_buffer`]), as
+/// [`String::from_utf8`]'s error gives its bytes back
+/// ([`FromUtf8Error::into_bytes`](std::string::FromUtf8Error::into_bytes)). The buffer used to
+/// be dropped with the error, its memory freed.
+///
+/// Its `Display` says which buffer and which element type; the reason is its
+/// [`source`](std::error::Error::source) ([`FromBufferError::error`]).
+pub struct FromBufferError {
+    /// Why, and the buffer (boxed: a refusal is the cold path, and the `Result` stays small).
+    refusal: Box<(DeviceError, Buffer<CudaDevice>)>,
+    /// The element type asked for, and its size.
+    elem: &'static str,
+    elem_size: usize,
+}
+
+impl FromBufferError {
+    /// Why: [`DeviceError::Unsupported`] for a length that is not a whole number of elements
+    /// (or a zero-sized element type), the device's error for a stream it no longer knows
+    /// ([`DeviceError::UnknownStream`]).
+    pub fn error(&self) -> &DeviceError {
+        &self.refusal.0
+    }
+
+    /// The buffer refused.
+    pub fn buffer(&self) -> &Buffer<CudaDevice> {
+        &self.refusal.1
+    }
+
+    /// Gives the buffer back, as it was given to [`CudaBuffer::from_buffer`].
+    pub fn into_buffer(self) -> Buffer<CudaDevice> {
+        self.refusal.1
+    }
+
+    /// The reason and the buffer.
+    pub fn into_parts(self) -> (DeviceError, Buffer<CudaDevice>) {
+        *self.refusal
+    }
+}
+
+impl fmt::Display for FromBufferError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "cannot view a buffer of {} bytes on {} as elements of `{}` ({} bytes each)",
+            self.buffer().len(),
+            self.buffer().stream(),
+            self.elem,
+            self.elem_size
+        )
+    }
+}
+
+impl fmt::Debug for FromBufferError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("FromBufferError")
+            .field("error", self.error())
+            .field("elem", &self.elem)
+            .field("buffer", self.buffer())
+            .finish()
+    }
+}
+
+impl std::error::Error for FromBufferError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(self.error())
     }
 }
 

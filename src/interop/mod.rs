@@ -6,6 +6,9 @@
 
 #[cfg(feature = "cuda")]
 mod cuda_buffer;
+// Compiled without the feature too: the SimDevice tests what `CudaBuffer::from_buffer` checks.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+mod elements;
 
 #[cfg(feature = "cuda")]
-pub use cuda_buffer::CudaBuffer;
+pub use cuda_buffer::{CudaBuffer, FromBufferError};
