@@ -1061,6 +1061,7 @@ impl Config {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::ErrorChain;
 
     #[test]
     fn every_key_parses() {
@@ -1458,7 +1459,7 @@ mod tests {
         assert!(source.source().is_none());
         let e = Config::from_vars(Some("max_split_size_mb:5"), None).unwrap_err();
         assert_eq!(
-            chain(&e),
+            ErrorChain(&e).to_string(),
             "TIDEPOOL_ALLOC_CONF holds an invalid configuration: inconsistent configuration: \
              max_split_size_mb (5 MiB) must be at least large_segment_mb (20 MiB)"
         );
@@ -1490,17 +1491,6 @@ mod tests {
         );
     }
 
-    /// `e`'s message, then each source's, joined by `: ` (as anyhow's `{:#}` prints them).
-    fn chain(e: &dyn std::error::Error) -> String {
-        let mut text = e.to_string();
-        let mut next = e.source();
-        while let Some(inner) = next {
-            text = format!("{text}: {inner}");
-            next = inner.source();
-        }
-        text
-    }
-
     /// `ConfigError::Env`, the one wrapper: its message names the variable and not the inner
     /// error, which is its source, so a reader of the chain prints each once.
     #[test]
@@ -1516,7 +1506,7 @@ mod tests {
             assert_eq!(text, "TIDEPOOL_ALLOC_CONF holds an invalid configuration");
             let source = std::error::Error::source(&e).expect("the inner error is the source");
             assert_eq!(source.downcast_ref::<ConfigError>(), Some(&inner), "{conf}");
-            let whole = chain(&e);
+            let whole = ErrorChain(&e).to_string();
             assert_eq!(whole, format!("{text}: {inner}"));
             assert_eq!(whole.matches(&inner.to_string()).count(), 1, "{whole}");
         }

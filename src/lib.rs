@@ -59,8 +59,8 @@ pub use pool::{RoundupDivisions, Sizing};
 pub use registry::Allocators;
 pub use stats::MemoryStats;
 pub use types::{
-    BlockState, BlockStats, Bytes, DeviceAddr, DurationStat, GIB, KIB, MAX_REQUEST, MIB, PoolKind,
-    Residency, Stat, StatGroup, StreamId,
+    BlockState, BlockStats, Bytes, DeviceAddr, DurationStat, ErrorChain, GIB, KIB, MAX_REQUEST,
+    MIB, PoolKind, Residency, Stat, StatGroup, StreamId,
 };
 
 /// The cudarc this crate is built against (feature `cuda`), so users name the same version.

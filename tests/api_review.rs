@@ -4,20 +4,9 @@
 
 use std::sync::Arc;
 use tidepool::{
-    AllocError, Allocator, Config, Device, HostAllocError, HostAllocator, SimDevice, StreamId,
+    AllocError, Allocator, Config, Device, ErrorChain, HostAllocError, HostAllocator, SimDevice,
+    StreamId,
 };
-
-/// `e`'s message, then each source's, joined by `: `: what a program that prints the whole
-/// chain (anyhow's `{:#}`) shows its user.
-fn chain(e: &dyn std::error::Error) -> String {
-    let mut text = e.to_string();
-    let mut next = e.source();
-    while let Some(inner) = next {
-        text = format!("{text}: {inner}");
-        next = inner.source();
-    }
-    text
-}
 
 /// A configuration built with the setters (no environment variable involved) that contradicts
 /// itself is refused naming the keys, not `TIDEPOOL_ALLOC_CONF`, which the user never set (and
@@ -56,11 +45,11 @@ fn a_copy_to_an_unbacked_simulated_device_says_to_make_a_backed_one() {
     let mut staging = pinned.alloc(4096).unwrap();
     staging.as_mut_slice().unwrap().fill(7);
     // As a user reads it: the whole chain (the pinned allocator's layer, then the device's).
-    let e = chain(&staging.upload(&buf).unwrap_err());
+    let e = ErrorChain(&staging.upload(&buf).unwrap_err()).to_string();
     assert!(e.starts_with("a device call on pinned host memory failed: "), "{e}");
     assert!(e.contains("copies to or from unbacked device memory"), "{e}");
     assert!(e.contains("SimDevice::backed(capacity)"), "the way out is named: {e}");
-    let e = chain(&staging.download(&buf).unwrap_err());
+    let e = ErrorChain(&staging.download(&buf).unwrap_err()).to_string();
     assert!(e.contains("SimDevice::backed(capacity)"), "{e}");
     // Nothing was enqueued: the buffer is still the host's, with its bytes.
     assert!(staging.pending_streams().is_empty());

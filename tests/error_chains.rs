@@ -10,20 +10,9 @@ use std::error::Error;
 use std::sync::Arc;
 use tidepool::device::DeviceError;
 use tidepool::{
-    AllocError, Allocator, Config, ConfigError, ENV_VAR, HostAllocError, HostAllocator, SimDevice,
-    StreamId,
+    AllocError, Allocator, Config, ConfigError, ENV_VAR, ErrorChain, HostAllocError, HostAllocator,
+    SimDevice, StreamId,
 };
-
-/// `e`'s message, then each source's in turn, joined by `: ` (anyhow's `{:#}`).
-fn chain(e: &dyn Error) -> String {
-    let mut text = e.to_string();
-    let mut next = e.source();
-    while let Some(inner) = next {
-        text = format!("{text}: {inner}");
-        next = inner.source();
-    }
-    text
-}
 
 /// `outer` says `own` and nothing of `inner`, whose message and value its `source()` gives; the
 /// chain is the two, each once.
@@ -34,8 +23,8 @@ fn says_its_layer_only<I: Error + PartialEq + 'static>(outer: &dyn Error, inner:
     assert!(!text.contains(&inner_text), "the wrapper repeats its source: {text}");
     let source = outer.source().expect("the inner error is the source");
     assert_eq!(source.downcast_ref::<I>(), Some(inner), "the source is the inner error itself");
-    let whole = chain(outer);
-    assert_eq!(whole, format!("{own}: {}", chain(inner)));
+    let whole = ErrorChain(outer).to_string();
+    assert_eq!(whole, format!("{own}: {}", ErrorChain(inner)));
     assert_eq!(whole.matches(&inner_text).count(), 1, "{whole}");
     assert_eq!(whole.matches(own).count(), 1, "{whole}");
 }
@@ -67,7 +56,7 @@ fn alloc_error_config_says_the_configuration_was_refused_and_leaves_why_to_its_s
     let AllocError::Config(inner) = &e else { panic!("expected a configuration error: {e:?}") };
     says_its_layer_only(&e, inner, "the allocator refused its configuration");
     assert_eq!(
-        chain(&e),
+        ErrorChain(&e).to_string(),
         "the allocator refused its configuration: inconsistent configuration: max_split_size_mb \
          (5 MiB) must be at least large_segment_mb (20 MiB)"
     );
@@ -76,12 +65,12 @@ fn alloc_error_config_says_the_configuration_was_refused_and_leaves_why_to_its_s
     let e = AllocError::from(env.clone());
     says_its_layer_only(&e, &env, "the allocator refused its configuration");
     assert_eq!(
-        chain(&e),
+        ErrorChain(&e).to_string(),
         "the allocator refused its configuration: TIDEPOOL_ALLOC_CONF holds an invalid \
          configuration: inconsistent configuration: max_split_size_mb (5 MiB) must be at least \
          large_segment_mb (20 MiB)"
     );
-    assert_eq!(chain(&e).matches(&inner.to_string()).count(), 1);
+    assert_eq!(ErrorChain(&e).to_string().matches(&inner.to_string()).count(), 1);
 }
 
 #[test]
@@ -106,7 +95,7 @@ fn host_out_of_memory_says_what_it_asked_for_and_leaves_the_devices_answer_to_it
         "out of pinned host memory allocating 1000 B (class 1.00 KiB; 0 B held)",
     );
     assert_eq!(
-        chain(&e),
+        ErrorChain(&e).to_string(),
         format!("out of pinned host memory allocating 1000 B (class 1.00 KiB; 0 B held): {error}")
     );
 }
@@ -122,7 +111,10 @@ fn host_device_error_says_a_device_call_failed_and_leaves_why_to_its_source() {
     let e = staging.upload(&buf).unwrap_err();
     let HostAllocError::Device(inner) = &e else { panic!("expected a device error: {e:?}") };
     says_its_layer_only(&e, inner, "a device call on pinned host memory failed");
-    assert!(chain(&e).contains("SimDevice::backed(capacity)"), "the way out is in the chain");
+    assert!(
+        ErrorChain(&e).to_string().contains("SimDevice::backed(capacity)"),
+        "the way out is in the chain"
+    );
 }
 
 /// The variants that wrap nothing have no source, and say everything themselves.
@@ -136,6 +128,6 @@ fn errors_that_wrap_nothing_have_no_source() {
     ];
     for e in leaves {
         assert!(e.source().is_none(), "{e}");
-        assert_eq!(chain(e), e.to_string());
+        assert_eq!(ErrorChain(e).to_string(), e.to_string());
     }
 }

@@ -675,15 +675,17 @@ fn growth_while_event_records_fail(broken: bool) -> Result<(), String> {
     let syncs = alloc.stats().num_host_syncs;
     let b = alloc
         .alloc(4 * MIB, s2)
-        .map_err(|e| format!("alloc while records fail: {}", common::chain(&e)))?;
+        .map_err(|e| format!("alloc while records fail: {}", tidepool::ErrorChain(&e)))?;
     assert_eq!(alloc.stats().num_host_syncs, syncs + 1, "one host wait for s1's work");
     assert_eq!(alloc.stats().blocks.reserved_bytes.all.current, 4 * MIB);
     dev.fail_event_records(false);
     alloc.check_invariants()?;
     drop(b);
-    let c = alloc.alloc(8 * MIB, s1).map_err(|e| format!("alloc after: {}", common::chain(&e)))?;
+    let c = alloc
+        .alloc(8 * MIB, s1)
+        .map_err(|e| format!("alloc after: {}", tidepool::ErrorChain(&e)))?;
     drop(c);
-    alloc.empty_cache().map_err(|e| common::chain(&e))?;
+    alloc.empty_cache().map_err(|e| tidepool::ErrorChain(&e).to_string())?;
     alloc.check_invariants()?;
     assert_eq!(dev.violations(), vec![]);
     Ok(())

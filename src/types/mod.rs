@@ -3,11 +3,13 @@
 //! device and the allocator keep addresses in. It sits below the device, pool and allocator layers, so each of
 //! them can name these without importing another layer (see `docs/ARCHITECTURE.md`).
 
+mod error_chain;
 mod sorted_map;
 mod stat;
 
 pub(crate) use sorted_map::SortedMap;
 
+pub use error_chain::ErrorChain;
 pub use stat::{BlockStats, DurationStat, Stat, StatGroup};
 
 use std::fmt;

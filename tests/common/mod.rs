@@ -6,19 +6,6 @@ use std::sync::{Arc, Mutex, mpsc};
 use tidepool::device::{Access, AccessKind, Capture, Kernel, Launch, SimDevice};
 use tidepool::{AllocError, Allocator, Buffer, Device, DeviceAddr, StreamId};
 
-/// `e`'s message, then each source's in turn, joined by `: ` (anyhow's `{:#}`): every layer of
-/// a wrapper error (`AllocError::Device`, whose message leaves the device's error to its
-/// `source()`) once.
-pub fn chain(e: &dyn std::error::Error) -> String {
-    let mut text = e.to_string();
-    let mut next = e.source();
-    while let Some(inner) = next {
-        text = format!("{text}: {inner}");
-        next = inner.source();
-    }
-    text
-}
-
 /// A backed 256 MiB device with two streams made on it, `s` and `t`, and an allocator of the
 /// default configuration.
 pub struct Setup {

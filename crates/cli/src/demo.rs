@@ -98,15 +98,16 @@ fn best_device(cfg: &TrainConfig, args: &DemoArgs, out: &mut dyn Write) -> Resul
         use tidepool_eager::CudaBackend;
         match CudaDevice::unavailable_reason() {
             None => {
-                let device = CudaDevice::new(0).map_err(|e| crate::chain(&e))?;
+                let device =
+                    CudaDevice::new(0).map_err(|e| tidepool::ErrorChain(&e).to_string())?;
                 match CudaBackend::new(device) {
                     Ok(backend) => {
                         let eager = Eager::new(backend, tidepool::Config::default())
-                            .map_err(|e| crate::chain(&e))?;
+                            .map_err(|e| tidepool::ErrorChain(&e).to_string())?;
                         return train(&eager, cfg, snapshot, out);
                     }
                     Err(e) => {
-                        let e = crate::chain(&e);
+                        let e = tidepool::ErrorChain(&e).to_string();
                         let _ = writeln!(out, "CUDA back end unavailable ({e}); using SimDevice");
                     }
                 }
@@ -116,7 +117,7 @@ fn best_device(cfg: &TrainConfig, args: &DemoArgs, out: &mut dyn Write) -> Resul
             }
         }
     }
-    let eager = Eager::sim(SIM_CAPACITY).map_err(|e| crate::chain(&e))?;
+    let eager = Eager::sim(SIM_CAPACITY).map_err(|e| tidepool::ErrorChain(&e).to_string())?;
     train(&eager, cfg, snapshot, out)?;
     let violations = eager.device().violations();
     if !violations.is_empty() {
@@ -165,7 +166,8 @@ fn train<B: Backend>(
             r.alloc_host_syncs
         );
     };
-    let reports = train_mlp(eager, cfg, &mut line).map_err(|e| crate::chain(&e))?;
+    let reports =
+        train_mlp(eager, cfg, &mut line).map_err(|e| tidepool::ErrorChain(&e).to_string())?;
     if let Some(path) = snapshot {
         eager
             .allocator()

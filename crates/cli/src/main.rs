@@ -90,20 +90,6 @@ pub(crate) fn check_output(path: &std::path::Path) -> Result<(), String> {
     }
 }
 
-/// `e`'s message, then each [`source`](std::error::Error::source)'s in turn, joined by `: `:
-/// what the CLI prints after `tidepool: `. The core's wrapper errors (`AllocError::Device`,
-/// `AllocError::Config`, `ConfigError::Env`, ...) say their own layer only and leave the inner
-/// error to `source()`, so `to_string()` alone would drop it, and printing both would repeat it.
-pub(crate) fn chain(e: &dyn std::error::Error) -> String {
-    let mut text = e.to_string();
-    let mut next = e.source();
-    while let Some(inner) = next {
-        text = format!("{text}: {inner}");
-        next = inner.source();
-    }
-    text
-}
-
 fn main() {
     let code =
         run(std::env::args_os(), &mut std::io::stdout().lock(), &mut std::io::stderr().lock());

@@ -77,7 +77,7 @@ pub fn run(cmd: &ReplayArgs, out: &mut dyn Write, err: &mut dyn Write) -> i32 {
     }
     let all = match policies(&cmd.options(config)) {
         Ok(all) => all,
-        Err(e) => return usage_error(err, &crate::chain(&e)),
+        Err(e) => return usage_error(err, &tidepool::ErrorChain(&e).to_string()),
     };
     let n_policies = match select(all, &cmd.policies) {
         Ok(p) => p.len(),
@@ -200,7 +200,7 @@ fn config_error(what: &str, e: &tidepool::ConfigError) -> String {
         }
         E::Malformed(entry) => format!("malformed entry `{entry}`: expected key:value"),
         E::Inconsistent(why) => format!("inconsistent values: {why}"),
-        other => crate::chain(other),
+        other => tidepool::ErrorChain(other).to_string(),
     };
     format!("{what}: {why}")
 }
@@ -261,7 +261,7 @@ fn svg_path(path: &Path, device: Option<u32>, several: bool) -> PathBuf {
 fn replay(cmd: &ReplayArgs, n_policies: usize, out: &mut dyn Write) -> Result<(), String> {
     let read = ReadOptions { max_input_bytes: cmd.max_input_size };
     let traces = read_traces(&cmd.trace, &read)
-        .map_err(|e| format!("{}: {}", cmd.trace.display(), crate::chain(&e)))?;
+        .map_err(|e| format!("{}: {}", cmd.trace.display(), tidepool::ErrorChain(&e)))?;
     let traces = pick_device(cmd, traces)?;
     let several = traces.len() > 1;
     if let Some(svg) = &cmd.svg {
@@ -292,7 +292,7 @@ fn replay(cmd: &ReplayArgs, n_policies: usize, out: &mut dyn Write) -> Result<()
         let (config, notes) = config_for(cmd, trace)?;
         let options = cmd.options(config);
         let policies = policies(&options)
-            .map_err(|e| crate::chain(&e))
+            .map_err(|e| tidepool::ErrorChain(&e).to_string())
             .and_then(|all| select(all, &cmd.policies))?;
         let device = trace.snapshot.as_ref().map(|s| s.device);
         let mut report = run_policies(trace, &policies, &options, &mut |name| {
@@ -303,8 +303,8 @@ fn replay(cmd: &ReplayArgs, n_policies: usize, out: &mut dyn Write) -> Result<()
             bar.inc(1);
         })
         .map_err(|e| match device {
-            Some(d) => format!("device {d}: {}", crate::chain(&e)),
-            None => crate::chain(&e),
+            Some(d) => format!("device {d}: {}", tidepool::ErrorChain(&e)),
+            None => tidepool::ErrorChain(&e).to_string(),
         })?;
         report.notes = notes;
         if let Some(svg) = &cmd.svg {

@@ -7,6 +7,7 @@
 //! `tidepool replay FILE`.
 
 use std::process::ExitCode;
+use tidepool::ErrorChain;
 use tidepool_eager::Eager;
 use tidepool_eager::models::train::{OptimizerKind, TrainConfig, train_mlp};
 
@@ -14,22 +15,10 @@ fn main() -> ExitCode {
     match run() {
         Ok(code) => code,
         Err(e) => {
-            eprintln!("mlp_train: error: {}", chain(&*e));
+            eprintln!("mlp_train: error: {}", ErrorChain(&*e));
             ExitCode::FAILURE
         }
     }
-}
-
-/// `e`'s message, then each source's in turn, joined by `: `: every layer of the error once (an
-/// allocator error's `Display` leaves the device's error to its `source()`).
-fn chain(e: &dyn std::error::Error) -> String {
-    let mut text = e.to_string();
-    let mut next = e.source();
-    while let Some(inner) = next {
-        text = format!("{text}: {inner}");
-        next = inner.source();
-    }
-    text
 }
 
 fn run() -> Result<ExitCode, Box<dyn std::error::Error>> {

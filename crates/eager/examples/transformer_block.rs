@@ -5,7 +5,7 @@
 //! Run: `cargo run --release --example transformer_block [-- STEPS]`.
 
 use std::process::ExitCode;
-use tidepool::StreamId;
+use tidepool::{ErrorChain, StreamId};
 use tidepool_eager::models::data::Rng;
 use tidepool_eager::models::transformer::{BlockConfig, TransformerBlock, token_batch};
 use tidepool_eager::{AdamW, Eager, Optimizer, Tensor};
@@ -14,22 +14,10 @@ fn main() -> ExitCode {
     match run() {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("transformer_block: error: {}", chain(&*e));
+            eprintln!("transformer_block: error: {}", ErrorChain(&*e));
             ExitCode::FAILURE
         }
     }
-}
-
-/// `e`'s message, then each source's in turn, joined by `: `: every layer of the error once (an
-/// allocator error's `Display` leaves the device's error to its `source()`).
-fn chain(e: &dyn std::error::Error) -> String {
-    let mut text = e.to_string();
-    let mut next = e.source();
-    while let Some(inner) = next {
-        text = format!("{text}: {inner}");
-        next = inner.source();
-    }
-    text
 }
 
 fn run() -> Result<(), Box<dyn std::error::Error>> {

@@ -3,7 +3,7 @@
 
 use std::fmt;
 use tidepool::device::DeviceError;
-use tidepool::{AllocError, HostAllocError};
+use tidepool::{AllocError, ErrorChain, HostAllocError};
 
 /// Why an eager operation failed.
 #[derive(Debug)]
@@ -68,21 +68,9 @@ impl From<HostAllocError> for EagerError {
     fn from(e: HostAllocError) -> Self {
         match e {
             HostAllocError::Device(d) => EagerError::Device(d),
-            other => EagerError::Backend(chain(&other)),
+            other => EagerError::Backend(ErrorChain(&other).to_string()),
         }
     }
-}
-
-/// `e`'s message, then each source's in turn, joined by `: ` (as anyhow's `{:#}` prints them):
-/// each layer once.
-pub(crate) fn chain(e: &(dyn std::error::Error + '_)) -> String {
-    let mut text = e.to_string();
-    let mut next = e.source();
-    while let Some(inner) = next {
-        text = format!("{text}: {inner}");
-        next = inner.source();
-    }
-    text
 }
 
 /// A shape error with a formatted message.
@@ -108,8 +96,8 @@ mod tests {
         assert!(!text.contains(&inner_text), "the wrapper repeats its source: {text}");
         let source = outer.source().expect("the inner error is the source");
         assert_eq!(source.downcast_ref::<I>(), Some(inner));
-        let whole = chain(outer);
-        assert_eq!(whole, format!("{own}: {}", chain(inner)));
+        let whole = ErrorChain(outer).to_string();
+        assert_eq!(whole, format!("{own}: {}", ErrorChain(inner)));
         assert_eq!(whole.matches(&inner_text).count(), 1, "{whole}");
     }
 
@@ -131,12 +119,12 @@ mod tests {
         let e = EagerError::from(alloc.clone());
         says_its_layer_only(&e, &alloc, "the allocator failed");
         assert_eq!(
-            chain(&e),
+            ErrorChain(&e).to_string(),
             format!("the allocator failed: a device call of the allocator failed: {device}")
         );
         for e in [EagerError::Shape("x".into()), EagerError::Backend("y".into())] {
             assert!(e.source().is_none());
-            assert_eq!(chain(&e), e.to_string());
+            assert_eq!(ErrorChain(&e).to_string(), e.to_string());
         }
     }
 

@@ -43,7 +43,7 @@ use crate::event::{Op, Tag, Trace};
 use tidepool::Residency;
 use tidepool::Scope;
 use tidepool::device::{Device, SimConfig, SimDevice, StreamId};
-use tidepool::{AllocError, Allocator, Buffer, Config, CrossStream};
+use tidepool::{AllocError, Allocator, Buffer, Config, CrossStream, ErrorChain};
 
 /// Capacity of the simulated device: far above any trace, so replays never run out.
 const SIM_CAPACITY: u64 = 1 << 46;
@@ -314,7 +314,7 @@ fn timed_loop(
 /// so that the record can be found in the input), then the allocator's error.
 #[cold]
 fn failed_at(trace: &Trace, i: usize, e: &AllocError) -> String {
-    let e = chain(e);
+    let e = ErrorChain(e).to_string();
     // BROKEN (`replay_error_unplaced`): the allocator's error alone.
     match trace.events.get(i) {
         Some(ev) if !cfg!(tidepool_broken = "replay_error_unplaced") => format!(
@@ -323,19 +323,6 @@ fn failed_at(trace: &Trace, i: usize, e: &AllocError) -> String {
         ),
         _ => e,
     }
-}
-
-/// `e`'s message, then each source's in turn, joined by `: `: a [`ReplayError`]'s text holds
-/// every layer once (an [`AllocError::Device`] or [`AllocError::Config`] says its own layer
-/// only and leaves the inner error to `source()`).
-fn chain(e: &dyn std::error::Error) -> String {
-    let mut text = e.to_string();
-    let mut next = e.source();
-    while let Some(inner) = next {
-        text = format!("{text}: {inner}");
-        next = inner.source();
-    }
-    text
 }
 
 /// Map, unmap and malloc calls the device has answered so far.
@@ -355,8 +342,8 @@ impl AllocatorPolicy {
     /// A policy of `mode` with the allocator configured by `config` (`key:value,...`).
     pub fn from_config(mode: Mode, config: Option<&str>) -> Result<Self, ReplayError> {
         let name = Self::name_of(mode);
-        let mut config =
-            Config::parse(config.unwrap_or("")).map_err(|e| ReplayError::new(name, chain(&e)))?;
+        let mut config = Config::parse(config.unwrap_or(""))
+            .map_err(|e| ReplayError::new(name, ErrorChain(&e).to_string()))?;
         if mode == Mode::Expandable {
             config = config.with_expandable_segments(true);
         }
@@ -402,7 +389,7 @@ pub fn replay_device(
     trace_streams: usize,
     name: &str,
 ) -> Result<ReplayDevice, ReplayError> {
-    let err = |e: &dyn std::error::Error| ReplayError::new(name, chain(e));
+    let err = |e: &dyn std::error::Error| ReplayError::new(name, ErrorChain(e).to_string());
     // BROKEN (`streams_unbounded`): one thread per trace stream, however many.
     if trace_streams > MAX_REPLAY_STREAMS && !cfg!(tidepool_broken = "streams_unbounded") {
         return Err(ReplayError::new(
