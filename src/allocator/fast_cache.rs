@@ -34,9 +34,14 @@
 //! *Credit* keeps peaks exact without a shared counter (see `counters.rs`): a fast free lowers
 //! the live total by the block and grants its stream that much headroom under the peak; a fast pop
 //! may only spend headroom it holds, so it can never create a new peak. When it has too little,
-//! the pop returns [`Pop::NeedsLock`] and the caller accounts it under the global lock.
+//! the pop returns [`Pop::NeedsLock`] and the caller accounts it under the global lock
+//! ([`StreamCache::pop_locked_topped`]), which also grants the lane, out of the headroom under
+//! the peaks that no lane holds, the credit its class's next blocks need (a *top-up*): in a
+//! training step that climbs back to the last step's peak, the pops after a revocation would
+//! otherwise each take the lock.
 
 use super::class_table::ClassTable;
+use super::counters::BaseStats;
 use super::lane_lock::{LaneGuard, LaneLock};
 use super::seqlock::SeqBlock;
 use super::stats_layout::CACHED_BYTES;
@@ -772,6 +777,81 @@ impl StreamCache {
         // Left stale for the next reader to publish, as a hit leaves it (`close_stats`).
         self.fast.open();
         Some(b)
+    }
+
+    /// [`StreamCache::pop_locked`] of a block for `requested` bytes, accounted in `base` in the
+    /// same lane section where it stays under the peaks, and then a *top-up*: the lane is
+    /// granted, out of the headroom under the peaks that no lane holds
+    /// ([`BaseStats::headroom`]), the credit its class's next blocks need, so that the pops
+    /// that follow hit without the global lock. Returns the block and whether it was
+    /// accounted; where it was not (it may pass a peak), the caller accounts it with
+    /// [`BaseStats::live_up`], which revokes credit, and no top-up is made.
+    pub fn pop_locked_topped(
+        &self,
+        class: ClassKey,
+        stream: StreamId,
+        requested: u64,
+        base: &mut BaseStats,
+    ) -> Option<(CachedBlock, bool)> {
+        let mut g = self.lock_inner();
+        let inner = &mut *g;
+        if inner.stream != stream {
+            return None;
+        }
+        let b = inner.classes.pop(class)?;
+        if !is_small(b.quadrant) {
+            self.set_large(inner, 0);
+        }
+        inner.words[CACHED_BYTES] -= b.size;
+        // Left stale for the next reader to publish, as a hit leaves it (`close_stats`).
+        self.fast.open();
+        if !base.try_live_up(b.quadrant, b.size, requested) {
+            return Some((b, false));
+        }
+        if is_small(b.quadrant) {
+            self.top_up(inner, class, b.quadrant, base);
+        }
+        Some((b, true))
+    }
+
+    /// The top-up of [`StreamCache::pop_locked_topped`], with the lane's lock and the global
+    /// lock held: the lane's next pops of `class` (its list from the last block down, as they
+    /// will pop), as many whole blocks of quadrant `q` as the credit the lane holds there and
+    /// the headroom no lane holds cover together, are granted what they need beyond the credit
+    /// held. Nothing where the list is empty, or no next block fits.
+    #[inline]
+    fn top_up(&self, inner: &mut CacheInner, class: ClassKey, q: usize, base: &mut BaseStats) {
+        let q = q & (QUADRANTS - 1);
+        let Some(list) = inner.classes.get_mut(class) else { return };
+        if list.is_empty() {
+            return;
+        }
+        let held: [u64; 3] =
+            std::array::from_fn(|k| inner.ceiling[q][k].wrapping_sub(inner.words[fast_cur(k, q)]));
+        let room = base.headroom(q);
+        #[cfg(tidepool_broken = "top_up_past_headroom")]
+        let room = [u64::MAX / 4; 3]; // BROKEN: grants what the blocks need, whatever the peaks.
+        let mut need = [0u64; 3];
+        for b in list.iter().rev() {
+            let next = [need[BYTES] + b.size, need[COUNT] + 1, need[REQ] + b.requested];
+            if b.quadrant & (QUADRANTS - 1) != q
+                || (0..3).any(|k| next[k] > held[k].saturating_add(room[k]))
+            {
+                break;
+            }
+            need = next;
+        }
+        let grant: [u64; 3] = std::array::from_fn(|k| need[k].saturating_sub(held[k]));
+        if grant == [0; 3] {
+            return;
+        }
+        if !inner.credited {
+            self.mark_credited(inner);
+        }
+        for (c, g) in inner.ceiling[q].iter_mut().zip(grant) {
+            *c = c.wrapping_add(g);
+        }
+        base.assign(q, grant);
     }
 
     /// Empties the cache (a flush); the caller holds the global lock and frees every returned

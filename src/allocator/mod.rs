@@ -796,14 +796,19 @@ impl<D: Device> Allocator<D> {
         let residency = sh.placed_residency(config, plan.kind, residency);
         let class = ClassKey { residency, rounded: plan.rounded };
         sh.check_stream(&mut st, stream)?;
-        if let Some(b) = cached.and_then(|c| c.pop_locked(class, stream)) {
+        let locked: &mut State = &mut st;
+        if let Some((b, accounted)) =
+            cached.and_then(|c| c.pop_locked_topped(class, stream, bytes, &mut locked.base))
+        {
             // A cached block for another request size, or beyond the stream's credit: account
-            // it here, where the peak can be raised exactly.
+            // it here, where the peak can be raised exactly (in the lane's section, which then
+            // tops the lane's credit up, where it stays under the peaks).
             if b.requested != bytes {
-                st.pool.set_requested(b.block, bytes);
+                locked.pool.set_requested(b.block, bytes);
             }
-            let locked: &mut State = &mut st;
-            locked.base.live_up(b.quadrant, b.size, bytes, || &locked.lanes[..]);
+            if !accounted {
+                locked.base.live_up(b.quadrant, b.size, bytes, || &locked.lanes[..]);
+            }
             st.config_spare = Some(plan.config);
             drop(st);
             return Ok(self.hand_out_cached(&b, bytes, stream, plan.rounded, residency));
