@@ -514,7 +514,7 @@ impl StreamCache {
     /// whole decision follows one configuration without loading it. [`Pop::Miss`] when the
     /// stream caches may not serve it (disabled, or not a small-pool request). On a hit, the
     /// rounded request comes with the block. The caller checked that `bytes` is not 0 and at most a
-    /// small-pool bound (`Shared::small_hint`, or [`StreamCache::may_serve`]), so rounding it
+    /// small-pool bound (`Shared::small_hint`: the hit and the whole path's lane loop), so rounding it
     /// cannot overflow; the lane's own bound is checked here.
     ///
     /// The third value says whether the hit took over a stashed reference to the stream's owner
