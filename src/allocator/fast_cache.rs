@@ -513,9 +513,9 @@ impl StreamCache {
     /// the configuration in force (set under this lock with [`StreamCache::configure`]), so the
     /// whole decision follows one configuration without loading it. [`Pop::Miss`] when the
     /// stream caches may not serve it (disabled, or not a small-pool request). On a hit, the
-    /// rounded request comes with the block. The caller checked that `bytes` is not 0 and at most a
-    /// small-pool bound (`Shared::small_hint`: the hit and the whole path's lane loop), so rounding it
-    /// cannot overflow; the lane's own bound is checked here.
+    /// rounded request comes with the block. The caller checked that `bytes` is not 0 and at
+    /// most a small-pool bound (`Shared::small_hint`: the hit and the whole path's lane loop),
+    /// so rounding it cannot overflow; the lane's own bound is checked here.
     ///
     /// The third value says whether the hit took over a stashed reference to the stream's owner
     /// handle ([`StreamCache::push_stash`]); the caller must then adopt it (`owner.rs`).
