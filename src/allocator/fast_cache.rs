@@ -291,7 +291,8 @@ pub struct CacheCells {
     inner: LaneLock<CacheInner>,
     fast: SeqBlock<FAST_WORDS>,
     slow: SeqBlock<1>,
-    /// `inner.large`, stored under `inner`'s lock and read without it as a hint.
+    /// The class of the large block the lane holds as [`large_key`] (0: none, as `inner.large`),
+    /// stored under `inner`'s lock and read without it as a hint.
     large: AtomicU64,
     /// Largest request [`StreamCache::pop_request`] may serve (0: none), stored under `inner`'s
     /// lock and read without it as a hint.
@@ -442,8 +443,8 @@ impl StreamCache {
             return Err(b);
         }
         if large {
-            self.set_large(inner, 1);
             inner.large_class = class;
+            self.set_large(inner, Some(class));
         }
         self.grant(inner, &b);
         self.fast.open();
@@ -741,7 +742,7 @@ impl StreamCache {
             }
         }
         if !HOT && !is_small(b.quadrant) {
-            self.set_large(inner, 0);
+            self.set_large(inner, None);
         }
         let w = &mut inner.words;
         for (qty, v) in [(BYTES, b.size), (COUNT, 1), (REQ, requested)] {
@@ -770,7 +771,7 @@ impl StreamCache {
         }
         let b = inner.classes.pop(class)?;
         if !is_small(b.quadrant) {
-            self.set_large(inner, 0);
+            self.set_large(inner, None);
         }
         let w = &mut inner.words;
         w[CACHED_BYTES] -= b.size;
@@ -800,7 +801,7 @@ impl StreamCache {
         }
         let b = inner.classes.pop(class)?;
         if !is_small(b.quadrant) {
-            self.set_large(inner, 0);
+            self.set_large(inner, None);
         }
         inner.words[CACHED_BYTES] -= b.size;
         // Left stale for the next reader to publish, as a hit leaves it (`close_stats`).
@@ -866,7 +867,7 @@ impl StreamCache {
         let mut out = Vec::new();
         inner.classes.take_all(&mut out);
         inner.verdict = None;
-        self.set_large(inner, 0);
+        self.set_large(inner, None);
         inner.words[CACHED_BYTES] = 0;
         self.publish(inner);
         out
@@ -885,7 +886,7 @@ impl StreamCache {
             // BROKEN: marks the cache free of large blocks first and lets go of the lock before
             // taking its block out: a large block pushed meanwhile is swept out with it, and only
             // the first one found is returned to be freed (the other is lost).
-            self.set_large(inner, 0);
+            self.set_large(inner, None);
             drop(g);
             let mut g = self.lock_inner();
             let inner = &mut *g;
@@ -909,7 +910,7 @@ impl StreamCache {
             .and_then(|list| list.pop())
             .expect("a large block is counted");
         debug_assert!(!is_small(b.quadrant));
-        self.set_large(inner, 0);
+        self.set_large(inner, None);
         inner.words[CACHED_BYTES] -= b.size;
         // Left stale for the next reader to publish, as a hit leaves it (`close_stats`): a
         // publish here compared all the lane's words on every large search that drained it.
@@ -921,12 +922,22 @@ impl StreamCache {
     /// hint without it).
     #[inline]
     pub fn large_blocks(&self) -> u64 {
-        self.large.load(Ordering::Relaxed)
+        u64::from(self.large.load(Ordering::Relaxed) != 0)
     }
 
-    fn set_large(&self, inner: &mut CacheInner, n: u64) {
-        inner.large = n;
-        self.large.store(n, Ordering::Relaxed);
+    /// Whether the large block cached now may be of `class`: of its rounded size (a relaxed
+    /// read, as [`StreamCache::large_blocks`]). Where it is not, a pop of `class` finds nothing,
+    /// since a lane holds one large block at most.
+    #[inline]
+    pub fn holds_large_of(&self, class: ClassKey) -> bool {
+        self.large.load(Ordering::Relaxed) == large_key(class)
+    }
+
+    /// Records the large block the lane holds now (`None`: none), under its lock: `inner.large`
+    /// and the hint `CacheCells::large` (its class's key).
+    fn set_large(&self, inner: &mut CacheInner, class: Option<ClassKey>) {
+        inner.large = u64::from(class.is_some());
+        self.large.store(class.map_or(0, large_key), Ordering::Relaxed);
     }
 
     /// The blocks cached now, in no particular order (for the broken variants' snapshots and
@@ -951,7 +962,9 @@ impl StreamCache {
                 !gone
             });
         }
-        self.large.store(inner.large, Ordering::Relaxed);
+        if inner.large == 0 {
+            self.large.store(0, Ordering::Relaxed);
+        }
         self.publish(inner);
     }
 
@@ -961,7 +974,7 @@ impl StreamCache {
         let mut g = self.lock_inner();
         let inner = &mut *g;
         inner.classes.clear();
-        self.set_large(inner, 0);
+        self.set_large(inner, None);
         inner.words[CACHED_BYTES] = 0;
         self.publish(inner);
     }
@@ -1158,6 +1171,13 @@ fn lowest_last(list: &mut [CachedBlock]) {
         list.swap(i - 1, i);
         i -= 1;
     }
+}
+
+/// The key of a large block's class in [`CacheCells::large`]: its rounded size, never 0. (Its
+/// residency is left out: a class of the other residency is rare, and its pop finds nothing.)
+#[inline]
+fn large_key(class: ClassKey) -> u64 {
+    class.rounded
 }
 
 /// `Sizing::round` out of line: the hit path rounds with one mask where it can.
