@@ -33,6 +33,7 @@ variants=(
   "owner_stash:owner_hold_kept_in_a_lane_against_the_last_handle"
   "fast_cache:large_hit_against_a_pool_change_and_drain"
   "credit_mark:stats_revocation_sees_credit_granted_before_it"
+  "top_up_past_headroom:stats_top_up_against_a_slow_path_increase"
   "region_idle:idle_region_release_against_a_run_of_its_scope"
   "cap_check:a_pool_and_the_general_allocator_reserving_at_once_under_a_cap"
   "moved_hold:a_block_moved_to_another_lane_against_the_last_handle"

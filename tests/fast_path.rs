@@ -1100,3 +1100,83 @@ fn a_large_free_takes_the_lane_only_when_nothing_else_is_owed() {
     drop(alloc);
     assert!(dev.live_segments().is_empty(), "everything given back");
 }
+
+/// A lane whose credit was revoked, popped under the global lock, is *topped up* there: it is
+/// granted, out of the headroom under the peaks that no lane holds, the credit its class's next
+/// blocks need (whole blocks, from the one the next pop takes down), so that those pops hit
+/// without the lock. Before the top-up each of them took the global lock (credit was granted by
+/// frees alone). Peaks and currents stay exact after every step.
+///
+/// First with room: the whole class is granted. Then near the peak: only the blocks that fit
+/// under it, and the pop past it is accounted under the lock, where the peak rises exactly.
+/// (Broken build `top_up_past_headroom`: the grant ignores the peaks, the second part's last
+/// pop hits past the peak, which then reads below the current.)
+#[test]
+fn a_locked_pop_tops_the_lanes_credit_up_under_the_peak() {
+    // (current, peak) of the allocated bytes and of the allocation count, the requested bytes'
+    // current, and the allocations that took the global lock.
+    fn figures(alloc: &Allocator<SimDevice>) -> ([u64; 4], u64, u64) {
+        let s = alloc.stats();
+        let (b, n) = (s.blocks.allocated_bytes.all, s.blocks.allocation.all);
+        assert!(b.current <= b.peak && n.current <= n.peak, "{b:?} {n:?}");
+        alloc.check_invariants().unwrap();
+        (
+            [b.current, b.peak, n.current, n.peak],
+            s.blocks.requested_bytes.all.current,
+            s.locked_allocations,
+        )
+    }
+    const K: u64 = 4096;
+
+    // With room: a 1 MiB block the lane cannot hold (its bound is 1 MiB) goes to the pool.
+    let (dev, alloc) = quiet("fast_cache_bytes_mb:1");
+    let a: Vec<Buffer<SimDevice>> = (0..3).map(|_| alloc.alloc(K, S0).unwrap()).collect();
+    let ptrs: Vec<DeviceAddr> = a.iter().map(|b| b.ptr()).collect();
+    let m = alloc.alloc(MIB, S0).unwrap();
+    assert_eq!(figures(&alloc), ([3 * K + MIB, 3 * K + MIB, 4, 4], 3 * K + MIB, 4));
+    drop(a); // cached: 3 × 4096 of credit
+    assert_eq!(figures(&alloc), ([MIB, 3 * K + MIB, 1, 4], MIB, 4));
+    // Another class, past the peak with the lane's credit: revoked; under the peak without it.
+    let e = alloc.alloc(2 * K, S0).unwrap();
+    assert_eq!(figures(&alloc), ([MIB + 2 * K, 3 * K + MIB, 2, 4], MIB + 2 * K, 5));
+    drop(m); // refused by the lane (12 KiB + 1 MiB > 1 MiB): into the pool, under the lock
+    assert_eq!(figures(&alloc), ([2 * K, 3 * K + MIB, 1, 4], 2 * K, 5));
+    // No credit: the pop takes the lock, and tops the lane up for the class's other two blocks.
+    let p1 = alloc.alloc(K, S0).unwrap();
+    assert_eq!(p1.ptr(), ptrs[2], "last freed, first out");
+    assert_eq!(figures(&alloc), ([3 * K, 3 * K + MIB, 2, 4], 3 * K, 6));
+    let p2 = alloc.alloc(K, S0).unwrap();
+    assert_eq!(p2.ptr(), ptrs[1]);
+    assert_eq!(figures(&alloc), ([4 * K, 3 * K + MIB, 3, 4], 4 * K, 6), "a hit: no lock");
+    let p3 = alloc.alloc(K, S0).unwrap();
+    assert_eq!(p3.ptr(), ptrs[0]);
+    assert_eq!(figures(&alloc), ([5 * K, 3 * K + MIB, 4, 4], 5 * K, 6), "a hit: no lock");
+    drop((e, p1, p2, p3));
+    drop(alloc);
+    assert!(dev.live_segments().is_empty());
+
+    // Near the peak: 16 KiB live at most so far.
+    let (dev, alloc) = quiet("");
+    let a: Vec<Buffer<SimDevice>> = (0..3).map(|_| alloc.alloc(K, S0).unwrap()).collect();
+    let ptrs: Vec<DeviceAddr> = a.iter().map(|b| b.ptr()).collect();
+    let b = alloc.alloc(K, S0).unwrap();
+    assert_eq!(figures(&alloc), ([4 * K, 4 * K, 4, 4], 4 * K, 4));
+    drop(a); // cached: 3 × 4096 of credit
+    let e = alloc.alloc(512, S0).unwrap(); // past the peak with the credit: revoked
+    assert_eq!(figures(&alloc), ([K + 512, 4 * K, 2, 4], K + 512, 5));
+    // The locked pop leaves 4 × 4096 − (2 × 4096 + 512) = 7680 bytes of headroom: room for the
+    // next block (4096), not for the two.
+    let p1 = alloc.alloc(K, S0).unwrap();
+    assert_eq!(p1.ptr(), ptrs[2]);
+    assert_eq!(figures(&alloc), ([2 * K + 512, 4 * K, 3, 4], 2 * K + 512, 6));
+    let p2 = alloc.alloc(K, S0).unwrap();
+    assert_eq!(p2.ptr(), ptrs[1]);
+    assert_eq!(figures(&alloc), ([3 * K + 512, 4 * K, 4, 4], 3 * K + 512, 6), "a hit: no lock");
+    // No credit left, and past the peak: under the lock, which raises the peak exactly.
+    let p3 = alloc.alloc(K, S0).unwrap();
+    assert_eq!(p3.ptr(), ptrs[0]);
+    assert_eq!(figures(&alloc), ([4 * K + 512, 4 * K + 512, 5, 5], 4 * K + 512, 7));
+    drop((b, e, p1, p2, p3));
+    drop(alloc);
+    assert!(dev.live_segments().is_empty());
+}

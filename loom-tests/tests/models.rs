@@ -9,6 +9,7 @@
 //! | `fast_pop_against_coalesce_of_neighbour`     | cached blocks stay allocated in the pool  | `coalesce`     |
 //! | `event_completion_against_same_stream_alloc` | `record_stream` keeps a block out of the cache | `events`  |
 //! | `stats_current_never_exceeds_peak`           | credit and revocation keep peaks exact    | `stats`        |
+//! | `stats_top_up_against_a_slow_path_increase`  | a locked pop tops a lane's credit up within the headroom | `top_up_past_headroom` |
 //! | `stats_snapshot_is_never_torn`               | seqlock publication, double collect       | `stats_reader` |
 //! | `stats_published_on_read_are_never_stale`    | slow path leaves its write open, a reader publishes | `stats_open` |
 //! | `config_swap_during_allocation`              | one config load per allocation            | `config`       |
@@ -50,13 +51,19 @@ const LIMITS: Limits =
 const CLASS: ClassKey = ClassKey { residency: Residency::Transient, rounded: 4096 };
 
 fn model(bound: usize, f: impl Fn() + Sync + Send + 'static) {
+    model_branches(bound, 10_000, f)
+}
+
+/// [`model`] with room for `branches` branches in one execution (a model that runs more of
+/// the whole allocator than the others).
+fn model_branches(bound: usize, branches: usize, f: impl Fn() + Sync + Send + 'static) {
     let mut b = loom::model::Builder::new();
     // The bound asked for (LOOM_MAX_PREEMPTIONS, default 3 in scripts/loom.sh), capped at `bound`.
     b.preemption_bound = Some(b.preemption_bound.map_or(bound, |p| p.min(bound)));
     // The whole allocator's teardown (the last handle closes every lane, then `Shared` flushes
     // and releases) and lane-lock waits (a CAS retried after each yield) run past loom's default
     // of 1000 branches in one execution.
-    b.max_branches = 10_000;
+    b.max_branches = branches;
     // The body runs on a thread of its own, with a 1 MiB stack (`spawn`).
     let f = std::sync::Arc::new(f);
     b.check(move || {
@@ -297,6 +304,47 @@ fn stats_revocation_sees_credit_granted_before_it() {
         }
         alloc.check_invariants().unwrap();
         drop(y);
+        drop(alloc);
+        assert_eq!(dev.live_segments(), 0);
+    });
+}
+
+/// Statistics, top-up: a lane whose credit was revoked holds three cached 4 KiB blocks, with
+/// 11 776 bytes of headroom under the peak (16 KiB) that no lane holds. A user thread allocates
+/// 4 KiB three times: the first pop takes the global lock and tops the lane up out of that
+/// headroom (room for one more block after its own), the second may hit on it, the third goes
+/// past the peak; it then reads the statistics. Meanwhile this thread allocates 1 KiB through
+/// the slow path, which may revoke the topped-up credit. No snapshot has current above peak,
+/// and the peak ends exact (everything is live together at the end).
+/// (Broken `top_up_past_headroom`: the top-up ignores the peaks and grants both blocks; the
+/// user's last two pops may then hit past the peak, which its read shows below the current.)
+#[test]
+fn stats_top_up_against_a_slow_path_increase() {
+    // Eleven allocations, three frees and two reads: past the 10 000 branches of the others.
+    model_branches(3, 40_000, || {
+        let dev = Arc::new(LoomDevice::new());
+        let alloc = Allocator::new(dev.clone(), Config::default()).unwrap();
+        let a: Vec<_> = (0..3).map(|_| alloc.alloc(4096, S0).unwrap()).collect();
+        let b = alloc.alloc(4096, S0).unwrap();
+        drop(a); // cached: 12 KiB of credit
+        let e = alloc.alloc(512, S0).unwrap(); // past the peak with it: revoked
+        let user = {
+            let alloc = alloc.clone();
+            spawn(move || {
+                let p: Vec<_> = (0..3).map(|_| alloc.alloc(4096, S0).unwrap()).collect();
+                check_snapshot(&alloc.stats().blocks);
+                p
+            })
+        };
+        let f = alloc.alloc(1024, S0).unwrap();
+        let p = user.join().unwrap();
+        let s = alloc.stats().blocks;
+        check_snapshot(&s);
+        let a = s.allocated_bytes.all;
+        let live = 4096 + 512 + 3 * 4096 + 1024;
+        assert_eq!((a.current, a.peak), (live, live), "peak must be exact");
+        alloc.check_invariants().unwrap();
+        drop((p, b, e, f));
         drop(alloc);
         assert_eq!(dev.live_segments(), 0);
     });

@@ -27,6 +27,10 @@
 //! - A locked increase of `n` that fits (`upper + n ≤ peak`) cannot pass the peak. One that does
 //!   not fit *revokes* all credit (locks every stream cache, zeroes credit, recomputes `upper` =
 //!   the exact current) and raises the peak to the new exact value, still holding those locks.
+//! - A locked pop of a lane's block that fits may *top the lane up*: under the global lock and
+//!   the lane's, the lane is granted credit out of `peak − upper` (the headroom no lane holds,
+//!   [`BaseStats::headroom`]) and `upper` rises by as much ([`BaseStats::assign`]), so it stays
+//!   `≤ peak` (`StreamCache::pop_locked_topped`).
 //!
 //! A reader takes one double collect over the base and every stream cache (all sequence numbers,
 //! all copies, all sequence numbers again): the copies existed together at one instant, where the
@@ -140,6 +144,54 @@ impl BaseStats {
             return self.increase_past_peak(q, n, caches());
         }
         self.add(q, n);
+    }
+
+    /// [`BaseStats::live_up`] where it stays under every peak (`upper + n ≤ peak`): true, and
+    /// the block is accounted. False (nothing changed) where it may pass a peak: the caller
+    /// then calls [`BaseStats::live_up`], which revokes credit.
+    #[inline]
+    pub fn try_live_up(&mut self, q: usize, bytes: u64, requested: u64) -> bool {
+        let q = q & (QUADRANTS - 1);
+        let n = live_amounts(bytes, 1, requested);
+        let mut fits = true;
+        for (g, &v) in n.iter().enumerate() {
+            for c in cells_of(q) {
+                fits &= self.upper[g][c] + v <= self.words[b_peak(g, c)];
+            }
+        }
+        if fits {
+            self.add(q, n);
+        }
+        fits
+    }
+
+    /// The headroom under the peaks not yet assigned as credit, for a lane's credit in quadrant
+    /// `q`, per lane quantity (bytes, count, requested): the least `peak − upper` over the
+    /// live groups that quantity feeds and the cells that contain `q`.
+    #[inline]
+    pub fn headroom(&self, q: usize) -> [u64; 3] {
+        let q = q & (QUADRANTS - 1);
+        let mut room = [u64::MAX; 3];
+        for (g, &(_, qty)) in LIVE.iter().enumerate() {
+            for c in cells_of(q) {
+                room[qty] = room[qty].min(self.words[b_peak(g, c)] - self.upper[g][c]);
+            }
+        }
+        room
+    }
+
+    /// Counts `n` (bytes, count, requested) of quadrant `q` as credit a lane was just granted
+    /// (a *top-up*, `StreamCache::pop_locked_topped`): `upper` rises by it in every live group
+    /// and every cell containing `q`, so `upper = current + Σ credit` holds; `n` is at most
+    /// [`BaseStats::headroom`], so `upper ≤ peak` holds too.
+    #[inline]
+    pub fn assign(&mut self, q: usize, n: [u64; 3]) {
+        let q = q & (QUADRANTS - 1);
+        for (g, &(_, qty)) in LIVE.iter().enumerate() {
+            for c in cells_of(q) {
+                self.upper[g][c] += n[qty];
+            }
+        }
     }
 
     /// Adds `n` to the live groups of quadrant `q` (currents, totals and `upper`).
@@ -619,6 +671,42 @@ mod tests {
         pool.reset_peak_stats();
         publish(&mut b, &mut pool);
         assert!(same(&b, &pool), "a peak reset republishes every cell");
+    }
+
+    /// A lane's top-up is bounded by every cell of its quadrant: the large pool's room under
+    /// the "all" and "transient" peaks is no room for a small block while the small pool sits at
+    /// its peak. What is assigned raises `upper` to the peak, and no further.
+    #[test]
+    fn the_headroom_is_the_least_over_the_quadrants_cells() {
+        let mut b = BaseStats::default();
+        let (small, large) = (
+            quadrant(PoolKind::Small, Residency::Transient),
+            quadrant(PoolKind::Large, Residency::Transient),
+        );
+        let none = || Arc::new(Vec::new());
+        b.live_up(small, 4096, 4000, none);
+        b.live_up(large, 8 << 20, 8 << 20, none);
+        b.live_down(large, 8 << 20, 8 << 20);
+        assert_eq!(b.headroom(small), [0, 0, 0], "the small pool is at its peak");
+        assert_eq!(b.headroom(large), [8 << 20, 1, 8 << 20]);
+        b.live_down(small, 4096, 4000);
+        assert_eq!(b.headroom(small), [4096, 1, 4000]);
+        assert!(b.try_live_up(small, 512, 512), "under the peaks");
+        assert_eq!(b.headroom(small), [3584, 0, 3488]);
+        assert!(!b.try_live_up(small, 512, 512), "a second block passes the count's peak");
+        b.assign(small, [3584, 0, 3488]);
+        assert_eq!(b.headroom(small), [0, 0, 0]);
+        // The cells it shares with the small quadrant peaked with both pools' blocks live.
+        assert_eq!(b.headroom(large), [8 << 20, 1, 8 << 20]);
+        let s = assemble(&b.words, &[]);
+        // `upper` counts the assigned credit: here no lane holds it, so current < upper = peak.
+        b.check(&s).unwrap();
+        assert_eq!(
+            s.allocated_bytes.small_pool,
+            Stat { current: 512, peak: 4096, allocated: 4608, freed: 4096 }
+        );
+        b.upper[0][1] += 1; // one byte more than the headroom
+        assert!(b.check(&s).is_err());
     }
 
     #[test]

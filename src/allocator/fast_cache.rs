@@ -34,9 +34,14 @@
 //! *Credit* keeps peaks exact without a shared counter (see `counters.rs`): a fast free lowers
 //! the live total by the block and grants its stream that much headroom under the peak; a fast pop
 //! may only spend headroom it holds, so it can never create a new peak. When it has too little,
-//! the pop returns [`Pop::NeedsLock`] and the caller accounts it under the global lock.
+//! the pop returns [`Pop::NeedsLock`] and the caller accounts it under the global lock
+//! ([`StreamCache::pop_locked_topped`]), which also grants the lane, out of the headroom under
+//! the peaks that no lane holds, the credit its class's next blocks need (a *top-up*): in a
+//! training step that climbs back to the last step's peak, the pops after a revocation would
+//! otherwise each take the lock.
 
 use super::class_table::ClassTable;
+use super::counters::BaseStats;
 use super::lane_lock::{LaneGuard, LaneLock};
 use super::seqlock::SeqBlock;
 use super::stats_layout::CACHED_BYTES;
@@ -286,7 +291,8 @@ pub struct CacheCells {
     inner: LaneLock<CacheInner>,
     fast: SeqBlock<FAST_WORDS>,
     slow: SeqBlock<1>,
-    /// `inner.large`, stored under `inner`'s lock and read without it as a hint.
+    /// The class of the large block the lane holds as [`large_key`] (0: none, as `inner.large`),
+    /// stored under `inner`'s lock and read without it as a hint.
     large: AtomicU64,
     /// Largest request [`StreamCache::pop_request`] may serve (0: none), stored under `inner`'s
     /// lock and read without it as a hint.
@@ -437,8 +443,8 @@ impl StreamCache {
             return Err(b);
         }
         if large {
-            self.set_large(inner, 1);
             inner.large_class = class;
+            self.set_large(inner, Some(class));
         }
         self.grant(inner, &b);
         self.fast.open();
@@ -508,9 +514,9 @@ impl StreamCache {
     /// the configuration in force (set under this lock with [`StreamCache::configure`]), so the
     /// whole decision follows one configuration without loading it. [`Pop::Miss`] when the
     /// stream caches may not serve it (disabled, or not a small-pool request). On a hit, the
-    /// rounded request comes with the block. The caller checked that `bytes` is not 0 and at most a
-    /// small-pool bound (`Shared::small_hint`, or [`StreamCache::may_serve`]), so rounding it
-    /// cannot overflow; the lane's own bound is checked here.
+    /// rounded request comes with the block. The caller checked that `bytes` is not 0 and at
+    /// most a small-pool bound (`Shared::small_hint`: the hit and the whole path's lane loop),
+    /// so rounding it cannot overflow; the lane's own bound is checked here.
     ///
     /// The third value says whether the hit took over a stashed reference to the stream's owner
     /// handle ([`StreamCache::push_stash`]); the caller must then adopt it (`owner.rs`).
@@ -736,7 +742,7 @@ impl StreamCache {
             }
         }
         if !HOT && !is_small(b.quadrant) {
-            self.set_large(inner, 0);
+            self.set_large(inner, None);
         }
         let w = &mut inner.words;
         for (qty, v) in [(BYTES, b.size), (COUNT, 1), (REQ, requested)] {
@@ -765,13 +771,88 @@ impl StreamCache {
         }
         let b = inner.classes.pop(class)?;
         if !is_small(b.quadrant) {
-            self.set_large(inner, 0);
+            self.set_large(inner, None);
         }
         let w = &mut inner.words;
         w[CACHED_BYTES] -= b.size;
         // Left stale for the next reader to publish, as a hit leaves it (`close_stats`).
         self.fast.open();
         Some(b)
+    }
+
+    /// [`StreamCache::pop_locked`] of a block for `requested` bytes, accounted in `base` in the
+    /// same lane section where it stays under the peaks, and then a *top-up*: the lane is
+    /// granted, out of the headroom under the peaks that no lane holds
+    /// ([`BaseStats::headroom`]), the credit its class's next blocks need, so that the pops
+    /// that follow hit without the global lock. Returns the block and whether it was
+    /// accounted; where it was not (it may pass a peak), the caller accounts it with
+    /// [`BaseStats::live_up`], which revokes credit, and no top-up is made.
+    pub fn pop_locked_topped(
+        &self,
+        class: ClassKey,
+        stream: StreamId,
+        requested: u64,
+        base: &mut BaseStats,
+    ) -> Option<(CachedBlock, bool)> {
+        let mut g = self.lock_inner();
+        let inner = &mut *g;
+        if inner.stream != stream {
+            return None;
+        }
+        let b = inner.classes.pop(class)?;
+        if !is_small(b.quadrant) {
+            self.set_large(inner, None);
+        }
+        inner.words[CACHED_BYTES] -= b.size;
+        // Left stale for the next reader to publish, as a hit leaves it (`close_stats`).
+        self.fast.open();
+        if !base.try_live_up(b.quadrant, b.size, requested) {
+            return Some((b, false));
+        }
+        if is_small(b.quadrant) {
+            self.top_up(inner, class, b.quadrant, base);
+        }
+        Some((b, true))
+    }
+
+    /// The top-up of [`StreamCache::pop_locked_topped`], with the lane's lock and the global
+    /// lock held: the lane's next pops of `class` (its list from the last block down, as they
+    /// will pop), as many whole blocks of quadrant `q` as the credit the lane holds there and
+    /// the headroom no lane holds cover together, are granted what they need beyond the credit
+    /// held. Nothing where the list is empty, or no next block fits.
+    #[inline]
+    fn top_up(&self, inner: &mut CacheInner, class: ClassKey, q: usize, base: &mut BaseStats) {
+        let q = q & (QUADRANTS - 1);
+        let Some(list) = inner.classes.get_mut(class) else { return };
+        if list.is_empty() {
+            return;
+        }
+        let held: [u64; 3] =
+            std::array::from_fn(|k| inner.ceiling[q][k].wrapping_sub(inner.words[fast_cur(k, q)]));
+        let room = base.headroom(q);
+        #[cfg(tidepool_broken = "top_up_past_headroom")]
+        let room = [u64::MAX / 4; 3]; // BROKEN: grants what the blocks need, whatever the peaks.
+        let mut need = [0u64; 3];
+        for b in list.iter().rev() {
+            let next = [need[BYTES] + b.size, need[COUNT] + 1, need[REQ] + b.requested];
+            if b.quadrant & (QUADRANTS - 1) != q
+                || (0..3).any(|k| next[k] > held[k].saturating_add(room[k]))
+            {
+                break;
+            }
+            need = next;
+        }
+        let grant: [u64; 3] = std::array::from_fn(|k| need[k].saturating_sub(held[k]));
+        if grant == [0; 3] {
+            return;
+        }
+        if !inner.credited {
+            self.mark_credited(inner);
+        }
+        for (c, g) in inner.ceiling[q].iter_mut().zip(grant) {
+            *c = c.wrapping_add(g);
+        }
+        base.assign(q, grant);
     }
 
     /// Empties the cache (a flush); the caller holds the global lock and frees every returned
@@ -786,7 +867,7 @@ impl StreamCache {
         let mut out = Vec::new();
         inner.classes.take_all(&mut out);
         inner.verdict = None;
-        self.set_large(inner, 0);
+        self.set_large(inner, None);
         inner.words[CACHED_BYTES] = 0;
         self.publish(inner);
         out
@@ -805,7 +886,7 @@ impl StreamCache {
             // BROKEN: marks the cache free of large blocks first and lets go of the lock before
             // taking its block out: a large block pushed meanwhile is swept out with it, and only
             // the first one found is returned to be freed (the other is lost).
-            self.set_large(inner, 0);
+            self.set_large(inner, None);
             drop(g);
             let mut g = self.lock_inner();
             let inner = &mut *g;
@@ -829,7 +910,7 @@ impl StreamCache {
             .and_then(|list| list.pop())
             .expect("a large block is counted");
         debug_assert!(!is_small(b.quadrant));
-        self.set_large(inner, 0);
+        self.set_large(inner, None);
         inner.words[CACHED_BYTES] -= b.size;
         // Left stale for the next reader to publish, as a hit leaves it (`close_stats`): a
         // publish here compared all the lane's words on every large search that drained it.
@@ -841,12 +922,22 @@ impl StreamCache {
     /// hint without it).
     #[inline]
     pub fn large_blocks(&self) -> u64 {
-        self.large.load(Ordering::Relaxed)
+        u64::from(self.large.load(Ordering::Relaxed) != 0)
     }
 
-    fn set_large(&self, inner: &mut CacheInner, n: u64) {
-        inner.large = n;
-        self.large.store(n, Ordering::Relaxed);
+    /// Whether the large block cached now may be of `class`: of its rounded size (a relaxed
+    /// read, as [`StreamCache::large_blocks`]). Where it is not, a pop of `class` finds nothing,
+    /// since a lane holds one large block at most.
+    #[inline]
+    pub fn holds_large_of(&self, class: ClassKey) -> bool {
+        self.large.load(Ordering::Relaxed) == large_key(class)
+    }
+
+    /// Records the large block the lane holds now (`None`: none), under its lock: `inner.large`
+    /// and the hint `CacheCells::large` (its class's key).
+    fn set_large(&self, inner: &mut CacheInner, class: Option<ClassKey>) {
+        inner.large = u64::from(class.is_some());
+        self.large.store(class.map_or(0, large_key), Ordering::Relaxed);
     }
 
     /// The blocks cached now, in no particular order (for the broken variants' snapshots and
@@ -871,7 +962,9 @@ impl StreamCache {
                 !gone
             });
         }
-        self.large.store(inner.large, Ordering::Relaxed);
+        if inner.large == 0 {
+            self.large.store(0, Ordering::Relaxed);
+        }
         self.publish(inner);
     }
 
@@ -881,7 +974,7 @@ impl StreamCache {
         let mut g = self.lock_inner();
         let inner = &mut *g;
         inner.classes.clear();
-        self.set_large(inner, 0);
+        self.set_large(inner, None);
         inner.words[CACHED_BYTES] = 0;
         self.publish(inner);
     }
@@ -1078,6 +1171,13 @@ fn lowest_last(list: &mut [CachedBlock]) {
         list.swap(i - 1, i);
         i -= 1;
     }
+}
+
+/// The key of a large block's class in [`CacheCells::large`]: its rounded size, never 0. (Its
+/// residency is left out: a class of the other residency is rare, and its pop finds nothing.)
+#[inline]
+fn large_key(class: ClassKey) -> u64 {
+    class.rounded
 }
 
 /// `Sizing::round` out of line: the hit path rounds with one mask where it can.

@@ -546,6 +546,7 @@ impl<D: Device> Shared<D> {
         };
         if uses.is_empty() || ordered || self.broken_skip_events.load(Ordering::Relaxed) {
             Self::free_now(&mut st, &f, pended);
+            st.release();
             return;
         }
         let mut events = Vec::new();
@@ -653,7 +654,10 @@ impl<D: Device> Shared<D> {
         sizing: &crate::pool::Sizing,
     ) -> Option<CachedBlock> {
         let cache = self.caches.first_lane(stream)?;
-        if cache.large_blocks() == 0 {
+        // No large block of the request's class: the pop would find none (a lane holds one
+        // large block at most), so the lane is not locked. (One cached concurrently is as if
+        // freed after this section.)
+        if !cache.holds_large_of(class) {
             return None;
         }
         let locked = &*st;
