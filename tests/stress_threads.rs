@@ -272,6 +272,10 @@ fn readers_and_a_controller_against_three_threads() {
         let (stop, wrong) = (AtomicBool::new(false), Arc::new(AtomicU64::new(0)));
         let (made, asked) = (AtomicU64::new(0), AtomicU64::new(0));
         let exchange: Mutex<Vec<Buffer<SimDevice>>> = Mutex::new(Vec::new());
+        // The workers go on past their 10 000 operations until the controller has been through
+        // every configuration once (its rounds counted here): on a loaded machine it may
+        // otherwise be scheduled only after they finished, and test nothing.
+        let (rounds, min_rounds) = (AtomicU64::new(0), 8 * configs.len() as u64);
         let reads = std::thread::scope(|sc| {
             let controller = sc.spawn(|| {
                 let mut reads = 0;
@@ -294,6 +298,7 @@ fn readers_and_a_controller_against_three_threads() {
                         _ => consistent_all(&alloc.stats()),
                     }
                     reads += 1;
+                    rounds.store(reads as u64, Ordering::Relaxed);
                     std::thread::yield_now();
                 }
                 reads
@@ -302,12 +307,14 @@ fn readers_and_a_controller_against_three_threads() {
             let workers: Vec<_> = (0..WORKERS)
                 .map(|t| {
                     let (alloc, dev, wrong, exchange) = (&alloc, &dev, &wrong, &exchange);
-                    let (made, asked) = (&made, &asked);
+                    let (made, asked, rounds) = (&made, &asked, &rounds);
                     let own = dev.create_stream().unwrap();
                     sc.spawn(move || {
                         let mut rng = Rng(0x5eed ^ (t + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15));
                         let mut live: Vec<(Buffer<SimDevice>, u8)> = Vec::new();
-                        for i in 0..10_000u64 {
+                        let more =
+                            |i: u64| i < 10_000 || rounds.load(Ordering::Relaxed) < min_rounds;
+                        for i in (0..).take_while(|&i| more(i)) {
                             let stream = if rng.below(2) == 0 { shared } else { own };
                             match rng.below(100) {
                                 0..=44 => {
@@ -357,7 +364,7 @@ fn readers_and_a_controller_against_three_threads() {
         });
         exchange.lock().unwrap().clear();
         dev.synchronize().unwrap();
-        assert!(reads > 8, "the controller ran");
+        assert!(reads as u64 >= min_rounds, "the controller ran through every configuration");
         assert_eq!(wrong.load(Ordering::Relaxed), 0, "a kernel read another's bytes");
         assert_eq!(dev.violations(), vec![], "stream-order violations");
         assert_eq!(dev.kernel_failures(), vec![]);
