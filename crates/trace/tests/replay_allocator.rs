@@ -215,7 +215,7 @@ fn pytorch_policy_is_pytorchs_placement() {
         (
             "traces/mobilenetv2_train.csv.gz",
             (1528823808, 1307578880, 64),
-            Some((1535115264, 1307578880, 67)),
+            Some((1530920960, 1307578880, 65)),
         ),
         ("traces/t5_train.csv.gz", (1688207360, 1653326848, 217), None),
         ("traces/vit_train.csv.gz", (1935671296, 1740951552, 95), None),
