@@ -764,8 +764,17 @@ impl StreamCache {
     /// Takes a block of `class` whatever its request and the credit; the caller holds the global
     /// lock and accounts the hand-out there (it is a live block again, and no longer cached).
     pub fn pop_locked(&self, class: ClassKey, stream: StreamId) -> Option<CachedBlock> {
-        let mut g = self.lock_inner();
-        let inner = &mut *g;
+        self.take_locked(&mut self.lock_inner(), class, stream)
+    }
+
+    /// The pop of [`StreamCache::pop_locked`], under the lane's lock (`inner`).
+    #[inline]
+    fn take_locked(
+        &self,
+        inner: &mut CacheInner,
+        class: ClassKey,
+        stream: StreamId,
+    ) -> Option<CachedBlock> {
         if inner.stream != stream {
             return None;
         }
@@ -773,8 +782,7 @@ impl StreamCache {
         if !is_small(b.quadrant) {
             self.set_large(inner, None);
         }
-        let w = &mut inner.words;
-        w[CACHED_BYTES] -= b.size;
+        inner.words[CACHED_BYTES] -= b.size;
         // Left stale for the next reader to publish, as a hit leaves it (`close_stats`).
         self.fast.open();
         Some(b)
@@ -796,16 +804,7 @@ impl StreamCache {
     ) -> Option<(CachedBlock, bool)> {
         let mut g = self.lock_inner();
         let inner = &mut *g;
-        if inner.stream != stream {
-            return None;
-        }
-        let b = inner.classes.pop(class)?;
-        if !is_small(b.quadrant) {
-            self.set_large(inner, None);
-        }
-        inner.words[CACHED_BYTES] -= b.size;
-        // Left stale for the next reader to publish, as a hit leaves it (`close_stats`).
-        self.fast.open();
+        let b = self.take_locked(inner, class, stream)?;
         if !base.try_live_up(b.quadrant, b.size, requested) {
             return Some((b, false));
         }
