@@ -817,7 +817,7 @@ impl<D: Device> Allocator<D> {
                 locked.base.live_up(b.quadrant, b.size, bytes, || &locked.lanes[..]);
             }
             st.config_spare = Some(plan.config);
-            st.release();
+            drop(st);
             return Ok(self.hand_out_cached(&b, bytes, stream, plan.rounded, residency));
         }
         if !plan.fast
@@ -827,7 +827,7 @@ impl<D: Device> Allocator<D> {
             && let Some(b) = sh.reuse_large(&mut st, stream, class, bytes, &config.sizing)
         {
             st.config_spare = Some(plan.config);
-            st.release();
+            drop(st);
             return Ok(self.hand_out_cached(&b, bytes, stream, plan.rounded, residency));
         }
         let key = PoolKey { residency, stream, kind: plan.kind };
@@ -845,7 +845,7 @@ impl<D: Device> Allocator<D> {
         locked.base.live_up(q, size, bytes, || &locked.lanes[..]);
         st.note(Action::Alloc, ptr, bytes, stream);
         st.config_spare = Some(plan.config);
-        st.release();
+        drop(st);
         Ok(self.hand_out(ptr, bytes, size, stream, Some(block), plan.rounded, held, q))
     }
 

@@ -546,7 +546,6 @@ impl<D: Device> Shared<D> {
         };
         if uses.is_empty() || ordered || self.broken_skip_events.load(Ordering::Relaxed) {
             Self::free_now(&mut st, &f, pended);
-            st.release();
             return;
         }
         let mut events = Vec::new();

@@ -242,24 +242,6 @@ impl<D: Device> Drop for Locked<'_, D> {
     }
 }
 
-impl<D: Device> Locked<'_, D> {
-    /// Lets go of the global lock as dropping it does ([`Shared::publish`], then the unlock),
-    /// inline: `Locked`'s drop glue stays out of line (an `#[inline(always)]` on its `drop`
-    /// does not change that), a call with five saved registers at the end of every lock
-    /// section. For the sections of the common allocation and free.
-    #[inline(always)]
-    pub(super) fn release(self) {
-        let me = std::mem::ManuallyDrop::new(self);
-        let sh = me.sh;
-        // SAFETY: the guard is moved out of `me` once, and `me` is never used or dropped after
-        // (`ManuallyDrop`), so it is let go of exactly once: below, or while unwinding should
-        // `publish` panic, as when `Locked`'s drop panics.
-        let mut st = unsafe { std::ptr::read(&me.st) };
-        sh.publish(&mut st);
-        drop(st);
-    }
-}
-
 impl<D: Device> Shared<D> {
     /// Records into `ring` from now on (`None`: stops recording): the stream caches close (or
     /// open again), so that every operation takes the slow path, which records it.
