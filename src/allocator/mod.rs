@@ -733,12 +733,10 @@ impl<D: Device> Allocator<D> {
         // which used to leave at its first lane's bound (`may_serve`) after looking the lane's
         // owner up, or making it: ~40 instructions per large allocation. The thread's lane is
         // still asked for, so that threads take lanes in the order they first allocate.
-        if cacheable
-            && !sh.recording.load(Ordering::Relaxed)
-            && bytes.wrapping_sub(1) >= sh.small_hint.load(Ordering::Relaxed)
-        {
+        let lanes = cacheable && !sh.recording.load(Ordering::Relaxed);
+        if lanes && bytes.wrapping_sub(1) >= sh.small_hint.load(Ordering::Relaxed) {
             lane_table::thread_lane();
-        } else if cacheable && !sh.recording.load(Ordering::Relaxed) {
+        } else if lanes {
             // This thread's lane first, then the stream's other lanes (a block freed on another
             // thread), each under its own lock only. Each lane rounds the request by the size
             // rules it was configured with, so a hit loads no configuration.
