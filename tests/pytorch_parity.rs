@@ -1298,8 +1298,14 @@ fn concurrent_replays_share_no_memory() {
         };
         let (g1, c) = capture(shared.as_ref(), 2);
         dev.synchronize().unwrap();
+        // g0's replay waits on s0 behind a gated read until g1's has run on s1: the two
+        // replays' work overlaps whatever the host's timing (without the gate g0's replay could
+        // finish before g1's began, and the broken build's race went unseen now and then).
+        let (held, go) = common::gated(a.ptr(), N * 4, AccessKind::Read);
+        dev.launch(s0, held).unwrap();
         g0.launch(s0).unwrap();
         g1.launch(s1).unwrap();
+        go.send(()).unwrap();
         dev.synchronize().unwrap();
         let (b_ok, c_ok) =
             (words(&dev, &b).iter().all(|&x| x == 94), words(&dev, &c).iter().all(|&x| x == 156));
