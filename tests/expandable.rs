@@ -314,6 +314,85 @@ fn release_waits_for_the_streams_work_and_counts_the_sync() {
     assert_no_leak(&dev);
 }
 
+/// A free that takes a stream's free mapped bytes past `release_threshold` while a kernel may
+/// still use the pages does not wait on the host (`cudaMallocAsync`'s pools trim without
+/// blocking): the pages leave the pool at once, stay mapped and counted reserved behind the
+/// stream's event, and are unmapped and released by the first trim after the kernel is done.
+/// Broken build `trim_waits`: the free waits for the kernel (a counted host sync).
+#[test]
+fn a_trim_under_unfinished_work_retires_its_pages_without_a_host_wait() {
+    let (dev, alloc) = setup("release_threshold_mb:0", CAP);
+    let s = dev.create_stream().unwrap();
+    let a = alloc.alloc(4 * MIB, s).unwrap();
+    assert_eq!(a.ptr(), DeviceAddr(base()));
+    let (k, open) = gated_write(a.ptr(), 4 * MIB, 0x5A);
+    dev.launch(s, k).unwrap();
+    // (Under the broken build the free below waits for the kernel: opened at that sync.)
+    let opener = common::open_on_next_sync(&dev, open);
+    drop(a);
+    let st = alloc.stats();
+    assert_eq!((st.num_host_syncs, st.num_device_unmap, st.num_physical_release), (0, 0, 0));
+    assert_eq!(mapped_pages(&dev, base()), vec![0, 1], "still mapped: the kernel runs there");
+    assert_eq!(st.blocks.reserved_bytes.all.current, 2 * P, "held until unmapped");
+    assert_eq!(st.blocks.segment.all.current, 0, "no longer in the pool");
+    assert_eq!(dev.physical_bytes(), 2 * P);
+    alloc.check_invariants().unwrap();
+    // The next request cannot have the retiring pages: the range grows above them.
+    let b = alloc.alloc(4 * MIB, s).unwrap();
+    assert_eq!(b.ptr(), DeviceAddr(base() + 2 * P));
+    assert_eq!(mapped_pages(&dev, base()), vec![0, 1, 2, 3]);
+    assert_eq!(alloc.stats().blocks.reserved_bytes.all.current, 4 * P);
+    alloc.check_invariants().unwrap();
+    // The test's own sync lets the kernel finish; the next trim releases both.
+    dev.synchronize().unwrap();
+    opener.join().unwrap();
+    drop(b);
+    let st = alloc.stats();
+    assert_eq!(mapped_pages(&dev, base()), Vec::<u64>::new());
+    assert_eq!((st.num_host_syncs, st.num_device_unmap, st.num_physical_release), (0, 2, 2));
+    assert_eq!(st.blocks.reserved_bytes.all.current, 0);
+    assert_eq!(st.blocks.reserved_bytes.all.peak, 4 * P);
+    assert_eq!(dev.violations(), vec![], "no unmap under unfinished work");
+    assert_eq!(dev.kernel_failures(), vec![]);
+    alloc.check_invariants().unwrap();
+    drop(alloc);
+    assert_no_leak(&dev);
+}
+
+/// Pages a trim retired (their kernel unfinished) on a device with no room left: the next
+/// growth's out-of-memory ladder waits for their event (a counted host sync), releases them
+/// and grows; and an allocator dropped with retiring pages waits for them and leaks nothing.
+#[test]
+fn retired_pages_are_waited_for_by_the_out_of_memory_ladder_and_at_the_end() {
+    let (dev, alloc) = setup("release_threshold_mb:0", 2 * P);
+    let s = dev.create_stream().unwrap();
+    let a = alloc.alloc(4 * MIB, s).unwrap();
+    let (k, open) = gated_write(a.ptr(), 4 * MIB, 0x11);
+    dev.launch(s, k).unwrap();
+    let opener = common::open_on_next_sync(&dev, open);
+    drop(a);
+    assert_eq!(alloc.stats().num_host_syncs, 0);
+    assert_eq!(dev.physical_bytes(), 2 * P, "the device is full of retiring pages");
+    let b = alloc.alloc(4 * MIB, s).unwrap();
+    opener.join().unwrap();
+    let st = alloc.stats();
+    assert_eq!((st.num_host_syncs, st.num_device_unmap, st.num_physical_release), (1, 1, 1));
+    assert_eq!(b.ptr(), DeviceAddr(base()), "the released pages' place, mapped again");
+    assert_eq!(st.blocks.reserved_bytes.all.current, 2 * P);
+    assert_eq!(dev.violations(), vec![]);
+    alloc.check_invariants().unwrap();
+    // Retiring at the end: the allocator's drop waits for them.
+    let (k, open) = gated_write(b.ptr(), 4 * MIB, 0x22);
+    dev.launch(s, k).unwrap();
+    drop(b);
+    assert_eq!(alloc.stats().num_host_syncs, 1);
+    let opener = common::open_on_next_sync(&dev, open);
+    drop(alloc);
+    opener.join().unwrap();
+    assert_eq!(dev.kernel_failures(), vec![]);
+    assert_no_leak(&dev);
+}
+
 /// Stream 1 caches 8 MiB of free pages while its kernel may still run on them (until the first
 /// host sync, unless `done_first`); stream 2 needs 4 MiB on a device with no room left. Returns
 /// the device, the allocator and stream 2's buffer address.

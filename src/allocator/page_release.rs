@@ -140,16 +140,32 @@ impl<D: Device> Shared<D> {
     pub(super) fn release_pages(
         &self,
         st: &mut State,
+        which: impl FnMut(&Segment) -> bool,
+        keep: u64,
+    ) -> Result<(), AllocError> {
+        self.release_pages_then(st, which, keep, true)
+    }
+
+    /// [`Shared::release_pages`]; where `wait` is false, a range whose stream's work has not
+    /// completed is not waited for: its chunks leave the pool at once and retire behind the
+    /// stream's event ([`Retiring`]), unmapped and released by a later poll once it completes,
+    /// and counted reserved until then (a trim under `release_threshold`: a free never waits
+    /// on the host, as `cudaMallocAsync`'s pools trim without blocking).
+    fn release_pages_then(
+        &self,
+        st: &mut State,
         mut which: impl FnMut(&Segment) -> bool,
         keep: u64,
+        wait: bool,
     ) -> Result<(), AllocError> {
         if self.role.graph_held() && !self.broken(Broken::GraphPoolReleased) {
             return Ok(()); // a graph's replays write the pool's free pages (`release_segment`)
         }
         self.retry_releases(&mut st.vm);
         // A moved page still mapped at its old place would outlive its release there (the
-        // driver frees memory at its last unmapping): old places go first.
-        self.poll_retiring(st, true);
+        // driver frees memory at its last unmapping): old places go first (those whose event
+        // completed only, where the release does not wait).
+        self.poll_retiring(st, wait);
         // Freed stitched blocks (flushed from the stream caches) give their chunks back first.
         self.unstitch_freed(st);
         let page = st.vm.page;
@@ -174,12 +190,22 @@ impl<D: Device> Shared<D> {
             if self.broken(Broken::StitchUnmapEarly) {
                 let _ = self.drop_stitches_over(st, base, &runs); // BROKEN: before its work is done
             }
+            // A stitched block may alias these chunks: its unmapping is waited for below.
+            let retire =
+                !wait && st.vm.ranges[&base].aliased.is_empty() && st.vm.stitches.is_empty();
             // Its work cannot be waited for: its pages stay mapped (the next range).
-            if let Err(e) = self.stream_done(st, stream) {
-                if self.broken(Broken::VmEventErrors) {
-                    return Err(e); // BROKEN: the release (and the allocation under it) fails
+            match self.stream_mark(st, stream, !retire) {
+                Err(e) => {
+                    if self.broken(Broken::VmEventErrors) {
+                        return Err(e); // BROKEN: the release (and the allocation under it) fails
+                    }
+                    continue;
                 }
-                continue;
+                Ok(Some(event)) => {
+                    self.retire_runs(st, base, runs, event);
+                    continue;
+                }
+                Ok(None) => {}
             }
             // The stream's work is done: the cached stitched blocks over these chunks go first
             // (the driver frees memory at its last unmapping). A refusal is the release's
@@ -249,9 +275,16 @@ impl<D: Device> Shared<D> {
     /// Returns once `stream`'s work enqueued so far has completed: an event recorded and queried,
     /// waited for (a host sync) if it has not completed. A stream destroyed through this family
     /// was drained; one the device forgot otherwise costs a wait for the whole device.
-    pub(super) fn stream_done(&self, st: &mut State, stream: StreamId) -> Result<(), AllocError> {
+    /// Where `wait` is false and the work has not completed: `Some`, the event that marks it,
+    /// instead of a host wait (the caller's to give back).
+    fn stream_mark(
+        &self,
+        st: &mut State,
+        stream: StreamId,
+        wait: bool,
+    ) -> Result<Option<EventId>, AllocError> {
         if self.broken_skip_events.load(Ordering::Relaxed) {
-            return Ok(());
+            return Ok(None);
         }
         let event = match self.event(st) {
             Ok(event) => event,
@@ -260,7 +293,7 @@ impl<D: Device> Shared<D> {
             Err(e) if cfg!(tidepool_broken = "release_event_refused") => return Err(e),
             // No event to mark its work (the device refused to create one): as for a refused
             // record, wait for all of the device's.
-            Err(_) => return Ok(self.host_wait(st)?),
+            Err(_) => return Ok(self.host_wait(st).map(|()| None)?),
         };
         let r = match self.device.record_event(event, stream) {
             Err(DeviceError::UnknownStream(_)) if self.gone_drained(stream) => Ok(()),
@@ -270,6 +303,8 @@ impl<D: Device> Shared<D> {
             Err(_) => self.host_wait(st),
             Ok(()) => match self.device.query_event(event) {
                 Ok(true) => Ok(()),
+                // BROKEN (`trim_waits`): a trim waits on the host for the stream's work.
+                _ if !wait && !cfg!(tidepool_broken = "trim_waits") => return Ok(Some(event)),
                 _ => {
                     st.counters.host_syncs += 1;
                     self.device.synchronize_event(event)
@@ -277,7 +312,37 @@ impl<D: Device> Shared<D> {
             },
         };
         st.free_events.push(event);
-        Ok(r?)
+        Ok(r.map(|()| None)?)
+    }
+
+    /// A release that does not wait ([`Shared::release_pages_then`]): the free runs' chunks
+    /// leave the pool and the page table now, held in the reserved bytes, and retire behind
+    /// `event` (their stream's work so far); the poll that sees it complete unmaps and releases
+    /// them. The range does not map over them meanwhile (`Range::retiring`).
+    fn retire_runs(
+        &self,
+        st: &mut State,
+        base: u64,
+        runs: Vec<(BlockId, u64, u64)>,
+        event: EventId,
+    ) {
+        let page = st.vm.page;
+        let (key, stream) = (st.vm.ranges[&base].key, st.vm.ranges[&base].key.stream);
+        let mut pages = Vec::new();
+        for (block, a, b) in runs {
+            self.carve_run(st, base, block, a, b);
+            st.pool.hold(key, b - a);
+            st.note(Action::SegmentUnmap, DeviceAddr(a), b - a, stream);
+            let range = st.vm.ranges.get_mut(&base).expect("range");
+            let mut va = a;
+            while va < b {
+                let c = range.pages.remove(va).expect("a mapped chunk");
+                range.retiring.extend((va..va + c.pages * page).step_by(page as usize));
+                pages.push((base, va, c.pages, Some((c.handle, key))));
+                va += c.pages * page;
+            }
+        }
+        st.vm.retiring.push(Retiring { event, pages });
     }
 
     /// Unmaps the old mappings of moved pages whose donor's event has completed (with `block`:
@@ -304,7 +369,7 @@ impl<D: Device> Shared<D> {
                 _ => false,
             };
             if done {
-                r.pages.retain(|&(base, va, n)| {
+                r.pages.retain(|&(base, va, n, handle)| {
                     if self.device.vm_unmap(DeviceAddr(va), n * page).is_err() {
                         return true;
                     }
@@ -313,6 +378,11 @@ impl<D: Device> Shared<D> {
                         for p in (va..va + n * page).step_by(page as usize) {
                             range.retiring.remove(&p);
                         }
+                    }
+                    // A trim's chunk: its memory goes now, and leaves the reserved bytes.
+                    if let Some((h, key)) = handle {
+                        self.release_handle(&mut st.vm, h);
+                        st.pool.unhold(key, n * page);
                     }
                     false
                 });
@@ -334,6 +404,8 @@ impl<D: Device> Shared<D> {
         if !st.vm.trim_due() {
             return;
         }
+        // Chunks earlier trims retired whose stream's work has completed go now.
+        self.poll_retiring(st, false);
         let threshold = st.vm.threshold;
         let streams: Vec<StreamId> = st.pool.dirty_streams();
         for s in streams {
@@ -375,7 +447,7 @@ impl<D: Device> Shared<D> {
             }
             let which =
                 |seg: &Segment| seg.key.stream == s && seg.key.residency == Residency::Transient;
-            let _ = self.release_pages(st, which, t);
+            let _ = self.release_pages_then(st, which, t, false);
             let after = st.pool.free_bytes_of(s);
             st.vm.checked.insert(s, after);
         }
@@ -448,7 +520,10 @@ impl<D: Device> Shared<D> {
         let mut left = Self::stitch_leftovers(vm);
         left.extend(vm.unreleased.drain(..).map(Leftover::Release));
         for r in std::mem::take(&mut vm.retiring) {
-            left.extend(r.pages.iter().map(|&(_, va, n)| Leftover::Unmap { va, bytes: n * page }));
+            for &(_, va, n, handle) in &r.pages {
+                left.push(Leftover::Unmap { va, bytes: n * page });
+                left.extend(handle.map(|(h, _)| Leftover::Release(h)));
+            }
             left.push(Leftover::Event(r.event));
         }
         for range in vm.ranges.values() {

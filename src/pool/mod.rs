@@ -106,6 +106,9 @@ pub struct Pool {
     oversize: Stat,
     /// Blocks are never split (a `no_split` private pool): a request takes a free block whole.
     no_split: bool,
+    /// Bytes per quadrant ([`Pool::quadrant`]) carved out of their segments but still held on
+    /// the device, counted in `reserved_bytes` until they go ([`Pool::hold`]).
+    held: [u64; 4],
 }
 
 impl Pool {
@@ -971,6 +974,14 @@ impl Pool {
                     "segment {sid}: busy count {} but {busy} busy blocks",
                     seg.busy_blocks
                 ));
+            }
+        }
+        {
+            use crate::types::{PoolKind, Residency};
+            for kind in [PoolKind::Small, PoolKind::Large] {
+                for res in [Residency::Persistent, Residency::Transient] {
+                    expect.reserved_bytes.increase(kind, res, self.held[Self::quadrant(kind, res)]);
+                }
             }
         }
         let mut segments = vec![0u32; self.free.len()];

@@ -31,6 +31,24 @@ impl Pool {
         out
     }
 
+    /// Bytes carved out of `key`'s segments ([`Pool::carve`]) that the device still holds
+    /// (pages waiting to be unmapped once their stream's work completes): `reserved_bytes`
+    /// keeps counting them until [`Pool::unhold`].
+    pub fn hold(&mut self, key: PoolKey, bytes: u64) {
+        let q = Self::quadrant(key.kind, key.residency);
+        self.held[q] += bytes;
+        self.stats.reserved_bytes.increase(key.kind, key.residency, bytes);
+        self.changed |= 1 << q;
+    }
+
+    /// Held bytes of `key` ([`Pool::hold`]) gone from the device.
+    pub fn unhold(&mut self, key: PoolKey, bytes: u64) {
+        let q = Self::quadrant(key.kind, key.residency);
+        self.held[q] = self.held[q].checked_sub(bytes).expect("unhold of bytes not held");
+        self.stats.reserved_bytes.decrease(key.kind, key.residency, bytes);
+        self.changed |= 1 << q;
+    }
+
     /// A free block leaves the index (and the inactive-split figures, if it is split).
     fn unlist(&mut self, id: BlockId, key: PoolKey) {
         let b = &self.blocks[id.0];
