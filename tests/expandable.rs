@@ -343,9 +343,17 @@ fn a_trim_under_unfinished_work_retires_its_pages_without_a_host_wait() {
     assert_eq!(mapped_pages(&dev, base()), vec![0, 1, 2, 3]);
     assert_eq!(alloc.stats().blocks.reserved_bytes.all.current, 4 * P);
     alloc.check_invariants().unwrap();
-    // The test's own sync lets the kernel finish; the next trim releases both.
+    // The test's own sync lets the kernel finish. Under a threshold every section under the
+    // global lock ends with a trim, whose poll releases the retired pages (no wait: their
+    // event completed): here `synchronize`'s.
     dev.synchronize().unwrap();
     opener.join().unwrap();
+    alloc.synchronize().unwrap();
+    let st = alloc.stats();
+    assert_eq!(mapped_pages(&dev, base()), vec![2, 3]);
+    assert_eq!((st.num_host_syncs, st.num_device_unmap, st.num_physical_release), (0, 1, 1));
+    assert_eq!(st.blocks.reserved_bytes.all.current, 2 * P);
+    alloc.check_invariants().unwrap();
     drop(b);
     let st = alloc.stats();
     assert_eq!(mapped_pages(&dev, base()), Vec::<u64>::new());
