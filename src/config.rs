@@ -72,7 +72,8 @@ pub struct Config {
     pub fast_cache: bool,
     /// Blocks a stream may cache per size class (`fast_cache_entries`).
     pub fast_cache_entries: usize,
-    /// Bytes a stream may cache in all (`fast_cache_bytes_mb`).
+    /// Bytes of small blocks each of a stream's cache lanes may hold, and the most a large
+    /// block it holds may have besides (`fast_cache_bytes_mb`).
     pub fast_cache_bytes: u64,
     /// Route every operation through one mutex, with no fast cache and statistics read under
     /// it (`global_lock:true`): PyTorch's design, kept as a comparison point.
@@ -339,7 +340,10 @@ pub const KEYS: &[(&str, &str)] = &[
         "per-stream caches that skip the global lock on a same-size reuse: true or false",
     ),
     ("fast_cache_entries", "blocks a stream caches per size class, 1..=65536"),
-    ("fast_cache_bytes_mb", "MiB a stream caches in all, 1..=1048576"),
+    (
+        "fast_cache_bytes_mb",
+        "MiB of small blocks a stream cache lane holds (and of its one large block), 1..=1048576",
+    ),
     ("global_lock", "route everything through one mutex (no fast cache): true or false"),
     (
         "biased_lanes",
@@ -971,7 +975,8 @@ impl Config {
         self
     }
 
-    /// Bytes a stream may cache in all (`fast_cache_bytes_mb`, in bytes here).
+    /// Bytes of small blocks a stream cache lane may hold, and the most a large block it
+    /// holds may have besides (`fast_cache_bytes_mb`, in bytes here).
     pub fn with_fast_cache_bytes(mut self, bytes: u64) -> Config {
         self.fast_cache_bytes = bytes;
         self

@@ -29,7 +29,10 @@
 //! global-lock section's epoch); until another section begins, the pool cannot change, so a hit
 //! ([`StreamCache::pop_large`]) hands the same block out again for the same request with no
 //! global lock. So the cache skips the split, the coalesce and (mostly) the lock of a
-//! same-stream reuse, but never changes where a large block is placed.
+//! same-stream reuse, but never changes where a large block is placed. A lane's byte bound
+//! (`fast_cache_bytes_mb`) holds for its small blocks and for its large block apart (`room`
+//! grows by the large block's bytes while it waits): counted together, lane 0 took fewer small
+//! blocks than lane 1, and a thread's placement depended on the lane it drew.
 //!
 //! *Credit* keeps peaks exact without a shared counter (see `counters.rs`): a fast free lowers
 //! the live total by the block and grants its stream that much headroom under the peak; a fast pop
@@ -67,7 +70,7 @@ pub struct Limits {
     pub enabled: bool,
     /// Blocks per class.
     pub entries: usize,
-    /// Bytes per stream.
+    /// Bytes of small blocks per lane; a lane's large block may have as many besides.
     pub bytes: u64,
     /// The lane's lock may be biased towards its owner thread (`biased_lanes`, `lane_lock.rs`).
     pub biased: bool,
@@ -119,7 +122,12 @@ pub struct CacheInner {
     /// another stream is refused here, under this lock.
     stream: StreamId,
     classes: ClassTable,
-    /// Large-pool blocks among `blocks`: 0 or 1 (see [`StreamCache::push`]).
+    /// The bytes of the large-pool block among `blocks` (a lane holds one at most, see
+    /// [`StreamCache::push`]), 0 without one. `room` includes them while it is open: the byte
+    /// bound holds for the small blocks and for the large block apart, so that what a lane
+    /// takes does not depend on whether it is its stream's first lane (where the large block
+    /// waits); a thread's placement would otherwise depend on the lane it drew
+    /// (`lane_table.rs`: t5_train's peak came out 2 MiB apart).
     large: u64,
     /// The class of the large-pool block, while `large` is 1: [`StreamCache::drain_large`]
     /// takes it out with one lookup instead of a scan of the class table.
@@ -432,11 +440,15 @@ impl StreamCache {
         let mut g = self.lock_claiming();
         let inner = &mut *g;
         let large = !is_small(b.quadrant);
+        // The bytes `room` bounds: the small blocks' (with the large block's, which `room`
+        // includes) for a small block, none but its own for the large one (see `large`).
+        // BROKEN (`lane_room_shared`): the large block counts against the small blocks' bound.
+        let used = match large && !cfg!(tidepool_broken = "lane_room_shared") {
+            true => 0,
+            false => inner.words[CACHED_BYTES],
+        };
         // Disabled, closed or full: one compare (`room` is 0 in the first two cases).
-        if inner.words[CACHED_BYTES] + b.size > inner.room
-            || large && inner.large > 0
-            || !inner.serves(stream)
-        {
+        if used + b.size > inner.room || large && inner.large > 0 || !inner.serves(stream) {
             return Err(b);
         }
         if !inner.push_to_class(class, b) {
@@ -445,6 +457,10 @@ impl StreamCache {
         if large {
             inner.large_class = class;
             self.set_large(inner, Some(class));
+            inner.large = b.size;
+            if !cfg!(tidepool_broken = "lane_room_shared") {
+                inner.room += b.size; // (open: the push passed)
+            }
         }
         self.grant(inner, &b);
         self.fast.open();
@@ -478,7 +494,8 @@ impl StreamCache {
         let inner = &mut *g;
         let cached = inner.words[CACHED_BYTES];
         // Disabled, closed or full: one compare (`room` is 0 in the first two cases, and with
-        // no entries allowed); and a block of a stream the lane no longer serves.
+        // no entries allowed; it includes a large block's bytes, as `cached` does); and a block
+        // of a stream the lane no longer serves.
         if cached + b.size > inner.room || !inner.serves(stream) {
             return false;
         }
@@ -935,6 +952,11 @@ impl StreamCache {
     /// Records the large block the lane holds now (`None`: none), under its lock: `inner.large`
     /// and the hint `CacheCells::large` (its class's key).
     fn set_large(&self, inner: &mut CacheInner, class: Option<ClassKey>) {
+        // The bytes are set by the push that caches one (here 1 meanwhile); the room they
+        // added goes with them.
+        if class.is_none() && !cfg!(tidepool_broken = "lane_room_shared") {
+            inner.room = inner.room.saturating_sub(inner.large);
+        }
         inner.large = u64::from(class.is_some());
         self.large.store(class.map_or(0, large_key), Ordering::Relaxed);
     }
@@ -955,7 +977,10 @@ impl StreamCache {
             list.retain(|b| {
                 let gone = which.contains(b);
                 if gone {
-                    inner.large -= u64::from(!is_small(b.quadrant));
+                    if !is_small(b.quadrant) {
+                        inner.room = inner.room.saturating_sub(inner.large);
+                        inner.large = 0;
+                    }
                     inner.words[CACHED_BYTES] -= b.size;
                 }
                 !gone
@@ -985,7 +1010,12 @@ impl StreamCache {
         self.inner.set_biasing(limits.biased);
         let mut g = self.lock_inner();
         g.limits = limits;
-        g.room = Self::room_of(limits, g.closed || g.stash_closed);
+        g.room = match Self::room_of(limits, g.closed || g.stash_closed) {
+            0 => 0,
+            // (The bound holds for the small blocks: a cached large block's bytes on top.)
+            room if cfg!(tidepool_broken = "lane_room_shared") => room,
+            room => room + g.large,
+        };
         g.sizing = sizing;
         g.small_max = Self::small_max_of(limits, &sizing);
         g.round_mask = Self::round_mask_of(&sizing);

@@ -217,7 +217,11 @@ fn pytorch_policy_is_pytorchs_placement() {
             (1528823808, 1307578880, 64),
             Some((1530920960, 1307578880, 65)),
         ),
-        ("traces/t5_train.csv.gz", (1688207360, 1653326848, 217), None),
+        (
+            "traces/t5_train.csv.gz",
+            (1688207360, 1653326848, 217),
+            Some((1690304512, 1653326848, 218)),
+        ),
         ("traces/vit_train.csv.gz", (1935671296, 1740951552, 95), None),
         (
             "snapshots/cs336_wedsonlin_medium128_training.pickle",
