@@ -8,7 +8,8 @@ has it, else `free_requested`). One stream (0) and tag `act`; annotations are le
 peaks under `expandable_model.py '{}'` are the replayer's `caching` + `expandable_segments:true`
 (cs336 7069499392, ftcourse 5901385728 bytes).
 
-  scripts/snapshot_to_csv.py SNAPSHOT.pickle OUT.csv.gz [DEVICE]
+  scripts/snapshot_to_csv.py SNAPSHOT.pickle OUT.csv.gz [DEVICE]   (default: the first device
+                                                                  with a trace, else 0)
 
 The snapshot is a plain pickle of dicts and lists: only load one you trust (pickle runs code).
 """
@@ -53,8 +54,10 @@ def main():
         sys.exit(__doc__)
     with open(sys.argv[1], 'rb') as f:
         snapshot = pickle.load(f)
+    # The first device with a trace; device 0 where none has one (a snapshot taken without
+    # recording history: only its segments' live blocks).
     device = int(sys.argv[3]) if len(sys.argv) > 3 else next(
-        i for i, t in enumerate(snapshot['device_traces']) if t)
+        (i for i, t in enumerate(snapshot['device_traces']) if t), 0)
     rows = convert(snapshot, device)
     with gzip.open(sys.argv[2], 'wt') as f:
         f.write('seq,op,id,bytes,stream,tag\n')
