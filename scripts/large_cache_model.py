@@ -87,12 +87,7 @@ class CacheModel(pm.Model):
             self._uncache(stream, block)
             self.hits += 1
             # Allocated again as it was: the block's bytes were never counted free.
-            block.allocated = True
-            block.requested = orig_size
-            self.allocated += block.size
-            self.peak_allocated = max(self.peak_allocated, self.allocated)
-            self.requested += orig_size
-            self.peak_requested = max(self.peak_requested, self.requested)
+            self._hand_out(block, orig_size)
             return block
         if self.flush == 'grow':
             # Flush only where the pool has no block for the request (it would grow).

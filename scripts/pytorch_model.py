@@ -125,13 +125,17 @@ class Model:
             block.next = rest
             block.size = size
             self._insert(rest)
+        self._hand_out(block, orig_size)
+        return block
+
+    def _hand_out(self, block, orig_size):
+        """Counts `block` allocated for a request of `orig_size` bytes."""
         block.allocated = True
         block.requested = orig_size
         self.allocated += block.size
         self.peak_allocated = max(self.peak_allocated, self.allocated)
         self.requested += orig_size
         self.peak_requested = max(self.peak_requested, self.requested)
-        return block
 
     def free(self, block):
         assert block.allocated
