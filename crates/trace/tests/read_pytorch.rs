@@ -1127,3 +1127,139 @@ fn a_huge_time_us_is_named_out_of_range() {
         ))
     );
 }
+
+/// Hand-written pickle pieces for the sharing tests below (serde-pickle writes no memo).
+struct Pickler(Vec<u8>);
+
+impl Pickler {
+    fn new() -> Self {
+        Pickler(b"\x80\x04".to_vec())
+    }
+
+    fn text(&mut self, t: &str) -> &mut Self {
+        self.0.extend([0x8c, u8::try_from(t.len()).unwrap()]);
+        self.0.extend(t.as_bytes());
+        self
+    }
+
+    fn int(&mut self, v: u32) -> &mut Self {
+        self.0.push(b'J');
+        self.0.extend(i32::try_from(v).unwrap().to_le_bytes());
+        self
+    }
+
+    fn ops(&mut self, ops: &[u8]) -> &mut Self {
+        self.0.extend(ops);
+        self
+    }
+
+    /// A dict of string keys (`EMPTY_DICT MARK … SETITEMS`); `value` writes each value.
+    fn dict(&mut self, keys: &[&str], mut value: impl FnMut(&mut Self, &str)) -> &mut Self {
+        self.ops(b"}(");
+        for k in keys {
+            self.text(k);
+            value(self, k);
+        }
+        self.ops(b"u")
+    }
+}
+
+/// `copies` devices whose `device_traces` lists are one list of `pairs` allocs and frees of 512
+/// bytes, written once (memo id 0) and referenced again by the others, as a pickler writes an
+/// object it meets twice.
+fn shared_entries_snapshot(copies: u32, pairs: u32) -> Vec<u8> {
+    let mut p = Pickler::new();
+    p.ops(b"}(").text("device_traces").ops(b"](").ops(b"]r\x00\x00\x00\x00(");
+    for i in 0..2 * pairs {
+        let action = if i % 2 == 0 { "alloc" } else { "free_completed" };
+        p.dict(&["action", "addr", "size"], |p, k| {
+            match k {
+                "action" => p.text(action),
+                "addr" => p.int(0x1000),
+                _ => p.int(512),
+            };
+        });
+    }
+    p.ops(b"e");
+    for _ in 1..copies {
+        p.ops(b"j\x00\x00\x00\x00");
+    }
+    p.ops(b"eu.");
+    p.0
+}
+
+/// `copies` segments of device 0 at one address whose `blocks` are one list of `blocks`
+/// allocated blocks of 512 bytes, written once (memo id 0) and referenced by the others.
+fn shared_blocks_snapshot(copies: u32, blocks: u32) -> Vec<u8> {
+    let mut p = Pickler::new();
+    p.ops(b"}(").text("device_traces").ops(b"]").text("segments").ops(b"](");
+    for s in 0..copies {
+        p.dict(&["device", "address", "total_size", "blocks"], |p, k| {
+            match k {
+                "device" => p.ops(b"K\x00"),
+                "address" => p.int(0x10_0000),
+                "total_size" => p.int(blocks * 512),
+                _ if s > 0 => p.ops(b"j\x00\x00\x00\x00"),
+                _ => {
+                    p.ops(b"]r\x00\x00\x00\x00(");
+                    for b in 0..blocks {
+                        p.dict(&["address", "size", "requested_size", "state"], |p, k| {
+                            match k {
+                                "address" => p.int(0x10_0000 + b * 512),
+                                "state" => p.text("active_allocated"),
+                                _ => p.int(512),
+                            };
+                        });
+                    }
+                    p.ops(b"e")
+                }
+            };
+        });
+    }
+    p.ops(b"eu.");
+    p.0
+}
+
+/// A pickle shares an object it meets twice, and the decoder keeps it shared (one value per
+/// input byte at most), but the reader read a shared `device_traces` list once per device and a
+/// shared `blocks` list once per segment: 5 000 devices over one list of 10 000 entries (a
+/// 30 KB pickle) became 5 000 traces of 10 000 events (2.7 GB, 31 s of `tidepool replay`), and
+/// 8 000 segments over one list of 8 000 blocks (32 KB) asked for a 1 GB vector and aborted.
+/// PyTorch writes a list of its own per device and per segment: a list met twice is refused
+/// (found by review of the reader for hostile input).
+#[test]
+fn lists_shared_between_devices_or_segments_are_refused() {
+    // Written once: reads.
+    let one = read_traces_bytes(&shared_entries_snapshot(1, 3), &ReadOptions::default()).unwrap();
+    assert_eq!(one.len(), 1);
+    assert_eq!(one[0].events.len(), 6);
+    assert_eq!(one[0].peak_live_bytes(), 512);
+    let segs = read_traces_bytes(&shared_blocks_snapshot(1, 3), &ReadOptions::default()).unwrap();
+    assert_eq!(segs[0].events.len(), 3);
+    assert_eq!(segs[0].peak_live_bytes(), 3 * 512);
+
+    let entries = shared_entries_snapshot(1000, 1000);
+    assert!(entries.len() < 128 << 10, "{}", entries.len());
+    for data in [shared_entries_snapshot(2, 3), entries] {
+        assert_eq!(
+            read_traces_bytes(&data, &ReadOptions::default()).unwrap_err(),
+            TraceError::input(ErrorKind::BadStructure(
+                "device_traces[1] is the list of device_traces[0] again (the pickle shares \
+                 it): PyTorch writes a list per device"
+                    .into()
+            ))
+        );
+    }
+    let blocks = shared_blocks_snapshot(1000, 1000);
+    assert!(blocks.len() < 128 << 10, "{}", blocks.len());
+    for data in [shared_blocks_snapshot(2, 3), blocks] {
+        assert_eq!(
+            read_traces_bytes(&data, &ReadOptions::default()).unwrap_err(),
+            TraceError::input(ErrorKind::BadStructure(
+                "segments[1]: `blocks` is the list of segments[0] again (the pickle shares \
+                 it): PyTorch writes a list per segment"
+                    .into()
+            ))
+        );
+    }
+}

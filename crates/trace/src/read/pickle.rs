@@ -244,6 +244,14 @@ impl<'a> Seq<'a> {
         let pickle = self.pickle;
         self.items.iter().map(move |&v| pickle.obj(v))
     }
+
+    /// The container's identity: the same through every reference the pickle makes to it
+    /// (memo, `DUP`), different for another non-empty container of the same pickle (each holds
+    /// its own items). Empty containers may share one; a reader that refuses a list read
+    /// twice skips them.
+    pub(crate) fn identity(&self) -> usize {
+        self.items.as_ptr().addr()
+    }
 }
 
 impl<'a> Dict<'a> {

@@ -64,7 +64,9 @@
 //! traceback, its frame list and dicts, between the entries that recorded it) instead of
 //! copying it, holds at most one value per input byte, and refuses nesting deeper than 128
 //! levels and anything but plain data. Frames are not read. Nothing is pre-allocated from a
-//! number found in the input.
+//! number found in the input, and nothing shared is read once per reference: a `device_traces`
+//! list met for a second device, or a `blocks` list for a second segment, is refused (PyTorch
+//! writes a list of its own for each; read again, n bytes of pickle would make n² events).
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::io::Read;
@@ -207,6 +209,8 @@ fn parse_segments(v: Option<Obj<'_>>) -> Result<BTreeMap<u32, Vec<Segment>>, Tra
         Some(Obj::List(l)) => l,
         Some(_) => return Err(bad("`segments` is not a list".into())),
     };
+    // Each segment's `blocks` list by identity: a list the pickle shares is read once.
+    let mut seen = HashMap::new();
     for (i, seg) in list.iter().enumerate() {
         let what = |m: String| bad(format!("segments[{i}]: {m}"));
         if !matches!(seg, Obj::Dict(_)) {
@@ -222,6 +226,12 @@ fn parse_segments(v: Option<Obj<'_>>) -> Result<BTreeMap<u32, Vec<Segment>>, Tra
             Some(_) => return Err(what("`blocks` is not a list".into())),
             None => return Err(what("missing key `blocks`".into())),
         };
+        if let Some(first) = first_reference(&mut seen, blocks, i) {
+            return Err(what(format!(
+                "`blocks` is the list of segments[{first}] again (the pickle shares it): \
+                 PyTorch writes a list per segment"
+            )));
+        }
         let mut at = address;
         let mut kept = Vec::new();
         for (j, b) in blocks.iter().enumerate() {
@@ -284,6 +294,27 @@ fn parse_segments(v: Option<Obj<'_>>) -> Result<BTreeMap<u32, Vec<Segment>>, Tra
         }
     }
     Ok(out)
+}
+
+/// Where a shared list was met first: `None` the first time `list` (by identity) is met, as
+/// item `index` of its parent, else the index it was met at. A pickle shares an object its
+/// pickler met twice and the decoder keeps it shared, so a list of entries or blocks written
+/// once may be referenced by every device or segment; PyTorch writes a list of its own for each,
+/// and reading a shared one again for each reference would turn an input of n bytes into n²
+/// events or blocks (5 000 devices over one list of 10 000 entries are a 30 KB pickle). Empty
+/// lists cost nothing to read again and are not tracked.
+fn first_reference(seen: &mut HashMap<usize, usize>, list: Seq<'_>, index: usize) -> Option<usize> {
+    // BROKEN (`shared_lists_reread`): every reference read in full.
+    if list.is_empty() || cfg!(tidepool_broken = "shared_lists_reread") {
+        return None;
+    }
+    match seen.entry(list.identity()) {
+        std::collections::hash_map::Entry::Occupied(first) => Some(*first.get()),
+        std::collections::hash_map::Entry::Vacant(slot) => {
+            slot.insert(index);
+            None
+        }
+    }
 }
 
 /// The requested bytes of a block with no `requested_size` (PyTorch 1.13): its `history`'s first
@@ -462,6 +493,17 @@ pub fn from_value(value: Obj<'_>, name: &str) -> Result<Vec<Trace>, TraceError> 
     let segments = parse_segments(key(value, "segments"))?;
     let settings = parse_settings(key(value, "allocator_settings"))?;
     let annotations = parse_annotations(key(value, "external_annotations"))?;
+    let mut seen = HashMap::new();
+    for (i, d) in devices.iter().enumerate() {
+        if let Obj::List(entries) = d
+            && let Some(first) = first_reference(&mut seen, entries, i)
+        {
+            return Err(bad(format!(
+                "device_traces[{i}] is the list of device_traces[{first}] again (the pickle \
+                 shares it): PyTorch writes a list per device"
+            )));
+        }
+    }
     let mut indices: BTreeSet<u32> = segments.keys().copied().collect();
     for i in 0..devices.len() {
         indices.insert(u32::try_from(i).map_err(|_| bad("more than 2^32 devices".into()))?);
