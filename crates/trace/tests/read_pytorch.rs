@@ -1263,3 +1263,111 @@ fn lists_shared_between_devices_or_segments_are_refused() {
         );
     }
 }
+
+/// A dict of `action: oom` and then `keys` items `"x": "x"` (one `DUP` byte each), as the
+/// entries of one device, `entries` times (one `DUP` each): a wide record the pickle shares.
+fn wide_entries_snapshot(keys: u32, entries: u32) -> Vec<u8> {
+    let mut p = Pickler::new();
+    p.ops(b"}(").text("device_traces").ops(b"](").ops(b"](").ops(b"}(");
+    p.text("action").text("oom").text("x");
+    p.0.extend(std::iter::repeat_n(b'2', 2 * keys as usize - 1));
+    p.ops(b"u");
+    p.0.extend(std::iter::repeat_n(b'2', entries as usize - 1));
+    p.ops(b"eeu.");
+    p.0
+}
+
+/// A snapshot's record (entry, segment, block, annotation) is a dict whose keys are looked up
+/// one by one, by a scan of its items; a wide dict shared by every entry made reading quadratic
+/// in the input: 16 001 items shared by 32 000 entries (a 64 KB pickle) took 1.3 s, 256 KB 19 s,
+/// and a 1 GiB input (the cap) would take years. PyTorch's records have about a dozen keys:
+/// more than 256 items are refused (found by review of the reader for hostile input).
+#[test]
+fn records_wider_than_256_items_are_refused() {
+    let wide = |items: usize| {
+        ErrorKind::BadStructure(format!(
+            "a dict of {items} items; this reader takes at most 256 (PyTorch writes about a dozen)"
+        ))
+    };
+    // 255 items of junk beside `action`: read, the entries counted as `oom` markers.
+    let t = read_trace_bytes(&wide_entries_snapshot(255, 3)).unwrap();
+    assert_eq!(t.events.len(), 0);
+    assert_eq!(t.skipped, counts(&[("oom", 3)]));
+    let data = wide_entries_snapshot(16_000, 32_000);
+    assert!(data.len() < 64 << 10, "{}", data.len());
+    for (data, items) in [(wide_entries_snapshot(256, 3), 257), (data, 16_001)] {
+        assert_eq!(read_trace_bytes(&data).unwrap_err(), at(0, 0, wide(items)));
+    }
+
+    // Segments, blocks and annotations alike (serde-pickle writes the wide dicts in full).
+    let junk = |mut v: Value, n: usize| {
+        if let Value::Dict(m) = &mut v {
+            m.extend((0..n).map(|i| (HashableValue::String(format!("k{i}")), Value::I64(0))));
+        }
+        v
+    };
+    let seg = |blocks| segment(0, 0x10_0000, 2 << 20, blocks);
+    let blk = block(512, 512, "active_allocated");
+    // PyTorch 1.13: no `requested_size`, the first `history` record's `real_size`.
+    let legacy = dict(vec![
+        ("size", Value::I64(512)),
+        ("state", s("active_allocated")),
+        ("history", Value::List(vec![junk(dict(vec![("real_size", Value::I64(500))]), 256)])),
+    ]);
+    let ann = dict(vec![
+        ("stage", s("START")),
+        ("name", s("x")),
+        ("device", Value::I64(0)),
+        ("time_us", Value::I64(0)),
+    ]);
+    let cases = [
+        (junk(seg(vec![blk.clone()]), 252), "segments[0]: ", 257),
+        (seg(vec![junk(blk.clone(), 254)]), "segments[0].blocks[0]: ", 257),
+        (seg(vec![legacy]), "segments[0].blocks[0]: history[0]: ", 257),
+        (junk(ann, 253), "external_annotations[0]: ", 257),
+    ];
+    for (i, (v, place, items)) in cases.into_iter().enumerate() {
+        let key = if i == 3 { "external_annotations" } else { "segments" };
+        let data = pickle(&dict(vec![
+            ("device_traces", Value::List(vec![Value::List(vec![entry("alloc", 1, 1)])])),
+            (key, Value::List(vec![v])),
+        ]));
+        let ErrorKind::BadStructure(m) = wide(items) else { unreachable!() };
+        assert_eq!(
+            read_trace_bytes(&data).unwrap_err(),
+            TraceError::input(ErrorKind::BadStructure(format!("{place}{m}")))
+        );
+    }
+    // The settings and their roundup dict: 256 items read, 257 refused.
+    let settings = |n: usize, roundup: usize| {
+        let roundup = Value::Dict(
+            (0..roundup).map(|i| (HashableValue::I64(i as i64 + 1), Value::I64(4))).collect(),
+        );
+        let mut m = BTreeMap::new();
+        m.insert(HashableValue::String("roundup_power2_divisions".into()), roundup);
+        m.extend((1..n).map(|i| (HashableValue::String(format!("k{i}")), s("v"))));
+        read_trace_bytes(&pickle(&dict(vec![
+            ("device_traces", Value::List(vec![Value::List(vec![entry("alloc", 1, 1)])])),
+            ("allocator_settings", Value::Dict(m)),
+        ])))
+    };
+    let t = settings(256, 256).unwrap();
+    assert_eq!(t.snapshot.unwrap().settings.unwrap().entries.len(), 256);
+    let ErrorKind::BadStructure(m) = wide(257) else { unreachable!() };
+    assert_eq!(
+        settings(257, 1).unwrap_err(),
+        TraceError::input(ErrorKind::BadStructure(format!("allocator_settings: {m}")))
+    );
+    assert_eq!(
+        settings(1, 257).unwrap_err(),
+        TraceError::input(ErrorKind::BadStructure(format!(
+            "allocator_settings.roundup_power2_divisions: {m}"
+        )))
+    );
+    // A list of wide dicts is no list of segments (`torch.cuda.memory_snapshot()`), whatever
+    // their keys: they are not looked into.
+    let e = read_trace_bytes(&pickle(&Value::List(vec![junk(seg(vec![]), 252)]))).unwrap_err();
+    assert!(e.to_string().contains("the pickle is a list of 1 item, not a dict"), "{e}");
+    let e = read_trace_bytes(&pickle(&Value::List(vec![junk(seg(vec![]), 251)]))).unwrap_err();
+    assert!(e.to_string().contains("the pickle is a list of 1 segment, as"), "{e}");
+}

@@ -108,6 +108,33 @@ pub(super) fn read_capped<R: Read>(
     from_value(decoded.root(), name)
 }
 
+/// Most items a record of the snapshot may have: a trace entry, segment, block, annotation, a
+/// block's first `history` record, `allocator_settings` and its `roundup_power2_divisions`.
+/// PyTorch's have about a dozen keys. A record's keys are looked up one by one, each by a scan
+/// of its items, so a wide dict that the pickle shares between many records (its items written
+/// once, one `DUP` byte per reference) made reading quadratic in the input: 16 001 items shared
+/// by 32 000 entries (64 KB) took 1.3 s, 256 KB 19 s. The settings' values are each formatted
+/// and their keys sorted, so 20 000 keys naming one shared 200 KB string (400 KB) took 2.5 s.
+const MAX_RECORD_KEYS: usize = 256;
+
+/// Checks that `v` is a record: a dict of at most [`MAX_RECORD_KEYS`] items.
+fn record(v: Obj<'_>, what: &dyn Fn(String) -> TraceError) -> Result<(), TraceError> {
+    match v {
+        // BROKEN (`wide_records_scanned`): any dict taken, its keys scanned per lookup.
+        Obj::Dict(d)
+            if d.len() <= MAX_RECORD_KEYS || cfg!(tidepool_broken = "wide_records_scanned") =>
+        {
+            Ok(())
+        }
+        Obj::Dict(d) => Err(what(format!(
+            "a dict of {} items; this reader takes at most {MAX_RECORD_KEYS} (PyTorch writes \
+             about a dozen)",
+            d.len()
+        ))),
+        _ => Err(what("not a dict".into())),
+    }
+}
+
 fn bad(kind: String) -> TraceError {
     TraceError::input(ErrorKind::BadStructure(kind))
 }
@@ -162,7 +189,9 @@ fn stream_field(dict: Obj<'_>, what: &dyn Fn(String) -> TraceError) -> Result<u6
 
 /// Why a list is not a snapshot, and what to record instead.
 fn list_message(items: Seq<'_>) -> String {
-    let segment_like = |v: Obj<'_>| key(v, "total_size").is_some() || key(v, "blocks").is_some();
+    let segment_like = |v: Obj<'_>| {
+        record(v, &bad).is_ok() && (key(v, "total_size").is_some() || key(v, "blocks").is_some())
+    };
     if !items.is_empty() && items.iter().all(segment_like) {
         format!(
             "the pickle is a list of {}, as torch.cuda.memory_snapshot() returns: the caching \
@@ -213,9 +242,7 @@ fn parse_segments(v: Option<Obj<'_>>) -> Result<BTreeMap<u32, Vec<Segment>>, Tra
     let mut seen = HashMap::new();
     for (i, seg) in list.iter().enumerate() {
         let what = |m: String| bad(format!("segments[{i}]: {m}"));
-        if !matches!(seg, Obj::Dict(_)) {
-            return Err(what("not a dict".into()));
-        }
+        record(seg, &what)?;
         let device = u32::try_from(field(seg, "device", &what)?)
             .map_err(|_| what("`device` is not below 2^32".into()))?;
         let address = field(seg, "address", &what)?;
@@ -236,9 +263,7 @@ fn parse_segments(v: Option<Obj<'_>>) -> Result<BTreeMap<u32, Vec<Segment>>, Tra
         let mut kept = Vec::new();
         for (j, b) in blocks.iter().enumerate() {
             let what = |m: String| bad(format!("segments[{i}].blocks[{j}]: {m}"));
-            if !matches!(b, Obj::Dict(_)) {
-                return Err(what("not a dict".into()));
-            }
+            record(b, &what)?;
             let size = field(b, "size", &what)?;
             // Older snapshots have no block `address`: blocks follow each other from the
             // segment's address.
@@ -331,8 +356,13 @@ fn legacy_requested(
     }
     match key(b, "history") {
         Some(Obj::List(h)) if !h.is_empty() => match h.get(0) {
-            Some(first @ Obj::Dict(_)) if key(first, "real_size").is_some() => {
-                field(first, "real_size", &|m| what(format!("history[0]: {m}")))
+            Some(first @ Obj::Dict(_)) => {
+                let what = |m| what(format!("history[0]: {m}"));
+                record(first, &what)?;
+                match key(first, "real_size") {
+                    Some(_) => field(first, "real_size", &what),
+                    None => Ok(size),
+                }
             }
             _ => Ok(size),
         },
@@ -349,7 +379,10 @@ fn cut(text: &str, max: usize) -> String {
 fn parse_settings(v: Option<Obj<'_>>) -> Result<Option<AllocatorSettings>, TraceError> {
     let map = match v {
         None | Some(Obj::None) => return Ok(None),
-        Some(Obj::Dict(m)) => m,
+        Some(v @ Obj::Dict(m)) => {
+            record(v, &|e| bad(format!("allocator_settings: {e}")))?;
+            m
+        }
         Some(_) => return Err(bad("`allocator_settings` is not a dict".into())),
     };
     // String keys in order, each once with its last value (as Python's dict holds them).
@@ -372,7 +405,8 @@ fn parse_settings(v: Option<Obj<'_>>) -> Result<Option<AllocatorSettings>, Trace
             ("PYTORCH_CUDA_ALLOC_CONF", Obj::Str(t)) => s.conf = t.to_string(),
             ("max_split_size", v) => s.max_split_size = as_i128(v),
             ("expandable_segments", Obj::Bool(b)) => s.expandable_segments = Some(b),
-            ("roundup_power2_divisions", Obj::Dict(d)) => {
+            ("roundup_power2_divisions", v @ Obj::Dict(d)) => {
+                record(v, &|e| bad(format!("allocator_settings.roundup_power2_divisions: {e}")))?;
                 // Keys `"1024"` or `1024`, each once with its last value.
                 let unique: BTreeMap<Result<i64, &str>, Obj<'_>> = d
                     .iter()
@@ -436,9 +470,7 @@ fn parse_annotations(v: Option<Obj<'_>>) -> Result<Vec<Annotation>, TraceError> 
     let mut out = Vec::new();
     for (i, a) in list.iter().enumerate() {
         let what = |m: String| bad(format!("external_annotations[{i}]: {m}"));
-        if !matches!(a, Obj::Dict(_)) {
-            return Err(what("not a dict".into()));
-        }
+        record(a, &what)?;
         let start = match key(a, "stage") {
             Some(Obj::Str("START")) => true,
             Some(Obj::Str("END")) => false,
@@ -612,8 +644,9 @@ struct Entry<'a> {
 fn parse_entry(device: usize, index: usize, entry: Obj<'_>) -> Result<Entry<'_>, TraceError> {
     let structure =
         |s: String| TraceError::new(Location::Entry { device, index }, ErrorKind::BadStructure(s));
-    if !matches!(entry, Obj::Dict(_)) {
-        return Err(structure("entry is not a dict".into()));
+    match entry {
+        Obj::Dict(_) => record(entry, &structure)?,
+        _ => return Err(structure("entry is not a dict".into())),
     }
     let name = match key(entry, "action") {
         Some(Obj::Str(s)) => s,
