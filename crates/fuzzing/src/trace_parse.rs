@@ -17,10 +17,10 @@
 //! are read with the default cap on decompressed bytes, so a gzip bomb ends at the cap.
 //!
 //! No reader may panic, nor make more than [`EVENTS_PER_BYTE`] events per byte of plain input
-//! (a list the pickle shares is read once, not once per reference). Memory is bounded by the
-//! readers' own limits (line length, pickle
-//! nesting, at most one decoded value per input byte); the fuzz script runs libFuzzer with `-rss_limit_mb` and
-//! `-malloc_limit_mb` so that a reader allocating what an input *claims* is caught.
+//! (a list the pickle shares is read once per reference, within that bound). Memory is bounded
+//! by the readers' own limits (line length, pickle nesting, at most one decoded value per input
+//! byte); the fuzz script runs libFuzzer with `-rss_limit_mb` and `-malloc_limit_mb` so that a
+//! reader allocating what an input *claims* is caught.
 
 use flate2::Compression;
 use flate2::write::GzEncoder;

@@ -244,14 +244,6 @@ impl<'a> Seq<'a> {
         let pickle = self.pickle;
         self.items.iter().map(move |&v| pickle.obj(v))
     }
-
-    /// The container's identity: the same through every reference the pickle makes to it
-    /// (memo, `DUP`), different for another non-empty container of the same pickle (each holds
-    /// its own items). Empty containers may share one; a reader that refuses a list read
-    /// twice skips them.
-    pub(crate) fn identity(&self) -> usize {
-        self.items.as_ptr().addr()
-    }
 }
 
 impl<'a> Dict<'a> {
@@ -277,6 +269,12 @@ impl<'a> Dict<'a> {
     pub fn iter(&self) -> impl Iterator<Item = (Obj<'a>, Obj<'a>)> + 'a {
         let pickle = self.pickle;
         self.items.chunks_exact(2).map(move |kv| (pickle.obj(kv[0]), pickle.obj(kv[1])))
+    }
+
+    /// Bytes of the pickle it was decoded from: a reader bounds by them what it reads of
+    /// objects the pickle shares.
+    pub(crate) fn input_bytes(&self) -> usize {
+        self.pickle.data.len()
     }
 }
 

@@ -64,9 +64,10 @@
 //! traceback, its frame list and dicts, between the entries that recorded it) instead of
 //! copying it, holds at most one value per input byte, and refuses nesting deeper than 128
 //! levels and anything but plain data. Frames are not read. Nothing is pre-allocated from a
-//! number found in the input, and nothing shared is read once per reference: a `device_traces`
-//! list met for a second device, or a `blocks` list for a second segment, is refused (PyTorch
-//! writes a list of its own for each; read again, n bytes of pickle would make n² events).
+//! number found in the input. A list the pickle shares between devices or segments is read
+//! once per reference, as Python sees it, but the entries and blocks read are at most one per
+//! byte of the pickle (`Budget`; a hostile pickle made n² events of n bytes), and a record of
+//! more than 256 items is refused (`MAX_RECORD_KEYS`; its keys are looked up by a scan).
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::io::Read;
@@ -231,15 +232,16 @@ struct Segment {
     blocks: Vec<Block>,
 }
 
-fn parse_segments(v: Option<Obj<'_>>) -> Result<BTreeMap<u32, Vec<Segment>>, TraceError> {
+fn parse_segments(
+    v: Option<Obj<'_>>,
+    budget: &mut Budget,
+) -> Result<BTreeMap<u32, Vec<Segment>>, TraceError> {
     let mut out: BTreeMap<u32, Vec<Segment>> = BTreeMap::new();
     let list = match v {
         None | Some(Obj::None) => return Ok(out),
         Some(Obj::List(l)) => l,
         Some(_) => return Err(bad("`segments` is not a list".into())),
     };
-    // Each segment's `blocks` list by identity: a list the pickle shares is read once.
-    let mut seen = HashMap::new();
     for (i, seg) in list.iter().enumerate() {
         let what = |m: String| bad(format!("segments[{i}]: {m}"));
         record(seg, &what)?;
@@ -253,12 +255,7 @@ fn parse_segments(v: Option<Obj<'_>>) -> Result<BTreeMap<u32, Vec<Segment>>, Tra
             Some(_) => return Err(what("`blocks` is not a list".into())),
             None => return Err(what("missing key `blocks`".into())),
         };
-        if let Some(first) = first_reference(&mut seen, blocks, i) {
-            return Err(what(format!(
-                "`blocks` is the list of segments[{first}] again (the pickle shares it): \
-                 PyTorch writes a list per segment"
-            )));
-        }
+        budget.take(blocks.len(), &what)?;
         let mut at = address;
         let mut kept = Vec::new();
         for (j, b) in blocks.iter().enumerate() {
@@ -321,24 +318,39 @@ fn parse_segments(v: Option<Obj<'_>>) -> Result<BTreeMap<u32, Vec<Segment>>, Tra
     Ok(out)
 }
 
-/// Where a shared list was met first: `None` the first time `list` (by identity) is met, as
-/// item `index` of its parent, else the index it was met at. A pickle shares an object its
-/// pickler met twice and the decoder keeps it shared, so a list of entries or blocks written
-/// once may be referenced by every device or segment; PyTorch writes a list of its own for each,
-/// and reading a shared one again for each reference would turn an input of n bytes into n²
-/// events or blocks (5 000 devices over one list of 10 000 entries are a 30 KB pickle). Empty
-/// lists cost nothing to read again and are not tracked.
-fn first_reference(seen: &mut HashMap<usize, usize>, list: Seq<'_>, index: usize) -> Option<usize> {
-    // BROKEN (`shared_lists_reread`): every reference read in full.
-    if list.is_empty() || cfg!(tidepool_broken = "shared_lists_reread") {
-        return None;
+/// The entries and blocks left to read: one per byte of the pickle. A pickle shares an object
+/// its pickler met twice, and the decoder keeps it shared (one value per input byte at most),
+/// so a list of entries or blocks written once may be referenced by every device or segment;
+/// each reference reads it again, as Python sees it (PyTorch writes a list of its own for each,
+/// so its snapshots take a few percent of this budget). Without a bound, n bytes of pickle
+/// made n² events: 5 000 devices over one list of 10 000 entries (30 KB) became 5 000 traces
+/// of 10 000 events (2.7 GB, 31 s of `tidepool replay`), and 8 000 segments over one list of
+/// 8 000 blocks (32 KB) asked for a 1 GB vector and aborted.
+struct Budget {
+    left: usize,
+    bytes: usize,
+}
+
+impl Budget {
+    fn new(bytes: usize) -> Self {
+        Budget { left: bytes, bytes }
     }
-    match seen.entry(list.identity()) {
-        std::collections::hash_map::Entry::Occupied(first) => Some(*first.get()),
-        std::collections::hash_map::Entry::Vacant(slot) => {
-            slot.insert(index);
-            None
+
+    /// Takes `n` records of a list about to be read; `what` places the error.
+    fn take(&mut self, n: usize, what: &dyn Fn(String) -> TraceError) -> Result<(), TraceError> {
+        // BROKEN (`shared_lists_reread`): every reference read in full, unbounded.
+        if cfg!(tidepool_broken = "shared_lists_reread") {
+            return Ok(());
         }
+        self.left = self.left.checked_sub(n).ok_or_else(|| {
+            what(format!(
+                "the pickle's lists of entries and blocks, each read once per reference to it, \
+                 hold more than one record per byte of its {} B (a list shared between devices \
+                 or segments: PyTorch writes one per device and per segment)",
+                self.bytes
+            ))
+        })?;
+        Ok(())
     }
 }
 
@@ -508,11 +520,11 @@ fn parse_annotations(v: Option<Obj<'_>>) -> Result<Vec<Annotation>, TraceError> 
 ///
 /// [`Pickle::root`]: super::pickle::Pickle::root
 pub fn from_value(value: Obj<'_>, name: &str) -> Result<Vec<Trace>, TraceError> {
-    match value {
-        Obj::Dict(_) => {}
+    let input_bytes = match value {
+        Obj::Dict(d) => d.input_bytes(),
         Obj::List(items) => return Err(bad(list_message(items))),
         _ => return Err(bad("the pickle is not a dict".into())),
-    }
+    };
     let devices = match key(value, "device_traces") {
         Some(Obj::List(d)) => d,
         Some(_) => return Err(bad("`device_traces` is not a list".into())),
@@ -522,20 +534,10 @@ pub fn from_value(value: Obj<'_>, name: &str) -> Result<Vec<Trace>, TraceError> 
             )));
         }
     };
-    let segments = parse_segments(key(value, "segments"))?;
+    let mut budget = Budget::new(input_bytes);
+    let segments = parse_segments(key(value, "segments"), &mut budget)?;
     let settings = parse_settings(key(value, "allocator_settings"))?;
     let annotations = parse_annotations(key(value, "external_annotations"))?;
-    let mut seen = HashMap::new();
-    for (i, d) in devices.iter().enumerate() {
-        if let Obj::List(entries) = d
-            && let Some(first) = first_reference(&mut seen, entries, i)
-        {
-            return Err(bad(format!(
-                "device_traces[{i}] is the list of device_traces[{first}] again (the pickle \
-                 shares it): PyTorch writes a list per device"
-            )));
-        }
-    }
     let mut indices: BTreeSet<u32> = segments.keys().copied().collect();
     for i in 0..devices.len() {
         indices.insert(u32::try_from(i).map_err(|_| bad("more than 2^32 devices".into()))?);
@@ -551,6 +553,8 @@ pub fn from_value(value: Obj<'_>, name: &str) -> Result<Vec<Trace>, TraceError> 
             Some(_) => return Err(bad(format!("device_traces[{d}] is not a list"))),
             None => None,
         };
+        let n = entries.map_or(0, |e| e.len());
+        budget.take(n, &|m| bad(format!("device_traces[{d}]: {m}")))?;
         let segs = segments.get(&d).map(Vec::as_slice).unwrap_or(&[]);
         if entries.is_none_or(|e| e.is_empty()) && segs.is_empty() {
             continue;
