@@ -71,6 +71,7 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::io::Read;
+use std::sync::Arc;
 
 use super::pickle::{self, Obj, Seq};
 
@@ -536,7 +537,7 @@ pub fn from_value(value: Obj<'_>, name: &str) -> Result<Vec<Trace>, TraceError> 
     };
     let mut budget = Budget::new(input_bytes);
     let segments = parse_segments(key(value, "segments"), &mut budget)?;
-    let settings = parse_settings(key(value, "allocator_settings"))?;
+    let settings = parse_settings(key(value, "allocator_settings"))?.map(Arc::new);
     let annotations = parse_annotations(key(value, "external_annotations"))?;
     let mut indices: BTreeSet<u32> = segments.keys().copied().collect();
     for i in 0..devices.len() {
@@ -812,7 +813,7 @@ fn clamp_u64(x: i128) -> u64 {
 /// PyTorch recorded them in under its allocator lock.
 fn device_trace(
     input: &DeviceInput<'_>,
-    settings: Option<&AllocatorSettings>,
+    settings: Option<&Arc<AllocatorSettings>>,
     name: &str,
 ) -> Result<Trace, TraceError> {
     match device_trace_in(input, settings, name, true) {
@@ -839,7 +840,7 @@ fn device_trace(
 
 fn device_trace_in(
     input: &DeviceInput<'_>,
-    settings: Option<&AllocatorSettings>,
+    settings: Option<&Arc<AllocatorSettings>>,
     name: &str,
     time_order: bool,
 ) -> Result<Trace, TraceError> {
@@ -855,7 +856,11 @@ fn device_trace_in(
         device: input.device,
         history: !entries.is_empty(),
         entries: entries.len() as u64,
-        settings: settings.cloned(),
+        // BROKEN (`settings_copied_per_device`): each device's trace had a copy of its own.
+        settings: match cfg!(tidepool_broken = "settings_copied_per_device") {
+            true => settings.map(|s| Arc::new(AllocatorSettings::clone(s))),
+            false => settings.cloned(),
+        },
         ..SnapshotInfo::default()
     };
     let timed = !entries.is_empty() && entries.iter().all(|e| e.time.is_some());
