@@ -16,9 +16,11 @@
 //! pickle is linear in its size (shared objects are not copied). Inputs
 //! are read with the default cap on decompressed bytes, so a gzip bomb ends at the cap.
 //!
-//! No reader may panic. Memory is bounded by the readers' own limits (line length, pickle
-//! nesting, at most one decoded value per input byte); the fuzz script runs libFuzzer with `-rss_limit_mb` and
-//! `-malloc_limit_mb` so that a reader allocating what an input *claims* is caught.
+//! No reader may panic, nor make more than [`EVENTS_PER_BYTE`] events per byte of plain input
+//! (a list the pickle shares is read once per reference, within that bound). Memory is bounded
+//! by the readers' own limits (line length, pickle nesting, at most one decoded value per input
+//! byte); the fuzz script runs libFuzzer with `-rss_limit_mb` and `-malloc_limit_mb` so that a
+//! reader allocating what an input *claims* is caught.
 
 use flate2::Compression;
 use flate2::write::GzEncoder;
@@ -40,16 +42,49 @@ pub fn trace_parse(data: &[u8]) {
     }
 }
 
+/// Most events a reader may make per byte of (uncompressed) input. A CSV row or a pickle's
+/// entry, annotation or segment block takes at least one byte, even one written once and
+/// referenced again by a one-byte `DUP`; a free the window never allocated is two events (its
+/// synthetic alloc before the window and the free). More means the reader read something the
+/// pickle shares once per reference: n bytes making n² events.
+pub const EVENTS_PER_BYTE: usize = 2;
+
 /// Checks every reader on `data`.
 pub fn check(data: &[u8]) -> Result<(), String> {
     let options = ReadOptions::default();
     let sniffed = read_traces_bytes(data, &options);
     outcomes("read_traces_bytes", &sniffed)?;
-    outcome("read_tidepool_csv", &read_tidepool_csv(data, "trace"))?;
-    outcome("read_rmm_log", &read_rmm_log(data, "trace"))?;
+    let csv = read_tidepool_csv(data, "trace");
+    outcome("read_tidepool_csv", &csv)?;
+    let rmm = read_rmm_log(data, "trace");
+    outcome("read_rmm_log", &rmm)?;
     let pickle = data.first() == Some(&0x80);
-    if !pickle {
-        outcomes("read_pytorch_snapshot", &read_pytorch_snapshot(data, "trace"))?;
+    let snapshot = (!pickle).then(|| read_pytorch_snapshot(data, "trace"));
+    if let Some(snapshot) = &snapshot {
+        outcomes("read_pytorch_snapshot", snapshot)?;
+    }
+    // A gzip's bytes bound nothing (a compressed input may decompress to the cap): its plain
+    // bytes are checked when the fuzzer tries them.
+    if !data.starts_with(&[0x1f, 0x8b]) {
+        let all = |r: &Result<Vec<Trace>, TraceError>| {
+            r.as_ref().map_or(0, |ts| ts.iter().map(|t| t.events.len()).sum())
+        };
+        let one = |r: &Result<Trace, TraceError>| r.as_ref().map_or(0, |t| t.events.len());
+        let read = [
+            ("read_traces_bytes", all(&sniffed)),
+            ("read_tidepool_csv", one(&csv)),
+            ("read_rmm_log", one(&rmm)),
+            ("read_pytorch_snapshot", snapshot.as_ref().map_or(0, all)),
+        ];
+        for (reader, events) in read {
+            if events > EVENTS_PER_BYTE * data.len() {
+                return Err(format!(
+                    "{reader}: {events} events from {} bytes of input (at most \
+                     {EVENTS_PER_BYTE} per byte)",
+                    data.len()
+                ));
+            }
+        }
     }
     if data.len() < GZIP_BELOW && !pickle && !data.starts_with(&[0x1f, 0x8b]) {
         let mut gz = GzEncoder::new(Vec::new(), Compression::fast());

@@ -1127,3 +1127,271 @@ fn a_huge_time_us_is_named_out_of_range() {
         ))
     );
 }
+
+/// Hand-written pickle pieces for the sharing tests below (serde-pickle writes no memo).
+struct Pickler(Vec<u8>);
+
+impl Pickler {
+    fn new() -> Self {
+        Pickler(b"\x80\x04".to_vec())
+    }
+
+    fn text(&mut self, t: &str) -> &mut Self {
+        self.0.extend([0x8c, u8::try_from(t.len()).unwrap()]);
+        self.0.extend(t.as_bytes());
+        self
+    }
+
+    fn int(&mut self, v: u32) -> &mut Self {
+        self.0.push(b'J');
+        self.0.extend(i32::try_from(v).unwrap().to_le_bytes());
+        self
+    }
+
+    fn ops(&mut self, ops: &[u8]) -> &mut Self {
+        self.0.extend(ops);
+        self
+    }
+
+    /// A dict of string keys (`EMPTY_DICT MARK … SETITEMS`); `value` writes each value.
+    fn dict(&mut self, keys: &[&str], mut value: impl FnMut(&mut Self, &str)) -> &mut Self {
+        self.ops(b"}(");
+        for k in keys {
+            self.text(k);
+            value(self, k);
+        }
+        self.ops(b"u")
+    }
+}
+
+/// `copies` devices whose `device_traces` lists are one list of `pairs` allocs and frees of 512
+/// bytes, written once (memo id 0) and referenced again by the others, as a pickler writes an
+/// object it meets twice.
+fn shared_entries_snapshot(copies: u32, pairs: u32) -> Vec<u8> {
+    let mut p = Pickler::new();
+    p.ops(b"}(").text("device_traces").ops(b"](").ops(b"]r\x00\x00\x00\x00(");
+    for i in 0..2 * pairs {
+        let action = if i % 2 == 0 { "alloc" } else { "free_completed" };
+        p.dict(&["action", "addr", "size"], |p, k| {
+            match k {
+                "action" => p.text(action),
+                "addr" => p.int(0x1000),
+                _ => p.int(512),
+            };
+        });
+    }
+    p.ops(b"e");
+    for _ in 1..copies {
+        p.ops(b"j\x00\x00\x00\x00");
+    }
+    p.ops(b"eu.");
+    p.0
+}
+
+/// `copies` segments of device 0 at one address whose `blocks` are one list of `blocks`
+/// allocated blocks of 512 bytes, written once (memo id 0) and referenced by the others.
+fn shared_blocks_snapshot(copies: u32, blocks: u32) -> Vec<u8> {
+    let mut p = Pickler::new();
+    p.ops(b"}(").text("device_traces").ops(b"]").text("segments").ops(b"](");
+    for s in 0..copies {
+        p.dict(&["device", "address", "total_size", "blocks"], |p, k| {
+            match k {
+                "device" => p.ops(b"K\x00"),
+                "address" => p.int(0x10_0000),
+                "total_size" => p.int(blocks * 512),
+                _ if s > 0 => p.ops(b"j\x00\x00\x00\x00"),
+                _ => {
+                    p.ops(b"]r\x00\x00\x00\x00(");
+                    for b in 0..blocks {
+                        p.dict(&["address", "size", "requested_size", "state"], |p, k| {
+                            match k {
+                                "address" => p.int(0x10_0000 + b * 512),
+                                "state" => p.text("active_allocated"),
+                                _ => p.int(512),
+                            };
+                        });
+                    }
+                    p.ops(b"e")
+                }
+            };
+        });
+    }
+    p.ops(b"eu.");
+    p.0
+}
+
+/// A pickle shares an object it meets twice, and the decoder keeps it shared (one value per
+/// input byte at most), and the reader reads a shared `device_traces` list once per device and a
+/// shared `blocks` list once per segment, as Python sees them; but unbounded, 5 000 devices
+/// over one list of 10 000 entries (a 30 KB pickle) became 5 000 traces of 10 000 events
+/// (2.7 GB, 31 s of `tidepool replay`), and 8 000 segments over one list of 8 000 blocks
+/// (32 KB) asked for a 1 GB vector and aborted. The entries and blocks read are at most one per
+/// byte of pickle (found by review of the reader for hostile input).
+#[test]
+fn lists_shared_between_devices_or_segments_are_read_within_the_input_size() {
+    let read = |data: &[u8]| read_traces_bytes(data, &ReadOptions::default());
+    // Shared by two devices or two segments: read for each.
+    let two = read(&shared_entries_snapshot(2, 3)).unwrap();
+    assert_eq!(two.len(), 2);
+    for (d, t) in two.iter().enumerate() {
+        assert_eq!(t.events.len(), 6);
+        assert_eq!(t.peak_live_bytes(), 512);
+        assert_eq!(t.snapshot.as_ref().unwrap().device, d as u32);
+    }
+    let segs = read(&shared_blocks_snapshot(1, 3)).unwrap();
+    assert_eq!(segs[0].events.len(), 3);
+    assert_eq!(segs[0].peak_live_bytes(), 3 * 512);
+    // Two segments at one address, their blocks the same list: the blocks overlap.
+    let e = read(&shared_blocks_snapshot(2, 3)).unwrap_err();
+    assert!(e.to_string().contains("two blocks that hold memory on device 0 overlap"), "{e}");
+
+    let message = |place: &str, bytes: usize| {
+        TraceError::input(ErrorKind::BadStructure(format!(
+            "{place}: the pickle's lists of entries and blocks, each read once per reference to \
+             it, hold more than one record per byte of its {bytes} B (a list shared between \
+             devices or segments: PyTorch writes one per device and per segment)"
+        )))
+    };
+    let entries = shared_entries_snapshot(1000, 1000);
+    assert_eq!(entries.len(), 94_027);
+    // 2 000 entries per device: the budget runs out at the 48th.
+    assert_eq!(read(&entries).unwrap_err(), message("device_traces[47]", 94_027));
+    let blocks = shared_blocks_snapshot(1000, 1000);
+    assert_eq!(blocks.len(), 131_038);
+    assert_eq!(read(&blocks).unwrap_err(), message("segments[131]", 131_038));
+}
+
+/// A dict of `action: oom` and then `keys` items `"x": "x"` (one `DUP` byte each), as the
+/// entries of one device, `entries` times (one `DUP` each): a wide record the pickle shares.
+fn wide_entries_snapshot(keys: u32, entries: u32) -> Vec<u8> {
+    let mut p = Pickler::new();
+    p.ops(b"}(").text("device_traces").ops(b"](").ops(b"](").ops(b"}(");
+    p.text("action").text("oom").text("x");
+    p.0.extend(std::iter::repeat_n(b'2', 2 * keys as usize - 1));
+    p.ops(b"u");
+    p.0.extend(std::iter::repeat_n(b'2', entries as usize - 1));
+    p.ops(b"eeu.");
+    p.0
+}
+
+/// A snapshot's record (entry, segment, block, annotation) is a dict whose keys are looked up
+/// one by one, by a scan of its items; a wide dict shared by every entry made reading quadratic
+/// in the input: 16 001 items shared by 32 000 entries (a 64 KB pickle) took 1.3 s, 256 KB 19 s,
+/// and a 1 GiB input (the cap) would take years. PyTorch's records have about a dozen keys:
+/// more than 256 items are refused (found by review of the reader for hostile input).
+#[test]
+fn records_wider_than_256_items_are_refused() {
+    let wide = |items: usize| {
+        ErrorKind::BadStructure(format!(
+            "a dict of {items} items; this reader takes at most 256 (PyTorch writes about a dozen)"
+        ))
+    };
+    // 255 items of junk beside `action`: read, the entries counted as `oom` markers.
+    let t = read_trace_bytes(&wide_entries_snapshot(255, 3)).unwrap();
+    assert_eq!(t.events.len(), 0);
+    assert_eq!(t.skipped, counts(&[("oom", 3)]));
+    let data = wide_entries_snapshot(16_000, 32_000);
+    assert!(data.len() < 64 << 10, "{}", data.len());
+    for (data, items) in [(wide_entries_snapshot(256, 3), 257), (data, 16_001)] {
+        assert_eq!(read_trace_bytes(&data).unwrap_err(), at(0, 0, wide(items)));
+    }
+
+    // Segments, blocks and annotations alike (serde-pickle writes the wide dicts in full).
+    let junk = |mut v: Value, n: usize| {
+        if let Value::Dict(m) = &mut v {
+            m.extend((0..n).map(|i| (HashableValue::String(format!("k{i}")), Value::I64(0))));
+        }
+        v
+    };
+    let seg = |blocks| segment(0, 0x10_0000, 2 << 20, blocks);
+    let blk = block(512, 512, "active_allocated");
+    // PyTorch 1.13: no `requested_size`, the first `history` record's `real_size`.
+    let legacy = dict(vec![
+        ("size", Value::I64(512)),
+        ("state", s("active_allocated")),
+        ("history", Value::List(vec![junk(dict(vec![("real_size", Value::I64(500))]), 256)])),
+    ]);
+    let ann = dict(vec![
+        ("stage", s("START")),
+        ("name", s("x")),
+        ("device", Value::I64(0)),
+        ("time_us", Value::I64(0)),
+    ]);
+    let cases = [
+        (junk(seg(vec![blk.clone()]), 252), "segments[0]: ", 257),
+        (seg(vec![junk(blk.clone(), 254)]), "segments[0].blocks[0]: ", 257),
+        (seg(vec![legacy]), "segments[0].blocks[0]: history[0]: ", 257),
+        (junk(ann, 253), "external_annotations[0]: ", 257),
+    ];
+    for (i, (v, place, items)) in cases.into_iter().enumerate() {
+        let key = if i == 3 { "external_annotations" } else { "segments" };
+        let data = pickle(&dict(vec![
+            ("device_traces", Value::List(vec![Value::List(vec![entry("alloc", 1, 1)])])),
+            (key, Value::List(vec![v])),
+        ]));
+        let ErrorKind::BadStructure(m) = wide(items) else { unreachable!() };
+        assert_eq!(
+            read_trace_bytes(&data).unwrap_err(),
+            TraceError::input(ErrorKind::BadStructure(format!("{place}{m}")))
+        );
+    }
+    // The settings and their roundup dict: 256 items read, 257 refused.
+    let settings = |n: usize, roundup: usize| {
+        let roundup = Value::Dict(
+            (0..roundup).map(|i| (HashableValue::I64(i as i64 + 1), Value::I64(4))).collect(),
+        );
+        let mut m = BTreeMap::new();
+        m.insert(HashableValue::String("roundup_power2_divisions".into()), roundup);
+        m.extend((1..n).map(|i| (HashableValue::String(format!("k{i}")), s("v"))));
+        read_trace_bytes(&pickle(&dict(vec![
+            ("device_traces", Value::List(vec![Value::List(vec![entry("alloc", 1, 1)])])),
+            ("allocator_settings", Value::Dict(m)),
+        ])))
+    };
+    let t = settings(256, 256).unwrap();
+    assert_eq!(t.snapshot.unwrap().settings.unwrap().entries.len(), 256);
+    let ErrorKind::BadStructure(m) = wide(257) else { unreachable!() };
+    assert_eq!(
+        settings(257, 1).unwrap_err(),
+        TraceError::input(ErrorKind::BadStructure(format!("allocator_settings: {m}")))
+    );
+    assert_eq!(
+        settings(1, 257).unwrap_err(),
+        TraceError::input(ErrorKind::BadStructure(format!(
+            "allocator_settings.roundup_power2_divisions: {m}"
+        )))
+    );
+    // A list of wide dicts is no list of segments (`torch.cuda.memory_snapshot()`), whatever
+    // their keys: they are not looked into.
+    let e = read_trace_bytes(&pickle(&Value::List(vec![junk(seg(vec![]), 252)]))).unwrap_err();
+    assert!(e.to_string().contains("the pickle is a list of 1 item, not a dict"), "{e}");
+    let e = read_trace_bytes(&pickle(&Value::List(vec![junk(seg(vec![]), 251)]))).unwrap_err();
+    assert!(e.to_string().contains("the pickle is a list of 1 segment, as"), "{e}");
+}
+
+/// The snapshot's `allocator_settings` are one value shared by every device's trace: a copy per
+/// device made a 220 KB pickle (a 200 KB `PYTORCH_CUDA_ALLOC_CONF`, 20 000 devices sharing one
+/// list of one entry) take 3.9 GB and 10 s (found by review of the reader for hostile input).
+#[test]
+fn allocator_settings_are_shared_by_the_devices_not_copied() {
+    let conf = "x".repeat(1000);
+    let data = pickle(&dict(vec![
+        (
+            "device_traces",
+            Value::List(vec![
+                Value::List(vec![entry("alloc", 16, 16)]),
+                Value::List(vec![entry("alloc", 16, 16)]),
+                Value::List(vec![entry("oom", 0, 0)]),
+            ]),
+        ),
+        ("allocator_settings", dict(vec![("PYTORCH_CUDA_ALLOC_CONF", s(&conf))])),
+    ]));
+    let traces = read_traces_bytes(&data, &ReadOptions::default()).unwrap();
+    assert_eq!(traces.len(), 3);
+    let settings: Vec<_> =
+        traces.iter().map(|t| t.snapshot.as_ref().unwrap().settings.clone().unwrap()).collect();
+    assert_eq!(settings[0].conf, conf);
+    for s in &settings[1..] {
+        assert!(std::sync::Arc::ptr_eq(&settings[0], s));
+    }
+}

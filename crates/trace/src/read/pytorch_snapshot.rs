@@ -64,10 +64,14 @@
 //! traceback, its frame list and dicts, between the entries that recorded it) instead of
 //! copying it, holds at most one value per input byte, and refuses nesting deeper than 128
 //! levels and anything but plain data. Frames are not read. Nothing is pre-allocated from a
-//! number found in the input.
+//! number found in the input. A list the pickle shares between devices or segments is read
+//! once per reference, as Python sees it, but the entries and blocks read are at most one per
+//! byte of the pickle (`Budget`; a hostile pickle made n² events of n bytes), and a record of
+//! more than 256 items is refused (`MAX_RECORD_KEYS`; its keys are looked up by a scan).
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::io::Read;
+use std::sync::Arc;
 
 use super::pickle::{self, Obj, Seq};
 
@@ -104,6 +108,33 @@ pub(super) fn read_capped<R: Read>(
     // The decoder's messages are short (it cuts what it quotes from the input).
     let decoded = pickle::decode(data).map_err(|e| TraceError::input(ErrorKind::BadPickle(e)))?;
     from_value(decoded.root(), name)
+}
+
+/// Most items a record of the snapshot may have: a trace entry, segment, block, annotation, a
+/// block's first `history` record, `allocator_settings` and its `roundup_power2_divisions`.
+/// PyTorch's have about a dozen keys. A record's keys are looked up one by one, each by a scan
+/// of its items, so a wide dict that the pickle shares between many records (its items written
+/// once, one `DUP` byte per reference) made reading quadratic in the input: 16 001 items shared
+/// by 32 000 entries (64 KB) took 1.3 s, 256 KB 19 s. The settings' values are each formatted
+/// and their keys sorted, so 20 000 keys naming one shared 200 KB string (400 KB) took 2.5 s.
+const MAX_RECORD_KEYS: usize = 256;
+
+/// Checks that `v` is a record: a dict of at most [`MAX_RECORD_KEYS`] items.
+fn record(v: Obj<'_>, what: &dyn Fn(String) -> TraceError) -> Result<(), TraceError> {
+    match v {
+        // BROKEN (`wide_records_scanned`): any dict taken, its keys scanned per lookup.
+        Obj::Dict(d)
+            if d.len() <= MAX_RECORD_KEYS || cfg!(tidepool_broken = "wide_records_scanned") =>
+        {
+            Ok(())
+        }
+        Obj::Dict(d) => Err(what(format!(
+            "a dict of {} items; this reader takes at most {MAX_RECORD_KEYS} (PyTorch writes \
+             about a dozen)",
+            d.len()
+        ))),
+        _ => Err(what("not a dict".into())),
+    }
 }
 
 fn bad(kind: String) -> TraceError {
@@ -160,7 +191,9 @@ fn stream_field(dict: Obj<'_>, what: &dyn Fn(String) -> TraceError) -> Result<u6
 
 /// Why a list is not a snapshot, and what to record instead.
 fn list_message(items: Seq<'_>) -> String {
-    let segment_like = |v: Obj<'_>| key(v, "total_size").is_some() || key(v, "blocks").is_some();
+    let segment_like = |v: Obj<'_>| {
+        record(v, &bad).is_ok() && (key(v, "total_size").is_some() || key(v, "blocks").is_some())
+    };
     if !items.is_empty() && items.iter().all(segment_like) {
         format!(
             "the pickle is a list of {}, as torch.cuda.memory_snapshot() returns: the caching \
@@ -200,7 +233,10 @@ struct Segment {
     blocks: Vec<Block>,
 }
 
-fn parse_segments(v: Option<Obj<'_>>) -> Result<BTreeMap<u32, Vec<Segment>>, TraceError> {
+fn parse_segments(
+    v: Option<Obj<'_>>,
+    budget: &mut Budget,
+) -> Result<BTreeMap<u32, Vec<Segment>>, TraceError> {
     let mut out: BTreeMap<u32, Vec<Segment>> = BTreeMap::new();
     let list = match v {
         None | Some(Obj::None) => return Ok(out),
@@ -209,9 +245,7 @@ fn parse_segments(v: Option<Obj<'_>>) -> Result<BTreeMap<u32, Vec<Segment>>, Tra
     };
     for (i, seg) in list.iter().enumerate() {
         let what = |m: String| bad(format!("segments[{i}]: {m}"));
-        if !matches!(seg, Obj::Dict(_)) {
-            return Err(what("not a dict".into()));
-        }
+        record(seg, &what)?;
         let device = u32::try_from(field(seg, "device", &what)?)
             .map_err(|_| what("`device` is not below 2^32".into()))?;
         let address = field(seg, "address", &what)?;
@@ -222,13 +256,12 @@ fn parse_segments(v: Option<Obj<'_>>) -> Result<BTreeMap<u32, Vec<Segment>>, Tra
             Some(_) => return Err(what("`blocks` is not a list".into())),
             None => return Err(what("missing key `blocks`".into())),
         };
+        budget.take(blocks.len(), &what)?;
         let mut at = address;
         let mut kept = Vec::new();
         for (j, b) in blocks.iter().enumerate() {
             let what = |m: String| bad(format!("segments[{i}].blocks[{j}]: {m}"));
-            if !matches!(b, Obj::Dict(_)) {
-                return Err(what("not a dict".into()));
-            }
+            record(b, &what)?;
             let size = field(b, "size", &what)?;
             // Older snapshots have no block `address`: blocks follow each other from the
             // segment's address.
@@ -286,6 +319,42 @@ fn parse_segments(v: Option<Obj<'_>>) -> Result<BTreeMap<u32, Vec<Segment>>, Tra
     Ok(out)
 }
 
+/// The entries and blocks left to read: one per byte of the pickle. A pickle shares an object
+/// its pickler met twice, and the decoder keeps it shared (one value per input byte at most),
+/// so a list of entries or blocks written once may be referenced by every device or segment;
+/// each reference reads it again, as Python sees it (PyTorch writes a list of its own for each,
+/// so its snapshots take a few percent of this budget). Without a bound, n bytes of pickle
+/// made n² events: 5 000 devices over one list of 10 000 entries (30 KB) became 5 000 traces
+/// of 10 000 events (2.7 GB, 31 s of `tidepool replay`), and 8 000 segments over one list of
+/// 8 000 blocks (32 KB) asked for a 1 GB vector and aborted.
+struct Budget {
+    left: usize,
+    bytes: usize,
+}
+
+impl Budget {
+    fn new(bytes: usize) -> Self {
+        Budget { left: bytes, bytes }
+    }
+
+    /// Takes `n` records of a list about to be read; `what` places the error.
+    fn take(&mut self, n: usize, what: &dyn Fn(String) -> TraceError) -> Result<(), TraceError> {
+        // BROKEN (`shared_lists_reread`): every reference read in full, unbounded.
+        if cfg!(tidepool_broken = "shared_lists_reread") {
+            return Ok(());
+        }
+        self.left = self.left.checked_sub(n).ok_or_else(|| {
+            what(format!(
+                "the pickle's lists of entries and blocks, each read once per reference to it, \
+                 hold more than one record per byte of its {} B (a list shared between devices \
+                 or segments: PyTorch writes one per device and per segment)",
+                self.bytes
+            ))
+        })?;
+        Ok(())
+    }
+}
+
 /// The requested bytes of a block with no `requested_size` (PyTorch 1.13): its `history`'s first
 /// record's `real_size` (the current allocation's, newest first), as `_memory_viz.py` reads it,
 /// else the block's size.
@@ -300,8 +369,13 @@ fn legacy_requested(
     }
     match key(b, "history") {
         Some(Obj::List(h)) if !h.is_empty() => match h.get(0) {
-            Some(first @ Obj::Dict(_)) if key(first, "real_size").is_some() => {
-                field(first, "real_size", &|m| what(format!("history[0]: {m}")))
+            Some(first @ Obj::Dict(_)) => {
+                let what = |m| what(format!("history[0]: {m}"));
+                record(first, &what)?;
+                match key(first, "real_size") {
+                    Some(_) => field(first, "real_size", &what),
+                    None => Ok(size),
+                }
             }
             _ => Ok(size),
         },
@@ -318,7 +392,10 @@ fn cut(text: &str, max: usize) -> String {
 fn parse_settings(v: Option<Obj<'_>>) -> Result<Option<AllocatorSettings>, TraceError> {
     let map = match v {
         None | Some(Obj::None) => return Ok(None),
-        Some(Obj::Dict(m)) => m,
+        Some(v @ Obj::Dict(m)) => {
+            record(v, &|e| bad(format!("allocator_settings: {e}")))?;
+            m
+        }
         Some(_) => return Err(bad("`allocator_settings` is not a dict".into())),
     };
     // String keys in order, each once with its last value (as Python's dict holds them).
@@ -341,7 +418,8 @@ fn parse_settings(v: Option<Obj<'_>>) -> Result<Option<AllocatorSettings>, Trace
             ("PYTORCH_CUDA_ALLOC_CONF", Obj::Str(t)) => s.conf = t.to_string(),
             ("max_split_size", v) => s.max_split_size = as_i128(v),
             ("expandable_segments", Obj::Bool(b)) => s.expandable_segments = Some(b),
-            ("roundup_power2_divisions", Obj::Dict(d)) => {
+            ("roundup_power2_divisions", v @ Obj::Dict(d)) => {
+                record(v, &|e| bad(format!("allocator_settings.roundup_power2_divisions: {e}")))?;
                 // Keys `"1024"` or `1024`, each once with its last value.
                 let unique: BTreeMap<Result<i64, &str>, Obj<'_>> = d
                     .iter()
@@ -405,9 +483,7 @@ fn parse_annotations(v: Option<Obj<'_>>) -> Result<Vec<Annotation>, TraceError> 
     let mut out = Vec::new();
     for (i, a) in list.iter().enumerate() {
         let what = |m: String| bad(format!("external_annotations[{i}]: {m}"));
-        if !matches!(a, Obj::Dict(_)) {
-            return Err(what("not a dict".into()));
-        }
+        record(a, &what)?;
         let start = match key(a, "stage") {
             Some(Obj::Str("START")) => true,
             Some(Obj::Str("END")) => false,
@@ -445,11 +521,11 @@ fn parse_annotations(v: Option<Obj<'_>>) -> Result<Vec<Annotation>, TraceError> 
 ///
 /// [`Pickle::root`]: super::pickle::Pickle::root
 pub fn from_value(value: Obj<'_>, name: &str) -> Result<Vec<Trace>, TraceError> {
-    match value {
-        Obj::Dict(_) => {}
+    let input_bytes = match value {
+        Obj::Dict(d) => d.input_bytes(),
         Obj::List(items) => return Err(bad(list_message(items))),
         _ => return Err(bad("the pickle is not a dict".into())),
-    }
+    };
     let devices = match key(value, "device_traces") {
         Some(Obj::List(d)) => d,
         Some(_) => return Err(bad("`device_traces` is not a list".into())),
@@ -459,8 +535,9 @@ pub fn from_value(value: Obj<'_>, name: &str) -> Result<Vec<Trace>, TraceError> 
             )));
         }
     };
-    let segments = parse_segments(key(value, "segments"))?;
-    let settings = parse_settings(key(value, "allocator_settings"))?;
+    let mut budget = Budget::new(input_bytes);
+    let segments = parse_segments(key(value, "segments"), &mut budget)?;
+    let settings = parse_settings(key(value, "allocator_settings"))?.map(Arc::new);
     let annotations = parse_annotations(key(value, "external_annotations"))?;
     let mut indices: BTreeSet<u32> = segments.keys().copied().collect();
     for i in 0..devices.len() {
@@ -477,6 +554,8 @@ pub fn from_value(value: Obj<'_>, name: &str) -> Result<Vec<Trace>, TraceError> 
             Some(_) => return Err(bad(format!("device_traces[{d}] is not a list"))),
             None => None,
         };
+        let n = entries.map_or(0, |e| e.len());
+        budget.take(n, &|m| bad(format!("device_traces[{d}]: {m}")))?;
         let segs = segments.get(&d).map(Vec::as_slice).unwrap_or(&[]);
         if entries.is_none_or(|e| e.is_empty()) && segs.is_empty() {
             continue;
@@ -570,8 +649,9 @@ struct Entry<'a> {
 fn parse_entry(device: usize, index: usize, entry: Obj<'_>) -> Result<Entry<'_>, TraceError> {
     let structure =
         |s: String| TraceError::new(Location::Entry { device, index }, ErrorKind::BadStructure(s));
-    if !matches!(entry, Obj::Dict(_)) {
-        return Err(structure("entry is not a dict".into()));
+    match entry {
+        Obj::Dict(_) => record(entry, &structure)?,
+        _ => return Err(structure("entry is not a dict".into())),
     }
     let name = match key(entry, "action") {
         Some(Obj::Str(s)) => s,
@@ -733,7 +813,7 @@ fn clamp_u64(x: i128) -> u64 {
 /// PyTorch recorded them in under its allocator lock.
 fn device_trace(
     input: &DeviceInput<'_>,
-    settings: Option<&AllocatorSettings>,
+    settings: Option<&Arc<AllocatorSettings>>,
     name: &str,
 ) -> Result<Trace, TraceError> {
     match device_trace_in(input, settings, name, true) {
@@ -760,7 +840,7 @@ fn device_trace(
 
 fn device_trace_in(
     input: &DeviceInput<'_>,
-    settings: Option<&AllocatorSettings>,
+    settings: Option<&Arc<AllocatorSettings>>,
     name: &str,
     time_order: bool,
 ) -> Result<Trace, TraceError> {
@@ -776,7 +856,11 @@ fn device_trace_in(
         device: input.device,
         history: !entries.is_empty(),
         entries: entries.len() as u64,
-        settings: settings.cloned(),
+        // BROKEN (`settings_copied_per_device`): each device's trace had a copy of its own.
+        settings: match cfg!(tidepool_broken = "settings_copied_per_device") {
+            true => settings.map(|s| Arc::new(AllocatorSettings::clone(s))),
+            false => settings.cloned(),
+        },
         ..SnapshotInfo::default()
     };
     let timed = !entries.is_empty() && entries.iter().all(|e| e.time.is_some());
