@@ -286,13 +286,14 @@ impl Vm {
     }
 
     /// Whether the end of a lock section has anything to settle here ([`Shared::settle`]): a
-    /// live stitch that a free may have released, a trim to weigh (`release_threshold`, or a
-    /// learning run's threshold of 0), or counters to publish. Under the default configuration
-    /// none is, and the section ends with these few loads instead of a call (mlp_train: 316
-    /// lock sections, ~25 instructions each).
+    /// live stitch that a free may have released, pages retiring behind an event, a trim to
+    /// weigh (`release_threshold`, or a learning run's threshold of 0), or counters to publish.
+    /// Under the default configuration none is, and the section ends with these few loads
+    /// instead of a call (mlp_train: 316 lock sections, ~25 instructions each).
     #[inline]
     pub(super) fn settle_due(&self) -> bool {
-        !self.ranges.is_empty() && (self.live_stitches != 0 || self.counts.unpublished)
+        !self.ranges.is_empty()
+            && (self.live_stitches != 0 || self.counts.unpublished || !self.retiring.is_empty())
             || self.trim_due()
     }
 

@@ -66,6 +66,20 @@ impl<D: Device> Shared<D> {
         }
         if !st.vm.is_empty() {
             self.unstitch_freed(st);
+            // Pages retired behind their stream's event (a trim under unfinished work, a page
+            // move under `wait_event`) go once the event has completed, at the first lock
+            // section's end after it, not at the next trim or growth: with no
+            // `release_threshold` there is no trim once a learning run has ended, and a
+            // training loop served by its plan grows no more, so its retired pages stayed
+            // mapped and counted reserved for the rest of the run. A trim polls them itself.
+            // No event is queried during a capture (the trim's own poll aside).
+            // BROKEN (`retiring_unpolled`): left to the next trim or growth.
+            if !st.vm.trim_due()
+                && !cfg!(tidepool_broken = "retiring_unpolled")
+                && !self.device.capture_underway()
+            {
+                self.poll_retiring(st, false);
+            }
             self.trim(st);
             // (With no range left, the counters were published as the last range went.)
             self.publish_vm_changes(&mut st.vm);
