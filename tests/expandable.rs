@@ -504,6 +504,52 @@ fn wait_event_moves_pages_at_once_and_unmaps_after_the_owner() {
     assert_no_leak(&dev);
 }
 
+/// The old mapping of a moved chunk, once its donor's kernel is done, meets a device that
+/// fails: an event query that errs counts as unfinished (no wait, nothing unmapped) and a
+/// refused unmap keeps the mapping; each is tried again at the next lock section's end, and the
+/// mapping goes then. Nothing is lost or counted twice, and the allocator works on.
+#[test]
+fn a_retired_mapping_the_device_refuses_to_unmap_goes_at_a_later_lock_section() {
+    let (dev, alloc) = setup("cross_stream:wait_event", 8 * MIB);
+    let (s1, s2) = (dev.create_stream().unwrap(), dev.create_stream().unwrap());
+    let a = alloc.alloc(8 * MIB, s1).unwrap();
+    let (k, open) = gated_write(a.ptr(), 8 * MIB, 0x11);
+    dev.launch(s1, k).unwrap();
+    drop(a);
+    let b = alloc.alloc(4 * MIB, s2).unwrap(); // s1's chunk, its old mapping retiring
+    assert_eq!(b.ptr(), DeviceAddr(base() + 16 * MIB));
+    assert_eq!(mapped_chunks(&dev, base()), vec![(0, 4), (8, 4)]);
+    open.send(()).unwrap();
+    dev.synchronize().unwrap();
+    let unmaps = |a: &Allocator<SimDevice>| a.stats().num_device_unmap;
+    dev.fail_event_queries(true);
+    alloc.synchronize().unwrap();
+    assert_eq!(mapped_chunks(&dev, base()), vec![(0, 4), (8, 4)], "the query failed");
+    assert_eq!((unmaps(&alloc), alloc.stats().num_host_syncs), (0, 0));
+    dev.fail_event_queries(false);
+    dev.fail_nth_vm_unmap(Some(1));
+    alloc.synchronize().unwrap();
+    assert_eq!(mapped_chunks(&dev, base()), vec![(0, 4), (8, 4)], "the unmap was refused");
+    assert_eq!(unmaps(&alloc), 0);
+    alloc.check_invariants().unwrap();
+    alloc.synchronize().unwrap();
+    assert_eq!(mapped_chunks(&dev, base()), vec![(8, 4)]);
+    assert_eq!((unmaps(&alloc), alloc.stats().num_host_syncs), (1, 0));
+    assert_eq!(dev.physical_bytes(), 8 * MIB);
+    // It works on: s1 grows again in its own range, where the device has no room left for new
+    // memory: the chunk comes back from s2 (free once b is).
+    drop(b);
+    let c = alloc.alloc(4 * MIB, s1).unwrap();
+    assert_eq!(c.ptr(), DeviceAddr(base()));
+    assert_eq!(mapped_chunks(&dev, base()), vec![(0, 4)], "the chunk moved back");
+    assert_eq!(dev.violations(), vec![]);
+    assert_eq!(dev.kernel_failures(), vec![]);
+    alloc.check_invariants().unwrap();
+    drop(c);
+    drop(alloc);
+    assert_no_leak(&dev);
+}
+
 #[test]
 fn the_sanitizer_catches_a_page_move_without_order() {
     let (dev, alloc) = setup("cross_stream:wait_event", 8 * MIB);
