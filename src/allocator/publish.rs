@@ -74,7 +74,8 @@ impl<D: Device> Shared<D> {
             // mapped and counted reserved for the rest of the run. A trim polls them itself.
             // No event is queried during a capture (the trim's own poll aside).
             // BROKEN (`retiring_unpolled`): left to the next trim or growth.
-            if !st.vm.trim_due()
+            if !st.vm.retiring.is_empty()
+                && !st.vm.trim_due()
                 && !cfg!(tidepool_broken = "retiring_unpolled")
                 && !self.device.capture_underway()
             {
