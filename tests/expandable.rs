@@ -367,6 +367,36 @@ fn a_trim_under_unfinished_work_retires_its_pages_without_a_host_wait() {
     assert_no_leak(&dev);
 }
 
+/// `reset_peak_stats` sets each peak to what its lock section leaves: that section's end may
+/// release memory (here the pages a trim retired, their kernel done since), and the peaks are
+/// reset after it, so `stats()` reads peak = current right after. Broken build
+/// `peaks_reset_before_settle`: reset first, the peak stayed at the retired pages' 4 MiB
+/// (found by the `allocator_ops` fuzzer).
+#[test]
+fn reset_peak_stats_resets_to_what_its_lock_section_leaves() {
+    let (dev, alloc) = setup("release_threshold_mb:0", CAP);
+    let s = dev.create_stream().unwrap();
+    let a = alloc.alloc(4 * MIB, s).unwrap();
+    let (k, open) = gated_write(a.ptr(), 4 * MIB, 0x5A);
+    dev.launch(s, k).unwrap();
+    drop(a);
+    let r = alloc.stats().blocks.reserved_bytes.all;
+    assert_eq!((r.current, r.peak), (2 * P, 2 * P), "retired behind the kernel");
+    open.send(()).unwrap();
+    dev.synchronize().unwrap();
+    alloc.reset_peak_stats();
+    let st = alloc.stats();
+    let r = st.blocks.reserved_bytes.all;
+    assert_eq!((r.current, r.peak), (0, 0));
+    assert_eq!((st.num_device_unmap, st.num_physical_release, st.num_host_syncs), (1, 1, 0));
+    assert_eq!(mapped_pages(&dev, base()), Vec::<u64>::new());
+    assert_eq!(dev.violations(), vec![]);
+    assert_eq!(dev.kernel_failures(), vec![]);
+    alloc.check_invariants().unwrap();
+    drop(alloc);
+    assert_no_leak(&dev);
+}
+
 /// Pages a trim retired (their kernel unfinished) on a device with no room left: the next
 /// growth's out-of-memory ladder waits for their event (a counted host sync), releases them
 /// and grows; and an allocator dropped with retiring pages waits for them and leaks nothing.

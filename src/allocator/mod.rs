@@ -1426,12 +1426,20 @@ impl<D: Device> Shared<D> {
 
     /// [`Allocator::reset_peak_stats`] of this allocator alone.
     pub(super) fn reset_peaks(&self) {
-        let sh = self;
-        let mut st = sh.lock_state();
+        let mut st = self.lock_state();
+        match cfg!(tidepool_broken = "peaks_reset_before_settle") {
+            true => self.reset_peaks_now(&mut st),
+            // Done as the section ends, after its settle (`Shared::settle_cold`).
+            false => st.peaks_reset_due = true,
+        }
+    }
+
+    /// Sets every peak to its current figure. The caller holds the global lock.
+    pub(super) fn reset_peaks_now(&self, st: &mut State) {
         st.pool.reset_peak_stats();
         st.oversize_segments.reset_peak();
         st.extra_published = None; // peaks fell: publish the extra figures again
-        st.base.reset_peaks(&sh.caches.all());
+        st.base.reset_peaks(&self.caches.all());
     }
 
     /// [`Allocator::reset_accumulated_stats`] of this allocator alone.

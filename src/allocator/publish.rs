@@ -38,7 +38,11 @@ impl<D: Device> Shared<D> {
     /// unchanged, the base block's write already open — with each rarer step out of line.
     #[inline(always)]
     pub(super) fn publish(&self, st: &mut State) {
-        if st.stash_closed || st.vm.settle_due() || self.passthrough.load(Ordering::Relaxed) {
+        if st.stash_closed
+            || st.vm.settle_due()
+            || st.peaks_reset_due
+            || self.passthrough.load(Ordering::Relaxed)
+        {
             self.settle_cold(st);
         }
         self.publish_extra(st);
@@ -53,6 +57,15 @@ impl<D: Device> Shared<D> {
     #[inline(never)]
     fn settle_cold(&self, st: &mut State) {
         self.settle(st);
+        // After the settle, which may release memory (retired pages whose event completed, a
+        // trim, a closed allocator's cache): reset before it, the peaks stayed above what the
+        // section left, and `stats()` read peak > current right after `reset_peak_stats`
+        // (found by the `allocator_ops` fuzzer once every section's end polled retired pages).
+        // BROKEN (`peaks_reset_before_settle`): reset where `reset_peak_stats` asked for it.
+        if st.peaks_reset_due {
+            st.peaks_reset_due = false;
+            self.reset_peaks_now(st);
+        }
     }
 
     /// What every lock section ends with before its statistics go out: a closed allocator lets

@@ -194,6 +194,9 @@ pub(super) struct State {
     /// The allocator's last handle is gone: stream caches made from now on keep no owner
     /// references (`owner.rs`).
     pub(super) stash_closed: bool,
+    /// `reset_peak_stats` was called in this lock section: the peaks are reset as it ends,
+    /// after its settle ([`Shared::publish`]), to what it leaves.
+    pub(super) peaks_reset_due: bool,
     /// This allocator's share of `Family::reserved`: its reserved bytes as last counted in,
     /// plus what a check of the caps charged since (`pool_size.rs`).
     pub(super) family_share: u64,
