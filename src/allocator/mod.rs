@@ -1435,7 +1435,7 @@ impl<D: Device> Shared<D> {
     }
 
     /// Sets every peak to its current figure. The caller holds the global lock.
-    pub(super) fn reset_peaks_now(&self, st: &mut State) {
+    fn reset_peaks_now(&self, st: &mut State) {
         st.pool.reset_peak_stats();
         st.oversize_segments.reset_peak();
         st.extra_published = None; // peaks fell: publish the extra figures again
