@@ -580,6 +580,58 @@ fn a_retired_mapping_the_device_refuses_to_unmap_goes_at_a_later_lock_section() 
     assert_no_leak(&dev);
 }
 
+/// A chunk a `wait_event` page move took is *in transit* while its old mapping retires (the
+/// donor's kernel runs): the device frees its memory only at that last unmapping. A trim of
+/// the new range meanwhile (here a `release_threshold` set after the move) passes it over: it
+/// stays a run of its range, mapped and counted; once the donor is done and the old mapping
+/// gone, the next trim releases it. Broken build `transit_released`: the trim takes it (here
+/// it retires behind stream 2's event, which waits for the donor; where the new stream's work
+/// is done it is released at once, and the device holds memory no allocator counts — the
+/// `allocator_ops` input `crash-chunk-in-transit-released`, with a stitched block and failing
+/// event queries, shows that).
+#[test]
+fn a_chunk_in_transit_is_not_released_before_its_old_mapping_goes() {
+    let (dev, alloc) = setup("cross_stream:wait_event", 8 * MIB);
+    let (s1, s2) = (dev.create_stream().unwrap(), dev.create_stream().unwrap());
+    let a = alloc.alloc(8 * MIB, s1).unwrap();
+    let (k, open) = gated_write(a.ptr(), 8 * MIB, 0x11);
+    dev.launch(s1, k).unwrap();
+    drop(a);
+    let b = alloc.alloc(4 * MIB, s2).unwrap();
+    assert_eq!(b.ptr(), DeviceAddr(base() + 16 * MIB));
+    assert_eq!(mapped_chunks(&dev, base()), vec![(0, 4), (8, 4)], "mapped twice: in transit");
+    drop(b);
+    let conf = "expandable_segments:true,cross_stream:wait_event,release_threshold_mb:0";
+    alloc.set_config(Config::parse(conf).unwrap()).unwrap();
+    // s2 frees again (a trim of its range is due): the chunk stays, counted.
+    drop(alloc.alloc(2 * MIB, s2).unwrap());
+    let reserved = |a: &Allocator<SimDevice>| a.stats().blocks.reserved_bytes.all.current;
+    assert_eq!(mapped_chunks(&dev, base()), vec![(0, 4), (8, 4)]);
+    let s2_range = |a: &Allocator<SimDevice>| {
+        let r = a.expandable_ranges().into_iter().find(|r| r.stream == s2).unwrap();
+        (r.runs, r.retiring_pages)
+    };
+    assert_eq!(s2_range(&alloc), (vec![(DeviceAddr(base() + 16 * MIB), 8 * MIB)], 0));
+    assert_eq!((reserved(&alloc), dev.physical_bytes()), (8 * MIB, 8 * MIB));
+    let st = alloc.stats();
+    assert_eq!((st.num_device_unmap, st.num_physical_release, st.num_host_syncs), (0, 0, 0));
+    alloc.check_invariants().unwrap();
+    // s1's kernel done: the old mapping goes at the next lock section, and s2's next free
+    // trims the chunk away.
+    open.send(()).unwrap();
+    dev.synchronize().unwrap();
+    drop(alloc.alloc(2 * MIB, s2).unwrap());
+    assert_eq!(mapped_chunks(&dev, base()), Vec::<(u64, u64)>::new());
+    assert_eq!((reserved(&alloc), dev.physical_bytes()), (0, 0));
+    let st = alloc.stats();
+    assert_eq!((st.num_device_unmap, st.num_physical_release, st.num_host_syncs), (2, 1, 0));
+    assert_eq!(dev.violations(), vec![]);
+    assert_eq!(dev.kernel_failures(), vec![]);
+    alloc.check_invariants().unwrap();
+    drop(alloc);
+    assert_no_leak(&dev);
+}
+
 #[test]
 fn the_sanitizer_catches_a_page_move_without_order() {
     let (dev, alloc) = setup("cross_stream:wait_event", 8 * MIB);

@@ -125,13 +125,33 @@ const HEADROOM_MAX_PAGES: u64 = 10;
 /// the chunk is released after its unmapping, and counted reserved until then).
 pub(super) struct Retiring {
     pub(super) event: EventId,
-    /// (range base, address, pages, what goes once they are unmapped).
-    pub(super) pages: Vec<(u64, u64, u64, Option<Held>)>,
+    /// (range base, address, pages, what they map).
+    pub(super) pages: Vec<(u64, u64, u64, Then)>,
 }
 
-/// A trim's retiring chunk: released once unmapped, and counted in `key`'s reserved bytes
-/// until then ([`Pool::hold`]).
-pub(super) type Held = (PhysHandle, PoolKey);
+/// What a retiring mapping maps, and what goes once it is unmapped.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Then {
+    /// The old place of a chunk a page move took: the chunk lives on in its new range, and is
+    /// *in transit* until this mapping goes (the device frees memory at its last unmapping, so
+    /// a release there would leave its memory held and counted nowhere): no release takes it
+    /// ([`Shared::free_page_runs`]).
+    Moved(PhysHandle),
+    /// A trim's chunk: released once unmapped, and counted in `key`'s reserved bytes until
+    /// then ([`Pool::hold`]).
+    Release(PhysHandle, PoolKey),
+}
+
+impl Vm {
+    /// The chunks in transit: a page move took them and their old mapping still retires.
+    pub(super) fn in_transit(&self) -> Vec<PhysHandle> {
+        let moved = |&(_, _, _, then): &(u64, u64, u64, Then)| match then {
+            Then::Moved(h) => Some(h),
+            Then::Release(..) => None,
+        };
+        self.retiring.iter().flat_map(|r| r.pages.iter().filter_map(moved)).collect()
+    }
+}
 
 /// Counters of virtual-memory calls, changed only through the `add_` methods, which mark them
 /// changed since they were last published.

@@ -129,7 +129,7 @@ impl<D: Device> Shared<D> {
                         st.vm.counts.add_unmaps(1);
                     } else {
                         range.retiring.extend((va..va + c.pages * page).step_by(page as usize));
-                        retire.push((d, va, c.pages, None));
+                        retire.push((d, va, c.pages, Then::Moved(c.handle)));
                     }
                     va += c.pages * page;
                 }

@@ -51,7 +51,8 @@ impl<D: Device> Shared<D> {
     /// Whole free chunks of range `base` in its runs that satisfy `which`, as runs (free block,
     /// first page, end), the highest first, until they hold `want` pages, at most `cap` pages in
     /// all (a chunk that would pass `cap` is passed over; with `moving`, so is a chunk a stitched
-    /// block also maps: a page move unmaps it here, and the stitch would keep its memory).
+    /// block also maps: a page move unmaps it here, and the stitch would keep its memory; and
+    /// always a chunk in transit, [`Then::Moved`]).
     pub(super) fn free_page_runs(
         &self,
         st: &State,
@@ -62,6 +63,13 @@ impl<D: Device> Shared<D> {
         mut which: impl FnMut(&Segment) -> bool,
     ) -> Vec<(BlockId, u64, u64)> {
         let (page, r) = (st.vm.page, &st.vm.ranges[&base]);
+        // BROKEN (`transit_released`): a chunk whose old place still retires is released here
+        // (its memory held by that mapping and counted in no reserved bytes).
+        let transit = match st.vm.retiring.is_empty() || cfg!(tidepool_broken = "transit_released")
+        {
+            true => Vec::new(),
+            false => st.vm.in_transit(),
+        };
         let mut out = Vec::new();
         let (mut left, mut got) = (want, 0u64);
         for (_, &seg) in r.segs.iter().rev() {
@@ -90,7 +98,8 @@ impl<D: Device> Shared<D> {
                     let fits = c.lo >= a
                         && c.lo + c.pages * page == top
                         && got + c.pages <= cap
-                        && !(moving && r.aliased.contains_key(&c.lo));
+                        && !(moving && r.aliased.contains_key(&c.lo))
+                        && !transit.contains(&c.handle);
                     if fits {
                         left = left.saturating_sub(c.pages);
                         got += c.pages;
@@ -338,7 +347,7 @@ impl<D: Device> Shared<D> {
             while va < b {
                 let c = range.pages.remove(va).expect("a mapped chunk");
                 range.retiring.extend((va..va + c.pages * page).step_by(page as usize));
-                pages.push((base, va, c.pages, Some((c.handle, key))));
+                pages.push((base, va, c.pages, Then::Release(c.handle, key)));
                 va += c.pages * page;
             }
         }
@@ -369,7 +378,7 @@ impl<D: Device> Shared<D> {
                 _ => false,
             };
             if done {
-                r.pages.retain(|&(base, va, n, handle)| {
+                r.pages.retain(|&(base, va, n, then)| {
                     if self.device.vm_unmap(DeviceAddr(va), n * page).is_err() {
                         return true;
                     }
@@ -380,7 +389,7 @@ impl<D: Device> Shared<D> {
                         }
                     }
                     // A trim's chunk: its memory goes now, and leaves the reserved bytes.
-                    if let Some((h, key)) = handle {
+                    if let Then::Release(h, key) = then {
                         self.release_handle(&mut st.vm, h);
                         st.pool.unhold(key, n * page);
                     }
@@ -520,9 +529,11 @@ impl<D: Device> Shared<D> {
         let mut left = Self::stitch_leftovers(vm);
         left.extend(vm.unreleased.drain(..).map(Leftover::Release));
         for r in std::mem::take(&mut vm.retiring) {
-            for &(_, va, n, handle) in &r.pages {
+            for &(_, va, n, then) in &r.pages {
                 left.push(Leftover::Unmap { va, bytes: n * page });
-                left.extend(handle.map(|(h, _)| Leftover::Release(h)));
+                if let Then::Release(h, _) = then {
+                    left.push(Leftover::Release(h));
+                }
             }
             left.push(Leftover::Event(r.event));
         }
