@@ -79,13 +79,13 @@ impl<D: Device> Shared<D> {
         }
         if !st.vm.is_empty() {
             self.unstitch_freed(st);
-            // Pages retired behind their stream's event (a trim under unfinished work, a page
-            // move under `wait_event`) go once the event has completed, at the first lock
-            // section's end after it, not at the next trim or growth: with no
-            // `release_threshold` there is no trim once a learning run has ended, and a
-            // training loop served by its plan grows no more, so its retired pages stayed
-            // mapped and counted reserved for the rest of the run. A trim polls them itself.
-            // No event is queried during a capture (the trim's own poll aside).
+            // Pages retired behind their stream's event (a page move's old mapping under
+            // `wait_event`, a trim's chunks under unfinished work) go once the event has
+            // completed, at the first lock section's end after it, not only at the next trim or
+            // growth: with no `release_threshold` no trim runs, and a training loop at steady
+            // state grows no more, so a page move's old mapping stayed (a wall in the donor's
+            // range, its chunk in transit) until some stream grew again. A trim polls them
+            // itself. No event is queried during a capture (the trim's own poll aside).
             // BROKEN (`retiring_unpolled`): left to the next trim or growth.
             if !st.vm.retiring.is_empty()
                 && !st.vm.trim_due()
