@@ -534,21 +534,38 @@ fn wait_event_moves_pages_at_once_and_unmaps_after_the_owner() {
     assert_no_leak(&dev);
 }
 
+/// Stream 1 frees 8 MiB while its kernel still writes them; stream 2 asks for 4 MiB on a
+/// device with no room left and, under `wait_event`, takes stream 1's chunk at once: mapped in
+/// its range while the old mapping retires behind the kernel (the chunk *in transit*). Returns
+/// the device, the allocator, streams 1 and 2, stream 2's buffer and the kernel's gate.
+fn moved_while_the_donor_runs(config: &str) -> InTransit {
+    let (dev, alloc) = setup(config, 8 * MIB);
+    let (s1, s2) = (dev.create_stream().unwrap(), dev.create_stream().unwrap());
+    let a = alloc.alloc(8 * MIB, s1).unwrap();
+    let (k, open) = gated_write(a.ptr(), 8 * MIB, 0x11);
+    dev.launch(s1, k).unwrap();
+    drop(a);
+    let b = alloc.alloc(4 * MIB, s2).unwrap();
+    assert_eq!(b.ptr(), DeviceAddr(base() + 16 * MIB));
+    assert_eq!(mapped_chunks(&dev, base()), vec![(0, 4), (8, 4)], "mapped twice: in transit");
+    (dev, alloc, [s1, s2], b, open)
+}
+
+type InTransit = (
+    Arc<SimDevice>,
+    Allocator<SimDevice>,
+    [StreamId; 2],
+    tidepool::Buffer<SimDevice>,
+    std::sync::mpsc::Sender<()>,
+);
+
 /// The old mapping of a moved chunk, once its donor's kernel is done, meets a device that
 /// fails: an event query that errs counts as unfinished (no wait, nothing unmapped) and a
 /// refused unmap keeps the mapping; each is tried again at the next lock section's end, and the
 /// mapping goes then. Nothing is lost or counted twice, and the allocator works on.
 #[test]
 fn a_retired_mapping_the_device_refuses_to_unmap_goes_at_a_later_lock_section() {
-    let (dev, alloc) = setup("cross_stream:wait_event", 8 * MIB);
-    let (s1, s2) = (dev.create_stream().unwrap(), dev.create_stream().unwrap());
-    let a = alloc.alloc(8 * MIB, s1).unwrap();
-    let (k, open) = gated_write(a.ptr(), 8 * MIB, 0x11);
-    dev.launch(s1, k).unwrap();
-    drop(a);
-    let b = alloc.alloc(4 * MIB, s2).unwrap(); // s1's chunk, its old mapping retiring
-    assert_eq!(b.ptr(), DeviceAddr(base() + 16 * MIB));
-    assert_eq!(mapped_chunks(&dev, base()), vec![(0, 4), (8, 4)]);
+    let (dev, alloc, [s1, _], b, open) = moved_while_the_donor_runs("cross_stream:wait_event");
     open.send(()).unwrap();
     dev.synchronize().unwrap();
     let unmaps = |a: &Allocator<SimDevice>| a.stats().num_device_unmap;
@@ -591,15 +608,7 @@ fn a_retired_mapping_the_device_refuses_to_unmap_goes_at_a_later_lock_section() 
 /// event queries, shows that).
 #[test]
 fn a_chunk_in_transit_is_not_released_before_its_old_mapping_goes() {
-    let (dev, alloc) = setup("cross_stream:wait_event", 8 * MIB);
-    let (s1, s2) = (dev.create_stream().unwrap(), dev.create_stream().unwrap());
-    let a = alloc.alloc(8 * MIB, s1).unwrap();
-    let (k, open) = gated_write(a.ptr(), 8 * MIB, 0x11);
-    dev.launch(s1, k).unwrap();
-    drop(a);
-    let b = alloc.alloc(4 * MIB, s2).unwrap();
-    assert_eq!(b.ptr(), DeviceAddr(base() + 16 * MIB));
-    assert_eq!(mapped_chunks(&dev, base()), vec![(0, 4), (8, 4)], "mapped twice: in transit");
+    let (dev, alloc, [_, s2], b, open) = moved_while_the_donor_runs("cross_stream:wait_event");
     drop(b);
     let conf = "expandable_segments:true,cross_stream:wait_event,release_threshold_mb:0";
     alloc.set_config(Config::parse(conf).unwrap()).unwrap();
