@@ -336,7 +336,8 @@ impl<D: Device> Shared<D> {
         event: EventId,
     ) {
         let page = st.vm.page;
-        let (key, stream) = (st.vm.ranges[&base].key, st.vm.ranges[&base].key.stream);
+        let key = st.vm.ranges[&base].key;
+        let stream = key.stream;
         let mut pages = Vec::new();
         for (block, a, b) in runs {
             self.carve_run(st, base, block, a, b);
@@ -413,8 +414,8 @@ impl<D: Device> Shared<D> {
         if !st.vm.trim_due() {
             return;
         }
-        // Chunks earlier trims retired whose stream's work has completed go now.
-        self.poll_retiring(st, false);
+        // (Chunks earlier trims retired whose stream's work has completed went just before:
+        // `Shared::settle`, this function's one caller.)
         let threshold = st.vm.threshold;
         let streams: Vec<StreamId> = st.pool.dirty_streams();
         for s in streams {

@@ -84,13 +84,14 @@ impl<D: Device> Shared<D> {
             // completed, at the first lock section's end after it, not only at the next trim or
             // growth: with no `release_threshold` no trim runs, and a training loop at steady
             // state grows no more, so a page move's old mapping stayed (a wall in the donor's
-            // range, its chunk in transit) until some stream grew again. A trim polls them
-            // itself. No event is queried during a capture (the trim's own poll aside).
-            // BROKEN (`retiring_unpolled`): left to the next trim or growth.
+            // range, its chunk in transit) until some stream grew again. Where a trim is due
+            // they go first, so that it sees them (as it did, even in a capture); otherwise no
+            // event is queried during a capture.
+            // BROKEN (`retiring_unpolled`): polled only where a trim is due.
             if !st.vm.retiring.is_empty()
-                && !st.vm.trim_due()
-                && !cfg!(tidepool_broken = "retiring_unpolled")
-                && !self.device.capture_underway()
+                && (st.vm.trim_due()
+                    || !cfg!(tidepool_broken = "retiring_unpolled")
+                        && !self.device.capture_underway())
             {
                 self.poll_retiring(st, false);
             }
