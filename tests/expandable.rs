@@ -295,13 +295,30 @@ fn release_threshold_keeps_that_much_mapped() {
     assert_no_leak(&dev);
 }
 
-#[test]
-fn release_waits_for_the_streams_work_and_counts_the_sync() {
-    let (dev, alloc) = setup("", CAP);
+/// A fresh allocator (`config`, a device of `capacity`) whose first 4 MiB, at the first
+/// range's base on a new stream, a kernel writes until the returned gate opens. Returns the
+/// device, the allocator, the stream, the buffer (still allocated) and the gate.
+fn written_at_base(config: &str, capacity: u64) -> UnderAKernel {
+    let (dev, alloc) = setup(config, capacity);
     let s = dev.create_stream().unwrap();
     let a = alloc.alloc(4 * MIB, s).unwrap();
+    assert_eq!(a.ptr(), DeviceAddr(base()));
     let (k, open) = gated_write(a.ptr(), 4 * MIB, 0x5A);
     dev.launch(s, k).unwrap();
+    (dev, alloc, s, a, open)
+}
+
+type UnderAKernel = (
+    Arc<SimDevice>,
+    Allocator<SimDevice>,
+    StreamId,
+    tidepool::Buffer<SimDevice>,
+    std::sync::mpsc::Sender<()>,
+);
+
+#[test]
+fn release_waits_for_the_streams_work_and_counts_the_sync() {
+    let (dev, alloc, _, a, open) = written_at_base("", CAP);
     drop(a); // free on its own stream: reusable at once there, but its pages are still in use
     let waiter = common::open_on_next_sync(&dev, open);
     alloc.empty_cache().unwrap(); // must wait for the kernel before unmapping
@@ -321,12 +338,7 @@ fn release_waits_for_the_streams_work_and_counts_the_sync() {
 /// Broken build `trim_waits`: the free waits for the kernel (a counted host sync).
 #[test]
 fn a_trim_under_unfinished_work_retires_its_pages_without_a_host_wait() {
-    let (dev, alloc) = setup("release_threshold_mb:0", CAP);
-    let s = dev.create_stream().unwrap();
-    let a = alloc.alloc(4 * MIB, s).unwrap();
-    assert_eq!(a.ptr(), DeviceAddr(base()));
-    let (k, open) = gated_write(a.ptr(), 4 * MIB, 0x5A);
-    dev.launch(s, k).unwrap();
+    let (dev, alloc, s, a, open) = written_at_base("release_threshold_mb:0", CAP);
     // (Under the broken build the free below waits for the kernel: opened at that sync.)
     let opener = common::open_on_next_sync(&dev, open);
     drop(a);
@@ -374,11 +386,7 @@ fn a_trim_under_unfinished_work_retires_its_pages_without_a_host_wait() {
 /// (found by the `allocator_ops` fuzzer).
 #[test]
 fn reset_peak_stats_resets_to_what_its_lock_section_leaves() {
-    let (dev, alloc) = setup("release_threshold_mb:0", CAP);
-    let s = dev.create_stream().unwrap();
-    let a = alloc.alloc(4 * MIB, s).unwrap();
-    let (k, open) = gated_write(a.ptr(), 4 * MIB, 0x5A);
-    dev.launch(s, k).unwrap();
+    let (dev, alloc, _, a, open) = written_at_base("release_threshold_mb:0", CAP);
     drop(a);
     let r = alloc.stats().blocks.reserved_bytes.all;
     assert_eq!((r.current, r.peak), (2 * P, 2 * P), "retired behind the kernel");
@@ -402,11 +410,7 @@ fn reset_peak_stats_resets_to_what_its_lock_section_leaves() {
 /// and grows; and an allocator dropped with retiring pages waits for them and leaks nothing.
 #[test]
 fn retired_pages_are_waited_for_by_the_out_of_memory_ladder_and_at_the_end() {
-    let (dev, alloc) = setup("release_threshold_mb:0", 2 * P);
-    let s = dev.create_stream().unwrap();
-    let a = alloc.alloc(4 * MIB, s).unwrap();
-    let (k, open) = gated_write(a.ptr(), 4 * MIB, 0x11);
-    dev.launch(s, k).unwrap();
+    let (dev, alloc, s, a, open) = written_at_base("release_threshold_mb:0", 2 * P);
     let opener = common::open_on_next_sync(&dev, open);
     drop(a);
     assert_eq!(alloc.stats().num_host_syncs, 0);
