@@ -1354,3 +1354,144 @@ fn the_largest_small_class_leaves_the_stream_cache_lowest_address_first() {
     assert_eq!(alloc.global_lock_acquisitions(), n, "three hits, no lock");
     assert_eq!(again.iter().map(|b| b.ptr()).collect::<Vec<_>>(), [ptrs[1], ptrs[2], ptrs[0]]);
 }
+
+/// What a growth that failed after taking another stream's chunk left: its result, the
+/// device's mappings, reserved and physical bytes, host syncs and pages moved.
+type AfterFailedTake = (Result<DeviceAddr, String>, Vec<(u64, u64)>, u64, u64, u64, u64);
+
+/// Stream 1 frees 8 MiB while its kernel still writes them; stream 2, under `wait_event` with
+/// `throw_on_cudamalloc_oom` and a cap of 8 MiB, asks for 12 MiB, optionally while a capture
+/// runs on a third stream. Its growth takes stream 1's chunk (4 pages, its old mapping
+/// retiring behind the kernel) and needs 2 pages more: past the cap, refused. Returns what the
+/// failed growth left (see [`AfterFailedTake`]), the kernel's gate opened afterwards, with the
+/// invariants checked and no leak at the end.
+fn rejected_after_taking(capture: bool, unsettled: bool) -> AfterFailedTake {
+    let conf =
+        "cross_stream:wait_event,throw_on_cudamalloc_oom:true,per_process_memory_fraction:0.5";
+    let (dev, alloc) = setup(conf, 16 * MIB);
+    alloc.set_broken(tidepool::hooks::Broken::UnsettledMoves, unsettled);
+    let (s1, s2, c) =
+        (dev.create_stream().unwrap(), dev.create_stream().unwrap(), dev.create_stream().unwrap());
+    let a = alloc.alloc(8 * MIB, s1).unwrap();
+    let (k, open) = gated_write(a.ptr(), 8 * MIB, 0x11);
+    dev.launch(s1, k).unwrap();
+    drop(a);
+    if capture {
+        alloc.begin_capture(c, None).unwrap();
+    }
+    // (A host wait, where the allocator makes one, opens the gate.)
+    let opener = common::open_on_next_sync(&dev, open);
+    let b = alloc.alloc(12 * MIB, s2).map(|b| b.ptr()).map_err(|e| e.to_string());
+    let s = alloc.stats();
+    let after = (
+        b,
+        mapped_chunks(&dev, base()),
+        s.blocks.reserved_bytes.all.current,
+        dev.physical_bytes(),
+        s.num_host_syncs,
+        s.num_pages_moved,
+    );
+    if capture {
+        drop(alloc.end_capture(c).unwrap());
+    }
+    dev.synchronize().unwrap();
+    opener.join().unwrap();
+    if !unsettled {
+        alloc.check_invariants().unwrap();
+    }
+    alloc.synchronize().unwrap();
+    alloc.empty_cache().unwrap();
+    alloc.check_invariants().unwrap();
+    assert_eq!(dev.violations(), vec![]);
+    assert_eq!(dev.kernel_failures(), vec![]);
+    drop(alloc);
+    assert_no_leak(&dev);
+    after
+}
+
+/// A growth refused after taking pages goes back to where it was: the chunk, still mapped at
+/// its old place, is a free run of stream 1's range again — no device call, no host wait, also
+/// during a capture, where no wait is allowed. Broken build `taken_waited_for` (the earlier
+/// fix): a host wait for stream 1's kernel, then the chunk released; in a capture, which
+/// refuses the wait, released while still mapped (the device holds 8 MiB no range counts).
+#[test]
+fn a_failed_growth_gives_the_pages_it_took_back_to_their_donor() {
+    for capture in [false, true] {
+        let (b, chunks, reserved, physical, syncs, moved) = rejected_after_taking(capture, false);
+        let e = b.unwrap_err();
+        assert!(e.contains("preemptively rejected"), "{e}");
+        assert_eq!(chunks, vec![(0, 4)], "capture: {capture}");
+        assert_eq!((reserved, physical), (8 * MIB, 8 * MIB), "capture: {capture}");
+        assert_eq!((syncs, moved), (0, 0), "capture: {capture}");
+    }
+}
+
+/// Broken mode `UnsettledMoves`: the taken chunk is released while its old mapping retires,
+/// and the device holds its memory where no range counts it.
+#[test]
+fn a_taken_chunk_released_while_mapped_is_caught() {
+    let (b, chunks, reserved, physical, syncs, _) = rejected_after_taking(false, true);
+    assert!(b.is_err());
+    assert_eq!((chunks, reserved, physical, syncs), (vec![(0, 4)], 0, 8 * MIB, 0));
+}
+
+/// `throw_on_cudamalloc_oom` and the caps weigh what a growth holds once done, the chunks it
+/// takes from other streams included (carved out of their donors' pools, they are in no
+/// reserved bytes while the growth runs): stream 2's 12 MiB — stream 1's 8 MiB moved, 4 MiB
+/// new — pass a cap of 8 MiB. Without the cap, or with a cap the growth fits, the same request
+/// moves the chunk. Broken build `cap_skips_taken`: only the new 4 MiB weighed, and the
+/// allocator reserves 12 MiB under a cap of 8.
+#[test]
+fn the_caps_weigh_the_pages_a_growth_takes() {
+    let (b, ..) = rejected_after_taking(false, false);
+    assert!(b.unwrap_err().contains("would take the 8.00 MiB reserved past the cap of 8.00 MiB"));
+    for conf in ["", "per_process_memory_fraction:0.75", "throw_on_cudamalloc_oom:true"] {
+        let (dev, alloc) = setup(&format!("cross_stream:wait_event,{conf}"), 16 * MIB);
+        let (s1, s2) = (dev.create_stream().unwrap(), dev.create_stream().unwrap());
+        drop(alloc.alloc(8 * MIB, s1).unwrap());
+        let b = alloc.alloc(12 * MIB, s2).unwrap();
+        assert_eq!(b.ptr(), DeviceAddr(base() + 32 * MIB), "{conf}");
+        assert_eq!(mapped_chunks(&dev, base()), vec![(16, 4), (20, 2)], "{conf}");
+        let s = alloc.stats();
+        assert_eq!((s.num_pages_moved, s.blocks.reserved_bytes.all.current), (4, 12 * MIB));
+        drop(b);
+        alloc.check_invariants().unwrap();
+        drop(alloc);
+        assert_no_leak(&dev);
+    }
+}
+
+/// A growth whose map fails after it took another stream's chunk, during a capture on a third
+/// stream (no host wait allowed): the chunk goes back to its donor, and the ladder's retry takes
+/// it again and succeeds, on a device with no room for new memory beyond it. Broken build
+/// `taken_waited_for`: the refused wait left the chunk mapped at its old place when it was
+/// released; its memory held there, the retry's new pages do not fit: out of memory.
+#[test]
+fn a_map_refused_after_a_take_during_a_capture_leaves_the_pages_to_retry() {
+    let (dev, alloc) = setup("cross_stream:wait_event", 12 * MIB);
+    let (s1, s2, c) =
+        (dev.create_stream().unwrap(), dev.create_stream().unwrap(), dev.create_stream().unwrap());
+    let a = alloc.alloc(8 * MIB, s1).unwrap();
+    let (k, open) = gated_write(a.ptr(), 8 * MIB, 0x11);
+    dev.launch(s1, k).unwrap();
+    drop(a);
+    alloc.begin_capture(c, None).unwrap();
+    dev.fail_nth_vm_map(Some(1));
+    let b = alloc.alloc(12 * MIB, s2).map_err(|e| tidepool::ErrorChain(&e).to_string()).unwrap();
+    assert_eq!(b.ptr(), DeviceAddr(base() + 24 * MIB));
+    assert_eq!(mapped_chunks(&dev, base()), vec![(0, 4), (12, 4), (16, 2)], "in transit");
+    let s = alloc.stats();
+    assert_eq!((s.num_pages_moved, s.num_host_syncs, s.num_alloc_retries), (4, 0, 1));
+    assert_eq!((dev.physical_bytes(), s.blocks.reserved_bytes.all.current), (12 * MIB, 12 * MIB));
+    drop(alloc.end_capture(c).unwrap());
+    open.send(()).unwrap();
+    dev.synchronize().unwrap();
+    drop(b);
+    alloc.synchronize().unwrap();
+    assert_eq!(mapped_chunks(&dev, base()), vec![(12, 4), (16, 2)]);
+    alloc.check_invariants().unwrap();
+    assert_eq!(dev.violations(), vec![]);
+    assert_eq!(dev.kernel_failures(), vec![]);
+    drop(alloc);
+    assert_no_leak(&dev);
+}

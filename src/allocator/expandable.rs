@@ -191,6 +191,12 @@ impl VmCounts {
         self.moves += n;
         self.unpublished = true;
     }
+
+    /// Pages a failed growth took and gave back (`give_back_taken`): not moved after all.
+    pub(super) fn sub_moves(&mut self, n: u64) {
+        self.moves -= n;
+        self.unpublished = true;
+    }
 }
 
 /// The allocator's virtual memory, under the global lock (in [`State`]).
@@ -906,13 +912,10 @@ impl<D: Device> Shared<D> {
         let page = st.vm.page;
         let base = st.vm.by_key[&key];
         let Place { lo, pages } = place;
-        // With `throw_on_cudamalloc_oom` the caps are checked below, against the pages this
-        // growth must create once other streams' cached chunks are taken: a growth those
-        // chunks serve creates no memory and is never refused.
+        // The caps (`throw_on_cudamalloc_oom`'s rejection, or the out-of-memory of a cap) are
+        // checked below, once other streams' cached chunks are taken: a growth those chunks
+        // serve alone creates no memory and is never refused.
         let throw = config.throw_on_oom;
-        if !throw && !self.within_limit(st, config, pages * page) {
-            return Err(oom());
-        }
         // BROKEN (`reject_before_taking`): the whole growth weighed, chunks to take included.
         if throw
             && cfg!(tidepool_broken = "reject_before_taking")
@@ -941,7 +944,7 @@ impl<D: Device> Shared<D> {
         if let Err(e) = self.take_pages(st, config, key, pages, room, chunks) {
             // Chunks taken before the error are in no range: they go back to the device.
             if !cfg!(tidepool_broken = "taken_chunks_lost") {
-                self.settle_taken(st, retiring_before);
+                self.give_back_taken(st, retiring_before, chunks);
                 self.drop_handles(st, chunks);
             }
             return Err(e);
@@ -949,17 +952,25 @@ impl<D: Device> Shared<D> {
         let mut have: u64 = chunks.iter().map(|c| c.1).sum();
         let pages = pages.max(have);
         let create = (pages - have) * page;
-        if throw && create > 0 {
-            let refused = if self.rejects(st, config, create) {
+        if create > 0 {
+            // The range holds all `pages` after the growth: the new chunks and the taken ones,
+            // which are carved out of their donors' pools and in no reserved bytes meanwhile.
+            // BROKEN (`cap_skips_taken`): only the new pages weighed; the growth passes the cap
+            // by the taken ones.
+            let add = match cfg!(tidepool_broken = "cap_skips_taken") {
+                true => create,
+                false => pages * page,
+            };
+            let refused = if self.rejects(st, config, add) {
                 Some(super::oom::rejected())
-            } else if !self.within_limit(st, config, create) {
+            } else if !self.within_limit(st, config, add) {
                 Some(oom())
             } else {
                 None
             };
             if let Some(e) = refused {
-                // As a refused creation: the chunks taken go back to the device.
-                self.settle_taken(st, retiring_before);
+                // As a refused creation: the chunks taken go back to their donors, or the device.
+                self.give_back_taken(st, retiring_before, chunks);
                 self.drop_handles(st, chunks);
                 return Err(e);
             }
@@ -974,7 +985,7 @@ impl<D: Device> Shared<D> {
                     have += n;
                 }
                 Err(e) => {
-                    self.settle_taken(st, retiring_before);
+                    self.give_back_taken(st, retiring_before, chunks);
                     self.drop_handles(st, chunks);
                     return Err(device_err(e));
                 }
@@ -1002,7 +1013,10 @@ impl<D: Device> Shared<D> {
                     at -= m * page;
                     kept -= 1;
                 }
-                self.settle_taken(st, retiring_before);
+                // The chunks left mapped here stay (a moved one's old mapping retiring as after
+                // any move); the others go back to their donors, or the device.
+                let mut rest = chunks.split_off(kept);
+                self.give_back_taken(st, retiring_before, &mut rest);
                 if kept > 0 {
                     let range = st.vm.ranges.get_mut(&base).expect("the key's range");
                     let mut a = lo;
@@ -1012,7 +1026,7 @@ impl<D: Device> Shared<D> {
                     }
                     self.join_pages(st, base, lo, a - lo);
                 }
-                self.drop_handles(st, &chunks[kept..]);
+                self.drop_handles(st, &rest);
                 self.publish_vm(&mut st.vm);
                 return Err(device_err(e));
             }

@@ -10,27 +10,68 @@
 //! ```
 //!
 //! The old mapping retires (`Vm::retiring`) until the donor's event completes, so the donor's
-//! unfinished work never loses its memory; a growth that fails after taking chunks waits for
-//! those events on the host (`settle_taken`).
+//! unfinished work never loses its memory; a growth that fails after taking chunks gives those
+//! still mapped at their old place back to their donor (`give_back_taken`).
 
 use super::expandable::*;
 use super::*;
 use crate::device::PhysHandle;
+use page_table::Chunk;
 
 impl<D: Device> Shared<D> {
-    /// A growth failed after taking chunks whose old mappings still retire (`wait_event`: the
-    /// donor's work may be unfinished): waits for those events on the host (counted), so that the
-    /// old mappings go now and releasing the chunks frees their memory. Otherwise no range would
-    /// count memory the device still holds until the next poll. `from`: the retiring entries
-    /// before the growth. (A wait refused during a capture leaves them to the next poll.)
-    pub(super) fn settle_taken(&self, st: &mut State, from: usize) {
+    /// A growth failed after taking chunks: those whose old mapping still retires (`wait_event`:
+    /// the donor's work may be unfinished) go back to their donor, where they are still mapped
+    /// — each becomes a free run of its range again, as before the growth, with no device call
+    /// and no host wait (also during a capture, where no wait is allowed). They leave `chunks`;
+    /// what is left there (new chunks, chunks unmapped from an idle donor) is released by the
+    /// caller. `from`: the retiring entries before the growth.
+    ///
+    /// Broken mode `UnsettledMoves`: nothing goes back, and the caller releases chunks whose old
+    /// mapping still holds their memory (counted in no range until a later poll). Broken build
+    /// `taken_waited_for` (the fix before this one): it waits for the donors' events on the
+    /// host, a counted sync, which a capture refuses — the chunks are then released while mapped.
+    pub(super) fn give_back_taken(
+        &self,
+        st: &mut State,
+        from: usize,
+        chunks: &mut Vec<(PhysHandle, u64)>,
+    ) {
         if st.vm.retiring.len() <= from || self.broken(Broken::UnsettledMoves) {
             return;
         }
+        if cfg!(tidepool_broken = "taken_waited_for") {
+            let taken = st.vm.retiring.split_off(from);
+            let older = std::mem::replace(&mut st.vm.retiring, taken);
+            self.poll_retiring(st, !self.device.capture_underway());
+            st.vm.retiring.splice(0..0, older);
+            return;
+        }
+        let page = st.vm.page;
         let taken = st.vm.retiring.split_off(from);
-        let older = std::mem::replace(&mut st.vm.retiring, taken);
-        self.poll_retiring(st, !self.device.capture_underway());
-        st.vm.retiring.splice(0..0, older);
+        for mut entry in taken {
+            let mut back = Vec::new();
+            entry.pages.retain(|&(d, va, n, then)| match then {
+                Then::Moved(h) if chunks.iter().any(|c| c.0 == h) => {
+                    back.push((d, va, n, h));
+                    false
+                }
+                _ => true,
+            });
+            for (d, va, n, h) in back {
+                chunks.retain(|c| c.0 != h);
+                let range = st.vm.ranges.get_mut(&d).expect("the donor's range");
+                for p in (va..va + n * page).step_by(page as usize) {
+                    range.retiring.remove(&p);
+                }
+                range.pages.insert(Chunk { handle: h, lo: va, pages: n });
+                st.vm.counts.sub_moves(n);
+                self.join_pages(st, d, va, n * page);
+            }
+            match entry.pages.is_empty() {
+                true => st.free_events.push(entry.event),
+                false => st.vm.retiring.push(entry),
+            }
+        }
     }
 
     /// Takes up to `n` pages, in whole free chunks, cached by other streams' transient ranges for
