@@ -645,6 +645,45 @@ fn a_chunk_in_transit_is_not_released_before_its_old_mapping_goes() {
     assert_no_leak(&dev);
 }
 
+/// A trim that passes a chunk in transit over remembers nothing: once the old mapping is gone,
+/// the stream's next change — here a persistent allocation, which leaves its transient free
+/// bytes as they were — checks again, and the chunk goes. Broken build `transit_memo_kept`: the
+/// trim remembered the stream's free bytes, and the chunk stayed mapped past
+/// `release_threshold_mb:0` until the stream freed a page more.
+#[test]
+fn a_chunk_passed_over_in_transit_goes_at_its_streams_next_change() {
+    let (dev, alloc) = setup("cross_stream:wait_event", 16 * MIB);
+    let (s1, s2) = (dev.create_stream().unwrap(), dev.create_stream().unwrap());
+    // s1's 8 MiB, cached while its kernel runs.
+    let a = alloc.alloc(8 * MIB, s1).unwrap();
+    let (k, open) = gated_write(a.ptr(), 8 * MIB, 0x11);
+    dev.launch(s1, k).unwrap();
+    drop(a);
+    // s2 takes s1's chunk (4 pages, in transit), then frees: a trim passes it over.
+    let b = alloc.alloc(4 * MIB, s2).unwrap();
+    assert_eq!(b.ptr(), DeviceAddr(base() + 32 * MIB));
+    let conf = "cross_stream:wait_event,release_threshold_mb:0";
+    alloc.set_config(Config::parse(conf).unwrap().with_expandable_segments(true)).unwrap();
+    drop(b);
+    assert_eq!(mapped_chunks(&dev, base()), vec![(0, 4), (16, 4)]);
+    open.send(()).unwrap();
+    dev.synchronize().unwrap();
+    alloc.check_invariants().unwrap(); // a lock section: the old mapping goes
+    assert_eq!(mapped_chunks(&dev, base()), vec![(16, 4)]);
+    let w = alloc.alloc_in(2 * MIB, s2, Residency::Persistent).unwrap();
+    assert_eq!(w.ptr(), DeviceAddr(base() + 64 * MIB));
+    assert_eq!(mapped_chunks(&dev, base()), vec![(32, 1)], "the chunk went");
+    assert_eq!(alloc.stats().blocks.reserved_bytes.all.current, 2 * MIB);
+    let st = alloc.stats();
+    assert_eq!((st.num_device_unmap, st.num_physical_release, st.num_host_syncs), (2, 1, 0));
+    assert_eq!(dev.violations(), vec![]);
+    drop(w);
+    alloc.check_invariants().unwrap();
+    alloc.release_persistent().unwrap();
+    drop(alloc);
+    assert_no_leak(&dev);
+}
+
 #[test]
 fn the_sanitizer_catches_a_page_move_without_order() {
     let (dev, alloc) = setup("cross_stream:wait_event", 8 * MIB);

@@ -9,7 +9,7 @@ mod common;
 
 use common::assert_no_leak;
 use tidepool::MIB;
-use tidepool::device::{SIM_BASE, SimDevice};
+use tidepool::device::{Launch, SIM_BASE, SimDevice};
 use tidepool::{AllocError, Allocator, Config, Device, DeviceAddr, Residency, StreamId};
 
 const P: u64 = 2 * MIB;
@@ -227,6 +227,47 @@ fn a_refused_unmap_at_destroy_stream_leaves_the_pages_to_release_stream() {
     assert_eq!((dev.live_mappings(), dev.virtual_bytes()), (vec![], 0));
     let st = alloc.stats();
     assert_eq!((st.num_device_unmap, st.num_physical_release), (2, 2));
+    consistent(&dev, &alloc);
+    drop(alloc);
+    assert_no_leak(&dev);
+}
+
+/// A learning run's end (a named scope's first run) on stream `s` releases `s`'s free pages,
+/// waiting for what retires in `s`'s ranges. A trim of another stream `t`, whose kernel still
+/// runs, retires behind `t`'s event: the run's end only queries it — no host wait for `t`'s
+/// work — and it goes at the first lock section after that work is done. Broken build
+/// `adopt_waits_all`: the run's end waited on the host for `t`'s kernel.
+#[test]
+fn a_learning_runs_end_waits_for_no_other_streams_retiring_pages() {
+    let (dev, alloc) = setup("release_threshold_mb:0", CAP);
+    let (s, t) = (dev.create_stream().unwrap(), dev.create_stream().unwrap());
+    let b = alloc.alloc(4 * MIB, t).unwrap();
+    assert_eq!(b.ptr(), DeviceAddr(SIM_BASE));
+    let (k, open) = common::gated_write_bytes(b.ptr(), 4 * MIB, 3);
+    dev.launch(t, k).unwrap();
+    drop(b); // trimmed at once: retires behind t's kernel
+    let retiring = |a: &Allocator<SimDevice>| {
+        a.expandable_ranges().iter().map(|r| (r.stream, r.retiring_pages)).collect::<Vec<_>>()
+    };
+    assert_eq!(retiring(&alloc), vec![(t, 2)]);
+    let opener = common::open_on_next_sync(&dev, open);
+    let run = alloc.named_scope("step", s);
+    let x = run.alloc(6 * MIB).unwrap();
+    assert_eq!(x.ptr(), DeviceAddr(SIM_BASE + 2 * CAP));
+    drop(x);
+    drop(run);
+    assert_eq!(alloc.stats().num_host_syncs, 0);
+    assert_eq!(retiring(&alloc), vec![(t, 2), (s, 0)]);
+    // t's old pages, and the 6 MiB region the run's plan keeps mapped for its next runs.
+    let region = (DeviceAddr(SIM_BASE + 2 * CAP), 6 * MIB);
+    assert_eq!(dev.live_mappings(), vec![(DeviceAddr(SIM_BASE), 4 * MIB), region]);
+    assert_eq!(alloc.reserved_bytes(), 10 * MIB, "t's pages held until unmapped");
+    dev.synchronize().unwrap(); // a host sync of the test's: the gate opens
+    opener.join().unwrap();
+    alloc.check_invariants().unwrap(); // a lock section: the old mapping goes
+    assert_eq!(retiring(&alloc), vec![(t, 0), (s, 0)]);
+    assert_eq!(alloc.stats().num_host_syncs, 0);
+    assert_eq!(dev.live_mappings(), vec![region]);
     consistent(&dev, &alloc);
     drop(alloc);
     assert_no_leak(&dev);

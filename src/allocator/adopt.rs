@@ -23,11 +23,12 @@
 use super::batch::BatchBlock;
 use super::broken::Broken;
 use super::counters::quadrant;
+use super::page_release::Waits;
 use super::plan::{Learned, Region, Step};
 use super::{Shared, State};
 use crate::device::{Device, StreamId};
 use crate::packing::{align_up, pack_around, pack_greedy_by_size};
-use crate::pool::{BlockId, BlockState, PoolKey, SegmentId};
+use crate::pool::{BlockId, BlockState, PoolKey, Segment, SegmentId};
 use crate::stats::Residency;
 use crate::sync::atomic::Ordering;
 use crate::sync::{Arc, lock};
@@ -96,10 +97,15 @@ impl<D: Device> Shared<D> {
         let by_block: HashMap<BlockId, Escape> = escapes.iter().map(|e| (e.block, *e)).collect();
         let transient = |k: &PoolKey| k.stream == stream && k.residency == Residency::Transient;
         // Free segments without escapes go back to the device: the plan replaces them.
-        let _ = self.release_segments(&mut st, |s| transient(&s.key) && s.busy_blocks == 0);
+        // Of the mappings that retire, only those of this stream's ranges (and chunks moved into
+        // them) are waited for: their pages are walls there, or cannot be released until then;
+        // other streams' are only queried.
+        let waits = Waits::For(stream);
+        let free = |s: &Segment| transient(&s.key) && s.busy_blocks == 0;
+        let _ = self.release_segments_then(&mut st, free, waits);
         // In expandable ranges, every whole free page goes too: what is left of a run around the
         // live blocks may then be a bin.
-        let _ = self.release_pages(&mut st, |s| transient(&s.key), 0);
+        let _ = self.release_pages(&mut st, |s| transient(&s.key), 0, waits);
         let mut bins = self.bins(&st, &transient, &by_block, align);
         let mut plan = pack_around(&intervals, align, &walls(&bins, align)).ok()?;
         // Over expandable segments, the runs left around the escapes in the large range may be

@@ -4,6 +4,7 @@
 
 use super::history::Action;
 use super::owner::Owner;
+use super::page_release::Waits;
 use super::*;
 use crate::config::MIN_ALIGN;
 
@@ -333,14 +334,25 @@ impl<D: Device> Shared<D> {
     pub(super) fn release_segments(
         &self,
         st: &mut State,
+        which: impl FnMut(&crate::pool::Segment) -> bool,
+    ) -> Result<(), AllocError> {
+        self.release_segments_then(st, which, Waits::All)
+    }
+
+    /// [`Shared::release_segments`], waiting on the host only for the retiring mappings `waits`
+    /// names (`Waits::For`: a learning run's end, see [`Shared::release_pages_of`]).
+    pub(super) fn release_segments_then(
+        &self,
+        st: &mut State,
         mut which: impl FnMut(&crate::pool::Segment) -> bool,
+        waits: Waits,
     ) -> Result<(), AllocError> {
         if self.device.capture_underway() {
             // cuMemFree is illegal during a capture: everything stays cached until it ends.
             return Ok(());
         }
         if !st.vm.is_empty() {
-            self.release_pages(st, &mut which, 0)?;
+            self.release_pages(st, &mut which, 0, waits)?;
         }
         let (vm, initial) = (&st.vm, st.initial);
         for seg in st
