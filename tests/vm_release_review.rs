@@ -272,3 +272,77 @@ fn a_learning_runs_end_waits_for_no_other_streams_retiring_pages() {
     drop(alloc);
     assert_no_leak(&dev);
 }
+
+/// The out-of-memory ladder, climbed during a capture on another stream, meets pages retiring
+/// behind a running kernel: a capture refuses host waits (and event queries), so none is tried
+/// or counted; the allocation fails, and the pages go once the kernel is done and the capture
+/// over. Broken build `wait_counted_in_capture`: the refused wait was counted as a host sync.
+#[test]
+fn the_ladder_in_a_capture_counts_no_refused_wait() {
+    let (dev, alloc) = setup("release_threshold_mb:0", 8 * MIB);
+    let (s, t, c) =
+        (dev.create_stream().unwrap(), dev.create_stream().unwrap(), dev.create_stream().unwrap());
+    let b = alloc.alloc(4 * MIB, t).unwrap();
+    let (k, open) = common::gated_write_bytes(b.ptr(), 4 * MIB, 3);
+    dev.launch(t, k).unwrap();
+    drop(b); // trimmed at once: retires behind t's kernel
+    alloc.begin_capture(c, None).unwrap();
+    let e = alloc.alloc(8 * MIB, s).map(|b| b.ptr());
+    assert!(matches!(e, Err(AllocError::OutOfMemory(_))), "{e:?}");
+    assert_eq!(alloc.stats().num_host_syncs, 0);
+    assert_eq!(dev.live_mappings(), vec![(DeviceAddr(SIM_BASE), 4 * MIB)]);
+    drop(alloc.end_capture(c).unwrap());
+    open.send(()).unwrap();
+    dev.synchronize().unwrap();
+    alloc.check_invariants().unwrap(); // a lock section: the pages go
+    assert_eq!(dev.live_mappings(), vec![]);
+    assert_eq!(alloc.stats().num_host_syncs, 0);
+    consistent(&dev, &alloc);
+    let x = alloc.alloc(8 * MIB, s).unwrap(); // the whole device again
+    drop(x);
+    drop(alloc);
+    assert_no_leak(&dev);
+}
+
+/// The out-of-memory ladder during a capture on another stream, with a block whose free waits
+/// on another stream's event (`record_stream`): a capture refuses the host wait for it, so the
+/// ladder waits for nothing (as PyTorch skips `release_cached_blocks` during a capture) and the
+/// allocation fails out of memory, on ordinary and on expandable segments alike; once the
+/// capture is over, the same request succeeds. Broken build `ladder_waits_in_capture`: over
+/// expandable segments the refused wait failed the allocation with the device's error (and
+/// counted a host sync).
+#[test]
+fn the_ladder_in_a_capture_fails_out_of_memory_not_on_the_refused_wait() {
+    for expandable in [false, true] {
+        let dev = std::sync::Arc::new(SimDevice::backed(32 * MIB));
+        let config = Config::default().with_expandable_segments(expandable);
+        let alloc = Allocator::new(dev.clone(), config).unwrap();
+        let (s, t, c) = (
+            dev.create_stream().unwrap(),
+            dev.create_stream().unwrap(),
+            dev.create_stream().unwrap(),
+        );
+        let b = alloc.alloc(2 * MIB, s).unwrap();
+        let (k, open) = common::gated_write_bytes(b.ptr(), 2 * MIB, 3);
+        dev.launch(t, k).unwrap();
+        b.record_stream(t).unwrap();
+        drop(b); // its free waits on t's event
+        alloc.begin_capture(c, None).unwrap();
+        let e = alloc.alloc(32 * MIB, s).map(|b| b.ptr());
+        assert!(matches!(e, Err(AllocError::OutOfMemory(_))), "{expandable}: {e:?}");
+        assert_eq!(alloc.stats().num_host_syncs, 0, "{expandable}");
+        drop(alloc.end_capture(c).unwrap());
+        let opener = common::open_on_next_sync(&dev, open);
+        // The ladder waits for t's event, releases (an ordinary segment's `cudaFree` is a host
+        // sync too), and retries.
+        let x = alloc.alloc(32 * MIB, s).unwrap();
+        let syncs = if expandable { 1 } else { 2 };
+        assert_eq!(alloc.stats().num_host_syncs, syncs, "{expandable}");
+        opener.join().unwrap();
+        drop(x);
+        alloc.check_invariants().unwrap();
+        assert_eq!(dev.violations(), vec![]);
+        drop(alloc);
+        assert_no_leak(&dev);
+    }
+}

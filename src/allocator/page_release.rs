@@ -395,6 +395,14 @@ impl<D: Device> Shared<D> {
     fn poll_retiring_now(&self, st: &mut State, waits: Waits) {
         let page = st.vm.page;
         let mut keep = Vec::new();
+        // A capture refuses host waits (and queries): none is tried, or counted, meanwhile.
+        // BROKEN (`wait_counted_in_capture`): tried, refused, and counted a host sync.
+        let waits = match self.device.capture_underway()
+            && !cfg!(tidepool_broken = "wait_counted_in_capture")
+        {
+            true => Waits::No,
+            false => waits,
+        };
         for mut r in std::mem::take(&mut st.vm.retiring) {
             let block = match waits {
                 Waits::No => false,

@@ -371,6 +371,13 @@ impl<D: Device> Shared<D> {
     /// region went back or an event was pending (only then may a search of the pool find more
     /// than it did).
     pub(super) fn ladder_wait(&self, st: &mut State) -> Result<bool, AllocError> {
+        // A capture refuses host waits: nothing is waited for meanwhile (PyTorch skips
+        // `release_cached_blocks` during a capture). BROKEN (`ladder_waits_in_capture`): the
+        // refused wait failed the allocation with the device's error instead of out of memory
+        // (the expandable ladder climbs during a capture on another stream).
+        if self.device.capture_underway() && !cfg!(tidepool_broken = "ladder_waits_in_capture") {
+            return Ok(false);
+        }
         let regions = self.release_idle_regions_locked(st, true);
         let had_pending = !st.pending.is_empty();
         if had_pending || !self.broken(Broken::LadderUncounted) {
