@@ -1137,3 +1137,38 @@ fn a_capture_begins_after_the_forbidden_calls_inside_and_refuses_new_ones() {
 fn end_here(alloc: &Allocator<SimDevice>, s: StreamId) {
     drop(alloc.end_capture(s).unwrap());
 }
+
+/// The caps hold for an allocator and its private pools together: during a capture, a graph's
+/// pool holds 40 MiB of a 64 MiB `memory_limit_mb`, and a 30 MiB request on another stream
+/// fails out of memory with the allocator itself holding nothing. The report says why: the
+/// family's 40 MiB (`family_reserved`, `over_limit`), in its text too. Broken build
+/// `oom_family_unreported`: the report counted the allocator's own bytes only, under the cap
+/// by 34 MiB — an out-of-memory with no cause in it.
+#[test]
+fn an_out_of_memory_report_counts_what_the_private_pools_hold_under_the_cap() {
+    let dev = Arc::new(SimDevice::new(1024 * MIB));
+    let alloc = Allocator::new(dev.clone(), Config::parse("memory_limit_mb:64").unwrap()).unwrap();
+    let (s, c) = (dev.create_stream().unwrap(), dev.create_stream().unwrap());
+    let pool = alloc.new_pool(Default::default()).unwrap();
+    alloc.begin_capture(c, Some(&pool)).unwrap();
+    let g = alloc.alloc(40 * MIB, c).unwrap();
+    let e = alloc.alloc(30 * MIB, s).map(|b| b.ptr());
+    let Err(AllocError::OutOfMemory(r)) = &e else { panic!("{e:?}") };
+    assert_eq!((r.reserved, r.family_reserved, r.segment), (0, 40 * MIB, 30 * MIB));
+    assert!(r.over_limit());
+    let text = r.to_string();
+    assert!(
+        text.contains(
+            "tidepool is limited to 64.00 MiB, a cap shared with this allocator's private pools \
+             (MemPools, CUDA graphs' pools) or its general allocator, which hold 40.00 MiB of it."
+        ),
+        "{text}"
+    );
+    drop(g);
+    drop(alloc.end_capture(c).unwrap());
+    dev.synchronize().unwrap();
+    pool.empty_cache().unwrap();
+    let b = alloc.alloc(30 * MIB, s).unwrap(); // the graph's pool is empty: room under the cap
+    drop(b);
+    alloc.check_invariants().unwrap();
+}

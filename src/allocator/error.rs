@@ -116,6 +116,11 @@ pub struct OomReport {
     pub limit: Option<u64>,
     /// Bytes reserved by tidepool.
     pub reserved: u64,
+    /// Bytes reserved under the cap (`limit`) with this allocator: by it (`reserved`) and by
+    /// the rest of its family — the general allocator and its private pools (`MemPool`s, CUDA
+    /// graphs' pools), which share the cap as PyTorch's pools of a device do. Where they hold
+    /// memory, a reservation may pass the cap while `reserved` alone stays under it.
+    pub family_reserved: u64,
     /// Bytes in live buffers.
     pub allocated: u64,
     /// Largest cached free block.
@@ -148,7 +153,7 @@ impl OomReport {
     /// `per_process_memory_fraction`, `max_pool_size_mb`), not the device, refused the segment:
     /// then memory returned elsewhere on the device cannot help.
     pub fn over_limit(&self) -> bool {
-        self.limit.is_some_and(|l| self.reserved.saturating_add(self.segment) > l)
+        self.limit.is_some_and(|l| self.family_reserved.saturating_add(self.segment) > l)
     }
 }
 
@@ -163,7 +168,7 @@ impl fmt::Display for OomReport {
                  the {} reserved past the cap of {}; no cached memory was released",
                 Bytes(self.requested),
                 Bytes(self.segment),
-                Bytes(self.reserved),
+                Bytes(self.family_reserved.max(self.reserved)),
                 Bytes(self.limit.unwrap_or(self.device_total)),
             );
         }
@@ -180,6 +185,16 @@ impl fmt::Display for OomReport {
         )?;
         if let Some(limit) = self.limit {
             write!(f, ", and tidepool is limited to {}", Bytes(limit))?;
+            // The cap is shared: what the rest of the family holds.
+            let others = self.family_reserved.saturating_sub(self.reserved);
+            if others > 0 {
+                write!(
+                    f,
+                    ", a cap shared with this allocator's private pools (MemPools, CUDA \
+                     graphs' pools) or its general allocator, which hold {} of it",
+                    Bytes(others)
+                )?;
+            }
         }
         write!(
             f,

@@ -34,6 +34,11 @@ impl<D: Device> Shared<D> {
             .filter(|r| r.residency == Residency::Persistent)
             .map(|r| r.free_page_bytes)
             .sum();
+        // Under the cap with this allocator: every allocator and private pool of its family,
+        // this one counted at its reserved bytes now (its share of the total may still hold a
+        // charge a failed reservation made).
+        let reserved = s.reserved_bytes.all.current;
+        let others = self.family.reserved.load(Ordering::Acquire).saturating_sub(st.family_share);
         OomReport {
             requested: bytes,
             rounded,
@@ -42,7 +47,12 @@ impl<D: Device> Shared<D> {
             device_free: info.free,
             device_total: info.total,
             limit: config.limit(self.device_total),
-            reserved: s.reserved_bytes.all.current,
+            reserved,
+            // BROKEN (`oom_family_unreported`): this allocator's alone; the cap seemed far.
+            family_reserved: match cfg!(tidepool_broken = "oom_family_unreported") {
+                true => reserved,
+                false => reserved + others,
+            },
             allocated: s.allocated_bytes.all.current,
             largest_free_block: st.pool.largest_free_block(),
             inactive_split: s.inactive_split_bytes.all.current,

@@ -457,6 +457,23 @@ fn allocator_seeds() -> Vec<(String, Vec<u8>)> {
             ),
         ),
         (
+            "graph-capture-outside-ladder",
+            // A buffer freed after a use on another stream (its free waits on an event), then a
+            // capture during which the other stream asks for more than the device has left:
+            // the expandable out-of-memory ladder, which a capture forbids to wait.
+            scenario(
+                0,
+                9,
+                vec![
+                    alloc(8 << 20, 2),
+                    launch(0, 1),
+                    Free { index: 0 },
+                    Capture { stream: 1, fork: 0, bytes: 16 << 20, launches: 1, panics: false },
+                    EmptyCache,
+                ],
+            ),
+        ),
+        (
             "graph-capture-forked",
             // A live buffer used on the side stream first; then captures with and without a
             // forked stream, under ordinary and expandable segments, replayed.

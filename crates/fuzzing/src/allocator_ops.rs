@@ -82,7 +82,9 @@
 //!
 //! Graph captures (`Op::Capture`) run whole in one step: allocations from the graph's pool with
 //! captured kernels over them (checked by the sanitizer as they are captured and at each replay),
-//! a block freed during the capture, and, forked, a second stream that joins the capture, uses
+//! a block freed during the capture, unforked an allocation on the other stream outside the
+//! capture (a growth or out-of-memory ladder while the capture refuses every host wait; the
+//! buffer joins the live list), and, forked, a second stream that joins the capture, uses
 //! and frees there, and is joined back (every other forked capture with
 //! `graph_capture_record_stream_reuse`: the block the side stream used is freed before the join
 //! and may serve the allocation after it); the graph is replayed and dropped, and its pool, emptied,
@@ -979,6 +981,13 @@ impl<'a> Harness<'a> {
                 bufs.push(b);
             }
         }
+        // Unforked, the other stream allocates four times the captured size meanwhile, outside
+        // the capture: its growth, page moves or out-of-memory ladder run while the capture
+        // refuses every host wait and event query. The buffer lives on as any other.
+        if t.is_none() {
+            let o = self.stream(3 - slot)?;
+            self.alloc_op(bytes.saturating_mul(4), o, Residency::Transient)?;
+        }
         if !bufs.is_empty() {
             drop(bufs.remove(0)); // freed during the capture: reused by the capture only
         }
@@ -1470,7 +1479,7 @@ impl<'a> Harness<'a> {
         let nth_fired = self.nth_fires_at.is_some_and(|c| calls_before < c && c <= calls_after);
         let above = self.fail_above.is_some_and(|limit| r.segment > limit);
         let device_full = r.segment > r.device_free;
-        let limited = r.limit.is_some_and(|limit| r.reserved + r.segment > limit);
+        let limited = r.over_limit();
         ensure!(
             nth_fired || above || device_full || limited,
             "unexplained out-of-memory (no injected fault, device not full, under the limit): {r:?}"
