@@ -37,11 +37,17 @@ impl Vm {
     /// range), or a chunk of it moved into one (in transit: no release takes it until then).
     pub(super) fn retires_for(&self, r: &Retiring, stream: StreamId) -> bool {
         let ours = |base: &u64| self.ranges.get(base).is_some_and(|g| g.key.stream == stream);
-        r.pages.iter().any(|(base, _, _, then)| {
-            ours(base)
-                || matches!(then, Then::Moved(h) if self.ranges.values().any(|g| {
-                    g.key.stream == stream && g.pages.chunks().iter().any(|c| c.handle == *h)
-                }))
+        r.pages.iter().any(|(base, ..)| ours(base)) || self.moved_into(r, stream)
+    }
+
+    /// Whether a chunk of retiring entry `r` moved into one of `stream`'s ranges: in transit
+    /// there until `r`'s mapping goes.
+    pub(super) fn moved_into(&self, r: &Retiring, stream: StreamId) -> bool {
+        r.pages.iter().any(|&(_, _, _, then)| match then {
+            Then::Moved(h) => self.ranges.values().any(|g| {
+                g.key.stream == stream && g.pages.chunks().iter().any(|c| c.handle == h)
+            }),
+            Then::Release(..) => false,
         })
     }
 }
@@ -507,7 +513,7 @@ impl<D: Device> Shared<D> {
             let passed_over = after > t
                 && !st.vm.retiring.is_empty()
                 && !cfg!(tidepool_broken = "transit_memo_kept")
-                && st.vm.retiring.iter().any(|r| st.vm.retires_for(r, s));
+                && st.vm.retiring.iter().any(|r| st.vm.moved_into(r, s));
             match passed_over {
                 true => st.vm.checked.remove(&s),
                 false => st.vm.checked.insert(s, after),
