@@ -435,18 +435,29 @@ fn retired_pages_are_waited_for_by_the_out_of_memory_ladder_and_at_the_end() {
     assert_no_leak(&dev);
 }
 
+/// On a device of `capacity` bytes under `config` (expandable segments on), stream 1's first
+/// 8 MiB — at the first range's base, four pages in one chunk — written by a kernel held at
+/// its gate and freed: cached by stream 1's range while the kernel runs. Returns the device,
+/// the allocator, streams 1, 2 and 3 (made in that order) and the kernel's gate.
+fn donor_freed_while_running(config: &str, capacity: u64) -> Donor {
+    let (dev, alloc) = setup(config, capacity);
+    let s = [(); 3].map(|()| dev.create_stream().unwrap());
+    let a = alloc.alloc(8 * MIB, s[0]).unwrap();
+    assert_eq!(a.ptr(), DeviceAddr(base()));
+    let (k, open) = gated_write(a.ptr(), 8 * MIB, 0x11);
+    dev.launch(s[0], k).unwrap();
+    drop(a);
+    (dev, alloc, s, open)
+}
+
+type Donor = (Arc<SimDevice>, Allocator<SimDevice>, [StreamId; 3], std::sync::mpsc::Sender<()>);
+
 /// Stream 1 caches 8 MiB of free pages while its kernel may still run on them (until the first
 /// host sync, unless `done_first`); stream 2 needs 4 MiB on a device with no room left. Returns
 /// the device, the allocator and stream 2's buffer address, and the device's mappings (as
 /// [`mapped_chunks`]) once stream 2 has its buffer, before that host sync.
 fn page_move(config: &str, done_first: bool) -> PageMove {
-    let (dev, alloc) = setup(config, 8 * MIB);
-    let (s1, s2) = (dev.create_stream().unwrap(), dev.create_stream().unwrap());
-    let a = alloc.alloc(8 * MIB, s1).unwrap();
-    assert_eq!(a.ptr(), DeviceAddr(base()));
-    let (k, open) = gated_write(a.ptr(), 8 * MIB, 0x11);
-    dev.launch(s1, k).unwrap();
-    drop(a);
+    let (dev, alloc, [_, s2, _], open) = donor_freed_while_running(config, 8 * MIB);
     let waiter = if done_first {
         open.send(()).unwrap();
         dev.synchronize().unwrap();
@@ -543,12 +554,7 @@ fn wait_event_moves_pages_at_once_and_unmaps_after_the_owner() {
 /// its range while the old mapping retires behind the kernel (the chunk *in transit*). Returns
 /// the device, the allocator, streams 1 and 2, stream 2's buffer and the kernel's gate.
 fn moved_while_the_donor_runs(config: &str) -> InTransit {
-    let (dev, alloc) = setup(config, 8 * MIB);
-    let (s1, s2) = (dev.create_stream().unwrap(), dev.create_stream().unwrap());
-    let a = alloc.alloc(8 * MIB, s1).unwrap();
-    let (k, open) = gated_write(a.ptr(), 8 * MIB, 0x11);
-    dev.launch(s1, k).unwrap();
-    drop(a);
+    let (dev, alloc, [s1, s2, _], open) = donor_freed_while_running(config, 8 * MIB);
     let b = alloc.alloc(4 * MIB, s2).unwrap();
     assert_eq!(b.ptr(), DeviceAddr(base() + 16 * MIB));
     assert_eq!(mapped_chunks(&dev, base()), vec![(0, 4), (8, 4)], "mapped twice: in transit");
@@ -652,13 +658,8 @@ fn a_chunk_in_transit_is_not_released_before_its_old_mapping_goes() {
 /// `release_threshold_mb:0` until the stream freed a page more.
 #[test]
 fn a_chunk_passed_over_in_transit_goes_at_its_streams_next_change() {
-    let (dev, alloc) = setup("cross_stream:wait_event", 16 * MIB);
-    let (s1, s2) = (dev.create_stream().unwrap(), dev.create_stream().unwrap());
-    // s1's 8 MiB, cached while its kernel runs.
-    let a = alloc.alloc(8 * MIB, s1).unwrap();
-    let (k, open) = gated_write(a.ptr(), 8 * MIB, 0x11);
-    dev.launch(s1, k).unwrap();
-    drop(a);
+    let (dev, alloc, [_, s2, _], open) =
+        donor_freed_while_running("cross_stream:wait_event", 16 * MIB);
     // s2 takes s1's chunk (4 pages, in transit), then frees: a trim passes it over.
     let b = alloc.alloc(4 * MIB, s2).unwrap();
     assert_eq!(b.ptr(), DeviceAddr(base() + 32 * MIB));
@@ -1407,14 +1408,8 @@ type AfterFailedTake = (Result<DeviceAddr, String>, Vec<(u64, u64)>, u64, u64, u
 fn rejected_after_taking(capture: bool, unsettled: bool) -> AfterFailedTake {
     let conf =
         "cross_stream:wait_event,throw_on_cudamalloc_oom:true,per_process_memory_fraction:0.5";
-    let (dev, alloc) = setup(conf, 16 * MIB);
+    let (dev, alloc, [_, s2, c], open) = donor_freed_while_running(conf, 16 * MIB);
     alloc.set_broken(tidepool::hooks::Broken::UnsettledMoves, unsettled);
-    let (s1, s2, c) =
-        (dev.create_stream().unwrap(), dev.create_stream().unwrap(), dev.create_stream().unwrap());
-    let a = alloc.alloc(8 * MIB, s1).unwrap();
-    let (k, open) = gated_write(a.ptr(), 8 * MIB, 0x11);
-    dev.launch(s1, k).unwrap();
-    drop(a);
     if capture {
         alloc.begin_capture(c, None).unwrap();
     }
@@ -1507,13 +1502,8 @@ fn the_caps_weigh_the_pages_a_growth_takes() {
 /// released; its memory held there, the retry's new pages do not fit: out of memory.
 #[test]
 fn a_map_refused_after_a_take_during_a_capture_leaves_the_pages_to_retry() {
-    let (dev, alloc) = setup("cross_stream:wait_event", 12 * MIB);
-    let (s1, s2, c) =
-        (dev.create_stream().unwrap(), dev.create_stream().unwrap(), dev.create_stream().unwrap());
-    let a = alloc.alloc(8 * MIB, s1).unwrap();
-    let (k, open) = gated_write(a.ptr(), 8 * MIB, 0x11);
-    dev.launch(s1, k).unwrap();
-    drop(a);
+    let (dev, alloc, [_, s2, c], open) =
+        donor_freed_while_running("cross_stream:wait_event", 12 * MIB);
     alloc.begin_capture(c, None).unwrap();
     dev.fail_nth_vm_map(Some(1));
     let b = alloc.alloc(12 * MIB, s2).map_err(|e| tidepool::ErrorChain(&e).to_string()).unwrap();

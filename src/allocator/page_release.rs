@@ -44,9 +44,10 @@ impl Vm {
     /// there until `r`'s mapping goes.
     pub(super) fn moved_into(&self, r: &Retiring, stream: StreamId) -> bool {
         r.pages.iter().any(|&(_, _, _, then)| match then {
-            Then::Moved(h) => self.ranges.values().any(|g| {
-                g.key.stream == stream && g.pages.chunks().iter().any(|c| c.handle == h)
-            }),
+            Then::Moved(h) => self
+                .ranges
+                .values()
+                .any(|g| g.key.stream == stream && g.pages.chunks().iter().any(|c| c.handle == h)),
             Then::Release(..) => false,
         })
     }
