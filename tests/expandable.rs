@@ -1524,3 +1524,34 @@ fn a_map_refused_after_a_take_during_a_capture_leaves_the_pages_to_retry() {
     drop(alloc);
     assert_no_leak(&dev);
 }
+
+/// A learning run (a named scope's first) on stream 2 takes stream 1's cached chunk while
+/// stream 1's kernel still writes it (`wait_event`: in transit, its old mapping retiring). The
+/// run's end releases stream 2's free pages, and waits on the host for what retires for them —
+/// here the old mapping, which must go before the chunk can — though for no other stream's.
+/// Broken build `adopt_skips_transit`: the run's end did not wait for it, and the chunk stayed
+/// mapped twice.
+#[test]
+fn a_learning_runs_end_waits_for_the_chunks_moved_into_its_stream() {
+    let (dev, alloc, [_, s2, _], open) =
+        donor_freed_while_running("cross_stream:wait_event", 16 * MIB);
+    let run = alloc.named_scope("step", s2);
+    let b = run.alloc(4 * MIB).unwrap();
+    assert_eq!(b.ptr(), DeviceAddr(base() + 32 * MIB));
+    assert_eq!(mapped_chunks(&dev, base()), vec![(0, 4), (16, 4)], "in transit");
+    drop(b);
+    let opener = common::open_on_next_sync(&dev, open);
+    drop(run);
+    let s = alloc.stats();
+    // The old mapping went; the chunk was released, and the run's plan keeps a region of
+    // 4 MiB mapped anew.
+    let (chunks, physical) = (mapped_chunks(&dev, base()), dev.physical_bytes());
+    dev.synchronize().unwrap(); // (where the allocator did not wait, this opens the gate)
+    opener.join().unwrap();
+    assert_eq!((s.num_host_syncs, s.num_pages_moved), (1, 4));
+    assert_eq!((chunks, physical), (vec![(16, 2)], 4 * MIB));
+    alloc.check_invariants().unwrap();
+    assert_eq!(dev.violations(), vec![]);
+    drop(alloc);
+    assert_no_leak(&dev);
+}

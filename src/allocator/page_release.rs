@@ -37,7 +37,9 @@ impl Vm {
     /// range), or a chunk of it moved into one (in transit: no release takes it until then).
     pub(super) fn retires_for(&self, r: &Retiring, stream: StreamId) -> bool {
         let ours = |base: &u64| self.ranges.get(base).is_some_and(|g| g.key.stream == stream);
-        r.pages.iter().any(|(base, ..)| ours(base)) || self.moved_into(r, stream)
+        // BROKEN (`adopt_skips_transit`): chunks moved into the stream's ranges not waited for.
+        r.pages.iter().any(|(base, ..)| ours(base))
+            || (!cfg!(tidepool_broken = "adopt_skips_transit") && self.moved_into(r, stream))
     }
 
     /// Whether a chunk of retiring entry `r` moved into one of `stream`'s ranges: in transit
