@@ -127,6 +127,8 @@ struct Faults {
     fail_nth_stream_create: Option<u64>,
     /// Fail every event query.
     fail_event_query: bool,
+    /// Event queries left to fail ([`SimDevice::fail_next_event_queries`]).
+    fail_next_queries: u64,
     /// Fail every event record.
     fail_event_record: bool,
     /// Fail every device-side wait on an event.
@@ -377,6 +379,12 @@ impl SimDevice {
     /// Makes every event query fail while `on`.
     pub fn fail_event_queries(&self, on: bool) {
         self.state().faults.fail_event_query = on;
+    }
+
+    /// Makes the next `n` event queries fail (0: none), then queries answer again: a test
+    /// lets an event "complete" between two given queries, in the middle of a lock section.
+    pub fn fail_next_event_queries(&self, n: u64) {
+        self.state().faults.fail_next_queries = n;
     }
 
     /// Runs `hook` (or none) at the start of every `note_reclaim`, before the sanitizer takes
@@ -790,6 +798,10 @@ impl super::Device for SimDevice {
         let target = st.event(event)?;
         st.counters.event_queries += 1;
         st.graphs.refuse_during_capture("cuEventQuery")?;
+        if st.faults.fail_next_queries > 0 {
+            st.faults.fail_next_queries -= 1;
+            return Self::event_fault(st, "query_event");
+        }
         if st.faults.fail_event_query {
             return Self::event_fault(st, "query_event");
         }
