@@ -651,6 +651,24 @@ fn a_chunk_in_transit_is_not_released_before_its_old_mapping_goes() {
     assert_no_leak(&dev);
 }
 
+/// [`donor_freed_while_running`] on a 16 MiB device under `wait_event`, then stream 2 takes
+/// stream 1's chunk for 4 MiB (in transit: mapped in both ranges) and frees them after
+/// `release_threshold_mb:0` is set: a trim passes the chunk over. Returns the device, the
+/// allocator, stream 2 and the gate of stream 1's kernel.
+fn passed_over_in_transit() -> PassedOver {
+    let (dev, alloc, [_, s2, _], open) =
+        donor_freed_while_running("cross_stream:wait_event", 16 * MIB);
+    let b = alloc.alloc(4 * MIB, s2).unwrap();
+    assert_eq!(b.ptr(), DeviceAddr(base() + 32 * MIB));
+    let conf = "cross_stream:wait_event,release_threshold_mb:0";
+    alloc.set_config(Config::parse(conf).unwrap().with_expandable_segments(true)).unwrap();
+    drop(b);
+    assert_eq!(mapped_chunks(&dev, base()), vec![(0, 4), (16, 4)]);
+    (dev, alloc, s2, open)
+}
+
+type PassedOver = (Arc<SimDevice>, Allocator<SimDevice>, StreamId, std::sync::mpsc::Sender<()>);
+
 /// A trim that passes a chunk in transit over remembers nothing: once the old mapping is gone,
 /// the stream's next change — here a persistent allocation, which leaves its transient free
 /// bytes as they were — checks again, and the chunk goes. Broken build `transit_memo_kept`: the
@@ -658,15 +676,7 @@ fn a_chunk_in_transit_is_not_released_before_its_old_mapping_goes() {
 /// `release_threshold_mb:0` until the stream freed a page more.
 #[test]
 fn a_chunk_passed_over_in_transit_goes_at_its_streams_next_change() {
-    let (dev, alloc, [_, s2, _], open) =
-        donor_freed_while_running("cross_stream:wait_event", 16 * MIB);
-    // s2 takes s1's chunk (4 pages, in transit), then frees: a trim passes it over.
-    let b = alloc.alloc(4 * MIB, s2).unwrap();
-    assert_eq!(b.ptr(), DeviceAddr(base() + 32 * MIB));
-    let conf = "cross_stream:wait_event,release_threshold_mb:0";
-    alloc.set_config(Config::parse(conf).unwrap().with_expandable_segments(true)).unwrap();
-    drop(b);
-    assert_eq!(mapped_chunks(&dev, base()), vec![(0, 4), (16, 4)]);
+    let (dev, alloc, s2, open) = passed_over_in_transit();
     open.send(()).unwrap();
     dev.synchronize().unwrap();
     alloc.check_invariants().unwrap(); // a lock section: the old mapping goes
@@ -1570,12 +1580,7 @@ fn a_learning_runs_end_waits_for_the_chunks_moved_into_its_stream() {
 /// kernel completing between the two settles).
 #[test]
 fn a_view_lists_no_run_its_own_section_releases() {
-    let (dev, alloc, [_, s2, _], open) =
-        donor_freed_while_running("cross_stream:wait_event", 16 * MIB);
-    let b = alloc.alloc(4 * MIB, s2).unwrap(); // takes stream 1's chunk: in transit
-    let conf = "cross_stream:wait_event,release_threshold_mb:0";
-    alloc.set_config(Config::parse(conf).unwrap().with_expandable_segments(true)).unwrap();
-    drop(b);
+    let (dev, alloc, s2, open) = passed_over_in_transit();
     open.send(()).unwrap();
     dev.synchronize().unwrap();
     dev.fail_next_event_queries(2);
