@@ -1462,10 +1462,11 @@ impl<'a> Harness<'a> {
     /// An out-of-memory error must have a cause the harness can see.
     fn explain_oom(&self, r: &OomReport, calls_before: u64) -> Result<(), String> {
         if r.rejected {
-            // Refused before the device was asked: only past the cap, and only when asked to.
+            // Refused before the device was asked: only past the cap (which the private pools
+            // share: `family_reserved`), and only when asked to.
             let cap = r.limit.unwrap_or(r.device_total);
             ensure!(
-                self.alloc.config().throw_on_oom && r.reserved + r.segment > cap,
+                self.alloc.config().throw_on_oom && r.family_reserved + r.segment > cap,
                 "a rejection that throw_on_cudamalloc_oom does not explain: {r:?}"
             );
             return Ok(());
