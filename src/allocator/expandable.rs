@@ -945,7 +945,6 @@ impl<D: Device> Shared<D> {
             // Chunks taken before the error are in no range: they go back to the device.
             if !cfg!(tidepool_broken = "taken_chunks_lost") {
                 self.give_back_taken(st, retiring_before, chunks);
-                self.drop_handles(st, chunks);
             }
             return Err(e);
         }
@@ -971,7 +970,6 @@ impl<D: Device> Shared<D> {
             if let Some(e) = refused {
                 // As a refused creation: the chunks taken go back to their donors, or the device.
                 self.give_back_taken(st, retiring_before, chunks);
-                self.drop_handles(st, chunks);
                 return Err(e);
             }
         }
@@ -986,7 +984,6 @@ impl<D: Device> Shared<D> {
                 }
                 Err(e) => {
                     self.give_back_taken(st, retiring_before, chunks);
-                    self.drop_handles(st, chunks);
                     return Err(device_err(e));
                 }
             }
@@ -1014,7 +1011,7 @@ impl<D: Device> Shared<D> {
                     kept -= 1;
                 }
                 // The chunks left mapped here stay (a moved one's old mapping retiring as after
-                // any move); the others go back to their donors, or the device.
+                // any move); the others go back to their donors, or to the device.
                 let mut rest = chunks.split_off(kept);
                 self.give_back_taken(st, retiring_before, &mut rest);
                 if kept > 0 {
@@ -1026,7 +1023,6 @@ impl<D: Device> Shared<D> {
                     }
                     self.join_pages(st, base, lo, a - lo);
                 }
-                self.drop_handles(st, &rest);
                 self.publish_vm(&mut st.vm);
                 return Err(device_err(e));
             }

@@ -22,30 +22,36 @@ impl<D: Device> Shared<D> {
     /// A growth failed after taking chunks: those whose old mapping still retires (`wait_event`:
     /// the donor's work may be unfinished) go back to their donor, where they are still mapped
     /// — each becomes a free run of its range again, as before the growth, with no device call
-    /// and no host wait (also during a capture, where no wait is allowed). They leave `chunks`;
-    /// what is left there (new chunks, chunks unmapped from an idle donor) is released by the
-    /// caller. `from`: the retiring entries before the growth.
+    /// and no host wait (also during a capture, where no wait is allowed); the rest of `chunks`
+    /// (new chunks, chunks unmapped from an idle donor) goes back to the device. `from`: the
+    /// retiring entries before the growth.
     ///
-    /// Broken mode `UnsettledMoves`: nothing goes back, and the caller releases chunks whose old
-    /// mapping still holds their memory (counted in no range until a later poll). Broken build
-    /// `taken_waited_for` (the fix before this one): it waits for the donors' events on the
-    /// host, a counted sync, which a capture refuses — the chunks are then released while mapped.
+    /// Broken mode `UnsettledMoves`: nothing goes back to a donor, and chunks whose old mapping
+    /// still holds their memory are released (counted in no range until a later poll). Broken
+    /// build `taken_waited_for` (the fix before this one): it waits for the donors' events on
+    /// the host, a counted sync, which a capture refuses — the chunks are then released while
+    /// mapped.
     pub(super) fn give_back_taken(
         &self,
         st: &mut State,
         from: usize,
         chunks: &mut Vec<(PhysHandle, u64)>,
     ) {
-        if st.vm.retiring.len() <= from || self.broken(Broken::UnsettledMoves) {
-            return;
-        }
-        if cfg!(tidepool_broken = "taken_waited_for") {
+        let moved = st.vm.retiring.len() > from && !self.broken(Broken::UnsettledMoves);
+        if moved && cfg!(tidepool_broken = "taken_waited_for") {
             let taken = st.vm.retiring.split_off(from);
             let older = std::mem::replace(&mut st.vm.retiring, taken);
             self.poll_retiring(st, !self.device.capture_underway());
             st.vm.retiring.splice(0..0, older);
-            return;
+        } else if moved {
+            self.give_back_moved(st, from, chunks);
         }
+        self.drop_handles(st, chunks);
+    }
+
+    /// [`Shared::give_back_taken`]'s return of the chunks still mapped at their old place to
+    /// their donors; they leave `chunks`.
+    fn give_back_moved(&self, st: &mut State, from: usize, chunks: &mut Vec<(PhysHandle, u64)>) {
         let page = st.vm.page;
         let taken = st.vm.retiring.split_off(from);
         for mut entry in taken {

@@ -406,11 +406,14 @@ impl<D: Device> Shared<D> {
         let mut keep = Vec::new();
         // A capture refuses host waits (and queries): none is tried, or counted, meanwhile.
         // BROKEN (`wait_counted_in_capture`): tried, refused, and counted a host sync.
-        let waits = match self.device.capture_underway()
-            && !cfg!(tidepool_broken = "wait_counted_in_capture")
-        {
-            true => Waits::No,
-            false => waits,
+        let waits = match waits {
+            Waits::All | Waits::For(_)
+                if self.device.capture_underway()
+                    && !cfg!(tidepool_broken = "wait_counted_in_capture") =>
+            {
+                Waits::No
+            }
+            w => w,
         };
         for mut r in std::mem::take(&mut st.vm.retiring) {
             let block = match waits {

@@ -340,7 +340,7 @@ impl<D: Device> Shared<D> {
     }
 
     /// [`Shared::release_segments`], waiting on the host only for the retiring mappings `waits`
-    /// names (`Waits::For`: a learning run's end, see [`Shared::release_pages_of`]).
+    /// names (`Waits::For`: a learning run's end, `adopt.rs`).
     pub(super) fn release_segments_then(
         &self,
         st: &mut State,
