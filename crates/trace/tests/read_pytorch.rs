@@ -1395,3 +1395,54 @@ fn allocator_settings_are_shared_by_the_devices_not_copied() {
         assert!(std::sync::Arc::ptr_eq(&settings[0], s));
     }
 }
+
+/// PyTorch records a free with its allocation's requested size. A free recorded with another
+/// size (a fork's recorder, a broken file) frees the block its allocation made: it is replayed
+/// at the allocation's size, and a note says how many frees were recorded so and which was the
+/// first, so that the reader of the report knows the file is not what PyTorch writes.
+#[test]
+fn a_free_recorded_with_another_size_is_replayed_at_its_allocations_and_noted() {
+    let a = 0x7f00_0000_0000i64;
+    let t = read(vec![vec![
+        entry("alloc", a, 512),
+        entry("alloc", a + 512, 1024),
+        entry("free_completed", a, 700),
+        entry("free_completed", a + 512, 1024),
+        entry("alloc", a, 256),
+        entry("free_completed", a, 4096),
+    ]])
+    .unwrap();
+    assert_eq!(
+        t.events,
+        vec![
+            Event::alloc(0, 512, 0, Tag::Act),
+            Event::alloc(1, 1024, 0, Tag::Act),
+            Event::free(0, 512, 0, Tag::Act),
+            Event::free(1, 1024, 0, Tag::Act),
+            Event::alloc(2, 256, 0, Tag::Act),
+            Event::free(2, 256, 0, Tag::Act),
+        ]
+    );
+    let notes = &t.snapshot.as_ref().unwrap().notes;
+    assert_eq!(
+        notes,
+        &vec![
+            "2 frees were recorded with another size than its allocation's (the first, entry 2: \
+             700 B freed, 512 B allocated); each is replayed as a free of the block its \
+             allocation made"
+                .to_string()
+        ]
+    );
+    // One such free, and frees of the right size note nothing.
+    let one = read(vec![vec![entry("alloc", a, 512), entry("free_completed", a, 511)]]).unwrap();
+    assert_eq!(
+        one.snapshot.as_ref().unwrap().notes,
+        vec![
+            "1 free was recorded with another size than its allocation's (entry 1: 511 B freed, \
+             512 B allocated); it is replayed as a free of the block its allocation made"
+                .to_string()
+        ]
+    );
+    let right = read(vec![vec![entry("alloc", a, 512), entry("free_completed", a, 512)]]).unwrap();
+    assert!(right.snapshot.as_ref().unwrap().notes.is_empty());
+}

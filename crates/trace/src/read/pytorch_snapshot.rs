@@ -50,7 +50,10 @@
 //! (it would have overlapped the window's own; PyTorch frees a block once) but a double free,
 //! [`ErrorKind::FreeOfUnknownAddress`] — unless the device has no `alloc` entry at all
 //! (`skip_actions`), where every free is of an unseen block, or has an action this reader does
-//! not know, which may have allocated it.
+//! not know, which may have allocated it. A free recorded with another size than its alloc's
+//! (PyTorch records both with the requested size) frees the block the alloc made: it is
+//! replayed at the alloc's size and a note counts such frees (the RMM reader refuses them,
+//! since RMM's `deallocate` frees the bytes it is given).
 //!
 //! `external_annotations` START/END pairs (PyTorch 2.5+, e.g. `Optimizer.step#AdamW.step`) of a
 //! device whose entries have `time_us` become scope markers: the scope is entered before the
@@ -646,6 +649,34 @@ struct Entry<'a> {
     time: Option<i128>,
 }
 
+/// Frees recorded with another size than their allocation's: how many, and the first.
+#[derive(Default)]
+struct Resized {
+    frees: u64,
+    /// The first: its entry's index, the allocation's size and the free's.
+    first: Option<(usize, u64, u64)>,
+}
+
+impl Resized {
+    fn see(&mut self, index: usize, allocated: u64, freed: u64) {
+        self.frees += 1;
+        self.first.get_or_insert((index, allocated, freed));
+    }
+
+    fn note(&self) -> Option<String> {
+        let (index, allocated, freed) = self.first?;
+        let (count, first, each) = match self.frees {
+            1 => ("1 free was".to_string(), "", "it is"),
+            n => (format!("{n} frees were"), "the first, ", "each is"),
+        };
+        Some(format!(
+            "{count} recorded with another size than its allocation's ({first}entry {index}: \
+             {freed} B freed, {allocated} B allocated); {each} replayed as a free of the block \
+             its allocation made"
+        ))
+    }
+}
+
 fn parse_entry(device: usize, index: usize, entry: Obj<'_>) -> Result<Entry<'_>, TraceError> {
     let structure =
         |s: String| TraceError::new(Location::Entry { device, index }, ErrorKind::BadStructure(s));
@@ -896,6 +927,7 @@ fn device_trace_in(
     let mut body: Vec<(Event, i128)> = Vec::new();
     let (mut delta, mut max_delta, mut min_delta) = (0i128, 0i128, 0i128);
     let mut unknown = Unknown::default();
+    let mut resized = Resized::default();
     let mut scopes = Scopes::new(input.annotations);
     for a in input.annotations {
         if a.stage.is_none() {
@@ -930,6 +962,15 @@ fn device_trace_in(
                 let (id, bytes) = match live.remove(&e.addr) {
                     Some(x) => {
                         freed.insert(e.addr);
+                        // PyTorch records a free with its allocation's requested size: another
+                        // size is a fork's or a broken recording. The free is of the block the
+                        // allocation made, so it is replayed at that size, and a note says so
+                        // (the RMM reader refuses one: RMM's `deallocate` frees the bytes it is
+                        // given).
+                        // BROKEN (`snapshot_resize_unnoted`): no note.
+                        if x.1 != e.size && !cfg!(tidepool_broken = "snapshot_resize_unnoted") {
+                            resized.see(e.index, x.1, e.size);
+                        }
                         x
                     }
                     // Freed in the window and not allocated since: a block from before the
@@ -970,6 +1011,7 @@ fn device_trace_in(
         }
     }
     info.notes.extend(unknown.note());
+    info.notes.extend(resized.note());
     if timed {
         scopes.emit(None, &mut trace, &mut body, delta);
         if let Some(open) = scopes.close(&mut body, delta) {
