@@ -62,7 +62,8 @@ pub struct MemoryStats {
     /// Expandable segments: physical pages released (`cuMemRelease` calls).
     pub num_physical_release: u64,
     /// Expandable segments: free pages another stream had cached, moved to a stream that ran out
-    /// (unmapped there, mapped here: no new physical memory).
+    /// (unmapped there, mapped here: no new physical memory). Pages a growth took and then gave
+    /// back, to their stream or to the device, because the growth failed are not counted.
     pub num_pages_moved: u64,
     /// Waits for every pending event, all streams' (PyTorch's `num_sync_all_streams`): the
     /// out-of-memory ladder's, [`crate::Allocator::empty_cache`]'s,

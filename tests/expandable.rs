@@ -1505,6 +1505,37 @@ fn the_caps_weigh_the_pages_a_growth_takes() {
     }
 }
 
+/// A growth refused after taking an idle stream's chunk: that chunk was unmapped at its old
+/// place at once (the donor's work was done), so it is no free run of the donor any more and is
+/// released — and counted as no page moved, since no page served another stream. Stream 1's
+/// 8 MiB are unmapped (one unmap) and released (one release); nothing is reserved or held
+/// after. Broken build `failed_take_counted`: the 4 pages stay counted as moved.
+#[test]
+fn a_chunk_taken_by_a_refused_growth_and_released_counts_as_no_move() {
+    let (dev, alloc) = setup("cross_stream:wait_event,per_process_memory_fraction:0.5", 16 * MIB);
+    let (s1, s2) = (dev.create_stream().unwrap(), dev.create_stream().unwrap());
+    drop(alloc.alloc(8 * MIB, s1).unwrap());
+    assert_eq!(mapped_chunks(&dev, base()), vec![(0, 4)]);
+    let e = alloc.alloc(12 * MIB, s2).unwrap_err();
+    assert!(matches!(e, tidepool::AllocError::OutOfMemory(_)), "{e}");
+    let s = alloc.stats();
+    assert_eq!(mapped_chunks(&dev, base()), vec![]);
+    assert_eq!((s.blocks.reserved_bytes.all.current, dev.physical_bytes()), (0, 0));
+    assert_eq!(s.num_pages_moved, 0);
+    let c = dev.vm_counters();
+    assert_eq!((c.creates, c.maps, c.unmaps, c.releases), (1, 1, 1, 1));
+    assert_eq!(s.num_host_syncs, 0);
+    alloc.check_invariants().unwrap();
+    // The allocator works on: 8 MiB fit the cap.
+    let b = alloc.alloc(8 * MIB, s2).unwrap();
+    assert_eq!(alloc.stats().num_pages_moved, 0);
+    drop(b);
+    alloc.check_invariants().unwrap();
+    assert_eq!(dev.violations(), vec![]);
+    drop(alloc);
+    assert_no_leak(&dev);
+}
+
 /// A growth whose map fails after it took another stream's chunk, during a capture on a third
 /// stream (no host wait allowed): the chunk goes back to its donor, and the ladder's retry takes
 /// it again and succeeds, on a device with no room for new memory beyond it. Broken build

@@ -944,10 +944,13 @@ impl<D: Device> Shared<D> {
         if let Err(e) = self.take_pages(st, config, key, pages, room, chunks) {
             // Chunks taken before the error are in no range: they go back to the device.
             if !cfg!(tidepool_broken = "taken_chunks_lost") {
-                self.give_back_taken(st, retiring_before, chunks);
+                let taken = chunks.len();
+                self.give_back_taken(st, retiring_before, chunks, taken);
             }
             return Err(e);
         }
+        // The chunks taken lead `chunks`; those created follow.
+        let taken = chunks.len();
         let mut have: u64 = chunks.iter().map(|c| c.1).sum();
         let pages = pages.max(have);
         let create = (pages - have) * page;
@@ -969,7 +972,7 @@ impl<D: Device> Shared<D> {
             };
             if let Some(e) = refused {
                 // As a refused creation: the chunks taken go back to their donors, or the device.
-                self.give_back_taken(st, retiring_before, chunks);
+                self.give_back_taken(st, retiring_before, chunks, taken);
                 return Err(e);
             }
         }
@@ -983,7 +986,7 @@ impl<D: Device> Shared<D> {
                     have += n;
                 }
                 Err(e) => {
-                    self.give_back_taken(st, retiring_before, chunks);
+                    self.give_back_taken(st, retiring_before, chunks, taken);
                     return Err(device_err(e));
                 }
             }
@@ -1013,7 +1016,7 @@ impl<D: Device> Shared<D> {
                 // The chunks left mapped here stay (a moved one's old mapping retiring as after
                 // any move); the others go back to their donors, or to the device.
                 let mut rest = chunks.split_off(kept);
-                self.give_back_taken(st, retiring_before, &mut rest);
+                self.give_back_taken(st, retiring_before, &mut rest, taken.saturating_sub(kept));
                 if kept > 0 {
                     let range = st.vm.ranges.get_mut(&base).expect("the key's range");
                     let mut a = lo;

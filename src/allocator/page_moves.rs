@@ -24,7 +24,9 @@ impl<D: Device> Shared<D> {
     /// — each becomes a free run of its range again, as before the growth, with no device call
     /// and no host wait (also during a capture, where no wait is allowed); the rest of `chunks`
     /// (new chunks, chunks unmapped from an idle donor) goes back to the device. `from`: the
-    /// retiring entries before the growth.
+    /// retiring entries before the growth; `taken`: how many chunks lead `chunks` that the
+    /// growth took (the rest it created). A taken chunk released here served no other stream:
+    /// its pages are no longer counted as moved (broken build `failed_take_counted`: they are).
     ///
     /// Broken mode `UnsettledMoves`: nothing goes back to a donor, and chunks whose old mapping
     /// still holds their memory are released (counted in no range until a later poll). Broken
@@ -36,7 +38,11 @@ impl<D: Device> Shared<D> {
         st: &mut State,
         from: usize,
         chunks: &mut Vec<(PhysHandle, u64)>,
+        taken: usize,
     ) {
+        // Handles, unlike positions, survive `give_back_moved`'s removals (a failure path: the
+        // vector allocates at most once per failed growth).
+        let taken: Vec<PhysHandle> = chunks[..taken].iter().map(|c| c.0).collect();
         let moved = st.vm.retiring.len() > from && !self.broken(Broken::UnsettledMoves);
         if moved && cfg!(tidepool_broken = "taken_waited_for") {
             let taken = st.vm.retiring.split_off(from);
@@ -45,6 +51,10 @@ impl<D: Device> Shared<D> {
             st.vm.retiring.splice(0..0, older);
         } else if moved {
             self.give_back_moved(st, from, chunks);
+        }
+        if !cfg!(tidepool_broken = "failed_take_counted") {
+            let released = chunks.iter().filter(|c| taken.contains(&c.0)).map(|c| c.1).sum();
+            st.vm.counts.sub_moves(released);
         }
         self.drop_handles(st, chunks);
     }
