@@ -21,7 +21,9 @@ pub struct MemoryStats {
     pub num_device_alloc: u64,
     /// Segments released to the device (`cuMemFree` calls).
     pub num_device_free: u64,
-    /// Host synchronisations the allocator caused (releases, event waits).
+    /// Host synchronisations the allocator caused (releases, event waits). A wait the device
+    /// refused (one a capture underway forbids, a failing device) kept the host waiting for
+    /// nothing and is not counted.
     pub num_host_syncs: u64,
     /// Best-fit searches of the pool (allocations not served by a scope's cache or plan).
     pub best_fit_searches: u64,

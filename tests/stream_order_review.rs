@@ -178,7 +178,9 @@ fn a_free_whose_host_wait_fails_waits_for_the_next_one() {
     dev.synchronize().unwrap();
     opener.join().unwrap();
     assert_eq!(w.ptr(), at(0), "the block was lost");
-    assert_eq!((st.blocks.active_bytes.all.current, st.num_host_syncs), (3 * N, 2));
+    // One host sync: `empty_cache`'s (the free's host wait was refused: the host never
+    // waited, and it is not counted).
+    assert_eq!((st.blocks.active_bytes.all.current, st.num_host_syncs), (3 * N, 1));
     drop((y, z, w));
     assert_all_returned(&dev, alloc);
 }
@@ -220,11 +222,38 @@ fn use_on_falls_back_to_a_counted_host_wait() {
     assert!(matches!(y.use_on(t, AccessKind::Write), Err(tidepool::AllocError::Device(_))));
     dev.fail_event_waits(false);
     dev.fail_host_syncs(false);
+    // Neither refused host wait kept the host waiting: none is counted (broken build
+    // `refused_syncs_counted`: 3). (The device's second is the test's own.)
+    assert_eq!((alloc.stats().num_host_syncs, dev.counters().host_syncs), (1, 2));
     let (records, py) = (dev.counters().event_records, y.ptr());
     drop(y);
     assert_eq!(dev.counters().event_records, records, "the refused use was recorded");
     assert_eq!(alloc.alloc(N, s).unwrap().ptr(), py);
     drop(x);
+    assert_all_returned(&dev, alloc);
+}
+
+/// During a capture on `t`, a buffer written on `s` announced for `t`: the device refuses `t`'s
+/// wait for `s` (capture isolation), and the fallback host waits too (a capture allows none),
+/// so `use_on` fails — with no host sync counted, since the host never waited (broken build
+/// `refused_syncs_counted`: 2). Once the capture ends, the same call orders `t` on the device.
+#[test]
+fn a_use_refused_in_a_capture_counts_no_host_wait() {
+    let (dev, alloc, s, t) = setup("");
+    let x = alloc.alloc(N, s).unwrap();
+    let (k, open) = common::gated_write(x.ptr(), 0xAB);
+    dev.launch(s, k).unwrap();
+    alloc.begin_capture(t, None).unwrap();
+    let e = x.use_on(t, AccessKind::Read).unwrap_err();
+    assert!(matches!(e, tidepool::AllocError::Device(_)), "{e}");
+    assert_eq!((alloc.stats().num_host_syncs, dev.counters().host_syncs), (0, 0));
+    drop(alloc.end_capture(t).unwrap());
+    x.use_on(t, AccessKind::Read).unwrap();
+    assert_eq!((alloc.stats().num_host_syncs, dev.counters().event_waits), (0, 1));
+    open.send(()).unwrap();
+    dev.synchronize().unwrap();
+    drop(x);
+    assert_eq!(dev.violations(), vec![]);
     assert_all_returned(&dev, alloc);
 }
 

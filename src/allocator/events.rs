@@ -76,10 +76,10 @@ impl<D: Device> Shared<D> {
                             // The device refused the wait: the host waits for `other`'s work
                             // instead, a host sync counted as every other. (BROKEN,
                             // `use_on_sync_uncounted`: not counted in `num_host_syncs`.)
-                            if !cfg!(tidepool_broken = "use_on_sync_uncounted") {
-                                st.counters.host_syncs += 1;
-                            }
-                            ok = self.device.synchronize_event(event).is_ok();
+                            ok = match cfg!(tidepool_broken = "use_on_sync_uncounted") {
+                                true => self.device.synchronize_event(event).is_ok(),
+                                false => self.sync_event(&mut st, event).is_ok(),
+                            };
                         }
                         st.free_events.push(event);
                         ok
@@ -162,9 +162,25 @@ impl<D: Device> Shared<D> {
     }
 
     /// Blocks the host until every stream is idle: the wait for work no event could mark.
+    /// Counted in `num_host_syncs` where the device waited (see [`Shared::sync_event`]).
     pub(super) fn host_wait(&self, st: &mut State) -> Result<(), DeviceError> {
-        st.counters.host_syncs += 1;
-        self.device.synchronize()
+        let waited = self.device.synchronize();
+        st.counters.host_syncs += u64::from(waited.is_ok() || Self::counts_refused_syncs());
+        waited
+    }
+
+    /// Blocks the host until `event` completed. Counted in `num_host_syncs` only where the
+    /// device waited: a wait it refused (during a capture, which allows none; an injected
+    /// fault) kept the host waiting for nothing.
+    pub(super) fn sync_event(&self, st: &mut State, event: EventId) -> Result<(), DeviceError> {
+        let waited = self.device.synchronize_event(event);
+        st.counters.host_syncs += u64::from(waited.is_ok() || Self::counts_refused_syncs());
+        waited
+    }
+
+    /// BROKEN (`refused_syncs_counted`): a host wait the device refused is counted too.
+    const fn counts_refused_syncs() -> bool {
+        cfg!(tidepool_broken = "refused_syncs_counted")
     }
 
     /// Waits on the host for each of `events` (a counted sync each), which go back to the
@@ -173,8 +189,7 @@ impl<D: Device> Shared<D> {
     pub(super) fn wait_now(&self, st: &mut State, events: &mut Vec<(StreamId, EventId)>) -> bool {
         let mut failed = false;
         for (_, event) in events.drain(..) {
-            st.counters.host_syncs += 1;
-            failed |= self.device.synchronize_event(event).is_err();
+            failed |= self.sync_event(st, event).is_err();
             st.free_events.push(event);
         }
         failed
@@ -222,8 +237,7 @@ impl<D: Device> Shared<D> {
         st.counters.extra_changes += 1;
         while let Some((&s, _)) = st.pending.iter().next() {
             while let Some(front) = st.pending.get(&s).and_then(VecDeque::front) {
-                st.counters.host_syncs += 1;
-                self.device.synchronize_event(front.event)?;
+                self.sync_event(st, front.event)?;
                 let done =
                     st.pending.get_mut(&s).and_then(VecDeque::pop_front).expect("front exists");
                 Self::event_done(st, done);
@@ -309,8 +323,7 @@ impl<D: Device> Shared<D> {
                         // The owner stream is gone (or refuses to wait): whoever reuses the
                         // memory next may be any stream, so the other stream's work must be
                         // done now.
-                        st.counters.host_syncs += 1;
-                        if self.device.synchronize_event(event).is_err() {
+                        if self.sync_event(&mut st, event).is_err() {
                             ordered &= self.host_wait(&mut st).is_ok();
                         }
                     }

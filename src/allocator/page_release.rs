@@ -344,10 +344,7 @@ impl<D: Device> Shared<D> {
                 Ok(true) => Ok(()),
                 // BROKEN (`trim_waits`): a trim waits on the host for the stream's work.
                 _ if !wait && !cfg!(tidepool_broken = "trim_waits") => return Ok(Some(event)),
-                _ => {
-                    st.counters.host_syncs += 1;
-                    self.device.synchronize_event(event)
-                }
+                _ => self.sync_event(st, event),
             },
         };
         st.free_events.push(event);
@@ -425,10 +422,7 @@ impl<D: Device> Shared<D> {
             };
             let done = match self.device.query_event(r.event) {
                 Ok(true) => true,
-                _ if block => {
-                    st.counters.host_syncs += 1;
-                    self.device.synchronize_event(r.event).is_ok()
-                }
+                _ if block => self.sync_event(st, r.event).is_ok(),
                 _ => false,
             };
             if done {

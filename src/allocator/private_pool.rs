@@ -110,7 +110,7 @@ impl<D: Device> Family<D> {
     }
 
     /// Lets go of what dropped graphs could not (`graph_holds`) once a device synchronisation
-    /// succeeds (one host sync, counted in `st`); nothing while a capture is underway. Called
+    /// succeeds (one host sync, counted in `st` where it does); nothing while a capture is underway. Called
     /// with `st`, the calling allocator's state, locked: the holds are let go of after it is
     /// unlocked by the caller, as their frees take allocator locks.
     pub(super) fn take_graph_holds(
@@ -122,9 +122,11 @@ impl<D: Device> Family<D> {
         if holds.is_empty() || device.capture_underway() {
             return Vec::new();
         }
-        st.counters.host_syncs += 1;
         match device.synchronize() {
-            Ok(()) => std::mem::take(&mut *holds),
+            Ok(()) => {
+                st.counters.host_syncs += 1;
+                std::mem::take(&mut *holds)
+            }
             Err(_) => Vec::new(),
         }
     }

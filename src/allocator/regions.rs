@@ -418,8 +418,9 @@ impl<D: Device> Shared<D> {
             true => {
                 let syncs = &mut st.counters.host_syncs;
                 let done = |e| {
-                    *syncs += 1;
-                    dev.synchronize_event(e).is_ok()
+                    let waited = dev.synchronize_event(e).is_ok();
+                    *syncs += u64::from(waited); // counted where the device waited
+                    waited
                 };
                 region.settle(done, &mut st.free_events);
             }
