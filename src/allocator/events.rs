@@ -178,9 +178,11 @@ impl<D: Device> Shared<D> {
         waited
     }
 
-    /// BROKEN (`refused_syncs_counted`): a host wait the device refused is counted too.
+    /// BROKEN (`refused_syncs_counted`, and `wait_counted_in_capture`, whose refused waits
+    /// are this fix's first case): a host wait the device refused is counted too.
     const fn counts_refused_syncs() -> bool {
         cfg!(tidepool_broken = "refused_syncs_counted")
+            || cfg!(tidepool_broken = "wait_counted_in_capture")
     }
 
     /// Waits on the host for each of `events` (a counted sync each), which go back to the
