@@ -110,9 +110,9 @@ impl<D: Device> Family<D> {
     }
 
     /// Lets go of what dropped graphs could not (`graph_holds`) once a device synchronisation
-    /// succeeds (one host sync, counted in `st` where it does); nothing while a capture is underway. Called
-    /// with `st`, the calling allocator's state, locked: the holds are let go of after it is
-    /// unlocked by the caller, as their frees take allocator locks.
+    /// succeeds (then one host sync, counted in `st`); nothing while a capture is underway.
+    /// Called with `st`, the calling allocator's state, locked: the holds are let go of after it
+    /// is unlocked by the caller, as their frees take allocator locks.
     pub(super) fn take_graph_holds(
         &self,
         device: &Guarded<D>,
