@@ -496,6 +496,31 @@ fn a_copy_on_another_gpus_stream_waits_for_the_buffers_write() {
     assert!(dev.live_segments().is_empty(), "leaked: {:?}", dev.live_segments());
 }
 
+/// Stream ids come from one sequence for every `CudaDevice` of the process: a stream made by
+/// another handle (here a second handle of GPU 0; another GPU's alike) is unknown to this
+/// device's allocator, an `UnknownStream` error, not this device's stream of the same number.
+/// Broken build `stream_ids_per_device`: both handles' first streams are stream 1, and the
+/// allocator takes the other's for its own.
+#[test]
+fn a_stream_of_another_cuda_device_handle_is_unknown_here() {
+    let Some((_gpu, dev)) = gpu() else { return };
+    let other = CudaDevice::new(0).expect("a second handle of GPU 0");
+    let alloc = Allocator::new(dev.clone(), Config::default()).unwrap();
+    let theirs = other.create_stream().unwrap();
+    let mine = dev.create_stream().unwrap();
+    assert_ne!(mine, theirs);
+    assert!(dev.stream(theirs).is_err(), "{theirs:?} is another handle's");
+    let e = alloc.alloc(4096, theirs).unwrap_err();
+    assert!(matches!(e, AllocError::UnknownStream(s) if s == theirs), "{e}");
+    let b = alloc.alloc(4096, mine).unwrap();
+    assert!(matches!(b.record_stream(theirs), Err(AllocError::UnknownStream(_))));
+    drop(b);
+    alloc.empty_cache().unwrap();
+    assert!(dev.live_segments().is_empty(), "leaked: {:?}", dev.live_segments());
+    other.destroy_stream(theirs).unwrap();
+    dev.destroy_stream(mine).unwrap();
+}
+
 #[test]
 fn allocator_over_cuda_device_alloc_free_empty_cache_without_leaks() {
     let Some((_gpu, dev)) = gpu() else { return };

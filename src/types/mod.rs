@@ -54,11 +54,12 @@ impl fmt::Display for DeviceAddr {
 
 /// A stream: an in-order queue of device work. Stream 0 is the default stream.
 ///
-/// An id is a number in one device's namespace (each device, each `CudaDevice` handle, numbers
-/// its own streams from 1), not a handle: the same number on another device's allocator is
-/// that device's stream of that number, or an [`UnknownStream`](crate::AllocError::UnknownStream)
-/// error. Keep a stream id with the device (or [`Allocators::for_device`](crate::Allocators))
-/// that made it.
+/// An id is a number, not a handle. `CudaDevice`s take theirs from one sequence for the whole
+/// process, so a stream of one GPU (or of one `CudaDevice` handle) is unknown to every other:
+/// an [`UnknownStream`](crate::AllocError::UnknownStream) error there. Each `SimDevice` numbers
+/// its own streams from 1 (tests name them), so on another simulated device the same number is
+/// that device's stream of that number, or unknown. Keep a stream id with the device (or
+/// [`Allocators::for_device`](crate::Allocators)) that made it.
 ///
 /// ```
 /// use tidepool::{Allocators, Config, Device};

@@ -52,6 +52,7 @@ use super::{Device, DeviceAddr, DeviceError, EventId, HostPtr, MemInfo, PhysHand
 use cudarc::driver::{CudaContext, CudaStream, DriverError, sys};
 use result::RawEvent;
 use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
 /// What [`CudaDevice::new`] says where the driver library cannot be loaded.
@@ -101,11 +102,34 @@ struct CudaVm {
     mappings: HashMap<u64, (u64, u64)>,
 }
 
+/// The next stream id of any [`CudaDevice`] in the process (0 is every device's default
+/// stream). One sequence for all: a stream of one GPU, or of one `CudaDevice` handle, is unknown
+/// to every other ([`DeviceError::UnknownStream`]) rather than that device's stream of the same
+/// number, on which an allocator would then order the work instead.
+static NEXT_STREAM_ID: AtomicU32 = AtomicU32::new(1);
+
 struct Streams {
-    next: u32,
+    /// The device's own count of the streams it made (the id under broken build
+    /// `stream_ids_per_device`).
+    made: u32,
     live: HashMap<u32, Arc<CudaStream>>,
     /// Ids of streams the application owns (adopted, not created here).
     adopted: HashSet<u32>,
+}
+
+impl Streams {
+    /// An id for a stream this device makes or adopts: the next of [`NEXT_STREAM_ID`].
+    fn new_id(&mut self) -> Result<u32, DeviceError> {
+        self.made += 1;
+        // BROKEN (`stream_ids_per_device`): each device numbered its streams from 1, and
+        // another device's stream id named one of its own.
+        if cfg!(tidepool_broken = "stream_ids_per_device") {
+            return Ok(self.made);
+        }
+        NEXT_STREAM_ID
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_add(1))
+            .map_err(|_| DeviceError::Unsupported("more than 2^32 - 1 streams in this process"))
+    }
 }
 
 struct Events {
@@ -191,7 +215,7 @@ impl CudaDevice {
             ctx,
             name,
             streams: Mutex::new(Streams {
-                next: 1,
+                made: 0,
                 live: HashMap::from([(0, default)]),
                 adopted: HashSet::new(),
             }),
@@ -254,8 +278,7 @@ impl CudaDevice {
         {
             return Ok(StreamId(id));
         }
-        let id = streams.next;
-        streams.next += 1;
+        let id = streams.new_id()?;
         streams.live.insert(id, stream.clone());
         streams.adopted.insert(id);
         Ok(StreamId(id))
@@ -459,8 +482,7 @@ impl Device for CudaDevice {
     fn create_stream(&self) -> Result<StreamId, DeviceError> {
         let stream = self.ctx.new_stream().map_err(|e| driver_error("cuStreamCreate", e))?;
         let mut streams = lock(&self.streams);
-        let id = streams.next;
-        streams.next += 1;
+        let id = streams.new_id()?;
         streams.live.insert(id, stream);
         Ok(StreamId(id))
     }
@@ -800,6 +822,28 @@ impl CudaDevice {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn streams() -> Streams {
+        Streams { made: 0, live: HashMap::new(), adopted: HashSet::new() }
+    }
+
+    /// Two devices (or two handles of one) never give out the same stream id, nor the default
+    /// stream's 0: a stream of one is unknown to the other. Broken build
+    /// `stream_ids_per_device`: both number theirs 1, 2, … (runs without a GPU: no driver call).
+    #[test]
+    fn stream_ids_are_unique_across_devices() {
+        let (mut a, mut b) = (streams(), streams());
+        let mut ids = Vec::new();
+        for _ in 0..2 {
+            ids.push(a.new_id().unwrap());
+            ids.push(b.new_id().unwrap());
+        }
+        let distinct: HashSet<u32> = ids.iter().copied().collect();
+        assert_eq!(distinct.len(), 4, "{ids:?}");
+        assert!(!ids.contains(&0), "{ids:?}");
+        assert!(ids[0] < ids[2] && ids[1] < ids[3], "{ids:?}"); // each device's in order
+        assert_eq!((a.made, b.made), (2, 2));
+    }
 
     /// On a machine without a driver (CI, developers), construction is an error with the reason.
     #[test]
