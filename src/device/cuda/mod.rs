@@ -120,7 +120,7 @@ struct Streams {
 impl Streams {
     /// An id for a stream this device makes or adopts: the next of [`NEXT_STREAM_ID`].
     fn new_id(&mut self) -> Result<u32, DeviceError> {
-        self.made += 1;
+        self.made = self.made.saturating_add(1);
         // BROKEN (`stream_ids_per_device`): each device numbered its streams from 1, and
         // another device's stream id named one of its own.
         if cfg!(tidepool_broken = "stream_ids_per_device") {
