@@ -162,27 +162,15 @@ impl<D: Device> Shared<D> {
     }
 
     /// Blocks the host until every stream is idle: the wait for work no event could mark.
-    /// Counted in `num_host_syncs` where the device waited (see [`Shared::sync_event`]).
+    /// Counted in `num_host_syncs` where the device waited ([`count_host_wait`]).
     pub(super) fn host_wait(&self, st: &mut State) -> Result<(), DeviceError> {
-        let waited = self.device.synchronize();
-        st.counters.host_syncs += u64::from(waited.is_ok() || Self::counts_refused_syncs());
-        waited
+        count_host_wait(&mut st.counters.host_syncs, self.device.synchronize())
     }
 
-    /// Blocks the host until `event` completed. Counted in `num_host_syncs` only where the
-    /// device waited: a wait it refused (during a capture, which allows none; an injected
-    /// fault) kept the host waiting for nothing.
+    /// Blocks the host until `event` completed. Counted in `num_host_syncs` where the device
+    /// waited ([`count_host_wait`]).
     pub(super) fn sync_event(&self, st: &mut State, event: EventId) -> Result<(), DeviceError> {
-        let waited = self.device.synchronize_event(event);
-        st.counters.host_syncs += u64::from(waited.is_ok() || Self::counts_refused_syncs());
-        waited
-    }
-
-    /// BROKEN (`refused_syncs_counted`, and `wait_counted_in_capture`, whose refused waits
-    /// are this fix's first case): a host wait the device refused is counted too.
-    const fn counts_refused_syncs() -> bool {
-        cfg!(tidepool_broken = "refused_syncs_counted")
-            || cfg!(tidepool_broken = "wait_counted_in_capture")
+        count_host_wait(&mut st.counters.host_syncs, self.device.synchronize_event(event))
     }
 
     /// Waits on the host for each of `events` (a counted sync each), which go back to the
@@ -350,4 +338,21 @@ pub(super) enum Mark {
     /// The device refused (an event could not be made or recorded). The caller must not take
     /// this as "nothing to wait for": it waits on the host, or leaves the memory alone.
     Failed,
+}
+
+/// Counts in `syncs` (`num_host_syncs`) a host wait whose answer from the device is `waited`,
+/// and returns that answer: only a wait the device performed counts. One it refused (during a
+/// capture, which allows none; on a failing device) kept the host waiting for nothing. The one
+/// rule for every host wait of the allocator ([`Shared::sync_event`], [`Shared::host_wait`], a
+/// region's settle, the graphs' holds).
+pub(super) fn count_host_wait(
+    syncs: &mut u64,
+    waited: Result<(), DeviceError>,
+) -> Result<(), DeviceError> {
+    // BROKEN (`refused_syncs_counted`, and `wait_counted_in_capture`, whose refused waits are
+    // this rule's first case): a wait the device refused is counted too.
+    let refused_counted = cfg!(tidepool_broken = "refused_syncs_counted")
+        || cfg!(tidepool_broken = "wait_counted_in_capture");
+    *syncs += u64::from(waited.is_ok() || refused_counted);
+    waited
 }

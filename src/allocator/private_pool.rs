@@ -122,11 +122,8 @@ impl<D: Device> Family<D> {
         if holds.is_empty() || device.capture_underway() {
             return Vec::new();
         }
-        match device.synchronize() {
-            Ok(()) => {
-                st.counters.host_syncs += 1;
-                std::mem::take(&mut *holds)
-            }
+        match super::events::count_host_wait(&mut st.counters.host_syncs, device.synchronize()) {
+            Ok(()) => std::mem::take(&mut *holds),
             Err(_) => Vec::new(),
         }
     }

@@ -417,11 +417,8 @@ impl<D: Device> Shared<D> {
         match wait && !cfg!(tidepool_broken = "settling_polled") {
             true => {
                 let syncs = &mut st.counters.host_syncs;
-                let done = |e| {
-                    let waited = dev.synchronize_event(e).is_ok();
-                    *syncs += u64::from(waited); // counted where the device waited
-                    waited
-                };
+                let done =
+                    |e| super::events::count_host_wait(syncs, dev.synchronize_event(e)).is_ok();
                 region.settle(done, &mut st.free_events);
             }
             false => region.settle(|e| dev.query_event(e).unwrap_or(false), &mut st.free_events),
