@@ -200,7 +200,7 @@ pub enum Broken {
     /// A scope run hands out again a block it freed into its local cache even where the
     /// search would no longer place the request there: a transient block in a persistent
     /// ordinary segment's free space (shared while segments were in force), reused after
-    /// `expandable_segments` was turned on, when residencies no longer share (`scope.rs`).
+    /// `expandable_segments` was turned on, when residencies no longer share (`scope/pool_blocks.rs`).
     LocalReuseAcrossRanges = 1 << 49,
     /// `empty_cache` only polls the pending events instead of waiting for them all (PyTorch's
     /// `release_cached_blocks` → `synchronize_and_free_events`): a block whose free waits on
