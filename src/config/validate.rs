@@ -1,0 +1,123 @@
+//! [`Config::validate`]: the rules a configuration keeps whichever way it was made.
+
+use super::{Config, ConfigError, MIN_ALIGN};
+use crate::pool::MIB;
+
+impl Config {
+    /// Checks that the size rules fit together.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let z = &self.sizing;
+        let fail = |why: String| Err(ConfigError::Inconsistent(why));
+        if !z.min_block_size.is_power_of_two() {
+            return fail(format!("min_block_size {} is not a power of two", z.min_block_size));
+        }
+        if z.min_block_size < MIN_ALIGN {
+            return fail(format!(
+                "min_block_size {} is below {MIN_ALIGN} bytes: every pointer handed out must stay \
+                 {MIN_ALIGN}-byte aligned, as CUDA's and RMM's are",
+                z.min_block_size
+            ));
+        }
+        if z.small_size < z.min_block_size || !z.small_size.is_multiple_of(z.min_block_size) {
+            return fail("small_size_mb must be a multiple of min_block_size".into());
+        }
+        if z.small_segment < z.small_size {
+            return fail("small_segment_mb must be at least small_size_mb".into());
+        }
+        if z.min_large_alloc <= z.small_size {
+            return fail("min_large_alloc_mb must exceed small_size_mb".into());
+        }
+        if z.large_segment < z.min_large_alloc {
+            return fail("large_segment_mb must be at least min_large_alloc_mb".into());
+        }
+        // 0 is a multiple of everything: the own segments' rounding would divide by it.
+        // BROKEN (`round_large_zero`): a zero rounding accepted (a large request panics).
+        if z.round_large == 0 && !cfg!(tidepool_broken = "round_large_zero") {
+            return fail("round_large_mb must be at least 1 MiB (got 0 bytes)".into());
+        }
+        if !z.round_large.is_multiple_of(z.min_block_size) {
+            return fail("round_large_mb must be a multiple of min_block_size".into());
+        }
+        // PyTorch's `parseMaxSplitSize`: at least the large segment size (older releases
+        // wanted more than it).
+        if z.max_split_size != u64::MAX && z.max_split_size < z.large_segment {
+            return fail(format!(
+                "max_split_size_mb ({} MiB) must be at least large_segment_mb ({} MiB)",
+                z.max_split_size / MIB,
+                z.large_segment / MIB
+            ));
+        }
+        if self.fast_cache_entries == 0 {
+            return fail("fast_cache_entries must be at least 1".into());
+        }
+        if let Some(t) = self.garbage_collection_threshold
+            && !(t > 0.0 && t < 1.0)
+        {
+            return fail(format!("garbage_collection_threshold {t} is not in (0, 1)"));
+        }
+        if let Some(f) = self.memory_fraction
+            && !(0.0..=1.0).contains(&f)
+        {
+            return fail(format!("per_process_memory_fraction {f} is not in [0, 1]"));
+        }
+        // What the string form caps (`initial_pool_size_mb` ≤ 256 TiB): the reservation is
+        // rounded up to a block, which must not overflow.
+        // BROKEN (`initial_pool_unbounded`): any size accepted (`u64::MAX` overflows).
+        if self.initial_pool_size > crate::MAX_REQUEST
+            && !cfg!(tidepool_broken = "initial_pool_unbounded")
+        {
+            return fail(format!(
+                "initial_pool_size_mb ({} bytes) exceeds the largest request ({} bytes)",
+                self.initial_pool_size,
+                crate::MAX_REQUEST
+            ));
+        }
+        // The initial pool is reserved rounded up to a block (`reserve_initial_pool`): that is
+        // what a cap must hold, or a pool the check let through fails `Allocator::new` as "out
+        // of memory" on an empty device. Sizes not in whole MiB (the builders take bytes) are
+        // named in bytes.
+        // BROKEN (`initial_pool_unrounded_check`): the size as asked is checked.
+        let initial = if cfg!(tidepool_broken = "initial_pool_unrounded_check") {
+            self.initial_pool_size
+        } else {
+            self.initial_pool_size.next_multiple_of(z.min_block_size)
+        };
+        for (name, cap) in
+            [("max_pool_size_mb", self.max_pool_size), ("memory_limit_mb", self.memory_limit)]
+        {
+            if let Some(cap) = cap
+                && initial > cap
+            {
+                let asked = self.initial_pool_size;
+                let whole_mib = initial == asked && asked.is_multiple_of(MIB);
+                let why = if whole_mib && cap.is_multiple_of(MIB) {
+                    format!(
+                        "initial_pool_size_mb ({} MiB) exceeds {name} ({} MiB)",
+                        asked / MIB,
+                        cap / MIB
+                    )
+                } else {
+                    let block = z.min_block_size;
+                    format!(
+                        "initial_pool_size_mb ({asked} bytes, reserved as {initial} bytes: whole \
+                         blocks of {block} bytes) exceeds {name} ({cap} bytes)"
+                    )
+                };
+                return fail(why);
+            }
+        }
+        if !self.caching {
+            let on = [
+                (self.expandable_segments, "expandable_segments"),
+                (self.initial_pool_size > 0, "initial_pool_size_mb"),
+                (self.garbage_collection_threshold.is_some(), "garbage_collection_threshold"),
+            ];
+            if let Some((_, key)) = on.iter().find(|(on, _)| *on) {
+                return fail(format!(
+                    "caching:false (every free returns its memory to the device) cannot be combined with {key}"
+                ));
+            }
+        }
+        Ok(())
+    }
+}
