@@ -465,7 +465,7 @@ impl<D: Device> Buffer<D> {
     fn drop_slow(&mut self) {
         let planned = matches!(*self.origin, Origin::Region(..));
         // A scope's unbound buffer freed while a capture holds it goes to the graph whole: its
-        // run or region would hand its memory out again at once (`capture.rs`).
+        // run or region would hand its memory out again at once (`capture/`).
         if (planned || self.scope.is_some())
             && self.owner.family.captures.any()
             && !self.owner.broken(super::Broken::CaptureScopeFrees)
@@ -511,7 +511,7 @@ impl<D: Device> Buffer<D> {
         match std::mem::replace(&mut *self.origin, Origin::None) {
             Origin::Pool(block) => {
                 let freed = self.freed(block);
-                // A capture of its stream may hold it back (`capture.rs`), or one of another
+                // A capture of its stream may hold it back (`capture/`), or one of another
                 // family that captures it (`Shared::hold_for_foreign`).
                 if let Some(freed) = self.owner.family.captures.defer(&self.owner, freed)
                     && let Some(freed) = self.owner.hold_for_foreign(freed)

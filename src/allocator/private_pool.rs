@@ -19,7 +19,7 @@
 //!
 //! Routing is per *stream*, not per thread: a guard routes every allocation made on its stream,
 //! from any thread. Stream order is what makes reuse inside a pool safe, and a stream capture
-//! (CUDA graphs) is a property of a stream, so capture routing (`capture.rs`) is the same
+//! (CUDA graphs) is a property of a stream, so capture routing (`capture/`) is the same
 //! mechanism; thread-local routing would send an allocation to a pool depending on which thread
 //! happens to make it, which a multi-threaded stream user cannot control.
 //!
@@ -34,7 +34,7 @@ use crate::sync::atomic::{AtomicU64, AtomicUsize};
 
 /// What the general allocator and its private pools share.
 pub(crate) struct Family<D: Device> {
-    /// Stream captures underway (`capture.rs`).
+    /// Stream captures underway (`capture/`).
     pub(super) captures: capture::CaptureTable<D>,
     /// Pools whose free cached memory may serve others when they run out (`use_on_oom`), by
     /// pool id; an entry goes when the pool's last handle does.

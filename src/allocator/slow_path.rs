@@ -516,7 +516,7 @@ impl<D: Device> Shared<D> {
             && first.large_blocks() == 0
     }
 
-    /// A capture holds back the freed block `f` (`capture.rs`, under the capture table's lock):
+    /// A capture holds back the freed block `f` (`capture/table.rs`, under the capture table's lock):
     /// it is no longer allocated, still active (pending), until [`Shared::free_held`], as a
     /// block whose free waits on events is (PyTorch's figures for a block freed in a capture
     /// after `record_stream`).

@@ -79,7 +79,7 @@ impl<D: Device> Scope<'_, D> {
                 || self.alloc.shared.broken(crate::allocator::Broken::ScopeKeepsRouted)
         };
         // Nor while its stream is captured: the graph's replays may read it, so its drop
-        // hands it to the graph (`capture.rs`) instead, or, for a capture of another family,
+        // hands it to the graph (`capture/`) instead, or, for a capture of another family,
         // holds it for good (`Shared::hold_for_foreign`).
         let sh = &self.alloc.shared;
         let captured = (sh.family.captures.capturing(sh, self.stream)
