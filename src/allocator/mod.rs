@@ -42,6 +42,7 @@ mod leftovers;
 mod observers;
 mod oom;
 mod owner;
+mod page_growth;
 mod page_moves;
 mod page_release;
 mod page_table;
