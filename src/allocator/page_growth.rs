@@ -4,9 +4,9 @@
 //! `cuMemMap`), and the pool's run there is extended or joined to its neighbours. A failure
 //! midway gives back what the growth made or took. Plans' regions join runs here too.
 
-use super::expandable::{
-    MAX_CHUNK_PAGES, Place, STITCH_CHUNK_PAGES, device_err, free_run_end_holding, oom, place,
-};
+#[cfg(not(tidepool_broken = "expandable_tail_refused"))]
+use super::expandable::free_run_end_holding;
+use super::expandable::{MAX_CHUNK_PAGES, Place, STITCH_CHUNK_PAGES, device_err, oom, place};
 use super::history::Action;
 use super::page_table::Chunk;
 use super::*;
