@@ -167,3 +167,36 @@ fn a_learning_run_frees_cached_large_blocks_and_caches_none_while_open() {
     drop(keep);
     check(&dev, &alloc);
 }
+
+/// Range: [x 12 MiB cached][r 16 MiB free][z 12 MiB] under `max_split_size_mb:20`. Freed, `x`
+/// merges with `r` into 28 MiB: an oversize block, which the pool's search never gives a
+/// 12 MiB request (`Sizing::may_serve`: below `max_split_size`, only blocks below it serve),
+/// so a 12 MiB request grows the range at its top, as without the cache. Before, the reuse
+/// check took the range's split rule (`max_split_size` lifted, `Shared::alloc_sizing`) for
+/// the serving rule too and handed `x` out again. Returns the request's address and the bytes
+/// then mapped. Broken build `reuse_oversize_in_range`.
+fn oversize_merge_scenario(config: &str) -> (DeviceAddr, u64) {
+    let (dev, alloc) = setup(config);
+    let x = alloc.alloc(12 * MIB, S0).unwrap();
+    let r = alloc.alloc(16 * MIB, S0).unwrap();
+    let z = alloc.alloc(12 * MIB, S0).unwrap();
+    assert_eq!((x.ptr(), r.ptr(), z.ptr()), (at(0), at(12 * MIB), at(28 * MIB)));
+    drop(x); // cached (with the fast path)
+    drop(r); // the lane holds one large block already: into the pool
+    let b = alloc.alloc(12 * MIB, S0).unwrap();
+    let ptr = b.ptr();
+    let mapped = alloc.stats().blocks.reserved_bytes.all.current;
+    drop((b, z));
+    check(&dev, &alloc);
+    (ptr, mapped)
+}
+
+#[test]
+fn a_cached_block_that_would_merge_into_an_oversize_one_is_not_reused_for_a_smaller_request() {
+    let pool = oversize_merge_scenario("max_split_size_mb:20,fast_cache:false");
+    assert_eq!(pool, (at(40 * MIB), 52 * MIB), "the pool's own placement: a growth");
+    assert_eq!(oversize_merge_scenario("max_split_size_mb:20"), pool);
+    // Without the cap the merged block serves, split: the cached block's own place.
+    assert_eq!(oversize_merge_scenario(""), (at(0), 40 * MIB));
+    assert_eq!(oversize_merge_scenario("fast_cache:false"), (at(0), 40 * MIB));
+}

@@ -346,3 +346,42 @@ fn the_ladder_in_a_capture_fails_out_of_memory_not_on_the_refused_wait() {
         assert_no_leak(&dev);
     }
 }
+
+/// The allocator goes while a kernel still writes pages it freed, and the device fails every
+/// host wait: the pages (retiring behind the kernel's event under `release_threshold_mb:0`,
+/// mapped and free without it) stay mapped under the kernel, left to the family for after a
+/// device-wide synchronisation; the pool that remains gives them back once the device waits
+/// again. Broken build `unwaited_pages_unmapped`: the leftovers were unmapped at once, under
+/// the running kernel (the sanitizer's violation, and the kernel's write failed).
+#[test]
+fn an_allocator_gone_while_host_waits_fail_leaves_its_pages_mapped_under_the_kernel() {
+    for conf in ["release_threshold_mb:0", ""] {
+        let (dev, alloc) = setup(conf, CAP);
+        let t = dev.create_stream().unwrap();
+        let pool = alloc.new_pool(tidepool::PoolOptions::default()).unwrap();
+        let b = alloc.alloc(4 * MIB, t).unwrap();
+        assert_eq!(b.ptr(), DeviceAddr(SIM_BASE));
+        let (k, open) = common::gated_write_bytes(b.ptr(), 4 * MIB, 3);
+        dev.launch(t, k).unwrap();
+        drop(b);
+        let retiring: Vec<usize> =
+            alloc.expandable_ranges().iter().map(|r| r.retiring_pages).collect();
+        assert_eq!(retiring, vec![if conf.is_empty() { 0 } else { 2 }], "{conf}");
+        dev.fail_host_syncs(true);
+        drop(alloc);
+        let mapped = vec![(DeviceAddr(SIM_BASE), 4 * MIB)];
+        assert_eq!(dev.live_mappings(), mapped, "{conf}: still under the kernel");
+        assert_eq!(dev.physical_bytes(), 4 * MIB, "{conf}");
+        assert_eq!(dev.violations(), vec![], "{conf}");
+        pool.empty_cache().unwrap(); // the device still refuses the synchronisation
+        assert_eq!(dev.live_mappings(), mapped, "{conf}");
+        dev.fail_host_syncs(false);
+        open.send(()).unwrap();
+        dev.synchronize().unwrap();
+        assert_eq!(dev.violations(), vec![], "{conf}: the kernel wrote its pages");
+        pool.empty_cache().unwrap(); // synchronises, then gives the family's leftovers back
+        assert_eq!((dev.live_mappings(), dev.physical_bytes()), (vec![], 0), "{conf}");
+        drop(pool);
+        assert_no_leak(&dev);
+    }
+}

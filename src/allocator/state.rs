@@ -408,7 +408,19 @@ impl<D: Device> Drop for Shared<D> {
             return; // BROKEN: what the device refused above is lost with this allocator
         }
         // What the device refused: the family tries again (`leftovers.rs`).
-        left.extend(self.vm_leftovers(&mut st.vm, &st.pool));
+        let vm_left = self.vm_leftovers(&mut st.vm, &st.pool);
+        // A mapping still in place here is one no wait showed idle (the host wait for its
+        // stream's work, or for a retiring page's event, failed) or one whose unmap the device
+        // refused: `vm_unmap` does not wait, so the ranges' leftovers go only after a
+        // device-wide synchronisation, as unsettled blocks' do. Tried at once, they pulled
+        // pages from under a kernel still running. BROKEN (`unwaited_pages_unmapped`): at once.
+        let unwaited = vm_left.iter().any(|l| matches!(l, Leftover::Unmap { .. }))
+            && !cfg!(tidepool_broken = "unwaited_pages_unmapped");
+        let mut after_sync = Vec::new();
+        match unwaited {
+            true => after_sync = vm_left,
+            false => left.extend(vm_left),
+        }
         let vm = &st.vm;
         // Free segments only: one holding a block still counted as allocated (only a bug
         // leaves one by now) stays as it is.
@@ -417,8 +429,16 @@ impl<D: Device> Drop for Shared<D> {
         }
         left.extend(st.pending.values().flatten().map(|p| Leftover::Event(p.event)));
         match unsettled || in_capture {
-            true => self.family.leftovers.add_after_sync(left, &self.device),
-            false => self.family.leftovers.add_and_retry(left, &self.device),
+            true => {
+                left.extend(after_sync);
+                self.family.leftovers.add_after_sync(left, &self.device);
+            }
+            false => {
+                if !after_sync.is_empty() {
+                    self.family.leftovers.add_after_sync(after_sync, &self.device);
+                }
+                self.family.leftovers.add_and_retry(left, &self.device);
+            }
         }
     }
 }
