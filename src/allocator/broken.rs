@@ -191,7 +191,7 @@ pub enum Broken {
     /// when the join failed midway (a map refused): the gaps it did map joined runs into one
     /// segment, so a bin names a segment that no longer exists.
     StaleJoinBins = 1 << 45,
-    /// A free into a lane grants credit without marking the lane (`fast_cache.rs`): a
+    /// A free into a lane grants credit without marking the lane (`fast_cache/`): a
     /// revocation that finds no lane marked skips them all, and raises the peak from an
     /// `upper` that still holds that credit — past the exact peak. (Set on the lanes that
     /// exist when it is turned on.)

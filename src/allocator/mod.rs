@@ -12,7 +12,7 @@
 //! The pool and the event queues sit behind one lock (`Shared::state`): the slow path. Blocks
 //! freed after a `record_stream` wait in per-stream FIFO queues of events until their uses
 //! completed. The common case — a free and a re-allocation of the same class on the same stream —
-//! goes through that stream's cache instead (`fast_cache.rs`) and never takes the global lock;
+//! goes through that stream's cache instead (`fast_cache/`) and never takes the global lock;
 //! statistics are published through sequence locks and read without any lock (`counters.rs`);
 //! the configuration is swapped as a whole (`request.rs`). `global_lock:true` turns all of that
 //! off (everything under the one lock, PyTorch's design) as a comparison point.

@@ -174,7 +174,7 @@ pub(super) fn limits(config: &Config, recording: bool) -> Limits {
         bytes: config.fast_cache_bytes,
         biased: config.biased_lanes,
         // Over expandable segments, the small pool's largest class lowest address first
-        // (`fast_cache.rs`, `lowest_last`); elsewhere every class LIFO, as before.
+        // (`fast_cache/`, `lowest_last`); elsewhere every class LIFO, as before.
         lowest_first: if config.expandable_segments { config.sizing.small_size } else { 0 },
     }
 }

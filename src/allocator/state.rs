@@ -4,7 +4,7 @@
 //!
 //! ```text
 //!  Shared ─┬─ state: Mutex<State> ── pool, pending events per stream, stream uses, counters
-//!          ├─ caches (lock-free per-stream caches, fast_cache.rs)
+//!          ├─ caches (lock-free per-stream caches, fast_cache/)
 //!          ├─ stats: SeqBlock (published copy, counters.rs)
 //!          └─ plans: Mutex<name → stream → learned plan + region>
 //! ```
