@@ -113,7 +113,7 @@ impl<D: Device> Shared<D> {
     /// Maps pages into `key`'s range where a block of `rounded` fits with the fewest new ones
     /// (or a stitched block serves it, if `stitchable`); returns the free block that holds
     /// them, or `None` where the range has no room for it. Nothing changes on an error.
-    pub(super) fn grow(
+    fn grow(
         &self,
         st: &mut State,
         config: &Config,
@@ -235,7 +235,7 @@ impl<D: Device> Shared<D> {
     }
 
     /// [`Shared::grow_at`] with `chunks`, empty, to collect the growth's physical allocations.
-    pub(super) fn grow_with(
+    fn grow_with(
         &self,
         st: &mut State,
         config: &Config,

@@ -131,13 +131,13 @@ impl Config {
         Ok(())
     }
 
-    pub(super) fn set(&mut self, key: &str, value: &str) -> Result<(), ConfigError> {
+    fn set(&mut self, key: &str, value: &str) -> Result<(), ConfigError> {
         self.set_with(key, value, false)
     }
 
     /// `large_given`: the string sets `large_segment_size_mb`, the floor of
     /// `max_non_split_rounding_mb` (PyTorch's `parseMaxNonSplitRoundingSize`).
-    pub(super) fn set_with(
+    fn set_with(
         &mut self,
         key: &str,
         value: &str,

@@ -7,7 +7,7 @@ use crate::sync::{MutexGuard, lock};
 
 impl<D: Device> Inner<D> {
     /// Whether the deliberate bug of `HostAllocator::set_broken_drop_waits` is on.
-    pub(super) fn broken_drop_waits(&self) -> bool {
+    fn broken_drop_waits(&self) -> bool {
         #[cfg(feature = "test-hooks")]
         return self.broken_drop_waits.load(crate::sync::atomic::Ordering::Relaxed);
         #[cfg(not(feature = "test-hooks"))]
@@ -31,7 +31,7 @@ impl<D: Device> Inner<D> {
     }
 
     /// [`Inner::use_complete`] under the lock already held.
-    pub(super) fn use_done(&self, st: &State, u: &Use) -> Result<bool, DeviceError> {
+    fn use_done(&self, st: &State, u: &Use) -> Result<bool, DeviceError> {
         match u.event {
             Some(e) => self.device.query_event(e),
             None => Ok(st.synced >= u.after),
@@ -74,7 +74,7 @@ impl<D: Device> Inner<D> {
     /// Frees the cached blocks above the cached size, kept while a capture forbade their
     /// free; once no capture is underway.
     #[cold]
-    pub(super) fn free_over_cached(&self, st: &mut State) {
+    fn free_over_cached(&self, st: &mut State) {
         if self.capture_forbids_waits_and_frees() {
             return;
         }
@@ -106,7 +106,7 @@ impl<D: Device> Inner<D> {
 
     /// Returns a free block (out of the free lists, counted in `cached_bytes`) to the device;
     /// on an error it goes back to the free lists.
-    pub(super) fn release_block(
+    fn release_block(
         &self,
         st: &mut State,
         ptr: HostPtr,
@@ -359,7 +359,7 @@ impl<D: Device> Inner<D> {
     }
 
     /// Waits for the pending blocks' copies and frees every free block (a closed allocator).
-    pub(super) fn drain_closed(&self) {
+    fn drain_closed(&self) {
         let pending = std::mem::take(&mut self.lock().pending);
         for p in pending {
             self.settle(p);
@@ -374,7 +374,7 @@ impl<D: Device> Inner<D> {
     /// copies cannot be waited for (a device error, or a capture underway) is waited for by a
     /// device synchronisation; if that fails too it stays pending, for a later drain (or, when
     /// the allocator goes, leaked rather than freed under a copy).
-    pub(super) fn settle(&self, p: Pending) {
+    fn settle(&self, p: Pending) {
         let waited = p.uses.iter().all(|u| self.wait_use(u).is_ok())
             || !self.broken_drop_waits() && self.synchronize().is_ok();
         let mut st = self.lock();

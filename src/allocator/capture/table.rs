@@ -127,7 +127,7 @@ pub(in crate::allocator) struct Wait<D: Device> {
     pub(super) owner: Arc<Owner<D>>,
     pub(super) freed: Freed,
     /// Where each other stream it was used on stood when it was freed.
-    pub(super) marks: Vec<CaptureMark>,
+    marks: Vec<CaptureMark>,
 }
 
 impl<D: Device> Shared<D> {
@@ -145,7 +145,7 @@ impl<D: Device> Shared<D> {
 
     /// [`Shared::foreign_capture`] past its first load.
     #[cold]
-    pub(super) fn foreign_origin(&self, stream: StreamId) -> Option<StreamId> {
+    fn foreign_origin(&self, stream: StreamId) -> Option<StreamId> {
         let origin = self.device.capture_of(stream)?;
         (!self.family.captures.began_on(origin)).then_some(origin)
     }
@@ -219,7 +219,7 @@ impl<D: Device> CaptureTable<D> {
     /// The capture of this family that `stream` belongs to, by the stream it began on: `stream`
     /// itself, or, for a stream that joined a capture by waiting on an event recorded inside
     /// it (CUDA's fork, which the allocator does not see), the origin the device names.
-    pub(super) fn origin(
+    fn origin(
         t: &HashMap<StreamId, Entry<D>>,
         sh: &Shared<D>,
         stream: StreamId,
@@ -312,7 +312,7 @@ impl<D: Device> CaptureTable<D> {
 
     /// The capture whose pool `mine` is, when a block of it is freed on `stream` outside every
     /// capture: that capture keeps it until it ends (see `Entry::outside`).
-    pub(super) fn outside_of(
+    fn outside_of(
         t: &HashMap<StreamId, Entry<D>>,
         mine: &Shared<D>,
         stream: StreamId,
@@ -330,7 +330,7 @@ impl<D: Device> CaptureTable<D> {
     /// and a mark of each of those other streams, when it may wait to be reused within the
     /// capture — the block is of the capture's own pool and every use stream is a stream of
     /// the same capture that the device can mark. `None`: it is held as without the key.
-    pub(super) fn marks_for_reuse(
+    fn marks_for_reuse(
         t: &HashMap<StreamId, Entry<D>>,
         mine: &Shared<D>,
         stream: StreamId,
@@ -451,7 +451,7 @@ impl<D: Device> CaptureTable<D> {
     }
 
     /// [`CaptureTable::hold`] with the table locked.
-    pub(super) fn hold_in(
+    fn hold_in(
         t: &mut HashMap<StreamId, Entry<D>>,
         mine: &Shared<D>,
         stream: StreamId,
@@ -467,7 +467,7 @@ impl<D: Device> CaptureTable<D> {
     /// The capture that holds back memory of `owner` freed on `stream` and used on `uses`: the
     /// capture of its stream (unless the memory is of that capture's own pool), else that of a
     /// stream it was used on; `None` when none does.
-    pub(super) fn holder(
+    fn holder(
         t: &HashMap<StreamId, Entry<D>>,
         mine: &Shared<D>,
         stream: StreamId,

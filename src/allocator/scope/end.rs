@@ -67,7 +67,7 @@ impl<D: Device> Scope<'_, D> {
     }
 
     /// Number of the run's first steps that followed its plan.
-    pub(super) fn followed(&self) -> usize {
+    fn followed(&self) -> usize {
         match self.cursor.following.get() {
             true => self.cursor.len(),
             false => self.cursor.diverged_at.get(),
@@ -76,7 +76,7 @@ impl<D: Device> Scope<'_, D> {
 
     /// The run's plan hits: every allocation that followed the plan but was not a miss (the
     /// planned path counts nothing).
-    pub(super) fn plan_hits(&self) -> u64 {
+    fn plan_hits(&self) -> u64 {
         let followed = self.plan.as_ref().map_or(0, |p| p.allocs_before(self.followed()));
         let misses = self.run.borrow().misses;
         debug_assert!(u64::from(followed) >= misses, "{followed} allocations, {misses} misses");

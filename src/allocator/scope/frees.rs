@@ -155,7 +155,7 @@ impl<D: Device> Scope<'_, D> {
     /// claimed region serves no more slices in this run, and is never claimed or returned to
     /// the pool again (its plan lets go of it as the next run opens).
     #[cold]
-    pub(super) fn foreign_region(&self) {
+    fn foreign_region(&self) {
         if let RegionSlot::Claimed(region) = &self.run.borrow().region {
             region.mark_foreign();
         }
@@ -172,7 +172,7 @@ impl<D: Device> Scope<'_, D> {
     }
 
     #[cold]
-    pub(super) fn drain_queue(&self) {
+    fn drain_queue(&self) {
         let Some(shared) = self.shared.get() else { return };
         let freed = {
             let mut st = lock(&shared.state);

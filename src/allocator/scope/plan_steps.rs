@@ -117,7 +117,7 @@ impl<D: Device> Scope<'_, D> {
     /// are trimmed first so the region replaces them). `false` when there is none to claim (or
     /// `make` is false and it does not exist yet), or another run holds it; then this run
     /// serves no planned slice.
-    pub(super) fn claim(&self, make: bool) -> bool {
+    fn claim(&self, make: bool) -> bool {
         let mut run = self.run.borrow_mut();
         let (Some(name), Some(plan)) = (self.name.as_deref(), &self.plan) else { return false };
         let RegionSlot::Unclaimed(existing) = &mut run.region else { return false };

@@ -37,7 +37,7 @@ impl<D: Device> Scope<'_, D> {
 
     /// A pool block for the run: from the local cache when one of the size was freed in this
     /// run, else from the allocator.
-    pub(super) fn pool_block(&self, bytes: u64, rounded: u64) -> Result<Buffer<D>, AllocError> {
+    fn pool_block(&self, bytes: u64, rounded: u64) -> Result<Buffer<D>, AllocError> {
         // (While the history is recorded, the allocator hands out and records every block.)
         let cached = if self.recording_now() {
             None
@@ -77,7 +77,7 @@ impl<D: Device> Scope<'_, D> {
     /// plan once none of the planned slices it was served is live (it serves no more). Whether
     /// anything was given back.
     #[cold]
-    pub(super) fn give_back_idle(&self) -> bool {
+    fn give_back_idle(&self) -> bool {
         let blocks: Vec<BatchBlock> = {
             let mut run = self.run.borrow_mut();
             run.local.drain().flat_map(|(_, v)| v.into_iter().map(|(b, _)| b)).collect()
@@ -139,7 +139,7 @@ impl<D: Device> Scope<'_, D> {
     /// the search placed it while the residencies shared free space) only while they still
     /// do, i.e. while no expandable ranges serve requests (`residency.rs`); otherwise it waits
     /// in the cache for the run's end, and the request goes to the pool.
-    pub(super) fn may_reuse(&self, b: &BatchBlock) -> bool {
+    fn may_reuse(&self, b: &BatchBlock) -> bool {
         let sh = &self.alloc.shared;
         crate::allocator::stats_layout::residency_of(b.quadrant) == TRANSIENT
             || !sh.over_ranges(&self.alloc.config())

@@ -8,7 +8,7 @@ use crate::device::{DeviceError, Kernel, StreamId};
 impl SimDevice {
     /// Stores the number of captures underway where the lock-free questions read it (under the
     /// lock, as it changes).
-    pub(super) fn count_captures(&self, st: &State) {
+    fn count_captures(&self, st: &State) {
         let n = st.graphs.active.len();
         self.captures.store(n, crate::sync::atomic::Ordering::Release);
     }
