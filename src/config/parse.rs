@@ -137,12 +137,7 @@ impl Config {
 
     /// `large_given`: the string sets `large_segment_size_mb`, the floor of
     /// `max_non_split_rounding_mb` (PyTorch's `parseMaxNonSplitRoundingSize`).
-    fn set_with(
-        &mut self,
-        key: &str,
-        value: &str,
-        large_given: bool,
-    ) -> Result<(), ConfigError> {
+    fn set_with(&mut self, key: &str, value: &str, large_given: bool) -> Result<(), ConfigError> {
         let bad = |expected: &str| ConfigError::BadValue {
             key: key.to_string(),
             value: value.to_string(),

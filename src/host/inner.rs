@@ -106,12 +106,7 @@ impl<D: Device> Inner<D> {
 
     /// Returns a free block (out of the free lists, counted in `cached_bytes`) to the device;
     /// on an error it goes back to the free lists.
-    fn release_block(
-        &self,
-        st: &mut State,
-        ptr: HostPtr,
-        size: u64,
-    ) -> Result<(), DeviceError> {
+    fn release_block(&self, st: &mut State, ptr: HostPtr, size: u64) -> Result<(), DeviceError> {
         let start = std::time::Instant::now();
         // SAFETY: a free block belongs to no buffer (no slice into it exists) and every use
         // recorded on it completed (it left `pending` only then); it came from this device's

@@ -152,7 +152,7 @@ impl Harness<'_> {
     /// panic of anything else goes on. The capture must be over for both streams.
     ///
     /// [`Op::Capture`]: crate::program::Op::Capture
-    pub(super) fn capture_panicking(
+    fn capture_panicking(
         &self,
         s: StreamId,
         t: Option<StreamId>,
@@ -216,7 +216,7 @@ impl Harness<'_> {
     /// nothing, and its device calls join the count the device's must match.
     ///
     /// [`Op::Capture`]: crate::program::Op::Capture
-    pub(super) fn graph_pool_gone(&mut self, pool: MemPool<SimDevice>) -> Result<(), String> {
+    fn graph_pool_gone(&mut self, pool: MemPool<SimDevice>) -> Result<(), String> {
         if !self.tolerate(pool.empty_cache(), "empty_cache of a graph's pool")? {
             // A refused unmap (each fault refuses one call): the pages stay in its range,
             // and the next try gives them back.
@@ -234,7 +234,7 @@ impl Harness<'_> {
     /// written on `t` outside any capture, by a kernel that takes a while, and freed; then `s`
     /// is captured into `pool` again, forked into `t`, which allocates `b`'s size and writes
     /// it, and the graph is replayed on `s` and then on `t`.
-    pub(super) fn capture_again(
+    fn capture_again(
         &mut self,
         pool: &MemPool<SimDevice>,
         s: StreamId,
@@ -292,18 +292,14 @@ impl Harness<'_> {
     /// creation refusal is armed, and the device refused a call because a capture was
     /// underway (the allocator, left with no event to order a use by, waited for the whole
     /// device instead, which CUDA refuses during a capture and which invalidates it).
-    pub(super) fn capture_broken_by_fault(&self) -> bool {
+    fn capture_broken_by_fault(&self) -> bool {
         self.event_create_armed
             && self.dev.graph_counters().refused_in_capture > self.refused_in_capture
     }
 
     /// [`Harness::tolerate`] in a capture: also a failure of a capture a fault broke, and the
     /// refusal of a device-wide wait that stood in for a refused event creation.
-    pub(super) fn tolerate_in_capture(
-        &self,
-        r: Result<(), AllocError>,
-        what: &str,
-    ) -> Result<bool, String> {
+    fn tolerate_in_capture(&self, r: Result<(), AllocError>, what: &str) -> Result<bool, String> {
         // The allocator refuses a device-wide wait during a capture itself (`Guarded`).
         let unsupported = |e: &AllocError| {
             matches!(e, AllocError::Device(DeviceError::Driver { code, .. })

@@ -204,7 +204,7 @@ impl Harness<'_> {
 
     /// A live buffer sits in an allocated block of its size, in a segment of its stream,
     /// residency and pool.
-    pub(super) fn check_placement(&self, l: &Live, snap: &[SegmentInfo]) -> Result<(), String> {
+    fn check_placement(&self, l: &Live, snap: &[SegmentInfo]) -> Result<(), String> {
         let b = &l.buf;
         let i = snap.partition_point(|s| s.address <= b.ptr());
         let seg = i.checked_sub(1).map(|i| &snap[i]);
@@ -237,7 +237,7 @@ impl Harness<'_> {
     /// segment (both residencies share free space there: `residency.rs`), whatever the current
     /// configuration (a `SetConfig` may turn expandable segments on after it was made); not a
     /// persistent expandable range.
-    pub(super) fn transient_may_use(&self, seg: &SegmentInfo) -> bool {
+    fn transient_may_use(&self, seg: &SegmentInfo) -> bool {
         let in_range = |a: u64| {
             self.alloc
                 .expandable_ranges()
@@ -251,11 +251,7 @@ impl Harness<'_> {
     /// The allocated blocks of `snap` that back none of the live pool buffers `pooled` (a plan's
     /// region, the blocks an open scope freed and keeps): their bytes and number. All are
     /// transient (in segments a transient block may use).
-    pub(super) fn unowned_blocks(
-        &self,
-        snap: &[SegmentInfo],
-        pooled: &[&Live],
-    ) -> Result<(u64, u64), String> {
+    fn unowned_blocks(&self, snap: &[SegmentInfo], pooled: &[&Live]) -> Result<(u64, u64), String> {
         let owned: HashSet<u64> = pooled.iter().map(|l| l.buf.ptr().0).collect();
         let (mut bytes, mut blocks) = (0, 0);
         for seg in snap {

@@ -68,12 +68,7 @@ impl Harness<'_> {
     }
 
     /// Checks a buffer `Scope::alloc` or `alloc_unbound` made for `bytes` (not zero).
-    pub(super) fn check_scoped(
-        &self,
-        open: &OpenScope<'_>,
-        bytes: u64,
-        b: Scoped,
-    ) -> Result<(), String> {
+    fn check_scoped(&self, open: &OpenScope<'_>, bytes: u64, b: Scoped) -> Result<(), String> {
         let (Some(rounded), Some(now)) =
             (open.config.sizing.round(bytes), self.alloc.config().sizing.round(bytes))
         else {
@@ -128,7 +123,7 @@ impl Harness<'_> {
     }
 
     /// A scoped allocation of `bytes` failed with `e`: it must have a reason.
-    pub(super) fn scope_alloc_failed(
+    fn scope_alloc_failed(
         &self,
         open: &OpenScope<'_>,
         bytes: u64,

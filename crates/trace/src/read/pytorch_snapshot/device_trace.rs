@@ -25,15 +25,15 @@ pub(super) struct DeviceInput<'a> {
 }
 
 /// Scope markers from annotations, placed between entries by time.
-pub(super) struct Scopes<'a> {
+struct Scopes<'a> {
     /// (time, START?, name), in time order.
     pub(super) pending: Vec<(i128, bool, &'a str)>,
-    pub(super) next: usize,
+    next: usize,
     /// The open outermost scope: (index in scope_names, instance id, name).
-    pub(super) open: Option<(u32, u64, &'a str)>,
+    open: Option<(u32, u64, &'a str)>,
     /// Names of open annotations nested in it (skipped).
-    pub(super) nested: Vec<&'a str>,
-    pub(super) instances: u64,
+    nested: Vec<&'a str>,
+    instances: u64,
     /// Scope name -> index in `scope_names`.
     pub(super) index: HashMap<&'a str, u32>,
 }
@@ -54,7 +54,7 @@ impl<'a> Scopes<'a> {
     }
 
     /// Emits the markers due before an entry at `time` (all remaining ones when `None`).
-    pub(super) fn emit(
+    fn emit(
         &mut self,
         time: Option<i128>,
         trace: &mut Trace,
@@ -106,18 +106,18 @@ impl<'a> Scopes<'a> {
     }
 
     /// Closes a scope still open at the end of the window.
-    pub(super) fn close(&mut self, out: &mut Vec<(Event, i128)>, at: i128) -> Option<&'a str> {
+    fn close(&mut self, out: &mut Vec<(Event, i128)>, at: i128) -> Option<&'a str> {
         let (index, id, name) = self.open.take()?;
         out.push((marker(Op::ScopeExit, id, index), at));
         Some(name)
     }
 }
 
-pub(super) fn marker(op: Op, id: u64, scope: u32) -> Event {
+fn marker(op: Op, id: u64, scope: u32) -> Event {
     Event { op, id, bytes: 0, stream: 0, tag: Tag::Act, scope: Some(scope) }
 }
 
-pub(super) fn clamp_u64(x: i128) -> u64 {
+fn clamp_u64(x: i128) -> u64 {
     u64::try_from(x.max(0)).unwrap_or(u64::MAX)
 }
 
@@ -152,7 +152,7 @@ pub(super) fn device_trace(
     }
 }
 
-pub(super) fn device_trace_in(
+fn device_trace_in(
     input: &DeviceInput<'_>,
     settings: Option<&Arc<AllocatorSettings>>,
     name: &str,

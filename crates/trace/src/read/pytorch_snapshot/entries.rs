@@ -25,13 +25,13 @@ pub(super) enum Action {
 
 /// Distinct unknown actions counted under their own names; more are counted together (the
 /// names come from the input, so their number is bounded here, not by it).
-pub(super) const MAX_UNKNOWN_NAMES: usize = 8;
+const MAX_UNKNOWN_NAMES: usize = 8;
 
 /// The unknown actions of one device, for the skipped counts and the note.
 #[derive(Default)]
 pub(super) struct Unknown {
     /// Distinct names seen (at most [`MAX_UNKNOWN_NAMES`]), each cut by `echo`.
-    pub(super) names: Vec<String>,
+    names: Vec<String>,
     pub(super) entries: u64,
 }
 
@@ -81,9 +81,9 @@ pub(super) struct Entry<'a> {
 /// Frees recorded with another size than their allocation's: how many, and the first.
 #[derive(Default)]
 pub(super) struct Resized {
-    pub(super) frees: u64,
+    frees: u64,
     /// The first: its entry's index, the allocation's size and the free's.
-    pub(super) first: Option<(usize, u64, u64)>,
+    first: Option<(usize, u64, u64)>,
 }
 
 impl Resized {

@@ -118,8 +118,8 @@ pub(super) fn parse_segments(
 /// of 10 000 events (2.7 GB, 31 s of `tidepool replay`), and 8 000 segments over one list of
 /// 8 000 blocks (32 KB) asked for a 1 GB vector and aborted.
 pub(super) struct Budget {
-    pub(super) left: usize,
-    pub(super) bytes: usize,
+    left: usize,
+    bytes: usize,
 }
 
 impl Budget {
@@ -152,7 +152,7 @@ impl Budget {
 /// The requested bytes of a block with no `requested_size` (PyTorch 1.13): its `history`'s first
 /// record's `real_size` (the current allocation's, newest first), as `_memory_viz.py` reads it,
 /// else the block's size.
-pub(super) fn legacy_requested(
+fn legacy_requested(
     b: Obj<'_>,
     size: u64,
     what: &dyn Fn(String) -> TraceError,

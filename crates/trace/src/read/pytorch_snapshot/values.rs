@@ -12,7 +12,7 @@ use crate::read::pickle::{Obj, Seq};
 /// once, one `DUP` byte per reference) made reading quadratic in the input: 16 001 items shared
 /// by 32 000 entries (64 KB) took 1.3 s, 256 KB 19 s. The settings' values are each formatted
 /// and their keys sorted, so 20 000 keys naming one shared 200 KB string (400 KB) took 2.5 s.
-pub(super) const MAX_RECORD_KEYS: usize = 256;
+const MAX_RECORD_KEYS: usize = 256;
 
 /// Checks that `v` is a record: a dict of at most [`MAX_RECORD_KEYS`] items.
 pub(super) fn record(v: Obj<'_>, what: &dyn Fn(String) -> TraceError) -> Result<(), TraceError> {
