@@ -207,7 +207,7 @@ impl<D: Device> Allocator<D> {
     }
 
     /// Resets the accumulated statistics, PyTorch's `reset_accumulated_memory_stats`: the
-    /// `allocated` and `freed` totals of every [`Stat`](crate::Stat) (block figures and oversize
+    /// `allocated` and `freed` totals of every [`Stat`] (block figures and oversize
     /// figures), and `num_alloc_retries`, `num_ooms`, `num_device_alloc`, `num_device_free`,
     /// `num_host_syncs`, `num_sync_all_streams`, `num_oom_rejections` and the
     /// expandable-segment counters (maps,

@@ -9,7 +9,7 @@ impl<D: Device> Allocator<D> {
     /// clear_history=…)`: a ring of the last `max_entries` allocations, frees (requested and
     /// completed), segment reserves and releases and out-of-memory errors, each with its size,
     /// address, stream, time, the user's metadata ([`Allocator::set_memory_metadata`]) and, at
-    /// the [`HistoryContext`](crate::HistoryContext) level asked for, the Rust stack. Starting
+    /// the [`HistoryContext`] level asked for, the Rust stack. Starting
     /// again while recording keeps the entries (unless `clear_history`) and applies the new
     /// options from then on; stopping forgets them. [`Allocator::dump_snapshot`] writes it out.
     ///

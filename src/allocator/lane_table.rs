@@ -67,7 +67,7 @@ pub fn thread_lane() -> usize {
 ///
 /// Stream ids are never reused (the devices count them up), so a table indexed by id would
 /// give no fast path to a program that creates and destroys streams, once its 64th is made.
-/// Instead a stream's lanes are one of its [`CHOICES`] slots' ([`slot_choices`]): the first
+/// Instead a stream's lanes are one of its `CHOICES` slots' (`slot_choices`): the first
 /// choice's own when it has none yet, or *re-tagged* when the stream they served was destroyed
 /// (its lanes were closed and flushed then; see `Shared::ensure_cache`); else the same for
 /// the next choice — so a stream 64 ids from a live one (the default stream, or a stream a
@@ -78,7 +78,7 @@ pub fn thread_lane() -> usize {
 /// looked up before it has lanes. Slotted lookups (one `Acquire` load and a tag load per
 /// choice tried) answer the first choice whose lane serves the stream, and the second
 /// choice's lane, whatever it serves, where none does; the tag is compared again under the lane's lock by
-/// every hit and free ([`CacheInner::serves`], [`CacheInner::takes_for`]), since a lane found
+/// every hit and free (`CacheInner::serves`, `CacheInner::takes_for`), since a lane found
 /// for a stream may be re-tagged before its lock is taken, and a buffer keeps its lane for life.
 ///
 /// `all` is the lanes' lock order and the statistics readers' list: it is re-sorted as a whole

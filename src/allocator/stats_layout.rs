@@ -57,7 +57,7 @@ pub const COUNT: usize = 1;
 /// See [`BYTES`].
 pub const REQ: usize = 2;
 
-/// The live groups (index into [`BlockStats`] order) with the quantity each follows.
+/// The live groups (index into [`BlockStats`](crate::BlockStats) order) with the quantity each follows.
 pub(super) const LIVE: [(usize, usize); 5] =
     [(0, BYTES), (2, BYTES), (4, REQ), (5, COUNT), (7, COUNT)];
 /// The groups only the pool changes (reserved bytes, inactive split bytes, segments, splits).

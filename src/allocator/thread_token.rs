@@ -23,7 +23,7 @@
 //! thread-locals are not destroyed at exit, which is harmless: the process ends with it.
 //!
 //! Under loom the table, the free list and the thread-locals are loom's, reset for every
-//! execution of a model, and a model ends a thread's token by calling [`retire`] (loom runs no
+//! execution of a model, and a model ends a thread's token by calling `retire` (loom runs no
 //! thread-local destructors).
 
 #[cfg(not(loom))]

@@ -7,7 +7,7 @@ use std::fmt;
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum ConfigError {
-    /// A key that is not in [`KEYS`](crate::CONFIG_KEYS).
+    /// A key that is not in [`KEYS`].
     UnknownKey(String),
     /// A known key with a value it does not accept.
     BadValue {

@@ -78,7 +78,7 @@ pub struct Segment {
     /// The pool's clock when a block of it was last allocated or freed: the segment with the
     /// smallest has been idle longest.
     pub last_use: u64,
-    /// A run of an expandable range's mapped pages ([`Pool::extend`]), not a device segment:
+    /// A run of an expandable range's mapped pages (`Pool::extend`), not a device segment:
     /// its free blocks are in no inactive-split figure (PyTorch leaves expandable segments out
     /// of `inactive_split`: their free whole pages can always be released).
     pub expandable: bool,

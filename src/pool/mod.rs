@@ -134,7 +134,7 @@ impl Pool {
         Pool::default()
     }
 
-    /// An empty pool with room for [`BLOCKS_AHEAD`] blocks and [`SEGMENTS_AHEAD`] segments: a
+    /// An empty pool with room for `BLOCKS_AHEAD` blocks and `SEGMENTS_AHEAD` segments: a
     /// device's own allocator's (private pools start empty: a program may make many).
     pub fn with_room() -> Pool {
         Pool {

@@ -10,7 +10,7 @@
 //! replay, an SVG or snapshot file that cannot be written: checked before any work), 2 usage
 //! error (unknown flag or policy, bad value). Errors print `tidepool: <message>` (or clap's
 //! usage error) on stderr, the message being the error's whole chain (`outer: inner: …`, each
-//! `source()` once: [`chain`]).
+//! `source()` once: [`tidepool::ErrorChain`]).
 
 mod demo;
 mod replay;

@@ -8,8 +8,8 @@
 //! ```
 //!
 //! The residency of the storage is chosen by how the tensor is made: [`Tensor::parameter`] is
-//! Persistent; outputs of a step's [`Ctx`] come from its scope; outputs of an unscoped `Ctx`
-//! ([`Eager::ctx`], [`crate::Step::unscoped`]) are Transient buffers of the allocator.
+//! Persistent; outputs of a step's [`crate::Ctx`] come from its scope; outputs of an unscoped
+//! `Ctx` ([`Eager::ctx`], [`crate::Step::unscoped`]) are Transient buffers of the allocator.
 //! Dropping a tensor frees its memory in its stream's order (and records the free in the trace).
 
 use super::backend::{Backend, ELEM, KernelOp};

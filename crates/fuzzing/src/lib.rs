@@ -8,10 +8,11 @@
 //!   tests/fuzz_corpus.rs ───────────┘       (panics on a bug)
 //! ```
 //!
-//! - [`allocator_ops`]: a program of allocator, stream, scope and fault-injection operations
-//!   ([`program`]) run on the sanitized SimDevice against a reference model.
-//! - [`config_parse`]: arbitrary text into `Config::parse`.
-//! - [`trace_parse`]: arbitrary bytes into every trace reader.
+//! - [`allocator_ops`](fn@allocator_ops): a program of allocator, stream, scope and
+//!   fault-injection operations ([`program`]) run on the sanitized SimDevice against a
+//!   reference model.
+//! - [`config_parse`](fn@config_parse): arbitrary text into `Config::parse`.
+//! - [`trace_parse`](fn@trace_parse): arbitrary bytes into every trace reader.
 //!
 //! The module is always compiled (it costs no dependency): programs are decoded from bytes by
 //! the hand-written [`input`] decoder rather than the `arbitrary` crate, so the same code runs

@@ -143,7 +143,7 @@ impl<D: Capture> Allocator<D> {
     /// cached memory), and buffers of any other pool freed on it are held by the graph.
     ///
     /// Refused: a stream already capturing, a pool of another allocator
-    /// ([`AllocError::ForeignPool`]), a pool a [`PoolGuard`](super::PoolGuard) routes to now or
+    /// ([`AllocError::ForeignPool`]), a pool a [`PoolGuard`] routes to now or
     /// that a live graph (or a capture underway) uses ([`AllocError::PoolBusy`]: a graph's
     /// replays write every block its capture allocated, freed or not, so a later capture
     /// sharing the pool could be handed memory they overwrite — PyTorch's `pool=` sharing is

@@ -242,7 +242,7 @@ impl<D: Device> CaptureTable<D> {
     /// whether the capture began on it (`true`) or it joined one (`false`); `None` for a
     /// stream no capture of this family has, or whose capture is not routed.
     ///
-    /// It wins over any [`PoolGuard`](super::PoolGuard) of the stream: whatever the captured
+    /// It wins over any [`PoolGuard`] of the stream: whatever the captured
     /// work writes is the graph's to replay, so it must come from the pool the graph holds.
     /// With `joined_only`, a stream a capture began on gets `None` (its capture's route, the
     /// stream's latest, decides: the broken build `guard_in_capture`).

@@ -122,7 +122,7 @@ impl StreamCache {
         self.lock_inner().unmarked = on;
     }
 
-    /// Turns the deliberate tag-check bugs `bits` ([`TAG_FREES`], [`TAG_HITS`]) on or off for
+    /// Turns the deliberate tag-check bugs `bits` (`TAG_FREES`, `TAG_HITS`) on or off for
     /// this lane.
     #[cfg(feature = "test-hooks")]
     pub fn set_broken_tags(&self, bits: u8, on: bool) {
@@ -143,7 +143,7 @@ impl StreamCache {
         g.room = 0;
     }
 
-    /// Serves `stream` from now on (a *re-tag*, see [`CacheTable`]): the lane of a destroyed
+    /// Serves `stream` from now on (a *re-tag*, see `CacheTable`(crate::allocator::lane_table::CacheTable)): the lane of a destroyed
     /// stream, closed then, opens again for a new one under `limits` and `sizing`. Returns
     /// what it still cached, for the caller to free into the pool (nothing, after the flush
     /// that closed it: a closed lane takes no block). The caller holds the global lock, has

@@ -1,4 +1,4 @@
-//! The fast path: [`LANES`] [`StreamCache`]s per stream hold small-pool blocks freed on that
+//! The fast path: `LANES` [`StreamCache`]s per stream hold small-pool blocks freed on that
 //! stream, by class (residency, rounded size), so a free and a re-allocation of the same class on
 //! the same stream never take the allocator's global lock. A thread always uses the same lane of
 //! a stream, so two threads on one stream rarely share a cache (or its lock).
@@ -124,7 +124,7 @@ pub enum Pop {
 
 /// Everything under a stream cache's lock.
 pub struct CacheInner {
-    /// The stream the lane serves now (its *tag*; see [`CacheTable`]): a hit or a free for
+    /// The stream the lane serves now (its *tag*; see `CacheTable`(crate::allocator::lane_table::CacheTable)): a hit or a free for
     /// another stream is refused here, under this lock.
     stream: StreamId,
     classes: ClassTable,
@@ -232,7 +232,7 @@ impl CacheInner {
 
     /// Whether a block freed on `stream` may be cached here: the lane serves that stream now.
     /// A buffer keeps its lane's owner for life, and the lane may be re-tagged for a new
-    /// stream once its old one is destroyed ([`CacheTable`]); a block of the old stream cached
+    /// stream once its old one is destroyed (`CacheTable`); a block of the old stream cached
     /// here would be handed out on the new one, and it belongs to the old stream's segments.
     #[inline(always)]
     fn serves(&self, stream: StreamId) -> bool {
@@ -581,7 +581,7 @@ impl StreamCache {
 
     /// The large-block hit: the block this lane (a stream's first) holds, handed out without
     /// the global lock where it is the one checked under that lock for exactly this request
-    /// and no global-lock section began since ([`LargeVerdict`]). The pop spends credit as a
+    /// and no global-lock section began since (`LargeVerdict`). The pop spends credit as a
     /// small hit does; [`Pop::Miss`] in every other case (the slow path decides). Returns the
     /// rounded request with the block, and whether a kept owner reference came with it.
     ///
@@ -645,7 +645,7 @@ impl StreamCache {
     }
 
     /// [`StreamCache::pop_checked`] by the global-lock side in section `epoch`: a block
-    /// `accept` takes is remembered as checked ([`LargeVerdict`]), so that while no other
+    /// `accept` takes is remembered as checked (`LargeVerdict`), so that while no other
     /// global-lock section begins, a hit ([`StreamCache::pop_large`]) may hand it out again
     /// for the same request without the global lock.
     #[inline]
