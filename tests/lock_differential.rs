@@ -657,9 +657,7 @@ diff_test!(
 diff_test!(
     #[test, ignore = "differs, not yet triaged (2026-12-07 review)"]
     default_kernels, &[""], false, true, true);
-diff_test!(
-    #[test, ignore = "differs: a statistics read empties the trims' dirty list (2026-12-07 review)"]
-    exp_large, &["expandable_segments:true"], false, false, false);
+diff_test!(exp_large, &["expandable_segments:true"], false, false, false);
 diff_test!(
     #[test, ignore = "differs, not yet triaged (2026-12-07 review)"]
     exp_mixed, &["expandable_segments:true"], true, false, false);
@@ -697,7 +695,6 @@ diff_test!(
     #[test, ignore = "differs, not yet triaged (2026-12-07 review)"]
     split20_kernels, &["max_split_size_mb:20"], false, true, true);
 diff_test!(
-    #[test, ignore = "differs: a statistics read empties the trims' dirty list (2026-12-07 review)"]
     exp_split20_large,
     &["expandable_segments:true,max_split_size_mb:20"],
     false,

@@ -464,7 +464,15 @@ impl<D: Device> Shared<D> {
         // (Chunks earlier trims retired whose stream's work has completed went just before:
         // `Shared::settle`, this function's one caller.)
         let threshold = st.vm.threshold;
-        let streams: Vec<StreamId> = st.pool.dirty_streams();
+        // The streams whose free bytes changed since the last trim that ran. (Not those since
+        // the statistics were last published: a `stats()` read in between hid a stream's frees
+        // from a trim due later — a learning run's, a lowered threshold's — which then kept
+        // its free pages, where `global_lock:true`, which publishes nothing, gave them back.)
+        // BROKEN (`trim_dirty_published`): the publishing's changes, which a read empties.
+        let streams: Vec<StreamId> = match cfg!(tidepool_broken = "trim_dirty_published") {
+            true => st.pool.dirty_streams(),
+            false => st.pool.take_trim_streams(),
+        };
         for s in streams {
             let t = if st.vm.learning.contains_key(&s) { 0 } else { threshold };
             if t == u64::MAX {

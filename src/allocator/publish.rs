@@ -95,15 +95,9 @@ impl<D: Device> Shared<D> {
             {
                 self.poll_retiring(st, false);
             }
-            // A view settled in this section trimmed already, and nothing was freed since: a
-            // trim now (a stream whose trim passed a chunk in transit over is checked again at
-            // every section's end, and the chunk's old mapping may have gone meanwhile) would
-            // release what the view just listed. BROKEN (`view_trimmed_twice`): trimmed again.
-            let viewed = st.view_settled_in == Some(self.epoch.load(Ordering::Relaxed))
-                && !cfg!(tidepool_broken = "view_trimmed_twice");
-            if !viewed {
-                self.trim(st);
-            }
+            // (After a view's settle, the section's end trims nothing it listed: a trim checks
+            // only the streams changed since the last one, and nothing was freed since.)
+            self.trim(st);
             // (With no range left, the counters were published as the last range went.)
             self.publish_vm_changes(&mut st.vm);
         }
@@ -118,7 +112,6 @@ impl<D: Device> Shared<D> {
         self.flush_all(st);
         if !cfg!(tidepool_broken = "view_unsettled") {
             self.settle(st);
-            st.view_settled_in = Some(self.epoch.load(Ordering::Relaxed));
         }
     }
 

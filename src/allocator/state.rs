@@ -197,10 +197,6 @@ pub(super) struct State {
     /// `reset_peak_stats` was called in this lock section: the peaks are reset as it ends,
     /// after its settle ([`Shared::publish`]), to what it leaves.
     pub(super) peaks_reset_due: bool,
-    /// The epoch (`Shared::epoch`: one per lock section) of the section whose view settled
-    /// ([`Shared::flush_for_view`]): its end trims nothing more, so that a view shows what
-    /// the section leaves.
-    pub(super) view_settled_in: Option<u64>,
     /// This allocator's share of `Family::reserved`: its reserved bytes as last counted in,
     /// plus what a check of the caps charged since (`pool_size.rs`).
     pub(super) family_share: u64,

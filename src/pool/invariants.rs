@@ -2,7 +2,7 @@
 //! from scratch and compared with what the pool keeps.
 
 use super::free_index::Entry;
-use super::{BlockId, BlockState, DIRECT_STREAMS, NO_SLOT, Pool};
+use super::{BlockId, BlockState, DIRECT_STREAMS, NO_SLOT, PUBLISH, Pool, TRIM};
 use crate::types::BlockStats;
 
 impl Pool {
@@ -120,7 +120,7 @@ impl Pool {
             if k.segments != segments[s] || vacant != (k.segments == 0) {
                 return Err(format!("free index {s}: {} segments counted", k.segments));
             }
-            if vacant && (k.dirty || k.index.len() > 0) {
+            if vacant && (k.dirty != 0 || k.index.len() > 0) {
                 return Err(format!("retired free index {s} is dirty or holds blocks"));
             }
         }
@@ -151,8 +151,10 @@ impl Pool {
             return Err(format!("key {k:?} missing from the direct slots"));
         }
         for (s, k) in self.free.iter().enumerate() {
-            if k.dirty != self.dirty.contains(&s) {
-                return Err(format!("dirty flag of free index {s} drifted"));
+            if (k.dirty & PUBLISH != 0) != self.dirty.contains(&s)
+                || (k.dirty & TRIM != 0) != self.trim_dirty.contains(&s)
+            {
+                return Err(format!("dirty flags of free index {s} drifted"));
             }
         }
         if free_seen != self.free_blocks() {

@@ -58,13 +58,21 @@ const NO_SLOT: u32 = u32::MAX;
 struct Keyed {
     key: PoolKey,
     index: FreeIndex,
-    /// Its free bytes changed since the last [`Pool::take_dirty_streams`].
-    dirty: bool,
+    /// Its free bytes changed since the last [`Pool::take_dirty_streams`] ([`PUBLISH`]), and
+    /// since the last [`Pool::take_trim_streams`] ([`TRIM`]): the publishing of statistics and
+    /// the trims of expandable ranges each take the changes they have not seen, so reading the
+    /// statistics never hides a change from a later trim.
+    dirty: u8,
     /// Segments of the key. When the last goes, the slot is retired (`Pool::segment_gone`):
     /// a program that makes and destroys streams would otherwise keep an index (and its
     /// octaves' bins) per key of every stream it ever used.
     segments: u32,
 }
+
+/// [`Keyed::dirty`]: a change the statistics have not published yet.
+const PUBLISH: u8 = 1;
+/// [`Keyed::dirty`]: a change no trim has checked yet.
+const TRIM: u8 = 2;
 
 /// Block records a device's own pool ([`Pool::with_room`]) has room for from the start (~80 KiB):
 /// the real traces reach 200–1000 blocks at once, and a slab growing to that took 8
@@ -93,8 +101,10 @@ pub struct Pool {
     stats: BlockStats,
     /// Current of each live group ([`Live`]) per quadrant ([`Pool::quadrant`]).
     live: [[u64; LIVE_GROUPS]; 4],
-    /// Slots whose `dirty` flag is set (each once).
+    /// Slots whose [`PUBLISH`] flag is set (each once).
     dirty: Vec<usize>,
+    /// Slots whose [`TRIM`] flag is set (each once).
+    trim_dirty: Vec<usize>,
     /// Which of the statistics only the pool changes changed since [`Pool::take_changed`].
     changed: u8,
     /// Ticks at every allocation and free: segments remember when they were last used.
@@ -452,7 +462,7 @@ impl Pool {
         match self.keys.binary_search_by_key(&key, |k| k.0) {
             Ok(i) => self.keys[i].1,
             Err(i) => {
-                let keyed = Keyed { key, index: FreeIndex::default(), dirty: false, segments: 0 };
+                let keyed = Keyed { key, index: FreeIndex::default(), dirty: 0, segments: 0 };
                 let slot = match self.vacant.pop() {
                     Some(slot) => {
                         self.free[slot] = keyed;
@@ -489,11 +499,16 @@ impl Pool {
         debug_assert_eq!(k.index.len(), 0, "a key with no segment has free blocks");
         let key = k.key;
         k.index = FreeIndex::default();
-        if std::mem::take(&mut k.dirty) {
+        let dirty = std::mem::take(&mut k.dirty);
+        if dirty & PUBLISH != 0 {
             self.dirty.retain(|&s| s != slot);
             if !self.dirty_gone.contains(&key.stream) {
                 self.dirty_gone.push(key.stream);
             }
+        }
+        if dirty & TRIM != 0 {
+            // (A trim has nothing to give back of a key with no segment left.)
+            self.trim_dirty.retain(|&s| s != slot);
         }
         if let Ok(i) = self.keys.binary_search_by_key(&key, |k| k.0) {
             self.keys.remove(i);
@@ -811,13 +826,27 @@ impl Pool {
         self.free.iter().filter(|k| k.key.stream == stream).map(|k| k.index.bytes()).sum()
     }
 
+    /// Streams whose free bytes changed since the last call, in stream order, each once: what
+    /// a trim of expandable ranges checks. Independent of [`Pool::take_dirty_streams`].
+    pub fn take_trim_streams(&mut self) -> Vec<StreamId> {
+        let mut out: Vec<StreamId> = Vec::with_capacity(self.trim_dirty.len());
+        for slot in self.trim_dirty.drain(..) {
+            let k = &mut self.free[slot];
+            k.dirty &= !TRIM;
+            out.push(k.key.stream);
+        }
+        out.sort_unstable();
+        out.dedup();
+        out
+    }
+
     /// Streams whose free bytes changed since the last call (each once), for publishing.
     pub fn take_dirty_streams(&mut self, out: &mut Vec<StreamId>) {
         out.clear();
         out.append(&mut self.dirty_gone);
         for slot in self.dirty.drain(..) {
             let k = &mut self.free[slot];
-            k.dirty = false;
+            k.dirty &= !PUBLISH;
             if !out.contains(&k.key.stream) {
                 out.push(k.key.stream);
             }
@@ -837,13 +866,27 @@ impl Pool {
         self.live(q, Live::RequestedBytes, requested, true);
     }
 
+    /// Notes that slot `slot`'s free bytes changed, for the readers that took its last change
+    /// (out of line: where both have it noted already, the callers' one compare of
+    /// [`Keyed::dirty`] with both bits is all, the common case).
+    #[inline(never)]
+    fn mark_dirty(&mut self, slot: usize) {
+        let k = &mut self.free[slot];
+        let was = std::mem::replace(&mut k.dirty, PUBLISH | TRIM);
+        if was & PUBLISH == 0 {
+            self.dirty.push(slot);
+        }
+        if was & TRIM == 0 {
+            self.trim_dirty.push(slot);
+        }
+    }
+
     #[inline(always)]
     fn index_insert(&mut self, slot: usize, e: Entry) {
         let k = &mut self.free[slot];
         k.index.insert(e);
-        if !k.dirty {
-            k.dirty = true;
-            self.dirty.push(slot);
+        if k.dirty != PUBLISH | TRIM {
+            self.mark_dirty(slot);
         }
     }
 
@@ -854,9 +897,8 @@ impl Pool {
         if !k.index.replace(old, new) {
             return false;
         }
-        if !k.dirty {
-            k.dirty = true;
-            self.dirty.push(slot);
+        if k.dirty != PUBLISH | TRIM {
+            self.mark_dirty(slot);
         }
         true
     }
@@ -867,9 +909,8 @@ impl Pool {
         if !k.index.remove(e) {
             return false;
         }
-        if !k.dirty {
-            k.dirty = true;
-            self.dirty.push(slot);
+        if k.dirty != PUBLISH | TRIM {
+            self.mark_dirty(slot);
         }
         true
     }

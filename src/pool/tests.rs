@@ -490,3 +490,39 @@ fn a_keys_index_goes_with_its_last_segment_and_its_slot_is_reused() {
     assert!(!pool.has_key(on(8)));
     pool.check_invariants().unwrap();
 }
+
+/// The statistics' publishing and the trims each take the changes they have not seen: taking
+/// one list leaves the other as it was (a `stats()` read once emptied what a later trim was to
+/// check), and a retired key leaves the trims' list (nothing of it is left to give back) while
+/// the publishing still hears of it once.
+#[test]
+fn publishing_and_trims_take_the_changed_streams_apart() {
+    let mut pool = Pool::new();
+    let on = |s: u32| PoolKey {
+        residency: Residency::Transient,
+        stream: StreamId(s),
+        kind: PoolKind::Large,
+    };
+    let mut dirty = Vec::new();
+    let a = pool.add_segment(on(2), BASE, 2 * MIB);
+    pool.add_segment(on(1), BASE + 2 * MIB, 2 * MIB);
+    pool.take_dirty_streams(&mut dirty);
+    assert_eq!(dirty, vec![StreamId(2), StreamId(1)]);
+    assert_eq!(pool.dirty_streams(), vec![]);
+    assert_eq!(pool.take_trim_streams(), vec![StreamId(1), StreamId(2)], "in stream order");
+    assert_eq!(pool.take_trim_streams(), vec![]);
+    pool.check_invariants().unwrap();
+    let x = pool.allocate(a, MIB, MIB, &Sizing::default()); // stream 2's free bytes change
+    assert_eq!(pool.take_trim_streams(), vec![StreamId(2)]);
+    assert_eq!(pool.dirty_streams(), vec![StreamId(2)], "still to publish");
+    pool.free(x);
+    pool.take_dirty_streams(&mut dirty);
+    assert_eq!((dirty.clone(), pool.take_trim_streams()), (vec![StreamId(2)], vec![StreamId(2)]));
+    // Changed, then retired before either reader looked.
+    let seg = pool.block(a).segment;
+    pool.remove_segment(seg);
+    assert_eq!(pool.take_trim_streams(), vec![], "nothing of stream 2 is left to trim");
+    pool.take_dirty_streams(&mut dirty);
+    assert_eq!(dirty, vec![StreamId(2)], "its free bytes, now 0, are published");
+    pool.check_invariants().unwrap();
+}
