@@ -31,17 +31,9 @@ struct Side {
     lock: bool,
 }
 
+/// `config` (no case sets `global_lock` itself), with the one lock or without.
 fn with_lock(config: &str, lock: bool) -> Config {
-    let c = if lock {
-        if config.is_empty() {
-            "global_lock:true".to_string()
-        } else {
-            format!("{config},global_lock:true")
-        }
-    } else {
-        config.to_string()
-    };
-    Config::parse(&c).unwrap()
+    Config::parse(config).unwrap().with_global_lock(lock)
 }
 
 impl Side {

@@ -412,11 +412,13 @@ impl<D: Device> Drop for Shared<D> {
         // pages from under a kernel still running. BROKEN (`unwaited_pages_unmapped`): at once.
         let unwaited = vm_left.iter().any(|l| matches!(l, Leftover::Unmap { .. }))
             && !cfg!(tidepool_broken = "unwaited_pages_unmapped");
-        let mut after_sync = Vec::new();
-        match unwaited {
-            true => after_sync = vm_left,
-            false => left.extend(vm_left),
-        }
+        let after_sync = match unwaited {
+            true => vm_left,
+            false => {
+                left.extend(vm_left);
+                Vec::new()
+            }
+        };
         let vm = &st.vm;
         // Free segments only: one holding a block still counted as allocated (only a bug
         // leaves one by now) stays as it is.

@@ -450,11 +450,7 @@ fn inactive_split_totals_are_exact() {
 #[test]
 fn a_keys_index_goes_with_its_last_segment_and_its_slot_is_reused() {
     let mut pool = Pool::new();
-    let on = |s: u32| PoolKey {
-        residency: Residency::Transient,
-        stream: StreamId(s),
-        kind: PoolKind::Small,
-    };
+    let on = |s: u32| PoolKey { stream: StreamId(s), ..small() };
     let mut dirty = Vec::new();
     for s in 1..=200u32 {
         let base = BASE + u64::from(s) * 2 * MIB;
@@ -498,11 +494,7 @@ fn a_keys_index_goes_with_its_last_segment_and_its_slot_is_reused() {
 #[test]
 fn publishing_and_trims_take_the_changed_streams_apart() {
     let mut pool = Pool::new();
-    let on = |s: u32| PoolKey {
-        residency: Residency::Transient,
-        stream: StreamId(s),
-        kind: PoolKind::Large,
-    };
+    let on = |s: u32| PoolKey { stream: StreamId(s), ..large() };
     let mut dirty = Vec::new();
     let a = pool.add_segment(on(2), BASE, 2 * MIB);
     pool.add_segment(on(1), BASE + 2 * MIB, 2 * MIB);
