@@ -603,21 +603,19 @@ impl<D: Device> Shared<D> {
     ) -> bool {
         let mut own = None;
         let own = self.alloc_sizing(st, block, sizing, &mut own);
-        if !st.pool.reuse_is_best_fit(block, rounded, own) {
+        let Some(merged) = st.pool.reuse_is_best_fit(block, rounded, own) else {
             return false;
-        }
+        };
         // The search serves by the configured rules whatever the block's own split rule
         // (`find_free`: `Sizing::may_serve`): in a range that rule lifts `max_split_size`, so
         // the merged block is checked against the configured one too — one oversize for this
         // request is passed over by the search (which grows the range instead), never reused.
         // BROKEN (`reuse_oversize_in_range`): the block's own rule decided alone.
-        if !st.vm.is_empty() && !cfg!(tidepool_broken = "reuse_oversize_in_range") {
-            let b = st.pool.block(block);
-            let right = b.next.map(|r| st.pool.block(r)).filter(|r| r.state == BlockState::Free);
-            let merged = b.size + right.map_or(0, |r| r.size);
-            if !sizing.may_serve(merged, rounded) {
-                return false;
-            }
+        if !st.vm.is_empty()
+            && !cfg!(tidepool_broken = "reuse_oversize_in_range")
+            && !sizing.may_serve(merged, rounded)
+        {
+            return false;
         }
         if self.broken(Broken::ReuseGrowthEnd) {
             return true;

@@ -631,25 +631,25 @@ impl Pool {
         id
     }
 
-    /// Whether handing the allocated block `id` out again, unchanged, for a request rounded to
+    /// Where handing the allocated block `id` out again, unchanged, for a request rounded to
     /// `rounded` leaves the pool exactly as [`Pool::free`] of it followed by
     /// [`Pool::find_free`] and [`Pool::allocate`] would: the block, merged with a free right
     /// neighbour, is the best fit (no free left neighbour would move its start, no other free
-    /// block of its key fits better) and the allocation would give back the same block. Two
-    /// O(1) lookups in the free index.
+    /// block of its key fits better) and the allocation would give back the same block: the
+    /// bytes of that merged free block (`None` elsewhere). Two O(1) lookups in the free index.
     ///
     /// ```text
     ///  [busy][ id (allocated) ][free R]    freed: [busy][ id + R ]  best fit, starts at id,
     ///                                      split back into [id][R]  ⇒  reuse id as it is
     /// ```
-    pub fn reuse_is_best_fit(&self, id: BlockId, rounded: u64, sizing: &Sizing) -> bool {
+    pub fn reuse_is_best_fit(&self, id: BlockId, rounded: u64, sizing: &Sizing) -> Option<u64> {
         let b = &self.blocks[id.0];
         if b.state != BlockState::Allocated || b.size < rounded {
-            return false;
+            return None;
         }
         let free = |n: Option<BlockId>| n.filter(|n| self.blocks[n.0].state == BlockState::Free);
         if free(b.prev).is_some() {
-            return false;
+            return None;
         }
         let seg = &self.segments[b.segment.0];
         let right = free(b.next);
@@ -661,7 +661,7 @@ impl Pool {
             Some(_) => b.size == rounded && self.splits(sizing, seg.key.kind, merged, rounded),
         };
         if !same_split || !sizing.may_serve(merged, rounded) {
-            return false;
+            return None;
         }
         // The best fit among the other free blocks (R merges into the block when it is freed).
         let index = &self.free[seg.slot].index;
@@ -669,7 +669,7 @@ impl Pool {
             Some(e) if right.is_some_and(|r| r.0 == e.id) => index.next_after(&e),
             e => e,
         };
-        best.is_none_or(|e| (e.size, e.addr) > (merged, b.addr))
+        best.is_none_or(|e| (e.size, e.addr) > (merged, b.addr)).then_some(merged)
     }
 
     /// Marks an allocated block as freed by its user but waiting on events: it stops counting as

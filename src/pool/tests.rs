@@ -278,12 +278,12 @@ fn reuse_of_a_block_before_its_free_remainder_is_the_best_fit() {
     let (mut pool, s) = (Pool::new(), Sizing::default());
     let a = carve(&mut pool, &s, BASE, &[4 * MIB])[0];
     // [a 4 MiB][free 16 MiB]: freed, the segment is whole; 4 MiB splits off its start again.
-    assert!(pool.reuse_is_best_fit(a, 4 * MIB, &s));
+    assert!(pool.reuse_is_best_fit(a, 4 * MIB, &s).is_some());
     // Another request of the class would not leave the same split.
-    assert!(!pool.reuse_is_best_fit(a, 4 * MIB - 512, &s));
+    assert!(pool.reuse_is_best_fit(a, 4 * MIB - 512, &s).is_none());
     // A pending block is not reusable.
     pool.mark_pending(a);
-    assert!(!pool.reuse_is_best_fit(a, 4 * MIB, &s));
+    assert!(pool.reuse_is_best_fit(a, 4 * MIB, &s).is_none());
 }
 
 #[test]
@@ -292,7 +292,7 @@ fn reuse_is_refused_when_another_free_block_fits_better() {
     let a = carve(&mut pool, &s, BASE, &[4 * MIB])[0];
     // A second segment [16 MiB][free 4 MiB]: the 4 MiB hole is the best fit once `a` is freed.
     carve(&mut pool, &s, BASE + 20 * MIB, &[16 * MIB]);
-    assert!(!pool.reuse_is_best_fit(a, 4 * MIB, &s));
+    assert!(pool.reuse_is_best_fit(a, 4 * MIB, &s).is_none());
     // Check by doing it: the search takes the hole at 36 MiB.
     pool.free(a);
     let best = pool.find_free(large(), 4 * MIB, &s).unwrap();
@@ -305,15 +305,15 @@ fn reuse_is_refused_when_a_whole_segment_at_a_lower_address_ties() {
     // An untouched 20 MiB segment below: freed, `a` merges into 20 MiB at a higher address.
     pool.add_segment(large(), BASE, 20 * MIB);
     let a = carve(&mut pool, &s, BASE + 20 * MIB, &[4 * MIB])[0];
-    assert!(!pool.reuse_is_best_fit(a, 4 * MIB, &s));
+    assert!(pool.reuse_is_best_fit(a, 4 * MIB, &s).is_none());
     // The same with the untouched segment above: `a` wins the tie on its address.
     let (mut pool, s) = (Pool::new(), Sizing::default());
     let a = carve(&mut pool, &s, BASE, &[4 * MIB])[0];
     pool.add_segment(large(), BASE + 20 * MIB, 20 * MIB);
-    assert!(pool.reuse_is_best_fit(a, 4 * MIB, &s));
+    assert!(pool.reuse_is_best_fit(a, 4 * MIB, &s).is_some());
     // A free block smaller than the merged 20 MiB but too small for the request changes nothing.
     carve(&mut pool, &s, BASE + 40 * MIB, &[16 * MIB + 512]);
-    assert!(pool.reuse_is_best_fit(a, 4 * MIB, &s));
+    assert!(pool.reuse_is_best_fit(a, 4 * MIB, &s).is_some());
 }
 
 #[test]
@@ -322,7 +322,7 @@ fn reuse_is_refused_when_the_left_neighbour_is_free() {
     let ids = carve(&mut pool, &s, BASE, &[4 * MIB, 4 * MIB]);
     pool.free(ids[0]);
     // Freed, `ids[1]` would merge into [0, 20 MiB) and the request would start at BASE.
-    assert!(!pool.reuse_is_best_fit(ids[1], 4 * MIB, &s));
+    assert!(pool.reuse_is_best_fit(ids[1], 4 * MIB, &s).is_none());
 }
 
 #[test]
@@ -330,12 +330,12 @@ fn reuse_between_busy_neighbours_and_of_unsplit_blocks() {
     let (mut pool, s) = (Pool::new(), Sizing::default());
     let ids = carve(&mut pool, &s, BASE, &[4 * MIB, 4 * MIB, 12 * MIB]);
     assert_eq!(pool.block(ids[2]).next, None);
-    assert!(pool.reuse_is_best_fit(ids[1], 4 * MIB, &s));
+    assert!(pool.reuse_is_best_fit(ids[1], 4 * MIB, &s).is_some());
     // Exactly between busy neighbours, a smaller request of the class would not split it
     // (a 1 MiB - 512 remainder stays), so it is reused whole.
-    assert!(pool.reuse_is_best_fit(ids[1], 3 * MIB + 512, &s));
+    assert!(pool.reuse_is_best_fit(ids[1], 3 * MIB + 512, &s).is_some());
     // But 2 MiB would split (remainder 2 MiB > 1 MiB): not the same block.
-    assert!(!pool.reuse_is_best_fit(ids[1], 2 * MIB, &s));
+    assert!(pool.reuse_is_best_fit(ids[1], 2 * MIB, &s).is_none());
 }
 
 /// Against the real thing: for random pools (small, large and huge blocks), whenever `reuse_is_best_fit` says yes, freeing
@@ -390,14 +390,15 @@ fn reuse_agrees_under(s: Sizing) {
         }
         for &(b, rounded) in &live {
             checked += 1;
-            if !pool.reuse_is_best_fit(b, rounded, &s) {
+            let Some(merged) = pool.reuse_is_best_fit(b, rounded, &s) else {
                 continue;
-            }
+            };
             yes += 1;
             let mut freed = pool.clone();
             freed.free(b);
             let key = pool.segment(pool.block(b).segment).key;
             let best = freed.find_free(key, rounded, &s).expect("the freed block fits");
+            assert_eq!(freed.block(best).size, merged, "the merged free block's bytes");
             let again = freed.allocate(best, rounded, rounded, &s);
             freed.check_invariants().unwrap();
             assert_eq!(freed.block(again).addr, pool.block(b).addr);
