@@ -590,9 +590,9 @@ fn large_free_against_flush_of_the_large_block() {
                 pool.free(x.block);
             }
             let sizing = Sizing::default();
-            let reused = match cache
-                .pop_checked(class, 4 * MIB, |x| pool.reuse_is_best_fit(x.block, 4 * MIB, &sizing))
-            {
+            let reused = match cache.pop_checked(class, 4 * MIB, |x| {
+                pool.reuse_is_best_fit(x.block, 4 * MIB, &sizing).is_some()
+            }) {
                 Pop::Hit(x) => Some(x),
                 _ => None,
             };
@@ -641,7 +641,7 @@ fn large_hit_against_a_pool_change_and_drain() {
         let epoch = Arc::new(AtomicU64::new(1));
         cache.push(class, a).unwrap();
         let sizing = Sizing::default();
-        let fits = |x: &CachedBlock| pool.reuse_is_best_fit(x.block, 4 * MIB, &sizing);
+        let fits = |x: &CachedBlock| pool.reuse_is_best_fit(x.block, 4 * MIB, &sizing).is_some();
         let Pop::Hit(x) = cache.pop_checked_at(class, 4 * MIB, fits, 1) else {
             panic!("section 1 reuses `a`")
         };
