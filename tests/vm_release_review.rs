@@ -137,6 +137,37 @@ fn pages_freed_during_a_capture_go_back_at_the_next_free_after_it() {
     assert_no_leak(&dev);
 }
 
+/// `release_threshold_mb:0` and a capture: pages freed on two streams while it lasts stay, and
+/// the first free after it, on a third stream, gives all of them back. (The trim that ran under
+/// the capture took the list of streams whose free bytes changed and stopped at the first: the
+/// others left the list, and their pages stayed mapped until each stream freed again.) Broken
+/// build `capture_drops_trims`.
+#[test]
+fn pages_freed_on_several_streams_during_a_capture_go_back_at_the_first_free_after_it() {
+    let (dev, alloc) = setup("release_threshold_mb:0", CAP);
+    let [s, t, u, v] = [(); 4].map(|_| dev.create_stream().unwrap());
+    let a = alloc.alloc(4 * MIB, t).unwrap();
+    let b = alloc.alloc(6 * MIB, u).unwrap();
+    let c = alloc.alloc(2 * MIB, v).unwrap();
+    assert_eq!(alloc.stats().blocks.reserved_bytes.large_pool.current, 12 * MIB);
+    alloc.begin_capture(s, None).unwrap();
+    let unmaps = dev.vm_counters().unmaps;
+    // Both freed in one go, so that one trim finds both streams changed.
+    alloc.free_batch(vec![a, b]).unwrap();
+    assert_eq!(dev.vm_counters().unmaps, unmaps, "nothing unmapped during the capture");
+    drop(alloc.end_capture(s).unwrap());
+    assert_eq!(alloc.stats().blocks.reserved_bytes.large_pool.current, 12 * MIB);
+    // After the capture, a free on v: t's two pages, u's three and v's one go.
+    drop(c);
+    let st = alloc.stats();
+    assert_eq!(st.blocks.reserved_bytes.large_pool.current, 0);
+    assert_eq!((st.num_device_unmap, st.num_physical_release), (unmaps + 3, 3));
+    assert_eq!(dev.live_mappings(), vec![]);
+    consistent(&dev, &alloc);
+    drop(alloc);
+    assert_no_leak(&dev);
+}
+
 /// A `set_config` lowering `release_threshold_mb` applies to the next free, however small: the
 /// trim's memory of what it checked under the old threshold went with it (kept, the stream was
 /// skipped until a page more was freed, and 6 MiB stayed mapped under a threshold of 0).
