@@ -594,18 +594,25 @@ impl<D: Device> Shared<D> {
     ///  top run  [busy][ block ][free R]|unmapped   freed: [busy][ block + R ]  the growth end:
     ///                                              a larger free block elsewhere serves first
     /// ```
+    ///
+    /// `other`: the size of the other residency's block the search would weigh against the
+    /// block's ([`Shared::other_placed`]), which wins where it is smaller than the merged block.
     pub(super) fn reuse_fits(
         &self,
         st: &State,
         block: BlockId,
         rounded: u64,
         sizing: &Sizing,
+        other: Option<u64>,
     ) -> bool {
         let mut own = None;
         let own = self.alloc_sizing(st, block, sizing, &mut own);
         let Some(merged) = st.pool.reuse_is_best_fit(block, rounded, own) else {
             return false;
         };
+        if other.is_some_and(|o| o < merged) {
+            return false;
+        }
         // The search serves by the configured rules whatever the block's own split rule
         // (`find_free`: `Sizing::may_serve`): in a range that rule lifts `max_split_size`, so
         // the merged block is checked against the configured one too — one oversize for this

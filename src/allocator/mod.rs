@@ -828,7 +828,7 @@ impl<D: Device> Allocator<D> {
             && cacheable
             && config.fast_path()
             && !sh.recording.load(Ordering::Relaxed)
-            && let Some(b) = sh.reuse_large(&mut st, stream, class, bytes, &config.sizing)
+            && let Some(b) = sh.reuse_large(&mut st, stream, class, bytes, config)
         {
             st.config_spare = Some(plan.config);
             drop(st);
