@@ -697,10 +697,10 @@ diff_test!(
     false
 );
 diff_test!(
-    #[test, ignore = "differs, not yet triaged (2026-12-07 review)"]
+    #[test, ignore = "differs in seed 8 of 20, 8 of 100 (seed 8: a named scope after an OOM in a learning run), not yet triaged"]
     gc_large, &["garbage_collection_threshold:0.6,memory_limit_mb:256"], false, false, false);
 diff_test!(
-    #[test, ignore = "differs, not yet triaged (2026-12-07 review)"]
+    #[test, ignore = "differs in 1-3 seeds of 20, varying between runs of the same seeds, not yet triaged"]
     gc_mixed, &["garbage_collection_threshold:0.6,memory_limit_mb:256"], true, false, false);
 diff_test!(limit_large, &["memory_limit_mb:200"], false, false, false);
 diff_test!(
