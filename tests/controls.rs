@@ -164,6 +164,68 @@ fn gc_never_touches_the_initial_pool_and_stops_when_nothing_is_idle() {
     assert!(live_bases(&dev).is_superset(&initial));
 }
 
+/// A small segment, then five 12 MiB segments A..E (own-segment requests, 62 MiB past the
+/// 50 MiB threshold); A, B, C
+/// freed in that order, with `small` pairs of 4 KiB requests between A's free and B's; then a
+/// 22 MiB request collects 12 MiB: idle ages A 2, B 1, C 0 in large-pool events, so A and B (at
+/// least the average, 1) go in one pass and C stays. Returns the bases of A..E and the new
+/// block's, and the device's live bases after.
+fn gc_idle_from_the_free(config: &str, small: usize) -> ([u64; 6], BTreeSet<u64>) {
+    let (dev, alloc) =
+        setup(&format!("memory_limit_mb:100,garbage_collection_threshold:0.5,{config}"), 1 << 30);
+    // A small segment first, so that the small requests below reserve nothing (a reservation
+    // past the threshold would collect A there).
+    let first = alloc.alloc(4096, S).unwrap();
+    let held: Vec<_> = (0..5).map(|_| alloc.alloc(12 * MIB, S).unwrap()).collect();
+    let b: Vec<u64> = held.iter().map(|h| h.ptr().0).collect();
+    let mut held = held.into_iter();
+    let (a, bb, c, d, e) = (
+        held.next().unwrap(),
+        held.next().unwrap(),
+        held.next().unwrap(),
+        held.next().unwrap(),
+        held.next().unwrap(),
+    );
+    drop(a);
+    for _ in 0..small {
+        drop(alloc.alloc(4096, S).unwrap());
+    }
+    drop(bb);
+    drop(c);
+    let big = alloc.alloc(22 * MIB, S).unwrap();
+    let big_base = big.ptr().0;
+    alloc.check_invariants().unwrap();
+    assert_eq!(dev.counters().failed_mallocs, 0);
+    let mut live = live_bases(&dev);
+    assert!(live.remove(&(first.ptr().0 & !(2 * MIB - 1))), "the small segment");
+    drop((first, d, e, big));
+    ([b[0], b[1], b[2], b[3], b[4], big_base], live)
+}
+
+/// The idle age counts from the free, as PyTorch's (`gc_count_base` is set as a block is
+/// inserted into the free set): a large block freed into its stream's cache would count as
+/// used when the cache is flushed, at the 22 MiB request (then B and C went, and A stayed).
+/// So under a threshold freed large blocks go to the pool at once; the locked path agrees.
+#[test]
+fn gc_counts_a_freed_large_block_idle_from_its_free() {
+    for config in ["", "global_lock:true"] {
+        let ([_, _, c, d, e, big], live) = gc_idle_from_the_free(config, 0);
+        assert_eq!(live, BTreeSet::from([c, d, e, big]), "A and B go under {config:?}");
+    }
+}
+
+/// Small requests do not age the large segments: the stream caches serve most of them without
+/// the pool, so counting them (as the pool's clock did at every allocation and free) made the
+/// idle ages, and what the collection releases, depend on the caches. With 10 small pairs
+/// between A's free and B's, under `global_lock:true` A alone went (ages 22, 1, 0).
+#[test]
+fn gc_idle_ages_count_large_pool_events_only() {
+    for config in ["", "global_lock:true", "fast_cache:false"] {
+        let ([_, _, c, d, e, big], live) = gc_idle_from_the_free(config, 10);
+        assert_eq!(live, BTreeSet::from([c, d, e, big]), "A and B go under {config:?}");
+    }
+}
+
 // ---------------------------------------------------------------- initial and maximum pool size
 
 #[test]

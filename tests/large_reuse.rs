@@ -6,7 +6,7 @@
 use std::sync::Arc;
 use tidepool::MIB;
 use tidepool::device::{SIM_BASE, SimDevice};
-use tidepool::{Allocator, Config, Device, DeviceAddr, StreamId};
+use tidepool::{Allocator, Config, Device, DeviceAddr, Residency, StreamId};
 
 const S0: StreamId = StreamId::DEFAULT;
 
@@ -81,6 +81,40 @@ fn a_large_block_is_not_reused_where_another_free_block_fits_better() {
 
 /// Segment 1: [a 4][free 16] with `a` cached and checked (its reuse left the verdict in the
 /// lane); segment 2: [e 4][f 12][g 4]. Returns the allocator with `e`, `f`, `g`.
+/// Freed, a cached transient block would make its segment whole (20 MiB), and a persistent
+/// segment of the stream has a 4 MiB hole: the search weighs the other residency's best fit
+/// and takes the smaller (`residency.rs`), so the reuse check must too.
+fn cached_block_and_a_persistent_hole(config: &str) -> Vec<DeviceAddr> {
+    let (dev, alloc) = setup(config);
+    // Transient segment: [a 4][d 16]. Persistent segment: [p 4][q 12][free 4].
+    let a = alloc.alloc(4 * MIB, S0).unwrap();
+    let d = alloc.alloc(16 * MIB, S0).unwrap();
+    let p = alloc.alloc_in(4 * MIB, S0, Residency::Persistent).unwrap();
+    let q = alloc.alloc_in(12 * MIB, S0, Residency::Persistent).unwrap();
+    let placed = vec![a.ptr(), d.ptr(), p.ptr(), q.ptr()];
+    drop(a); // cached
+    drop(d); // the stream holds a large block already: into the pool, [a][free 16]
+    let b = alloc.alloc(4 * MIB, S0).unwrap();
+    let s = alloc.stats();
+    assert_eq!((s.cached_fast_bytes, s.num_device_alloc), (0, 2));
+    assert_eq!(s.blocks.inactive_split.large_pool.current, 0, "the transient segment is whole");
+    // Accounted by its segment's residency: persistent.
+    let bytes = &s.blocks.allocated_bytes;
+    assert_eq!((bytes.persistent.current, bytes.transient.current), (20 * MIB, 0));
+    let placed = [placed, vec![b.ptr()]].concat();
+    drop((b, p, q));
+    check(&dev, &alloc);
+    placed
+}
+
+#[test]
+fn a_large_block_is_not_reused_where_the_other_residency_has_a_smaller_fit() {
+    let want = vec![at(0), at(4 * MIB), at(20 * MIB), at(24 * MIB), at(36 * MIB)];
+    assert_eq!(cached_block_and_a_persistent_hole(""), want);
+    assert_eq!(cached_block_and_a_persistent_hole("global_lock:true"), want, "the pool's own");
+    assert_eq!(cached_block_and_a_persistent_hole("max_split_size_mb:20"), want);
+}
+
 fn checked_block_then_a_better_fit(
     broken: bool,
 ) -> (Arc<SimDevice>, Allocator<SimDevice>, DeviceAddr, Vec<tidepool::Buffer<SimDevice>>) {

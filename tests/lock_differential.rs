@@ -514,6 +514,11 @@ fn run_ops(
                         st.blocks.reserved_bytes.all.current,
                         st.cached_fast_bytes
                     );
+                    // A snapshot flushes the fast side's lanes, which changes what follows:
+                    // the fast side's is shown at the last step only.
+                    if !side.lock && step + 1 < steps {
+                        continue;
+                    }
                     for seg in side.alloc.snapshot() {
                         let blocks: Vec<_> = seg
                             .blocks
@@ -680,9 +685,7 @@ diff_test!(
     exp_wait_event_kernels, &["expandable_segments:true,cross_stream:wait_event"], false, true, true);
 diff_test!(divisions_large, &["roundup_power2_divisions:4"], false, false, false);
 diff_test!(divisions_mixed, &["roundup_power2_divisions:4"], true, false, false);
-diff_test!(
-    #[test, ignore = "differs, not yet triaged (2026-12-07 review)"]
-    split20_large, &["max_split_size_mb:20"], false, false, false);
+diff_test!(split20_large, &["max_split_size_mb:20"], false, false, false);
 diff_test!(
     #[test, ignore = "differs, not yet triaged (2026-12-07 review)"]
     split20_kernels, &["max_split_size_mb:20"], false, true, true);
@@ -694,10 +697,10 @@ diff_test!(
     false
 );
 diff_test!(
-    #[test, ignore = "differs, not yet triaged (2026-12-07 review)"]
+    #[test, ignore = "differs in seed 8 of 20, 8 of 100 (seed 8: a named scope after an OOM in a learning run), not yet triaged"]
     gc_large, &["garbage_collection_threshold:0.6,memory_limit_mb:256"], false, false, false);
 diff_test!(
-    #[test, ignore = "differs, not yet triaged (2026-12-07 review)"]
+    #[test, ignore = "differs in 1-3 seeds of 20, varying between runs of the same seeds, not yet triaged"]
     gc_mixed, &["garbage_collection_threshold:0.6,memory_limit_mb:256"], true, false, false);
 diff_test!(limit_large, &["memory_limit_mb:200"], false, false, false);
 diff_test!(

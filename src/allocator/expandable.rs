@@ -594,18 +594,25 @@ impl<D: Device> Shared<D> {
     ///  top run  [busy][ block ][free R]|unmapped   freed: [busy][ block + R ]  the growth end:
     ///                                              a larger free block elsewhere serves first
     /// ```
+    ///
+    /// `other`: the size of the other residency's block the search would weigh against the
+    /// block's ([`Shared::other_placed`]), which wins where it is smaller than the merged block.
     pub(super) fn reuse_fits(
         &self,
         st: &State,
         block: BlockId,
         rounded: u64,
         sizing: &Sizing,
+        other: Option<u64>,
     ) -> bool {
         let mut own = None;
         let own = self.alloc_sizing(st, block, sizing, &mut own);
         let Some(merged) = st.pool.reuse_is_best_fit(block, rounded, own) else {
             return false;
         };
+        if other.is_some_and(|o| o < merged) {
+            return false;
+        }
         // The search serves by the configured rules whatever the block's own split rule
         // (`find_free`: `Sizing::may_serve`): in a range that rule lifts `max_split_size`, so
         // the merged block is checked against the configured one too — one oversize for this
@@ -645,10 +652,21 @@ impl<D: Device> Shared<D> {
 
     /// Whether freed large-pool blocks may wait in their stream's cache under `config` over
     /// these ranges: only where a free releases no pages at once (no `release_threshold`, no
-    /// learning run open), since a cached block is not free in the pool.
+    /// learning run open), since a cached block is not free in the pool; and never under a
+    /// garbage-collection threshold, whose idle age starts at the free (`gc.rs`).
     pub(super) fn large_cacheable(st: &State, config: &Config) -> bool {
-        !config.expandable_segments
-            || config.release_threshold == u64::MAX && st.vm.learning.is_empty()
+        Self::large_cacheable_by(config)
+            && (!config.expandable_segments
+                || config.release_threshold == u64::MAX && st.vm.learning.is_empty())
+    }
+
+    /// [`Shared::large_cacheable`]'s rules that hold whatever the ranges: a cached block keeps
+    /// its segment from the collection's idle age until the cache is flushed, so where a
+    /// collection may run a freed large block goes to the pool at once (as PyTorch's, whose age
+    /// is counted from the free).
+    /// BROKEN (`gc_lane_age`): cached, it counted as used at its flush.
+    pub(super) fn large_cacheable_by(config: &Config) -> bool {
+        config.garbage_collection_threshold.is_none() || cfg!(tidepool_broken = "gc_lane_age")
     }
 
     /// The block size an allocation from `block` takes: in an expandable range a large block is

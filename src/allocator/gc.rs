@@ -21,10 +21,11 @@
 //! the block was last taken; tidepool's pool clock ticks at every allocation and free, so the
 //! order of ages is the same but the average may split a set of segments elsewhere.
 //!
-//! A segment's idle age is the pool's clock at its last allocation or free *in the pool*: a
-//! block freed into a stream cache keeps its segment busy until the cache is flushed (which
-//! the slow path does before it reserves, hence before the collection runs), so a segment
-//! whose last block waited in a cache counts as used at the flush.
+//! A segment's idle age is the pool's clock at its last allocation or free *in the pool*. A
+//! block freed into a stream cache would keep its segment busy until the cache is flushed, and
+//! count as used at the flush, not at its free as PyTorch's: so while a threshold is set, freed
+//! large blocks go to the pool at once (`Shared::large_cacheable`; small-pool segments are not
+//! collected).
 //!
 //! Expandable ranges are left to their own control, `release_threshold_mb` (PyTorch's
 //! collection skips `expandable_segment_` blocks too): the collection releases ordinary

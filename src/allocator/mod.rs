@@ -226,7 +226,8 @@ impl<D: Device> Allocator<D> {
         let (fast, global_lock) = (config.fast_path(), config.global_lock);
         // Over expandable segments only while a free releases no pages at once (no learning
         // run is open yet).
-        let cache_large = !config.expandable_segments || config.release_threshold == u64::MAX;
+        let cache_large = Shared::<D>::large_cacheable_by(&config)
+            && (!config.expandable_segments || config.release_threshold == u64::MAX);
         let (config_caching, oversize_at) = (config.caching, config.sizing.max_split_size);
         let hint = StreamCache::fast_max_of(limits(&config, false), &config.sizing);
         let config = Arc::new(config);
@@ -828,7 +829,7 @@ impl<D: Device> Allocator<D> {
             && cacheable
             && config.fast_path()
             && !sh.recording.load(Ordering::Relaxed)
-            && let Some(b) = sh.reuse_large(&mut st, stream, class, bytes, &config.sizing)
+            && let Some(b) = sh.reuse_large(&mut st, stream, class, bytes, config)
         {
             st.config_spare = Some(plan.config);
             drop(st);

@@ -80,13 +80,45 @@ impl<D: Device> Shared<D> {
         rounded: u64,
         align: u64,
     ) -> Option<BlockId> {
-        let find = |sh: &Self, st: &mut State, key: PoolKey| match align > MIN_ALIGN {
+        let own = self.find_aligned(st, config, key, rounded, align);
+        let other = self.other_placed(st, config, key, rounded, align);
+        match (own, other) {
+            (Some(a), Some(b)) if st.pool.block(b).size < st.pool.block(a).size => Some(b),
+            (Some(a), _) => Some(a),
+            (None, b) => b,
+        }
+    }
+
+    /// `key`'s best fit for `rounded` bytes at `align`.
+    #[inline(always)]
+    fn find_aligned(
+        &self,
+        st: &mut State,
+        config: &Config,
+        key: PoolKey,
+        rounded: u64,
+        align: u64,
+    ) -> Option<BlockId> {
+        match align > MIN_ALIGN {
             true => st.pool.find_free_aligned(key, rounded, align, &config.sizing),
-            false => sh.find_free(st, config, key, rounded),
-        };
-        let own = find(self, st, key);
+            false => self.find_free(st, config, key, rounded),
+        }
+    }
+
+    /// The other residency's block [`Shared::find_placed`] weighs against `key`'s own best
+    /// fit (it wins where it is smaller): its best fit of the same stream's large pool where
+    /// free space is shared, else none.
+    #[inline(always)]
+    pub(super) fn other_placed(
+        &self,
+        st: &mut State,
+        config: &Config,
+        key: PoolKey,
+        rounded: u64,
+        align: u64,
+    ) -> Option<BlockId> {
         if key.kind != PoolKind::Large || !self.shares_large(st, config) {
-            return own;
+            return None;
         }
         let residency = match key.residency {
             Residency::Persistent => Residency::Transient,
@@ -94,19 +126,14 @@ impl<D: Device> Shared<D> {
         };
         let other_key = PoolKey { residency, ..key };
         if !st.pool.has_key(other_key) {
-            return own; // the other residency never had a segment on this stream
+            return None; // the other residency never had a segment on this stream
         }
         // A range keeps each residency's pages apart whatever the configuration is now (ranges
         // made while `expandable_segments` was on stay after it is turned off).
-        let other = find(self, st, other_key).filter(|&b| {
+        self.find_aligned(st, config, other_key, rounded, align).filter(|&b| {
             st.vm.is_empty()
                 || !st.vm.contains(st.pool.block(b).addr)
                 || self.broken(Broken::SharedRanges)
-        });
-        match (own, other) {
-            (Some(a), Some(b)) if st.pool.block(b).size < st.pool.block(a).size => Some(b),
-            (Some(a), _) => Some(a),
-            (None, b) => b,
-        }
+        })
     }
 }

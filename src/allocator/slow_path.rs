@@ -669,7 +669,7 @@ impl<D: Device> Shared<D> {
         stream: StreamId,
         class: ClassKey,
         bytes: u64,
-        sizing: &crate::pool::Sizing,
+        config: &Config,
     ) -> Option<CachedBlock> {
         let cache = self.caches.first_lane(stream)?;
         // No large block of the request's class: the pop would find none (a lane holds one
@@ -678,12 +678,23 @@ impl<D: Device> Shared<D> {
         if !cache.holds_large_of(class) {
             return None;
         }
+        let sizing = &config.sizing;
+        // The search also weighs the other residency's best fit, which wins where it is
+        // smaller (`find_placed`): the cached block is reused only where none is.
+        // BROKEN (`reuse_other_residency`): the block's own residency alone was checked.
+        let key =
+            PoolKey { residency: class.residency, stream, kind: crate::stats::PoolKind::Large };
+        let other = match cfg!(tidepool_broken = "reuse_other_residency") {
+            true => None,
+            false => self.other_placed(st, config, key, class.rounded, MIN_ALIGN),
+        };
+        let other = other.map(|b| st.pool.block(b).size);
         let locked = &*st;
         // Nothing placement depends on changes in this section after the check (the requested
         // bytes and the statistics below do not move blocks), so the block may be handed out
         // again without the lock while no other section began (`pop_large`).
         let epoch = self.epoch.load(Ordering::Relaxed);
-        let fits = |b: &CachedBlock| self.reuse_fits(locked, b.block, class.rounded, sizing);
+        let fits = |b: &CachedBlock| self.reuse_fits(locked, b.block, class.rounded, sizing, other);
         match cache.pop_checked_at(class, bytes, fits, epoch) {
             Pop::Hit(b) => Some(b),
             Pop::Miss => None,

@@ -107,7 +107,8 @@ pub struct Pool {
     trim_dirty: Vec<usize>,
     /// Which of the statistics only the pool changes changed since [`Pool::take_changed`].
     changed: u8,
-    /// Ticks at every allocation and free: segments remember when they were last used.
+    /// Ticks at every allocation and free of the large pool ([`ticks`]): segments remember
+    /// when they were last used.
     clock: u64,
     /// Blocks freed so far ([`Pool::frees`]).
     frees: u64,
@@ -120,6 +121,16 @@ pub struct Pool {
     /// Bytes per quadrant ([`Pool::quadrant`]) carved out of their segments but still held on
     /// the device, counted in `reserved_bytes` until they go ([`Pool::hold`]).
     held: [u64; 4],
+}
+
+/// How far an allocation, free or new segment of `kind` moves the pool's clock: only the
+/// large pool's traffic counts (PyTorch's age counts searches of the large pool, which alone
+/// the collection walks). Small requests the stream caches serve never reach the pool, so
+/// counting the small pool's would make the large segments' idle ages depend on the caches.
+/// BROKEN (`gc_small_ticks`): every pool event ticked.
+#[inline(always)]
+fn ticks(kind: crate::types::PoolKind) -> u64 {
+    (kind == crate::types::PoolKind::Large || cfg!(tidepool_broken = "gc_small_ticks")) as u64
 }
 
 impl Pool {
@@ -182,7 +193,7 @@ impl Pool {
         s
     }
 
-    /// The pool's clock now: it ticks at every allocation and free, and a segment's
+    /// The pool's clock now: it ticks at every allocation and free of the large pool, and a segment's
     /// `last_use` is its reading then (the garbage collection's idle age is the difference).
     pub fn clock(&self) -> u64 {
         self.clock
@@ -534,7 +545,7 @@ impl Pool {
             state: BlockState::Free,
             oversize: false,
         }));
-        self.clock += 1;
+        self.clock += ticks(key.kind);
         let last_use = self.clock;
         self.segments.insert(Segment {
             base,
@@ -569,9 +580,9 @@ impl Pool {
         assert_eq!(b.state, BlockState::Free, "allocate of a block that is not free");
         assert!(b.size >= rounded, "allocate of a block smaller than the request");
         let (seg, addr, whole, next, split) = (b.segment, b.addr, b.size, b.next, b.is_split());
-        self.clock += 1;
         let s = &mut self.segments[seg.0];
         s.busy_blocks += 1;
+        self.clock += ticks(s.key.kind);
         s.last_use = self.clock;
         let (key, slot) = (s.key, s.slot);
         let (kind, res) = (key.kind, key.residency);
@@ -705,10 +716,10 @@ impl Pool {
         if std::mem::take(&mut b.oversize) {
             self.oversize.decrease(1);
         }
-        self.clock += 1;
         self.frees += 1;
         let s = &mut self.segments[seg.0];
         s.busy_blocks -= 1;
+        self.clock += ticks(s.key.kind);
         s.last_use = self.clock;
         let (key, slot) = (s.key, s.slot);
         let (kind, res) = (key.kind, key.residency);
