@@ -666,8 +666,12 @@ diff_test!(
     #[test, ignore = "differs, not yet triaged (2026-12-07 review)"]
     exp_trim_mixed, &["expandable_segments:true,release_threshold_mb:0"], true, false, false);
 diff_test!(
-    #[test, ignore = "differs, not yet triaged (2026-12-07 review)"]
-    stitch_large, &["expandable_segments:true,expandable_stitching:true"], false, false, false);
+    stitch_large,
+    &["expandable_segments:true,expandable_stitching:true"],
+    false,
+    false,
+    false
+);
 diff_test!(
     #[test, ignore = "differs, not yet triaged (2026-12-07 review)"]
     stitch_kernels, &["expandable_segments:true,expandable_stitching:true"], false, true, true);
