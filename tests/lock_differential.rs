@@ -656,23 +656,39 @@ diff_test!(
     default_kernels, &[""], false, true, true);
 diff_test!(exp_large, &["expandable_segments:true"], false, false, false);
 diff_test!(
-    #[test, ignore = "differs, not yet triaged (2026-12-07 review)"]
+    // Intended: small blocks waiting in lanes do not coalesce, so the small range may grow a
+    // page more ("What the stream caches cost in memory"); that page, once free, moves to
+    // another stream's range (`num_pages_moved`, and its large pool's reserved bytes), so no
+    // exclusion narrower than the large pool's figures would hide it.
+    #[test, ignore = "intended: small-lane drift reaches the large pool through page moves"]
     exp_mixed, &["expandable_segments:true"], true, false, false);
 diff_test!(
     #[test, ignore = "differs, not yet triaged (2026-12-07 review)"]
     exp_kernels, &["expandable_segments:true"], false, true, true);
 diff_test!(
-    #[test, ignore = "differs, not yet triaged (2026-12-07 review)"]
-    exp_trim_large, &["expandable_segments:true,release_threshold_mb:0"], false, false, false);
+    exp_trim_large,
+    &["expandable_segments:true,release_threshold_mb:0"],
+    false,
+    false,
+    false
+);
 diff_test!(
     #[test, ignore = "differs, not yet triaged (2026-12-07 review)"]
     exp_trim_kernels, &["expandable_segments:true,release_threshold_mb:0"], false, true, true);
 diff_test!(
-    #[test, ignore = "differs, not yet triaged (2026-12-07 review)"]
-    exp_trim_mixed, &["expandable_segments:true,release_threshold_mb:0"], true, false, false);
+    exp_trim_mixed,
+    &["expandable_segments:true,release_threshold_mb:0"],
+    true,
+    false,
+    false
+);
 diff_test!(
-    #[test, ignore = "differs, not yet triaged (2026-12-07 review)"]
-    stitch_large, &["expandable_segments:true,expandable_stitching:true"], false, false, false);
+    stitch_large,
+    &["expandable_segments:true,expandable_stitching:true"],
+    false,
+    false,
+    false
+);
 diff_test!(
     #[test, ignore = "differs, not yet triaged (2026-12-07 review)"]
     stitch_kernels, &["expandable_segments:true,expandable_stitching:true"], false, true, true);

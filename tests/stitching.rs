@@ -271,6 +271,55 @@ fn with_the_stream_caches_a_freed_stitch_comes_home_at_the_next_search() {
     assert_nothing_left(&dev);
 }
 
+/// The segments and reserved-byte totals after [`holes`], a 24 MiB stitch freed, and the same
+/// request again, with the stream caches on (`lock`: through `global_lock:true`, which has
+/// none).
+fn a_freed_stitch_and_its_reuse(lock: bool) -> Vec<(u64, u64, u64)> {
+    let dev = Arc::new(SimDevice::backed(CAP));
+    let config = Config::parse("expandable_stitching:true").unwrap();
+    let config = config.with_expandable_segments(true).with_global_lock(lock);
+    let alloc = Allocator::new(dev.clone(), config).unwrap();
+    let kept = holes(&dev, &alloc);
+    let figures = |alloc: &Allocator<SimDevice>| {
+        let b = alloc.stats().blocks;
+        (b.segment.all.current, b.reserved_bytes.all.allocated, b.reserved_bytes.all.freed)
+    };
+    let s = alloc.alloc(24 * MIB, S0).unwrap();
+    assert_eq!(s.ptr(), stitch_base());
+    let mut seen = vec![figures(&alloc)];
+    drop(s);
+    seen.push(figures(&alloc));
+    let s = alloc.alloc(24 * MIB, S0).unwrap();
+    assert_eq!(s.ptr(), stitch_base(), "the cached stitch serves again");
+    assert_eq!(dev.vm_counters().creates, 7, "no device call");
+    seen.push(figures(&alloc));
+    alloc.check_invariants().unwrap();
+    drop((s, kept));
+    drop(alloc);
+    assert_nothing_left(&dev);
+    seen
+}
+
+/// A stitched block's free is its segment's (it leaves the pool, its chunks go home), so it
+/// never waits in a stream cache: the statistics are at once `global_lock:true`'s, and a
+/// reuse of the same stitch lends its chunks again as the pool's own does. (Broken build
+/// `stitch_in_lane`: the freed block waited in its stream's first lane, its segment still
+/// counted, and was handed out again from there with no lending counted.)
+#[test]
+fn a_freed_stitched_block_skips_the_stream_cache() {
+    let (p, m) = (P, MIB);
+    // Home runs cut around the three lent chunks: two runs and the stitch; freed, one run.
+    // Each lending counts the stitch's 24 MiB as reserved and the chunks' as freed, and
+    // each return the reverse (the physical bytes are counted once, 28 pages, throughout).
+    let want = vec![
+        (3, 28 * p + 24 * m, 24 * m),
+        (1, 28 * p + 48 * m, 48 * m),
+        (3, 28 * p + 72 * m, 72 * m),
+    ];
+    assert_eq!(a_freed_stitch_and_its_reuse(false), want);
+    assert_eq!(a_freed_stitch_and_its_reuse(true), want);
+}
+
 #[test]
 fn a_stitched_block_used_on_another_stream_lends_its_chunks_until_that_work_is_done() {
     let (dev, alloc) = setup("fast_cache:false,expandable_stitching:true");

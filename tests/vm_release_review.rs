@@ -416,3 +416,34 @@ fn an_allocator_gone_while_host_waits_fail_leaves_its_pages_mapped_under_the_ker
         assert_no_leak(&dev);
     }
 }
+
+/// Small blocks freed under `release_threshold_mb:0` give their page back at once, as under
+/// `global_lock:true`: the stream caches are closed there, since a block waiting in one is not
+/// free in the pool (large blocks were kept out of them already). Broken build
+/// `lanes_under_threshold`: the blocks waited in the stream's cache, their page mapped.
+#[test]
+fn small_blocks_freed_under_a_threshold_of_zero_give_their_page_back() {
+    for lock in [false, true] {
+        let dev = std::sync::Arc::new(SimDevice::backed(CAP));
+        let config = Config::parse("expandable_segments:true,release_threshold_mb:0").unwrap();
+        let alloc = Allocator::new(dev.clone(), config.with_global_lock(lock)).unwrap();
+        let s0 = StreamId::DEFAULT;
+        // Two pages of the small range, each its own chunk; c leaves half of the second free.
+        let [a, b, c] = [0; 3].map(|_| alloc.alloc(MIB, s0).unwrap());
+        let at = |m: u64| DeviceAddr(SIM_BASE + m * MIB);
+        assert_eq!([a.ptr(), b.ptr(), c.ptr()], [at(0), at(1), at(2)]);
+        assert_eq!(alloc.stats().blocks.reserved_bytes.small_pool.current, 2 * P);
+        // The trim checks the stream again once its free bytes grew a page past its last
+        // check (1 MiB, after c): at b's free, and the first page goes.
+        drop(a);
+        drop(b);
+        let s = alloc.stats();
+        assert_eq!(s.blocks.reserved_bytes.small_pool.current, P, "lock {lock}");
+        assert_eq!((s.num_device_unmap, s.num_physical_release), (1, 1), "lock {lock}");
+        assert_eq!(s.cached_fast_bytes, 0);
+        consistent(&dev, &alloc);
+        drop(c);
+        drop(alloc);
+        assert_no_leak(&dev);
+    }
+}

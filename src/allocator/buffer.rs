@@ -56,8 +56,8 @@ pub struct Buffer<D: Device> {
     pub(super) residency: Residency,
     /// Its statistics quadrant (pool kind × residency).
     pub(super) quadrant: u8,
-    /// [`USED_ELSEWHERE`], [`UNCOMMON`] and [`LARGE`]: 0 (one compare) lets the drop take its
-    /// common case, [`LARGE`] alone its common large case.
+    /// [`USED_ELSEWHERE`], [`UNCOMMON`], [`LARGE`] and [`POOL_ONLY`]: 0 (one compare) lets the
+    /// drop take its common case, [`LARGE`] alone its common large case.
     flags: AtomicU8,
 }
 
@@ -70,6 +70,11 @@ const UNCOMMON: u8 = 2;
 /// The flags of a large-pool block with no scope tag, alone (any other bit set, it is not the
 /// common large case): its drop tries its stream's first lane inline before `drop_cold`.
 const LARGE: u8 = 4;
+/// A flag bit: a stitched block (`stitch.rs`), whose free is its segment's: the segment leaves
+/// the pool and the chunks it borrowed go home. It never waits in a stream cache, where that
+/// would wait too (the statistics keeping a segment `global_lock:true` lets go of, the chunks
+/// lent), and where its reuse would skip the surgery the pool's own reuse counts.
+const POOL_ONLY: u8 = 8;
 
 impl<D: Device> Buffer<D> {
     /// A buffer of `size` bytes at `ptr` that served a request of `requested` bytes (rounded
@@ -119,6 +124,17 @@ impl<D: Device> Buffer<D> {
 
     pub(super) fn mark_used_elsewhere(&self) {
         self.flags.fetch_or(USED_ELSEWHERE, Ordering::Release);
+    }
+
+    /// Whether its free goes straight to the pool, never to a stream cache ([`POOL_ONLY`]).
+    pub(super) fn pool_only(&self) -> bool {
+        self.flags.load(Ordering::Relaxed) & POOL_ONLY != 0
+    }
+
+    /// Sends its free straight to the pool ([`POOL_ONLY`]): a stitched block's.
+    pub(super) fn mark_pool_only(&mut self) {
+        // (Not a large block's common case any more: its drop takes `drop_cold`.)
+        self.flags.fetch_or(POOL_ONLY | UNCOMMON, Ordering::Relaxed); // (`&mut self`)
     }
 
     /// Where its memory lives.
@@ -422,6 +438,7 @@ impl<D: Device> Buffer<D> {
         }
         let q = self.quadrant as usize;
         if !self.used_elsewhere()
+            && !self.pool_only()
             && let Some(lane) = owner.lane()
         {
             let (class, b) = (self.class(), self.cached(block));
@@ -456,6 +473,7 @@ impl<D: Device> Buffer<D> {
             residency: self.residency,
             quadrant: self.quadrant as usize,
             used_elsewhere: self.used_elsewhere(),
+            pool_only: self.pool_only(),
         }
     }
 
@@ -602,6 +620,8 @@ pub(super) struct Freed {
     pub(super) residency: Residency,
     pub(super) quadrant: usize,
     pub(super) used_elsewhere: bool,
+    /// Never into a stream cache ([`POOL_ONLY`]).
+    pub(super) pool_only: bool,
 }
 
 impl<D: Device> fmt::Debug for Buffer<D> {

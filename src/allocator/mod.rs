@@ -846,12 +846,20 @@ impl<D: Device> Allocator<D> {
         // space of the other residency's segment; see `residency.rs`).
         let held = st.pool.segment(b.segment).key.residency;
         let q = quadrant(key.kind, held);
+        // A stitched block is freed straight into the pool (`buffer.rs`, `POOL_ONLY`).
+        // BROKEN (`stitch_in_lane`): it waits in its stream's first lane like any large block.
+        let stitched =
+            Shared::<D>::stitched(&st.vm, b.segment) && !cfg!(tidepool_broken = "stitch_in_lane");
         let locked: &mut State = &mut st;
         locked.base.live_up(q, size, bytes, || &locked.lanes[..]);
         st.note(Action::Alloc, ptr, bytes, stream);
         st.config_spare = Some(plan.config);
         drop(st);
-        Ok(self.hand_out(ptr, bytes, size, stream, Some(block), plan.rounded, held, q))
+        let mut buf = self.hand_out(ptr, bytes, size, stream, Some(block), plan.rounded, held, q);
+        if stitched {
+            buf.mark_pool_only();
+        }
+        Ok(buf)
     }
 
     /// Frees `buffers` under one acquisition of the global lock, straight into the pool so they

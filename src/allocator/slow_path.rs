@@ -469,6 +469,7 @@ impl<D: Device> Shared<D> {
     pub(super) fn free_stash(&self, f: buffer::Freed, stash: bool) -> bool {
         self.device.note_reclaim(f.ptr, f.size, f.stream);
         if !f.used_elsewhere
+            && !f.pool_only
             && self.fast_path.load(Ordering::Relaxed)
             && let Some(cache) = self.lane_for_free(f.quadrant, f.size, f.stream)
         {

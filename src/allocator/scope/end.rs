@@ -140,7 +140,7 @@ impl<D: Device> Drop for Scope<'_, D> {
         }
         if !run.local.is_empty() {
             let blocks: Vec<BatchBlock> =
-                run.local.drain().flat_map(|(_, v)| v.into_iter().map(|(b, _)| b)).collect();
+                run.local.drain().flat_map(|(_, v)| v.into_iter().map(|(b, ..)| b)).collect();
             sh.free_blocks(self.stream, &blocks);
         }
         if self.plan.is_some() && !followed {

@@ -99,7 +99,7 @@ impl<D: Device> Scope<'_, D> {
                 size: buf.size,
                 requested: buf.accounted,
             };
-            run.local.entry(buf.rounded).or_default().push((b, buf.ptr));
+            run.local.entry(buf.rounded).or_default().push((b, buf.ptr, buf.pool_only()));
             buf.take_block();
         }
         drop(run);

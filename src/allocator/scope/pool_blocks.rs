@@ -44,9 +44,9 @@ impl<D: Device> Scope<'_, D> {
         } else {
             let mut run = self.run.borrow_mut();
             let list = run.local.get_mut(&rounded);
-            list.and_then(|v| v.pop_if(|(b, _)| self.may_reuse(b)))
+            list.and_then(|v| v.pop_if(|(b, ..)| self.may_reuse(b)))
         };
-        let Some((b, ptr)) = cached else {
+        let Some((b, ptr, pool_only)) = cached else {
             // Out of memory, the run's own idle memory goes back first (`give_back_idle`).
             // BROKEN (`scope_idle_kept`): it stays out of the ladder's reach.
             let give_back =
@@ -68,6 +68,9 @@ impl<D: Device> Scope<'_, D> {
         );
         // The statistics still account the block with the request it was first made for.
         reused.accounted = b.requested;
+        if pool_only {
+            reused.mark_pool_only(); // still a stitched block
+        }
         Ok(reused)
     }
 
@@ -80,7 +83,7 @@ impl<D: Device> Scope<'_, D> {
     fn give_back_idle(&self) -> bool {
         let blocks: Vec<BatchBlock> = {
             let mut run = self.run.borrow_mut();
-            run.local.drain().flat_map(|(_, v)| v.into_iter().map(|(b, _)| b)).collect()
+            run.local.drain().flat_map(|(_, v)| v.into_iter().map(|(b, ..)| b)).collect()
         };
         let any = !blocks.is_empty();
         if any {

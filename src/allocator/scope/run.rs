@@ -81,8 +81,9 @@ pub(super) struct Run<D: Device> {
     pub(super) unbound: Vec<LiveEntry>,
     pub(super) live_unbound: usize,
     pub(super) region: RegionSlot,
-    /// Freed pool blocks by rounded size, ready for reuse in this run.
-    pub(super) local: HashMap<u64, Vec<(BatchBlock, DeviceAddr)>>,
+    /// Freed pool blocks by rounded size, ready for reuse in this run, with their address and
+    /// whether their buffers' frees go straight to the pool (a stitched block's, `buffer.rs`).
+    pub(super) local: HashMap<u64, Vec<(BatchBlock, DeviceAddr, bool)>>,
     /// The pool buffers behind live scoped buffers, by slot (kept here so a scoped buffer stays
     /// a few words), and the free slots.
     pub(super) held: Vec<Option<Buffer<D>>>,
