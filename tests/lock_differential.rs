@@ -713,10 +713,19 @@ diff_test!(
     false
 );
 diff_test!(
-    #[test, ignore = "differs in seed 8 of 20, 8 of 100 (seed 8: a named scope after an OOM in a learning run), not yet triaged"]
-    gc_large, &["garbage_collection_threshold:0.6,memory_limit_mb:256"], false, false, false);
+    gc_large,
+    &["garbage_collection_threshold:0.6,memory_limit_mb:256"],
+    false,
+    false,
+    false
+);
+// Intended: small blocks waiting in lanes do not coalesce, and a lane hands out the last freed
+// (not the best fit), so a small segment fragments otherwise than under the one lock (see
+// `addr`); at the memory cap, where no new small segment fits, that decides whether a small
+// request is served (seed 6: a 1 MiB request, 1.03 MiB free in one piece on the locked side,
+// at most 0.5 MiB on the fast side after the ladder's flush).
 diff_test!(
-    #[test, ignore = "differs in 1-3 seeds of 20, varying between runs of the same seeds, not yet triaged"]
+    #[test, ignore = "intended: small placement drift decides small requests at the memory cap (seed 6)"]
     gc_mixed, &["garbage_collection_threshold:0.6,memory_limit_mb:256"], true, false, false);
 diff_test!(limit_large, &["memory_limit_mb:200"], false, false, false);
 diff_test!(

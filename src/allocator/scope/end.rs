@@ -3,7 +3,6 @@
 
 use super::{NO_BASE, NO_OFFSET, RegionSlot, Scope};
 use crate::allocator::adopt::Escape;
-use crate::allocator::batch::BatchBlock;
 use crate::allocator::plan::{Learned, Step};
 use crate::device::{Device, DeviceAddr, StreamId};
 use crate::sync::atomic::Ordering;
@@ -139,8 +138,7 @@ impl<D: Device> Drop for Scope<'_, D> {
             }
         }
         if !run.local.is_empty() {
-            let blocks: Vec<BatchBlock> =
-                run.local.drain().flat_map(|(_, v)| v.into_iter().map(|(b, ..)| b)).collect();
+            let blocks = run.take_local();
             sh.free_blocks(self.stream, &blocks);
         }
         if self.plan.is_some() && !followed {

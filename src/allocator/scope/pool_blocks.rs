@@ -83,7 +83,7 @@ impl<D: Device> Scope<'_, D> {
     fn give_back_idle(&self) -> bool {
         let blocks: Vec<BatchBlock> = {
             let mut run = self.run.borrow_mut();
-            run.local.drain().flat_map(|(_, v)| v.into_iter().map(|(b, ..)| b)).collect()
+            run.take_local()
         };
         let any = !blocks.is_empty();
         if any {

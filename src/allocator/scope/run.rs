@@ -116,6 +116,21 @@ impl<D: Device> Run<D> {
         }
     }
 
+    /// Empties the local cache: its blocks in address order, the order the run's end (or the
+    /// out-of-memory ladder) frees them into the pool. A free ticks the pool's clock, whose
+    /// ages the garbage collection compares: in the map's order, which its hasher's random
+    /// keys make differ from run to run of one program, the collection released another
+    /// segment each time (found by the differential harness, `gc_mixed`).
+    /// BROKEN (`scope_frees_unordered`): the map's order.
+    pub(super) fn take_local(&mut self) -> Vec<BatchBlock> {
+        let mut all: Vec<(BatchBlock, DeviceAddr, bool)> =
+            self.local.drain().flat_map(|(_, v)| v).collect();
+        if !cfg!(tidepool_broken = "scope_frees_unordered") {
+            all.sort_unstable_by_key(|&(_, ptr, _)| ptr.0);
+        }
+        all.into_iter().map(|(b, ..)| b).collect()
+    }
+
     pub(super) fn unhold(&mut self, slot: u32) -> Buffer<D> {
         self.free_slots.push(slot);
         self.held[slot as usize].take().expect("a held buffer")
