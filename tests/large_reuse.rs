@@ -251,3 +251,81 @@ fn without_the_fast_cache_or_after_record_stream_large_blocks_go_to_the_pool() {
     alloc.synchronize().unwrap();
     check(&dev, &alloc);
 }
+
+/// A kernel on `stream` that runs until the returned gate opens: work the events recorded after
+/// it wait for.
+fn gated_work(dev: &SimDevice, stream: StreamId) -> std::sync::mpsc::Sender<()> {
+    use tidepool::device::{Kernel, Launch};
+    let (open, gate) = std::sync::mpsc::channel::<()>();
+    dev.launch(
+        stream,
+        Kernel::new("gated", vec![], move |_| {
+            let _ = gate.recv();
+        }),
+    )
+    .unwrap();
+    open
+}
+
+/// Segment 1: [a 4][free 16] with `a` cached; segment 2: [e 4][f 12][g 4] with `g` freed while
+/// its use on another stream runs (pending). With `checked`, a reuse of `a` checked under the
+/// lock while `g` is pending, then `a` cached again. Then `g`'s use completes (no allocator call
+/// sees it). Returns the allocator with `e`, `f`.
+fn cached_block_and_a_pending_better_fit(
+    checked: bool,
+) -> (Arc<SimDevice>, Allocator<SimDevice>, Vec<tidepool::Buffer<SimDevice>>) {
+    let (dev, alloc) = setup("");
+    let s1 = dev.create_stream().unwrap();
+    let a = alloc.alloc(4 * MIB, S0).unwrap();
+    let d = alloc.alloc(16 * MIB, S0).unwrap();
+    let e = alloc.alloc(4 * MIB, S0).unwrap();
+    let f = alloc.alloc(12 * MIB, S0).unwrap();
+    let g = alloc.alloc(4 * MIB, S0).unwrap();
+    assert_eq!((a.ptr(), e.ptr(), g.ptr()), (at(0), at(20 * MIB), at(36 * MIB)));
+    let gate = gated_work(&dev, s1);
+    alloc.record_stream(&g, s1).unwrap();
+    drop(g); // pending on `s1`'s kernel
+    drop(a); // cached
+    drop(d); // into the pool: [a][free 16]
+    assert_eq!(alloc.stats().cached_fast_bytes, 4 * MIB);
+    if checked {
+        // `g` pending: freed, `a` would make segment 1 whole, the only free space.
+        let x = alloc.alloc(4 * MIB, S0).unwrap();
+        assert_eq!(x.ptr(), at(0));
+        drop(x); // cached again
+    }
+    gate.send(()).unwrap();
+    dev.synchronize().unwrap();
+    (dev, alloc, vec![e, f])
+}
+
+/// `g`'s event completed: the allocation polls it before the reuse check (as PyTorch's `malloc`
+/// polls before its search), and `g`'s hole is the best fit, not the cached block.
+#[test]
+fn a_reuse_check_sees_the_blocks_whose_events_completed() {
+    let (dev, alloc, rest) = cached_block_and_a_pending_better_fit(false);
+    let y = alloc.alloc(4 * MIB, S0).unwrap();
+    assert_eq!(y.ptr(), at(36 * MIB), "the completed block's hole, not the cached block");
+    let s = alloc.stats();
+    assert_eq!((s.cached_fast_bytes, s.num_device_alloc), (0, 2));
+    assert_eq!(s.blocks.inactive_split.large_pool.current, 0, "segment 1 is whole again");
+    assert_eq!(s.blocks.requested_bytes.all.current, 20 * MIB);
+    drop((y, rest));
+    check(&dev, &alloc);
+}
+
+/// A reuse checked while `g` was pending leaves no verdict for a hit to trust: `g`'s event
+/// completes with no global-lock section, so the next request is checked again, under the lock.
+#[test]
+fn a_reuse_checked_while_blocks_are_pending_is_checked_again() {
+    let (dev, alloc, rest) = cached_block_and_a_pending_better_fit(true);
+    let n = alloc.global_lock_acquisitions();
+    let y = alloc.alloc(4 * MIB, S0).unwrap();
+    assert_eq!(y.ptr(), at(36 * MIB), "the completed block's hole, not the cached block");
+    assert_eq!(alloc.global_lock_acquisitions(), n + 1);
+    let s = alloc.stats();
+    assert_eq!((s.cached_fast_bytes, s.num_device_alloc), (0, 2));
+    assert_eq!(s.blocks.inactive_split.large_pool.current, 0, "segment 1 is whole again");
+    drop((y, rest));
+    check(&dev, &alloc);
+}

@@ -680,6 +680,13 @@ impl<D: Device> Shared<D> {
             return None;
         }
         let sizing = &config.sizing;
+        // The check asks the pool for its best fit, which must see the blocks whose events
+        // completed as free, as the search would (PyTorch's `malloc` polls them before every
+        // search). BROKEN (`reuse_large_unpolled`): polled only after the check, so the lane's
+        // block went out where a block freed meanwhile fitted better.
+        if !st.pending.is_empty() && !cfg!(tidepool_broken = "reuse_large_unpolled") {
+            self.process_events(st);
+        }
         // The search also weighs the other residency's best fit, which wins where it is
         // smaller (`find_placed`): the cached block is reused only where none is.
         // BROKEN (`reuse_other_residency`): the block's own residency alone was checked.
@@ -693,10 +700,17 @@ impl<D: Device> Shared<D> {
         let locked = &*st;
         // Nothing placement depends on changes in this section after the check (the requested
         // bytes and the statistics below do not move blocks), so the block may be handed out
-        // again without the lock while no other section began (`pop_large`).
-        let epoch = self.epoch.load(Ordering::Relaxed);
+        // again without the lock while no other section began (`pop_large`). But a pending
+        // block joins the pool as its events complete, with no section begun, and may then
+        // fit better: while any is pending, the verdict is not kept, and every reuse is checked
+        // under the lock. BROKEN (`large_verdict_pending`): kept, and a hit handed the lane's
+        // block out where a completed block fitted better.
         let fits = |b: &CachedBlock| self.reuse_fits(locked, b.block, class.rounded, sizing, other);
-        match cache.pop_checked_at(class, bytes, fits, epoch) {
+        let pop = match st.pending.is_empty() || cfg!(tidepool_broken = "large_verdict_pending") {
+            true => cache.pop_checked_at(class, bytes, fits, self.epoch.load(Ordering::Relaxed)),
+            false => cache.pop_checked(class, bytes, fits),
+        };
+        match pop {
             Pop::Hit(b) => Some(b),
             Pop::Miss => None,
             Pop::NeedsLock => {
