@@ -607,6 +607,34 @@ fn a_retired_mapping_the_device_refuses_to_unmap_goes_at_a_later_lock_section() 
     assert_no_leak(&dev);
 }
 
+/// A statistics read changes nothing: the old mapping of a moved chunk, its donor's kernel
+/// done, goes at the next lock section's end (here `synchronize`'s), not at a read's. Under
+/// `global_lock` a read takes the lock, and it used to be a lock section of its own, whose end
+/// unmapped it: when pages went then hung on how often the statistics were read (a private
+/// pool's old mapping went at the differential harness's read after each step, where the
+/// lock-free read left it for the pool's next section). Broken build `locked_read_settles`.
+#[test]
+fn a_statistics_read_releases_no_retired_mapping() {
+    for config in ["cross_stream:wait_event", "cross_stream:wait_event,global_lock:true"] {
+        let (dev, alloc, _, b, open) = moved_while_the_donor_runs(config);
+        open.send(()).unwrap();
+        dev.synchronize().unwrap();
+        for _ in 0..2 {
+            let s = alloc.stats();
+            assert_eq!((s.num_device_map, s.num_device_unmap), (2, 0), "{config}");
+        }
+        assert_eq!(mapped_chunks(&dev, base()), vec![(0, 4), (8, 4)], "{config}: still mapped");
+        alloc.synchronize().unwrap();
+        assert_eq!(alloc.stats().num_device_unmap, 1, "{config}");
+        assert_eq!(mapped_chunks(&dev, base()), vec![(8, 4)], "{config}: unmapped");
+        assert_eq!(dev.violations(), vec![]);
+        drop(b);
+        alloc.check_invariants().unwrap();
+        drop(alloc);
+        assert_no_leak(&dev);
+    }
+}
+
 /// A chunk a `wait_event` page move took is *in transit* while its old mapping retires (the
 /// donor's kernel runs): the device frees its memory only at that last unmapping. A trim of
 /// the new range meanwhile (here a `release_threshold` set after the move) passes it over: it

@@ -96,7 +96,16 @@ impl<D: Device> Shared<D> {
     /// (accumulated figures since the allocator was made).
     pub(super) fn stats_under_lock(&self) -> MemoryStats {
         let sh = self;
+        // The lock alone, not a lock section (`lock_state`), whose end settles: a read would
+        // then release retired pages and trim, so under `global_lock`, where every read comes
+        // here, when pages went hung on how often the statistics were read (the lock-free
+        // read changes nothing). BROKEN (`locked_read_settles`): a section.
+        #[cfg(tidepool_broken = "locked_read_settles")]
         let mut st = sh.lock_state();
+        #[cfg(not(tidepool_broken = "locked_read_settles"))]
+        let mut st = lock(&sh.state);
+        #[cfg(not(tidepool_broken = "locked_read_settles"))]
+        sh.count_lock();
         let all = sh.caches.all();
         let inners: Vec<_> = all.iter().map(|c| c.lock_inner()).collect();
         let st = &mut *st;
