@@ -597,6 +597,7 @@ impl<D: Device> Shared<D> {
     ///
     /// `other`: the size of the other residency's block the search would weigh against the
     /// block's ([`Shared::other_placed`]), which wins where it is smaller than the merged block.
+    #[inline]
     pub(super) fn reuse_fits(
         &self,
         st: &State,
