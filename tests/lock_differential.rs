@@ -818,7 +818,6 @@ diff_test!(
     gc_mixed, &["garbage_collection_threshold:0.6,memory_limit_mb:256"], true, false, false);
 diff_test!(limit_large, &["memory_limit_mb:200"], false, false, false);
 diff_test!(
-    #[test, ignore = "differs, not yet triaged (2026-12-07 review)"]
     switching_large,
     &[
         "",
