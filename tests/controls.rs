@@ -601,6 +601,47 @@ fn oversize_statistics_count_blocks_and_segments_above_max_split_size() {
     assert_eq!(plain.stats().oversize_allocations, Stat::default());
 }
 
+/// A block handed out as oversize stays out of the stream caches after `set_config` unset
+/// `max_split_size`: freed into the pool, it leaves `oversize_allocations` at once, and its
+/// reuse (the pool's, under the new limit) is no oversize allocation. In a lane it stayed
+/// counted as live, and its lane hit counted it again.
+#[test]
+fn an_oversize_block_freed_after_the_limit_is_unset_leaves_the_oversize_count() {
+    for lock in [false, true] {
+        let config = |c: &str| Config::parse(c).unwrap().with_global_lock(lock);
+        let dev = Arc::new(SimDevice::new(1 << 30));
+        let alloc = Allocator::new(dev, config("max_split_size_mb:20")).unwrap();
+        let big = alloc.alloc(30 * MIB, S).unwrap();
+        let at = big.ptr().0;
+        assert_eq!(
+            alloc.stats().oversize_allocations,
+            Stat { current: 1, peak: 1, allocated: 1, freed: 0 }
+        );
+        alloc.set_config(config("")).unwrap();
+        drop(big);
+        let s = alloc.stats();
+        assert_eq!(
+            s.oversize_allocations,
+            Stat { current: 0, peak: 1, allocated: 1, freed: 1 },
+            "lock {lock}"
+        );
+        assert_eq!(s.cached_fast_bytes, 0, "lock {lock}: not in a lane");
+        let again = alloc.alloc(30 * MIB, S).unwrap();
+        assert_eq!(again.ptr().0, at);
+        let s = alloc.stats();
+        assert_eq!(
+            s.oversize_allocations,
+            Stat { current: 0, peak: 1, allocated: 1, freed: 1 },
+            "lock {lock}"
+        );
+        alloc.check_invariants().unwrap();
+        drop(again);
+        // Not oversize now: it may wait in its stream's lane.
+        assert_eq!(alloc.stats().cached_fast_bytes, if lock { 0 } else { 30 * MIB }, "lock {lock}");
+        alloc.check_invariants().unwrap();
+    }
+}
+
 #[test]
 fn num_sync_all_streams_counts_waits_for_every_pending_event() {
     let (dev, alloc) = setup("", 1 << 30);

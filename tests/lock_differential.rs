@@ -793,9 +793,7 @@ diff_test!(
 diff_test!(divisions_large, &["roundup_power2_divisions:4"], false, false, false);
 diff_test!(divisions_mixed, &["roundup_power2_divisions:4"], true, false, false);
 diff_test!(split20_large, &["max_split_size_mb:20"], false, false, false);
-diff_test!(
-    #[test, ignore = "differs, not yet triaged (2026-12-07 review)"]
-    split20_kernels, &["max_split_size_mb:20"], false, true, true);
+diff_test!(split20_kernels, &["max_split_size_mb:20"], false, true, true);
 diff_test!(
     exp_split20_large,
     &["expandable_segments:true,max_split_size_mb:20"],
@@ -820,7 +818,6 @@ diff_test!(
     gc_mixed, &["garbage_collection_threshold:0.6,memory_limit_mb:256"], true, false, false);
 diff_test!(limit_large, &["memory_limit_mb:200"], false, false, false);
 diff_test!(
-    #[test, ignore = "differs, not yet triaged (2026-12-07 review)"]
     switching_large,
     &[
         "",

@@ -73,7 +73,8 @@ const LARGE: u8 = 4;
 /// A flag bit: a stitched block (`stitch.rs`), whose free is its segment's: the segment leaves
 /// the pool and the chunks it borrowed go home. It never waits in a stream cache, where that
 /// would wait too (the statistics keeping a segment `global_lock:true` lets go of, the chunks
-/// lent), and where its reuse would skip the surgery the pool's own reuse counts.
+/// lent), and where its reuse would skip the surgery the pool's own reuse counts. An oversize
+/// block (`max_split_size`) too: it counts in `oversize_allocations` until the pool frees it.
 const POOL_ONLY: u8 = 8;
 
 impl<D: Device> Buffer<D> {
@@ -131,7 +132,7 @@ impl<D: Device> Buffer<D> {
         self.flags.load(Ordering::Relaxed) & POOL_ONLY != 0
     }
 
-    /// Sends its free straight to the pool ([`POOL_ONLY`]): a stitched block's.
+    /// Sends its free straight to the pool ([`POOL_ONLY`]): a stitched or oversize block's.
     pub(super) fn mark_pool_only(&mut self) {
         // (Not a large block's common case any more: its drop takes `drop_cold`.)
         self.flags.fetch_or(POOL_ONLY | UNCOMMON, Ordering::Relaxed); // (`&mut self`)

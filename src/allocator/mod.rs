@@ -842,6 +842,11 @@ impl<D: Device> Allocator<D> {
         let block = st.pool.allocate(block, plan.rounded, bytes, sizing);
         let b = st.pool.block(block);
         let (ptr, size) = (DeviceAddr(b.addr), b.size);
+        // An oversize block counts in `oversize_allocations` until the pool frees it: freed
+        // straight into the pool (`POOL_ONLY`), also after a `set_config` raised or unset
+        // `max_split_size` (a lane would keep it counted as live, and hand it out counted).
+        // BROKEN (`oversize_in_lane`): it may wait in a lane once the new limit lets it.
+        let oversize = b.oversize && !cfg!(tidepool_broken = "oversize_in_lane");
         // Accounted, and cached once freed, by its segment's residency (a block may sit in free
         // space of the other residency's segment; see `residency.rs`).
         let held = st.pool.segment(b.segment).key.residency;
@@ -856,7 +861,7 @@ impl<D: Device> Allocator<D> {
         st.config_spare = Some(plan.config);
         drop(st);
         let mut buf = self.hand_out(ptr, bytes, size, stream, Some(block), plan.rounded, held, q);
-        if stitched {
+        if stitched || oversize {
             buf.mark_pool_only();
         }
         Ok(buf)
