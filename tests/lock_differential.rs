@@ -762,8 +762,12 @@ diff_test!(
     false
 );
 diff_test!(
-    #[test, ignore = "differs, not yet triaged (2026-12-07 review)"]
-    exp_trim_kernels, &["expandable_segments:true,release_threshold_mb:0"], false, true, true);
+    exp_trim_kernels,
+    &["expandable_segments:true,release_threshold_mb:0"],
+    false,
+    true,
+    true
+);
 diff_test!(
     exp_trim_mixed,
     &["expandable_segments:true,release_threshold_mb:0"],
@@ -779,8 +783,12 @@ diff_test!(
     false
 );
 diff_test!(
-    #[test, ignore = "differs, not yet triaged (2026-12-07 review)"]
-    stitch_kernels, &["expandable_segments:true,expandable_stitching:true"], false, true, true);
+    stitch_kernels,
+    &["expandable_segments:true,expandable_stitching:true"],
+    false,
+    true,
+    true
+);
 diff_test!(wait_event_large, &["cross_stream:wait_event"], false, false, false);
 diff_test!(wait_event_kernels, &["cross_stream:wait_event"], false, true, true);
 diff_test!(
@@ -832,7 +840,6 @@ diff_test!(
     true
 );
 diff_test!(
-    #[test, ignore = "differs, not yet triaged (2026-12-07 review)"]
     switching_exp_large,
     &[
         "expandable_segments:true",
