@@ -115,17 +115,20 @@ fn a_large_block_is_not_reused_where_the_other_residency_has_a_smaller_fit() {
     assert_eq!(cached_block_and_a_persistent_hole("max_split_size_mb:20"), want);
 }
 
+/// Two segments on `S0`: [a 4][d 16] at 0 and [e 4][f 12][g 4] at 20 MiB, all live.
+fn two_segments(alloc: &Allocator<SimDevice>) -> [tidepool::Buffer<SimDevice>; 5] {
+    let bufs = [4, 16, 4, 12, 4].map(|n| alloc.alloc(n * MIB, S0).unwrap());
+    let at_ = |i: usize| bufs[i].ptr();
+    assert_eq!((at_(0), at_(2), at_(4)), (at(0), at(20 * MIB), at(36 * MIB)));
+    bufs
+}
+
 fn checked_block_then_a_better_fit(
     broken: bool,
 ) -> (Arc<SimDevice>, Allocator<SimDevice>, DeviceAddr, Vec<tidepool::Buffer<SimDevice>>) {
     let (dev, alloc) = setup("");
     alloc.set_broken(tidepool::hooks::Broken::StaleLargeVerdict, broken);
-    let a = alloc.alloc(4 * MIB, S0).unwrap();
-    let d = alloc.alloc(16 * MIB, S0).unwrap();
-    let e = alloc.alloc(4 * MIB, S0).unwrap();
-    let f = alloc.alloc(12 * MIB, S0).unwrap();
-    let g = alloc.alloc(4 * MIB, S0).unwrap();
-    assert_eq!((a.ptr(), e.ptr(), g.ptr()), (at(0), at(20 * MIB), at(36 * MIB)));
+    let [a, d, e, f, g] = two_segments(&alloc);
     drop(a); // cached
     drop(d); // into the pool: [a][free 16]
     // Checked under the lock: freed, `a` would make segment 1 whole, the only free space.
@@ -276,12 +279,7 @@ fn cached_block_and_a_pending_better_fit(
 ) -> (Arc<SimDevice>, Allocator<SimDevice>, Vec<tidepool::Buffer<SimDevice>>) {
     let (dev, alloc) = setup("");
     let s1 = dev.create_stream().unwrap();
-    let a = alloc.alloc(4 * MIB, S0).unwrap();
-    let d = alloc.alloc(16 * MIB, S0).unwrap();
-    let e = alloc.alloc(4 * MIB, S0).unwrap();
-    let f = alloc.alloc(12 * MIB, S0).unwrap();
-    let g = alloc.alloc(4 * MIB, S0).unwrap();
-    assert_eq!((a.ptr(), e.ptr(), g.ptr()), (at(0), at(20 * MIB), at(36 * MIB)));
+    let [a, d, e, f, g] = two_segments(&alloc);
     let gate = gated_work(&dev, s1);
     alloc.record_stream(&g, s1).unwrap();
     drop(g); // pending on `s1`'s kernel
