@@ -686,12 +686,12 @@ fn run_seeds(case: &Case, seeds: std::ops::Range<u64>) {
     let mut failures = Vec::new();
     for seed in seeds {
         if let Err(e) = run_case(case, seed) {
-            failures.push(e);
+            failures.push((seed, e));
         }
     }
     if !failures.is_empty() {
-        let n = failures.len();
-        panic!("{n} seeds differ; first:\n{}", failures.swap_remove(0));
+        let which: Vec<u64> = failures.iter().map(|f| f.0).collect();
+        panic!("{} seeds differ ({which:?}); first:\n{}", which.len(), failures.swap_remove(0).1);
     }
 }
 

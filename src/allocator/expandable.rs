@@ -503,6 +503,8 @@ impl<D: Device> Shared<D> {
                 format!("expandable_segments:true, but the granularity query failed ({e}): ordinary segments")
             })?;
             st.vm.page = g;
+            // A free leaving a page's worth of free bytes together is a trim's cue.
+            st.pool.set_whole_page(g);
         }
         let page = st.vm.page;
         // Twice the device by default: pages released in the middle of a range leave it split,

@@ -481,11 +481,11 @@ impl<D: Device> Shared<D> {
         // from a trim due later — a learning run's, a lowered threshold's — which then kept
         // its free pages, where `global_lock:true`, which publishes nothing, gave them back.)
         // BROKEN (`trim_dirty_published`): the publishing's changes, which a read empties.
-        let streams: Vec<StreamId> = match cfg!(tidepool_broken = "trim_dirty_published") {
-            true => st.pool.dirty_streams(),
+        let streams: Vec<(StreamId, bool)> = match cfg!(tidepool_broken = "trim_dirty_published") {
+            true => st.pool.dirty_streams().into_iter().map(|s| (s, false)).collect(),
             false => st.pool.take_trim_streams(),
         };
-        for s in streams {
+        for (s, whole) in streams {
             let t = if st.vm.learning.contains_key(&s) { 0 } else { threshold };
             if t == u64::MAX {
                 continue;
@@ -510,7 +510,14 @@ impl<D: Device> Shared<D> {
                 if free < *c && !by_learning && !cfg!(tidepool_broken = "trim_memo_stale") {
                     *c = free;
                 }
-                if free < c.saturating_add(st.vm.page) {
+                // But a free that left a free block of a page or more may have freed a whole
+                // page beside bytes the last check could not release: a page half free beside
+                // a live block, whose block then went, grew the free bytes by half a page and
+                // stayed mapped. (A learning run keeps its high mark: see above.)
+                // BROKEN (`trim_memo_whole_page`): skipped, the page stayed mapped.
+                let whole =
+                    whole && !by_learning && !cfg!(tidepool_broken = "trim_memo_whole_page");
+                if free < c.saturating_add(st.vm.page) && !whole {
                     continue;
                 }
             }

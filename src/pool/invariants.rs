@@ -153,6 +153,7 @@ impl Pool {
         for (s, k) in self.free.iter().enumerate() {
             if (k.dirty & PUBLISH != 0) != self.dirty.contains(&s)
                 || (k.dirty & TRIM != 0) != self.trim_dirty.contains(&s)
+                || (k.whole && k.dirty & TRIM == 0)
             {
                 return Err(format!("dirty flags of free index {s} drifted"));
             }

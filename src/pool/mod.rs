@@ -63,6 +63,10 @@ struct Keyed {
     /// the trims of expandable ranges each take the changes they have not seen, so reading the
     /// statistics never hides a change from a later trim.
     dirty: u8,
+    /// Since the last [`Pool::take_trim_streams`], a free left a free block of at least
+    /// [`Pool::set_whole_page`] bytes here, which may hold a whole page to give back (set
+    /// with [`TRIM`] only).
+    whole: bool,
     /// Segments of the key. When the last goes, the slot is retired (`Pool::segment_gone`):
     /// a program that makes and destroys streams would otherwise keep an index (and its
     /// octaves' bins) per key of every stream it ever used.
@@ -121,6 +125,19 @@ pub struct Pool {
     /// Bytes per quadrant ([`Pool::quadrant`]) carved out of their segments but still held on
     /// the device, counted in `reserved_bytes` until they go ([`Pool::hold`]).
     held: [u64; 4],
+    /// A free leaving a free block of at least this many bytes marks its key `whole`
+    /// ([`Pool::set_whole_page`]; never by default).
+    whole_page: AtLeast,
+}
+
+/// A size bound that no block reaches unless set (the default is `u64::MAX`).
+#[derive(Clone, Copy)]
+struct AtLeast(u64);
+
+impl Default for AtLeast {
+    fn default() -> AtLeast {
+        AtLeast(u64::MAX)
+    }
 }
 
 /// How far an allocation, free or new segment of `kind` moves the pool's clock: only the
@@ -473,7 +490,8 @@ impl Pool {
         match self.keys.binary_search_by_key(&key, |k| k.0) {
             Ok(i) => self.keys[i].1,
             Err(i) => {
-                let keyed = Keyed { key, index: FreeIndex::default(), dirty: 0, segments: 0 };
+                let keyed =
+                    Keyed { key, index: FreeIndex::default(), dirty: 0, whole: false, segments: 0 };
                 let slot = match self.vacant.pop() {
                     Some(slot) => {
                         self.free[slot] = keyed;
@@ -511,6 +529,7 @@ impl Pool {
         let key = k.key;
         k.index = FreeIndex::default();
         let dirty = std::mem::take(&mut k.dirty);
+        k.whole = false;
         if dirty & PUBLISH != 0 {
             self.dirty.retain(|&s| s != slot);
             if !self.dirty_gone.contains(&key.stream) {
@@ -742,6 +761,9 @@ impl Pool {
         if left.is_none() && right.is_none() {
             let m = Entry { size, addr, id: id.0 };
             self.index_insert(slot, m);
+            if size >= self.whole_page.0 {
+                self.free[slot].whole = true;
+            }
             if prev.is_some() || next.is_some() {
                 self.count_split(seg, size, true);
             }
@@ -789,6 +811,9 @@ impl Pool {
             self.split_change(seg, &mut net, m.size, true);
         }
         self.count_split_net(seg, net);
+        if m.size >= self.whole_page.0 {
+            self.free[slot].whole = true;
+        }
         merged
     }
 
@@ -838,17 +863,30 @@ impl Pool {
     }
 
     /// Streams whose free bytes changed since the last call, in stream order, each once: what
-    /// a trim of expandable ranges checks. Independent of [`Pool::take_dirty_streams`].
-    pub fn take_trim_streams(&mut self) -> Vec<StreamId> {
-        let mut out: Vec<StreamId> = Vec::with_capacity(self.trim_dirty.len());
+    /// a trim of expandable ranges checks, each with whether a free since left a free block of
+    /// at least [`Pool::set_whole_page`] bytes on it. Independent of
+    /// [`Pool::take_dirty_streams`].
+    pub fn take_trim_streams(&mut self) -> Vec<(StreamId, bool)> {
+        let mut out: Vec<(StreamId, bool)> = Vec::with_capacity(self.trim_dirty.len());
         for slot in self.trim_dirty.drain(..) {
             let k = &mut self.free[slot];
+            out.push((k.key.stream, std::mem::take(&mut k.whole)));
             k.dirty &= !TRIM;
-            out.push(k.key.stream);
         }
         out.sort_unstable();
-        out.dedup();
+        // One entry per stream, whole if any of its keys is.
+        out.dedup_by(|b, a| {
+            let same = a.0 == b.0;
+            a.1 |= same && b.1;
+            same
+        });
         out
+    }
+
+    /// From now on, a free that leaves a free block of at least `bytes` marks its stream for
+    /// the next [`Pool::take_trim_streams`]: the trims of expandable ranges set a page here.
+    pub fn set_whole_page(&mut self, bytes: u64) {
+        self.whole_page = AtLeast(bytes);
     }
 
     /// Streams whose free bytes changed since the last call (each once), for publishing.

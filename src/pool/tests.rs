@@ -502,20 +502,67 @@ fn publishing_and_trims_take_the_changed_streams_apart() {
     pool.take_dirty_streams(&mut dirty);
     assert_eq!(dirty, vec![StreamId(2), StreamId(1)]);
     assert_eq!(pool.dirty_streams(), vec![]);
-    assert_eq!(pool.take_trim_streams(), vec![StreamId(1), StreamId(2)], "in stream order");
+    assert_eq!(
+        pool.take_trim_streams(),
+        vec![(StreamId(1), false), (StreamId(2), false)],
+        "in stream order"
+    );
     assert_eq!(pool.take_trim_streams(), vec![]);
     pool.check_invariants().unwrap();
     let x = pool.allocate(a, MIB, MIB, &Sizing::default()); // stream 2's free bytes change
-    assert_eq!(pool.take_trim_streams(), vec![StreamId(2)]);
+    assert_eq!(pool.take_trim_streams(), vec![(StreamId(2), false)]);
     assert_eq!(pool.dirty_streams(), vec![StreamId(2)], "still to publish");
     pool.free(x);
     pool.take_dirty_streams(&mut dirty);
-    assert_eq!((dirty.clone(), pool.take_trim_streams()), (vec![StreamId(2)], vec![StreamId(2)]));
+    assert_eq!(
+        (dirty.clone(), pool.take_trim_streams()),
+        (vec![StreamId(2)], vec![(StreamId(2), false)])
+    );
     // Changed, then retired before either reader looked.
     let seg = pool.block(a).segment;
     pool.remove_segment(seg);
     assert_eq!(pool.take_trim_streams(), vec![], "nothing of stream 2 is left to trim");
     pool.take_dirty_streams(&mut dirty);
     assert_eq!(dirty, vec![StreamId(2)], "its free bytes, now 0, are published");
+    pool.check_invariants().unwrap();
+}
+
+/// With a page set, the trims' list says which streams a free left a free block of a page or
+/// more on (it may hold a whole page to give back; `Shared::trim`), once per stream whatever
+/// its keys, and forgets it once taken.
+#[test]
+fn trims_hear_of_frees_that_leave_a_page_free() {
+    let mut pool = Pool::new();
+    pool.set_whole_page(2 * MIB);
+    let on = |s: u32| PoolKey { stream: StreamId(s), ..large() };
+    let small = |s: u32| PoolKey { stream: StreamId(s), kind: PoolKind::Small, ..large() };
+    let a = pool.add_segment(on(3), BASE, 4 * MIB);
+    let b = pool.add_segment(small(3), BASE + 4 * MIB, 2 * MIB);
+    let sizing = Sizing::default();
+    let x = pool.allocate(a, MIB, MIB, &sizing);
+    let rest = pool.block(x).next.unwrap();
+    let y = pool.allocate(rest, MIB, MIB, &sizing);
+    let z = pool.allocate(b, MIB, MIB, &sizing);
+    assert_eq!(pool.take_trim_streams(), vec![(StreamId(3), false)]);
+    // x alone: 1 MiB free between nothing and y.
+    pool.free(x);
+    assert_eq!(pool.take_trim_streams(), vec![(StreamId(3), false)]);
+    // y joins x and the 2 MiB tail: 4 MiB free together.
+    pool.free(y);
+    pool.check_invariants().unwrap();
+    assert_eq!(pool.take_trim_streams(), vec![(StreamId(3), true)]);
+    assert_eq!(pool.take_trim_streams(), vec![]);
+    // The small key's free leaves 2 MiB together (a page), the large key's allocation changes
+    // nothing whole: one entry for the stream, whole.
+    let x = pool.allocate(pool.segment(pool.block(a).segment).first, MIB, MIB, &sizing);
+    pool.free(z);
+    pool.check_invariants().unwrap();
+    assert_eq!(pool.take_trim_streams(), vec![(StreamId(3), true)]);
+    // A page freed alone (no free neighbour) counts too.
+    let p = pool.allocate(pool.segment(pool.block(b).segment).first, 2 * MIB, 2 * MIB, &sizing);
+    assert_eq!(pool.take_trim_streams(), vec![(StreamId(3), false)]);
+    pool.free(p);
+    assert_eq!(pool.take_trim_streams(), vec![(StreamId(3), true)]);
+    pool.free(x);
     pool.check_invariants().unwrap();
 }
