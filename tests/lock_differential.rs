@@ -9,7 +9,7 @@
 //! (`DIFF_SEEDS`, `DIFF_STEPS`: how many seeds, steps; `DIFF_TRACE_MIN=segments` prints the
 //! segments too, but a snapshot flushes the stream caches, which can hide a difference).
 //! Intended differences are left out of the comparison where they are made (`addr`,
-//! `comparable`, `Gen::op`).
+//! `comparable`, `Gen::op`, `Case::cap_drift`).
 //!
 //! Kernels (`Op::Kernel`) stay unfinished until an `Op::Complete` opens their gates, on both
 //! sides at the same step. A step that waits on the host for one is run again (`run_ops`).
@@ -17,13 +17,14 @@
 mod common;
 
 use common::Rng;
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, mpsc};
 use tidepool::MIB;
 use tidepool::device::{AccessKind, Launch, SimDevice};
 use tidepool::{
-    AllocError, Allocator, Buffer, Config, Device, MemPool, MemoryStats, PoolOptions, Residency,
-    StreamId,
+    AllocError, Allocator, BlockState, Buffer, Config, Device, MemPool, MemoryStats, PoolKind,
+    PoolOptions, Residency, SegmentInfo, StreamId,
 };
 
 struct Side {
@@ -390,6 +391,81 @@ fn comparable(mut s: MemoryStats, active: bool, small: bool) -> MemoryStats {
     s
 }
 
+/// What moves when an allocation climbs the out-of-memory ladder: its retry, its failure, its
+/// wait for every event (a routed request's call on the general allocator waits too).
+fn ladder_mark(s: &MemoryStats) -> u64 {
+    s.num_alloc_retries + s.num_ooms + s.num_sync_all_streams
+}
+
+/// A side's segments, the general allocator's (owner 0) and its private pools' (1, 2).
+fn segments(side: &Side) -> Vec<(usize, SegmentInfo)> {
+    let pools = side.pools.iter().enumerate().map(|(i, p)| (i + 1, p.snapshot()));
+    std::iter::once((0, side.alloc.snapshot()))
+        .chain(pools)
+        .flat_map(|(owner, snap)| snap.into_iter().map(move |s| (owner, s)))
+        .collect()
+}
+
+/// The large segments, each with its blocks' sizes and states (no addresses: small drift moves
+/// them), sorted.
+fn large_layout(segs: &[(usize, SegmentInfo)]) -> Vec<String> {
+    let mut out: Vec<String> = segs
+        .iter()
+        .filter(|(_, s)| s.pool == PoolKind::Large)
+        .map(|(owner, s)| {
+            let blocks: Vec<_> = s.blocks.iter().map(|b| (b.size, b.state)).collect();
+            format!("{owner} {:?} {:?} {} {blocks:?}", s.stream, s.residency, s.size)
+        })
+        .collect();
+    out.sort();
+    out
+}
+
+/// What of the small segments can decide a step at the capacity, by owner, stream and
+/// residency: how many there are (the device's free memory), how many are wholly free (what
+/// the ladder can release), and the largest free block (whether a small request needs a new
+/// segment).
+fn small_room(segs: &[(usize, SegmentInfo)]) -> BTreeMap<String, (u64, u64, u64)> {
+    let mut out = BTreeMap::new();
+    for (owner, s) in segs.iter().filter(|(_, s)| s.pool == PoolKind::Small) {
+        let free = s.blocks.iter().filter(|b| b.state == BlockState::Free).map(|b| b.size);
+        let e: &mut (u64, u64, u64) =
+            out.entry(format!("{owner} {:?} {:?}", s.stream, s.residency)).or_default();
+        e.0 += 1;
+        e.1 += u64::from(free.clone().sum::<u64>() == s.size);
+        e.2 = e.2.max(free.max().unwrap_or(0));
+    }
+    out
+}
+
+/// Whether the lanes' small placement explains a difference that arose where the ladder ran
+/// (`Case::cap_drift`): `ops` (the steps before) replayed, both sides hold the same large
+/// segments block for block, and other small ones. (Replayed: a snapshot flushes the lanes,
+/// which would move what follows.)
+fn small_drift(case: &Case, ops: &[Op]) -> Result<(), String> {
+    let mut fast = Side::new(case.configs[0], case.capacity, false);
+    let mut locked = Side::new(case.configs[0], case.capacity, true);
+    for op in ops {
+        if locked.near_room(op, case.capacity.min(case.room)) {
+            fast.complete();
+            locked.complete();
+        }
+        fast.run(op, case.configs);
+        locked.run(op, case.configs);
+    }
+    let (a, b) = (segments(&fast), segments(&locked));
+    let r = if large_layout(&a) != large_layout(&b) {
+        Err("the large segments differed before it".to_string())
+    } else if small_room(&a) == small_room(&b) {
+        Err("the small segments left the same room before it".to_string())
+    } else {
+        Ok(())
+    };
+    fast.complete();
+    locked.complete();
+    r
+}
+
 fn diff(a: &MemoryStats, b: &MemoryStats) -> String {
     let (a, b) = (format!("{a:#?}"), format!("{b:#?}"));
     let (a, b): (Vec<_>, Vec<_>) = (a.lines().collect(), b.lines().collect());
@@ -420,6 +496,17 @@ struct Case<'a> {
     kernels: bool,
     records: bool,
     steps: usize,
+    /// Small placement drifts (see `addr`), and at the device's capacity that decides steps:
+    /// whether a small request needs a new segment, whether a new segment fits, what the
+    /// out-of-memory ladder can release (wholly free small segments), so whether it runs, what
+    /// it frees and whether the request is served ("What the stream caches cost in memory").
+    /// Where set, a difference that arises at a step where either side climbed the ladder ends
+    /// the seed's comparison (the two sides part there, legitimately), provided a replay shows
+    /// the large segments alike and the small ones leaving different room before that step
+    /// (`small_drift`); any other difference still fails. The cost: a bug in the ladder itself
+    /// is caught by these cases on fewer seeds (`Broken::LadderUncounted`, 100 seeds of
+    /// `default_mixed`: 8 instead of 13), by the `_large` cases on every seed.
+    cap_drift: bool,
 }
 
 fn run_case(case: &Case, seed: u64) -> Result<(), String> {
@@ -553,6 +640,8 @@ fn run_once(
     let trace = std::env::var("DIFF_TRACE").is_ok();
     let mut stalled = false;
     let mut taken = drawn;
+    // Each side's out-of-memory ladder counters after the last step, by pool (`ladder_mark`).
+    let mut marks: [Vec<(u64, u64)>; 2] = Default::default();
     let r = (|| {
         let room = case.capacity.min(case.room);
         for step in 0.. {
@@ -613,8 +702,11 @@ fn run_once(
                     }
                 }
             }
+            // The first difference of outcomes or statistics; the invariants are checked
+            // whatever it is (a `cap_drift` case may let it pass, below).
+            let mut differs = None;
             if a != b {
-                return Err(format!("outcomes differ: fast {a:?} locked {b:?}"));
+                differs = Some(format!("outcomes differ: fast {a:?} locked {b:?}"));
             }
             if let Err(e) = fast.alloc.check_invariants() {
                 return Err(format!("fast invariants: {e}"));
@@ -627,8 +719,9 @@ fn run_once(
                 comparable(fast.alloc.stats(), active, case.small),
                 comparable(locked.alloc.stats(), active, case.small),
             );
-            if sa != sb {
-                return Err(format!(
+            let mut now = [vec![(0, ladder_mark(&sa))], vec![(0, ladder_mark(&sb))]];
+            if sa != sb && differs.is_none() {
+                differs = Some(format!(
                     "stats differ:\n{}per stream: fast {:?} locked {:?}",
                     diff(&sa, &sb),
                     sa.cached_free_bytes_per_stream,
@@ -650,9 +743,36 @@ fn run_once(
                     comparable(p.stats(), active, case.small),
                     comparable(q.stats(), active, case.small),
                 );
-                if pa != pb {
-                    return Err(format!("pool {i} stats differ:\n{}", diff(&pa, &pb)));
+                now[0].push((p.id(), ladder_mark(&pa)));
+                now[1].push((q.id(), ladder_mark(&pb)));
+                if pa != pb && differs.is_none() {
+                    differs = Some(format!("pool {i} stats differ:\n{}", diff(&pa, &pb)));
                 }
+            }
+            let climbed = matches!(op, Op::Alloc { .. } | Op::PoolRun { .. } | Op::ScopeRun { .. })
+                && (0..2).any(|k| {
+                    now[k].iter().any(|(id, n)| {
+                        *n > marks[k].iter().find(|(j, _)| j == id).map_or(0, |m| m.1)
+                    })
+                });
+            marks = now;
+            if let Some(e) = differs {
+                if case.cap_drift && climbed {
+                    let before = &log[..log.len() - 1];
+                    match small_drift(case, before) {
+                        Ok(()) => {
+                            if trace {
+                                println!(
+                                    "step {step}: the ladder ran where small placement had \
+                                     drifted: the rest is not compared\n{e}"
+                                );
+                            }
+                            return Ok(());
+                        }
+                        Err(why) => return Err(format!("{e} (the ladder ran, but {why})")),
+                    }
+                }
+                return Err(e);
             }
         }
         Ok(())
@@ -722,8 +842,16 @@ macro_rules! diff_test {
     ($name:ident, $configs:expr, $small:expr, $kernels:expr, $records:expr) => {
         diff_test!(#[test] $name, $configs, $small, $kernels, $records);
     };
+    // (`Case::cap_drift`.)
+    ($name:ident, $configs:expr, $small:expr, $kernels:expr, $records:expr, cap_drift) => {
+        diff_test!(@case [#[test]] $name, $configs, $small, $kernels, $records, true);
+    };
     (#[$($attr:meta),*] $name:ident, $configs:expr, $small:expr, $kernels:expr, $records:expr) => {
-        $(#[$attr])*
+        diff_test!(@case [$(#[$attr])*] $name, $configs, $small, $kernels, $records, false);
+    };
+    (@case [$($attr:tt)*] $name:ident, $configs:expr, $small:expr, $kernels:expr, $records:expr,
+     $cap_drift:expr) => {
+        $($attr)*
         fn $name() {
             let case = Case {
                 configs: $configs,
@@ -734,6 +862,7 @@ macro_rules! diff_test {
                 kernels: $kernels,
                 records: $records,
                 steps: steps(),
+                cap_drift: $cap_drift,
             };
             run_seeds(&case, seeds());
         }
@@ -741,7 +870,7 @@ macro_rules! diff_test {
 }
 
 diff_test!(default_large, &[""], false, false, false);
-diff_test!(default_mixed, &[""], true, false, false);
+diff_test!(default_mixed, &[""], true, false, false, cap_drift);
 
 diff_test!(default_records, &[""], false, false, true);
 diff_test!(default_kernels, &[""], false, true, true);
@@ -799,7 +928,7 @@ diff_test!(
     true
 );
 diff_test!(divisions_large, &["roundup_power2_divisions:4"], false, false, false);
-diff_test!(divisions_mixed, &["roundup_power2_divisions:4"], true, false, false);
+diff_test!(divisions_mixed, &["roundup_power2_divisions:4"], true, false, false, cap_drift);
 diff_test!(split20_large, &["max_split_size_mb:20"], false, false, false);
 diff_test!(split20_kernels, &["max_split_size_mb:20"], false, true, true);
 diff_test!(
