@@ -8,6 +8,7 @@
 mod common;
 
 use common::assert_no_leak;
+use std::sync::Arc;
 use tidepool::MIB;
 use tidepool::device::{Launch, SIM_BASE, SimDevice};
 use tidepool::{AllocError, Allocator, Config, Device, DeviceAddr, Residency, StreamId};
@@ -231,6 +232,37 @@ fn a_second_learning_run_gives_its_freed_pages_back_from_its_opening() {
     drop(w2);
     drop(alloc);
     assert_no_leak(&dev);
+}
+
+/// A named scope's learning run opens on a stream whose small block (1 MiB, alone in its page
+/// of the small range) waits in the stream's cache: the opening frees it into the pool, and the
+/// run's trim gives its page back, as under `global_lock`. Broken build
+/// `learning_small_lanes_kept`: the page stayed mapped (until an out-of-memory ladder's flush).
+#[test]
+fn a_learning_runs_opening_gives_back_the_page_of_a_small_block_cached_before_it() {
+    for lock in [false, true] {
+        let dev = Arc::new(SimDevice::backed(CAP));
+        let config = Config::parse("expandable_segments:true").unwrap().with_global_lock(lock);
+        let alloc = Allocator::new(dev.clone(), config).unwrap();
+        let s = dev.create_stream().unwrap();
+        let x = alloc.alloc(MIB, s).unwrap();
+        assert_eq!(x.ptr(), DeviceAddr(SIM_BASE));
+        drop(x); // no learning run, no threshold: the page stays
+        let st = alloc.stats();
+        assert_eq!(st.cached_fast_bytes, if lock { 0 } else { MIB }, "lock {lock}");
+        assert_eq!(st.blocks.reserved_bytes.all.current, P);
+        assert_eq!(dev.live_mappings(), vec![(DeviceAddr(SIM_BASE), P)]);
+        let run = alloc.named_scope("step", s);
+        let st = alloc.stats();
+        assert_eq!(st.cached_fast_bytes, 0, "lock {lock}");
+        assert_eq!(st.blocks.reserved_bytes.all.current, 0, "lock {lock}");
+        assert_eq!((st.num_device_unmap, st.num_physical_release), (1, 1), "lock {lock}");
+        assert_eq!(dev.live_mappings(), vec![], "lock {lock}");
+        consistent(&dev, &alloc);
+        drop(run);
+        drop(alloc);
+        assert_no_leak(&dev);
+    }
 }
 
 /// `destroy_stream` whose release of the stream's pages the device refuses: the error comes

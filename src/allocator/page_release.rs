@@ -567,6 +567,15 @@ impl<D: Device> Shared<D> {
         if *n == 0 {
             st.vm.learning.remove(&stream);
         }
+        // The stream's small blocks cached before the run opened are free from now on, as
+        // under `global_lock`: the opening's trim sees them (their pages go). The small lanes
+        // stay open meanwhile, so the run's own small frees still wait in them (design notes,
+        // "Small blocks in the stream caches under a release threshold").
+        // BROKEN (`learning_small_lanes_kept`): left in the lanes, their pages stayed mapped
+        // until a flush (an out-of-memory ladder's, at a cost of a retry and a host sync).
+        if open && !cfg!(tidepool_broken = "learning_small_lanes_kept") {
+            self.flush_stream(st, stream, false);
+        }
         let cacheable = Self::large_cacheable(st, &self.config.load());
         self.cache_large.store(cacheable, Ordering::Relaxed);
         if !cacheable {
