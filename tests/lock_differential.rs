@@ -6,7 +6,7 @@
 
 //! Cases marked `ignore` differ and were not triaged yet: run one with `--ignored`, and
 //! `DIFF_SEED=n DIFF_MIN=1 DIFF_TRACE_MIN=1` to minimise a seed and trace both sides
-//! (`DIFF_SEEDS`, `DIFF_STEPS`: how many seeds, steps; `DIFF_TRACE_MIN=segments` prints the
+//! (`DIFF_SEEDS`, `DIFF_SEED_FROM`, `DIFF_STEPS`: how many seeds, the first, steps; `DIFF_TRACE_MIN=segments` prints the
 //! segments too, but a snapshot flushes the stream caches, which can hide a difference).
 //! Intended differences are left out of the comparison where they are made (`addr`,
 //! `comparable`, `Gen::op`, `Case::cap_drift`).
@@ -831,7 +831,8 @@ fn seeds() -> std::ops::Range<u64> {
         return k..k + 1;
     }
     let n = std::env::var("DIFF_SEEDS").ok().and_then(|s| s.parse().ok()).unwrap_or(20);
-    0..n
+    let from = std::env::var("DIFF_SEED_FROM").ok().and_then(|s| s.parse().ok()).unwrap_or(0);
+    from..from + n
 }
 
 fn steps() -> usize {
