@@ -4,10 +4,11 @@
 //! fast path must hand out the block the locked path would, and every statistic must be the
 //! locked path's, after every step.
 
-//! Cases marked `ignore` differ and were not triaged yet: run one with `--ignored`, and
-//! `DIFF_SEED=n DIFF_MIN=1 DIFF_TRACE_MIN=1` to minimise a seed and trace both sides
-//! (`DIFF_SEEDS`, `DIFF_SEED_FROM`, `DIFF_STEPS`: how many seeds, the first, steps; `DIFF_TRACE_MIN=segments` prints the
-//! segments too, but a snapshot flushes the stream caches, which can hide a difference).
+//! Cases marked `ignore` differ by design (the reason is in the attribute): run one with
+//! `--ignored`. `DIFF_SEED=n DIFF_MIN=1 DIFF_TRACE_MIN=1` minimises a seed and traces both
+//! sides; `DIFF_SEEDS`, `DIFF_SEED_FROM`, `DIFF_STEPS` set how many seeds, the first, and the
+//! steps (a sweep: `DIFF_SEEDS=1000 DIFF_SEED_FROM=1000`); `DIFF_TRACE_MIN=segments` prints the
+//! segments too, but a snapshot flushes the stream caches, which can hide a difference.
 //! Intended differences are left out of the comparison where they are made (`addr`,
 //! `comparable`, `Gen::op`, `Case::cap_drift`).
 //!
