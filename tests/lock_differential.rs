@@ -563,8 +563,8 @@ fn minimise(case: &Case, mut ops: Vec<Op>) -> Vec<Op> {
 
 type Failure = (Vec<Op>, String);
 
-/// How long a step may take before the watchdog takes it for a host wait on a gated kernel
-/// (a step takes well under a millisecond otherwise).
+/// How long a step's host wait may stay blocked before the watchdog takes it for a wait on a
+/// gated kernel (an ungated kernel completes in well under a millisecond).
 const STALL: std::time::Duration = std::time::Duration::from_millis(100);
 
 /// Runs the sequence; where a step waits on the host for a gated kernel (a segment release,
@@ -617,12 +617,18 @@ fn run_once(
     let watch = Arc::new((AtomicUsize::new(0), AtomicBool::new(false), AtomicBool::new(false)));
     let dog = {
         let (watch, gates) = (watch.clone(), [fast.gates.clone(), locked.gates.clone()]);
+        let devs = [fast.dev.clone(), locked.dev.clone()];
         std::thread::spawn(move || {
             let mut last = (0, std::time::Instant::now());
             while !watch.2.load(Ordering::Relaxed) {
                 std::thread::sleep(std::time::Duration::from_millis(5));
                 let tick = watch.0.load(Ordering::Relaxed);
-                if tick != last.0 {
+                // The clock runs only while the step's host thread is blocked in a
+                // synchronisation: a step that is merely slow (a loaded machine preempting
+                // it) is never taken for a stalled one, so a seed's sequence does not depend
+                // on the machine's load.
+                let blocked = devs.iter().any(|d| d.blocked_host_waits() > 0);
+                if tick != last.0 || !blocked {
                     last = (tick, std::time::Instant::now());
                 } else if last.1.elapsed() >= STALL
                     // With no gated kernel pending, no host wait can stall: a slow step.

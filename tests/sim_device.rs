@@ -98,6 +98,38 @@ fn gated_kernel_keeps_its_event_pending_until_it_runs() {
     assert!(dev.query_event(e).unwrap());
 }
 
+/// `blocked_host_waits` counts the host threads blocked now on unfinished work: an event's
+/// synchronisation and a stream's destruction behind a gated kernel, each until the gate
+/// opens; a synchronisation of completed work never counts.
+#[test]
+fn blocked_host_waits_count_the_threads_waiting_on_unfinished_work() {
+    let dev = Arc::new(SimDevice::backed(1 << 20));
+    let s = dev.create_stream().unwrap();
+    let p = dev.reserve(4096).unwrap();
+    dev.note_handout(p, 4096, s);
+    dev.synchronize().unwrap();
+    assert_eq!(dev.blocked_host_waits(), 0, "nothing to wait for: no wait counted");
+    let (k, open) = gated_write(p, 16, 7);
+    dev.launch(s, k).unwrap();
+    let e = dev.create_event().unwrap();
+    dev.record_event(e, s).unwrap();
+    let (d, d2) = (dev.clone(), dev.clone());
+    let waiter = std::thread::spawn(move || d.synchronize_event(e));
+    let destroyer = std::thread::spawn(move || d2.destroy_stream(s));
+    // Both threads block until the gate opens (polled: no timing assumed).
+    let start = std::time::Instant::now();
+    while dev.blocked_host_waits() < 2 {
+        assert!(start.elapsed() < Duration::from_secs(60), "the two waits were never counted");
+        std::thread::yield_now();
+    }
+    assert!(!dev.query_event(e).unwrap());
+    open.send(()).unwrap();
+    waiter.join().unwrap().unwrap();
+    destroyer.join().unwrap().unwrap();
+    assert_eq!(dev.blocked_host_waits(), 0);
+    assert!(dev.query_event(e).unwrap());
+}
+
 #[test]
 fn wait_event_orders_stream_b_after_stream_a() {
     let dev = SimDevice::backed(1 << 20);

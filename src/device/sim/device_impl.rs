@@ -110,7 +110,10 @@ impl crate::device::Device for SimDevice {
         };
         self.shared.progress.notify_all();
         if let Some(h) = handle {
+            // Draining the stream's work is a host wait like a synchronisation.
+            self.state().host_waits += 1;
             let _ = h.join();
+            self.state().host_waits -= 1;
         }
         let mut st = self.state();
         st.streams.remove(&stream.0);

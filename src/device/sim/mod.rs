@@ -162,6 +162,9 @@ pub(super) struct State {
     host: host::HostMem,
     /// Stream captures underway and the graphs they made (`graph.rs`).
     graphs: graph::Graphs,
+    /// Host threads waiting now in a synchronisation or a stream's destruction
+    /// ([`SimDevice::blocked_host_waits`]).
+    pub(super) host_waits: usize,
 }
 
 impl State {
@@ -254,6 +257,7 @@ impl SimDevice {
                 panic_on_violation: false,
                 host: host::HostMem::new(config.capacity),
                 graphs: graph::Graphs::default(),
+                host_waits: 0,
             }),
             progress: Condvar::new(),
             reclaim_hook: Mutex::new(None),
@@ -299,9 +303,14 @@ impl SimDevice {
         mut st: MutexGuard<'a, State>,
         done: impl Fn(&State) -> bool,
     ) -> MutexGuard<'a, State> {
+        if done(&st) {
+            return st;
+        }
+        st.host_waits += 1;
         while !done(&st) {
             st = wait(&self.shared.progress, st);
         }
+        st.host_waits -= 1;
         st
     }
 
@@ -435,6 +444,14 @@ impl SimDevice {
     /// Events that exist now (created and not destroyed).
     pub fn live_events(&self) -> usize {
         self.state().events.len()
+    }
+
+    /// Host threads blocked now in a synchronisation (of the device, a stream, an event, a
+    /// host copy) or a stream's destruction until work on the device completes: for a harness whose kernels wait on a
+    /// gate it holds, to tell a step that waits for a gated kernel (a wait that stays
+    /// blocked) from one that is merely slow (none).
+    pub fn blocked_host_waits(&self) -> usize {
+        self.state().host_waits
     }
 
     /// Stream-order violations found so far, in the order found.
