@@ -226,6 +226,40 @@ fn gc_idle_ages_count_large_pool_events_only() {
     }
 }
 
+/// Idle ages count only while a threshold is in force, as PyTorch's (`get_free_blocks_call_count`
+/// advances only then): segments cached before a `set_config` sets one are equally idle. Five
+/// 12 MiB segments A..E; A, B, C freed in that order with no threshold, then one set
+/// (50 MiB of 100, 60 reserved): a 22 MiB request collects, and A, B and C (ages 0, 0, 0) go
+/// in one pass, on every path. With the clock running before the switch (broken build
+/// `gc_clock_always`), `global_lock:true` kept C (ages 2, 1, 0), and the fast path kept A: A
+/// waited in the stream's cache until the switch's flush, which counted as its free.
+#[test]
+fn gc_ages_count_from_the_threshold_being_set() {
+    for config in ["", "global_lock:true", "fast_cache:false"] {
+        let (dev, alloc) = setup(config, 1 << 30);
+        let held: Vec<_> = (0..5).map(|_| alloc.alloc(12 * MIB, S).unwrap()).collect();
+        let bases: Vec<u64> = held.iter().map(|h| h.ptr().0).collect();
+        let mut held = held.into_iter();
+        let (a, b, c) = (held.next().unwrap(), held.next().unwrap(), held.next().unwrap());
+        let (d, e) = (held.next().unwrap(), held.next().unwrap());
+        drop(a);
+        drop(b);
+        drop(c);
+        let gc = format!("memory_limit_mb:100,garbage_collection_threshold:0.5,{config}");
+        alloc.set_config(Config::parse(&gc).unwrap()).unwrap();
+        let big = alloc.alloc(22 * MIB, S).unwrap();
+        alloc.check_invariants().unwrap();
+        assert_eq!(
+            live_bases(&dev),
+            BTreeSet::from([bases[3], bases[4], big.ptr().0]),
+            "A, B and C go under {config:?}"
+        );
+        let s = alloc.stats();
+        assert_eq!((s.num_device_free, s.blocks.reserved_bytes.all.current), (3, 46 * MIB));
+        drop((d, e, big));
+    }
+}
+
 // ---------------------------------------------------------------- initial and maximum pool size
 
 #[test]

@@ -20,7 +20,8 @@
 //! as PyTorch's comment says). PyTorch's age is the count of searches of the large pool since
 //! the block was last taken; tidepool's pool clock ticks at every allocation, free and new
 //! segment of the large pool, so the order of ages is the same but the average may split a set
-//! of segments elsewhere.
+//! of segments elsewhere. Both count only while a threshold is in force (`Pool::run_clock`): a
+//! `set_config` that sets one finds every segment cached before it equally idle.
 //!
 //! A segment's idle age is the pool's clock at its last allocation or free *in the pool*. A
 //! block freed into a stream cache would keep its segment busy until the cache is flushed, and

@@ -267,7 +267,12 @@ impl<D: Device> Allocator<D> {
             handles: AtomicUsize::new(1), // the one made below
             end_captures: std::sync::OnceLock::new(),
         });
-        lock(&shared.state).pool.set_oversize_size(oversize_at);
+        {
+            let mut st = lock(&shared.state);
+            st.pool.set_oversize_size(oversize_at);
+            let gc = st.config.garbage_collection_threshold.is_some();
+            st.pool.run_clock(gc);
+        }
         if pool == 0 {
             crate::peers::join(crate::peers::Kind::Device, &shared.device, &shared);
         }
@@ -320,6 +325,9 @@ impl<D: Device> Shared<D> {
         st.pool.set_oversize_size(config.sizing.max_split_size);
         sh.configure_lanes(&config, sh.recording.load(Ordering::Relaxed));
         sh.flush_all(&mut st);
+        // The idle ages count while a collection threshold is in force: from here (after the
+        // flush, so that a cache's blocks freed before count as the pool's own: `gc.rs`).
+        st.pool.run_clock(config.garbage_collection_threshold.is_some());
         // Published statistics are current before a lock-free reader can see the new config.
         sh.publish_now(&mut st);
         st.vm.refused.clear(); // the new configuration may ask for other ranges

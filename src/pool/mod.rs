@@ -114,6 +114,9 @@ pub struct Pool {
     /// Ticks at every allocation and free of the large pool ([`ticks`]): segments remember
     /// when they were last used.
     clock: u64,
+    /// The clock stands still: no garbage-collection threshold is in force
+    /// ([`Pool::run_clock`]).
+    clock_stopped: bool,
     /// Blocks freed so far ([`Pool::frees`]).
     frees: u64,
     /// Blocks of at least this size are oversize allocations (`max_split_size`; 0: unset).
@@ -210,10 +213,22 @@ impl Pool {
         s
     }
 
-    /// The pool's clock now: it ticks at every allocation and free of the large pool, and a segment's
-    /// `last_use` is its reading then (the garbage collection's idle age is the difference).
+    /// The pool's clock now: it ticks at every allocation and free of the large pool while it
+    /// runs ([`Pool::run_clock`]), and a segment's `last_use` is its reading then (the garbage
+    /// collection's idle age is the difference).
     pub fn clock(&self) -> u64 {
         self.clock
+    }
+
+    /// Runs the clock (`true`) or stops it: it runs only while a garbage-collection threshold
+    /// is in force, as PyTorch's `get_free_blocks_call_count` counts only then. Stopped, every
+    /// segment used meanwhile reads the same time, so when a threshold is set later the
+    /// segments cached before count as equally idle, and the stream caches' large traffic
+    /// before it (blocks freed into a cache and handed out again, which the pool never sees and
+    /// `global_lock`'s pool sees all of) makes no age differ.
+    /// BROKEN (`gc_clock_always`): it ran whatever the configuration.
+    pub fn run_clock(&mut self, run: bool) {
+        self.clock_stopped = !run && !cfg!(tidepool_broken = "gc_clock_always");
     }
 
     /// How many times a block was freed ([`Pool::free`]) since the pool was made.
@@ -564,7 +579,7 @@ impl Pool {
             state: BlockState::Free,
             oversize: false,
         }));
-        self.clock += ticks(key.kind);
+        self.clock += ticks(key.kind) * !self.clock_stopped as u64;
         let last_use = self.clock;
         self.segments.insert(Segment {
             base,
@@ -601,7 +616,7 @@ impl Pool {
         let (seg, addr, whole, next, split) = (b.segment, b.addr, b.size, b.next, b.is_split());
         let s = &mut self.segments[seg.0];
         s.busy_blocks += 1;
-        self.clock += ticks(s.key.kind);
+        self.clock += ticks(s.key.kind) * !self.clock_stopped as u64;
         s.last_use = self.clock;
         let (key, slot) = (s.key, s.slot);
         let (kind, res) = (key.kind, key.residency);
@@ -738,7 +753,7 @@ impl Pool {
         self.frees += 1;
         let s = &mut self.segments[seg.0];
         s.busy_blocks -= 1;
-        self.clock += ticks(s.key.kind);
+        self.clock += ticks(s.key.kind) * !self.clock_stopped as u64;
         s.last_use = self.clock;
         let (key, slot) = (s.key, s.slot);
         let (kind, res) = (key.kind, key.residency);
