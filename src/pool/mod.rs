@@ -111,12 +111,12 @@ pub struct Pool {
     trim_dirty: Vec<usize>,
     /// Which of the statistics only the pool changes changed since [`Pool::take_changed`].
     changed: u8,
-    /// Ticks at every allocation and free of the large pool ([`ticks`]): segments remember
+    /// Ticks at every allocation and free of the large pool ([`Ticks`]): segments remember
     /// when they were last used.
     clock: u64,
-    /// The clock stands still: no garbage-collection threshold is in force
-    /// ([`Pool::run_clock`]).
-    clock_stopped: bool,
+    /// How far each pool kind's events move the clock (none while it is stopped:
+    /// [`Pool::run_clock`]).
+    ticks: Ticks,
     /// Blocks freed so far ([`Pool::frees`]).
     frees: u64,
     /// Blocks of at least this size are oversize allocations (`max_split_size`; 0: unset).
@@ -143,14 +143,30 @@ impl Default for AtLeast {
     }
 }
 
-/// How far an allocation, free or new segment of `kind` moves the pool's clock: only the
-/// large pool's traffic counts (PyTorch's age counts searches of the large pool, which alone
-/// the collection walks). Small requests the stream caches serve never reach the pool, so
-/// counting the small pool's would make the large segments' idle ages depend on the caches.
+/// How far an allocation, free or new segment of each pool kind (`PoolKind as usize`) moves
+/// the pool's clock while it runs: only the large pool's traffic counts (PyTorch's age counts
+/// searches of the large pool, which alone the collection walks). Small requests the stream
+/// caches serve never reach the pool, so counting the small pool's would make the large
+/// segments' idle ages depend on the caches. (A table: one load where the clock ticks, on
+/// every allocation and free.)
 /// BROKEN (`gc_small_ticks`): every pool event ticked.
-#[inline(always)]
-fn ticks(kind: crate::types::PoolKind) -> u64 {
-    (kind == crate::types::PoolKind::Large || cfg!(tidepool_broken = "gc_small_ticks")) as u64
+#[derive(Clone, Copy)]
+struct Ticks([u64; 2]);
+
+impl Ticks {
+    const RUNNING: Ticks = Ticks([cfg!(tidepool_broken = "gc_small_ticks") as u64, 1]);
+    const STOPPED: Ticks = Ticks([0, 0]);
+
+    #[inline(always)]
+    fn of(self, kind: crate::types::PoolKind) -> u64 {
+        self.0[kind as usize]
+    }
+}
+
+impl Default for Ticks {
+    fn default() -> Ticks {
+        Ticks::RUNNING
+    }
 }
 
 impl Pool {
@@ -228,7 +244,8 @@ impl Pool {
     /// `global_lock`'s pool sees all of) makes no age differ.
     /// BROKEN (`gc_clock_always`): it ran whatever the configuration.
     pub fn run_clock(&mut self, run: bool) {
-        self.clock_stopped = !run && !cfg!(tidepool_broken = "gc_clock_always");
+        let run = run || cfg!(tidepool_broken = "gc_clock_always");
+        self.ticks = if run { Ticks::RUNNING } else { Ticks::STOPPED };
     }
 
     /// How many times a block was freed ([`Pool::free`]) since the pool was made.
@@ -579,7 +596,7 @@ impl Pool {
             state: BlockState::Free,
             oversize: false,
         }));
-        self.clock += ticks(key.kind) * !self.clock_stopped as u64;
+        self.clock += self.ticks.of(key.kind);
         let last_use = self.clock;
         self.segments.insert(Segment {
             base,
@@ -616,7 +633,7 @@ impl Pool {
         let (seg, addr, whole, next, split) = (b.segment, b.addr, b.size, b.next, b.is_split());
         let s = &mut self.segments[seg.0];
         s.busy_blocks += 1;
-        self.clock += ticks(s.key.kind) * !self.clock_stopped as u64;
+        self.clock += self.ticks.of(s.key.kind);
         s.last_use = self.clock;
         let (key, slot) = (s.key, s.slot);
         let (kind, res) = (key.kind, key.residency);
@@ -753,7 +770,7 @@ impl Pool {
         self.frees += 1;
         let s = &mut self.segments[seg.0];
         s.busy_blocks -= 1;
-        self.clock += ticks(s.key.kind) * !self.clock_stopped as u64;
+        self.clock += self.ticks.of(s.key.kind);
         s.last_use = self.clock;
         let (key, slot) = (s.key, s.slot);
         let (kind, res) = (key.kind, key.residency);
@@ -776,9 +793,7 @@ impl Pool {
         if left.is_none() && right.is_none() {
             let m = Entry { size, addr, id: id.0 };
             self.index_insert(slot, m);
-            if size >= self.whole_page.0 {
-                self.free[slot].whole = true;
-            }
+            self.free[slot].whole |= size >= self.whole_page.0;
             if prev.is_some() || next.is_some() {
                 self.count_split(seg, size, true);
             }
@@ -826,9 +841,7 @@ impl Pool {
             self.split_change(seg, &mut net, m.size, true);
         }
         self.count_split_net(seg, net);
-        if m.size >= self.whole_page.0 {
-            self.free[slot].whole = true;
-        }
+        self.free[slot].whole |= m.size >= self.whole_page.0;
         merged
     }
 
