@@ -722,10 +722,31 @@ fn run_once(
                 return Err(format!("locked invariants: {e}"));
             }
             let active = !case.records;
-            let (sa, sb) = (
+            let (mut sa, mut sb) = (
                 comparable(fast.alloc.stats(), active, case.small),
                 comparable(locked.alloc.stats(), active, case.small),
             );
+            // Intended: a lock-free stream-cache hit polls no events, where every allocation
+            // under the one lock polls them first, so a free pending behind another stream's
+            // completed work joins the pool later on the fast path (its active and requested
+            // bytes, its stream's free bytes lag until the next lock section that polls:
+            // design notes, "A lock-free hit polls no events"). Where an allocation step's
+            // statistics differ and a poll of the fast side frees a pending block, both sides
+            // poll and everything is compared again.
+            if sa != sb
+                && a == b
+                && matches!(op, Op::Alloc { .. } | Op::ScopeRun { .. })
+                && fast.alloc.poll_events() > 0
+            {
+                locked.alloc.poll_events();
+                if trace {
+                    println!(
+                        "step {step}: the fast side's lock-free hit had not polled: both polled"
+                    );
+                }
+                sa = comparable(fast.alloc.stats(), active, case.small);
+                sb = comparable(locked.alloc.stats(), active, case.small);
+            }
             let mut now = [vec![(0, ladder_mark(&sa))], vec![(0, ladder_mark(&sb))]];
             if sa != sb && differs.is_none() {
                 differs = Some(format!(

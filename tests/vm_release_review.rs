@@ -265,6 +265,42 @@ fn a_learning_runs_opening_gives_back_the_page_of_a_small_block_cached_before_it
     }
 }
 
+/// A learning run's opening gives its stream's free pages back even when the stream's free
+/// bytes did not change since the last trim: another stream's learning run opening in between
+/// took the stream from the trims' list and skipped it (no threshold), and the stream was then
+/// never listed again, so its 8 MiB stayed mapped through its own run. On the fast path the
+/// list also depended on whether the stream's last free went to its lane (nothing changed in
+/// the pool) or to the pool: both paths now unmap at the opening. Broken build
+/// `learning_trim_unlisted`.
+#[test]
+fn a_learning_runs_opening_gives_back_pages_an_earlier_trim_skipped() {
+    for lock in [false, true] {
+        let dev = Arc::new(SimDevice::backed(CAP));
+        let config = Config::parse("expandable_segments:true").unwrap().with_global_lock(lock);
+        let alloc = Allocator::new(dev.clone(), config).unwrap();
+        let s = dev.create_stream().unwrap();
+        let a = alloc.alloc(8 * MIB, s).unwrap();
+        assert_eq!(a.ptr(), DeviceAddr(SIM_BASE));
+        drop(a); // no learning run, no threshold: the pages stay (in `s`'s lane on the fast path)
+        // Another stream's learning run: its opening flushes the lanes' large blocks and trims,
+        // taking `s` from the list (no threshold for `s`: nothing released).
+        drop(alloc.named_scope("other", StreamId::DEFAULT));
+        let st = alloc.stats();
+        assert_eq!(st.cached_fast_bytes, 0, "lock {lock}");
+        assert_eq!(st.blocks.reserved_bytes.all.current, 8 * MIB, "lock {lock}");
+        assert_eq!(dev.live_mappings(), vec![(DeviceAddr(SIM_BASE), 8 * MIB)], "lock {lock}");
+        let run = alloc.named_scope("step", s);
+        let st = alloc.stats();
+        assert_eq!(st.blocks.reserved_bytes.all.current, 0, "lock {lock}");
+        assert_eq!((st.num_device_unmap, st.num_physical_release), (1, 1), "lock {lock}");
+        assert_eq!(dev.live_mappings(), vec![], "lock {lock}");
+        consistent(&dev, &alloc);
+        drop(run);
+        drop(alloc);
+        assert_no_leak(&dev);
+    }
+}
+
 /// `destroy_stream` whose release of the stream's pages the device refuses: the error comes
 /// after the stream is gone (as the documentation says), the pages stay counted and mapped,
 /// and `release_stream` on the gone stream gives them and its range back.

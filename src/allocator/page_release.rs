@@ -564,6 +564,15 @@ impl<D: Device> Shared<D> {
         if open && !cfg!(tidepool_broken = "learning_memo_kept") {
             st.vm.checked.remove(&stream);
         }
+        // And the opening's trim checks the stream whether or not its free bytes changed since
+        // the last trim: an earlier trim (another stream's learning run) that took the stream
+        // and skipped it, under no threshold, left it unlisted, and its free pages stayed
+        // mapped through the run.
+        // BROKEN (`learning_trim_unlisted`): listed only by a change, so whether the pages went
+        // depended on the stream's last free (a lane's reuse changes nothing in the pool).
+        if open && !cfg!(tidepool_broken = "learning_trim_unlisted") {
+            st.pool.mark_trim_stream(stream);
+        }
         if *n == 0 {
             st.vm.learning.remove(&stream);
         }

@@ -80,6 +80,17 @@ impl<D: Device> Allocator<D> {
         lock(&self.shared.state).counters.lane_retags
     }
 
+    /// **Test only.** Polls the events that pending frees wait on, in a lock section of its
+    /// own, as an allocation under the lock does before its search: the blocks whose events
+    /// completed join the pool. Returns how many did. (A lock-free stream-cache hit polls
+    /// nothing: the differential harness uses this to tell that lag from a difference.)
+    pub fn poll_events(&self) -> usize {
+        let mut st = self.shared.lock_state();
+        let before = st.pending_count.len();
+        self.shared.process_events(&mut st);
+        before - st.pending_count.len()
+    }
+
     /// **Test only.** How many times the global lock has been taken so far (tests use it to
     /// prove that the fast path does not take it).
     pub fn global_lock_acquisitions(&self) -> u64 {

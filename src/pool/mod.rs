@@ -911,6 +911,19 @@ impl Pool {
         out
     }
 
+    /// Marks every key of `stream` for the next [`Pool::take_trim_streams`], as a change of its
+    /// free bytes would: a trim whose rules for the stream changed (a learning run opened on it)
+    /// checks it even if nothing changed since the last trim took it.
+    pub fn mark_trim_stream(&mut self, stream: StreamId) {
+        for &(key, slot) in &self.keys {
+            let k = &mut self.free[slot];
+            if key.stream == stream && k.dirty & TRIM == 0 {
+                k.dirty |= TRIM;
+                self.trim_dirty.push(slot);
+            }
+        }
+    }
+
     /// From now on, a free that leaves a free block of at least `bytes` marks its stream for
     /// the next [`Pool::take_trim_streams`]: the trims of expandable ranges set a page here.
     pub fn set_whole_page(&mut self, bytes: u64) {
