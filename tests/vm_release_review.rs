@@ -234,24 +234,18 @@ fn a_second_learning_run_gives_its_freed_pages_back_from_its_opening() {
     assert_no_leak(&dev);
 }
 
-/// A named scope's learning run opens on a stream whose small block (1 MiB, alone in its page
-/// of the small range) waits in the stream's cache: the opening frees it into the pool, and the
-/// run's trim gives its page back, as under `global_lock`. Broken build
-/// `learning_small_lanes_kept`: the page stayed mapped (until an out-of-memory ladder's flush).
-#[test]
-fn a_learning_runs_opening_gives_back_the_page_of_a_small_block_cached_before_it() {
+/// On both paths: `before` leaves free pages mapped on a new stream `s`, then a named scope's
+/// learning run opens on `s`, and the opening's trim gives them back: one unmap, one release,
+/// nothing mapped, nothing left in the stream caches.
+fn learning_run_opening_gives_back(
+    before: impl Fn(&Allocator<SimDevice>, &SimDevice, StreamId, bool),
+) {
     for lock in [false, true] {
         let dev = Arc::new(SimDevice::backed(CAP));
         let config = Config::parse("expandable_segments:true").unwrap().with_global_lock(lock);
         let alloc = Allocator::new(dev.clone(), config).unwrap();
         let s = dev.create_stream().unwrap();
-        let x = alloc.alloc(MIB, s).unwrap();
-        assert_eq!(x.ptr(), DeviceAddr(SIM_BASE));
-        drop(x); // no learning run, no threshold: the page stays
-        let st = alloc.stats();
-        assert_eq!(st.cached_fast_bytes, if lock { 0 } else { MIB }, "lock {lock}");
-        assert_eq!(st.blocks.reserved_bytes.all.current, P);
-        assert_eq!(dev.live_mappings(), vec![(DeviceAddr(SIM_BASE), P)]);
+        before(&alloc, &dev, s, lock);
         let run = alloc.named_scope("step", s);
         let st = alloc.stats();
         assert_eq!(st.cached_fast_bytes, 0, "lock {lock}");
@@ -265,6 +259,23 @@ fn a_learning_runs_opening_gives_back_the_page_of_a_small_block_cached_before_it
     }
 }
 
+/// A named scope's learning run opens on a stream whose small block (1 MiB, alone in its page
+/// of the small range) waits in the stream's cache: the opening frees it into the pool, and the
+/// run's trim gives its page back, as under `global_lock`. Broken build
+/// `learning_small_lanes_kept`: the page stayed mapped (until an out-of-memory ladder's flush).
+#[test]
+fn a_learning_runs_opening_gives_back_the_page_of_a_small_block_cached_before_it() {
+    learning_run_opening_gives_back(|alloc, dev, s, lock| {
+        let x = alloc.alloc(MIB, s).unwrap();
+        assert_eq!(x.ptr(), DeviceAddr(SIM_BASE));
+        drop(x); // no learning run, no threshold: the page stays
+        let st = alloc.stats();
+        assert_eq!(st.cached_fast_bytes, if lock { 0 } else { MIB }, "lock {lock}");
+        assert_eq!(st.blocks.reserved_bytes.all.current, P);
+        assert_eq!(dev.live_mappings(), vec![(DeviceAddr(SIM_BASE), P)]);
+    });
+}
+
 /// A learning run's opening gives its stream's free pages back even when the stream's free
 /// bytes did not change since the last trim: another stream's learning run opening in between
 /// took the stream from the trims' list and skipped it (no threshold), and the stream was then
@@ -274,11 +285,7 @@ fn a_learning_runs_opening_gives_back_the_page_of_a_small_block_cached_before_it
 /// `learning_trim_unlisted`.
 #[test]
 fn a_learning_runs_opening_gives_back_pages_an_earlier_trim_skipped() {
-    for lock in [false, true] {
-        let dev = Arc::new(SimDevice::backed(CAP));
-        let config = Config::parse("expandable_segments:true").unwrap().with_global_lock(lock);
-        let alloc = Allocator::new(dev.clone(), config).unwrap();
-        let s = dev.create_stream().unwrap();
+    learning_run_opening_gives_back(|alloc, dev, s, lock| {
         let a = alloc.alloc(8 * MIB, s).unwrap();
         assert_eq!(a.ptr(), DeviceAddr(SIM_BASE));
         drop(a); // no learning run, no threshold: the pages stay (in `s`'s lane on the fast path)
@@ -289,16 +296,7 @@ fn a_learning_runs_opening_gives_back_pages_an_earlier_trim_skipped() {
         assert_eq!(st.cached_fast_bytes, 0, "lock {lock}");
         assert_eq!(st.blocks.reserved_bytes.all.current, 8 * MIB, "lock {lock}");
         assert_eq!(dev.live_mappings(), vec![(DeviceAddr(SIM_BASE), 8 * MIB)], "lock {lock}");
-        let run = alloc.named_scope("step", s);
-        let st = alloc.stats();
-        assert_eq!(st.blocks.reserved_bytes.all.current, 0, "lock {lock}");
-        assert_eq!((st.num_device_unmap, st.num_physical_release), (1, 1), "lock {lock}");
-        assert_eq!(dev.live_mappings(), vec![], "lock {lock}");
-        consistent(&dev, &alloc);
-        drop(run);
-        drop(alloc);
-        assert_no_leak(&dev);
-    }
+    });
 }
 
 /// `destroy_stream` whose release of the stream's pages the device refuses: the error comes
