@@ -4,8 +4,8 @@
 //! addresses and device calls; the headroom never costs a request that fits without it
 //! (out of memory for the headroom falls back to the exact growth: broken mode `HeadroomOom`),
 //! stays within `release_threshold`, and persistent ranges grow by exactly what is asked. A
-//! build-up (growths before the pool has had any block freed) ramps the headroom up, one page
-//! per growth after its first eight, until the first free.
+//! build-up (growths before any block was freed) ramps the headroom up, one page per growth
+//! after its first eight, until the first free (into the pool or a stream cache).
 //!
 //! The device is unbacked (no host memory behind its pages), so ranges of several GiB cost
 //! nothing to map. Pages are 2 MiB; the first range a test makes starts at `SIM_BASE`.
@@ -129,6 +129,39 @@ fn a_build_up_ramps_the_headroom_until_the_first_free() {
     drop((held, two, reuse, next));
     alloc.empty_cache().unwrap();
     assert_eq!(dev.physical_bytes(), 0);
+}
+
+/// A free ends the build-up wherever the block goes: into the pool (`global_lock:true`), or into
+/// a stream cache, where the next request of its size takes it again and the pool never sees a
+/// free (the differential harness, `stitch_kernels` seed 2476: a private pool's one-page growth
+/// mapped two on the fast path). Both paths alike.
+#[test]
+fn a_free_into_a_stream_cache_ends_the_build_up() {
+    for config in ["", "global_lock:true"] {
+        let (dev, alloc) = setup(config, 16 * GIB);
+        // Nine exact growths: one more and the build-up would map a page ahead.
+        let mut held: Vec<_> = (0..9).map(|_| alloc.alloc(P, S0).unwrap()).collect();
+        assert_eq!(calls(&dev), (9, 9, 0), "{config}");
+        assert_eq!(alloc.reserved_bytes(), 9 * P, "{config}");
+        // The last block freed (the fast path keeps it in the stream's cache) and taken again.
+        drop(held.pop());
+        let lanes = if config.is_empty() { P } else { 0 };
+        assert_eq!(alloc.stats().cached_fast_bytes, lanes, "{config}");
+        held.push(alloc.alloc(P, S0).unwrap());
+        assert_eq!(held[8].ptr(), at(8 * P), "{config}");
+        assert_eq!(alloc.stats().cached_fast_bytes, 0, "{config}");
+        // The tenth growth is exact: one page, where a build-up's would have been two.
+        held.push(alloc.alloc(P, S0).unwrap());
+        assert_eq!(held[9].ptr(), at(9 * P), "{config}");
+        assert_eq!(calls(&dev), (10, 10, 0), "{config}");
+        assert_eq!(alloc.reserved_bytes(), 10 * P, "{config}");
+        let s = alloc.stats().blocks;
+        assert_eq!((s.allocated_bytes.all.allocated, s.allocated_bytes.all.freed), (11 * P, P));
+        check(&dev, &alloc);
+        drop(held);
+        alloc.empty_cache().unwrap();
+        assert_eq!(dev.physical_bytes(), 0, "{config}");
+    }
 }
 
 /// A device with room for 2049 pages: the 4 GiB block, then one page.

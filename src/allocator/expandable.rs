@@ -62,7 +62,7 @@ pub(super) struct Range {
     /// Old addresses of pages moved to another place, still mapped until the donor stream's
     /// work is done: neither usable nor mappable meanwhile.
     pub(super) retiring: BTreeSet<u64>,
-    /// Growths made while the pool had freed no block yet (see [`Shared::with_headroom`]).
+    /// Growths made while no block was freed yet (see [`Shared::with_headroom`]).
     pub(super) build_up: u64,
     /// Pages lent to a live stitched block (`stitch.rs`): mapped, in no run of the pool's,
     /// neither usable nor mappable here until the stitched block is free again.

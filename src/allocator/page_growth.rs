@@ -23,7 +23,7 @@ use crate::device::PhysHandle;
 /// 1/128 raised t5_train's by 0.25 %, 1/64 by 0.9 %.
 const HEADROOM_DIVISOR: u64 = 512;
 
-/// A *build-up* — growths while the pool has freed no block yet: weights being loaded, a
+/// A *build-up* — growths while no block was freed yet ([`Shared::freed_any`]): weights being loaded, a
 /// static snapshot replayed, the first allocations of a first step — only grows, so past its
 /// first `BUILD_UP_EXACT_GROWTHS` growths of a range each growth's headroom is one page more
 /// than the last one's (up to [`HEADROOM_MAX_PAGES`]); the first free ends it for good. Without
@@ -166,7 +166,7 @@ impl<D: Device> Shared<D> {
                 again
             }
         };
-        if st.pool.frees() == 0 {
+        if !Self::freed_any(st) {
             st.vm.ranges.get_mut(&base).expect("the key's range").build_up += 1;
         }
         let wide = self.with_headroom(st, key, exact);
@@ -196,9 +196,9 @@ impl<D: Device> Shared<D> {
             };
         // A build-up (no block freed yet) only grows: past its first growths, one page more
         // headroom per growth.
-        let ramp = match st.pool.frees() {
-            0 => r.build_up.saturating_sub(BUILD_UP_EXACT_GROWTHS),
-            _ => 0,
+        let ramp = match Self::freed_any(st) {
+            false => r.build_up.saturating_sub(BUILD_UP_EXACT_GROWTHS),
+            true => 0,
         };
         let pages = (r.pages.len() as u64 / HEADROOM_DIVISOR)
             .max(ramp)
@@ -215,6 +215,21 @@ impl<D: Device> Shared<D> {
             return place;
         }
         Place { lo: place.lo, pages }
+    }
+
+    /// Whether a block was ever freed, which ends a build-up: into the pool, or into a stream
+    /// cache. A block freed into a lane and taken again by a hit never reaches the pool, so
+    /// the pool's count alone kept the build-up ramping on the fast path where
+    /// `global_lock:true` (every free a pool free) had ended it: a growth mapped pages more
+    /// ahead (`stitch_kernels` seed 2476: a private pool's 4 MiB block freed and taken again,
+    /// then a one-page growth mapped four). The lanes mark their first free. (A lane dropped
+    /// from the table is a gone stream's with no segment left: a free it took reached the
+    /// pool before its segments could go.)
+    /// BROKEN (`build_up_past_lane_frees`): the pool's count alone.
+    fn freed_any(st: &State) -> bool {
+        st.pool.frees() != 0
+            || !cfg!(tidepool_broken = "build_up_past_lane_frees")
+                && st.lanes.iter().any(|c| c.took_a_free())
     }
 
     /// Maps the pages of `place` (unmapped, not retiring) into `key`'s range and joins them to

@@ -317,6 +317,11 @@ pub struct CacheCells {
     /// revocations clear it, so when every lane reads clear, none held credit at the first read
     /// and the revocation locks none.
     credited: AtomicBool,
+    /// A block was freed into the lane, ever (never cleared; set with the credit mark, so the
+    /// free path stores it once per revocation). A block freed here and taken again by a hit
+    /// never reaches the pool, so the pool's count of frees misses it: the slow path reads
+    /// this too (`Shared::freed_any`: a range's build-up ends at the first free).
+    freed: AtomicBool,
     /// Its stream's first lane (lane 0 of its slot, the one that holds a large block).
     first: bool,
 }
@@ -373,6 +378,7 @@ impl StreamCache {
             large: AtomicU64::new(0),
             fast_max: AtomicU64::new(Self::fast_max_of(limits, &Sizing::default())),
             credited: AtomicBool::new(false),
+            freed: AtomicBool::new(false),
             first: lane == 0,
         }))
     }
@@ -476,11 +482,12 @@ impl StreamCache {
     }
 
     /// Counts pushed block `b` as cached: lowering `Δcur` grants it as credit (the ceiling
-    /// stays). The lane is marked as holding credit first (once per revocation).
+    /// stays). The lane is marked as holding credit, and as having taken a free, first (once
+    /// per revocation).
     #[inline(always)]
     fn grant(&self, inner: &mut CacheInner, b: &CachedBlock) {
         if !inner.credited {
-            self.mark_credited(inner);
+            self.mark_freed(inner);
         }
         let q = b.quadrant & (QUADRANTS - 1);
         let w = &mut inner.words;
@@ -947,6 +954,21 @@ impl StreamCache {
         }
         inner.large = u64::from(class.is_some());
         self.large.store(class.map_or(0, large_key), Ordering::Relaxed);
+    }
+
+    /// Marks the lane as having taken a free ([`CacheCells::freed`]) and as holding credit; the
+    /// caller holds its lock and frees a block into it.
+    #[cold]
+    fn mark_freed(&self, inner: &mut CacheInner) {
+        self.freed.store(true, Ordering::Relaxed);
+        self.mark_credited(inner);
+    }
+
+    /// Whether a block was ever freed into the lane ([`CacheCells::freed`]). Read without the
+    /// lane's lock.
+    #[inline]
+    pub(crate) fn took_a_free(&self) -> bool {
+        self.freed.load(Ordering::Relaxed)
     }
 
     /// Marks the lane as holding credit (see [`CacheCells::credited`]); the caller holds its
