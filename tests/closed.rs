@@ -247,6 +247,40 @@ fn a_closed_pinned_allocator_frees_a_block_after_its_copy() {
     assert_eq!(dev.violations(), vec![]);
 }
 
+/// The pinned allocator's pooled events (one per copy recorded, reused by later copies) go
+/// back to the device when the last handle goes, as its free blocks do: a `mem::forget`ten
+/// buffer keeps the allocator's core alive, and used to keep every event it ever pooled. A live
+/// buffer that copies after the close makes its own event; the one its second copy supersedes
+/// goes back at once, and its last one as the buffer goes.
+#[test]
+fn a_forgotten_pinned_buffer_keeps_no_event_of_its_closed_allocator() {
+    let (dev, s, alloc) = setup("");
+    let pinned = HostAllocator::new(dev.clone());
+    let dst = alloc.alloc(N, s).unwrap();
+    let forgotten = pinned.alloc(N).unwrap();
+    let mut used: Vec<_> = (0..8).map(|_| pinned.alloc(N).unwrap()).collect();
+    used.iter_mut().for_each(|h| h.upload(&dst).unwrap());
+    let mut late = pinned.alloc(N).unwrap();
+    assert_eq!(dev.live_events(), 8, "one per upload");
+    drop(used);
+    dev.synchronize().unwrap();
+    pinned.process_events().unwrap();
+    assert_eq!(dev.live_events(), 8, "pooled");
+    std::mem::forget(forgotten);
+    drop(pinned);
+    assert_eq!(dev.live_events(), 0, "the closed allocator kept its pooled events");
+    assert_eq!(dev.host_reserved_bytes(), 2 * N, "the forgotten buffer's block and `late`'s");
+    late.upload(&dst).unwrap();
+    late.upload(&dst).unwrap();
+    assert_eq!(dev.live_events(), 1, "the superseded event went back");
+    drop(late);
+    assert_eq!(dev.live_events(), 0);
+    assert_eq!(dev.host_reserved_bytes(), N, "only the forgotten buffer's block is left");
+    drop((dst, alloc));
+    dev.synchronize().unwrap();
+    assert_eq!(dev.violations(), vec![]);
+}
+
 /// A handle cloned from a buffer's ([`tidepool::PinnedBuffer::allocator`]) reopens a closed
 /// pinned allocator: it caches again.
 #[test]

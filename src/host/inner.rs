@@ -281,6 +281,29 @@ impl<D: Device> Inner<D> {
     pub(crate) fn recycle(&self, uses: impl IntoIterator<Item = Use>) {
         let mut st = self.lock();
         st.events.extend(uses.into_iter().filter_map(|u| u.event));
+        self.destroy_closed_events(&mut st);
+    }
+
+    /// A closed allocator keeps no pooled events: only its live buffers record copies, and
+    /// one that needs an event makes it (it comes back here as it is superseded or its block
+    /// is freed). Otherwise a `mem::forget`ten buffer, which keeps the allocator's core alive,
+    /// kept every event the allocator ever pooled, a device resource each. Not during a
+    /// capture, as no block is freed then (the next drain does it); an event the device
+    /// refuses to destroy stays pooled, for a later drain or the core's drop.
+    /// (BROKEN, `closed_keeps_pinned_events`: kept until the last buffer goes.)
+    fn destroy_closed_events(&self, st: &mut State) {
+        if cfg!(tidepool_broken = "closed_keeps_pinned_events")
+            || !st.closed
+            || st.events.is_empty()
+            || self.capture_forbids_waits_and_frees()
+        {
+            return;
+        }
+        let refused: Vec<_> = std::mem::take(&mut st.events)
+            .into_iter()
+            .filter(|&e| self.device.destroy_event(e).is_err())
+            .collect();
+        st.events = refused;
     }
 
     /// A buffer gives its block back, with the uses recorded on it.
@@ -363,6 +386,7 @@ impl<D: Device> Inner<D> {
         if st.closed && !self.capture_forbids_waits_and_frees() {
             let _ = self.release_free(&mut st);
         }
+        self.destroy_closed_events(&mut st);
     }
 
     /// Waits for every copy recorded on a freed block, then makes it free. A block whose
