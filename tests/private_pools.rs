@@ -370,3 +370,37 @@ fn the_oom_ladder_never_releases_a_pool_a_graph_uses() {
     let v = oom_ladder_over_a_graph_pool(true);
     assert!(v.iter().any(|v| v.op.contains("unallocated")), "{v:?}");
 }
+
+/// A `mem::forget`ten guard routes its stream for good, and its pool lives on behind the route
+/// when its last `MemPool` handle goes: the stream's allocations are the pool's (the general
+/// allocator reserves nothing), its free memory serves the stream again at the same address,
+/// scopes on the stream are refused, a capture on it still allocates from the graph's own pool,
+/// and when the allocator goes, the pool goes with it: nothing is left on the device.
+#[test]
+fn a_forgotten_guard_routes_for_good_and_its_pool_goes_with_the_allocator() {
+    let dev = Arc::new(SimDevice::backed(256 * MIB));
+    let s = dev.create_stream().unwrap();
+    let alloc = Allocator::new(dev.clone(), Config::default()).unwrap();
+    let pool = alloc.new_pool(PoolOptions::default()).unwrap();
+    std::mem::forget(alloc.use_pool(&pool, s).unwrap());
+    drop(pool);
+    let x = alloc.alloc(4096, s).unwrap();
+    assert_eq!(x.ptr().0, SIM_BASE);
+    assert!(!alloc.owns(&x), "the pool's buffer");
+    assert_eq!((alloc.allocated_bytes(), alloc.reserved_bytes()), (0, 0));
+    assert_eq!(dev.reserved_bytes(), SEG);
+    let scope = alloc.scope(s);
+    assert_eq!(scope.alloc(512).err(), Some(AllocError::StreamRouted(s)));
+    drop(scope);
+    drop(x);
+    alloc.empty_cache().unwrap();
+    assert_eq!(alloc.alloc(4096, s).unwrap().ptr().0, SIM_BASE, "the pool's block again");
+    let (graph, at) = alloc.capture(s, None, || alloc.alloc(4096, s).unwrap().ptr()).unwrap();
+    assert_eq!(at.0, SIM_BASE + SEG, "the graph's pool: a segment of its own");
+    drop(graph);
+    alloc.check_invariants().unwrap();
+    drop(alloc);
+    dev.synchronize().unwrap();
+    assert!(dev.live_segments().is_empty(), "{:?}", dev.live_segments());
+    assert!(dev.violations().is_empty());
+}
