@@ -343,16 +343,18 @@ impl<D: Device> HostAllocator<D> {
         let st = &mut *guard;
         // A failed query leaves its block waiting; the allocation goes on without it.
         let _ = self.inner.process_events(st);
-        let (ptr, size) = match take_free(&mut st.free, bytes, class, rounded) {
+        // (A new block is counted handed out by `new_block`, as it is counted reserved.)
+        let apart = cfg!(tidepool_broken = "pinned_handout_apart");
+        let (ptr, size, counted) = match take_free(&mut st.free, bytes, class, rounded) {
             Some((ptr, size)) => {
                 st.stats.cached_bytes -= size;
-                (ptr, size)
+                (ptr, size, false)
             }
             // BROKEN (`pinned_alloc_locked`): the lock held through `cuMemHostAlloc` and the
             // zeroing, so every other thread's allocation and free waited for them.
             None if cfg!(tidepool_broken = "pinned_alloc_locked") => {
                 let size = if rounded { class } else { bytes };
-                (self.inner.new_block(Some(st), bytes, size)?, size)
+                (self.inner.new_block(Some(st), bytes, size)?, size, !apart)
             }
             None => {
                 // `cuMemHostAlloc` page-locks the whole block (milliseconds per MiB on CUDA)
@@ -362,16 +364,12 @@ impl<D: Device> HostAllocator<D> {
                 let size = if rounded { class } else { bytes };
                 let ptr = self.inner.new_block(None, bytes, size)?;
                 guard = lock(&self.inner.state);
-                (ptr, size)
+                (ptr, size, !apart)
             }
         };
-        let st = &mut *guard;
-        let s = &mut st.stats;
-        s.allocation.increase(1);
-        s.allocated_bytes.increase(size);
-        s.requested_bytes.increase(bytes);
-        s.active.increase(1);
-        s.active_bytes.increase(size);
+        if !counted {
+            inner::count_hand_out(&mut guard, bytes, size);
+        }
         drop(guard);
         self.inner.device.note_host_access(ptr, size, AccessKind::Write);
         // The buffer's handle is not counted: a buffer alone leaves the allocator closed.
