@@ -531,3 +531,57 @@ fn small_blocks_freed_under_a_threshold_of_zero_give_their_page_back() {
         assert_no_leak(&dev);
     }
 }
+
+/// A `set_config` that switches expandable segments off keeps the ranges, their blocks and their
+/// trims. Under `release_threshold_mb:0` (first) and in a learning run opened before the switch
+/// (second), a block freed into a range gives its pages back, as `global_lock:true` does; the
+/// stream caches were opened by the configuration alone (no expandable segments), so the fast
+/// path cached the freed blocks and kept their pages mapped (8 MiB and a page of the small
+/// range; 8 MiB). Broken build `switched_off_ranges_cached`.
+#[test]
+fn ranges_left_by_switching_expandable_segments_off_still_give_freed_pages_back() {
+    for lock in [false, true] {
+        let with = |c: &str| Config::parse(c).unwrap().with_global_lock(lock);
+        // Under a threshold set with the switch.
+        let dev = Arc::new(SimDevice::backed(CAP));
+        let alloc = Allocator::new(dev.clone(), with("expandable_segments:true")).unwrap();
+        let s0 = StreamId::DEFAULT;
+        let a = alloc.alloc(8 * MIB, s0).unwrap();
+        let b = alloc.alloc(MIB, s0).unwrap();
+        assert_eq!((a.ptr(), b.ptr()), (DeviceAddr(SIM_BASE), DeviceAddr(SIM_BASE + 2 * CAP)));
+        alloc.set_config(with("release_threshold_mb:0")).unwrap();
+        drop(a);
+        drop(b);
+        let st = alloc.stats();
+        assert_eq!(st.cached_fast_bytes, 0, "lock {lock}");
+        assert_eq!(st.blocks.reserved_bytes.all.current, 0, "lock {lock}");
+        assert_eq!((st.num_device_unmap, st.num_physical_release), (2, 2), "lock {lock}");
+        assert_eq!(dev.live_mappings(), vec![], "lock {lock}");
+        consistent(&dev, &alloc);
+        // The next request takes an ordinary segment: nothing is cached in the ranges.
+        let c = alloc.alloc(8 * MIB, s0).unwrap();
+        assert_eq!(c.ptr(), DeviceAddr(SIM_BASE + 4 * CAP), "lock {lock}");
+        drop(c);
+        drop(alloc);
+        assert_no_leak(&dev);
+
+        // In a learning run opened before the switch.
+        let dev = Arc::new(SimDevice::backed(CAP));
+        let alloc = Allocator::new(dev.clone(), with("expandable_segments:true")).unwrap();
+        let s = dev.create_stream().unwrap();
+        let run = alloc.named_scope("step", s);
+        let a = alloc.alloc(8 * MIB, s).unwrap();
+        assert_eq!(a.ptr(), DeviceAddr(SIM_BASE));
+        alloc.set_config(with("")).unwrap();
+        drop(a);
+        let st = alloc.stats();
+        assert_eq!(st.cached_fast_bytes, 0, "lock {lock}");
+        assert_eq!(st.blocks.reserved_bytes.all.current, 0, "lock {lock}");
+        assert_eq!((st.num_device_unmap, st.num_physical_release), (1, 1), "lock {lock}");
+        assert_eq!(dev.live_mappings(), vec![], "lock {lock}");
+        consistent(&dev, &alloc);
+        drop(run);
+        drop(alloc);
+        assert_no_leak(&dev);
+    }
+}
