@@ -585,3 +585,49 @@ fn ranges_left_by_switching_expandable_segments_off_still_give_freed_pages_back(
         assert_no_leak(&dev);
     }
 }
+
+/// `release_stream(s)` and `destroy_stream(s)` give back `s`'s pages and ranges, waiting for
+/// what retires there: another stream `t`'s trimmed pages, retiring behind `t`'s running
+/// kernel, are only queried (no host wait for `t`'s work) and go at the first lock section
+/// after it is done, as at a learning run's end. Broken build `release_stream_waits_all`: both
+/// waited on the host for `t`'s kernel (a host sync).
+#[test]
+fn a_streams_release_waits_for_no_other_streams_retiring_pages() {
+    for destroy in [false, true] {
+        let (dev, alloc) = setup("release_threshold_mb:0", CAP);
+        let (s, t) = (dev.create_stream().unwrap(), dev.create_stream().unwrap());
+        let b = alloc.alloc(4 * MIB, t).unwrap();
+        assert_eq!(b.ptr(), DeviceAddr(SIM_BASE));
+        let (k, open) = common::gated_write_bytes(b.ptr(), 4 * MIB, 3);
+        dev.launch(t, k).unwrap();
+        drop(b); // trimmed at once: retires behind t's kernel
+        let x = alloc.alloc(6 * MIB, s).unwrap();
+        assert_eq!(x.ptr(), DeviceAddr(SIM_BASE + 2 * CAP));
+        drop(x); // s is idle: unmapped at once
+        let ranges = |a: &Allocator<SimDevice>| {
+            a.expandable_ranges().iter().map(|r| (r.stream, r.retiring_pages)).collect::<Vec<_>>()
+        };
+        assert_eq!(ranges(&alloc), vec![(t, 2), (s, 0)]);
+        let opener = common::open_on_next_sync(&dev, open);
+        match destroy {
+            true => alloc.destroy_stream(s).unwrap(),
+            false => alloc.release_stream(s).unwrap(),
+        }
+        let st = alloc.stats();
+        assert_eq!(st.num_host_syncs, 0, "destroy {destroy}");
+        assert_eq!((st.num_device_unmap, st.num_physical_release), (1, 1), "destroy {destroy}");
+        assert_eq!(ranges(&alloc), vec![(t, 2)], "destroy {destroy}: s's range is gone");
+        assert_eq!(dev.live_mappings(), vec![(DeviceAddr(SIM_BASE), 4 * MIB)]);
+        assert_eq!(alloc.reserved_bytes(), 4 * MIB, "t's pages held until unmapped");
+        dev.synchronize().unwrap(); // a host sync of the test's: the gate opens
+        opener.join().unwrap();
+        alloc.check_invariants().unwrap(); // a lock section: the old mapping goes
+        assert_eq!(ranges(&alloc), vec![(t, 0)]);
+        let st = alloc.stats();
+        assert_eq!(st.num_host_syncs, 0);
+        assert_eq!((st.num_device_unmap, st.num_physical_release), (2, 2));
+        consistent(&dev, &alloc);
+        drop(alloc);
+        assert_no_leak(&dev);
+    }
+}

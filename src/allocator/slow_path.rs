@@ -340,7 +340,7 @@ impl<D: Device> Shared<D> {
     }
 
     /// [`Shared::release_segments`], waiting on the host only for the retiring mappings `waits`
-    /// names (`Waits::For`: a learning run's end, `adopt.rs`).
+    /// names (`Waits::For`: a learning run's end, `adopt.rs`; a stream's release).
     pub(super) fn release_segments_then(
         &self,
         st: &mut State,
