@@ -1077,6 +1077,13 @@ diff_test!(
         "",
     ],
     false,
+    false,
+    false
+);
+diff_test!(
+    exp_trim4_mixed,
+    &["expandable_segments:true,release_threshold_mb:4"],
     true,
-    true
+    false,
+    false
 );
