@@ -1068,3 +1068,22 @@ diff_test!(
     true,
     true
 );
+diff_test!(
+    switching_exp_off_large,
+    &[
+        "expandable_segments:true",
+        "release_threshold_mb:0",
+        "expandable_segments:true,release_threshold_mb:0",
+        "",
+    ],
+    false,
+    false,
+    false
+);
+diff_test!(
+    exp_trim4_mixed,
+    &["expandable_segments:true,release_threshold_mb:4"],
+    true,
+    false,
+    false
+);

@@ -531,3 +531,103 @@ fn small_blocks_freed_under_a_threshold_of_zero_give_their_page_back() {
         assert_no_leak(&dev);
     }
 }
+
+/// A `set_config` that switches expandable segments off keeps the ranges, their blocks and their
+/// trims. Under `release_threshold_mb:0` (first) and in a learning run opened before the switch
+/// (second), a block freed into a range gives its pages back, as `global_lock:true` does; the
+/// stream caches were opened by the configuration alone (no expandable segments), so the fast
+/// path cached the freed blocks and kept their pages mapped (8 MiB and a page of the small
+/// range; 8 MiB). Broken build `switched_off_ranges_cached`.
+#[test]
+fn ranges_left_by_switching_expandable_segments_off_still_give_freed_pages_back() {
+    for lock in [false, true] {
+        let with = |c: &str| Config::parse(c).unwrap().with_global_lock(lock);
+        // Under a threshold set with the switch.
+        let dev = Arc::new(SimDevice::backed(CAP));
+        let alloc = Allocator::new(dev.clone(), with("expandable_segments:true")).unwrap();
+        let s0 = StreamId::DEFAULT;
+        let a = alloc.alloc(8 * MIB, s0).unwrap();
+        let b = alloc.alloc(MIB, s0).unwrap();
+        assert_eq!((a.ptr(), b.ptr()), (DeviceAddr(SIM_BASE), DeviceAddr(SIM_BASE + 2 * CAP)));
+        alloc.set_config(with("release_threshold_mb:0")).unwrap();
+        drop(a);
+        drop(b);
+        let st = alloc.stats();
+        assert_eq!(st.cached_fast_bytes, 0, "lock {lock}");
+        assert_eq!(st.blocks.reserved_bytes.all.current, 0, "lock {lock}");
+        assert_eq!((st.num_device_unmap, st.num_physical_release), (2, 2), "lock {lock}");
+        assert_eq!(dev.live_mappings(), vec![], "lock {lock}");
+        consistent(&dev, &alloc);
+        // The next request takes an ordinary segment: nothing is cached in the ranges.
+        let c = alloc.alloc(8 * MIB, s0).unwrap();
+        assert_eq!(c.ptr(), DeviceAddr(SIM_BASE + 4 * CAP), "lock {lock}");
+        drop(c);
+        drop(alloc);
+        assert_no_leak(&dev);
+
+        // In a learning run opened before the switch.
+        let dev = Arc::new(SimDevice::backed(CAP));
+        let alloc = Allocator::new(dev.clone(), with("expandable_segments:true")).unwrap();
+        let s = dev.create_stream().unwrap();
+        let run = alloc.named_scope("step", s);
+        let a = alloc.alloc(8 * MIB, s).unwrap();
+        assert_eq!(a.ptr(), DeviceAddr(SIM_BASE));
+        alloc.set_config(with("")).unwrap();
+        drop(a);
+        let st = alloc.stats();
+        assert_eq!(st.cached_fast_bytes, 0, "lock {lock}");
+        assert_eq!(st.blocks.reserved_bytes.all.current, 0, "lock {lock}");
+        assert_eq!((st.num_device_unmap, st.num_physical_release), (1, 1), "lock {lock}");
+        assert_eq!(dev.live_mappings(), vec![], "lock {lock}");
+        consistent(&dev, &alloc);
+        drop(run);
+        drop(alloc);
+        assert_no_leak(&dev);
+    }
+}
+
+/// `release_stream(s)` and `destroy_stream(s)` give back `s`'s pages and ranges, waiting for
+/// what retires there: another stream `t`'s trimmed pages, retiring behind `t`'s running
+/// kernel, are only queried (no host wait for `t`'s work) and go at the first lock section
+/// after it is done, as at a learning run's end. Broken build `release_stream_waits_all`: both
+/// waited on the host for `t`'s kernel (a host sync).
+#[test]
+fn a_streams_release_waits_for_no_other_streams_retiring_pages() {
+    for destroy in [false, true] {
+        let (dev, alloc) = setup("release_threshold_mb:0", CAP);
+        let (s, t) = (dev.create_stream().unwrap(), dev.create_stream().unwrap());
+        let b = alloc.alloc(4 * MIB, t).unwrap();
+        assert_eq!(b.ptr(), DeviceAddr(SIM_BASE));
+        let (k, open) = common::gated_write_bytes(b.ptr(), 4 * MIB, 3);
+        dev.launch(t, k).unwrap();
+        drop(b); // trimmed at once: retires behind t's kernel
+        let x = alloc.alloc(6 * MIB, s).unwrap();
+        assert_eq!(x.ptr(), DeviceAddr(SIM_BASE + 2 * CAP));
+        drop(x); // s is idle: unmapped at once
+        let ranges = |a: &Allocator<SimDevice>| {
+            a.expandable_ranges().iter().map(|r| (r.stream, r.retiring_pages)).collect::<Vec<_>>()
+        };
+        assert_eq!(ranges(&alloc), vec![(t, 2), (s, 0)]);
+        let opener = common::open_on_next_sync(&dev, open);
+        match destroy {
+            true => alloc.destroy_stream(s).unwrap(),
+            false => alloc.release_stream(s).unwrap(),
+        }
+        let st = alloc.stats();
+        assert_eq!(st.num_host_syncs, 0, "destroy {destroy}");
+        assert_eq!((st.num_device_unmap, st.num_physical_release), (1, 1), "destroy {destroy}");
+        assert_eq!(ranges(&alloc), vec![(t, 2)], "destroy {destroy}: s's range is gone");
+        assert_eq!(dev.live_mappings(), vec![(DeviceAddr(SIM_BASE), 4 * MIB)]);
+        assert_eq!(alloc.reserved_bytes(), 4 * MIB, "t's pages held until unmapped");
+        dev.synchronize().unwrap(); // a host sync of the test's: the gate opens
+        opener.join().unwrap();
+        alloc.check_invariants().unwrap(); // a lock section: the old mapping goes
+        assert_eq!(ranges(&alloc), vec![(t, 0)]);
+        let st = alloc.stats();
+        assert_eq!(st.num_host_syncs, 0);
+        assert_eq!((st.num_device_unmap, st.num_physical_release), (2, 2));
+        consistent(&dev, &alloc);
+        drop(alloc);
+        assert_no_leak(&dev);
+    }
+}

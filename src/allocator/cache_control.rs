@@ -1,6 +1,7 @@
 //! What an application asks of the cache: give it back (`empty_cache`, `release_persistent`),
 //! give one stream's back, or forget a stream (`destroy_stream`).
 
+use super::page_release::Waits;
 use super::*;
 
 impl<D: Device> Allocator<D> {
@@ -108,7 +109,11 @@ impl<D: Device> Allocator<D> {
             }
             sh.flush_stream(&mut st, stream, true);
         }
-        sh.release_segments(&mut st, |s| s.key.stream == stream)?;
+        sh.release_segments_then(
+            &mut st,
+            |s| s.key.stream == stream,
+            Shared::<D>::own_waits(stream),
+        )?;
         sh.free_ranges(&mut st, |k| k.stream == stream);
         drop(st);
         if adopted {
@@ -170,8 +175,28 @@ impl<D: Device> Allocator<D> {
         if let Some(done) = st.pending.remove(&stream) {
             done.into_iter().for_each(|e| Shared::<D>::event_done(&mut st, e));
         }
-        sh.release_segments(&mut st, |s| s.key.stream == stream)?;
+        sh.release_segments_then(
+            &mut st,
+            |s| s.key.stream == stream,
+            Shared::<D>::own_waits(stream),
+        )?;
         sh.free_ranges(&mut st, |k| k.stream == stream);
         Ok(())
+    }
+}
+
+impl<D: Device> Shared<D> {
+    /// The retiring mappings a release of `stream`'s memory (`release_stream`,
+    /// `destroy_stream`) waits for on the host: those of its own ranges and those moved into
+    /// them ([`Waits::For`]), which its pages and its ranges wait on; other streams' are only
+    /// queried, as every lock section's end does. Waiting for all of them blocked the host on
+    /// unrelated streams' work (another stream's trimmed pages retiring behind its kernel),
+    /// and counted a host sync, as a learning run's end did (`adopt_waits_all`).
+    /// BROKEN (`release_stream_waits_all`): every stream's waited for.
+    fn own_waits(stream: StreamId) -> Waits {
+        match cfg!(tidepool_broken = "release_stream_waits_all") {
+            true => Waits::All,
+            false => Waits::For(stream),
+        }
     }
 }

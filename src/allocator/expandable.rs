@@ -278,6 +278,19 @@ impl Vm {
         self.ranges.is_empty()
     }
 
+    /// Whether blocks may be freed into a range under `config`: expandable segments are on, or
+    /// ranges are left from when they were (a `set_config` that switches them off keeps the
+    /// ranges, their blocks and their trims: `release_threshold` and learning runs still give
+    /// their free pages back).
+    /// BROKEN (`switched_off_ranges_cached`): the configuration alone, so the stream caches
+    /// opened to the ranges' frees and kept their pages mapped where `global_lock:true`
+    /// released them.
+    #[inline]
+    pub(super) fn in_play(&self, config: &Config) -> bool {
+        config.expandable_segments
+            || !cfg!(tidepool_broken = "switched_off_ranges_cached") && !self.is_empty()
+    }
+
     /// Whether the end of a lock section has anything to settle here ([`Shared::settle`]): a
     /// live stitch that a free may have released, pages retiring behind an event, a trim to
     /// weigh (`release_threshold`, or a learning run's threshold of 0), or counters to publish.
@@ -659,7 +672,7 @@ impl<D: Device> Shared<D> {
     /// garbage-collection threshold, whose idle age starts at the free (`gc.rs`).
     pub(super) fn large_cacheable(st: &State, config: &Config) -> bool {
         Self::large_cacheable_by(config)
-            && (!config.expandable_segments
+            && (!st.vm.in_play(config)
                 || config.release_threshold == u64::MAX && st.vm.learning.is_empty())
     }
 

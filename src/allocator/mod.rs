@@ -229,7 +229,10 @@ impl<D: Device> Allocator<D> {
         let cache_large = Shared::<D>::large_cacheable_by(&config)
             && (!config.expandable_segments || config.release_threshold == u64::MAX);
         let (config_caching, oversize_at) = (config.caching, config.sizing.max_split_size);
-        let hint = StreamCache::fast_max_of(limits(&config, false), &config.sizing);
+        let hint = StreamCache::fast_max_of(
+            limits(&config, false, config.expandable_segments),
+            &config.sizing,
+        );
         let config = Arc::new(config);
         let shared = Arc::new(Shared {
             device,
@@ -323,7 +326,7 @@ impl<D: Device> Shared<D> {
         sh.passthrough.store(!config.caching, Ordering::Relaxed);
         sh.oversize_at.store(config.sizing.max_split_size, Ordering::Relaxed);
         st.pool.set_oversize_size(config.sizing.max_split_size);
-        sh.configure_lanes(&config, sh.recording.load(Ordering::Relaxed));
+        sh.configure_lanes(&st, &config, sh.recording.load(Ordering::Relaxed));
         sh.flush_all(&mut st);
         // The idle ages count while a collection threshold is in force: from here (after the
         // flush, so that a cache's blocks freed before count as the pool's own: `gc.rs`).

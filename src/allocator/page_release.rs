@@ -27,7 +27,8 @@ pub(super) enum Waits {
     /// All of them.
     All,
     /// Those of this stream's ranges, and those whose chunk moved into one ([`Vm::retires_for`]):
-    /// a learning run's end on the stream (`adopt.rs`), which releases the stream's pages.
+    /// a learning run's end on the stream (`adopt.rs`), which releases the stream's pages, and
+    /// `release_stream` and `destroy_stream`, which release them and its ranges.
     For(StreamId),
 }
 

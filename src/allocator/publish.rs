@@ -157,18 +157,20 @@ impl<D: Device> Shared<D> {
     }
 }
 
-/// What a stream may cache under `config`.
-pub(super) fn limits(config: &Config, recording: bool) -> Limits {
+/// What a stream may cache under `config`, where `ranges` says whether blocks may be freed into
+/// expandable ranges ([`super::expandable::Vm::in_play`]).
+pub(super) fn limits(config: &Config, recording: bool, ranges: bool) -> Limits {
     Limits {
         // Recording the history closes every lane (to hits and frees alike): every operation
         // then takes the slow path, which records it. So does a `release_threshold` over
-        // expandable segments: a free there gives pages back at once, and a block waiting in
-        // a lane is not free in the pool, so its page would stay mapped (large blocks are kept
-        // out of the lanes there for the same reason: `Shared::large_cacheable`).
+        // expandable segments (or over the ranges they left, switched off since): a free
+        // there gives pages back at once, and a block waiting in a lane is not free in the
+        // pool, so its page would stay mapped (large blocks are kept out of the lanes there
+        // for the same reason: `Shared::large_cacheable`).
         // BROKEN (`lanes_under_threshold`): open, small blocks pin their pages.
         enabled: config.fast_path()
             && !recording
-            && (!config.expandable_segments
+            && (!ranges
                 || config.release_threshold == u64::MAX
                 || cfg!(tidepool_broken = "lanes_under_threshold")),
         entries: config.fast_cache_entries,

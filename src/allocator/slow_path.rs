@@ -340,7 +340,7 @@ impl<D: Device> Shared<D> {
     }
 
     /// [`Shared::release_segments`], waiting on the host only for the retiring mappings `waits`
-    /// names (`Waits::For`: a learning run's end, `adopt.rs`).
+    /// names (`Waits::For`: a learning run's end, `adopt.rs`; a stream's release).
     pub(super) fn release_segments_then(
         &self,
         st: &mut State,
@@ -774,7 +774,8 @@ impl<D: Device> Shared<D> {
         }
         let config = self.config.load();
         let recording = self.recording.load(Ordering::Relaxed);
-        let limits = limits(&config, recording && !self.broken(Broken::HistoryLanesOpen));
+        let closed = recording && !self.broken(Broken::HistoryLanesOpen);
+        let limits = limits(&config, closed, st.vm.in_play(&config));
         // Readers that loaded the old table must retry; opened before any lane is re-tagged,
         // so that a reader that sees a new tag fails its collect.
         st.base.touch(&self.stats);

@@ -254,7 +254,7 @@ impl<D: Device> Shared<D> {
         self.recording.store(on, Ordering::Relaxed);
         self.routes.set_recording(on);
         let config = st.config.clone();
-        self.configure_lanes(&config, on);
+        self.configure_lanes(&st, &config, on);
         if on {
             self.flush_all(&mut st);
         }
@@ -265,10 +265,10 @@ impl<D: Device> Shared<D> {
     /// the lanes closed to hits and frees alike (room and size bound 0) while the history is
     /// `recording`. The caller holds the global lock (and flushes what the new bounds leave
     /// out).
-    pub(super) fn configure_lanes(&self, config: &Config, recording: bool) {
+    pub(super) fn configure_lanes(&self, st: &State, config: &Config, recording: bool) {
         self.fast_path.store(config.fast_path() && !recording, Ordering::Relaxed);
         let closed = recording && !self.broken(Broken::HistoryLanesOpen);
-        let lane_limits = limits(config, closed);
+        let lane_limits = limits(config, closed, st.vm.in_play(config));
         let hint = StreamCache::fast_max_of(lane_limits, &config.sizing);
         self.small_hint.store(hint, Ordering::Relaxed);
         for c in self.caches.all().iter() {
