@@ -234,6 +234,17 @@ fn a_second_learning_run_gives_its_freed_pages_back_from_its_opening() {
     assert_no_leak(&dev);
 }
 
+/// Nothing cached, nothing reserved, nothing mapped, after `unmaps` unmaps and as many physical
+/// releases: every page given back.
+fn all_given_back(dev: &SimDevice, alloc: &Allocator<SimDevice>, unmaps: u64, lock: bool) {
+    let st = alloc.stats();
+    assert_eq!(st.cached_fast_bytes, 0, "lock {lock}");
+    assert_eq!(st.blocks.reserved_bytes.all.current, 0, "lock {lock}");
+    assert_eq!((st.num_device_unmap, st.num_physical_release), (unmaps, unmaps), "lock {lock}");
+    assert_eq!(dev.live_mappings(), vec![], "lock {lock}");
+    consistent(dev, alloc);
+}
+
 /// On both paths: `before` leaves free pages mapped on a new stream `s`, then a named scope's
 /// learning run opens on `s`, and the opening's trim gives them back: one unmap, one release,
 /// nothing mapped, nothing left in the stream caches.
@@ -247,12 +258,7 @@ fn learning_run_opening_gives_back(
         let s = dev.create_stream().unwrap();
         before(&alloc, &dev, s, lock);
         let run = alloc.named_scope("step", s);
-        let st = alloc.stats();
-        assert_eq!(st.cached_fast_bytes, 0, "lock {lock}");
-        assert_eq!(st.blocks.reserved_bytes.all.current, 0, "lock {lock}");
-        assert_eq!((st.num_device_unmap, st.num_physical_release), (1, 1), "lock {lock}");
-        assert_eq!(dev.live_mappings(), vec![], "lock {lock}");
-        consistent(&dev, &alloc);
+        all_given_back(&dev, &alloc, 1, lock);
         drop(run);
         drop(alloc);
         assert_no_leak(&dev);
@@ -329,6 +335,22 @@ fn a_refused_unmap_at_destroy_stream_leaves_the_pages_to_release_stream() {
     assert_no_leak(&dev);
 }
 
+/// Under `release_threshold_mb:0`, two new streams `s` and `t`: a 4 MiB block of `t`, at the
+/// range's bottom, written by a kernel of `t` that waits for the gate returned, and freed: its
+/// pages are trimmed at once and retire behind that kernel.
+type Retiring =
+    (Arc<SimDevice>, Allocator<SimDevice>, StreamId, StreamId, std::sync::mpsc::Sender<()>);
+fn retiring_behind_a_kernel() -> Retiring {
+    let (dev, alloc) = setup("release_threshold_mb:0", CAP);
+    let (s, t) = (dev.create_stream().unwrap(), dev.create_stream().unwrap());
+    let b = alloc.alloc(4 * MIB, t).unwrap();
+    assert_eq!(b.ptr(), DeviceAddr(SIM_BASE));
+    let (k, open) = common::gated_write_bytes(b.ptr(), 4 * MIB, 3);
+    dev.launch(t, k).unwrap();
+    drop(b);
+    (dev, alloc, s, t, open)
+}
+
 /// A learning run's end (a named scope's first run) on stream `s` releases `s`'s free pages,
 /// waiting for what retires in `s`'s ranges. A trim of another stream `t`, whose kernel still
 /// runs, retires behind `t`'s event: the run's end only queries it — no host wait for `t`'s
@@ -336,13 +358,7 @@ fn a_refused_unmap_at_destroy_stream_leaves_the_pages_to_release_stream() {
 /// `adopt_waits_all`: the run's end waited on the host for `t`'s kernel.
 #[test]
 fn a_learning_runs_end_waits_for_no_other_streams_retiring_pages() {
-    let (dev, alloc) = setup("release_threshold_mb:0", CAP);
-    let (s, t) = (dev.create_stream().unwrap(), dev.create_stream().unwrap());
-    let b = alloc.alloc(4 * MIB, t).unwrap();
-    assert_eq!(b.ptr(), DeviceAddr(SIM_BASE));
-    let (k, open) = common::gated_write_bytes(b.ptr(), 4 * MIB, 3);
-    dev.launch(t, k).unwrap();
-    drop(b); // trimmed at once: retires behind t's kernel
+    let (dev, alloc, s, t, open) = retiring_behind_a_kernel();
     let retiring = |a: &Allocator<SimDevice>| {
         a.expandable_ranges().iter().map(|r| (r.stream, r.retiring_pages)).collect::<Vec<_>>()
     };
@@ -552,12 +568,7 @@ fn ranges_left_by_switching_expandable_segments_off_still_give_freed_pages_back(
         alloc.set_config(with("release_threshold_mb:0")).unwrap();
         drop(a);
         drop(b);
-        let st = alloc.stats();
-        assert_eq!(st.cached_fast_bytes, 0, "lock {lock}");
-        assert_eq!(st.blocks.reserved_bytes.all.current, 0, "lock {lock}");
-        assert_eq!((st.num_device_unmap, st.num_physical_release), (2, 2), "lock {lock}");
-        assert_eq!(dev.live_mappings(), vec![], "lock {lock}");
-        consistent(&dev, &alloc);
+        all_given_back(&dev, &alloc, 2, lock);
         // The next request takes an ordinary segment: nothing is cached in the ranges.
         let c = alloc.alloc(8 * MIB, s0).unwrap();
         assert_eq!(c.ptr(), DeviceAddr(SIM_BASE + 4 * CAP), "lock {lock}");
@@ -574,12 +585,7 @@ fn ranges_left_by_switching_expandable_segments_off_still_give_freed_pages_back(
         assert_eq!(a.ptr(), DeviceAddr(SIM_BASE));
         alloc.set_config(with("")).unwrap();
         drop(a);
-        let st = alloc.stats();
-        assert_eq!(st.cached_fast_bytes, 0, "lock {lock}");
-        assert_eq!(st.blocks.reserved_bytes.all.current, 0, "lock {lock}");
-        assert_eq!((st.num_device_unmap, st.num_physical_release), (1, 1), "lock {lock}");
-        assert_eq!(dev.live_mappings(), vec![], "lock {lock}");
-        consistent(&dev, &alloc);
+        all_given_back(&dev, &alloc, 1, lock);
         drop(run);
         drop(alloc);
         assert_no_leak(&dev);
@@ -594,13 +600,7 @@ fn ranges_left_by_switching_expandable_segments_off_still_give_freed_pages_back(
 #[test]
 fn a_streams_release_waits_for_no_other_streams_retiring_pages() {
     for destroy in [false, true] {
-        let (dev, alloc) = setup("release_threshold_mb:0", CAP);
-        let (s, t) = (dev.create_stream().unwrap(), dev.create_stream().unwrap());
-        let b = alloc.alloc(4 * MIB, t).unwrap();
-        assert_eq!(b.ptr(), DeviceAddr(SIM_BASE));
-        let (k, open) = common::gated_write_bytes(b.ptr(), 4 * MIB, 3);
-        dev.launch(t, k).unwrap();
-        drop(b); // trimmed at once: retires behind t's kernel
+        let (dev, alloc, s, t, open) = retiring_behind_a_kernel();
         let x = alloc.alloc(6 * MIB, s).unwrap();
         assert_eq!(x.ptr(), DeviceAddr(SIM_BASE + 2 * CAP));
         drop(x); // s is idle: unmapped at once
