@@ -1127,7 +1127,7 @@ fn a_stream_destroyed_elsewhere_is_waited_for_before_its_pages_go() {
 /// while the run is open. (This was a 20 MiB block freed after `set_config` turned expandable
 /// segments off with the threshold kept, which the lanes no longer take: design notes,
 /// "Ranges left by switching expandable segments off".)
-fn with_a_block_cached_over_a_trimmed_range(check: impl FnOnce(&SimDevice, &Allocator<SimDevice>)) {
+fn with_blocks_cached_in_a_learning_run(check: impl FnOnce(&SimDevice, &Allocator<SimDevice>)) {
     let (dev, alloc) = setup("", CAP);
     let s = dev.create_stream().unwrap();
     let run = alloc.named_scope("step", s);
@@ -1151,7 +1151,7 @@ fn with_a_block_cached_over_a_trimmed_range(check: impl FnOnce(&SimDevice, &Allo
 /// of mapped pages the device no longer has.)
 #[test]
 fn a_view_does_not_show_pages_its_flush_lets_go_of() {
-    with_a_block_cached_over_a_trimmed_range(|dev, alloc| {
+    with_blocks_cached_in_a_learning_run(|dev, alloc| {
         let snap = alloc.snapshot();
         assert_eq!(dev.live_mappings(), vec![], "the flush's free was trimmed at once");
         assert_eq!(snap, vec![], "the snapshot shows a run the device no longer maps");
@@ -1166,7 +1166,7 @@ fn a_view_does_not_show_pages_its_flush_lets_go_of() {
 /// `fast_path::memory_summary_has_a_fast_cache_row_and_a_hits_row`.)
 #[test]
 fn the_summary_reads_without_flushing() {
-    with_a_block_cached_over_a_trimmed_range(|dev, alloc| {
+    with_blocks_cached_in_a_learning_run(|dev, alloc| {
         let summary = alloc.memory_summary();
         let cached = summary.lines().find(|l| l.starts_with("| Fast-cached memory")).unwrap();
         assert!(cached.contains("2.00 MiB"), "{cached}");

@@ -446,19 +446,16 @@ fn small_room(segs: &[(usize, SegmentInfo)]) -> BTreeMap<String, (u64, u64, u64)
 /// those lanes (a snapshot's) gives both sides the same outcome and statistics. (Replayed: a
 /// snapshot flushes the lanes, which would move what follows.)
 fn small_drift(case: &Case, ops: &[Op], op: &Op) -> Result<(), String> {
-    let (mut fast, mut locked) = {
-        let mut fast = Side::new(case.configs[0], case.capacity, false);
-        let mut locked = Side::new(case.configs[0], case.capacity, true);
-        for op in ops {
-            if locked.near_room(op, case.capacity.min(case.room)) {
-                fast.complete();
-                locked.complete();
-            }
-            fast.run(op, case.configs);
-            locked.run(op, case.configs);
+    let mut fast = Side::new(case.configs[0], case.capacity, false);
+    let mut locked = Side::new(case.configs[0], case.capacity, true);
+    for op in ops {
+        if locked.near_room(op, case.capacity.min(case.room)) {
+            fast.complete();
+            locked.complete();
         }
-        (fast, locked)
-    };
+        fast.run(op, case.configs);
+        locked.run(op, case.configs);
+    }
     let (a, b) = (segments(&fast), segments(&locked));
     let r = if large_layout(&a) != large_layout(&b) {
         Err("the large segments differed before it".to_string())
@@ -472,16 +469,15 @@ fn small_drift(case: &Case, ops: &[Op], op: &Op) -> Result<(), String> {
             locked.complete();
         }
         let (x, y) = (fast.run(op, case.configs), locked.run(op, case.configs));
-        let same = |p: &Side, q: &Side| {
+        // The statistics the run compares: the allocator's, then each private pool's.
+        let compared = |s: &Side| {
             let active = !case.records;
-            let st = |s: &Side| {
-                let mut v = vec![comparable(s.alloc.stats(), active, case.small)];
-                v.extend(s.pools.iter().map(|p| comparable(p.stats(), active, case.small)));
-                v
-            };
-            st(p) == st(q)
+            let pools = s.pools.iter().map(|p| comparable(p.stats(), active, case.small));
+            std::iter::once(comparable(s.alloc.stats(), active, case.small))
+                .chain(pools)
+                .collect::<Vec<_>>()
         };
-        if x == y && same(&fast, &locked) {
+        if x == y && compared(&fast) == compared(&locked) {
             Ok(())
         } else {
             Err("the small segments left the same room before it, and the step differs after a \
