@@ -1377,3 +1377,43 @@ fn a_new_block_is_counted_reserved_and_handed_out_at_once() {
         pinned.check_invariants().unwrap();
     }
 }
+
+/// A closed allocator's freed block waits for its copy on the host (`drain_closed`), with no
+/// lock held. It used to be taken off the pending list in one lock section and counted out of
+/// `pending_bytes` in another after the wait, so a reader in between (`check_invariants` or
+/// `stats` through a live buffer's handle, on another thread) saw `pending_bytes` count a block
+/// on no pending list. Now it stays on the list until the section that counts it out: the reader
+/// sees it pending, on the list, until its copy ran. Exact: the dropping thread is stopped in
+/// the gap by the gated copy, and the reader reads once the device counted its host wait.
+/// Broken build `pinned_drain_apart` (`pending_bytes is 4096, recount gives 0`).
+#[test]
+fn a_closed_allocators_drain_keeps_a_block_pending_until_it_counts_it_out() {
+    let (dev, alloc, pinned) = setup();
+    let gpu = alloc.alloc(4096, S).unwrap();
+    let open = gate(&dev, S);
+    let mut src = pinned.alloc(4096).unwrap();
+    src.upload(&gpu).unwrap();
+    let keep = pinned.alloc(512).unwrap(); // keeps the allocator up, and reads it
+    drop(pinned); // closed: `src`'s free waits for its upload on the host
+    let before = dev.counters().host_syncs;
+    let dropper = thread::spawn(move || drop(src));
+    while dev.counters().host_syncs == before {
+        thread::yield_now(); // until the dropping thread waits for the upload
+    }
+    let r = keep.allocator();
+    let (checked, s) = (r.check_invariants(), r.stats());
+    // Opened before any assertion: a failed one would hang on the gate as `keep` is dropped.
+    open.send(()).unwrap();
+    dropper.join().unwrap();
+    assert_eq!(checked, Ok(()), "while the drain waits");
+    assert_eq!((s.pending_bytes, s.cached_bytes, s.allocated_bytes.current), (4096, 0, 512));
+    assert_eq!((s.reserved_bytes.current, s.active_bytes.current), (4096 + 512, 4096 + 512));
+    assert_eq!(r.check_invariants(), Ok(()));
+    let s = r.stats();
+    assert_eq!((s.pending_bytes, s.cached_bytes, s.reserved_bytes.current), (0, 0, 512));
+    assert_eq!((s.num_host_free, s.num_host_syncs), (1, 1));
+    assert_eq!(dev.host_reserved_bytes(), 512, "the block went back after its copy");
+    drop(keep);
+    assert_eq!(dev.host_reserved_bytes(), 0);
+    assert_eq!(dev.violations(), vec![]);
+}

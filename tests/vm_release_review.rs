@@ -631,3 +631,56 @@ fn a_streams_release_waits_for_no_other_streams_retiring_pages() {
         assert_no_leak(&dev);
     }
 }
+
+/// Expandable segments and `release_threshold_mb:0`, switched to the threshold alone while
+/// stream `s`'s ranges are left (its pages already given back): the stream caches close while
+/// ranges are left (a block freed into one gives its pages back, which a lane would not). Once
+/// the last range goes — `release_stream(s)` (`how` 0), `destroy_stream(s)` (1), or
+/// `empty_cache` of `s` destroyed on the device (2) — nothing of the configuration closes them:
+/// a small block freed on the default stream waits in its lane, and the next request of its
+/// size is a hit, with no set_config in between. Broken build `lanes_closed_after_ranges`: they
+/// stayed closed until the next `set_config` (every request took the global lock, nothing
+/// cached).
+#[test]
+fn the_stream_caches_open_again_once_the_last_range_left_by_a_switch_goes() {
+    for how in 0..3 {
+        let dev = Arc::new(SimDevice::backed(CAP));
+        let on = Config::parse("expandable_segments:true,release_threshold_mb:0").unwrap();
+        let alloc = Allocator::new(dev.clone(), on).unwrap();
+        let (s0, s) = (StreamId::DEFAULT, dev.create_stream().unwrap());
+        let a = alloc.alloc(8 * MIB, s).unwrap();
+        assert_eq!(a.ptr(), DeviceAddr(SIM_BASE));
+        alloc.set_config(Config::parse("release_threshold_mb:0").unwrap()).unwrap();
+        drop(a); // its pages go back at once; the range stays
+        // The default stream's lanes are made while the range is left: closed.
+        let b = alloc.alloc(MIB / 2, s0).unwrap();
+        drop(b);
+        let st = alloc.stats();
+        assert_eq!((st.cached_fast_bytes, st.locked_allocations), (0, 2), "how {how}");
+        assert_eq!(alloc.expandable_ranges().len(), 1, "how {how}");
+        match how {
+            0 => alloc.release_stream(s).unwrap(),
+            1 => alloc.destroy_stream(s).unwrap(),
+            _ => {
+                dev.destroy_stream(s).unwrap();
+                alloc.empty_cache().unwrap();
+            }
+        }
+        assert_eq!(alloc.expandable_ranges(), vec![], "how {how}");
+        let c = alloc.alloc(MIB / 2, s0).unwrap();
+        let at = c.ptr();
+        drop(c);
+        assert_eq!(alloc.stats().cached_fast_bytes, MIB / 2, "how {how}: c waits in its lane");
+        let d = alloc.alloc(MIB / 2, s0).unwrap();
+        assert_eq!(d.ptr(), at, "how {how}");
+        let st = alloc.stats();
+        assert_eq!((st.cached_fast_bytes, st.locked_allocations), (0, 3), "how {how}: d a hit");
+        // One ordinary small segment, nothing mapped.
+        assert_eq!(st.blocks.reserved_bytes.all.current, 2 * MIB, "how {how}");
+        assert_eq!(dev.live_mappings(), vec![], "how {how}");
+        alloc.check_invariants().unwrap();
+        drop(d);
+        drop(alloc);
+        assert_no_leak(&dev);
+    }
+}

@@ -607,9 +607,11 @@ impl<D: Device> Shared<D> {
             .map(|r| r.base)
             .filter(|&b| !st.vm.stitches.iter().any(|s| s.home == b))
             .collect();
+        let mut freed = false;
         for base in gone {
             let size = st.vm.ranges[&base].size;
             if self.device.vm_free(DeviceAddr(base), size).is_ok() {
+                freed = true;
                 let r = st.vm.ranges.remove(&base).expect("listed");
                 st.vm.spans.retain(|&(b, _)| b != base);
                 st.vm.by_key.remove(&r.key);
@@ -617,6 +619,21 @@ impl<D: Device> Shared<D> {
             }
         }
         self.publish_vm(&mut st.vm);
+        // The last range left by switching expandable segments off is gone: the stream caches
+        // open again as the configuration has them (`Vm::in_play`), as `set_config` would open
+        // them, under this lock. Only a widening (closed lanes open, large blocks cacheable),
+        // so nothing cached needs a flush. Not for a closed allocator (nothing allocates).
+        // BROKEN (`lanes_closed_after_ranges`): closed until the next `set_config`.
+        if freed
+            && st.vm.is_empty()
+            && !st.stash_closed
+            && !st.config.expandable_segments
+            && !cfg!(tidepool_broken = "lanes_closed_after_ranges")
+        {
+            let config = st.config.clone();
+            self.cache_large.store(Self::large_cacheable(st, &config), Ordering::Relaxed);
+            self.configure_lanes(st, &config, self.recording.load(Ordering::Relaxed));
+        }
     }
 
     /// What the ranges still hold on the device as the allocator goes (the calls that would

@@ -46,6 +46,11 @@ impl<D: Device> Inner<D> {
         }
         let mut i = 0;
         while i < st.pending.len() {
+            // A block a closed allocator's drain waits for is the drain's to settle.
+            if st.pending[i].settling {
+                i += 1;
+                continue;
+            }
             let mut done = true;
             for u in &st.pending[i].uses {
                 if !self.use_done(st, u)? {
@@ -335,7 +340,7 @@ impl<D: Device> Inner<D> {
             self.cache_or_free(st, ptr, size);
         } else {
             s.pending_bytes += size;
-            st.pending.push_back(Pending { ptr, size, uses });
+            st.pending.push_back(Pending { ptr, size, uses, settling: false });
         }
         if st.closed {
             drop(guard);
@@ -386,9 +391,42 @@ impl<D: Device> Inner<D> {
 
     /// Waits for the pending blocks' copies and frees every free block (a closed allocator).
     fn drain_closed(&self) {
-        let pending = std::mem::take(&mut self.lock().pending);
-        for p in pending {
-            self.settle(p);
+        // BROKEN (`pinned_drain_apart`): the list taken in one section and each block counted
+        // out of `pending_bytes` in another, after its wait: a reader between them (`stats`,
+        // `check_invariants` through a live buffer's handle) saw it counted pending on no list.
+        #[cfg(tidepool_broken = "pinned_drain_apart")]
+        {
+            let pending = std::mem::take(&mut self.lock().pending);
+            pending.into_iter().for_each(|p| self.settle(p));
+        }
+        // The blocks stay on the list, counted pending, while their uses are waited for with
+        // no lock held; each leaves it in the section that counts it out. Marked, so that no
+        // other drain or poll takes them (nor pools their events) meanwhile.
+        #[cfg(not(tidepool_broken = "pinned_drain_apart"))]
+        {
+            let mut st = self.lock();
+            let taken: Vec<(HostPtr, Vec<Use>)> = (st.pending.iter_mut())
+                .filter(|p| !p.settling)
+                .map(|p| {
+                    p.settling = true;
+                    (p.ptr, p.uses.clone())
+                })
+                .collect();
+            drop(st);
+            for (ptr, uses) in taken {
+                let waited = self.wait_uses(&uses);
+                let mut st = self.lock();
+                let i = st.pending.iter().position(|p| p.ptr == ptr);
+                let i = i.expect("a block marked settling leaves the list only here");
+                match waited {
+                    true => {
+                        let p = st.pending.remove(i).expect("index found");
+                        self.settled(&mut st, p);
+                    }
+                    // Left pending, for a later drain.
+                    false => st.pending[i].settling = false,
+                }
+            }
         }
         let mut st = self.lock();
         if st.closed && !self.capture_forbids_waits_and_frees() {
@@ -402,25 +440,36 @@ impl<D: Device> Inner<D> {
     /// device synchronisation; if that fails too it stays pending, for a later drain (or, when
     /// the allocator goes, leaked rather than freed under a copy).
     fn settle(&self, p: Pending) {
-        let waited = p.uses.iter().all(|u| self.wait_use(u).is_ok())
-            || !self.broken_drop_waits() && self.synchronize().is_ok();
+        let waited = self.wait_uses(&p.uses);
         let mut st = self.lock();
         if waited {
-            st.events.extend(p.uses.iter().filter_map(|u| u.event));
-            st.stats.pending_bytes -= p.size;
-            // No longer active, as `process_events` has it. (BROKEN `settle_keeps_active`:
-            // counted active for good.)
-            if !cfg!(tidepool_broken = "settle_keeps_active") {
-                st.stats.active.decrease(1);
-                st.stats.active_bytes.decrease(p.size);
-            }
-            self.cache_or_free(&mut st, p.ptr, p.size);
+            self.settled(&mut st, p);
         } else if cfg!(tidepool_broken = "settle_drops_pending") {
             // BROKEN: the block leaves the pending list and is never freed.
             st.events.extend(p.uses.iter().filter_map(|u| u.event));
         } else {
             st.pending.push_back(p);
         }
+    }
+
+    /// Waits for every use in `uses` (no lock held); where one cannot be waited for (a device
+    /// error, or a capture underway), for a device synchronisation. Whether that succeeded.
+    fn wait_uses(&self, uses: &[Use]) -> bool {
+        uses.iter().all(|u| self.wait_use(u).is_ok())
+            || !self.broken_drop_waits() && self.synchronize().is_ok()
+    }
+
+    /// A pending block whose uses were all waited for, off the pending list: free.
+    fn settled(&self, st: &mut State, p: Pending) {
+        st.events.extend(p.uses.iter().filter_map(|u| u.event));
+        st.stats.pending_bytes -= p.size;
+        // No longer active, as `process_events` has it. (BROKEN `settle_keeps_active`:
+        // counted active for good.)
+        if !cfg!(tidepool_broken = "settle_keeps_active") {
+            st.stats.active.decrease(1);
+            st.stats.active_bytes.decrease(p.size);
+        }
+        self.cache_or_free(st, p.ptr, p.size);
     }
 
     /// Whether a capture is underway, so no event may be polled nor waited for, and no pinned

@@ -100,6 +100,10 @@ struct Pending {
     ptr: HostPtr,
     size: u64,
     uses: Vec<Use>,
+    /// A closed allocator's drain waits for its uses (no lock held) and takes it off the list
+    /// in the section that counts it out of `pending_bytes` (`Inner::drain_closed`): no other
+    /// drain or poll takes it meanwhile.
+    settling: bool,
 }
 
 /// Everything under the allocator's lock.
