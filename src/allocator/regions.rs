@@ -85,10 +85,15 @@ impl<D: Device> Shared<D> {
     }
 
     /// Stores what a named scope learned on `stream`; the old plan's region is let go (it
-    /// returns to the pool once no escaped buffer holds it).
-    pub(super) fn learn(&self, name: &str, stream: StreamId, learned: Option<Learned>) {
+    /// returns to the pool once no escaped buffer holds it). Nothing for a stream gone since
+    /// the run last saw it there (`seen`, see [`Shared::stream_gone_since`]): asked under the
+    /// plans' lock, which `destroy_stream` takes to forget its plans once it counted it gone.
+    pub(super) fn learn(&self, name: &str, stream: StreamId, learned: Option<Learned>, seen: u64) {
         let old = {
             let mut plans = lock(&self.plans);
+            if self.stream_gone_since(stream, seen) {
+                return;
+            }
             let entry = plan_entry(&mut plans, name, stream);
             entry.learned = learned.map(Arc::new);
             entry.region.take()
