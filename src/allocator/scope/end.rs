@@ -92,8 +92,8 @@ impl<D: Device> Drop for Scope<'_, D> {
         let sh = &self.alloc.shared;
         // Closed under the queue's lock, held to the end: an unbound buffer freed from now on
         // finds the run closed (and any adopted region in place), one freed before is recorded.
-        if self.learning {
-            sh.learning(self.stream, false);
+        if let (Some(name), mark @ 1..) = (&self.name, self.learning) {
+            sh.learning_ends(name, self.stream, mark);
         }
         // (A run without unbound buffers has no queue: nothing can reach it after the exit.)
         let shared = self.shared.get().cloned();

@@ -141,8 +141,9 @@ pub struct Scope<'a, D: Device> {
     /// The plan's script (empty without a plan), where the planned path reads it: no `Option`
     /// to test and no pointer to the plan to follow.
     script: Script,
-    /// Whether this is a learning run over expandable segments (see `Shared::learning`).
-    learning: bool,
+    /// The mark of this learning run over expandable segments (see
+    /// `Shared::learning_opens`), 0 if it is none.
+    learning: u64,
     cursor: Cursor,
     run: RefCell<Run<D>>,
     /// Made by the first unbound allocation (a run without one allocates nothing for it).
@@ -190,7 +191,10 @@ impl<'a, D: Device> Scope<'a, D> {
             }
             None => (None, None, None),
         };
-        let learning = name.is_some() && plan.is_none() && alloc.shared.learning(stream, true);
+        let learning = match (&name, &plan) {
+            (Some(n), None) => alloc.shared.learning_opens(n, stream),
+            _ => 0,
+        };
         let z = &config.sizing;
         let granule =
             match z.min_block_size.is_power_of_two() && z.roundup_power2_divisions.is_off() {
