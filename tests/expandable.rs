@@ -1665,3 +1665,91 @@ fn a_view_lists_no_run_its_own_section_releases() {
     drop(alloc);
     assert_no_leak(&dev);
 }
+
+/// Device calls of 20 allocations of 8 MiB on stream `s`, each freed at once, after a run of
+/// the named scope "step" on `s` (an 8 MiB unbound buffer, freed) — with, before it, a first
+/// (learning) run of the scope that was `mem::forget`-ten (`forget`), which never ends; with
+/// `beside` too, an earlier learning run opened before the forgotten one and ended after it
+/// opened (so the run after them follows the plan it learned): (creates, maps, unmaps,
+/// releases).
+fn allocations_after_a_forgotten_learning_run(forget: bool, beside: bool) -> (u64, u64, u64, u64) {
+    let (dev, alloc) = setup("", CAP);
+    let s = dev.create_stream().unwrap();
+    let run = || {
+        let scope = alloc.named_scope("step", s);
+        drop(scope.alloc_unbound(8 * MIB).unwrap());
+        scope
+    };
+    let earlier = beside.then(run);
+    if forget {
+        std::mem::forget(run());
+    }
+    drop(earlier); // learns the plan the next run follows
+    drop(run()); // learns (again), or follows that plan
+    let before = dev.vm_counters();
+    for _ in 0..20 {
+        drop(alloc.alloc(8 * MIB, s).unwrap());
+    }
+    let v = dev.vm_counters();
+    alloc.check_invariants().unwrap();
+    drop(alloc);
+    assert_no_leak(&dev);
+    (
+        v.creates - before.creates,
+        v.maps - before.maps,
+        v.unmaps - before.unmaps,
+        v.releases - before.releases,
+    )
+}
+
+/// A named scope's learning run gives its stream's freed pages back at once until it ends; a
+/// `mem::forget`-ten one never ended, so every later free on the stream unmapped its pages for
+/// good (20 allocations of 8 MiB: 20 creates, maps and unmaps instead of one create and map).
+/// The stream's learning mark is now one per named scope and stream: the scope's next run
+/// takes it over from the forgotten one, or ends it if it follows a plan (learned by a run
+/// that opened before the forgotten one), so once that run ends the stream keeps its pages as
+/// without the forgotten run. (The broken build
+/// `cfg(tidepool_broken = "forgotten_learning_kept")` counts a mark per run, as before.)
+#[test]
+fn a_forgotten_learning_run_stops_trimming_its_stream_when_the_scope_runs_again() {
+    for (forget, beside) in [(false, false), (true, false), (false, true), (true, true)] {
+        let calls = allocations_after_a_forgotten_learning_run(forget, beside);
+        assert_eq!(calls, (1, 1, 0, 0), "forget {forget}, beside {beside}");
+    }
+}
+
+/// Best-fit searches of 20 allocations of 8 MiB on the default stream, each freed at once,
+/// after stream `t` is destroyed with a first (learning) run of a named scope on it
+/// `mem::forget`-ten (`forget`) or ended.
+fn searches_after_a_stream_destroyed_with_a_forgotten_learning_run(forget: bool) -> u64 {
+    let (dev, alloc) = setup("", CAP);
+    let t = dev.create_stream().unwrap();
+    let scope = alloc.named_scope("step", t);
+    drop(scope.alloc_unbound(8 * MIB).unwrap());
+    match forget {
+        true => std::mem::forget(scope),
+        false => drop(scope),
+    }
+    alloc.destroy_stream(t).unwrap();
+    let before = alloc.stats().best_fit_searches;
+    for _ in 0..20 {
+        drop(alloc.alloc(8 * MIB, StreamId::DEFAULT).unwrap());
+    }
+    let searches = alloc.stats().best_fit_searches - before;
+    alloc.check_invariants().unwrap();
+    drop(alloc);
+    assert_no_leak(&dev);
+    searches
+}
+
+/// While any stream has a learning run open, freed large blocks go to the pool at once instead
+/// of their stream's cache (`Shared::large_cacheable`), on every stream. A learning run
+/// `mem::forget`-ten on a stream that is then destroyed kept that for good: every 8 MiB
+/// allocation on the default stream searched the pool. Destroying the stream now ends the
+/// learning marks of its scopes with their plans: one search, then the stream's cache serves.
+/// (Broken build `forgotten_learning_kept`: 20.)
+#[test]
+fn destroying_a_stream_ends_the_learning_mark_of_a_forgotten_run_on_it() {
+    assert_eq!(searches_after_a_stream_destroyed_with_a_forgotten_learning_run(false), 1);
+    assert_eq!(searches_after_a_stream_destroyed_with_a_forgotten_learning_run(true), 1);
+}

@@ -1492,3 +1492,114 @@ fn a_scope_end_frees_its_cached_blocks_in_address_order() {
         alloc.check_invariants().unwrap();
     }
 }
+
+/// What a scope open on stream `s` sees once `s` is destroyed through the allocator (`elsewhere`:
+/// on another thread) after its first three allocations. `planned`: the second run of a named
+/// scope, served by its learned plan's planned path; else an anonymous scope (the general path),
+/// whose two freed 8 KiB blocks wait in its local cache. Returns the two allocations after the
+/// destruction (bound, unbound), the first buffer still written once it is destroyed, the
+/// statistics at the scope's end, and the device's reserved bytes after `empty_cache`.
+fn scope_across_destroy(planned: bool, elsewhere: bool) -> (AllocError, AllocError, u64, u64) {
+    let (dev, alloc) = setup(1 << 30);
+    let s = dev.create_stream().unwrap();
+    let name = if planned { Some("dead") } else { None };
+    let open = || match name {
+        Some(n) => alloc.named_scope(n, s),
+        None => alloc.scope(s),
+    };
+    if planned {
+        // Run 1 learns: a, b1, b2, free b1, free b2, c, u, free u, free c, free a.
+        let scope = open();
+        let a = scope.alloc(4096).unwrap();
+        let (b1, b2) = (scope.alloc(8192).unwrap(), scope.alloc(8192).unwrap());
+        drop((b1, b2));
+        let c = scope.alloc(8192).unwrap();
+        drop(scope.alloc_unbound(8192).unwrap());
+        drop((c, a));
+    }
+    let hits = alloc.stats().plan_hits;
+    let scope = open();
+    let a = scope.alloc(4096).unwrap();
+    let (b1, b2) = (scope.alloc(8192).unwrap(), scope.alloc(8192).unwrap());
+    drop((b1, b2)); // planned: the plan's next step is c's slice; else both cached locally
+    match elsewhere {
+        true => std::thread::scope(|t| t.spawn(|| alloc.destroy_stream(s)).join().unwrap()),
+        false => alloc.destroy_stream(s),
+    }
+    .unwrap();
+    let bound = scope.alloc(8192).map(|b| b.ptr()).unwrap_err();
+    let unbound = scope.alloc_unbound(8192).map(|b| b.ptr()).unwrap_err();
+    // What the scope handed out before stays valid: written on the default stream.
+    let w = vec![Access { ptr: a.ptr(), bytes: 4096, kind: AccessKind::Write }];
+    dev.launch(S0, Kernel::new("w", w, |_| {})).unwrap();
+    dev.synchronize().unwrap();
+    drop(a);
+    drop(scope);
+    let st = alloc.stats();
+    assert_eq!(st.blocks.allocated_bytes.all.current, 0, "nothing left allocated");
+    assert_eq!((st.plan_hits - hits, st.plan_region_bytes), (if planned { 3 } else { 0 }, 0));
+    alloc.check_invariants().unwrap();
+    // The stream is refused everywhere; the allocator works on.
+    assert_eq!(alloc.alloc(4096, s).map(|b| b.ptr()), Err(AllocError::UnknownStream(s)));
+    let scope = open();
+    assert_eq!(scope.alloc(4096).map(|b| b.ptr()), Err(AllocError::UnknownStream(s)));
+    drop(scope);
+    drop(alloc.alloc(4096, S0).unwrap());
+    alloc.empty_cache().unwrap();
+    let reserved = dev.reserved_bytes();
+    assert_clean_end(&dev, alloc);
+    (bound, unbound, st.plan_fallbacks, reserved)
+}
+
+/// A named scope's run served by its learned plan, open while its stream is destroyed through
+/// the allocator (on the same thread, then on another): its later allocations are refused as
+/// every other allocation on the stream is (`UnknownStream`), where the planned path, and the
+/// general path behind it, went on handing out the plan's slices on the dead stream. The
+/// buffer handed out before stays valid until freed; the run's end learns nothing (the plan
+/// was forgotten with the stream), leaves nothing allocated, and the allocator works on.
+/// (The broken build `cfg(tidepool_broken = "scope_outlives_stream")` serves both.)
+#[test]
+fn a_planned_run_refuses_allocations_once_its_stream_is_destroyed() {
+    for elsewhere in [false, true] {
+        let e = AllocError::UnknownStream(StreamId(1));
+        assert_eq!(scope_across_destroy(true, elsewhere), (e.clone(), e, 1, 0), "{elsewhere}");
+    }
+}
+
+/// As [`a_planned_run_refuses_allocations_once_its_stream_is_destroyed`], for an anonymous
+/// scope (the general path): its local cache served its freed blocks again on the dead stream.
+#[test]
+fn a_scopes_general_path_refuses_allocations_once_its_stream_is_destroyed() {
+    for elsewhere in [false, true] {
+        let e = AllocError::UnknownStream(StreamId(1));
+        assert_eq!(scope_across_destroy(false, elsewhere), (e.clone(), e, 0, 0), "{elsewhere}");
+    }
+}
+
+/// A scope's stream destroyed on the device behind the allocator's back (here by the device
+/// itself; another allocator's `destroy_stream` is the same to this one): nothing tells the
+/// allocator until `release_stream` finds the stream gone and forgets it, and until then the
+/// scope, like the allocator, serves on (its local cache's block; the allocator a fresh one).
+/// From then on both refuse it, and nothing leaks.
+#[test]
+fn a_scope_refuses_a_stream_gone_from_the_device_once_release_stream_forgets_it() {
+    let (dev, alloc) = setup(1 << 30);
+    let s = dev.create_stream().unwrap();
+    let scope = alloc.scope(s);
+    let a = scope.alloc(4096).unwrap();
+    drop((scope.alloc(8192).unwrap(), scope.alloc(8192).unwrap()));
+    dev.destroy_stream(s).unwrap();
+    let b = scope.alloc(8192).unwrap(); // from the local cache: nothing asks the device
+    drop(alloc.alloc(4096, s).unwrap());
+    assert_eq!(alloc.release_stream(s), Ok(()));
+    assert_eq!(scope.alloc(8192).map(|b| b.ptr()), Err(AllocError::UnknownStream(s)));
+    assert_eq!(scope.alloc_unbound(8192).map(|b| b.ptr()), Err(AllocError::UnknownStream(s)));
+    assert_eq!(alloc.alloc(4096, s).map(|b| b.ptr()), Err(AllocError::UnknownStream(s)));
+    drop((a, b));
+    drop(scope);
+    assert_eq!(alloc.stats().blocks.allocated_bytes.all.current, 0);
+    alloc.check_invariants().unwrap();
+    alloc.empty_cache().unwrap();
+    assert_eq!(dev.reserved_bytes(), 0);
+    assert_clean_end(&dev, alloc);
+}

@@ -80,8 +80,13 @@ impl<D: Device> Shared<D> {
         steps: &[Step],
         escapes: &[Escape],
         granule: u64,
+        seen: u64,
     ) -> Option<(Arc<Region>, Vec<Escape>)> {
         let mut plans = lock(&self.plans);
+        // Not over the segments of a stream gone meanwhile (as `Shared::learn`).
+        if self.stream_gone_since(stream, seen) {
+            return None;
+        }
         let entry = super::regions::plan_entry(&mut plans, name, stream);
         if entry.region.is_some() || entry.learned.is_some() {
             return None;

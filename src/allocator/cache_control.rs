@@ -94,6 +94,7 @@ impl<D: Device> Allocator<D> {
         let gone = !sh.broken(Broken::UnknownStreams) && !sh.device.has_stream(stream);
         if gone {
             st.streams.remove(&stream);
+            sh.family.note_gone(); // refused from now on, in open scopes too
         }
         // Cached blocks go back to the pool first (what releasing does anyway), so that only
         // blocks really in use count; the caches of a stream that is gone are closed.
@@ -118,6 +119,7 @@ impl<D: Device> Allocator<D> {
         drop(st);
         if adopted {
             sh.device.destroy_stream(stream)?;
+            sh.family.note_gone();
             // Drained and forgotten by the device: refused from now on, nothing left of it to
             // wait for.
             let mut st = sh.lock_state();
@@ -152,6 +154,9 @@ impl<D: Device> Allocator<D> {
         }
         sh.stream_exists(stream)?;
         sh.device.destroy_stream(stream)?;
+        // Open scopes on it refuse from now on; counted before its plans are forgotten, so a
+        // run that ends meanwhile learns none for it (`Shared::stream_gone_since`).
+        sh.family.note_gone();
         sh.forget_plans(stream);
         let mut st = sh.lock_state();
         st.streams.remove(&stream);

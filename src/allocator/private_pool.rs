@@ -44,6 +44,11 @@ pub(crate) struct Family<D: Device> {
     /// has nothing to wait for, in every pool of the family (a graph pool's buffer used on a
     /// stream the general allocator destroyed). Runs of ids (`destroyed.rs`).
     destroyed: Mutex<DestroyedStreams>,
+    /// Counts the streams an allocator of the family destroyed or forgot as gone from the
+    /// device (`Family::note_gone`): an open scope compares it with the count it last saw, at
+    /// each allocation, and asks the device about its stream when it moved (`Scope`'s
+    /// `gone_seen`).
+    pub(super) gone: AtomicU64,
     next_id: AtomicU64,
     /// What an allocator of the family could not give back to the device as it went.
     pub(super) leftovers: Leftovers,
@@ -73,6 +78,7 @@ impl<D: Device> Default for Family<D> {
             captures: capture::CaptureTable::default(),
             oom_pools: Mutex::new(Vec::new()),
             destroyed: Mutex::new(DestroyedStreams::default()),
+            gone: AtomicU64::new(0),
             next_id: AtomicU64::new(1),
             leftovers: Leftovers::default(),
             graph_holds: Mutex::new(Vec::new()),
@@ -89,6 +95,13 @@ impl<D: Device> Family<D> {
     /// Notes that pool `by` destroyed `stream` through the device (which drained it).
     pub(super) fn note_destroyed(&self, stream: StreamId, by: u64) {
         lock(&self.destroyed).insert(stream, by);
+    }
+
+    /// A stream went from the device (destroyed through an allocator of the family, or found
+    /// gone by `release_stream`): open scopes ask again whether theirs is still there. Called
+    /// once the device no longer has it.
+    pub(super) fn note_gone(&self) {
+        self.gone.fetch_add(1, Ordering::Release);
     }
 
     /// Whether `stream` was destroyed through the family, as pool `me` sees it: any pool's

@@ -76,6 +76,16 @@ impl<D: Device> Shared<D> {
         if foreign.as_ref().is_some_and(|r| r.is_adopted()) {
             p.learned = None;
         }
+        // A run that follows the plan ends the learning mark of an earlier run of the scope
+        // (see `learning_opens`).
+        let stale = p.learned.is_some()
+            && p.learning != 0
+            && !cfg!(tidepool_broken = "forgotten_learning_kept");
+        if stale {
+            p.learning = 0;
+            let mut st = self.lock_state();
+            self.set_learning(&mut st, stream, false);
+        }
         let found = (key, p.learned.clone(), p.region.clone());
         drop(plans);
         if let Some(r) = foreign {
@@ -85,10 +95,15 @@ impl<D: Device> Shared<D> {
     }
 
     /// Stores what a named scope learned on `stream`; the old plan's region is let go (it
-    /// returns to the pool once no escaped buffer holds it).
-    pub(super) fn learn(&self, name: &str, stream: StreamId, learned: Option<Learned>) {
+    /// returns to the pool once no escaped buffer holds it). Nothing for a stream gone since
+    /// the run last saw it there (`seen`, see [`Shared::stream_gone_since`]): asked under the
+    /// plans' lock, which `destroy_stream` takes to forget its plans once it counted it gone.
+    pub(super) fn learn(&self, name: &str, stream: StreamId, learned: Option<Learned>, seen: u64) {
         let old = {
             let mut plans = lock(&self.plans);
+            if self.stream_gone_since(stream, seen) {
+                return;
+            }
             let entry = plan_entry(&mut plans, name, stream);
             entry.learned = learned.map(Arc::new);
             entry.region.take()
@@ -137,21 +152,55 @@ impl<D: Device> Shared<D> {
         Ok(Some(region))
     }
 
-    /// A named scope's learning run opens (`open`) or ends on `stream`: over expandable
-    /// segments the stream's transient pages are then given back as they are freed (see
-    /// `set_learning`). Returns whether it applies (the configuration has expandable segments).
-    pub(super) fn learning(&self, stream: StreamId, open: bool) -> bool {
-        // A run that opened counted goes uncounted whatever the configuration is now (one that
-        // turned expandable segments off meanwhile left the count raised: the stream's pages
-        // were trimmed at every free for good once they were on again).
-        // BROKEN (`learning_count_kept`): the end asks the configuration again.
-        let ask = open || cfg!(tidepool_broken = "learning_count_kept");
-        if ask && !self.config.load().expandable_segments {
-            return false;
+    /// A learning run (no plan yet) of named scope `name` opens on `stream`: over expandable
+    /// segments the stream's transient pages are then given back as they are freed until it
+    /// ends (see `set_learning`). The stream counts one mark per named scope, held by the run
+    /// of it that opened last (`PlanState::learning`): a run that finds an earlier run's mark
+    /// ends it. Nothing tells an earlier run still open from one that was `mem::forget`-ten
+    /// (which never ends: its mark trimmed the stream at every free for good), and two runs
+    /// of one scope on one stream at once learn one plan anyway. Returns the run's mark (never
+    /// 0), or 0 without expandable segments.
+    pub(super) fn learning_opens(&self, name: &str, stream: StreamId) -> u64 {
+        if !self.config.load().expandable_segments {
+            return 0;
         }
+        let mark = self.family.next_id();
+        let mut plans = lock(&self.plans);
+        let earlier = std::mem::replace(&mut plan_entry(&mut plans, name, stream).learning, mark);
         let mut st = self.lock_state();
-        self.set_learning(&mut st, stream, open);
-        true
+        self.set_learning(&mut st, stream, true);
+        // BROKEN (`forgotten_learning_kept`): a mark per run, ended by its run's end only.
+        if earlier != 0 && !cfg!(tidepool_broken = "forgotten_learning_kept") {
+            self.set_learning(&mut st, stream, false);
+        }
+        mark
+    }
+
+    /// The learning run of `name` on `stream` that opened with `mark` ends: its mark ends,
+    /// unless a later run of the scope ended it already (or `destroy_stream` forgot the
+    /// scope's plans on the stream, and the mark with them). A run that opened counted goes
+    /// uncounted whatever the configuration is now (one that turned expandable segments off
+    /// meanwhile left the count raised: the stream's pages were trimmed at every free for good
+    /// once they were on again).
+    /// BROKEN (`learning_count_kept`): the end asks the configuration again.
+    pub(super) fn learning_ends(&self, name: &str, stream: StreamId, mark: u64) {
+        if cfg!(tidepool_broken = "learning_count_kept") && !self.config.load().expandable_segments
+        {
+            return;
+        }
+        let mut plans = lock(&self.plans);
+        let entry = plans.get_mut(name).and_then(|v| v.iter_mut().find(|(s, _)| *s == stream));
+        let own = match entry {
+            Some((_, p)) if p.learning == mark => {
+                p.learning = 0;
+                true
+            }
+            _ => cfg!(tidepool_broken = "forgotten_learning_kept"),
+        };
+        if own {
+            let mut st = self.lock_state();
+            self.set_learning(&mut st, stream, false);
+        }
     }
 
     /// Lets go of the regions of learned plans that nothing else holds — no scope run, planned
@@ -238,28 +287,37 @@ impl<D: Device> Shared<D> {
             idle.push(r);
         }
         plans.retain(|_, streams| {
-            streams.retain(|(_, p)| p.learned.is_some() || p.region.is_some());
+            streams.retain(|(_, p)| p.learned.is_some() || p.region.is_some() || p.learning != 0);
             !streams.is_empty()
         });
         idle
     }
 
     /// Forgets the plans learned on `stream` (destroyed): their regions return to the pool once
-    /// no run or escaped buffer holds them.
+    /// no run or escaped buffer holds them. Their runs' learning marks end (nothing of the
+    /// stream is left to trim).
     pub(super) fn forget_plans(&self, stream: StreamId) {
         let regions: Vec<Arc<Region>> = {
             let mut plans = lock(&self.plans);
             let mut regions = Vec::new();
+            let mut marks = 0;
             for streams in plans.values_mut() {
                 streams.retain_mut(|(s, p)| match *s == stream {
                     true => {
                         regions.extend(p.region.take());
+                        marks += usize::from(p.learning != 0);
                         false
                     }
                     false => true,
                 });
             }
             plans.retain(|_, streams| !streams.is_empty());
+            if marks != 0 && !cfg!(tidepool_broken = "forgotten_learning_kept") {
+                let mut st = self.lock_state();
+                for _ in 0..marks {
+                    self.set_learning(&mut st, stream, false);
+                }
+            }
             regions
         };
         for region in regions {

@@ -765,6 +765,17 @@ impl<D: Device> Shared<D> {
         }
     }
 
+    /// Whether `stream` went from the device since an open scope on it saw the family's count
+    /// of gone streams at `seen` ([`Family::note_gone`]): the device is asked only when that
+    /// count moved.
+    /// BROKEN (`scope_outlives_stream`): never (a scope served on, and learned, on a dead
+    /// stream).
+    pub(super) fn stream_gone_since(&self, stream: StreamId, seen: u64) -> bool {
+        !cfg!(tidepool_broken = "scope_outlives_stream")
+            && self.family.gone.load(Ordering::Acquire) != seen
+            && self.stream_exists(stream).is_err()
+    }
+
     /// Gives `stream` a cache if it has none (it is about to own memory): the lanes of the first
     /// of its slots that has none or whose stream is gone (see `CacheTable`), made now or
     /// re-tagged from the destroyed stream, else unslotted lanes.

@@ -84,6 +84,9 @@ pub(crate) struct Shared<D: Device> {
 pub(super) struct PlanState {
     pub(super) learned: Option<Arc<Learned>>,
     pub(super) region: Option<Arc<Region>>,
+    /// The mark of the learning run of the scope on the stream that holds the stream's
+    /// learning count (`Shared::learning_opens`), 0 if none.
+    pub(super) learning: u64,
 }
 
 /// Scope and plan counters, updated without the allocator's lock, and the two counters of the

@@ -92,8 +92,8 @@ impl<D: Device> Drop for Scope<'_, D> {
         let sh = &self.alloc.shared;
         // Closed under the queue's lock, held to the end: an unbound buffer freed from now on
         // finds the run closed (and any adopted region in place), one freed before is recorded.
-        if self.learning {
-            sh.learning(self.stream, false);
+        if let (Some(name), mark @ 1..) = (&self.name, self.learning) {
+            sh.learning_ends(name, self.stream, mark);
         }
         // (A run without unbound buffers has no queue: nothing can reach it after the exit.)
         let shared = self.shared.get().cloned();
@@ -112,6 +112,10 @@ impl<D: Device> Drop for Scope<'_, D> {
         self.reclaim_forgotten(&steps, followed);
         let hits = self.plan_hits();
         let recording = self.recording_now();
+        // Nothing is learned for a stream that went (its plans were forgotten with it).
+        let gone = self.gone.load(Ordering::Acquire) != self.gone_seen.get()
+            && self.recheck_stream().is_err();
+        let seen = self.gone_seen.get();
         let run = self.run.get_mut();
         // Pool buffers of forgotten scoped buffers: freed now, before the pool is looked at.
         run.held.clear();
@@ -144,7 +148,7 @@ impl<D: Device> Drop for Scope<'_, D> {
         if self.plan.is_some() && !followed {
             c.plan_fallbacks.fetch_add(1, Ordering::Relaxed);
         }
-        let learner = if followed || recording { None } else { self.name.as_deref() };
+        let learner = if followed || recording || gone { None } else { self.name.as_deref() };
         #[cfg(tidepool_broken = "adopt")]
         drop(st); // BROKEN: an escape freed now finds the run closed and no region yet.
         let adopted = match (learner, &self.plan) {
@@ -155,7 +159,7 @@ impl<D: Device> Drop for Scope<'_, D> {
                     .filter(|e| e.live)
                     .filter_map(|e| Some(Escape { block: e.block?, ptr: e.ptr, size: e.size }))
                     .collect();
-                sh.adopt_region(name, self.stream, &steps, &escapes, self.granule)
+                sh.adopt_region(name, self.stream, &steps, &escapes, self.granule, seen)
             }
             _ => None,
         };
@@ -175,7 +179,8 @@ impl<D: Device> Drop for Scope<'_, D> {
             },
             (None, Some(name)) => {
                 let align = sh.config.load().sizing.min_block_size;
-                sh.learn(name, self.stream, Learned::from_steps(&steps, align, self.granule));
+                let learned = Learned::from_steps(&steps, align, self.granule);
+                sh.learn(name, self.stream, learned, seen);
             }
             (None, None) => {}
         }

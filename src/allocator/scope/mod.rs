@@ -68,6 +68,8 @@ const ZERO_ID: u64 = u64::MAX;
 /// Set in `Cursor::pos` while the planned path may not serve: no script position is that large,
 /// so the planned path's one bounds check fails.
 const FAST_OFF: usize = 1 << (usize::BITS - 1);
+/// `Scope::gone_seen` of a scope whose stream is gone: a count the family never reaches.
+const DEAD: u64 = u64::MAX;
 /// What the general path returns instead of an id when it failed (no id is 0: a planned
 /// buffer's free is never a run's first step); the error waits in `Scope::error`.
 const FAILED: u64 = 0;
@@ -110,6 +112,14 @@ pub struct Scope<'a, D: Device> {
     /// guard or a capture may begin on the stream, or recording start, on any thread, while
     /// the scope is open.
     route_mask: &'a AtomicU64,
+    /// The family's count of streams gone from the device (`Family::gone`), and the count as
+    /// this scope last saw it with its stream there, or `DEAD` once the stream is known gone
+    /// (or was never there): while they differ (a stream went, maybe this one, on any
+    /// thread), the planned path stands aside and the general path asks the device again
+    /// (`Scope::check_stream`). One word for both: the general path's check of the stream is
+    /// one comparison.
+    gone: &'a AtomicU64,
+    gone_seen: Cell<u64>,
     /// The rounding granule when this run's size rules round every request up to a multiple
     /// of it and nothing else (the default rules): the planned path then checks a request
     /// against the plan's rounded size with one subtraction. 0 otherwise.
@@ -126,16 +136,14 @@ pub struct Scope<'a, D: Device> {
     annotation: Option<(std::sync::Arc<str>, super::history::Ring)>,
     /// The configuration as of opening: every request of the run is rounded the same way.
     config: Arc<Config>,
-    /// Whether the device had the stream when the scope opened (if not, every allocation is
-    /// refused with [`AllocError::UnknownStream`]).
-    stream_ok: bool,
     /// The plan this run follows while its steps repeat it.
     plan: Option<Arc<Learned>>,
     /// The plan's script (empty without a plan), where the planned path reads it: no `Option`
     /// to test and no pointer to the plan to follow.
     script: Script,
-    /// Whether this is a learning run over expandable segments (see `Shared::learning`).
-    learning: bool,
+    /// The mark of this learning run over expandable segments (see
+    /// `Shared::learning_opens`), 0 if it is none.
+    learning: u64,
     cursor: Cursor,
     run: RefCell<Run<D>>,
     /// Made by the first unbound allocation (a run without one allocates nothing for it).
@@ -183,7 +191,10 @@ impl<'a, D: Device> Scope<'a, D> {
             }
             None => (None, None, None),
         };
-        let learning = name.is_some() && plan.is_none() && alloc.shared.learning(stream, true);
+        let learning = match (&name, &plan) {
+            (Some(n), None) => alloc.shared.learning_opens(n, stream),
+            _ => 0,
+        };
         let z = &config.sizing;
         let granule =
             match z.min_block_size.is_power_of_two() && z.roundup_power2_divisions.is_off() {
@@ -194,7 +205,10 @@ impl<'a, D: Device> Scope<'a, D> {
             && plan.as_ref().is_some_and(|p| p.granule == granule)
             && (!alloc.shared.device.observes_handouts()
                 || alloc.shared.broken(super::Broken::PlannedUnobserved));
+        // Read before the device is asked: a stream destroyed after the answer moves it.
+        let gone_seen = alloc.shared.family.gone.load(Ordering::Acquire);
         let stream_ok = alloc.shared.stream_exists(stream).is_ok();
+        let gone_seen = if stream_ok { gone_seen } else { DEAD };
         // A plan whose region exists is claimed now, so the run's first allocation is planned
         // too (one that must make its region makes it at its first planned allocation).
         let region = match region {
@@ -214,13 +228,14 @@ impl<'a, D: Device> Scope<'a, D> {
                 .shared
                 .routes
                 .mask_word(alloc.shared.broken(super::Broken::PlannedStaleRoutes)),
+            gone: &alloc.shared.family.gone,
+            gone_seen: Cell::new(gone_seen),
             granule,
             fast_ok,
             stream,
             name,
             annotation,
             config,
-            stream_ok,
             cursor: Cursor {
                 pos: Cell::new(if on { 0 } else { FAST_OFF }),
                 following: Cell::new(plan.is_some()),
@@ -341,9 +356,14 @@ impl<'a, D: Device> Scope<'a, D> {
         // The plan's next step is an allocation that `bytes` rounds to (see `Entry`; the plan's
         // granule is the run's, `fast_ok`), and no stream is routed (the mask is then all ones,
         // above any span). A zero-byte request never matches.
+        // No stream went from the device since the scope last saw its own there (else the
+        // general path asks whether it was this one; a stream known gone never matches).
+        // BROKEN (`scope_outlives_stream`): not looked at.
         // While a capture is underway on the device, the general path asks whose it is.
         // BROKEN (`foreign_capture_served`, and `foreign_capture_hit` alone): not asked.
         if size.wrapping_sub(bytes) | self.route_mask.load(Ordering::Relaxed) >= span
+            || (!cfg!(tidepool_broken = "scope_outlives_stream")
+                && self.gone.load(Ordering::Relaxed) != self.gone_seen.get())
             || (!cfg!(tidepool_broken = "foreign_capture_served")
                 && !cfg!(tidepool_broken = "foreign_capture_hit")
                 && self.alloc.shared.device.capture_underway())
@@ -506,9 +526,12 @@ impl<'a, D: Device> Scope<'a, D> {
         Ok(index)
     }
 
-    /// Refuses every allocation of a scope opened on a stream the device did not have. (The
-    /// planned path needs the region, which such a scope never claims, so it never gets that
-    /// far.)
+    /// Refuses every allocation of a scope opened on a stream the device did not have, or whose
+    /// stream went since (destroyed through an allocator of the family, or forgotten by
+    /// `release_stream` once gone from the device; one destroyed on the device behind the
+    /// allocators' backs is served on until then, as the allocator serves it). (The planned
+    /// path needs the region, which such a scope never claims, and stands aside once a
+    /// stream went, so it never gets that far.)
     #[inline]
     fn check_stream(&self) -> Result<(), AllocError> {
         let sh = &self.alloc.shared;
@@ -523,10 +546,27 @@ impl<'a, D: Device> Scope<'a, D> {
         {
             return Err(AllocError::ForeignCapture { stream: self.stream, origin });
         }
-        match self.stream_ok {
+        match self.gone.load(Ordering::Relaxed) == self.gone_seen.get() {
             true => Ok(()),
-            false => Err(AllocError::UnknownStream(self.stream)),
+            false => self.recheck_stream(),
         }
+    }
+
+    /// A stream went from the device since the scope last looked (`gone`), or its own is known
+    /// gone (`DEAD`): whether it is this scope's. If so the scope serves nothing more, as every
+    /// other allocation on the stream is refused once the allocator destroyed or forgot it;
+    /// what it handed out stays valid. (`DEAD` never matches the count, so the planned path
+    /// stands aside for good.)
+    #[cold]
+    fn recheck_stream(&self) -> Result<(), AllocError> {
+        let seen = self.gone_seen.get();
+        let now = self.gone.load(Ordering::Acquire);
+        if seen != DEAD && !self.alloc.shared.stream_gone_since(self.stream, seen) {
+            self.gone_seen.set(now);
+            return Ok(());
+        }
+        self.gone_seen.set(DEAD);
+        Err(AllocError::UnknownStream(self.stream))
     }
 
     #[inline]
