@@ -2,9 +2,12 @@
 //! its own checks) are refused with a clear error by `Allocator::new` and `set_config`, and the
 //! allocator refusing them keeps working and leaks nothing.
 
+mod common;
+
 use std::sync::Arc;
+use tidepool::device::{AccessKind, Launch};
 use tidepool::{
-    AllocError, Allocator, Config, ConfigError, MAX_REQUEST, SimDevice, Sizing, StreamId,
+    AllocError, Allocator, Config, ConfigError, Device, MAX_REQUEST, SimDevice, Sizing, StreamId,
 };
 
 /// A large (own-segment) request and a small one succeed, and once freed and the cache
@@ -126,4 +129,82 @@ fn expandable_segments_over_a_huge_device_reserve_at_most_the_largest_request() 
     still_works(&dev, &alloc);
     alloc.release_persistent().unwrap();
     assert_eq!((dev.live_physical(), dev.physical_bytes()), (0, 0));
+}
+
+/// A configuration refused while blocks are live, waiting in a stream cache and pending behind
+/// another stream's use changes nothing: the string form is refused by the parser (the
+/// configuration it was applied to unchanged), the same rules broken field by field are
+/// refused by `set_config` before it touches anything (the stream caches are not flushed: the
+/// cached block is still a lock-free hit), and nothing leaks.
+#[test]
+fn a_refused_configuration_leaves_live_cached_and_pending_blocks_as_they_were() {
+    let dev = Arc::new(SimDevice::new(1 << 30));
+    let alloc = Allocator::new(dev.clone(), Config::default()).unwrap();
+    let s = StreamId::DEFAULT;
+    let other = dev.create_stream().unwrap();
+    let live = alloc.alloc(30 << 20, s).unwrap();
+    let pending = alloc.alloc(8 << 20, s).unwrap();
+    let (kernel, gate) = common::gated(pending.ptr(), 8 << 20, AccessKind::Read);
+    dev.launch(other, kernel).unwrap();
+    pending.record_stream(other).unwrap();
+    drop(pending); // waits for an event behind the gated kernel on `other`
+    let small = alloc.alloc(4096, s).unwrap();
+    drop(small); // waits in the stream's cache
+    let (config, stats) = (alloc.config(), alloc.stats());
+    assert_eq!(stats.cached_fast_bytes, 4096);
+    assert_eq!(stats.blocks.active_bytes.all.current, (30 << 20) + (8 << 20));
+    let bad_value = |key: &str, value: &str, expected: &str| ConfigError::BadValue {
+        key: key.into(),
+        value: value.into(),
+        expected: expected.into(),
+    };
+    for (s, error) in [
+        ("bogus_key:1", ConfigError::UnknownKey("bogus_key".into())),
+        (
+            "max_split_size_mb:abc",
+            bad_value("max_split_size_mb", "abc", "a whole number of MiB, at least 1"),
+        ),
+        (
+            "garbage_collection_threshold:1",
+            bad_value("garbage_collection_threshold", "1", "a number in (0, 1)"),
+        ),
+        (
+            "roundup_power2_divisions:[64:8",
+            ConfigError::Malformed("`[` without `]` in `roundup_power2_divisions:[64:8`".into()),
+        ),
+        ("expandable_segments", ConfigError::Malformed("expandable_segments".into())),
+        (
+            "max_split_size_mb:10",
+            ConfigError::Inconsistent(
+                "max_split_size_mb (10 MiB) must be at least large_segment_mb (20 MiB)".into(),
+            ),
+        ),
+    ] {
+        let mut c = (*config).clone();
+        assert_eq!(c.apply(s), Err(error), "{s}");
+        assert_eq!(c, *config, "{s}");
+    }
+    type Spoil = fn(&mut Config);
+    let refused: [(Spoil, &str); 3] = [
+        (|c| c.fast_cache_entries = 0, "fast_cache_entries must be at least 1"),
+        (|c| c.memory_fraction = Some(1.5), "per_process_memory_fraction 1.5 is not in [0, 1]"),
+        (
+            |c| (c.caching, c.expandable_segments) = (false, true),
+            "caching:false (every free returns its memory to the device) cannot be combined \
+             with expandable_segments",
+        ),
+    ];
+    for (spoil, why) in refused {
+        let mut bad = (*config).clone();
+        spoil(&mut bad);
+        assert_eq!(alloc.set_config(bad), Err(ConfigError::Inconsistent(why.into())));
+        assert_eq!(*alloc.config(), *config);
+        assert_eq!(alloc.stats(), stats);
+    }
+    let locked = alloc.stats().locked_allocations;
+    let hit = alloc.alloc(4096, s).unwrap();
+    assert_eq!(alloc.stats().locked_allocations, locked);
+    drop((hit, live));
+    gate.send(()).unwrap();
+    still_works(&dev, &alloc);
 }

@@ -1180,3 +1180,35 @@ fn a_locked_pop_tops_the_lanes_credit_up_under_the_peak() {
     drop(alloc);
     assert!(dev.live_segments().is_empty());
 }
+
+/// A large-pool block handed out before a `set_config` raised `small_size` to its class, and
+/// freed after, waited in its stream's first lane under that class, so the next small request
+/// of the class was a hit on it: a small request served by a large-pool block (counted in the
+/// large pool) where the pool places it in a small segment (found by the differential
+/// harness, `switching_sizing_mixed` seed 767). It goes to the pool now.
+#[test]
+fn a_large_block_freed_after_small_size_grew_past_it_serves_no_small_request() {
+    let (dev, alloc) = setup("", 1 << 30);
+    let large = alloc.alloc(2 * MIB, S0).unwrap();
+    assert_eq!(alloc.stats().blocks.allocation.large_pool.current, 1);
+    let at = large.ptr();
+    alloc.set_config(Config::parse("small_size_mb:2,small_segment_mb:4").unwrap()).unwrap();
+    drop(large);
+    let small = alloc.alloc(2 * MIB, S0).unwrap();
+    let s = alloc.stats();
+    assert_eq!(
+        (s.blocks.allocation.small_pool.current, s.blocks.allocation.large_pool.current),
+        (1, 0)
+    );
+    // A new 4 MiB small segment beside the 20 MiB large one, which is wholly free again.
+    assert_ne!(small.ptr(), at);
+    assert_eq!(s.blocks.reserved_bytes.small_pool.current, 4 * MIB);
+    assert_eq!(s.blocks.reserved_bytes.large_pool.current, 20 * MIB);
+    assert_eq!(s.cached_fast_bytes, 0);
+    let segs = alloc.snapshot();
+    let large_seg = segs.iter().find(|g| g.pool == PoolKind::Large).unwrap();
+    assert_eq!(large_seg.blocks.len(), 1);
+    assert_eq!(large_seg.blocks[0].state, BlockState::Free);
+    drop(small);
+    check(&dev, &alloc);
+}

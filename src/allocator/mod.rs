@@ -299,6 +299,15 @@ impl<D: Device> Allocator<D> {
     /// limits. As PyTorch's `_set_allocator_settings` does for every pool of the device, the
     /// allocator's private pools ([`MemPool`], CUDA graphs' pools) take it too (with no initial
     /// pool of their own).
+    ///
+    /// What is already reserved stays as it is: the size rules (segment sizes, `small_size`,
+    /// `min_block_size`, rounding) apply to requests and segments from now on, and segments of
+    /// the old sizes go on serving what fits them (a free block carved at a finer
+    /// `min_block_size` is handed out whole where the rest past a request is under the new
+    /// one); a cap lowered below the reserved bytes releases nothing at once, but a request
+    /// that needs a new segment then climbs the out-of-memory ladder and fails if it still
+    /// does not fit; `initial_pool_size` is reserved only by [`Allocator::new`], and the
+    /// initial pool it reserved is kept whatever the new configuration says.
     pub fn set_config(&self, config: Config) -> Result<(), crate::config::ConfigError> {
         config.validate()?;
         // BROKEN (`config_race`): the general allocator's and the pools' apart.

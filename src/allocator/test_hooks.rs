@@ -97,3 +97,11 @@ impl<D: Device> Allocator<D> {
         self.shared.lock_count.load(Ordering::Relaxed)
     }
 }
+
+impl<D: Device> MemPool<D> {
+    /// **Test only.** [`Allocator::poll_events`] for the pool: its own pending frees (a
+    /// lock-free hit from one of its stream caches polls none either).
+    pub fn poll_events(&self) -> usize {
+        self.alloc.poll_events()
+    }
+}

@@ -463,6 +463,16 @@ impl StreamCache {
         if used + b.size > inner.room || large && inner.large > 0 || !inner.serves(stream) {
             return Err(b);
         }
+        // A large block whose class a small request now rounds to (a `set_config` raised
+        // `small_size` since it was handed out) goes to the pool: in the lane a small hit of
+        // that class would hand the large-pool block out (the hit looks at the class only).
+        // BROKEN (`large_in_small_class`): cached, and handed out for a small request.
+        if large
+            && class.rounded <= inner.small_max
+            && !cfg!(tidepool_broken = "large_in_small_class")
+        {
+            return Err(b);
+        }
         if !inner.push_to_class(class, b) {
             return Err(b);
         }
