@@ -766,7 +766,7 @@ impl<D: Device> Shared<D> {
     }
 
     /// Whether `stream` went from the device since an open scope on it saw the family's count
-    /// of gone streams at `seen` ([`Family::note_gone`]): the device is asked only when that
+    /// of gone streams at `seen` (`Family::note_gone`): the device is asked only when that
     /// count moved.
     /// BROKEN (`scope_outlives_stream`): never (a scope served on, and learned, on a dead
     /// stream).
