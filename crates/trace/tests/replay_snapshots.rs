@@ -210,6 +210,83 @@ fn tidepool_dump_snapshot_reads_back() {
     drop(weights);
 }
 
+/// tidepool's dump reads back with PyTorch's reserved figures exact through what moves them in
+/// a window, under expandable segments (maps and unmaps), stitching and the global lock too: a
+/// free waiting on another stream's kernel, a private pool's segments (the family's reserved
+/// bytes), an out-of-memory failure whose ladder releases cached segments, `empty_cache` of
+/// the allocator and of the pool, and the pool dropped. Each dump validates; reserved at its
+/// start is what the allocator held when recording began, and at the snapshot what the family
+/// holds.
+#[test]
+fn tidepool_dumps_read_back_with_the_familys_reserved_bytes() {
+    use std::sync::{Arc, mpsc};
+    use tidepool::device::{Access, AccessKind, Kernel, Launch};
+    use tidepool::{AllocError, StreamId};
+    use tidepool::{Allocator, Config, Device, HistoryOptions, MemPool, PoolOptions, SimDevice};
+
+    for conf in [
+        "",
+        "expandable_segments:true",
+        "expandable_segments:true,expandable_stitching:true",
+        "global_lock:true",
+    ] {
+        let dev = Arc::new(SimDevice::new(512 * MIB));
+        let alloc = Allocator::new(dev.clone(), Config::parse(conf).unwrap()).unwrap();
+        let s = dev.create_stream().unwrap();
+        let read = alloc.alloc(10 * MIB, s).unwrap();
+        let small = alloc.alloc(700, s).unwrap();
+        let big = alloc.alloc(30 * MIB, StreamId::DEFAULT).unwrap();
+        let at_start = alloc.reserved_bytes();
+        alloc.record_history(HistoryOptions::new(1000));
+        let check = |at: &str, pools: &[&MemPool<SimDevice>]| {
+            let traces =
+                read_traces_bytes(&alloc.snapshot_pickle(), &ReadOptions::default()).unwrap();
+            traces[0].validate().unwrap_or_else(|e| panic!("{conf:?} {at}: {e:?}"));
+            let r = &traces[0].snapshot.as_ref().unwrap().reserved;
+            let pooled: u64 =
+                pools.iter().map(|p| p.stats().blocks.reserved_bytes.all.current).sum();
+            let family = alloc.reserved_bytes() + pooled;
+            assert_eq!(
+                (r.consistent, r.at_start, r.at_snapshot),
+                (true, at_start, family),
+                "{conf:?} {at}"
+            );
+        };
+        let pool = alloc.new_pool(PoolOptions::default()).unwrap();
+        let in_pool = {
+            let _guard = alloc.use_pool(&pool, s).unwrap();
+            drop(alloc.alloc(50 * MIB, s).unwrap()); // cached in the pool
+            alloc.alloc(5 * MIB, s).unwrap()
+        };
+        drop(small);
+        // (Made after the pool: a failed check drops the gate first, so the kernel ends
+        // before the pool's release waits for the device.)
+        let (open, gate) = mpsc::channel::<()>();
+        let acc = vec![Access { ptr: read.ptr(), bytes: read.len(), kind: AccessKind::Read }];
+        let kernel = Kernel::new("gated", acc, move |_| {
+            let _ = gate.recv();
+        });
+        dev.launch(StreamId::DEFAULT, kernel).unwrap();
+        read.record_stream(StreamId::DEFAULT).unwrap();
+        drop(read); // pending until the kernel ends
+        check("a free pending, a pool", &[&pool]);
+        open.send(()).unwrap();
+        dev.synchronize().unwrap();
+        drop(big);
+        let held: Vec<_> = (0..6).map(|i| alloc.alloc((20 + i) * MIB, s).unwrap()).collect();
+        let failed = alloc.alloc(400 * MIB, s);
+        assert!(matches!(failed, Err(AllocError::OutOfMemory(_))), "{conf:?}");
+        check("out of memory", &[&pool]);
+        drop(held);
+        alloc.empty_cache().unwrap();
+        drop(in_pool);
+        pool.empty_cache().unwrap();
+        check("emptied", &[&pool]);
+        drop(pool);
+        check("the pool dropped", &[]);
+    }
+}
+
 /// A snapshot of an allocator configured with PyTorch's per-interval `roundup_power2_divisions`
 /// and expandable segments records both in PyTorch's form (a dict of interval → divisions,
 /// `expandable_segments` True), and `--config from-snapshot` maps them back to the same
