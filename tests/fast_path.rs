@@ -1212,3 +1212,49 @@ fn a_large_block_freed_after_small_size_grew_past_it_serves_no_small_request() {
     drop(small);
     check(&dev, &alloc);
 }
+
+/// The window of the test above: between the lanes taking a raised `small_size` and their
+/// flush (one lock section of `set_config`), a lock-free small hit on another thread finds the
+/// large block cached before the call under what is now a small class. The hit must pass it
+/// over (the flush then returns it to the pool).
+#[test]
+fn a_small_hit_racing_set_config_takes_no_large_block() {
+    // (The lock-free hit serves with the sanitizer's hooks off only.)
+    let (dev, alloc) = quiet("");
+    let large = alloc.alloc(2 * MIB, S0).unwrap();
+    let at = large.ptr();
+    drop(large);
+    // Served again from the lane, which holds the block and the credit of its class after.
+    let again = alloc.alloc(2 * MIB, S0).unwrap();
+    assert_eq!(again.ptr(), at);
+    drop(again);
+    // (No `stats()` here: a read takes the lanes' credit back, and the hit would need the lock.)
+    let (tx, rx) = std::sync::mpsc::channel();
+    let racer = alloc.clone();
+    alloc.before_next_flush(move || {
+        // (Sent out whole: its drop here would wait for the lock the call holds.)
+        tx.send(racer.hit_only(2 * MIB, S0)).unwrap();
+    });
+    alloc.set_config(Config::parse("small_size_mb:2,small_segment_mb:4").unwrap()).unwrap();
+    // The hit in the window missed: the block went back to the pool with the flush.
+    let hit = rx.recv().unwrap();
+    assert_eq!(hit.as_ref().map(|b| b.ptr()), None, "a small hit took the large block");
+    let s = alloc.stats();
+    assert_eq!(s.cached_fast_bytes, 0);
+    assert_eq!(s.blocks.allocation.large_pool.current, 0);
+    let small = alloc.alloc(2 * MIB, S0).unwrap();
+    let s = alloc.stats();
+    assert_eq!(
+        (s.blocks.allocation.small_pool.current, s.blocks.allocation.large_pool.current),
+        (1, 0)
+    );
+    assert_ne!(small.ptr(), at);
+    assert_eq!(s.blocks.reserved_bytes.small_pool.current, 4 * MIB);
+    assert_eq!(s.blocks.reserved_bytes.large_pool.current, 20 * MIB);
+    let segs = alloc.snapshot();
+    let large_seg = segs.iter().find(|g| g.pool == PoolKind::Large).unwrap();
+    assert_eq!(large_seg.blocks.len(), 1);
+    assert_eq!(large_seg.blocks[0].state, BlockState::Free);
+    drop(small);
+    check(&dev, &alloc);
+}

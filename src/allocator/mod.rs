@@ -253,6 +253,8 @@ impl<D: Device> Allocator<D> {
             broken_skip_events: AtomicBool::new(false),
             #[cfg(feature = "test-hooks")]
             broken: AtomicU64::new(0),
+            #[cfg(feature = "test-hooks")]
+            in_config_window: Mutex::new(None),
             plans: Mutex::new(regions::Plans::default()),
             scope_counters: ScopeCounters::default(),
             lock_count: AtomicU64::new(0),
@@ -336,6 +338,10 @@ impl<D: Device> Shared<D> {
         sh.oversize_at.store(config.sizing.max_split_size, Ordering::Relaxed);
         st.pool.set_oversize_size(config.sizing.max_split_size);
         sh.configure_lanes(&st, &config, sh.recording.load(Ordering::Relaxed));
+        #[cfg(feature = "test-hooks")]
+        if let Some(window) = lock(&sh.in_config_window).take() {
+            window();
+        }
         sh.flush_all(&mut st);
         // The idle ages count while a collection threshold is in force: from here (after the
         // flush, so that a cache's blocks freed before count as the pool's own: `gc.rs`).

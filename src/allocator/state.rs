@@ -36,6 +36,10 @@ pub(crate) struct Shared<D: Device> {
     /// Test-only deliberate bugs (`broken.rs`), one bit per [`Broken`] mode.
     #[cfg(feature = "test-hooks")]
     pub(super) broken: AtomicU64,
+    /// Test only: what the next `set_config` runs between the lanes' new bounds and their
+    /// flush ([`Allocator::before_next_flush`]).
+    #[cfg(feature = "test-hooks")]
+    pub(super) in_config_window: Mutex<Option<Box<dyn FnOnce() + Send>>>,
     /// Whether the memory history is recorded (then every operation takes the slow path).
     pub(super) recording: AtomicBool,
     /// Whether a freed large block may wait in its stream's cache: not with expandable segments,

@@ -91,6 +91,20 @@ impl<D: Device> Allocator<D> {
         before - st.pending_count.len()
     }
 
+    /// **Test only.** Runs `window` once, in the next [`Allocator::set_config`]'s lock section
+    /// between the lanes taking the new bounds and their flush: a stand-in for another
+    /// thread's lock-free hit racing the call. `window` runs under the global lock, so it may
+    /// only try hits ([`Allocator::hit_only`]); the slow path would wait for that lock.
+    pub fn before_next_flush(&self, window: impl FnOnce() + Send + 'static) {
+        *lock(&self.shared.in_config_window) = Some(Box::new(window));
+    }
+
+    /// **Test only.** The lock-free small hit alone: the buffer a lane hands out for `bytes`
+    /// on `stream`, or `None` where the allocation would go on to the rest of the path.
+    pub fn hit_only(&self, bytes: u64, stream: StreamId) -> Option<Buffer<D>> {
+        self.hit(bytes, stream, Residency::Transient)
+    }
+
     /// **Test only.** How many times the global lock has been taken so far (tests use it to
     /// prove that the fast path does not take it).
     pub fn global_lock_acquisitions(&self) -> u64 {

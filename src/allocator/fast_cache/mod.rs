@@ -585,11 +585,16 @@ impl StreamCache {
         if rounded > g.small_max {
             return (Pop::Miss, 0, false);
         }
+        // A small request takes small-pool blocks only. A large block sits under a small
+        // class for a moment only: a `set_config` that raised the bound past its class flushes
+        // it in the same lock section, but after the lanes took the new bound (`push_stash`
+        // refuses it from then on).
+        // BROKEN (`small_hit_takes_large`): handed out, a large-pool block for a small request.
         let (pop, stashed) = self.pop_locked_inner::<true>(
             g,
             ClassKey { residency, rounded },
             bytes,
-            |_| true,
+            |b| is_small(b.quadrant) || cfg!(tidepool_broken = "small_hit_takes_large"),
             true,
             None,
         );
