@@ -73,8 +73,7 @@ fn launch<B: Backend>(p: &Tensor<'static, B>, op: &KernelOp) -> Result<()> {
         return Ok(());
     }
     let eager = p.eager();
-    eager.count(|c| &c.kernels);
-    eager.backend().launch(p.stream(), op)
+    eager.counted(|c| &c.kernels, eager.backend().launch(p.stream(), op))
 }
 
 /// Stochastic gradient descent: `p −= lr · (g + weight_decay · p)`.

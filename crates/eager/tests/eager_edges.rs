@@ -479,3 +479,40 @@ fn adamw_refuses_a_parameter_of_another_device_or_stream_than_its_moments() {
     drop((p2, g2, a, b));
     assert_holds_nothing(&e2, true);
 }
+
+/// The engine's counters count what was done: an allocation that ran out of memory (through a
+/// step's scope or not), and a kernel, an upload or a download refused for a stream that is
+/// gone, count nothing. Each was counted before it was tried, so a step that failed reported
+/// allocations and kernels it never made.
+#[test]
+fn refused_work_is_not_counted() {
+    use tidepool::device::Device;
+    use tidepool_eager::{EagerStats, Sgd};
+    let e = eager();
+    let s2 = e.device().create_stream().unwrap();
+    let mut p = Tensor::parameter(&e, &[1.0; 4], &[4], s2).unwrap();
+    let g = e.ctx(s2).full(&[4], 1.0).unwrap();
+    e.synchronize().unwrap();
+    e.allocator().destroy_stream(s2).unwrap();
+    let before = e.stats();
+    assert_eq!(
+        before,
+        EagerStats { kernels: 1, uploads: 1, unscoped_allocs: 1, persistent_allocs: 1, ..before }
+    );
+    assert!(p.to_host().is_err());
+    assert!(p.copy_from_host(&[2.0; 4]).is_err());
+    assert!(Sgd::new(0.1).step(&mut [&mut p], &[&g]).is_err());
+    assert!(e.ctx(S).zeros(&[1 << 30]).is_err(), "4 GiB on a 64 MiB device");
+    {
+        let step = e.step("step", S);
+        assert!(step.ctx().zeros(&[1 << 30]).is_err());
+    }
+    assert_eq!(e.stats(), EagerStats { steps: 1, ..before });
+    // What is done is counted.
+    let x = e.ctx(S).full(&[4], 1.0).unwrap();
+    assert_eq!(x.to_host().unwrap(), vec![1.0; 4]);
+    let want = EagerStats { steps: 1, kernels: 2, downloads: 1, unscoped_allocs: 2, ..before };
+    assert_eq!(e.stats(), want);
+    drop((p, g, x));
+    assert_holds_nothing(&e, true);
+}
