@@ -129,12 +129,12 @@ impl<'t, B: Backend> Ctx<'t, B> {
         let bytes = shape.numel() as u64 * ELEM;
         let mem = match self.scope {
             Some(scope) => {
-                self.eager.count(|c| &c.scoped_allocs);
-                Mem::Scoped(scope.alloc(bytes)?)
+                let buf = scope.alloc(bytes).map_err(EagerError::from);
+                Mem::Scoped(self.eager.counted(|c| &c.scoped_allocs, buf)?)
             }
             None => {
-                self.eager.count(|c| &c.unscoped_allocs);
-                Mem::Owned(self.eager.allocator().alloc(bytes, self.stream)?)
+                let buf = self.eager.allocator().alloc(bytes, self.stream).map_err(Into::into);
+                Mem::Owned(self.eager.counted(|c| &c.unscoped_allocs, buf)?)
             }
         };
         Ok(Tensor::from_parts(self.eager.clone(), mem, shape, Residency::Transient, TraceTag::Act))
@@ -145,8 +145,7 @@ impl<'t, B: Backend> Ctx<'t, B> {
         if work == 0 {
             return Ok(());
         }
-        self.eager.count(|c| &c.kernels);
-        self.eager.backend().launch(self.stream, op)
+        self.eager.counted(|c| &c.kernels, self.eager.backend().launch(self.stream, op))
     }
 }
 

@@ -176,6 +176,20 @@ impl<B: Backend> Eager<B> {
     pub(crate) fn count(&self, which: impl Fn(&Counters) -> &AtomicU64) {
         which(&self.inner.counters).fetch_add(1, Ordering::Relaxed);
     }
+
+    /// `done`, counted in `which` if it succeeded: an allocation that ran out of memory, or a
+    /// launch or copy the device refused, did nothing to count.
+    pub(crate) fn counted<T>(
+        &self,
+        which: impl Fn(&Counters) -> &AtomicU64,
+        done: Result<T>,
+    ) -> Result<T> {
+        // BROKEN (`counts_refused`): counted whether it succeeded or not.
+        if done.is_ok() || cfg!(tidepool_broken = "counts_refused") {
+            self.count(which);
+        }
+        done
+    }
 }
 
 impl<B: Backend> Drop for Inner<B> {

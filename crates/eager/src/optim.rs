@@ -42,13 +42,38 @@ fn check<B: Backend>(params: &[&mut Tensor<'static, B>], grads: &[&Tensor<'_, B>
     Ok(())
 }
 
+/// Refuses parameter `i` when its moments (made on the first step, with the parameter then at
+/// that position) live on another device or stream: the update kernel runs on the parameter's
+/// stream and writes the moments there. Another device's moments are addresses that mean
+/// nothing here (the kernel wrote this device's memory at them: another tensor's); moments of
+/// another stream were written with no order against it, so their memory, freed in that
+/// stream's order, was reused while the update still ran.
+fn check_moments<B: Backend>(
+    i: usize,
+    p: &Tensor<'static, B>,
+    m: &Tensor<'static, B>,
+) -> Result<()> {
+    // BROKEN (`adamw_foreign_moments`): any moments taken, wherever they live.
+    if cfg!(tidepool_broken = "adamw_foreign_moments") {
+        return Ok(());
+    }
+    crate::ctx::same_device(p.eager(), m)?;
+    if m.stream() != p.stream() {
+        return shape_err(format!(
+            "AdamW: parameter {i} is on {}, its moments on {}",
+            p.stream(),
+            m.stream()
+        ));
+    }
+    Ok(())
+}
+
 fn launch<B: Backend>(p: &Tensor<'static, B>, op: &KernelOp) -> Result<()> {
     if p.numel() == 0 {
         return Ok(());
     }
     let eager = p.eager();
-    eager.count(|c| &c.kernels);
-    eager.backend().launch(p.stream(), op)
+    eager.counted(|c| &c.kernels, eager.backend().launch(p.stream(), op))
 }
 
 /// Stochastic gradient descent: `p −= lr · (g + weight_decay · p)`.
@@ -89,7 +114,9 @@ impl<B: Backend> Optimizer<B> for Sgd {
 }
 
 /// AdamW (Loshchilov & Hutter): Adam with decoupled weight decay. Its first and second moments
-/// are persistent tensors, one pair per parameter position, made (zeroed) on the first step.
+/// are persistent tensors, one pair per parameter position, made (zeroed) on the first step on
+/// that parameter's device and stream; a later step refuses a parameter of another shape,
+/// device or stream than its moments, before updating any.
 pub struct AdamW<B: Backend> {
     /// Learning rate.
     pub lr: f32,
@@ -174,6 +201,7 @@ impl<B: Backend> Optimizer<B> for AdamW<B> {
                         m.shape()
                     ));
                 }
+                check_moments(i, p, m)?;
             }
         }
         self.t += 1;

@@ -149,8 +149,10 @@ impl<'t, B: Backend> Tensor<'t, B> {
     /// every earlier op on the stream has completed when it returns).
     pub fn to_host(&self) -> Result<Vec<f32>> {
         let eager = &self.storage.eager;
-        eager.count(|c| &c.downloads);
-        eager.backend().download(self.stream(), self.ptr(), self.numel())
+        eager.counted(
+            |c| &c.downloads,
+            eager.backend().download(self.stream(), self.ptr(), self.numel()),
+        )
     }
 
     /// The same memory seen with another shape of as many elements.
@@ -177,8 +179,8 @@ impl<'t, B: Backend> Tensor<'t, B> {
         if data.len() != self.numel() {
             return shape_err(format!("{} values for shape {}", data.len(), self.shape));
         }
-        self.storage.eager.count(|c| &c.uploads);
-        self.storage.eager.backend().upload(self.stream(), self.ptr(), data)
+        let eager = &self.storage.eager;
+        eager.counted(|c| &c.uploads, eager.backend().upload(self.stream(), self.ptr(), data))
     }
 }
 
@@ -208,10 +210,8 @@ impl<B: Backend> Tensor<'static, B> {
     ) -> Result<Tensor<'static, B>> {
         let t = Self::persistent(eager, Shape::new(dims)?, stream)?;
         if t.numel() > 0 {
-            eager.count(|c| &c.kernels);
-            eager
-                .backend()
-                .launch(stream, &KernelOp::Fill { out: t.ptr(), n: t.numel(), value: 0.0 })?;
+            let fill = KernelOp::Fill { out: t.ptr(), n: t.numel(), value: 0.0 };
+            eager.counted(|c| &c.kernels, eager.backend().launch(stream, &fill))?;
         }
         Ok(t)
     }

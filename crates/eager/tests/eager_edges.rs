@@ -413,3 +413,106 @@ fn a_refused_op_allocates_nothing() {
     e.synchronize().unwrap();
     assert_eq!(e.device().violations(), vec![]);
 }
+
+/// AdamW given, after its first step, a parameter of another device or stream than the moments
+/// it made for that position refuses the step before updating anything. Another device's
+/// moments are addresses that mean nothing to the parameter's device: its kernel updated the
+/// tensors that device keeps there (here two live parameters of the second engine, 5.0 and 6.0,
+/// became 4.6 and 5.995). Moments of another stream were written on the parameter's stream with
+/// no order against their own: freed with the optimizer, their blocks went to the next
+/// allocations of their stream while the update still ran (the sanitizer's handouts and fills).
+#[test]
+fn adamw_refuses_a_parameter_of_another_device_or_stream_than_its_moments() {
+    use tidepool::AllocError;
+    use tidepool::device::{Device, Kernel, Launch};
+    use tidepool_eager::EagerError;
+    let (e1, e2) = (eager(), eager());
+    let mut p1 = Tensor::parameter(&e1, &[1.0; 4], &[4], S).unwrap();
+    let g1 = e1.ctx(S).full(&[4], 1.0).unwrap();
+    let mut opt = AdamW::new(0.1);
+    opt.step(&mut [&mut p1], &[&g1]).unwrap();
+    let (m, v) = opt.moments(0).map(|(m, v)| (m.ptr(), v.ptr())).unwrap();
+
+    // Another device: both devices hand out the same addresses, so the second engine's next
+    // two parameters are where the first keeps the moments.
+    let mut p2 = Tensor::parameter(&e2, &[1.0; 4], &[4], S).unwrap();
+    let g2 = e2.ctx(S).full(&[4], 1.0).unwrap();
+    let a = Tensor::parameter(&e2, &[5.0; 4], &[4], S).unwrap();
+    let b = Tensor::parameter(&e2, &[6.0; 4], &[4], S).unwrap();
+    assert_eq!((a.ptr(), b.ptr()), (m, v));
+    let r = opt.step(&mut [&mut p2], &[&g2]);
+    assert!(matches!(r, Err(EagerError::Alloc(AllocError::ForeignBuffer))), "{r:?}");
+    assert_eq!((a.to_host().unwrap(), b.to_host().unwrap()), (vec![5.0; 4], vec![6.0; 4]));
+    assert_eq!(p2.to_host().unwrap(), vec![1.0; 4]);
+    assert_eq!(opt.steps(), 1);
+
+    // Another stream of the same device, held by a gate so that its update cannot have run.
+    let s2 = e1.device().create_stream().unwrap();
+    let mut p3 = Tensor::parameter(&e1, &[1.0; 4], &[4], s2).unwrap();
+    let g3 = e1.ctx(s2).full(&[4], 1.0).unwrap();
+    e1.synchronize().unwrap();
+    let (open, gate) = std::sync::mpsc::channel::<()>();
+    let held = Kernel::new("gate", vec![], move |_| {
+        let _ = gate.recv();
+    });
+    e1.device().launch(s2, held).unwrap();
+    let err = opt.step(&mut [&mut p3], &[&g3]).unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "shape error: AdamW: parameter 0 is on stream 1, its moments on stream 0"
+    );
+    assert_eq!(opt.steps(), 1);
+    drop(opt);
+    // The moments' blocks, back in their stream's cache, go to its next two allocations.
+    let next: Vec<_> = (0..2).map(|_| Tensor::persistent_zeros(&e1, &[4], S).unwrap()).collect();
+    let mut got: Vec<_> = next.iter().map(|t| t.ptr()).collect();
+    got.sort();
+    assert_eq!(got, vec![m, v]);
+    open.send(()).unwrap();
+    e1.synchronize().unwrap();
+    assert_eq!(e1.device().violations(), vec![]);
+    assert_eq!(p3.to_host().unwrap(), vec![1.0; 4]);
+    assert_eq!(next[0].to_host().unwrap(), vec![0.0; 4]);
+    drop((p1, g1, p3, g3, next));
+    e1.allocator().destroy_stream(s2).unwrap();
+    assert_holds_nothing(&e1, true);
+    drop((p2, g2, a, b));
+    assert_holds_nothing(&e2, true);
+}
+
+/// The engine's counters count what was done: an allocation that ran out of memory (through a
+/// step's scope or not), and a kernel, an upload or a download refused for a stream that is
+/// gone, count nothing. Each was counted before it was tried, so a step that failed reported
+/// allocations and kernels it never made.
+#[test]
+fn refused_work_is_not_counted() {
+    use tidepool::device::Device;
+    use tidepool_eager::{EagerStats, Sgd};
+    let e = eager();
+    let s2 = e.device().create_stream().unwrap();
+    let mut p = Tensor::parameter(&e, &[1.0; 4], &[4], s2).unwrap();
+    let g = e.ctx(s2).full(&[4], 1.0).unwrap();
+    e.synchronize().unwrap();
+    e.allocator().destroy_stream(s2).unwrap();
+    let before = e.stats();
+    assert_eq!(
+        before,
+        EagerStats { kernels: 1, uploads: 1, unscoped_allocs: 1, persistent_allocs: 1, ..before }
+    );
+    assert!(p.to_host().is_err());
+    assert!(p.copy_from_host(&[2.0; 4]).is_err());
+    assert!(Sgd::new(0.1).step(&mut [&mut p], &[&g]).is_err());
+    assert!(e.ctx(S).zeros(&[1 << 30]).is_err(), "4 GiB on a 64 MiB device");
+    {
+        let step = e.step("step", S);
+        assert!(step.ctx().zeros(&[1 << 30]).is_err());
+    }
+    assert_eq!(e.stats(), EagerStats { steps: 1, ..before });
+    // What is done is counted.
+    let x = e.ctx(S).full(&[4], 1.0).unwrap();
+    assert_eq!(x.to_host().unwrap(), vec![1.0; 4]);
+    let want = EagerStats { steps: 1, kernels: 2, downloads: 1, unscoped_allocs: 2, ..before };
+    assert_eq!(e.stats(), want);
+    drop((p, g, x));
+    assert_holds_nothing(&e, true);
+}
