@@ -386,9 +386,9 @@ fn a_graph_dropped_during_another_capture_gives_its_memory_back_as_the_allocator
     assert_eq!(dev.live_segments(), vec![(DeviceAddr(general), SEG), (DeviceAddr(graphs), SEG)]);
     let syncs = dev.counters().host_syncs;
     drop(alloc);
+    assert_eq!(dev.live_segments(), vec![], "every segment back");
     // The device synchronisation, and a release (`cuMemFree` synchronises) per segment.
     assert_eq!(dev.counters().host_syncs, syncs + 3);
-    assert_eq!(dev.live_segments(), vec![], "every segment back");
     assert_eq!(dev.live_events(), 0);
     common::assert_no_leak(&dev);
 }
