@@ -1042,10 +1042,14 @@ impl<D: Device> crate::peers::Peer for Shared<D> {
             return false; // BROKEN (the first): the peers keep their caches
         }
         let _ = self.release_idle_regions();
+        // What the family's dropped graphs held back for a synchronisation, as its own
+        // `empty_cache` (and ladder) lets it go. BROKEN (`peers_keep_graph_holds`): kept.
+        let holds =
+            !cfg!(tidepool_broken = "peers_keep_graph_holds") && self.let_go_of_graph_holds();
         // The family's `use_on_oom` pools lend their free segments to any request of the
         // device that ran out, as they do for this allocator's own.
         // BROKEN (`peers_skip_pools`): only the general allocator's cache.
         let pools = !cfg!(tidepool_broken = "peers_skip_pools") && self.release_oom_pools();
-        self.give_back_transient() | pools
+        self.give_back_transient() | pools | holds
     }
 }
