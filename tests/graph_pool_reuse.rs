@@ -9,8 +9,12 @@ use common::{N, gated_write, replayable_write as write, wait_stream as wait};
 use std::sync::Arc;
 use tidepool::device::Launch;
 use tidepool::{
-    Allocator, Buffer, Config, Device, Graph, MIB, MemPool, PoolOptions, SimDevice, StreamId,
+    Allocator, Buffer, Config, Device, DeviceAddr, Graph, MIB, MemPool, PoolOptions, SimDevice,
+    StreamId,
 };
+
+/// The small segment size (2 MiB).
+const SEG: u64 = 2 * MIB;
 
 struct Setup {
     dev: Arc<SimDevice>,
@@ -353,4 +357,69 @@ fn a_graph_dropped_during_another_capture_keeps_its_pool_until_a_synchronisation
     drop((reuse, guard, other));
     assert_eq!(dev.violations(), vec![]);
     pool.check_invariants().unwrap();
+}
+
+/// As above, but nothing calls `empty_cache` before the allocator goes: what the dropped graph
+/// held (its pool, whose free memory a queued replay may write, and a general buffer freed
+/// during its capture) is let go of as the general allocator's last handle goes, once the
+/// device synchronised, and every segment goes back to the device (found in review: the holds
+/// waited in the family for an `empty_cache` that never came, and held the allocators that
+/// hold the family: both segments stayed reserved for the rest of the process; broken build
+/// `graph_holds_kept_at_drop`).
+#[test]
+fn a_graph_dropped_during_another_capture_gives_its_memory_back_as_the_allocator_goes() {
+    let dev = Arc::new(SimDevice::backed(256 * MIB));
+    let (s, t, u) =
+        (dev.create_stream().unwrap(), dev.create_stream().unwrap(), dev.create_stream().unwrap());
+    let alloc = Allocator::new(dev.clone(), Config::default()).unwrap();
+    let before = alloc.alloc(MIB, s).unwrap();
+    alloc.begin_capture(s, None).unwrap();
+    let tmp = alloc.alloc(N, s).unwrap();
+    dev.launch(s, write(&tmp, 1)).unwrap();
+    drop((tmp, before)); // the graph's pool block, and a general buffer the graph holds
+    let g = alloc.end_capture(s).unwrap();
+    g.launch(t).unwrap();
+    alloc.begin_capture(u, None).unwrap();
+    drop(g); // cannot synchronise: a capture is underway
+    drop(alloc.end_capture(u).unwrap());
+    let (general, graphs) = (0x7f00_0000_0000, 0x7f00_0020_0000);
+    assert_eq!(dev.live_segments(), vec![(DeviceAddr(general), SEG), (DeviceAddr(graphs), SEG)]);
+    let syncs = dev.counters().host_syncs;
+    drop(alloc);
+    assert_eq!(dev.live_segments(), vec![], "every segment back");
+    // The device synchronisation, and a release (`cuMemFree` synchronises) per segment.
+    assert_eq!(dev.counters().host_syncs, syncs + 3);
+    assert_eq!(dev.live_events(), 0);
+    common::assert_no_leak(&dev);
+}
+
+/// The same holds stand in the way of a request that runs out of memory: the out-of-memory
+/// ladder lets them go (after a device synchronisation), as `empty_cache` does and as PyTorch's
+/// `release_cached_blocks` frees the pools no graph uses any more, and the request is served
+/// where the dropped graph's pool was (found in review: it failed, with 24 MiB free of 64, until
+/// an `empty_cache`; broken build `graph_holds_kept_at_oom`).
+#[test]
+fn the_out_of_memory_ladder_lets_go_of_what_a_graph_dropped_during_a_capture_held() {
+    let dev = Arc::new(SimDevice::backed(64 * MIB));
+    let (s, t, u) =
+        (dev.create_stream().unwrap(), dev.create_stream().unwrap(), dev.create_stream().unwrap());
+    let alloc = Allocator::new(dev.clone(), Config::default()).unwrap();
+    alloc.begin_capture(s, None).unwrap();
+    drop(alloc.alloc(40 * MIB, s).unwrap()); // the graph's pool keeps its free 40 MiB
+    let g = alloc.end_capture(s).unwrap();
+    g.launch(t).unwrap();
+    alloc.begin_capture(u, None).unwrap();
+    drop(g); // cannot synchronise: a capture is underway
+    drop(alloc.end_capture(u).unwrap());
+    assert_eq!(dev.live_segments(), vec![(DeviceAddr(0x7f00_0000_0000), 40 * MIB)]);
+    let got = alloc.alloc(40 * MIB, s).unwrap();
+    assert_eq!(dev.live_segments(), vec![(DeviceAddr(0x7f00_0280_0000), 40 * MIB)]);
+    assert_eq!(got.ptr().0, 0x7f00_0280_0000);
+    let st = alloc.stats();
+    assert_eq!((st.num_ooms, st.num_alloc_retries), (1, 1), "its first attempt, then the retry");
+    assert_eq!(st.blocks.reserved_bytes.all.current, 40 * MIB);
+    drop(got);
+    alloc.check_invariants().unwrap();
+    drop(alloc);
+    common::assert_no_leak(&dev);
 }

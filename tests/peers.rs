@@ -229,3 +229,35 @@ fn a_peers_use_on_oom_pool_gives_its_cache_to_another_allocator() {
     pool.check_invariants().unwrap();
     b.check_invariants().unwrap();
 }
+
+/// A peer whose graph was dropped during another capture holds that graph's pool (its free
+/// memory a queued replay may write) until a device synchronisation: another allocator of the
+/// device that runs out has it let go, as the peer's own `empty_cache` would, and is served
+/// (found in review: the 40 MiB stayed the dead graph's and the request failed; broken build
+/// `peers_keep_graph_holds`).
+#[test]
+fn a_peer_lets_go_of_what_a_graph_dropped_during_a_capture_held() {
+    let dev = Arc::new(SimDevice::backed(64 * MIB));
+    let (s, t, u) =
+        (dev.create_stream().unwrap(), dev.create_stream().unwrap(), dev.create_stream().unwrap());
+    let a = Allocator::new(dev.clone(), Config::default()).unwrap();
+    let b = Allocator::new(dev.clone(), Config::default()).unwrap();
+    a.begin_capture(s, None).unwrap();
+    drop(a.alloc(40 * MIB, s).unwrap()); // the graph's pool keeps its free 40 MiB
+    let g = a.end_capture(s).unwrap();
+    g.launch(t).unwrap();
+    a.begin_capture(u, None).unwrap();
+    drop(g); // cannot synchronise: a capture is underway
+    drop(a.end_capture(u).unwrap());
+    assert_eq!(dev.live_segments(), vec![(DeviceAddr(BASE), 40 * MIB)]);
+    let got = b.alloc(40 * MIB, s).unwrap();
+    assert_eq!(got.ptr().0, BASE + 40 * MIB);
+    assert_eq!(dev.live_segments(), vec![(DeviceAddr(BASE + 40 * MIB), 40 * MIB)]);
+    let sb = b.stats();
+    assert_eq!((sb.num_ooms, sb.num_alloc_retries), (1, 1), "its first attempt");
+    drop(got);
+    a.check_invariants().unwrap();
+    b.check_invariants().unwrap();
+    drop((a, b));
+    common::assert_no_leak(&dev);
+}

@@ -194,14 +194,24 @@ impl<D: Device> Drop for Allocator<D> {
     /// no longer be ended by anyone, and it holds the allocator (through the blocks it holds)
     /// and its pool (through the family), so nothing would ever go back to the device, which
     /// would stay capturing. It is ended here and its graph dropped (`capture::end_orphaned`).
+    ///
+    /// Then what dropped graphs held back because the wait for their launches failed (a
+    /// capture was underway) is let go of, once the device synchronises: those holds wait in
+    /// the family for an `empty_cache` and hold the allocators that hold the family, so with
+    /// no `empty_cache` to come their memory stayed reserved for good.
     fn drop(&mut self) {
         let sh = &self.shared;
-        if sh.handles.fetch_sub(1, Ordering::AcqRel) == 1
-            && sh.role.id == 0
-            && !cfg!(tidepool_broken = "orphan_capture") // BROKEN: such a capture is left as is
-            && let Some(end) = sh.end_captures.get()
-        {
-            end(self);
+        if sh.handles.fetch_sub(1, Ordering::AcqRel) == 1 && sh.role.id == 0 {
+            // BROKEN (`orphan_capture`): such a capture is left as is.
+            if !cfg!(tidepool_broken = "orphan_capture")
+                && let Some(end) = sh.end_captures.get()
+            {
+                end(self);
+            }
+            // BROKEN (`graph_holds_kept_at_drop`): left to an `empty_cache` that never comes.
+            if !cfg!(tidepool_broken = "graph_holds_kept_at_drop") {
+                let _ = sh.let_go_of_graph_holds();
+            }
         }
     }
 }
@@ -668,7 +678,7 @@ impl<D: Device> Allocator<D> {
         report: Box<OomReport>,
     ) -> Result<Buffer<D>, AllocError> {
         let mut attempt = 0;
-        let mut own_released = false;
+        let (mut own_released, mut holds_released) = (false, false);
         let (mut pools_released, mut general_released) = (false, false);
         // Whether the last attempt was the retry of an inner rung (pools, general, peers).
         let (mut peers_released, mut retried) = (false, false);
@@ -686,6 +696,17 @@ impl<D: Device> Allocator<D> {
                 Err(AllocError::OutOfMemory(_)) if !own_released && give_back() => {
                     // The caller returned idle memory of its own: once more.
                     (own_released, retried) = (true, true);
+                }
+                // BROKEN (`graph_holds_kept_at_oom`): left to `empty_cache`.
+                Err(AllocError::OutOfMemory(_))
+                    if !holds_released
+                        && !cfg!(tidepool_broken = "graph_holds_kept_at_oom")
+                        && self.shared.let_go_of_graph_holds() =>
+                {
+                    // What dropped graphs held back (their wait failed during a capture) went,
+                    // after a device synchronisation, as `empty_cache` lets it go (PyTorch's
+                    // `release_cached_blocks` frees the pools no graph uses any more): once more.
+                    (holds_released, retried) = (true, true);
                 }
                 Err(AllocError::OutOfMemory(_))
                     if !pools_released && self.shared.release_oom_pools() =>
@@ -1027,10 +1048,14 @@ impl<D: Device> crate::peers::Peer for Shared<D> {
             return false; // BROKEN (the first): the peers keep their caches
         }
         let _ = self.release_idle_regions();
+        // What the family's dropped graphs held back for a synchronisation, as its own
+        // `empty_cache` (and ladder) lets it go. BROKEN (`peers_keep_graph_holds`): kept.
+        let holds =
+            !cfg!(tidepool_broken = "peers_keep_graph_holds") && self.let_go_of_graph_holds();
         // The family's `use_on_oom` pools lend their free segments to any request of the
         // device that ran out, as they do for this allocator's own.
         // BROKEN (`peers_skip_pools`): only the general allocator's cache.
         let pools = !cfg!(tidepool_broken = "peers_skip_pools") && self.release_oom_pools();
-        self.give_back_transient() | pools
+        self.give_back_transient() | pools | holds
     }
 }

@@ -141,6 +141,11 @@ impl<D: Device> Family<D> {
         }
     }
 
+    /// Whether dropped graphs left holds for a later synchronisation (`graph_holds`).
+    pub(super) fn has_graph_holds(&self) -> bool {
+        !lock(&self.graph_holds).is_empty()
+    }
+
     /// The private pools of the family still alive (their handles gone or not: a pool lives
     /// while a buffer of it does), by id, in the order they were made.
     pub(super) fn live_pools(&self) -> Vec<(u64, Arc<Shared<D>>)> {
@@ -644,6 +649,19 @@ impl<D: Device> Shared<D> {
             return false;
         }
         self.give_back_transient()
+    }
+
+    /// Lets go of what dropped graphs of the family held back ([`Family::take_graph_holds`]:
+    /// after a device synchronisation, none while a capture is underway), with no lock held
+    /// as the holds go (their frees take allocator locks); whether any went.
+    pub(super) fn let_go_of_graph_holds(&self) -> bool {
+        if !self.family.has_graph_holds() {
+            return false;
+        }
+        let holds = self.family.take_graph_holds(&self.device, &mut self.lock_state());
+        let any = !holds.is_empty();
+        holds.into_iter().for_each(capture::Held::release);
+        any
     }
 
     /// Flushes the stream caches, waits for the pending frees (the ladder's wait, idle plan
