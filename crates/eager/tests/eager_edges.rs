@@ -516,3 +516,37 @@ fn refused_work_is_not_counted() {
     drop((p, g, x));
     assert_holds_nothing(&e, true);
 }
+
+/// A `CudaBackend` holds one cuBLAS handle per stream that ran a product, and each handle holds
+/// its CUDA stream: the handles of streams destroyed since go at the next stream's first
+/// product (stream ids are never reused, so a kept one only leaked, with its stream). GPU only.
+#[cfg(feature = "cuda")]
+#[test]
+fn cublas_handles_of_destroyed_streams_go() {
+    use tidepool::{Config, CudaDevice, Device};
+    use tidepool_eager::CudaBackend;
+    if let Some(reason) = CudaDevice::unavailable_reason() {
+        println!("skipping: {reason}");
+        return;
+    }
+    let backend = match CudaBackend::new(CudaDevice::new(0).unwrap()) {
+        Ok(backend) => backend,
+        Err(err) => return println!("skipping: {err}"),
+    };
+    let e = Eager::new(backend, Config::default()).unwrap();
+    for round in 0..4 {
+        let s = e.device().create_stream().unwrap();
+        {
+            let cx = e.ctx(s);
+            let a = cx.full(&[2, 3], 1.0).unwrap();
+            let b = cx.full(&[3, 2], 2.0).unwrap();
+            assert_eq!(cx.matmul(&a, &b).unwrap().to_host().unwrap(), vec![6.0; 4]);
+        }
+        // This round's stream's handle, and none of the streams destroyed before.
+        assert_eq!(e.backend().blas_handles(), 1, "round {round}");
+        e.allocator().synchronize().unwrap();
+        e.allocator().destroy_stream(s).unwrap();
+    }
+    e.allocator().check_invariants().unwrap();
+    assert_eq!(e.allocator().allocated_bytes(), 0);
+}
