@@ -237,6 +237,31 @@ mod tests {
         }
     }
 
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(200))]
+        /// The same where most buffers overlap most others (lifetimes from near the start to
+        /// near the end), so that chunks of placed buffers all meet a lifetime and are walked
+        /// as one range when they leave no gap that fits (`Chunk::solid`), some do not: up to
+        /// 600 buffers, several chunks of 64–128.
+        #[test]
+        fn chunks_walked_whole_give_the_sorted_oracle(
+            iv in proptest::collection::vec(
+                (1u64..40, 0u64..4, 0u64..4, proptest::bool::weighted(0.1)),
+                0..600,
+            ),
+            walls in proptest::collection::vec((0u64..2000, 0u64..40), 0..4),
+        ) {
+            let iv: Vec<_> = iv
+                .into_iter()
+                .map(|(s, a, b, short)| if short { (s * 8, 10 + a, 14 + b) } else { (s * 8, a, 30 - b) })
+                .collect();
+            let walls: Vec<_> = walls.into_iter().map(|(lo, len)| (lo * 8, (lo + len) * 8)).collect();
+            let plan = pack_around(&iv, 8, &walls).unwrap();
+            proptest::prop_assert_eq!(&plan, &sorted_per_buffer(&iv, 8, &walls));
+            proptest::prop_assert_eq!(&pack(&iv, 8, &walls, 0).unwrap(), &plan);
+        }
+    }
+
     #[test]
     fn disjoint_lifetimes_share_offset_zero() {
         let iv = [(100, 0, 2), (100, 2, 4), (100, 4, 6)];

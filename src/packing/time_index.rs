@@ -129,7 +129,7 @@ impl TimeIndex {
                 wall += 1;
                 return walls.get(wall - 1).copied().unwrap_or(DONE);
             }
-            let r = list(source).next_busy(&mut cursors[source], offset, start, end);
+            let r = list(source).next_busy(&mut cursors[source], offset, start, end, size);
             r.map_or(DONE, |r| (r.lo, r.hi))
         };
         heads.extend((0..2 + lists.len()).map(|source| advance(source, offset)));
