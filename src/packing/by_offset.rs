@@ -33,7 +33,21 @@ impl Rect {
 }
 
 /// Entries per chunk before it splits: an insertion moves at most this many 32-byte entries.
-const CHUNK: usize = 128;
+pub(super) const CHUNK: usize = 128;
+
+#[cfg(test)]
+thread_local! {
+    /// Entries the walks of this thread looked at one by one: what a walk costs, counted for
+    /// the unit tests (a chunk taken whole counts nothing).
+    pub(super) static WALKED: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+/// Counts one entry looked at (tests only; nothing otherwise).
+#[inline(always)]
+fn walked_one() {
+    #[cfg(test)]
+    WALKED.with(|w| w.set(w.get() + 1));
+}
 
 struct Chunk {
     rects: Vec<Rect>,
@@ -191,6 +205,7 @@ impl ByOffset {
                 continue;
             }
             for r in &chunk.rects {
+                walked_one();
                 if !r.meets(start, end) {
                     continue;
                 }
@@ -240,6 +255,7 @@ impl ByOffset {
                 return Some(Rect { lo, hi: chunk.max_hi, start, end });
             }
             while let Some(r) = chunk.rects.get(cursor.at) {
+                walked_one();
                 cursor.at += 1;
                 if r.meets(start, end) {
                     return Some(*r);

@@ -418,12 +418,13 @@ fn a_snapshots_blocks_must_fit_what_they_hold() {
 /// other — the static picture of a snapshot taken without a history, or blocks allocated
 /// before a window — that is every buffer placed so far: O(n²), 40 000 blocks 19 s of a replay,
 /// 100 000 three minutes. A run of placed buffers that all overlap the lifetime and leave no gap
-/// that fits is now one busy range to a walk. 100 000 blocks of a static picture in 50 segments:
+/// that fits is now one busy range to a walk. 20 000 blocks of a static picture in 10 segments:
 /// the plan packs them end to end (peak reserved is their aligned sum, the same as
-/// `lower bound`'s here). Broken build `plan_walk_per_entry` (every entry walked).
+/// `lower bound`'s here). The walk's cost is counted, not timed, by the packing's own unit test
+/// (`buffers_live_together_are_walked_a_chunk_at_a_time`; broken build `plan_walk_per_entry`).
 #[test]
-fn a_static_picture_of_many_blocks_plans_in_near_linear_time() {
-    const N: i64 = 100_000;
+fn a_static_picture_of_many_blocks_plans_them_end_to_end() {
+    const N: i64 = 20_000;
     const PER_SEGMENT: i64 = 2_000;
     let sizes = [512i64, 1024, 4096, 1 << 20, 2 << 20, (3 << 20) + 512];
     let (mut segments, mut address, mut aligned) = (Vec::new(), 0i64, 0u64);
@@ -443,10 +444,8 @@ fn a_static_picture_of_many_blocks_plans_in_near_linear_time() {
     }
     let t = read_trace_bytes(&static_snapshot(segments)).unwrap();
     assert_eq!(t.events.len(), N as usize);
-    let r = within(60, "planning 100 000 blocks live together", move || {
-        use tidepool_trace::Policy;
-        tidepool_trace::policy::PlannedPolicy.replay(&t, false).unwrap()
-    });
+    use tidepool_trace::Policy;
+    let r = tidepool_trace::policy::PlannedPolicy.replay(&t, false).unwrap();
     assert_eq!((r.peak_reserved_bytes, r.peak_allocated_bytes), (aligned, aligned));
 }
 
