@@ -19,7 +19,11 @@
 //! length, and nothing is pre-allocated from a size found in the input. Gzip input is
 //! decompressed through a cap ([`ReadOptions::max_input_bytes`], [`DEFAULT_MAX_INPUT`] unless
 //! raised), and a pickle, which is decoded whole, is read into memory only up to that cap: a
-//! gzip bomb ends in [`ErrorKind::InputTooLarge`], not in an exhausted memory.
+//! gzip bomb decompressing past it ends in [`ErrorKind::InputTooLarge`]. Below the cap, the
+//! memory a pickle takes is bounded per decompressed byte (`pickle.rs`): about 7 bytes for a
+//! real snapshot, 40 at worst (a hostile run of `EMPTY_LIST`), so a small `.gz` that
+//! decompresses to the whole default cap may take tens of GiB before its error; lower
+//! [`ReadOptions::max_input_bytes`] (the CLI's `--max-input-size`) where inputs are untrusted.
 //!
 //! A PyTorch snapshot holds one trace per device; [`read_traces`] returns them all (the CSV
 //! formats give one), [`read_trace`] the only one (an error names the devices when there are
