@@ -1446,3 +1446,52 @@ fn a_free_recorded_with_another_size_is_replayed_at_its_allocations_and_noted() 
     let right = read(vec![vec![entry("alloc", a, 512), entry("free_completed", a, 512)]]).unwrap();
     assert!(right.snapshot.as_ref().unwrap().notes.is_empty());
 }
+
+/// PyTorch records the history of every device at once: in a snapshot where device 0 has
+/// entries, device 1 with segments and no entries did nothing while the history was recorded.
+/// Its note said the snapshot was taken without `_record_memory_history()` and told how to
+/// record one. Broken build `history_note_per_device`.
+#[test]
+fn a_device_without_entries_in_a_recorded_snapshot_is_not_called_unrecorded() {
+    let block = dict(vec![
+        ("address", Value::I64(1 << 30)),
+        ("size", Value::I64(1 << 20)),
+        ("requested_size", Value::I64(1 << 20)),
+        ("state", s("active_allocated")),
+    ]);
+    let segment = |device: i64| {
+        dict(vec![
+            ("device", Value::I64(device)),
+            ("address", Value::I64(1 << 30)),
+            ("total_size", Value::I64(2 << 20)),
+            ("stream", Value::I64(0)),
+            ("blocks", Value::List(vec![block.clone()])),
+        ])
+    };
+    let with = |traces: Vec<Vec<Value>>| {
+        pickle(&dict(vec![
+            ("segments", Value::List(vec![segment(1)])),
+            ("device_traces", Value::List(traces.into_iter().map(Value::List).collect())),
+        ]))
+    };
+    let recorded =
+        vec![vec![entry("alloc", 4096, 512), entry("free_completed", 4096, 512)], vec![]];
+    let traces = read_pytorch_snapshot(&with(recorded)[..], "t").unwrap();
+    assert_eq!(traces.len(), 2);
+    let i1 = traces[1].snapshot.as_ref().unwrap();
+    assert_eq!((i1.device, i1.history), (1, false));
+    assert_eq!(
+        i1.notes,
+        vec![
+            "no entries on this device: the history was recorded (other devices have entries), \
+             and this device allocated and freed nothing while it was (or its entries were cut); \
+             this is the static picture at the snapshot (1 block live, tagged persistent)"
+                .to_string()
+        ]
+    );
+    // With no entries anywhere, the snapshot was taken without a history: as before.
+    let traces = read_pytorch_snapshot(&with(vec![vec![], vec![]])[..], "t").unwrap();
+    let i1 = traces[0].snapshot.as_ref().unwrap();
+    assert_eq!(i1.device, 1);
+    assert!(i1.notes[0].starts_with("no allocation history"), "{:?}", i1.notes);
+}

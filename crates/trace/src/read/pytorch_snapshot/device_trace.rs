@@ -22,6 +22,9 @@ pub(super) struct DeviceInput<'a> {
     pub(super) entries: Option<Seq<'a>>,
     pub(super) segments: &'a [Segment],
     pub(super) annotations: &'a [&'a Annotation],
+    /// Whether another device of the snapshot has entries: the history was recorded (PyTorch
+    /// records every device at once), and this device did nothing while it was.
+    pub(super) recorded_elsewhere: bool,
 }
 
 /// Scope markers from annotations, placed between entries by time.
@@ -356,7 +359,19 @@ fn device_trace_in(
     }
     info.reserved.timeline = timeline;
     trace.events = events;
-    if !info.history {
+    // BROKEN (`history_note_per_device`): a device with no entries of a recorded snapshot
+    // read as a snapshot taken without a history.
+    if !info.history
+        && input.recorded_elsewhere
+        && !cfg!(tidepool_broken = "history_note_per_device")
+    {
+        info.notes.push(format!(
+            "no entries on this device: the history was recorded (other devices have entries), \
+             and this device allocated and freed nothing while it was (or its entries were cut); \
+             this is the static picture at the snapshot ({} live, tagged persistent)",
+            count(trace.pre_window.live_blocks, "block")
+        ));
+    } else if !info.history {
         info.notes.push(format!(
             "no allocation history: the snapshot was taken without \
              torch.cuda.memory._record_memory_history(), so this is the static picture at the \

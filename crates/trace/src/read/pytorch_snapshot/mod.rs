@@ -161,6 +161,8 @@ pub fn from_value(value: Obj<'_>, name: &str) -> Result<Vec<Trace>, TraceError> 
     for a in &annotations {
         by_device.entry(a.device).or_default().push(a);
     }
+    let recorded = |d: usize| matches!(devices.get(d), Some(Obj::List(e)) if !e.is_empty());
+    let recorded_anywhere = (0..devices.len()).any(recorded);
     let mut traces = Vec::new();
     for d in indices {
         let entries = match devices.get(d as usize) {
@@ -175,7 +177,13 @@ pub fn from_value(value: Obj<'_>, name: &str) -> Result<Vec<Trace>, TraceError> 
             continue;
         }
         let anns = by_device.get(&u64::from(d)).map(Vec::as_slice).unwrap_or(&[]);
-        let input = DeviceInput { device: d, entries, segments: segs, annotations: anns };
+        let input = DeviceInput {
+            device: d,
+            entries,
+            segments: segs,
+            annotations: anns,
+            recorded_elsewhere: recorded_anywhere && !recorded(d as usize),
+        };
         traces.push(device_trace(&input, settings.as_ref(), name)?);
     }
     if traces.is_empty() {
