@@ -15,8 +15,7 @@ impl<D: Device> Allocator<D> {
         if !sh.publish_stats.load(Ordering::Relaxed) {
             // Under `global_lock` the kept statistics are brought up to date only when read.
             let st = &mut *st;
-            let c = &st.counters;
-            let counters = [c.retries, c.ooms, c.device_alloc, c.device_free, c.host_syncs];
+            let counters = sh.plain_counters(st);
             st.base.mirror(&st.pool.stats(), counters);
         }
         let table = sh.caches.all();

@@ -122,8 +122,7 @@ impl<D: Device> Shared<D> {
         if !self.publish_stats.load(Ordering::Relaxed) {
             return;
         }
-        let c = &st.counters;
-        let counters = [c.retries, c.ooms, c.device_alloc, c.device_free, c.host_syncs];
+        let counters = self.plain_counters(st);
         let changed = st.pool.take_changed();
         st.base.mirror_changed(&st.pool.stats(), counters, changed);
         let mut dirty = std::mem::take(&mut st.dirty);
@@ -141,6 +140,29 @@ impl<D: Device> Shared<D> {
         st.dirty = dirty;
         // Last: closing the write tells readers that the pool free bytes are current too.
         st.base.publish(&self.stats);
+    }
+
+    /// The base's plain counters ([`counters::COUNTERS`]): the lock's own, then the expandable
+    /// segments' as `publish_vm` left them. In the base, a read takes them in the same copy
+    /// as the pool's figures. (Read apart, after the copy, a growth another thread made
+    /// meanwhile showed its maps and creates against the reserved bytes from before it.)
+    pub(super) fn plain_counters(&self, st: &State) -> [u64; counters::COUNTERS] {
+        let (c, v) = (&st.counters, &self.vm_published);
+        let vm = |a: &AtomicU64| a.load(Ordering::Relaxed); // stored under this lock
+        [
+            c.retries,
+            c.ooms,
+            c.device_alloc,
+            c.device_free,
+            c.host_syncs,
+            u64::from(v.active.load(Ordering::Relaxed)),
+            vm(&v.virtual_bytes),
+            vm(&v.maps),
+            vm(&v.unmaps),
+            vm(&v.creates),
+            vm(&v.releases),
+            vm(&v.moves),
+        ]
     }
 
     /// Adds the scope and plan counters to statistics read elsewhere.
@@ -185,7 +207,8 @@ pub(super) fn limits(config: &Config, recording: bool, ranges: bool) -> Limits {
 /// Builds [`MemoryStats`] from one consistent copy.
 pub(super) fn stats_from(snap: counters::Snapshot) -> MemoryStats {
     let counters::Snapshot { base, fast, pool_free: slow, streams } = snap;
-    let [retries, ooms, device_alloc, device_free, host_syncs] = counters::counters(&base);
+    let [retries, ooms, device_alloc, device_free, host_syncs, vm @ ..] = counters::counters(&base);
+    let [active, virtual_bytes, maps, unmaps, creates, releases, moves] = vm;
     let mut per_stream = Vec::new();
     let mut cached_fast_bytes = 0;
     for ((s, f), pool_free) in streams.iter().zip(&fast).zip(&slow) {
@@ -205,6 +228,13 @@ pub(super) fn stats_from(snap: counters::Snapshot) -> MemoryStats {
         num_device_alloc: device_alloc,
         num_device_free: device_free,
         num_host_syncs: host_syncs,
+        expandable_segments: active != 0,
+        virtual_reserved_bytes: virtual_bytes,
+        num_device_map: maps,
+        num_device_unmap: unmaps,
+        num_physical_create: creates,
+        num_physical_release: releases,
+        num_pages_moved: moves,
         cached_free_bytes_per_stream: per_stream,
         cached_fast_bytes,
         ..MemoryStats::default()

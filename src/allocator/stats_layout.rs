@@ -62,8 +62,11 @@ pub(super) const LIVE: [(usize, usize); 5] =
     [(0, BYTES), (2, BYTES), (4, REQ), (5, COUNT), (7, COUNT)];
 /// The groups only the pool changes (reserved bytes, inactive split bytes, segments, splits).
 pub(super) const POOL_ONLY: [usize; 4] = [1, 3, 6, 8];
-/// The plain counters: retries, OOMs, device allocs, device frees, host syncs.
-pub const COUNTERS: usize = 5;
+/// The plain counters: retries, OOMs, device allocs, device frees, host syncs, then the
+/// expandable segments' (whether a range exists, virtual bytes, maps, unmaps, creates,
+/// releases, pages moved), published with the rest so that a read sees them with the reserved
+/// bytes of the same moment.
+pub const COUNTERS: usize = 12;
 
 // Base layout.
 pub(super) const B_CUR: usize = 0;

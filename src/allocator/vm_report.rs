@@ -1,9 +1,10 @@
 //! What the expandable ranges report: their counters, published for lock-free readers
-//! (`publish_vm`, `with_vm_stats`), one [`RangeInfo`] per range (`expandable_ranges`), and
-//! `check_vm`, the invariants `check_invariants` adds for them.
+//! (`publish_vm`; `stats()` takes them in the base statistics' copy, `plain_counters`), one
+//! [`RangeInfo`] per range (`expandable_ranges`), and `check_vm`, the invariants
+//! `check_invariants` adds for them.
 //!
 //! ```text
-//!  Vm::counts (under the lock) ──publish_vm──▶ VmPublished (atomics) ──▶ stats()
+//!  Vm::counts (under the lock) ──publish_vm──▶ VmPublished (atomics) ──base──▶ stats()
 //!  Vm::ranges + pool          ──range_infos─▶ Vec<RangeInfo>          ──▶ expandable_ranges(),
 //!                                                                          memory_summary()
 //! ```
@@ -39,7 +40,9 @@ impl<D: Device> Shared<D> {
         p.moves.store(c.moves, Ordering::Relaxed);
     }
 
-    /// Adds the expandable-segment figures to statistics read elsewhere.
+    /// Adds the expandable-segment figures to statistics read elsewhere: the broken build
+    /// `vm_stats_apart` (they are in the base's counters, [`Shared::plain_counters`]).
+    #[cfg(tidepool_broken = "vm_stats_apart")]
     pub(super) fn with_vm_stats(&self, mut m: MemoryStats) -> MemoryStats {
         let p = &self.vm_published;
         m.expandable_segments = p.active.load(Ordering::Relaxed);
