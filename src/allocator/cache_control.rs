@@ -37,26 +37,71 @@ impl<D: Device> Allocator<D> {
             sh.flush_all(&mut st);
         }
         let released = sh.release_segments(&mut st, |s| s.key.residency == Residency::Transient);
-        if !sh.device.capture_underway() {
-            // The ranges of streams the device no longer knows (destroyed on the device or
-            // by another allocator, not through `destroy_stream` / `release_stream`) give
-            // their virtual addresses back once nothing is mapped there, as PyTorch's
-            // `release_cached_blocks` releases a wholly unmapped expandable segment
-            // (`release_expandable_segment`). A live stream's range stays for its next growth.
-            // Kept, they held the address space until the allocator went, and once it ran
-            // out every new stream fell back to ordinary segments.
-            // BROKEN (`empty_cache_keeps_ranges`): kept until the stream or allocator goes.
-            let dev = &sh.device;
-            let gone = |k: &PoolKey| !dev.has_stream(k.stream);
-            if !cfg!(tidepool_broken = "empty_cache_keeps_ranges")
-                && st.vm.ranges.values().any(|r| r.pages.is_empty() && gone(&r.key))
-            {
-                sh.free_ranges(&mut st, gone);
-            }
-            // What gone allocators of the family could not give back (`leftovers.rs`).
-            sh.family.leftovers.retry(&sh.device);
-        }
+        sh.release_gone(&mut st);
         released
+    }
+
+    /// Gives cached memory back to the device until this allocator reserves no more than
+    /// `min_bytes_to_keep` bytes, or nothing more can be given back now; CUDA's
+    /// `cudaMemPoolTrimTo(pool, minBytesToKeep)`. Returns the bytes released: how far the
+    /// call brought [`Allocator::reserved_bytes`] down (0 where it was at or below the floor:
+    /// then nothing is done at all); `reserved_bytes` read before and after would also count
+    /// what other threads reserved or released meanwhile.
+    ///
+    /// What may go is what [`Allocator::empty_cache`] gives back: the stream caches are flushed,
+    /// then transient segments that hold no block in use or waiting, and, on expandable
+    /// segments, the wholly free chunks of transient ranges (persistent memory only goes by
+    /// [`Allocator::release_persistent`]; the initial pool stays). Never below the floor:
+    /// cudaMallocAsync's pool "will be guaranteed to have at least minBytesToKeep bytes
+    /// reserved after the operation", so a segment or chunk whose release would take reserved
+    /// below it is passed over (the next, smaller, may fit) and the call may end above the
+    /// floor; `trim_to(0)` releases all that may go. The order:
+    ///
+    /// 1. ordinary segments, the largest first (the lowest address first among equals): the
+    ///    fewest releases for the bytes — each `cuMemFree` synchronises the device — as
+    ///    PyTorch's `release_available_cached_blocks` takes the largest first, and the small
+    ///    pool's 2 MiB segments, which small requests soon reserve again, go last;
+    /// 2. then the expandable ranges' free chunks, range by range in address order, each from
+    ///    its top down, as `empty_cache` and `release_threshold` give pages back;
+    /// 3. only where that leaves reserved above the floor, the regions of named scopes' plans
+    ///    that nothing holds (see [`Allocator::empty_cache`]; a region let go costs its plan's
+    ///    next run a new one), then 1 and 2 again.
+    ///
+    /// Unlike `empty_cache`, it waits on the host for no pending free, as `cudaMemPoolTrimTo`
+    /// does not: blocks freed after [`Buffer::record_stream`] or [`Buffer::use_on`] whose
+    /// events have not completed are only polled, and their segments (or chunks) stay until
+    /// those complete; what dropped CUDA graphs hold back for a synchronisation stays too.
+    /// (With no free pending — after [`Allocator::synchronize`] — and no dropped graph holding
+    /// memory back, `trim_to(0)` releases what `empty_cache` does.)
+    /// Releasing is the same as everywhere here: each segment's release is a counted host sync
+    /// (`num_host_syncs`: `cuMemFree` synchronises), and a range's chunks go once its stream's
+    /// work enqueued so far has completed, waited for where it has not (a counted host sync).
+    /// Nothing is released while a capture is underway (`Ok(0)`). A device error is returned
+    /// as it comes; what was released before it stays released.
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use tidepool::{Allocator, Config, MIB, SimDevice, StreamId};
+    ///
+    /// let dev = Arc::new(SimDevice::new(1 << 30));
+    /// let alloc = Allocator::new(dev, Config::default()).unwrap();
+    /// let s = StreamId::DEFAULT;
+    /// // Segments of 12, 16 and 20 MiB (requests of 10 MiB or more are reserved as asked).
+    /// let bufs: Vec<_> = [12, 16, 20].map(|n| alloc.alloc(n * MIB, s).unwrap()).into();
+    /// drop(bufs);
+    /// assert_eq!(alloc.reserved_bytes(), 48 * MIB);
+    /// // Keep at least 30 MiB: the 20 MiB segment would leave 28, so the 16 MiB one goes.
+    /// assert_eq!(alloc.trim_to(30 * MIB).unwrap(), 16 * MIB);
+    /// assert_eq!(alloc.reserved_bytes(), 32 * MIB);
+    /// assert_eq!(alloc.trim_to(0).unwrap(), 32 * MIB);
+    /// ```
+    pub fn trim_to(&self, min_bytes_to_keep: u64) -> Result<u64, AllocError> {
+        // BROKEN (`trim_releases_persistent`): persistent segments trimmed too.
+        let which: &[Residency] = match cfg!(tidepool_broken = "trim_releases_persistent") {
+            true => &[Residency::Transient, Residency::Persistent],
+            false => &[Residency::Transient],
+        };
+        self.shared.trim_to(min_bytes_to_keep, which)
     }
 
     /// Releases cached persistent segments that hold no live block.
@@ -191,6 +236,107 @@ impl<D: Device> Allocator<D> {
 }
 
 impl<D: Device> Shared<D> {
+    /// [`Allocator::trim_to`] over the free memory of the residencies `which`, in that order
+    /// (a private pool's trim gives back both).
+    pub(super) fn trim_to(&self, floor: u64, which: &[Residency]) -> Result<u64, AllocError> {
+        if self.device.capture_underway() {
+            return Ok(0); // cuMemFree is illegal during a capture (as `release_segments`)
+        }
+        let mut st = self.lock_state();
+        if st.pool.reserved_bytes() <= floor {
+            return Ok(0); // cudaMemPoolTrimTo: a no-op
+        }
+        let mut released = 0;
+        self.flush_all(&mut st);
+        // Pending frees polled, not waited for: cudaMemPoolTrimTo does not synchronise.
+        // BROKEN (`trim_waits_pending`): waited for, as `empty_cache` (host syncs on other
+        // streams' work, and blocks released that the call should have kept).
+        match cfg!(tidepool_broken = "trim_waits_pending") {
+            true => self.sync_events(&mut st)?,
+            false => self.process_events(&mut st),
+        }
+        released += self.trim_locked(&mut st, floor, which)?;
+        if st.pool.reserved_bytes() > floor {
+            // Last, the idle regions of plans (the plans' lock comes before the state's).
+            drop(st);
+            let any = self.release_idle_regions_then(false, |_| true);
+            st = self.lock_state();
+            if any {
+                self.flush_all(&mut st);
+                released += self.trim_locked(&mut st, floor, which)?;
+            }
+        }
+        self.release_gone(&mut st);
+        Ok(released)
+    }
+
+    /// One pass of [`Shared::trim_to`] under the lock: per residency, free ordinary segments
+    /// the largest first, then free chunks of expandable ranges, none taking reserved below
+    /// `floor`. The bytes the pass took off reserved.
+    fn trim_locked(
+        &self,
+        st: &mut State,
+        floor: u64,
+        which: &[Residency],
+    ) -> Result<u64, AllocError> {
+        // BROKEN (`trim_ignores_floor`): everything free goes, as `empty_cache`.
+        let floor = if cfg!(tidepool_broken = "trim_ignores_floor") { 0 } else { floor };
+        let start = st.pool.reserved_bytes();
+        for &res in which {
+            let (vm, initial) = (&st.vm, st.initial);
+            let mut segs: Vec<(u64, u64, SegmentId)> = st
+                .pool
+                .releasable_segments(|s| {
+                    s.key.residency == res && !vm.contains(s.base) && Some(s.base) != initial
+                })
+                .into_iter()
+                .map(|id| (st.pool.segment(id).size, st.pool.segment(id).base, id))
+                .collect();
+            // The largest first, the lowest address first among equals.
+            segs.sort_unstable_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)));
+            for (size, _, seg) in segs {
+                let reserved = st.pool.reserved_bytes();
+                if reserved <= floor {
+                    return Ok(start - reserved);
+                }
+                if reserved - size >= floor {
+                    self.release_segment(st, seg)?;
+                }
+            }
+            if !st.vm.is_empty() && st.pool.reserved_bytes() > floor {
+                let keep = |s: &crate::pool::Segment| s.key.residency == res;
+                self.release_pages_above(st, keep, 0, Waits::All, Some(floor))?;
+            }
+        }
+        Ok(start.saturating_sub(st.pool.reserved_bytes()))
+    }
+
+    /// What `empty_cache` and `trim_to` give back besides cached memory (not during a
+    /// capture): the virtual ranges of streams the device no longer knows, and what gone
+    /// allocators of the family left.
+    fn release_gone(&self, st: &mut State) {
+        if self.device.capture_underway() {
+            return;
+        }
+        // The ranges of streams the device no longer knows (destroyed on the device or
+        // by another allocator, not through `destroy_stream` / `release_stream`) give
+        // their virtual addresses back once nothing is mapped there, as PyTorch's
+        // `release_cached_blocks` releases a wholly unmapped expandable segment
+        // (`release_expandable_segment`). A live stream's range stays for its next growth.
+        // Kept, they held the address space until the allocator went, and once it ran
+        // out every new stream fell back to ordinary segments.
+        // BROKEN (`empty_cache_keeps_ranges`): kept until the stream or allocator goes.
+        let dev = &self.device;
+        let gone = |k: &PoolKey| !dev.has_stream(k.stream);
+        if !cfg!(tidepool_broken = "empty_cache_keeps_ranges")
+            && st.vm.ranges.values().any(|r| r.pages.is_empty() && gone(&r.key))
+        {
+            self.free_ranges(st, gone);
+        }
+        // What gone allocators of the family could not give back (`leftovers.rs`).
+        self.family.leftovers.retry(&self.device);
+    }
+
     /// The retiring mappings a release of `stream`'s memory (`release_stream`,
     /// `destroy_stream`) waits for on the host: those of its own ranges and those moved into
     /// them ([`Waits::For`]), which its pages and its ranges wait on; other streams' are only

@@ -8,11 +8,12 @@
 //!                   not yet ─▶ queried again, or waited for (a counted host sync)
 //! ```
 //!
-//! Who releases: `empty_cache` and the out-of-memory ladder (transient ranges),
-//! `release_persistent` (persistent ones), `trim` after frees (a transient range's free mapped
-//! bytes above `release_threshold`), a stream's release or destruction (`stream_done`), and the
-//! allocator's end (`vm_leftovers`: what the device refused, left to the family). Physical
-//! allocations the device refuses to release wait in `Vm::unreleased` for another try.
+//! Who releases: `empty_cache`, `trim_to` (down to its floor) and the out-of-memory ladder
+//! (transient ranges), `release_persistent` (persistent ones), `trim` after frees (a transient
+//! range's free mapped bytes above `release_threshold`), a stream's release or destruction
+//! (`stream_done`), and the allocator's end (`vm_leftovers`: what the device refused, left to
+//! the family). Physical allocations the device refuses to release wait in `Vm::unreleased` for
+//! another try.
 
 use super::expandable::*;
 use super::*;
@@ -193,9 +194,24 @@ impl<D: Device> Shared<D> {
     pub(super) fn release_pages(
         &self,
         st: &mut State,
+        which: impl FnMut(&Segment) -> bool,
+        keep: u64,
+        waits: Waits,
+    ) -> Result<(), AllocError> {
+        self.release_pages_above(st, which, keep, waits, None)
+    }
+
+    /// [`Shared::release_pages`], with a `floor` (`trim_to`): no chunk goes whose release would
+    /// take this allocator's reserved bytes below it (one that would is passed over, as a
+    /// smaller one further on may fit), counted once the retiring mappings the release waits
+    /// for (or finds completed) are gone. `None`: no floor.
+    pub(super) fn release_pages_above(
+        &self,
+        st: &mut State,
         mut which: impl FnMut(&Segment) -> bool,
         keep: u64,
         waits: Waits,
+        floor: Option<u64>,
     ) -> Result<(), AllocError> {
         let wait = !matches!(waits, Waits::No);
         if self.role.graph_held() && !self.broken(Broken::GraphPoolReleased) {
@@ -209,10 +225,18 @@ impl<D: Device> Shared<D> {
         // Freed stitched blocks (flushed from the stream caches) give their chunks back first.
         self.unstitch_freed(st);
         let page = st.vm.page;
+        // Pages the floor lets go (whole pages above it: never below it).
+        let mut left = match floor {
+            None => u64::MAX,
+            Some(f) => st.pool.reserved_bytes().saturating_sub(f) / page,
+        };
         let bases: Vec<u64> = st.vm.ranges.keys().copied().collect();
         let mut result = Ok(());
         let mut refused = None; // a stitch's unmapping refused
         for base in bases {
+            if left == 0 {
+                break;
+            }
             let max = if keep == 0 {
                 u64::MAX
             } else {
@@ -221,8 +245,10 @@ impl<D: Device> Shared<D> {
                     continue;
                 }
                 (free - keep).div_ceil(page)
-            };
-            let runs = self.free_page_runs(st, base, max, u64::MAX, false, &mut which);
+            }
+            .min(left);
+            // (Without a floor, `left` is `u64::MAX`: no chunk is passed over for it.)
+            let runs = self.free_page_runs(st, base, max, left, false, &mut which);
             if runs.is_empty() {
                 continue;
             }
@@ -242,6 +268,8 @@ impl<D: Device> Shared<D> {
                     continue;
                 }
                 Ok(Some(event)) => {
+                    let pages: u64 = runs.iter().map(|&(_, a, b)| (b - a) / page).sum();
+                    left = left.saturating_sub(pages);
                     self.retire_runs(st, base, runs, event);
                     continue;
                 }
@@ -264,7 +292,7 @@ impl<D: Device> Shared<D> {
             let still_aliased = !st.vm.ranges[&base].aliased.is_empty()
                 && !cfg!(tidepool_broken = "stitch_refused_released");
             let runs = match still_aliased {
-                true => self.free_page_runs(st, base, max, u64::MAX, true, &mut which),
+                true => self.free_page_runs(st, base, max, left, true, &mut which),
                 false => runs,
             };
             for (block, a, b) in runs {
@@ -279,6 +307,7 @@ impl<D: Device> Shared<D> {
                     st.vm.counts.add_unmaps(1);
                     self.release_handle(&mut st.vm, c.handle);
                     st.vm.ranges.get_mut(&base).expect("range").pages.remove(c.lo);
+                    left = left.saturating_sub(c.pages);
                     done = c.lo;
                 }
                 if done < b {

@@ -472,6 +472,37 @@ impl<D: Device> MemPool<D> {
         self.alloc.release_persistent()
     }
 
+    /// Gives the pool's free cached memory back to the device until the pool reserves no more
+    /// than `min_bytes_to_keep` bytes (`cudaMemPoolTrimTo` on a pool of its own); the bytes
+    /// released. As [`Allocator::trim_to`], with what the pool's [`MemPool::empty_cache`]
+    /// gives back: its transient memory first, then its persistent memory (a pool's memory is
+    /// all its own). Refused while a graph uses the pool, as `empty_cache` is.
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use tidepool::{Allocator, Config, MIB, PoolOptions, SimDevice, StreamId};
+    ///
+    /// let alloc = Allocator::new(Arc::new(SimDevice::new(1 << 30)), Config::default()).unwrap();
+    /// let pool = alloc.new_pool(PoolOptions::default()).unwrap();
+    /// let s = StreamId::DEFAULT;
+    /// let bufs = {
+    ///     let _guard = alloc.use_pool(&pool, s).unwrap();
+    ///     [alloc.alloc(12 * MIB, s).unwrap(), alloc.alloc(12 * MIB, s).unwrap()]
+    /// };
+    /// drop(bufs);
+    /// // Two 12 MiB segments: keeping at least 20 MiB keeps both, 12 MiB one.
+    /// assert_eq!(pool.trim_to(20 * MIB).unwrap(), 0);
+    /// assert_eq!(pool.trim_to(12 * MIB).unwrap(), 12 * MIB);
+    /// assert_eq!(pool.stats().blocks.reserved_bytes.all.current, 12 * MIB);
+    /// ```
+    pub fn trim_to(&self, min_bytes_to_keep: u64) -> Result<u64, AllocError> {
+        if self.alloc.shared.role.graph_held() {
+            return Err(AllocError::PoolBusy { reason: "a CUDA graph uses the pool" });
+        }
+        let both = [Residency::Transient, Residency::Persistent];
+        self.alloc.shared.trim_to(min_bytes_to_keep, &both)
+    }
+
     /// Checks the pool's invariants (see [`Allocator::check_invariants`]).
     #[cfg(feature = "test-hooks")]
     pub fn check_invariants(&self) -> Result<(), String> {

@@ -218,12 +218,22 @@ impl<D: Device> Shared<D> {
     /// settling into a region are waited for (counted host syncs). Nothing during a capture
     /// (its memory may not be freed then).
     pub(super) fn release_idle_regions_of(&self, which: impl Fn(StreamId) -> bool) -> bool {
+        self.release_idle_regions_then(true, which)
+    }
+
+    /// [`Shared::release_idle_regions_of`]; escapes settling into a region are waited for only
+    /// with `wait` (else polled: `trim_to`, which waits for no free).
+    pub(super) fn release_idle_regions_then(
+        &self,
+        wait: bool,
+        which: impl Fn(StreamId) -> bool,
+    ) -> bool {
         if self.device.capture_underway() {
             return false;
         }
         let idle = {
             let mut plans = lock(&self.plans);
-            self.take_idle_regions(&mut plans, &mut self.lock_state(), true, which)
+            self.take_idle_regions(&mut plans, &mut self.lock_state(), wait, which)
         };
         let any = !idle.is_empty();
         for region in idle {
