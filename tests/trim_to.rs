@@ -333,3 +333,37 @@ fn a_private_pool_trims_its_transient_memory_then_its_persistent_memory() {
     drop(alloc);
     assert_no_leak(&dev);
 }
+
+/// The regions of named scopes' plans that nothing holds are cached memory too (`empty_cache`
+/// lets them go), but the last a trim takes: only while reserved is still above the floor once
+/// the free segments went. A region lives in a segment (here 4 MiB of a 20 MiB one): let go, it
+/// frees that segment, which goes where its release keeps the floor.
+#[test]
+fn idle_plan_regions_go_last() {
+    let dev = Arc::new(SimDevice::new(CAP));
+    let alloc = Allocator::new(dev.clone(), Config::default()).unwrap();
+    for _ in 0..2 {
+        let scope = alloc.named_scope("step", S0);
+        drop(scope.alloc_unbound(4 * MIB).unwrap());
+    }
+    assert_eq!(alloc.stats().plan_region_bytes, 4 * MIB);
+    drop(alloc.alloc(40 * MIB, S0).unwrap()); // a segment of its own, then free
+    assert_eq!(segments(&alloc), vec![(20, 20), (40, 40)]);
+    // A floor the free segment reaches: the region stays.
+    assert_eq!(alloc.trim_to(20 * MIB).unwrap(), 40 * MIB);
+    assert_eq!(alloc.stats().plan_region_bytes, 4 * MIB);
+    assert_eq!(segments(&alloc), vec![(20, 20)]);
+    // Above a floor of 0 still: the region goes, and the segment it freed.
+    assert_eq!(alloc.trim_to(0).unwrap(), 20 * MIB);
+    assert_eq!(alloc.stats().plan_region_bytes, 0);
+    assert_eq!(alloc.reserved_bytes(), 0);
+    assert_eq!(dev.live_segments(), vec![]);
+    alloc.check_invariants().unwrap();
+    assert_eq!(dev.violations(), vec![]);
+    // The scope learns again and serves as before.
+    for _ in 0..2 {
+        let scope = alloc.named_scope("step", S0);
+        drop(scope.alloc_unbound(4 * MIB).unwrap());
+    }
+    assert_eq!(alloc.stats().plan_region_bytes, 4 * MIB);
+}

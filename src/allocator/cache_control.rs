@@ -256,7 +256,8 @@ impl<D: Device> Shared<D> {
             false => self.process_events(&mut st),
         }
         released += self.trim_locked(&mut st, floor, which)?;
-        if st.pool.reserved_bytes() > floor {
+        // BROKEN (`trim_keeps_regions`): idle plan regions stay whatever the floor.
+        if st.pool.reserved_bytes() > floor && !cfg!(tidepool_broken = "trim_keeps_regions") {
             // Last, the idle regions of plans (the plans' lock comes before the state's).
             drop(st);
             let any = self.release_idle_regions_then(false, |_| true);
