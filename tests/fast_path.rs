@@ -1194,13 +1194,19 @@ fn a_large_block_freed_after_small_size_grew_past_it_serves_no_small_request() {
     let at = large.ptr();
     alloc.set_config(Config::parse("small_size_mb:2,small_segment_mb:4").unwrap()).unwrap();
     drop(large);
+    small_request_served_small(&dev, &alloc, at);
+}
+
+/// A 2 MiB request under `small_size_mb:2,small_segment_mb:4` after the large block at `at`
+/// (2 MiB of a 20 MiB large segment) went back: a new 4 MiB small segment serves it, beside the
+/// large segment, which is wholly free again.
+fn small_request_served_small(dev: &SimDevice, alloc: &Allocator<SimDevice>, at: DeviceAddr) {
     let small = alloc.alloc(2 * MIB, S0).unwrap();
     let s = alloc.stats();
     assert_eq!(
         (s.blocks.allocation.small_pool.current, s.blocks.allocation.large_pool.current),
         (1, 0)
     );
-    // A new 4 MiB small segment beside the 20 MiB large one, which is wholly free again.
     assert_ne!(small.ptr(), at);
     assert_eq!(s.blocks.reserved_bytes.small_pool.current, 4 * MIB);
     assert_eq!(s.blocks.reserved_bytes.large_pool.current, 20 * MIB);
@@ -1210,7 +1216,7 @@ fn a_large_block_freed_after_small_size_grew_past_it_serves_no_small_request() {
     assert_eq!(large_seg.blocks.len(), 1);
     assert_eq!(large_seg.blocks[0].state, BlockState::Free);
     drop(small);
-    check(&dev, &alloc);
+    check(dev, alloc);
 }
 
 /// The window of the test above: between the lanes taking a raised `small_size` and their
@@ -1242,19 +1248,5 @@ fn a_small_hit_racing_set_config_takes_no_large_block() {
     let s = alloc.stats();
     assert_eq!(s.cached_fast_bytes, 0);
     assert_eq!(s.blocks.allocation.large_pool.current, 0);
-    let small = alloc.alloc(2 * MIB, S0).unwrap();
-    let s = alloc.stats();
-    assert_eq!(
-        (s.blocks.allocation.small_pool.current, s.blocks.allocation.large_pool.current),
-        (1, 0)
-    );
-    assert_ne!(small.ptr(), at);
-    assert_eq!(s.blocks.reserved_bytes.small_pool.current, 4 * MIB);
-    assert_eq!(s.blocks.reserved_bytes.large_pool.current, 20 * MIB);
-    let segs = alloc.snapshot();
-    let large_seg = segs.iter().find(|g| g.pool == PoolKind::Large).unwrap();
-    assert_eq!(large_seg.blocks.len(), 1);
-    assert_eq!(large_seg.blocks[0].state, BlockState::Free);
-    drop(small);
-    check(&dev, &alloc);
+    small_request_served_small(&dev, &alloc, at);
 }

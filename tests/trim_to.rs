@@ -10,7 +10,7 @@
 
 mod common;
 
-use common::assert_no_leak;
+use common::{assert_no_leak, consistent};
 use std::sync::Arc;
 use tidepool::MIB;
 use tidepool::device::{AccessKind, Launch, SIM_BASE, SimDevice};
@@ -118,15 +118,6 @@ fn ordinary_segments_go_largest_first_and_never_below_the_floor() {
     drop((live, again));
     drop(alloc);
     assert_no_leak(&dev);
-}
-
-/// `reserved_bytes` is what the device has mapped, and the invariants hold.
-fn consistent(dev: &SimDevice, alloc: &Allocator<SimDevice>) {
-    let mapped: u64 = dev.live_mappings().iter().map(|&(_, n)| n).sum();
-    assert_eq!(alloc.reserved_bytes(), mapped);
-    assert_eq!(dev.physical_bytes(), mapped);
-    alloc.check_invariants().unwrap();
-    assert_eq!(dev.violations(), vec![]);
 }
 
 /// A transient range of chunks of 2, 3, 1 and 4 pages (the first live) above a persistent

@@ -7,7 +7,7 @@
 
 mod common;
 
-use common::assert_no_leak;
+use common::{assert_no_leak, consistent};
 use std::sync::Arc;
 use tidepool::MIB;
 use tidepool::device::{Launch, SIM_BASE, SimDevice};
@@ -17,15 +17,6 @@ const P: u64 = 2 * MIB;
 const CAP: u64 = 64 * MIB;
 
 use common::expandable_setup as setup;
-
-/// `reserved_bytes` is what the device has mapped, and the invariants hold.
-fn consistent(dev: &SimDevice, alloc: &Allocator<SimDevice>) {
-    let mapped: u64 = dev.live_mappings().iter().map(|&(_, n)| n).sum();
-    assert_eq!(alloc.reserved_bytes(), mapped);
-    assert_eq!(dev.physical_bytes(), mapped);
-    alloc.check_invariants().unwrap();
-    assert_eq!(dev.violations(), vec![]);
-}
 
 /// A stream's free persistent memory, reused in part, must not hide its transient range's
 /// frees from `release_threshold`: the trim remembered the stream's free bytes at its last

@@ -60,6 +60,15 @@ pub fn assert_no_leak(dev: &SimDevice) {
     assert_eq!(dev.violations(), vec![]);
 }
 
+/// `reserved_bytes` is what the device has mapped, and the invariants hold.
+pub fn consistent(dev: &SimDevice, alloc: &Allocator<SimDevice>) {
+    let mapped: u64 = dev.live_mappings().iter().map(|&(_, n)| n).sum();
+    assert_eq!(alloc.reserved_bytes(), mapped);
+    assert_eq!(dev.physical_bytes(), mapped);
+    alloc.check_invariants().unwrap();
+    assert_eq!(dev.violations(), vec![]);
+}
+
 /// A kernel that waits for the returned gate, then writes `byte` over `[ptr, ptr + bytes)`.
 pub fn gated_write_bytes(ptr: DeviceAddr, bytes: u64, byte: u8) -> (Kernel, mpsc::Sender<()>) {
     let (open, gate) = mpsc::channel::<()>();
