@@ -335,10 +335,7 @@ fn a_graph_dropped_during_another_capture_keeps_its_pool_until_a_synchronisation
     let other = alloc.alloc(N, t).unwrap();
     let (k, gate) = gated_write(other.ptr(), 9);
     dev.launch(t, k).unwrap();
-    g.launch(t).unwrap();
-    alloc.begin_capture(u, None).unwrap();
-    drop(g); // cannot synchronise: a capture is underway
-    drop(alloc.end_capture(u).unwrap());
+    common::drop_graph_during_capture(&alloc, g, t, u);
     assert_eq!(pool.graphs(), 1, "the dropped graph's hold stays");
     assert!(matches!(alloc.use_pool(&pool, s), Err(tidepool::AllocError::PoolBusy { .. })));
     assert!(matches!(
@@ -378,10 +375,7 @@ fn a_graph_dropped_during_another_capture_gives_its_memory_back_as_the_allocator
     dev.launch(s, write(&tmp, 1)).unwrap();
     drop((tmp, before)); // the graph's pool block, and a general buffer the graph holds
     let g = alloc.end_capture(s).unwrap();
-    g.launch(t).unwrap();
-    alloc.begin_capture(u, None).unwrap();
-    drop(g); // cannot synchronise: a capture is underway
-    drop(alloc.end_capture(u).unwrap());
+    common::drop_graph_during_capture(&alloc, g, t, u);
     let (general, graphs) = (0x7f00_0000_0000, 0x7f00_0020_0000);
     assert_eq!(dev.live_segments(), vec![(DeviceAddr(general), SEG), (DeviceAddr(graphs), SEG)]);
     let syncs = dev.counters().host_syncs;
@@ -407,10 +401,7 @@ fn the_out_of_memory_ladder_lets_go_of_what_a_graph_dropped_during_a_capture_hel
     alloc.begin_capture(s, None).unwrap();
     drop(alloc.alloc(40 * MIB, s).unwrap()); // the graph's pool keeps its free 40 MiB
     let g = alloc.end_capture(s).unwrap();
-    g.launch(t).unwrap();
-    alloc.begin_capture(u, None).unwrap();
-    drop(g); // cannot synchronise: a capture is underway
-    drop(alloc.end_capture(u).unwrap());
+    common::drop_graph_during_capture(&alloc, g, t, u);
     assert_eq!(dev.live_segments(), vec![(DeviceAddr(0x7f00_0000_0000), 40 * MIB)]);
     let got = alloc.alloc(40 * MIB, s).unwrap();
     assert_eq!(dev.live_segments(), vec![(DeviceAddr(0x7f00_0280_0000), 40 * MIB)]);

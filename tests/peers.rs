@@ -245,10 +245,7 @@ fn a_peer_lets_go_of_what_a_graph_dropped_during_a_capture_held() {
     a.begin_capture(s, None).unwrap();
     drop(a.alloc(40 * MIB, s).unwrap()); // the graph's pool keeps its free 40 MiB
     let g = a.end_capture(s).unwrap();
-    g.launch(t).unwrap();
-    a.begin_capture(u, None).unwrap();
-    drop(g); // cannot synchronise: a capture is underway
-    drop(a.end_capture(u).unwrap());
+    common::drop_graph_during_capture(&a, g, t, u);
     assert_eq!(dev.live_segments(), vec![(DeviceAddr(BASE), 40 * MIB)]);
     let got = b.alloc(40 * MIB, s).unwrap();
     assert_eq!(got.ptr().0, BASE + 40 * MIB);

@@ -69,6 +69,20 @@ pub fn consistent(dev: &SimDevice, alloc: &Allocator<SimDevice>) {
     assert_eq!(dev.violations(), vec![]);
 }
 
+/// Launches graph `g` on `t`, then drops it while a capture of `alloc` on `u` is underway (its
+/// drop cannot synchronise, so what it held waits in the family), and ends that capture.
+pub fn drop_graph_during_capture(
+    alloc: &Allocator<SimDevice>,
+    g: tidepool::Graph<SimDevice>,
+    t: StreamId,
+    u: StreamId,
+) {
+    g.launch(t).unwrap();
+    alloc.begin_capture(u, None).unwrap();
+    drop(g); // cannot synchronise: a capture is underway
+    drop(alloc.end_capture(u).unwrap());
+}
+
 /// A kernel that waits for the returned gate, then writes `byte` over `[ptr, ptr + bytes)`.
 pub fn gated_write_bytes(ptr: DeviceAddr, bytes: u64, byte: u8) -> (Kernel, mpsc::Sender<()>) {
     let (open, gate) = mpsc::channel::<()>();
