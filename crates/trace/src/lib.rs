@@ -32,6 +32,7 @@
 //! ```
 
 mod clock;
+mod cost;
 mod error;
 mod event;
 /// The offline planner's packing, from the core crate (its learned scope plans use it too).

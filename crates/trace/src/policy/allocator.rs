@@ -120,11 +120,16 @@ pub fn alloc_steps(trace: &Trace, mode: Mode) -> (Vec<AllocStep>, usize, Vec<u32
     let mut index: HashMap<u32, usize> = HashMap::from([(0, 0)]);
     let mut stream_index = |s: u32| {
         if cfg!(tidepool_broken = "stream_index_quadratic") {
-            if let Some(i) = streams.iter().position(|&x| x == s) {
+            let found = streams.iter().position(|&x| x == s);
+            crate::cost::looked_at(found.map_or(streams.len(), |i| i + 1));
+            if let Some(i) = found {
                 return i;
             }
-        } else if let Some(&i) = index.get(&s) {
-            return i;
+        } else {
+            crate::cost::looked_at(1);
+            if let Some(&i) = index.get(&s) {
+                return i;
+            }
         }
         streams.push(s);
         index.insert(s, streams.len() - 1);
@@ -569,5 +574,31 @@ fn percent(part: u64, whole: u64) -> f64 {
     match whole {
         0 => 0.0,
         _ => part as f64 * 100.0 / whole as f64,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{Mode, alloc_steps};
+    use crate::event::{Event, Tag, Trace};
+
+    /// A trace with a stream per event: each event's stream is found in constant time, so the
+    /// 4 000 events look at 4 000 entries where a search of the streams met so far looked at
+    /// n²/2 (a 400 000-stream trace took minutes before its error; `tests/trace_review.rs`
+    /// checks that error). Counted, not timed. Broken build `stream_index_quadratic`
+    /// (8 002 000 here).
+    #[test]
+    fn each_event_finds_its_stream_in_constant_time() {
+        const N: u32 = 4_000;
+        let t = Trace {
+            events: (1..=N).map(|i| Event::alloc(u64::from(i), 512, i, Tag::Act)).collect(),
+            ..Trace::default()
+        };
+        crate::cost::take();
+        let (steps, _, streams) = alloc_steps(&t, Mode::Caching);
+        let looked_at = crate::cost::take();
+        assert_eq!((steps.len(), streams.len()), (N as usize, N as usize + 1));
+        assert_eq!(streams[N as usize], N);
+        assert_eq!(looked_at, u64::from(N), "{looked_at} streams looked at");
     }
 }
