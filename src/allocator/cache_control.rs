@@ -19,6 +19,8 @@ impl<D: Device> Allocator<D> {
     /// again).
     pub fn empty_cache(&self) -> Result<(), AllocError> {
         let sh = &self.shared;
+        // What families of the device with no general allocator left hold back (`peers.rs`).
+        let _ = crate::peers::let_go_of_orphans(&sh.device);
         let _ = sh.release_idle_regions();
         let mut st = sh.lock_state();
         st.vm.refused.clear(); // ranges refused are asked for again

@@ -198,7 +198,10 @@ impl<D: Device> Drop for Allocator<D> {
     /// Then what dropped graphs held back because the wait for their launches failed (a
     /// capture was underway) is let go of, once the device synchronises: those holds wait in
     /// the family for an `empty_cache` and hold the allocators that hold the family, so with
-    /// no `empty_cache` to come their memory stayed reserved for good.
+    /// no `empty_cache` to come their memory stayed reserved for good. Where the device
+    /// refuses that synchronisation (another family's capture is underway), or a graph is
+    /// dropped later during one, the family is left to the device's other allocators
+    /// (`peers::let_go_of_orphans`), which let go of its holds once they can.
     fn drop(&mut self) {
         let sh = &self.shared;
         if sh.handles.fetch_sub(1, Ordering::AcqRel) == 1 && sh.role.id == 0 {
@@ -212,6 +215,12 @@ impl<D: Device> Drop for Allocator<D> {
             if !cfg!(tidepool_broken = "graph_holds_kept_at_drop") {
                 let _ = sh.let_go_of_graph_holds();
             }
+            // What is left (the device refused the synchronisation: another family's capture
+            // is underway), and what graphs dropped from now on leave, is let go of by the
+            // device's other allocators: no call of this family can any more.
+            private_pool::Family::orphan(&sh.family, &sh.device);
+            // As it goes, what orphaned families of its device left (`peers.rs`).
+            let _ = crate::peers::let_go_of_orphans(&sh.device);
         }
     }
 }

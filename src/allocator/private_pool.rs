@@ -65,6 +65,9 @@ pub(crate) struct Family<D: Device> {
     /// by `new_pool` while it reads it: two `set_config` calls at once leave every allocator of
     /// the family on the same one.
     pub(super) configuring: Mutex<()>,
+    /// The device, once the general allocator's last handle went ([`Family::orphan`]): what
+    /// another allocator's call synchronises to let go of the dropped graphs' holds.
+    device: std::sync::OnceLock<Guarded<D>>,
     /// Every private pool made, by id, without keeping it alive: what the general allocator's
     /// snapshot pickle lists besides its own segments (PyTorch's snapshot shows every pool of
     /// the device). Not under loom, whose `Arc` has no `Weak` (and which models no dump).
@@ -85,6 +88,7 @@ impl<D: Device> Default for Family<D> {
             reserved: AtomicU64::new(0),
             history: Mutex::new(history::FamilyHistory::default()),
             configuring: Mutex::new(()),
+            device: std::sync::OnceLock::new(),
             #[cfg(not(loom))]
             pools: Mutex::new(Vec::new()),
         }
@@ -131,14 +135,38 @@ impl<D: Device> Family<D> {
         device: &Guarded<D>,
         st: &mut State,
     ) -> Vec<capture::Held<D>> {
+        self.take_graph_holds_counted(device, &mut st.counters.host_syncs)
+    }
+
+    /// [`Family::take_graph_holds`], its host sync counted in `syncs`.
+    fn take_graph_holds_counted(
+        &self,
+        device: &Guarded<D>,
+        syncs: &mut u64,
+    ) -> Vec<capture::Held<D>> {
         let mut holds = lock(&self.graph_holds);
         if holds.is_empty() || device.capture_underway() {
             return Vec::new();
         }
-        match super::events::count_host_wait(&mut st.counters.host_syncs, device.synchronize()) {
+        match super::events::count_host_wait(syncs, device.synchronize()) {
             Ok(()) => std::mem::take(&mut *holds),
             Err(_) => Vec::new(),
         }
+    }
+
+    /// The general allocator's last handle went (`Allocator`'s drop): holds that dropped
+    /// graphs leave in the family from now on (or left already, the device refusing to
+    /// synchronise then), are let go of by the other allocators of the device
+    /// (`peers::let_go_of_orphans`: as their captures end, at their `empty_cache`, out of
+    /// memory, as they go), since no call of this family is left to do it. BROKEN
+    /// (`orphaned_graph_holds`): nobody does, and they stay for good.
+    /// (A plain `&Arc` argument: loom's `Arc` is no method receiver.)
+    pub(super) fn orphan(family: &Arc<Self>, device: &Guarded<D>) {
+        if cfg!(tidepool_broken = "orphaned_graph_holds") {
+            return;
+        }
+        let _ = family.device.set(Guarded::new(device.arc().clone()));
+        crate::peers::orphan(device, family);
     }
 
     /// Whether dropped graphs left holds for a later synchronisation (`graph_holds`).
@@ -170,6 +198,22 @@ impl<D: Device> Family<D> {
     /// A new id for a pool, a route or a capture (never 0).
     pub(super) fn next_id(&self) -> u64 {
         self.next_id.fetch_add(1, Ordering::Relaxed)
+    }
+}
+
+/// A family whose general allocator is gone: another allocator of the device lets go of what
+/// its dropped graphs held back (`src/peers.rs`), its host sync counted by none (the family's
+/// general allocator is gone; the device's own count has it).
+impl<D: Device> crate::peers::Orphan for Family<D> {
+    fn let_go_of_holds(&self) -> bool {
+        let Some(device) = self.device.get() else { return false };
+        if !self.has_graph_holds() {
+            return false;
+        }
+        let holds = self.take_graph_holds_counted(device, &mut 0);
+        let any = !holds.is_empty();
+        holds.into_iter().for_each(capture::Held::release);
+        any
     }
 }
 
