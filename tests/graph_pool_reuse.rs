@@ -492,3 +492,32 @@ fn a_graph_dropped_during_another_capture_after_its_allocator_went_lets_go_later
     assert_eq!(dev.live_events(), 0);
     common::assert_no_leak(&dev);
 }
+
+/// A pool's own `empty_cache` lets go of the hold its graph, dropped during another capture,
+/// left in the family (after a device synchronisation, as the general allocator's does), then
+/// empties the pool: before, it answered `PoolBusy` ("a CUDA graph uses the pool") with the
+/// graph long gone, until the general allocator's `empty_cache` (found in review; broken build
+/// `pool_empty_keeps_graph_holds`).
+#[test]
+fn a_pools_empty_cache_lets_go_of_what_its_dropped_graph_held() {
+    let Setup { dev, s, t, alloc, pool } = setup();
+    let u = dev.create_stream().unwrap();
+    alloc.begin_capture(s, Some(&pool)).unwrap();
+    let tmp = alloc.alloc(N, s).unwrap();
+    dev.launch(s, write(&tmp, 1)).unwrap();
+    drop(tmp);
+    let g = alloc.end_capture(s).unwrap();
+    common::drop_graph_during_capture(&alloc, g, t, u);
+    assert_eq!(pool.graphs(), 1, "the dropped graph's hold waits for a synchronisation");
+    assert_eq!(dev.live_segments(), vec![(DeviceAddr(0x7f00_0000_0000), SEG)]);
+    let syncs = dev.counters().host_syncs;
+    pool.empty_cache().unwrap();
+    assert_eq!(pool.graphs(), 0);
+    assert_eq!(dev.live_segments(), vec![]);
+    // The synchronisation, and the segment's release.
+    assert_eq!(dev.counters().host_syncs, syncs + 2);
+    assert_eq!(pool.stats().num_host_syncs, 2);
+    pool.check_invariants().unwrap();
+    drop((pool, alloc));
+    common::assert_no_leak(&dev);
+}

@@ -507,8 +507,18 @@ impl<D: Device> MemPool<D> {
 
     /// Returns the pool's free cached segments to the device. Refused (nothing released) while a
     /// graph uses the pool: its replays read that memory. (A capture that begins meanwhile is
-    /// safe too: every release looks again under the pool's lock.)
+    /// safe too: every release looks again under the pool's lock.) A graph of the pool dropped
+    /// while it could not wait for its launches (during a capture) holds the pool until a
+    /// device synchronisation: this call makes it first, as [`Allocator::empty_cache`] does.
     pub fn empty_cache(&self) -> Result<(), AllocError> {
+        // A graph of the pool dropped during a capture left its hold on the pool in the family,
+        // to go after a device synchronisation: this call makes it, as the general allocator's
+        // `empty_cache` does. BROKEN (`pool_empty_keeps_graph_holds`): refused until then.
+        if self.alloc.shared.role.graph_held()
+            && !cfg!(tidepool_broken = "pool_empty_keeps_graph_holds")
+        {
+            let _ = self.alloc.shared.let_go_of_graph_holds();
+        }
         if self.alloc.shared.role.graph_held() {
             return Err(AllocError::PoolBusy { reason: "a CUDA graph uses the pool" });
         }
