@@ -358,6 +358,26 @@ impl<D: Device> Routes<D> {
         self.set_active(&t);
     }
 
+    /// The pools that only routes reach: each route's pool whose `Allocator` values are all
+    /// routes' (no `MemPool` handle, graph or capture holds it), once each. Only a
+    /// `mem::forget`ten guard routes to such a pool: its own `empty_cache` is out of reach.
+    pub(super) fn unreachable_pools(&self) -> Vec<Allocator<D>> {
+        let t = lock(&self.table);
+        let mut out: Vec<Allocator<D>> = Vec::new();
+        for r in &t.0 {
+            let sh = &r.pool.shared;
+            if out.iter().any(|p| Arc::ptr_eq(&p.shared, sh)) {
+                continue;
+            }
+            let routes = t.0.iter().filter(|q| Arc::ptr_eq(&q.pool.shared, sh)).count();
+            // (A handle made meanwhile is a clone of one counted here, or of a graph's pool.)
+            if sh.handles.load(Ordering::Acquire) == routes {
+                out.push(r.pool.clone());
+            }
+        }
+        out
+    }
+
     /// Removes route `id`; returns its pool (dropped by the caller, outside the lock).
     pub(super) fn remove(&self, id: u64) -> Option<Allocator<D>> {
         let mut t = lock(&self.table);
