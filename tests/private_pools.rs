@@ -437,3 +437,27 @@ fn the_allocators_empty_cache_empties_a_pool_only_a_forgotten_guard_reaches() {
     assert!(dev.live_segments().is_empty(), "{:?}", dev.live_segments());
     assert!(dev.violations().is_empty());
 }
+
+/// A closed general allocator (its last handle gone, a buffer of it still live: here one
+/// `mem::forget`ten) keeps only its live buffers' segments; the pool only a forgotten guard's
+/// route reached goes with the routes, its cache back to the device at once. Before, the route
+/// kept the pool, and its cached segment stayed as long as the allocator's last buffer — for
+/// good here (found in review; broken build `closed_keeps_routes`).
+#[test]
+fn a_closed_allocator_lets_go_of_the_pools_of_forgotten_guards() {
+    let dev = Arc::new(SimDevice::backed(256 * MIB));
+    let (s, t) = (dev.create_stream().unwrap(), dev.create_stream().unwrap());
+    let alloc = Allocator::new(dev.clone(), Config::default()).unwrap();
+    let pool = alloc.new_pool(PoolOptions::default()).unwrap();
+    std::mem::forget(alloc.use_pool(&pool, s).unwrap());
+    drop(pool);
+    drop(alloc.alloc(4096, s).unwrap()); // the pool's segment, cached
+    let kept = alloc.alloc(4096, t).unwrap();
+    assert!(alloc.owns(&kept));
+    assert_eq!(kept.ptr().0, SIM_BASE + SEG);
+    std::mem::forget(kept);
+    drop(alloc);
+    let only_kept = vec![(tidepool::DeviceAddr(SIM_BASE + SEG), SEG)];
+    assert_eq!(dev.live_segments(), only_kept, "the forgotten buffer's segment only");
+    assert!(dev.violations().is_empty());
+}

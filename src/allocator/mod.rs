@@ -211,6 +211,13 @@ impl<D: Device> Drop for Allocator<D> {
             {
                 end(self);
             }
+            // The routes of `mem::forget`ten guards: nothing can be routed any more, and each
+            // kept its pool, whose cache would stay as long as this allocator's last buffer
+            // (a closed allocator keeps only its live buffers' segments). BROKEN
+            // (`closed_keeps_routes`): kept.
+            if !cfg!(tidepool_broken = "closed_keeps_routes") {
+                drop(sh.routes.remove_guards());
+            }
             // BROKEN (`graph_holds_kept_at_drop`): left to an `empty_cache` that never comes.
             if !cfg!(tidepool_broken = "graph_holds_kept_at_drop") {
                 let _ = sh.let_go_of_graph_holds();

@@ -299,6 +299,8 @@ struct Route<D: Device> {
     id: u64,
     stream: StreamId,
     pool: Allocator<D>,
+    /// A guard's route (counted in the pool's `guards`), not a capture's.
+    guard: bool,
 }
 
 impl<D: Device> Routes<D> {
@@ -352,10 +354,29 @@ impl<D: Device> Routes<D> {
         self.any() && lock(&self.table).0.iter().any(|r| r.stream == stream)
     }
 
-    pub(super) fn add(&self, id: u64, stream: StreamId, pool: Allocator<D>) {
+    /// Routes `stream` to `pool` (`guard`: for a guard, else for a capture) as route `id`.
+    pub(super) fn add(&self, id: u64, stream: StreamId, pool: Allocator<D>, guard: bool) {
         let mut t = lock(&self.table);
-        t.0.push(Route { id, stream, pool });
+        t.0.push(Route { id, stream, pool, guard });
         self.set_active(&t);
+    }
+
+    /// Removes every guard's route, their pools' `guards` counts given back; returns the pools
+    /// (dropped by the caller, outside the lock). What the general allocator's last handle
+    /// does: no allocation can be routed any more, and a `mem::forget`ten guard's route was
+    /// the last hold of its pool once its `MemPool` handles went.
+    pub(super) fn remove_guards(&self) -> Vec<Allocator<D>> {
+        let mut t = lock(&self.table);
+        let (gone, kept): (Vec<Route<D>>, Vec<Route<D>>) =
+            std::mem::take(&mut t.0).into_iter().partition(|r| r.guard);
+        t.0 = kept;
+        self.set_active(&t);
+        gone.into_iter()
+            .map(|r| {
+                r.pool.shared.role.guards.fetch_sub(1, Ordering::AcqRel);
+                r.pool
+            })
+            .collect()
     }
 
     /// The pools that only routes reach: each route's pool whose `Allocator` values are all
@@ -723,7 +744,7 @@ impl<D: Device> Allocator<D> {
             return Err(AllocError::PoolBusy { reason: "a CUDA graph uses the pool" });
         }
         let id = sh.family.next_id();
-        sh.routes.add(id, stream, pool.alloc.clone());
+        sh.routes.add(id, stream, pool.alloc.clone(), true);
         Ok(PoolGuard { alloc: self, id })
     }
 

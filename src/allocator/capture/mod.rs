@@ -360,7 +360,7 @@ impl<D: Capture> Allocator<D> {
             return Err(e);
         }
         if !broken {
-            sh.routes.add(route, stream, pool.alloc.clone());
+            sh.routes.add(route, stream, pool.alloc.clone(), false);
         }
         Ok(())
     }
