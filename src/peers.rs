@@ -94,7 +94,11 @@ pub(crate) fn join<D: Device, P: Peer + 'static>(
 /// memory; whether any did (never under loom). Called with no allocator lock held.
 pub(crate) fn ask<D: Device>(kind: Kind, device: &Guarded<D>, me: *const ()) -> bool {
     #[cfg(not(loom))]
-    return release_peers(kind, key_of(device), me);
+    {
+        // Families left with no general allocator lend what their dropped graphs held too.
+        let orphans = kind == Kind::Device && let_go_of_orphans(device);
+        release_peers(kind, key_of(device), me) | orphans
+    }
     #[cfg(loom)]
     {
         let _ = (kind, device, me);
@@ -108,6 +112,71 @@ fn register(kind: Kind, device: Key, peer: Weak<dyn Peer>) {
     let mut list = peers();
     list.retain(|e| e.peer.strong_count() > 0);
     list.push(Entry { kind, device, peer });
+}
+
+/// What is left of an allocator family whose general allocator's last handle went: dropped
+/// graphs' holds (`Family::graph_holds`) that wait for a device synchronisation, which the
+/// family holds through the allocators they free into, and which hold the family (a cycle no
+/// call of the application reaches any more).
+pub(crate) trait Orphan: Send + Sync {
+    /// Lets go of the holds once the device synchronises (nothing while a capture is
+    /// underway); whether any went.
+    #[cfg_attr(loom, allow(dead_code))] // (no list under loom: nobody asks)
+    fn let_go_of_holds(&self) -> bool;
+}
+
+/// A family of `device`'s memory left with no general allocator, by weak reference: its entry
+/// lives as long as the family does (while its holds keep it), and dies with it.
+#[cfg(not(loom))]
+struct OrphanEntry {
+    device: Key,
+    orphan: Weak<dyn Orphan>,
+}
+
+#[cfg(not(loom))]
+static ORPHANS: std::sync::Mutex<Vec<OrphanEntry>> = std::sync::Mutex::new(Vec::new());
+
+/// Notes `orphan`, a family over `device` whose general allocator is gone (nothing under loom).
+pub(crate) fn orphan<D: Device, O: Orphan + 'static>(
+    device: &Guarded<D>,
+    orphan: &crate::sync::Arc<O>,
+) {
+    #[cfg(not(loom))]
+    {
+        let o: Arc<dyn Orphan> = orphan.clone();
+        let mut list = ORPHANS.lock().unwrap_or_else(|p| p.into_inner());
+        list.retain(|e| e.orphan.strong_count() > 0);
+        list.push(OrphanEntry { device: key_of(device), orphan: Arc::downgrade(&o) });
+    }
+    #[cfg(loom)]
+    let _ = (device, orphan);
+}
+
+/// Has the orphaned families over `device`'s memory let go of their holds, where the device
+/// synchronises now; whether any did. What another allocator of the device calls as its own
+/// capture ends, at its `empty_cache`, out of memory and as it goes: the orphans' own calls
+/// are gone. Called with no allocator lock held.
+pub(crate) fn let_go_of_orphans<D: Device>(device: &Guarded<D>) -> bool {
+    #[cfg(not(loom))]
+    {
+        let key = key_of(device);
+        let orphans: Vec<Arc<dyn Orphan>> = {
+            let mut list = ORPHANS.lock().unwrap_or_else(|p| p.into_inner());
+            list.retain(|e| e.orphan.strong_count() > 0);
+            list.iter().filter(|e| e.device == key).filter_map(|e| e.orphan.upgrade()).collect()
+        };
+        // (Outside the list's lock: letting go drops the families' last holds.)
+        let mut any = false;
+        for o in &orphans {
+            any |= o.let_go_of_holds();
+        }
+        any
+    }
+    #[cfg(loom)]
+    {
+        let _ = device;
+        false
+    }
 }
 
 /// [`ask`], by key.

@@ -7,7 +7,7 @@ mod common;
 
 use common::{N, gated_write, replayable_write as write, wait_stream as wait};
 use std::sync::Arc;
-use tidepool::device::Launch;
+use tidepool::device::{Capture, Launch};
 use tidepool::{
     Allocator, Buffer, Config, Device, DeviceAddr, Graph, MIB, MemPool, PoolOptions, SimDevice,
     StreamId,
@@ -412,5 +412,112 @@ fn the_out_of_memory_ladder_lets_go_of_what_a_graph_dropped_during_a_capture_hel
     drop(got);
     alloc.check_invariants().unwrap();
     drop(alloc);
+    common::assert_no_leak(&dev);
+}
+
+/// A graph of `alloc` launched on `t`, whose capture freed a buffer of the general allocator
+/// (held by the graph) and a temporary of the graph's pool: what the two families' tests below
+/// leave holds, in the general allocator's segment and the graph pool's.
+fn launched_graph_holding_a_general_buffer(
+    dev: &Arc<SimDevice>,
+    alloc: &Allocator<SimDevice>,
+    s: StreamId,
+    t: StreamId,
+) -> Graph<SimDevice> {
+    let before = alloc.alloc(MIB, s).unwrap();
+    alloc.begin_capture(s, None).unwrap();
+    let tmp = alloc.alloc(N, s).unwrap();
+    dev.launch(s, write(&tmp, 1)).unwrap();
+    drop((tmp, before));
+    let g = alloc.end_capture(s).unwrap();
+    g.launch(t).unwrap();
+    g
+}
+
+/// The general allocator's last handle goes while another family's capture is underway, after
+/// one of its graphs was dropped during that capture: the device refuses the synchronisation
+/// that would let go of what the graph held, and nothing of the family is left to try again.
+/// The other allocator of the device lets go of it as its capture ends: every segment of the
+/// family goes back (found in review: the holds held the allocators, which held the family and
+/// its holds, a cycle, and both segments stayed reserved for the rest of the process; broken
+/// build `orphaned_graph_holds`).
+#[test]
+fn holds_left_as_the_allocator_goes_during_another_familys_capture_go_as_it_ends() {
+    let dev = Arc::new(SimDevice::backed(256 * MIB));
+    let (s, t, u) =
+        (dev.create_stream().unwrap(), dev.create_stream().unwrap(), dev.create_stream().unwrap());
+    let alloc = Allocator::new(dev.clone(), Config::default()).unwrap();
+    let other = Allocator::new(dev.clone(), Config::default()).unwrap();
+    let g = launched_graph_holding_a_general_buffer(&dev, &alloc, s, t);
+    other.begin_capture(u, None).unwrap();
+    drop(g); // cannot synchronise: the other family's capture is underway
+    drop(alloc); // nor can its last handle
+    let (general, graphs) = (0x7f00_0000_0000, 0x7f00_0020_0000);
+    assert_eq!(dev.live_segments(), vec![(DeviceAddr(general), SEG), (DeviceAddr(graphs), SEG)]);
+    let syncs = dev.counters().host_syncs;
+    drop(other.end_capture(u).unwrap());
+    assert_eq!(dev.live_segments(), vec![], "every segment of the gone family back");
+    // The device synchronisation, and a release (`cuMemFree` synchronises) per segment.
+    assert_eq!(dev.counters().host_syncs, syncs + 3);
+    other.check_invariants().unwrap();
+    drop(other);
+    assert_eq!(dev.live_events(), 0);
+    common::assert_no_leak(&dev);
+}
+
+/// A graph outlives its general allocator and is dropped during another family's capture: what
+/// it held waits in a family none of whose calls is left. The other allocator's `empty_cache`
+/// after the capture lets go of it (found in review: it stayed for good, a cycle; broken build
+/// `orphaned_graph_holds`).
+#[test]
+fn a_graph_dropped_during_another_capture_after_its_allocator_went_lets_go_later() {
+    let dev = Arc::new(SimDevice::backed(256 * MIB));
+    let (s, t, u) =
+        (dev.create_stream().unwrap(), dev.create_stream().unwrap(), dev.create_stream().unwrap());
+    let alloc = Allocator::new(dev.clone(), Config::default()).unwrap();
+    let other = Allocator::new(dev.clone(), Config::default()).unwrap();
+    let g = launched_graph_holding_a_general_buffer(&dev, &alloc, s, t);
+    drop(alloc); // the graph keeps its pool, and the general buffer it holds its segment
+    let (general, graphs) = (0x7f00_0000_0000, 0x7f00_0020_0000);
+    assert_eq!(dev.live_segments(), vec![(DeviceAddr(general), SEG), (DeviceAddr(graphs), SEG)]);
+    // A capture begun on the device itself: no allocator sees it end.
+    dev.begin_capture(u).unwrap();
+    drop(g); // cannot synchronise
+    let raw = dev.end_capture(u).unwrap();
+    dev.destroy_graph(raw).unwrap();
+    assert_eq!(dev.live_segments().len(), 2, "nothing has asked yet");
+    other.empty_cache().unwrap();
+    assert_eq!(dev.live_segments(), vec![], "every segment of the gone family back");
+    drop(other);
+    assert_eq!(dev.live_events(), 0);
+    common::assert_no_leak(&dev);
+}
+
+/// A pool's own `empty_cache` lets go of the hold its graph, dropped during another capture,
+/// left in the family (after a device synchronisation, as the general allocator's does), then
+/// empties the pool: before, it answered `PoolBusy` ("a CUDA graph uses the pool") with the
+/// graph long gone, until the general allocator's `empty_cache` (found in review; broken build
+/// `pool_empty_keeps_graph_holds`).
+#[test]
+fn a_pools_empty_cache_lets_go_of_what_its_dropped_graph_held() {
+    let Setup { dev, s, t, alloc, pool } = setup();
+    let u = dev.create_stream().unwrap();
+    alloc.begin_capture(s, Some(&pool)).unwrap();
+    let tmp = alloc.alloc(N, s).unwrap();
+    dev.launch(s, write(&tmp, 1)).unwrap();
+    drop(tmp);
+    let g = alloc.end_capture(s).unwrap();
+    common::drop_graph_during_capture(&alloc, g, t, u);
+    assert_eq!(pool.graphs(), 1, "the dropped graph's hold waits for a synchronisation");
+    assert_eq!(dev.live_segments(), vec![(DeviceAddr(0x7f00_0000_0000), SEG)]);
+    let syncs = dev.counters().host_syncs;
+    pool.empty_cache().unwrap();
+    assert_eq!(pool.graphs(), 0);
+    assert_eq!(dev.live_segments(), vec![]);
+    // The synchronisation, and the segment's release.
+    assert_eq!(dev.counters().host_syncs, syncs + 2);
+    assert_eq!(pool.stats().num_host_syncs, 2);
+    pool.check_invariants().unwrap();
+    drop((pool, alloc));
     common::assert_no_leak(&dev);
 }

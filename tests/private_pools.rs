@@ -373,7 +373,8 @@ fn the_oom_ladder_never_releases_a_pool_a_graph_uses() {
 
 /// A `mem::forget`ten guard routes its stream for good, and its pool lives on behind the route
 /// when its last `MemPool` handle goes: the stream's allocations are the pool's (the general
-/// allocator reserves nothing), its free memory serves the stream again at the same address,
+/// allocator reserves nothing), its free memory serves the stream again at the same address
+/// (the general allocator's `empty_cache` empties it, as the test after this one shows),
 /// scopes on the stream are refused, a capture on it still allocates from the graph's own pool,
 /// and when the allocator goes, the pool goes with it: nothing is left on the device.
 #[test]
@@ -393,7 +394,6 @@ fn a_forgotten_guard_routes_for_good_and_its_pool_goes_with_the_allocator() {
     assert_eq!(scope.alloc(512).err(), Some(AllocError::StreamRouted(s)));
     drop(scope);
     drop(x);
-    alloc.empty_cache().unwrap();
     assert_eq!(alloc.alloc(4096, s).unwrap().ptr().0, SIM_BASE, "the pool's block again");
     let (graph, at) = alloc.capture(s, None, || alloc.alloc(4096, s).unwrap().ptr()).unwrap();
     assert_eq!(at.0, SIM_BASE + SEG, "the graph's pool: a segment of its own");
@@ -402,5 +402,62 @@ fn a_forgotten_guard_routes_for_good_and_its_pool_goes_with_the_allocator() {
     drop(alloc);
     dev.synchronize().unwrap();
     assert!(dev.live_segments().is_empty(), "{:?}", dev.live_segments());
+    assert!(dev.violations().is_empty());
+}
+
+/// The general allocator's `empty_cache` empties a pool that only a `mem::forget`ten guard's
+/// route reaches (its last `MemPool` handle gone), as the pool's own would: its free segment
+/// goes back, and the routed stream's next allocation reserves a new one. A pool someone still
+/// holds is left to them. Before, nothing could give that cache back while the allocator lived
+/// (found in review; broken build `forgotten_guard_pool_kept`).
+#[test]
+fn the_allocators_empty_cache_empties_a_pool_only_a_forgotten_guard_reaches() {
+    let dev = Arc::new(SimDevice::backed(256 * MIB));
+    let (s, t) = (dev.create_stream().unwrap(), dev.create_stream().unwrap());
+    let alloc = Allocator::new(dev.clone(), Config::default()).unwrap();
+    let (forgotten, held) = (
+        alloc.new_pool(PoolOptions::default()).unwrap(),
+        alloc.new_pool(PoolOptions::default()).unwrap(),
+    );
+    std::mem::forget(alloc.use_pool(&forgotten, s).unwrap());
+    std::mem::forget(alloc.use_pool(&held, t).unwrap());
+    drop(forgotten);
+    drop((alloc.alloc(4096, s).unwrap(), alloc.alloc(4096, t).unwrap()));
+    assert_eq!(dev.live_segments().len(), 2);
+    alloc.empty_cache().unwrap();
+    assert_eq!(dev.live_segments(), vec![(tidepool::DeviceAddr(SIM_BASE + SEG), SEG)], "held's");
+    assert_eq!(held.stats().blocks.reserved_bytes.all.current, SEG);
+    let x = alloc.alloc(4096, s).unwrap();
+    assert_eq!(x.ptr().0, SIM_BASE + 2 * SEG, "a new segment of the forgotten guard's pool");
+    assert!(!alloc.owns(&x));
+    assert_eq!(alloc.reserved_bytes(), 0);
+    drop((x, held));
+    drop(alloc);
+    dev.synchronize().unwrap();
+    assert!(dev.live_segments().is_empty(), "{:?}", dev.live_segments());
+    assert!(dev.violations().is_empty());
+}
+
+/// A closed general allocator (its last handle gone, a buffer of it still live: here one
+/// `mem::forget`ten) keeps only its live buffers' segments; the pool only a forgotten guard's
+/// route reached goes with the routes, its cache back to the device at once. Before, the route
+/// kept the pool, and its cached segment stayed as long as the allocator's last buffer — for
+/// good here (found in review; broken build `closed_keeps_routes`).
+#[test]
+fn a_closed_allocator_lets_go_of_the_pools_of_forgotten_guards() {
+    let dev = Arc::new(SimDevice::backed(256 * MIB));
+    let (s, t) = (dev.create_stream().unwrap(), dev.create_stream().unwrap());
+    let alloc = Allocator::new(dev.clone(), Config::default()).unwrap();
+    let pool = alloc.new_pool(PoolOptions::default()).unwrap();
+    std::mem::forget(alloc.use_pool(&pool, s).unwrap());
+    drop(pool);
+    drop(alloc.alloc(4096, s).unwrap()); // the pool's segment, cached
+    let kept = alloc.alloc(4096, t).unwrap();
+    assert!(alloc.owns(&kept));
+    assert_eq!(kept.ptr().0, SIM_BASE + SEG);
+    std::mem::forget(kept);
+    drop(alloc);
+    let only_kept = vec![(tidepool::DeviceAddr(SIM_BASE + SEG), SEG)];
+    assert_eq!(dev.live_segments(), only_kept, "the forgotten buffer's segment only");
     assert!(dev.violations().is_empty());
 }

@@ -17,8 +17,14 @@ impl<D: Device> Allocator<D> {
     /// relative to the region (the scope's next run makes the region anew); a plan whose region
     /// adopted its learning run's own segments is forgotten with them (the next run learns
     /// again).
+    ///
+    /// A private pool that no [`MemPool`] handle reaches any more, kept only by a
+    /// `mem::forget`ten [`PoolGuard`]'s route, is emptied too, as its own
+    /// [`MemPool::empty_cache`] would be (a pool someone still holds is theirs to empty).
     pub fn empty_cache(&self) -> Result<(), AllocError> {
         let sh = &self.shared;
+        // What families of the device with no general allocator left hold back (`peers.rs`).
+        let _ = crate::peers::let_go_of_orphans(&sh.device);
         let _ = sh.release_idle_regions();
         let mut st = sh.lock_state();
         st.vm.refused.clear(); // ranges refused are asked for again
@@ -38,6 +44,18 @@ impl<D: Device> Allocator<D> {
         }
         let released = sh.release_segments(&mut st, |s| s.key.residency == Residency::Transient);
         sh.release_gone(&mut st);
+        drop(st);
+        // The pools only a `mem::forget`ten guard routes to: no `MemPool` handle is left to
+        // empty them, so this call does, as the pool's own `empty_cache` would. BROKEN
+        // (`forgotten_guard_pool_kept`): their cache stays as long as the allocator.
+        if sh.role.id == 0 && !cfg!(tidepool_broken = "forgotten_guard_pool_kept") {
+            for pool in sh.routes.unreachable_pools() {
+                if !pool.shared.role.graph_held() {
+                    pool.empty_cache()?;
+                    pool.release_persistent()?;
+                }
+            }
+        }
         released
     }
 

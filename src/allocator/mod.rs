@@ -198,7 +198,10 @@ impl<D: Device> Drop for Allocator<D> {
     /// Then what dropped graphs held back because the wait for their launches failed (a
     /// capture was underway) is let go of, once the device synchronises: those holds wait in
     /// the family for an `empty_cache` and hold the allocators that hold the family, so with
-    /// no `empty_cache` to come their memory stayed reserved for good.
+    /// no `empty_cache` to come their memory stayed reserved for good. Where the device
+    /// refuses that synchronisation (another family's capture is underway), or a graph is
+    /// dropped later during one, the family is left to the device's other allocators
+    /// (`peers::let_go_of_orphans`), which let go of its holds once they can.
     fn drop(&mut self) {
         let sh = &self.shared;
         if sh.handles.fetch_sub(1, Ordering::AcqRel) == 1 && sh.role.id == 0 {
@@ -208,10 +211,23 @@ impl<D: Device> Drop for Allocator<D> {
             {
                 end(self);
             }
+            // The routes of `mem::forget`ten guards: nothing can be routed any more, and each
+            // kept its pool, whose cache would stay as long as this allocator's last buffer
+            // (a closed allocator keeps only its live buffers' segments). BROKEN
+            // (`closed_keeps_routes`): kept.
+            if !cfg!(tidepool_broken = "closed_keeps_routes") {
+                drop(sh.routes.remove_guards());
+            }
             // BROKEN (`graph_holds_kept_at_drop`): left to an `empty_cache` that never comes.
             if !cfg!(tidepool_broken = "graph_holds_kept_at_drop") {
                 let _ = sh.let_go_of_graph_holds();
             }
+            // What is left (the device refused the synchronisation: another family's capture
+            // is underway), and what graphs dropped from now on leave, is let go of by the
+            // device's other allocators: no call of this family can any more.
+            private_pool::Family::orphan(&sh.family, &sh.device);
+            // As it goes, what orphaned families of its device left (`peers.rs`).
+            let _ = crate::peers::let_go_of_orphans(&sh.device);
         }
     }
 }

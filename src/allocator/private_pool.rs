@@ -65,6 +65,9 @@ pub(crate) struct Family<D: Device> {
     /// by `new_pool` while it reads it: two `set_config` calls at once leave every allocator of
     /// the family on the same one.
     pub(super) configuring: Mutex<()>,
+    /// The device, once the general allocator's last handle went ([`Family::orphan`]): what
+    /// another allocator's call synchronises to let go of the dropped graphs' holds.
+    device: std::sync::OnceLock<Guarded<D>>,
     /// Every private pool made, by id, without keeping it alive: what the general allocator's
     /// snapshot pickle lists besides its own segments (PyTorch's snapshot shows every pool of
     /// the device). Not under loom, whose `Arc` has no `Weak` (and which models no dump).
@@ -85,6 +88,7 @@ impl<D: Device> Default for Family<D> {
             reserved: AtomicU64::new(0),
             history: Mutex::new(history::FamilyHistory::default()),
             configuring: Mutex::new(()),
+            device: std::sync::OnceLock::new(),
             #[cfg(not(loom))]
             pools: Mutex::new(Vec::new()),
         }
@@ -131,14 +135,38 @@ impl<D: Device> Family<D> {
         device: &Guarded<D>,
         st: &mut State,
     ) -> Vec<capture::Held<D>> {
+        self.take_graph_holds_counted(device, &mut st.counters.host_syncs)
+    }
+
+    /// [`Family::take_graph_holds`], its host sync counted in `syncs`.
+    fn take_graph_holds_counted(
+        &self,
+        device: &Guarded<D>,
+        syncs: &mut u64,
+    ) -> Vec<capture::Held<D>> {
         let mut holds = lock(&self.graph_holds);
         if holds.is_empty() || device.capture_underway() {
             return Vec::new();
         }
-        match super::events::count_host_wait(&mut st.counters.host_syncs, device.synchronize()) {
+        match super::events::count_host_wait(syncs, device.synchronize()) {
             Ok(()) => std::mem::take(&mut *holds),
             Err(_) => Vec::new(),
         }
+    }
+
+    /// The general allocator's last handle went (`Allocator`'s drop): holds that dropped
+    /// graphs leave in the family from now on (or left already, the device refusing to
+    /// synchronise then), are let go of by the other allocators of the device
+    /// (`peers::let_go_of_orphans`: as their captures end, at their `empty_cache`, out of
+    /// memory, as they go), since no call of this family is left to do it. BROKEN
+    /// (`orphaned_graph_holds`): nobody does, and they stay for good.
+    /// (A plain `&Arc` argument: loom's `Arc` is no method receiver.)
+    pub(super) fn orphan(family: &Arc<Self>, device: &Guarded<D>) {
+        if cfg!(tidepool_broken = "orphaned_graph_holds") {
+            return;
+        }
+        let _ = family.device.set(Guarded::new(device.arc().clone()));
+        crate::peers::orphan(device, family);
     }
 
     /// Whether dropped graphs left holds for a later synchronisation (`graph_holds`).
@@ -170,6 +198,22 @@ impl<D: Device> Family<D> {
     /// A new id for a pool, a route or a capture (never 0).
     pub(super) fn next_id(&self) -> u64 {
         self.next_id.fetch_add(1, Ordering::Relaxed)
+    }
+}
+
+/// A family whose general allocator is gone: another allocator of the device lets go of what
+/// its dropped graphs held back (`src/peers.rs`), its host sync counted by none (the family's
+/// general allocator is gone; the device's own count has it).
+impl<D: Device> crate::peers::Orphan for Family<D> {
+    fn let_go_of_holds(&self) -> bool {
+        let Some(device) = self.device.get() else { return false };
+        if !self.has_graph_holds() {
+            return false;
+        }
+        let holds = self.take_graph_holds_counted(device, &mut 0);
+        let any = !holds.is_empty();
+        holds.into_iter().for_each(capture::Held::release);
+        any
     }
 }
 
@@ -255,6 +299,8 @@ struct Route<D: Device> {
     id: u64,
     stream: StreamId,
     pool: Allocator<D>,
+    /// A guard's route (counted in the pool's `guards`), not a capture's.
+    guard: bool,
 }
 
 impl<D: Device> Routes<D> {
@@ -308,10 +354,49 @@ impl<D: Device> Routes<D> {
         self.any() && lock(&self.table).0.iter().any(|r| r.stream == stream)
     }
 
-    pub(super) fn add(&self, id: u64, stream: StreamId, pool: Allocator<D>) {
+    /// Routes `stream` to `pool` (`guard`: for a guard, else for a capture) as route `id`.
+    pub(super) fn add(&self, id: u64, stream: StreamId, pool: Allocator<D>, guard: bool) {
         let mut t = lock(&self.table);
-        t.0.push(Route { id, stream, pool });
+        t.0.push(Route { id, stream, pool, guard });
         self.set_active(&t);
+    }
+
+    /// Removes every guard's route, their pools' `guards` counts given back; returns the pools
+    /// (dropped by the caller, outside the lock). What the general allocator's last handle
+    /// does: no allocation can be routed any more, and a `mem::forget`ten guard's route was
+    /// the last hold of its pool once its `MemPool` handles went.
+    pub(super) fn remove_guards(&self) -> Vec<Allocator<D>> {
+        let mut t = lock(&self.table);
+        let (gone, kept): (Vec<Route<D>>, Vec<Route<D>>) =
+            std::mem::take(&mut t.0).into_iter().partition(|r| r.guard);
+        t.0 = kept;
+        self.set_active(&t);
+        gone.into_iter()
+            .map(|r| {
+                r.pool.shared.role.guards.fetch_sub(1, Ordering::AcqRel);
+                r.pool
+            })
+            .collect()
+    }
+
+    /// The pools that only routes reach: each route's pool whose `Allocator` values are all
+    /// routes' (no `MemPool` handle, graph or capture holds it), once each. Only a
+    /// `mem::forget`ten guard routes to such a pool: its own `empty_cache` is out of reach.
+    pub(super) fn unreachable_pools(&self) -> Vec<Allocator<D>> {
+        let t = lock(&self.table);
+        let mut out: Vec<Allocator<D>> = Vec::new();
+        for r in &t.0 {
+            let sh = &r.pool.shared;
+            if out.iter().any(|p| Arc::ptr_eq(&p.shared, sh)) {
+                continue;
+            }
+            let routes = t.0.iter().filter(|q| Arc::ptr_eq(&q.pool.shared, sh)).count();
+            // (A handle made meanwhile is a clone of one counted here, or of a graph's pool.)
+            if sh.handles.load(Ordering::Acquire) == routes {
+                out.push(r.pool.clone());
+            }
+        }
+        out
     }
 
     /// Removes route `id`; returns its pool (dropped by the caller, outside the lock).
@@ -463,8 +548,18 @@ impl<D: Device> MemPool<D> {
 
     /// Returns the pool's free cached segments to the device. Refused (nothing released) while a
     /// graph uses the pool: its replays read that memory. (A capture that begins meanwhile is
-    /// safe too: every release looks again under the pool's lock.)
+    /// safe too: every release looks again under the pool's lock.) A graph of the pool dropped
+    /// while it could not wait for its launches (during a capture) holds the pool until a
+    /// device synchronisation: this call makes it first, as [`Allocator::empty_cache`] does.
     pub fn empty_cache(&self) -> Result<(), AllocError> {
+        // A graph of the pool dropped during a capture left its hold on the pool in the family,
+        // to go after a device synchronisation: this call makes it, as the general allocator's
+        // `empty_cache` does. BROKEN (`pool_empty_keeps_graph_holds`): refused until then.
+        if self.alloc.shared.role.graph_held()
+            && !cfg!(tidepool_broken = "pool_empty_keeps_graph_holds")
+        {
+            let _ = self.alloc.shared.let_go_of_graph_holds();
+        }
         if self.alloc.shared.role.graph_held() {
             return Err(AllocError::PoolBusy { reason: "a CUDA graph uses the pool" });
         }
@@ -649,7 +744,7 @@ impl<D: Device> Allocator<D> {
             return Err(AllocError::PoolBusy { reason: "a CUDA graph uses the pool" });
         }
         let id = sh.family.next_id();
-        sh.routes.add(id, stream, pool.alloc.clone());
+        sh.routes.add(id, stream, pool.alloc.clone(), true);
         Ok(PoolGuard { alloc: self, id })
     }
 

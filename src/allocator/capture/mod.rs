@@ -360,7 +360,7 @@ impl<D: Capture> Allocator<D> {
             return Err(e);
         }
         if !broken {
-            sh.routes.add(route, stream, pool.alloc.clone());
+            sh.routes.add(route, stream, pool.alloc.clone(), false);
         }
         Ok(())
     }
@@ -467,6 +467,10 @@ impl<D: Capture> Allocator<D> {
         for w in ordered {
             w.owner.free_held(w.freed, true);
         }
+        // A capture is over: what families of the device with no general allocator left
+        // (graphs dropped during it, or their allocator gone during it) may go now, where no
+        // other capture is underway (`peers.rs`; nothing of theirs would call for it).
+        let _ = crate::peers::let_go_of_orphans(&sh.device);
         match made {
             Ok(id) => Ok(Graph {
                 device: Guarded::new(sh.device.arc().clone()),
