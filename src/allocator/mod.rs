@@ -265,6 +265,8 @@ impl<D: Device> Allocator<D> {
             broken: AtomicU64::new(0),
             #[cfg(feature = "test-hooks")]
             in_config_window: Mutex::new(None),
+            #[cfg(all(feature = "test-hooks", not(loom)))]
+            after_collect: Mutex::new(None),
             plans: Mutex::new(regions::Plans::default()),
             scope_counters: ScopeCounters::default(),
             lock_count: AtomicU64::new(0),
@@ -277,7 +279,6 @@ impl<D: Device> Allocator<D> {
             role: private_pool::PoolRole { id: pool, ..Default::default() },
             passthrough: AtomicBool::new(!config_caching),
             oversize_at: AtomicU64::new(oversize_at),
-            extra: Default::default(),
             accumulated_base: ArcCell::new(MemoryStats::default()),
             handles: AtomicUsize::new(1), // the one made below
             end_captures: std::sync::OnceLock::new(),
