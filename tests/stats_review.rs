@@ -1043,3 +1043,44 @@ fn a_read_takes_the_figures_beside_the_blocks_in_the_same_copy() {
     alloc.check_invariants().unwrap();
     drop((held, kept));
 }
+
+/// A stream cache's block accounted under the lock (here: asked for more bytes than its freed
+/// request, past the requested bytes' credit) comes after the completed pending frees joined
+/// the pool, as in PyTorch's `malloc`, so no peak rises by bytes PyTorch had freed. `x` (1000 B,
+/// used on `t`) is pending, `z` (600 B) waits in the lane; once `t`'s work completed, `y`
+/// (1000 B) takes `z`'s block: PyTorch's figures are `y`'s alone and the peaks stay those of
+/// `x` and `z` live together (active 2048, requested 1600). Before, `x` was still counted
+/// active and requested as `y` was accounted: the requested peak rose to 2000, for good (and
+/// active bytes read 2048 until a later allocation polled).
+#[test]
+fn a_locked_pop_counts_after_the_completed_pending_frees() {
+    let (dev, alloc) = allocator_on(1 << 30, "");
+    let t = dev.create_stream().unwrap();
+    let x = alloc.alloc(1000, S0).unwrap();
+    let z = alloc.alloc(600, S0).unwrap();
+    let (k, open) = common::gated(x.ptr(), 1024, AccessKind::Read);
+    dev.launch(t, k).unwrap();
+    x.record_stream(t).unwrap();
+    drop(x); // pending on t's event
+    let z_ptr = z.ptr();
+    drop(z); // into the stream's cache
+    open.send(()).unwrap();
+    dev.synchronize().unwrap();
+    let y = alloc.alloc(1000, S0).unwrap();
+    assert_eq!(y.ptr(), z_ptr, "the cached block");
+    let m = alloc.memory_stats();
+    let fig = |k: &str| m[k];
+    assert_eq!(
+        (fig("requested_bytes.all.current"), fig("requested_bytes.all.peak")),
+        (1000, 1600),
+        "requested bytes: y's; the peak of x and z"
+    );
+    assert_eq!(
+        (fig("active_bytes.all.current"), fig("active_bytes.all.peak")),
+        (1024, 2048),
+        "active bytes: y's; the peak of x and z"
+    );
+    assert_eq!((fig("active.all.current"), fig("active.all.peak")), (1, 2));
+    drop(y);
+    alloc.check_invariants().unwrap();
+}
