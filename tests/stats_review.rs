@@ -989,3 +989,98 @@ fn peaks_never_pass_what_was_live_under_concurrent_resets() {
     assert_eq!(b.allocated_bytes.all.allocated, T * N * 4096);
     alloc.check_invariants().unwrap();
 }
+
+/// The figures a read takes besides the block figures — the oversize ones, the waits for every
+/// event, best-fit searches, locked allocations, the plans' region bytes — are in the same
+/// copy as the block figures: work done between a read's copy and the rest of that read
+/// (`after_next_collect`, a stand-in for another thread's lock section there) shows in none
+/// of its figures. Before, they were read after the copy, apart from it, and that read showed
+/// oversize blocks and segments, a wait, searches, locked allocations and a region against
+/// 0 bytes allocated and reserved.
+#[test]
+fn a_read_takes_the_figures_beside_the_blocks_in_the_same_copy() {
+    use std::sync::Mutex;
+    let conf = "max_split_size_mb:20";
+    // An oversize block (its own 40 MiB segment), a wait for every event, and a named scope's
+    // first run, whose end adopts its segment as the plan's region.
+    let work = |a: &Allocator<SimDevice>| {
+        let keep = a.alloc(40 * MIB, S0).unwrap();
+        a.synchronize().unwrap();
+        let scope = a.named_scope("step", S0);
+        drop(scope.alloc(4 * MIB).unwrap());
+        drop(scope);
+        keep
+    };
+    // (allocated, reserved, oversize allocations and segments, sync-alls, searches, locked
+    // allocations, region bytes)
+    let figures = |s: &tidepool::MemoryStats| {
+        (
+            s.blocks.allocated_bytes.all.current,
+            s.blocks.reserved_bytes.all.current,
+            s.oversize_allocations.current,
+            s.oversize_segments.current,
+            s.num_sync_all_streams,
+            s.best_fit_searches,
+            s.locked_allocations,
+            s.plan_region_bytes,
+        )
+    };
+    // The same work on another allocator, read after it: what the figures must be.
+    let (_, other) = allocator_on(1 << 30, conf);
+    let kept = work(&other);
+    let expected = figures(&other.stats());
+    assert_eq!(expected, (44 * MIB, 60 * MIB, 1, 2, 1, 3, 2, 4 * MIB));
+    let (_dev, alloc) = allocator_on(1 << 30, conf);
+    let before = alloc.stats();
+    assert_eq!(figures(&before), (0, 0, 0, 0, 0, 0, 0, 0));
+    let held = Arc::new(Mutex::new(Vec::new()));
+    let (a, h) = (alloc.clone(), held.clone());
+    alloc.after_next_collect(move || h.lock().unwrap().push(work(&a)));
+    let seen = alloc.stats();
+    assert_eq!(held.lock().unwrap().len(), 1, "the work ran inside the read");
+    assert_eq!(figures(&seen), figures(&before), "a torn read");
+    assert_eq!(figures(&alloc.stats()), expected, "all of the work, read again");
+    alloc.check_invariants().unwrap();
+    drop((held, kept));
+}
+
+/// A stream cache's block accounted under the lock (here: asked for more bytes than its freed
+/// request, past the requested bytes' credit) comes after the completed pending frees joined
+/// the pool, as in PyTorch's `malloc`, so no peak rises by bytes PyTorch had freed. `x` (1000 B,
+/// used on `t`) is pending, `z` (600 B) waits in the lane; once `t`'s work completed, `y`
+/// (1000 B) takes `z`'s block: PyTorch's figures are `y`'s alone and the peaks stay those of
+/// `x` and `z` live together (active 2048, requested 1600). Before, `x` was still counted
+/// active and requested as `y` was accounted: the requested peak rose to 2000, for good (and
+/// active bytes read 2048 until a later allocation polled).
+#[test]
+fn a_locked_pop_counts_after_the_completed_pending_frees() {
+    let (dev, alloc) = allocator_on(1 << 30, "");
+    let t = dev.create_stream().unwrap();
+    let x = alloc.alloc(1000, S0).unwrap();
+    let z = alloc.alloc(600, S0).unwrap();
+    let (k, open) = common::gated(x.ptr(), 1024, AccessKind::Read);
+    dev.launch(t, k).unwrap();
+    x.record_stream(t).unwrap();
+    drop(x); // pending on t's event
+    let z_ptr = z.ptr();
+    drop(z); // into the stream's cache
+    open.send(()).unwrap();
+    dev.synchronize().unwrap();
+    let y = alloc.alloc(1000, S0).unwrap();
+    assert_eq!(y.ptr(), z_ptr, "the cached block");
+    let m = alloc.memory_stats();
+    let fig = |k: &str| m[k];
+    assert_eq!(
+        (fig("requested_bytes.all.current"), fig("requested_bytes.all.peak")),
+        (1000, 1600),
+        "requested bytes: y's; the peak of x and z"
+    );
+    assert_eq!(
+        (fig("active_bytes.all.current"), fig("active_bytes.all.peak")),
+        (1024, 2048),
+        "active bytes: y's; the peak of x and z"
+    );
+    assert_eq!((fig("active.all.current"), fig("active.all.peak")), (1, 2));
+    drop(y);
+    alloc.check_invariants().unwrap();
+}

@@ -176,20 +176,24 @@ impl<D: Device> Shared<D> {
             (fresh_base, fresh_size) = (addr, b.size);
             blocks.push(b);
         }
+        // The region's bytes: its bins but their walls (blocks it does not hold), and the fresh
+        // block; counted in the section that made them live (see `Shared::make_region`).
+        let walled: u64 = bins.iter().flat_map(|b| &b.walls).map(|&(lo, hi)| hi - lo).sum();
+        let size = bins.iter().map(|b| b.size).sum::<u64>() - walled + fresh_size;
+        #[cfg(not(tidepool_broken = "extras_apart"))]
+        self.scope_counters.region_bytes.fetch_add(size, Ordering::Relaxed);
         drop(st);
         let absolute = |v: u64| match bins.iter().find(|b| b.virt <= v && v < b.virt + b.size) {
             Some(b) => b.base + (v - b.virt),
             None => fresh_base + (v - open),
         };
         let offsets: Vec<u64> = plan.offsets.iter().map(|&v| absolute(v)).collect();
-        // The region's bytes: its bins but their walls (blocks it does not hold), and the fresh block.
-        let walled: u64 = bins.iter().flat_map(|b| &b.walls).map(|&(lo, hi)| hi - lo).sum();
-        let size = bins.iter().map(|b| b.size).sum::<u64>() - walled + fresh_size;
         let region = Arc::new(Region::new(blocks, 0, size));
         for e in &pinned {
             region.pin(e.ptr, e.size);
         }
         let learned = Learned::with_offsets(steps, &offsets, size, granule);
+        #[cfg(tidepool_broken = "extras_apart")]
         self.scope_counters.region_bytes.fetch_add(size, Ordering::Relaxed);
         entry.learned = Some(Arc::new(learned));
         entry.region = Some(region.clone());

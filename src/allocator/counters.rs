@@ -610,7 +610,8 @@ mod tests {
 
     #[test]
     fn layout_is_dense_and_cells_cover_quadrants() {
-        assert_eq!(BASE_WORDS, 20 + 20 + 25 + 60 + 12); // 5 plain counters, 7 of the ranges
+        // 5 plain counters, 7 of the ranges, 10 extra figures, 3 scope counters
+        assert_eq!(BASE_WORDS, 20 + 20 + 25 + 60 + 25);
         assert_eq!(FAST_WORDS, 25); // Δcur and Δtot of three quantities × 4 quadrants, cached bytes
         for q in 0..QUADRANTS {
             assert!(in_cell(0, q));

@@ -224,7 +224,6 @@ impl<D: Device> Shared<D> {
     /// Blocks until every pending event completed, freeing their blocks. A host sync per event.
     pub(super) fn sync_events(&self, st: &mut State) -> Result<(), AllocError> {
         st.counters.sync_all += 1;
-        st.counters.extra_changes += 1;
         while let Some((&s, _)) = st.pending.iter().next() {
             while let Some(front) = st.pending.get(&s).and_then(VecDeque::front) {
                 self.sync_event(st, front.event)?;

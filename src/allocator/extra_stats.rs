@@ -5,8 +5,9 @@
 //!
 //! ```text
 //!  State (global lock): pool.oversize, oversize_segments, counters.sync_all, .oom_rejections
-//!      └─ publish (when the lock is let go, only if its version grew) ─▶ ExtraPublished: SeqBlock<10>
-//!  stats(): base + caches (counters.rs) + extras ─▶ minus the accumulated figures saved by
+//!      └─ plain counters of the base (publish.rs `plain_counters`): published with the block
+//!         figures, so a read takes them in the same copy (counters.rs)
+//!  stats(): base + caches ─▶ minus the accumulated figures saved by
 //!           reset_accumulated_stats (ArcCell<MemoryStats>, swapped whole)
 //! ```
 //!
@@ -16,17 +17,12 @@
 use super::*;
 use crate::types::{BlockStats, Stat};
 
-/// Words published: two `Stat`s (current, peak, allocated, freed), the sync-all count and the
-/// rejection count.
+/// Words of the extra figures: two `Stat`s (current, peak, allocated, freed), the sync-all
+/// count and the rejection count.
 pub(super) const EXTRA_WORDS: usize = 10;
 
-/// The extra figures for lock-free readers.
-#[derive(Default)]
-pub(super) struct ExtraPublished {
-    block: SeqBlock<EXTRA_WORDS>,
-}
-
-fn words(st: &State) -> [u64; EXTRA_WORDS] {
+/// The extra figures as the state holds them (the caller holds the global lock).
+pub(super) fn words(st: &State) -> [u64; EXTRA_WORDS] {
     let (a, s) = (st.pool.oversize_allocations(), &st.oversize_segments);
     [
         a.current,
@@ -42,64 +38,20 @@ fn words(st: &State) -> [u64; EXTRA_WORDS] {
     ]
 }
 
-/// A figure that grows whenever any extra figure changes (see [`Shared::publish_extra`]): the
-/// pool's oversize totals and the count of the other figures' changes (`extra_changes`, bumped
-/// where they change: cold paths; it replaced their four totals and counts in the sum, three
-/// loads and ~9 instructions less on every lock section).
-#[inline(always)]
-fn version(st: &State) -> u64 {
-    let a = st.pool.oversize_allocations();
-    a.allocated.wrapping_add(a.freed).wrapping_add(st.counters.extra_changes)
-}
-
 fn stat(w: &[u64]) -> Stat {
     Stat { current: w[0], peak: w[1], allocated: w[2], freed: w[3] }
 }
 
+/// `m` with the extra figures of `w` (as [`words`] lays them out).
+pub(super) fn with_extra_words(mut m: MemoryStats, w: &[u64]) -> MemoryStats {
+    m.oversize_allocations = stat(&w[0..4]);
+    m.oversize_segments = stat(&w[4..8]);
+    m.num_sync_all_streams = w[8];
+    m.num_oom_rejections = w[9];
+    m
+}
+
 impl<D: Device> Shared<D> {
-    /// Publishes the extra figures if they changed. The caller holds the global lock. This runs
-    /// on every release of the lock, so it compares one sum, not the ten words: the counts
-    /// of what was allocated and freed, of sync-alls and of rejections only grow (a reset subtracts a saved
-    /// copy instead), and any change of a current or peak figure comes with one of them —
-    /// but for `reset_peak_stats`, which clears the version.
-    #[inline(always)]
-    pub(super) fn publish_extra(&self, st: &mut State) {
-        let version = version(st);
-        if st.extra_published != Some(version) {
-            self.publish_extra_now(st, version);
-        }
-    }
-
-    /// [`Shared::publish_extra`] of figures that changed (out of line).
-    #[cold]
-    #[inline(never)]
-    fn publish_extra_now(&self, st: &mut State, version: u64) {
-        st.extra_published = Some(version);
-        let now = words(st);
-        self.extra.block.write(|w| {
-            for (i, &v) in now.iter().enumerate() {
-                w.set(i, v);
-            }
-        });
-    }
-
-    /// Adds the extra figures to statistics read elsewhere: from `st` when the caller holds
-    /// the global lock, else as published.
-    pub(super) fn with_extra_stats(&self, mut m: MemoryStats, st: Option<&State>) -> MemoryStats {
-        let w = match st {
-            Some(st) => words(st),
-            None => self.extra.block.read(STATS_TRIES).unwrap_or_else(|| {
-                // Writers kept interfering: read under the lock, where nothing changes.
-                words(&lock(&self.state))
-            }),
-        };
-        m.oversize_allocations = stat(&w[0..4]);
-        m.oversize_segments = stat(&w[4..8]);
-        m.num_sync_all_streams = w[8];
-        m.num_oom_rejections = w[9];
-        m
-    }
-
     /// Counts the ordinary segment at `base` of `size` bytes in `oversize_segments` if it is
     /// oversize (at least `max_split_size`) as it is reserved (`up`), and out again as it is
     /// released if it was counted in (whatever `max_split_size` is by then).
@@ -107,10 +59,8 @@ impl<D: Device> Shared<D> {
         if up && size >= self.oversize_at.load(Ordering::Relaxed) {
             st.oversize_bases.insert(base);
             st.oversize_segments.increase(1);
-            st.counters.extra_changes += 1;
         } else if !up && st.oversize_bases.remove(&base) {
             st.oversize_segments.decrease(1);
-            st.counters.extra_changes += 1;
         }
     }
 }

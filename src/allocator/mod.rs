@@ -281,6 +281,8 @@ impl<D: Device> Allocator<D> {
             broken: AtomicU64::new(0),
             #[cfg(feature = "test-hooks")]
             in_config_window: Mutex::new(None),
+            #[cfg(all(feature = "test-hooks", not(loom)))]
+            after_collect: Mutex::new(None),
             plans: Mutex::new(regions::Plans::default()),
             scope_counters: ScopeCounters::default(),
             lock_count: AtomicU64::new(0),
@@ -293,7 +295,6 @@ impl<D: Device> Allocator<D> {
             role: private_pool::PoolRole { id: pool, ..Default::default() },
             passthrough: AtomicBool::new(!config_caching),
             oversize_at: AtomicU64::new(oversize_at),
-            extra: Default::default(),
             accumulated_base: ArcCell::new(MemoryStats::default()),
             handles: AtomicUsize::new(1), // the one made below
             end_captures: std::sync::OnceLock::new(),
@@ -871,6 +872,20 @@ impl<D: Device> Allocator<D> {
         let residency = sh.placed_residency(config, plan.kind, residency);
         let class = ClassKey { residency, rounded: plan.rounded };
         sh.check_stream(&mut st, stream)?;
+        // The pending frees whose events completed join the pool first, as PyTorch's `malloc`
+        // processes events before anything else: before a stream cache's block is accounted
+        // here (where a peak may rise: with them still active, the requested peak rose by
+        // bytes PyTorch had freed) or checked for reuse (`reuse_large`, whose best fit must
+        // see them free), not only before the search. BROKEN (`locked_pop_unpolled`): before
+        // the reuse check and the search alone; (`reuse_large_unpolled`): before the search
+        // alone, so the lane's large block went out where a block freed meanwhile fitted better.
+        #[cfg(not(any(
+            tidepool_broken = "locked_pop_unpolled",
+            tidepool_broken = "reuse_large_unpolled"
+        )))]
+        if !st.pending.is_empty() {
+            sh.process_events(&mut st);
+        }
         let locked: &mut State = &mut st;
         if let Some((b, accounted)) =
             cached.and_then(|c| c.pop_locked_topped(class, stream, bytes, &mut locked.base))

@@ -88,7 +88,6 @@ impl<D: Device> Shared<D> {
         (bytes, rounded, seg_size): (u64, u64, u64),
     ) -> AllocError {
         st.counters.oom_rejections += 1;
-        st.counters.extra_changes += 1;
         let mut report = self.oom_report(st, config, key, bytes, rounded, seg_size);
         report.rejected = true;
         AllocError::OutOfMemory(Box::new(report))

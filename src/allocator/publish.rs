@@ -45,7 +45,6 @@ impl<D: Device> Shared<D> {
         {
             self.settle_cold(st);
         }
-        self.publish_extra(st);
         self.count_in_family(st);
         if self.publish_stats.load(Ordering::Relaxed) {
             self.stats.open();
@@ -143,18 +142,17 @@ impl<D: Device> Shared<D> {
     }
 
     /// The base's plain counters ([`counters::COUNTERS`]): the lock's own, then the expandable
-    /// segments' as `publish_vm` left them. In the base, a read takes them in the same copy
-    /// as the pool's figures. (Read apart, after the copy, a growth another thread made
-    /// meanwhile showed its maps and creates against the reserved bytes from before it.)
+    /// segments' as `publish_vm` left them, the extra figures (`extra_stats.rs`) and the scope
+    /// counters written under the lock. In the base, a read takes them in the same copy as the
+    /// pool's figures. (Read apart, after the copy, a growth another thread made meanwhile
+    /// showed its maps and creates against the reserved bytes from before it, and an oversize
+    /// allocation its oversize figures and its search against the allocated bytes before it.)
     pub(super) fn plain_counters(&self, st: &State) -> [u64; counters::COUNTERS] {
-        let (c, v) = (&st.counters, &self.vm_published);
+        let (c, v, sc) = (&st.counters, &self.vm_published, &self.scope_counters);
         let vm = |a: &AtomicU64| a.load(Ordering::Relaxed); // stored under this lock
-        [
-            c.retries,
-            c.ooms,
-            c.device_alloc,
-            c.device_free,
-            c.host_syncs,
+        let mut out = [0; counters::COUNTERS];
+        let lock_own = [c.retries, c.ooms, c.device_alloc, c.device_free, c.host_syncs];
+        let vms = [
             u64::from(v.active.load(Ordering::Relaxed)),
             vm(&v.virtual_bytes),
             vm(&v.maps),
@@ -162,18 +160,26 @@ impl<D: Device> Shared<D> {
             vm(&v.creates),
             vm(&v.releases),
             vm(&v.moves),
-        ]
+        ];
+        let scopes = [vm(&sc.searches), vm(&sc.locked), vm(&sc.region_bytes)];
+        let extra = extra_stats::words(st);
+        let parts: [&[u64]; 4] = [&lock_own, &vms, &extra, &scopes];
+        let mut at = 0;
+        for part in parts {
+            out[at..at + part.len()].copy_from_slice(part);
+            at += part.len();
+        }
+        debug_assert_eq!(at, counters::COUNTERS);
+        out
     }
 
-    /// Adds the scope and plan counters to statistics read elsewhere.
+    /// Adds the scope runs' tallies to statistics read elsewhere (counted as each run ends, by
+    /// the run: none is written under the global lock, so none is in the base's copy).
     pub(super) fn with_scope_stats(&self, mut m: MemoryStats) -> MemoryStats {
         let c = &self.scope_counters;
-        m.best_fit_searches = sh_load(&c.searches);
-        m.locked_allocations = sh_load(&c.locked);
         m.plan_hits = sh_load(&c.plan_hits);
         m.plan_misses = sh_load(&c.plan_misses);
         m.plan_fallbacks = sh_load(&c.plan_fallbacks);
-        m.plan_region_bytes = sh_load(&c.region_bytes);
         m.scope_escapes = sh_load(&c.escapes);
         m
     }
@@ -207,8 +213,12 @@ pub(super) fn limits(config: &Config, recording: bool, ranges: bool) -> Limits {
 /// Builds [`MemoryStats`] from one consistent copy.
 pub(super) fn stats_from(snap: counters::Snapshot) -> MemoryStats {
     let counters::Snapshot { base, fast, pool_free: slow, streams } = snap;
-    let [retries, ooms, device_alloc, device_free, host_syncs, vm @ ..] = counters::counters(&base);
-    let [active, virtual_bytes, maps, unmaps, creates, releases, moves] = vm;
+    let c = counters::counters(&base);
+    let [retries, ooms, device_alloc, device_free, host_syncs] = *first::<5>(&c[..]);
+    let [active, virtual_bytes, maps, unmaps, creates, releases, moves] = *first::<7>(&c[5..]);
+    let (extra, scopes) =
+        (&c[12..12 + extra_stats::EXTRA_WORDS], &c[12 + extra_stats::EXTRA_WORDS..]);
+    let [searches, locked, region_bytes] = *first::<3>(scopes);
     let mut per_stream = Vec::new();
     let mut cached_fast_bytes = 0;
     for ((s, f), pool_free) in streams.iter().zip(&fast).zip(&slow) {
@@ -221,7 +231,7 @@ pub(super) fn stats_from(snap: counters::Snapshot) -> MemoryStats {
         }
     }
     per_stream.retain(|&(_, bytes)| bytes > 0);
-    MemoryStats {
+    let m = MemoryStats {
         blocks: counters::assemble(&base, &fast),
         num_alloc_retries: retries,
         num_ooms: ooms,
@@ -237,8 +247,17 @@ pub(super) fn stats_from(snap: counters::Snapshot) -> MemoryStats {
         num_pages_moved: moves,
         cached_free_bytes_per_stream: per_stream,
         cached_fast_bytes,
+        best_fit_searches: searches,
+        locked_allocations: locked,
+        plan_region_bytes: region_bytes,
         ..MemoryStats::default()
-    }
+    };
+    extra_stats::with_extra_words(m, extra)
+}
+
+/// The first `N` words of `w`.
+fn first<const N: usize>(w: &[u64]) -> &[u64; N] {
+    w[..N].try_into().expect("the counters' layout")
 }
 
 pub(super) fn sh_load(a: &AtomicU64) -> u64 {

@@ -144,8 +144,14 @@ impl<D: Device> Shared<D> {
             s.key.stream == stream && s.key.residency == Residency::Transient
         })?;
         let (block, base) = self.region_block(&mut st, &config, stream, size)?;
-        drop(st);
         let bsize = block.size;
+        // Under the lock, in the section that made the block live: a `stats()` read takes it
+        // in the same copy as the allocated bytes (`plain_counters`). BROKEN (`extras_apart`):
+        // after it.
+        #[cfg(not(tidepool_broken = "extras_apart"))]
+        self.scope_counters.region_bytes.fetch_add(bsize, Ordering::Relaxed);
+        drop(st);
+        #[cfg(tidepool_broken = "extras_apart")]
         self.scope_counters.region_bytes.fetch_add(bsize, Ordering::Relaxed);
         let region = Arc::new(Region::new(vec![block], base, bsize));
         entry.region = Some(region.clone());

@@ -88,6 +88,13 @@ impl<D: Device> Shared<D> {
         bytes: u64,
         rounded: u64,
     ) -> Result<BlockId, AllocError> {
+        #[cfg(not(any(
+            tidepool_broken = "locked_pop_unpolled",
+            tidepool_broken = "reuse_large_unpolled"
+        )))]
+        if !st.pending.is_empty() {
+            self.process_events(st);
+        }
         self.find_or_reserve_aligned(st, config, key, bytes, rounded, 0)
     }
 
@@ -106,6 +113,12 @@ impl<D: Device> Shared<D> {
         rounded: u64,
         align: u64,
     ) -> Result<BlockId, AllocError> {
+        // (Its callers poll the pending frees' events first: `find_or_reserve`, and
+        // `Allocator::alloc_in_once` before the stream caches' locked pops.)
+        #[cfg(any(
+            tidepool_broken = "locked_pop_unpolled",
+            tidepool_broken = "reuse_large_unpolled"
+        ))]
         if !st.pending.is_empty() {
             self.process_events(st);
         }
@@ -682,9 +695,9 @@ impl<D: Device> Shared<D> {
         let sizing = &config.sizing;
         // The check asks the pool for its best fit, which must see the blocks whose events
         // completed as free, as the search would (PyTorch's `malloc` polls them before every
-        // search). BROKEN (`reuse_large_unpolled`): polled only after the check, so the lane's
-        // block went out where a block freed meanwhile fitted better.
-        if !st.pending.is_empty() && !cfg!(tidepool_broken = "reuse_large_unpolled") {
+        // search): the caller, `Allocator::alloc_in_once`, polled them first. BROKEN
+        // (`locked_pop_unpolled`): polled here, for this check alone.
+        if cfg!(tidepool_broken = "locked_pop_unpolled") && !st.pending.is_empty() {
             self.process_events(st);
         }
         // The search also weighs the other residency's best fit, which wins where it is

@@ -40,6 +40,10 @@ pub(crate) struct Shared<D: Device> {
     /// flush ([`Allocator::before_next_flush`]).
     #[cfg(feature = "test-hooks")]
     pub(super) in_config_window: Mutex<Option<Box<dyn FnOnce() + Send>>>,
+    /// Test only: what the next lock-free `stats()` runs right after its copy
+    /// ([`Allocator::after_next_collect`]).
+    #[cfg(all(feature = "test-hooks", not(loom)))]
+    pub(super) after_collect: Mutex<Option<Box<dyn FnOnce() + Send>>>,
     /// Whether the memory history is recorded (then every operation takes the slow path).
     pub(super) recording: AtomicBool,
     /// Whether a freed large block may wait in its stream's cache: not with expandable segments,
@@ -69,8 +73,6 @@ pub(crate) struct Shared<D: Device> {
     /// Blocks of at least this size (`max_split_size`) are oversize: never kept in a stream
     /// cache, so `oversize_allocations` counts exactly the live ones.
     pub(super) oversize_at: AtomicU64,
-    /// PyTorch's oversize and sync-all figures for lock-free readers (`extra_stats.rs`).
-    pub(super) extra: extra_stats::ExtraPublished,
     /// The accumulated figures at the last `reset_accumulated_stats` (subtracted on read).
     pub(super) accumulated_base: ArcCell<MemoryStats>,
     /// The `Allocator` values of this allocator (the application's handles; a private pool's
@@ -127,10 +129,6 @@ pub(super) struct Counters {
     /// Reservations refused before the device was asked (`throw_on_cudamalloc_oom`,
     /// PyTorch's `num_oom_rejections`).
     pub(super) oom_rejections: u64,
-    /// Changes of `sync_all`, `oom_rejections` and `State::oversize_segments` (each bumps it):
-    /// with the pool's oversize totals, the version of the extra figures (`extra_stats.rs`),
-    /// which every lock section compares.
-    pub(super) extra_changes: u64,
     /// Slots whose lanes were re-tagged for a new stream (`CacheTable`).
     pub(super) lane_retags: u64,
 }
@@ -195,9 +193,6 @@ pub(super) struct State {
     pub(super) oversize_bases: BTreeSet<u64>,
     /// The segment reserved up front (`initial_pool_size`), by base: kept until the end.
     pub(super) initial: Option<u64>,
-    /// The version of the extra figures last published (`extra_stats.rs`); `None` after a
-    /// peak reset (peaks fall without a count growing).
-    pub(super) extra_published: Option<u64>,
     /// The allocator's last handle is gone: stream caches made from now on keep no owner
     /// references (`owner.rs`).
     pub(super) stash_closed: bool,

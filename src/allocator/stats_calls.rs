@@ -23,11 +23,20 @@ impl<D: Device> Allocator<D> {
             && let Some(snap) = counters::collect(&sh.stats, || sh.caches.all(), STATS_TRIES)
         {
             let m = stats_from(snap);
+            #[cfg(all(feature = "test-hooks", not(loom)))]
+            if let Some(window) = lock(&sh.after_collect).take() {
+                window();
+            }
             // BROKEN (`vm_stats_apart`): the expandable segments' counters read after the
             // copy, apart from it: torn against its reserved bytes by another thread's growth.
             #[cfg(tidepool_broken = "vm_stats_apart")]
             let m = sh.with_vm_stats(m);
-            sh.with_extra_stats(sh.with_scope_stats(m), None)
+            // BROKEN (`extras_apart`): the extra figures (as the last lock section left them)
+            // and the scope counters read after the copy, apart from it: torn against its
+            // block figures by another thread's lock section meanwhile.
+            #[cfg(tidepool_broken = "extras_apart")]
+            let m = sh.with_extras_apart(m);
+            sh.with_scope_stats(m)
         } else {
             self.stats_under_lock()
         };
@@ -87,7 +96,6 @@ impl<D: Device> Shared<D> {
     pub(super) fn reset_peaks_now(&self, st: &mut State) {
         st.pool.reset_peak_stats();
         st.oversize_segments.reset_peak();
-        st.extra_published = None; // peaks fell: publish the extra figures again
         st.base.reset_peaks(&self.caches.all());
     }
 
@@ -128,7 +136,18 @@ impl<D: Device> Shared<D> {
             streams: all.iter().map(|c| c.stream()).collect(),
         };
         drop(inners);
-        let m = sh.with_scope_stats(stats_from(snap));
-        sh.with_extra_stats(m, Some(&*st))
+        sh.with_scope_stats(stats_from(snap))
+    }
+
+    /// `m` with the extra figures and the scope counters of the base read apart from its copy
+    /// (broken build `extras_apart`: what `stats()` did before they joined the base).
+    #[cfg(tidepool_broken = "extras_apart")]
+    fn with_extras_apart(&self, m: MemoryStats) -> MemoryStats {
+        let mut m = extra_stats::with_extra_words(m, &extra_stats::words(&lock(&self.state)));
+        let (c, sh_load) = (&self.scope_counters, super::publish::sh_load);
+        m.best_fit_searches = sh_load(&c.searches);
+        m.locked_allocations = sh_load(&c.locked);
+        m.plan_region_bytes = sh_load(&c.region_bytes);
+        m
     }
 }

@@ -64,9 +64,11 @@ pub(super) const LIVE: [(usize, usize); 5] =
 pub(super) const POOL_ONLY: [usize; 4] = [1, 3, 6, 8];
 /// The plain counters: retries, OOMs, device allocs, device frees, host syncs, then the
 /// expandable segments' (whether a range exists, virtual bytes, maps, unmaps, creates,
-/// releases, pages moved), published with the rest so that a read sees them with the reserved
-/// bytes of the same moment.
-pub const COUNTERS: usize = 12;
+/// releases, pages moved), the extra figures (`extra_stats.rs`: the two oversize `Stat`s,
+/// sync-alls, rejections) and the scope counters written under the global lock (best-fit
+/// searches, locked allocations, plan region bytes), published with the rest so that a read
+/// sees them with the reserved bytes of the same moment.
+pub const COUNTERS: usize = 12 + 10 + 3;
 
 // Base layout.
 pub(super) const B_CUR: usize = 0;

@@ -99,6 +99,15 @@ impl<D: Device> Allocator<D> {
         *lock(&self.shared.in_config_window) = Some(Box::new(window));
     }
 
+    /// **Test only.** Runs `window` once, in the next lock-free [`Allocator::stats`] right
+    /// after its copy of the published figures (with no lock held): a stand-in for another
+    /// thread's work between that copy and the rest of the read. What `window` changes must not
+    /// show in that read, which is one picture of one moment.
+    #[cfg(not(loom))]
+    pub fn after_next_collect(&self, window: impl FnOnce() + Send + 'static) {
+        *lock(&self.shared.after_collect) = Some(Box::new(window));
+    }
+
     /// **Test only.** The lock-free small hit alone: the buffer a lane hands out for `bytes`
     /// on `stream`, or `None` where the allocation would go on to the rest of the path.
     pub fn hit_only(&self, bytes: u64, stream: StreamId) -> Option<Buffer<D>> {
