@@ -381,6 +381,11 @@ impl Region {
         self.poisoned.load(Ordering::Acquire)
     }
 
+    /// Whether a run claims it or a graph holds it.
+    pub fn is_claimed(&self) -> bool {
+        self.in_use.load(Ordering::Acquire) || self.graphs.load(Ordering::Acquire) != 0
+    }
+
     /// Ends the current run's claim.
     pub fn unclaim(&self) {
         self.in_use.store(false, Ordering::Release);

@@ -69,10 +69,16 @@ impl<D: Device> Shared<D> {
             return (key, None, None);
         };
         let p = &mut plans.get_mut(name).expect("found above")[p].1;
-        // A region one of whose slices was freed during a foreign capture serves no run again:
-        // the plan lets go of it (a later run makes a new one, or learns again where the
-        // region held the plan's addresses).
-        let foreign = p.region.take_if(|r| r.is_foreign());
+        // A region one of whose slices was freed during a foreign capture serves no run again,
+        // nor does a poisoned one (nothing could order a slice's reuse): the plan lets go of
+        // it (a later run makes a new one, or learns again where the region held the plan's
+        // addresses). A poisoned one let go of waits for a host wait (`State::poisoned`).
+        // BROKEN (`poisoned_region_kept`): the plan kept a poisoned region, which every later
+        // run was denied (all plan misses), and its memory stayed allocated for good.
+        let dead = |r: &mut Arc<Region>| {
+            r.is_foreign() || (r.is_poisoned() && !cfg!(tidepool_broken = "poisoned_region_kept"))
+        };
+        let foreign = p.region.take_if(dead);
         if foreign.as_ref().is_some_and(|r| r.is_adopted()) {
             p.learned = None;
         }
@@ -258,9 +264,12 @@ impl<D: Device> Shared<D> {
         };
         let any = !idle.is_empty();
         for region in idle {
-            // The plan's was its one hold, and no one can take another now.
-            if let Some(r) = crate::sync::arc_into_inner(region) {
-                self.return_region(st, r);
+            // The plan's was its one hold, and no one can take another now. (A poisoned one
+            // waits for a host wait, as `release_region` has it.)
+            match crate::sync::arc_into_inner(region) {
+                Some(r) if r.is_poisoned() => st.poisoned.push(r),
+                Some(r) => self.return_region(st, r),
+                None => {}
             }
         }
         any
@@ -285,8 +294,16 @@ impl<D: Device> Shared<D> {
             }
             // A holder clones the plan's `Arc` under the plans' lock only (`plan_for`,
             // `make_region`, `adopt_region`): a count of one here stays one while it is held.
+            // (A poisoned one nothing else holds goes too: it waits for a host wait in
+            // `State::poisoned`, then returns to the pool.)
             #[cfg(not(tidepool_broken = "region_idle"))]
-            let alone = |r: &mut Arc<Region>| Arc::strong_count(r) == 1 && r.is_idle();
+            let alone = |r: &mut Arc<Region>| {
+                Arc::strong_count(r) == 1
+                    && (r.is_idle()
+                        || (r.is_poisoned()
+                            && !r.is_claimed()
+                            && !cfg!(tidepool_broken = "poisoned_region_kept")))
+            };
             // BROKEN: another hold (a run that has not claimed it yet) is not seen.
             #[cfg(tidepool_broken = "region_idle")]
             let alone = |r: &mut Arc<Region>| r.is_idle();
