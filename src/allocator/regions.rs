@@ -224,22 +224,24 @@ impl<D: Device> Shared<D> {
     /// settling into a region are waited for (counted host syncs). Nothing during a capture
     /// (its memory may not be freed then).
     pub(super) fn release_idle_regions_of(&self, which: impl Fn(StreamId) -> bool) -> bool {
-        self.release_idle_regions_then(true, which)
+        self.release_idle_regions_then(true, which, |_, _| true)
     }
 
-    /// [`Shared::release_idle_regions_of`]; escapes settling into a region are waited for only
-    /// with `wait` (else polled: `trim_to`, which waits for no free).
+    /// [`Shared::release_idle_regions_of`] for the regions `fits` also picks (asked under the
+    /// global lock); escapes settling into a region are waited for only with `wait` (else
+    /// polled: `trim_to`, which waits for no free).
     pub(super) fn release_idle_regions_then(
         &self,
         wait: bool,
         which: impl Fn(StreamId) -> bool,
+        fits: impl FnMut(&State, &Region) -> bool,
     ) -> bool {
         if self.device.capture_underway() {
             return false;
         }
         let idle = {
             let mut plans = lock(&self.plans);
-            self.take_idle_regions(&mut plans, &mut self.lock_state(), wait, which)
+            self.take_idle_regions(&mut plans, &mut self.lock_state(), wait, which, fits)
         };
         let any = !idle.is_empty();
         for region in idle {
@@ -259,7 +261,7 @@ impl<D: Device> Shared<D> {
             return false;
         }
         let idle = match crate::sync::try_lock(&self.plans) {
-            Some(mut plans) => self.take_idle_regions(&mut plans, st, wait, |_| true),
+            Some(mut plans) => self.take_idle_regions(&mut plans, st, wait, |_| true, |_, _| true),
             None => return false,
         };
         let any = !idle.is_empty();
@@ -283,6 +285,7 @@ impl<D: Device> Shared<D> {
         st: &mut State,
         wait: bool,
         which: impl Fn(StreamId) -> bool,
+        mut fits: impl FnMut(&State, &Region) -> bool,
     ) -> Vec<Arc<Region>> {
         let mut idle = Vec::new();
         let entries = plans.values_mut().flat_map(|streams| streams.iter_mut());
@@ -307,7 +310,7 @@ impl<D: Device> Shared<D> {
             // BROKEN: another hold (a run that has not claimed it yet) is not seen.
             #[cfg(tidepool_broken = "region_idle")]
             let alone = |r: &mut Arc<Region>| r.is_idle();
-            let Some(r) = p.region.take_if(alone) else { continue };
+            let Some(r) = p.region.take_if(|r| alone(r) && fits(st, r)) else { continue };
             if r.is_adopted() && !self.broken(Broken::AdoptedPlanKept) {
                 p.learned = None;
             }
