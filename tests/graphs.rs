@@ -608,8 +608,8 @@ fn scope_memory_freed_during_a_capture_is_held_by_the_graph() {
 /// captured: no event can be waited on by the captured stream then, so its reuse is ordered as
 /// the graph goes, and the region returns to the pool when its stream goes (broken mode
 /// `CaptureScopeFrees`: ordered during the capture, which fails, so the region is poisoned:
-/// its memory stays allocated until a device-wide synchronisation that no capture refuses
-/// — here the allocator's drop). Returns the sanitizer's findings, whether
+/// its memory stays allocated until a device-wide synchronisation that no capture refuses,
+/// once its plan let go of it). Returns the sanitizer's findings, whether
 /// the slice was handed out again while the graph lived, the bytes still allocated once the
 /// stream went, and the segments left once all is gone.
 fn planned_slice_used_elsewhere(
@@ -693,14 +693,17 @@ fn a_planned_slice_used_elsewhere_and_freed_in_a_capture_is_ordered_when_the_gra
     assert_eq!(allocated, 0, "the region went back to the pool with its stream");
     assert_eq!(left, 0, "every segment went back with the allocator");
     // Broken: ordered during the capture, which fails: the region is poisoned, its memory
-    // allocated until a host wait (no allocation polls events here); the allocator's drop
-    // synchronises the device and
-    // gives it back (the broken build `cfg(tidepool_broken = "poison_kept")` leaves its
-    // segment on the device).
-    let (v, _, allocated, left) = planned_slice_used_elsewhere(true);
-    assert!(v.is_empty(), "{v:?}");
-    assert!(allocated > 0, "the poisoned region's memory stays allocated");
-    assert_eq!(left, 0, "and goes back with the allocator");
+    // allocated until a host wait. Its plan lets go of it as run 3 opens (before 2026-12-07
+    // the plan kept it, and it stayed allocated until the allocator's drop), and the next
+    // event poll's host wait gives it back to the pool; the allocator's drop gives back the
+    // rest (the broken build `cfg(tidepool_broken = "poison_kept")` keeps the poisoned
+    // region's 4096 bytes allocated, and its segment on the device). (What the sanitizer
+    // finds depends on timing now: back in the pool while the graph lives, the memory may be
+    // handed out again — the broken mode's own fault, which
+    // `scope_memory_freed_during_capture` catches every time.)
+    let (_, _, allocated, left) = planned_slice_used_elsewhere(true);
+    assert_eq!(allocated, 0, "the poisoned region went back to the pool after a host wait");
+    assert_eq!(left, 0, "and every segment goes back with the allocator");
 }
 
 /// A run whose region a graph holds (a planned slice freed during a capture) still takes back,

@@ -1603,3 +1603,67 @@ fn a_scope_refuses_a_stream_gone_from_the_device_once_release_stream_forgets_it(
     assert_eq!(dev.reserved_bytes(), 0);
     assert_clean_end(&dev, alloc);
 }
+
+/// One run of scope `poison` on the default stream: one 1 MiB buffer, freed. Whether it was
+/// planned.
+fn poison_run(alloc: &Allocator<SimDevice>) -> bool {
+    let scope = alloc.named_scope("poison", S0);
+    let b = scope.alloc(MIB).unwrap();
+    let planned = b.is_planned();
+    drop(b);
+    planned
+}
+
+/// A planned run whose slice, used on stream `t`, is freed while the device can neither record
+/// an event nor wait on the host: nothing orders its reuse, so its region is poisoned.
+fn poison_the_region(dev: &SimDevice, alloc: &Allocator<SimDevice>, t: StreamId) {
+    let scope = alloc.named_scope("poison", S0);
+    let b = scope.alloc(MIB).unwrap();
+    assert!(b.is_planned());
+    b.record_stream(t).unwrap();
+    dev.fail_event_records(true);
+    dev.fail_host_syncs(true);
+    drop(b);
+    dev.fail_event_records(false);
+    dev.fail_host_syncs(false);
+}
+
+/// A poisoned region (a planned slice's reuse that nothing could order: the event record and
+/// the host wait both refused) is let go of by its plan: `empty_cache` returns its memory once
+/// its host wait succeeds, and the scope's next run makes a new one (here it learns again: the
+/// region was its first plan's, adopted). (The broken build
+/// `cfg(tidepool_broken = "poisoned_region_kept")` keeps it the plan's, as before: every later
+/// run is denied it — all plan misses, never a planned slice again — and its 1 MiB stays
+/// allocated through `empty_cache` for as long as the allocator lives.)
+#[test]
+fn a_poisoned_region_is_let_go_of_by_its_plan() {
+    let (dev, alloc) = setup(1 << 30);
+    let t = dev.create_stream().unwrap();
+    assert_eq!([poison_run(&alloc), poison_run(&alloc)], [false, true]);
+    // The scope does not run again: `empty_cache` gives the poisoned memory back.
+    poison_the_region(&dev, &alloc, t);
+    alloc.empty_cache().unwrap();
+    let s = alloc.stats();
+    assert_eq!(
+        (s.blocks.allocated_bytes.all.current, s.plan_region_bytes, alloc.reserved_bytes()),
+        (0, 0, 0)
+    );
+    assert_eq!(dev.live_segments(), vec![]);
+    // It runs again: it learns, then follows its plan.
+    assert_eq!([poison_run(&alloc), poison_run(&alloc), poison_run(&alloc)], [false, true, true]);
+    // Poisoned again, the next run lets go of it at once: a learning run, then planned runs.
+    poison_the_region(&dev, &alloc, t);
+    let misses = alloc.stats().plan_misses;
+    assert_eq!([poison_run(&alloc), poison_run(&alloc), poison_run(&alloc)], [false, true, true]);
+    // (The poisoned region, let go of, waits for a host wait: still counted until then.)
+    let s = alloc.stats();
+    assert_eq!((s.plan_misses - misses, s.plan_region_bytes), (0, 2 * MIB));
+    alloc.empty_cache().unwrap();
+    let s = alloc.stats();
+    assert_eq!(
+        (s.blocks.allocated_bytes.all.current, s.plan_region_bytes, alloc.reserved_bytes()),
+        (0, 0, 0)
+    );
+    alloc.check_invariants().unwrap();
+    assert_eq!(dev.violations(), vec![]);
+}

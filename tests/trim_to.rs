@@ -358,3 +358,41 @@ fn idle_plan_regions_go_last() {
     }
     assert_eq!(alloc.stats().plan_region_bytes, 4 * MIB);
 }
+
+/// An idle region whose segment cannot go without crossing the floor stays its plan's: letting
+/// it go would release nothing, and cost the plan's next run a new region (here, the region
+/// being its first plan's, adopted: the plan itself). A 4 MiB region in a 20 MiB segment, the
+/// only one: a floor of 10 MiB keeps both, and the next run follows the plan in the region with
+/// no device call; a floor of 0 releases them. (The broken build
+/// `cfg(tidepool_broken = "trim_regions_past_floor")` lets the region go at 10 MiB as before:
+/// 0 bytes released and 0 bytes of region left, and the next run learns again.)
+#[test]
+fn an_idle_region_whose_segment_cannot_go_within_the_floor_stays() {
+    let dev = Arc::new(SimDevice::new(CAP));
+    let alloc = Allocator::new(dev.clone(), Config::default()).unwrap();
+    let run = || {
+        let scope = alloc.named_scope("step", S0);
+        drop(scope.alloc_unbound(4 * MIB).unwrap());
+    };
+    run();
+    run();
+    assert_eq!(alloc.stats().plan_region_bytes, 4 * MIB);
+    assert_eq!(segments(&alloc), vec![(20, 20)]);
+    // 20 MiB reserved: the segment's release would leave 0, under the floor.
+    assert_eq!(alloc.trim_to(10 * MIB).unwrap(), 0);
+    let s = alloc.stats();
+    assert_eq!((s.plan_region_bytes, alloc.reserved_bytes()), (4 * MIB, 20 * MIB));
+    let (hits, misses, mallocs) = (s.plan_hits, s.plan_misses, dev.counters().mallocs);
+    run();
+    let s = alloc.stats();
+    assert_eq!(
+        (s.plan_hits - hits, s.plan_misses - misses, dev.counters().mallocs - mallocs),
+        (1, 0, 0)
+    );
+    // A floor of 0: the region goes, and its segment.
+    assert_eq!(alloc.trim_to(0).unwrap(), 20 * MIB);
+    assert_eq!((alloc.stats().plan_region_bytes, alloc.reserved_bytes()), (0, 0));
+    assert_eq!(dev.live_segments(), vec![]);
+    alloc.check_invariants().unwrap();
+    assert_eq!(dev.violations(), vec![]);
+}

@@ -83,7 +83,10 @@ impl<D: Device> Allocator<D> {
     ///    its top down, as `empty_cache` and `release_threshold` give pages back;
     /// 3. only where that leaves reserved above the floor, the regions of named scopes' plans
     ///    that nothing holds (see [`Allocator::empty_cache`]; a region let go costs its plan's
-    ///    next run a new one), then 1 and 2 again.
+    ///    next run a new one), then 1 and 2 again. A region on ordinary segments goes only
+    ///    where the segments it frees can then all go within the floor (else it stays its
+    ///    plan's: letting it go would release nothing); one over expandable segments goes
+    ///    whenever reserved is above the floor.
     ///
     /// Unlike `empty_cache`, it waits on the host for no pending free, as `cudaMemPoolTrimTo`
     /// does not: blocks freed after [`Buffer::record_stream`] or [`Buffer::use_on`] whose
@@ -276,9 +279,30 @@ impl<D: Device> Shared<D> {
         released += self.trim_locked(&mut st, floor, which)?;
         // BROKEN (`trim_keeps_regions`): idle plan regions stay whatever the floor.
         if st.pool.reserved_bytes() > floor && !cfg!(tidepool_broken = "trim_keeps_regions") {
-            // Last, the idle regions of plans (the plans' lock comes before the state's).
+            // Last, the idle regions of plans (the plans' lock comes before the state's): only
+            // those whose return frees ordinary segments that can all go within the floor
+            // (a region let go costs its plan's next run a new one, an adopted plan its
+            // learning). The bytes that may go are shared among them.
             drop(st);
-            let any = self.release_idle_regions_then(false, |_| true);
+            let mut room = None;
+            let fits = |st: &State, r: &plan::Region| -> bool {
+                // BROKEN (`trim_regions_past_floor`): every idle region, whatever it frees.
+                if cfg!(tidepool_broken = "trim_regions_past_floor") {
+                    return true;
+                }
+                let room =
+                    room.get_or_insert_with(|| st.pool.reserved_bytes().saturating_sub(floor));
+                match self.region_frees(st, r, which) {
+                    // Over expandable ranges (its pages go from the tops down): as before.
+                    None => true,
+                    Some(bytes) if bytes != 0 && bytes <= *room => {
+                        *room -= bytes;
+                        true
+                    }
+                    Some(_) => false,
+                }
+            };
+            let any = self.release_idle_regions_then(false, |_| true, fits);
             st = self.lock_state();
             if any {
                 self.flush_all(&mut st);
@@ -328,6 +352,29 @@ impl<D: Device> Shared<D> {
             }
         }
         Ok(start.saturating_sub(st.pool.reserved_bytes()))
+    }
+
+    /// The bytes of the ordinary segments of the residencies `which` that a trim could
+    /// release once region `r` returned to the pool: those whose every busy block is the
+    /// region's (nothing else live or pending in them), not the initial pool. `None` where a
+    /// block of it lies in an expandable range (its pages go from the range's top down).
+    fn region_frees(&self, st: &State, r: &plan::Region, which: &[Residency]) -> Option<u64> {
+        let mut held: HashMap<SegmentId, usize> = HashMap::new();
+        for b in r.block_ids() {
+            let seg = st.pool.block(b).segment;
+            if st.vm.contains(st.pool.segment(seg).base) {
+                return None;
+            }
+            *held.entry(seg).or_default() += 1;
+        }
+        let frees = held.into_iter().filter_map(|(id, n)| {
+            let s = st.pool.segment(id);
+            let goes = s.busy_blocks == n
+                && which.contains(&s.key.residency)
+                && Some(s.base) != st.initial;
+            goes.then_some(s.size)
+        });
+        Some(frees.sum())
     }
 
     /// What `empty_cache` and `trim_to` give back besides cached memory (not during a

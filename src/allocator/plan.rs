@@ -381,6 +381,16 @@ impl Region {
         self.poisoned.load(Ordering::Acquire)
     }
 
+    /// The pool blocks it holds (not those of escapes still settling into it).
+    pub fn block_ids(&self) -> Vec<crate::pool::BlockId> {
+        lock(&self.blocks).iter().map(|b| b.block).collect()
+    }
+
+    /// Whether a run claims it or a graph holds it.
+    pub fn is_claimed(&self) -> bool {
+        self.in_use.load(Ordering::Acquire) || self.graphs.load(Ordering::Acquire) != 0
+    }
+
     /// Ends the current run's claim.
     pub fn unclaim(&self) {
         self.in_use.store(false, Ordering::Release);

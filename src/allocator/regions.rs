@@ -69,10 +69,16 @@ impl<D: Device> Shared<D> {
             return (key, None, None);
         };
         let p = &mut plans.get_mut(name).expect("found above")[p].1;
-        // A region one of whose slices was freed during a foreign capture serves no run again:
-        // the plan lets go of it (a later run makes a new one, or learns again where the
-        // region held the plan's addresses).
-        let foreign = p.region.take_if(|r| r.is_foreign());
+        // A region one of whose slices was freed during a foreign capture serves no run again,
+        // nor does a poisoned one (nothing could order a slice's reuse): the plan lets go of
+        // it (a later run makes a new one, or learns again where the region held the plan's
+        // addresses). A poisoned one let go of waits for a host wait (`State::poisoned`).
+        // BROKEN (`poisoned_region_kept`): the plan kept a poisoned region, which every later
+        // run was denied (all plan misses), and its memory stayed allocated for good.
+        let dead = |r: &mut Arc<Region>| {
+            r.is_foreign() || (r.is_poisoned() && !cfg!(tidepool_broken = "poisoned_region_kept"))
+        };
+        let foreign = p.region.take_if(dead);
         if foreign.as_ref().is_some_and(|r| r.is_adopted()) {
             p.learned = None;
         }
@@ -224,22 +230,24 @@ impl<D: Device> Shared<D> {
     /// settling into a region are waited for (counted host syncs). Nothing during a capture
     /// (its memory may not be freed then).
     pub(super) fn release_idle_regions_of(&self, which: impl Fn(StreamId) -> bool) -> bool {
-        self.release_idle_regions_then(true, which)
+        self.release_idle_regions_then(true, which, |_, _| true)
     }
 
-    /// [`Shared::release_idle_regions_of`]; escapes settling into a region are waited for only
-    /// with `wait` (else polled: `trim_to`, which waits for no free).
+    /// [`Shared::release_idle_regions_of`] for the regions `fits` also picks (asked under the
+    /// global lock); escapes settling into a region are waited for only with `wait` (else
+    /// polled: `trim_to`, which waits for no free).
     pub(super) fn release_idle_regions_then(
         &self,
         wait: bool,
         which: impl Fn(StreamId) -> bool,
+        fits: impl FnMut(&State, &Region) -> bool,
     ) -> bool {
         if self.device.capture_underway() {
             return false;
         }
         let idle = {
             let mut plans = lock(&self.plans);
-            self.take_idle_regions(&mut plans, &mut self.lock_state(), wait, which)
+            self.take_idle_regions(&mut plans, &mut self.lock_state(), wait, which, fits)
         };
         let any = !idle.is_empty();
         for region in idle {
@@ -259,14 +267,17 @@ impl<D: Device> Shared<D> {
             return false;
         }
         let idle = match crate::sync::try_lock(&self.plans) {
-            Some(mut plans) => self.take_idle_regions(&mut plans, st, wait, |_| true),
+            Some(mut plans) => self.take_idle_regions(&mut plans, st, wait, |_| true, |_, _| true),
             None => return false,
         };
         let any = !idle.is_empty();
         for region in idle {
-            // The plan's was its one hold, and no one can take another now.
-            if let Some(r) = crate::sync::arc_into_inner(region) {
-                self.return_region(st, r);
+            // The plan's was its one hold, and no one can take another now. (A poisoned one
+            // waits for a host wait, as `release_region` has it.)
+            match crate::sync::arc_into_inner(region) {
+                Some(r) if r.is_poisoned() => st.poisoned.push(r),
+                Some(r) => self.return_region(st, r),
+                None => {}
             }
         }
         any
@@ -280,6 +291,7 @@ impl<D: Device> Shared<D> {
         st: &mut State,
         wait: bool,
         which: impl Fn(StreamId) -> bool,
+        mut fits: impl FnMut(&State, &Region) -> bool,
     ) -> Vec<Arc<Region>> {
         let mut idle = Vec::new();
         let entries = plans.values_mut().flat_map(|streams| streams.iter_mut());
@@ -291,12 +303,20 @@ impl<D: Device> Shared<D> {
             }
             // A holder clones the plan's `Arc` under the plans' lock only (`plan_for`,
             // `make_region`, `adopt_region`): a count of one here stays one while it is held.
+            // (A poisoned one nothing else holds goes too: it waits for a host wait in
+            // `State::poisoned`, then returns to the pool.)
             #[cfg(not(tidepool_broken = "region_idle"))]
-            let alone = |r: &mut Arc<Region>| Arc::strong_count(r) == 1 && r.is_idle();
+            let alone = |r: &mut Arc<Region>| {
+                Arc::strong_count(r) == 1
+                    && (r.is_idle()
+                        || (r.is_poisoned()
+                            && !r.is_claimed()
+                            && !cfg!(tidepool_broken = "poisoned_region_kept")))
+            };
             // BROKEN: another hold (a run that has not claimed it yet) is not seen.
             #[cfg(tidepool_broken = "region_idle")]
             let alone = |r: &mut Arc<Region>| r.is_idle();
-            let Some(r) = p.region.take_if(alone) else { continue };
+            let Some(r) = p.region.take_if(|r| alone(r) && fits(st, r)) else { continue };
             if r.is_adopted() && !self.broken(Broken::AdoptedPlanKept) {
                 p.learned = None;
             }
