@@ -115,13 +115,18 @@ fn a_request_over_its_own_limit_leaves_the_peers_alone() {
     drop(got);
 }
 
-/// A request the peers' caches do not rescue is still one failed allocation (`num_ooms` + 1),
-/// and one the device could never hold asks no peer at all.
+/// A request the peers' caches do not rescue is still one failed allocation (`num_ooms` + 1,
+/// one `oom` history entry, as PyTorch notes one per failed `malloc`), and one the device
+/// could never hold asks no peer at all. The retry after the peers' release counts and notes
+/// nothing: it used to count a second failure and take it back in a lock section of its own
+/// (a read in between saw two; a reset of the accumulated figures in between lost the
+/// request's), and noted a second entry. Broken build `oom_counted_twice` (three entries).
 #[test]
 fn a_request_the_peers_cannot_rescue_counts_one_oom() {
     let dev = Arc::new(SimDevice::new(256 * MIB));
     let a = Allocator::new(dev.clone(), Config::default()).unwrap();
     let b = Allocator::new(dev.clone(), Config::default()).unwrap();
+    b.record_history(tidepool::HistoryOptions::new(100));
     let _full = b.alloc(150 * MIB, StreamId::DEFAULT).unwrap();
     drop(a.alloc(60 * MIB, StreamId::DEFAULT).unwrap());
     assert!(matches!(b.alloc(1 << 40, StreamId::DEFAULT), Err(AllocError::OutOfMemory(_))));
@@ -129,6 +134,15 @@ fn a_request_the_peers_cannot_rescue_counts_one_oom() {
     assert!(matches!(b.alloc(200 * MIB, StreamId::DEFAULT), Err(AllocError::OutOfMemory(_))));
     assert_eq!(a.stats().blocks.reserved_bytes.all.current, 0, "asked, and gave its cache");
     assert_eq!(b.stats().num_ooms, 2, "two failed requests");
+    let ooms: Vec<_> = b
+        .history()
+        .iter()
+        .filter(|e| e.action == tidepool::Action::Oom)
+        .map(|e| (e.addr, e.size))
+        .collect();
+    // The device's free bytes at each failure, noted by its first attempt (before `a` gave
+    // its 60 MiB back).
+    assert_eq!(ooms, [(DeviceAddr(46 * MIB), 1 << 40), (DeviceAddr(46 * MIB), 200 * MIB)]);
 }
 
 /// Only allocators of the same device object help: `a`'s cache on another device stays.

@@ -588,6 +588,7 @@ impl<D: Device> Allocator<D> {
     /// Takes back the `num_ooms` count of the last failed attempt on `stream` (see
     /// [`Shared::uncount_oom`]) where it was counted: in the private pool a guard or a capture
     /// routes the stream to, as [`Allocator::alloc_in_once`] routes it, else here.
+    #[cfg(tidepool_broken = "oom_counted_twice")]
     #[cold]
     fn uncount_oom(&self, stream: StreamId) {
         match self.routed_pool(stream) {
@@ -704,9 +705,10 @@ impl<D: Device> Allocator<D> {
             if !matches!(r, Err(AllocError::OutOfMemory(_))) || oom::is_rejected(&r) {
                 return r;
             }
-            if std::mem::take(&mut retried) {
-                // The request failed again after an inner rung's release: still one failed
-                // allocation (the observers' and the failure callback's rounds count apart).
+            // BROKEN (`oom_counted_twice`): the retry counted a second failure, taken back
+            // here in a lock section of its own.
+            if std::mem::take(&mut retried) && cfg!(tidepool_broken = "oom_counted_twice") {
+                #[cfg(tidepool_broken = "oom_counted_twice")]
                 self.uncount_oom(stream);
             }
             match r {
@@ -757,7 +759,12 @@ impl<D: Device> Allocator<D> {
                 }
                 other => return other,
             }
-            r = self.alloc_in_once(bytes, stream, residency, align);
+            // The request failed again after an inner rung's release: still one failed
+            // allocation, counted by its first attempt (the observers' rounds count apart).
+            r = match retried {
+                true => oom::as_retry(|| self.alloc_in_once(bytes, stream, residency, align)),
+                false => self.alloc_in_once(bytes, stream, residency, align),
+            };
         }
     }
 

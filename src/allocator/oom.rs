@@ -2,10 +2,49 @@
 
 use super::*;
 
+/// Whether this thread is retrying a request after an inner rung of the out-of-memory ladder
+/// released something (a peer's cache, a pool's, what dropped graphs held): the first attempt
+/// counted the request's `num_ooms` and noted its history `oom` entry, so a retry that fails
+/// again counts and notes nothing. (It used to count a second time and take the count back in
+/// a later lock section: a read in between saw two failures, and a reset of the accumulated
+/// figures in between lost the request's; and the history had an `oom` entry per attempt,
+/// where PyTorch notes one per failed `malloc`.)
+mod retry {
+    use std::cell::Cell;
+
+    #[cfg(not(loom))]
+    std::thread_local! {
+        static RETRYING: Cell<bool> = const { Cell::new(false) };
+    }
+    #[cfg(loom)]
+    loom::thread_local! {
+        static RETRYING: Cell<bool> = Cell::new(false);
+    }
+
+    /// Whether this thread's current attempt is such a retry.
+    pub(in crate::allocator) fn retrying() -> bool {
+        !cfg!(tidepool_broken = "oom_counted_twice") && RETRYING.with(Cell::get)
+    }
+
+    /// Runs `f` as a retry (see [`retrying`]); the flag is restored however `f` ends.
+    pub(in crate::allocator) fn as_retry<T>(f: impl FnOnce() -> T) -> T {
+        struct Restore(bool);
+        impl Drop for Restore {
+            fn drop(&mut self) {
+                RETRYING.with(|r| r.set(self.0));
+            }
+        }
+        let _restore = Restore(RETRYING.with(|r| r.replace(true)));
+        f()
+    }
+}
+pub(super) use retry::{as_retry, retrying};
+
 impl<D: Device> Shared<D> {
-    /// Takes back one count of `num_ooms`: a request retried inside one allocation (after the
-    /// device's other allocators released their caches) failed again, and is still one
-    /// allocation that failed with out-of-memory.
+    /// Takes back one count of `num_ooms` (broken build `oom_counted_twice` only: the retry
+    /// of an inner rung counted a second failure, taken back here in a lock section of its
+    /// own).
+    #[cfg(tidepool_broken = "oom_counted_twice")]
     #[cold]
     pub(super) fn uncount_oom(&self) {
         let mut st = self.lock_state();

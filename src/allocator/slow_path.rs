@@ -225,10 +225,15 @@ impl<D: Device> Shared<D> {
                     if retried && !self.broken(Broken::LadderUncounted) {
                         st.counters.retries += 1;
                     }
-                    st.counters.ooms += 1;
+                    let first = !oom::retrying();
+                    if first {
+                        st.counters.ooms += 1;
+                    }
                     let report = self.oom_report(st, config, key, bytes, rounded, seg_size);
                     // PyTorch's `oom` entry: the device's free bytes in place of an address.
-                    st.note(Action::Oom, DeviceAddr(report.device_free), bytes, key.stream);
+                    if first {
+                        st.note(Action::Oom, DeviceAddr(report.device_free), bytes, key.stream);
+                    }
                     return Err(AllocError::OutOfMemory(Box::new(report)));
                 }
                 Err(e) => return Err(e),
