@@ -1,0 +1,64 @@
+//! `tidepool replay`'s report and output files reviewed against what the replay did
+//! (2026-12-07): tiny hand-written traces with exact figures, output files on errors, SVG
+//! well-formedness.
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+fn tidepool(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_tidepool")).args(args).output().expect("run tidepool")
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+/// A folder for one test's files, removed at its end.
+fn scratch(test: &str) -> tempfile::TempDir {
+    tempfile::Builder::new().prefix(&format!("tidepool-report-review-{test}-")).tempdir().unwrap()
+}
+
+/// A protocol-2 pickle of `{"device_traces": [[alloc 512 B at 4096], [alloc 2^49 B at
+/// 8192]]}`: device 0 replays, device 1's request is past the largest the allocator takes.
+const SECOND_DEVICE_FAILS: &[u8] = b"\x80\x02}q\x00X\r\x00\x00\x00device_tracesq\x01]q\x02(]q\x03}q\x04(X\x06\x00\x00\x00actionq\x05X\x05\x00\x00\x00allocq\x06X\x04\x00\x00\x00addrq\x07M\x00\x10X\x04\x00\x00\x00sizeq\x08M\x00\x02ua]q\t}q\n(h\x05h\x06h\x07M\x00 h\x08\x8a\x07\x00\x00\x00\x00\x00\x00\x02uaes.";
+
+/// With several devices, each device's SVG was drawn as soon as its replay ended: when a
+/// later device's replay failed, the run exited 1 with no report but device 0's plot written,
+/// over the plot a file of that name held. The plots are drawn once every device has
+/// replayed; a failed run leaves the files as they were. Broken build (CLI only)
+/// `cli_svg_before_all_replayed`.
+#[test]
+fn a_failed_device_leaves_every_svg_as_it_was() {
+    let dir = scratch("svg-partial");
+    let snap = dir.path().join("two.pickle");
+    std::fs::write(&snap, SECOND_DEVICE_FAILS).unwrap();
+    let svg = dir.path().join("out.svg");
+    let device0 = dir.path().join("out.device0.svg");
+    let device1 = dir.path().join("out.device1.svg");
+    std::fs::write(&device0, "an earlier plot").unwrap();
+    let replay = |snap: &Path| {
+        let (snap, svg) = (snap.to_str().unwrap(), svg.to_str().unwrap());
+        tidepool(&["replay", snap, "--policy", "caching", "--repeats", "1", "--svg", svg])
+    };
+    let o = replay(&snap);
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    assert_eq!(
+        stderr(&o),
+        "tidepool: device 1: policy caching: event 0 (alloc of id 0, 562949953421312 B on trace \
+         stream 0): invalid allocation size 562949953421312 bytes: larger than the largest \
+         supported request (281474976710656 bytes)\n"
+    );
+    assert!(o.stdout.is_empty());
+    let kept = std::fs::read_to_string(&device0).unwrap();
+    assert!(kept == "an earlier plot", "device 0's plot drawn over the earlier one");
+    assert!(!device1.exists());
+    assert!(!svg.exists());
+    // Both devices replayable (the fixture of two devices): both drawn.
+    let fixture = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../trace/tests/fixtures/multi_device_snapshot.pickle");
+    let o = replay(&fixture);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    for plot in [&device0, &device1] {
+        assert!(std::fs::read_to_string(plot).unwrap().starts_with("<svg"), "{}", plot.display());
+    }
+}
