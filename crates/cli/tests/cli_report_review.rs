@@ -62,3 +62,31 @@ fn a_failed_device_leaves_every_svg_as_it_was() {
         assert!(std::fs::read_to_string(plot).unwrap().starts_with("<svg"), "{}", plot.display());
     }
 }
+
+/// A trace's name is its file's: control characters in it reached the text table raw (an
+/// escape sequence there drives the terminal, as the input's did before `echo`) and the SVG's
+/// caption raw, where XML 1.0 allows none of them, so the file was no well-formed SVG (a
+/// browser draws an error page). Both now write them as escapes (`\u{1b}`), as errors do; the
+/// JSON keeps the name as it is (JSON escapes it). Broken build (trace crate) `trace_name_raw`.
+#[cfg(unix)]
+#[test]
+fn control_characters_in_the_trace_name_are_escaped() {
+    let dir = scratch("name-controls");
+    let trace = dir.path().join("a\x01b\x1b[2J.csv");
+    std::fs::write(&trace, "seq,op,id,bytes,stream,tag\n0,alloc,0,1024,0,act\n").unwrap();
+    let svg = dir.path().join("t.svg");
+    let args = ["replay", trace.to_str().unwrap(), "--policy", "planned", "--repeats", "1"];
+    let o = tidepool(&[&args[..], &["--svg", svg.to_str().unwrap()]].concat());
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let out = String::from_utf8(o.stdout).unwrap();
+    assert!(out.starts_with("trace a\\u{1}b\\u{1b}[2J: 1 events, "), "{out:?}");
+    assert!(!out.contains(['\x01', '\x1b']), "{out:?}");
+    let plot = std::fs::read_to_string(&svg).unwrap();
+    let raw: Vec<char> =
+        plot.chars().filter(|c| c.is_control() && !matches!(c, '\n' | '\t' | '\r')).collect();
+    assert!(raw.is_empty(), "characters XML 1.0 does not allow: {raw:?}");
+    assert!(plot.contains("memory timeline: a\\u{1}b\\u{1b}[2J"), "caption not escaped");
+    let o = tidepool(&[&args[..], &["--json"]].concat());
+    let json: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(json["trace"], "a\x01b\x1b[2J");
+}

@@ -59,8 +59,8 @@ pub fn write_svg(report: &Report, path: &Path) -> Result<(), String> {
     let mut chart = ChartBuilder::on(&root)
         .caption(
             match report.device() {
-                Some(d) => format!("memory timeline: {}, device {d}", report.trace),
-                None => format!("memory timeline: {}", report.trace),
+                Some(d) => format!("memory timeline: {}, device {d}", report.display_name()),
+                None => format!("memory timeline: {}", report.display_name()),
             },
             ("sans-serif", 24),
         )
