@@ -90,3 +90,36 @@ fn control_characters_in_the_trace_name_are_escaped() {
     let json: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     assert_eq!(json["trace"], "a\x01b\x1b[2J");
 }
+
+/// Each line of the SVG was one point per event, at the event's index, on an x axis that runs
+/// to the number of events: a trace of one event drew every line as a single point, which an
+/// SVG polyline does not show (the plot had axes and a legend, and no line at all), and in
+/// any trace the value after the last event stopped one event short of the axis's end. Each
+/// line now ends with the last value at the axis's end. Broken build (trace crate)
+/// `plot_last_point_only`.
+#[test]
+fn a_one_event_trace_draws_its_lines() {
+    let dir = scratch("svg-one-event");
+    let trace = dir.path().join("one.csv");
+    std::fs::write(&trace, "seq,op,id,bytes,stream,tag\n0,alloc,0,1024,0,act\n").unwrap();
+    let svg = dir.path().join("one.svg");
+    let (t, s) = (trace.to_str().unwrap(), svg.to_str().unwrap());
+    let o = tidepool(&["replay", t, "--policy", "planned", "--repeats", "1", "--svg", s]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let plot = std::fs::read_to_string(&svg).unwrap();
+    // The polylines' point lists: axes, ticks, the two lines (live, planned), legend marks.
+    let lines: Vec<&str> =
+        plot.split("points=\"").skip(1).map(|rest| rest.split('"').next().unwrap()).collect();
+    assert!(lines.len() > 4, "{plot}");
+    for points in &lines {
+        assert!(points.split_whitespace().count() >= 2, "a polyline of one point: {points:?}");
+    }
+    // The live line (drawn 2 px wide, as its legend mark): 1024 B across the whole x axis.
+    let live: Vec<&str> = plot
+        .split("stroke-width=\"2\" points=\"")
+        .skip(1)
+        .map(|rest| rest.split('"').next().unwrap())
+        .collect();
+    assert_eq!(live.len(), 2, "the live line and its legend mark: {live:?}");
+    assert_eq!(live[0], "95,74 1184,74 ", "the live line");
+}
