@@ -123,3 +123,41 @@ fn a_one_event_trace_draws_its_lines() {
     assert_eq!(live.len(), 2, "the live line and its legend mark: {live:?}");
     assert_eq!(live[0], "95,74 1184,74 ", "the live line");
 }
+
+/// The x axis's tick labels (`{x:.0}`) of a short trace: plotters puts ten or so ticks on any
+/// range, so a trace of 5 events had ticks every half event, labelled `0 0 1 2 2 2 3 4 4 4 5`
+/// (the tick at 1.5 said 2, the one at 2.5 said 2 as well), and a trace of one event
+/// `0 0 0 0 0 0 1 1 1 1 1`. Only whole event indices are labelled now, each once. Broken build
+/// (trace crate) `plot_fraction_labels`.
+#[test]
+fn the_x_axis_labels_whole_event_indices_only() {
+    let dir = scratch("svg-x-labels");
+    for events in [1u64, 5, 40] {
+        let mut csv = String::from("seq,op,id,bytes,stream,tag\n");
+        for i in 0..events {
+            csv += &format!("{i},alloc,{i},1024,0,act\n");
+        }
+        let trace = dir.path().join(format!("t{events}.csv"));
+        std::fs::write(&trace, csv).unwrap();
+        let svg = dir.path().join(format!("t{events}.svg"));
+        let (t, s) = (trace.to_str().unwrap(), svg.to_str().unwrap());
+        let o = tidepool(&["replay", t, "--policy", "planned", "--repeats", "1", "--svg", s]);
+        assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+        let plot = std::fs::read_to_string(&svg).unwrap();
+        // The x axis's labels are the texts right under the plot area (y = 650).
+        let labels: Vec<u64> = plot
+            .split("<text x=\"")
+            .skip(1)
+            .filter(|t| t.split('"').nth(2) == Some("650"))
+            .filter_map(|t| t.split('>').nth(1)?.split('<').next())
+            .map(str::trim)
+            .filter(|l| !l.is_empty())
+            .map(|l| l.parse().unwrap())
+            .collect();
+        let mut sorted = labels.clone();
+        sorted.dedup();
+        assert_eq!(sorted, labels, "{events} events: a label repeated: {labels:?}");
+        assert_eq!(labels.first(), Some(&0), "{events} events: {labels:?}");
+        assert_eq!(labels.last(), Some(&events), "{events} events: {labels:?}");
+    }
+}

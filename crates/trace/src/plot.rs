@@ -89,7 +89,7 @@ pub fn write_svg(report: &Report, path: &Path) -> Result<(), String> {
         .axis_desc_style(("sans-serif", 17))
         .x_desc("event index")
         .y_desc(format!("bytes ({unit})"))
-        .x_label_formatter(&|x| format!("{x:.0}"))
+        .x_label_formatter(&x_label)
         .y_label_formatter(&|y| format!("{y:.2}"))
         .draw()
         .map_err(|e| err(&e))?;
@@ -115,6 +115,19 @@ pub fn write_svg(report: &Report, path: &Path) -> Result<(), String> {
         .map_err(|e| err(&e))?;
     root.present().map_err(|e| err(&e))?;
     Ok(())
+}
+
+/// The x axis's label of the tick at `x`: event indices are whole, and plotters ticks a short
+/// trace's axis in fractions (every half event for 5 events), which `{x:.0}` labelled `2` at
+/// both 1.5 and 2.5: a fractional tick is left unlabelled.
+fn x_label(x: &f64) -> String {
+    // BROKEN (`plot_fraction_labels`): every tick labelled, rounded.
+    // (A tick's value is a sum of steps: 1 may come as 1.0000000000000002.)
+    if (x - x.round()).abs() < 1e-6 || cfg!(tidepool_broken = "plot_fraction_labels") {
+        format!("{x:.0}")
+    } else {
+        String::new()
+    }
 }
 
 /// A unit (name, bytes per unit) suited to axis labels up to `max` bytes: MiB below 1 GiB,
