@@ -307,12 +307,24 @@ fn replay(cmd: &ReplayArgs, n_policies: usize, out: &mut dyn Write) -> Result<()
             None => tidepool::ErrorChain(&e).to_string(),
         })?;
         report.notes = notes;
-        if let Some(svg) = &cmd.svg {
+        // BROKEN (`cli_svg_before_all_replayed`, CLI only): each device drawn as it ends.
+        if let Some(svg) = &cmd.svg
+            && cfg!(tidepool_broken = "cli_svg_before_all_replayed")
+        {
             write_svg(&report, &svg_path(svg, device, several))?;
         }
         reports.push(report);
     }
     bar.finish_and_clear();
+    // The plots once every device has replayed: a later device's failure (exit 1, no report)
+    // left the earlier devices' plots written, over whatever files of those names held.
+    if let Some(svg) = &cmd.svg
+        && !cfg!(tidepool_broken = "cli_svg_before_all_replayed")
+    {
+        for report in &reports {
+            write_svg(report, &svg_path(svg, report.device(), several))?;
+        }
+    }
     let text = if cmd.json {
         reports.iter().map(|r| r.to_json() + "\n").collect::<String>()
     } else {

@@ -184,12 +184,12 @@ fn input_errors_exit_1() {
     assert_eq!(stderr(&o), format!("tidepool: {}: line 3: free of unknown id 2\n", bad.display()));
 
     let huge = dir.path().join("huge.csv");
-    std::fs::write(&huge, "seq,op,id,bytes,stream,tag\n0,alloc,1,9223372036854775808,0,act\n")
+    std::fs::write(&huge, "seq,op,id,bytes,stream,tag\n0,alloc,1,18446744073709551615,0,act\n")
         .unwrap();
     let o = tidepool(&["replay", huge.to_str().unwrap(), "--policy", "range-alloc"]);
     assert_eq!(o.status.code(), Some(1));
     assert!(
-        stderr(&o).starts_with("tidepool: policy range-alloc: needs a heap of"),
+        stderr(&o).starts_with("tidepool: policy range-alloc: needs a heap of at least"),
         "{}",
         stderr(&o)
     );

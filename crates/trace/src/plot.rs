@@ -5,7 +5,7 @@
 //!
 //! Long timelines are downsampled to at most [`MAX_POINTS`] points by splitting the x range
 //! into equal buckets and keeping each bucket's maximum (at the bucket's first index), so
-//! peaks survive downsampling.
+//! peaks survive downsampling. Each line then ends with its last value at the axis's end.
 
 use std::path::Path;
 
@@ -13,7 +13,7 @@ use plotters::prelude::*;
 
 use super::report::Report;
 
-/// Most points drawn per line.
+/// Most points a line's timeline is downsampled to (the line draws one more, its end).
 pub const MAX_POINTS: usize = 2000;
 /// Image size in pixels.
 const SIZE: (u32, u32) = (1200, 700);
@@ -33,19 +33,33 @@ pub fn downsample(values: &[u64], max_points: usize) -> Vec<(usize, u64)> {
         .collect()
 }
 
+/// The points of one line: the value after each event at the event's index (downsampled),
+/// then the last value again at the x axis's end (`values.len()`), where it still holds: a
+/// single point draws nothing, so a trace of one event had no line at all.
+pub fn line_points(values: &[u64]) -> Vec<(usize, u64)> {
+    let mut points = downsample(values, MAX_POINTS);
+    // BROKEN (`plot_last_point_only`): each line ends at the last event's index.
+    if let Some(&last) = values.last()
+        && !cfg!(tidepool_broken = "plot_last_point_only")
+    {
+        points.push((values.len(), last));
+    }
+    points
+}
+
 /// Draws `report`'s timelines into an SVG file at `path`.
 pub fn write_svg(report: &Report, path: &Path) -> Result<(), String> {
     let mut lines: Vec<(String, Vec<(usize, u64)>)> =
-        vec![("live (requested)".to_string(), downsample(&report.live_timeline, MAX_POINTS))];
+        vec![("live (requested)".to_string(), line_points(&report.live_timeline))];
     for p in &report.policies {
         if let Some(tl) = &p.reserved_timeline {
-            lines.push((format!("reserved: {}", p.name), downsample(tl, MAX_POINTS)));
+            lines.push((format!("reserved: {}", p.name), line_points(tl)));
         }
     }
     if let Some(s) = &report.snapshot {
         lines.push((
             format!("reserved: {}", super::report::RECORDED_ROW),
-            downsample(&s.reserved.timeline, MAX_POINTS),
+            line_points(&s.reserved.timeline),
         ));
     }
     let max_y = lines.iter().flat_map(|(_, pts)| pts.iter().map(|&(_, v)| v)).max().unwrap_or(0);
@@ -59,8 +73,8 @@ pub fn write_svg(report: &Report, path: &Path) -> Result<(), String> {
     let mut chart = ChartBuilder::on(&root)
         .caption(
             match report.device() {
-                Some(d) => format!("memory timeline: {}, device {d}", report.trace),
-                None => format!("memory timeline: {}", report.trace),
+                Some(d) => format!("memory timeline: {}, device {d}", report.display_name()),
+                None => format!("memory timeline: {}", report.display_name()),
             },
             ("sans-serif", 24),
         )
@@ -75,7 +89,7 @@ pub fn write_svg(report: &Report, path: &Path) -> Result<(), String> {
         .axis_desc_style(("sans-serif", 17))
         .x_desc("event index")
         .y_desc(format!("bytes ({unit})"))
-        .x_label_formatter(&|x| format!("{x:.0}"))
+        .x_label_formatter(&x_label)
         .y_label_formatter(&|y| format!("{y:.2}"))
         .draw()
         .map_err(|e| err(&e))?;
@@ -101,6 +115,19 @@ pub fn write_svg(report: &Report, path: &Path) -> Result<(), String> {
         .map_err(|e| err(&e))?;
     root.present().map_err(|e| err(&e))?;
     Ok(())
+}
+
+/// The x axis's label of the tick at `x`: event indices are whole, and plotters ticks a short
+/// trace's axis in fractions (every half event for 5 events), which `{x:.0}` labelled `2` at
+/// both 1.5 and 2.5: a fractional tick is left unlabelled.
+fn x_label(x: &f64) -> String {
+    // BROKEN (`plot_fraction_labels`): every tick labelled, rounded.
+    // (A tick's value is a sum of steps: 1 may come as 1.0000000000000002.)
+    if (x - x.round()).abs() < 1e-6 || cfg!(tidepool_broken = "plot_fraction_labels") {
+        format!("{x:.0}")
+    } else {
+        String::new()
+    }
 }
 
 /// A unit (name, bytes per unit) suited to axis labels up to `max` bytes: MiB below 1 GiB,

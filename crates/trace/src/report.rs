@@ -147,6 +147,17 @@ impl Report {
         self.snapshot.as_ref().map(|s| s.device)
     }
 
+    /// The trace's name for a terminal or an SVG: control characters (a file name may hold
+    /// any) written as escapes, as [`crate::error`] echoes input. The JSON keeps the name.
+    pub fn display_name(&self) -> String {
+        // BROKEN (`trace_name_raw`): the name as it is (XML 1.0 allows no control character,
+        // and an escape sequence drives the terminal).
+        if cfg!(tidepool_broken = "trace_name_raw") {
+            return self.trace.clone();
+        }
+        super::error::echo_cut(&self.trace, usize::MAX)
+    }
+
     /// PyTorch's recorded peak reserved bytes, for a snapshot.
     pub fn recorded_peak_reserved(&self) -> Option<u64> {
         self.snapshot.as_ref().map(|s| s.reserved.peak)
@@ -371,7 +382,7 @@ impl Report {
         let _ = writeln!(
             out,
             "trace {}{device}: {} events, peak live {} ({} B)",
-            self.trace,
+            self.display_name(),
             self.events,
             Bytes(live),
             live

@@ -130,14 +130,47 @@ fn absurd_sizes_are_errors_not_panics_or_allocations() {
     let e = OffsetAllocatorPolicy.replay(&t, true).unwrap_err();
     assert_eq!(e.policy, "offset-allocator");
     assert!(e.message.contains("more than the 4294967295"), "{e}");
-    let e = RangeAllocPolicy.replay(&t, true).unwrap_err();
-    assert_eq!(e.policy, "range-alloc");
+    // 2^55 granules fit range-alloc's largest heap (2^56 - 1 granules).
+    assert_eq!(RangeAllocPolicy.replay(&t, true).unwrap().peak_reserved_bytes, 1 << 63);
     // The planner only does arithmetic: a 2^63-byte region is a fine answer.
     assert_eq!(PlannedPolicy.replay(&t, false).unwrap().peak_reserved_bytes, 1 << 63);
     let t = read_trace_bytes(b"seq,op,id,bytes,stream,tag\n0,alloc,1,18446744073709551615,0,act\n")
         .unwrap();
     let e = PlannedPolicy.replay(&t, false).unwrap_err();
     assert_eq!(e.to_string(), "policy planned: plan does not fit in a 64-bit address space");
+}
+
+/// The first heap is twice the peak of live granules; where that is past the largest heap the
+/// crate can address, the baseline refused the trace ("needs a heap of 2 × peak granules")
+/// though the largest heap could hold it: a 512 GiB allocation (2^31 granules, well within the
+/// allocator's largest request) failed `offset-allocator` and with it the whole default
+/// replay. The heap is now capped at the largest one, and a trace is refused only when its
+/// live granules are more than that, or when the largest heap was tried and did not fit.
+/// Broken build `heap_cap_refused`.
+#[test]
+fn a_trace_that_fits_the_largest_heap_is_replayed() {
+    let one = |bytes: u64| {
+        let csv = format!("seq,op,id,bytes,stream,tag\n0,alloc,1,{bytes},0,act\n");
+        read_trace_bytes(csv.as_bytes()).unwrap()
+    };
+    let heap_note = |r: &tidepool_trace::PolicyResult| {
+        r.extra.iter().find(|(k, _)| k == "heap").map(|(_, v)| v.clone()).unwrap()
+    };
+    // offset-allocator: at most u32::MAX granules of 256 B.
+    let r = OffsetAllocatorPolicy.replay(&one(1 << 39), false).unwrap();
+    assert_eq!((r.peak_reserved_bytes, r.peak_allocated_bytes), (1 << 39, 1 << 39));
+    assert_eq!(heap_note(&r), format!("{} B (attempt 1)", u64::from(u32::MAX) * 256));
+    // range-alloc: at most u64::MAX / 256 granules.
+    let r = RangeAllocPolicy.replay(&one(1 << 63), false).unwrap();
+    assert_eq!(r.peak_reserved_bytes, 1 << 63);
+    assert_eq!(heap_note(&r), format!("{} B (attempt 1)", u64::MAX / 256 * 256));
+    // One granule past the largest heap: refused, with the granules it holds at its peak.
+    let e = OffsetAllocatorPolicy.replay(&one((1 << 40) + 1), false).unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "policy offset-allocator: needs a heap of at least 4294967297 granules of 256 B, more \
+         than the 4294967295 the crate can address"
+    );
 }
 
 #[test]

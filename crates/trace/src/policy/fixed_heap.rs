@@ -8,9 +8,10 @@
 //!
 //! Heap sizing: the first heap is 2 × the peak of live granules; if an allocation fails
 //! (no free range large enough — fragmentation, or the crate's size-class rounding), the
-//! whole replay restarts with a heap 1.5 × larger, until it fits or exceeds what the crate
-//! can address. Reserved bytes = the high-water mark of (offset + size) over the successful
-//! run (so the heap's slack is not counted); allocated = live granule bytes.
+//! whole replay restarts with a heap 1.5 × larger, until it fits; the heaps are capped at the
+//! largest the crate can address, and a trace is refused when that one does not fit it.
+//! Reserved bytes = the high-water mark of (offset + size) over the successful run (so the
+//! heap's slack is not counted); allocated = live granule bytes.
 
 use super::slots::{Slotted, Step};
 use super::{PolicyResult, ReplayError};
@@ -84,7 +85,23 @@ pub(super) fn replay<A: SubAllocator>(
             ),
         )
     };
-    let mut heap = (peak * 2).max(1);
+    let max_heap = u128::from(A::MAX_HEAP);
+    // BROKEN (`heap_cap_refused`): a heap past the largest refused, though the largest may fit.
+    let capped = !cfg!(tidepool_broken = "heap_cap_refused");
+    if capped && peak > max_heap {
+        return Err(ReplayError::new(
+            A::NAME,
+            format!(
+                "needs a heap of at least {peak} granules of {GRANULE} B, more than the {} the \
+                 crate can address",
+                A::MAX_HEAP
+            ),
+        ));
+    }
+    // The heaps tried are capped at the largest the crate can address: twice the peak, or
+    // the next size up, may be past it where the largest still holds the trace.
+    let cap = |heap: u128| if capped { heap.min(max_heap) } else { heap };
+    let mut heap = cap((peak * 2).max(1));
     for attempt in 1..=MAX_ATTEMPTS {
         let heap_granules =
             u64::try_from(heap).ok().filter(|&h| h <= A::MAX_HEAP).ok_or_else(|| too_big(heap))?;
@@ -107,7 +124,17 @@ pub(super) fn replay<A: SubAllocator>(
                 ],
             });
         }
-        heap = (heap * 3).div_ceil(2);
+        if capped && heap == max_heap {
+            return Err(ReplayError::new(
+                A::NAME,
+                format!(
+                    "the trace does not fit the largest heap the crate can address ({} granules \
+                     of {GRANULE} B)",
+                    A::MAX_HEAP
+                ),
+            ));
+        }
+        heap = cap((heap * 3).div_ceil(2));
     }
     Err(ReplayError::new(
         A::NAME,
