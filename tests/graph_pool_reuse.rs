@@ -376,13 +376,7 @@ fn a_graph_dropped_during_another_capture_gives_its_memory_back_as_the_allocator
     drop((tmp, before)); // the graph's pool block, and a general buffer the graph holds
     let g = alloc.end_capture(s).unwrap();
     common::drop_graph_during_capture(&alloc, g, t, u);
-    let (general, graphs) = (0x7f00_0000_0000, 0x7f00_0020_0000);
-    assert_eq!(dev.live_segments(), vec![(DeviceAddr(general), SEG), (DeviceAddr(graphs), SEG)]);
-    let syncs = dev.counters().host_syncs;
-    drop(alloc);
-    assert_eq!(dev.live_segments(), vec![], "every segment back");
-    // The device synchronisation, and a release (`cuMemFree` synchronises) per segment.
-    assert_eq!(dev.counters().host_syncs, syncs + 3);
+    held_segments_go_with(&dev, || drop(alloc));
     assert_eq!(dev.live_events(), 0);
     common::assert_no_leak(&dev);
 }
@@ -413,6 +407,18 @@ fn the_out_of_memory_ladder_lets_go_of_what_a_graph_dropped_during_a_capture_hel
     alloc.check_invariants().unwrap();
     drop(alloc);
     common::assert_no_leak(&dev);
+}
+
+/// Checks that the general allocator's segment and the graph pool's are live, runs `release`,
+/// and checks that both went back with one device synchronisation and a release
+/// (`cuMemFree` synchronises) per segment.
+fn held_segments_go_with(dev: &SimDevice, release: impl FnOnce()) {
+    let (general, graphs) = (0x7f00_0000_0000, 0x7f00_0020_0000);
+    assert_eq!(dev.live_segments(), vec![(DeviceAddr(general), SEG), (DeviceAddr(graphs), SEG)]);
+    let syncs = dev.counters().host_syncs;
+    release();
+    assert_eq!(dev.live_segments(), vec![], "every segment of the family back");
+    assert_eq!(dev.counters().host_syncs, syncs + 3);
 }
 
 /// A graph of `alloc` launched on `t`, whose capture freed a buffer of the general allocator
@@ -452,13 +458,7 @@ fn holds_left_as_the_allocator_goes_during_another_familys_capture_go_as_it_ends
     other.begin_capture(u, None).unwrap();
     drop(g); // cannot synchronise: the other family's capture is underway
     drop(alloc); // nor can its last handle
-    let (general, graphs) = (0x7f00_0000_0000, 0x7f00_0020_0000);
-    assert_eq!(dev.live_segments(), vec![(DeviceAddr(general), SEG), (DeviceAddr(graphs), SEG)]);
-    let syncs = dev.counters().host_syncs;
-    drop(other.end_capture(u).unwrap());
-    assert_eq!(dev.live_segments(), vec![], "every segment of the gone family back");
-    // The device synchronisation, and a release (`cuMemFree` synchronises) per segment.
-    assert_eq!(dev.counters().host_syncs, syncs + 3);
+    held_segments_go_with(&dev, || drop(other.end_capture(u).unwrap()));
     other.check_invariants().unwrap();
     drop(other);
     assert_eq!(dev.live_events(), 0);
