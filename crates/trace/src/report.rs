@@ -148,7 +148,7 @@ impl Report {
     }
 
     /// The trace's name for a terminal or an SVG: control characters (a file name may hold
-    /// any) written as escapes, as [`crate::error`] echoes input. The JSON keeps the name.
+    /// any) written as escapes, as the error messages echo input. The JSON keeps the name.
     pub fn display_name(&self) -> String {
         // BROKEN (`trace_name_raw`): the name as it is (XML 1.0 allows no control character,
         // and an escape sequence drives the terminal).
