@@ -7,17 +7,16 @@ use std::io::Write;
 use std::path::Path;
 use std::process::{Command, Output};
 
-fn tidepool(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_tidepool")).args(args).output().expect("run tidepool")
-}
+mod common;
+
+use common::{scratch, stderr, tidepool};
 
 /// A fresh folder for one test, removed when dropped.
 struct Dir(tempfile::TempDir);
 
 impl Dir {
     fn new(test: &str) -> Dir {
-        let prefix = format!("tidepool-cli-bad-input-{test}-");
-        Dir(tempfile::Builder::new().prefix(&prefix).tempdir().unwrap())
+        Dir(scratch(&format!("bad-input-{test}")))
     }
 
     fn file(&self, name: &str, contents: &[u8]) -> String {
@@ -25,10 +24,6 @@ impl Dir {
         std::fs::write(&path, contents).unwrap();
         path.display().to_string()
     }
-}
-
-fn stderr(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stderr).into_owned()
 }
 
 /// One line of error on stderr, exit 1, no panic or abort text.

@@ -2,26 +2,17 @@
 //! messages for usage and input errors.
 
 use std::path::Path;
-use std::process::{Command, Output};
+use std::process::Output;
 
-fn tidepool(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_tidepool")).args(args).output().expect("run tidepool")
-}
+mod common;
+
+use common::{scratch, stderr, tidepool};
 
 fn mlp() -> String {
     Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("../../data/traces/mlp_train.csv.gz")
         .display()
         .to_string()
-}
-
-/// A scratch directory of the test's own, removed when it is dropped (pass or fail).
-fn scratch() -> tempfile::TempDir {
-    tempfile::Builder::new().prefix("tidepool-cli-").tempdir().unwrap()
-}
-
-fn stderr(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stderr).into_owned()
 }
 
 #[test]
@@ -77,7 +68,7 @@ fn pytorch_policy_when_named() {
 
 #[test]
 fn table_and_svg() {
-    let dir = scratch();
+    let dir = scratch("table-and-svg");
     let svg = dir.path().join("mlp.svg");
     let o = tidepool(&["replay", &mlp(), "--repeats=1", "--svg", svg.to_str().unwrap()]);
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
@@ -165,7 +156,7 @@ fn usage_errors_exit_2() {
 
 #[test]
 fn input_errors_exit_1() {
-    let dir = scratch();
+    let dir = scratch("input-errors");
     let o = tidepool(&["replay", "/nonexistent/t.csv"]);
     assert_eq!(o.status.code(), Some(1));
     assert!(
@@ -263,7 +254,7 @@ fn real_snapshots() {
 /// Every device reported on its own, `--device` picks one, skipped kinds in text and JSON.
 #[test]
 fn devices_of_a_snapshot() {
-    let dir = scratch();
+    let dir = scratch("devices");
     let o = tidepool(&["replay", &multi_device(), "--policy", "caching", "--repeats=1", "--json"]);
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
     let v = json_lines(&o);
@@ -371,7 +362,7 @@ fn config_from_snapshot() {
 
 #[test]
 fn input_errors_of_snapshots() {
-    let dir = scratch();
+    let dir = scratch("snapshot-input-errors");
     let o = tidepool(&["replay", &multi_device(), "--max-input-size", "1KiB"]);
     assert_eq!(o.status.code(), Some(1));
     assert!(

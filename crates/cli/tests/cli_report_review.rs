@@ -3,20 +3,9 @@
 //! well-formedness.
 
 use std::path::Path;
-use std::process::{Command, Output};
+mod common;
 
-fn tidepool(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_tidepool")).args(args).output().expect("run tidepool")
-}
-
-fn stderr(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stderr).into_owned()
-}
-
-/// A folder for one test's files, removed at its end.
-fn scratch(test: &str) -> tempfile::TempDir {
-    tempfile::Builder::new().prefix(&format!("tidepool-report-review-{test}-")).tempdir().unwrap()
-}
+use common::{scratch, stderr, tidepool};
 
 /// A protocol-2 pickle of `{"device_traces": [[alloc 512 B at 4096], [alloc 2^49 B at
 /// 8192]]}`: device 0 replays, device 1's request is past the largest the allocator takes.

@@ -1,19 +1,8 @@
 //! `tidepool replay` reviewed from the command line (2026-12-06): what reaches the terminal.
 
-use std::process::{Command, Output};
+mod common;
 
-fn tidepool(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_tidepool")).args(args).output().expect("run tidepool")
-}
-
-fn stderr(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stderr).into_owned()
-}
-
-/// A folder for one test's files, removed at its end.
-fn scratch(test: &str) -> tempfile::TempDir {
-    tempfile::Builder::new().prefix(&format!("tidepool-cli-review-{test}-")).tempdir().unwrap()
-}
+use common::{scratch, stderr, tidepool};
 
 const USAGE_TAIL: &str = "\n\nFor more information, try 'tidepool replay --help'.\n";
 
