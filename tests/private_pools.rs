@@ -17,6 +17,13 @@ fn reserved(p: &MemPool<SimDevice>) -> u64 {
     p.stats().blocks.reserved_bytes.all.current
 }
 
+/// Once the device finished its work: no segment left on it, and no sanitizer finding.
+fn nothing_left(dev: &SimDevice) {
+    dev.synchronize().unwrap();
+    assert!(dev.live_segments().is_empty(), "{:?}", dev.live_segments());
+    assert!(dev.violations().is_empty(), "{:?}", dev.violations());
+}
+
 fn check(alloc: &Allocator<SimDevice>, pools: &[&MemPool<SimDevice>]) {
     alloc.check_invariants().unwrap();
     for p in pools {
@@ -115,9 +122,7 @@ fn guards_nest_per_stream_and_scopes_refuse_routed_streams() {
     assert_eq!((allocated(&p1), allocated(&p2)), (0, 0));
     drop((p1, p2));
     alloc.empty_cache().unwrap();
-    dev.synchronize().unwrap();
-    assert!(dev.live_segments().is_empty());
-    assert!(dev.violations().is_empty());
+    nothing_left(&dev);
 }
 
 #[test]
@@ -400,9 +405,7 @@ fn a_forgotten_guard_routes_for_good_and_its_pool_goes_with_the_allocator() {
     drop(graph);
     alloc.check_invariants().unwrap();
     drop(alloc);
-    dev.synchronize().unwrap();
-    assert!(dev.live_segments().is_empty(), "{:?}", dev.live_segments());
-    assert!(dev.violations().is_empty());
+    nothing_left(&dev);
 }
 
 /// The general allocator's `empty_cache` empties a pool that only a `mem::forget`ten guard's
@@ -433,9 +436,7 @@ fn the_allocators_empty_cache_empties_a_pool_only_a_forgotten_guard_reaches() {
     assert_eq!(alloc.reserved_bytes(), 0);
     drop((x, held));
     drop(alloc);
-    dev.synchronize().unwrap();
-    assert!(dev.live_segments().is_empty(), "{:?}", dev.live_segments());
-    assert!(dev.violations().is_empty());
+    nothing_left(&dev);
 }
 
 /// A closed general allocator (its last handle gone, a buffer of it still live: here one
