@@ -13,6 +13,7 @@ use clap::Args;
 use std::io::Write;
 use tidepool_eager::models::train::{StepReport, TrainConfig, train_mlp};
 use tidepool_eager::{Backend, Eager};
+use tidepool_trace::echo_path;
 
 /// Capacity of the simulated device the demo runs on.
 const SIM_CAPACITY: u64 = 1 << 30;
@@ -172,8 +173,8 @@ fn train<B: Backend>(
         eager
             .allocator()
             .dump_snapshot(path)
-            .map_err(|e| format!("cannot write {}: {e}", path.display()))?;
-        let _ = writeln!(out, "memory history written to {}", path.display());
+            .map_err(|e| format!("cannot write {}: {e}", echo_path(path)))?;
+        let _ = writeln!(out, "memory history written to {}", echo_path(path));
     }
     let _ = writeln!(out, "{}", eager.allocator().memory_summary());
     if let (Some(a), Some(b)) = (reports.first(), reports.last()) {

@@ -18,6 +18,7 @@ mod replay;
 use clap::{Parser, Subcommand};
 use std::ffi::OsString;
 use std::io::Write;
+use tidepool_trace::echo_path;
 
 /// Replays allocation traces through tidepool and baselines; runs the eager demo.
 #[derive(Parser, Debug)]
@@ -67,7 +68,7 @@ where
 /// the report was lost to the error. An existing file is opened for writing, not truncated; a
 /// new one is created and removed again. The error is the one the write would have met.
 pub(crate) fn check_output(path: &std::path::Path) -> Result<(), String> {
-    let cannot = |e: std::io::Error| format!("cannot write {}: {e}", path.display());
+    let cannot = |e: std::io::Error| format!("cannot write {}: {e}", echo_path(path));
     // BROKEN (`cli_output_checked_late`, CLI only): nothing checked before the work.
     if cfg!(tidepool_broken = "cli_output_checked_late") {
         return Ok(());

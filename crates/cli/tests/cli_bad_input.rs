@@ -171,3 +171,83 @@ fn an_unwritable_output_file_is_refused_before_any_work() {
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
     assert!(std::fs::read_to_string(&kept).unwrap().starts_with("<svg"));
 }
+
+/// An SVG write that fails half-way (here a file-size limit: `ulimit -f` with SIGXFSZ ignored,
+/// so a write past it fails with EFBIG, as on a full disk) is an error that leaves what the
+/// file held before and no partial or temporary file: the plot was written over the file
+/// itself, and a failed write left the first few KiB of it. Through a link, the link's target
+/// is replaced and the link kept. Broken build `svg_written_in_place`.
+#[cfg(target_os = "linux")]
+#[test]
+fn a_failed_svg_write_leaves_the_old_file() {
+    let dir = Dir::new("svg-partial");
+    let trace = dir.file("t.csv", b"seq,op,id,bytes,stream,tag\n0,alloc,0,1024,0,act\n");
+    let old = dir.file("old.svg", b"old");
+    let bin = env!("CARGO_BIN_EXE_tidepool");
+    let limited = |svg: &str| {
+        Command::new("sh")
+            .arg("-c")
+            .arg("trap '' XFSZ; ulimit -f 4; exec \"$0\" \"$@\"")
+            .args([bin, "replay", &trace, "--policy", "planned", "--repeats", "1", "--svg", svg])
+            .output()
+            .expect("run sh")
+    };
+    let o = limited(&old);
+    let err = runtime_error(&o);
+    assert!(err.starts_with(&format!("tidepool: cannot write {old}: File too large")), "{err}");
+    let kept = std::fs::read(&old).unwrap();
+    assert!(kept == b"old", "{} bytes of a partial plot", kept.len());
+    let names: Vec<_> = std::fs::read_dir(dir.0.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect::<std::collections::BTreeSet<_>>()
+        .into_iter()
+        .collect();
+    assert_eq!(names, ["old.svg", "t.csv"], "no partial or temporary file left");
+    // Without the limit the plot replaces the file; through a link, the link's target.
+    let link = dir.0.path().join("link.svg");
+    std::os::unix::fs::symlink(&old, &link).unwrap();
+    let o = tidepool(&[
+        "replay",
+        &trace,
+        "--policy",
+        "planned",
+        "--repeats",
+        "1",
+        "--svg",
+        link.to_str().unwrap(),
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert!(std::fs::symlink_metadata(&link).unwrap().file_type().is_symlink());
+    assert!(std::fs::read_to_string(&old).unwrap().starts_with("<svg"));
+}
+
+/// A path holding control characters (a file name may hold any) is shown with them escaped in
+/// every message that names it, as the trace's name in the report is: a newline in a name made
+/// the one-line error two lines, and `ESC` drove the terminal. Broken build `path_echo_raw`.
+#[cfg(target_os = "linux")]
+#[test]
+fn paths_in_messages_are_escaped() {
+    let dir = Dir::new("path-echo");
+    let shown =
+        |p: &str| p.replace('\u{1b}', "\\u{1b}").replace('\u{7}', "\\u{7}").replace('\n', "\\n");
+    let bad = dir.file("x\u{1b}]0;owned\u{7}\nline2.csv", b"not a trace\n");
+    let err = runtime_error(&tidepool(&["replay", &bad, "--repeats", "1"]));
+    assert!(err.starts_with(&format!("tidepool: {}: ", shown(&bad))), "{err}");
+    let missing = dir.0.path().join("gone\u{1b}[2J.csv").display().to_string();
+    let err = runtime_error(&tidepool(&["replay", &missing]));
+    let want = format!("cannot open {}: No such file or directory (os error 2)\n", shown(&missing));
+    assert!(err.ends_with(&want), "{err}");
+    let trace = dir.file("t.csv", b"seq,op,id,bytes,stream,tag\n0,alloc,0,1024,0,act\n");
+    let folder = dir.0.path().join("plot\n.svg");
+    std::fs::create_dir(&folder).unwrap();
+    let folder = folder.display().to_string();
+    let err = runtime_error(&tidepool(&["replay", &trace, "--svg", &folder]));
+    assert_eq!(
+        err,
+        format!("tidepool: cannot write {}: Is a directory (os error 21)\n", shown(&folder))
+    );
+    for err in [&err, &want] {
+        assert!(!err.contains('\u{1b}') && !err.contains('\u{7}'), "{err:?}");
+    }
+}

@@ -46,6 +46,13 @@ fn json_on_the_mlp_trace() {
     assert_eq!(p[1]["peak_reserved_bytes"].as_u64(), Some(1476477184));
     assert_eq!(p[1]["device_mallocs"].as_u64(), Some(1));
     assert_eq!(p[1]["host_syncs"].as_u64(), Some(0));
+    // The report says which configuration it ran under (broken build `config_unsaid`: no note).
+    assert_eq!(
+        v["notes"],
+        serde_json::json!([
+            "--config max_split_size_mb:64 (the allocator rows; the baselines have no configuration)"
+        ])
+    );
 }
 
 /// `pytorch` (PyTorch's placement: `caching` without the stream caches) runs when named, in
@@ -58,6 +65,7 @@ fn pytorch_policy_when_named() {
     let p = v["policies"].as_array().unwrap();
     let names: Vec<_> = p.iter().map(|p| p["name"].as_str().unwrap()).collect();
     assert_eq!(names, ["pytorch", "caching"]);
+    assert_eq!(v["notes"], serde_json::json!([]), "no --config, nothing to say");
     for p in p {
         assert_eq!(p["peak_reserved_bytes"].as_u64(), Some(1428160512), "{p}");
         assert_eq!(p["peak_allocated_bytes"].as_u64(), Some(1367670784), "{p}");

@@ -134,6 +134,22 @@ impl TraceError {
     }
 }
 
+/// A file's path as messages show it: control characters and bidirectional overrides written
+/// as escapes, as for any input echoed (a file name may hold any of them, and a name holding
+/// a newline made a one-line error two lines, one holding `ESC` drove the terminal).
+///
+/// ```
+/// # use std::path::Path;
+/// assert_eq!(tidepool_trace::echo_path(Path::new("a\u{1b}[2Jb.csv")), "a\\u{1b}[2Jb.csv");
+/// ```
+pub fn echo_path(path: &std::path::Path) -> String {
+    // BROKEN (`path_echo_raw`): the path as it is.
+    if cfg!(tidepool_broken = "path_echo_raw") {
+        return path.display().to_string();
+    }
+    echo_cut(&path.to_string_lossy(), usize::MAX)
+}
+
 /// `text` cut to [`MAX_ECHO`] characters, for echoing input back in messages.
 pub(crate) fn echo(text: &str) -> String {
     echo_cut(text, MAX_ECHO)

@@ -45,7 +45,7 @@ pub mod runner;
 pub mod snapshot;
 mod validate;
 
-pub use error::{ErrorKind, Location, TraceError};
+pub use error::{ErrorKind, Location, TraceError, echo_path};
 pub use event::{Event, Lifetime, Op, PreWindow, Tag, Trace};
 pub use policy::{Policy, PolicyResult, ReplayError, ReplayOptions, named_only, registry};
 pub use read::{

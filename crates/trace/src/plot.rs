@@ -48,7 +48,32 @@ pub fn line_points(values: &[u64]) -> Vec<(usize, u64)> {
 }
 
 /// Draws `report`'s timelines into an SVG file at `path`.
+///
+/// The drawing is made in memory and written to a new file beside `path` (the target of
+/// `path` where it is a link), which then replaces it: a write that fails (a full disk, a
+/// file-size limit) leaves what `path` held before, and no partial file.
 pub fn write_svg(report: &Report, path: &Path) -> Result<(), String> {
+    let mut svg = String::new();
+    draw(report, path, &mut svg)?;
+    let cannot = |e: std::io::Error| format!("cannot write {}: {e}", crate::echo_path(path));
+    // BROKEN (`svg_written_in_place`): written over `path` itself; a failed write leaves a
+    // partial file.
+    if cfg!(tidepool_broken = "svg_written_in_place") {
+        return std::fs::write(path, svg).map_err(cannot);
+    }
+    // A link is written through, as `fs::write` would: its target is replaced, not the link.
+    let target = std::fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf());
+    let name = target.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let temp = target.with_file_name(format!(".{name}.{}.tmp", std::process::id()));
+    let written = std::fs::write(&temp, svg).and_then(|()| std::fs::rename(&temp, &target));
+    if written.is_err() {
+        let _ = std::fs::remove_file(&temp);
+    }
+    written.map_err(cannot)
+}
+
+/// Draws `report`'s timelines as SVG text into `svg` (`path` names the file in errors).
+fn draw(report: &Report, path: &Path, svg: &mut String) -> Result<(), String> {
     let mut lines: Vec<(String, Vec<(usize, u64)>)> =
         vec![("live (requested)".to_string(), line_points(&report.live_timeline))];
     for p in &report.policies {
@@ -67,8 +92,8 @@ pub fn write_svg(report: &Report, path: &Path) -> Result<(), String> {
     let x_end = report.events.max(1) as f64;
     let y_end = (max_y as f64 / scale * 1.05).max(1e-9);
 
-    let root = SVGBackend::new(path, SIZE).into_drawing_area();
-    let err = |e: &dyn std::fmt::Display| format!("cannot draw {}: {e}", path.display());
+    let root = SVGBackend::with_string(svg, SIZE).into_drawing_area();
+    let err = |e: &dyn std::fmt::Display| format!("cannot draw {}: {e}", crate::echo_path(path));
     root.fill(&WHITE).map_err(|e| err(&e))?;
     let mut chart = ChartBuilder::on(&root)
         .caption(

@@ -11,7 +11,9 @@
 //! whole replay restarts with a heap 1.5 × larger, until it fits; the heaps are capped at the
 //! largest the crate can address, and a trace is refused when that one does not fit it.
 //! Reserved bytes = the high-water mark of (offset + size) over the successful run (so the
-//! heap's slack is not counted); allocated = live granule bytes.
+//! heap's slack is not counted); allocated = live granule bytes. The heap is one device
+//! malloc, held to the end (its free at teardown is not counted, as the allocator policies'
+//! are not); a trace with no allocation takes no heap.
 
 use super::slots::{Slotted, Step};
 use super::{PolicyResult, ReplayError};
@@ -98,6 +100,27 @@ pub(super) fn replay<A: SubAllocator>(
             ),
         ));
     }
+    // A trace with no allocation needs no heap: no device call, 0 B (a one-granule heap made
+    // an empty trace look like a 256 B allocation).
+    // BROKEN (`empty_trace_heap`): the one-granule heap of an empty trace.
+    if peak == 0 && !cfg!(tidepool_broken = "empty_trace_heap") {
+        return Ok(PolicyResult {
+            name: A::NAME.to_string(),
+            peak_reserved_bytes: 0,
+            peak_allocated_bytes: 0,
+            device_mallocs: 0,
+            device_frees: 0,
+            device_maps: 0,
+            device_unmaps: 0,
+            host_syncs: 0,
+            ns_per_op: 0.0,
+            reserved_timeline: timeline.then(|| vec![0; slotted.steps.len()]),
+            extra: vec![
+                ("heap".into(), "0 B (no allocation)".into()),
+                ("granule".into(), format!("{GRANULE} B")),
+            ],
+        });
+    }
     // The heaps tried are capped at the largest the crate can address: twice the peak, or
     // the next size up, may be past it where the largest still holds the trace.
     let cap = |heap: u128| if capped { heap.min(max_heap) } else { heap };
@@ -112,7 +135,10 @@ pub(super) fn replay<A: SubAllocator>(
                 peak_reserved_bytes: run.hwm * GRANULE,
                 peak_allocated_bytes: run.peak_live * GRANULE,
                 device_mallocs: 1,
-                device_frees: 1,
+                // The heap is held to the end, as the allocator policies hold their segments:
+                // frees during the replay, not at its teardown, in every row alike.
+                // BROKEN (`baseline_teardown_free`): the teardown's free counted here only.
+                device_frees: u64::from(cfg!(tidepool_broken = "baseline_teardown_free")),
                 device_maps: 0,
                 device_unmaps: 0,
                 host_syncs: 0,

@@ -67,7 +67,8 @@ pub struct PolicyResult {
     pub peak_allocated_bytes: u64,
     /// Device allocation calls (`cuMemAlloc`).
     pub device_mallocs: u64,
-    /// Device free calls (`cuMemFree`).
+    /// Device free calls (`cuMemFree`) during the replay; what a policy still holds when it
+    /// ends is not counted (the same in every row).
     pub device_frees: u64,
     /// Page mappings made (`cuMemMap`; expandable segments only).
     pub device_maps: u64,

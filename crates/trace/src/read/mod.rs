@@ -104,7 +104,7 @@ pub fn read_trace_from<R: BufRead>(input: R, name: &str) -> Result<Trace, TraceE
 /// device order), one for the CSV formats. Named as in [`read_trace`].
 pub fn read_traces(path: &Path, options: &ReadOptions) -> Result<Vec<Trace>, TraceError> {
     let file = File::open(path).map_err(|e| {
-        TraceError::input(ErrorKind::Io(format!("cannot open {}: {e}", path.display())))
+        TraceError::input(ErrorKind::Io(format!("cannot open {}: {e}", crate::echo_path(path))))
     })?;
     read_traces_from(BufReader::new(file), &trace_name(path), options)
 }
