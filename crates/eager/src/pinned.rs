@@ -14,7 +14,12 @@ use tidepool::device::{Device, DeviceAddr, DeviceError, StreamId};
 use tidepool::{HostAllocError, HostAllocator};
 
 /// Uploads `data` to `dst` on `stream` through `pinned`. `Ok(false)` (nothing done) where the
-/// device has no pinned host memory, so the caller falls back to its own copy.
+/// device has no pinned host memory, or none left for a staging block of this size, so the
+/// caller falls back to its own copy (from pageable memory): staging is an optimisation the
+/// caller did not ask for, and running out of page-locked memory (a locked-memory limit, a
+/// host short of memory, a one-off upload larger than what can be pinned) must not fail an
+/// upload the device can take. (While a CUDA-graph capture is underway, the error: a copy from
+/// pageable memory cannot be captured, nor safely made beside a capture.)
 ///
 /// `dst` must be device memory of `pinned`'s device holding at least `data.len()` floats that
 /// stays allocated until the copy ran: the [`crate::Backend::upload`] contract (the caller's
@@ -32,6 +37,17 @@ pub(crate) fn upload<D: Device>(
     let mut staging = match pinned.alloc(bytes) {
         Ok(b) => b,
         Err(HostAllocError::Device(DeviceError::Unsupported(_))) => return Ok(false),
+        // Not while a capture is underway: a copy from pageable memory cannot be captured, and
+        // in CUDA's global capture mode one on any stream may be refused as unsafe, a refusal
+        // that invalidates the capture; the error stays.
+        // BROKEN (`pinned_oom_fails_upload`): the upload failed with the pinned allocator's
+        // out-of-memory error wherever it ran.
+        Err(HostAllocError::OutOfMemory { .. })
+            if !pinned.device().capture_underway()
+                && !cfg!(tidepool_broken = "pinned_oom_fails_upload") =>
+        {
+            return Ok(false);
+        }
         Err(e) => return Err(e.into()),
     };
     for (out, x) in staging.as_mut_slice()?.chunks_exact_mut(ELEM as usize).zip(data) {

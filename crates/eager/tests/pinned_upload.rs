@@ -5,7 +5,7 @@
 
 use std::sync::mpsc;
 use tidepool::StreamId;
-use tidepool::device::{Device, Kernel, Launch};
+use tidepool::device::{Capture, Device, Kernel, Launch};
 use tidepool_eager::{Eager, SimEager, Tensor};
 
 fn clean(e: &SimEager) {
@@ -91,6 +91,54 @@ fn copy_from_host_and_empty_uploads() {
     let e = cx.tensor(&[], &[0]).unwrap();
     assert_eq!(e.to_host().unwrap(), Vec::<f32>::new());
     assert_eq!(eager.backend().host_allocator().stats().num_host_alloc, 1);
+    clean(&eager);
+}
+
+/// Staging is the back end's choice, not the caller's: where no pinned block can be had for an
+/// upload (the device's pinned memory is exhausted: a locked-memory limit, a host short of
+/// memory, one upload larger than can be pinned), it falls back to the plain copy and the tensor
+/// holds its values. It used to fail with the pinned allocator's out-of-memory error: the tensor,
+/// the parameter and the in-place copy below were refused though the device had room for them.
+/// Broken build `pinned_oom_fails_upload`.
+#[test]
+fn an_upload_with_no_pinned_memory_left_falls_back_to_a_plain_copy() {
+    let eager = Eager::sim(64 << 20).unwrap();
+    let dev = eager.device();
+    dev.set_host_capacity(4096);
+    let pinned = eager.backend().host_allocator();
+    let cx = eager.ctx(StreamId::DEFAULT);
+    // 8 KiB: more than can be pinned.
+    let data: Vec<f32> = (0..2048).map(|i| i as f32).collect();
+    let big = cx.tensor(&data, &[2048]).unwrap();
+    assert_eq!(big.to_host().unwrap(), data);
+    assert_eq!(dev.host_counters().copies_to_device, 0, "copied by a kernel, nothing staged");
+    let s = pinned.stats();
+    assert_eq!((s.num_host_alloc, s.reserved_bytes.current, s.num_ooms), (0, 0, 1));
+    // A small upload still stages through a pinned block.
+    let small = cx.tensor(&[3.0; 10], &[10]).unwrap();
+    assert_eq!(small.to_host().unwrap(), vec![3.0; 10]);
+    assert_eq!(dev.host_counters().copies_to_device, 1);
+    // A parameter and an in-place copy of the large size fall back the same way.
+    let mut w = Tensor::parameter(&eager, &data, &[2048], StreamId::DEFAULT).unwrap();
+    assert_eq!(w.to_host().unwrap(), data);
+    w.copy_from_host(&[0.5; 2048]).unwrap();
+    assert_eq!(w.to_host().unwrap(), vec![0.5; 2048]);
+    assert_eq!(dev.host_counters().copies_to_device, 1);
+    assert_eq!(eager.stats().uploads, 4);
+    // (Each refusal freed the cache first: the small upload's block went back.)
+    let s = pinned.stats();
+    assert_eq!((s.num_host_alloc, s.num_host_free, s.reserved_bytes.current), (1, 1, 0));
+    assert_eq!((s.num_ooms, s.num_alloc_retries), (3, 1));
+    // While a capture is underway the error stays: a copy from pageable memory cannot be
+    // captured (the device refuses the plain copy's kernel; CUDA would end the capture).
+    let c = dev.create_stream().unwrap();
+    let mut t = eager.ctx(c).zeros(&[2048]).unwrap();
+    eager.synchronize().unwrap();
+    dev.begin_capture(c).unwrap();
+    let err = t.copy_from_host(&data).unwrap_err();
+    assert!(err.to_string().contains("out of pinned host memory"), "{err}");
+    dev.destroy_graph(dev.end_capture(c).unwrap()).unwrap();
+    pinned.check_invariants().unwrap();
     clean(&eager);
 }
 

@@ -238,7 +238,8 @@ impl Backend for CudaBackend {
     }
 
     /// Through a pinned staging buffer (`cuMemcpyHtoDAsync` from page-locked memory, an event
-    /// recorded after it); from pageable memory only if pinned memory is unsupported.
+    /// recorded after it); from pageable memory if pinned memory is unsupported or none is left
+    /// for the staging block.
     fn upload(&self, stream: StreamId, dst: DeviceAddr, data: &[f32]) -> Result<()> {
         if super::pinned::upload(&self.pinned, stream, dst, data)? {
             return Ok(());

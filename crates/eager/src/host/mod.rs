@@ -66,8 +66,8 @@ impl<D: Launch> Backend for HostBackend<D> {
         format!("host kernels on {}", self.device.name())
     }
 
-    /// Through a pinned staging buffer where the device has pinned memory (SimDevice does),
-    /// else through a kernel carrying a copy of the data.
+    /// Through a pinned staging buffer where the device has pinned memory (SimDevice does) and
+    /// a block for it can be had, else through a kernel carrying a copy of the data.
     fn upload(&self, stream: StreamId, dst: DeviceAddr, data: &[f32]) -> Result<()> {
         if super::pinned::upload(&self.pinned, stream, dst, data)? {
             return Ok(());
