@@ -207,16 +207,8 @@ fn a_failed_svg_write_leaves_the_old_file() {
     // Without the limit the plot replaces the file; through a link, the link's target.
     let link = dir.0.path().join("link.svg");
     std::os::unix::fs::symlink(&old, &link).unwrap();
-    let o = tidepool(&[
-        "replay",
-        &trace,
-        "--policy",
-        "planned",
-        "--repeats",
-        "1",
-        "--svg",
-        link.to_str().unwrap(),
-    ]);
+    let plot = |svg: &str| tidepool(&["replay", &trace, "--policy", "planned", "--svg", svg]);
+    let o = plot(link.to_str().unwrap());
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
     assert!(std::fs::symlink_metadata(&link).unwrap().file_type().is_symlink());
     assert!(std::fs::read_to_string(&old).unwrap().starts_with("<svg"));

@@ -66,19 +66,7 @@ pub fn run_policies(
 
 /// Placeholder for the (impossible) case of zero repeats; `repeats` is clamped to ≥ 1.
 fn unreachable_result(name: &str) -> PolicyResult {
-    PolicyResult {
-        name: name.to_string(),
-        peak_reserved_bytes: 0,
-        peak_allocated_bytes: 0,
-        device_mallocs: 0,
-        device_frees: 0,
-        device_maps: 0,
-        device_unmaps: 0,
-        host_syncs: 0,
-        ns_per_op: 0.0,
-        reserved_timeline: None,
-        extra: Vec::new(),
-    }
+    PolicyResult::nothing(name)
 }
 
 #[cfg(test)]

@@ -105,20 +105,12 @@ pub(super) fn replay<A: SubAllocator>(
     // BROKEN (`empty_trace_heap`): the one-granule heap of an empty trace.
     if peak == 0 && !cfg!(tidepool_broken = "empty_trace_heap") {
         return Ok(PolicyResult {
-            name: A::NAME.to_string(),
-            peak_reserved_bytes: 0,
-            peak_allocated_bytes: 0,
-            device_mallocs: 0,
-            device_frees: 0,
-            device_maps: 0,
-            device_unmaps: 0,
-            host_syncs: 0,
-            ns_per_op: 0.0,
             reserved_timeline: timeline.then(|| vec![0; slotted.steps.len()]),
             extra: vec![
                 ("heap".into(), "0 B (no allocation)".into()),
                 ("granule".into(), format!("{GRANULE} B")),
             ],
+            ..PolicyResult::nothing(A::NAME)
         });
     }
     // The heaps tried are capped at the largest the crate can address: twice the peak, or

@@ -85,6 +85,25 @@ pub struct PolicyResult {
     pub extra: Vec<(String, String)>,
 }
 
+impl PolicyResult {
+    /// `name`'s result with nothing held, called or timed (a trace with no allocation).
+    pub(crate) fn nothing(name: &str) -> PolicyResult {
+        PolicyResult {
+            name: name.to_string(),
+            peak_reserved_bytes: 0,
+            peak_allocated_bytes: 0,
+            device_mallocs: 0,
+            device_frees: 0,
+            device_maps: 0,
+            device_unmaps: 0,
+            host_syncs: 0,
+            ns_per_op: 0.0,
+            reserved_timeline: None,
+            extra: Vec::new(),
+        }
+    }
+}
+
 /// Why a policy could not replay a trace.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ReplayError {
