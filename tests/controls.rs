@@ -313,6 +313,69 @@ fn initial_pool_errors() {
     }
 }
 
+/// An initial pool of at least `max_split_size` is one oversize block: never split, and never
+/// spent on a smaller request (PyTorch's rules for oversize blocks), and kept for good. It was
+/// accepted and then stood idle: under `initial_pool_size_mb:1024,max_split_size_mb:256` a
+/// 30 MiB request reserved a 30 MiB segment of its own next to the idle 1 GiB pool, and a
+/// 1100 MiB request then ran out of memory with that 1 GiB cached (the ladder never releases
+/// the initial pool). Such a configuration is refused now: by `validate` (the string and the
+/// builders alike), and by `set_config` where the allocator keeps an initial pool that large.
+#[test]
+fn an_initial_pool_of_at_least_max_split_size_is_refused() {
+    let dev = Arc::new(SimDevice::new(2048 * MIB));
+    let why = |pool: u64, split: u64| {
+        format!(
+            "initial_pool_size_mb ({pool} MiB) must be below max_split_size_mb ({split} MiB): a \
+             block of at least max_split_size is never split, so the initial pool would serve \
+             no smaller request"
+        )
+    };
+    for (pool, split) in [(1024, 256), (1024, 1024)] {
+        let text = format!("initial_pool_size_mb:{pool},max_split_size_mb:{split}");
+        assert_eq!(Config::parse(&text), Err(ConfigError::Inconsistent(why(pool, split))));
+        let built =
+            Config::default().with_initial_pool_size(pool * MIB).with_max_split_size_mb(split);
+        match Allocator::new(dev.clone(), built) {
+            Err(AllocError::Config(ConfigError::Inconsistent(m))) => {
+                assert_eq!(m, why(pool, split))
+            }
+            other => panic!("expected a configuration error, got {:?}", other.map(|_| ())),
+        }
+        assert!(dev.live_segments().is_empty());
+    }
+    // Just above the pool, the limit leaves it a block like any other: split, and served from.
+    let (dev, alloc) = setup("initial_pool_size_mb:1024,max_split_size_mb:1025", 2048 * MIB);
+    let base = dev.live_segments()[0].0.0;
+    let a = alloc.alloc(30 * MIB, S).unwrap();
+    assert_eq!((a.ptr().0, alloc.stats().num_device_alloc), (base, 1));
+    drop(a);
+    // A later limit at or below the pool the allocator keeps is refused, nothing changed.
+    let before = alloc.config();
+    let lower = Config::parse("max_split_size_mb:256").unwrap();
+    assert_eq!(
+        alloc.set_config(lower),
+        Err(ConfigError::Inconsistent(
+            "max_split_size_mb (256 MiB) must exceed the initial pool this allocator keeps \
+             (1024 MiB): a block of at least max_split_size is never split, so the initial \
+             pool would serve no smaller request"
+                .into()
+        ))
+    );
+    assert_eq!(alloc.config(), before);
+    let b = alloc.alloc(30 * MIB, S).unwrap();
+    assert_eq!((b.ptr().0, alloc.stats().num_device_alloc), (base, 1));
+    let c = alloc.alloc(900 * MIB, S).unwrap();
+    assert_eq!((c.ptr().0, alloc.stats().num_device_alloc), (base + 30 * MIB, 1));
+    drop((b, c));
+    // A limit above it is taken.
+    alloc.set_config(Config::parse("max_split_size_mb:2048").unwrap()).unwrap();
+    alloc.check_invariants().unwrap();
+    alloc.empty_cache().unwrap();
+    assert_eq!(live_bases(&dev), BTreeSet::from([base]));
+    drop(alloc);
+    assert!(dev.live_segments().is_empty());
+}
+
 #[test]
 fn max_pool_size_caps_reserved_then_reports() {
     let (dev, alloc) = setup("max_pool_size_mb:32", 1 << 30);

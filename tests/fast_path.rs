@@ -67,6 +67,38 @@ fn a_different_request_of_the_same_class_is_served_under_the_lock_once() {
     check(&dev, &alloc);
 }
 
+/// The lanes round a small request with one mask where no power-of-two division applies below
+/// the small bound; whether one does was asked of the small bound's own size interval only.
+/// With `small_size_mb:2` the small pool spans two intervals (below 2 MiB, and 2 MiB itself),
+/// and `[1:4,2:1]` divides only the first (`small_size_mb:4` and `[1:4,4:1]` alike): 9000 bytes round to 10 240 (8 KiB..16 KiB in steps
+/// of 2 KiB), the mask made 9216, a class no block has, so every same-size reuse missed the
+/// lanes and took the global lock. Each division count the small pool's intervals hold is
+/// asked now; the hit rounds as the pool does.
+#[test]
+fn a_division_below_the_small_bounds_interval_keeps_the_hits() {
+    for conf in [
+        "small_size_mb:2,small_segment_mb:4,roundup_power2_divisions:[1:4,2:1]",
+        "small_size_mb:4,small_segment_mb:4,roundup_power2_divisions:[1:4,4:1]",
+    ] {
+        let (dev, alloc) = setup(conf, 1 << 30);
+        let a = alloc.alloc(9000, S0).unwrap();
+        let (ptr, size) = (a.ptr(), a.block_size());
+        assert_eq!(size, 10240, "{conf}");
+        drop(a);
+        let n = alloc.global_lock_acquisitions();
+        for _ in 0..3 {
+            let b = alloc.alloc(9000, S0).unwrap();
+            assert_eq!((b.ptr(), b.block_size()), (ptr, size), "{conf}");
+        }
+        assert_eq!(alloc.global_lock_acquisitions(), n, "{conf}: same request again: lock-free");
+        // Below 4 divisions × 512 B the granule alone rounds, in the lanes as in the pool.
+        let c = alloc.alloc(1000, S0).unwrap();
+        assert_eq!(c.block_size(), 1024, "{conf}");
+        drop(c);
+        check(&dev, &alloc);
+    }
+}
+
 #[test]
 fn peaks_stay_exact_when_the_slow_path_runs_between_a_free_and_a_reuse() {
     let (dev, alloc) = setup("", 1 << 30);

@@ -336,9 +336,12 @@ impl<D: Device> Allocator<D> {
     /// one); a cap lowered below the reserved bytes releases nothing at once, but a request
     /// that needs a new segment then climbs the out-of-memory ladder and fails if it still
     /// does not fit; `initial_pool_size` is reserved only by [`Allocator::new`], and the
-    /// initial pool it reserved is kept whatever the new configuration says.
+    /// initial pool it reserved is kept whatever the new configuration says (a
+    /// `max_split_size` at or below its size is refused: the pool would be an oversize block,
+    /// never split, serving no smaller request).
     pub fn set_config(&self, config: Config) -> Result<(), crate::config::ConfigError> {
         config.validate()?;
+        self.shared.keeps_initial_pool_under(&config)?;
         // BROKEN (`config_race`): the general allocator's and the pools' apart.
         let _configuring =
             (!cfg!(tidepool_broken = "config_race")).then(|| lock(&self.shared.family.configuring));

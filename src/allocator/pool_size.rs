@@ -25,6 +25,7 @@
 //! ```
 
 use super::*;
+use crate::config::ConfigError;
 use crate::stats::PoolKind;
 
 impl<D: Device> Allocator<D> {
@@ -61,6 +62,27 @@ impl<D: Device> Allocator<D> {
 }
 
 impl<D: Device> Shared<D> {
+    /// [`Allocator::set_config`]'s check of `config` against the initial pool this allocator
+    /// keeps: a `max_split_size` at or below its size would make it an oversize block, never
+    /// split and never spent on a smaller request, idle for good (as `Config::validate`
+    /// refuses for a configuration's own initial pool).
+    pub(super) fn keeps_initial_pool_under(&self, config: &Config) -> Result<(), ConfigError> {
+        let st = self.lock_state();
+        let Some(base) = st.initial else { return Ok(()) };
+        let size = st.pool.segments().find(|(_, s)| s.base == base).map_or(0, |(_, s)| s.size);
+        let split = config.sizing.max_split_size;
+        // BROKEN (`initial_pool_oversize`): accepted.
+        if size < split || cfg!(tidepool_broken = "initial_pool_oversize") {
+            return Ok(());
+        }
+        Err(ConfigError::Inconsistent(format!(
+            "max_split_size_mb ({}) must exceed the initial pool this allocator keeps ({}): {}",
+            crate::config::mib_or_bytes(split),
+            crate::config::mib_or_bytes(size),
+            crate::config::INITIAL_POOL_OVERSIZE
+        )))
+    }
+
     /// Whether `add` more reserved bytes keep the family within `config`'s cap (always, with
     /// none); where they do, they are charged to the family's total at once, so that another
     /// allocator's check sees them before this one reserves them. The caller holds the lock

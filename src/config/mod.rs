@@ -18,6 +18,7 @@ mod validate;
 
 pub use error::ConfigError;
 pub use keys::{KEYS, NO_EFFECT_KEYS};
+pub(crate) use validate::{INITIAL_POOL_OVERSIZE, mib_or_bytes};
 
 use crate::pool::{MIB, Sizing};
 

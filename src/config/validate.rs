@@ -106,6 +106,21 @@ impl Config {
                 return fail(why);
             }
         }
+        // The initial pool is one block until a request splits it; one of at least
+        // `max_split_size` is oversize (never split, never spent on a smaller request) and is
+        // kept for good, so it would stand idle while every request reserved memory of its own.
+        // BROKEN (`initial_pool_oversize`): accepted.
+        if self.initial_pool_size > 0
+            && initial >= z.max_split_size
+            && !cfg!(tidepool_broken = "initial_pool_oversize")
+        {
+            return fail(format!(
+                "initial_pool_size_mb ({}) must be below max_split_size_mb ({}): {}",
+                mib_or_bytes(self.initial_pool_size),
+                mib_or_bytes(z.max_split_size),
+                INITIAL_POOL_OVERSIZE
+            ));
+        }
         if !self.caching {
             let on = [
                 (self.expandable_segments, "expandable_segments"),
@@ -119,5 +134,18 @@ impl Config {
             }
         }
         Ok(())
+    }
+}
+
+/// Why an initial pool of at least `max_split_size` is refused (by [`Config::validate`], and by
+/// `Allocator::set_config` for the pool an allocator keeps).
+pub(crate) const INITIAL_POOL_OVERSIZE: &str = "a block of at least max_split_size is never \
+     split, so the initial pool would serve no smaller request";
+
+/// `N MiB` for a whole number of MiB, else `N bytes`.
+pub(crate) fn mib_or_bytes(bytes: u64) -> String {
+    match bytes.is_multiple_of(MIB) {
+        true => format!("{} MiB", bytes / MIB),
+        false => format!("{bytes} bytes"),
     }
 }

@@ -132,6 +132,19 @@ impl RoundupDivisions {
         if code == 0 { 0 } else { 1 << (code - 1) }
     }
 
+    /// Whether some request of at most `bytes` bytes is rounded to a division, with rounding
+    /// granularity `min_block` (`Sizing::round`: `d` > 1 divisions of an interval apply to its
+    /// sizes above `min_block × d`). Every interval up to `bytes`' is asked.
+    pub fn divides_up_to(&self, min_block: u64, bytes: u64) -> bool {
+        let last = interval_of_mib(bytes / MIB);
+        (0..=last).any(|i| {
+            let div = self.interval(i);
+            // The largest size of interval `i` that is at most `bytes`.
+            let top = if i == last { bytes } else { (MIB << (i + 1)) - 1 };
+            div > 1 && min_block.saturating_mul(div) < top
+        })
+    }
+
     /// The divisions of interval `i` (`[2^i MiB, 2^(i+1) MiB)`), for reports and snapshots.
     pub fn interval(&self, i: usize) -> u64 {
         match self.log.get(i) {
@@ -235,6 +248,23 @@ mod tests {
         }
         assert_eq!(RoundupDivisions::uniform(3), None);
         assert_eq!(RoundupDivisions::uniform(MAX_DIVISIONS * 2), None);
+    }
+
+    #[test]
+    fn divisions_up_to_a_size() {
+        let four = RoundupDivisions::uniform(4).unwrap();
+        // 4 divisions apply above 2 KiB.
+        assert!(!four.divides_up_to(512, 2048) && four.divides_up_to(512, 2049));
+        assert!(!RoundupDivisions::OFF.divides_up_to(512, u64::MAX));
+        assert!(!RoundupDivisions::uniform(1).unwrap().divides_up_to(512, u64::MAX));
+        // Below the last interval asked: [1:4,2:1] divides sizes under 2 MiB only.
+        let low = RoundupDivisions::parse("[1:4,2:1]").unwrap();
+        assert!(low.divides_up_to(512, 2 * MIB) && low.divides_up_to(512, MIB));
+        assert!(!RoundupDivisions::parse("[>:4]").unwrap().divides_up_to(512, 2 * MIB - 1));
+        assert!(RoundupDivisions::parse("[>:4]").unwrap().divides_up_to(512, 2 * MIB + 1));
+        // 4096 divisions × 512 B reach 2 MiB: nothing below it is divided.
+        let many = RoundupDivisions::parse("[1:4096,2:1]").unwrap();
+        assert!(!many.divides_up_to(512, 2 * MIB));
     }
 
     #[test]

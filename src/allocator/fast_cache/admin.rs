@@ -111,8 +111,16 @@ impl StreamCache {
     /// small bound is a round-up to the granule.
     pub(super) fn round_mask_of(sizing: &Sizing) -> u64 {
         let m = sizing.min_block_size;
-        let div = sizing.roundup_power2_divisions.for_size(sizing.small_size);
-        let no_divisions = div <= 1 || m.saturating_mul(div) >= sizing.small_size;
+        let d = &sizing.roundup_power2_divisions;
+        // Every size interval up to the small bound (`small_size_mb` above 1 spans several).
+        // BROKEN (`mask_one_interval`): the bound's own interval alone.
+        let no_divisions = match cfg!(tidepool_broken = "mask_one_interval") {
+            true => {
+                let div = d.for_size(sizing.small_size);
+                div <= 1 || m.saturating_mul(div) >= sizing.small_size
+            }
+            false => !d.divides_up_to(m, sizing.small_size),
+        };
         if m.is_power_of_two() && no_divisions { m - 1 } else { u64::MAX }
     }
 
