@@ -836,3 +836,42 @@ fn set_config_to_pass_through_keeps_the_initial_pool_and_releases_the_rest() {
     assert_eq!(live_bases(&dev), initial);
     alloc.check_invariants().unwrap();
 }
+
+/// Sizes past the largest request are refused through the builders too, as the string form
+/// refuses them (it takes MiB up to 256 TiB): a `Sizing` of 2^63-byte blocks passed every rule
+/// (powers of two, multiples, order) and an aligned request of 2^63 bytes' alignment then
+/// overflowed the rounded size plus the alignment (found by the pool and configuration review;
+/// a panic in debug builds). Broken build `sizing_unbounded`: accepted.
+#[test]
+fn sizes_past_the_largest_request_are_refused_through_the_builders() {
+    let sizing = |fields: [u64; 6]| {
+        let mut z = tidepool::Sizing::default();
+        [z.min_block_size, z.small_size, z.small_segment] = [fields[0], fields[1], fields[2]];
+        [z.min_large_alloc, z.large_segment, z.round_large] = [fields[3], fields[4], fields[5]];
+        Config::default().with_sizing(z)
+    };
+    let huge = 1u64 << 63;
+    let dev = Arc::new(SimDevice::new(64 * MIB));
+    let big = sizing([huge, huge, huge, huge + (1 << 62), huge + (1 << 62), huge]);
+    match Allocator::new(dev.clone(), big) {
+        Err(AllocError::Config(ConfigError::Inconsistent(m))) => assert_eq!(
+            m,
+            format!(
+                "min_block_size ({huge} bytes) exceeds the largest request ({} bytes)",
+                1u64 << 48
+            )
+        ),
+        other => panic!("expected a configuration error, got {:?}", other.map(|_| ())),
+    }
+    // At the cap, accepted; one field past it, refused by name.
+    let cap = tidepool::MAX_REQUEST;
+    assert_eq!(sizing([MIB, cap / 2, cap / 2, cap, cap, cap]).validate(), Ok(()));
+    assert_eq!(
+        sizing([MIB, cap / 2, cap / 2, cap, cap + MIB, cap]).validate(),
+        Err(ConfigError::Inconsistent(format!(
+            "large_segment_mb ({} bytes) exceeds the largest request ({cap} bytes)",
+            cap + MIB
+        )))
+    );
+    assert!(dev.live_segments().is_empty());
+}

@@ -8,6 +8,27 @@ impl Config {
     pub fn validate(&self) -> Result<(), ConfigError> {
         let z = &self.sizing;
         let fail = |why: String| Err(ConfigError::Inconsistent(why));
+        // What the string form caps (sizes in MiB up to 256 TiB), for the builders too: sizes
+        // past the largest request overflowed the allocator's sums (`alloc_aligned` adds the
+        // alignment to the rounded size; a block of 2^63 bytes with as large an alignment
+        // wrapped, and panicked in debug builds).
+        // BROKEN (`sizing_unbounded`): any size accepted.
+        let sizes = [
+            ("min_block_size", z.min_block_size),
+            ("small_size_mb", z.small_size),
+            ("small_segment_mb", z.small_segment),
+            ("min_large_alloc_mb", z.min_large_alloc),
+            ("large_segment_mb", z.large_segment),
+            ("round_large_mb", z.round_large),
+        ];
+        if let Some((name, v)) = sizes.iter().find(|(_, v)| *v > crate::MAX_REQUEST)
+            && !cfg!(tidepool_broken = "sizing_unbounded")
+        {
+            return fail(format!(
+                "{name} ({v} bytes) exceeds the largest request ({} bytes)",
+                crate::MAX_REQUEST
+            ));
+        }
         if !z.min_block_size.is_power_of_two() {
             return fail(format!("min_block_size {} is not a power of two", z.min_block_size));
         }
