@@ -1358,6 +1358,39 @@ fn an_unmap_refused_while_a_failed_growth_is_undone_keeps_the_pages_in_the_range
     assert_no_leak(&dev);
 }
 
+/// A growth widened by its headroom (a build-up's ramp: 5 pages, with stitching's 4-page
+/// chunks a chunk of 4 and one of 1) whose second map is refused, and whose rollback's unmap of
+/// the first chunk is refused too, keeps that chunk mapped: free pages of the range at the
+/// place the growth had found. The request then grows by its own pages only — at a place
+/// found again. Grown at the place found before the wide growth, over the kept pages, the map
+/// was refused (an invalid value) and the allocation failed with that error although the kept
+/// pages held it (broken build `headroom_stale_place`).
+#[test]
+fn a_failed_headroom_growth_that_keeps_its_first_chunk_places_the_request_again() {
+    let (dev, alloc) = setup("expandable_stitching:true", CAP);
+    let s = StreamId::DEFAULT;
+    // 18 blocks of a page, none freed (a build-up): growths of 1 page (9), then 2, 3 and 4.
+    let mut live: Vec<_> = (0..18).map(|_| alloc.alloc(2 * MIB, s).unwrap()).collect();
+    let base = live[0].ptr().0;
+    assert_eq!((alloc.reserved_bytes(), dev.vm_counters().creates), (36 * MIB, 12));
+    // The 13th growth maps 5 pages: its second chunk's map refused, then the rollback's unmap.
+    dev.fail_nth_vm_map(Some(2));
+    dev.fail_nth_vm_unmap(Some(1));
+    let b = alloc.alloc(2 * MIB, s).expect("served by the kept pages");
+    assert_eq!(b.ptr().0, base + 36 * MIB, "the kept chunk's first page");
+    live.push(b);
+    alloc.check_invariants().unwrap();
+    let vm = dev.vm_counters();
+    assert_eq!((vm.creates, vm.releases, vm.maps, vm.unmaps), (14, 1, 13, 0));
+    assert_eq!((alloc.reserved_bytes(), dev.physical_bytes()), (44 * MIB, 44 * MIB));
+    assert_eq!(dev.violations(), vec![]);
+    drop(live);
+    alloc.empty_cache().unwrap();
+    assert_eq!((alloc.reserved_bytes(), dev.physical_bytes()), (0, 0));
+    drop(alloc);
+    assert_no_leak(&dev);
+}
+
 /// PyTorch's `release_cached_blocks` gives a wholly unmapped expandable segment's addresses
 /// back (`release_expandable_segment`). Here a range whose stream the device no longer knows
 /// (destroyed on the device, not through the allocator) does so at `empty_cache` once nothing

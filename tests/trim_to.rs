@@ -396,3 +396,37 @@ fn an_idle_region_whose_segment_cannot_go_within_the_floor_stays() {
     alloc.check_invariants().unwrap();
     assert_eq!(dev.violations(), vec![]);
 }
+
+/// Chunks a trim under `release_threshold` retired behind their stream's unfinished work are
+/// out of the pool but still mapped and counted reserved until a lock section sees their
+/// event complete; `trim_to`'s release of expandable chunks lets them go first, whatever the
+/// floor. So they go before the floor weighs anything: here a 12 MiB chunk retired behind a
+/// kernel that has completed since, and a free 20 MiB ordinary segment (expandable segments
+/// switched off meanwhile): `trim_to(10 MiB)` lets the chunk go and keeps the segment (20 MiB
+/// reserved). Weighed with the chunk still counted, the segment's release seemed to leave
+/// 12 MiB, and both went: 0 bytes reserved under a floor of 10 MiB (broken build
+/// `trim_floor_counts_retiring`).
+#[test]
+fn retiring_chunks_go_before_the_floor_weighs_the_segments() {
+    let (dev, alloc) = common::expandable_setup("release_threshold_mb:0", CAP);
+    let a = alloc.alloc(12 * MIB, S0).unwrap();
+    let (k, open) = common::gated(a.ptr(), 12 * MIB, AccessKind::Write);
+    dev.launch(S0, k).unwrap();
+    drop(a); // the trim retires its chunk behind the kernel
+    assert_eq!((alloc.reserved_bytes(), mappings(&dev)), (12 * MIB, vec![(0, 12)]));
+    alloc.set_config(Config::default()).unwrap();
+    drop(alloc.alloc(20 * MIB, S0).unwrap()); // an ordinary segment, cached
+    assert_eq!(dev.live_segments().len(), 1);
+    assert_eq!(alloc.reserved_bytes(), 32 * MIB);
+    // The kernel completes; no lock section has seen it since.
+    open.send(()).unwrap();
+    dev.synchronize().unwrap();
+    assert_eq!(alloc.trim_to(10 * MIB).unwrap(), 12 * MIB);
+    assert_eq!(alloc.reserved_bytes(), 20 * MIB, "never below the floor");
+    assert_eq!((dev.live_segments().len(), mappings(&dev)), (1, vec![]));
+    alloc.check_invariants().unwrap();
+    assert_eq!(dev.violations(), vec![]);
+    assert_eq!(alloc.trim_to(0).unwrap(), 20 * MIB);
+    drop(alloc);
+    assert_no_leak(&dev);
+}

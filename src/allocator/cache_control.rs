@@ -97,7 +97,9 @@ impl<D: Device> Allocator<D> {
     /// Releasing is the same as everywhere here: each segment's release is a counted host sync
     /// (`num_host_syncs`: `cuMemFree` synchronises), and a range's chunks go once its stream's
     /// work enqueued so far has completed, waited for where it has not (a counted host sync).
-    /// Nothing is released while a capture is underway (`Ok(0)`). A device error is returned
+    /// Chunks a `release_threshold` trim already gave up (retiring behind their stream's work)
+    /// go first, whatever the floor, and count in the bytes released; the floor weighs the
+    /// rest. Nothing is released while a capture is underway (`Ok(0)`). A device error is returned
     /// as it comes; what was released before it stays released.
     ///
     /// ```
@@ -325,6 +327,15 @@ impl<D: Device> Shared<D> {
         // BROKEN (`trim_ignores_floor`): everything free goes, as `empty_cache`.
         let floor = if cfg!(tidepool_broken = "trim_ignores_floor") { 0 } else { floor };
         let start = st.pool.reserved_bytes();
+        // Chunks a threshold's trim retired (out of the pool, still mapped and counted
+        // reserved until their event is seen complete) go whatever the floor: the release of
+        // expandable chunks below waits for them first, and a segment's release synchronises
+        // the device (`cuMemFree`). So they go first (waited for where their stream's work has
+        // not completed), and the floor weighs what stays. (The broken build
+        // `cfg(tidepool_broken = "trim_floor_counts_retiring")` weighs the segments with them
+        // still counted: the chunks went after the segments, below the floor.)
+        #[cfg(not(tidepool_broken = "trim_floor_counts_retiring"))]
+        self.poll_retiring(st, true);
         for &res in which {
             let (vm, initial) = (&st.vm, st.initial);
             let mut segs: Vec<(u64, u64, SegmentId)> = st

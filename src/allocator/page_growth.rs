@@ -176,11 +176,28 @@ impl<D: Device> Shared<D> {
         }
         let wide = self.with_headroom(st, key, exact);
         if wide.pages > exact.pages {
+            let mapped = st.vm.ranges[&base].pages.len();
             // Out of memory for the headroom is not out of memory for the request.
             match self.grow_at(st, config, key, wide) {
                 Err(AllocError::OutOfMemory(_)) if !self.broken(Broken::HeadroomOom) => {}
                 grown => return grown.map(Some),
             }
+            // A map refused midway whose rollback's unmap was refused too left the chunks
+            // before it mapped, free pages at `exact`'s place: search and place anew, as after
+            // a failed stitch. (The broken build `cfg(tidepool_broken = "headroom_stale_place")`
+            // maps over them: the device refuses, and the allocation fails with its error.)
+            #[cfg(not(tidepool_broken = "headroom_stale_place"))]
+            if st.vm.ranges[&base].pages.len() != mapped {
+                if let Some(b) = self.find_free(st, config, key, rounded) {
+                    return Ok(Some(b));
+                }
+                let Some(again) = place(&st.pool, &st.vm.ranges[&base], rounded, page) else {
+                    return Ok(None);
+                };
+                return self.grow_at(st, config, key, again).map(Some);
+            }
+            #[cfg(tidepool_broken = "headroom_stale_place")]
+            let _ = mapped;
         }
         self.grow_at(st, config, key, exact).map(Some)
     }
