@@ -809,3 +809,39 @@ fn a_refused_stream_thread_is_an_error_and_the_device_works_on() {
     dev.destroy_stream(c).unwrap();
     assert!(dev.violations().is_empty());
 }
+
+/// A hand-out must lie inside one live segment: memory of a released segment, a range across
+/// two segments (adjacent here, as the bump addresses place them, but two `cuMemAlloc`s on a
+/// GPU) and a wild address are no block any allocator may give. The sanitizer missed all three
+/// unless a kernel later touched them.
+#[test]
+fn a_handout_outside_one_live_segment_is_reported() {
+    let dev = SimDevice::new(1 << 20);
+    let s = StreamId::DEFAULT;
+    let gone = dev.reserve(4096).unwrap();
+    dev.release(gone).unwrap();
+    let q = dev.reserve(4096).unwrap();
+    let r = dev.reserve(4096).unwrap();
+    assert_eq!(r, q.offset(4096), "segments placed side by side");
+    // Clean: a whole segment, and a segment's last byte.
+    dev.note_handout(r, 4096, s);
+    dev.note_handout(q.offset(4095), 1, s);
+    assert_eq!(dev.violations(), vec![]);
+    dev.note_reclaim(r, 4096, s);
+    dev.note_reclaim(q.offset(4095), 1, s);
+    dev.note_handout(gone, 4096, s);
+    dev.note_handout(q.offset(2048), 4096, s);
+    dev.note_handout(DeviceAddr(0x1000), 8, s);
+    let op = "handout of memory outside any live segment";
+    let v = |ptr: DeviceAddr, bytes: u64| tidepool::device::Violation {
+        ptr,
+        bytes,
+        stream: s,
+        other: None,
+        op: op.into(),
+    };
+    assert_eq!(
+        dev.violations(),
+        vec![v(gone, 4096), v(q.offset(2048), 4096), v(DeviceAddr(0x1000), 8)]
+    );
+}
