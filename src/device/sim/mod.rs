@@ -761,7 +761,7 @@ mod tests {
         assert_eq!(st.san.handed_len(), 0, "reclaimed ranges are dropped");
         assert!(st.san.violations().is_empty());
         drop(st);
-        // Releasing a segment forgets what was still handed out in it.
+        // Releasing a segment forgets what was still handed out in it (and reports it).
         dev.note_handout(p, 64, s);
         dev.release(p).unwrap();
         assert_eq!(dev.state().san.handed_len(), 0);
