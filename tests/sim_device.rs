@@ -874,3 +874,57 @@ fn releasing_a_segment_under_a_live_handout_is_reported() {
     assert_eq!(dev.violations(), vec![v]);
     assert_eq!(dev.live_segments(), vec![]);
 }
+
+/// A pinned copy is checked as any kernel: into mapped pages of a virtual range (an expandable
+/// segment's) it is clean, and through a second mapping of physical pages that another stream's
+/// unfinished kernel writes at the first it is a race. The copy was checked against live
+/// segments only: the first was reported as touching unallocated memory and the second was
+/// not reported at all.
+#[test]
+fn a_pinned_copy_into_mapped_pages_is_checked_as_a_kernel() {
+    let dev = SimDevice::backed(64 << 20);
+    let g = tidepool::device::SIM_VM_GRANULARITY;
+    let a = dev.create_stream().unwrap();
+    let b = dev.create_stream().unwrap();
+    let va = dev.vm_reserve(2 * g).unwrap();
+    let h = dev.vm_create(g).unwrap();
+    dev.vm_map(va, g, h).unwrap();
+    let host = dev.host_alloc(4096).unwrap();
+    // Clean: an upload and a download of a block in a mapped page, in stream order.
+    dev.note_handout(va, 4096, a);
+    // SAFETY: `host` is live pinned memory of this device, no other reference touches it, and
+    // the copies are waited for (the synchronisation below) before it is freed.
+    unsafe {
+        dev.memcpy_htod_async(va, host, 4096, a).unwrap();
+        dev.memcpy_dtoh_async(host, va, 4096, a).unwrap();
+    }
+    dev.synchronize().unwrap();
+    assert_eq!(dev.violations(), vec![]);
+    // A's unfinished write at `va`; the page mapped again at `vb` and a block there handed to B.
+    let (k, open) = gated_write(va, 4096, 1);
+    dev.launch(a, k).unwrap();
+    dev.note_reclaim(va, 4096, a);
+    let vb = va.offset(g);
+    dev.vm_map(vb, g, h).unwrap();
+    dev.note_handout(vb, 4096, b);
+    // SAFETY: as above.
+    unsafe { dev.memcpy_htod_async(vb, host, 4096, b).unwrap() };
+    let v = |op: &str| tidepool::device::Violation {
+        ptr: va,
+        bytes: 4096,
+        stream: b,
+        other: Some(a),
+        op: op.into(),
+    };
+    assert_eq!(
+        dev.violations(),
+        vec![
+            v("handout of physical memory also mapped elsewhere"),
+            v("kernel copy_htod (physical memory also mapped elsewhere)"),
+        ]
+    );
+    drop(open);
+    dev.synchronize().unwrap();
+    // SAFETY: every copy has run (synchronised); nothing refers to `host` any more.
+    unsafe { dev.host_free(host).unwrap() };
+}
