@@ -928,3 +928,51 @@ fn a_pinned_copy_into_mapped_pages_is_checked_as_a_kernel() {
     // SAFETY: every copy has run (synchronised); nothing refers to `host` any more.
     unsafe { dev.host_free(host).unwrap() };
 }
+
+/// CUDA's event rules, as the sanitizer sees them: a wait orders after the record the event had
+/// when the wait was made (`cuStreamWaitEvent`), not after a later re-record, nor after a record
+/// made after the wait; an event never recorded is complete (`cuEventQuery` answers success) and
+/// a wait on it orders nothing. Each unordered hand-out is reported once, exactly.
+#[test]
+fn waits_order_after_the_record_the_event_had_when_they_were_made() {
+    let dev = SimDevice::backed(1 << 20);
+    let (a, b, c) =
+        (dev.create_stream().unwrap(), dev.create_stream().unwrap(), dev.create_stream().unwrap());
+    let p = dev.reserve(4096).unwrap();
+    let (x, y) = (p, p.offset(1024));
+    dev.note_handout(p, 2048, a);
+    let e = dev.create_event().unwrap();
+    assert!(dev.query_event(e).unwrap(), "never recorded: complete");
+    dev.wait_event(c, e).unwrap(); // orders nothing
+    let (k1, open1) = gated_write(x, 1024, 1);
+    dev.launch(a, k1).unwrap();
+    dev.record_event(e, a).unwrap(); // after k1
+    dev.wait_event(b, e).unwrap(); // b after k1
+    let (k2, open2) = gated_write(y, 1024, 2);
+    dev.launch(a, k2).unwrap();
+    dev.record_event(e, a).unwrap(); // re-recorded after k2: b's wait is unchanged
+    dev.note_reclaim(p, 2048, a);
+    dev.note_handout(x, 1024, b); // clean: b waited for k1
+    dev.note_handout(y, 1024, b); // k2 unordered
+    dev.note_handout(DeviceAddr(p.0 + 2048), 1024, c); // nothing pending there: clean
+    let v = tidepool::device::Violation {
+        ptr: y,
+        bytes: 1024,
+        stream: b,
+        other: Some(a),
+        op: "handout".into(),
+    };
+    assert_eq!(dev.violations(), vec![v.clone()]);
+    // C waited before any record: not ordered after k1.
+    dev.note_reclaim(x, 1024, b);
+    dev.note_handout(x, 1024, c);
+    let w = tidepool::device::Violation { ptr: x, stream: c, ..v.clone() };
+    assert_eq!(dev.violations(), vec![v.clone(), w.clone()]);
+    assert!(!dev.query_event(e).unwrap());
+    drop((open1, open2));
+    dev.synchronize_event(e).unwrap();
+    // Everything finished: a hand-out anywhere is clean now.
+    dev.note_reclaim(y, 1024, b);
+    dev.note_handout(y, 1024, c);
+    assert_eq!(dev.violations(), vec![v, w]);
+}
