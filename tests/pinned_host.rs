@@ -1417,3 +1417,21 @@ fn a_closed_allocators_drain_keeps_a_block_pending_until_it_counts_it_out() {
     assert_eq!(dev.host_reserved_bytes(), 0);
     assert_eq!(dev.violations(), vec![]);
 }
+
+/// An upload into a buffer of an expandable segment (mapped pages, no `cuMemAlloc` segment) and
+/// the download back are clean and move the bytes. The simulator checked a pinned copy against
+/// live segments only, so each copy was reported as touching unallocated memory.
+#[test]
+fn uploads_into_expandable_segments_are_clean() {
+    let (dev, alloc) = common::expandable_setup("", 64 * MIB);
+    let pinned = HostAllocator::new(dev.clone());
+    let gpu = alloc.alloc(4096, S).unwrap();
+    assert_eq!(dev.live_segments(), vec![], "the buffer lies in mapped pages");
+    let mut up = pinned.alloc(4096).unwrap();
+    up.as_mut_slice().unwrap().fill(9);
+    up.upload(&gpu).unwrap();
+    let mut back = pinned.alloc(4096).unwrap();
+    back.download(&gpu).unwrap();
+    assert_eq!(back.as_slice().unwrap(), &[9u8; 4096][..]);
+    assert_eq!(dev.violations(), vec![]);
+}

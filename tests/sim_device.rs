@@ -809,3 +809,170 @@ fn a_refused_stream_thread_is_an_error_and_the_device_works_on() {
     dev.destroy_stream(c).unwrap();
     assert!(dev.violations().is_empty());
 }
+
+/// A hand-out must lie inside one live segment: memory of a released segment, a range across
+/// two segments (adjacent here, as the bump addresses place them, but two `cuMemAlloc`s on a
+/// GPU) and a wild address are no block any allocator may give. The sanitizer missed all three
+/// unless a kernel later touched them.
+#[test]
+fn a_handout_outside_one_live_segment_is_reported() {
+    let dev = SimDevice::new(1 << 20);
+    let s = StreamId::DEFAULT;
+    let gone = dev.reserve(4096).unwrap();
+    dev.release(gone).unwrap();
+    let q = dev.reserve(4096).unwrap();
+    let r = dev.reserve(4096).unwrap();
+    assert_eq!(r, q.offset(4096), "segments placed side by side");
+    // Clean: a whole segment, and a segment's last byte.
+    dev.note_handout(r, 4096, s);
+    dev.note_handout(q.offset(4095), 1, s);
+    assert_eq!(dev.violations(), vec![]);
+    dev.note_reclaim(r, 4096, s);
+    dev.note_reclaim(q.offset(4095), 1, s);
+    dev.note_handout(gone, 4096, s);
+    dev.note_handout(q.offset(2048), 4096, s);
+    dev.note_handout(DeviceAddr(0x1000), 8, s);
+    let op = "handout of memory outside any live segment";
+    let v = |ptr: DeviceAddr, bytes: u64| tidepool::device::Violation {
+        ptr,
+        bytes,
+        stream: s,
+        other: None,
+        op: op.into(),
+    };
+    assert_eq!(
+        dev.violations(),
+        vec![v(gone, 4096), v(q.offset(2048), 4096), v(DeviceAddr(0x1000), 8)]
+    );
+}
+
+/// `cuMemFree` of a segment with memory still handed out leaves a live buffer over freed
+/// memory; the sanitizer forgot the hand-outs without a word (an unmap under a hand-out was
+/// reported, a release was not).
+#[test]
+fn releasing_a_segment_under_a_live_handout_is_reported() {
+    let dev = SimDevice::new(1 << 20);
+    let s = dev.create_stream().unwrap();
+    // Clean: everything handed out was taken back first.
+    let q = dev.reserve(4096).unwrap();
+    dev.note_handout(q, 4096, s);
+    dev.note_reclaim(q, 4096, s);
+    dev.release(q).unwrap();
+    assert_eq!(dev.violations(), vec![]);
+    // Two blocks still out: one report, from the first byte out to the last.
+    let p = dev.reserve(4096).unwrap();
+    dev.note_handout(p.offset(512), 1024, s);
+    dev.note_handout(p.offset(2048), 512, StreamId::DEFAULT);
+    dev.release(p).unwrap();
+    let v = tidepool::device::Violation {
+        ptr: p.offset(512),
+        bytes: 2048,
+        stream: s,
+        other: None,
+        op: "release of memory handed out".into(),
+    };
+    assert_eq!(dev.violations(), vec![v]);
+    assert_eq!(dev.live_segments(), vec![]);
+}
+
+/// A pinned copy is checked as any kernel: into mapped pages of a virtual range (an expandable
+/// segment's) it is clean, and through a second mapping of physical pages that another stream's
+/// unfinished kernel writes at the first it is a race. The copy was checked against live
+/// segments only: the first was reported as touching unallocated memory and the second was
+/// not reported at all.
+#[test]
+fn a_pinned_copy_into_mapped_pages_is_checked_as_a_kernel() {
+    let dev = SimDevice::backed(64 << 20);
+    let g = tidepool::device::SIM_VM_GRANULARITY;
+    let a = dev.create_stream().unwrap();
+    let b = dev.create_stream().unwrap();
+    let va = dev.vm_reserve(2 * g).unwrap();
+    let h = dev.vm_create(g).unwrap();
+    dev.vm_map(va, g, h).unwrap();
+    let host = dev.host_alloc(4096).unwrap();
+    // Clean: an upload and a download of a block in a mapped page, in stream order.
+    dev.note_handout(va, 4096, a);
+    // SAFETY: `host` is live pinned memory of this device, no other reference touches it, and
+    // the copies are waited for (the synchronisation below) before it is freed.
+    unsafe {
+        dev.memcpy_htod_async(va, host, 4096, a).unwrap();
+        dev.memcpy_dtoh_async(host, va, 4096, a).unwrap();
+    }
+    dev.synchronize().unwrap();
+    assert_eq!(dev.violations(), vec![]);
+    // A's unfinished write at `va`; the page mapped again at `vb` and a block there handed to B.
+    let (k, open) = gated_write(va, 4096, 1);
+    dev.launch(a, k).unwrap();
+    dev.note_reclaim(va, 4096, a);
+    let vb = va.offset(g);
+    dev.vm_map(vb, g, h).unwrap();
+    dev.note_handout(vb, 4096, b);
+    // SAFETY: as above.
+    unsafe { dev.memcpy_htod_async(vb, host, 4096, b).unwrap() };
+    let v = |op: &str| tidepool::device::Violation {
+        ptr: va,
+        bytes: 4096,
+        stream: b,
+        other: Some(a),
+        op: op.into(),
+    };
+    assert_eq!(
+        dev.violations(),
+        vec![
+            v("handout of physical memory also mapped elsewhere"),
+            v("kernel copy_htod (physical memory also mapped elsewhere)"),
+        ]
+    );
+    drop(open);
+    dev.synchronize().unwrap();
+    // SAFETY: every copy has run (synchronised); nothing refers to `host` any more.
+    unsafe { dev.host_free(host).unwrap() };
+}
+
+/// CUDA's event rules, as the sanitizer sees them: a wait orders after the record the event had
+/// when the wait was made (`cuStreamWaitEvent`), not after a later re-record, nor after a record
+/// made after the wait; an event never recorded is complete (`cuEventQuery` answers success) and
+/// a wait on it orders nothing. Each unordered hand-out is reported once, exactly.
+#[test]
+fn waits_order_after_the_record_the_event_had_when_they_were_made() {
+    let dev = SimDevice::backed(1 << 20);
+    let (a, b, c) =
+        (dev.create_stream().unwrap(), dev.create_stream().unwrap(), dev.create_stream().unwrap());
+    let p = dev.reserve(4096).unwrap();
+    let (x, y) = (p, p.offset(1024));
+    dev.note_handout(p, 2048, a);
+    let e = dev.create_event().unwrap();
+    assert!(dev.query_event(e).unwrap(), "never recorded: complete");
+    dev.wait_event(c, e).unwrap(); // orders nothing
+    let (k1, open1) = gated_write(x, 1024, 1);
+    dev.launch(a, k1).unwrap();
+    dev.record_event(e, a).unwrap(); // after k1
+    dev.wait_event(b, e).unwrap(); // b after k1
+    let (k2, open2) = gated_write(y, 1024, 2);
+    dev.launch(a, k2).unwrap();
+    dev.record_event(e, a).unwrap(); // re-recorded after k2: b's wait is unchanged
+    dev.note_reclaim(p, 2048, a);
+    dev.note_handout(x, 1024, b); // clean: b waited for k1
+    dev.note_handout(y, 1024, b); // k2 unordered
+    dev.note_handout(DeviceAddr(p.0 + 2048), 1024, c); // nothing pending there: clean
+    let v = tidepool::device::Violation {
+        ptr: y,
+        bytes: 1024,
+        stream: b,
+        other: Some(a),
+        op: "handout".into(),
+    };
+    assert_eq!(dev.violations(), vec![v.clone()]);
+    // C waited before any record: not ordered after k1.
+    dev.note_reclaim(x, 1024, b);
+    dev.note_handout(x, 1024, c);
+    let w = tidepool::device::Violation { ptr: x, stream: c, ..v.clone() };
+    assert_eq!(dev.violations(), vec![v.clone(), w.clone()]);
+    assert!(!dev.query_event(e).unwrap());
+    drop((open1, open2));
+    dev.synchronize_event(e).unwrap();
+    // Everything finished: a hand-out anywhere is clean now.
+    dev.note_reclaim(y, 1024, b);
+    dev.note_handout(y, 1024, c);
+    assert_eq!(dev.violations(), vec![v, w]);
+}

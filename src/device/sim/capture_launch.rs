@@ -90,20 +90,34 @@ impl State {
         let st = self;
         let pos = st.open_stream(stream)?.next_pos();
         st.counters.launches += 1;
-        let (mem, vm) = (&st.mem, &st.vm);
-        let mut found =
-            st.san.launch(stream.0, pos, kernel.name, &kernel.accesses, held, |lo, hi| {
-                mem.contains(lo, hi) || vm.mapped(lo, hi)
-            });
-        if !st.vm.is_empty() {
-            for a in kernel.accesses.iter().filter(|a| a.bytes > 0) {
-                let aliases = st.vm.aliases(a.ptr.0, a.ptr.0 + a.bytes);
-                let write = a.kind == crate::device::AccessKind::Write;
-                let op = format!("kernel {} (physical memory also mapped elsewhere)", kernel.name);
-                found.extend(st.san.check_aliases(stream.0, &aliases, write, &op));
-            }
-        }
+        let found = st.check_kernel(stream, pos, &kernel, held);
         st.open_stream(stream)?.push(Op::Kernel { pos, kernel });
         Ok(found)
+    }
+
+    /// The sanitizer's checks of `kernel` (a pinned copy's too) about to take position `pos` of
+    /// `stream`: its accesses against what is handed out (or in `held`), live segments, mapped
+    /// pages, unfinished work, and unfinished work on the same physical pages mapped elsewhere.
+    pub(super) fn check_kernel(
+        &mut self,
+        stream: StreamId,
+        pos: u64,
+        kernel: &Kernel,
+        held: &[(u64, u64)],
+    ) -> Vec<Violation> {
+        let (mem, vm) = (&self.mem, &self.vm);
+        let mut found =
+            self.san.launch(stream.0, pos, kernel.name, &kernel.accesses, held, |lo, hi| {
+                mem.contains(lo, hi) || vm.mapped(lo, hi)
+            });
+        if !self.vm.is_empty() {
+            for a in kernel.accesses.iter().filter(|a| a.bytes > 0) {
+                let aliases = self.vm.aliases(a.ptr.0, a.ptr.0 + a.bytes);
+                let write = a.kind == crate::device::AccessKind::Write;
+                let op = format!("kernel {} (physical memory also mapped elsewhere)", kernel.name);
+                found.extend(self.san.check_aliases(stream.0, &aliases, write, &op));
+            }
+        }
+        found
     }
 }

@@ -64,7 +64,7 @@ impl crate::device::Device for SimDevice {
         if let Some((lo, hi)) = st.graphs.held(ptr.0, ptr.0 + bytes) {
             found = st.san.flag(lo, hi, 0, None, "release of memory a CUDA graph uses");
         }
-        st.san.release_segment(ptr.0, ptr.0 + bytes);
+        found.extend(st.san.release_segment(ptr.0, ptr.0 + bytes));
         st.counters.frees += 1;
         st.counters.host_syncs += 1;
         let panic = st.panic_on_violation;

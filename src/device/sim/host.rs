@@ -373,9 +373,17 @@ impl SimDevice {
         }
         let kernel = Kernel::new(copy_name(to_device), accesses, copy_body(raw, n, dev, to_device));
         let pos = st.open_stream(stream)?.next_pos();
-        let found = st.san.launch(stream.0, pos, kernel.name, &kernel.accesses, &[], |a, b| {
-            st.mem.contains(a, b)
-        });
+        // Checked as any kernel: mapped pages of an expandable segment are device memory too,
+        // and their physical pages may be mapped elsewhere. BROKEN (`copy_checks_segments_only`):
+        // only live segments count, and no alias is checked (a copy into an expandable segment
+        // was reported as touching unallocated memory, one racing another mapping was not).
+        let found = if cfg!(tidepool_broken = "copy_checks_segments_only") {
+            st.san.launch(stream.0, pos, kernel.name, &kernel.accesses, &[], |a, b| {
+                st.mem.contains(a, b)
+            })
+        } else {
+            st.check_kernel(stream, pos, &kernel, &[])
+        };
         st.open_stream(stream)?.push(Op::Kernel { pos, kernel });
         let streams = &st.streams;
         st.host.copies.retain(|c| streams.get(&c.stream).is_some_and(|s| s.completed < c.pos));

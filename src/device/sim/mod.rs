@@ -670,6 +670,15 @@ impl SimDevice {
             let op = "handout of physical memory also mapped elsewhere";
             found.extend(st.san.check_aliases(stream.0, &aliases, true, op));
             found.extend(st.san.alias_handed(stream.0, &aliases));
+        } else if bytes > 0
+            && !st.mem.contains(lo, hi)
+            && !cfg!(tidepool_broken = "handout_bounds_unchecked")
+        {
+            // Memory of no live segment (a released one, a wild address) or spanning two
+            // segments (adjacent here, as bump addresses make them, but not on a GPU): a block
+            // no `cuMemAlloc` gave. BROKEN (`handout_bounds_unchecked`): not checked.
+            let op = "handout of memory outside any live segment";
+            found.extend(st.san.flag(lo, hi, stream.0, None, op));
         }
         found.extend(st.san.handout(ptr.0, bytes, stream.0));
         if !st.graphs.active.is_empty() && bytes > 0 {
@@ -752,7 +761,7 @@ mod tests {
         assert_eq!(st.san.handed_len(), 0, "reclaimed ranges are dropped");
         assert!(st.san.violations().is_empty());
         drop(st);
-        // Releasing a segment forgets what was still handed out in it.
+        // Releasing a segment forgets what was still handed out in it (and reports it).
         dev.note_handout(p, 64, s);
         dev.release(p).unwrap();
         assert_eq!(dev.state().san.handed_len(), 0);

@@ -404,13 +404,25 @@ impl Sanitizer {
         found
     }
 
-    /// A segment `[lo, hi)` was released: forget what was handed out in it.
-    pub(super) fn release_segment(&mut self, lo: u64, hi: u64) {
+    /// A segment `[lo, hi)` was released (`cuMemFree`): any part of it still handed out is a
+    /// violation (a live buffer over freed memory), reported as the span from the first to the
+    /// last byte still out, with the stream of the first. What was handed out is forgotten.
+    pub(super) fn release_segment(&mut self, lo: u64, hi: u64) -> Vec<Violation> {
+        let mut found = Vec::new();
         if !self.enabled {
-            return;
+            return found;
         }
         let overlaps = self.handed_overlaps(lo, hi);
+        // BROKEN (`release_forgets_handout`): forgotten without a report.
+        if let (Some(&(first, h)), Some(&(_, last))) = (overlaps.first(), overlaps.last())
+            && !cfg!(tidepool_broken = "release_forgets_handout")
+        {
+            let (a, b) = (first.max(lo), last.end.min(hi));
+            let op = "release of memory handed out".to_string();
+            self.report(&mut found, a, b, h.stream, None, op);
+        }
         self.cut(lo, hi, &overlaps);
+        found
     }
 
     /// Number of unfinished kernel accesses tracked (for tests of the memory bound).
