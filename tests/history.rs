@@ -620,7 +620,8 @@ fn scopes_across_a_recording_switch_keep_the_history_whole() {
         drop(s);
         let h = alloc.history();
         let count = |a: Action| h.iter().filter(|e| e.action == a).count();
-        assert_eq!((count(Alloc), count(FreeCompleted)), (2, 2), "named {named}: {h:?}");
+        // (The third free: the block cached before recording, returned as the scope ends.)
+        assert_eq!((count(Alloc), count(FreeCompleted)), (2, 3), "named {named}: {h:?}");
         assert_eq!(count(SegmentFree), 0, "named {named}: no plan adopted while recording");
         alloc.record_history(HistoryOptions::new(0));
     }
@@ -697,4 +698,77 @@ fn a_planned_run_records_its_allocations_once_the_history_records() {
         alloc.check_invariants().unwrap();
         assert_eq!(dev.violations(), vec![]);
     }
+}
+
+/// Blocks that go back to the pool in a batch while the history records — `free_batch`'s
+/// buffers, a scope's locally cached blocks, an idle plan region — are frees of allocated
+/// blocks (the snapshot showed them `active_allocated`): each is a `free_requested` and a
+/// `free_completed`, as PyTorch records every free, and its allocation stack goes with it.
+/// (They were recorded as nothing: `_memory_viz.py`'s timeline kept `free_batch`'s buffers
+/// live to the end, and a region's bytes left the allocated figure with only its segment's
+/// `segment_free` in the history.) Broken build `batch_frees_unrecorded`.
+#[test]
+fn blocks_returned_in_a_batch_are_recorded_as_frees() {
+    use Action::*;
+    let (_dev, alloc) = setup();
+    drop(alloc.alloc(512, StreamId::DEFAULT).unwrap()); // the small segment, before recording
+    let opts = HistoryOptions::new(100).with_context(tidepool::HistoryContext::State);
+    alloc.record_history(opts.clone());
+    let a = alloc.alloc(4096, StreamId::DEFAULT).unwrap();
+    let b = alloc.alloc(3 * MIB, StreamId::DEFAULT).unwrap();
+    let (pa, pb) = (a.ptr(), b.ptr());
+    alloc.free_batch(vec![a, b]).unwrap();
+    assert_eq!(
+        entries(&alloc),
+        vec![
+            (Alloc, 0, 4096, 0),
+            (SegmentAlloc, 2 * MIB, 20 * MIB, 0),
+            (Alloc, 2 * MIB, 3 * MIB, 0),
+            (FreeRequested, 0, 4096, 0),
+            (FreeCompleted, 0, 4096, 0),
+            (FreeRequested, 2 * MIB, 3 * MIB, 0),
+            (FreeCompleted, 2 * MIB, 3 * MIB, 0),
+        ]
+    );
+    assert!(alloc.allocation_traceback(pa).is_none() && alloc.allocation_traceback(pb).is_none());
+    alloc.record_history(HistoryOptions::new(0));
+    alloc.empty_cache().unwrap();
+
+    // A scope's locally cached block, cached before recording, returned at the scope's end;
+    // then a named scope's plan region (4 MiB in the 20 MiB segment its learning run made),
+    // idle, given back by `empty_cache`.
+    let s = alloc.scope(StreamId::DEFAULT);
+    drop(s.alloc(4096).unwrap());
+    alloc.record_history(opts.clone());
+    let snap = alloc.snapshot();
+    let live: Vec<(u64, u64)> = snap
+        .iter()
+        .flat_map(|s| &s.blocks)
+        .filter(|b| b.state == tidepool::BlockState::Allocated)
+        .map(|b| (b.address.0 - SIM_BASE, b.size))
+        .collect();
+    let [(cached, 4096)] = live[..] else { panic!("the scope's cached block shows allocated") };
+    drop(s);
+    let want = [(FreeRequested, cached, 4096, 0), (FreeCompleted, cached, 4096, 0)];
+    assert_eq!(entries(&alloc), want);
+    alloc.record_history(HistoryOptions::new(0));
+    for _ in 0..3 {
+        let s = alloc.named_scope("step", StreamId::DEFAULT);
+        drop((s.alloc(3 * MIB).unwrap(), s.alloc(MIB).unwrap()));
+    }
+    assert_eq!(alloc.stats().plan_region_bytes, 4 * MIB);
+    alloc.record_history(opts);
+    let region = alloc.snapshot().into_iter().find(|s| s.size == 20 * MIB).unwrap();
+    let base = region.address.0 - SIM_BASE;
+    alloc.empty_cache().unwrap();
+    assert_eq!(alloc.stats().blocks.allocated_bytes.all.current, 0);
+    assert_eq!(
+        entries(&alloc),
+        vec![
+            (FreeRequested, base, 4 * MIB, 0),
+            (FreeCompleted, base, 4 * MIB, 0),
+            (SegmentFree, base, 20 * MIB, 0),
+        ]
+    );
+    alloc.check_invariants().unwrap();
 }

@@ -219,6 +219,26 @@ impl State {
             tap.push(action, addr, size, stream);
         }
     }
+
+    /// Notes the frees of `blocks`, allocated pool blocks going back in a batch (`free_batch`'s
+    /// buffers, a scope's locally cached blocks, a plan region's blocks), if the history is
+    /// recorded: a `free_requested` each, and (`completed`: the block joins the pool now, not
+    /// behind events) its `free_completed`. Called before the pool frees them.
+    /// BROKEN (`batch_frees_unrecorded`): nothing noted; the history kept them allocated.
+    pub(super) fn note_returned(&mut self, blocks: &[super::batch::BatchBlock], completed: bool) {
+        if self.history.is_none() || cfg!(tidepool_broken = "batch_frees_unrecorded") {
+            return;
+        }
+        for b in blocks {
+            let block = self.pool.block(b.block);
+            let (addr, stream) =
+                (DeviceAddr(block.addr), self.pool.segment(block.segment).key.stream);
+            self.note(Action::FreeRequested, addr, b.requested, stream);
+            if completed {
+                self.note(Action::FreeCompleted, addr, b.requested, stream);
+            }
+        }
+    }
 }
 
 /// The global lock held: marks the published statistics stale when let go (`Shared::publish`).
@@ -345,6 +365,7 @@ impl<D: Device> Drop for Shared<D> {
         for plan in plans.into_values().flatten().map(|(_, p)| p) {
             if let Some(r) = plan.region.and_then(|r| Arc::try_unwrap(r).ok()) {
                 let (blocks, settling) = r.into_parts();
+                st.note_returned(&blocks, true);
                 for b in blocks {
                     st.pool.free(b.block);
                 }
