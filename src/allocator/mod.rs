@@ -283,6 +283,8 @@ impl<D: Device> Allocator<D> {
             in_config_window: Mutex::new(None),
             #[cfg(all(feature = "test-hooks", not(loom)))]
             after_collect: Mutex::new(None),
+            #[cfg(feature = "test-hooks")]
+            after_view: Mutex::new(None),
             plans: Mutex::new(regions::Plans::default()),
             scope_counters: ScopeCounters::default(),
             lock_count: AtomicU64::new(0),
