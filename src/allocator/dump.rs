@@ -72,24 +72,66 @@ impl<D: Device> Allocator<D> {
     }
 
     /// This allocator's part of a snapshot, as device `device`.
+    ///
+    /// Each allocator's segments are read in one lock section with the number of history
+    /// entries made so far (a [`Cut`]); the history keeps, of each allocator's entries, those
+    /// made before its cut, so what other threads do meanwhile shows in neither. (Read apart,
+    /// a dump taken while another thread allocated held entries past its segments: a
+    /// `segment_alloc` of a segment it does not list, whose undoing PyTorch's viewer applies
+    /// to another segment, or a `segment_free` of one it still lists, drawn twice.)
     pub(crate) fn snapshot_part(&self, index: usize) -> DevicePart {
         let device = index as u64;
         // The general allocator's segments (pool id (0, 0)), then, from the general allocator,
-        // those of every private pool of its family still alive — PyTorch's snapshot shows
-        // every pool of the device, each segment with its `segment_pool_id`.
-        let mut sources = vec![(0, self.shared.clone())];
+        // those of every private pool of its family alive once those were read (a pool made
+        // later made its entries after the general allocator's cut, so none is kept) —
+        // PyTorch's snapshot shows every pool of the device, each segment with its
+        // `segment_pool_id`.
+        let (mut general, general_cut) = self.shared.snapshot_cut();
+        stitch_not_expandable(&self.shared, &mut general);
+        #[cfg(feature = "test-hooks")]
+        if let Some(window) = crate::sync::lock(&self.shared.after_view).take() {
+            window();
+        }
+        let mut parts = vec![(0, self.shared.role.id, general, general_cut)];
         if self.shared.role.id == 0 {
-            sources.extend(self.shared.family.live_pools());
+            for (id, sh) in self.shared.family.live_pools() {
+                let (mut segs, cut) = sh.snapshot_cut();
+                stitch_not_expandable(&sh, &mut segs);
+                parts.push((id, id, segs, cut));
+            }
         }
         let mut segments = Vec::new();
-        for (id, sh) in &sources {
-            segments.extend(segments_of(sh, *id, device));
+        for (label, _, segs, cut) in &parts {
+            let stacks = cut.as_ref().map(|c| &c.stacks);
+            segments.extend(segs.iter().map(|(s, e)| segment(s, *e, stacks, *label, device)));
         }
-        let entries: Vec<TraceEntry> = self.history();
+        // The history as the general allocator's lock section found it (none: not recorded
+        // then), each pool's entries up to its own cut (that ring's); a pool's whose section
+        // found another ring, or none of the dump's, up to the general allocator's.
+        let trace = match &parts[0].3 {
+            None => Vec::new(),
+            Some(first) => {
+                let cut_of = |pool: u64| {
+                    parts
+                        .iter()
+                        .find(|p| p.1 == pool)
+                        .and_then(|p| p.3.as_ref())
+                        .filter(|c| Arc::ptr_eq(&c.ring, &first.ring))
+                        .map_or(first.pushed, |c| c.pushed)
+                };
+                let h = crate::sync::lock(&first.ring);
+                // BROKEN (`dump_apart`): every entry of the ring as the dump ends, past the
+                // segments' lock sections.
+                h.numbered()
+                    .filter(|(n, e)| cfg!(tidepool_broken = "dump_apart") || *n < cut_of(e.pool_id))
+                    .map(|(_, e)| entry(e))
+                    .collect()
+            }
+        };
         DevicePart {
             device: index,
             segments,
-            trace: entries.iter().map(entry).collect(),
+            trace,
             marks: self.annotations().iter().map(|a| annotation(a, device)).collect(),
         }
     }
@@ -125,32 +167,38 @@ impl<D: Device> Allocator<D> {
 /// The allocation stacks of live blocks, by address (`History::block_stacks`).
 type Stacks = std::collections::HashMap<u64, std::sync::Arc<std::backtrace::Backtrace>>;
 
-/// The segments of one allocator of the family (`pool`: its id, 0 for the general allocator),
-/// its live blocks with the allocation stacks its history kept.
-fn segments_of<D: Device>(sh: &Shared<D>, pool: u64, device: u64) -> Vec<Py> {
-    // Whether each segment is mapped through virtual memory (PyTorch's `is_expandable`): a run
-    // of a range or a stitched block's own range, asked in the snapshot's lock section.
-    // BROKEN (`stitch_not_expandable`): asked of the ranges alone, in a second lock section,
-    // so a live stitched block's segment showed as an ordinary one.
-    let mut segments = sh.snapshot_marked();
+/// Where the history stood when an allocator's segments were read, in the same lock section:
+/// its ring, how many entries it had taken, and the live blocks' allocation stacks.
+pub(crate) struct Cut {
+    pub ring: history::Ring,
+    pub pushed: u64,
+    pub stacks: Stacks,
+}
+
+/// Whether each segment is mapped through virtual memory (PyTorch's `is_expandable`): a run of
+/// a range or a stitched block's own range, asked in the snapshot's lock section.
+/// BROKEN (`stitch_not_expandable`): asked of the ranges alone, in a second lock section, so a
+/// live stitched block's segment showed as an ordinary one.
+fn stitch_not_expandable<D: Device>(sh: &Shared<D>, segments: &mut [(SegmentInfo, bool)]) {
     if cfg!(tidepool_broken = "stitch_not_expandable") {
         let ranges = sh.expandable_ranges();
-        for (s, e) in &mut segments {
+        for (s, e) in segments {
             *e = ranges
                 .iter()
                 .any(|r| r.base <= s.address && s.address.0 < r.base.0 + r.virtual_size);
         }
     }
-    let stacks: Stacks = match sh.history_ring() {
-        Some(ring) => lock(&ring).block_stacks().clone(),
-        None => Stacks::default(),
-    };
-    segments.iter().map(|(s, e)| segment(s, *e, &stacks, pool, device)).collect()
 }
 
 /// One segment (with expandable segments: one run of mapped pages of a range); a block that is
 /// not free shows the stack of its allocation where the history kept it.
-fn segment(s: &SegmentInfo, is_expandable: bool, stacks: &Stacks, pool: u64, device: u64) -> Py {
+fn segment(
+    s: &SegmentInfo,
+    is_expandable: bool,
+    stacks: Option<&Stacks>,
+    pool: u64,
+    device: u64,
+) -> Py {
     let sum = |pred: fn(BlockState) -> bool| -> u64 {
         s.blocks.iter().filter(|b| pred(b.state)).map(|b| b.size).sum()
     };
@@ -187,10 +235,12 @@ fn segment(s: &SegmentInfo, is_expandable: bool, stacks: &Stacks, pool: u64, dev
                             ("state", Py::str(state)),
                             (
                                 "frames",
-                                Py::List(match (b.state, stacks.get(&b.address.0)) {
-                                    (BlockState::Free, _) | (_, None) => vec![],
-                                    (_, Some(stack)) => frames(stack),
-                                }),
+                                Py::List(
+                                    match (b.state, stacks.and_then(|m| m.get(&b.address.0))) {
+                                        (BlockState::Free, _) | (_, None) => vec![],
+                                        (_, Some(stack)) => frames(stack),
+                                    },
+                                ),
                             ),
                         ])
                     })

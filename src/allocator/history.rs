@@ -262,6 +262,9 @@ pub(crate) struct History {
     annotations: VecDeque<Annotation>,
     /// The last time stamped, the last entry's and the last range end's ([`History::stamp`]).
     last: [u64; 3],
+    /// How many entries were ever kept, those dropped since included: the next entry's number
+    /// (a dump cuts the history at the count an allocator's lock section read).
+    pushed: u64,
 }
 
 /// What a history's time stamp is given to.
@@ -285,6 +288,7 @@ impl History {
             user_metadata,
             annotations: VecDeque::new(),
             last: [0; 3],
+            pushed: 0,
         }
     }
 
@@ -402,10 +406,22 @@ impl History {
             user_metadata,
             pool_id,
         });
+        self.pushed += 1;
     }
 
     pub fn entries(&self) -> impl Iterator<Item = &TraceEntry> {
         self.entries.iter()
+    }
+
+    /// How many entries were ever kept: the number the next one will have.
+    pub fn pushed(&self) -> u64 {
+        self.pushed
+    }
+
+    /// The entries kept, oldest first, each with its number (0 for the first entry ever kept).
+    pub fn numbered(&self) -> impl Iterator<Item = (u64, &TraceEntry)> {
+        let first = self.pushed - self.entries.len() as u64;
+        self.entries.iter().enumerate().map(move |(i, e)| (first + i as u64, e))
     }
 
     /// The allocation stacks of the live blocks, by address.

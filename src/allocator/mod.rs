@@ -283,6 +283,8 @@ impl<D: Device> Allocator<D> {
             in_config_window: Mutex::new(None),
             #[cfg(all(feature = "test-hooks", not(loom)))]
             after_collect: Mutex::new(None),
+            #[cfg(feature = "test-hooks")]
+            after_view: Mutex::new(None),
             plans: Mutex::new(regions::Plans::default()),
             scope_counters: ScopeCounters::default(),
             lock_count: AtomicU64::new(0),
@@ -999,16 +1001,7 @@ impl<D: Device> Allocator<D> {
         if !batch.is_empty() {
             let mut st = sh.lock_state();
             for (&stream, blocks) in &batch {
-                // Recorded as each buffer's free (requested, and completed: no event to wait
-                // for), as the history's every free is. BROKEN (`batch_frees_unrecorded`):
-                // missing, so the trace showed the batch's blocks allocated for good.
-                if st.history.is_some() && !cfg!(tidepool_broken = "batch_frees_unrecorded") {
-                    for b in blocks {
-                        let ptr = DeviceAddr(st.pool.block(b.block).addr);
-                        st.note(Action::FreeRequested, ptr, b.requested, stream);
-                        st.note(Action::FreeCompleted, ptr, b.requested, stream);
-                    }
-                }
+                // (Each buffer's free is recorded in `return_to_stream`: `State::note_returned`.)
                 sh.return_to_stream(&mut st, stream, blocks);
             }
         }

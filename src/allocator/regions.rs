@@ -396,6 +396,7 @@ impl<D: Device> Shared<D> {
     pub(super) fn return_region(&self, st: &mut State, r: Region) {
         let size = r.size;
         let (blocks, settling) = r.into_parts();
+        st.note_returned(&blocks, true);
         batch::return_batch(&mut st.pool, &mut st.base, None, &blocks);
         for s in settling {
             Self::pend_settling(st, s);
@@ -407,6 +408,7 @@ impl<D: Device> Shared<D> {
     /// as a freed buffer's block with uses on other streams is.
     pub(super) fn pend_settling(st: &mut State, s: Settling) {
         let b = s.block;
+        st.note_returned(&[b], s.events.is_empty());
         if s.events.is_empty() {
             // (Not kept settling: `settle` lets it join. A count of 0 would pend it for good.)
             batch::return_batch(&mut st.pool, &mut st.base, None, &[b]);
@@ -533,6 +535,7 @@ impl<D: Device> Shared<D> {
     /// its cached blocks coalesce with them. The caller holds the global lock.
     pub(super) fn return_to_stream(&self, st: &mut State, stream: StreamId, blocks: &[BatchBlock]) {
         let lanes = self.caches.lanes(stream);
+        st.note_returned(blocks, true);
         batch::return_batch(&mut st.pool, &mut st.base, lanes.first().map(|c| &**c), blocks);
         for cache in lanes.iter().skip(1) {
             flush_into(cache, &mut st.pool);

@@ -57,7 +57,29 @@ impl<D: Device> Shared<D> {
     /// `is_expandable`), read in the same lock section.
     pub(super) fn snapshot_marked(&self) -> Vec<(SegmentInfo, bool)> {
         let mut st = self.lock_state();
-        self.flush_for_view(&mut st);
+        self.segments_in(&mut st)
+    }
+
+    /// [`Shared::snapshot_marked`] and, read in the same lock section, where the history stood
+    /// (`None` when not recording): so a dump's segments and the entries it keeps of this
+    /// allocator (those numbered below the cut) are of one moment, whatever other threads do.
+    pub(super) fn snapshot_cut(&self) -> (Vec<(SegmentInfo, bool)>, Option<super::dump::Cut>) {
+        let mut st = self.lock_state();
+        let segments = self.segments_in(&mut st);
+        let cut = st.history.as_ref().map(|tap| {
+            let ring = tap.ring().clone();
+            let (pushed, stacks) = {
+                let h = crate::sync::lock(&ring);
+                (h.pushed(), h.block_stacks().clone())
+            };
+            super::dump::Cut { ring, pushed, stacks }
+        });
+        (segments, cut)
+    }
+
+    /// The segments, as [`Shared::snapshot_marked`] reads them under the global lock.
+    fn segments_in(&self, st: &mut super::state::State) -> Vec<(SegmentInfo, bool)> {
+        self.flush_for_view(st);
         let vm = &st.vm;
         let mut out: Vec<(SegmentInfo, bool)> = st
             .pool

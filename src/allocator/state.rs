@@ -44,6 +44,10 @@ pub(crate) struct Shared<D: Device> {
     /// ([`Allocator::after_next_collect`]).
     #[cfg(all(feature = "test-hooks", not(loom)))]
     pub(super) after_collect: Mutex<Option<Box<dyn FnOnce() + Send>>>,
+    /// Test only: what the next snapshot pickle runs right after the allocator's segments
+    /// were read ([`Allocator::after_next_view`]).
+    #[cfg(feature = "test-hooks")]
+    pub(super) after_view: Mutex<Option<Box<dyn FnOnce() + Send>>>,
     /// Whether the memory history is recorded (then every operation takes the slow path).
     pub(super) recording: AtomicBool,
     /// Whether a freed large block may wait in its stream's cache: not with expandable segments,
@@ -219,6 +223,26 @@ impl State {
             tap.push(action, addr, size, stream);
         }
     }
+
+    /// Notes the frees of `blocks`, allocated pool blocks going back in a batch (`free_batch`'s
+    /// buffers, a scope's locally cached blocks, a plan region's blocks), if the history is
+    /// recorded: a `free_requested` each, and (`completed`: the block joins the pool now, not
+    /// behind events) its `free_completed`. Called before the pool frees them.
+    /// BROKEN (`batch_frees_unrecorded`): nothing noted; the history kept them allocated.
+    pub(super) fn note_returned(&mut self, blocks: &[super::batch::BatchBlock], completed: bool) {
+        if self.history.is_none() || cfg!(tidepool_broken = "batch_frees_unrecorded") {
+            return;
+        }
+        for b in blocks {
+            let block = self.pool.block(b.block);
+            let (addr, stream) =
+                (DeviceAddr(block.addr), self.pool.segment(block.segment).key.stream);
+            self.note(Action::FreeRequested, addr, b.requested, stream);
+            if completed {
+                self.note(Action::FreeCompleted, addr, b.requested, stream);
+            }
+        }
+    }
 }
 
 /// The global lock held: marks the published statistics stale when let go (`Shared::publish`).
@@ -345,6 +369,7 @@ impl<D: Device> Drop for Shared<D> {
         for plan in plans.into_values().flatten().map(|(_, p)| p) {
             if let Some(r) = plan.region.and_then(|r| Arc::try_unwrap(r).ok()) {
                 let (blocks, settling) = r.into_parts();
+                st.note_returned(&blocks, true);
                 for b in blocks {
                     st.pool.free(b.block);
                 }

@@ -108,6 +108,14 @@ impl<D: Device> Allocator<D> {
         *lock(&self.shared.after_collect) = Some(Box::new(window));
     }
 
+    /// **Test only.** Runs `window` once, in the next [`Allocator::snapshot_pickle`] right
+    /// after the allocator's segments were read (with no lock held): a stand-in for another
+    /// thread's work while a dump is taken. What `window` does must not show in that dump,
+    /// which is one picture of one moment.
+    pub fn after_next_view(&self, window: impl FnOnce() + Send + 'static) {
+        *lock(&self.shared.after_view) = Some(Box::new(window));
+    }
+
     /// **Test only.** The lock-free small hit alone: the buffer a lane hands out for `bytes`
     /// on `stream`, or `None` where the allocation would go on to the rest of the path.
     pub fn hit_only(&self, bytes: u64, stream: StreamId) -> Option<Buffer<D>> {
