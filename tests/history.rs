@@ -19,6 +19,21 @@ fn entries(alloc: &Allocator<SimDevice>) -> Vec<(Action, u64, u64, u32)> {
     alloc.history().iter().map(|e| (e.action, e.addr.0 - SIM_BASE, e.size, e.stream.0)).collect()
 }
 
+/// The entries of a 4 KiB and a 3 MiB allocation on the default stream (the 4 KiB one in the
+/// small segment at 0, made before the recording began), then their frees in that order.
+fn small_and_large_freed() -> Vec<(Action, u64, u64, u32)> {
+    use Action::*;
+    vec![
+        (Alloc, 0, 4096, 0),
+        (SegmentAlloc, 2 * MIB, 20 * MIB, 0),
+        (Alloc, 2 * MIB, 3 * MIB, 0),
+        (FreeRequested, 0, 4096, 0),
+        (FreeCompleted, 0, 4096, 0),
+        (FreeRequested, 2 * MIB, 3 * MIB, 0),
+        (FreeCompleted, 2 * MIB, 3 * MIB, 0),
+    ]
+}
+
 #[test]
 fn a_scripted_program_is_recorded_exactly() {
     let (_dev, alloc) = setup();
@@ -29,18 +44,7 @@ fn a_scripted_program_is_recorded_exactly() {
     drop(a);
     drop(b);
     use Action::*;
-    assert_eq!(
-        entries(&alloc),
-        vec![
-            (Alloc, 0, 4096, 0),
-            (SegmentAlloc, 2 * MIB, 20 * MIB, 0),
-            (Alloc, 2 * MIB, 3 * MIB, 0),
-            (FreeRequested, 0, 4096, 0),
-            (FreeCompleted, 0, 4096, 0),
-            (FreeRequested, 2 * MIB, 3 * MIB, 0),
-            (FreeCompleted, 2 * MIB, 3 * MIB, 0),
-        ]
-    );
+    assert_eq!(entries(&alloc), small_and_large_freed());
     alloc.empty_cache().unwrap();
     let tail: Vec<_> = entries(&alloc).split_off(7);
     assert_eq!(tail, vec![(SegmentFree, 0, 2 * MIB, 0), (SegmentFree, 2 * MIB, 20 * MIB, 0)]);
@@ -747,18 +751,7 @@ fn blocks_returned_in_a_batch_are_recorded_as_frees() {
     let b = alloc.alloc(3 * MIB, StreamId::DEFAULT).unwrap();
     let (pa, pb) = (a.ptr(), b.ptr());
     alloc.free_batch(vec![a, b]).unwrap();
-    assert_eq!(
-        entries(&alloc),
-        vec![
-            (Alloc, 0, 4096, 0),
-            (SegmentAlloc, 2 * MIB, 20 * MIB, 0),
-            (Alloc, 2 * MIB, 3 * MIB, 0),
-            (FreeRequested, 0, 4096, 0),
-            (FreeCompleted, 0, 4096, 0),
-            (FreeRequested, 2 * MIB, 3 * MIB, 0),
-            (FreeCompleted, 2 * MIB, 3 * MIB, 0),
-        ]
-    );
+    assert_eq!(entries(&alloc), small_and_large_freed());
     assert!(alloc.allocation_traceback(pa).is_none() && alloc.allocation_traceback(pb).is_none());
     alloc.record_history(HistoryOptions::new(0));
     alloc.empty_cache().unwrap();
