@@ -806,7 +806,7 @@ fn dump_contents(bytes: &[u8]) -> (Vec<(u64, u64)>, Vec<(String, u64, u64)>) {
         _ => panic!("not a dict: {d:?}"),
     };
     let int = |v: V| match v {
-        V::I64(n) => n as u64 - SIM_BASE,
+        V::I64(n) => n as u64,
         other => panic!("not an int: {other:?}"),
     };
     let list = |v: V| match v {
@@ -815,13 +815,13 @@ fn dump_contents(bytes: &[u8]) -> (Vec<(u64, u64)>, Vec<(String, u64, u64)>) {
     };
     let segments = list(get(&v, "segments"))
         .iter()
-        .map(|s| (int(get(s, "address")), int(get(s, "total_size")) + SIM_BASE))
+        .map(|s| (int(get(s, "address")) - SIM_BASE, int(get(s, "total_size"))))
         .collect();
     let trace = list(list(get(&v, "device_traces")).remove(0))
         .iter()
         .map(|e| {
             let V::String(action) = get(e, "action") else { panic!("{e:?}") };
-            (action, int(get(e, "addr")), int(get(e, "size")) + SIM_BASE)
+            (action, int(get(e, "addr")) - SIM_BASE, int(get(e, "size")))
         })
         .collect();
     (segments, trace)
