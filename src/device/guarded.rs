@@ -431,6 +431,11 @@ impl<D: Device> Guarded<D> {
         self.guard("host_alloc", || self.device.host_alloc(bytes))
     }
 
+    /// [`Device::host_capacity`]; a panic answers `None` (unknown: every request may fit).
+    pub(crate) fn host_capacity(&self) -> Option<u64> {
+        self.guard_or(None, || self.device.host_capacity())
+    }
+
     /// [`Device::host_free`], guarded.
     ///
     /// # Safety

@@ -466,6 +466,14 @@ pub trait Device: Send + Sync + 'static {
         Err(DeviceError::Unsupported("pinned host memory"))
     }
 
+    /// The most page-locked host memory this device object could ever hold at once, where
+    /// known (SimDevice: its host capacity; CUDA: the host's physical memory). A pinned request
+    /// above it can never succeed, so [`crate::HostAllocator`] frees no cached block for it
+    /// (neither its own nor its peers'). `None` (the default): unknown, every request may fit.
+    fn host_capacity(&self) -> Option<u64> {
+        None
+    }
+
     /// Frees memory from [`Device::host_alloc`] (`cuMemFreeHost`).
     ///
     /// # Safety

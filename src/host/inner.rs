@@ -151,6 +151,7 @@ impl<D: Device> Inner<D> {
         if let Err(e) = &result
             && is_oom(e)
             && !self.capture_forbids_waits_and_frees()
+            && self.could_hold(size)
         {
             let mut freed = false;
             with_state(&mut |st| {
@@ -202,6 +203,17 @@ impl<D: Device> Inner<D> {
             }
         });
         Ok(ptr)
+    }
+
+    /// Whether a block of `size` bytes fits in the most pinned memory the device could ever
+    /// hold ([`Device::host_capacity`]; unknown: yes). A larger one never fits, so an
+    /// out-of-memory for it frees no cache, neither this allocator's nor its peers': it used
+    /// to free both, so one oversized request (an eager upload, which then falls back to a
+    /// plain copy) emptied every pinned cache of the device for nothing.
+    /// (BROKEN, `pinned_oversize_evicts`: every block may fit.)
+    pub(super) fn could_hold(&self, size: u64) -> bool {
+        cfg!(tidepool_broken = "pinned_oversize_evicts")
+            || self.device.host_capacity().is_none_or(|cap| size <= cap)
     }
 
     /// `Device::host_alloc`, with the microseconds it took when it succeeded.

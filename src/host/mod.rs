@@ -7,7 +7,8 @@
 //!      │  poll the freed blocks' events (oldest first): completed → free lists
 //!      ├─ free[class] has a block ─▶ reuse it   (unrounded n: the smallest free block in
 //!      │                                         [n, n.next_power_of_two()])
-//!      └─ Device::host_alloc(class) (cuMemHostAlloc; on failure: free the cache, retry once),
+//!      └─ Device::host_alloc(class) (cuMemHostAlloc; on failure: free the cache, retry once;
+//!         not for a block above Device::host_capacity, which no freed cache could make fit),
 //!         zeroed once; both with the lock let go (other threads allocate and free meanwhile)
 //!   PinnedBuffer ── copy_to_device / copy_from_device / upload / download: the copy is enqueued
 //!      │            on a stream and an event recorded after it (one per stream, the latest)
@@ -315,10 +316,16 @@ impl<D: Device> HostAllocator<D> {
     /// whose copies all completed (for an unrounded request, the smallest cached block from
     /// `bytes` to its size class), or a new pinned allocation (zeroed). Errors: [`HostAllocError::ZeroSize`], [`HostAllocError::TooLarge`],
     /// [`HostAllocError::OutOfMemory`] (after freeing the cache and retrying once, then after
-    /// the other pinned allocators of the device freed theirs, once more).
+    /// the other pinned allocators of the device freed theirs, once more; at once, every cache
+    /// left as it was, for a block larger than the device could ever hold,
+    /// [`Device::host_capacity`]).
     pub fn alloc(&self, bytes: u64) -> Result<PinnedBuffer<D>, HostAllocError> {
         match self.alloc_once(bytes) {
-            Err(HostAllocError::OutOfMemory { .. }) if self.release_peers() => {
+            // Not for a block the device could never hold: freeing the peers' caches could not
+            // make it fit.
+            Err(HostAllocError::OutOfMemory { class, .. })
+                if self.inner.could_hold(class) && self.release_peers() =>
+            {
                 let r = self.alloc_once(bytes);
                 if matches!(r, Err(HostAllocError::OutOfMemory { .. })) {
                     // Still one allocation that failed.

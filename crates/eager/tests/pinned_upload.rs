@@ -125,10 +125,10 @@ fn an_upload_with_no_pinned_memory_left_falls_back_to_a_plain_copy() {
     assert_eq!(w.to_host().unwrap(), vec![0.5; 2048]);
     assert_eq!(dev.host_counters().copies_to_device, 1);
     assert_eq!(eager.stats().uploads, 4);
-    // (Each refusal freed the cache first: the small upload's block went back.)
+    // (No refusal freed the cache: 8 KiB could never be pinned. The small block stays.)
     let s = pinned.stats();
-    assert_eq!((s.num_host_alloc, s.num_host_free, s.reserved_bytes.current), (1, 1, 0));
-    assert_eq!((s.num_ooms, s.num_alloc_retries), (3, 1));
+    assert_eq!((s.num_host_alloc, s.num_host_free, s.reserved_bytes.current), (1, 0, 512));
+    assert_eq!((s.num_ooms, s.num_alloc_retries), (3, 0));
     // While a capture is underway the error stays: a copy from pageable memory cannot be
     // captured (the device refuses the plain copy's kernel; CUDA would end the capture).
     let c = dev.create_stream().unwrap();
@@ -139,6 +139,51 @@ fn an_upload_with_no_pinned_memory_left_falls_back_to_a_plain_copy() {
     assert!(err.to_string().contains("out of pinned host memory"), "{err}");
     dev.destroy_graph(dev.end_capture(c).unwrap()).unwrap();
     pinned.check_invariants().unwrap();
+    clean(&eager);
+}
+
+/// An upload larger than the device could ever pin (its host capacity) goes straight to the
+/// plain copy and leaves every pinned cache as it was: the back end's and a peer pinned
+/// allocator's of the same device keep their cached blocks, to the byte. It used to free the
+/// back end's whole cache and then ask the peers to free theirs before giving up, for a block
+/// that could not fit whatever was freed. Broken build `pinned_oversize_evicts`.
+#[test]
+fn an_upload_too_large_to_pin_leaves_the_pinned_caches_alone() {
+    let eager = Eager::sim(64 << 20).unwrap();
+    let dev = eager.device();
+    dev.set_host_capacity(64 << 10);
+    let pinned = eager.backend().host_allocator();
+    let peer = tidepool::HostAllocator::new(dev.clone());
+    drop(peer.alloc(16 << 10).unwrap()); // cached by the peer: 16 KiB
+    let cx = eager.ctx(StreamId::DEFAULT);
+    let small = cx.tensor(&[1.0; 1000], &[1000]).unwrap(); // a 4 KiB staging block, cached
+    eager.synchronize().unwrap();
+    pinned.process_events().unwrap();
+    let cached = |h: &tidepool::HostAllocator<tidepool::SimDevice>| {
+        let s = h.stats();
+        (s.cached_bytes, s.reserved_bytes.current, s.num_host_free, s.num_alloc_retries)
+    };
+    assert_eq!((cached(pinned), cached(&peer)), ((4096, 4096, 0, 0), (16384, 16384, 0, 0)));
+
+    // 128 KiB: more than the 64 KiB that could ever be pinned.
+    let data: Vec<f32> = (0..32 << 10).map(|i| i as f32).collect();
+    let big = cx.tensor(&data, &[data.len()]).unwrap();
+    assert_eq!(big.to_host().unwrap(), data);
+    assert_eq!(dev.host_counters().copies_to_device, 1, "only the small upload was staged");
+    assert_eq!(
+        (cached(pinned), cached(&peer)),
+        ((4096, 4096, 0, 0), (16384, 16384, 0, 0)),
+        "both caches as they were"
+    );
+    assert_eq!(pinned.stats().num_ooms, 1, "one refused pinned allocation");
+    assert_eq!(dev.host_reserved_bytes(), 20 << 10);
+    // A request that fits once the caches are freed still frees them (own, then the peer's).
+    let fits = pinned.alloc(64 << 10).unwrap();
+    assert_eq!(cached(pinned), (0, 64 << 10, 1, 1));
+    assert_eq!(cached(&peer), (0, 0, 1, 0));
+    drop((fits, small));
+    pinned.check_invariants().unwrap();
+    peer.check_invariants().unwrap();
     clean(&eager);
 }
 

@@ -340,6 +340,15 @@ impl Device for CudaDevice {
         Ok(ptr)
     }
 
+    /// The host's physical memory (Linux: `MemTotal` in `/proc/meminfo`): `cuMemHostAlloc`
+    /// page-locks physical pages, so no more can ever be pinned. Unknown elsewhere.
+    fn host_capacity(&self) -> Option<u64> {
+        let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+        let total = info.lines().find_map(|l| l.strip_prefix("MemTotal:"))?;
+        let kib: u64 = total.trim().strip_suffix("kB")?.trim().parse().ok()?;
+        kib.checked_mul(1024)
+    }
+
     /// Synchronises the context (as [`Device::release`] does), then `cuMemFreeHost`. An error for
     /// a pointer this device did not allocate.
     unsafe fn host_free(&self, ptr: HostPtr) -> Result<(), DeviceError> {

@@ -336,6 +336,11 @@ impl crate::device::Device for SimDevice {
         self.sim_host_alloc(bytes)
     }
 
+    /// [`SimDevice::set_host_capacity`]'s limit (by default the device's capacity).
+    fn host_capacity(&self) -> Option<u64> {
+        Some(self.sim_host_capacity())
+    }
+
     /// Waits for copies still using the memory (reported as violations) before freeing it.
     unsafe fn host_free(&self, ptr: HostPtr) -> Result<(), DeviceError> {
         self.sim_host_free(ptr)

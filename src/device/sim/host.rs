@@ -245,6 +245,11 @@ impl SimDevice {
 
 /// The [`crate::device::Device`] host-memory operations (called from the trait impl).
 impl SimDevice {
+    /// The pinned host memory it may hold in all.
+    pub(super) fn sim_host_capacity(&self) -> u64 {
+        self.state().host.capacity
+    }
+
     pub(super) fn sim_host_alloc(&self, bytes: u64) -> Result<HostPtr, DeviceError> {
         let mut guard = self.state();
         let host = &mut guard.host;
