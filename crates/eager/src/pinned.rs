@@ -19,7 +19,8 @@ use tidepool::{HostAllocError, HostAllocator};
 /// caller did not ask for, and running out of page-locked memory (a locked-memory limit, a
 /// host short of memory, a one-off upload larger than what can be pinned) must not fail an
 /// upload the device can take. (While a CUDA-graph capture is underway, the error: a copy from
-/// pageable memory cannot be captured, nor safely made beside a capture.)
+/// pageable memory cannot be captured, nor safely made beside a capture.) A copy enqueued whose
+/// event could not be recorded is waited for before this returns, so its block is reusable.
 ///
 /// `dst` must be device memory of `pinned`'s device holding at least `data.len()` floats that
 /// stays allocated until the copy ran: the [`crate::Backend::upload`] contract (the caller's
@@ -56,6 +57,24 @@ pub(crate) fn upload<D: Device>(
     // SAFETY: `dst` holds at least `data.len()` floats of this device's memory that stays
     // allocated until the copy ran — the `Backend::upload` contract (the caller's live tensor,
     // whose memory is reused only in its stream's order, and the copy is on that stream).
-    unsafe { staging.copy_to_device(0, dst, bytes, stream) }?;
+    let copied = unsafe { staging.copy_to_device(0, dst, bytes, stream) };
+    if let Err(e) = copied {
+        // Nothing enqueued (no use recorded): the error, the block back in the cache at once.
+        // BROKEN (`staging_record_failure_pending`): the error for a failed event record too,
+        // the block left pending until something synchronised the pinned allocator (its
+        // `empty_cache`): the eager layer's own synchronisations never told it, so every later
+        // upload of the class pinned a new block beside it.
+        if staging.pending_streams().is_empty()
+            || cfg!(tidepool_broken = "staging_record_failure_pending")
+        {
+            return Err(e.into());
+        }
+        // The copy was enqueued but its event could not be recorded: wait for it now (a
+        // device synchronisation through the pinned allocator, counted in its host syncs), so
+        // the block goes back to the cache reusable and the upload stands. Where that wait
+        // fails too, the error, and the block stays pending (never reused before a later
+        // synchronisation proved the copy done).
+        staging.synchronize().map_err(|_| e)?;
+    }
     Ok(true)
 }

@@ -187,6 +187,59 @@ fn an_upload_too_large_to_pin_leaves_the_pinned_caches_alone() {
     clean(&eager);
 }
 
+/// An upload whose copy was enqueued but whose event could not be recorded (an injected
+/// `cuEventRecord` failure): the staging block is waited for at once (one device
+/// synchronisation, counted in the pinned allocator's host syncs) and goes back to the cache,
+/// reusable, and the upload stands. It used to fail the upload and leave the block pending
+/// until something synchronised that pinned allocator (only its `empty_cache` does; the eager
+/// layer's own synchronisations never told it), so every later upload of the class pinned a
+/// new block. Where the wait fails too, the upload fails and the block stays pending, never
+/// reused before a later synchronisation. Broken build `staging_record_failure_pending`.
+#[test]
+fn a_staging_block_whose_event_record_failed_is_waited_for_and_cached() {
+    let eager = Eager::sim(64 << 20).unwrap();
+    let dev = eager.device();
+    let pinned = eager.backend().host_allocator();
+    let s = dev.create_stream().unwrap();
+    let cx = eager.ctx(s);
+    let figures = || {
+        let st = pinned.stats();
+        (st.pending_bytes, st.cached_bytes, st.num_host_syncs, st.num_host_alloc)
+    };
+
+    dev.fail_event_records(true);
+    let t = cx.tensor(&[5.0; 64], &[64]);
+    dev.fail_event_records(false);
+    assert_eq!(figures(), (0, 512, 1, 1), "waited for and cached at once");
+    assert_eq!(t.unwrap().to_host().unwrap(), vec![5.0; 64]);
+    eager.synchronize().unwrap();
+    let u = cx.tensor(&[6.0; 64], &[64]).unwrap();
+    assert_eq!(u.to_host().unwrap(), vec![6.0; 64]);
+    eager.synchronize().unwrap();
+    pinned.process_events().unwrap();
+    assert_eq!(figures(), (0, 512, 1, 1), "the same block served the next upload");
+
+    // The record and the wait both fail (the copy held behind a gate): the error, and the
+    // block stays pending; the next upload gets a new block.
+    let open = gate(&eager, s);
+    dev.fail_event_records(true);
+    dev.fail_host_syncs(true);
+    assert!(cx.tensor(&[7.0; 64], &[64]).is_err());
+    dev.fail_event_records(false);
+    dev.fail_host_syncs(false);
+    assert_eq!(figures(), (512, 0, 1, 1), "pending, not reused, not lost");
+    let v = cx.tensor(&[8.0; 64], &[64]).unwrap();
+    assert_eq!(figures().3, 2, "a new block beside the pending one");
+    open.send(()).unwrap();
+    assert_eq!(v.to_host().unwrap(), vec![8.0; 64]);
+    eager.synchronize().unwrap();
+    pinned.empty_cache().unwrap();
+    let st = pinned.stats();
+    assert_eq!((st.pending_bytes, st.reserved_bytes.current, st.num_host_syncs), (0, 0, 2));
+    pinned.check_invariants().unwrap();
+    clean(&eager);
+}
+
 /// On a GPU (feature `cuda`): uploads stage through `cuMemHostAlloc` blocks, reused once their
 /// copies completed. Skips, printing why, without a GPU or without NVRTC/cuBLAS.
 #[cfg(feature = "cuda")]
