@@ -1027,6 +1027,29 @@ struct Nothing;
 // SAFETY: no bytes, so any (none) are a valid `Nothing`.
 unsafe impl tidepool::cudarc::driver::DeviceRepr for Nothing {}
 
+/// `CudaBuffer::alloc` refuses a zero-sized element type, as `from_buffer`
+/// refuses to view a buffer as one and cudarc's `alloc` fails for it: nothing is allocated. It
+/// used to hand out `len` elements at address 0 with no memory behind them. Broken build
+/// `cuda_buffer_zst_accepted` (caught here on a GPU; the size computation's unit test,
+/// `interop::elements::tests::alloc_bytes_refuse_zero_sized_elements`, catches it everywhere).
+#[test]
+fn cuda_buffer_alloc_refuses_a_zero_sized_element_type() {
+    let Some((_gpu, dev)) = gpu() else { return };
+    let alloc = Allocator::new(dev.clone(), Config::default()).unwrap();
+    let refused = DeviceError::Unsupported("a buffer of zero-sized elements");
+    for len in [1000, 0] {
+        // SAFETY: refused before any memory is handed out.
+        let r = unsafe { CudaBuffer::<Nothing>::alloc(&alloc, len, StreamId::DEFAULT) };
+        assert_eq!(r.unwrap_err(), AllocError::Device(refused.clone()), "{len} elements");
+    }
+    assert_eq!(alloc.reserved_bytes(), 0, "nothing allocated");
+    // A sized type of no elements is an empty buffer.
+    let empty = CudaBuffer::<f32>::alloc_zeros(&alloc, 0, StreamId::DEFAULT).unwrap();
+    assert!(empty.is_empty());
+    drop(empty);
+    alloc.check_invariants().unwrap();
+}
+
 /// `CudaBuffer::from_buffer` refuses a buffer of 10 bytes as `f32`s, and as a zero-sized type,
 /// and gives it back whole each time: the same address, length and stream, still a live
 /// allocation, which then views as 10 `u8`s, takes a copy there and back, and is freed by its

@@ -63,7 +63,9 @@ pub struct CudaBuffer<T> {
 }
 
 impl<T: DeviceRepr> CudaBuffer<T> {
-    /// `len` elements of uninitialised transient memory on `stream`.
+    /// `len` elements of uninitialised transient memory on `stream`. A zero-sized `T` is
+    /// refused ([`DeviceError::Unsupported`], as [`CudaBuffer::from_buffer`] refuses it, and as
+    /// cudarc's `alloc` fails for it); `len` 0 of a sized `T` is an empty buffer.
     ///
     /// # Safety
     /// The memory is not initialised as `T`s: it holds whatever it held (a previous buffer's
@@ -91,9 +93,7 @@ impl<T: DeviceRepr> CudaBuffer<T> {
         stream: StreamId,
         residency: Residency,
     ) -> Result<CudaBuffer<T>, AllocError> {
-        let bytes = (len as u64)
-            .checked_mul(size_of::<T>() as u64)
-            .ok_or(AllocError::InvalidSize { requested: u64::MAX })?;
+        let bytes = super::elements::alloc_bytes(len, size_of::<T>())?;
         // Look the stream up first: an unknown stream allocates nothing.
         let cu_stream = alloc.device().stream(stream)?;
         let buffer = alloc.alloc_in(bytes, stream, residency)?;

@@ -2,7 +2,7 @@
 //! buffer, over any device, so that the SimDevice tests it where there is no GPU: the element
 //! count, and the refusal with the buffer given back whole.
 
-use crate::allocator::Buffer;
+use crate::allocator::{AllocError, Buffer};
 use crate::device::{Device, DeviceError};
 
 /// An accepted buffer, its element count and what was found for its stream.
@@ -33,10 +33,26 @@ pub(crate) fn elements<D: Device, S>(
     }
 }
 
+/// The bytes of `len` elements of `elem` bytes, for a new `CudaBuffer` (`CudaBuffer::alloc`):
+/// a zero-sized element is refused with `from_buffer`'s reason, as cudarc's own `alloc`
+/// refuses it (`cuMemAllocAsync` of 0 bytes: `CUDA_ERROR_INVALID_VALUE`). It used to be
+/// accepted as a slice of `len` elements with no memory behind it, at address 0, which
+/// `from_buffer` refuses to view and whose `is_empty` said no. A product past `u64` is
+/// [`AllocError::InvalidSize`]. (BROKEN, `cuda_buffer_zst_accepted`: 0 bytes.)
+pub(crate) fn alloc_bytes(len: usize, elem: usize) -> Result<u64, AllocError> {
+    if elem == 0 && !cfg!(tidepool_broken = "cuda_buffer_zst_accepted") {
+        return Err(AllocError::Device(DeviceError::Unsupported(ZERO_SIZED)));
+    }
+    (len as u64).checked_mul(elem as u64).ok_or(AllocError::InvalidSize { requested: u64::MAX })
+}
+
+/// Why a zero-sized element type is refused.
+const ZERO_SIZED: &str = "a buffer of zero-sized elements";
+
 /// `bytes` as elements of `elem` bytes: how many.
 fn count(bytes: u64, elem: usize) -> Result<usize, DeviceError> {
     if elem == 0 {
-        return Err(DeviceError::Unsupported("a buffer of zero-sized elements"));
+        return Err(DeviceError::Unsupported(ZERO_SIZED));
     }
     let elem = elem as u64;
     if !bytes.is_multiple_of(elem) {
@@ -111,6 +127,21 @@ mod tests {
         drop(buf);
         assert_eq!(live(&alloc), 0, "freed by its drop");
         alloc.check_invariants().unwrap();
+    }
+
+    /// `CudaBuffer::alloc`'s size: a zero-sized element type is refused (any length, 0 too),
+    /// as `from_buffer` refuses to view a buffer as one; an overflow is an invalid size.
+    /// Broken build `cuda_buffer_zst_accepted` (0 bytes, accepted).
+    #[test]
+    fn alloc_bytes_refuse_zero_sized_elements() {
+        let zst = AllocError::Device(DeviceError::Unsupported("a buffer of zero-sized elements"));
+        assert_eq!(alloc_bytes(1000, 0), Err(zst.clone()));
+        assert_eq!(alloc_bytes(0, 0), Err(zst));
+        assert_eq!(alloc_bytes(0, 4), Ok(0));
+        assert_eq!(alloc_bytes(1024, 4), Ok(4096));
+        assert_eq!(alloc_bytes(usize::MAX, 1), Ok(usize::MAX as u64));
+        let over = AllocError::InvalidSize { requested: u64::MAX };
+        assert_eq!(alloc_bytes(usize::MAX, 2), Err(over));
     }
 
     #[test]
