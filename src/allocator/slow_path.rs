@@ -436,27 +436,35 @@ impl<D: Device> Shared<D> {
             .map(|id| (st.pool.segment(id).size, id))
             .collect();
         found.sort_unstable_by_key(|&(size, id)| (size, id.0));
+        // What went, not what was found: a pool a graph uses releases nothing
+        // (`release_segment`), and a retry then would only be refused again.
+        // BROKEN (`oversize_release_claimed`): found counted as released.
+        let claimed = cfg!(tidepool_broken = "oversize_release_claimed");
         if let Some(&(_, id)) = found.iter().find(|&&(size, _)| size >= want) {
-            self.release_segment(st, id)?;
-            return Ok(true);
+            return Ok(self.release_segment(st, id)? || claimed);
         }
         let mut released = 0;
         for &(size, id) in found.iter().rev() {
             if released >= want {
                 break;
             }
-            self.release_segment(st, id)?;
-            released += size;
+            if self.release_segment(st, id)? || claimed {
+                released += size;
+            }
         }
         Ok(released >= want)
     }
 
-    /// Returns one ordinary segment with no busy block to the device (a host sync). Not in a
-    /// private pool a graph uses: the segment stays cached (its free blocks are memory the
-    /// replays write; broken mode `GraphPoolReleased`).
-    pub(super) fn release_segment(&self, st: &mut State, seg: SegmentId) -> Result<(), AllocError> {
+    /// Returns one ordinary segment with no busy block to the device (a host sync); whether it
+    /// went. Not in a private pool a graph uses: the segment stays cached (its free blocks are
+    /// memory the replays write; broken mode `GraphPoolReleased`), `Ok(false)`.
+    pub(super) fn release_segment(
+        &self,
+        st: &mut State,
+        seg: SegmentId,
+    ) -> Result<bool, AllocError> {
         if self.role.graph_held() && !self.broken(Broken::GraphPoolReleased) {
-            return Ok(());
+            return Ok(false);
         }
         let base = st.pool.segment(seg).base;
         // Release on the device first: if it fails, the segment stays cached and consistent.
@@ -469,7 +477,7 @@ impl<D: Device> Shared<D> {
         self.count_oversize_segment(st, base, size, false);
         st.counters.device_free += 1;
         st.counters.host_syncs += 1;
-        Ok(())
+        Ok(true)
     }
 
     /// Frees a block on behalf of a dropped buffer: into its stream's cache when it has no uses
