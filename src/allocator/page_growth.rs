@@ -89,7 +89,7 @@ impl<D: Device> Shared<D> {
                         return Ok(Some(b));
                     }
                     self.poll_retiring(st, true);
-                    self.release_segments(st, |s| s.key.residency == Residency::Transient)?;
+                    self.ladder_release(st)?;
                 }
                 Err(AllocError::OutOfMemory(_)) => {
                     if !self.broken(Broken::LadderUncounted) {

@@ -219,7 +219,7 @@ impl<D: Device> Shared<D> {
                         st.counters.retries += 1;
                         return Ok(at(st, b));
                     }
-                    self.release_segments(st, |s| s.key.residency == Residency::Transient)?;
+                    self.ladder_release(st)?;
                 }
                 Err(AllocError::OutOfMemory(_)) => {
                     if retried && !self.broken(Broken::LadderUncounted) {
@@ -378,6 +378,33 @@ impl<D: Device> Shared<D> {
             .releasable_segments(|s| !vm.contains(s.base) && Some(s.base) != initial && which(s))
         {
             self.release_segment(st, seg)?;
+        }
+        Ok(())
+    }
+
+    /// The out-of-memory ladder's release of cached transient memory (after its wait), as
+    /// [`Shared::release_segments`] except that a refusal ends nothing: a chunk whose unmapping
+    /// (or a segment whose free) the device refuses stays mapped (cached) and counted, the
+    /// others go, and the request's retry then succeeds or fails on its own. What was refused
+    /// is not what the request asked for, so its error is not the request's.
+    pub(super) fn ladder_release(&self, st: &mut State) -> Result<(), AllocError> {
+        let transient = |s: &crate::pool::Segment| s.key.residency == Residency::Transient;
+        // BROKEN (`ladder_refusal_fails`): the first refusal ends the release, and the request
+        // fails with the device's error.
+        if cfg!(tidepool_broken = "ladder_refusal_fails") {
+            return self.release_segments(st, transient);
+        }
+        if self.device.capture_underway() {
+            return Ok(()); // as `release_segments_then`
+        }
+        if !st.vm.is_empty() {
+            let _ = self.release_pages_above(st, transient, 0, Waits::All, None, true);
+        }
+        let (vm, initial) = (&st.vm, st.initial);
+        for seg in st.pool.releasable_segments(|s| {
+            !vm.contains(s.base) && Some(s.base) != initial && transient(s)
+        }) {
+            let _ = self.release_segment(st, seg);
         }
         Ok(())
     }
