@@ -183,3 +183,30 @@ fn an_unknown_stream_error_names_the_ways_to_a_usable_stream() {
     );
     assert_eq!(all.for_device(1).unwrap().device().counters().mallocs, 0);
 }
+
+/// The unknown-key message lists PyTorch's keys that are accepted with no effect too (after
+/// tidepool's own): a user who looks for `release_lock_on_cudamalloc` there would otherwise
+/// think it refused, though a `PYTORCH_CUDA_ALLOC_CONF` string with it works unchanged.
+#[test]
+fn an_unknown_key_lists_the_keys_accepted_with_no_effect_too() {
+    let e = Config::parse("warp_speed:9").unwrap_err().to_string();
+    let keys: Vec<&str> = tidepool::CONFIG_KEYS.iter().map(|(k, _)| *k).collect();
+    let want = format!(
+        "unknown key `warp_speed`; valid keys: {}; accepted with no effect (PyTorch's): \
+         release_lock_on_cudamalloc, release_lock_on_device_malloc, \
+         pinned_use_cuda_host_register, pinned_use_device_host_register, \
+         pinned_num_register_threads, pinned_use_background_threads, release_lock_on_hipmalloc, \
+         pinned_use_hip_host_register, pinned_reserve_segment_size_mb, pinned_free_catch_all",
+        keys.join(", ")
+    );
+    assert_eq!(e, want);
+    // Every key named there is accepted.
+    for (k, _) in tidepool::CONFIG_NO_EFFECT_KEYS {
+        let value = match *k {
+            "pinned_num_register_threads" => "8",
+            "pinned_reserve_segment_size_mb" => "64",
+            _ => "True",
+        };
+        assert!(Config::parse(&format!("{k}:{value}")).is_ok(), "{k}");
+    }
+}

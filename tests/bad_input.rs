@@ -53,6 +53,61 @@ fn a_zero_round_large_is_refused() {
     still_works(&dev, &alloc);
 }
 
+/// `max_non_split_rounding` below the string form's floor (20 MiB, or the large segment size
+/// where `large_segment_size_mb` lowers it) was accepted through the builder: at 0 an oversize
+/// block served no request at all, not even one of its own size. Both forms refuse it now, with
+/// the key named; what the string form accepts, the builder accepts too.
+#[test]
+fn a_non_split_rounding_below_the_string_forms_floor_is_refused() {
+    let dev = Arc::new(SimDevice::new(1 << 30));
+    for (bytes, named) in [(0, "0 MiB"), (1, "1 bytes"), (19 << 20, "19 MiB")] {
+        let mut sizing = Sizing::default();
+        sizing.max_non_split_rounding = bytes;
+        let bad = Config::default().with_max_split_size_mb(40).with_sizing(sizing);
+        let why = inconsistent(Allocator::new(dev.clone(), bad.clone()));
+        assert_eq!(
+            why,
+            format!(
+                "max_non_split_rounding_mb ({named}) must be at least 20 MiB (the smaller of \
+                 20 MiB and large_segment_mb, as the string form wants)"
+            )
+        );
+        assert_eq!(bad.validate(), Err(ConfigError::Inconsistent(why.clone())));
+        assert_eq!(dev.live_segments(), vec![]);
+        let alloc = Allocator::new(dev.clone(), Config::default()).unwrap();
+        assert_eq!(alloc.set_config(bad), Err(ConfigError::Inconsistent(why)));
+        assert_eq!(alloc.config().sizing.max_non_split_rounding, 20 << 20);
+        still_works(&dev, &alloc);
+    }
+    // The string form refuses the same values (as a bad value of the key).
+    for s in ["max_non_split_rounding_mb:0", "max_non_split_rounding_mb:19"] {
+        match Config::parse(s) {
+            Err(ConfigError::BadValue { key, .. }) => assert_eq!(key, "max_non_split_rounding_mb"),
+            other => panic!("{s}: expected a bad value, got {other:?}"),
+        }
+    }
+    // What the string form accepts passes the builder's check: 20 MiB, and a smaller large
+    // segment's own size (`large_segment_size_mb:12` sets both to 12 MiB).
+    let from_string = Config::parse("large_segment_size_mb:12,max_split_size_mb:12").unwrap();
+    assert_eq!(from_string.sizing.max_non_split_rounding, 12 << 20);
+    let built = Config::default().with_sizing(from_string.sizing);
+    assert_eq!(built.validate(), Ok(()));
+    let mut sizing = Sizing::default();
+    sizing.max_non_split_rounding = 20 << 20;
+    assert_eq!(Config::default().with_sizing(sizing).validate(), Ok(()));
+    // Below that large segment's size, refused in bytes where it is not whole MiB.
+    let mut sizing = from_string.sizing;
+    sizing.max_non_split_rounding = (12 << 20) - 512;
+    assert_eq!(
+        Config::default().with_sizing(sizing).validate(),
+        Err(ConfigError::Inconsistent(
+            "max_non_split_rounding_mb (12582400 bytes) must be at least 12 MiB (the smaller of \
+             20 MiB and large_segment_mb, as the string form wants)"
+                .into()
+        ))
+    );
+}
+
 /// An initial pool beyond the largest request (`u64::MAX`) overflowed rounding it up to a
 /// block (a panic in `Allocator::new`); the string form caps it at 256 TiB already.
 #[test]

@@ -1786,3 +1786,41 @@ fn destroying_a_stream_ends_the_learning_mark_of_a_forgotten_run_on_it() {
     assert_eq!(searches_after_a_stream_destroyed_with_a_forgotten_learning_run(false), 1);
     assert_eq!(searches_after_a_stream_destroyed_with_a_forgotten_learning_run(true), 1);
 }
+
+/// The out-of-memory ladder releases every free chunk it can: a chunk of another stream whose
+/// unmapping the device refuses stays mapped (a free block of its range, counted reserved),
+/// the chunk below it goes all the same, and the request is served from the room that made.
+/// Before, the refusal ended the release and became the request's error, although the
+/// request had nothing to do with that chunk.
+#[test]
+fn a_refused_unmap_in_the_ladder_keeps_that_chunk_and_releases_the_others() {
+    // 8 pages; s1's range takes 6 of them in two chunks of 3, both free after.
+    let (dev, alloc) = setup("cross_stream:never", 8 * P);
+    let s1 = dev.create_stream().unwrap();
+    let a = alloc.alloc(3 * P, s1).unwrap();
+    let b = alloc.alloc(3 * P, s1).unwrap();
+    let s1_base = a.ptr().0;
+    assert_eq!(b.ptr().0, s1_base + 3 * P);
+    drop((a, b));
+    alloc.synchronize().unwrap();
+    assert_eq!(mapped_chunks(&dev, s1_base), vec![(0, 3), (3, 3)]);
+    assert_eq!(alloc.reserved_bytes(), 6 * P);
+    // 4 pages on the default stream: the device has 2. The ladder unmaps s1's chunks from the
+    // top down; the device refuses the first unmap (the top chunk).
+    dev.fail_nth_vm_unmap(Some(1));
+    let c = alloc.alloc(4 * P, StreamId::DEFAULT).expect("served once the lower chunk went");
+    assert_eq!(c.len(), 4 * P);
+    assert_eq!(mapped_chunks(&dev, s1_base), vec![(3, 3), ((c.ptr().0 - s1_base) / P, 4)]);
+    assert_eq!(alloc.reserved_bytes(), 7 * P, "the refused chunk is still counted");
+    assert_eq!(dev.physical_bytes(), 7 * P);
+    let s1_range = alloc.expandable_ranges().into_iter().find(|r| r.base.0 == s1_base).unwrap();
+    assert_eq!((s1_range.mapped_bytes, s1_range.free_bytes), (3 * P, 3 * P));
+    alloc.check_invariants().unwrap();
+    assert_eq!(dev.violations(), vec![]);
+    // The kept chunk goes at the next release.
+    drop(c);
+    alloc.empty_cache().unwrap();
+    assert_eq!((alloc.reserved_bytes(), dev.physical_bytes()), (0, 0));
+    drop(alloc);
+    assert_no_leak(&dev);
+}

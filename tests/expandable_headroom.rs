@@ -220,3 +220,36 @@ fn persistent_ranges_grow_by_exactly_what_is_asked() {
     check(&dev, &alloc);
     drop((big, w));
 }
+
+/// The headroom counts the free bytes the stream has already: with `release_threshold` 8 MiB
+/// and three one-page holes (6 MiB free) below the top, a two-page request at the top maps
+/// three pages, leaving 8 MiB free — not four (the threshold alone), which left 10 MiB free,
+/// past the threshold, for the trim at the stream's next free to unmap again.
+#[test]
+fn the_headroom_counts_the_free_bytes_already_there() {
+    let (dev, alloc) = setup("release_threshold_mb:8,fast_cache:false", 16 * GIB);
+    let big = alloc.alloc(4 * GIB, S0).unwrap();
+    // 2048 pages mapped: each growth maps 4 pages (1/512, and 8 MiB of free pages at most).
+    let mut v: Vec<_> = (0..8).map(|_| Some(alloc.alloc(P, S0).unwrap())).collect();
+    let addrs: Vec<_> = v.iter().map(|b| b.as_ref().unwrap().ptr()).collect();
+    assert_eq!(addrs, (0..8).map(|i| at(4 * GIB + i * P)).collect::<Vec<_>>());
+    assert_eq!(calls(&dev), (66, 66, 0));
+    assert_eq!(alloc.reserved_bytes(), 4 * GIB + 8 * P);
+    for i in [1, 3, 5] {
+        v[i] = None; // one-page holes: 6 MiB free, within the threshold (nothing unmapped)
+    }
+    let free = |alloc: &Allocator<SimDevice>| alloc.reserved_bytes() - alloc.allocated_bytes();
+    assert_eq!(free(&alloc), 6 * MIB);
+    assert_eq!(dev.vm_counters().unmaps, 0);
+    // Two pages fit no hole: the top grows by them and one page of headroom.
+    let w = alloc.alloc(2 * P, S0).unwrap();
+    assert_eq!(w.ptr(), at(4 * GIB + 8 * P));
+    assert_eq!(calls(&dev), (67, 67, 0));
+    assert_eq!(alloc.reserved_bytes(), 4 * GIB + 11 * P, "three pages mapped");
+    assert_eq!(free(&alloc), 8 * MIB, "the threshold's worth free, no more");
+    // The next free trims nothing: no page mapped by the growth goes at once.
+    v[7] = None;
+    assert_eq!(dev.vm_counters().unmaps, 0);
+    check(&dev, &alloc);
+    drop((big, v, w));
+}

@@ -462,3 +462,123 @@ fn a_closed_allocator_lets_go_of_the_pools_of_forgotten_guards() {
     assert_eq!(dev.live_segments(), only_kept, "the forgotten buffer's segment only");
     assert!(dev.violations().is_empty());
 }
+
+/// A device whose captures forbid nothing (the trait's default `capture_underway`: never, as a
+/// device in CUDA's relaxed capture mode may answer): the allocator climbs its out-of-memory
+/// ladder during a capture too. Everything else is the simulator's.
+struct Relaxed(SimDevice);
+
+impl Device for Relaxed {
+    fn name(&self) -> String {
+        self.0.name()
+    }
+    fn reserve(&self, bytes: u64) -> Result<tidepool::DeviceAddr, tidepool::DeviceError> {
+        self.0.reserve(bytes)
+    }
+    fn release(&self, ptr: tidepool::DeviceAddr) -> Result<(), tidepool::DeviceError> {
+        self.0.release(ptr)
+    }
+    fn mem_info(&self) -> Result<tidepool::device::MemInfo, tidepool::DeviceError> {
+        self.0.mem_info()
+    }
+    fn create_stream(&self) -> Result<StreamId, tidepool::DeviceError> {
+        self.0.create_stream()
+    }
+    fn destroy_stream(&self, stream: StreamId) -> Result<(), tidepool::DeviceError> {
+        self.0.destroy_stream(stream)
+    }
+    fn has_stream(&self, stream: StreamId) -> bool {
+        self.0.has_stream(stream)
+    }
+    fn create_event(&self) -> Result<tidepool::device::EventId, tidepool::DeviceError> {
+        self.0.create_event()
+    }
+    fn destroy_event(&self, event: tidepool::device::EventId) -> Result<(), tidepool::DeviceError> {
+        self.0.destroy_event(event)
+    }
+    fn record_event(
+        &self,
+        event: tidepool::device::EventId,
+        stream: StreamId,
+    ) -> Result<(), tidepool::DeviceError> {
+        self.0.record_event(event, stream)
+    }
+    fn query_event(&self, event: tidepool::device::EventId) -> Result<bool, tidepool::DeviceError> {
+        self.0.query_event(event)
+    }
+    fn wait_event(
+        &self,
+        stream: StreamId,
+        event: tidepool::device::EventId,
+    ) -> Result<(), tidepool::DeviceError> {
+        self.0.wait_event(stream, event)
+    }
+    fn synchronize_event(
+        &self,
+        event: tidepool::device::EventId,
+    ) -> Result<(), tidepool::DeviceError> {
+        self.0.synchronize_event(event)
+    }
+    fn synchronize(&self) -> Result<(), tidepool::DeviceError> {
+        self.0.synchronize()
+    }
+    fn capture_of(&self, stream: StreamId) -> Option<StreamId> {
+        self.0.capture_of(stream)
+    }
+}
+
+impl tidepool::Capture for Relaxed {
+    fn begin_capture(&self, stream: StreamId) -> Result<(), tidepool::DeviceError> {
+        self.0.begin_capture(stream)
+    }
+    fn end_capture(&self, stream: StreamId) -> Result<tidepool::GraphId, tidepool::DeviceError> {
+        self.0.end_capture(stream)
+    }
+    fn launch_graph(
+        &self,
+        graph: tidepool::GraphId,
+        stream: StreamId,
+    ) -> Result<(), tidepool::DeviceError> {
+        self.0.launch_graph(graph, stream)
+    }
+    fn destroy_graph(&self, graph: tidepool::GraphId) -> Result<(), tidepool::DeviceError> {
+        self.0.destroy_graph(graph)
+    }
+}
+
+/// The ladder's first rung under `max_split_size_mb` (PyTorch's
+/// `release_available_cached_blocks`) in a pool a capture uses: the pool's free oversize
+/// segment (40 MiB, freed during the capture) may not go (the graph's replays write it), so
+/// the rung released nothing, and says so: the ladder goes on to its wait and its last attempt.
+/// Before, the rung answered "found" for the segment it had not released, and the request
+/// tried the device once more for nothing (a third failed reservation where two are made).
+#[test]
+fn the_oversize_rung_in_a_pool_a_capture_uses_says_it_released_nothing() {
+    let dev = Arc::new(Relaxed(SimDevice::new(50 * MIB)));
+    let s = dev.create_stream().unwrap();
+    let config = Config::default().with_max_split_size_mb(20).with_fast_cache(false);
+    let alloc = Allocator::new(dev.clone(), config).unwrap();
+    let pool = alloc.new_pool(PoolOptions::default()).unwrap();
+    alloc.begin_capture(s, Some(&pool)).unwrap();
+    let a = alloc.alloc(40 * MIB, s).unwrap(); // an oversize segment of its own
+    drop(a);
+    assert_eq!(pool.stats().blocks.reserved_bytes.all.current, 40 * MIB);
+    let failed_before = dev.0.counters().failed_mallocs;
+    // 12 MiB: the oversize block may not serve it, and the device has 10 MiB left.
+    let r = alloc.alloc(12 * MIB, s);
+    assert!(matches!(r, Err(AllocError::OutOfMemory(_))), "{:?}", r.map(|b| b.len()));
+    assert_eq!(
+        dev.0.counters().failed_mallocs - failed_before,
+        2,
+        "the first attempt and the ladder's last one"
+    );
+    assert_eq!(pool.stats().blocks.reserved_bytes.all.current, 40 * MIB, "kept for the graph");
+    let graph = alloc.end_capture(s).unwrap();
+    pool.check_invariants().unwrap();
+    alloc.check_invariants().unwrap();
+    drop(graph);
+    drop(pool);
+    drop(alloc);
+    dev.0.synchronize().unwrap();
+    assert_eq!(dev.0.live_segments(), vec![]);
+}

@@ -359,7 +359,7 @@ impl<D: Device> Shared<D> {
             }
             if !st.vm.is_empty() && st.pool.reserved_bytes() > floor {
                 let keep = |s: &crate::pool::Segment| s.key.residency == res;
-                self.release_pages_above(st, keep, 0, Waits::All, Some(floor))?;
+                self.release_pages_above(st, keep, 0, Waits::All, Some(floor), false)?;
             }
         }
         Ok(start.saturating_sub(st.pool.reserved_bytes()))

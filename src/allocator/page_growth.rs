@@ -66,7 +66,7 @@ impl<D: Device> Shared<D> {
             // be a free block in its segment that a small request takes, pinning every chunk
             // the stitch borrowed. (`cfg(tidepool_broken = "stitch_aligned")` stitches it.)
             let stitchable = need == rounded || cfg!(tidepool_broken = "stitch_aligned");
-            let grown = self.grow(st, config, key, need, stitchable);
+            let grown = self.grow(st, config, key, (rounded, need), stitchable);
             if super::oom::is_rejected(&grown) {
                 let page = st.vm.page;
                 let pages = need.div_ceil(page) * page;
@@ -89,7 +89,7 @@ impl<D: Device> Shared<D> {
                         return Ok(Some(b));
                     }
                     self.poll_retiring(st, true);
-                    self.release_segments(st, |s| s.key.residency == Residency::Transient)?;
+                    self.ladder_release(st)?;
                 }
                 Err(AllocError::OutOfMemory(_)) => {
                     if !self.broken(Broken::LadderUncounted) {
@@ -115,15 +115,17 @@ impl<D: Device> Shared<D> {
         }
     }
 
-    /// Maps pages into `key`'s range where a block of `rounded` fits with the fewest new ones
-    /// (or a stitched block serves it, if `stitchable`); returns the free block that holds
-    /// them, or `None` where the range has no room for it. Nothing changes on an error.
+    /// Maps pages into `key`'s range where a free block of `rounded` bytes fits with the fewest
+    /// new ones (or a stitched block serves it, if `stitchable`); returns the free block that
+    /// holds them, or `None` where the range has no room for it. `taken`: the bytes the
+    /// request takes of that block (its rounded size; `rounded` is more for an aligned one),
+    /// which the headroom counts on. Nothing changes on an error.
     fn grow(
         &self,
         st: &mut State,
         config: &Config,
         key: PoolKey,
-        rounded: u64,
+        (taken, rounded): (u64, u64),
         stitchable: bool,
     ) -> Result<Option<BlockId>, AllocError> {
         self.poll_retiring(st, false);
@@ -174,7 +176,7 @@ impl<D: Device> Shared<D> {
         if !Self::freed_any(st) {
             st.vm.ranges.get_mut(&base).expect("the key's range").build_up += 1;
         }
-        let wide = self.with_headroom(st, key, exact);
+        let wide = self.with_headroom(st, key, exact, taken);
         if wide.pages > exact.pages {
             let mapped = st.vm.ranges[&base].pages.len();
             // Out of memory for the headroom is not out of memory for the request.
@@ -205,9 +207,16 @@ impl<D: Device> Shared<D> {
     /// `place` widened by the growth headroom where it ends the range's top run: at least
     /// `1 / HEADROOM_DIVISOR` of the range's mapped pages, at most [`HEADROOM_MAX_PAGES`], no
     /// more than the free bytes the range may keep (`release_threshold`; none in a persistent
-    /// range or while a learning run is open on its stream), and only over unmapped pages that
-    /// nothing retires.
-    pub(super) fn with_headroom(&self, st: &State, key: PoolKey, place: Place) -> Place {
+    /// range or while a learning run is open on its stream) — counted with the free bytes its
+    /// stream has already, once the request took `taken` bytes of the growth, as the trim after
+    /// a free counts them — and only over unmapped pages that nothing retires.
+    pub(super) fn with_headroom(
+        &self,
+        st: &State,
+        key: PoolKey,
+        place: Place,
+        taken: u64,
+    ) -> Place {
         let page = st.vm.page;
         let r = &st.vm.ranges[&st.vm.by_key[&key]];
         let keep =
@@ -222,10 +231,19 @@ impl<D: Device> Shared<D> {
             false => r.build_up.saturating_sub(BUILD_UP_EXACT_GROWTHS),
             true => 0,
         };
+        // The growth's pages free once the request took its bytes, with the stream's free
+        // bytes already there, stay within `keep` (the trim's measure: it would unmap the
+        // excess at the stream's next free). BROKEN (`headroom_past_free`): `keep` alone, so a
+        // stream with free bytes elsewhere grew past it.
+        let room = match cfg!(tidepool_broken = "headroom_past_free") || keep == u64::MAX {
+            true => u64::MAX,
+            false => keep.saturating_add(taken).saturating_sub(st.pool.free_bytes_of(key.stream)),
+        };
         let pages = (r.pages.len() as u64 / HEADROOM_DIVISOR)
             .max(ramp)
             .min(HEADROOM_MAX_PAGES)
-            .min(keep / page);
+            .min(keep / page)
+            .min(room / page);
         if pages <= place.pages {
             return place;
         }

@@ -198,13 +198,16 @@ impl<D: Device> Shared<D> {
         keep: u64,
         waits: Waits,
     ) -> Result<(), AllocError> {
-        self.release_pages_above(st, which, keep, waits, None)
+        self.release_pages_above(st, which, keep, waits, None, false)
     }
 
     /// [`Shared::release_pages`], with a `floor` (`trim_to`): no chunk goes whose release would
     /// take this allocator's reserved bytes below it (one that would is passed over, as a
     /// smaller one further on may fit), counted once the retiring mappings the release waits
-    /// for (or finds completed) are gone. `None`: no floor.
+    /// for (or finds completed) are gone. `None`: no floor. With `go_on` (the out-of-memory
+    /// ladder), a chunk whose unmapping the device refuses stays mapped, a free block of its
+    /// range, and the release goes on with the chunks below it and the other ranges; the
+    /// first refusal is the answer once the rest is done. Without, the release ends there.
     pub(super) fn release_pages_above(
         &self,
         st: &mut State,
@@ -212,6 +215,7 @@ impl<D: Device> Shared<D> {
         keep: u64,
         waits: Waits,
         floor: Option<u64>,
+        go_on: bool,
     ) -> Result<(), AllocError> {
         let wait = !matches!(waits, Waits::No);
         if self.role.graph_held() && !self.broken(Broken::GraphPoolReleased) {
@@ -296,13 +300,24 @@ impl<D: Device> Shared<D> {
                 false => runs,
             };
             for (block, a, b) in runs {
-                // From the top down; stop at the first refusal.
-                let mut done = b;
+                // From the top down; stop at the first refusal (with `go_on`, go on below the
+                // refused chunk: `[done, hi)` is what went since the last refusal).
+                let (mut done, mut hi) = (b, b);
                 while done > a {
                     let c = st.vm.ranges[&base].pages.get(done - page).expect("a mapped chunk");
                     if let Err(e) = self.device.vm_unmap(DeviceAddr(c.lo), c.pages * page) {
-                        result = Err(e.into());
-                        break;
+                        if result.is_ok() {
+                            result = Err(e.into());
+                        }
+                        if !go_on {
+                            break;
+                        }
+                        if done < hi {
+                            self.carve_run(st, base, block, done, hi);
+                            st.note(Action::SegmentUnmap, DeviceAddr(done), hi - done, stream);
+                        }
+                        (done, hi) = (c.lo, c.lo);
+                        continue;
                     }
                     st.vm.counts.add_unmaps(1);
                     self.release_handle(&mut st.vm, c.handle);
@@ -310,11 +325,11 @@ impl<D: Device> Shared<D> {
                     left = left.saturating_sub(c.pages);
                     done = c.lo;
                 }
-                if done < b {
-                    self.carve_run(st, base, block, done, b);
-                    st.note(Action::SegmentUnmap, DeviceAddr(done), b - done, stream);
+                if done < hi {
+                    self.carve_run(st, base, block, done, hi);
+                    st.note(Action::SegmentUnmap, DeviceAddr(done), hi - done, stream);
                 }
-                if result.is_err() {
+                if result.is_err() && !go_on {
                     self.publish_vm(&mut st.vm);
                     return result;
                 }

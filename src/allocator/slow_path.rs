@@ -219,7 +219,7 @@ impl<D: Device> Shared<D> {
                         st.counters.retries += 1;
                         return Ok(at(st, b));
                     }
-                    self.release_segments(st, |s| s.key.residency == Residency::Transient)?;
+                    self.ladder_release(st)?;
                 }
                 Err(AllocError::OutOfMemory(_)) => {
                     if retried && !self.broken(Broken::LadderUncounted) {
@@ -382,6 +382,33 @@ impl<D: Device> Shared<D> {
         Ok(())
     }
 
+    /// The out-of-memory ladder's release of cached transient memory (after its wait), as
+    /// [`Shared::release_segments`] except that a refusal ends nothing: a chunk whose unmapping
+    /// (or a segment whose free) the device refuses stays mapped (cached) and counted, the
+    /// others go, and the request's retry then succeeds or fails on its own. What was refused
+    /// is not what the request asked for, so its error is not the request's.
+    pub(super) fn ladder_release(&self, st: &mut State) -> Result<(), AllocError> {
+        let transient = |s: &crate::pool::Segment| s.key.residency == Residency::Transient;
+        // BROKEN (`ladder_refusal_fails`): the first refusal ends the release, and the request
+        // fails with the device's error.
+        if cfg!(tidepool_broken = "ladder_refusal_fails") {
+            return self.release_segments(st, transient);
+        }
+        if self.device.capture_underway() {
+            return Ok(()); // as `release_segments_then`
+        }
+        if !st.vm.is_empty() {
+            let _ = self.release_pages_above(st, transient, 0, Waits::All, None, true);
+        }
+        let (vm, initial) = (&st.vm, st.initial);
+        for seg in st.pool.releasable_segments(|s| {
+            !vm.contains(s.base) && Some(s.base) != initial && transient(s)
+        }) {
+            let _ = self.release_segment(st, seg);
+        }
+        Ok(())
+    }
+
     /// The out-of-memory ladder's first step (segments and expandable ranges alike): idle plan
     /// regions go back to the pool (cached memory too, [`Shared::release_idle_regions_locked`]),
     /// then the wait for every pending event, counted as PyTorch's `release_cached_blocks`
@@ -436,27 +463,35 @@ impl<D: Device> Shared<D> {
             .map(|id| (st.pool.segment(id).size, id))
             .collect();
         found.sort_unstable_by_key(|&(size, id)| (size, id.0));
+        // What went, not what was found: a pool a graph uses releases nothing
+        // (`release_segment`), and a retry then would only be refused again.
+        // BROKEN (`oversize_release_claimed`): found counted as released.
+        let claimed = cfg!(tidepool_broken = "oversize_release_claimed");
         if let Some(&(_, id)) = found.iter().find(|&&(size, _)| size >= want) {
-            self.release_segment(st, id)?;
-            return Ok(true);
+            return Ok(self.release_segment(st, id)? || claimed);
         }
         let mut released = 0;
         for &(size, id) in found.iter().rev() {
             if released >= want {
                 break;
             }
-            self.release_segment(st, id)?;
-            released += size;
+            if self.release_segment(st, id)? || claimed {
+                released += size;
+            }
         }
         Ok(released >= want)
     }
 
-    /// Returns one ordinary segment with no busy block to the device (a host sync). Not in a
-    /// private pool a graph uses: the segment stays cached (its free blocks are memory the
-    /// replays write; broken mode `GraphPoolReleased`).
-    pub(super) fn release_segment(&self, st: &mut State, seg: SegmentId) -> Result<(), AllocError> {
+    /// Returns one ordinary segment with no busy block to the device (a host sync); whether it
+    /// went. Not in a private pool a graph uses: the segment stays cached (its free blocks are
+    /// memory the replays write; broken mode `GraphPoolReleased`), `Ok(false)`.
+    pub(super) fn release_segment(
+        &self,
+        st: &mut State,
+        seg: SegmentId,
+    ) -> Result<bool, AllocError> {
         if self.role.graph_held() && !self.broken(Broken::GraphPoolReleased) {
-            return Ok(());
+            return Ok(false);
         }
         let base = st.pool.segment(seg).base;
         // Release on the device first: if it fails, the segment stays cached and consistent.
@@ -469,7 +504,7 @@ impl<D: Device> Shared<D> {
         self.count_oversize_segment(st, base, size, false);
         st.counters.device_free += 1;
         st.counters.host_syncs += 1;
-        Ok(())
+        Ok(true)
     }
 
     /// Frees a block on behalf of a dropped buffer: into its stream's cache when it has no uses

@@ -1,7 +1,7 @@
 //! [`Config::validate`]: the rules a configuration keeps whichever way it was made.
 
 use super::{Config, ConfigError, MIN_ALIGN};
-use crate::pool::MIB;
+use crate::pool::{DEFAULT_MAX_NON_SPLIT_ROUNDING, MIB};
 
 impl Config {
     /// Checks that the size rules fit together.
@@ -66,6 +66,21 @@ impl Config {
                 "max_split_size_mb ({} MiB) must be at least large_segment_mb ({} MiB)",
                 z.max_split_size / MIB,
                 z.large_segment / MIB
+            ));
+        }
+        // What the string form wants of `max_non_split_rounding_mb` (PyTorch's floor: the
+        // large segment size, 20 MiB unless `large_segment_size_mb` lowers it), for the builders
+        // too: a rounding of 0 let no oversize block serve even a request of its own size.
+        // BROKEN (`non_split_rounding_unchecked`): any rounding accepted.
+        let floor = DEFAULT_MAX_NON_SPLIT_ROUNDING.min(z.large_segment);
+        if z.max_non_split_rounding < floor
+            && !cfg!(tidepool_broken = "non_split_rounding_unchecked")
+        {
+            return fail(format!(
+                "max_non_split_rounding_mb ({}) must be at least {} (the smaller of 20 MiB and \
+                 large_segment_mb, as the string form wants)",
+                mib_or_bytes(z.max_non_split_rounding),
+                mib_or_bytes(floor)
             ));
         }
         if self.fast_cache_entries == 0 {
