@@ -202,10 +202,13 @@ fn config_error(what: &str, e: &tidepool::ConfigError) -> String {
         return format!("policy caching: {e}");
     }
     let why = match e {
-        E::UnknownKey(k) => {
+        // The core's message: both key lists, tidepool's and PyTorch's accepted with no effect.
+        // BROKEN (`cli_unknown_key_own_list`): a list of its own, tidepool's keys only.
+        E::UnknownKey(k) if cfg!(tidepool_broken = "cli_unknown_key_own_list") => {
             let keys: Vec<&str> = tidepool::CONFIG_KEYS.iter().map(|(k, _)| *k).collect();
             format!("unknown key `{k}`; valid keys: {}", keys.join(", "))
         }
+        E::UnknownKey(_) => e.to_string(),
         E::BadValue { key, value, expected } => {
             format!("bad value `{value}` for `{key}`: expected {expected}")
         }
