@@ -155,6 +155,30 @@ fn an_out_of_memory_error_is_recorded_with_the_request() {
     alloc.check_invariants().unwrap();
 }
 
+/// PyTorch's `oom` entry records the request rounded up to its block size (its
+/// `record_trace(TraceEntry::OOM, device_free, params.size(), …)`, `params.size()` being
+/// `round_size(size)`), on ordinary segments and on expandable ones alike: a 48 MiB + 1 byte
+/// request is 48 MiB + 512 bytes. (It recorded the request as asked; broken build
+/// `oom_entry_requested`.)
+#[test]
+fn an_out_of_memory_entry_records_the_rounded_size() {
+    for conf in ["", "expandable_segments:true"] {
+        let dev = Arc::new(SimDevice::backed(64 * MIB));
+        let alloc = Allocator::new(dev.clone(), Config::parse(conf).unwrap()).unwrap();
+        let keep = alloc.alloc(40 * MIB, StreamId::DEFAULT).unwrap();
+        alloc.record_history(HistoryOptions::new(10));
+        let Err(tidepool::AllocError::OutOfMemory(report)) =
+            alloc.alloc(48 * MIB + 1, StreamId::DEFAULT)
+        else {
+            panic!("{conf}: 88 MiB of 64")
+        };
+        let h: Vec<_> = alloc.history().iter().map(|e| (e.action, e.addr.0, e.size)).collect();
+        assert_eq!(h, vec![(Action::Oom, report.device_free, 48 * MIB + 512)], "{conf}");
+        assert_eq!(report.device_free, 24 * MIB, "{conf}");
+        drop(keep);
+    }
+}
+
 /// Python reads the dump; the script checks what `_memory_viz.py` reads and prints figures.
 const CHECK_PY: &str = r#"
 import pickle, sys

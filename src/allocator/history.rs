@@ -135,7 +135,8 @@ pub enum Action {
     SegmentMap,
     /// Pages of an expandable range were unmapped (`segment_unmap`).
     SegmentUnmap,
-    /// An allocation failed for lack of memory (`oom`); `size` is the request.
+    /// An allocation failed for lack of memory (`oom`); `size` is the request rounded up to
+    /// its block size, as PyTorch records it.
     Oom,
 }
 
@@ -175,7 +176,8 @@ pub struct TraceEntry {
     /// The block's or segment's address (the device's free bytes for [`Action::Oom`]).
     pub addr: DeviceAddr,
     /// Bytes: what the user asked for (as PyTorch records it; the block may be rounded up), the
-    /// segment's size, or the failed request.
+    /// segment's size, or the failed request rounded up to its block size (PyTorch's
+    /// `params.size()`).
     pub size: u64,
     /// The stream of the block or segment.
     pub stream: StreamId,

@@ -230,9 +230,10 @@ impl<D: Device> Shared<D> {
                         st.counters.ooms += 1;
                     }
                     let report = self.oom_report(st, config, key, bytes, rounded, seg_size);
-                    // PyTorch's `oom` entry: the device's free bytes in place of an address.
+                    // PyTorch's `oom` entry: the device's free bytes in place of an address,
+                    // and the rounded size (its `params.size()`).
                     if first {
-                        st.note(Action::Oom, DeviceAddr(report.device_free), bytes, key.stream);
+                        st.note(Action::Oom, DeviceAddr(report.device_free), oom_size(bytes, rounded), key.stream);
                     }
                     return Err(AllocError::OutOfMemory(Box::new(report)));
                 }
@@ -936,4 +937,11 @@ impl<D: Device> Shared<D> {
             .map(|(_, b)| b.size)
             .sum()
     }
+}
+
+/// The size an `oom` history entry records for a request of `bytes` rounded to `rounded`: the
+/// rounded size, as PyTorch's `record_trace(TraceEntry::OOM, device_free, params.size(), …)`
+/// records it. BROKEN (`oom_entry_requested`): the request as asked.
+pub(super) fn oom_size(bytes: u64, rounded: u64) -> u64 {
+    if cfg!(tidepool_broken = "oom_entry_requested") { bytes } else { rounded }
 }
