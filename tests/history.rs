@@ -144,7 +144,7 @@ fn an_out_of_memory_error_is_recorded_with_the_request() {
     assert_eq!(report.device_free, 64 * MIB);
     assert_eq!((h[0].action, h[0].addr, h[0].size), (Action::Oom, DeviceAddr(64 * MIB), 1 << 40));
     let pickle = alloc.snapshot_pickle();
-    assert_eq!(pool_ids_in_dump(&pickle), vec![("oom".to_string(), 0)]); // `device_free`, no `addr`
+    assert_eq!(pool_ids_in_dump(&pickle), vec![("oom".to_string(), (0, 0))]); // `device_free`, no `addr`
     let v = serde_pickle::value_from_slice(&pickle, serde_pickle::DeOptions::new()).unwrap();
     let text = format!("{v:?}");
     let want = format!("String(\"device_free\"): I64({})", 64 * MIB);
@@ -252,18 +252,20 @@ fn entries_carry_the_requested_size_as_pytorch_records_it() {
     );
 }
 
-/// Prints `pool_id address total_size` for every segment of the dump, one line each.
+/// Prints `pool_id address total_size` for every segment of the dump, one line each (the
+/// pool id's two numbers).
 const POOLS_PY: &str = r#"
 import pickle, sys
 d = pickle.load(open(sys.argv[1], 'rb'))
 for s in d['segments']:
     p = s['segment_pool_id']
-    assert isinstance(p, tuple) and len(p) == 2 and p[0] == 0, p
-    print(p[1], s['address'], s['total_size'])
+    assert isinstance(p, tuple) and len(p) == 2 and 0 in p, p
+    print(p[0], p[1], s['address'], s['total_size'])
 "#;
 
 /// The segments of `bytes` as `(pool id, address, size)`, read by Python (`None`: no python3).
-fn pools_in_dump(bytes: &[u8]) -> Option<Vec<(u64, u64, u64)>> {
+#[allow(clippy::type_complexity)]
+fn pools_in_dump(bytes: &[u8]) -> Option<Vec<((u64, u64), u64, u64)>> {
     let scratch = tempfile::Builder::new().prefix("tidepool-pools-").tempdir().unwrap();
     let dir = scratch.path();
     let (path, script) = (dir.join("snapshot.pickle"), dir.join("pools.py"));
@@ -285,17 +287,19 @@ fn pools_in_dump(bytes: &[u8]) -> Option<Vec<(u64, u64, u64)>> {
         text.lines()
             .map(|l| {
                 let mut w = l.split_whitespace();
-                (field(w.next()), field(w.next()), field(w.next()))
+                ((field(w.next()), field(w.next())), field(w.next()), field(w.next()))
             })
             .collect(),
     )
 }
 
 /// PyTorch's snapshot lists every pool of the device, each segment with its
-/// `segment_pool_id`: the general allocator's dump lists its own segments as pool (0, 0) and
-/// those of each private pool (a `MemPool`, a graph's pool) as (0, id) — a pool whose handle is
-/// gone too, while a buffer keeps its segment, and no longer once that buffer is freed. A
-/// pool's segments are in the dump exactly as `MemPool::snapshot` lists them.
+/// `segment_pool_id`: the general allocator's dump lists its own segments as pool (0, 0), those
+/// of each `MemPool` as (0, id) — a pool whose handle is gone too, while a buffer keeps its
+/// segment, and no longer once that buffer is freed — and those of the pool a capture made as
+/// (id, 0), as PyTorch's graph-private pools are (`{uuid_++, 0}`, where a `MemPool` is
+/// `{0, uid_++}`; broken build `graph_pool_ids_as_mempools`: (0, id)). A pool's segments are in
+/// the dump exactly as `MemPool::snapshot` lists them.
 #[test]
 fn the_dump_lists_every_pool_of_the_family() {
     let dev = Arc::new(SimDevice::new(1 << 30));
@@ -316,30 +320,31 @@ fn the_dump_lists_every_pool_of_the_family() {
     alloc.begin_capture(t, None).unwrap();
     let captured = alloc.alloc(2 * MIB, t).unwrap();
     let graph = alloc.end_capture(t).unwrap();
-    let expect = |pairs: &[(u64, Vec<tidepool::SegmentInfo>)]| {
-        let mut v: Vec<(u64, u64, u64)> = pairs
+    let expect = |pairs: &[((u64, u64), Vec<tidepool::SegmentInfo>)]| {
+        let mut v: Vec<((u64, u64), u64, u64)> = pairs
             .iter()
             .flat_map(|(id, segs)| segs.iter().map(move |g| (*id, g.address.0, g.size)))
             .collect();
         v.sort_unstable();
         v
     };
-    let sorted = |mut v: Vec<(u64, u64, u64)>| {
+    let sorted = |mut v: Vec<((u64, u64), u64, u64)>| {
         v.sort_unstable();
         v
     };
     let Some(listed) = pools_in_dump(&alloc.snapshot_pickle()) else { return };
     let mut want = expect(&[
-        (0, alloc.snapshot()),
-        (pool.id(), pool.snapshot()),
-        (graph.pool().id(), graph.pool().snapshot()),
+        ((0, 0), alloc.snapshot()),
+        ((0, pool.id()), pool.snapshot()),
+        // The pool the capture made: PyTorch's graph-private pool, `(id, 0)`.
+        ((graph.pool().id(), 0), graph.pool().snapshot()),
     ]);
-    want.push((gone_id, orphan.ptr().0, 12 * MIB));
+    want.push(((0, gone_id), orphan.ptr().0, 12 * MIB));
     assert_eq!(sorted(listed), sorted(want));
     assert_eq!(pool.snapshot().len(), 2, "a small and a large segment");
     drop(orphan);
     let Some(listed) = pools_in_dump(&alloc.snapshot_pickle()) else { return };
-    assert!(!listed.iter().any(|l| l.0 == gone_id), "the orphan pool's memory went");
+    assert!(!listed.iter().any(|l| l.0 == (0, gone_id)), "the orphan pool's memory went");
     drop((in_pool, captured, graph, general));
     alloc.check_invariants().unwrap();
 }
@@ -390,10 +395,10 @@ fn pool_entries(alloc: &Allocator<SimDevice>) -> Vec<(Action, u64, u64)> {
     alloc.history().iter().map(|e| (e.action, e.pool_id, e.size)).collect()
 }
 
-/// The `pool_id` of every `device_traces` entry of the dump, as `(action, id)`, where it is the
-/// tuple `(0, id)` PyTorch writes, and whether each `oom` entry has `device_free` (PyTorch's key)
-/// in place of `addr`.
-fn pool_ids_in_dump(bytes: &[u8]) -> Vec<(String, u64)> {
+/// The `pool_id` of every `device_traces` entry of the dump, as `(action, id)`, the id the
+/// tuple PyTorch writes, and whether each `oom` entry has `device_free` (PyTorch's key) in
+/// place of `addr`.
+fn pool_ids_in_dump(bytes: &[u8]) -> Vec<(String, (u64, u64))> {
     use serde_pickle::{HashableValue as H, Value as V};
     let v = serde_pickle::value_from_slice(bytes, serde_pickle::DeOptions::new()).unwrap();
     let get = |d: &V, k: &str| match d {
@@ -409,8 +414,8 @@ fn pool_ids_in_dump(bytes: &[u8]) -> Vec<(String, u64)> {
             let (addr, free) = (get(e, "addr").is_some(), get(e, "device_free").is_some());
             assert_eq!((addr, free), (action != "oom", action == "oom"), "{e:?}");
             match get(e, "pool_id") {
-                Some(V::Tuple(t)) if t.len() == 2 && t[0] == V::I64(0) => match t[1] {
-                    V::I64(id) => (action, id as u64),
+                Some(V::Tuple(t)) if t.len() == 2 => match (&t[0], &t[1]) {
+                    (V::I64(a), V::I64(b)) => (action, (*a as u64, *b as u64)),
                     _ => panic!("{t:?}"),
                 },
                 other => panic!("pool_id {other:?} in {e:?}"),
@@ -423,7 +428,9 @@ fn pool_ids_in_dump(bytes: &[u8]) -> Vec<(String, u64)> {
 /// does is in it — a `MemPool` made before recording began, one made while recording (its
 /// stream caches closed from the start, so a same-size reuse is recorded), a CUDA graph's pool,
 /// and a pool whose handle is gone (its entries stay) — each entry tagged with its pool's id,
-/// written in the dump as PyTorch's `pool_id` tuple beside each segment's `segment_pool_id`.
+/// written in the dump as PyTorch's `pool_id` tuple beside each segment's `segment_pool_id`
+/// (`(0, id)` for the general allocator and the `MemPool`s, `(id, 0)` for the pool a capture
+/// made; broken build `graph_pool_ids_as_mempools`: `(0, id)` for it too).
 /// Stopping stops every pool; starting again records them again. The broken build
 /// `pools_unrecorded` (the general allocator alone records) fails it.
 #[test]
@@ -475,11 +482,16 @@ fn the_history_is_the_familys_each_entry_with_its_pool() {
     assert_eq!(got.remove(0), seg(0));
     assert_eq!(got, want);
     let in_dump = pool_ids_in_dump(&alloc.snapshot_pickle());
-    let names: Vec<(String, u64)> = std::iter::once(seg(0))
+    // PyTorch's ids: `(0, id)` for the general allocator and the `MemPool`s, `(id, 0)` for the
+    // pool the capture made (a graph-private pool).
+    let pytorch = |id: u64| if id == g { (g, 0) } else { (0, id) };
+    let names: Vec<(String, (u64, u64))> = std::iter::once(seg(0))
         .chain(want.iter().copied())
-        .map(|(a, id, _)| (a.name().to_string(), id))
+        .map(|(a, id, _)| (a.name().to_string(), pytorch(id)))
         .collect();
     assert_eq!(in_dump, names);
+    let ids: Vec<(u64, u64)> = alloc.history().iter().map(|e| e.pytorch_pool_id()).collect();
+    assert_eq!(ids, names.iter().map(|n| n.1).collect::<Vec<_>>());
     // Stopped: no pool records; started again: every pool does, the new ring from empty.
     alloc.record_history(HistoryOptions::new(0));
     drop(kept);

@@ -6,13 +6,14 @@
 //!
 //! ```text
 //!  { 'segments': [ { device, address, total_size, allocated_size, active_size, requested_size,
-//!                    stream, segment_type: 'small'|'large', segment_pool_id: (0, pool id:
-//!                    0 for the general allocator), is_expandable,
+//!                    stream, segment_type: 'small'|'large', segment_pool_id: (0, 0) for
+//!                    the general allocator, (0, id) a MemPool's, (id, 0) a graph's own
+//!                    pool's (PyTorch's ids), is_expandable,
 //!                    frames: [], blocks: [ { address, size, requested_size,
 //!                                            state: active_allocated|active_pending_free|inactive,
 //!                                            frames: [ its allocation's, where kept ] } ] } ],
 //!    'device_traces': [ [ { action, addr (an oom's: device_free), size, stream, time_us,
-//!                           frames: [...], user_metadata, pool_id: (0, pool id) } ] ],
+//!                           frames: [...], user_metadata, pool_id: as segment_pool_id } ] ],
 //!    'allocator_settings': { key: value },
 //!    'external_annotations': [ { stage: 'START'|'END', name, device, time_us } ] }
 //! ```
@@ -92,12 +93,13 @@ impl<D: Device> Allocator<D> {
         if let Some(window) = crate::sync::lock(&self.shared.after_view).take() {
             window();
         }
-        let mut parts = vec![(0, self.shared.role.id, general, general_cut)];
+        let mut parts =
+            vec![(self.shared.role.pytorch_id(), self.shared.role.id, general, general_cut)];
         if self.shared.role.id == 0 {
             for (id, sh) in self.shared.family.live_pools() {
                 let (mut segs, cut) = sh.snapshot_cut();
                 stitch_not_expandable(&sh, &mut segs);
-                parts.push((id, id, segs, cut));
+                parts.push((sh.role.pytorch_id(), id, segs, cut));
             }
         }
         let mut segments = Vec::new();
@@ -196,7 +198,7 @@ fn segment(
     s: &SegmentInfo,
     is_expandable: bool,
     stacks: Option<&Stacks>,
-    pool: u64,
+    (pool_a, pool_b): (u64, u64),
     device: u64,
 ) -> Py {
     let sum = |pred: fn(BlockState) -> bool| -> u64 {
@@ -214,7 +216,7 @@ fn segment(
         ("requested_size", Py::int(requested)),
         ("stream", Py::int(s.stream.0)),
         ("segment_type", Py::str(if s.pool == PoolKind::Small { "small" } else { "large" })),
-        ("segment_pool_id", Py::Tuple(vec![Py::int(0), Py::int(pool)])),
+        ("segment_pool_id", Py::Tuple(vec![Py::int(pool_a), Py::int(pool_b)])),
         ("is_expandable", Py::Bool(is_expandable)),
         ("frames", Py::List(vec![])),
         (
@@ -262,7 +264,10 @@ fn entry(e: &TraceEntry) -> Py {
         ("time_us", Py::int(e.time_us)),
         ("frames", Py::List(e.stack.as_deref().map(frames).unwrap_or_default())),
         ("user_metadata", Py::str(&*e.user_metadata)),
-        ("pool_id", Py::Tuple(vec![Py::int(0), Py::int(e.pool_id)])),
+        ("pool_id", {
+            let (a, b) = e.pytorch_pool_id();
+            Py::Tuple(vec![Py::int(a), Py::int(b)])
+        }),
     ])
 }
 

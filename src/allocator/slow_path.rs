@@ -233,7 +233,12 @@ impl<D: Device> Shared<D> {
                     // PyTorch's `oom` entry: the device's free bytes in place of an address,
                     // and the rounded size (its `params.size()`).
                     if first {
-                        st.note(Action::Oom, DeviceAddr(report.device_free), oom_size(bytes, rounded), key.stream);
+                        st.note(
+                            Action::Oom,
+                            DeviceAddr(report.device_free),
+                            oom_size(bytes, rounded),
+                            key.stream,
+                        );
                     }
                     return Err(AllocError::OutOfMemory(Box::new(report)));
                 }

@@ -284,7 +284,8 @@ impl<D: Device> Shared<D> {
         if on {
             self.flush_all(&mut st);
         }
-        st.history = ring.map(|r| Tap::new(r, self.role.id));
+        let graph = self.role.graph_made.load(Ordering::Relaxed);
+        st.history = ring.map(|r| Tap::new(r, self.role.id, graph));
     }
 
     /// Sets the stream caches' bounds, the fast path's switch and its size hint from `config`,
