@@ -863,6 +863,103 @@ fn dump_contents(bytes: &[u8]) -> (Vec<(u64, u64)>, Vec<(String, u64, u64)>) {
     (segments, trace)
 }
 
+/// The segments `(address, size, stream)` a viewer that undoes a dump's history from its
+/// segments back, as MemoryViz.js does (`simulate_memory`), finds before the first entry, and
+/// the entries it could not undo: a `segment_alloc` (or `segment_map`) of no segment of its
+/// stream there, an `alloc` outside every segment of its stream.
+#[allow(clippy::type_complexity)]
+fn undone_from_dump(bytes: &[u8]) -> (Vec<(u64, u64, u64)>, Vec<String>) {
+    use serde_pickle::{HashableValue as H, Value as V};
+    let v = serde_pickle::value_from_slice(bytes, serde_pickle::DeOptions::new()).unwrap();
+    let get = |d: &V, k: &str| match d {
+        V::Dict(m) => m.get(&H::String(k.into())).cloned().unwrap_or(V::None),
+        _ => panic!("not a dict: {d:?}"),
+    };
+    let int = |v: V| match v {
+        V::I64(n) => n as u64,
+        other => panic!("not an int: {other:?}"),
+    };
+    let list = |v: V| match v {
+        V::List(l) => l,
+        other => panic!("not a list: {other:?}"),
+    };
+    let mut segs: Vec<(u64, u64, u64)> = list(get(&v, "segments"))
+        .iter()
+        .map(|s| {
+            (int(get(s, "address")) - SIM_BASE, int(get(s, "total_size")), int(get(s, "stream")))
+        })
+        .collect();
+    let mut wrong = Vec::new();
+    let trace = list(list(get(&v, "device_traces")).remove(0));
+    for e in trace.iter().rev() {
+        let V::String(action) = get(e, "action") else { panic!("{e:?}") };
+        if action == "oom" {
+            continue;
+        }
+        let (a, size, stream) =
+            (int(get(e, "addr")) - SIM_BASE, int(get(e, "size")), int(get(e, "stream")));
+        match action.as_str() {
+            "segment_free" | "segment_unmap" => segs.push((a, size, stream)),
+            "segment_alloc" | "segment_map" => {
+                match segs.iter().position(|&(sa, ss, st)| sa == a && ss == size && st == stream) {
+                    Some(i) => {
+                        segs.remove(i);
+                    }
+                    None => wrong.push(format!("{action} {a} {size} on {stream}")),
+                }
+            }
+            "alloc"
+                if !segs
+                    .iter()
+                    .any(|&(sa, ss, st)| sa <= a && a + size <= sa + ss && st == stream) =>
+            {
+                wrong.push(format!("{action} {a} {size} on {stream}"));
+            }
+            _ => {}
+        }
+    }
+    segs.sort_unstable();
+    (segs, wrong)
+}
+
+/// A free segment another stream takes over (`cross_stream`) changes stream with no device
+/// call; PyTorch never moves one, so its viewers know segments by stream from their entries.
+/// The move is noted as a `segment_free` on the old stream and a `segment_alloc` on the new one
+/// (no device call counted), so a viewer undoing the history from the dump's segments back meets
+/// every segment on the stream its entries name and ends on the segments, streams included, of
+/// the dump taken as recording began. (Nothing was noted: undone, the segment was the new
+/// stream's from the start, its allocation's segment on the new stream had no `segment_alloc`
+/// and the start differed from the first dump; broken build `takeover_unrecorded`.)
+#[test]
+fn a_segment_taken_over_by_another_stream_is_recorded_as_its_move() {
+    let (dev, alloc) = setup();
+    let s = dev.create_stream().unwrap();
+    drop(alloc.alloc(3 * MIB, StreamId::DEFAULT).unwrap()); // a free 20 MiB segment, stream 0
+    alloc.record_history(HistoryOptions::new(100));
+    let start = alloc.snapshot_pickle();
+    assert_eq!(undone_from_dump(&start), (vec![(0, 20 * MIB, 0)], vec![]));
+    let mallocs = alloc.stats().num_device_alloc;
+    let b = alloc.alloc(3 * MIB, s).unwrap(); // takes stream 0's segment over
+    assert_eq!(b.ptr().0 - SIM_BASE, 0);
+    assert_eq!(alloc.stats().num_device_alloc, mallocs, "no device call");
+    drop(b);
+    use Action::*;
+    let s32 = s.0;
+    assert_eq!(
+        entries(&alloc),
+        vec![
+            (SegmentFree, 0, 20 * MIB, 0),
+            (SegmentAlloc, 0, 20 * MIB, s32),
+            (Alloc, 0, 3 * MIB, s32),
+            (FreeRequested, 0, 3 * MIB, s32),
+            (FreeCompleted, 0, 3 * MIB, s32),
+        ]
+    );
+    let end = alloc.snapshot_pickle();
+    assert_eq!(undone_from_dump(&end), (vec![(0, 20 * MIB, 0)], vec![]), "undone to the start");
+    alloc.check_invariants().unwrap();
+}
+
 /// A dump taken while another thread allocates, frees and empties the cache is one moment's
 /// picture: its history ends where the segments were read, so that PyTorch's viewer, undoing
 /// the entries from the segments back, meets every segment and block it undoes. (The history

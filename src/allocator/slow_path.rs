@@ -336,9 +336,22 @@ impl<D: Device> Shared<D> {
         Ok(None)
     }
 
+    /// Moves the free segment `seg` to stream `to`. The history notes the move as PyTorch's
+    /// viewers can replay it, a `segment_free` on the old stream and a `segment_alloc` on the
+    /// new one (no device call is made or counted): PyTorch never moves a segment between
+    /// streams, and a viewer that undoes the entries from the dump's segments back otherwise
+    /// drew the segment on its new stream from the start. BROKEN (`takeover_unrecorded`):
+    /// nothing noted.
     pub(super) fn move_segment(&self, st: &mut State, seg: SegmentId, to: StreamId) {
         self.ensure_cache(st, to);
-        let from = st.pool.segment(seg).key.stream;
+        let (from, base, size) = {
+            let s = st.pool.segment(seg);
+            (s.key.stream, s.base, s.size)
+        };
+        if !cfg!(tidepool_broken = "takeover_unrecorded") {
+            st.note(Action::SegmentFree, DeviceAddr(base), size, from);
+            st.note(Action::SegmentAlloc, DeviceAddr(base), size, to);
+        }
         st.pool.rekey_segment(seg, to);
         Self::forget_segment(st, from);
         *st.segment_streams.entry(to).or_default() += 1;
