@@ -1005,3 +1005,53 @@ fn a_dump_is_one_moment_while_other_threads_allocate() {
     assert_eq!(after.1, all);
     drop((keep, held));
 }
+
+/// The `(stage, name)` of every `external_annotations` entry of a dump.
+fn marks_in_dump(bytes: &[u8]) -> Vec<(String, String)> {
+    use serde_pickle::{HashableValue as H, Value as V};
+    let v = serde_pickle::value_from_slice(bytes, serde_pickle::DeOptions::new()).unwrap();
+    let get = |d: &V, k: &str| match d {
+        V::Dict(m) => m.get(&H::String(k.into())).cloned().unwrap_or(V::None),
+        _ => panic!("not a dict: {d:?}"),
+    };
+    let V::List(marks) = get(&v, "external_annotations") else { panic!("no annotations") };
+    marks
+        .iter()
+        .map(|m| match (get(m, "stage"), get(m, "name")) {
+            (V::String(stage), V::String(name)) => (stage, name),
+            other => panic!("{other:?}"),
+        })
+        .collect()
+}
+
+/// A dump's range marks are those of the moment its segments and entries were read: a range
+/// opened and an allocation made by another thread meanwhile show in neither (the marks were
+/// read as the dump ended, so that dump held a `START` whose range's allocations it did not;
+/// a reader merging marks and entries by time saw an empty range where there was none).
+/// Broken build `marks_after_cut`.
+#[test]
+fn a_dumps_range_marks_are_of_its_moment() {
+    let (_dev, alloc) = setup();
+    alloc.record_history(HistoryOptions::new(100));
+    alloc.record_annotation("before", true);
+    let keep = alloc.alloc(4096, StreamId::DEFAULT).unwrap();
+    let held = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let (other, held2) = (alloc.clone(), held.clone());
+    alloc.after_next_view(move || {
+        // Another thread, between the dump's reading of the segments and the rest.
+        other.record_annotation("during", true);
+        held2.lock().unwrap().push(other.alloc(3 * MIB, StreamId::DEFAULT).unwrap());
+    });
+    let during = alloc.snapshot_pickle();
+    let after = alloc.snapshot_pickle();
+    let m = |stage: &str, name: &str| (stage.to_string(), name.to_string());
+    assert_eq!(
+        marks_in_dump(&during),
+        vec![m("START", "before")],
+        "the marks as the segments were read"
+    );
+    assert_eq!(dump_contents(&during).1.len(), 2, "the segment and the 4 KiB allocation");
+    assert_eq!(marks_in_dump(&after), vec![m("START", "before"), m("START", "during")]);
+    assert_eq!(dump_contents(&after).1.len(), 4, "and the 3 MiB allocation's two entries");
+    drop((keep, held));
+}

@@ -130,11 +130,17 @@ impl<D: Device> Allocator<D> {
                     .collect()
             }
         };
+        // The range marks as the general allocator's section found them, with its entries.
+        // BROKEN (`marks_after_cut`): read as the dump ends, past the cut.
+        let marks = match cfg!(tidepool_broken = "marks_after_cut") {
+            true => self.annotations(),
+            false => parts[0].3.as_ref().map(|c| c.marks.clone()).unwrap_or_default(),
+        };
         DevicePart {
             device: index,
             segments,
             trace,
-            marks: self.annotations().iter().map(|a| annotation(a, device)).collect(),
+            marks: marks.iter().map(|a| annotation(a, device)).collect(),
         }
     }
 
@@ -170,11 +176,13 @@ impl<D: Device> Allocator<D> {
 type Stacks = std::collections::HashMap<u64, std::sync::Arc<std::backtrace::Backtrace>>;
 
 /// Where the history stood when an allocator's segments were read, in the same lock section:
-/// its ring, how many entries it had taken, and the live blocks' allocation stacks.
+/// its ring, how many entries it had taken, the live blocks' allocation stacks and the range
+/// marks.
 pub(crate) struct Cut {
     pub ring: history::Ring,
     pub pushed: u64,
     pub stacks: Stacks,
+    pub marks: Vec<super::Annotation>,
 }
 
 /// Whether each segment is mapped through virtual memory (PyTorch's `is_expandable`): a run of

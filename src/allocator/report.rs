@@ -68,11 +68,11 @@ impl<D: Device> Shared<D> {
         let segments = self.segments_in(&mut st);
         let cut = st.history.as_ref().map(|tap| {
             let ring = tap.ring().clone();
-            let (pushed, stacks) = {
+            let (pushed, stacks, marks) = {
                 let h = crate::sync::lock(&ring);
-                (h.pushed(), h.block_stacks().clone())
+                (h.pushed(), h.block_stacks().clone(), h.annotations().cloned().collect())
             };
-            super::dump::Cut { ring, pushed, stacks }
+            super::dump::Cut { ring, pushed, stacks, marks }
         });
         (segments, cut)
     }
