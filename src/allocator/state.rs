@@ -45,7 +45,7 @@ pub(crate) struct Shared<D: Device> {
     #[cfg(all(feature = "test-hooks", not(loom)))]
     pub(super) after_collect: Mutex<Option<Box<dyn FnOnce() + Send>>>,
     /// Test only: what the next snapshot pickle runs right after the allocator's segments
-    /// were read ([`Allocator::after_next_view`]).
+    /// were read, or the next summary after its read ([`Allocator::after_next_view`]).
     #[cfg(feature = "test-hooks")]
     pub(super) after_view: Mutex<Option<Box<dyn FnOnce() + Send>>>,
     /// Whether the memory history is recorded (then every operation takes the slow path).
