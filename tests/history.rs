@@ -144,7 +144,7 @@ fn an_out_of_memory_error_is_recorded_with_the_request() {
     assert_eq!(report.device_free, 64 * MIB);
     assert_eq!((h[0].action, h[0].addr, h[0].size), (Action::Oom, DeviceAddr(64 * MIB), 1 << 40));
     let pickle = alloc.snapshot_pickle();
-    assert_eq!(pool_ids_in_dump(&pickle), vec![("oom".to_string(), 0)]); // `device_free`, no `addr`
+    assert_eq!(pool_ids_in_dump(&pickle), vec![("oom".to_string(), (0, 0))]); // `device_free`, no `addr`
     let v = serde_pickle::value_from_slice(&pickle, serde_pickle::DeOptions::new()).unwrap();
     let text = format!("{v:?}");
     let want = format!("String(\"device_free\"): I64({})", 64 * MIB);
@@ -153,6 +153,30 @@ fn an_out_of_memory_error_is_recorded_with_the_request() {
     // The allocator works on.
     drop(alloc.alloc(4096, StreamId::DEFAULT).unwrap());
     alloc.check_invariants().unwrap();
+}
+
+/// PyTorch's `oom` entry records the request rounded up to its block size (its
+/// `record_trace(TraceEntry::OOM, device_free, params.size(), …)`, `params.size()` being
+/// `round_size(size)`), on ordinary segments and on expandable ones alike: a 48 MiB + 1 byte
+/// request is 48 MiB + 512 bytes. (It recorded the request as asked; broken build
+/// `oom_entry_requested`.)
+#[test]
+fn an_out_of_memory_entry_records_the_rounded_size() {
+    for conf in ["", "expandable_segments:true"] {
+        let dev = Arc::new(SimDevice::backed(64 * MIB));
+        let alloc = Allocator::new(dev.clone(), Config::parse(conf).unwrap()).unwrap();
+        let keep = alloc.alloc(40 * MIB, StreamId::DEFAULT).unwrap();
+        alloc.record_history(HistoryOptions::new(10));
+        let Err(tidepool::AllocError::OutOfMemory(report)) =
+            alloc.alloc(48 * MIB + 1, StreamId::DEFAULT)
+        else {
+            panic!("{conf}: 88 MiB of 64")
+        };
+        let h: Vec<_> = alloc.history().iter().map(|e| (e.action, e.addr.0, e.size)).collect();
+        assert_eq!(h, vec![(Action::Oom, report.device_free, 48 * MIB + 512)], "{conf}");
+        assert_eq!(report.device_free, 24 * MIB, "{conf}");
+        drop(keep);
+    }
 }
 
 /// Python reads the dump; the script checks what `_memory_viz.py` reads and prints figures.
@@ -228,18 +252,20 @@ fn entries_carry_the_requested_size_as_pytorch_records_it() {
     );
 }
 
-/// Prints `pool_id address total_size` for every segment of the dump, one line each.
+/// Prints `pool_id address total_size` for every segment of the dump, one line each (the
+/// pool id's two numbers).
 const POOLS_PY: &str = r#"
 import pickle, sys
 d = pickle.load(open(sys.argv[1], 'rb'))
 for s in d['segments']:
     p = s['segment_pool_id']
-    assert isinstance(p, tuple) and len(p) == 2 and p[0] == 0, p
-    print(p[1], s['address'], s['total_size'])
+    assert isinstance(p, tuple) and len(p) == 2 and 0 in p, p
+    print(p[0], p[1], s['address'], s['total_size'])
 "#;
 
 /// The segments of `bytes` as `(pool id, address, size)`, read by Python (`None`: no python3).
-fn pools_in_dump(bytes: &[u8]) -> Option<Vec<(u64, u64, u64)>> {
+#[allow(clippy::type_complexity)]
+fn pools_in_dump(bytes: &[u8]) -> Option<Vec<((u64, u64), u64, u64)>> {
     let scratch = tempfile::Builder::new().prefix("tidepool-pools-").tempdir().unwrap();
     let dir = scratch.path();
     let (path, script) = (dir.join("snapshot.pickle"), dir.join("pools.py"));
@@ -261,17 +287,19 @@ fn pools_in_dump(bytes: &[u8]) -> Option<Vec<(u64, u64, u64)>> {
         text.lines()
             .map(|l| {
                 let mut w = l.split_whitespace();
-                (field(w.next()), field(w.next()), field(w.next()))
+                ((field(w.next()), field(w.next())), field(w.next()), field(w.next()))
             })
             .collect(),
     )
 }
 
 /// PyTorch's snapshot lists every pool of the device, each segment with its
-/// `segment_pool_id`: the general allocator's dump lists its own segments as pool (0, 0) and
-/// those of each private pool (a `MemPool`, a graph's pool) as (0, id) — a pool whose handle is
-/// gone too, while a buffer keeps its segment, and no longer once that buffer is freed. A
-/// pool's segments are in the dump exactly as `MemPool::snapshot` lists them.
+/// `segment_pool_id`: the general allocator's dump lists its own segments as pool (0, 0), those
+/// of each `MemPool` as (0, id) — a pool whose handle is gone too, while a buffer keeps its
+/// segment, and no longer once that buffer is freed — and those of the pool a capture made as
+/// (id, 0), as PyTorch's graph-private pools are (`{uuid_++, 0}`, where a `MemPool` is
+/// `{0, uid_++}`; broken build `graph_pool_ids_as_mempools`: (0, id)). A pool's segments are in
+/// the dump exactly as `MemPool::snapshot` lists them.
 #[test]
 fn the_dump_lists_every_pool_of_the_family() {
     let dev = Arc::new(SimDevice::new(1 << 30));
@@ -292,30 +320,31 @@ fn the_dump_lists_every_pool_of_the_family() {
     alloc.begin_capture(t, None).unwrap();
     let captured = alloc.alloc(2 * MIB, t).unwrap();
     let graph = alloc.end_capture(t).unwrap();
-    let expect = |pairs: &[(u64, Vec<tidepool::SegmentInfo>)]| {
-        let mut v: Vec<(u64, u64, u64)> = pairs
+    let expect = |pairs: &[((u64, u64), Vec<tidepool::SegmentInfo>)]| {
+        let mut v: Vec<((u64, u64), u64, u64)> = pairs
             .iter()
             .flat_map(|(id, segs)| segs.iter().map(move |g| (*id, g.address.0, g.size)))
             .collect();
         v.sort_unstable();
         v
     };
-    let sorted = |mut v: Vec<(u64, u64, u64)>| {
+    let sorted = |mut v: Vec<((u64, u64), u64, u64)>| {
         v.sort_unstable();
         v
     };
     let Some(listed) = pools_in_dump(&alloc.snapshot_pickle()) else { return };
     let mut want = expect(&[
-        (0, alloc.snapshot()),
-        (pool.id(), pool.snapshot()),
-        (graph.pool().id(), graph.pool().snapshot()),
+        ((0, 0), alloc.snapshot()),
+        ((0, pool.id()), pool.snapshot()),
+        // The pool the capture made: PyTorch's graph-private pool, `(id, 0)`.
+        ((graph.pool().id(), 0), graph.pool().snapshot()),
     ]);
-    want.push((gone_id, orphan.ptr().0, 12 * MIB));
+    want.push(((0, gone_id), orphan.ptr().0, 12 * MIB));
     assert_eq!(sorted(listed), sorted(want));
     assert_eq!(pool.snapshot().len(), 2, "a small and a large segment");
     drop(orphan);
     let Some(listed) = pools_in_dump(&alloc.snapshot_pickle()) else { return };
-    assert!(!listed.iter().any(|l| l.0 == gone_id), "the orphan pool's memory went");
+    assert!(!listed.iter().any(|l| l.0 == (0, gone_id)), "the orphan pool's memory went");
     drop((in_pool, captured, graph, general));
     alloc.check_invariants().unwrap();
 }
@@ -366,10 +395,10 @@ fn pool_entries(alloc: &Allocator<SimDevice>) -> Vec<(Action, u64, u64)> {
     alloc.history().iter().map(|e| (e.action, e.pool_id, e.size)).collect()
 }
 
-/// The `pool_id` of every `device_traces` entry of the dump, as `(action, id)`, where it is the
-/// tuple `(0, id)` PyTorch writes, and whether each `oom` entry has `device_free` (PyTorch's key)
-/// in place of `addr`.
-fn pool_ids_in_dump(bytes: &[u8]) -> Vec<(String, u64)> {
+/// The `pool_id` of every `device_traces` entry of the dump, as `(action, id)`, the id the
+/// tuple PyTorch writes, and whether each `oom` entry has `device_free` (PyTorch's key) in
+/// place of `addr`.
+fn pool_ids_in_dump(bytes: &[u8]) -> Vec<(String, (u64, u64))> {
     use serde_pickle::{HashableValue as H, Value as V};
     let v = serde_pickle::value_from_slice(bytes, serde_pickle::DeOptions::new()).unwrap();
     let get = |d: &V, k: &str| match d {
@@ -385,8 +414,8 @@ fn pool_ids_in_dump(bytes: &[u8]) -> Vec<(String, u64)> {
             let (addr, free) = (get(e, "addr").is_some(), get(e, "device_free").is_some());
             assert_eq!((addr, free), (action != "oom", action == "oom"), "{e:?}");
             match get(e, "pool_id") {
-                Some(V::Tuple(t)) if t.len() == 2 && t[0] == V::I64(0) => match t[1] {
-                    V::I64(id) => (action, id as u64),
+                Some(V::Tuple(t)) if t.len() == 2 => match (&t[0], &t[1]) {
+                    (V::I64(a), V::I64(b)) => (action, (*a as u64, *b as u64)),
                     _ => panic!("{t:?}"),
                 },
                 other => panic!("pool_id {other:?} in {e:?}"),
@@ -399,7 +428,9 @@ fn pool_ids_in_dump(bytes: &[u8]) -> Vec<(String, u64)> {
 /// does is in it — a `MemPool` made before recording began, one made while recording (its
 /// stream caches closed from the start, so a same-size reuse is recorded), a CUDA graph's pool,
 /// and a pool whose handle is gone (its entries stay) — each entry tagged with its pool's id,
-/// written in the dump as PyTorch's `pool_id` tuple beside each segment's `segment_pool_id`.
+/// written in the dump as PyTorch's `pool_id` tuple beside each segment's `segment_pool_id`
+/// (`(0, id)` for the general allocator and the `MemPool`s, `(id, 0)` for the pool a capture
+/// made; broken build `graph_pool_ids_as_mempools`: `(0, id)` for it too).
 /// Stopping stops every pool; starting again records them again. The broken build
 /// `pools_unrecorded` (the general allocator alone records) fails it.
 #[test]
@@ -451,11 +482,16 @@ fn the_history_is_the_familys_each_entry_with_its_pool() {
     assert_eq!(got.remove(0), seg(0));
     assert_eq!(got, want);
     let in_dump = pool_ids_in_dump(&alloc.snapshot_pickle());
-    let names: Vec<(String, u64)> = std::iter::once(seg(0))
+    // PyTorch's ids: `(0, id)` for the general allocator and the `MemPool`s, `(id, 0)` for the
+    // pool the capture made (a graph-private pool).
+    let pytorch = |id: u64| if id == g { (g, 0) } else { (0, id) };
+    let names: Vec<(String, (u64, u64))> = std::iter::once(seg(0))
         .chain(want.iter().copied())
-        .map(|(a, id, _)| (a.name().to_string(), id))
+        .map(|(a, id, _)| (a.name().to_string(), pytorch(id)))
         .collect();
     assert_eq!(in_dump, names);
+    let ids: Vec<(u64, u64)> = alloc.history().iter().map(|e| e.pytorch_pool_id()).collect();
+    assert_eq!(ids, names.iter().map(|n| n.1).collect::<Vec<_>>());
     // Stopped: no pool records; started again: every pool does, the new ring from empty.
     alloc.record_history(HistoryOptions::new(0));
     drop(kept);
@@ -827,6 +863,103 @@ fn dump_contents(bytes: &[u8]) -> (Vec<(u64, u64)>, Vec<(String, u64, u64)>) {
     (segments, trace)
 }
 
+/// The segments `(address, size, stream)` a viewer that undoes a dump's history from its
+/// segments back, as MemoryViz.js does (`simulate_memory`), finds before the first entry, and
+/// the entries it could not undo: a `segment_alloc` (or `segment_map`) of no segment of its
+/// stream there, an `alloc` outside every segment of its stream.
+#[allow(clippy::type_complexity)]
+fn undone_from_dump(bytes: &[u8]) -> (Vec<(u64, u64, u64)>, Vec<String>) {
+    use serde_pickle::{HashableValue as H, Value as V};
+    let v = serde_pickle::value_from_slice(bytes, serde_pickle::DeOptions::new()).unwrap();
+    let get = |d: &V, k: &str| match d {
+        V::Dict(m) => m.get(&H::String(k.into())).cloned().unwrap_or(V::None),
+        _ => panic!("not a dict: {d:?}"),
+    };
+    let int = |v: V| match v {
+        V::I64(n) => n as u64,
+        other => panic!("not an int: {other:?}"),
+    };
+    let list = |v: V| match v {
+        V::List(l) => l,
+        other => panic!("not a list: {other:?}"),
+    };
+    let mut segs: Vec<(u64, u64, u64)> = list(get(&v, "segments"))
+        .iter()
+        .map(|s| {
+            (int(get(s, "address")) - SIM_BASE, int(get(s, "total_size")), int(get(s, "stream")))
+        })
+        .collect();
+    let mut wrong = Vec::new();
+    let trace = list(list(get(&v, "device_traces")).remove(0));
+    for e in trace.iter().rev() {
+        let V::String(action) = get(e, "action") else { panic!("{e:?}") };
+        if action == "oom" {
+            continue;
+        }
+        let (a, size, stream) =
+            (int(get(e, "addr")) - SIM_BASE, int(get(e, "size")), int(get(e, "stream")));
+        match action.as_str() {
+            "segment_free" | "segment_unmap" => segs.push((a, size, stream)),
+            "segment_alloc" | "segment_map" => {
+                match segs.iter().position(|&(sa, ss, st)| sa == a && ss == size && st == stream) {
+                    Some(i) => {
+                        segs.remove(i);
+                    }
+                    None => wrong.push(format!("{action} {a} {size} on {stream}")),
+                }
+            }
+            "alloc"
+                if !segs
+                    .iter()
+                    .any(|&(sa, ss, st)| sa <= a && a + size <= sa + ss && st == stream) =>
+            {
+                wrong.push(format!("{action} {a} {size} on {stream}"));
+            }
+            _ => {}
+        }
+    }
+    segs.sort_unstable();
+    (segs, wrong)
+}
+
+/// A free segment another stream takes over (`cross_stream`) changes stream with no device
+/// call; PyTorch never moves one, so its viewers know segments by stream from their entries.
+/// The move is noted as a `segment_free` on the old stream and a `segment_alloc` on the new one
+/// (no device call counted), so a viewer undoing the history from the dump's segments back meets
+/// every segment on the stream its entries name and ends on the segments, streams included, of
+/// the dump taken as recording began. (Nothing was noted: undone, the segment was the new
+/// stream's from the start, its allocation's segment on the new stream had no `segment_alloc`
+/// and the start differed from the first dump; broken build `takeover_unrecorded`.)
+#[test]
+fn a_segment_taken_over_by_another_stream_is_recorded_as_its_move() {
+    let (dev, alloc) = setup();
+    let s = dev.create_stream().unwrap();
+    drop(alloc.alloc(3 * MIB, StreamId::DEFAULT).unwrap()); // a free 20 MiB segment, stream 0
+    alloc.record_history(HistoryOptions::new(100));
+    let start = alloc.snapshot_pickle();
+    assert_eq!(undone_from_dump(&start), (vec![(0, 20 * MIB, 0)], vec![]));
+    let mallocs = alloc.stats().num_device_alloc;
+    let b = alloc.alloc(3 * MIB, s).unwrap(); // takes stream 0's segment over
+    assert_eq!(b.ptr().0 - SIM_BASE, 0);
+    assert_eq!(alloc.stats().num_device_alloc, mallocs, "no device call");
+    drop(b);
+    use Action::*;
+    let s32 = s.0;
+    assert_eq!(
+        entries(&alloc),
+        vec![
+            (SegmentFree, 0, 20 * MIB, 0),
+            (SegmentAlloc, 0, 20 * MIB, s32),
+            (Alloc, 0, 3 * MIB, s32),
+            (FreeRequested, 0, 3 * MIB, s32),
+            (FreeCompleted, 0, 3 * MIB, s32),
+        ]
+    );
+    let end = alloc.snapshot_pickle();
+    assert_eq!(undone_from_dump(&end), (vec![(0, 20 * MIB, 0)], vec![]), "undone to the start");
+    alloc.check_invariants().unwrap();
+}
+
 /// A dump taken while another thread allocates, frees and empties the cache is one moment's
 /// picture: its history ends where the segments were read, so that PyTorch's viewer, undoing
 /// the entries from the segments back, meets every segment and block it undoes. (The history
@@ -870,5 +1003,55 @@ fn a_dump_is_one_moment_while_other_threads_allocate() {
         e("segment_free", 20 * MIB, 2 * MIB),
     ]);
     assert_eq!(after.1, all);
+    drop((keep, held));
+}
+
+/// The `(stage, name)` of every `external_annotations` entry of a dump.
+fn marks_in_dump(bytes: &[u8]) -> Vec<(String, String)> {
+    use serde_pickle::{HashableValue as H, Value as V};
+    let v = serde_pickle::value_from_slice(bytes, serde_pickle::DeOptions::new()).unwrap();
+    let get = |d: &V, k: &str| match d {
+        V::Dict(m) => m.get(&H::String(k.into())).cloned().unwrap_or(V::None),
+        _ => panic!("not a dict: {d:?}"),
+    };
+    let V::List(marks) = get(&v, "external_annotations") else { panic!("no annotations") };
+    marks
+        .iter()
+        .map(|m| match (get(m, "stage"), get(m, "name")) {
+            (V::String(stage), V::String(name)) => (stage, name),
+            other => panic!("{other:?}"),
+        })
+        .collect()
+}
+
+/// A dump's range marks are those of the moment its segments and entries were read: a range
+/// opened and an allocation made by another thread meanwhile show in neither (the marks were
+/// read as the dump ended, so that dump held a `START` whose range's allocations it did not;
+/// a reader merging marks and entries by time saw an empty range where there was none).
+/// Broken build `marks_after_cut`.
+#[test]
+fn a_dumps_range_marks_are_of_its_moment() {
+    let (_dev, alloc) = setup();
+    alloc.record_history(HistoryOptions::new(100));
+    alloc.record_annotation("before", true);
+    let keep = alloc.alloc(4096, StreamId::DEFAULT).unwrap();
+    let held = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let (other, held2) = (alloc.clone(), held.clone());
+    alloc.after_next_view(move || {
+        // Another thread, between the dump's reading of the segments and the rest.
+        other.record_annotation("during", true);
+        held2.lock().unwrap().push(other.alloc(3 * MIB, StreamId::DEFAULT).unwrap());
+    });
+    let during = alloc.snapshot_pickle();
+    let after = alloc.snapshot_pickle();
+    let m = |stage: &str, name: &str| (stage.to_string(), name.to_string());
+    assert_eq!(
+        marks_in_dump(&during),
+        vec![m("START", "before")],
+        "the marks as the segments were read"
+    );
+    assert_eq!(dump_contents(&during).1.len(), 2, "the segment and the 4 KiB allocation");
+    assert_eq!(marks_in_dump(&after), vec![m("START", "before"), m("START", "during")]);
+    assert_eq!(dump_contents(&after).1.len(), 4, "and the 3 MiB allocation's two entries");
     drop((keep, held));
 }

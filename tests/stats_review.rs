@@ -1084,3 +1084,46 @@ fn a_locked_pop_counts_after_the_completed_pending_frees() {
     drop(y);
     alloc.check_invariants().unwrap();
 }
+
+/// The second column (after the name) of every row of `summary` whose name starts with `name`.
+fn summary_cells(summary: &str, name: &str) -> Vec<String> {
+    summary
+        .lines()
+        .filter_map(|l| l.strip_prefix("| ")?.strip_prefix(name).map(|_| l))
+        .map(|l| l.split('|').nth(2).unwrap().trim().to_string())
+        .collect()
+}
+
+/// `memory_summary()` is one moment's table: the expandable ranges' rows and the statistics
+/// beside them are read in one lock section, so the ranges' mapped bytes add up to the
+/// reserved memory it prints. (The ranges were read in a lock section of their own and the
+/// statistics after it: another thread's growth in between showed in the reserved row and the
+/// map count with no range of its own.) `after_next_view` runs its window right after the
+/// summary's read (between the two reads in the broken build `summary_apart`).
+#[test]
+fn memory_summary_reads_its_ranges_and_figures_in_one_moment() {
+    let (dev, alloc) = allocator_on(1 << 30, "expandable_segments:true");
+    let s = dev.create_stream().unwrap();
+    let a = alloc.alloc(3 * MIB, S0).unwrap();
+    let before = alloc.stats();
+    let held = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let (other, held2) = (alloc.clone(), held.clone());
+    alloc.after_next_view(move || {
+        // Another thread grows a range of its own stream meanwhile.
+        held2.lock().unwrap().push(other.alloc(3 * MIB, s).unwrap());
+    });
+    let summary = alloc.memory_summary();
+    let reserved = before.blocks.reserved_bytes.all.current;
+    let shown = |b: u64| tidepool::Bytes(b).to_string();
+    assert_eq!(summary_cells(&summary, "Range "), vec![shown(reserved)], "{summary}");
+    assert_eq!(summary_cells(&summary, "Reserved memory"), vec![shown(reserved)], "{summary}");
+    let maps = format!("{} maps", before.num_device_map);
+    assert!(summary.contains(&maps), "{maps}: {summary}");
+    // The other thread's growth is in the next one.
+    let after = alloc.stats().blocks.reserved_bytes.all.current;
+    assert!(after > reserved);
+    let summary = alloc.memory_summary();
+    assert_eq!(summary_cells(&summary, "Range ").len(), 2, "{summary}");
+    assert_eq!(summary_cells(&summary, "Reserved memory"), vec![shown(after)], "{summary}");
+    drop((a, held));
+}

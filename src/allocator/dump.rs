@@ -6,13 +6,14 @@
 //!
 //! ```text
 //!  { 'segments': [ { device, address, total_size, allocated_size, active_size, requested_size,
-//!                    stream, segment_type: 'small'|'large', segment_pool_id: (0, pool id:
-//!                    0 for the general allocator), is_expandable,
+//!                    stream, segment_type: 'small'|'large', segment_pool_id: (0, 0) for
+//!                    the general allocator, (0, id) a MemPool's, (id, 0) a graph's own
+//!                    pool's (PyTorch's ids), is_expandable,
 //!                    frames: [], blocks: [ { address, size, requested_size,
 //!                                            state: active_allocated|active_pending_free|inactive,
 //!                                            frames: [ its allocation's, where kept ] } ] } ],
 //!    'device_traces': [ [ { action, addr (an oom's: device_free), size, stream, time_us,
-//!                           frames: [...], user_metadata, pool_id: (0, pool id) } ] ],
+//!                           frames: [...], user_metadata, pool_id: as segment_pool_id } ] ],
 //!    'allocator_settings': { key: value },
 //!    'external_annotations': [ { stage: 'START'|'END', name, device, time_us } ] }
 //! ```
@@ -92,12 +93,13 @@ impl<D: Device> Allocator<D> {
         if let Some(window) = crate::sync::lock(&self.shared.after_view).take() {
             window();
         }
-        let mut parts = vec![(0, self.shared.role.id, general, general_cut)];
+        let mut parts =
+            vec![(self.shared.role.pytorch_id(), self.shared.role.id, general, general_cut)];
         if self.shared.role.id == 0 {
             for (id, sh) in self.shared.family.live_pools() {
                 let (mut segs, cut) = sh.snapshot_cut();
                 stitch_not_expandable(&sh, &mut segs);
-                parts.push((id, id, segs, cut));
+                parts.push((sh.role.pytorch_id(), id, segs, cut));
             }
         }
         let mut segments = Vec::new();
@@ -128,11 +130,17 @@ impl<D: Device> Allocator<D> {
                     .collect()
             }
         };
+        // The range marks as the general allocator's section found them, with its entries.
+        // BROKEN (`marks_after_cut`): read as the dump ends, past the cut.
+        let marks = match cfg!(tidepool_broken = "marks_after_cut") {
+            true => self.annotations(),
+            false => parts[0].3.as_ref().map(|c| c.marks.clone()).unwrap_or_default(),
+        };
         DevicePart {
             device: index,
             segments,
             trace,
-            marks: self.annotations().iter().map(|a| annotation(a, device)).collect(),
+            marks: marks.iter().map(|a| annotation(a, device)).collect(),
         }
     }
 
@@ -168,11 +176,13 @@ impl<D: Device> Allocator<D> {
 type Stacks = std::collections::HashMap<u64, std::sync::Arc<std::backtrace::Backtrace>>;
 
 /// Where the history stood when an allocator's segments were read, in the same lock section:
-/// its ring, how many entries it had taken, and the live blocks' allocation stacks.
+/// its ring, how many entries it had taken, the live blocks' allocation stacks and the range
+/// marks.
 pub(crate) struct Cut {
     pub ring: history::Ring,
     pub pushed: u64,
     pub stacks: Stacks,
+    pub marks: Vec<super::Annotation>,
 }
 
 /// Whether each segment is mapped through virtual memory (PyTorch's `is_expandable`): a run of
@@ -196,7 +206,7 @@ fn segment(
     s: &SegmentInfo,
     is_expandable: bool,
     stacks: Option<&Stacks>,
-    pool: u64,
+    (pool_a, pool_b): (u64, u64),
     device: u64,
 ) -> Py {
     let sum = |pred: fn(BlockState) -> bool| -> u64 {
@@ -214,7 +224,7 @@ fn segment(
         ("requested_size", Py::int(requested)),
         ("stream", Py::int(s.stream.0)),
         ("segment_type", Py::str(if s.pool == PoolKind::Small { "small" } else { "large" })),
-        ("segment_pool_id", Py::Tuple(vec![Py::int(0), Py::int(pool)])),
+        ("segment_pool_id", Py::Tuple(vec![Py::int(pool_a), Py::int(pool_b)])),
         ("is_expandable", Py::Bool(is_expandable)),
         ("frames", Py::List(vec![])),
         (
@@ -262,7 +272,10 @@ fn entry(e: &TraceEntry) -> Py {
         ("time_us", Py::int(e.time_us)),
         ("frames", Py::List(e.stack.as_deref().map(frames).unwrap_or_default())),
         ("user_metadata", Py::str(&*e.user_metadata)),
-        ("pool_id", Py::Tuple(vec![Py::int(0), Py::int(e.pool_id)])),
+        ("pool_id", {
+            let (a, b) = e.pytorch_pool_id();
+            Py::Tuple(vec![Py::int(a), Py::int(b)])
+        }),
     ])
 }
 

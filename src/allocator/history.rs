@@ -135,7 +135,8 @@ pub enum Action {
     SegmentMap,
     /// Pages of an expandable range were unmapped (`segment_unmap`).
     SegmentUnmap,
-    /// An allocation failed for lack of memory (`oom`); `size` is the request.
+    /// An allocation failed for lack of memory (`oom`); `size` is the request rounded up to
+    /// its block size, as PyTorch records it.
     Oom,
 }
 
@@ -175,7 +176,8 @@ pub struct TraceEntry {
     /// The block's or segment's address (the device's free bytes for [`Action::Oom`]).
     pub addr: DeviceAddr,
     /// Bytes: what the user asked for (as PyTorch records it; the block may be rounded up), the
-    /// segment's size, or the failed request.
+    /// segment's size, or the failed request rounded up to its block size (PyTorch's
+    /// `params.size()`).
     pub size: u64,
     /// The stream of the block or segment.
     pub stream: StreamId,
@@ -193,8 +195,20 @@ pub struct TraceEntry {
     /// when none was set).
     pub user_metadata: std::sync::Arc<str>,
     /// The pool it happened in: 0 for the general allocator, else the [`crate::MemPool::id`]
-    /// of a private pool (a CUDA graph's included) — PyTorch's `pool_id`.
+    /// of a private pool (a CUDA graph's included); PyTorch's `pool_id` is
+    /// [`TraceEntry::pytorch_pool_id`].
     pub pool_id: u64,
+    /// Whether that pool was made by a CUDA graph's capture given none.
+    graph_pool: bool,
+}
+
+impl TraceEntry {
+    /// The pool's id as PyTorch writes it (the dump's `pool_id`): `(0, 0)` for the general
+    /// allocator, `(0, id)` for a [`crate::MemPool`] the user made, `(id, 0)` for the pool a
+    /// CUDA graph's capture made when given none (PyTorch's graph-private pools).
+    pub fn pytorch_pool_id(&self) -> (u64, u64) {
+        super::private_pool::pytorch_pool_id(self.pool_id, self.graph_pool)
+    }
 }
 
 /// One end of a named range of the program in the memory history (PyTorch's
@@ -215,21 +229,23 @@ pub struct Annotation {
 /// The ring of a family, shared by its allocators' taps.
 pub(crate) type Ring = Arc<Mutex<History>>;
 
-/// What an allocator of the family records into: the family's ring and its own pool id.
+/// What an allocator of the family records into: the family's ring, its own pool id and
+/// whether a graph's capture made that pool.
 pub(crate) struct Tap {
     ring: Ring,
     pool: u64,
+    graph: bool,
 }
 
 impl Tap {
-    pub fn new(ring: Ring, pool: u64) -> Tap {
-        Tap { ring, pool }
+    pub fn new(ring: Ring, pool: u64, graph: bool) -> Tap {
+        Tap { ring, pool, graph }
     }
 
     /// Appends an entry made by this allocator (the ring's lock is a leaf: taken under the
     /// allocator's own, never the other way round).
     pub fn push(&self, action: Action, addr: DeviceAddr, size: u64, stream: StreamId) {
-        lock(&self.ring).push(action, addr, size, stream, self.pool);
+        lock(&self.ring).push(action, addr, size, stream, (self.pool, self.graph));
     }
 
     pub fn ring(&self) -> &Ring {
@@ -370,7 +386,7 @@ impl History {
         addr: DeviceAddr,
         size: u64,
         stream: StreamId,
-        pool_id: u64,
+        (pool_id, graph_pool): (u64, bool),
     ) {
         let context = self.opts.context;
         let block = action == Action::Alloc && context >= HistoryContext::State;
@@ -405,6 +421,7 @@ impl History {
             stack,
             user_metadata,
             pool_id,
+            graph_pool,
         });
         self.pushed += 1;
     }
@@ -438,7 +455,7 @@ mod tests {
     fn the_ring_keeps_the_newest_entries() {
         let mut h = History::new(HistoryOptions::new(3), "".into());
         for i in 0..5u64 {
-            h.push(Action::Alloc, DeviceAddr(i * 512), 512, StreamId::DEFAULT, i);
+            h.push(Action::Alloc, DeviceAddr(i * 512), 512, StreamId::DEFAULT, (i, false));
         }
         let addrs: Vec<u64> = h.entries().map(|e| e.addr.0).collect();
         assert_eq!(addrs, vec![1024, 1536, 2048]);
@@ -446,7 +463,7 @@ mod tests {
         assert_eq!(pools, vec![2, 3, 4]);
         assert!(h.entries().all(|e| e.stack.is_none()));
         let mut off = History::new(HistoryOptions::new(0), "".into());
-        off.push(Action::Oom, DeviceAddr(0), 1, StreamId::DEFAULT, 0);
+        off.push(Action::Oom, DeviceAddr(0), 1, StreamId::DEFAULT, (0, false));
         assert_eq!(off.entries().count(), 0);
     }
 
@@ -458,11 +475,11 @@ mod tests {
     fn entries_and_range_marks_read_back_in_their_order() {
         let mut h = History::new(HistoryOptions::new(10_000), "".into());
         for i in 0..1000u64 {
-            h.push(Action::Alloc, DeviceAddr(i * 512), 512, StreamId::DEFAULT, 0);
+            h.push(Action::Alloc, DeviceAddr(i * 512), 512, StreamId::DEFAULT, (0, false));
             h.annotate("r".into(), false);
-            h.push(Action::FreeRequested, DeviceAddr(i * 512), 512, StreamId::DEFAULT, 0);
+            h.push(Action::FreeRequested, DeviceAddr(i * 512), 512, StreamId::DEFAULT, (0, false));
             h.annotate("r".into(), true);
-            h.push(Action::FreeCompleted, DeviceAddr(i * 512), 512, StreamId::DEFAULT, 0);
+            h.push(Action::FreeCompleted, DeviceAddr(i * 512), 512, StreamId::DEFAULT, (0, false));
         }
         let marks: Vec<(u64, bool)> = h.annotations().map(|a| (a.time_us, a.start)).collect();
         let entries: Vec<u64> = h.entries().map(|e| e.time_us).collect();
@@ -483,7 +500,7 @@ mod tests {
     #[test]
     fn stacks_are_captured_when_asked() {
         let mut h = History::new(HistoryOptions::new(2).with_stacks(true), "".into());
-        h.push(Action::Alloc, DeviceAddr(0), 512, StreamId::DEFAULT, 0);
+        h.push(Action::Alloc, DeviceAddr(0), 512, StreamId::DEFAULT, (0, false));
         let e = h.entries().next().unwrap();
         assert_eq!(e.action.name(), "alloc");
         assert!(e.stack.is_some());

@@ -106,7 +106,8 @@ impl<D: Device> Shared<D> {
                     let grow = placed.unwrap_or_else(|| need.div_ceil(page) * page);
                     let report = self.oom_report(st, config, key, bytes, rounded, grow);
                     if first {
-                        st.note(Action::Oom, DeviceAddr(report.device_free), bytes, key.stream);
+                        let size = super::slow_path::oom_size(bytes, rounded);
+                        st.note(Action::Oom, DeviceAddr(report.device_free), size, key.stream);
                     }
                     return Err(AllocError::OutOfMemory(Box::new(report)));
                 }

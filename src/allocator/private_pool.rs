@@ -30,7 +30,7 @@
 
 use super::destroyed::DestroyedStreams;
 use super::*;
-use crate::sync::atomic::{AtomicU64, AtomicUsize};
+use crate::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize};
 
 /// What the general allocator and its private pools share.
 pub(crate) struct Family<D: Device> {
@@ -220,6 +220,16 @@ impl<D: Device> crate::peers::Orphan for Family<D> {
 /// [`Family::note_destroyed`]'s `by` for a destruction every pool of the family sees.
 pub(super) const FAMILY_WIDE: u64 = u64::MAX;
 
+/// PyTorch's pool id of pool `id` (0: the general allocator), made by a capture (`graph`) or by
+/// the user ([`PoolRole::pytorch_id`]). BROKEN (`graph_pool_ids_as_mempools`): `(0, id)` for
+/// every pool, a graph's as a `MemPool`'s.
+pub(crate) fn pytorch_pool_id(id: u64, graph: bool) -> (u64, u64) {
+    match graph && !cfg!(tidepool_broken = "graph_pool_ids_as_mempools") {
+        true => (id, 0),
+        false => (0, id),
+    }
+}
+
 /// A private pool's own bookkeeping (in its `Shared`); the general allocator has id 0.
 #[derive(Default)]
 pub(crate) struct PoolRole {
@@ -229,9 +239,21 @@ pub(crate) struct PoolRole {
     pub(super) guards: AtomicUsize,
     /// Captures underway and graphs alive that use the pool.
     pub(super) graphs: AtomicUsize,
+    /// Whether the pool was made by a capture given none ([`Allocator::begin_capture`] with
+    /// `None`): PyTorch's graph-private pool, whose id is `(N, 0)` where a `MemPool`'s is
+    /// `(0, N)`. Set before the pool is seen by anything else.
+    pub(super) graph_made: AtomicBool,
 }
 
 impl PoolRole {
+    /// The pool's id as PyTorch writes it in a snapshot (`segment_pool_id`, the history's
+    /// `pool_id`): `(0, 0)` for the general allocator, `(id, 0)` for a pool a CUDA graph's
+    /// capture made (PyTorch's `MemPool::graph_pool_handle(false)`, `{uuid_++, 0}`), `(0, id)`
+    /// for one the user made (`{0, uid_++}`).
+    pub(super) fn pytorch_id(&self) -> (u64, u64) {
+        pytorch_pool_id(self.id, self.graph_made.load(Ordering::Relaxed))
+    }
+
     /// Whether a graph (or a capture underway) uses the pool: then its free blocks are memory
     /// the replays write (the captures' freed temporaries), and none of it goes back to the
     /// device. Read under the pool's lock by every release: a capture that begins later
@@ -670,11 +692,22 @@ impl<D: Device> fmt::Debug for PoolGuard<'_, D> {
 impl<D: Device> Allocator<D> {
     /// A new private pool, with this allocator's configuration (no initial pool of its own).
     pub fn new_pool(&self, options: PoolOptions) -> Result<MemPool<D>, AllocError> {
+        self.new_pool_made(options, false)
+    }
+
+    /// [`Allocator::new_pool`]; `graph`: made by a capture given no pool (its PyTorch id is
+    /// `(id, 0)`, [`PoolRole::pytorch_id`]).
+    pub(super) fn new_pool_made(
+        &self,
+        options: PoolOptions,
+        graph: bool,
+    ) -> Result<MemPool<D>, AllocError> {
         let sh = &self.shared;
         let id = sh.family.next_id();
         let made_with = self.config();
         let config = (*made_with).clone().for_pool();
         let alloc = Allocator::build(sh.device.arc().clone(), config, sh.family.clone(), id)?;
+        alloc.shared.role.graph_made.store(graph, Ordering::Relaxed);
         // A pool has its allocator's deliberate bugs (feature `test-hooks`).
         #[cfg(feature = "test-hooks")]
         {

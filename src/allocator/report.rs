@@ -68,11 +68,11 @@ impl<D: Device> Shared<D> {
         let segments = self.segments_in(&mut st);
         let cut = st.history.as_ref().map(|tap| {
             let ring = tap.ring().clone();
-            let (pushed, stacks) = {
+            let (pushed, stacks, marks) = {
                 let h = crate::sync::lock(&ring);
-                (h.pushed(), h.block_stacks().clone())
+                (h.pushed(), h.block_stacks().clone(), h.annotations().cloned().collect())
             };
-            super::dump::Cut { ring, pushed, stacks }
+            super::dump::Cut { ring, pushed, stacks, marks }
         });
         (segments, cut)
     }
@@ -193,16 +193,48 @@ impl<D: Device> Allocator<D> {
         }
     }
 
+    /// What [`Allocator::memory_summary`] prints, read in one lock section: the expandable
+    /// ranges, the note, and every statistic as [`Allocator::stats`] gives it (as exact as
+    /// its locked read), so the ranges' mapped bytes add up to the reserved figures beside
+    /// them. BROKEN (`summary_apart`): the ranges in one lock section, the statistics read
+    /// after it, apart (another thread's growth between the two showed in one only).
+    fn summary_read(&self) -> (Vec<super::RangeInfo>, Option<String>, MemoryStats) {
+        use super::{Broken, extra_stats};
+        use crate::sync::lock;
+        let sh = &self.shared;
+        if cfg!(tidepool_broken = "summary_apart") {
+            let (ranges, note) = {
+                let st = sh.lock_state();
+                (sh.range_infos(&st), st.vm.note().map(str::to_string))
+            };
+            #[cfg(feature = "test-hooks")]
+            if let Some(window) = crate::sync::lock(&sh.after_view).take() {
+                window();
+            }
+            return (ranges, note, self.stats());
+        }
+        // The lock alone, as a locked `stats()` read takes it (a read settles nothing).
+        let (ranges, note, raw) = {
+            let mut st = lock(&sh.state);
+            sh.count_lock();
+            let ranges = sh.range_infos(&st);
+            let note = st.vm.note().map(str::to_string);
+            (ranges, note, sh.stats_in(&mut st))
+        };
+        #[cfg(feature = "test-hooks")]
+        if let Some(window) = crate::sync::lock(&sh.after_view).take() {
+            window();
+        }
+        let base = sh.accumulated_base.load();
+        (ranges, note, extra_stats::since(raw, &base, sh.broken(Broken::ResetKeepsMaps)))
+    }
+
     /// A text table of the statistics, like `torch.cuda.memory_summary()`.
     ///
     /// A read: unlike [`Allocator::snapshot`] it flushes no stream cache, so the blocks they
     /// hold show in the fast-cached row, and the ranges as the last lock section left them.
     pub fn memory_summary(&self) -> String {
-        let (ranges, note) = {
-            let st = self.shared.lock_state();
-            (self.shared.range_infos(&st), st.vm.note().map(str::to_string))
-        };
-        let s = self.stats();
+        let (ranges, note, s) = self.summary_read();
         let b = &s.blocks;
         let rule = format!("|{}|\n", "=".repeat(87));
         let thin = format!("|{}|\n", "-".repeat(87));

@@ -230,9 +230,15 @@ impl<D: Device> Shared<D> {
                         st.counters.ooms += 1;
                     }
                     let report = self.oom_report(st, config, key, bytes, rounded, seg_size);
-                    // PyTorch's `oom` entry: the device's free bytes in place of an address.
+                    // PyTorch's `oom` entry: the device's free bytes in place of an address,
+                    // and the rounded size (its `params.size()`).
                     if first {
-                        st.note(Action::Oom, DeviceAddr(report.device_free), bytes, key.stream);
+                        st.note(
+                            Action::Oom,
+                            DeviceAddr(report.device_free),
+                            oom_size(bytes, rounded),
+                            key.stream,
+                        );
                     }
                     return Err(AllocError::OutOfMemory(Box::new(report)));
                 }
@@ -330,9 +336,22 @@ impl<D: Device> Shared<D> {
         Ok(None)
     }
 
+    /// Moves the free segment `seg` to stream `to`. The history notes the move as PyTorch's
+    /// viewers can replay it, a `segment_free` on the old stream and a `segment_alloc` on the
+    /// new one (no device call is made or counted): PyTorch never moves a segment between
+    /// streams, and a viewer that undoes the entries from the dump's segments back otherwise
+    /// drew the segment on its new stream from the start. BROKEN (`takeover_unrecorded`):
+    /// nothing noted.
     pub(super) fn move_segment(&self, st: &mut State, seg: SegmentId, to: StreamId) {
         self.ensure_cache(st, to);
-        let from = st.pool.segment(seg).key.stream;
+        let (from, base, size) = {
+            let s = st.pool.segment(seg);
+            (s.key.stream, s.base, s.size)
+        };
+        if !cfg!(tidepool_broken = "takeover_unrecorded") {
+            st.note(Action::SegmentFree, DeviceAddr(base), size, from);
+            st.note(Action::SegmentAlloc, DeviceAddr(base), size, to);
+        }
         st.pool.rekey_segment(seg, to);
         Self::forget_segment(st, from);
         *st.segment_streams.entry(to).or_default() += 1;
@@ -971,4 +990,11 @@ impl<D: Device> Shared<D> {
             .map(|(_, b)| b.size)
             .sum()
     }
+}
+
+/// The size an `oom` history entry records for a request of `bytes` rounded to `rounded`: the
+/// rounded size, as PyTorch's `record_trace(TraceEntry::OOM, device_free, params.size(), …)`
+/// records it. BROKEN (`oom_entry_requested`): the request as asked.
+pub(super) fn oom_size(bytes: u64, rounded: u64) -> u64 {
+    if cfg!(tidepool_broken = "oom_entry_requested") { bytes } else { rounded }
 }

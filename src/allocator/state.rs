@@ -45,7 +45,7 @@ pub(crate) struct Shared<D: Device> {
     #[cfg(all(feature = "test-hooks", not(loom)))]
     pub(super) after_collect: Mutex<Option<Box<dyn FnOnce() + Send>>>,
     /// Test only: what the next snapshot pickle runs right after the allocator's segments
-    /// were read ([`Allocator::after_next_view`]).
+    /// were read, or the next summary after its read ([`Allocator::after_next_view`]).
     #[cfg(feature = "test-hooks")]
     pub(super) after_view: Mutex<Option<Box<dyn FnOnce() + Send>>>,
     /// Whether the memory history is recorded (then every operation takes the slow path).
@@ -284,7 +284,8 @@ impl<D: Device> Shared<D> {
         if on {
             self.flush_all(&mut st);
         }
-        st.history = ring.map(|r| Tap::new(r, self.role.id));
+        let graph = self.role.graph_made.load(Ordering::Relaxed);
+        st.history = ring.map(|r| Tap::new(r, self.role.id, graph));
     }
 
     /// Sets the stream caches' bounds, the fast path's switch and its size hint from `config`,

@@ -119,9 +119,15 @@ impl<D: Device> Shared<D> {
         let mut st = lock(&sh.state);
         #[cfg(not(tidepool_broken = "locked_read_settles"))]
         sh.count_lock();
+        sh.stats_in(&mut st)
+    }
+
+    /// Every statistic read under the lock `st` the caller holds (see
+    /// [`Shared::stats_under_lock`]).
+    pub(super) fn stats_in(&self, st: &mut State) -> MemoryStats {
+        let sh = self;
         let all = sh.caches.all();
         let inners: Vec<_> = all.iter().map(|c| c.lock_inner()).collect();
-        let st = &mut *st;
         let counters = sh.plain_counters(st);
         st.base.mirror(&st.pool.stats(), counters);
         let snap = counters::Snapshot {

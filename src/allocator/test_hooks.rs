@@ -109,9 +109,10 @@ impl<D: Device> Allocator<D> {
     }
 
     /// **Test only.** Runs `window` once, in the next [`Allocator::snapshot_pickle`] right
-    /// after the allocator's segments were read (with no lock held): a stand-in for another
-    /// thread's work while a dump is taken. What `window` does must not show in that dump,
-    /// which is one picture of one moment.
+    /// after the allocator's segments were read (with no lock held), or in the next
+    /// [`Allocator::memory_summary`] right after its read: a stand-in for another thread's
+    /// work while a dump or a summary is taken. What `window` does must not show in that dump
+    /// or summary, each one picture of one moment.
     pub fn after_next_view(&self, window: impl FnOnce() + Send + 'static) {
         *lock(&self.shared.after_view) = Some(Box::new(window));
     }

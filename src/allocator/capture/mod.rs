@@ -296,7 +296,7 @@ impl<D: Capture> Allocator<D> {
                 return Err(AllocError::ForeignPool);
             }
             Some(p) => p.clone(),
-            None => self.new_pool(super::PoolOptions::default())?,
+            None => self.new_pool_made(super::PoolOptions::default(), true)?,
         };
         let role = &pool.alloc.shared.role;
         use super::private_pool::PoolRole;
