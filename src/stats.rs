@@ -15,7 +15,10 @@ pub struct MemoryStats {
     pub blocks: BlockStats,
     /// Allocations that had to free cached memory and retry.
     pub num_alloc_retries: u64,
-    /// Allocations that failed with out-of-memory.
+    /// Allocations that failed with out-of-memory: counted once the out-of-memory ladder gave
+    /// up (a request a rung rescued — the caller's idle memory, a dropped graph's pool, the
+    /// `use_on_oom` pools, the other allocators' caches — is not), once per round of the
+    /// observers' retries.
     pub num_ooms: u64,
     /// Segments reserved from the device (`cuMemAlloc` calls that succeeded).
     pub num_device_alloc: u64,

@@ -1016,7 +1016,7 @@ fn allocators_over_two_device_objects_of_one_gpu_help_each_other() {
     drop(a.alloc(big, StreamId::DEFAULT).unwrap()); // cached by `a`
     let got = b.alloc(big, StreamId::DEFAULT).unwrap();
     assert_eq!(a.stats().blocks.reserved_bytes.all.current, 0, "`a` returned its cache");
-    assert_eq!(b.stats().num_ooms, 1, "its first attempt");
+    assert_eq!(b.stats().num_ooms, 0, "rescued: no failure");
     drop(got);
     drop((a, b));
 }

@@ -1400,7 +1400,8 @@ fn the_out_of_memory_ladder_waits_for_an_escape_settling_into_its_region() {
 /// into the run's local cache goes back to the pool for a 16 MiB request on a 24 MiB device,
 /// and a run that left its plan at its first allocation lets go of the plan's 20 MiB region
 /// for a 24 MiB request on a 32 MiB device. As after the other rungs (peers, `use_on_oom`
-/// pools), `num_ooms` counts the first attempt, once; the region's plan is learned again.
+/// pools), the rescued request counts no failure in `num_ooms` (PyTorch counts the requests
+/// `malloc` gives up on); the region's plan is learned again.
 /// Broken build `scope_idle_kept`: both fail.
 #[test]
 fn a_runs_idle_memory_goes_back_when_its_request_runs_out() {
@@ -1408,7 +1409,7 @@ fn a_runs_idle_memory_goes_back_when_its_request_runs_out() {
     let scope = alloc.scope(S0);
     drop(scope.alloc(14 * MIB).unwrap()); // into the run's local cache
     let b = scope.alloc(16 * MIB).unwrap();
-    assert_eq!(alloc.stats().num_ooms, 1);
+    assert_eq!(alloc.stats().num_ooms, 0, "rescued by the run's local cache");
     drop(b);
     drop(scope);
     alloc.check_invariants().unwrap();
@@ -1422,7 +1423,7 @@ fn a_runs_idle_memory_goes_back_when_its_request_runs_out() {
     let s = alloc2.named_scope("step", S0); // claims the region
     let big = s.alloc(24 * MIB).unwrap(); // diverges at once: the region is idle
     let st = alloc2.stats();
-    assert_eq!((st.num_ooms, st.plan_region_bytes), (1, 0));
+    assert_eq!((st.num_ooms, st.plan_region_bytes), (0, 0));
     assert_eq!(dev2.reserved_bytes() + dev2.physical_bytes(), 24 * MIB);
     drop(big);
     drop(s);

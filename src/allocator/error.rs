@@ -146,7 +146,38 @@ pub struct OomReport {
     /// the reservation would pass the cap (`throw_on_cudamalloc_oom`,
     /// [`Config::throw_on_oom`](crate::Config)); counted in `num_oom_rejections`.
     pub rejected: bool,
+    /// The private pool whose attempt failed, where a routed request failed (none: the
+    /// allocator asked): the ladder counts the request there once it gives up.
+    pub(crate) failed_in: FailedIn,
 }
+
+/// Where a request's `num_ooms` and history `oom` entry go once the out-of-memory ladder gives
+/// up (PyTorch counts and notes a failed `malloc` only then, after its
+/// `release_cached_blocks`): the pool whose attempt failed, type-erased so that [`OomReport`]
+/// stays free of the device type, and weak so that an error kept by a caller keeps no pool.
+/// It takes no part in comparisons.
+#[derive(Clone, Default)]
+pub(crate) struct FailedIn(pub(crate) Option<std::sync::Weak<dyn OomSink>>);
+
+/// A pool that counts the out-of-memory failures of its requests (`Shared`).
+pub(crate) trait OomSink: Send + Sync {
+    /// Counts one failed request in `num_ooms` and notes its history `oom` entry.
+    fn count_oom(&self, report: &OomReport);
+}
+
+impl fmt::Debug for FailedIn {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(if self.0.is_some() { "FailedIn(pool)" } else { "FailedIn(-)" })
+    }
+}
+
+impl PartialEq for FailedIn {
+    fn eq(&self, _: &Self) -> bool {
+        true
+    }
+}
+
+impl Eq for FailedIn {}
 
 impl OomReport {
     /// Whether the configured limit on reserved bytes (`memory_limit_mb`,

@@ -590,16 +590,14 @@ impl<D: Device> Allocator<D> {
         Buffer::new(b.ptr, bytes, b.size, stream, origin, owner, rounded, residency, b.quadrant)
     }
 
-    /// Takes back the `num_ooms` count of the last failed attempt on `stream` (see
-    /// [`Shared::uncount_oom`]) where it was counted: in the private pool a guard or a capture
-    /// routes the stream to, as [`Allocator::alloc_in_once`] routes it, else here.
-    #[cfg(tidepool_broken = "oom_counted_twice")]
+    /// Counts a failed request (`num_ooms`, its history `oom` entry) in the pool whose attempt
+    /// failed (`report.failed_in`, or this allocator), and forgets which pool that was.
     #[cold]
-    fn uncount_oom(&self, stream: StreamId) {
-        match self.routed_pool(stream) {
-            Some((pool, _)) => pool.shared.uncount_oom(),
-            None => self.shared.uncount_oom(),
-        }
+    fn count_oom(&self, report: &mut OomReport) {
+        match report.failed_in.0.take() {
+            Some(pool) => pool.upgrade().inspect(|p| p.count_oom(report)).map(drop),
+            None => Some(crate::allocator::error::OomSink::count_oom(&*self.shared, report)),
+        };
     }
 
     /// The private pool `stream`'s requests go to instead of this allocator, if any: the one a
@@ -710,11 +708,16 @@ impl<D: Device> Allocator<D> {
             if !matches!(r, Err(AllocError::OutOfMemory(_))) || oom::is_rejected(&r) {
                 return r;
             }
-            // BROKEN (`oom_counted_twice`): the retry counted a second failure, taken back
-            // here in a lock section of its own.
-            if std::mem::take(&mut retried) && cfg!(tidepool_broken = "oom_counted_twice") {
-                #[cfg(tidepool_broken = "oom_counted_twice")]
-                self.uncount_oom(stream);
+            // BROKEN (`rescued_oom_counted`): each failed attempt but an inner rung's retry
+            // counted, so a request a rung then rescued read as a failure; (`oom_counted_twice`)
+            // every failed attempt, the retries too.
+            let was_retry = std::mem::take(&mut retried);
+            if let Err(AllocError::OutOfMemory(report)) = &mut r
+                && (cfg!(tidepool_broken = "oom_counted_twice")
+                    || (cfg!(tidepool_broken = "rescued_oom_counted") && !was_retry))
+            {
+                let mut counted = report.clone();
+                self.count_oom(&mut counted);
             }
             match r {
                 Err(AllocError::OutOfMemory(_)) if !own_released && give_back() => {
@@ -756,7 +759,15 @@ impl<D: Device> Allocator<D> {
                     // hold, nor what this allocator's own limit refused.)
                     (peers_released, retried) = (true, true);
                 }
-                Err(AllocError::OutOfMemory(report)) => {
+                Err(AllocError::OutOfMemory(mut report)) => {
+                    // The ladder gives up on this attempt: one failed request (each round of
+                    // the observers' retries is another).
+                    if !cfg!(tidepool_broken = "oom_counted_twice")
+                        && !cfg!(tidepool_broken = "rescued_oom_counted")
+                    {
+                        self.count_oom(&mut report);
+                    }
+                    report.failed_in = Default::default();
                     attempt += 1;
                     if !self.shared.observers.out_of_memory(&report, attempt) {
                         return Err(AllocError::OutOfMemory(report));
@@ -764,12 +775,7 @@ impl<D: Device> Allocator<D> {
                 }
                 other => return other,
             }
-            // The request failed again after an inner rung's release: still one failed
-            // allocation, counted by its first attempt (the observers' rounds count apart).
-            r = match retried {
-                true => oom::as_retry(|| self.alloc_in_once(bytes, stream, residency, align)),
-                false => self.alloc_in_once(bytes, stream, residency, align),
-            };
+            r = self.alloc_in_once(bytes, stream, residency, align);
         }
     }
 
@@ -801,7 +807,16 @@ impl<D: Device> Allocator<D> {
             if sh.family.captures.waiting() {
                 sh.family.captures.reclaim(sh, stream);
             }
-            return pool.alloc_in_once(bytes, stream, residency, align);
+            // Its failure is the pool's to count (`Allocator::count_oom`).
+            return pool.alloc_in_once(bytes, stream, residency, align).map_err(|mut e| {
+                if let AllocError::OutOfMemory(r) = &mut e
+                    && r.failed_in.0.is_none()
+                {
+                    let sink: Arc<dyn crate::allocator::error::OomSink> = pool.shared.clone();
+                    r.failed_in.0 = Some(Arc::downgrade(&sink));
+                }
+                e
+            });
         }
         if bytes == 0 {
             sh.stream_exists(stream)?;

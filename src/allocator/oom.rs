@@ -2,55 +2,23 @@
 
 use super::*;
 
-/// Whether this thread is retrying a request after an inner rung of the out-of-memory ladder
-/// released something (a peer's cache, a pool's, what dropped graphs held): the first attempt
-/// counted the request's `num_ooms` and noted its history `oom` entry, so a retry that fails
-/// again counts and notes nothing. (It used to count a second time and take the count back in
-/// a later lock section: a read in between saw two failures, and a reset of the accumulated
-/// figures in between lost the request's; and the history had an `oom` entry per attempt,
-/// where PyTorch notes one per failed `malloc`.)
-mod retry {
-    use std::cell::Cell;
-
-    #[cfg(not(loom))]
-    std::thread_local! {
-        static RETRYING: Cell<bool> = const { Cell::new(false) };
-    }
-    #[cfg(loom)]
-    loom::thread_local! {
-        static RETRYING: Cell<bool> = Cell::new(false);
-    }
-
-    /// Whether this thread's current attempt is such a retry.
-    pub(in crate::allocator) fn retrying() -> bool {
-        !cfg!(tidepool_broken = "oom_counted_twice") && RETRYING.with(Cell::get)
-    }
-
-    /// Runs `f` as a retry (see [`retrying`]); the flag is restored however `f` ends.
-    pub(in crate::allocator) fn as_retry<T>(f: impl FnOnce() -> T) -> T {
-        struct Restore(bool);
-        impl Drop for Restore {
-            fn drop(&mut self) {
-                RETRYING.with(|r| r.set(self.0));
-            }
-        }
-        let _restore = Restore(RETRYING.with(|r| r.replace(true)));
-        f()
+/// A request's failure is counted (`num_ooms`) and noted (its history `oom` entry) once the
+/// ladder gives up on it (`Allocator::alloc_after_oom`), in the pool whose attempt failed, as
+/// PyTorch counts and notes a failed `malloc` only after `release_cached_blocks` and the
+/// `use_on_oom` pools: a request a rung rescued counts nothing. (The first failed attempt
+/// counted and noted it, before any rung, so a request a peer's cache rescued read as a
+/// failure; and a plan region's silently denied reservation counted one too.)
+impl<D: Device> crate::allocator::error::OomSink for Shared<D> {
+    fn count_oom(&self, report: &OomReport) {
+        let mut st = self.lock_state();
+        st.counters.ooms += 1;
+        let size = super::slow_path::oom_size(report.requested, report.rounded);
+        // PyTorch's `oom` entry: the device's free bytes in place of an address.
+        st.note(Action::Oom, DeviceAddr(report.device_free), size, report.stream);
     }
 }
-pub(super) use retry::{as_retry, retrying};
 
 impl<D: Device> Shared<D> {
-    /// Takes back one count of `num_ooms` (broken build `oom_counted_twice` only: the retry
-    /// of an inner rung counted a second failure, taken back here in a lock section of its
-    /// own).
-    #[cfg(tidepool_broken = "oom_counted_twice")]
-    #[cold]
-    pub(super) fn uncount_oom(&self) {
-        let mut st = self.lock_state();
-        st.counters.ooms = st.counters.ooms.saturating_sub(1);
-    }
-
     pub(super) fn oom_report(
         &self,
         st: &State,
@@ -103,6 +71,7 @@ impl<D: Device> Shared<D> {
             mapped_free_in_used_pages: in_used_pages,
             mapped_free_persistent: persistent,
             rejected: false,
+            failed_in: Default::default(),
         }
     }
 

@@ -95,20 +95,13 @@ impl<D: Device> Shared<D> {
                     if !self.broken(Broken::LadderUncounted) {
                         st.counters.retries += 1;
                     }
-                    let first = !super::oom::retrying();
-                    if first {
-                        st.counters.ooms += 1;
-                    }
                     let page = st.vm.page;
                     let placed = st.vm.by_key.get(&key).and_then(|b| {
                         place(&st.pool, &st.vm.ranges[b], need, page).map(|p| p.pages * page)
                     });
                     let grow = placed.unwrap_or_else(|| need.div_ceil(page) * page);
+                    // Counted and noted where the ladder gives up (`OomSink::count_oom`).
                     let report = self.oom_report(st, config, key, bytes, rounded, grow);
-                    if first {
-                        let size = super::slow_path::oom_size(bytes, rounded);
-                        st.note(Action::Oom, DeviceAddr(report.device_free), size, key.stream);
-                    }
                     return Err(AllocError::OutOfMemory(Box::new(report)));
                 }
                 Err(e) => return Err(e),

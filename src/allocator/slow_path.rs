@@ -225,21 +225,8 @@ impl<D: Device> Shared<D> {
                     if retried && !self.broken(Broken::LadderUncounted) {
                         st.counters.retries += 1;
                     }
-                    let first = !oom::retrying();
-                    if first {
-                        st.counters.ooms += 1;
-                    }
+                    // Counted and noted where the ladder gives up (`OomSink::count_oom`).
                     let report = self.oom_report(st, config, key, bytes, rounded, seg_size);
-                    // PyTorch's `oom` entry: the device's free bytes in place of an address,
-                    // and the rounded size (its `params.size()`).
-                    if first {
-                        st.note(
-                            Action::Oom,
-                            DeviceAddr(report.device_free),
-                            oom_size(bytes, rounded),
-                            key.stream,
-                        );
-                    }
                     return Err(AllocError::OutOfMemory(Box::new(report)));
                 }
                 Err(e) => return Err(e),

@@ -320,14 +320,16 @@ impl<D: Device> HostAllocator<D> {
     /// left as it was, for a block larger than the device could ever hold,
     /// [`Device::host_capacity`]).
     pub fn alloc(&self, bytes: u64) -> Result<PinnedBuffer<D>, HostAllocError> {
-        match self.alloc_once(bytes) {
+        let r = match self.alloc_once(bytes) {
             // Not for a block the device could never hold: freeing the peers' caches could not
             // make it fit.
             Err(HostAllocError::OutOfMemory { class, .. })
                 if self.inner.could_hold(class) && self.release_peers() =>
             {
                 let r = self.alloc_once(bytes);
-                if matches!(r, Err(HostAllocError::OutOfMemory { .. })) {
+                if cfg!(tidepool_broken = "rescued_oom_counted")
+                    && matches!(r, Err(HostAllocError::OutOfMemory { .. }))
+                {
                     // Still one allocation that failed.
                     let mut st = self.inner.lock();
                     st.stats.num_ooms = st.stats.num_ooms.saturating_sub(1);
@@ -335,7 +337,15 @@ impl<D: Device> HostAllocator<D> {
                 r
             }
             r => r,
+        };
+        // One failed request, counted once it failed for good: a request the peers' caches
+        // rescued is none (as the device allocator counts `num_ooms`).
+        if !cfg!(tidepool_broken = "rescued_oom_counted")
+            && matches!(r, Err(HostAllocError::OutOfMemory { .. }))
+        {
+            self.inner.lock().stats.num_ooms += 1;
         }
+        r
     }
 
     /// Asks the other pinned allocators of this device to free their free blocks

@@ -33,7 +33,8 @@ pub struct HostStats {
     pub num_host_free: u64,
     /// Allocations that freed the cache and retried.
     pub num_alloc_retries: u64,
-    /// Allocations that failed for want of pinned memory.
+    /// Allocations that failed for want of pinned memory (after the other pinned allocators'
+    /// caches were freed: one they rescued is not counted).
     pub num_ooms: u64,
     /// Host synchronisations: accessors waiting on copies, device synchronisations.
     pub num_host_syncs: u64,
