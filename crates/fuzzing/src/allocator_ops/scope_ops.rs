@@ -142,10 +142,11 @@ impl Harness<'_> {
                 );
             }
             AllocError::OutOfMemory(report) => {
-                // (Making a plan's region may fail first, and count an OOM of its own.)
+                // One failed request, counted once the ladder gave up (a plan region's denied
+                // reservation counts nothing; a rejection is not counted as an out-of-memory).
                 let ooms = self.alloc.stats().num_ooms;
                 ensure!(
-                    ooms > ooms_before || report.rejected,
+                    ooms == ooms_before + u64::from(!report.rejected),
                     "num_ooms went {ooms_before} -> {ooms}"
                 );
                 ensure!(
