@@ -1,6 +1,8 @@
 //! Several devices: one allocator per device, each with its own capacity, streams and
 //! sanitizer; statistics per device and in total; a buffer always returns to its own device.
 
+mod common;
+
 use std::sync::Arc;
 use tidepool::device::{Access, AccessKind, Kernel, Launch};
 use tidepool::{AllocError, Allocators, Config, Device, MIB, SimConfig, SimDevice, StreamId};
@@ -100,24 +102,8 @@ fn empty_cache_empties_every_device_past_one_that_fails() {
 /// The devices' part of a snapshot pickle: `device_traces` as each device's list of entry
 /// actions, and the `device` of every segment and range mark.
 fn devices_in_dump(bytes: &[u8]) -> (Vec<Vec<String>>, Vec<i64>, Vec<i64>) {
-    use serde_pickle::{HashableValue as H, Value as V};
-    let v = serde_pickle::value_from_slice(bytes, serde_pickle::DeOptions::new()).unwrap();
-    let get = |d: &V, k: &str| match d {
-        V::Dict(m) => m.get(&H::String(k.into())).cloned().unwrap_or_else(|| panic!("no {k}")),
-        _ => panic!("not a dict: {d:?}"),
-    };
-    let list = |v: V| match v {
-        V::List(l) => l,
-        other => panic!("not a list: {other:?}"),
-    };
-    let int = |v: V| match v {
-        V::I64(n) => n,
-        other => panic!("not an int: {other:?}"),
-    };
-    let string = |v: V| match v {
-        V::String(s) => s,
-        other => panic!("not a str: {other:?}"),
-    };
+    use common::pickle::{get, int, list, read, string};
+    let v = read(bytes);
     let traces = list(get(&v, "device_traces"))
         .into_iter()
         .map(|t| list(t).iter().map(|e| string(get(e, "action"))).collect())

@@ -2,6 +2,8 @@
 //! frees included), the ring bound, and the dump read back by Python's `pickle` with the structure
 //! PyTorch's `_memory_viz.py` reads.
 
+mod common;
+
 use std::sync::Arc;
 use std::sync::mpsc;
 use tidepool::device::{Access, AccessKind, Kernel, Launch, SIM_BASE, SimDevice};
@@ -835,30 +837,15 @@ fn blocks_returned_in_a_batch_are_recorded_as_frees() {
 /// entry of its first device's trace, addresses as offsets from `SIM_BASE`.
 #[allow(clippy::type_complexity)]
 fn dump_contents(bytes: &[u8]) -> (Vec<(u64, u64)>, Vec<(String, u64, u64)>) {
-    use serde_pickle::{HashableValue as H, Value as V};
-    let v = serde_pickle::value_from_slice(bytes, serde_pickle::DeOptions::new()).unwrap();
-    let get = |d: &V, k: &str| match d {
-        V::Dict(m) => m.get(&H::String(k.into())).cloned().unwrap_or(V::None),
-        _ => panic!("not a dict: {d:?}"),
-    };
-    let int = |v: V| match v {
-        V::I64(n) => n as u64,
-        other => panic!("not an int: {other:?}"),
-    };
-    let list = |v: V| match v {
-        V::List(l) => l,
-        other => panic!("not a list: {other:?}"),
-    };
+    use common::pickle::{first_trace, get, list, read, string, uint};
+    let v = read(bytes);
     let segments = list(get(&v, "segments"))
         .iter()
-        .map(|s| (int(get(s, "address")) - SIM_BASE, int(get(s, "total_size"))))
+        .map(|s| (uint(get(s, "address")) - SIM_BASE, uint(get(s, "total_size"))))
         .collect();
-    let trace = list(list(get(&v, "device_traces")).remove(0))
+    let trace = first_trace(&v)
         .iter()
-        .map(|e| {
-            let V::String(action) = get(e, "action") else { panic!("{e:?}") };
-            (action, int(get(e, "addr")) - SIM_BASE, int(get(e, "size")))
-        })
+        .map(|e| (string(get(e, "action")), uint(get(e, "addr")) - SIM_BASE, uint(get(e, "size"))))
         .collect();
     (segments, trace)
 }
@@ -869,35 +856,23 @@ fn dump_contents(bytes: &[u8]) -> (Vec<(u64, u64)>, Vec<(String, u64, u64)>) {
 /// stream there, an `alloc` outside every segment of its stream.
 #[allow(clippy::type_complexity)]
 fn undone_from_dump(bytes: &[u8]) -> (Vec<(u64, u64, u64)>, Vec<String>) {
-    use serde_pickle::{HashableValue as H, Value as V};
-    let v = serde_pickle::value_from_slice(bytes, serde_pickle::DeOptions::new()).unwrap();
-    let get = |d: &V, k: &str| match d {
-        V::Dict(m) => m.get(&H::String(k.into())).cloned().unwrap_or(V::None),
-        _ => panic!("not a dict: {d:?}"),
-    };
-    let int = |v: V| match v {
-        V::I64(n) => n as u64,
-        other => panic!("not an int: {other:?}"),
-    };
-    let list = |v: V| match v {
-        V::List(l) => l,
-        other => panic!("not a list: {other:?}"),
-    };
+    use common::pickle::{first_trace, get, list, read, string, uint};
+    let v = read(bytes);
     let mut segs: Vec<(u64, u64, u64)> = list(get(&v, "segments"))
         .iter()
         .map(|s| {
-            (int(get(s, "address")) - SIM_BASE, int(get(s, "total_size")), int(get(s, "stream")))
+            let (a, size) = (uint(get(s, "address")), uint(get(s, "total_size")));
+            (a - SIM_BASE, size, uint(get(s, "stream")))
         })
         .collect();
     let mut wrong = Vec::new();
-    let trace = list(list(get(&v, "device_traces")).remove(0));
-    for e in trace.iter().rev() {
-        let V::String(action) = get(e, "action") else { panic!("{e:?}") };
+    for e in first_trace(&v).iter().rev() {
+        let action = string(get(e, "action"));
         if action == "oom" {
             continue;
         }
         let (a, size, stream) =
-            (int(get(e, "addr")) - SIM_BASE, int(get(e, "size")), int(get(e, "stream")));
+            (uint(get(e, "addr")) - SIM_BASE, uint(get(e, "size")), uint(get(e, "stream")));
         match action.as_str() {
             "segment_free" | "segment_unmap" => segs.push((a, size, stream)),
             "segment_alloc" | "segment_map" => {
@@ -1008,20 +983,9 @@ fn a_dump_is_one_moment_while_other_threads_allocate() {
 
 /// The `(stage, name)` of every `external_annotations` entry of a dump.
 fn marks_in_dump(bytes: &[u8]) -> Vec<(String, String)> {
-    use serde_pickle::{HashableValue as H, Value as V};
-    let v = serde_pickle::value_from_slice(bytes, serde_pickle::DeOptions::new()).unwrap();
-    let get = |d: &V, k: &str| match d {
-        V::Dict(m) => m.get(&H::String(k.into())).cloned().unwrap_or(V::None),
-        _ => panic!("not a dict: {d:?}"),
-    };
-    let V::List(marks) = get(&v, "external_annotations") else { panic!("no annotations") };
-    marks
-        .iter()
-        .map(|m| match (get(m, "stage"), get(m, "name")) {
-            (V::String(stage), V::String(name)) => (stage, name),
-            other => panic!("{other:?}"),
-        })
-        .collect()
+    use common::pickle::{get, list, read, string};
+    let marks = list(get(&read(bytes), "external_annotations"));
+    marks.iter().map(|m| (string(get(m, "stage")), string(get(m, "name")))).collect()
 }
 
 /// A dump's range marks are those of the moment its segments and entries were read: a range

@@ -96,28 +96,15 @@ struct Memory {
 impl Memory {
     /// The memory of a snapshot pickle: every segment of the family and its live blocks.
     fn of_pickle(pickle: &[u8]) -> Memory {
-        use serde_pickle::{HashableValue as H, Value as V};
-        let v = serde_pickle::value_from_slice(pickle, serde_pickle::DeOptions::new()).unwrap();
-        let get = |d: &V, k: &str| match d {
-            V::Dict(m) => m[&H::String(k.into())].clone(),
-            _ => panic!("not a dict: {d:?}"),
-        };
-        let int = |v: V| match v {
-            V::I64(n) => n as u64,
-            other => panic!("not an int: {other:?}"),
-        };
-        let list = |v: V| match v {
-            V::List(l) => l,
-            other => panic!("not a list: {other:?}"),
-        };
+        use common::pickle::{get, list, read, string, uint};
         let mut m = Memory::default();
-        for s in list(get(&v, "segments")) {
-            let a = int(get(&s, "address"));
-            m.mapped.0.insert(a, a + int(get(&s, "total_size")));
+        for s in list(get(&read(pickle), "segments")) {
+            let a = uint(get(&s, "address"));
+            m.mapped.0.insert(a, a + uint(get(&s, "total_size")));
             for b in list(get(&s, "blocks")) {
-                if get(&b, "state") != V::String("inactive".into()) {
-                    let a = int(get(&b, "address"));
-                    m.live.0.insert(a, a + int(get(&b, "requested_size")));
+                if string(get(&b, "state")) != "inactive" {
+                    let a = uint(get(&b, "address"));
+                    m.live.0.insert(a, a + uint(get(&b, "requested_size")));
                 }
             }
         }

@@ -531,19 +531,12 @@ fn a_stitch_outlives_caching_turned_off() {
 
 /// Each segment of the snapshot pickle as (address, total_size, is_expandable).
 fn dumped_segments(alloc: &Allocator<SimDevice>) -> Vec<(u64, u64, bool)> {
-    use serde_pickle::{HashableValue as H, Value as V};
-    let bytes = alloc.snapshot_pickle();
-    let v = serde_pickle::value_from_slice(&bytes, serde_pickle::DeOptions::new()).unwrap();
-    let get = |d: &V, k: &str| match d {
-        V::Dict(m) => m.get(&H::String(k.into())).cloned(),
-        _ => panic!("not a dict: {d:?}"),
-    };
-    let Some(V::List(segments)) = get(&v, "segments") else { panic!("no segments") };
-    segments
+    use common::pickle::{get, list, read, uint};
+    list(get(&read(&alloc.snapshot_pickle()), "segments"))
         .iter()
-        .map(|s| match (get(s, "address"), get(s, "total_size"), get(s, "is_expandable")) {
-            (Some(V::I64(a)), Some(V::I64(n)), Some(V::Bool(e))) => (a as u64, n as u64, e),
-            other => panic!("{other:?}"),
+        .map(|s| {
+            let serde_pickle::Value::Bool(e) = get(s, "is_expandable") else { panic!("{s:?}") };
+            (uint(get(s, "address")), uint(get(s, "total_size")), e)
         })
         .collect()
 }

@@ -594,10 +594,16 @@ impl<D: Device> Allocator<D> {
     /// failed (`report.failed_in`, or this allocator), and forgets which pool that was.
     #[cold]
     fn count_oom(&self, report: &mut OomReport) {
+        use crate::allocator::error::OomSink;
         match report.failed_in.0.take() {
-            Some(pool) => pool.upgrade().inspect(|p| p.count_oom(report)).map(drop),
-            None => Some(crate::allocator::error::OomSink::count_oom(&*self.shared, report)),
-        };
+            // A pool gone since: nobody to count in.
+            Some(pool) => {
+                if let Some(pool) = pool.upgrade() {
+                    pool.count_oom(report);
+                }
+            }
+            None => self.shared.count_oom(report),
+        }
     }
 
     /// The private pool `stream`'s requests go to instead of this allocator, if any: the one a

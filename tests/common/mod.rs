@@ -2,6 +2,8 @@
 
 #![allow(dead_code)] // each test target uses part of it
 
+pub mod pickle;
+
 use std::sync::{Arc, Mutex, mpsc};
 use tidepool::device::{Access, AccessKind, Capture, Kernel, Launch, SimDevice};
 use tidepool::{AllocError, Allocator, Buffer, Device, DeviceAddr, StreamId};
