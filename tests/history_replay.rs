@@ -85,11 +85,13 @@ impl Ranges {
     }
 }
 
-/// Device memory as the replay sees it: the mapped ranges, and the live blocks (allocated or
-/// pending), each `start -> start + requested bytes`.
+/// Device memory as the replay sees it: the mapped ranges, the same by stream (a segment's, or
+/// mapped pages', as MemoryViz.js takes it from the `segment_alloc`/`segment_map` entries), and
+/// the live blocks (allocated or pending), each `start -> start + requested bytes`.
 #[derive(Default)]
 struct Memory {
     mapped: Ranges,
+    by_stream: BTreeMap<u64, Ranges>,
     live: Ranges,
 }
 
@@ -99,8 +101,9 @@ impl Memory {
         use common::pickle::{get, list, read, string, uint};
         let mut m = Memory::default();
         for s in list(get(&read(pickle), "segments")) {
-            let a = uint(get(&s, "address"));
-            m.mapped.0.insert(a, a + uint(get(&s, "total_size")));
+            let (a, size) = (uint(get(&s, "address")), uint(get(&s, "total_size")));
+            m.mapped.0.insert(a, a + size);
+            m.by_stream.entry(uint(get(&s, "stream"))).or_default().0.insert(a, a + size);
             for b in list(get(&s, "blocks")) {
                 if string(get(&b, "state")) != "inactive" {
                     let a = uint(get(&b, "address"));
@@ -111,28 +114,41 @@ impl Memory {
         m
     }
 
-    /// Applies one history entry, or says what it breaks.
-    fn apply(&mut self, action: Action, a: u64, size: u64) -> Result<(), &'static str> {
+    /// Applies one history entry of `stream`, or says what it breaks.
+    fn apply(
+        &mut self,
+        action: Action,
+        a: u64,
+        size: u64,
+        stream: u64,
+    ) -> Result<(), &'static str> {
         let b = a + size;
+        let own = self.by_stream.entry(stream).or_default();
         match action {
             Action::SegmentAlloc | Action::SegmentMap if self.mapped.overlaps(a, b) => {
                 Err("maps mapped memory")
             }
             Action::SegmentAlloc | Action::SegmentMap => {
                 self.mapped.0.insert(a, b);
+                own.0.insert(a, b);
                 Ok(())
             }
             Action::SegmentFree | Action::SegmentUnmap if !self.mapped.covers(a, b) => {
                 Err("unmaps unmapped memory")
+            }
+            Action::SegmentFree | Action::SegmentUnmap if !own.covers(a, b) => {
+                Err("unmaps another stream's memory")
             }
             Action::SegmentFree | Action::SegmentUnmap if self.live.overlaps(a, b) => {
                 Err("unmaps a live block")
             }
             Action::SegmentFree | Action::SegmentUnmap => {
                 self.mapped.remove(a, b);
+                own.remove(a, b);
                 Ok(())
             }
             Action::Alloc if !self.mapped.covers(a, b) => Err("hands out unmapped memory"),
+            Action::Alloc if !own.covers(a, b) => Err("hands out another stream's memory"),
             Action::Alloc if self.live.overlaps(a, b) => Err("hands out a live block"),
             Action::Alloc => {
                 self.live.0.insert(a, b);
@@ -333,7 +349,7 @@ fn run(conf: &str, seed: u64) {
     assert!(history.len() < 100_000, "{}", at("the ring kept every entry"));
     let mut m = start.unwrap();
     for (i, e) in history.iter().enumerate() {
-        if let Err(what) = m.apply(e.action, e.addr.0, e.size) {
+        if let Err(what) = m.apply(e.action, e.addr.0, e.size, u64::from(e.stream.0)) {
             panic!("{}", at(&format!("entry {i} {:?} {what}", (e.action, e.addr, e.size))));
         }
     }
