@@ -153,11 +153,13 @@ pub struct OomReport {
 
 /// Where a request's `num_ooms` and history `oom` entry go once the out-of-memory ladder gives
 /// up (PyTorch counts and notes a failed `malloc` only then, after its
-/// `release_cached_blocks`): the pool whose attempt failed, type-erased so that [`OomReport`]
-/// stays free of the device type, and weak so that an error kept by a caller keeps no pool.
-/// It takes no part in comparisons.
+/// `release_cached_blocks`): the private pool whose attempt failed, type-erased so that
+/// [`OomReport`] stays free of the device type. Set on a routed request's report that the
+/// ladder will see (not on a rejection), and taken by the ladder before the error reaches the
+/// caller, so no error a caller keeps holds a pool. (A `std` `Arc`: the loom shim's cannot
+/// hold a trait object.) It takes no part in comparisons.
 #[derive(Clone, Default)]
-pub(crate) struct FailedIn(pub(crate) Option<std::sync::Weak<dyn OomSink>>);
+pub(crate) struct FailedIn(pub(crate) Option<std::sync::Arc<dyn OomSink>>);
 
 /// A pool that counts the out-of-memory failures of its requests (`Shared`).
 pub(crate) trait OomSink: Send + Sync {

@@ -594,14 +594,8 @@ impl<D: Device> Allocator<D> {
     /// failed (`report.failed_in`, or this allocator), and forgets which pool that was.
     #[cold]
     fn count_oom(&self, report: &mut OomReport) {
-        use crate::allocator::error::OomSink;
         match report.failed_in.0.take() {
-            // A pool gone since: nobody to count in.
-            Some(pool) => {
-                if let Some(pool) = pool.upgrade() {
-                    pool.count_oom(report);
-                }
-            }
+            Some(pool) => pool.count_oom(report),
             None => self.shared.count_oom(report),
         }
     }
@@ -817,9 +811,9 @@ impl<D: Device> Allocator<D> {
             return pool.alloc_in_once(bytes, stream, residency, align).map_err(|mut e| {
                 if let AllocError::OutOfMemory(r) = &mut e
                     && r.failed_in.0.is_none()
+                    && !r.rejected
                 {
-                    let sink: Arc<dyn crate::allocator::error::OomSink> = pool.shared.clone();
-                    r.failed_in.0 = Some(Arc::downgrade(&sink));
+                    r.failed_in.0 = Some(std::sync::Arc::new(FailedPool(pool.clone())));
                 }
                 e
             });
@@ -1122,5 +1116,15 @@ impl<D: Device> crate::peers::Peer for Shared<D> {
         // BROKEN (`peers_skip_pools`): only the general allocator's cache.
         let pools = !cfg!(tidepool_broken = "peers_skip_pools") && self.release_oom_pools();
         self.give_back_transient() | pools | holds
+    }
+}
+
+/// A private pool a routed request failed in: counts the failure there once the ladder gives
+/// up (`Allocator::count_oom`).
+struct FailedPool<D: Device>(Allocator<D>);
+
+impl<D: Device> crate::allocator::error::OomSink for FailedPool<D> {
+    fn count_oom(&self, report: &OomReport) {
+        self.0.shared.count_oom(report);
     }
 }

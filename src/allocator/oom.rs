@@ -8,8 +8,8 @@ use super::*;
 /// `use_on_oom` pools: a request a rung rescued counts nothing. (The first failed attempt
 /// counted and noted it, before any rung, so a request a peer's cache rescued read as a
 /// failure; and a plan region's silently denied reservation counted one too.)
-impl<D: Device> crate::allocator::error::OomSink for Shared<D> {
-    fn count_oom(&self, report: &OomReport) {
+impl<D: Device> Shared<D> {
+    pub(super) fn count_oom(&self, report: &OomReport) {
         let mut st = self.lock_state();
         st.counters.ooms += 1;
         let size = super::slow_path::oom_size(report.requested, report.rounded);
