@@ -173,8 +173,7 @@ impl<D: Device> Shared<D> {
             let mut retire = Vec::new();
             let page = st.vm.page;
             for (block, a, b) in runs {
-                self.carve_run(st, d, block, a, b);
-                st.note(Action::SegmentUnmap, DeviceAddr(a), b - a, owner);
+                self.carve_unmapped(st, (d, block), a, b, owner);
                 let range = st.vm.ranges.get_mut(&d).expect("donor");
                 let mut va = a;
                 while va < b {

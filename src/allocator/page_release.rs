@@ -180,6 +180,20 @@ impl<D: Device> Shared<D> {
         }
     }
 
+    /// [`Shared::carve_run`] for pages leaving the run `[a, b)` (unmapped, moved or lent), noted
+    /// in the history as a `segment_unmap` on `stream`.
+    pub(super) fn carve_unmapped(
+        &self,
+        st: &mut State,
+        (base, block): (u64, BlockId),
+        a: u64,
+        b: u64,
+        stream: StreamId,
+    ) {
+        self.carve_run(st, base, block, a, b);
+        st.note(Action::SegmentUnmap, DeviceAddr(a), b - a, stream);
+    }
+
     /// Unmaps and releases wholly free chunks of the ranges' runs that satisfy `which`, the
     /// highest first, until at most `keep` free mapped bytes are left per range (a chunk is
     /// released whole, so a range may end below `keep`; 0: release all), each range only after
@@ -313,8 +327,7 @@ impl<D: Device> Shared<D> {
                             break;
                         }
                         if done < hi {
-                            self.carve_run(st, base, block, done, hi);
-                            st.note(Action::SegmentUnmap, DeviceAddr(done), hi - done, stream);
+                            self.carve_unmapped(st, (base, block), done, hi, stream);
                         }
                         (done, hi) = (c.lo, c.lo);
                         continue;
@@ -326,8 +339,7 @@ impl<D: Device> Shared<D> {
                     done = c.lo;
                 }
                 if done < hi {
-                    self.carve_run(st, base, block, done, hi);
-                    st.note(Action::SegmentUnmap, DeviceAddr(done), hi - done, stream);
+                    self.carve_unmapped(st, (base, block), done, hi, stream);
                 }
                 if result.is_err() && !go_on {
                     self.publish_vm(&mut st.vm);

@@ -265,8 +265,7 @@ impl<D: Device> Shared<D> {
             // blocks of a run never touch, nor do two runs).
             for (lo, hi) in runs_of(&s.chunks, page) {
                 let blk = self.free_block_at(st, home, lo);
-                self.carve_run(st, home, blk, lo, hi);
-                st.note(Action::SegmentUnmap, DeviceAddr(lo), hi - lo, key.stream);
+                self.carve_unmapped(st, (home, blk), lo, hi, key.stream);
                 let range = st.vm.ranges.get_mut(&home).expect("its home");
                 range.lent.insert(lo, hi);
             }
